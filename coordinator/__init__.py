@@ -1,0 +1,1 @@
+"""etcd-backed coordinator: node registry, prefix index, routing (later issue)."""

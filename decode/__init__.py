@@ -1,0 +1,1 @@
+"""The decode node role: pull KV blocks, decode with continuous batching, stream tokens."""

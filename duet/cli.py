@@ -1,0 +1,52 @@
+"""`duet` CLI: one argparse tree, one module per command family.
+
+Each subcommand module exposes `add_parser(subparsers)` and sets `func` on its parser; `main`
+dispatches to it and turns the errors operators cause (a model that is not pulled, a bad flag
+value) into one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from duet import cmd_bench, cmd_models, cmd_nodes, cmd_pending
+from protocol.models import ModelNotFoundError
+
+DESCRIPTION = """\
+duet: disaggregated prefill/decode LLM serving.
+
+Start everything on this machine:   duet up
+Fetch the default model:            duet models pull
+Run role-specific processes:        duet prefill | duet decode | duet node --role both
+Load-test and measure:              duet bench engine | kvtransfer | pd
+"""
+
+
+class UsageError(Exception):
+    """An operator mistake worth a one-line message and exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="duet", description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    cmd_models.add_parser(sub)
+    cmd_nodes.add_parsers(sub)
+    cmd_pending.add_parsers(sub)
+    cmd_bench.add_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ModelNotFoundError, UsageError) as e:
+        print(f"duet {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

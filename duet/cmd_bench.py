@@ -1,0 +1,35 @@
+"""`duet bench ...`: runs the benchmarks of `bench/` (each also `python -m bench.<name>`)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+BENCHES = {
+    "engine": "engine throughput vs transformers (bench.engine)",
+    "kvtransfer": "KV block transfer bandwidth per backend vs memcpy (bench.kvtransfer)",
+    "pd": "TTFT breakdown, disaggregated vs colocated (bench.pd)",
+}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks: engine, kvtransfer, pd",
+        description="Run a benchmark; arguments after the name go to it "
+        "(e.g. `duet bench engine --json`). See `duet bench NAME --help`.",
+    )
+    p.add_argument("name", choices=sorted(BENCHES), help="; ".join(f"{k}: {v}" for k, v in BENCHES.items()))
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        mod = importlib.import_module(f"bench.{args.name}")
+    except ModuleNotFoundError as e:
+        if e.name == f"bench.{args.name}":
+            print(f"duet bench {args.name}: not implemented yet", flush=True)
+            return 2
+        raise
+    return int(mod.main(args.args) or 0)

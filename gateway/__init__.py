@@ -1,0 +1,1 @@
+"""OpenAI-compatible public gateway (later issue)."""

@@ -1,0 +1,1 @@
+"""Moving KV blocks between node processes: NIXL (default), UCX and TCP backends."""

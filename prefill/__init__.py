@@ -1,0 +1,1 @@
+"""The prefill node role: prompts → KV blocks held for decode nodes."""

@@ -1,0 +1,68 @@
+"""The KV-cache layout contract between a node's engine and the transport (DESIGN.md §3, §4).
+
+A pool is block-major `[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]`, so
+block `b` is the one contiguous byte range `[b * block_bytes, (b + 1) * block_bytes)` of the
+pool: one memory region, one NIXL descriptor. Two nodes may exchange blocks only when every
+field but `num_blocks` matches; `compat_hash` summarises those fields and `differences` names
+the ones that differ, so a refusal can say why before any byte moves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgspec
+
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+    num_blocks: int  # capacity of this pool; not part of compatibility
+
+    @property
+    def itemsize(self) -> int:
+        try:
+            return DTYPE_SIZES[self.dtype]
+        except KeyError:
+            raise ValueError(f"unsupported KV dtype {self.dtype!r}") from None
+
+    @property
+    def block_bytes(self) -> int:
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.num_blocks * self.block_bytes
+
+    def block_offset(self, block_id: int) -> int:
+        """Byte offset of `block_id` in the pool; raises on an id outside the pool."""
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block id {block_id} out of range [0, {self.num_blocks})")
+        return block_id * self.block_bytes
+
+    def _compat_fields(self) -> tuple[tuple[str, object], ...]:
+        return (
+            ("num_layers", self.num_layers),
+            ("num_kv_heads", self.num_kv_heads),
+            ("head_dim", self.head_dim),
+            ("block_size", self.block_size),
+            ("dtype", self.dtype),
+        )
+
+    @property
+    def compat_hash(self) -> str:
+        text = ";".join(f"{k}={v}" for k, v in self._compat_fields())
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def differences(self, other: KVLayout) -> list[str]:
+        """Human-readable list of the compatibility fields that differ (empty: compatible)."""
+        return [
+            f"{k}: {a} != {b}"
+            for (k, a), (_, b) in zip(self._compat_fields(), other._compat_fields(), strict=True)
+            if a != b
+        ]

@@ -1,0 +1,41 @@
+"""Block hashes are a cross-process contract: pin known values so a change cannot slip by."""
+
+import struct
+
+import xxhash
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocol.block_hash import DEFAULT_HASH_SEED, ROOT_PARENT_HASH, block_hashes, hash_block
+
+
+def test_pinned_values() -> None:
+    assert block_hashes(list(range(32))) == [3730515634741471027, 4941937999177233775]
+    assert block_hashes([1] * 16) == [17151814788377729146]
+
+
+def test_definition_matches_design() -> None:
+    toks = list(range(100, 116))
+    expected = xxhash.xxh3_64_intdigest(
+        struct.pack("<Q", ROOT_PARENT_HASH) + struct.pack("<16I", *toks), seed=DEFAULT_HASH_SEED
+    )
+    assert hash_block(ROOT_PARENT_HASH, toks) == expected
+
+
+def test_partial_block_has_no_hash() -> None:
+    assert block_hashes(list(range(15))) == []
+    assert len(block_hashes(list(range(47)))) == 2
+
+
+@given(st.lists(st.integers(0, 2**32 - 1), min_size=16, max_size=80), st.integers(0, 2**32 - 1))
+def test_chained_prefix_property(tokens: list[int], other: int) -> None:
+    hs = block_hashes(tokens)
+    # A prefix's hashes are a prefix of the hashes.
+    assert block_hashes(tokens[:16]) == hs[:1]
+    # Changing a token in block 0 changes every later hash (the chain carries it).
+    changed = [other if other != tokens[0] else other ^ 1, *tokens[1:]]
+    assert all(a != b for a, b in zip(block_hashes(changed), hs, strict=True))
+
+
+def test_seed_changes_hashes() -> None:
+    assert block_hashes(list(range(16)), seed=1) != block_hashes(list(range(16)))
