@@ -15,6 +15,20 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+TINY_SHAPES = {
+    "gqa": {},
+    "mha": {"num_heads": 4, "num_kv_heads": 4, "num_layers": 3, "tie_word_embeddings": True},
+    "qwen2": {"model_type": "qwen2", "num_heads": 4, "num_kv_heads": 1, "hidden_size": 64},
+}
+
+
+@pytest.fixture(scope="session", params=sorted(TINY_SHAPES))
+def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tiny random models in several shapes: GQA, MHA with tied embeddings, Qwen2 (qkv bias)."""
+    return make_tiny_llama(tmp_path_factory.mktemp(f"tiny-{request.param}"), seed=1,
+                           **TINY_SHAPES[request.param])  # fmt: skip
+
+
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The default model's directory; pulled (and converted) once if missing."""

@@ -1,0 +1,224 @@
+"""AsyncEngine: the engine on a dedicated thread, driven from an asyncio event loop.
+
+The node servers sit on this. Coroutines submit commands (add, abort, release, kv_ready);
+the engine thread runs them between steps, so EngineCore stays single-threaded. After each
+step the thread hands the step's deltas to the loop in one `call_soon_threadsafe`, which
+routes them to per-request streams.
+
+Invariants: every stream ends (finished delta, or an exception if the engine died); a command
+raises in the caller exactly what it raised on the engine thread; no torch work happens on the
+event loop thread (torch releases the GIL, so HTTP stays responsive while a step runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.outputs import RequestOutput
+from engine.request import Priority, Request
+from engine.sampling_params import SamplingParams
+
+log = logging.getLogger("duet.engine")
+T = TypeVar("T")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; the node should report unhealthy."""
+
+
+@dataclass
+class RequestStream:
+    """Deltas of one request; iterate with `async for`. For a request whose KV comes from a
+    remote prefill node, `reserved` resolves to its local block ids first."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    reserved: asyncio.Future[list[int]] | None = None
+    num_cached_blocks: int = 0  # local prefix-cache hit at reservation (remote requests)
+    _queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            if item.finished:
+                self.finished = True
+            yield item
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
+        self.core = core or EngineCore(config)
+        self.config = config
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.dead: BaseException | None = None
+        self._stats: dict[str, float] = self.core.stats()
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="duet-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        if self._thread is None:
+            return
+        self._commands.put(None)
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+
+    # -- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        core = self.core
+        try:
+            while True:
+                block = not core.has_work()
+                while True:
+                    try:
+                        cmd = self._commands.get(block=block)
+                    except queue.Empty:
+                        break
+                    if cmd is None:
+                        return
+                    cmd()
+                    block = not core.has_work()
+                outputs, reserved = core.step()
+                stats = core.stats()
+                if outputs or reserved:
+                    res = [(r.request_id, list(r.block_ids), r.num_cached_tokens // core.pool.block_size)
+                           for r in reserved]  # fmt: skip
+                    self._call(self._deliver, outputs, res, stats)
+                else:
+                    self._stats = stats
+        except BaseException as e:  # the thread must not die silently
+            log.exception("engine thread failed")
+            self.dead = e
+            self._call(self._fail_all, e)
+
+    def _call(self, fn: Callable[..., None], *args: Any) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the loop closed during shutdown
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    # -- event loop side -------------------------------------------------------------------
+    def _deliver(self, outputs: list[RequestOutput], reserved: list[tuple[str, list[int], int]],
+                 stats: dict[str, float]) -> None:  # fmt: skip
+        self._stats = stats
+        for rid, blocks, cached in reserved:
+            s = self._streams.get(rid)
+            if s is not None and s.reserved is not None and not s.reserved.done():
+                s.num_cached_blocks = cached
+                s.reserved.set_result(blocks)
+        for o in outputs:
+            s = self._streams.get(o.request_id)
+            if s is None:
+                continue
+            s._queue.put_nowait(o)
+            if o.finished:
+                del self._streams[o.request_id]
+
+    def _fail_all(self, exc: BaseException) -> None:
+        err = EngineDeadError(f"engine failed: {exc!r}")
+        for s in self._streams.values():
+            if s.reserved is not None and not s.reserved.done():
+                s.reserved.set_exception(err)
+            s._queue.put_nowait(err)
+        self._streams.clear()
+
+    async def _submit(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on the engine thread between steps; return or raise its result here."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine failed: {self.dead!r}")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as e:
+                loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._commands.put(run)
+        return await fut
+
+    # -- public API ------------------------------------------------------------------------
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: Priority = Priority.INTERACTIVE,
+        hold_blocks: bool = False,
+        remote_num_tokens: int = 0,
+    ) -> RequestStream:
+        """Queue a request; raises RequestError for a request the engine refuses."""
+        stream = RequestStream(request_id, [])
+        if remote_num_tokens:
+            stream.reserved = asyncio.get_running_loop().create_future()
+        # Registered before the add runs so no delta can arrive unrouted.
+        if request_id in self._streams:
+            from engine.core import RequestError
+
+            raise RequestError(f"request id {request_id!r} is already in use")
+        self._streams[request_id] = stream
+        try:
+            req: Request = await self._submit(
+                lambda: self.core.add_request(
+                    request_id, prompt, params, priority, hold_blocks, remote_num_tokens
+                )
+            )
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        stream.prompt_token_ids = req.prompt_token_ids
+        return stream
+
+    async def abort(self, request_id: str) -> bool:
+        out = await self._submit(lambda: self.core.abort(request_id))
+        if out is not None:
+            self._deliver([out], [], self._stats)
+        return out is not None
+
+    async def release(self, request_id: str) -> bool:
+        return await self._submit(lambda: self.core.release(request_id))
+
+    async def kv_ready(self, request_id: str, ok: bool) -> bool:
+        return await self._submit(lambda: self.core.kv_ready(request_id, ok))
+
+    async def call(self, fn: Callable[[EngineCore], T]) -> T:
+        """Run an arbitrary read or command against the core on the engine thread."""
+        return await self._submit(lambda: fn(self.core))
+
+    def stats(self) -> dict[str, float]:
+        """The counters as of the last step (cheap, lock-free snapshot)."""
+        return self._stats
+
+
+def _set_result(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

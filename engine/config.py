@@ -1,0 +1,46 @@
+"""EngineConfig: everything that sizes and shapes one engine instance, with sane defaults."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from protocol.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
+from protocol.models import DEFAULT_MODEL
+
+
+def parse_size(text: str | int) -> int:
+    """'512MiB', '2GB', '1g', 1048576 → bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*", text.lower())
+    if not m:
+        raise ValueError(f"cannot read size {text!r} (try 512MiB or 2GiB)")
+    mult = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}[m.group(2)]
+    return int(float(m.group(1)) * mult)
+
+
+@dataclass
+class EngineConfig:
+    model: str = DEFAULT_MODEL
+    #: "auto": bf16 on CUDA, and on CPUs with native bf16 GEMM (avx512_bf16/AMX), else fp32
+    dtype: str = "auto"
+    #: "auto": cuda when available, else cpu
+    device: str = "auto"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    #: KV pool size as a block count; if None, derived from kv_memory
+    num_kv_blocks: int | None = None
+    kv_memory: str | int = "1GiB"
+    #: None: the model's max_position_embeddings
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    #: tokens computed per step (the chunked-prefill budget)
+    max_num_batched_tokens: int = 512
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    hash_seed: int = DEFAULT_HASH_SEED
+    seed: int = 0
+    #: torch intra-op threads on CPU; None leaves torch's default
+    threads: int | None = None
+    #: keep BlockStored/BlockRemoved events for the coordinator
+    record_kv_events: bool = False

@@ -1,0 +1,129 @@
+"""Per-request block tables on top of the BlockPool: prefix lookup, slot allocation, caching
+of full blocks, and the P/D hooks.
+
+Invariants:
+- a request's `block_ids[i]` holds the KV of its tokens `[i*bs, (i+1)*bs)`;
+- a prefix hit never covers a request's last known token: at least one token is computed so
+  there are logits to sample from;
+- a full block is registered in the prefix cache once its KV is computed (or arrived);
+- hold/release (prefill node): a finished request's blocks stay referenced until released;
+  reserve (decode node): blocks for remote KV are allocated before the transfer writes them.
+"""
+
+from __future__ import annotations
+
+from engine.block_pool import BlockPool
+from engine.request import Request
+from protocol.block_hash import DEFAULT_HASH_SEED, ROOT_PARENT_HASH, hash_block
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        pool: BlockPool,
+        enable_prefix_caching: bool = True,
+        hash_seed: int = DEFAULT_HASH_SEED,
+    ) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_seed = hash_seed
+        self._hashes: dict[str, list[int]] = {}  # request id -> hashes of its full blocks
+        self._num_cached: dict[str, int] = {}  # request id -> blocks registered in the cache
+        # Counters (DESIGN §4 prefix-cache metrics), in tokens.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # -- hashing ---------------------------------------------------------------------------
+    def block_hashes(self, req: Request, upto_tokens: int) -> list[int]:
+        """Hashes of the request's full blocks within its first `upto_tokens` tokens,
+        extended incrementally (a request's tokens only ever grow)."""
+        hs = self._hashes.setdefault(req.request_id, [])
+        bs = self.block_size
+        n_full = min(upto_tokens, req.num_tokens) // bs
+        while len(hs) < n_full:
+            i = len(hs)
+            toks = [req.token_at(j) for j in range(i * bs, (i + 1) * bs)]
+            hs.append(hash_block(hs[-1] if hs else ROOT_PARENT_HASH, toks, self.hash_seed))
+        return hs[:n_full]
+
+    # -- admission -------------------------------------------------------------------------
+    def find_cached_prefix(self, req: Request, max_tokens: int | None = None) -> list[int]:
+        """Blocks of the longest cached prefix of `req` (not yet referenced)."""
+        limit = req.num_tokens - 1 if max_tokens is None else min(max_tokens, req.num_tokens - 1)
+        if not self.enable_prefix_caching or limit < self.block_size:
+            return []
+        hit: list[int] = []
+        for h in self.block_hashes(req, limit):
+            b = self.pool.lookup(h)
+            if b is None:
+                break
+            hit.append(b)
+        return hit
+
+    def can_allocate(self, req: Request, num_new_tokens: int, cached: list[int]) -> bool:
+        needed = cdiv(req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens,
+                      self.block_size) - len(req.block_ids) - len(cached)  # fmt: skip
+        # Hits on free blocks take those blocks out of the free list.
+        reclaimed = sum(1 for b in cached if self.pool.ref_count(b) == 0)
+        return needed <= self.pool.num_free - reclaimed
+
+    def admit(self, req: Request, cached: list[int], count_query: bool = True) -> None:
+        """Take references on the cached prefix and mark those tokens computed."""
+        assert not req.block_ids and req.num_computed_tokens == 0
+        self.pool.touch(cached)
+        req.block_ids = list(cached)
+        req.num_computed_tokens = len(cached) * self.block_size
+        req.num_cached_tokens = req.num_computed_tokens
+        self._num_cached[req.request_id] = len(cached)
+        if count_query:
+            self.prefix_queries += req.num_prompt_tokens
+            self.prefix_hits += req.num_computed_tokens
+
+    def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
+        """Ensure blocks for `num_computed_tokens + num_new_tokens` tokens; False if the pool
+        cannot (nothing changes then)."""
+        needed = cdiv(req.num_computed_tokens + num_new_tokens, self.block_size) - len(req.block_ids)
+        if needed <= 0:
+            return True
+        if needed > self.pool.num_free:
+            return False
+        req.block_ids.extend(self.pool.allocate(needed))
+        return True
+
+    # -- after compute ---------------------------------------------------------------------
+    def cache_computed_blocks(self, req: Request) -> None:
+        """Register the request's newly full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        done = self._num_cached.get(req.request_id, 0)
+        n_full = req.num_computed_tokens // self.block_size
+        if n_full <= done:
+            return
+        hs = self.block_hashes(req, n_full * self.block_size)
+        bs = self.block_size
+        for i in range(done, n_full):
+            toks = [req.token_at(j) for j in range(i * bs, (i + 1) * bs)]
+            self.pool.cache(req.block_ids[i], hs[i], hs[i - 1] if i else None, toks)
+        self._num_cached[req.request_id] = n_full
+
+    # -- release ---------------------------------------------------------------------------
+    def free(self, req: Request) -> None:
+        """Drop the request's references (tail first, so its suffix is evicted first)."""
+        self.pool.free(req.block_ids[::-1])
+        req.block_ids = []
+        self._num_cached.pop(req.request_id, None)
+
+    def forget(self, req: Request) -> None:
+        """Drop per-request bookkeeping once the request is gone for good."""
+        self._hashes.pop(req.request_id, None)
+        self._num_cached.pop(req.request_id, None)
+
+    def reset_for_recompute(self, req: Request) -> None:
+        """Preemption by recompute: blocks back to the pool, progress back to zero."""
+        self.free(req)
+        req.num_computed_tokens = 0

@@ -1,0 +1,69 @@
+"""Offline API mirroring vLLM: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.request import Priority
+from engine.sampling_params import SamplingParams
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_cached_tokens: int = 0
+
+
+class LLM:
+    def __init__(self, model: str = EngineConfig.model, **kwargs: Any) -> None:
+        self.engine = EngineCore(EngineConfig(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Priority = Priority.INTERACTIVE,
+    ) -> list[CompletionOutput]:
+        """Run `prompts` (strings or token-id lists) to completion; outputs in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        plist = list(prompts)  # type: ignore[arg-type]
+        if params is None:
+            params = SamplingParams()
+        ps = [params] * len(plist) if isinstance(params, SamplingParams) else list(params)
+        if len(ps) != len(plist):
+            raise ValueError(f"{len(ps)} SamplingParams for {len(plist)} prompts")
+        results: dict[str, CompletionOutput] = {}
+        order = []
+        for prompt, p in zip(plist, ps, strict=True):
+            rid = f"llm-{next(self._ids)}"
+            req = self.engine.add_request(rid, prompt if isinstance(prompt, str) else list(prompt), p, priority)
+            results[rid] = CompletionOutput(rid, req.prompt_token_ids)
+            order.append(rid)
+        pending = set(order)
+        while pending:
+            outputs, _ = self.engine.step()
+            for o in outputs:
+                r = results[o.request_id]
+                r.token_ids.extend(o.new_token_ids)
+                r.text += o.new_text
+                if o.finished:
+                    r.finish_reason, r.stop_reason = o.finish_reason, o.stop_reason
+                    r.num_cached_tokens = o.num_cached_tokens
+                    pending.discard(o.request_id)
+        return [results[rid] for rid in order]

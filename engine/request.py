@@ -1,0 +1,78 @@
+"""A request's state inside the engine: tokens, progress, blocks, status.
+
+Invariants: `num_computed_tokens <= len(all_token_ids)`; KV for positions
+`[0, num_computed_tokens)` is in this request's blocks (`block_ids`, in order); a finished
+request holds no blocks unless it is held for a transfer (`held`).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class Priority(enum.IntEnum):
+    """Lower runs first: interactive requests before batch ones."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: Priority = Priority.INTERACTIVE
+    arrival_time: float = field(default_factory=time.monotonic)
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    #: prompt tokens served from the prefix cache at the last admission
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    #: keep blocks after finishing (prefill node: held until a decode node has pulled them)
+    hold_blocks: bool = False
+    #: decode node: number of prompt tokens whose KV arrives from a remote prefill node
+    remote_num_tokens: int = 0
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        return (int(self.priority), self.arrival_time)

@@ -1,0 +1,55 @@
+"""Rotary position embeddings as in transformers' Llama ("rotate half", non-interleaved).
+
+cos/sin tables for every position are built once in fp32 (as transformers computes them) and
+cast to the model dtype; a step gathers the rows of its positions once and every layer reuses
+them. Scaling: default, linear and llama3.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "linear":
+        freq = freq / float(scaling["factor"])  # type: ignore[index]
+    elif kind == "llama3":
+        assert scaling is not None
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / freq
+        scaled = torch.where(wavelen > low_wavelen, freq / factor, freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        freq = torch.where(medium, smoothed, scaled)
+    return freq
+
+
+class Rope:
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                 max_positions: int, dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+        f = inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_positions, dtype=torch.int64).float()
+        emb = torch.outer(t, f)
+        emb = torch.cat([emb, emb], dim=-1)
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+        self.half = head_dim // 2
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin rows for `positions`, shaped [T, 1, head_dim] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim]."""
+        x1, x2 = x[..., : self.half], x[..., self.half :]
+        rotated = torch.cat([-x2, x1], dim=-1)
+        return x * cos + rotated * sin

@@ -1,0 +1,86 @@
+"""ModelRunner: owns the weights and the KV pool, turns scheduled chunks into one forward pass.
+
+The pool is one tensor, block-major `[num_blocks, layers, 2, block_size, kv_heads, head_dim]`
+(DESIGN §3), so a block is a contiguous byte range the transport can move as one region;
+`kv_layout` describes it for kvtransfer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from engine.attention import build_metadata
+from engine.model import LlamaModel
+from engine.model_config import ModelConfig
+from engine.rope import Rope
+from engine.scheduler import ScheduledChunk
+from engine.weights import load_weights
+from protocol.kv_layout import KVLayout
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: Path,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+    ) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = device
+        self.block_size = block_size
+        weights = load_weights(model_dir, cfg, dtype, device)
+        rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_model_len, dtype, device)
+        self.model = LlamaModel(cfg, weights, rope, device)
+        self.kv_cache = torch.zeros(
+            (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
+            dtype=dtype, device=device,
+        )  # fmt: skip
+        self.kv_layout = KVLayout(
+            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            block_size=block_size, dtype=_DTYPE_NAMES[dtype], num_blocks=num_blocks,
+        )  # fmt: skip
+
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
+        """Run one step. Returns the chunks that sample, in order, and their logits [S, V]."""
+        decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
+        prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
+        ids: list[int] = []
+        positions: list[int] = []
+        for c in decodes:
+            ids.append(c.req.token_at(c.start))
+            positions.append(c.start)
+        for c in prefills:
+            ids.extend(c.req.all_token_ids[c.start : c.start + c.num_tokens])
+            positions.extend(range(c.start, c.start + c.num_tokens))
+        md = build_metadata(
+            self.block_size,
+            [(c.req.block_ids, c.start) for c in decodes],
+            [(c.req.block_ids, c.start, c.num_tokens) for c in prefills],
+            self.cfg.sliding_window,
+            self.device,
+        )
+        ordered = decodes + prefills
+        sample_rows, samplers, row = [], [], 0
+        for c in ordered:
+            row += c.num_tokens
+            if c.samples:
+                sample_rows.append(row - 1)
+                samplers.append(c)
+        dev = self.device
+        logits = self.model.forward(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            self.kv_cache,
+            md,
+            torch.tensor(sample_rows, dtype=torch.long, device=dev),
+        )
+        return samplers, logits

@@ -1,0 +1,72 @@
+"""Token selection from a step's logits: greedy, temperature, top-k, top-p, per-request seed.
+
+Greedy rows take the argmax (the same token transformers' greedy search picks). Sampled rows
+are processed together for temperature/top-k/top-p, then each draws with its own
+`torch.Generator` when it has a seed, so its tokens do not depend on what else is batched.
+
+Invariant: the returned list has one token per input row, in row order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._default = torch.Generator().manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        if params.seed is None:
+            return self._default
+        g = self._generators.get(request_id)
+        if g is None:
+            g = self._generators[request_id] = torch.Generator().manual_seed(params.seed)
+        return g
+
+    def sample(
+        self,
+        logits: torch.Tensor,  # [S, V] float32
+        rows: list[tuple[str, SamplingParams, bool]],  # (request id, params, eos allowed)
+        eos_ids: list[frozenset[int]] | None = None,
+    ) -> list[int]:
+        logits = logits.cpu()
+        if eos_ids is not None:
+            for r, (_, _, allowed) in enumerate(rows):
+                if not allowed and eos_ids[r]:  # min_tokens not reached yet
+                    logits[r, list(eos_ids[r])] = float("-inf")
+        out = logits.argmax(dim=-1).tolist()
+        sampled = [r for r, (_, p, _) in enumerate(rows) if not p.greedy]
+        if not sampled:
+            return out
+        x = logits[sampled]
+        params = [rows[r][1] for r in sampled]
+        x = x / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+        if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
+            x = _top_k_top_p(x, params)
+        probs = torch.softmax(x, dim=-1)
+        for j, r in enumerate(sampled):
+            g = self._generator(rows[r][0], params[j])
+            out[r] = int(torch.multinomial(probs[j], 1, generator=g).item())
+        return out
+
+
+def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    sorted_x, idx = x.sort(dim=-1, descending=True)
+    vocab = x.shape[-1]
+    ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).clamp(max=vocab)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    drop = ranks >= ks.unsqueeze(1)
+    probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)
+    cum = probs.cumsum(dim=-1)
+    top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
+    # Keep a token while the mass before it is below top_p (so the top token always stays).
+    drop |= (cum - probs) >= top_p
+    sorted_x = sorted_x.masked_fill(drop, float("-inf"))
+    return torch.full_like(x, float("-inf")).scatter(1, idx, sorted_x)

@@ -1,0 +1,240 @@
+"""Continuous-batching scheduler: which requests compute how many tokens in the next step.
+
+Each step has a token budget. Running requests go first (decodes need one token each, a
+partly prefilled prompt continues its chunk), then waiting requests are admitted in priority
+order (interactive before batch, then arrival), their prompt split into chunks that fit what
+is left of the budget (chunked prefill). When blocks run out a running request is preempted
+by recompute: its blocks go back to the pool (they stay in the prefix cache until reused, so
+the recompute is often cheap) and it waits again at the front of its class. An interactive
+request that cannot be admitted preempts running batch requests.
+
+Remote KV (decode node): a request whose prompt KV comes from a prefill node is first
+*reserved* (blocks allocated, status WAITING_FOR_REMOTE_KV, reported in `reserved`), then
+joins the running set when the node calls `kv_ready` (after the transfer or its failure).
+
+Invariants: a request is in exactly one of waiting / running / remote / held; the scheduler
+never changes a block while a transfer may be writing it (requests in WAITING_FOR_REMOTE_KV
+are never preempted and are freed only after `kv_ready`).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+from engine.kv_manager import KVCacheManager
+from engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class ScheduledChunk:
+    req: Request
+    start: int  # first position computed this step
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the request's last known token (so it yields logits)."""
+        return self.start + self.num_tokens == self.req.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    reserved: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: list[Request] = []  # sorted by sort_key
+        self.running: list[Request] = []
+        self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
+        self.held: dict[str, Request] = {}  # finished, blocks kept for a transfer
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management ------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        if req.request_id in self.requests or req.request_id in self.held:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request) -> None:
+        req.status = Status.WAITING if req.num_preemptions == 0 else Status.PREEMPTED
+        keys = [r.sort_key for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, req.sort_key), req)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.remote)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- preemption ------------------------------------------------------------------------
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.kv.reset_for_recompute(victim)
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(victim)
+        self._enqueue(victim)
+
+    def _admission_blocked(self, req: Request) -> bool:
+        need = self.kv.find_cached_prefix(req)
+        return len(self.running) >= self.config.max_num_seqs or not self.kv.can_allocate(req, 1, need)
+
+    def _priority_preempt(self, out: SchedulerOutput) -> None:
+        """Make room for the best waiting request when it outranks running ones."""
+        if not self.waiting:
+            return
+        head = self.waiting[0]
+        while self.running and self._admission_blocked(head):
+            victim = max(self.running, key=lambda r: r.sort_key)
+            if victim.priority <= head.priority:
+                return
+            self._preempt(victim, out)
+
+    # -- the step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        self._priority_preempt(out)
+        num_priority_preempted = len(out.preempted)
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=lambda r: r.sort_key)
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n <= 0:
+                i += 1
+                continue
+            if not self.config.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            else:
+                out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+                budget -= n
+                i += 1
+                continue
+            # `req` itself was preempted; the list shifted, so `i` already names the next one.
+        # Blocks ran out for running requests: admitting new ones now would only thrash.
+        if len(out.preempted) == num_priority_preempted:
+            budget = self._admit_waiting(out, budget)
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        full_budget = self.config.max_num_batched_tokens
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            if req.remote_num_tokens > 0 and req.num_preemptions == 0:
+                if not self._reserve(req):
+                    break
+                out.reserved.append(req)
+                continue
+            if budget <= 0:
+                break
+            cached = self.kv.find_cached_prefix(req)
+            remaining = req.num_tokens - len(cached) * self.kv.block_size
+            n = min(remaining, budget)
+            if not self.config.enable_chunked_prefill and n < remaining and budget < full_budget:
+                break
+            if self.config.enable_chunked_prefill is False:
+                n = remaining
+            if not self.kv.can_allocate(req, n, cached):
+                break
+            self.waiting.pop(0)
+            self.kv.admit(req, cached, count_query=req.num_preemptions == 0)
+            ok = self.kv.allocate_slots(req, n)
+            assert ok, "can_allocate promised room"
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
+            budget -= n
+        return budget
+
+    # -- remote KV (decode node) -----------------------------------------------------------
+    def _reserve(self, req: Request) -> bool:
+        cached = self.kv.find_cached_prefix(req, max_tokens=req.remote_num_tokens - 1)
+        total = req.remote_num_tokens - len(cached) * self.kv.block_size
+        if not self.kv.can_allocate(req, total, cached):
+            return False
+        self.waiting.pop(0)
+        self.kv.admit(req, cached)
+        ok = self.kv.allocate_slots(req, total)
+        assert ok, "can_allocate promised room"
+        req.status = Status.WAITING_FOR_REMOTE_KV
+        self.remote[req.request_id] = req
+        return True
+
+    def kv_ready(self, request_id: str, ok: bool) -> Request | None:
+        """The transfer for a reserved request ended. ok: the remote tokens are in its blocks
+        (the last one is recomputed locally for its logits); not ok: compute everything past
+        the local prefix hit. Returns the request (None if unknown)."""
+        req = self.remote.pop(request_id, None)
+        if req is None:
+            return None
+        if req.finish_reason is not None:  # aborted while its transfer ran: free it now
+            req.status = Status.FINISHED
+            self.requests.pop(req.request_id, None)
+            self.kv.free(req)
+            self.kv.forget(req)
+            return req
+        if ok:
+            req.num_computed_tokens = max(req.num_computed_tokens, req.remote_num_tokens - 1)
+            self.kv.cache_computed_blocks(req)
+        req.status = Status.RUNNING
+        self.running.append(req)
+        return req
+
+    # -- completion ------------------------------------------------------------------------
+    def finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:
+        """Finish `req` (stop/length/abort). Its blocks are freed unless it holds them for a
+        transfer; a request still waiting for remote KV only gets flagged (freed at kv_ready)."""
+        req.finish_reason = reason
+        req.stop_reason = stop_reason
+        if req.status is Status.WAITING_FOR_REMOTE_KV:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        self.requests.pop(req.request_id, None)
+        if req.hold_blocks and reason != "abort":
+            self.held[req.request_id] = req
+        else:
+            self.kv.free(req)
+        self.kv.forget(req)
+
+    def release(self, request_id: str) -> bool:
+        """Free the blocks of a held request (transfer done or lease expired)."""
+        req = self.held.pop(request_id, None)
+        if req is None:
+            return False
+        self.kv.free(req)
+        return True
