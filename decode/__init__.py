@@ -1,1 +1,1 @@
-"""The decode node role: pull KV blocks, decode with continuous batching, stream tokens."""
+"""The decode node role: pull KV blocks from prefill nodes, decode with continuous batching, stream."""

@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from duet import cmd_bench, cmd_models, cmd_nodes, cmd_pending
+from duet import cmd_bench, cmd_models, cmd_nodes, cmd_pending, cmd_up
 from protocol.models import ModelNotFoundError
 
 DESCRIPTION = """\
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     cmd_models.add_parser(sub)
     cmd_nodes.add_parsers(sub)
+    cmd_up.add_parser(sub)
     cmd_pending.add_parsers(sub)
     cmd_bench.add_parser(sub)
     return parser

@@ -90,16 +90,19 @@ class AsyncEngine:
         core = self.core
         try:
             while True:
-                block = not core.has_work()
-                while True:
+                if not core.has_work():  # idle: sleep until a command arrives
+                    cmd = self._commands.get()
+                    if cmd is None:
+                        return
+                    cmd()
+                while True:  # then run whatever else is queued, without blocking
                     try:
-                        cmd = self._commands.get(block=block)
+                        cmd = self._commands.get_nowait()
                     except queue.Empty:
                         break
                     if cmd is None:
                         return
                     cmd()
-                    block = not core.has_work()
                 outputs, reserved = core.step()
                 stats = core.stats()
                 if outputs or reserved:

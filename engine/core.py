@@ -226,6 +226,9 @@ class EngineCore:
         out.num_output_tokens = len(req.output_token_ids)
         if req.request_id in self.scheduler.held:
             out.held_block_ids = list(req.block_ids)
+        out.arrival_time = req.arrival_time
+        out.first_scheduled_time = req.first_scheduled_time
+        out.first_token_time = req.first_token_time
 
     # -- control ---------------------------------------------------------------------------
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -247,6 +250,11 @@ class EngineCore:
 
     def request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id) or self.scheduler.held.get(request_id)
+
+    def held_blocks(self, request_id: str) -> list[int] | None:
+        """Prefill node: the blocks held for `request_id`, or None if it holds none."""
+        req = self.scheduler.held.get(request_id)
+        return None if req is None else list(req.block_ids)
 
     # -- observability ---------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

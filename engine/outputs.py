@@ -29,6 +29,10 @@ class RequestOutput:
     num_output_tokens: int = 0
     #: prefill node: the blocks held for transfer (on the finishing delta of a held request)
     held_block_ids: list[int] = field(default_factory=list)
+    #: monotonic timestamps, on the finishing delta (None if the request never got there)
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
 
 
 class TextState:

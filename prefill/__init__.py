@@ -1,1 +1,1 @@
-"""The prefill node role: prompts → KV blocks held for decode nodes."""
+"""The prefill node role: prompts → KV blocks held (under a lease) for decode nodes."""

@@ -1,0 +1,77 @@
+"""Pulling a prefill node's KV blocks into this node's pool.
+
+Peers are known by engine id: on first contact the prefill node's transport metadata is
+fetched from the node itself (`GET /kv/metadata`, DESIGN §4: the data path never needs etcd)
+and cached; concurrent first contacts share one fetch. A metadata answer for a different
+engine id means the caller named an engine that is not at that address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+
+from kvtransfer import Peer, Transport
+from protocol.openai import APIError
+
+log = logging.getLogger("duet.decode")
+
+
+class PeerUnreachable(Exception):
+    """The prefill node could not be reached (dead, or the network): a transfer failure."""
+
+
+class RemoteKV:
+    def __init__(self, transport: Transport, session: aiohttp.ClientSession, timeout: float) -> None:
+        self.transport = transport
+        self.session = session
+        self.timeout = timeout
+        self._peers: dict[str, asyncio.Future[Peer]] = {}
+
+    async def peer(self, engine_id: str, host: str, port: int) -> Peer:
+        fut = self._peers.get(engine_id)
+        if fut is None:
+            fut = self._peers[engine_id] = asyncio.ensure_future(self._connect(engine_id, host, port))
+        try:
+            return await asyncio.shield(fut)
+        except BaseException:
+            if fut.done() and self._peers.get(engine_id) is fut:
+                del self._peers[engine_id]  # retry on the next request
+            raise
+
+    async def _connect(self, engine_id: str, host: str, port: int) -> Peer:
+        from kvtransfer import TransferError, decode_metadata
+
+        url = f"http://{host}:{port}/kv/metadata"
+        try:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+                if r.status != 200:
+                    raise PeerUnreachable(f"{url} answered {r.status}")
+                meta = decode_metadata(await r.read())
+        except (aiohttp.ClientError, TimeoutError, OSError, TransferError) as e:
+            raise PeerUnreachable(f"cannot fetch KV metadata from {host}:{port}: {e}") from e
+        if meta.engine_id != engine_id:
+            raise APIError(400, f"unknown remote_engine_id {engine_id!r}: {host}:{port} runs engine "
+                                f"{meta.engine_id!r}", param="kv_transfer_params")  # fmt: skip
+        try:
+            peer = await self.transport.add_peer(meta)
+        except TransferError as e:  # incompatible layout/backend, or the connection failed
+            raise PeerUnreachable(str(e)) from e
+        log.info("connected to prefill engine %s at %s:%d", engine_id, host, port)
+        return peer
+
+    def forget(self, engine_id: str) -> None:
+        self._peers.pop(engine_id, None)
+
+    async def release(self, host: str, port: int, request_id: str, block_ids: list[int] | None) -> int:
+        """Tell the prefill node it may free the blocks; returns its HTTP status (0: unreachable)."""
+        url = f"http://{host}:{port}/kv/release"
+        try:
+            async with self.session.post(url, json={"request_id": request_id, "block_ids": block_ids},
+                                         timeout=aiohttp.ClientTimeout(total=5)) as r:  # fmt: skip
+                return r.status
+        except (aiohttp.ClientError, TimeoutError, OSError) as e:
+            log.warning("could not release %s on %s:%d: %s", request_id, host, port, e)
+            return 0

@@ -1,0 +1,1 @@
+"""Runtime shared by every node role: HTTP API, engine seam, metrics, shutdown."""

@@ -1,0 +1,69 @@
+"""NodeConfig: what an operator sets for one node process (CLI flags map 1:1)."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+
+ROLES = ("prefill", "decode", "both")
+FAILURE_POLICIES = ("recompute", "fail")
+
+
+@dataclass
+class NodeConfig:
+    role: str = "both"
+    host: str = "127.0.0.1"
+    port: int = 8100
+    #: address other nodes and the gateway use to reach this one (default: host, or the
+    #: machine's name when listening on all interfaces)
+    advertise_host: str | None = None
+    #: stable across restarts; default "<role>-<hostname>-<port>"
+    node_id: str | None = None
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    transport: str = "nixl"
+    #: seconds a prefill node holds finished blocks for a decode node to pull
+    lease_seconds: float = 30.0
+    #: seconds a decode node waits for one KV pull
+    transfer_timeout: float = 10.0
+    #: what a decode node does when a pull fails: recompute locally, or fail the request
+    failure_policy: str = "recompute"
+    #: seconds in-flight requests get to finish after SIGTERM
+    grace_period: float = 30.0
+    #: CPU ids to pin this process to (e.g. "0-3,8")
+    cpus: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.failure_policy not in FAILURE_POLICIES:
+            raise ValueError(f"failure policy must be one of {FAILURE_POLICIES}")
+        if self.lease_seconds <= 0 or self.transfer_timeout <= 0:
+            raise ValueError("lease and transfer timeout must be positive")
+
+    @property
+    def public_host(self) -> str:
+        if self.advertise_host:
+            return self.advertise_host
+        return socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+
+    @property
+    def resolved_node_id(self) -> str:
+        return self.node_id or f"{self.role}-{socket.gethostname()}-{self.port}"
+
+
+def parse_cpus(spec: str) -> set[int]:
+    """'0-3,8' → {0, 1, 2, 3, 8}."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"cannot read CPU list {spec!r} (try 0-3,8)")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    if not cpus:
+        raise ValueError(f"empty CPU list {spec!r}")
+    return cpus

@@ -1,0 +1,64 @@
+"""Prometheus metrics of a node, named after vLLM/Dynamo (DESIGN §4) so dashboards fit.
+
+Latency histograms are observed by the request handlers; engine gauges and counters are read
+from the engine's last stats snapshot at scrape time (a custom collector: no second source of
+truth). One registry per app: no global state, several nodes can live in one test process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+
+_GAUGES = {
+    "duet:num_requests_running": ("num_requests_running", "Requests being computed"),
+    "duet:num_requests_waiting": ("num_requests_waiting", "Requests queued (incl. waiting for remote KV)"),
+    "duet:num_requests_held": ("num_requests_held", "Finished prefills holding blocks for a transfer"),
+    "duet:kv_cache_usage_perc": ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)"),
+}
+_COUNTERS = {
+    "duet:prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+    "duet:prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served from the prefix cache"),
+    "duet:prompt_tokens": ("prompt_tokens_computed", "Prompt tokens computed"),
+    "duet:generation_tokens": ("generation_tokens", "Tokens generated"),
+    "duet:num_preemptions": ("num_preemptions", "Requests preempted (recompute)"),
+}
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], dict[str, float]], labels: dict[str, str]) -> None:
+        self._stats = stats
+        self._labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        names, values = list(self._labels), list(self._labels.values())
+        for name, (key, doc) in _GAUGES.items():
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(values, float(s.get(key, 0)))
+            yield g
+        for name, (key, doc) in _COUNTERS.items():
+            c = CounterMetricFamily(name, doc, labels=names)
+            c.add_metric(values, float(s.get(key, 0)))
+            yield c
+
+
+class NodeMetrics:
+    def __init__(self, stats: Callable[[], dict[str, float]], model: str, role: str) -> None:
+        self.registry = CollectorRegistry()
+        self.labels = {"model_name": model, "role": role}
+        names = list(self.labels)
+
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, names, buckets=_LATENCY_BUCKETS, registry=self.registry)
+
+        self.ttft = hist("duet:time_to_first_token_seconds", "Time to first token").labels(**self.labels)
+        self.itl = hist("duet:inter_token_latency_seconds", "Time between tokens").labels(**self.labels)
+        self.e2e = hist("duet:e2e_request_latency_seconds", "Request latency").labels(**self.labels)
+        self.registry.register(_EngineCollector(stats, self.labels))

@@ -1,0 +1,126 @@
+"""Turns an engine RequestStream into the HTTP answer: OpenAI SSE (one JSON chunk per delta,
+usage and timing in the last chunk, then `[DONE]`) or one JSON body.
+
+Invariants: the engine request is aborted if the answer does not complete (client gone, write
+failed, handler cancelled), so its blocks are freed; TTFT / ITL / e2e are observed once per
+request on the node's histograms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import msgspec
+from aiohttp import web
+
+from engine.async_engine import RequestStream
+from engine.outputs import RequestOutput
+from node.state import NodeState
+from protocol.openai import APIError, CompletionChoice, CompletionResponse, usage
+
+log = logging.getLogger("duet.node")
+_ENC = msgspec.json.Encoder()
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+def sse(obj: object) -> bytes:
+    return b"data: " + _ENC.encode(obj) + b"\n\n"
+
+
+def error_event(err: APIError) -> bytes:
+    return sse(err.body())
+
+
+class Responder:
+    def __init__(self, state: NodeState, request_id: str, engine_request_id: str, arrival: float) -> None:
+        self.state = state
+        self.request_id = request_id
+        self.engine_request_id = engine_request_id
+        self.arrival = arrival
+        #: seconds since arrival: queue_s, ttft_s, total_s; decode legs add transfer_s and
+        #: first_decode_s, prefill legs prefill_s
+        self.timing: dict[str, float] = {}
+        self._first_token_time: float | None = None
+        self._last_token_time: float | None = None
+
+    def _observe(self, out: RequestOutput) -> None:
+        now = time.monotonic()
+        m = self.state.metrics
+        if out.new_token_ids:
+            if self._last_token_time is None:
+                self._first_token_time = now
+                m.ttft.observe(now - self.arrival)
+            else:
+                m.itl.observe(now - self._last_token_time)
+            self._last_token_time = now
+        if out.finished:
+            m.e2e.observe(now - self.arrival)
+            self._finish_timing(out, now)
+
+    def _finish_timing(self, out: RequestOutput, now: float) -> None:
+        t = self.timing
+        t["total_s"] = now - self.arrival
+        ttft = (self._first_token_time or now) - self.arrival
+        t["ttft_s"] = ttft
+        if "transfer_s" in t:  # decode leg: queue_s (until blocks were reserved) is set already
+            t["first_decode_s"] = max(0.0, ttft - t.get("queue_s", 0.0) - t["transfer_s"])
+        else:
+            t["queue_s"] = _delta(out.arrival_time, out.first_scheduled_time)
+            t["prefill_s"] = max(0.0, ttft - t["queue_s"])
+
+    async def stream(self, request: web.Request, stream: RequestStream, model: str) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": self.request_id})
+        done = False
+        try:
+            await resp.prepare(request)
+            async for out in stream:
+                self._observe(out)
+                chunk = CompletionResponse(id=self.request_id, model=model, choices=[
+                    CompletionChoice(text=out.new_text, finish_reason=out.finish_reason,
+                                     stop_reason=out.stop_reason, token_ids=out.new_token_ids)])  # fmt: skip
+                if out.finished:
+                    chunk.usage = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+                    chunk.timing = self.timing
+                await resp.write(sse(chunk))
+            await resp.write(b"data: [DONE]\n\n")
+            done = True
+        finally:
+            if not done:
+                await self.abort()
+        return resp
+
+    async def collect(self, stream: RequestStream, model: str, **extra: object) -> CompletionResponse:
+        text: list[str] = []
+        tokens: list[int] = []
+        final: RequestOutput | None = None
+        done = False
+        try:
+            async for out in stream:
+                self._observe(out)
+                text.append(out.new_text)
+                tokens.extend(out.new_token_ids)
+                if out.finished:
+                    final = out
+            done = True
+        finally:
+            if not done:
+                await self.abort()
+        assert final is not None
+        return CompletionResponse(
+            id=self.request_id, model=model,
+            choices=[CompletionChoice(text="".join(text), finish_reason=final.finish_reason,
+                                      stop_reason=final.stop_reason, token_ids=tokens)],
+            usage=usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens),
+            timing=self.timing, **extra,  # type: ignore[arg-type]
+        )  # fmt: skip
+
+    async def abort(self) -> None:
+        log.info("aborting %s (client gone or answer failed)", self.engine_request_id)
+        with contextlib.suppress(Exception):
+            await self.state.engine.abort(self.engine_request_id)
+
+
+def _delta(a: float | None, b: float | None) -> float:
+    return (b - a) if a is not None and b is not None else 0.0

@@ -1,0 +1,83 @@
+"""Running a node process: build the engine and transport, serve, and shut down gracefully.
+
+SIGTERM/SIGINT: stop taking new requests (503 with a clear body), give in-flight requests
+`grace_period` seconds to finish, abort the rest, free held blocks, close the transport and
+exit 0. The "ready" line on stdout is printed only once the port accepts requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import uuid
+
+from aiohttp import web
+
+from node.app import make_app
+from node.config import NodeConfig, parse_cpus
+from node.engine_client import NativeNodeEngine
+from node.metrics import NodeMetrics
+from node.state import NodeState
+
+log = logging.getLogger("duet.node")
+
+
+def build_state(cfg: NodeConfig) -> NodeState:
+    if cfg.cpus:
+        # Before torch starts its thread pool, so the threads inherit the mask.
+        os.sched_setaffinity(0, parse_cpus(cfg.cpus))
+    engine = NativeNodeEngine(cfg.engine)
+    node_id = cfg.resolved_node_id
+    # A new engine id per process: a restarted node's pool holds nothing a peer cached.
+    engine_id = f"{node_id}-{uuid.uuid4().hex[:8]}"
+    from kvtransfer import KVTransferMetrics, make_transport
+
+    metrics = NodeMetrics(engine.stats, engine.model_name, cfg.role)
+    # The tcp backend (and nixl's fallback to it) listens beside the HTTP port.
+    listen = {"host": cfg.host, "advertise_host": cfg.public_host} if cfg.transport == "tcp" else {}
+    if cfg.transport == "ucx":
+        listen = {"host": cfg.host}
+    transport = make_transport(cfg.transport, engine_id=engine_id, timeout=cfg.transfer_timeout,
+                               metrics=KVTransferMetrics(metrics.registry), **listen)  # fmt: skip
+    log.info("KV transport: %s", transport.backend)
+    return NodeState(config=cfg, engine=engine, metrics=metrics, node_id=node_id, engine_id=engine_id,
+                     transport=transport)  # fmt: skip
+
+
+async def serve(state: NodeState) -> int:
+    cfg = state.config
+    app = make_app(state)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"duet {cfg.role} node ready on http://{cfg.host}:{cfg.port} node_id={state.node_id} "
+          f"engine_id={state.engine_id} model={state.engine.model_name}", flush=True)  # fmt: skip
+    await stop.wait()
+    log.info("shutting down: draining %d in-flight request(s), grace %.0fs", state.inflight, cfg.grace_period)
+    state.draining = True
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(state.idle.wait(), cfg.grace_period)
+    for erid in list(state.active):
+        log.info("grace period over: aborting %s", erid)
+        await state.engine.abort(erid)
+    await runner.cleanup()
+    log.info("stopped")
+    return 0
+
+
+def run_node(cfg: NodeConfig) -> int:
+    state = build_state(cfg)
+    try:
+        return asyncio.run(serve(state))
+    except OSError as e:
+        print(f"duet {cfg.role}: cannot listen on {cfg.host}:{cfg.port}: {e}", file=sys.stderr)
+        return 1

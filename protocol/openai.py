@@ -1,0 +1,139 @@
+"""OpenAI-compatible request/response bodies for `/v1/completions` (nodes and gateway).
+
+Decoded with msgspec (unknown fields are ignored, as OpenAI clients send extras); semantic
+checks live in `validate()` so every process refuses the same things with the same words.
+vLLM's extensions are accepted under vLLM's names: top_k, min_tokens, stop_token_ids,
+ignore_eos, skip_special_tokens, priority and kv_transfer_params.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import msgspec
+
+# OpenAI allows str | list[int] | list[str] | list[list[int]]; msgspec cannot express that
+# union, so the list form is checked in validate().
+Prompt = str | list[Any]
+
+
+class APIError(Exception):
+    """An error with an HTTP status and OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = True
+
+
+class CompletionRequest(msgspec.Struct, kw_only=True):
+    prompt: Prompt
+    model: str | None = None
+    max_tokens: int | None = 16
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    echo: bool = False
+    logprobs: int | None = None
+    priority: Literal["interactive", "batch"] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    user: str | None = None
+
+    def validate(self) -> None:
+        if self.n != 1:
+            raise APIError(400, "only n=1 is supported", param="n")
+        if self.echo:
+            raise APIError(400, "echo is not supported", param="echo")
+        if self.logprobs:
+            raise APIError(400, "logprobs are not supported yet", param="logprobs")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise APIError(400, f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens")
+        if self.temperature is not None and not 0 <= self.temperature <= 2:
+            raise APIError(400, "temperature must be between 0 and 2", param="temperature")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise APIError(400, "top_p must be in (0, 1]", param="top_p")
+        p = self.prompt
+        if isinstance(p, list) and p and not _is_token(p[0]):
+            if len(p) != 1:
+                raise APIError(400, "only one prompt per request is supported", param="prompt")
+            p = p[0]
+            if not isinstance(p, str) and not (isinstance(p, list) and all(map(_is_token, p))):
+                raise APIError(400, "prompt must be a string, a list of token ids, or a list "
+                                    "holding one of those", param="prompt")  # fmt: skip
+        elif isinstance(p, list) and not all(map(_is_token, p)):
+            raise APIError(400, "prompt token ids must be integers", param="prompt")
+        if not p:
+            raise APIError(400, "the prompt is empty", param="prompt")
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and p and not _is_token(p[0]):
+            return p[0]  # type: ignore[no-any-return]
+        return p
+
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+def _is_token(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+class Usage(msgspec.Struct, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None  # {"cached_tokens": n}
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    token_ids: list[int] | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
+    id: str
+    object: str = "text_completion"
+    created: int = msgspec.field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    #: duet extension: where the time went (seconds), for SREs and bench.pd
+    timing: dict[str, float] | None = None
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details={"cached_tokens": cached_tokens},
+    )

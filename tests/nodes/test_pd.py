@@ -1,0 +1,171 @@
+"""The disaggregated flow with real node processes and the default transport: P → D output is
+token-identical to the offline engine and to a colocated node; failures have defined answers."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from bench.pd_client import completion, disaggregated, prefill_leg
+from engine import LLM, SamplingParams
+from tests.procs import Proc, duet_node, running
+
+GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+
+def metric(node: Proc, name: str) -> float:
+    text = urllib.request.urlopen(node.url + "/metrics", timeout=5).read().decode()
+    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+async def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 380) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+async def test_pd_equals_offline_and_colocated(pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path) -> None:
+    p, d, both = pd_nodes
+    ps = prompts(8, 1, 200, seed=1) + [[5] * 16, [6] * 17]
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=1024)
+    expected = [o.token_ids for o in llm.generate(ps, SamplingParams(**GREEDY))]
+    async with aiohttp.ClientSession() as s:
+        pd = [await disaggregated(s, p.url, d.url, x, GREEDY) for x in ps]
+        co = [await completion(s, both.url, x, GREEDY) for x in ps]
+    for x, r, c, e in zip(ps, pd, co, expected, strict=True):
+        assert r.error is None, r.error
+        assert r.token_ids == e, f"P→D differs for a {len(x)}-token prompt"
+        assert c.token_ids == e
+        assert r.usage and r.usage["prompt_tokens"] == len(x) and r.usage["completion_tokens"] == 12
+        assert "transfer_s" in r.timing
+    # Every pull released P's blocks: P holds nothing.
+    assert metric(p, "duet:num_requests_held") == 0
+
+
+async def test_32_concurrent_disaggregated(pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path) -> None:
+    p, d, _ = pd_nodes
+    ps = prompts(32, 10, 120, seed=2)
+    llm = LLM(str(tiny_llama), dtype="float32", max_model_len=1024)
+    expected = [o.token_ids for o in llm.generate(ps, SamplingParams(**GREEDY))]
+    async with aiohttp.ClientSession() as s:
+        results = await asyncio.gather(*[disaggregated(s, p.url, d.url, x, GREEDY) for x in ps])
+    assert [r.error for r in results] == [None] * 32
+    assert [r.token_ids for r in results] == expected
+
+
+async def test_bad_input_gets_4xx_and_nodes_keep_serving(pd_nodes: tuple[Proc, Proc, Proc]) -> None:
+    p, d, _ = pd_nodes
+    async with aiohttp.ClientSession() as s:
+        for node in (p, d):
+            async with s.post(node.url + "/v1/completions", data=b"{not json") as r:
+                assert r.status == 400 and "malformed" in (await r.json())["error"]["message"]
+            async with s.post(node.url + "/v1/completions", json={"prompt": [5] * 1100}) as r:
+                assert r.status == 400 and "maximum context length" in (await r.json())["error"]["message"]
+        pre = await prefill_leg(s, p.url, [7] * 40, GREEDY, "bad-input-1")
+        ktp = pre["kv_transfer_params"]
+        wrong_engine = {**ktp, "remote_engine_id": "no-such-engine"}
+        async with s.post(d.url + "/v1/completions",
+                          json={"prompt": [7] * 40, **GREEDY, "kv_transfer_params": wrong_engine}) as r:  # fmt: skip
+            body = await r.json()
+            assert r.status == 400 and "unknown remote_engine_id" in body["error"]["message"]
+        wrong_count = {**ktp, "remote_block_ids": ktp["remote_block_ids"][:1]}
+        async with s.post(d.url + "/v1/completions",
+                          json={"prompt": [7] * 40, **GREEDY, "kv_transfer_params": wrong_count}) as r:  # fmt: skip
+            assert r.status == 400 and "needs 3" in (await r.json())["error"]["message"]
+        # Block ids that do not belong to the request, on P's release endpoint.
+        async with s.post(p.url + "/kv/release",
+                          json={"request_id": "bad-input-1", "block_ids": [0, 1, 999]}) as r:  # fmt: skip
+            assert r.status == 400 and "do not belong" in (await r.json())["error"]["message"]
+        async with s.post(p.url + "/kv/release", json={"request_id": "never-seen"}) as r:
+            assert r.status == 404
+        # The real owner still releases fine, and both nodes still serve.
+        async with s.post(p.url + "/kv/release", json={"request_id": "bad-input-1"}) as r:
+            assert r.status == 200
+        ok = await disaggregated(s, p.url, d.url, [9] * 20, GREEDY)
+        assert ok.error is None and len(ok.token_ids) == 12
+
+
+async def test_lease_expiry_frees_prefill_blocks(tiny_llama: Path, tmp_path: Path) -> None:
+    p = duet_node("prefill", tiny_llama, tmp_path, "--dtype", "float32", "--kv-blocks", "64",
+                  "--lease-seconds", "1")  # fmt: skip
+    with running(p):
+        idle = metric(p, "duet:kv_cache_usage_perc")
+        async with aiohttp.ClientSession() as s:
+            await prefill_leg(s, p.url, [8] * 100, GREEDY, "lease-1")
+        assert metric(p, "duet:kv_cache_usage_perc") > idle
+        assert metric(p, "duet:num_requests_held") == 1
+        await wait_for(lambda: metric(p, "duet:kv_cache_usage_perc") == idle, 20, "lease expiry")
+        assert metric(p, "duet:num_requests_held") == 0
+
+
+async def test_abort_mid_stream_frees_decode_blocks(pd_nodes: tuple[Proc, Proc, Proc]) -> None:
+    p, d, _ = pd_nodes
+    idle = metric(d, "duet:kv_cache_usage_perc")
+    async with aiohttp.ClientSession() as s:
+        pre = await prefill_leg(s, p.url, [11] * 60, GREEDY, "abort-1")
+        body = {"prompt": [11] * 60, "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+                "stream": True, "kv_transfer_params": pre["kv_transfer_params"]}  # fmt: skip
+        r = await s.post(d.url + "/v1/completions", json=body, headers={"X-Request-Id": "abort-1"})
+        chunks = 0
+        async for line in r.content:
+            if line.startswith(b"data: "):
+                chunks += 1
+            if chunks == 3:
+                break
+        assert metric(d, "duet:num_requests_running") == 1
+        r.close()  # the client goes away mid-stream
+    await wait_for(lambda: metric(d, "duet:num_requests_running") == 0, 20, "abort")
+    await wait_for(lambda: metric(d, "duet:kv_cache_usage_perc") == idle, 20, "blocks freed")
+    assert "abort-1" in d.log()  # the X-Request-Id is in the node's log lines
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+async def test_prefill_node_killed_before_pull(tiny_llama: Path, tmp_path: Path, policy: str) -> None:
+    common = ("--dtype", "float32", "--kv-blocks", "128")
+    p = duet_node("prefill", tiny_llama, tmp_path, *common)
+    d = duet_node("decode", tiny_llama, tmp_path, *common, "--failure-policy", policy,
+                  "--transfer-timeout", "5")  # fmt: skip
+    prompt = prompts(1, 50, 51, seed=4)[0]
+    expected = LLM(str(tiny_llama), dtype="float32").generate([prompt], SamplingParams(**GREEDY))[0].token_ids
+    with running(p, d):
+        async with aiohttp.ClientSession() as s:
+            pre = await prefill_leg(s, p.url, prompt, GREEDY, "killed-1")
+            p.kill()
+            r = await completion(s, d.url, prompt, GREEDY, "killed-1", pre["kv_transfer_params"])
+    if policy == "recompute":
+        assert r.error is None and r.token_ids == expected
+    else:
+        assert r.error is not None and "KV transfer" in r.error["message"] and r.token_ids == []
+
+
+async def test_sigterm_drains_and_exits_zero(tiny_llama: Path, tmp_path: Path) -> None:
+    node = duet_node("both", tiny_llama, tmp_path, "--dtype", "float32", "--grace-period", "20")
+    with running(node):
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.ensure_future(completion(s, node.url, [5, 6, 7], {**GREEDY, "max_tokens": 900}))
+            await wait_for(lambda: metric(node, "duet:num_requests_running") == 1, 20, "request start")
+            import signal
+
+            node.proc.send_signal(signal.SIGTERM)
+            async def refused() -> bool:
+                async with s.post(node.url + "/v1/completions", json={"prompt": [5]}) as r:
+                    return r.status == 503 and "shutting down" in (await r.json())["error"]["message"]
+            assert await refused()
+            result = await task
+        assert result.error is None and len(result.token_ids) == 900  # the in-flight one finished
+        assert node.proc.wait(30) == 0
