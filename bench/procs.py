@@ -37,7 +37,8 @@ class Proc:
         )  # fmt: skip
 
     def log(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text(errors="replace")
 
     def wait_healthy(self, timeout: float = 120.0) -> None:

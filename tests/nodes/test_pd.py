@@ -100,17 +100,24 @@ async def test_bad_input_gets_4xx_and_nodes_keep_serving(pd_nodes: tuple[Proc, P
         assert ok.error is None and len(ok.token_ids) == 12
 
 
-async def test_lease_expiry_frees_prefill_blocks(tiny_llama: Path, tmp_path: Path) -> None:
-    p = duet_node("prefill", tiny_llama, tmp_path, "--dtype", "float32", "--kv-blocks", "64",
-                  "--lease-seconds", "1")  # fmt: skip
-    with running(p):
+async def test_lease_expiry_frees_prefill_blocks_and_decode_recomputes(tiny_llama: Path, tmp_path: Path) -> None:
+    common = ("--dtype", "float32", "--kv-blocks", "64")
+    p = duet_node("prefill", tiny_llama, tmp_path, *common, "--lease-seconds", "1")
+    d = duet_node("decode", tiny_llama, tmp_path, *common)
+    prompt = [8] * 100
+    expected = LLM(str(tiny_llama), dtype="float32").generate([prompt], SamplingParams(**GREEDY))[0].token_ids
+    with running(p, d):
         idle = metric(p, "duet:kv_cache_usage_perc")
         async with aiohttp.ClientSession() as s:
-            await prefill_leg(s, p.url, [8] * 100, GREEDY, "lease-1")
-        assert metric(p, "duet:kv_cache_usage_perc") > idle
-        assert metric(p, "duet:num_requests_held") == 1
-        await wait_for(lambda: metric(p, "duet:kv_cache_usage_perc") == idle, 20, "lease expiry")
-        assert metric(p, "duet:num_requests_held") == 0
+            pre = await prefill_leg(s, p.url, prompt, GREEDY, "lease-1")
+            assert metric(p, "duet:kv_cache_usage_perc") > idle
+            assert metric(p, "duet:num_requests_held") == 1
+            await wait_for(lambda: metric(p, "duet:kv_cache_usage_perc") == idle, 20, "lease expiry")
+            assert metric(p, "duet:num_requests_held") == 0
+            # Too late to pull: D notices (P no longer holds the blocks) and recomputes.
+            r = await completion(s, d.url, prompt, GREEDY, "lease-1", pre["kv_transfer_params"])
+    assert r.error is None and r.token_ids == expected
+    assert "lease ran out" in d.log()
 
 
 async def test_abort_mid_stream_frees_decode_blocks(pd_nodes: tuple[Proc, Proc, Proc]) -> None:

@@ -3,6 +3,7 @@ give the same tokens P → D, colocated, and offline."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 from pathlib import Path
 
@@ -44,8 +45,11 @@ async def test_16_prompts_pd_equals_offline_and_colocated(smollm2: Path, tmp_pat
     both = duet_node("both", smollm2, tmp_path, *COMMON)
     with running(p, d, both):
         async with aiohttp.ClientSession() as s:
-            pd = [await disaggregated(s, p.url, d.url, x, GREEDY) for x in ps]
-            co = [await completion(s, both.url, x, GREEDY) for x in ps]
+            # Concurrent: continuous batching must not change greedy tokens (fp32).
+            pd, co = await asyncio.gather(
+                asyncio.gather(*[disaggregated(s, p.url, d.url, x, GREEDY) for x in ps]),
+                asyncio.gather(*[completion(s, both.url, x, GREEDY) for x in ps]),
+            )
     for x, r, c, e in zip(ps, pd, co, expected, strict=True):
         assert r.error is None and c.error is None
         assert r.token_ids == e, f"P→D differs from LLM.generate for a {len(x)}-token prompt"
