@@ -1,0 +1,76 @@
+"""AsyncEngine: many coroutines on one engine thread, abort, errors, and the P/D hooks."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.async_engine import AsyncEngine
+from engine.core import RequestError
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture
+async def engine(tiny_llama: Path):
+    e = AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=128))
+    e.start()
+    yield e
+    await e.stop()
+
+
+async def collect(e: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+    stream = await e.add_request(rid, prompt, params)
+    toks: list[int] = []
+    async for out in stream:
+        toks += out.new_token_ids
+    return toks
+
+
+async def test_concurrent_requests_match_offline(engine: AsyncEngine, tiny_llama: Path) -> None:
+    prompts = [[3 + i, 4 + i, 5 + i] * (i + 1) for i in range(12)]
+    got = await asyncio.gather(*[collect(engine, f"r{i}", p) for i, p in enumerate(prompts)])
+    want = [o.token_ids for o in LLM(str(tiny_llama), dtype="float32").generate(prompts, GREEDY)]
+    assert got == want
+
+
+async def test_errors_reach_the_caller_and_the_engine_keeps_going(engine: AsyncEngine) -> None:
+    with pytest.raises(RequestError, match="context"):
+        await engine.add_request("long", [5] * 5000, GREEDY)
+    await collect(engine, "dup", [5, 6])
+    s = await engine.add_request("dup2", [5, 6], SamplingParams(max_tokens=500, ignore_eos=True))
+    with pytest.raises(RequestError, match="already in use"):
+        await engine.add_request("dup2", [5, 6], GREEDY)
+    assert await engine.abort("dup2")
+    outs = [o async for o in s]
+    assert outs[-1].finished and outs[-1].finish_reason == "abort"
+    assert len(await collect(engine, "after", [7, 8])) == 8
+
+
+async def test_abort_frees_blocks(engine: AsyncEngine) -> None:
+    s = await engine.add_request("a", [5] * 40, SamplingParams(max_tokens=1000, ignore_eos=True))
+    async for out in s:
+        if out.new_token_ids:
+            break
+    assert await engine.abort("a")
+    free = await engine.call(lambda core: core.pool.num_free)
+    assert free == 128
+
+
+async def test_hold_release_and_remote_reserve(engine: AsyncEngine) -> None:
+    # Prefill-node side: a held request keeps its blocks after finishing.
+    s = await engine.add_request("p", list(range(3, 40)), SamplingParams(max_tokens=1), hold_blocks=True)
+    final = [o async for o in s][-1]
+    assert final.finished and len(final.held_block_ids) == 3
+    assert await engine.call(lambda core: core.held_blocks("p")) == final.held_block_ids
+    assert await engine.release("p")
+    assert not await engine.release("p")
+    # Decode-node side: blocks are reserved first, then the request waits for kv_ready.
+    s = await engine.add_request("d", list(range(3, 40)), GREEDY, remote_num_tokens=37)
+    assert s.reserved is not None
+    blocks = await asyncio.wait_for(s.reserved, 10)
+    assert len(blocks) == 3
+    assert await engine.kv_ready("d", ok=False)  # nothing arrived: the engine computes it all
+    toks = [t async for o in s for t in o.new_token_ids]
+    assert len(toks) == 8
