@@ -23,8 +23,9 @@ import msgspec
 from aiohttp import web
 
 from decode.remote_kv import PeerUnreachable
-from engine.core import RequestError
-from node.completions import Prepared, respond
+from engine.async_engine import RequestStream
+from kvtransfer import Peer
+from node.completions import Prepared, respond, start
 from node.responder import SSE_HEADERS, Responder, error_event
 from node.state import NodeState
 from protocol.kv_params import KVTransferParams
@@ -63,11 +64,11 @@ async def decode_leg(state: NodeState, request: web.Request, prep: Prepared) -> 
     rid = prep.request_id
     responder = Responder(state, rid, rid, prep.arrival)
     failure: str | None = None
-    peer = None
+    peer: Peer | None = None
     try:
         peer = await state.remote_kv.peer(p.remote_engine_id, p.remote_host, p.remote_port)
-        remote_blocks = getattr(getattr(peer, "layout", None), "num_blocks", None)
-        if remote_blocks is not None and any(not 0 <= b < remote_blocks for b in p.remote_block_ids):
+        remote_blocks = peer.layout.num_blocks
+        if any(not 0 <= b < remote_blocks for b in p.remote_block_ids):
             raise APIError(400, f"remote_block_ids {p.remote_block_ids} fall outside the prefill "
                                 f"node's pool of {remote_blocks} blocks", param="kv_transfer_params")  # fmt: skip
     except PeerUnreachable as e:
@@ -75,11 +76,10 @@ async def decode_leg(state: NodeState, request: web.Request, prep: Prepared) -> 
     state.enter(rid)
     try:
         try:
-            stream = await state.engine.add_request(rid, prep.prompt_ids, prep.params, prep.priority,
-                                                    remote_num_tokens=len(prep.prompt_ids))  # fmt: skip
-        except RequestError as e:
+            stream = await start(state, rid, prep, prep.params, remote_num_tokens=len(prep.prompt_ids))
+        except APIError:
             await _release_quietly(state, p)
-            raise APIError(400, str(e)) from None
+            raise
         transfer = asyncio.ensure_future(_transfer(state, p, peer, stream, failure, responder))
         try:
             failure = await asyncio.shield(transfer)
@@ -102,8 +102,8 @@ async def decode_leg(state: NodeState, request: web.Request, prep: Prepared) -> 
         state.leave(rid)
 
 
-async def _transfer(state: NodeState, p: KVTransferParams, peer: object, stream, failure: str | None,
-                    responder: Responder) -> str | None:  # fmt: skip
+async def _transfer(state: NodeState, p: KVTransferParams, peer: Peer | None, stream: RequestStream,
+                    failure: str | None, responder: Responder) -> str | None:  # fmt: skip
     """Steps 3-6. Returns None on success or the failure's reason. Always ends with kv_ready."""
     t0 = time.monotonic()
     ok = False

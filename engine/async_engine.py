@@ -104,13 +104,12 @@ class AsyncEngine:
                         return
                     cmd()
                 outputs, reserved = core.step()
-                stats = core.stats()
+                # Published by reference from this thread only: readers see a whole snapshot.
+                self._stats = core.stats()
                 if outputs or reserved:
                     res = [(r.request_id, list(r.block_ids), r.num_cached_tokens // core.pool.block_size)
                            for r in reserved]  # fmt: skip
-                    self._call(self._deliver, outputs, res, stats)
-                else:
-                    self._stats = stats
+                    self._call(self._deliver, outputs, res)
         except BaseException as e:  # the thread must not die silently
             log.exception("engine thread failed")
             self.dead = e
@@ -122,9 +121,7 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(fn, *args)
 
     # -- event loop side -------------------------------------------------------------------
-    def _deliver(self, outputs: list[RequestOutput], reserved: list[tuple[str, list[int], int]],
-                 stats: dict[str, float]) -> None:  # fmt: skip
-        self._stats = stats
+    def _deliver(self, outputs: list[RequestOutput], reserved: list[tuple[str, list[int], int]]) -> None:
         for rid, blocks, cached in reserved:
             s = self._streams.get(rid)
             if s is not None and s.reserved is not None and not s.reserved.done():
@@ -199,7 +196,7 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> bool:
         out = await self._submit(lambda: self.core.abort(request_id))
         if out is not None:
-            self._deliver([out], [], self._stats)
+            self._deliver([out], [])
         return out is not None
 
     async def release(self, request_id: str) -> bool:

@@ -8,7 +8,6 @@ an unexpected exception from taking the node down (500 with a message, logged).
 from __future__ import annotations
 
 import logging
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -16,7 +15,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from node.completions import handle_completions, prefill_request_id
+from node.completions import handle_completions, new_request_id, prefill_request_id
 from node.request_log import REQUEST_ID
 from node.state import NodeState
 from protocol.node_api import AbortRequest, NodeHealth
@@ -35,7 +34,7 @@ def _error(err: APIError, request_id: str) -> web.Response:
 
 @web.middleware
 async def _middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    rid = request.headers.get("X-Request-Id") or f"cmpl-{uuid.uuid4().hex}"
+    rid = request.headers.get("X-Request-Id") or new_request_id()
     token = REQUEST_ID.set(rid)
     try:
         state = request.app[STATE]

@@ -12,10 +12,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from engine.async_engine import RequestStream
 from engine.core import RequestError
 from engine.request import Priority
 from engine.sampling_params import SamplingParams
@@ -61,7 +64,8 @@ def sampling_params(body: CompletionRequest, max_tokens: int | None = None) -> S
         raise APIError(400, str(e)) from None
 
 
-class Prepared(msgspec.Struct, kw_only=True):
+@dataclass
+class Prepared:
     """A validated request, ready for a leg."""
 
     request_id: str
@@ -72,7 +76,7 @@ class Prepared(msgspec.Struct, kw_only=True):
     arrival: float
 
 
-def prepare(state: NodeState, request: web.Request, raw: bytes) -> Prepared:
+def prepare(state: NodeState, raw: bytes) -> Prepared:
     arrival = time.monotonic()
     body = parse_body(raw)
     engine = state.engine
@@ -90,12 +94,12 @@ def prepare(state: NodeState, request: web.Request, raw: bytes) -> Prepared:
     priority = Priority.BATCH if body.priority == "batch" else Priority.INTERACTIVE
     rid = REQUEST_ID.get()
     return Prepared(request_id=rid, body=body, prompt_ids=ids, params=params, priority=priority,
-                    arrival=arrival)  # fmt: skip
+                    arrival=arrival)
 
 
 async def handle_completions(state: NodeState, request: web.Request) -> web.StreamResponse:
     raw = await request.read()
-    prep = prepare(state, request, raw)
+    prep = prepare(state, raw)
     ktp = prep.body.kv_transfer_params or {}
     role = state.config.role
     if ktp.get("do_remote_decode"):
@@ -113,21 +117,28 @@ async def handle_completions(state: NodeState, request: web.Request) -> web.Stre
     return await local_leg(state, request, prep)
 
 
-async def local_leg(state: NodeState, request: web.Request, prep: Prepared) -> web.StreamResponse:
-    state.enter(prep.request_id)
+async def start(state: NodeState, engine_request_id: str, prep: Prepared, params: SamplingParams,
+                **hooks: Any) -> RequestStream:  # fmt: skip
+    """Queue the request in the engine; a request the engine refuses is the client's 400."""
     try:
-        try:
-            stream = await state.engine.add_request(prep.request_id, prep.prompt_ids, prep.params,
-                                                    prep.priority)  # fmt: skip
-        except RequestError as e:
-            raise APIError(400, str(e)) from None
-        return await respond(state, request, prep, Responder(state, prep.request_id, prep.request_id, prep.arrival), stream)
+        return await state.engine.add_request(engine_request_id, prep.prompt_ids, params,
+                                              prep.priority, **hooks)  # fmt: skip
+    except RequestError as e:
+        raise APIError(400, str(e)) from None
+
+
+async def local_leg(state: NodeState, request: web.Request, prep: Prepared) -> web.StreamResponse:
+    rid = prep.request_id
+    state.enter(rid)
+    try:
+        stream = await start(state, rid, prep, prep.params)
+        return await respond(state, request, prep, Responder(state, rid, rid, prep.arrival), stream)
     finally:
-        state.leave(prep.request_id)
+        state.leave(rid)
 
 
 async def respond(state: NodeState, request: web.Request, prep: Prepared, responder: Responder,
-                  stream) -> web.StreamResponse:
+                  stream: RequestStream) -> web.StreamResponse:
     model = state.engine.model_name
     if prep.body.stream:
         return await responder.stream(request, stream, model)
@@ -137,4 +148,5 @@ async def respond(state: NodeState, request: web.Request, prep: Prepared, respon
 
 
 def new_request_id() -> str:
+    """For requests that arrive without an X-Request-Id."""
     return f"cmpl-{uuid.uuid4().hex}"

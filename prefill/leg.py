@@ -13,8 +13,7 @@ import logging
 import msgspec
 from aiohttp import web
 
-from engine.core import RequestError
-from node.completions import Prepared, prefill_request_id
+from node.completions import Prepared, prefill_request_id, start
 from node.responder import Responder
 from node.state import NodeState
 from protocol.kv_params import KVTransferParams
@@ -34,11 +33,7 @@ async def prefill_leg(state: NodeState, request: web.Request, prep: Prepared) ->
     params.max_tokens = 1  # P computes the prompt; the first real token comes from D
     state.enter(erid)
     try:
-        try:
-            stream = await state.engine.add_request(erid, prep.prompt_ids, params, prep.priority,
-                                                    hold_blocks=True)  # fmt: skip
-        except RequestError as e:
-            raise APIError(400, str(e)) from None
+        stream = await start(state, erid, prep, params, hold_blocks=True)
         responder = Responder(state, prep.request_id, erid, prep.arrival)
         result = await responder.collect(stream, state.engine.model_name)
     finally:
