@@ -1,0 +1,87 @@
+"""Choosing a backend by name: the only place that knows every backend class.
+
+`make_transport("nixl" | "ucx" | "tcp", engine_id=..., **options)`. "nixl" (the default)
+falls back to "tcp" when NIXL cannot be imported, logging exactly one line that says so;
+an explicit "ucx" without ucxx raises `BackendUnavailable` (asking for it is a choice).
+Options a backend does not take are rejected, so a typo in a config does not pass silently.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+from kvtransfer.base import Transport
+from kvtransfer.errors import BackendUnavailable
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("nixl", "ucx", "tcp")
+DEFAULT_BACKEND = "nixl"
+
+
+def _backend_class(kind: str) -> type[Transport]:
+    # Imported lazily: importing the nixl module must not require NIXL to be installed.
+    if kind == "nixl":
+        from kvtransfer.nixl_transport import NixlTransport
+
+        return NixlTransport
+    if kind == "ucx":
+        from kvtransfer.ucx_transport import UcxTransport
+
+        return UcxTransport
+    if kind == "tcp":
+        from kvtransfer.tcp_transport import TcpTransport
+
+        return TcpTransport
+    raise ValueError(f"unknown kv transfer backend {kind!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def _options_for(cls: type[Transport], options: dict[str, Any]) -> dict[str, Any]:
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise TypeError(f"{cls.backend} backend does not take option(s) {', '.join(unknown)}")
+    return options
+
+
+def make_transport(kind: str = DEFAULT_BACKEND, *, engine_id: str, **options: Any) -> Transport:
+    """A transport of backend `kind`; its pool still has to be registered.
+
+    Common options: metrics, timeout, hugepages; nixl: progress_thread, poll_interval,
+    inline_max_bytes, ucx_params; ucx: host, port; tcp: host, port, advertise_host.
+    Options meant for another backend are dropped when nixl falls back to tcp.
+    """
+    cls = _backend_class(kind)
+    if kind == "nixl":
+        try:
+            return cls(engine_id=engine_id, **_options_for(cls, options))
+        except BackendUnavailable as e:
+            tcp = _backend_class("tcp")
+            accepted = set(inspect.signature(tcp.__init__).parameters)
+            log.warning("kvtransfer: NIXL unavailable (%s); falling back to the tcp backend", e)
+            return tcp(engine_id=engine_id, **{k: v for k, v in options.items() if k in accepted})
+    return cls(engine_id=engine_id, **_options_for(cls, options))
+
+
+def unavailable_reason(kind: str) -> str | None:
+    """Why backend `kind` cannot run in this process (None: it can). Imports its library."""
+    _backend_class(kind)  # validates the name
+    try:
+        if kind == "nixl":
+            from kvtransfer.nixl_transport import import_nixl
+
+            import_nixl()
+        elif kind == "ucx":
+            from kvtransfer.ucx_transport import import_ucxx
+
+            import_ucxx()
+    except BackendUnavailable as e:
+        return str(e)
+    return None
+
+
+def available_backends() -> list[str]:
+    """The backends that can run here, in preference order (tcp always can)."""
+    return [kind for kind in BACKENDS if unavailable_reason(kind) is None]
