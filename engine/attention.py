@@ -1,10 +1,16 @@
-"""Paged attention on the block-major KV pool, with torch's SDPA kernels.
+"""Paged attention on the block-major KV pool: step metadata, and the kernel / torch paths.
 
-A step's tokens are laid out decodes first (one query each, batched together: their blocks are
-gathered into a padded `[B, blocks, block_size, kv_heads, head_dim]` view and masked past each
-context length), then prefill chunks (one SDPA call each: plain causal when the chunk starts
-at position 0, else against the gathered prefix with an offset causal mask). Everything a
-step's layers share (gather indices, masks, slot mapping) is built once in `AttentionMetadata`.
+A step's tokens are laid out decodes first (one query each), then prefill chunks. Each token
+has a position, a pool slot for its new K/V, a row in the step's block tables (one row per
+decode sequence or prefill chunk) and a context length (position + 1). Everything layers
+share is built once per step in `AttentionMetadata`.
+
+Paths: with the CPU kernels, a bf16 step's decodes attend through `paged_attention` and its
+prefill tokens through `prefill_attention` (query blocks; engine/kernels/). In fp32 only the
+decodes do: prefill chunks use torch SDPA, which keeps fp32 greedy output token-identical to
+transformers. Without kernels (CUDA, no compiler, DUET_DISABLE_KERNELS=1) everything is SDPA:
+decodes gather their blocks into a padded batch with a length mask, a chunk after a cached
+prefix gathers its sequence's blocks with an offset causal mask.
 
 Invariant: the new tokens' K/V are written into their slots before attention reads the pool,
 so a chunk attends to itself and to every earlier token of its sequence.
@@ -13,6 +19,7 @@ so a chunk attends to itself and to every earlier token of its sequence.
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -24,20 +31,56 @@ class PrefillChunk:
     q_start: int  # offset of the chunk's first token in the step
     q_len: int
     start_pos: int  # position of the chunk's first token in its sequence
-    blocks: torch.Tensor | None  # block ids covering [0, start_pos + q_len); None if start_pos == 0
-    mask: torch.Tensor | None  # [q_len, ctx] bool (True: attend); None for plain causal
+    row: int  # its row in the step's block tables
 
 
 @dataclass
 class AttentionMetadata:
+    block_size: int
+    positions: torch.Tensor  # [T] int64
     slot_block: torch.Tensor  # [T] block of each new token
     slot_offset: torch.Tensor  # [T] offset in that block
+    block_tables: torch.Tensor  # [rows, width] int64, zero-padded
+    token_row: torch.Tensor  # [T] int32: row of each token in block_tables
+    ctx_lens: torch.Tensor  # [T] int32: keys visible to each token (position + 1)
+    max_ctx: int
     num_decode: int = 0
-    decode_blocks: torch.Tensor | None = None  # [B, max_blocks]
-    decode_mask: torch.Tensor | None = None  # [B, 1, 1, max_blocks * block_size] bool
-    decode_ctx: torch.Tensor | None = None  # [B] int32 context length (kernel path)
     sliding_window: int | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    # -- torch-path views, built on first use only -----------------------------------------
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor:
+        """[B, 1, 1, width * block_size] bool: True where a decode token may attend."""
+        b = self.num_decode
+        ctx = self.ctx_lens[:b].long()
+        k = torch.arange(self.block_tables.shape[1] * self.block_size, device=ctx.device)
+        mask = k[None, :] < ctx[:, None]
+        if self.sliding_window is not None:
+            mask &= k[None, :] >= ctx[:, None] - self.sliding_window
+        return mask[:, None, None, :]
+
+    def chunk_mask(self, p: PrefillChunk) -> torch.Tensor | None:
+        """[q_len, ctx] bool for a chunk; None when plain causal attention is exact."""
+        ctx = p.start_pos + p.q_len
+        w = self.sliding_window
+        if p.start_pos == 0 and (w is None or ctx <= w):
+            return None
+        dev = self.positions.device
+        pos = torch.arange(p.start_pos, ctx, device=dev)
+        k = torch.arange(ctx, device=dev)
+        mask = k[None, :] <= pos[:, None]
+        if w is not None:
+            mask &= k[None, :] > pos[:, None] - w
+        return mask
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def build_metadata(
@@ -48,105 +91,112 @@ def build_metadata(
     device: torch.device,
 ) -> AttentionMetadata:
     """decodes: (block_ids, position) per decode token; prefills: (block_ids, start, length)."""
+    bs = block_size
+    rows: list[list[int]] = []
+    positions: list[int] = []
     blocks: list[int] = []
     offsets: list[int] = []
+    token_row: list[int] = []
     for bids, pos in decodes:
-        blocks.append(bids[pos // block_size])
-        offsets.append(pos % block_size)
-    md_prefills = []
-    q_start = len(decodes)
+        token_row.append(len(rows))
+        rows.append(bids[: pos // bs + 1])
+        positions.append(pos)
+        blocks.append(bids[pos // bs])
+        offsets.append(pos % bs)
+    chunks = []
     for bids, start, n in prefills:
-        pos = torch.arange(start, start + n)
-        bt = torch.tensor(bids, dtype=torch.long)
-        blocks.extend(bt[pos // block_size].tolist())
-        offsets.extend((pos % block_size).tolist())
-        ctx = start + n
-        chunk_blocks = None
-        mask = None
-        if start > 0:
-            chunk_blocks = bt[: -(-ctx // block_size)].to(device)
-        if start > 0 or (sliding_window is not None and ctx > sliding_window):
-            k = torch.arange(ctx)
-            mask = k[None, :] <= pos[:, None]
-            if sliding_window is not None:
-                mask &= k[None, :] > pos[:, None] - sliding_window
-            mask = mask.to(device)
-        md_prefills.append(PrefillChunk(q_start, n, start, chunk_blocks, mask))
-        q_start += n
-    md = AttentionMetadata(
-        slot_block=torch.tensor(blocks, dtype=torch.long, device=device),
-        slot_offset=torch.tensor(offsets, dtype=torch.long, device=device),
+        chunks.append(PrefillChunk(len(positions), n, start, len(rows)))
+        token_row.extend([len(rows)] * n)
+        rows.append(bids[: cdiv(start + n, bs)])
+        span = range(start, start + n)
+        positions.extend(span)
+        blocks.extend([bids[p // bs] for p in span])
+        offsets.extend([p % bs for p in span])
+    width = max(len(r) for r in rows)
+    table = [r + [0] * (width - len(r)) for r in rows]
+
+    def t(xs: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(xs, dtype=dtype, device=device)
+
+    return AttentionMetadata(
+        block_size=bs,
+        positions=t(positions, torch.long),
+        slot_block=t(blocks, torch.long),
+        slot_offset=t(offsets, torch.long),
+        block_tables=t(table, torch.long),
+        token_row=t(token_row, torch.int32),
+        ctx_lens=t([p + 1 for p in positions], torch.int32),
+        max_ctx=max(positions) + 1,
         num_decode=len(decodes),
-        prefills=md_prefills,
         sliding_window=sliding_window,
+        prefills=chunks,
     )
-    if decodes:
-        width = max(pos // block_size + 1 for _, pos in decodes)
-        table = [bids[:width] + [0] * (width - min(len(bids), width)) for bids, _ in decodes]
-        md.decode_blocks = torch.tensor(table, dtype=torch.long, device=device)
-        ctx = torch.tensor([pos + 1 for _, pos in decodes], dtype=torch.int32, device=device)
-        md.decode_ctx = ctx
-        k = torch.arange(width * block_size, device=device)
-        mask = k[None, :] < ctx[:, None]
-        if sliding_window is not None:
-            mask &= k[None, :] >= ctx[:, None] - sliding_window
-        md.decode_mask = mask[:, None, None, :]
-    return md
 
 
-def _decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, md: AttentionMetadata,
-                   lib: ctypes.CDLL) -> torch.Tensor:  # fmt: skip
-    b, heads, dim = md.num_decode, q.shape[1], q.shape[2]
-    assert md.decode_blocks is not None and md.decode_ctx is not None and q.stride(2) == 1
-    out = torch.empty((b, heads * dim), dtype=q.dtype)
-    fn = lib.paged_decode_attention_bf16 if q.dtype == torch.bfloat16 else lib.paged_decode_attention_f32
-    fn(q.data_ptr(), q.stride(0), kv_cache.data_ptr(), layer * kv_cache.stride(1), kv_cache.stride(0),
-       md.decode_blocks.data_ptr(), md.decode_blocks.shape[1], md.decode_ctx.data_ptr(),
-       md.sliding_window or 0, out.data_ptr(), b, heads, kv_cache.shape[4], dim,
-       kv_cache.shape[3], dim**-0.5)  # fmt: skip
-    return out
+def _gather(cache: torch.Tensor, kv: int, blocks: torch.Tensor) -> torch.Tensor:
+    """K (kv=0) or V (kv=1) rows of `blocks` of one layer, as [..., tokens, kvh, dim]."""
+    return cache[:, kv][blocks].flatten(-4, -3)
 
 
 def _decode_torch(q: torch.Tensor, cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
     b, heads, dim = md.num_decode, q.shape[1], q.shape[2]
-    kvh = cache.shape[3]
-    assert md.decode_blocks is not None and md.decode_mask is not None
-    kc = cache[:, 0][md.decode_blocks].view(b, -1, kvh, dim).transpose(1, 2)
-    vc = cache[:, 1][md.decode_blocks].view(b, -1, kvh, dim).transpose(1, 2)
+    blocks = md.block_tables[:b]
+    kc = _gather(cache, 0, blocks).transpose(1, 2)
+    vc = _gather(cache, 1, blocks).transpose(1, 2)
     o = F.scaled_dot_product_attention(q[:b].unsqueeze(2), kc, vc, attn_mask=md.decode_mask, enable_gqa=True)
-    return o.view(b, heads * dim)
+    return o.reshape(b, heads * dim)
+
+
+def _prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                   md: AttentionMetadata, p: PrefillChunk) -> torch.Tensor:  # fmt: skip
+    heads, dim = q.shape[1], q.shape[2]
+    sl = slice(p.q_start, p.q_start + p.q_len)
+    qs = q[sl].transpose(0, 1)
+    if p.start_pos == 0:
+        ks, vs = k[sl].transpose(0, 1), v[sl].transpose(0, 1)
+    else:
+        ctx = p.start_pos + p.q_len
+        blocks = md.block_tables[p.row, : cdiv(ctx, md.block_size)]
+        ks = _gather(cache, 0, blocks)[:ctx].transpose(0, 1)
+        vs = _gather(cache, 1, blocks)[:ctx].transpose(0, 1)
+    mask = md.chunk_mask(p)
+    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    return o.transpose(0, 1).reshape(p.q_len, heads * dim)
 
 
 def paged_attention(
-    q: torch.Tensor,  # [T, H, D] (rotated)
-    k: torch.Tensor,  # [T, KVH, D] (rotated, already written to the pool)
-    v: torch.Tensor,  # [T, KVH, D]
+    qkv: torch.Tensor,  # [T, (H + 2 KVH) * D], q and k rotated, K/V already in the pool
+    heads: int,
     kv_cache: torch.Tensor,  # the whole pool
     layer: int,
     md: AttentionMetadata,
     lib: ctypes.CDLL | None,
+    step_ptr: int,
+    kernel_prefill: bool,
 ) -> torch.Tensor:
-    """Attention output [T, H * D]. `lib`: the CPU kernel library (None: torch only)."""
-    heads, dim = q.shape[1], q.shape[2]
-    kvh = k.shape[1]
+    """Attention output [T, H * D]. `lib`/`step_ptr`: the CPU kernels and this step's `Step`
+    (None/0: torch only); `kernel_prefill`: prefill chunks use the kernel too."""
+    t = qkv.shape[0]
+    kvh, dim = kv_cache.shape[4], kv_cache.shape[5]
+    out = torch.empty((t, heads * dim), dtype=qkv.dtype, device=qkv.device)
+    n_kernel = 0
+    if lib is not None:
+        nd = md.num_decode
+        if nd:
+            lib.paged_attention(step_ptr, layer, 0, nd, qkv.data_ptr(), qkv.stride(0), out.data_ptr(), heads * dim)
+        n_kernel = nd
+        if kernel_prefill and t > nd:
+            lib.prefill_attention(step_ptr, layer, nd, t - nd, qkv.data_ptr(), qkv.stride(0),
+                                  out[nd:].data_ptr(), heads * dim)  # fmt: skip
+            n_kernel = t
+    if n_kernel == t:
+        return out
+    q = qkv[:, : heads * dim].view(t, heads, dim)
+    k = qkv[:, heads * dim : (heads + kvh) * dim].view(t, kvh, dim)
+    v = qkv[:, (heads + kvh) * dim :].view(t, kvh, dim)
     cache = kv_cache[:, layer]
-    outs = []
-    if md.num_decode:
-        if lib is not None:
-            outs.append(_decode_kernel(q, kv_cache, layer, md, lib))
-        else:
-            outs.append(_decode_torch(q, cache, md))
+    if md.num_decode and n_kernel == 0:
+        out[: md.num_decode] = _decode_torch(q, cache, md)
     for p in md.prefills:
-        qs = q[p.q_start : p.q_start + p.q_len].transpose(0, 1)
-        if p.blocks is None:
-            ks = k[p.q_start : p.q_start + p.q_len].transpose(0, 1)
-            vs = v[p.q_start : p.q_start + p.q_len].transpose(0, 1)
-        else:
-            ctx = p.start_pos + p.q_len
-            ks = cache[:, 0][p.blocks].view(-1, kvh, dim)[:ctx].transpose(0, 1)
-            vs = cache[:, 1][p.blocks].view(-1, kvh, dim)[:ctx].transpose(0, 1)
-        o = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=p.mask, is_causal=p.mask is None, enable_gqa=True
-        )
-        outs.append(o.transpose(0, 1).reshape(p.q_len, heads * dim))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+        out[p.q_start : p.q_start + p.q_len] = _prefill_torch(q, k, v, cache, md, p)
+    return out

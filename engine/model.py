@@ -1,60 +1,126 @@
 """The Llama-family forward pass over a flat batch of tokens and the paged KV pool.
 
 Written as plain functions over fused weights (one GEMM for q/k/v, one for gate/up) rather
-than nn.Modules: the per-step Python overhead is what bounds single-stream decode on a CPU.
+than nn.Modules: per-op Python overhead adds up over 30 layers at small batch sizes.
 The math follows transformers' Llama/Qwen2/Mistral exactly (RMSNorm, rotate-half RoPE, SwiGLU,
 SDPA attention), which is what makes greedy output token-identical in fp32.
+
+On the CPU, with the native kernels (engine/kernels/), each layer is: qkv GEMM → `rope_store`
+(rotary in place + K/V into the pool) → `paged_attention` → o GEMM → residual add + norm →
+gate/up GEMM → SiLU·up → down GEMM → residual add + the next layer's norm. In bf16 the norms,
+SiLU·up and every token's attention are kernels and GEMMs use oneDNN-prepacked weights
+(engine/linear.py); fp32 keeps torch norms and SDPA prefill (exact transformers parity).
+Without kernels, the same steps run as torch ops.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
-from engine.kernels import paged_attention_lib
+from engine.kernel_step import KernelStep
+from engine.kernels import kernels_lib
+from engine.linear import Linear
 from engine.model_config import ModelConfig
 from engine.rope import Rope
 from engine.weights import ModelWeights
 
 
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, rope: Rope, device: torch.device) -> None:
         self.cfg = cfg
-        lib = paged_attention_lib() if device.type == "cpu" else None
-        self.kernels = lib if weights.embed.dtype in (torch.float32, torch.bfloat16) else None
-        self.w = weights
+        dtype = weights.embed.dtype
+        usable = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+                  and cfg.head_dim % 2 == 0 and cfg.num_heads // cfg.num_kv_heads <= 64)  # fmt: skip
+        self.kernels = kernels_lib() if usable else None
+        # fp32 stays on SDPA prefill and torch norms: the exact-parity reference path.
+        self.kernel_prefill = self.fused = self.kernels is not None and dtype == torch.bfloat16
+        self.layers = [
+            Layer(lw.input_norm, Linear(lw.qkv, lw.qkv_bias), Linear(lw.o), lw.post_norm,
+                  Linear(lw.gate_up), Linear(lw.down))
+            for lw in weights.layers
+        ]
+        weights.layers = []  # prepacked copies replace the plain weights
+        self.embed = weights.embed
+        self.norm = weights.norm
+        self.lm_head = Linear(weights.lm_head)
         self.rope = rope
         self.eps = cfg.rms_norm_eps
         self.hidden = (cfg.hidden_size,)
-        self.qk_width = (cfg.num_heads + cfg.num_kv_heads) * cfg.head_dim
+        self.inter = cfg.intermediate_size
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            out = torch.empty_like(x)
+            self.kernels.rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], self.eps)
+            return out
         return F.rms_norm(x, self.hidden, weight, self.eps)
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """h += delta (the residual stream, in place); returns RMSNorm(h) * weight."""
+        if self.fused:
+            out = torch.empty_like(h)
+            self.kernels.add_rms_norm_bf16(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                                           h.shape[0], h.shape[1], self.eps)  # fmt: skip
+            return out
+        h += delta
+        return F.rms_norm(h, self.hidden, weight, self.eps)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            out = torch.empty((gate_up.shape[0], self.inter), dtype=gate_up.dtype)
+            self.kernels.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], self.inter)
+            return out
+        return F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
 
     @torch.inference_mode()
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
         kv_cache: torch.Tensor,  # [num_blocks, layers, 2, block_size, KVH, D]
         md: AttentionMetadata,
         sample_idx: torch.Tensor,  # [S] rows of the step whose logits are wanted
     ) -> torch.Tensor:
-        cfg = self.cfg
-        t = input_ids.shape[0]
-        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        h = F.embedding(input_ids, self.w.embed)
-        cos, sin = self.rope.tables(positions)
-        for i, lw in enumerate(self.w.layers):
-            x = self._norm(h, lw.input_norm)
-            qkv = F.linear(x, lw.qkv, lw.qkv_bias)
-            qk = self.rope.apply(qkv[:, : self.qk_width].view(t, nh + nkv, hd), cos, sin)
-            q, k = qk[:, :nh], qk[:, nh:]
-            v = qkv[:, self.qk_width :].view(t, nkv, hd)
-            kv_cache[:, i][md.slot_block, :, md.slot_offset] = torch.stack((k, v), dim=1)
-            h = h + F.linear(paged_attention(q, k, v, kv_cache, i, md, self.kernels), lw.o)
-            gate, up = F.linear(self._norm(h, lw.post_norm), lw.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, lw.down)
-        x = self._norm(h[sample_idx], self.w.norm)
-        return F.linear(x, self.w.lm_head).float()
+        lib = self.kernels
+        ptr = 0
+        step = None
+        cos = sin = None
+        if lib is not None:
+            step = KernelStep(kv_cache, md.block_tables, md.token_row, md.ctx_lens, md.positions,
+                              md.slot_block, md.slot_offset, self.rope.cos, self.rope.sin,
+                              self.cfg.num_heads, md.max_ctx, md.sliding_window)  # fmt: skip
+            ptr = step.ptr
+        else:
+            cos, sin = self.rope.tables(md.positions)
+        nh, layers = self.cfg.num_heads, self.layers
+        h = F.embedding(input_ids, self.embed)
+        x = self._norm(h, layers[0].input_norm)
+        for i, layer in enumerate(layers):
+            qkv = layer.qkv(x)
+            if lib is not None:
+                lib.rope_store(ptr, i, qkv.data_ptr(), qkv.stride(0))
+            else:
+                self.rope.store_torch(qkv, nh, kv_cache, i, md.slot_block, md.slot_offset, cos, sin)
+            attn = paged_attention(qkv, nh, kv_cache, i, md, lib, ptr, self.kernel_prefill)
+            x = self._add_norm(h, layer.o(attn), layer.post_norm)
+            down = layer.down(self._silu_mul(layer.gate_up(x)))
+            if i + 1 < len(layers):
+                x = self._add_norm(h, down, layers[i + 1].input_norm)
+            else:
+                h += down
+        del step  # the kernels are done with the step's tensors
+        x = self._norm(h[sample_idx], self.norm)
+        return self.lm_head(x)  # model dtype: the sampler reads bf16 logits as they are

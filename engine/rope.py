@@ -2,7 +2,8 @@
 
 cos/sin tables for every position are built once in fp32 (as transformers computes them) and
 cast to the model dtype; a step gathers the rows of its positions once and every layer reuses
-them. Scaling: default, linear and llama3.
+them (the `rope_store` CPU kernel reads the full tables directly, with the same rounding).
+Scaling: default, linear and llama3.
 """
 
 from __future__ import annotations
@@ -53,3 +54,16 @@ class Rope:
         x1, x2 = x[..., : self.half], x[..., self.half :]
         rotated = torch.cat([-x2, x1], dim=-1)
         return x * cos + rotated * sin
+
+    def store_torch(self, qkv: torch.Tensor, heads: int, kv_cache: torch.Tensor, layer: int,
+                    slot_block: torch.Tensor, slot_offset: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor) -> None:  # fmt: skip
+        """Torch twin of the `rope_store` kernel: rotate q and k of the fused qkv activations
+        [T, (H + 2 KVH) * D] in place and write k, v into their pool slots."""
+        t = qkv.shape[0]
+        kvh, dim = kv_cache.shape[4], kv_cache.shape[5]
+        width = (heads + kvh) * dim
+        qk = self.apply(qkv[:, :width].view(t, heads + kvh, dim), cos, sin)
+        qkv[:, :width] = qk.view(t, width)
+        v = qkv[:, width:].view(t, kvh, dim)
+        kv_cache[:, layer][slot_block, :, slot_offset] = torch.stack((qk[:, heads:], v), dim=1)

@@ -53,14 +53,9 @@ class ModelRunner:
         """Run one step. Returns the chunks that sample, in order, and their logits [S, V]."""
         decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
-        ids: list[int] = []
-        positions: list[int] = []
-        for c in decodes:
-            ids.append(c.req.token_at(c.start))
-            positions.append(c.start)
+        ids = [c.req.token_at(c.start) for c in decodes]
         for c in prefills:
             ids.extend(c.req.all_token_ids[c.start : c.start + c.num_tokens])
-            positions.extend(range(c.start, c.start + c.num_tokens))
         md = build_metadata(
             self.block_size,
             [(c.req.block_ids, c.start) for c in decodes],
@@ -78,7 +73,6 @@ class ModelRunner:
         dev = self.device
         logits = self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
             self.kv_cache,
             md,
             torch.tensor(sample_rows, dtype=torch.long, device=dev),

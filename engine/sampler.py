@@ -1,8 +1,10 @@
 """Token selection from a step's logits: greedy, temperature, top-k, top-p, per-request seed.
 
-Greedy rows take the argmax (the same token transformers' greedy search picks). Sampled rows
-are processed together for temperature/top-k/top-p, then each draws with its own
-`torch.Generator` when it has a seed, so its tokens do not depend on what else is batched.
+Greedy rows take the argmax (the same token transformers' greedy search picks: the first
+maximum), with the `argmax_rows` CPU kernel when available, on the logits as they come
+(bf16 or fp32). Sampled rows are processed together in fp32 for temperature/top-k/top-p, then
+each draws with its own `torch.Generator` when it has a seed, so its tokens do not depend on
+what else is batched.
 
 Invariant: the returned list has one token per input row, in row order.
 """
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels import kernels_lib
 from engine.sampling_params import SamplingParams
 
 
@@ -18,6 +21,7 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._default = torch.Generator().manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        self._lib = kernels_lib()
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
@@ -32,7 +36,7 @@ class Sampler:
 
     def sample(
         self,
-        logits: torch.Tensor,  # [S, V] float32
+        logits: torch.Tensor,  # [S, V] float32 or the model dtype
         rows: list[tuple[str, SamplingParams, bool]],  # (request id, params, eos allowed)
         eos_ids: list[frozenset[int]] | None = None,
     ) -> list[int]:
@@ -41,11 +45,11 @@ class Sampler:
             for r, (_, _, allowed) in enumerate(rows):
                 if not allowed and eos_ids[r]:  # min_tokens not reached yet
                     logits[r, list(eos_ids[r])] = float("-inf")
-        out = logits.argmax(dim=-1).tolist()
+        out = self._argmax(logits)
         sampled = [r for r, (_, p, _) in enumerate(rows) if not p.greedy]
         if not sampled:
             return out
-        x = logits[sampled]
+        x = logits[sampled].float()
         params = [rows[r][1] for r in sampled]
         x = x / torch.tensor([p.temperature for p in params]).unsqueeze(1)
         if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
@@ -55,6 +59,16 @@ class Sampler:
             g = self._generator(rows[r][0], params[j])
             out[r] = int(torch.multinomial(probs[j], 1, generator=g).item())
         return out
+
+
+    def _argmax(self, logits: torch.Tensor) -> list[int]:
+        lib = self._lib
+        if lib is None or logits.dtype not in (torch.float32, torch.bfloat16) or logits.stride(1) != 1:
+            return logits.argmax(dim=-1).tolist()
+        idx = torch.empty(logits.shape[0], dtype=torch.long)
+        lib.argmax_rows(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
+                        int(logits.dtype == torch.bfloat16), idx.data_ptr())  # fmt: skip
+        return idx.tolist()
 
 
 def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

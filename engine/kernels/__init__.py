@@ -1,10 +1,16 @@
 """Native CPU kernels, compiled on first use with the system C compiler and loaded via ctypes.
 
-Compiled once per machine into `$DUET_HOME/kernels/` (keyed by source, flags and CPU
-features, written atomically), in well under a second. Linked against the OpenMP runtime torch
+Compiled once per machine into `$DUET_HOME/kernels/` (keyed by sources, flags and CPU
+features, written atomically), in about a second. Linked against the OpenMP runtime torch
 already loaded, so kernels and torch share one thread pool (two pools spinning on two cores
-is catastrophic). When no compiler is available the engine falls back to torch ops, with one
-log line.
+is catastrophic). When no compiler is available, or DUET_DISABLE_KERNELS is set, the engine
+falls back to torch ops, with one log line.
+
+Kernels (see each .c file): `paged_attention` (attention of any step token against the paged
+pool), `prefill_attention` (the same for prefill tokens, in query blocks) and `rope_store` (rotary embedding in place + K/V write to the pool), which take the
+step's shared arguments as a `Step` struct (step.h, mirrored in engine/kernel_step.py); and
+bf16 `rms_norm` / `add_rms_norm` / `silu_mul` (norm_act.c), and `argmax_rows` (greedy
+sampling, argmax.c).
 """
 
 from __future__ import annotations
@@ -23,59 +29,86 @@ from protocol.models import duet_home
 
 log = logging.getLogger("duet.engine.kernels")
 
-_SRC = Path(__file__).with_name("paged_attention.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno",
-          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]  # fmt: skip
+_DIR = Path(__file__).parent
+_HEADERS = ("common.h", "step.h", "attention_parts.h")
+_BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-fno-math-errno", "-fno-trapping-math")
+# Attention may reassociate (its sums are reductions anyway); rope and the bf16 norms must round
+# exactly where torch / transformers do, so they get neither reassociation nor FMA contraction.
+_REASSOC = ("-fassociative-math", "-fno-signed-zeros")
+_SOURCES = (
+    ("paged_attention.c", _REASSOC),
+    ("prefill_attention.c", _REASSOC),
+    ("rope_store.c", ("-ffp-contract=off",)),
+    ("norm_act.c", ("-ffp-contract=off",)),
+    ("argmax.c", ()),
+)
 
 
 def _cpu_key() -> str:
     try:
-        flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
+        return next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
     except (OSError, StopIteration):
-        flags = ""
-    return flags
+        return ""
 
 
 def _compile() -> Path | None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         return None
-    src = _SRC.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc, *_FLAGS, _cpu_key()]).encode()).hexdigest()[:16]
+    h = hashlib.sha256(" ".join([cc, *_BASE_FLAGS, repr(_SOURCES), _cpu_key()]).encode())
+    for name in (*_HEADERS, *(src for src, _ in _SOURCES)):
+        h.update((_DIR / name).read_bytes())
     out_dir = duet_home() / "kernels"
-    target = out_dir / f"paged_attention-{key}.so"
+    target = out_dir / f"duet_kernels-{h.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    proc = subprocess.run([cc, *_FLAGS, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True)
-    if proc.returncode != 0:
-        os.unlink(tmp)
-        log.warning("compiling the CPU attention kernel failed: %s", proc.stderr.strip()[:500])
-        return None
-    os.replace(tmp, target)
+    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        objs = [str(Path(tmp) / (name + ".o")) for name, _ in _SOURCES]
+        # The sources compile in parallel (about a second in all).
+        procs = [subprocess.Popen([cc, *_BASE_FLAGS, *flags, f"-I{_DIR}", "-c", str(_DIR / name), "-o", obj],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for (name, flags), obj in zip(_SOURCES, objs, strict=True)]  # fmt: skip
+        if not all([_ok(p) for p in procs]):  # a list: wait for every compiler, not just the first failure
+            return None
+        so = Path(tmp) / "lib.so"
+        if not _ok(subprocess.Popen([cc, "-shared", "-fopenmp", *objs, "-o", str(so), "-lm"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)):  # fmt: skip
+            return None
+        os.replace(so, target)
     return target
 
 
+def _ok(proc: subprocess.Popen) -> bool:
+    _, err = proc.communicate()
+    if proc.returncode != 0:
+        log.warning("compiling the CPU kernels failed: %s", err.strip()[:500])
+    return proc.returncode == 0
+
+
 @functools.cache
-def paged_attention_lib() -> ctypes.CDLL | None:
+def kernels_lib() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (torch fallback)."""
     if os.environ.get("DUET_DISABLE_KERNELS"):
         return None
-    import torch  # noqa: F401 - load torch's libgomp first so the kernel binds to it
+    import torch  # noqa: F401 - load torch's libgomp first so the kernels bind to it
 
     path = _compile()
     if path is None:
-        log.warning("no C compiler: decode attention uses the slower torch path")
+        log.warning("no working C compiler: attention and rope use the slower torch path")
         return None
     lib = ctypes.CDLL(str(path))
-    args = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-            ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p,
-            ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
-            ctypes.c_float]  # fmt: skip
-    for name in ("paged_decode_attention_f32", "paged_decode_attention_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes = args
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    for fn in (lib.paged_attention, lib.prefill_attention):
+        fn.argtypes = [p, i32, i32, i32, p, i64, p, i64]
+        fn.restype = None
+    lib.rope_store.argtypes = [p, i32, p, i64]
+    lib.rope_store.restype = None
+    f32 = ctypes.c_float
+    lib.rms_norm_bf16.argtypes = [p, p, p, i32, i32, f32]
+    lib.add_rms_norm_bf16.argtypes = [p, p, p, p, i32, i32, f32]
+    lib.silu_mul_bf16.argtypes = [p, p, i32, i32]
+    lib.argmax_rows.argtypes = [p, i64, i32, i32, i32, p]
+    for fn in (lib.rms_norm_bf16, lib.add_rms_norm_bf16, lib.silu_mul_bf16, lib.argmax_rows):
         fn.restype = None
     return lib

@@ -19,7 +19,7 @@ from engine.kernels import kernels_lib
 from engine.rope import Rope
 
 lib = kernels_lib()
-pytestmark = pytest.mark.skipif(lib is None, reason="no C compiler: kernels unavailable")
+pytestmark = pytest.mark.skipif(lib is None, reason="kernels unavailable (no C compiler, or DUET_DISABLE_KERNELS)")
 
 SHAPES = {  # heads, kv heads, head_dim, sliding window
     "smollm2": (9, 3, 64, None),
@@ -106,3 +106,16 @@ def test_bf16_norm_and_silu_kernels(rows: int, n: int) -> None:
     act = torch.empty(rows, n, dtype=torch.bfloat16)
     lib.silu_mul_bf16(gu.data_ptr(), act.data_ptr(), rows, n)
     assert _ulps(act, F.silu(gu[:, :n]) * gu[:, n:]) <= 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_argmax_rows_matches_torch_first_maximum(dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 1000, generator=g).to(dtype)  # 1000: a tail past the last 16-lane vector
+    x[1, 10] = x[1, 900] = x[1].max() + 1  # a tie: the first index wins
+    x[2] = float("-inf")
+    x[3, 999] = 50.0  # the max in the scalar tail
+    x[4, 5] = float("nan")  # torch treats NaN as the maximum
+    idx = torch.empty(7, dtype=torch.long)
+    lib.argmax_rows(x.data_ptr(), x.stride(0), 7, 1000, int(dtype == torch.bfloat16), idx.data_ptr())
+    assert idx.tolist() == x.argmax(dim=-1).tolist()

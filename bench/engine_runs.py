@@ -1,0 +1,189 @@
+"""The measurements of `bench.engine`, each against one in-process EngineCore.
+
+Every figure is measured by driving `EngineCore.step()` directly (no HTTP, no asyncio), so it
+is the engine's own throughput: scheduling, the forward pass, sampling and detokenization.
+Prompts are random token ids from a seeded generator; prefix caching is off in the engines
+these functions get, so no figure is flattered by a cache hit.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from bench.flops import ModelShape
+from bench.workload import WorkItem, random_prompt, summarize
+
+Progress = Callable[[str], None]
+
+
+def _greedy(max_tokens: int):
+    from engine import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def _drain(eng, on_token: Callable[[str, bool, float], None] | None = None) -> None:
+    """Step until the engine has nothing left; `on_token(request_id, finished, t)` per token."""
+    while eng.has_unfinished():
+        outs, _ = eng.step()
+        if on_token is not None:
+            now = time.perf_counter()
+            for o in outs:
+                on_token(o.request_id, o.finished, now)
+
+
+def prefill(eng, shape: ModelShape, prompt_len: int, repeats: int, rng: random.Random) -> dict[str, Any]:
+    """Best of `repeats` (after one warm-up) single-prompt prefills: prompt in, first token out."""
+    best = float("inf")
+    for r in range(repeats + 1):
+        prompt = random_prompt(rng, prompt_len, shape.vocab)
+        t0 = time.perf_counter()
+        eng.add_request(f"prefill-{r}", prompt, _greedy(1))
+        _drain(eng)
+        if r:
+            best = min(best, time.perf_counter() - t0)
+    return {"prompt_tokens": prompt_len, "seconds": best, "tokens_per_s": prompt_len / best,
+            "gflops": shape.prefill_flops(prompt_len) / best / 1e9}  # fmt: skip
+
+
+def steady_decode(eng, shape: ModelShape, batch: int, ctx: int, steps: int, rng: random.Random) -> dict[str, Any]:
+    """`batch` sequences with `ctx`-token prompts all decoding; times `steps` pure decode steps
+    (prefill excluded: timing starts once every sequence has its first token). tokens/s is
+    batch / median step time; the mean over all steps is reported beside it."""
+    ids = [f"decode{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        eng.add_request(rid, random_prompt(rng, ctx, shape.vocab), _greedy(2 * steps + 64))
+    reqs = [eng.request(rid) for rid in ids]
+    while any(not r.output_token_ids for r in reqs):
+        eng.step()
+    eng.step()  # first all-decode step: warm
+    ctx_from = reqs[0].num_tokens - 1
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        outs, _ = eng.step()
+        times.append(time.perf_counter() - t0)
+        assert len(outs) == batch, "every sequence should decode in every timed step"
+    for rid in ids:
+        eng.abort(rid)
+    # The median step is the steady-state figure: a burst of other work on the machine stalls a
+    # few steps by 10x (OpenMP threads wait for a descheduled one) and would dominate a mean.
+    median = sorted(times)[len(times) // 2]
+    total = sum(times)
+    return {
+        "batch": batch, "context_tokens": [ctx_from + 1, ctx_from + steps], "steps": steps,
+        "tokens_per_s": batch / median, "tokens_per_s_mean": batch * steps / total,
+        "ms_per_step_median": 1e3 * median, "ms_per_step_mean": 1e3 * total / steps,
+        "ms_per_step_best": 1e3 * min(times),
+        "gflops": shape.decode_flops(batch, ctx_from, steps) / (median * steps) / 1e9,
+    }  # fmt: skip
+
+
+def end_to_end(eng, shape: ModelShape, concurrency: int, input_len: int, output_len: int,
+               rng: random.Random) -> dict[str, Any]:  # fmt: skip
+    """`concurrency` requests submitted together, run to completion (prefill included)."""
+    ids = [f"e2e{concurrency}-{i}" for i in range(concurrency)]
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+
+    def on_token(rid: str, finished: bool, now: float) -> None:
+        first.setdefault(rid, now)
+        if finished:
+            done[rid] = now
+
+    t0 = time.perf_counter()
+    for rid in ids:
+        eng.add_request(rid, random_prompt(rng, input_len, shape.vocab), _greedy(output_len))
+    _drain(eng, on_token)
+    wall = max(done.values()) - t0
+    tpot = [(done[r] - first[r]) / (output_len - 1) for r in ids] if output_len > 1 else [0.0]
+    return {
+        "concurrency": concurrency, "input_tokens": input_len, "output_tokens": output_len,
+        "seconds": wall, "output_tokens_per_s": concurrency * output_len / wall,
+        "ttft_s": summarize([first[r] - t0 for r in ids]), "tpot_s": summarize(tpot),
+    }  # fmt: skip
+
+
+def _online_result(items: list[WorkItem], first: list[float], done: list[float]) -> dict[str, Any]:
+    start = items[0].arrival_s
+    span = max(done) - start
+    out = sum(w.output_len for w in items)
+    tpot = [(d - f) / (w.output_len - 1) for w, f, d in zip(items, first, done, strict=True) if w.output_len > 1]
+    return {
+        "seconds": span, "output_tokens_per_s": out / span, "requests_per_s": len(items) / span,
+        "ttft_s": summarize([f - w.arrival_s for w, f in zip(items, first, strict=True)]),
+        "tpot_s": summarize(tpot),
+        "e2e_latency_s": summarize([d - w.arrival_s for w, d in zip(items, done, strict=True)]),
+    }  # fmt: skip
+
+
+def online_engine(eng, items: list[WorkItem], progress: Progress) -> dict[str, Any]:
+    """Requests join at their arrival times (continuous batching); latencies count from the
+    nominal arrival. Throughput = output tokens / (last finish - first arrival)."""
+    pending = deque(enumerate(items))
+    first = [0.0] * len(items)
+    done = [0.0] * len(items)
+    index: dict[str, int] = {}
+
+    def on_token(rid: str, finished: bool, now: float) -> None:
+        i = index[rid]
+        if not first[i]:
+            first[i] = now - t0
+        if finished:
+            done[i] = now - t0
+
+    t0 = time.perf_counter()
+    while pending or eng.has_unfinished():
+        now = time.perf_counter() - t0
+        while pending and pending[0][1].arrival_s <= now:
+            i, w = pending.popleft()
+            index[f"online-{i}"] = i
+            eng.add_request(f"online-{i}", w.prompt, _greedy(w.output_len))
+        if eng.has_work():
+            outs, _ = eng.step()
+            t = time.perf_counter()
+            for o in outs:
+                on_token(o.request_id, o.finished, t)
+        elif pending:
+            time.sleep(max(0.0, pending[0][1].arrival_s - (time.perf_counter() - t0)))
+    progress(f"engine served {len(items)} requests in {max(done) - items[0].arrival_s:.1f}s")
+    return _online_result(items, first, done)
+
+
+def online_transformers(model, items: list[WorkItem], batch: int, pad_id: int, progress: Progress) -> dict[str, Any]:
+    """transformers `generate` with static batching: whenever idle, take up to `batch` arrived
+    requests, left-pad them into one batch and generate the longest requested output for all
+    (a request's tokens arrive when its batch ends). Same workload, same accounting."""
+    import torch
+
+    pending = deque(enumerate(items))
+    first = [0.0] * len(items)
+    done = [0.0] * len(items)
+    t0 = time.perf_counter()
+    while pending:
+        now = time.perf_counter() - t0
+        if pending[0][1].arrival_s > now:
+            time.sleep(pending[0][1].arrival_s - now)
+            continue
+        group = []
+        while pending and pending[0][1].arrival_s <= now and len(group) < batch:
+            group.append(pending.popleft())
+        width = max(len(w.prompt) for _, w in group)
+        new = max(w.output_len for _, w in group)
+        ids = torch.full((len(group), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(group), width), dtype=torch.long)
+        for r, (_, w) in enumerate(group):
+            ids[r, width - len(w.prompt) :] = torch.tensor(w.prompt)
+            mask[r, width - len(w.prompt) :] = 1
+        with torch.inference_mode():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=pad_id)  # fmt: skip
+        end = time.perf_counter() - t0
+        for i, _ in group:
+            first[i] = done[i] = end
+        progress(f"transformers: batch of {len(group)} (prompt width {width}, {new} new tokens) done at {end:.1f}s")
+    return _online_result(items, first, done)

@@ -1,0 +1,97 @@
+"""Model FLOP accounting, GEMM peak measurement and a description of the machine.
+
+Model FLOPs count what a step must compute: 2 x every weight a token touches (all layer
+GEMMs; the LM head only for tokens whose logits are sampled) plus attention, 4 x heads x
+head_dim per (query, visible key) pair (q.k and p.v). Peaks are the best of a few large square
+matmuls at the benchmark's thread count, so "fraction of peak" compares like with like.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+
+    @classmethod
+    def of(cls, cfg) -> ModelShape:  # engine.model_config.ModelConfig
+        return cls(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                   cfg.intermediate_size, cfg.vocab_size)  # fmt: skip
+
+    @property
+    def layer_params(self) -> int:
+        qkv = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+        o = self.heads * self.head_dim * self.hidden
+        return qkv + o + 3 * self.hidden * self.intermediate
+
+    def flops(self, new_tokens: int, sampled: int, attended_pairs: int) -> float:
+        """FLOPs of a step: `new_tokens` through every layer, `sampled` through the LM head,
+        `attended_pairs` (query, key) pairs summed over the step's tokens, per layer."""
+        gemm = 2 * (self.layers * self.layer_params * new_tokens + self.hidden * self.vocab * sampled)
+        attn = 4 * self.layers * self.heads * self.head_dim * attended_pairs
+        return float(gemm + attn)
+
+    def prefill_flops(self, prompt_len: int) -> float:
+        return self.flops(prompt_len, 1, prompt_len * (prompt_len + 1) // 2)
+
+    def decode_flops(self, batch: int, ctx_from: int, steps: int) -> float:
+        """`steps` decode steps of `batch` sequences whose context starts at `ctx_from`."""
+        pairs = batch * sum(ctx_from + s + 1 for s in range(steps))
+        return self.flops(batch * steps, batch * steps, pairs)
+
+
+def gemm_peak_gflops(dtype: torch.dtype, n: int, repeats: int = 5) -> float:
+    a = torch.randn(n, n).to(dtype)
+    b = torch.randn(n, n).to(dtype)
+    torch.mm(a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best / 1e9
+
+
+def machine_info(threads: int) -> dict[str, object]:
+    cpu = ""
+    flags: set[str] = set()
+    try:
+        for ln in Path("/proc/cpuinfo").read_text().splitlines():
+            if ln.startswith("model name") and not cpu:
+                cpu = ln.split(":", 1)[1].strip()
+            elif ln.startswith("flags") and not flags:
+                flags = set(ln.split(":", 1)[1].split())
+    except OSError:
+        pass
+    cpu = cpu or platform.processor() or platform.machine()
+    try:
+        import transformers
+
+        tf_version = transformers.__version__
+    except ImportError:
+        tf_version = None
+    load = os.getloadavg() if hasattr(os, "getloadavg") else (0.0, 0.0, 0.0)
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": threads,
+        "isa": sorted(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags),
+        "torch": torch.__version__,
+        "transformers": tf_version,
+        "python": platform.python_version(),
+        "load_avg_1m_at_start": round(load[0], 2),
+    }

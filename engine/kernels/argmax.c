@@ -1,0 +1,52 @@
+/*
+ * Greedy token selection: the index of the first maximum of each row of logits (fp32 or
+ * bf16), as torch.argmax returns it for finite values. One vectorized pass per row, reading
+ * bf16 logits directly, so a greedy step needs neither torch's slow row argmax nor an fp32
+ * copy of the logits.
+ *
+ * NaN: a row containing NaN yields the index of its first NaN (torch treats NaN as the max).
+ */
+#include "common.h"
+
+static int64_t argmax_row(const void *x, int n, int bf16) {
+    float m = -INFINITY;
+    int has_nan = 0, i = 0;
+#if defined(__AVX512F__)
+    __m512 vm = _mm512_set1_ps(-INFINITY);
+    __mmask16 nan = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = load16(x, i, bf16);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        vm = _mm512_max_ps(vm, v);
+    }
+    m = _mm512_reduce_max_ps(vm);
+    has_nan = nan != 0;
+#endif
+    for (; i < n; i++) {
+        const float v = load_elem(x, i, bf16);
+        if (v != v) has_nan = 1;
+        else if (v > m) m = v;
+    }
+    if (has_nan) {
+        for (int j = 0; j < n; j++)
+            if (isnan(load_elem(x, j, bf16))) return j;
+    }
+    int j = 0; /* second pass: the first index holding the max */
+#if defined(__AVX512F__)
+    const __m512 target = _mm512_set1_ps(m);
+    for (; j + 16 <= n; j += 16) {
+        const __mmask16 k = _mm512_cmp_ps_mask(load16(x, j, bf16), target, _CMP_EQ_OQ);
+        if (k) return j + __builtin_ctz(k);
+    }
+#endif
+    for (; j < n; j++)
+        if (load_elem(x, j, bf16) == m) return j;
+    return 0;
+}
+
+/* out[r] = argmax of row r (rows of n, row_stride elements apart). */
+void argmax_rows(const void *x, int64_t row_stride, int32_t rows, int32_t n, int32_t bf16, int64_t *out) {
+    const int64_t esz = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if ((int64_t)rows * n >= (1 << 18))
+    for (int r = 0; r < rows; r++) out[r] = argmax_row((const char *)x + esz * r * row_stride, n, bf16);
+}

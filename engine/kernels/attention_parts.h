@@ -1,0 +1,117 @@
+/*
+ * Pieces both attention paths share (paged_attention.c: one token, all heads; prefill_attention.c:
+ * query blocks): walking a sequence's key rows through its block table, the softmax, and the
+ * bf16 V-weighted sum. Static inline; included once per .c file.
+ */
+#ifndef DUET_KERNELS_ATTENTION_PARTS_H
+#define DUET_KERNELS_ATTENTION_PARTS_H
+
+#include "common.h"
+#include "step.h"
+
+#define TILE 16
+
+/* Pointers to the rows (K, or V with `kv` = 1) of the keys [start, start + n) of one kv head. */
+typedef struct {
+    const char *base; /* pool + layer + kv head, in bytes */
+    const int64_t *table;
+    int64_t block_bytes, tok_bytes;
+    int bs, blk, off;
+} RowIter;
+
+INLINE void rows_init(RowIter *it, const Step *s, int layer, int row, int kh, int kv, int start) {
+    const int64_t esz = s->bf16 ? 2 : 4;
+    const int64_t tok = (int64_t)s->num_kv_heads * s->head_dim;
+    it->base = (const char *)s->cache + esz * (layer * s->layer_stride + kv * s->block_size * tok + (int64_t)kh * s->head_dim);
+    it->table = s->block_tables + (int64_t)row * s->table_width;
+    it->block_bytes = esz * s->block_stride;
+    it->tok_bytes = esz * tok;
+    it->bs = s->block_size;
+    it->blk = start / s->block_size; /* the only division: later rows step through the table */
+    it->off = start % s->block_size;
+}
+
+INLINE const void *rows_next(RowIter *it) {
+    const void *p = it->base + it->table[it->blk] * it->block_bytes + it->off * it->tok_bytes;
+    if (++it->off == it->bs) { it->off = 0; it->blk++; }
+    return p;
+}
+
+#if defined(__AVX512F__)
+/* In place: s[0..n) = exp(s - max); returns 1 / sum. */
+INLINE float softmax_unnormalized(float *s, int n) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (int j = 0; j < n; j += 16) {
+        const __mmask16 k = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
+        m = _mm512_max_ps(m, _mm512_mask_loadu_ps(m, k, s + j));
+    }
+    const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) {
+        const __mmask16 k = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), mx));
+        _mm512_mask_storeu_ps(s + j, k, e);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+    }
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+#endif
+
+#if defined(__AVX512BF16__)
+/* p rounded to bf16 into pb[0..n) (pb[n] = 0, so keys pair up); returns 1 / (sum of the
+ * rounded p), so the output is normalized by exactly the weights it used. */
+INLINE float probs_bf16(const float *p, int n, uint16_t *pb) {
+    __m512 sum = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 16) {
+        const __mmask16 k = n - j >= 16 ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
+        const __m256i h = cvt16_bf16(_mm512_maskz_loadu_ps(k, p + j));
+        _mm256_mask_storeu_epi16(pb + j, k, h);
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+    }
+    pb[n] = 0;
+    return 1.0f / _mm512_reduce_add_ps(sum);
+}
+
+/* bf16 V-weighted sum, two keys per dpbf16: rows j and j+1 are interleaved 16 bits apart
+ * (unpacklo/hi, which permutes dims within 128-bit lanes; undone at the store), weights are
+ * the bf16 pair (p_j, p_j+1) broadcast. Up to 4 rows (p row r at pr[r], zero from its own
+ * length to n, output at orow[r]) x 64 dims starting at d0; nc = 32-dim chunks (1 or 2). */
+INLINE void pv_pass_bf16(const char *const *rp, int64_t voff, int n, const uint16_t *const *pr,
+                         const float *inv, int ng, int d0, int nc, uint16_t *const *orow) {
+    __m512 acc[4][4];
+    for (int g = 0; g < 4; g++)
+        for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
+    for (int j = 0; j < n; j += 2) {
+        const uint16_t *a = (const uint16_t *)(rp[j] + voff) + d0;
+        const uint16_t *b = j + 1 < n ? (const uint16_t *)(rp[j + 1] + voff) + d0 : a; /* p = 0 there */
+        __m512i v[4];
+        for (int c = 0; c < 2; c++) {
+            if (c >= nc) break;
+            const __m512i x = _mm512_loadu_si512(a + 32 * c), y = _mm512_loadu_si512(b + 32 * c);
+            v[2 * c] = _mm512_unpacklo_epi16(x, y);
+            v[2 * c + 1] = _mm512_unpackhi_epi16(x, y);
+        }
+        for (int g = 0; g < 4; g++) {
+            if (g >= ng) break;
+            int32_t w2;
+            __builtin_memcpy(&w2, pr[g] + j, sizeof w2);
+            const __m512bh w = (__m512bh)_mm512_set1_epi32(w2);
+            for (int c = 0; c < 4; c++)
+                if (c < 2 * nc) acc[g][c] = _mm512_dpbf16_ps(acc[g][c], w, (__m512bh)v[c]);
+        }
+    }
+    const __m512i lo = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i hi = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int g = 0; g < ng; g++) {
+        const __m512 sc = _mm512_set1_ps(inv[g]);
+        for (int c = 0; c < nc; c++) {
+            const __m512 x = acc[g][2 * c], y = acc[g][2 * c + 1];
+            const int64_t o = d0 + 32 * c;
+            store16(orow[g], o, _mm512_mul_ps(_mm512_permutex2var_ps(x, lo, y), sc), 1);
+            store16(orow[g], o + 16, _mm512_mul_ps(_mm512_permutex2var_ps(x, hi, y), sc), 1);
+        }
+    }
+}
+#endif
+
+#endif

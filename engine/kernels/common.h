@@ -1,0 +1,113 @@
+/*
+ * Helpers shared by the CPU kernels: bf16 <-> fp32, and AVX-512 building blocks (a fast exp,
+ * a 16x16 transpose-reduce). Everything is static inline; each .c file includes this once.
+ *
+ * Invariants: bf16 stores round to nearest even (as torch does) and keep NaNs NaN; exp512 is
+ * accurate to ~2 ulp for x <= 0 (softmax inputs after the max is subtracted).
+ */
+#ifndef DUET_KERNELS_COMMON_H
+#define DUET_KERNELS_COMMON_H
+
+#include <math.h>
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = { .u = (uint32_t)h << 16 };
+    return v.f;
+}
+
+INLINE uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } v = { .f = f };
+    uint32_t u = v.u;
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Element i of a bf16 (bf16 != 0) or fp32 array, as fp32. */
+INLINE float load_elem(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+INLINE void store_elem(void *p, int64_t i, float f, int bf16) {
+    if (bf16) ((uint16_t *)p)[i] = f32_to_bf16(f);
+    else ((float *)p)[i] = f;
+}
+
+#if defined(__AVX512F__)
+/* 16 consecutive elements as fp32. */
+INLINE __m512 load16(const void *p, int64_t i, int bf16) {
+    if (bf16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps((const float *)p + i);
+}
+
+/* 16 fp32 rounded to bf16 (nearest even, NaN stays NaN). */
+INLINE __m256i cvt16_bf16(__m512 x) {
+#if defined(__AVX512BF16__)
+    return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+    __m512i u = _mm512_castps_si512(x);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+#endif
+}
+
+/* Round 16 fp32 to bf16 and store them (or store fp32 as is). */
+INLINE void store16(void *p, int64_t i, __m512 x, int bf16) {
+    if (bf16) _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), cvt16_bf16(x));
+    else _mm512_storeu_ps((float *)p + i, x);
+}
+
+/* x rounded to bf16 precision, kept as fp32. */
+INLINE __m512 round_bf16(__m512 x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(cvt16_bf16(x)), 16));
+}
+
+/* exp(x), x <= 88 (below -87 it returns exp(-87)): Cephes-style range reduction and a degree-6
+ * polynomial, scaled by 2^n. */
+INLINE __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* out[i] = sum of the 16 lanes of v[i]: one vector of 16 dot products without 16 horizontal
+ * reductions (~3 shuffles + adds per input instead of ~8). */
+INLINE __m512 transpose_reduce16(const __m512 *v) {
+    __m512 t[8], u[4], w[2];
+    for (int k = 0; k < 8; k++)
+        t[k] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * k], v[2 * k + 1]), _mm512_unpackhi_ps(v[2 * k], v[2 * k + 1]));
+    for (int k = 0; k < 4; k++) {
+        const __m512d a = _mm512_castps_pd(t[2 * k]), b = _mm512_castps_pd(t[2 * k + 1]);
+        u[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    for (int k = 0; k < 2; k++)
+        w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0x88),
+                             _mm512_shuffle_f32x4(u[2 * k], u[2 * k + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(w[0], w[1], 0x88), _mm512_shuffle_f32x4(w[0], w[1], 0xDD));
+}
+#endif
+
+#endif

@@ -1,0 +1,85 @@
+/*
+ * bf16 element-wise layers, each one pass instead of several torch ops with fp32 temporaries:
+ * RMSNorm, residual-add + RMSNorm, and SiLU(gate) * up.
+ *
+ * Rounding follows transformers' Llama in bf16: the residual sum is rounded to bf16; the norm
+ * is computed in fp32, rounded to bf16, then multiplied by the weight and rounded again;
+ * SiLU is rounded to bf16 before the product with `up`.
+ */
+#include "common.h"
+
+#if defined(__AVX512F__)
+INLINE float row_inv_rms(const uint16_t *x, int n, float eps) {
+    __m512 acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const __m512 v = load16(x, i, 1);
+        acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    float ss = _mm512_reduce_add_ps(acc);
+    for (; i < n; i++) { const float v = bf16_to_f32(x[i]); ss += v * v; }
+    return 1.0f / sqrtf(ss / (float)n + eps);
+}
+
+INLINE void norm_row(const uint16_t *x, const uint16_t *w, uint16_t *out, int n, float eps) {
+    const float inv = row_inv_rms(x, n, eps);
+    const __m512 vi = _mm512_set1_ps(inv);
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        store16(out, i, _mm512_mul_ps(load16(w, i, 1), round_bf16(_mm512_mul_ps(load16(x, i, 1), vi))), 1);
+    for (; i < n; i++)
+        out[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * inv)));
+}
+#else
+INLINE void norm_row(const uint16_t *x, const uint16_t *w, uint16_t *out, int n, float eps) {
+    float ss = 0.f;
+    for (int i = 0; i < n; i++) { const float v = bf16_to_f32(x[i]); ss += v * v; }
+    const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; i++)
+        out[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * inv)));
+}
+#endif
+
+/* out = RMSNorm(x) * w, rows of n. */
+void rms_norm_bf16(const uint16_t *x, const uint16_t *w, uint16_t *out, int32_t rows, int32_t n, float eps) {
+#pragma omp parallel for schedule(static) if ((int64_t)rows * n >= (1 << 17))
+    for (int r = 0; r < rows; r++) norm_row(x + (int64_t)r * n, w, out + (int64_t)r * n, n, eps);
+}
+
+/* h += delta (rounded to bf16), then out = RMSNorm(h) * w. */
+void add_rms_norm_bf16(uint16_t *h, const uint16_t *delta, const uint16_t *w, uint16_t *out, int32_t rows,
+                       int32_t n, float eps) {
+#pragma omp parallel for schedule(static) if ((int64_t)rows * n >= (1 << 17))
+    for (int r = 0; r < rows; r++) {
+        uint16_t *x = h + (int64_t)r * n;
+        const uint16_t *d = delta + (int64_t)r * n;
+        int i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16) store16(x, i, _mm512_add_ps(load16(x, i, 1), load16(d, i, 1)), 1);
+#endif
+        for (; i < n; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(d[i]));
+        norm_row(x, w, out + (int64_t)r * n, n, eps);
+    }
+}
+
+/* out[r] = bf16(SiLU(gate[r])) * up[r], with gate_up[r] = [gate (n) | up (n)]. */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int32_t rows, int32_t n) {
+#pragma omp parallel for schedule(static) if ((int64_t)rows * n >= (1 << 17))
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + (int64_t)r * 2 * n, *u = g + n;
+        uint16_t *o = out + (int64_t)r * n;
+        int i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= n; i += 16) {
+            const __m512 x = load16(g, i, 1);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            const __m512 s = round_bf16(_mm512_div_ps(x, _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+            store16(o, i, _mm512_mul_ps(s, load16(u, i, 1)), 1);
+        }
+#endif
+        for (; i < n; i++) {
+            const float x = bf16_to_f32(g[i]);
+            o[i] = f32_to_bf16(bf16_to_f32(f32_to_bf16(x / (1.0f + expf(-x)))) * bf16_to_f32(u[i]));
+        }
+    }
+}

@@ -1,0 +1,58 @@
+/*
+ * Rotary embedding of q and k in place in the fused qkv activations, and the write of the
+ * step's K/V into their pool slots: one pass instead of ~10 torch ops and an index_put.
+ *
+ * Bit-exact with the torch path (engine/rope.py: x * cos + rotate_half(x) * sin in the model
+ * dtype): each product and the sum are rounded to the model dtype as torch does, and this file
+ * is compiled with -ffp-contract=off so no FMA merges them. That keeps fp32 greedy output
+ * token-identical to transformers.
+ */
+#include "common.h"
+#include "step.h"
+
+INLINE void rotate_head(void *x, int64_t o, const void *cs, const void *sn, int64_t to, int half, int bf16) {
+    if (bf16) {
+        uint16_t *h = (uint16_t *)x + o;
+        const uint16_t *c = (const uint16_t *)cs + to, *sv = (const uint16_t *)sn + to;
+        for (int j = 0; j < half; j++) {
+            const float x1 = bf16_to_f32(h[j]), x2 = bf16_to_f32(h[j + half]);
+            const float a1 = bf16_to_f32(f32_to_bf16(x1 * bf16_to_f32(c[j])));
+            const float b1 = bf16_to_f32(f32_to_bf16(x2 * bf16_to_f32(sv[j])));
+            const float a2 = bf16_to_f32(f32_to_bf16(x2 * bf16_to_f32(c[j + half])));
+            const float b2 = bf16_to_f32(f32_to_bf16(x1 * bf16_to_f32(sv[j + half])));
+            h[j] = f32_to_bf16(a1 - b1);
+            h[j + half] = f32_to_bf16(a2 + b2);
+        }
+    } else {
+        float *h = (float *)x + o;
+        const float *c = (const float *)cs + to, *sv = (const float *)sn + to;
+        for (int j = 0; j < half; j++) {
+            const float x1 = h[j], x2 = h[j + half];
+            const float a1 = x1 * c[j], b1 = x2 * sv[j];
+            const float a2 = x2 * c[j + half], b2 = x1 * sv[j + half];
+            h[j] = a1 - b1;
+            h[j + half] = a2 + b2;
+        }
+    }
+}
+
+static void run(const Step *s, int layer, void *qkv, int64_t qkv_stride, int bf16) {
+    const int H = s->num_heads, KVH = s->num_kv_heads, D = s->head_dim, T = s->num_tokens;
+    const int64_t esz = bf16 ? 2 : 4, tok = (int64_t)KVH * D;
+#pragma omp parallel for schedule(static) if (T >= 64)
+    for (int t = 0; t < T; t++) {
+        const int64_t row = (int64_t)t * qkv_stride, to = s->positions[t] * D;
+        for (int h = 0; h < H + KVH; h++) rotate_head(qkv, row + (int64_t)h * D, s->cos, s->sin, to, D / 2, bf16);
+        char *dst = (char *)s->cache
+            + esz * (s->slot_block[t] * s->block_stride + layer * s->layer_stride + s->slot_offset[t] * tok);
+        const char *src = (const char *)qkv + esz * (row + (int64_t)H * D);
+        __builtin_memcpy(dst, src, esz * tok);                                 /* K */
+        __builtin_memcpy(dst + esz * s->block_size * tok, src + esz * tok, esz * tok); /* V */
+    }
+}
+
+/* Rotate q and k of the step's tokens in place and store k, v in the pool. */
+void rope_store(const Step *s, int32_t layer, void *qkv, int64_t qkv_stride) {
+    if (s->bf16) run(s, layer, qkv, qkv_stride, 1);
+    else run(s, layer, qkv, qkv_stride, 0);
+}

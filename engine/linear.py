@@ -1,0 +1,54 @@
+"""Linear layers: oneDNN-prepacked weights for bf16 on the CPU, plain F.linear otherwise.
+
+A prepacked weight is reordered once into oneDNN's blocked layout, which skips the per-call
+reorder F.linear pays: measured 2-3x faster at decode batch sizes (M=1: 70 vs 141 us for a
+3072x576 weight; lm_head 2.3 vs 5.8 ms) and equal at prefill sizes. fp32 keeps F.linear, the
+same kernel transformers calls, so fp32 greedy output stays token-identical to it.
+
+Invariant: `Linear(x)` equals `F.linear(x, weight, bias)` up to bf16 rounding; when prepacking
+is unavailable or fails its self-check the layer silently stays on F.linear.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("duet.engine.linear")
+
+
+def can_prepack(weight: torch.Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))  # fmt: skip
+
+
+class Linear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True) -> None:
+        self.weight: torch.Tensor | None = weight
+        self.bias = bias
+        self.packed: torch.Tensor | None = None
+        self.out_features = weight.shape[0]
+        if prepack and can_prepack(weight):
+            self.packed = self._pack(weight, bias)
+            if self.packed is not None:
+                self.weight = None  # the packed copy replaces it (the caller may still hold it)
+
+    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=32)
+            x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+            got = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+            want = F.linear(x, weight, bias)
+            if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
+                raise RuntimeError("prepacked linear disagrees with F.linear")
+        except RuntimeError as e:
+            log.warning("oneDNN weight prepacking unavailable (%s); using F.linear", e)
+            return None
+        return packed
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
