@@ -21,7 +21,7 @@ from engine.kv_manager import KVCacheManager
 from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput, TextState
 from engine.request import Priority, Request
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, PoolFactory, zeroed_pool
 from engine.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -71,7 +71,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, pool_factory: PoolFactory = zeroed_pool) -> None:
         self.config = config
         ref = resolve_model(config.model)
         self.model_name = ref.name
@@ -99,7 +99,7 @@ class EngineCore:
                 f"or blocks, or lower max_model_len"
             )
         self.runner = ModelRunner(self.model_dir, mc, self.dtype, self.device, num_blocks, bs,
-                                  self.max_model_len)  # fmt: skip
+                                  self.max_model_len, pool_factory)  # fmt: skip
         self.pool = BlockPool(num_blocks, bs, record_events=config.record_kv_events)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching, config.hash_seed)
         self.scheduler = Scheduler(

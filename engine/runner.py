@@ -7,6 +7,7 @@ The pool is one tensor, block-major `[num_blocks, layers, 2, block_size, kv_head
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,6 +22,16 @@ from protocol.kv_layout import KVLayout
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
+#: Allocates the (zeroed) KV pool for a layout on a device. The node passes kvtransfer's, which
+#: backs a host pool with huge pages from the first touch (cheaper than advising later).
+PoolFactory = Callable[[KVLayout, str], torch.Tensor]
+
+
+def zeroed_pool(layout: KVLayout, device: str) -> torch.Tensor:
+    shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
+             layout.head_dim)  # fmt: skip
+    return torch.zeros(shape, dtype=getattr(torch, layout.dtype), device=device)
+
 
 class ModelRunner:
     def __init__(
@@ -32,6 +43,7 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         max_model_len: int,
+        pool_factory: PoolFactory = zeroed_pool,
     ) -> None:
         self.cfg = cfg
         self.dtype = dtype
@@ -40,14 +52,15 @@ class ModelRunner:
         weights = load_weights(model_dir, cfg, dtype, device)
         rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_model_len, dtype, device)
         self.model = LlamaModel(cfg, weights, rope, device)
-        self.kv_cache = torch.zeros(
-            (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
-            dtype=dtype, device=device,
-        )  # fmt: skip
         self.kv_layout = KVLayout(
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             block_size=block_size, dtype=_DTYPE_NAMES[dtype], num_blocks=num_blocks,
         )  # fmt: skip
+        self.kv_cache = pool_factory(self.kv_layout, str(device))
+        expected = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+        if tuple(self.kv_cache.shape) != expected or self.kv_cache.dtype != dtype:
+            raise ValueError(f"KV pool factory returned {tuple(self.kv_cache.shape)} "
+                             f"{self.kv_cache.dtype}, expected {expected} {dtype}")  # fmt: skip
 
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
         """Run one step. Returns the chunks that sample, in order, and their logits [S, V]."""

@@ -11,6 +11,7 @@ from typing import Protocol
 
 from engine.async_engine import AsyncEngine, RequestStream
 from engine.config import EngineConfig
+from engine.core import EngineCore
 from engine.request import Priority
 from engine.sampling_params import SamplingParams
 from protocol.kv_layout import KVLayout
@@ -51,7 +52,10 @@ class NativeNodeEngine(AsyncEngine):
     """This repo's engine behind the node seam."""
 
     def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+        from kvtransfer import allocate_pool
+
+        # The pool is allocated the way the transport moves it fastest (huge pages on a host).
+        super().__init__(config, EngineCore(config, pool_factory=allocate_pool))
         self.model_name = self.core.model_name
         self.tokenizer = self.core.tokenizer
         self.max_model_len = self.core.max_model_len
