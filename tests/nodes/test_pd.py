@@ -21,7 +21,7 @@ GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 def metric(node: Proc, name: str) -> float:
     text = urllib.request.urlopen(node.url + "/metrics", timeout=5).read().decode()
-    m = re.search(rf"^{re.escape(name)}\{{[^}}]*\}} (\S+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
     assert m, f"{name} not in /metrics"
     return float(m.group(1))
 
@@ -53,8 +53,11 @@ async def test_pd_equals_offline_and_colocated(pd_nodes: tuple[Proc, Proc, Proc]
         assert c.token_ids == e
         assert r.usage and r.usage["prompt_tokens"] == len(x) and r.usage["completion_tokens"] == 12
         assert "transfer_s" in r.timing
-    # Every pull released P's blocks: P holds nothing.
+    # Every pull released P's blocks: P holds nothing. D counted what it moved.
     assert metric(p, "duet:num_requests_held") == 0
+    assert metric(d, "duet:kv_transfer_bytes_total") > 0
+    assert metric(d, "duet:kv_transfer_seconds_count") >= len(ps) - 1  # a 1-token prompt may hit D's cache
+    assert metric(d, "duet:prefix_cache_queries_total") > 0
 
 
 async def test_32_concurrent_disaggregated(pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path) -> None:
