@@ -12,7 +12,6 @@ import os
 import platform
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -67,17 +66,10 @@ def gemm_peak_gflops(dtype: torch.dtype, n: int, repeats: int = 5) -> float:
 
 
 def machine_info(threads: int) -> dict[str, object]:
-    cpu = ""
-    flags: set[str] = set()
-    try:
-        for ln in Path("/proc/cpuinfo").read_text().splitlines():
-            if ln.startswith("model name") and not cpu:
-                cpu = ln.split(":", 1)[1].strip()
-            elif ln.startswith("flags") and not flags:
-                flags = set(ln.split(":", 1)[1].split())
-    except OSError:
-        pass
-    cpu = cpu or platform.processor() or platform.machine()
+    from engine.cpu import cpu_flags, cpu_model
+
+    flags = cpu_flags()
+    cpu = cpu_model() or platform.processor() or platform.machine()
     try:
         import transformers
 

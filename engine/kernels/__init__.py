@@ -25,6 +25,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from engine.cpu import cpu_flags
 from protocol.models import duet_home
 
 log = logging.getLogger("duet.engine.kernels")
@@ -44,18 +45,11 @@ _SOURCES = (
 )
 
 
-def _cpu_key() -> str:
-    try:
-        return next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
-    except (OSError, StopIteration):
-        return ""
-
-
 def _compile() -> Path | None:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         return None
-    h = hashlib.sha256(" ".join([cc, *_BASE_FLAGS, repr(_SOURCES), _cpu_key()]).encode())
+    h = hashlib.sha256(" ".join([cc, *_BASE_FLAGS, repr(_SOURCES), *sorted(cpu_flags())]).encode())
     for name in (*_HEADERS, *(src for src, _ in _SOURCES)):
         h.update((_DIR / name).read_bytes())
     out_dir = duet_home() / "kernels"
