@@ -105,7 +105,6 @@ async def decode_leg(state: NodeState, request: web.Request, prep: Prepared) -> 
 async def _transfer(state: NodeState, p: KVTransferParams, peer: Peer | None, stream: RequestStream,
                     failure: str | None, responder: Responder) -> str | None:  # fmt: skip
     """Steps 3-6. Returns None on success or the failure's reason. Always ends with kv_ready."""
-    t0 = time.monotonic()
     ok = False
     released = False
     try:
@@ -143,7 +142,6 @@ async def _transfer(state: NodeState, p: KVTransferParams, peer: Peer | None, st
         if not released:
             await _release_quietly(state, p)
         await state.engine.kv_ready(responder.engine_request_id, ok)
-        responder.timing["kv_ready_at_s"] = time.monotonic() - t0
 
 
 async def _release_quietly(state: NodeState, p: KVTransferParams) -> None:

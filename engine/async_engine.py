@@ -134,6 +134,8 @@ class AsyncEngine:
             s._queue.put_nowait(o)
             if o.finished:
                 del self._streams[o.request_id]
+                if s.reserved is not None and not s.reserved.done():
+                    s.reserved.cancel()  # finished (aborted) before its blocks were reserved
 
     def _fail_all(self, exc: BaseException) -> None:
         err = EngineDeadError(f"engine failed: {exc!r}")

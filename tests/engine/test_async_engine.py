@@ -74,3 +74,16 @@ async def test_hold_release_and_remote_reserve(engine: AsyncEngine) -> None:
     assert await engine.kv_ready("d", ok=False)  # nothing arrived: the engine computes it all
     toks = [t async for o in s for t in o.new_token_ids]
     assert len(toks) == 8
+
+
+async def test_abort_before_reservation_cancels_it(engine: AsyncEngine) -> None:
+    # Two held prefills pin 126 of the 128 blocks, so a 20-block remote request must wait.
+    for i in range(2):
+        s = await engine.add_request(f"big{i}", [10 + i] * 1000, SamplingParams(max_tokens=1), hold_blocks=True)
+        [o async for o in s]
+    waiting = await engine.add_request("remote", [5] * 320, GREEDY, remote_num_tokens=320)
+    assert waiting.reserved is not None and not waiting.reserved.done()
+    assert await engine.abort("remote")
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(waiting.reserved, 10)
+    assert await engine.release("big0") and await engine.release("big1")
