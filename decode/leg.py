@@ -5,8 +5,9 @@ Order (each step can fail with a defined answer, never a hang):
 2. get the peer (cached metadata, or fetched from P; an engine id P does not run → 400);
 3. reserve local blocks in the engine (WAITING_FOR_REMOTE_KV; a local prefix hit skips blocks);
 4. READ P's blocks with the transport, under a timeout;
-5. release on P, checking the ids belong to the request: 400 → the client's params were wrong;
-   404 → the lease ran out before we were done, the bytes may be stale → treat as failed;
+5. release on P, checking the ids belong to the request: 400 → the client's params were wrong
+   (the request is aborted and the client gets a 400); 404 → the lease ran out before we were
+   done, the bytes may be stale → treat as failed;
 6. mark the KV ready (the engine recomputes the last prompt token for its logits), or on any
    failure apply the policy: `recompute` (prefill locally) or `fail` (an error to the client).
 Steps 4-6 run in a task the client cannot cancel: the engine must learn the transfer's end
@@ -32,6 +33,8 @@ from protocol.kv_params import KVTransferParams
 from protocol.openai import APIError
 
 log = logging.getLogger("duet.decode")
+#: P refused the release: the ids in kv_transfer_params are not that request's blocks
+NOT_THEIRS = "the prefill node says these blocks do not belong to the request"
 
 
 def _params(prep: Prepared, block_size: int) -> KVTransferParams:
@@ -86,6 +89,10 @@ async def decode_leg(state: NodeState, request: web.Request, prep: Prepared) -> 
         except asyncio.CancelledError:
             await responder.abort()  # the transfer task still tells the engine when it ends
             raise
+        if failure == NOT_THEIRS:  # the client's kv_transfer_params were wrong: its error
+            await responder.abort()
+            raise APIError(400, f"remote_block_ids {p.remote_block_ids} do not belong to request "
+                                f"{p.remote_request_id!r} on the prefill node", param="kv_transfer_params")  # fmt: skip
         if failure is not None and cfg.failure_policy == "fail":
             await responder.abort()
             err = APIError(502, f"KV transfer from the prefill node failed: {failure}",
@@ -123,7 +130,7 @@ async def _transfer(state: NodeState, p: KVTransferParams, peer: Peer | None, st
                                                        p.remote_block_ids)  # fmt: skip
                 released = True
                 if status == 400:
-                    failure = "the prefill node says these blocks do not belong to the request"
+                    failure = NOT_THEIRS
                 elif status == 404:
                     failure = "the prefill node's lease ran out before the pull finished"
                 else:

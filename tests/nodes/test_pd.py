@@ -90,6 +90,14 @@ async def test_bad_input_gets_4xx_and_nodes_keep_serving(pd_nodes: tuple[Proc, P
         async with s.post(d.url + "/v1/completions",
                           json={"prompt": [7] * 40, **GREEDY, "kv_transfer_params": wrong_count}) as r:  # fmt: skip
             assert r.status == 400 and "needs 3" in (await r.json())["error"]["message"]
+        # Block ids of another request: D refuses (P's release check says they are not its).
+        other = await prefill_leg(s, p.url, [3] * 40, GREEDY, "bad-input-2")
+        swapped = {**ktp, "remote_block_ids": other["kv_transfer_params"]["remote_block_ids"]}
+        async with s.post(d.url + "/v1/completions",
+                          json={"prompt": [7] * 40, **GREEDY, "kv_transfer_params": swapped}) as r:  # fmt: skip
+            assert r.status == 400 and "do not belong" in (await r.json())["error"]["message"]
+        async with s.post(p.url + "/kv/release", json={"request_id": "bad-input-2"}) as r:
+            assert r.status == 200
         # Block ids that do not belong to the request, on P's release endpoint.
         async with s.post(p.url + "/kv/release",
                           json={"request_id": "bad-input-1", "block_ids": [0, 1, 999]}) as r:  # fmt: skip
