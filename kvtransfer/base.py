@@ -263,9 +263,10 @@ class Transport(abc.ABC):
     ) -> None:
         """Copy the peer's blocks `remote_block_ids[i]` into local `local_block_ids[i]`.
 
-        Completes when every byte is in place, or raises a `TransferError` (never later than
-        `timeout` seconds, default `self.timeout`); after an error the local blocks' content
-        is undefined.
+        Completes when every byte is in place, or raises a `TransferError` (after `timeout`
+        seconds at most, default `self.timeout`, plus what a local copy already under way
+        needs to stop: nothing writes the local blocks once this returns or raises); after an
+        error the local blocks' content is undefined.
         """
         p = self._resolve(peer)
         plan = self.plan(p, remote_block_ids, local_block_ids)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import importlib
 import logging
 import os
@@ -51,6 +52,8 @@ T = TypeVar("T")
 #: ones on the agent thread. bench/kvtransfer.py --sweep-ucx: a thread hop cost ~0.2 ms on
 #: a loaded 2-core host, 5x a 1-block (360 KiB) copy, and nothing measurable at 256 blocks.
 DEFAULT_INLINE_MAX_BYTES = 8 * 1024 * 1024
+#: how long a timed-out read waits for its posting thread to stop writing local blocks
+_SETTLE_CAP_S = 5.0
 
 
 def import_nixl() -> ModuleType:
@@ -276,9 +279,16 @@ class NixlTransport(Transport):
             try:
                 handle, state = await asyncio.wrap_future(future)
             except asyncio.CancelledError:
-                # The copy may still be running on the agent thread: release its handle when
-                # it returns rather than leaking it.
+                # The copy may still be writing our blocks on the agent thread. A caller that
+                # reuses those blocks after the error (a decode node recomputing) must not race
+                # it, so wait for it to stop: on one host it is a bounded local copy, across
+                # hosts posting returns at once. Only a thread stuck past the cap is abandoned
+                # (its handle is then released when it returns).
                 future.add_done_callback(self._release_abandoned)
+                with contextlib.suppress(BaseException):
+                    await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), _SETTLE_CAP_S)
+                if not future.done():
+                    log.warning("a timed-out NIXL read is still copying after %.0f s", _SETTLE_CAP_S)
                 raise
         try:
             await self._wait(handle, state, peer.engine_id)
