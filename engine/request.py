@@ -70,9 +70,5 @@ class Request:
         return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
 
     @property
-    def is_finished(self) -> bool:
-        return self.status is Status.FINISHED
-
-    @property
     def sort_key(self) -> tuple[int, float]:
         return (int(self.priority), self.arrival_time)

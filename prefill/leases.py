@@ -21,9 +21,6 @@ class LeaseManager:
         self._releasing: set[asyncio.Future[bool]] = set()  # strong refs until done
         self.expired = 0
 
-    def __len__(self) -> int:
-        return len(self._timers)
-
     def hold(self, request_id: str, seconds: float) -> None:
         loop = asyncio.get_running_loop()
         self._timers[request_id] = loop.call_later(seconds, self._expire, request_id)
