@@ -1,0 +1,67 @@
+"""Cluster membership contracts (DESIGN §4): what a node registers in etcd, and where.
+
+A node writes one `NodeInfo` under `node_key(cluster, role, node_id)`, bound to its etcd lease
+(TTL ≈ 10 s, kept alive), so a dead node disappears from the cluster on its own. Readers
+(coordinator replicas, gateways routing on their own etcd view) watch `nodes_prefix(cluster)`.
+Only slow-changing facts live here: load and KV events travel by pull from the node itself
+(`GET /kv/events`), never through etcd.
+
+Invariant: `url` is the only address anyone uses to reach the node; a client never supplies it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Role = Literal["prefill", "decode", "both"]
+NodeStatus = Literal["active", "draining"]
+#: etcd lease TTL of a node registration (seconds)
+NODE_TTL_S = 10
+DEFAULT_CLUSTER = "default"
+
+
+class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    role: Role
+    #: base URL of the node's HTTP API, e.g. http://10.0.0.5:8200
+    url: str
+    model: str
+    engine_id: str
+    #: "native" (engine/) or "vllm"; nodes of different kinds never pair (layout hash differs)
+    engine_kind: str = "native"
+    block_size: int
+    #: KVLayout.compat_hash: a P and a D pair only when these are equal
+    kv_layout_hash: str
+    kv_capacity_blocks: int
+    max_model_len: int
+    #: routing pool label: "shared" (default), "interactive" or "batch"
+    pool: str = "shared"
+    status: NodeStatus = "active"
+    #: unix time the node process started
+    started_at: float
+    #: weight quantization of the served model (None: the model's own dtype)
+    quantization: str | None = None
+
+
+def cluster_prefix(cluster: str) -> str:
+    return f"/duet/{cluster}/"
+
+
+def nodes_prefix(cluster: str) -> str:
+    return f"/duet/{cluster}/nodes/"
+
+
+def node_key(cluster: str, role: str, node_id: str) -> str:
+    return f"/duet/{cluster}/nodes/{role}/{node_id}"
+
+
+def leader_key(cluster: str) -> str:
+    return f"/duet/{cluster}/coordinator/leader"
+
+
+def coordinators_prefix(cluster: str) -> str:
+    """Coordinator replicas register their URL here (bound to their lease) so gateways can
+    find every replica from etcd alone."""
+    return f"/duet/{cluster}/coordinators/"

@@ -1,0 +1,44 @@
+"""The routing contract between the gateway and the coordinator (DESIGN §4).
+
+`POST /route` with a `RouteRequest` → a `RouteResponse`, or an OpenAI-shaped error: 400 for a
+malformed request, 404 `model_not_found` when no node serves the model, 503 `no_capacity`
+(with `Retry-After`) when every eligible node is full or draining.
+
+`prefill: null` means "prefill locally on the decode node" (conditional disaggregation).
+`exclude` lets the gateway ask again after a node failed it, without that node.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Tier = Literal["interactive", "batch"]
+
+
+class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    #: protocol.block_hash.block_hashes of the prompt's token ids (full blocks only)
+    block_hashes: list[int]
+    num_prompt_tokens: int
+    max_tokens: int
+    tier: Tier = "interactive"
+    #: node ids the gateway does not want (they just failed this request)
+    exclude: list[str] = []
+    #: the X-Request-Id, for the coordinator's logs
+    request_id: str | None = None
+
+
+class RouteTarget(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    url: str
+    #: prompt tokens this node already holds in its prefix cache (per the coordinator's index)
+    cached_tokens: int = 0
+
+
+class RouteResponse(msgspec.Struct, frozen=True, kw_only=True):
+    prefill: RouteTarget | None
+    decode: RouteTarget
+    #: why this choice: for logs and for operators debugging routing
+    reason: str
