@@ -1,0 +1,35 @@
+"""Commercial model providers (OpenAI-compatible, Anthropic) behind one seam (base.py), with
+retries, circuit breakers, fallback chains, cost helpers and the `model: "auto"` chooser."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from gateway.providers.anthropic import AnthropicProvider
+from gateway.providers.base import ChatResult, Provider
+from gateway.providers.breaker import BreakerState, CircuitBreaker
+from gateway.providers.catalog import ModelEntry
+from gateway.providers.config import ConfigError, ProviderConfig
+from gateway.providers.cost import TokenUsage, cost_usd
+from gateway.providers.errors import ProviderError
+from gateway.providers.metrics import ProviderMetrics, register_provider_metrics
+from gateway.providers.openai_compat import OpenAIProvider
+
+KINDS: dict[str, type[Provider]] = {"openai": OpenAIProvider, "anthropic": AnthropicProvider}
+
+
+def build_provider(config: ProviderConfig | dict[str, Any], session: aiohttp.ClientSession,
+                   **kw: Any) -> Provider:  # fmt: skip
+    """A provider for one `[[providers]]` table; `kw` (clock, sleep, rng) is for tests."""
+    if isinstance(config, dict):
+        config = ProviderConfig.from_dict(config)
+    return KINDS[config.kind](config, session, **kw)
+
+
+__all__ = [
+    "KINDS", "AnthropicProvider", "BreakerState", "ChatResult", "CircuitBreaker", "ConfigError",
+    "ModelEntry", "OpenAIProvider", "Provider", "ProviderConfig", "ProviderError", "ProviderMetrics",
+    "TokenUsage", "build_provider", "cost_usd", "register_provider_metrics",
+]

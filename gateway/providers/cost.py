@@ -1,0 +1,58 @@
+"""Token usage of one provider call and what it cost: tokens × the provider's USD-per-1M prices.
+
+`cached_tokens` are the part of `prompt_tokens` the provider served from its prompt cache; they
+are billed at the cached-input price (Anthropic and OpenAI both discount them). Costs are
+floats in USD; accounting rounds only when it displays.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class TokenUsage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    #: True when the provider sent no usage and the counts were estimated from the text
+    estimated: bool = False
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def openai(self) -> dict[str, object]:
+        """OpenAI's `usage` object."""
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.total_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}  # fmt: skip
+
+    @classmethod
+    def from_openai(cls, usage: object) -> TokenUsage | None:
+        if not isinstance(usage, dict):
+            return None
+        p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+        if not _count(p) or not _count(c):
+            return None
+        details = usage.get("prompt_tokens_details")
+        cached = details.get("cached_tokens") if isinstance(details, dict) else None
+        cached = cached if _count(cached) and cached <= p else 0
+        return cls(prompt_tokens=p, completion_tokens=c, cached_tokens=cached)
+
+
+def _count(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def cost_usd(usage: TokenUsage, input_price_per_m: float, output_price_per_m: float,
+             cached_price_per_m: float | None = None) -> float:  # fmt: skip
+    """USD for `usage` at the given per-1M-token prices."""
+    cached_price = input_price_per_m if cached_price_per_m is None else cached_price_per_m
+    uncached = usage.prompt_tokens - usage.cached_tokens
+    return (uncached * input_price_per_m + usage.cached_tokens * cached_price
+            + usage.completion_tokens * output_price_per_m) / 1_000_000  # fmt: skip
+
+
+def estimate_tokens(text: str) -> int:
+    """A rough count (about 4 characters per token in English) for providers that omit usage."""
+    return max(1, (len(text) + 3) // 4) if text else 0

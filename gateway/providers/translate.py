@@ -1,0 +1,382 @@
+"""OpenAI chat completions ↔ Anthropic Messages, both ways, as pure functions.
+
+Requests: system/developer messages → `system`; user/assistant turns → `messages` (content
+parts: text and images); assistant `tool_calls` → `tool_use` blocks; `tool` messages →
+`tool_result` blocks in a user turn; consecutive turns of one role are merged (Anthropic wants
+them alternating); `max_tokens` (required by Anthropic) defaults to the provider's
+`default_max_tokens`; `stop` → `stop_sequences`; tools and tool_choice are mapped; OpenAI's
+temperature range [0, 2] is clamped to Anthropic's [0, 1]. What Anthropic cannot do (n > 1,
+logprobs, JSON response formats) is refused with a 400 instead of being silently dropped;
+pure sampling hints it lacks (seed, penalties) are dropped.
+
+Responses: a Message → a chat.completion; the SSE events `message_start`,
+`content_block_start/delta/stop`, `message_delta`, `message_stop`, `ping` and `error` → OpenAI
+chunks (`AnthropicStreamTranslator`); usage (cache reads and writes count as prompt tokens,
+reads as cached tokens); stop reasons (`STOP_REASONS`); errors (`anthropic_error`).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from gateway.providers.cost import TokenUsage
+from gateway.providers.errors import ProviderError, http_error
+from gateway.providers.resilience import parse_retry_after
+
+STOP_REASONS = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "pause_turn": "stop",
+    "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+    "tool_use": "tool_calls",
+    "refusal": "content_filter",
+}
+
+#: OpenAI chat fields that change the sampling only; Anthropic has no equivalent, so dropped
+_DROPPED = frozenset({"seed", "frequency_penalty", "presence_penalty", "logit_bias", "store",
+                      "metadata", "service_tier", "stream_options", "reasoning_effort",
+                      "modalities", "prediction", "top_logprobs", "model", "messages"})  # fmt: skip
+
+
+def _bad(message: str) -> ProviderError:
+    return ProviderError(400, message, kind="invalid_request")
+
+
+# -- requests -------------------------------------------------------------------------------
+
+
+def to_anthropic(body: Mapping[str, Any], model: str, default_max_tokens: int) -> dict[str, Any]:
+    if body.get("n", 1) not in (1, None):
+        raise _bad("n > 1 is not supported by Anthropic models")
+    if body.get("logprobs"):
+        raise _bad("logprobs are not supported by Anthropic models")
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise _bad("response_format other than text is not supported by Anthropic models")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages must be a non-empty list")
+
+    system: list[str] = []
+    turns: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}] must be an object")
+        role = m.get("role")
+        if role in ("system", "developer"):
+            system.append(_text_only(m.get("content"), i))
+        elif role == "user":
+            _append(turns, "user", _user_blocks(m.get("content"), i))
+        elif role == "assistant":
+            _append(turns, "assistant", _assistant_blocks(m, i))
+        elif role == "tool":
+            tid = m.get("tool_call_id")
+            if not isinstance(tid, str) or not tid:
+                raise _bad(f"messages[{i}].tool_call_id is required for a tool message")
+            block = {"type": "tool_result", "tool_use_id": tid, "content": _text_only(m.get("content"), i)}
+            _append(turns, "user", [block])
+        else:
+            raise _bad(f"messages[{i}].role {role!r} is not supported")
+    if not turns:
+        raise _bad("at least one user or assistant message is required")
+
+    out: dict[str, Any] = {"model": model, "messages": turns}
+    if system:
+        out["system"] = "\n\n".join(system)
+    mt = body.get("max_completion_tokens", body.get("max_tokens"))
+    out["max_tokens"] = default_max_tokens if mt is None else mt
+    if (t := body.get("temperature")) is not None:
+        out["temperature"] = min(float(t), 1.0)
+    for k in ("top_p", "top_k"):
+        if body.get(k) is not None:
+            out[k] = body[k]
+    stop = body.get("stop")
+    if stop is not None:
+        out["stop_sequences"] = [stop] if isinstance(stop, str) else list(stop)
+    if isinstance(body.get("user"), str):
+        out["metadata"] = {"user_id": body["user"]}
+    if body.get("tools"):
+        out["tools"] = [_tool(t, i) for i, t in enumerate(body["tools"])]
+    tc = _tool_choice(body.get("tool_choice"), body.get("parallel_tool_calls"))
+    if tc is not None:
+        out["tool_choice"] = tc
+    if body.get("stream"):
+        out["stream"] = True
+    return out
+
+
+def _append(turns: list[dict[str, Any]], role: str, blocks: list[dict[str, Any]]) -> None:
+    if turns and turns[-1]["role"] == role:
+        turns[-1]["content"].extend(blocks)
+    else:
+        turns.append({"role": role, "content": blocks})
+
+
+def _text_only(content: Any, i: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+                raise _bad(f"messages[{i}].content: only text parts are allowed here")
+            parts.append(p["text"])
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise _bad(f"messages[{i}].content must be a string or a list of parts")
+
+
+def _user_blocks(content: Any, i: int) -> list[dict[str, Any]]:
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    if not isinstance(content, list) or not content:
+        raise _bad(f"messages[{i}].content must be a string or a non-empty list of parts")
+    blocks = []
+    for p in content:
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "text" and isinstance(p.get("text"), str):
+            blocks.append({"type": "text", "text": p["text"]})
+        elif kind == "image_url":
+            blocks.append(_image(p.get("image_url"), i))
+        else:
+            raise _bad(f"messages[{i}].content: part type {kind!r} is not supported")
+    return blocks
+
+
+def _image(spec: Any, i: int) -> dict[str, Any]:
+    url = spec.get("url") if isinstance(spec, dict) else None
+    if not isinstance(url, str):
+        raise _bad(f"messages[{i}]: image_url.url is required")
+    if url.startswith("data:"):
+        head, _, data = url.partition(",")
+        media = head[5:].removesuffix(";base64")
+        if not head.endswith(";base64") or media not in ("image/jpeg", "image/png", "image/gif", "image/webp"):
+            raise _bad(f"messages[{i}]: images must be base64 jpeg, png, gif or webp data URLs")
+        try:
+            base64.b64decode(data, validate=True)
+        except binascii.Error:
+            raise _bad(f"messages[{i}]: the image data is not valid base64") from None
+        return {"type": "image", "source": {"type": "base64", "media_type": media, "data": data}}
+    if url.startswith("https://"):
+        return {"type": "image", "source": {"type": "url", "url": url}}
+    raise _bad(f"messages[{i}]: image URLs must be https:// or data: URLs")
+
+
+def _assistant_blocks(m: dict[str, Any], i: int) -> list[dict[str, Any]]:
+    blocks: list[dict[str, Any]] = []
+    text = _text_only(m.get("content"), i)
+    if text:
+        blocks.append({"type": "text", "text": text})
+    for j, call in enumerate(m.get("tool_calls") or []):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(call.get("id"), str):
+            raise _bad(f"messages[{i}].tool_calls[{j}] needs an id and a function name")
+        try:
+            args = json.loads(fn.get("arguments") or "{}")
+        except (TypeError, ValueError):
+            raise _bad(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON") from None
+        if not isinstance(args, dict):
+            raise _bad(f"messages[{i}].tool_calls[{j}].function.arguments must be a JSON object")
+        blocks.append({"type": "tool_use", "id": call["id"], "name": fn["name"], "input": args})
+    if not blocks:
+        # Anthropic refuses empty turns; an empty assistant message carries no information
+        blocks.append({"type": "text", "text": ""})
+    return blocks
+
+
+def _tool(t: Any, i: int) -> dict[str, Any]:
+    fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise _bad(f"tools[{i}] must be a function tool with a name")
+    out: dict[str, Any] = {"name": fn["name"],
+                           "input_schema": fn.get("parameters") or {"type": "object", "properties": {}}}  # fmt: skip
+    if fn.get("description"):
+        out["description"] = fn["description"]
+    return out
+
+
+def _tool_choice(tc: Any, parallel: Any) -> dict[str, Any] | None:
+    if tc is None:
+        out = None
+    elif tc == "auto":
+        out = {"type": "auto"}
+    elif tc == "none":
+        out = {"type": "none"}
+    elif tc == "required":
+        out = {"type": "any"}
+    elif isinstance(tc, dict) and isinstance(tc.get("function"), dict) and isinstance(tc["function"].get("name"), str):
+        out = {"type": "tool", "name": tc["function"]["name"]}
+    else:
+        raise _bad("tool_choice must be 'auto', 'none', 'required' or a named function")
+    if parallel is False:
+        out = {**(out or {"type": "auto"}), "disable_parallel_tool_use": True}
+    return out
+
+
+# -- responses ------------------------------------------------------------------------------
+
+
+def anthropic_usage(u: Any) -> TokenUsage:
+    u = u if isinstance(u, dict) else {}
+
+    def n(k: str) -> int:
+        v = u.get(k)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+    read, write = n("cache_read_input_tokens"), n("cache_creation_input_tokens")
+    return TokenUsage(prompt_tokens=n("input_tokens") + read + write,
+                      completion_tokens=n("output_tokens"), cached_tokens=read)  # fmt: skip
+
+
+def from_anthropic(msg: Any) -> tuple[dict[str, Any], TokenUsage]:
+    if not isinstance(msg, dict) or msg.get("type") != "message" or not isinstance(msg.get("content"), list):
+        raise ProviderError(502, "the provider's answer is not an Anthropic message",
+                            retryable=True, kind="invalid_response")  # fmt: skip
+    text: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for b in msg["content"]:
+        if not isinstance(b, dict):
+            continue
+        if b.get("type") == "text":
+            text.append(str(b.get("text", "")))
+        elif b.get("type") == "tool_use":
+            calls.append({"id": b.get("id"), "type": "function",
+                          "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input", {}))}})  # fmt: skip
+    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) if text or not calls else None,
+                               "refusal": None}  # fmt: skip
+    if calls:
+        message["tool_calls"] = calls
+    usage = anthropic_usage(msg.get("usage"))
+    completion = {
+        "id": f"chatcmpl-{msg.get('id', '')}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": msg.get("model", ""),
+        "choices": [{"index": 0, "message": message, "logprobs": None,
+                     "finish_reason": STOP_REASONS.get(msg.get("stop_reason") or "", "stop")}],
+        "usage": usage.openai(),
+    }
+    return completion, usage
+
+
+class AnthropicStreamTranslator:
+    """Anthropic Messages SSE events → OpenAI chat.completion.chunk dicts."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self._id = ""
+        self._model = ""
+        self._created = int(time.time())
+        self._prompt = TokenUsage(prompt_tokens=0, completion_tokens=0)
+        self._output = 0
+        self._started = False
+        self._finish: str | None = None
+        self._tool_index: dict[int, int] = {}  # content block index → OpenAI tool_calls index
+
+    @property
+    def usage(self) -> TokenUsage | None:
+        if not self._started:
+            return None
+        p = self._prompt
+        return TokenUsage(prompt_tokens=p.prompt_tokens, completion_tokens=self._output,
+                          cached_tokens=p.cached_tokens)  # fmt: skip
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {"id": self._id, "object": "chat.completion.chunk", "created": self._created,
+                "model": self._model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
+
+    def feed(self, event: str | None, data: str) -> list[dict[str, Any]]:
+        try:
+            d = json.loads(data)
+        except ValueError:
+            raise ProviderError(502, f"unreadable {event or 'SSE'} event from the provider",
+                                retryable=True, kind="invalid_response") from None  # fmt: skip
+        if not isinstance(d, dict):
+            raise ProviderError(502, "an SSE event that is not an object", retryable=True, kind="invalid_response")
+        kind = d.get("type", event)
+        if kind == "error":
+            err = d.get("error") if isinstance(d.get("error"), dict) else {}
+            raise _error_from(err.get("type"), str(err.get("message", "provider error")), None)
+        if kind == "message_start":
+            m = d.get("message") if isinstance(d.get("message"), dict) else {}
+            self._id = f"chatcmpl-{m.get('id', '')}"
+            self._model = str(m.get("model", ""))
+            u = anthropic_usage(m.get("usage"))
+            self._prompt = u
+            self._output = u.completion_tokens
+            self._started = True
+            return [self._chunk({"role": "assistant", "content": ""})]
+        if not self._started:
+            if kind == "ping":
+                return []
+            raise ProviderError(502, f"stream event {kind!r} before message_start", retryable=True,
+                                kind="invalid_response")  # fmt: skip
+        if kind == "content_block_start":
+            b = d.get("content_block") if isinstance(d.get("content_block"), dict) else {}
+            if b.get("type") == "tool_use":
+                ti = self._tool_index[d.get("index", 0)] = len(self._tool_index)
+                return [self._chunk({"tool_calls": [{"index": ti, "id": b.get("id"), "type": "function",
+                                                     "function": {"name": b.get("name"), "arguments": ""}}]})]  # fmt: skip
+            if b.get("type") == "text" and b.get("text"):
+                return [self._chunk({"content": b["text"]})]
+            return []
+        if kind == "content_block_delta":
+            delta = d.get("delta") if isinstance(d.get("delta"), dict) else {}
+            if delta.get("type") == "text_delta":
+                return [self._chunk({"content": str(delta.get("text", ""))})]
+            if delta.get("type") == "input_json_delta":
+                ti = self._tool_index.get(d.get("index", 0), 0)
+                return [self._chunk({"tool_calls": [{"index": ti, "function": {"arguments": str(delta.get("partial_json", ""))}}]})]
+            return []  # thinking / signature deltas have no OpenAI chunk
+        if kind == "message_delta":
+            delta = d.get("delta") if isinstance(d.get("delta"), dict) else {}
+            u = d.get("usage") if isinstance(d.get("usage"), dict) else {}
+            if isinstance(u.get("output_tokens"), int):
+                self._output = u["output_tokens"]  # cumulative, per Anthropic's docs
+            if u.get("input_tokens") is not None or u.get("cache_read_input_tokens") is not None:
+                self._prompt = anthropic_usage({**u, "output_tokens": 0})
+            self._finish = STOP_REASONS.get(delta.get("stop_reason") or "", "stop")
+            return [self._chunk({}, self._finish)]
+        if kind == "message_stop":
+            self.done = True
+            return []
+        return []  # ping, content_block_stop, and event types added later
+
+    def finish(self) -> list[dict[str, Any]]:
+        if not self.done:
+            raise ProviderError(502, "the stream ended before message_stop", retryable=True, kind="connect")
+        usage = self.usage
+        assert usage is not None  # done implies started
+        return [{"id": self._id, "object": "chat.completion.chunk", "created": self._created,
+                 "model": self._model, "choices": [], "usage": usage.openai()}]  # fmt: skip
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+_STATUS_OF_TYPE = {"invalid_request_error": 400, "authentication_error": 401, "permission_error": 403,
+                   "not_found_error": 404, "request_too_large": 413, "rate_limit_error": 429,
+                   "api_error": 500, "overloaded_error": 529}  # fmt: skip
+
+
+def _error_from(etype: Any, message: str, status: int | None, retry_after: float | None = None) -> ProviderError:
+    status = status or _STATUS_OF_TYPE.get(str(etype), 500)
+    return http_error(status, f"anthropic: {message}", retry_after=retry_after,
+                      error_type=str(etype) if etype else None)  # fmt: skip
+
+
+def anthropic_error(status: int, headers: Mapping[str, str], data: bytes) -> ProviderError:
+    try:
+        d = json.loads(data)
+        err = d["error"] if isinstance(d, dict) and isinstance(d.get("error"), dict) else {}
+    except ValueError:
+        err = {}
+    msg = str(err.get("message") or data[:200].decode("utf-8", "replace") or f"HTTP {status}")
+    return _error_from(err.get("type"), msg, status, parse_retry_after(headers))
