@@ -1,0 +1,348 @@
+"""Fake commercial providers: local aiohttp servers speaking OpenAI chat completions and the
+Anthropic Messages API, streaming and not, with failures injected per request.
+
+They exist because the real APIs cannot be reached from tests; test_contract_sdk.py points the
+official `openai` and `anthropic` SDKs at them so they stay faithful to the wire formats.
+
+The fake "model" answers `reply(body)` (by default "echo: <last user text>"), one word per
+token and per streamed delta; prompt tokens are the words of all messages. `faults` is a queue:
+each request takes the next fault, if any:
+- `Fault.http(429, retry_after=...)`: an error answer in the provider's own error body;
+- `Fault.drop()`: the connection is closed before any answer;
+- `Fault.hang()`: no answer until the test ends (first-byte timeouts);
+- `Fault.stall_after(n)`: a stream sends n events, then goes silent (idle timeouts);
+- `Fault.drop_after(n)`: a stream sends n events, then the connection is cut;
+- `Fault.error_event(n)`: a stream sends n events, then the provider's in-stream error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+API_KEY = "sk-fake-test-key"
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    status: int = 0
+    retry_after: str | None = None
+    after: int = 0
+
+    @classmethod
+    def http(cls, status: int, retry_after: float | str | None = None) -> Fault:
+        return cls("status", status=status, retry_after=None if retry_after is None else str(retry_after))
+
+    @classmethod
+    def drop(cls) -> Fault:
+        return cls("drop")
+
+    @classmethod
+    def hang(cls) -> Fault:
+        return cls("hang")
+
+    @classmethod
+    def stall_after(cls, n: int) -> Fault:
+        return cls("stall", after=n)
+
+    @classmethod
+    def drop_after(cls, n: int) -> Fault:
+        return cls("drop_after", after=n)
+
+    @classmethod
+    def error_event(cls, n: int) -> Fault:
+        return cls("error_event", after=n)
+
+
+def _last_user_text(messages: list[dict[str, Any]]) -> str:
+    for m in reversed(messages):
+        if m.get("role") == "user":
+            c = m.get("content")
+            if isinstance(c, str):
+                return c
+            return " ".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
+    return ""
+
+
+def _words(messages: list[dict[str, Any]], system: str = "") -> int:
+    n = len(system.split())
+    for m in messages:
+        c = m.get("content")
+        if isinstance(c, str):
+            n += len(c.split())
+        elif isinstance(c, list):
+            n += sum(len(str(p.get("text", p.get("content", ""))).split()) for p in c if isinstance(p, dict))
+    return n
+
+
+@dataclass
+class FakeProvider:
+    wire: str  # "openai" | "anthropic"
+    reply: Callable[[dict[str, Any]], str] = lambda body: "echo: " + _last_user_text(body["messages"])
+    faults: collections.deque[Fault] = field(default_factory=collections.deque)
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    headers: list[dict[str, str]] = field(default_factory=list)
+    #: set by the fixture's teardown so hanging handlers end
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+    url: str = ""
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        if self.wire == "openai":
+            app.router.add_post("/v1/chat/completions", self._openai)
+        else:
+            app.router.add_post("/v1/messages", self._anthropic)
+        return app
+
+    # -- shared -----------------------------------------------------------------------------
+
+    async def _begin(self, request: web.Request) -> tuple[dict[str, Any] | None, Fault | None]:
+        self.headers.append(dict(request.headers))
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        self.requests.append(body if isinstance(body, dict) else {})
+        return body if isinstance(body, dict) else None, (self.faults.popleft() if self.faults else None)
+
+    async def _pre_answer(self, request: web.Request, fault: Fault | None) -> web.StreamResponse | None:
+        if fault is None:
+            return None
+        if fault.kind == "status":
+            headers = {"retry-after": fault.retry_after} if fault.retry_after else {}
+            return self._error(fault.status, f"injected {fault.status}", headers)
+        if fault.kind == "drop":
+            assert request.transport is not None
+            request.transport.close()
+            raise asyncio.CancelledError  # aiohttp ends the handler without writing
+        if fault.kind == "hang":
+            await self.released.wait()
+            return self._error(503, "released")
+        return None
+
+    async def _stream(self, request: web.Request, events: list[bytes], fault: Fault | None) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+        await resp.prepare(request)
+        for i, ev in enumerate(events):
+            if fault is not None and fault.kind in ("stall", "drop_after", "error_event") and i == fault.after:
+                if fault.kind == "stall":
+                    await self.released.wait()
+                elif fault.kind == "drop_after":
+                    assert request.transport is not None
+                    request.transport.abort()
+                    raise asyncio.CancelledError
+                else:
+                    await resp.write(self._error_event())
+                    await resp.write_eof()
+                    return resp
+            await resp.write(ev)
+        await resp.write_eof()
+        return resp
+
+    def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+        if self.wire == "openai":
+            kind = {400: "invalid_request_error", 401: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")  # fmt: skip
+            body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+        else:
+            kind = {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error",
+                    529: "overloaded_error"}.get(status, "api_error")  # fmt: skip
+            body = {"type": "error", "error": {"type": kind, "message": message}}
+        return web.json_response(body, status=status, headers=headers)
+
+    def _error_event(self) -> bytes:
+        if self.wire == "openai":
+            return b'data: {"error": {"message": "injected stream error", "type": "server_error"}}\n\n'
+        return (b'event: error\ndata: {"type": "error", "error": {"type": "overloaded_error", '
+                b'"message": "injected overload"}}\n\n')  # fmt: skip
+
+    # -- OpenAI chat completions ------------------------------------------------------------
+
+    async def _openai(self, request: web.Request) -> web.StreamResponse:
+        body, fault = await self._begin(request)
+        if request.headers.get("authorization") != f"Bearer {API_KEY}":
+            return self._error(401, "Incorrect API key provided")
+        if body is None or not isinstance(body.get("messages"), list) or not body["messages"] or not body.get("model"):
+            return self._error(400, "model and messages are required")
+        early = await self._pre_answer(request, fault)
+        if early is not None:
+            return early
+        words = self.reply(body).split()
+        limit = body.get("max_completion_tokens") or body.get("max_tokens")
+        finish = "stop"
+        if limit is not None and len(words) > limit:
+            words, finish = words[:limit], "length"
+        text_parts = [w if i == 0 else " " + w for i, w in enumerate(words)]
+        rid, created, model = f"chatcmpl-{uuid.uuid4().hex[:12]}", int(time.time()), body["model"]
+        usage = {"prompt_tokens": _words(body["messages"]), "completion_tokens": len(words),
+                 "total_tokens": _words(body["messages"]) + len(words),
+                 "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+        if not body.get("stream"):
+            return web.json_response({
+                "id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text_parts),
+                                                     "refusal": None},
+                             "logprobs": None, "finish_reason": finish}],
+                "usage": usage, "system_fingerprint": "fp_fake",
+            })  # fmt: skip
+
+        def chunk(delta: dict[str, Any], fin: str | None = None) -> bytes:
+            c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": fin}]}  # fmt: skip
+            return b"data: " + json.dumps(c).encode() + b"\n\n"
+
+        events = [chunk({"role": "assistant", "content": ""})]
+        events += [chunk({"content": p}) for p in text_parts]
+        events.append(chunk({}, finish))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            u = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                 "choices": [], "usage": usage}  # fmt: skip
+            events.append(b"data: " + json.dumps(u).encode() + b"\n\n")
+        events.append(b"data: [DONE]\n\n")
+        return await self._stream(request, events, fault)
+
+    # -- Anthropic Messages -----------------------------------------------------------------
+
+    async def _anthropic(self, request: web.Request) -> web.StreamResponse:
+        body, fault = await self._begin(request)
+        # the Messages API takes the key as x-api-key or (as recent SDKs send it) a Bearer token
+        if API_KEY not in (request.headers.get("x-api-key"), request.headers.get("authorization", "").removeprefix("Bearer ")):
+            return self._error(401, "invalid x-api-key")
+        if not request.headers.get("anthropic-version"):
+            return self._error(400, "anthropic-version header is required")
+        problem = _anthropic_problem(body)
+        if problem:
+            return self._error(400, problem)
+        assert body is not None
+        early = await self._pre_answer(request, fault)
+        if early is not None:
+            return early
+        msg_id, model = f"msg_{uuid.uuid4().hex[:20]}", body["model"]
+        prompt = _words(body["messages"], body.get("system", "") if isinstance(body.get("system"), str) else "")
+        tool = (body.get("tools") or [None])[0] if body["messages"][-1]["role"] == "user" and \
+            (body.get("tool_choice") or {}).get("type") != "none" else None  # fmt: skip
+        if tool is not None and not any(b.get("type") == "tool_result" for b in _blocks(body["messages"][-1])):
+            return await self._anthropic_tool(request, body, fault, msg_id, model, prompt, tool)
+        words = self.reply(_as_openai(body)).split()
+        stop = "end_turn"
+        if len(words) > body["max_tokens"]:
+            words, stop = words[: body["max_tokens"]], "max_tokens"
+        parts = [w if i == 0 else " " + w for i, w in enumerate(words)]
+        if not body.get("stream"):
+            return web.json_response({
+                "id": msg_id, "type": "message", "role": "assistant", "model": model,
+                "content": [{"type": "text", "text": "".join(parts)}],
+                "stop_reason": stop, "stop_sequence": None,
+                "usage": {"input_tokens": prompt, "output_tokens": len(words),
+                          "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+            })  # fmt: skip
+        events = [
+            _sse("message_start", {"type": "message_start", "message": {
+                "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+                "stop_reason": None, "stop_sequence": None,
+                "usage": {"input_tokens": prompt, "output_tokens": 1}}}),
+            _sse("content_block_start", {"type": "content_block_start", "index": 0,
+                                         "content_block": {"type": "text", "text": ""}}),
+            _sse("ping", {"type": "ping"}),
+        ]  # fmt: skip
+        events += [_sse("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                                "delta": {"type": "text_delta", "text": p}}) for p in parts]  # fmt: skip
+        events += [
+            _sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
+                                   "usage": {"output_tokens": len(words)}}),
+            _sse("message_stop", {"type": "message_stop"}),
+        ]  # fmt: skip
+        return await self._stream(request, events, fault)
+
+    async def _anthropic_tool(self, request: web.Request, body: dict[str, Any], fault: Fault | None,
+                              msg_id: str, model: str, prompt: int, tool: dict[str, Any]) -> web.StreamResponse:  # fmt: skip
+        """Answers with a text block and a call of the first tool, its input echoing the prompt."""
+        tool_input = {"query": _last_user_text(_as_openai(body)["messages"])}
+        tu_id = f"toolu_{uuid.uuid4().hex[:12]}"
+        if not body.get("stream"):
+            return web.json_response({
+                "id": msg_id, "type": "message", "role": "assistant", "model": model,
+                "content": [{"type": "text", "text": "Let me check."},
+                            {"type": "tool_use", "id": tu_id, "name": tool["name"], "input": tool_input}],
+                "stop_reason": "tool_use", "stop_sequence": None,
+                "usage": {"input_tokens": prompt, "output_tokens": 7},
+            })  # fmt: skip
+        raw = json.dumps(tool_input)
+        events = [
+            _sse("message_start", {"type": "message_start", "message": {
+                "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
+                "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": prompt, "output_tokens": 1}}}),
+            _sse("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
+            _sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Let me check."}}),
+            _sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            _sse("content_block_start", {"type": "content_block_start", "index": 1,
+                                         "content_block": {"type": "tool_use", "id": tu_id, "name": tool["name"], "input": {}}}),
+            _sse("content_block_delta", {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": raw[:5]}}),
+            _sse("content_block_delta", {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": raw[5:]}}),
+            _sse("content_block_stop", {"type": "content_block_stop", "index": 1}),
+            _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+                                   "usage": {"output_tokens": 7}}),
+            _sse("message_stop", {"type": "message_stop"}),
+        ]  # fmt: skip
+        return await self._stream(request, events, fault)
+
+
+def _sse(event: str, data: dict[str, Any]) -> bytes:
+    return f"event: {event}\ndata: {json.dumps(data)}\n\n".encode()
+
+
+def _blocks(m: dict[str, Any]) -> list[dict[str, Any]]:
+    c = m.get("content")
+    return [b for b in c if isinstance(b, dict)] if isinstance(c, list) else []
+
+
+def _as_openai(body: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic request seen as chat messages (for `reply`)."""
+    msgs = []
+    for m in body["messages"]:
+        c = m["content"]
+        text = c if isinstance(c, str) else " ".join(
+            str(b.get("text") or b.get("content") or "") for b in c if isinstance(b, dict))  # fmt: skip
+        msgs.append({"role": m["role"], "content": text})
+    return {**body, "messages": msgs}
+
+
+def _anthropic_problem(body: dict[str, Any] | None) -> str | None:
+    """The checks the real Messages API makes that a translation bug would trip."""
+    if body is None:
+        return "body must be a JSON object"
+    if not isinstance(body.get("model"), str):
+        return "model: Field required"
+    if not isinstance(body.get("max_tokens"), int) or body["max_tokens"] < 1:
+        return "max_tokens: Field required"
+    if "system" in body and not isinstance(body["system"], str | list):
+        return "system: Input should be a valid string"
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        return "messages: at least one message is required"
+    for i, m in enumerate(msgs):
+        if m.get("role") not in ("user", "assistant"):
+            return f"messages.{i}.role: Input should be 'user' or 'assistant'"
+        if i and msgs[i - 1].get("role") == m.get("role"):
+            return f"messages.{i}: roles must alternate between 'user' and 'assistant'"
+        c = m.get("content")
+        if not isinstance(c, str) and not (isinstance(c, list) and all(
+                isinstance(b, dict) and b.get("type") in ("text", "image", "tool_use", "tool_result") for b in c)):  # fmt: skip
+            return f"messages.{i}.content: invalid content"
+    if msgs[0].get("role") != "user":
+        return "messages: first message must use the user role"
+    if "temperature" in body and not 0 <= body["temperature"] <= 1:
+        return "temperature: must be between 0 and 1"
+    for k in set(body) - {"model", "max_tokens", "messages", "system", "temperature", "top_p", "top_k",
+                          "stop_sequences", "stream", "metadata", "tools", "tool_choice"}:  # fmt: skip
+        return f"{k}: Extra inputs are not permitted"
+    return None
