@@ -28,8 +28,19 @@ def build_provider(config: ProviderConfig | dict[str, Any], session: aiohttp.Cli
     return KINDS[config.kind](config, session, **kw)
 
 
+def build_providers(tables: list[dict[str, Any]], session: aiohttp.ClientSession) -> dict[str, Provider]:
+    """All `[[providers]]` of a config, by name; ConfigError on a bad table or a name used twice."""
+    out: dict[str, Provider] = {}
+    for t in tables:
+        p = build_provider(t, session)
+        if p.name in out:
+            raise ConfigError(f"provider {p.name!r} is defined twice")
+        out[p.name] = p
+    return out
+
+
 __all__ = [
     "KINDS", "AnthropicProvider", "BreakerState", "ChatResult", "CircuitBreaker", "ConfigError",
     "ModelEntry", "OpenAIProvider", "Provider", "ProviderConfig", "ProviderError", "ProviderMetrics",
-    "TokenUsage", "build_provider", "cost_usd", "register_provider_metrics",
+    "TokenUsage", "build_provider", "build_providers", "cost_usd", "register_provider_metrics",
 ]

@@ -131,36 +131,22 @@ class Provider(abc.ABC):
     async def chat(self, body: dict[str, Any]) -> ChatResult:
         payload = self._payload(body, stream=False)
         attempt = 0
+        last: ProviderError | None = None
         while True:
             attempt += 1
-            self._admit()
+            self._admit(last)
             try:
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + self.config.timeouts.first_byte_s
-                async with contextlib.AsyncExitStack() as stack:
-                    resp = await stack.enter_async_context(await self._send(payload, deadline))
-                    async with asyncio.timeout(self.config.timeouts.idle_s):
-                        raw = await _read(resp, MAX_BODY)
-                    try:
-                        data = msgspec.json.decode(raw)
-                    except msgspec.DecodeError:
-                        raise ProviderError(502, "the provider's answer is not JSON",
-                                            retryable=True, kind="invalid_response") from None
-                    response, usage = self._completion(data, body)
-            except ProviderError as e:
-                e = self._tag(e)
-                self._settle(e)
-                delay = self.retry.delay(attempt, e)
-                if delay is None:
-                    raise e from None
-                await self._sleep(delay)
-                continue
-            except (aiohttp.ClientError, TimeoutError, OSError) as e:
-                err = self._tag(_transport_error(e))
+                response, usage = await self._unary(payload, body)
+            except BaseException as e:
+                err = self._classify(e)
+                if err is None:  # cancelled (client gone) or a bug here: says nothing of the provider
+                    self.breaker.record_neutral()
+                    raise
                 self._settle(err)
                 delay = self.retry.delay(attempt, err)
                 if delay is None:
-                    raise err from e
+                    raise err from (None if err is e else e)
+                last = err
                 await self._sleep(delay)
                 continue
             self.breaker.record_success()
@@ -168,18 +154,30 @@ class Provider(abc.ABC):
             return ChatResult(response=response, usage=usage, cost_usd=self.cost(usage),
                               model=self.name, attempts=attempt)  # fmt: skip
 
+    async def _unary(self, payload: dict[str, Any], body: dict[str, Any]) -> tuple[dict[str, Any], TokenUsage]:
+        deadline = asyncio.get_running_loop().time() + self.config.timeouts.first_byte_s
+        async with await self._send(payload, deadline) as resp:
+            async with asyncio.timeout(self.config.timeouts.idle_s):
+                raw = await _read(resp, MAX_BODY)
+        try:
+            data = msgspec.json.decode(raw)
+        except msgspec.DecodeError:
+            raise ProviderError(502, "the provider's answer is not JSON", retryable=True,
+                                kind="invalid_response") from None  # fmt: skip
+        return self._completion(data, body)
+
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
         payload = self._payload(body, stream=True)
         attempt = 0
+        last: ProviderError | None = None
         while True:
             attempt += 1
-            self._admit()
+            self._admit(last)
             resp: aiohttp.ClientResponse | None = None
             events: AsyncIterator[tuple[str | None, str]] | None = None
             try:
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + self.config.timeouts.first_byte_s
-                resp = await (await self._send(payload, deadline)).__aenter__()
+                deadline = asyncio.get_running_loop().time() + self.config.timeouts.first_byte_s
+                resp = await self._send(payload, deadline)
                 events = sse_events(resp.content, deadline, self.config.timeouts.idle_s)
                 translator = self._translator(body)
                 pending: list[dict[str, Any]] = []
@@ -195,13 +193,19 @@ class Provider(abc.ABC):
                         if not pending:
                             raise ProviderError(502, "the provider's stream ended with no chunk",
                                                 retryable=True, kind="invalid_response")  # fmt: skip
-            except (ProviderError, aiohttp.ClientError, TimeoutError, OSError) as e:
-                err = self._tag(e if isinstance(e, ProviderError) else _transport_error(e))
-                await _close(events, resp)
+            except BaseException as e:
+                if resp is not None:
+                    resp.close()
+                err = self._classify(e)
+                if err is None:
+                    self.breaker.record_neutral()
+                    raise
+                await _close(events, None)
                 self._settle(err)
                 delay = self.retry.delay(attempt, err)
                 if delay is None:
-                    raise err from None
+                    raise err from (None if err is e else e)
+                last = err
                 await self._sleep(delay)
                 continue
             break
@@ -234,8 +238,10 @@ class Provider(abc.ABC):
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _admit(self) -> None:
+    def _admit(self, last: ProviderError | None) -> None:
         if not self.breaker.allow():
+            if last is not None:
+                raise last  # a retry the breaker now refuses: the real error says more
             raise ProviderError(503, f"provider {self.name!r} is unavailable (circuit breaker open)",
                                 kind="breaker_open", retry_after=self.breaker.retry_after(),
                                 provider=self.name)  # fmt: skip
@@ -265,9 +271,15 @@ class Provider(abc.ABC):
             raise self._error(resp.status, resp.headers, raw)
         return resp
 
-    def _tag(self, e: ProviderError) -> ProviderError:
-        e.provider = self.name
-        return e
+    def _classify(self, e: BaseException) -> ProviderError | None:
+        if isinstance(e, ProviderError):
+            e.provider = self.name
+            return e
+        if isinstance(e, aiohttp.ClientError | TimeoutError | OSError):
+            err = _transport_error(e)
+            err.provider = self.name
+            return err
+        return None
 
     def _settle(self, e: ProviderError) -> None:
         """Tell the breaker what a failed attempt says about the provider."""

@@ -4,6 +4,23 @@
 config must not silently become a default), wrong types and out-of-range values with a message
 that names the provider and the field. Everything here is immutable; a reload builds new objects.
 
+A table as an operator writes it (only the first block of keys is required):
+
+    [[providers]]
+    name = "gpt-4o-mini"                 # what clients ask for and usage records show
+    kind = "openai"                      # or "anthropic"
+    base_url = "https://api.openai.com/v1"
+    api_key_env = "OPENAI_API_KEY"
+    input_price_per_m = 0.15
+    output_price_per_m = 0.60
+    context_length = 128000
+    capability_rank = 2
+    tiers = ["interactive", "batch"]
+    model = "gpt-4o-mini-2024-07-18"     # the name at the provider, if different
+    retry = { max_attempts = 3, base_delay_s = 0.25, max_delay_s = 8.0 }
+    breaker = { failure_threshold = 5, cooldown_s = 30.0 }
+    timeouts = { connect_s = 5.0, first_byte_s = 120.0, idle_s = 30.0 }
+
 Invariants: prices are USD per 1M tokens and never negative; a provider lists at least one tier;
 `api_key_env` names an environment variable (the key itself never sits in the config file).
 """
@@ -57,7 +74,7 @@ class TimeoutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     connect_s: float = 5.0
     #: from sending the request to the first byte of the answer: the response headers of a
     #: non-streaming call (which come after the whole generation), the first SSE event of a stream
-    first_byte_s: float = 60.0
+    first_byte_s: float = 120.0
     #: longest silence allowed between two reads of a stream (or of a response body)
     idle_s: float = 30.0
 

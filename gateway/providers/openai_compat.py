@@ -10,6 +10,7 @@ than a free request. A stream that ends without `data: [DONE]` was cut and is an
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -18,6 +19,8 @@ from gateway.providers.base import Provider
 from gateway.providers.cost import TokenUsage, estimate_tokens
 from gateway.providers.errors import ProviderError, http_error
 from gateway.providers.resilience import parse_retry_after
+
+log = logging.getLogger(__name__)
 
 #: the chat request fields an OpenAI-compatible API understands
 FORWARDED = frozenset({
@@ -86,6 +89,7 @@ def _prompt_text(body: Mapping[str, Any]) -> str:
 
 
 def _estimate(body: Mapping[str, Any], completion: str) -> TokenUsage:
+    log.warning("provider sent no usage; token counts estimated from the text (~4 characters a token)")
     return TokenUsage(prompt_tokens=estimate_tokens(_prompt_text(body)),
                       completion_tokens=estimate_tokens(completion), estimated=True)  # fmt: skip
 

@@ -341,7 +341,7 @@ class AnthropicStreamTranslator:
             u = d.get("usage") if isinstance(d.get("usage"), dict) else {}
             if isinstance(u.get("output_tokens"), int):
                 self._output = u["output_tokens"]  # cumulative, per Anthropic's docs
-            if u.get("input_tokens") is not None or u.get("cache_read_input_tokens") is not None:
+            if isinstance(u.get("input_tokens"), int):  # newer API versions repeat the final input counts
                 self._prompt = anthropic_usage({**u, "output_tokens": 0})
             self._finish = STOP_REASONS.get(delta.get("stop_reason") or "", "stop")
             return [self._chunk({}, self._finish)]

@@ -110,3 +110,38 @@ async def test_stream_abandoned_by_client_in_half_open_releases_probe(fake_opena
     await anext(gen)
     await gen.aclose()  # the client went away mid-stream
     assert p.breaker.state is BreakerState.HALF_OPEN and p.breaker.allow()
+
+
+async def test_cancelled_calls_in_half_open_release_their_probe(fake_openai: FakeProvider,
+                                                                 make_provider: Callable[..., Provider]) -> None:  # fmt: skip
+    import asyncio
+
+    clock = Clock()
+    p = make_provider(fake_openai, clock=clock, retry={"max_attempts": 1}, breaker={"failure_threshold": 1, "cooldown_s": 5})
+    fake_openai.faults.append(Fault.http(503))
+    with pytest.raises(ProviderError):
+        await p.chat({"messages": [{"role": "user", "content": "hi"}]})
+    clock.t += 5
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    for call in (lambda: p.chat(body), lambda: anext(p.chat_stream(body))):
+        fake_openai.faults.append(Fault.hang())
+        seen = len(fake_openai.requests)
+        task = asyncio.ensure_future(call())
+        async with asyncio.timeout(5):  # until the probe is in flight at the provider
+            while len(fake_openai.requests) == seen:
+                await asyncio.sleep(0.01)
+        assert not p.breaker.allow()  # the probe holds the only half-open slot
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert p.breaker.state is BreakerState.HALF_OPEN and p.breaker.allow()  # the slot came back
+        p.breaker.record_neutral()
+
+
+async def test_retry_refused_by_the_breaker_raises_the_real_error(fake_openai: FakeProvider,
+                                                                  make_provider: Callable[..., Provider]) -> None:  # fmt: skip
+    p = make_provider(fake_openai, retry={"max_attempts": 3}, breaker={"failure_threshold": 1})
+    fake_openai.faults.append(Fault.http(502))
+    with pytest.raises(ProviderError) as e:
+        await p.chat({"messages": [{"role": "user", "content": "hi"}]})
+    assert (e.value.status, e.value.kind) == (502, "http") and len(fake_openai.requests) == 1
