@@ -39,3 +39,15 @@ def test_cost_uses_the_provider_prices() -> None:
     assert TokenUsage.from_openai({"prompt_tokens": 5, "completion_tokens": 2,
                                    "prompt_tokens_details": {"cached_tokens": 9}}).cached_tokens == 0  # fmt: skip
     assert TokenUsage.from_openai({"prompt_tokens": -1, "completion_tokens": 2}) is None
+
+
+def test_build_providers_refuses_duplicate_names() -> None:
+    from gateway.providers import build_providers
+
+    class NoSession:  # never used: building a provider makes no call
+        pass
+
+    ps = build_providers([BASE, {**BASE, "name": "other", "kind": "anthropic"}], NoSession())  # type: ignore[arg-type]
+    assert [type(p).__name__ for p in ps.values()] == ["OpenAIProvider", "AnthropicProvider"]
+    with pytest.raises(ConfigError, match="twice"):
+        build_providers([BASE, BASE], NoSession())  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ from gateway.providers.fallback import (
     error_trigger,
     pool_trigger,
 )
+from tests.providers.fakes import Fault as ProviderFault
 
 CATALOG = {
     "smollm2": ModelEntry(name="smollm2", capability_rank=1, context_length=8192),
@@ -96,3 +97,35 @@ def test_fallback_counter() -> None:
     labels = {"from": "smollm2", "to": "gpt-4o-mini", "reason": "saturated"}
     assert reg.get_sample_value("duet:fallback_total", labels) == 1
     assert reg.get_sample_value("duet:fallback_total", {**labels, "to": "none", "reason": "no_healthy_nodes"}) == 1
+
+
+async def test_provider_failure_falls_back_along_the_chain(fake_anthropic, fake_openai, make_provider) -> None:  # type: ignore[no-untyped-def]
+    """The pieces composed as the gateway will: a provider's 5xx (after its retries) is a
+    trigger, the chain names the next model, that model answers and is costed at its prices."""
+    primary = make_provider(fake_anthropic, name="claude", retry={"max_attempts": 2})
+    backup = make_provider(fake_openai, name="gpt-4o-mini", input_price_per_m=0.15, output_price_per_m=0.6)
+    providers = {p.name: p for p in (primary, backup)}
+    catalog = {n: ModelEntry.from_provider(p.config) for n, p in providers.items()}
+    chains = FallbackChains({"claude": ["gpt-4o-mini"]}, catalog)
+    reg = CollectorRegistry()
+    metrics = register_provider_metrics(reg, lambda: providers.values())
+    fake_anthropic.faults.extend([ProviderFault.http(500), ProviderFault.http(503)])
+    body = {"messages": [{"role": "user", "content": "hello world"}]}
+
+    model, tried = "claude", set()
+    while True:
+        try:
+            result = await providers[model].chat(body)
+            break
+        except ProviderError as e:
+            reason = error_trigger(e)
+            assert reason is Reason.PROVIDER_5XX
+            tried.add(model)
+            d = chains.next("claude", reason, tier="interactive", policy=OPEN, prompt_tokens=2, max_tokens=None,
+                            tried=tried, available=lambda m: providers[m].breaker.allow())  # fmt: skip
+            metrics.count_fallback("claude", d.to_model, d.reason)
+            assert d.to_model is not None
+            model = d.to_model
+    assert result.model == "gpt-4o-mini" and len(fake_anthropic.requests) == 2
+    assert result.cost_usd == pytest.approx((2 * 0.15 + 3 * 0.6) / 1e6)
+    assert reg.get_sample_value("duet:fallback_total", {"from": "claude", "to": "gpt-4o-mini", "reason": "provider_5xx"}) == 1
