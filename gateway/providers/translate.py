@@ -90,17 +90,31 @@ def to_anthropic(body: Mapping[str, Any], model: str, default_max_tokens: int) -
     if system:
         out["system"] = "\n\n".join(system)
     mt = body.get("max_completion_tokens", body.get("max_tokens"))
+    if mt is not None and not (_is_int(mt) and mt >= 1):
+        raise _bad("max_tokens must be a positive integer")
     out["max_tokens"] = default_max_tokens if mt is None else mt
-    if (t := body.get("temperature")) is not None:
-        out["temperature"] = min(float(t), 1.0)
-    for k in ("top_p", "top_k"):
-        if body.get(k) is not None:
-            out[k] = body[k]
+    for k, hi in (("temperature", 2.0), ("top_p", 1.0)):
+        v = body.get(k)
+        if v is not None and not (_is_num(v) and 0 <= v <= hi):
+            raise _bad(f"{k} must be a number between 0 and {hi:g}")
+    if body.get("temperature") is not None:
+        out["temperature"] = min(float(body["temperature"]), 1.0)
+    if body.get("top_p") is not None:
+        out["top_p"] = body["top_p"]
+    if (k := body.get("top_k")) is not None:
+        if not (_is_int(k) and k >= 1):
+            raise _bad("top_k must be a positive integer")
+        out["top_k"] = k
     stop = body.get("stop")
     if stop is not None:
-        out["stop_sequences"] = [stop] if isinstance(stop, str) else list(stop)
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+            raise _bad("stop must be a string or a list of non-empty strings")
+        out["stop_sequences"] = stops
     if isinstance(body.get("user"), str):
         out["metadata"] = {"user_id": body["user"]}
+    if body.get("tools") is not None and not isinstance(body["tools"], list):
+        raise _bad("tools must be a list")
     if body.get("tools"):
         out["tools"] = [_tool(t, i) for i, t in enumerate(body["tools"])]
     tc = _tool_choice(body.get("tool_choice"), body.get("parallel_tool_calls"))
@@ -109,6 +123,14 @@ def to_anthropic(body: Mapping[str, Any], model: str, default_max_tokens: int) -
     if body.get("stream"):
         out["stream"] = True
     return out
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and x == x
 
 
 def _append(turns: list[dict[str, Any]], role: str, blocks: list[dict[str, Any]]) -> None:

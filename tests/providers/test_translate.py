@@ -40,6 +40,15 @@ def test_bad_requests_are_400(messages: object) -> None:
     assert e.value.status == 400
 
 
+@pytest.mark.parametrize("field", [{"max_tokens": 0}, {"max_tokens": "9"}, {"temperature": "hot"},
+                                   {"temperature": 2.5}, {"top_p": True}, {"top_k": 0}, {"stop": [""]},
+                                   {"stop": 5}, {"tools": {"f": 1}}, {"tool_choice": "sometimes"}])  # fmt: skip
+def test_bad_fields_are_400(field: dict) -> None:
+    with pytest.raises(ProviderError) as e:
+        to_anthropic({"messages": [{"role": "user", "content": "x"}], **field}, "m", 10)
+    assert e.value.status == 400 and e.value.kind == "invalid_request"
+
+
 def test_cache_tokens_and_stop_reasons() -> None:
     resp, usage = from_anthropic({"type": "message", "id": "msg_1", "model": "c", "stop_reason": "refusal",
                                   "content": [{"type": "text", "text": "no"}],
