@@ -80,6 +80,7 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._last_renew = 0.0
+        self._claiming = False
         self._sender = CallbackSender(allow_private=config.allow_private_callbacks,
                                       timeout_s=config.callback_timeout_s)  # fmt: skip
 
@@ -112,7 +113,8 @@ class BatchRunner:
 
     @property
     def running(self) -> int:
-        return len(self._inflight)
+        """Requests in flight, counting a claim under way (so 0 means truly idle)."""
+        return len(self._inflight) + self._claiming
 
     # ---- the loop ----
     async def _loop(self) -> None:
@@ -138,8 +140,13 @@ class BatchRunner:
             self._spawn_callback(row)
         free = self._limit - len(self._inflight)
         if free > 0 and self.may_run():
-            for c in await self.store.claim_requests(self.worker_id, free, self.config.lease_s, now):
-                self._inflight[(c.batch_id, c.custom_id)] = asyncio.create_task(self._run(c))
+            self._claiming = True
+            try:
+                claimed = await self.store.claim_requests(self.worker_id, free, self.config.lease_s, now)
+                for c in claimed:
+                    self._inflight[(c.batch_id, c.custom_id)] = asyncio.create_task(self._run(c))
+            finally:
+                self._claiming = False
 
     # ---- one request ----
     async def _run(self, c: Claimed) -> None:

@@ -26,7 +26,8 @@ class NodeExecutor:
         self.session = session
         self.node_url = node_url
         self.tokenizer = Tokenizer(model_dir)
-        self.calls: list[tuple[str, str]] = []  # (team, custom body marker) for assertions
+        self.calls: list[tuple[str, str]] = []  # (team, request id) of every call
+        self.calls_by_user: list[str] = []  # body["user"] of every call that reached the node
 
     async def __call__(self, team_id: str, endpoint: str, body: dict[str, Any], *,
                        tier: str = "batch", request_id: str) -> tuple[int, dict[str, Any]]:  # fmt: skip
@@ -36,13 +37,15 @@ class NodeExecutor:
             node_body["prompt"] = self.tokenizer.encode_chat(body["messages"])
             node_body["model"] = body["model"]
         else:
-            node_body = dict(body)
+            node_body = {k: v for k, v in body.items() if k != "user"}
         node_body["priority"] = tier
         async with self.session.post(f"{self.node_url}/v1/completions", json=node_body,
                                      headers={"X-Request-Id": request_id}) as r:  # fmt: skip
             data = await r.json()
-            if r.status != 200 or endpoint != "/v1/chat/completions":
-                return r.status, data
+        if "user" in body:  # the tests tag each request; this counts runs that reached the node
+            self.calls_by_user.append(body["user"])
+        if r.status != 200 or endpoint != "/v1/chat/completions":
+            return r.status, data
         choice = data["choices"][0]
         return 200, {
             "id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
