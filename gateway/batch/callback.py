@@ -81,7 +81,7 @@ async def check_callback_url(url: str, allow_private: bool) -> None:
     await resolve_checked(host, port, allow_private)
 
 
-class _GuardedResolver(AbstractResolver):
+class GuardedResolver(AbstractResolver):
     """aiohttp resolver that refuses forbidden addresses at connect time."""
 
     def __init__(self, allow_private: bool) -> None:
@@ -141,7 +141,7 @@ class CallbackSender:
         except CallbackURLError as e:
             return False, str(e)
         if self._session is None:
-            connector = aiohttp.TCPConnector(resolver=_GuardedResolver(self._allow_private),
+            connector = aiohttp.TCPConnector(resolver=GuardedResolver(self._allow_private),
                                              use_dns_cache=False)  # fmt: skip
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
         headers: dict[str, Any] = {

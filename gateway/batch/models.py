@@ -86,6 +86,8 @@ class CreateBatch(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     endpoint: str
     completion_window: str
     metadata: dict[str, str] | None = None
+    #: accepted as OpenAI's SDK may send it; output files here live until deleted
+    output_expires_after: dict[str, Any] | None = None
 
 
 class InputLine(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

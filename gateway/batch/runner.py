@@ -152,30 +152,38 @@ class BatchRunner:
     async def _run(self, c: Claimed) -> None:
         request_id = f"batch-{uuid.uuid4().hex}"
         try:
-            try:
-                status, body = await self.executor(c.team_id, c.endpoint, c.body, tier="batch",
-                                                   request_id=request_id)  # fmt: skip
-                error: dict[str, Any] | None = None
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:  # the executor could not reach anything: retry like a 503
-                status, body = 503, {}
-                error = {"code": "executor_error", "message": f"{type(e).__name__}: {e}"}
-            retryable = status in RETRYABLE_STATUS
-            now = self.clock()
-            if retryable and c.attempts < self.config.max_attempts:
-                await self.store.retry_request(self.worker_id, c.batch_id, c.custom_id,
-                                               now + self.config.backoff(c.attempts),
-                                               error or {"code": "retryable_status", "status": status})  # fmt: skip
-                return
-            await self.store.finish_request(
-                self.worker_id, c.batch_id, c.custom_id, ok=200 <= status < 300,
-                status_code=None if error else status, request_id=request_id,
-                response=None if error else body, error=error, now=now,
-            )  # fmt: skip
+            await self._run_once(c, request_id)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the store failed: the claim lapses and the request runs again
+            log.exception("batch %s request %s: could not record its result", c.batch_id, c.custom_id)
         finally:
             self._inflight.pop((c.batch_id, c.custom_id), None)
             self.wake()
+
+    async def _run_once(self, c: Claimed, request_id: str) -> None:
+        """Run one claimed request and checkpoint its result (or schedule its retry)."""
+        try:
+            status, body = await self.executor(c.team_id, c.endpoint, c.body, tier="batch",
+                                               request_id=request_id)  # fmt: skip
+            error: dict[str, Any] | None = None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the executor could not reach anything: retry like a 503
+            status, body = 503, {}
+            error = {"code": "executor_error", "message": f"{type(e).__name__}: {e}"}
+        retryable = status in RETRYABLE_STATUS
+        now = self.clock()
+        if retryable and c.attempts < self.config.max_attempts:
+            await self.store.retry_request(self.worker_id, c.batch_id, c.custom_id,
+                                           now + self.config.backoff(c.attempts),
+                                           error or {"code": "retryable_status", "status": status})  # fmt: skip
+            return
+        await self.store.finish_request(
+            self.worker_id, c.batch_id, c.custom_id, ok=200 <= status < 300,
+            status_code=None if error else status, request_id=request_id,
+            response=None if error else body, error=error, now=now,
+        )  # fmt: skip
 
     # ---- the end of a batch ----
     async def _finalize(self, batch_id: str) -> None:

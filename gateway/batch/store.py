@@ -242,9 +242,10 @@ class SqliteBatchStore:
         with self._lock:
             self._db.close()
 
-    def _tx_sync(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+    def _tx_sync(self, fn: Callable[[sqlite3.Connection], T], write: bool = True) -> T:
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
+            # Reads take a deferred transaction: in WAL mode they never wait for writers.
+            self._db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
             try:
                 out = fn(self._db)
             except BaseException:
@@ -256,6 +257,9 @@ class SqliteBatchStore:
     async def _tx(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         return await asyncio.to_thread(self._tx_sync, fn)
 
+    async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        return await asyncio.to_thread(self._tx_sync, fn, False)
+
     # ---- files ----
     async def insert_file(self, row: FileRow) -> None:
         await self._tx(lambda db: _insert_file(db, row))
@@ -266,7 +270,7 @@ class SqliteBatchStore:
                            "AND deleted=0", (file_id, team_id)).fetchone()  # fmt: skip
             return FileRow(*r) if r else None
 
-        return await self._tx(q)
+        return await self._read(q)
 
     async def list_files(self, team_id: str, purpose: str | None, after: str | None,
                          limit: int) -> tuple[list[FileRow], bool]:  # fmt: skip
@@ -279,14 +283,14 @@ class SqliteBatchStore:
             ).fetchall()
             return [FileRow(*r) for r in rows[:limit]], len(rows) > limit
 
-        return await self._tx(q)
+        return await self._read(q)
 
     async def delete_file(self, team_id: str, file_id: str) -> bool:
         def q(db: sqlite3.Connection) -> bool:
             return db.execute("UPDATE batch_files SET deleted=1 WHERE id=? AND team_id=? AND deleted=0",
                               (file_id, team_id)).rowcount == 1  # fmt: skip
 
-        return await self._tx(q)
+        return await self._read(q)
 
     # ---- batches ----
     async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest]) -> None:
@@ -318,7 +322,7 @@ class SqliteBatchStore:
                            (batch_id, team_id, team_id)).fetchone()  # fmt: skip
             return _batch_row(db, r) if r else None
 
-        return await self._tx(q)
+        return await self._read(q)
 
     async def list_batches(self, team_id: str, after: str | None,
                            limit: int) -> tuple[list[BatchRow], bool]:  # fmt: skip
@@ -328,7 +332,7 @@ class SqliteBatchStore:
                               "ORDER BY seq DESC LIMIT ?", (team_id, cursor, limit + 1)).fetchall()  # fmt: skip
             return [_batch_row(db, r) for r in rows[:limit]], len(rows) > limit
 
-        return await self._tx(q)
+        return await self._read(q)
 
     async def cancel_batch(self, team_id: str, batch_id: str, now: float) -> BatchRow | None:
         def q(db: sqlite3.Connection) -> BatchRow | None:
@@ -347,7 +351,7 @@ class SqliteBatchStore:
             row = db.execute(f"SELECT {_BATCH_COLS} FROM batches WHERE id=?", (batch_id,)).fetchone()
             return _batch_row(db, row)
 
-        return await self._tx(q)
+        return await self._read(q)
 
     # ---- runner ----
     async def release_claims(self, worker: str) -> int:
@@ -362,7 +366,7 @@ class SqliteBatchStore:
                        (worker,))  # fmt: skip
             return n
 
-        return await self._tx(q)
+        return await self._read(q)
 
     async def claim_requests(self, worker: str, n: int, lease_s: float, now: float) -> list[Claimed]:
         def q(db: sqlite3.Connection) -> list[Claimed]:

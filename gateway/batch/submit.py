@@ -40,6 +40,9 @@ def api_handler(fn: Handler) -> Handler:
             return await fn(request)
         except APIError as e:
             return json_response(e.body(), e.status)
+        except web.HTTPRequestEntityTooLarge as e:  # the app's client_max_size, in OpenAI's words
+            err = APIError(413, f"request body too large: {e.text}", code="request_too_large")
+            return json_response(err.body(), err.status)
 
     return wrapped
 

@@ -30,7 +30,7 @@ def finished_rows(db: Path, batch_id: str) -> dict[str, tuple[str, str]]:
 
 async def test_sigkill_mid_batch_then_resume(node: Proc, model_name: str, tiny_llama: Path,
                                              tmp_path: Path) -> None:  # fmt: skip
-    lines = chat_lines(50, model_name, max_tokens=48, ignore_eos=True)
+    lines = chat_lines(50, model_name, max_tokens=128, ignore_eos=True)
     first = batch_server(tmp_path, node.url, tiny_llama, "gw-first")
     with running(first):
         async with client(first.url) as c:
@@ -39,12 +39,12 @@ async def test_sigkill_mid_batch_then_resume(node: Proc, model_name: str, tiny_l
                                        completion_window="24h")  # fmt: skip
 
             async def some_done() -> bool:
-                return (await c.batches.retrieve(b.id)).request_counts.completed >= 5
+                return (await c.batches.retrieve(b.id)).request_counts.completed >= 3
 
-            await wait_for(some_done, what="5 requests done")
+            await wait_for(some_done, what="3 requests done")
             first.kill()  # SIGKILL: no shutdown code runs, claims stay in the store
     before = finished_rows(tmp_path / "batch.sqlite3", b.id)
-    assert 5 <= len(before) < 50, "the batch must be cut mid-way for this test to mean anything"
+    assert 3 <= len(before) < 50, "the batch must be cut mid-way for this test to mean anything"
     # Another worker id: it must wait for the dead one's leases to lapse, then take them over.
     second = batch_server(tmp_path, node.url, tiny_llama, "gw-second")
     with running(second):

@@ -10,10 +10,13 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+from aiohttp import web
 
 from gateway.batch import BatchConfig
 from gateway.batch.callback import (
+    CallbackSender,
     CallbackURLError,
+    GuardedResolver,
     address_allowed,
     check_callback_url,
     sign,
@@ -175,6 +178,9 @@ async def test_simple_form_refusals(tmp_path: Path, serve) -> None:
                    "http://user:pw@example.com/", "http://[::1]/", "not a url"):  # fmt: skip
             status, body = await post({"requests": [ok], "callback_url": cb})
             assert status == 400 and body["error"]["param"] == "callback_url", (cb, body)
+        huge = {"model": "m", "messages": [{"role": "user", "content": "x" * 2_000_000}]}
+        status, err = await post({"requests": [huge]})  # over the app's client_max_size
+        assert status == 413 and set(err["error"]) == {"message", "type", "param", "code"}
         status, body = await post({"requests": [ok], "priority": "urgent"})
         assert status == 400
         status, body = await post({"requests": [ok], "priority": "high"})
@@ -210,3 +216,33 @@ def test_signature_round_trip() -> None:
     assert not verify_signature("secret", header, body + b" ", now=1_700_000_010)
     assert not verify_signature("secret", header, body, now=1_700_001_000)  # too old: replay
     assert not verify_signature("secret", "garbage", body)
+
+
+async def test_callbacks_are_checked_again_at_send_time(serve) -> None:
+    hits: list[bytes] = []
+
+    async def hook(request: web.Request) -> web.Response:
+        hits.append(await request.read())
+        assert verify_signature("s", request.headers["X-Duet-Signature"], hits[-1])
+        return web.Response()
+
+    receiver = web.Application()
+    receiver.router.add_post("/hook", hook)
+    url = await serve(receiver)
+    port = url.rsplit(":", 1)[1]
+    strict = CallbackSender(allow_private=False, timeout_s=5)
+    lax = CallbackSender(allow_private=True, timeout_s=5)
+    try:
+        for target in (f"{url}/hook", f"http://localhost:{port}/hook"):
+            ok, detail = await strict.send(target, "s", b"{}", "e")
+            assert not ok and "not allowed" in detail, detail
+        # The connector's own resolver refuses too: a name re-resolved at connect time to a
+        # private address (DNS rebinding) never gets a connection.
+        with pytest.raises(OSError, match="forbidden"):
+            await GuardedResolver(allow_private=False).resolve("localhost", int(port))
+        assert hits == []
+        ok, detail = await lax.send(f"{url}/hook", "s", b'{"a": 1}', "e")
+        assert ok and hits == [b'{"a": 1}'], detail
+    finally:
+        await strict.close()
+        await lax.close()
