@@ -80,6 +80,8 @@ class _Routes:
                 if part.name == "purpose":
                     purpose = (await part.read(decode=True)).decode(errors="replace")[:64]  # type: ignore[union-attr]
                 elif part.name == "file":
+                    if temp is not None:
+                        raise APIError(400, "upload one file per request", param="file")
                     filename = (part.filename or filename)[:255]  # type: ignore[union-attr]
                     temp, size = await self._save_part(part)
             if purpose != "batch":

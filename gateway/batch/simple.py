@@ -10,6 +10,7 @@ file of the team, so both forms share validation, the runner, and the output fil
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -115,7 +116,7 @@ def add_simple_routes(router: web.UrlDispatcher, *, store: BatchStore, authentic
         if len(data) > config.max_file_bytes:
             raise APIError(413, f"a batch is at most {config.max_file_bytes} bytes", param="requests")
         fid = new_file_id()
-        files.write(fid, [data])
+        await asyncio.to_thread(files.write, fid, [data])
         now = time.time()
         await store.insert_file(FileRow(id=fid, team_id=team, purpose="batch", filename="batch.jsonl",
                                         bytes=len(data), created_at=now))  # fmt: skip

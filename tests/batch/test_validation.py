@@ -73,6 +73,15 @@ async def test_file_limits(tmp_path: Path, serve) -> None:
         f = await c.files.create(file=("ok.jsonl", jsonl(chat_lines(3, "m"))), purpose="batch")
         assert f.bytes == len(jsonl(chat_lines(3, "m"))) and f.purpose == "batch"
         assert await (await c.files.content(f.id)).aread() == jsonl(chat_lines(3, "m"))
+    async with aiohttp.ClientSession(headers={"Authorization": "Bearer key-a"}) as s:
+        form = aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        for name in ("a.jsonl", "b.jsonl"):
+            form.add_field("file", jsonl(chat_lines(1, "m")), filename=name)
+        async with s.post(url + "/v1/files", data=form) as r:
+            assert r.status == 400 and "one file" in (await r.json())["error"]["message"]
+        async with s.post(url + "/v1/files", json={"purpose": "batch"}) as r:
+            assert r.status == 400 and "multipart" in (await r.json())["error"]["message"]
     assert sorted(p.name for p in (tmp_path / "files").iterdir()) == [f"{f.id}.jsonl"]  # no temp left
 
 
