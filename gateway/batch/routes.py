@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 from typing import Any
 
@@ -82,7 +83,8 @@ class _Routes:
                 elif part.name == "file":
                     if temp is not None:
                         raise APIError(400, "upload one file per request", param="file")
-                    filename = (part.filename or filename)[:255]  # type: ignore[union-attr]
+                    # Echoed in headers and listings: keep it printable and short.
+                    filename = re.sub(r"[^\w.\- ]", "_", part.filename or filename)[:255]  # type: ignore[union-attr]
                     temp, size = await self._save_part(part)
             if purpose != "batch":
                 raise APIError(400, f"purpose must be 'batch' (got {purpose!r})", param="purpose")

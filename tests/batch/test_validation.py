@@ -70,7 +70,8 @@ async def test_file_limits(tmp_path: Path, serve) -> None:
             await c.files.create(file=("big.jsonl", jsonl(chat_lines(3, "m")) + b" " * 2000),
                                  purpose="batch")  # fmt: skip
         assert e.value.status_code == 413
-        f = await c.files.create(file=("ok.jsonl", jsonl(chat_lines(3, "m"))), purpose="batch")
+        f = await c.files.create(file=('ok"\r\nX: 1.jsonl', jsonl(chat_lines(3, "m"))), purpose="batch")
+        assert re.fullmatch(r"ok[\w\- ]+1\.jsonl", f.filename), f.filename  # no quote, CR or LF left
         assert f.bytes == len(jsonl(chat_lines(3, "m"))) and f.purpose == "batch"
         assert await (await c.files.content(f.id)).aread() == jsonl(chat_lines(3, "m"))
     async with aiohttp.ClientSession(headers={"Authorization": "Bearer key-a"}) as s:
