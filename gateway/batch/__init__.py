@@ -1,0 +1,48 @@
+"""The batch tier (issue #13): OpenAI's Files + Batches APIs, the seed's simple `/v1/batch`
+form, a durable runner, and signed callbacks. Self-contained: the gateway plugs it in.
+
+Wiring (in the gateway's `make_app(config)`):
+
+    store = SqliteBatchStore(data_dir / "batch.sqlite3")     # or a Postgres BatchStore
+    runner = BatchRunner(store, executor, batch_config, may_run=lambda: not interactive_waiting())
+    make_batch_routes(app, store=store, authenticate=lambda r: r[TEAM_KEY],
+                      config=batch_config, wake=runner.wake)
+    async def batch_ctx(app):                               # app.cleanup_ctx.append(batch_ctx)
+        await runner.start(); yield; await runner.stop(); store.close()
+
+Contracts (see contracts.py):
+- `Executor`: `async (team_id, endpoint, body, *, tier="batch", request_id) -> (status, body)`;
+  runs one request through the gateway's normal path (quotas, batch price, batch priority).
+  An exception or 408/425/429/5xx is retried with backoff up to `max_attempts`.
+- `Authenticate`: `(request) -> team_id` (may be async); raise APIError(401) for a bad key.
+  Everything is looked up by (team, id): another team gets 404.
+- `MayRun`: `() -> bool`; False stops new batch work from starting (interactive load first).
+  `BatchRunner.set_concurrency(n)` resizes the in-flight limit at run time.
+- Storage: `BatchStore` protocol (store.py); `SqliteBatchStore` is the default. File contents
+  live on disk under `BatchConfig.data_dir/files`.
+- Several gateways may share one store: requests and finalization are claimed with leases
+  (`claimed_by`, `lease_until`); `worker_id` must be unique among live processes and stable
+  across a restart to resume at once (otherwise claims lapse after `lease_s`).
+"""
+
+from gateway.batch.callback import SIGNATURE_HEADER, sign, verify_signature
+from gateway.batch.config import BatchConfig
+from gateway.batch.contracts import RETRYABLE_STATUS, Authenticate, Executor, MayRun
+from gateway.batch.routes import make_batch_routes
+from gateway.batch.runner import BatchRunner
+from gateway.batch.store import BatchStore, SqliteBatchStore
+
+__all__ = [
+    "RETRYABLE_STATUS",
+    "SIGNATURE_HEADER",
+    "Authenticate",
+    "BatchConfig",
+    "BatchRunner",
+    "BatchStore",
+    "Executor",
+    "MayRun",
+    "SqliteBatchStore",
+    "make_batch_routes",
+    "sign",
+    "verify_signature",
+]

@@ -1,0 +1,163 @@
+"""Batch-end callbacks: where they may go (SSRF checks), how they are signed, how they are sent.
+
+A callback URL comes from a client, so it is never trusted: only http(s), no credentials in it,
+and every address its host resolves to must be public unless the operator allows private ones
+(`allow_private_callbacks`). The check runs when the batch is submitted (a clear 400) and again
+at send time inside the connector's resolver, so the address connected to is the one checked
+(no DNS-rebinding gap) and redirects are not followed.
+
+Signature: header `X-Duet-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>`
+(Stripe's scheme, so receivers know it); `verify_signature` is the receiver's side.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import ipaddress
+import socket
+import time
+from typing import Any
+from urllib.parse import urlsplit
+
+import aiohttp
+from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.resolver import DefaultResolver
+
+SIGNATURE_HEADER = "X-Duet-Signature"
+EVENT_HEADER = "X-Duet-Event-Id"
+
+
+class CallbackURLError(ValueError):
+    """A callback URL that must not be contacted."""
+
+
+def address_allowed(addr: str, allow_private: bool) -> bool:
+    ip = ipaddress.ip_address(addr.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    if ip.is_multicast or ip.is_unspecified or ip.is_reserved:
+        return False
+    if allow_private:
+        return True
+    return ip.is_global
+
+
+def check_url_syntax(url: str) -> tuple[str, int]:
+    """(host, port) of an acceptable callback URL, or CallbackURLError."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as e:
+        raise CallbackURLError(f"callback_url is not a valid URL: {e}") from None
+    if parts.scheme not in ("http", "https"):
+        raise CallbackURLError("callback_url must be an http or https URL")
+    if not parts.hostname:
+        raise CallbackURLError("callback_url has no host")
+    if parts.username or parts.password:
+        raise CallbackURLError("callback_url must not carry credentials")
+    return parts.hostname, port or (443 if parts.scheme == "https" else 80)
+
+
+async def resolve_checked(host: str, port: int, allow_private: bool) -> list[str]:
+    """Every address of `host`; raises CallbackURLError if any one is not allowed (a name that
+    resolves to a public and a private address could be steered to the private one)."""
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise CallbackURLError(f"callback_url host {host!r} does not resolve: {e.strerror}") from None
+    addrs = sorted({str(info[4][0]) for info in infos})
+    bad = [a for a in addrs if not address_allowed(a, allow_private)]
+    if bad or not addrs:
+        raise CallbackURLError(f"callback_url host {host!r} resolves to a loopback, private or "
+                               f"reserved address ({', '.join(bad)}), which is not allowed")  # fmt: skip
+    return addrs
+
+
+async def check_callback_url(url: str, allow_private: bool) -> None:
+    host, port = check_url_syntax(url)
+    await resolve_checked(host, port, allow_private)
+
+
+class GuardedResolver(AbstractResolver):
+    """aiohttp resolver that refuses forbidden addresses at connect time."""
+
+    def __init__(self, allow_private: bool) -> None:
+        self._inner = DefaultResolver()
+        self._allow_private = allow_private
+
+    async def resolve(self, host: str, port: int = 0,
+                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:  # fmt: skip
+        results = await self._inner.resolve(host, port, family)
+        bad = [r["host"] for r in results if not address_allowed(r["host"], self._allow_private)]
+        if bad:
+            raise OSError(f"callback host {host!r} resolves to a forbidden address ({', '.join(bad)})")
+        return results
+
+    async def close(self) -> None:
+        await self._inner.close()
+
+
+def sign(secret: str, body: bytes, timestamp: int | None = None) -> str:
+    t = int(time.time()) if timestamp is None else timestamp
+    mac = hmac.new(secret.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
+    return f"t={t},v1={mac}"
+
+
+def verify_signature(secret: str, header: str, body: bytes, tolerance_s: float = 300.0,
+                     now: float | None = None) -> bool:  # fmt: skip
+    """The receiver's check: a v1 HMAC that matches, on a timestamp within `tolerance_s`."""
+    fields: dict[str, list[str]] = {}
+    for part in header.split(","):
+        k, _, v = part.strip().partition("=")
+        fields.setdefault(k, []).append(v)
+    try:
+        t = int(fields["t"][0])
+    except (KeyError, ValueError):
+        return False
+    if abs((time.time() if now is None else now) - t) > tolerance_s:
+        return False
+    expected = hmac.new(secret.encode(), f"{t}.".encode() + body, hashlib.sha256).hexdigest()
+    return any(hmac.compare_digest(expected, v) for v in fields.get("v1", []))
+
+
+class CallbackSender:
+    """POSTs signed callbacks. Owns its own ClientSession on purpose: its connector's resolver
+    refuses private addresses, which the process's main session (talking to internal nodes)
+    must not do."""
+
+    def __init__(self, *, allow_private: bool, timeout_s: float) -> None:
+        self._allow_private = allow_private
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def send(self, url: str, secret: str, body: bytes, event_id: str) -> tuple[bool, str]:
+        """(delivered, detail). Delivered means a 2xx answer."""
+        try:
+            # IP literals never reach the resolver below, so check them (and names) here too.
+            await resolve_checked(*check_url_syntax(url), self._allow_private)
+        except CallbackURLError as e:
+            return False, str(e)
+        if self._session is None:
+            connector = aiohttp.TCPConnector(resolver=GuardedResolver(self._allow_private),
+                                             use_dns_cache=False)  # fmt: skip
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        headers: dict[str, Any] = {
+            "Content-Type": "application/json",
+            SIGNATURE_HEADER: sign(secret, body),
+            EVENT_HEADER: event_id,
+            "User-Agent": "duet-batch-callback/1",
+        }
+        try:
+            async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as r:
+                await r.read()
+                return 200 <= r.status < 300, f"HTTP {r.status}"
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+            return False, f"{type(e).__name__}: {e}"
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

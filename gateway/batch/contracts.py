@@ -1,0 +1,30 @@
+"""What the gateway provides to the batch tier: an executor that runs one request through the
+gateway's normal path, and a way to know the caller's team. Kept apart so every module (and
+the gateway) imports them without pulling in the rest of the package."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from aiohttp import web
+
+#: statuses (and any exception) after which a request is tried again, later: the node or the
+#: cluster was busy or lost, not the request wrong
+RETRYABLE_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+class Executor(Protocol):
+    """Runs one request the way an interactive one runs (quotas, accounting at the batch price,
+    routing at batch priority) and returns (HTTP status, JSON response body). Raising means the
+    request could not be run (e.g. no node reachable) and is retried like a 503."""
+
+    async def __call__(self, team_id: str, endpoint: str, body: dict[str, Any], *,
+                       tier: str = "batch", request_id: str) -> tuple[int, dict[str, Any]]: ...  # fmt: skip
+
+
+#: the caller's team id for a request, or raise `protocol.openai.APIError(401, ...)`
+Authenticate = Callable[[web.Request], "str | Awaitable[str]"]
+
+#: True while batch work may start; the gateway answers False while interactive queues wait
+MayRun = Callable[[], bool]

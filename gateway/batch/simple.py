@@ -1,0 +1,159 @@
+"""The seed's simple batch form: `POST /v1/batch {requests, callback_url, priority}` →
+`{batch_id, status, estimated_completion}`, and `GET /v1/batch/{id}` (status, counts and, once
+the batch has ended, its results inline).
+
+Each request is an OpenAI body (`{"model", "messages"}` or `{"model", "prompt"}`), or
+`{"custom_id"?, "url"?, "body"}` to name it; line numbers in errors are 1-based positions in
+`requests`. Under the hood it is an ordinary batch: the requests are stored as a JSONL input
+file of the team, so both forms share validation, the runner, and the output files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from gateway.batch.callback import CallbackURLError, check_callback_url
+from gateway.batch.config import BatchConfig
+from gateway.batch.contracts import Authenticate
+from gateway.batch.files import (
+    FileStore,
+    InvalidFile,
+    check_for_batch,
+    new_file_id,
+    parse_lines_collect,
+)
+from gateway.batch.models import (
+    PRIORITIES,
+    TERMINAL,
+    BatchError,
+    SimpleBatchCreate,
+    SimpleBatchCreated,
+    SimpleBatchStatus,
+    SimpleRequest,
+)
+from gateway.batch.runner import output_line
+from gateway.batch.store import BatchRow, BatchStore, FileRow
+from gateway.batch.submit import (
+    api_handler,
+    batch_object,
+    decode,
+    json_response,
+    submit_batch,
+    team_of,
+    window_seconds,
+)
+from protocol.openai import APIError
+
+_ENC = msgspec.json.Encoder()
+
+
+def to_jsonl(requests: list[Any]) -> tuple[list[bytes], list[BatchError]]:
+    """One JSONL line per simple request, and the requests that are not even shaped right."""
+    lines: list[bytes] = []
+    errors: list[BatchError] = []
+    for n, item in enumerate(requests, start=1):
+        if not isinstance(item, dict):
+            errors.append(BatchError(code="invalid_request", line=n, message="a request must be an object"))
+            lines.append(b"")
+            continue
+        if "body" in item:
+            try:
+                req = msgspec.convert(item, SimpleRequest)
+            except msgspec.ValidationError as e:
+                errors.append(BatchError(code="invalid_request", line=n, message=str(e)))
+                lines.append(b"")
+                continue
+        else:
+            req = SimpleRequest(body=item)
+        url = req.url or ("/v1/completions" if "prompt" in req.body and "messages" not in req.body
+                          else "/v1/chat/completions")  # fmt: skip
+        custom_id = req.custom_id if req.custom_id is not None else f"request-{n}"
+        lines.append(_ENC.encode({"custom_id": custom_id, "method": "POST", "url": url, "body": req.body}))
+    return lines, errors
+
+
+async def estimate_completion(store: BatchStore, config: BatchConfig, n: int, now: float) -> float:
+    """When a new batch of `n` requests should be done: the work queued ahead plus its own, at
+    the recent per-request time, spread over the runner's concurrency (a guess, not a promise)."""
+    mean = await store.mean_request_seconds(now - 3600) or config.default_request_s
+    queued = await store.pending_requests()
+    return now + (queued + n) * mean / max(config.concurrency, 1)
+
+
+def add_simple_routes(router: web.UrlDispatcher, *, store: BatchStore, authenticate: Authenticate,
+                      config: BatchConfig, wake: Any) -> None:  # fmt: skip
+    files = FileStore(config.files_dir)
+
+    async def create(request: web.Request) -> web.Response:
+        team = await team_of(request, authenticate)
+        body: SimpleBatchCreate = decode(await request.read(), SimpleBatchCreate)
+        if not body.requests:
+            raise APIError(400, "requests is empty", param="requests")
+        if len(body.requests) > config.max_requests:
+            raise APIError(400, f"a batch holds at most {config.max_requests} requests", param="requests")
+        window = window_seconds(config, body.completion_window)
+        if body.callback_url is not None:
+            if config.callback_secret_for(team) is None:
+                raise APIError(400, "callbacks are not configured on this gateway", param="callback_url")
+            try:
+                await check_callback_url(body.callback_url, config.allow_private_callbacks)
+            except CallbackURLError as e:
+                raise APIError(400, str(e), param="callback_url", code="invalid_callback_url") from None
+        lines, errors = to_jsonl(body.requests)
+        parsed, more = parse_lines_collect(lines, config)
+        errors += more
+        if parsed:
+            errors += check_for_batch(parsed, parsed[0][1].url, config)
+        if errors:
+            errors.sort(key=lambda e: e.line or 0)
+            raise APIError(400, str(InvalidFile(errors)), param="requests", code="invalid_batch")
+        data = b"\n".join(lines) + b"\n"
+        if len(data) > config.max_file_bytes:
+            raise APIError(413, f"a batch is at most {config.max_file_bytes} bytes", param="requests")
+        fid = new_file_id()
+        await asyncio.to_thread(files.write, fid, [data])
+        now = time.time()
+        await store.insert_file(FileRow(id=fid, team_id=team, purpose="batch", filename="batch.jsonl",
+                                        bytes=len(data), created_at=now))  # fmt: skip
+        row = await submit_batch(store, files, config, team_id=team, kind="simple",
+                                 endpoint=parsed[0][1].url, input_file_id=fid,
+                                 window=body.completion_window, metadata=body.metadata,
+                                 callback_url=body.callback_url,
+                                 priority=PRIORITIES[body.priority], refuse_invalid=True)  # fmt: skip
+        wake()
+        est = min(await estimate_completion(store, config, len(parsed), now), now + window)
+        return json_response(SimpleBatchCreated(batch_id=row.id, status=row.status,
+                                                estimated_completion=int(est)), status=202)  # fmt: skip
+
+    async def status(request: web.Request) -> web.Response:
+        team = await team_of(request, authenticate)
+        bid = request.match_info["batch_id"]
+        row = await store.get_batch(team, bid)
+        if row is None:
+            raise APIError(404, f"No such Batch: {bid!r}", param="id", code="not_found")
+        return json_response(await simple_status(store, config, row))
+
+    router.add_route("POST", "/v1/batch", api_handler(create))
+    router.add_route("GET", "/v1/batch/{batch_id}", api_handler(status))
+
+
+async def simple_status(store: BatchStore, config: BatchConfig, row: BatchRow) -> SimpleBatchStatus:
+    results = None
+    est: float | None = None
+    if row.status in TERMINAL:
+        results = [output_line(row.id, r) for r in await store.results(row.id)]
+    else:
+        left = row.counts.total - row.counts.completed - row.counts.failed
+        est = min(await estimate_completion(store, config, 0, time.time()) if left else time.time(),
+                  row.expires_at)  # fmt: skip
+    obj = batch_object(row)
+    return SimpleBatchStatus(batch_id=row.id, status=row.status, created_at=obj.created_at,
+                             estimated_completion=None if est is None else int(est),
+                             request_counts=row.counts, output_file_id=row.output_file_id,
+                             error_file_id=row.error_file_id, errors=obj.errors,
+                             results=results)  # fmt: skip

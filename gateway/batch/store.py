@@ -1,0 +1,554 @@
+"""Durable state of the batch tier: files, batches and one row per request (its claim and,
+once finished, its result). `BatchStore` is the interface; `SqliteBatchStore` is the default
+(stdlib sqlite3 in WAL mode, each call in a worker thread). A PostgreSQL store implements the
+same methods (claims with `SELECT ... FOR UPDATE SKIP LOCKED`).
+
+Invariants:
+- (batch_id, custom_id) is the primary key of `batch_requests`: one row, hence at most one
+  result and one output line, per custom_id.
+- A request runs only while claimed: `state='running'`, `claimed_by` = the runner, and
+  `lease_until` in the future. A result is written only by the runner that holds the claim
+  (`finish_request` checks it in the same statement), so a runner whose lease was taken over
+  cannot write a second result.
+- Every state change is one transaction (`BEGIN IMMEDIATE`): several gateway processes may
+  share the database file.
+- Teams are isolated here, not in the handlers: every read a client can cause names its team.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+from gateway.batch.models import RequestCounts
+
+T = TypeVar("T")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS batch_files (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    team_id TEXT NOT NULL,
+    purpose TEXT NOT NULL,
+    filename TEXT NOT NULL,
+    bytes INTEGER NOT NULL,
+    created_at REAL NOT NULL,
+    deleted INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS batch_files_team ON batch_files (team_id, seq);
+CREATE TABLE IF NOT EXISTS batches (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    team_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    endpoint TEXT NOT NULL,
+    input_file_id TEXT NOT NULL,
+    completion_window TEXT NOT NULL,
+    status TEXT NOT NULL,
+    priority INTEGER NOT NULL DEFAULT 1,
+    metadata TEXT,
+    errors TEXT,
+    total INTEGER NOT NULL DEFAULT 0,
+    output_file_id TEXT,
+    error_file_id TEXT,
+    created_at REAL NOT NULL,
+    in_progress_at REAL, expires_at REAL NOT NULL, finalizing_at REAL, completed_at REAL,
+    failed_at REAL, expired_at REAL, cancelling_at REAL, cancelled_at REAL,
+    claimed_by TEXT,
+    lease_until REAL,
+    callback_url TEXT,
+    callback_state TEXT,
+    callback_attempts INTEGER NOT NULL DEFAULT 0,
+    callback_next_at REAL,
+    callback_error TEXT
+);
+CREATE INDEX IF NOT EXISTS batches_team ON batches (team_id, seq);
+CREATE INDEX IF NOT EXISTS batches_status ON batches (status);
+CREATE TABLE IF NOT EXISTS batch_requests (
+    batch_id TEXT NOT NULL,
+    custom_id TEXT NOT NULL,
+    line INTEGER NOT NULL,
+    body TEXT NOT NULL,
+    state TEXT NOT NULL DEFAULT 'pending',
+    attempts INTEGER NOT NULL DEFAULT 0,
+    not_before REAL NOT NULL DEFAULT 0,
+    claimed_by TEXT,
+    lease_until REAL,
+    started_at REAL,
+    finished_at REAL,
+    status_code INTEGER,
+    request_id TEXT,
+    response TEXT,
+    error TEXT,
+    PRIMARY KEY (batch_id, custom_id)
+);
+CREATE INDEX IF NOT EXISTS batch_requests_state ON batch_requests (state, not_before);
+CREATE INDEX IF NOT EXISTS batch_requests_line ON batch_requests (batch_id, line);
+"""
+
+# Request states: pending → running → succeeded | failed; pending → cancelled (batch cancelled)
+# A running row whose lease lapsed counts as pending (its runner died).
+FINISHED = ("succeeded", "failed")
+
+
+@dataclass(frozen=True)
+class FileRow:
+    id: str
+    team_id: str
+    purpose: str
+    filename: str
+    bytes: int
+    created_at: float
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    id: str
+    team_id: str
+    kind: str  # "openai" | "simple"
+    endpoint: str
+    input_file_id: str
+    completion_window: str
+    status: str
+    priority: int
+    metadata: dict[str, str] | None
+    errors: list[dict[str, Any]] | None
+    total: int
+    output_file_id: str | None
+    error_file_id: str | None
+    created_at: float
+    in_progress_at: float | None
+    expires_at: float
+    finalizing_at: float | None
+    completed_at: float | None
+    failed_at: float | None
+    expired_at: float | None
+    cancelling_at: float | None
+    cancelled_at: float | None
+    callback_url: str | None
+    callback_state: str | None
+    callback_attempts: int
+    counts: RequestCounts
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    line: int
+    custom_id: str
+    body: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Claimed:
+    """A request this runner now holds a lease on."""
+
+    batch_id: str
+    custom_id: str
+    line: int
+    body: dict[str, Any]
+    attempts: int  # including this one
+    team_id: str
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class ResultRow:
+    custom_id: str
+    line: int
+    state: str
+    status_code: int | None
+    request_id: str | None
+    response: dict[str, Any] | None
+    error: dict[str, Any] | None
+
+
+class Conflict(Exception):
+    """The batch is in a state that does not allow the change."""
+
+
+class BatchStore(Protocol):
+    """What the routes and the runner need from storage. `now` is unix seconds (the caller's
+    clock, so tests and several gateways agree on one source)."""
+
+    async def insert_file(self, row: FileRow) -> None: ...
+    async def get_file(self, team_id: str, file_id: str) -> FileRow | None: ...
+    async def list_files(self, team_id: str, purpose: str | None, after: str | None,
+                         limit: int) -> tuple[list[FileRow], bool]: ...  # fmt: skip
+    async def delete_file(self, team_id: str, file_id: str) -> bool: ...
+    async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest]) -> None: ...
+    async def get_batch(self, team_id: str | None, batch_id: str) -> BatchRow | None: ...
+    async def list_batches(self, team_id: str, after: str | None,
+                           limit: int) -> tuple[list[BatchRow], bool]: ...  # fmt: skip
+    async def cancel_batch(self, team_id: str, batch_id: str, now: float) -> BatchRow | None: ...
+    async def release_claims(self, worker: str) -> int: ...
+    async def claim_requests(self, worker: str, n: int, lease_s: float, now: float) -> list[Claimed]: ...
+    async def renew_leases(self, worker: str, keys: Sequence[tuple[str, str]], until: float) -> None: ...
+    async def finish_request(self, worker: str, batch_id: str, custom_id: str, *, ok: bool,
+                             status_code: int | None, request_id: str | None,
+                             response: dict[str, Any] | None, error: dict[str, Any] | None,
+                             now: float) -> bool: ...  # fmt: skip
+    async def retry_request(self, worker: str, batch_id: str, custom_id: str, not_before: float,
+                            error: dict[str, Any]) -> bool: ...  # fmt: skip
+    async def claim_finalizable(self, worker: str, lease_s: float, now: float) -> list[str]: ...
+    async def results(self, batch_id: str) -> list[ResultRow]: ...
+    async def finish_batch(self, worker: str, batch_id: str, status: str, files: Sequence[FileRow],
+                           output_file_id: str | None, error_file_id: str | None,
+                           now: float) -> bool: ...  # fmt: skip
+    async def claim_callbacks(self, worker: str, lease_s: float, now: float) -> list[BatchRow]: ...
+    async def callback_result(self, worker: str, batch_id: str, *, delivered: bool,
+                              next_at: float | None, error: str | None) -> None: ...  # fmt: skip
+    async def mean_request_seconds(self, since: float) -> float | None: ...
+    async def pending_requests(self) -> int: ...
+    def close(self) -> None: ...
+
+
+_BATCH_COLS = (
+    "id, team_id, kind, endpoint, input_file_id, completion_window, status, priority, metadata, "
+    "errors, total, output_file_id, error_file_id, created_at, in_progress_at, expires_at, "
+    "finalizing_at, completed_at, failed_at, expired_at, cancelling_at, cancelled_at, "
+    "callback_url, callback_state, callback_attempts"
+)
+_FILE_COLS = "id, team_id, purpose, filename, bytes, created_at"
+
+
+def _loads(text: str | None) -> Any:
+    return None if text is None else json.loads(text)
+
+
+class SqliteBatchStore:
+    """`BatchStore` on one SQLite file (WAL, so readers never block the writer)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: we issue BEGIN IMMEDIATE ourselves, so a claim takes the write
+        # lock before it reads and two processes can never claim the same row.
+        self._db = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None,
+                                   check_same_thread=False)  # fmt: skip
+        self._lock = threading.Lock()  # one connection, used by one thread at a time
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL mode loses nothing when a process is killed; only an OS crash may drop
+        # the last transactions, which the runner then simply redoes.
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _tx_sync(self, fn: Callable[[sqlite3.Connection], T], write: bool = True) -> T:
+        with self._lock:
+            # Reads take a deferred transaction: in WAL mode they never wait for writers.
+            self._db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            try:
+                out = fn(self._db)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+            return out
+
+    async def _tx(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        return await asyncio.to_thread(self._tx_sync, fn)
+
+    async def _read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        return await asyncio.to_thread(self._tx_sync, fn, False)
+
+    # ---- files ----
+    async def insert_file(self, row: FileRow) -> None:
+        await self._tx(lambda db: _insert_file(db, row))
+
+    async def get_file(self, team_id: str, file_id: str) -> FileRow | None:
+        def q(db: sqlite3.Connection) -> FileRow | None:
+            r = db.execute(f"SELECT {_FILE_COLS} FROM batch_files WHERE id=? AND team_id=? "
+                           "AND deleted=0", (file_id, team_id)).fetchone()  # fmt: skip
+            return FileRow(*r) if r else None
+
+        return await self._read(q)
+
+    async def list_files(self, team_id: str, purpose: str | None, after: str | None,
+                         limit: int) -> tuple[list[FileRow], bool]:  # fmt: skip
+        def q(db: sqlite3.Connection) -> tuple[list[FileRow], bool]:
+            cursor = _cursor(db, "batch_files", team_id, after)
+            rows = db.execute(
+                f"SELECT {_FILE_COLS} FROM batch_files WHERE team_id=? AND deleted=0 AND seq<? "
+                "AND (? IS NULL OR purpose=?) ORDER BY seq DESC LIMIT ?",
+                (team_id, cursor, purpose, purpose, limit + 1),
+            ).fetchall()
+            return [FileRow(*r) for r in rows[:limit]], len(rows) > limit
+
+        return await self._read(q)
+
+    async def delete_file(self, team_id: str, file_id: str) -> bool:
+        def q(db: sqlite3.Connection) -> bool:
+            return db.execute("UPDATE batch_files SET deleted=1 WHERE id=? AND team_id=? AND deleted=0",
+                              (file_id, team_id)).rowcount == 1  # fmt: skip
+
+        return await self._read(q)
+
+    # ---- batches ----
+    async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest]) -> None:
+        def q(db: sqlite3.Connection) -> None:
+            db.execute(
+                "INSERT INTO batches (id, team_id, kind, endpoint, input_file_id, completion_window, "
+                "status, priority, metadata, errors, total, created_at, in_progress_at, expires_at, "
+                "failed_at, callback_url) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (row.id, row.team_id, row.kind, row.endpoint, row.input_file_id,
+                 row.completion_window, row.status, row.priority,
+                 None if row.metadata is None else json.dumps(row.metadata),
+                 None if row.errors is None else json.dumps(row.errors), len(requests),
+                 row.created_at, row.in_progress_at, row.expires_at, row.failed_at,
+                 row.callback_url),
+            )  # fmt: skip
+            db.executemany(
+                "INSERT INTO batch_requests (batch_id, custom_id, line, body) VALUES (?,?,?,?)",
+                ((row.id, r.custom_id, r.line, json.dumps(r.body)) for r in requests),
+            )
+            if row.callback_url and row.status == "failed":
+                db.execute("UPDATE batches SET callback_state='pending', callback_next_at=? "
+                           "WHERE id=?", (row.created_at, row.id))  # fmt: skip
+
+        await self._tx(q)
+
+    async def get_batch(self, team_id: str | None, batch_id: str) -> BatchRow | None:
+        def q(db: sqlite3.Connection) -> BatchRow | None:
+            r = db.execute(f"SELECT {_BATCH_COLS} FROM batches WHERE id=? AND (? IS NULL OR team_id=?)",
+                           (batch_id, team_id, team_id)).fetchone()  # fmt: skip
+            return _batch_row(db, r) if r else None
+
+        return await self._read(q)
+
+    async def list_batches(self, team_id: str, after: str | None,
+                           limit: int) -> tuple[list[BatchRow], bool]:  # fmt: skip
+        def q(db: sqlite3.Connection) -> tuple[list[BatchRow], bool]:
+            cursor = _cursor(db, "batches", team_id, after)
+            rows = db.execute(f"SELECT {_BATCH_COLS} FROM batches WHERE team_id=? AND seq<? "
+                              "ORDER BY seq DESC LIMIT ?", (team_id, cursor, limit + 1)).fetchall()  # fmt: skip
+            return [_batch_row(db, r) for r in rows[:limit]], len(rows) > limit
+
+        return await self._read(q)
+
+    async def cancel_batch(self, team_id: str, batch_id: str, now: float) -> BatchRow | None:
+        def q(db: sqlite3.Connection) -> BatchRow | None:
+            r = db.execute("SELECT status FROM batches WHERE id=? AND team_id=?",
+                           (batch_id, team_id)).fetchone()  # fmt: skip
+            if r is None:
+                return None
+            if r[0] in ("validating", "in_progress"):
+                db.execute("UPDATE batches SET status='cancelling', cancelling_at=? WHERE id=?",
+                           (now, batch_id))  # fmt: skip
+                # Not-yet-started work is dropped now; running requests finish and are kept.
+                db.execute("UPDATE batch_requests SET state='cancelled' WHERE batch_id=? AND "
+                           "state='pending'", (batch_id,))  # fmt: skip
+            elif r[0] != "cancelling":
+                raise Conflict(f"a batch that is {r[0]} cannot be cancelled")
+            row = db.execute(f"SELECT {_BATCH_COLS} FROM batches WHERE id=?", (batch_id,)).fetchone()
+            return _batch_row(db, row)
+
+        return await self._read(q)
+
+    # ---- runner ----
+    async def release_claims(self, worker: str) -> int:
+        """Hand back everything `worker` holds: called when a runner (re)starts, since the
+        previous process with its id is gone."""
+
+        def q(db: sqlite3.Connection) -> int:
+            n = db.execute("UPDATE batch_requests SET state='pending', claimed_by=NULL, "
+                           "lease_until=NULL WHERE state='running' AND claimed_by=?",
+                           (worker,)).rowcount  # fmt: skip
+            db.execute("UPDATE batches SET claimed_by=NULL, lease_until=NULL WHERE claimed_by=?",
+                       (worker,))  # fmt: skip
+            return n
+
+        return await self._read(q)
+
+    async def claim_requests(self, worker: str, n: int, lease_s: float, now: float) -> list[Claimed]:
+        def q(db: sqlite3.Connection) -> list[Claimed]:
+            rows = db.execute(
+                "SELECT r.batch_id, r.custom_id, r.line, r.body, r.attempts, b.team_id, b.endpoint "
+                "FROM batch_requests r JOIN batches b ON b.id = r.batch_id "
+                "WHERE b.status='in_progress' AND b.expires_at>? AND ("
+                "  (r.state='pending' AND r.not_before<=?) OR (r.state='running' AND r.lease_until<?)) "
+                "ORDER BY b.priority DESC, b.seq, r.line LIMIT ?",
+                (now, now, now, n),
+            ).fetchall()  # fmt: skip
+            out = []
+            for batch_id, custom_id, line, body, attempts, team_id, endpoint in rows:
+                db.execute("UPDATE batch_requests SET state='running', claimed_by=?, lease_until=?, "
+                           "attempts=attempts+1, started_at=? WHERE batch_id=? AND custom_id=?",
+                           (worker, now + lease_s, now, batch_id, custom_id))  # fmt: skip
+                out.append(Claimed(batch_id=batch_id, custom_id=custom_id, line=line,
+                                   body=json.loads(body), attempts=attempts + 1, team_id=team_id,
+                                   endpoint=endpoint))  # fmt: skip
+            return out
+
+        return await self._tx(q)
+
+    async def renew_leases(self, worker: str, keys: Sequence[tuple[str, str]], until: float) -> None:
+        def q(db: sqlite3.Connection) -> None:
+            db.executemany("UPDATE batch_requests SET lease_until=? WHERE batch_id=? AND custom_id=? "
+                           "AND state='running' AND claimed_by=?",
+                           ((until, b, c, worker) for b, c in keys))  # fmt: skip
+
+        await self._tx(q)
+
+    async def finish_request(self, worker: str, batch_id: str, custom_id: str, *, ok: bool,
+                             status_code: int | None, request_id: str | None,
+                             response: dict[str, Any] | None, error: dict[str, Any] | None,
+                             now: float) -> bool:  # fmt: skip
+        def q(db: sqlite3.Connection) -> bool:
+            return db.execute(
+                "UPDATE batch_requests SET state=?, status_code=?, request_id=?, response=?, "
+                "error=?, finished_at=?, claimed_by=NULL, lease_until=NULL "
+                "WHERE batch_id=? AND custom_id=? AND state='running' AND claimed_by=?",
+                ("succeeded" if ok else "failed", status_code, request_id,
+                 None if response is None else json.dumps(response),
+                 None if error is None else json.dumps(error), now, batch_id, custom_id, worker),
+            ).rowcount == 1  # fmt: skip
+
+        return await self._tx(q)
+
+    async def retry_request(self, worker: str, batch_id: str, custom_id: str, not_before: float,
+                            error: dict[str, Any]) -> bool:  # fmt: skip
+        def q(db: sqlite3.Connection) -> bool:
+            return db.execute(
+                "UPDATE batch_requests SET state='pending', not_before=?, error=?, claimed_by=NULL, "
+                "lease_until=NULL WHERE batch_id=? AND custom_id=? AND state='running' AND claimed_by=?",
+                (not_before, json.dumps(error), batch_id, custom_id, worker),
+            ).rowcount == 1  # fmt: skip
+
+        return await self._tx(q)
+
+    async def claim_finalizable(self, worker: str, lease_s: float, now: float) -> list[str]:
+        """Batches with nothing left to run (all done, cancelled, or past their window) and no
+        live claim on them or their requests; claimed for `lease_s` by `worker`."""
+
+        def q(db: sqlite3.Connection) -> list[str]:
+            ids = [r[0] for r in db.execute(
+                "SELECT b.id FROM batches b WHERE b.status IN ('in_progress','finalizing','cancelling') "
+                "AND (b.lease_until IS NULL OR b.lease_until<?) "
+                "AND NOT EXISTS (SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND "
+                "  r.state='running' AND r.lease_until>=?) "
+                "AND (b.status='cancelling' OR b.expires_at<=? OR NOT EXISTS ("
+                "  SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND r.state IN ('pending','running')))",
+                (now, now, now),
+            ).fetchall()]  # fmt: skip
+            for bid in ids:
+                db.execute("UPDATE batches SET claimed_by=?, lease_until=?, finalizing_at=CASE WHEN "
+                           "status='in_progress' AND expires_at>? THEN ? ELSE finalizing_at END, "
+                           "status=CASE WHEN status='in_progress' AND expires_at>? THEN 'finalizing' "
+                           "ELSE status END WHERE id=?",
+                           (worker, now + lease_s, now, now, now, bid))  # fmt: skip
+            return ids
+
+        return await self._tx(q)
+
+    async def results(self, batch_id: str) -> list[ResultRow]:
+        def q(db: sqlite3.Connection) -> list[ResultRow]:
+            rows = db.execute("SELECT custom_id, line, state, status_code, request_id, response, error "
+                              "FROM batch_requests WHERE batch_id=? ORDER BY line",
+                              (batch_id,)).fetchall()  # fmt: skip
+            return [ResultRow(c, n, s, sc, rid, _loads(resp), _loads(err))
+                    for c, n, s, sc, rid, resp, err in rows]  # fmt: skip
+
+        return await self._tx(q)
+
+    async def finish_batch(self, worker: str, batch_id: str, status: str, files: Sequence[FileRow],
+                           output_file_id: str | None, error_file_id: str | None,
+                           now: float) -> bool:  # fmt: skip
+        if status not in ("completed", "expired", "cancelled"):
+            raise ValueError(f"not a final status: {status}")
+
+        def q(db: sqlite3.Connection) -> bool:
+            n = db.execute(
+                f"UPDATE batches SET status=?, {status}_at=?, output_file_id=?, error_file_id=?, "
+                "claimed_by=NULL, lease_until=NULL, callback_state=CASE WHEN callback_url IS NULL "
+                "THEN NULL ELSE 'pending' END, callback_next_at=? "
+                "WHERE id=? AND claimed_by=? AND status IN ('in_progress','finalizing','cancelling')",
+                (status, now, output_file_id, error_file_id, now, batch_id, worker),
+            ).rowcount  # fmt: skip
+            if n != 1:
+                return False
+            # Requests that never ran now say why, so counts and files agree after the end.
+            db.execute("UPDATE batch_requests SET state=?, claimed_by=NULL, lease_until=NULL "
+                       "WHERE batch_id=? AND state IN ('pending','running','cancelled')",
+                       ("expired" if status == "expired" else "cancelled", batch_id))  # fmt: skip
+            for f in files:
+                _insert_file(db, f)
+            return True
+
+        return await self._tx(q)
+
+    async def claim_callbacks(self, worker: str, lease_s: float, now: float) -> list[BatchRow]:
+        def q(db: sqlite3.Connection) -> list[BatchRow]:
+            rows = db.execute(f"SELECT {_BATCH_COLS} FROM batches WHERE callback_state='pending' "
+                              "AND callback_next_at<=? AND (lease_until IS NULL OR lease_until<?)",
+                              (now, now)).fetchall()  # fmt: skip
+            for r in rows:
+                db.execute("UPDATE batches SET claimed_by=?, lease_until=?, "
+                           "callback_attempts=callback_attempts+1 WHERE id=?",
+                           (worker, now + lease_s, r[0]))  # fmt: skip
+            return [_batch_row(db, r) for r in rows]
+
+        return await self._tx(q)
+
+    async def callback_result(self, worker: str, batch_id: str, *, delivered: bool,
+                              next_at: float | None, error: str | None) -> None:  # fmt: skip
+        state = "delivered" if delivered else ("pending" if next_at is not None else "failed")
+
+        def q(db: sqlite3.Connection) -> None:
+            db.execute("UPDATE batches SET callback_state=?, callback_next_at=?, callback_error=?, "
+                       "claimed_by=NULL, lease_until=NULL WHERE id=? AND claimed_by=?",
+                       (state, next_at, error, batch_id, worker))  # fmt: skip
+
+        await self._tx(q)
+
+    async def mean_request_seconds(self, since: float) -> float | None:
+        def q(db: sqlite3.Connection) -> float | None:
+            r = db.execute("SELECT AVG(finished_at - started_at) FROM batch_requests "
+                           "WHERE state='succeeded' AND finished_at>=?", (since,)).fetchone()  # fmt: skip
+            return r[0]
+
+        return await self._tx(q)
+
+    async def pending_requests(self) -> int:
+        def q(db: sqlite3.Connection) -> int:
+            return db.execute("SELECT COUNT(*) FROM batch_requests r JOIN batches b ON b.id=r.batch_id "
+                              "WHERE b.status='in_progress' AND r.state IN ('pending','running')"
+                              ).fetchone()[0]  # fmt: skip
+
+        return await self._tx(q)
+
+
+def _insert_file(db: sqlite3.Connection, f: FileRow) -> None:
+    db.execute(f"INSERT INTO batch_files ({_FILE_COLS}) VALUES (?,?,?,?,?,?)",
+               (f.id, f.team_id, f.purpose, f.filename, f.bytes, f.created_at))  # fmt: skip
+
+
+def _cursor(db: sqlite3.Connection, table: str, team_id: str, after: str | None) -> int:
+    """The seq to list below; an unknown `after` (or another team's) lists from the top."""
+    if after is not None:
+        r = db.execute(f"SELECT seq FROM {table} WHERE id=? AND team_id=?", (after, team_id)).fetchone()
+        if r:
+            return int(r[0])
+    return 2**62
+
+
+def _batch_row(db: sqlite3.Connection, r: Sequence[Any]) -> BatchRow:
+    counts = dict(db.execute("SELECT state, COUNT(*) FROM batch_requests WHERE batch_id=? "
+                             "GROUP BY state", (r[0],)).fetchall())  # fmt: skip
+    rc = RequestCounts(total=r[10], completed=counts.get("succeeded", 0), failed=counts.get("failed", 0))
+    return BatchRow(
+        id=r[0], team_id=r[1], kind=r[2], endpoint=r[3], input_file_id=r[4], completion_window=r[5],
+        status=r[6], priority=r[7], metadata=_loads(r[8]), errors=_loads(r[9]), total=r[10],
+        output_file_id=r[11], error_file_id=r[12], created_at=r[13], in_progress_at=r[14],
+        expires_at=r[15], finalizing_at=r[16], completed_at=r[17], failed_at=r[18],
+        expired_at=r[19], cancelling_at=r[20], cancelled_at=r[21], callback_url=r[22],
+        callback_state=r[23], callback_attempts=r[24], counts=rc,
+    )  # fmt: skip

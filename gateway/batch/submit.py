@@ -1,0 +1,144 @@
+"""What both API forms share: who is calling, OpenAI error answers, turning a validated input
+file into a batch (or a failed one, with its bad lines), and a store row into a Batch object.
+
+Invariant: a batch row and all its request rows are written in one transaction, so a batch the
+client can see is always complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from gateway.batch.config import BatchConfig
+from gateway.batch.contracts import Authenticate
+from gateway.batch.files import FileStore, InvalidFile, check_for_batch, parse_lines
+from gateway.batch.models import Batch, BatchError, BatchErrors, RequestCounts
+from gateway.batch.store import BatchRow, BatchStore, NewRequest
+from protocol.openai import APIError
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_METADATA_PAIRS = 16
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
+
+
+def api_handler(fn: Handler) -> Handler:
+    """Turn APIError into OpenAI's error body, so these routes answer right in any app."""
+
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await fn(request)
+        except APIError as e:
+            return json_response(e.body(), e.status)
+        except web.HTTPRequestEntityTooLarge as e:  # the app's client_max_size, in OpenAI's words
+            err = APIError(413, f"request body too large: {e.text}", code="request_too_large")
+            return json_response(err.body(), err.status)
+
+    return wrapped
+
+
+async def team_of(request: web.Request, authenticate: Authenticate) -> str:
+    team = authenticate(request)
+    if inspect.isawaitable(team):
+        team = await team
+    if not isinstance(team, str) or not team:
+        raise APIError(401, "invalid or missing API key", type_="authentication_error",
+                       code="invalid_api_key")  # fmt: skip
+    return team
+
+
+def decode(raw: bytes, type_: type[Any]) -> Any:
+    try:
+        return msgspec.json.decode(raw, type=type_)
+    except msgspec.ValidationError as e:
+        raise APIError(400, f"invalid request: {e}") from None
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"malformed JSON body: {e}") from None
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    if metadata is None:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise APIError(400, f"metadata holds at most {MAX_METADATA_PAIRS} pairs", param="metadata")
+    for k, v in metadata.items():
+        if len(k) > 64 or len(v) > 512:
+            raise APIError(400, "metadata keys are at most 64 characters and values at most 512",
+                           param="metadata")  # fmt: skip
+
+
+def window_seconds(config: BatchConfig, window: str) -> float:
+    if window not in config.completion_windows:
+        raise APIError(400, f"completion_window must be one of {', '.join(config.completion_windows)}",
+                       param="completion_window")  # fmt: skip
+    return config.completion_windows[window]
+
+
+def _errors_json(errors: list[BatchError]) -> list[dict[str, Any]]:
+    return [msgspec.to_builtins(e) for e in errors]
+
+
+async def submit_batch(store: BatchStore, files: FileStore, config: BatchConfig, *, team_id: str,
+                       kind: str, endpoint: str, input_file_id: str, window: str,
+                       metadata: dict[str, str] | None, callback_url: str | None = None,
+                       priority: int = 1, refuse_invalid: bool = False) -> BatchRow:  # fmt: skip
+    """Create a batch from a stored input file. Lines unfit for this batch make a `failed`
+    batch listing them (OpenAI's behaviour), or a 400 when `refuse_invalid`."""
+    if endpoint not in config.endpoints:
+        raise APIError(400, f"endpoint must be one of {', '.join(config.endpoints)}", param="endpoint")
+    seconds = window_seconds(config, window)
+    check_metadata(metadata)
+
+    def parse() -> tuple[list[Any], list[BatchError]]:
+        try:
+            lines = parse_lines(files.lines(input_file_id), config)
+        except InvalidFile as e:  # limits may have changed since the upload
+            return [], e.errors
+        return lines, check_for_batch(lines, endpoint, config)
+
+    lines, errors = await asyncio.to_thread(parse)
+    if errors and refuse_invalid:
+        raise APIError(400, str(InvalidFile(errors)), param="requests", code="invalid_batch")
+    now = time.time()
+    row = BatchRow(
+        id=f"batch_{uuid.uuid4().hex}", team_id=team_id, kind=kind, endpoint=endpoint,
+        input_file_id=input_file_id, completion_window=window,
+        status="failed" if errors else "in_progress", priority=priority, metadata=metadata,
+        errors=_errors_json(errors) if errors else None, total=0 if errors else len(lines),
+        output_file_id=None, error_file_id=None, created_at=now,
+        in_progress_at=None if errors else now, expires_at=now + seconds, finalizing_at=None,
+        completed_at=None, failed_at=now if errors else None, expired_at=None, cancelling_at=None,
+        cancelled_at=None, callback_url=callback_url, callback_state=None, callback_attempts=0,
+        counts=RequestCounts(total=0 if errors else len(lines)),
+    )  # fmt: skip
+    reqs = [] if errors else [NewRequest(line=n, custom_id=x.custom_id, body=x.body) for n, x in lines]
+    await store.create_batch(row, reqs)
+    return row
+
+
+def _ts(x: float | None) -> int | None:
+    return None if x is None else int(x)
+
+
+def batch_object(row: BatchRow) -> Batch:
+    times = {k: _ts(getattr(row, k)) for k in ("in_progress_at", "expires_at", "finalizing_at", "completed_at",
+                                    "failed_at", "expired_at", "cancelling_at", "cancelled_at")}  # fmt: skip
+    errors = None
+    if row.errors:
+        errors = BatchErrors(data=[msgspec.convert(e, BatchError) for e in row.errors])
+    return Batch(
+        id=row.id, endpoint=row.endpoint, errors=errors, input_file_id=row.input_file_id,
+        completion_window=row.completion_window, status=row.status,  # type: ignore[arg-type]
+        output_file_id=row.output_file_id, error_file_id=row.error_file_id,
+        created_at=int(row.created_at), request_counts=row.counts, metadata=row.metadata, **times,
+    )  # fmt: skip
