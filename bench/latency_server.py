@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(p.parse_args(argv))
     host, port = args.pop("host"), args.pop("port")
     args["api_keys"] = tuple(k for k in args["api_keys"].split(",") if k)
-    web.run_app(make_app(LatencyConfig(**args)), host=host, port=port, print=None)
+    # a short shutdown: hung requests (hang_every) must not hold SIGTERM up for a minute
+    web.run_app(make_app(LatencyConfig(**args)), host=host, port=port, print=None, shutdown_timeout=1.0)
     return 0
 
 

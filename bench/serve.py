@@ -36,11 +36,20 @@ from protocol.tokenizer import Tokenizer
 Workload = Callable[[int], Iterator[BenchRequest]]
 
 
+def load_tokenizer(ref: str) -> Tokenizer:
+    """A directory holding tokenizer.json (a tokenizer alone is enough for the bench), else a
+    model reference resolved like everywhere in duet."""
+    path = Path(ref).expanduser()
+    if (path / "tokenizer.json").is_file():
+        return Tokenizer(path)
+    return Tokenizer(resolve_model(ref).directory)
+
+
 def make_workload(cfg: ServeConfig) -> Workload:
     """Loads what the workload needs once (tokenizer, file); returns seed → requests."""
     tok = None
     if cfg.tokenizer or cfg.prompt_format == "text":
-        tok = Tokenizer(resolve_model(cfg.tokenizer or DEFAULT_MODEL).directory)
+        tok = load_tokenizer(cfg.tokenizer or DEFAULT_MODEL)
     builder = PromptBuilder(cfg.prompt_format, tok, cfg.vocab_size)
     out_len = cfg.output_len if cfg.output_len_set else None
     if cfg.dataset == "sharegpt":

@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--dataset", choices=DATASETS, default="synthetic",
                    help="synthetic (default), sharegpt (JSON file) or trace (Mooncake-style JSONL)")
     w.add_argument("--dataset-path", default=None, help="the ShareGPT JSON or trace JSONL file")
-    w.add_argument("--tokenizer", default=None, help="model name or directory whose tokenizer builds "
+    w.add_argument("--tokenizer", default=None, help="model name, model directory or tokenizer.json directory that builds "
                    "and measures prompts (default for text prompts: smollm2-135m-instruct)")  # fmt: skip
     w.add_argument("--prompt-format", choices=["text", "tokens"], default="text",
                    help="send prompts as text (any server) or token ids (/v1/completions on duet/vLLM)")
