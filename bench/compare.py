@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 #: (key, label, better): better is "higher" or "lower", for the verdict column
-METRICS = [
+METRICS: tuple[tuple[str, str, str], ...] = (
     ("completed", "completed", "higher"),
     ("failed", "failed", "lower"),
     ("request_throughput", "request throughput (req/s)", "higher"),
@@ -25,11 +25,9 @@ METRICS = [
     ("output_throughput", "output throughput (tok/s)", "higher"),
     ("total_token_throughput", "total throughput (tok/s)", "higher"),
     ("achieved_request_rate", "achieved send rate (req/s)", "higher"),
-]
-for _m in ("ttft", "tpot", "itl", "e2el"):
-    METRICS += [(f"mean_{_m}_ms", f"mean {_m.upper()} (ms)", "lower"),
-                (f"median_{_m}_ms", f"median {_m.upper()} (ms)", "lower"),
-                (f"p99_{_m}_ms", f"p99 {_m.upper()} (ms)", "lower")]  # fmt: skip
+    *((f"{stat}_{m}_ms", f"{stat} {m.upper()} (ms)", "lower")
+      for m in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p99")),
+)  # fmt: skip
 
 
 def load(path: str) -> dict[str, Any]:

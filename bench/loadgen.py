@@ -11,6 +11,7 @@ sent and finished before the measured clock starts and are never recorded; every
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 import time
@@ -35,6 +36,8 @@ class RunOutcome(msgspec.Struct, kw_only=True):
     started_at: float  # wall clock (epoch seconds) of the start
     warmup_sent: int = 0
     warmup_failed: int = 0
+    #: stopped early by Ctrl-C
+    interrupted: bool = False
 
 
 OnDone = Callable[[RequestRecord], None]
@@ -62,7 +65,9 @@ async def warm_up(session: aiohttp.ClientSession, cfg: ServeConfig,
 
 
 async def run_load(session: aiohttp.ClientSession, cfg: ServeConfig, requests: Iterator[BenchRequest],
-                   on_done: OnDone | None = None) -> RunOutcome:  # fmt: skip
+                   on_done: OnDone | None = None, stop: asyncio.Event | None = None) -> RunOutcome:  # fmt: skip
+    """Send the run; `stop` (Ctrl-C) ends the sending early, like the end of --duration."""
+    stop = stop or asyncio.Event()
     mixer = Mixer(cfg, cfg.seed + 1)
     offsets = send_offsets(cfg.request_rate, cfg.burstiness, random.Random(cfg.seed + 3))
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
@@ -84,6 +89,9 @@ async def run_load(session: aiohttp.ClientSession, cfg: ServeConfig, requests: I
             on_done(rec)
         return rec
 
+    def over() -> bool:
+        return stop.is_set() or (cfg.duration_s is not None and time.perf_counter() - start >= cfg.duration_s)
+
     count = itertools.count() if cfg.num_requests is None else range(cfg.num_requests)
     for i, req in zip(count, requests, strict=False):
         planned = req.arrival_s if req.arrival_s is not None else next(offsets)
@@ -91,13 +99,15 @@ async def run_load(session: aiohttp.ClientSession, cfg: ServeConfig, requests: I
             break
         delay = start + planned - time.perf_counter()
         if delay > 0:
-            await asyncio.sleep(delay)
-        if sem is not None:
-            await sem.acquire()
-        if cfg.duration_s is not None and time.perf_counter() - start >= cfg.duration_s:
-            if sem is not None:
-                sem.release()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), delay)
+        if over():
             break
+        if sem is not None:
+            await sem.acquire()  # a slot frees within --request-timeout
+            if over():
+                sem.release()
+                break
         team, key, tier = mixer.draw()
         rec = RequestRecord(index=i, prompt_len=req.prompt_len, max_tokens=req.output_len,
                             scheduled_s=planned, team=team, tier=tier, group=req.group)  # fmt: skip
@@ -105,4 +115,5 @@ async def run_load(session: aiohttp.ClientSession, cfg: ServeConfig, requests: I
         tasks.append(asyncio.create_task(one(rec, req, key)))
         await asyncio.sleep(0)  # let the new task start its send before the next one is planned
     await asyncio.gather(*tasks)
-    return RunOutcome(records=records, duration_s=time.perf_counter() - start, started_at=started_at)
+    return RunOutcome(records=records, duration_s=time.perf_counter() - start, started_at=started_at,
+                      interrupted=stop.is_set())  # fmt: skip

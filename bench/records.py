@@ -11,11 +11,12 @@ one of CAUSES or `http_<status>`.
 from __future__ import annotations
 
 import itertools
+from types import MappingProxyType
 
 import msgspec
 
 #: failure causes other than `http_<status>`
-CAUSES = {
+CAUSES = MappingProxyType({
     "timeout": "no complete answer within --request-timeout",
     "connection_error": "could not connect, or the connection dropped before a response",
     "sse_error": "the stream carried an error event",
@@ -23,7 +24,7 @@ CAUSES = {
     "no_output": "the stream finished without a single content token",
     "bad_response": "the answer was not OpenAI-shaped SSE",
     "client_error": "the request could not be sent (see the message)",
-}
+})
 
 
 class RequestRecord(msgspec.Struct, kw_only=True):

@@ -37,6 +37,7 @@ def build_result(cfg: ServeConfig, outcome: RunOutcome, scrapes: dict[str, Any] 
         "max_concurrency": cfg.max_concurrency,
         "config": cfg.public(),
         "warmup": {"sent": outcome.warmup_sent, "failed": outcome.warmup_failed},
+        "interrupted": outcome.interrupted,
     }
     result.update(metrics_calc.compute(recs, outcome.duration_s, configured_rate=cfg.request_rate,
                                        percentiles=cfg.percentiles, **slo))  # fmt: skip
@@ -70,7 +71,7 @@ def print_run(r: dict[str, Any], console: Console) -> None:
     t.add_column("metric")
     t.add_column("value", justify="right")
     fails = ", ".join(f"{k} {v}" for k, v in r["failures"].items())
-    t.add_row("requests sent", str(r["num_requests"]))
+    t.add_row("requests sent", str(r["num_requests"]) + ("  (stopped early by Ctrl-C)" if r.get("interrupted") else ""))
     t.add_row("completed / failed", f"{r['completed']} / {r['failed']}" + (f"  ({fails})" if fails else ""))
     if r["warmup"]["sent"]:
         t.add_row("warm-up (excluded)", f"{r['warmup']['sent']} sent, {r['warmup']['failed']} failed")

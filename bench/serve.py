@@ -10,8 +10,10 @@ Exit status: 0 when at least one request completed, 1 when none did, 2 for a usa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -78,7 +80,7 @@ async def discover_model(session: aiohttp.ClientSession, cfg: ServeConfig) -> st
 
 
 async def run_once(session: aiohttp.ClientSession, cfg: ServeConfig, workload: Workload, quiet: bool,
-                   warmup: bool = True) -> dict[str, Any]:  # fmt: skip
+                   stop: asyncio.Event, warmup: bool = True) -> dict[str, Any]:  # fmt: skip
     requests = workload(cfg.seed)
     if cfg.num_requests is not None:  # built before the clock starts: no tokenizer work between sends
         requests = iter(list(itertools.islice(requests, cfg.num_requests)))
@@ -86,7 +88,7 @@ async def run_once(session: aiohttp.ClientSession, cfg: ServeConfig, workload: W
     scraper = Scraper(session, cfg.scrape_urls, cfg.scrape_interval)
     with RunProgress(cfg.label or "bench", cfg.num_requests, cfg.duration_s, quiet) as progress:
         async with scraper.around():
-            outcome = await run_load(session, cfg, requests, progress.done)
+            outcome = await run_load(session, cfg, requests, progress.done, stop)
     outcome.warmup_sent, outcome.warmup_failed = sent, failed
     return report.build_result(cfg, outcome, scraper.result() if cfg.scrape_urls else None)
 
@@ -115,12 +117,34 @@ async def run_all(cfg: ServeConfig, workload: Workload, quiet: bool) -> tuple[Se
             elif not quiet:
                 print("note: no --model and no /v1/models on the server: requests carry no model",
                       file=sys.stderr)  # fmt: skip
+        stop = _stop_on_ctrl_c(quiet)
         if cfg.sweep is None:
-            return cfg, await run_once(session, cfg, workload, quiet)
+            return cfg, await run_once(session, cfg, workload, quiet, stop)
         runs = []
         for i, c in enumerate(_sweep_configs(cfg)):
-            runs.append(await run_once(session, c, workload, quiet, warmup=i == 0))
-        return cfg, sweep_result(cfg.sweep, runs, cfg.slo_ttft_ms, cfg.public())
+            if stop.is_set():
+                break
+            runs.append(await run_once(session, c, workload, quiet, stop, warmup=i == 0))
+        done = msgspec.structs.replace(cfg.sweep, values=cfg.sweep.values[: len(runs)])
+        return cfg, sweep_result(done, runs, cfg.slo_ttft_ms, cfg.public())
+
+
+def _stop_on_ctrl_c(quiet: bool) -> asyncio.Event:
+    """The first Ctrl-C sets the event (sending stops, in-flight requests finish, the result is
+    reported); the handler then steps aside, so a second Ctrl-C aborts as usual."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def first() -> None:
+        stop.set()
+        loop.remove_signal_handler(signal.SIGINT)
+        if not quiet:
+            print("\nstopping: no new requests; waiting for those in flight (Ctrl-C again to abort)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
+    with contextlib.suppress(NotImplementedError, RuntimeError):  # no signals off the main thread
+        loop.add_signal_handler(signal.SIGINT, first)
+    return stop
 
 
 def main(argv: list[str] | None = None) -> int:

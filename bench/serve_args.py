@@ -11,6 +11,7 @@ import os
 from bench.lengths import HELP as LEN_HELP
 from bench.lengths import parse_length
 from bench.mix import parse_team, parse_weights
+from bench.records import CAUSES
 from bench.serve_config import DATASETS, ENDPOINTS, ServeConfig, check
 from bench.sweep import parse_sweep
 
@@ -38,7 +39,11 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    causes = "\n".join(f"  {k:18} {v}" for k, v in {"http_<status>": "the server answered with this HTTP status",
+                                                     **CAUSES}.items())  # fmt: skip
     p = argparse.ArgumentParser(prog="duet bench serve", description=DESCRIPTION,
+                                epilog=f"failure causes (counted, never fatal):\n{causes}\n\n"
+                                       "Ctrl-C once stops sending and reports what finished; twice aborts.",
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     s = p.add_argument_group("server")
     s.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")

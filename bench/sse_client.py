@@ -36,9 +36,11 @@ async def send(session: aiohttp.ClientSession, url: str, payload: dict[str, Any]
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
         # a drop after the first chunk cut a stream short; before it, the server never answered
         rec.fail("incomplete_stream" if rec.chunk_s else "connection_error", str(e) or type(e).__name__)
-    except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError, KeyError) as e:
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # JSON and shape errors
         rec.fail("bad_response", f"{type(e).__name__}: {e}")
     except aiohttp.ClientError as e:
+        rec.fail("client_error", f"{type(e).__name__}: {e}")
+    except Exception as e:  # one odd answer must not end the run (the invariant above)
         rec.fail("client_error", f"{type(e).__name__}: {e}")
     rec.e2el_s = time.perf_counter() - start
     return rec
@@ -68,6 +70,8 @@ async def _exchange(session: aiohttp.ClientSession, url: str, payload: dict[str,
                 err = chunk.get("error", chunk) if isinstance(chunk, dict) else chunk
                 rec.fail("sse_error", _message_of(err))
                 return
+            if not isinstance(chunk, dict):
+                raise ValueError(f"an SSE data line is not a JSON object: {data[:100]}")
             _take_chunk(chunk, rec, time.perf_counter() - start)
     if not done:
         rec.fail("incomplete_stream", f"stream ended after {len(rec.chunk_s)} chunks without [DONE]")

@@ -7,7 +7,10 @@ is a correctness check of the measurement, not a timing bound on any system."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -201,3 +204,59 @@ def test_duration_bounds_a_closed_loop_run(latency_server: Any, capsys: pytest.C
     assert max(r["start_times"]) < 1.0 and r["config"]["duration_s"] == 1.0
     assert r["mean_tpot_ms"] is None  # one-token outputs have no TPOT
     assert stats(srv)["arrivals"] == r["num_prompts"]
+
+
+def test_ctrl_c_stops_sending_and_reports_what_finished(latency_server: Any, tmp_path: Path) -> None:
+    srv = latency_server("--ttft-ms", "30", "--itl-ms", "5")
+    out = tmp_path / "out.json"
+    with out.open("wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "bench.serve", "--base-url", srv.url, "--prompt-format",
+                                 "tokens", "--vocab-size", "500", "--input-len", "4", "--output-len", "4",
+                                 "--duration", "120", "--max-concurrency", "2", "--json", "--quiet"],
+                                stdout=f, stderr=subprocess.PIPE)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while stats(srv)["arrivals"] < 6:
+                assert proc.poll() is None and time.monotonic() < deadline
+                time.sleep(0.05)  # polling the server's counter, not covering a race
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(30) == 0, proc.stderr.read() if proc.stderr else ""
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    r = json.loads(out.read_text())
+    assert r["interrupted"] and r["failed"] == 0 and r["num_prompts"] >= 6
+    assert stats(srv)["arrivals"] == r["num_prompts"]  # nothing sent after the stop
+
+
+def test_sharegpt_prompts_and_reply_lengths(latency_server: Any, tiny_llama: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    from protocol.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_llama)
+    convs = [("The quick brown fox jumps over the lazy dog.", "Paris is the capital of France, and Berlin too."),
+             ("def main():\n    return 42\n", "The quick brown fox jumps over the lazy dog twice."),
+             ("Paris is the capital of France.", "Ünïcödé text, emojis and more text here.")]  # fmt: skip
+    data = [{"id": str(i), "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
+            for i, (q, a) in enumerate(convs)]  # fmt: skip
+    data += [{"id": "short", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+             {"id": "no-reply", "conversations": [{"from": "human", "value": "a long enough question here"}]}]  # fmt: skip
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(data))
+    srv = latency_server("--ttft-ms", "5", "--itl-ms", "1")
+    r = bench_json(capsys, "--base-url", srv.url, "--dataset", "sharegpt", "--dataset-path", str(path),
+                   "--tokenizer", str(tiny_llama), "--num-requests", "6")  # fmt: skip
+    assert r["completed"] == 6
+    n_out = {len(tok.encode(a, add_special_tokens=False)) for _, a in convs}
+    seen = stats(srv)["requests"]
+    assert {e["max_tokens"] for e in seen} <= n_out  # the reply's length in tokens
+    assert len({e["max_tokens"] for e in seen}) > 1 and set(r["output_lens"]) <= n_out
+    # the prompts sent are the human turns (the server counts words, and its usage is reported)
+    assert {e["prompt_tokens"] for e in seen} <= {len(q.split()) for q, _ in convs}
+    assert sorted(r["input_lens"]) == sorted(e["prompt_tokens"] for e in seen)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data[3:]))
+    assert main(["--base-url", srv.url, "--dataset", "sharegpt", "--dataset-path", str(bad),
+                 "--tokenizer", str(tiny_llama)]) == 2  # fmt: skip
+    assert "no usable conversation" in capsys.readouterr().err

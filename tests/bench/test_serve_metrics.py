@@ -200,3 +200,19 @@ def test_compare_ratios_and_verdicts() -> None:
     assert "request_goodput" not in rows
     with pytest.raises(ValueError, match="sweep"):
         compare(a, {"runs": []})
+
+
+def test_prefix_groups_share_their_prefix() -> None:
+    from bench.lengths import LengthDist
+    from bench.workloads import synthetic
+
+    builder = PromptBuilder("tokens", vocab_size=5000)
+    reqs = [r for r, _ in zip(synthetic(builder, LengthDist(a=8), LengthDist(a=4), 1, prefix_groups=3,
+                                        prefix_len=20), range(60), strict=False)]  # fmt: skip
+    by_group: dict[int, set[tuple[int, ...]]] = {}
+    for r in reqs:
+        assert r.group is not None and r.prompt_len == 28 and r.output_len == 4
+        by_group.setdefault(r.group, set()).add(tuple(r.prompt[:20]))
+    assert sorted(by_group) == [0, 1, 2] and all(len(p) == 1 for p in by_group.values())
+    assert len({next(iter(p)) for p in by_group.values()}) == 3
+    assert len({tuple(r.prompt[20:]) for r in reqs}) == 60  # unique suffixes
