@@ -11,6 +11,8 @@
 - Failed requests count in `failed` and `failures` by cause, never in latency statistics.
 - achieved_request_rate: sends per second over the send window (first to last send),
   against the configured rate; send lag is how late requests left against their plan.
+- max_output_tokens_per_s: the busiest one-second bucket; max_concurrent_requests: the most
+  requests open at once (as vLLM reports them).
 """
 
 from __future__ import annotations
@@ -88,6 +90,8 @@ def compute(records: Sequence[RequestRecord], duration_s: float, *, configured_r
         "achieved_request_rate": (len(sends) - 1) / window if window > 0 else None,
         "mean_send_lag_ms": float(np.mean(lag)) * 1e3 if lag else None,
         "max_send_lag_ms": max(lag) * 1e3 if lag else None,
+        "max_concurrent_requests": max_in_flight(records),
+        "max_output_tokens_per_s": max((p["output_tokens_per_s"] for p in timeline(records)), default=None),
         "usage_reported": sum(r.usage_tokens for r in ok),
         "total_cached_tokens": sum(r.cached_tokens or 0 for r in ok),
     }
@@ -95,6 +99,17 @@ def compute(records: Sequence[RequestRecord], duration_s: float, *, configured_r
     for name in LATENCIES:
         m.update(stats(name, s[name], percentiles))
     return m
+
+
+def max_in_flight(records: Sequence[RequestRecord]) -> int:
+    """Most requests open at once (send to end), from the records' own intervals."""
+    edges = sorted([(r.sent_s, 1) for r in records] + [(r.sent_s + r.e2el_s, -1) for r in records],
+                   key=lambda e: (e[0], e[1]))  # an end before a start at the same instant
+    most = cur = 0
+    for _, d in edges:
+        cur += d
+        most = max(most, cur)
+    return most
 
 
 def breakdown(records: Sequence[RequestRecord], attr: str, percentiles: Sequence[float],

@@ -67,7 +67,8 @@ def make_workload(cfg: ServeConfig) -> Workload:
 async def discover_model(session: aiohttp.ClientSession, cfg: ServeConfig) -> str | None:
     """The first model of the server's /v1/models, or None if it has no such list."""
     try:
-        headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        key = cfg.api_key or (cfg.teams[0].key if cfg.teams else None)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         timeout = aiohttp.ClientTimeout(total=10)
         async with session.get(cfg.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=timeout,
                                allow_redirects=False) as r:  # fmt: skip

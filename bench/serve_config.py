@@ -114,8 +114,9 @@ def check(cfg: ServeConfig) -> ServeConfig:
         raise ValueError("--num-requests must be at least 1")
     if cfg.duration_s is not None and cfg.duration_s <= 0:
         raise ValueError("--duration must be positive")
-    unbounded = math.isinf(cfg.request_rate) and cfg.max_concurrency is None and cfg.num_requests is None
-    if unbounded and cfg.dataset != "trace" and (cfg.sweep is None or cfg.sweep.param != "request-rate"):
+    rates = cfg.sweep.values if cfg.sweep and cfg.sweep.param == "request-rate" else (cfg.request_rate,)
+    closed = cfg.max_concurrency is not None or (cfg.sweep is not None and cfg.sweep.param == "max-concurrency")
+    if cfg.num_requests is None and not closed and cfg.dataset != "trace" and any(map(math.isinf, rates)):
         raise ValueError("--duration with an infinite --request-rate needs --max-concurrency or "
                          "--num-requests (otherwise it would send without limit at t=0)")  # fmt: skip
     if cfg.request_rate <= 0 or cfg.burstiness <= 0:

@@ -64,6 +64,9 @@ def test_latency_statistics_follow_the_definitions() -> None:
     assert m["configured_request_rate"] == 5.0
     assert m["achieved_request_rate"] == pytest.approx(4 / 0.4)
     assert m["usage_reported"] == 1
+    # sent at 0.01, 0.11, 0.21, 0.31, 0.41; open until 0.18, 0.51, 0.41, 1.31, 2.41
+    assert m["max_concurrent_requests"] == 3
+    assert m["max_output_tokens_per_s"] == 10.0  # every chunk lands within the first second
 
 
 def test_goodput_counts_requests_meeting_every_slo() -> None:
@@ -171,6 +174,7 @@ def test_config_refuses_incoherent_flags() -> None:
         ("--endpoint", "/v1/chat/completions", "--prompt-format", "tokens", "--vocab-size", "9"): "chat",
         ("--prompt-format", "tokens"): "vocab",
         ("--duration", "5"): "max-concurrency",
+        ("--duration", "5", "--sweep", "request-rate=1,inf"): "max-concurrency",
         ("--dataset", "trace"): "dataset-path",
         ("--prefix-groups", "3"): "prefix",
         ("--slo", "ttft=abc"): "slo",
@@ -187,6 +191,9 @@ def test_config_refuses_incoherent_flags() -> None:
     assert cfg.num_requests == 100  # the default bound
     pub = cfg.public()
     assert "sk-x" not in str(pub) and "sk-secret" not in str(pub) and pub["request_rate"] == "inf"
+    for bounded in (["--duration", "5", "--request-rate", "3"], ["--duration", "5", "--sweep", "request-rate=1,2"],
+                    ["--duration", "5", "--sweep", "max-concurrency=1,2"]):  # fmt: skip
+        assert to_config(p.parse_args([*base, "--vocab-size", "9", "--prompt-format", "tokens", *bounded]))
     assert parse_slo("ttft=500,tpot=50") == (500.0, 50.0) and parse_slo("ttft:200") == (200.0, None)
 
 
