@@ -52,10 +52,15 @@ async def _exchange(session: aiohttp.ClientSession, url: str, payload: dict[str,
         if resp.status != 200:
             rec.fail(f"http_{resp.status}", await _error_message(resp))
             return
+        if resp.content_type != "text/event-stream":
+            raise ValueError(f"expected an SSE stream (text/event-stream), got {resp.content_type or 'no type'}")
         done = False
         event = ""
         async for raw in resp.content:
             line = raw.decode().rstrip("\r\n")
+            if not line:  # a blank line ends an event: its type does not carry over
+                event = ""
+                continue
             if line.startswith("event:"):
                 event = line[6:].strip()
                 continue

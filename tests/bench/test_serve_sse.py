@@ -89,6 +89,9 @@ async def test_malformed_streams(aiohttp_server: Server) -> None:
         await resp.write(b'data: {"choices": [{"text": ""}]}\n\ndata: [DONE]\n\n')
         return resp
 
+    async def not_streamed(request: web.Request) -> web.Response:
+        return web.json_response({"choices": [{"text": "all at once"}]})
+
     async def redirect(request: web.Request) -> web.Response:
         raise web.HTTPFound("http://example.invalid/")
 
@@ -96,7 +99,10 @@ async def test_malformed_streams(aiohttp_server: Server) -> None:
     app.router.add_post("/garbage", garbage)
     app.router.add_post("/empty", empty)
     app.router.add_post("/redirect", redirect)
+    app.router.add_post("/not-streamed", not_streamed)
     server = await aiohttp_server(app)
     assert (await one(server, path="/garbage")).cause == "bad_response"
     assert (await one(server, path="/empty")).cause == "no_output"
     assert (await one(server, path="/redirect")).cause == "http_302"  # never followed
+    r = await one(server, path="/not-streamed")
+    assert r.cause == "bad_response" and "text/event-stream" in r.message
