@@ -223,3 +223,19 @@ def test_prefix_groups_share_their_prefix() -> None:
     assert sorted(by_group) == [0, 1, 2] and all(len(p) == 1 for p in by_group.values())
     assert len({next(iter(p)) for p in by_group.values()}) == 3
     assert len({tuple(r.prompt[20:]) for r in reqs}) == 60  # unique suffixes
+
+
+def test_duet_cli_dispatches_serve_and_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from duet.cli import main as duet
+
+    assert duet(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    (tmp_path / "x.json").write_text('{"not": "a result"}')
+    assert duet(["bench", "compare", str(tmp_path / "x.json"), str(tmp_path / "x.json")]) == 2
+    assert "not a `duet bench serve --json` result" in capsys.readouterr().err
+    assert duet(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--endpoint", "/v1/chat/completions",
+                 "--prompt-format", "tokens", "--vocab-size", "10"]) == 2  # fmt: skip
+    assert "chat" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        duet(["bench", "serve", "--help"])
+    assert e.value.code == 0 and "--request-rate" in capsys.readouterr().out
