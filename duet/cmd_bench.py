@@ -9,15 +9,17 @@ BENCHES = {
     "engine": "engine throughput vs transformers (bench.engine)",
     "kvtransfer": "KV block transfer bandwidth per backend vs memcpy (bench.kvtransfer)",
     "pd": "TTFT breakdown, disaggregated vs colocated (bench.pd)",
+    "serve": "load-test an OpenAI-compatible URL: TTFT/TPOT/ITL, goodput, sweeps (bench.serve)",
+    "compare": "side-by-side table of two `bench serve` JSON results (bench.compare)",
 }
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks: engine, kvtransfer, pd",
+        help="benchmarks: engine, kvtransfer, pd, serve, compare",
         description="Run a benchmark; arguments after the name go to it "
-        "(e.g. `duet bench engine --json`). See `duet bench NAME --help`.",
+        "(e.g. `duet bench serve --base-url URL`). See `duet bench NAME --help`.",
     )
     p.add_argument("name", choices=sorted(BENCHES), help="; ".join(f"{k}: {v}" for k, v in BENCHES.items()))
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")

@@ -1,0 +1,125 @@
+"""Sends one streamed OpenAI request and fills its RequestRecord: TTFT at the first content
+chunk, the arrival time of every content chunk (ITL), usage from the final chunk, and on
+failure one cause (HTTP status, timeout, connection error, SSE error event, incomplete
+stream, no output, malformed answer).
+
+Invariants: never raises (a failed request is a record, not an exception: the run goes on);
+never follows a redirect (bench sends only to the URL it was given); the whole request,
+stream included, is bounded by `timeout`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import aiohttp
+
+from bench.records import RequestRecord
+
+_MAX_ERROR_BODY = 4096
+
+
+async def send(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
+               headers: dict[str, str], rec: RequestRecord, timeout: float,
+               run_start: float) -> RequestRecord:  # fmt: skip
+    start = time.perf_counter()
+    rec.sent_s = start - run_start
+    try:
+        await asyncio.wait_for(_exchange(session, url, payload, headers, rec, start), timeout)
+    except asyncio.TimeoutError:
+        rec.fail("timeout", f"no complete answer within {timeout:g} s")
+    except aiohttp.ClientConnectorError as e:
+        rec.fail("connection_error", str(e))
+    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+        # a drop after the first chunk cut a stream short; before it, the server never answered
+        rec.fail("incomplete_stream" if rec.chunk_s else "connection_error", str(e) or type(e).__name__)
+    except (ValueError, TypeError, KeyError, AttributeError) as e:  # JSON and shape errors
+        rec.fail("bad_response", f"{type(e).__name__}: {e}")
+    except aiohttp.ClientError as e:
+        rec.fail("client_error", f"{type(e).__name__}: {e}")
+    except Exception as e:  # one odd answer must not end the run (the invariant above)
+        rec.fail("client_error", f"{type(e).__name__}: {e}")
+    rec.e2el_s = time.perf_counter() - start
+    return rec
+
+
+async def _exchange(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
+                    headers: dict[str, str], rec: RequestRecord, start: float) -> None:  # fmt: skip
+    async with session.post(url, json=payload, headers=headers, allow_redirects=False) as resp:
+        if resp.status != 200:
+            rec.fail(f"http_{resp.status}", await _error_message(resp))
+            return
+        if resp.content_type != "text/event-stream":
+            raise ValueError(f"expected an SSE stream (text/event-stream), got {resp.content_type or 'no type'}")
+        done = False
+        event = ""
+        async for raw in resp.content:
+            line = raw.decode().rstrip("\r\n")
+            if not line:  # a blank line ends an event: its type does not carry over
+                event = ""
+                continue
+            if line.startswith("event:"):
+                event = line[6:].strip()
+                continue
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            if event == "error" or (isinstance(chunk, dict) and "error" in chunk):
+                err = chunk.get("error", chunk) if isinstance(chunk, dict) else chunk
+                rec.fail("sse_error", _message_of(err))
+                return
+            if not isinstance(chunk, dict):
+                raise ValueError(f"an SSE data line is not a JSON object: {data[:100]}")
+            _take_chunk(chunk, rec, time.perf_counter() - start)
+    if not done:
+        rec.fail("incomplete_stream", f"stream ended after {len(rec.chunk_s)} chunks without [DONE]")
+    elif not rec.chunk_s:
+        rec.fail("no_output", "the stream finished without a content token")
+    else:
+        rec.ok = True
+        if not rec.usage_tokens:
+            rec.output_tokens = sum(rec.chunk_tokens)
+
+
+def _take_chunk(chunk: dict[str, Any], rec: RequestRecord, now: float) -> None:
+    for choice in chunk.get("choices") or []:
+        delta = choice.get("delta")
+        if delta is not None:  # chat
+            text = (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+        else:
+            text = choice.get("text") or ""
+        token_ids = choice.get("token_ids")
+        if text or token_ids:
+            if rec.ttft_s is None:
+                rec.ttft_s = now
+            rec.chunk_s.append(now)
+            rec.chunk_tokens.append(len(token_ids) if token_ids else 1)
+    usage = chunk.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        rec.output_tokens = usage["completion_tokens"]
+        rec.usage_tokens = True
+        rec.usage_prompt_tokens = usage.get("prompt_tokens")
+        details = usage.get("prompt_tokens_details") or {}
+        rec.cached_tokens = details.get("cached_tokens")
+
+
+async def _error_message(resp: aiohttp.ClientResponse) -> str:
+    body = (await resp.content.read(_MAX_ERROR_BODY)).decode(errors="replace")
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        err = None
+    return _message_of(err) if err else (body.strip()[:500] or resp.reason or "")
+
+
+def _message_of(err: Any) -> str:
+    if isinstance(err, dict):
+        return str(err.get("message") or err)
+    return str(err)
