@@ -66,6 +66,18 @@ class Sampler:
         sampled = [r for r, (_, p, _) in enumerate(rows) if not p.greedy]
         if not sampled:
             return out, errors
+        try:
+            self._draw(logits, rows, sampled, out, errors)
+        except Exception:  # the batch failed as a whole: find the row(s) at fault
+            for r in sampled:
+                try:
+                    self._draw(logits, rows, [r], out, errors)
+                except Exception as e:
+                    errors[r], out[r] = f"sampling failed: {type(e).__name__}: {e}", -1
+        return out, errors
+
+    def _draw(self, logits: torch.Tensor, rows: list[tuple[str, SamplingParams, bool]], sampled: list[int],
+              out: list[int], errors: dict[int, str]) -> None:  # fmt: skip
         x = logits[sampled].float()
         params = [rows[r][1] for r in sampled]
         x = x / torch.tensor([p.temperature for p in params]).unsqueeze(1)
@@ -82,7 +94,6 @@ class Sampler:
                 out[r] = int(torch.multinomial(probs[j], 1, generator=g).item())
             except (RuntimeError, ValueError, OverflowError) as e:
                 errors[r], out[r] = f"sampling failed: {e}", -1
-        return out, errors
 
     def _argmax(self, logits: torch.Tensor) -> list[int]:
         lib = self._lib
@@ -97,7 +108,7 @@ class Sampler:
 def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     sorted_x, idx = x.sort(dim=-1, descending=True)
     vocab = x.shape[-1]
-    ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).clamp(max=vocab)
+    ks = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])
     ranks = torch.arange(vocab).unsqueeze(0)
     drop = ranks >= ks.unsqueeze(1)
     probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)

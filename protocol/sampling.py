@@ -57,8 +57,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+        if not -1 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be -1, 0 or a positive count below 2**31, got {self.top_k}")
+        if self.max_tokens >= 2**31:
+            raise ValueError(f"max_tokens must be below 2**31, got {self.max_tokens}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.seed is not None and not _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]:

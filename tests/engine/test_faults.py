@@ -261,3 +261,13 @@ def test_quarantine_of_an_aborted_transfer() -> None:
     assert r.status is Status.FINISHED and pool.num_free == 13
     s.kv.release_quarantine("d")
     assert pool.num_free == 16
+
+
+def test_a_row_that_breaks_the_batch_fails_alone() -> None:
+    logits = torch.randn(2, 50)
+    good = SamplingParams(temperature=0.7, top_k=5, seed=3)
+    bad = SamplingParams(temperature=0.7, seed=3)
+    bad.top_p = None  # past validation (as a buggy caller could): the batched math fails
+    tokens, errors = Sampler().sample_rows(logits, [("a", good, True), ("b", bad, True)])
+    assert set(errors) == {1} and "TypeError" in errors[1]
+    assert tokens[0] in logits[0].topk(5).indices.tolist()
