@@ -102,8 +102,8 @@ def _check_shape(src: Source, p: KVTransferParams, prep: Prepared, block_size: i
     if len(src.block_ids) != need:
         raise APIError(400, f"remote_block_ids has {len(src.block_ids)} blocks but a {n}-token "
                             f"prompt needs {need} (block size {block_size})", param="kv_transfer_params")  # fmt: skip
-    if any(b < 0 for b in src.block_ids):
-        raise APIError(400, "remote_block_ids must be non-negative", param="kv_transfer_params")
+    if any(not 0 <= b < 2**31 for b in src.block_ids):
+        raise APIError(400, "remote_block_ids must be block numbers (0 <= id < 2**31)", param="kv_transfer_params")
 
 
 async def decode_leg(state: NodeState, request: web.Request, prep: Prepared) -> web.StreamResponse:

@@ -81,8 +81,12 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
         return _error(APIError(413, f"the request body is too large ({e.text or ''}); a prompt within "
                                     f"this model's context of {state.engine.max_model_len} tokens needs at "
                                     f"most {limit} bytes", code="request_too_large"), rid)  # fmt: skip
-    except web.HTTPException:
-        raise
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        # aiohttp's own refusals (unknown route, wrong method) in OpenAI's error body too.
+        return _error(APIError(e.status, f"{request.method} {request.path}: {e.reason}",
+                               code="not_found" if e.status == 404 else None), rid)  # fmt: skip
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         raise
     except Exception as e:
