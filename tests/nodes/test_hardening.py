@@ -312,3 +312,24 @@ async def test_full_node_answers_503_with_retry_after(tiny_llama: Path, tmp_path
             async with s.post(node.url + "/v1/completions", json={"prompt": "x" * (2 << 20)}) as r:
                 assert r.status == 413 and "context" in (await r.json())["error"]["message"]
         await wait_for(lambda: metric(node, "duet:kv_cache_usage_perc") == idle, 10, "idle")
+
+
+async def test_reservation_timeout_is_503_not_a_hang(tiny_llama: Path, tmp_path: Path) -> None:
+    node = duet_node("both", tiny_llama, tmp_path, "--dtype", "float32", "--kv-blocks", "65",
+                     "--max-model-len", "512", "--lease-seconds", "120", "--reserve-timeout", "1")  # fmt: skip
+    with running(node):
+        idle = metric(node, "duet:kv_cache_usage_perc")
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            small = await prefill_leg(s, node.url, [30] * 16, GREEDY, "small")  # 1 block
+            for i in range(2):  # then 2 x 32 blocks: the pool is pinned
+                await prefill_leg(s, node.url, [20 + i] * 500, GREEDY, f"pin-{i}")
+            body = {"prompt": [30] * 16, **GREEDY, "kv_transfer_params": small["kv_transfer_params"]}
+            async with s.post(node.url + "/v1/completions", json=body, headers={"X-Request-Id": "d-1"}) as r:
+                assert r.status == 503 and r.headers["Retry-After"] == "1"
+                assert "reserve KV blocks" in (await r.json())["error"]["message"]
+            # The waiting request was dropped (stats are a snapshot of the engine's next step).
+            await wait_for(lambda: metric(node, "duet:num_requests_waiting") == 0, 10, "no waiting request")
+            for rid in ("small", "pin-0", "pin-1"):
+                async with s.post(node.url + "/abort", json={"request_id": rid}) as a:
+                    assert a.status == 200
+        await wait_for(lambda: metric(node, "duet:kv_cache_usage_perc") == idle, 10, "idle")
