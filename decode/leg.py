@@ -83,7 +83,9 @@ async def _source(rk: RemoteKV, p: KVTransferParams) -> Source:
     addrs = await rk.policy.resolve(p.remote_host)
     if not addrs:
         raise APIError(400, f"remote_host {p.remote_host!r} does not resolve", param="kv_transfer_params")
-    reasons = [rk.policy.allowed(a, p.remote_port, p.remote_engine_id) for a in addrs]
+    # Every address the name resolves to must be allowed; the one used must fit the engine's pin.
+    reasons = [rk.policy.network_reason(a) for a in addrs[1:]]
+    reasons.insert(0, rk.policy.allowed(addrs[0], p.remote_port, p.remote_engine_id))
     bad = next((r for r in reasons if r is not None), None)
     if bad is not None:
         status = 400 if "is at" in bad else 403
@@ -187,6 +189,10 @@ async def _transfer(state: NodeState, rk: RemoteKV, src: Source, peer: Peer | No
             local = await asyncio.wait_for(asyncio.shield(stream.reserved), state.config.reserve_timeout)
         except TimeoutError:
             return RESERVE_TIMEOUT
+        except asyncio.CancelledError:
+            if not stream.reserved.cancelled():
+                raise  # this task was cancelled
+            return "the request was aborted before its blocks were reserved"
         t_reserved = time.monotonic()
         responder.timing["queue_s"] = t_reserved - responder.arrival
         if failure is None:

@@ -32,16 +32,22 @@ class PeerPolicy:
         self._max = max_pinned
         self._pinned: OrderedDict[str, tuple[str, int]] = OrderedDict()
 
-    def allowed(self, host: str, port: int, engine_id: str) -> str | None:
-        """None if `host` (an IP address) and `port` may be contacted for `engine_id`, else why not."""
-        if not 0 < port < 65536:
-            return f"remote_port {port} is not a TCP port"
+    def network_reason(self, host: str) -> str | None:
+        """None if the address `host` lies in the allowed networks, else why not."""
         try:
             addr = ipaddress.ip_address(host)
         except ValueError:
             return f"remote_host {host!r} is not an IP address"
         if not any(addr in net for net in self.networks):
             return f"remote_host {host} is outside this node's allowed peer networks"
+        return None
+
+    def allowed(self, host: str, port: int, engine_id: str) -> str | None:
+        """None if `host` (an IP address) and `port` may be contacted for `engine_id`, else why not."""
+        if not 0 < port < 65536:
+            return f"remote_port {port} is not a TCP port"
+        if (reason := self.network_reason(host)) is not None:
+            return reason
         pinned = self._pinned.get(engine_id)
         if pinned is not None and pinned != (host, port):
             return f"engine {engine_id!r} is at {pinned[0]}:{pinned[1]}, not {host}:{port}"

@@ -7,6 +7,7 @@ EngineOverloaded, EngineDeadError → EngineDead).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -40,7 +41,7 @@ class NativeStream:
         self._stream = stream
         self.request_id = stream.request_id
         self.prompt_token_ids = stream.prompt_token_ids
-        self.reserved = stream.reserved
+        self.reserved = None if stream.reserved is None else _translated(stream.reserved)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -55,6 +56,24 @@ class NativeStream:
                 yield _delta(out)
         except EngineDeadError as e:
             raise EngineDead(str(e)) from e
+
+
+def _translated(inner: asyncio.Future[list[int]]) -> asyncio.Future[list[int]]:
+    """A future that mirrors `inner`, with the engine's death as the interface's EngineDead."""
+    outer: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+
+    def copy(f: asyncio.Future[list[int]]) -> None:
+        if outer.done():
+            return
+        if f.cancelled():
+            outer.cancel()
+        elif (e := f.exception()) is not None:
+            outer.set_exception(EngineDead(str(e)) if isinstance(e, EngineDeadError) else e)
+        else:
+            outer.set_result(f.result())
+
+    inner.add_done_callback(copy)
+    return outer
 
 
 class NativeNodeEngine:
