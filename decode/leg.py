@@ -145,8 +145,7 @@ async def decode_leg(state: NodeState, request: web.Request, prep: Prepared) -> 
         except asyncio.CancelledError:
             await responder.abort()  # the transfer task still tells the engine when it ends
             raise
-        if failure == RESERVE_TIMEOUT:
-            await responder.abort()
+        if failure == RESERVE_TIMEOUT:  # the task aborted the engine request already
             state.metrics.rejected("reserve_timeout")
             raise _Unavailable(f"this node could not reserve KV blocks within {cfg.reserve_timeout:g} s; "
                                "retry later or on another node")  # fmt: skip
@@ -188,6 +187,10 @@ async def _transfer(state: NodeState, rk: RemoteKV, src: Source, peer: Peer | No
         try:
             local = await asyncio.wait_for(asyncio.shield(stream.reserved), state.config.reserve_timeout)
         except TimeoutError:
+            # Abort before the kv_ready below: a reservation that lands in between is then
+            # freed by it, instead of waiting for a kv_ready that already ran.
+            with contextlib.suppress(Exception):
+                await state.engine.abort(erid)
             return RESERVE_TIMEOUT
         except asyncio.CancelledError:
             if not stream.reserved.cancelled():
