@@ -3,20 +3,26 @@
 Peers are known by engine id: on first contact the prefill node's transport metadata is
 fetched from the node itself (`GET /kv/metadata`, DESIGN §4: the data path never needs etcd)
 and cached; concurrent first contacts share one fetch. A metadata answer for a different
-engine id means the caller named an engine that is not at that address.
+engine id means the caller named an engine that is not at that address. Every contact goes
+through the PeerPolicy first (decode.peers); the cache is bounded (least recently used
+dropped first).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 
 import aiohttp
 
+from decode.peers import PeerPolicy
 from kvtransfer import Peer, Transport
 from protocol.openai import APIError
 
 log = logging.getLogger("duet.decode")
+#: peers whose metadata stays cached
+MAX_CACHED_PEERS = 256
 
 
 class PeerUnreachable(Exception):
@@ -24,16 +30,23 @@ class PeerUnreachable(Exception):
 
 
 class RemoteKV:
-    def __init__(self, transport: Transport, session: aiohttp.ClientSession, timeout: float) -> None:
+    def __init__(self, transport: Transport, session: aiohttp.ClientSession, timeout: float,
+                 policy: PeerPolicy) -> None:  # fmt: skip
         self.transport = transport
         self.session = session
         self.timeout = timeout
-        self._peers: dict[str, asyncio.Future[Peer]] = {}
+        self.policy = policy
+        self._peers: OrderedDict[str, asyncio.Future[Peer]] = OrderedDict()
 
     async def peer(self, engine_id: str, host: str, port: int) -> Peer:
+        """The connected peer; `host` must be an address the policy allowed."""
         fut = self._peers.get(engine_id)
         if fut is None:
             fut = self._peers[engine_id] = asyncio.ensure_future(self._connect(engine_id, host, port))
+            while len(self._peers) > MAX_CACHED_PEERS:
+                self._peers.popitem(last=False)
+        else:
+            self._peers.move_to_end(engine_id)
         try:
             return await asyncio.shield(fut)
         except BaseException:
@@ -44,17 +57,18 @@ class RemoteKV:
     async def _connect(self, engine_id: str, host: str, port: int) -> Peer:
         from kvtransfer import TransferError, decode_metadata
 
-        url = f"http://{host}:{port}/kv/metadata"
+        url = f"http://{_netloc(host, port)}/kv/metadata"
         try:
             async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
                 if r.status != 200:
                     raise PeerUnreachable(f"{url} answered {r.status}")
-                meta = decode_metadata(await r.read())
+                meta = decode_metadata(await r.content.read(1 << 20))
         except (aiohttp.ClientError, TimeoutError, OSError, TransferError) as e:
             raise PeerUnreachable(f"cannot fetch KV metadata from {host}:{port}: {e}") from e
         if meta.engine_id != engine_id:
             raise APIError(400, f"unknown remote_engine_id {engine_id!r}: {host}:{port} runs engine "
                                 f"{meta.engine_id!r}", param="kv_transfer_params")  # fmt: skip
+        self.policy.pin(engine_id, host, port)
         try:
             peer = await self.transport.add_peer(meta)
         except TransferError as e:  # incompatible layout/backend, or the connection failed
@@ -67,7 +81,7 @@ class RemoteKV:
 
     async def release(self, host: str, port: int, request_id: str, block_ids: list[int] | None) -> int:
         """Tell the prefill node it may free the blocks; returns its HTTP status (0: unreachable)."""
-        url = f"http://{host}:{port}/kv/release"
+        url = f"http://{_netloc(host, port)}/kv/release"
         try:
             async with self.session.post(url, json={"request_id": request_id, "block_ids": block_ids},
                                          timeout=aiohttp.ClientTimeout(total=5)) as r:  # fmt: skip
@@ -75,3 +89,7 @@ class RemoteKV:
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             log.warning("could not release %s on %s:%d: %s", request_id, host, port, e)
             return 0
+
+
+def _netloc(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

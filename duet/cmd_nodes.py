@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from node.config import DEFAULT_ALLOWED_PEERS
 from protocol.models import DEFAULT_MODEL
 
 ROLE_HELP = {
@@ -46,6 +47,12 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
     e.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     e.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0-3,8")
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--engine", choices=["native"], default="native",
+                   help="engine behind the node API (native: this repo's paged-KV engine)")  # fmt: skip
+    e.add_argument("--max-waiting-requests", type=int, default=256,
+                   help="backpressure: queued requests beyond which new ones get 503 + Retry-After")  # fmt: skip
+    e.add_argument("--max-waiting-tokens", type=int, default=262144,
+                   help="backpressure: queued prompt tokens beyond which new requests get 503 + Retry-After")  # fmt: skip
     t = p.add_argument_group("disaggregation")
     t.add_argument("--transport", choices=["nixl", "ucx", "tcp"], default="nixl",
                    help="KV transport (nixl falls back to tcp when NIXL is missing)")  # fmt: skip
@@ -53,6 +60,13 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
     t.add_argument("--transfer-timeout", type=float, default=10.0, help="decode: limit for one KV pull")
     t.add_argument("--failure-policy", choices=["recompute", "fail"], default="recompute",
                    help="decode: on a failed pull, prefill locally or fail the request")  # fmt: skip
+    t.add_argument("--reserve-timeout", type=float, default=30.0,
+                   help="decode: seconds to wait for KV blocks for a pull before answering 503")  # fmt: skip
+    t.add_argument("--allowed-peers", default=DEFAULT_ALLOWED_PEERS,
+                   help="decode: CIDR list of the prefill nodes this node may contact; a request naming "
+                        "another address is refused (403) without any connection. The default is "
+                        "loopback and the private ranges (RFC 1918, IPv6 ULA): never public or "
+                        "link-local (cloud metadata) addresses")  # fmt: skip
     t.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
 
 
@@ -65,13 +79,24 @@ def node_config(args: argparse.Namespace, role: str):
         num_kv_blocks=args.kv_blocks, kv_memory=args.kv_memory, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching, threads=args.threads,
+        max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
     )  # fmt: skip
     return NodeConfig(
         role=role, host=args.host, port=args.port, advertise_host=args.advertise_host,
         node_id=args.node_id, engine=engine, transport=args.transport,
         lease_seconds=args.lease_seconds, transfer_timeout=args.transfer_timeout,
         failure_policy=args.failure_policy, grace_period=args.grace_period, cpus=args.cpus,
+        engine_kind=args.engine, reserve_timeout=args.reserve_timeout, allowed_peers=args.allowed_peers,
     )  # fmt: skip
+
+
+def role_registrations(role: str) -> list:
+    """The composition root's choice of roles: what `register(roles)` each node role runs."""
+    import decode
+    import prefill
+
+    return {"prefill": [prefill.register], "decode": [decode.register],
+            "both": [prefill.register, decode.register]}[role]  # fmt: skip
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -86,6 +111,6 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
-        return run_node(cfg)
+        return run_node(cfg, role_registrations(role))
     except ValueError as e:  # engine sizing errors: pool too small, bad dtype...
         raise UsageError(str(e)) from None

@@ -1,7 +1,8 @@
 """The native paged-KV engine (DESIGN.md §3): pure compute, no HTTP, etcd or NIXL inside.
 
 Offline use mirrors vLLM: `from engine import LLM, SamplingParams`. Node servers use
-`AsyncEngine` (engine.async_engine) through the seam in `engine.protocol`.
+`AsyncEngine` (engine.async_engine) through the node seam (node/engine_api.py, adapter
+node/engines/native.py).
 """
 
 from engine.config import EngineConfig

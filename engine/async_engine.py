@@ -7,7 +7,11 @@ routes them to per-request streams.
 
 Invariants: every stream ends (finished delta, or an exception if the engine died); a command
 raises in the caller exactly what it raised on the engine thread; no torch work happens on the
-event loop thread (torch releases the GIL, so HTTP stays responsive while a step runs).
+event loop thread (torch releases the GIL, so HTTP stays responsive while a step runs). The
+thread never spins: when a step changed nothing (requests wait but none can be admitted, the
+pool pinned by held or reserved blocks) it sleeps until a command arrives or the next hold
+expires. If the thread dies, `on_dead` is called on the loop: the owner must restart the
+engine or exit, never stay half alive.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -70,10 +75,12 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.dead: BaseException | None = None
+        self._on_dead: Callable[[BaseException], None] | None = None
         self._stats: dict[str, float] = self.core.stats()
 
     # -- lifecycle -------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, on_dead: Callable[[BaseException], None] | None = None) -> None:
+        self._on_dead = on_dead
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="duet-engine", daemon=True)
         self._thread.start()
@@ -86,12 +93,27 @@ class AsyncEngine:
         self._thread = None
 
     # -- engine thread ---------------------------------------------------------------------
+    @property
+    def thread_id(self) -> int | None:
+        """Native id of the engine thread (for per-thread CPU accounting)."""
+        return None if self._thread is None else self._thread.native_id
+
+    def _wait_command(self) -> Callable[[], None] | None:
+        """Sleep until a command arrives or the core's next deadline passes (then a no-op)."""
+        deadline = self.core.next_deadline()
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            return self._commands.get(timeout=timeout)
+        except queue.Empty:
+            return _noop
+
     def _run(self) -> None:
         core = self.core
         try:
             while True:
-                if not core.has_work():  # idle: sleep until a command arrives
-                    cmd = self._commands.get()
+                # Idle, or stuck (nothing admissible): sleep until something can change.
+                if not core.has_work() or not core.progressed:
+                    cmd = self._wait_command()
                     if cmd is None:
                         return
                     cmd()
@@ -114,6 +136,8 @@ class AsyncEngine:
             log.exception("engine thread failed")
             self.dead = e
             self._call(self._fail_all, e)
+            if self._on_dead is not None:
+                self._call(self._on_dead, e)
 
     def _call(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None
@@ -172,8 +196,10 @@ class AsyncEngine:
         priority: Priority = Priority.INTERACTIVE,
         hold_blocks: bool = False,
         remote_num_tokens: int = 0,
+        hold_seconds: float | None = None,
     ) -> RequestStream:
-        """Queue a request; raises RequestError for a request the engine refuses."""
+        """Queue a request; raises RequestError for a request the engine refuses and
+        EngineOverloaded when its queue is full."""
         stream = RequestStream(request_id, [])
         if remote_num_tokens:
             stream.reserved = asyncio.get_running_loop().create_future()
@@ -186,7 +212,7 @@ class AsyncEngine:
         try:
             req: Request = await self._submit(
                 lambda: self.core.add_request(
-                    request_id, prompt, params, priority, hold_blocks, remote_num_tokens
+                    request_id, prompt, params, priority, hold_blocks, remote_num_tokens, hold_seconds
                 )
             )
         except BaseException:
@@ -196,16 +222,29 @@ class AsyncEngine:
         return stream
 
     async def abort(self, request_id: str) -> bool:
-        out = await self._submit(lambda: self.core.abort(request_id))
+        """Abort a live request, or free the blocks held for a finished one; False if
+        neither existed."""
+
+        def run() -> tuple[RequestOutput | None, bool]:
+            held = request_id in self.core.scheduler.held
+            return self.core.abort(request_id), held
+
+        out, held = await self._submit(run)
         if out is not None:
             self._deliver([out], [])
-        return out is not None
+        return out is not None or held
 
     async def release(self, request_id: str) -> bool:
         return await self._submit(lambda: self.core.release(request_id))
 
-    async def kv_ready(self, request_id: str, ok: bool) -> bool:
-        return await self._submit(lambda: self.core.kv_ready(request_id, ok))
+    async def release_held(self, request_id: str, block_ids: list[int] | None = None) -> int | None:
+        return await self._submit(lambda: self.core.release_held(request_id, block_ids))
+
+    async def kv_ready(self, request_id: str, ok: bool, quarantine: bool = False) -> bool:
+        return await self._submit(lambda: self.core.kv_ready(request_id, ok, quarantine))
+
+    async def release_quarantine(self, request_id: str) -> int:
+        return await self._submit(lambda: self.core.release_quarantine(request_id))
 
     async def call(self, fn: Callable[[EngineCore], T]) -> T:
         """Run an arbitrary read or command against the core on the engine thread."""
@@ -214,6 +253,10 @@ class AsyncEngine:
     def stats(self) -> dict[str, float]:
         """The counters as of the last step (cheap, lock-free snapshot)."""
         return self._stats
+
+
+def _noop() -> None:
+    pass
 
 
 def _set_result(fut: asyncio.Future[Any], value: Any) -> None:

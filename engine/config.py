@@ -42,5 +42,9 @@ class EngineConfig:
     seed: int = 0
     #: torch intra-op threads on CPU; None leaves torch's default
     threads: int | None = None
+    #: backpressure: requests queued (not yet admitted) before new ones are refused as overload
+    max_waiting_requests: int = 256
+    #: backpressure: prompt tokens queued before new requests are refused as overload
+    max_waiting_tokens: int = 262144
     #: keep BlockStored/BlockRemoved events for the coordinator
     record_kv_events: bool = False

@@ -1,8 +1,13 @@
 """EngineCore: one engine instance — validation, the step loop body, P/D hooks, counters.
 
 Single-threaded by contract: every method is called from one thread (the AsyncEngine's engine
-thread, or the caller of the offline LLM). A step = schedule → one forward pass → sample →
-apply stop conditions → deltas.
+thread, or the caller of the offline LLM). A step = expire holds → schedule → one forward pass
+→ sample → apply stop conditions → deltas.
+
+Faults are isolated per request: a forward pass that raises fails that step's requests (their
+blocks are freed, finish_reason "error") and a row that cannot be sampled fails its request
+alone; the engine keeps stepping. Only an error outside a request's work (the scheduler's own
+state) escapes `step` and kills the engine.
 """
 
 from __future__ import annotations
@@ -35,12 +40,18 @@ class RequestError(ValueError):
     """A request the engine refuses (the node answers 400)."""
 
 
+class EngineOverloaded(RuntimeError):
+    """The waiting queue is full (by requests or tokens): retry later or elsewhere (503)."""
+
+
 @dataclass
 class EngineCounters:
     prompt_tokens_computed: int = 0
     generation_tokens: int = 0
     steps: int = 0
     requests_finished: int = 0
+    requests_failed: int = 0
+    requests_rejected_queue_full: int = 0
 
 
 def cpu_has_fast_bf16() -> bool:
@@ -84,6 +95,8 @@ class EngineCore:
                 f"max_model_len {self.max_model_len} exceeds the model's context "
                 f"({mc.max_position_embeddings} positions)"
             )
+        if config.max_waiting_requests < 1 or config.max_waiting_tokens < 1:
+            raise ValueError("max_waiting_requests and max_waiting_tokens must be at least 1")
         bs = config.block_size
         itemsize = torch.tensor([], dtype=self.dtype).element_size()
         block_bytes = mc.num_layers * 2 * bs * mc.num_kv_heads * mc.head_dim * itemsize
@@ -103,6 +116,7 @@ class EngineCore:
                             config.enable_chunked_prefill), self.kv)  # fmt: skip
         self.sampler = Sampler(config.seed)
         self.counters = EngineCounters()
+        self.progressed = False  # whether the last step changed anything
         self._text: dict[str, TextState] = {}
         log.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d (%.0f MiB, %d tokens)",
                  self.model_name, self.runner.kv_layout.dtype, self.device, num_blocks,
@@ -117,11 +131,13 @@ class EngineCore:
         priority: Priority = Priority.INTERACTIVE,
         hold_blocks: bool = False,
         remote_num_tokens: int = 0,
+        hold_seconds: float | None = None,
     ) -> Request:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(ids)
         if remote_num_tokens and not 0 < remote_num_tokens <= len(ids):
             raise RequestError(f"remote KV covers {remote_num_tokens} tokens of a {len(ids)}-token prompt")
+        self._check_queue(len(ids))
         req = Request(
             request_id=request_id,
             prompt_token_ids=ids,
@@ -129,6 +145,7 @@ class EngineCore:
             priority=priority,
             eos_token_ids=frozenset() if params.ignore_eos else self.tokenizer.eos_token_ids,
             hold_blocks=hold_blocks,
+            hold_seconds=hold_seconds,
             remote_num_tokens=remote_num_tokens,
         )
         try:
@@ -137,6 +154,22 @@ class EngineCore:
             raise RequestError(str(e)) from None
         self._text[request_id] = TextState(self.tokenizer, ids, params.stop, params.skip_special_tokens)
         return req
+
+    def queue_full(self, extra_tokens: int = 1) -> bool:
+        """True when one more request of `extra_tokens` would overflow the waiting queue (an
+        empty queue always takes a request, however long: otherwise it could never run)."""
+        s, c = self.scheduler, self.config
+        if not s.num_waiting:
+            return False
+        return s.num_waiting >= c.max_waiting_requests or s.num_waiting_tokens + extra_tokens > c.max_waiting_tokens
+
+    def _check_queue(self, num_tokens: int) -> None:
+        if self.queue_full(num_tokens):
+            self.counters.requests_rejected_queue_full += 1
+            s = self.scheduler
+            raise EngineOverloaded(f"the engine queue is full ({s.num_waiting} requests, {s.num_waiting_tokens} "
+                                   f"prompt tokens waiting; limits {self.config.max_waiting_requests} requests, "
+                                   f"{self.config.max_waiting_tokens} tokens)")  # fmt: skip
 
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -158,18 +191,34 @@ class EngineCore:
         return self.scheduler.has_work()
 
     # -- the step --------------------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        """Monotonic time of the next event the engine must wake for on its own (a hold's
+        expiry), or None."""
+        return self.scheduler.next_hold_expiry()
+
     def step(self) -> tuple[list[RequestOutput], list[Request]]:
         """One scheduling step. Returns the deltas and the requests newly reserved for remote
-        KV (decode node: their transfers may start)."""
+        KV (decode node: their transfers may start). `progressed` tells whether anything
+        changed (False: only a command or a deadline can unblock the queue)."""
+        expired = self.scheduler.expire_holds(time.monotonic())
+        if expired:
+            log.info("lease expired: freed the held blocks of %s", ", ".join(expired))
         sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
+        self.progressed = bool(expired or sched.chunks or sched.reserved or sched.preempted)
         if not sched.chunks:
             return outputs, sched.reserved
         now = time.monotonic()
         for c in sched.chunks:
             if c.req.first_scheduled_time is None:
                 c.req.first_scheduled_time = now
-        samplers, logits = self.runner.execute(sched.chunks)
+        try:
+            samplers, logits = self.runner.execute(sched.chunks)
+        except Exception as e:  # this step's requests fail; everyone else goes on
+            log.exception("forward pass failed: failing the %d request(s) of this step", len(sched.chunks))
+            for c in sched.chunks:
+                outputs.append(self.fail(c.req, f"the forward pass failed: {type(e).__name__}: {e}"))
+            return outputs, sched.reserved
         self.counters.steps += 1
         for c in sched.chunks:
             req = c.req
@@ -181,11 +230,23 @@ class EngineCore:
             (c.req.request_id, c.req.params, len(c.req.output_token_ids) >= c.req.params.min_tokens)
             for c in samplers
         ]
-        tokens = self.sampler.sample(logits, rows, [c.req.eos_token_ids for c in samplers])
+        tokens, errors = self.sampler.sample_rows(logits, rows, [c.req.eos_token_ids for c in samplers])
         now = time.monotonic()
-        for c, tok in zip(samplers, tokens, strict=True):
-            outputs.append(self._append_token(c.req, tok, now))
+        for i, (c, tok) in enumerate(zip(samplers, tokens, strict=True)):
+            if i in errors:
+                log.warning("request %s failed: %s", c.req.request_id, errors[i])
+                outputs.append(self.fail(c.req, errors[i]))
+            else:
+                outputs.append(self._append_token(c.req, tok, now))
         return outputs, sched.reserved
+
+    def fail(self, req: Request, message: str) -> RequestOutput:
+        """Finish `req` with finish_reason "error" (its blocks are freed, never held)."""
+        text = self._text.get(req.request_id)
+        out = RequestOutput(req.request_id, [], text.finish() if text else "", error=message)
+        self.counters.requests_failed += 1
+        self._finish(req, "error", None, out)
+        return out
 
     def _append_token(self, req: Request, tok: int, now: float) -> RequestOutput:
         if req.first_token_time is None:
@@ -228,8 +289,11 @@ class EngineCore:
 
     # -- control ---------------------------------------------------------------------------
     def abort(self, request_id: str) -> RequestOutput | None:
+        """Abort a queued or running request (its final delta), and free the blocks of a
+        finished request held for a transfer (then None is returned: it has no stream)."""
         req = self.scheduler.requests.get(request_id)
         if req is None:
+            self.scheduler.release(request_id)
             return None
         text = self._text.get(request_id)
         out = RequestOutput(request_id, [], text.finish() if text else "")
@@ -240,9 +304,27 @@ class EngineCore:
         """Prefill node: free a held request's blocks (pulled, or its lease ran out)."""
         return self.scheduler.release(request_id)
 
-    def kv_ready(self, request_id: str, ok: bool) -> bool:
-        """Decode node: the transfer for a reserved request finished (ok) or failed."""
-        return self.scheduler.kv_ready(request_id, ok) is not None
+    def release_held(self, request_id: str, block_ids: list[int] | None = None) -> int | None:
+        """Prefill node: free a held request's blocks if `block_ids` (when given) are exactly
+        them. Returns how many were freed, None if nothing is held; raises RequestError (and
+        frees nothing) when the ids are not that request's."""
+        req = self.scheduler.held.get(request_id)
+        if req is None:
+            return None
+        if block_ids is not None and list(block_ids) != req.block_ids:
+            raise RequestError(f"block ids {block_ids} do not belong to request {request_id!r}")
+        n = len(req.block_ids)
+        self.scheduler.release(request_id)
+        return n
+
+    def kv_ready(self, request_id: str, ok: bool, quarantine: bool = False) -> bool:
+        """Decode node: the transfer for a reserved request finished (ok) or failed; with
+        `quarantine` its target blocks are set aside until `release_quarantine`."""
+        return self.scheduler.kv_ready(request_id, ok, quarantine) is not None
+
+    def release_quarantine(self, request_id: str) -> int:
+        """Decode node: the failed transfer of `request_id` is over: free its blocks."""
+        return self.kv.release_quarantine(request_id)
 
     def request(self, request_id: str) -> Request | None:
         return self.scheduler.requests.get(request_id) or self.scheduler.held.get(request_id)
@@ -258,6 +340,11 @@ class EngineCore:
             "num_requests_running": self.scheduler.num_running,
             "num_requests_waiting": self.scheduler.num_waiting,
             "num_requests_held": len(self.scheduler.held),
+            "num_waiting_tokens": self.scheduler.num_waiting_tokens,
+            "queue_full": float(self.queue_full()),
+            "num_requests_rejected_queue_full": self.counters.requests_rejected_queue_full,
+            "num_requests_failed": self.counters.requests_failed,
+            "kv_blocks_quarantined": self.kv.num_quarantined,
             "kv_cache_usage_perc": self.pool.usage,
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_free": self.pool.num_free,

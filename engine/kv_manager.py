@@ -7,7 +7,10 @@ Invariants:
   there are logits to sample from;
 - a full block is registered in the prefix cache once its KV is computed (or arrived);
 - hold/release (prefill node): a finished request's blocks stay referenced until released;
-  reserve (decode node): blocks for remote KV are allocated before the transfer writes them.
+  reserve (decode node): blocks for remote KV are allocated before the transfer writes them;
+- quarantine (decode node): blocks a failed transfer may still write into keep their
+  reference under the request id, so the pool never hands them out, until the transport
+  says the transfer is over (`release_quarantine`).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class KVCacheManager:
         self.hash_seed = hash_seed
         self._hashes: dict[str, list[int]] = {}  # request id -> hashes of its full blocks
         self._num_cached: dict[str, int] = {}  # request id -> blocks registered in the cache
+        self._quarantine: dict[str, list[int]] = {}  # request id -> blocks a late write may hit
         # Counters (DESIGN §4 prefix-cache metrics), in tokens.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -127,3 +131,27 @@ class KVCacheManager:
         """Preemption by recompute: blocks back to the pool, progress back to zero."""
         self.free(req)
         req.num_computed_tokens = 0
+
+    # -- quarantine ------------------------------------------------------------------------
+    def quarantine(self, req: Request, first_block: int) -> int:
+        """Take `req.block_ids[first_block:]` away from the request without freeing them: a
+        transfer that could not be stopped may still write there. Returns how many."""
+        blocks = req.block_ids[first_block:]
+        if blocks:
+            self._quarantine.setdefault(req.request_id, []).extend(blocks)
+        req.block_ids = req.block_ids[:first_block]
+        self._num_cached[req.request_id] = min(self._num_cached.get(req.request_id, 0), first_block)
+        return len(blocks)
+
+    def release_quarantine(self, request_id: str) -> int:
+        """The transfer is known finished or dead: its quarantined blocks go back to the pool."""
+        blocks = self._quarantine.pop(request_id, [])
+        self.pool.free(blocks[::-1])
+        return len(blocks)
+
+    @property
+    def num_quarantined(self) -> int:
+        return sum(map(len, self._quarantine.values()))
+
+    def quarantined(self, request_id: str) -> list[int]:
+        return list(self._quarantine.get(request_id, []))

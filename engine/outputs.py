@@ -22,7 +22,9 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort
+    finish_reason: str | None = None  # stop | length | abort | error
+    #: why the engine failed this request (finish_reason "error"); other requests go on
+    error: str | None = None
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

@@ -11,7 +11,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.sampling_params import SamplingParams
+from protocol.sampling import Priority, SamplingParams
+
+__all__ = ["Priority", "Request", "Status"]
 
 
 class Status(enum.Enum):
@@ -20,13 +22,6 @@ class Status(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED = "finished"
-
-
-class Priority(enum.IntEnum):
-    """Lower runs first: interactive requests before batch ones."""
-
-    INTERACTIVE = 0
-    BATCH = 1
 
 
 @dataclass(eq=False)
@@ -47,6 +42,10 @@ class Request:
     stop_reason: str | int | None = None
     #: keep blocks after finishing (prefill node: held until a decode node has pulled them)
     hold_blocks: bool = False
+    #: prefill node: seconds the held blocks wait for a pull (None: until released)
+    hold_seconds: float | None = None
+    #: monotonic time a held request's blocks are freed on their own (set when it finishes)
+    hold_expiry: float | None = None
     #: decode node: number of prompt tokens whose KV arrives from a remote prefill node
     remote_num_tokens: int = 0
     num_preemptions: int = 0

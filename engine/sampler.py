@@ -6,7 +6,9 @@ maximum), with the `argmax_rows` CPU kernel when available, on the logits as the
 each draws with its own `torch.Generator` when it has a seed, so its tokens do not depend on
 what else is batched.
 
-Invariant: the returned list has one token per input row, in row order.
+Invariant: the returned list has one token per input row, in row order. A row that cannot be
+sampled (non-finite probabilities, a generator error) fails alone: `sample_rows` reports it in
+its errors and every other row still gets its token.
 """
 
 from __future__ import annotations
@@ -40,6 +42,21 @@ class Sampler:
         rows: list[tuple[str, SamplingParams, bool]],  # (request id, params, eos allowed)
         eos_ids: list[frozenset[int]] | None = None,
     ) -> list[int]:
+        """One token per row; raises if any row failed (offline use)."""
+        out, errors = self.sample_rows(logits, rows, eos_ids)
+        if errors:
+            raise RuntimeError("; ".join(errors.values()))
+        return out
+
+    def sample_rows(
+        self,
+        logits: torch.Tensor,
+        rows: list[tuple[str, SamplingParams, bool]],
+        eos_ids: list[frozenset[int]] | None = None,
+    ) -> tuple[list[int], dict[int, str]]:
+        """One token per row, and {row: reason} for rows that could not be sampled (their
+        token is -1)."""
+        errors: dict[int, str] = {}
         logits = logits.cpu()
         if eos_ids is not None:
             for r, (_, _, allowed) in enumerate(rows):
@@ -48,18 +65,35 @@ class Sampler:
         out = self._argmax(logits)
         sampled = [r for r, (_, p, _) in enumerate(rows) if not p.greedy]
         if not sampled:
-            return out
+            return out, errors
+        try:
+            self._draw(logits, rows, sampled, out, errors)
+        except Exception:  # the batch failed as a whole: find the row(s) at fault
+            for r in sampled:
+                try:
+                    self._draw(logits, rows, [r], out, errors)
+                except Exception as e:
+                    errors[r], out[r] = f"sampling failed: {type(e).__name__}: {e}", -1
+        return out, errors
+
+    def _draw(self, logits: torch.Tensor, rows: list[tuple[str, SamplingParams, bool]], sampled: list[int],
+              out: list[int], errors: dict[int, str]) -> None:  # fmt: skip
         x = logits[sampled].float()
         params = [rows[r][1] for r in sampled]
         x = x / torch.tensor([p.temperature for p in params]).unsqueeze(1)
         if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
             x = _top_k_top_p(x, params)
         probs = torch.softmax(x, dim=-1)
+        finite = torch.isfinite(probs).all(dim=-1).tolist()
         for j, r in enumerate(sampled):
-            g = self._generator(rows[r][0], params[j])
-            out[r] = int(torch.multinomial(probs[j], 1, generator=g).item())
-        return out
-
+            if not finite[j]:
+                errors[r], out[r] = "sampling failed: the probabilities are not finite", -1
+                continue
+            try:
+                g = self._generator(rows[r][0], params[j])
+                out[r] = int(torch.multinomial(probs[j], 1, generator=g).item())
+            except (RuntimeError, ValueError, OverflowError) as e:
+                errors[r], out[r] = f"sampling failed: {e}", -1
 
     def _argmax(self, logits: torch.Tensor) -> list[int]:
         lib = self._lib
@@ -74,7 +108,7 @@ class Sampler:
 def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     sorted_x, idx = x.sort(dim=-1, descending=True)
     vocab = x.shape[-1]
-    ks = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).clamp(max=vocab)
+    ks = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])
     ranks = torch.arange(vocab).unsqueeze(0)
     drop = ranks >= ks.unsqueeze(1)
     probs = torch.softmax(sorted_x.masked_fill(drop, float("-inf")), dim=-1)

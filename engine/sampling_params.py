@@ -1,47 +1,6 @@
-"""SamplingParams: how one request's tokens are chosen and when it stops (vLLM's names)."""
+"""SamplingParams lives in protocol.sampling (torch-free, shared with the node seam and other
+engines); re-exported here so `engine.sampling_params.SamplingParams` keeps working."""
 
-from __future__ import annotations
+from protocol.sampling import GREEDY_EPSILON, Priority, SamplingParams
 
-from dataclasses import dataclass, field
-
-
-@dataclass
-class SamplingParams:
-    """Per-request sampling and stopping.
-
-    temperature 0 (or top_k 1) is greedy. `seed` makes a sampled request reproducible whatever
-    else is in the batch (each request draws from its own generator). `stop` strings end the
-    text just before the match (the matched string is not returned); `stop_token_ids` and the
-    model's EOS (unless `ignore_eos`) end it after the token, which is kept in `token_ids`.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    min_tokens: int = 0
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.max_tokens is None or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
-        if self.min_tokens < 0:
-            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
-        if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+__all__ = ["GREEDY_EPSILON", "Priority", "SamplingParams"]

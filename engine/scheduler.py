@@ -14,12 +14,15 @@ joins the running set when the node calls `kv_ready` (after the transfer or its 
 
 Invariants: a request is in exactly one of waiting / running / remote / held; the scheduler
 never changes a block while a transfer may be writing it (requests in WAITING_FOR_REMOTE_KV
-are never preempted and are freed only after `kv_ready`).
+are never preempted and are freed only after `kv_ready`); a held request carries its own
+expiry (`hold_expiry`), so holding is atomic with its lease: the engine thread frees expired
+holds itself (`expire_holds`), and an abort frees a held request's blocks.
 """
 
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass, field
 
 from engine.kv_manager import KVCacheManager
@@ -82,6 +85,11 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting) + len(self.remote)
+
+    @property
+    def num_waiting_tokens(self) -> int:
+        """Prompt tokens of the requests not yet admitted (the queue's size in work)."""
+        return sum(r.num_tokens for r in self.waiting) + sum(r.num_prompt_tokens for r in self.remote.values())
 
     @property
     def num_running(self) -> int:
@@ -191,13 +199,17 @@ class Scheduler:
         self.remote[req.request_id] = req
         return True
 
-    def kv_ready(self, request_id: str, ok: bool) -> Request | None:
+    def kv_ready(self, request_id: str, ok: bool, quarantine: bool = False) -> Request | None:
         """The transfer for a reserved request ended. ok: the remote tokens are in its blocks
         (the last one is recomputed locally for its logits); not ok: compute everything past
-        the local prefix hit. Returns the request (None if unknown)."""
+        the local prefix hit. quarantine (with not ok): the transfer may still write into the
+        blocks it targeted, so they are set aside until `release_quarantine` and the request
+        recomputes into fresh blocks. Returns the request (None if unknown)."""
         req = self.remote.pop(request_id, None)
         if req is None:
             return None
+        if quarantine and not ok:
+            self.kv.quarantine(req, req.num_cached_tokens // self.kv.block_size)
         if req.finish_reason is not None:  # aborted while its transfer ran: free it now
             req.status = Status.FINISHED
             self.requests.pop(req.request_id, None)
@@ -225,16 +237,28 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = Status.FINISHED
         self.requests.pop(req.request_id, None)
-        if req.hold_blocks and reason != "abort":
+        if req.hold_blocks and reason not in ("abort", "error"):
+            if req.hold_seconds is not None:
+                req.hold_expiry = time.monotonic() + req.hold_seconds
             self.held[req.request_id] = req
         else:
             self.kv.free(req)
         self.kv.forget(req)
 
     def release(self, request_id: str) -> bool:
-        """Free the blocks of a held request (transfer done or lease expired)."""
+        """Free the blocks of a held request (transfer done, lease expired, or aborted)."""
         req = self.held.pop(request_id, None)
         if req is None:
             return False
         self.kv.free(req)
         return True
+
+    def expire_holds(self, now: float) -> list[str]:
+        """Free every hold whose lease ran out; returns their request ids."""
+        gone = [rid for rid, r in self.held.items() if r.hold_expiry is not None and r.hold_expiry <= now]
+        for rid in gone:
+            self.release(rid)
+        return gone
+
+    def next_hold_expiry(self) -> float | None:
+        return min((r.hold_expiry for r in self.held.values() if r.hold_expiry is not None), default=None)

@@ -13,8 +13,15 @@ and the backends only fill in `_register/_connect/_read/_notify/...`:
   `TransferError` within `timeout` seconds, never hangs. A peer-level failure (timeout,
   dead or misbehaving peer) drops the peer from the cache, so the next request re-fetches
   its metadata instead of reusing a broken connection.
+- A failed `read` whose backend could not stop the copy in time (a NIXL transfer still in
+  flight) says so: the `TransferError` carries `settled`, an awaitable that completes once no
+  byte can land in the local blocks any more (None: nothing can). The caller must not reuse
+  those blocks before (the decode node quarantines them).
 - `notify` sends a small bytes message to a peer; the peer receives it with
-  `next_notification()` / `drain_notifications()`.
+  `next_notification()` / `drain_notifications()`. The queue is bounded
+  (MAX_QUEUED_NOTIFICATIONS): when nobody reads it the oldest messages are dropped, logged.
+- Bounded state: at most MAX_PEERS peers stay connected (least recently used dropped first),
+  and per-peer connection locks live only while a connection is being set up.
 
 All methods run on the caller's asyncio loop; backends move bytes without blocking it.
 """
@@ -25,7 +32,8 @@ import abc
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Awaitable, Sequence
 from typing import Any, ClassVar
 
 from kvtransfer.errors import (
@@ -51,6 +59,10 @@ log = logging.getLogger(__name__)
 MAX_NOTIFICATION_BYTES = 64 * 1024
 
 DEFAULT_TIMEOUT = 10.0
+#: Notifications kept for a reader; older ones are dropped beyond this.
+MAX_QUEUED_NOTIFICATIONS = 4096
+#: Connected peers kept; the least recently used is disconnected beyond this.
+MAX_PEERS = 256
 
 
 class Peer:
@@ -85,9 +97,12 @@ class Transport(abc.ABC):
         self.timeout = timeout
         self._hugepages = hugepages
         self._pool: PoolMemory | None = None
-        self._peers: dict[str, Peer] = {}
+        self._peers: OrderedDict[str, Peer] = OrderedDict()
         self._peer_locks: dict[str, asyncio.Lock] = {}
-        self._notifications: asyncio.Queue[Notification] = asyncio.Queue()
+        self._notifications: asyncio.Queue[Notification] = asyncio.Queue(MAX_QUEUED_NOTIFICATIONS)
+        self.notifications_dropped = 0
+        #: local block ids of a failed read → awaitable done when it can no longer write them
+        self._late_writes: dict[tuple[int, ...], Awaitable[Any]] = {}
         self._closed = False
 
     # -- backend hooks ---------------------------------------------------------------
@@ -184,9 +199,18 @@ class Transport(abc.ABC):
             raise PeerError(f"engine id {md.engine_id!r} is this node's own; refusing to loop back")
         self.check_compatible(md)  # before any connection: nothing moves on a mismatch
         lock = self._peer_locks.setdefault(md.engine_id, asyncio.Lock())
+        try:
+            return await self._add_peer_locked(md, lock, timeout)
+        finally:
+            # Locks only live while someone connects: the dict stays as small as the traffic.
+            if not lock.locked() and not lock._waiters and self._peer_locks.get(md.engine_id) is lock:
+                del self._peer_locks[md.engine_id]
+
+    async def _add_peer_locked(self, md: TransportMetadata, lock: asyncio.Lock, timeout: float | None) -> Peer:
         async with lock:
             cached = self._peers.get(md.engine_id)
             if cached is not None and cached.metadata == md:
+                self._peers.move_to_end(md.engine_id)
                 return cached
             if cached is not None:
                 log.info("peer %r published new metadata; reconnecting", md.engine_id)
@@ -203,6 +227,11 @@ class Transport(abc.ABC):
             except Exception as e:
                 raise PeerError(f"cannot connect to peer {md.engine_id!r}: {e}") from e
             self._peers[md.engine_id] = peer
+            while len(self._peers) > MAX_PEERS:
+                oldest = next(iter(self._peers.values()))
+                log.info("more than %d peers: disconnecting the least recently used, %r", MAX_PEERS,
+                         oldest.engine_id)  # fmt: skip
+                await self._drop(oldest)
             return peer
 
     def get_peer(self, engine_id: str) -> Peer | None:
@@ -274,8 +303,19 @@ class Transport(abc.ABC):
             return
         limit = self.timeout if timeout is None else timeout
         t0 = time.perf_counter()
-        await self._guarded(p, self._read(p, plan), limit, f"reading {plan.num_blocks} blocks")
+        try:
+            await self._guarded(p, self._read(p, plan), limit, f"reading {plan.num_blocks} blocks")
+        except TransferError as e:
+            e.settled = self._late_writes.pop(plan.local_ids, None)  # type: ignore[attr-defined]
+            raise
+        finally:
+            self._late_writes.pop(plan.local_ids, None)
         self.metrics.record(plan.nbytes, time.perf_counter() - t0, plan.num_blocks)
+
+    def _late_write(self, plan: ReadPlan, settled: Awaitable[Any]) -> None:
+        """Backends: the read of `plan` failed but may still write its local blocks until
+        `settled` completes (surfaced as the TransferError's `settled`)."""
+        self._late_writes[plan.local_ids] = settled
 
     async def notify(
         self, peer: Peer | str, message: bytes, *, timeout: float | None = None
@@ -312,6 +352,12 @@ class Transport(abc.ABC):
     # -- notifications ---------------------------------------------------------------
 
     def _deliver(self, notification: Notification) -> None:
+        if self._notifications.full():  # nobody reads: keep the newest, count what is lost
+            self._notifications.get_nowait()
+            self.notifications_dropped += 1
+            if self.notifications_dropped in (1, 10, 100) or self.notifications_dropped % 1000 == 0:
+                log.warning("notification queue full (%d): dropped %d so far", MAX_QUEUED_NOTIFICATIONS,
+                            self.notifications_dropped)  # fmt: skip
         self._notifications.put_nowait(notification)
 
     async def next_notification(self, timeout: float | None = None) -> Notification:

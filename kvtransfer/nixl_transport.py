@@ -284,16 +284,41 @@ class NixlTransport(Transport):
                 # it, so wait for it to stop: on one host it is a bounded local copy, across
                 # hosts posting returns at once. Only a thread stuck past the cap is abandoned
                 # (its handle is then released when it returns).
-                future.add_done_callback(self._release_abandoned)
                 with contextlib.suppress(BaseException):
                     await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), _SETTLE_CAP_S)
                 if not future.done():
                     log.warning("a timed-out NIXL read is still copying after %.0f s", _SETTLE_CAP_S)
+                    # The caller quarantines the blocks until the copy is over.
+                    self._late_write(plan, asyncio.ensure_future(self._settle_posting(future)))
+                else:
+                    future.add_done_callback(self._release_abandoned)
                 raise
         try:
             await self._wait(handle, state, peer.engine_id)
-        finally:
+        except asyncio.CancelledError:
+            # Timed out (or the caller gave up) while the transfer may still be in flight: it can
+            # still write our blocks, so they stay quarantined until NIXL says it is over.
+            self._late_write(plan, asyncio.ensure_future(self._settle(handle)))
+            raise
+        except BaseException:
             await self._release(handle)
+            raise
+        await self._release(handle)
+
+    async def _settle(self, handle: Any) -> None:
+        """Wait until a transfer we gave up on is no longer in flight, then free its handle."""
+        delay = 1e-3
+        with contextlib.suppress(Exception):
+            while await self._call(self._agent.check_xfer_state, handle) == "PROC":
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.1)
+        await self._release(handle)
+
+    async def _settle_posting(self, future: concurrent.futures.Future[tuple[Any, str]]) -> None:
+        """The posting thread of an abandoned read: wait for it, then for its transfer."""
+        with contextlib.suppress(BaseException):
+            handle, _ = await asyncio.wrap_future(future)
+            await self._settle(handle)
 
     async def _wait(self, handle: Any, state: str, engine_id: str) -> None:
         delay = 0.0

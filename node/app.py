@@ -1,13 +1,17 @@
 """The node's aiohttp application (DESIGN §4 internal API), built by `make_app`.
 
 Middleware gives every request its X-Request-Id (in the log context and the answer), turns
-APIError into OpenAI's error body with the right status, answers 503 while draining, and keeps
-an unexpected exception from taking the node down (500 with a message, logged).
+APIError into OpenAI's error body with the right status, answers 503 while draining, when the
+engine's queue is full (with Retry-After) or when the engine is dead, 413 for a body larger
+than any prompt within the context can need, and keeps an unexpected exception from taking the
+node down (500 with a message, logged). Role routes and hooks come from `state.roles`
+(node.legs); this module knows no role.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -15,8 +19,10 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from node.completions import handle_completions, new_request_id, prefill_request_id
+from node.completions import handle_completions, new_request_id
+from node.engine_api import EngineDead, EngineOverloaded
 from node.request_log import REQUEST_ID
+from node.responder import engine_dead
 from node.state import NodeState
 from protocol.node_api import AbortRequest, NodeHealth
 from protocol.openai import APIError
@@ -25,20 +31,32 @@ log = logging.getLogger("duet.node")
 STATE = web.AppKey("state", NodeState)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+#: bytes a body may take beyond its prompt (sampling fields, stop strings, kv_transfer_params)
+BODY_OVERHEAD = 1 << 20
+#: bytes one prompt token can take in JSON: a token id with its separator, or a token's text
+#: with JSON escapes (a long token of escaped characters)
+BODY_BYTES_PER_TOKEN = 64
 
-def _error(err: APIError, request_id: str) -> web.Response:
-    headers = {"X-Request-Id": request_id}
+
+def max_body_bytes(max_model_len: int) -> int:
+    """The largest body a prompt within the context can need."""
+    return BODY_OVERHEAD + BODY_BYTES_PER_TOKEN * max_model_len
+
+
+def _error(err: APIError, request_id: str, headers: dict[str, str] | None = None) -> web.Response:
+    h = {"X-Request-Id": request_id, **(headers or {})}
     return web.Response(status=err.status, body=msgspec.json.encode(err.body()),
-                        content_type="application/json", headers=headers)  # fmt: skip
+                        content_type="application/json", headers=h)  # fmt: skip
 
 
 @web.middleware
 async def _middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     rid = request.headers.get("X-Request-Id") or new_request_id()
     token = REQUEST_ID.set(rid)
+    state = request.app[STATE]
     try:
-        state = request.app[STATE]
         if state.draining and request.method == "POST" and request.path == "/v1/completions":
+            state.metrics.rejected("draining")
             raise APIError(503, "this node is shutting down; retry on another node",
                            type_="service_unavailable", code="draining")  # fmt: skip
         return await handler(request)
@@ -47,9 +65,28 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
             log.warning("%s %s → %d: %s", request.method, request.path, e.status, e.message)
         else:
             log.info("%s %s → %d: %s", request.method, request.path, e.status, e.message)
-        return _error(e, rid)
-    except web.HTTPException:
-        raise
+        return _error(e, rid, getattr(e, "headers", None))
+    except EngineOverloaded as e:
+        state.metrics.rejected("queue_full")
+        log.warning("%s %s → 503: %s", request.method, request.path, e)
+        err = APIError(503, f"this node is overloaded: {e}; retry later or on another node",
+                       type_="service_unavailable", code="overloaded")  # fmt: skip
+        return _error(err, rid, {"Retry-After": str(max(1, math.ceil(e.retry_after)))})
+    except EngineDead as e:
+        state.metrics.rejected("engine_dead")
+        return _error(engine_dead(e), rid)
+    except web.HTTPRequestEntityTooLarge as e:
+        state.metrics.rejected("body_too_large")
+        limit = request.app._client_max_size  # the limit aiohttp enforced
+        return _error(APIError(413, f"the request body is too large ({e.text or ''}); a prompt within "
+                                    f"this model's context of {state.engine.max_model_len} tokens needs at "
+                                    f"most {limit} bytes", code="request_too_large"), rid)  # fmt: skip
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        # aiohttp's own refusals (unknown route, wrong method) in OpenAI's error body too.
+        return _error(APIError(e.status, f"{request.method} {request.path}: {e.reason}",
+                               code="not_found" if e.status == 404 else None), rid)  # fmt: skip
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
         raise
     except Exception as e:
@@ -88,26 +125,24 @@ async def _abort(request: web.Request) -> web.Response:
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise APIError(400, f"malformed abort request: {e}") from None
     aborted = await s.engine.abort(body.request_id)
-    if s.leases is not None:
-        erid = prefill_request_id(body.request_id)
-        aborted = await s.engine.abort(erid) or aborted
-        aborted = await s.leases.release(erid) or aborted
+    for hook in s.roles.on_abort:
+        aborted = await hook(s, body.request_id) or aborted
     return web.json_response({"aborted": aborted})
 
 
 async def _snapshot(request: web.Request) -> web.Response:
     s = request.app[STATE]
-    hashes = await s.engine.call(lambda core: core.pool.cached_hashes())  # type: ignore[attr-defined]
+    hashes = await s.engine.cached_block_hashes()
     return web.json_response({"engine_id": s.engine_id, "block_size": s.engine.kv_layout.block_size,
                               "block_hashes": hashes})  # fmt: skip
 
 
 def make_app(state: NodeState) -> web.Application:
-    """The node app; `state` holds an engine that is built but not started."""
-    app = web.Application(middlewares=[_middleware], client_max_size=64 * 2**20)
+    """The node app; `state` holds an engine that is built but not started, and the roles
+    registered for this node."""
+    app = web.Application(middlewares=[_middleware], client_max_size=max_body_bytes(state.engine.max_model_len))
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
-    from prefill.leg import handle_metadata, handle_release
 
     def bind(fn: Callable[[NodeState, web.Request], Awaitable[web.StreamResponse]]) -> Handler:
         async def h(request: web.Request) -> web.StreamResponse:
@@ -116,8 +151,8 @@ def make_app(state: NodeState) -> web.Application:
         return h
 
     app.router.add_post("/v1/completions", _completions)
-    app.router.add_get("/kv/metadata", bind(handle_metadata))
-    app.router.add_post("/kv/release", bind(handle_release))
+    for method, path, fn in state.roles.routes:
+        app.router.add_route(method, path, bind(fn))
     app.router.add_post("/abort", _abort)
     app.router.add_get("/kv/snapshot", _snapshot)
     app.router.add_get("/health", _health)
@@ -127,22 +162,24 @@ def make_app(state: NodeState) -> web.Application:
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     s = app[STATE]
-    s.engine.start()
+
+    def on_dead(exc: BaseException) -> None:
+        # Never half alive: the node exits non-zero and its supervisor restarts it.
+        log.critical("the engine died (%r): stopping this node with exit code 1", exc)
+        s.exit_code = 1
+        s.shutdown.set()
+
+    s.engine.start(on_dead)
     s.session = aiohttp.ClientSession()
     if s.transport is not None:
         base, device = s.engine.kv_memory()
         await s.transport.register_pool(base, s.engine.kv_layout, device)
-        from decode.remote_kv import RemoteKV
-        from prefill.leases import LeaseManager
-
-        if s.config.role in ("prefill", "both"):
-            s.leases = LeaseManager(lambda erid: s.engine.release(erid))
-        if s.config.role in ("decode", "both"):
-            s.remote_kv = RemoteKV(s.transport, s.session, s.config.transfer_timeout)
+    for hook in s.roles.on_start:
+        await hook(s)
     s.idle.set()
     yield
-    if s.leases is not None:
-        await s.leases.release_all()
+    for hook in s.roles.on_stop:
+        await hook(s)
     await s.session.close()
     await s.engine.stop()
     if s.transport is not None:

@@ -1,31 +1,33 @@
-"""`POST /v1/completions` on a node: parse and validate, then one of three legs —
-local (prefill and decode here), prefill leg (`do_remote_decode`: compute the prompt's KV and
-hold it for a decode node) or decode leg (`do_remote_prefill`: pull the KV from the prefill
-node named in `kv_transfer_params`, then decode).
+"""`POST /v1/completions` on a node: parse and validate, then one of the legs — local (prefill
+and decode here) or a leg a role registered for the `kv_transfer_params` trigger it carries
+(node.legs: `do_remote_decode` → prefill leg, `do_remote_prefill` → decode leg).
 
 Engine request ids: a prefill leg runs as "prefill:<X-Request-Id>", everything else as the
 X-Request-Id itself, so a colocated node can serve both legs of one request.
+
+Nothing here trusts the body: every field is type-checked (msgspec: no bool for an int, no
+unknown kv_transfer_params shapes), range-checked (SamplingParams, the context length), and
+string prompts are tokenized off the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from engine.async_engine import RequestStream
-from engine.core import RequestError
-from engine.request import Priority
-from engine.sampling_params import SamplingParams
+from node.engine_api import EngineStream, RequestRefused
 from node.request_log import REQUEST_ID
 from node.responder import Responder
 from node.state import NodeState
+from protocol.kv_params import KVTransferParams
 from protocol.openai import APIError, CompletionRequest
+from protocol.sampling import Priority, SamplingParams
 
 log = logging.getLogger("duet.node")
 _DEC = msgspec.json.Decoder(CompletionRequest)
@@ -64,6 +66,19 @@ def sampling_params(body: CompletionRequest, max_tokens: int | None = None) -> S
         raise APIError(400, str(e)) from None
 
 
+def transfer_params(body: CompletionRequest) -> KVTransferParams | None:
+    if body.kv_transfer_params is None:
+        return None
+    try:
+        p = msgspec.convert(body.kv_transfer_params, KVTransferParams)
+    except msgspec.ValidationError as e:
+        raise APIError(400, f"invalid kv_transfer_params: {e}", param="kv_transfer_params") from None
+    if p.do_remote_decode and p.do_remote_prefill:
+        raise APIError(400, "kv_transfer_params cannot ask for both do_remote_decode and do_remote_prefill",
+                       param="kv_transfer_params")  # fmt: skip
+    return p
+
+
 @dataclass
 class Prepared:
     """A validated request, ready for a leg."""
@@ -74,18 +89,24 @@ class Prepared:
     params: SamplingParams
     priority: Priority
     arrival: float
+    kv_params: KVTransferParams | None = None
 
 
-def prepare(state: NodeState, raw: bytes) -> Prepared:
+async def prepare(state: NodeState, raw: bytes) -> Prepared:
     arrival = time.monotonic()
     body = parse_body(raw)
     engine = state.engine
     if body.model and body.model != engine.model_name:
         raise APIError(404, f"model {body.model!r} is not served here (this node serves "
                             f"{engine.model_name!r})", code="model_not_found", param="model")  # fmt: skip
-    prompt = body.single_prompt()
-    ids = engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    kv_params = transfer_params(body)
     params = sampling_params(body)
+    prompt = body.single_prompt()
+    if isinstance(prompt, str):
+        # Tokenizing a long prompt takes milliseconds: never on the event loop.
+        ids = await asyncio.to_thread(engine.tokenizer.encode, prompt)
+    else:
+        ids = list(prompt)
     if len(ids) + params.max_tokens > engine.max_model_len:
         raise APIError(400, f"this model's maximum context length is {engine.max_model_len} tokens, "
                             f"but {len(ids) + params.max_tokens} were requested ({len(ids)} in the "
@@ -94,36 +115,33 @@ def prepare(state: NodeState, raw: bytes) -> Prepared:
     priority = Priority.BATCH if body.priority == "batch" else Priority.INTERACTIVE
     rid = REQUEST_ID.get()
     return Prepared(request_id=rid, body=body, prompt_ids=ids, params=params, priority=priority,
-                    arrival=arrival)
+                    arrival=arrival, kv_params=kv_params)  # fmt: skip
 
 
 async def handle_completions(state: NodeState, request: web.Request) -> web.StreamResponse:
     raw = await request.read()
-    prep = prepare(state, raw)
-    ktp = prep.body.kv_transfer_params or {}
-    role = state.config.role
-    if ktp.get("do_remote_decode"):
-        if role == "decode":
-            raise APIError(400, "this is a decode node: it does not run prefill legs")
-        from prefill.leg import prefill_leg
-
-        return await prefill_leg(state, request, prep)
-    if ktp.get("do_remote_prefill"):
-        if role == "prefill":
-            raise APIError(400, "this is a prefill node: it does not run decode legs")
-        from decode.leg import decode_leg
-
-        return await decode_leg(state, request, prep)
-    return await local_leg(state, request, prep)
+    prep = await prepare(state, raw)
+    kp = prep.kv_params
+    trigger = None
+    if kp is not None:
+        trigger = "do_remote_decode" if kp.do_remote_decode else "do_remote_prefill" if kp.do_remote_prefill else None
+    if trigger is None:
+        return await local_leg(state, request, prep)
+    leg = state.roles.legs.get(trigger)
+    if leg is None:
+        raise APIError(400, f"this node ({state.roles.describe()}) does not serve {trigger} legs",
+                       param="kv_transfer_params")  # fmt: skip
+    return await leg(state, request, prep)
 
 
-async def start(state: NodeState, engine_request_id: str, prep: Prepared, params: SamplingParams,
-                **hooks: Any) -> RequestStream:  # fmt: skip
-    """Queue the request in the engine; a request the engine refuses is the client's 400."""
+async def start(state: NodeState, engine_request_id: str, prep: Prepared, params: SamplingParams, *,
+                hold_seconds: float | None = None, remote_num_tokens: int = 0) -> EngineStream:  # fmt: skip
+    """Queue the request in the engine; a request the engine refuses is the client's 400
+    (EngineOverloaded and EngineDead propagate: the app answers 503)."""
     try:
-        return await state.engine.add_request(engine_request_id, prep.prompt_ids, params,
-                                              prep.priority, **hooks)  # fmt: skip
-    except RequestError as e:
+        return await state.engine.add_request(engine_request_id, prep.prompt_ids, params, prep.priority,
+                                              hold_seconds=hold_seconds, remote_num_tokens=remote_num_tokens)  # fmt: skip
+    except RequestRefused as e:
         raise APIError(400, str(e)) from None
 
 
@@ -138,7 +156,7 @@ async def local_leg(state: NodeState, request: web.Request, prep: Prepared) -> w
 
 
 async def respond(state: NodeState, request: web.Request, prep: Prepared, responder: Responder,
-                  stream: RequestStream) -> web.StreamResponse:
+                  stream: EngineStream) -> web.StreamResponse:  # fmt: skip
     model = state.engine.model_name
     if prep.body.stream:
         return await responder.stream(request, stream, model)

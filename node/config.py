@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
-from dataclasses import dataclass, field
-
-from engine.config import EngineConfig
+from dataclasses import dataclass
+from typing import Any
 
 ROLES = ("prefill", "decode", "both")
 FAILURE_POLICIES = ("recompute", "fail")
+#: Peers a decode node may pull from unless the operator says otherwise: loopback and the
+#: private ranges (RFC 1918, IPv6 ULA), where a cluster's own nodes live. Public addresses and
+#: link-local ones (cloud metadata services) are refused: a client cannot aim a decode node at
+#: an arbitrary host.
+DEFAULT_ALLOWED_PEERS = "127.0.0.0/8,::1/128,10.0.0.0/8,172.16.0.0/12,192.168.0.0/16,fc00::/7"
+
+
+def parse_networks(spec: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+    """'127.0.0.0/8,10.1.2.3' → networks (a bare address is a /32 or /128)."""
+    nets = []
+    for part in spec.split(","):
+        part = part.strip()
+        if part:
+            try:
+                nets.append(ipaddress.ip_network(part, strict=False))
+            except ValueError as e:
+                raise ValueError(f"cannot read peer network {part!r}: {e}") from None
+    if not nets:
+        raise ValueError(f"empty peer network list {spec!r}")
+    return tuple(nets)
 
 
 @dataclass
@@ -21,7 +41,9 @@ class NodeConfig:
     advertise_host: str | None = None
     #: stable across restarts; default "<role>-<hostname>-<port>"
     node_id: str | None = None
-    engine: EngineConfig = field(default_factory=EngineConfig)
+    #: which engine adapter runs (node.engines), and its config (engine.EngineConfig for native)
+    engine_kind: str = "native"
+    engine: Any = None
     transport: str = "nixl"
     #: seconds a prefill node holds finished blocks for a decode node to pull
     lease_seconds: float = 30.0
@@ -29,6 +51,10 @@ class NodeConfig:
     transfer_timeout: float = 10.0
     #: what a decode node does when a pull fails: recompute locally, or fail the request
     failure_policy: str = "recompute"
+    #: seconds a decode leg waits for the engine to reserve blocks for the remote KV
+    reserve_timeout: float = 30.0
+    #: CIDR list of the prefill nodes a decode node may contact (DEFAULT_ALLOWED_PEERS)
+    allowed_peers: str = DEFAULT_ALLOWED_PEERS
     #: seconds in-flight requests get to finish after SIGTERM
     grace_period: float = 30.0
     #: CPU ids to pin this process to (e.g. "0-3,8")
@@ -39,8 +65,9 @@ class NodeConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.failure_policy not in FAILURE_POLICIES:
             raise ValueError(f"failure policy must be one of {FAILURE_POLICIES}")
-        if self.lease_seconds <= 0 or self.transfer_timeout <= 0:
-            raise ValueError("lease and transfer timeout must be positive")
+        if self.lease_seconds <= 0 or self.transfer_timeout <= 0 or self.reserve_timeout <= 0:
+            raise ValueError("lease, transfer and reserve timeouts must be positive")
+        parse_networks(self.allowed_peers)
 
     @property
     def public_host(self) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -21,6 +21,10 @@ _GAUGES = {
     "duet:num_requests_waiting": ("num_requests_waiting", "Requests queued (incl. waiting for remote KV)"),
     "duet:num_requests_held": ("num_requests_held", "Finished prefills holding blocks for a transfer"),
     "duet:kv_cache_usage_perc": ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)"),
+    "duet:num_waiting_tokens": ("num_waiting_tokens", "Prompt tokens of the requests waiting"),
+    "duet:engine_queue_full": ("queue_full", "1 while the engine's waiting queue refuses new requests"),
+    "duet:kv_blocks_quarantined": ("kv_blocks_quarantined",
+                                   "KV blocks set aside until a failed transfer is known stopped"),
 }
 _COUNTERS = {
     "duet:prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
@@ -28,6 +32,7 @@ _COUNTERS = {
     "duet:prompt_tokens": ("prompt_tokens_computed", "Prompt tokens computed"),
     "duet:generation_tokens": ("generation_tokens", "Tokens generated"),
     "duet:num_preemptions": ("num_preemptions", "Requests preempted (recompute)"),
+    "duet:num_requests_failed": ("num_requests_failed", "Requests the engine failed alone (finish_reason error)"),
 }
 
 
@@ -62,3 +67,9 @@ class NodeMetrics:
         self.itl = hist("duet:inter_token_latency_seconds", "Time between tokens").labels(**self.labels)
         self.e2e = hist("duet:e2e_request_latency_seconds", "Request latency").labels(**self.labels)
         self.registry.register(_EngineCollector(stats, self.labels))
+        self._rejected = Counter("duet:num_requests_rejected", "Requests refused before running, by reason",
+                                 [*names, "reason"], registry=self.registry)  # fmt: skip
+
+    def rejected(self, reason: str) -> None:
+        """Count a refused request (queue_full, draining, engine_dead, body_too_large, ...)."""
+        self._rejected.labels(**self.labels, reason=reason).inc()

@@ -1,9 +1,11 @@
-"""Turns an engine RequestStream into the HTTP answer: OpenAI SSE (one JSON chunk per delta,
+"""Turns an engine EngineStream into the HTTP answer: OpenAI SSE (one JSON chunk per delta,
 usage and timing in the last chunk, then `[DONE]`) or one JSON body.
 
 Invariants: the engine request is aborted if the answer does not complete (client gone, write
 failed, handler cancelled), so its blocks are freed; TTFT / ITL / e2e are observed once per
-request on the node's histograms.
+request on the node's histograms; once SSE headers are out, any failure (the request failed in
+the engine, the engine died) is an SSE error event followed by `[DONE]`, never a second
+response.
 """
 
 from __future__ import annotations
@@ -15,8 +17,7 @@ import time
 import msgspec
 from aiohttp import web
 
-from engine.async_engine import RequestStream
-from engine.outputs import RequestOutput
+from node.engine_api import Delta, EngineDead, EngineStream
 from node.state import NodeState
 from protocol.openai import APIError, CompletionChoice, CompletionResponse, usage
 
@@ -33,6 +34,17 @@ def error_event(err: APIError) -> bytes:
     return sse(err.body())
 
 
+def request_failed(out: Delta) -> APIError:
+    """The engine failed this one request (its other requests go on)."""
+    return APIError(500, f"the engine failed this request: {out.error}", type_="engine_error",
+                    code="request_failed")  # fmt: skip
+
+
+def engine_dead(e: BaseException) -> APIError:
+    return APIError(503, f"the engine failed; this node is restarting: {e}", type_="service_unavailable",
+                    code="engine_dead")  # fmt: skip
+
+
 class Responder:
     def __init__(self, state: NodeState, request_id: str, engine_request_id: str, arrival: float) -> None:
         self.state = state
@@ -45,7 +57,7 @@ class Responder:
         self._first_token_time: float | None = None
         self._last_token_time: float | None = None
 
-    def _observe(self, out: RequestOutput) -> None:
+    def _observe(self, out: Delta) -> None:
         now = time.monotonic()
         m = self.state.metrics
         if out.new_token_ids:
@@ -59,7 +71,7 @@ class Responder:
             m.e2e.observe(now - self.arrival)
             self._finish_timing(out, now)
 
-    def _finish_timing(self, out: RequestOutput, now: float) -> None:
+    def _finish_timing(self, out: Delta, now: float) -> None:
         t = self.timing
         t["total_s"] = now - self.arrival
         ttft = (self._first_token_time or now) - self.arrival
@@ -70,44 +82,63 @@ class Responder:
             t["queue_s"] = _delta(out.arrival_time, out.first_scheduled_time)
             t["prefill_s"] = max(0.0, ttft - t["queue_s"])
 
-    async def stream(self, request: web.Request, stream: RequestStream, model: str) -> web.StreamResponse:
+    async def stream(self, request: web.Request, stream: EngineStream, model: str) -> web.StreamResponse:
         resp = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": self.request_id})
         done = False
         try:
             await resp.prepare(request)
-            async for out in stream:
-                self._observe(out)
-                chunk = CompletionResponse(id=self.request_id, model=model, choices=[
-                    CompletionChoice(text=out.new_text, finish_reason=out.finish_reason,
-                                     stop_reason=out.stop_reason, token_ids=out.new_token_ids)])  # fmt: skip
-                if out.finished:
-                    chunk.usage = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
-                    chunk.timing = self.timing
-                await resp.write(sse(chunk))
-            await resp.write(b"data: [DONE]\n\n")
-            done = True
+            try:
+                done = await self._relay(resp, stream, model)
+            except EngineDead as e:  # headers are out: the error goes in the stream
+                await resp.write(error_event(engine_dead(e)))
+                await resp.write(b"data: [DONE]\n\n")
+                done = True
         finally:
             if not done:
                 await self.abort()
         return resp
 
-    async def collect(self, stream: RequestStream, model: str, **extra: object) -> CompletionResponse:
+    async def _relay(self, resp: web.StreamResponse, stream: EngineStream, model: str) -> bool:
+        async for out in stream:
+            self._observe(out)
+            if out.error is not None:
+                log.warning("request %s failed in the engine: %s", self.engine_request_id, out.error)
+                await resp.write(error_event(request_failed(out)))
+                await resp.write(b"data: [DONE]\n\n")
+                return True
+            chunk = CompletionResponse(id=self.request_id, model=model, choices=[
+                CompletionChoice(text=out.new_text, finish_reason=out.finish_reason,
+                                 stop_reason=out.stop_reason, token_ids=out.new_token_ids)])  # fmt: skip
+            if out.finished:
+                chunk.usage = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+                chunk.timing = self.timing
+            await resp.write(sse(chunk))
+        await resp.write(b"data: [DONE]\n\n")
+        return True
+
+    async def collect(self, stream: EngineStream, model: str, **extra: object) -> CompletionResponse:
         text: list[str] = []
         tokens: list[int] = []
-        final: RequestOutput | None = None
+        final: Delta | None = None
         done = False
         try:
-            async for out in stream:
-                self._observe(out)
-                text.append(out.new_text)
-                tokens.extend(out.new_token_ids)
-                if out.finished:
-                    final = out
+            try:
+                async for out in stream:
+                    self._observe(out)
+                    text.append(out.new_text)
+                    tokens.extend(out.new_token_ids)
+                    if out.finished:
+                        final = out
+            except EngineDead as e:
+                raise engine_dead(e) from None
             done = True
         finally:
             if not done:
                 await self.abort()
         assert final is not None
+        if final.error is not None:
+            log.warning("request %s failed in the engine: %s", self.engine_request_id, final.error)
+            raise request_failed(final)
         return CompletionResponse(
             id=self.request_id, model=model,
             choices=[CompletionChoice(text="".join(text), finish_reason=final.finish_reason,

@@ -2,7 +2,9 @@
 
 SIGTERM/SIGINT: stop taking new requests (503 with a clear body), give in-flight requests
 `grace_period` seconds to finish, abort the rest, free held blocks, close the transport and
-exit 0. The "ready" line on stdout is printed only once the port accepts requests.
+exit 0. If the engine dies the node exits 1 at once (its streams already ended with an
+error), so a supervisor restarts it: never half alive. The "ready" line on stdout is printed
+only once the port accepts requests.
 """
 
 from __future__ import annotations
@@ -14,23 +16,27 @@ import os
 import signal
 import sys
 import uuid
+from collections.abc import Callable, Sequence
 
 from aiohttp import web
 
 from node.app import make_app
 from node.config import NodeConfig, parse_cpus
-from node.engine_client import NativeNodeEngine
+from node.engines import make_engine
+from node.legs import Roles
 from node.metrics import NodeMetrics
 from node.state import NodeState
 
 log = logging.getLogger("duet.node")
 
 
-def build_state(cfg: NodeConfig) -> NodeState:
+def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] = ()) -> NodeState:
+    """The node's state with its engine (built, not started), transport and the roles
+    `register` adds (the composition root passes prefill.register / decode.register)."""
     if cfg.cpus:
         # Before torch starts its thread pool, so the threads inherit the mask.
         os.sched_setaffinity(0, parse_cpus(cfg.cpus))
-    engine = NativeNodeEngine(cfg.engine)
+    engine = make_engine(cfg.engine_kind, cfg.engine)
     node_id = cfg.resolved_node_id
     # A new engine id per process: a restarted node's pool holds nothing a peer cached.
     engine_id = f"{node_id}-{uuid.uuid4().hex[:8]}"
@@ -44,8 +50,11 @@ def build_state(cfg: NodeConfig) -> NodeState:
     transport = make_transport(cfg.transport, engine_id=engine_id, timeout=cfg.transfer_timeout,
                                metrics=KVTransferMetrics(metrics.registry), **listen)  # fmt: skip
     log.info("KV transport: %s", transport.backend)
+    roles = Roles()
+    for reg in register:
+        reg(roles)
     return NodeState(config=cfg, engine=engine, metrics=metrics, node_id=node_id, engine_id=engine_id,
-                     transport=transport)  # fmt: skip
+                     transport=transport, roles=roles)  # fmt: skip
 
 
 async def serve(state: NodeState) -> int:
@@ -55,27 +64,27 @@ async def serve(state: NodeState) -> int:
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()
-    stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, state.shutdown.set)
     print(f"duet {cfg.role} node ready on http://{cfg.host}:{cfg.port} node_id={state.node_id} "
           f"engine_id={state.engine_id} model={state.engine.model_name}", flush=True)  # fmt: skip
-    await stop.wait()
-    log.info("shutting down: draining %d in-flight request(s), grace %.0fs", state.inflight, cfg.grace_period)
+    await state.shutdown.wait()
     state.draining = True
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(state.idle.wait(), cfg.grace_period)
-    for erid in list(state.active):
-        log.info("grace period over: aborting %s", erid)
-        await state.engine.abort(erid)
+    if state.engine.dead is None:
+        log.info("shutting down: draining %d in-flight request(s), grace %.0fs", state.inflight, cfg.grace_period)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(state.idle.wait(), cfg.grace_period)
+        for erid in list(state.active):
+            log.info("grace period over: aborting %s", erid)
+            await state.engine.abort(erid)
     await runner.cleanup()
-    log.info("stopped")
-    return 0
+    log.info("stopped (exit code %d)", state.exit_code)
+    return state.exit_code
 
 
-def run_node(cfg: NodeConfig) -> int:
-    state = build_state(cfg)
+def run_node(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] = ()) -> int:
+    state = build_state(cfg, register)
     try:
         return asyncio.run(serve(state))
     except OSError as e:

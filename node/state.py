@@ -1,4 +1,8 @@
-"""What a node app shares between handlers (stored under one web.AppKey)."""
+"""What a node app shares between handlers (stored under one web.AppKey).
+
+`shutdown` is set by SIGTERM/SIGINT or by the engine dying; `exit_code` is what the process
+then returns (non-zero after an engine failure, so a supervisor restarts it).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,8 @@ from typing import Any
 import aiohttp
 
 from node.config import NodeConfig
-from node.engine_client import NodeEngine
+from node.engine_api import NodeEngine
+from node.legs import Roles
 from node.metrics import NodeMetrics
 
 
@@ -20,15 +25,18 @@ class NodeState:
     metrics: NodeMetrics
     node_id: str
     engine_id: str
+    roles: Roles = field(default_factory=Roles)
     transport: Any = None  # kvtransfer.Transport, None on a node that moves no KV
     session: aiohttp.ClientSession | None = None
     draining: bool = False
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    shutdown: asyncio.Event = field(default_factory=asyncio.Event)
+    exit_code: int = 0
     #: engine request ids of in-flight requests (aborted when the grace period ends)
     active: set[str] = field(default_factory=set)
-    leases: Any = None  # prefill.leases.LeaseManager on prefill-capable nodes
-    remote_kv: Any = None  # decode.remote_kv.RemoteKV on decode-capable nodes
+    #: per-role state set by the roles' start hooks (e.g. "decode" → its RemoteKV)
+    role_state: dict[str, Any] = field(default_factory=dict)
 
     def enter(self, engine_request_id: str) -> None:
         self.inflight += 1

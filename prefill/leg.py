@@ -1,9 +1,12 @@
 """The prefill leg and the prefill node's KV endpoints.
 
-Prefill leg: compute the prompt (reusing the prefix cache) with max_tokens=1, keep its blocks
-under a lease, and answer with vLLM-named `kv_transfer_params` telling a decode node where
-to pull them from. `/kv/release` frees them (checking the block ids belong to the request);
-`/kv/metadata` serves this node's transport metadata (the handshake of DESIGN §4).
+Prefill leg: compute the prompt (reusing the prefix cache) with max_tokens=1 and have the
+engine hold its blocks for `lease_seconds` — the hold and its lease are one engine-side state,
+created atomically when the request finishes, so a client that disconnects at any moment
+cannot leak blocks: the engine frees them at the deadline, on `/kv/release`, or on `/abort`.
+Answer with vLLM-named `kv_transfer_params` telling a decode node where to pull them from.
+`/kv/release` frees them (checking the block ids belong to the request) and says 404 when
+nothing was held; `/kv/metadata` serves this node's transport metadata (DESIGN §4).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import msgspec
 from aiohttp import web
 
 from node.completions import Prepared, prefill_request_id, start
+from node.engine_api import RequestRefused
 from node.responder import Responder
 from node.state import NodeState
 from protocol.kv_params import KVTransferParams
@@ -31,18 +35,17 @@ async def prefill_leg(state: NodeState, request: web.Request, prep: Prepared) ->
     erid = prefill_request_id(prep.request_id)
     params = prep.params
     params.max_tokens = 1  # P computes the prompt; the first real token comes from D
+    lease = state.config.lease_seconds
     state.enter(erid)
     try:
-        stream = await start(state, erid, prep, params, hold_blocks=True)
+        stream = await start(state, erid, prep, params, hold_seconds=lease)
         responder = Responder(state, prep.request_id, erid, prep.arrival)
         result = await responder.collect(stream, state.engine.model_name)
     finally:
         state.leave(erid)
     blocks = await state.engine.held_blocks(erid)
     if not blocks:
-        raise APIError(500, "prefill finished without holding its KV blocks")
-    lease = state.config.lease_seconds
-    state.leases.hold(erid, lease)
+        raise APIError(500, "prefill finished without holding its KV blocks", type_="internal_error")
     cfg = state.config
     result.kv_transfer_params = msgspec.structs.asdict(KVTransferParams(
         do_remote_prefill=True, remote_engine_id=state.engine_id, remote_block_ids=blocks,
@@ -59,16 +62,20 @@ async def handle_release(state: NodeState, request: web.Request) -> web.Response
         body = msgspec.json.decode(await request.read(), type=KVReleaseRequest)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise APIError(400, f"malformed release request: {e}") from None
-    erid = prefill_request_id(body.request_id)
-    held = await state.engine.held_blocks(erid)
-    if held is None:
+    try:
+        n = await state.engine.release_held(prefill_request_id(body.request_id), body.block_ids)
+    except RequestRefused:
+        raise APIError(400, f"block ids {body.block_ids} do not belong to request {body.request_id!r}",
+                       param="block_ids") from None  # fmt: skip
+    if n is None:
         raise APIError(404, f"no blocks are held for request {body.request_id!r} (released, "
                             "lease expired, or never prefilled here)", code="not_held")  # fmt: skip
-    if body.block_ids is not None and list(body.block_ids) != held:
-        raise APIError(400, f"block ids {body.block_ids} do not belong to request "
-                            f"{body.request_id!r}", param="block_ids")  # fmt: skip
-    await state.leases.release(erid)
-    return web.json_response({"released": len(held)})
+    return web.json_response({"released": n})
+
+
+async def abort_held(state: NodeState, request_id: str) -> bool:
+    """`POST /abort`: drop the prefill leg of `request_id` (running or held)."""
+    return await state.engine.abort(prefill_request_id(request_id))
 
 
 async def handle_metadata(state: NodeState, request: web.Request) -> web.Response:

@@ -1,0 +1,81 @@
+"""PeerPolicy: which prefill nodes a decode node may contact for a request's KV.
+
+A decode leg's `kv_transfer_params` name a host and port; nothing the client sends is trusted,
+so before any connection:
+- the address must lie in the operator's allowed networks (`--allowed-peers`, CIDR list;
+  default loopback + private ranges, see node.config.DEFAULT_ALLOWED_PEERS);
+- an engine id is pinned to the first address it was reached at (its metadata answered with
+  that engine id): the same engine id at another address is refused, so the read and the
+  release always go to the same peer.
+`allowed(host, port, engine_id)` returns None or the reason to refuse; it is the hook the
+coordinator will tighten to registered cluster members. Hostnames are resolved first
+(`resolve`), and every address they resolve to must be allowed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import socket
+from collections import OrderedDict
+
+#: engine ids remembered (least recently used forgotten first)
+MAX_PINNED = 4096
+_RESOLVE_TIMEOUT_S = 2.0
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class PeerPolicy:
+    def __init__(self, networks: tuple[Network, ...], max_pinned: int = MAX_PINNED) -> None:
+        self.networks = networks
+        self._max = max_pinned
+        self._pinned: OrderedDict[str, tuple[str, int]] = OrderedDict()
+
+    def network_reason(self, host: str) -> str | None:
+        """None if the address `host` lies in the allowed networks, else why not."""
+        try:
+            addr = ipaddress.ip_address(host)
+        except ValueError:
+            return f"remote_host {host!r} is not an IP address"
+        if not any(addr in net for net in self.networks):
+            return f"remote_host {host} is outside this node's allowed peer networks"
+        return None
+
+    def allowed(self, host: str, port: int, engine_id: str) -> str | None:
+        """None if `host` (an IP address) and `port` may be contacted for `engine_id`, else why not."""
+        if not 0 < port < 65536:
+            return f"remote_port {port} is not a TCP port"
+        if (reason := self.network_reason(host)) is not None:
+            return reason
+        pinned = self._pinned.get(engine_id)
+        if pinned is not None and pinned != (host, port):
+            return f"engine {engine_id!r} is at {pinned[0]}:{pinned[1]}, not {host}:{port}"
+        return None
+
+    def pin(self, engine_id: str, host: str, port: int) -> None:
+        """`engine_id` answered at host:port: from now on it is only reached there."""
+        self._pinned[engine_id] = (host, port)
+        self._pinned.move_to_end(engine_id)
+        while len(self._pinned) > self._max:
+            self._pinned.popitem(last=False)
+
+    def forget(self, engine_id: str) -> None:
+        self._pinned.pop(engine_id, None)
+
+    async def resolve(self, host: str) -> list[str]:
+        """The IP addresses of `host` (itself when it is one); [] if it does not resolve."""
+        try:
+            ipaddress.ip_address(host)
+            return [host]
+        except ValueError:
+            pass
+        if not host or len(host) > 253:
+            return []
+        loop = asyncio.get_running_loop()
+        try:
+            infos = await asyncio.wait_for(loop.getaddrinfo(host, None, type=socket.SOCK_STREAM),
+                                           _RESOLVE_TIMEOUT_S)  # fmt: skip
+        except (OSError, TimeoutError, UnicodeError):
+            return []
+        return sorted({str(info[4][0]) for info in infos})

@@ -1,0 +1,122 @@
+"""The engine interface: the only thing node code knows about an engine (DESIGN §3).
+
+Engines (node/engines/: `native` today, `vllm` later) adapt themselves to `NodeEngine`; the HTTP
+layer, the prefill and decode legs and the metrics use nothing else. Nothing here imports an
+engine (a test enforces it), so a second engine slots in without touching the HTTP layer.
+
+Contract:
+- `add_request` queues a request and returns its `EngineStream`: `Delta`s until one with
+  `finished`; a request that fails inside the engine ends with finish_reason "error" and
+  `error` set (other requests are unaffected); if the whole engine dies the stream raises
+  `EngineDead`.
+- Refusals are typed: `RequestRefused` (the client's fault → 400), `EngineOverloaded` (the
+  queue is full → 503 with Retry-After), `EngineDead` (→ 503).
+- P/D hooks. Prefill: `hold_seconds` keeps a finished request's blocks for that long, atomically
+  with its finishing (the engine frees them itself when the time is up); `release_held` frees
+  them early (None: nothing held); `abort` also frees held blocks. Decode: `remote_num_tokens`
+  makes the engine reserve blocks first (`EngineStream.reserved`), then wait for `kv_ready`;
+  `quarantine=True` sets the blocks a failed transfer may still write aside until
+  `release_quarantine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from protocol.kv_layout import KVLayout
+from protocol.sampling import Priority, SamplingParams
+from protocol.tokenizer import Tokenizer
+
+__all__ = ["Delta", "EngineDead", "EngineOverloaded", "EngineStream", "NodeEngine", "Priority",
+           "RequestRefused", "SamplingParams"]  # fmt: skip
+
+
+class RequestRefused(ValueError):
+    """The engine refuses this request as given (the client's error: 400)."""
+
+
+class EngineOverloaded(RuntimeError):
+    """The engine's queue is full; retry after `retry_after` seconds or on another node (503)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineDead(RuntimeError):
+    """The engine failed as a whole; the node must be restarted (503 until then)."""
+
+
+@dataclass
+class Delta:
+    """What one engine step produced for one request."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool = False
+    finish_reason: str | None = None  # stop | length | abort | error
+    stop_reason: str | int | None = None
+    error: str | None = None  # why the request failed (finish_reason "error")
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    #: prefill node: the blocks held for transfer (on the finishing delta of a held request)
+    held_block_ids: list[int] = field(default_factory=list)
+    #: monotonic timestamps, on the finishing delta
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+
+
+class EngineStream(Protocol):
+    request_id: str
+    prompt_token_ids: list[int]
+    #: decode node: resolves to the local block ids reserved for the remote KV
+    reserved: asyncio.Future[list[int]] | None
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Decode node: leading reserved blocks served by the local prefix cache (not pulled)."""
+        ...
+
+    def __aiter__(self) -> AsyncIterator[Delta]: ...
+
+
+class NodeEngine(Protocol):
+    model_name: str
+    tokenizer: Tokenizer
+    max_model_len: int
+    kv_layout: KVLayout
+
+    @property
+    def dead(self) -> BaseException | None: ...
+
+    def kv_memory(self) -> tuple[int, str]:
+        """(base address, device) of the KV pool, for the transport to register."""
+        ...
+
+    def start(self, on_dead: Callable[[BaseException], None]) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          priority: Priority = Priority.INTERACTIVE, *, hold_seconds: float | None = None,
+                          remote_num_tokens: int = 0) -> EngineStream: ...  # fmt: skip
+
+    async def abort(self, request_id: str) -> bool: ...
+
+    async def held_blocks(self, request_id: str) -> list[int] | None: ...
+
+    async def release_held(self, request_id: str, block_ids: list[int] | None = None) -> int | None: ...
+
+    async def kv_ready(self, request_id: str, ok: bool, quarantine: bool = False) -> bool: ...
+
+    async def release_quarantine(self, request_id: str) -> int: ...
+
+    async def cached_block_hashes(self) -> list[int]: ...
+
+    def stats(self) -> dict[str, float]: ...

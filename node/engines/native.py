@@ -1,0 +1,151 @@
+"""NativeNodeEngine: this repo's engine (engine.AsyncEngine) behind the node seam.
+
+The only node module that imports engine/: it turns engine outputs into `Delta`s and the
+engine's exceptions into the interface's (RequestError → RequestRefused, EngineOverloaded →
+EngineOverloaded, EngineDeadError → EngineDead).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from engine.config import EngineConfig
+from engine.core import EngineCore, RequestError
+from engine.core import EngineOverloaded as CoreOverloaded
+from engine.outputs import RequestOutput
+from node.engine_api import Delta, EngineDead, EngineOverloaded, RequestRefused
+from protocol.sampling import Priority, SamplingParams
+
+#: seconds a client is told to wait after an overload answer
+RETRY_AFTER_S = 1.0
+
+
+def _delta(o: RequestOutput) -> Delta:
+    return Delta(
+        request_id=o.request_id, new_token_ids=o.new_token_ids, new_text=o.new_text,
+        finished=o.finished, finish_reason=o.finish_reason, stop_reason=o.stop_reason,
+        error=o.error, num_prompt_tokens=o.num_prompt_tokens, num_cached_tokens=o.num_cached_tokens,
+        num_output_tokens=o.num_output_tokens, held_block_ids=o.held_block_ids,
+        arrival_time=o.arrival_time, first_scheduled_time=o.first_scheduled_time,
+        first_token_time=o.first_token_time,
+    )  # fmt: skip
+
+
+class NativeStream:
+    """A RequestStream seen through the interface."""
+
+    def __init__(self, stream: RequestStream) -> None:
+        self._stream = stream
+        self.request_id = stream.request_id
+        self.prompt_token_ids = stream.prompt_token_ids
+        self.reserved = None if stream.reserved is None else _translated(stream.reserved)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self._stream.num_cached_blocks
+
+    def __aiter__(self) -> AsyncIterator[Delta]:
+        return self._iter()
+
+    async def _iter(self) -> AsyncIterator[Delta]:
+        try:
+            async for out in self._stream:
+                yield _delta(out)
+        except EngineDeadError as e:
+            raise EngineDead(str(e)) from e
+
+
+def _translated(inner: asyncio.Future[list[int]]) -> asyncio.Future[list[int]]:
+    """A future that mirrors `inner`, with the engine's death as the interface's EngineDead."""
+    outer: asyncio.Future[list[int]] = asyncio.get_running_loop().create_future()
+
+    def copy(f: asyncio.Future[list[int]]) -> None:
+        if outer.done():
+            return
+        if f.cancelled():
+            outer.cancel()
+        elif (e := f.exception()) is not None:
+            outer.set_exception(EngineDead(str(e)) if isinstance(e, EngineDeadError) else e)
+        else:
+            outer.set_result(f.result())
+
+    inner.add_done_callback(copy)
+    return outer
+
+
+class NativeNodeEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        from kvtransfer import allocate_pool
+
+        # The pool is allocated the way the transport moves it fastest (huge pages on a host).
+        self._engine = AsyncEngine(config, EngineCore(config, pool_factory=allocate_pool))
+        core = self._engine.core
+        self.model_name = core.model_name
+        self.tokenizer = core.tokenizer
+        self.max_model_len = core.max_model_len
+        self.kv_layout = core.runner.kv_layout
+
+    @property
+    def async_engine(self) -> AsyncEngine:
+        """The wrapped engine (tests and fault injection)."""
+        return self._engine
+
+    @property
+    def dead(self) -> BaseException | None:
+        return self._engine.dead
+
+    def kv_memory(self) -> tuple[int, str]:
+        pool = self._engine.core.runner.kv_cache
+        return pool.data_ptr(), str(pool.device)
+
+    def start(self, on_dead: Callable[[BaseException], None]) -> None:
+        self._engine.start(on_dead)
+
+    async def stop(self) -> None:
+        await self._engine.stop()
+
+    async def _call(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except EngineDeadError as e:
+            raise EngineDead(str(e)) from e
+
+    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          priority: Priority = Priority.INTERACTIVE, *, hold_seconds: float | None = None,
+                          remote_num_tokens: int = 0) -> NativeStream:  # fmt: skip
+        try:
+            stream = await self._call(self._engine.add_request(
+                request_id, prompt_token_ids, params, priority, hold_blocks=hold_seconds is not None,
+                remote_num_tokens=remote_num_tokens, hold_seconds=hold_seconds))  # fmt: skip
+        except RequestError as e:
+            raise RequestRefused(str(e)) from None
+        except CoreOverloaded as e:
+            raise EngineOverloaded(str(e), RETRY_AFTER_S) from None
+        return NativeStream(stream)
+
+    async def abort(self, request_id: str) -> bool:
+        return bool(await self._call(self._engine.abort(request_id)))
+
+    async def held_blocks(self, request_id: str) -> list[int] | None:
+        return await self._call(self._engine.call(lambda core: core.held_blocks(request_id)))
+
+    async def release_held(self, request_id: str, block_ids: list[int] | None = None) -> int | None:
+        try:
+            return await self._call(self._engine.release_held(request_id, block_ids))
+        except RequestError as e:
+            raise RequestRefused(str(e)) from None
+
+    async def kv_ready(self, request_id: str, ok: bool, quarantine: bool = False) -> bool:
+        return bool(await self._call(self._engine.kv_ready(request_id, ok, quarantine)))
+
+    async def release_quarantine(self, request_id: str) -> int:
+        return int(await self._call(self._engine.release_quarantine(request_id)))
+
+    async def cached_block_hashes(self) -> list[int]:
+        return await self._call(self._engine.call(lambda core: core.pool.cached_hashes()))
+
+    def stats(self) -> dict[str, float]:
+        return self._engine.stats()

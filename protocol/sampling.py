@@ -1,0 +1,73 @@
+"""SamplingParams and Priority: how one request's tokens are chosen, when it stops, and which
+queue class it joins (vLLM's names).
+
+Torch-free on purpose: the node's HTTP layer and every engine behind the node seam (native,
+vLLM) share these types. Construction validates every field, so a request that gets this far
+cannot make an engine misbehave: non-finite numbers and out-of-range values are refused with
+a ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+#: Temperatures below this sample as greedy (as vLLM does): dividing logits by a tiny positive
+#: temperature overflows them to inf, and softmax of inf is NaN.
+GREEDY_EPSILON = 1e-5
+_SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+
+
+class Priority(enum.IntEnum):
+    """Lower runs first: interactive requests before batch ones."""
+
+    INTERACTIVE = 0
+    BATCH = 1
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling and stopping.
+
+    temperature 0 (or below GREEDY_EPSILON, or top_k 1) is greedy. `seed` makes a sampled
+    request reproducible whatever else is in the batch (each request draws from its own
+    generator). `stop` strings end the text just before the match (the matched string is not
+    returned); `stop_token_ids` and the model's EOS (unless `ignore_eos`) end it after the
+    token, which is kept in `token_ids`.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.max_tokens is None or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not -1 <= self.top_k < 2**31:
+            raise ValueError(f"top_k must be -1, 0 or a positive count below 2**31, got {self.top_k}")
+        if self.max_tokens >= 2**31:
+            raise ValueError(f"max_tokens must be below 2**31, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.seed is not None and not _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]:
+            raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPSILON or self.top_k == 1

@@ -1,0 +1,55 @@
+"""PeerPolicy (issue #8, defect 7): which addresses a decode node may contact, per engine id."""
+
+from __future__ import annotations
+
+import pytest
+
+from decode.peers import PeerPolicy
+from node.config import DEFAULT_ALLOWED_PEERS, NodeConfig, parse_networks
+
+
+def policy(spec: str = DEFAULT_ALLOWED_PEERS, **kw: int) -> PeerPolicy:
+    return PeerPolicy(parse_networks(spec), **kw)
+
+
+@pytest.mark.parametrize(("host", "ok"), [
+    ("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("10.1.2.3", True), ("172.20.0.1", True),
+    ("192.168.1.5", True), ("fd00::5", True),
+    ("169.254.169.254", False), ("8.8.8.8", False), ("172.32.0.1", False), ("2001:db8::1", False),
+    ("fe80::1", False), ("0.0.0.0", False), ("localhost", False), ("", False),
+])  # fmt: skip
+def test_default_networks(host: str, ok: bool) -> None:
+    assert (policy().allowed(host, 8100, "e") is None) is ok
+
+
+def test_ports_and_operator_networks() -> None:
+    p = policy("10.0.0.0/8")
+    assert "outside" in p.allowed("127.0.0.1", 8100, "e")
+    assert p.allowed("10.9.9.9", 8100, "e") is None
+    for port in (0, -1, 65536):
+        assert "not a TCP port" in p.allowed("10.9.9.9", port, "e")
+    with pytest.raises(ValueError, match="cannot read peer network"):
+        parse_networks("10.0.0.0/33")
+    with pytest.raises(ValueError, match="peer network"):
+        NodeConfig(allowed_peers="nonsense")
+
+
+def test_engine_ids_are_pinned_to_their_first_address_and_the_pins_are_bounded() -> None:
+    p = policy(max_pinned=2)
+    p.pin("a", "127.0.0.1", 8100)
+    assert p.allowed("127.0.0.1", 8100, "a") is None
+    assert "is at 127.0.0.1:8100" in p.allowed("127.0.0.1", 8101, "a")
+    assert "is at" in p.allowed("10.0.0.1", 8100, "a")
+    p.pin("b", "127.0.0.1", 1)
+    p.pin("c", "127.0.0.1", 2)  # "a" is the least recently pinned: forgotten
+    assert p.allowed("10.0.0.1", 8100, "a") is None
+    p.forget("b")
+    assert p.allowed("10.0.0.1", 9, "b") is None
+
+
+async def test_resolve() -> None:
+    p = policy()
+    assert await p.resolve("10.0.0.1") == ["10.0.0.1"]
+    assert "127.0.0.1" in await p.resolve("localhost")
+    assert await p.resolve("no-such-host.invalid") == []
+    assert await p.resolve("x" * 300) == []
