@@ -6,9 +6,12 @@ engine itself. Progress goes to stderr; stdout gets a table, or one JSON object 
 Figures (issue 3): prefill tokens/s for one prompt; single-stream decode tokens/s;
 steady-state decode tokens/s with 8/32/64 running sequences (prefill excluded); end-to-end
 output tokens/s at concurrency 1/8/32/64; an online workload (Poisson arrivals, seeded
-long-tailed lengths) on the engine and on transformers `generate` with static batches of the
-same size, with the ratio; achieved model GFLOP/s as a fraction of bf16 and fp32 GEMM peaks
-measured in the same run at the same thread count.
+long-tailed lengths) on the engine, on the same engine admitting static batches (the
+ablation that separates continuous batching's share from the rest), and on transformers
+`generate` with static batches of the same size, with the ratios; achieved model GFLOP/s as a
+fraction of the GEMM peak of the engine's own linear path (oneDNN-prepacked for bf16) in the
+dtype the engine runs, measured in the same run at the same thread count. Prefill and decode
+are both medians (prefill over repeated prompts, decode over steps) with p10/p90 beside.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import time
 from typing import Any
 
 from bench import engine_report, engine_runs
-from bench.flops import ModelShape, gemm_peak_gflops, machine_info
+from bench.flops import ModelShape, gemm_peak_gflops, linear_peak_gflops, machine_info
 from bench.workload import online_workload, summarize
 
 DESCRIPTION = """\
@@ -30,11 +33,16 @@ Measure the native engine on this machine, in one run: prefill tokens/s for one 
 single-stream decode tokens/s; steady-state decode tokens/s with 8/32/64 sequences all
 decoding (prefill excluded, context = the prompt length plus the timed steps); end-to-end
 output tokens/s at concurrency 1/8/32/64 (prefill included); an online workload (Poisson
-arrivals, seeded lognormal input/output lengths) on the engine (continuous batching) and on
-transformers `generate` (static batches of the same size, left padding), with the ratio; and
-model GFLOP/s (2 x weights touched per token + attention) as a fraction of bf16 and fp32 GEMM
-peaks measured here at the same thread count. Progress goes to stderr; the table (or --json)
-to stdout. A full run takes ~10 minutes on 2 cores, mostly the transformers baseline."""
+arrivals, seeded lognormal input/output lengths) on the engine (continuous batching), on the
+same engine with static batches (the ablation: engine / engine-static is continuous
+batching's share, engine-static / transformers the kernels' and the rest), and on
+transformers `generate` (static batches of the same size, left padding, each request stopped
+at its own length, in the engine's dtype), with the ratios; and model GFLOP/s (2 x weights
+touched per token + attention) as a fraction of the GEMM peak of the engine's own linear
+path (oneDNN-prepacked for bf16) in the engine's dtype, measured here at the same thread
+count (plain torch.mm peaks beside it). Prefill and decode figures are medians with p10/p90.
+Progress goes to stderr; the table (or --json) to stdout. A full run takes ~10-15 minutes on 2
+cores, mostly the baselines."""
 
 
 def _ints(text: str) -> list[int]:
@@ -55,6 +63,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prefill-len", type=int, help="prompt tokens of the prefill figure (default 512)")
+    p.add_argument("--prefill-reps", type=int, help="timed prefills, median reported (default 9; quick 5)")
     p.add_argument("--context", type=int, help="prompt tokens before decoding starts (default 256)")
     p.add_argument("--decode-steps", type=int, help="timed decode steps per figure (default 32; quick 8)")
     p.add_argument("--batches", type=_ints, help="steady-state decode batch sizes (default 8,32,64)")
@@ -68,10 +77,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-transformers", action="store_true", help="online workload on the engine only")
     p.add_argument("--peak-size", type=int, help="matmul size of the GEMM peaks (default 2048; quick 1024)")
     a = p.parse_args(argv)
-    full = {"prefill_len": 512, "context": 256, "decode_steps": 32, "batches": [8, 32, 64],
+    full = {"prefill_len": 512, "prefill_reps": 9, "context": 256, "decode_steps": 32, "batches": [8, 32, 64],
             "concurrency": [1, 8, 32, 64], "e2e_input": 256, "e2e_output": 128,
             "online_requests": 200, "online_rate": 8.0, "online_batch": 32, "peak_size": 2048}  # fmt: skip
-    quick = {**full, "prefill_len": 256, "context": 128, "decode_steps": 8, "e2e_input": 128,
+    quick = {**full, "prefill_len": 256, "prefill_reps": 5, "context": 128, "decode_steps": 8, "e2e_input": 128,
              "e2e_output": 16, "online_requests": 24, "online_batch": 8, "peak_size": 1024}  # fmt: skip
     for k, v in (quick if a.quick else full).items():
         if getattr(a, k) is None:
@@ -107,10 +116,6 @@ def run(args: argparse.Namespace, progress: engine_runs.Progress) -> dict[str, A
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     result: dict[str, Any] = {"machine": machine_info(threads)}
-    progress(f"GEMM peaks ({args.peak_size}^3, {threads} threads)")
-    peaks = {"bfloat16": gemm_peak_gflops(torch.bfloat16, args.peak_size),
-             "float32": gemm_peak_gflops(torch.float32, args.peak_size), "matmul_size": args.peak_size}  # fmt: skip
-    result["gemm_peak_gflops"] = peaks
     rng = random.Random(args.seed)
 
     big = max([*args.batches, *args.concurrency])
@@ -120,16 +125,24 @@ def run(args: argparse.Namespace, progress: engine_runs.Progress) -> dict[str, A
     dtype = str(eng.dtype).removeprefix("torch.")
     result["config"] = {"model": eng.model_name, "dtype": dtype, "quick": args.quick, "seed": args.seed,
                         "max_num_batched_tokens": eng.config.max_num_batched_tokens,
-                        "block_size": eng.config.block_size, "prefix_caching": False}  # fmt: skip
+                        "block_size": eng.config.block_size, "prefix_caching": False,
+                        "statistic": "median (prefill: over repeated prompts; decode: over steps), p10/p90 beside"}  # fmt: skip
+    progress(f"GEMM peaks ({args.peak_size}^3, {threads} threads): the engine's linear path in {dtype}, torch.mm")
+    peak, path = linear_peak_gflops(eng.dtype, args.peak_size)
+    peaks = {"dtype": dtype, "engine_linear": peak, "engine_linear_path": path,
+             "torch_mm": {"bfloat16": gemm_peak_gflops(torch.bfloat16, args.peak_size),
+                          "float32": gemm_peak_gflops(torch.float32, args.peak_size)},
+             "matmul_size": args.peak_size}  # fmt: skip
+    result["gemm_peak_gflops"] = peaks
 
     def frac(r: dict[str, Any]) -> dict[str, Any]:
-        r["frac_bf16_peak"] = r["gflops"] / peaks["bfloat16"]
-        r["frac_fp32_peak"] = r["gflops"] / peaks["float32"]
+        r["frac_peak"] = r["gflops"] / peaks["engine_linear"]
         return r
 
-    r = result["prefill"] = frac(engine_runs.prefill(eng, shape, args.prefill_len, 5, rng))
-    progress(f"prefill, {args.prefill_len}-token prompt: {r['tokens_per_s']:.0f} tokens/s, "
-             f"{r['frac_bf16_peak']:.0%} of the bf16 peak")  # fmt: skip
+    r = result["prefill"] = frac(engine_runs.prefill(eng, shape, args.prefill_len, args.prefill_reps, rng))
+    progress(f"prefill, {args.prefill_len}-token prompt: {r['tokens_per_s']:.0f} tokens/s "
+             f"(p10-p90 {r['tokens_per_s_p10']:.0f}-{r['tokens_per_s_p90']:.0f}), "
+             f"{r['frac_peak']:.0%} of the {dtype} {path} peak")  # fmt: skip
     r = result["decode_single"] = frac(engine_runs.steady_decode(eng, shape, 1, args.context, args.decode_steps, rng))
     progress(f"single-stream decode at context {args.context}: {r['tokens_per_s']:.1f} tokens/s")
     result["decode_steady"] = []
@@ -157,12 +170,21 @@ def run(args: argparse.Namespace, progress: engine_runs.Progress) -> dict[str, A
     progress(f"online workload on the engine: {len(items)} requests at {args.online_rate}/s, max {args.online_batch} running")
     online["engine"] = engine_runs.online_engine(eng, items, progress)
     progress(f"online, engine: {online['engine']['output_tokens_per_s']:.0f} output tokens/s")
+    progress(f"online workload on the engine with static batches of up to {args.online_batch} (ablation)")
+    online["engine_static"] = engine_runs.online_engine_static(eng, items, args.online_batch, progress)
+    tps = {k: online[k]["output_tokens_per_s"] for k in ("engine", "engine_static")}
+    online["ratio_continuous_batching"] = tps["engine"] / tps["engine_static"]
+    progress(f"online, engine with static batches: {tps['engine_static']:.0f} output tokens/s "
+             f"(continuous / static {online['ratio_continuous_batching']:.2f}x)")  # fmt: skip
     del eng
     if not args.skip_transformers:
         online["transformers"] = _online_transformers(args, model_dir, dtype, items, progress)
-        online["ratio"] = online["engine"]["output_tokens_per_s"] / online["transformers"]["output_tokens_per_s"]
-        progress(f"online, transformers: {online['transformers']['output_tokens_per_s']:.0f} output tokens/s "
-                 f"(engine / transformers {online['ratio']:.2f}x)")  # fmt: skip
+        tf = online["transformers"]["output_tokens_per_s"]
+        online["ratio"] = tps["engine"] / tf
+        online["ratio_engine_static_over_transformers"] = tps["engine_static"] / tf
+        progress(f"online, transformers: {tf:.0f} output tokens/s (engine / transformers {online['ratio']:.2f}x "
+                 f"= continuous batching {online['ratio_continuous_batching']:.2f}x "
+                 f"x engine static / transformers {online['ratio_engine_static_over_transformers']:.2f}x)")  # fmt: skip
     result["online"] = online
     result["targets"] = engine_report.targets(result)
     # Other work on the machine skews every figure (OpenMP threads wait on a busy core): say so.
@@ -178,12 +200,19 @@ def _online_transformers(args: argparse.Namespace, model_dir, dtype: str, items,
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    # The baseline runs in the engine's dtype, or the ratio compares two different computations.
+    got = {p.dtype for p in model.parameters()}
+    if got != {getattr(torch, dtype)}:
+        raise RuntimeError(f"transformers loaded the model as {sorted(map(str, got))}, the engine runs {dtype}")
     pad = model.generation_config.pad_token_id
     pad = 0 if pad is None else int(pad if isinstance(pad, int) else pad[0])
+    # The engine runs with ignore_eos: lengths come from the workload, so no EOS stop here either.
+    model.generation_config.eos_token_id = None
     with torch.inference_mode():  # warm-up: the first generate pays one-off setup
         model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False, pad_token_id=pad)
-    progress(f"online workload on transformers: static batches of up to {args.online_batch}")
-    return engine_runs.online_transformers(model, items, args.online_batch, pad, progress)
+    progress(f"online workload on transformers ({dtype}): static batches of up to {args.online_batch}")
+    r = engine_runs.online_transformers(model, items, args.online_batch, pad, progress)
+    return {**r, "dtype": dtype}
 
 
 def main(argv: list[str] | None = None) -> int:

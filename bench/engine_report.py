@@ -6,7 +6,7 @@ from typing import Any
 
 # (name, threshold, how to read the value from a result); issue 3's "done when" figures.
 TARGETS = (
-    ("prefill >= 60% of the bf16 GEMM peak", 0.6, lambda r: r["prefill"]["frac_bf16_peak"]),
+    ("prefill >= 60% of the GEMM peak (engine's linear path, engine dtype)", 0.6, lambda r: r["prefill"]["frac_peak"]),
     ("steady decode with 32 sequences >= 600 tokens/s", 600.0,
      lambda r: next(d["tokens_per_s"] for d in r["decode_steady"] if d["batch"] == 32)),
     ("single-stream decode >= 40 tokens/s", 40.0, lambda r: r["decode_single"]["tokens_per_s"]),
@@ -34,26 +34,31 @@ def _rows(title: str, header: list[str], rows: list[list[str]]) -> str:
 
 def table(r: dict[str, Any]) -> str:
     m, c, pk = r["machine"], r["config"], r["gemm_peak_gflops"]
+    mm = pk["torch_mm"]
     parts = [
         f"engine benchmark: {c['model']} {c['dtype']} on {m['cpu']} ({m['threads']} threads, "
         f"torch {m['torch']}, load {m['load_avg_1m_at_start']} at start, {m.get('load_avg_1m_at_end')} at end)",
-        f"GEMM peaks ({pk['matmul_size']}^3): bf16 {pk['bfloat16']:.0f} GFLOP/s, fp32 {pk['float32']:.0f} GFLOP/s",
+        f"GEMM peak ({pk['matmul_size']}^3, {pk['dtype']}, engine's {pk['engine_linear_path']}): "
+        f"{pk['engine_linear']:.0f} GFLOP/s; torch.mm bf16 {mm['bfloat16']:.0f}, fp32 {mm['float32']:.0f} GFLOP/s",
     ]
     p = r["prefill"]
-    perf = [["prefill", f"{p['prompt_tokens']} prompt", f"{p['tokens_per_s']:.0f}", f"{p['gflops']:.0f}",
-             f"{p['frac_bf16_peak']:.0%}", f"{p['frac_fp32_peak']:.0%}"]]  # fmt: skip
+    perf = [["prefill", f"{p['prompt_tokens']} prompt",
+             f"{p['tokens_per_s']:.0f} ({p['tokens_per_s_p10']:.0f}-{p['tokens_per_s_p90']:.0f})",
+             f"{p['gflops']:.0f}", f"{p['frac_peak']:.0%}"]]  # fmt: skip
     for d in [r["decode_single"], *r["decode_steady"]]:
         ctx = f"ctx {d['context_tokens'][0]}-{d['context_tokens'][1]}"
-        perf.append([f"decode x{d['batch']}", ctx, f"{d['tokens_per_s']:.0f} ({d['tokens_per_s_mean']:.0f})",
-                     f"{d['gflops']:.0f}", f"{d['frac_bf16_peak']:.0%}", f"{d['frac_fp32_peak']:.0%}"])  # fmt: skip
-    header = ["figure", "shape", "tokens/s", "GFLOP/s", "of bf16 peak", "of fp32 peak"]
-    parts.append(_rows("\nthroughput (decode: median step, mean in parentheses)", header, perf))
+        perf.append([f"decode x{d['batch']}", ctx,
+                     f"{d['tokens_per_s']:.0f} ({d['tokens_per_s_p10']:.0f}-{d['tokens_per_s_p90']:.0f})",
+                     f"{d['gflops']:.0f}", f"{d['frac_peak']:.0%}"])  # fmt: skip
+    header = ["figure", "shape", "tokens/s (p10-p90)", "GFLOP/s", "of peak"]
+    parts.append(_rows("\nthroughput: medians (prefill over prompts, decode over steps), p10-p90 in parentheses",
+                       header, perf))  # fmt: skip
     e2e = [[str(e["concurrency"]), f"{e['input_tokens']}/{e['output_tokens']}", f"{e['output_tokens_per_s']:.0f}",
             f"{e['ttft_s']['mean'] * 1e3:.0f}", f"{e['tpot_s']['mean'] * 1e3:.1f}"] for e in r["end_to_end"]]  # fmt: skip
     parts.append(_rows("\nend to end", ["concurrency", "in/out", "out tokens/s", "TTFT ms", "TPOT ms"], e2e))
     o = r["online"]
     sys_rows = []
-    for name in ("engine", "transformers"):
+    for name in ("engine", "engine_static", "transformers"):
         if name in o:
             s = o[name]
             sys_rows.append([name, f"{s['output_tokens_per_s']:.0f}", f"{s['requests_per_s']:.2f}", f"{s['seconds']:.1f}",
@@ -62,7 +67,9 @@ def table(r: dict[str, Any]) -> str:
              f"input mean {o['input_tokens']['mean']:.0f} (max {o['input_tokens']['max']:.0f}), "
              f"output mean {o['output_tokens']['mean']:.0f} (max {o['output_tokens']['max']:.0f})")  # fmt: skip
     parts.append(_rows(title, ["system", "out tokens/s", "req/s", "span s", "TTFT p50 s", "latency p99 s"], sys_rows))
+    parts.append(f"continuous batching (engine / engine_static): {o['ratio_continuous_batching']:.2f}x")
     if "ratio" in o:
+        parts.append(f"engine_static / transformers: {o['ratio_engine_static_over_transformers']:.2f}x")
         parts.append(f"engine / transformers: {o['ratio']:.2f}x")
     if r.get("targets"):
         parts.append("\ntargets (issue 3)")

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.flops import ModelShape
+from bench.stats import spread
 from bench.workload import WorkItem, random_prompt, summarize
 
 Progress = Callable[[str], None]
@@ -36,18 +37,29 @@ def _drain(eng, on_token: Callable[[str, bool, float], None] | None = None) -> N
                 on_token(o.request_id, o.finished, now)
 
 
+def _rate_spread(work: float, seconds: list[float]) -> dict[str, float]:
+    """work/s at the median time, and its p10/p90 (the p10 rate comes from the p90 time)."""
+    t = spread(seconds)
+    return {"median": work / t["median"], "p10": work / t["p90"], "p90": work / t["p10"]}
+
+
 def prefill(eng, shape: ModelShape, prompt_len: int, repeats: int, rng: random.Random) -> dict[str, Any]:
-    """Best of `repeats` (after one warm-up) single-prompt prefills: prompt in, first token out."""
-    best = float("inf")
+    """`repeats` single-prompt prefills (after one warm-up), prompt in, first token out; the
+    median, as for decode, with p10/p90."""
+    times = []
     for r in range(repeats + 1):
         prompt = random_prompt(rng, prompt_len, shape.vocab)
         t0 = time.perf_counter()
         eng.add_request(f"prefill-{r}", prompt, _greedy(1))
         _drain(eng)
         if r:
-            best = min(best, time.perf_counter() - t0)
-    return {"prompt_tokens": prompt_len, "seconds": best, "tokens_per_s": prompt_len / best,
-            "gflops": shape.prefill_flops(prompt_len) / best / 1e9}  # fmt: skip
+            times.append(time.perf_counter() - t0)
+    t = spread(times)
+    tps = _rate_spread(prompt_len, times)
+    return {"prompt_tokens": prompt_len, "repeats": repeats, "seconds": t["median"],
+            "seconds_p10": t["p10"], "seconds_p90": t["p90"], "seconds_best": min(times),
+            "tokens_per_s": tps["median"], "tokens_per_s_p10": tps["p10"], "tokens_per_s_p90": tps["p90"],
+            "gflops": shape.prefill_flops(prompt_len) / t["median"] / 1e9}  # fmt: skip
 
 
 def steady_decode(eng, shape: ModelShape, batch: int, ctx: int, steps: int, rng: random.Random) -> dict[str, Any]:
@@ -72,14 +84,17 @@ def steady_decode(eng, shape: ModelShape, batch: int, ctx: int, steps: int, rng:
         eng.abort(rid)
     # The median step is the steady-state figure: a burst of other work on the machine stalls a
     # few steps by 10x (OpenMP threads wait for a descheduled one) and would dominate a mean.
-    median = sorted(times)[len(times) // 2]
+    t = spread(times)
+    tps = _rate_spread(batch, times)
     total = sum(times)
     return {
         "batch": batch, "context_tokens": [ctx_from + 1, ctx_from + steps], "steps": steps,
-        "tokens_per_s": batch / median, "tokens_per_s_mean": batch * steps / total,
-        "ms_per_step_median": 1e3 * median, "ms_per_step_mean": 1e3 * total / steps,
+        "tokens_per_s": tps["median"], "tokens_per_s_p10": tps["p10"], "tokens_per_s_p90": tps["p90"],
+        "tokens_per_s_mean": batch * steps / total,
+        "ms_per_step_median": 1e3 * t["median"], "ms_per_step_p10": 1e3 * t["p10"],
+        "ms_per_step_p90": 1e3 * t["p90"], "ms_per_step_mean": 1e3 * total / steps,
         "ms_per_step_best": 1e3 * min(times),
-        "gflops": shape.decode_flops(batch, ctx_from, steps) / (median * steps) / 1e9,
+        "gflops": shape.decode_flops(batch, ctx_from, steps) / (t["median"] * steps) / 1e9,
     }  # fmt: skip
 
 
@@ -154,16 +169,10 @@ def online_engine(eng, items: list[WorkItem], progress: Progress) -> dict[str, A
     return _online_result(items, first, done)
 
 
-def online_transformers(model, items: list[WorkItem], batch: int, pad_id: int, progress: Progress) -> dict[str, Any]:
-    """transformers `generate` with static batching: whenever idle, take up to `batch` arrived
-    requests, left-pad them into one batch and generate the longest requested output for all
-    (a request's tokens arrive when its batch ends). Same workload, same accounting."""
-    import torch
-
+def _static_groups(items: list[WorkItem], batch: int, t0: float):
+    """Static batching's admission: whenever the previous batch is done, up to `batch` of the
+    requests that have arrived (waiting for the next arrival when none has)."""
     pending = deque(enumerate(items))
-    first = [0.0] * len(items)
-    done = [0.0] * len(items)
-    t0 = time.perf_counter()
     while pending:
         now = time.perf_counter() - t0
         if pending[0][1].arrival_s > now:
@@ -172,6 +181,67 @@ def online_transformers(model, items: list[WorkItem], batch: int, pad_id: int, p
         group = []
         while pending and pending[0][1].arrival_s <= now and len(group) < batch:
             group.append(pending.popleft())
+        yield group
+
+
+def online_engine_static(eng, items: list[WorkItem], batch: int, progress: Progress) -> dict[str, Any]:
+    """The ablation: the same engine, but admitted like transformers' static batches (a batch
+    runs to its last request's end before the next is formed). Each request still stops at
+    its own length and streams its own tokens; only continuous admission is taken away, so
+    engine / engine_static is continuous batching's share and engine_static / transformers the
+    rest (kernels, prepacked GEMMs, paged KV)."""
+    first = [0.0] * len(items)
+    done = [0.0] * len(items)
+    index: dict[str, int] = {}
+
+    def on_token(rid: str, finished: bool, now: float) -> None:
+        i = index[rid]
+        if not first[i]:
+            first[i] = now - t0
+        if finished:
+            done[i] = now - t0
+
+    t0 = time.perf_counter()
+    for group in _static_groups(items, batch, t0):
+        for i, w in group:
+            index[f"static-{i}"] = i
+            eng.add_request(f"static-{i}", w.prompt, _greedy(w.output_len))
+        _drain(eng, on_token)
+    progress(f"engine with static batches served {len(items)} requests in {max(done) - items[0].arrival_s:.1f}s")
+    return _online_result(items, first, done)
+
+
+def online_transformers(model, items: list[WorkItem], batch: int, pad_id: int, progress: Progress) -> dict[str, Any]:
+    """transformers `generate` with static batching: whenever idle, take up to `batch` arrived
+    requests, left-pad them into one batch and generate until every row has its own requested
+    length. A row stops at its own length (a per-row stopping criterion: it gets no extra
+    tokens, and its first/last token times are those of the steps that produced them); the
+    batch ends with its longest row, as static batching does. EOS is disabled (the engine runs
+    with ignore_eos), so lengths are exactly the workload's. Same workload, same accounting."""
+    import torch
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    first = [0.0] * len(items)
+    done = [0.0] * len(items)
+
+    class PerRowLength(StoppingCriteria):
+        def __init__(self, group: list[tuple[int, WorkItem]], width: int) -> None:
+            self.group, self.width = group, width
+            self.lengths = torch.tensor([w.output_len for _, w in group])
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+            now = time.perf_counter() - t0
+            generated = input_ids.shape[1] - self.width
+            stop = generated >= self.lengths
+            for i, w in self.group:
+                if generated == 1:
+                    first[i] = now
+                if generated == w.output_len:
+                    done[i] = now
+            return stop
+
+    t0 = time.perf_counter()
+    for group in _static_groups(items, batch, t0):
         width = max(len(w.prompt) for _, w in group)
         new = max(w.output_len for _, w in group)
         ids = torch.full((len(group), width), pad_id, dtype=torch.long)
@@ -180,10 +250,11 @@ def online_transformers(model, items: list[WorkItem], batch: int, pad_id: int, p
             ids[r, width - len(w.prompt) :] = torch.tensor(w.prompt)
             mask[r, width - len(w.prompt) :] = 1
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=pad_id)  # fmt: skip
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
+                                 pad_token_id=pad_id, stopping_criteria=StoppingCriteriaList([PerRowLength(group, width)]))  # fmt: skip
+        if out.shape[1] - width != new or any(not done[i] for i, _ in group):
+            raise RuntimeError(f"transformers generated {out.shape[1] - width} steps for a batch whose longest "
+                               f"request asks for {new}: the baseline would not be the same work")  # fmt: skip
         end = time.perf_counter() - t0
-        for i, _ in group:
-            first[i] = done[i] = end
-        progress(f"transformers: batch of {len(group)} (prompt width {width}, {new} new tokens) done at {end:.1f}s")
+        progress(f"transformers: batch of {len(group)} (prompt width {width}, {new} steps) done at {end:.1f}s")
     return _online_result(items, first, done)

@@ -4,13 +4,16 @@ Bandwidth and latency of each kvtransfer backend between two real processes, aga
 memcpy of the same bytes measured in the same run. Layout: SmolLM2-135M's KV cache (30
 layers, 3 KV heads, head dim 64, 16-token blocks, bf16: 368,640 bytes per block). For each
 backend and each transfer size (1, 16, 64, 256 blocks) an owner process holds a pool and
-this process reads scattered blocks of it into its own pool with `Transport.read`; the same
-block gather pattern is then copied between two pools of this process with torch `copy_`
-(single thread by default, like libc memcpy: the transports move bytes on one thread too).
-Transfers and copies alternate rep by rep so machine noise hits both; figures are medians
-after warmup. The 1,024-token prompt figure is a 64-block read, both scattered and
-contiguous. Bytes are checked once per size. Progress goes to stderr; stdout gets a table,
-or one JSON object with --json.
+this process reads scattered blocks of it into its own pool with `Transport.read`. The
+baseline ("memcpy") is the fastest plain copy of the same block pattern between two pools of
+this process, at the same thread count (1 by default: the transports move bytes on one
+thread too): the faster of one `copy_` per run of blocks consecutive on both sides, and an
+`index_select` gather + `index_copy_` scatter. Beside it, one contiguous `copy_` of the same
+total size shows what the scattering itself costs. Transfers and copies alternate rep by rep
+so machine noise hits all of them; figures are medians after warmup, with p10/p90. The
+1,024-token prompt figure is a 64-block read, both scattered and contiguous. Bytes (of the
+transfer and of every baseline) are checked once per size. Progress goes to stderr; stdout
+gets a table, or one JSON object with --json.
 
 --sweep-ucx repeats the nixl rows under several UCX settings (each run in a fresh process,
 since UCX reads its environment once per context) to choose the loopback defaults kept in
@@ -31,6 +34,8 @@ import sys
 import time
 from typing import Any
 
+from bench.stats import spread
+
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 SMOLLM2_KV = {
@@ -41,6 +46,9 @@ SMOLLM2_KV = {
     "dtype": "bfloat16",
 }
 POOL_BLOCKS = 600  # > 2 × the largest transfer, so scattered ids really are scattered
+QUICK_POOL_BLOCKS = 200
+#: the contiguous 64-block runs sit at pool/6 (owner) and pool/2 (reader): room for both
+MIN_POOL_BLOCKS = 200
 OWNER_SEED = 1
 PROMPT_TOKENS = 1024
 
@@ -72,18 +80,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument("--backends", default="available",
                    help="comma-separated nixl,ucx,tcp, or 'available' (default: %(default)s)")  # fmt: skip
-    p.add_argument(
-        "--blocks",
-        type=_ints,
-        default=[1, 16, 64, 256],
-        help="transfer sizes in blocks (default 1,16,64,256)",
-    )
-    p.add_argument(
-        "--reps", type=int, default=30, help="timed repetitions per size (default %(default)s)"
-    )
-    p.add_argument(
-        "--warmup", type=int, default=5, help="untimed repetitions first (default %(default)s)"
-    )
+    p.add_argument("--blocks", type=_ints, default=None,
+                   help="transfer sizes in blocks (default 1,16,64,256; quick 1,16)")  # fmt: skip
+    p.add_argument("--reps", type=int, default=None, help="timed repetitions per size (default 30; quick 5)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed repetitions first (default 5; quick 2)")
     p.add_argument(
         "--memcpy-threads",
         type=int,
@@ -101,6 +101,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="NixlTransport option for both processes, e.g. progress_thread=1 (repeatable)",
     )
+    p.add_argument("--pool-blocks", type=int, default=None,
+                   help=f"blocks per pool (default {POOL_BLOCKS}; quick {QUICK_POOL_BLOCKS}); "
+                        "at least twice the largest transfer")  # fmt: skip
+    p.add_argument("--quick", action="store_true",
+                   help="1,16 blocks, 5 reps, small pools: a smoke test, not a measurement")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--seed", type=int, default=0, help="seed of the scattered block ids")
     # Internal: run as the owner ("P") process of one backend.
@@ -110,6 +115,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(a.backends.split(",")) - {"available", "nixl", "ucx", "tcp"}
     if unknown:
         p.error(f"unknown backend(s) {', '.join(sorted(unknown))}; choose from nixl, ucx, tcp")
+    preset = ({"blocks": [1, 16], "reps": 5, "warmup": 2, "pool_blocks": QUICK_POOL_BLOCKS} if a.quick else
+              {"blocks": [1, 16, 64, 256], "reps": 30, "warmup": 5, "pool_blocks": POOL_BLOCKS})  # fmt: skip
+    for k, v in preset.items():
+        if getattr(a, k) is None:
+            setattr(a, k, v)
+    if a.reps < 1 or a.warmup < 0 or not a.blocks or min(a.blocks) < 1:
+        p.error("--reps must be >= 1, --warmup >= 0 and every --blocks size >= 1")
+    need = MIN_POOL_BLOCKS if a.owner else max(2 * max(a.blocks), MIN_POOL_BLOCKS)  # the owner never reads
+    if a.pool_blocks < need:
+        p.error(f"--pool-blocks {a.pool_blocks} is too small: these sizes need at least {need}")
     return a
 
 
@@ -122,7 +137,7 @@ def _transport_options(backend: str, a: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
-def _layout(num_blocks: int = POOL_BLOCKS) -> Any:
+def _layout(num_blocks: int) -> Any:
     from protocol.kv_layout import KVLayout
 
     return KVLayout(**SMOLLM2_KV, num_blocks=num_blocks)
@@ -155,7 +170,7 @@ def _fill(pool: Any, seed: int) -> None:
 async def _owner(backend: str, a: argparse.Namespace) -> int:
     from kvtransfer import make_transport
 
-    layout = _layout()
+    layout = _layout(a.pool_blocks)
     pool = _pool(layout, not a.no_hugepages)
     _fill(pool, OWNER_SEED)
     opts = _transport_options(backend, a)
@@ -169,7 +184,8 @@ async def _owner(backend: str, a: argparse.Namespace) -> int:
 
 
 def _start_owner(backend: str, a: argparse.Namespace) -> tuple[subprocess.Popen[bytes], bytes]:
-    cmd = [sys.executable, "-m", "bench.kvtransfer", "--owner", "--backend", backend]
+    cmd = [sys.executable, "-m", "bench.kvtransfer", "--owner", "--backend", backend,
+           "--pool-blocks", str(a.pool_blocks)]  # fmt: skip
     cmd += ["--no-hugepages"] if a.no_hugepages else []
     for item in a.nixl_option:
         cmd += ["--nixl-option", item]
@@ -185,8 +201,50 @@ def _start_owner(backend: str, a: argparse.Namespace) -> tuple[subprocess.Popen[
 # -- the reader (this process) ---------------------------------------------------------
 
 
-def _median_ms(xs: list[float]) -> float:
-    return statistics.median(xs) * 1e3
+def _ms(xs: list[float]) -> dict[str, float]:
+    return {k: round(v * 1e3, 4) for k, v in spread(xs).items() if k != "n"}
+
+
+class _Baselines:
+    """Plain copies of one read's block pattern between two pools of this process."""
+
+    def __init__(self, src: Any, dst: Any, remote_ids: list[int], local_ids: list[int], contiguous_at: int) -> None:
+        import torch
+
+        from kvtransfer.regions import coalesce
+
+        self.src, self.dst = src, dst
+        self.runs = coalesce(remote_ids, local_ids)
+        self.ridx = torch.tensor(remote_ids, dtype=torch.long)
+        self.lidx = torch.tensor(local_ids, dtype=torch.long)
+        self.gathered = torch.empty(len(remote_ids), src.shape[1], dtype=src.dtype)
+        self.count = len(remote_ids)
+        self.contiguous_at = contiguous_at
+
+    def runs_copy(self) -> None:
+        """One copy_ per run of blocks consecutive on both sides (what NIXL merges too)."""
+        for r in self.runs:
+            self.dst[r.local_start : r.local_start + r.count].copy_(self.src[r.remote_start : r.remote_start + r.count])
+
+    def index_copy(self) -> None:
+        """A gather into a staging buffer, then a scatter: two passes, no Python loop."""
+        import torch
+
+        torch.index_select(self.src, 0, self.ridx, out=self.gathered)
+        self.dst.index_copy_(0, self.lidx, self.gathered)
+
+    def contiguous_copy(self) -> None:
+        """The same number of bytes as one contiguous range: the floor of any block copy."""
+        c, n = self.contiguous_at, self.count
+        self.dst[c : c + n].copy_(self.src[:n])
+
+    def correct(self) -> bool:
+        import torch
+
+        return bool(torch.equal(self.dst[self.lidx], self.src[self.ridx]))
+
+
+BASELINES = ("runs_copy", "index_copy", "contiguous_copy")
 
 
 async def _bench_backend(backend: str, a: argparse.Namespace, log: Any) -> dict[str, Any]:
@@ -194,7 +252,8 @@ async def _bench_backend(backend: str, a: argparse.Namespace, log: Any) -> dict[
 
     from kvtransfer import make_transport
 
-    layout = _layout()
+    layout = _layout(a.pool_blocks)
+    pool_blocks = layout.num_blocks
     hugepages = not a.no_hugepages
     local = _pool(layout, hugepages)
     src, dst = _pool(layout, hugepages), _pool(layout, hugepages)
@@ -203,6 +262,8 @@ async def _bench_backend(backend: str, a: argparse.Namespace, log: Any) -> dict[
     proc, metadata = _start_owner(backend, a)
     opts = _transport_options(backend, a)
     transport = make_transport(backend, engine_id=f"bench-reader-{backend}", **opts)
+    if transport.backend != backend:  # strict mode raises before this; say so in any case
+        raise RuntimeError(f"asked for the {backend} backend but got {transport.backend}")
     rows = []
     try:
         await transport.register_pool(local, layout)
@@ -212,43 +273,61 @@ async def _bench_backend(backend: str, a: argparse.Namespace, log: Any) -> dict[
         for n in sizes:
             count = abs(n)
             if n > 0:
-                remote_ids = rng.sample(range(POOL_BLOCKS), count)
-                local_ids = rng.sample(range(POOL_BLOCKS), count)
+                remote_ids = rng.sample(range(pool_blocks), count)
+                local_ids = rng.sample(range(pool_blocks), count)
             else:
-                remote_ids = list(range(100, 100 + count))
-                local_ids = list(range(300, 300 + count))
-            pairs = list(zip(remote_ids, local_ids, strict=True))
-            xfer, copy = [], []
+                remote_ids = list(range(pool_blocks // 6, pool_blocks // 6 + count))
+                local_ids = list(range(pool_blocks // 2, pool_blocks // 2 + count))
+            base = _Baselines(src, dst, remote_ids, local_ids, contiguous_at=pool_blocks - count)
+            xfer: list[float] = []
+            times: dict[str, list[float]] = {k: [] for k in BASELINES}
             for rep in range(a.warmup + a.reps):
                 t0 = time.perf_counter()
                 await transport.read(peer, remote_ids, local_ids, timeout=60)
                 t1 = time.perf_counter()
-                for r, dl in pairs:
-                    dst[dl].copy_(src[r])
-                t2 = time.perf_counter()
                 if rep == 0 and not torch.equal(local[local_ids], expected[remote_ids]):
                     raise RuntimeError(f"{backend}: bytes differ after reading {count} blocks")
+                for k in BASELINES:
+                    if rep == 0 and k != "contiguous_copy":
+                        dst.zero_()
+                    t2 = time.perf_counter()
+                    getattr(base, k)()
+                    t3 = time.perf_counter()
+                    if rep == 0 and k != "contiguous_copy" and not base.correct():
+                        raise RuntimeError(f"baseline {k} copied the wrong bytes for {count} blocks")
+                    if rep >= a.warmup:
+                        times[k].append(t3 - t2)
                 if rep >= a.warmup:
                     xfer.append(t1 - t0)
-                    copy.append(t2 - t1)
             nbytes = count * layout.block_bytes
-            x_ms, c_ms = _median_ms(xfer), _median_ms(copy)
+            x = _ms(xfer)
+            med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+            method = min(("runs_copy", "index_copy"), key=med.__getitem__)
+            c_ms, contig_ms = med[method], med["contiguous_copy"]
             row = {
                 "backend": backend,
                 "blocks": count,
                 "pattern": "scattered" if n > 0 else "contiguous",
+                "runs": len(base.runs),
                 "bytes": nbytes,
-                "latency_ms": round(x_ms, 4),
-                "latency_p90_ms": round(statistics.quantiles(xfer, n=10)[-1] * 1e3, 4),
-                "gbps": round(nbytes / x_ms / 1e6, 3),
+                "latency_ms": x["median"],
+                "latency_p10_ms": x["p10"],
+                "latency_p90_ms": x["p90"],
+                "gbps": round(nbytes / x["median"] / 1e6, 3),
+                "memcpy_method": method,
                 "memcpy_ms": round(c_ms, 4),
                 "memcpy_gbps": round(nbytes / c_ms / 1e6, 3),
-                "ratio": round(c_ms / x_ms, 3),
+                "memcpy_candidates_ms": {k: _ms(times[k]) for k in ("runs_copy", "index_copy")},
+                "contiguous_copy_ms": round(contig_ms, 4),
+                "contiguous_copy_gbps": round(nbytes / contig_ms / 1e6, 3),
+                "ratio": round(c_ms / x["median"], 3),
+                "ratio_vs_contiguous_copy": round(contig_ms / x["median"], 3),
             }
             rows.append(row)
             log(
                 f"{backend:5s} {count:4d} blocks {row['pattern']:10s} {row['latency_ms']:9.3f} ms "
-                f"{row['gbps']:7.2f} GB/s  memcpy {row['memcpy_gbps']:7.2f} GB/s  ratio {row['ratio']:.2f}"
+                f"{row['gbps']:7.2f} GB/s  memcpy ({method}) {row['memcpy_gbps']:7.2f} GB/s  "
+                f"contiguous copy {row['contiguous_copy_gbps']:7.2f} GB/s  ratio {row['ratio']:.2f}"
             )
     finally:
         await transport.close()
@@ -264,7 +343,8 @@ def _sweep(a: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
         log(f"sweep: nixl with {name}")
         cmd = [sys.executable, "-m", "bench.kvtransfer", "--backends", "nixl", "--json",
                "--blocks", ",".join(map(str, a.blocks)), "--reps", str(a.reps),
-               "--warmup", str(a.warmup), "--seed", str(a.seed), *extra]  # fmt: skip
+               "--warmup", str(a.warmup), "--seed", str(a.seed), "--pool-blocks", str(a.pool_blocks),
+               *extra]  # fmt: skip
         r = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
         if r.returncode != 0:
             out.append(
@@ -278,13 +358,17 @@ def _sweep(a: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
 
 
 def _table(report: dict[str, Any]) -> str:
-    head = f"{'backend':8s}{'blocks':>7s} {'pattern':11s}{'MB':>8s}{'latency ms':>12s}{'GB/s':>8s}{'memcpy GB/s':>13s}{'ratio':>7s}"
+    head = (f"{'backend':8s}{'blocks':>7s} {'pattern':11s}{'MB':>8s}{'latency ms':>12s}{'p10-p90':>16s}{'GB/s':>8s}"
+            f"{'memcpy GB/s':>13s} {'(method)':12s}{'contig GB/s':>12s}{'ratio':>7s}")  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in report["results"]:
+        band = f"{r['latency_p10_ms']:.3f}-{r['latency_p90_ms']:.3f}"
         lines.append(
             f"{r['backend']:8s}{r['blocks']:7d} {r['pattern']:11s}{r['bytes'] / 1e6:8.2f}"
-            f"{r['latency_ms']:12.3f}{r['gbps']:8.2f}{r['memcpy_gbps']:13.2f}{r['ratio']:7.2f}"
+            f"{r['latency_ms']:12.3f}{band:>16s}{r['gbps']:8.2f}{r['memcpy_gbps']:13.2f} {r['memcpy_method']:12s}"
+            f"{r['contiguous_copy_gbps']:12.2f}{r['ratio']:7.2f}"
         )
+    lines.append("ratio = memcpy time / transfer time (1.0: as fast as the best in-process copy)")
     lines.append("")
     for b, v in report["prompt_1024_tokens"].items():
         scattered = "" if v["scattered_ms"] is None else f"{v['scattered_ms']:.2f} ms scattered, "
@@ -320,15 +404,21 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvtransfer import BACKENDS, unavailable_reason
     from kvtransfer.ucx_env import ucx_environment
+    from protocol.strict import FallbackRefused, strict_mode
 
     torch.set_num_threads(a.memcpy_threads)
     wanted = list(BACKENDS) if a.backends == "available" else a.backends.split(",")
-    layout = _layout()
+    layout = _layout(a.pool_blocks)
     report: dict[str, Any] = {
-        "layout": {**SMOLLM2_KV, "block_bytes": layout.block_bytes, "pool_blocks": POOL_BLOCKS},
+        "layout": {**SMOLLM2_KV, "block_bytes": layout.block_bytes, "pool_blocks": a.pool_blocks},
+        "quick": a.quick,
         "reps": a.reps,
         "warmup": a.warmup,
+        "statistic": "median (p10/p90 beside latency)",
         "memcpy_threads": a.memcpy_threads,
+        "memcpy": "fastest of runs_copy (one copy_ per run of blocks consecutive on both sides) and "
+                  "index_copy (index_select gather + index_copy_ scatter), same block pattern and threads; "
+                  "contiguous_copy: one copy_ of the same total bytes",
         "hugepages": not a.no_hugepages,
         "nixl_options": a.nixl_option,
         "cpus": os.cpu_count(),
@@ -341,6 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     for backend in wanted:
         reason = unavailable_reason(backend)
         if reason is not None:
+            if strict_mode():  # CI: a backend that cannot run is a failure, not a skipped row
+                raise FallbackRefused(f"kv transfer backend {backend} cannot run here ({reason}); "
+                                      "strict mode (CI/DUET_STRICT) refuses to skip it")  # fmt: skip
             report["skipped"][backend] = reason
             log(f"skipping {backend}: {reason}")
             continue

@@ -59,9 +59,11 @@ class Sampler:
         errors: dict[int, str] = {}
         logits = logits.cpu()
         if eos_ids is not None:
-            for r, (_, _, allowed) in enumerate(rows):
-                if not allowed and eos_ids[r]:  # min_tokens not reached yet
-                    logits[r, list(eos_ids[r])] = float("-inf")
+            masked = [r for r, (_, _, allowed) in enumerate(rows) if not allowed and eos_ids[r]]
+            if masked:  # min_tokens not reached yet; a copy: the forward pass's logits are read-only
+                logits = logits.clone()
+            for r in masked:
+                logits[r, list(eos_ids[r])] = float("-inf")
         out = self._argmax(logits)
         sampled = [r for r, (_, p, _) in enumerate(rows) if not p.greedy]
         if not sampled:

@@ -1,8 +1,10 @@
 """Choosing a backend by name: the only place that knows every backend class.
 
 `make_transport("nixl" | "ucx" | "tcp", engine_id=..., **options)`. "nixl" (the default)
-falls back to "tcp" when NIXL cannot be imported, logging exactly one line that says so;
-an explicit "ucx" without ucxx raises `BackendUnavailable` (asking for it is a choice).
+falls back to "tcp" when NIXL cannot be imported or its UCX agent cannot start, logging
+exactly one line that says so; in strict mode (`CI=true`, protocol/strict.py) that fallback
+raises `FallbackRefused` instead, so CI never passes on tcp while reporting nixl. An explicit
+"ucx" without ucxx raises `BackendUnavailable` (asking for it is a choice).
 Options a backend does not take are rejected, so a typo in a config does not pass silently.
 """
 
@@ -14,6 +16,7 @@ from typing import Any
 
 from kvtransfer.base import Transport
 from kvtransfer.errors import BackendUnavailable
+from protocol.strict import fallback
 
 log = logging.getLogger(__name__)
 
@@ -52,15 +55,16 @@ def make_transport(kind: str = DEFAULT_BACKEND, *, engine_id: str, **options: An
     Common options: metrics, timeout, hugepages; nixl: progress_thread, poll_interval,
     inline_max_bytes, ucx_params; ucx: host, port; tcp: host, port, advertise_host.
     Options meant for another backend are dropped when nixl falls back to tcp.
+    Raises FallbackRefused (strict mode) instead of that fallback.
     """
     cls = _backend_class(kind)
     if kind == "nixl":
         try:
             return cls(engine_id=engine_id, **_options_for(cls, options))
         except BackendUnavailable as e:
+            fallback(log, f"kvtransfer: NIXL unavailable ({e})", "the tcp backend")
             tcp = _backend_class("tcp")
             accepted = set(inspect.signature(tcp.__init__).parameters)
-            log.warning("kvtransfer: NIXL unavailable (%s); falling back to the tcp backend", e)
             return tcp(engine_id=engine_id, **{k: v for k, v in options.items() if k in accepted})
     return cls(engine_id=engine_id, **_options_for(cls, options))
 

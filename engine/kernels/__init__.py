@@ -3,8 +3,11 @@
 Compiled once per machine into `$DUET_HOME/kernels/` (keyed by sources, flags and CPU
 features, written atomically), in about a second. Linked against the OpenMP runtime torch
 already loaded, so kernels and torch share one thread pool (two pools spinning on two cores
-is catastrophic). When no compiler is available, or DUET_DISABLE_KERNELS is set, the engine
-falls back to torch ops, with one log line.
+is catastrophic). When no compiler is available or a source fails to compile, the engine
+falls back to torch ops with one warning, except in strict mode (`CI=true`,
+protocol/strict.py) where that raises `FallbackRefused` with the compiler's error, so CI never
+passes on the torch path. DUET_DISABLE_KERNELS=1 is a deliberate choice and allowed in
+strict mode too; it is logged as such.
 
 Kernels (see each .c file): `paged_attention` (attention of any step token against the paged
 pool), `prefill_attention` (the same for prefill tokens, in query blocks) and `rope_store` (rotary embedding in place + K/V write to the pool), which take the
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from engine.cpu import cpu_flags
 from protocol.models import duet_home
+from protocol.strict import fallback
 
 log = logging.getLogger("duet.engine.kernels")
 
@@ -45,10 +49,16 @@ _SOURCES = (
 )
 
 
-def _compile() -> Path | None:
+class _CompileError(Exception):
+    """Why the kernels could not be built (shown to the operator, or raised in strict mode)."""
+
+
+def _compile() -> Path:
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
-        return None
+        raise _CompileError("no C compiler found (set CC, or install gcc)")
+    if shutil.which(cc) is None:
+        raise _CompileError(f"the C compiler {cc!r} (from CC) is not an executable")
     h = hashlib.sha256(" ".join([cc, *_BASE_FLAGS, repr(_SOURCES), *sorted(cpu_flags())]).encode())
     for name in (*_HEADERS, *(src for src, _ in _SOURCES)):
         h.update((_DIR / name).read_bytes())
@@ -63,33 +73,38 @@ def _compile() -> Path | None:
         procs = [subprocess.Popen([cc, *_BASE_FLAGS, *flags, f"-I{_DIR}", "-c", str(_DIR / name), "-o", obj],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for (name, flags), obj in zip(_SOURCES, objs, strict=True)]  # fmt: skip
-        if not all([_ok(p) for p in procs]):  # a list: wait for every compiler, not just the first failure
-            return None
+        errors = [_error(p) for p in procs]  # a list: wait for every compiler, not just the first failure
+        if any(errors):
+            raise _CompileError(next(e for e in errors if e))
         so = Path(tmp) / "lib.so"
-        if not _ok(subprocess.Popen([cc, "-shared", "-fopenmp", *objs, "-o", str(so), "-lm"],
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)):  # fmt: skip
-            return None
+        err = _error(subprocess.Popen([cc, "-shared", "-fopenmp", *objs, "-o", str(so), "-lm"],
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+        if err:
+            raise _CompileError(err)
         os.replace(so, target)
     return target
 
 
-def _ok(proc: subprocess.Popen) -> bool:
+def _error(proc: subprocess.Popen) -> str | None:
+    """The compiler's complaint (None: it succeeded)."""
     _, err = proc.communicate()
-    if proc.returncode != 0:
-        log.warning("compiling the CPU kernels failed: %s", err.strip()[:500])
-    return proc.returncode == 0
+    if proc.returncode == 0:
+        return None
+    return f"{proc.args[0]} exited with {proc.returncode}: {err.strip()[:500] or '(no output)'}"
 
 
 @functools.cache
 def kernels_lib() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None (torch fallback)."""
+    """The compiled kernel library, or None (torch fallback; FallbackRefused in strict mode)."""
     if os.environ.get("DUET_DISABLE_KERNELS"):
+        log.info("DUET_DISABLE_KERNELS is set: CPU kernels disabled on purpose, the engine uses torch ops")
         return None
     import torch  # noqa: F401 - load torch's libgomp first so the kernels bind to it
 
-    path = _compile()
-    if path is None:
-        log.warning("no working C compiler: attention and rope use the slower torch path")
+    try:
+        path = _compile()
+    except _CompileError as e:
+        fallback(log, f"the CPU kernels cannot be built ({e})", "the slower torch ops")
         return None
     lib = ctypes.CDLL(str(path))
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64

@@ -1,5 +1,7 @@
 """Sampling, stop conditions and finish reasons."""
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -50,10 +52,32 @@ def test_stop_token_ids_and_eos_and_length(llm: LLM) -> None:
     assert o.token_ids == full.token_ids[: first + 1]
     assert (o.finish_reason, o.stop_reason) == ("stop", tok)
     assert full.finish_reason == "length" and len(full.token_ids) == 20
-    # EOS (the tokenizer's, id 2) stops unless ignore_eos: force it by making it the only choice.
-    eos = llm.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0, stop_token_ids=[], min_tokens=0))[0]
-    if 2 in eos.token_ids:
-        assert eos.token_ids[-1] == 2 and eos.finish_reason == "stop"
+
+
+def test_eos_stops_unless_ignored_or_before_min_tokens(tiny_llama: Path, tmp_path: Path) -> None:
+    """The random model never picks its EOS (id 2) greedily here, so give a copy of it an EOS it
+    does pick: the 5th greedy token (config.json and generation_config.json). Its tokenizer's
+    EOS stays, so the engine stops on either."""
+    model = shutil.copytree(tiny_llama, tmp_path / "tiny-eos")
+    base = LLM(str(model), dtype="float32")
+    full = base.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0].token_ids
+    assert 2 not in full  # else the copy would not be needed; the cut below assumes it
+    eos = full[4]
+    first = full.index(eos)
+    for name in ("config.json", "generation_config.json"):
+        cfg = json.loads((model / name).read_text())
+        cfg["eos_token_id"] = eos
+        (model / name).write_text(json.dumps(cfg))
+    llm = LLM(str(model), dtype="float32")
+    assert eos in llm.tokenizer.eos_token_ids
+    o = llm.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0))[0]
+    assert o.token_ids == full[: first + 1]  # EOS is kept as the last token, as in vLLM
+    assert (o.finish_reason, o.stop_reason) == ("stop", None)
+    ignored = llm.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))[0]
+    assert ignored.token_ids == full and ignored.finish_reason == "length"
+    # min_tokens masks EOS until it is reached: the output is at least that long.
+    late = llm.generate([PROMPT], SamplingParams(max_tokens=20, temperature=0, min_tokens=first + 2))[0]
+    assert len(late.token_ids) >= first + 2 and eos not in late.token_ids[: first + 1]
 
 
 def test_min_tokens_suppresses_stop(llm: LLM) -> None:

@@ -30,6 +30,7 @@ from kvtransfer import (
     make_transport,
     unavailable_reason,
 )
+from protocol.strict import strict_mode
 from tests.kvtransfer.pools import TEST_LAYOUT, HostPool, assert_blocks, assert_untouched
 from tests.kvtransfer.procs import PeerProcess
 
@@ -44,8 +45,8 @@ SLACK = 1.5
 @pytest.fixture(scope="module", params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     reason = unavailable_reason(request.param)
-    if reason is not None:
-        pytest.skip(f"{request.param} backend not usable here: {reason}")
+    if reason is not None:  # in CI (strict mode) a backend that cannot run is a failure, not a skip
+        (pytest.fail if strict_mode() else pytest.skip)(f"{request.param} backend not usable here: {reason}")
     return request.param
 
 

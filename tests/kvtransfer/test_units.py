@@ -25,6 +25,7 @@ from kvtransfer import (
 )
 from kvtransfer.memory import describe_pool
 from kvtransfer.regions import Run, Span, block_descriptors, plan_read, side_runs
+from protocol.strict import FallbackRefused, strict_mode
 from tests.kvtransfer.pools import TEST_LAYOUT, HostPool, assert_blocks, assert_untouched
 
 SMALL = msgspec.structs.replace(TEST_LAYOUT, num_blocks=16)
@@ -143,15 +144,22 @@ def test_unknown_backend_and_options_are_refused() -> None:
         make_transport("tcp", engine_id="x", progress_thread=True)
 
 
-def test_nixl_falls_back_to_tcp_with_one_log_line(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
+def _nixl_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     import kvtransfer.nixl_transport as nt
 
     def missing() -> None:
         raise BackendUnavailable("NIXL is not importable (nixl_cu12: No module named 'x')")
 
     monkeypatch.setattr(nt, "import_nixl", missing)
+
+
+def test_nixl_falls_back_to_tcp_with_one_log_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Outside CI (strict mode would refuse the fallback: the next test).
+    monkeypatch.delenv("CI", raising=False)
+    monkeypatch.delenv("DUET_STRICT", raising=False)
+    _nixl_missing(monkeypatch)
     with caplog.at_level(logging.DEBUG, logger="kvtransfer"):
         t = make_transport("nixl", engine_id="x", timeout=3.0, progress_thread=True)
     assert t.backend == "tcp" and t.timeout == 3.0
@@ -159,6 +167,18 @@ def test_nixl_falls_back_to_tcp_with_one_log_line(
     assert len(lines) == 1
     assert "falling back to the tcp backend" in lines[0].getMessage()
     assert "No module named 'x'" in lines[0].getMessage()
+
+
+@pytest.mark.parametrize("env", [{"CI": "true"}, {"DUET_STRICT": "1"}])
+def test_strict_mode_refuses_the_nixl_to_tcp_fallback(monkeypatch: pytest.MonkeyPatch, env: dict) -> None:
+    monkeypatch.delenv("CI", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    _nixl_missing(monkeypatch)
+    with pytest.raises(FallbackRefused, match=r"NIXL unavailable .*No module named 'x'.*refuses to fall back to the tcp"):
+        make_transport("nixl", engine_id="x")
+    # Asking for tcp is a choice, not a fallback: allowed in strict mode.
+    assert make_transport("tcp", engine_id="y").backend == "tcp"
 
 
 async def test_tcp_refuses_a_cuda_pool_before_touching_it() -> None:
@@ -190,7 +210,7 @@ async def test_stale_metadata_never_reads_outside_the_owners_pool(backend: str) 
     """A reader whose metadata claims a bigger pool gets an error, not foreign memory: the
     tcp owner re-checks ids, NIXL checks descriptors against the registered region."""
     if (reason := unavailable_reason(backend)) is not None:
-        pytest.skip(reason)
+        (pytest.fail if strict_mode() else pytest.skip)(reason)  # CI must not pass on a skip
     owner_pool, reader_pool = HostPool(SMALL, 1), HostPool(TEST_LAYOUT, 2)
     async with (
         make_transport(backend, engine_id="P") as owner,

@@ -1,5 +1,6 @@
 """The real default model through real P and D processes: 16 greedy prompts of 16-900 tokens
-give the same tokens P → D, colocated, and offline."""
+give the same tokens P → D, colocated, and offline, and P → D really pulled every prompt's KV
+over NIXL (tests/nodes/transfer_checks.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from bench.pd_client import completion, disaggregated
 from engine import LLM, SamplingParams
+from tests.nodes.transfer_checks import PullCheck
 from tests.procs import duet_node, running
 
 pytestmark = pytest.mark.smollm2
@@ -44,12 +46,18 @@ async def test_16_prompts_pd_equals_offline_and_colocated(smollm2: Path, tmp_pat
     d = duet_node("decode", smollm2, tmp_path, *COMMON)
     both = duet_node("both", smollm2, tmp_path, *COMMON)
     with running(p, d, both):
+        check = PullCheck(p, d, "nixl")
         async with aiohttp.ClientSession() as s:
             # Concurrent: continuous batching must not change greedy tokens (fp32).
             pd, co = await asyncio.gather(
                 asyncio.gather(*[disaggregated(s, p.url, d.url, x, GREEDY) for x in ps]),
                 asyncio.gather(*[completion(s, both.url, x, GREEDY) for x in ps]),
             )
+        # Every prompt's KV came over NIXL, less the chat template's shared system-prompt
+        # blocks D may already hold: 30 layers x K,V x 16 tokens x 3 KV heads x 64 x 4 bytes.
+        moved = check.verify(list(pd), ps)
+    assert check.layout.block_bytes == 30 * 2 * 16 * 3 * 64 * 4
+    assert moved >= sum(-(-len(x) // 16) - check.shared_blocks(x, ps) for x in ps) * check.layout.block_bytes
     for x, r, c, e in zip(ps, pd, co, expected, strict=True):
         assert r.error is None and c.error is None
         assert r.token_ids == e, f"P→D differs from LLM.generate for a {len(x)}-token prompt"
