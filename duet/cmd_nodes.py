@@ -54,6 +54,14 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
     t.add_argument("--failure-policy", choices=["recompute", "fail"], default="recompute",
                    help="decode: on a failed pull, prefill locally or fail the request")  # fmt: skip
     t.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--etcd", default=None, metavar="URL",
+                   help="register with this etcd (e.g. http://10.0.0.2:2379); without it the node runs standalone")
+    c.add_argument("--cluster", default="default", help="cluster name (etcd key prefix /duet/NAME/)")
+    c.add_argument("--pool", default="shared", choices=["shared", "interactive", "batch"],
+                   help="routing pool: interactive/batch requests prefer their pool, then shared")
+    c.add_argument("--exit-when-drained", action="store_true",
+                   help="after `duet drain`, finish in-flight work, deregister and exit 0")  # fmt: skip
 
 
 def node_config(args: argparse.Namespace, role: str):
@@ -65,12 +73,14 @@ def node_config(args: argparse.Namespace, role: str):
         num_kv_blocks=args.kv_blocks, kv_memory=args.kv_memory, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching, threads=args.threads,
+        record_kv_events=bool(args.etcd),  # coordinators read them through GET /kv/events
     )  # fmt: skip
     return NodeConfig(
         role=role, host=args.host, port=args.port, advertise_host=args.advertise_host,
         node_id=args.node_id, engine=engine, transport=args.transport,
         lease_seconds=args.lease_seconds, transfer_timeout=args.transfer_timeout,
         failure_policy=args.failure_policy, grace_period=args.grace_period, cpus=args.cpus,
+        etcd=args.etcd, cluster=args.cluster, pool=args.pool, exit_when_drained=args.exit_when_drained,
     )  # fmt: skip
 
 

@@ -95,13 +95,6 @@ async def _abort(request: web.Request) -> web.Response:
     return web.json_response({"aborted": aborted})
 
 
-async def _snapshot(request: web.Request) -> web.Response:
-    s = request.app[STATE]
-    hashes = await s.engine.call(lambda core: core.pool.cached_hashes())  # type: ignore[attr-defined]
-    return web.json_response({"engine_id": s.engine_id, "block_size": s.engine.kv_layout.block_size,
-                              "block_hashes": hashes})  # fmt: skip
-
-
 def make_app(state: NodeState) -> web.Application:
     """The node app; `state` holds an engine that is built but not started."""
     app = web.Application(middlewares=[_middleware], client_max_size=64 * 2**20)
@@ -119,9 +112,14 @@ def make_app(state: NodeState) -> web.Application:
     app.router.add_get("/kv/metadata", bind(handle_metadata))
     app.router.add_post("/kv/release", bind(handle_release))
     app.router.add_post("/abort", _abort)
-    app.router.add_get("/kv/snapshot", _snapshot)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    from node.kv_events import add_kv_event_routes  # /kv/events, /kv/snapshot
+    from node.registration import registration_ctx
+
+    add_kv_event_routes(app, state)
+    if state.config.etcd:
+        app.cleanup_ctx.append(registration_ctx(state))
     return app
 
 
