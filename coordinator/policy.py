@@ -186,9 +186,10 @@ class Router:
                 if not compatible:
                     outcome, why = "local_no_prefill", "no compatible prefill node is usable"
                 else:
-                    costs = sorted(((self._prefill_cost(n, n_prompt - cached_tokens(n), pend[n.node_id]), n.node_id, n)
-                                    for n in compatible), key=lambda t: (t[0], t[1]))  # fmt: skip
-                    p_cost, _, p_best = costs[0]
+                    # On a tie D itself wins: prefilling locally moves no KV.
+                    p_cost, _, _, p_best = min(
+                        ((self._prefill_cost(n, n_prompt - cached_tokens(n), pend[n.node_id]), n is not d, n.node_id, n)
+                         for n in compatible), key=lambda t: t[:3])  # fmt: skip
                     p_queued = p_best.load.queued_prefill_tokens + pend[p_best.node_id].prefill_tokens  # type: ignore[union-attr]
                     d_queued = d.load.queued_prefill_tokens + pd.prefill_tokens  # type: ignore[union-attr]
                     if p_best.node_id == d.node_id:
