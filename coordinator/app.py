@@ -106,20 +106,20 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def make_app(config: CoordinatorConfig, store: Store | None = None) -> web.Application:
-    """The coordinator app; `store` defaults to an EtcdStore on `config.etcd`."""
+def make_app(config: CoordinatorConfig, store: Store | None = None, *,
+             coordinator: Coordinator | None = None) -> web.Application:  # fmt: skip
+    """The coordinator app; `store` defaults to an EtcdStore on `config.etcd`.
+
+    With `coordinator`, the app serves that (already populated) state and starts nothing
+    against etcd: the caller owns it (benchmarks, embedding)."""
+    if coordinator is not None:
+        return _app(coordinator)
     if store is None:
         from coordinator.etcd_store import EtcdStore
 
         store = EtcdStore(config.etcd)
     coordinator = Coordinator(config, store)
-    app = web.Application(middlewares=[_errors], client_max_size=16 * 2**20)
-    app[COORDINATOR] = coordinator
-    app.router.add_post("/route", _route)
-    app.router.add_get("/cluster", _cluster)
-    app.router.add_post("/nodes/{node_id}/drain", _drain)
-    app.router.add_get("/health", _health)
-    app.router.add_get("/metrics", _metrics)
+    app = _app(coordinator)
 
     async def lifecycle(_: web.Application) -> AsyncIterator[None]:
         await coordinator.start()
@@ -128,4 +128,15 @@ def make_app(config: CoordinatorConfig, store: Store | None = None) -> web.Appli
         await store.close()
 
     app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+def _app(coordinator: Coordinator) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=16 * 2**20)
+    app[COORDINATOR] = coordinator
+    app.router.add_post("/route", _route)
+    app.router.add_get("/cluster", _cluster)
+    app.router.add_post("/nodes/{node_id}/drain", _drain)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
     return app

@@ -6,7 +6,8 @@ node is left. `match` answers, per node, how many *leading* blocks of the reques
 (block hashes are chained, so a hit after a miss cannot be reused and is not counted).
 
 Memory bound: at most `max_blocks` entries (distinct hashes). Entries are kept in LRU order:
-storing or matching a hash makes it most recent; past the bound the least recently used entry
+storing or matching a chain makes its hashes most recent, the chain's first block last (so a
+shared prefix outlives the tails hanging off it); past the bound the least recently used entry
 is dropped for every node (the index then under-estimates that node's cache, never over-).
 
 Invariants: `_masks[h]` is non-zero and bit `b` is set iff hash `h` is in `_held[b]`; a node
@@ -38,6 +39,10 @@ class PrefixIndex:
     def nodes(self) -> list[str]:
         return list(self._bit)
 
+    def node_block_count(self, node: str) -> int:
+        b = self._bit.get(node)
+        return 0 if b is None else len(self._held[b])
+
     def node_blocks(self, node: str) -> set[int]:
         b = self._bit.get(node)
         return set() if b is None else set(self._held[b])
@@ -56,7 +61,8 @@ class PrefixIndex:
         b = self._bit_of(node)
         m = 1 << b
         held, masks = self._held[b], self._masks
-        for h in hashes:
+        # Reversed, so a chain's first blocks end up most recent and a tail is evicted first.
+        for h in reversed(list(hashes)):
             old = masks.get(h)
             if old is None:
                 masks[h] = m
@@ -124,29 +130,29 @@ class PrefixIndex:
                 if b is not None:
                     active |= 1 << b
         out: dict[str, int] = {}
-        masks = self._masks
-        get, touch = masks.get, masks.move_to_end
+        get = self._masks.get
+        node_of_bit = self._node_of_bit
         i = 0
         for i, h in enumerate(hashes):
-            if not active:
-                break
-            m = get(h, 0)
-            new = active & m
+            new = active & get(h, 0)
             if new != active:
                 dropped = active & ~new
                 while dropped:
                     low = dropped & -dropped
                     if i:
-                        out[self._node_of_bit[low.bit_length() - 1]] = i
+                        out[node_of_bit[low.bit_length() - 1]] = i
                     dropped ^= low
                 active = new
                 if not active:
                     break
-            touch(h)
         else:
             i = len(hashes)
         while active and i:
             low = active & -active
-            out[self._node_of_bit[low.bit_length() - 1]] = i
+            out[node_of_bit[low.bit_length() - 1]] = i
             active ^= low
+        # The matched prefix becomes most recently used, its first block last (evicted last).
+        touch = self._masks.move_to_end
+        for h in reversed(hashes[: max(out.values(), default=0)]):
+            touch(h)
         return out

@@ -45,10 +45,13 @@ class NodeView:
     resyncs: int = 0
     last_event_lag_s: float = 0.0
     pending: deque[Pending] = field(default_factory=deque)
+    _totals: PendingTotals = field(default_factory=PendingTotals)
 
-    @property
-    def node_id(self) -> str:
-        return self.info.node_id
+    #: = info.node_id (a plain attribute: the router reads it often)
+    node_id: str = ""
+
+    def __post_init__(self) -> None:
+        self.node_id = self.info.node_id
 
     def ready(self, now: float, stale_s: float) -> bool:
         """Routable: its stream is up and its load report is fresh."""
@@ -56,18 +59,21 @@ class NodeView:
 
     def add_pending(self, now: float, seqs: int, prefill_tokens: int, blocks: int) -> None:
         self.pending.append(Pending(now, seqs, prefill_tokens, blocks))
+        t = self._totals
+        t.seqs, t.prefill_tokens, t.blocks = t.seqs + seqs, t.prefill_tokens + prefill_tokens, t.blocks + blocks
+
+    def _pop(self) -> None:
+        p, t = self.pending.popleft(), self._totals
+        t.seqs, t.prefill_tokens, t.blocks = t.seqs - p.seqs, t.prefill_tokens - p.prefill_tokens, t.blocks - p.blocks
 
     def on_load(self, frame: LoadFrame, now: float, settle_s: float) -> None:
         self.load, self.load_at = frame, now
         while self.pending and now - self.pending[0].at >= settle_s:
-            self.pending.popleft()
+            self._pop()
 
     def pending_totals(self, now: float, max_age_s: float) -> PendingTotals:
+        """Sums over the pending decisions (kept as running totals: O(1) per route)."""
         while self.pending and now - self.pending[0].at > max_age_s:
-            self.pending.popleft()
-        t = PendingTotals()
-        for p in self.pending:
-            t.seqs += p.seqs
-            t.prefill_tokens += p.prefill_tokens
-            t.blocks += p.blocks
-        return t
+            self._pop()
+        t = self._totals
+        return PendingTotals(t.seqs, t.prefill_tokens, t.blocks)

@@ -81,9 +81,9 @@ def validate(req: RouteRequest) -> None:
     if len(req.block_hashes) > req.num_prompt_tokens:
         raise APIError(400, f"{len(req.block_hashes)} block hashes for a prompt of {req.num_prompt_tokens} "
                        "tokens: a hash covers a full block of tokens", param="block_hashes")  # fmt: skip
-    for h in req.block_hashes:
-        if not 0 <= h < 2**64:
-            raise APIError(400, f"block hash {h} is not an unsigned 64-bit integer", param="block_hashes")
+    if req.block_hashes and (min(req.block_hashes) < 0 or max(req.block_hashes) >= 2**64):
+        bad = next(h for h in req.block_hashes if not 0 <= h < 2**64)
+        raise APIError(400, f"block hash {bad} is not an unsigned 64-bit integer", param="block_hashes")
 
 
 def _pools(tier: str) -> list[str]:
@@ -147,9 +147,11 @@ class Router:
         pend = {n.node_id: n.pending_totals(now, cfg.pending_max_age_s) for n in usable}
         n_prompt = req.num_prompt_tokens
 
+        # The last prompt token is always computed (DESIGN §3), so at most n_prompt - 1 cached.
+        cached = {n.node_id: min(matches.get(n.node_id, 0) * n.info.block_size, n_prompt - 1) for n in usable}
+
         def cached_tokens(n: NodeView) -> int:
-            # The last prompt token is always computed (DESIGN §3), so at most n_prompt - 1.
-            return min(matches.get(n.node_id, 0) * n.info.block_size, n_prompt - 1)
+            return cached[n.node_id]
 
         # -- D admission -------------------------------------------------------------------
         admitted: list[NodeView] = []
@@ -170,6 +172,10 @@ class Router:
             raise APIError(503, f"no decode node for {req.model!r} in pools {pools} has room: {why}",
                            type_="service_unavailable", code="no_capacity")  # fmt: skip
         ps_all = _by_pool([n for n in usable if n.info.role in ("prefill", "both")], pools)
+        # Prefill costs do not depend on D: compute them once, cheapest first.
+        p_ranked = sorted(((self._prefill_cost(n, n_prompt - cached_tokens(n), pend[n.node_id]), n.node_id, n)
+                           for n in ps_all), key=lambda t: (t[0], t[1]))  # fmt: skip
+        p_cost_of = {node_id: cost for cost, node_id, _ in p_ranked}
 
         best: tuple[float, str, NodeView, NodeView | None, str, str] | None = None
         for d in ds:
@@ -182,17 +188,17 @@ class Router:
                 outcome = "local_short" if n_prompt < cfg.local_prefill_tokens else "local_cached"
                 why = f"{uncached_d} uncached prompt tokens on D < local_prefill_tokens {cfg.local_prefill_tokens}"
             else:
-                compatible = [n for n in ps_all if n.info.kv_layout_hash == d.info.kv_layout_hash]
-                if not compatible:
+                layout = d.info.kv_layout_hash
+                found = next((t for t in p_ranked if t[2].info.kv_layout_hash == layout), None)
+                if found is None:
                     outcome, why = "local_no_prefill", "no compatible prefill node is usable"
                 else:
-                    # On a tie D itself wins: prefilling locally moves no KV.
-                    p_cost, _, _, p_best = min(
-                        ((self._prefill_cost(n, n_prompt - cached_tokens(n), pend[n.node_id]), n is not d, n.node_id, n)
-                         for n in compatible), key=lambda t: t[:3])  # fmt: skip
+                    p_cost, _, p_best = found
+                    if p_cost_of.get(d.node_id) == p_cost:  # on a tie D itself wins: no KV moves
+                        p_best = d
                     p_queued = p_best.load.queued_prefill_tokens + pend[p_best.node_id].prefill_tokens  # type: ignore[union-attr]
                     d_queued = d.load.queued_prefill_tokens + pd.prefill_tokens  # type: ignore[union-attr]
-                    if p_best.node_id == d.node_id:
+                    if p_best is d:
                         outcome, why = "local_prefill_is_d", "D is also the cheapest prefill node"
                     elif p_queued >= cfg.prefill_saturation_tokens and d_queued < cfg.prefill_saturation_tokens:
                         outcome = "local_p_saturated"
@@ -202,9 +208,8 @@ class Router:
                         why = f"P {p.node_id} prefill cost {p_cost:.0f} ({n_prompt - cached_tokens(p)} uncached)"
                         local_cost = p_cost
             total = d_cost + local_cost
-            cand = (total, d.node_id, d, p, outcome, why)
             if best is None or (total, d.node_id) < (best[0], best[1]):
-                best = cand
+                best = (total, d.node_id, d, p, outcome, why)
         assert best is not None
         total, _, d, p, outcome, why = best
         d_blocks = _cdiv(need_len, d.info.block_size) - matches.get(d.node_id, 0)

@@ -182,7 +182,7 @@ class Coordinator:
                     "kv_blocks_free": load.kv_blocks_free, "kv_blocks_total": load.kv_blocks_total,
                 },
                 "pending": {"seqs": p.seqs, "prefill_tokens": p.prefill_tokens, "blocks": p.blocks},
-                "indexed_blocks": len(self.index.node_blocks(v.node_id)),
+                "indexed_blocks": self.index.node_block_count(v.node_id),
                 "event_seq": v.seq, "resyncs": v.resyncs, "event_lag_s": round(v.last_event_lag_s, 4),
             })  # fmt: skip
         return {

@@ -33,7 +33,7 @@ class Model:
         self.entries: OrderedDict[int, set[str]] = OrderedDict()
 
     def store(self, node: str, hs: list[int]) -> None:
-        for h in hs:
+        for h in reversed(hs):  # a chain's first block ends up most recent
             if h in self.entries:
                 self.entries[h].add(node)
                 self.entries.move_to_end(h)
@@ -61,9 +61,8 @@ class Model:
                 k += 1
             if k:
                 out[n] = k
-        for i, h in enumerate(hs):  # an entry some candidate matches up to here is "used"
-            if any(out.get(n, 0) > i for n in cands):
-                self.entries.move_to_end(h)
+        for h in reversed(hs[: max(out.values(), default=0)]):  # the matched prefix, first block last
+            self.entries.move_to_end(h)
         return out
 
     def blocks(self, node: str) -> set[int]:
@@ -108,10 +107,10 @@ def test_leading_blocks_only_and_removal() -> None:
 
 
 def test_memory_bound_evicts_least_recently_matched() -> None:
-    index = PrefixIndex(max_blocks=3)
-    index.store("a", [10, 11, 12])
-    assert index.match([10]) == {"a": 1}  # 10 is now the most recent
-    index.store("b", [20])  # over the bound: 11 (least recently used) goes
-    assert len(index) == 3 and index.evictions == 1
-    assert index.node_blocks("a") == {10, 12}
-    assert index.match([10, 11, 12]) == {"a": 1}
+    index = PrefixIndex(max_blocks=4)
+    index.store("a", [10, 11, 12])  # LRU order: 12, 11, 10 (the chain's root is the most recent)
+    index.store("b", [20, 21])  # over the bound: the tail block 12 goes, the prefix stays
+    assert len(index) == 4 and index.evictions == 1
+    assert index.match([10, 11, 12]) == {"a": 2}
+    index.store("b", [22])  # next out: b's tail 21, not a's recently matched chain
+    assert index.node_blocks("a") == {10, 11} and index.node_blocks("b") == {20, 22}
