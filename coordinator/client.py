@@ -19,6 +19,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from coordinator.store import Store
+from protocol.cluster import coordinators_prefix
 from protocol.route import RouteRequest, RouteResponse
 
 log = logging.getLogger("duet.coordinator.client")
@@ -85,3 +87,9 @@ class RouteClient:
                 failures.append(f"{self.urls[i]}: {type(e).__name__}: {e}")
             log.warning("coordinator %s failed (%s); trying the next replica", self.urls[i], failures[-1])
         raise CoordinatorUnavailable("no coordinator replica answered: " + "; ".join(failures))
+
+
+async def replica_urls(store: Store, cluster: str) -> list[str]:
+    """The URLs of the coordinator replicas alive in `cluster` (from etcd), sorted."""
+    kvs, _ = await store.get_prefix(coordinators_prefix(cluster))
+    return sorted(kv.value.decode() for kv in kvs)

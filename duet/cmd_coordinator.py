@@ -23,9 +23,13 @@ if it runs with --exit-when-drained, deregisters and exits 0.
 """
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("coordinator", help="run a coordinator replica (node registry, prefix index, /route)",
-                       description=COORDINATOR_HELP, formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+                       description=COORDINATOR_HELP, formatter_class=_Formatter)  # fmt: skip
     p.add_argument("--etcd", default="http://127.0.0.1:2379", metavar="URL", help="etcd client URL")
     p.add_argument("--cluster", default=DEFAULT_CLUSTER, help="cluster name (etcd key prefix /duet/NAME/)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -46,7 +50,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_coordinator)
 
     d = sub.add_parser("drain", help="drain a node: no new routes, finish its work (see --help)",
-                       description=DRAIN_HELP, formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+                       description=DRAIN_HELP, formatter_class=_Formatter)  # fmt: skip
     d.add_argument("node_id", metavar="NODE_ID")
     d.add_argument("--etcd", default="http://127.0.0.1:2379", metavar="URL", help="etcd client URL")
     d.add_argument("--cluster", default=DEFAULT_CLUSTER)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import aiohttp
 
-from coordinator.client import RouteClient, RouteError
+from coordinator.client import RouteClient, RouteError, replica_urls
 from coordinator.etcd_server import EtcdServer
 from coordinator.etcd_store import EtcdStore
 from protocol.cluster import nodes_prefix
@@ -134,6 +134,15 @@ def test_replica_failover_leader_election_and_bad_input(tiny_llama: Path, tmp_pa
                 return resp.decode.node_id
 
         assert asyncio.run(route_via_client()) == nid
+
+        async def replicas() -> list[str]:
+            store = EtcdStore(etcd.url)
+            try:
+                return await replica_urls(store, "default")
+            finally:
+                await store.close()
+
+        assert asyncio.run(replicas()) == sorted([c1.url, c2.url])
         t0 = time.monotonic()
         lead.proc.send_signal(signal.SIGKILL)
         assert asyncio.run(route_via_client()) == nid  # fails over to the other replica
