@@ -196,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.serve is not None:
         return serve(a)
-    log = (lambda m: None) if a.json else (lambda m: print(m, file=sys.stderr, flush=True))
+    def log(msg: str) -> None:  # progress on stderr, results on stdout
+        print(msg, file=sys.stderr, flush=True)
+
     log(f"building a {a.nodes}-node cluster with {a.blocks:,} cached blocks ...")
     c, prompts = build(a)
     log(f"routing {a.decisions:,} prompts of {a.prompt_blocks} blocks in-process ...")

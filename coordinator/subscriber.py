@@ -52,7 +52,7 @@ def apply_batch(index: PrefixIndex, node_id: str, batch: EventBatch) -> None:
 
 class Subscriber:
     def __init__(self, view: NodeView, session: aiohttp.ClientSession, index: PrefixIndex, *,
-                 settle_s: float, read_timeout: float = 2.0,
+                 settle_s: float, read_timeout: float = 5.0,
                  on_resync: Callable[[str], None] = lambda reason: None,
                  on_lag: Callable[[float], None] = lambda lag: None) -> None:  # fmt: skip
         self.view = view
