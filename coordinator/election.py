@@ -43,13 +43,21 @@ class Election:
     async def _campaign(self) -> None:
         """Become leader, or follow until the leader key goes away; returns to campaign again."""
         while True:
-            if await self.store.create(self.key, self.replica_id.encode(), self.lease):
+            won = await self.store.create(self.key, self.replica_id.encode(), self.lease)
+            kv = None
+            if not won:
+                kv = await self.store.get(self.key)
+                if kv is None:
+                    continue
+                # Our own key under a lease we lost track of (etcd was briefly unreachable):
+                # move it to the new lease instead of following ourselves until it expires.
+                if kv.value.decode(errors="replace") == self.replica_id:
+                    won = await self.store.replace(self.key, self.replica_id.encode(), kv.mod_revision, self.lease)
+            if won:
                 self.is_leader, self.leader = True, self.replica_id
                 log.info("elected leader of the coordinators")
                 await asyncio.Event().wait()  # leader until the lease is lost
-            kv = await self.store.get(self.key)
-            if kv is None:
-                continue
+            assert kv is not None
             self.is_leader, self.leader = False, kv.value.decode(errors="replace")
             async for ev in self.store.watch_prefix(self.key, kv.mod_revision + 1):
                 if ev.key != self.key:

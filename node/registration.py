@@ -11,6 +11,8 @@ watches its own key, keeps that status across re-registrations, and with `--exit
 waits until no request is in flight and no KV is held for a decode node, deletes its key and
 exits 0 through the same path as SIGTERM. On SIGTERM the node marks itself draining at once
 (so coordinators stop routing to it during the grace period) and deletes its key on exit.
+
+`DUET_NODE_TTL_S` overrides the lease TTL (seconds) for experiments; operators keep 10.
 """
 
 from __future__ import annotations
