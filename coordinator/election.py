@@ -90,6 +90,10 @@ class Election:
                 self.is_leader, self.leader = False, None
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
+            except Exception:  # a bug must not leave the replica silently out of the election
+                self.is_leader, self.leader = False, None
+                log.exception("election failed; joining again")
+                await asyncio.sleep(1.0)
 
     async def resign(self) -> None:
         """Give up leadership and membership now (clean shutdown): followers need not wait."""

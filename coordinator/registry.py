@@ -77,3 +77,7 @@ class Registry:
                 down = True
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
+            except Exception:  # a bug must not silently freeze the node view
+                self.on_connected(False)
+                log.exception("node registry failed; listing again")
+                await asyncio.sleep(1.0)

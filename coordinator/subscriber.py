@@ -134,3 +134,8 @@ class Subscriber:
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
+            except Exception:  # a bug must not silently stop this node's updates
+                v.connected = False
+                reason = "error"
+                log.exception("node %s: KV event stream handling failed; resyncing", v.node_id)
+                await asyncio.sleep(1.0)

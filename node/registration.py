@@ -154,6 +154,10 @@ class Registration:
                                 "retrying registration", e)  # fmt: skip
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, _RETRY_MAX_S)
+            except Exception:  # a bug must not leave the node silently unregistered
+                self._set_registered(False)
+                log.exception("etcd registration failed; registering again")
+                await asyncio.sleep(1.0)
 
     async def deregister(self) -> None:
         """Delete our key now (revoking the lease), so no router waits for the TTL."""
