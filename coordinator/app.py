@@ -71,7 +71,7 @@ async def _route(request: web.Request) -> web.Response:
         raise APIError(400, f"route request is not valid JSON: {e}") from None
     decision = request.app[COORDINATOR].route(req)
     if req.request_id:
-        log.info("route %s → %s", req.request_id, decision.response.reason)
+        log.debug("route %s → %s", req.request_id, decision.response.reason)
     return _json(decision.response)
 
 

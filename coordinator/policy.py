@@ -58,7 +58,8 @@ class PolicyConfig:
 class Decision:
     response: RouteResponse
     #: metric label: disaggregated | local_short | local_cached | local_no_prefill |
-    #: local_prefill_is_d | local_p_saturated
+    #: local_prefill_is_d | local_p_saturated (refusals count as their error code:
+    #: no_capacity, model_not_found, context_length_exceeded, bad_request)
     outcome: str
     #: what to add to pending: node id → (seqs, prefill tokens, blocks)
     pending: dict[str, tuple[int, int, int]]

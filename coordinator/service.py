@@ -27,6 +27,7 @@ from coordinator.registry import Registry
 from coordinator.store import Store
 from coordinator.subscriber import Subscriber
 from protocol.cluster import DEFAULT_CLUSTER, NODE_TTL_S, NodeInfo
+from protocol.openai import APIError
 from protocol.route import RouteRequest
 
 log = logging.getLogger("duet.coordinator")
@@ -145,6 +146,9 @@ class Coordinator:
         now = time.monotonic()
         try:
             decision = self.router.route(req, self.views.values(), self.index, now)
+        except APIError as e:  # counted too: a rising no_capacity rate is what operators page on
+            self.metrics.decisions.labels(e.code or "bad_request").inc()
+            raise
         finally:
             self.metrics.route_latency.observe(time.perf_counter() - t0)
         for node_id, (seqs, tokens, blocks) in decision.pending.items():

@@ -97,5 +97,8 @@ def test_prefix_affinity_local_prefill_and_sigkill(tiny_llama: Path, tmp_path: P
         assert get(coord.url + "/cluster")["index_blocks"] <= blocks_before - 38
         after = route(second_toks)
         assert after["prefill"]["node_id"] not in (holder, None) and after["prefill"]["cached_tokens"] == 0
-        decisions = metric(coord.url, 'duet:route_decisions_total{outcome="disaggregated"}')
-        assert decisions >= 3
+        assert metric(coord.url, 'duet:route_decisions_total{outcome="disaggregated"}') >= 3
+        assert metric(coord.url, 'duet:route_decisions_total{outcome="local_short"}') == 1
+        status, _ = http("POST", coord.url + "/route", {**route_body(tokens(6, 20)), "model": "nope"})
+        assert status == 404
+        assert metric(coord.url, 'duet:route_decisions_total{outcome="model_not_found"}') == 1
