@@ -175,7 +175,7 @@ def test_drain(tiny_llama: Path, tmp_path: Path, etcd: EtcdServer) -> None:
         first_chunk = threading.Event()
 
         def stream() -> None:
-            body = {"prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "stream": True}
+            body = {"prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "stream": True}
             req = urllib.request.Request(a.url + "/v1/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})  # fmt: skip
             with urllib.request.urlopen(req, timeout=120) as r:
