@@ -9,7 +9,8 @@ batches after their `since`, then new ones as they come, and a `LoadFrame` at le
 Invariants: seq numbers have no gaps; the snapshot is taken on the engine thread in the same
 call that drains pending events, under the same lock as the poller, so "snapshot at seq S"
 means exactly "all batches ≤ S applied" and the reader continues with `since=S`. A reader
-that falls behind the ring has its stream closed, so it reconnects and resyncs.
+that falls behind the ring has its stream closed, so it reconnects and resyncs. A node whose
+engine failed ends every stream and refuses new ones (503), so coordinators stop routing to it.
 """
 
 from __future__ import annotations
@@ -155,6 +156,8 @@ async def _events(request: web.Request) -> web.StreamResponse:
     if not kv.recording:
         raise APIError(409, "this node does not record KV events (it records them when it runs "
                        "with --etcd)", code="kv_events_disabled")  # fmt: skip
+    if kv.engine.dead is not None:  # a failed engine must stop being routed to
+        raise APIError(503, f"engine failed: {kv.engine.dead!r}", type_="service_unavailable")
     if kv.after(since) is None:
         raise APIError(410, f"since={since} is outside this node's event log (last seq {kv.seq}, "
                        f"{len(kv._ring)} batches kept): resync from GET /kv/snapshot",
@@ -163,7 +166,7 @@ async def _events(request: web.Request) -> web.StreamResponse:
     await resp.prepare(request)
     enc = msgspec.msgpack.Encoder()
     pos, last_load = since, 0.0
-    while not kv.closed:
+    while not kv.closed and kv.engine.dead is None:
         batches = kv.after(pos)
         if batches is None:  # this reader fell behind the ring: close, it reconnects and resyncs
             log.warning("KV event reader %s fell behind the event log; closing its stream", request.remote)
