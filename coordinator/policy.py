@@ -66,6 +66,14 @@ class Decision:
 
 
 POOL_FALLBACK = "shared"
+_WHY = {
+    "local_short": "{} uncached prompt tokens on D < local_prefill_tokens {threshold}",
+    "local_cached": "{} uncached prompt tokens on D < local_prefill_tokens {threshold}",
+    "local_no_prefill": "no compatible prefill node is usable",
+    "local_prefill_is_d": "D is also the cheapest prefill node",
+    "local_p_saturated": "prefill pool saturated ({} has {} tokens queued)",
+    "disaggregated": "P {} prefill cost {:.0f} ({} uncached)",
+}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -121,27 +129,38 @@ class Router:
     def route(self, req: RouteRequest, nodes: Iterable[NodeView], index: PrefixIndex, now: float) -> Decision:
         validate(req)
         cfg = self.config
-        serving = [n for n in nodes if n.info.model == req.model]
-        if not serving:
+        # One pass over the cluster: what serves the model, fits the request, and is usable.
+        excluded = set(req.exclude) if req.exclude else ()
+        need_len = req.num_prompt_tokens + req.max_tokens
+        stale, model = cfg.stale_load_s, req.model
+        n_serving, bs, longest = 0, 1 << 30, 0
+        fits = 0
+        usable: list[NodeView] = []
+        for n in nodes:
+            info = n.info
+            if info.model != model:
+                continue
+            n_serving += 1
+            bs = min(bs, info.block_size)
+            longest = max(longest, info.max_model_len)
+            if need_len > info.max_model_len:
+                continue
+            fits += 1
+            if info.status == "active" and n.node_id not in excluded and n.ready(now, stale):
+                usable.append(n)
+        if not n_serving:
             raise APIError(404, f"no node serves model {req.model!r}", type_="invalid_request_error",
                            param="model", code="model_not_found")  # fmt: skip
-        bs = min(n.info.block_size for n in serving)
         if len(req.block_hashes) * bs > req.num_prompt_tokens:
             raise APIError(400, f"{len(req.block_hashes)} block hashes of {bs} tokens do not fit in a prompt "
                            f"of {req.num_prompt_tokens} tokens (hash full blocks only)", param="block_hashes")  # fmt: skip
-        need_len = req.num_prompt_tokens + req.max_tokens
-        fits = [n for n in serving if need_len <= n.info.max_model_len]
         if not fits:
-            longest = max(n.info.max_model_len for n in serving)
             raise APIError(400, f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) "
                            f"exceeds the context of every node serving {req.model!r} ({longest})",
                            param="max_tokens", code="context_length_exceeded")  # fmt: skip
-        excluded = set(req.exclude)
-        usable = [n for n in fits if n.info.status == "active" and n.node_id not in excluded
-                  and n.ready(now, cfg.stale_load_s)]  # fmt: skip
         if not usable:
             raise APIError(503, f"no node serving {req.model!r} can take new work now "
-                           f"({len(fits)} registered, none active, reachable and not excluded)",
+                           f"({fits} registered, none active, reachable and not excluded)",
                            type_="service_unavailable", code="no_capacity")  # fmt: skip
         pools = _pools(req.tier)
         matches = index.match(req.block_hashes, [n.node_id for n in usable])
@@ -174,25 +193,26 @@ class Router:
                            type_="service_unavailable", code="no_capacity")  # fmt: skip
         ps_all = _by_pool([n for n in usable if n.info.role in ("prefill", "both")], pools)
         # Prefill costs do not depend on D: compute them once, cheapest first.
-        p_ranked = sorted(((self._prefill_cost(n, n_prompt - cached_tokens(n), pend[n.node_id]), n.node_id, n)
-                           for n in ps_all), key=lambda t: (t[0], t[1]))  # fmt: skip
+        p_ranked = sorted((self._prefill_cost(n, n_prompt - cached[n.node_id], pend[n.node_id]), n.node_id, n)
+                          for n in ps_all)  # fmt: skip
         p_cost_of = {node_id: cost for cost, node_id, _ in p_ranked}
 
-        best: tuple[float, str, NodeView, NodeView | None, str, str] | None = None
+        # The reason text is built for the winner only: `why` holds its template's arguments.
+        best: tuple[float, str, NodeView, NodeView | None, str, tuple] | None = None
         for d in ds:
             pd = pend[d.node_id]
             d_cost = self._decode_cost(d, pd)
-            uncached_d = n_prompt - cached_tokens(d)
+            uncached_d = n_prompt - cached[d.node_id]
             local_cost = self._prefill_cost(d, uncached_d, pd)
             p: NodeView | None = None
             if uncached_d < cfg.local_prefill_tokens:
                 outcome = "local_short" if n_prompt < cfg.local_prefill_tokens else "local_cached"
-                why = f"{uncached_d} uncached prompt tokens on D < local_prefill_tokens {cfg.local_prefill_tokens}"
+                why: tuple = (uncached_d,)
             else:
                 layout = d.info.kv_layout_hash
                 found = next((t for t in p_ranked if t[2].info.kv_layout_hash == layout), None)
                 if found is None:
-                    outcome, why = "local_no_prefill", "no compatible prefill node is usable"
+                    outcome, why = "local_no_prefill", ()
                 else:
                     p_cost, _, p_best = found
                     if p_cost_of.get(d.node_id) == p_cost:  # on a tie D itself wins: no KV moves
@@ -200,14 +220,12 @@ class Router:
                     p_queued = p_best.load.queued_prefill_tokens + pend[p_best.node_id].prefill_tokens  # type: ignore[union-attr]
                     d_queued = d.load.queued_prefill_tokens + pd.prefill_tokens  # type: ignore[union-attr]
                     if p_best is d:
-                        outcome, why = "local_prefill_is_d", "D is also the cheapest prefill node"
+                        outcome, why = "local_prefill_is_d", ()
                     elif p_queued >= cfg.prefill_saturation_tokens and d_queued < cfg.prefill_saturation_tokens:
-                        outcome = "local_p_saturated"
-                        why = f"prefill pool saturated ({p_best.node_id} has {p_queued} tokens queued)"
+                        outcome, why = "local_p_saturated", (p_best.node_id, p_queued)
                     else:
-                        p, outcome = p_best, "disaggregated"
-                        why = f"P {p.node_id} prefill cost {p_cost:.0f} ({n_prompt - cached_tokens(p)} uncached)"
-                        local_cost = p_cost
+                        p, outcome, local_cost = p_best, "disaggregated", p_cost
+                        why = (p.node_id, p_cost, n_prompt - cached[p.node_id])
             total = d_cost + local_cost
             if best is None or (total, d.node_id) < (best[0], best[1]):
                 best = (total, d.node_id, d, p, outcome, why)
@@ -222,7 +240,7 @@ class Router:
             pending[p.node_id] = (0, n_prompt - cached_tokens(p), _cdiv(n_prompt, p.info.block_size))
         load = d.load
         assert load is not None
-        reason = (f"{outcome}: {why}; D {d.node_id} (pool {d.info.pool}, running {load.num_requests_running}, "
+        reason = (f"{outcome}: {_WHY[outcome].format(*why, threshold=cfg.local_prefill_tokens)}; D {d.node_id} (pool {d.info.pool}, running {load.num_requests_running}, "
                   f"waiting {load.num_requests_waiting}, kv {load.kv_cache_usage_perc:.2f}, "
                   f"{cached_tokens(d)} cached) total cost {total:.0f} among {len(ds)} decode candidate(s)")  # fmt: skip
         resp = RouteResponse(
