@@ -65,8 +65,12 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
 
 
 def node_config(args: argparse.Namespace, role: str):
+    from coordinator.store import parse_etcd_url
     from engine.config import EngineConfig
     from node.config import NodeConfig
+
+    if args.etcd:
+        parse_etcd_url(args.etcd)  # a typo is a usage error now, not a registration retry loop
 
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,

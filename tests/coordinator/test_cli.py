@@ -27,3 +27,8 @@ def test_bad_values_are_usage_errors() -> None:
         out = duet("coordinator", *args)
         assert out.returncode == 2, out.stderr
         assert out.stderr.startswith("duet coordinator: error:") and text in out.stderr
+
+
+def test_node_rejects_a_bad_etcd_url() -> None:
+    out = duet("node", "--etcd", "ftp://x", "--model", "nope")
+    assert out.returncode == 2 and "etcd URL" in out.stderr
