@@ -68,11 +68,23 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
                         "loopback and the private ranges (RFC 1918, IPv6 ULA): never public or "
                         "link-local (cloud metadata) addresses")  # fmt: skip
     t.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--etcd", default=None, metavar="URL",
+                   help="register with this etcd (e.g. http://10.0.0.2:2379); without it the node runs standalone")
+    c.add_argument("--cluster", default="default", help="cluster name (etcd key prefix /duet/NAME/)")
+    c.add_argument("--pool", default="shared", choices=["shared", "interactive", "batch"],
+                   help="routing pool: interactive/batch requests prefer their pool, then shared")
+    c.add_argument("--exit-when-drained", action="store_true",
+                   help="after `duet drain`, finish in-flight work, deregister and exit 0")  # fmt: skip
 
 
 def node_config(args: argparse.Namespace, role: str):
+    from coordinator.store import parse_etcd_url
     from engine.config import EngineConfig
     from node.config import NodeConfig
+
+    if args.etcd:
+        parse_etcd_url(args.etcd)  # a typo is a usage error now, not a registration retry loop
 
     engine = EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
@@ -80,6 +92,7 @@ def node_config(args: argparse.Namespace, role: str):
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching, threads=args.threads,
         max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
+        record_kv_events=bool(args.etcd),  # coordinators read them through GET /kv/events
     )  # fmt: skip
     return NodeConfig(
         role=role, host=args.host, port=args.port, advertise_host=args.advertise_host,
@@ -87,6 +100,7 @@ def node_config(args: argparse.Namespace, role: str):
         lease_seconds=args.lease_seconds, transfer_timeout=args.transfer_timeout,
         failure_policy=args.failure_policy, grace_period=args.grace_period, cpus=args.cpus,
         engine_kind=args.engine, reserve_timeout=args.reserve_timeout, allowed_peers=args.allowed_peers,
+        etcd=args.etcd, cluster=args.cluster, pool=args.pool, exit_when_drained=args.exit_when_drained,
     )  # fmt: skip
 
 

@@ -6,10 +6,6 @@ import argparse
 import sys
 
 PENDING = {
-    "coordinator": (
-        "etcd-backed coordinator: node registry, prefix index, /route",
-        "the coordinator issue",
-    ),
     "gateway": (
         "OpenAI-compatible gateway: keys, teams, quotas, tiers, routing, fallback",
         "the gateway issue",

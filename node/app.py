@@ -130,13 +130,6 @@ async def _abort(request: web.Request) -> web.Response:
     return web.json_response({"aborted": aborted})
 
 
-async def _snapshot(request: web.Request) -> web.Response:
-    s = request.app[STATE]
-    hashes = await s.engine.cached_block_hashes()
-    return web.json_response({"engine_id": s.engine_id, "block_size": s.engine.kv_layout.block_size,
-                              "block_hashes": hashes})  # fmt: skip
-
-
 def make_app(state: NodeState) -> web.Application:
     """The node app; `state` holds an engine that is built but not started, and the roles
     registered for this node."""
@@ -154,9 +147,14 @@ def make_app(state: NodeState) -> web.Application:
     for method, path, fn in state.roles.routes:
         app.router.add_route(method, path, bind(fn))
     app.router.add_post("/abort", _abort)
-    app.router.add_get("/kv/snapshot", _snapshot)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
+    from node.kv_events import add_kv_event_routes  # /kv/events, /kv/snapshot
+    from node.registration import registration_ctx
+
+    add_kv_event_routes(app, state)
+    if state.config.etcd:
+        app.cleanup_ctx.append(registration_ctx(state))
     return app
 
 

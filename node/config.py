@@ -59,6 +59,12 @@ class NodeConfig:
     grace_period: float = 30.0
     #: CPU ids to pin this process to (e.g. "0-3,8")
     cpus: str | None = None
+    #: etcd URL to register with (None: standalone); see node/registration.py
+    etcd: str | None = None
+    cluster: str = "default"
+    #: routing pool label: shared, interactive or batch
+    pool: str = "shared"
+    exit_when_drained: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -26,12 +26,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from protocol.kv_events import KVEvent
 from protocol.kv_layout import KVLayout
 from protocol.sampling import Priority, SamplingParams
 from protocol.tokenizer import Tokenizer
 
-__all__ = ["Delta", "EngineDead", "EngineOverloaded", "EngineStream", "NodeEngine", "Priority",
-           "RequestRefused", "SamplingParams"]  # fmt: skip
+__all__ = ["Delta", "EngineDead", "EngineOverloaded", "EngineStream", "KVEventDrain", "NodeEngine",
+           "Priority", "RequestRefused", "SamplingParams"]  # fmt: skip
 
 
 class RequestRefused(ValueError):
@@ -70,6 +71,17 @@ class Delta:
     arrival_time: float | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+
+
+@dataclass
+class KVEventDrain:
+    """One consistent view between two engine steps (for the coordinator's event stream):
+    the prefix-cache events since the last drain, the prompt tokens still to compute, and,
+    when asked, every cached block hash."""
+
+    events: list[KVEvent]
+    queued_prefill_tokens: int
+    block_hashes: list[int] | None = None
 
 
 class EngineStream(Protocol):
@@ -118,5 +130,10 @@ class NodeEngine(Protocol):
     async def release_quarantine(self, request_id: str) -> int: ...
 
     async def cached_block_hashes(self) -> list[int]: ...
+
+    async def drain_kv_events(self, snapshot: bool = False) -> KVEventDrain:
+        """Take the KV events recorded since the last call (record_kv_events on) — with every
+        cached hash when `snapshot`, atomically with the drain."""
+        ...
 
     def stats(self) -> dict[str, float]: ...

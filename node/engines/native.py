@@ -11,12 +11,14 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from engine import block_pool
 from engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from engine.config import EngineConfig
 from engine.core import EngineCore, RequestError
 from engine.core import EngineOverloaded as CoreOverloaded
 from engine.outputs import RequestOutput
-from node.engine_api import Delta, EngineDead, EngineOverloaded, RequestRefused
+from node.engine_api import Delta, EngineDead, EngineOverloaded, KVEventDrain, RequestRefused
+from protocol import kv_events as wire
 from protocol.sampling import Priority, SamplingParams
 
 #: seconds a client is told to wait after an overload answer
@@ -147,5 +149,26 @@ class NativeNodeEngine:
     async def cached_block_hashes(self) -> list[int]:
         return await self._call(self._engine.call(lambda core: core.pool.cached_hashes()))
 
+    async def drain_kv_events(self, snapshot: bool = False) -> KVEventDrain:
+        return await self._call(self._engine.call(lambda core: _drain(core, snapshot)))
+
     def stats(self) -> dict[str, float]:
         return self._engine.stats()
+
+
+def _drain(core: EngineCore, snapshot: bool) -> KVEventDrain:
+    """On the engine thread, between two steps."""
+    s = core.scheduler
+    queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*s.waiting, *s.running))
+    return KVEventDrain(events=[_wire_event(e) for e in core.pool.drain_events()], queued_prefill_tokens=queued,
+                        block_hashes=core.pool.cached_hashes() if snapshot else None)  # fmt: skip
+
+
+def _wire_event(ev: block_pool.KVEvent) -> wire.KVEvent:
+    """engine.block_pool's event dataclasses → the wire structs (same vLLM field names)."""
+    if isinstance(ev, block_pool.BlockStored):
+        return wire.BlockStored(block_hashes=list(ev.block_hashes), parent_block_hash=ev.parent_block_hash,
+                                token_ids=list(ev.token_ids), block_size=ev.block_size)  # fmt: skip
+    if isinstance(ev, block_pool.BlockRemoved):
+        return wire.BlockRemoved(block_hashes=list(ev.block_hashes))
+    return wire.AllBlocksCleared()

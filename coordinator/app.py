@@ -1,0 +1,142 @@
+"""The coordinator's HTTP API, built by `make_app(config)`.
+
+- `POST /route`: RouteRequest → RouteResponse (protocol/route.py); 400 malformed, 404
+  `model_not_found`, 503 `no_capacity` with `Retry-After`.
+- `GET /cluster`: nodes, status, load, pending decisions, index size, leader.
+- `POST /nodes/{node_id}/drain`: mark a node draining in etcd (any replica may do it).
+- `GET /health`, `GET /metrics`.
+
+Errors are OpenAI-shaped; one bad request never affects another, and an unexpected exception
+is a logged 500, never a dead replica.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from coordinator.drain import NodeNotFound, drain_node
+from coordinator.service import Coordinator, CoordinatorConfig
+from coordinator.store import Store, StoreError
+from protocol.openai import APIError
+from protocol.route import RouteRequest
+
+log = logging.getLogger("duet.coordinator")
+COORDINATOR = web.AppKey("coordinator", Coordinator)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_NODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
+
+
+def _json(body: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json",
+                        headers=headers)  # fmt: skip
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as e:
+        log.log(logging.WARNING if e.status >= 500 else logging.INFO, "%s %s → %d: %s", request.method,
+                request.path, e.status, e.message)  # fmt: skip
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        return _json(e.body(), e.status, headers)
+    except web.HTTPException as e:
+        if e.status >= 400:
+            err = APIError(e.status, f"{e.reason}: {request.method} {request.path}",
+                           type_="invalid_request_error" if e.status < 500 else "internal_error")  # fmt: skip
+            return _json(err.body(), e.status)
+        raise
+    except Exception as e:
+        log.exception("unexpected error in %s %s", request.method, request.path)
+        return _json(APIError(500, f"internal error: {type(e).__name__}: {e}", type_="internal_error").body(), 500)
+
+
+_route_decoder = msgspec.json.Decoder(RouteRequest)
+
+
+async def _route(request: web.Request) -> web.Response:
+    if request.content_type not in ("application/json", "application/octet-stream", ""):
+        raise APIError(415, f"send JSON (Content-Type: application/json), not {request.content_type}")
+    try:
+        req = _route_decoder.decode(await request.read())
+    except msgspec.ValidationError as e:
+        raise APIError(400, f"invalid route request: {e}") from None
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"route request is not valid JSON: {e}") from None
+    decision = request.app[COORDINATOR].route(req)
+    if req.request_id:
+        log.debug("route %s → %s", req.request_id, decision.response.reason)
+    return _json(decision.response)
+
+
+async def _cluster(request: web.Request) -> web.Response:
+    return _json(request.app[COORDINATOR].cluster())
+
+
+async def _drain(request: web.Request) -> web.Response:
+    node_id = request.match_info["node_id"]
+    if not _NODE_ID.match(node_id):
+        raise APIError(400, f"invalid node id {node_id[:60]!r}", param="node_id")
+    c = request.app[COORDINATOR]
+    try:
+        info = await drain_node(c.store, c.config.cluster, node_id)
+    except NodeNotFound:
+        raise APIError(404, f"no node {node_id!r} is registered in cluster {c.config.cluster!r}",
+                       param="node_id", code="node_not_found") from None  # fmt: skip
+    except StoreError as e:
+        raise APIError(503, f"cannot reach etcd to drain {node_id}: {e}", type_="service_unavailable") from None
+    log.info("node %s set to draining (requested through %s)", node_id, c.replica_id)
+    return _json({"node_id": info.node_id, "status": info.status})
+
+
+async def _health(request: web.Request) -> web.Response:
+    c = request.app[COORDINATOR]
+    return _json({"status": "ok", "replica_id": c.replica_id, "is_leader": c.election.is_leader,
+                  "etcd_connected": c.etcd_connected, "nodes": len(c.views)})  # fmt: skip
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    data = generate_latest(request.app[COORDINATOR].metrics.registry)
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def make_app(config: CoordinatorConfig, store: Store | None = None, *,
+             coordinator: Coordinator | None = None) -> web.Application:  # fmt: skip
+    """The coordinator app; `store` defaults to an EtcdStore on `config.etcd`.
+
+    With `coordinator`, the app serves that (already populated) state and starts nothing
+    against etcd: the caller owns it (benchmarks, embedding)."""
+    if coordinator is not None:
+        return _app(coordinator)
+    if store is None:
+        from coordinator.etcd_store import EtcdStore
+
+        store = EtcdStore(config.etcd)
+    coordinator = Coordinator(config, store)
+    app = _app(coordinator)
+
+    async def lifecycle(_: web.Application) -> AsyncIterator[None]:
+        await coordinator.start()
+        yield
+        await coordinator.stop()
+        await store.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+def _app(coordinator: Coordinator) -> web.Application:
+    app = web.Application(middlewares=[_errors], client_max_size=16 * 2**20)
+    app[COORDINATOR] = coordinator
+    app.router.add_post("/route", _route)
+    app.router.add_get("/cluster", _cluster)
+    app.router.add_post("/nodes/{node_id}/drain", _drain)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    return app

@@ -1,0 +1,106 @@
+"""`Store` on a real etcd v3 server through `aetcd` (asyncio gRPC client).
+
+aetcd reconnects its channel by itself when etcd comes back; what breaks is the watch stream
+and the calls in flight, which surface here as StoreError. Every RPC has a deadline
+(`timeout`), so a dead etcd never hangs a caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aetcd
+
+from coordinator.store import KeyValue, StoreError, WatchEvent, parse_etcd_url
+
+
+def _kv(kv: Any) -> KeyValue:
+    return KeyValue(key=kv.key.decode(), value=kv.value, lease=kv.lease, mod_revision=kv.mod_revision)
+
+
+class EtcdStore:
+    def __init__(self, url: str, timeout: float = 5.0) -> None:
+        host, port = parse_etcd_url(url)
+        self.url = url
+        # gRPC's default reconnect backoff grows to 2 minutes; a restarted etcd must be found
+        # again within a lease TTL, so retry at least every second.
+        options = {"grpc.initial_reconnect_backoff_ms": 200, "grpc.min_reconnect_backoff_ms": 200,
+                   "grpc.max_reconnect_backoff_ms": 1000, "grpc.keepalive_time_ms": 5000,
+                   "grpc.keepalive_timeout_ms": 3000}  # fmt: skip
+        self._client = aetcd.Client(host=host, port=port, timeout=timeout, options=options)
+
+    async def _call(self, coro: Any) -> Any:
+        try:
+            return await coro
+        except aetcd.ClientError as e:
+            raise StoreError(f"etcd {self.url}: {type(e).__name__}: {e}") from e
+        except (OSError, asyncio.TimeoutError) as e:
+            raise StoreError(f"etcd {self.url}: {e!r}") from e
+
+    async def get(self, key: str) -> KeyValue | None:
+        r = await self._call(self._client.get(key.encode()))
+        return None if r is None else _kv(r)
+
+    async def get_prefix(self, prefix: str) -> tuple[list[KeyValue], int]:
+        r = await self._call(self._client.get_prefix(prefix.encode()))
+        return [_kv(kv) for kv in r.kvs], r.header.revision
+
+    async def put(self, key: str, value: bytes, lease: int = 0) -> None:
+        await self._call(self._client.put(key.encode(), value, lease=lease or None))
+
+    async def create(self, key: str, value: bytes, lease: int = 0) -> bool:
+        t = self._client.transactions
+        ok, _ = await self._call(self._client.transaction(
+            compare=[t.create(key.encode()) == 0],
+            success=[t.put(key.encode(), value, lease=lease or None)], failure=[]))  # fmt: skip
+        return bool(ok)
+
+    async def replace(self, key: str, value: bytes, mod_revision: int, lease: int = 0) -> bool:
+        t = self._client.transactions
+        ok, _ = await self._call(self._client.transaction(
+            compare=[t.mod(key.encode()) == mod_revision],
+            success=[t.put(key.encode(), value, lease=lease or None)], failure=[]))  # fmt: skip
+        return bool(ok)
+
+    async def delete(self, key: str) -> bool:
+        r = await self._call(self._client.delete(key.encode()))
+        return bool(r and r.deleted)
+
+    async def watch_prefix(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
+        watch = await self._call(self._client.watch_prefix(prefix.encode(), start_revision=start_revision))
+        try:
+            it = aiter(watch)
+            while True:
+                try:
+                    ev = await anext(it)
+                except StopAsyncIteration:
+                    raise StoreError(f"etcd {self.url}: watch on {prefix} ended") from None
+                except aetcd.ClientError as e:
+                    raise StoreError(f"etcd {self.url}: watch broke: {e}") from e
+                except Exception as e:  # the watcher delivers raw gRPC errors too
+                    raise StoreError(f"etcd {self.url}: watch broke: {e!r}") from e
+                kind = "put" if ev.kind == "PUT" else "delete"
+                yield WatchEvent(kind=kind, key=ev.kv.key.decode(), value=ev.kv.value if kind == "put" else b"")
+        finally:
+            # A broken watcher cannot be cancelled; it is gone anyway.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(watch.cancel(), 2.0)
+
+    async def grant(self, ttl: int) -> int:
+        lease = await self._call(self._client.lease(ttl))
+        return lease.id
+
+    async def keepalive(self, lease: int) -> int:
+        reply = await self._call(self._client.refresh_lease(lease))
+        return 0 if reply is None else int(reply.TTL)
+
+    async def revoke(self, lease: int) -> None:
+        await self._call(self._client.revoke_lease(lease))
+
+    async def close(self) -> None:
+        # Closing a channel to a dead etcd may fail; nothing is left to free then.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._client.close(), 5.0)

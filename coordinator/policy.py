@@ -1,0 +1,251 @@
+"""The routing policy: pick the decode node D and, unless D should prefill locally, the
+prefill node P for one request (DESIGN §1 step 2). Pure: no I/O, so it is tested exactly.
+
+Costs are in "token-equivalents" with named weights (`RouteWeights`), after Dynamo's KV
+router: the prefill work a node would do is its uncached prompt tokens plus the prefill
+tokens already queued on it; a decode node's load is its sequences (running + waiting +
+pending) and its KV use.
+
+- D candidates: role decode|both, active, serving the model, reporting load, with free KV
+  blocks for the prompt plus `max_tokens` (admission). Plan for each D:
+  * local prefill (`prefill: null`) when its uncached tokens are under `local_prefill_tokens`,
+    when no compatible P exists, when D itself is the cheapest prefill node, or when the best
+    P is saturated (`prefill_saturation_tokens` queued) while D is not;
+  * otherwise disaggregated with the cheapest compatible P (same model and KV layout hash).
+  The D whose plan costs least wins; ties go to the lower node id (stable, testable).
+- Tiers: a request uses its tier's pool ("interactive" | "batch") when that pool has a usable
+  node of the role, else the "shared" pool; D and P fall back independently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from coordinator.index import PrefixIndex
+from coordinator.nodes import NodeView, PendingTotals
+from protocol.openai import APIError
+from protocol.route import RouteRequest, RouteResponse, RouteTarget
+
+
+@dataclass(frozen=True)
+class RouteWeights:
+    #: cost of prefilling one uncached prompt token
+    prefill_token: float = 1.0
+    #: cost of one prompt token already queued for prefill on the node
+    queued_prefill_token: float = 1.0
+    #: cost of one sequence running, waiting or pending on a decode node
+    decode_seq: float = 32.0
+    #: cost of a decode node's KV cache being full (scaled by its usage, 0..1)
+    kv_usage: float = 256.0
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    weights: RouteWeights = RouteWeights()
+    #: prefill on D when its uncached prompt tokens are fewer than this
+    local_prefill_tokens: int = 256
+    #: a prefill node with this many prompt tokens queued (incl. pending) is saturated
+    prefill_saturation_tokens: int = 8192
+    #: a node whose last load report is older than this is not routable (seconds)
+    stale_load_s: float = 2.0
+    #: pending decisions stop counting at the first load report this long after them
+    pending_settle_s: float = 0.3
+    pending_max_age_s: float = 5.0
+
+
+@dataclass
+class Decision:
+    response: RouteResponse
+    #: metric label: disaggregated | local_short | local_cached | local_no_prefill |
+    #: local_prefill_is_d | local_p_saturated (refusals count as their error code:
+    #: no_capacity, model_not_found, context_length_exceeded, bad_request)
+    outcome: str
+    #: what to add to pending: node id → (seqs, prefill tokens, blocks)
+    pending: dict[str, tuple[int, int, int]]
+
+
+POOL_FALLBACK = "shared"
+_WHY = {
+    "local_short": "{} uncached prompt tokens on D < local_prefill_tokens {threshold}",
+    "local_cached": "{} uncached prompt tokens on D < local_prefill_tokens {threshold}",
+    "local_no_prefill": "no compatible prefill node is usable",
+    "local_prefill_is_d": "D is also the cheapest prefill node",
+    "local_p_saturated": "prefill pool saturated ({} has {} tokens queued)",
+    "disaggregated": "P {} prefill cost {:.0f} ({} uncached)",
+}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def validate(req: RouteRequest) -> None:
+    if not req.model:
+        raise APIError(400, "'model' must be a non-empty string", param="model")
+    if req.num_prompt_tokens < 1:
+        raise APIError(400, f"'num_prompt_tokens' must be ≥ 1, got {req.num_prompt_tokens}", param="num_prompt_tokens")
+    if req.max_tokens < 1:
+        raise APIError(400, f"'max_tokens' must be ≥ 1, got {req.max_tokens}", param="max_tokens")
+    if len(req.block_hashes) > req.num_prompt_tokens:
+        raise APIError(400, f"{len(req.block_hashes)} block hashes for a prompt of {req.num_prompt_tokens} "
+                       "tokens: a hash covers a full block of tokens", param="block_hashes")  # fmt: skip
+    if req.block_hashes and (min(req.block_hashes) < 0 or max(req.block_hashes) >= 2**64):
+        bad = next(h for h in req.block_hashes if not 0 <= h < 2**64)
+        raise APIError(400, f"block hash {bad} is not an unsigned 64-bit integer", param="block_hashes")
+
+
+def _pools(tier: str) -> list[str]:
+    return [tier, POOL_FALLBACK] if tier != POOL_FALLBACK else [POOL_FALLBACK]
+
+
+def _by_pool(nodes: Iterable[NodeView], pools: list[str]) -> list[NodeView]:
+    """The nodes of the first pool in `pools` that has any."""
+    nodes = list(nodes)
+    for pool in pools:
+        found = [n for n in nodes if n.info.pool == pool]
+        if found:
+            return found
+    return []
+
+
+class Router:
+    def __init__(self, config: PolicyConfig) -> None:
+        self.config = config
+
+    def _prefill_cost(self, n: NodeView, uncached: int, pend: PendingTotals) -> float:
+        w = self.config.weights
+        assert n.load is not None
+        return w.prefill_token * uncached + w.queued_prefill_token * (n.load.queued_prefill_tokens + pend.prefill_tokens)
+
+    def _decode_cost(self, n: NodeView, pend: PendingTotals) -> float:
+        w, load = self.config.weights, n.load
+        assert load is not None
+        total = max(load.kv_blocks_total, 1)
+        usage = min(1.0, (total - load.kv_blocks_free + pend.blocks) / total)
+        seqs = load.num_requests_running + load.num_requests_waiting + pend.seqs
+        return w.decode_seq * seqs + w.kv_usage * usage
+
+    def route(self, req: RouteRequest, nodes: Iterable[NodeView], index: PrefixIndex, now: float) -> Decision:
+        validate(req)
+        cfg = self.config
+        # One pass over the cluster: what serves the model, fits the request, and is usable.
+        excluded = set(req.exclude) if req.exclude else ()
+        need_len = req.num_prompt_tokens + req.max_tokens
+        stale, model = cfg.stale_load_s, req.model
+        n_serving, bs, longest = 0, 1 << 30, 0
+        fits = 0
+        usable: list[NodeView] = []
+        for n in nodes:
+            info = n.info
+            if info.model != model:
+                continue
+            n_serving += 1
+            bs = min(bs, info.block_size)
+            longest = max(longest, info.max_model_len)
+            if need_len > info.max_model_len:
+                continue
+            fits += 1
+            if info.status == "active" and n.node_id not in excluded and n.ready(now, stale):
+                usable.append(n)
+        if not n_serving:
+            raise APIError(404, f"no node serves model {req.model!r}", type_="invalid_request_error",
+                           param="model", code="model_not_found")  # fmt: skip
+        if len(req.block_hashes) * bs > req.num_prompt_tokens:
+            raise APIError(400, f"{len(req.block_hashes)} block hashes of {bs} tokens do not fit in a prompt "
+                           f"of {req.num_prompt_tokens} tokens (hash full blocks only)", param="block_hashes")  # fmt: skip
+        if not fits:
+            raise APIError(400, f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) "
+                           f"exceeds the context of every node serving {req.model!r} ({longest})",
+                           param="max_tokens", code="context_length_exceeded")  # fmt: skip
+        if not usable:
+            raise APIError(503, f"no node serving {req.model!r} can take new work now "
+                           f"({fits} registered, none active, reachable and not excluded)",
+                           type_="service_unavailable", code="no_capacity")  # fmt: skip
+        pools = _pools(req.tier)
+        matches = index.match(req.block_hashes, [n.node_id for n in usable])
+        pend = {n.node_id: n.pending_totals(now, cfg.pending_max_age_s) for n in usable}
+        n_prompt = req.num_prompt_tokens
+
+        # The last prompt token is always computed (DESIGN §3), so at most n_prompt - 1 cached.
+        cached = {n.node_id: min(matches.get(n.node_id, 0) * n.info.block_size, n_prompt - 1) for n in usable}
+
+        def cached_tokens(n: NodeView) -> int:
+            return cached[n.node_id]
+
+        # -- D admission -------------------------------------------------------------------
+        admitted: list[NodeView] = []
+        refused: list[str] = []
+        for d in usable:
+            if d.info.role not in ("decode", "both"):
+                continue
+            assert d.load is not None
+            need = _cdiv(need_len, d.info.block_size) - matches.get(d.node_id, 0)
+            free = d.load.kv_blocks_free - pend[d.node_id].blocks
+            if free >= need:
+                admitted.append(d)
+            else:
+                refused.append(f"{d.node_id} ({free} free blocks < {need})")
+        ds = _by_pool(admitted, pools)
+        if not ds:
+            why = "; ".join(refused) if refused else "no decode-capable node is usable"
+            raise APIError(503, f"no decode node for {req.model!r} in pools {pools} has room: {why}",
+                           type_="service_unavailable", code="no_capacity")  # fmt: skip
+        ps_all = _by_pool([n for n in usable if n.info.role in ("prefill", "both")], pools)
+        # Prefill costs do not depend on D: compute them once, cheapest first.
+        p_ranked = sorted((self._prefill_cost(n, n_prompt - cached[n.node_id], pend[n.node_id]), n.node_id, n)
+                          for n in ps_all)  # fmt: skip
+        p_cost_of = {node_id: cost for cost, node_id, _ in p_ranked}
+
+        # The reason text is built for the winner only: `why` holds its template's arguments.
+        best: tuple[float, str, NodeView, NodeView | None, str, tuple] | None = None
+        for d in ds:
+            pd = pend[d.node_id]
+            d_cost = self._decode_cost(d, pd)
+            uncached_d = n_prompt - cached[d.node_id]
+            local_cost = self._prefill_cost(d, uncached_d, pd)
+            p: NodeView | None = None
+            if uncached_d < cfg.local_prefill_tokens:
+                outcome = "local_short" if n_prompt < cfg.local_prefill_tokens else "local_cached"
+                why: tuple = (uncached_d,)
+            else:
+                layout = d.info.kv_layout_hash
+                found = next((t for t in p_ranked if t[2].info.kv_layout_hash == layout), None)
+                if found is None:
+                    outcome, why = "local_no_prefill", ()
+                else:
+                    p_cost, _, p_best = found
+                    if p_cost_of.get(d.node_id) == p_cost:  # on a tie D itself wins: no KV moves
+                        p_best = d
+                    p_queued = p_best.load.queued_prefill_tokens + pend[p_best.node_id].prefill_tokens  # type: ignore[union-attr]
+                    d_queued = d.load.queued_prefill_tokens + pd.prefill_tokens  # type: ignore[union-attr]
+                    if p_best is d:
+                        outcome, why = "local_prefill_is_d", ()
+                    elif p_queued >= cfg.prefill_saturation_tokens and d_queued < cfg.prefill_saturation_tokens:
+                        outcome, why = "local_p_saturated", (p_best.node_id, p_queued)
+                    else:
+                        p, outcome, local_cost = p_best, "disaggregated", p_cost
+                        why = (p.node_id, p_cost, n_prompt - cached[p.node_id])
+            total = d_cost + local_cost
+            if best is None or (total, d.node_id) < (best[0], best[1]):
+                best = (total, d.node_id, d, p, outcome, why)
+        assert best is not None
+        total, _, d, p, outcome, why = best
+        d_blocks = _cdiv(need_len, d.info.block_size) - matches.get(d.node_id, 0)
+        pending: dict[str, tuple[int, int, int]] = {}
+        if p is None:
+            pending[d.node_id] = (1, n_prompt - cached_tokens(d), d_blocks)
+        else:
+            pending[d.node_id] = (1, 0, d_blocks)
+            pending[p.node_id] = (0, n_prompt - cached_tokens(p), _cdiv(n_prompt, p.info.block_size))
+        load = d.load
+        assert load is not None
+        reason = (f"{outcome}: {_WHY[outcome].format(*why, threshold=cfg.local_prefill_tokens)}; D {d.node_id} (pool {d.info.pool}, running {load.num_requests_running}, "
+                  f"waiting {load.num_requests_waiting}, kv {load.kv_cache_usage_perc:.2f}, "
+                  f"{cached_tokens(d)} cached) total cost {total:.0f} among {len(ds)} decode candidate(s)")  # fmt: skip
+        resp = RouteResponse(
+            prefill=None if p is None else RouteTarget(node_id=p.node_id, url=p.info.url, cached_tokens=cached_tokens(p)),
+            decode=RouteTarget(node_id=d.node_id, url=d.info.url, cached_tokens=cached_tokens(d)),
+            reason=reason,
+        )  # fmt: skip
+        return Decision(response=resp, outcome=outcome, pending=pending)

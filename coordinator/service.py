@@ -1,0 +1,198 @@
+"""One coordinator replica's live state: the nodes it sees in etcd, a subscriber per node
+feeding the prefix index and load, the router, and its election.
+
+Invariants: a node has a view and a subscriber iff its registration is in etcd (as last
+seen); a node leaving etcd is dropped from the index at once; a node whose URL or engine id
+changed (restarted under the same id) gets a fresh subscriber and a fresh index entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from coordinator.election import Election
+from coordinator.index import PrefixIndex
+from coordinator.metrics import CoordinatorMetrics, count_nodes
+from coordinator.nodes import NodeView
+from coordinator.policy import Decision, PolicyConfig, Router
+from coordinator.registry import Registry
+from coordinator.store import Store
+from coordinator.subscriber import Subscriber
+from protocol.cluster import DEFAULT_CLUSTER, NODE_TTL_S, NodeInfo
+from protocol.openai import APIError
+from protocol.route import RouteRequest
+
+log = logging.getLogger("duet.coordinator")
+
+
+@dataclass
+class CoordinatorConfig:
+    etcd: str = "http://127.0.0.1:2379"
+    cluster: str = DEFAULT_CLUSTER
+    host: str = "127.0.0.1"
+    port: int = 8400
+    #: stable name of this replica (default: coordinator-HOSTNAME-PORT)
+    replica_id: str | None = None
+    #: URL gateways use to reach this replica (default: http://host:port)
+    advertise_url: str | None = None
+    index_max_blocks: int = 1_000_000
+    #: lease TTL of this replica's membership and leadership (seconds)
+    ttl: int = NODE_TTL_S
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+
+    def __post_init__(self) -> None:
+        if self.index_max_blocks < 1:
+            raise ValueError("--index-max-blocks must be ≥ 1")
+        if self.ttl < 2:
+            raise ValueError("--ttl must be ≥ 2 seconds")
+        if self.policy.local_prefill_tokens < 0:
+            raise ValueError("--local-prefill-tokens must be ≥ 0")
+
+    @property
+    def resolved_replica_id(self) -> str:
+        return self.replica_id or f"coordinator-{socket.gethostname()}-{self.port}"
+
+    @property
+    def url(self) -> str:
+        host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
+        return self.advertise_url or f"http://{host}:{self.port}"
+
+
+class Coordinator:
+    def __init__(self, config: CoordinatorConfig, store: Store) -> None:
+        self.config = config
+        self.store = store
+        self.replica_id = config.resolved_replica_id
+        self.index = PrefixIndex(config.index_max_blocks)
+        self.router = Router(config.policy)
+        self.views: dict[str, NodeView] = {}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.etcd_connected = False
+        self.metrics = CoordinatorMetrics(self._metric_snapshot)
+        self.election = Election(store, config.cluster, self.replica_id, config.url, config.ttl)
+        self.registry = Registry(store, config.cluster, on_sync=self._on_sync, on_put=self._on_put,
+                                 on_delete=self._on_delete, on_connected=self._on_connected)  # fmt: skip
+        self.session: aiohttp.ClientSession | None = None
+        self._background: list[asyncio.Task[None]] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.session = aiohttp.ClientSession()
+        self._background = [asyncio.create_task(self.registry.run(), name="registry"),
+                            asyncio.create_task(self.election.run(), name="election")]  # fmt: skip
+
+    async def stop(self) -> None:
+        for t in [*self._background, *self._tasks.values()]:
+            t.cancel()
+        for t in [*self._background, *self._tasks.values()]:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        await self.election.resign()
+        if self.session is not None:
+            await self.session.close()
+
+    # -- registry callbacks ----------------------------------------------------------------
+    def _on_connected(self, ok: bool) -> None:
+        self.etcd_connected = ok
+
+    def _on_sync(self, nodes: dict[str, NodeInfo]) -> None:
+        for node_id in list(self.views):
+            if node_id not in nodes:
+                self._on_delete(node_id)
+        for info in nodes.values():
+            self._on_put(info)
+
+    def _on_put(self, info: NodeInfo) -> None:
+        view = self.views.get(info.node_id)
+        if view is not None and (view.info.url, view.info.engine_id) == (info.url, info.engine_id):
+            if view.info.status != info.status:
+                log.info("node %s is now %s", info.node_id, info.status)
+            view.info = info
+            return
+        if view is not None:
+            log.info("node %s restarted (engine %s → %s)", info.node_id, view.info.engine_id, info.engine_id)
+            self._on_delete(info.node_id)
+        log.info("node %s joined: %s %s at %s (pool %s, %s)", info.node_id, info.role, info.model, info.url,
+                 info.pool, info.status)  # fmt: skip
+        view = NodeView(info=info)
+        self.views[info.node_id] = view
+        if self.session is not None:
+            sub = Subscriber(view, self.session, self.index, settle_s=self.config.policy.pending_settle_s,
+                             on_resync=lambda reason: self.metrics.resyncs.labels(reason).inc(),
+                             on_lag=self.metrics.event_lag.observe)  # fmt: skip
+            self._tasks[info.node_id] = asyncio.create_task(sub.run(), name=f"kv-events-{info.node_id}")
+
+    def _on_delete(self, node_id: str) -> None:
+        view = self.views.pop(node_id, None)
+        task = self._tasks.pop(node_id, None)
+        if task is not None:
+            task.cancel()
+        self.index.remove_node(node_id)
+        if view is not None:
+            log.info("node %s left the cluster: dropped from routing and the prefix index", node_id)
+
+    # -- routing ---------------------------------------------------------------------------
+    def route(self, req: RouteRequest) -> Decision:
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        try:
+            decision = self.router.route(req, self.views.values(), self.index, now)
+        except APIError as e:  # counted too: a rising no_capacity rate is what operators page on
+            self.metrics.decisions.labels(e.code or "bad_request").inc()
+            raise
+        finally:
+            self.metrics.route_latency.observe(time.perf_counter() - t0)
+        for node_id, (seqs, tokens, blocks) in decision.pending.items():
+            self.views[node_id].add_pending(now, seqs, tokens, blocks)
+        self.metrics.decisions.labels(decision.outcome).inc()
+        return decision
+
+    # -- views -----------------------------------------------------------------------------
+    def _metric_snapshot(self) -> dict[str, Any]:
+        return {
+            "index_blocks": len(self.index),
+            "index_max_blocks": self.index.max_blocks,
+            "index_evictions": self.index.evictions,
+            "nodes": count_nodes([(v.info.role, v.info.status) for v in self.views.values()]),
+            "is_leader": self.election.is_leader,
+            "etcd_connected": self.etcd_connected,
+        }
+
+    def cluster(self) -> dict[str, Any]:
+        now = time.monotonic()
+        cfg = self.config.policy
+        nodes = []
+        for v in sorted(self.views.values(), key=lambda v: v.node_id):
+            p = v.pending_totals(now, cfg.pending_max_age_s)
+            load = v.load
+            nodes.append({
+                "node_id": v.node_id, "role": v.info.role, "url": v.info.url, "model": v.info.model,
+                "pool": v.info.pool, "status": v.info.status, "engine_id": v.info.engine_id,
+                "ready": v.ready(now, cfg.stale_load_s), "connected": v.connected,
+                "load_age_s": None if load is None else round(now - v.load_at, 3),
+                "load": None if load is None else {
+                    "waiting": load.num_requests_waiting, "running": load.num_requests_running,
+                    "kv_cache_usage_perc": load.kv_cache_usage_perc,
+                    "queued_prefill_tokens": load.queued_prefill_tokens,
+                    "kv_blocks_free": load.kv_blocks_free, "kv_blocks_total": load.kv_blocks_total,
+                },
+                "pending": {"seqs": p.seqs, "prefill_tokens": p.prefill_tokens, "blocks": p.blocks},
+                "indexed_blocks": self.index.node_block_count(v.node_id),
+                "event_seq": v.seq, "resyncs": v.resyncs, "event_lag_s": round(v.last_event_lag_s, 4),
+            })  # fmt: skip
+        return {
+            "cluster": self.config.cluster, "replica_id": self.replica_id,
+            "leader": self.election.leader, "is_leader": self.election.is_leader,
+            "etcd_connected": self.etcd_connected,
+            "index_blocks": len(self.index), "index_max_blocks": self.index.max_blocks,
+            "nodes": nodes,
+        }  # fmt: skip

@@ -1,0 +1,121 @@
+"""`duet coordinator` (a coordinator replica) and `duet drain NODE_ID`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+
+from protocol.cluster import DEFAULT_CLUSTER, NODE_TTL_S
+
+COORDINATOR_HELP = """\
+Run one coordinator replica: watches the nodes registered in etcd, follows every node's KV
+event stream into a global prefix index, and answers POST /route with the prefill/decode pair
+for a request. Run two or more replicas for availability: all of them route, one (elected in
+etcd) is leader for cluster-wide actions. Also serves GET /cluster, GET /metrics, GET /health
+and POST /nodes/{id}/drain.
+"""
+
+DRAIN_HELP = """\
+Mark a node draining: coordinators send it no new requests, it finishes the ones it has and,
+if it runs with --exit-when-drained, deregisters and exits 0.
+"""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("coordinator", help="run a coordinator replica (node registry, prefix index, /route)",
+                       description=COORDINATOR_HELP, formatter_class=_Formatter)  # fmt: skip
+    p.add_argument("--etcd", default="http://127.0.0.1:2379", metavar="URL", help="etcd client URL")
+    p.add_argument("--cluster", default=DEFAULT_CLUSTER, help="cluster name (etcd key prefix /duet/NAME/)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8400)
+    p.add_argument("--advertise-url", default=None, help="URL gateways use to reach this replica")
+    p.add_argument("--replica-id", default=None, help="replica name (default: coordinator-HOSTNAME-PORT)")
+    r = p.add_argument_group("routing")
+    r.add_argument("--index-max-blocks", type=int, default=1_000_000,
+                   help="memory bound of the prefix index (block hashes; least recently matched go first)")
+    r.add_argument("--local-prefill-tokens", type=int, default=256,
+                   help="prefill on the decode node when fewer prompt tokens than this are uncached there")
+    r.add_argument("--prefill-saturation-tokens", type=int, default=8192,
+                   help="a prefill node with this many prompt tokens queued is saturated")
+    r.add_argument("--stale-load-s", type=float, default=2.0,
+                   help="a node whose last load report is older than this gets no new routes")
+    p.add_argument("--ttl", type=int, default=NODE_TTL_S, help=argparse.SUPPRESS)
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=_run_coordinator)
+
+    d = sub.add_parser("drain", help="drain a node: no new routes, finish its work (see --help)",
+                       description=DRAIN_HELP, formatter_class=_Formatter)  # fmt: skip
+    d.add_argument("node_id", metavar="NODE_ID")
+    d.add_argument("--etcd", default="http://127.0.0.1:2379", metavar="URL", help="etcd client URL")
+    d.add_argument("--cluster", default=DEFAULT_CLUSTER)
+    d.add_argument("--wait", action="store_true", help="wait until the node has left the cluster")
+    d.add_argument("--timeout", type=float, default=600.0, help="with --wait: give up after this many seconds")
+    d.set_defaults(func=_run_drain)
+
+
+
+def _run_coordinator(args: argparse.Namespace) -> int:
+    from coordinator.policy import PolicyConfig
+    from coordinator.server import run_coordinator
+    from coordinator.service import CoordinatorConfig
+    from coordinator.store import parse_etcd_url
+    from duet.cli import UsageError
+    from node.request_log import setup_logging
+
+    setup_logging(args.log_level, name="coordinator")
+    try:
+        parse_etcd_url(args.etcd)
+        policy = PolicyConfig(local_prefill_tokens=args.local_prefill_tokens,
+                              prefill_saturation_tokens=args.prefill_saturation_tokens,
+                              stale_load_s=args.stale_load_s)  # fmt: skip
+        cfg = CoordinatorConfig(etcd=args.etcd, cluster=args.cluster, host=args.host, port=args.port,
+                                replica_id=args.replica_id, advertise_url=args.advertise_url,
+                                index_max_blocks=args.index_max_blocks, ttl=args.ttl, policy=policy)  # fmt: skip
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return run_coordinator(cfg)
+
+
+def _run_drain(args: argparse.Namespace) -> int:
+    from duet.cli import UsageError
+
+    try:
+        return asyncio.run(_drain(args))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+async def _drain(args: argparse.Namespace) -> int:
+    from coordinator.drain import NodeNotFound, drain_node, find_node
+    from coordinator.etcd_store import EtcdStore
+    from coordinator.store import StoreError
+
+    store = EtcdStore(args.etcd)
+    try:
+        try:
+            info = await drain_node(store, args.cluster, args.node_id)
+        except NodeNotFound:
+            print(f"duet drain: no node {args.node_id!r} is registered in cluster {args.cluster!r}", file=sys.stderr)
+            return 1
+        print(f"{info.node_id}: draining ({info.role} at {info.url})", flush=True)
+        if not args.wait:
+            return 0
+        deadline = time.monotonic() + args.timeout
+        while await find_node(store, args.cluster, args.node_id) is not None:
+            if time.monotonic() > deadline:
+                print(f"duet drain: {args.node_id} still registered after {args.timeout:.0f}s", file=sys.stderr)
+                return 1
+            await asyncio.sleep(0.5)  # polling interval while the node finishes its work
+        print(f"{args.node_id}: left the cluster", flush=True)
+        return 0
+    except StoreError as e:
+        print(f"duet drain: {e}", file=sys.stderr)
+        return 1
+    finally:
+        await store.close()

@@ -1,0 +1,199 @@
+"""The node's KV event log: `GET /kv/events?since=SEQ` and `GET /kv/snapshot` (DESIGN §4).
+
+A poller drains the engine's BlockPool events (recorded when EngineConfig.record_kv_events)
+on the engine thread every `POLL_INTERVAL_S`, numbers each non-empty drain as one
+`EventBatch` (seq 1, 2, ...) and keeps the last `ring_size` batches. Stream readers get the
+batches after their `since`, then new ones as they come, and a `LoadFrame` at least every
+`LOAD_INTERVAL_S` (protocol/kv_events.py documents the wire format).
+
+Invariants: seq numbers have no gaps; the snapshot is taken on the engine thread in the same
+call that drains pending events, under the same lock as the poller, so "snapshot at seq S"
+means exactly "all batches ≤ S applied" and the reader continues with `since=S`. A reader
+that falls behind the ring has its stream closed, so it reconnects and resyncs. A node whose
+engine failed ends every stream and refuses new ones (503), so coordinators stop routing to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from protocol.kv_events import (
+    CONTENT_TYPE,
+    LOAD_INTERVAL_S,
+    EventBatch,
+    KVSnapshot,
+    LoadFrame,
+    encode_frame,
+)
+from protocol.openai import APIError
+
+log = logging.getLogger("duet.node")
+POLL_INTERVAL_S = 0.1
+RING_SIZE = 4096
+
+
+class KVEventLog:
+    def __init__(self, engine: Any, engine_id: str, block_size: int, recording: bool,
+                 ring_size: int = RING_SIZE) -> None:  # fmt: skip
+        self.engine = engine
+        self.engine_id = engine_id
+        self.block_size = block_size
+        self.recording = recording
+        self.seq = 0
+        self.queued_prefill_tokens = 0
+        self._ring: collections.deque[EventBatch] = collections.deque(maxlen=ring_size)
+        self._lock = asyncio.Lock()
+        self._new = asyncio.Event()
+        self.closed = False
+
+    # -- engine side -----------------------------------------------------------------------
+    async def _pull(self, snapshot: bool) -> list[int] | None:
+        async with self._lock:
+            drained = await self.engine.drain_kv_events(snapshot)
+            self.queued_prefill_tokens = drained.queued_prefill_tokens
+            if drained.events:
+                self.seq += 1
+                self._ring.append(EventBatch(seq=self.seq, ts=time.time(), events=drained.events))
+                self._new.set()
+                self._new = asyncio.Event()
+            return drained.block_hashes
+
+    async def poll(self) -> None:
+        await self._pull(snapshot=False)
+
+    async def snapshot(self) -> KVSnapshot:
+        hashes = await self._pull(snapshot=True)
+        assert hashes is not None
+        return KVSnapshot(engine_id=self.engine_id, block_size=self.block_size, seq=self.seq,
+                          block_hashes=hashes)  # fmt: skip
+
+    # -- reader side -----------------------------------------------------------------------
+    def after(self, since: int) -> list[EventBatch] | None:
+        """Batches with seq > since, or None when the ring no longer holds seq since+1."""
+        if since > self.seq:
+            return None
+        if since == self.seq:
+            return []
+        first = self._ring[0].seq if self._ring else self.seq + 1
+        if since + 1 < first:
+            return None
+        return list(self._ring)[since + 1 - first :]
+
+    def close(self) -> None:
+        """The node is shutting down: end every stream, so shutdown does not wait on them."""
+        self.closed = True
+        self._new.set()
+
+    async def wait_new(self, timeout: float) -> None:
+        with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+            await asyncio.wait_for(self._new.wait(), max(timeout, 0.0))
+
+    def load(self, stats: dict[str, float], seq: int) -> LoadFrame:
+        return LoadFrame(seq=seq, ts=time.time(),
+                         num_requests_waiting=int(stats.get("num_requests_waiting", 0)),
+                         num_requests_running=int(stats.get("num_requests_running", 0)),
+                         kv_cache_usage_perc=float(stats.get("kv_cache_usage_perc", 0.0)),
+                         queued_prefill_tokens=self.queued_prefill_tokens,
+                         kv_blocks_free=int(stats.get("kv_blocks_free", 0)),
+                         kv_blocks_total=int(stats.get("kv_blocks_total", 0)))  # fmt: skip
+
+
+KV_EVENTS = web.AppKey("kv_events", KVEventLog)
+
+
+def _since(request: web.Request) -> int:
+    raw = request.query.get("since")
+    if raw is None:
+        raise APIError(400, "query parameter 'since' is required (the last event batch seq you "
+                       "applied; 0 after a snapshot at seq 0)", param="since")  # fmt: skip
+    try:
+        since = int(raw)
+    except ValueError:
+        raise APIError(400, f"'since' must be a non-negative integer, got {raw[:40]!r}", param="since") from None
+    if since < 0:
+        raise APIError(400, f"'since' must be a non-negative integer, got {since}", param="since")
+    return since
+
+
+async def _events(request: web.Request) -> web.StreamResponse:
+    kv = request.app[KV_EVENTS]
+    since = _since(request)
+    if not kv.recording:
+        raise APIError(409, "this node does not record KV events (it records them when it runs "
+                       "with --etcd)", code="kv_events_disabled")  # fmt: skip
+    if kv.engine.dead is not None:  # a failed engine must stop being routed to
+        raise APIError(503, f"engine failed: {kv.engine.dead!r}", type_="service_unavailable")
+    if kv.after(since) is None:
+        raise APIError(410, f"since={since} is outside this node's event log (last seq {kv.seq}, "
+                       f"{len(kv._ring)} batches kept): resync from GET /kv/snapshot",
+                       param="since", code="resync_required")  # fmt: skip
+    resp = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE, "X-Duet-Engine-Id": kv.engine_id})
+    await resp.prepare(request)
+    enc = msgspec.msgpack.Encoder()
+    pos, last_load = since, 0.0
+    while not kv.closed and kv.engine.dead is None:
+        batches = kv.after(pos)
+        if batches is None:  # this reader fell behind the ring: close, it reconnects and resyncs
+            log.warning("KV event reader %s fell behind the event log; closing its stream", request.remote)
+            break
+        for b in batches:
+            await resp.write(encode_frame(enc, b))
+            pos = b.seq
+        now = time.monotonic()
+        if now - last_load >= LOAD_INTERVAL_S:
+            await resp.write(encode_frame(enc, kv.load(kv.engine.stats(), pos)))
+            last_load = now
+        await kv.wait_new(LOAD_INTERVAL_S - (time.monotonic() - last_load))
+    return resp
+
+
+async def _snapshot(request: web.Request) -> web.Response:
+    snap = await request.app[KV_EVENTS].snapshot()
+    return web.Response(body=msgspec.json.encode(snap), content_type="application/json")
+
+
+def add_kv_event_routes(app: web.Application, state: Any) -> None:
+    """Serve `/kv/events` and `/kv/snapshot` from `state.engine`; the poller starts with the app
+    (register after the cleanup context that starts the engine)."""
+    recording = bool(state.config.engine.record_kv_events)
+    kv = KVEventLog(state.engine, state.engine_id, state.config.engine.block_size, recording)
+    app[KV_EVENTS] = kv
+    app.router.add_get("/kv/events", _events)
+    app.router.add_get("/kv/snapshot", _snapshot)
+
+    async def close_streams(_: web.Application) -> None:
+        kv.close()
+
+    app.on_shutdown.append(close_streams)
+    if not recording:  # a standalone node: nobody reads the stream, keep the engine thread idle
+        return
+
+    async def poller(_: web.Application) -> AsyncIterator[None]:
+        async def loop() -> None:
+            failed = False
+            while True:
+                try:
+                    await kv.poll()
+                    failed = False
+                except Exception as e:  # an engine failure shows in /health; keep the log quiet
+                    if not failed:
+                        log.warning("cannot read KV events from the engine: %r", e)
+                    failed = True
+                await asyncio.sleep(POLL_INTERVAL_S)
+
+        task = asyncio.create_task(loop(), name="kv-events-poller")
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    app.cleanup_ctx.append(poller)

@@ -1,0 +1,102 @@
+"""The node → coordinator KV event stream (DESIGN §4): `GET /kv/events?since=SEQ`.
+
+Wire format: a stream of frames, each a 4-byte big-endian length followed by that many bytes
+of msgpack encoding one `Frame` (a tagged union; the tag is the struct name). Content type
+`application/vnd.duet.kv-events+msgpack`.
+
+- `EventBatch{seq, events}`: KV cache changes in vLLM's schema (`BlockStored`,
+  `BlockRemoved`, `AllBlocksCleared`, same field names). `seq` counts batches per node engine
+  from 1, +1 per batch with no gaps; a reader that sees `seq != last + 1` has missed changes
+  and must resync from `GET /kv/snapshot`.
+- `LoadFrame`: the node's load, sent at least every `LOAD_INTERVAL_S`; `seq` is the last batch
+  sent before it (a reader that holds an older seq is behind).
+
+The stream starts after `since` (the reader has applied batches `≤ since`). A `since` older
+than the node's ring of recent batches, or newer than its last batch, answers 410 with an
+OpenAI-shaped error: resync from the snapshot. `GET /kv/snapshot` answers `KVSnapshot`
+(JSON): every cached block hash as of batch `seq`, so the reader continues with `since=seq`.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+CONTENT_TYPE = "application/vnd.duet.kv-events+msgpack"
+#: a load frame goes out at least this often (seconds)
+LOAD_INTERVAL_S = 0.2
+#: frames larger than this are refused by readers (a corrupt length prefix)
+MAX_FRAME_BYTES = 64 * 2**20
+
+
+class BlockStored(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+
+
+class BlockRemoved(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    block_hashes: list[int]
+
+
+class AllBlocksCleared(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class EventBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    seq: int
+    #: node wall-clock time the batch was drained from the engine (for event-lag metrics)
+    ts: float
+    events: list[KVEvent]
+
+
+class LoadFrame(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    seq: int
+    ts: float
+    num_requests_waiting: int
+    num_requests_running: int
+    kv_cache_usage_perc: float
+    #: prompt tokens admitted but not yet computed (waiting + partially prefilled)
+    queued_prefill_tokens: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+
+
+Frame = EventBatch | LoadFrame
+
+
+class KVSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+    engine_id: str
+    block_size: int
+    #: the last event batch this snapshot includes
+    seq: int
+    block_hashes: list[int]
+
+
+class FrameDecoder:
+    """Splits a byte stream into frames (feed chunks, get whole frames back)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._decoder = msgspec.msgpack.Decoder(Frame)
+
+    def feed(self, data: bytes) -> list[Frame]:
+        self._buf += data
+        out: list[Frame] = []
+        while len(self._buf) >= 4:
+            n = int.from_bytes(self._buf[:4], "big")
+            if n > MAX_FRAME_BYTES:
+                raise ValueError(f"KV event frame of {n} bytes (corrupt stream?)")
+            if len(self._buf) < 4 + n:
+                break
+            out.append(self._decoder.decode(bytes(self._buf[4 : 4 + n])))
+            del self._buf[: 4 + n]
+        return out
+
+
+def encode_frame(encoder: msgspec.msgpack.Encoder, frame: Frame) -> bytes:
+    body = encoder.encode(frame)
+    return len(body).to_bytes(4, "big") + body
