@@ -10,10 +10,6 @@ PENDING = {
         "etcd-backed coordinator: node registry, prefix index, /route",
         "the coordinator issue",
     ),
-    "gateway": (
-        "OpenAI-compatible gateway: keys, teams, quotas, tiers, routing, fallback",
-        "the gateway issue",
-    ),
 }
 
 
