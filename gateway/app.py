@@ -23,6 +23,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import admin, serve
+from gateway.auth import authenticate, bearer, is_admin
 from gateway.backend import Backend
 from gateway.cluster import ClusterBackend
 from gateway.config import GatewayConfig, ModelConfig, StaticNodes
@@ -102,6 +103,8 @@ def _completions(endpoint: str) -> Handler:
 
 async def _models(request: web.Request) -> web.Response:
     s = request.app[STATE]
+    if not is_admin(s, bearer(request)):
+        await authenticate(s, request)
     data = [{"id": name, "object": "model", "created": 0, "owned_by": "duet" if m.config.kind == "cluster" else "external",
              "max_model_len": m.max_model_len} for name, m in sorted(s.models.items())]  # fmt: skip
     return web.Response(body=_ENC.encode({"object": "list", "data": data}), content_type="application/json")

@@ -53,7 +53,8 @@ def gateway_proc(tmp: Path, models: dict[str, dict[str, Any]], port: int | None 
                  store: Path | None = None, **sections: dict[str, Any]) -> Proc:  # fmt: skip
     port = port or free_port()
     store = store or tmp / "gateway.db"
-    sections = {"server": {"port": port}, "store": {"url": f"sqlite://{store}"}, **sections}
+    server = {**sections.pop("server", {}), "port": port}
+    sections = {"server": server, "store": {"url": f"sqlite://{store}"}, **sections}
     cfg = write_config(tmp / f"gateway-{port}.toml", models, **sections)
     args = [sys.executable, "-m", "duet", "gateway", "--config", str(cfg), "--log-level", "INFO"]
     return Proc(args, port, tmp / f"gateway-{port}.log", env={"DUET_ADMIN_KEY": ADMIN_KEY})
