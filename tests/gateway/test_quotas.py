@@ -50,7 +50,7 @@ async def test_100_concurrent_against_tight_tpm(gw: Proc, tiny_llama: Path) -> N
     used = sum(r[2]["usage"]["total_tokens"] for r in ok)
     assert used <= tpm  # zero overspend
     assert len(ok) == 7  # reserve == actual here (ignore_eos), so exactly what fits is admitted
-    for status, headers, err in refused:
+    for _, headers, err in refused:
         assert err["error"]["code"] == "rate_limit_exceeded" and err["error"]["param"] == "tokens"
         assert err["error"]["type"] == "rate_limit_error"
         assert int(headers["Retry-After"]) >= 1
@@ -94,7 +94,7 @@ def test_rpm(gw: Proc) -> None:
     key = make_team(gw.url, "chatty", rpm=2)
     got = [http(gw.url + "/v1/completions", "POST", {**body(), "max_tokens": 2}, key=key) for _ in range(3)]
     assert [g[0] for g in got] == [200, 200, 429]
-    status, headers, err = got[2]
+    _, headers, err = got[2]
     assert err["error"]["code"] == "rate_limit_exceeded" and err["error"]["param"] == "requests"
     assert headers["x-ratelimit-limit-requests"] == "2" and headers["x-ratelimit-remaining-requests"] == "0"
     assert int(headers["Retry-After"]) >= 1

@@ -14,7 +14,6 @@ from gateway.store.base import Refusal, Reservation, ReserveRequest, Settlement,
 from gateway.store.sqlite import SqliteStore, seconds_to_next_month
 
 
-
 async def _store(tmp_path: Path, name: str = "s.db") -> SqliteStore:
     s = SqliteStore(tmp_path / name)
     await s.open()
