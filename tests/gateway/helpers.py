@@ -88,3 +88,11 @@ def make_team(url: str, team: str, **limits: Any) -> str:
     assert status == 201, body
     assert body["key"].startswith("sk-duet-")
     return body["key"]
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of a metric's samples (all label sets) on a node or gateway."""
+    import re
+
+    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))

@@ -16,7 +16,7 @@ import pytest
 
 from bench.pd_client import completion
 from protocol.tokenizer import Tokenizer
-from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, tiny_model
+from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, metric, tiny_model
 from tests.procs import Proc, running
 
 GREEDY = {"max_tokens": 12, "temperature": 0}
@@ -91,26 +91,20 @@ async def test_async_streaming_matches_whole(gw: tuple[Proc, str]) -> None:
     assert text == whole_c.choices[0].text
 
 
-def _metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-    total = sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
-    return total
-
-
 async def test_n_samples_share_one_prefill(gw: tuple[Proc, str], nodes: tuple[Proc, Proc, Proc]) -> None:
     g, key = gw
     p, d, _ = nodes
     client = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
     prompt = "n samples share one prefill: " + "xyz " * 40
-    hits0, p_tokens0 = _metric(d.url, "duet:prefix_cache_hits_total"), _metric(p.url, "duet:prompt_tokens_total")
+    hits0, p_tokens0 = metric(d.url, "duet:prefix_cache_hits_total"), metric(p.url, "duet:prompt_tokens_total")
     r = await client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=8, temperature=1.0, seed=7,
                                         extra_body={"ignore_eos": True})  # fmt: skip
     assert sorted(c.index for c in r.choices) == [0, 1, 2]
     assert r.usage.completion_tokens == 24
     n_prompt = r.usage.prompt_tokens
     # P computed the prompt once; D served samples 1 and 2 from the KV pulled for sample 0.
-    assert _metric(p.url, "duet:prompt_tokens_total") - p_tokens0 <= n_prompt
-    assert _metric(d.url, "duet:prefix_cache_hits_total") - hits0 >= 2 * (n_prompt // 16 * 16)
+    assert metric(p.url, "duet:prompt_tokens_total") - p_tokens0 <= n_prompt
+    assert metric(d.url, "duet:prefix_cache_hits_total") - hits0 >= 2 * (n_prompt // 16 * 16)
     stream = await client.chat.completions.create(model=MODEL, messages=CHATS[0], n=2, max_tokens=6, temperature=0,
                                                   stream=True, stream_options={"include_usage": True})  # fmt: skip
     texts: dict[int, str] = {0: "", 1: ""}
