@@ -13,5 +13,7 @@ def open_store(url: str) -> Store:
         path = url.removeprefix("sqlite://")  # sqlite:///abs/path or sqlite:///./relative
         return SqliteStore(path[1:] if path.startswith("//") else path)
     if url.startswith(("postgresql://", "postgres://")):
-        raise ValueError("the PostgreSQL store is not implemented yet; use sqlite:///PATH")
+        from gateway.store.postgres import PostgresStore
+
+        return PostgresStore(url)
     raise ValueError(f"unsupported store URL {url!r}: use sqlite:///PATH or postgresql://...")

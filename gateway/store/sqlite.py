@@ -10,7 +10,6 @@ on the same machine included. `synchronous=NORMAL` in WAL mode survives a killed
 from __future__ import annotations
 
 import asyncio
-import calendar
 import json
 import sqlite3
 import time
@@ -23,7 +22,6 @@ from typing import Any, TypeVar
 from gateway.store.base import (
     WINDOW_S,
     ApiKey,
-    RateState,
     Refusal,
     Reservation,
     ReserveRequest,
@@ -33,6 +31,7 @@ from gateway.store.base import (
     Team,
     UsageRecord,
 )
+from gateway.store.rules import Counters, day_period, decide, month_period, needs_window_rows
 
 T = TypeVar("T")
 
@@ -67,24 +66,6 @@ _KEY_COLS = "id, team_id, name, prefix, created_at, revoked_at"
 _USAGE_COLS = ("request_id", "team_id", "key_id", "model_requested", "model_used", "tier", "status",
                "endpoint", "prompt_tokens", "completion_tokens", "cached_tokens", "cost_usd", "ttft_s",
                "latency_s", "nodes", "created_at")  # fmt: skip
-
-
-def day_period(t: float) -> str:
-    return "d:" + time.strftime("%Y-%m-%d", time.gmtime(t))
-
-
-def month_period(t: float) -> str:
-    return "m:" + time.strftime("%Y-%m", time.gmtime(t))
-
-
-def seconds_to_next_day(t: float) -> float:
-    return 86400 - (t % 86400)
-
-
-def seconds_to_next_month(t: float) -> float:
-    g = time.gmtime(t)
-    y, m = (g.tm_year + 1, 1) if g.tm_mon == 12 else (g.tm_year, g.tm_mon + 1)
-    return calendar.timegm((y, m, 1, 0, 0, 0)) - t
 
 
 def _team(row: tuple[Any, ...]) -> Team:
@@ -299,63 +280,20 @@ def _reserve(db: sqlite3.Connection, req: ReserveRequest) -> Reservation | Refus
         n_window, tok_window, oldest = db.execute(
             "SELECT count(*), coalesce(sum(tokens),0), min(created_at) FROM reservations "
             "WHERE team_id=? AND created_at>? AND state!='expired'", (team.id, now - WINDOW_S)).fetchone()  # fmt: skip
-        reset = max(0.0, (oldest + WINDOW_S - now)) if oldest is not None else 0.0
-        rate = RateState(
-            limit_requests=team.rpm, limit_tokens=team.tpm,
-            remaining_requests=None if team.rpm is None else max(0, team.rpm - n_window),
-            remaining_tokens=None if team.tpm is None else max(0, team.tpm - tok_window),
-            reset_requests_s=reset, reset_tokens_s=reset,
-        )  # fmt: skip
-        refusal = None
-        if team.max_concurrent is not None and active >= team.max_concurrent:
-            refusal = Refusal("concurrency", f"team {team.id!r} already has {active} requests in flight "
-                              f"(limit {team.max_concurrent})", 1.0, rate)  # fmt: skip
-        elif team.rpm is not None and n_window >= team.rpm:
-            refusal = Refusal("requests", f"rate limit reached for team {team.id!r}: {team.rpm} requests "
-                              "per minute", reset, rate)  # fmt: skip
-        elif team.tpm is not None and tok_window + req.tokens > team.tpm:
-            wait = _tokens_free_at(db, team.id, now, tok_window + req.tokens - team.tpm)
-            rate = RateState(**{**rate.__dict__, "reset_tokens_s": wait})
-            msg = (f"this request needs up to {req.tokens} tokens (prompt + max_tokens), more than team "
-                   f"{team.id!r}'s limit of {team.tpm} tokens per minute") if req.tokens > team.tpm else \
-                  (f"rate limit reached for team {team.id!r}: {team.tpm} tokens per minute, "
-                   f"{max(0, team.tpm - tok_window)} left, this request needs up to {req.tokens}")  # fmt: skip
-            refusal = Refusal("tokens", msg, wait, rate)
-        else:
-            for kind, budget, period, reset_s in (
-                ("daily_budget", team.daily_budget_usd, day_period(now), seconds_to_next_day(now)),
-                ("monthly_budget", team.monthly_budget_usd, month_period(now), seconds_to_next_month(now)),
-            ):
-                if budget is None:
-                    continue
-                spent = db.execute("SELECT cost_usd FROM spend WHERE team_id=? AND period=?",
-                                   (team.id, period)).fetchone()  # fmt: skip
-                committed = (spent[0] if spent else 0.0) + active_cost
-                if committed + req.cost_usd > budget:
-                    refusal = Refusal(kind, f"team {team.id!r} would exceed its {kind.replace('_', ' ')} of "  # type: ignore[arg-type]
-                                      f"${budget:g} (${committed:.6f} spent or reserved, this request "
-                                      f"may cost up to ${req.cost_usd:.6f})", reset_s, rate)  # fmt: skip
-                    break
-        if refusal is not None:
-            return refusal
+        spent = dict(db.execute("SELECT period, cost_usd FROM spend WHERE team_id=? AND period IN (?,?)",
+                                (team.id, day_period(now), month_period(now))).fetchall())  # fmt: skip
+        c = Counters(active=active, active_cost=active_cost, window_requests=n_window, window_tokens=tok_window,
+                     window_oldest=oldest, spent_day=spent.get(day_period(now), 0.0),
+                     spent_month=spent.get(month_period(now), 0.0))  # fmt: skip
+        rows = None
+        if needs_window_rows(team, c, req):
+            rows = db.execute("SELECT created_at, tokens FROM reservations WHERE team_id=? AND created_at>? "
+                              "AND state!='expired' ORDER BY created_at", (team.id, now - WINDOW_S)).fetchall()  # fmt: skip
+        verdict = decide(team, c, req, rows)
+        if isinstance(verdict, Refusal):
+            return verdict
         rid = f"rsv-{uuid.uuid4().hex}"
         db.execute("INSERT INTO reservations (id, team_id, key_id, request_id, created_at, expires_at, tokens, "
                    "cost_usd, state) VALUES (?,?,?,?,?,?,?,?, 'active')",
                    (rid, team.id, req.key_id, req.request_id, now, now + req.ttl_s, req.tokens, req.cost_usd))  # fmt: skip
-        if rate.remaining_requests is not None:
-            rate = RateState(**{**rate.__dict__, "remaining_requests": rate.remaining_requests - 1})
-        if rate.remaining_tokens is not None:
-            rate = RateState(**{**rate.__dict__, "remaining_tokens": rate.remaining_tokens - req.tokens})
-        return Reservation(rid, rate)
-
-
-def _tokens_free_at(db: sqlite3.Connection, team_id: str, now: float, need: int) -> float:
-    """Seconds until `need` booked tokens leave the 60 s window."""
-    freed = 0
-    for created, tokens in db.execute(
-        "SELECT created_at, tokens FROM reservations WHERE team_id=? AND created_at>? AND state!='expired' "
-        "ORDER BY created_at", (team_id, now - WINDOW_S)):  # fmt: skip
-        freed += tokens
-        if freed >= need:
-            return max(0.0, created + WINDOW_S - now)
-    return WINDOW_S
+        return Reservation(rid, verdict)

@@ -10,12 +10,28 @@ from pathlib import Path
 import pytest
 
 from gateway.keys import hash_secret, new_key
-from gateway.store.base import Refusal, Reservation, ReserveRequest, Settlement, Team, UsageRecord
-from gateway.store.sqlite import SqliteStore, seconds_to_next_month
+from gateway.store import open_store
+from gateway.store.base import (
+    Refusal,
+    Reservation,
+    ReserveRequest,
+    Settlement,
+    Store,
+    Team,
+    UsageRecord,
+)
+from gateway.store.rules import seconds_to_next_month
 
 
-async def _store(tmp_path: Path, name: str = "s.db") -> SqliteStore:
-    s = SqliteStore(tmp_path / name)
+@pytest.fixture(params=["sqlite", "postgres"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path / 's.db'}"
+    return request.getfixturevalue("postgres_db")
+
+
+async def _store(url: str) -> Store:
+    s = open_store(url)
     await s.open()
     return s
 
@@ -31,20 +47,21 @@ def _settle(res: Reservation, team: str, tokens: int, cost: float) -> Settlement
                                           cost_usd=cost))  # fmt: skip
 
 
-async def test_keys_are_stored_as_hashes(tmp_path: Path) -> None:
-    s = await _store(tmp_path)
+async def test_keys_are_stored_as_hashes(url: str) -> None:
+    s = await _store(url)
     await s.create_team(Team(id="t"))
     key, secret, digest = new_key("t", "ci")
     await s.create_key(key, digest)
     assert (await s.key_by_hash(hash_secret(secret)))[0].id == key.id
-    assert secret.encode() not in (tmp_path / "s.db").read_bytes()
+    if url.startswith("sqlite"):
+        assert secret.encode() not in Path(url.removeprefix("sqlite://")).read_bytes()
     await s.revoke_key(key.id)
     assert await s.key_by_hash(hash_secret(secret)) is None
     await s.close()
 
 
-async def test_concurrency_limit_and_settle(tmp_path: Path) -> None:
-    s = await _store(tmp_path)
+async def test_concurrency_limit_and_settle(url: str) -> None:
+    s = await _store(url)
     await s.create_team(Team(id="t", max_concurrent=2))
     a, b = await s.reserve(_req("t")), await s.reserve(_req("t"))
     assert isinstance(a, Reservation) and isinstance(b, Reservation)
@@ -55,8 +72,8 @@ async def test_concurrency_limit_and_settle(tmp_path: Path) -> None:
     await s.close()
 
 
-async def test_stale_reservations_expire(tmp_path: Path) -> None:
-    s = await _store(tmp_path)
+async def test_stale_reservations_expire(url: str) -> None:
+    s = await _store(url)
     await s.create_team(Team(id="t", max_concurrent=1, daily_budget_usd=1.0))
     t0 = 1_000_000.0
     assert isinstance(await s.reserve(_req("t", cost=0.9, now=t0, ttl=30)), Reservation)  # its gateway "dies"
@@ -67,8 +84,8 @@ async def test_stale_reservations_expire(tmp_path: Path) -> None:
     await s.close()
 
 
-async def test_tpm_window_settles_to_real_tokens(tmp_path: Path) -> None:
-    s = await _store(tmp_path)
+async def test_tpm_window_settles_to_real_tokens(url: str) -> None:
+    s = await _store(url)
     await s.create_team(Team(id="t", tpm=100))
     t0 = 2_000_000.0
     a = await s.reserve(_req("t", tokens=80, now=t0))
@@ -85,8 +102,8 @@ async def test_tpm_window_settles_to_real_tokens(tmp_path: Path) -> None:
     await s.close()
 
 
-async def test_budget_counts_settled_spend_and_open_reservations(tmp_path: Path) -> None:
-    s = await _store(tmp_path)
+async def test_budget_counts_settled_spend_and_open_reservations(url: str) -> None:
+    s = await _store(url)
     await s.create_team(Team(id="t", monthly_budget_usd=1.0))
     a = await s.reserve(_req("t", cost=0.6))
     assert isinstance(a, Reservation)
@@ -99,9 +116,9 @@ async def test_budget_counts_settled_spend_and_open_reservations(tmp_path: Path)
     await s.close()
 
 
-async def test_two_connections_share_one_limit(tmp_path: Path) -> None:
-    """Two stores on one file (as two gateway processes would be) never admit more than the limit."""
-    a, b = await _store(tmp_path), await _store(tmp_path)
+async def test_two_connections_share_one_limit(url: str) -> None:
+    """Two stores on one database (as two gateway processes would be) never admit more than the limit."""
+    a, b = await _store(url), await _store(url)
     await a.create_team(Team(id="t", tpm=1000))
     results = await asyncio.gather(*[(a if i % 2 else b).reserve(_req("t", tokens=30)) for i in range(100)])
     admitted = [r for r in results if isinstance(r, Reservation)]
@@ -116,8 +133,8 @@ def test_next_month() -> None:
 
 
 @pytest.mark.parametrize("group_by", [None, "model", "day"])
-async def test_usage_grouping(tmp_path: Path, group_by: str | None) -> None:
-    s = await _store(tmp_path)
+async def test_usage_grouping(url: str, group_by: str | None) -> None:
+    s = await _store(url)
     await s.create_team(Team(id="t"))
     res = await s.reserve(_req("t"))
     assert isinstance(res, Reservation)
