@@ -116,6 +116,12 @@ def _config(args: argparse.Namespace):  # -> GatewayConfig
     if args.etcd:
         routing = dataclasses.replace(routing, etcd=args.etcd)
     cfg = dataclasses.replace(cfg, server=server, routing=routing, store_url=args.store or cfg.store_url)
+    from gateway.store import open_store
+
+    try:
+        open_store(cfg.store_url)  # checks the URL's form (connects only when the gateway starts)
+    except (ValueError, ImportError) as e:
+        raise UsageError(str(e)) from None
     for m in cfg.models.values():
         if m.kind == "cluster":
             resolve_model(m.tokenizer)  # an unknown model is a one-line error before we listen

@@ -24,7 +24,12 @@ async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            max_line_size=srv.max_header_bytes, max_field_size=srv.max_header_bytes,
                            shutdown_timeout=grace_s)  # fmt: skip
-    await runner.setup()
+    try:
+        await runner.setup()  # opens the store, loads tokenizers
+    except Exception as e:  # an unreachable database, a broken tokenizer: one line, not a traceback
+        print(f"duet gateway: cannot start: {type(e).__name__}: {e}", file=sys.stderr)
+        await runner.cleanup()
+        return 1
     site = web.TCPSite(runner, srv.host, srv.port, backlog=4096)
     await site.start()
     stop = asyncio.Event()

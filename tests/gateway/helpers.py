@@ -50,11 +50,12 @@ def tiny_model(tokenizer: Path, prefill: list[str] = (), decode: list[str] = (),
 
 
 def gateway_proc(tmp: Path, models: dict[str, dict[str, Any]], port: int | None = None,
-                 store: Path | None = None, **sections: dict[str, Any]) -> Proc:  # fmt: skip
+                 store: Path | str | None = None, **sections: dict[str, Any]) -> Proc:  # fmt: skip
+    """`store`: an SQLite file (default tmp/gateway.db) or a postgresql:// URL."""
     port = port or free_port()
-    store = store or tmp / "gateway.db"
+    url = store if isinstance(store, str) else f"sqlite://{store or tmp / 'gateway.db'}"
     server = {**sections.pop("server", {}), "port": port}
-    sections = {"server": server, "store": {"url": f"sqlite://{store}"}, **sections}
+    sections = {"server": server, "store": {"url": url}, **sections}
     cfg = write_config(tmp / f"gateway-{port}.toml", models, **sections)
     args = [sys.executable, "-m", "duet", "gateway", "--config", str(cfg), "--log-level", "INFO"]
     return Proc(args, port, tmp / f"gateway-{port}.log", env={"DUET_ADMIN_KEY": ADMIN_KEY})

@@ -98,3 +98,25 @@ def test_rpm(gw: Proc) -> None:
     assert err["error"]["code"] == "rate_limit_exceeded" and err["error"]["param"] == "requests"
     assert headers["x-ratelimit-limit-requests"] == "2" and headers["x-ratelimit-remaining-requests"] == "0"
     assert int(headers["Retry-After"]) >= 1
+
+
+async def test_two_gateways_on_one_postgres_hold_one_limit(tiny_llama: Path, tmp_path: Path, postgres_db: str) -> None:
+    both = duet_node("both", tiny_llama, tmp_path, "--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024")
+    models = {MODEL: tiny_model(tiny_llama, both=[both.url])}
+    g1 = gateway_proc(tmp_path, models, store=postgres_db)
+    g2 = gateway_proc(tmp_path, models, store=postgres_db)
+    with running(both, g1, g2):
+        per_request = len(Tokenizer(tiny_llama).encode(PROMPT)) + MAX_TOKENS
+        tpm = per_request * 5 + 1
+        key = make_team(g1.url, "shared", tpm=tpm)
+
+        async def one(s: aiohttp.ClientSession, url: str) -> int:
+            async with s.post(url + "/v1/completions", json=body(), headers={"Authorization": f"Bearer {key}"}) as r:
+                await r.read()
+                return r.status
+
+        async with aiohttp.ClientSession() as s:
+            statuses = await asyncio.gather(*[one(s, (g1, g2)[i % 2].url) for i in range(60)])
+        assert statuses.count(200) == 5 and statuses.count(429) == 55  # one limit, not one per gateway
+        usage = http(g2.url + "/v1/usage", key=key)[2]["data"][0]
+        assert usage["requests"] == 5 and usage["total_tokens"] <= tpm
