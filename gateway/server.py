@@ -27,7 +27,7 @@ async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
     try:
         await runner.setup()  # opens the store, loads tokenizers
     except Exception as e:  # an unreachable database, a broken tokenizer: one line, not a traceback
-        print(f"duet gateway: cannot start: {type(e).__name__}: {e}", file=sys.stderr)
+        print(f"duet gateway: cannot start (store {cfg.store_url}): {type(e).__name__}: {e}", file=sys.stderr)
         await runner.cleanup()
         return 1
     site = web.TCPSite(runner, srv.host, srv.port, backlog=4096)
