@@ -125,12 +125,9 @@ def _config(args: argparse.Namespace):  # -> GatewayConfig
     for m in cfg.models.values():
         if m.kind == "cluster":
             resolve_model(m.tokenizer)  # an unknown model is a one-line error before we listen
-            if m.static is None and not routing.coordinator:
-                raise UsageError(f"model {m.name!r} has no static node list and no --coordinator is given: "
-                                 "nothing could serve it")  # fmt: skip
-    if routing.etcd and not routing.coordinator:
-        print("duet gateway: note: finding coordinators and nodes through etcd is not implemented yet; "
-              "give --coordinator or static node lists", file=sys.stderr)  # fmt: skip
+            if m.static is None and not routing.coordinator and not routing.etcd:
+                raise UsageError(f"model {m.name!r} has no static node list, and neither --coordinator nor "
+                                 "--etcd is given: nothing could serve it")  # fmt: skip
     return cfg
 
 

@@ -27,6 +27,7 @@ from gateway.auth import authenticate, bearer, is_admin
 from gateway.backend import Backend
 from gateway.cluster import ClusterBackend
 from gateway.config import GatewayConfig, ModelConfig, StaticNodes
+from gateway.etcd_view import EtcdView
 from gateway.metrics import GatewayMetrics
 from gateway.node_client import NodeClient
 from gateway.routing import CoordinatorRouter, FailoverRouter, NodeLoad, Router, StaticRouter
@@ -154,14 +155,20 @@ def _max_model_len(m: ModelConfig, directory: Path) -> int:
     return int(cfg.get("max_position_embeddings") or 4096)
 
 
-def _router(s: GatewayState, load: NodeLoad) -> Router:
+def _router(s: GatewayState, load: NodeLoad, view: EtcdView | None) -> Router:
+    """Coordinator replicas (configured, plus those registered in etcd) first; the static
+    node lists (configured, else etcd's view) when no replica answers, or when there is none."""
     cfg = s.config
-    static = StaticRouter(lambda name: _static_nodes(cfg, name), load)
-    coordinators = list(cfg.routing.coordinator)
-    if not coordinators:
+    static = StaticRouter(lambda name: _static_nodes(cfg, name) or (view.pool(name) if view else None), load)
+    configured = list(cfg.routing.coordinator)
+    if not configured and view is None:
         return static
     assert s.session is not None
-    coord = CoordinatorRouter(s.session, lambda: coordinators, cfg.routing.route_timeout_s)
+
+    def replicas() -> list[str]:
+        return configured + [u for u in (view.coordinators if view else []) if u not in configured]
+
+    coord = CoordinatorRouter(s.session, replicas, cfg.routing.route_timeout_s)
     return FailoverRouter(coord, static, lambda reason: s.metrics.route_fallback.labels(reason=reason).inc())
 
 
@@ -188,8 +195,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     s.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     load = NodeLoad()
     rc = cfg.routing
+    view = EtcdView(rc.etcd, rc.cluster) if rc.etcd else None
+    view_life = view.lifecycle() if view else None
+    if view_life is not None:
+        await view_life.__anext__()
     nodes = NodeClient(s.session, rc.connect_timeout_s, rc.prefill_timeout_s, rc.read_timeout_s)
-    router = _router(s, load)
+    router = _router(s, load, view)
     cluster = ClusterBackend(nodes, router, load, rc, on_retry=lambda k: s.metrics.retries.labels(kind=k).inc())
     for name, m in cfg.models.items():
         if m.kind == "cluster":
@@ -210,6 +221,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(StopAsyncIteration):
             await writer.__anext__()
         await cluster.drain()
+        if view_life is not None:
+            with contextlib.suppress(StopAsyncIteration):
+                await view_life.__anext__()
         await s.session.close()
         await s.store.close()
 
