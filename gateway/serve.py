@@ -132,16 +132,22 @@ class _Ctx:
         r.prompt_tokens = o.prompt_tokens or r.prompt_tokens
         r.completion_tokens = o.total_completion_tokens
         r.cached_tokens = o.cached_tokens
-        r.cost_usd = cost_usd(self.served.config, r.prompt_tokens, r.completion_tokens, r.cached_tokens)
+        served = bool(o.nodes) or o.first_token_at is not None
+        # A request no node served (refused by a node, shed, every try failed) costs nothing.
+        r.cost_usd = cost_usd(self.served.config, r.prompt_tokens, r.completion_tokens, r.cached_tokens) if served else 0.0
         r.ttft_s = (o.first_token_at - self.t0) if o.first_token_at is not None else None
         r.latency_s = time.monotonic() - self.t0
         r.nodes = list(o.nodes)
         r.model_used = o.model_used or r.model_used
         r.created_at = time.time()
-        return Settlement(self.reservation_id, r)
+        return Settlement(self.reservation_id, r, window_tokens=None if served else 0)
 
     def observe(self) -> None:
         r, m = self.record, self.state.metrics
+        log.info("%s team=%s model=%s tier=%s status=%s prompt=%d cached=%d completion=%d cost=$%.6f ttft=%s "
+                 "latency=%.3fs nodes=%s", r.request_id, r.team_id, r.model_requested, r.tier, r.status,
+                 r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.cost_usd,
+                 f"{r.ttft_s:.3f}s" if r.ttft_s is not None else "-", r.latency_s, ",".join(r.nodes) or "-")  # fmt: skip
         m.requests.labels(team=r.team_id, model=r.model_requested, tier=r.tier, status=r.status).inc()
         m.spend.labels(team=r.team_id, model=r.model_requested).inc(r.cost_usd)
         m.tokens.labels(team=r.team_id, model=r.model_requested, kind="prompt").inc(r.prompt_tokens)

@@ -108,6 +108,14 @@ class Settlement:
 
     reservation_id: str | None
     record: UsageRecord
+    #: tokens the request keeps in the team's TPM window (None: prompt + completion); a
+    #: request no node ever served keeps none
+    window_tokens: int | None = None
+
+    @property
+    def tokens(self) -> int:
+        r = self.record
+        return r.prompt_tokens + r.completion_tokens if self.window_tokens is None else self.window_tokens
 
 
 class Store(ABC):

@@ -198,7 +198,7 @@ class PostgresStore(Store):
                 r = s.record
                 if s.reservation_id is not None:
                     await con.execute("UPDATE reservations SET state='settled', tokens=$1, cost_usd=$2 WHERE id=$3",
-                                      r.prompt_tokens + r.completion_tokens, r.cost_usd, s.reservation_id)  # fmt: skip
+                                      s.tokens, r.cost_usd, s.reservation_id)  # fmt: skip
                 if r.cost_usd > 0:
                     for period in (day_period(now), month_period(now)):
                         await con.execute("INSERT INTO spend (team_id, period, cost_usd) VALUES ($1,$2,$3) "

@@ -191,7 +191,7 @@ class SqliteStore(Store):
                     r = s.record
                     if s.reservation_id is not None:
                         db.execute("UPDATE reservations SET state='settled', tokens=?, cost_usd=? WHERE id=?",
-                                   (r.prompt_tokens + r.completion_tokens, r.cost_usd, s.reservation_id))  # fmt: skip
+                                   (s.tokens, r.cost_usd, s.reservation_id))  # fmt: skip
                     if r.cost_usd > 0:
                         for period in (day_period(now), month_period(now)):
                             db.execute("INSERT INTO spend (team_id, period, cost_usd) VALUES (?,?,?) "

@@ -18,7 +18,8 @@ import pytest
 from aiohttp import web
 
 from protocol.route import RouteRequest, RouteResponse, RouteTarget
-from tests.gateway.helpers import MODEL, gateway_proc, make_team, metric, tiny_model
+from protocol.tokenizer import Tokenizer
+from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, metric, tiny_model
 from tests.procs import Proc, free_port, running
 
 
@@ -91,18 +92,24 @@ async def test_replica_failover_and_exclude(nodes: tuple[Proc, Proc, Proc], tiny
 async def test_cluster_answers_are_passed_on(tiny_llama: Path, tmp_path: Path, coord: RouteServer) -> None:
     g = gateway_proc(tmp_path, {MODEL: tiny_model(tiny_llama)}, routing={"coordinator": [coord.url]})
     with running(g):
-        key = make_team(g.url, "c")
+        prompt = "word " * 30
+        n = len(Tokenizer(tiny_llama).encode(prompt))
+        # one request fits; had a failed one kept its prompt tokens, the next would not
+        key = make_team(g.url, "c", tpm=n + 20 + n // 2)
         client = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
         coord.script = [(503, {"error": {"message": "every node is full", "type": "service_unavailable",
                                          "param": None, "code": "no_capacity"}})]  # fmt: skip
         with pytest.raises(openai.APIStatusError) as e:
-            await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+            await client.completions.create(model=MODEL, prompt=prompt, max_tokens=20)
         assert e.value.status_code == 503 and e.value.response.headers["Retry-After"] == "3"
         assert "full" in e.value.message
         coord.script = [(404, {"error": {"message": "no node serves tiny", "type": "invalid_request_error",
                                          "param": "model", "code": "model_not_found"}})]  # fmt: skip
-        with pytest.raises(openai.NotFoundError):
-            await client.completions.create(model=MODEL, prompt="x", max_tokens=2)
+        for _ in range(2):  # a request no node served kept no tokens in the window: not a 429
+            with pytest.raises(openai.NotFoundError):
+                await client.completions.create(model=MODEL, prompt=prompt, max_tokens=20)
+        rows = http(g.url + "/v1/usage", key=key)[2]["data"][0]
+        assert rows["requests"] == 3 and rows["cost_usd"] == 0
 
 
 async def test_no_coordinator_answers_static_view_serves(nodes: tuple[Proc, Proc, Proc], tiny_llama: Path,
