@@ -7,6 +7,7 @@ The "ready" line on stdout is printed only once the port accepts requests.
 from __future__ import annotations
 
 import asyncio
+import resource
 import signal
 import sys
 
@@ -16,7 +17,15 @@ from gateway.app import make_app
 from gateway.config import GatewayConfig
 
 
+def _raise_fd_limit() -> None:
+    """Every stream holds two sockets (client and node): allow as many as the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
 async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
+    _raise_fd_limit()
     app = make_app(cfg)
     srv = cfg.server
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the
