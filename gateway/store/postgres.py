@@ -2,9 +2,11 @@
 
 A reservation is one transaction that locks the team's row (`SELECT … FOR UPDATE`), so every
 gateway's reservations for a team are serialized by the database and a limit holds across
-processes and machines. Counters are read in the order active reservations → window → spend,
-so a settlement committing in between is counted twice (conservative), never missed.
-Settlement batches take row locks in team order, so two gateways' batches cannot deadlock.
+processes and machines. In-flight and window counters are running totals (team_state,
+rate_buckets), updated in the same transactions as the bookings. Counters are read in the
+order in-flight → window → spend, so a settlement committing in between is counted twice
+(conservative), never missed. Settlement batches take row locks in team order, so two
+gateways' batches cannot deadlock.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from gateway.store.base import (
     Team,
     UsageRecord,
 )
-from gateway.store.rules import Counters, day_period, decide, month_period, needs_window_rows
+from gateway.store.rules import Counters, day_period, decide, month_period, window_start
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS teams (
@@ -41,9 +43,14 @@ CREATE TABLE IF NOT EXISTS api_keys (
 CREATE TABLE IF NOT EXISTS reservations (
     id TEXT PRIMARY KEY, team_id TEXT NOT NULL, key_id TEXT NOT NULL, request_id TEXT NOT NULL,
     created_at DOUBLE PRECISION NOT NULL, expires_at DOUBLE PRECISION NOT NULL, tokens BIGINT NOT NULL,
-    cost_usd DOUBLE PRECISION NOT NULL, state TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS reservations_window ON reservations (team_id, created_at);
-CREATE INDEX IF NOT EXISTS reservations_state ON reservations (team_id, state);
+    cost_usd DOUBLE PRECISION NOT NULL);
+CREATE INDEX IF NOT EXISTS reservations_team_expiry ON reservations (team_id, expires_at);
+CREATE INDEX IF NOT EXISTS reservations_expiry ON reservations (expires_at);
+CREATE TABLE IF NOT EXISTS team_state (
+    team_id TEXT PRIMARY KEY, active BIGINT NOT NULL, active_cost_usd DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS rate_buckets (
+    team_id TEXT NOT NULL, second BIGINT NOT NULL, requests BIGINT NOT NULL, tokens BIGINT NOT NULL,
+    PRIMARY KEY (team_id, second));
 CREATE TABLE IF NOT EXISTS spend (
     team_id TEXT NOT NULL, period TEXT NOT NULL, cost_usd DOUBLE PRECISION NOT NULL,
     PRIMARY KEY (team_id, period));
@@ -69,6 +76,40 @@ def _team(r: Any) -> Team:
     return Team(id=r["id"], rpm=r["rpm"], tpm=r["tpm"], max_concurrent=r["max_concurrent"],
                 daily_budget_usd=r["daily_budget_usd"], monthly_budget_usd=r["monthly_budget_usd"],
                 default_tier=r["default_tier"], created_at=r["created_at"])  # fmt: skip
+
+
+async def _bucket(con: Any, team_id: str, second: int, requests: int, tokens: int) -> None:
+    await con.execute("INSERT INTO rate_buckets (team_id, second, requests, tokens) VALUES ($1,$2,$3,$4) ON CONFLICT "
+                      "(team_id, second) DO UPDATE SET requests = rate_buckets.requests + excluded.requests, "
+                      "tokens = rate_buckets.tokens + excluded.tokens", team_id, second, requests, tokens)  # fmt: skip
+
+
+async def _unbook(con: Any, rid: str, team_id: str, cost: float) -> None:
+    await con.execute("UPDATE team_state SET active = active - 1, active_cost_usd = CASE WHEN active <= 1 THEN 0 "
+                      "ELSE active_cost_usd - $1 END WHERE team_id=$2", cost, team_id)  # fmt: skip
+    await con.execute("DELETE FROM reservations WHERE id=$1", rid)
+
+
+async def _expire(con: Any, where: str, *args: Any) -> int:
+    rows = await con.fetch(f"SELECT id, team_id, created_at, tokens, cost_usd FROM reservations WHERE {where} "
+                           "FOR UPDATE", *args)  # fmt: skip
+    for r in rows:
+        await _unbook(con, r["id"], r["team_id"], r["cost_usd"])
+        await _bucket(con, r["team_id"], int(r["created_at"]), 0, -r["tokens"])
+    return len(rows)
+
+
+async def _settle_booking(con: Any, s: Settlement, now: float) -> None:
+    row = None
+    if s.reservation_id is not None:
+        row = await con.fetchrow("SELECT team_id, created_at, tokens, cost_usd FROM reservations WHERE id=$1 FOR UPDATE",
+                                 s.reservation_id)  # fmt: skip
+    if row is None:  # nothing booked, or it expired meanwhile: the real tokens count from now
+        if s.tokens:
+            await _bucket(con, s.record.team_id, int(now), 0, s.tokens)
+        return
+    await _unbook(con, s.reservation_id, row["team_id"], row["cost_usd"])  # type: ignore[arg-type]
+    await _bucket(con, row["team_id"], int(row["created_at"]), 0, s.tokens - row["tokens"])
 
 
 def _key(r: Any) -> ApiKey:
@@ -120,6 +161,8 @@ class PostgresStore(Store):
     async def delete_team(self, team_id: str) -> bool:
         async with self.pool.acquire() as con, con.transaction():
             n = await con.execute("DELETE FROM teams WHERE id=$1", team_id)
+            for table in ("team_state", "rate_buckets", "reservations"):
+                await con.execute(f"DELETE FROM {table} WHERE team_id=$1", team_id)
             await con.execute("UPDATE api_keys SET revoked_at=$1 WHERE team_id=$2 AND revoked_at IS NULL",
                               time.time(), team_id)  # fmt: skip
         return n != "DELETE 0"
@@ -162,43 +205,39 @@ class PostgresStore(Store):
             if r is None:
                 raise StoreError(403, f"team {req.team_id!r} no longer exists")
             team = _team(r)
-            await con.execute("UPDATE reservations SET state='expired' WHERE team_id=$1 AND state='active' "
-                              "AND expires_at<=$2", team.id, now)  # fmt: skip
-            active = await con.fetchrow("SELECT count(*) AS n, coalesce(sum(cost_usd),0) AS cost FROM reservations "
-                                        "WHERE team_id=$1 AND state='active'", team.id)  # fmt: skip
-            window = await con.fetchrow(
-                "SELECT count(*) AS n, coalesce(sum(tokens),0) AS tokens, min(created_at) AS oldest FROM reservations "
-                "WHERE team_id=$1 AND created_at>$2 AND state!='expired'", team.id, now - WINDOW_S)  # fmt: skip
+            await _expire(con, "team_id=$1 AND expires_at<=$2", team.id, now)
+            st = await con.fetchrow("SELECT active, active_cost_usd FROM team_state WHERE team_id=$1", team.id)
+            buckets = await con.fetch("SELECT second, requests, tokens FROM rate_buckets WHERE team_id=$1 AND "
+                                      "second>=$2 ORDER BY second", team.id, window_start(now))  # fmt: skip
             spent = {row["period"]: row["cost_usd"] for row in await con.fetch(
                 "SELECT period, cost_usd FROM spend WHERE team_id=$1 AND period = ANY($2::text[])",
                 team.id, [day_period(now), month_period(now)])}  # fmt: skip
-            c = Counters(active=active["n"], active_cost=float(active["cost"]), window_requests=window["n"],
-                         window_tokens=int(window["tokens"]), window_oldest=window["oldest"],
+            c = Counters(active=st["active"] if st else 0, active_cost=st["active_cost_usd"] if st else 0.0,
+                         window_requests=sum(b["requests"] for b in buckets),
+                         window_tokens=sum(b["tokens"] for b in buckets),
+                         window_oldest=float(buckets[0]["second"] + 1) if buckets else None,
                          spent_day=spent.get(day_period(now), 0.0), spent_month=spent.get(month_period(now), 0.0))  # fmt: skip
-            rows = None
-            if needs_window_rows(team, c, req):
-                rows = [(x["created_at"], x["tokens"]) for x in await con.fetch(
-                    "SELECT created_at, tokens FROM reservations WHERE team_id=$1 AND created_at>$2 "
-                    "AND state!='expired' ORDER BY created_at", team.id, now - WINDOW_S)]  # fmt: skip
-            verdict = decide(team, c, req, rows)
+            verdict = decide(team, c, req, [(float(b["second"] + 1), b["tokens"]) for b in buckets])
             if isinstance(verdict, Refusal):
                 return verdict
             rid = f"rsv-{uuid.uuid4().hex}"
             await con.execute("INSERT INTO reservations (id, team_id, key_id, request_id, created_at, expires_at, "
-                              "tokens, cost_usd, state) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,'active')",
+                              "tokens, cost_usd) VALUES ($1,$2,$3,$4,$5,$6,$7,$8)",
                               rid, team.id, req.key_id, req.request_id, now, now + req.ttl_s, req.tokens,
                               req.cost_usd)  # fmt: skip
+            await con.execute("INSERT INTO team_state (team_id, active, active_cost_usd) VALUES ($1, 1, $2) ON CONFLICT "
+                              "(team_id) DO UPDATE SET active = team_state.active + 1, active_cost_usd = "
+                              "team_state.active_cost_usd + excluded.active_cost_usd", team.id, req.cost_usd)  # fmt: skip
+            await _bucket(con, team.id, int(now), 1, req.tokens)
             return Reservation(rid, verdict)
 
     async def settle(self, batch: list[Settlement]) -> None:
         now = time.time()
-        batch = sorted(batch, key=lambda s: s.record.team_id)
+        batch = sorted(batch, key=lambda s: s.record.team_id)  # one lock order for every gateway
         async with self.pool.acquire() as con, con.transaction():
             for s in batch:
                 r = s.record
-                if s.reservation_id is not None:
-                    await con.execute("UPDATE reservations SET state='settled', tokens=$1, cost_usd=$2 WHERE id=$3",
-                                      s.tokens, r.cost_usd, s.reservation_id)  # fmt: skip
+                await _settle_booking(con, s, now)
                 if r.cost_usd > 0:
                     for period in (day_period(now), month_period(now)):
                         await con.execute("INSERT INTO spend (team_id, period, cost_usd) VALUES ($1,$2,$3) "
@@ -211,9 +250,9 @@ class PostgresStore(Store):
     async def expire_reservations(self, now: float | None = None) -> int:
         t = time.time() if now is None else now
         async with self.pool.acquire() as con, con.transaction():
-            n = await con.execute("UPDATE reservations SET state='expired' WHERE state='active' AND expires_at<=$1", t)
-            await con.execute("DELETE FROM reservations WHERE state!='active' AND created_at < $1", t - 2 * WINDOW_S)
-        return int(n.split()[-1])
+            n = await _expire(con, "expires_at<=$1", t)
+            await con.execute("DELETE FROM rate_buckets WHERE second < $1", int(t - 2 * WINDOW_S))
+        return n
 
     async def usage(self, team_id: str | None, start: float, end: float,
                     group_by: str | None) -> list[dict[str, Any]]:  # fmt: skip

@@ -35,24 +35,29 @@ def seconds_to_next_month(t: float) -> float:
 
 @dataclass(frozen=True)
 class Counters:
-    """A team's state, read in the reservation's transaction."""
+    """A team's state, read in the reservation's transaction (kept as running counters — per
+    team in flight, per team and second in the window — so a reservation costs the same with
+    ten thousand requests in flight as with one)."""
 
     active: int  # unsettled, unexpired reservations
     active_cost: float
-    window_requests: int  # reservations in the last 60 s (not expired)
-    window_tokens: int
+    window_requests: int  # reservations in the rate window
+    window_tokens: int  # their tokens: booked worst case while in flight, real ones once settled
+    #: when the oldest bucket in the window leaves it, minus 60 s
     window_oldest: float | None
     spent_day: float
     spent_month: float
 
 
-def needs_window_rows(team: Team, c: Counters, req: ReserveRequest) -> bool:
-    """Whether the caller must fetch the window's (created_at, tokens) rows for `decide`."""
-    return team.tpm is not None and c.window_tokens + req.tokens > team.tpm
+def window_start(now: float) -> int:
+    """The first one-second rate bucket inside the 60 s window. Buckets are whole seconds, so
+    the window is up to a second longer than 60 s: conservative, never an overspend."""
+    return int(now - WINDOW_S)
 
 
 def decide(team: Team, c: Counters, req: ReserveRequest,
            window_rows: list[tuple[float, int]] | None = None) -> Refusal | RateState:  # fmt: skip
+    """`window_rows`: (time the bucket leaves the window − 60 s, tokens), oldest first."""
     now = req.now
     reset = max(0.0, c.window_oldest + WINDOW_S - now) if c.window_oldest is not None else 0.0
     rate = RateState(

@@ -31,7 +31,7 @@ from gateway.store.base import (
     Team,
     UsageRecord,
 )
-from gateway.store.rules import Counters, day_period, decide, month_period, needs_window_rows
+from gateway.store.rules import Counters, day_period, decide, month_period, window_start
 
 T = TypeVar("T")
 
@@ -46,9 +46,14 @@ CREATE TABLE IF NOT EXISTS api_keys (
 CREATE TABLE IF NOT EXISTS reservations (
     id TEXT PRIMARY KEY, team_id TEXT NOT NULL, key_id TEXT NOT NULL, request_id TEXT NOT NULL,
     created_at REAL NOT NULL, expires_at REAL NOT NULL, tokens INTEGER NOT NULL,
-    cost_usd REAL NOT NULL, state TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS reservations_window ON reservations (team_id, created_at);
-CREATE INDEX IF NOT EXISTS reservations_state ON reservations (team_id, state);
+    cost_usd REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS reservations_team_expiry ON reservations (team_id, expires_at);
+CREATE INDEX IF NOT EXISTS reservations_expiry ON reservations (expires_at);
+CREATE TABLE IF NOT EXISTS team_state (
+    team_id TEXT PRIMARY KEY, active INTEGER NOT NULL, active_cost_usd REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS rate_buckets (
+    team_id TEXT NOT NULL, second INTEGER NOT NULL, requests INTEGER NOT NULL, tokens INTEGER NOT NULL,
+    PRIMARY KEY (team_id, second));
 CREATE TABLE IF NOT EXISTS spend (
     team_id TEXT NOT NULL, period TEXT NOT NULL, cost_usd REAL NOT NULL,
     PRIMARY KEY (team_id, period));
@@ -143,6 +148,8 @@ class SqliteStore(Store):
         def q(db: sqlite3.Connection) -> bool:
             with _tx(db):
                 n = db.execute("DELETE FROM teams WHERE id=?", (team_id,)).rowcount
+                for table in ("team_state", "rate_buckets", "reservations"):
+                    db.execute(f"DELETE FROM {table} WHERE team_id=?", (team_id,))
                 db.execute("UPDATE api_keys SET revoked_at=? WHERE team_id=? AND revoked_at IS NULL",
                            (time.time(), team_id))  # fmt: skip
             return n > 0
@@ -189,9 +196,7 @@ class SqliteStore(Store):
             with _tx(db):
                 for s in batch:
                     r = s.record
-                    if s.reservation_id is not None:
-                        db.execute("UPDATE reservations SET state='settled', tokens=?, cost_usd=? WHERE id=?",
-                                   (s.tokens, r.cost_usd, s.reservation_id))  # fmt: skip
+                    _settle_booking(db, s, now)
                     if r.cost_usd > 0:
                         for period in (day_period(now), month_period(now)):
                             db.execute("INSERT INTO spend (team_id, period, cost_usd) VALUES (?,?,?) "
@@ -209,10 +214,8 @@ class SqliteStore(Store):
 
         def q(db: sqlite3.Connection) -> int:
             with _tx(db):
-                n = db.execute("UPDATE reservations SET state='expired' WHERE state='active' AND expires_at<=?",
-                               (t,)).rowcount  # fmt: skip
-                # Rows older than the rate window only matter while active.
-                db.execute("DELETE FROM reservations WHERE state!='active' AND created_at < ?", (t - 2 * WINDOW_S,))
+                n = _expire(db, "expires_at<=?", (t,))
+                db.execute("DELETE FROM rate_buckets WHERE second < ?", (int(t - 2 * WINDOW_S),))
             return n
 
         return await self._run(q)
@@ -272,28 +275,63 @@ def _reserve(db: sqlite3.Connection, req: ReserveRequest) -> Reservation | Refus
         if row is None:
             raise StoreError(403, f"team {req.team_id!r} no longer exists")
         team = _team(row)
-        db.execute("UPDATE reservations SET state='expired' WHERE team_id=? AND state='active' AND expires_at<=?",
-                   (team.id, now))  # fmt: skip
-        active, active_cost = db.execute(
-            "SELECT count(*), coalesce(sum(cost_usd),0) FROM reservations WHERE team_id=? AND state='active'",
-            (team.id,)).fetchone()  # fmt: skip
-        n_window, tok_window, oldest = db.execute(
-            "SELECT count(*), coalesce(sum(tokens),0), min(created_at) FROM reservations "
-            "WHERE team_id=? AND created_at>? AND state!='expired'", (team.id, now - WINDOW_S)).fetchone()  # fmt: skip
+        _expire(db, "team_id=? AND expires_at<=?", (team.id, now))
+        active, active_cost = db.execute("SELECT active, active_cost_usd FROM team_state WHERE team_id=?",
+                                         (team.id,)).fetchone() or (0, 0.0)  # fmt: skip
+        buckets = db.execute("SELECT second, requests, tokens FROM rate_buckets WHERE team_id=? AND second>=? "
+                             "ORDER BY second", (team.id, window_start(now))).fetchall()  # fmt: skip
         spent = dict(db.execute("SELECT period, cost_usd FROM spend WHERE team_id=? AND period IN (?,?)",
                                 (team.id, day_period(now), month_period(now))).fetchall())  # fmt: skip
-        c = Counters(active=active, active_cost=active_cost, window_requests=n_window, window_tokens=tok_window,
-                     window_oldest=oldest, spent_day=spent.get(day_period(now), 0.0),
-                     spent_month=spent.get(month_period(now), 0.0))  # fmt: skip
-        rows = None
-        if needs_window_rows(team, c, req):
-            rows = db.execute("SELECT created_at, tokens FROM reservations WHERE team_id=? AND created_at>? "
-                              "AND state!='expired' ORDER BY created_at", (team.id, now - WINDOW_S)).fetchall()  # fmt: skip
-        verdict = decide(team, c, req, rows)
+        c = Counters(active=active, active_cost=active_cost, window_requests=sum(b[1] for b in buckets),
+                     window_tokens=sum(b[2] for b in buckets),
+                     window_oldest=float(buckets[0][0] + 1) if buckets else None,
+                     spent_day=spent.get(day_period(now), 0.0), spent_month=spent.get(month_period(now), 0.0))  # fmt: skip
+        verdict = decide(team, c, req, [(float(b[0] + 1), b[2]) for b in buckets])
         if isinstance(verdict, Refusal):
             return verdict
         rid = f"rsv-{uuid.uuid4().hex}"
         db.execute("INSERT INTO reservations (id, team_id, key_id, request_id, created_at, expires_at, tokens, "
-                   "cost_usd, state) VALUES (?,?,?,?,?,?,?,?, 'active')",
+                   "cost_usd) VALUES (?,?,?,?,?,?,?,?)",
                    (rid, team.id, req.key_id, req.request_id, now, now + req.ttl_s, req.tokens, req.cost_usd))  # fmt: skip
+        db.execute("INSERT INTO team_state (team_id, active, active_cost_usd) VALUES (?, 1, ?) ON CONFLICT (team_id) "
+                   "DO UPDATE SET active = active + 1, active_cost_usd = active_cost_usd + excluded.active_cost_usd",
+                   (team.id, req.cost_usd))  # fmt: skip
+        _bucket(db, team.id, int(now), 1, req.tokens)
         return Reservation(rid, verdict)
+
+
+def _bucket(db: sqlite3.Connection, team_id: str, second: int, requests: int, tokens: int) -> None:
+    db.execute("INSERT INTO rate_buckets (team_id, second, requests, tokens) VALUES (?,?,?,?) ON CONFLICT "
+               "(team_id, second) DO UPDATE SET requests = requests + excluded.requests, tokens = tokens + excluded.tokens",
+               (team_id, second, requests, tokens))  # fmt: skip
+
+
+def _unbook(db: sqlite3.Connection, rid: str, team_id: str, cost: float) -> None:
+    """Take an active booking out of the in-flight counters (its window tokens are the caller's)."""
+    db.execute("UPDATE team_state SET active = active - 1, active_cost_usd = CASE WHEN active <= 1 THEN 0 "
+               "ELSE active_cost_usd - ? END WHERE team_id=?", (cost, team_id))  # fmt: skip
+    db.execute("DELETE FROM reservations WHERE id=?", (rid,))
+
+
+def _expire(db: sqlite3.Connection, where: str, args: tuple[Any, ...]) -> int:
+    """Bookings whose gateway never settled them stop counting: in flight and in the window."""
+    rows = db.execute(f"SELECT id, team_id, created_at, tokens, cost_usd FROM reservations WHERE {where}", args).fetchall()
+    for rid, team_id, created, tokens, cost in rows:
+        _unbook(db, rid, team_id, cost)
+        _bucket(db, team_id, int(created), 0, -tokens)
+    return len(rows)
+
+
+def _settle_booking(db: sqlite3.Connection, s: Settlement, now: float) -> None:
+    """The booking's worst case becomes the request's real tokens, in the second it was booked."""
+    row = None
+    if s.reservation_id is not None:
+        row = db.execute("SELECT team_id, created_at, tokens, cost_usd FROM reservations WHERE id=?",
+                         (s.reservation_id,)).fetchone()  # fmt: skip
+    if row is None:  # nothing booked, or it expired meanwhile: the real tokens count from now
+        if s.tokens:
+            _bucket(db, s.record.team_id, int(now), 0, s.tokens)
+        return
+    team_id, created, booked, cost = row
+    _unbook(db, s.reservation_id, team_id, cost)  # type: ignore[arg-type]
+    _bucket(db, team_id, int(created), 0, s.tokens - booked)
