@@ -123,6 +123,11 @@ def _config(args: argparse.Namespace):  # -> GatewayConfig
     except (ValueError, ImportError) as e:
         raise UsageError(str(e)) from None
     for m in cfg.models.values():
+        if m.kind == "external":
+            try:
+                import gateway.providers  # noqa: F401  (another issue adds it)
+            except ImportError:
+                raise UsageError(f"model {m.name!r} is external, but this gateway has no providers package") from None
         if m.kind == "cluster":
             resolve_model(m.tokenizer)  # an unknown model is a one-line error before we listen
             if m.static is None and not routing.coordinator and not routing.etcd:

@@ -85,7 +85,7 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
         return error_response(APIError(500, f"internal error: {type(e).__name__}", type_="internal_error"), rid)
 
 
-_RID = "duet_request_id"
+_RID = web.RequestKey("request_id", str)
 
 
 def _bind(fn: Callable[[GatewayState, web.Request], Awaitable[web.StreamResponse]]) -> Handler:

@@ -27,12 +27,14 @@ class Job:
     #: "chat" or "completion": external providers speak one or the other
     endpoint: str
     prompt_ids: list[int]
-    #: the chat messages as the client sent them (external providers need them, not ids)
+    #: the chat messages (text content) for "chat" jobs: external providers need them, not ids
     messages: list[dict[str, Any]] | None
     #: node sampling fields: max_tokens, temperature, top_p, seed, stop, top_k, ...
     params: dict[str, Any]
     n: int
     tier: str
+    #: the prompt as the client sent it, for "completion" jobs (text or token ids)
+    prompt: str | list[int] | None = None
 
 
 @dataclass

@@ -103,6 +103,14 @@ async def prompt_ids(served: ServedModel, p: Parsed) -> list[int]:
         raise APIError(400, str(e), param="messages") from None
 
 
+def estimate_tokens(p: Parsed) -> int:
+    """Prompt tokens of a request no local tokenizer can count (external models): one token
+    per 3 characters over-counts English for common tokenizers, so the reservation holds."""
+    if p.messages is not None:
+        return sum(len(m["content"]) // 3 + 4 for m in p.messages) + 3
+    return len(p.prompt) if isinstance(p.prompt, list) else len(p.prompt or "") // 3 + 1
+
+
 def context_check(served: ServedModel, n_prompt: int, max_tokens: int | None) -> int:
     """The max_tokens to use; 400 when the prompt (+ max_tokens) does not fit the context."""
     limit = served.max_model_len
@@ -180,11 +188,16 @@ async def handle(state: GatewayState, request: web.Request, endpoint: str, reque
                        param="model", code="model_not_found")  # fmt: skip
     tier = resolve_tier(request.headers.get("x-duet-tier"), parsed.service_tier, team.default_tier)
     ids = await prompt_ids(served, parsed)
-    max_tokens = context_check(served, len(ids), parsed.max_tokens) if served.tokenizer else (parsed.max_tokens or served.config.default_max_tokens)
+    if served.tokenizer is not None:
+        n_prompt = len(ids)
+        max_tokens = context_check(served, n_prompt, parsed.max_tokens)
+    else:  # an external model: its provider counts; reserve on a generous estimate
+        n_prompt = estimate_tokens(parsed)
+        max_tokens = parsed.max_tokens or served.config.default_max_tokens
     m = served.config
     reserve = ReserveRequest(team_id=team.id, key_id=key.id, request_id=request_id,
-                             tokens=len(ids) + parsed.n * max_tokens,
-                             cost_usd=worst_case_usd(m, len(ids), parsed.n * max_tokens),
+                             tokens=n_prompt + parsed.n * max_tokens,
+                             cost_usd=worst_case_usd(m, n_prompt, parsed.n * max_tokens),
                              ttl_s=state.config.quotas.reservation_ttl_s)  # fmt: skip
     res = await state.store.reserve(reserve)
     if isinstance(res, Refusal):
@@ -199,7 +212,8 @@ async def handle(state: GatewayState, request: web.Request, endpoint: str, reque
     try:
         async with state.admission.slot(tier):
             job = Job(request_id=request_id, model=m, endpoint=endpoint, prompt_ids=ids, messages=parsed.messages,
-                      params={**parsed.params, "max_tokens": max_tokens}, n=parsed.n, tier=tier)  # fmt: skip
+                      params={**parsed.params, "max_tokens": max_tokens}, n=parsed.n, tier=tier,
+                      prompt=parsed.prompt)  # fmt: skip
             fmt = Formatter(endpoint, request_id, parsed.model, tier)
             if parsed.stream:
                 return await _stream(ctx, request, job, fmt, headers)

@@ -72,4 +72,10 @@ def test_gateway_config_errors_are_one_line(tmp_path: Path) -> None:
     bad.write_text('[models.m]\nkind = "cluster"\ntokenizer = "no-such-model"\n')
     r = duet("gateway", "--config", str(bad))
     assert r.returncode == 2 and "no-such-model" in r.stderr
+    bad.write_text('[models.gpt]\nkind = "external"\n')
+    r = duet("gateway", "--config", str(bad))
+    import importlib.util
+
+    if importlib.util.find_spec("gateway.providers") is None:
+        assert r.returncode == 2 and "external" in r.stderr
     assert "--coordinator" in duet("gateway", "--help").stdout
