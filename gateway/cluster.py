@@ -131,6 +131,17 @@ class ClusterBackend(Backend):
 
     async def _samples(self, job: Job, out: Outcome, touched: _Touched, d_url: str, first: _Sample,
                        head: NodeChunk) -> AsyncIterator[Piece]:  # fmt: skip
+        if job.n == 1:  # the common case: no queue, no extra task per request
+            it = first.chunks(head)
+            try:
+                async for chunk in it:
+                    for piece in self._pieces(0, chunk, out):
+                        yield piece
+            except Exception as e:
+                raise _midstream(e) from None
+            finally:
+                await it.aclose()  # now, not at GC: frees the node's load count and connection
+            return
         samples = [first]
         for i in range(1, job.n):
             extra: dict[str, Any] = {"stream": True}
@@ -149,10 +160,7 @@ class ClusterBackend(Backend):
                     running -= 1
                     continue
                 if isinstance(item, BaseException):
-                    if isinstance(item, APIError):
-                        raise MidStreamError(item.status, item.message, item.type, item.param, item.code)
-                    raise MidStreamError(502, f"the decode node failed mid-stream: {item}",
-                                         type_="upstream_error", code="upstream_failed_midstream")  # fmt: skip
+                    raise _midstream(item)
                 for piece in self._pieces(i, item, out):
                     yield piece
         finally:
@@ -211,23 +219,36 @@ class _Sample:
             self._close_count()
             raise
 
-    async def pump(self, queue: asyncio.Queue[tuple[int, NodeChunk | BaseException | None]],
-                   head: NodeChunk | None) -> None:  # fmt: skip
+    async def chunks(self, head: NodeChunk | None) -> AsyncIterator[NodeChunk]:
+        """`head` (what start() read), then the rest of the stream; the node's load is
+        released and the stream closed however this ends."""
         try:
             if head is not None:
-                await queue.put((self.index, head))
+                yield head
             if self._it is None:
                 self._it = self._open()
             async for chunk in self._it:
+                yield chunk
+        finally:
+            self._close_count()
+            aclose = getattr(self._it, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def pump(self, queue: asyncio.Queue[tuple[int, NodeChunk | BaseException | None]],
+                   head: NodeChunk | None) -> None:  # fmt: skip
+        try:
+            async for chunk in self.chunks(head):
                 await queue.put((self.index, chunk))
             await queue.put((self.index, None))
         except asyncio.CancelledError:
             raise
         except Exception as e:
             await queue.put((self.index, e))
-        finally:
-            self._close_count()
-            if self._it is not None:
-                aclose = getattr(self._it, "aclose", None)
-                if aclose is not None:
-                    await aclose()
+
+
+def _midstream(e: BaseException) -> MidStreamError:
+    if isinstance(e, APIError):
+        return MidStreamError(e.status, e.message, e.type, e.param, e.code)
+    return MidStreamError(502, f"the decode node failed mid-stream: {e}", type_="upstream_error",
+                          code="upstream_failed_midstream")  # fmt: skip
