@@ -10,7 +10,8 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     url = "sqlite:///var/lib/duet/gateway.db"   # default: sqlite:///$DUET_HOME/gateway.db
 
     [routing]
-    coordinator = ["http://10.0.0.2:8400", "http://10.0.0.3:8400"]
+    coordinator = ["http://10.0.0.2:8400", "http://10.0.0.3:8400"]   # every replica
+    etcd = "http://10.0.0.2:2379"     # optional: find replicas and nodes there too
 
     [models.smollm2]
     kind = "cluster"                  # served by duet nodes; "external" is a provider's model
