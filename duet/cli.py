@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from duet import cmd_bench, cmd_coordinator, cmd_models, cmd_nodes, cmd_pending, cmd_up
+from duet import cmd_bench, cmd_coordinator, cmd_gateway, cmd_models, cmd_nodes, cmd_up
 from protocol.models import ModelNotFoundError
 
 DESCRIPTION = """\
@@ -21,6 +21,8 @@ Start everything on this machine:   duet up
 Fetch the default model:            duet models pull
 Run role-specific processes:        duet prefill | duet decode | duet node --role both
 Run the control plane:              duet coordinator --etcd URL   (drain a node: duet drain NODE_ID)
+Serve the OpenAI API:               duet gateway --config gateway.toml
+Teams, keys and usage:              duet teams | duet keys | duet usage report
 Load-test and measure:              duet bench engine | kvtransfer | pd
 """
 
@@ -38,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd_nodes.add_parsers(sub)
     cmd_up.add_parser(sub)
     cmd_coordinator.add_parsers(sub)
-    cmd_pending.add_parsers(sub)
+    cmd_gateway.add_parsers(sub)
     cmd_bench.add_parser(sub)
     return parser
 

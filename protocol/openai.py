@@ -59,6 +59,8 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     priority: Literal["interactive", "batch"] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     user: str | None = None
+    #: gateway: OpenAI's service tier (or duet's interactive|batch); nodes ignore it
+    service_tier: str | None = None
 
     def validate(self) -> None:
         if self.n != 1:

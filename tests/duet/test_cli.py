@@ -9,7 +9,7 @@ import pytest
 
 from protocol.models import DEFAULT_MODEL
 
-SUBCOMMANDS = ["models", "prefill", "decode", "node", "coordinator", "gateway", "up", "bench"]
+SUBCOMMANDS = ["models", "prefill", "decode", "node", "coordinator", "drain", "gateway", "teams", "keys", "usage", "up", "bench"]
 
 
 def _duet(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:

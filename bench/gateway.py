@@ -1,0 +1,214 @@
+"""`python -m bench.gateway`: what the gateway costs, measured against a node that costs nothing.
+
+Starts a token-echo node (bench.echo_node: the node API, no engine) and a `duet gateway` in
+front of it (SQLite store in a temporary directory, one team and key), then:
+
+1. overhead — sequential streamed requests, straight to the node and through the gateway
+   (auth, quota reservation, tokenization, routing, relay, usage record); p50/p99 of TTFT and
+   latency for both and their difference;
+2. concurrency — `--streams` SSE streams through the gateway at once (each `--stream-tokens`
+   tokens, `--token-delay` apart at the node, so they overlap); how many completed, errors,
+   TTFT p50/p99, wall time and tokens/s.
+
+Prints a summary, or one JSON object with --json. Figures depend on the machine: compare runs
+on the same one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import resource
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.procs import Proc, free_port, running
+from protocol.models import DEFAULT_MODEL, resolve_model
+from protocol.tokenizer import Tokenizer
+
+PROMPT = "Measure the gateway, not the model: "
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--tokenizer", default=DEFAULT_MODEL, help="model whose tokenizer the gateway uses")
+    p.add_argument("--requests", type=int, default=200, help="sequential requests per path (overhead)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per overhead request")
+    p.add_argument("--streams", type=int, default=10000, help="concurrent SSE streams through the gateway")
+    p.add_argument("--stream-tokens", type=int, default=32)
+    p.add_argument("--token-delay", type=float, default=0.02,
+                   help="seconds between tokens at the echo node of the concurrency test")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p.parse_args(argv)
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def _summary(xs: list[float]) -> dict[str, float | None]:
+    return {"p50_ms": _ms(statistics.median(xs) if xs else None), "p99_ms": _ms(_pct(xs, 0.99))}
+
+
+def _ms(x: float | None) -> float | None:
+    return None if x is None else round(x * 1e3, 3)
+
+
+async def _stream(s: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[float, float, int]:
+    """(ttft, latency, tokens) of one streamed completion; raises on an HTTP error."""
+    t0 = time.perf_counter()
+    ttft = None
+    n = 0
+    async with s.post(url, json=body, headers=headers) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+        async for line in r.content:
+            if line.startswith(b"data: {") and b'"text"' in line:
+                n += 1
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
+    return ttft or 0.0, time.perf_counter() - t0, n
+
+
+async def _overhead(node: str, gw: str, key: str, ids: list[int], args: argparse.Namespace) -> dict[str, Any]:
+    direct: dict[str, list[float]] = {"ttft": [], "latency": []}
+    via: dict[str, list[float]] = {"ttft": [], "latency": []}
+    common = {"max_tokens": args.max_tokens, "stream": True, "temperature": 0}
+    async with aiohttp.ClientSession() as s:
+        for i in range(args.requests):
+            t, lat, _ = await _stream(s, node + "/v1/completions", {"prompt": ids, **common},
+                                      {"X-Request-Id": f"bench-{i}"})  # fmt: skip
+            direct["ttft"].append(t)
+            direct["latency"].append(lat)
+            t, lat, _ = await _stream(s, gw + "/v1/completions", {"model": "echo", "prompt": PROMPT, **common},
+                                      {"Authorization": f"Bearer {key}"})  # fmt: skip
+            via["ttft"].append(t)
+            via["latency"].append(lat)
+    out: dict[str, Any] = {"requests": args.requests}
+    for name in ("ttft", "latency"):
+        d, g = _summary(direct[name]), _summary(via[name])
+        out[name] = {"node": d, "gateway": g,
+                     "overhead_p50_ms": round(g["p50_ms"] - d["p50_ms"], 3),  # type: ignore[operator]
+                     "overhead_p99_ms": round(g["p99_ms"] - d["p99_ms"], 3)}  # type: ignore[operator]  # fmt: skip
+    return out
+
+
+async def _concurrency(gw: str, key: str, args: argparse.Namespace) -> dict[str, Any]:
+    body = {"model": "echo-slow", "prompt": PROMPT, "max_tokens": args.stream_tokens, "stream": True}
+    headers = {"Authorization": f"Bearer {key}"}
+    errors: dict[str, int] = {}
+    ttfts: list[float] = []
+    tokens = 0
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
+
+        async def one() -> None:
+            nonlocal tokens
+            try:
+                t, _, n = await _stream(s, gw + "/v1/completions", body, headers)
+                ttfts.append(t)
+                tokens += n
+            except Exception as e:
+                k = str(e).split(":")[0] if isinstance(e, RuntimeError) else type(e).__name__
+                errors[k] = errors.get(k, 0) + 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*[one() for _ in range(args.streams)])
+        wall = time.perf_counter() - t0
+    return {"streams": args.streams, "completed": len(ttfts), "errors": errors, "wall_s": round(wall, 3),
+            "ttft": _summary(ttfts), "tokens_per_s": round(tokens / wall, 1)}  # fmt: skip
+
+
+def _write_config(tmp: Path, port: int, fast: str, slow: str, tokenizer: str, streams: int) -> Path:
+    cfg = tmp / "gateway.toml"
+    cfg.write_text(f"""
+[server]
+port = {port}
+[store]
+url = "sqlite://{tmp / 'gateway.db'}"
+[tiers]
+max_inflight = {streams + 64}
+interactive_queue = {streams + 64}
+[models.echo]
+tokenizer = {json.dumps(tokenizer)}
+max_model_len = 100000
+static = {{ both = [{json.dumps(fast)}] }}
+[models.echo-slow]
+tokenizer = {json.dumps(tokenizer)}
+max_model_len = 100000
+static = {{ both = [{json.dumps(slow)}] }}
+""")
+    return cfg
+
+
+def _admin(url: str, admin: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    import urllib.request
+
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Authorization": f"Bearer {admin}", "Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    tok_dir = resolve_model(args.tokenizer).directory
+    ids = Tokenizer(tok_dir).encode(PROMPT)
+    with tempfile.TemporaryDirectory(prefix="duet-bench-gw-") as d:
+        tmp = Path(d)
+        nport, sport, gport = free_port(), free_port(), free_port()
+        # one echo node answers at once (overhead), the other spaces its tokens (streams overlap)
+        node = Proc([sys.executable, "-m", "bench.echo_node", "--port", str(nport)], nport, tmp / "echo.log")
+        slow = Proc([sys.executable, "-m", "bench.echo_node", "--port", str(sport), "--token-delay",
+                     str(args.token_delay)], sport, tmp / "echo-slow.log")  # fmt: skip
+        admin = secrets.token_urlsafe(16)
+        cfg = _write_config(tmp, gport, node.url, slow.url, str(tok_dir), args.streams)
+        gw = Proc([sys.executable, "-m", "duet", "gateway", "--config", str(cfg), "--log-level", "WARNING"], gport,
+                  tmp / "gateway.log", env={"DUET_ADMIN_KEY": admin, "DUET_HOME": str(tmp)})  # fmt: skip
+        with running(node, slow, gw):
+            _admin(gw.url, admin, "/admin/teams", {"id": "bench"})
+            key = _admin(gw.url, admin, "/admin/keys", {"team_id": "bench"})["key"]
+            if not args.json:
+                print(f"overhead: {args.requests} sequential requests per path …", file=sys.stderr)
+            overhead = asyncio.run(_overhead(node.url, gw.url, key, ids, args))
+            if not args.json:
+                print(f"concurrency: {args.streams} streams at once …", file=sys.stderr)
+            conc = asyncio.run(_concurrency(gw.url, key, args))
+    return {"bench": "gateway", "cpus": len(os.sched_getaffinity(0)), "overhead": overhead, "concurrency": conc,
+            "config": {k: v for k, v in vars(args).items() if k != "json"}}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _args(argv)
+    result = run(args)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    o, c = result["overhead"], result["concurrency"]
+    print(f"gateway overhead over {o['requests']} sequential streamed requests:")
+    for name in ("ttft", "latency"):
+        x = o[name]
+        print(f"  {name:8s} node p50 {x['node']['p50_ms']} ms p99 {x['node']['p99_ms']} ms | gateway p50 "
+              f"{x['gateway']['p50_ms']} ms p99 {x['gateway']['p99_ms']} ms | overhead p50 {x['overhead_p50_ms']} ms "
+              f"p99 {x['overhead_p99_ms']} ms")  # fmt: skip
+    print(f"{c['streams']} concurrent streams: {c['completed']} completed, errors {c['errors']}, wall {c['wall_s']} s, "
+          f"TTFT p50 {c['ttft']['p50_ms']} ms p99 {c['ttft']['p99_ms']} ms, {c['tokens_per_s']} tokens/s")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,160 @@
+"""Admin endpoints (teams and keys, admin key only) and `GET /v1/usage` (a team's own usage).
+
+- `POST /admin/teams {id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd,
+  default_tier}` → 201; `GET /admin/teams[/{id}]`; `DELETE /admin/teams/{id}` (revokes its keys).
+- `POST /admin/keys {team_id, name}` → 201 with the secret, shown this once;
+  `GET /admin/keys[?team_id=]`; `DELETE /admin/keys/{id}` revokes.
+- `GET /v1/usage?date=YYYY-MM-DD` (or `start=&end=`, dates or unix seconds; `group_by=model|day`;
+  `team_id=`): a team key reads its own team only (another team's id → 403); the admin key
+  reads any team, or all of them.
+"""
+
+from __future__ import annotations
+
+import calendar
+import re
+import time
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from gateway.auth import authenticate, bearer, is_admin, require_admin
+from gateway.keys import new_key
+from gateway.state import GatewayState
+from gateway.store.base import Team
+from protocol.openai import APIError
+
+_ENC = msgspec.json.Encoder()
+_TEAM_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class TeamCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    id: str
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    daily_budget_usd: float | None = None
+    monthly_budget_usd: float | None = None
+    default_tier: str = "interactive"
+
+
+class KeyCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    team_id: str
+    name: str = ""
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=_ENC.encode(obj), content_type="application/json")
+
+
+async def _body(request: web.Request, cls: type) -> Any:
+    try:
+        return msgspec.json.decode(await request.read(), type=cls)
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    except msgspec.ValidationError as e:
+        raise APIError(400, f"invalid request: {e}") from None
+
+
+def validate_team(t: TeamCreate) -> Team:
+    if not _TEAM_ID.match(t.id):
+        raise APIError(400, "team id: 1-64 characters of letters, digits, '_', '.', '-'", param="id")
+    for f in ("rpm", "tpm", "max_concurrent", "daily_budget_usd", "monthly_budget_usd"):
+        v = getattr(t, f)
+        if v is not None and v < 0:
+            raise APIError(400, f"{f} must be >= 0", param=f)
+    if t.default_tier not in ("interactive", "batch"):
+        raise APIError(400, "default_tier must be 'interactive' or 'batch'", param="default_tier")
+    return Team(**{f: getattr(t, f) for f in t.__struct_fields__}, created_at=time.time())  # type: ignore[arg-type]
+
+
+async def create_team(state: GatewayState, request: web.Request) -> web.Response:
+    require_admin(state, request)
+    team = validate_team(await _body(request, TeamCreate))
+    return _json(await state.store.create_team(team), 201)
+
+
+async def list_teams(state: GatewayState, request: web.Request) -> web.Response:
+    require_admin(state, request)
+    if "id" in request.match_info:
+        team = await state.store.get_team(request.match_info["id"])
+        if team is None:
+            raise APIError(404, f"no team {request.match_info['id']!r}", code="not_found")
+        return _json(team)
+    return _json({"object": "list", "data": await state.store.list_teams()})
+
+
+async def delete_team(state: GatewayState, request: web.Request) -> web.Response:
+    require_admin(state, request)
+    tid = request.match_info["id"]
+    if not await state.store.delete_team(tid):
+        raise APIError(404, f"no team {tid!r}", code="not_found")
+    return _json({"id": tid, "deleted": True})
+
+
+async def create_key(state: GatewayState, request: web.Request) -> web.Response:
+    require_admin(state, request)
+    body: KeyCreate = await _body(request, KeyCreate)
+    key, secret, digest = new_key(body.team_id, body.name)
+    await state.store.create_key(key, digest)
+    return _json({**msgspec.structs.asdict(key), "key": secret}, 201)
+
+
+async def list_keys(state: GatewayState, request: web.Request) -> web.Response:
+    require_admin(state, request)
+    return _json({"object": "list", "data": await state.store.list_keys(request.query.get("team_id"))})
+
+
+async def revoke_key(state: GatewayState, request: web.Request) -> web.Response:
+    require_admin(state, request)
+    kid = request.match_info["id"]
+    if not await state.store.revoke_key(kid):
+        raise APIError(404, f"no live key {kid!r}", code="not_found")
+    return _json({"id": kid, "revoked": True})
+
+
+def parse_time(value: str, param: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        pass
+    try:
+        return float(calendar.timegm(time.strptime(value, "%Y-%m-%d")))
+    except ValueError:
+        raise APIError(400, f"{param} must be a date (YYYY-MM-DD) or unix seconds, got {value!r}", param=param) from None
+
+
+def time_range(q: Any) -> tuple[float, float]:
+    if "date" in q:
+        start = parse_time(q["date"], "date")
+        return start, start + 86400
+    if "start" in q:
+        start = parse_time(q["start"], "start")
+        end = parse_time(q["end"], "end") if "end" in q else time.time() + 1
+        if "end" in q and len(q["end"]) == 10 and "-" in q["end"]:
+            end += 86400  # a date as the end means the whole day
+        if end <= start:
+            raise APIError(400, "end must be after start", param="end")
+        return start, end
+    today = time.time() // 86400 * 86400
+    return today, today + 86400
+
+
+async def usage(state: GatewayState, request: web.Request) -> web.Response:
+    token = bearer(request)
+    q = request.query
+    team_id = q.get("team_id")
+    if not is_admin(state, token):
+        _key, team = await authenticate(state, request)
+        if team_id is not None and team_id != team.id:
+            raise APIError(403, "this key may only read its own team's usage", type_="permission_error",
+                           code="forbidden", param="team_id")  # fmt: skip
+        team_id = team.id
+    group_by = q.get("group_by")
+    if group_by not in (None, "model", "day", "team"):
+        raise APIError(400, "group_by must be 'model', 'day' or 'team'", param="group_by")
+    start, end = time_range(q)
+    rows = await state.store.usage(team_id, start, end, group_by)
+    return _json({"object": "list", "team_id": team_id, "start": start, "end": end, "group_by": group_by,
+                  "data": rows})  # fmt: skip

@@ -1,0 +1,243 @@
+"""The gateway's aiohttp application, built by `make_app(config)`.
+
+The middleware gives every request the gateway's own X-Request-Id, turns every error —
+ours (APIError), aiohttp's (404/405/413) and unexpected ones (500, logged) — into OpenAI's
+error body with the right status, and never lets one request's failure reach another.
+`cleanup_ctx` owns everything with a lifetime: the store, the one ClientSession, the usage
+writer, the reservation sweeper, and the model backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from gateway import admin, serve
+from gateway.auth import authenticate, bearer, is_admin
+from gateway.backend import Backend
+from gateway.cluster import ClusterBackend
+from gateway.config import GatewayConfig, ModelConfig, StaticNodes
+from gateway.etcd_view import EtcdView
+from gateway.metrics import GatewayMetrics
+from gateway.node_client import NodeClient
+from gateway.routing import CoordinatorRouter, FailoverRouter, NodeLoad, Router, StaticRouter
+from gateway.state import GatewayState, ServedModel
+from gateway.store import open_store
+from gateway.store.base import StoreError
+from gateway.tiers import Admission, Shed
+from gateway.usage_writer import UsageWriter
+from protocol.models import resolve_model
+from protocol.openai import APIError
+from protocol.tokenizer import Tokenizer
+
+log = logging.getLogger("duet.gateway")
+STATE = web.AppKey("state", GatewayState)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_ENC = msgspec.json.Encoder()
+_HTTP_CODES = {404: ("not_found", "invalid_request_error"), 405: ("method_not_allowed", "invalid_request_error"),
+               413: ("request_too_large", "invalid_request_error")}  # fmt: skip
+
+
+def error_response(err: APIError, request_id: str, headers: dict[str, str] | None = None) -> web.Response:
+    h = {"X-Request-Id": request_id, **(headers or {})}
+    retry = getattr(err, "retry_after_s", None) or getattr(err, "retry_after", None)
+    if retry is not None:
+        h["Retry-After"] = str(max(1, int(float(retry) + 0.999)))
+    return web.Response(status=err.status, body=_ENC.encode(err.body()), content_type="application/json", headers=h)
+
+
+@web.middleware
+async def _middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    rid = f"req-{uuid.uuid4().hex}"
+    request[_RID] = rid
+    try:
+        return await handler(request)
+    except serve.RateLimited as e:
+        return error_response(e, rid, e.headers)
+    except APIError as e:
+        (log.warning if e.status >= 500 else log.info)("%s %s %s → %d: %s", rid, request.method, request.path,
+                                                        e.status, e.message)  # fmt: skip
+        return error_response(e, rid)
+    except StoreError as e:
+        return error_response(APIError(e.status, str(e), code="conflict" if e.status == 409 else "not_found"), rid)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        code, type_ = _HTTP_CODES.get(e.status, ("http_error", "invalid_request_error"))
+        msg = e.text or e.reason
+        if e.status == 413:
+            msg = f"the request body is larger than this gateway accepts ({request.app[STATE].config.server.max_body_bytes} bytes)"
+        return error_response(APIError(e.status, msg, type_=type_, code=code), rid)
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
+        raise
+    except Exception as e:
+        log.exception("%s: unexpected error in %s %s", rid, request.method, request.path)
+        return error_response(APIError(500, f"internal error: {type(e).__name__}", type_="internal_error"), rid)
+
+
+_RID = web.RequestKey("request_id", str)
+
+
+def _bind(fn: Callable[[GatewayState, web.Request], Awaitable[web.StreamResponse]]) -> Handler:
+    async def h(request: web.Request) -> web.StreamResponse:
+        return await fn(request.app[STATE], request)
+
+    return h
+
+
+def _completions(endpoint: str) -> Handler:
+    async def h(request: web.Request) -> web.StreamResponse:
+        return await serve.handle(request.app[STATE], request, endpoint, request[_RID])
+
+    return h
+
+
+async def _models(request: web.Request) -> web.Response:
+    s = request.app[STATE]
+    if not is_admin(s, bearer(request)):
+        await authenticate(s, request)
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "duet" if m.config.kind == "cluster" else "external",
+             "max_model_len": m.max_model_len} for name, m in sorted(s.models.items())]  # fmt: skip
+    return web.Response(body=_ENC.encode({"object": "list", "data": data}), content_type="application/json")
+
+
+async def _health(request: web.Request) -> web.Response:
+    s = request.app[STATE]
+    body = {"status": "ok", "models": sorted(s.models), "running": s.admission.running,
+            "waiting": {t: s.admission.depth(t) for t in ("interactive", "batch")}}  # fmt: skip
+    return web.json_response(body)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    return web.Response(body=generate_latest(request.app[STATE].metrics.registry),
+                        headers={"Content-Type": CONTENT_TYPE_LATEST})  # fmt: skip
+
+
+def make_app(config: GatewayConfig) -> web.Application:
+    app = web.Application(middlewares=[_middleware], client_max_size=config.server.max_body_bytes)
+    metrics = GatewayMetrics()
+    store = open_store(config.store_url)
+    app[STATE] = GatewayState(config=config, store=store, metrics=metrics,
+                              writer=UsageWriter(store, metrics, config.quotas.usage_batch),
+                              admission=Admission(config.tiers, metrics))  # fmt: skip
+    app.cleanup_ctx.append(_lifecycle)
+    r = app.router
+    r.add_post("/v1/chat/completions", _completions("chat"))
+    r.add_post("/v1/completions", _completions("completion"))
+    r.add_get("/v1/models", _models)
+    r.add_get("/v1/usage", _bind(admin.usage))
+    r.add_get("/health", _health)
+    r.add_get("/metrics", _metrics)
+    r.add_post("/admin/teams", _bind(admin.create_team))
+    r.add_get("/admin/teams", _bind(admin.list_teams))
+    r.add_get("/admin/teams/{id}", _bind(admin.list_teams))
+    r.add_delete("/admin/teams/{id}", _bind(admin.delete_team))
+    r.add_post("/admin/keys", _bind(admin.create_key))
+    r.add_get("/admin/keys", _bind(admin.list_keys))
+    r.add_delete("/admin/keys/{id}", _bind(admin.revoke_key))
+    return app
+
+
+def _max_model_len(m: ModelConfig, directory: Path) -> int:
+    if m.max_model_len:
+        return m.max_model_len
+    cfg = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
+    return int(cfg.get("max_position_embeddings") or 4096)
+
+
+def _router(s: GatewayState, load: NodeLoad, view: EtcdView | None) -> Router:
+    """Coordinator replicas (configured, plus those registered in etcd) first; the static
+    node lists (configured, else etcd's view) when no replica answers, or when there is none."""
+    cfg = s.config
+    static = StaticRouter(lambda name: _static_nodes(cfg, name) or (view.pool(name) if view else None), load)
+    configured = list(cfg.routing.coordinator)
+    if not configured and view is None:
+        return static
+    assert s.session is not None
+
+    def replicas() -> list[str]:
+        return configured + [u for u in (view.coordinators if view else []) if u not in configured]
+
+    coord = CoordinatorRouter(s.session, replicas, cfg.routing.route_timeout_s)
+    return FailoverRouter(coord, static, lambda reason: s.metrics.route_fallback.labels(reason=reason).inc())
+
+
+def _static_nodes(cfg: GatewayConfig, cluster_name: str) -> StaticNodes | None:
+    for m in cfg.models.values():
+        if m.cluster_name == cluster_name and m.static is not None:
+            return m.static
+    return None
+
+
+def _external_backend(m: ModelConfig, s: GatewayState) -> Backend:
+    """The providers package (another issue) supplies `make_backend(model_config, session)`."""
+    try:
+        from gateway import providers  # type: ignore[attr-defined]
+    except ImportError:
+        raise ValueError(f"model {m.name!r} is external but the providers package is not installed") from None
+    return providers.make_backend(m, s.session)  # type: ignore[no-any-return]
+
+
+async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
+    s = app[STATE]
+    cfg = s.config
+    await s.store.open()
+    s.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    load = NodeLoad()
+    rc = cfg.routing
+    view = EtcdView(rc.etcd, rc.cluster) if rc.etcd else None
+    view_life = view.lifecycle() if view else None
+    if view_life is not None:
+        await view_life.__anext__()
+    nodes = NodeClient(s.session, rc.connect_timeout_s, rc.prefill_timeout_s, rc.read_timeout_s)
+    router = _router(s, load, view)
+    cluster = ClusterBackend(nodes, router, load, rc, on_retry=lambda k: s.metrics.retries.labels(kind=k).inc())
+    for name, m in cfg.models.items():
+        if m.kind == "cluster":
+            assert m.tokenizer is not None
+            directory = resolve_model(m.tokenizer).directory
+            s.models[name] = ServedModel(m, cluster, Tokenizer(directory), _max_model_len(m, directory))
+        else:
+            s.models[name] = ServedModel(m, _external_backend(m, s), None, m.max_model_len or 1 << 20)
+    writer = s.writer.lifecycle()
+    await writer.__anext__()
+    sweeper = asyncio.ensure_future(_sweep(s))
+    log.info("gateway serving %s; store %s", ", ".join(sorted(s.models)), cfg.store_url)
+    try:
+        yield
+    finally:
+        sweeper.cancel()
+        await asyncio.gather(sweeper, return_exceptions=True)
+        with contextlib.suppress(StopAsyncIteration):
+            await writer.__anext__()
+        await cluster.drain()
+        if view_life is not None:
+            with contextlib.suppress(StopAsyncIteration):
+                await view_life.__anext__()
+        await s.session.close()
+        await s.store.close()
+
+
+async def _sweep(s: GatewayState) -> None:
+    """Expire reservations whose gateway died (so they stop holding quota)."""
+    while True:
+        try:
+            n = await s.store.expire_reservations()
+            if n:
+                log.warning("expired %d stale quota reservations", n)
+        except Exception:
+            log.exception("expiring reservations failed")
+        await asyncio.sleep(min(30.0, s.config.quotas.reservation_ttl_s / 4))
+
+
+__all__ = ["STATE", "Shed", "make_app"]

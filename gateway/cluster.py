@@ -1,0 +1,254 @@
+"""`ClusterBackend`: serve a request on duet's own nodes (DESIGN §1 steps 2-5).
+
+route → prefill leg on P (unless the route says "prefill on D") → decode leg on D, streamed.
+Failure answers, all under the same X-Request-Id:
+- P fails before the transfer → route again without P (another P, or prefill locally on D);
+- D fails before its first token → abort what the try touched (P's held blocks included) and
+  route again without D;
+- D fails after the first token → `MidStreamError` (the API layer sends an SSE error event);
+- the request ends any way but complete (error, client gone, cancelled) → `POST /abort` on
+  every node it touched, in a task the client's cancellation cannot stop.
+
+`n > 1`: the nodes take one sample per request, so sample 0 runs the P → D legs; once its
+first token is out its prompt KV sits in D's prefix cache, and samples 1..n-1 run on the same
+D as local legs (ids `<X-Request-Id>.<i>`) whose prompt is served from that cache (its full
+blocks: only the last partial block is recomputed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from gateway.backend import Backend, Job, MidStreamError, Outcome, Piece
+from gateway.config import RoutingConfig
+from gateway.node_client import NodeChunk, NodeClient, NodeFailure
+from gateway.routing import NodeLoad, Router
+from protocol.block_hash import block_hashes
+from protocol.openai import APIError
+from protocol.route import RouteRequest
+
+log = logging.getLogger("duet.gateway.cluster")
+
+
+class _Touched:
+    """(url, request id) pairs a request reached, to abort if it does not complete."""
+
+    def __init__(self) -> None:
+        self.items: set[tuple[str, str]] = set()
+
+
+class ClusterBackend(Backend):
+    def __init__(self, nodes: NodeClient, router: Router, load: NodeLoad, cfg: RoutingConfig,
+                 on_retry: Callable[[str], None] = lambda _: None) -> None:  # fmt: skip
+        self.nodes = nodes
+        self.router = router
+        self.load = load
+        self.cfg = cfg
+        self._on_retry = on_retry
+        self._cleanup: set[asyncio.Task[None]] = set()  # strong refs to abort tasks
+
+    async def stream(self, job: Job, out: Outcome) -> AsyncIterator[Piece]:
+        touched = _Touched()
+        complete = False
+        try:
+            async for piece in self._run(job, out, touched):
+                yield piece
+            complete = True
+        finally:
+            if not complete and touched.items:
+                task = asyncio.ensure_future(self._abort(touched.items))
+                self._cleanup.add(task)
+                task.add_done_callback(self._cleanup.discard)
+
+    async def drain(self) -> None:
+        """Wait for pending aborts (at shutdown)."""
+        if self._cleanup:
+            await asyncio.gather(*self._cleanup, return_exceptions=True)
+
+    async def _abort(self, items: set[tuple[str, str]]) -> None:
+        await asyncio.gather(*(self.nodes.abort(url, rid) for url, rid in items))
+
+    def _body(self, job: Job, **extra: Any) -> dict[str, Any]:
+        return {"prompt": job.prompt_ids, **job.params, "priority": job.tier, **extra}
+
+    async def _run(self, job: Job, out: Outcome, touched: _Touched) -> AsyncIterator[Piece]:
+        rid = job.request_id
+        hashes = block_hashes(job.prompt_ids, job.model.block_size)
+        exclude: list[str] = []
+        failures: list[str] = []
+        out.model_used = job.model.name
+        for attempt in range(self.cfg.max_attempts):
+            if attempt:
+                self._on_retry("route")
+            route = await self.router.route(RouteRequest(
+                model=job.model.cluster_name, block_hashes=hashes, num_prompt_tokens=len(job.prompt_ids),
+                max_tokens=int(job.params["max_tokens"]), tier=job.tier,  # type: ignore[arg-type]
+                exclude=list(exclude), request_id=rid))  # fmt: skip
+            kv: dict[str, Any] | None = None
+            tried: list[tuple[str, str]] = []
+            if route.prefill is not None:
+                p = route.prefill
+                tried.append((p.url, rid))
+                touched.items.add((p.url, rid))
+                self.load.acquire(p.url)
+                try:
+                    answer = await self.nodes.prefill(p.url, rid, self._body(
+                        job, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True}))  # fmt: skip
+                    kv = answer.kv_transfer_params
+                except NodeFailure as e:
+                    log.warning("%s: prefill on %s failed (%s); routing again without it", rid, p.node_id, e.reason)
+                    failures.append(str(e))
+                    exclude.append(p.node_id)
+                    await self._abort(set(tried))
+                    continue
+                finally:
+                    self.load.release(p.url)
+            d = route.decode
+            touched.items.add((d.url, rid))
+            tried.append((d.url, rid))
+            first = _Sample(self, d.url, rid, 0, self._body(job, stream=True, **({"kv_transfer_params": kv} if kv else {})))
+            try:
+                head = await first.start()
+            except NodeFailure as e:
+                log.warning("%s: decode on %s failed before its first token (%s); routing again without it",
+                            rid, d.node_id, e.reason)  # fmt: skip
+                failures.append(str(e))
+                exclude.append(d.node_id)
+                await self._abort(set(tried))
+                continue
+            if route.prefill is not None:
+                out.nodes.append(route.prefill.node_id)
+            out.nodes.append(d.node_id)
+            async for piece in self._samples(job, out, touched, d.url, first, head):
+                yield piece
+            return
+        raise APIError(503, f"the request failed on every node tried ({self.cfg.max_attempts} attempts): "
+                            + "; ".join(failures), type_="service_unavailable", code="upstream_unavailable")  # fmt: skip
+
+    async def _samples(self, job: Job, out: Outcome, touched: _Touched, d_url: str, first: _Sample,
+                       head: NodeChunk) -> AsyncIterator[Piece]:  # fmt: skip
+        if job.n == 1:  # the common case: no queue, no extra task per request
+            it = first.chunks(head)
+            try:
+                async for chunk in it:
+                    for piece in self._pieces(0, chunk, out):
+                        yield piece
+            except Exception as e:
+                raise _midstream(e) from None
+            finally:
+                await it.aclose()  # now, not at GC: frees the node's load count and connection
+            return
+        samples = [first]
+        for i in range(1, job.n):
+            extra: dict[str, Any] = {"stream": True}
+            if job.params.get("seed") is not None:
+                extra["seed"] = int(job.params["seed"]) + i  # distinct samples, still reproducible
+            srid = f"{job.request_id}.{i}"
+            touched.items.add((d_url, srid))
+            samples.append(_Sample(self, d_url, srid, i, self._body(job, **extra)))
+        queue: asyncio.Queue[tuple[int, NodeChunk | BaseException | None]] = asyncio.Queue()
+        tasks = [asyncio.ensure_future(s.pump(queue, head if s is first else None)) for s in samples]
+        try:
+            running = len(samples)
+            while running:
+                i, item = await queue.get()
+                if item is None:
+                    running -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise _midstream(item)
+                for piece in self._pieces(i, item, out):
+                    yield piece
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _pieces(self, i: int, chunk: NodeChunk, out: Outcome) -> list[Piece]:
+        pieces = []
+        for c in chunk.choices:
+            n = len(c.token_ids or ())
+            if n and out.first_token_at is None:
+                out.first_token_at = time.monotonic()
+            out.completion_tokens[i] = out.completion_tokens.get(i, 0) + n
+            if c.text or c.finish_reason:
+                pieces.append(Piece(index=i, text=c.text, finish_reason=c.finish_reason))
+        if chunk.usage is not None:
+            out.completion_tokens[i] = chunk.usage.completion_tokens
+            if i == 0:
+                out.prompt_tokens = chunk.usage.prompt_tokens
+                out.cached_tokens = (chunk.usage.prompt_tokens_details or {}).get("cached_tokens", 0)
+        return pieces
+
+
+class _Sample:
+    """One node stream (one sample) on one node, with its load counted while it runs."""
+
+    def __init__(self, backend: ClusterBackend, url: str, request_id: str, index: int, body: dict[str, Any]) -> None:
+        self.backend = backend
+        self.url = url
+        self.request_id = request_id
+        self.index = index
+        self.body = body
+        self._it: AsyncIterator[NodeChunk] | None = None
+        self._counted = False
+
+    def _open(self) -> AsyncIterator[NodeChunk]:
+        self.backend.load.acquire(self.url)
+        self._counted = True
+        return self.backend.nodes.stream(self.url, self.request_id, self.body)
+
+    def _close_count(self) -> None:
+        if self._counted:
+            self._counted = False
+            self.backend.load.release(self.url)
+
+    async def start(self) -> NodeChunk:
+        """Open the stream and read up to the first chunk that carries tokens."""
+        self._it = self._open()
+        try:
+            async for chunk in self._it:
+                if any(c.token_ids or c.finish_reason for c in chunk.choices):
+                    return chunk
+            raise NodeFailure(self.url, "stream ended without a token")
+        except BaseException:
+            self._close_count()
+            raise
+
+    async def chunks(self, head: NodeChunk | None) -> AsyncIterator[NodeChunk]:
+        """`head` (what start() read), then the rest of the stream; the node's load is
+        released and the stream closed however this ends."""
+        try:
+            if head is not None:
+                yield head
+            if self._it is None:
+                self._it = self._open()
+            async for chunk in self._it:
+                yield chunk
+        finally:
+            self._close_count()
+            aclose = getattr(self._it, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+    async def pump(self, queue: asyncio.Queue[tuple[int, NodeChunk | BaseException | None]],
+                   head: NodeChunk | None) -> None:  # fmt: skip
+        try:
+            async for chunk in self.chunks(head):
+                await queue.put((self.index, chunk))
+            await queue.put((self.index, None))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await queue.put((self.index, e))
+
+
+def _midstream(e: BaseException) -> MidStreamError:
+    if isinstance(e, APIError):
+        return MidStreamError(e.status, e.message, e.type, e.param, e.code)
+    return MidStreamError(502, f"the decode node failed mid-stream: {e}", type_="upstream_error",
+                          code="upstream_failed_midstream")  # fmt: skip

@@ -1,0 +1,212 @@
+"""`gateway.toml`: what the gateway serves and how (read with stdlib `tomllib`).
+
+Every section is optional except `[models.*]`; defaults are what a small deployment wants.
+Unknown keys are refused (a typo in a price or a limit must not pass silently). Example:
+
+    [server]
+    port = 8000
+
+    [store]
+    url = "sqlite:///var/lib/duet/gateway.db"   # default: sqlite:///$DUET_HOME/gateway.db
+
+    [routing]
+    coordinator = ["http://10.0.0.2:8400", "http://10.0.0.3:8400"]   # every replica
+    etcd = "http://10.0.0.2:2379"     # optional: find replicas and nodes there too
+
+    [models.smollm2]
+    kind = "cluster"                  # served by duet nodes; "external" is a provider's model
+    tokenizer = "smollm2-135m-instruct"
+    input_usd_per_mtok = 0.10
+    output_usd_per_mtok = 0.20
+    static = { prefill = ["http://p1:8100"], decode = ["http://d1:8200"] }
+
+Invariant: a `GatewayConfig` is immutable once loaded; the CLI's flags override the file.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from protocol.models import duet_home
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ModelKind = Literal["cluster", "external"]
+Tier = Literal["interactive", "batch"]
+
+
+class ConfigError(ValueError):
+    """gateway.toml is missing, malformed, or names something impossible."""
+
+
+@dataclass(frozen=True)
+class StaticNodes:
+    """Node URLs for the static router (no coordinator): disaggregated pairs, or colocated."""
+
+    prefill: tuple[str, ...] = ()
+    decode: tuple[str, ...] = ()
+    both: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    kind: ModelKind = "cluster"
+    #: registry name, HF directory or .gguf whose tokenizer + chat template the gateway uses
+    tokenizer: str | None = None
+    #: the model name the nodes and the coordinator know (default: `name`)
+    served_name: str | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    #: max_tokens when the request gives none (capped by the context left)
+    default_max_tokens: int = 256
+    input_usd_per_mtok: float = 0.0
+    output_usd_per_mtok: float = 0.0
+    #: price of prompt tokens served from a prefix cache (default: the input price)
+    cached_input_usd_per_mtok: float | None = None
+    static: StaticNodes | None = None
+    #: external models: provider settings, read by the providers package
+    provider: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cluster_name(self) -> str:
+        return self.served_name or self.name
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    #: request bodies above this get a 413
+    max_body_bytes: int = 4 * 2**20
+    #: a request line or one header above this gets a 400 from the HTTP parser
+    max_header_bytes: int = 16 * 1024
+    #: sha256 hex of the admin key (or set $DUET_ADMIN_KEY to the key itself)
+    admin_key_sha256: str | None = None
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    coordinator: tuple[str, ...] = ()
+    #: etcd endpoint ("http://host:port"): find coordinators and nodes without a list
+    etcd: str | None = None
+    cluster: str = "default"
+    route_timeout_s: float = 2.0
+    connect_timeout_s: float = 3.0
+    #: the whole prefill leg
+    prefill_timeout_s: float = 120.0
+    #: longest silence on a decode stream (first token included)
+    read_timeout_s: float = 120.0
+    #: route + prefill + decode tries before the request fails
+    max_attempts: int = 3
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    #: requests this gateway runs at once on the cluster; beyond, they queue by tier
+    max_inflight: int = 256
+    interactive_queue: int = 512
+    batch_queue: int = 128
+    interactive_max_wait_s: float = 30.0
+    batch_max_wait_s: float = 10.0
+    default_tier: Tier = "interactive"
+
+
+@dataclass(frozen=True)
+class QuotaConfig:
+    #: an unsettled reservation older than this is expired (its request's process died)
+    reservation_ttl_s: float = 900.0
+    #: usage records per store transaction (the batched writer)
+    usage_batch: int = 256
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    models: dict[str, ModelConfig]
+    store_url: str = ""
+    server: ServerConfig = ServerConfig()
+    routing: RoutingConfig = RoutingConfig()
+    tiers: TierConfig = TierConfig()
+    quotas: QuotaConfig = QuotaConfig()
+
+    @property
+    def admin_key(self) -> str | None:
+        return os.environ.get("DUET_ADMIN_KEY") or None
+
+
+def default_store_url() -> str:
+    return f"sqlite://{(duet_home() / 'gateway.db').resolve()}"
+
+
+def _build(cls: type, section: str, data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"[{section}] must be a table")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"[{section}] has unknown keys: {', '.join(unknown)} (known: {', '.join(sorted(names))})")
+    data = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise ConfigError(f"[{section}]: {e}") from None
+
+
+def _model(name: str, data: Any) -> ModelConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"[models.{name}] must be a table")
+    data = dict(data)
+    static = data.pop("static", None)
+    m = _build(ModelConfig, f"models.{name}", {**data, "name": name})
+    if static is not None:
+        m = ModelConfig(**{**m.__dict__, "static": _build(StaticNodes, f"models.{name}.static", static)})
+    if m.kind not in ("cluster", "external"):
+        raise ConfigError(f"[models.{name}] kind must be 'cluster' or 'external', got {m.kind!r}")
+    if m.kind == "cluster" and not m.tokenizer:
+        raise ConfigError(f"[models.{name}] a cluster model needs `tokenizer` (registry name or directory)")
+    for k in ("input_usd_per_mtok", "output_usd_per_mtok"):
+        if getattr(m, k) < 0:
+            raise ConfigError(f"[models.{name}] {k} must be >= 0")
+    return m
+
+
+def parse_config(data: dict[str, Any]) -> GatewayConfig:
+    known = {"models", "store", "server", "routing", "tiers", "quotas"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"unknown sections: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    models = data.get("models") or {}
+    if not models:
+        raise ConfigError("no [models.NAME] section: the gateway must serve at least one model")
+    store = data.get("store", {})
+    if set(store) - {"url"}:
+        raise ConfigError("[store] takes only `url`")
+    cfg = GatewayConfig(
+        models={n: _model(n, m) for n, m in models.items()},
+        store_url=store.get("url") or default_store_url(),
+        server=_build(ServerConfig, "server", data.get("server", {})),
+        routing=_build(RoutingConfig, "routing", data.get("routing", {})),
+        tiers=_build(TierConfig, "tiers", data.get("tiers", {})),
+        quotas=_build(QuotaConfig, "quotas", data.get("quotas", {})),
+    )
+    if cfg.tiers.default_tier not in ("interactive", "batch"):
+        raise ConfigError("[tiers] default_tier must be 'interactive' or 'batch'")
+    return cfg
+
+
+def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{p}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p}: {e}") from None
+    return parse_config(data)

@@ -1,0 +1,138 @@
+"""The gateway's client for the nodes' internal API: a prefill leg, a streamed decode (or
+local) leg, and `/abort`. Turns every way a node call can go wrong into one of two answers:
+
+- `NodeFailure`: the node is dead, slow, draining or broke (connection error, timeout, 5xx,
+  an SSE error event, a stream cut short) — the caller may retry elsewhere;
+- `APIError` with the node's own 4xx: the request itself is wrong, retrying cannot help.
+
+Every call carries the request's X-Request-Id and a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from protocol.openai import APIError, Usage
+
+log = logging.getLogger("duet.gateway.nodes")
+_ENC = msgspec.json.Encoder()
+
+
+class NodeFailure(Exception):
+    def __init__(self, node: str, reason: str) -> None:
+        super().__init__(f"{node}: {reason}")
+        self.node = node
+        self.reason = reason
+
+
+class NodeChoice(msgspec.Struct, kw_only=True):
+    index: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    token_ids: list[int] | None = None
+
+
+class NodeChunk(msgspec.Struct, kw_only=True):
+    choices: list[NodeChoice] = []
+    usage: Usage | None = None
+    error: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+_CHUNK = msgspec.json.Decoder(NodeChunk)
+_NETWORK_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError)
+
+
+def _node_error(status: int, body: bytes) -> APIError:
+    try:
+        err = msgspec.json.decode(body)["error"]
+        return APIError(status, str(err.get("message")), type_=err.get("type") or "invalid_request_error",
+                        param=err.get("param"), code=err.get("code"))  # fmt: skip
+    except (msgspec.DecodeError, KeyError, TypeError, AttributeError):
+        return APIError(status, body.decode(errors="replace")[:500])
+
+
+class NodeClient:
+    def __init__(self, session: aiohttp.ClientSession, connect_timeout_s: float, prefill_timeout_s: float,
+                 read_timeout_s: float) -> None:  # fmt: skip
+        self.session = session
+        self._prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, connect=connect_timeout_s)
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s,
+                                                     sock_connect=connect_timeout_s, sock_read=read_timeout_s)  # fmt: skip
+        self._abort_timeout = aiohttp.ClientTimeout(total=max(2.0, connect_timeout_s))
+
+    async def prefill(self, url: str, request_id: str, body: dict[str, Any]) -> NodeChunk:
+        """The prefill leg; its answer carries `kv_transfer_params` for the decode node."""
+        try:
+            async with self.session.post(f"{url}/v1/completions", data=_ENC.encode(body),
+                                         headers=_headers(request_id), timeout=self._prefill_timeout) as r:  # fmt: skip
+                raw = await r.read()
+        except _NETWORK_ERRORS as e:
+            raise NodeFailure(url, f"prefill leg: {type(e).__name__}: {e}") from None
+        if r.status >= 500 or r.status == 429:
+            raise NodeFailure(url, f"prefill leg answered {r.status}: {raw[:300]!r}")
+        if r.status != 200:
+            raise _node_error(r.status, raw)
+        try:
+            out = _CHUNK.decode(raw)
+        except msgspec.DecodeError as e:
+            raise NodeFailure(url, f"prefill leg: unreadable answer: {e}") from None
+        if not out.kv_transfer_params or not out.kv_transfer_params.get("do_remote_prefill"):
+            raise NodeFailure(url, "prefill leg answered without kv_transfer_params")
+        return out
+
+    async def stream(self, url: str, request_id: str, body: dict[str, Any]) -> AsyncIterator[NodeChunk]:
+        """A streamed completion; raises NodeFailure on any failure, APIError on a node's 4xx."""
+        try:
+            resp = await self.session.post(f"{url}/v1/completions", data=_ENC.encode(body),
+                                           headers=_headers(request_id), timeout=self._stream_timeout)  # fmt: skip
+        except _NETWORK_ERRORS as e:
+            raise NodeFailure(url, f"{type(e).__name__}: {e}") from None
+        async with resp:
+            if resp.status != 200:
+                raw = await _read_quietly(resp)
+                if resp.status >= 500 or resp.status == 429:
+                    raise NodeFailure(url, f"answered {resp.status}: {raw[:300]!r}")
+                raise _node_error(resp.status, raw)
+            done = False
+            try:
+                async for line in resp.content:
+                    if not line.startswith(b"data: "):
+                        continue
+                    payload = line[6:].strip()
+                    if payload == b"[DONE]":
+                        done = True
+                        break
+                    chunk = _CHUNK.decode(payload)
+                    if chunk.error is not None:
+                        raise NodeFailure(url, f"error event: {chunk.error.get('message')}")
+                    yield chunk
+            except (*_NETWORK_ERRORS, msgspec.DecodeError) as e:
+                raise NodeFailure(url, f"stream broke: {type(e).__name__}: {e}") from None
+            if not done:
+                raise NodeFailure(url, "stream ended before [DONE]")
+
+    async def abort(self, url: str, request_id: str) -> None:
+        """Best effort: the node frees whatever it holds for the request (quietly on failure)."""
+        with contextlib.suppress(*_NETWORK_ERRORS):
+            async with self.session.post(f"{url}/abort", data=_ENC.encode({"request_id": request_id}),
+                                         headers=_headers(request_id), timeout=self._abort_timeout) as r:  # fmt: skip
+                await r.read()
+                log.info("aborted %s on %s: %s", request_id, url, r.status)
+
+
+def _headers(request_id: str) -> dict[str, str]:
+    return {"X-Request-Id": request_id, "Content-Type": "application/json"}
+
+
+async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await resp.read()
+    except _NETWORK_ERRORS:
+        return b""

@@ -1,0 +1,192 @@
+"""Parsing and checking the public request bodies (`/v1/chat/completions`, `/v1/completions`).
+
+Nothing from the client is trusted: the raw JSON's keys are checked first, and a field the
+gateway does not support (tools, logprobs, images, …) is a 400 that names it — unless it
+carries its neutral value (`null`, `false`, `0`, `[]`, `{}`), which changes nothing. Types
+come from msgspec; meaning (ranges, n ≤ 8, stop ≤ 4 strings) is checked here with OpenAI's
+wording.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from protocol.chat import ChatCompletionRequest
+from protocol.openai import APIError, CompletionRequest
+
+MAX_N = 8
+MAX_STOP = 4
+COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
+          "stream_options", "user", "service_tier", "top_k", "min_tokens", "ignore_eos"}  # fmt: skip
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
+COMPLETION_FIELDS = COMMON | {"prompt"}
+CHAT_ROLES = {"system", "developer", "user", "assistant"}
+_DECODE = msgspec.json.Decoder()
+
+
+@dataclass
+class Parsed:
+    endpoint: str  # "chat" | "completion"
+    model: str
+    #: chat: messages as plain dicts with text content; completion: None
+    messages: list[dict[str, Any]] | None
+    #: completion: the prompt as given (text or token ids)
+    prompt: str | list[int] | None
+    max_tokens: int | None
+    params: dict[str, Any]
+    n: int
+    stream: bool
+    include_usage: bool
+    service_tier: str | None
+    user: str | None
+
+
+def _neutral(v: Any) -> bool:
+    return v is None or v is False or v == 0 or v == [] or v == {} or v == {"type": "text"}
+
+
+def decode_json(raw: bytes) -> dict[str, Any]:
+    try:
+        data = _DECODE.decode(raw)
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def _refuse_unsupported(data: dict[str, Any], allowed: set[str]) -> None:
+    bad = sorted(k for k, v in data.items() if k not in allowed and not _neutral(v))
+    if bad:
+        raise APIError(400, f"unsupported field{'s' if len(bad) > 1 else ''}: {', '.join(bad)} "
+                            "(duet serves text generation only)", param=bad[0], code="unsupported_field")  # fmt: skip
+
+
+def _convert(data: dict[str, Any], cls: type) -> Any:
+    try:
+        return msgspec.convert(data, cls)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        param = msg.rsplit("`$.", 1)[1].rstrip("`").split("[")[0].split(".")[0] if "`$." in msg else None
+        raise APIError(400, f"invalid request: {msg}", param=param) from None
+
+
+def _sampling(body: Any, max_tokens: int | None) -> tuple[dict[str, Any], int]:
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if body.temperature is not None and not 0 <= body.temperature <= 2:
+        raise APIError(400, f"temperature must be between 0 and 2, got {body.temperature}", param="temperature")
+    if body.top_p is not None and not 0 < body.top_p <= 1:
+        raise APIError(400, f"top_p must be in (0, 1], got {body.top_p}", param="top_p")
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"n must be between 1 and {MAX_N}, got {n}", param="n")
+    if body.top_k is not None and body.top_k < -1:
+        raise APIError(400, "top_k must be -1 (off) or positive", param="top_k")
+    if body.min_tokens is not None and body.min_tokens < 0:
+        raise APIError(400, "min_tokens must be >= 0", param="min_tokens")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP or any(not s for s in stop):
+        raise APIError(400, f"stop takes up to {MAX_STOP} non-empty strings", param="stop")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    params: dict[str, Any] = {}
+    for k in ("temperature", "top_p", "seed", "top_k", "min_tokens", "ignore_eos"):
+        v = getattr(body, k)
+        if v is not None:
+            params[k] = v
+    if stop:
+        params["stop"] = stop
+    return params, n
+
+
+def parse_chat(raw: bytes) -> Parsed:
+    data = decode_json(raw)
+    _refuse_unsupported(data, CHAT_FIELDS)
+    if "messages" not in data or "model" not in data:
+        missing = "model" if "model" not in data else "messages"
+        raise APIError(400, f"missing required field: {missing}", param=missing)
+    body: ChatCompletionRequest = _convert(data, ChatCompletionRequest)
+    if not body.messages:
+        raise APIError(400, "messages must not be empty", param="messages")
+    messages = []
+    for i, m in enumerate(body.messages):
+        if m.role not in CHAT_ROLES:
+            raise APIError(400, f"messages[{i}]: role {m.role!r} is not supported (use system, user or "
+                                "assistant; tool calls are not supported)", param=f"messages[{i}].role")  # fmt: skip
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise APIError(400, f"messages[{i}]: content part of type {kind!r} is not supported "
+                                        "(only text)", param=f"messages[{i}].content")  # fmt: skip
+                texts.append(part["text"])
+            content = "".join(texts)
+        if content is None:
+            raise APIError(400, f"messages[{i}]: content is required", param=f"messages[{i}].content")
+        role = "system" if m.role == "developer" else m.role
+        messages.append({"role": role, "content": content})
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params, n = _sampling(body, max_tokens)
+    return Parsed(endpoint="chat", model=body.model, messages=messages, prompt=None, max_tokens=max_tokens,
+                  params=params, n=n, stream=bool(body.stream),
+                  include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                  service_tier=body.service_tier, user=body.user)  # fmt: skip
+
+
+def parse_completion(raw: bytes) -> Parsed:
+    data = decode_json(raw)
+    _refuse_unsupported(data, COMPLETION_FIELDS)
+    if "prompt" not in data or "model" not in data:
+        missing = "model" if "model" not in data else "prompt"
+        raise APIError(400, f"missing required field: {missing}", param=missing)
+    stream_options = data.get("stream_options")
+    body: CompletionRequest = _convert(data, CompletionRequest)
+    if not isinstance(body.model, str):
+        raise APIError(400, "model must be a string", param="model")
+    p = body.prompt
+    if isinstance(p, list) and p and not _is_token(p[0]):
+        if len(p) != 1:
+            raise APIError(400, "only one prompt per request is supported", param="prompt")
+        p = p[0]
+    if isinstance(p, list):
+        if not all(map(_is_token, p)):
+            raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
+    elif not isinstance(p, str):
+        raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
+    if not p:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    # CompletionRequest defaults max_tokens to 16 (the node's default); the gateway's default
+    # is the model's, so read what the client really sent.
+    max_tokens = data.get("max_tokens")
+    if max_tokens is not None and not _is_token(max_tokens):
+        raise APIError(400, "max_tokens must be an integer", param="max_tokens")
+    if stream_options is None:
+        body.stream_options = None
+    params, n = _sampling(_Shim(body, n=data.get("n")), max_tokens)
+    return Parsed(endpoint="completion", model=body.model, messages=None, prompt=p, max_tokens=max_tokens,
+                  params=params, n=n, stream=body.stream,
+                  include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                  service_tier=body.service_tier, user=body.user)  # fmt: skip
+
+
+class _Shim:
+    """CompletionRequest with `n` as the client sent it (its struct defaults n to 1)."""
+
+    def __init__(self, body: CompletionRequest, n: Any) -> None:
+        self._body = body
+        self.n = n if n is not None else 1
+        if not _is_token(self.n):
+            raise APIError(400, "n must be an integer", param="n")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._body, name)
+
+
+def _is_token(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)

@@ -1,0 +1,93 @@
+"""OpenAI response shapes for both endpoints: stream chunks and whole bodies.
+
+One `Formatter` per request knows the id, model, creation time and endpoint, so every chunk
+of a stream agrees on them (clients check).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import msgspec
+
+from gateway.backend import Piece
+from protocol.chat import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatMessageOut,
+)
+from protocol.openai import Usage
+
+_ENC = msgspec.json.Encoder()
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True):
+    """OpenAI's text_completion (the node's struct omits defaults, `object` included)."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _ENC.encode(obj) + b"\n\n"
+
+
+def usage(prompt: int, completion: int, cached: int) -> Usage:
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                 prompt_tokens_details={"cached_tokens": cached})  # fmt: skip
+
+
+class Formatter:
+    def __init__(self, endpoint: str, request_id: str, model: str, tier: str) -> None:
+        self.endpoint = endpoint
+        self.id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + request_id.removeprefix("req-")
+        self.model = model
+        self.created = int(time.time())
+        self.tier = tier
+        self._started: set[int] = set()
+
+    def chunk(self, p: Piece) -> bytes:
+        if self.endpoint == "chat":
+            delta = ChatDelta(content=p.text)
+            if p.index not in self._started:  # OpenAI opens each choice with the role
+                self._started.add(p.index)
+                delta = ChatDelta(role="assistant", content=p.text)
+            return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
+                                           service_tier=self.tier, choices=[ChatChunkChoice(
+                                               index=p.index, delta=delta, finish_reason=p.finish_reason)]))  # fmt: skip
+        return sse(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[
+            CompletionChoice(index=p.index, text=p.text, finish_reason=p.finish_reason)]))  # fmt: skip
+
+    def usage_chunk(self, u: Usage) -> bytes:
+        if self.endpoint == "chat":
+            return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
+                                           usage=u, service_tier=self.tier))  # fmt: skip
+        return sse(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[], usage=u))
+
+    def body(self, texts: dict[int, list[str]], finish: dict[int, str | None], u: Usage) -> bytes:
+        idx = sorted(texts)
+        if self.endpoint == "chat":
+            return _ENC.encode(ChatCompletion(id=self.id, created=self.created, model=self.model, usage=u,
+                                              service_tier=self.tier, choices=[ChatChoice(
+                                                  index=i, message=ChatMessageOut(content="".join(texts[i])),
+                                                  finish_reason=finish.get(i)) for i in idx]))  # fmt: skip
+        return _ENC.encode(CompletionResponse(id=self.id, created=self.created, model=self.model, usage=u,
+                                              choices=[CompletionChoice(index=i, text="".join(texts[i]),
+                                                                        finish_reason=finish.get(i)) for i in idx]))  # fmt: skip

@@ -1,0 +1,60 @@
+"""Running the gateway process: serve until SIGTERM/SIGINT, then stop taking requests, let
+in-flight ones finish (bounded), flush usage records and exit 0.
+
+The "ready" line on stdout is printed only once the port accepts requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import resource
+import signal
+import sys
+
+from aiohttp import web
+
+from gateway.app import make_app
+from gateway.config import GatewayConfig
+
+
+def _raise_fd_limit() -> None:
+    """Every stream holds two sockets (client and node): allow as many as the hard limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
+    _raise_fd_limit()
+    app = make_app(cfg)
+    srv = cfg.server
+    # handler_cancellation: a client that disconnects cancels its handler, which aborts the
+    # request on every node it touched.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           max_line_size=srv.max_header_bytes, max_field_size=srv.max_header_bytes,
+                           shutdown_timeout=grace_s)  # fmt: skip
+    try:
+        await runner.setup()  # opens the store, loads tokenizers
+    except Exception as e:  # an unreachable database, a broken tokenizer: one line, not a traceback
+        print(f"duet gateway: cannot start (store {cfg.store_url}): {type(e).__name__}: {e}", file=sys.stderr)
+        await runner.cleanup()
+        return 1
+    site = web.TCPSite(runner, srv.host, srv.port, backlog=4096)
+    await site.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"duet gateway ready on http://{srv.host}:{srv.port} models={','.join(sorted(cfg.models))} "
+          f"store={cfg.store_url}", flush=True)  # fmt: skip
+    await stop.wait()
+    await runner.cleanup()
+    return 0
+
+
+def run_gateway(cfg: GatewayConfig) -> int:
+    try:
+        return asyncio.run(serve(cfg))
+    except OSError as e:
+        print(f"duet gateway: cannot listen on {cfg.server.host}:{cfg.server.port}: {e}", file=sys.stderr)
+        return 1

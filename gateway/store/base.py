@@ -1,0 +1,180 @@
+"""The gateway's one store (DESIGN §4): teams, API keys, quota reservations, spend, usage.
+
+`Store` is the interface; `sqlite.SqliteStore` implements it now and a Postgres (asyncpg)
+store slots in behind the same methods. Quotas are decided *inside* the store, in one
+transaction per reservation, so several gateways sharing a database share one limit.
+
+Reservation life: `reserve()` admits a request and books its worst case (prompt + max_tokens,
+and their cost); `settle()` replaces the booking with the real figures and writes the usage
+record in the same transaction; a booking never settled (its gateway died) stops counting
+after `expires_at`. Windows: RPM/TPM over the last 60 s of reservations, budgets per UTC day
+and month.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import msgspec
+
+WINDOW_S = 60.0
+LimitKind = Literal["requests", "tokens", "concurrency", "daily_budget", "monthly_budget"]
+
+
+class Team(msgspec.Struct, kw_only=True, frozen=True):
+    id: str
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    daily_budget_usd: float | None = None
+    monthly_budget_usd: float | None = None
+    default_tier: Literal["interactive", "batch"] = "interactive"
+    created_at: float = 0.0
+
+
+class ApiKey(msgspec.Struct, kw_only=True, frozen=True):
+    id: str
+    team_id: str
+    name: str = ""
+    #: the first characters of the secret, for operators to tell keys apart
+    prefix: str = ""
+    created_at: float = 0.0
+    revoked_at: float | None = None
+
+
+@dataclass(frozen=True)
+class ReserveRequest:
+    team_id: str
+    key_id: str
+    request_id: str
+    tokens: int
+    cost_usd: float
+    ttl_s: float
+    now: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class RateState:
+    """What the x-ratelimit-* headers report, as of the reservation."""
+
+    limit_requests: int | None = None
+    remaining_requests: int | None = None
+    reset_requests_s: float = 0.0
+    limit_tokens: int | None = None
+    remaining_tokens: int | None = None
+    reset_tokens_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Refusal:
+    kind: LimitKind
+    message: str
+    retry_after_s: float
+    rate: RateState
+
+
+@dataclass(frozen=True)
+class Reservation:
+    id: str
+    rate: RateState
+
+
+@dataclass
+class UsageRecord:
+    request_id: str
+    team_id: str
+    key_id: str
+    model_requested: str
+    model_used: str
+    tier: str
+    status: str
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    cost_usd: float = 0.0
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+    nodes: list[str] = field(default_factory=list)
+    endpoint: str = ""
+    created_at: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """Replace reservation `reservation_id` (None: nothing was booked) by `record`'s figures."""
+
+    reservation_id: str | None
+    record: UsageRecord
+    #: tokens the request keeps in the team's TPM window (None: prompt + completion); a
+    #: request no node ever served keeps none
+    window_tokens: int | None = None
+
+    @property
+    def tokens(self) -> int:
+        r = self.record
+        return r.prompt_tokens + r.completion_tokens if self.window_tokens is None else self.window_tokens
+
+
+class Store(ABC):
+    @abstractmethod
+    async def open(self) -> None: ...
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    # teams and keys
+    @abstractmethod
+    async def create_team(self, team: Team) -> Team: ...
+
+    @abstractmethod
+    async def get_team(self, team_id: str) -> Team | None: ...
+
+    @abstractmethod
+    async def list_teams(self) -> list[Team]: ...
+
+    @abstractmethod
+    async def delete_team(self, team_id: str) -> bool:
+        """Delete the team and revoke its keys; its usage records stay."""
+
+    @abstractmethod
+    async def create_key(self, key: ApiKey, secret_hash: str) -> ApiKey: ...
+
+    @abstractmethod
+    async def key_by_hash(self, secret_hash: str) -> tuple[ApiKey, Team] | None:
+        """The live (not revoked) key with this hash and its team."""
+
+    @abstractmethod
+    async def list_keys(self, team_id: str | None = None) -> list[ApiKey]: ...
+
+    @abstractmethod
+    async def revoke_key(self, key_id: str) -> bool: ...
+
+    # quotas
+    @abstractmethod
+    async def reserve(self, req: ReserveRequest) -> Reservation | Refusal: ...
+
+    @abstractmethod
+    async def settle(self, batch: list[Settlement]) -> None:
+        """Settle reservations and write their usage records, all in one transaction."""
+
+    @abstractmethod
+    async def expire_reservations(self, now: float | None = None) -> int: ...
+
+    # usage
+    @abstractmethod
+    async def usage(self, team_id: str | None, start: float, end: float,
+                    group_by: str | None) -> list[dict[str, Any]]: ...  # fmt: skip
+
+    @abstractmethod
+    async def usage_records(self, team_id: str | None, start: float, end: float) -> list[UsageRecord]: ...
+
+
+class StoreError(Exception):
+    """A conflict or a missing row the caller can explain (409/404)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status

@@ -1,0 +1,282 @@
+"""PostgreSQL store (asyncpg), for several gateways sharing teams, keys, quotas and usage.
+
+A reservation is one transaction that locks the team's row (`SELECT … FOR UPDATE`), so every
+gateway's reservations for a team are serialized by the database and a limit holds across
+processes and machines. In-flight and window counters are running totals (team_state,
+rate_buckets), updated in the same transactions as the bookings. Counters are read in the
+order in-flight → window → spend, so a settlement committing in between is counted twice
+(conservative), never missed. Settlement batches take row locks in team order, so two
+gateways' batches cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import asyncpg
+
+from gateway.store.base import (
+    WINDOW_S,
+    ApiKey,
+    Refusal,
+    Reservation,
+    ReserveRequest,
+    Settlement,
+    Store,
+    StoreError,
+    Team,
+    UsageRecord,
+)
+from gateway.store.rules import Counters, day_period, decide, month_period, window_start
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS teams (
+    id TEXT PRIMARY KEY, rpm BIGINT, tpm BIGINT, max_concurrent BIGINT,
+    daily_budget_usd DOUBLE PRECISION, monthly_budget_usd DOUBLE PRECISION, default_tier TEXT NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY, team_id TEXT NOT NULL, name TEXT NOT NULL, prefix TEXT NOT NULL,
+    secret_hash TEXT NOT NULL UNIQUE, created_at DOUBLE PRECISION NOT NULL, revoked_at DOUBLE PRECISION);
+CREATE TABLE IF NOT EXISTS reservations (
+    id TEXT PRIMARY KEY, team_id TEXT NOT NULL, key_id TEXT NOT NULL, request_id TEXT NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL, expires_at DOUBLE PRECISION NOT NULL, tokens BIGINT NOT NULL,
+    cost_usd DOUBLE PRECISION NOT NULL);
+CREATE INDEX IF NOT EXISTS reservations_team_expiry ON reservations (team_id, expires_at);
+CREATE INDEX IF NOT EXISTS reservations_expiry ON reservations (expires_at);
+CREATE TABLE IF NOT EXISTS team_state (
+    team_id TEXT PRIMARY KEY, active BIGINT NOT NULL, active_cost_usd DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS rate_buckets (
+    team_id TEXT NOT NULL, second BIGINT NOT NULL, requests BIGINT NOT NULL, tokens BIGINT NOT NULL,
+    PRIMARY KEY (team_id, second));
+CREATE TABLE IF NOT EXISTS spend (
+    team_id TEXT NOT NULL, period TEXT NOT NULL, cost_usd DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (team_id, period));
+CREATE TABLE IF NOT EXISTS usage (
+    request_id TEXT NOT NULL, team_id TEXT NOT NULL, key_id TEXT NOT NULL,
+    model_requested TEXT NOT NULL, model_used TEXT NOT NULL, tier TEXT NOT NULL,
+    status TEXT NOT NULL, endpoint TEXT NOT NULL, prompt_tokens BIGINT NOT NULL,
+    completion_tokens BIGINT NOT NULL, cached_tokens BIGINT NOT NULL, cost_usd DOUBLE PRECISION NOT NULL,
+    ttft_s DOUBLE PRECISION, latency_s DOUBLE PRECISION NOT NULL, nodes TEXT NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL);
+CREATE INDEX IF NOT EXISTS usage_team_time ON usage (team_id, created_at);
+"""
+
+_TEAM_COLS = "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, created_at"
+_KEY_COLS = "id, team_id, name, prefix, created_at, revoked_at"
+_USAGE_COLS = ("request_id", "team_id", "key_id", "model_requested", "model_used", "tier", "status",
+               "endpoint", "prompt_tokens", "completion_tokens", "cached_tokens", "cost_usd", "ttft_s",
+               "latency_s", "nodes", "created_at")  # fmt: skip
+_DAY = "to_char(to_timestamp(created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
+
+
+def _team(r: Any) -> Team:
+    return Team(id=r["id"], rpm=r["rpm"], tpm=r["tpm"], max_concurrent=r["max_concurrent"],
+                daily_budget_usd=r["daily_budget_usd"], monthly_budget_usd=r["monthly_budget_usd"],
+                default_tier=r["default_tier"], created_at=r["created_at"])  # fmt: skip
+
+
+async def _bucket(con: Any, team_id: str, second: int, requests: int, tokens: int) -> None:
+    await con.execute("INSERT INTO rate_buckets (team_id, second, requests, tokens) VALUES ($1,$2,$3,$4) ON CONFLICT "
+                      "(team_id, second) DO UPDATE SET requests = rate_buckets.requests + excluded.requests, "
+                      "tokens = rate_buckets.tokens + excluded.tokens", team_id, second, requests, tokens)  # fmt: skip
+
+
+async def _unbook(con: Any, rid: str, team_id: str, cost: float) -> None:
+    await con.execute("UPDATE team_state SET active = active - 1, active_cost_usd = CASE WHEN active <= 1 THEN 0 "
+                      "ELSE active_cost_usd - $1 END WHERE team_id=$2", cost, team_id)  # fmt: skip
+    await con.execute("DELETE FROM reservations WHERE id=$1", rid)
+
+
+async def _expire(con: Any, where: str, *args: Any) -> int:
+    rows = await con.fetch(f"SELECT id, team_id, created_at, tokens, cost_usd FROM reservations WHERE {where} "
+                           "FOR UPDATE", *args)  # fmt: skip
+    for r in rows:
+        await _unbook(con, r["id"], r["team_id"], r["cost_usd"])
+        await _bucket(con, r["team_id"], int(r["created_at"]), 0, -r["tokens"])
+    return len(rows)
+
+
+async def _settle_booking(con: Any, s: Settlement, now: float) -> None:
+    row = None
+    if s.reservation_id is not None:
+        row = await con.fetchrow("SELECT team_id, created_at, tokens, cost_usd FROM reservations WHERE id=$1 FOR UPDATE",
+                                 s.reservation_id)  # fmt: skip
+    if row is None:  # nothing booked, or it expired meanwhile: the real tokens count from now
+        if s.tokens:
+            await _bucket(con, s.record.team_id, int(now), 0, s.tokens)
+        return
+    await _unbook(con, s.reservation_id, row["team_id"], row["cost_usd"])  # type: ignore[arg-type]
+    await _bucket(con, row["team_id"], int(row["created_at"]), 0, s.tokens - row["tokens"])
+
+
+def _key(r: Any) -> ApiKey:
+    return ApiKey(id=r["id"], team_id=r["team_id"], name=r["name"], prefix=r["prefix"],
+                  created_at=r["created_at"], revoked_at=r["revoked_at"])  # fmt: skip
+
+
+class PostgresStore(Store):
+    def __init__(self, dsn: str, max_connections: int = 10) -> None:
+        self.dsn = dsn
+        self.max_connections = max_connections
+        self._pool: asyncpg.Pool | None = None
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        assert self._pool is not None, "store not open"
+        return self._pool
+
+    async def open(self) -> None:
+        self._pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.max_connections)
+        # Several gateways may start at once: one creates the schema, the others wait.
+        async with self.pool.acquire() as con, con.transaction():
+            await con.execute("SELECT pg_advisory_xact_lock(7477298)")
+            await con.execute(SCHEMA)
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+    async def create_team(self, team: Team) -> Team:
+        t = Team(**{f: getattr(team, f) for f in team.__struct_fields__}) if team.created_at else \
+            Team(**{**{f: getattr(team, f) for f in team.__struct_fields__}, "created_at": time.time()})  # fmt: skip
+        try:
+            await self.pool.execute(f"INSERT INTO teams ({_TEAM_COLS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8)",
+                                    t.id, t.rpm, t.tpm, t.max_concurrent, t.daily_budget_usd, t.monthly_budget_usd,
+                                    t.default_tier, t.created_at)  # fmt: skip
+        except asyncpg.UniqueViolationError:
+            raise StoreError(409, f"team {t.id!r} already exists") from None
+        return t
+
+    async def get_team(self, team_id: str) -> Team | None:
+        r = await self.pool.fetchrow(f"SELECT {_TEAM_COLS} FROM teams WHERE id=$1", team_id)
+        return _team(r) if r else None
+
+    async def list_teams(self) -> list[Team]:
+        return [_team(r) for r in await self.pool.fetch(f"SELECT {_TEAM_COLS} FROM teams ORDER BY id")]
+
+    async def delete_team(self, team_id: str) -> bool:
+        async with self.pool.acquire() as con, con.transaction():
+            n = await con.execute("DELETE FROM teams WHERE id=$1", team_id)
+            for table in ("team_state", "rate_buckets", "reservations"):
+                await con.execute(f"DELETE FROM {table} WHERE team_id=$1", team_id)
+            await con.execute("UPDATE api_keys SET revoked_at=$1 WHERE team_id=$2 AND revoked_at IS NULL",
+                              time.time(), team_id)  # fmt: skip
+        return n != "DELETE 0"
+
+    async def create_key(self, key: ApiKey, secret_hash: str) -> ApiKey:
+        async with self.pool.acquire() as con, con.transaction():
+            if await con.fetchval("SELECT 1 FROM teams WHERE id=$1", key.team_id) is None:
+                raise StoreError(404, f"no team {key.team_id!r}")
+            await con.execute(f"INSERT INTO api_keys ({_KEY_COLS}, secret_hash) VALUES ($1,$2,$3,$4,$5,$6,$7)",
+                              key.id, key.team_id, key.name, key.prefix, key.created_at, None, secret_hash)  # fmt: skip
+        return key
+
+    async def key_by_hash(self, secret_hash: str) -> tuple[ApiKey, Team] | None:
+        r = await self.pool.fetchrow(
+            "SELECT k.id AS kid, k.team_id, k.name, k.prefix, k.created_at AS kcreated, k.revoked_at, t.* "
+            "FROM api_keys k JOIN teams t ON t.id = k.team_id WHERE k.secret_hash=$1 AND k.revoked_at IS NULL",
+            secret_hash)  # fmt: skip
+        if r is None:
+            return None
+        key = ApiKey(id=r["kid"], team_id=r["team_id"], name=r["name"], prefix=r["prefix"],
+                     created_at=r["kcreated"], revoked_at=r["revoked_at"])  # fmt: skip
+        return key, _team(r)
+
+    async def list_keys(self, team_id: str | None = None) -> list[ApiKey]:
+        if team_id:
+            rows = await self.pool.fetch(f"SELECT {_KEY_COLS} FROM api_keys WHERE team_id=$1 ORDER BY created_at", team_id)
+        else:
+            rows = await self.pool.fetch(f"SELECT {_KEY_COLS} FROM api_keys ORDER BY created_at")
+        return [_key(r) for r in rows]
+
+    async def revoke_key(self, key_id: str) -> bool:
+        n = await self.pool.execute("UPDATE api_keys SET revoked_at=$1 WHERE id=$2 AND revoked_at IS NULL",
+                                    time.time(), key_id)  # fmt: skip
+        return n != "UPDATE 0"
+
+    async def reserve(self, req: ReserveRequest) -> Reservation | Refusal:
+        now = req.now
+        async with self.pool.acquire() as con, con.transaction():
+            r = await con.fetchrow(f"SELECT {_TEAM_COLS} FROM teams WHERE id=$1 FOR UPDATE", req.team_id)
+            if r is None:
+                raise StoreError(403, f"team {req.team_id!r} no longer exists")
+            team = _team(r)
+            await _expire(con, "team_id=$1 AND expires_at<=$2", team.id, now)
+            st = await con.fetchrow("SELECT active, active_cost_usd FROM team_state WHERE team_id=$1", team.id)
+            buckets = await con.fetch("SELECT second, requests, tokens FROM rate_buckets WHERE team_id=$1 AND "
+                                      "second>=$2 ORDER BY second", team.id, window_start(now))  # fmt: skip
+            spent = {row["period"]: row["cost_usd"] for row in await con.fetch(
+                "SELECT period, cost_usd FROM spend WHERE team_id=$1 AND period = ANY($2::text[])",
+                team.id, [day_period(now), month_period(now)])}  # fmt: skip
+            c = Counters(active=st["active"] if st else 0, active_cost=st["active_cost_usd"] if st else 0.0,
+                         window_requests=sum(b["requests"] for b in buckets),
+                         window_tokens=sum(b["tokens"] for b in buckets),
+                         window_oldest=float(buckets[0]["second"] + 1) if buckets else None,
+                         spent_day=spent.get(day_period(now), 0.0), spent_month=spent.get(month_period(now), 0.0))  # fmt: skip
+            verdict = decide(team, c, req, [(float(b["second"] + 1), b["tokens"]) for b in buckets])
+            if isinstance(verdict, Refusal):
+                return verdict
+            rid = f"rsv-{uuid.uuid4().hex}"
+            await con.execute("INSERT INTO reservations (id, team_id, key_id, request_id, created_at, expires_at, "
+                              "tokens, cost_usd) VALUES ($1,$2,$3,$4,$5,$6,$7,$8)",
+                              rid, team.id, req.key_id, req.request_id, now, now + req.ttl_s, req.tokens,
+                              req.cost_usd)  # fmt: skip
+            await con.execute("INSERT INTO team_state (team_id, active, active_cost_usd) VALUES ($1, 1, $2) ON CONFLICT "
+                              "(team_id) DO UPDATE SET active = team_state.active + 1, active_cost_usd = "
+                              "team_state.active_cost_usd + excluded.active_cost_usd", team.id, req.cost_usd)  # fmt: skip
+            await _bucket(con, team.id, int(now), 1, req.tokens)
+            return Reservation(rid, verdict)
+
+    async def settle(self, batch: list[Settlement]) -> None:
+        now = time.time()
+        batch = sorted(batch, key=lambda s: s.record.team_id)  # one lock order for every gateway
+        async with self.pool.acquire() as con, con.transaction():
+            for s in batch:
+                r = s.record
+                await _settle_booking(con, s, now)
+                if r.cost_usd > 0:
+                    for period in (day_period(now), month_period(now)):
+                        await con.execute("INSERT INTO spend (team_id, period, cost_usd) VALUES ($1,$2,$3) "
+                                          "ON CONFLICT (team_id, period) DO UPDATE SET cost_usd = spend.cost_usd + "
+                                          "excluded.cost_usd", r.team_id, period, r.cost_usd)  # fmt: skip
+            await con.executemany(
+                f"INSERT INTO usage ({', '.join(_USAGE_COLS)}) VALUES ({', '.join(f'${i + 1}' for i in range(len(_USAGE_COLS)))})",
+                [[json.dumps(s.record.nodes) if c == "nodes" else getattr(s.record, c) for c in _USAGE_COLS] for s in batch])  # fmt: skip
+
+    async def expire_reservations(self, now: float | None = None) -> int:
+        t = time.time() if now is None else now
+        async with self.pool.acquire() as con, con.transaction():
+            n = await _expire(con, "expires_at<=$1", t)
+            await con.execute("DELETE FROM rate_buckets WHERE second < $1", int(t - 2 * WINDOW_S))
+        return n
+
+    async def usage(self, team_id: str | None, start: float, end: float,
+                    group_by: str | None) -> list[dict[str, Any]]:  # fmt: skip
+        keys = {None: [], "model": [("model_requested", "model")], "day": [(_DAY, "date")],
+                "team": [("team_id", "team_id")]}[group_by]  # fmt: skip
+        sel = [f"{expr} AS {name}" for expr, name in keys]
+        args: list[Any] = [start, end]
+        where = "created_at >= $1 AND created_at < $2"
+        if team_id:
+            where += " AND team_id = $3"
+            args.append(team_id)
+        group = f" GROUP BY {', '.join(e for e, _ in keys)} ORDER BY {', '.join(e for e, _ in keys)}" if keys else ""
+        rows = await self.pool.fetch(
+            f"SELECT {', '.join([*sel, 'count(*) AS n', 'coalesce(sum(prompt_tokens),0) AS p', 'coalesce(sum(completion_tokens),0) AS c', 'coalesce(sum(cached_tokens),0) AS k', 'coalesce(sum(cost_usd),0) AS cost'])} "
+            f"FROM usage WHERE {where}{group}", *args)  # fmt: skip
+        return [{**{name: r[name] for _, name in keys}, "requests": r["n"], "prompt_tokens": int(r["p"]),
+                 "completion_tokens": int(r["c"]), "cached_tokens": int(r["k"]), "total_tokens": int(r["p"] + r["c"]),
+                 "cost_usd": round(float(r["cost"]), 10)} for r in rows]  # fmt: skip
+
+    async def usage_records(self, team_id: str | None, start: float, end: float) -> list[UsageRecord]:
+        args: list[Any] = [start, end]
+        where = "created_at >= $1 AND created_at < $2"
+        if team_id:
+            where += " AND team_id = $3"
+            args.append(team_id)
+        rows = await self.pool.fetch(f"SELECT {', '.join(_USAGE_COLS)} FROM usage WHERE {where} ORDER BY created_at", *args)
+        return [UsageRecord(**{**dict(r), "nodes": json.loads(r["nodes"])}) for r in rows]

@@ -1,0 +1,97 @@
+"""Tier admission: how many requests this gateway runs at once, and who waits for a slot.
+
+Interactive and batch traffic wait in separate bounded queues, each with a maximum wait. A
+freed slot goes to the oldest interactive waiter first, batch only when no interactive
+request waits. When the gateway is saturated batch is shed first: a batch arrival that
+would wait behind interactive traffic, or finds its queue full, is refused at once (503 +
+Retry-After); interactive requests are refused only when their own queue is full or their
+wait runs out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterator
+
+from gateway.config import TierConfig
+from gateway.metrics import GatewayMetrics
+from protocol.openai import APIError
+
+
+class Shed(APIError):
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(503, message, type_="service_unavailable", code="overloaded")
+        self.retry_after_s = retry_after_s
+
+
+class Admission:
+    def __init__(self, cfg: TierConfig, metrics: GatewayMetrics) -> None:
+        self.cfg = cfg
+        self.metrics = metrics
+        self.running = 0
+        self._waiting: dict[str, deque[asyncio.Future[None]]] = {"interactive": deque(), "batch": deque()}
+        self._limits = {"interactive": cfg.interactive_queue, "batch": cfg.batch_queue}
+        self._waits = {"interactive": cfg.interactive_max_wait_s, "batch": cfg.batch_max_wait_s}
+
+    def depth(self, tier: str) -> int:
+        return len(self._waiting[tier])
+
+    def _gauge(self, tier: str) -> None:
+        self.metrics.queue_depth.labels(tier=tier).set(len(self._waiting[tier]))
+
+    @contextlib.asynccontextmanager
+    async def slot(self, tier: str) -> AsyncIterator[None]:
+        await self._acquire(tier)
+        self.metrics.inflight.inc()
+        try:
+            yield
+        finally:
+            self.metrics.inflight.dec()
+            self._release()
+
+    async def _acquire(self, tier: str) -> None:
+        if self.running < self.cfg.max_inflight and not any(self._waiting.values()):
+            self.running += 1
+            return
+        q = self._waiting[tier]
+        if tier == "batch" and self._waiting["interactive"]:
+            self.metrics.shed.labels(tier=tier, reason="saturated").inc()
+            raise Shed("the cluster is saturated with interactive traffic; batch requests are shed "
+                       "first — retry later", self._waits[tier])  # fmt: skip
+        if len(q) >= self._limits[tier]:
+            self.metrics.shed.labels(tier=tier, reason="queue_full").inc()
+            raise Shed(f"the {tier} admission queue is full ({self._limits[tier]} waiting); retry later",
+                       self._waits[tier])  # fmt: skip
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        q.append(fut)
+        self._gauge(tier)
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), self._waits[tier])
+        except BaseException as e:
+            if fut.done() and not fut.cancelled():  # the slot came as we gave up: pass it on
+                self._release()
+            else:
+                fut.cancel()
+                with contextlib.suppress(ValueError):
+                    q.remove(fut)
+            self._gauge(tier)
+            if not isinstance(e, TimeoutError):
+                raise
+            self.metrics.shed.labels(tier=tier, reason="timeout").inc()
+            raise Shed(f"no capacity freed within {self._waits[tier]:g}s for this {tier} request; "
+                       "retry later", self._waits[tier]) from None  # fmt: skip
+        self._gauge(tier)
+
+    def _release(self) -> None:
+        for tier in ("interactive", "batch"):
+            q = self._waiting[tier]
+            while q:
+                fut = q.popleft()
+                if not fut.done():
+                    fut.set_result(None)  # the slot passes on: running stays the same
+                    self._gauge(tier)
+                    return
+            self._gauge(tier)
+        self.running -= 1

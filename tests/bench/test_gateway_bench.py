@@ -1,0 +1,22 @@
+"""`python -m bench.gateway --json` runs end to end (echo node + real gateway) and prints one
+JSON object with the overhead and concurrency figures; no timing is asserted."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+def test_gateway_bench_prints_json(tiny_llama: Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "bench.gateway", "--json", "--tokenizer", str(tiny_llama),
+                           "--requests", "5", "--streams", "30", "--stream-tokens", "4", "--token-delay", "0.01"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["bench"] == "gateway" and out["overhead"]["requests"] == 5
+    for name in ("ttft", "latency"):
+        x = out["overhead"][name]
+        assert x["node"]["p50_ms"] > 0 and x["gateway"]["p50_ms"] > 0 and "overhead_p99_ms" in x
+    c = out["concurrency"]
+    assert c["streams"] == 30 and c["completed"] == 30 and c["errors"] == {}
+    assert c["tokens_per_s"] > 0
