@@ -118,6 +118,17 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def _kv_metadata(request: web.Request) -> web.Response:
+    """The transport handshake (DESIGN §4): any node with a transport serves it, so a peer (or an
+    operator) can read its layout before moving a byte."""
+    transport = request.app[STATE].transport
+    if transport is None:
+        raise APIError(404, "this node has no KV transport")
+    from kvtransfer import METADATA_CONTENT_TYPE
+
+    return web.Response(body=transport.metadata_bytes(), content_type=METADATA_CONTENT_TYPE)
+
+
 async def _abort(request: web.Request) -> web.Response:
     s = request.app[STATE]
     try:
@@ -146,6 +157,7 @@ def make_app(state: NodeState) -> web.Application:
     app.router.add_post("/v1/completions", _completions)
     for method, path, fn in state.roles.routes:
         app.router.add_route(method, path, bind(fn))
+    app.router.add_get("/kv/metadata", _kv_metadata)
     app.router.add_post("/abort", _abort)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)

@@ -1,5 +1,5 @@
 """The prefill role: its leg of a request (compute the prompt's KV, hold it for a decode node)
-and its KV endpoints, registered with node/'s app by `register`."""
+and its release endpoint, registered with node/'s app by `register`."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ from node.legs import Roles
 
 
 def register(roles: Roles) -> None:
-    from prefill.leg import abort_held, handle_metadata, handle_release, prefill_leg
+    from prefill.leg import abort_held, handle_release, prefill_leg
 
     roles.add_role("prefill")
     roles.add_leg("do_remote_decode", prefill_leg)
-    roles.add_route("GET", "/kv/metadata", handle_metadata)
     roles.add_route("POST", "/kv/release", handle_release)
     roles.on_abort.append(abort_held)

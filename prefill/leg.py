@@ -6,7 +6,7 @@ created atomically when the request finishes, so a client that disconnects at an
 cannot leak blocks: the engine frees them at the deadline, on `/kv/release`, or on `/abort`.
 Answer with vLLM-named `kv_transfer_params` telling a decode node where to pull them from.
 `/kv/release` frees them (checking the block ids belong to the request) and says 404 when
-nothing was held; `/kv/metadata` serves this node's transport metadata (DESIGN §4).
+nothing was held.
 """
 
 from __future__ import annotations
@@ -77,10 +77,3 @@ async def abort_held(state: NodeState, request_id: str) -> bool:
     """`POST /abort`: drop the prefill leg of `request_id` (running or held)."""
     return await state.engine.abort(prefill_request_id(request_id))
 
-
-async def handle_metadata(state: NodeState, request: web.Request) -> web.Response:
-    if state.transport is None:
-        raise APIError(404, "this node has no KV transport")
-    from kvtransfer import METADATA_CONTENT_TYPE
-
-    return web.Response(body=state.transport.metadata_bytes(), content_type=METADATA_CONTENT_TYPE)
