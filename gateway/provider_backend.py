@@ -20,6 +20,7 @@ provider that failed costs nothing.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,10 +31,11 @@ from gateway.backend import Backend, Job, MidStreamError, Outcome, Piece
 from gateway.config import ModelConfig, provider_table
 from gateway.providers.base import Provider
 from gateway.providers.config import ProviderConfig
-from gateway.providers.cost import TokenUsage
+from gateway.providers.cost import TokenUsage, estimate_tokens
 from gateway.providers.errors import ProviderError
 from protocol.openai import APIError
 
+log = logging.getLogger("duet.gateway.providers")
 #: Job.params the providers' chat APIs understand (node-only fields like ignore_eos are dropped)
 _SAMPLING = ("temperature", "top_p", "seed", "stop", "top_k")
 
@@ -86,7 +88,9 @@ class ProviderBackend(Backend):
     async def stream(self, job: Job, out: Outcome) -> AsyncIterator[Piece]:
         body = self._body(job)
         out.model_used = self.model.name
-        out.prompt_tokens = 0  # the provider counts; until it answers nothing is charged
+        # the provider counts; this estimate stands only if a stream breaks before its usage
+        # chunk (a provider that answered nothing charges nothing: `nodes` stays empty)
+        out.prompt_tokens = estimate_tokens("\n".join(str(m.get("content") or "") for m in job.messages or []))
         if not job.stream:
             try:
                 result = await self.provider.chat(body)
@@ -158,4 +162,8 @@ def _split(total: int, per_sample: dict[int, int]) -> dict[int, int]:
 def make_backend(model: ModelConfig, session: aiohttp.ClientSession) -> ProviderBackend:
     from gateway.providers import build_provider
 
-    return ProviderBackend(model, build_provider(ProviderConfig.from_dict(provider_table(model)), session))
+    cfg = ProviderConfig.from_dict(provider_table(model))
+    if cfg.api_key_env and not cfg.api_key():
+        log.warning("model %s: $%s is not set; its calls will fail (and fall back) until it is", model.name,
+                    cfg.api_key_env)  # fmt: skip
+    return ProviderBackend(model, build_provider(cfg, session))
