@@ -328,7 +328,8 @@ async def _serve(ctx: _Ctx, request: web.Request, plan: _Plan, headers: dict[str
                 raise
             tried.append(name)
             d = next_model(reason)
-            state.provider_metrics.count_fallback(name, d.to_model, d.reason)
+            if state.provider_metrics is not None:  # "from": the model that could not answer
+                state.provider_metrics.count_fallback(name, d.to_model, d.reason)
             if d.to_model is None:
                 log.warning("%s: %s failed (%s: %s); no fallback left%s", ctx.record.request_id, name, reason,
                             e.message, f" (skipped {dict(d.skipped)})" if d.skipped else "")  # fmt: skip

@@ -111,7 +111,7 @@ def env(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                 "dead": tiny_model(tiny_llama, both=[f"http://127.0.0.1:{free_port()}"], fallback=["gpt"]),
                 "gpt": external(f["gpt"], GPT, 2),
                 "flaky": external(f["flaky"], GPT, 2, fallback=["claude"],
-                                  breaker={"failure_threshold": 2, "cooldown_s": 3.0}),
+                                  breaker={"failure_threshold": 2, "cooldown_s": 4.0}),
                 "claude": external(f["claude"], CLAUDE, 3, tiers=["interactive"]),
             }  # fmt: skip
             sections = {"tiers": {"max_inflight": 1, "interactive_fallback_wait_s": 0.3},
@@ -234,13 +234,14 @@ def test_provider_5xx_breaker_opens_half_opens_and_closes(env: Env) -> None:
     flaky, claude = env.fakes["flaky"], env.fakes["claude"]
     client = env.client()
     flaky.faults.extend([Fault.http(500), Fault.http(503)])
+    answered = []
     for i in range(2):  # each 5xx (no retry configured) moves the request to claude
         h, r = chat(client, "flaky", f"try {i}")
         assert h["x-duet-model-used"] == "claude" and r.choices[0].message.content == f"echo: try {i}"
-        rec = record(env, h["x-request-id"])
-        assert (rec["model_used"], rec["cost_usd"]) == ("claude", pytest.approx(cost(CLAUDE, r.usage)))
+        answered.append((h["x-request-id"], r.usage))
+    # open after failure_threshold = 2 (the checks up to the probe fit in the 4 s cool-down)
+    assert breaker(env, "flaky") == 2
     assert fallbacks(env, "flaky", "claude", "provider_5xx") == 2
-    assert breaker(env, "flaky") == 2  # open after failure_threshold = 2
     # open: not contacted at all, straight to the fallback (streamed, Anthropic translated)
     seen = len(flaky.requests)
     stream = client.chat.completions.create(model="flaky", messages=[{"role": "user", "content": "while open"}],
@@ -252,6 +253,10 @@ def test_provider_5xx_breaker_opens_half_opens_and_closes(env: Env) -> None:
     h, r = chat(client, "flaky", "probe")  # the probe succeeds: closed again
     assert h["x-duet-model-used"] == "flaky" and r.choices[0].message.content == "echo: probe"
     assert breaker(env, "flaky") == 0 and len(flaky.requests) == seen + 1
+    for rid, usage in answered:  # the fallbacks were charged at claude's prices
+        rec = record(env, rid)
+        assert (rec["model_requested"], rec["model_used"]) == ("flaky", "claude")
+        assert rec["cost_usd"] == pytest.approx(cost(CLAUDE, usage))
 
 
 def test_stream_cut_mid_answer_is_an_error_event_not_a_retry(env: Env) -> None:
