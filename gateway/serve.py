@@ -321,7 +321,7 @@ async def _serve(ctx: _Ctx, request: web.Request, plan: _Plan, headers: dict[str
                 return await _respond(ctx, request, job, fmt, h)
         except APIError as e:
             if ctx.settled or isinstance(e, MidStreamError) or ctx.out.first_token_at is not None \
-                    or state.choice is None:  # fmt: skip
+                    or state.choice is None or not state.choice.has_chain(origin):  # fmt: skip
                 raise
             reason = state.choice.trigger(e, served, tier)
             if reason is None:

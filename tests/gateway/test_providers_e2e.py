@@ -259,6 +259,22 @@ def test_provider_5xx_breaker_opens_half_opens_and_closes(env: Env) -> None:
         assert rec["cost_usd"] == pytest.approx(cost(CLAUDE, usage))
 
 
+def test_provider_429_falls_back_before_the_stream_starts(env: Env) -> None:
+    """A 429 asking for a longer wait than the gateway holds a client: the streamed request
+    moves to the fallback before any chunk, and the client sees one clean answer."""
+    before = fallbacks(env, "flaky", "claude", "provider_429")
+    env.fakes["flaky"].faults.append(Fault.http(429, retry_after=90))
+    raw = env.client().chat.completions.with_raw_response.create(
+        model="flaky", messages=[{"role": "user", "content": "slow down"}], max_tokens=16, stream=True)
+    assert raw.headers["x-duet-model-used"] == "claude"
+    chunks = list(raw.parse())
+    assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == "echo: slow down"
+    assert sum(1 for c in chunks for ch in c.choices if ch.delta.role) == 1
+    assert {c.model for c in chunks} == {"claude"}
+    assert fallbacks(env, "flaky", "claude", "provider_429") == before + 1
+    chat(env.client(), "flaky", "reset")  # a success: the breaker's failure count back to 0
+
+
 def test_stream_cut_mid_answer_is_an_error_event_not_a_retry(env: Env) -> None:
     gpt = env.fakes["gpt"]
     seen = len(gpt.requests)
