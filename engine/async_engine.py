@@ -73,6 +73,8 @@ class AsyncEngine:
         self.config = config
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        #: futures of submitted commands not yet answered (failed if the engine dies first)
+        self._pending: set[asyncio.Future[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.dead: BaseException | None = None
@@ -169,6 +171,10 @@ class AsyncEngine:
                 s.reserved.set_exception(err)
             s._queue.put_nowait(err)
         self._streams.clear()
+        # Commands queued but never run (the thread died first) would otherwise wait forever.
+        for fut in list(self._pending):
+            _set_exception(fut, err)
+        self._pending.clear()
 
     async def _submit(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread between steps; return or raise its result here."""
@@ -176,6 +182,8 @@ class AsyncEngine:
             raise EngineDeadError(f"engine failed: {self.dead!r}")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
+        self._pending.add(fut)
+        fut.add_done_callback(self._pending.discard)
 
         def run() -> None:
             try:

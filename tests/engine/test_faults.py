@@ -327,3 +327,34 @@ def test_scheduler_expiry_skips_a_claimed_hold() -> None:
     assert sched.expire_holds(time.monotonic() + 5) == []  # the claimer's release frees it
     assert pool.num_free == 13 and sched.next_hold_expiry() is None
     assert sched.release("p") and pool.num_free == 16
+
+
+async def test_command_queued_when_the_engine_dies_fails_instead_of_hanging(tiny_llama: Path) -> None:
+    """A command submitted while the fatal step runs is never executed; its caller must get
+    EngineDeadError, not wait forever (a request arriving at that moment hung the node's handler)."""
+    import threading
+
+    e = make_engine(tiny_llama)
+    e.start()
+    in_step, go = threading.Event(), threading.Event()
+
+    def dying_schedule():
+        in_step.set()
+        go.wait(30)
+        raise RuntimeError("scheduler state corrupted")
+
+    try:
+        stream = await e.add_request("a", [5, 6, 7], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        e.core.scheduler.schedule = dying_schedule  # type: ignore[method-assign]
+        await asyncio.to_thread(in_step.wait, 10)
+        queued = asyncio.ensure_future(e.call(lambda core: core.pool.num_free))
+        await asyncio.sleep(0)  # let the command reach the queue before the step fails
+        go.set()
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(queued, 10)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+    finally:
+        go.set()
+        await e.stop()
