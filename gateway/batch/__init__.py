@@ -13,7 +13,9 @@ Wiring (in the gateway's `make_app(config)`):
 Contracts (see contracts.py):
 - `Executor`: `async (team_id, endpoint, body, *, tier="batch", request_id) -> (status, body)`;
   runs one request through the gateway's normal path (quotas, batch price, batch priority).
-  An exception or 408/425/429/5xx is retried with backoff up to `max_attempts`.
+  An exception or 408/425/429/5xx is retried with backoff up to `max_attempts`, except a 429
+  `insufficient_quota` (final). Raising `Defer(after_s, reason)` re-queues a request that
+  never ran without spending an attempt. The gateway's executor is gateway/batch_wiring.py.
 - `Authenticate`: `(request) -> team_id` (may be async); raise APIError(401) for a bad key.
   Everything is looked up by (team, id): another team gets 404.
 - `MayRun`: `() -> bool`; False stops new batch work from starting (interactive load first).
@@ -27,7 +29,7 @@ Contracts (see contracts.py):
 
 from gateway.batch.callback import SIGNATURE_HEADER, sign, verify_signature
 from gateway.batch.config import BatchConfig
-from gateway.batch.contracts import RETRYABLE_STATUS, Authenticate, Executor, MayRun
+from gateway.batch.contracts import RETRYABLE_STATUS, Authenticate, Defer, Executor, MayRun
 from gateway.batch.routes import make_batch_routes
 from gateway.batch.runner import BatchRunner
 from gateway.batch.store import BatchStore, SqliteBatchStore
@@ -39,6 +41,7 @@ __all__ = [
     "BatchConfig",
     "BatchRunner",
     "BatchStore",
+    "Defer",
     "Executor",
     "MayRun",
     "SqliteBatchStore",
