@@ -69,6 +69,10 @@ async def test_retry_waits_for_its_backoff_and_expiry_stops_claims(tmp_path: Pat
         assert await s.claim_requests("A", 1, lease_s=10, now=19.0) == []
         [c] = await s.claim_requests("A", 1, lease_s=10, now=20.0)
         assert c.attempts == 2
+        # A deferred request never ran: its attempt is given back.
+        assert await s.retry_request("A", "batch_1", "c", not_before=20.5, error={"code": "deferred"}, spent=False)
+        [c] = await s.claim_requests("A", 1, lease_s=10, now=20.5)
+        assert c.attempts == 2
         assert await s.retry_request("A", "batch_1", "c", not_before=21.0, error={"code": "x"})
         # Past the window nothing is claimed, and the batch is ready to end (expired).
         assert await s.claim_requests("A", 1, lease_s=10, now=60.0) == []
