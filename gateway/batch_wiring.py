@@ -17,11 +17,11 @@ the gateway's own serving path, the auth adapter, and the runner's lifecycle.
 - Lifecycle: the runner starts after the gateway's own context (models, session) and stops
   before it, handing its claims back at once.
 
-Several gateways: the batch store must be shared. `SqliteBatchStore` on a shared directory
-works for gateways on one host (SQLite locking; `[batch] data_dir`); gateways on several hosts
-with a PostgreSQL gateway store need a Postgres `BatchStore` (the `BatchStore` protocol in
-batch/store.py; not written yet) and a shared filesystem (or object store) for
-`data_dir/files`. Until then each such gateway warns at start-up and keeps its own batches.
+Several gateways: with a PostgreSQL gateway store the batch tier lives in the same database
+(`PostgresBatchStore`: claims with FOR UPDATE SKIP LOCKED), so any gateway serves, runs and
+finalizes any batch; file contents stay on disk under `[batch] data_dir`, which must then be a
+directory every gateway mounts (a warning at start-up says so when it is left at its default).
+With SQLite, gateways on one host may share `data_dir` (SQLite locking).
 """
 
 from __future__ import annotations
@@ -38,7 +38,14 @@ from aiohttp import web
 
 from gateway import serve
 from gateway.auth import authenticate
-from gateway.batch import BatchConfig, BatchRunner, Defer, SqliteBatchStore, make_batch_routes
+from gateway.batch import (
+    BatchConfig,
+    BatchRunner,
+    BatchStore,
+    Defer,
+    SqliteBatchStore,
+    make_batch_routes,
+)
 from gateway.config import BatchSettings, GatewayConfig
 from gateway.state import GatewayState
 from gateway.store.base import ApiKey
@@ -59,6 +66,20 @@ def data_dir(cfg: GatewayConfig) -> Path:
     if cfg.store_url.startswith("sqlite://"):
         return Path(cfg.store_url.removeprefix("sqlite://")).expanduser().parent / "batch"
     return duet_home() / "batch"
+
+
+def shared_store(cfg: GatewayConfig) -> bool:
+    return cfg.store_url.startswith(("postgresql://", "postgres://"))
+
+
+def open_batch_store(cfg: GatewayConfig, bc: BatchConfig) -> BatchStore:
+    """The batch store follows the gateway store: the same PostgreSQL database when gateways
+    share one, else an SQLite file in the batch data directory."""
+    if shared_store(cfg):
+        from gateway.batch.pg_store import PostgresBatchStore
+
+        return PostgresBatchStore(cfg.store_url)
+    return SqliteBatchStore(bc.data_dir / "batch.sqlite3")
 
 
 def batch_config(cfg: GatewayConfig) -> BatchConfig:
@@ -110,7 +131,7 @@ def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
     state = app[state_key]
     cfg = state.config
     bc = batch_config(cfg)
-    store = SqliteBatchStore(bc.data_dir / "batch.sqlite3")
+    store = open_batch_store(cfg, bc)
     executor = GatewayExecutor(state, cfg.batch.discount)
     tiers = cfg.tiers
 
@@ -128,12 +149,12 @@ def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
     make_batch_routes(app, store=store, authenticate=team_of, config=bc, wake=runner.wake)
 
     async def lifecycle(_: web.Application) -> AsyncIterator[None]:
-        if not cfg.store_url.startswith("sqlite://") and not cfg.batch.data_dir:
-            log.warning("the gateway store is shared (%s) but the batch store is this host's %s: "
-                        "batches are not shared between gateways (set [batch] data_dir to a shared "
-                        "directory)", cfg.store_url.split("://")[0], bc.data_dir)  # fmt: skip
+        if shared_store(cfg) and not cfg.batch.data_dir:
+            log.warning("batches are in the shared PostgreSQL store, but their file contents in this "
+                        "host's %s: set [batch] data_dir to a directory every gateway mounts, or a "
+                        "batch uploaded through another gateway cannot be read here", bc.files_dir)  # fmt: skip
         await runner.start()
-        log.info("batch tier: store %s, worker %s, concurrency %d, discount %g", store.path, bc.worker_id,
+        log.info("batch tier: store %s, worker %s, concurrency %d, discount %g", getattr(store, "path", "?"), bc.worker_id,
                  bc.concurrency, cfg.batch.discount)  # fmt: skip
         try:
             yield

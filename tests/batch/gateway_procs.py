@@ -22,11 +22,13 @@ INPUT_PRICE, OUTPUT_PRICE = 1.0, 2.0
 NODE_ARGS = ("--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024")
 
 
-def batch_gateway(tmp: Path, tokenizer: Path, nodes: list[str], port: int | None = None, **batch: Any) -> Proc:
+def batch_gateway(tmp: Path, tokenizer: Path, nodes: list[str], port: int | None = None,
+                  store: Path | str | None = None, **batch: Any) -> Proc:  # fmt: skip
+    """`store`: the gateway store (default tmp/gateway.db; a postgresql:// URL for a shared one)."""
     settings = {"concurrency": 8, "discount": DISCOUNT, "lease_s": 3.0, "poll_s": 0.05, "retry_base_s": 0.2,
                 **batch}  # fmt: skip
     return gateway_proc(tmp, {MODEL: tiny_model(tokenizer, both=nodes)}, port=port,
-                        store=tmp / "gateway.db", batch=settings)  # fmt: skip
+                        store=store or tmp / "gateway.db", batch=settings)  # fmt: skip
 
 
 def lines_for(n: int, max_tokens: int = 4, **extra: Any) -> list[dict[str, Any]]:
@@ -60,6 +62,14 @@ async def file_lines(url: str, key: str, file_id: str | None) -> list[dict[str, 
     async with client(url, key) as c:
         data = await (await c.files.content(file_id)).aread()
     return [json.loads(x) for x in data.splitlines() if x.strip()]
+
+
+async def completed_at_least(url: str, key: str, batch_id: str, n: int) -> None:
+    async with client(url, key) as c:
+        async def enough() -> bool:
+            return (await c.batches.retrieve(batch_id)).request_counts.completed >= n
+
+        await wait_for(enough, timeout=120, what=f"{n} lines done")
 
 
 def usage_records(store: Path, team: str) -> list[dict[str, Any]]:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from tests.batch.conftest import client, wait_for
+from tests.batch.conftest import client
 from tests.batch.gateway_procs import (
     NODE_ARGS,
     batch_gateway,
+    completed_at_least,
     file_lines,
     lines_for,
     submit,
@@ -27,14 +28,6 @@ def succeeded(db: Path, batch_id: str) -> dict[str, tuple[str, str]]:
         rows = conn.execute("SELECT custom_id, request_id, response FROM batch_requests WHERE batch_id=? "
                             "AND state='succeeded'", (batch_id,)).fetchall()  # fmt: skip
     return {c: (rid, resp) for c, rid, resp in rows}
-
-
-async def completed_at_least(url: str, key: str, batch_id: str, n: int) -> None:
-    async with client(url, key) as c:
-        async def enough() -> bool:
-            return (await c.batches.retrieve(batch_id)).request_counts.completed >= n
-
-        await wait_for(enough, timeout=120, what=f"{n} lines done")
 
 
 async def test_gateway_sigkill_mid_batch_then_restart(tiny_llama: Path, tmp_path: Path) -> None:
