@@ -1,12 +1,14 @@
 """The batch tier (issue #13): OpenAI's Files + Batches APIs, the seed's simple `/v1/batch`
 form, a durable runner, and signed callbacks. Self-contained: the gateway plugs it in.
 
-Wiring (in the gateway's `make_app(config)`):
+Wiring: gateway/batch_wiring.py does it in the gateway's `make_app(config)` (`[batch]` in
+gateway.toml): the executor runs each line through `gateway.serve.run` at tier=batch and the
+batch discount; `authenticate` is the gateway's API keys; `may_run` is "no interactive request
+waits for an admission slot"; the runner lives in the app's cleanup_ctx. In short:
 
-    store = SqliteBatchStore(data_dir / "batch.sqlite3")     # or a Postgres BatchStore
+    store = SqliteBatchStore(data_dir / "batch.sqlite3")    # or PostgresBatchStore(dsn)
     runner = BatchRunner(store, executor, batch_config, may_run=lambda: not interactive_waiting())
-    make_batch_routes(app, store=store, authenticate=lambda r: r[TEAM_KEY],
-                      config=batch_config, wake=runner.wake)
+    make_batch_routes(app, store=store, authenticate=team_of, config=batch_config, wake=runner.wake)
     async def batch_ctx(app):                               # app.cleanup_ctx.append(batch_ctx)
         await runner.start(); yield; await runner.stop(); store.close()
 
@@ -20,8 +22,9 @@ Contracts (see contracts.py):
   Everything is looked up by (team, id): another team gets 404.
 - `MayRun`: `() -> bool`; False stops new batch work from starting (interactive load first).
   `BatchRunner.set_concurrency(n)` resizes the in-flight limit at run time.
-- Storage: `BatchStore` protocol (store.py); `SqliteBatchStore` is the default. File contents
-  live on disk under `BatchConfig.data_dir/files`.
+- Storage: `BatchStore` protocol (store.py); `SqliteBatchStore` is the default,
+  `PostgresBatchStore` (pg_store.py, asyncpg) serves gateways sharing a PostgreSQL store. File
+  contents live on disk under `BatchConfig.data_dir/files` (a shared mount for several hosts).
 - Several gateways may share one store: requests and finalization are claimed with leases
   (`claimed_by`, `lease_until`); `worker_id` must be unique among live processes and stable
   across a restart to resume at once (otherwise claims lapse after `lease_s`).
