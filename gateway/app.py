@@ -115,6 +115,8 @@ async def _health(request: web.Request) -> web.Response:
     s = request.app[STATE]
     body = {"status": "ok", "models": sorted(s.models), "running": s.admission.running,
             "waiting": {t: s.admission.depth(t) for t in ("interactive", "batch")}}  # fmt: skip
+    if batch_wiring.RUNNER in request.app:
+        body["batch"] = batch_wiring.health(request.app[batch_wiring.RUNNER])
     return web.json_response(body)
 
 

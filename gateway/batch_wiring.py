@@ -125,6 +125,12 @@ class GatewayExecutor:
         return resp.status, msgspec.json.decode(resp.body)
 
 
+def health(runner: BatchRunner) -> dict[str, Any]:
+    """The batch tier's part of GET /health."""
+    return {"worker_id": runner.worker_id, "running": runner.running, "concurrency": runner.concurrency,
+            "paused": not runner.may_run()}  # fmt: skip
+
+
 def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
     """Mount the batch routes on `app` and run the runner with it (after the gateway's own
     cleanup_ctx entry, which must already be appended)."""

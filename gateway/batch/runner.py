@@ -111,6 +111,10 @@ class BatchRunner:
         self._limit = max(0, n)
         self.wake()
 
+    @property
+    def concurrency(self) -> int:
+        return self._limit
+
     def wake(self) -> None:
         self._wake.set()
 

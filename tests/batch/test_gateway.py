@@ -7,6 +7,7 @@ lines at once)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import urllib.request
 from collections.abc import Iterator
@@ -70,6 +71,8 @@ async def test_500_line_batch_through_gateway(nodes: tuple[Proc, Proc], tiny_lla
         async with client(gw.url, "sk-duet-not-a-key") as bad:
             with pytest.raises(openai.AuthenticationError):
                 await bad.batches.retrieve(batch_id)
+        health = json.loads(urllib.request.urlopen(gw.url + "/health", timeout=5).read())
+        assert health["batch"]["concurrency"] == 8 and health["batch"]["worker_id"].endswith(f":{gw.port}")
         b = await wait_done(gw.url, key_a, batch_id)
         assert b.status == "completed", b
         assert b.request_counts.completed == 500 and b.request_counts.failed == 0 and b.error_file_id is None
