@@ -29,7 +29,7 @@ from tests.batch.gateway_procs import (
     usage_records,
     wait_done,
 )
-from tests.gateway.helpers import make_team
+from tests.gateway.helpers import http, make_team
 from tests.procs import Proc, duet_node, running
 
 
@@ -113,9 +113,17 @@ async def test_quota_window_defers_lines_and_spent_budget_fails_them(nodes: tupl
             narrow_id = await submit(c, lines_for(20, max_tokens=16))
         async with client(gw.url, broke) as c:
             broke_id = await submit(c, lines_for(5))
+        # the simple form, same team, same quota: plain OpenAI bodies in, results inline
+        status, _, simple = http(f"{gw.url}/v1/batch", "POST", {"requests": [x["body"] for x in lines_for(3)],
+                                                                 "priority": "high"}, key=narrow)  # fmt: skip
+        assert status == 202, simple
         b = await wait_done(gw.url, narrow, narrow_id)
         assert b.status == "completed" and b.request_counts.completed == 20 and b.request_counts.failed == 0
         assert len(await file_lines(gw.url, narrow, b.output_file_id)) == 20
+        b = await wait_done(gw.url, narrow, simple["batch_id"])
+        _, _, done = http(f"{gw.url}/v1/batch/{simple['batch_id']}", key=narrow)
+        assert done["status"] == "completed" and [r["response"]["status_code"] for r in done["results"]] == [200] * 3
+        assert http(f"{gw.url}/v1/batch/{simple['batch_id']}", key=broke)[0] == 404
         b = await wait_done(gw.url, broke, broke_id)
         assert b.status == "completed" and b.request_counts.failed == 5 and b.output_file_id is None
         errors = await file_lines(gw.url, broke, b.error_file_id)
