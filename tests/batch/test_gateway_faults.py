@@ -6,6 +6,7 @@ SIGKILLed mid-batch (the batch still completes, every line answered 200)."""
 from __future__ import annotations
 
 import sqlite3
+import time
 from pathlib import Path
 
 from tests.batch.conftest import client
@@ -62,22 +63,23 @@ async def test_gateway_sigkill_mid_batch_then_restart(tiny_llama: Path, tmp_path
 
 async def test_node_sigkill_mid_batch(tiny_llama: Path, tmp_path: Path) -> None:
     a, b = duet_node("both", tiny_llama, tmp_path, *NODE_ARGS), duet_node("both", tiny_llama, tmp_path, *NODE_ARGS)
-    lines = lines_for(40, max_tokens=48, ignore_eos=True)
+    lines = lines_for(80, max_tokens=48, ignore_eos=True)
     gw = batch_gateway(tmp_path, tiny_llama, [a.url, b.url], concurrency=4)
     with running(a, b, gw):
         key = make_team(gw.url, "team-a")
         async with client(gw.url, key) as c:
             batch_id = await submit(c, lines)
         await completed_at_least(gw.url, key, batch_id, 4)
-        # the report holds each record's node list as "url,url"
-        before = usage_records(tmp_path / "gateway.db", "team-a")
-        served_before = {n for r in before for n in r["nodes"].split(",")}
+        killed_at = time.time()
         b.kill()
         done = await wait_done(gw.url, key, batch_id, timeout=180)
         out = await file_lines(gw.url, key, done.output_file_id)
+    # usage records (same host clock) tell what was served before the kill, and by which nodes
+    before = [r for r in usage_records(tmp_path / "gateway.db", "team-a") if r["created_at"] < killed_at]
+    served_before = {n for r in before for n in r["nodes"].split()}  # the report joins node lists with " "
     assert len(served_before) == 2, f"both nodes must take lines before the kill: {served_before}"
-    assert len(before) < 40, "the kill must come mid-batch"
-    assert done.status == "completed" and done.request_counts.completed == 40 and done.error_file_id is None
+    assert len(before) < 80, "the kill must come mid-batch"
+    assert done.status == "completed" and done.request_counts.completed == 80 and done.error_file_id is None
     assert [o["custom_id"] for o in out] == [x["custom_id"] for x in lines]
     assert all(o["response"]["status_code"] == 200 for o in out)
     assert all(o["response"]["body"]["usage"]["completion_tokens"] == 48 for o in out)
