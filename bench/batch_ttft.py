@@ -1,14 +1,18 @@
-"""`python -m bench.batch_ttft`: what batch traffic costs interactive users.
+"""`python -m bench.batch_ttft`: what a running batch costs interactive users, through the gateway.
 
-Measures interactive time to first token on one colocated node in three phases:
+Measures interactive time to first token (streamed `/v1/completions` through the gateway) in
+three phases:
 
   idle          interactive requests alone, one at a time
-  batch         the same, while --batch-streams loops send long completions at priority=batch
-                (what the batch runner sends)
-  no-priority   the same load sent at priority=interactive, i.e. without the batch tier
+  batch         the same, while a Batch API job (Files + Batches, uploaded through the gateway)
+                runs: the gateway's batch runner, at the batch tier, yielding to interactive load
+  no_priority   the same load sent as --batch-streams loops of interactive requests, i.e.
+                what the work would cost without the batch tier
 
-and the background load's throughput (completion tokens/s) in the last two phases. Fresh
-random token prompts (no prefix-cache hits). Starts its own node unless --url names one.
+and the background's throughput (completion tokens/s) in the last two. Fresh random token
+prompts (no prefix-cache hits); background lines use ignore_eos, so each yields exactly
+--batch-max-tokens tokens. Starts a colocated node and a gateway (batch concurrency =
+--batch-streams) unless --gateway names a running one (then --api-key and --model too).
 Medians and p95 over --interactive requests per phase; one JSON object with --json.
 """
 
@@ -18,35 +22,45 @@ import argparse
 import asyncio
 import json
 import random
+import secrets
 import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from bench.pd_client import completion
-from bench.procs import duet_node, running
+from bench.procs import Proc, duet_node, free_port, running
 from protocol.models import DEFAULT_MODEL, resolve_model
+
+_TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.batch_ttft", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model to serve (when starting a node)")
-    p.add_argument("--url", default=None, help="an existing node's URL (default: start one)")
+    p.add_argument("--gateway", default=None, help="a running gateway's URL (default: start node + gateway)")
+    p.add_argument("--api-key", default=None, help="a team's key on --gateway")
+    p.add_argument("--model", default=None, help="model name on --gateway, or the model to serve "
+                   f"when starting one (default {DEFAULT_MODEL})")  # fmt: skip
     p.add_argument("--interactive", type=int, default=20, help="interactive requests per phase")
     p.add_argument("--prompt-len", type=int, default=128, help="interactive prompt tokens")
     p.add_argument("--max-tokens", type=int, default=8, help="interactive completion tokens")
-    p.add_argument("--batch-streams", type=int, default=4, help="concurrent background requests")
+    p.add_argument("--batch-streams", type=int, default=4,
+                   help="background requests at once (the started gateway's [batch] concurrency)")
+    p.add_argument("--batch-lines", type=int, default=2000, help="lines in the batch job (enough to outlast a phase)")
     p.add_argument("--batch-prompt-len", type=int, default=256)
     p.add_argument("--batch-max-tokens", type=int, default=64)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--kv-blocks", type=int, default=None, help="node KV pool size (blocks)")
+    p.add_argument("--dtype", default="auto", help="node dtype (when starting one)")
+    p.add_argument("--kv-blocks", type=int, default=None, help="node KV pool size in blocks (when starting one)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.gateway and not (a.api_key and a.model):
+        p.error("--gateway needs --api-key and --model")
+    return a
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -58,76 +72,169 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-async def _background(s: aiohttp.ClientSession, url: str, a: argparse.Namespace, priority: str,
-                      stop: asyncio.Event, seed: int, tokens: list[int]) -> None:  # fmt: skip
-    rng = random.Random(seed)
-    params = {"max_tokens": a.batch_max_tokens, "temperature": 0, "ignore_eos": True, "priority": priority}
-    while not stop.is_set():
-        r = await completion(s, url, _prompt(rng, a.batch_prompt_len), params)
-        if r.error:
-            raise RuntimeError(f"background request failed: {r.error}")
-        tokens.append(len(r.token_ids))
+class _Gateway:
+    def __init__(self, s: aiohttp.ClientSession, url: str, key: str, model: str) -> None:
+        self.s, self.url, self.model = s, url.rstrip("/"), model
+        self.h = {"Authorization": f"Bearer {key}"}
+
+    async def ttft(self, prompt: list[int], max_tokens: int) -> float:
+        """One streamed interactive completion; seconds to its first content chunk."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True}  # fmt: skip
+        t0 = time.perf_counter()
+        first = None
+        async with self.s.post(f"{self.url}/v1/completions", json=body, headers=self.h) as r:
+            if r.status != 200:
+                raise RuntimeError(f"interactive request failed: {r.status} {await r.text()}")
+            async for raw in r.content:
+                line = raw.strip()
+                if first is None and line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
+                    first = time.perf_counter() - t0
+        if first is None:
+            raise RuntimeError("interactive request streamed no content")
+        return first
+
+    async def whole(self, prompt: list[int], max_tokens: int) -> int:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        async with self.s.post(f"{self.url}/v1/completions", json=body, headers=self.h) as r:
+            data = await r.json()
+            if r.status != 200:
+                raise RuntimeError(f"background request failed: {r.status} {data}")
+        return int(data["usage"]["completion_tokens"])
+
+    async def call(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        async with self.s.request(method, f"{self.url}{path}", headers=self.h, **kw) as r:
+            data = await r.json()
+            if r.status != 200:
+                raise RuntimeError(f"{method} {path}: {r.status} {data}")
+            return data  # type: ignore[no-any-return]
 
 
-async def _phase(s: aiohttp.ClientSession, url: str, a: argparse.Namespace, load: str | None,
-                 seed: int) -> dict[str, Any]:  # fmt: skip
+async def _interactive(g: _Gateway, a: argparse.Namespace, name: str, seed: int) -> list[float]:
     rng = random.Random(seed)
+    out = []
+    for i in range(a.interactive):
+        out.append(await g.ttft(_prompt(rng, a.prompt_len), a.max_tokens))
+        print(f"\r  {name}: {i + 1}/{a.interactive}", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return out
+
+
+def _summary(ttfts: list[float], tokens: int, elapsed: float, loaded: bool) -> dict[str, Any]:
+    return {"ttft_p50_ms": statistics.median(ttfts) * 1e3, "ttft_p95_ms": _pct(ttfts, 0.95) * 1e3,
+            "ttft_mean_ms": statistics.fmean(ttfts) * 1e3, "requests": len(ttfts),
+            "background_tokens_per_s": tokens / elapsed if loaded else 0.0}  # fmt: skip
+
+
+async def _batch_phase(g: _Gateway, a: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(2000)
+    lines = b"".join(json.dumps({"custom_id": f"bg-{i}", "method": "POST", "url": "/v1/completions", "body": {
+        "model": g.model, "prompt": _prompt(rng, a.batch_prompt_len), "max_tokens": a.batch_max_tokens,
+        "temperature": 0, "ignore_eos": True}}).encode() + b"\n" for i in range(a.batch_lines))  # fmt: skip
+    form = aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    form.add_field("file", lines, filename="bench.jsonl", content_type="application/jsonl")
+    f = await g.call("POST", "/v1/files", data=form)
+    b = await g.call("POST", "/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions",
+                                                  "completion_window": "24h"})  # fmt: skip
+    bid = b["id"]
+    try:
+        while (b := await g.call("GET", f"/v1/batches/{bid}"))["request_counts"]["completed"] < 1:
+            if b["status"] in _TERMINAL:
+                raise RuntimeError(f"the background batch ended before the phase: {b}")
+            await asyncio.sleep(0.1)  # poll: the batch reports progress only through its object
+        done0, t0 = b["request_counts"]["completed"], time.perf_counter()
+        ttfts = await _interactive(g, a, "batch", 2)
+        b = await g.call("GET", f"/v1/batches/{bid}")
+        elapsed = time.perf_counter() - t0
+        if b["status"] in _TERMINAL:
+            raise RuntimeError("the batch ran out during the phase: raise --batch-lines")
+        tokens = (b["request_counts"]["completed"] - done0) * a.batch_max_tokens
+    finally:
+        await g.call("POST", f"/v1/batches/{bid}/cancel")
+        while (await g.call("GET", f"/v1/batches/{bid}"))["status"] not in _TERMINAL:
+            await asyncio.sleep(0.1)  # in-flight lines finish before the next phase starts
+    return {**_summary(ttfts, tokens, elapsed, True), "batch_id": bid}
+
+
+async def _loop_phase(g: _Gateway, a: argparse.Namespace) -> dict[str, Any]:
     stop = asyncio.Event()
     tokens: list[int] = []
-    bg = [asyncio.create_task(_background(s, url, a, load, stop, seed * 100 + i, tokens))
-          for i in range(a.batch_streams if load else 0)]  # fmt: skip
+
+    async def loop(seed: int) -> None:
+        rng = random.Random(seed)
+        while not stop.is_set():
+            tokens.append(await g.whole(_prompt(rng, a.batch_prompt_len), a.batch_max_tokens))
+
+    bg = [asyncio.create_task(loop(3000 + i)) for i in range(a.batch_streams)]
     t0 = time.perf_counter()
-    ttfts = []
-    params = {"max_tokens": a.max_tokens, "temperature": 0, "ignore_eos": True, "priority": "interactive"}
     try:
-        for i in range(a.interactive):
-            r = await completion(s, url, _prompt(rng, a.prompt_len), params)
-            if r.error or r.ttft is None:
-                raise RuntimeError(f"interactive request failed: {r.error}")
-            ttfts.append(r.ttft)
-            print(f"\r  {load or 'idle'}: {i + 1}/{a.interactive}", end="", file=sys.stderr, flush=True)
+        ttfts = await _interactive(g, a, "no_priority", 3)
     finally:
         elapsed = time.perf_counter() - t0
         stop.set()
-        await asyncio.gather(*bg)  # in-flight background requests finish, then the phase ends
-    print(file=sys.stderr)
-    return {"ttft_p50_ms": statistics.median(ttfts) * 1e3, "ttft_p95_ms": _pct(ttfts, 0.95) * 1e3,
-            "ttft_mean_ms": statistics.fmean(ttfts) * 1e3, "requests": len(ttfts),
-            "background_tokens_per_s": sum(tokens) / elapsed if load else 0.0}  # fmt: skip
+        await asyncio.gather(*bg)
+    return _summary(ttfts, sum(tokens), elapsed, True)
 
 
-async def _run(url: str, a: argparse.Namespace) -> dict[str, Any]:
+async def _run(url: str, key: str, model: str, a: argparse.Namespace) -> dict[str, Any]:
     async with aiohttp.ClientSession() as s:
-        # One warm-up request so the first phase does not pay for kernel caches.
-        await completion(s, url, list(range(10, 10 + a.prompt_len)), {"max_tokens": 2, "temperature": 0})
-        phases = {"idle": await _phase(s, url, a, None, 1),
-                  "batch": await _phase(s, url, a, "batch", 2),
-                  "no_priority": await _phase(s, url, a, "interactive", 3)}  # fmt: skip
-    idle = phases["idle"]["ttft_p50_ms"]
+        g = _Gateway(s, url, key, model)
+        await g.ttft(list(range(10, 10 + a.prompt_len)), 2)  # warm-up: kernel caches, connections
+        t0 = time.perf_counter()
+        idle = await _interactive(g, a, "idle", 1)
+        phases = {"idle": _summary(idle, 0, time.perf_counter() - t0, False),
+                  "batch": await _batch_phase(g, a), "no_priority": await _loop_phase(g, a)}  # fmt: skip
+    base = phases["idle"]["ttft_p50_ms"]
     return {
-        "url": url, "interactive": a.interactive, "batch_streams": a.batch_streams,
+        "gateway": url, "model": model, "interactive": a.interactive, "batch_streams": a.batch_streams,
         "prompt_len": a.prompt_len, "batch_prompt_len": a.batch_prompt_len,
         "batch_max_tokens": a.batch_max_tokens, "phases": phases,
-        "ttft_p50_ratio_batch_vs_idle": phases["batch"]["ttft_p50_ms"] / idle,
-        "ttft_p50_ratio_no_priority_vs_idle": phases["no_priority"]["ttft_p50_ms"] / idle,
+        "ttft_p50_ratio_batch_vs_idle": phases["batch"]["ttft_p50_ms"] / base,
+        "ttft_p50_ratio_no_priority_vs_idle": phases["no_priority"]["ttft_p50_ms"] / base,
     }  # fmt: skip
+
+
+def _admin(url: str, admin: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Authorization": f"Bearer {admin}", "Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())  # type: ignore[no-any-return]
+
+
+def _own_cluster(a: argparse.Namespace) -> dict[str, Any]:
+    name = a.model or DEFAULT_MODEL
+    model_dir = resolve_model(name).directory
+    extra = ["--dtype", a.dtype, "--max-model-len", "2048"] + (["--kv-blocks", str(a.kv_blocks)] if a.kv_blocks else [])
+    with tempfile.TemporaryDirectory(prefix="duet-bench-batch-") as d:
+        tmp = Path(d)
+        node = duet_node("both", str(model_dir), tmp, *extra, threads=None)
+        port, admin = free_port(), secrets.token_urlsafe(16)
+        cfg = tmp / "gateway.toml"
+        cfg.write_text(f"""[server]
+port = {port}
+[store]
+url = "sqlite://{tmp / 'gateway.db'}"
+[batch]
+concurrency = {a.batch_streams}
+poll_s = 0.05
+[models.{json.dumps(name)}]
+tokenizer = {json.dumps(str(model_dir))}
+static = {{ both = [{json.dumps(node.url)}] }}
+""")
+        gw = Proc([sys.executable, "-m", "duet", "gateway", "--config", str(cfg), "--log-level", "WARNING"], port,
+                  tmp / "gateway.log", env={"DUET_ADMIN_KEY": admin, "DUET_HOME": str(tmp)})  # fmt: skip
+        print(f"starting a node for {name} and a gateway ...", file=sys.stderr)
+        with running(node, gw):
+            _admin(gw.url, admin, "/admin/teams", {"id": "bench"})
+            key = _admin(gw.url, admin, "/admin/keys", {"team_id": "bench"})["key"]
+            return asyncio.run(_run(gw.url, key, name, a))
 
 
 def main(argv: list[str] | None = None) -> int:
     a = _args(argv)
-    if a.url:
-        report = asyncio.run(_run(a.url.rstrip("/"), a))
-    else:
-        model_dir = resolve_model(a.model).directory
-        extra = ["--dtype", a.dtype, "--max-model-len", "2048"]
-        if a.kv_blocks:
-            extra += ["--kv-blocks", str(a.kv_blocks)]
-        with tempfile.TemporaryDirectory() as tmp:
-            node = duet_node("both", str(model_dir), Path(tmp), *extra, threads=None)
-            print(f"starting a node for {a.model} ...", file=sys.stderr)
-            with running(node):
-                report = asyncio.run(_run(node.url, a))
-        report["model"] = a.model
+    report = asyncio.run(_run(a.gateway, a.api_key, a.model, a)) if a.gateway else _own_cluster(a)
     if a.json:
         print(json.dumps(report, indent=2))
         return 0

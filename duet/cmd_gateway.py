@@ -20,6 +20,8 @@ OpenAI-compatible gateway: API keys, teams, quotas, tiers, routing to prefill/de
 
 Serves POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/usage,
 GET /health, GET /metrics, and /admin/teams, /admin/keys (admin key: $DUET_ADMIN_KEY).
+The batch tier ([batch] in gateway.toml, on by default): POST /v1/files, /v1/batches (OpenAI's
+Files and Batches APIs) and POST /v1/batch, run in the background at the batch tier and price.
 Models, prices, limits and the store are set in gateway.toml (see gateway/config.py).
 """
 

@@ -4,7 +4,7 @@ The middleware gives every request the gateway's own X-Request-Id, turns every e
 ours (APIError), aiohttp's (404/405/413) and unexpected ones (500, logged) — into OpenAI's
 error body with the right status, and never lets one request's failure reach another.
 `cleanup_ctx` owns everything with a lifetime: the store, the one ClientSession, the usage
-writer, the reservation sweeper, and the model backends.
+writer, the reservation sweeper, the model backends, and the batch runner (batch_wiring.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import admin, serve
+from gateway import admin, batch_wiring, serve
 from gateway.auth import authenticate, bearer, is_admin
 from gateway.backend import Backend
 from gateway.choice import ModelChoice
@@ -123,6 +123,8 @@ async def _health(request: web.Request) -> web.Response:
     s = request.app[STATE]
     body = {"status": "ok", "models": sorted(s.models), "running": s.admission.running,
             "waiting": {t: s.admission.depth(t) for t in ("interactive", "batch")}}  # fmt: skip
+    if batch_wiring.RUNNER in request.app:
+        body["batch"] = batch_wiring.health(request.app[batch_wiring.RUNNER])
     return web.json_response(body)
 
 
@@ -142,6 +144,8 @@ def make_app(config: GatewayConfig) -> web.Application:
     state.provider_metrics = register_provider_metrics(metrics.registry, lambda: [
         m.backend.provider for m in state.models.values() if isinstance(m.backend, ProviderBackend)])  # fmt: skip
     app.cleanup_ctx.append(_lifecycle)
+    if config.batch.enabled:  # after _lifecycle: the runner needs the models and the session
+        batch_wiring.install(app, STATE)
     r = app.router
     r.add_post("/v1/chat/completions", _completions("chat"))
     r.add_post("/v1/completions", _completions("completion"))

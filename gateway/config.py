@@ -13,6 +13,10 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     coordinator = ["http://10.0.0.2:8400", "http://10.0.0.3:8400"]   # every replica
     etcd = "http://10.0.0.2:2379"     # optional: find replicas and nodes there too
 
+    [batch]                           # Files/Batches API (on by default)
+    concurrency = 4
+    discount = 0.5                    # batch lines cost half the model's price
+
     [models.smollm2]
     kind = "cluster"                  # served by duet nodes; "external" is a provider's model
     tokenizer = "smollm2-135m-instruct"
@@ -195,6 +199,35 @@ class TeamPolicy:
 
 
 @dataclass(frozen=True)
+class BatchSettings:
+    """`[batch]`: the Files/Batches API and its runner (gateway/batch_wiring.py)."""
+
+    enabled: bool = True
+    #: batch requests this gateway runs at once (each also takes an admission slot)
+    concurrency: int = 4
+    #: fraction off the model's prices for batch lines (0.5 = half price)
+    discount: float = 0.5
+    #: batch store + file contents; default: a `batch` directory next to the SQLite gateway
+    #: store, else $DUET_HOME/batch (several gateways must share one: see batch_wiring.py)
+    data_dir: str | None = None
+    #: HMAC secret for callbacks (or $DUET_BATCH_CALLBACK_SECRET); per-team overrides below
+    callback_secret: str | None = None
+    callback_secrets: dict[str, str] = field(default_factory=dict)
+    #: callbacks to loopback/private addresses (labs, tests); refused by default
+    allow_private_callbacks: bool = False
+    #: a claim not renewed for this long is taken over by another (or a restarted) gateway
+    lease_s: float = 60.0
+    poll_s: float = 0.5
+    #: runs of one line before its last answer is final
+    max_attempts: int = 5
+    retry_base_s: float = 1.0
+    #: unique among live gateways sharing a store, stable across restarts (default: host:port)
+    worker_id: str | None = None
+    max_requests: int = 50_000
+    max_file_bytes: int = 200 * 2**20
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     models: dict[str, ModelConfig]
     store_url: str = ""
@@ -207,6 +240,7 @@ class GatewayConfig:
 
     def team_policy(self, team_id: str) -> TeamPolicy:
         return self.teams.get(team_id) or self.teams.get("*") or TeamPolicy()
+    batch: BatchSettings = BatchSettings()
 
     @property
     def admin_key(self) -> str | None:
@@ -328,8 +362,19 @@ def _teams(data: Any) -> dict[str, TeamPolicy]:
     return {t: _build(TeamPolicy, f"teams.{t}", p) for t, p in data.items()}
 
 
+def _batch(data: Any) -> BatchSettings:
+    b = _build(BatchSettings, "batch", data)
+    if not 0.0 <= b.discount <= 1.0:
+        raise ConfigError(f"[batch] discount is the fraction off the price, in [0, 1]; got {b.discount}")
+    if b.concurrency < 0 or b.max_attempts < 1 or b.lease_s <= 0 or b.poll_s <= 0:
+        raise ConfigError("[batch] concurrency must be >= 0, max_attempts >= 1, lease_s and poll_s > 0")
+    if not isinstance(b.callback_secrets, dict) or not all(isinstance(v, str) for v in b.callback_secrets.values()):
+        raise ConfigError("[batch] callback_secrets is a table of team id = secret")
+    return b
+
+
 def parse_config(data: dict[str, Any]) -> GatewayConfig:
-    known = {"models", "store", "server", "routing", "tiers", "quotas", "auto", "teams"}
+    known = {"models", "store", "server", "routing", "tiers", "quotas", "auto", "teams", "batch"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown sections: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
@@ -348,6 +393,7 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
         quotas=_build(QuotaConfig, "quotas", data.get("quotas", {})),
         auto=_build(AutoConfig, "auto", data["auto"]) if "auto" in data else None,
         teams=_teams(data.get("teams", {})),
+        batch=_batch(data.get("batch", {})),
     )
     if cfg.tiers.default_tier not in ("interactive", "batch"):
         raise ConfigError("[tiers] default_tier must be 'interactive' or 'batch'")

@@ -35,7 +35,15 @@ from gateway.providers.fallback import FallbackDecision, Reason
 from gateway.requests import Parsed, parse_chat, parse_completion
 from gateway.responses import DONE, Formatter, sse, usage
 from gateway.state import GatewayState, ServedModel
-from gateway.store.base import RateState, Refusal, ReserveRequest, Settlement, UsageRecord
+from gateway.store.base import (
+    ApiKey,
+    RateState,
+    Refusal,
+    ReserveRequest,
+    Settlement,
+    Team,
+    UsageRecord,
+)
 from protocol.openai import APIError
 from protocol.tokenizer import ChatTemplateError
 
@@ -138,6 +146,8 @@ class _Ctx:
     out: Outcome
     reservation_id: str
     t0: float
+    #: the batch discount (1.0: the model's prices)
+    price_factor: float = 1.0
     settled: bool = False
 
     def fill(self, status: str) -> Settlement:
@@ -148,7 +158,8 @@ class _Ctx:
         r.cached_tokens = o.cached_tokens
         served = bool(o.nodes) or o.first_token_at is not None
         # A request no node served (refused by a node, shed, every try failed) costs nothing.
-        r.cost_usd = cost_usd(self.served.config, r.prompt_tokens, r.completion_tokens, r.cached_tokens) if served else 0.0
+        r.cost_usd = cost_usd(self.served.config, r.prompt_tokens, r.completion_tokens,
+                              r.cached_tokens) * self.price_factor if served else 0.0  # fmt: skip
         r.ttft_s = (o.first_token_at - self.t0) if o.first_token_at is not None else None
         r.latency_s = time.monotonic() - self.t0
         r.nodes = list(o.nodes)
@@ -188,8 +199,21 @@ async def handle(state: GatewayState, request: web.Request, endpoint: str, reque
     t0 = time.monotonic()
     key, team = await authenticate(state, request)
     raw = await request.read()
+    return await run(state, key, team, raw, endpoint, request_id, request=request,
+                     tier_header=request.headers.get("x-duet-tier"), t0=t0)  # fmt: skip
+
+
+async def run(state: GatewayState, key: ApiKey, team: Team, raw: bytes, endpoint: str, request_id: str, *,
+              request: web.Request | None = None, tier_header: str | None = None, price_factor: float = 1.0,
+              t0: float | None = None) -> web.StreamResponse:  # fmt: skip
+    """One request of an authenticated caller: what the HTTP handlers and the batch executor
+    (gateway/batch_wiring.py; no `request`, so no streaming) both call. `price_factor`
+    scales the reservation and the recorded cost (the batch discount)."""
+    t0 = time.monotonic() if t0 is None else t0
     parsed = parse_chat(raw) if endpoint == "chat" else parse_completion(raw)
-    tier = resolve_tier(request.headers.get("x-duet-tier"), parsed.service_tier, team.default_tier)
+    if parsed.stream and request is None:
+        raise APIError(400, "stream is not supported here", param="stream")
+    tier = resolve_tier(tier_header, parsed.service_tier, team.default_tier)
     policy = state.config.team_policy(team.id)
     headers: dict[str, str] = {}
     if parsed.model == AUTO and state.choice is not None and state.choice.router is not None:
@@ -208,7 +232,7 @@ async def handle(state: GatewayState, request: web.Request, endpoint: str, reque
     m = served.config
     reserve = ReserveRequest(team_id=team.id, key_id=key.id, request_id=request_id,
                              tokens=n_prompt + parsed.n * max_tokens,
-                             cost_usd=_worst_case(state, m.name, n_prompt, parsed.n * max_tokens),
+                             cost_usd=_worst_case(state, m.name, n_prompt, parsed.n * max_tokens) * price_factor,
                              ttl_s=state.config.quotas.reservation_ttl_s)  # fmt: skip
     res = await state.store.reserve(reserve)
     if isinstance(res, Refusal):
@@ -219,7 +243,7 @@ async def handle(state: GatewayState, request: web.Request, endpoint: str, reque
     record = UsageRecord(request_id=request_id, team_id=team.id, key_id=key.id, model_requested=parsed.model,
                          model_used=m.name, tier=tier, status="error", prompt_tokens=len(ids),
                          endpoint=endpoint)  # fmt: skip
-    ctx = _Ctx(state, served, parsed, record, Outcome(prompt_tokens=len(ids)), res.id, t0)
+    ctx = _Ctx(state, served, parsed, record, Outcome(prompt_tokens=len(ids)), res.id, t0, price_factor)
     try:
         return await _serve(ctx, request, _Plan(endpoint, tier, policy, n_prompt, ids, max_tokens), headers)
     except APIError as e:

@@ -23,6 +23,25 @@ class Executor(Protocol):
                        tier: str = "batch", request_id: str) -> tuple[int, dict[str, Any]]: ...  # fmt: skip
 
 
+class Defer(Exception):
+    """Raised by an executor when a request was not run at all — its team's rate window is
+    full, or the gateway shed it for interactive load — and should be tried again after
+    `after_s` seconds without spending one of its `max_attempts`."""
+
+    def __init__(self, after_s: float, reason: str) -> None:
+        super().__init__(reason)
+        self.after_s = after_s
+        self.reason = reason
+
+
+def is_final(status: int, body: dict[str, Any]) -> bool:
+    """A retryable status whose answer is final anyway: 429 `insufficient_quota` (a spent
+    budget; OpenAI's clients do not retry it either). Such a line fails at once rather than
+    burning its retries — the rest of its batch fails fast too, and the batch completes."""
+    err = body.get("error") if isinstance(body, dict) else None
+    return status == 429 and isinstance(err, dict) and err.get("type") == "insufficient_quota"
+
+
 #: the caller's team id for a request, or raise `protocol.openai.APIError(401, ...)`
 Authenticate = Callable[[web.Request], "str | Awaitable[str]"]
 

@@ -8,7 +8,10 @@ Invariants:
   resumes after a restart or on another gateway, and the store's claim check means one result
   per custom_id, whoever ran it.
 - Retryable failures (an exception, 408/429/5xx) go back to `pending` with exponential backoff,
-  until `max_attempts`; then the last answer is the request's result.
+  until `max_attempts`; then the last answer is the request's result. A 429
+  `insufficient_quota` (spent budget) is final at once; an executor's `Defer` (rate window
+  full, load shed: the request never ran) re-queues it after its delay without spending an
+  attempt, so a long batch under a tight RPM limit is slowed, not failed.
 - At most `concurrency` requests run at once, and none starts while `may_run()` is False: the
   gateway uses it to let interactive load go first.
 - A batch ends `completed` when every request has a result, `expired` past its window (the
@@ -30,7 +33,7 @@ import msgspec
 
 from gateway.batch.callback import CallbackSender
 from gateway.batch.config import BatchConfig
-from gateway.batch.contracts import RETRYABLE_STATUS, Executor, MayRun
+from gateway.batch.contracts import RETRYABLE_STATUS, Defer, Executor, MayRun, is_final
 from gateway.batch.files import FileStore, new_file_id
 from gateway.batch.models import (
     CallbackPayload,
@@ -108,6 +111,10 @@ class BatchRunner:
         self._limit = max(0, n)
         self.wake()
 
+    @property
+    def concurrency(self) -> int:
+        return self._limit
+
     def wake(self) -> None:
         self._wake.set()
 
@@ -169,10 +176,15 @@ class BatchRunner:
             error: dict[str, Any] | None = None
         except asyncio.CancelledError:
             raise
+        except Defer as d:  # never ran: later, and the attempt is not spent
+            await self.store.retry_request(self.worker_id, c.batch_id, c.custom_id,
+                                           self.clock() + max(d.after_s, self.config.retry_base_s),
+                                           {"code": "deferred", "message": d.reason}, spent=False)  # fmt: skip
+            return
         except Exception as e:  # the executor could not reach anything: retry like a 503
             status, body = 503, {}
             error = {"code": "executor_error", "message": f"{type(e).__name__}: {e}"}
-        retryable = status in RETRYABLE_STATUS
+        retryable = status in RETRYABLE_STATUS and not is_final(status, body)
         now = self.clock()
         if retryable and c.attempts < self.config.max_attempts:
             await self.store.retry_request(self.worker_id, c.batch_id, c.custom_id,

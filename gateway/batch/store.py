@@ -194,7 +194,9 @@ class BatchStore(Protocol):
                              response: dict[str, Any] | None, error: dict[str, Any] | None,
                              now: float) -> bool: ...  # fmt: skip
     async def retry_request(self, worker: str, batch_id: str, custom_id: str, not_before: float,
-                            error: dict[str, Any]) -> bool: ...  # fmt: skip
+                            error: dict[str, Any], *, spent: bool = True) -> bool:
+        """Back to pending until `not_before`; `spent=False` gives the claim's attempt back
+        (the request never ran: a quota window or load shedding deferred it)."""  # fmt: skip
     async def claim_finalizable(self, worker: str, lease_s: float, now: float) -> list[str]: ...
     async def results(self, batch_id: str) -> list[ResultRow]: ...
     async def finish_batch(self, worker: str, batch_id: str, status: str, files: Sequence[FileRow],
@@ -415,12 +417,13 @@ class SqliteBatchStore:
         return await self._tx(q)
 
     async def retry_request(self, worker: str, batch_id: str, custom_id: str, not_before: float,
-                            error: dict[str, Any]) -> bool:  # fmt: skip
+                            error: dict[str, Any], *, spent: bool = True) -> bool:  # fmt: skip
         def q(db: sqlite3.Connection) -> bool:
             return db.execute(
                 "UPDATE batch_requests SET state='pending', not_before=?, error=?, claimed_by=NULL, "
-                "lease_until=NULL WHERE batch_id=? AND custom_id=? AND state='running' AND claimed_by=?",
-                (not_before, json.dumps(error), batch_id, custom_id, worker),
+                "lease_until=NULL, attempts=attempts-? WHERE batch_id=? AND custom_id=? AND "
+                "state='running' AND claimed_by=?",
+                (not_before, json.dumps(error), 0 if spent else 1, batch_id, custom_id, worker),
             ).rowcount == 1  # fmt: skip
 
         return await self._tx(q)

@@ -13,6 +13,7 @@ from typing import Any
 import openai
 import pytest
 
+from tests.gateway.conftest import postgres, postgres_db  # noqa: F401  (a real PostgreSQL for store tests)
 from tests.procs import Proc, duet_node, running
 
 NODE_ARGS = ("--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024")

@@ -1,21 +1,32 @@
-"""bench.batch_ttft runs against a real node and prints one well-formed JSON report."""
+"""bench.batch_ttft drives a real gateway (batch tier on) in front of a real node and prints one
+well-formed JSON report."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from bench import batch_ttft
-from tests.procs import Proc
+from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, tiny_model
+from tests.procs import Proc, running
 
 
-def test_batch_ttft_report(node: Proc, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = batch_ttft.main(["--url", node.url, "--interactive", "3", "--prompt-len", "16",
-                          "--batch-streams", "2", "--batch-prompt-len", "32",
-                          "--batch-max-tokens", "8", "--json"])  # fmt: skip
-    assert rc == 0
-    report = json.loads(capsys.readouterr().out)
+def test_batch_ttft_report(node: Proc, tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    gw = gateway_proc(tmp_path, {MODEL: tiny_model(tiny_llama, both=[node.url])},
+                      batch={"concurrency": 2, "poll_s": 0.05})  # fmt: skip
+    with running(gw):
+        key = make_team(gw.url, "bench")
+        rc = batch_ttft.main(["--gateway", gw.url, "--api-key", key, "--model", MODEL, "--interactive", "3",
+                              "--prompt-len", "16", "--batch-streams", "2", "--batch-lines", "300",
+                              "--batch-prompt-len", "32", "--batch-max-tokens", "8", "--json"])  # fmt: skip
+        assert rc == 0
+        report = json.loads(capsys.readouterr().out)
+        # the background batch ran through the gateway and was cancelled at the end of its phase
+        batch_id = report["phases"]["batch"]["batch_id"]
+        status, _, b = http(f"{gw.url}/v1/batches/{batch_id}", key=key)
+    assert status == 200 and b["status"] == "cancelled" and b["request_counts"]["completed"] > 0
     assert set(report["phases"]) == {"idle", "batch", "no_priority"}
     for name, ph in report["phases"].items():
         assert ph["requests"] == 3

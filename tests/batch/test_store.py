@@ -1,12 +1,29 @@
 """The store's claim rules, driven with explicit clocks: leases keep a request with one runner,
-a lapsed lease hands it to another, and a runner that lost its claim cannot write a result."""
+a lapsed lease hands it to another, and a runner that lost its claim cannot write a result.
+Every test runs on both stores: SQLite (one file, two connections) and PostgreSQL (a real
+server from pgserver, two pools)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from gateway.batch.models import RequestCounts
 from gateway.batch.store import BatchRow, NewRequest, SqliteBatchStore
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def open_store(request: pytest.FixtureRequest) -> Callable[[Path], Any]:
+    """Opens "the" store: each call is another process's connection to the same database."""
+    if request.param == "sqlite":
+        return SqliteBatchStore
+    dsn = request.getfixturevalue("postgres_db")
+    from gateway.batch.pg_store import PostgresBatchStore
+
+    return lambda _path: PostgresBatchStore(dsn)
 
 
 def batch(id_: str, now: float, window: float = 100.0) -> BatchRow:
@@ -20,9 +37,9 @@ def batch(id_: str, now: float, window: float = 100.0) -> BatchRow:
     )  # fmt: skip
 
 
-async def test_leases_and_claims(tmp_path: Path) -> None:
-    a = SqliteBatchStore(tmp_path / "db.sqlite3")
-    b = SqliteBatchStore(tmp_path / "db.sqlite3")  # a second gateway on the same file
+async def test_leases_and_claims(tmp_path: Path, open_store: Any) -> None:
+    a = open_store(tmp_path / "db.sqlite3")
+    b = open_store(tmp_path / "db.sqlite3")  # a second gateway on the same file
     try:
         reqs = [NewRequest(line=i + 1, custom_id=f"c{i}", body={"model": "m", "prompt": "x"}) for i in range(3)]
         await a.create_batch(batch("batch_1", 0.0), reqs)
@@ -59,8 +76,8 @@ async def test_leases_and_claims(tmp_path: Path) -> None:
         b.close()
 
 
-async def test_retry_waits_for_its_backoff_and_expiry_stops_claims(tmp_path: Path) -> None:
-    s = SqliteBatchStore(tmp_path / "db.sqlite3")
+async def test_retry_waits_for_its_backoff_and_expiry_stops_claims(tmp_path: Path, open_store: Any) -> None:
+    s = open_store(tmp_path / "db.sqlite3")
     try:
         await s.create_batch(batch("batch_1", 0.0, window=50.0),
                              [NewRequest(line=1, custom_id="c", body={})])  # fmt: skip
@@ -68,6 +85,10 @@ async def test_retry_waits_for_its_backoff_and_expiry_stops_claims(tmp_path: Pat
         assert await s.retry_request("A", "batch_1", "c", not_before=20.0, error={"code": "x"})
         assert await s.claim_requests("A", 1, lease_s=10, now=19.0) == []
         [c] = await s.claim_requests("A", 1, lease_s=10, now=20.0)
+        assert c.attempts == 2
+        # A deferred request never ran: its attempt is given back.
+        assert await s.retry_request("A", "batch_1", "c", not_before=20.5, error={"code": "deferred"}, spent=False)
+        [c] = await s.claim_requests("A", 1, lease_s=10, now=20.5)
         assert c.attempts == 2
         assert await s.retry_request("A", "batch_1", "c", not_before=21.0, error={"code": "x"})
         # Past the window nothing is claimed, and the batch is ready to end (expired).

@@ -1,0 +1,328 @@
+"""`BatchStore` on PostgreSQL (asyncpg): the batch tier of several gateways sharing one database
+(the one their gateway store uses; the tables are batch_files, batches and batch_requests).
+
+Same schema, states and invariants as `SqliteBatchStore` (store.py). Claims take their rows with
+`FOR UPDATE ... SKIP LOCKED` inside one transaction, so runners on different machines never
+claim the same request or finalize the same batch, and never wait for each other's locks.
+`finish_request`/`retry_request` check the claim in the same statement, so a runner whose lease
+was taken over cannot write a second result.
+
+The pool is opened on first use (routes are mounted before the event loop runs); `close()`
+is synchronous like the protocol's and terminates the pool's connections.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import asyncpg
+
+from gateway.batch.models import RequestCounts
+from gateway.batch.store import (
+    _BATCH_COLS,
+    _FILE_COLS,
+    BatchRow,
+    Claimed,
+    Conflict,
+    FileRow,
+    NewRequest,
+    ResultRow,
+)
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS batch_files (
+    seq BIGSERIAL PRIMARY KEY, id TEXT NOT NULL UNIQUE, team_id TEXT NOT NULL, purpose TEXT NOT NULL,
+    filename TEXT NOT NULL, bytes BIGINT NOT NULL, created_at DOUBLE PRECISION NOT NULL,
+    deleted BOOLEAN NOT NULL DEFAULT FALSE);
+CREATE INDEX IF NOT EXISTS batch_files_team ON batch_files (team_id, seq);
+CREATE TABLE IF NOT EXISTS batches (
+    seq BIGSERIAL PRIMARY KEY, id TEXT NOT NULL UNIQUE, team_id TEXT NOT NULL, kind TEXT NOT NULL,
+    endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL,
+    status TEXT NOT NULL, priority INTEGER NOT NULL DEFAULT 1, metadata TEXT, errors TEXT,
+    total INTEGER NOT NULL DEFAULT 0, output_file_id TEXT, error_file_id TEXT,
+    created_at DOUBLE PRECISION NOT NULL, in_progress_at DOUBLE PRECISION,
+    expires_at DOUBLE PRECISION NOT NULL, finalizing_at DOUBLE PRECISION,
+    completed_at DOUBLE PRECISION, failed_at DOUBLE PRECISION, expired_at DOUBLE PRECISION,
+    cancelling_at DOUBLE PRECISION, cancelled_at DOUBLE PRECISION, claimed_by TEXT,
+    lease_until DOUBLE PRECISION, callback_url TEXT, callback_state TEXT,
+    callback_attempts INTEGER NOT NULL DEFAULT 0, callback_next_at DOUBLE PRECISION, callback_error TEXT);
+CREATE INDEX IF NOT EXISTS batches_team ON batches (team_id, seq);
+CREATE INDEX IF NOT EXISTS batches_status ON batches (status);
+CREATE TABLE IF NOT EXISTS batch_requests (
+    batch_id TEXT NOT NULL, custom_id TEXT NOT NULL, line INTEGER NOT NULL, body TEXT NOT NULL,
+    state TEXT NOT NULL DEFAULT 'pending', attempts INTEGER NOT NULL DEFAULT 0,
+    not_before DOUBLE PRECISION NOT NULL DEFAULT 0, claimed_by TEXT, lease_until DOUBLE PRECISION,
+    started_at DOUBLE PRECISION, finished_at DOUBLE PRECISION, status_code INTEGER, request_id TEXT,
+    response TEXT, error TEXT, PRIMARY KEY (batch_id, custom_id));
+CREATE INDEX IF NOT EXISTS batch_requests_state ON batch_requests (state, not_before);
+CREATE INDEX IF NOT EXISTS batch_requests_line ON batch_requests (batch_id, line);
+"""
+#: serializes schema creation between gateways starting at once (CREATE IF NOT EXISTS races)
+_SCHEMA_LOCK = 0x6475657462617463
+
+
+def _dumps(x: Any) -> str | None:
+    return None if x is None else json.dumps(x)
+
+
+def _loads(x: str | None) -> Any:
+    return None if x is None else json.loads(x)
+
+
+class PostgresBatchStore:
+    def __init__(self, dsn: str, max_connections: int = 8) -> None:
+        self.dsn = dsn
+        self.path = dsn.split("@")[-1].split("?")[0]  # for logs: no credentials
+        self.max_connections = max_connections
+        self._pool: asyncpg.Pool | None = None
+        self._opening = asyncio.Lock()
+
+    async def _p(self) -> asyncpg.Pool:
+        if self._pool is None:
+            async with self._opening:
+                if self._pool is None:
+                    pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.max_connections)
+                    async with pool.acquire() as con, con.transaction():
+                        await con.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK)
+                        await con.execute(SCHEMA)
+                    self._pool = pool
+        return self._pool
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.terminate()
+            self._pool = None
+
+    # ---- files ----
+    async def insert_file(self, row: FileRow) -> None:
+        async with (await self._p()).acquire() as con:
+            await _insert_file(con, row)
+
+    async def get_file(self, team_id: str, file_id: str) -> FileRow | None:
+        r = await (await self._p()).fetchrow(f"SELECT {_FILE_COLS} FROM batch_files WHERE id=$1 AND team_id=$2 "
+                                             "AND NOT deleted", file_id, team_id)  # fmt: skip
+        return FileRow(*r) if r else None
+
+    async def list_files(self, team_id: str, purpose: str | None, after: str | None,
+                         limit: int) -> tuple[list[FileRow], bool]:  # fmt: skip
+        async with (await self._p()).acquire() as con:
+            cursor = await _cursor(con, "batch_files", team_id, after)
+            rows = await con.fetch(f"SELECT {_FILE_COLS} FROM batch_files WHERE team_id=$1 AND NOT deleted "
+                                   "AND seq<$2 AND ($3::text IS NULL OR purpose=$3) ORDER BY seq DESC LIMIT $4",
+                                   team_id, cursor, purpose, limit + 1)  # fmt: skip
+        return [FileRow(*r) for r in rows[:limit]], len(rows) > limit
+
+    async def delete_file(self, team_id: str, file_id: str) -> bool:
+        tag = await (await self._p()).execute("UPDATE batch_files SET deleted=TRUE WHERE id=$1 AND team_id=$2 "
+                                              "AND NOT deleted", file_id, team_id)  # fmt: skip
+        return _count(tag) == 1
+
+    # ---- batches ----
+    async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest]) -> None:
+        async with (await self._p()).acquire() as con, con.transaction():
+            await con.execute(
+                "INSERT INTO batches (id, team_id, kind, endpoint, input_file_id, completion_window, status, "
+                "priority, metadata, errors, total, created_at, in_progress_at, expires_at, failed_at, "
+                "callback_url) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15,$16)",
+                row.id, row.team_id, row.kind, row.endpoint, row.input_file_id, row.completion_window,
+                row.status, row.priority, _dumps(row.metadata), _dumps(row.errors), len(requests),
+                row.created_at, row.in_progress_at, row.expires_at, row.failed_at, row.callback_url,
+            )  # fmt: skip
+            await con.copy_records_to_table("batch_requests", columns=["batch_id", "custom_id", "line", "body"],
+                                            records=[(row.id, r.custom_id, r.line, json.dumps(r.body))
+                                                     for r in requests])  # fmt: skip
+            if row.callback_url and row.status == "failed":
+                await con.execute("UPDATE batches SET callback_state='pending', callback_next_at=$1 WHERE id=$2",
+                                  row.created_at, row.id)  # fmt: skip
+
+    async def get_batch(self, team_id: str | None, batch_id: str) -> BatchRow | None:
+        async with (await self._p()).acquire() as con:
+            r = await con.fetchrow(f"SELECT {_BATCH_COLS} FROM batches WHERE id=$1 AND ($2::text IS NULL OR "
+                                   "team_id=$2)", batch_id, team_id)  # fmt: skip
+            return await _batch_row(con, r) if r else None
+
+    async def list_batches(self, team_id: str, after: str | None, limit: int) -> tuple[list[BatchRow], bool]:
+        async with (await self._p()).acquire() as con:
+            cursor = await _cursor(con, "batches", team_id, after)
+            rows = await con.fetch(f"SELECT {_BATCH_COLS} FROM batches WHERE team_id=$1 AND seq<$2 "
+                                   "ORDER BY seq DESC LIMIT $3", team_id, cursor, limit + 1)  # fmt: skip
+            return [await _batch_row(con, r) for r in rows[:limit]], len(rows) > limit
+
+    async def cancel_batch(self, team_id: str, batch_id: str, now: float) -> BatchRow | None:
+        async with (await self._p()).acquire() as con, con.transaction():
+            status = await con.fetchval("SELECT status FROM batches WHERE id=$1 AND team_id=$2 FOR UPDATE",
+                                        batch_id, team_id)  # fmt: skip
+            if status is None:
+                return None
+            if status in ("validating", "in_progress"):
+                await con.execute("UPDATE batches SET status='cancelling', cancelling_at=$1 WHERE id=$2", now, batch_id)
+                # Not-yet-started work is dropped now; running requests finish and are kept.
+                await con.execute("UPDATE batch_requests SET state='cancelled' WHERE batch_id=$1 AND "
+                                  "state='pending'", batch_id)  # fmt: skip
+            elif status != "cancelling":
+                raise Conflict(f"a batch that is {status} cannot be cancelled")
+            r = await con.fetchrow(f"SELECT {_BATCH_COLS} FROM batches WHERE id=$1", batch_id)
+            return await _batch_row(con, r)
+
+    # ---- runner ----
+    async def release_claims(self, worker: str) -> int:
+        async with (await self._p()).acquire() as con, con.transaction():
+            n = _count(await con.execute("UPDATE batch_requests SET state='pending', claimed_by=NULL, "
+                                         "lease_until=NULL WHERE state='running' AND claimed_by=$1", worker))  # fmt: skip
+            await con.execute("UPDATE batches SET claimed_by=NULL, lease_until=NULL WHERE claimed_by=$1", worker)
+            return n
+
+    async def claim_requests(self, worker: str, n: int, lease_s: float, now: float) -> list[Claimed]:
+        rows = await (await self._p()).fetch(
+            "WITH c AS (SELECT r.batch_id, r.custom_id FROM batch_requests r JOIN batches b ON b.id=r.batch_id "
+            "  WHERE b.status='in_progress' AND b.expires_at>$1 AND ((r.state='pending' AND r.not_before<=$1) "
+            "  OR (r.state='running' AND r.lease_until<$1)) ORDER BY b.priority DESC, b.seq, r.line LIMIT $2 "
+            "  FOR UPDATE OF r SKIP LOCKED) "
+            "UPDATE batch_requests r SET state='running', claimed_by=$3, lease_until=$4, attempts=r.attempts+1, "
+            "started_at=$1 FROM c, batches b WHERE r.batch_id=c.batch_id AND r.custom_id=c.custom_id "
+            "AND b.id=r.batch_id RETURNING r.batch_id, r.custom_id, r.line, r.body, r.attempts, b.team_id, "
+            "b.endpoint, b.priority, b.seq",
+            now, n, worker, now + lease_s,
+        )  # fmt: skip
+        rows = sorted(rows, key=lambda r: (-r["priority"], r["seq"], r["line"]))
+        return [Claimed(batch_id=r["batch_id"], custom_id=r["custom_id"], line=r["line"], body=json.loads(r["body"]),
+                        attempts=r["attempts"], team_id=r["team_id"], endpoint=r["endpoint"])
+                for r in rows]  # fmt: skip
+
+    async def renew_leases(self, worker: str, keys: Sequence[tuple[str, str]], until: float) -> None:
+        async with (await self._p()).acquire() as con:
+            await con.executemany("UPDATE batch_requests SET lease_until=$1 WHERE batch_id=$2 AND custom_id=$3 "
+                                  "AND state='running' AND claimed_by=$4",
+                                  [(until, b, c, worker) for b, c in keys])  # fmt: skip
+
+    async def finish_request(self, worker: str, batch_id: str, custom_id: str, *, ok: bool,
+                             status_code: int | None, request_id: str | None,
+                             response: dict[str, Any] | None, error: dict[str, Any] | None,
+                             now: float) -> bool:  # fmt: skip
+        tag = await (await self._p()).execute(
+            "UPDATE batch_requests SET state=$1, status_code=$2, request_id=$3, response=$4, error=$5, "
+            "finished_at=$6, claimed_by=NULL, lease_until=NULL WHERE batch_id=$7 AND custom_id=$8 AND "
+            "state='running' AND claimed_by=$9",
+            "succeeded" if ok else "failed", status_code, request_id, _dumps(response), _dumps(error), now,
+            batch_id, custom_id, worker,
+        )  # fmt: skip
+        return _count(tag) == 1
+
+    async def retry_request(self, worker: str, batch_id: str, custom_id: str, not_before: float,
+                            error: dict[str, Any], *, spent: bool = True) -> bool:  # fmt: skip
+        tag = await (await self._p()).execute(
+            "UPDATE batch_requests SET state='pending', not_before=$1, error=$2, claimed_by=NULL, "
+            "lease_until=NULL, attempts=attempts-$3 WHERE batch_id=$4 AND custom_id=$5 AND state='running' "
+            "AND claimed_by=$6",
+            not_before, json.dumps(error), 0 if spent else 1, batch_id, custom_id, worker,
+        )  # fmt: skip
+        return _count(tag) == 1
+
+    async def claim_finalizable(self, worker: str, lease_s: float, now: float) -> list[str]:
+        async with (await self._p()).acquire() as con, con.transaction():
+            ids = [r[0] for r in await con.fetch(
+                "SELECT b.id FROM batches b WHERE b.status IN ('in_progress','finalizing','cancelling') "
+                "AND (b.lease_until IS NULL OR b.lease_until<$1) "
+                "AND NOT EXISTS (SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND "
+                "  r.state='running' AND r.lease_until>=$1) "
+                "AND (b.status='cancelling' OR b.expires_at<=$1 OR NOT EXISTS ("
+                "  SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND r.state IN ('pending','running'))) "
+                "FOR UPDATE OF b SKIP LOCKED", now)]  # fmt: skip
+            for bid in ids:
+                await con.execute(
+                    "UPDATE batches SET claimed_by=$1, lease_until=$2, finalizing_at=CASE WHEN "
+                    "status='in_progress' AND expires_at>$3 THEN $3 ELSE finalizing_at END, "
+                    "status=CASE WHEN status='in_progress' AND expires_at>$3 THEN 'finalizing' ELSE status END "
+                    "WHERE id=$4", worker, now + lease_s, now, bid)  # fmt: skip
+            return ids
+
+    async def results(self, batch_id: str) -> list[ResultRow]:
+        rows = await (await self._p()).fetch("SELECT custom_id, line, state, status_code, request_id, response, "
+                                             "error FROM batch_requests WHERE batch_id=$1 ORDER BY line", batch_id)  # fmt: skip
+        return [ResultRow(c, n, s, sc, rid, _loads(resp), _loads(err)) for c, n, s, sc, rid, resp, err in rows]
+
+    async def finish_batch(self, worker: str, batch_id: str, status: str, files: Sequence[FileRow],
+                           output_file_id: str | None, error_file_id: str | None,
+                           now: float) -> bool:  # fmt: skip
+        if status not in ("completed", "expired", "cancelled"):
+            raise ValueError(f"not a final status: {status}")
+        async with (await self._p()).acquire() as con, con.transaction():
+            tag = await con.execute(
+                f"UPDATE batches SET status=$1, {status}_at=$2, output_file_id=$3, error_file_id=$4, "
+                "claimed_by=NULL, lease_until=NULL, callback_state=CASE WHEN callback_url IS NULL THEN NULL "
+                "ELSE 'pending' END, callback_next_at=$2 WHERE id=$5 AND claimed_by=$6 AND "
+                "status IN ('in_progress','finalizing','cancelling')",
+                status, now, output_file_id, error_file_id, batch_id, worker,
+            )  # fmt: skip
+            if _count(tag) != 1:
+                return False
+            # Requests that never ran now say why, so counts and files agree after the end.
+            await con.execute("UPDATE batch_requests SET state=$1, claimed_by=NULL, lease_until=NULL "
+                              "WHERE batch_id=$2 AND state IN ('pending','running','cancelled')",
+                              "expired" if status == "expired" else "cancelled", batch_id)  # fmt: skip
+            for f in files:
+                await _insert_file(con, f)
+            return True
+
+    async def claim_callbacks(self, worker: str, lease_s: float, now: float) -> list[BatchRow]:
+        async with (await self._p()).acquire() as con, con.transaction():
+            rows = await con.fetch(f"SELECT {_BATCH_COLS} FROM batches WHERE callback_state='pending' AND "
+                                   "callback_next_at<=$1 AND (lease_until IS NULL OR lease_until<$1) "
+                                   "FOR UPDATE SKIP LOCKED", now)  # fmt: skip
+            for r in rows:
+                await con.execute("UPDATE batches SET claimed_by=$1, lease_until=$2, "
+                                  "callback_attempts=callback_attempts+1 WHERE id=$3", worker, now + lease_s, r[0])  # fmt: skip
+            return [await _batch_row(con, r) for r in rows]
+
+    async def callback_result(self, worker: str, batch_id: str, *, delivered: bool,
+                              next_at: float | None, error: str | None) -> None:  # fmt: skip
+        state = "delivered" if delivered else ("pending" if next_at is not None else "failed")
+        await (await self._p()).execute(
+            "UPDATE batches SET callback_state=$1, callback_next_at=$2, callback_error=$3, claimed_by=NULL, "
+            "lease_until=NULL WHERE id=$4 AND claimed_by=$5", state, next_at, error, batch_id, worker)  # fmt: skip
+
+    async def mean_request_seconds(self, since: float) -> float | None:
+        return await (await self._p()).fetchval(  # type: ignore[no-any-return]
+            "SELECT AVG(finished_at - started_at) FROM batch_requests WHERE state='succeeded' AND "
+            "finished_at>=$1", since)  # fmt: skip
+
+    async def pending_requests(self) -> int:
+        return int(await (await self._p()).fetchval(
+            "SELECT COUNT(*) FROM batch_requests r JOIN batches b ON b.id=r.batch_id "
+            "WHERE b.status='in_progress' AND r.state IN ('pending','running')"))  # fmt: skip
+
+
+def _count(tag: str) -> int:
+    """Rows a statement touched, from its status tag ("UPDATE 3")."""
+    return int(tag.rsplit(" ", 1)[-1])
+
+
+async def _insert_file(con: Any, f: FileRow) -> None:
+    await con.execute(f"INSERT INTO batch_files ({_FILE_COLS}) VALUES ($1,$2,$3,$4,$5,$6)",
+                      f.id, f.team_id, f.purpose, f.filename, f.bytes, f.created_at)  # fmt: skip
+
+
+async def _cursor(con: Any, table: str, team_id: str, after: str | None) -> int:
+    """The seq to list below; an unknown `after` (or another team's) lists from the top."""
+    if after is not None:
+        seq = await con.fetchval(f"SELECT seq FROM {table} WHERE id=$1 AND team_id=$2", after, team_id)
+        if seq is not None:
+            return int(seq)
+    return 2**62
+
+
+async def _batch_row(con: Any, r: Sequence[Any]) -> BatchRow:
+    counts = dict(await con.fetch("SELECT state, COUNT(*) FROM batch_requests WHERE batch_id=$1 GROUP BY state",
+                                  r[0]))  # fmt: skip
+    rc = RequestCounts(total=r[10], completed=counts.get("succeeded", 0), failed=counts.get("failed", 0))
+    return BatchRow(
+        id=r[0], team_id=r[1], kind=r[2], endpoint=r[3], input_file_id=r[4], completion_window=r[5],
+        status=r[6], priority=r[7], metadata=_loads(r[8]), errors=_loads(r[9]), total=r[10],
+        output_file_id=r[11], error_file_id=r[12], created_at=r[13], in_progress_at=r[14],
+        expires_at=r[15], finalizing_at=r[16], completed_at=r[17], failed_at=r[18],
+        expired_at=r[19], cancelling_at=r[20], cancelled_at=r[21], callback_url=r[22],
+        callback_state=r[23], callback_attempts=r[24], counts=rc,
+    )  # fmt: skip

@@ -1,0 +1,32 @@
+"""The gateway's batch runner yields to interactive load: `may_run` is False while an
+interactive request waits for an admission slot, or while every slot is taken."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from gateway.app import STATE, make_app
+from gateway.batch_wiring import RUNNER
+from gateway.config import parse_config
+
+
+async def test_may_run_follows_the_interactive_queue(tmp_path: Path) -> None:
+    cfg = parse_config({"models": {"m": {"tokenizer": "x", "static": {"both": ["http://127.0.0.1:9"]}}},
+                        "store": {"url": f"sqlite://{tmp_path}/gateway.db"}, "tiers": {"max_inflight": 1}})  # fmt: skip
+    app = make_app(cfg)
+    may_run, admission = app[RUNNER].may_run, app[STATE].admission
+    assert may_run()
+    async with admission.slot("interactive"):
+        assert not may_run()  # every slot is taken: a batch line would only queue
+        second = admission.slot("interactive")
+        waiter = asyncio.ensure_future(second.__aenter__())
+        while admission.depth("interactive") == 0:
+            await asyncio.sleep(0)
+        assert not may_run()
+    await waiter  # the freed slot went to the interactive waiter
+    assert not may_run()
+    await second.__aexit__(None, None, None)  # the waiter's request ends
+    assert admission.depth("interactive") == 0 and admission.running == 0
+    assert may_run()
+    app[RUNNER].store.close()
