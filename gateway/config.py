@@ -237,10 +237,10 @@ class GatewayConfig:
     quotas: QuotaConfig = QuotaConfig()
     auto: AutoConfig | None = None
     teams: dict[str, TeamPolicy] = field(default_factory=dict)
+    batch: BatchSettings = BatchSettings()
 
     def team_policy(self, team_id: str) -> TeamPolicy:
         return self.teams.get(team_id) or self.teams.get("*") or TeamPolicy()
-    batch: BatchSettings = BatchSettings()
 
     @property
     def admin_key(self) -> str | None:
