@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -73,8 +74,10 @@ class VllmStream:
 
     reserved = None  # vLLM reserves remote-KV blocks itself
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], collector: Any, arrival: float) -> None:
+    def __init__(self, request_id: str, prompt_token_ids: list[int], collector: Any, arrival: float,
+                 on_handoff: Callable[[], None]) -> None:  # fmt: skip
         self.request_id = request_id
+        self._on_handoff = on_handoff
         self.prompt_token_ids = prompt_token_ids
         self._collector = collector
         self._arrival = arrival
@@ -118,6 +121,8 @@ class VllmStream:
                           num_cached_tokens=int(out.num_cached_tokens or 0), num_output_tokens=n_out)  # fmt: skip
             if out.finished:
                 delta.kv_transfer_params = out.kv_transfer_params
+                if out.kv_transfer_params and out.kv_transfer_params.get("do_remote_prefill"):
+                    self._on_handoff()
                 delta.arrival_time, delta.first_token_time = self._arrival, first_token
             yield delta
             if out.finished:
@@ -146,6 +151,8 @@ class VllmNodeEngine:
         self._bridge: VllmEventBridge | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._dead: BaseException | None = None
+        #: lease deadlines (monotonic) of prefills handed to a decode node
+        self._held: list[float] = []
         if config.record_kv_events and not config.kv_events_endpoint:
             sock = os.path.join(tempfile.gettempdir(), f"duet-vllm-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}")
             config.kv_events_endpoint = f"ipc://{sock}"
@@ -242,7 +249,18 @@ class VllmNodeEngine:
             raise EngineDead(str(e) or "vLLM's engine core died") from e
         except (ValueError, TypeError) as e:  # vLLM's validation (VLLMValidationError is a ValueError)
             raise RequestRefused(str(e)) from None
-        return VllmStream(request_id, list(prompt_token_ids), collector, arrival)
+        return VllmStream(request_id, list(prompt_token_ids), collector, arrival, self._handed_off)
+
+    def _handed_off(self) -> None:
+        """A prefill's blocks wait for a decode node: count them as held until the lease ends
+        (vLLM frees them earlier once pulled, but does not say so), so a drain waits for them."""
+        now = time.monotonic()
+        self._held = [t for t in self._held if t > now]
+        self._held.append(now + self.config.lease_seconds)
+
+    def _num_held(self) -> int:
+        now = time.monotonic()
+        return sum(1 for t in self._held if t > now)
 
     async def abort(self, request_id: str) -> bool:
         known = request_id in self._llm.output_processor.external_req_ids
@@ -273,4 +291,6 @@ class VllmNodeEngine:
         return KVEventDrain(events=events, queued_prefill_tokens=0, block_hashes=hashes)
 
     def stats(self) -> dict[str, float]:
-        return self._stats.snapshot()
+        s = self._stats.snapshot()
+        s["num_requests_held"] = self._num_held()
+        return s

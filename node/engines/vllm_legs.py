@@ -60,6 +60,7 @@ class VllmRemoteParams(msgspec.Struct, kw_only=True, frozen=True):
     pp_size: int | None = None
     remote_blocks_expiry_time: float | None = None
     transfer_mode: str | None = None
+    remote_prefill_cached_tokens: int | None = None
     #: duet's own, ignored by vLLM
     lease_seconds: float | None = None
 

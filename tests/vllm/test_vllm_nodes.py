@@ -93,12 +93,13 @@ async def test_registration_and_kv_events(vllm_pd: tuple[Proc, Proc], etcd_modul
                       head_dim=hf["hidden_size"] // hf["num_attention_heads"], block_size=16, dtype="float32",
                       num_blocks=1)  # fmt: skip
     assert info.kv_layout_hash != native.compat_hash  # never paired with a native node
-    assert info.kv_capacity_blocks > 0
+    assert info.kv_capacity_blocks > 0 and info.block_size == 16  # counted in duet's hash blocks
     # A prompt prefilled on P shows up in its snapshot under duet's hashes (recomputed from
     # vLLM's events' token ids).
     ids = tokenize(smollm2, "KV events from vLLM, hashed the duet way. " * 8)
-    want = block_hashes(ids[: (len(ids) - 1) // 16 * 16], 16)
-    assert want
+    # vLLM caches whole blocks of its own (32 tokens on CPUs): the prompt's full ones.
+    want = block_hashes(ids[: len(ids) // 32 * 32], 16)
+    assert len(want) >= 4
     async with aiohttp.ClientSession() as s:
         await completion(s, p.url, ids, {"max_tokens": 1, "temperature": 0})
         deadline = asyncio.get_running_loop().time() + 30
