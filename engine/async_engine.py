@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.holds import Claim
 from engine.outputs import RequestOutput
 from engine.request import Priority, Request
 from engine.sampling_params import SamplingParams
@@ -72,6 +73,8 @@ class AsyncEngine:
         self.config = config
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
+        #: futures of submitted commands not yet answered (failed if the engine dies first)
+        self._pending: set[asyncio.Future[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.dead: BaseException | None = None
@@ -168,6 +171,10 @@ class AsyncEngine:
                 s.reserved.set_exception(err)
             s._queue.put_nowait(err)
         self._streams.clear()
+        # Commands queued but never run (the thread died first) would otherwise wait forever.
+        for fut in list(self._pending):
+            _set_exception(fut, err)
+        self._pending.clear()
 
     async def _submit(self, fn: Callable[[], T]) -> T:
         """Run `fn` on the engine thread between steps; return or raise its result here."""
@@ -175,6 +182,8 @@ class AsyncEngine:
             raise EngineDeadError(f"engine failed: {self.dead!r}")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
+        self._pending.add(fut)
+        fut.add_done_callback(self._pending.discard)
 
         def run() -> None:
             try:
@@ -238,7 +247,21 @@ class AsyncEngine:
         return await self._submit(lambda: self.core.release(request_id))
 
     async def release_held(self, request_id: str, block_ids: list[int] | None = None) -> int | None:
-        return await self._submit(lambda: self.core.release_held(request_id, block_ids))
+        """Free a held prefill's blocks if `block_ids` (when given) are exactly them. Answers at
+        once, without waiting for the current step (engine/holds.py): the claim is decided here
+        and the blocks are freed by a command at the next step boundary. Returns the number of
+        blocks, None if nothing is held; raises RequestError when the ids are not its own."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine failed: {self.dead!r}")
+        outcome, n = self.core.scheduler.ledger.claim(request_id, block_ids, time.monotonic())
+        if outcome is Claim.NOT_HELD:
+            return None
+        if outcome is Claim.NOT_THEIRS:
+            from engine.core import RequestError
+
+            raise RequestError(f"block ids {block_ids} do not belong to request {request_id!r}")
+        self._commands.put(lambda: self.core.release(request_id))
+        return n
 
     async def kv_ready(self, request_id: str, ok: bool, quarantine: bool = False) -> bool:
         return await self._submit(lambda: self.core.kv_ready(request_id, ok, quarantine))

@@ -25,6 +25,7 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from engine.holds import HoldLedger
 from engine.kv_manager import KVCacheManager
 from engine.request import Request, Status
 
@@ -67,6 +68,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self.held: dict[str, Request] = {}  # finished, blocks kept for a transfer
+        #: the holds as the event loop may claim them (engine/holds.py)
+        self.ledger = HoldLedger()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
 
@@ -241,6 +244,7 @@ class Scheduler:
             if req.hold_seconds is not None:
                 req.hold_expiry = time.monotonic() + req.hold_seconds
             self.held[req.request_id] = req
+            self.ledger.add(req.request_id, req.block_ids, req.hold_expiry)
         else:
             self.kv.free(req)
         self.kv.forget(req)
@@ -250,14 +254,21 @@ class Scheduler:
         req = self.held.pop(request_id, None)
         if req is None:
             return False
+        self.ledger.drop(request_id)
         self.kv.free(req)
         return True
 
     def expire_holds(self, now: float) -> list[str]:
-        """Free every hold whose lease ran out; returns their request ids."""
-        gone = [rid for rid, r in self.held.items() if r.hold_expiry is not None and r.hold_expiry <= now]
-        for rid in gone:
-            self.release(rid)
+        """Free every hold whose lease ran out; returns their request ids. A hold the event loop
+        claimed just before its deadline is left to the release command already on its way."""
+        due = [rid for rid, r in self.held.items() if r.hold_expiry is not None and r.hold_expiry <= now]
+        gone = []
+        for rid in due:
+            if self.ledger.expire(rid):
+                self.release(rid)
+                gone.append(rid)
+            else:
+                self.held[rid].hold_expiry = None  # claimed: no deadline to wake up for
         return gone
 
     def next_hold_expiry(self) -> float | None:

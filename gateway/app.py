@@ -25,11 +25,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway import admin, serve
 from gateway.auth import authenticate, bearer, is_admin
 from gateway.backend import Backend
+from gateway.choice import ModelChoice
 from gateway.cluster import ClusterBackend
-from gateway.config import GatewayConfig, ModelConfig, StaticNodes
+from gateway.config import AUTO, GatewayConfig, ModelConfig, StaticNodes
 from gateway.etcd_view import EtcdView
 from gateway.metrics import GatewayMetrics
 from gateway.node_client import NodeClient
+from gateway.provider_backend import ProviderBackend, make_backend
+from gateway.providers.metrics import register_provider_metrics
 from gateway.routing import CoordinatorRouter, FailoverRouter, NodeLoad, Router, StaticRouter
 from gateway.state import GatewayState, ServedModel
 from gateway.store import open_store
@@ -107,7 +110,12 @@ async def _models(request: web.Request) -> web.Response:
     if not is_admin(s, bearer(request)):
         await authenticate(s, request)
     data = [{"id": name, "object": "model", "created": 0, "owned_by": "duet" if m.config.kind == "cluster" else "external",
-             "max_model_len": m.max_model_len} for name, m in sorted(s.models.items())]  # fmt: skip
+             "max_model_len": m.max_model_len, "capability_rank": m.config.capability_rank,
+             "tiers": list(m.config.tiers), "fallback": list(m.config.fallback)}
+            for name, m in sorted(s.models.items())]  # fmt: skip
+    if s.choice is not None and s.choice.router is not None:
+        data.append({"id": AUTO, "object": "model", "created": 0, "owned_by": "duet",
+                     "candidates": sorted(s.choice.auto_catalog)})  # fmt: skip
     return web.Response(body=_ENC.encode({"object": "list", "data": data}), content_type="application/json")
 
 
@@ -130,6 +138,9 @@ def make_app(config: GatewayConfig) -> web.Application:
     app[STATE] = GatewayState(config=config, store=store, metrics=metrics,
                               writer=UsageWriter(store, metrics, config.quotas.usage_batch),
                               admission=Admission(config.tiers, metrics))  # fmt: skip
+    state = app[STATE]
+    state.provider_metrics = register_provider_metrics(metrics.registry, lambda: [
+        m.backend.provider for m in state.models.values() if isinstance(m.backend, ProviderBackend)])  # fmt: skip
     app.cleanup_ctx.append(_lifecycle)
     r = app.router
     r.add_post("/v1/chat/completions", _completions("chat"))
@@ -180,12 +191,8 @@ def _static_nodes(cfg: GatewayConfig, cluster_name: str) -> StaticNodes | None:
 
 
 def _external_backend(m: ModelConfig, s: GatewayState) -> Backend:
-    """The providers package (another issue) supplies `make_backend(model_config, session)`."""
-    try:
-        from gateway import providers  # type: ignore[attr-defined]
-    except ImportError:
-        raise ValueError(f"model {m.name!r} is external but the providers package is not installed") from None
-    return providers.make_backend(m, s.session)  # type: ignore[no-any-return]
+    assert s.session is not None
+    return make_backend(m, s.session)
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -209,6 +216,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             s.models[name] = ServedModel(m, cluster, Tokenizer(directory), _max_model_len(m, directory))
         else:
             s.models[name] = ServedModel(m, _external_backend(m, s), None, m.max_model_len or 1 << 20)
+    s.choice = ModelChoice(cfg, s.models)
     writer = s.writer.lifecycle()
     await writer.__anext__()
     sweeper = asyncio.ensure_future(_sweep(s))

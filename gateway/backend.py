@@ -1,7 +1,7 @@
 """The seam between the public API and whoever generates tokens.
 
 A model's `kind` picks its `Backend`: "cluster" → `cluster.ClusterBackend` (duet's own P/D
-nodes); "external" → a provider backend (gateway/providers/, another issue). The API layer
+nodes); "external" → `provider_backend.ProviderBackend` (a commercial API, gateway/providers/). The API layer
 hands a `Job` and reads `Piece`s; the backend fills `Outcome` as it goes, so accounting knows
 what happened even when the stream breaks or the client leaves.
 
@@ -35,6 +35,8 @@ class Job:
     tier: str
     #: the prompt as the client sent it, for "completion" jobs (text or token ids)
     prompt: str | list[int] | None = None
+    #: the client streams: a backend that can answer whole (an external API) does so otherwise
+    stream: bool = True
 
 
 @dataclass

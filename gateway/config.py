@@ -19,6 +19,35 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     input_usd_per_mtok = 0.10
     output_usd_per_mtok = 0.20
     static = { prefill = ["http://p1:8100"], decode = ["http://d1:8200"] }
+    capability_rank = 1               # for `model: "auto"` (higher = more capable)
+    fallback = ["gpt-4o-mini"]        # tried in order when this model cannot answer
+
+    [models.gpt-4o-mini]
+    kind = "external"
+    provider = "openai"               # or "anthropic"
+    base_url = "https://api.openai.com/v1"
+    api_key_env = "OPENAI_API_KEY"    # the key itself never sits in this file
+    upstream_model = "gpt-4o-mini-2024-07-18"   # the provider's name, if not the table's
+    input_usd_per_mtok = 0.15
+    output_usd_per_mtok = 0.60
+    max_model_len = 128000            # its context length (required for external models)
+    tiers = ["interactive", "batch"]  # tiers it serves (default: both)
+    capability_rank = 2
+    breaker = { failure_threshold = 5, cooldown_s = 30.0 }   # also: retry, timeouts, headers
+
+    [auto]                            # serve `model: "auto"` (absent: no auto)
+    models = ["smollm2", "gpt-4o-mini"]   # candidates (default: every model)
+
+    [teams.ml]                        # routing policy of team `ml` (its limits live in the store)
+    auto_pin = { hard = "gpt-4o-mini" }   # label (simple|medium|hard) → model auto uses
+    forbid = ["claude-sonnet"]        # never chosen for this team: by auto, by fallback, or by name
+    allow_paid_for_batch = true       # batch requests may fall back to / auto-route to external models
+    [teams."*"]                       # the policy of every team not listed
+
+Fallback triggers: the self-hosted pool saturated (an interactive request waited
+`[tiers] interactive_fallback_wait_s` for a slot), no healthy node, an open circuit breaker, a
+provider's 5xx/429 after its retries. Batch requests never reach a paid (external) model unless
+their team's `allow_paid_for_batch` says so.
 
 Invariant: a `GatewayConfig` is immutable once loaded; the CLI's flags override the file.
 """
@@ -40,6 +69,11 @@ else:  # pragma: no cover
 
 ModelKind = Literal["cluster", "external"]
 Tier = Literal["interactive", "batch"]
+AUTO = "auto"
+AUTO_LABELS = ("simple", "medium", "hard")
+#: keys of an external model's table that configure its provider (gateway/providers/config.py)
+PROVIDER_KEYS = ("base_url", "api_key_env", "upstream_model", "retry", "breaker", "timeouts", "headers",
+                 "anthropic_version")  # fmt: skip
 
 
 class ConfigError(ValueError):
@@ -72,8 +106,16 @@ class ModelConfig:
     #: price of prompt tokens served from a prefix cache (default: the input price)
     cached_input_usd_per_mtok: float | None = None
     static: StaticNodes | None = None
-    #: external models: provider settings, read by the providers package
-    provider: dict[str, Any] = field(default_factory=dict)
+    #: `model: "auto"` picks the cheapest model whose rank meets the prompt's needs (1..3)
+    capability_rank: int = 1
+    #: tiers whose requests this model takes (auto and fallback skip it for the others)
+    tiers: tuple[Tier, ...] = ("interactive", "batch")
+    #: models tried, in order, when this one cannot answer (see the module docstring)
+    fallback: tuple[str, ...] = ()
+    #: external models: "openai" (any OpenAI-compatible API) or "anthropic"
+    provider: str | None = None
+    #: external models: the PROVIDER_KEYS settings, checked by the providers package
+    provider_options: dict[str, Any] = field(default_factory=dict)
 
     @property
     def cluster_name(self) -> str:
@@ -116,6 +158,9 @@ class TierConfig:
     batch_queue: int = 128
     interactive_max_wait_s: float = 30.0
     batch_max_wait_s: float = 10.0
+    #: an interactive request for a model with a usable fallback waits at most this long for
+    #: a slot, then goes to the fallback model (trigger "saturated") instead of queueing on
+    interactive_fallback_wait_s: float = 1.0
     default_tier: Tier = "interactive"
 
 
@@ -128,6 +173,28 @@ class QuotaConfig:
 
 
 @dataclass(frozen=True)
+class AutoConfig:
+    """`model: "auto"`; served only when the `[auto]` section is present."""
+
+    #: the models auto may choose (default: every model)
+    models: tuple[str, ...] = ()
+    #: classifier label → capability rank it needs
+    rank_for: dict[str, int] = field(default_factory=lambda: {"simple": 1, "medium": 2, "hard": 3})
+
+
+@dataclass(frozen=True)
+class TeamPolicy:
+    """How the gateway chooses models for one team (`[teams.<id>]`; `[teams."*"]` for the rest)."""
+
+    #: classifier label → the model `auto` uses for it (when that model can take the request)
+    auto_pin: dict[str, str] = field(default_factory=dict)
+    #: models never chosen for this team: not by auto, not as a fallback, and a 403 by name
+    forbid: tuple[str, ...] = ()
+    #: batch requests may reach paid (external) models by fallback or auto
+    allow_paid_for_batch: bool = False
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     models: dict[str, ModelConfig]
     store_url: str = ""
@@ -135,6 +202,11 @@ class GatewayConfig:
     routing: RoutingConfig = RoutingConfig()
     tiers: TierConfig = TierConfig()
     quotas: QuotaConfig = QuotaConfig()
+    auto: AutoConfig | None = None
+    teams: dict[str, TeamPolicy] = field(default_factory=dict)
+
+    def team_policy(self, team_id: str) -> TeamPolicy:
+        return self.teams.get(team_id) or self.teams.get("*") or TeamPolicy()
 
     @property
     def admin_key(self) -> str | None:
@@ -162,23 +234,102 @@ def _build(cls: type, section: str, data: Any) -> Any:
 def _model(name: str, data: Any) -> ModelConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"[models.{name}] must be a table")
+    if name == AUTO or "/" in name:
+        raise ConfigError(f"[models.{name}] is not a usable model name ('{AUTO}' is reserved, '/' is refused)")
     data = dict(data)
     static = data.pop("static", None)
-    m = _build(ModelConfig, f"models.{name}", {**data, "name": name})
+    options = {k: data.pop(k) for k in PROVIDER_KEYS if k in data}
+    if "provider_options" in data:
+        raise ConfigError(f"[models.{name}] has unknown keys: provider_options")
+    m = _build(ModelConfig, f"models.{name}", {**data, "name": name, "provider_options": options})
     if static is not None:
         m = ModelConfig(**{**m.__dict__, "static": _build(StaticNodes, f"models.{name}.static", static)})
     if m.kind not in ("cluster", "external"):
         raise ConfigError(f"[models.{name}] kind must be 'cluster' or 'external', got {m.kind!r}")
     if m.kind == "cluster" and not m.tokenizer:
         raise ConfigError(f"[models.{name}] a cluster model needs `tokenizer` (registry name or directory)")
+    if m.kind == "cluster" and (m.provider or options):
+        raise ConfigError(f"[models.{name}] provider settings ({', '.join(['provider', *options])}) are for "
+                          "kind = \"external\" models")  # fmt: skip
     for k in ("input_usd_per_mtok", "output_usd_per_mtok"):
         if getattr(m, k) < 0:
             raise ConfigError(f"[models.{name}] {k} must be >= 0")
+    if not isinstance(m.capability_rank, int) or m.capability_rank < 1:
+        raise ConfigError(f"[models.{name}] capability_rank must be an integer >= 1")
+    if not m.tiers or any(t not in ("interactive", "batch") for t in m.tiers):
+        raise ConfigError(f"[models.{name}] tiers must list 'interactive' and/or 'batch'")
+    if m.kind == "external":
+        if m.provider not in ("openai", "anthropic"):
+            raise ConfigError(f"[models.{name}] an external model needs provider = \"openai\" or \"anthropic\"")
+        if not m.max_model_len:
+            raise ConfigError(f"[models.{name}] an external model needs max_model_len (its context length)")
     return m
 
 
+def provider_table(m: ModelConfig) -> dict[str, Any]:
+    """An external model's settings as a providers `ProviderConfig` table."""
+    o = dict(m.provider_options)
+    if "upstream_model" in o:
+        o["model"] = o.pop("upstream_model")
+    t = {"name": m.name, "kind": m.provider, "input_price_per_m": m.input_usd_per_mtok,
+         "output_price_per_m": m.output_usd_per_mtok, "context_length": m.max_model_len,
+         "capability_rank": m.capability_rank, "tiers": list(m.tiers), **o}  # fmt: skip
+    if m.cached_input_usd_per_mtok is not None:
+        t["cached_input_price_per_m"] = m.cached_input_usd_per_mtok
+    return t
+
+
+def _check_provider(m: ModelConfig) -> None:
+    from gateway.providers.config import ConfigError as ProviderConfigError
+    from gateway.providers.config import ProviderConfig
+
+    try:
+        ProviderConfig.from_dict(provider_table(m))
+    except ProviderConfigError as e:
+        raise ConfigError(f"[models.{m.name}] {e}") from None
+
+
+def _names(section: str, key: str, value: Any, models: dict[str, ModelConfig]) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(f"[{section}] {key} must be a list of model names")
+    unknown = [v for v in value if v not in models]
+    if unknown:
+        raise ConfigError(f"[{section}] {key} names unknown models: {', '.join(unknown)} "
+                          f"(known: {', '.join(sorted(models))})")  # fmt: skip
+    if len(set(value)) != len(value):
+        raise ConfigError(f"[{section}] {key} names a model twice: {list(value)}")
+    return tuple(value)
+
+
+def _check_routing(cfg: GatewayConfig) -> None:
+    for m in cfg.models.values():
+        if m.kind == "external":
+            _check_provider(m)
+        chain = _names(f"models.{m.name}", "fallback", m.fallback, cfg.models)
+        if m.name in chain:
+            raise ConfigError(f"[models.{m.name}] fallback names the model itself")
+    if cfg.auto is not None:
+        _names("auto", "models", cfg.auto.models, cfg.models)
+        if set(cfg.auto.rank_for) != set(AUTO_LABELS) or not all(
+                isinstance(v, int) and v >= 1 for v in cfg.auto.rank_for.values()):  # fmt: skip
+            raise ConfigError(f"[auto] rank_for must give a rank >= 1 to each of {', '.join(AUTO_LABELS)}")
+    for team, p in cfg.teams.items():
+        _names(f"teams.{team}", "forbid", p.forbid, cfg.models)
+        if not isinstance(p.auto_pin, dict) or set(p.auto_pin) - set(AUTO_LABELS):
+            raise ConfigError(f"[teams.{team}] auto_pin maps labels ({', '.join(AUTO_LABELS)}) to models")
+        _names(f"teams.{team}", "auto_pin", list(p.auto_pin.values()), cfg.models)
+        if not isinstance(p.allow_paid_for_batch, bool):
+            raise ConfigError(f"[teams.{team}] allow_paid_for_batch must be true or false")
+
+
+def _teams(data: Any) -> dict[str, TeamPolicy]:
+    if not isinstance(data, dict):
+        raise ConfigError("[teams] must be a table of [teams.<team id>] tables")
+    return {t: _build(TeamPolicy, f"teams.{t}", p) for t, p in data.items()}
+
+
 def parse_config(data: dict[str, Any]) -> GatewayConfig:
-    known = {"models", "store", "server", "routing", "tiers", "quotas"}
+    known = {"models", "store", "server", "routing", "tiers", "quotas", "auto", "teams"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown sections: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
@@ -195,9 +346,12 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
         routing=_build(RoutingConfig, "routing", data.get("routing", {})),
         tiers=_build(TierConfig, "tiers", data.get("tiers", {})),
         quotas=_build(QuotaConfig, "quotas", data.get("quotas", {})),
+        auto=_build(AutoConfig, "auto", data["auto"]) if "auto" in data else None,
+        teams=_teams(data.get("teams", {})),
     )
     if cfg.tiers.default_tier not in ("interactive", "batch"):
         raise ConfigError("[tiers] default_tier must be 'interactive' or 'batch'")
+    _check_routing(cfg)
     return cfg
 
 

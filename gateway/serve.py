@@ -1,7 +1,11 @@
 """Serving one `/v1/chat/completions` or `/v1/completions` request, start to end.
 
 auth → parse/validate → model → tier → tokenize (chat template) → reserve quota (store) →
-tier admission → backend stream → relay → settle + usage record.
+tier admission → backend stream → relay → settle + usage record. `model: "auto"` picks the
+model first (choice.py); a fallback trigger before the first piece (pool saturated, no healthy
+node, open breaker, provider 5xx/429) moves the request along its model's fallback chain
+(`_serve`). The response names the model that answered (`model`, `x-duet-model-used`); the usage
+record holds it and its cost at that model's prices.
 
 Invariants:
 - the reservation is settled exactly once, in `finally`, whatever happens (an exception, the
@@ -25,7 +29,9 @@ from aiohttp import web
 
 from gateway.auth import authenticate
 from gateway.backend import Job, MidStreamError, Outcome, Piece
+from gateway.config import AUTO, TeamPolicy, Tier
 from gateway.pricing import cost_usd, worst_case_usd
+from gateway.providers.fallback import FallbackDecision, Reason
 from gateway.requests import Parsed, parse_chat, parse_completion
 from gateway.responses import DONE, Formatter, sse, usage
 from gateway.state import GatewayState, ServedModel
@@ -152,14 +158,15 @@ class _Ctx:
 
     def observe(self) -> None:
         r, m = self.record, self.state.metrics
-        log.info("%s team=%s model=%s tier=%s status=%s prompt=%d cached=%d completion=%d cost=$%.6f ttft=%s "
-                 "latency=%.3fs nodes=%s", r.request_id, r.team_id, r.model_requested, r.tier, r.status,
+        log.info("%s team=%s model=%s used=%s tier=%s status=%s prompt=%d cached=%d completion=%d cost=$%.6f ttft=%s "
+                 "latency=%.3fs nodes=%s", r.request_id, r.team_id, r.model_requested, r.model_used, r.tier, r.status,
                  r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.cost_usd,
                  f"{r.ttft_s:.3f}s" if r.ttft_s is not None else "-", r.latency_s, ",".join(r.nodes) or "-")  # fmt: skip
         m.requests.labels(team=r.team_id, model=r.model_requested, tier=r.tier, status=r.status).inc()
-        m.spend.labels(team=r.team_id, model=r.model_requested).inc(r.cost_usd)
-        m.tokens.labels(team=r.team_id, model=r.model_requested, kind="prompt").inc(r.prompt_tokens)
-        m.tokens.labels(team=r.team_id, model=r.model_requested, kind="completion").inc(r.completion_tokens)
+        # spend and tokens go to the model that served (a fallback is paid at its prices)
+        m.spend.labels(team=r.team_id, model=r.model_used).inc(r.cost_usd)
+        m.tokens.labels(team=r.team_id, model=r.model_used, kind="prompt").inc(r.prompt_tokens)
+        m.tokens.labels(team=r.team_id, model=r.model_used, kind="completion").inc(r.completion_tokens)
         m.e2e.labels(model=r.model_requested).observe(r.latency_s)
         if r.ttft_s is not None:
             m.ttft.labels(model=r.model_requested).observe(r.ttft_s)
@@ -182,42 +189,39 @@ async def handle(state: GatewayState, request: web.Request, endpoint: str, reque
     key, team = await authenticate(state, request)
     raw = await request.read()
     parsed = parse_chat(raw) if endpoint == "chat" else parse_completion(raw)
-    served = state.models.get(parsed.model)
-    if served is None:
-        raise APIError(404, f"the model {parsed.model!r} does not exist (served: {', '.join(sorted(state.models))})",
-                       param="model", code="model_not_found")  # fmt: skip
     tier = resolve_tier(request.headers.get("x-duet-tier"), parsed.service_tier, team.default_tier)
-    ids = await prompt_ids(served, parsed)
-    if served.tokenizer is not None:
-        n_prompt = len(ids)
-        max_tokens = context_check(served, n_prompt, parsed.max_tokens)
-    else:  # an external model: its provider counts; reserve on a generous estimate
-        n_prompt = estimate_tokens(parsed)
-        max_tokens = parsed.max_tokens or served.config.default_max_tokens
+    policy = state.config.team_policy(team.id)
+    headers: dict[str, str] = {}
+    if parsed.model == AUTO and state.choice is not None and state.choice.router is not None:
+        served = _auto(state, parsed, tier, policy, headers)
+    else:
+        found = state.models.get(parsed.model)
+        if found is None:
+            served_names = sorted(state.models) + ([AUTO] if state.config.auto is not None else [])
+            raise APIError(404, f"the model {parsed.model!r} does not exist (served: {', '.join(served_names)})",
+                           param="model", code="model_not_found")  # fmt: skip
+        if parsed.model in policy.forbid:
+            raise APIError(403, f"team {team.id!r} may not use model {parsed.model!r}", type_="permission_error",
+                           param="model", code="model_forbidden")  # fmt: skip
+        served = found
+    ids, n_prompt, max_tokens = await _measure(served, parsed)
     m = served.config
     reserve = ReserveRequest(team_id=team.id, key_id=key.id, request_id=request_id,
                              tokens=n_prompt + parsed.n * max_tokens,
-                             cost_usd=worst_case_usd(m, n_prompt, parsed.n * max_tokens),
+                             cost_usd=_worst_case(state, m.name, n_prompt, parsed.n * max_tokens),
                              ttl_s=state.config.quotas.reservation_ttl_s)  # fmt: skip
     res = await state.store.reserve(reserve)
     if isinstance(res, Refusal):
         state.metrics.rejections.labels(team=team.id, kind=res.kind).inc()
         log.info("%s: team %s refused (%s): %s", request_id, team.id, res.kind, res.message)
         raise RateLimited(res)
-    headers = {**rate_headers(res.rate), "X-Request-Id": request_id, "x-duet-tier": tier}
+    headers.update({**rate_headers(res.rate), "X-Request-Id": request_id, "x-duet-tier": tier})
     record = UsageRecord(request_id=request_id, team_id=team.id, key_id=key.id, model_requested=parsed.model,
-                         model_used=parsed.model, tier=tier, status="error", prompt_tokens=len(ids),
+                         model_used=m.name, tier=tier, status="error", prompt_tokens=len(ids),
                          endpoint=endpoint)  # fmt: skip
     ctx = _Ctx(state, served, parsed, record, Outcome(prompt_tokens=len(ids)), res.id, t0)
     try:
-        async with state.admission.slot(tier):
-            job = Job(request_id=request_id, model=m, endpoint=endpoint, prompt_ids=ids, messages=parsed.messages,
-                      params={**parsed.params, "max_tokens": max_tokens}, n=parsed.n, tier=tier,
-                      prompt=parsed.prompt)  # fmt: skip
-            fmt = Formatter(endpoint, request_id, parsed.model, tier)
-            if parsed.stream:
-                return await _stream(ctx, request, job, fmt, headers)
-            return await _whole(ctx, job, fmt, headers)
+        return await _serve(ctx, request, _Plan(endpoint, tier, policy, n_prompt, ids, max_tokens), headers)
     except APIError as e:
         if not ctx.settled:
             ctx.submit("shed" if e.status == 503 and e.code == "overloaded" else "error")
@@ -229,6 +233,116 @@ async def handle(state: GatewayState, request: web.Request, endpoint: str, reque
     finally:
         if not ctx.settled:
             ctx.submit("error")
+
+
+def _auto(state: GatewayState, p: Parsed, tier: str, policy: TeamPolicy, headers: dict[str, str]) -> ServedModel:
+    """The model `auto` picks for this request (its label goes out in `x-duet-auto-label`)."""
+    assert state.choice is not None
+    if p.messages is not None:
+        messages = p.messages
+    elif isinstance(p.prompt, str):
+        messages = [{"role": "user", "content": p.prompt}]
+    else:
+        raise APIError(400, "model 'auto' needs a text prompt (token ids belong to one model's tokenizer)",
+                       param="prompt")  # fmt: skip
+    c = state.choice.auto(messages, endpoint=p.endpoint, n=p.n, tier=tier, policy=policy,  # type: ignore[arg-type]
+                          prompt_tokens=estimate_tokens(p), max_tokens=p.max_tokens)  # fmt: skip
+    if c.model is None:
+        why = "; ".join(f"{m}: {r}" for m, r in c.skipped)
+        unavailable = any(r == "unavailable" for _, r in c.skipped)
+        raise APIError(503 if unavailable else 400, f"model 'auto': no model can take this request ({why})",
+                       type_="service_unavailable" if unavailable else "invalid_request_error", param="model",
+                       code="no_model_available")  # fmt: skip
+    headers["x-duet-auto-label"] = c.label
+    log.debug("auto: label=%s → %s (%s)", c.label, c.model, c.reason)
+    return state.models[c.model]
+
+
+async def _measure(served: ServedModel, p: Parsed) -> tuple[list[int], int, int]:
+    """(prompt ids, prompt tokens, max_tokens) of `p` on `served`."""
+    ids = await prompt_ids(served, p)
+    if served.tokenizer is not None:
+        return ids, len(ids), context_check(served, len(ids), p.max_tokens)
+    # an external model: its provider counts; reserve on a generous estimate
+    return ids, estimate_tokens(p), p.max_tokens or served.config.default_max_tokens
+
+
+def _worst_case(state: GatewayState, model: str, prompt: int, completion: int) -> float:
+    """The reservation's cost: the dearest model the request may end on (its fallback chain)."""
+    names = [model, *(state.choice.chains.chains.get(model, ()) if state.choice else ())]
+    return max(worst_case_usd(state.models[n].config, prompt, completion) for n in names if n in state.models)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    endpoint: str
+    tier: str
+    policy: TeamPolicy
+    #: prompt tokens as first counted (fallback targets must fit them)
+    n_prompt: int
+    ids: list[int]
+    max_tokens: int
+
+
+async def _serve(ctx: _Ctx, request: web.Request, plan: _Plan, headers: dict[str, str]) -> web.StreamResponse:
+    """Serve on the chosen model; a fallback trigger before the first piece moves the request
+    to the next model of the chain (counted, logged), until one answers or the chain is dry."""
+    state, parsed = ctx.state, ctx.parsed
+    origin = ctx.served.config.name
+    tried: list[str] = []
+    ids, max_tokens = plan.ids, plan.max_tokens
+    tier: Tier = plan.tier  # type: ignore[assignment]
+
+    def next_model(reason: Reason) -> FallbackDecision:
+        assert state.choice is not None
+        return state.choice.next(origin, reason, endpoint=plan.endpoint, n=parsed.n, tier=tier, policy=plan.policy,
+                                 prompt_tokens=plan.n_prompt, max_tokens=parsed.max_tokens, tried=tried)  # fmt: skip
+
+    while True:
+        served = ctx.served
+        name = served.config.name
+        try:
+            if tried:  # a fallback target counts and checks the prompt its own way
+                ids, _, max_tokens = await _measure(served, parsed)
+            ctx.out = Outcome(prompt_tokens=len(ids))
+            ctx.record.model_used, ctx.record.prompt_tokens = name, len(ids)
+            job = Job(request_id=ctx.record.request_id, model=served.config, endpoint=plan.endpoint, prompt_ids=ids,
+                      messages=parsed.messages, params={**parsed.params, "max_tokens": max_tokens}, n=parsed.n,
+                      tier=tier, prompt=parsed.prompt, stream=parsed.stream)  # fmt: skip
+            fmt = Formatter(plan.endpoint, ctx.record.request_id, name, tier)
+            h = {**headers, "x-duet-model-used": name}
+            if served.config.kind != "cluster":  # the tier queues guard the self-hosted pool only
+                return await _respond(ctx, request, job, fmt, h)
+            wait = None
+            if tier == "interactive" and state.choice is not None and state.choice.has_chain(origin) \
+                    and next_model(Reason.SATURATED).to_model is not None:  # fmt: skip
+                wait = state.config.tiers.interactive_fallback_wait_s
+            async with state.admission.slot(tier, wait):
+                return await _respond(ctx, request, job, fmt, h)
+        except APIError as e:
+            if ctx.settled or isinstance(e, MidStreamError) or ctx.out.first_token_at is not None \
+                    or state.choice is None or not state.choice.has_chain(origin):  # fmt: skip
+                raise
+            reason = state.choice.trigger(e, served, tier)
+            if reason is None:
+                raise
+            tried.append(name)
+            d = next_model(reason)
+            if state.provider_metrics is not None:  # "from": the model that could not answer
+                state.provider_metrics.count_fallback(name, d.to_model, d.reason)
+            if d.to_model is None:
+                log.warning("%s: %s failed (%s: %s); no fallback left%s", ctx.record.request_id, name, reason,
+                            e.message, f" (skipped {dict(d.skipped)})" if d.skipped else "")  # fmt: skip
+                raise
+            log.info("%s: %s → %s (%s: %s)", ctx.record.request_id, name, d.to_model, reason, e.message)
+            ctx.served = state.models[d.to_model]
+
+
+async def _respond(ctx: _Ctx, request: web.Request, job: Job, fmt: Formatter,
+                   headers: dict[str, str]) -> web.StreamResponse:  # fmt: skip
+    if job.stream:
+        return await _stream(ctx, request, job, fmt, headers)
+    return await _whole(ctx, job, fmt, headers)
 
 
 def _usage(ctx: _Ctx) -> object:

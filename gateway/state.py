@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import aiohttp
 
@@ -13,6 +14,10 @@ from gateway.store.base import Store
 from gateway.tiers import Admission
 from gateway.usage_writer import UsageWriter
 from protocol.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from gateway.choice import ModelChoice
+    from gateway.providers.metrics import ProviderMetrics
 
 
 @dataclass
@@ -33,3 +38,7 @@ class GatewayState:
     admission: Admission
     session: aiohttp.ClientSession | None = None
     models: dict[str, ServedModel] = field(default_factory=dict)
+    #: auto, team policies and fallback chains (built once the models are loaded)
+    choice: ModelChoice | None = None
+    #: breaker-state gauge and duet:fallback_total, on `metrics.registry`
+    provider_metrics: ProviderMetrics | None = None

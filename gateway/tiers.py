@@ -42,8 +42,9 @@ class Admission:
         self.metrics.queue_depth.labels(tier=tier).set(len(self._waiting[tier]))
 
     @contextlib.asynccontextmanager
-    async def slot(self, tier: str) -> AsyncIterator[None]:
-        await self._acquire(tier)
+    async def slot(self, tier: str, max_wait_s: float | None = None) -> AsyncIterator[None]:
+        """`max_wait_s`: a shorter wait than the tier's (a request with a fallback model)."""
+        await self._acquire(tier, max_wait_s)
         self.metrics.inflight.inc()
         try:
             yield
@@ -51,7 +52,7 @@ class Admission:
             self.metrics.inflight.dec()
             self._release()
 
-    async def _acquire(self, tier: str) -> None:
+    async def _acquire(self, tier: str, max_wait_s: float | None = None) -> None:
         if self.running < self.cfg.max_inflight and not any(self._waiting.values()):
             self.running += 1
             return
@@ -67,8 +68,9 @@ class Admission:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         q.append(fut)
         self._gauge(tier)
+        wait = self._waits[tier] if max_wait_s is None else min(max_wait_s, self._waits[tier])
         try:
-            await asyncio.wait_for(asyncio.shield(fut), self._waits[tier])
+            await asyncio.wait_for(asyncio.shield(fut), wait)
         except BaseException as e:
             if fut.done() and not fut.cancelled():  # the slot came as we gave up: pass it on
                 self._release()
@@ -80,7 +82,7 @@ class Admission:
             if not isinstance(e, TimeoutError):
                 raise
             self.metrics.shed.labels(tier=tier, reason="timeout").inc()
-            raise Shed(f"no capacity freed within {self._waits[tier]:g}s for this {tier} request; "
+            raise Shed(f"no capacity freed within {wait:g}s for this {tier} request; "
                        "retry later", self._waits[tier]) from None  # fmt: skip
         self._gauge(tier)
 

@@ -19,7 +19,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from node.completions import handle_completions, new_request_id
+from node.completions import handle_chat_completions, handle_completions, new_request_id
 from node.engine_api import EngineDead, EngineOverloaded
 from node.request_log import REQUEST_ID
 from node.responder import engine_dead
@@ -30,6 +30,7 @@ from protocol.openai import APIError
 log = logging.getLogger("duet.node")
 STATE = web.AppKey("state", NodeState)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 #: bytes a body may take beyond its prompt (sampling fields, stop strings, kv_transfer_params)
 BODY_OVERHEAD = 1 << 20
@@ -55,7 +56,7 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     token = REQUEST_ID.set(rid)
     state = request.app[STATE]
     try:
-        if state.draining and request.method == "POST" and request.path == "/v1/completions":
+        if state.draining and request.method == "POST" and request.path in _COMPLETION_PATHS:
             state.metrics.rejected("draining")
             raise APIError(503, "this node is shutting down; retry on another node",
                            type_="service_unavailable", code="draining")  # fmt: skip
@@ -98,6 +99,18 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
 
 async def _completions(request: web.Request) -> web.StreamResponse:
     return await handle_completions(request.app[STATE], request)
+
+
+async def _chat_completions(request: web.Request) -> web.StreamResponse:
+    return await handle_chat_completions(request.app[STATE], request)
+
+
+async def _models(request: web.Request) -> web.Response:
+    """OpenAI's model list: the one model this node serves (routers discover it here)."""
+    s = request.app[STATE]
+    model = {"id": s.engine.model_name, "object": "model", "created": int(s.started_at), "owned_by": "duet",
+             "max_model_len": s.engine.max_model_len, "role": s.config.role}  # fmt: skip
+    return web.json_response({"object": "list", "data": [model]})
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -155,6 +168,8 @@ def make_app(state: NodeState) -> web.Application:
         return h
 
     app.router.add_post("/v1/completions", _completions)
+    app.router.add_post("/v1/chat/completions", _chat_completions)
+    app.router.add_get("/v1/models", _models)
     for method, path, fn in state.roles.routes:
         app.router.add_route(method, path, bind(fn))
     app.router.add_get("/kv/metadata", _kv_metadata)

@@ -1,4 +1,4 @@
-"""`POST /v1/completions` on a node: parse and validate, then one of the legs — local (prefill
+"""`POST /v1/completions` (and its chat form, node/chat.py) on a node: parse and validate, then one of the legs — local (prefill
 and decode here) or a leg a role registered for the `kv_transfer_params` trigger it carries
 (node.legs: `do_remote_decode` → prefill leg, `do_remote_prefill` → decode leg).
 
@@ -21,12 +21,13 @@ from dataclasses import dataclass
 import msgspec
 from aiohttp import web
 
+from node.chat import ChatChunker, as_completion, chat_response, parse_chat, template
 from node.engine_api import EngineStream, RequestRefused
 from node.request_log import REQUEST_ID
 from node.responder import Responder
 from node.state import NodeState
 from protocol.kv_params import KVTransferParams
-from protocol.openai import APIError, CompletionRequest
+from protocol.openai import APIError, CompletionRequest, CompletionResponse
 from protocol.sampling import Priority, SamplingParams
 
 log = logging.getLogger("duet.node")
@@ -90,11 +91,16 @@ class Prepared:
     priority: Priority
     arrival: float
     kv_params: KVTransferParams | None = None
+    #: answer in the chat shape (the request came to /v1/chat/completions)
+    chat: bool = False
 
 
 async def prepare(state: NodeState, raw: bytes) -> Prepared:
     arrival = time.monotonic()
-    body = parse_body(raw)
+    return await prepare_body(state, parse_body(raw), arrival)
+
+
+async def prepare_body(state: NodeState, body: CompletionRequest, arrival: float, chat: bool = False) -> Prepared:
     engine = state.engine
     if body.model and body.model != engine.model_name:
         raise APIError(404, f"model {body.model!r} is not served here (this node serves "
@@ -116,12 +122,26 @@ async def prepare(state: NodeState, raw: bytes) -> Prepared:
     priority = Priority.BATCH if body.priority == "batch" else Priority.INTERACTIVE
     rid = REQUEST_ID.get()
     return Prepared(request_id=rid, body=body, prompt_ids=ids, params=params, priority=priority,
-                    arrival=arrival, kv_params=kv_params)  # fmt: skip
+                    arrival=arrival, kv_params=kv_params, chat=chat)  # fmt: skip
 
 
 async def handle_completions(state: NodeState, request: web.Request) -> web.StreamResponse:
     raw = await request.read()
-    prep = await prepare(state, raw)
+    return await dispatch(state, request, await prepare(state, raw))
+
+
+async def handle_chat_completions(state: NodeState, request: web.Request) -> web.StreamResponse:
+    """The chat form (node/chat.py): template the messages, then the completion path."""
+    arrival = time.monotonic()
+    chat = parse_chat(await request.read())
+    ids = await asyncio.to_thread(template, state.engine.tokenizer, chat)
+    body = as_completion(chat, ids)
+    body.validate()
+    return await dispatch(state, request, await prepare_body(state, body, arrival, chat=True))
+
+
+async def dispatch(state: NodeState, request: web.Request, prep: Prepared) -> web.StreamResponse:
+    """The local leg, or the leg a role registered for the request's kv_transfer_params."""
     trigger = leg_trigger(prep)
     if trigger is None:
         return await local_leg(state, request, prep)
@@ -176,9 +196,19 @@ async def respond(state: NodeState, request: web.Request, prep: Prepared, respon
                   stream: EngineStream) -> web.StreamResponse:  # fmt: skip
     model = state.engine.model_name
     if prep.body.stream:
-        return await responder.stream(request, stream, model)
+        chunker = None
+        if prep.chat:
+            opts = prep.body.stream_options
+            chunker = ChatChunker(prep.request_id, model, include_usage=opts is None or opts.include_usage)
+        return await responder.stream(request, stream, model, chunker)
     result = await responder.collect(stream, model)
-    return web.Response(body=msgspec.json.encode(result), content_type="application/json",
+    return answer(prep, result)
+
+
+def answer(prep: Prepared, result: CompletionResponse) -> web.Response:
+    """The JSON answer, in the shape the client asked for (completion or chat)."""
+    body = chat_response(result) if prep.chat else result
+    return web.Response(body=msgspec.json.encode(body), content_type="application/json",
                         headers={"X-Request-Id": prep.request_id})  # fmt: skip
 
 

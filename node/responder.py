@@ -17,6 +17,7 @@ import time
 import msgspec
 from aiohttp import web
 
+from node.chat import ChatChunker
 from node.engine_api import Delta, EngineDead, EngineStream
 from node.state import NodeState
 from protocol.openai import APIError, CompletionChoice, CompletionResponse, usage
@@ -82,13 +83,14 @@ class Responder:
             t["queue_s"] = _delta(out.arrival_time, out.first_scheduled_time)
             t["prefill_s"] = max(0.0, ttft - t["queue_s"])
 
-    async def stream(self, request: web.Request, stream: EngineStream, model: str) -> web.StreamResponse:
+    async def stream(self, request: web.Request, stream: EngineStream, model: str,
+                     chunker: ChatChunker | None = None) -> web.StreamResponse:  # fmt: skip
         resp = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": self.request_id})
         done = False
         try:
             await resp.prepare(request)
             try:
-                done = await self._relay(resp, stream, model)
+                done = await self._relay(resp, stream, model, chunker)
             except EngineDead as e:  # headers are out: the error goes in the stream
                 await resp.write(error_event(engine_dead(e)))
                 await resp.write(b"data: [DONE]\n\n")
@@ -98,7 +100,8 @@ class Responder:
                 await self.abort()
         return resp
 
-    async def _relay(self, resp: web.StreamResponse, stream: EngineStream, model: str) -> bool:
+    async def _relay(self, resp: web.StreamResponse, stream: EngineStream, model: str,
+                     chunker: ChatChunker | None) -> bool:  # fmt: skip
         async for out in stream:
             self._observe(out)
             if out.error is not None:
@@ -106,6 +109,11 @@ class Responder:
                 await resp.write(error_event(request_failed(out)))
                 await resp.write(b"data: [DONE]\n\n")
                 return True
+            if chunker is not None:
+                final = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+                for c in chunker.chunks(out, final if out.finished else None, self.timing if out.finished else None):
+                    await resp.write(sse(c))
+                continue
             chunk = CompletionResponse(id=self.request_id, model=model, choices=[
                 CompletionChoice(text=out.new_text, finish_reason=out.finish_reason,
                                  stop_reason=out.stop_reason, token_ids=out.new_token_ids)])  # fmt: skip

@@ -7,6 +7,7 @@ then returns (non-zero after an engine failure, so a supervisor restarts it).
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +38,8 @@ class NodeState:
     active: set[str] = field(default_factory=set)
     #: per-role state set by the roles' start hooks (e.g. "decode" → its RemoteKV)
     role_state: dict[str, Any] = field(default_factory=dict)
+    #: unix time the node process started (registration, /v1/models)
+    started_at: float = field(default_factory=time.time)
 
     def enter(self, engine_request_id: str) -> None:
         self.inflight += 1

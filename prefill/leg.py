@@ -16,7 +16,7 @@ import logging
 import msgspec
 from aiohttp import web
 
-from node.completions import Prepared, prefill_request_id, start
+from node.completions import Prepared, answer, prefill_request_id, start
 from node.engine_api import RequestRefused
 from node.responder import Responder
 from node.state import NodeState
@@ -53,8 +53,7 @@ async def prefill_leg(state: NodeState, request: web.Request, prep: Prepared) ->
         remote_num_tokens=len(prep.prompt_ids), lease_seconds=lease,
     ))  # fmt: skip
     log.info("prefilled %d tokens into %d blocks, held for %.0fs", len(prep.prompt_ids), len(blocks), lease)
-    return web.Response(body=msgspec.json.encode(result), content_type="application/json",
-                        headers={"X-Request-Id": prep.request_id})  # fmt: skip
+    return answer(prep, result)
 
 
 async def handle_release(state: NodeState, request: web.Request) -> web.Response:

@@ -28,6 +28,14 @@ def build_provider(config: ProviderConfig | dict[str, Any], session: aiohttp.Cli
     return KINDS[config.kind](config, session, **kw)
 
 
+def make_backend(model: Any, session: aiohttp.ClientSession) -> Any:
+    """The gateway `Backend` of a `kind = "external"` model (gateway/provider_backend.py);
+    imported here lazily, as that module imports gateway.config, which imports this package."""
+    from gateway.provider_backend import make_backend as make
+
+    return make(model, session)
+
+
 def build_providers(tables: list[dict[str, Any]], session: aiohttp.ClientSession) -> dict[str, Provider]:
     """All `[[providers]]` of a config, by name; ConfigError on a bad table or a name used twice."""
     out: dict[str, Provider] = {}
@@ -42,5 +50,6 @@ def build_providers(tables: list[dict[str, Any]], session: aiohttp.ClientSession
 __all__ = [
     "KINDS", "AnthropicProvider", "BreakerState", "ChatResult", "CircuitBreaker", "ConfigError",
     "ModelEntry", "OpenAIProvider", "Provider", "ProviderConfig", "ProviderError", "ProviderMetrics",
-    "TokenUsage", "build_provider", "build_providers", "cost_usd", "register_provider_metrics",
+    "TokenUsage", "build_provider", "build_providers", "cost_usd", "make_backend",
+    "register_provider_metrics",
 ]

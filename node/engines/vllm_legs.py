@@ -29,7 +29,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from node.completions import Prepared, prefill_request_id, respond
+from node.completions import Prepared, answer, prefill_request_id, respond
 from node.config import parse_networks
 from node.engine_api import EngineStream, RequestRefused
 from node.legs import Roles
@@ -96,8 +96,7 @@ async def prefill_leg(state: NodeState, request: web.Request, prep: Prepared) ->
     if not result.kv_transfer_params or not result.kv_transfer_params.get("do_remote_prefill"):
         raise APIError(500, "the engine finished the prefill without handing its KV over", type_="internal_error")
     log.info("prefilled %d tokens for a remote decode", len(prep.prompt_ids))
-    return web.Response(body=msgspec.json.encode(result), content_type="application/json",
-                        headers={"X-Request-Id": prep.request_id})  # fmt: skip
+    return answer(prep, result)
 
 
 async def _allowed_address(state: NodeState, host: str) -> str:

@@ -9,6 +9,7 @@ import msgspec
 
 from engine import EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine
+from node.engines.native import NativeNodeEngine
 from node.kv_events import KVEventLog
 from protocol.kv_events import (
     BlockRemoved,
@@ -29,11 +30,12 @@ async def run(engine: AsyncEngine, rid: str, prompt: list[int]) -> None:
 
 async def test_batches_snapshot_and_ring(tiny_llama: Path) -> None:
     # 8 blocks of 16 tokens: the third 48-token prompt evicts the first one's blocks.
-    engine = AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=8, max_model_len=128,
-                                      record_kv_events=True))  # fmt: skip
+    node_engine = NativeNodeEngine(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=8,
+                                                max_model_len=128, record_kv_events=True))  # fmt: skip
+    engine = node_engine.async_engine
     engine.start()
     try:
-        log = KVEventLog(engine, "e1", 16, recording=True, ring_size=2)
+        log = KVEventLog(node_engine, "e1", 16, recording=True, ring_size=2)
         snap = await log.snapshot()
         assert (snap.seq, snap.block_hashes) == (0, [])
         for i in range(3):

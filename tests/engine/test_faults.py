@@ -271,3 +271,90 @@ def test_a_row_that_breaks_the_batch_fails_alone() -> None:
     tokens, errors = Sampler().sample_rows(logits, [("a", good, True), ("b", bad, True)])
     assert set(errors) == {1} and "TypeError" in errors[1]
     assert tokens[0] in logits[0].topk(5).indices.tolist()
+
+
+# -- a release answers without waiting for the engine thread's current step --------------------
+
+async def test_release_answers_while_a_step_runs(engine: AsyncEngine) -> None:
+    """D's pull is confirmed by P's release; it must not wait for P's forward pass (on a busy
+    prefill node that is the length of a prefill chunk, and it lands in D's time to first token)."""
+    import threading
+
+    await collect_held(engine, "p", 30.0)
+    busy, go = threading.Event(), threading.Event()
+
+    def long_step(core) -> None:  # stands in for a long forward pass on the engine thread
+        busy.set()
+        go.wait(30)
+
+    blocked = asyncio.ensure_future(engine.call(long_step))
+    await asyncio.to_thread(busy.wait, 10)
+    try:
+        # Fails on an engine that routes the release through its thread: it would wait for `go`.
+        n = await asyncio.wait_for(engine.release_held("p", None), 10)
+    finally:
+        go.set()
+        await blocked
+    assert n == 3
+    await wait_until(lambda: engine.call(lambda core: core.pool.num_free == 128), what="blocks freed")
+    assert await engine.release_held("p") is None  # released once
+
+
+def test_claimed_hold_is_not_expired_and_expired_hold_is_not_claimed() -> None:
+    from engine.holds import Claim, HoldLedger
+
+    ledger = HoldLedger()
+    ledger.add("a", [1, 2], expiry=10.0)
+    ledger.add("b", [3], expiry=10.0)
+    assert ledger.claim("a", [2, 1], now=5.0) == (Claim.NOT_THEIRS, 0)
+    assert ledger.claim("a", [1, 2], now=5.0) == (Claim.OK, 2)
+    assert not ledger.expire("a")  # claimed first: expiry must leave it to the release
+    assert ledger.claim("b", None, now=10.0) == (Claim.NOT_HELD, 0)  # deadline passed: stale
+    assert ledger.expire("b")
+    assert ledger.claim("b", None, now=1.0) == (Claim.NOT_HELD, 0)
+
+
+def test_scheduler_expiry_skips_a_claimed_hold() -> None:
+    pool = BlockPool(16, 4)
+    sched = Scheduler(SchedulerConfig(), KVCacheManager(pool))
+    req = Request("p", list(range(3, 12)), SamplingParams(max_tokens=1), hold_blocks=True, hold_seconds=1.0)
+    sched.add(req)
+    out = sched.schedule()
+    assert out.chunks
+    sched.finish(req, "length")
+    assert "p" in sched.held and pool.num_free == 13
+    assert sched.ledger.claim("p", None, now=time.monotonic())[0].value == "ok"
+    assert sched.expire_holds(time.monotonic() + 5) == []  # the claimer's release frees it
+    assert pool.num_free == 13 and sched.next_hold_expiry() is None
+    assert sched.release("p") and pool.num_free == 16
+
+
+async def test_command_queued_when_the_engine_dies_fails_instead_of_hanging(tiny_llama: Path) -> None:
+    """A command submitted while the fatal step runs is never executed; its caller must get
+    EngineDeadError, not wait forever (a request arriving at that moment hung the node's handler)."""
+    import threading
+
+    e = make_engine(tiny_llama)
+    e.start()
+    in_step, go = threading.Event(), threading.Event()
+
+    def dying_schedule():
+        in_step.set()
+        go.wait(30)
+        raise RuntimeError("scheduler state corrupted")
+
+    try:
+        stream = await e.add_request("a", [5, 6, 7], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        e.core.scheduler.schedule = dying_schedule  # type: ignore[method-assign]
+        await asyncio.to_thread(in_step.wait, 10)
+        queued = asyncio.ensure_future(e.call(lambda core: core.pool.num_free))
+        await asyncio.sleep(0)  # let the command reach the queue before the step fails
+        go.set()
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(queued, 10)
+        with pytest.raises(EngineDeadError):
+            async for _ in stream:
+                pass
+    finally:
+        go.set()
+        await e.stop()

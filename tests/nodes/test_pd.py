@@ -78,6 +78,17 @@ async def test_32_concurrent_disaggregated(pd_nodes: tuple[Proc, Proc, Proc], ti
     check.verify(list(results), ps)
 
 
+async def test_min_tokens_request_does_not_kill_the_engine(pd_nodes: tuple[Proc, Proc, Proc]) -> None:
+    """min_tokens masks EOS in the sampler; that once wrote into the forward pass's read-only
+    logits, so one such request killed the engine and every later request got a 500."""
+    _, _, both = pd_nodes
+    async with aiohttp.ClientSession() as s:
+        r = await completion(s, both.url, [5, 6, 7], {"max_tokens": 6, "min_tokens": 4, "temperature": 0})
+        after = await completion(s, both.url, [5, 6, 7], {"max_tokens": 3, "temperature": 0})
+    assert r.error is None and len(r.token_ids) >= 4, r.error
+    assert after.error is None and len(after.token_ids) >= 1, after.error
+
+
 async def test_a_pull_hidden_by_recompute_fails_the_transfer_check(tiny_llama: Path, tmp_path: Path) -> None:
     """Why the P/D tests check more than tokens: a pull that cannot finish (a timeout no read
     meets) is recomputed on D, and the tokens are still right."""

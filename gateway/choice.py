@@ -1,0 +1,102 @@
+"""Which model answers a request: `model: "auto"`, the team's policy, and fallback chains.
+
+`ModelChoice` is built once the models are loaded; it turns the gateway's models into the
+providers package's `ModelEntry` catalog (self-hosted models are free for batch, external ones
+`paid`) and answers three questions for the request path (serve.py):
+- `auto(...)`: the model `auto` picks (the classifier's label → the cheapest capable model,
+  with the team's pins and bans, the tier's rules, context and availability);
+- `trigger(err, served, tier)`: whether a failure before the first piece is a fallback
+  trigger, and which (fallback.Reason);
+- `next(...)`: the next model of the origin's chain that can take the request.
+
+A model is unavailable while its provider's breaker is open (half-open lets probes through),
+or when it cannot take the request at all (an external chat model asked for a completion, n > 1
+on Anthropic). Models added after start-up (tests) have no chain and are not auto candidates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from gateway.config import GatewayConfig, TeamPolicy, Tier
+from gateway.provider_backend import ProviderBackend, ProviderFailure
+from gateway.providers.auto import AutoChoice, AutoPolicy, AutoRouter
+from gateway.providers.breaker import BreakerState
+from gateway.providers.catalog import ModelEntry
+from gateway.providers.fallback import (
+    FallbackChains,
+    FallbackDecision,
+    Reason,
+    TeamFallbackPolicy,
+    error_trigger,
+)
+from gateway.tiers import Shed
+from protocol.openai import APIError
+
+if TYPE_CHECKING:
+    from gateway.state import ServedModel
+
+#: cluster errors that mean "no node can serve this model now" (router and ClusterBackend codes)
+_NO_NODES = {(503, "no_capacity"), (503, "upstream_unavailable"), (404, "model_not_found")}
+
+
+def _entry(s: ServedModel) -> ModelEntry:
+    c = s.config
+    return ModelEntry(name=c.name, capability_rank=c.capability_rank, context_length=s.max_model_len, tiers=c.tiers,
+                      input_price_per_m=c.input_usd_per_mtok, output_price_per_m=c.output_usd_per_mtok,
+                      paid=c.kind == "external")  # fmt: skip
+
+
+class ModelChoice:
+    def __init__(self, config: GatewayConfig, models: Mapping[str, ServedModel]) -> None:
+        self.config = config
+        self.models = models
+        self.catalog = {name: _entry(s) for name, s in models.items()}
+        self.chains = FallbackChains({n: s.config.fallback for n, s in models.items() if s.config.fallback},
+                                     self.catalog)  # fmt: skip
+        self.router: AutoRouter | None = None
+        self.auto_catalog: dict[str, ModelEntry] = {}
+        if config.auto is not None:
+            self.router = AutoRouter(rank_for=config.auto.rank_for)
+            names = config.auto.models or tuple(self.catalog)
+            self.auto_catalog = {n: self.catalog[n] for n in names}
+
+    def available(self, name: str, endpoint: str, n: int) -> bool:
+        s = self.models.get(name)
+        if s is None:
+            return False
+        b = s.backend
+        if isinstance(b, ProviderBackend):
+            return b.provider.breaker.state is not BreakerState.OPEN and b.usable_for(endpoint, n)
+        return True
+
+    def auto(self, messages: list[dict[str, str]], *, endpoint: str, n: int, tier: Tier, policy: TeamPolicy,
+             prompt_tokens: int, max_tokens: int | None) -> AutoChoice:  # fmt: skip
+        assert self.router is not None
+        ap = AutoPolicy(pin=dict(policy.auto_pin), forbid=frozenset(policy.forbid),
+                        allow_paid_for_batch=policy.allow_paid_for_batch)  # fmt: skip
+        return self.router.route(messages, self.auto_catalog, tier=tier, policy=ap, prompt_tokens=prompt_tokens,
+                                 max_tokens=max_tokens, available=lambda m: self.available(m, endpoint, n))  # fmt: skip
+
+    @staticmethod
+    def trigger(err: APIError, served: ServedModel, tier: Tier) -> Reason | None:
+        if isinstance(served.backend, ProviderBackend):
+            return error_trigger(err.error) if isinstance(err, ProviderFailure) else None
+        if isinstance(err, Shed):  # the admission queue: batch requests are there to wait
+            return Reason.SATURATED if tier == "interactive" else None
+        return Reason.NO_HEALTHY_NODES if (err.status, err.code) in _NO_NODES else None
+
+    def has_chain(self, origin: str) -> bool:
+        return bool(self.chains.chains.get(origin))
+
+    def next(self, origin: str, reason: Reason, *, endpoint: str, n: int, tier: Tier, policy: TeamPolicy,
+             prompt_tokens: int, max_tokens: int | None, tried: list[str]) -> FallbackDecision:  # fmt: skip
+        if origin not in self.chains.chains:
+            return FallbackDecision(from_model=origin, to_model=None, reason=reason)
+        tp = TeamFallbackPolicy(allow_paid_for_batch=policy.allow_paid_for_batch,
+                                forbidden_models=frozenset(policy.forbid))  # fmt: skip
+        return self.chains.next(origin, reason, tier=tier, policy=tp, prompt_tokens=prompt_tokens,
+                                max_tokens=max_tokens, tried=tried,
+                                available=lambda m: self.available(m, endpoint, n))  # fmt: skip
+

@@ -1,0 +1,169 @@
+"""`ProviderBackend`: an external model (a commercial API) behind the gateway's `Backend` seam.
+
+One per `kind = "external"` model, wrapping its `Provider` (gateway/providers/). A `Job`
+becomes a chat request (the client's messages, max_tokens and the sampling fields the
+provider's API knows); a streaming job is relayed chunk by chunk, a whole one is one call.
+
+Errors follow the seam's contract:
+- before the first piece reached the client: `ProviderFailure`, an `APIError` that keeps the
+  `ProviderError` so the fallback loop can tell a trigger (5xx, 429, open breaker) from the
+  request's own fault. The status is the client's view: the provider refusing the gateway's
+  credentials is a 502 (not the client's 401), a timeout 504, an open breaker 503;
+- after it: `MidStreamError`. The provider never retries a stream once a chunk was yielded
+  (providers/base.py), so nothing the client saw is ever sent twice; a stream cut before any
+  text reached the client is still a `ProviderFailure` (nothing to duplicate).
+
+The Outcome holds the provider's own token counts (its usage chunk), so the request is
+charged at this model's prices; `nodes` names the provider only once it answered, so a
+provider that failed costs nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from gateway.backend import Backend, Job, MidStreamError, Outcome, Piece
+from gateway.config import ModelConfig, provider_table
+from gateway.providers.base import Provider
+from gateway.providers.config import ProviderConfig
+from gateway.providers.cost import TokenUsage, estimate_tokens
+from gateway.providers.errors import ProviderError
+from protocol.openai import APIError
+
+log = logging.getLogger("duet.gateway.providers")
+#: Job.params the providers' chat APIs understand (node-only fields like ignore_eos are dropped)
+_SAMPLING = ("temperature", "top_p", "seed", "stop", "top_k")
+
+
+class ProviderFailure(APIError):
+    """A provider call that failed before any piece reached the client."""
+
+    def __init__(self, model: str, err: ProviderError) -> None:
+        status, type_, code = _client_view(err)
+        super().__init__(status, f"model {model!r}: {err.message}", type_=type_, code=code)
+        self.error = err
+        self.retry_after = err.retry_after
+
+
+def _client_view(e: ProviderError) -> tuple[int, str, str]:
+    if e.kind == "breaker_open":
+        return 503, "service_unavailable", "provider_unavailable"
+    if e.kind == "invalid_request" and e.status == 400:
+        return 400, "invalid_request_error", "unsupported_by_model"
+    if e.kind == "timeout":
+        return 504, "upstream_error", "provider_timeout"
+    if e.status == 429:
+        return 429, "rate_limit_error", "provider_rate_limited"
+    if e.status in (400, 404, 413, 422):
+        return e.status, "invalid_request_error", "provider_refused"
+    # 401/403: the gateway's own key was refused, 5xx, a dropped connection: not the client's fault
+    return 502, "upstream_error", "provider_error"
+
+
+class ProviderBackend(Backend):
+    def __init__(self, model: ModelConfig, provider: Provider) -> None:
+        self.model = model
+        self.provider = provider
+
+    def usable_for(self, endpoint: str, n: int) -> bool:
+        """Whether this model can take such a request at all (external APIs speak chat; Anthropic
+        has no n > 1)."""
+        return endpoint == "chat" and (n == 1 or self.provider.kind != "anthropic")
+
+    def _body(self, job: Job) -> dict[str, Any]:
+        if job.endpoint != "chat" or job.messages is None:
+            raise APIError(400, f"model {self.model.name!r} is an external chat model: use /v1/chat/completions",
+                           param="model", code="unsupported_endpoint")  # fmt: skip
+        body: dict[str, Any] = {"messages": job.messages, "max_tokens": int(job.params["max_tokens"])}
+        body.update({k: job.params[k] for k in _SAMPLING if job.params.get(k) is not None})
+        if job.n > 1:
+            body["n"] = job.n
+        return body
+
+    async def stream(self, job: Job, out: Outcome) -> AsyncIterator[Piece]:
+        body = self._body(job)
+        out.model_used = self.model.name
+        # the provider counts; this estimate stands only if a stream breaks before its usage
+        # chunk (a provider that answered nothing charges nothing: `nodes` stays empty)
+        out.prompt_tokens = estimate_tokens("\n".join(str(m.get("content") or "") for m in job.messages or []))
+        if not job.stream:
+            try:
+                result = await self.provider.chat(body)
+            except ProviderError as e:
+                raise ProviderFailure(self.model.name, e) from None
+            self._answered(out, result.usage)
+            out.first_token_at = time.monotonic()
+            for c in result.response.get("choices") or []:
+                i = c.get("index", 0) if isinstance(c, dict) else 0
+                msg = c.get("message") or {}
+                yield Piece(index=i, text=str(msg.get("content") or ""), finish_reason=c.get("finish_reason") or "stop")
+                out.completion_tokens.setdefault(i, 0)
+            out.completion_tokens = _split(result.usage.completion_tokens, out.completion_tokens)
+            return
+        sent = False
+        it = self.provider.chat_stream(body)
+        try:
+            async for chunk in it:
+                if chunk.get("usage") is not None and not chunk.get("choices"):
+                    usage = TokenUsage.from_openai(chunk["usage"])
+                    if usage is not None:
+                        self._answered(out, usage)
+                        out.completion_tokens = _split(usage.completion_tokens, out.completion_tokens)
+                    continue
+                for c in chunk.get("choices") or []:
+                    delta = c.get("delta") or {}
+                    text, finish = delta.get("content") or "", c.get("finish_reason")
+                    if not text and not finish:
+                        continue
+                    i = c.get("index", 0)
+                    if text:
+                        out.completion_tokens[i] = out.completion_tokens.get(i, 0) + 1  # refined by usage
+                        if out.first_token_at is None:
+                            out.first_token_at = time.monotonic()
+                    if not sent:
+                        sent = True
+                        out.nodes.append(f"provider:{self.provider.name}")
+                    yield Piece(index=i, text=text, finish_reason=finish)
+        except ProviderError as e:
+            if not sent:  # nothing reached the client: a plain failure, free to fall back
+                if e.kind == "stream_interrupted":
+                    e = ProviderError(e.status, e.message, kind="connect", provider=e.provider)
+                raise ProviderFailure(self.model.name, e) from None
+            raise MidStreamError(502, f"model {self.model.name!r}: {e.message}", type_="upstream_error",
+                                 code="upstream_failed_midstream") from None  # fmt: skip
+        finally:
+            await it.aclose()  # type: ignore[attr-defined]
+
+    def _answered(self, out: Outcome, usage: TokenUsage) -> None:
+        out.prompt_tokens = usage.prompt_tokens
+        out.cached_tokens = usage.cached_tokens
+        if not out.nodes:
+            out.nodes.append(f"provider:{self.provider.name}")
+
+
+def _split(total: int, per_sample: dict[int, int]) -> dict[int, int]:
+    """The provider's completion total over the samples (it reports one figure for all n)."""
+    if not per_sample:
+        return {0: total}
+    counted = sum(per_sample.values())
+    if counted == total:
+        return per_sample
+    keys = sorted(per_sample)
+    out = {k: total // len(keys) for k in keys}
+    out[keys[0]] += total - sum(out.values())
+    return out
+
+
+def make_backend(model: ModelConfig, session: aiohttp.ClientSession) -> ProviderBackend:
+    from gateway.providers import build_provider
+
+    cfg = ProviderConfig.from_dict(provider_table(model))
+    if cfg.api_key_env and not cfg.api_key():
+        log.warning("model %s: $%s is not set; its calls will fail (and fall back) until it is", model.name,
+                    cfg.api_key_env)  # fmt: skip
+    return ProviderBackend(model, build_provider(cfg, session))

@@ -1,0 +1,165 @@
+"""`POST /v1/chat/completions` on a node: the chat form of the node API, so routers written for
+vLLM workers (vLLM's P/D proxy, llm-d, Dynamo-style frontends) drive duet nodes unchanged.
+
+A chat body is the completion body with `messages` in place of `prompt`: the node applies the
+model's chat template (off the event loop), then the request takes exactly the completion path —
+the same validation, the same legs (`kv_transfer_params` on both legs, vLLM's names), the same
+engine request. Only the answer's shape differs: `chat.completion` / `chat.completion.chunk`
+(first delta carries the role; with `stream_options.include_usage` a last chunk with empty choices
+carries usage), plus the node's extensions `kv_transfer_params` and `timing`.
+
+Invariant: a chat request and a completion request whose prompt is the chat-templated token ids
+produce the same tokens (greedy): the rendering is the only difference.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+import msgspec
+
+from node.engine_api import Delta
+from protocol.chat import ChatChunkChoice, ChatDelta
+from protocol.openai import APIError, CompletionRequest, CompletionResponse, StreamOptions, Usage
+from protocol.tokenizer import ChatTemplateError, Tokenizer
+
+
+class NodeChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    role: str
+    content: str | list[dict[str, Any]]
+    name: str | None = None
+
+
+class NodeChatRequest(msgspec.Struct, kw_only=True):
+    """The chat body a node accepts: OpenAI's fields it supports plus vLLM's extensions."""
+
+    messages: list[NodeChatMessage]
+    model: str | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    logprobs: bool | None = None
+    tools: list[Any] | None = None
+    priority: Literal["interactive", "batch"] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    user: str | None = None
+    add_generation_prompt: bool = True
+
+
+_DEC = msgspec.json.Decoder(NodeChatRequest)
+_ROLES = ("system", "user", "assistant", "developer")
+
+
+def parse_chat(raw: bytes) -> NodeChatRequest:
+    try:
+        body = _DEC.decode(raw)
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"malformed request body: {e}") from None
+    except msgspec.ValidationError as e:
+        raise APIError(400, f"invalid request: {e}") from None
+    if not body.messages:
+        raise APIError(400, "messages must not be empty", param="messages")
+    for i, m in enumerate(body.messages):
+        if m.role not in _ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {m.role!r}",
+                           param="messages")  # fmt: skip
+        if isinstance(m.content, list) and any(p.get("type") != "text" or not isinstance(p.get("text"), str)
+                                               for p in m.content):  # fmt: skip
+            raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+    if body.tools:
+        raise APIError(400, "tools are not supported", param="tools")
+    if body.logprobs:
+        raise APIError(400, "logprobs are not supported yet", param="logprobs")
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
+    return body
+
+
+def _text(content: str | list[dict[str, Any]]) -> str:
+    return content if isinstance(content, str) else "".join(p["text"] for p in content)
+
+
+def template(tokenizer: Tokenizer, body: NodeChatRequest) -> list[int]:
+    """The chat-templated prompt's token ids (slow for long chats: call off the event loop)."""
+    messages = [{"role": m.role, "content": _text(m.content)} for m in body.messages]
+    try:
+        return tokenizer.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+def as_completion(body: NodeChatRequest, prompt_ids: list[int]) -> CompletionRequest:
+    """The completion request the chat request means (its prompt already templated)."""
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return CompletionRequest(
+        prompt=prompt_ids, model=body.model, max_tokens=16 if max_tokens is None else max_tokens,
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop,
+        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+        skip_special_tokens=body.skip_special_tokens, stream=body.stream, stream_options=body.stream_options,
+        n=body.n, priority=body.priority, kv_transfer_params=body.kv_transfer_params, user=body.user,
+    )  # fmt: skip
+
+
+class NodeChatCompletion(msgspec.Struct, kw_only=True, omit_defaults=True):
+    id: str
+    object: str  # no default: omit_defaults would drop it
+    created: int
+    model: str
+    choices: list[dict[str, Any]]
+    usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    timing: dict[str, float] | None = None
+
+
+def chat_response(result: CompletionResponse) -> NodeChatCompletion:
+    c = result.choices[0]
+    choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
+              "logprobs": None, "stop_reason": c.stop_reason}  # fmt: skip
+    return NodeChatCompletion(id=result.id, object="chat.completion", created=result.created, model=result.model, choices=[choice],
+                              usage=result.usage, kv_transfer_params=result.kv_transfer_params,
+                              timing=result.timing)  # fmt: skip
+
+
+class NodeChatChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
+    id: str
+    object: str  # no default: omit_defaults would drop it
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    timing: dict[str, float] | None = None
+
+
+class ChatChunker:
+    """Renders a stream's deltas as chat chunks (the first one carries the assistant role)."""
+
+    def __init__(self, request_id: str, model: str, include_usage: bool) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.include_usage = include_usage
+        self.created = int(time.time())
+        self._first = True
+
+    def chunks(self, out: Delta, usage: Usage | None, timing: dict[str, float] | None) -> list[NodeChatChunk]:
+        delta = ChatDelta(role="assistant" if self._first else None, content=out.new_text)
+        self._first = False
+        made = [NodeChatChunk(id=self.request_id, object="chat.completion.chunk", created=self.created, model=self.model,
+                              choices=[ChatChunkChoice(index=0, delta=delta, finish_reason=out.finish_reason)])]  # fmt: skip
+        if out.finished and self.include_usage:
+            made.append(NodeChatChunk(id=self.request_id, object="chat.completion.chunk", created=self.created, model=self.model, choices=[],
+                                      usage=usage, timing=timing))  # fmt: skip
+        elif out.finished:
+            made[0].timing = timing
+        return made
