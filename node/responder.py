@@ -152,7 +152,7 @@ class Responder:
             choices=[CompletionChoice(text="".join(text), finish_reason=final.finish_reason,
                                       stop_reason=final.stop_reason, token_ids=tokens)],
             usage=usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens),
-            timing=self.timing, **extra,  # type: ignore[arg-type]
+            timing=self.timing, kv_transfer_params=final.kv_transfer_params, **extra,  # type: ignore[arg-type]
         )  # fmt: skip
 
     async def abort(self) -> None:

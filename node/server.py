@@ -47,9 +47,13 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
     listen = {"host": cfg.host, "advertise_host": cfg.public_host} if cfg.transport == "tcp" else {}
     if cfg.transport == "ucx":
         listen = {"host": cfg.host}
-    transport = make_transport(cfg.transport, engine_id=engine_id, timeout=cfg.transfer_timeout,
-                               metrics=KVTransferMetrics(metrics.registry), **listen)  # fmt: skip
-    log.info("KV transport: %s", transport.backend)
+    transport = None
+    if getattr(engine, "handles_kv_transfer", False):
+        log.info("KV transport: the %s engine's own", cfg.engine_kind)
+    else:
+        transport = make_transport(cfg.transport, engine_id=engine_id, timeout=cfg.transfer_timeout,
+                                   metrics=KVTransferMetrics(metrics.registry), **listen)  # fmt: skip
+        log.info("KV transport: %s", transport.backend)
     roles = Roles()
     for reg in register:
         reg(roles)

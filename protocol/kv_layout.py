@@ -23,6 +23,9 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     dtype: str
     num_blocks: int  # capacity of this pool; not part of compatibility
+    #: how the engine arranges its pool: "block-major" (the native engine, above) or another
+    #: engine's own ("vllm"); pools of different layouts never exchange blocks
+    layout: str = "block-major"
 
     @property
     def itemsize(self) -> int:
@@ -52,6 +55,8 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             ("head_dim", self.head_dim),
             ("block_size", self.block_size),
             ("dtype", self.dtype),
+            # Only a non-default layout enters the hash, so native hashes stay what they were.
+            *((("layout", self.layout),) if self.layout != "block-major" else ()),
         )
 
     @property
@@ -61,8 +66,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
 
     def differences(self, other: KVLayout) -> list[str]:
         """Human-readable list of the compatibility fields that differ (empty: compatible)."""
-        return [
-            f"{k}: {a} != {b}"
-            for (k, a), (_, b) in zip(self._compat_fields(), other._compat_fields(), strict=True)
-            if a != b
-        ]
+        mine, theirs = dict(self._compat_fields()), dict(other._compat_fields())
+        mine.setdefault("layout", self.layout)
+        theirs.setdefault("layout", other.layout)
+        return [f"{k}: {a} != {theirs[k]}" for k, a in mine.items() if a != theirs[k]]

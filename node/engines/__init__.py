@@ -10,7 +10,7 @@ from typing import Any
 
 from node.engine_api import NodeEngine
 
-ENGINES = ("native",)
+ENGINES = ("native", "vllm")
 
 
 def make_engine(kind: str, config: Any) -> NodeEngine:
@@ -19,4 +19,8 @@ def make_engine(kind: str, config: Any) -> NodeEngine:
         from node.engines.native import NativeNodeEngine
 
         return NativeNodeEngine(config)
+    if kind == "vllm":
+        from node.engines.vllm import VllmNodeEngine
+
+        return VllmNodeEngine(config)
     raise ValueError(f"unknown engine {kind!r}; choose one of {', '.join(ENGINES)}")

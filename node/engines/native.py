@@ -79,6 +79,8 @@ def _translated(inner: asyncio.Future[list[int]]) -> asyncio.Future[list[int]]:
 
 
 class NativeNodeEngine:
+    handles_kv_transfer = False
+
     def __init__(self, config: EngineConfig) -> None:
         from kvtransfer import allocate_pool
 
@@ -117,7 +119,10 @@ class NativeNodeEngine:
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           priority: Priority = Priority.INTERACTIVE, *, hold_seconds: float | None = None,
-                          remote_num_tokens: int = 0) -> NativeStream:  # fmt: skip
+                          remote_num_tokens: int = 0,
+                          kv_transfer_params: dict[str, Any] | None = None) -> NativeStream:  # fmt: skip
+        if kv_transfer_params is not None:  # the native legs move KV with kvtransfer
+            raise RequestRefused("the native engine takes no kv_transfer_params (its legs move KV)")
         try:
             stream = await self._call(self._engine.add_request(
                 request_id, prompt_token_ids, params, priority, hold_blocks=hold_seconds is not None,

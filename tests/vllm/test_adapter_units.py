@@ -1,0 +1,46 @@
+"""The vLLM adapter's translations, on vLLM's own classes (no engine started): duet's sampling
+parameters → vLLM's, and vLLM's per-step stats → duet's metric keys. Needs vLLM (skipped
+without it, except in CI)."""
+
+from __future__ import annotations
+
+from protocol.sampling import SamplingParams
+
+
+def test_sampling_params_map_onto_vllms(need_vllm: None) -> None:
+    from vllm.sampling_params import RequestOutputKind
+
+    from node.engines.vllm import vllm_sampling
+
+    p = SamplingParams(max_tokens=7, temperature=0.5, top_k=0, top_p=0.9, seed=3, stop=["\n\n"],
+                       stop_token_ids=[2], ignore_eos=True, min_tokens=1, skip_special_tokens=False)  # fmt: skip
+    kv = {"do_remote_decode": True}
+    v = vllm_sampling(p, kv)
+    assert (v.max_tokens, v.temperature, v.top_p, v.seed, v.stop, v.ignore_eos, v.min_tokens) == (
+        7, 0.5, 0.9, 3, ["\n\n"], True, 1)
+    assert 2 in v.stop_token_ids and v.skip_special_tokens is False
+    assert v.top_k in (0, -1)  # disabled in both spellings vLLM accepts
+    assert v.output_kind == RequestOutputKind.DELTA
+    assert v.extra_args == {"kv_transfer_params": kv} and v.extra_args["kv_transfer_params"] is not kv
+    assert vllm_sampling(SamplingParams(top_k=5), None).top_k == 5
+    assert not vllm_sampling(SamplingParams(), None).extra_args
+
+
+def test_stats_keep_gauges_and_sum_counters(need_vllm: None) -> None:
+    from vllm.v1.metrics.stats import IterationStats, PrefixCacheStats, SchedulerStats
+
+    from node.engines.vllm_stats import VllmStats
+
+    s = VllmStats()
+    s.set_capacity(100)
+    for _ in range(2):
+        it = IterationStats()
+        it.num_generation_tokens = 3
+        it.num_preempted_reqs = 1
+        s.record(SchedulerStats(num_running_reqs=2, num_waiting_reqs=1, kv_cache_usage=0.25,
+                                prefix_cache_stats=PrefixCacheStats(requests=1, queries=32, hits=16)), it)  # fmt: skip
+    v = s.snapshot()
+    assert (v["num_requests_running"], v["num_requests_waiting"], v["kv_cache_usage_perc"]) == (2, 1, 0.25)
+    assert v["kv_blocks_total"] == 100 and v["kv_blocks_free"] == 75
+    assert (v["prefix_cache_queries"], v["prefix_cache_hits"]) == (64, 32)
+    assert (v["generation_tokens"], v["num_preemptions"]) == (6, 2)

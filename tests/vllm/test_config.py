@@ -1,0 +1,99 @@
+"""`--engine vllm` flags → VllmEngineConfig → vLLM's engine arguments and environment. Pure:
+runs without vLLM (the config module never imports it)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from duet.cmd_nodes import add_node_arguments, node_config, role_registrations
+from node.engines.vllm_config import VllmEngineConfig, kv_memory_bytes, parse_vllm_args
+from node.legs import Roles
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_node_arguments(p, 8100)
+    return p.parse_args(list(argv))
+
+
+@pytest.fixture
+def vllm_importable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The config is built without vLLM; only the presence check looks for it."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in ("vllm", "nixl") else real(name, *a))
+
+
+def test_node_flags_map_onto_vllm(vllm_importable: None) -> None:
+    args = parse("--engine", "vllm", "--model", "m", "--port", "9000", "--failure-policy", "fail",
+                 "--lease-seconds", "12.5", "--kv-blocks", "64", "--device", "cpu",
+                 "--vllm-arg", "enforce_eager=true", "--vllm-arg", "max-num-seqs=4",
+                 "--vllm-arg", 'compilation_config={"mode": 0}', "--vllm-arg", "tokenizer_mode=auto")  # fmt: skip
+    cfg = node_config(args, "decode")
+    e = cfg.engine
+    assert isinstance(e, VllmEngineConfig) and cfg.engine_kind == "vllm"
+    assert e.nixl_port == 9001 and e.nixl_host == "127.0.0.1"
+    kw = e.engine_kwargs("/models/m")
+    kt = kw["kv_transfer_config"]
+    assert kt["kv_connector"] == "NixlConnector" and kt["kv_role"] == "kv_both" and kt["kv_buffer_device"] == "cpu"
+    assert kt["kv_load_failure_policy"] == "fail"
+    assert kt["kv_connector_extra_config"]["kv_lease_duration"] == 13  # whole seconds, never shorter
+    assert kw["enforce_eager"] is True and kw["max_num_seqs"] == 4 and kw["compilation_config"] == {"mode": 0}
+    assert kw["tokenizer_mode"] == "auto" and kw["num_gpu_blocks_override"] == 64
+    assert "kv_events_config" not in kw
+    assert kw["block_size"] == 32  # vLLM's CPU attention needs multiples of 32; duet hashes 16
+    assert e.vllm_block_size() == 32 and e.block_size == 16
+    env = e.environment()
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "9001" and env["VLLM_NIXL_ABORT_REQUEST_TIMEOUT"] == "13"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_kv_events_need_an_endpoint_and_go_to_zmq() -> None:
+    e = VllmEngineConfig(model="m", device="cpu", record_kv_events=True)
+    with pytest.raises(ValueError, match="kv_events_endpoint"):
+        e.engine_kwargs("/m")
+    e.kv_events_endpoint = "ipc:///tmp/x"
+    assert e.engine_kwargs("/m")["kv_events_config"]["endpoint"] == "ipc:///tmp/x"
+
+
+@pytest.mark.parametrize("bad", ["novalue", "=3", "model=other", "kv_transfer_config={}", "not a name=1"])
+def test_bad_vllm_args_are_usage_errors(bad: str) -> None:
+    with pytest.raises(ValueError, match="--vllm-arg"):
+        parse_vllm_args([bad])
+
+
+def test_missing_vllm_is_a_usage_error() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("nixl") is not None:
+        pytest.skip("vLLM is installed here")
+    with pytest.raises(ValueError, match="scripts/setup --vllm"):
+        node_config(parse("--engine", "vllm"), "both")
+
+
+def test_vllm_flags_need_the_vllm_engine() -> None:
+    with pytest.raises(ValueError, match="only with --engine vllm"):
+        node_config(parse("--vllm-arg", "enforce_eager=true"), "both")
+    with pytest.raises(ValueError, match="multiple of --block-size"):
+        VllmEngineConfig(model="m", device="cpu", extra_args={"block_size": 24}).vllm_block_size()
+    assert VllmEngineConfig(model="m", device="cuda", block_size=16).vllm_block_size() == 16
+    with pytest.raises(ValueError, match="failure policy"):
+        VllmEngineConfig(model="m", failure_policy="retry")
+    assert kv_memory_bytes("512MiB") == 512 << 20 and kv_memory_bytes("2GB") == 2 * 10**9
+    with pytest.raises(ValueError):
+        kv_memory_bytes("lots")
+
+
+def test_vllm_roles_register_pass_through_legs() -> None:
+    roles = Roles()
+    for reg in role_registrations("both", "vllm"):
+        reg(roles)
+    assert set(roles.legs) == {"do_remote_decode", "do_remote_prefill"}
+    assert all(h.__module__ == "node.engines.vllm_legs" for h in roles.legs.values())
+    native = Roles()
+    for reg in role_registrations("prefill"):
+        reg(native)
+    assert native.legs["do_remote_decode"].__module__ == "prefill.leg"

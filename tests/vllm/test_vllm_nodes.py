@@ -1,0 +1,173 @@
+"""Nodes running `--engine vllm` (issue #14), driven exactly as the gateway drives native ones:
+- the two legs (P: do_remote_decode → vLLM's kv_transfer_params → D: do_remote_prefill) give
+  the same greedy tokens as one colocated vLLM node, and D really pulled (it computed only the
+  prompt's tail);
+- P's etcd registration says engine_kind vllm with a layout hash no native node has, and its
+  KV events (re-served as duet's /kv/snapshot) carry duet's block hashes;
+- bad kv_transfer_params are refused before vLLM may contact anything; the chat form works;
+- P killed before the pull: D follows the failure policy (recompute → the same tokens; fail →
+  an error for that request only).
+The kill test runs last: it kills the module's P.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import urllib.request
+import uuid
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import pytest
+
+from bench.pd_client import completion, disaggregated, prefill_leg
+from protocol.block_hash import block_hashes
+from protocol.cluster import NodeInfo, nodes_prefix
+from protocol.kv_layout import KVLayout
+from tests.procs import Proc
+
+pytestmark = pytest.mark.smollm2
+GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+PROMPTS = ["The capital of France is", "Write a haiku about the sea.\n" * 6,
+           "def fibonacci(n):\n    " + "# compute it\n    " * 10]  # fmt: skip
+
+
+def metric(node: Proc, name: str) -> float:
+    text = urllib.request.urlopen(node.url + "/metrics", timeout=10).read().decode()
+    m = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def tokenize(smollm2: Path, text: str) -> list[int]:
+    from protocol.tokenizer import Tokenizer
+
+    return Tokenizer(smollm2).encode(text)
+
+
+async def test_two_legs_equal_colocated_and_d_pulls(vllm_pd: tuple[Proc, Proc], smollm2: Path) -> None:
+    p, d = vllm_pd
+    async with aiohttp.ClientSession() as s:
+        for text in PROMPTS:
+            ids = tokenize(smollm2, text)
+            computed_before = metric(d, "duet:prompt_tokens_total")
+            pre = await prefill_leg(s, p.url, ids, GREEDY, f"pre-{uuid.uuid4().hex}")
+            kv = pre["kv_transfer_params"]
+            # vLLM's own names, unchanged: the gateway passes them on as it does a native P's.
+            assert kv["do_remote_prefill"] is True and kv["remote_engine_id"] and kv["remote_block_ids"]
+            assert {"remote_request_id", "remote_host", "remote_port"} <= set(kv)
+            pd = await completion(s, d.url, ids, GREEDY, kv_transfer_params=kv)
+            assert pd.error is None, pd.error
+            pulled_computed = metric(d, "duet:prompt_tokens_total") - computed_before
+            co = await completion(s, p.url, ids, GREEDY)  # the same vLLM engine, colocated
+            assert co.error is None, co.error
+            assert pd.token_ids == co.token_ids and len(pd.token_ids) == 12, text
+            assert pd.usage and pd.usage["prompt_tokens"] == len(ids) and pd.usage["completion_tokens"] == 12
+            # D computed at most the tail after P's last full block: the rest was pulled.
+            assert pulled_computed <= 16, (pulled_computed, len(ids))
+        # Both legs of a full disaggregated request through the bench client, like the gateway.
+        r = await disaggregated(s, p.url, d.url, tokenize(smollm2, PROMPTS[1]), GREEDY)
+        assert r.error is None and len(r.token_ids) == 12
+    # vLLM's stats under duet's names.
+    assert metric(d, "duet:generation_tokens_total") >= 12 * len(PROMPTS)
+    assert metric(p, "duet:prefix_cache_queries_total") > 0
+
+
+async def test_registration_and_kv_events(vllm_pd: tuple[Proc, Proc], etcd_module: str, smollm2: Path) -> None:
+    p, _ = vllm_pd
+    from coordinator.etcd_store import EtcdStore
+
+    store = EtcdStore(etcd_module)
+    try:
+        kvs, _ = await store.get_prefix(nodes_prefix("default"))
+    finally:
+        await store.close()
+    infos = [msgspec.json.decode(kv.value, type=NodeInfo) for kv in kvs]
+    info = next(i for i in infos if i.url == p.url)
+    assert info.engine_kind == "vllm" and info.role == "prefill"
+    hf = json.loads((smollm2 / "config.json").read_text())
+    native = KVLayout(num_layers=hf["num_hidden_layers"], num_kv_heads=hf["num_key_value_heads"],
+                      head_dim=hf["hidden_size"] // hf["num_attention_heads"], block_size=16, dtype="float32",
+                      num_blocks=1)  # fmt: skip
+    assert info.kv_layout_hash != native.compat_hash  # never paired with a native node
+    assert info.kv_capacity_blocks > 0 and info.block_size == 16  # counted in duet's hash blocks
+    # A prompt prefilled on P shows up in its snapshot under duet's hashes (recomputed from
+    # vLLM's events' token ids).
+    ids = tokenize(smollm2, "KV events from vLLM, hashed the duet way. " * 8)
+    # vLLM caches whole blocks of its own (32 tokens on CPUs): the prompt's full ones.
+    want = block_hashes(ids[: len(ids) // 32 * 32], 16)
+    assert len(want) >= 4
+    async with aiohttp.ClientSession() as s:
+        await completion(s, p.url, ids, {"max_tokens": 1, "temperature": 0})
+        deadline = asyncio.get_running_loop().time() + 30
+        while True:
+            async with s.get(p.url + "/kv/snapshot") as r:
+                snap = await r.json()
+            if set(want) <= set(snap["block_hashes"]):
+                break
+            assert asyncio.get_running_loop().time() < deadline, f"{len(want)} hashes not in P's snapshot"
+            await asyncio.sleep(0.1)  # polling a condition, with a deadline
+
+
+async def test_bad_kv_transfer_params_are_refused(vllm_pd: tuple[Proc, Proc], smollm2: Path) -> None:
+    p, d = vllm_pd
+    ids = tokenize(smollm2, "hello there")
+    good = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1],
+            "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 5}  # fmt: skip
+    async with aiohttp.ClientSession() as s:
+        for bad, status in (({**good, "remote_host": "8.8.8.8"}, 403), ({**good, "remote_host": "169.254.169.254"}, 403),
+                            ({**good, "remote_port": "x"}, 400), ({**good, "remote_port": 70000}, 400),
+                            ({**good, "remote_block_ids": [1, [2]]}, 400), ({**good, "remote_block_ids": [-1]}, 400),
+                            ({k: v for k, v in good.items() if k != "remote_engine_id"}, 400),
+                            ({**good, "do_remote_decode": True}, 400)):  # fmt: skip
+            r = await completion(s, d.url, ids, GREEDY, kv_transfer_params=bad)
+            assert r.error is not None and r.error["status"] == status, (bad, r.error)
+        body = {"prompt": ids, "stream": True, "kv_transfer_params": {"do_remote_decode": True}}
+        async with s.post(p.url + "/v1/completions", json=body) as resp:
+            assert resp.status == 400 and (await resp.json())["error"]["param"] == "stream"
+        # The node is fine afterwards.
+        ok = await completion(s, d.url, ids, GREEDY)
+        assert ok.error is None and len(ok.token_ids) == 12
+
+
+async def test_openai_client_chat_on_a_vllm_node(vllm_pd: tuple[Proc, Proc]) -> None:
+    """The node's chat form (templated by the node, generated by vLLM) through the official client."""
+    import openai
+
+    _, d = vllm_pd
+    client = openai.AsyncOpenAI(base_url=d.url + "/v1", api_key="unused")
+    try:
+        r = await client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=8, temperature=0,
+                                                 messages=[{"role": "user", "content": "Say hello."}])  # fmt: skip
+    finally:
+        await client.close()
+    assert r.choices[0].message.content and r.usage and r.usage.completion_tokens <= 8
+
+
+async def test_p_killed_before_pull_follows_the_failure_policy(vllm_pd: tuple[Proc, Proc], vllm_d_fail: Proc,
+                                                               smollm2: Path) -> None:  # fmt: skip
+    """Runs last (kills the module's P). D's policy is recompute: the decode leg recomputes the
+    prompt locally and answers the same greedy tokens; a D with the fail policy answers an
+    error for that request (and serves the next one)."""
+    p, d = vllm_pd
+    ids = tokenize(smollm2, "Tell me a story about a lighthouse keeper. " * 4)  # in no cache yet
+    async with aiohttp.ClientSession() as s:
+        pre = await prefill_leg(s, p.url, ids, GREEDY, f"pre-{uuid.uuid4().hex}")
+        pre_fail = await prefill_leg(s, p.url, ids, GREEDY, f"pre-{uuid.uuid4().hex}")
+        p.kill()  # SIGKILL to the whole process group: vLLM's engine core and worker too
+        r = await asyncio.wait_for(completion(s, d.url, ids, GREEDY, kv_transfer_params=pre["kv_transfer_params"]),
+                                   timeout=300)  # fmt: skip
+        assert r.error is None, r.error
+        assert r.usage and r.usage["prompt_tokens_details"]["cached_tokens"] == 0  # nothing was pulled
+        f = await asyncio.wait_for(completion(s, vllm_d_fail.url, ids, GREEDY,
+                                              kv_transfer_params=pre_fail["kv_transfer_params"]), timeout=300)  # fmt: skip
+        assert f.error is not None and f.error["code"] == "request_failed", f.error
+        # Both nodes serve on; the recomputed answer is the colocated one.
+        want = await completion(s, vllm_d_fail.url, ids, GREEDY)
+        assert want.error is None and len(want.token_ids) == 12
+        assert r.token_ids == want.token_ids
+        again = await completion(s, d.url, ids, GREEDY)
+        assert again.error is None and again.token_ids == want.token_ids
