@@ -1,6 +1,6 @@
 """The vLLM adapter's translations, on vLLM's own classes (no engine started): duet's sampling
 parameters → vLLM's, and vLLM's per-step stats → duet's metric keys. Needs vLLM (skipped
-without it, except in CI)."""
+without it; .ci/run runs it in its vLLM stage)."""
 
 from __future__ import annotations
 
