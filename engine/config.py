@@ -42,5 +42,8 @@ class EngineConfig:
     seed: int = 0
     #: torch intra-op threads on CPU; None leaves torch's default
     threads: int | None = None
+    #: weight-only quantization of the linear layers: None (the model dtype), "int8" (per-channel
+    #: scales), "int4" (groups of 32) or "int4-g64"; activations and the KV cache keep `dtype`
+    quantization: str | None = None
     #: keep BlockStored/BlockRemoved events for the coordinator
     record_kv_events: bool = False

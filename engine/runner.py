@@ -44,12 +44,14 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         pool_factory: PoolFactory = zeroed_pool,
+        quantization: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
-        weights = load_weights(model_dir, cfg, dtype, device)
+        self.quantization = quantization
+        weights = load_weights(model_dir, cfg, dtype, device, quantization)
         rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_model_len, dtype, device)
         self.model = LlamaModel(cfg, weights, rope, device)
         self.kv_layout = KVLayout(

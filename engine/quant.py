@@ -1,0 +1,124 @@
+"""Weight-only quantization: the schemes, the packed formats and their torch reference.
+
+Schemes (activations and the KV cache stay in the engine dtype; only linear weights shrink):
+
+- `int8`: symmetric, one fp32 scale per output channel: w = scale[n] * q[n, k], q in [-127, 127].
+- `int4` / `int4-g64`: asymmetric, groups of 32 (or 64) weights along the input dimension, fp16
+  scale and min per group: w = float(d) * q + float(m), q in [0, 15] (llama.cpp's Q4_1 grid, so a
+  model converted from a Q4_1 GGUF is recovered exactly). The lm_head stays int8 under int4 (as
+  llama.cpp keeps its output matrix at 6-8 bits): small models lose most of their 4-bit quality
+  there, and it is one matrix.
+
+Packed int4 layout (what the kernels read): each row is a run of 64-weight super-blocks of 32
+bytes, read as 16 little-endian uint16 lanes; lane i holds weights i, 16+i, 32+i, 48+i of the
+super-block in nibbles 0..3. A 16-lane vector load then yields four 16-weight chunks with one
+shift each. Requires in_features % 64 == 0.
+
+Invariant: `dequantize(quantize(w))` is exactly what the kernels multiply by (int4: fp32 mul
+then add, as the kernels build their lookup table; int8: q as fp32, the scale applied to the
+dot product).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SCHEMES = ("int8", "int4", "int4-g64")
+#: what `int4` quantizes the lm_head to (see the module docstring)
+LM_HEAD_SCHEME = {"int8": "int8", "int4": "int8", "int4-g64": "int8"}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One quantized [out_features, in_features] matrix in its packed kernel format."""
+
+    scheme: str  # "int8" | "int4"
+    out_features: int
+    in_features: int
+    q: torch.Tensor  # int8 [N, K] | uint8 [N, K / 2] (packed, see module docstring)
+    scales: torch.Tensor  # fp32 [N] | fp16 [N, K / group]
+    mins: torch.Tensor | None = None  # fp16 [N, K / group] (int4)
+    group: int = 0  # int4 group size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.mins) if t is not None)
+
+    def to(self, device: torch.device) -> QuantizedWeight:
+        mv = lambda t: None if t is None else t.to(device).contiguous()  # noqa: E731
+        return QuantizedWeight(scheme=self.scheme, out_features=self.out_features, in_features=self.in_features,
+                               q=mv(self.q), scales=mv(self.scales), mins=mv(self.mins), group=self.group)  # fmt: skip
+
+
+def check_scheme(name: str) -> str:
+    if name not in SCHEMES:
+        raise ValueError(f"unknown quantization {name!r}; use one of {', '.join(SCHEMES)} (or none)")
+    return name
+
+
+def quantize(w: torch.Tensor, scheme: str) -> QuantizedWeight:
+    """Quantize a [N, K] weight (any float dtype; computed in fp32)."""
+    check_scheme(scheme)
+    if scheme == "int8":
+        return quantize_int8(w)
+    return quantize_int4(w, 64 if scheme == "int4-g64" else 32)
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
+    w = w.detach().float().cpu()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight(scheme="int8", out_features=w.shape[0], in_features=w.shape[1], q=q.contiguous(),
+                           scales=scale.contiguous())  # fmt: skip
+
+
+def quantize_int4(w: torch.Tensor, group: int = 32) -> QuantizedWeight:
+    if group not in (32, 64):
+        raise ValueError(f"int4 group size must be 32 or 64, not {group}")
+    n, k = w.shape
+    if k % 64:
+        raise ValueError(f"int4 needs in_features divisible by 64; this matrix has {k}")
+    g = w.detach().float().cpu().reshape(n, k // group, group)
+    lo, hi = g.amin(dim=2), g.amax(dim=2)
+    d = ((hi - lo) / 15.0).half()
+    m = lo.half()
+    df, mf = d.float()[..., None], m.float()[..., None]
+    safe = torch.where(df > 0, df, torch.ones_like(df))
+    q = torch.round((g - mf) / safe).clamp_(0, 15).to(torch.int32)
+    q = torch.where(df > 0, q, torch.zeros_like(q)).reshape(n, k)
+    return QuantizedWeight(scheme="int4", out_features=n, in_features=k, q=pack_int4(q), scales=d.contiguous(),
+                           mins=m.contiguous(), group=group)  # fmt: skip
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] ints in [0, 15] → uint8 [N, K / 2] in the super-block layout."""
+    n, k = q.shape
+    sb = q.to(torch.int32).reshape(n, k // 64, 4, 16)  # [.., nibble j, lane i] = weight 16 j + i
+    lanes = sb[:, :, 0] | (sb[:, :, 1] << 4) | (sb[:, :, 2] << 8) | (sb[:, :, 3] << 12)  # [N, K/64, 16]
+    lo, hi = lanes & 0xFF, lanes >> 8
+    return torch.stack([lo, hi], dim=-1).to(torch.uint8).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of pack_int4: uint8 [N, K / 2] → int32 [N, K]."""
+    n = packed.shape[0]
+    b = packed.to(torch.int32).reshape(n, k // 64, 16, 2)
+    lanes = b[..., 0] | (b[..., 1] << 8)  # [N, K/64, 16]
+    nib = torch.stack([(lanes >> (4 * j)) & 0xF for j in range(4)], dim=2)  # [N, K/64, 4, 16]
+    return nib.reshape(n, k)
+
+
+def dequantize(qw: QuantizedWeight, rows: slice = slice(None)) -> torch.Tensor:
+    """The fp32 weight the kernels compute with (optionally only some output rows)."""
+    if qw.scheme == "int8":
+        return qw.q[rows].float() * qw.scales[rows, None]
+    q = unpack_int4(qw.q[rows], qw.in_features).float()
+    n = q.shape[0]
+    q = q.reshape(n, -1, qw.group)
+    # mul then add, two roundings, exactly like the kernels' lookup table
+    w = q * qw.scales[rows].float()[..., None]
+    w = w + qw.mins[rows].float()[..., None]
+    return w.reshape(n, qw.in_features)
