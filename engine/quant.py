@@ -4,7 +4,8 @@ Schemes (activations and the KV cache stay in the engine dtype; only linear weig
 
 - `int8`: symmetric, one fp32 scale per output channel: w = scale[n] * q[n, k], q in [-127, 127].
 - `int4` / `int4-g64`: asymmetric, groups of 32 (or 64) weights along the input dimension, fp16
-  scale and min per group: w = float(d) * q + float(m), q in [0, 15] (llama.cpp's Q4_1 grid, so a
+  scale and min per group: w = fp32(d * q + m) rounded once (the kernels' FMA; exact in float64,
+  where the torch reference computes it), q in [0, 15] (llama.cpp's Q4_1 grid, so a
   model converted from a Q4_1 GGUF is recovered exactly). The lm_head stays int8 under int4 (as
   llama.cpp keeps its output matrix at 6-8 bits): small models lose most of their 4-bit quality
   there, and it is one matrix.
@@ -14,9 +15,8 @@ bytes, read as 16 little-endian uint16 lanes; lane i holds weights i, 16+i, 32+i
 super-block in nibbles 0..3. A 16-lane vector load then yields four 16-weight chunks with one
 shift each. Requires in_features % 64 == 0.
 
-Invariant: `dequantize(quantize(w))` is exactly what the kernels multiply by (int4: fp32 mul
-then add, as the kernels build their lookup table; int8: q as fp32, the scale applied to the
-dot product).
+Invariant: `dequantize(quantize(w))` is exactly what the kernels multiply by (int4: one FMA,
+as the kernels build their lookup table; int8: q as fp32, the scale applied to the dot product).
 """
 
 from __future__ import annotations
@@ -115,10 +115,10 @@ def dequantize(qw: QuantizedWeight, rows: slice = slice(None)) -> torch.Tensor:
     """The fp32 weight the kernels compute with (optionally only some output rows)."""
     if qw.scheme == "int8":
         return qw.q[rows].float() * qw.scales[rows, None]
-    q = unpack_int4(qw.q[rows], qw.in_features).float()
+    q = unpack_int4(qw.q[rows], qw.in_features)
     n = q.shape[0]
-    q = q.reshape(n, -1, qw.group)
-    # mul then add, two roundings, exactly like the kernels' lookup table
-    w = q * qw.scales[rows].float()[..., None]
-    w = w + qw.mins[rows].float()[..., None]
-    return w.reshape(n, qw.in_features)
+    q = q.reshape(n, -1, qw.group).double()
+    # d * q + m rounded once, like the kernels' FMA: the float64 result is exact (q has 4 bits,
+    # d and m 11-bit fp16 significands within fp16's exponent range), so one rounding remains
+    w = q * qw.scales[rows].double()[..., None] + qw.mins[rows].double()[..., None]
+    return w.float().reshape(n, qw.in_features)

@@ -5,10 +5,10 @@
  * accumulation; k must be a multiple of 64.
  *
  * Decode (m == 1): one 32-byte load widens to 16 int32 lanes; each nibble (a shift away) indexes
- * a 16-entry fp32 table d * [0..15] + m held in one register (vpermps reads the low 4 bits), so
- * a weight costs a shift and a permute per 16, and the table is the exact dequantized value
- * (mul then add, no FMA contraction: this file is built with -ffp-contract=off, and the
- * accumulating FMAs are explicit). Batched calls dequantize 16 rows into a cached fp32 tile.
+ * a 16-entry fp32 table fma(d, [0..15], m) held in one register (vpermps reads the low 4 bits),
+ * so a weight costs a shift and a permute per 16, and the table is exactly the dequantized value
+ * (one rounding of d * q + m, as engine/quant.py defines it). Batched calls dequantize 16 rows
+ * into a cached fp32 tile.
  */
 #include "qgemm.h"
 
@@ -41,8 +41,7 @@ static void dequant_int4(const void *ctx, int64_t n0, int nr, float *tile, int64
                 for (int j = 0; j < 4; j++) {
                     const int64_t idx = 64 * s + 16 * j + i, g = idx / w->group;
                     const float d = half_to_f32(w->d[(n0 + r) * ng + g]), m = half_to_f32(w->mins[(n0 + r) * ng + g]);
-                    const float dq = d * (float)((lane >> (4 * j)) & 0xF);
-                    dst[idx] = dq + m;
+                    dst[idx] = fmaf(d, (float)((lane >> (4 * j)) & 0xF), m);
                 }
             }
         }
@@ -86,22 +85,37 @@ static void gemv_int4(const float *x, const Int4W *w, int64_t n, const void *bia
                 if (r < nr) row_scales(w->d + row * ng, w->mins + row * ng, ng, dm + 2 * r * ng, dm + 2 * r * ng + ng);
             }
             __m512 acc[QG_NB];
-            for (int r = 0; r < QG_NB; r++) acc[r] = _mm512_setzero_ps();
-            for (int64_t s = 0; s < k / 64; s++) {
-                const __m512 x0 = _mm512_loadu_ps(x + 64 * s), x1 = _mm512_loadu_ps(x + 64 * s + 16);
-                const __m512 x2 = _mm512_loadu_ps(x + 64 * s + 32), x3 = _mm512_loadu_ps(x + 64 * s + 48);
-                const int64_t g0 = g32 ? 2 * s : s, g1 = g32 ? 2 * s + 1 : s;
-                for (int r = 0; r < QG_NB; r++) {
-                    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rows[r] + 32 * s)));
-                    const __m512 t0 = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(dr[r][g0])), _mm512_set1_ps(mr[r][g0]));
-                    const __m512 t1 = _mm512_add_ps(_mm512_mul_ps(iota, _mm512_set1_ps(dr[r][g1])), _mm512_set1_ps(mr[r][g1]));
-                    __m512 a = acc[r];
-                    a = _mm512_fmadd_ps(x0, _mm512_permutexvar_ps(v, t0), a);
-                    a = _mm512_fmadd_ps(x1, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t0), a);
-                    a = _mm512_fmadd_ps(x2, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), t1), a);
-                    a = _mm512_fmadd_ps(x3, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), t1), a);
-                    acc[r] = a;
+            /* 4 rows at a time: their accumulators stay in registers and 4 independent FMA
+             * chains hide the FMA latency; x (one row, fp32) is re-read from L1. */
+            for (int r0 = 0; r0 < QG_NB; r0 += 4) {
+                __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                /* the next 4 rows follow these in memory: fetch them two lines per super-block,
+                 * so the weight stream stays ahead of its use (rows are too short for the
+                 * hardware prefetcher to ramp up) */
+                const char *next = (const char *)rows[r0] + 2 * k;
+                for (int64_t s = 0; s < k / 64; s++) {
+                    _mm_prefetch(next + 128 * s, _MM_HINT_T0);
+                    _mm_prefetch(next + 128 * s + 64, _MM_HINT_T0);
+                    const __m512 x0 = _mm512_loadu_ps(x + 64 * s), x1 = _mm512_loadu_ps(x + 64 * s + 16);
+                    const __m512 x2 = _mm512_loadu_ps(x + 64 * s + 32), x3 = _mm512_loadu_ps(x + 64 * s + 48);
+                    const int64_t g0 = g32 ? 2 * s : s, g1 = g32 ? 2 * s + 1 : s;
+#define DUET_INT4_ROW(a, r)                                                                                   \
+    do {                                                                                                      \
+        const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(rows[r] + 32 * s)));    \
+        const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dr[r][g0]), _mm512_set1_ps(mr[r][g0]));     \
+        const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(dr[r][g1]), _mm512_set1_ps(mr[r][g1]));     \
+        a = _mm512_fmadd_ps(x0, _mm512_permutexvar_ps(v, t0), a);                                            \
+        a = _mm512_fmadd_ps(x1, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t0), a);                      \
+        a = _mm512_fmadd_ps(x2, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), t1), a);                      \
+        a = _mm512_fmadd_ps(x3, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), t1), a);                     \
+    } while (0)
+                    DUET_INT4_ROW(a0, r0);
+                    DUET_INT4_ROW(a1, r0 + 1);
+                    DUET_INT4_ROW(a2, r0 + 2);
+                    DUET_INT4_ROW(a3, r0 + 3);
+#undef DUET_INT4_ROW
                 }
+                acc[r0] = a0, acc[r0 + 1] = a1, acc[r0 + 2] = a2, acc[r0 + 3] = a3;
             }
             qg_finish16(acc, nr, out, 0, n0, NULL, bias, bf16);
 #else
