@@ -29,7 +29,19 @@ INLINE float half_to_f32(uint16_t h) {
     return v.f;
 }
 
-static void dequant_int4(const void *ctx, int64_t n0, int nr, float *tile, int64_t kp) {
+#if defined(__AVX512F__)
+/* d, m of groups [0, ng) of one row, as fp32. */
+INLINE void row_scales(const uint16_t *d16, const uint16_t *m16, int64_t ng, float *d, float *m) {
+    int64_t g = 0;
+    for (; g + 16 <= ng; g += 16) {
+        _mm512_storeu_ps(d + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d16 + g))));
+        _mm512_storeu_ps(m + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m16 + g))));
+    }
+    for (; g < ng; g++) { d[g] = half_to_f32(d16[g]); m[g] = half_to_f32(m16[g]); }
+}
+#endif
+
+__attribute__((unused)) static void dequant_int4_scalar(const void *ctx, int64_t n0, int nr, float *tile, int64_t kp) {
     const Int4W *w = (const Int4W *)ctx;
     const int64_t k = w->k, ng = k / w->group;
     for (int r = 0; r < nr; r++) {
@@ -49,17 +61,36 @@ static void dequant_int4(const void *ctx, int64_t n0, int nr, float *tile, int64
     }
 }
 
+
+/* Rows n0..n0+nr of W as fp32 into tile [nr][kp] (the m > 1 path; same values as the tables). */
+static void dequant_int4(const void *ctx, int64_t n0, int nr, float *tile, int64_t kp) {
 #if defined(__AVX512F__)
-/* d, m of groups [0, ng) of one row, as fp32. */
-INLINE void row_scales(const uint16_t *d16, const uint16_t *m16, int64_t ng, float *d, float *m) {
-    int64_t g = 0;
-    for (; g + 16 <= ng; g += 16) {
-        _mm512_storeu_ps(d + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d16 + g))));
-        _mm512_storeu_ps(m + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m16 + g))));
+    const Int4W *w = (const Int4W *)ctx;
+    const int64_t k = w->k, ng = k / w->group;
+    const int g32 = w->group == 32;
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    float *d = (float *)malloc(sizeof(float) * 2 * ng), *m = d + ng;
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *src = w->q + (n0 + r) * (k / 2);
+        float *dst = tile + (int64_t)r * kp;
+        row_scales(w->d + (n0 + r) * ng, w->mins + (n0 + r) * ng, ng, d, m);
+        for (int64_t s = 0; s < k / 64; s++) {
+            const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + 32 * s)));
+            const int64_t g0 = g32 ? 2 * s : s, g1 = g32 ? 2 * s + 1 : s;
+            const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[g0]), _mm512_set1_ps(m[g0]));
+            const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(d[g1]), _mm512_set1_ps(m[g1]));
+            _mm512_storeu_ps(dst + 64 * s, _mm512_permutexvar_ps(v, t0));
+            _mm512_storeu_ps(dst + 64 * s + 16, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t0));
+            _mm512_storeu_ps(dst + 64 * s + 32, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), t1));
+            _mm512_storeu_ps(dst + 64 * s + 48, _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), t1));
+        }
+        for (int64_t i = k; i < kp; i++) dst[i] = 0.f;
     }
-    for (; g < ng; g++) { d[g] = half_to_f32(d16[g]); m[g] = half_to_f32(m16[g]); }
-}
+    free(d);
+#else
+    dequant_int4_scalar(ctx, n0, nr, tile, kp);
 #endif
+}
 
 static void gemv_int4(const float *x, const Int4W *w, int64_t n, const void *bias, void *out, int bf16) {
     const int64_t k = w->k, ng = k / w->group, blocks = (n + QG_NB - 1) / QG_NB;
@@ -129,7 +160,7 @@ static void gemv_int4(const float *x, const Int4W *w, int64_t n, const void *bia
                     one.d = w->d + (n0 + r) * ng + s * 64 / w->group;
                     one.mins = w->mins + (n0 + r) * ng + s * 64 / w->group;
                     one.k = 64;
-                    dequant_int4(&one, 0, 1, tile, 64);
+                    dequant_int4_scalar(&one, 0, 1, tile, 64);
                     for (int i = 0; i < 64; i++) acc += x[64 * s + i] * tile[i];
                 }
                 qg_store(out, n0 + r, acc, n0 + r, NULL, bias, bf16);
