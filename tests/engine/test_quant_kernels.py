@@ -8,10 +8,16 @@ sequence's tokens would depend on the batch it happens to decode in.
 
 from __future__ import annotations
 
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import engine.kernels
 from engine.kernels import kernels_lib
 from engine.qlinear import QLinear
 from engine.quant import dequantize, pack_int4, quantize, unpack_int4
@@ -115,3 +121,33 @@ def test_bad_shapes_are_refused() -> None:
     if lin.lib is not None:
         with pytest.raises(ValueError, match="expects 64"):
             lin(torch.randn(2, 32))
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
+@pytest.mark.parametrize("scheme", ["int8", "int4", "int4-g64"])
+def test_portable_build_matches_reference(scheme: str, tmp_path: Path) -> None:
+    """The C fallback a CPU without AVX-512 compiles (built here for x86-64-v2)."""
+    kdir = Path(engine.kernels.__file__).parent
+    so = tmp_path / "portable.so"
+    subprocess.run(["gcc", "-O2", "-march=x86-64-v2", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", f"-I{kdir}",
+                    str(kdir / "qgemv_int8.c"), str(kdir / "qgemv_int4.c"), "-o", str(so), "-lm"], check=True)  # fmt: skip
+    plib = ctypes.CDLL(str(so))
+    p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
+    plib.qlinear_int8.argtypes = [p, i64, i32, i32, p, p, i64, p, p, i64, i32]
+    plib.qlinear_int4.argtypes = [p, i64, i32, i32, p, p, p, i32, i64, p, p, i64, i32]
+    n, k = 70, 128
+    qw = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(3)), scheme)
+    for dtype in (torch.float32, torch.bfloat16):
+        bias = torch.randn(n).to(dtype)
+        for m in (1, 5):
+            x = torch.randn(m, k).to(dtype)
+            out = torch.empty(m, n, dtype=dtype)
+            common = (x.data_ptr(), k, m, k)
+            tail = (n, bias.data_ptr(), out.data_ptr(), n, int(dtype == torch.bfloat16))
+            if qw.scheme == "int8":
+                rc = plib.qlinear_int8(*common, qw.q.data_ptr(), qw.scales.data_ptr(), *tail)
+            else:
+                rc = plib.qlinear_int4(*common, qw.q.data_ptr(), qw.scales.data_ptr(), qw.mins.data_ptr(), qw.group,
+                                       *tail)  # fmt: skip
+            assert rc == 0
+            _check(out, F.linear(x.float(), dequantize(qw), bias.float()), dtype)
