@@ -47,9 +47,10 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.mins) if t is not None)
 
     def to(self, device: torch.device) -> QuantizedWeight:
-        mv = lambda t: None if t is None else t.to(device).contiguous()  # noqa: E731
+        mins = None if self.mins is None else self.mins.to(device).contiguous()
         return QuantizedWeight(scheme=self.scheme, out_features=self.out_features, in_features=self.in_features,
-                               q=mv(self.q), scales=mv(self.scales), mins=mv(self.mins), group=self.group)  # fmt: skip
+                               q=self.q.to(device).contiguous(), scales=self.scales.to(device).contiguous(),
+                               mins=mins, group=self.group)  # fmt: skip
 
 
 def check_scheme(name: str) -> str:

@@ -13,6 +13,7 @@ embedding stay in the engine dtype.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,6 +58,7 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
     if quantization in ("none", ""):
         quantization = None
     cached: dict[str, QuantizedWeight] = {}
+    t0 = time.monotonic()
     if quantization is not None:
         check_scheme(quantization)
         cached = (load_quantized(model_dir, quantization) if use_cache else None) or {}
@@ -111,4 +113,8 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
         if tied:
             raw["lm_head.weight"] = embed_src
         lm_head = matrix("lm_head", ["lm_head.weight"], LM_HEAD_SCHEME[quantization])
+        mats = [lm_head, *(m for lw in layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down))]
+        log.info("weights quantized to %s: %.1f MiB of linear weights, %s in %.1f s", quantization,
+                 sum(m.nbytes for m in mats if isinstance(m, QuantizedWeight)) / 2**20,
+                 "read from the cache" if cached else "quantized at load", time.monotonic() - t0)  # fmt: skip
     return ModelWeights(embed=embed, layers=layers, norm=put(take("model.norm.weight")), lm_head=lm_head)
