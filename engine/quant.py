@@ -82,16 +82,64 @@ def quantize_int4(w: torch.Tensor, group: int = 32) -> QuantizedWeight:
     n, k = w.shape
     if k % 64:
         raise ValueError(f"int4 needs in_features divisible by 64; this matrix has {k}")
-    g = w.detach().float().cpu().reshape(n, k // group, group)
-    lo, hi = g.amin(dim=2), g.amax(dim=2)
-    d = ((hi - lo) / 15.0).half()
-    m = lo.half()
-    df, mf = d.float()[..., None], m.float()[..., None]
+    g = w.detach().float().cpu().reshape(n * (k // group), group)
+    d, m, q = _fit_int4(g)
+    return QuantizedWeight(scheme="int4", out_features=n, in_features=k, q=pack_int4(q.reshape(n, k)),
+                           scales=d.reshape(n, k // group).contiguous(), mins=m.reshape(n, k // group).contiguous(),
+                           group=group)  # fmt: skip
+
+
+#: range shrink factors tried beyond min/max (the least-squares refit after each can widen again)
+_SHRINKS = (0.95, 0.9, 0.85, 0.8, 0.75)
+
+
+def _fit_int4(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp16 d, m and q in 0..15 per row of `g` [groups, group], minimizing the squared error.
+
+    Starts from min/max (Q4_1's choice, exact for weights already on such a grid), then tries
+    narrower ranges, each followed by a least-squares refit of d and m to its rounded q (in the
+    spirit of llama.cpp's k-quants): a narrower range trades clipping of the extremes for a finer
+    step everywhere else. A candidate replaces the best only when strictly better, so a grid that
+    min/max reproduces exactly stays exact.
+    """
+    lo, hi = g.amin(dim=1, keepdim=True), g.amax(dim=1, keepdim=True)
+    best = _candidate(g, ((hi - lo) / 15.0).half(), lo.half())
+    for t in _SHRINKS:
+        if not bool((best[3] > 0).any()):
+            break  # every group is exact already (weights from a Q4_1 GGUF): nothing to search
+        span = (hi - lo) * t
+        d0, m0 = (span / 15.0).half(), (lo + (hi - lo - span) / 2).half()
+        q = _round_q(g, d0, m0).float()
+        n = g.shape[1]
+        sq, sqq = q.sum(1, keepdim=True), (q * q).sum(1, keepdim=True)
+        sw, sqw = g.sum(1, keepdim=True), (q * g).sum(1, keepdim=True)
+        det = n * sqq - sq * sq
+        ok = det > 0
+        d1 = torch.where(ok, (n * sqw - sq * sw) / torch.where(ok, det, torch.ones_like(det)), d0.float())
+        m1 = torch.where(ok, (sw - d1 * sq) / n, m0.float())
+        d1 = torch.where(d1 > 0, d1, d0.float())
+        cand = _candidate(g, d1.half(), m1.half())
+        better = cand[3] < best[3]
+        best = tuple(torch.where(better, c, b) for c, b in zip(cand, best, strict=True))  # type: ignore[assignment]
+    d, m, q, _ = best
+    return d.squeeze(1), m.squeeze(1), q
+
+
+def _round_q(g: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    df = d.float()
     safe = torch.where(df > 0, df, torch.ones_like(df))
-    q = torch.round((g - mf) / safe).clamp_(0, 15).to(torch.int32)
-    q = torch.where(df > 0, q, torch.zeros_like(q)).reshape(n, k)
-    return QuantizedWeight(scheme="int4", out_features=n, in_features=k, q=pack_int4(q), scales=d.contiguous(),
-                           mins=m.contiguous(), group=group)  # fmt: skip
+    q = torch.round((g - m.float()) / safe).clamp_(0, 15)
+    return torch.where(df > 0, q, torch.zeros_like(q)).to(torch.int32)
+
+
+def _candidate(g: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+    """(d, m, q, squared error) of one choice of fp16 d and m, with w = fp32(d q + m) as dequantized."""
+    if not torch.isfinite(d.float()).all() or not torch.isfinite(m.float()).all():
+        d = torch.where(torch.isfinite(d), d, torch.zeros_like(d))
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    q = _round_q(g, d, m)
+    w = (q.double() * d.double() + m.double()).float()
+    return d, m, q, ((w - g) ** 2).sum(1, keepdim=True)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:

@@ -55,9 +55,14 @@ def test_quantization_error_is_bounded() -> None:
     for scheme, group in (("int4", 32), ("int4-g64", 64)):
         q4 = quantize(w, scheme)
         assert q4.group == group
+        g = w.reshape(-1, group)
+        lo, hi = g.amin(1, keepdim=True), g.amax(1, keepdim=True)
+        plain = (torch.round((g - lo) / ((hi - lo) / 15)).clamp(0, 15) * ((hi - lo) / 15) + lo - g).pow(2).sum()
+        err = (dequantize(q4) - w).pow(2).sum()
+        # the fitted scales beat plain min/max (Q4_1) rounding by a margin on Gaussian weights
+        assert err < 0.95 * plain, (err, plain)
         step = q4.scales.float().repeat_interleave(group, dim=1)
-        # half a step, plus the fp16 rounding of the min and of the step itself (x15)
-        assert ((dequantize(q4) - w).abs() <= 0.5 * step + 16 * 2**-10 * w.abs().max()).all()
+        assert ((dequantize(q4) - w).abs() <= 2 * step).all()
 
 
 def test_int4_recovers_a_q4_1_grid_exactly() -> None:
