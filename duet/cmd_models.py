@@ -7,6 +7,9 @@ import sys
 
 from protocol.models import DEFAULT_MODEL, REGISTRY, directory_size, is_model_dir, models_dir
 
+#: engine/quant.py's SCHEMES, repeated so `duet --help` does not import torch
+SCHEMES = ("int8", "int4", "int4-g64")
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -26,7 +29,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     pull.add_argument("name", nargs="?", default=DEFAULT_MODEL,
                       help=f"registry name (default: {DEFAULT_MODEL}); known: {', '.join(REGISTRY)}")  # fmt: skip
-    pull.add_argument("--force", action="store_true", help="pull and convert again")
+    pull.add_argument("--force", action="store_true", help="pull and convert (and quantize) again")
+    pull.add_argument("--quantize", action="append", default=[], choices=list(SCHEMES), metavar="SCHEME",
+                      help="also quantize the weights once and cache them beside the full-precision copy, "
+                           "for engines started with --quantization SCHEME; repeatable. "
+                           f"Schemes: {', '.join(SCHEMES)} (int8: per-channel scales; int4: groups of 32, "
+                           "int4-g64: groups of 64)")  # fmt: skip
     pull.set_defaults(func=_pull)
     lst = msub.add_parser("list", help="list pulled models with size and path")
     lst.set_defaults(func=_list)
@@ -36,7 +44,8 @@ def _pull(args: argparse.Namespace) -> int:
     from engine.pull import PullError, pull
 
     try:
-        pull(args.name, progress=lambda m: print(m, file=sys.stderr, flush=True), force=args.force)
+        pull(args.name, progress=lambda m: print(m, file=sys.stderr, flush=True), force=args.force,
+             quantize=args.quantize)  # fmt: skip
     except PullError as e:
         print(f"duet models pull: error: {e}", file=sys.stderr)
         return 1
@@ -50,6 +59,9 @@ def _list(_: argparse.Namespace) -> int:
         for d in sorted(root.iterdir()):
             if is_model_dir(d):
                 rows.append((d.name, directory_size(d), str(d)))
+                # quantized caches written by `pull --quantize` (engine/quant_store.py)
+                rows += [(f"{d.name} [{q.stem}]", q.stat().st_size, str(q))
+                         for q in sorted((d / "quantized").glob("*.safetensors"))]  # fmt: skip
         gguf_root = root / "gguf"
         if gguf_root.is_dir():
             rows += [(f"gguf/{d.name}", directory_size(d), str(d))

@@ -47,6 +47,9 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
     e.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     e.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0-3,8")
     e.add_argument("--no-prefix-caching", action="store_true")
+    e.add_argument("--quantization", choices=["none", "int8", "int4", "int4-g64"], default="none",
+                   help="weight-only quantization of the linear layers (native engine); activations and "
+                        "the KV cache keep --dtype. Quantize once ahead with `duet models pull --quantize`")  # fmt: skip
     e.add_argument("--engine", choices=["native", "vllm"], default="native",
                    help="engine behind the node API: native (this repo's paged-KV engine, starts in "
                         "seconds) or vllm (vLLM's AsyncLLM; P/D through vLLM's NixlConnector; needs "
@@ -120,6 +123,7 @@ def native_engine_config(args: argparse.Namespace):
         enable_prefix_caching=not args.no_prefix_caching, threads=args.threads,
         max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
         record_kv_events=bool(args.etcd),  # coordinators read them through GET /kv/events
+        quantization=None if args.quantization == "none" else args.quantization,
     )  # fmt: skip
 
 

@@ -108,7 +108,7 @@ class EngineCore:
                 f"or blocks, or lower max_model_len"
             )
         self.runner = ModelRunner(self.model_dir, mc, self.dtype, self.device, num_blocks, bs,
-                                  self.max_model_len, pool_factory)  # fmt: skip
+                                  self.max_model_len, pool_factory, config.quantization)  # fmt: skip
         self.pool = BlockPool(num_blocks, bs, record_events=config.record_kv_events)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching, config.hash_seed)
         self.scheduler = Scheduler(

@@ -6,7 +6,9 @@ reorder F.linear pays: measured 2-3x faster at decode batch sizes (M=1: 70 vs 14
 same kernel transformers calls, so fp32 greedy output stays token-identical to it.
 
 Invariant: `Linear(x)` equals `F.linear(x, weight, bias)` up to bf16 rounding; when prepacking
-is unavailable or fails its self-check the layer silently stays on F.linear.
+fails or fails its self-check the layer stays on F.linear with one warning — except in strict
+mode (CI=true, protocol/strict.py), where that is an error. A dtype or device prepacking does not
+apply to (fp32, CUDA) is a choice, not a fallback.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import logging
 
 import torch
 import torch.nn.functional as F
+
+from protocol.strict import fallback
 
 log = logging.getLogger("duet.engine.linear")
 
@@ -44,7 +48,7 @@ class Linear:
             if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
                 raise RuntimeError("prepacked linear disagrees with F.linear")
         except RuntimeError as e:
-            log.warning("oneDNN weight prepacking unavailable (%s); using F.linear", e)
+            fallback(log, f"oneDNN weight prepacking failed ({e})", "F.linear")  # raises in strict mode
             return None
         return packed
 

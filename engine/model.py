@@ -9,7 +9,8 @@ On the CPU, with the native kernels (engine/kernels/), each layer is: qkv GEMM �
 (rotary in place + K/V into the pool) → `paged_attention` → o GEMM → residual add + norm →
 gate/up GEMM → SiLU·up → down GEMM → residual add + the next layer's norm. In bf16 the norms,
 SiLU·up and every token's attention are kernels and GEMMs use oneDNN-prepacked weights
-(engine/linear.py); fp32 keeps torch norms and SDPA prefill (exact transformers parity).
+(engine/linear.py), or weight-only int8/int4 kernels when the weights are quantized
+(engine/qlinear.py); fp32 keeps torch norms and SDPA prefill (exact transformers parity).
 Without kernels, the same steps run as torch ops.
 """
 
@@ -25,6 +26,7 @@ from engine.kernel_step import KernelStep
 from engine.kernels import kernels_lib
 from engine.linear import Linear
 from engine.model_config import ModelConfig
+from engine.qlinear import QLinear, make_linear
 from engine.rope import Rope
 from engine.weights import ModelWeights
 
@@ -32,11 +34,11 @@ from engine.weights import ModelWeights
 @dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv: Linear
-    o: Linear
+    qkv: Linear | QLinear
+    o: Linear | QLinear
     post_norm: torch.Tensor
-    gate_up: Linear
-    down: Linear
+    gate_up: Linear | QLinear
+    down: Linear | QLinear
 
 
 class LlamaModel:
@@ -49,14 +51,14 @@ class LlamaModel:
         # fp32 stays on SDPA prefill and torch norms: the exact-parity reference path.
         self.kernel_prefill = self.fused = self.kernels is not None and dtype == torch.bfloat16
         self.layers = [
-            Layer(lw.input_norm, Linear(lw.qkv, lw.qkv_bias), Linear(lw.o), lw.post_norm,
-                  Linear(lw.gate_up), Linear(lw.down))
+            Layer(lw.input_norm, make_linear(lw.qkv, lw.qkv_bias), make_linear(lw.o), lw.post_norm,
+                  make_linear(lw.gate_up), make_linear(lw.down))
             for lw in weights.layers
         ]
         weights.layers = []  # prepacked copies replace the plain weights
         self.embed = weights.embed
         self.norm = weights.norm
-        self.lm_head = Linear(weights.lm_head)
+        self.lm_head = make_linear(weights.lm_head)
         self.rope = rope
         self.eps = cfg.rms_norm_eps
         self.hidden = (cfg.hidden_size,)

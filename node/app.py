@@ -109,7 +109,8 @@ async def _models(request: web.Request) -> web.Response:
     """OpenAI's model list: the one model this node serves (routers discover it here)."""
     s = request.app[STATE]
     model = {"id": s.engine.model_name, "object": "model", "created": int(s.started_at), "owned_by": "duet",
-             "max_model_len": s.engine.max_model_len, "role": s.config.role}  # fmt: skip
+             "max_model_len": s.engine.max_model_len, "role": s.config.role,
+             "quantization": s.engine.kv_layout.weights or None}  # fmt: skip
     return web.json_response({"object": "list", "data": [model]})
 
 

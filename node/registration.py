@@ -176,7 +176,8 @@ def node_info(state: Any, pool: str) -> NodeInfo:
                     model=eng.model_name, engine_id=state.engine_id, engine_kind=cfg.engine_kind,
                     block_size=eng.kv_layout.block_size, kv_layout_hash=eng.kv_layout.compat_hash,
                     kv_capacity_blocks=int(stats.get("kv_blocks_total", eng.kv_layout.num_blocks)),
-                    max_model_len=eng.max_model_len, pool=pool, started_at=state.started_at)  # fmt: skip
+                    max_model_len=eng.max_model_len, pool=pool, started_at=state.started_at,
+                    quantization=eng.kv_layout.weights or None)  # fmt: skip
 
 
 def registration_ctx(state: Any) -> Callable[[web.Application], AsyncIterator[None]]:

@@ -26,6 +26,9 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     #: how the engine arranges its pool: "block-major" (the native engine, above) or another
     #: engine's own ("vllm"); pools of different layouts never exchange blocks
     layout: str = "block-major"
+    #: the weights' quantization the KV was computed with ("" = the model's own weights): KV of
+    #: an int4 prefill in a bf16 decode would silently mix numerics, so it is part of the hash
+    weights: str = ""
 
     @property
     def itemsize(self) -> int:
@@ -57,6 +60,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             ("dtype", self.dtype),
             # Only a non-default layout enters the hash, so native hashes stay what they were.
             *((("layout", self.layout),) if self.layout != "block-major" else ()),
+            *((("weights", self.weights),) if self.weights else ()),
         )
 
     @property
@@ -69,4 +73,6 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         mine, theirs = dict(self._compat_fields()), dict(other._compat_fields())
         mine.setdefault("layout", self.layout)
         theirs.setdefault("layout", other.layout)
+        mine.setdefault("weights", self.weights or "unquantized")
+        theirs.setdefault("weights", other.weights or "unquantized")
         return [f"{k}: {a} != {theirs[k]}" for k, a in mine.items() if a != theirs[k]]

@@ -107,3 +107,25 @@ def test_nixl_import_failure_falls_back_to_tcp_outside_ci(tiny_llama: Path, tmp_
         log = node.log()
     assert "NIXL blocked by the test" in log and "falling back to the tcp backend" in log
     assert "KV transport: tcp" in log
+
+
+def test_linear_prepacking_failure_is_an_error_in_strict_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A oneDNN prepack that fails its self-check falls back to F.linear with a warning in
+    production, and is an error under CI=true (it would hide a broken fast path)."""
+    import torch
+    import torch.nn.functional as F
+
+    from engine import linear
+    from protocol.strict import FallbackRefused
+
+    w = torch.randn(64, 64).to(torch.bfloat16)
+    if not linear.can_prepack(w):
+        pytest.skip("this torch/CPU does not prepack bf16 linears")
+    real = F.linear
+    monkeypatch.setattr(F, "linear", lambda x, w, b=None: real(x, w, b) + 1)  # the self-check disagrees
+    monkeypatch.delenv("DUET_STRICT", raising=False)
+    monkeypatch.setenv("CI", "false")
+    assert linear.Linear(w).packed is None  # fell back
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(FallbackRefused, match="prepacking"):
+        linear.Linear(w)

@@ -12,8 +12,9 @@ strict mode too; it is logged as such.
 Kernels (see each .c file): `paged_attention` (attention of any step token against the paged
 pool), `prefill_attention` (the same for prefill tokens, in query blocks) and `rope_store` (rotary embedding in place + K/V write to the pool), which take the
 step's shared arguments as a `Step` struct (step.h, mirrored in engine/kernel_step.py); and
-bf16 `rms_norm` / `add_rms_norm` / `silu_mul` (norm_act.c), and `argmax_rows` (greedy
-sampling, argmax.c).
+bf16 `rms_norm` / `add_rms_norm` / `silu_mul` (norm_act.c), `argmax_rows` (greedy
+sampling, argmax.c), and the weight-only quantized linears `qlinear_int8` / `qlinear_int4`
+(qgemv_int8.c, qgemv_int4.c, shared parts in qgemm.h).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from protocol.strict import fallback
 log = logging.getLogger("duet.engine.kernels")
 
 _DIR = Path(__file__).parent
-_HEADERS = ("common.h", "step.h", "attention_parts.h")
+_HEADERS = ("common.h", "step.h", "attention_parts.h", "qgemm.h")
 _BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-fno-math-errno", "-fno-trapping-math")
 # Attention may reassociate (its sums are reductions anyway); rope and the bf16 norms must round
 # exactly where torch / transformers do, so they get neither reassociation nor FMA contraction.
@@ -46,6 +47,10 @@ _SOURCES = (
     ("rope_store.c", ("-ffp-contract=off",)),
     ("norm_act.c", ("-ffp-contract=off",)),
     ("argmax.c", ()),
+    # int4's lookup table must be d * q + m with two roundings, as engine/quant.py dequantizes;
+    # and both files' decode and batched paths must round identically (explicit FMAs only)
+    ("qgemv_int8.c", ("-ffp-contract=off",)),
+    ("qgemv_int4.c", ("-ffp-contract=off",)),
 )
 
 
@@ -120,4 +125,7 @@ def kernels_lib() -> ctypes.CDLL | None:
     lib.argmax_rows.argtypes = [p, i64, i32, i32, i32, p]
     for fn in (lib.rms_norm_bf16, lib.add_rms_norm_bf16, lib.silu_mul_bf16, lib.argmax_rows):
         fn.restype = None
+    lib.qlinear_int8.argtypes = [p, i64, i32, i32, p, p, i64, p, p, i64, i32]
+    lib.qlinear_int4.argtypes = [p, i64, i32, i32, p, p, p, i32, i64, p, p, i64, i32]
+    lib.qlinear_int8.restype = lib.qlinear_int4.restype = i32
     return lib

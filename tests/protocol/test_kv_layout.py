@@ -31,3 +31,12 @@ def test_compat_ignores_capacity_and_names_differences() -> None:
 def test_roundtrip_wire() -> None:
     lay = _layout()
     assert msgspec.json.decode(msgspec.json.encode(lay), type=KVLayout) == lay
+
+
+def test_quantized_weights_never_pair_with_unquantized() -> None:
+    """The KV of an int4 prefill is not the KV a bf16 decode node would compute: the layouts are
+    byte-compatible but must not pair (the hash differs and the refusal says why)."""
+    plain, int4 = _layout(), _layout(weights="int4")
+    assert plain.compat_hash == _layout(weights="").compat_hash  # unquantized hashes unchanged
+    assert int4.compat_hash != plain.compat_hash != _layout(weights="int8").compat_hash
+    assert plain.differences(int4) == ["weights: unquantized != int4"]

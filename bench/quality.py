@@ -1,0 +1,186 @@
+"""`python -m bench.quality`: what weight-only quantization costs in quality (issue 15).
+
+For the model in bf16 and each quantization scheme (same activation dtype, same engine):
+- perplexity on an English corpus that is already on every machine running duet: the module
+  docstrings of a fixed list of Python standard-library modules (prose documentation written by
+  the CPython developers; stable for a given Python version, which the report records with the
+  corpus's sha256), tokenized with the model's tokenizer and cut to `--tokens` tokens, scored in
+  non-overlapping windows of `--window` tokens (every token after a window's first is predicted);
+- greedy agreement with bf16 over `--prompts` prompts (windows of the same corpus): first tokens
+  equal, tokens before the first divergence, and sequences identical in full.
+Targets (issue 15): int8 perplexity within 1% of bf16, int4 within 6%.
+
+The logits come straight from the engine's forward pass over its paged KV pool (the code
+serving uses), one window per pass; generation goes through the offline LLM API. Progress on
+stderr; a table, or one JSON object with --json, on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import math
+import platform
+import sys
+import time
+from typing import Any
+
+#: prose-heavy stdlib module docstrings, in this order
+CORPUS_MODULES = (
+    "argparse", "csv", "json", "socket", "subprocess", "tempfile", "timeit", "unittest", "urllib.request",
+    "uuid", "pydoc", "doctest", "ftplib", "smtplib", "difflib", "os", "inspect", "random", "sqlite3",
+    "wave", "turtle", "getopt", "optparse", "trace", "itertools", "collections", "typing",
+)  # fmt: skip
+TARGETS = {"int8": 0.01, "int4": 0.06, "int4-g64": 0.06}  # max perplexity increase over bf16
+
+
+def corpus_text() -> str:
+    docs = []
+    for name in CORPUS_MODULES:
+        doc = (importlib.import_module(name).__doc__ or "").strip()
+        if doc:
+            docs.append(doc)
+    return "\n\n".join(docs)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or directory (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="activation dtype of every run, and the weights' dtype of the baseline (default: %(default)s)")  # fmt: skip
+    p.add_argument("--schemes", default="int8,int4,int4-g64", help="comma-separated schemes to compare (default: %(default)s)")
+    p.add_argument("--tokens", type=int, default=4096, help="corpus tokens scored (default: %(default)s)")
+    p.add_argument("--window", type=int, default=512, help="tokens per scoring window (default: %(default)s)")
+    p.add_argument("--prompts", type=int, default=64, help="greedy-agreement prompts (default: %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=48, help="tokens per prompt (default: %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (default: all cores)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    return p.parse_args(argv)
+
+
+def _llm(args: argparse.Namespace, scheme: str | None):
+    from engine import LLM
+
+    return LLM(args.model, dtype=args.dtype, device="cpu", quantization=scheme, threads=args.threads,
+               max_model_len=max(args.window, args.prompt_len + args.max_tokens) + 16,
+               num_kv_blocks=max(args.window // 16 + 2, args.prompts * ((args.prompt_len + args.max_tokens) // 16 + 2)),
+               max_num_seqs=args.prompts, enable_prefix_caching=False)  # fmt: skip
+
+
+def perplexity(llm, ids: list[int], window: int) -> dict[str, Any]:
+    """exp(mean NLL) of every token after the first of each non-overlapping window."""
+    import torch
+
+    from engine.attention import build_metadata
+
+    runner = llm.engine.runner
+    blocks = list(range((window + runner.block_size - 1) // runner.block_size))
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start : start + window]
+        if len(chunk) < 2:
+            break
+        md = build_metadata(runner.block_size, [], [(blocks, 0, len(chunk))], runner.cfg.sliding_window, runner.device)
+        logits = runner.model.forward(torch.tensor(chunk), runner.kv_cache, md, torch.arange(len(chunk)))
+        logp = torch.log_softmax(logits[:-1].float(), dim=-1)
+        target = torch.tensor(chunk[1:])
+        nll -= logp.gather(1, target[:, None]).sum().item()
+        count += len(chunk) - 1
+    return {"perplexity": math.exp(nll / count), "scored_tokens": count}
+
+
+def greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from engine import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    return [o.token_ids for o in outs]
+
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> dict[str, float]:
+    prefix = [next((i for i, (a, b) in enumerate(zip(r, g, strict=True)) if a != b), len(r)) for r, g in zip(ref, got, strict=True)]
+    n = len(ref)
+    return {"first_token": sum(r[0] == g[0] for r, g in zip(ref, got, strict=True)) / n,
+            "tokens_before_divergence": sum(prefix) / sum(len(r) for r in ref),
+            "identical_sequences": sum(p == len(r) for p, r in zip(prefix, ref, strict=True)) / n}  # fmt: skip
+
+
+def run(args: argparse.Namespace, progress) -> dict[str, Any]:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    text = corpus_text()
+    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    result: dict[str, Any] = {
+        "config": {"model": args.model, "dtype": args.dtype, "window": args.window, "prompts": args.prompts,
+                   "prompt_len": args.prompt_len, "max_tokens": args.max_tokens},
+        "corpus": {"source": "module docstrings of Python's standard library", "modules": list(CORPUS_MODULES),
+                   "python": platform.python_version(), "chars": len(text),
+                   "sha256": hashlib.sha256(text.encode()).hexdigest()},
+        "schemes": {},
+    }  # fmt: skip
+    ref_tokens: list[list[int]] | None = None
+    ids: list[int] = []
+    prompts: list[list[int]] = []
+    for scheme in [None, *schemes]:
+        name = scheme or ("bf16" if args.dtype == "bfloat16" else args.dtype)
+        progress(f"{name}: loading")
+        llm = _llm(args, scheme)
+        if not ids:
+            ids = llm.tokenizer.encode(text)[: args.tokens]
+            if len(ids) < args.tokens:
+                progress(f"the corpus has only {len(ids)} tokens; scoring those")
+            stride = max(1, (len(ids) - args.prompt_len) // args.prompts)
+            prompts = [ids[i * stride : i * stride + args.prompt_len] for i in range(args.prompts)]
+            result["corpus"]["tokens"] = len(ids)
+        t0 = time.perf_counter()
+        progress(f"{name}: perplexity over {len(ids)} tokens")
+        row: dict[str, Any] = perplexity(llm, ids, args.window)
+        progress(f"{name}: perplexity {row['perplexity']:.4f}; greedy over {len(prompts)} prompts")
+        tokens = greedy(llm, prompts, args.max_tokens)
+        if ref_tokens is None:
+            ref_tokens = tokens
+        else:
+            row["greedy_agreement"] = agreement(ref_tokens, tokens)
+        row["seconds"] = time.perf_counter() - t0
+        result["schemes"][name] = row
+        del llm
+    base = next(iter(result["schemes"].values()))["perplexity"]
+    for name, row in result["schemes"].items():
+        row["perplexity_vs_baseline"] = row["perplexity"] / base - 1
+        if name in TARGETS:
+            row["target"] = {"max_increase": TARGETS[name], "met": row["perplexity_vs_baseline"] <= TARGETS[name]}
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"{'scheme':>9}  {'perplexity':>10}  {'vs base':>8}  {'first tok':>9}  {'agree':>6}  {'same seq':>8}  target"]
+    for name, r in result["schemes"].items():
+        a = r.get("greedy_agreement")
+        agree = (f"{a['first_token']:>9.3f}  {a['tokens_before_divergence']:>6.3f}  {a['identical_sequences']:>8.3f}"
+                 if a else f"{'-':>9}  {'-':>6}  {'-':>8}")  # fmt: skip
+        target = "" if "target" not in r else f"<= +{100 * r['target']['max_increase']:.0f}%: " + (
+            "met" if r["target"]["met"] else "MISSED")
+        lines.append(f"{name:>9}  {r['perplexity']:>10.4f}  {100 * r['perplexity_vs_baseline']:>+7.2f}%  {agree}  {target}")
+    c = result["corpus"]
+    lines.append(f"corpus: {c['tokens']} tokens of {c['source']} (Python {c['python']}, sha256 {c['sha256'][:12]})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    def progress(msg: str) -> None:
+        print(f"[bench.quality {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    result = run(args, progress)
+    print(json.dumps(result, indent=2) if args.json else table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+/*
+ * int8 weight-only linear: out = (x @ q^T) * scale[n] + bias, q int8 [n][k] row-major with one
+ * fp32 scale per output row (engine/quant.py). Activations bf16 or fp32, fp32 accumulation.
+ *
+ * Decode (m == 1) reads each weight byte once, straight from the packed matrix: 16 bytes →
+ * 16 int32 → 16 fp32 → one FMA. Batched calls dequantize 16 rows at a time into a cached fp32
+ * tile (qgemm.h). Both paths give bitwise-identical results.
+ */
+#include "qgemm.h"
+
+typedef struct {
+    const int8_t *q;
+    int64_t k;
+} Int8W;
+
+static void dequant_int8(const void *ctx, int64_t n0, int nr, float *tile, int64_t kp) {
+    const Int8W *w = (const Int8W *)ctx;
+    for (int r = 0; r < nr; r++) {
+        const int8_t *src = w->q + (n0 + r) * w->k;
+        float *dst = tile + (int64_t)r * kp;
+        for (int64_t i = 0; i < w->k; i++) dst[i] = (float)src[i];
+        for (int64_t i = w->k; i < kp; i++) dst[i] = 0.f;
+    }
+}
+
+static void gemv_int8(const float *x, int64_t k, const int8_t *q, int64_t n, const float *scale, const void *bias,
+                      void *out, int bf16) {
+    const int64_t blocks = (n + QG_NB - 1) / QG_NB;
+#pragma omp parallel for schedule(static) if (n * k >= (1 << 15))
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n0 = b * QG_NB;
+        const int nr = (int)(n - n0 < QG_NB ? n - n0 : QG_NB);
+#if defined(__AVX512F__)
+        const int8_t *rows[QG_NB];
+        for (int r = 0; r < QG_NB; r++) rows[r] = q + (n0 + (r < nr ? r : nr - 1)) * k;
+        __m512 acc[QG_NB];
+        const __mmask16 tail = (__mmask16)((1u << (k & 15)) - 1); /* bytes past k read as 0 */
+        /* 4 rows at a time: accumulators in registers, 4 independent FMA chains */
+        for (int r0 = 0; r0 < QG_NB; r0 += 4) {
+            const int8_t *q0 = rows[r0], *q1 = rows[r0 + 1], *q2 = rows[r0 + 2], *q3 = rows[r0 + 3];
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+#define DUET_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#define DUET_I8_TAIL(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail, (p))))
+            int64_t c = 0;
+            /* the next 4 rows follow these in memory: fetch them a line per chunk, so the weight
+             * stream is ahead of its use (rows are too short for the hardware prefetcher) */
+            const char *next = (const char *)q0 + 4 * k;
+            for (; c + 16 <= k; c += 16) {
+                _mm_prefetch(next + 4 * c, _MM_HINT_T0);
+                const __m512 xv = _mm512_loadu_ps(x + c);
+                a0 = _mm512_fmadd_ps(xv, DUET_I8(q0 + c), a0);
+                a1 = _mm512_fmadd_ps(xv, DUET_I8(q1 + c), a1);
+                a2 = _mm512_fmadd_ps(xv, DUET_I8(q2 + c), a2);
+                a3 = _mm512_fmadd_ps(xv, DUET_I8(q3 + c), a3);
+            }
+            if (c < k) {
+                const __m512 xv = _mm512_loadu_ps(x + c);
+                a0 = _mm512_fmadd_ps(xv, DUET_I8_TAIL(q0 + c), a0);
+                a1 = _mm512_fmadd_ps(xv, DUET_I8_TAIL(q1 + c), a1);
+                a2 = _mm512_fmadd_ps(xv, DUET_I8_TAIL(q2 + c), a2);
+                a3 = _mm512_fmadd_ps(xv, DUET_I8_TAIL(q3 + c), a3);
+            }
+#undef DUET_I8
+#undef DUET_I8_TAIL
+            acc[r0] = a0, acc[r0 + 1] = a1, acc[r0 + 2] = a2, acc[r0 + 3] = a3;
+        }
+        qg_finish16(acc, nr, out, 0, n0, scale, bias, bf16);
+#else
+        for (int r = 0; r < nr; r++) {
+            const int8_t *row = q + (n0 + r) * k;
+            float acc = 0.f;
+            for (int64_t i = 0; i < k; i++) acc += x[i] * (float)row[i];
+            qg_store(out, n0 + r, acc, n0 + r, scale, bias, bf16);
+        }
+#endif
+    }
+}
+
+/* out [m][os] = x [m][xs] @ (q [n][k] * scale)^T + bias; x/out/bias bf16 (bf16 != 0) or fp32.
+ * Returns 0, or -1 when out of memory. */
+int32_t qlinear_int8(const void *x, int64_t xs, int32_t m, int32_t k, const int8_t *q, const float *scale,
+                     int64_t n, const void *bias, void *out, int64_t os, int32_t bf16) {
+    float *X = qg_x_f32(x, xs, m, k, bf16);
+    if (!X) return -1;
+    if (m == 1) {
+        gemv_int8(X, k, q, n, scale, bias, out, bf16);
+    } else {
+        const Int8W w = {q, k};
+        qg_gemm(X, m, k, n, &w, dequant_int8, out, os, scale, bias, bf16);
+    }
+    free(X);
+    return 0;
+}

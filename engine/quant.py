@@ -1,0 +1,173 @@
+"""Weight-only quantization: the schemes, the packed formats and their torch reference.
+
+Schemes (activations and the KV cache stay in the engine dtype; only linear weights shrink):
+
+- `int8`: symmetric, one fp32 scale per output channel: w = scale[n] * q[n, k], q in [-127, 127].
+- `int4` / `int4-g64`: asymmetric, groups of 32 (or 64) weights along the input dimension, fp16
+  scale and min per group: w = fp32(d * q + m) rounded once (the kernels' FMA; exact in float64,
+  where the torch reference computes it), q in [0, 15] (llama.cpp's Q4_1 grid, so a
+  model converted from a Q4_1 GGUF is recovered exactly). The lm_head stays int8 under int4 (as
+  llama.cpp keeps its output matrix at 6-8 bits): small models lose most of their 4-bit quality
+  there, and it is one matrix.
+
+Packed int4 layout (what the kernels read): each row is a run of 64-weight super-blocks of 32
+bytes, read as 16 little-endian uint16 lanes; lane i holds weights i, 16+i, 32+i, 48+i of the
+super-block in nibbles 0..3. A 16-lane vector load then yields four 16-weight chunks with one
+shift each. Requires in_features % 64 == 0.
+
+Invariant: `dequantize(quantize(w))` is exactly what the kernels multiply by (int4: one FMA,
+as the kernels build their lookup table; int8: q as fp32, the scale applied to the dot product).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SCHEMES = ("int8", "int4", "int4-g64")
+#: what `int4` quantizes the lm_head to (see the module docstring)
+LM_HEAD_SCHEME = {"int8": "int8", "int4": "int8", "int4-g64": "int8"}
+
+
+@dataclass(frozen=True)
+class QuantizedWeight:
+    """One quantized [out_features, in_features] matrix in its packed kernel format."""
+
+    scheme: str  # "int8" | "int4"
+    out_features: int
+    in_features: int
+    q: torch.Tensor  # int8 [N, K] | uint8 [N, K / 2] (packed, see module docstring)
+    scales: torch.Tensor  # fp32 [N] | fp16 [N, K / group]
+    mins: torch.Tensor | None = None  # fp16 [N, K / group] (int4)
+    group: int = 0  # int4 group size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.mins) if t is not None)
+
+    def to(self, device: torch.device) -> QuantizedWeight:
+        mins = None if self.mins is None else self.mins.to(device).contiguous()
+        return QuantizedWeight(scheme=self.scheme, out_features=self.out_features, in_features=self.in_features,
+                               q=self.q.to(device).contiguous(), scales=self.scales.to(device).contiguous(),
+                               mins=mins, group=self.group)  # fmt: skip
+
+
+def check_scheme(name: str) -> str:
+    if name not in SCHEMES:
+        raise ValueError(f"unknown quantization {name!r}; use one of {', '.join(SCHEMES)} (or none)")
+    return name
+
+
+def quantize(w: torch.Tensor, scheme: str) -> QuantizedWeight:
+    """Quantize a [N, K] weight (any float dtype; computed in fp32)."""
+    check_scheme(scheme)
+    if scheme == "int8":
+        return quantize_int8(w)
+    return quantize_int4(w, 64 if scheme == "int4-g64" else 32)
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
+    w = w.detach().float().cpu()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight(scheme="int8", out_features=w.shape[0], in_features=w.shape[1], q=q.contiguous(),
+                           scales=scale.contiguous())  # fmt: skip
+
+
+def quantize_int4(w: torch.Tensor, group: int = 32) -> QuantizedWeight:
+    if group not in (32, 64):
+        raise ValueError(f"int4 group size must be 32 or 64, not {group}")
+    n, k = w.shape
+    if k % 64:
+        raise ValueError(f"int4 needs in_features divisible by 64; this matrix has {k}")
+    g = w.detach().float().cpu().reshape(n * (k // group), group)
+    d, m, q = _fit_int4(g)
+    return QuantizedWeight(scheme="int4", out_features=n, in_features=k, q=pack_int4(q.reshape(n, k)),
+                           scales=d.reshape(n, k // group).contiguous(), mins=m.reshape(n, k // group).contiguous(),
+                           group=group)  # fmt: skip
+
+
+#: range shrink factors tried beyond min/max (the least-squares refit after each can widen again)
+_SHRINKS = (0.95, 0.9, 0.85, 0.8, 0.75)
+
+
+def _fit_int4(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp16 d, m and q in 0..15 per row of `g` [groups, group], minimizing the squared error.
+
+    Starts from min/max (Q4_1's choice, exact for weights already on such a grid), then tries
+    narrower ranges, each followed by a least-squares refit of d and m to its rounded q (in the
+    spirit of llama.cpp's k-quants): a narrower range trades clipping of the extremes for a finer
+    step everywhere else. A candidate replaces the best only when strictly better, so a grid that
+    min/max reproduces exactly stays exact.
+    """
+    lo, hi = g.amin(dim=1, keepdim=True), g.amax(dim=1, keepdim=True)
+    best = _candidate(g, ((hi - lo) / 15.0).half(), lo.half())
+    for t in _SHRINKS:
+        if not bool((best[3] > 0).any()):
+            break  # every group is exact already (weights from a Q4_1 GGUF): nothing to search
+        span = (hi - lo) * t
+        d0, m0 = (span / 15.0).half(), (lo + (hi - lo - span) / 2).half()
+        q = _round_q(g, d0, m0).float()
+        n = g.shape[1]
+        sq, sqq = q.sum(1, keepdim=True), (q * q).sum(1, keepdim=True)
+        sw, sqw = g.sum(1, keepdim=True), (q * g).sum(1, keepdim=True)
+        det = n * sqq - sq * sq
+        ok = det > 0
+        d1 = torch.where(ok, (n * sqw - sq * sw) / torch.where(ok, det, torch.ones_like(det)), d0.float())
+        m1 = torch.where(ok, (sw - d1 * sq) / n, m0.float())
+        d1 = torch.where(d1 > 0, d1, d0.float())
+        cand = _candidate(g, d1.half(), m1.half())
+        better = cand[3] < best[3]
+        best = tuple(torch.where(better, c, b) for c, b in zip(cand, best, strict=True))  # type: ignore[assignment]
+    d, m, q, _ = best
+    return d.squeeze(1), m.squeeze(1), q
+
+
+def _round_q(g: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    df = d.float()
+    safe = torch.where(df > 0, df, torch.ones_like(df))
+    q = torch.round((g - m.float()) / safe).clamp_(0, 15)
+    return torch.where(df > 0, q, torch.zeros_like(q)).to(torch.int32)
+
+
+def _candidate(g: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+    """(d, m, q, squared error) of one choice of fp16 d and m, with w = fp32(d q + m) as dequantized."""
+    if not torch.isfinite(d.float()).all() or not torch.isfinite(m.float()).all():
+        d = torch.where(torch.isfinite(d), d, torch.zeros_like(d))
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    q = _round_q(g, d, m)
+    w = (q.double() * d.double() + m.double()).float()
+    return d, m, q, ((w - g) ** 2).sum(1, keepdim=True)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """[N, K] ints in [0, 15] → uint8 [N, K / 2] in the super-block layout."""
+    n, k = q.shape
+    sb = q.to(torch.int32).reshape(n, k // 64, 4, 16)  # [.., nibble j, lane i] = weight 16 j + i
+    lanes = sb[:, :, 0] | (sb[:, :, 1] << 4) | (sb[:, :, 2] << 8) | (sb[:, :, 3] << 12)  # [N, K/64, 16]
+    lo, hi = lanes & 0xFF, lanes >> 8
+    return torch.stack([lo, hi], dim=-1).to(torch.uint8).reshape(n, k // 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """Inverse of pack_int4: uint8 [N, K / 2] → int32 [N, K]."""
+    n = packed.shape[0]
+    b = packed.to(torch.int32).reshape(n, k // 64, 16, 2)
+    lanes = b[..., 0] | (b[..., 1] << 8)  # [N, K/64, 16]
+    nib = torch.stack([(lanes >> (4 * j)) & 0xF for j in range(4)], dim=2)  # [N, K/64, 4, 16]
+    return nib.reshape(n, k)
+
+
+def dequantize(qw: QuantizedWeight, rows: slice = slice(None)) -> torch.Tensor:
+    """The fp32 weight the kernels compute with (optionally only some output rows)."""
+    if qw.scheme == "int8":
+        return qw.q[rows].float() * qw.scales[rows, None]
+    q = unpack_int4(qw.q[rows], qw.in_features)
+    n = q.shape[0]
+    q = q.reshape(n, -1, qw.group).double()
+    # d * q + m rounded once, like the kernels' FMA: the float64 result is exact (q has 4 bits,
+    # d and m 11-bit fp16 significands within fp16's exponent range), so one rounding remains
+    w = q * qw.scales[rows].double()[..., None] + qw.mins[rows].double()[..., None]
+    return w.float().reshape(n, qw.in_features)
