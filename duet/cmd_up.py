@@ -38,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help=f"registry name, .gguf file or HF directory (default {DEFAULT_MODEL})")
     p.add_argument("--host", default=None, help="gateway address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="gateway port (default 8000)")
+    p.add_argument("--routing", choices=["coordinator", "static"], default=None,
+                   help="how the gateway picks nodes: coordinator (default; prefix- and load-aware) or "
+                        "static (least-loaded, blind to prefixes: a baseline for benchmarks)")  # fmt: skip
     lay = p.add_argument_group("layout (without --config)")
     lay.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill nodes (default 1)")
     lay.add_argument("--decode", type=int, default=None, metavar="M", help="decode nodes (default 1)")
@@ -102,7 +105,8 @@ def build_config(args: argparse.Namespace):  # -> UpConfig
         gw = cfg.gateway
         cfg = replace(cfg, model=args.model or cfg.model, cluster=args.cluster or cfg.cluster,
                       gateway=GatewaySection(**{**gw.__dict__, **{k: v for k, v in (("host", args.host),
-                                                                                     ("port", args.port)) if v is not None}}))  # fmt: skip
+                                                                                     ("port", args.port),
+                                                                                     ("routing", args.routing)) if v is not None}}))  # fmt: skip
         return validate(cfg)
     except UpConfigError as e:
         raise UsageError(str(e)) from None
@@ -130,19 +134,25 @@ def _toml(v: Any) -> str:
     return repr(v)
 
 
-def gateway_toml(cfg, store_url: str, admin_sha256: str, coordinators: list[str], served: dict[str, str]) -> str:
+def gateway_toml(cfg, store_url: str, admin_sha256: str, coordinators: list[str], served: dict[str, str],
+                 nodes: list[tuple[str, str, str]]) -> str:  # fmt: skip
+    """`nodes`: (model, role, url) of every node, for static routing."""
     gw = cfg.gateway
+    static = gw.routing == "static"
     lines = ["# written by `duet up` on every start: edit cluster.toml or the flags instead", "[server]",
              f"host = {_toml(gw.host)}", f"port = {gw.port}", f"admin_key_sha256 = {_toml(admin_sha256)}",
              "[store]", f"url = {_toml(store_url)}",
-             "[routing]", f"coordinator = {_toml(coordinators)}", f"cluster = {_toml(cfg.cluster)}"]  # fmt: skip
+             "[routing]", f"coordinator = {_toml([] if static else coordinators)}", f"cluster = {_toml(cfg.cluster)}"]  # fmt: skip
     for model, name in served.items():
         lines += [f"[models.{json.dumps(name)}]", 'kind = "cluster"', f"tokenizer = {_toml(model)}",
                   f"input_usd_per_mtok = {gw.input_usd_per_mtok!r}", f"output_usd_per_mtok = {gw.output_usd_per_mtok!r}"]  # fmt: skip
+        if static:
+            urls = {r: [u for m, role, u in nodes if m == model and role == r] for r in ("prefill", "decode", "both")}
+            lines.append("static = { " + ", ".join(f"{r} = {_toml(u)}" for r, u in urls.items() if u) + " }")
     return "\n".join(lines) + "\n"
 
 
-def _node_children(cfg, home, etcd_url: str, log):  # -> list[Child]
+def _node_children(cfg, home, etcd_url: str, log):  # -> list[(Child, (model, role))]
     from duet.supervisor import Child
     from duet.up_config import cpu_list, plan_cpus
 
@@ -167,7 +177,8 @@ def _node_children(cfg, home, etcd_url: str, log):  # -> list[Child]
         if pinned:
             args += ["--cpus", pinned]
         args += [*cfg.node_args, *g.args]
-        children.append(Child(name, args, home.logs / f"{name}.log", f"http://127.0.0.1:{port}/health"))
+        children.append((Child(name, args, home.logs / f"{name}.log", f"http://127.0.0.1:{port}/health"),
+                         (g.model or cfg.model, g.role)))  # fmt: skip
     return children
 
 
@@ -248,7 +259,9 @@ def _run(args: argparse.Namespace) -> int:
                             home.logs / (f"coordinator-{i}.log" if cfg.coordinator.replicas > 1 else "coordinator.log"),
                             coord_urls[-1] + "/health"))  # fmt: skip
     nodes = _node_children(cfg, home, etcd_url, log)
-    home.gateway_toml.write_text(gateway_toml(cfg, home.store_url, hash_secret(admin), coord_urls, served))
+    node_urls = [(m, role, c.health_url.removesuffix("/health")) for c, (m, role) in nodes]  # type: ignore[union-attr]
+    nodes = [c for c, _ in nodes]
+    home.gateway_toml.write_text(gateway_toml(cfg, home.store_url, hash_secret(admin), coord_urls, served, node_urls))
     gw_host = "127.0.0.1" if cfg.gateway.host in ("0.0.0.0", "::", "") else cfg.gateway.host
     gw_url = f"http://{gw_host}:{cfg.gateway.port}"
     env = {k: v for k, v in os.environ.items() if k != "DUET_ADMIN_KEY"}  # the admin key is the file's

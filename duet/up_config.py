@@ -9,6 +9,7 @@ cluster.toml (every section optional; unknown keys are refused, so a typo never 
     [gateway]
     host = "127.0.0.1"
     port = 8000
+    routing = "coordinator"             # or "static": least-loaded, blind to prefixes (A/B baseline)
     input_usd_per_mtok = 0.0            # prices the gateway bills at, per model
     output_usd_per_mtok = 0.0
 
@@ -73,6 +74,9 @@ class NodeGroup:
 class GatewaySection:
     host: str = "127.0.0.1"
     port: int = 8000
+    #: "coordinator" (prefix- and load-aware, the default) or "static" (the gateway's own
+    #: least-loaded choice among the node URLs: no prefix awareness, no conditional prefill)
+    routing: str = "coordinator"
     input_usd_per_mtok: float = 0.0
     output_usd_per_mtok: float = 0.0
 
@@ -183,6 +187,8 @@ def validate(cfg: UpConfig) -> UpConfig:
             raise UpConfigError(f"model {model!r} has no decode or colocated node: nothing would answer it")
     if not 1 <= cfg.gateway.port <= 65535:
         raise UpConfigError(f"gateway port {cfg.gateway.port} is not a TCP port")
+    if cfg.gateway.routing not in ("coordinator", "static"):
+        raise UpConfigError(f"[gateway] routing must be 'coordinator' or 'static', got {cfg.gateway.routing!r}")
     if cfg.coordinator.replicas < 1:
         raise UpConfigError("[coordinator] replicas must be >= 1")
     return cfg

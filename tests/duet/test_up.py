@@ -170,3 +170,35 @@ def test_cluster_toml_layout_and_cpu_plan() -> None:
     assert plan_cpus(2, [0, 1]) == [[0], [1]]
     assert plan_cpus(2, [0, 1, 2, 3, 4]) == [[0, 1, 2], [3, 4]]
     assert plan_cpus(3, [0, 1]) == [None, None, None]
+
+
+def test_gateway_toml_routes_through_the_coordinator_or_statically() -> None:
+    from dataclasses import replace
+
+    from duet.cmd_up import gateway_toml
+    from duet.up_config import GatewaySection, UpConfig
+    from gateway.config import parse_config
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+
+    cfg = UpConfig(model="/m/tiny")
+    nodes = [("/m/tiny", "prefill", "http://127.0.0.1:1"), ("/m/tiny", "decode", "http://127.0.0.1:2")]
+    text = gateway_toml(cfg, "sqlite:///x.db", "ab" * 32, ["http://127.0.0.1:9"], {"/m/tiny": "tiny"}, nodes)
+    gw = parse_config(tomllib.loads(text))
+    assert gw.routing.coordinator == ("http://127.0.0.1:9",) and gw.models["tiny"].static is None
+    assert gw.models["tiny"].tokenizer == "/m/tiny" and gw.server.admin_key_sha256 == "ab" * 32
+    static = replace(cfg, gateway=GatewaySection(routing="static"))
+    gw = parse_config(tomllib.loads(gateway_toml(static, "sqlite:///x.db", "ab" * 32, ["http://127.0.0.1:9"],
+                                                 {"/m/tiny": "tiny"}, nodes)))  # fmt: skip
+    assert gw.routing.coordinator == () and gw.models["tiny"].static.prefill == ("http://127.0.0.1:1",)
+    assert gw.models["tiny"].static.decode == ("http://127.0.0.1:2",)
+
+
+def test_help_names_up_and_status() -> None:
+    r = subprocess.run([sys.executable, "-m", "duet", "--help"], capture_output=True, text=True, timeout=60)
+    assert "    up" in r.stdout and "    status" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "duet", "up", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--colocated" in r.stdout and "$DUET_HOME/logs" in r.stdout
