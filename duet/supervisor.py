@@ -66,18 +66,17 @@ def _pdeathsig_hook() -> Callable[[], None] | None:
 class _Tail(threading.Thread):
     """Follows every child's log file from the point the child was started."""
 
-    def __init__(self, out: IO[str], colour: bool, stop: threading.Event) -> None:
+    def __init__(self, out: IO[str], colour: bool, stop: threading.Event, width: int) -> None:
         super().__init__(name="duet-up-tail", daemon=True)
         self.out, self.colour, self._stop_evt = out, colour, stop
         self._files: list[tuple[str, IO[bytes], bytes]] = []
         self._lock = threading.Lock()
-        self._width = 8
+        self._width = width
 
     def follow(self, name: str, path: Path, offset: int) -> None:
         fh = path.open("rb")
         fh.seek(offset)
         with self._lock:
-            self._width = max(self._width, len(name))
             n = len(self._files)
             prefix = name.ljust(self._width) + " | "
             if self.colour:
@@ -124,7 +123,8 @@ class Supervisor:
         self._force = threading.Event()
         self._tail_stop = threading.Event()
         colour = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
-        self._tail = _Tail(sys.stderr, colour, self._tail_stop) if tail else None
+        width = max((len(c.name) for stage in stages for c in stage), default=8)
+        self._tail = _Tail(sys.stderr, colour, self._tail_stop, width) if tail else None
         self._preexec = _pdeathsig_hook()
 
     @property

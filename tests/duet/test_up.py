@@ -202,3 +202,25 @@ def test_help_names_up_and_status() -> None:
     assert "    up" in r.stdout and "    status" in r.stdout
     r = subprocess.run([sys.executable, "-m", "duet", "up", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--colocated" in r.stdout and "$DUET_HOME/logs" in r.stdout
+
+
+def test_a_killed_up_leaves_no_orphans(tiny_llama: Path, tmp_path: Path) -> None:
+    """SIGKILL gives the supervisor no chance to clean up: its children go by themselves."""
+    home = tmp_path / "home"
+    up = start_up(home, tiny_llama, free_port(), tmp_path / "up.log", "--colocated")
+    try:
+        wait_banner(up)
+        pids = [c["pid"] for c in json.loads((home / "up" / "state.json").read_text())["children"]]
+        assert len(pids) == 4
+        up.proc.send_signal(signal.SIGKILL)
+        up.proc.wait(10)
+        deadline = time.monotonic() + 90
+        while any(alive(p) for p in pids):
+            assert time.monotonic() < deadline, [p for p in pids if alive(p)]
+            time.sleep(0.1)  # waiting for the children's own shutdown
+        # The next start on the same home is not blocked by the dead one's lock or state.
+        status = subprocess.run([sys.executable, "-m", "duet", "status"], capture_output=True, text=True,
+                                timeout=60, env={**os.environ, "DUET_HOME": str(home)})  # fmt: skip
+        assert status.returncode == 2 and "no `duet up` is running" in status.stderr
+    finally:
+        up.kill()
