@@ -204,12 +204,22 @@ def test_help_names_up_and_status() -> None:
     assert r.returncode == 0 and "--colocated" in r.stdout and "$DUET_HOME/logs" in r.stdout
 
 
-def test_a_killed_up_leaves_no_orphans(tiny_llama: Path, tmp_path: Path) -> None:
+def test_up_config_layout_and_a_killed_up_leaves_no_orphans(tiny_llama: Path, tmp_path: Path) -> None:
     """SIGKILL gives the supervisor no chance to clean up: its children go by themselves."""
     home = tmp_path / "home"
-    up = start_up(home, tiny_llama, free_port(), tmp_path / "up.log", "--colocated")
+    layout = tmp_path / "cluster.toml"  # a --config layout: one colocated node in the batch pool
+    layout.write_text('[coordinator]\nargs = ["--stale-load-s", "3"]\n[[nodes]]\nrole = "both"\npool = "batch"\n')
+    up = start_up(home, tiny_llama, free_port(), tmp_path / "up.log", "--config", str(layout))
     try:
-        wait_banner(up)
+        key = wait_banner(up)
+        assert "duet is up: 1 both" in up.log()
+        client = openai.OpenAI(base_url=up.url + "/v1", api_key=key, max_retries=0)
+        # The node is in the batch pool: batch requests reach it, interactive ones find no node there.
+        r = client.completions.create(model=tiny_llama.name, prompt="x", max_tokens=2,
+                                      extra_headers={"x-duet-tier": "batch"})  # fmt: skip
+        assert r.usage.completion_tokens == 2
+        with pytest.raises(openai.InternalServerError, match="no decode node"):
+            client.completions.create(model=tiny_llama.name, prompt="x", max_tokens=2)
         pids = [c["pid"] for c in json.loads((home / "up" / "state.json").read_text())["children"]]
         assert len(pids) == 4
         up.proc.send_signal(signal.SIGKILL)
