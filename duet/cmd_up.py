@@ -112,18 +112,23 @@ def build_config(args: argparse.Namespace):  # -> UpConfig
         raise UsageError(str(e)) from None
 
 
-def _ensure_model(model: str) -> str:
-    """The name nodes serve the model under; pulls a registry model that is missing."""
+def _ensure_model(model: str) -> str | None:
+    """The name nodes serve the model under; pulls a registry model that is missing (None when
+    that fails: the error is printed)."""
     try:
         return resolve_model(model).name
     except ModelNotFoundError:
         if model not in REGISTRY:
             raise
-        from engine.pull import pull
+    from engine.pull import PullError, pull  # imports torch: only when there is something to pull
 
-        print(f"duet up: pulling {model} (first start)", file=sys.stderr, flush=True)
+    print(f"duet up: pulling {model} (first start)", file=sys.stderr, flush=True)
+    try:
         pull(model, progress=lambda m: print(m, file=sys.stderr, flush=True))
-        return resolve_model(model).name
+    except PullError as e:
+        print(f"duet up: error: {e}", file=sys.stderr)
+        return None
+    return resolve_model(model).name
 
 
 def _toml(v: Any) -> str:
@@ -231,6 +236,8 @@ def _run(args: argparse.Namespace) -> int:
                          "stop it first, or set DUET_HOME to another directory")  # fmt: skip
     _check_port_free(cfg.gateway.host, cfg.gateway.port)
     served = {m: _ensure_model(m) for m in cfg.models()}
+    if None in served.values():
+        return 1
 
     def log(msg: str) -> None:
         print(f"duet up: {msg}", file=sys.stderr, flush=True)
@@ -304,7 +311,7 @@ def _run(args: argparse.Namespace) -> int:
         sup.say("all up; Ctrl-C stops everything")
         return True
 
-    log(f"DUET_HOME={home.root}: {cfg.describe()} node(s) serving {', '.join(served.values())}")
+    log(f"DUET_HOME={home.root}: {cfg.describe()} node(s), serving {', '.join(served.values())}")
     sup = Supervisor(stages, startup_timeout=args.startup_timeout, tail=not args.quiet, on_ready=ready,
                      on_started=started)  # fmt: skip
     try:

@@ -134,6 +134,14 @@ class Supervisor:
     def say(self, msg: str) -> None:
         print(f"duet up: {msg}", file=sys.stderr, flush=True)
 
+    def _died(self, c: Child, when: str) -> None:
+        assert c.proc is not None
+        self.say(f"{c.name} exited with {c.proc.returncode} {when}; see {c.log_path}")
+        if self._tail is None:  # --quiet: the operator has not seen its last words yet
+            with contextlib.suppress(OSError):
+                for line in c.log_path.read_text(errors="replace").splitlines()[-15:]:
+                    print(f"  {c.name} | {line}", file=sys.stderr)
+
     def wait(self, seconds: float) -> bool:
         """Sleep up to `seconds`; True when a stop was asked meanwhile."""
         return self.stopping.wait(seconds)
@@ -178,7 +186,7 @@ class Supervisor:
             for c in list(pending):
                 assert c.proc is not None
                 if c.proc.poll() is not None:
-                    self.say(f"{c.name} exited with {c.proc.returncode} during start-up; see {c.log_path}")
+                    self._died(c, "during start-up")
                     return False
                 if self._healthy(c):
                     self.say(f"{c.name} is up (pid {c.proc.pid})")
@@ -208,7 +216,7 @@ class Supervisor:
                 for c in self.children:
                     assert c.proc is not None
                     if c.proc.poll() is not None:
-                        self.say(f"{c.name} exited with {c.proc.returncode}; stopping the rest (see {c.log_path})")
+                        self._died(c, "unexpectedly; stopping the rest")
                         return 1
             return 0
         finally:

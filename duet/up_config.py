@@ -106,7 +106,8 @@ class UpConfig:
         return sorted({g.model or self.model for g in self.nodes})
 
     def describe(self) -> str:
-        return ", ".join(f"{g.count} {g.role}" + (f" ({g.model})" if g.model else "") for g in self.nodes)
+        label = {"prefill": "prefill", "decode": "decode", "both": "colocated"}
+        return ", ".join(f"{g.count} {label[g.role]}" + (f" ({g.model})" if g.model else "") for g in self.nodes)
 
 
 def layout_from_flags(prefill: int | None, decode: int | None, colocated: int | None) -> tuple[NodeGroup, ...]:
