@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -264,7 +265,10 @@ def _run(args: argparse.Namespace) -> int:
                              "--host", "127.0.0.1", "--port", str(port), "--replica-id", f"coordinator-{i}",
                              *cfg.coordinator.args],
                             home.logs / (f"coordinator-{i}.log" if cfg.coordinator.replicas > 1 else "coordinator.log"),
-                            coord_urls[-1] + "/health"))  # fmt: skip
+                            coord_urls[-1] + "/health",
+                            # Orphaned, it would resign in an etcd that is going down with it, and
+                            # resigning has no time limit: it holds no state worth a clean exit.
+                            death_signal=signal.SIGKILL))  # fmt: skip
     nodes = _node_children(cfg, home, etcd_url, log)
     node_urls = [(m, role, c.health_url.removesuffix("/health")) for c, (m, role) in nodes]  # type: ignore[union-attr]
     nodes = [c for c, _ in nodes]

@@ -42,6 +42,9 @@ class Child:
     log_path: Path
     health_url: str | None = None
     env: dict[str, str] | None = None
+    #: what the child gets if the supervisor dies without stopping it (SIGKILL for a child
+    #: whose clean shutdown needs another child that gets the same signal at the same time)
+    death_signal: int = signal.SIGTERM
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
 
     @property
@@ -49,16 +52,16 @@ class Child:
         return None if self.proc is None else self.proc.pid
 
 
-def _pdeathsig_hook() -> Callable[[], None] | None:
-    """A preexec_fn asking the kernel to SIGTERM the child when its parent dies (Linux only).
-    libc is loaded here, before any fork: the hook itself only calls an already-bound function."""
+def _pdeathsig_hook(sig: int) -> Callable[[], None] | None:
+    """A preexec_fn asking the kernel to send `sig` to the child when its parent dies (Linux
+    only). libc is loaded here, before any fork: the hook only calls an already-bound function."""
     if not sys.platform.startswith("linux"):
         return None
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     prctl = libc.prctl
 
     def hook() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
 
     return hook
 
@@ -125,7 +128,7 @@ class Supervisor:
         colour = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
         width = max((len(c.name) for stage in stages for c in stage), default=8)
         self._tail = _Tail(sys.stderr, colour, self._tail_stop, width) if tail else None
-        self._preexec = _pdeathsig_hook()
+        self._preexec = {sig: _pdeathsig_hook(sig) for sig in {c.death_signal for c in self.children}}
 
     @property
     def children(self) -> list[Child]:
@@ -159,7 +162,7 @@ class Supervisor:
             offset = log.tell()
             c.proc = subprocess.Popen(c.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       env=c.env,
-                                      start_new_session=True, preexec_fn=self._preexec)  # fmt: skip
+                                      start_new_session=True, preexec_fn=self._preexec[c.death_signal])  # fmt: skip
         if self._tail is not None:
             self._tail.follow(c.name, c.log_path, offset)
         if self.on_started is not None:
