@@ -11,13 +11,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from duet import cmd_bench, cmd_coordinator, cmd_gateway, cmd_models, cmd_nodes, cmd_up
+from duet import cmd_bench, cmd_coordinator, cmd_gateway, cmd_models, cmd_nodes, cmd_status, cmd_up
 from protocol.models import ModelNotFoundError
 
 DESCRIPTION = """\
 duet: disaggregated prefill/decode LLM serving.
 
-Start everything on this machine:   duet up
+Start everything on this machine:   duet up          (then: duet status)
 Fetch the default model:            duet models pull
 Run role-specific processes:        duet prefill | duet decode | duet node --role both
 Run the control plane:              duet coordinator --etcd URL   (drain a node: duet drain NODE_ID)
@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd_models.add_parser(sub)
     cmd_nodes.add_parsers(sub)
     cmd_up.add_parser(sub)
+    cmd_status.add_parser(sub)
     cmd_coordinator.add_parsers(sub)
     cmd_gateway.add_parsers(sub)
     cmd_bench.add_parser(sub)

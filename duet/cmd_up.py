@@ -1,63 +1,326 @@
-"""`duet up`: everything on this machine, under one supervisor.
+"""`duet up`: a whole duet cluster on this machine, under one supervisor.
 
-Until the coordinator and gateway land, "everything" is one colocated node answering the
-OpenAI-style `POST /v1/completions` on the public port (default 8000); with `--pd` a prefill
-node and a decode node start beside it (ports +100 and +200) for trying disaggregation with
-`duet bench pd`. The default model is pulled first if it is missing.
+Starts, in order: etcd (data in $DUET_HOME/etcd), the coordinator, the prefill and decode
+nodes (default: 1 prefill + 1 decode; `--prefill N --decode M`, `--colocated [N]`, or a
+`--config cluster.toml` layout), each pinned to its share of the CPUs when there is at least
+one CPU per node, then the OpenAI-compatible gateway on --port (default 8000), routing
+through the coordinator. A development team `dev` and its API key are created on first start
+and kept (with teams, keys and usage) across restarts. Once the coordinator sees every node
+ready, `duet up` prints the URL, the key, and a curl and an openai snippet.
+
+Logs: one file per process in $DUET_HOME/logs, and a merged tail on the terminal (--quiet
+turns it off). Ctrl-C or SIGTERM drains and stops everything in reverse order. `duet status`
+shows the running cluster. Internal ports (etcd, coordinator, nodes) are free loopback ports
+picked at start; only the gateway's port is public.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import signal
+import socket
 import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import replace
+from typing import Any
 
 from protocol.models import DEFAULT_MODEL, REGISTRY, ModelNotFoundError, resolve_model
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "up",
-        help="start duet on this machine (a node on :8000; see --help)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--model", default=DEFAULT_MODEL, help="registry name, .gguf file or HF directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000, help="public port")
-    p.add_argument("--pd", action="store_true", help="also start a prefill and a decode node")
-    p.add_argument("--threads", type=int, default=None, help="torch threads per node")
-    p.add_argument("--kv-memory", default="1GiB", help="KV pool per node")
-    p.add_argument("--transport", default="nixl", choices=["nixl", "ucx", "tcp"])
+    p = sub.add_parser("up", help="start a whole duet cluster on this machine (API on :8000; see --help)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--config", default=None, metavar="cluster.toml",
+                   help="layout file (see duet/up_config.py); flags below set its defaults")
+    p.add_argument("--model", default=None, help=f"registry name, .gguf file or HF directory (default {DEFAULT_MODEL})")
+    p.add_argument("--host", default=None, help="gateway address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="gateway port (default 8000)")
+    p.add_argument("--routing", choices=["coordinator", "static"], default=None,
+                   help="how the gateway picks nodes: coordinator (default; prefix- and load-aware) or "
+                        "static (least-loaded, blind to prefixes: a baseline for benchmarks)")  # fmt: skip
+    lay = p.add_argument_group("layout (without --config)")
+    lay.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill nodes (default 1)")
+    lay.add_argument("--decode", type=int, default=None, metavar="M", help="decode nodes (default 1)")
+    lay.add_argument("--colocated", type=int, nargs="?", const=1, default=None, metavar="N",
+                     help="N nodes that prefill and decode themselves (no disaggregation)")
+    lay.add_argument("--pd", action="store_true", help=argparse.SUPPRESS)  # before the gateway: P+D
+    n = p.add_argument_group("every node")
+    n.add_argument("--threads", type=int, default=None, help="torch threads per node (default: its CPU share)")
+    n.add_argument("--kv-memory", default="1GiB", help="KV pool per node (default 1GiB)")
+    n.add_argument("--kv-blocks", type=int, default=None, help="KV pool per node in blocks (overrides --kv-memory)")
+    n.add_argument("--dtype", default="auto", help="auto (default), bfloat16 or float32")
+    n.add_argument("--transport", default="nixl", choices=["nixl", "ucx", "tcp"], help="KV transport (default nixl)")
+    n.add_argument("--node-arg", action="append", default=[], metavar="FLAG",
+                   help="extra `duet node` flag, repeatable (e.g. --node-arg=--max-num-seqs=64)")
+    p.add_argument("--cluster", default=None, help="cluster name in etcd (default 'default')")
+    p.add_argument("--quiet", action="store_true", help="no merged log tail on the terminal")
+    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds every stage may take to be healthy (default 600)")
     p.set_defaults(func=_run)
 
 
-def _run(args: argparse.Namespace) -> int:
-    from duet.supervisor import Child, Supervisor
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _check_port_free(host: str, port: int) -> None:
+    from duet.cli import UsageError
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise UsageError(f"cannot listen on {host}:{port} ({e.strerror}): is another duet up or server "
+                             "running there? Pick another with --port") from None  # fmt: skip
+
+
+def build_config(args: argparse.Namespace):  # -> UpConfig
+    from duet.cli import UsageError
+    from duet.up_config import (
+        GatewaySection,
+        UpConfig,
+        UpConfigError,
+        layout_from_flags,
+        load_cluster_toml,
+        validate,
+    )
 
     try:
-        resolve_model(args.model)
+        if args.pd:
+            print("duet up: --pd is no longer needed: the default layout is 1 prefill + 1 decode node "
+                  "behind the gateway (see --prefill/--decode/--colocated)", file=sys.stderr)  # fmt: skip
+        base = UpConfig(kv_memory=args.kv_memory, kv_blocks=args.kv_blocks, dtype=args.dtype,
+                        transport=args.transport, node_args=tuple(args.node_arg), threads=args.threads)  # fmt: skip
+        if args.config:
+            if args.prefill is not None or args.decode is not None or args.colocated is not None:
+                raise UpConfigError("give the layout in cluster.toml or with --prefill/--decode/--colocated, not both")
+            cfg = load_cluster_toml(args.config, base)
+        else:
+            cfg = replace(base, nodes=layout_from_flags(args.prefill, args.decode, args.colocated))
+        gw = cfg.gateway
+        cfg = replace(cfg, model=args.model or cfg.model, cluster=args.cluster or cfg.cluster,
+                      gateway=GatewaySection(**{**gw.__dict__, **{k: v for k, v in (("host", args.host),
+                                                                                     ("port", args.port),
+                                                                                     ("routing", args.routing)) if v is not None}}))  # fmt: skip
+        return validate(cfg)
+    except UpConfigError as e:
+        raise UsageError(str(e)) from None
+
+
+def _ensure_model(model: str) -> str | None:
+    """The name nodes serve the model under; pulls a registry model that is missing (None when
+    that fails: the error is printed)."""
+    try:
+        return resolve_model(model).name
     except ModelNotFoundError:
-        if args.model not in REGISTRY:
+        if model not in REGISTRY:
             raise
-        from engine.pull import PullError, pull
+    from engine.pull import PullError, pull  # imports torch: only when there is something to pull
 
-        try:
-            pull(args.model, progress=lambda m: print(m, file=sys.stderr, flush=True))
-        except PullError as e:
-            print(f"duet up: error: {e}", file=sys.stderr)
-            return 1
+    print(f"duet up: pulling {model} (first start)", file=sys.stderr, flush=True)
+    try:
+        pull(model, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except PullError as e:
+        print(f"duet up: error: {e}", file=sys.stderr)
+        return None
+    return resolve_model(model).name
 
-    def node(role: str, port: int) -> Child:
-        cmd = [sys.executable, "-m", "duet", "node", "--role", role, "--model", args.model,
-               "--host", args.host, "--port", str(port), "--kv-memory", args.kv_memory,
-               "--transport", args.transport]  # fmt: skip
-        if args.threads:
-            cmd += ["--threads", str(args.threads)]
-        return Child(f"{role} node :{port}", cmd, f"http://{args.host}:{port}/health")
 
-    children = [node("both", args.port)]
-    if args.pd:
-        children += [node("prefill", args.port + 100), node("decode", args.port + 200)]
-    print(f"duet up: serving {args.model} at http://{args.host}:{args.port}/v1/completions",
-          file=sys.stderr)  # fmt: skip
-    return Supervisor(children).run()
+def _toml(v: Any) -> str:
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml(x) for x in v) + "]"
+    return repr(v)
+
+
+def gateway_toml(cfg, store_url: str, admin_sha256: str, coordinators: list[str], served: dict[str, str],
+                 nodes: list[tuple[str, str, str]]) -> str:  # fmt: skip
+    """`nodes`: (model, role, url) of every node, for static routing."""
+    gw = cfg.gateway
+    static = gw.routing == "static"
+    lines = ["# written by `duet up` on every start: edit cluster.toml or the flags instead", "[server]",
+             f"host = {_toml(gw.host)}", f"port = {gw.port}", f"admin_key_sha256 = {_toml(admin_sha256)}",
+             "[store]", f"url = {_toml(store_url)}",
+             "[routing]", f"coordinator = {_toml([] if static else coordinators)}", f"cluster = {_toml(cfg.cluster)}"]  # fmt: skip
+    for model, name in served.items():
+        lines += [f"[models.{json.dumps(name)}]", 'kind = "cluster"', f"tokenizer = {_toml(model)}",
+                  f"input_usd_per_mtok = {gw.input_usd_per_mtok!r}", f"output_usd_per_mtok = {gw.output_usd_per_mtok!r}"]  # fmt: skip
+        if static:
+            urls = {r: [u for m, role, u in nodes if m == model and role == r] for r in ("prefill", "decode", "both")}
+            lines.append("static = { " + ", ".join(f"{r} = {_toml(u)}" for r, u in urls.items() if u) + " }")
+    return "\n".join(lines) + "\n"
+
+
+def _node_children(cfg, home, etcd_url: str, log):  # -> list[(Child, (model, role))]
+    from duet.supervisor import Child
+    from duet.up_config import cpu_list, plan_cpus
+
+    flat = [(g, i) for g in cfg.nodes for i in range(g.count)]
+    avail = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    plan = plan_cpus(len(flat), avail)
+    if plan and plan[0] is None:
+        log(f"{len(flat)} nodes on {len(avail)} CPUs: not pinning (fewer CPUs than nodes)")
+    children, counters = [], {}
+    for (g, _), cpus in zip(flat, plan, strict=True):
+        k = counters[g.role] = counters.get(g.role, -1) + 1
+        name = f"{g.role}-{k}"
+        port = _free_port()
+        pinned = g.cpus or (cpu_list(cpus) if cpus else None)
+        threads = g.threads or cfg_threads(cfg, cpus, len(flat), len(avail))
+        args = [sys.executable, "-m", "duet", "node", "--role", g.role, "--model", g.model or cfg.model,
+                "--host", "127.0.0.1", "--port", str(port), "--node-id", name, "--etcd", etcd_url,
+                "--cluster", cfg.cluster, "--pool", g.pool, "--dtype", cfg.dtype, "--transport", cfg.transport,
+                "--threads", str(threads)]  # fmt: skip
+        kv_blocks = g.kv_blocks if g.kv_blocks is not None else (None if g.kv_memory else cfg.kv_blocks)
+        args += ["--kv-blocks", str(kv_blocks)] if kv_blocks else ["--kv-memory", g.kv_memory or cfg.kv_memory]
+        if pinned:
+            args += ["--cpus", pinned]
+        args += [*cfg.node_args, *g.args]
+        children.append((Child(name, args, home.logs / f"{name}.log", f"http://127.0.0.1:{port}/health"),
+                         (g.model or cfg.model, g.role)))  # fmt: skip
+    return children
+
+
+def cfg_threads(cfg, cpus: list[int] | None, n_nodes: int, n_cpus: int) -> int:
+    """Explicit --threads, else the node's pinned CPUs, else an even share of the machine."""
+    if cfg.threads:
+        return cfg.threads
+    if cpus:
+        return len(cpus)
+    return max(1, n_cpus // max(1, n_nodes))
+
+
+def _get_json(url: str, timeout: float = 2.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def _banner(url: str, model: str, key: str, created: bool, home, layout: str) -> str:
+    curl = (f"curl {url}/chat/completions \\\n  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
+            f"  -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Say hello\"}}], "
+            f"\"max_tokens\": 32}}'")  # fmt: skip
+    py = ("python - <<'EOF'\nfrom openai import OpenAI\n"
+          f"client = OpenAI(base_url={url!r}, api_key={key!r})\n"
+          f"r = client.chat.completions.create(model={model!r}, "
+          "messages=[{'role': 'user', 'content': 'Say hello'}], max_tokens=32)\n"
+          "print(r.choices[0].message.content)\nEOF")  # fmt: skip
+    return "\n".join([
+        "", f"duet is up: {layout}",
+        f"  API      {url}", f"  model    {model}",
+        f"  API key  {key}   (team 'dev'; {'created now, ' if created else ''}kept in {home.dev_key_file})",
+        f"  admin    key in {home.admin_key_file} (for /admin/teams, /admin/keys)",
+        f"  logs     {home.logs}/", "  status   duet status     stop: Ctrl-C", "",
+        "# try it (curl):", curl, "", "# or with the openai client:", py, "",
+    ])  # fmt: skip
+
+
+def _run(args: argparse.Namespace) -> int:
+    from duet.cli import UsageError
+    from duet.supervisor import Child, Supervisor
+    from duet.up_home import UpHome, admin_key, dev_key
+    from gateway.keys import hash_secret
+
+    cfg = build_config(args)
+    home = UpHome.current()
+    home.prepare()
+    lock = home.lock()
+    if lock is None:
+        st = home.read_state() or {}
+        raise UsageError(f"another duet up (pid {st.get('pid', '?')}) is running with DUET_HOME={home.root}: "
+                         "stop it first, or set DUET_HOME to another directory")  # fmt: skip
+    _check_port_free(cfg.gateway.host, cfg.gateway.port)
+    served = {m: _ensure_model(m) for m in cfg.models()}
+    if None in served.values():
+        return 1
+
+    def log(msg: str) -> None:
+        print(f"duet up: {msg}", file=sys.stderr, flush=True)
+
+    key, created = dev_key(home)
+    admin = admin_key(home)
+    etcd_port, etcd_peer = _free_port(), _free_port()
+    etcd_url = f"http://127.0.0.1:{etcd_port}"
+    from coordinator.etcd_server import etcd_binary
+
+    # The same single-member etcd as coordinator.etcd_server.EtcdServer, run as a supervised child.
+    peer = f"http://127.0.0.1:{etcd_peer}"
+    etcd = Child("etcd", [etcd_binary(), "--name", "duet", "--data-dir", str(home.etcd_data / "member-data"),
+                          "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
+                          "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                          "--initial-cluster", f"duet={peer}", "--log-level", "warn"],
+                 home.logs / "etcd.log", etcd_url + "/health")  # fmt: skip
+    coords, coord_urls = [], []
+    for i in range(cfg.coordinator.replicas):
+        port = _free_port()
+        coord_urls.append(f"http://127.0.0.1:{port}")
+        coords.append(Child(f"coordinator-{i}" if cfg.coordinator.replicas > 1 else "coordinator",
+                            [sys.executable, "-m", "duet", "coordinator", "--etcd", etcd_url, "--cluster", cfg.cluster,
+                             "--host", "127.0.0.1", "--port", str(port), "--replica-id", f"coordinator-{i}",
+                             *cfg.coordinator.args],
+                            home.logs / (f"coordinator-{i}.log" if cfg.coordinator.replicas > 1 else "coordinator.log"),
+                            coord_urls[-1] + "/health",
+                            # Orphaned, it would resign in an etcd that is going down with it, and
+                            # resigning has no time limit: it holds no state worth a clean exit.
+                            death_signal=signal.SIGKILL))  # fmt: skip
+    nodes = _node_children(cfg, home, etcd_url, log)
+    node_urls = [(m, role, c.health_url.removesuffix("/health")) for c, (m, role) in nodes]  # type: ignore[union-attr]
+    nodes = [c for c, _ in nodes]
+    home.gateway_toml.write_text(gateway_toml(cfg, home.store_url, hash_secret(admin), coord_urls, served, node_urls))
+    gw_host = "127.0.0.1" if cfg.gateway.host in ("0.0.0.0", "::", "") else cfg.gateway.host
+    gw_url = f"http://{gw_host}:{cfg.gateway.port}"
+    env = {k: v for k, v in os.environ.items() if k != "DUET_ADMIN_KEY"}  # the admin key is the file's
+    gateway = Child("gateway", [sys.executable, "-m", "duet", "gateway", "--config", str(home.gateway_toml)],
+                    home.logs / "gateway.log", gw_url + "/health", env=env)  # fmt: skip
+    stages = [[etcd], coords, nodes, [gateway]]
+
+    state: dict[str, Any] = {"pid": os.getpid(), "started_at": time.time(), "ready": False, "home": str(home.root),
+                             "gateway": gw_url, "coordinators": coord_urls, "etcd": etcd_url, "cluster": cfg.cluster,
+                             "models": sorted(served.values()), "children": []}  # fmt: skip
+
+    def started(c: Child) -> None:
+        state["children"].append({"name": c.name, "pid": c.pid, "log": str(c.log_path),
+                                  "url": c.health_url.rsplit("/health", 1)[0] if c.health_url else None})  # fmt: skip
+        home.write_state(state)
+
+    node_ids = {c.name for c in nodes}
+
+    def ready(sup: Supervisor) -> bool:
+        """The cluster can route once a coordinator reports every node ready."""
+        waited, seen = 0.0, set()
+        while waited < args.startup_timeout:
+            try:
+                info = _get_json(coord_urls[0] + "/cluster")
+                seen = {n["node_id"] for n in info["nodes"] if n["ready"]}
+                if node_ids <= seen:
+                    break
+            except (urllib.error.URLError, OSError, ValueError, KeyError):
+                pass
+            if sup.wait(0.2):  # readiness polling interval
+                return False
+            waited += 0.2
+        else:
+            sup.say(f"the coordinator does not see {sorted(node_ids - seen)} ready after {args.startup_timeout:.0f}s")
+            return False
+        state["ready"] = True
+        home.write_state(state)
+        model = sorted(served.values())[0]
+        print(_banner(gw_url + "/v1", model, key, created, home, cfg.describe()), flush=True)
+        sup.say("all up; Ctrl-C stops everything")
+        return True
+
+    log(f"DUET_HOME={home.root}: {cfg.describe()} node(s), serving {', '.join(served.values())}")
+    sup = Supervisor(stages, startup_timeout=args.startup_timeout, tail=not args.quiet, on_ready=ready,
+                     on_started=started)  # fmt: skip
+    try:
+        return sup.run()
+    finally:
+        home.clear_state()
+        lock.close()
+

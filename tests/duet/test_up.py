@@ -1,34 +1,236 @@
-"""`duet up` starts a working system on one machine and stops it cleanly."""
+"""`duet up` from a fresh DUET_HOME: a whole cluster (etcd, coordinator, P and D nodes, gateway)
+that answers the official openai client with the key it prints, keeps teams, keys and usage
+across a restart, and leaves no process behind after SIGTERM or Ctrl-C (SIGINT)."""
+
+from __future__ import annotations
 
 import json
+import os
+import re
 import signal
+import stat
+import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+import openai
+import pytest
 
 from tests.procs import Proc, free_port
 
+UP_FLAGS = ("--kv-blocks", "256", "--dtype", "float32", "--threads", "1", "--quiet")
 
-def test_up_serves_completions_and_stops_cleanly(tiny_llama: Path, tmp_path: Path) -> None:
-    port = free_port()
-    up = Proc([sys.executable, "-m", "duet", "up", "--model", str(tiny_llama), "--port", str(port),
-               "--threads", "1", "--kv-memory", "64MiB"], port, tmp_path / "up.log")  # fmt: skip
+
+def start_up(home: Path, model: Path, port: int, log: Path, *extra: str) -> Proc:
+    args = [sys.executable, "-m", "duet", "up", "--model", str(model), "--port", str(port), *UP_FLAGS, *extra]
+    return Proc(args, port, log, env={"DUET_HOME": str(home)})
+
+
+def wait_banner(up: Proc, timeout: float = 240.0) -> str:
+    """The API key printed once the cluster is up (the supervisor checks readiness itself)."""
+    deadline = time.monotonic() + timeout
+    while "all up" not in up.log():
+        assert up.proc.poll() is None, up.log()[-4000:]
+        assert time.monotonic() < deadline, up.log()[-4000:]
+        time.sleep(0.1)  # polling the log for the readiness line
+    m = re.search(r"API key\s+(sk-duet-\S+)", up.log())
+    assert m, up.log()
+    return m.group(1)
+
+
+def block(text: str, start: str, end: str) -> str:
+    """The printed snippet from the line starting with `start` up to the line `end` (kept when
+    it is the heredoc's EOF, dropped when it is the blank line after a command)."""
+    lines = text.splitlines()
+    i = next(k for k, line in enumerate(lines) if line.startswith(start))
+    j = next(k for k in range(i + 1, len(lines)) if lines[k] == end)
+    return "\n".join(lines[i : j + (1 if end else 0)])
+
+
+def alive(pid: int) -> bool:
     try:
-        up.wait_healthy(120)
-        deadline = time.monotonic() + 60
-        while "all up" not in up.log():  # the supervisor reports after its own health check
-            assert time.monotonic() < deadline, up.log()
-            time.sleep(0.05)
-        req = urllib.request.Request(
-            up.url + "/v1/completions",
-            data=json.dumps({"prompt": "Paris is the capital", "max_tokens": 4}).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        body = json.loads(urllib.request.urlopen(req, timeout=60).read())
-        assert body["usage"]["completion_tokens"] == 4 and body["choices"][0]["finish_reason"] == "length"
-        up.proc.send_signal(signal.SIGTERM)
-        assert up.proc.wait(60) == 0
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_and_check_nothing_left(up: Proc, home: Path, sig: int) -> None:
+    state = json.loads((home / "up" / "state.json").read_text())
+    pids = [c["pid"] for c in state["children"]]
+    assert len(pids) == 5 and all(alive(p) for p in pids)
+    up.proc.send_signal(sig)
+    assert up.proc.wait(120) == 0, up.log()[-3000:]
+    # Each child led its own process group: neither it nor anything it started is left.
+    left = [p for p in pids if alive(p) or group_alive(p)]
+    assert not left, (left, up.log()[-3000:])
+    assert not (home / "up" / "state.json").exists()
+    assert "duet up: stopped" in up.log()
+
+
+def test_up_fresh_home_openai_restart_keeps_usage_and_sigint_leaves_nothing(tiny_llama: Path, tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    port = free_port()
+    up = start_up(home, tiny_llama, port, tmp_path / "up1.log")
+    try:
+        key = wait_banner(up)
+        assert (home / "up" / "dev.key").read_text().strip() == key
+        for f in ("dev.key", "admin.key"):
+            assert stat.S_IMODE((home / "up" / f).stat().st_mode) == 0o600
+        assert {p.name for p in (home / "logs").iterdir()} >= {"etcd.log", "coordinator.log", "prefill-0.log",
+                                                               "decode-0.log", "gateway.log"}  # fmt: skip
+        client = openai.OpenAI(base_url=up.url + "/v1", api_key=key, max_retries=0)
+        r = client.chat.completions.create(model=tiny_llama.name, messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=5, temperature=0)  # fmt: skip
+        assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+        # The snippets work exactly as printed.
+        bindir = str(Path(sys.executable).parent)
+        env = {**os.environ, "PATH": bindir + os.pathsep + os.environ["PATH"]}
+        curl = subprocess.run(["bash", "-c", block(up.log(), "curl ", "")], capture_output=True, text=True,
+                              timeout=60, env=env)  # fmt: skip
+        body = json.loads(curl.stdout.splitlines()[0] if curl.stdout else "{}")
+        assert curl.returncode == 0 and body["usage"]["completion_tokens"] >= 1, (curl.stdout, curl.stderr)
+        py = subprocess.run(["bash", "-c", block(up.log(), "python - <<'EOF'", "EOF")], capture_output=True,
+                            text=True, timeout=60, env=env)  # fmt: skip
+        assert py.returncode == 0 and py.stdout.strip(), py.stderr
+        status = subprocess.run([sys.executable, "-m", "duet", "status", "--json"], capture_output=True, text=True,
+                                timeout=60, env={**os.environ, "DUET_HOME": str(home)})  # fmt: skip
+        assert status.returncode == 0, status.stderr
+        info = json.loads(status.stdout)
+        assert {(n["node_id"], n["role"]) for n in info["cluster"]["nodes"]} == {("prefill-0", "prefill"),
+                                                                                   ("decode-0", "decode")}
+        assert info["cluster"]["leader"] == "coordinator-0" and info["gateway"]["status"] == "ok"
+        # One duet up per DUET_HOME.
+        second = subprocess.run([sys.executable, "-m", "duet", "up", "--model", str(tiny_llama), "--port",
+                                 str(free_port()), "--quiet"], capture_output=True, text=True, timeout=60,
+                                env={**os.environ, "DUET_HOME": str(home)})  # fmt: skip
+        assert second.returncode == 2 and "another duet up" in second.stderr
+        stop_and_check_nothing_left(up, home, signal.SIGTERM)
     finally:
         up.kill()
-    assert "stopped" in up.log()
+
+    # Restart: same key, the usage of the first run is still there, new requests add to it.
+    up = start_up(home, tiny_llama, port, tmp_path / "up2.log")
+    try:
+        assert wait_banner(up) == key
+        assert "created now" not in up.log()
+        client = openai.OpenAI(base_url=up.url + "/v1", api_key=key, max_retries=0)
+        before = client.get("/usage", cast_to=object)["data"]
+        assert len(before) == 1 and before[0]["requests"] == 3 and before[0]["completion_tokens"] >= 5
+        client.completions.create(model=tiny_llama.name, prompt="again", max_tokens=3, temperature=0)
+        after = client.get("/usage", cast_to=object)["data"]
+        assert after[0]["requests"] == 4
+        stop_and_check_nothing_left(up, home, signal.SIGINT)
+    finally:
+        up.kill()
+
+
+def test_up_refuses_bad_layouts_with_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "DUET_HOME": str(tmp_path / "home")}
+    bad = tmp_path / "cluster.toml"
+    cases = {
+        ("--colocated", "--prefill", "2"): "do not combine",
+        ("--prefill", "1", "--decode", "0"): "no decode",
+        ("--config", str(bad)): "unknown keys: nodez",
+        ("--config", str(bad), "--prefill", "2"): "not both",
+    }
+    bad.write_text('[[nodez]]\nrole = "prefill"\n')
+    for flags, msg in cases.items():
+        r = subprocess.run([sys.executable, "-m", "duet", "up", "--port", str(free_port()), *flags],
+                           capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
+    r = subprocess.run([sys.executable, "-m", "duet", "status"], capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "no `duet up` is running" in r.stderr
+
+
+def test_cluster_toml_layout_and_cpu_plan() -> None:
+    from duet.up_config import UpConfig, UpConfigError, parse_cluster_toml, plan_cpus
+
+    cfg = parse_cluster_toml({"model": "m", "gateway": {"port": 9000}, "coordinator": {"replicas": 2},
+                              "nodes": [{"role": "prefill", "count": 2, "pool": "batch", "args": ["--x", "1"]},
+                                        {"role": "decode", "model": "m"}]}, UpConfig())  # fmt: skip
+    assert cfg.gateway.port == 9000 and cfg.coordinator.replicas == 2 and cfg.models() == ["m"]
+    assert cfg.nodes[0].count == 2 and cfg.nodes[0].args == ("--x", "1")
+    assert cfg.describe() == "2 prefill, 1 decode (m)"
+    for bad, msg in [({"nodes": [{"role": "prefill"}]}, "no decode"),
+                     ({"nodes": [{"role": "both", "count": 0}]}, "count >= 1"),
+                     ({"nodes": [{"role": "both", "pool": "gold"}]}, "pool"),
+                     ({"gateway": {"prot": 1}}, "unknown keys: prot")]:  # fmt: skip
+        with pytest.raises(UpConfigError, match=msg):
+            parse_cluster_toml(bad, UpConfig())
+    assert plan_cpus(2, [0, 1]) == [[0], [1]]
+    assert plan_cpus(2, [0, 1, 2, 3, 4]) == [[0, 1, 2], [3, 4]]
+    assert plan_cpus(3, [0, 1]) == [None, None, None]
+
+
+def test_gateway_toml_routes_through_the_coordinator_or_statically() -> None:
+    from dataclasses import replace
+
+    from duet.cmd_up import gateway_toml
+    from duet.up_config import GatewaySection, UpConfig
+    from gateway.config import parse_config
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+
+    cfg = UpConfig(model="/m/tiny")
+    nodes = [("/m/tiny", "prefill", "http://127.0.0.1:1"), ("/m/tiny", "decode", "http://127.0.0.1:2")]
+    text = gateway_toml(cfg, "sqlite:///x.db", "ab" * 32, ["http://127.0.0.1:9"], {"/m/tiny": "tiny"}, nodes)
+    gw = parse_config(tomllib.loads(text))
+    assert gw.routing.coordinator == ("http://127.0.0.1:9",) and gw.models["tiny"].static is None
+    assert gw.models["tiny"].tokenizer == "/m/tiny" and gw.server.admin_key_sha256 == "ab" * 32
+    static = replace(cfg, gateway=GatewaySection(routing="static"))
+    gw = parse_config(tomllib.loads(gateway_toml(static, "sqlite:///x.db", "ab" * 32, ["http://127.0.0.1:9"],
+                                                 {"/m/tiny": "tiny"}, nodes)))  # fmt: skip
+    assert gw.routing.coordinator == () and gw.models["tiny"].static.prefill == ("http://127.0.0.1:1",)
+    assert gw.models["tiny"].static.decode == ("http://127.0.0.1:2",)
+
+
+def test_help_names_up_and_status() -> None:
+    r = subprocess.run([sys.executable, "-m", "duet", "--help"], capture_output=True, text=True, timeout=60)
+    assert "    up" in r.stdout and "    status" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "duet", "up", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--colocated" in r.stdout and "$DUET_HOME/logs" in r.stdout
+
+
+def test_up_config_layout_and_a_killed_up_leaves_no_orphans(tiny_llama: Path, tmp_path: Path) -> None:
+    """SIGKILL gives the supervisor no chance to clean up: its children go by themselves."""
+    home = tmp_path / "home"
+    layout = tmp_path / "cluster.toml"  # a --config layout: one colocated node in the batch pool
+    layout.write_text('[coordinator]\nargs = ["--stale-load-s", "3"]\n[[nodes]]\nrole = "both"\npool = "batch"\n')
+    up = start_up(home, tiny_llama, free_port(), tmp_path / "up.log", "--config", str(layout))
+    try:
+        key = wait_banner(up)
+        assert "duet is up: 1 colocated" in up.log()
+        client = openai.OpenAI(base_url=up.url + "/v1", api_key=key, max_retries=0)
+        # The node is in the batch pool: batch requests reach it, interactive ones find no node there.
+        r = client.completions.create(model=tiny_llama.name, prompt="x", max_tokens=2,
+                                      extra_headers={"x-duet-tier": "batch"})  # fmt: skip
+        assert r.usage.completion_tokens == 2
+        with pytest.raises(openai.InternalServerError, match="no decode node"):
+            client.completions.create(model=tiny_llama.name, prompt="x", max_tokens=2)
+        pids = [c["pid"] for c in json.loads((home / "up" / "state.json").read_text())["children"]]
+        assert len(pids) == 4
+        up.proc.send_signal(signal.SIGKILL)
+        up.proc.wait(10)
+        deadline = time.monotonic() + 90
+        while any(alive(p) for p in pids):
+            assert time.monotonic() < deadline, [p for p in pids if alive(p)]
+            time.sleep(0.1)  # waiting for the children's own shutdown
+        # The next start on the same home is not blocked by the dead one's lock or state.
+        status = subprocess.run([sys.executable, "-m", "duet", "status"], capture_output=True, text=True,
+                                timeout=60, env={**os.environ, "DUET_HOME": str(home)})  # fmt: skip
+        assert status.returncode == 2 and "no `duet up` is running" in status.stderr
+    finally:
+        up.kill()

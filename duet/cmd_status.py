@@ -1,0 +1,119 @@
+"""`duet status`: the cluster at a glance — nodes, roles, pools, load, KV use, the leader, and
+(for a `duet up` cluster) the supervised processes.
+
+Without flags it reads `$DUET_HOME/up/state.json`, written by the running `duet up`; with
+`--coordinator URL[,URL]` it asks any coordinator replica of any cluster (`GET /cluster`).
+Exit code 0 when every node is ready, 1 when some is not or no coordinator answers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="show the cluster: nodes, roles, load, KV use, leader",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--coordinator", default=None, metavar="URL[,URL]",
+                   help="coordinator replica(s) to ask (default: the running `duet up`'s)")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.set_defaults(func=_run)
+
+
+def _get(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=3) as r:
+        return json.loads(r.read())
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def collect(coordinators: list[str], state: dict[str, Any] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"cluster": None, "coordinator": None, "errors": []}
+    for url in coordinators:
+        try:
+            out["cluster"], out["coordinator"] = _get(url + "/cluster"), url
+            break
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            out["errors"].append(f"{url}: {getattr(e, 'reason', e)}")
+    if state is not None:
+        out["up"] = {**state, "children": [{**c, "alive": _alive(c.get("pid"))} for c in state.get("children", [])]}
+        try:
+            out["gateway"] = _get(state["gateway"] + "/health")
+        except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+            out["gateway"] = {"status": f"unreachable: {getattr(e, 'reason', e)}"}
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def render(info: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=None if sys.stdout.isatty() else 200)  # no terminal: do not squeeze columns
+    up = info.get("up")
+    if up:
+        con.print(f"[bold]duet up[/] pid {up['pid']} ({'ready' if up.get('ready') else 'starting'}) "
+                  f"home {up['home']} (logs in logs/)  gateway {up['gateway']}: {info.get('gateway', {}).get('status')}")  # fmt: skip
+        t = Table("process", "pid", "alive", "url")
+        for c in up["children"]:
+            t.add_row(c["name"], str(c["pid"]), "yes" if c["alive"] else "[red]no[/]", c.get("url") or "")
+        con.print(t)
+    cl = info["cluster"]
+    if cl is None:
+        con.print(f"[red]no coordinator answered[/]: {'; '.join(info['errors']) or 'none given'}")
+        return
+    con.print(f"[bold]cluster[/] {cl['cluster']}  leader {cl['leader']}  (asked {cl['replica_id']} at "
+              f"{info['coordinator']}; etcd {'connected' if cl['etcd_connected'] else '[red]disconnected[/]'})  "
+              f"prefix index {cl['index_blocks']} blocks")  # fmt: skip
+    t = Table("node", "role", "pool", "status", "ready", "waiting", "running", "KV use", "KV free",
+              "queued prefill", "cached blocks", "url")  # fmt: skip
+    for n in cl["nodes"]:
+        ld = n.get("load") or {}
+        t.add_row(n["node_id"], n["role"], n["pool"], n["status"], "yes" if n["ready"] else "[red]no[/]",
+                  str(ld.get("waiting", "-")), str(ld.get("running", "-")), _pct(ld.get("kv_cache_usage_perc")),
+                  f"{ld.get('kv_blocks_free', '-')}/{ld.get('kv_blocks_total', '-')}",
+                  str(ld.get("queued_prefill_tokens", "-")), str(n["indexed_blocks"]), n["url"])  # fmt: skip
+    con.print(t)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from duet.cli import UsageError
+    from duet.up_home import UpHome
+
+    state = None
+    if args.coordinator:
+        coords = [u.strip().rstrip("/") for u in args.coordinator.split(",") if u.strip()]
+    else:
+        home = UpHome.current()
+        state = home.read_state()
+        if state is None or not _alive(state.get("pid")):
+            raise UsageError(f"no `duet up` is running with DUET_HOME={home.root}; "
+                             "give --coordinator URL for another cluster")  # fmt: skip
+        coords = state["coordinators"]
+    info = collect(coords, state)
+    if args.json:
+        json.dump(info, sys.stdout, indent=2)
+        print()
+    else:
+        render(info)
+    cl = info["cluster"]
+    return 0 if cl is not None and cl["nodes"] and all(n["ready"] for n in cl["nodes"]) else 1

