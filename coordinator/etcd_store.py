@@ -25,6 +25,7 @@ class EtcdStore:
     def __init__(self, url: str, timeout: float = 5.0) -> None:
         host, port = parse_etcd_url(url)
         self.url = url
+        self.timeout = timeout
         # gRPC's default reconnect backoff grows to 2 minutes; a restarted etcd must be found
         # again within a lease TTL, so retry at least every second.
         options = {"grpc.initial_reconnect_backoff_ms": 200, "grpc.min_reconnect_backoff_ms": 200,
@@ -34,7 +35,9 @@ class EtcdStore:
 
     async def _call(self, coro: Any) -> Any:
         try:
-            return await coro
+            # aetcd's own timeout does not cover every RPC (a lease revoke on a dead etcd waited
+            # forever and hung the coordinator's shutdown): bound each call here as well.
+            return await asyncio.wait_for(coro, self.timeout + 1.0)
         except aetcd.ClientError as e:
             raise StoreError(f"etcd {self.url}: {type(e).__name__}: {e}") from e
         except (OSError, asyncio.TimeoutError) as e:
