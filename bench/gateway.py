@@ -48,6 +48,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stream-tokens", type=int, default=32)
     p.add_argument("--token-delay", type=float, default=0.02,
                    help="seconds between tokens at the echo node of the concurrency test")
+    p.add_argument("--connect-timeout", type=float, default=3.0,
+                   help="the gateway's [routing] connect_timeout_s to the nodes (3 s: its default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
@@ -99,17 +101,48 @@ async def _overhead(node: str, gw: str, key: str, ids: list[int], args: argparse
             via["latency"].append(lat)
     out: dict[str, Any] = {"requests": args.requests}
     for name in ("ttft", "latency"):
-        d, g = _summary(direct[name]), _summary(via[name])
-        out[name] = {"node": d, "gateway": g,
-                     "overhead_p50_ms": round(g["p50_ms"] - d["p50_ms"], 3),  # type: ignore[operator]
-                     "overhead_p99_ms": round(g["p99_ms"] - d["p99_ms"], 3)}  # type: ignore[operator]  # fmt: skip
+        # Requests alternate node/gateway, so request i's overhead is its own difference: the
+        # percentiles are of those differences, never a percentile minus a percentile.
+        diffs = [g - d for d, g in zip(direct[name], via[name], strict=True)]
+        paired = _summary(diffs)
+        out[name] = {"node": _summary(direct[name]), "gateway": _summary(via[name]),
+                     "overhead_p50_ms": paired["p50_ms"], "overhead_p99_ms": paired["p99_ms"]}  # fmt: skip
     return out
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+async def _with_memory(pid: int, work: Any) -> tuple[Any, dict[str, float]]:
+    """Run `work` while sampling the gateway's RSS every 100 ms: idle, peak and per stream."""
+    idle = _rss_bytes(pid)
+    peak = idle
+    done = asyncio.Event()
+
+    async def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _rss_bytes(pid))
+            await asyncio.sleep(0.1)  # sampling interval
+
+    sampler = asyncio.ensure_future(sample())
+    try:
+        result = await work
+    finally:
+        done.set()
+        await sampler
+    return result, {"rss_idle_mib": round(idle / 2**20, 1), "rss_peak_mib": round(peak / 2**20, 1)}
 
 
 async def _concurrency(gw: str, key: str, args: argparse.Namespace) -> dict[str, Any]:
     body = {"model": "echo-slow", "prompt": PROMPT, "max_tokens": args.stream_tokens, "stream": True}
     headers = {"Authorization": f"Bearer {key}"}
     errors: dict[str, int] = {}
+    samples: dict[str, str] = {}  # one message per error kind
     ttfts: list[float] = []
     tokens = 0
     timeout = aiohttp.ClientTimeout(total=600)
@@ -124,21 +157,25 @@ async def _concurrency(gw: str, key: str, args: argparse.Namespace) -> dict[str,
             except Exception as e:
                 k = str(e).split(":")[0] if isinstance(e, RuntimeError) else type(e).__name__
                 errors[k] = errors.get(k, 0) + 1
+                samples.setdefault(k, str(e)[:300])
 
         t0 = time.perf_counter()
         await asyncio.gather(*[one() for _ in range(args.streams)])
         wall = time.perf_counter() - t0
-    return {"streams": args.streams, "completed": len(ttfts), "errors": errors, "wall_s": round(wall, 3),
-            "ttft": _summary(ttfts), "tokens_per_s": round(tokens / wall, 1)}  # fmt: skip
+    return {"streams": args.streams, "completed": len(ttfts), "errors": errors, "error_samples": samples,
+            "wall_s": round(wall, 3), "ttft": _summary(ttfts), "tokens_per_s": round(tokens / wall, 1)}  # fmt: skip
 
 
-def _write_config(tmp: Path, port: int, fast: str, slow: str, tokenizer: str, streams: int) -> Path:
+def _write_config(tmp: Path, port: int, fast: str, slow: str, tokenizer: str, streams: int,
+                  connect_timeout: float) -> Path:  # fmt: skip
     cfg = tmp / "gateway.toml"
     cfg.write_text(f"""
 [server]
 port = {port}
 [store]
 url = "sqlite://{tmp / 'gateway.db'}"
+[routing]
+connect_timeout_s = {connect_timeout}
 [tiers]
 max_inflight = {streams + 64}
 interactive_queue = {streams + 64}
@@ -176,7 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         slow = Proc([sys.executable, "-m", "bench.echo_node", "--port", str(sport), "--token-delay",
                      str(args.token_delay)], sport, tmp / "echo-slow.log")  # fmt: skip
         admin = secrets.token_urlsafe(16)
-        cfg = _write_config(tmp, gport, node.url, slow.url, str(tok_dir), args.streams)
+        cfg = _write_config(tmp, gport, node.url, slow.url, str(tok_dir), args.streams, args.connect_timeout)
         gw = Proc([sys.executable, "-m", "duet", "gateway", "--config", str(cfg), "--log-level", "WARNING"], gport,
                   tmp / "gateway.log", env={"DUET_ADMIN_KEY": admin, "DUET_HOME": str(tmp)})  # fmt: skip
         with running(node, slow, gw):
@@ -187,7 +224,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             overhead = asyncio.run(_overhead(node.url, gw.url, key, ids, args))
             if not args.json:
                 print(f"concurrency: {args.streams} streams at once …", file=sys.stderr)
-            conc = asyncio.run(_concurrency(gw.url, key, args))
+            conc, mem = asyncio.run(_with_memory(gw.proc.pid, _concurrency(gw.url, key, args)))
+            mem["kib_per_stream"] = round((mem["rss_peak_mib"] - mem["rss_idle_mib"]) * 1024 / args.streams, 1)
+            conc["gateway_memory"] = mem
     return {"bench": "gateway", "cpus": len(os.sched_getaffinity(0)), "overhead": overhead, "concurrency": conc,
             "config": {k: v for k, v in vars(args).items() if k != "json"}}  # fmt: skip
 
@@ -206,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{x['gateway']['p50_ms']} ms p99 {x['gateway']['p99_ms']} ms | overhead p50 {x['overhead_p50_ms']} ms "
               f"p99 {x['overhead_p99_ms']} ms")  # fmt: skip
     print(f"{c['streams']} concurrent streams: {c['completed']} completed, errors {c['errors']}, wall {c['wall_s']} s, "
-          f"TTFT p50 {c['ttft']['p50_ms']} ms p99 {c['ttft']['p99_ms']} ms, {c['tokens_per_s']} tokens/s")  # fmt: skip
+          f"TTFT p50 {c['ttft']['p50_ms']} ms p99 {c['ttft']['p99_ms']} ms, {c['tokens_per_s']} tokens/s, gateway RSS "
+          f"{c['gateway_memory']}")  # fmt: skip
     return 0
 
 

@@ -20,3 +20,5 @@ def test_gateway_bench_prints_json(tiny_llama: Path) -> None:
     c = out["concurrency"]
     assert c["streams"] == 30 and c["completed"] == 30 and c["errors"] == {}
     assert c["tokens_per_s"] > 0
+    mem = c["gateway_memory"]
+    assert mem["rss_peak_mib"] >= mem["rss_idle_mib"] > 0 and mem["kib_per_stream"] >= 0
