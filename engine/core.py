@@ -27,9 +27,10 @@ from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput, TextState
 from engine.request import Priority, Request
 from engine.runner import ModelRunner, PoolFactory, zeroed_pool
-from engine.sampler import Sampler
+from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
+from protocol.logprobs import TokenLogprob
 from protocol.models import resolve_model
 from protocol.tokenizer import Tokenizer
 
@@ -135,6 +136,8 @@ class EngineCore:
     ) -> Request:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(ids)
+        if remote_num_tokens and params.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs cannot be computed for a prompt whose KV comes from a prefill node")
         if remote_num_tokens and not 0 < remote_num_tokens <= len(ids):
             raise RequestError(f"remote KV covers {remote_num_tokens} tokens of a {len(ids)}-token prompt")
         self._check_queue(len(ids))
@@ -213,7 +216,7 @@ class EngineCore:
             if c.req.first_scheduled_time is None:
                 c.req.first_scheduled_time = now
         try:
-            samplers, logits = self.runner.execute(sched.chunks)
+            samplers, logits, prompt_rows = self.runner.execute(sched.chunks)
         except Exception as e:  # this step's requests fail; everyone else goes on
             log.exception("forward pass failed: failing the %d request(s) of this step", len(sched.chunks))
             for c in sched.chunks:
@@ -230,14 +233,21 @@ class EngineCore:
             (c.req.request_id, c.req.params, len(c.req.output_token_ids) >= c.req.params.min_tokens)
             for c in samplers
         ]
+        for pr in prompt_rows:  # before sampling: the first token's delta carries them
+            targets = pr.req.prompt_token_ids[pr.first + 1 : pr.first + 1 + len(pr.logits)]
+            n = pr.req.params.prompt_logprobs or 0
+            pr.req.prompt_logprobs.extend(token_logprobs(pr.logits, targets, [n] * len(targets)))
         tokens, errors = self.sampler.sample_rows(logits, rows, [c.req.eos_token_ids for c in samplers])
+        want = [i for i, c in enumerate(samplers) if c.req.params.logprobs is not None and i not in errors]
+        scored = token_logprobs(logits[want], [tokens[i] for i in want], [samplers[i].req.params.logprobs for i in want])
+        lps = dict(zip(want, scored, strict=True))
         now = time.monotonic()
         for i, (c, tok) in enumerate(zip(samplers, tokens, strict=True)):
             if i in errors:
                 log.warning("request %s failed: %s", c.req.request_id, errors[i])
                 outputs.append(self.fail(c.req, errors[i]))
             else:
-                outputs.append(self._append_token(c.req, tok, now))
+                outputs.append(self._append_token(c.req, tok, now, lps.get(i)))
         return outputs, sched.reserved
 
     def fail(self, req: Request, message: str) -> RequestOutput:
@@ -248,7 +258,7 @@ class EngineCore:
         self._finish(req, "error", None, out)
         return out
 
-    def _append_token(self, req: Request, tok: int, now: float) -> RequestOutput:
+    def _append_token(self, req: Request, tok: int, now: float, lp: TokenLogprob | None = None) -> RequestOutput:
         if req.first_token_time is None:
             req.first_token_time = now
         req.output_token_ids.append(tok)
@@ -265,7 +275,10 @@ class EngineCore:
         delta, matched = text.add(tok, last=reason is not None)
         if matched is not None:
             reason, stop_reason = "stop", matched
-        out = RequestOutput(req.request_id, [tok], delta)
+        out = RequestOutput(req.request_id, [tok], delta, logprobs=None if lp is None else [lp])
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            req.prompt_logprobs_sent = True
+            out.prompt_logprobs = [None, *req.prompt_logprobs]
         if reason is not None:
             self._finish(req, reason, stop_reason, out)
         return out
