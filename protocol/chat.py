@@ -41,6 +41,8 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class ChatMessageOut(msgspec.Struct, kw_only=True):

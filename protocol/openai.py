@@ -127,6 +127,14 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
     text_offset: list[int]
 
 
+def merge_logprobs(parts: list[CompletionLogprobs]) -> CompletionLogprobs:
+    """The streamed parts of one answer's logprobs as one object (offsets already run on)."""
+    return CompletionLogprobs(tokens=[t for p in parts for t in p.tokens],
+                              token_logprobs=[v for p in parts for v in p.token_logprobs],
+                              top_logprobs=[d for p in parts for d in p.top_logprobs],
+                              text_offset=[o for p in parts for o in p.text_offset])  # fmt: skip
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int = 0
     text: str
