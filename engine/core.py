@@ -2,7 +2,8 @@
 
 Single-threaded by contract: every method is called from one thread (the AsyncEngine's engine
 thread, or the caller of the offline LLM). A step = expire holds → schedule → one forward pass
-→ sample → apply stop conditions → deltas.
+→ sample → apply stop conditions → deltas. Logprobs (sampled tokens and prompt tokens) are
+computed only for the requests that ask, from the raw logits (engine/sampler.py).
 
 Faults are isolated per request: a forward pass that raises fails that step's requests (their
 blocks are freed, finish_reason "error") and a row that cannot be sampled fails its request
@@ -29,7 +30,7 @@ from engine.request import Priority, Request
 from engine.runner import ModelRunner, PoolFactory, zeroed_pool
 from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from protocol.logprobs import TokenLogprob
 from protocol.models import resolve_model
 from protocol.tokenizer import Tokenizer
@@ -238,9 +239,7 @@ class EngineCore:
             n = pr.req.params.prompt_logprobs or 0
             pr.req.prompt_logprobs.extend(token_logprobs(pr.logits, targets, [n] * len(targets)))
         tokens, errors = self.sampler.sample_rows(logits, rows, [c.req.eos_token_ids for c in samplers])
-        want = [i for i, c in enumerate(samplers) if c.req.params.logprobs is not None and i not in errors]
-        scored = token_logprobs(logits[want], [tokens[i] for i in want], [samplers[i].req.params.logprobs for i in want])
-        lps = dict(zip(want, scored, strict=True))
+        lps = self._logprobs(samplers, logits, tokens, errors)
         now = time.monotonic()
         for i, (c, tok) in enumerate(zip(samplers, tokens, strict=True)):
             if i in errors:
@@ -249,6 +248,15 @@ class EngineCore:
             else:
                 outputs.append(self._append_token(c.req, tok, now, lps.get(i)))
         return outputs, sched.reserved
+
+    def _logprobs(self, samplers: list[ScheduledChunk], logits: torch.Tensor, tokens: list[int],
+                  errors: dict[int, str]) -> dict[int, TokenLogprob]:  # fmt: skip
+        """{row: the sampled token's logprob record} for the rows whose request asked."""
+        want = [i for i, c in enumerate(samplers) if c.req.params.logprobs is not None and i not in errors]
+        if not want:  # the common case: no extra work on the step's path
+            return {}
+        nums = [samplers[i].req.params.logprobs or 0 for i in want]
+        return dict(zip(want, token_logprobs(logits[want], [tokens[i] for i in want], nums), strict=True))
 
     def fail(self, req: Request, message: str) -> RequestOutput:
         """Finish `req` with finish_reason "error" (its blocks are freed, never held)."""
