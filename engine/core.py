@@ -2,7 +2,8 @@
 
 Single-threaded by contract: every method is called from one thread (the AsyncEngine's engine
 thread, or the caller of the offline LLM). A step = expire holds → schedule → one forward pass
-→ sample → apply stop conditions → deltas.
+→ sample → apply stop conditions → deltas. Logprobs (sampled tokens and prompt tokens) are
+computed only for the requests that ask, from the raw logits (engine/sampler.py).
 
 Faults are isolated per request: a forward pass that raises fails that step's requests (their
 blocks are freed, finish_reason "error") and a row that cannot be sampled fails its request
@@ -27,9 +28,10 @@ from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput, TextState
 from engine.request import Priority, Request
 from engine.runner import ModelRunner, PoolFactory, zeroed_pool
-from engine.sampler import Sampler
+from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from protocol.logprobs import TokenLogprob
 from protocol.models import resolve_model
 from protocol.tokenizer import Tokenizer
 
@@ -135,6 +137,8 @@ class EngineCore:
     ) -> Request:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(ids)
+        if remote_num_tokens and params.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs cannot be computed for a prompt whose KV comes from a prefill node")
         if remote_num_tokens and not 0 < remote_num_tokens <= len(ids):
             raise RequestError(f"remote KV covers {remote_num_tokens} tokens of a {len(ids)}-token prompt")
         self._check_queue(len(ids))
@@ -213,7 +217,7 @@ class EngineCore:
             if c.req.first_scheduled_time is None:
                 c.req.first_scheduled_time = now
         try:
-            samplers, logits = self.runner.execute(sched.chunks)
+            samplers, logits, prompt_rows = self.runner.execute(sched.chunks)
         except Exception as e:  # this step's requests fail; everyone else goes on
             log.exception("forward pass failed: failing the %d request(s) of this step", len(sched.chunks))
             for c in sched.chunks:
@@ -230,15 +234,29 @@ class EngineCore:
             (c.req.request_id, c.req.params, len(c.req.output_token_ids) >= c.req.params.min_tokens)
             for c in samplers
         ]
+        for pr in prompt_rows:  # before sampling: the first token's delta carries them
+            targets = pr.req.prompt_token_ids[pr.first + 1 : pr.first + 1 + len(pr.logits)]
+            n = pr.req.params.prompt_logprobs or 0
+            pr.req.prompt_logprobs.extend(token_logprobs(pr.logits, targets, [n] * len(targets)))
         tokens, errors = self.sampler.sample_rows(logits, rows, [c.req.eos_token_ids for c in samplers])
+        lps = self._logprobs(samplers, logits, tokens, errors)
         now = time.monotonic()
         for i, (c, tok) in enumerate(zip(samplers, tokens, strict=True)):
             if i in errors:
                 log.warning("request %s failed: %s", c.req.request_id, errors[i])
                 outputs.append(self.fail(c.req, errors[i]))
             else:
-                outputs.append(self._append_token(c.req, tok, now))
+                outputs.append(self._append_token(c.req, tok, now, lps.get(i)))
         return outputs, sched.reserved
+
+    def _logprobs(self, samplers: list[ScheduledChunk], logits: torch.Tensor, tokens: list[int],
+                  errors: dict[int, str]) -> dict[int, TokenLogprob]:  # fmt: skip
+        """{row: the sampled token's logprob record} for the rows whose request asked."""
+        want = [i for i, c in enumerate(samplers) if c.req.params.logprobs is not None and i not in errors]
+        if not want:  # the common case: no extra work on the step's path
+            return {}
+        nums = [samplers[i].req.params.logprobs or 0 for i in want]
+        return dict(zip(want, token_logprobs(logits[want], [tokens[i] for i in want], nums), strict=True))
 
     def fail(self, req: Request, message: str) -> RequestOutput:
         """Finish `req` with finish_reason "error" (its blocks are freed, never held)."""
@@ -248,7 +266,7 @@ class EngineCore:
         self._finish(req, "error", None, out)
         return out
 
-    def _append_token(self, req: Request, tok: int, now: float) -> RequestOutput:
+    def _append_token(self, req: Request, tok: int, now: float, lp: TokenLogprob | None = None) -> RequestOutput:
         if req.first_token_time is None:
             req.first_token_time = now
         req.output_token_ids.append(tok)
@@ -265,7 +283,10 @@ class EngineCore:
         delta, matched = text.add(tok, last=reason is not None)
         if matched is not None:
             reason, stop_reason = "stop", matched
-        out = RequestOutput(req.request_id, [tok], delta)
+        out = RequestOutput(req.request_id, [tok], delta, logprobs=None if lp is None else [lp])
+        if req.params.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            req.prompt_logprobs_sent = True
+            out.prompt_logprobs = [None, *req.prompt_logprobs]
         if reason is not None:
             self._finish(req, reason, stop_reason, out)
         return out

@@ -59,7 +59,7 @@ class KVCacheManager:
     def find_cached_prefix(self, req: Request, max_tokens: int | None = None) -> list[int]:
         """Blocks of the longest cached prefix of `req` (not yet referenced)."""
         limit = req.num_tokens - 1 if max_tokens is None else min(max_tokens, req.num_tokens - 1)
-        if not self.enable_prefix_caching or limit < self.block_size:
+        if not self.enable_prefix_caching or limit < self.block_size or req.needs_prompt_logprobs:
             return []
         hit: list[int] = []
         for h in self.block_hashes(req, limit):

@@ -11,6 +11,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.request import Priority
 from engine.sampling_params import SamplingParams
+from protocol.logprobs import TokenLogprob
 
 
 @dataclass
@@ -22,6 +23,8 @@ class CompletionOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class LLM:
@@ -65,6 +68,10 @@ class LLM:
                 r = results[o.request_id]
                 r.token_ids.extend(o.new_token_ids)
                 r.text += o.new_text
+                if o.logprobs is not None:
+                    r.logprobs = (r.logprobs or []) + o.logprobs
+                if o.prompt_logprobs is not None:
+                    r.prompt_logprobs = o.prompt_logprobs
                 if o.finished:
                     r.finish_reason, r.stop_reason = o.finish_reason, o.stop_reason
                     r.num_cached_tokens = o.num_cached_tokens

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from protocol.detokenizer import IncrementalDetokenizer
+from protocol.logprobs import TokenLogprob
 from protocol.tokenizer import Tokenizer
 
 
@@ -35,6 +36,11 @@ class RequestOutput:
     arrival_time: float | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    #: with params.logprobs: one record per token of `new_token_ids`
+    logprobs: list[TokenLogprob] | None = None
+    #: with params.prompt_logprobs, on the delta of the first generated token: one entry per
+    #: prompt token, None for the first (nothing predicts it)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class TextState:

@@ -11,6 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from protocol.logprobs import TokenLogprob
 from protocol.sampling import Priority, SamplingParams
 
 __all__ = ["Priority", "Request", "Status"]
@@ -51,6 +52,10 @@ class Request:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    #: prompt logprobs gathered so far (positions 1.. of the prompt; see `needs_prompt_logprobs`)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    #: whether the gathered prompt logprobs went out (on the first generated token's delta)
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -67,6 +72,12 @@ class Request:
     def token_at(self, i: int) -> int:
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs were asked for and some prompt positions lack them (such a request
+        skips the prefix cache: a cached block has no logits)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def sort_key(self) -> tuple[int, float]:

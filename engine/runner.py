@@ -8,6 +8,7 @@ The pool is one tensor, block-major `[num_blocks, layers, 2, block_size, kv_head
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -15,10 +16,22 @@ import torch
 from engine.attention import build_metadata
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
+from engine.request import Request
 from engine.rope import Rope
 from engine.scheduler import ScheduledChunk
 from engine.weights import load_weights
 from protocol.kv_layout import KVLayout
+
+
+@dataclass
+class PromptRows:
+    """Logits at prompt positions `first .. first + len(logits) - 1` of `req`: row i scores
+    prompt token `first + i + 1`."""
+
+    req: Request
+    first: int
+    logits: torch.Tensor  # [n, V]
+
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -65,8 +78,11 @@ class ModelRunner:
             raise ValueError(f"KV pool factory returned {tuple(self.kv_cache.shape)} "
                              f"{self.kv_cache.dtype}, expected {expected} {dtype}")  # fmt: skip
 
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor]:
-        """Run one step. Returns the chunks that sample, in order, and their logits [S, V]."""
+    def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor, list[PromptRows]]:
+        """Run one step. Returns the chunks that sample, in order, their logits [S, V], and
+        the prompt-logprob rows: for each chunk whose request wants prompt logprobs, the
+        logits of its positions that predict a prompt token not yet scored (computed only
+        then: every other row stops at the last hidden state)."""
         decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
         ids = [c.req.token_at(c.start) for c in decodes]
@@ -81,7 +97,17 @@ class ModelRunner:
         )
         ordered = decodes + prefills
         sample_rows, samplers, row = [], [], 0
+        extra_rows: list[int] = []
+        prompt: list[tuple[ScheduledChunk, int, int]] = []  # (chunk, first position, count)
         for c in ordered:
+            req = c.req
+            if req.needs_prompt_logprobs:
+                # position p predicts prompt token p + 1; the gathered list already covers 1..len
+                first = max(c.start, len(req.prompt_logprobs))
+                end = min(c.start + c.num_tokens, req.num_prompt_tokens - 1)
+                if end > first:
+                    prompt.append((c, first, end - first))
+                    extra_rows.extend(range(row + first - c.start, row + end - c.start))
             row += c.num_tokens
             if c.samples:
                 sample_rows.append(row - 1)
@@ -91,6 +117,11 @@ class ModelRunner:
             torch.tensor(ids, dtype=torch.long, device=dev),
             self.kv_cache,
             md,
-            torch.tensor(sample_rows, dtype=torch.long, device=dev),
+            torch.tensor(sample_rows + extra_rows, dtype=torch.long, device=dev),
         )
-        return samplers, logits
+        out: list[PromptRows] = []
+        at = len(sample_rows)
+        for c, first, n in prompt:
+            out.append(PromptRows(c.req, first, logits[at : at + n]))
+            at += n
+        return samplers, logits[: len(sample_rows)], out

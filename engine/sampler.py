@@ -6,6 +6,9 @@ maximum), with the `argmax_rows` CPU kernel when available, on the logits as the
 each draws with its own `torch.Generator` when it has a seed, so its tokens do not depend on
 what else is batched.
 
+`token_logprobs` scores tokens under the raw distribution (see there); it is used only for
+requests that ask for logprobs.
+
 Invariant: the returned list has one token per input row, in row order. A row that cannot be
 sampled (non-finite probabilities, a generator error) fails alone: `sample_rows` reports it in
 its errors and every other row still gets its token.
@@ -17,6 +20,7 @@ import torch
 
 from engine.kernels import kernels_lib
 from engine.sampling_params import SamplingParams
+from protocol.logprobs import TokenLogprob
 
 
 class Sampler:
@@ -105,6 +109,24 @@ class Sampler:
         lib.argmax_rows(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
                         int(logits.dtype == torch.bfloat16), idx.data_ptr())  # fmt: skip
         return idx.tolist()
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
+    """Row r: the logprob of `token_ids[r]` and the `num_top[r]` most likely tokens, from the
+    log-softmax of the raw logits in fp32 (the model's distribution before temperature, top-k,
+    top-p and min_tokens' EOS mask: vLLM's default `logprobs_mode`, so a value does not
+    change with how the token was chosen)."""
+    if not token_ids:
+        return []
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    k = min(max(num_top), lp.shape[-1])
+    top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+    top_v, top_i = top_v.tolist(), top_i.tolist()
+    return [
+        TokenLogprob(token_id=t, logprob=chosen[r], top=list(zip(top_i[r][: num_top[r]], top_v[r][: num_top[r]], strict=True)))
+        for r, t in enumerate(token_ids)
+    ]
 
 
 def _top_k_top_p(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.config import ModelConfig
-from protocol.openai import APIError
+from protocol.openai import APIError, CompletionLogprobs
 
 
 @dataclass
@@ -46,6 +46,8 @@ class Piece:
     index: int
     text: str
     finish_reason: str | None = None
+    #: the tokens' logprobs when the request asked (completions shape; duet's nodes only)
+    logprobs: CompletionLogprobs | None = None
 
 
 @dataclass

@@ -96,8 +96,8 @@ class ClusterBackend(Backend):
                 touched.items.add((p.url, rid))
                 self.load.acquire(p.url)
                 try:
-                    answer = await self.nodes.prefill(p.url, rid, self._body(
-                        job, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True}))  # fmt: skip
+                    answer = await self.nodes.prefill(p.url, rid, self._body(  # logprobs come from D
+                        job, max_tokens=1, stream=False, logprobs=None, kv_transfer_params={"do_remote_decode": True}))  # fmt: skip
                     kv = answer.kv_transfer_params
                 except NodeFailure as e:
                     log.warning("%s: prefill on %s failed (%s); routing again without it", rid, p.node_id, e.reason)
@@ -175,8 +175,8 @@ class ClusterBackend(Backend):
             if n and out.first_token_at is None:
                 out.first_token_at = time.monotonic()
             out.completion_tokens[i] = out.completion_tokens.get(i, 0) + n
-            if c.text or c.finish_reason:
-                pieces.append(Piece(index=i, text=c.text, finish_reason=c.finish_reason))
+            if c.text or c.finish_reason or c.logprobs:
+                pieces.append(Piece(index=i, text=c.text, finish_reason=c.finish_reason, logprobs=c.logprobs))
         if chunk.usage is not None:
             out.completion_tokens[i] = chunk.usage.completion_tokens
             if i == 0:

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from protocol.openai import APIError, Usage
+from protocol.openai import APIError, CompletionLogprobs, Usage
 
 log = logging.getLogger("duet.gateway.nodes")
 _ENC = msgspec.json.Encoder()
@@ -36,6 +36,7 @@ class NodeChoice(msgspec.Struct, kw_only=True):
     text: str = ""
     finish_reason: str | None = None
     token_ids: list[int] | None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class NodeChunk(msgspec.Struct, kw_only=True):

@@ -79,6 +79,9 @@ class ProviderBackend(Backend):
         if job.endpoint != "chat" or job.messages is None:
             raise APIError(400, f"model {self.model.name!r} is an external chat model: use /v1/chat/completions",
                            param="model", code="unsupported_endpoint")  # fmt: skip
+        if job.params.get("logprobs") is not None:  # not every provider has them: refused for all, by name
+            raise APIError(400, f"model {self.model.name!r} is an external model: logprobs are served by duet's "
+                                "own models only", param="logprobs", code="unsupported_by_model")  # fmt: skip
         body: dict[str, Any] = {"messages": job.messages, "max_tokens": int(job.params["max_tokens"])}
         body.update({k: job.params[k] for k in _SAMPLING if job.params.get(k) is not None})
         if job.n > 1:

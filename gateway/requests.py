@@ -1,7 +1,7 @@
 """Parsing and checking the public request bodies (`/v1/chat/completions`, `/v1/completions`).
 
 Nothing from the client is trusted: the raw JSON's keys are checked first, and a field the
-gateway does not support (tools, logprobs, images, …) is a 400 that names it — unless it
+gateway does not support (tools, images, …) is a 400 that names it — unless it
 carries its neutral value (`null`, `false`, `0`, `[]`, `{}`), which changes nothing. Types
 come from msgspec; meaning (ranges, n ≤ 8, stop ≤ 4 strings) is checked here with OpenAI's
 wording.
@@ -15,14 +15,15 @@ from typing import Any
 import msgspec
 
 from protocol.chat import ChatCompletionRequest
+from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.openai import APIError, CompletionRequest
 
 MAX_N = 8
 MAX_STOP = 4
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
           "stream_options", "user", "service_tier", "top_k", "min_tokens", "ignore_eos"}  # fmt: skip
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"}
-COMPLETION_FIELDS = COMMON | {"prompt"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"}
 CHAT_ROLES = {"system", "developer", "user", "assistant"}
 _DECODE = msgspec.json.Decoder()
 
@@ -133,6 +134,12 @@ def parse_chat(raw: bytes) -> Parsed:
         messages.append({"role": role, "content": content})
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params, n = _sampling(body, max_tokens)
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        _check_top("top_logprobs", body.top_logprobs)
+    if body.logprobs:  # the nodes speak the completions form: N top tokens besides the chosen one
+        params["logprobs"] = body.top_logprobs or 0
     return Parsed(endpoint="chat", model=body.model, messages=messages, prompt=None, max_tokens=max_tokens,
                   params=params, n=n, stream=bool(body.stream),
                   include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -169,6 +176,9 @@ def parse_completion(raw: bytes) -> Parsed:
     if stream_options is None:
         body.stream_options = None
     params, n = _sampling(_Shim(body, n=data.get("n")), max_tokens)
+    if body.logprobs is not None:
+        _check_top("logprobs", body.logprobs)
+        params["logprobs"] = body.logprobs
     return Parsed(endpoint="completion", model=body.model, messages=None, prompt=p, max_tokens=max_tokens,
                   params=params, n=n, stream=body.stream,
                   include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -186,6 +196,11 @@ class _Shim:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._body, name)
+
+
+def _check_top(name: str, n: int) -> None:
+    if not 0 <= n <= MAX_TOP_LOGPROBS:
+        raise APIError(400, f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {n}", param=name)
 
 
 def _is_token(x: object) -> bool:

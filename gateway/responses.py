@@ -19,8 +19,9 @@ from protocol.chat import (
     ChatCompletionChunk,
     ChatDelta,
     ChatMessageOut,
+    chat_logprobs,
 )
-from protocol.openai import Usage
+from protocol.openai import CompletionLogprobs, Usage, merge_logprobs
 
 _ENC = msgspec.json.Encoder()
 
@@ -29,7 +30,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     text: str
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -71,9 +72,10 @@ class Formatter:
                 delta = ChatDelta(role="assistant", content=p.text)
             return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
                                            service_tier=self.tier, choices=[ChatChunkChoice(
-                                               index=p.index, delta=delta, finish_reason=p.finish_reason)]))  # fmt: skip
+                                               index=p.index, delta=delta, finish_reason=p.finish_reason,
+                                               logprobs=_chat(p.logprobs))]))  # fmt: skip
         return sse(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[
-            CompletionChoice(index=p.index, text=p.text, finish_reason=p.finish_reason)]))  # fmt: skip
+            CompletionChoice(index=p.index, text=p.text, finish_reason=p.finish_reason, logprobs=p.logprobs)]))  # fmt: skip
 
     def usage_chunk(self, u: Usage) -> bytes:
         if self.endpoint == "chat":
@@ -81,13 +83,21 @@ class Formatter:
                                            usage=u, service_tier=self.tier))  # fmt: skip
         return sse(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[], usage=u))
 
-    def body(self, texts: dict[int, list[str]], finish: dict[int, str | None], u: Usage) -> bytes:
+    def body(self, texts: dict[int, list[str]], finish: dict[int, str | None], u: Usage,
+             logprobs: dict[int, list[CompletionLogprobs]] | None = None) -> bytes:  # fmt: skip
         idx = sorted(texts)
+        lps = {i: merge_logprobs(parts) for i, parts in (logprobs or {}).items()}
         if self.endpoint == "chat":
             return _ENC.encode(ChatCompletion(id=self.id, created=self.created, model=self.model, usage=u,
                                               service_tier=self.tier, choices=[ChatChoice(
                                                   index=i, message=ChatMessageOut(content="".join(texts[i])),
-                                                  finish_reason=finish.get(i)) for i in idx]))  # fmt: skip
+                                                  finish_reason=finish.get(i), logprobs=_chat(lps.get(i)))
+                                                  for i in idx]))  # fmt: skip
         return _ENC.encode(CompletionResponse(id=self.id, created=self.created, model=self.model, usage=u,
                                               choices=[CompletionChoice(index=i, text="".join(texts[i]),
-                                                                        finish_reason=finish.get(i)) for i in idx]))  # fmt: skip
+                                                                        finish_reason=finish.get(i), logprobs=lps.get(i))
+                                                       for i in idx]))  # fmt: skip
+
+
+def _chat(lp: CompletionLogprobs | None) -> dict[str, Any] | None:
+    return None if lp is None else chat_logprobs(lp)

@@ -44,7 +44,7 @@ from gateway.store.base import (
     Team,
     UsageRecord,
 )
-from protocol.openai import APIError
+from protocol.openai import APIError, CompletionLogprobs
 from protocol.tokenizer import ChatTemplateError
 
 log = logging.getLogger("duet.gateway")
@@ -377,10 +377,13 @@ def _usage(ctx: _Ctx) -> object:
 async def _whole(ctx: _Ctx, job: Job, fmt: Formatter, headers: dict[str, str]) -> web.Response:
     texts: dict[int, list[str]] = {i: [] for i in range(job.n)}
     finish: dict[int, str | None] = {}
+    logprobs: dict[int, list[CompletionLogprobs]] = {}
     it = ctx.served.backend.stream(job, ctx.out)
     try:
         async for p in it:
             texts[p.index].append(p.text)
+            if p.logprobs is not None:
+                logprobs.setdefault(p.index, []).append(p.logprobs)
             if p.finish_reason:
                 finish[p.index] = p.finish_reason
     except MidStreamError as e:
@@ -389,7 +392,7 @@ async def _whole(ctx: _Ctx, job: Job, fmt: Formatter, headers: dict[str, str]) -
     finally:
         await it.aclose()  # type: ignore[attr-defined]  # now, not at GC: it aborts on the nodes
     await ctx.commit("ok")
-    body = fmt.body(texts, finish, _usage(ctx))  # type: ignore[arg-type]
+    body = fmt.body(texts, finish, _usage(ctx), logprobs or None)  # type: ignore[arg-type]
     return web.Response(body=body, content_type="application/json",
                         headers={**headers, "x-duet-cost-usd": f"{ctx.record.cost_usd:.8f}"})  # fmt: skip
 

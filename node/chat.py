@@ -20,8 +20,16 @@ from typing import Any, Literal
 import msgspec
 
 from node.engine_api import Delta
-from protocol.chat import ChatChunkChoice, ChatDelta
-from protocol.openai import APIError, CompletionRequest, CompletionResponse, StreamOptions, Usage
+from protocol.chat import ChatChunkChoice, ChatDelta, chat_logprobs
+from protocol.logprobs import MAX_TOP_LOGPROBS
+from protocol.openai import (
+    APIError,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    StreamOptions,
+    Usage,
+)
 from protocol.tokenizer import ChatTemplateError, Tokenizer
 
 
@@ -51,6 +59,7 @@ class NodeChatRequest(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     n: int = 1
     logprobs: bool | None = None
+    top_logprobs: int | None = None
     tools: list[Any] | None = None
     priority: Literal["interactive", "batch"] | None = None
     kv_transfer_params: dict[str, Any] | None = None
@@ -80,8 +89,12 @@ def parse_chat(raw: bytes) -> NodeChatRequest:
             raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
     if body.tools:
         raise APIError(400, "tools are not supported", param="tools")
-    if body.logprobs:
-        raise APIError(400, "logprobs are not supported yet", param="logprobs")
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {body.top_logprobs}",
+                           param="top_logprobs")  # fmt: skip
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
     return body
@@ -108,7 +121,7 @@ def as_completion(body: NodeChatRequest, prompt_ids: list[int]) -> CompletionReq
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop,
         stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
         skip_special_tokens=body.skip_special_tokens, stream=body.stream, stream_options=body.stream_options,
-        n=body.n, priority=body.priority, kv_transfer_params=body.kv_transfer_params, user=body.user,
+        n=body.n, logprobs=(body.top_logprobs or 0) if body.logprobs else None, priority=body.priority, kv_transfer_params=body.kv_transfer_params, user=body.user,
     )  # fmt: skip
 
 
@@ -126,7 +139,8 @@ class NodeChatCompletion(msgspec.Struct, kw_only=True, omit_defaults=True):
 def chat_response(result: CompletionResponse) -> NodeChatCompletion:
     c = result.choices[0]
     choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
-              "logprobs": None, "stop_reason": c.stop_reason}  # fmt: skip
+              "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs),
+              "stop_reason": c.stop_reason}  # fmt: skip
     return NodeChatCompletion(id=result.id, object="chat.completion", created=result.created, model=result.model, choices=[choice],
                               usage=result.usage, kv_transfer_params=result.kv_transfer_params,
                               timing=result.timing)  # fmt: skip
@@ -152,11 +166,14 @@ class ChatChunker:
         self.created = int(time.time())
         self._first = True
 
-    def chunks(self, out: Delta, usage: Usage | None, timing: dict[str, float] | None) -> list[NodeChatChunk]:
+    def chunks(self, out: Delta, usage: Usage | None, timing: dict[str, float] | None,
+               logprobs: CompletionLogprobs | None = None) -> list[NodeChatChunk]:  # fmt: skip
         delta = ChatDelta(role="assistant" if self._first else None, content=out.new_text)
         self._first = False
+        lp = None if logprobs is None else chat_logprobs(logprobs)
         made = [NodeChatChunk(id=self.request_id, object="chat.completion.chunk", created=self.created, model=self.model,
-                              choices=[ChatChunkChoice(index=0, delta=delta, finish_reason=out.finish_reason)])]  # fmt: skip
+                              choices=[ChatChunkChoice(index=0, delta=delta, finish_reason=out.finish_reason,
+                                                       logprobs=lp)])]  # fmt: skip
         if out.finished and self.include_usage:
             made.append(NodeChatChunk(id=self.request_id, object="chat.completion.chunk", created=self.created, model=self.model, choices=[],
                                       usage=usage, timing=timing))  # fmt: skip

@@ -62,6 +62,8 @@ def sampling_params(body: CompletionRequest, max_tokens: int | None = None) -> S
             ignore_eos=body.ignore_eos,
             min_tokens=body.min_tokens,
             skip_special_tokens=body.skip_special_tokens,
+            logprobs=body.logprobs,
+            prompt_logprobs=body.prompt_logprobs,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 from protocol.kv_events import KVEvent
 from protocol.kv_layout import KVLayout
+from protocol.logprobs import TokenLogprob
 from protocol.sampling import Priority, SamplingParams
 from protocol.tokenizer import Tokenizer
 
@@ -77,6 +78,10 @@ class Delta:
     #: engines that move KV themselves (`handles_kv_transfer`): the vLLM-named params the
     #: engine answers with (a prefill's do_remote_prefill handoff), on the finishing delta
     kv_transfer_params: dict[str, Any] | None = None
+    #: with params.logprobs: one record per token of `new_token_ids` (raw model distribution)
+    logprobs: list[TokenLogprob] | None = None
+    #: with params.prompt_logprobs, on the first token's delta: one per prompt token (first None)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

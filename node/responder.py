@@ -13,14 +13,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from node.chat import ChatChunker
 from node.engine_api import Delta, EngineDead, EngineStream
+from node.logprobs import CompletionRenderer, prompt_logprobs
 from node.state import NodeState
-from protocol.openai import APIError, CompletionChoice, CompletionResponse, usage
+from protocol.logprobs import TokenLogprob
+from protocol.openai import (
+    APIError,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionResponse,
+    usage,
+)
 
 log = logging.getLogger("duet.node")
 _ENC = msgspec.json.Encoder()
@@ -57,6 +66,14 @@ class Responder:
         self.timing: dict[str, float] = {}
         self._first_token_time: float | None = None
         self._last_token_time: float | None = None
+        self._logprobs = CompletionRenderer(state.engine.tokenizer)
+
+    def logprobs(self, out: Delta) -> CompletionLogprobs | None:
+        """This delta's logprobs in the completions shape (None: not asked for)."""
+        return None if out.logprobs is None else self._logprobs.render(out.logprobs)
+
+    def prompt_logprobs(self, out: Delta) -> list[dict[str, Any] | None] | None:
+        return None if out.prompt_logprobs is None else prompt_logprobs(self.state.engine.tokenizer, out.prompt_logprobs)
 
     def _observe(self, out: Delta) -> None:
         now = time.monotonic()
@@ -111,12 +128,14 @@ class Responder:
                 return True
             if chunker is not None:
                 final = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
-                for c in chunker.chunks(out, final if out.finished else None, self.timing if out.finished else None):
+                timing = self.timing if out.finished else None
+                for c in chunker.chunks(out, final if out.finished else None, timing, self.logprobs(out)):
                     await resp.write(sse(c))
                 continue
             chunk = CompletionResponse(id=self.request_id, model=model, choices=[
                 CompletionChoice(text=out.new_text, finish_reason=out.finish_reason,
-                                 stop_reason=out.stop_reason, token_ids=out.new_token_ids)])  # fmt: skip
+                                 stop_reason=out.stop_reason, token_ids=out.new_token_ids,
+                                 logprobs=self.logprobs(out), prompt_logprobs=self.prompt_logprobs(out))])  # fmt: skip
             if out.finished:
                 chunk.usage = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
                 chunk.timing = self.timing
@@ -128,6 +147,8 @@ class Responder:
         text: list[str] = []
         tokens: list[int] = []
         final: Delta | None = None
+        records: list[TokenLogprob] | None = None
+        prompt: list[dict[str, Any] | None] | None = None
         done = False
         try:
             try:
@@ -135,6 +156,10 @@ class Responder:
                     self._observe(out)
                     text.append(out.new_text)
                     tokens.extend(out.new_token_ids)
+                    if out.logprobs is not None:
+                        records = (records or []) + out.logprobs
+                    if out.prompt_logprobs is not None:
+                        prompt = self.prompt_logprobs(out)
                     if out.finished:
                         final = out
             except EngineDead as e:
@@ -150,7 +175,9 @@ class Responder:
         return CompletionResponse(
             id=self.request_id, model=model,
             choices=[CompletionChoice(text="".join(text), finish_reason=final.finish_reason,
-                                      stop_reason=final.stop_reason, token_ids=tokens)],
+                                      stop_reason=final.stop_reason, token_ids=tokens,
+                                      logprobs=None if records is None else self._logprobs.render(records),
+                                      prompt_logprobs=prompt)],
             usage=usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens),
             timing=self.timing, kv_transfer_params=final.kv_transfer_params, **extra,  # type: ignore[arg-type]
         )  # fmt: skip

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from protocol.openai import StreamOptions, Usage
+from protocol.openai import CompletionLogprobs, StreamOptions, Usage
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -41,6 +41,8 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     top_k: int | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class ChatMessageOut(msgspec.Struct, kw_only=True):
@@ -53,7 +55,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     message: ChatMessageOut
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletion(msgspec.Struct, kw_only=True):
@@ -76,7 +78,7 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -89,3 +91,18 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     usage: Usage | None = None
     service_tier: str | None = None
     system_fingerprint: str | None = None
+
+
+def _entry(token: str, logprob: float | None) -> dict[str, Any]:
+    # OpenAI sends -9999.0 where a logprob is -inf (JSON has no infinity)
+    lp = -9999.0 if logprob is None or logprob == float("-inf") else logprob
+    return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
+
+
+def chat_logprobs(lp: CompletionLogprobs) -> dict[str, Any]:
+    """A completions logprobs object in chat's shape: `{content: [{token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}]}]}` (tops most likely first, as sent)."""
+    return {"content": [
+        {**_entry(tok, v), "top_logprobs": [_entry(t, w) for t, w in (top or {}).items()]}
+        for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True)
+    ]}  # fmt: skip

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from protocol.logprobs import MAX_TOP_LOGPROBS
+
 # OpenAI allows str | list[int] | list[str] | list[list[int]]; msgspec cannot express that
 # union, so the list form is checked in validate().
 Prompt = str | list[Any]
@@ -55,7 +57,10 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     stream_options: StreamOptions | None = None
     n: int = 1
     echo: bool = False
+    #: the sampled token's logprob plus this many top tokens per position (0..20)
     logprobs: int | None = None
+    #: vLLM's extension: logprobs of the prompt tokens, plus this many top tokens (0..20)
+    prompt_logprobs: int | None = None
     priority: Literal["interactive", "batch"] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     user: str | None = None
@@ -67,8 +72,10 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
             raise APIError(400, "only n=1 is supported", param="n")
         if self.echo:
             raise APIError(400, "echo is not supported", param="echo")
-        if self.logprobs:
-            raise APIError(400, "logprobs are not supported yet", param="logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
+                raise APIError(400, f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {n}", param=name)
         if self.max_tokens is not None and self.max_tokens < 1:
             raise APIError(400, f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens")
         if self.temperature is not None and not 0 <= self.temperature <= 2:
@@ -111,13 +118,32 @@ class Usage(msgspec.Struct, kw_only=True):
     prompt_tokens_details: dict[str, int] | None = None  # {"cached_tokens": n}
 
 
+class CompletionLogprobs(msgspec.Struct, kw_only=True):
+    """OpenAI's completions logprobs object (one entry per generated token)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+def merge_logprobs(parts: list[CompletionLogprobs]) -> CompletionLogprobs:
+    """The streamed parts of one answer's logprobs as one object (offsets already run on)."""
+    return CompletionLogprobs(tokens=[t for p in parts for t in p.tokens],
+                              token_logprobs=[v for p in parts for v in p.token_logprobs],
+                              top_logprobs=[d for p in parts for d in p.top_logprobs],
+                              text_offset=[o for p in parts for o in p.text_offset])  # fmt: skip
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int = 0
     text: str
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     token_ids: list[int] | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
+    #: vLLM's extension: per prompt token None (the first) or {token id: {logprob, decoded_token}}
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -13,6 +13,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from protocol.logprobs import MAX_TOP_LOGPROBS
+
 #: Temperatures below this sample as greedy (as vLLM does): dividing logits by a tiny positive
 #: temperature overflows them to inf, and softmax of inf is NaN.
 GREEDY_EPSILON = 1e-5
@@ -47,6 +49,11 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     min_tokens: int = 0
+    #: None: no logprobs; N >= 0: each generated token's logprob plus the N most likely tokens
+    #: at its position (raw model distribution, before temperature/top-k/top-p)
+    logprobs: int | None = None
+    #: None: none; N >= 0: the logprob of every prompt token after the first, plus N top tokens
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -65,6 +72,10 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.seed is not None and not _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]:
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
+        for name in ("logprobs", "prompt_logprobs"):
+            n = getattr(self, name)
+            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {n!r}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

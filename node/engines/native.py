@@ -32,7 +32,7 @@ def _delta(o: RequestOutput) -> Delta:
         error=o.error, num_prompt_tokens=o.num_prompt_tokens, num_cached_tokens=o.num_cached_tokens,
         num_output_tokens=o.num_output_tokens, held_block_ids=o.held_block_ids,
         arrival_time=o.arrival_time, first_scheduled_time=o.first_scheduled_time,
-        first_token_time=o.first_token_time,
+        first_token_time=o.first_token_time, logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs,
     )  # fmt: skip
 
 

@@ -39,6 +39,7 @@ from node.engines.vllm_events import VllmEventBridge
 from node.engines.vllm_stats import VllmStats, logger_factory
 from protocol.kv_events import KVEvent
 from protocol.kv_layout import KVLayout
+from protocol.logprobs import TokenLogprob
 from protocol.models import resolve_model
 from protocol.sampling import Priority, SamplingParams
 from protocol.tokenizer import Tokenizer
@@ -66,7 +67,21 @@ def vllm_sampling(params: SamplingParams, kv_transfer_params: dict[str, Any] | N
         stop_token_ids=list(params.stop_token_ids) or None, ignore_eos=params.ignore_eos,
         min_tokens=params.min_tokens, skip_special_tokens=params.skip_special_tokens,
         output_kind=RequestOutputKind.DELTA, extra_args=extra,
+        logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
     )  # fmt: skip
+
+
+def _records(token_ids: list[int], dicts: Any, n: int) -> list[TokenLogprob | None]:
+    """vLLM's per-position {token id: Logprob} dicts (the chosen token plus the top n, vLLM's
+    raw-logprobs default) → duet's records; a None position (the first prompt token) stays None."""
+    out: list[TokenLogprob | None] = []
+    for tok, d in zip(token_ids, dicts, strict=True):
+        if d is None:
+            out.append(None)
+            continue
+        top = sorted(((t, float(lp.logprob)) for t, lp in d.items()), key=lambda x: -x[1])[:n]
+        out.append(TokenLogprob(token_id=tok, logprob=float(d[tok].logprob), top=top))
+    return out
 
 
 class VllmStream:
@@ -75,8 +90,9 @@ class VllmStream:
     reserved = None  # vLLM reserves remote-KV blocks itself
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], collector: Any, arrival: float,
-                 on_handoff: Callable[[], None]) -> None:  # fmt: skip
+                 on_handoff: Callable[[], None], params: SamplingParams | None = None) -> None:  # fmt: skip
         self.request_id = request_id
+        self._params = params
         self._on_handoff = on_handoff
         self.prompt_token_ids = prompt_token_ids
         self._collector = collector
@@ -119,6 +135,11 @@ class VllmStream:
                           stop_reason=c.stop_reason if c is not None else None,
                           num_prompt_tokens=len(self.prompt_token_ids),
                           num_cached_tokens=int(out.num_cached_tokens or 0), num_output_tokens=n_out)  # fmt: skip
+            p = self._params
+            if p is not None and p.logprobs is not None and c is not None and c.logprobs is not None:
+                delta.logprobs = _records(new_ids, c.logprobs, p.logprobs)  # type: ignore[assignment]
+            if p is not None and p.prompt_logprobs is not None and getattr(out, "prompt_logprobs", None):
+                delta.prompt_logprobs = _records(self.prompt_token_ids, out.prompt_logprobs, p.prompt_logprobs)
             if out.finished:
                 delta.kv_transfer_params = out.kv_transfer_params
                 if out.kv_transfer_params and out.kv_transfer_params.get("do_remote_prefill"):
@@ -249,7 +270,7 @@ class VllmNodeEngine:
             raise EngineDead(str(e) or "vLLM's engine core died") from e
         except (ValueError, TypeError) as e:  # vLLM's validation (VLLMValidationError is a ValueError)
             raise RequestRefused(str(e)) from None
-        return VllmStream(request_id, list(prompt_token_ids), collector, arrival, self._handed_off)
+        return VllmStream(request_id, list(prompt_token_ids), collector, arrival, self._handed_off, params)
 
     def _handed_off(self) -> None:
         """A prefill's blocks wait for a decode node: count them as held until the lease ends

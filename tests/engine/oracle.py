@@ -22,3 +22,10 @@ def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int, stop_at_e
         out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=0, **kwargs)  # fmt: skip
     return out[0, len(prompt) :].tolist()
+
+
+def hf_log_softmax(model_dir: Path, ids: list[int]) -> torch.Tensor:
+    """[len(ids), V] fp32 log-softmax of transformers' logits: row p scores token p + 1."""
+    with torch.inference_mode():
+        logits = hf_model(model_dir)(torch.tensor([ids])).logits[0]
+    return torch.log_softmax(logits.float(), dim=-1)

@@ -332,3 +332,16 @@ def test_saturated_pool_falls_back(env: Env) -> None:
             assert h0["x-duet-model-used"] == "tiny"  # the held request was served by its own model
     finally:
         os.killpg(pgid, signal.SIGCONT)
+
+
+def test_logprobs_on_an_external_model_are_refused_by_name(env: Env) -> None:
+    """Providers differ on logprobs (Anthropic has none): external models refuse them with a
+    400 naming the field, before any call to the provider; duet's own models serve them."""
+    before = len(env.fakes["gpt"].requests)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(env.client(), "gpt", "hello", logprobs=True, top_logprobs=2)
+    err = e.value.body
+    assert isinstance(err, dict) and err.get("param") == "logprobs" and err.get("code") == "unsupported_by_model", err
+    assert len(env.fakes["gpt"].requests) == before
+    _, r = chat(env.client(), "tiny", "hello", logprobs=True, top_logprobs=2, max_tokens=3)
+    assert r.choices[0].logprobs is not None and len(r.choices[0].logprobs.content) == r.usage.completion_tokens

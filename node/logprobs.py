@@ -1,0 +1,65 @@
+"""Engine logprob records (`protocol.logprobs.TokenLogprob`) → OpenAI's answer shapes.
+
+- completions: `{tokens, token_logprobs, top_logprobs, text_offset}` (OpenAI's legacy object);
+  a streamed answer sends each delta's part, with `text_offset` continuing across chunks;
+- chat: `{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}`, made
+  from the completions object by `protocol.chat.chat_logprobs` (the gateway does the same with
+  a node's completions answer, so both give one answer);
+- prompt logprobs (vLLM's extension on completions): per prompt token None (the first) or
+  `{token id: {logprob, decoded_token}}` with the prompt token first, then its top tokens.
+
+A token's string is that one token decoded alone (special tokens kept), as vLLM renders it;
+`text_offset` is the running length of those strings, so for byte-level tokenizers that split
+a character it need not index the detokenized text exactly. `top_logprobs` is keyed by token
+string, as OpenAI's is: two ids that decode alike keep the likelier.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from protocol.logprobs import TokenLogprob
+from protocol.openai import CompletionLogprobs
+from protocol.tokenizer import Tokenizer
+
+
+def _tok(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _top(tokenizer: Tokenizer, rec: TokenLogprob) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for t, lp in rec.top:  # most likely first: setdefault keeps the likelier of two alike
+        out.setdefault(_tok(tokenizer, t), lp)
+    return out
+
+
+class CompletionRenderer:
+    """Renders the completions object, delta by delta (keeps the running text offset)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._offset = 0
+
+    def render(self, records: list[TokenLogprob]) -> CompletionLogprobs:
+        tokens = [_tok(self._tokenizer, r.token_id) for r in records]
+        offsets = []
+        for t in tokens:
+            offsets.append(self._offset)
+            self._offset += len(t)
+        return CompletionLogprobs(tokens=tokens, token_logprobs=[r.logprob for r in records],
+                                  top_logprobs=[_top(self._tokenizer, r) for r in records],
+                                  text_offset=offsets)  # fmt: skip
+
+
+def prompt_logprobs(tokenizer: Tokenizer, records: list[TokenLogprob | None]) -> list[dict[str, Any] | None]:
+    out: list[dict[str, Any] | None] = []
+    for r in records:
+        if r is None:
+            out.append(None)
+            continue
+        entry = {str(r.token_id): {"logprob": r.logprob, "decoded_token": _tok(tokenizer, r.token_id)}}
+        for t, lp in r.top:
+            entry.setdefault(str(t), {"logprob": lp, "decoded_token": _tok(tokenizer, t)})
+        out.append(entry)
+    return out
