@@ -29,6 +29,7 @@ from protocol.openai import (
     CompletionResponse,
     StreamOptions,
     Usage,
+    decode_body,
 )
 from protocol.tokenizer import ChatTemplateError, Tokenizer
 
@@ -72,12 +73,7 @@ _ROLES = ("system", "user", "assistant", "developer")
 
 
 def parse_chat(raw: bytes) -> NodeChatRequest:
-    try:
-        body = _DEC.decode(raw)
-    except msgspec.DecodeError as e:
-        raise APIError(400, f"malformed request body: {e}") from None
-    except msgspec.ValidationError as e:
-        raise APIError(400, f"invalid request: {e}") from None
+    body = decode_body(_DEC, raw)
     if not body.messages:
         raise APIError(400, "messages must not be empty", param="messages")
     for i, m in enumerate(body.messages):

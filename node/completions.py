@@ -27,7 +27,7 @@ from node.request_log import REQUEST_ID
 from node.responder import Responder
 from node.state import NodeState
 from protocol.kv_params import KVTransferParams
-from protocol.openai import APIError, CompletionRequest, CompletionResponse
+from protocol.openai import APIError, CompletionRequest, CompletionResponse, decode_body
 from protocol.sampling import Priority, SamplingParams
 
 log = logging.getLogger("duet.node")
@@ -39,12 +39,7 @@ def prefill_request_id(request_id: str) -> str:
 
 
 def parse_body(raw: bytes) -> CompletionRequest:
-    try:
-        body = _DEC.decode(raw)
-    except msgspec.DecodeError as e:
-        raise APIError(400, f"malformed request body: {e}") from None
-    except msgspec.ValidationError as e:
-        raise APIError(400, f"invalid request: {e}") from None
+    body = decode_body(_DEC, raw)
     body.validate()
     return body
 

@@ -9,7 +9,7 @@ ignore_eos, skip_special_tokens, priority and kv_transfer_params.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -34,6 +34,19 @@ class APIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+T = TypeVar("T")
+
+
+def decode_body(decoder: msgspec.json.Decoder[T], raw: bytes) -> T:
+    """A request body through its typed decoder; anything it refuses is the client's 400."""
+    try:
+        return decoder.decode(raw)
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"malformed request body: {e}") from None
+    except msgspec.ValidationError as e:
+        raise APIError(400, f"invalid request: {e}") from None
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
