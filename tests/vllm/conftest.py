@@ -62,11 +62,11 @@ def etcd_module(tmp_path_factory: pytest.TempPathFactory, need_vllm: None) -> It
 
 @pytest.fixture(scope="module")
 def vllm_pd(smollm2: Path, tmp_path_factory: pytest.TempPathFactory, etcd_module: str) -> Iterator[tuple[Proc, Proc]]:
-    """(P, D): P registered in etcd (`--etcd`, so it also publishes KV events), D with the
-    default failure policy (recompute)."""
+    """(P, D): both registered in etcd (`--etcd`, so they also publish KV events; the cluster
+    test routes through a coordinator to them), D with the default failure policy (recompute)."""
     tmp = tmp_path_factory.mktemp("vllm-nodes")
     p = vllm_node("prefill", smollm2, tmp, "--etcd", etcd_module, "--lease-seconds", "30")
-    d = vllm_node("decode", smollm2, tmp)
+    d = vllm_node("decode", smollm2, tmp, "--etcd", etcd_module)
     with running(p, d, timeout=STARTUP_S):
         yield p, d
 

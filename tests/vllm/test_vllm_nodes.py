@@ -15,8 +15,11 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import sys
+import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -27,7 +30,7 @@ from bench.pd_client import completion, disaggregated, prefill_leg
 from protocol.block_hash import block_hashes
 from protocol.cluster import NodeInfo, nodes_prefix
 from protocol.kv_layout import KVLayout
-from tests.procs import Proc
+from tests.procs import Proc, free_port, running
 
 pytestmark = pytest.mark.smollm2
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -145,6 +148,85 @@ async def test_openai_client_chat_on_a_vllm_node(vllm_pd: tuple[Proc, Proc]) -> 
     finally:
         await client.close()
     assert r.choices[0].message.content and r.usage and r.usage.completion_tokens <= 8
+
+
+@pytest.fixture(scope="module")
+def vllm_cluster(vllm_pd: tuple[Proc, Proc], etcd_module: str, smollm2: Path,
+                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc, str, str]]:  # fmt: skip
+    """A coordinator and a gateway in front of the module's vLLM P and D, exactly as in front of
+    native nodes: (coordinator, gateway, API key, model name)."""
+    from tests.gateway.helpers import gateway_proc, make_team
+
+    tmp = tmp_path_factory.mktemp("vllm-cluster")
+    p, d = vllm_pd
+    with urllib.request.urlopen(d.url + "/v1/models", timeout=10) as r:
+        served = json.loads(r.read())["data"][0]["id"]
+    port = free_port()
+    coord = Proc([sys.executable, "-m", "duet", "coordinator", "--etcd", etcd_module, "--port", str(port),
+                  "--local-prefill-tokens", "8"], port, tmp / "coordinator.log")  # fmt: skip
+    model = {"kind": "cluster", "tokenizer": str(smollm2), "served_name": served,
+             "input_usd_per_mtok": 1.0, "output_usd_per_mtok": 2.0}  # fmt: skip
+    g = gateway_proc(tmp, {"smollm2": model}, routing={"coordinator": [coord.url]})
+    with running(coord, g):
+        deadline = time.monotonic() + 120
+        while True:
+            with urllib.request.urlopen(coord.url + "/cluster", timeout=10) as r:
+                ready = {n["url"] for n in json.loads(r.read())["nodes"] if n["ready"]}
+            if {p.url, d.url} <= ready:
+                break
+            assert time.monotonic() < deadline, f"vLLM nodes not ready in the coordinator: {ready}"
+            time.sleep(0.2)  # polling the coordinator's view
+        yield coord, g, make_team(g.url, "vllm"), served
+
+
+def test_gateway_and_coordinator_drive_a_vllm_pool_unchanged(vllm_cluster: tuple[Proc, Proc, str, str],
+                                                              vllm_pd: tuple[Proc, Proc], smollm2: Path) -> None:  # fmt: skip
+    """The gateway and coordinator of a native cluster, unchanged, in front of vLLM nodes: the
+    request is disaggregated (vLLM's NixlConnector moves the KV), the answer equals the prefill
+    node's own colocated answer, and P's KV events reached the coordinator's index (a second
+    prompt sharing the prefix is routed to P with its cached tokens counted)."""
+    import openai
+
+    coord, g, key, _ = vllm_cluster
+    p, _ = vllm_pd
+    client = openai.OpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
+    text = "A vLLM pool behind duet's gateway and coordinator, unchanged. " * 6
+    ids = tokenize(smollm2, text)
+    before = metric_sum(coord.url, "duet:route_decisions_total", 'outcome="disaggregated"')
+    r = client.completions.create(model="smollm2", prompt=text, max_tokens=12, temperature=0)
+    assert metric_sum(coord.url, "duet:route_decisions_total", 'outcome="disaggregated"') == before + 1
+    own = _complete(p, ids)
+    assert r.choices[0].text == own and own
+    # P's KV events (duet hashes recomputed from vLLM's) reach the coordinator: after a prompt
+    # only P has seen, a route for it names P and counts its full vLLM blocks as cached there.
+    only_p = tokenize(smollm2, "Seen by the prefill node alone, then routed by its cached blocks. " * 6)
+    _complete(p, only_p)
+    body = {"model": vllm_cluster[3], "block_hashes": block_hashes(only_p, 16), "num_prompt_tokens": len(only_p),
+            "max_tokens": 12}  # fmt: skip
+    deadline = time.monotonic() + 30
+    while True:
+        req = urllib.request.Request(coord.url + "/route", method="POST", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            route = json.loads(resp.read())
+        pre = route.get("prefill") or {}
+        if pre.get("url") == p.url and pre.get("cached_tokens", 0) >= len(only_p) // 32 * 32 > 0:
+            break
+        assert time.monotonic() < deadline, f"the coordinator never indexed P's blocks: {route}"
+        time.sleep(0.2)  # polling the coordinator's view
+
+
+def _complete(node: Proc, ids: list[int]) -> str:
+    req = urllib.request.Request(node.url + "/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"prompt": ids, "max_tokens": 12, "temperature": 0}).encode())  # fmt: skip
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())["choices"][0]["text"]  # type: ignore[no-any-return]
+
+
+def metric_sum(url: str, name: str, labels: str = "") -> float:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    found = re.findall(rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$", text, re.M)
+    return sum(float(v) for v in found)
 
 
 async def test_p_killed_before_pull_follows_the_failure_policy(vllm_pd: tuple[Proc, Proc], vllm_d_fail: Proc,
