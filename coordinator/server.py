@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
+import threading
 
 from aiohttp import web
 
@@ -18,6 +20,8 @@ from coordinator.app import make_app
 from coordinator.service import CoordinatorConfig
 
 log = logging.getLogger("duet.coordinator")
+#: seconds shutdown may take before the process exits regardless
+SHUTDOWN_GRACE_S = 15.0
 
 
 async def serve(cfg: CoordinatorConfig) -> int:
@@ -39,9 +43,21 @@ async def serve(cfg: CoordinatorConfig) -> int:
           f"cluster={cfg.cluster} etcd={cfg.etcd}", flush=True)  # fmt: skip
     await stop.wait()
     log.info("shutting down")
+    # Shutdown must end even if a dependency hangs (an unreachable etcd): exit anyway after a
+    # bound; the lease then expires on its own within the TTL.
+    watchdog = threading.Timer(SHUTDOWN_GRACE_S, _force_exit)
+    watchdog.daemon = True
+    watchdog.start()
     await runner.cleanup()
+    watchdog.cancel()
     log.info("stopped")
     return 0
+
+
+def _force_exit() -> None:
+    log.warning("shutdown did not finish within %.0f s (etcd unreachable?); exiting anyway", SHUTDOWN_GRACE_S)
+    logging.shutdown()
+    os._exit(0)
 
 
 def run_coordinator(cfg: CoordinatorConfig) -> int:

@@ -87,7 +87,11 @@ class PostgresBatchStore:
                     pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.max_connections)
                     async with pool.acquire() as con, con.transaction():
                         await con.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK)
-                        await con.execute(SCHEMA)
+                        # DDL only when missing: CREATE INDEX IF NOT EXISTS still takes a SHARE
+                        # lock on its table, which deadlocks against another gateway's runner
+                        # already writing to it (seen with two gateways starting at once).
+                        if await con.fetchval("SELECT to_regclass('batch_requests_line')") is None:
+                            await con.execute(SCHEMA)
                     self._pool = pool
         return self._pool
 

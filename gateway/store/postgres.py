@@ -133,7 +133,10 @@ class PostgresStore(Store):
         # Several gateways may start at once: one creates the schema, the others wait.
         async with self.pool.acquire() as con, con.transaction():
             await con.execute("SELECT pg_advisory_xact_lock(7477298)")
-            await con.execute(SCHEMA)
+            # DDL only when missing: CREATE INDEX IF NOT EXISTS takes a SHARE lock on its table
+            # even when the index exists, which deadlocks against a running gateway's writes.
+            if await con.fetchval("SELECT to_regclass('usage_team_time')") is None:
+                await con.execute(SCHEMA)
 
     async def close(self) -> None:
         if self._pool is not None:
