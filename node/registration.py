@@ -113,8 +113,11 @@ class Registration:
                 published = self.status
             if self.drain_requested and self.exit_when_drained and not self.is_busy():
                 log.info("drained: deregistering and exiting")
-                await self.deregister()
+                # The signal first: deregistering deletes our key, which ends the watcher task,
+                # which cancels this one — a kill sent after the await could be lost, leaving a
+                # drained node running (seen in test_drain under load).
                 os.kill(os.getpid(), signal.SIGTERM)  # the operator's graceful-stop path
+                await self.deregister()
                 return
             if time.monotonic() >= next_refresh:
                 if await self.store.keepalive(self.lease) <= 0:
