@@ -90,6 +90,7 @@ async def delete_team(state: GatewayState, request: web.Request) -> web.Response
     tid = request.match_info["id"]
     if not await state.store.delete_team(tid):
         raise APIError(404, f"no team {tid!r}", code="not_found")
+    state.keys.forget_team(tid)
     return _json({"id": tid, "deleted": True})
 
 
@@ -111,6 +112,7 @@ async def revoke_key(state: GatewayState, request: web.Request) -> web.Response:
     kid = request.match_info["id"]
     if not await state.store.revoke_key(kid):
         raise APIError(404, f"no live key {kid!r}", code="not_found")
+    state.keys.forget_key(kid)
     return _json({"id": kid, "revoked": True})
 
 

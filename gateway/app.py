@@ -29,6 +29,7 @@ from gateway.choice import ModelChoice
 from gateway.cluster import ClusterBackend
 from gateway.config import AUTO, GatewayConfig, ModelConfig, StaticNodes
 from gateway.etcd_view import EtcdView
+from gateway.key_cache import KeyCache
 from gateway.metrics import GatewayMetrics
 from gateway.node_client import NodeClient
 from gateway.provider_backend import ProviderBackend, make_backend
@@ -139,7 +140,8 @@ def make_app(config: GatewayConfig) -> web.Application:
     store = open_store(config.store_url)
     app[STATE] = GatewayState(config=config, store=store, metrics=metrics,
                               writer=UsageWriter(store, metrics, config.quotas.usage_batch),
-                              admission=Admission(config.tiers, metrics))  # fmt: skip
+                              admission=Admission(config.tiers, metrics),
+                              keys=KeyCache(store, config.server.key_cache_ttl_s))  # fmt: skip
     state = app[STATE]
     state.provider_metrics = register_provider_metrics(metrics.registry, lambda: [
         m.backend.provider for m in state.models.values() if isinstance(m.backend, ProviderBackend)])  # fmt: skip

@@ -38,7 +38,7 @@ def require_admin(state: GatewayState, request: web.Request) -> None:
 
 
 async def authenticate(state: GatewayState, request: web.Request) -> tuple[ApiKey, Team]:
-    found = await state.store.key_by_hash(hash_secret(bearer(request)))
+    found = await state.keys.lookup(hash_secret(bearer(request)))
     if found is None:
         raise APIError(401, "invalid API key (unknown or revoked)", type_="authentication_error",
                        code="invalid_api_key")  # fmt: skip

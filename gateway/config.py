@@ -136,6 +136,10 @@ class ServerConfig:
     max_header_bytes: int = 16 * 1024
     #: sha256 hex of the admin key (or set $DUET_ADMIN_KEY to the key itself)
     admin_key_sha256: str | None = None
+    #: seconds a found API key is trusted without asking the store again: a key revoked
+    #: through another gateway or the CLI stops working within this time (through this
+    #: gateway: at once); 0 asks the store on every request
+    key_cache_ttl_s: float = 5.0
 
 
 @dataclass(frozen=True)
@@ -395,6 +399,9 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
         teams=_teams(data.get("teams", {})),
         batch=_batch(data.get("batch", {})),
     )
+    if not isinstance(cfg.server.key_cache_ttl_s, (int, float)) or isinstance(cfg.server.key_cache_ttl_s, bool) \
+            or not 0 <= cfg.server.key_cache_ttl_s <= 3600:  # fmt: skip
+        raise ConfigError(f"[server] key_cache_ttl_s must be a number of seconds in [0, 3600], got {cfg.server.key_cache_ttl_s!r}")
     if cfg.tiers.default_tier not in ("interactive", "batch"):
         raise ConfigError("[tiers] default_tier must be 'interactive' or 'batch'")
     _check_routing(cfg)

@@ -9,6 +9,7 @@ import aiohttp
 
 from gateway.backend import Backend
 from gateway.config import GatewayConfig, ModelConfig
+from gateway.key_cache import KeyCache
 from gateway.metrics import GatewayMetrics
 from gateway.store.base import Store
 from gateway.tiers import Admission
@@ -36,6 +37,8 @@ class GatewayState:
     metrics: GatewayMetrics
     writer: UsageWriter
     admission: Admission
+    #: API keys found recently (authentication without a store round trip)
+    keys: KeyCache
     session: aiohttp.ClientSession | None = None
     models: dict[str, ServedModel] = field(default_factory=dict)
     #: auto, team policies and fallback chains (built once the models are loaded)

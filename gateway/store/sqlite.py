@@ -1,6 +1,9 @@
-"""SQLite store (the default): one file in WAL mode, one connection on one worker thread.
+"""SQLite store (the default): one file in WAL mode, a worker thread and a fast path.
 
-Every call runs on a dedicated thread so the event loop never blocks on disk. Reservations
+Calls that may wait run on a dedicated worker thread, so the event loop never waits for a
+lock or an fsync; the per-request ones (key lookup, reservation, a small usage batch) run on
+the loop's own connection when the write lock is free at that moment (sqlite_conn.py says
+exactly when). Reservations
 use `BEGIN IMMEDIATE`, which takes SQLite's write lock before reading the counters, so the
 check-and-book is atomic against every other writer of the file — other gateway processes
 on the same machine included. `synchronous=NORMAL` in WAL mode survives a killed process
@@ -9,13 +12,11 @@ on the same machine included. `synchronous=NORMAL` in WAL mode survives a killed
 
 from __future__ import annotations
 
-import asyncio
 import json
 import sqlite3
 import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -32,8 +33,11 @@ from gateway.store.base import (
     UsageRecord,
 )
 from gateway.store.rules import Counters, day_period, decide, month_period, window_start
+from gateway.store.sqlite_conn import Connections
 
 T = TypeVar("T")
+#: usage batches up to this many records commit on the event loop's fast path
+FAST_BATCH = 8
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS teams (
@@ -91,33 +95,16 @@ def _record(row: tuple[Any, ...]) -> UsageRecord:
 class SqliteStore(Store):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duet-store")
-        self._db: sqlite3.Connection | None = None
+        self._conns = Connections(self.path)
 
     async def _run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        def call() -> T:
-            assert self._db is not None, "store not open"
-            return fn(self._db)
-
-        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+        return await self._conns.run(fn)
 
     async def open(self) -> None:
-        def connect() -> None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, isolation_level=None, timeout=30)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("PRAGMA busy_timeout=30000")
-            db.executescript(SCHEMA)
-            self._db = db
-
-        await asyncio.get_running_loop().run_in_executor(self._pool, connect)
+        await self._conns.open(lambda db: db.executescript(SCHEMA))
 
     async def close(self) -> None:
-        if self._db is not None:
-            await self._run(lambda db: db.close())
-            self._db = None
-        self._pool.shutdown(wait=True)
+        await self._conns.close()
 
     # --- teams and keys -------------------------------------------------------------------
 
@@ -170,7 +157,7 @@ class SqliteStore(Store):
     async def key_by_hash(self, secret_hash: str) -> tuple[ApiKey, Team] | None:
         cols = ", ".join(f"k.{c.strip()}" for c in _KEY_COLS.split(",")) + ", " + \
             ", ".join(f"t.{c.strip()}" for c in _TEAM_COLS.split(","))  # fmt: skip
-        row = await self._run(lambda db: db.execute(
+        row = await self._conns.fast(lambda db: db.execute(
             f"SELECT {cols} FROM api_keys k JOIN teams t ON t.id = k.team_id "
             "WHERE k.secret_hash=? AND k.revoked_at IS NULL", (secret_hash,)).fetchone())  # fmt: skip
         return (_key(row[:6]), _team(row[6:])) if row else None
@@ -188,7 +175,7 @@ class SqliteStore(Store):
     # --- quotas ---------------------------------------------------------------------------
 
     async def reserve(self, req: ReserveRequest) -> Reservation | Refusal:
-        return await self._run(lambda db: _reserve(db, req))
+        return await self._conns.fast(lambda db: _reserve(db, req))
 
     async def settle(self, batch: list[Settlement]) -> None:
         def q(db: sqlite3.Connection) -> None:
@@ -207,7 +194,9 @@ class SqliteStore(Store):
                     db.execute(f"INSERT INTO usage ({', '.join(_USAGE_COLS)}) VALUES ({', '.join('?' * len(_USAGE_COLS))})",
                                values)  # fmt: skip
 
-        await self._run(q)
+        # a few records (a request's own, under light load): the loop's fast path; a big batch
+        # on the worker, where its statements run beside the loop instead of stalling it
+        await (self._conns.fast(q) if len(batch) <= FAST_BATCH else self._run(q))
 
     async def expire_reservations(self, now: float | None = None) -> int:
         t = time.time() if now is None else now

@@ -1,0 +1,129 @@
+"""The SQLite store's two connections: a worker thread for anything that may wait, and a
+fast path on the event loop's own thread for the short transactions every request makes.
+
+Every request books a reservation before its first token and commits its usage record before
+its last chunk. On the worker thread each of those paid two thread switches (queue the call,
+wake the loop with the answer) — on a busy 2-core machine that was most of the gateway's
+overhead and nearly all of its tail. `fast()` runs them on the loop thread instead, but only
+when that cannot wait:
+
+- the loop's connection has `busy_timeout = 0`: when another connection (this process's
+  worker thread, the CLI, another gateway on the same file) holds the write lock,
+  `BEGIN IMMEDIATE` fails at once and the call goes to the worker thread, which waits for the
+  lock there (`busy_timeout` 30 s), never on the loop;
+- it never checkpoints (`wal_autocheckpoint = 0`): a checkpoint fsyncs. Every
+  `CHECKPOINT_EVERY` fast commits, a PASSIVE checkpoint runs on the worker thread (one at a
+  time), so the WAL file stays bounded;
+- in WAL mode with `synchronous = NORMAL` a commit writes WAL frames to the page cache and
+  does not fsync: that is what the loop may do, and the durability is the worker's (survives a
+  killed process, as before).
+
+A callable given to `fast()` must be safe to run twice: a busy failure happens at
+`BEGIN IMMEDIATE`, before any effect, or rolls its transaction back (`_tx`), and the worker
+runs it again from the start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TypeVar
+
+log = logging.getLogger("duet.gateway.store")
+T = TypeVar("T")
+
+#: fast-path commits between two checkpoints on the worker thread (a few MB of WAL at most)
+CHECKPOINT_EVERY = 500
+
+
+def connect(path: Path, busy_timeout_ms: int) -> sqlite3.Connection:
+    db = sqlite3.connect(path, isolation_level=None, timeout=busy_timeout_ms / 1000, check_same_thread=False)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
+    return db
+
+
+def _busy(e: sqlite3.OperationalError) -> bool:
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return "locked" in str(e) or "busy" in str(e)
+
+
+class Connections:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duet-store")
+        self._worker: sqlite3.Connection | None = None
+        self._loop_db: sqlite3.Connection | None = None
+        self._loop_thread: int | None = None
+        self._since_checkpoint = 0
+        self._checkpoint: asyncio.Future[None] | None = None
+        #: calls the fast path handed to the worker because the write lock was taken
+        self.busy_fallbacks = 0
+
+    async def open(self, init: Callable[[sqlite3.Connection], None]) -> None:
+        def setup() -> None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            db = connect(self.path, 30_000)
+            init(db)
+            self._worker = db
+
+        await asyncio.get_running_loop().run_in_executor(self._pool, setup)
+        db = connect(self.path, 0)
+        db.execute("PRAGMA wal_autocheckpoint=0")
+        self._loop_db, self._loop_thread = db, threading.get_ident()
+
+    async def close(self) -> None:
+        if self._checkpoint is not None:
+            await asyncio.gather(self._checkpoint, return_exceptions=True)
+        if self._loop_db is not None:
+            self._loop_db.close()
+            self._loop_db = None
+        if self._worker is not None:
+            await self.run(lambda db: db.close())
+            self._worker = None
+        self._pool.shutdown(wait=True)
+
+    async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """`fn` on the worker thread (it may wait for the write lock)."""
+
+        def call() -> T:
+            assert self._worker is not None, "store not open"
+            return fn(self._worker)
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    async def fast(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """`fn` on the loop thread when the write lock is free now, else on the worker."""
+        db = self._loop_db
+        if db is None or threading.get_ident() != self._loop_thread:
+            return await self.run(fn)
+        try:
+            out = fn(db)
+        except sqlite3.OperationalError as e:
+            if not _busy(e):
+                raise
+            self.busy_fallbacks += 1
+            return await self.run(fn)
+        self._since_checkpoint += 1
+        if self._since_checkpoint >= CHECKPOINT_EVERY and self._checkpoint is None:
+            self._since_checkpoint = 0
+            self._checkpoint = asyncio.ensure_future(self.run(_checkpoint))
+            self._checkpoint.add_done_callback(self._checkpoint_done)
+        return out
+
+    def _checkpoint_done(self, fut: asyncio.Future[None]) -> None:
+        self._checkpoint = None
+        if not fut.cancelled() and fut.exception() is not None:
+            log.warning("WAL checkpoint failed: %s", fut.exception())
+
+
+def _checkpoint(db: sqlite3.Connection) -> None:
+    db.execute("PRAGMA wal_checkpoint(PASSIVE)")

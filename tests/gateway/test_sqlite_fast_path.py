@@ -1,0 +1,104 @@
+"""The SQLite store's fast path (gateway/store/sqlite_conn.py) on a real database file: the
+per-request transactions run on the event loop only when they cannot wait — a write lock held
+by another connection sends them to the worker thread while the loop keeps running — and the
+loop's connection never checkpoints, the worker does, so the WAL stays bounded."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from gateway.store import sqlite_conn
+from gateway.store.base import Reservation, ReserveRequest, Team
+from gateway.store.sqlite import SqliteStore
+
+
+def _req(i: int) -> ReserveRequest:
+    return ReserveRequest(team_id="t", key_id="k", request_id=f"r{i}", tokens=10, cost_usd=0.0, ttl_s=600)
+
+
+async def _store(path: Path) -> SqliteStore:
+    s = SqliteStore(path)
+    await s.open()
+    await s.create_team(Team(id="t", tpm=10_000))
+    return s
+
+
+async def test_a_held_write_lock_sends_the_reservation_to_the_worker_and_the_loop_runs_on(tmp_path: Path) -> None:
+    db_path = tmp_path / "g.db"
+    s = await _store(db_path)
+    other = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)  # another process's writer
+    other.execute("BEGIN IMMEDIATE")
+    ticks = 0
+    longest_gap = 0.0
+
+    async def ticker() -> None:
+        nonlocal ticks, longest_gap
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(0.005)  # the loop's heartbeat: it beats only while the loop is free
+            now = time.monotonic()
+            ticks, longest_gap, last = ticks + 1, max(longest_gap, now - last), now
+
+    t = asyncio.ensure_future(ticker())
+    reserve = asyncio.ensure_future(s.reserve(_req(0)))
+    try:
+        # the loop is not blocked: the heartbeat goes on while the reservation waits for the lock
+        deadline = time.monotonic() + 10
+        while ticks < 20 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert ticks >= 20 and not reserve.done()
+        # A loop waiting on the lock stalls for the whole busy timeout (30 s): far beyond this
+        # bound, which only a stall can reach — it measures no speed.
+        assert longest_gap < 5.0, f"the event loop stalled {longest_gap:.1f}s waiting for the write lock"
+        assert s._conns.busy_fallbacks == 1
+        other.execute("COMMIT")
+        assert isinstance(await asyncio.wait_for(reserve, 30), Reservation)
+    finally:
+        t.cancel()
+        other.close()
+    # the lock is free again: the next reservation takes the fast path
+    assert isinstance(await s.reserve(_req(1)), Reservation)
+    assert s._conns.busy_fallbacks == 1
+    await s.close()
+
+
+async def test_the_worker_checkpoints_what_the_loop_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sqlite_conn, "CHECKPOINT_EVERY", 50)
+    db_path = tmp_path / "g.db"
+    s = await _store(db_path)
+    for i in range(120):
+        assert isinstance(await s.reserve(_req(i)), Reservation)
+    # wait for the checkpoints the fast path scheduled on the worker thread
+    deadline = time.monotonic() + 30
+    while s._conns._checkpoint is not None and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert s._conns._checkpoint is None
+    # The database file alone (immutable: the WAL ignored) holds the reservations the
+    # checkpoints copied into it — the first 100 at least.
+    main_file = sqlite3.connect(f"file:{db_path}?immutable=1", uri=True)
+    try:
+        (n,) = main_file.execute("SELECT count(*) FROM reservations").fetchone()
+    finally:
+        main_file.close()
+    assert n >= 100
+    # and the loop's own connection never checkpoints by itself
+    assert s._conns._loop_db.execute("PRAGMA wal_autocheckpoint").fetchone() == (0,)
+    await s.close()
+
+
+async def test_calls_from_another_thread_use_the_worker(tmp_path: Path) -> None:
+    """The loop's connection belongs to the loop's thread; a store used from another thread's
+    event loop (a CLI helper, a test) still works, through the worker."""
+    s = await _store(tmp_path / "g.db")
+    out: list[object] = []
+    th = threading.Thread(target=lambda: out.append(asyncio.run(s.reserve(_req(0)))))
+    th.start()
+    th.join(30)
+    assert isinstance(out[0], Reservation)
+    await s.close()
