@@ -3,9 +3,11 @@
 Starts a token-echo node (bench.echo_node: the node API, no engine) and a `duet gateway` in
 front of it (SQLite store in a temporary directory, one team and key), then:
 
-1. overhead — sequential streamed requests, straight to the node and through the gateway
-   (auth, quota reservation, tokenization, routing, relay, usage record); p50/p99 of TTFT and
-   latency for both and their difference;
+1. overhead — sequential streamed requests, in turn straight to the node, through the gateway
+   (auth, quota reservation, tokenization, routing, relay, usage record) and through a bare
+   relay (bench.bare_relay: the same HTTP stack doing nothing but forwarding); p50/p99 of TTFT
+   and latency for each, and per request the difference to the node's own (paired: request i
+   of each path ran back to back). Target: the gateway's overhead p99 < 2 ms;
 2. concurrency — `--streams` SSE streams through the gateway at once (each `--stream-tokens`
    tokens, `--token-delay` apart at the node, so they overlap); how many completed, errors,
    TTFT p50/p99, wall time and tokens/s.
@@ -36,13 +38,16 @@ from protocol.models import DEFAULT_MODEL, resolve_model
 from protocol.tokenizer import Tokenizer
 
 PROMPT = "Measure the gateway, not the model: "
+#: the issue's target for the gateway's overhead (p99, ms)
+TARGET_P99_MS = 2.0
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--tokenizer", default=DEFAULT_MODEL, help="model whose tokenizer the gateway uses")
-    p.add_argument("--requests", type=int, default=200, help="sequential requests per path (overhead)")
+    p.add_argument("--requests", type=int, default=2000,
+                   help="sequential requests per path (overhead; a p99 needs thousands)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per overhead request")
     p.add_argument("--streams", type=int, default=10000, help="concurrent SSE streams through the gateway")
     p.add_argument("--stream-tokens", type=int, default=32)
@@ -85,28 +90,33 @@ async def _stream(s: aiohttp.ClientSession, url: str, body: dict[str, Any], head
     return ttft or 0.0, time.perf_counter() - t0, n
 
 
-async def _overhead(node: str, gw: str, key: str, ids: list[int], args: argparse.Namespace) -> dict[str, Any]:
-    direct: dict[str, list[float]] = {"ttft": [], "latency": []}
-    via: dict[str, list[float]] = {"ttft": [], "latency": []}
+async def _overhead(node: str, gw: str, relay: str, key: str, ids: list[int],
+                    args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+    paths = {"node": (node, {"prompt": ids}, {}),
+             "gateway": (gw, {"model": "echo", "prompt": PROMPT}, {"Authorization": f"Bearer {key}"}),
+             "bare_relay": (relay, {"prompt": ids}, {})}  # fmt: skip
+    times: dict[str, dict[str, list[float]]] = {p: {"ttft": [], "latency": []} for p in paths}
     common = {"max_tokens": args.max_tokens, "stream": True, "temperature": 0}
     async with aiohttp.ClientSession() as s:
         for i in range(args.requests):
-            t, lat, _ = await _stream(s, node + "/v1/completions", {"prompt": ids, **common},
-                                      {"X-Request-Id": f"bench-{i}"})  # fmt: skip
-            direct["ttft"].append(t)
-            direct["latency"].append(lat)
-            t, lat, _ = await _stream(s, gw + "/v1/completions", {"model": "echo", "prompt": PROMPT, **common},
-                                      {"Authorization": f"Bearer {key}"})  # fmt: skip
-            via["ttft"].append(t)
-            via["latency"].append(lat)
+            for name, (url, body, headers) in paths.items():
+                t, lat, _ = await _stream(s, url + "/v1/completions", {**body, **common},
+                                          {**headers, "X-Request-Id": f"bench-{i}"})  # fmt: skip
+                times[name]["ttft"].append(t)
+                times[name]["latency"].append(lat)
     out: dict[str, Any] = {"requests": args.requests}
-    for name in ("ttft", "latency"):
-        # Requests alternate node/gateway, so request i's overhead is its own difference: the
-        # percentiles are of those differences, never a percentile minus a percentile.
-        diffs = [g - d for d, g in zip(direct[name], via[name], strict=True)]
-        paired = _summary(diffs)
-        out[name] = {"node": _summary(direct[name]), "gateway": _summary(via[name]),
-                     "overhead_p50_ms": paired["p50_ms"], "overhead_p99_ms": paired["p99_ms"]}  # fmt: skip
+    for metric in ("ttft", "latency"):
+        direct = times["node"][metric]
+        x: dict[str, Any] = {p: _summary(times[p][metric]) for p in paths}
+        for p in ("gateway", "bare_relay"):
+            # Request i's overhead is its own difference to node request i (they ran back to
+            # back): percentiles of those differences, never a percentile minus a percentile.
+            paired = _summary([v - d for d, v in zip(direct, times[p][metric], strict=True)])
+            prefix = "overhead" if p == "gateway" else "bare_relay_overhead"
+            x[f"{prefix}_p50_ms"], x[f"{prefix}_p99_ms"] = paired["p50_ms"], paired["p99_ms"]
+        out[metric] = x
+    out["target_overhead_p99_ms"] = TARGET_P99_MS
+    out["meets_target"] = {m: (out[m]["overhead_p99_ms"] or 1e9) < TARGET_P99_MS for m in ("ttft", "latency")}
     return out
 
 
@@ -207,27 +217,30 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ids = Tokenizer(tok_dir).encode(PROMPT)
     with tempfile.TemporaryDirectory(prefix="duet-bench-gw-") as d:
         tmp = Path(d)
-        nport, sport, gport = free_port(), free_port(), free_port()
+        nport, sport, gport, rport = free_port(), free_port(), free_port(), free_port()
         # one echo node answers at once (overhead), the other spaces its tokens (streams overlap)
         node = Proc([sys.executable, "-m", "bench.echo_node", "--port", str(nport)], nport, tmp / "echo.log")
         slow = Proc([sys.executable, "-m", "bench.echo_node", "--port", str(sport), "--token-delay",
                      str(args.token_delay)], sport, tmp / "echo-slow.log")  # fmt: skip
+        relay = Proc([sys.executable, "-m", "bench.bare_relay", "--port", str(rport), "--node", node.url], rport,
+                     tmp / "relay.log")  # fmt: skip
         admin = secrets.token_urlsafe(16)
         cfg = _write_config(tmp, gport, node.url, slow.url, str(tok_dir), args.streams, args.connect_timeout)
         gw = Proc([sys.executable, "-m", "duet", "gateway", "--config", str(cfg), "--log-level", "WARNING"], gport,
                   tmp / "gateway.log", env={"DUET_ADMIN_KEY": admin, "DUET_HOME": str(tmp)})  # fmt: skip
-        with running(node, slow, gw):
+        with running(node, slow, relay, gw):
             _admin(gw.url, admin, "/admin/teams", {"id": "bench"})
             key = _admin(gw.url, admin, "/admin/keys", {"team_id": "bench"})["key"]
             if not args.json:
                 print(f"overhead: {args.requests} sequential requests per path …", file=sys.stderr)
-            overhead = asyncio.run(_overhead(node.url, gw.url, key, ids, args))
+            overhead = asyncio.run(_overhead(node.url, gw.url, relay.url, key, ids, args))
             if not args.json:
                 print(f"concurrency: {args.streams} streams at once …", file=sys.stderr)
             conc, mem = asyncio.run(_with_memory(gw.proc.pid, _concurrency(gw.url, key, args)))
             mem["kib_per_stream"] = round((mem["rss_peak_mib"] - mem["rss_idle_mib"]) * 1024 / args.streams, 1)
             conc["gateway_memory"] = mem
-    return {"bench": "gateway", "cpus": len(os.sched_getaffinity(0)), "overhead": overhead, "concurrency": conc,
+    return {"bench": "gateway", "cpus": len(os.sched_getaffinity(0)), "load_average_1m": round(os.getloadavg()[0], 2),
+            "overhead": overhead, "concurrency": conc,
             "config": {k: v for k, v in vars(args).items() if k != "json"}}  # fmt: skip
 
 
@@ -243,7 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         x = o[name]
         print(f"  {name:8s} node p50 {x['node']['p50_ms']} ms p99 {x['node']['p99_ms']} ms | gateway p50 "
               f"{x['gateway']['p50_ms']} ms p99 {x['gateway']['p99_ms']} ms | overhead p50 {x['overhead_p50_ms']} ms "
-              f"p99 {x['overhead_p99_ms']} ms")  # fmt: skip
+              f"p99 {x['overhead_p99_ms']} ms (target < {TARGET_P99_MS} ms: "
+              f"{'met' if o['meets_target'][name] else 'NOT met'}) | a bare relay's overhead p50 "
+              f"{x['bare_relay_overhead_p50_ms']} ms p99 {x['bare_relay_overhead_p99_ms']} ms")  # fmt: skip
     print(f"{c['streams']} concurrent streams: {c['completed']} completed, errors {c['errors']}, wall {c['wall_s']} s, "
           f"TTFT p50 {c['ttft']['p50_ms']} ms p99 {c['ttft']['p99_ms']} ms, {c['tokens_per_s']} tokens/s, gateway RSS "
           f"{c['gateway_memory']}")  # fmt: skip

@@ -48,6 +48,8 @@ class Piece:
     finish_reason: str | None = None
     #: the tokens' logprobs when the request asked (completions shape; duet's nodes only)
     logprobs: CompletionLogprobs | None = None
+    #: the next piece has already arrived: a relay may hold this one and send both in one write
+    more: bool = False
 
 
 @dataclass

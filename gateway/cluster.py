@@ -130,12 +130,14 @@ class ClusterBackend(Backend):
                             + "; ".join(failures), type_="service_unavailable", code="upstream_unavailable")  # fmt: skip
 
     async def _samples(self, job: Job, out: Outcome, touched: _Touched, d_url: str, first: _Sample,
-                       head: NodeChunk) -> AsyncIterator[Piece]:  # fmt: skip
+                       head: tuple[NodeChunk, bool]) -> AsyncIterator[Piece]:  # fmt: skip
         if job.n == 1:  # the common case: no queue, no extra task per request
             it = first.chunks(head)
             try:
-                async for chunk in it:
-                    for piece in self._pieces(0, chunk, out):
+                async for chunk, more in it:
+                    pieces = self._pieces(0, chunk, out)
+                    for piece in pieces:
+                        piece.more = more or piece is not pieces[-1]
                         yield piece
             except Exception as e:
                 raise _midstream(e) from None
@@ -194,10 +196,10 @@ class _Sample:
         self.request_id = request_id
         self.index = index
         self.body = body
-        self._it: AsyncIterator[NodeChunk] | None = None
+        self._it: AsyncIterator[tuple[NodeChunk, bool]] | None = None
         self._counted = False
 
-    def _open(self) -> AsyncIterator[NodeChunk]:
+    def _open(self) -> AsyncIterator[tuple[NodeChunk, bool]]:
         self.backend.load.acquire(self.url)
         self._counted = True
         return self.backend.nodes.stream(self.url, self.request_id, self.body)
@@ -207,19 +209,19 @@ class _Sample:
             self._counted = False
             self.backend.load.release(self.url)
 
-    async def start(self) -> NodeChunk:
+    async def start(self) -> tuple[NodeChunk, bool]:
         """Open the stream and read up to the first chunk that carries tokens."""
         self._it = self._open()
         try:
-            async for chunk in self._it:
+            async for chunk, more in self._it:
                 if any(c.token_ids or c.finish_reason for c in chunk.choices):
-                    return chunk
+                    return chunk, more
             raise NodeFailure(self.url, "stream ended without a token")
         except BaseException:
             self._close_count()
             raise
 
-    async def chunks(self, head: NodeChunk | None) -> AsyncIterator[NodeChunk]:
+    async def chunks(self, head: tuple[NodeChunk, bool] | None) -> AsyncIterator[tuple[NodeChunk, bool]]:
         """`head` (what start() read), then the rest of the stream; the node's load is
         released and the stream closed however this ends."""
         try:
@@ -227,8 +229,8 @@ class _Sample:
                 yield head
             if self._it is None:
                 self._it = self._open()
-            async for chunk in self._it:
-                yield chunk
+            async for item in self._it:
+                yield item
         finally:
             self._close_count()
             aclose = getattr(self._it, "aclose", None)
@@ -236,9 +238,9 @@ class _Sample:
                 await aclose()
 
     async def pump(self, queue: asyncio.Queue[tuple[int, NodeChunk | BaseException | None]],
-                   head: NodeChunk | None) -> None:  # fmt: skip
+                   head: tuple[NodeChunk, bool] | None) -> None:  # fmt: skip
         try:
-            async for chunk in self.chunks(head):
+            async for chunk, _ in self.chunks(head):
                 await queue.put((self.index, chunk))
             await queue.put((self.index, None))
         except asyncio.CancelledError:

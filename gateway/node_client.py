@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from gateway.node_sse import DataLines
 from protocol.openai import APIError, CompletionLogprobs, Usage
 
 log = logging.getLogger("duet.gateway.nodes")
@@ -88,8 +89,10 @@ class NodeClient:
             raise NodeFailure(url, "prefill leg answered without kv_transfer_params")
         return out
 
-    async def stream(self, url: str, request_id: str, body: dict[str, Any]) -> AsyncIterator[NodeChunk]:
-        """A streamed completion; raises NodeFailure on any failure, APIError on a node's 4xx."""
+    async def stream(self, url: str, request_id: str, body: dict[str, Any]) -> AsyncIterator[tuple[NodeChunk, bool]]:
+        """A streamed completion as `(chunk, more)`: `more` says the next chunk has already
+        arrived (same network read), so a relay may hold this one and send both at once.
+        Raises NodeFailure on any failure, APIError on a node's 4xx."""
         try:
             resp = await self.session.post(f"{url}/v1/completions", data=_ENC.encode(body),
                                            headers=_headers(request_id), timeout=self._stream_timeout)  # fmt: skip
@@ -102,18 +105,25 @@ class NodeClient:
                     raise NodeFailure(url, f"answered {resp.status}: {raw[:300]!r}")
                 raise _node_error(resp.status, raw)
             done = False
+            lines = DataLines()
             try:
-                async for line in resp.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    payload = line[6:].strip()
-                    if payload == b"[DONE]":
-                        done = True
+                # Whatever has arrived, in one read (not a read per line): a burst of chunks
+                # costs one wake-up here and one send to the client.
+                async for data in resp.content.iter_any():
+                    try:
+                        events = lines.feed(data)
+                    except ValueError as e:
+                        raise NodeFailure(url, str(e)) from None
+                    for k, payload in enumerate(events):
+                        if payload == b"[DONE]":
+                            done = True
+                            break
+                        chunk = _CHUNK.decode(payload)
+                        if chunk.error is not None:
+                            raise NodeFailure(url, f"error event: {chunk.error.get('message')}")
+                        yield chunk, k + 1 < len(events) and events[k + 1] != b"[DONE]"
+                    if done:
                         break
-                    chunk = _CHUNK.decode(payload)
-                    if chunk.error is not None:
-                        raise NodeFailure(url, f"error event: {chunk.error.get('message')}")
-                    yield chunk
             except (*_NETWORK_ERRORS, msgspec.DecodeError) as e:
                 raise NodeFailure(url, f"stream broke: {type(e).__name__}: {e}") from None
             if not done:

@@ -401,6 +401,7 @@ async def _stream(ctx: _Ctx, request: web.Request, job: Job, fmt: Formatter,
                   headers: dict[str, str]) -> web.StreamResponse:  # fmt: skip
     resp: web.StreamResponse | None = None
     held: list[Piece] = []  # finishing chunks wait for the usage record's commit
+    pending: list[bytes] = []  # chunks whose successor has already arrived: one write for all
     it = ctx.served.backend.stream(job, ctx.out)
     try:
         async for p in it:
@@ -409,15 +410,17 @@ async def _stream(ctx: _Ctx, request: web.Request, job: Job, fmt: Formatter,
                 await resp.prepare(request)
             if p.finish_reason:
                 held.append(p)
-            else:
-                await resp.write(fmt.chunk(p))
+                continue
+            pending.append(fmt.chunk(p))
+            if not p.more:
+                await resp.write(pending[0] if len(pending) == 1 else b"".join(pending))
+                pending.clear()
     except MidStreamError as e:
         await it.aclose()  # type: ignore[attr-defined]
         await ctx.commit("error_midstream")
         assert resp is not None
         log.warning("%s: mid-stream failure: %s", job.request_id, e.message)
-        await resp.write(sse(e.body()))
-        await resp.write(DONE)
+        await resp.write(b"".join([*pending, sse(e.body()), DONE]))
         return resp
     except BaseException:
         await it.aclose()  # type: ignore[attr-defined]  # now, not at GC: it aborts on the nodes
@@ -426,9 +429,10 @@ async def _stream(ctx: _Ctx, request: web.Request, job: Job, fmt: Formatter,
     if resp is None:
         resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
         await resp.prepare(request)
-    for p in held:
-        await resp.write(fmt.chunk(p))
+    # the finishing chunks, the usage chunk and [DONE] leave in one write (one send, not four)
+    tail = [*pending, *(fmt.chunk(p) for p in held)]
     if ctx.parsed.include_usage:
-        await resp.write(fmt.usage_chunk(_usage(ctx)))  # type: ignore[arg-type]
-    await resp.write(DONE)
+        tail.append(fmt.usage_chunk(_usage(ctx)))  # type: ignore[arg-type]
+    tail.append(DONE)
+    await resp.write(b"".join(tail))
     return resp

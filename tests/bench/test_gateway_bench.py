@@ -16,7 +16,9 @@ def test_gateway_bench_prints_json(tiny_llama: Path) -> None:
     assert out["bench"] == "gateway" and out["overhead"]["requests"] == 5
     for name in ("ttft", "latency"):
         x = out["overhead"][name]
-        assert x["node"]["p50_ms"] > 0 and x["gateway"]["p50_ms"] > 0 and "overhead_p99_ms" in x
+        assert x["node"]["p50_ms"] > 0 and x["gateway"]["p50_ms"] > 0 and x["bare_relay"]["p50_ms"] > 0
+        assert "overhead_p99_ms" in x and "bare_relay_overhead_p99_ms" in x
+        assert isinstance(out["overhead"]["meets_target"][name], bool)
     c = out["concurrency"]
     assert c["streams"] == 30 and c["completed"] == 30 and c["errors"] == {}
     assert c["tokens_per_s"] > 0

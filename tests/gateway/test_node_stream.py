@@ -1,0 +1,106 @@
+"""The node stream is read by network reads, not lines. `DataLines` cuts any split of a stream
+into the same payloads (hypothesis) and says what arrived together; NodeClient.stream against
+a real aiohttp server relays every chunk in order with `more` set only when its successor was
+in the same read, refuses a stream cut before `[DONE]` and an endless line, and surfaces an SSE
+error event as a NodeFailure."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+
+import aiohttp
+import pytest
+from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
+
+from gateway import node_sse
+from gateway.node_client import NodeClient, NodeFailure
+from gateway.node_sse import DataLines
+
+
+def _event(i: int) -> bytes:
+    return b"data: " + json.dumps({"choices": [{"index": 0, "text": f" t{i}", "token_ids": [i]}]}).encode() + b"\n\n"
+
+
+def _server(writes: list[bytes], gate: asyncio.Event | None = None) -> web.Application:
+    """A node that sends `writes` as separate writes; waits for `gate` before the last one."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for k, w in enumerate(writes):
+            if gate is not None and k == len(writes) - 1:
+                await gate.wait()
+            await resp.write(w)
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+async def _read(aiohttp_server, app: web.Application, on_chunk=None) -> list[tuple[str, bool]]:  # type: ignore[no-untyped-def]
+    server = await aiohttp_server(app)
+    async with aiohttp.ClientSession() as s:
+        nc = NodeClient(s, 5.0, 5.0, 5.0)
+        out = []
+        async for chunk, more in nc.stream(str(server.make_url("")).rstrip("/"), "r1", {"prompt": [1]}):
+            out.append((chunk.choices[0].text, more))
+            if on_chunk is not None:
+                on_chunk(len(out))
+        return out
+
+
+@given(st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=8),
+       st.lists(st.integers(min_value=0, max_value=2000), max_size=12))
+def test_any_split_of_a_stream_gives_the_same_payloads(ids: list[int], cuts: list[int]) -> None:
+    stream = b"".join(_event(i) for i in ids) + b"data: [DONE]\n\n"
+    bounds = sorted({min(c, len(stream)) for c in cuts} | {0, len(stream)})
+    lines = DataLines()
+    got = [p for a, b in itertools.pairwise(bounds) for p in lines.feed(stream[a:b])]
+    assert got[-1] == b"[DONE]"
+    assert [json.loads(p)["choices"][0]["token_ids"][0] for p in got[:-1]] == ids
+
+
+def test_what_arrived_together_comes_back_together() -> None:
+    lines = DataLines()
+    assert len(lines.feed(_event(0) + _event(1) + _event(2)[:9])) == 2
+    assert len(lines.feed(_event(2)[9:])) == 1
+    assert lines.feed(b"") == []
+
+
+def test_an_endless_line_is_refused() -> None:
+    lines = DataLines(max_line=100)
+    lines.feed(b"data: " + b"x" * 90)
+    with pytest.raises(ValueError, match="over 100 bytes"):
+        lines.feed(b"x" * 20)
+
+
+async def test_the_client_relays_in_order_and_marks_bursts(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
+    writes = [_event(0) + _event(1) + _event(2), b"data: [DONE]\n\n"]
+    gate = asyncio.Event()
+    # [DONE] waits until the client has read the burst: it cannot ride in the burst's read
+    out = await _read(aiohttp_server, _server(writes, gate), on_chunk=lambda n: n == 3 and gate.set())
+    assert out == [(" t0", True), (" t1", True), (" t2", False)]
+
+
+async def test_a_stream_cut_before_done_fails(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(NodeFailure, match="before \\[DONE\\]"):
+        await _read(aiohttp_server, _server([_event(0), _event(1)[:10]]))
+
+
+async def test_an_error_event_fails(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
+    err = b'data: {"error": {"message": "engine died"}}\n\n'
+    with pytest.raises(NodeFailure, match="engine died"):
+        await _read(aiohttp_server, _server([_event(0), err, b"data: [DONE]\n\n"]))
+
+
+async def test_the_client_refuses_an_endless_line(aiohttp_server, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(node_sse, "MAX_LINE", 4096)
+    with pytest.raises(NodeFailure, match="SSE line over 4096 bytes"):
+        # the line's end never comes (its write waits for a gate nobody opens)
+        await _read(aiohttp_server, _server([b"data: {" + b"x" * 5000, b"}\n\n"], asyncio.Event()))
