@@ -15,6 +15,8 @@ import json
 import sys
 from typing import Any
 
+from gateway.store.base import GROUP_BY  # msgspec only: cheap enough for the parser
+
 GATEWAY_HELP = """\
 OpenAI-compatible gateway: API keys, teams, quotas, tiers, routing to prefill/decode nodes.
 
@@ -75,8 +77,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ur.add_argument("--start", default=None, help="YYYY-MM-DD or unix seconds")
     ur.add_argument("--end", default=None, help="YYYY-MM-DD (inclusive) or unix seconds")
     ur.add_argument("--team", default=None, help="one team (default: all)")
-    ur.add_argument("--group-by", choices=["model", "day", "team", "record"], default="record",
-                    help="totals per model/day/team, or every usage record")  # fmt: skip
+    ur.add_argument("--group-by", choices=[*GROUP_BY, "record"], default="record",
+                    help="totals per model/day/team/user (the requests' OpenAI `user` field), or every usage "
+                         "record")  # fmt: skip
     ur.add_argument("--format", choices=["csv", "json"], default="csv")
     _store_args(ur)
     ur.set_defaults(func=_usage)

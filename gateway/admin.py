@@ -4,9 +4,10 @@
   default_tier}` → 201; `GET /admin/teams[/{id}]`; `DELETE /admin/teams/{id}` (revokes its keys).
 - `POST /admin/keys {team_id, name}` → 201 with the secret, shown this once;
   `GET /admin/keys[?team_id=]`; `DELETE /admin/keys/{id}` revokes.
-- `GET /v1/usage?date=YYYY-MM-DD` (or `start=&end=`, dates or unix seconds; `group_by=model|day`;
-  `team_id=`): a team key reads its own team only (another team's id → 403); the admin key
-  reads any team, or all of them.
+- `GET /v1/usage?date=YYYY-MM-DD` (or `start=&end=`, dates or unix seconds;
+  `group_by=model|day|team|user`, user being the requests' OpenAI `user` field; `team_id=`):
+  a team key reads its own team only (another team's id → 403); the admin key reads any
+  team, or all of them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from aiohttp import web
 from gateway.auth import authenticate, bearer, is_admin, require_admin
 from gateway.keys import new_key
 from gateway.state import GatewayState
-from gateway.store.base import Team
+from gateway.store.base import GROUP_BY, Team
 from protocol.openai import APIError
 
 _ENC = msgspec.json.Encoder()
@@ -154,8 +155,8 @@ async def usage(state: GatewayState, request: web.Request) -> web.Response:
                            code="forbidden", param="team_id")  # fmt: skip
         team_id = team.id
     group_by = q.get("group_by")
-    if group_by not in (None, "model", "day", "team"):
-        raise APIError(400, "group_by must be 'model', 'day' or 'team'", param="group_by")
+    if group_by is not None and group_by not in GROUP_BY:
+        raise APIError(400, f"group_by must be one of {', '.join(map(repr, GROUP_BY))}", param="group_by")
     start, end = time_range(q)
     rows = await state.store.usage(team_id, start, end, group_by)
     return _json({"object": "list", "team_id": team_id, "start": start, "end": end, "group_by": group_by,

@@ -3,8 +3,8 @@
 Nothing from the client is trusted: the raw JSON's keys are checked first, and a field the
 gateway does not support (tools, images, …) is a 400 that names it — unless it
 carries its neutral value (`null`, `false`, `0`, `[]`, `{}`), which changes nothing. Types
-come from msgspec; meaning (ranges, n ≤ 8, stop ≤ 4 strings) is checked here with OpenAI's
-wording.
+come from msgspec; meaning (ranges, n ≤ 8, stop ≤ 4 strings, user ≤ 256 characters) is
+checked here with OpenAI's wording.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from protocol.openai import APIError, CompletionRequest
 
 MAX_N = 8
 MAX_STOP = 4
+#: the `user` field is stored in every usage record; longer than this it is not a user id
+MAX_USER = 256
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
           "stream_options", "user", "service_tier", "top_k", "min_tokens", "ignore_eos"}  # fmt: skip
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
@@ -143,7 +145,7 @@ def parse_chat(raw: bytes) -> Parsed:
     return Parsed(endpoint="chat", model=body.model, messages=messages, prompt=None, max_tokens=max_tokens,
                   params=params, n=n, stream=bool(body.stream),
                   include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                  service_tier=body.service_tier, user=body.user)  # fmt: skip
+                  service_tier=body.service_tier, user=_user(body.user))  # fmt: skip
 
 
 def parse_completion(raw: bytes) -> Parsed:
@@ -182,7 +184,7 @@ def parse_completion(raw: bytes) -> Parsed:
     return Parsed(endpoint="completion", model=body.model, messages=None, prompt=p, max_tokens=max_tokens,
                   params=params, n=n, stream=body.stream,
                   include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                  service_tier=body.service_tier, user=body.user)  # fmt: skip
+                  service_tier=body.service_tier, user=_user(body.user))  # fmt: skip
 
 
 class _Shim:
@@ -196,6 +198,13 @@ class _Shim:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._body, name)
+
+
+def _user(user: str | None) -> str | None:
+    """The end user the caller names (msgspec already refused a non-string); "" names nobody."""
+    if user is not None and len(user) > MAX_USER:
+        raise APIError(400, f"user must be a string of at most {MAX_USER} characters, got {len(user)}", param="user")
+    return user or None
 
 
 def _check_top(name: str, n: int) -> None:

@@ -242,7 +242,7 @@ async def run(state: GatewayState, key: ApiKey, team: Team, raw: bytes, endpoint
     headers.update({**rate_headers(res.rate), "X-Request-Id": request_id, "x-duet-tier": tier})
     record = UsageRecord(request_id=request_id, team_id=team.id, key_id=key.id, model_requested=parsed.model,
                          model_used=m.name, tier=tier, status="error", prompt_tokens=len(ids),
-                         endpoint=endpoint)  # fmt: skip
+                         endpoint=endpoint, user=parsed.user)  # fmt: skip
     ctx = _Ctx(state, served, parsed, record, Outcome(prompt_tokens=len(ids)), res.id, t0, price_factor)
     try:
         return await _serve(ctx, request, _Plan(endpoint, tier, policy, n_prompt, ids, max_tokens), headers)

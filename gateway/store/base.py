@@ -21,6 +21,8 @@ from typing import Any, Literal
 import msgspec
 
 WINDOW_S = 60.0
+#: what `Store.usage` groups by; its rows name the group `model`, `date`, `team_id`, `user`
+GROUP_BY = ("model", "day", "team", "user")
 LimitKind = Literal["requests", "tokens", "concurrency", "daily_budget", "monthly_budget"]
 
 
@@ -100,6 +102,8 @@ class UsageRecord:
     nodes: list[str] = field(default_factory=list)
     endpoint: str = ""
     created_at: float = field(default_factory=time.time)
+    #: the request's OpenAI `user` field: the caller's own end user, for attributing spend
+    user: str | None = None
 
 
 @dataclass(frozen=True)
@@ -166,7 +170,8 @@ class Store(ABC):
     # usage
     @abstractmethod
     async def usage(self, team_id: str | None, start: float, end: float,
-                    group_by: str | None) -> list[dict[str, Any]]: ...  # fmt: skip
+                    group_by: str | None) -> list[dict[str, Any]]:  # fmt: skip
+        """Totals: one row (group_by None) or one row per group, ordered by it, nulls first."""
 
     @abstractmethod
     async def usage_records(self, team_id: str | None, start: float, end: float) -> list[UsageRecord]: ...

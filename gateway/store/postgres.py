@@ -60,15 +60,19 @@ CREATE TABLE IF NOT EXISTS usage (
     status TEXT NOT NULL, endpoint TEXT NOT NULL, prompt_tokens BIGINT NOT NULL,
     completion_tokens BIGINT NOT NULL, cached_tokens BIGINT NOT NULL, cost_usd DOUBLE PRECISION NOT NULL,
     ttft_s DOUBLE PRECISION, latency_s DOUBLE PRECISION NOT NULL, nodes TEXT NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL);
+    created_at DOUBLE PRECISION NOT NULL, "user" TEXT);
 CREATE INDEX IF NOT EXISTS usage_team_time ON usage (team_id, created_at);
 """
+#: columns later versions added to existing tables: (table, column, type)
+ADDED_COLUMNS = [("usage", "user", "TEXT")]
 
 _TEAM_COLS = "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, created_at"
 _KEY_COLS = "id, team_id, name, prefix, created_at, revoked_at"
 _USAGE_COLS = ("request_id", "team_id", "key_id", "model_requested", "model_used", "tier", "status",
                "endpoint", "prompt_tokens", "completion_tokens", "cached_tokens", "cost_usd", "ttft_s",
-               "latency_s", "nodes", "created_at")  # fmt: skip
+               "latency_s", "nodes", "created_at", "user")  # fmt: skip
+# quoted: `user` is a reserved word in PostgreSQL (unquoted it means CURRENT_USER)
+_USAGE_SQL = ", ".join(f'"{c}"' for c in _USAGE_COLS)
 _DAY = "to_char(to_timestamp(created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
 
 
@@ -112,6 +116,17 @@ async def _settle_booking(con: Any, s: Settlement, now: float) -> None:
     await _bucket(con, row["team_id"], int(row["created_at"]), 0, s.tokens - row["tokens"])
 
 
+async def _add_columns(con: Any) -> None:
+    """Bring a database an older version created up to `SCHEMA` (which runs only on an empty one).
+
+    ALTER TABLE takes an ACCESS EXCLUSIVE lock even when IF NOT EXISTS finds the column, so,
+    like the DDL above, it runs only when the column is really missing: once per database."""
+    for table, column, type_ in ADDED_COLUMNS:
+        if not await con.fetchval("SELECT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_schema = "
+                                  "current_schema() AND table_name = $1 AND column_name = $2)", table, column):  # fmt: skip
+            await con.execute(f'ALTER TABLE {table} ADD COLUMN IF NOT EXISTS "{column}" {type_}')
+
+
 def _key(r: Any) -> ApiKey:
     return ApiKey(id=r["id"], team_id=r["team_id"], name=r["name"], prefix=r["prefix"],
                   created_at=r["created_at"], revoked_at=r["revoked_at"])  # fmt: skip
@@ -137,6 +152,7 @@ class PostgresStore(Store):
             # even when the index exists, which deadlocks against a running gateway's writes.
             if await con.fetchval("SELECT to_regclass('usage_team_time')") is None:
                 await con.execute(SCHEMA)
+            await _add_columns(con)
 
     async def close(self) -> None:
         if self._pool is not None:
@@ -247,7 +263,7 @@ class PostgresStore(Store):
                                           "ON CONFLICT (team_id, period) DO UPDATE SET cost_usd = spend.cost_usd + "
                                           "excluded.cost_usd", r.team_id, period, r.cost_usd)  # fmt: skip
             await con.executemany(
-                f"INSERT INTO usage ({', '.join(_USAGE_COLS)}) VALUES ({', '.join(f'${i + 1}' for i in range(len(_USAGE_COLS)))})",
+                f"INSERT INTO usage ({_USAGE_SQL}) VALUES ({', '.join(f'${i + 1}' for i in range(len(_USAGE_COLS)))})",
                 [[json.dumps(s.record.nodes) if c == "nodes" else getattr(s.record, c) for c in _USAGE_COLS] for s in batch])  # fmt: skip
 
     async def expire_reservations(self, now: float | None = None) -> int:
@@ -260,14 +276,16 @@ class PostgresStore(Store):
     async def usage(self, team_id: str | None, start: float, end: float,
                     group_by: str | None) -> list[dict[str, Any]]:  # fmt: skip
         keys = {None: [], "model": [("model_requested", "model")], "day": [(_DAY, "date")],
-                "team": [("team_id", "team_id")]}[group_by]  # fmt: skip
-        sel = [f"{expr} AS {name}" for expr, name in keys]
+                "team": [("team_id", "team_id")], "user": [('"user"', "user")]}[group_by]  # fmt: skip
+        sel = [f'{expr} AS "{name}"' for expr, name in keys]
         args: list[Any] = [start, end]
         where = "created_at >= $1 AND created_at < $2"
         if team_id:
             where += " AND team_id = $3"
             args.append(team_id)
-        group = f" GROUP BY {', '.join(e for e, _ in keys)} ORDER BY {', '.join(e for e, _ in keys)}" if keys else ""
+        # NULLS FIRST: as SQLite orders them (PostgreSQL's default puts them last)
+        group = (f" GROUP BY {', '.join(e for e, _ in keys)} ORDER BY {', '.join(f'{e} NULLS FIRST' for e, _ in keys)}"
+                 if keys else "")  # fmt: skip
         rows = await self.pool.fetch(
             f"SELECT {', '.join([*sel, 'count(*) AS n', 'coalesce(sum(prompt_tokens),0) AS p', 'coalesce(sum(completion_tokens),0) AS c', 'coalesce(sum(cached_tokens),0) AS k', 'coalesce(sum(cost_usd),0) AS cost'])} "
             f"FROM usage WHERE {where}{group}", *args)  # fmt: skip
@@ -281,5 +299,5 @@ class PostgresStore(Store):
         if team_id:
             where += " AND team_id = $3"
             args.append(team_id)
-        rows = await self.pool.fetch(f"SELECT {', '.join(_USAGE_COLS)} FROM usage WHERE {where} ORDER BY created_at", *args)
+        rows = await self.pool.fetch(f"SELECT {_USAGE_SQL} FROM usage WHERE {where} ORDER BY created_at", *args)
         return [UsageRecord(**{**dict(r), "nodes": json.loads(r["nodes"])}) for r in rows]

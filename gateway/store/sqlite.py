@@ -66,15 +66,17 @@ CREATE TABLE IF NOT EXISTS usage (
     model_requested TEXT NOT NULL, model_used TEXT NOT NULL, tier TEXT NOT NULL,
     status TEXT NOT NULL, endpoint TEXT NOT NULL, prompt_tokens INTEGER NOT NULL,
     completion_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, cost_usd REAL NOT NULL,
-    ttft_s REAL, latency_s REAL NOT NULL, nodes TEXT NOT NULL, created_at REAL NOT NULL);
+    ttft_s REAL, latency_s REAL NOT NULL, nodes TEXT NOT NULL, created_at REAL NOT NULL, user TEXT);
 CREATE INDEX IF NOT EXISTS usage_team_time ON usage (team_id, created_at);
 """
+#: columns later versions added to existing tables: (table, column, type)
+ADDED_COLUMNS = [("usage", "user", "TEXT")]
 
 _TEAM_COLS = "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, created_at"
 _KEY_COLS = "id, team_id, name, prefix, created_at, revoked_at"
 _USAGE_COLS = ("request_id", "team_id", "key_id", "model_requested", "model_used", "tier", "status",
                "endpoint", "prompt_tokens", "completion_tokens", "cached_tokens", "cost_usd", "ttft_s",
-               "latency_s", "nodes", "created_at")  # fmt: skip
+               "latency_s", "nodes", "created_at", "user")  # fmt: skip
 
 
 def _team(row: tuple[Any, ...]) -> Team:
@@ -92,6 +94,11 @@ def _record(row: tuple[Any, ...]) -> UsageRecord:
     return UsageRecord(**d)
 
 
+def _init(db: sqlite3.Connection) -> None:
+    db.executescript(SCHEMA)
+    _add_columns(db)
+
+
 class SqliteStore(Store):
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -101,7 +108,7 @@ class SqliteStore(Store):
         return await self._conns.run(fn)
 
     async def open(self) -> None:
-        await self._conns.open(lambda db: db.executescript(SCHEMA))
+        await self._conns.open(_init)
 
     async def close(self) -> None:
         await self._conns.close()
@@ -214,8 +221,9 @@ class SqliteStore(Store):
     async def usage(self, team_id: str | None, start: float, end: float,
                     group_by: str | None) -> list[dict[str, Any]]:  # fmt: skip
         keys = {None: [], "model": ["model_requested"], "day": ["date(created_at, 'unixepoch')"],
-                "team": ["team_id"]}[group_by]  # fmt: skip
-        names = {"model_requested": "model", "date(created_at, 'unixepoch')": "date", "team_id": "team_id"}
+                "team": ["team_id"], "user": ["user"]}[group_by]  # fmt: skip
+        names = {"model_requested": "model", "date(created_at, 'unixepoch')": "date", "team_id": "team_id",
+                 "user": "user"}  # fmt: skip
         sel = [f"{k} AS {names[k]}" for k in keys]
         where = "created_at >= ? AND created_at < ?" + (" AND team_id = ?" if team_id else "")
         args: tuple[Any, ...] = (start, end, team_id) if team_id else (start, end)
@@ -237,6 +245,16 @@ class SqliteStore(Store):
         rows = await self._run(lambda db: db.execute(
             f"SELECT {', '.join(_USAGE_COLS)} FROM usage WHERE {where} ORDER BY created_at", args).fetchall())  # fmt: skip
         return [_record(r) for r in rows]
+
+
+def _add_columns(db: sqlite3.Connection) -> None:
+    """Bring a file an older version created up to `SCHEMA` (which only creates missing tables).
+
+    Under the write lock, so two gateways opening one old file add each column once."""
+    with _tx(db):
+        for table, column, type_ in ADDED_COLUMNS:
+            if column not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
+                db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {type_}")
 
 
 class _tx:

@@ -41,9 +41,10 @@ T = TypeVar("T")
 CHECKPOINT_EVERY = 500
 
 
-def connect(path: Path, busy_timeout_ms: int) -> sqlite3.Connection:
+def connect(path: Path, busy_timeout_ms: int, set_wal: bool) -> sqlite3.Connection:
     db = sqlite3.connect(path, isolation_level=None, timeout=busy_timeout_ms / 1000, check_same_thread=False)
-    db.execute("PRAGMA journal_mode=WAL")
+    if set_wal:  # persistent in the file: the worker sets it once, waiting for locks as it may
+        db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
     db.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
     return db
@@ -71,12 +72,12 @@ class Connections:
     async def open(self, init: Callable[[sqlite3.Connection], None]) -> None:
         def setup() -> None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = connect(self.path, 30_000)
+            db = connect(self.path, 30_000, set_wal=True)
             init(db)
             self._worker = db
 
         await asyncio.get_running_loop().run_in_executor(self._pool, setup)
-        db = connect(self.path, 0)
+        db = connect(self.path, 0, set_wal=False)
         db.execute("PRAGMA wal_autocheckpoint=0")
         self._loop_db, self._loop_thread = db, threading.get_ident()
 

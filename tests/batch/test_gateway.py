@@ -1,8 +1,8 @@
 """The batch tier inside a real `duet gateway` process, in front of two real tiny-model nodes:
 the official openai client's files + batches calls with the gateway's API keys, output equal to
-the same requests sent one by one (greedy), usage records at tier=batch and the discounted
-price, team isolation, and quotas (a full rate window slows a batch; a spent budget fails its
-lines at once)."""
+the same requests sent one by one (greedy), usage records at tier=batch, the discounted price
+and each line's OpenAI `user`, team isolation, and quotas (a full rate window slows a batch; a
+spent budget fails its lines at once)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import asyncio
 import json
 import re
 import urllib.request
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -110,11 +111,11 @@ async def test_quota_window_defers_lines_and_spent_budget_fails_them(nodes: tupl
         narrow = make_team(gw.url, "narrow", max_concurrent=1)
         broke = make_team(gw.url, "broke", daily_budget_usd=1e-9)
         async with client(gw.url, narrow) as c:
-            narrow_id = await submit(c, lines_for(20, max_tokens=16))
+            narrow_id = await submit(c, lines_for(20, max_tokens=16, user="nightly-job"))
         async with client(gw.url, broke) as c:
             broke_id = await submit(c, lines_for(5))
         # the simple form, same team, same quota: plain OpenAI bodies in, results inline
-        status, _, simple = http(f"{gw.url}/v1/batch", "POST", {"requests": [x["body"] for x in lines_for(3)],
+        status, _, simple = http(f"{gw.url}/v1/batch", "POST", {"requests": [x["body"] for x in lines_for(3, user="simple")],
                                                                  "priority": "high"}, key=narrow)  # fmt: skip
         assert status == 202, simple
         b = await wait_done(gw.url, narrow, narrow_id)
@@ -138,4 +139,8 @@ async def test_quota_window_defers_lines_and_spent_budget_fails_them(nodes: tupl
     for e in errors:
         assert e["response"]["status_code"] == 429
         assert e["response"]["body"]["error"]["type"] == "insufficient_quota"
-    assert all(r["tier"] == "batch" for r in usage_records(tmp_path / "gateway.db", "narrow"))
+    records = usage_records(tmp_path / "gateway.db", "narrow")
+    assert all(r["tier"] == "batch" for r in records)
+    # a line's OpenAI `user` reaches its usage record, as on the interactive path
+    ok = Counter(r["user"] for r in records if r["status"] == "ok")
+    assert ok == {"nightly-job": 20, "simple": 3}

@@ -40,20 +40,32 @@ def test_teams_keys_usage_report(tmp_path: Path) -> None:
         await s.open()
         found = await s.key_by_hash(hash_secret(secret))
         assert found is not None
-        res = await s.reserve(ReserveRequest(team_id="ml", key_id=found[0].id, request_id="req-1", tokens=10,
-                                             cost_usd=0.01, ttl_s=60))  # fmt: skip
-        assert isinstance(res, Reservation)
-        await s.settle([Settlement(res.id, UsageRecord(request_id="req-1", team_id="ml", key_id=found[0].id,
-                                                       model_requested="m", model_used="m", tier="batch", status="ok",
-                                                       prompt_tokens=6, completion_tokens=3, cost_usd=0.004))])  # fmt: skip
+        for rid, user, cost in (("req-1", "u-1", 0.004), ("req-2", None, 0.002)):
+            res = await s.reserve(ReserveRequest(team_id="ml", key_id=found[0].id, request_id=rid, tokens=10,
+                                                 cost_usd=0.01, ttl_s=60))  # fmt: skip
+            assert isinstance(res, Reservation)
+            await s.settle([Settlement(res.id, UsageRecord(request_id=rid, team_id="ml", key_id=found[0].id,
+                                                           model_requested="m", model_used="m", tier="batch",
+                                                           status="ok", prompt_tokens=6, completion_tokens=3,
+                                                           cost_usd=cost, user=user))])  # fmt: skip
         await s.close()
 
     asyncio.run(settle())
     rows = list(csv.DictReader(io.StringIO(duet("usage", "report", "--store", store).stdout)))
-    assert [(r["request_id"], r["status"], r["prompt_tokens"], r["tier"]) for r in rows] == [("req-1", "ok", "6", "batch")]
+    assert [(r["request_id"], r["status"], r["prompt_tokens"], r["tier"], r["user"]) for r in rows] == [
+        ("req-1", "ok", "6", "batch", "u-1"), ("req-2", "ok", "6", "batch", "")]  # fmt: skip
+    recs = json.loads(duet("usage", "report", "--store", store, "--format", "json").stdout)
+    assert [r["user"] for r in recs] == ["u-1", None]
     totals = json.loads(duet("usage", "report", "--store", store, "--group-by", "model", "--format", "json").stdout)
-    assert totals == [{"model": "m", "requests": 1, "prompt_tokens": 6, "completion_tokens": 3, "cached_tokens": 0,
-                       "total_tokens": 9, "cost_usd": 0.004}]  # fmt: skip
+    assert totals == [{"model": "m", "requests": 2, "prompt_tokens": 12, "completion_tokens": 6, "cached_tokens": 0,
+                       "total_tokens": 18, "cost_usd": 0.006}]  # fmt: skip
+    per_user = json.loads(duet("usage", "report", "--store", store, "--group-by", "user", "--format", "json").stdout)
+    assert per_user == [{"user": None, "requests": 1, "prompt_tokens": 6, "completion_tokens": 3, "cached_tokens": 0,
+                         "total_tokens": 9, "cost_usd": 0.002},
+                        {"user": "u-1", "requests": 1, "prompt_tokens": 6, "completion_tokens": 3, "cached_tokens": 0,
+                         "total_tokens": 9, "cost_usd": 0.004}]  # fmt: skip
+    rows = list(csv.DictReader(io.StringIO(duet("usage", "report", "--store", store, "--group-by", "user").stdout)))
+    assert [(r["user"], r["requests"]) for r in rows] == [("", "1"), ("u-1", "1")]
     assert json.loads(duet("usage", "report", "--store", store, "--date", "2001-01-01", "--format", "json").stdout) == []
     r = duet("keys", "revoke", listed[0]["id"], "--store", store)
     assert r.returncode == 0 and duet("keys", "revoke", listed[0]["id"], "--store", store).returncode == 2

@@ -5,6 +5,7 @@ prompt token ids."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import urllib.request
 from collections.abc import Iterator
@@ -15,6 +16,8 @@ import openai
 import pytest
 
 from bench.pd_client import completion
+from gateway.store.base import UsageRecord
+from gateway.store.sqlite import SqliteStore
 from protocol.tokenizer import Tokenizer
 from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, metric, tiny_model
 from tests.procs import Proc, running
@@ -34,6 +37,16 @@ def gw(nodes: tuple[Proc, Proc, Proc], tiny_llama: Path, tmp_path_factory: pytes
     g = gateway_proc(tmp, models)
     with running(g):
         yield g, make_team(g.url, "e2e")
+
+
+async def _records(db: Path, team: str) -> list[UsageRecord]:
+    """The gateway's usage records, read from its SQLite store (WAL: readable while it runs)."""
+    store = SqliteStore(db)
+    await store.open()
+    try:
+        return await store.usage_records(team, 0, 1e12)
+    finally:
+        await store.close()
 
 
 async def node_text(node: Proc, ids: list[int], **params: object) -> tuple[str, int]:
@@ -121,11 +134,27 @@ def test_models_health_metrics_usage(gw: tuple[Proc, str]) -> None:
     g, key = gw
     client = openai.OpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
     assert {m.id for m in client.models.list()} == {MODEL, "tiny-colocated"}
-    client.completions.create(model=MODEL, prompt="count me", max_tokens=3, temperature=0)
+    done = client.completions.create(model=MODEL, prompt="count me", max_tokens=3, temperature=0, user="end-user-1")
     status, _, body = http(g.url + "/v1/usage?group_by=model", key=key)
     assert status == 200 and body["team_id"] == "e2e"
     row = next(r for r in body["data"] if r["model"] == MODEL)
     assert row["requests"] >= 1 and row["completion_tokens"] >= 3 and row["cost_usd"] > 0
+    # `user` attributes spend: a streamed chat for another end user, then totals per user
+    stream = client.chat.completions.create(model=MODEL, messages=CHATS[0], max_tokens=2, temperature=0,
+                                            stream=True, user="end-user-2")  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    status, _, body = http(g.url + "/v1/usage?group_by=user", key=key)
+    assert status == 200 and body["group_by"] == "user"
+    by_user = {r["user"]: r for r in body["data"]}
+    assert by_user["end-user-1"]["requests"] == 1 and by_user["end-user-2"]["requests"] == 1
+    assert by_user["end-user-1"]["completion_tokens"] == done.usage.completion_tokens
+    assert by_user[None]["requests"] >= 1  # the module's other requests named no user
+    status, _, body = http(g.url + "/v1/usage?group_by=nobody", key=key)
+    assert status == 400 and body["error"]["param"] == "group_by" and "'user'" in body["error"]["message"]
+    # each usage record holds its request's user (committed before the response's end)
+    recs = asyncio.run(_records(g.log_path.parent / "gateway.db", "e2e"))
+    assert [r.user for r in recs if r.request_id == "req-" + done.id.removeprefix("cmpl-")] == ["end-user-1"]
+    assert [r.endpoint for r in recs if r.user == "end-user-2"] == ["chat"]
     text = urllib.request.urlopen(g.url + "/metrics", timeout=5).read().decode()
     assert re.search(r'^duet:spend_usd_total\{model="tiny",team="e2e"\} [0-9.e-]+$', text, re.M)
     assert re.search(r'^duet:gateway_requests_total\{model="tiny",status="ok",team="e2e",tier="interactive"\}', text, re.M)

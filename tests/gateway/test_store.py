@@ -1,6 +1,7 @@
-"""The SQLite store's quota rules, exactly: reserve → settle, the concurrency limit, expiry of
-reservations whose gateway died, TPM windows, budgets, and atomicity across two processes'
-connections on one file."""
+"""The stores' quota rules, exactly (SQLite and PostgreSQL): reserve → settle, the concurrency
+limit, expiry of reservations whose gateway died, TPM windows, budgets, atomicity across two
+processes' connections on one database; usage totals and records, with each request's OpenAI
+`user`, and databases an older version created gaining the `user` column at open."""
 
 from __future__ import annotations
 
@@ -41,10 +42,11 @@ def _req(team: str, tokens: int = 10, cost: float = 0.0, now: float | None = Non
     return ReserveRequest(team_id=team, key_id="k", request_id="r", tokens=tokens, cost_usd=cost, ttl_s=ttl, **kw)
 
 
-def _settle(res: Reservation, team: str, tokens: int, cost: float) -> Settlement:
-    return Settlement(res.id, UsageRecord(request_id="r", team_id=team, key_id="k", model_requested="m",
+def _settle(res: Reservation, team: str, tokens: int, cost: float, user: str | None = None,
+            request_id: str = "r") -> Settlement:  # fmt: skip
+    return Settlement(res.id, UsageRecord(request_id=request_id, team_id=team, key_id="k", model_requested="m",
                                           model_used="m", tier="interactive", status="ok", prompt_tokens=tokens,
-                                          cost_usd=cost))  # fmt: skip
+                                          cost_usd=cost, user=user))  # fmt: skip
 
 
 async def test_keys_are_stored_as_hashes(url: str) -> None:
@@ -132,7 +134,7 @@ def test_next_month() -> None:
     assert seconds_to_next_month(1796083200.0 + 31 * 86400 - 1) == 1  # 2026-12-31 23:59:59 → 2027-01-01
 
 
-@pytest.mark.parametrize("group_by", [None, "model", "day"])
+@pytest.mark.parametrize("group_by", [None, "model", "day", "team", "user"])
 async def test_usage_grouping(url: str, group_by: str | None) -> None:
     s = await _store(url)
     await s.create_team(Team(id="t"))
@@ -144,3 +146,96 @@ async def test_usage_grouping(url: str, group_by: str | None) -> None:
     other = await s.usage("other", 0, 1e12, group_by)
     assert other == [] if group_by else other[0]["requests"] == 0
     await s.close()
+
+
+async def _settled(s: Store, team: str, tokens: int, cost: float, user: str | None, request_id: str) -> None:
+    res = await s.reserve(_req(team))
+    assert isinstance(res, Reservation)
+    await s.settle([_settle(res, team, tokens, cost, user, request_id)])
+
+
+async def test_user_round_trips_and_groups(url: str) -> None:
+    s = await _store(url)
+    for team in ("t", "u"):
+        await s.create_team(Team(id=team))
+    odd = "o'brien \"ü\" 🙂 " + "x" * 240  # quotes, non-ASCII, 256 characters: stored as given
+    await _settled(s, "t", 5, 0.5, "alice", "r1")
+    await _settled(s, "t", 7, 0.25, "alice", "r2")
+    await _settled(s, "t", 11, 0.125, odd, "r3")
+    await _settled(s, "t", 13, 0.0, None, "r4")
+    await _settled(s, "u", 17, 1.0, "alice", "r5")  # another team's alice
+    recs = await s.usage_records("t", 0, 1e12)
+    assert [(r.request_id, r.user) for r in recs] == [("r1", "alice"), ("r2", "alice"), ("r3", odd), ("r4", None)]
+    rows = await s.usage("t", 0, 1e12, "user")
+    assert [(r["user"], r["requests"], r["prompt_tokens"], r["cost_usd"]) for r in rows] == [
+        (None, 1, 13, 0.0), ("alice", 2, 12, 0.75), (odd, 1, 11, 0.125)]  # fmt: skip
+    everyone = await s.usage(None, 0, 1e12, "user")
+    assert [(r["user"], r["requests"]) for r in everyone] == [(None, 1), ("alice", 3), (odd, 1)]
+    await s.close()
+
+
+# the usage table as versions before the `user` column created it (in WAL mode, as they left it)
+OLD_SQLITE_USAGE = """
+PRAGMA journal_mode=WAL;
+CREATE TABLE usage (
+    request_id TEXT NOT NULL, team_id TEXT NOT NULL, key_id TEXT NOT NULL,
+    model_requested TEXT NOT NULL, model_used TEXT NOT NULL, tier TEXT NOT NULL,
+    status TEXT NOT NULL, endpoint TEXT NOT NULL, prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, cost_usd REAL NOT NULL,
+    ttft_s REAL, latency_s REAL NOT NULL, nodes TEXT NOT NULL, created_at REAL NOT NULL);
+CREATE INDEX usage_team_time ON usage (team_id, created_at);
+INSERT INTO usage VALUES ('old-1', 't', 'k', 'm', 'm', 'interactive', 'ok', 'chat', 3, 4, 0, 0.5, 0.1, 0.2,
+                          '["n1"]', 1000.0);
+"""
+
+
+async def test_old_sqlite_file_gains_the_user_column(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as db:
+        db.executescript(OLD_SQLITE_USAGE)
+    # two gateways opening the old file at once: the column is added once, neither fails
+    a, b = open_store(f"sqlite://{path}"), open_store(f"sqlite://{path}")
+    await asyncio.gather(a.open(), b.open())
+    await b.close()
+    with sqlite3.connect(path) as db:
+        assert [r[1] for r in db.execute("PRAGMA table_info(usage)")][-1] == "user"
+    [old] = await a.usage_records(None, 0, 1e12)
+    assert (old.request_id, old.user, old.nodes, old.prompt_tokens) == ("old-1", None, ["n1"], 3)
+    await a.create_team(Team(id="t"))
+    await _settled(a, "t", 5, 0.25, "alice", "new-1")
+    assert [(r["user"], r["requests"]) for r in await a.usage("t", 0, 1e12, "user")] == [(None, 1), ("alice", 1)]
+    await a.close()
+    again = await _store(f"sqlite://{path}")  # already migrated: opens as is
+    assert [r.user for r in await again.usage_records("t", 0, 1e12)] == [None, "alice"]
+    await again.close()
+
+
+async def test_old_postgres_database_gains_the_user_column(postgres_db: str) -> None:
+    import asyncpg
+
+    s = await _store(postgres_db)
+    await s.close()
+    con = await asyncpg.connect(postgres_db)
+    try:  # back to the schema versions before the `user` column created, with one old row
+        await con.execute('ALTER TABLE usage DROP COLUMN "user"')
+        await con.execute("INSERT INTO usage (request_id, team_id, key_id, model_requested, model_used, tier, status, "
+                          "endpoint, prompt_tokens, completion_tokens, cached_tokens, cost_usd, ttft_s, latency_s, "
+                          "nodes, created_at) VALUES ('old-1', 't', 'k', 'm', 'm', 'interactive', 'ok', 'chat', 3, 4, "
+                          "0, 0.5, 0.1, 0.2, '[\"n1\"]', 1000.0)")  # fmt: skip
+        s = await _store(postgres_db)
+        [old] = await s.usage_records(None, 0, 1e12)
+        assert (old.request_id, old.user, old.nodes) == ("old-1", None, ["n1"])
+        await s.create_team(Team(id="t"))
+        await _settled(s, "t", 5, 0.25, "alice", "new-1")
+        assert [r.user for r in await s.usage_records("t", 0, 1e12)] == [None, "alice"]
+        # Up to date, a gateway's open takes no lock on usage (ALTER TABLE would wait for every
+        # reader and writer of it: the deadlock the schema-only-when-missing rule avoids).
+        async with con.transaction():
+            await con.execute("LOCK TABLE usage IN ROW EXCLUSIVE MODE")  # as a settling gateway holds it
+            late = await asyncio.wait_for(_store(postgres_db), timeout=30)
+        await late.close()
+        await s.close()
+    finally:
+        await con.close()
