@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from coordinator.index import PrefixIndex
 from coordinator.nodes import NodeView, PendingTotals
+from protocol.cluster import kv_layouts_match
 from protocol.openai import APIError
 from protocol.route import RouteRequest, RouteResponse, RouteTarget
 
@@ -210,7 +211,7 @@ class Router:
                 why: tuple = (uncached_d,)
             else:
                 layout = d.info.kv_layout_hash
-                found = next((t for t in p_ranked if t[2].info.kv_layout_hash == layout), None)
+                found = next((t for t in p_ranked if kv_layouts_match(t[2].info.kv_layout_hash, layout)), None)
                 if found is None:
                     outcome, why = "local_no_prefill", ()
                 else:

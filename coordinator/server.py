@@ -18,6 +18,7 @@ from aiohttp import web
 
 from coordinator.app import make_app
 from coordinator.service import CoordinatorConfig
+from protocol.http_errors import AppRunner
 
 log = logging.getLogger("duet.coordinator")
 #: seconds shutdown may take before the process exits regardless
@@ -26,7 +27,8 @@ SHUTDOWN_GRACE_S = 15.0
 
 async def serve(cfg: CoordinatorConfig) -> int:
     app = make_app(cfg)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # HTTP parser errors answered in the same error body as /route's own (protocol.http_errors).
+    runner = AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     try:

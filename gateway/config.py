@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -91,6 +92,9 @@ class StaticNodes:
     prefill: tuple[str, ...] = ()
     decode: tuple[str, ...] = ()
     both: tuple[str, ...] = ()
+    #: node URL → its KV layout hash (NodeInfo.kv_layout_hash), filled from etcd registrations;
+    #: a URL without one (a configured list) pairs with any node (protocol.cluster.kv_layouts_match)
+    kv_layouts: Mapping[str, str] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)

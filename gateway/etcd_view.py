@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from urllib.parse import urlparse
 
 import aetcd
@@ -44,6 +44,20 @@ def _coordinator_url(value: bytes) -> str | None:
     return text if text.startswith(("http://", "https://")) else None
 
 
+def pools_from(infos: Iterable[NodeInfo]) -> dict[str, StaticNodes]:
+    """Model → its active nodes by role, with each node's KV layout hash, so the static router
+    pairs P and D by the coordinator's rule (protocol.cluster.kv_layouts_match)."""
+    pools: dict[str, dict[str, list[str]]] = {}
+    layouts: dict[str, dict[str, str]] = {}
+    for info in infos:
+        if info.status != "active":
+            continue
+        pools.setdefault(info.model, {"prefill": [], "decode": [], "both": []})[info.role].append(info.url)
+        layouts.setdefault(info.model, {})[info.url] = info.kv_layout_hash
+    return {m: StaticNodes(prefill=tuple(sorted(p["prefill"])), decode=tuple(sorted(p["decode"])),
+                           both=tuple(sorted(p["both"])), kv_layouts=layouts[m]) for m, p in pools.items()}  # fmt: skip
+
+
 class EtcdView:
     def __init__(self, endpoint: str, cluster: str, interval_s: float = 2.0) -> None:
         self.host, self.port = parse_endpoint(endpoint)
@@ -62,19 +76,14 @@ class EtcdView:
             url = _coordinator_url(kv.value)
             if url:
                 coords.append(url)
-        pools: dict[str, dict[str, list[str]]] = {}
+        infos = []
         for kv in await client.get_prefix(nodes_prefix(self.cluster).encode()):
             try:
-                info = _NODE.decode(kv.value)
+                infos.append(_NODE.decode(kv.value))
             except (msgspec.DecodeError, msgspec.ValidationError):
                 log.warning("ignoring a malformed node record at %s", kv.key.decode(errors="replace"))
-                continue
-            if info.status != "active":
-                continue
-            pools.setdefault(info.model, {"prefill": [], "decode": [], "both": []})[info.role].append(info.url)
         self.coordinators = sorted(coords)
-        self.nodes = {m: StaticNodes(prefill=tuple(sorted(p["prefill"])), decode=tuple(sorted(p["decode"])),
-                                     both=tuple(sorted(p["both"]))) for m, p in pools.items()}  # fmt: skip
+        self.nodes = pools_from(infos)
         self.loaded.set()
 
     async def run(self) -> None:

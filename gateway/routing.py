@@ -6,6 +6,8 @@
 - `StaticRouter` picks among node URLs listed in gateway.toml (prefill/decode pairs, or
   colocated `both` nodes), least-loaded by this gateway's own in-flight counts. A real mode
   for small deployments (like vLLM's P/D proxy), and the view used when no coordinator answers.
+  It picks D first, then only a P whose KV layout hash matches D's (etcd's view knows the
+  hashes; a configured list does not and pairs as listed), else prefills on D.
 - `FailoverRouter` tries a primary router and, when no coordinator replica answers at all,
   a fallback one — logged and counted (`duet:route_fallback_total`).
 
@@ -24,6 +26,7 @@ import aiohttp
 import msgspec
 
 from gateway.config import StaticNodes
+from protocol.cluster import kv_layouts_match
 from protocol.openai import APIError
 from protocol.route import RouteRequest, RouteResponse, RouteTarget
 
@@ -76,15 +79,24 @@ class StaticRouter(Router):
             raise APIError(404, f"no nodes serve model {req.model!r}", code="model_not_found", param="model")
         exclude = set(req.exclude)
         d = self._least(nodes.decode, exclude)
-        p = self._least(nodes.prefill, exclude) if d is not None else None
         if d is None:  # no decode node left: a colocated node does both legs
             both = self._least(nodes.both, exclude)
             if both is None:
                 raise APIError(503, f"no healthy node is left for model {req.model!r}",
                                type_="service_unavailable", code="no_capacity")  # fmt: skip
             return RouteResponse(prefill=None, decode=RouteTarget(node_id=both, url=both), reason="static: colocated")
+        # D first, then only a P whose KV blocks D can read (the coordinator's rule): a P of
+        # another layout would prefill for nothing, D refusing its blocks.
+        layout = nodes.kv_layouts.get(d)
+        matching = tuple(u for u in nodes.prefill if kv_layouts_match(nodes.kv_layouts.get(u), layout))
+        p = self._least(matching, exclude)
+        if p is not None:
+            reason = "static: least-loaded pair"
+        elif self._least(nodes.prefill, exclude) is not None:
+            reason = f"static: no prefill node with the KV layout of {d} ({layout}), prefill on decode"
+        else:
+            reason = "static: no prefill node left, prefill on decode"
         prefill = RouteTarget(node_id=p, url=p) if p is not None else None
-        reason = "static: least-loaded pair" if p else "static: no prefill node left, prefill on decode"
         return RouteResponse(prefill=prefill, decode=RouteTarget(node_id=d, url=d), reason=reason)
 
 

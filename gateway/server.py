@@ -16,6 +16,7 @@ from aiohttp import web
 
 from gateway.app import make_app
 from gateway.config import GatewayConfig
+from protocol.http_errors import AppRunner
 
 
 def _raise_fd_limit() -> None:
@@ -31,7 +32,9 @@ async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
     srv = cfg.server
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the
     # request on every node it touched.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+    # AppRunner from protocol.http_errors: what aiohttp's HTTP parser refuses (a header over
+    # max_header_bytes, a malformed request line) is answered in OpenAI's error body too.
+    runner = AppRunner(app, handler_cancellation=True, access_log=None,
                            max_line_size=srv.max_header_bytes, max_field_size=srv.max_header_bytes,
                            shutdown_timeout=grace_s)  # fmt: skip
     try:

@@ -26,6 +26,7 @@ from node.engines import make_engine
 from node.legs import Roles
 from node.metrics import NodeMetrics
 from node.state import NodeState
+from protocol.http_errors import AppRunner
 
 log = logging.getLogger("duet.node")
 
@@ -64,7 +65,8 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
 async def serve(state: NodeState) -> int:
     cfg = state.config
     app = make_app(state)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    # HTTP parser errors answered in OpenAI's error body too (protocol.http_errors).
+    runner = AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port)
     await site.start()

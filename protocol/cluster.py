@@ -45,6 +45,15 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     quantization: str | None = None
 
 
+def kv_layouts_match(prefill_hash: str | None, decode_hash: str | None) -> bool:
+    """Whether a decode node may pull a prefill node's KV blocks: their `kv_layout_hash`
+    (KVLayout.compat_hash) are equal. The one pairing rule of the coordinator's policy and of
+    the gateway's own routing. None is a node whose layout was never registered (a configured
+    static list): it pairs as the operator listed it — D still refuses a mismatch in the
+    transfer handshake, before any byte moves, but only after P did the prefill."""
+    return prefill_hash is None or decode_hash is None or prefill_hash == decode_hash
+
+
 def cluster_prefix(cluster: str) -> str:
     return f"/duet/{cluster}/"
 

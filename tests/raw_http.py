@@ -1,0 +1,61 @@
+"""Raw HTTP over a socket, for what no HTTP client sends — an over-long header or request line,
+a garbage request line — and the check that a duet server refuses each with a 400 in OpenAI's
+error body and closes the connection (protocol/http_errors.py). Shared by the gateway, node
+and coordinator tests."""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+#: far over any duet server's header limit (the gateway's is configurable, the others' 8190)
+_LONG = 20_000
+#: (name, bytes sent, OpenAI error code, words in the message; "{limit}" is the server's limit)
+PARSER_CASES = [
+    ("over-long header", b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * _LONG + b"\r\n\r\n",
+     "header_too_large", "longer than this server accepts ({limit} bytes)"),
+    ("over-long request line", b"GET /" + b"a" * _LONG + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+     "header_too_large", "longer than this server accepts ({limit} bytes)"),
+    ("garbage request line", b"\x00\x01 this is not HTTP\r\n\r\n", "bad_request", "malformed request line"),
+]  # fmt: skip
+
+
+def exchange(port: int, data: bytes, timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+    """Send `data`, read until the server closes the connection: (status, headers, body).
+    Headers are keyed in lower case. A server that keeps the connection open fails (timeout)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(data)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    raw = b"".join(chunks)
+    head, sep, body = raw.partition(b"\r\n\r\n")
+    assert sep, f"no complete HTTP response: {raw[:300]!r}"
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+def assert_openai_error(status: int, headers: dict[str, str], body: bytes, want_status: int,
+                        code: str, words: str) -> dict[str, Any]:  # fmt: skip
+    """The response is OpenAI's error body with `want_status`, `code` and `words` in the message."""
+    assert status == want_status, (status, headers, body[:300])
+    assert headers.get("content-type", "").startswith("application/json"), (headers, body[:300])
+    parsed = json.loads(body)
+    err = parsed["error"]
+    assert set(parsed) == {"error"} and set(err) == {"message", "type", "param", "code"}, parsed
+    assert err["type"] == "invalid_request_error" and err["code"] == code, parsed
+    assert words in err["message"], parsed
+    return err
+
+
+def assert_parser_errors_in_openai_shape(port: int, limit: int) -> None:
+    """Every PARSER_CASES request gets a 400 in OpenAI's error body, with Connection: close."""
+    for name, data, code, words in PARSER_CASES:
+        status, headers, body = exchange(port, data)
+        try:
+            assert headers.get("connection", "").lower() == "close", headers
+            assert_openai_error(status, headers, body, 400, code, words.format(limit=limit))
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
