@@ -35,8 +35,8 @@ async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
     # AppRunner from protocol.http_errors: what aiohttp's HTTP parser refuses (a header over
     # max_header_bytes, a malformed request line) is answered in OpenAI's error body too.
     runner = AppRunner(app, handler_cancellation=True, access_log=None,
-                           max_line_size=srv.max_header_bytes, max_field_size=srv.max_header_bytes,
-                           shutdown_timeout=grace_s)  # fmt: skip
+                       max_line_size=srv.max_header_bytes, max_field_size=srv.max_header_bytes,
+                       shutdown_timeout=grace_s)  # fmt: skip
     try:
         await runner.setup()  # opens the store, loads tokenizers
     except Exception as e:  # an unreachable database, a broken tokenizer: one line, not a traceback
