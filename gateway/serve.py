@@ -153,7 +153,8 @@ class _Ctx:
         await self.booking.admitted()  # a record settles a booking the store has made
         s = replace(self.fill(status), reservation_id=self.booking.reservation_id)
         self.settled = True
-        self.observe()
+        # metrics and the log line once the answer's last bytes are out, not before them
+        asyncio.get_running_loop().call_soon(self.observe)
         await self.state.writer.commit(s)
 
     def submit(self, status: str) -> None:

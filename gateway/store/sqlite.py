@@ -191,11 +191,10 @@ class SqliteStore(Store):
                 for s in batch:
                     r = s.record
                     _settle_booking(db, s, now)
-                    if r.cost_usd > 0:
-                        for period in (day_period(now), month_period(now)):
-                            db.execute("INSERT INTO spend (team_id, period, cost_usd) VALUES (?,?,?) "
-                                       "ON CONFLICT (team_id, period) DO UPDATE SET cost_usd = cost_usd + excluded.cost_usd",
-                                       (r.team_id, period, r.cost_usd))  # fmt: skip
+                    if r.cost_usd > 0:  # the day's and the month's spend, in one statement
+                        db.execute("INSERT INTO spend (team_id, period, cost_usd) VALUES (?1,?2,?4), (?1,?3,?4) "
+                                   "ON CONFLICT (team_id, period) DO UPDATE SET cost_usd = cost_usd + excluded.cost_usd",
+                                   (r.team_id, day_period(now), month_period(now), r.cost_usd))  # fmt: skip
                     values = [getattr(r, c) for c in _USAGE_COLS]
                     values[_USAGE_COLS.index("nodes")] = json.dumps(r.nodes)
                     db.execute(f"INSERT INTO usage ({', '.join(_USAGE_COLS)}) VALUES ({', '.join('?' * len(_USAGE_COLS))})",
@@ -275,25 +274,41 @@ def _asdict(team: Team) -> dict[str, Any]:
     return {f: getattr(team, f) for f in team.__struct_fields__}
 
 
+#: a team's row and every counter a reservation decides on (args: window start, team, day
+#: period, month period)
+_COUNTERS = f"""
+SELECT {", ".join("t." + c.strip() for c in _TEAM_COLS.split(","))},
+       s.active, s.active_cost_usd, b.n, b.tokens, b.oldest, d.cost_usd, m.cost_usd
+FROM teams t
+LEFT JOIN team_state s ON s.team_id = t.id
+LEFT JOIN (SELECT coalesce(sum(requests), 0) AS n, coalesce(sum(tokens), 0) AS tokens,
+                  min(second) AS oldest
+           FROM rate_buckets WHERE team_id = ?2 AND second >= ?1) b ON 1
+LEFT JOIN spend d ON d.team_id = t.id AND d.period = ?3
+LEFT JOIN spend m ON m.team_id = t.id AND m.period = ?4
+WHERE t.id = ?2"""
+
+
 def _reserve(db: sqlite3.Connection, req: ReserveRequest) -> Reservation | Refusal:
     now = req.now
     with _tx(db):
-        row = db.execute(f"SELECT {_TEAM_COLS} FROM teams WHERE id=?", (req.team_id,)).fetchone()
+        # Expired bookings first (they change the counters), then every counter in one query:
+        # this transaction is on each request's path to its first token.
+        _expire(db, "team_id=? AND expires_at<=?", (req.team_id, now))
+        day, month = day_period(now), month_period(now)
+        row = db.execute(_COUNTERS, (window_start(now), req.team_id, day, month)).fetchone()
         if row is None:
             raise StoreError(403, f"team {req.team_id!r} no longer exists")
-        team = _team(row)
-        _expire(db, "team_id=? AND expires_at<=?", (team.id, now))
-        active, active_cost = db.execute("SELECT active, active_cost_usd FROM team_state WHERE team_id=?",
-                                         (team.id,)).fetchone() or (0, 0.0)  # fmt: skip
-        buckets = db.execute("SELECT second, requests, tokens FROM rate_buckets WHERE team_id=? AND second>=? "
-                             "ORDER BY second", (team.id, window_start(now))).fetchall()  # fmt: skip
-        spent = dict(db.execute("SELECT period, cost_usd FROM spend WHERE team_id=? AND period IN (?,?)",
-                                (team.id, day_period(now), month_period(now))).fetchall())  # fmt: skip
-        c = Counters(active=active, active_cost=active_cost, window_requests=sum(b[1] for b in buckets),
-                     window_tokens=sum(b[2] for b in buckets),
-                     window_oldest=float(buckets[0][0] + 1) if buckets else None,
-                     spent_day=spent.get(day_period(now), 0.0), spent_month=spent.get(month_period(now), 0.0))  # fmt: skip
-        verdict = decide(team, c, req, [(float(b[0] + 1), b[2]) for b in buckets])
+        team = _team(row[:8])
+        active, active_cost, n_requests, n_tokens, oldest, spent_day, spent_month = row[8:]
+        c = Counters(active=active or 0, active_cost=active_cost or 0.0, window_requests=n_requests,
+                     window_tokens=n_tokens, window_oldest=float(oldest + 1) if oldest is not None else None,
+                     spent_day=spent_day or 0.0, spent_month=spent_month or 0.0)  # fmt: skip
+        verdict = decide(team, c, req)
+        if isinstance(verdict, Refusal) and verdict.kind == "tokens":  # its Retry-After needs the buckets
+            buckets = db.execute("SELECT second, tokens FROM rate_buckets WHERE team_id=? AND second>=? "
+                                 "ORDER BY second", (team.id, window_start(now))).fetchall()  # fmt: skip
+            verdict = decide(team, c, req, [(float(b[0] + 1), b[1]) for b in buckets])
         if isinstance(verdict, Refusal):
             return verdict
         rid = f"rsv-{uuid.uuid4().hex}"
@@ -313,11 +328,13 @@ def _bucket(db: sqlite3.Connection, team_id: str, second: int, requests: int, to
                (team_id, second, requests, tokens))  # fmt: skip
 
 
-def _unbook(db: sqlite3.Connection, rid: str, team_id: str, cost: float) -> None:
-    """Take an active booking out of the in-flight counters (its window tokens are the caller's)."""
+def _unbook(db: sqlite3.Connection, rid: str | None, team_id: str, cost: float) -> None:
+    """Take an active booking out of the in-flight counters (its window tokens are the caller's)
+    and delete its row (`rid`; None: the caller has)."""
     db.execute("UPDATE team_state SET active = active - 1, active_cost_usd = CASE WHEN active <= 1 THEN 0 "
                "ELSE active_cost_usd - ? END WHERE team_id=?", (cost, team_id))  # fmt: skip
-    db.execute("DELETE FROM reservations WHERE id=?", (rid,))
+    if rid is not None:
+        db.execute("DELETE FROM reservations WHERE id=?", (rid,))
 
 
 def _expire(db: sqlite3.Connection, where: str, args: tuple[Any, ...]) -> int:
@@ -333,12 +350,12 @@ def _settle_booking(db: sqlite3.Connection, s: Settlement, now: float) -> None:
     """The booking's worst case becomes the request's real tokens, in the second it was booked."""
     row = None
     if s.reservation_id is not None:
-        row = db.execute("SELECT team_id, created_at, tokens, cost_usd FROM reservations WHERE id=?",
+        row = db.execute("DELETE FROM reservations WHERE id=? RETURNING team_id, created_at, tokens, cost_usd",
                          (s.reservation_id,)).fetchone()  # fmt: skip
     if row is None:  # nothing booked, or it expired meanwhile: the real tokens count from now
         if s.tokens:
             _bucket(db, s.record.team_id, int(now), 0, s.tokens)
         return
     team_id, created, booked, cost = row
-    _unbook(db, s.reservation_id, team_id, cost)  # type: ignore[arg-type]
+    _unbook(db, None, team_id, cost)  # its reservation row: deleted above
     _bucket(db, team_id, int(created), 0, s.tokens - booked)
