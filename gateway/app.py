@@ -25,12 +25,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway import admin, batch_wiring, serve
 from gateway.auth import authenticate, bearer, is_admin
 from gateway.backend import Backend
-from gateway.booking import RateLimited
 from gateway.choice import ModelChoice
 from gateway.cluster import ClusterBackend
 from gateway.config import AUTO, GatewayConfig, ModelConfig, StaticNodes
 from gateway.etcd_view import EtcdView
-from gateway.headroom import Headroom
 from gateway.key_cache import KeyCache
 from gateway.metrics import GatewayMetrics
 from gateway.node_client import NodeClient
@@ -68,7 +66,7 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     request[_RID] = rid
     try:
         return await handler(request)
-    except RateLimited as e:
+    except serve.RateLimited as e:
         return error_response(e, rid, e.headers)
     except APIError as e:
         (log.warning if e.status >= 500 else log.info)("%s %s %s → %d: %s", rid, request.method, request.path,
@@ -143,8 +141,7 @@ def make_app(config: GatewayConfig) -> web.Application:
     app[STATE] = GatewayState(config=config, store=store, metrics=metrics,
                               writer=UsageWriter(store, metrics, config.quotas.usage_batch),
                               admission=Admission(config.tiers, metrics),
-                              keys=KeyCache(store, config.server.key_cache_ttl_s),
-                              headroom=Headroom(config.quotas.optimistic_admission))  # fmt: skip
+                              keys=KeyCache(store, config.server.key_cache_ttl_s))  # fmt: skip
     state = app[STATE]
     state.provider_metrics = register_provider_metrics(metrics.registry, lambda: [
         m.backend.provider for m in state.models.values() if isinstance(m.backend, ProviderBackend)])  # fmt: skip

@@ -46,7 +46,6 @@ from gateway.batch import (
     SqliteBatchStore,
     make_batch_routes,
 )
-from gateway.booking import RateLimited
 from gateway.config import BatchSettings, GatewayConfig
 from gateway.state import GatewayState
 from gateway.store.base import ApiKey
@@ -114,7 +113,7 @@ class GatewayExecutor:
         try:
             resp = await serve.run(self.state, key, team, _ENC.encode(body), _ENDPOINTS[endpoint], request_id,
                                    tier_header=tier, price_factor=self.price_factor)  # fmt: skip
-        except RateLimited as e:
+        except serve.RateLimited as e:
             if e.type == "insufficient_quota":
                 return e.status, e.body()
             raise Defer(float(e.headers.get("Retry-After", "1")), e.message) from None

@@ -182,10 +182,6 @@ class QuotaConfig:
     reservation_ttl_s: float = 900.0
     #: usage records per store transaction (the batched writer)
     usage_batch: int = 256
-    #: a team far from every limit starts its request on the nodes while its reservation is
-    #: booked (nothing reaches the client before the store says yes; a refusal is the usual
-    #: 429 and aborts the nodes' work); false: every request books first
-    optimistic_admission: bool = True
 
 
 @dataclass(frozen=True)

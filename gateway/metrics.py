@@ -28,6 +28,4 @@ class GatewayMetrics:
         self.retries = Counter("duet:gateway_retries", "Legs retried on another node", ["kind"], registry=r)
         self.route_fallback = Counter("duet:route_fallback", "Requests routed without a coordinator",
                                       ["reason"], registry=r)  # fmt: skip
-        self.optimistic = Counter("duet:gateway_optimistic_bookings", "Quota bookings made while the request "
-                                  "already ran on the nodes (headroom), by the store's answer", ["outcome"], registry=r)  # fmt: skip
         self.usage_batches = Counter("duet:usage_write_batches", "Usage-record transactions", registry=r)

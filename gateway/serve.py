@@ -21,21 +21,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from gateway.auth import authenticate
 from gateway.backend import Job, MidStreamError, Outcome, Piece
-from gateway.booking import Booking
 from gateway.config import AUTO, TeamPolicy, Tier
 from gateway.pricing import cost_usd, worst_case_usd
 from gateway.providers.fallback import FallbackDecision, Reason
 from gateway.requests import Parsed, parse_chat, parse_completion
 from gateway.responses import DONE, Formatter, sse, usage
 from gateway.state import GatewayState, ServedModel
-from gateway.store.base import ApiKey, ReserveRequest, Settlement, Team, UsageRecord
+from gateway.store.base import (
+    ApiKey,
+    RateState,
+    Refusal,
+    ReserveRequest,
+    Settlement,
+    Team,
+    UsageRecord,
+)
 from protocol.openai import APIError, CompletionLogprobs
 from protocol.tokenizer import ChatTemplateError
 
@@ -43,6 +51,31 @@ log = logging.getLogger("duet.gateway")
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 #: prompts longer than this (characters) are tokenized off the event loop
 _BIG_PROMPT = 16_384
+
+
+class RateLimited(APIError):
+    def __init__(self, refusal: Refusal) -> None:
+        code = "budget_exceeded" if refusal.kind.endswith("budget") else "rate_limit_exceeded"
+        super().__init__(429, refusal.message, type_="rate_limit_error" if code == "rate_limit_exceeded"
+                         else "insufficient_quota", code=code, param=refusal.kind)  # fmt: skip
+        self.headers = {**rate_headers(refusal.rate), "Retry-After": str(max(1, math.ceil(refusal.retry_after_s)))}
+
+
+def _reset(s: float) -> str:
+    return f"{s:.3f}s" if s < 60 else f"{int(s // 60)}m{s % 60:.0f}s"
+
+
+def rate_headers(r: RateState) -> dict[str, str]:
+    h = {}
+    if r.limit_requests is not None:
+        h.update({"x-ratelimit-limit-requests": str(r.limit_requests),
+                  "x-ratelimit-remaining-requests": str(max(0, r.remaining_requests or 0)),
+                  "x-ratelimit-reset-requests": _reset(r.reset_requests_s)})  # fmt: skip
+    if r.limit_tokens is not None:
+        h.update({"x-ratelimit-limit-tokens": str(r.limit_tokens),
+                  "x-ratelimit-remaining-tokens": str(max(0, r.remaining_tokens or 0)),
+                  "x-ratelimit-reset-tokens": _reset(r.reset_tokens_s)})  # fmt: skip
+    return h
 
 
 TIER_ALIASES = {"interactive": "interactive", "batch": "batch", "priority": "interactive", "flex": "batch"}
@@ -111,7 +144,7 @@ class _Ctx:
     parsed: Parsed
     record: UsageRecord
     out: Outcome
-    booking: Booking
+    reservation_id: str
     t0: float
     #: the batch discount (1.0: the model's prices)
     price_factor: float = 1.0
@@ -132,7 +165,7 @@ class _Ctx:
         r.nodes = list(o.nodes)
         r.model_used = o.model_used or r.model_used
         r.created_at = time.time()
-        return Settlement(None, r, window_tokens=None if served else 0)  # the booking's id: settle()
+        return Settlement(self.reservation_id, r, window_tokens=None if served else 0)
 
     def observe(self) -> None:
         r, m = self.record, self.state.metrics
@@ -150,20 +183,17 @@ class _Ctx:
             m.ttft.labels(model=r.model_requested).observe(r.ttft_s)
 
     async def commit(self, status: str) -> None:
-        await self.booking.admitted()  # a record settles a booking the store has made
-        s = replace(self.fill(status), reservation_id=self.booking.reservation_id)
+        s = self.fill(status)
         self.settled = True
         # metrics and the log line once the answer's last bytes are out, not before them
         asyncio.get_running_loop().call_soon(self.observe)
         await self.state.writer.commit(s)
 
     def submit(self, status: str) -> None:
-        self.settled = True
-        if self.booking.refused:  # as a refused booked-first request: no record, no count
-            return
         s = self.fill(status)
+        self.settled = True
         self.observe()
-        self.booking.settle(lambda rid: replace(s, reservation_id=rid), self.state.writer.submit)
+        self.state.writer.submit(s)
 
 
 async def handle(state: GatewayState, request: web.Request, endpoint: str, request_id: str) -> web.StreamResponse:
@@ -205,13 +235,16 @@ async def run(state: GatewayState, key: ApiKey, team: Team, raw: bytes, endpoint
                              tokens=n_prompt + parsed.n * max_tokens,
                              cost_usd=_worst_case(state, m.name, n_prompt, parsed.n * max_tokens) * price_factor,
                              ttl_s=state.config.quotas.reservation_ttl_s)  # fmt: skip
-    booking = Booking(state, reserve)
-    await booking.begin()  # RateLimited when refused, unless it books beside the request (headroom.py)
-    headers.update({"X-Request-Id": request_id, "x-duet-tier": tier})
+    res = await state.store.reserve(reserve)
+    if isinstance(res, Refusal):
+        state.metrics.rejections.labels(team=team.id, kind=res.kind).inc()
+        log.info("%s: team %s refused (%s): %s", request_id, team.id, res.kind, res.message)
+        raise RateLimited(res)
+    headers.update({**rate_headers(res.rate), "X-Request-Id": request_id, "x-duet-tier": tier})
     record = UsageRecord(request_id=request_id, team_id=team.id, key_id=key.id, model_requested=parsed.model,
                          model_used=m.name, tier=tier, status="error", prompt_tokens=len(ids),
                          endpoint=endpoint, user=parsed.user)  # fmt: skip
-    ctx = _Ctx(state, served, parsed, record, Outcome(prompt_tokens=len(ids)), booking, t0, price_factor)
+    ctx = _Ctx(state, served, parsed, record, Outcome(prompt_tokens=len(ids)), res.id, t0, price_factor)
     try:
         return await _serve(ctx, request, _Plan(endpoint, tier, policy, n_prompt, ids, max_tokens), headers)
     except APIError as e:
@@ -359,7 +392,6 @@ async def _whole(ctx: _Ctx, job: Job, fmt: Formatter, headers: dict[str, str]) -
         raise APIError(502, f"the answer broke off: {e.message}", type_="upstream_error", code=e.code) from None
     finally:
         await it.aclose()  # type: ignore[attr-defined]  # now, not at GC: it aborts on the nodes
-    await ctx.booking.admitted(headers)
     await ctx.commit("ok")
     body = fmt.body(texts, finish, _usage(ctx), logprobs or None)  # type: ignore[arg-type]
     return web.Response(body=body, content_type="application/json",
@@ -375,7 +407,6 @@ async def _stream(ctx: _Ctx, request: web.Request, job: Job, fmt: Formatter,
     try:
         async for p in it:
             if resp is None:  # errors before the first piece are plain HTTP errors
-                await ctx.booking.admitted(headers)  # a refusal now is the usual 429
                 resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
                 await resp.prepare(request)
             if p.finish_reason:
@@ -395,8 +426,6 @@ async def _stream(ctx: _Ctx, request: web.Request, job: Job, fmt: Formatter,
     except BaseException:
         await it.aclose()  # type: ignore[attr-defined]  # now, not at GC: it aborts on the nodes
         raise
-    if resp is None:
-        await ctx.booking.admitted(headers)
     await ctx.commit("ok")
     if resp is None:
         resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})

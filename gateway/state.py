@@ -9,7 +9,6 @@ import aiohttp
 
 from gateway.backend import Backend
 from gateway.config import GatewayConfig, ModelConfig
-from gateway.headroom import Headroom
 from gateway.key_cache import KeyCache
 from gateway.metrics import GatewayMetrics
 from gateway.store.base import Store
@@ -40,8 +39,6 @@ class GatewayState:
     admission: Admission
     #: API keys found recently (authentication without a store round trip)
     keys: KeyCache
-    #: which teams may start a request while its quota booking is made (booking.py)
-    headroom: Headroom
     session: aiohttp.ClientSession | None = None
     models: dict[str, ServedModel] = field(default_factory=dict)
     #: auto, team policies and fallback chains (built once the models are loaded)

@@ -68,9 +68,6 @@ class RateState:
     limit_tokens: int | None = None
     remaining_tokens: int | None = None
     reset_tokens_s: float = 0.0
-    #: after this request, how many more like it every limit of the team still admits (None:
-    #: the team has no limit); not a header — the gateway's headroom (gateway/headroom.py)
-    spare: int | None = None
 
 
 @dataclass(frozen=True)

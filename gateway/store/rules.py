@@ -93,26 +93,9 @@ def decide(team: Team, c: Counters, req: ReserveRequest,
             return Refusal(kind, f"team {team.id!r} would exceed its {kind.replace('_', ' ')} of ${budget:g} "  # type: ignore[arg-type]
                            f"(${committed:.6f} spent or reserved, this request may cost up to "
                            f"${req.cost_usd:.6f})", reset_s, rate)  # fmt: skip
-    rate = replace(rate,
+    return replace(rate,
                    remaining_requests=None if rate.remaining_requests is None else rate.remaining_requests - 1,
                    remaining_tokens=None if rate.remaining_tokens is None else rate.remaining_tokens - req.tokens)  # fmt: skip
-    return replace(rate, spare=_spare(team, c, req, rate))
-
-
-def _spare(team: Team, c: Counters, req: ReserveRequest, after: RateState) -> int | None:
-    """How many more requests like `req` every limit still admits once `req` is booked."""
-    room: list[int] = []
-    if team.max_concurrent is not None:
-        room.append(team.max_concurrent - c.active - 1)
-    if after.remaining_requests is not None:
-        room.append(after.remaining_requests)
-    if after.remaining_tokens is not None:
-        room.append(after.remaining_tokens // max(1, req.tokens))
-    for budget, spent in ((team.daily_budget_usd, c.spent_day), (team.monthly_budget_usd, c.spent_month)):
-        if budget is not None:
-            left = budget - spent - c.active_cost - req.cost_usd
-            room.append(int(left // req.cost_usd) if req.cost_usd > 0 else (1 << 30 if left >= 0 else 0))
-    return max(0, min(room)) if room else None
 
 
 def _tokens_free_in(rows: list[tuple[float, int]], now: float, need: int) -> float:
