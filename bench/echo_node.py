@@ -20,6 +20,7 @@ from aiohttp import web
 
 _ENC = msgspec.json.Encoder()
 DELAY = web.AppKey("delay", float)
+FIRST = web.AppKey("first", float)
 
 
 def _chunk(rid: str, token: int, finish: str | None, usage: dict[str, Any] | None = None) -> bytes:
@@ -54,6 +55,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                   "usage": usage})  # fmt: skip
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Request-Id": rid})
     await resp.prepare(request)
+    if request.app[FIRST]:  # the engine's time to first token
+        await asyncio.sleep(request.app[FIRST])
     delay = request.app[DELAY]
     for i, t in enumerate(tokens):
         last = i == n - 1
@@ -68,9 +71,10 @@ async def ok(_: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "aborted": False})
 
 
-def make_app(delay: float) -> web.Application:
+def make_app(delay: float, first: float = 0.0) -> web.Application:
     app = web.Application()
     app[DELAY] = delay
+    app[FIRST] = first
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/abort", ok)
     app.router.add_get("/health", ok)
@@ -84,10 +88,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--token-delay", type=float, default=0.0, help="seconds between streamed tokens")
+    p.add_argument("--first-token-delay", type=float, default=0.0,
+                   help="seconds before the first streamed token (a node's time to first token)")
     args = p.parse_args(argv)
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # many streams at once
-    web.run_app(make_app(args.token_delay), host=args.host, port=args.port, access_log=None, backlog=4096,
+    web.run_app(make_app(args.token_delay, args.first_token_delay), host=args.host, port=args.port, access_log=None, backlog=4096,
                 print=lambda *_: print(f"echo node ready on http://{args.host}:{args.port}", flush=True))  # fmt: skip
     return 0
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import resource
@@ -28,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +51,18 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, default=2000,
                    help="sequential requests per path (overhead; a p99 needs thousands)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per overhead request")
+    p.add_argument("--first-token-delay", type=float, default=0.0,
+                   help="seconds the overhead test's echo node waits before its first token, as an engine "
+                        "would (0, the default: the gateway's cost against a node that costs nothing)")
     p.add_argument("--streams", type=int, default=10000, help="concurrent SSE streams through the gateway")
     p.add_argument("--stream-tokens", type=int, default=32)
     p.add_argument("--token-delay", type=float, default=0.02,
                    help="seconds between tokens at the echo node of the concurrency test")
     p.add_argument("--connect-timeout", type=float, default=3.0,
                    help="the gateway's [routing] connect_timeout_s to the nodes (3 s: its default)")
+    p.add_argument("--store", choices=("sqlite", "postgres"), default="sqlite",
+                   help="the gateway's store: SQLite (its default) or a PostgreSQL server started for the run "
+                        "(pgserver; the store of several gateways)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
@@ -177,13 +185,13 @@ async def _concurrency(gw: str, key: str, args: argparse.Namespace) -> dict[str,
 
 
 def _write_config(tmp: Path, port: int, fast: str, slow: str, tokenizer: str, streams: int,
-                  connect_timeout: float) -> Path:  # fmt: skip
+                  connect_timeout: float, store: str = "") -> Path:  # fmt: skip
     cfg = tmp / "gateway.toml"
     cfg.write_text(f"""
 [server]
 port = {port}
 [store]
-url = "sqlite://{tmp / 'gateway.db'}"
+url = {json.dumps(store or f"sqlite://{tmp / 'gateway.db'}")}
 [routing]
 connect_timeout_s = {connect_timeout}
 [tiers]
@@ -201,6 +209,20 @@ static = {{ both = [{json.dumps(slow)}] }}
     return cfg
 
 
+@contextlib.contextmanager
+def _postgres(tmp: Path) -> Iterator[str]:
+    """A PostgreSQL server for the run (pgserver ships one); its URL."""
+    try:
+        import pgserver  # type: ignore[import-untyped]
+    except ImportError:
+        raise SystemExit("--store postgres needs pgserver (pip install -e .[test])") from None
+    srv = pgserver.get_server(tmp / "pg", cleanup_mode="stop")
+    try:
+        yield srv.get_uri()
+    finally:
+        srv.cleanup()
+
+
 def _admin(url: str, admin: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
     import urllib.request
 
@@ -215,17 +237,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     tok_dir = resolve_model(args.tokenizer).directory
     ids = Tokenizer(tok_dir).encode(PROMPT)
-    with tempfile.TemporaryDirectory(prefix="duet-bench-gw-") as d:
+    with tempfile.TemporaryDirectory(prefix="duet-bench-gw-") as d, contextlib.ExitStack() as stack:
         tmp = Path(d)
         nport, sport, gport, rport = free_port(), free_port(), free_port(), free_port()
         # one echo node answers at once (overhead), the other spaces its tokens (streams overlap)
-        node = Proc([sys.executable, "-m", "bench.echo_node", "--port", str(nport)], nport, tmp / "echo.log")
+        node = Proc([sys.executable, "-m", "bench.echo_node", "--port", str(nport), "--first-token-delay",
+                     str(args.first_token_delay)], nport, tmp / "echo.log")  # fmt: skip
         slow = Proc([sys.executable, "-m", "bench.echo_node", "--port", str(sport), "--token-delay",
                      str(args.token_delay)], sport, tmp / "echo-slow.log")  # fmt: skip
         relay = Proc([sys.executable, "-m", "bench.bare_relay", "--port", str(rport), "--node", node.url], rport,
                      tmp / "relay.log")  # fmt: skip
         admin = secrets.token_urlsafe(16)
-        cfg = _write_config(tmp, gport, node.url, slow.url, str(tok_dir), args.streams, args.connect_timeout)
+        store = ""
+        if args.store == "postgres":
+            store = stack.enter_context(_postgres(tmp))
+        cfg = _write_config(tmp, gport, node.url, slow.url, str(tok_dir), args.streams, args.connect_timeout, store)
         gw = Proc([sys.executable, "-m", "duet", "gateway", "--config", str(cfg), "--log-level", "WARNING"], gport,
                   tmp / "gateway.log", env={"DUET_ADMIN_KEY": admin, "DUET_HOME": str(tmp)})  # fmt: skip
         with running(node, slow, relay, gw):

@@ -24,3 +24,16 @@ def test_gateway_bench_prints_json(tiny_llama: Path) -> None:
     assert c["tokens_per_s"] > 0
     mem = c["gateway_memory"]
     assert mem["rss_peak_mib"] >= mem["rss_idle_mib"] > 0 and mem["kib_per_stream"] >= 0
+
+
+def test_gateway_bench_on_postgres(tiny_llama: Path) -> None:
+    """--store postgres: the same run with the gateway on a PostgreSQL server (pgserver) the
+    bench starts and stops; --first-token-delay makes the echo node wait before its first token."""
+    proc = subprocess.run([sys.executable, "-m", "bench.gateway", "--json", "--tokenizer", str(tiny_llama),
+                           "--store", "postgres", "--requests", "3", "--first-token-delay", "0.01",
+                           "--streams", "5", "--stream-tokens", "2"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert out["config"]["store"] == "postgres" and out["concurrency"]["completed"] == 5
+    # the echo node's wait is in both paths' time to first token
+    assert out["overhead"]["ttft"]["node"]["p50_ms"] >= 10 and out["overhead"]["ttft"]["gateway"]["p50_ms"] >= 10
