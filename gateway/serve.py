@@ -251,7 +251,9 @@ async def run(state: GatewayState, key: ApiKey, team: Team, raw: bytes, endpoint
         if not ctx.settled:
             ctx.submit("shed" if e.status == 503 and e.code == "overloaded" else "error")
         raise
-    except asyncio.CancelledError:
+    except (asyncio.CancelledError, ConnectionResetError):
+        # The client left: its handler is cancelled, or — when a write to it fails first —
+        # the write raises (aiohttp's ClientConnectionResetError is a ConnectionResetError).
         if not ctx.settled:
             ctx.submit("client_disconnected")
         raise
