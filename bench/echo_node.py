@@ -20,6 +20,8 @@ from aiohttp import web
 
 _ENC = msgspec.json.Encoder()
 DELAY = web.AppKey("delay", float)
+#: [streams open now, the most ever open at once] (served on /metrics)
+OPEN = web.AppKey("open", list)
 FIRST = web.AppKey("first", float)
 
 
@@ -54,6 +56,18 @@ async def completions(request: web.Request) -> web.StreamResponse:
                                                           "token_ids": tokens, "finish_reason": "length"}],
                                   "usage": usage})  # fmt: skip
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Request-Id": rid})
+    stats = request.app[OPEN]
+    stats[0] += 1
+    stats[1] = max(stats[1], stats[0])
+    try:
+        return await _stream(request, resp, rid, tokens, usage)
+    finally:
+        stats[0] -= 1
+
+
+async def _stream(request: web.Request, resp: web.StreamResponse, rid: str, tokens: list[int],
+                  usage: dict[str, Any]) -> web.StreamResponse:  # fmt: skip
+    n = len(tokens)
     await resp.prepare(request)
     if request.app[FIRST]:  # the engine's time to first token
         await asyncio.sleep(request.app[FIRST])
@@ -75,10 +89,12 @@ def make_app(delay: float, first: float = 0.0) -> web.Application:
     app = web.Application()
     app[DELAY] = delay
     app[FIRST] = first
+    app[OPEN] = [0, 0]
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/abort", ok)
     app.router.add_get("/health", ok)
-    app.router.add_get("/metrics", lambda _: web.Response(text=""))
+    app.router.add_get("/metrics", lambda r: web.Response(text=f"echo_streams_open {r.app[OPEN][0]}\n"
+                                                                f"echo_streams_open_max {r.app[OPEN][1]}\n"))
     return app
 
 

@@ -265,6 +265,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             conc, mem = asyncio.run(_with_memory(gw.proc.pid, _concurrency(gw.url, key, args)))
             mem["kib_per_stream"] = round((mem["rss_peak_mib"] - mem["rss_idle_mib"]) * 1024 / args.streams, 1)
             conc["gateway_memory"] = mem
+            if conc["errors"]:  # the gateway's side of the story: its last warnings
+                warnings = [ln for ln in gw.log().splitlines() if " WARNING " in ln or " ERROR " in ln]
+                conc["gateway_warnings"] = warnings[:10]  # the first: the cause, not its echoes
     return {"bench": "gateway", "cpus": len(os.sched_getaffinity(0)), "load_average_1m": round(os.getloadavg()[0], 2),
             "overhead": overhead, "concurrency": conc,
             "config": {k: v for k, v in vars(args).items() if k != "json"}}  # fmt: skip

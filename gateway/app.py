@@ -205,7 +205,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     s = app[STATE]
     cfg = s.config
     await s.store.open()
-    s.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    s.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+        limit=0, limit_per_host=cfg.routing.max_connections_per_node))  # fmt: skip
     load = NodeLoad()
     rc = cfg.routing
     view = EtcdView(rc.etcd, rc.cluster) if rc.etcd else None

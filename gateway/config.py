@@ -160,6 +160,10 @@ class RoutingConfig:
     read_timeout_s: float = 120.0
     #: route + prefill + decode tries before the request fails
     max_attempts: int = 3
+    #: open connections to one node (or coordinator, or provider) at most; more requests wait
+    #: for one (bounded by read_timeout_s) instead of flooding it: a node runs a few hundred
+    #: at once and queues or refuses the rest anyway, and every socket is a descriptor here
+    max_connections_per_node: int = 1024
 
 
 @dataclass(frozen=True)
@@ -406,6 +410,8 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
     if not isinstance(cfg.server.key_cache_ttl_s, (int, float)) or isinstance(cfg.server.key_cache_ttl_s, bool) \
             or not 0 <= cfg.server.key_cache_ttl_s <= 3600:  # fmt: skip
         raise ConfigError(f"[server] key_cache_ttl_s must be a number of seconds in [0, 3600], got {cfg.server.key_cache_ttl_s!r}")
+    if not isinstance(cfg.routing.max_connections_per_node, int) or cfg.routing.max_connections_per_node < 1:
+        raise ConfigError("[routing] max_connections_per_node must be an integer >= 1")
     if cfg.tiers.default_tier not in ("interactive", "batch"):
         raise ConfigError("[tiers] default_tier must be 'interactive' or 'batch'")
     _check_routing(cfg)

@@ -11,6 +11,7 @@ Every call carries the request's X-Request-Id and a timeout.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -23,6 +24,22 @@ from protocol.openai import APIError, CompletionLogprobs, Usage
 
 log = logging.getLogger("duet.gateway.nodes")
 _ENC = msgspec.json.Encoder()
+
+
+class OutOfDescriptors(APIError):
+    """This gateway process cannot open another socket (EMFILE/ENFILE): its own overload, not
+    the node's failure — the request is shed (503 + Retry-After) and no node is blamed."""
+
+    def __init__(self) -> None:
+        super().__init__(503, "the gateway has no file descriptor left for another connection to a node; "
+                              "retry shortly (operators: raise `ulimit -n` or lower [tiers] max_inflight)",
+                         type_="service_unavailable", code="overloaded")  # fmt: skip
+        self.retry_after_s = 1.0
+
+
+def _local_exhaustion(e: BaseException) -> bool:
+    err = getattr(e, "os_error", None) or (e if isinstance(e, OSError) else None)
+    return getattr(err, "errno", None) in (errno.EMFILE, errno.ENFILE)
 
 
 class NodeFailure(Exception):
@@ -64,8 +81,10 @@ class NodeClient:
     def __init__(self, session: aiohttp.ClientSession, connect_timeout_s: float, prefill_timeout_s: float,
                  read_timeout_s: float) -> None:  # fmt: skip
         self.session = session
-        self._prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, connect=connect_timeout_s)
-        self._stream_timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s,
+        # sock_connect: the TCP connect itself; `connect` in aiohttp also counts the wait for a
+        # free connection of the per-node pool, which is bounded by the leg's own timeout
+        self._prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, sock_connect=connect_timeout_s)
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, connect=max(connect_timeout_s, read_timeout_s),
                                                      sock_connect=connect_timeout_s, sock_read=read_timeout_s)  # fmt: skip
         self._abort_timeout = aiohttp.ClientTimeout(total=max(2.0, connect_timeout_s))
 
@@ -76,6 +95,8 @@ class NodeClient:
                                          headers=_headers(request_id), timeout=self._prefill_timeout) as r:  # fmt: skip
                 raw = await r.read()
         except _NETWORK_ERRORS as e:
+            if _local_exhaustion(e):
+                raise OutOfDescriptors() from None
             raise NodeFailure(url, f"prefill leg: {type(e).__name__}: {e}") from None
         if r.status >= 500 or r.status == 429:
             raise NodeFailure(url, f"prefill leg answered {r.status}: {raw[:300]!r}")
@@ -97,6 +118,8 @@ class NodeClient:
             resp = await self.session.post(f"{url}/v1/completions", data=_ENC.encode(body),
                                            headers=_headers(request_id), timeout=self._stream_timeout)  # fmt: skip
         except _NETWORK_ERRORS as e:
+            if _local_exhaustion(e):
+                raise OutOfDescriptors() from None
             raise NodeFailure(url, f"{type(e).__name__}: {e}") from None
         async with resp:
             if resp.status != 200:

@@ -7,6 +7,8 @@ The "ready" line on stdout is printed only once the port accepts requests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import resource
 import signal
 import sys
@@ -18,16 +20,34 @@ from gateway.app import make_app
 from gateway.config import GatewayConfig
 from protocol.http_errors import AppRunner
 
+log = logging.getLogger("duet.gateway")
 
-def _raise_fd_limit() -> None:
-    """Every stream holds two sockets (client and node): allow as many as the hard limit."""
+
+#: descriptors beyond two per running request: the store, listeners, idle keep-alive sockets
+_FD_SPARE = 4096
+
+
+def _raise_fd_limit(max_inflight: int) -> None:
+    """Every running request holds two sockets (client and node), and waiting clients hold
+    theirs: raise the soft limit to the hard one, and the hard one too where this process may;
+    say so once at start-up when the limit cannot carry `[tiers] max_inflight` (past it a request
+    is shed with 503, and no node is blamed)."""
+    need = 2 * max_inflight + _FD_SPARE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < need:
+        with contextlib.suppress(ValueError, OSError):  # raising the hard limit needs privilege
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, need))
+            return
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    if hard != resource.RLIM_INFINITY and hard < need:
+        log.warning("this process may open %d files; [tiers] max_inflight = %d needs about %d (two sockets per "
+                    "request): requests past the limit are shed with 503. Raise `ulimit -n` or lower "
+                    "max_inflight.", hard, max_inflight, need)  # fmt: skip
 
 
 async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
-    _raise_fd_limit()
+    _raise_fd_limit(cfg.tiers.max_inflight)
     app = make_app(cfg)
     srv = cfg.server
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the
