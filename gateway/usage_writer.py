@@ -4,6 +4,7 @@ transaction per batch, and each caller learns when *its* record is committed.
 Invariant: a request awaits `commit()` before its final chunk / `[DONE]` / body goes out, so
 a response a client saw always has its record. A request that cannot await (its client is
 gone, the handler is being cancelled) calls `submit()`: the record is written all the same.
+A `commit()` that finds the writer idle writes its record at once, as a batch of one.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ class UsageWriter:
         self.metrics = metrics
         self.max_batch = max_batch
         self._queue: asyncio.Queue[tuple[Settlement, asyncio.Future[None]]] = asyncio.Queue()
+        #: a batch is being written (by the writer task or a caller's batch of one)
+        self._writing = False
 
     def submit(self, s: Settlement) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -31,7 +34,20 @@ class UsageWriter:
         return fut
 
     async def commit(self, s: Settlement) -> None:
+        if self._queue.empty() and not self._writing:
+            # Nothing queued, nothing being written: this record is a batch of one — write it
+            # now instead of waking the writer task and waiting for it to wake us back.
+            await asyncio.shield(self._write_now([s]))
+            return
         await asyncio.shield(self.submit(s))
+
+    async def _write_now(self, batch: list[Settlement]) -> None:
+        self._writing = True
+        try:
+            await self.store.settle(batch)
+        finally:
+            self._writing = False
+        self.metrics.usage_batches.inc()
 
     async def run(self) -> None:
         while True:
@@ -42,8 +58,7 @@ class UsageWriter:
 
     async def _write(self, batch: list[tuple[Settlement, asyncio.Future[None]]]) -> None:
         try:
-            await self.store.settle([s for s, _ in batch])
-            self.metrics.usage_batches.inc()
+            await self._write_now([s for s, _ in batch])
             for _, fut in batch:
                 if not fut.done():
                     fut.set_result(None)

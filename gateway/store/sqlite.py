@@ -51,7 +51,6 @@ CREATE TABLE IF NOT EXISTS reservations (
     id TEXT PRIMARY KEY, team_id TEXT NOT NULL, key_id TEXT NOT NULL, request_id TEXT NOT NULL,
     created_at REAL NOT NULL, expires_at REAL NOT NULL, tokens INTEGER NOT NULL,
     cost_usd REAL NOT NULL);
-CREATE INDEX IF NOT EXISTS reservations_team_expiry ON reservations (team_id, expires_at);
 CREATE INDEX IF NOT EXISTS reservations_expiry ON reservations (expires_at);
 CREATE TABLE IF NOT EXISTS team_state (
     team_id TEXT PRIMARY KEY, active INTEGER NOT NULL, active_cost_usd REAL NOT NULL);
@@ -97,6 +96,10 @@ def _record(row: tuple[Any, ...]) -> UsageRecord:
 def _init(db: sqlite3.Connection) -> None:
     db.executescript(SCHEMA)
     _add_columns(db)
+    # Older files had a second index on reservations (team, expiry): every booking and every
+    # settlement paid for it, and the expiry index alone serves the per-team expiry check
+    # (expired rows are few). Dropping it is one statement, once.
+    db.execute("DROP INDEX IF EXISTS reservations_team_expiry")
 
 
 class SqliteStore(Store):
