@@ -111,6 +111,8 @@ class Connections:
         except sqlite3.OperationalError as e:
             if not _busy(e):
                 raise
+            if db.in_transaction:  # busy past BEGIN (at COMMIT): end it, or it holds the lock
+                db.execute("ROLLBACK")
             self.busy_fallbacks += 1
             return await self.run(fn)
         self._since_checkpoint += 1

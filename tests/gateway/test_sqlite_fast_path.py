@@ -102,3 +102,26 @@ async def test_calls_from_another_thread_use_the_worker(tmp_path: Path) -> None:
     th.join(30)
     assert isinstance(out[0], Reservation)
     await s.close()
+
+
+async def test_a_busy_failure_inside_a_transaction_is_rolled_back_before_the_retry(tmp_path: Path) -> None:
+    """Busy after BEGIN (a COMMIT refused): the loop's transaction is ended, the worker runs the
+    call again from the start, and the loop's connection is clean for the next call."""
+    s = await _store(tmp_path / "g.db")
+    tries: list[str] = []
+
+    def fn(db: sqlite3.Connection) -> int:
+        db.execute("BEGIN IMMEDIATE")
+        db.execute("INSERT INTO teams (id, default_tier, created_at) VALUES ('x', 'interactive', 0)")
+        if not tries:
+            tries.append("loop")
+            raise sqlite3.OperationalError("database is locked")  # as a refused COMMIT would
+        tries.append("worker")
+        db.execute("COMMIT")
+        return db.execute("SELECT count(*) FROM teams WHERE id = 'x'").fetchone()[0]
+
+    assert await asyncio.wait_for(s._conns.fast(fn), 30) == 1
+    assert tries == ["loop", "worker"] and s._conns.busy_fallbacks == 1
+    assert not s._conns._loop_db.in_transaction
+    assert isinstance(await s.reserve(_req(0)), Reservation)  # the fast path works on
+    await s.close()
