@@ -20,26 +20,27 @@ import aiohttp
 import msgspec
 
 from gateway.node_sse import DataLines
+from gateway.tiers import Shed
 from protocol.openai import APIError, CompletionLogprobs, Usage
 
 log = logging.getLogger("duet.gateway.nodes")
 _ENC = msgspec.json.Encoder()
 
 
-class OutOfDescriptors(APIError):
-    """This gateway process cannot open another socket (EMFILE/ENFILE): its own overload, not
-    the node's failure — the request is shed (503 + Retry-After) and no node is blamed."""
-
-    def __init__(self) -> None:
-        super().__init__(503, "the gateway has no file descriptor left for another connection to a node; "
-                              "retry shortly (operators: raise `ulimit -n` or lower [tiers] max_inflight)",
-                         type_="service_unavailable", code="overloaded")  # fmt: skip
-        self.retry_after_s = 1.0
-
-
 def _local_exhaustion(e: BaseException) -> bool:
     err = getattr(e, "os_error", None) or (e if isinstance(e, OSError) else None)
     return getattr(err, "errno", None) in (errno.EMFILE, errno.ENFILE)
+
+
+def _unreachable(url: str, e: BaseException, leg: str = "") -> Exception:
+    """What a failed call to a node raises: a NodeFailure (retry elsewhere) — unless this
+    process is out of file descriptors (EMFILE/ENFILE), its own overload, not the node's
+    failure: then the request is shed like any other overload (503 + Retry-After; the batch
+    tier defers it) and no node is blamed."""
+    if _local_exhaustion(e):
+        return Shed("the gateway has no file descriptor left for another connection to a node; retry shortly "
+                    "(operators: raise `ulimit -n` or lower [tiers] max_inflight)", 1.0)  # fmt: skip
+    return NodeFailure(url, f"{leg}{type(e).__name__}: {e}")
 
 
 class NodeFailure(Exception):
@@ -95,9 +96,7 @@ class NodeClient:
                                          headers=_headers(request_id), timeout=self._prefill_timeout) as r:  # fmt: skip
                 raw = await r.read()
         except _NETWORK_ERRORS as e:
-            if _local_exhaustion(e):
-                raise OutOfDescriptors() from None
-            raise NodeFailure(url, f"prefill leg: {type(e).__name__}: {e}") from None
+            raise _unreachable(url, e, "prefill leg: ") from None
         if r.status >= 500 or r.status == 429:
             raise NodeFailure(url, f"prefill leg answered {r.status}: {raw[:300]!r}")
         if r.status != 200:
@@ -118,9 +117,7 @@ class NodeClient:
             resp = await self.session.post(f"{url}/v1/completions", data=_ENC.encode(body),
                                            headers=_headers(request_id), timeout=self._stream_timeout)  # fmt: skip
         except _NETWORK_ERRORS as e:
-            if _local_exhaustion(e):
-                raise OutOfDescriptors() from None
-            raise NodeFailure(url, f"{type(e).__name__}: {e}") from None
+            raise _unreachable(url, e) from None
         async with resp:
             if resp.status != 200:
                 raw = await _read_quietly(resp)

@@ -14,7 +14,8 @@ from pathlib import Path
 import aiohttp
 from aiohttp.client_reqrep import ConnectionKey
 
-from gateway.node_client import _local_exhaustion
+from gateway.node_client import NodeFailure, _local_exhaustion, _unreachable
+from gateway.tiers import Shed
 from tests.gateway.helpers import MODEL, gateway_proc, make_team
 from tests.procs import Proc, free_port, running
 
@@ -57,3 +58,6 @@ def test_out_of_descriptors_is_the_gateways_overload_not_the_nodes_failure() -> 
     refused = aiohttp.ClientConnectorError(key, OSError(errno.ECONNREFUSED, "Connection refused"))
     assert _local_exhaustion(emfile) and _local_exhaustion(OSError(errno.ENFILE, "file table overflow"))
     assert not _local_exhaustion(refused) and not _local_exhaustion(TimeoutError())
+    shed = _unreachable("http://n", emfile)
+    assert isinstance(shed, Shed) and shed.status == 503 and shed.code == "overloaded" and shed.retry_after_s > 0
+    assert isinstance(_unreachable("http://n", refused), NodeFailure)
