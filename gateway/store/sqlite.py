@@ -331,20 +331,19 @@ def _bucket(db: sqlite3.Connection, team_id: str, second: int, requests: int, to
                (team_id, second, requests, tokens))  # fmt: skip
 
 
-def _unbook(db: sqlite3.Connection, rid: str | None, team_id: str, cost: float) -> None:
-    """Take an active booking out of the in-flight counters (its window tokens are the caller's)
-    and delete its row (`rid`; None: the caller has)."""
+def _unbook(db: sqlite3.Connection, team_id: str, cost: float) -> None:
+    """Take a booking whose row the caller deleted out of the in-flight counters (its window
+    tokens are the caller's)."""
     db.execute("UPDATE team_state SET active = active - 1, active_cost_usd = CASE WHEN active <= 1 THEN 0 "
                "ELSE active_cost_usd - ? END WHERE team_id=?", (cost, team_id))  # fmt: skip
-    if rid is not None:
-        db.execute("DELETE FROM reservations WHERE id=?", (rid,))
 
 
 def _expire(db: sqlite3.Connection, where: str, args: tuple[Any, ...]) -> int:
     """Bookings whose gateway never settled them stop counting: in flight and in the window."""
-    rows = db.execute(f"SELECT id, team_id, created_at, tokens, cost_usd FROM reservations WHERE {where}", args).fetchall()
-    for rid, team_id, created, tokens, cost in rows:
-        _unbook(db, rid, team_id, cost)
+    rows = db.execute(f"DELETE FROM reservations WHERE {where} RETURNING team_id, created_at, tokens, cost_usd",
+                      args).fetchall()  # fmt: skip
+    for team_id, created, tokens, cost in rows:
+        _unbook(db, team_id, cost)
         _bucket(db, team_id, int(created), 0, -tokens)
     return len(rows)
 
@@ -360,5 +359,5 @@ def _settle_booking(db: sqlite3.Connection, s: Settlement, now: float) -> None:
             _bucket(db, s.record.team_id, int(now), 0, s.tokens)
         return
     team_id, created, booked, cost = row
-    _unbook(db, None, team_id, cost)  # its reservation row: deleted above
+    _unbook(db, team_id, cost)
     _bucket(db, team_id, int(created), 0, s.tokens - booked)
