@@ -98,7 +98,7 @@ def _init(db: sqlite3.Connection) -> None:
     _add_columns(db)
     # Older files had a second index on reservations (team, expiry): every booking and every
     # settlement paid for it, and the expiry index alone serves the per-team expiry check
-    # (expired rows are few). Dropping it is one statement, once.
+    # (expired rows are few). A no-op once it is gone.
     db.execute("DROP INDEX IF EXISTS reservations_team_expiry")
 
 

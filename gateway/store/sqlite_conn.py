@@ -106,6 +106,7 @@ class Connections:
         db = self._loop_db
         if db is None or threading.get_ident() != self._loop_thread:
             return await self.run(fn)
+        changes = db.total_changes
         try:
             out = fn(db)
         except sqlite3.OperationalError as e:
@@ -115,7 +116,8 @@ class Connections:
                 db.execute("ROLLBACK")
             self.busy_fallbacks += 1
             return await self.run(fn)
-        self._since_checkpoint += 1
+        if db.total_changes != changes:  # a write (a key lookup adds nothing to the WAL)
+            self._since_checkpoint += 1
         if self._since_checkpoint >= CHECKPOINT_EVERY and self._checkpoint is None:
             self._since_checkpoint = 0
             self._checkpoint = asyncio.ensure_future(self.run(_checkpoint))
