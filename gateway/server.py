@@ -34,13 +34,14 @@ def _raise_fd_limit(max_inflight: int) -> None:
     is shed with 503, and no node is blamed)."""
     need = 2 * max_inflight + _FD_SPARE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and hard < need:
+    short = hard != resource.RLIM_INFINITY and hard < need
+    if short:
         with contextlib.suppress(ValueError, OSError):  # raising the hard limit needs privilege
             resource.setrlimit(resource.RLIMIT_NOFILE, (need, need))
             return
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    if hard != resource.RLIM_INFINITY and hard < need:
+    if short:
         log.warning("this process may open %d files; [tiers] max_inflight = %d needs about %d (two sockets per "
                     "request): requests past the limit are shed with 503. Raise `ulimit -n` or lower "
                     "max_inflight.", hard, max_inflight, need)  # fmt: skip
