@@ -77,7 +77,7 @@ async def _stream(request: web.Request, resp: web.StreamResponse, rid: str, toke
         await resp.write(_chunk(rid, t, "length" if last else None, usage if last else None))
         if delay and not last:
             await asyncio.sleep(delay)
-    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof(b"data: [DONE]\n\n")  # and the body's end, in one send, as a node does
     return resp
 
 

@@ -37,7 +37,7 @@ from decode.remote_kv import PeerUnreachable, RemoteKV
 from kvtransfer import Peer
 from node.completions import Prepared, respond, start
 from node.engine_api import EngineStream
-from node.responder import SSE_HEADERS, Responder, error_event
+from node.responder import SSE_HEADERS, Responder, end_stream, error_event
 from node.state import NodeState
 from protocol.kv_params import KVTransferParams
 from protocol.openai import APIError
@@ -161,8 +161,7 @@ async def decode_leg(state: NodeState, request: web.Request, prep: Prepared) -> 
                 raise err
             resp = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": rid})
             await resp.prepare(request)
-            await resp.write(error_event(err))
-            await resp.write(b"data: [DONE]\n\n")
+            await end_stream(resp, error_event(err))
             return resp
         return await respond(state, request, prep, responder, stream)
     finally:

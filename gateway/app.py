@@ -236,6 +236,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(StopAsyncIteration):
             await writer.__anext__()
         await cluster.drain()
+        await nodes.close()
         if view_life is not None:
             with contextlib.suppress(StopAsyncIteration):
                 await view_life.__anext__()

@@ -423,7 +423,7 @@ async def _stream(ctx: _Ctx, request: web.Request, job: Job, fmt: Formatter,
         await ctx.commit("error_midstream")
         assert resp is not None
         log.warning("%s: mid-stream failure: %s", job.request_id, e.message)
-        await resp.write(b"".join([*pending, sse(e.body()), DONE]))
+        await resp.write_eof(b"".join([*pending, sse(e.body()), DONE]))
         return resp
     except BaseException:
         await it.aclose()  # type: ignore[attr-defined]  # now, not at GC: it aborts on the nodes
@@ -432,10 +432,12 @@ async def _stream(ctx: _Ctx, request: web.Request, job: Job, fmt: Formatter,
     if resp is None:
         resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
         await resp.prepare(request)
-    # the finishing chunks, the usage chunk and [DONE] leave in one write (one send, not four)
+    # The finishing chunks, the usage chunk, [DONE] and the body's end leave in one send (not
+    # five): a client that stops reading at [DONE] then finds the body ended and can keep its
+    # connection for the next request.
     tail = [*pending, *(fmt.chunk(p) for p in held)]
     if ctx.parsed.include_usage:
         tail.append(fmt.usage_chunk(_usage(ctx)))  # type: ignore[arg-type]
     tail.append(DONE)
-    await resp.write(b"".join(tail))
+    await resp.write_eof(b"".join(tail))
     return resp

@@ -44,6 +44,14 @@ def error_event(err: APIError) -> bytes:
     return sse(err.body())
 
 
+async def end_stream(resp: web.StreamResponse, last: bytes = b"") -> None:
+    """`last` (if any), `[DONE]` and the body's end in one send. A client that stops reading
+    at `[DONE]` (the gateway, the openai SDK) then finds the body ended and keeps the
+    connection for its next request; with `[DONE]` and the end in two sends it often finds
+    the body unfinished and must close the connection."""
+    await resp.write_eof(last + b"data: [DONE]\n\n")
+
+
 def request_failed(out: Delta) -> APIError:
     """The engine failed this one request (its other requests go on)."""
     return APIError(500, f"the engine failed this request: {out.error}", type_="engine_error",
@@ -109,8 +117,7 @@ class Responder:
             try:
                 done = await self._relay(resp, stream, model, chunker)
             except EngineDead as e:  # headers are out: the error goes in the stream
-                await resp.write(error_event(engine_dead(e)))
-                await resp.write(b"data: [DONE]\n\n")
+                await end_stream(resp, error_event(engine_dead(e)))
                 done = True
         finally:
             if not done:
@@ -123,8 +130,7 @@ class Responder:
             self._observe(out)
             if out.error is not None:
                 log.warning("request %s failed in the engine: %s", self.engine_request_id, out.error)
-                await resp.write(error_event(request_failed(out)))
-                await resp.write(b"data: [DONE]\n\n")
+                await end_stream(resp, error_event(request_failed(out)))
                 return True
             if chunker is not None:
                 final = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
@@ -140,7 +146,7 @@ class Responder:
                 chunk.usage = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
                 chunk.timing = self.timing
             await resp.write(sse(chunk))
-        await resp.write(b"data: [DONE]\n\n")
+        await end_stream(resp)
         return True
 
     async def collect(self, stream: EngineStream, model: str, **extra: object) -> CompletionResponse:

@@ -104,6 +104,38 @@ async def test_async_streaming_matches_whole(gw: tuple[Proc, str]) -> None:
     assert text == whole_c.choices[0].text
 
 
+async def _connections_for_streams(url: str, body: dict[str, object], headers: dict[str, str], n: int) -> int:
+    """New TCP connections an aiohttp client opened for `n` sequential streams, reading each
+    only up to `[DONE]` (as the openai SDK, the gateway and most SSE clients do)."""
+    created = 0
+
+    async def on_create(*_: object) -> None:
+        nonlocal created
+        created += 1
+
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_create_end.append(on_create)
+    async with aiohttp.ClientSession(trace_configs=[trace]) as s:
+        for _ in range(n):
+            async with s.post(url + "/v1/completions", json={**body, "stream": True, **GREEDY}, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                async for line in r.content:
+                    if line.strip() == b"data: [DONE]":
+                        break
+    return created
+
+
+async def test_streams_end_with_done_so_clients_keep_connections(gw: tuple[Proc, str],
+                                                                 nodes: tuple[Proc, Proc, Proc]) -> None:  # fmt: skip
+    """The gateway and the nodes send `[DONE]` and the body's end in one send: a client that
+    stops at `[DONE]` finds the body ended and reuses its connection (with two sends it often
+    found the body unfinished and had to close it — a new connection for the next request)."""
+    g, key = gw
+    auth = {"Authorization": f"Bearer {key}"}
+    assert await _connections_for_streams(g.url, {"model": MODEL, "prompt": "hello"}, auth, 12) == 1
+    assert await _connections_for_streams(nodes[2].url, {"prompt": [1, 2, 3]}, {}, 12) == 1
+
+
 async def test_n_samples_share_one_prefill(gw: tuple[Proc, str], nodes: tuple[Proc, Proc, Proc]) -> None:
     g, key = gw
     p, d, _ = nodes

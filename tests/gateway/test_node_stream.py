@@ -104,3 +104,63 @@ async def test_the_client_refuses_an_endless_line(aiohttp_server, monkeypatch: p
     with pytest.raises(NodeFailure, match="SSE line over 4096 bytes"):
         # the line's end never comes (its write waits for a gate nobody opens)
         await _read(aiohttp_server, _server([b"data: {" + b"x" * 5000, b"}\n\n"], asyncio.Event()))
+
+
+def _late_end_server(peers: list[object], end: asyncio.Event) -> web.Application:
+    """A node that sends `[DONE]`, then ends its body only once `end` is set (a node, or a
+    vLLM server, whose last two writes arrive in separate reads); notes each request's peer."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(_event(0) + b"data: [DONE]\n\n")
+        await end.wait()
+        end.clear()
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+async def _wait(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    async with asyncio.timeout(timeout):
+        while not cond():
+            await asyncio.sleep(0.005)
+
+
+async def test_a_body_ending_after_done_keeps_its_connection(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
+    peers: list[object] = []
+    end = asyncio.Event()
+    server = await aiohttp_server(_late_end_server(peers, end))
+    url = str(server.make_url("")).rstrip("/")
+    async with aiohttp.ClientSession() as s:
+        nc = NodeClient(s, 5.0, 5.0, 5.0)
+        for _ in range(3):
+            texts = [c.choices[0].text async for c, _ in nc.stream(url, "r1", {"prompt": [1]})]
+            assert texts == [" t0"]  # the stream is over for the caller before the body ends
+            assert nc.draining == 1
+            end.set()  # now the body's end arrives, in a later read than [DONE]
+            await _wait(lambda: nc.draining == 0)
+    # every request went over the first connection (before: each release mid-body closed it)
+    assert len(peers) == 3 and len(set(peers)) == 1, peers
+
+
+async def test_a_body_that_never_ends_loses_its_connection(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
+    peers: list[object] = []
+    end = asyncio.Event()
+    server = await aiohttp_server(_late_end_server(peers, end))
+    url = str(server.make_url("")).rstrip("/")
+    async with aiohttp.ClientSession() as s:
+        nc = NodeClient(s, 5.0, 5.0, 5.0)
+        nc.drain_timeout_s = 0.05
+        assert [c.choices[0].text async for c, _ in nc.stream(url, "r1", {"prompt": [1]})] == [" t0"]
+        await _wait(lambda: nc.draining == 0)  # gave up: the connection was closed, not pooled
+        end.set()
+        assert [c.choices[0].text async for c, _ in nc.stream(url, "r2", {"prompt": [1]})] == [" t0"]
+        assert len(set(peers)) == 2  # the second request needed a new connection
+        await nc.close()  # at shutdown: a drain still going is stopped
+        assert nc.draining == 0
