@@ -400,6 +400,15 @@ async def _whole(ctx: _Ctx, job: Job, fmt: Formatter, headers: dict[str, str]) -
                         headers={**headers, "x-duet-cost-usd": f"{ctx.record.cost_usd:.8f}"})  # fmt: skip
 
 
+class _EventStream(web.StreamResponse):
+    """An SSE response whose headers leave with its first chunk, in one send (aiohttp's
+    StreamResponse sends them at `prepare()`, a send of their own). It is prepared only when
+    the first chunk is in hand, so holding the headers delays nothing; the client wakes once
+    for its first token instead of twice. (`web.Response` sets the same class attribute.)"""
+
+    _send_headers_immediately = False
+
+
 async def _stream(ctx: _Ctx, request: web.Request, job: Job, fmt: Formatter,
                   headers: dict[str, str]) -> web.StreamResponse:  # fmt: skip
     resp: web.StreamResponse | None = None
@@ -409,7 +418,7 @@ async def _stream(ctx: _Ctx, request: web.Request, job: Job, fmt: Formatter,
     try:
         async for p in it:
             if resp is None:  # errors before the first piece are plain HTTP errors
-                resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+                resp = _EventStream(headers={**SSE_HEADERS, **headers})
                 await resp.prepare(request)
             if p.finish_reason:
                 held.append(p)
@@ -430,7 +439,7 @@ async def _stream(ctx: _Ctx, request: web.Request, job: Job, fmt: Formatter,
         raise
     await ctx.commit("ok")
     if resp is None:
-        resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
+        resp = _EventStream(headers={**SSE_HEADERS, **headers})
         await resp.prepare(request)
     # The finishing chunks, the usage chunk, [DONE] and the body's end leave in one send (not
     # five): a client that stops reading at [DONE] then finds the body ended and can keep its

@@ -36,7 +36,11 @@ class UsageWriter:
     async def commit(self, s: Settlement) -> None:
         if self._queue.empty() and not self._writing:
             # Nothing queued, nothing being written: this record is a batch of one — write it
-            # now instead of waking the writer task and waiting for it to wake us back.
+            # now instead of waking the writer task and waiting for it to wake us back; at
+            # once if the store can (no task, no wait: nothing to shield from cancellation).
+            if self.store.settle_now([s]):
+                self.metrics.usage_batches.inc()
+                return
             await asyncio.shield(self._write_now([s]))
             return
         await asyncio.shield(self.submit(s))

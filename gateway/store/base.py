@@ -164,6 +164,11 @@ class Store(ABC):
     async def settle(self, batch: list[Settlement]) -> None:
         """Settle reservations and write their usage records, all in one transaction."""
 
+    def settle_now(self, batch: list[Settlement]) -> bool:
+        """`settle(batch)` done before returning, if this store can without waiting (True);
+        False when it cannot (then nothing was written: call `settle`). The default cannot."""
+        return False
+
     @abstractmethod
     async def expire_reservations(self, now: float | None = None) -> int: ...
 

@@ -188,24 +188,13 @@ class SqliteStore(Store):
         return await self._conns.fast(lambda db: _reserve(db, req))
 
     async def settle(self, batch: list[Settlement]) -> None:
-        def q(db: sqlite3.Connection) -> None:
-            now = time.time()
-            with _tx(db):
-                for s in batch:
-                    r = s.record
-                    _settle_booking(db, s, now)
-                    if r.cost_usd > 0:  # the day's and the month's spend, in one statement
-                        db.execute("INSERT INTO spend (team_id, period, cost_usd) VALUES (?1,?2,?4), (?1,?3,?4) "
-                                   "ON CONFLICT (team_id, period) DO UPDATE SET cost_usd = cost_usd + excluded.cost_usd",
-                                   (r.team_id, day_period(now), month_period(now), r.cost_usd))  # fmt: skip
-                    values = [getattr(r, c) for c in _USAGE_COLS]
-                    values[_USAGE_COLS.index("nodes")] = json.dumps(r.nodes)
-                    db.execute(f"INSERT INTO usage ({', '.join(_USAGE_COLS)}) VALUES ({', '.join('?' * len(_USAGE_COLS))})",
-                               values)  # fmt: skip
-
         # a few records (a request's own, under light load): the loop's fast path; a big batch
         # on the worker, where its statements run beside the loop instead of stalling it
+        q = _settler(batch)
         await (self._conns.fast(q) if len(batch) <= FAST_BATCH else self._run(q))
+
+    def settle_now(self, batch: list[Settlement]) -> bool:
+        return len(batch) <= FAST_BATCH and self._conns.now(_settler(batch))[0]
 
     async def expire_reservations(self, now: float | None = None) -> int:
         t = time.time() if now is None else now
@@ -249,6 +238,31 @@ class SqliteStore(Store):
         return [_record(r) for r in rows]
 
 
+_INSERT_USAGE = f"INSERT INTO usage ({', '.join(_USAGE_COLS)}) VALUES ({', '.join('?' * len(_USAGE_COLS))})"
+_NODES = _USAGE_COLS.index("nodes")
+
+
+def _settler(batch: list[Settlement]) -> Callable[[sqlite3.Connection], None]:
+    """The transaction that settles `batch` and writes its usage records (safe to run twice:
+    it commits once or not at all)."""
+
+    def q(db: sqlite3.Connection) -> None:
+        now = time.time()
+        with _tx(db):
+            for s in batch:
+                r = s.record
+                _settle_booking(db, s, now)
+                if r.cost_usd > 0:  # the day's and the month's spend, in one statement
+                    db.execute("INSERT INTO spend (team_id, period, cost_usd) VALUES (?1,?2,?4), (?1,?3,?4) "
+                               "ON CONFLICT (team_id, period) DO UPDATE SET cost_usd = cost_usd + excluded.cost_usd",
+                               (r.team_id, day_period(now), month_period(now), r.cost_usd))  # fmt: skip
+                values = [getattr(r, c) for c in _USAGE_COLS]
+                values[_NODES] = json.dumps(r.nodes)
+                db.execute(_INSERT_USAGE, values)
+
+    return q
+
+
 def _add_columns(db: sqlite3.Connection) -> None:
     """Bring a file an older version created up to `SCHEMA` (which only creates missing tables).
 
@@ -277,11 +291,12 @@ def _asdict(team: Team) -> dict[str, Any]:
     return {f: getattr(team, f) for f in team.__struct_fields__}
 
 
-#: a team's row and every counter a reservation decides on (args: window start, team, day
-#: period, month period)
+#: a team's row, every counter a reservation decides on, and the soonest expiry of any booking
+#: (args: window start, team, day period, month period)
 _COUNTERS = f"""
 SELECT {", ".join("t." + c.strip() for c in _TEAM_COLS.split(","))},
-       s.active, s.active_cost_usd, b.n, b.tokens, b.oldest, d.cost_usd, m.cost_usd
+       s.active, s.active_cost_usd, b.n, b.tokens, b.oldest, d.cost_usd, m.cost_usd,
+       (SELECT min(expires_at) FROM reservations) AS soonest
 FROM teams t
 LEFT JOIN team_state s ON s.team_id = t.id
 LEFT JOIN (SELECT coalesce(sum(requests), 0) AS n, coalesce(sum(tokens), 0) AS tokens,
@@ -295,15 +310,18 @@ WHERE t.id = ?2"""
 def _reserve(db: sqlite3.Connection, req: ReserveRequest) -> Reservation | Refusal:
     now = req.now
     with _tx(db):
-        # Expired bookings first (they change the counters), then every counter in one query:
-        # this transaction is on each request's path to its first token.
-        _expire(db, "team_id=? AND expires_at<=?", (req.team_id, now))
-        day, month = day_period(now), month_period(now)
-        row = db.execute(_COUNTERS, (window_start(now), req.team_id, day, month)).fetchone()
+        # Every counter in one query: this transaction is on each request's path to its first
+        # token. Lapsed bookings must not count; the query says (from the expiry index) whether
+        # there are any, so the common case costs no DELETE that finds nothing.
+        args = (window_start(now), req.team_id, day_period(now), month_period(now))
+        row = db.execute(_COUNTERS, args).fetchone()
+        if row is not None and row[-1] is not None and row[-1] <= now:
+            _expire(db, "expires_at<=?", (now,))  # every lapsed booking, as the sweeper would
+            row = db.execute(_COUNTERS, args).fetchone()
         if row is None:
             raise StoreError(403, f"team {req.team_id!r} no longer exists")
         team = _team(row[:8])
-        active, active_cost, n_requests, n_tokens, oldest, spent_day, spent_month = row[8:]
+        active, active_cost, n_requests, n_tokens, oldest, spent_day, spent_month = row[8:15]
         c = Counters(active=active or 0, active_cost=active_cost or 0.0, window_requests=n_requests,
                      window_tokens=n_tokens, window_oldest=float(oldest + 1) if oldest is not None else None,
                      spent_day=spent_day or 0.0, spent_month=spent_month or 0.0)  # fmt: skip

@@ -103,9 +103,16 @@ class Connections:
 
     async def fast(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """`fn` on the loop thread when the write lock is free now, else on the worker."""
+        done, out = self.now(fn)
+        return out if done else await self.run(fn)  # type: ignore[return-value]
+
+    def now(self, fn: Callable[[sqlite3.Connection], T]) -> tuple[bool, T | None]:
+        """`(True, fn(db))` on the loop's connection if the write lock is free at this moment;
+        `(False, None)` when it is not, or off the loop thread (nothing was done: `fn`'s
+        transaction failed at `BEGIN` or was rolled back)."""
         db = self._loop_db
         if db is None or threading.get_ident() != self._loop_thread:
-            return await self.run(fn)
+            return False, None
         changes = db.total_changes
         try:
             out = fn(db)
@@ -115,14 +122,14 @@ class Connections:
             if db.in_transaction:  # busy past BEGIN (at COMMIT): end it, or it holds the lock
                 db.execute("ROLLBACK")
             self.busy_fallbacks += 1
-            return await self.run(fn)
+            return False, None
         if db.total_changes != changes:  # a write (a key lookup adds nothing to the WAL)
             self._since_checkpoint += 1
         if self._since_checkpoint >= CHECKPOINT_EVERY and self._checkpoint is None:
             self._since_checkpoint = 0
             self._checkpoint = asyncio.ensure_future(self.run(_checkpoint))
             self._checkpoint.add_done_callback(self._checkpoint_done)
-        return out
+        return True, out
 
     def _checkpoint_done(self, fut: asyncio.Future[None]) -> None:
         self._checkpoint = None

@@ -125,3 +125,31 @@ async def test_a_busy_failure_inside_a_transaction_is_rolled_back_before_the_ret
     assert not s._conns._loop_db.in_transaction
     assert isinstance(await s.reserve(_req(0)), Reservation)  # the fast path works on
     await s.close()
+
+
+async def test_settle_now_writes_at_once_or_not_at_all(tmp_path: Path) -> None:
+    """The usage writer's batch of one: written before `settle_now` returns when the write lock
+    is free; with the lock held elsewhere nothing is written and the caller is told so (it then
+    waits on the worker). A record is never written twice."""
+    from gateway.store.base import Settlement, UsageRecord
+
+    db_path = tmp_path / "g.db"
+    s = await _store(db_path)
+
+    def settlement(rid: str) -> Settlement:
+        return Settlement(None, UsageRecord(request_id=rid, team_id="t", key_id="k", model_requested="m",
+                                            model_used="m", tier="interactive", status="ok", prompt_tokens=3))  # fmt: skip
+
+    assert s.settle_now([settlement("a")])
+    assert [r.request_id for r in await s.usage_records("t", 0, 1e12)] == ["a"]
+    other = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")
+    try:
+        assert not s.settle_now([settlement("b")])
+        assert s._conns.busy_fallbacks == 1
+    finally:
+        other.execute("COMMIT")
+        other.close()
+    await s.settle([settlement("b")])  # what the caller does next
+    assert sorted(r.request_id for r in await s.usage_records("t", 0, 1e12)) == ["a", "b"]
+    await s.close()
