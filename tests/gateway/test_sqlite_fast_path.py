@@ -92,6 +92,30 @@ async def test_the_worker_checkpoints_what_the_loop_wrote(tmp_path: Path, monkey
     await s.close()
 
 
+async def test_the_wal_stays_bounded_while_the_loop_never_stops_writing(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A checkpoint that runs while the loop goes on writing never catches up with the WAL, and
+    SQLite reuses a WAL only once a checkpoint has caught up: with PASSIVE checkpoints alone the
+    WAL grew without bound under steady traffic (150 MB after 6,000 writes). Each checkpoint ends
+    with a short RESTART, so the next write starts the WAL from its beginning."""
+    monkeypatch.setattr(sqlite_conn, "CHECKPOINT_EVERY", 50)
+    db_path = tmp_path / "g.db"
+    wal = Path(f"{db_path}-wal")
+    s = await _store(db_path)
+    one_cycle = 0
+    for i in range(1000):  # 20 checkpoint cycles of writes, the loop never idle for long
+        assert isinstance(await s.reserve(_req(i)), Reservation)
+        if i == 45:
+            one_cycle = wal.stat().st_size  # what one cycle's writes take in the WAL
+        await asyncio.sleep(0)  # the loop turns (the checkpoint's completion is seen) but never idles
+    deadline = time.monotonic() + 30
+    while s._conns._checkpoint is not None and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert one_cycle > 0
+    assert wal.stat().st_size < 4 * one_cycle, (wal.stat().st_size, one_cycle)
+    await s.close()
+
+
 async def test_calls_from_another_thread_use_the_worker(tmp_path: Path) -> None:
     """The loop's connection belongs to the loop's thread; a store used from another thread's
     event loop (a CLI helper, a test) still works, through the worker."""
