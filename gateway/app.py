@@ -30,6 +30,7 @@ from gateway.cluster import ClusterBackend
 from gateway.config import AUTO, GatewayConfig, ModelConfig, StaticNodes
 from gateway.etcd_view import EtcdView
 from gateway.key_cache import KeyCache
+from gateway.loop_lag import LoopLag
 from gateway.metrics import GatewayMetrics
 from gateway.node_client import NodeClient
 from gateway.provider_backend import ProviderBackend, make_backend
@@ -213,7 +214,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     view_life = view.lifecycle() if view else None
     if view_life is not None:
         await view_life.__anext__()
-    nodes = NodeClient(s.session, rc.connect_timeout_s, rc.prefill_timeout_s, rc.read_timeout_s)
+    lag = LoopLag()
+    lag_life = lag.lifecycle()
+    await lag_life.__anext__()
+    nodes = NodeClient(s.session, rc.connect_timeout_s, rc.prefill_timeout_s, rc.read_timeout_s, lag)
     router = _router(s, load, view)
     cluster = ClusterBackend(nodes, router, load, rc, on_retry=lambda k: s.metrics.retries.labels(kind=k).inc())
     for name, m in cfg.models.items():
@@ -237,6 +241,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             await writer.__anext__()
         await cluster.drain()
         await nodes.close()
+        with contextlib.suppress(StopAsyncIteration):
+            await lag_life.__anext__()
         if view_life is not None:
             with contextlib.suppress(StopAsyncIteration):
                 await view_life.__anext__()

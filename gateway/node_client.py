@@ -14,12 +14,14 @@ import asyncio
 import contextlib
 import errno
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
 import msgspec
 
+from gateway.loop_lag import LoopLag
 from gateway.node_sse import DataLines
 from gateway.tiers import Shed
 from protocol.openai import APIError, CompletionLogprobs, Usage
@@ -69,6 +71,8 @@ class NodeChunk(msgspec.Struct, kw_only=True):
 _CHUNK = msgspec.json.Decoder(NodeChunk)
 #: how long a node may take to end a body after its `[DONE]` before its connection is closed
 DRAIN_TIMEOUT_S = 5.0
+#: a connect timeout is this process's own when its loop stood still this share of it or more
+OWN_STALL_SHARE = 0.5
 _NETWORK_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError)
 
 
@@ -83,8 +87,13 @@ def _node_error(status: int, body: bytes) -> APIError:
 
 class NodeClient:
     def __init__(self, session: aiohttp.ClientSession, connect_timeout_s: float, prefill_timeout_s: float,
-                 read_timeout_s: float) -> None:  # fmt: skip
+                 read_timeout_s: float, lag: LoopLag | None = None) -> None:  # fmt: skip
         self.session = session
+        self._connect_timeout_s = connect_timeout_s
+        self._lag = lag
+        #: connects retried because this process's own stalled loop timed them out
+        self.own_stall_retries = 0
+        self._stall_logged = 0.0
         # sock_connect: the TCP connect itself; `connect` in aiohttp also counts the wait for a
         # free connection of the per-node pool, which is bounded by the leg's own timeout
         self._prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, sock_connect=connect_timeout_s)
@@ -103,8 +112,7 @@ class NodeClient:
     async def prefill(self, url: str, request_id: str, body: dict[str, Any]) -> NodeChunk:
         """The prefill leg; its answer carries `kv_transfer_params` for the decode node."""
         try:
-            async with self.session.post(f"{url}/v1/completions", data=_ENC.encode(body),
-                                         headers=_headers(request_id), timeout=self._prefill_timeout) as r:  # fmt: skip
+            async with await self._post(url, request_id, body, self._prefill_timeout) as r:
                 raw = await r.read()
         except _NETWORK_ERRORS as e:
             raise _unreachable(url, e, "prefill leg: ") from None
@@ -125,8 +133,7 @@ class NodeClient:
         arrived (same network read), so a relay may hold this one and send both at once.
         Raises NodeFailure on any failure, APIError on a node's 4xx."""
         try:
-            resp = await self.session.post(f"{url}/v1/completions", data=_ENC.encode(body),
-                                           headers=_headers(request_id), timeout=self._stream_timeout)  # fmt: skip
+            resp = await self._post(url, request_id, body, self._stream_timeout)
         except _NETWORK_ERRORS as e:
             raise _unreachable(url, e) from None
         finished = False  # [DONE] read, the body's end not yet: the connection may be kept
@@ -166,6 +173,30 @@ class NodeClient:
                 self._drain(resp)
             else:
                 resp.release()  # at the body's end: back to the pool; else (cut short) closed
+
+    async def _post(self, url: str, request_id: str, body: dict[str, Any],
+                    timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:  # fmt: skip
+        """POST /v1/completions. A connect that timed out while this process's own event loop
+        stood still for half the connect timeout or more is tried once more: the timeout was
+        ours (loop_lag.py says how a burst does that), not the node's."""
+        data = _ENC.encode(body)
+        for attempt in (0, 1):
+            t0 = time.monotonic()
+            try:
+                return await self.session.post(f"{url}/v1/completions", data=data, headers=_headers(request_id),
+                                               timeout=timeout)  # fmt: skip
+            except aiohttp.ConnectionTimeoutError:
+                stalled = self._lag.stalled_since(t0) if self._lag is not None else 0.0
+                if attempt or stalled < OWN_STALL_SHARE * self._connect_timeout_s:
+                    raise
+                self.own_stall_retries += 1
+                if t0 - self._stall_logged > 10:
+                    self._stall_logged = t0
+                    log.warning("the gateway's event loop stood still %.1f s, so connects to nodes timed out on "
+                                "its side (%s: retrying; %d so far); a burst larger than one process takes at once "
+                                "does this — more gateway processes, or a lower [tiers] max_inflight, avoid it",
+                                stalled, url, self.own_stall_retries)  # fmt: skip
+        raise AssertionError("unreachable")
 
     def _drain(self, resp: aiohttp.ClientResponse) -> None:
         """Read the rest of a stream whose `[DONE]` has been relayed, off the request's path.
