@@ -62,13 +62,20 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
                      transport=transport, roles=roles)  # fmt: skip
 
 
+#: A gateway opens up to `[routing] max_connections_per_node` (1024) connections to a node at
+#: once when a burst meets a cold pool; with the default accept queue of 128 the SYNs past it
+#: are dropped and wait out a retransmit (1 s, then 3 s) — a connect timeout on a node that
+#: is perfectly well. (The kernel caps it at net.core.somaxconn.)
+LISTEN_BACKLOG = 4096
+
+
 async def serve(state: NodeState) -> int:
     cfg = state.config
     app = make_app(state)
     # HTTP parser errors answered in OpenAI's error body too (protocol.http_errors).
     runner = AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
+    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=LISTEN_BACKLOG)
     await site.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -7,6 +7,7 @@ on included."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import time
 
@@ -101,17 +102,15 @@ async def test_a_node_that_does_not_answer_still_fails(monkeypatch: pytest.Monke
     for _ in range(8):  # fill the accept queue so the next connect waits
         f = socket.socket()
         f.setblocking(False)
-        try:
+        with contextlib.suppress(BlockingIOError):
             f.connect(("127.0.0.1", port))
-        except BlockingIOError:
-            pass
         fillers.append(f)
     lag, _ = await _lag()
     try:
         async with aiohttp.ClientSession() as s:
             nc = NodeClient(s, CONNECT_TIMEOUT_S, 5.0, 5.0, lag)
             t0 = time.monotonic()
-            with pytest.raises(NodeFailure, match="ConnectionTimeoutError|Timeout"):
+            with pytest.raises(NodeFailure, match="ConnectionTimeoutError"):
                 async for _ in nc.stream(f"http://127.0.0.1:{port}", "r1", {"prompt": [1]}):
                     pass
             assert nc.own_stall_retries == 0

@@ -333,3 +333,20 @@ async def test_reservation_timeout_is_503_not_a_hang(tiny_llama: Path, tmp_path:
                 async with s.post(node.url + "/abort", json={"request_id": rid}) as a:
                     assert a.status == 200
         await wait_for(lambda: metric(node, "duet:kv_cache_usage_perc") == idle, 10, "idle")
+
+
+def test_nodes_listen_with_a_backlog_for_a_gateways_burst(pd_nodes: tuple[Proc, Proc, Proc]) -> None:
+    """A cold gateway pool opens up to 1024 connections to a node at once: the accept queue
+    must hold them (`ss` shows a listener's backlog as Send-Q), or SYNs wait out a retransmit."""
+    import shutil
+    import subprocess
+
+    from node.server import LISTEN_BACKLOG
+
+    if shutil.which("ss") is None:
+        pytest.skip("no `ss` on this machine")
+    cap = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    for node in pd_nodes:
+        out = subprocess.run(["ss", "-ltnH", f"sport = :{node.port}"], capture_output=True, text=True,
+                             check=True).stdout.split()  # fmt: skip
+        assert int(out[2]) == min(LISTEN_BACKLOG, cap), out
