@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import calendar
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from gateway.store.base import WINDOW_S, RateState, Refusal, ReserveRequest, Team
 
@@ -57,34 +57,36 @@ def window_start(now: float) -> int:
 
 def decide(team: Team, c: Counters, req: ReserveRequest,
            window_rows: list[tuple[float, int]] | None = None) -> Refusal | RateState:  # fmt: skip
-    """`window_rows`: (time the bucket leaves the window − 60 s, tokens), oldest first."""
+    """`window_rows`: (time the bucket leaves the window − 60 s, tokens), oldest first.
+
+    On each request's path to its first token: no work for a limit the team does not have."""
     now = req.now
     reset = max(0.0, c.window_oldest + WINDOW_S - now) if c.window_oldest is not None else 0.0
-    rate = RateState(
-        limit_requests=team.rpm, limit_tokens=team.tpm,
-        remaining_requests=None if team.rpm is None else max(0, team.rpm - c.window_requests),
-        remaining_tokens=None if team.tpm is None else max(0, team.tpm - c.window_tokens),
-        reset_requests_s=reset, reset_tokens_s=reset,
-    )  # fmt: skip
+    left_requests = None if team.rpm is None else max(0, team.rpm - c.window_requests)
+    left_tokens = None if team.tpm is None else max(0, team.tpm - c.window_tokens)
+
+    def rate(reset_tokens: float = reset) -> RateState:  # as of before this request
+        return RateState(limit_requests=team.rpm, limit_tokens=team.tpm, remaining_requests=left_requests,
+                         remaining_tokens=left_tokens, reset_requests_s=reset, reset_tokens_s=reset_tokens)  # fmt: skip
+
     if team.max_concurrent is not None and c.active >= team.max_concurrent:
         return Refusal("concurrency", f"team {team.id!r} already has {c.active} requests in flight "
-                       f"(limit {team.max_concurrent})", 1.0, rate)  # fmt: skip
+                       f"(limit {team.max_concurrent})", 1.0, rate())  # fmt: skip
     if team.rpm is not None and c.window_requests >= team.rpm:
         return Refusal("requests", f"rate limit reached for team {team.id!r}: {team.rpm} requests per minute",
-                       reset, rate)  # fmt: skip
+                       reset, rate())  # fmt: skip
     if team.tpm is not None and c.window_tokens + req.tokens > team.tpm:
         wait = _tokens_free_in(window_rows or [], now, c.window_tokens + req.tokens - team.tpm)
-        rate = replace(rate, reset_tokens_s=wait)
         if req.tokens > team.tpm:
             msg = (f"this request needs up to {req.tokens} tokens (prompt + max_tokens), more than team "
                    f"{team.id!r}'s limit of {team.tpm} tokens per minute")  # fmt: skip
         else:
             msg = (f"rate limit reached for team {team.id!r}: {team.tpm} tokens per minute, "
                    f"{max(0, team.tpm - c.window_tokens)} left, this request needs up to {req.tokens}")  # fmt: skip
-        return Refusal("tokens", msg, wait, rate)
-    for kind, budget, spent, reset_s in (
-        ("daily_budget", team.daily_budget_usd, c.spent_day, seconds_to_next_day(now)),
-        ("monthly_budget", team.monthly_budget_usd, c.spent_month, seconds_to_next_month(now)),
+        return Refusal("tokens", msg, wait, rate(wait))
+    for kind, budget, spent, reset_at in (
+        ("daily_budget", team.daily_budget_usd, c.spent_day, seconds_to_next_day),
+        ("monthly_budget", team.monthly_budget_usd, c.spent_month, seconds_to_next_month),
     ):
         if budget is None:
             continue
@@ -92,10 +94,12 @@ def decide(team: Team, c: Counters, req: ReserveRequest,
         if committed + req.cost_usd > budget:
             return Refusal(kind, f"team {team.id!r} would exceed its {kind.replace('_', ' ')} of ${budget:g} "  # type: ignore[arg-type]
                            f"(${committed:.6f} spent or reserved, this request may cost up to "
-                           f"${req.cost_usd:.6f})", reset_s, rate)  # fmt: skip
-    return replace(rate,
-                   remaining_requests=None if rate.remaining_requests is None else rate.remaining_requests - 1,
-                   remaining_tokens=None if rate.remaining_tokens is None else rate.remaining_tokens - req.tokens)  # fmt: skip
+                           f"${req.cost_usd:.6f})", reset_at(now), rate())  # fmt: skip
+    # admitted: the headers count this request in
+    return RateState(limit_requests=team.rpm, limit_tokens=team.tpm,
+                     remaining_requests=None if left_requests is None else left_requests - 1,
+                     remaining_tokens=None if left_tokens is None else left_tokens - req.tokens,
+                     reset_requests_s=reset, reset_tokens_s=reset)  # fmt: skip
 
 
 def _tokens_free_in(rows: list[tuple[float, int]], now: float, need: int) -> float:
