@@ -7,7 +7,8 @@ front of it (SQLite store in a temporary directory, one team and key), then:
    (auth, quota reservation, tokenization, routing, relay, usage record) and through a bare
    relay (bench.bare_relay: the same HTTP stack doing nothing but forwarding); p50/p99 of TTFT
    and latency for each, and per request the difference to the node's own (paired: request i
-   of each path ran back to back). Target: the gateway's overhead p99 < 2 ms;
+   of each path ran back to back), and the CPU each process spent per request. Target: the
+   gateway's overhead p99 < 2 ms;
 2. concurrency — `--streams` SSE streams through the gateway at once (each `--stream-tokens`
    tokens, `--token-delay` apart at the node, so they overlap); how many completed, errors,
    TTFT p50/p99, wall time and tokens/s.
@@ -126,6 +127,12 @@ async def _overhead(node: str, gw: str, relay: str, key: str, ids: list[int],
     out["target_overhead_p99_ms"] = TARGET_P99_MS
     out["meets_target"] = {m: (out[m]["overhead_p99_ms"] or 1e9) < TARGET_P99_MS for m in ("ttft", "latency")}
     return out
+
+
+def _cpu_s(pid: int) -> float:
+    """CPU seconds a process has used so far (all its threads, user + system)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _rss_bytes(pid: int) -> int:
@@ -259,7 +266,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             key = _admin(gw.url, admin, "/admin/keys", {"team_id": "bench"})["key"]
             if not args.json:
                 print(f"overhead: {args.requests} sequential requests per path …", file=sys.stderr)
+            cpu0 = {"gateway": _cpu_s(gw.proc.pid), "bare_relay": _cpu_s(relay.proc.pid)}
             overhead = asyncio.run(_overhead(node.url, gw.url, relay.url, key, ids, args))
+            # CPU per request (every thread, user + system): what a core sustains, which the
+            # machine's noise hardly moves — unlike a p99 on shared cores
+            overhead["cpu_ms_per_request"] = {
+                p: round((_cpu_s(proc.pid) - cpu0[p]) * 1000 / args.requests, 3)
+                for p, proc in (("gateway", gw.proc), ("bare_relay", relay.proc))}  # fmt: skip
             if not args.json:
                 print(f"concurrency: {args.streams} streams at once …", file=sys.stderr)
             conc, mem = asyncio.run(_with_memory(gw.proc.pid, _concurrency(gw.url, key, args)))
@@ -288,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
               f"p99 {x['overhead_p99_ms']} ms (target < {TARGET_P99_MS} ms: "
               f"{'met' if o['meets_target'][name] else 'NOT met'}) | a bare relay's overhead p50 "
               f"{x['bare_relay_overhead_p50_ms']} ms p99 {x['bare_relay_overhead_p99_ms']} ms")  # fmt: skip
+    cpu = o["cpu_ms_per_request"]
+    print(f"  CPU per request: gateway {cpu['gateway']} ms, bare relay {cpu['bare_relay']} ms")
     print(f"{c['streams']} concurrent streams: {c['completed']} completed, errors {c['errors']}, wall {c['wall_s']} s, "
           f"TTFT p50 {c['ttft']['p50_ms']} ms p99 {c['ttft']['p99_ms']} ms, {c['tokens_per_s']} tokens/s, gateway RSS "
           f"{c['gateway_memory']}")  # fmt: skip

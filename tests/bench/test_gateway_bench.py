@@ -19,6 +19,8 @@ def test_gateway_bench_prints_json(tiny_llama: Path) -> None:
         assert x["node"]["p50_ms"] > 0 and x["gateway"]["p50_ms"] > 0 and x["bare_relay"]["p50_ms"] > 0
         assert "overhead_p99_ms" in x and "bare_relay_overhead_p99_ms" in x
         assert isinstance(out["overhead"]["meets_target"][name], bool)
+    assert set(out["overhead"]["cpu_ms_per_request"]) == {"gateway", "bare_relay"}
+    assert all(v >= 0 for v in out["overhead"]["cpu_ms_per_request"].values())
     c = out["concurrency"]
     assert c["streams"] == 30 and c["completed"] == 30 and c["errors"] == {}
     assert c["tokens_per_s"] > 0
