@@ -16,13 +16,14 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from protocol.ports import free_port
 
 
 def etcd_binary() -> str:
@@ -35,18 +36,12 @@ def etcd_binary() -> str:
     return str(path)
 
 
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 class EtcdServer:
     def __init__(self, data_dir: str | Path | None = None, host: str = "127.0.0.1",
                  port: int | None = None, log_path: str | Path | None = None) -> None:  # fmt: skip
         self.host = host
-        self.port = port or _free_port(host)
-        self.peer_port = _free_port(host)
+        self.port = port or free_port(host)
+        self.peer_port = free_port(host)
         self._tmp = None if data_dir else tempfile.mkdtemp(prefix="duet-etcd-")
         self.data_dir = Path(data_dir or self._tmp)  # type: ignore[arg-type]
         self.log_path = Path(log_path) if log_path else self.data_dir / "etcd.log"

@@ -29,6 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from protocol.models import DEFAULT_MODEL, REGISTRY, ModelNotFoundError, resolve_model
+from protocol.ports import free_port
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -60,12 +61,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no merged log tail on the terminal")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds every stage may take to be healthy (default 600)")
     p.set_defaults(func=_run)
-
-
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _check_port_free(host: str, port: int) -> None:
@@ -171,7 +166,7 @@ def _node_children(cfg, home, etcd_url: str, log):  # -> list[(Child, (model, ro
     for (g, _), cpus in zip(flat, plan, strict=True):
         k = counters[g.role] = counters.get(g.role, -1) + 1
         name = f"{g.role}-{k}"
-        port = _free_port()
+        port = free_port()
         pinned = g.cpus or (cpu_list(cpus) if cpus else None)
         threads = g.threads or cfg_threads(cfg, cpus, len(flat), len(avail))
         args = [sys.executable, "-m", "duet", "node", "--role", g.role, "--model", g.model or cfg.model,
@@ -245,7 +240,7 @@ def _run(args: argparse.Namespace) -> int:
 
     key, created = dev_key(home)
     admin = admin_key(home)
-    etcd_port, etcd_peer = _free_port(), _free_port()
+    etcd_port, etcd_peer = free_port(), free_port()
     etcd_url = f"http://127.0.0.1:{etcd_port}"
     from coordinator.etcd_server import etcd_binary
 
@@ -258,7 +253,7 @@ def _run(args: argparse.Namespace) -> int:
                  home.logs / "etcd.log", etcd_url + "/health")  # fmt: skip
     coords, coord_urls = [], []
     for i in range(cfg.coordinator.replicas):
-        port = _free_port()
+        port = free_port()
         coord_urls.append(f"http://127.0.0.1:{port}")
         coords.append(Child(f"coordinator-{i}" if cfg.coordinator.replicas > 1 else "coordinator",
                             [sys.executable, "-m", "duet", "coordinator", "--etcd", etcd_url, "--cluster", cfg.cluster,

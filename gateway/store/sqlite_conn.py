@@ -13,7 +13,7 @@ when that cannot wait:
   lock there (`busy_timeout` 30 s), never on the loop;
 - it never checkpoints (`wal_autocheckpoint = 0`): a checkpoint fsyncs. Every
   `CHECKPOINT_EVERY` fast commits a checkpoint runs on the worker thread (one at a time;
-  `_checkpoint` says how), so the WAL file stays bounded;
+  `_checkpoint_cycle` says how), so the WAL file stays bounded;
 - in WAL mode with `synchronous = NORMAL` a commit writes WAL frames to the page cache and
   does not fsync: that is what the loop may do, and the durability is the worker's (survives a
   killed process, as before).
