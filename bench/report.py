@@ -24,7 +24,7 @@ def build_result(cfg: ServeConfig, outcome: RunOutcome, scrapes: dict[str, Any] 
     recs = outcome.records
     slo = {"slo_ttft_ms": cfg.slo_ttft_ms, "slo_tpot_ms": cfg.slo_tpot_ms}
     result: dict[str, Any] = {
-        "date": datetime.datetime.fromtimestamp(outcome.started_at, datetime.timezone.utc).isoformat(),
+        "date": datetime.datetime.fromtimestamp(outcome.started_at, datetime.UTC).isoformat(),
         "label": cfg.label,
         "backend": "openai-chat" if cfg.chat else "openai",
         "base_url": cfg.base_url,

@@ -89,7 +89,7 @@ class Scraper:
                 if r.status != 200:
                     raise ValueError(f"HTTP {r.status}")
                 entry["samples"] = parse(await r.text())
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as e:
             entry["error"] = f"{type(e).__name__}: {e}"
         self.scrapes[url].append(entry)
 

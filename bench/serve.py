@@ -76,7 +76,7 @@ async def discover_model(session: aiohttp.ClientSession, cfg: ServeConfig) -> st
                 return None
             data = (await r.json()).get("data") or []
             return str(data[0]["id"]) if data else None
-    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError, TypeError, AttributeError):
+    except (TimeoutError, aiohttp.ClientError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 

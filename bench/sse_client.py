@@ -29,7 +29,7 @@ async def send(session: aiohttp.ClientSession, url: str, payload: dict[str, Any]
     rec.sent_s = start - run_start
     try:
         await asyncio.wait_for(_exchange(session, url, payload, headers, rec, start), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         rec.fail("timeout", f"no complete answer within {timeout:g} s")
     except aiohttp.ClientConnectorError as e:
         rec.fail("connection_error", str(e))

@@ -11,7 +11,6 @@ The caller owns the aiohttp session (one per process).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -83,7 +82,7 @@ class RouteClient:
                         retry = r.headers.get("Retry-After")
                         raise RouteError(r.status, err, float(retry) if retry and retry.isdigit() else None)
                     failures.append(f"{self.urls[i]}: HTTP {r.status}")
-            except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError) as e:
+            except (TimeoutError, aiohttp.ClientError, msgspec.DecodeError) as e:
                 failures.append(f"{self.urls[i]}: {type(e).__name__}: {e}")
             log.warning("coordinator %s failed (%s); trying the next replica", self.urls[i], failures[-1])
         raise CoordinatorUnavailable("no coordinator replica answered: " + "; ".join(failures))

@@ -40,7 +40,7 @@ class EtcdStore:
             return await asyncio.wait_for(coro, self.timeout + 1.0)
         except aetcd.ClientError as e:
             raise StoreError(f"etcd {self.url}: {type(e).__name__}: {e}") from e
-        except (OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, OSError) as e:
             raise StoreError(f"etcd {self.url}: {e!r}") from e
 
     async def get(self, key: str) -> KeyValue | None:

@@ -125,7 +125,7 @@ class Subscriber:
                     await asyncio.sleep(0.2)
                 last_resync = time.monotonic()
                 continue
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, msgspec.DecodeError) as e:
+            except (TimeoutError, aiohttp.ClientError, ValueError, msgspec.DecodeError) as e:
                 v.connected = False
                 reason = "reconnect"
                 if not failing:

@@ -37,17 +37,12 @@ at least one node can decode for every model, and the gateway port is a real por
 from __future__ import annotations
 
 import os
-import sys
+import tomllib
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from protocol.models import DEFAULT_MODEL
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 ROLES = ("prefill", "decode", "both")
 POOLS = ("shared", "interactive", "batch")

@@ -59,18 +59,13 @@ Invariant: a `GatewayConfig` is immutable once loaded; the CLI's flags override 
 from __future__ import annotations
 
 import os
-import sys
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
 from protocol.models import duet_home
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 ModelKind = Literal["cluster", "external"]
 Tier = Literal["interactive", "batch"]

@@ -220,7 +220,7 @@ class Transport(abc.ABC):
                 peer = await asyncio.wait_for(self._connect(md), limit)
             except TransferError:
                 raise
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise TransferTimeout(
                     f"connecting to peer {md.engine_id!r} timed out after {limit:g} s"
                 ) from None
@@ -338,7 +338,7 @@ class Transport(abc.ABC):
             self.metrics.record_failure("peer" if isinstance(e, PeerError) else "error")
             await self._drop(peer)
             raise
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self.metrics.record_failure("timeout")
             await self._drop(peer)
             raise TransferTimeout(
@@ -366,7 +366,7 @@ class Transport(abc.ABC):
             return await self._notifications.get()
         try:
             return await asyncio.wait_for(self._notifications.get(), timeout)
-        except asyncio.TimeoutError:  # a distinct class before Python 3.11
+        except TimeoutError:  # a distinct class before Python 3.11
             raise TimeoutError(f"no notification within {timeout:g} s") from None
 
     def drain_notifications(self) -> list[Notification]:

@@ -154,7 +154,7 @@ class CallbackSender:
             async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as r:
                 await r.read()
                 return 200 <= r.status < 300, f"HTTP {r.status}"
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
             return False, f"{type(e).__name__}: {e}"
 
     async def close(self) -> None:

@@ -19,7 +19,7 @@ async def until(cond, timeout: float, what: str) -> None:  # type: ignore[no-unt
 
     try:
         await asyncio.wait_for(poll(), timeout)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
 
 

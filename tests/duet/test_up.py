@@ -173,16 +173,12 @@ def test_cluster_toml_layout_and_cpu_plan() -> None:
 
 
 def test_gateway_toml_routes_through_the_coordinator_or_statically() -> None:
+    import tomllib
     from dataclasses import replace
 
     from duet.cmd_up import gateway_toml
     from duet.up_config import GatewaySection, UpConfig
     from gateway.config import parse_config
-
-    if sys.version_info >= (3, 11):
-        import tomllib
-    else:  # pragma: no cover
-        import tomli as tomllib
 
     cfg = UpConfig(model="/m/tiny")
     nodes = [("/m/tiny", "prefill", "http://127.0.0.1:1"), ("/m/tiny", "decode", "http://127.0.0.1:2")]

@@ -4,7 +4,7 @@ example loads as documented, and each mistake an operator can make is refused by
 from __future__ import annotations
 
 import re
-import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +12,6 @@ import pytest
 
 from gateway.config import ConfigError, TeamPolicy, parse_config, provider_table
 from gateway.providers import ProviderConfig
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 README = Path(__file__).parents[2] / "README.md"
 EXT = {"kind": "external", "provider": "openai", "base_url": "http://127.0.0.1:9/v1", "max_model_len": 1000}
