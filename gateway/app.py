@@ -215,8 +215,6 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     if view_life is not None:
         await view_life.__anext__()
     lag = LoopLag()
-    lag_life = lag.lifecycle()
-    await lag_life.__anext__()
     nodes = NodeClient(s.session, rc.connect_timeout_s, rc.prefill_timeout_s, rc.read_timeout_s, lag)
     router = _router(s, load, view)
     cluster = ClusterBackend(nodes, router, load, rc, on_retry=lambda k: s.metrics.retries.labels(kind=k).inc())
@@ -231,18 +229,18 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     writer = s.writer.lifecycle()
     await writer.__anext__()
     sweeper = asyncio.ensure_future(_sweep(s))
+    heartbeat = asyncio.ensure_future(lag.run())
     log.info("gateway serving %s; store %s", ", ".join(sorted(s.models)), cfg.store_url)
     try:
         yield
     finally:
         sweeper.cancel()
-        await asyncio.gather(sweeper, return_exceptions=True)
+        heartbeat.cancel()
+        await asyncio.gather(sweeper, heartbeat, return_exceptions=True)
         with contextlib.suppress(StopAsyncIteration):
             await writer.__anext__()
         await cluster.drain()
         await nodes.close()
-        with contextlib.suppress(StopAsyncIteration):
-            await lag_life.__anext__()
         if view_life is not None:
             with contextlib.suppress(StopAsyncIteration):
                 await view_life.__anext__()

@@ -13,10 +13,8 @@ Invariant: the heartbeat costs one timer every `INTERVAL_S`; nothing else runs u
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator
 
 #: the heartbeat's period
 INTERVAL_S = 0.05
@@ -42,7 +40,8 @@ class LoopLag:
             worst = max(worst, min(length, end - t))
         return worst
 
-    async def _run(self) -> None:
+    async def run(self) -> None:
+        """The heartbeat: run it as a task for as long as the loop serves (cancel it to stop)."""
         while True:
             self._beat = time.monotonic()
             await asyncio.sleep(INTERVAL_S)
@@ -50,12 +49,3 @@ class LoopLag:
             late = now - self._beat - INTERVAL_S
             if late >= MIN_STALL_S:
                 self._stalls.append((now, late))
-
-    async def lifecycle(self) -> AsyncIterator[None]:
-        task = asyncio.ensure_future(self._run())
-        try:
-            yield
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task

@@ -32,7 +32,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     (or above) that range are never given to an outgoing connection."""
     lo, hi = _ephemeral_range()
     pool = range(10_000, lo) if lo - 10_000 >= 1000 else range(hi + 1, 65_536)
-    rng = random.Random()
+    rng = random.Random()  # seeded afresh: processes forked from one parent draw different ports
     for _ in range(500):
         port = rng.choice(pool)
         if port in _HANDED:

@@ -37,8 +37,7 @@ def _node() -> web.Application:
 
 async def _lag() -> tuple[LoopLag, asyncio.Task[None]]:
     lag = LoopLag()
-    life = lag.lifecycle()
-    task = asyncio.ensure_future(life.__anext__())
+    task = asyncio.ensure_future(lag.run())
     await asyncio.sleep(INTERVAL_S * 2)
     return lag, task
 

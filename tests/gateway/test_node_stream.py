@@ -132,11 +132,16 @@ async def _wait(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped
             await asyncio.sleep(0.005)
 
 
-async def test_a_body_ending_after_done_keeps_its_connection(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
+async def _late_end_node(aiohttp_server) -> tuple[str, list[object], asyncio.Event]:  # type: ignore[no-untyped-def]
+    """A running `_late_end_server`: its URL, the peers it saw, the event that ends a body."""
     peers: list[object] = []
     end = asyncio.Event()
     server = await aiohttp_server(_late_end_server(peers, end))
-    url = str(server.make_url("")).rstrip("/")
+    return str(server.make_url("")).rstrip("/"), peers, end
+
+
+async def test_a_body_ending_after_done_keeps_its_connection(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
+    url, peers, end = await _late_end_node(aiohttp_server)
     async with aiohttp.ClientSession() as s:
         nc = NodeClient(s, 5.0, 5.0, 5.0)
         for _ in range(3):
@@ -150,10 +155,7 @@ async def test_a_body_ending_after_done_keeps_its_connection(aiohttp_server) -> 
 
 
 async def test_a_body_that_never_ends_loses_its_connection(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
-    peers: list[object] = []
-    end = asyncio.Event()
-    server = await aiohttp_server(_late_end_server(peers, end))
-    url = str(server.make_url("")).rstrip("/")
+    url, peers, end = await _late_end_node(aiohttp_server)
     async with aiohttp.ClientSession() as s:
         nc = NodeClient(s, 5.0, 5.0, 5.0)
         nc.drain_timeout_s = 0.05
