@@ -7,8 +7,10 @@ front of it (SQLite store in a temporary directory, one team and key), then:
    (auth, quota reservation, tokenization, routing, relay, usage record) and through a bare
    relay (bench.bare_relay: the same HTTP stack doing nothing but forwarding); p50/p99 of TTFT
    and latency for each, and per request the difference to the node's own (paired: request i
-   of each path ran back to back), and the CPU each process spent per request. Target: the
-   gateway's overhead p99 < 2 ms;
+   of each path ran back to back), the CPU each process spent per request, and each path's
+   share of requests more than 1 ms slower than its own median (`slow_share`: the machine's
+   stalls — when the node path, no gateway in it, has them too, a p99 measures the machine as
+   much as the gateway). Target: the gateway's overhead p99 < 2 ms;
 2. concurrency — `--streams` SSE streams through the gateway at once (each `--stream-tokens`
    tokens, `--token-delay` apart at the node, so they overlap); how many completed, errors,
    TTFT p50/p99, wall time and tokens/s.
@@ -43,6 +45,8 @@ from protocol.tokenizer import Tokenizer
 PROMPT = "Measure the gateway, not the model: "
 #: the issue's target for the gateway's overhead (p99, ms)
 TARGET_P99_MS = 2.0
+#: a request this much slower than its path's median counts as stalled (slow_share)
+SLOW_S = 0.001
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
@@ -77,6 +81,14 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 def _summary(xs: list[float]) -> dict[str, float | None]:
     return {"p50_ms": _ms(statistics.median(xs) if xs else None), "p99_ms": _ms(_pct(xs, 0.99))}
+
+
+def slow_share(xs: list[float], over_s: float = SLOW_S) -> float | None:
+    """The share of `xs` more than `over_s` above their own median."""
+    if not xs:
+        return None
+    limit = statistics.median(xs) + over_s
+    return round(sum(1 for x in xs if x > limit) / len(xs), 4)
 
 
 def _ms(x: float | None) -> float | None:
@@ -117,6 +129,7 @@ async def _overhead(node: str, gw: str, relay: str, key: str, ids: list[int],
     for metric in ("ttft", "latency"):
         direct = times["node"][metric]
         x: dict[str, Any] = {p: _summary(times[p][metric]) for p in paths}
+        x["slow_share"] = {p: slow_share(times[p][metric]) for p in paths}
         for p in ("gateway", "bare_relay"):
             # Request i's overhead is its own difference to node request i (they ran back to
             # back): percentiles of those differences, never a percentile minus a percentile.
@@ -301,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
               f"p99 {x['overhead_p99_ms']} ms (target < {TARGET_P99_MS} ms: "
               f"{'met' if o['meets_target'][name] else 'NOT met'}) | a bare relay's overhead p50 "
               f"{x['bare_relay_overhead_p50_ms']} ms p99 {x['bare_relay_overhead_p99_ms']} ms")  # fmt: skip
+        slow = ", ".join(f"{p} {v:.2%}" for p, v in x["slow_share"].items())
+        print(f"  {'':8s} requests over 1 ms slower than their path's median: {slow}")
     cpu = o["cpu_ms_per_request"]
     print(f"  CPU per request: gateway {cpu['gateway']} ms, bare relay {cpu['bare_relay']} ms")
     print(f"{c['streams']} concurrent streams: {c['completed']} completed, errors {c['errors']}, wall {c['wall_s']} s, "

@@ -15,6 +15,8 @@ from typing import Any
 
 import aiohttp
 
+from bench.sse_client import finish_body
+
 
 @dataclass
 class Result:
@@ -38,6 +40,7 @@ async def read_sse(resp: aiohttp.ClientResponse, result: Result, t0: float) -> R
             continue
         payload = line[6:]
         if payload == b"[DONE]":
+            await finish_body(resp)  # the connection goes back to the pool for the next request
             break
         chunk = json.loads(payload)
         if "error" in chunk:

@@ -20,6 +20,8 @@ import aiohttp
 from bench.records import RequestRecord
 
 _MAX_ERROR_BODY = 4096
+#: how long a server may take to end its body after `[DONE]` before its connection is given up
+END_TIMEOUT_S = 1.0
 
 
 async def send(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
@@ -27,8 +29,9 @@ async def send(session: aiohttp.ClientSession, url: str, payload: dict[str, Any]
                run_start: float) -> RequestRecord:  # fmt: skip
     start = time.perf_counter()
     rec.sent_s = start - run_start
+    end: float | None = None
     try:
-        await asyncio.wait_for(_exchange(session, url, payload, headers, rec, start), timeout)
+        end = await asyncio.wait_for(_exchange(session, url, payload, headers, rec, start), timeout)
     except TimeoutError:
         rec.fail("timeout", f"no complete answer within {timeout:g} s")
     except aiohttp.ClientConnectorError as e:
@@ -42,16 +45,18 @@ async def send(session: aiohttp.ClientSession, url: str, payload: dict[str, Any]
         rec.fail("client_error", f"{type(e).__name__}: {e}")
     except Exception as e:  # one odd answer must not end the run (the invariant above)
         rec.fail("client_error", f"{type(e).__name__}: {e}")
-    rec.e2el_s = time.perf_counter() - start
+    rec.e2el_s = (end or time.perf_counter()) - start
     return rec
 
 
 async def _exchange(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
-                    headers: dict[str, str], rec: RequestRecord, start: float) -> None:  # fmt: skip
+                    headers: dict[str, str], rec: RequestRecord, start: float) -> float | None:  # fmt: skip
+    """Fills `rec`; returns when `[DONE]` arrived (the request's end), if it did."""
+    end = None
     async with session.post(url, json=payload, headers=headers, allow_redirects=False) as resp:
         if resp.status != 200:
             rec.fail(f"http_{resp.status}", await _error_message(resp))
-            return
+            return None
         if resp.content_type != "text/event-stream":
             raise ValueError(f"expected an SSE stream (text/event-stream), got {resp.content_type or 'no type'}")
         done = False
@@ -69,12 +74,14 @@ async def _exchange(session: aiohttp.ClientSession, url: str, payload: dict[str,
             data = line[5:].strip()
             if data == "[DONE]":
                 done = True
+                end = time.perf_counter()
+                await finish_body(resp)
                 break
             chunk = json.loads(data)
             if event == "error" or (isinstance(chunk, dict) and "error" in chunk):
                 err = chunk.get("error", chunk) if isinstance(chunk, dict) else chunk
                 rec.fail("sse_error", _message_of(err))
-                return
+                return None
             if not isinstance(chunk, dict):
                 raise ValueError(f"an SSE data line is not a JSON object: {data[:100]}")
             _take_chunk(chunk, rec, time.perf_counter() - start)
@@ -86,6 +93,21 @@ async def _exchange(session: aiohttp.ClientSession, url: str, payload: dict[str,
         rec.ok = True
         if not rec.usage_tokens:
             rec.output_tokens = sum(rec.chunk_tokens)
+    return end
+
+
+async def finish_body(resp: aiohttp.ClientResponse) -> None:
+    """Read past `[DONE]` to the body's end, as the official openai client's async streams do, so the
+    connection goes back to the pool. A server may end its body in a later write than `[DONE]`
+    (vLLM's can); releasing the response before that end closes the connection, and the next
+    request would pay a new one inside its TTFT. A server that does not end the body within
+    END_TIMEOUT_S loses the connection; the answer was whole all the same."""
+    try:
+        async with asyncio.timeout(END_TIMEOUT_S):
+            while await resp.content.readany():
+                pass  # nothing is expected after [DONE]; whatever comes is not part of the answer
+    except (TimeoutError, aiohttp.ClientError):
+        pass
 
 
 def _take_chunk(chunk: dict[str, Any], rec: RequestRecord, now: float) -> None:

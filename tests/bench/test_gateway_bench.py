@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.gateway import slow_share
+
 
 def test_gateway_bench_prints_json(tiny_llama: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "bench.gateway", "--json", "--tokenizer", str(tiny_llama),
@@ -19,6 +21,8 @@ def test_gateway_bench_prints_json(tiny_llama: Path) -> None:
         assert x["node"]["p50_ms"] > 0 and x["gateway"]["p50_ms"] > 0 and x["bare_relay"]["p50_ms"] > 0
         assert "overhead_p99_ms" in x and "bare_relay_overhead_p99_ms" in x
         assert isinstance(out["overhead"]["meets_target"][name], bool)
+        assert set(x["slow_share"]) == {"node", "gateway", "bare_relay"}
+        assert all(0 <= v <= 1 for v in x["slow_share"].values())
     assert set(out["overhead"]["cpu_ms_per_request"]) == {"gateway", "bare_relay"}
     assert all(v >= 0 for v in out["overhead"]["cpu_ms_per_request"].values())
     c = out["concurrency"]
@@ -39,3 +43,10 @@ def test_gateway_bench_on_postgres(tiny_llama: Path) -> None:
     assert out["config"]["store"] == "postgres" and out["concurrency"]["completed"] == 5
     # the echo node's wait is in both paths' time to first token
     assert out["overhead"]["ttft"]["node"]["p50_ms"] >= 10 and out["overhead"]["ttft"]["gateway"]["p50_ms"] >= 10
+
+
+def test_slow_share_counts_requests_over_their_own_median() -> None:
+    xs = [0.001] * 96 + [0.0019, 0.0021, 0.005, 0.009]  # median 1 ms: three more than 1 ms over it
+    assert slow_share(xs) == 0.03
+    assert slow_share(xs, over_s=0.005) == 0.01
+    assert slow_share([]) is None

@@ -4,6 +4,7 @@ gives each kind of failure, without ever raising."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -109,3 +110,44 @@ async def test_malformed_streams(aiohttp_server: Server) -> None:
     assert (await one(server, path="/redirect")).cause == "http_302"  # never followed
     r = await one(server, path="/not-streamed")
     assert r.cause == "bad_response" and "text/event-stream" in r.message
+
+
+def _late_end_app(peers: list[object], end_after_s: float | None) -> web.Application:
+    """A server that ends its body `end_after_s` after `[DONE]`, in a send of its own (as vLLM's
+    server may: the two arrive in separate reads), or never (None); notes each request's peer."""
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        peers.append(request.transport.get_extra_info("peername") if request.transport else None)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"index": 0, "text": " a"}]}\n\ndata: [DONE]\n\n')
+        if end_after_s is None:
+            await asyncio.Event().wait()  # a broken server: the body never ends
+        await asyncio.sleep(end_after_s)  # the server's behaviour under test, not a wait for the client
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    return app
+
+
+async def test_a_body_ending_after_done_keeps_the_connection(aiohttp_server: Server) -> None:
+    # A client that stops reading at [DONE] releases the response mid-body, and aiohttp closes
+    # the connection: against such a server every request paid a new one inside its TTFT.
+    peers: list[object] = []
+    server = await aiohttp_server(_late_end_app(peers, 0.02))
+    async with aiohttp.ClientSession() as s:
+        for _ in range(3):
+            rec = RequestRecord(index=0, prompt_len=3, max_tokens=4, scheduled_s=0.0)
+            r = await send(s, str(server.make_url("/v1/completions")), BODY, {}, rec, 10.0, time.perf_counter())
+            assert r.ok and r.output_tokens == 1
+    assert len(peers) == 3 and len(set(peers)) == 1, peers  # before: three connections
+
+
+async def test_a_body_that_never_ends_after_done_still_completes(aiohttp_server: Server) -> None:
+    peers: list[object] = []
+    server = await aiohttp_server(_late_end_app(peers, None))
+    r = await one(server, timeout=30.0)
+    assert r.ok and r.output_tokens == 1  # the answer was whole: only its connection is given up
