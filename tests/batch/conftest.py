@@ -3,7 +3,6 @@ in-process, official openai clients for two teams, and request-file builders."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -51,15 +50,6 @@ def jsonl(lines: list[dict[str, Any]]) -> bytes:
 
 def client(url: str, key: str = "key-a") -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=30)
-
-
-async def wait_for(cond: Callable[[], Awaitable[bool]], timeout: float = 60.0,
-                   what: str = "condition") -> None:  # fmt: skip
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not await cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 @pytest.fixture

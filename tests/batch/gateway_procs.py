@@ -11,9 +11,10 @@ from typing import Any
 
 import openai
 
-from tests.batch.conftest import client, jsonl, wait_for
+from tests.batch.conftest import client, jsonl
 from tests.gateway.helpers import MODEL, gateway_proc, tiny_model
 from tests.procs import Proc
+from tests.wait import until
 
 #: fraction off in the tests: not 0.5, so "fraction off" and "price factor" cannot be confused
 DISCOUNT = 0.25
@@ -52,7 +53,7 @@ async def wait_done(url: str, key: str, batch_id: str, timeout: float = 300) -> 
         async def done() -> bool:
             return (await c.batches.retrieve(batch_id)).status in ("completed", "failed", "expired", "cancelled")
 
-        await wait_for(done, timeout=timeout, what=f"batch {batch_id} done")
+        await until(done, timeout=timeout, what=f"batch {batch_id} done")
         return await c.batches.retrieve(batch_id)
 
 
@@ -69,7 +70,7 @@ async def completed_at_least(url: str, key: str, batch_id: str, n: int) -> None:
         async def enough() -> bool:
             return (await c.batches.retrieve(batch_id)).request_counts.completed >= n
 
-        await wait_for(enough, timeout=120, what=f"{n} lines done")
+        await until(enough, timeout=120, what=f"{n} lines done")
 
 
 def usage_records(store: Path, team: str) -> list[dict[str, Any]]:

@@ -18,9 +18,10 @@ from gateway.batch import BatchConfig, verify_signature
 from gateway.batch.runner import BatchRunner
 from gateway.batch.store import SqliteBatchStore
 from tests.batch.app import EXECUTOR, RUNNER, make_app
-from tests.batch.conftest import chat_lines, client, jsonl, wait_for
+from tests.batch.conftest import chat_lines, client, jsonl
 from tests.batch.node_executor import NodeExecutor
 from tests.procs import Proc, free_port
+from tests.wait import until
 
 
 def cfg(tmp_path: Path, **kw: Any) -> BatchConfig:
@@ -49,7 +50,7 @@ async def test_openai_client_batch_matches_one_by_one(node: Proc, model_name: st
                                    completion_window="24h", metadata={"job": "nightly"})  # fmt: skip
         assert b.status == "in_progress" and b.request_counts.total == 50
         assert b.expires_at - b.created_at == 86_400
-        await wait_for(lambda: _is(c, b.id, "completed"), what="batch completed")
+        await until(lambda: _is(c, b.id, "completed"), what="batch completed")
         b = await c.batches.retrieve(b.id)
         assert b.request_counts.completed == 50 and b.request_counts.failed == 0
         assert b.finalizing_at and b.completed_at and b.in_progress_at
@@ -100,13 +101,13 @@ async def test_cancel_keeps_partial_results(node: Proc, model_name: str, tiny_ll
                 return True
             return False
 
-        await wait_for(three_done, what="3 requests done")
-        await wait_for(lambda: _idle(app), what="in-flight requests to finish")
+        await until(three_done, what="3 requests done")
+        await until(lambda: _idle(app), what="in-flight requests to finish")
         done = (await _counts(c, b.id)).completed
         assert 3 <= done < 20
         cancelling = await c.batches.cancel(b.id)
         assert cancelling.status in ("cancelling", "cancelled")
-        await wait_for(lambda: _is(c, b.id, "cancelled"), what="cancelled")
+        await until(lambda: _is(c, b.id, "cancelled"), what="cancelled")
         b = await c.batches.retrieve(b.id)
         assert b.cancelled_at and b.request_counts.completed == done
         out = parse_jsonl(await (await c.files.content(b.output_file_id)).aread())
@@ -146,8 +147,8 @@ async def test_expiry_keeps_partial_results(node: Proc, model_name: str, tiny_ll
                 return True
             return False
 
-        await wait_for(two_done, what="2 requests done")
-        await wait_for(lambda: _is(c, b.id, "expired"), what="expired")
+        await until(two_done, what="2 requests done")
+        await until(lambda: _is(c, b.id, "expired"), what="expired")
         b = await c.batches.retrieve(b.id)
         done = b.request_counts.completed
         assert 2 <= done < 10 and b.expired_at and b.expired_at >= b.expires_at
@@ -173,10 +174,10 @@ async def test_retries_after_the_node_is_lost(node: Proc, model_name: str, tiny_
 
         async def retried() -> bool:
             return len(ex.calls) >= 8
-        await wait_for(retried, what="failed attempts")
+        await until(retried, what="failed attempts")
         assert (await _counts(c, b.id)).completed == 0
         ex.node_url = node.url
-        await wait_for(lambda: _is(c, b.id, "completed"), what="completed")
+        await until(lambda: _is(c, b.id, "completed"), what="completed")
         b = await c.batches.retrieve(b.id)
         assert b.request_counts.completed == 6 and b.error_file_id is None
         out = parse_jsonl(await (await c.files.content(b.output_file_id)).aread())
@@ -194,7 +195,7 @@ async def test_failures_are_recorded_after_max_attempts_or_at_once(
         f = await c.files.create(file=("in.jsonl", jsonl(chat_lines(2, model_name))), purpose="batch")
         b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                    completion_window="24h")  # fmt: skip
-        await wait_for(lambda: _is(c, b.id, "completed"), what="completed")
+        await until(lambda: _is(c, b.id, "completed"), what="completed")
         b = await c.batches.retrieve(b.id)
         assert b.request_counts.failed == 2 and b.output_file_id is None
         err = parse_jsonl(await (await c.files.content(b.error_file_id)).aread())
@@ -208,7 +209,7 @@ async def test_failures_are_recorded_after_max_attempts_or_at_once(
         f = await c.files.create(file=("in2.jsonl", jsonl(lines)), purpose="batch")
         b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                    completion_window="24h")  # fmt: skip
-        await wait_for(lambda: _is(c, b.id, "completed"), what="completed")
+        await until(lambda: _is(c, b.id, "completed"), what="completed")
         b = await c.batches.retrieve(b.id)
         assert b.request_counts.failed == 1 and len(ex.calls) == 7
         [e] = parse_jsonl(await (await c.files.content(b.error_file_id)).aread())
@@ -233,7 +234,7 @@ async def test_two_runners_share_a_store_without_running_anything_twice(
                 f = await c.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
                 b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                            completion_window="24h")  # fmt: skip
-                await wait_for(lambda: _is(c, b.id, "completed"), what="completed")
+                await until(lambda: _is(c, b.id, "completed"), what="completed")
                 out = parse_jsonl(await (await c.files.content((await c.batches.retrieve(b.id)).output_file_id)).aread())
         finally:
             await runner2.stop()
@@ -271,7 +272,7 @@ async def test_callback_is_signed_and_retried(node: Proc, model_name: str, tiny_
 
         async def delivered() -> bool:
             return len(received) >= 2
-        await wait_for(delivered, what="callback delivered after a failure")
+        await until(delivered, what="callback delivered after a failure")
         async with s.get(url + f"/v1/batch/{created['batch_id']}") as r:
             st = await r.json()
     assert [ok for *_, ok in received] == [True, True]

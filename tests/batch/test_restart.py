@@ -9,8 +9,9 @@ import sqlite3
 import sys
 from pathlib import Path
 
-from tests.batch.conftest import chat_lines, client, jsonl, wait_for
+from tests.batch.conftest import chat_lines, client, jsonl
 from tests.procs import Proc, free_port, running
+from tests.wait import until
 
 
 def batch_server(tmp: Path, node_url: str, model_dir: Path, worker: str) -> Proc:
@@ -41,7 +42,7 @@ async def test_sigkill_mid_batch_then_resume(node: Proc, model_name: str, tiny_l
             async def some_done() -> bool:
                 return (await c.batches.retrieve(b.id)).request_counts.completed >= 3
 
-            await wait_for(some_done, what="3 requests done")
+            await until(some_done, what="3 requests done")
             first.kill()  # SIGKILL: no shutdown code runs, claims stay in the store
     before = finished_rows(tmp_path / "batch.sqlite3", b.id)
     assert 3 <= len(before) < 50, "the batch must be cut mid-way for this test to mean anything"
@@ -52,7 +53,7 @@ async def test_sigkill_mid_batch_then_resume(node: Proc, model_name: str, tiny_l
             async def completed() -> bool:
                 return (await c.batches.retrieve(b.id)).status == "completed"
 
-            await wait_for(completed, timeout=120, what="batch completed after restart")
+            await until(completed, timeout=120, what="batch completed after restart")
             b = await c.batches.retrieve(b.id)
             out = [json.loads(x) for x in (await (await c.files.content(b.output_file_id)).aread()).splitlines()]
     assert b.request_counts.completed == 50 and b.error_file_id is None

@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -17,6 +16,7 @@ import pytest
 
 from coordinator.etcd_server import EtcdServer
 from tests.procs import Proc, duet_node, free_port
+from tests.wait import wait_for
 
 NODE_ARGS = ("--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024", "--transport", "tcp")
 T = TypeVar("T")
@@ -59,18 +59,6 @@ def get(url: str) -> Any:
     status, body = http("GET", url)
     assert status == 200, (url, status, body)
     return body
-
-
-def wait_for(cond: Callable[[], T], timeout: float, what: str) -> T:
-    """Poll `cond` until it returns something truthy; fail with `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = cond()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.1)  # polling interval of the condition, not a race cover-up
 
 
 def cluster_node(coord_url: str, node_id: str) -> dict[str, Any] | None:

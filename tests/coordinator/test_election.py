@@ -10,17 +10,7 @@ from coordinator.election import Election
 from coordinator.etcd_server import EtcdServer
 from coordinator.etcd_store import EtcdStore
 from protocol.cluster import leader_key
-
-
-async def until(cond, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    async def poll() -> None:
-        while not cond():
-            await asyncio.sleep(0.05)  # polling interval of the condition
-
-    try:
-        await asyncio.wait_for(poll(), timeout)
-    except TimeoutError:
-        raise AssertionError(f"timed out after {timeout}s waiting for {what}") from None
+from tests.wait import until
 
 
 async def test_single_leader_and_takeover_of_own_key(etcd: EtcdServer) -> None:

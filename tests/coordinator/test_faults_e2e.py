@@ -29,10 +29,10 @@ from tests.coordinator.conftest import (
     metric,
     node,
     node_id_of,
-    wait_for,
     wait_ready,
 )
 from tests.procs import running
+from tests.wait import wait_for
 
 
 def short_route(model: str) -> dict:

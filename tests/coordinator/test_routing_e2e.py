@@ -19,10 +19,10 @@ from tests.coordinator.conftest import (
     metric,
     node,
     node_id_of,
-    wait_for,
     wait_ready,
 )
 from tests.procs import running
+from tests.wait import wait_for
 
 
 def tokens(seed: int, n: int) -> list[int]:

@@ -7,7 +7,8 @@ import subprocess
 from pathlib import Path
 
 from coordinator.etcd_server import EtcdServer
-from tests.coordinator.conftest import coordinator, get, wait_for
+from tests.coordinator.conftest import coordinator, get
+from tests.wait import wait_for
 
 
 def test_sigterm_with_etcd_gone_exits(etcd: EtcdServer, tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from engine.kv_manager import KVCacheManager
 from engine.request import Request, Status
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
+from tests.wait import until
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -40,14 +41,6 @@ async def engine(tiny_llama: Path):
 async def collect(e: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams = GREEDY):
     stream = await e.add_request(rid, prompt, params)
     return [o async for o in stream]
-
-
-async def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not await cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 async def num_free(e: AsyncEngine) -> int:
@@ -120,7 +113,7 @@ async def test_engine_death_is_reported_not_hidden(tiny_llama: Path) -> None:
         with pytest.raises(EngineDeadError):
             async for _ in stream:
                 pass
-        await wait_until(lambda: asyncio.sleep(0, bool(dead)), what="on_dead")
+        await until(lambda: asyncio.sleep(0, bool(dead)), what="on_dead")
         assert isinstance(dead[0], RuntimeError) and e.dead is not None
         with pytest.raises(EngineDeadError):
             await e.add_request("t", [5], GREEDY)
@@ -134,7 +127,7 @@ async def test_hold_expires_on_the_engine_thread(engine: AsyncEngine) -> None:
     outs = await collect_held(engine, "p", 0.3)
     assert len(outs[-1].held_block_ids) == 3 and await num_free(engine) == 125
     # Nothing but the engine itself frees them: no lease manager, no command.
-    await wait_until(lambda: engine.call(lambda core: core.pool.num_free == 128), what="hold expiry")
+    await until(lambda: engine.call(lambda core: core.pool.num_free == 128), what="hold expiry")
     assert await engine.call(lambda core: core.held_blocks("p")) is None
 
 
@@ -166,7 +159,7 @@ async def test_stuck_queue_does_not_spin(engine: AsyncEngine) -> None:
         s = await engine.add_request(f"big{i}", [10 + i] * 1000, SamplingParams(max_tokens=1), hold_blocks=True)
         [o async for o in s]
     stuck = await engine.add_request("stuck", [5] * 320, GREEDY)
-    await wait_until(lambda: asyncio.sleep(0, engine.stats()["num_requests_waiting"] == 1), what="waiting")
+    await until(lambda: asyncio.sleep(0, engine.stats()["num_requests_waiting"] == 1), what="waiting")
     tid = engine.thread_id
     assert tid is not None
     cpu0, wall0 = thread_cpu_seconds(tid), time.monotonic()
@@ -296,7 +289,7 @@ async def test_release_answers_while_a_step_runs(engine: AsyncEngine) -> None:
         go.set()
         await blocked
     assert n == 3
-    await wait_until(lambda: engine.call(lambda core: core.pool.num_free == 128), what="blocks freed")
+    await until(lambda: engine.call(lambda core: core.pool.num_free == 128), what="blocks freed")
     assert await engine.release_held("p") is None  # released once
 
 

@@ -10,7 +10,6 @@ no KV blocks stay held on the surviving nodes:
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from protocol.tokenizer import Tokenizer
 from tests.gateway.faults import KillRelay, Mode
 from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, metric, tiny_model
 from tests.procs import Proc, duet_node, running
+from tests.wait import until
 
 COMMON = ("--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024")
 PROMPT = "a prompt long enough to fill a few KV blocks: " + "lorem ipsum " * 12
@@ -60,14 +60,6 @@ async def reference(node: Proc, tiny_llama: Path) -> str:
     return r.text
 
 
-async def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 def nothing_held(*nodes: Proc) -> bool:
     return all(metric(n.url, "duet:num_requests_held") == 0 and metric(n.url, "duet:num_requests_running") == 0
                and metric(n.url, "duet:kv_cache_usage_perc") == 0 for n in nodes)  # fmt: skip
@@ -100,7 +92,7 @@ async def test_prefill_dead_before_leg(tmp: Path, tiny_llama: Path) -> None:
             assert metric(g.url, "duet:gateway_retries_total") >= 1
             p2.kill()
             assert await ask(g, key) == want  # no P left: D prefilled locally
-            await wait_for(lambda: nothing_held(d), what="D to hold nothing")
+            await until(lambda: nothing_held(d), what="D to hold nothing")
 
 
 async def test_prefill_killed_after_leg(tmp: Path, tiny_llama: Path, relays: list[KillRelay]) -> None:
@@ -113,7 +105,7 @@ async def test_prefill_killed_after_leg(tmp: Path, tiny_llama: Path, relays: lis
             key = make_team(g.url, "f")
             assert await ask(g, key) == want  # D's pull failed; D recomputed the prompt
             assert r.killed
-            await wait_for(lambda: nothing_held(d), what="D to hold nothing")
+            await until(lambda: nothing_held(d), what="D to hold nothing")
 
 
 async def test_decode_killed_before_first_token(tmp: Path, tiny_llama: Path, relays: list[KillRelay]) -> None:
@@ -127,7 +119,7 @@ async def test_decode_killed_before_first_token(tmp: Path, tiny_llama: Path, rel
             assert await ask(g, key) == want  # D1 died: the gateway went to D2
             assert r.killed
             # the first try's prefill blocks were released on P (abort), the second try's by D2
-            await wait_for(lambda: nothing_held(p, d2), what="P and D2 to hold nothing")
+            await until(lambda: nothing_held(p, d2), what="P and D2 to hold nothing")
             records = http(g.url + "/v1/usage?group_by=model", key=key)[2]["data"]
             assert records[0]["requests"] == 1
 
@@ -146,8 +138,8 @@ async def test_decode_killed_mid_stream(tmp: Path, tiny_llama: Path, relays: lis
                 async for chunk in stream:
                     got.append(chunk.choices[0].text)
             assert got and r.killed
-            await wait_for(lambda: nothing_held(p), what="P to hold nothing")
-            await wait_for(lambda: metric(g.url, "duet:gateway_requests_total") >= 1, what="the record")
+            await until(lambda: nothing_held(p), what="P to hold nothing")
+            await until(lambda: metric(g.url, "duet:gateway_requests_total") >= 1, what="the record")
             rows = _records(g, key)
             assert [x["status"] for x in rows] == ["error_midstream"]
             assert 1 <= rows[0]["completion_tokens"] < 200
@@ -168,9 +160,9 @@ async def test_client_disconnect_aborts_on_nodes(tmp: Path, tiny_llama: Path) ->
                     if line.startswith(b"data: "):
                         break  # the first token is out: now leave
                 resp.close()
-            await wait_for(lambda: nothing_held(p, d), what="the nodes to drop the request")
+            await until(lambda: nothing_held(p, d), what="the nodes to drop the request")
             try:
-                await wait_for(lambda: bool(_records(g, key)), what="the usage record")
+                await until(lambda: bool(_records(g, key)), what="the usage record")
             except AssertionError:
                 print(g.log()[-5000:])
                 raise

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from gateway import node_sse
 from gateway.node_client import NodeClient, NodeFailure
 from gateway.node_sse import DataLines
+from tests.wait import until
 
 
 def _event(i: int) -> bytes:
@@ -126,12 +127,6 @@ def _late_end_server(peers: list[object], end: asyncio.Event) -> web.Application
     return app
 
 
-async def _wait(cond, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
-    async with asyncio.timeout(timeout):
-        while not cond():
-            await asyncio.sleep(0.005)
-
-
 async def _late_end_node(aiohttp_server) -> tuple[str, list[object], asyncio.Event]:  # type: ignore[no-untyped-def]
     """A running `_late_end_server`: its URL, the peers it saw, the event that ends a body."""
     peers: list[object] = []
@@ -149,7 +144,7 @@ async def test_a_body_ending_after_done_keeps_its_connection(aiohttp_server) -> 
             assert texts == [" t0"]  # the stream is over for the caller before the body ends
             assert nc.draining == 1
             end.set()  # now the body's end arrives, in a later read than [DONE]
-            await _wait(lambda: nc.draining == 0)
+            await until(lambda: nc.draining == 0)
     # every request went over the first connection (before: each release mid-body closed it)
     assert len(peers) == 3 and len(set(peers)) == 1, peers
 
@@ -160,7 +155,7 @@ async def test_a_body_that_never_ends_loses_its_connection(aiohttp_server) -> No
         nc = NodeClient(s, 5.0, 5.0, 5.0)
         nc.drain_timeout_s = 0.05
         assert [c.choices[0].text async for c, _ in nc.stream(url, "r1", {"prompt": [1]})] == [" t0"]
-        await _wait(lambda: nc.draining == 0)  # gave up: the connection was closed, not pooled
+        await until(lambda: nc.draining == 0)  # gave up: the connection was closed, not pooled
         end.set()
         assert [c.choices[0].text async for c, _ in nc.stream(url, "r2", {"prompt": [1]})] == [" t0"]
         assert len(set(peers)) == 2  # the second request needed a new connection

@@ -20,9 +20,8 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from tests.gateway.conftest import COMMON
 from tests.gateway.helpers import gateway_proc, http, make_team, tiny_model
 from tests.procs import Proc, duet_node, free_port, running
 from tests.providers.fakes import API_KEY, FakeProvider, Fault
+from tests.wait import wait_for
 
 GPT = {"in": 5.0, "out": 10.0}
 CLAUDE = {"in": 20.0, "out": 40.0}
@@ -144,14 +144,6 @@ def fallbacks(env: Env, frm: str, to: str, reason: str) -> float:
 
 def breaker(env: Env, provider: str) -> float:
     return sample(env.gw.url, "duet:provider_breaker_state", provider=provider)
-
-
-def wait_for(cond: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} not reached within {timeout}s")
-        time.sleep(0.05)  # polling interval of a condition wait, not a race cover-up
 
 
 def record(env: Env, request_id: str) -> dict[str, Any]:

@@ -14,19 +14,13 @@ from gateway.metrics import GatewayMetrics
 from gateway.tiers import Admission, Shed
 from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, metric, tiny_model
 from tests.procs import duet_node, running
+from tests.wait import until
 
 
 def admission(**kw: object) -> Admission:
     cfg = TierConfig(**{"max_inflight": 1, "interactive_queue": 2, "batch_queue": 1, "interactive_max_wait_s": 5.0,
                         "batch_max_wait_s": 5.0, **kw})  # type: ignore[arg-type]  # fmt: skip
     return Admission(cfg, GatewayMetrics())
-
-
-async def until(cond, timeout: float = 5.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, "condition not reached"
-        await asyncio.sleep(0.005)
 
 
 async def _hold(a: Admission, tier: str, order: list[str], name: str, release: asyncio.Event) -> None:

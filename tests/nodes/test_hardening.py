@@ -21,6 +21,7 @@ from aiohttp import web
 from bench.pd_client import completion, disaggregated, prefill_leg
 from engine import LLM, SamplingParams
 from tests.procs import Proc, duet_node, free_port, running
+from tests.wait import until
 
 GREEDY = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
 
@@ -30,14 +31,6 @@ def metric(node: Proc, name: str, labels: str = "") -> float:
     m = re.search(rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$", text, re.M)
     assert m, f"{name}{{{labels}}} not in /metrics"
     return float(m.group(1))
-
-
-async def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def expected(tiny_llama: Path, prompt: list[int], **params: Any) -> list[int]:
@@ -176,7 +169,7 @@ async def test_hostile_input_gets_4xx_and_the_nodes_keep_serving(
         r = await disaggregated(s, p.url, d.url, [4] * 40, GREEDY)
         assert r.error is None and r.token_ids == expected(tiny_llama, [4] * 40)
     for name, node in nodes.items():
-        await wait_for(lambda n=node, k=name: metric(n, "duet:kv_cache_usage_perc") == idle[k], 10, f"{name} idle")
+        await until(lambda n=node, k=name: metric(n, "duet:kv_cache_usage_perc") == idle[k], 10, f"{name} idle")
 
 
 async def test_tiny_temperature_does_not_kill_the_node(pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path) -> None:
@@ -205,7 +198,7 @@ async def test_decode_400_releases_the_prefill_blocks(pd_nodes: tuple[Proc, Proc
         r = await completion(s, d.url, [12] * 40, GREEDY, "bad-tail-1", bad)
         assert r.error is not None and "covers 41 tokens" in r.error["message"]
     # ...and P's blocks are not pinned until the lease ends.
-    await wait_for(lambda: metric(p, "duet:num_requests_held") == held, 10, "release on P")
+    await until(lambda: metric(p, "duet:num_requests_held") == held, 10, "release on P")
 
 
 async def test_abort_frees_a_held_prefill(pd_nodes: tuple[Proc, Proc, Proc]) -> None:
@@ -218,7 +211,7 @@ async def test_abort_frees_a_held_prefill(pd_nodes: tuple[Proc, Proc, Proc]) -> 
             assert r.status == 200 and (await r.json())["aborted"] is True
         async with s.post(p.url + "/kv/release", json={"request_id": "abort-held-1"}) as r:
             assert r.status == 404  # nothing held any more: the release says so
-    await wait_for(lambda: metric(p, "duet:kv_cache_usage_perc") == idle, 10, "blocks freed")
+    await until(lambda: metric(p, "duet:kv_cache_usage_perc") == idle, 10, "blocks freed")
 
 
 # -- trusted addresses ---------------------------------------------------------------------------
@@ -298,7 +291,7 @@ async def test_full_node_answers_503_with_retry_after(tiny_llama: Path, tmp_path
             for i in range(2):  # two held prefills pin the whole pool (2 x 32 blocks)
                 await prefill_leg(s, node.url, [20 + i] * 500, GREEDY, f"pin-{i}")
             waiting = asyncio.ensure_future(completion(s, node.url, [5] * 300, GREEDY))
-            await wait_for(lambda: metric(node, "duet:num_requests_waiting") == 1, 20, "a waiting request")
+            await until(lambda: metric(node, "duet:num_requests_waiting") == 1, 20, "a waiting request")
             async with s.post(node.url + "/v1/completions", json={"prompt": [6] * 10, **GREEDY}) as r:
                 assert r.status == 503 and r.headers["Retry-After"] == "1"
                 assert (await r.json())["error"]["code"] == "overloaded"
@@ -311,7 +304,7 @@ async def test_full_node_answers_503_with_retry_after(tiny_llama: Path, tmp_path
             assert result.error is None and len(result.token_ids) == 6
             async with s.post(node.url + "/v1/completions", json={"prompt": "x" * (2 << 20)}) as r:
                 assert r.status == 413 and "context" in (await r.json())["error"]["message"]
-        await wait_for(lambda: metric(node, "duet:kv_cache_usage_perc") == idle, 10, "idle")
+        await until(lambda: metric(node, "duet:kv_cache_usage_perc") == idle, 10, "idle")
 
 
 async def test_reservation_timeout_is_503_not_a_hang(tiny_llama: Path, tmp_path: Path) -> None:
@@ -328,11 +321,11 @@ async def test_reservation_timeout_is_503_not_a_hang(tiny_llama: Path, tmp_path:
                 assert r.status == 503 and r.headers["Retry-After"] == "1"
                 assert "reserve KV blocks" in (await r.json())["error"]["message"]
             # The waiting request was dropped (stats are a snapshot of the engine's next step).
-            await wait_for(lambda: metric(node, "duet:num_requests_waiting") == 0, 10, "no waiting request")
+            await until(lambda: metric(node, "duet:num_requests_waiting") == 0, 10, "no waiting request")
             for rid in ("small", "pin-0", "pin-1"):
                 async with s.post(node.url + "/abort", json={"request_id": rid}) as a:
                     assert a.status == 200
-        await wait_for(lambda: metric(node, "duet:kv_cache_usage_perc") == idle, 10, "idle")
+        await until(lambda: metric(node, "duet:kv_cache_usage_perc") == idle, 10, "idle")
 
 
 def test_nodes_listen_with_a_backlog_for_a_gateways_burst(pd_nodes: tuple[Proc, Proc, Proc]) -> None:

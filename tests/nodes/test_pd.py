@@ -16,6 +16,7 @@ from bench.pd_client import completion, disaggregated, prefill_leg
 from engine import LLM, SamplingParams
 from tests.nodes.transfer_checks import PullCheck
 from tests.procs import Proc, duet_node, running
+from tests.wait import until
 
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
@@ -25,14 +26,6 @@ def metric(node: Proc, name: str) -> float:
     m = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
     assert m, f"{name} not in /metrics"
     return float(m.group(1))
-
-
-async def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
@@ -158,7 +151,7 @@ async def test_lease_expiry_frees_prefill_blocks_and_decode_recomputes(tiny_llam
             pre = await prefill_leg(s, p.url, prompt, GREEDY, "lease-1")
             assert metric(p, "duet:kv_cache_usage_perc") > idle
             assert metric(p, "duet:num_requests_held") == 1
-            await wait_for(lambda: metric(p, "duet:kv_cache_usage_perc") == idle, 20, "lease expiry")
+            await until(lambda: metric(p, "duet:kv_cache_usage_perc") == idle, 20, "lease expiry")
             assert metric(p, "duet:num_requests_held") == 0
             # Too late to pull: D notices (P no longer holds the blocks) and recomputes.
             r = await completion(s, d.url, prompt, GREEDY, "lease-1", pre["kv_transfer_params"])
@@ -182,8 +175,8 @@ async def test_abort_mid_stream_frees_decode_blocks(pd_nodes: tuple[Proc, Proc, 
                 break
         assert metric(d, "duet:num_requests_running") == 1
         r.close()  # the client goes away mid-stream
-    await wait_for(lambda: metric(d, "duet:num_requests_running") == 0, 20, "abort")
-    await wait_for(lambda: metric(d, "duet:kv_cache_usage_perc") == idle, 20, "blocks freed")
+    await until(lambda: metric(d, "duet:num_requests_running") == 0, 20, "abort")
+    await until(lambda: metric(d, "duet:kv_cache_usage_perc") == idle, 20, "blocks freed")
     assert "abort-1" in d.log()  # the X-Request-Id is in the node's log lines
 
 
@@ -211,7 +204,7 @@ async def test_sigterm_drains_and_exits_zero(tiny_llama: Path, tmp_path: Path) -
     with running(node):
         async with aiohttp.ClientSession() as s:
             task = asyncio.ensure_future(completion(s, node.url, [5, 6, 7], {**GREEDY, "max_tokens": 900}))
-            await wait_for(lambda: metric(node, "duet:num_requests_running") == 1, 20, "request start")
+            await until(lambda: metric(node, "duet:num_requests_running") == 1, 20, "request start")
             import signal
 
             node.proc.send_signal(signal.SIGTERM)
