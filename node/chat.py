@@ -15,7 +15,7 @@ produce the same tokens (greedy): the rendering is the only difference.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
@@ -27,7 +27,7 @@ from protocol.openai import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    StreamOptions,
+    SamplingFields,
     Usage,
     decode_body,
 )
@@ -40,31 +40,16 @@ class NodeChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     name: str | None = None
 
 
-class NodeChatRequest(msgspec.Struct, kw_only=True):
-    """The chat body a node accepts: OpenAI's fields it supports plus vLLM's extensions."""
+class NodeChatRequest(SamplingFields, kw_only=True):
+    """The chat body a node accepts: the sampling fields a completion takes (SamplingFields)
+    plus the chat form's own."""
 
     messages: list[NodeChatMessage]
-    model: str | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    n: int = 1
     logprobs: bool | None = None
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    priority: Literal["interactive", "batch"] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    user: str | None = None
     add_generation_prompt: bool = True
 
 
@@ -112,13 +97,9 @@ def template(tokenizer: Tokenizer, body: NodeChatRequest) -> list[int]:
 def as_completion(body: NodeChatRequest, prompt_ids: list[int]) -> CompletionRequest:
     """The completion request the chat request means (its prompt already templated)."""
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    return CompletionRequest(
-        prompt=prompt_ids, model=body.model, max_tokens=16 if max_tokens is None else max_tokens,
-        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed, stop=body.stop,
-        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
-        skip_special_tokens=body.skip_special_tokens, stream=body.stream, stream_options=body.stream_options,
-        n=body.n, logprobs=(body.top_logprobs or 0) if body.logprobs else None, priority=body.priority, kv_transfer_params=body.kv_transfer_params, user=body.user,
-    )  # fmt: skip
+    shared = {name: getattr(body, name) for name in SamplingFields.__struct_fields__}
+    return CompletionRequest(prompt=prompt_ids, max_tokens=16 if max_tokens is None else max_tokens,
+                             logprobs=(body.top_logprobs or 0) if body.logprobs else None, **shared)  # fmt: skip
 
 
 class NodeChatCompletion(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -53,10 +53,12 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = True
 
 
-class CompletionRequest(msgspec.Struct, kw_only=True):
-    prompt: Prompt
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """The body fields the completion and the chat form of a request share (OpenAI's, vLLM's
+    extensions, duet's routing hints), listed once: a field added here reaches both forms and
+    the chat → completion mapping (node/chat.py::as_completion) with no copy by hand."""
+
     model: str | None = None
-    max_tokens: int | None = 16
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -69,14 +71,19 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1
+    priority: Literal["interactive", "batch"] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    user: str | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: Prompt
+    max_tokens: int | None = 16
     echo: bool = False
     #: the sampled token's logprob plus this many top tokens per position (0..20)
     logprobs: int | None = None
     #: vLLM's extension: logprobs of the prompt tokens, plus this many top tokens (0..20)
     prompt_logprobs: int | None = None
-    priority: Literal["interactive", "batch"] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    user: str | None = None
     #: gateway: OpenAI's service tier (or duet's interactive|batch); nodes ignore it
     service_tier: str | None = None
 

@@ -11,6 +11,8 @@ import aiohttp
 import openai
 import pytest
 
+from node.chat import as_completion, parse_chat
+from protocol.openai import SamplingFields
 from tests.nodes.transfer_checks import PullCheck
 from tests.procs import Proc
 
@@ -91,3 +93,21 @@ async def test_bad_chat_bodies_get_4xx(pd_nodes: tuple[Proc, Proc, Proc], body: 
             assert (await r.json())["error"]["message"]
         async with s.post(both.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}) as r:
             assert r.status == 200
+
+
+def test_a_chat_request_means_the_completion_with_every_shared_field() -> None:
+    """node/chat.py::as_completion carries every field the two forms share (SamplingFields),
+    the chat form's own ones mapped: max_completion_tokens → max_tokens, logprobs +
+    top_logprobs → logprobs."""
+    shared = {"model": "m", "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 11, "stop": ["x"],
+              "stop_token_ids": [3], "ignore_eos": True, "min_tokens": 2, "skip_special_tokens": False,
+              "stream": True, "stream_options": {"include_usage": False}, "n": 1, "priority": "batch",
+              "kv_transfer_params": {"do_remote_decode": True}, "user": "u-1"}  # fmt: skip
+    assert set(shared) == set(SamplingFields.__struct_fields__)  # a new shared field gets a value here
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5, "logprobs": True,
+            "top_logprobs": 3, **shared}  # fmt: skip
+    c = as_completion(parse_chat(json.dumps(body).encode()), [1, 2])
+    got = {name: getattr(c, name) for name in shared}
+    got["stream_options"] = {"include_usage": c.stream_options.include_usage} if c.stream_options else None
+    assert got == shared
+    assert (c.prompt, c.max_tokens, c.logprobs) == ([1, 2], 5, 3)
