@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from protocol.models import DEFAULT_MODEL
+from protocol.tables import from_table
 
 ROLES = ("prefill", "decode", "both")
 POOLS = ("shared", "interactive", "batch")
@@ -122,17 +123,7 @@ def layout_from_flags(prefill: int | None, decode: int | None, colocated: int | 
 
 
 def _table(cls: type, where: str, data: Any) -> Any:
-    if not isinstance(data, dict):
-        raise UpConfigError(f"{where} must be a table")
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise UpConfigError(f"{where} has unknown keys: {', '.join(unknown)} (known: {', '.join(sorted(names))})")
-    data = {k: tuple(str(x) for x in v) if isinstance(v, list) else v for k, v in data.items()}
-    try:
-        return cls(**data)
-    except TypeError as e:
-        raise UpConfigError(f"{where}: {e}") from None
+    return from_table(cls, data, where, UpConfigError, item=str)  # arguments are strings on a command line
 
 
 def parse_cluster_toml(data: dict[str, Any], base: UpConfig) -> UpConfig:

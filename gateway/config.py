@@ -61,11 +61,12 @@ from __future__ import annotations
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from protocol.models import duet_home
+from protocol.tables import from_table
 
 ModelKind = Literal["cluster", "external"]
 Tier = Literal["interactive", "batch"]
@@ -259,17 +260,7 @@ def default_store_url() -> str:
 
 
 def _build(cls: type, section: str, data: Any) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(f"[{section}] must be a table")
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ConfigError(f"[{section}] has unknown keys: {', '.join(unknown)} (known: {', '.join(sorted(names))})")
-    data = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
-    try:
-        return cls(**data)
-    except TypeError as e:
-        raise ConfigError(f"[{section}]: {e}") from None
+    return from_table(cls, data, f"[{section}]", ConfigError)
 
 
 def _model(name: str, data: Any) -> ModelConfig:
