@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 
 from bench.records import RequestRecord
+from protocol.sse_end import read_to_end
 
 _MAX_ERROR_BODY = 4096
 #: how long a server may take to end its body after `[DONE]` before its connection is given up
@@ -97,17 +98,11 @@ async def _exchange(session: aiohttp.ClientSession, url: str, payload: dict[str,
 
 
 async def finish_body(resp: aiohttp.ClientResponse) -> None:
-    """Read past `[DONE]` to the body's end, as the official openai client's async streams do, so the
-    connection goes back to the pool. A server may end its body in a later write than `[DONE]`
-    (vLLM's can); releasing the response before that end closes the connection, and the next
-    request would pay a new one inside its TTFT. A server that does not end the body within
-    END_TIMEOUT_S loses the connection; the answer was whole all the same."""
-    try:
-        async with asyncio.timeout(END_TIMEOUT_S):
-            while await resp.content.readany():
-                pass  # nothing is expected after [DONE]; whatever comes is not part of the answer
-    except (TimeoutError, aiohttp.ClientError):
-        pass
+    """Read past `[DONE]` to the body's end (protocol/sse_end.py says why), as the official
+    openai client's async streams do, so the connection goes back to the pool. A server that
+    does not end the body within END_TIMEOUT_S loses the connection; the answer was whole all
+    the same."""
+    await read_to_end(resp, END_TIMEOUT_S)
 
 
 def _take_chunk(chunk: dict[str, Any], rec: RequestRecord, now: float) -> None:

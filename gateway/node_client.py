@@ -25,6 +25,7 @@ from gateway.loop_lag import LoopLag
 from gateway.node_sse import DataLines
 from gateway.tiers import Shed
 from protocol.openai import APIError, CompletionLogprobs, Usage
+from protocol.sse_end import read_to_end
 
 log = logging.getLogger("duet.gateway.nodes")
 _ENC = msgspec.json.Encoder()
@@ -208,17 +209,15 @@ class NodeClient:
         in separate writes."""
         async def finish() -> None:
             try:
-                async with asyncio.timeout(self.drain_timeout_s):
-                    while await resp.content.readany():
-                        pass  # nothing is expected after [DONE]; whatever comes is dropped
+                ended = await read_to_end(resp, self.drain_timeout_s)
             except asyncio.CancelledError:
                 resp.close()
                 raise
-            except _NETWORK_ERRORS as e:  # no end in time, or the node went: the connection goes
-                log.debug("closing a connection whose body did not end after [DONE]: %s", type(e).__name__)
+            if ended:
+                resp.release()
+            else:  # no end in time, or the node went: the connection goes
+                log.debug("closing a connection whose body did not end after [DONE]")
                 resp.close()
-                return
-            resp.release()
 
         task = asyncio.ensure_future(finish())
         self._draining.add(task)
