@@ -14,7 +14,8 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
     remote_engine_id: str | None = None
-    remote_block_ids: list[int] | None = None
+    #: block ids; a vLLM prefill may answer one list of them per KV cache group
+    remote_block_ids: list[int | list[int]] | None = None
     remote_request_id: str | None = None
     remote_host: str | None = None
     remote_port: int | None = None
@@ -22,3 +23,11 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     remote_num_tokens: int | None = None
     #: Seconds P keeps the blocks before freeing them on its own.
     lease_seconds: float | None = None
+    # vLLM NixlConnector's own fields: a vLLM prefill answers with them and its decode leg needs
+    # them back unchanged, so the typed handoff carries them (native nodes ignore them).
+    tp_size: int | None = None
+    dcp_size: int | None = None
+    pp_size: int | None = None
+    remote_blocks_expiry_time: float | None = None
+    transfer_mode: str | None = None
+    remote_prefill_cached_tokens: int | None = None

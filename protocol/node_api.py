@@ -1,10 +1,52 @@
-"""Bodies of the nodes' internal HTTP API (DESIGN §4) besides /v1/completions.
+"""The contract between the gateway and the nodes' internal HTTP API (DESIGN §1, §4).
 
-Internal requests are refused on unknown fields (a typo must not turn into a silent no-op)."""
+The legs of a request: `NodeCompletionRequest` is what the gateway (or any client of a node)
+POSTs to `/v1/completions`; a whole answer is a `NodeCompletion` (the prefill leg's carries
+P's `KVTransferParams` for D), a streamed one is `NodeCompletionChunk`s as SSE, ending with
+`[DONE]`. Both sides build and decode these types; neither keeps a copy of its own, and no
+wire message here is a `dict[str, Any]`.
+
+Internal requests other than the legs are refused on unknown fields (a typo must not turn into
+a silent no-op).
+"""
 
 from __future__ import annotations
 
 import msgspec
+
+from protocol.kv_params import KVTransferParams
+from protocol.openai import CompletionChoice, CompletionRequest, ErrorDetail, Usage
+
+
+class NodeCompletionRequest(CompletionRequest, kw_only=True, omit_defaults=True):
+    """A leg's request: the sampling fields, the prompt (token ids from the gateway; a node
+    also tokenizes text sent by hand), `priority`, and the P/D handoff, typed."""
+
+    kv_transfer_params: KVTransferParams | None = None
+
+
+class NodeCompletion(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A node's whole answer (`stream: false`), the prefill leg's included."""
+
+    id: str
+    object: str = "text_completion"
+    created: int = 0
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    kv_transfer_params: KVTransferParams | None = None
+    #: duet extension: where the time went (seconds since arrival), for SREs and bench.pd
+    timing: dict[str, float] | None = None
+
+
+class NodeCompletionChunk(NodeCompletion, kw_only=True, omit_defaults=True):
+    """One SSE event of a streamed leg. A failure after the headers went out is an event
+    carrying only `error` (then `[DONE]`)."""
+
+    id: str = ""
+    model: str = ""
+    choices: list[CompletionChoice] = []
+    error: ErrorDetail | None = None
 
 
 class KVReleaseRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

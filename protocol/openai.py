@@ -32,8 +32,37 @@ class APIError(Exception):
         self.param = param
         self.code = code
 
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+    def body(self) -> ErrorBody:
+        return ErrorBody(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
+
+
+class ErrorDetail(msgspec.Struct, kw_only=True):
+    """OpenAI's error object: `{"message", "type", "param", "code"}`."""
+
+    message: str = ""
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorBody(msgspec.Struct, kw_only=True):
+    """OpenAI's error body, `{"error": {...}}`: every duet process answers errors in it."""
+
+    error: ErrorDetail
+
+
+_ERROR_BODY = msgspec.json.Decoder(ErrorBody)
+
+
+def parse_error(status: int, raw: bytes) -> APIError:
+    """An error answer (OpenAI's body, or anything else a peer sent) as an APIError with the
+    same status: the one reader of OpenAI's error body, for every client in the project."""
+    try:
+        e = _ERROR_BODY.decode(raw).error
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return APIError(status, raw.decode(errors="replace")[:500])
+    code = None if e.code is None else str(e.code)
+    return APIError(status, str(e.message), type_=e.type or "invalid_request_error", param=e.param, code=code)
 
 
 T = TypeVar("T")
