@@ -35,6 +35,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.node_client import NodeClient
 from gateway.provider_backend import ProviderBackend, make_backend
 from gateway.providers.metrics import register_provider_metrics
+from gateway.requests import Endpoint
 from gateway.routing import CoordinatorRouter, FailoverRouter, NodeLoad, Router, StaticRouter
 from gateway.state import GatewayState, ServedModel
 from gateway.store import open_store
@@ -53,11 +54,8 @@ _HTTP_CODES = {404: ("not_found", "invalid_request_error"), 405: ("method_not_al
                413: ("request_too_large", "invalid_request_error")}  # fmt: skip
 
 
-def error_response(err: APIError, request_id: str, headers: dict[str, str] | None = None) -> web.Response:
-    h = {"X-Request-Id": request_id, **(headers or {})}
-    retry = getattr(err, "retry_after_s", None) or getattr(err, "retry_after", None)
-    if retry is not None:
-        h["Retry-After"] = str(max(1, int(float(retry) + 0.999)))
+def error_response(err: APIError, request_id: str) -> web.Response:
+    h = {"X-Request-Id": request_id, **err.response_headers()}
     return web.Response(status=err.status, body=_ENC.encode(err.body()), content_type="application/json", headers=h)
 
 
@@ -67,8 +65,6 @@ async def _middleware(request: web.Request, handler: Handler) -> web.StreamRespo
     request[_RID] = rid
     try:
         return await handler(request)
-    except serve.RateLimited as e:
-        return error_response(e, rid, e.headers)
     except APIError as e:
         (log.warning if e.status >= 500 else log.info)("%s %s %s → %d: %s", rid, request.method, request.path,
                                                         e.status, e.message)  # fmt: skip
@@ -100,7 +96,7 @@ def _bind(fn: Callable[[GatewayState, web.Request], Awaitable[web.StreamResponse
     return h
 
 
-def _completions(endpoint: str) -> Handler:
+def _completions(endpoint: Endpoint) -> Handler:
     async def h(request: web.Request) -> web.StreamResponse:
         return await serve.handle(request.app[STATE], request, endpoint, request[_RID])
 
@@ -150,8 +146,8 @@ def make_app(config: GatewayConfig) -> web.Application:
     if config.batch.enabled:  # after _lifecycle: the runner needs the models and the session
         batch_wiring.install(app, STATE)
     r = app.router
-    r.add_post("/v1/chat/completions", _completions("chat"))
-    r.add_post("/v1/completions", _completions("completion"))
+    r.add_post("/v1/chat/completions", _completions(Endpoint.CHAT))
+    r.add_post("/v1/completions", _completions(Endpoint.COMPLETION))
     r.add_get("/v1/models", _models)
     r.add_get("/v1/usage", _bind(admin.usage))
     r.add_get("/health", _health)

@@ -20,25 +20,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from gateway.config import GatewayConfig, TeamPolicy, Tier
-from gateway.provider_backend import ProviderBackend, ProviderFailure
 from gateway.providers.auto import AutoChoice, AutoPolicy, AutoRouter
-from gateway.providers.breaker import BreakerState
 from gateway.providers.catalog import ModelEntry
-from gateway.providers.fallback import (
-    FallbackChains,
-    FallbackDecision,
-    Reason,
-    TeamFallbackPolicy,
-    error_trigger,
-)
-from gateway.tiers import Shed
+from gateway.providers.fallback import FallbackChains, FallbackDecision, Reason, TeamFallbackPolicy
+from gateway.requests import Endpoint
 from protocol.openai import APIError
 
 if TYPE_CHECKING:
     from gateway.state import ServedModel
-
-#: cluster errors that mean "no node can serve this model now" (router and ClusterBackend codes)
-_NO_NODES = {(503, "no_capacity"), (503, "upstream_unavailable"), (404, "model_not_found")}
 
 
 def _entry(s: ServedModel) -> ModelEntry:
@@ -62,16 +51,11 @@ class ModelChoice:
             names = config.auto.models or tuple(self.catalog)
             self.auto_catalog = {n: self.catalog[n] for n in names}
 
-    def available(self, name: str, endpoint: str, n: int) -> bool:
+    def available(self, name: str, endpoint: Endpoint, n: int) -> bool:
         s = self.models.get(name)
-        if s is None:
-            return False
-        b = s.backend
-        if isinstance(b, ProviderBackend):
-            return b.provider.breaker.state is not BreakerState.OPEN and b.usable_for(endpoint, n)
-        return True
+        return s is not None and s.backend.available() and s.backend.usable_for(endpoint, n)
 
-    def auto(self, messages: list[dict[str, str]], *, endpoint: str, n: int, tier: Tier, policy: TeamPolicy,
+    def auto(self, messages: list[dict[str, str]], *, endpoint: Endpoint, n: int, tier: Tier, policy: TeamPolicy,
              prompt_tokens: int, max_tokens: int | None) -> AutoChoice:  # fmt: skip
         assert self.router is not None
         ap = AutoPolicy(pin=dict(policy.auto_pin), forbid=frozenset(policy.forbid),
@@ -81,16 +65,13 @@ class ModelChoice:
 
     @staticmethod
     def trigger(err: APIError, served: ServedModel, tier: Tier) -> Reason | None:
-        if isinstance(served.backend, ProviderBackend):
-            return error_trigger(err.error) if isinstance(err, ProviderFailure) else None
-        if isinstance(err, Shed):  # the admission queue: batch requests are there to wait
-            return Reason.SATURATED if tier == "interactive" else None
-        return Reason.NO_HEALTHY_NODES if (err.status, err.code) in _NO_NODES else None
+        """Whether `err`, raised before the first piece, is a fallback trigger (the backend says)."""
+        return served.backend.fallback_reason(err, tier)
 
     def has_chain(self, origin: str) -> bool:
         return bool(self.chains.chains.get(origin))
 
-    def next(self, origin: str, reason: Reason, *, endpoint: str, n: int, tier: Tier, policy: TeamPolicy,
+    def next(self, origin: str, reason: Reason, *, endpoint: Endpoint, n: int, tier: Tier, policy: TeamPolicy,
              prompt_tokens: int, max_tokens: int | None, tried: list[str]) -> FallbackDecision:  # fmt: skip
         if origin not in self.chains.chains:
             return FallbackDecision(from_model=origin, to_model=None, reason=reason)

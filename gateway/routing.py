@@ -27,7 +27,7 @@ import msgspec
 
 from gateway.config import StaticNodes
 from protocol.cluster import kv_layouts_match
-from protocol.openai import APIError
+from protocol.openai import APIError, parse_error
 from protocol.route import RouteRequest, RouteResponse, RouteTarget
 
 log = logging.getLogger("duet.gateway.routing")
@@ -154,14 +154,12 @@ def _headers(req: RouteRequest) -> dict[str, str]:
 
 
 def _api_error(status: int, body: bytes, retry_after: str | None) -> APIError:
-    try:
-        err = msgspec.json.decode(body).get("error", {})
-        msg, code = str(err.get("message")), err.get("code")
-    except (msgspec.DecodeError, AttributeError):
-        msg, code = body.decode(errors="replace")[:200], None
+    err = parse_error(status, body)
     if status == 400:  # our request was malformed: the gateway's bug, not the client's
-        return APIError(500, f"the coordinator refused the route request: {msg}", type_="internal_error")
-    e = APIError(status, msg, type_="service_unavailable" if status == 503 else "invalid_request_error",
-                 code=code or ("no_capacity" if status == 503 else "model_not_found"))  # fmt: skip
-    e.retry_after = retry_after  # type: ignore[attr-defined]
-    return e
+        return APIError(500, f"the coordinator refused the route request: {err.message}", type_="internal_error")
+    try:
+        retry = float(retry_after) if retry_after is not None else None
+    except ValueError:
+        retry = None
+    return APIError(status, err.message, type_="service_unavailable" if status == 503 else "invalid_request_error",
+                    code=err.code or ("no_capacity" if status == 503 else "model_not_found"), retry_after_s=retry)  # fmt: skip

@@ -8,7 +8,9 @@ ignore_eos, skip_special_tokens, priority and kv_transfer_params.
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -24,13 +26,24 @@ class APIError(Exception):
     """An error with an HTTP status and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
+                 param: str | None = None, code: str | None = None, *, retry_after_s: float | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
         self.code = code
+        #: when the client may try again (the answer's Retry-After, in whole seconds, at least 1)
+        self.retry_after_s = retry_after_s
+        #: headers the answer carries besides Retry-After (x-ratelimit-* on a 429)
+        self.headers = dict(headers or {})
+
+    def response_headers(self) -> dict[str, str]:
+        """The headers an error answer carries: every process renders them from here."""
+        if self.retry_after_s is None:
+            return self.headers
+        return {**self.headers, "Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
     def body(self) -> ErrorBody:
         return ErrorBody(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
