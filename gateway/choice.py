@@ -17,6 +17,7 @@ on Anthropic). Models added after start-up (tests) have no chain and are not aut
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gateway.config import GatewayConfig, TeamPolicy, Tier
@@ -37,6 +38,19 @@ def _entry(s: ServedModel) -> ModelEntry:
                       paid=c.kind == "external")  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Need:
+    """What a request needs of a model: its endpoint and n, its tier, its team's policy, and its
+    size (prompt tokens as first counted; max_tokens as asked)."""
+
+    endpoint: Endpoint
+    n: int
+    tier: Tier
+    policy: TeamPolicy
+    prompt_tokens: int
+    max_tokens: int | None
+
+
 class ModelChoice:
     def __init__(self, config: GatewayConfig, models: Mapping[str, ServedModel]) -> None:
         self.config = config
@@ -55,13 +69,13 @@ class ModelChoice:
         s = self.models.get(name)
         return s is not None and s.backend.available() and s.backend.usable_for(endpoint, n)
 
-    def auto(self, messages: list[dict[str, str]], *, endpoint: Endpoint, n: int, tier: Tier, policy: TeamPolicy,
-             prompt_tokens: int, max_tokens: int | None) -> AutoChoice:  # fmt: skip
+    def auto(self, messages: list[dict[str, str]], need: Need) -> AutoChoice:
         assert self.router is not None
-        ap = AutoPolicy(pin=dict(policy.auto_pin), forbid=frozenset(policy.forbid),
-                        allow_paid_for_batch=policy.allow_paid_for_batch)  # fmt: skip
-        return self.router.route(messages, self.auto_catalog, tier=tier, policy=ap, prompt_tokens=prompt_tokens,
-                                 max_tokens=max_tokens, available=lambda m: self.available(m, endpoint, n))  # fmt: skip
+        p = need.policy
+        ap = AutoPolicy(pin=dict(p.auto_pin), forbid=frozenset(p.forbid), allow_paid_for_batch=p.allow_paid_for_batch)
+        return self.router.route(messages, self.auto_catalog, tier=need.tier, policy=ap,
+                                 prompt_tokens=need.prompt_tokens, max_tokens=need.max_tokens,
+                                 available=lambda m: self.available(m, need.endpoint, need.n))  # fmt: skip
 
     @staticmethod
     def trigger(err: APIError, served: ServedModel, tier: Tier) -> Reason | None:
@@ -71,13 +85,12 @@ class ModelChoice:
     def has_chain(self, origin: str) -> bool:
         return bool(self.chains.chains.get(origin))
 
-    def next(self, origin: str, reason: Reason, *, endpoint: Endpoint, n: int, tier: Tier, policy: TeamPolicy,
-             prompt_tokens: int, max_tokens: int | None, tried: list[str]) -> FallbackDecision:  # fmt: skip
+    def next(self, origin: str, reason: Reason, need: Need, tried: list[str]) -> FallbackDecision:
         if origin not in self.chains.chains:
             return FallbackDecision(from_model=origin, to_model=None, reason=reason)
-        tp = TeamFallbackPolicy(allow_paid_for_batch=policy.allow_paid_for_batch,
-                                forbidden_models=frozenset(policy.forbid))  # fmt: skip
-        return self.chains.next(origin, reason, tier=tier, policy=tp, prompt_tokens=prompt_tokens,
-                                max_tokens=max_tokens, tried=tried,
-                                available=lambda m: self.available(m, endpoint, n))  # fmt: skip
+        tp = TeamFallbackPolicy(allow_paid_for_batch=need.policy.allow_paid_for_batch,
+                                forbidden_models=frozenset(need.policy.forbid))  # fmt: skip
+        return self.chains.next(origin, reason, tier=need.tier, policy=tp, prompt_tokens=need.prompt_tokens,
+                                max_tokens=need.max_tokens, tried=tried,
+                                available=lambda m: self.available(m, need.endpoint, need.n))  # fmt: skip
 

@@ -79,7 +79,7 @@ def _neutral(v: Any) -> bool:
     return v is None or v is False or v == 0 or v == [] or v == {} or v == {"type": "text"}
 
 
-def decode_json(raw: bytes) -> dict[str, Any]:
+def _decode_json(raw: bytes) -> dict[str, Any]:
     try:
         data = _DECODE.decode(raw)
     except msgspec.DecodeError as e:
@@ -130,7 +130,7 @@ def _sampling(body: Any, max_tokens: int | None, logprobs: int | None) -> tuple[
 
 
 def parse_chat(raw: bytes) -> Request:
-    data = decode_json(raw)
+    data = _decode_json(raw)
     _refuse_unsupported(data, CHAT_FIELDS)
     if "messages" not in data or "model" not in data:
         missing = "model" if "model" not in data else "messages"
@@ -171,7 +171,7 @@ def parse_chat(raw: bytes) -> Request:
 
 
 def parse_completion(raw: bytes) -> Request:
-    data = decode_json(raw)
+    data = _decode_json(raw)
     _refuse_unsupported(data, COMPLETION_FIELDS)
     if "prompt" not in data or "model" not in data:
         missing = "model" if "model" not in data else "prompt"

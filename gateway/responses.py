@@ -7,7 +7,6 @@ of a stream agrees on them (clients check).
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import msgspec
 
@@ -18,6 +17,7 @@ from protocol.chat import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
+    ChatLogprobs,
     ChatMessageOut,
     chat_logprobs,
 )
@@ -91,5 +91,5 @@ class Formatter:
                                                        for i in idx])  # fmt: skip
 
 
-def _chat(lp: CompletionLogprobs | None) -> dict[str, Any] | None:
+def _chat(lp: CompletionLogprobs | None) -> ChatLogprobs | None:
     return None if lp is None else chat_logprobs(lp)

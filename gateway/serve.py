@@ -31,6 +31,7 @@ from aiohttp import web
 
 from gateway.auth import authenticate
 from gateway.backend import Accounting, Attempt, MidStreamError, Reply
+from gateway.choice import Need
 from gateway.config import AUTO, TeamPolicy, Tier
 from gateway.ledger import Caller, Ledger, UsageStatus
 from gateway.measure import Measured, estimate_tokens, measure
@@ -126,8 +127,7 @@ def _auto(state: GatewayState, req: Request, tier: Tier, policy: TeamPolicy, hea
     else:
         raise APIError(400, "model 'auto' needs a text prompt (token ids belong to one model's tokenizer)",
                        param="prompt")  # fmt: skip
-    c = state.choice.auto(messages, endpoint=req.endpoint, n=req.n, tier=tier, policy=policy,
-                          prompt_tokens=estimate_tokens(req), max_tokens=req.max_tokens)  # fmt: skip
+    c = state.choice.auto(messages, Need(req.endpoint, req.n, tier, policy, estimate_tokens(req), req.max_tokens))
     if c.model is None:
         why = "; ".join(f"{m}: {r}" for m, r in c.skipped)
         unavailable = any(r == "unavailable" for _, r in c.skipped)
@@ -154,9 +154,8 @@ class _Tries:
 
     def _next(self, origin: str, reason: Reason, n_prompt: int) -> FallbackDecision:
         assert self.state.choice is not None
-        return self.state.choice.next(origin, reason, endpoint=self.req.endpoint, n=self.req.n, tier=self.tier,
-                                      policy=self.policy, prompt_tokens=n_prompt, max_tokens=self.req.max_tokens,
-                                      tried=self.tried)  # fmt: skip
+        need = Need(self.req.endpoint, self.req.n, self.tier, self.policy, n_prompt, self.req.max_tokens)
+        return self.state.choice.next(origin, reason, need, self.tried)
 
     async def run(self, served: ServedModel, size: Measured, headers: dict[str, str],
                   sink: EventSink | None) -> Answer:  # fmt: skip
