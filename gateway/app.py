@@ -42,6 +42,7 @@ from gateway.store import open_store
 from gateway.store.base import StoreError
 from gateway.tiers import Admission, Shed
 from gateway.usage_writer import UsageWriter
+from protocol.http_errors import error_middleware
 from protocol.models import resolve_model
 from protocol.openai import APIError
 from protocol.tokenizer import Tokenizer
@@ -50,40 +51,25 @@ log = logging.getLogger("duet.gateway")
 STATE = web.AppKey("state", GatewayState)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _ENC = msgspec.json.Encoder()
-_HTTP_CODES = {404: ("not_found", "invalid_request_error"), 405: ("method_not_allowed", "invalid_request_error"),
-               413: ("request_too_large", "invalid_request_error")}  # fmt: skip
-
-
-def error_response(err: APIError, request_id: str) -> web.Response:
-    h = {"X-Request-Id": request_id, **err.response_headers()}
-    return web.Response(status=err.status, body=_ENC.encode(err.body()), content_type="application/json", headers=h)
 
 
 @web.middleware
-async def _middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    rid = f"req-{uuid.uuid4().hex}"
-    request[_RID] = rid
-    try:
-        return await handler(request)
-    except APIError as e:
-        (log.warning if e.status >= 500 else log.info)("%s %s %s → %d: %s", rid, request.method, request.path,
-                                                        e.status, e.message)  # fmt: skip
-        return error_response(e, rid)
-    except StoreError as e:
-        return error_response(APIError(e.status, str(e), code="conflict" if e.status == 409 else "not_found"), rid)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        code, type_ = _HTTP_CODES.get(e.status, ("http_error", "invalid_request_error"))
-        msg = e.text or e.reason
-        if e.status == 413:
-            msg = f"the request body is larger than this gateway accepts ({request.app[STATE].config.server.max_body_bytes} bytes)"
-        return error_response(APIError(e.status, msg, type_=type_, code=code), rid)
-    except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
-        raise
-    except Exception as e:
-        log.exception("%s: unexpected error in %s %s", rid, request.method, request.path)
-        return error_response(APIError(500, f"internal error: {type(e).__name__}", type_="internal_error"), rid)
+async def _request_id(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every request gets the gateway's own id (never the client's: it names engine requests on
+    shared nodes)."""
+    request[_RID] = f"req-{uuid.uuid4().hex}"
+    return await handler(request)
+
+
+def _translate(request: web.Request, e: BaseException) -> APIError | None:
+    """The gateway's own errors for the shared middleware: store conflicts, the body limit."""
+    if isinstance(e, StoreError):
+        return APIError(e.status, str(e), code="conflict" if e.status == 409 else "not_found")
+    if isinstance(e, web.HTTPRequestEntityTooLarge):
+        limit = request.app[STATE].config.server.max_body_bytes
+        return APIError(413, f"the request body is larger than this gateway accepts ({limit} bytes)",
+                        code="request_too_large")  # fmt: skip
+    return None
 
 
 _RID = web.RequestKey("request_id", str)
@@ -132,7 +118,8 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 def make_app(config: GatewayConfig) -> web.Application:
-    app = web.Application(middlewares=[_middleware], client_max_size=config.server.max_body_bytes)
+    errors = error_middleware(log, _translate, lambda r: r.get(_RID))
+    app = web.Application(middlewares=[_request_id, errors], client_max_size=config.server.max_body_bytes)
     metrics = GatewayMetrics()
     store = open_store(config.store_url)
     app[STATE] = GatewayState(config=config, store=store, metrics=metrics,

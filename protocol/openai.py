@@ -53,7 +53,7 @@ class ErrorDetail(msgspec.Struct, kw_only=True):
     """OpenAI's error object: `{"message", "type", "param", "code"}`."""
 
     message: str = ""
-    type: str = "invalid_request_error"
+    type: str | None = None
     param: str | None = None
     code: str | int | None = None
 
@@ -67,12 +67,20 @@ class ErrorBody(msgspec.Struct, kw_only=True):
 _ERROR_BODY = msgspec.json.Decoder(ErrorBody)
 
 
+def read_error(raw: bytes) -> ErrorDetail | None:
+    """The error object of an error body (OpenAI's, Anthropic's: the same `{"error": {...}}`
+    shape), or None when the body is not one: the one reader of that body in the project."""
+    try:
+        return _ERROR_BODY.decode(raw).error
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
 def parse_error(status: int, raw: bytes) -> APIError:
     """An error answer (OpenAI's body, or anything else a peer sent) as an APIError with the
-    same status: the one reader of OpenAI's error body, for every client in the project."""
-    try:
-        e = _ERROR_BODY.decode(raw).error
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    same status, for every client of a duet server."""
+    e = read_error(raw)
+    if e is None:
         return APIError(status, raw.decode(errors="replace")[:500])
     code = None if e.code is None else str(e.code)
     return APIError(status, str(e.message), type_=e.type or "invalid_request_error", param=e.param, code=code)
