@@ -2,9 +2,11 @@
 template), the prompt tokens to reserve for, and the max_tokens that fit the context.
 
 A self-hosted model counts exactly. An external model has no local tokenizer: its provider
-counts, and the reservation holds on an estimate that over-counts (one token per 3 characters
-for English; providers bill about one token per CJK character — the security issue's
-estimate fix lands here). Prompts over `_BIG_PROMPT` characters are tokenized off the loop.
+counts, so the reservation holds on an upper bound that cannot be too low — the prompt's UTF-8
+bytes, since a byte-level BPE token covers at least one byte (`token_upper_bound`; a budget
+held on "one token per 3 characters" was overspent 2.4× by CJK text, which providers bill at
+about one token per character). `estimate_tokens`, a realistic figure, only helps `auto` pick
+a model. Prompts over `_BIG_PROMPT` characters are tokenized off the loop.
 """
 
 from __future__ import annotations
@@ -63,6 +65,19 @@ def estimate_tokens(req: Request) -> int:
     return len(req.prompt) if isinstance(req.prompt, list) else len(req.prompt or "") // 3 + 1
 
 
+#: tokens a chat format adds per message (role, separators) and per conversation (the reply's
+#: start), as OpenAI counts them; generous for Anthropic's
+_PER_MESSAGE, _PER_CHAT = 4, 3
+
+
+def token_upper_bound(req: Request) -> int:
+    """Prompt tokens an external model's provider can bill at most: every token of a byte-level
+    BPE covers at least one byte, so the UTF-8 byte count bounds it from above."""
+    if req.messages is not None:
+        return sum(len(m["content"].encode()) + _PER_MESSAGE for m in req.messages) + _PER_CHAT
+    return len(req.prompt) if isinstance(req.prompt, list) else len((req.prompt or "").encode()) + 1
+
+
 def context_check(served: ServedModel, n_prompt: int, max_tokens: int | None) -> int:
     """The max_tokens to use; 400 when the prompt (+ max_tokens) does not fit the context."""
     limit = served.max_model_len
@@ -79,5 +94,5 @@ async def measure(served: ServedModel, req: Request) -> Measured:
     ids = await prompt_ids(served, req)
     if served.tokenizer is not None:
         return Measured(ids, len(ids), context_check(served, len(ids), req.max_tokens))
-    # an external model: its provider counts; reserve on a generous estimate
-    return Measured(ids, estimate_tokens(req), req.max_tokens or served.config.default_max_tokens)
+    # an external model: its provider counts; reserve on an upper bound of what it can bill
+    return Measured(ids, token_upper_bound(req), req.max_tokens or served.config.default_max_tokens)
