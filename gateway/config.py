@@ -58,6 +58,7 @@ Invariant: a `GatewayConfig` is immutable once loaded; the CLI's flags override 
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -283,9 +284,11 @@ def _model(name: str, data: Any) -> ModelConfig:
     if m.kind == "cluster" and (m.provider or options):
         raise ConfigError(f"[models.{name}] provider settings ({', '.join(['provider', *options])}) are for "
                           "kind = \"external\" models")  # fmt: skip
-    for k in ("input_usd_per_mtok", "output_usd_per_mtok"):
-        if getattr(m, k) < 0:
-            raise ConfigError(f"[models.{name}] {k} must be >= 0")
+    for k in ("input_usd_per_mtok", "output_usd_per_mtok", "cached_input_usd_per_mtok"):
+        v = getattr(m, k)
+        # NaN passes every comparison (a budget check against a NaN cost admits everything)
+        if v is not None and (not isinstance(v, int | float) or not math.isfinite(v) or v < 0):
+            raise ConfigError(f"[models.{name}] {k} must be a finite number >= 0, got {v!r}")
     if not isinstance(m.capability_rank, int) or m.capability_rank < 1:
         raise ConfigError(f"[models.{name}] capability_rank must be an integer >= 1")
     if not m.tiers or any(t not in ("interactive", "batch") for t in m.tiers):

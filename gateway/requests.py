@@ -82,7 +82,7 @@ def _neutral(v: Any) -> bool:
 def _decode_json(raw: bytes) -> dict[str, Any]:
     try:
         data = _DECODE.decode(raw)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: JSON nested past the parser's depth
         raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")

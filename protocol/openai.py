@@ -93,7 +93,7 @@ def decode_body(decoder: msgspec.json.Decoder[T], raw: bytes) -> T:
     """A request body through its typed decoder; anything it refuses is the client's 400."""
     try:
         return decoder.decode(raw)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: JSON nested too deep
         raise APIError(400, f"malformed request body: {e}") from None
     except msgspec.ValidationError as e:
         raise APIError(400, f"invalid request: {e}") from None
