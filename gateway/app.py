@@ -23,11 +23,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import admin, batch_wiring, serve
-from gateway.auth import authenticate, bearer, is_admin
+from gateway.auth import MIN_ADMIN_KEY, authenticate, bearer, is_admin
 from gateway.backend import Backend
 from gateway.choice import ModelChoice
 from gateway.cluster import ClusterBackend
-from gateway.config import AUTO, GatewayConfig, ModelConfig, StaticNodes
+from gateway.config import AUTO, ConfigError, GatewayConfig, ModelConfig, StaticNodes
 from gateway.etcd_view import EtcdView
 from gateway.key_cache import KeyCache
 from gateway.loop_lag import LoopLag
@@ -119,6 +119,10 @@ async def _metrics(request: web.Request) -> web.Response:
 
 def make_app(config: GatewayConfig) -> web.Application:
     errors = error_middleware(log, _translate, lambda r: r.get(_RID))
+    admin_key = config.admin_key
+    if admin_key is not None and len(admin_key) < MIN_ADMIN_KEY:
+        raise ConfigError(f"$DUET_ADMIN_KEY is {len(admin_key)} characters; an admin key needs at least {MIN_ADMIN_KEY} "
+                          "(generate one: python -c 'import secrets; print(secrets.token_urlsafe(32))')")  # fmt: skip
     app = web.Application(middlewares=[_request_id, errors], client_max_size=config.server.max_body_bytes)
     metrics = GatewayMetrics()
     store = open_store(config.store_url)

@@ -48,9 +48,33 @@ class ProviderFailure(APIError):
 
     def __init__(self, model: str, err: ProviderError) -> None:
         status, type_, code = _client_view(err)
-        super().__init__(status, f"model {model!r}: {err.message}", type_=type_, code=code,
+        super().__init__(status, f"model {model!r}: {tenant_message(err)}", type_=type_, code=code,
                          retry_after_s=err.retry_after)  # fmt: skip
         self.error = err
+        log.warning("model %r: provider %r failed (%r): %r", model, err.provider, err.kind, err.message)
+
+
+def tenant_message(e: ProviderError) -> str:
+    """What a tenant is told of a provider's failure. The provider's own text (an account id, a
+    quota of the operator's, another tenant's request) is never passed on: it goes to the log;
+    only the gateway's own words reach the client."""
+    if e.kind == "invalid_request":  # the gateway's own words: what this provider cannot express
+        return e.message
+    if e.kind == "breaker_open":
+        return "the provider is unavailable for now (it failed repeatedly); retry later"
+    if e.kind == "timeout":
+        return "the provider did not answer in time"
+    if e.kind == "connect":
+        return "the provider could not be reached, or dropped the connection"
+    if e.kind == "stream_interrupted":
+        return "the provider's stream was interrupted"
+    if e.kind == "invalid_response":
+        return "the provider's answer could not be read"
+    if e.status == 429:
+        return "the provider is rate limiting this gateway; retry later"
+    if 400 <= e.status < 500:
+        return f"the provider refused the request (HTTP {e.status})"
+    return f"the provider failed (HTTP {e.status})"
 
 
 def _client_view(e: ProviderError) -> tuple[int, str, str]:
@@ -152,7 +176,9 @@ class ProviderBackend(Backend):
                 if e.kind == "stream_interrupted":
                     e = ProviderError(e.status, e.message, kind="connect", provider=e.provider)
                 raise ProviderFailure(self.model.name, e) from None
-            raise MidStreamError(502, f"model {self.model.name!r}: {e.message}", type_="upstream_error",
+            log.warning("model %r: provider %r failed mid-stream (%r): %r", self.model.name, e.provider, e.kind,
+                        e.message)  # fmt: skip
+            raise MidStreamError(502, f"model {self.model.name!r}: {tenant_message(e)}", type_="upstream_error",
                                  code="upstream_failed_midstream") from None  # fmt: skip
         finally:
             await it.aclose()  # type: ignore[attr-defined]
