@@ -69,6 +69,8 @@ class Accounting:
     nodes: list[str] = field(default_factory=list)
     first_token_at: float | None = None
     model_used: str = ""
+    #: the prompt went to a node or a provider (it may be computing it: paid if the client leaves)
+    prompt_sent: bool = False
 
     @property
     def total_completion_tokens(self) -> int:

@@ -128,6 +128,7 @@ class ClusterBackend(Backend):
                 touched.items.add((p.url, rid))
                 self.load.acquire(p.url)
                 try:
+                    out.prompt_sent = True
                     answer = await self.nodes.prefill(p.url, rid, leg_request(  # logprobs come from D
                         request, job, max_tokens=1, stream=False, logprobs=None, kv_transfer_params=_TO_DECODE))  # fmt: skip
                     kv = answer.kv_transfer_params
@@ -144,6 +145,7 @@ class ClusterBackend(Backend):
             tried.append((d.url, rid))
             first = _Sample(self, d.url, rid, 0, leg_request(request, job, stream=True, kv_transfer_params=kv))
             try:
+                out.prompt_sent = True
                 head = await first.start()
             except NodeFailure as e:
                 log.warning("%s: decode on %s failed before its first token (%s); routing again without it",

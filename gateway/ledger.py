@@ -9,7 +9,8 @@ answer's last bytes go out) or `submit` (the caller cannot wait: the client left
 is cancelled).
 
 Invariants: a ledger settles exactly once (later calls are no-ops: `settled`); a request no
-node or provider served costs nothing and keeps no tokens in the team's window; the metrics and
+node or provider served costs nothing and keeps no tokens in the team's window — unless its
+client left after the prompt went out (then the prompt is paid); the metrics and
 the log line of a request are written once, after its answer's last bytes.
 """
 
@@ -137,6 +138,9 @@ class Ledger:
         r = self.record
         r.status = status.value
         served = acc is not None and acc.served
+        # A client that leaves once its prompt went out still pays for the prompt: a node or a
+        # provider is computing it (else leaving before the first token would be free compute).
+        prompt_only = not served and acc is not None and acc.prompt_sent and status is UsageStatus.CLIENT_DISCONNECTED
         if acc is not None:
             r.prompt_tokens = acc.prompt_tokens or r.prompt_tokens
             r.completion_tokens = acc.total_completion_tokens
@@ -146,12 +150,12 @@ class Ledger:
         # A request no node served (refused by a node, shed, every try failed) costs nothing.
         model = self._served.config if self._served is not None else None
         r.cost_usd = cost_usd(model, r.prompt_tokens, r.completion_tokens, r.cached_tokens) \
-            * self.caller.price_factor if served and model is not None else 0.0  # fmt: skip
+            * self.caller.price_factor if (served or prompt_only) and model is not None else 0.0  # fmt: skip
         r.ttft_s = (acc.first_token_at - self.caller.t0) if acc is not None and acc.first_token_at is not None else None
         r.latency_s = time.monotonic() - self.caller.t0
         r.created_at = time.time()
         self.settled = True
-        return Settlement(self.reservation_id, r, window_tokens=None if served else 0)
+        return Settlement(self.reservation_id, r, window_tokens=None if served or prompt_only else 0)
 
     async def commit(self, status: UsageStatus, acc: Accounting | None) -> None:
         """Settle and wait until the record is in the store (before the answer's last bytes)."""

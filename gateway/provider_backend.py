@@ -135,6 +135,7 @@ class ProviderBackend(Backend):
         out.prompt_tokens = estimate_tokens("\n".join(str(m.get("content") or "") for m in request.messages or []))
         if not request.stream:
             try:
+                out.prompt_sent = True
                 result = await self.provider.chat(body)
             except ProviderError as e:
                 raise ProviderFailure(self.model.name, e) from None
@@ -148,6 +149,7 @@ class ProviderBackend(Backend):
             out.completion_tokens = _split(result.usage.completion_tokens, out.completion_tokens)
             return
         sent = False
+        out.prompt_sent = True
         it = self.provider.chat_stream(body)
         try:
             async for chunk in it:

@@ -14,6 +14,7 @@ is the local fake (tests/providers/fakes.py) with a tokenizer-like bill.
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,8 @@ import pytest
 from tests.gateway.helpers import gateway_proc, make_team
 from tests.gateway.test_providers_e2e import FakeServers, external
 from tests.procs import running
-from tests.providers.fakes import API_KEY
+from tests.providers.fakes import API_KEY, FakeProvider, Fault
+from tests.wait import wait_for
 
 #: $ per million tokens: a dear model, so one request costs cents
 PRICES = {"in": 20.0, "out": 40.0}
@@ -46,6 +48,9 @@ def billed_tokens(messages: list[dict[str, Any]]) -> int:
     return n
 
 
+_SERVERS: dict[str, FakeServers] = {}
+
+
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     tmp = tmp_path_factory.mktemp("money")
@@ -56,9 +61,16 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
             mp.setenv("FAKE_PROVIDER_KEY", API_KEY)
             gw = gateway_proc(tmp, {"gpt": external(servers.fakes["gpt"], PRICES, 2)})
             with running(gw):
+                _SERVERS[gw.url] = servers
                 yield gw.url, tmp / "gateway.db"
     finally:
         servers.close()
+
+
+def gateway_fake(url: str) -> tuple[asyncio.AbstractEventLoop, FakeProvider]:
+    """The fake provider behind the module's gateway, with the loop it runs on."""
+    servers = _SERVERS[url]
+    return servers.loop, servers.fakes["gpt"]
 
 
 def one_request_cost() -> float:
@@ -88,3 +100,27 @@ def test_cjk_and_emoji_cannot_overspend_a_budget(gateway: tuple[str, Path]) -> N
     with sqlite3.connect(db) as conn:
         (spent,) = conn.execute("SELECT COALESCE(SUM(cost_usd), 0) FROM usage WHERE team_id = 'cjk'").fetchone()
     assert spent <= BUDGET + one_request_cost(), f"spent ${spent:.4f} on a ${BUDGET} budget"
+
+
+def test_a_client_that_leaves_pays_for_its_sent_prompt(gateway: tuple[str, Path]) -> None:
+    """A prompt already sent to a provider is charged even if the client leaves before the first
+    token: else a team could have every prompt computed for free by hanging up at once."""
+    url, db = gateway
+    key = make_team(url, "leaver")
+    fake = gateway_fake(url)
+    fake_loop, gpt = fake
+    fake_loop.call_soon_threadsafe(gpt.faults.append, Fault.hang())
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=2)
+    with pytest.raises(openai.APITimeoutError):
+        client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": PROMPT}],
+                                       max_tokens=MAX_TOKENS, stream=True)  # fmt: skip
+
+    def record() -> tuple[Any, ...] | None:
+        with sqlite3.connect(db) as conn:
+            return conn.execute("SELECT status, prompt_tokens, completion_tokens, cost_usd FROM usage "
+                                "WHERE team_id = 'leaver'").fetchone()  # fmt: skip
+
+    wait_for(lambda: record() is not None, 30, "the usage record of the request whose client left")
+    status, prompt, completion, cost = record()  # type: ignore[misc]
+    assert status == "client_disconnected" and completion == 0
+    assert prompt > 0 and cost == pytest.approx(prompt * PRICES["in"] / 1e6), (prompt, cost)
