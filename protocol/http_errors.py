@@ -54,6 +54,11 @@ RequestId = Callable[[web.Request], "str | None"]
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
+def _one_line(text: str) -> str:
+    """`text` with its line breaks escaped: a client's words cannot forge a log line."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+
+
 def error_response(err: APIError, request_id: str | None = None) -> web.Response:
     """An APIError as the HTTP answer: OpenAI's body, the error's status and headers."""
     h = err.response_headers()
@@ -88,8 +93,9 @@ def error_middleware(logger: logging.Logger, translate: Translate | None = None,
                 logger.exception("unexpected error in %s %s", request.method, request.path)
                 known = APIError(500, f"internal error: {type(e).__name__}", type_="internal_error")
             err = known
-        logger.log(logging.WARNING if err.status >= 500 else logging.INFO, "%s %s → %d: %s", request.method,
-                   request.path, err.status, err.message)  # fmt: skip
+        # The message may quote the client (a path, a name): one log line whatever it holds.
+        logger.log(logging.WARNING if err.status >= 500 else logging.INFO, "%s %r → %d: %s", request.method,
+                   request.path, err.status, _one_line(err.message))  # fmt: skip
         return error_response(err, request_id(request) if request_id is not None else None)
 
     return errors

@@ -69,3 +69,17 @@ def test_prices_must_be_finite_and_not_negative(tiny_llama: Path, tmp_path: Path
         model = {**tiny_model(tiny_llama, both=["http://127.0.0.1:9"]), field: price}
         with pytest.raises(ConfigError, match=field):
             parse_config({"store": {"url": f"sqlite://{tmp_path / 'g.db'}"}, "models": {"tiny": model}})
+
+
+def test_client_words_cannot_forge_log_lines(gateway: tuple[Proc, str]) -> None:
+    """A field name, a model name or a path with a line break in it stays on its own log line
+    (it was written raw: the name of an unsupported field forged a whole log line)."""
+    gw, key = gateway
+    forged = "2026-12-01 00:00:00 INFO duet.gateway forged-line"
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], f"x\n{forged}": 1}
+    status, _, err = http(gw.url + "/v1/chat/completions", "POST", body, key=key)
+    assert status == 400 and err["error"]["code"] == "unsupported_field"
+    status, _, err = http(gw.url + "/v1/chat/completions", "POST",
+                          {"model": f"m\r\n{forged}", "messages": [{"role": "user", "content": "x"}]}, key=key)
+    assert status == 404
+    assert not any(line.startswith(forged) for line in gw.log().splitlines()), gw.log()[-2000:]
