@@ -92,8 +92,10 @@ def _decode_json(raw: bytes) -> dict[str, Any]:
 def _refuse_unsupported(data: dict[str, Any], allowed: set[str]) -> None:
     bad = sorted(k for k, v in data.items() if k not in allowed and not _neutral(v))
     if bad:
-        # the names are the client's: repr, so a name cannot forge a line in the log
-        raise APIError(400, f"unsupported field{'s' if len(bad) > 1 else ''}: {', '.join(map(repr, bad))} "
+        # the names are the client's: any that is not a plain name is quoted (repr), so a name
+        # cannot forge a line in the log
+        names = ", ".join(k if k.isidentifier() else repr(k) for k in bad)
+        raise APIError(400, f"unsupported field{'s' if len(bad) > 1 else ''}: {names} "
                             "(duet serves text generation only)", param=bad[0], code="unsupported_field")  # fmt: skip
 
 
