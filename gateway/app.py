@@ -226,6 +226,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await asyncio.gather(sweeper, heartbeat, return_exceptions=True)
         with contextlib.suppress(StopAsyncIteration):
             await writer.__anext__()
+        with contextlib.suppress(Exception):  # a clean stop: nothing of ours is left to reclaim
+            await s.store.leave(s.gateway_id)
         await cluster.drain()
         await nodes.close()
         if view_life is not None:
@@ -235,16 +237,27 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await s.store.close()
 
 
+#: a gateway whose heartbeat is this many heartbeats old is dead (its reservations reclaimed)
+DEAD_AFTER_HEARTBEATS = 2.5
+
+
 async def _sweep(s: GatewayState) -> None:
-    """Expire reservations whose gateway died (so they stop holding quota)."""
+    """Every heartbeat: this gateway's heartbeat (which renews its own reservations, so a
+    request outliving the TTL still counts), the reclaim of dead gateways' reservations (a
+    killed gateway's, its own previous life's included), and the expiry of lapsed ones."""
+    q = s.config.quotas
     while True:
         try:
+            await s.store.heartbeat(s.gateway_id, q.reservation_ttl_s)
+            n = await s.store.reclaim(DEAD_AFTER_HEARTBEATS * q.heartbeat_s)
+            if n:
+                log.warning("reclaimed %d reservations of a gateway that stopped (billed at their prompt)", n)
             n = await s.store.expire_reservations()
             if n:
                 log.warning("expired %d stale quota reservations", n)
         except Exception:
-            log.exception("expiring reservations failed")
-        await asyncio.sleep(min(30.0, s.config.quotas.reservation_ttl_s / 4))
+            log.exception("the reservation heartbeat failed")
+        await asyncio.sleep(q.heartbeat_s)
 
 
 __all__ = ["STATE", "Shed", "make_app"]

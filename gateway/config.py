@@ -179,8 +179,12 @@ class TierConfig:
 
 @dataclass(frozen=True)
 class QuotaConfig:
-    #: an unsettled reservation older than this is expired (its request's process died)
+    #: an unsettled reservation older than this is expired (its request's process died) —
+    #: renewed by its gateway's heartbeat while that gateway lives
     reservation_ttl_s: float = 900.0
+    #: each gateway's heartbeat in the store; a gateway silent for 2.5 heartbeats is dead and
+    #: its reservations are reclaimed (billed at their prompt) by any live gateway
+    heartbeat_s: float = 5.0
     #: usage records per store transaction (the batched writer)
     usage_batch: int = 256
 
@@ -403,6 +407,14 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
         raise ConfigError("[routing] max_connections_per_node must be an integer >= 1")
     if cfg.tiers.default_tier not in ("interactive", "batch"):
         raise ConfigError("[tiers] default_tier must be 'interactive' or 'batch'")
+    q = cfg.quotas
+    for name in ("reservation_ttl_s", "heartbeat_s"):
+        v = getattr(q, name)
+        if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"[quotas] {name} must be a positive number of seconds, got {v!r}")
+    if q.reservation_ttl_s < 3 * q.heartbeat_s:
+        raise ConfigError(f"[quotas] reservation_ttl_s ({q.reservation_ttl_s}) must be at least 3 heartbeats "
+                          f"({3 * q.heartbeat_s}): a live gateway renews its reservations once a heartbeat")  # fmt: skip
     _check_routing(cfg)
     return cfg
 

@@ -31,6 +31,7 @@ from gateway.requests import Request
 from gateway.state import GatewayState, ServedModel
 from gateway.store.base import (
     ApiKey,
+    Booked,
     RateState,
     Refusal,
     ReserveRequest,
@@ -114,10 +115,14 @@ class Ledger:
         """Book the request's worst case (its prompt plus `n` full completions, at the dearest
         model of its chain) or raise RateLimited."""
         team, n_prompt, max_tokens = caller.team, size.n_prompt, size.max_tokens
+        # what the booking bills if this gateway dies before settling it: the prompt
+        booked = Booked(model=served.config.name, tier=tier, endpoint=req.endpoint.value, prompt_tokens=n_prompt,
+                        prompt_cost_usd=cost_usd(served.config, n_prompt, 0) * caller.price_factor)  # fmt: skip
         reserve = ReserveRequest(team_id=team.id, key_id=caller.key.id, request_id=caller.request_id,
                                  tokens=n_prompt + req.n * max_tokens,
                                  cost_usd=_worst_case(state, served.config.name, n_prompt, req.n * max_tokens)
-                                 * caller.price_factor, ttl_s=state.config.quotas.reservation_ttl_s)  # fmt: skip
+                                 * caller.price_factor, ttl_s=state.config.quotas.reservation_ttl_s,
+                                 gateway_id=state.gateway_id, booked=booked)  # fmt: skip
         res = await state.store.reserve(reserve)
         if isinstance(res, Refusal):
             state.metrics.rejections.labels(team=team.id, kind=res.kind).inc()

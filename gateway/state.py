@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -53,5 +54,7 @@ class GatewayState:
     choice: ModelChoice | None = None
     #: breaker-state gauge and duet:fallback_total, on `metrics.registry`
     provider_metrics: ProviderMetrics | None = None
+    #: this process's identity in the store: its reservations and its heartbeat row
+    gateway_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex[:16]}")
     #: failed admin authentications per address (gateway/auth.py)
     admin_guard: AdminGuard = field(default_factory=lambda: _admin_guard())
