@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 from protocol.kv_events import KVEvent
 from protocol.kv_layout import KVLayout
-from protocol.logprobs import TokenLogprob
+from protocol.kv_params import KVTransferParams
+from protocol.outputs import RequestOutput
 from protocol.sampling import Priority, SamplingParams
 from protocol.tokenizer import Tokenizer
 
@@ -55,33 +56,9 @@ class EngineDead(RuntimeError):
     """The engine failed as a whole; the node must be restarted (503 until then)."""
 
 
-@dataclass
-class Delta:
-    """What one engine step produced for one request."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort | error
-    stop_reason: str | int | None = None
-    error: str | None = None  # why the request failed (finish_reason "error")
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    #: prefill node: the blocks held for transfer (on the finishing delta of a held request)
-    held_block_ids: list[int] = field(default_factory=list)
-    #: monotonic timestamps, on the finishing delta
-    arrival_time: float | None = None
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    #: engines that move KV themselves (`handles_kv_transfer`): the vLLM-named params the
-    #: engine answers with (a prefill's do_remote_prefill handoff), on the finishing delta
-    kv_transfer_params: dict[str, Any] | None = None
-    #: with params.logprobs: one record per token of `new_token_ids` (raw model distribution)
-    logprobs: list[TokenLogprob] | None = None
-    #: with params.prompt_logprobs, on the first token's delta: one per prompt token (first None)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+#: What one engine step produced for one request: the engine's own output record, reused as is
+#: (protocol.outputs; the native adapter passes the engine's outputs through uncopied).
+Delta = RequestOutput
 
 
 @dataclass
@@ -132,7 +109,7 @@ class NodeEngine(Protocol):
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                           priority: Priority = Priority.INTERACTIVE, *, hold_seconds: float | None = None,
                           remote_num_tokens: int = 0,
-                          kv_transfer_params: dict[str, Any] | None = None) -> EngineStream: ...  # fmt: skip
+                          kv_transfer_params: KVTransferParams | None = None) -> EngineStream: ...  # fmt: skip
 
     async def abort(self, request_id: str) -> bool: ...
 

@@ -184,6 +184,13 @@ def merge_logprobs(parts: list[CompletionLogprobs]) -> CompletionLogprobs:
                               text_offset=[o for p in parts for o in p.text_offset])  # fmt: skip
 
 
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """vLLM's prompt-logprob entry for one token id at one prompt position."""
+
+    logprob: float | None  # None: -inf (JSON has no infinity)
+    decoded_token: str
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int = 0
     text: str
@@ -192,7 +199,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     token_ids: list[int] | None = None
     logprobs: CompletionLogprobs | None = None
     #: vLLM's extension: per prompt token None (the first) or {token id: {logprob, decoded_token}}
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
