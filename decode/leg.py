@@ -32,7 +32,7 @@ from aiohttp import web
 from decode.pull import Pull, Puller, PullOutcome, Source, release_quietly
 from decode.remote_kv import PeerUnreachable, RemoteKV
 from kvtransfer import Peer
-from node.engine_api import EngineStream
+from node.engine_api import EngineStream, KVHandoff
 from node.legs import LegContext, Node, Prepared
 from protocol.kv_params import KVTransferParams
 from protocol.openai import APIError
@@ -103,7 +103,7 @@ async def decode_leg(leg: LegContext) -> web.StreamResponse:
         raise
     peer, failure = await _connect(rk, src)
     try:
-        stream = await leg.start(prep.params, remote_num_tokens=len(prep.prompt_ids))
+        stream = await leg.start(prep.params, KVHandoff(remote_num_tokens=len(prep.prompt_ids)))
     except BaseException:
         await release_quietly(rk, src)
         raise

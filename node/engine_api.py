@@ -11,15 +11,16 @@ Contract:
   `EngineDead`.
 - Refusals are typed: `RequestRefused` (the client's fault → 400), `EngineOverloaded` (the
   queue is full → 503 with Retry-After), `EngineDead` (→ 503).
-- P/D hooks. Prefill: `hold_seconds` keeps a finished request's blocks for that long, atomically
-  with its finishing (the engine frees them itself when the time is up); `release_held` frees
+- P/D hooks: `add_request`'s `KVHandoff`, and the calls below. Prefill: `hold_seconds` keeps
+  a finished request's blocks for that long, atomically with its finishing (the engine frees
+  them itself when the time is up); `release_held` frees
   them early (None: nothing held); `abort` also frees held blocks. Decode: `remote_num_tokens`
   makes the engine reserve blocks first (`EngineStream.reserved`), then wait for `kv_ready`;
   `quarantine=True` sets the blocks a failed transfer may still write aside until
   `release_quarantine`.
 - An engine with `handles_kv_transfer` (vLLM) moves KV itself: the legs pass the client's
-  `kv_transfer_params` to `add_request` and answer with the finishing delta's; the hooks above
-  then hold nothing.
+  `kv_transfer_params` (typed, `KVHandoff.kv_transfer_params`) to `add_request` and answer with
+  the finishing delta's; the hooks above then hold nothing.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from protocol.outputs import RequestOutput
 from protocol.sampling import Priority, SamplingParams
 from protocol.tokenizer import Tokenizer
 
-__all__ = ["Delta", "EngineDead", "EngineOverloaded", "EngineStream", "KVEventDrain", "NodeEngine",
+__all__ = ["Delta", "EngineDead", "EngineOverloaded", "EngineStream", "KVEventDrain", "KVHandoff", "NodeEngine",
            "Priority", "RequestRefused", "SamplingParams"]  # fmt: skip
 
 
@@ -59,6 +60,18 @@ class EngineDead(RuntimeError):
 #: What one engine step produced for one request: the engine's own output record, reused as is
 #: (protocol.outputs; the native adapter passes the engine's outputs through uncopied).
 Delta = RequestOutput
+
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """A request's part in a P/D handoff (`add_request`; None: a plain request)."""
+
+    #: prefill: keep the finished request's blocks this long (native engine)
+    hold_seconds: float | None = None
+    #: decode: reserve blocks for this many remote prompt tokens, then wait for `kv_ready`
+    remote_num_tokens: int = 0
+    #: an engine that moves KV itself (`handles_kv_transfer`): the vLLM-named params to pass on
+    kv_transfer_params: KVTransferParams | None = None
 
 
 @dataclass
@@ -107,9 +120,8 @@ class NodeEngine(Protocol):
     async def stop(self) -> None: ...
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: Priority = Priority.INTERACTIVE, *, hold_seconds: float | None = None,
-                          remote_num_tokens: int = 0,
-                          kv_transfer_params: KVTransferParams | None = None) -> EngineStream: ...  # fmt: skip
+                          priority: Priority = Priority.INTERACTIVE,
+                          handoff: KVHandoff | None = None) -> EngineStream: ...  # fmt: skip
 
     async def abort(self, request_id: str) -> bool: ...
 

@@ -14,11 +14,10 @@ import msgspec
 from aiohttp import web
 
 from node.chat import ChatChunker, chat_response
-from node.engine_api import EngineStream, RequestRefused
+from node.engine_api import EngineStream, KVHandoff, RequestRefused
 from node.legs import Prepared
 from node.responder import SSE_HEADERS, Responder, end_stream, error_event
 from node.state import NodeState
-from protocol.kv_params import KVTransferParams
 from protocol.node_api import NodeCompletion
 from protocol.openai import APIError
 from protocol.sampling import SamplingParams
@@ -38,14 +37,12 @@ class Leg:
     def timing(self) -> dict[str, float]:
         return self._responder.timing
 
-    async def start(self, params: SamplingParams, *, hold_seconds: float | None = None, remote_num_tokens: int = 0,
-                    kv_transfer_params: KVTransferParams | None = None) -> EngineStream:  # fmt: skip
+    async def start(self, params: SamplingParams, handoff: KVHandoff | None = None) -> EngineStream:
         """Queue the request in the engine; a request the engine refuses is the client's 400
         (EngineOverloaded and EngineDead propagate: the app answers 503)."""
         try:
-            return await self.node.engine.add_request(
-                self.engine_request_id, self.prep.prompt_ids, params, self.prep.priority, hold_seconds=hold_seconds,
-                remote_num_tokens=remote_num_tokens, kv_transfer_params=kv_transfer_params)  # fmt: skip
+            return await self.node.engine.add_request(self.engine_request_id, self.prep.prompt_ids, params,
+                                                      self.prep.priority, handoff)  # fmt: skip
         except RequestRefused as e:
             raise APIError(400, str(e)) from None
 

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from node.engine_api import EngineStream, NodeEngine
+from node.engine_api import EngineStream, KVHandoff, NodeEngine
 from protocol.kv_params import KVTransferParams
 from protocol.node_api import NodeCompletion, NodeCompletionRequest
 from protocol.openai import APIError
@@ -117,9 +117,9 @@ class LegContext(Protocol):
     #: transfer_s; the rest is filled in when the answer finishes)
     timing: dict[str, float]
 
-    async def start(self, params: SamplingParams, *, hold_seconds: float | None = None, remote_num_tokens: int = 0,
-                    kv_transfer_params: KVTransferParams | None = None) -> EngineStream:  # fmt: skip
-        """Queue the request in the engine (a request it refuses is the client's 400)."""
+    async def start(self, params: SamplingParams, handoff: KVHandoff | None = None) -> EngineStream:
+        """Queue the request in the engine, with its part in a P/D handoff (a request the engine
+        refuses is the client's 400)."""
         ...
 
     async def respond(self, stream: EngineStream) -> web.StreamResponse:

@@ -16,7 +16,7 @@ import logging
 import msgspec
 from aiohttp import web
 
-from node.engine_api import RequestRefused
+from node.engine_api import KVHandoff, RequestRefused
 from node.legs import LegContext, Node, prefill_request_id
 from protocol.kv_params import KVTransferParams
 from protocol.node_api import KVReleaseRequest
@@ -34,7 +34,7 @@ async def prefill_leg(leg: LegContext) -> web.StreamResponse:
     params = prep.params
     params.max_tokens = 1  # P computes the prompt; the first real token comes from D
     lease = node.config.lease_seconds
-    result = await leg.collect(await leg.start(params, hold_seconds=lease))
+    result = await leg.collect(await leg.start(params, KVHandoff(hold_seconds=lease)))
     blocks = await node.engine.held_blocks(leg.engine_request_id)
     if not blocks:
         raise APIError(500, "prefill finished without holding its KV blocks", type_="internal_error")

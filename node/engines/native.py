@@ -17,13 +17,20 @@ from engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from engine.config import EngineConfig
 from engine.core import EngineCore, RequestError
 from engine.core import EngineOverloaded as CoreOverloaded
-from node.engine_api import Delta, EngineDead, EngineOverloaded, KVEventDrain, RequestRefused
+from node.engine_api import (
+    Delta,
+    EngineDead,
+    EngineOverloaded,
+    KVEventDrain,
+    KVHandoff,
+    RequestRefused,
+)
 from protocol import kv_events as wire
-from protocol.kv_params import KVTransferParams
 from protocol.sampling import Priority, SamplingParams
 
 #: seconds a client is told to wait after an overload answer
 RETRY_AFTER_S = 1.0
+_PLAIN = KVHandoff()
 
 
 class NativeStream:
@@ -108,15 +115,14 @@ class NativeNodeEngine:
             raise EngineDead(str(e)) from e
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: Priority = Priority.INTERACTIVE, *, hold_seconds: float | None = None,
-                          remote_num_tokens: int = 0,
-                          kv_transfer_params: KVTransferParams | None = None) -> NativeStream:  # fmt: skip
-        if kv_transfer_params is not None:  # the native legs move KV with kvtransfer
+                          priority: Priority = Priority.INTERACTIVE, handoff: KVHandoff | None = None) -> NativeStream:
+        h = handoff or _PLAIN
+        if h.kv_transfer_params is not None:  # the native legs move KV with kvtransfer
             raise RequestRefused("the native engine takes no kv_transfer_params (its legs move KV)")
         try:
             stream = await self._call(self._engine.add_request(
-                request_id, prompt_token_ids, params, priority, hold_blocks=hold_seconds is not None,
-                remote_num_tokens=remote_num_tokens, hold_seconds=hold_seconds))  # fmt: skip
+                request_id, prompt_token_ids, params, priority, hold_blocks=h.hold_seconds is not None,
+                remote_num_tokens=h.remote_num_tokens, hold_seconds=h.hold_seconds))  # fmt: skip
         except RequestError as e:
             raise RequestRefused(str(e)) from None
         except CoreOverloaded as e:

@@ -35,7 +35,7 @@ from typing import Any
 
 import msgspec
 
-from node.engine_api import Delta, EngineDead, KVEventDrain, RequestRefused
+from node.engine_api import Delta, EngineDead, KVEventDrain, KVHandoff, RequestRefused
 from node.engines.vllm_config import VllmEngineConfig
 from node.engines.vllm_events import VllmEventBridge
 from node.engines.vllm_stats import VllmStats, logger_factory
@@ -265,18 +265,17 @@ class VllmNodeEngine:
         await asyncio.to_thread(self._llm.shutdown)
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: Priority = Priority.INTERACTIVE, *, hold_seconds: float | None = None,
-                          remote_num_tokens: int = 0,
-                          kv_transfer_params: KVTransferParams | None = None) -> VllmStream:  # fmt: skip
+                          priority: Priority = Priority.INTERACTIVE, handoff: KVHandoff | None = None) -> VllmStream:
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        if hold_seconds is not None or remote_num_tokens:
+        h = handoff or KVHandoff()
+        if h.hold_seconds is not None or h.remote_num_tokens:
             raise RequestRefused("a vLLM node moves KV through kv_transfer_params, not the native P/D hooks")
         if self.dead is not None:
             raise self.dead if isinstance(self.dead, EngineDead) else EngineDead(str(self.dead))
         arrival = asyncio.get_running_loop().time()
         try:
-            sp = vllm_sampling(params, kv_transfer_params)
+            sp = vllm_sampling(params, h.kv_transfer_params)
             collector = await self._llm.add_request(request_id, {"prompt_token_ids": list(prompt_token_ids)},
                                                     sp, priority=int(priority))  # fmt: skip
         except EngineDeadError as e:

@@ -29,6 +29,7 @@ import socket
 import msgspec
 from aiohttp import web
 
+from node.engine_api import KVHandoff
 from node.legs import DECODE_TRIGGER, PREFILL_TRIGGER, LegContext, Node, Roles, prefill_request_id
 from protocol.kv_params import KVTransferParams
 from protocol.openai import APIError
@@ -75,7 +76,7 @@ async def prefill_leg(leg: LegContext) -> web.StreamResponse:
     if extra:
         raise APIError(400, f"a prefill leg takes only do_remote_decode, not {sorted(extra)}", param=_PARAM)
     prep.params.max_tokens = 1  # P computes the prompt; the first real token comes from D
-    stream = await leg.start(prep.params, kv_transfer_params=KVTransferParams(do_remote_decode=True))
+    stream = await leg.start(prep.params, KVHandoff(kv_transfer_params=KVTransferParams(do_remote_decode=True)))
     result = await leg.collect(stream)
     if result.kv_transfer_params is None or not result.kv_transfer_params.do_remote_prefill:
         raise APIError(500, "the engine finished the prefill without handing its KV over", type_="internal_error")
@@ -136,7 +137,7 @@ async def decode_leg(leg: LegContext) -> web.StreamResponse:
     # vLLM's fields only, the address the policy allowed in place of the name; duet's lease
     # is not vLLM's
     kv = msgspec.convert({**msgspec.to_builtins(p), "remote_host": address, "lease_seconds": None}, KVTransferParams)
-    return await leg.respond(await leg.start(leg.prep.params, kv_transfer_params=kv))
+    return await leg.respond(await leg.start(leg.prep.params, KVHandoff(kv_transfer_params=kv)))
 
 
 async def abort_prefill(node: Node, request_id: str) -> bool:
