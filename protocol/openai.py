@@ -8,7 +8,6 @@ ignore_eos, skip_special_tokens, priority and kv_transfer_params.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -200,18 +199,6 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     logprobs: CompletionLogprobs | None = None
     #: vLLM's extension: per prompt token None (the first) or {token id: {logprob, decoded_token}}
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
-
-
-class CompletionResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
-    id: str
-    object: str = "text_completion"
-    created: int = msgspec.field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    #: duet extension: where the time went (seconds), for SREs and bench.pd
-    timing: dict[str, float] | None = None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
