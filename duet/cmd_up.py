@@ -154,14 +154,18 @@ def _toml(v: Any) -> str:
 
 
 def gateway_toml(cfg, store_url: str, admin_sha256: str, coordinators: list[str], served: dict[str, str],
-                 nodes: list[tuple[str, str, str]]) -> str:  # fmt: skip
-    """`nodes`: (model, role, url) of every node, for static routing."""
+                 nodes: list[tuple[str, str, str]], etcd: str | None = None) -> str:  # fmt: skip
+    """`nodes`: (model, role, url) of every node, for static routing. `etcd`: where the gateway
+    also reads the cluster, so it routes on its own (etcd's node view) while no coordinator
+    replica answers — every one restarting at once — instead of failing every request."""
     gw = cfg.gateway
     static = gw.routing == "static"
     lines = ["# written by `duet up` on every start: edit cluster.toml or the flags instead", "[server]",
              f"host = {_toml(gw.host)}", f"port = {gw.port}", f"admin_key_sha256 = {_toml(admin_sha256)}",
              "[store]", f"url = {_toml(store_url)}",
              "[routing]", f"coordinator = {_toml([] if static else coordinators)}", f"cluster = {_toml(cfg.cluster)}"]  # fmt: skip
+    if etcd and not static:
+        lines.append(f"etcd = {_toml(etcd)}")
     for model, name in served.items():
         lines += [f"[models.{json.dumps(name)}]", 'kind = "cluster"', f"tokenizer = {_toml(model)}",
                   f"input_usd_per_mtok = {gw.input_usd_per_mtok!r}", f"output_usd_per_mtok = {gw.output_usd_per_mtok!r}"]  # fmt: skip
@@ -285,7 +289,8 @@ def _run(args: argparse.Namespace) -> int:
     nodes = _node_children(cfg, home, etcd_url, log)
     node_urls = [(m, role, c.health_url.removesuffix("/health")) for c, (m, role) in nodes]  # type: ignore[union-attr]
     nodes = [c for c, _ in nodes]
-    home.gateway_toml.write_text(gateway_toml(cfg, home.store_url, hash_secret(admin), coord_urls, served, node_urls))
+    home.gateway_toml.write_text(gateway_toml(cfg, home.store_url, hash_secret(admin), coord_urls, served, node_urls,
+                                                etcd=etcd_url))
     gw_host = "127.0.0.1" if cfg.gateway.host in ("0.0.0.0", "::", "") else cfg.gateway.host
     gw_url = f"http://{gw_host}:{cfg.gateway.port}"
     env = {k: v for k, v in os.environ.items() if k != "DUET_ADMIN_KEY"}  # the admin key is the file's

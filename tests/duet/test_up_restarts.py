@@ -4,9 +4,24 @@ their pids and the cluster keeps answering; a node that crash-loops (its port ta
 down after the limit while the rest serve and the coordinators drop it within 2 × its lease
 TTL; Ctrl-C still stops everything, the restarted processes included.
 
+Every component survives its peers' restarts (each pair, and the test that shows it):
+- gateway × node: `..._a_killed_node_comes_back...` (D), `..._prefill_node_gone...` (P: the
+  gateway prefills on D meanwhile and uses P again once it is back), the crash loop (no
+  request fails on the node left down);
+- gateway × coordinator: `..._killed_coordinator_rejoins...` (fails over to the other
+  replica), `..._both_coordinators_gone...` (routes on etcd's view, then through them again);
+- gateway × etcd: `..._killed_etcd_comes_back...` (answers while etcd is down and after);
+- coordinator × etcd: the same test (both replicas reconnect, agree on a leader, see every node);
+- coordinator × node: the restarted D is followed as a new engine by both replicas; a node
+  left down leaves their view within 2 × TTL; the restarted coordinator's prefix index,
+  rebuilt from the nodes' snapshots, equals the other replica's;
+- node × etcd: nodes stay registered across etcd's restart (ready in both replicas);
+- node × coordinator: the restarted replica streams every node's events (ready in its view).
+(With etcd restarted *empty*, nodes register again: tests/coordinator/test_faults_e2e.py.)
+
 One cluster for the module (2 coordinator replicas, 1 prefill, 2 decode nodes on the tiny
-model): the tests run in file order and each leaves it whole, except the crash loop (which
-leaves decode-1 down) and the last one (which stops it).
+model, every request disaggregated): the tests run in file order and each leaves it whole,
+except the crash loop (which leaves decode-1 down) and the last one (which stops it).
 """
 
 from __future__ import annotations
@@ -38,7 +53,7 @@ MAX_RESTARTS = 2
 CLUSTER_TOML = f"""
 [coordinator]
 replicas = 2
-args = ["--ttl", "3", "--stale-load-s", "3"]
+args = ["--ttl", "3", "--stale-load-s", "3", "--local-prefill-tokens", "0"]
 [restart]
 max_restarts = {MAX_RESTARTS}
 backoff_s = 0.2
@@ -72,11 +87,19 @@ class Up:
         return openai.OpenAI(base_url=self.proc.url + "/v1", api_key=self.key, max_retries=0, timeout=60)
 
     def ask(self, n: int = 3) -> None:
-        """`n` chat requests through the gateway, each answered in full."""
+        """`n` chat requests through the gateway, each answered in full (prompts of a few
+        blocks, so the prefix caches and the coordinators' index have something to hold)."""
         for i in range(n):
+            text = f"hello {i}: " + "the quick brown fox jumps over the lazy dog " * 4
             r = self.client().chat.completions.create(model=self.model, max_tokens=4, temperature=0,
-                                                      messages=[{"role": "user", "content": f"hello {i}"}])  # fmt: skip
+                                                      messages=[{"role": "user", "content": text}])  # fmt: skip
             assert r.usage.completion_tokens == 4, r
+
+    def metric(self, url: str, name: str) -> float:
+        """Sum of a Prometheus metric over its labels."""
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            lines = r.read().decode().splitlines()
+        return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith((name + "{", name + " ")))
 
     def cluster(self, url: str | None = None) -> dict[str, Any]:
         with urllib.request.urlopen((url or self.state()["coordinators"][0]) + "/cluster", timeout=5) as r:
@@ -151,7 +174,10 @@ def test_a_killed_etcd_comes_back_with_its_data(up: Up) -> None:
             await store.close()
 
     assert asyncio.run(put_get(b"kept")) == b"kept"
-    kill_and_wait_back(up, "etcd")
+    pid = up.child("etcd")["pid"]
+    os.kill(pid, signal.SIGKILL)
+    up.ask(1)  # the gateway and the coordinators do not need etcd to serve
+    wait_for(lambda: (c := up.child("etcd"))["state"] == "running" and c["restarts"] == 1, 120, "etcd back")
     assert asyncio.run(put_get(None)) == b"kept"  # same data directory
     # Both replicas are connected again, agree on a leader and see every node; the gateway serves.
     coords = up.state()["coordinators"]
@@ -185,7 +211,42 @@ def test_a_killed_coordinator_rejoins_the_election(up: Up) -> None:
                 and all(sum(n["ready"] for n in v["nodes"]) == 3 for v in views))  # fmt: skip
 
     wait_for(agreed, 60, "one leader that both replicas agree on, every node ready in both")
+    # The restarted replica rebuilt its prefix index from the nodes' snapshots.
     up.ask()
+    views = [{n["node_id"]: n["indexed_blocks"] for n in up.cluster(u)["nodes"]} for u in coords]
+    assert views[0] == views[1] and views[0]["prefill-0"] > 0, views
+
+
+def test_both_coordinators_gone_the_gateway_routes_on_its_own_then_through_them(up: Up) -> None:
+    gw = up.state()["gateway"]
+    fallbacks = up.metric(gw, "duet:route_fallback_total")
+    names = [c["name"] for c in up.state()["children"] if c["name"].startswith("coordinator")]
+    restarts = {n: up.child(n)["restarts"] for n in names}
+    for n in names:
+        os.kill(up.child(n)["pid"], signal.SIGKILL)
+    up.ask(2)  # no replica answers: the gateway routes on etcd's view of the nodes
+    assert up.metric(gw, "duet:route_fallback_total") >= fallbacks + 2
+    for n in names:
+        wait_for(lambda n=n: (c := up.child(n))["state"] == "running" and c["restarts"] == restarts[n] + 1, 120,
+                 f"{n} back")  # fmt: skip
+    for u in up.state()["coordinators"]:
+        wait_for(lambda u=u: sum(n["ready"] for n in up.cluster(u)["nodes"]) == 3, 60, "every node ready")
+    fallbacks = up.metric(gw, "duet:route_fallback_total")
+    up.ask(2)
+    assert up.metric(gw, "duet:route_fallback_total") == fallbacks  # through the coordinators again
+
+
+def test_prefill_node_gone_the_gateway_prefills_on_d_then_uses_it_again(up: Up) -> None:
+    p = up.child("prefill-0")
+    os.kill(p["pid"], signal.SIGKILL)
+    up.ask(2)  # P is dead (the coordinator may not know yet): prefilled on a decode node instead
+    wait_for(lambda: (c := up.child("prefill-0"))["state"] == "running" and c["restarts"] == 1, 120, "P back")
+    for u in up.state()["coordinators"]:
+        wait_for(lambda u=u: any(n["node_id"] == "prefill-0" and n["ready"] for n in up.cluster(u)["nodes"]), 60,
+                 "prefill-0 ready again")  # fmt: skip
+    served = up.metric(p["url"], "duet:e2e_request_latency_seconds_count")
+    up.ask(2)
+    assert up.metric(p["url"], "duet:e2e_request_latency_seconds_count") >= served + 2
 
 
 def test_a_killed_gateway_comes_back_on_its_port_with_its_store(up: Up) -> None:
