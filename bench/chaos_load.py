@@ -7,12 +7,17 @@ set of chat prompts whose reference answers are taken once before the first kill
 - `batch`: one simple batch job (`POST /v1/batch`), polled until it ends.
 
 Every request ends in one `Outcome`:
-- FULL: the whole answer, equal to the reference (text and finish reason);
+- FULL: the whole answer (`[DONE]` after the content, or a complete JSON body);
 - DEFINED_ERROR: an HTTP error with OpenAI's error body, or an SSE `error` event — the client
   was told what happened (tokens it got before an error event still count as received);
 - UNDEFINED: a connection error, a hang past the timeout, a stream that ends without `[DONE]`,
-  an answer that is not OpenAI-shaped, or text that differs from the reference (repeated or
-  missing tokens).
+  or an answer that is not OpenAI-shaped.
+
+A full answer whose text or finish reason differs from the reference is flagged
+(`differs_from_reference`). With `strict_text` it is UNDEFINED (the check the issue asks for
+once streams migrate: repeated or missing text); without, it stays FULL and is only counted,
+because greedy decoding on the native engine is not batch-invariant in bf16 (a different batch
+composition can flip a near-tie), so a difference alone does not prove that chaos broke it.
 
 Invariant: a client never raises; a failure is a record, and the run goes on.
 """
@@ -63,6 +68,8 @@ class Record(msgspec.Struct, kw_only=True):
     tokens: int = 0
     #: the gateway answered (a body or a stream), whatever it said: it should have billed it
     answered: bool = False
+    #: a full answer whose text differs from the greedy reference
+    differs_from_reference: bool = False
 
 
 class Reference(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,17 +96,18 @@ def _error_answer(rec: Record, status: int, raw: bytes) -> Record:
     return rec
 
 
-def _judge(rec: Record, text: str, finish: str | None, ref: Reference | None) -> Record:
+def _judge(rec: Record, text: str, finish: str | None, ref: Reference | None, strict_text: bool) -> Record:
+    rec.outcome, rec.cause = Outcome.FULL, "ok"
     if ref is not None and (text, finish) != (ref.text, ref.finish_reason):
-        rec.outcome, rec.cause = Outcome.UNDEFINED, "text_mismatch"
+        rec.differs_from_reference = True
         rec.message = f"got {text[:80]!r} ({finish}), reference {ref.text[:80]!r} ({ref.finish_reason})"
-    else:
-        rec.outcome, rec.cause = Outcome.FULL, "ok"
+        if strict_text:
+            rec.outcome, rec.cause = Outcome.UNDEFINED, "text_mismatch"
     return rec
 
 
 async def _stream(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict[str, Any],
-                  rec: Record, ref: Reference | None, t0: float) -> Record:  # fmt: skip
+                  rec: Record, ref: Reference | None, strict_text: bool) -> Record:  # fmt: skip
     start = time.perf_counter()
     async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
         if r.status != 200:
@@ -143,11 +151,11 @@ async def _stream(session: aiohttp.ClientSession, url: str, headers: dict[str, s
             rec.outcome, rec.cause = Outcome.UNDEFINED, "incomplete_stream"
             rec.message = f"the stream ended after {chunks} chunks without [DONE]"
             return rec
-        return _judge(rec, "".join(parts), finish, ref)
+        return _judge(rec, "".join(parts), finish, ref, strict_text)
 
 
 async def _plain(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict[str, Any],
-                 rec: Record, ref: Reference | None) -> Record:  # fmt: skip
+                 rec: Record, ref: Reference | None, strict_text: bool) -> Record:  # fmt: skip
     async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
         raw = await r.read()
         if r.status != 200:
@@ -156,20 +164,21 @@ async def _plain(session: aiohttp.ClientSession, url: str, headers: dict[str, st
     answer = json.loads(raw)
     choice = answer["choices"][0]
     rec.tokens = int(answer["usage"]["completion_tokens"])
-    return _judge(rec, choice["message"]["content"] or "", choice.get("finish_reason"), ref)
+    return _judge(rec, choice["message"]["content"] or "", choice.get("finish_reason"), ref, strict_text)
 
 
 async def one_request(session: aiohttp.ClientSession, url: str, key: str, model: str, kind: str, prompt: int,
-                      max_tokens: int, ref: Reference | None, t0: float, timeout: float) -> Record:  # fmt: skip
+                      max_tokens: int, ref: Reference | None, t0: float, timeout: float,
+                      strict_text: bool = False) -> Record:  # fmt: skip
     rec = Record(kind=kind, prompt=prompt, sent_s=time.monotonic() - t0)
     headers = {"Authorization": f"Bearer {key}"}
     body = chat_body(model, prompt, max_tokens, stream=kind == "stream")
     try:
         async with asyncio.timeout(timeout):
             if kind == "stream":
-                await _stream(session, url, headers, body, rec, ref, t0)
+                await _stream(session, url, headers, body, rec, ref, strict_text)
             else:
-                await _plain(session, url, headers, body, rec, ref)
+                await _plain(session, url, headers, body, rec, ref, strict_text)
     except TimeoutError:
         rec.outcome, rec.cause, rec.message = Outcome.UNDEFINED, "timeout", f"no complete answer within {timeout:g} s"
     except (aiohttp.ClientError, ConnectionError) as e:

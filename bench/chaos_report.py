@@ -49,13 +49,18 @@ def summarise(records: list[Record], kills: list[Kill], batch: BatchResult, kv_h
         "duration_s": duration,
         "requests": n, "full": full, "defined_error": defined, "undefined": len(undefined),
         "answered_pct": 100.0 * (n - len(undefined)) / n if n else None,
+        "differs_from_reference": sum(r.differs_from_reference for r in records),
         "full_pct": 100.0 * full / n if n else None,
         "by_kind": {k: {"requests": sum(r.kind == k for r in records),
                         "full": sum(r.kind == k and r.outcome == Outcome.FULL for r in records)}
                     for k in sorted({r.kind for r in records})},
         "causes": dict(sorted(causes.items(), key=lambda kv: -kv[1])),
-        "undefined_examples": [{"kind": r.kind, "sent_s": round(r.sent_s, 2), "cause": r.cause, "message": r.message}
-                               for r in undefined[:10]],
+        # every request that did not get its full answer (the first 50), with the tokens it got
+        "failures": [{"kind": r.kind, "sent_s": round(r.sent_s, 2), "end_s": round(r.end_s, 2), "outcome": str(r.outcome),
+                      "cause": r.cause, "tokens": r.tokens, "message": r.message}
+                     for r in records if r.outcome != Outcome.FULL][:50],
+        "differing_examples": [{"kind": r.kind, "sent_s": round(r.sent_s, 2), "message": r.message}
+                               for r in records if r.differs_from_reference][:5],
         "p50_ttft_s": float(np.percentile(ttfts, 50)) if ttfts else None,
         "p99_ttft_s": float(np.percentile(ttfts, 99)) if ttfts else None,
         "kills": [{"name": k.name, "at_s": round(k.at_s, 1), "back_s": None if k.back_s is None else round(k.back_s, 1),
@@ -87,9 +92,10 @@ def render(s: dict[str, Any]) -> None:
     t.add_row("answered: tokens or a defined error", f"{s['requests'] - s['undefined']} ({_f(s['answered_pct'], '.2f', ' %')})")
     t.add_row("  with their full tokens", f"{s['full']} ({_f(s['full_pct'], '.2f', ' %')})")
     t.add_row("  defined errors", str(s["defined_error"]))
-    t.add_row("undefined (connection error, hang, cut stream, wrong text)", str(s["undefined"]))
+    t.add_row("undefined (connection error, hang, cut stream)", str(s["undefined"]))
     for cause, n in s["causes"].items():
         t.add_row(f"  {cause}", str(n))
+    t.add_row("full answers whose greedy text differs from the reference", str(s["differs_from_reference"]))
     t.add_row("TTFT p50 / p99 (streams, full answers)",
               f"{_f(s['p50_ttft_s'] and s['p50_ttft_s'] * 1e3, '.0f')} / {_f(s['p99_ttft_s'] and s['p99_ttft_s'] * 1e3, '.0f')} ms")
     for k in s["kills"]:
