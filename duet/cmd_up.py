@@ -11,7 +11,8 @@ ready, `duet up` prints the URL, the key, and a curl and an openai snippet.
 Self-healing: a process that dies (etcd, a coordinator replica, a node, the gateway) is
 restarted alone, with the same ports and arguments, after an exponential backoff (1 s, 2 s,
 4 s ... up to 30 s); nodes register again, coordinators rejoin the election, etcd keeps its
-data directory. After --max-restarts failures in a row (a life healthy for 60 s clears the
+data directory. A process that stops answering its health URL for 60 s (hung) is killed and
+restarted the same way. After --max-restarts failures in a row (a life healthy for 60 s clears the
 count) the process crash-loops: it stays down, is reported, and the rest keep serving. Each
 death is logged with its cause; `duet status` shows restarts, last exit and backoff per
 process. Tune it with --max-restarts/--restart-backoff or a [restart] table in cluster.toml.

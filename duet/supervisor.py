@@ -5,7 +5,9 @@ ports, node id, data directory), after an exponential backoff; the others are no
 SIGINT/SIGTERM everything stops in reverse stage order.
 
 Restart policy (`RestartPolicy`): a child that exits — or, restarted, is not healthy within
-`startup_timeout_s` (it is then killed) — has failed once; a life healthy for `stable_s` clears
+`startup_timeout_s`, or, running, has not answered its health URL at all (any status: a
+draining node's 503 is an answer) for `liveness_timeout_s` — a hung or SIGSTOPped process; it
+is then killed — has failed once; a life healthy for `stable_s` clears
 its count of failures in a row. After `max_restarts` failures in a row the child crash-loops:
 it stays down and is reported (`ChildState.FAILED`) while the rest keep serving. The delay
 before restart k of a run of failures is `backoff_s * 2**(k-1)`, capped at `backoff_max_s`.
@@ -31,6 +33,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import enum
+import http.client
 import os
 import signal
 import subprocess
@@ -40,11 +43,15 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 _COLOURS = (36, 33, 35, 32, 34, 31, 96, 93, 95, 92, 94)
+#: how often a running child's health is checked (in a worker thread: a hung child must not
+#: stall the supervision of the others)
+_LIVENESS_EVERY_S = 2.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -66,6 +73,9 @@ class RestartPolicy:
     stable_s: float = 60.0
     #: a restarted child not healthy after this long is killed (one more failure)
     startup_timeout_s: float = 180.0
+    #: a running child whose health URL has not answered at all (any status) for this long is
+    #: killed: it is hung (0: never)
+    liveness_timeout_s: float = 60.0
 
     def delay(self, failures: int) -> float:
         return min(self.backoff_max_s, self.backoff_s * 2 ** max(0, failures - 1))
@@ -107,6 +117,10 @@ class Child:
     #: wall-clock time of the next start, for `duet status`
     next_start_wall: float | None = None
     reaped: bool = field(default=False, repr=False)
+    #: last time (monotonic) the child answered its health check
+    last_alive: float = field(default=0.0, repr=False)
+    probe: Future[bool] | None = field(default=None, repr=False)
+    probe_at: float = field(default=0.0, repr=False)
 
     @property
     def pid(self) -> int | None:
@@ -203,6 +217,7 @@ class Supervisor:
         #: called after any child changes state (started, up, died, gave up)
         self.on_change = on_change
         self.restart = restart
+        self._probes: ThreadPoolExecutor | None = None
         self.stopping = threading.Event()
         self._signals = 0
         self._force = threading.Event()
@@ -249,6 +264,7 @@ class Supervisor:
                                       env=c.env,
                                       start_new_session=True, preexec_fn=self._preexec[c.death_signal])  # fmt: skip
         c.state, c.started_at, c.healthy_at, c.reaped = ChildState.STARTING, time.monotonic(), None, False
+        c.probe = None  # a probe of the previous life says nothing about this one
         if self._tail is not None:
             self._tail.follow(c.name, c.log_path, offset)
         if self.on_started is not None:
@@ -266,7 +282,19 @@ class Supervisor:
         try:
             with urllib.request.urlopen(c.health_url, timeout=2) as r:
                 return r.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, OSError):
+            return False
+
+    @staticmethod
+    def _answers(c: Child) -> bool:
+        """Liveness, not readiness: any HTTP answer (a draining node's 503 included) proves the
+        process is not hung; only silence (refused, reset, timed out) does not."""
+        try:
+            with urllib.request.urlopen(c.health_url, timeout=2):
+                return True
+        except urllib.error.HTTPError:
+            return True
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, OSError):
             return False
 
     def _start_stage(self, stage: list[Child]) -> bool:
@@ -285,6 +313,7 @@ class Supervisor:
                 if self._healthy(c):
                     self.say(f"{c.name} is up (pid {c.proc.pid})")
                     c.state, c.healthy_at = ChildState.RUNNING, time.monotonic()
+                    c.last_alive = c.healthy_at
                     pending.remove(c)
                     self._changed()
             if not pending:
@@ -308,6 +337,7 @@ class Supervisor:
                     return 0 if self.stopping.is_set() else 1
             if self.on_ready is not None and not self.on_ready(self):
                 return 0 if self.stopping.is_set() else 1
+            self._probes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="duet-up-health")
             while not self.wait(0.5):  # supervision interval
                 for c in self.children:
                     if self.stopping.is_set():
@@ -316,6 +346,8 @@ class Supervisor:
             return 0
         finally:
             self.say("stopping (Ctrl-C again to kill at once)" if self._signals else "stopping")
+            if self._probes is not None:
+                self._probes.shutdown(wait=False, cancel_futures=True)
             self._shutdown()
             if self._tail is not None:
                 self._tail_stop.set()
@@ -335,12 +367,15 @@ class Supervisor:
                 self._failed(c, f"{exit_cause(c.proc.returncode)} after {lived:.1f} s", now)
             elif c.state == ChildState.STARTING:
                 if self._healthy(c):
-                    c.state, c.healthy_at = ChildState.RUNNING, now
+                    c.state, c.healthy_at, c.last_alive = ChildState.RUNNING, now, now
                     self.say(f"{c.name} is up again (pid {c.pid}, restart {c.restarts})")
                     self._changed()
                 elif now - c.started_at > self.restart.startup_timeout_s:
                     self._kill_group(c)
                     self._failed(c, f"not healthy {self.restart.startup_timeout_s:.0f} s after its start", now)
+            elif self._hung(c, now):
+                self._kill_group(c)
+                self._failed(c, f"not answering its health check for {self.restart.liveness_timeout_s:.0f} s", now)
             elif c.failures and c.healthy_at is not None and now - c.healthy_at >= self.restart.stable_s:
                 c.failures = 0  # a stable life: the next death starts a new run of failures
                 self._changed()
@@ -348,6 +383,19 @@ class Supervisor:
             c.restarts += 1
             self.say(f"restarting {c.name} (restart {c.restarts}; last: {c.last_cause})")
             self._start(c)
+
+    def _hung(self, c: Child, now: float) -> bool:
+        """Probe a running child's health now and then (off the supervision thread); True once
+        it has not answered for `liveness_timeout_s`."""
+        if not self.restart.liveness_timeout_s or c.health_url is None or self._probes is None:
+            return False
+        if c.probe is not None and c.probe.done():
+            if c.probe.exception() is None and c.probe.result():
+                c.last_alive = c.probe_at
+            c.probe = None
+        if c.probe is None and now - c.probe_at >= _LIVENESS_EVERY_S:
+            c.probe_at, c.probe = now, self._probes.submit(self._answers, c)
+        return now - c.last_alive > self.restart.liveness_timeout_s
 
     def _failed(self, c: Child, cause: str, now: float) -> None:
         """`c` died (or was killed for not starting): reap its group, then back off or give up."""

@@ -23,6 +23,7 @@ cluster.toml (every section optional; unknown keys are refused, so a typo never 
     backoff_max_s = 30.0                # ... up to this
     stable_s = 60.0                     # a life healthy this long clears the count
     startup_timeout_s = 180.0           # a restarted process not healthy by then is killed
+    liveness_timeout_s = 60.0           # a running one not answering /health this long is killed (0: never)
 
     [[nodes]]
     role = "prefill"                    # prefill | decode | both
@@ -190,7 +191,7 @@ def validate(cfg: UpConfig) -> UpConfig:
     if cfg.coordinator.replicas < 1:
         raise UpConfigError("[coordinator] replicas must be >= 1")
     r = cfg.restart
-    for name in ("max_restarts", "backoff_s", "backoff_max_s", "stable_s", "startup_timeout_s"):
+    for name in ("max_restarts", "backoff_s", "backoff_max_s", "stable_s", "startup_timeout_s", "liveness_timeout_s"):
         v = getattr(r, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
             raise UpConfigError(f"[restart] {name} must be a number >= 0, got {v!r}")

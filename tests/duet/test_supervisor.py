@@ -41,7 +41,8 @@ RUNNER = textwrap.dedent("""
         out.with_suffix(".tmp").write_text(json.dumps([c.status() for c in sup.children]))
         out.with_suffix(".tmp").replace(out)
 
-    policy = RestartPolicy(max_restarts=2, backoff_s=0.5, backoff_max_s=5.0, stable_s=60.0, startup_timeout_s=2.0)
+    policy = RestartPolicy(max_restarts=2, backoff_s=0.5, backoff_max_s=5.0, stable_s=60.0, startup_timeout_s=2.0,
+                         liveness_timeout_s=3.0)
     sys.exit(Supervisor([[web, flaky]], tail=False, on_change=changed, restart=policy).run())
 """)
 
@@ -71,6 +72,15 @@ def test_backoff_startup_timeout_and_crash_loop_on_plain_processes(tmp_path: Pat
         with urllib.request.urlopen(f"http://127.0.0.1:{web_port}/", timeout=5) as r:
             assert r.status == 200  # the sibling serves on
         assert not alive(gone["pid"]) and not group_alive(gone["pid"])  # the hung life was killed, group and all
+        # A running child that hangs (SIGSTOP) is killed once it has not answered for 3 s, and restarted.
+        os.kill(web_pid, signal.SIGSTOP)
+        back = wait_for(lambda: (c := child("web")).get("state") == "running" and c["restarts"] == 1 and c, 60,
+                        "the hung web child restarted")  # fmt: skip
+        assert back["last_cause"] == "not answering its health check for 3 s" and back["pid"] != web_pid
+        assert not alive(web_pid)
+        web_pid = back["pid"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{web_port}/", timeout=5) as r:
+            assert r.status == 200
         sup.send_signal(signal.SIGTERM)
         assert sup.wait(60) == 0
         err = sup.stderr.read()
