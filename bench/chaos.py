@@ -157,7 +157,11 @@ def kv_held(state: dict[str, Any]) -> dict[str, int] | None:
 
 
 def usage_since(url: str, key: str, start: float) -> dict[str, Any]:
-    rows = _get(f"{url}/v1/usage?start={start:.3f}", key)["data"]
+    """The gateway's usage totals since `start` (unix seconds); {"error": ...} if it cannot say."""
+    try:
+        rows = _get(f"{url}/v1/usage?start={start:.3f}", key)["data"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+        return {"error": f"usage not readable: {e}"}
     return {f: sum(r[f] for r in rows) for f in ("requests", "prompt_tokens", "completion_tokens")}
 
 

@@ -256,6 +256,21 @@ def test_a_killed_gateway_comes_back_on_its_port_with_its_store(up: Up) -> None:
     assert up.client().get("/usage", cast_to=object)["data"][0]["requests"] == usage + 1
 
 
+def test_bench_chaos_against_a_running_up_without_kills(up: Up, tmp_path: Path) -> None:
+    """`duet bench chaos --url --home` (the running cluster, its dev key from the home), as a
+    baseline: no kill, every request full, the batch once, usage equal to the client's counts."""
+    r = subprocess.run([sys.executable, "-m", "duet", "bench", "chaos", "--url", up.proc.url, "--home", str(up.home),
+                        "--duration", "6", "--kill-every", "0", "--streams", "2", "--plain", "1", "--batch-lines", "3",
+                        "--max-tokens", "4", "--settle", "30", "--out", str(tmp_path), "--json"],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    s = json.loads(r.stdout)
+    assert s["kills"] == [] and s["requests"] > 0 and s["full"] == s["requests"], s["causes"]
+    assert s["batch"]["exactly_once"] and s["usage"]["requests_match"] and s["usage"]["completion_tokens_match"], s
+    assert set(s["kv_blocks_held_after"]) == {"prefill-0", "decode-0", "decode-1"}
+    assert not any(s["kv_blocks_held_after"].values())
+
+
 def test_a_crash_looping_node_is_left_down_and_its_routes_go(up: Up) -> None:
     d1 = up.child("decode-1")
     port = int(d1["url"].rsplit(":", 1)[1])
