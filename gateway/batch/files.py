@@ -18,6 +18,7 @@ import msgspec
 
 from gateway.batch.config import BatchConfig
 from gateway.batch.models import BatchError, InputLine
+from gateway.private_files import durable_replace, open_private, private_dir
 
 MAX_CUSTOM_ID = 512
 MAX_REPORTED_ERRORS = 100  # a 50,000-line file of garbage should not make a 50,000-line error
@@ -133,8 +134,7 @@ class FileStore:
     """File contents under one directory, named by file id."""
 
     def __init__(self, directory: Path) -> None:
-        self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
+        self.directory = private_dir(Path(directory))
 
     def path(self, file_id: str) -> Path:
         if not file_id.startswith("file-") or not file_id[5:].isalnum():
@@ -145,12 +145,12 @@ class FileStore:
         return self.directory / f".upload-{uuid.uuid4().hex}.tmp"
 
     def commit(self, temp: Path, file_id: str) -> None:
-        os.replace(temp, self.path(file_id))
+        durable_replace(temp, self.path(file_id))
 
     def write(self, file_id: str, chunks: Iterable[bytes]) -> int:
         temp = self.temp_path()
         size = 0
-        with temp.open("wb") as f:
+        with open_private(temp) as f:
             for c in chunks:
                 f.write(c)
                 size += len(c)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import re
 import time
 from typing import Any
@@ -32,6 +33,7 @@ from gateway.batch.submit import (
     submit_batch,
     team_of,
 )
+from gateway.private_files import open_private
 from protocol.openai import APIError
 
 UPLOAD_CHUNK = 1 << 20
@@ -109,13 +111,15 @@ class _Routes:
         temp = self.files.temp_path()
         size = 0
         try:
-            with temp.open("wb") as f:
+            with open_private(temp) as f:
                 while chunk := await part.read_chunk(UPLOAD_CHUNK):
                     size += len(chunk)
                     if size > self.config.max_file_bytes:
                         raise APIError(413, f"a batch file is at most {self.config.max_file_bytes} "
                                             "bytes", param="file", code="file_too_large")  # fmt: skip
                     f.write(chunk)
+                f.flush()
+                await asyncio.to_thread(os.fsync, f.fileno())  # the upload survives a crash once answered
         except BaseException:
             temp.unlink(missing_ok=True)
             raise

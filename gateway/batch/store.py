@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 from gateway.batch.models import RequestCounts
+from gateway.private_files import private_dir, private_file
 
 T = TypeVar("T")
 
@@ -228,7 +229,7 @@ class SqliteBatchStore:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_file(private_dir(self.path.parent) / self.path.name)
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves, so a claim takes the write
         # lock before it reads and two processes can never claim the same row.
         self._db = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None,

@@ -34,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
 
+from gateway.private_files import private_dir, private_file
+
 log = logging.getLogger("duet.gateway.store")
 T = TypeVar("T")
 
@@ -75,9 +77,13 @@ class Connections:
 
     async def open(self, init: Callable[[sqlite3.Connection], None]) -> None:
         def setup() -> None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            private_file(private_dir(self.path.parent) / self.path.name)
             db = connect(self.path, 30_000, set_wal=True)
             init(db)
+            for suffix in ("-wal", "-shm"):  # SQLite gives them the database's mode; an old file's too
+                side = self.path.with_name(self.path.name + suffix)
+                if side.exists():
+                    private_file(side)
             self._worker = db
 
         await asyncio.get_running_loop().run_in_executor(self._pool, setup)
