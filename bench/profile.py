@@ -1,0 +1,232 @@
+"""`duet bench profile` (also `python -m bench.profile`): measure one node kind and write its
+profile (JSON, sim/profile.py's schema) for the simulator, `duet plan` and the autoscaler.
+
+A node kind = model × dtype × quantization × threads × engine (the native engine here). The
+engine's real EngineCore runs designed step mixes — prefill alone (short prompts, and long ones
+in chunks so the attention term shows), decode batches of 1..N sequences at several contexts,
+and decode batches with a prefill chunk riding along — and every step is timed (wall clock
+around `EngineCore.step`, which is what a node's step loop costs: schedule + forward +
+sample). Each step's features come from the chunks the scheduler handed the runner. The
+step-time model is fitted to all samples (non-negative least squares, relative error) and
+the profile keeps the samples, the fit error and the held-out error.
+
+KV bytes per token come from the engine's own KV layout. The transport figures come from
+`bench.kvtransfer` between two real processes (latency + bytes/bandwidth fitted to its
+scattered reads of 1..64 blocks). Per-request overheads outside the forward pass are not
+measured here: they default to the gateway's figures in docs/benchmarks.md (see --overhead-ms).
+
+Wall-clock figures need a quiet machine: the load average is recorded in the profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from sim import profile as pf
+
+DESCRIPTION = __doc__.split("\n\n", 1)[1]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="duet bench profile", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", default=None, help="model name or directory (default: duet's default model)")
+    p.add_argument("--dtype", default="auto", help="auto, bfloat16 or float32")
+    p.add_argument("--quantization", choices=["none", "int8", "int4", "int4-g64"], default="none")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--kv-memory", default="1GiB", help="KV pool size of the profiled node kind (default 1GiB)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--decode-batches", default="1,4,16,32,64", help="decode batch sizes to time")
+    p.add_argument("--contexts", default="128,512,1024", help="context lengths of the decode batches")
+    p.add_argument("--reps", type=int, default=3, help="timed decode steps per (batch, context) (default 3)")
+    p.add_argument("--transport", default="nixl", help="KV transport to measure: nixl, ucx, tcp, or none")
+    p.add_argument("--overhead-ms", type=float, default=2.0,
+                   help="per-request time outside the forward pass (gateway + route + leg HTTP), ms")  # fmt: skip
+    p.add_argument("--pd-hop-ms", type=float, default=3.0, help="extra time of a disaggregated request's P→D hop, ms")
+    p.add_argument("--name", default=None, help="node kind name (default: model-dtype-quant-tN)")
+    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--quick", action="store_true", help="a few points only: a smoke test, not a measurement")
+    return p.parse_args(argv)
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+class _Recorder:
+    """Wraps the runner's `execute` of one EngineCore instance to see each step's chunks."""
+
+    def __init__(self, core) -> None:  # type: ignore[no-untyped-def]
+        self.chunks: list = []
+        real = core.runner.execute
+
+        def execute(chunks):  # type: ignore[no-untyped-def]
+            self.chunks = list(chunks)
+            return real(chunks)
+
+        core.runner.execute = execute
+
+
+def _step(core, rec: _Recorder, samples: list[pf.StepSample]) -> None:  # type: ignore[no-untyped-def]
+    from sim.node import features
+
+    rec.chunks = []
+    t0 = time.perf_counter()
+    core.step()
+    dt = time.perf_counter() - t0
+    if rec.chunks:
+        f = features(rec.chunks)
+        samples.append(pf.StepSample(f.prefill_tokens, f.decode_seqs, f.context_tokens, f.attention, dt))
+
+
+def _measure(core, a: argparse.Namespace, log) -> list[pf.StepSample]:  # type: ignore[no-untyped-def]
+    from engine.sampling_params import SamplingParams
+
+    rec = _Recorder(core)
+    rng = random.Random(0)
+    vocab = core.model_config.vocab_size
+    samples: list[pf.StepSample] = []
+    n = 0
+
+    def add(prompt_len: int, max_tokens: int) -> str:
+        nonlocal n
+        n += 1
+        rid = f"p{n}"
+        core.add_request(rid, [rng.randrange(3, vocab) for _ in range(prompt_len)],
+                         SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))  # fmt: skip
+        return rid
+
+    def drain() -> None:
+        for rid in list(core.scheduler.requests):
+            core.abort(rid)
+        while core.has_work():
+            core.step()
+
+    # warm up (first steps allocate and compile)
+    add(64, 4)
+    while core.has_work():
+        core.step()
+    prompts = [16, 64, 256, 512] if a.quick else [16, 32, 64, 128, 256, 384, 512]
+    for plen in prompts:
+        for _ in range(1 if a.quick else 2):
+            add(plen, 1)
+            while core.has_work():
+                _step(core, rec, samples)
+    log(f"prefill: {len(samples)} steps")
+    long = [1024] if a.quick else [1024, 2048]
+    for plen in long:  # chunked: chunks at growing starts, so attention's quadratic part shows
+        add(min(plen, a.max_model_len - 8), 1)
+        while core.has_work():
+            _step(core, rec, samples)
+    batches, contexts = _ints(a.decode_batches), _ints(a.contexts)
+    if a.quick:
+        batches, contexts = batches[:3], contexts[:2]
+    for ctx in contexts:
+        for b in batches:
+            if b > a.max_num_seqs:
+                continue
+            for _ in range(b):
+                add(ctx, 10_000)
+            # prefill them (those steps are samples too: mixed prefill + decode)
+            while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) or core.scheduler.waiting:
+                _step(core, rec, samples)
+            for _ in range(a.reps):
+                _step(core, rec, samples)
+            # a prefill chunk riding along a decode batch
+            add(min(256, a.max_num_batched_tokens), 1)
+            _step(core, rec, samples)
+            drain()
+            log(f"decode batch {b} at context {ctx}: {len(samples)} steps so far")
+    return samples
+
+
+def _transport(backend: str, log) -> pf.Transport:  # type: ignore[no-untyped-def]
+    if backend == "none":
+        return pf.Transport(backend="none", bandwidth_bytes_per_s=1e12, latency_s=0.0, provenance=pf.Provenance.MODELLED)
+    log(f"measuring the {backend} transport (bench.kvtransfer)")
+    out = subprocess.run([sys.executable, "-m", "bench.kvtransfer", "--backends", backend, "--blocks", "1,16,64",
+                          "--reps", "10", "--warmup", "3", "--json"], capture_output=True, text=True, timeout=600)  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"bench.kvtransfer failed: {out.stderr.strip()[-500:]}")
+    rows = [r for r in json.loads(out.stdout)["results"] if r.get("pattern") == "scattered"]
+    import numpy as np
+
+    x = np.array([[1.0, r["bytes"]] for r in rows])
+    y = np.array([r["latency_ms"] / 1e3 for r in rows])
+    (lat, per_byte), *_ = np.linalg.lstsq(x, y, rcond=None)
+    return pf.Transport(backend=backend, bandwidth_bytes_per_s=float(1.0 / max(per_byte, 1e-15)), latency_s=float(max(lat, 0.0)),
+                        provenance=pf.Provenance.MEASURED, sizes_bytes=[r["bytes"] for r in rows])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(f"[bench.profile {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from protocol.models import DEFAULT_MODEL
+
+    quant = None if a.quantization == "none" else a.quantization
+    cfg = EngineConfig(model=a.model or DEFAULT_MODEL, dtype=a.dtype, device="cpu", threads=a.threads,
+                       kv_memory=a.kv_memory, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                       max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False,
+                       quantization=quant, max_waiting_requests=4096)  # fmt: skip
+    load0 = os.getloadavg()[0]
+    core = EngineCore(cfg)
+    layout = core.runner.kv_layout
+    kv_per_token = layout.block_bytes // layout.block_size
+    dtype = str(layout.dtype).replace("torch.", "")
+    log(f"engine ready: {core.model_name} {dtype} quant={quant} threads={a.threads}, KV {kv_per_token} B/token")
+    samples = _measure(core, a, log)
+    model = pf.fit(samples)
+    log(f"fitted on {len(samples)} steps: MAPE {model.fit_mape:.1%} (held out {model.holdout_mape or 0:.1%}), "
+        f"max {model.fit_max_ape:.1%}")  # fmt: skip
+    transport = _transport(a.transport, log)
+    name = a.name or f"{core.model_name}-{dtype}-{quant or 'noquant'}-t{a.threads}"
+    prof = pf.Profile(
+        kind=pf.NodeKind(name=name, model=core.model_name, dtype=dtype, quantization=quant,
+                         device=f"cpu ({a.threads} threads, {platform.processor() or platform.machine()})",
+                         engine="native", block_size=layout.block_size, kv_bytes_per_token=kv_per_token,
+                         kv_capacity_tokens=core.pool.num_blocks * layout.block_size, max_num_seqs=a.max_num_seqs,
+                         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=core.max_model_len),
+        step=model, transport=transport,
+        overheads=pf.Overheads(request_s=a.overhead_ms / 1e3, pd_hop_s=a.pd_hop_ms / 1e3, stream_s=0.0005,
+                               provenance=pf.Provenance.MODELLED),
+        samples=samples,
+        notes=[f"step samples: wall clock around EngineCore.step on {os.cpu_count()} CPUs; load average "
+               f"{load0:.2f} before, {os.getloadavg()[0]:.2f} after",
+               "measured: step samples, the fit, KV bytes/token, the transport; modelled: per-request "
+               "overheads (--overhead-ms, --pd-hop-ms)"],
+        measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        host=platform.node(),
+    )  # fmt: skip
+    pf.save(prof, Path(a.out))
+    log(f"wrote {a.out}")
+    print(json.dumps({"name": name, "samples": len(samples), "fit_mape": model.fit_mape,
+                      "holdout_mape": model.holdout_mape, "step": msgspec_dict(model),
+                      "transport_gbps": transport.bandwidth_bytes_per_s / 1e9,
+                      "transport_latency_ms": transport.latency_s * 1e3}))  # fmt: skip
+    return 0
+
+
+def msgspec_dict(x: object) -> dict:
+    import msgspec
+
+    return msgspec.to_builtins(x)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
