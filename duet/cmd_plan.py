@@ -63,7 +63,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     one.add_argument("--prefix-len", type=int, default=0)
     one.add_argument("--max-num-seqs", type=int, default=None)
     one.add_argument("--max-num-batched-tokens", type=int, default=None)
-    one.add_argument("--warmup-s", type=float, default=0.0, help="leave out requests arriving before this")
+    p.add_argument("--warmup-s", type=float, default=0.0, help="simulated seconds left out of the figures "
+                   "(one layout: default 0; search probes: default 15, --quick 10)")
     one.add_argument("--slo", default=None, help="ttft_p90=MS,e2e_p90=MS,itl_p99=MS,tpot_p50=MS")
     p.set_defaults(func=run)
 
@@ -183,7 +184,8 @@ def _plan(a: argparse.Namespace) -> int:
     sc = pl.load_scenario(Path(a.scenario) if a.scenario else DEFAULT_SCENARIO)
     profiles = [pf.load(Path(p)) for p in (a.profile or DEFAULT_PROFILES)]
     table = pr.load(Path(a.prices))
-    cfg = pl.SearchConfig(measure_s=a.measure_s or (30.0 if a.quick else 45.0), warmup_s=10.0 if a.quick else 15.0,
+    cfg = pl.SearchConfig(measure_s=a.measure_s or (30.0 if a.quick else 45.0),
+                          warmup_s=a.warmup_s or (10.0 if a.quick else 15.0),
                           iterations=3 if a.quick else 4)  # fmt: skip
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
