@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -82,12 +83,12 @@ def _step(core, rec: _Recorder, samples: list[pf.StepSample]) -> None:  # type: 
     from sim.node import features
 
     rec.chunks = []
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     core.step()
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     if rec.chunks:
         f = features(rec.chunks)
-        samples.append(pf.StepSample(f.prefill_tokens, f.decode_seqs, f.context_tokens, f.attention, dt))
+        samples.append(pf.StepSample(f.prefill_tokens, f.decode_seqs, f.context_tokens, f.attention, dt, cpu))
 
 
 def _measure(core, a: argparse.Namespace, log) -> list[pf.StepSample]:  # type: ignore[no-untyped-def]
@@ -207,7 +208,8 @@ def main(argv: list[str] | None = None) -> int:
                                provenance=pf.Provenance.MODELLED),
         samples=samples,
         notes=[f"step samples: wall clock around EngineCore.step on {os.cpu_count()} CPUs; load average "
-               f"{load0:.2f} before, {os.getloadavg()[0]:.2f} after",
+               f"{load0:.2f} before, {os.getloadavg()[0]:.2f} after; median wall "
+               f"{_contention(samples, a.threads):.2f} × threads / CPU time (1.0: the step had its CPUs to itself)",
                "measured: step samples, the fit, KV bytes/token, the transport; modelled: per-request "
                "overheads (--overhead-ms, --pd-hop-ms)"],
         measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -220,6 +222,13 @@ def main(argv: list[str] | None = None) -> int:
                       "transport_gbps": transport.bandwidth_bytes_per_s / 1e9,
                       "transport_latency_ms": transport.latency_s * 1e3}))  # fmt: skip
     return 0
+
+
+def _contention(samples: list[pf.StepSample], threads: int) -> float:
+    """Median of wall × threads / CPU over the steps: ~1 when the step had its threads' CPUs to
+    itself, k when it got 1/k of them (the machine's other work)."""
+    r = [s.seconds * threads / s.cpu_seconds for s in samples if s.cpu_seconds > 0]
+    return statistics.median(r) if r else float("nan")
 
 
 def msgspec_dict(x: object) -> dict:

@@ -46,6 +46,8 @@ class StepSample(msgspec.Struct, frozen=True, array_like=True):
     context_tokens: int
     attention: int  # Σ n·(start+n) over prefill chunks
     seconds: float
+    #: CPU time of the step (every thread of the process): wall / cpu shows contention
+    cpu_seconds: float = 0.0
 
 
 class StepFeatures(msgspec.Struct, frozen=True, array_like=True):
