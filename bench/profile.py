@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import random
@@ -31,6 +32,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import msgspec
 
 from sim import profile as pf
 
@@ -57,6 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pd-hop-ms", type=float, default=3.0, help="extra time of a disaggregated request's P→D hop, ms")
     p.add_argument("--name", default=None, help="node kind name (default: model-dtype-quant-tN)")
     p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--refit", action="store_true", help="refit the samples of the profile at --out (no measurement)")
     p.add_argument("--quick", action="store_true", help="a few points only: a smoke test, not a measurement")
     return p.parse_args(argv)
 
@@ -172,6 +176,11 @@ def _transport(backend: str, log) -> pf.Transport:  # type: ignore[no-untyped-de
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.refit:
+        prof = refit(Path(a.out), a.threads)
+        print(json.dumps({"fit_mape": prof.step.fit_mape, "holdout_mape": prof.step.holdout_mape,
+                          "step": msgspec.to_builtins(prof.step), "notes": prof.notes}))  # fmt: skip
+        return 0
 
     def log(msg: str) -> None:
         print(f"[bench.profile {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -192,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     dtype = str(layout.dtype).replace("torch.", "")
     log(f"engine ready: {core.model_name} {dtype} quant={quant} threads={a.threads}, KV {kv_per_token} B/token")
     samples = _measure(core, a, log)
-    model = pf.fit(samples)
+    model, raw, ratio = fit_samples(samples, a.threads)
     log(f"fitted on {len(samples)} steps: MAPE {model.fit_mape:.1%} (held out {model.holdout_mape or 0:.1%}), "
-        f"max {model.fit_max_ape:.1%}")  # fmt: skip
+        f"max {model.fit_max_ape:.1%}; on raw wall times: MAPE {raw.fit_mape:.1%}; contention {ratio:.2f}")  # fmt: skip
     transport = _transport(a.transport, log)
     name = a.name or f"{core.model_name}-{dtype}-{quant or 'noquant'}-t{a.threads}"
     prof = pf.Profile(
@@ -207,9 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         overheads=pf.Overheads(request_s=a.overhead_ms / 1e3, pd_hop_s=a.pd_hop_ms / 1e3, stream_s=0.0005,
                                provenance=pf.Provenance.MODELLED),
         samples=samples,
-        notes=[f"step samples: wall clock around EngineCore.step on {os.cpu_count()} CPUs; load average "
-               f"{load0:.2f} before, {os.getloadavg()[0]:.2f} after; median wall "
-               f"{_contention(samples, a.threads):.2f} × threads / CPU time (1.0: the step had its CPUs to itself)",
+        notes=[f"step samples: wall clock and CPU time around EngineCore.step on {os.cpu_count()} CPUs; load average "
+               f"{load0:.2f} before, {os.getloadavg()[0]:.2f} after",
+               *fit_notes(raw, ratio),
                "measured: step samples, the fit, KV bytes/token, the transport; modelled: per-request "
                "overheads (--overhead-ms, --pd-hop-ms)"],
         measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -218,10 +227,40 @@ def main(argv: list[str] | None = None) -> int:
     pf.save(prof, Path(a.out))
     log(f"wrote {a.out}")
     print(json.dumps({"name": name, "samples": len(samples), "fit_mape": model.fit_mape,
-                      "holdout_mape": model.holdout_mape, "step": msgspec_dict(model),
+                      "holdout_mape": model.holdout_mape, "step": msgspec.to_builtins(model),
                       "transport_gbps": transport.bandwidth_bytes_per_s / 1e9,
                       "transport_latency_ms": transport.latency_s * 1e3}))  # fmt: skip
     return 0
+
+
+def fit_samples(samples: list[pf.StepSample], threads: int) -> tuple[pf.StepModel, pf.StepModel, float]:
+    """(the model, the model of the raw wall times, the contention ratio). On a shared machine
+    a step's wall time is its CPU time stretched by whatever else runs — noise that swamps the
+    features. The model is therefore fitted to each step's CPU time / threads × the *median*
+    contention of the run (wall × threads / CPU): the step's own cost, at the machine's typical
+    share. Without CPU times (older profiles) it is the raw wall fit."""
+    raw = pf.fit(samples)
+    ratio = _contention(samples, threads)
+    if not math.isfinite(ratio):
+        return raw, raw, ratio
+    clean = [msgspec.structs.replace(s, seconds=s.cpu_seconds / threads * ratio) for s in samples]
+    return pf.fit(clean), raw, ratio
+
+
+def fit_notes(raw: pf.StepModel, ratio: float) -> list[str]:
+    return [f"step model: fitted to CPU time / threads × the median contention {ratio:.2f} (wall × threads / CPU; "
+            "1.0 = the step had its CPUs to itself); the same fit on raw wall times has MAPE "
+            f"{raw.fit_mape:.1%} (held out {raw.holdout_mape or 0:.1%}) — the machine's noise"]  # fmt: skip
+
+
+def refit(path: Path, threads: int) -> pf.Profile:
+    """Refit a saved profile's samples (the model and its notes change; samples stay)."""
+    prof = pf.load(path)
+    model, raw, ratio = fit_samples(prof.samples, threads)
+    notes = [n for n in prof.notes if not n.startswith("step model:")]
+    prof.step, prof.notes = model, [*fit_notes(raw, ratio), *notes]
+    pf.save(prof, path)
+    return prof
 
 
 def _contention(samples: list[pf.StepSample], threads: int) -> float:
@@ -229,12 +268,6 @@ def _contention(samples: list[pf.StepSample], threads: int) -> float:
     itself, k when it got 1/k of them (the machine's other work)."""
     r = [s.seconds * threads / s.cpu_seconds for s in samples if s.cpu_seconds > 0]
     return statistics.median(r) if r else float("nan")
-
-
-def msgspec_dict(x: object) -> dict:
-    import msgspec
-
-    return msgspec.to_builtins(x)
 
 
 if __name__ == "__main__":

@@ -94,7 +94,7 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(30)
 
 
-def run_case(case: Case, out: Path, model: str | None) -> dict:
+def run_case(case: Case, out: Path, model: str | None, simulate_only: bool = False) -> dict:
     home = out / case.name / "home"
     home.mkdir(parents=True, exist_ok=True)
     log = out / case.name / "up.log"
@@ -105,19 +105,24 @@ def run_case(case: Case, out: Path, model: str | None) -> dict:
               *(("--model", model) if model else ())]  # fmt: skip
     serve_cmd = [sys.executable, "-m", "duet", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
                  "--result-file", str(result), "--quiet", "--json", *case.serve]  # fmt: skip
-    _log(f"{case.name}: DUET_HOME={home} {' '.join(up_cmd[1:])}")
-    load0 = os.getloadavg()[0]
-    with log.open("w") as f:
-        proc = subprocess.Popen(up_cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        key = _wait_up(proc, log, 600)
-        _log(f"{case.name}: {' '.join(serve_cmd[1:])}")
-        r = subprocess.run([*serve_cmd, "--api-key", key], env=env, capture_output=True, text=True, timeout=900)
-        if r.returncode != 0:
-            raise RuntimeError(f"bench serve failed: {r.stderr[-2000:]}")
-    finally:
-        _stop(proc)
-    load1 = os.getloadavg()[0]
+    loads_file = out / case.name / "load.json"
+    if not simulate_only:
+        _log(f"{case.name}: DUET_HOME={home} {' '.join(up_cmd[1:])}")
+        load0 = os.getloadavg()[0]
+        with log.open("w") as f:
+            proc = subprocess.Popen(up_cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            key = _wait_up(proc, log, 600)
+            _log(f"{case.name}: {' '.join(serve_cmd[1:])}")
+            r = subprocess.run([*serve_cmd, "--api-key", key], env=env, capture_output=True, text=True, timeout=900)
+            if r.returncode != 0:
+                raise RuntimeError(f"bench serve failed: {r.stderr[-2000:]}")
+        finally:
+            _stop(proc)
+        loads_file.write_text(json.dumps([load0, os.getloadavg()[0]]))
+    if not result.exists():
+        raise RuntimeError(f"no measured result {result}: run the case first")
+    load0, load1 = json.loads(loads_file.read_text()) if loads_file.exists() else (float("nan"), float("nan"))
     measured = json.loads(result.read_text())
     prof = pf.load(PROFILES / case.profile)
     from duet.cmd_plan import parse_layout
@@ -167,6 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated case names")
     p.add_argument("--out", default="validation", help="directory for homes, logs, results (default ./validation)")
     p.add_argument("--model", default=None, help="model for duet up (default its own)")
+    p.add_argument("--simulate-only", action="store_true",
+                   help="re-simulate the cases already measured under --out (after a profile changed)")
     a = p.parse_args(argv)
     want = a.cases.split(",")
     unknown = set(want) - {c.name for c in CASES}
@@ -176,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for c in (c for c in CASES if c.name in want):
         try:
-            results.append(run_case(c, out, a.model))
+            results.append(run_case(c, out, a.model, a.simulate_only))
         except Exception as e:  # one case failing leaves the others to run; it is reported
             _log(f"{c.name}: FAILED: {e}")
             results.append({"case": c.name, "error": str(e)[-1000:], "rows": []})
