@@ -42,22 +42,21 @@ class Case:
     serve: tuple[str, ...]
 
 
-COMMON_SERVE = ("--num-requests", "60", "--ignore-eos", "--seed", "1")
+COMMON_SERVE = ("--num-requests", "30", "--ignore-eos", "--seed", "1")
+# One torch thread per node everywhere: on a shared 2-core machine a 2-thread node's OpenMP
+# threads spin while they wait for a core (CPU time then says nothing about the step's cost).
+ONE, PD, TWO = ("--colocated", "1", "--threads", "1"), ("--prefill", "1", "--decode", "1", "--threads", "1"), \
+    ("--colocated", "2", "--threads", "1")
+T1 = "smollm2-135m-bf16-none-t1.json"
 CASES = [
-    Case("1C-r1", ("--colocated", "1", "--threads", "2"), "1C", "smollm2-135m-bf16-none-t2.json",
-         ("--request-rate", "1", "--input-len", "256", "--output-len", "32", *COMMON_SERVE)),
-    Case("1C-r3", ("--colocated", "1", "--threads", "2"), "1C", "smollm2-135m-bf16-none-t2.json",
-         ("--request-rate", "3", "--input-len", "256", "--output-len", "32", *COMMON_SERVE)),
-    Case("1P1D-r1", ("--prefill", "1", "--decode", "1", "--threads", "1"), "1P+1D", "smollm2-135m-bf16-none-t1.json",
-         ("--request-rate", "1", "--input-len", "384", "--output-len", "32", *COMMON_SERVE)),
-    Case("1P1D-r2-prefix", ("--prefill", "1", "--decode", "1", "--threads", "1"), "1P+1D",
-         "smollm2-135m-bf16-none-t1.json",
-         ("--request-rate", "2", "--input-len", "128", "--prefix-groups", "4", "--prefix-len", "384",
-          "--output-len", "32", *COMMON_SERVE)),
-    Case("2C-r1", ("--colocated", "2", "--threads", "1"), "2C", "smollm2-135m-bf16-none-t1.json",
-         ("--request-rate", "1", "--input-len", "256", "--output-len", "32", *COMMON_SERVE)),
-    Case("2C-r2-long", ("--colocated", "2", "--threads", "1"), "2C", "smollm2-135m-bf16-none-t1.json",
-         ("--request-rate", "2", "--input-len", "lognormal:1024,0.4", "--output-len", "32", *COMMON_SERVE)),
+    Case("1C-r0.5", ONE, "1C", T1, ("--request-rate", "0.5", "--input-len", "256", "--output-len", "24", *COMMON_SERVE)),
+    Case("1C-r1", ONE, "1C", T1, ("--request-rate", "1", "--input-len", "256", "--output-len", "24", *COMMON_SERVE)),
+    Case("1P1D-r0.5", PD, "1P+1D", T1, ("--request-rate", "0.5", "--input-len", "384", "--output-len", "24", *COMMON_SERVE)),
+    Case("1P1D-r1-prefix", PD, "1P+1D", T1, ("--request-rate", "1", "--input-len", "128", "--prefix-groups", "4",
+                                           "--prefix-len", "384", "--output-len", "24", *COMMON_SERVE)),
+    Case("2C-r0.5", TWO, "2C", T1, ("--request-rate", "0.5", "--input-len", "256", "--output-len", "24", *COMMON_SERVE)),
+    Case("2C-r1-long", TWO, "2C", T1, ("--request-rate", "1", "--input-len", "lognormal:1024,0.4", "--output-len", "24",
+                                       *COMMON_SERVE)),
 ]  # fmt: skip
 
 METRICS = (("TTFT p50 ms", "median_ttft_ms", "p50_ttft"), ("TTFT p90 ms", "p90_ttft_ms", "p90_ttft"),
@@ -104,7 +103,8 @@ def run_case(case: Case, out: Path, model: str | None, simulate_only: bool = Fal
     up_cmd = [sys.executable, "-m", "duet", "up", "--port", str(port), "--quiet", *case.up,
               *(("--model", model) if model else ())]  # fmt: skip
     serve_cmd = [sys.executable, "-m", "duet", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-                 "--result-file", str(result), "--quiet", "--json", *case.serve]  # fmt: skip
+                 "--result-file", str(result), "--quiet", "--json", *case.serve,
+                 *(("--tokenizer", model) if model else ())]  # fmt: skip
     loads_file = out / case.name / "load.json"
     if not simulate_only:
         _log(f"{case.name}: DUET_HOME={home} {' '.join(up_cmd[1:])}")
@@ -171,15 +171,23 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated case names")
     p.add_argument("--out", default="validation", help="directory for homes, logs, results (default ./validation)")
-    p.add_argument("--model", default=None, help="model for duet up (default its own)")
+    p.add_argument("--model", default=None, help="model for duet up (default: the pulled default model's "
+                   "directory, so no case converts it again in its own DUET_HOME)")
     p.add_argument("--simulate-only", action="store_true",
                    help="re-simulate the cases already measured under --out (after a profile changed)")
     a = p.parse_args(argv)
+    # SIGTERM (also what a background job gets instead of Ctrl-C) unwinds like Ctrl-C, so each
+    # case's `finally` stops the cluster it started
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     want = a.cases.split(",")
     unknown = set(want) - {c.name for c in CASES}
     if unknown:
         p.error(f"unknown case(s) {sorted(unknown)}; known: {[c.name for c in CASES]}")
     out = Path(a.out)
+    if a.model is None:
+        from protocol.models import DEFAULT_MODEL, resolve_model
+
+        a.model = str(resolve_model(DEFAULT_MODEL).directory)
     results = []
     for c in (c for c in CASES if c.name in want):
         try:
