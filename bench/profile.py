@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                *fit_notes(raw, ratio),
                "measured: step samples, the fit, KV bytes/token, the transport; modelled: per-request "
                "overheads (--overhead-ms, --pd-hop-ms)"],
-        measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), contention=ratio,
         host=platform.node(),
     )  # fmt: skip
     pf.save(prof, Path(a.out))
@@ -258,7 +258,7 @@ def refit(path: Path, threads: int) -> pf.Profile:
     prof = pf.load(path)
     model, raw, ratio = fit_samples(prof.samples, threads)
     notes = [n for n in prof.notes if not n.startswith("step model:")]
-    prof.step, prof.notes = model, [*fit_notes(raw, ratio), *notes]
+    prof.step, prof.notes, prof.contention = model, [*fit_notes(raw, ratio), *notes], ratio
     pf.save(prof, path)
     return prof
 

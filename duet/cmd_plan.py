@@ -65,6 +65,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     one.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--warmup-s", type=float, default=0.0, help="simulated seconds left out of the figures "
                    "(one layout: default 0; search probes: default 15, --quick 10)")
+    one.add_argument("--contention", type=float, default=None,
+                     help="CPU node kinds: the machine's contention during the run (sim/contention.py); the profile "
+                          "is scaled from its own")  # fmt: skip
     one.add_argument("--slo", default=None, help="ttft_p90=MS,e2e_p90=MS,itl_p99=MS,tpot_p50=MS")
     p.set_defaults(func=run)
 
@@ -116,6 +119,8 @@ def _one(a: argparse.Namespace) -> int:
     if len(a.profile) != 1:
         raise ValueError("--layout needs exactly one --profile")
     prof = pf.load(Path(a.profile[0]))
+    if a.contention:
+        prof = prof.at_contention(a.contention)
     layout = parse_layout(a.layout, a.max_num_seqs, a.max_num_batched_tokens)
     if a.from_result:
         items = wl.from_result_file(Path(a.from_result))

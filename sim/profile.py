@@ -141,6 +141,21 @@ class Profile(msgspec.Struct, kw_only=True):
     notes: list[str] = []
     measured_at: str | None = None
     host: str | None = None
+    #: CPU node kinds on a shared machine: the median wall × threads / CPU of the profiled steps,
+    #: which the step model includes (None: the node had its CPUs, e.g. a GPU kind)
+    contention: float | None = None
+
+    def at_contention(self, factor: float) -> Profile:
+        """This profile on a machine whose contention is `factor` instead of the profile's own
+        (step times and per-request overheads scale with it; GPU kinds are left alone)."""
+        if self.contention is None or not factor > 0:
+            return self
+        k = factor / self.contention
+        o = self.overheads
+        return msgspec.structs.replace(
+            self, step=self.step.scaled(k), contention=factor,
+            overheads=msgspec.structs.replace(o, request_s=o.request_s * k, pd_hop_s=o.pd_hop_s * k,
+                                              stream_s=o.stream_s * k))  # fmt: skip
 
     def kv_blocks(self) -> int:
         return self.kind.kv_capacity_tokens // self.kind.block_size

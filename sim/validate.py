@@ -3,7 +3,8 @@
 For each case: start a real cluster with `duet up` (its own DUET_HOME and port), load it with
 `duet bench serve --result-file`, stop it; then simulate the same layout from the recorded
 schedule (`duet plan --layout … --from-result`) with a profile measured *beforehand* by `duet
-bench profile`, and compare TTFT P50/P90, TPOT P50 and output throughput. Prints the table of
+bench profile`, scaled to the CPU contention a meter (sim/contention.py) measured on the
+machine during the run — the machine, not the system under test — and compare TTFT P50/P90, TPOT P50 and output throughput. Prints the table of
 predicted vs measured with the absolute percentage error of each figure and the MAPE per
 metric, and writes it as JSON (--out). Each case's commands are printed, so any row can be
 reproduced by hand.
@@ -28,6 +29,7 @@ from pathlib import Path
 from protocol.ports import free_port
 from sim import profile as pf
 from sim import workload as wl
+from sim.contention import ContentionMeter
 from sim.run import simulate
 
 PROFILES = Path(__file__).resolve().parents[1] / "data/profiles"
@@ -114,17 +116,19 @@ def run_case(case: Case, out: Path, model: str | None, simulate_only: bool = Fal
         try:
             key = _wait_up(proc, log, 600)
             _log(f"{case.name}: {' '.join(serve_cmd[1:])}")
-            r = subprocess.run([*serve_cmd, "--api-key", key], env=env, capture_output=True, text=True, timeout=900)
+            with ContentionMeter() as meter:
+                r = subprocess.run([*serve_cmd, "--api-key", key], env=env, capture_output=True, text=True, timeout=900)
             if r.returncode != 0:
                 raise RuntimeError(f"bench serve failed: {r.stderr[-2000:]}")
         finally:
             _stop(proc)
-        loads_file.write_text(json.dumps([load0, os.getloadavg()[0]]))
+        loads_file.write_text(json.dumps([load0, os.getloadavg()[0], meter.median]))
     if not result.exists():
         raise RuntimeError(f"no measured result {result}: run the case first")
-    load0, load1 = json.loads(loads_file.read_text()) if loads_file.exists() else (float("nan"), float("nan"))
+    load0, load1, contention = json.loads(loads_file.read_text()) if loads_file.exists() else [float("nan")] * 3
     measured = json.loads(result.read_text())
-    prof = pf.load(PROFILES / case.profile)
+    base = pf.load(PROFILES / case.profile)
+    prof = base.at_contention(contention)
     from duet.cmd_plan import parse_layout
 
     t0 = time.perf_counter()
@@ -139,6 +143,7 @@ def run_case(case: Case, out: Path, model: str | None, simulate_only: bool = Fal
     return {"case": case.name, "layout": case.layout, "profile": case.profile, "rows": rows,
             "completed": measured.get("completed"), "failed": measured.get("failed"),
             "sim_completed": s.completed, "load_avg_before": load0, "load_avg_after": load1, "sim_wall_s": sim_wall,
+            "contention_run": contention, "contention_profile": base.contention,
             "commands": {"up": "DUET_HOME=... duet up " + " ".join(up_cmd[4:]),
                          "serve": "duet bench serve " + " ".join(serve_cmd[4:]) + " --api-key KEY",
                          "simulate": f"duet plan --layout {case.layout} --profile data/profiles/{case.profile} "
@@ -156,7 +161,8 @@ def table(results: list[dict]) -> str:
                 per[row["metric"]].append(row["ape"])
             cells.append(f"{_n(row['measured'])} / {_n(row['predicted'])} / "
                          f"{'-' if row['ape'] is None else format(row['ape'], '.0%')}")  # fmt: skip
-        lines.append(f"| {r['case']} (load {r['load_avg_before']:.1f}) | " + " | ".join(cells) + " |")
+        lines.append(f"| {r['case']} (load {r['load_avg_before']:.1f}, contention {r.get('contention_run', float('nan')):.2f}) | "
+                     + " | ".join(cells) + " |")  # fmt: skip
     lines.append("| **MAPE** | " + " | ".join(f"{sum(v) / len(v):.0%} (max {max(v):.0%})" if v else "-"
                                              for v in per.values()) + " |")  # fmt: skip
     return "\n".join(lines)

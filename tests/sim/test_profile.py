@@ -55,3 +55,24 @@ def test_profile_round_trip(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text('{"kind": 3}')
     with pytest.raises(ValueError, match="not a duet profile"):
         pf.load(tmp_path / "bad.json")
+
+
+def test_at_contention_scales_cpu_kinds_only() -> None:
+    import msgspec
+
+    p = msgspec.structs.replace(toy_profile(), contention=2.0)
+    q = p.at_contention(3.0)
+    assert q.contention == 3.0
+    assert q.step.intercept_s == pytest.approx(p.step.intercept_s * 1.5)
+    assert q.overheads.request_s == pytest.approx(p.overheads.request_s * 1.5)
+    assert toy_profile().at_contention(3.0) == toy_profile()  # a GPU-like kind: no contention recorded
+
+
+def test_contention_meter_reads_about_one_when_idle_or_more() -> None:
+    import time
+
+    from sim.contention import ContentionMeter
+
+    with ContentionMeter(interval_s=0.02, work_s=0.001) as m:
+        time.sleep(0.3)
+    assert len(m.samples) >= 3 and m.median >= 0.99
