@@ -65,6 +65,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     one.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--warmup-s", type=float, default=0.0, help="simulated seconds left out of the figures "
                    "(one layout: default 0; search probes: default 15, --quick 10)")
+    one.add_argument("--max-inflight", type=int, default=None,
+                     help="the gateway's tier admission limit (gateway TierConfig.max_inflight; default 256)")
     one.add_argument("--contention", type=float, default=None,
                      help="CPU node kinds: the machine's contention during the run (sim/contention.py); the profile "
                           "is scaled from its own")  # fmt: skip
@@ -122,6 +124,10 @@ def _one(a: argparse.Namespace) -> int:
     if a.contention:
         prof = prof.at_contention(a.contention)
     layout = parse_layout(a.layout, a.max_num_seqs, a.max_num_batched_tokens)
+    if a.max_inflight:
+        from dataclasses import replace
+
+        layout = replace(layout, tiers=replace(layout.tiers, max_inflight=a.max_inflight))
     if a.from_result:
         items = wl.from_result_file(Path(a.from_result))
     elif a.trace:
