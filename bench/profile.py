@@ -211,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
                          device=f"cpu ({a.threads} threads, {platform.processor() or platform.machine()})",
                          engine="native", block_size=layout.block_size, kv_bytes_per_token=kv_per_token,
                          kv_capacity_tokens=core.pool.num_blocks * layout.block_size, max_num_seqs=a.max_num_seqs,
-                         max_num_batched_tokens=a.max_num_batched_tokens, max_model_len=core.max_model_len),
+                         max_num_batched_tokens=a.max_num_batched_tokens,
+                         # the serving limit is a deployment choice (duet up: the model's own), not --max-model-len,
+                         # which only bounds the prompts this profile times
+                         max_model_len=core.model_config.max_position_embeddings),
         step=model, transport=transport,
         overheads=pf.Overheads(request_s=a.overhead_ms / 1e3, pd_hop_s=a.pd_hop_ms / 1e3, stream_s=0.0005,
                                provenance=pf.Provenance.MODELLED),
