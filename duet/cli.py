@@ -11,7 +11,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from duet import cmd_bench, cmd_coordinator, cmd_gateway, cmd_models, cmd_nodes, cmd_status, cmd_up
+from duet import (
+    cmd_bench,
+    cmd_coordinator,
+    cmd_gateway,
+    cmd_models,
+    cmd_nodes,
+    cmd_plan,
+    cmd_status,
+    cmd_up,
+)
 from protocol.models import ModelNotFoundError
 
 DESCRIPTION = """\
@@ -23,7 +32,8 @@ Run role-specific processes:        duet prefill | duet decode | duet node --rol
 Run the control plane:              duet coordinator --etcd URL   (drain a node: duet drain NODE_ID)
 Serve the OpenAI API:               duet gateway --config gateway.toml
 Teams, keys and usage:              duet teams | duet keys | duet usage report
-Load-test and measure:              duet bench engine | kvtransfer | pd
+Load-test and measure:              duet bench engine | kvtransfer | pd | serve | profile
+Plan capacity and cost:             duet plan
 """
 
 
@@ -43,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmd_coordinator.add_parsers(sub)
     cmd_gateway.add_parsers(sub)
     cmd_bench.add_parser(sub)
+    cmd_plan.add_parser(sub)
     return parser
 
 

@@ -1,0 +1,277 @@
+"""`duet bench profile` (also `python -m bench.profile`): measure one node kind and write its
+profile (JSON, sim/profile.py's schema) for the simulator, `duet plan` and the autoscaler.
+
+A node kind = model × dtype × quantization × threads × engine (the native engine here). The
+engine's real EngineCore runs designed step mixes — prefill alone (short prompts, and long ones
+in chunks so the attention term shows), decode batches of 1..N sequences at several contexts,
+and decode batches with a prefill chunk riding along — and every step is timed (wall clock
+around `EngineCore.step`, which is what a node's step loop costs: schedule + forward +
+sample). Each step's features come from the chunks the scheduler handed the runner. The
+step-time model is fitted to all samples (non-negative least squares, relative error) and
+the profile keeps the samples, the fit error and the held-out error.
+
+KV bytes per token come from the engine's own KV layout. The transport figures come from
+`bench.kvtransfer` between two real processes (latency + bytes/bandwidth fitted to its
+scattered reads of 1..64 blocks). Per-request overheads outside the forward pass are not
+measured here: they default to the gateway's figures in docs/benchmarks.md (see --overhead-ms).
+
+Wall-clock figures need a quiet machine: the load average is recorded in the profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from sim import profile as pf
+
+DESCRIPTION = __doc__.split("\n\n", 1)[1]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="duet bench profile", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", default=None, help="model name or directory (default: duet's default model)")
+    p.add_argument("--dtype", default="auto", help="auto, bfloat16 or float32")
+    p.add_argument("--quantization", choices=["none", "int8", "int4", "int4-g64"], default="none")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--kv-memory", default="1GiB", help="KV pool size of the profiled node kind (default 1GiB)")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--decode-batches", default="1,4,16,32,64", help="decode batch sizes to time")
+    p.add_argument("--contexts", default="128,512,1024", help="context lengths of the decode batches")
+    p.add_argument("--reps", type=int, default=3, help="timed decode steps per (batch, context) (default 3)")
+    p.add_argument("--transport", default="nixl", help="KV transport to measure: nixl, ucx, tcp, or none")
+    p.add_argument("--overhead-ms", type=float, default=2.0,
+                   help="per-request time outside the forward pass (gateway + route + leg HTTP), ms")  # fmt: skip
+    p.add_argument("--pd-hop-ms", type=float, default=3.0, help="extra time of a disaggregated request's P→D hop, ms")
+    p.add_argument("--name", default=None, help="node kind name (default: model-dtype-quant-tN)")
+    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--refit", action="store_true", help="refit the samples of the profile at --out (no measurement)")
+    p.add_argument("--quick", action="store_true", help="a few points only: a smoke test, not a measurement")
+    return p.parse_args(argv)
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+class _Recorder:
+    """Wraps the runner's `execute` of one EngineCore instance to see each step's chunks."""
+
+    def __init__(self, core) -> None:  # type: ignore[no-untyped-def]
+        self.chunks: list = []
+        real = core.runner.execute
+
+        def execute(chunks):  # type: ignore[no-untyped-def]
+            self.chunks = list(chunks)
+            return real(chunks)
+
+        core.runner.execute = execute
+
+
+def _step(core, rec: _Recorder, samples: list[pf.StepSample]) -> None:  # type: ignore[no-untyped-def]
+    from sim.node import features
+
+    rec.chunks = []
+    c0, t0 = time.process_time(), time.perf_counter()
+    core.step()
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if rec.chunks:
+        f = features(rec.chunks)
+        samples.append(pf.StepSample(f.prefill_tokens, f.decode_seqs, f.context_tokens, f.attention, dt, cpu))
+
+
+def _measure(core, a: argparse.Namespace, log) -> list[pf.StepSample]:  # type: ignore[no-untyped-def]
+    from engine.sampling_params import SamplingParams
+
+    rec = _Recorder(core)
+    rng = random.Random(0)
+    vocab = core.model_config.vocab_size
+    samples: list[pf.StepSample] = []
+    n = 0
+
+    def add(prompt_len: int, max_tokens: int) -> str:
+        nonlocal n
+        n += 1
+        rid = f"p{n}"
+        core.add_request(rid, [rng.randrange(3, vocab) for _ in range(prompt_len)],
+                         SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))  # fmt: skip
+        return rid
+
+    def drain() -> None:
+        for rid in list(core.scheduler.requests):
+            core.abort(rid)
+        while core.has_work():
+            core.step()
+
+    # warm up (first steps allocate and compile)
+    add(64, 4)
+    while core.has_work():
+        core.step()
+    prompts = [16, 64, 256, 512] if a.quick else [16, 32, 64, 128, 256, 384, 512]
+    for plen in prompts:
+        for _ in range(1 if a.quick else 2):
+            add(plen, 1)
+            while core.has_work():
+                _step(core, rec, samples)
+    log(f"prefill: {len(samples)} steps")
+    long = [1024] if a.quick else [1024, 2048]
+    for plen in long:  # chunked: chunks at growing starts, so attention's quadratic part shows
+        add(min(plen, a.max_model_len - 8), 1)
+        while core.has_work():
+            _step(core, rec, samples)
+    batches, contexts = _ints(a.decode_batches), _ints(a.contexts)
+    if a.quick:
+        batches, contexts = batches[:3], contexts[:2]
+    for ctx in contexts:
+        for b in batches:
+            if b > a.max_num_seqs:
+                continue
+            for _ in range(b):
+                add(ctx, 10_000)
+            # prefill them (those steps are samples too: mixed prefill + decode)
+            while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) or core.scheduler.waiting:
+                _step(core, rec, samples)
+            for _ in range(a.reps):
+                _step(core, rec, samples)
+            # a prefill chunk riding along a decode batch
+            add(min(256, a.max_num_batched_tokens), 1)
+            _step(core, rec, samples)
+            drain()
+            log(f"decode batch {b} at context {ctx}: {len(samples)} steps so far")
+    return samples
+
+
+def _transport(backend: str, log) -> pf.Transport:  # type: ignore[no-untyped-def]
+    if backend == "none":
+        return pf.Transport(backend="none", bandwidth_bytes_per_s=1e12, latency_s=0.0, provenance=pf.Provenance.MODELLED)
+    log(f"measuring the {backend} transport (bench.kvtransfer)")
+    out = subprocess.run([sys.executable, "-m", "bench.kvtransfer", "--backends", backend, "--blocks", "1,16,64",
+                          "--reps", "10", "--warmup", "3", "--json"], capture_output=True, text=True, timeout=600)  # fmt: skip
+    if out.returncode != 0:
+        raise RuntimeError(f"bench.kvtransfer failed: {out.stderr.strip()[-500:]}")
+    rows = [r for r in json.loads(out.stdout)["results"] if r.get("pattern") == "scattered"]
+    import numpy as np
+
+    x = np.array([[1.0, r["bytes"]] for r in rows])
+    y = np.array([r["latency_ms"] / 1e3 for r in rows])
+    (lat, per_byte), *_ = np.linalg.lstsq(x, y, rcond=None)
+    return pf.Transport(backend=backend, bandwidth_bytes_per_s=float(1.0 / max(per_byte, 1e-15)), latency_s=float(max(lat, 0.0)),
+                        provenance=pf.Provenance.MEASURED, sizes_bytes=[r["bytes"] for r in rows])  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    if a.refit:
+        prof = refit(Path(a.out), a.threads)
+        print(json.dumps({"fit_mape": prof.step.fit_mape, "holdout_mape": prof.step.holdout_mape,
+                          "step": msgspec.to_builtins(prof.step), "notes": prof.notes}))  # fmt: skip
+        return 0
+
+    def log(msg: str) -> None:
+        print(f"[bench.profile {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+    from protocol.models import DEFAULT_MODEL
+
+    quant = None if a.quantization == "none" else a.quantization
+    cfg = EngineConfig(model=a.model or DEFAULT_MODEL, dtype=a.dtype, device="cpu", threads=a.threads,
+                       kv_memory=a.kv_memory, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
+                       max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False,
+                       quantization=quant, max_waiting_requests=4096)  # fmt: skip
+    load0 = os.getloadavg()[0]
+    core = EngineCore(cfg)
+    layout = core.runner.kv_layout
+    kv_per_token = layout.block_bytes // layout.block_size
+    dtype = str(layout.dtype).replace("torch.", "")
+    log(f"engine ready: {core.model_name} {dtype} quant={quant} threads={a.threads}, KV {kv_per_token} B/token")
+    samples = _measure(core, a, log)
+    model, raw, ratio = fit_samples(samples, a.threads)
+    log(f"fitted on {len(samples)} steps: MAPE {model.fit_mape:.1%} (held out {model.holdout_mape or 0:.1%}), "
+        f"max {model.fit_max_ape:.1%}; on raw wall times: MAPE {raw.fit_mape:.1%}; contention {ratio:.2f}")  # fmt: skip
+    transport = _transport(a.transport, log)
+    name = a.name or f"{core.model_name}-{dtype}-{quant or 'noquant'}-t{a.threads}"
+    prof = pf.Profile(
+        kind=pf.NodeKind(name=name, model=core.model_name, dtype=dtype, quantization=quant,
+                         device=f"cpu ({a.threads} threads, {platform.processor() or platform.machine()})",
+                         engine="native", block_size=layout.block_size, kv_bytes_per_token=kv_per_token,
+                         kv_capacity_tokens=core.pool.num_blocks * layout.block_size, max_num_seqs=a.max_num_seqs,
+                         max_num_batched_tokens=a.max_num_batched_tokens,
+                         # the serving limit is a deployment choice (duet up: the model's own), not --max-model-len,
+                         # which only bounds the prompts this profile times
+                         max_model_len=core.model_config.max_position_embeddings),
+        step=model, transport=transport,
+        overheads=pf.Overheads(request_s=a.overhead_ms / 1e3, pd_hop_s=a.pd_hop_ms / 1e3, stream_s=0.0005,
+                               provenance=pf.Provenance.MODELLED),
+        samples=samples,
+        notes=[f"step samples: wall clock and CPU time around EngineCore.step on {os.cpu_count()} CPUs; load average "
+               f"{load0:.2f} before, {os.getloadavg()[0]:.2f} after",
+               *fit_notes(raw, ratio),
+               "measured: step samples, the fit, KV bytes/token, the transport; modelled: per-request "
+               "overheads (--overhead-ms, --pd-hop-ms)"],
+        measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), contention=ratio,
+        host=platform.node(),
+    )  # fmt: skip
+    pf.save(prof, Path(a.out))
+    log(f"wrote {a.out}")
+    print(json.dumps({"name": name, "samples": len(samples), "fit_mape": model.fit_mape,
+                      "holdout_mape": model.holdout_mape, "step": msgspec.to_builtins(model),
+                      "transport_gbps": transport.bandwidth_bytes_per_s / 1e9,
+                      "transport_latency_ms": transport.latency_s * 1e3}))  # fmt: skip
+    return 0
+
+
+def fit_samples(samples: list[pf.StepSample], threads: int) -> tuple[pf.StepModel, pf.StepModel, float]:
+    """(the model, the model of the raw wall times, the contention ratio). On a shared machine
+    a step's wall time is its CPU time stretched by whatever else runs — noise that swamps the
+    features. The model is therefore fitted to each step's CPU time / threads × the *median*
+    contention of the run (wall × threads / CPU): the step's own cost, at the machine's typical
+    share. Without CPU times (older profiles) it is the raw wall fit."""
+    raw = pf.fit(samples)
+    ratio = _contention(samples, threads)
+    if not math.isfinite(ratio):
+        return raw, raw, ratio
+    clean = [msgspec.structs.replace(s, seconds=s.cpu_seconds / threads * ratio) for s in samples]
+    return pf.fit(clean), raw, ratio
+
+
+def fit_notes(raw: pf.StepModel, ratio: float) -> list[str]:
+    return [f"step model: fitted to CPU time / threads × the median contention {ratio:.2f} (wall × threads / CPU; "
+            "1.0 = the step had its CPUs to itself); the same fit on raw wall times has MAPE "
+            f"{raw.fit_mape:.1%} (held out {raw.holdout_mape or 0:.1%}) — the machine's noise"]  # fmt: skip
+
+
+def refit(path: Path, threads: int) -> pf.Profile:
+    """Refit a saved profile's samples (the model and its notes change; samples stay)."""
+    prof = pf.load(path)
+    model, raw, ratio = fit_samples(prof.samples, threads)
+    notes = [n for n in prof.notes if not n.startswith("step model:")]
+    prof.step, prof.notes, prof.contention = model, [*fit_notes(raw, ratio), *notes], ratio
+    pf.save(prof, path)
+    return prof
+
+
+def _contention(samples: list[pf.StepSample], threads: int) -> float:
+    """Median of wall × threads / CPU over the steps: ~1 when the step had its threads' CPUs to
+    itself, k when it got 1/k of them (the machine's other work)."""
+    r = [s.seconds * threads / s.cpu_seconds for s in samples if s.cpu_seconds > 0]
+    return statistics.median(r) if r else float("nan")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""`python -m sim.validate`: the simulator against real runs on this machine.
+
+For each case: start a real cluster with `duet up` (its own DUET_HOME and port), load it with
+`duet bench serve --result-file`, stop it; then simulate the same layout from the recorded
+schedule (`duet plan --layout … --from-result`) with a profile measured *beforehand* by `duet
+bench profile`, scaled to the CPU contention a meter (sim/contention.py) measured on the
+machine during the run — the machine, not the system under test — and compare TTFT P50/P90, TPOT P50 and output throughput. Prints the table of
+predicted vs measured with the absolute percentage error of each figure and the MAPE per
+metric, and writes it as JSON (--out). Each case's commands are printed, so any row can be
+reproduced by hand.
+
+Every process a case starts is stopped at its end (SIGINT to `duet up`, which stops its
+children; SIGKILL to the group if it does not exit in time), even when the case fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.ports import free_port
+from sim import profile as pf
+from sim import workload as wl
+from sim.contention import ContentionMeter
+from sim.run import simulate
+
+PROFILES = Path(__file__).resolve().parents[1] / "data/profiles"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    up: tuple[str, ...]
+    layout: str
+    profile: str  # file name under data/profiles
+    serve: tuple[str, ...]
+
+
+COMMON_SERVE = ("--num-requests", "30", "--ignore-eos", "--seed", "1")
+# One torch thread per node everywhere: on a shared 2-core machine a 2-thread node's OpenMP
+# threads spin while they wait for a core (CPU time then says nothing about the step's cost).
+ONE, PD, TWO = ("--colocated", "1", "--threads", "1"), ("--prefill", "1", "--decode", "1", "--threads", "1"), \
+    ("--colocated", "2", "--threads", "1")
+T1 = "smollm2-135m-bf16-none-t1.json"
+CASES = [
+    Case("1C-r0.5", ONE, "1C", T1, ("--request-rate", "0.5", "--input-len", "256", "--output-len", "24", *COMMON_SERVE)),
+    Case("1C-r1", ONE, "1C", T1, ("--request-rate", "1", "--input-len", "256", "--output-len", "24", *COMMON_SERVE)),
+    Case("1P1D-r0.5", PD, "1P+1D", T1, ("--request-rate", "0.5", "--input-len", "384", "--output-len", "24", *COMMON_SERVE)),
+    Case("1P1D-r1-prefix", PD, "1P+1D", T1, ("--request-rate", "1", "--input-len", "128", "--prefix-groups", "4",
+                                           "--prefix-len", "384", "--output-len", "24", *COMMON_SERVE)),
+    Case("2C-r0.5", TWO, "2C", T1, ("--request-rate", "0.5", "--input-len", "256", "--output-len", "24", *COMMON_SERVE)),
+    Case("2C-r1-long", TWO, "2C", T1, ("--request-rate", "1", "--input-len", "lognormal:1024,0.4", "--output-len", "24",
+                                       *COMMON_SERVE)),
+]  # fmt: skip
+
+METRICS = (("TTFT p50 ms", "median_ttft_ms", "p50_ttft"), ("TTFT p90 ms", "p90_ttft_ms", "p90_ttft"),
+           ("TPOT p50 ms", "median_tpot_ms", "p50_tpot"), ("output tok/s", "output_throughput", None))  # fmt: skip
+
+
+def _log(msg: str) -> None:
+    print(f"[sim.validate {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _wait_up(proc: subprocess.Popen, log: Path, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if "all up" in text:
+            m = re.search(r"API key\s+(sk-duet-\S+)", text)
+            if m:
+                return m.group(1)
+        if proc.poll() is not None:
+            raise RuntimeError(f"duet up exited ({proc.returncode}):\n{text[-3000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"duet up not ready in {timeout:.0f} s:\n{text[-3000:]}")
+        time.sleep(0.5)  # polling a log file for the readiness line
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+
+
+def run_case(case: Case, out: Path, model: str | None, simulate_only: bool = False) -> dict:
+    home = out / case.name / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    log = out / case.name / "up.log"
+    result = out / case.name / "serve.json"
+    port = free_port()
+    env = {**os.environ, "DUET_HOME": str(home)}
+    up_cmd = [sys.executable, "-m", "duet", "up", "--port", str(port), "--quiet", *case.up,
+              *(("--model", model) if model else ())]  # fmt: skip
+    serve_cmd = [sys.executable, "-m", "duet", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
+                 "--result-file", str(result), "--quiet", "--json", *case.serve,
+                 *(("--tokenizer", model) if model else ())]  # fmt: skip
+    loads_file = out / case.name / "load.json"
+    if not simulate_only:
+        _log(f"{case.name}: DUET_HOME={home} {' '.join(up_cmd[1:])}")
+        load0 = os.getloadavg()[0]
+        with log.open("w") as f:
+            proc = subprocess.Popen(up_cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            key = _wait_up(proc, log, 600)
+            _log(f"{case.name}: {' '.join(serve_cmd[1:])}")
+            with ContentionMeter() as meter:
+                r = subprocess.run([*serve_cmd, "--api-key", key], env=env, capture_output=True, text=True, timeout=900)
+            if r.returncode != 0:
+                raise RuntimeError(f"bench serve failed: {r.stderr[-2000:]}")
+        finally:
+            _stop(proc)
+        loads_file.write_text(json.dumps([load0, os.getloadavg()[0], meter.median]))
+    if not result.exists():
+        raise RuntimeError(f"no measured result {result}: run the case first")
+    load0, load1, contention = json.loads(loads_file.read_text()) if loads_file.exists() else [float("nan")] * 3
+    measured = json.loads(result.read_text())
+    base = pf.load(PROFILES / case.profile)
+    prof = base.at_contention(contention)
+    from duet.cmd_plan import parse_layout
+
+    t0 = time.perf_counter()
+    s, _ = simulate(prof, parse_layout(case.layout), wl.from_result_file(result))
+    sim_wall = time.perf_counter() - t0
+    rows = []
+    for label, mkey, skey in METRICS:
+        m = measured.get(mkey)
+        p = s.output_throughput if skey is None else s.latency_ms.get(skey)
+        ape = None if (m in (None, 0) or p is None) else abs(p - m) / abs(m)
+        rows.append({"metric": label, "measured": m, "predicted": p, "ape": ape})
+    return {"case": case.name, "layout": case.layout, "profile": case.profile, "rows": rows,
+            "completed": measured.get("completed"), "failed": measured.get("failed"),
+            "sim_completed": s.completed, "load_avg_before": load0, "load_avg_after": load1, "sim_wall_s": sim_wall,
+            "contention_run": contention, "contention_profile": base.contention,
+            "commands": {"up": "DUET_HOME=... duet up " + " ".join(up_cmd[4:]),
+                         "serve": "duet bench serve " + " ".join(serve_cmd[4:]) + " --api-key KEY",
+                         "simulate": f"duet plan --layout {case.layout} --profile data/profiles/{case.profile} "
+                                     f"--from-result {result}"}}  # fmt: skip
+
+
+def table(results: list[dict]) -> str:
+    lines = [f"| case | {' | '.join(m[0] + ' (meas / pred / err)' for m in METRICS)} |",
+             "|---|" + "---|" * len(METRICS)]  # fmt: skip
+    per: dict[str, list[float]] = {m[0]: [] for m in METRICS}
+    for r in results:
+        cells = []
+        for row in r["rows"]:
+            if row["ape"] is not None:
+                per[row["metric"]].append(row["ape"])
+            cells.append(f"{_n(row['measured'])} / {_n(row['predicted'])} / "
+                         f"{'-' if row['ape'] is None else format(row['ape'], '.0%')}")  # fmt: skip
+        lines.append(f"| {r['case']} (load {r['load_avg_before']:.1f}, contention {r.get('contention_run', float('nan')):.2f}) | "
+                     + " | ".join(cells) + " |")  # fmt: skip
+    lines.append("| **MAPE** | " + " | ".join(f"{sum(v) / len(v):.0%} (max {max(v):.0%})" if v else "-"
+                                             for v in per.values()) + " |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _n(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.1f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m sim.validate", description=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--cases", default=",".join(c.name for c in CASES), help="comma-separated case names")
+    p.add_argument("--out", default="validation", help="directory for homes, logs, results (default ./validation)")
+    p.add_argument("--model", default=None, help="model for duet up (default: the pulled default model's "
+                   "directory, so no case converts it again in its own DUET_HOME)")
+    p.add_argument("--simulate-only", action="store_true",
+                   help="re-simulate the cases already measured under --out (after a profile changed)")
+    a = p.parse_args(argv)
+    # SIGTERM (also what a background job gets instead of Ctrl-C) unwinds like Ctrl-C, so each
+    # case's `finally` stops the cluster it started
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    want = a.cases.split(",")
+    unknown = set(want) - {c.name for c in CASES}
+    if unknown:
+        p.error(f"unknown case(s) {sorted(unknown)}; known: {[c.name for c in CASES]}")
+    out = Path(a.out)
+    if a.model is None:
+        from protocol.models import DEFAULT_MODEL, resolve_model
+
+        a.model = str(resolve_model(DEFAULT_MODEL).directory)
+    results = []
+    for c in (c for c in CASES if c.name in want):
+        try:
+            results.append(run_case(c, out, a.model, a.simulate_only))
+        except Exception as e:  # one case failing leaves the others to run; it is reported
+            _log(f"{c.name}: FAILED: {e}")
+            results.append({"case": c.name, "error": str(e)[-1000:], "rows": []})
+        (out / "validation.json").write_text(json.dumps(results, indent=1) + "\n")
+        ok = [r for r in results if r["rows"]]
+        if ok:
+            print(table(ok), flush=True)
+    return 0 if all(r["rows"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+"""`duet bench profile` on a tiny random Llama: the profile JSON loads with the simulator's
+schema, holds samples of every kind of step (prefill alone, decode batches, mixed), a fit with
+its errors, the KV geometry of the model, and drives a simulation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import profile as bp
+from sim import profile as pf
+from sim.cluster import Layout, NodeGroup
+from sim.run import simulate
+from sim.workload import WorkItem
+
+
+def test_profile_of_a_tiny_model(tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "p.json"
+    rc = bp.main(["--model", str(tiny_llama), "--dtype", "float32", "--quick", "--transport", "none",
+                  "--kv-memory", "8MiB", "--max-model-len", "1024", "--out", str(out)])  # fmt: skip
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    prof = pf.load(out)
+    s = prof.samples
+    assert summary["samples"] == len(s) > 30
+    assert any(x.prefill_tokens and not x.decode_seqs for x in s)  # prefill alone
+    assert any(x.decode_seqs >= 16 and not x.prefill_tokens for x in s)  # decode batches
+    assert any(x.decode_seqs and x.prefill_tokens for x in s)  # mixed
+    assert any(x.attention > x.prefill_tokens**2 for x in s)  # chunks at a later start (chunked prefill)
+    m = prof.step
+    assert m.provenance is pf.Provenance.MEASURED and m.num_samples == len(s)
+    assert m.fit_mape is not None and m.holdout_mape is not None and m.fit_max_ape is not None
+    # tiny Llama: 2 layers × 2 KV heads × head_dim 16 × (K, V) × 4 bytes (fp32)
+    assert prof.kind.kv_bytes_per_token == 2 * 2 * 16 * 2 * 4
+    assert prof.kind.kv_capacity_tokens == (8 << 20) // (prof.kind.kv_bytes_per_token * 16) * 16
+    assert any("measured" in n for n in prof.notes)
+    r, _ = simulate(prof, Layout((NodeGroup("both", 1),)), [WorkItem(t=0.0, prompt=[5] * 100, max_tokens=8)])
+    assert r.completed == 1

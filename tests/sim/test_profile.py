@@ -1,0 +1,78 @@
+"""The step-time model: the fit recovers known coefficients, reports its error, never goes
+negative, and a profile survives a JSON round trip."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from sim import profile as pf
+from tests.sim.helpers import toy_profile
+
+
+def _samples(noise: float) -> list[pf.StepSample]:
+    rng = random.Random(1)
+    out = []
+    for _ in range(200):
+        p = rng.choice([0, 0, 16, 128, 512])
+        d = rng.randint(0 if p else 1, 32)
+        ctx = d * rng.randint(10, 800) + p
+        attn = p * p
+        t = 0.004 + 2e-5 * p + 3e-4 * d + 1e-6 * ctx + 2e-9 * attn
+        out.append(pf.StepSample(p, d, ctx, attn, t * (1 + rng.uniform(-noise, noise))))
+    return out
+
+
+def test_fit_recovers_the_coefficients() -> None:
+    m = pf.fit(_samples(0.0))
+    assert m.intercept_s == pytest.approx(0.004, rel=1e-3)
+    assert m.prefill_s == pytest.approx(2e-5, rel=1e-3)
+    assert m.decode_s == pytest.approx(3e-4, rel=1e-3)
+    assert m.fit_mape is not None and m.fit_mape < 1e-6
+    assert m.num_samples == 200 and m.max_decode_seqs == 32
+
+
+def test_fit_error_is_reported_and_coefficients_stay_non_negative() -> None:
+    samples = _samples(0.05)
+    # a feature that does not matter, with noise, would fit slightly negative by plain lstsq
+    m = pf.fit(samples)
+    assert 0.005 < (m.fit_mape or 0) < 0.05
+    assert m.holdout_mape is not None and m.holdout_mape < 0.06
+    assert min(m.intercept_s, m.prefill_s, m.decode_s, m.context_s, m.attention_s) >= 0
+
+
+def test_too_few_samples_is_an_error() -> None:
+    with pytest.raises(ValueError, match="cannot fit"):
+        pf.fit(_samples(0)[:3])
+
+
+def test_profile_round_trip(tmp_path: Path) -> None:
+    p = toy_profile()
+    pf.save(p, tmp_path / "p.json")
+    assert pf.load(tmp_path / "p.json") == p
+    (tmp_path / "bad.json").write_text('{"kind": 3}')
+    with pytest.raises(ValueError, match="not a duet profile"):
+        pf.load(tmp_path / "bad.json")
+
+
+def test_at_contention_scales_cpu_kinds_only() -> None:
+    import msgspec
+
+    p = msgspec.structs.replace(toy_profile(), contention=2.0)
+    q = p.at_contention(3.0)
+    assert q.contention == 3.0
+    assert q.step.intercept_s == pytest.approx(p.step.intercept_s * 1.5)
+    assert q.overheads.request_s == pytest.approx(p.overheads.request_s * 1.5)
+    assert toy_profile().at_contention(3.0) == toy_profile()  # a GPU-like kind: no contention recorded
+
+
+def test_contention_meter_reads_about_one_when_idle_or_more() -> None:
+    import time
+
+    from sim.contention import ContentionMeter
+
+    with ContentionMeter(interval_s=0.02, work_s=0.001) as m:
+        time.sleep(0.3)
+    assert len(m.samples) >= 3 and m.median >= 0.99

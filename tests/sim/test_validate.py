@@ -1,0 +1,33 @@
+"""The validation plan covers what issue #26 asks (≥ 6 runs: 1 colocated node, 1P1D, 2
+colocated, ≥ 2 rates each, one with shared prefixes, one with the long-prompt mix), and the
+table's MAPE is the mean of the per-case errors."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from duet.cmd_plan import parse_layout
+from sim import validate
+
+
+def test_cases_cover_the_issue() -> None:
+    cases = validate.CASES
+    assert len(cases) >= 6
+    rates: dict[str, set[str]] = defaultdict(set)
+    for c in cases:
+        parse_layout(c.layout)  # every layout parses
+        rates[c.layout].add(c.serve[c.serve.index("--request-rate") + 1])
+    assert {k: len(v) >= 2 for k, v in rates.items()} == {"1C": True, "1P+1D": True, "2C": True}
+    assert any("--prefix-groups" in c.serve for c in cases)
+    assert any(x.startswith("lognormal:1024") for c in cases for x in c.serve)
+
+
+def test_table_and_mape() -> None:
+    def rows(ttft: float, pred: float) -> list[dict]:
+        return [{"metric": m[0], "measured": ttft, "predicted": pred, "ape": abs(pred - ttft) / ttft}
+                for m in validate.METRICS]  # fmt: skip
+
+    text = validate.table([{"case": "a", "load_avg_before": 1.0, "rows": rows(100, 110)},
+                           {"case": "b", "load_avg_before": 2.0, "rows": rows(100, 70)}])  # fmt: skip
+    last = text.splitlines()[-1]
+    assert last.startswith("| **MAPE** |") and "20% (max 30%)" in last

@@ -1,0 +1,43 @@
+"""Arrival sources: distributions, a bench-serve result file, a Mooncake trace."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sim import workload as wl
+
+
+def test_synthetic_is_seeded_and_shares_prefixes() -> None:
+    w = wl.Synthetic(rate=10, duration_s=20, input_len="50", output_len="uniform:5,9", prefix_groups=3, prefix_len=32)
+    a, b = list(wl.synthetic(w)), list(wl.synthetic(w))
+    assert [x.prompt for x in a] == [x.prompt for x in b]
+    assert 150 < len(a) < 260 and all(x.t <= 20 for x in a)
+    assert all(len(x.prompt) == 82 and 5 <= x.max_tokens <= 9 for x in a)
+    assert a[0].prompt[:32] == a[3].prompt[:32] != a[1].prompt[:32]
+
+
+def test_result_file_replays_the_runs_schedule(tmp_path: Path) -> None:
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"config": {"output_len": "16", "prefix_groups": 0, "prefix_len": 0},
+                             "scheduled_times": [0.5, 0.0, 1.0], "input_lens": [10, 20, 30],
+                             "output_lens": [16, 16, 0], "tiers": [None, "batch", None]}))  # fmt: skip
+    items = list(wl.from_result_file(f))
+    assert [(x.t, len(x.prompt), x.max_tokens, x.tier) for x in items] == [
+        (0.0, 20, 16, "batch"), (0.5, 10, 16, "interactive"), (1.0, 30, 16, "interactive")]  # fmt: skip
+    (tmp_path / "sweep.json").write_text(json.dumps({"runs": []}))
+    with pytest.raises(ValueError, match="one run"):
+        list(wl.from_result_file(tmp_path / "sweep.json"))
+
+
+def test_mooncake_trace_reproduces_shared_blocks(tmp_path: Path) -> None:
+    f = tmp_path / "t.jsonl"
+    rows = [{"timestamp": 1000, "input_length": 1000, "output_length": 5, "hash_ids": [7, 8]},
+            {"timestamp": 3000, "input_length": 700, "output_length": 6, "hash_ids": [7, 9]}]  # fmt: skip
+    f.write_text("\n".join(json.dumps(r) for r in rows))
+    a, b = wl.mooncake(f, block_size=512)
+    assert (a.t, b.t) == (0.0, 2.0)
+    assert len(a.prompt) == 1000 and len(b.prompt) == 700
+    assert a.prompt[:512] == b.prompt[:512] and a.prompt[512:700] != b.prompt[512:700]
