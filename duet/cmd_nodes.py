@@ -47,9 +47,12 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
     e.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     e.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0-3,8")
     e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--quantization", choices=["none", "int8", "int4", "int4-g64"], default="none",
-                   help="weight-only quantization of the linear layers (native engine); activations and "
-                        "the KV cache keep --dtype. Quantize once ahead with `duet models pull --quantize`")  # fmt: skip
+    e.add_argument("--quantization", choices=["none", "int8", "int4", "int4-g64", "int8-w8a8", "int4-w4a8"],
+                   default="none",
+                   help="quantization of the linear layers (native engine): int8/int4/int4-g64 are weight-only "
+                        "(activations and the KV cache keep --dtype); int8-w8a8/int4-w4a8 also quantize "
+                        "activations per token to int8 for int8 GEMMs (faster prefill and batches). Quantize "
+                        "once ahead with `duet models pull --quantize`")  # fmt: skip
     e.add_argument("--engine", choices=["native", "vllm"], default="native",
                    help="engine behind the node API: native (this repo's paged-KV engine, starts in "
                         "seconds) or vllm (vLLM's AsyncLLM; P/D through vLLM's NixlConnector; needs "

@@ -1,8 +1,9 @@
 """Token selection from a step's logits: greedy, temperature, top-k, top-p, per-request seed.
 
 Greedy rows take the argmax (the same token transformers' greedy search picks: the first
-maximum), with the `argmax_rows` CPU kernel when available, on the logits as they come
-(bf16 or fp32). Sampled rows are processed together in fp32 for temperature/top-k/top-p, then
+maximum), with the `argmax_rows` CPU kernel when available, on the logits as they come: fp32
+from the model in every dtype (engine/logits_head.py), so a bf16 engine no longer ties tokens
+whose logits differ below bf16's precision. Sampled rows are processed together in fp32 for temperature/top-k/top-p, then
 each draws with its own `torch.Generator` when it has a seed, so its tokens do not depend on
 what else is batched.
 
