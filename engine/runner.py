@@ -80,15 +80,17 @@ class ModelRunner:
                              f"{self.kv_cache.dtype}, expected {expected} {dtype}")  # fmt: skip
 
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor, list[PromptRows]]:
-        """Run one step. Returns the chunks that sample, in order, their logits [S, V], and
+        """Run one step. Returns the chunks that sample, in order, their logits [S, V] (1 + the
+        draft's length rows per chunk, in chunk order), and
         the prompt-logprob rows: for each chunk whose request wants prompt logprobs, the
         logits of its positions that predict a prompt token not yet scored (computed only
         then: every other row stops at the last hidden state)."""
         decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
         ids = [c.req.token_at(c.start) for c in decodes]
-        for c in prefills:
-            ids.extend(c.req.all_token_ids[c.start : c.start + c.num_tokens])
+        for c in prefills:  # a speculative chunk runs as a short prefill: its token, then the draft
+            ids.extend(c.req.all_token_ids[c.start : c.start + c.num_tokens - len(c.draft)])
+            ids.extend(c.draft)
         md = build_metadata(
             self.block_size,
             [(c.req.block_ids, c.start) for c in decodes],
@@ -110,8 +112,8 @@ class ModelRunner:
                     prompt.append((c, first, end - first))
                     extra_rows.extend(range(row + first - c.start, row + end - c.start))
             row += c.num_tokens
-            if c.samples:
-                sample_rows.append(row - 1)
+            if c.samples:  # a speculative chunk: the rows of its token and of every draft token
+                sample_rows.extend(range(row - 1 - len(c.draft), row))
                 samplers.append(c)
         dev = self.device
         logits = self.model.forward(
