@@ -30,7 +30,8 @@
 #define W8_AMX 1
 #endif
 
-#define W8_MR 8 /* activation rows per VNNI pass */
+#define W8_MR 8       /* activation rows per VNNI pass */
+#define W8_AMX_MB 128 /* activation rows per AMX pass over the weights (a multiple of 32) */
 
 INLINE int64_t w8_pad64(int64_t k) { return (k + 63) & ~(int64_t)63; }
 
@@ -68,7 +69,7 @@ static float w8_quant_row(const void *x, int64_t k, int64_t kp, int bf16, uint8_
 }
 
 /* Dequantize acc [cnt <= 16] (outputs n0 ..) of one activation row into out_row. */
-static void w8_epilogue(const int32_t *acc, int cnt, float sx, const float *scale, const int32_t *wsum,
+INLINE void w8_epilogue(const int32_t *acc, int cnt, float sx, const float *scale, const int32_t *wsum,
                         const void *bias, int64_t n0, void *out_row, int bf16) {
     int i = 0;
 #if defined(__AVX512F__)
@@ -223,7 +224,7 @@ int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
 #pragma omp parallel if ((int64_t)m * n * k >= (1 << 15))
     {
         /* AMX: [mpad][32] per pair of blocks; VNNI: [W8_MR][16] */
-        int32_t *acc = (int32_t *)aligned_alloc(64, sizeof(int32_t) * (size_t)(amx ? mpad * 32 : W8_MR * 16));
+        int32_t *acc = (int32_t *)aligned_alloc(64, sizeof(int32_t) * (size_t)(amx ? W8_AMX_MB * 32 : W8_MR * 16));
         if (!acc) {
 #pragma omp atomic write
             fail = 1;
@@ -237,31 +238,37 @@ int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
             _tile_loadconfig(&cfg);
         }
 #endif
+        /* AMX: W8_AMX_MB activation rows per pass over the weights, so the pass's outputs stay in
+         * L2 while they are written (a whole prefill's outputs of a wide layer would not) */
+        const int pass = amx ? W8_AMX_MB : mpad;
+        for (int m0 = 0; m0 < mpad; m0 += pass) {
+            const int mb = mpad - m0 < pass ? mpad - m0 : pass;
 #pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) {
-            if (!acc) continue;
-            const int64_t n0 = 32 * p;
+            for (int64_t p = 0; p < pairs; p++) {
+                if (!acc) continue;
+                const int64_t n0 = 32 * p;
 #if defined(W8_AMX)
-            if (amx) {
-                w8_amx_pair(X, mpad, kp, wp + 2 * p * blk, acc);
-                for (int s = 0; s < m; s++)
-                    for (int h = 0; h < 2 && n0 + 16 * h < n; h++) {
-                        const int cnt = (int)(n - n0 - 16 * h < 16 ? n - n0 - 16 * h : 16);
-                        w8_epilogue(acc + s * 32 + 16 * h, cnt, sx[s], scale, wsum, bias, n0 + 16 * h,
-                                    (char *)out + (int64_t)s * os * esz, obf16);
-                    }
-                continue;
-            }
+                if (amx) {
+                    w8_amx_pair(X + (int64_t)m0 * kp, mb, kp, wp + 2 * p * blk, acc);
+                    for (int s = 0; s < mb && m0 + s < m; s++)
+                        for (int h = 0; h < 2 && n0 + 16 * h < n; h++) {
+                            const int cnt = (int)(n - n0 - 16 * h < 16 ? n - n0 - 16 * h : 16);
+                            w8_epilogue(acc + s * 32 + 16 * h, cnt, sx[m0 + s], scale, wsum, bias, n0 + 16 * h,
+                                        (char *)out + (int64_t)(m0 + s) * os * esz, obf16);
+                        }
+                    continue;
+                }
 #endif
-            for (int h = 0; h < 2 && n0 + 16 * h < n; h++) {
-                const int64_t nb = n0 + 16 * h;
-                const int cnt = (int)(n - nb < 16 ? n - nb : 16);
-                for (int mi = 0; mi < m; mi += W8_MR) {
-                    const int mr = m - mi < W8_MR ? m - mi : W8_MR;
-                    w8_dots(X + (int64_t)mi * kp, mr, kp, wp + (2 * p + h) * blk, acc);
-                    for (int s = 0; s < mr; s++)
-                        w8_epilogue(acc + 16 * s, cnt, sx[mi + s], scale, wsum, bias, nb,
-                                    (char *)out + (int64_t)(mi + s) * os * esz, obf16);
+                for (int h = 0; h < 2 && n0 + 16 * h < n; h++) {
+                    const int64_t nb = n0 + 16 * h;
+                    const int cnt = (int)(n - nb < 16 ? n - nb : 16);
+                    for (int mi = 0; mi < m; mi += W8_MR) {
+                        const int mr = m - mi < W8_MR ? m - mi : W8_MR;
+                        w8_dots(X + (int64_t)mi * kp, mr, kp, wp + (2 * p + h) * blk, acc);
+                        for (int s = 0; s < mr; s++)
+                            w8_epilogue(acc + 16 * s, cnt, sx[mi + s], scale, wsum, bias, nb,
+                                        (char *)out + (int64_t)(mi + s) * os * esz, obf16);
+                    }
                 }
             }
         }
