@@ -65,12 +65,13 @@ def weight_bytes(eng) -> int:
 
     model = eng.runner.model
     lins = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    head = model.lm_head.q or model.lm_head
     total = 0
-    for lin in [*lins, model.lm_head]:
+    for lin in [*lins, head]:
         if isinstance(lin, QLinear):
             total += lin.weight.nbytes
         else:
-            t = lin.packed if lin.packed is not None else lin.weight
+            t = lin.packed if getattr(lin, "packed", None) is not None else lin.weight
             total += t.numel() * t.element_size()
     return total
 

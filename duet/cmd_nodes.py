@@ -47,9 +47,17 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
     e.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     e.add_argument("--cpus", default=None, help="pin to these CPUs, e.g. 0-3,8")
     e.add_argument("--no-prefix-caching", action="store_true")
-    e.add_argument("--quantization", choices=["none", "int8", "int4", "int4-g64"], default="none",
-                   help="weight-only quantization of the linear layers (native engine); activations and "
-                        "the KV cache keep --dtype. Quantize once ahead with `duet models pull --quantize`")  # fmt: skip
+    e.add_argument("--quantization", choices=["none", "int8", "int4", "int4-g64", "int8-w8a8", "int4-w4a8"],
+                   default="none",
+                   help="quantization of the linear layers (native engine): int8/int4/int4-g64 are weight-only "
+                        "(activations and the KV cache keep --dtype); int8-w8a8/int4-w4a8 also quantize "
+                        "activations per token to int8 for int8 GEMMs (faster prefill and batches). Quantize "
+                        "once ahead with `duet models pull --quantize`")  # fmt: skip
+    e.add_argument("--speculative", choices=["none", "ngram"], default="none",
+                   help="speculative decoding (native engine): ngram drafts tokens by prompt lookup (pays on "
+                        "summaries, edits, RAG answers); greedy output is unchanged, sampled output keeps its "
+                        "distribution; off by itself above 4 decoding requests")  # fmt: skip
+    e.add_argument("--num-speculative-tokens", type=int, default=5, help="most draft tokens per step (default 5)")
     e.add_argument("--engine", choices=["native", "vllm"], default="native",
                    help="engine behind the node API: native (this repo's paged-KV engine, starts in "
                         "seconds) or vllm (vLLM's AsyncLLM; P/D through vLLM's NixlConnector; needs "
@@ -124,6 +132,8 @@ def native_engine_config(args: argparse.Namespace):
         max_waiting_requests=args.max_waiting_requests, max_waiting_tokens=args.max_waiting_tokens,
         record_kv_events=bool(args.etcd),  # coordinators read them through GET /kv/events
         quantization=None if args.quantization == "none" else args.quantization,
+        speculative=None if args.speculative == "none" else args.speculative,
+        num_speculative_tokens=args.num_speculative_tokens,
     )  # fmt: skip
 
 

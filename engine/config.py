@@ -46,8 +46,16 @@ class EngineConfig:
     max_waiting_requests: int = 256
     #: backpressure: prompt tokens queued before new requests are refused as overload
     max_waiting_tokens: int = 262144
-    #: weight-only quantization of the linear layers: None (the model dtype), "int8" (per-channel
-    #: scales), "int4" (groups of 32) or "int4-g64"; activations and the KV cache keep `dtype`
+    #: quantization of the linear layers: None (the model dtype); weight-only "int8" (per-channel
+    #: scales), "int4" (groups of 32) or "int4-g64" (activations and the KV cache keep `dtype`); or
+    #: W8A8 "int8-w8a8" / "int4-w4a8" (activations quantized per token to int8, int8 GEMMs)
     quantization: str | None = None
+    #: speculative decoding: None (off) or "ngram" (prompt lookup: drafts copied from the prompt and
+    #: the output so far; greedy output unchanged, sampled output distributed as without it)
+    speculative: str | None = None
+    #: most draft tokens per request and step (each request adapts its own k below this)
+    num_speculative_tokens: int = 5
+    #: no drafts while more requests than this decode (larger batches are compute-bound)
+    spec_max_batch: int = 4
     #: keep BlockStored/BlockRemoved events for the coordinator
     record_kv_events: bool = False

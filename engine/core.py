@@ -31,6 +31,7 @@ from engine.runner import ModelRunner, PoolFactory, zeroed_pool
 from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from engine.spec_decode import Speculator
 from protocol.logprobs import TokenLogprob
 from protocol.models import resolve_model
 from protocol.tokenizer import Tokenizer
@@ -117,6 +118,12 @@ class EngineCore:
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                             config.enable_chunked_prefill), self.kv)  # fmt: skip
         self.sampler = Sampler(config.seed)
+        self.speculator: Speculator | None = None
+        if config.speculative:
+            self.speculator = Speculator(config.speculative, config.num_speculative_tokens, self.max_model_len,
+                                         self.sampler)  # fmt: skip
+            self.scheduler.drafter = self.speculator.draft
+            self.scheduler.spec_max_batch = config.spec_max_batch
         self.counters = EngineCounters()
         self.progressed = False  # whether the last step changed anything
         self._text: dict[str, TextState] = {}
@@ -228,8 +235,17 @@ class EngineCore:
             req = c.req
             if req.num_computed_tokens < req.num_prompt_tokens:
                 self.counters.prompt_tokens_computed += min(c.num_tokens, req.num_prompt_tokens - c.start)
-            req.num_computed_tokens = c.start + c.num_tokens
+            req.num_computed_tokens = c.start + c.num_tokens - len(c.draft)  # drafts count once accepted
             self.kv.cache_computed_blocks(req)
+        if any(c.draft for c in samplers):
+            return self._spec_outputs(samplers, logits, prompt_rows, outputs), sched.reserved
+        outputs.extend(self._sample_and_append(samplers, logits, prompt_rows))
+        return outputs, sched.reserved
+
+    def _sample_and_append(self, samplers: list[ScheduledChunk], logits: torch.Tensor,
+                           prompt_rows: list) -> list[RequestOutput]:  # fmt: skip
+        """One token per chunk from its row of `logits` (prompt logprobs first), appended."""
+        outputs: list[RequestOutput] = []
         rows = [
             (c.req.request_id, c.req.params, len(c.req.output_token_ids) >= c.req.params.min_tokens)
             for c in samplers
@@ -238,6 +254,8 @@ class EngineCore:
             targets = pr.req.prompt_token_ids[pr.first + 1 : pr.first + 1 + len(pr.logits)]
             n = pr.req.params.prompt_logprobs or 0
             pr.req.prompt_logprobs.extend(token_logprobs(pr.logits, targets, [n] * len(targets)))
+        if not samplers:
+            return outputs
         tokens, errors = self.sampler.sample_rows(logits, rows, [c.req.eos_token_ids for c in samplers])
         lps = self._logprobs(samplers, logits, tokens, errors)
         now = time.monotonic()
@@ -247,7 +265,51 @@ class EngineCore:
                 outputs.append(self.fail(c.req, errors[i]))
             else:
                 outputs.append(self._append_token(c.req, tok, now, lps.get(i)))
-        return outputs, sched.reserved
+        return outputs
+
+    def _spec_outputs(self, samplers: list[ScheduledChunk], logits: torch.Tensor, prompt_rows: list,
+                      outputs: list[RequestOutput]) -> list[RequestOutput]:  # fmt: skip
+        """A step with speculative chunks: plain chunks sample their one row as usual; each
+        speculative chunk verifies its draft, emits the accepted tokens and one more in one
+        delta, and gives back the KV slots of the rejected ones."""
+        starts, at = [], 0
+        for c in samplers:
+            starts.append(at)
+            at += 1 + len(c.draft)
+        plain = [i for i, c in enumerate(samplers) if not c.draft]
+        if plain:
+            sub = logits[[starts[i] for i in plain]]
+            outs = self._sample_and_append([samplers[i] for i in plain], sub, prompt_rows)
+        else:
+            outs = self._sample_and_append([], logits[:0], prompt_rows)
+        by_chunk = dict(zip(plain, outs, strict=True))
+        now = time.monotonic()
+        for i, c in enumerate(samplers):
+            if i in by_chunk:
+                outputs.append(by_chunk[i])
+                continue
+            req = c.req
+            try:
+                emitted = self.speculator.verify(c, logits[starts[i] : starts[i] + 1 + len(c.draft)])  # type: ignore[union-attr]
+            except Exception as e:  # this request fails alone
+                outputs.append(self.fail(req, f"speculative verification failed: {type(e).__name__}: {e}"))
+                continue
+            out: RequestOutput | None = None
+            for tok in emitted:
+                o = self._append_token(req, tok, now)
+                if out is not None:  # one delta for the step's tokens
+                    o.new_token_ids = out.new_token_ids + o.new_token_ids
+                    o.new_text = out.new_text + o.new_text
+                out = o
+                if o.finished:
+                    break
+            assert out is not None
+            outputs.append(out)
+            if not out.finished:  # KV of the accepted drafts stands; the rejected slots go back
+                req.num_computed_tokens = c.start + len(emitted)
+                self.kv.cache_computed_blocks(req)
+                self.kv.trim(req, req.num_tokens)
+        return outputs
 
     def _logprobs(self, samplers: list[ScheduledChunk], logits: torch.Tensor, tokens: list[int],
                   errors: dict[int, str]) -> dict[int, TokenLogprob]:  # fmt: skip
@@ -295,6 +357,8 @@ class EngineCore:
         self.scheduler.finish(req, reason, stop_reason)
         self._text.pop(req.request_id, None)
         self.sampler.forget(req.request_id)
+        if self.speculator is not None:
+            self.speculator.forget(req.request_id)
         self.counters.requests_finished += 1
         out.finished = True
         out.finish_reason = reason
@@ -376,5 +440,6 @@ class EngineCore:
             "generation_tokens": self.counters.generation_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "steps": self.counters.steps,
+            **(self.speculator.counters.stats() if self.speculator is not None else {}),
         }
 

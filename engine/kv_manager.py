@@ -115,6 +115,17 @@ class KVCacheManager:
             self.pool.cache(req.block_ids[i], hs[i], hs[i - 1] if i else None, toks)
         self._num_cached[req.request_id] = n_full
 
+    def trim(self, req: Request, num_tokens: int) -> int:
+        """Speculative decoding's rollback: free the blocks past those `num_tokens` tokens need
+        (slots allocated for draft tokens that were rejected). Their KV was never registered in
+        the prefix cache (only computed, accepted blocks are). Returns how many were freed."""
+        keep = cdiv(num_tokens, self.block_size)
+        extra = req.block_ids[keep:]
+        if extra:
+            self.pool.free(extra[::-1])
+            req.block_ids = req.block_ids[:keep]
+        return len(extra)
+
     # -- release ---------------------------------------------------------------------------
     def free(self, req: Request) -> None:
         """Drop the request's references (tail first, so its suffix is evicted first)."""

@@ -11,6 +11,7 @@ gate/up GEMM → SiLU·up → down GEMM → residual add + the next layer's norm
 SiLU·up and every token's attention are kernels and GEMMs use oneDNN-prepacked weights
 (engine/linear.py), or weight-only int8/int4 kernels when the weights are quantized
 (engine/qlinear.py); fp32 keeps torch norms and SDPA prefill (exact transformers parity).
+The logits are fp32 in every dtype (engine/logits_head.py).
 Without kernels, the same steps run as torch ops.
 """
 
@@ -25,6 +26,7 @@ from engine.attention import AttentionMetadata, paged_attention
 from engine.kernel_step import KernelStep
 from engine.kernels import kernels_lib
 from engine.linear import Linear
+from engine.logits_head import LogitsHead
 from engine.model_config import ModelConfig
 from engine.qlinear import QLinear, make_linear
 from engine.rope import Rope
@@ -42,7 +44,8 @@ class Layer:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, rope: Rope, device: torch.device) -> None:
+    def __init__(self, cfg: ModelConfig, weights: ModelWeights, rope: Rope, device: torch.device,
+                 act_int8: bool = False) -> None:  # fmt: skip
         self.cfg = cfg
         dtype = weights.embed.dtype
         usable = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
@@ -50,15 +53,16 @@ class LlamaModel:
         self.kernels = kernels_lib() if usable else None
         # fp32 stays on SDPA prefill and torch norms: the exact-parity reference path.
         self.kernel_prefill = self.fused = self.kernels is not None and dtype == torch.bfloat16
+        a8 = act_int8  # W8A8 linears (engine/qlinear.py); the lm_head stays weight-only
         self.layers = [
-            Layer(lw.input_norm, make_linear(lw.qkv, lw.qkv_bias), make_linear(lw.o), lw.post_norm,
-                  make_linear(lw.gate_up), make_linear(lw.down))
+            Layer(lw.input_norm, make_linear(lw.qkv, lw.qkv_bias, a8), make_linear(lw.o, None, a8), lw.post_norm,
+                  make_linear(lw.gate_up, None, a8), make_linear(lw.down, None, a8))
             for lw in weights.layers
         ]
         weights.layers = []  # prepacked copies replace the plain weights
         self.embed = weights.embed
         self.norm = weights.norm
-        self.lm_head = make_linear(weights.lm_head)
+        self.lm_head = LogitsHead(weights.lm_head)
         self.rope = rope
         self.eps = cfg.rms_norm_eps
         self.hidden = (cfg.hidden_size,)
@@ -125,4 +129,4 @@ class LlamaModel:
                 h += down
         del step  # the kernels are done with the step's tensors
         x = self._norm(h[sample_idx], self.norm)
-        return self.lm_head(x)  # model dtype: the sampler reads bf16 logits as they are
+        return self.lm_head(x)  # fp32 logits in every dtype (engine/logits_head.py)

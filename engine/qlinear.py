@@ -1,4 +1,4 @@
-"""QLinear: a linear layer over a weight-only quantized matrix (engine/quant.py).
+"""QLinear: a linear layer over a quantized matrix (engine/quant.py), weight-only or W8A8.
 
 On the CPU with the native kernels (bf16 or fp32 activations) it calls `qlinear_int8` /
 `qlinear_int4`, which read the packed weights directly (decode) or dequantize 16 rows at a time
@@ -6,8 +6,14 @@ into a cached tile (batches, prefill). Elsewhere (CUDA, no compiler, DUET_DISABL
 dequantizes a tile of output rows at a time with torch and runs F.linear on it, so no full
 dequantized copy of the matrix ever exists.
 
-Invariant: both paths compute x @ dequantize(w)^T (+ bias) with fp32 accumulation on the CPU;
-the result is rounded once to the activation dtype. With CI=true a missing kernel library is an
+With `act_int8` (the int8-w8a8 / int4-w4a8 schemes) the activations are quantized per token
+to int8 and the GEMM sums int8 products in int32 (`qlinear_w8a8`: AMX, VNNI or portable; torch:
+`w8a8_reference`, the same bits) over the weight's int8 form (`int8_for_gemm`), packed once into
+the kernels' blocked layout. int4-w4a8 keeps its packed int4 for one-row calls (single-stream
+decode reads half the bytes, weight-only), and uses the int8 form for batches and prefill.
+
+Invariant: the weight-only paths compute x @ dequantize(w)^T (+ bias) with fp32 accumulation on
+the CPU, the W8A8 paths w8a8_reference; the result is rounded once to the activation dtype. With CI=true a missing kernel library is an
 error, not a silent torch fallback (DESIGN §6), unless DUET_DISABLE_KERNELS asks for torch.
 """
 
@@ -20,14 +26,14 @@ import torch.nn.functional as F
 
 from engine.kernels import kernels_lib
 from engine.linear import Linear
-from engine.quant import QuantizedWeight, dequantize
+from engine.quant import QuantizedWeight, dequantize, int8_for_gemm, pack_w8a8, w8a8_reference
 
 #: output rows dequantized per torch tile: ~4-16 MiB of fp32 for common hidden sizes
 _TILE_ROWS = 2048
 
 
 class QLinear:
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, act_int8: bool = False) -> None:
         self.weight = weight
         self.bias = bias
         self.out_features = weight.out_features
@@ -40,49 +46,68 @@ class QLinear:
         w = weight
         self._args = ((w.q.data_ptr(), w.scales.data_ptr()) if w.scheme == "int8"
                       else (w.q.data_ptr(), w.scales.data_ptr(), w.mins.data_ptr(), w.group))  # fmt: skip
+        self.w8: QuantizedWeight | None = None
+        if act_int8:
+            self.w8 = int8_for_gemm(weight)
+            self._packed, self._wsum = pack_w8a8(self.w8.q.cpu())
+            self._w8_args = (self._packed.data_ptr(), self.w8.scales.data_ptr(), self._wsum.data_ptr())
+        #: one-row calls of int4-w4a8 keep the int4 weight-only GEMV
+        self._gemv_weight_only = act_int8 and weight.scheme != "int8"
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x @ W^T (+ bias), in x's dtype or in `out_dtype` (torch.float32 for the logits: the
+        fp32 accumulator stored without rounding to bf16)."""
         if self.lib is not None and x.dtype in (torch.bfloat16, torch.float32):
-            return self._kernel(x)
-        return self._torch(x)
+            return self._kernel(x, out_dtype or x.dtype)
+        return self._torch(x, out_dtype or x.dtype)
 
-    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+    def _kernel(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         if x.stride(-1) != 1:
             x = x.contiguous()
         m, k = x.shape
         if k != self.in_features:
             raise ValueError(f"input has {k} features, the layer expects {self.in_features}")
-        out = torch.empty((m, self.out_features), dtype=x.dtype)
+        out_f32 = int(out_dtype == torch.float32 and x.dtype != torch.float32)
+        if out_f32 and self.bias is not None:
+            raise ValueError("an fp32 output of a bf16 layer is for bias-free layers (the lm_head)")
+        out = torch.empty((m, self.out_features), dtype=torch.float32 if out_f32 else x.dtype)
         if m == 0:
             return out
         bf16 = int(x.dtype == torch.bfloat16)
         bias = 0 if self.bias is None else self.bias.data_ptr()
-        if self.weight.scheme == "int8":
+        if self.w8 is not None and not (m == 1 and self._gemv_weight_only):
+            rc = self.lib.qlinear_w8a8(x.data_ptr(), x.stride(0), m, k, *self._w8_args, self.out_features, bias,
+                                       out.data_ptr(), out.stride(0), bf16, out_f32)  # fmt: skip
+        elif self.weight.scheme == "int8":
             rc = self.lib.qlinear_int8(x.data_ptr(), x.stride(0), m, k, *self._args, self.out_features, bias,
-                                       out.data_ptr(), out.stride(0), bf16)  # fmt: skip
+                                       out.data_ptr(), out.stride(0), bf16, out_f32)  # fmt: skip
         else:
             rc = self.lib.qlinear_int4(x.data_ptr(), x.stride(0), m, k, *self._args, self.out_features, bias,
-                                       out.data_ptr(), out.stride(0), bf16)  # fmt: skip
+                                       out.data_ptr(), out.stride(0), bf16, out_f32)  # fmt: skip
         if rc != 0:
             raise MemoryError(f"quantized linear kernel failed ({rc}) for a [{m}, {k}] input")
         return out
 
-    def _torch(self, x: torch.Tensor) -> torch.Tensor:
+    def _torch(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         n = self.out_features
+        rows = x.reshape(-1, x.shape[-1]).shape[0]
+        if self.w8 is not None and not (rows == 1 and self._gemv_weight_only):
+            return w8a8_reference(x, self.w8, self.bias, out_dtype)
         # CPU: fp32 math, one rounding (what the kernels do); CUDA: the activation dtype's GEMM.
-        cdt = torch.float32 if x.device.type == "cpu" else x.dtype
+        cdt = torch.float32 if x.device.type == "cpu" or out_dtype == torch.float32 else x.dtype
         xc = x.to(cdt)
-        out = torch.empty((*x.shape[:-1], n), dtype=x.dtype, device=x.device)
+        out = torch.empty((*x.shape[:-1], n), dtype=out_dtype, device=x.device)
         for r0 in range(0, n, _TILE_ROWS):
             rows = slice(r0, min(n, r0 + _TILE_ROWS))
             w = dequantize(self.weight, rows).to(cdt)
             b = None if self.bias is None else self.bias[rows].to(cdt)
-            out[..., rows] = F.linear(xc, w, b).to(x.dtype)
+            out[..., rows] = F.linear(xc, w, b).to(out_dtype)
         return out
 
 
-def make_linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> Linear | QLinear:
-    """The layer for a plain (prepacked where possible) or a quantized weight."""
+def make_linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
+                act_int8: bool = False) -> Linear | QLinear:  # fmt: skip
+    """The layer for a plain (prepacked where possible) or a quantized weight (W8A8 with act_int8)."""
     if isinstance(weight, QuantizedWeight):
-        return QLinear(weight, bias)
+        return QLinear(weight, bias, act_int8)
     return Linear(weight, bias)

@@ -1,6 +1,7 @@
-"""Weight-only quantization: the schemes, the packed formats and their torch reference.
+"""Quantization: the schemes, the packed formats and their torch reference.
 
-Schemes (activations and the KV cache stay in the engine dtype; only linear weights shrink):
+Weight-only schemes (activations and the KV cache stay in the engine dtype; only linear weights
+shrink):
 
 - `int8`: symmetric, one fp32 scale per output channel: w = scale[n] * q[n, k], q in [-127, 127].
 - `int4` / `int4-g64`: asymmetric, groups of 32 (or 64) weights along the input dimension, fp16
@@ -15,6 +16,14 @@ bytes, read as 16 little-endian uint16 lanes; lane i holds weights i, 16+i, 32+i
 super-block in nibbles 0..3. A 16-lane vector load then yields four 16-weight chunks with one
 shift each. Requires in_features % 64 == 0.
 
+Activation-quantized schemes (W8A8: int8 arithmetic in the GEMMs, issue 25): `int8-w8a8` uses
+the `int8` weights, `int4-w4a8` the `int4` weights (their dequantized values requantized per
+channel to int8 for the GEMM, so the int4 rounding is what the model computes with); every
+linear's activations are quantized per token, dynamically, to int8 (`w8a8_reference`), and the
+products accumulate in int32. The lm_head keeps the weight-only int8 path (fp32 logits). The KV
+cache stays in the engine dtype. The W8A8 kernels read the weights in a blocked layout
+(`pack_w8a8`).
+
 Invariant: `dequantize(quantize(w))` is exactly what the kernels multiply by (int4: one FMA,
 as the kernels build their lookup table; int8: q as fp32, the scale applied to the dot product).
 """
@@ -25,8 +34,12 @@ from dataclasses import dataclass
 
 import torch
 
-SCHEMES = ("int8", "int4", "int4-g64")
-#: what `int4` quantizes the lm_head to (see the module docstring)
+SCHEMES = ("int8", "int4", "int4-g64", "int8-w8a8", "int4-w4a8")
+#: the weight format of each scheme (what is quantized, cached and packed)
+WEIGHT_FORMAT = {"int8": "int8", "int4": "int4", "int4-g64": "int4-g64", "int8-w8a8": "int8", "int4-w4a8": "int4"}
+#: schemes whose linears quantize their activations to int8 (W8A8 GEMMs)
+ACT_INT8 = frozenset({"int8-w8a8", "int4-w4a8"})
+#: what each weight format quantizes the lm_head to (see the module docstring)
 LM_HEAD_SCHEME = {"int8": "int8", "int4": "int8", "int4-g64": "int8"}
 
 
@@ -60,8 +73,8 @@ def check_scheme(name: str) -> str:
 
 
 def quantize(w: torch.Tensor, scheme: str) -> QuantizedWeight:
-    """Quantize a [N, K] weight (any float dtype; computed in fp32)."""
-    check_scheme(scheme)
+    """Quantize a [N, K] weight (any float dtype; computed in fp32) in `scheme`'s weight format."""
+    scheme = WEIGHT_FORMAT[check_scheme(scheme)]
     if scheme == "int8":
         return quantize_int8(w)
     return quantize_int4(w, 64 if scheme == "int4-g64" else 32)
@@ -171,3 +184,45 @@ def dequantize(qw: QuantizedWeight, rows: slice = slice(None)) -> torch.Tensor:
     # d and m 11-bit fp16 significands within fp16's exponent range), so one rounding remains
     w = q * qw.scales[rows].double()[..., None] + qw.mins[rows].double()[..., None]
     return w.float().reshape(n, qw.in_features)
+
+
+def pack_w8a8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 [N, K] → (the W8A8 kernels' blocked layout, wsum int32 [N] = sum over k).
+
+    Layout (engine/kernels/qgemm_w8a8.c): N padded to a multiple of 32 and K to 64 with zeros;
+    blocks of 16 rows, each [K / 4 quads][16 rows][4 bytes]: a 64-byte quad is one vpdpbusd
+    operand and 16 quads one AMX B tile."""
+    n, k = q.shape
+    np_, kp = -(-n // 32) * 32, -(-k // 64) * 64
+    padded = torch.zeros(np_, kp, dtype=torch.int8)
+    padded[:n, :k] = q
+    packed = padded.reshape(np_ // 16, 16, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
+    return packed.reshape(-1), q.to(torch.int32).sum(dim=1).to(torch.int32).contiguous()
+
+
+def int8_for_gemm(qw: QuantizedWeight) -> QuantizedWeight:
+    """The int8 per-channel weight a W8A8 GEMM multiplies by: `qw` itself, or an int4 weight's
+    dequantized values requantized (the int4 tier's rounding, then a finer per-channel grid)."""
+    return qw if qw.scheme == "int8" else quantize_int8(dequantize(qw))
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token dynamic int8: (xq in [-127, 127] as fp32, sx fp32 [rows, 1]), in the kernels'
+    fp32 arithmetic: inv = 127 / amax, xq = round-half-even(x * inv), sx = amax / 127."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    c127 = torch.full_like(amax, 127.0)  # tensor / tensor: a true fp32 division, as in C (torch
+    inv = torch.where(amax > 0, c127 / amax, torch.zeros_like(amax))  # turns `127.0 / t` into 127 * (1 / t))
+    return torch.round(xf * inv).clamp_(-127, 127), amax / c127
+
+
+def w8a8_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
+                   out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """The W8A8 linear in torch, bit for bit what the kernels compute: integer sums (exact in
+    float64), ((float)acc * sx) * scale[n], plus the bias, one rounding to the output dtype."""
+    xq, sx = quantize_activations(x)
+    acc = (xq.double() @ qw.q.double().T).float()
+    out = (acc * sx) * qw.scales
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype or x.dtype)

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.quant import QuantizedWeight, check_scheme
+from engine.quant import WEIGHT_FORMAT, QuantizedWeight, check_scheme
 
 log = logging.getLogger("duet.engine.quant")
 
@@ -31,7 +31,8 @@ FORMAT_VERSION = 1
 
 
 def cache_path(model_dir: Path, scheme: str) -> Path:
-    return Path(model_dir) / "quantized" / f"{check_scheme(scheme)}.safetensors"
+    """The cache of `scheme`'s weight format (int8-w8a8 reads int8's matrices, int4-w4a8 int4's)."""
+    return Path(model_dir) / "quantized" / f"{WEIGHT_FORMAT[check_scheme(scheme)]}.safetensors"
 
 
 def _source_signature(model_dir: Path) -> list[list]:
@@ -40,6 +41,7 @@ def _source_signature(model_dir: Path) -> list[list]:
 
 def load_quantized(model_dir: Path, scheme: str) -> dict[str, QuantizedWeight] | None:
     """The cached matrices of `scheme`, or None when there is no valid cache."""
+    scheme = WEIGHT_FORMAT[check_scheme(scheme)]
     path = cache_path(model_dir, scheme)
     if not path.is_file():
         return None
@@ -72,6 +74,7 @@ def write_quantized(model_dir: Path, scheme: str) -> Path:
     from engine.model_config import ModelConfig
     from engine.weights import load_weights
 
+    scheme = WEIGHT_FORMAT[check_scheme(scheme)]
     path = cache_path(model_dir, scheme)
     source = _source_signature(model_dir)
     w = load_weights(Path(model_dir), ModelConfig.from_dir(Path(model_dir)), torch.float32, torch.device("cpu"),

@@ -16,6 +16,7 @@ import torch
 from engine.attention import build_metadata
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
+from engine.quant import ACT_INT8
 from engine.request import Request
 from engine.rope import Rope
 from engine.scheduler import ScheduledChunk
@@ -66,7 +67,7 @@ class ModelRunner:
         self.quantization = quantization
         weights = load_weights(model_dir, cfg, dtype, device, quantization)
         rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_model_len, dtype, device)
-        self.model = LlamaModel(cfg, weights, rope, device)
+        self.model = LlamaModel(cfg, weights, rope, device, act_int8=quantization in ACT_INT8)
         self.kv_layout = KVLayout(
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             block_size=block_size, dtype=_DTYPE_NAMES[dtype], num_blocks=num_blocks,
@@ -79,15 +80,17 @@ class ModelRunner:
                              f"{self.kv_cache.dtype}, expected {expected} {dtype}")  # fmt: skip
 
     def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor, list[PromptRows]]:
-        """Run one step. Returns the chunks that sample, in order, their logits [S, V], and
+        """Run one step. Returns the chunks that sample, in order, their logits [S, V] (1 + the
+        draft's length rows per chunk, in chunk order), and
         the prompt-logprob rows: for each chunk whose request wants prompt logprobs, the
         logits of its positions that predict a prompt token not yet scored (computed only
         then: every other row stops at the last hidden state)."""
         decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
         prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
         ids = [c.req.token_at(c.start) for c in decodes]
-        for c in prefills:
-            ids.extend(c.req.all_token_ids[c.start : c.start + c.num_tokens])
+        for c in prefills:  # a speculative chunk runs as a short prefill: its token, then the draft
+            ids.extend(c.req.all_token_ids[c.start : c.start + c.num_tokens - len(c.draft)])
+            ids.extend(c.draft)
         md = build_metadata(
             self.block_size,
             [(c.req.block_ids, c.start) for c in decodes],
@@ -109,8 +112,8 @@ class ModelRunner:
                     prompt.append((c, first, end - first))
                     extra_rows.extend(range(row + first - c.start, row + end - c.start))
             row += c.num_tokens
-            if c.samples:
-                sample_rows.append(row - 1)
+            if c.samples:  # a speculative chunk: the rows of its token and of every draft token
+                sample_rows.extend(range(row - 1 - len(c.draft), row))
                 samplers.append(c)
         dev = self.device
         logits = self.model.forward(

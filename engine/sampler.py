@@ -1,8 +1,9 @@
 """Token selection from a step's logits: greedy, temperature, top-k, top-p, per-request seed.
 
 Greedy rows take the argmax (the same token transformers' greedy search picks: the first
-maximum), with the `argmax_rows` CPU kernel when available, on the logits as they come
-(bf16 or fp32). Sampled rows are processed together in fp32 for temperature/top-k/top-p, then
+maximum), with the `argmax_rows` CPU kernel when available, on the logits as they come: fp32
+from the model in every dtype (engine/logits_head.py), so a bf16 engine no longer ties tokens
+whose logits differ below bf16's precision. Sampled rows are processed together in fp32 for temperature/top-k/top-p, then
 each draws with its own `torch.Generator` when it has a seed, so its tokens do not depend on
 what else is batched.
 
@@ -31,6 +32,13 @@ class Sampler:
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+
+    def generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
+        """The request's own generator (seeded requests), else the engine's."""
+        return self._generator(request_id, params)
+
+    def argmax(self, logits: torch.Tensor) -> list[int]:
+        return self._argmax(logits)
 
     def _generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         if params.seed is None:
@@ -84,12 +92,8 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, rows: list[tuple[str, SamplingParams, bool]], sampled: list[int],
               out: list[int], errors: dict[int, str]) -> None:  # fmt: skip
-        x = logits[sampled].float()
         params = [rows[r][1] for r in sampled]
-        x = x / torch.tensor([p.temperature for p in params]).unsqueeze(1)
-        if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
-            x = _top_k_top_p(x, params)
-        probs = torch.softmax(x, dim=-1)
+        probs = processed_probs(logits[sampled], params)
         finite = torch.isfinite(probs).all(dim=-1).tolist()
         for j, r in enumerate(sampled):
             if not finite[j]:
@@ -109,6 +113,14 @@ class Sampler:
         lib.argmax_rows(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
                         int(logits.dtype == torch.bfloat16), idx.data_ptr())  # fmt: skip
         return idx.tolist()
+
+
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Row r's sampling distribution: fp32 softmax after params[r]'s temperature, top-k, top-p."""
+    x = logits.float() / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
+        x = _top_k_top_p(x, params)
+    return torch.softmax(x, dim=-1)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:

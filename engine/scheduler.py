@@ -12,6 +12,13 @@ Remote KV (decode node): a request whose prompt KV comes from a prefill node is 
 *reserved* (blocks allocated, status WAITING_FOR_REMOTE_KV, reported in `reserved`), then
 joins the running set when the node calls `kv_ready` (after the transfer or its failure).
 
+Speculative decoding: with a `drafter` set, a decoding request (prompt done, one token to
+compute) may carry draft tokens in its chunk (`ScheduledChunk.draft`), within the step's budget
+and with slots allocated for them; the engine verifies them after the forward pass and gives the
+slots of rejected tokens back (`KVCacheManager.trim`). No drafts while more than
+`spec_max_batch` requests decode: at larger batches the step is compute-bound and verifying
+drafts costs more than the accepted tokens give back.
+
 Invariants: a request is in exactly one of waiting / running / remote / held; the scheduler
 never changes a block while a transfer may be writing it (requests in WAITING_FOR_REMOTE_KV
 are never preempted and are freed only after `kv_ready`); a held request carries its own
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.holds import HoldLedger
@@ -41,12 +49,14 @@ class SchedulerConfig:
 class ScheduledChunk:
     req: Request
     start: int  # first position computed this step
-    num_tokens: int
+    num_tokens: int  # including the draft
+    #: speculative tokens after the request's last known token (their positions are computed too)
+    draft: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the request's last known token (so it yields logits)."""
-        return self.start + self.num_tokens == self.req.num_tokens
+        return self.start + self.num_tokens - len(self.draft) == self.req.num_tokens
 
 
 @dataclass
@@ -72,6 +82,9 @@ class Scheduler:
         self.ledger = HoldLedger()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        #: speculative decoding: draft tokens for a decoding request ([] for none)
+        self.drafter: Callable[[Request, int], list[int]] | None = None
+        self.spec_max_batch = 0
 
     # -- queue management ------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -132,6 +145,7 @@ class Scheduler:
         num_priority_preempted = len(out.preempted)
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda r: r.sort_key)
+        drafting = self.drafter is not None and 0 < self._num_decoding() <= self.spec_max_batch
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -139,6 +153,13 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            if drafting and n == 1 and req.output_token_ids and budget > 1:
+                draft = self.drafter(req, budget - 1)  # type: ignore[misc]
+                if draft and self.kv.allocate_slots(req, 1 + len(draft)):
+                    out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1 + len(draft), draft))
+                    budget -= 1 + len(draft)
+                    i += 1
+                    continue
             if not self.config.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens:
                 i += 1
                 continue
@@ -157,6 +178,9 @@ class Scheduler:
         if len(out.preempted) == num_priority_preempted:
             budget = self._admit_waiting(out, budget)
         return out
+
+    def _num_decoding(self) -> int:
+        return sum(1 for r in self.running if r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         full_budget = self.config.max_num_batched_tokens

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file
 
 from engine.model_config import ModelConfig
-from engine.quant import LM_HEAD_SCHEME, QuantizedWeight, check_scheme, quantize
+from engine.quant import LM_HEAD_SCHEME, WEIGHT_FORMAT, QuantizedWeight, check_scheme, quantize
 from engine.quant_store import load_quantized
 
 Matrix = torch.Tensor | QuantizedWeight
@@ -60,7 +60,8 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
     cached: dict[str, QuantizedWeight] = {}
     t0 = time.monotonic()
     if quantization is not None:
-        check_scheme(quantization)
+        # W8A8 schemes share their weight format's matrices (and cache); only the GEMMs differ
+        quantization = WEIGHT_FORMAT[check_scheme(quantization)]
         cached = (load_quantized(model_dir, quantization) if use_cache else None) or {}
 
     def take(name: str) -> torch.Tensor:

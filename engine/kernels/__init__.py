@@ -13,8 +13,10 @@ Kernels (see each .c file): `paged_attention` (attention of any step token again
 pool), `prefill_attention` (the same for prefill tokens, in query blocks) and `rope_store` (rotary embedding in place + K/V write to the pool), which take the
 step's shared arguments as a `Step` struct (step.h, mirrored in engine/kernel_step.py); and
 bf16 `rms_norm` / `add_rms_norm` / `silu_mul` (norm_act.c), `argmax_rows` (greedy
-sampling, argmax.c), and the weight-only quantized linears `qlinear_int8` / `qlinear_int4`
-(qgemv_int8.c, qgemv_int4.c, shared parts in qgemm.h).
+sampling, argmax.c), the weight-only quantized linears `qlinear_int8` / `qlinear_int4`
+(qgemv_int8.c, qgemv_int4.c, shared parts in qgemm.h), `logits_bf16` (the bf16 lm_head with
+fp32 output, logits_bf16.c) and `qlinear_w8a8` (int8 activations x int8 weights, int32 sums:
+AMX, AVX-512 VNNI or portable, qgemm_w8a8.c).
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ _SOURCES = (
     # and both files' decode and batched paths must round identically (explicit FMAs only)
     ("qgemv_int8.c", ("-ffp-contract=off",)),
     ("qgemv_int4.c", ("-ffp-contract=off",)),
+    ("logits_bf16.c", ("-ffp-contract=off",)),
+    ("qgemm_w8a8.c", ("-ffp-contract=off",)),
 )
 
 
@@ -125,7 +129,11 @@ def kernels_lib() -> ctypes.CDLL | None:
     lib.argmax_rows.argtypes = [p, i64, i32, i32, i32, p]
     for fn in (lib.rms_norm_bf16, lib.add_rms_norm_bf16, lib.silu_mul_bf16, lib.argmax_rows):
         fn.restype = None
-    lib.qlinear_int8.argtypes = [p, i64, i32, i32, p, p, i64, p, p, i64, i32]
-    lib.qlinear_int4.argtypes = [p, i64, i32, i32, p, p, p, i32, i64, p, p, i64, i32]
+    lib.qlinear_int8.argtypes = [p, i64, i32, i32, p, p, i64, p, p, i64, i32, i32]
+    lib.qlinear_int4.argtypes = [p, i64, i32, i32, p, p, p, i32, i64, p, p, i64, i32, i32]
+    lib.logits_bf16.argtypes = [p, i64, i32, i32, p, i64, p, i64]
+    lib.logits_bf16.restype = None
+    lib.qlinear_w8a8.argtypes = [p, i64, i32, i32, p, p, p, i64, p, p, i64, i32, i32]
+    lib.qlinear_w8a8.restype = i32
     lib.qlinear_int8.restype = lib.qlinear_int4.restype = i32
     return lib

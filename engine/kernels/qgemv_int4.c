@@ -173,14 +173,16 @@ static void gemv_int4(const float *x, const Int4W *w, int64_t n, const void *bia
     }
 }
 
-/* out [m][os] = x [m][xs] @ W^T + bias, W int4 as above; x/out/bias bf16 (bf16 != 0) or fp32.
- * Returns 0, -1 when out of memory, -2 when k is not a multiple of 64 or group not 32/64. */
+/* out [m][os] = x [m][xs] @ W^T + bias, W int4 as above; x bf16 (bf16 != 0) or fp32; out and bias
+ * in x's dtype, or fp32 with out_f32. Returns 0, -1 when out of memory, -2 when k is not a
+ * multiple of 64 or group not 32/64. */
 int32_t qlinear_int4(const void *x, int64_t xs, int32_t m, int32_t k, const uint8_t *q, const uint16_t *d,
                      const uint16_t *mins, int32_t group, int64_t n, const void *bias, void *out, int64_t os,
-                     int32_t bf16) {
+                     int32_t bf16, int32_t out_f32) {
     if (k % 64 || (group != 32 && group != 64)) return -2;
     float *X = qg_x_f32(x, xs, m, k, bf16);
     if (!X) return -1;
+    bf16 = bf16 && !out_f32;
     const Int4W w = {q, d, mins, k, group};
     if (m == 1) gemv_int4(X, &w, n, bias, out, bf16);
     else qg_gemm(X, m, k, n, &w, dequant_int4, out, os, NULL, bias, bf16);

@@ -76,12 +76,13 @@ static void gemv_int8(const float *x, int64_t k, const int8_t *q, int64_t n, con
     }
 }
 
-/* out [m][os] = x [m][xs] @ (q [n][k] * scale)^T + bias; x/out/bias bf16 (bf16 != 0) or fp32.
- * Returns 0, or -1 when out of memory. */
+/* out [m][os] = x [m][xs] @ (q [n][k] * scale)^T + bias; x bf16 (bf16 != 0) or fp32; out and
+ * bias in x's dtype, or fp32 with out_f32 (the logits). Returns 0, or -1 when out of memory. */
 int32_t qlinear_int8(const void *x, int64_t xs, int32_t m, int32_t k, const int8_t *q, const float *scale,
-                     int64_t n, const void *bias, void *out, int64_t os, int32_t bf16) {
+                     int64_t n, const void *bias, void *out, int64_t os, int32_t bf16, int32_t out_f32) {
     float *X = qg_x_f32(x, xs, m, k, bf16);
     if (!X) return -1;
+    bf16 = bf16 && !out_f32;
     if (m == 1) {
         gemv_int8(X, k, q, n, scale, bias, out, bf16);
     } else {

@@ -112,9 +112,9 @@ def test_torch_fallback_matches_reference(scheme: str) -> None:
     qw = quantize(torch.randn(70, 128), scheme)
     lin = QLinear(qw, torch.randn(70))
     x = torch.randn(9, 128)
-    _check(lin._torch(x), F.linear(x, dequantize(qw), lin.bias), torch.float32)
+    _check(lin._torch(x, x.dtype), F.linear(x, dequantize(qw), lin.bias), torch.float32)
     if lin.lib is not None:
-        _check(lin._kernel(x), lin._torch(x), torch.float32)
+        _check(lin._kernel(x, x.dtype), lin._torch(x, x.dtype), torch.float32)
 
 
 def test_bad_shapes_are_refused() -> None:
@@ -138,8 +138,8 @@ def test_portable_build_matches_reference(scheme: str, tmp_path: Path) -> None:
                     str(kdir / "qgemv_int8.c"), str(kdir / "qgemv_int4.c"), "-o", str(so), "-lm"], check=True)  # fmt: skip
     plib = ctypes.CDLL(str(so))
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    plib.qlinear_int8.argtypes = [p, i64, i32, i32, p, p, i64, p, p, i64, i32]
-    plib.qlinear_int4.argtypes = [p, i64, i32, i32, p, p, p, i32, i64, p, p, i64, i32]
+    plib.qlinear_int8.argtypes = [p, i64, i32, i32, p, p, i64, p, p, i64, i32, i32]
+    plib.qlinear_int4.argtypes = [p, i64, i32, i32, p, p, p, i32, i64, p, p, i64, i32, i32]
     n, k = 70, 128
     qw = quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(3)), scheme)
     for dtype in (torch.float32, torch.bfloat16):
@@ -148,7 +148,7 @@ def test_portable_build_matches_reference(scheme: str, tmp_path: Path) -> None:
             x = torch.randn(m, k).to(dtype)
             out = torch.empty(m, n, dtype=dtype)
             common = (x.data_ptr(), k, m, k)
-            tail = (n, bias.data_ptr(), out.data_ptr(), n, int(dtype == torch.bfloat16))
+            tail = (n, bias.data_ptr(), out.data_ptr(), n, int(dtype == torch.bfloat16), 0)
             if qw.scheme == "int8":
                 rc = plib.qlinear_int8(*common, qw.q.data_ptr(), qw.scales.data_ptr(), *tail)
             else:

@@ -1,0 +1,179 @@
+"""`python -m bench.engine_tiers`: the engine's quantization tiers on issue 25's three workloads,
+side by side, measured in one run on this machine.
+
+- W1: prefill of one 512-token prompt (prompt tokens/s, median of repeats after a warm-up);
+- W2: single-stream decode of 128 tokens after a 256-token prompt (decode tokens/s: tokens after
+  the first over the time from the first to the last);
+- W3: 32 prompts x 256 tokens -> 128 tokens each, submitted together (output tokens/s, prefill
+  included).
+
+Each scheme gets its own in-process EngineCore (same activation dtype, KV pool, prompts from
+the same seed). Reported beside the figures: each scheme's ratio to bf16 ("none") in the same
+run, the issue's targets, the process CPU time of each workload, and the machine's load (other
+work on the machine skews wall-clock figures; ratios within one run are what to compare).
+Progress on stderr; a table, or one JSON object with --json, on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from typing import Any
+
+from bench import engine_runs
+from bench.flops import ModelShape, machine_info
+from bench.workload import random_prompt
+
+SCHEMES = ("none", "int8", "int4", "int8-w8a8", "int4-w4a8")
+#: issue 25's targets: (workload, scheme) -> minimum ratio to bf16 in the same run, or tokens/s
+RATIO_TARGETS = {("W1", "int8-w8a8"): 1.5, ("W3", "int8-w8a8"): 1.3}
+ABS_TARGETS = {("W2", "int8"): 150.0, ("W2", "int4"): 180.0, ("W1", "int8-w8a8"): 2400.0}
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.engine_tiers", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or directory (default: %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation/KV dtype")
+    p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated (default: %(default)s)")
+    p.add_argument("--workloads", default="W1,W2,W3", help="comma-separated subset of W1,W2,W3")
+    p.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (default: all cores)")
+    p.add_argument("--prefill-len", type=int, default=512)
+    p.add_argument("--prefill-reps", type=int, default=5)
+    p.add_argument("--w2-context", type=int, default=256)
+    p.add_argument("--w2-tokens", type=int, default=128)
+    p.add_argument("--w3-batch", type=int, default=32)
+    p.add_argument("--w3-input", type=int, default=256)
+    p.add_argument("--w3-output", type=int, default=128)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+def _engine(args: argparse.Namespace, scheme: str):
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+
+    per_seq = (max(args.w3_input, args.w2_context) + max(args.w3_output, args.w2_tokens)) // 16 + 4
+    blocks = max(args.w3_batch * per_seq, 2 * args.prefill_len // 16) + 16
+    return EngineCore(EngineConfig(
+        model=args.model, dtype=args.dtype, device="cpu", threads=args.threads, max_num_seqs=args.w3_batch,
+        max_num_batched_tokens=max(2048, args.prefill_len), enable_prefix_caching=False, num_kv_blocks=blocks,
+        max_model_len=1024, quantization=None if scheme == "none" else scheme,
+    ))  # fmt: skip
+
+
+def single_stream(eng, shape: ModelShape, context: int, tokens: int, rng: random.Random) -> dict[str, Any]:
+    """One request: decode tokens/s from its first token to its last (prefill excluded)."""
+    stamps: list[float] = []
+
+    def on_token(rid: str, finished: bool, now: float) -> None:
+        stamps.append(now)
+
+    eng.add_request("w2", random_prompt(rng, context, shape.vocab), engine_runs._greedy(tokens))
+    engine_runs._drain(eng, on_token)
+    return {"context": context, "tokens": tokens, "tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+
+
+def _timed(fn, *a) -> dict[str, Any]:
+    c0 = time.process_time()
+    r = fn(*a)
+    r["cpu_s"] = time.process_time() - c0
+    return r
+
+
+def _per_cpu_s(r: dict[str, Any], tokens: int) -> None:
+    """Tokens per second of this process's CPU time (all threads): a busy machine moves it much
+    less than wall-clock rates (warm-ups included where the workload has them)."""
+    r["tokens_per_cpu_s"] = tokens / r["cpu_s"]
+
+
+def run(args: argparse.Namespace, progress) -> dict[str, Any]:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    work = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    result: dict[str, Any] = {"machine": machine_info(torch.get_num_threads()),
+                              "config": {k: v for k, v in vars(args).items() if k != "json"}, "schemes": {}}  # fmt: skip
+    for scheme in [s.strip() for s in args.schemes.split(",") if s.strip()]:
+        progress(f"{scheme}: loading")
+        eng = _engine(args, scheme)
+        shape = ModelShape.of(eng.model_config)
+        rng = random.Random(args.seed)
+        row: dict[str, Any] = {}
+        if "W1" in work:
+            r = row["W1"] = _timed(engine_runs.prefill, eng, shape, args.prefill_len, args.prefill_reps, rng)
+            _per_cpu_s(r, args.prefill_len * (args.prefill_reps + 1))
+            progress(f"{scheme}: W1 prefill {r['tokens_per_s']:.0f} tokens/s")
+        if "W2" in work:
+            single_stream(eng, shape, 32, 8, rng)  # warm-up
+            r = row["W2"] = _timed(single_stream, eng, shape, args.w2_context, args.w2_tokens, rng)
+            _per_cpu_s(r, args.w2_tokens)
+            progress(f"{scheme}: W2 single stream {r['tokens_per_s']:.1f} tokens/s")
+        if "W3" in work:
+            r = row["W3"] = _timed(engine_runs.end_to_end, eng, shape, args.w3_batch, args.w3_input,
+                                   args.w3_output, rng)  # fmt: skip
+            r["tokens_per_s"] = r["output_tokens_per_s"]
+            _per_cpu_s(r, args.w3_batch * args.w3_output)
+            progress(f"{scheme}: W3 batch {r['tokens_per_s']:.0f} output tokens/s")
+        result["schemes"][scheme] = row
+        del eng
+    base = result["schemes"].get("none")
+    targets = []
+    for scheme, row in result["schemes"].items():
+        for w, r in row.items():
+            if base is not None and w in base:
+                r["vs_bf16"] = r["tokens_per_s"] / base[w]["tokens_per_s"]
+                r["vs_bf16_cpu"] = r["tokens_per_cpu_s"] / base[w]["tokens_per_cpu_s"]
+                if scheme != "none":
+                    targets.append({"workload": w, "scheme": scheme, "what": ">= bf16", "met": r["vs_bf16"] >= 1.0})
+            if (w, scheme) in RATIO_TARGETS and "vs_bf16" in r:
+                t = RATIO_TARGETS[(w, scheme)]
+                targets.append({"workload": w, "scheme": scheme, "what": f">= {t}x bf16", "met": r["vs_bf16"] >= t})
+            if (w, scheme) in ABS_TARGETS:
+                t = ABS_TARGETS[(w, scheme)]
+                targets.append({"workload": w, "scheme": scheme, "what": f">= {t:.0f} tokens/s",
+                                "met": r["tokens_per_s"] >= t})  # fmt: skip
+    result["targets"] = targets
+    result["machine"]["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    work = [w for w in ("W1", "W2", "W3") if any(w in r for r in result["schemes"].values())]
+    head = ["scheme", *[f"{w} tok/s" for w in work], *[f"{w} vs bf16" for w in work],
+            *[f"{w} tok/cpu-s" for w in work], *[f"{w} cpu vs bf16" for w in work]]  # fmt: skip
+    rows = []
+    for s, r in result["schemes"].items():
+        rows.append([s, *[f"{r[w]['tokens_per_s']:.1f}" if w in r else "-" for w in work],
+                     *[f"{r[w]['vs_bf16']:.2f}x" if w in r and "vs_bf16" in r[w] else "-" for w in work],
+                     *[f"{r[w]['tokens_per_cpu_s']:.1f}" if w in r else "-" for w in work],
+                     *[f"{r[w]['vs_bf16_cpu']:.2f}x" if w in r and "vs_bf16_cpu" in r[w] else "-" for w in work]])  # fmt: skip
+    widths = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(head)]
+    lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(x, widths, strict=True)) for x in rows]
+    for t in result["targets"]:
+        lines.append(f"target {t['workload']} {t['scheme']} {t['what']}: {'met' if t['met'] else 'MISSED'}")
+    m = result["machine"]
+    lines.append(f"{m['cpu']}, {m['threads']} threads, load average at the end {m.get('load_avg_1m_at_end')}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    def progress(msg: str) -> None:
+        print(f"[bench.engine_tiers {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    result = run(args, progress)
+    print(json.dumps(result, indent=2) if args.json else table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,167 @@
+"""`python -m bench.spec_engine`: n-gram speculative decoding on a copy-heavy workload (issue 25),
+measured in one run: the same engine settings with `speculative` off and on.
+
+Workload: edit a given text — the chat prompt asks the model to correct the spelling of a
+passage (bench/data/passage_en.txt, a few words misspelt) and reproduce it, so the answer copies
+long spans of the prompt, as summaries, edits and RAG answers do.
+- single stream: decode tokens/s (first token to last) and process CPU time per output token,
+  greedy; the two outputs must be identical token for token (reported, and the exit status is 1
+  when they differ);
+- batch (default 32 requests of the same task with different passages' order, submitted
+  together): output tokens/s with speculation on (it switches itself off above spec_max_batch)
+  against off: its cost.
+Reported with speculation: vLLM's spec-decode figures (drafts, draft tokens, accepted tokens,
+acceptance rate, mean acceptance length). Progress on stderr; JSON (--json) or a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.flops import machine_info
+
+PASSAGE = Path(__file__).parent / "data" / "passage_en.txt"
+#: misspellings put into the passage for the model to fix (correct -> wrong)
+TYPOS = {"morning": "mornig", "quay": "quey", "auction": "auktion", "winter": "wintre", "school": "scool",
+         "change": "chnage", "families": "familys"}  # fmt: skip
+
+
+def edit_prompts(tokenizer, n: int) -> list[list[int]]:
+    paras = [p.strip() for p in PASSAGE.read_text().split("\n\n") if p.strip()]
+    out = []
+    for i in range(n):
+        text = paras[i % len(paras)]
+        for right, wrong in TYPOS.items():
+            text = text.replace(right, wrong)
+        msg = f"Correct the spelling mistakes in this text and write it out again in full:\n\n{text}"
+        out.append(tokenizer.encode_chat([{"role": "user", "content": msg}]))
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.spec_engine", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--quantization", default=None, help="engine quantization scheme (default: none)")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--tokens", type=int, default=128, help="output tokens per request (default: %(default)s)")
+    p.add_argument("--k", type=int, default=5, help="num_speculative_tokens (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=32, help="requests of the batch figure (0: skip)")
+    p.add_argument("--json", action="store_true")
+    return p.parse_args(argv)
+
+
+def _engine(args: argparse.Namespace, spec: bool):
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+
+    return EngineCore(EngineConfig(
+        model=args.model, dtype=args.dtype, device="cpu", threads=args.threads, quantization=args.quantization,
+        max_model_len=1024, num_kv_blocks=max(args.batch, 1) * (1024 // 16) + 16, max_num_seqs=max(args.batch, 1),
+        enable_prefix_caching=False, speculative="ngram" if spec else None, num_speculative_tokens=args.k,
+    ))  # fmt: skip
+
+
+def _run(eng, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
+    from engine import SamplingParams
+
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    out: dict[str, list[int]] = {}
+    ids = []
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i, p in enumerate(prompts):
+        rid = f"r{i}-{time.monotonic_ns()}"
+        ids.append(rid)
+        eng.add_request(rid, p, params)
+    cpu_first = None
+    while eng.has_unfinished():
+        outs, _ = eng.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.request_id not in first:
+                first[o.request_id] = now
+                if len(first) == len(ids):
+                    cpu_first = time.process_time()
+            last[o.request_id] = now
+            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    n_out = sum(len(out[r]) for r in ids)
+    decode_s = max(last.values()) - max(first.values())
+    return {"requests": len(ids), "output_tokens": n_out, "seconds": wall, "output_tokens_per_s": n_out / wall,
+            "decode_tokens_per_s": (n_out - len(ids)) / decode_s if decode_s > 0 else None,
+            "decode_cpu_ms_per_token": 1e3 * (time.process_time() - (cpu_first or c0)) / max(1, n_out - len(ids)),
+            "cpu_s": cpu, "token_ids": [out[r] for r in ids]}  # fmt: skip
+
+
+def run(args: argparse.Namespace, progress) -> dict[str, Any]:
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result: dict[str, Any] = {"machine": machine_info(torch.get_num_threads()),
+                              "config": {k: v for k, v in vars(args).items() if k != "json"}}  # fmt: skip
+    for spec in (False, True):
+        name = "ngram" if spec else "off"
+        progress(f"speculation {name}: loading")
+        eng = _engine(args, spec)
+        prompts = edit_prompts(eng.tokenizer, max(args.batch, 1))
+        _run(eng, [prompts[0][:64]], 4)  # warm-up
+        base = dict(eng.stats())
+        r = _run(eng, prompts[:1], args.tokens)
+        if spec:
+            st = eng.stats()
+            r["spec"] = {k: st[k] - base.get(k, 0) if "num" in k else st[k] for k in st if k.startswith("spec_decode")}
+        progress(f"speculation {name}: single stream {r['decode_tokens_per_s']:.1f} decode tokens/s, "
+                 f"{r['decode_cpu_ms_per_token']:.1f} CPU ms/token")  # fmt: skip
+        row = {"single": r}
+        if args.batch:
+            b = _run(eng, prompts, args.tokens)
+            b.pop("token_ids")
+            row["batch"] = b
+            progress(f"speculation {name}: batch of {args.batch}: {b['output_tokens_per_s']:.1f} output tokens/s")
+        result[name] = row
+        del eng
+    off, on = result["off"], result["ngram"]
+    result["greedy_identical"] = off["single"]["token_ids"] == on["single"]["token_ids"]
+    result["single_speedup"] = on["single"]["decode_tokens_per_s"] / off["single"]["decode_tokens_per_s"]
+    result["single_speedup_cpu"] = off["single"]["decode_cpu_ms_per_token"] / on["single"]["decode_cpu_ms_per_token"]
+    if args.batch:
+        result["batch_ratio"] = on["batch"]["output_tokens_per_s"] / off["batch"]["output_tokens_per_s"]
+        result["batch_ratio_cpu"] = off["batch"]["cpu_s"] / on["batch"]["cpu_s"]
+    for row in (off, on):
+        row["single"]["token_ids"] = row["single"]["token_ids"][0][:16]  # a sample, not the whole list
+    result["machine"]["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    def progress(msg: str) -> None:
+        print(f"[bench.spec_engine {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    result = run(args, progress)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        s = result["ngram"]["single"].get("spec", {})
+        print(f"single stream: x{result['single_speedup']:.2f} decode tokens/s (CPU x{result['single_speedup_cpu']:.2f}), "
+              f"greedy identical: {result['greedy_identical']}, acceptance rate "
+              f"{s.get('spec_decode_acceptance_rate', 0):.2f}, mean acceptance length "
+              f"{s.get('spec_decode_mean_acceptance_length', 0):.2f}")  # fmt: skip
+        if "batch_ratio" in result:
+            print(f"batch of {args.batch}: x{result['batch_ratio']:.3f} output tokens/s (CPU x{result['batch_ratio_cpu']:.3f})")
+    return 0 if result["greedy_identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+/*
+ * W8A8 linear: out[m, n] = ((float)sum_k xq[m, k] * q[n, k] * sx[m]) * sw[n] (+ bias[n]).
+ *
+ * Activations are quantized per token, dynamically: sx = amax|x_m| / 127, xq = rne(x * (127 /
+ * amax)) in [-127, 127], in fp32 arithmetic (torch reproduces it bit for bit). Weights are int8
+ * with an fp32 scale per output row, packed once at load (engine/quant.py::pack_w8a8) in the
+ * VNNI/AMX block layout: blocks of 16 output rows (N padded to 32), each a run of k/4 "quads" of
+ * 64 bytes, quad r holding q[n][4r .. 4r+3] for the block's 16 rows n in turn. One layout serves
+ * every path: a 64-byte load is a vpdpbusd operand (16 outputs in 16 lanes, no reduction) and 16
+ * quads are one AMX B tile.
+ *
+ * Sums accumulate in int32 (exact), so every path gives the same bits whatever the batch:
+ * - AMX (tdpbusd on 16x16 int32 tiles, 2x2 tiles per pass) for m >= 16 on CPUs with amx_int8
+ *   whose OS grants the tile state (asked once at run time; otherwise the next path runs);
+ * - AVX-512 VNNI (vpdpbusd: a broadcast activation quad times a weight quad), and AVX-512BW
+ *   without VNNI (vpmaddwd on widened bytes): 8 activation rows per pass over a weight block;
+ * - portable C.
+ * vpdpbusd/tdpbusd multiply unsigned by signed bytes, so activations are stored as xq + 128 and
+ * 128 * sum_k q[n, k] (wsum, precomputed) is subtracted. The epilogue dequantizes 16 outputs at
+ * a time: ((float)(acc - 128 wsum) * sx) * sw, plus the bias, one rounding at the store.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define W8_AMX 1
+#endif
+
+#define W8_MR 8       /* activation rows per VNNI pass */
+#define W8_AMX_MB 128 /* activation rows per AMX pass over the weights (a multiple of 32) */
+
+INLINE int64_t w8_pad64(int64_t k) { return (k + 63) & ~(int64_t)63; }
+
+/* Quantize activation row x (k elements) into u8 (xq + 128, padded to kp with 128); returns sx. */
+static float w8_quant_row(const void *x, int64_t k, int64_t kp, int bf16, uint8_t *dst) {
+    float amax = 0.f;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 vmax = _mm512_setzero_ps();
+    for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x, i, bf16)));
+    amax = _mm512_reduce_max_ps(vmax);
+#endif
+    for (; i < k; i++) {
+        const float a = fabsf(load_elem(x, i, bf16));
+        amax = a > amax ? a : amax;
+    }
+    const float inv = amax > 0.f ? 127.0f / amax : 0.f;
+    i = 0;
+#if defined(__AVX512F__)
+    const __m512 vinv = _mm512_set1_ps(inv);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), off = _mm512_set1_epi32(128);
+    for (; i + 16 <= k; i += 16) {
+        __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, i, bf16), vinv)); /* round to nearest even */
+        q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), off);
+        _mm_storeu_si128((__m128i *)(dst + i), _mm512_cvtepi32_epi8(q));
+    }
+#endif
+    for (; i < k; i++) {
+        float q = nearbyintf(load_elem(x, i, bf16) * inv);
+        q = q < -127.f ? -127.f : (q > 127.f ? 127.f : q);
+        dst[i] = (uint8_t)((int)q + 128);
+    }
+    memset(dst + k, 128, (size_t)(kp - k));
+    return amax / 127.0f;
+}
+
+/* Dequantize acc [cnt <= 16] (outputs n0 ..) of one activation row into out_row. */
+INLINE void w8_epilogue(const int32_t *acc, int cnt, float sx, const float *scale, const int32_t *wsum,
+                        const void *bias, int64_t n0, void *out_row, int bf16) {
+    int i = 0;
+#if defined(__AVX512F__)
+    if (cnt == 16) {
+        const __m512i a = _mm512_sub_epi32(_mm512_loadu_si512((const void *)acc),
+                                           _mm512_slli_epi32(_mm512_loadu_si512((const void *)(wsum + n0)), 7));
+        __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(sx)), _mm512_loadu_ps(scale + n0));
+        if (bias) v = _mm512_add_ps(v, load16(bias, n0, bf16));
+        store16(out_row, n0, v, bf16);
+        return;
+    }
+#endif
+    for (; i < cnt; i++) {
+        float v = ((float)(acc[i] - 128 * wsum[n0 + i]) * sx) * scale[n0 + i];
+        if (bias) v += load_elem(bias, n0 + i, bf16);
+        store_elem(out_row, n0 + i, v, bf16);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(__AVX512VNNI__)
+/* vpdpbusd without VNNI: u8 x s8 products summed in pairs (vpmaddwd), then the pairs of pairs. */
+__attribute__((unused)) static inline __m512i w8_dot_bw(__m512i acc, __m512i x, __m512i w) {
+    const __m512i lo8 = _mm512_set1_epi16(0x00ff);
+    const __m512i x_even = _mm512_and_si512(x, lo8), x_odd = _mm512_srli_epi16(x, 8);
+    const __m512i w_even = _mm512_srai_epi16(_mm512_slli_epi16(w, 8), 8), w_odd = _mm512_srai_epi16(w, 8);
+    const __m512i p = _mm512_add_epi32(_mm512_madd_epi16(x_even, w_even), _mm512_madd_epi16(x_odd, w_odd));
+    return _mm512_add_epi32(acc, p);
+}
+#endif
+
+/* acc [mr][16] = integer dots of activation rows X [mr][kp] (u8) with the packed block wb. */
+static void w8_dots(const uint8_t *X, int mr, int64_t kp, const int8_t *wb, int32_t *acc) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512i a[W8_MR];
+    for (int s = 0; s < W8_MR; s++) a[s] = _mm512_setzero_si512();
+    const int64_t quads = kp / 4;
+#define W8_ROW(s)                                                                                   \
+    if ((s) < mr) {                                                                                 \
+        const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(X + (int64_t)(s) * kp + 4 * r));    \
+        a[s] = W8_DOT(a[s], xb, w);                                                                 \
+    }
+#if defined(__AVX512VNNI__)
+#define W8_DOT(acc, x, w) _mm512_dpbusd_epi32(acc, x, w)
+#else
+#define W8_DOT(acc, x, w) w8_dot_bw(acc, x, w)
+#endif
+    if (mr <= 2) {
+        /* few rows: 4 chains per row (one per quad mod 4), or vpdpbusd's latency would bound the
+         * loop; integer sums do not depend on how they are split */
+        __m512i c[8];
+        for (int j = 0; j < 8; j++) c[j] = _mm512_setzero_si512();
+        for (int64_t r = 0; r < quads; r += 4)
+            for (int j = 0; j < 4; j++) {
+                const __m512i w = _mm512_loadu_si512((const void *)(wb + (r + j) * 64));
+                for (int s = 0; s < mr; s++) {
+                    const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(X + (int64_t)s * kp + 4 * (r + j)));
+                    c[4 * s + j] = W8_DOT(c[4 * s + j], xb, w);
+                }
+            }
+        for (int s = 0; s < mr; s++)
+            a[s] = _mm512_add_epi32(_mm512_add_epi32(c[4 * s], c[4 * s + 1]), _mm512_add_epi32(c[4 * s + 2], c[4 * s + 3]));
+    } else {
+        for (int64_t r = 0; r < quads; r++) {
+            const __m512i w = _mm512_loadu_si512((const void *)(wb + r * 64));
+            W8_ROW(0) W8_ROW(1) W8_ROW(2) W8_ROW(3) W8_ROW(4) W8_ROW(5) W8_ROW(6) W8_ROW(7)
+        }
+    }
+#undef W8_ROW
+#undef W8_DOT
+    for (int s = 0; s < mr; s++) _mm512_storeu_si512((void *)(acc + 16 * s), a[s]);
+#else
+    for (int s = 0; s < mr; s++)
+        for (int n = 0; n < 16; n++) {
+            int32_t sum = 0;
+            for (int64_t i = 0; i < kp; i++) sum += (int32_t)X[(int64_t)s * kp + i] * (int32_t)wb[(i >> 2) * 64 + n * 4 + (i & 3)];
+            acc[16 * s + n] = sum;
+        }
+#endif
+}
+
+#if defined(W8_AMX)
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileCfg;
+
+/* Whether this process may use AMX tiles: Linux grants the tile state per process through
+ * arch_prctl (asked once; every caller computes the same answer, so the race is harmless). */
+static int w8_amx_ok(void) {
+    static volatile int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+/* acc [m16][32]: activation rows [0, m16) (a multiple of 16) against the blocks wb0, wb0 + kp*16. */
+static void w8_amx_pair(const uint8_t *X, int m16, int64_t kp, const int8_t *wb0, int32_t *acc) {
+    const int8_t *wb1 = wb0 + kp * 16;
+    for (int mi = 0; mi < m16; mi += 32) {
+        const int two = mi + 16 < m16;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < kp; c += 64) {
+            _tile_loadd(6, wb0 + c * 16, 64);
+            _tile_loadd(7, wb1 + c * 16, 64);
+            _tile_loadd(4, X + (int64_t)mi * kp + c, kp);
+            _tile_dpbusd(0, 4, 6);
+            _tile_dpbusd(1, 4, 7);
+            if (two) {
+                _tile_loadd(5, X + (int64_t)(mi + 16) * kp + c, kp);
+                _tile_dpbusd(2, 5, 6);
+                _tile_dpbusd(3, 5, 7);
+            }
+        }
+        _tile_stored(0, acc + (int64_t)mi * 32, 128);
+        _tile_stored(1, acc + (int64_t)mi * 32 + 16, 128);
+        if (two) {
+            _tile_stored(2, acc + (int64_t)(mi + 16) * 32, 128);
+            _tile_stored(3, acc + (int64_t)(mi + 16) * 32 + 16, 128);
+        }
+    }
+}
+#endif
+
+/* out [m][os] = W8A8(x [m][xs], packed weights wp, scale [n]) + bias; x bf16 (bf16 != 0) or fp32;
+ * out and bias in x's dtype, or out fp32 with out_f32. wp: see the file comment (n padded to 32,
+ * k to 64); wsum[n] = sum_k q[n, k]. Returns 0, or -1 when out of memory. */
+int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8_t *wp, const float *scale,
+                     const int32_t *wsum, int64_t n, const void *bias, void *out, int64_t os, int32_t bf16,
+                     int32_t out_f32) {
+    const int64_t kp = w8_pad64(k), pairs = (n + 31) / 32, blk = kp * 16;
+    const int mpad = (m + 15) & ~15;
+    uint8_t *X = (uint8_t *)aligned_alloc(64, (size_t)(mpad * kp + 64));
+    float *sx = (float *)malloc(sizeof(float) * (size_t)m);
+    if (!X || !sx) {
+        free(X);
+        free(sx);
+        return -1;
+    }
+    const int obf16 = bf16 && !out_f32, esz = obf16 ? 2 : 4;
+    const int64_t xsz = bf16 ? 2 : 4;
+#pragma omp parallel for schedule(static) if ((int64_t)m * k >= (1 << 16))
+    for (int r = 0; r < m; r++) sx[r] = w8_quant_row((const char *)x + r * xs * xsz, k, kp, bf16, X + (int64_t)r * kp);
+    memset(X + (int64_t)m * kp, 128, (size_t)((mpad - m) * kp));
+    int amx = 0;
+#if defined(W8_AMX)
+    amx = m >= 16 && w8_amx_ok();
+#endif
+    int fail = 0;
+#pragma omp parallel if ((int64_t)m * n * k >= (1 << 15))
+    {
+        /* AMX: [mpad][32] per pair of blocks; VNNI: [W8_MR][16] */
+        int32_t *acc = (int32_t *)aligned_alloc(64, sizeof(int32_t) * (size_t)(amx ? W8_AMX_MB * 32 : W8_MR * 16));
+        if (!acc) {
+#pragma omp atomic write
+            fail = 1;
+        }
+#if defined(W8_AMX)
+        if (amx && acc) {
+            TileCfg cfg;
+            memset(&cfg, 0, sizeof cfg);
+            cfg.palette = 1;
+            for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+            _tile_loadconfig(&cfg);
+        }
+#endif
+        /* AMX: W8_AMX_MB activation rows per pass over the weights, so the pass's outputs stay in
+         * L2 while they are written (a whole prefill's outputs of a wide layer would not) */
+        const int pass = amx ? W8_AMX_MB : mpad;
+        for (int m0 = 0; m0 < mpad; m0 += pass) {
+            const int mb = mpad - m0 < pass ? mpad - m0 : pass;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < pairs; p++) {
+                if (!acc) continue;
+                const int64_t n0 = 32 * p;
+#if defined(W8_AMX)
+                if (amx) {
+                    w8_amx_pair(X + (int64_t)m0 * kp, mb, kp, wp + 2 * p * blk, acc);
+                    for (int s = 0; s < mb && m0 + s < m; s++)
+                        for (int h = 0; h < 2 && n0 + 16 * h < n; h++) {
+                            const int cnt = (int)(n - n0 - 16 * h < 16 ? n - n0 - 16 * h : 16);
+                            w8_epilogue(acc + s * 32 + 16 * h, cnt, sx[m0 + s], scale, wsum, bias, n0 + 16 * h,
+                                        (char *)out + (int64_t)(m0 + s) * os * esz, obf16);
+                        }
+                    continue;
+                }
+#endif
+                for (int h = 0; h < 2 && n0 + 16 * h < n; h++) {
+                    const int64_t nb = n0 + 16 * h;
+                    const int cnt = (int)(n - nb < 16 ? n - nb : 16);
+                    for (int mi = 0; mi < m; mi += W8_MR) {
+                        const int mr = m - mi < W8_MR ? m - mi : W8_MR;
+                        w8_dots(X + (int64_t)mi * kp, mr, kp, wp + (2 * p + h) * blk, acc);
+                        for (int s = 0; s < mr; s++)
+                            w8_epilogue(acc + 16 * s, cnt, sx[mi + s], scale, wsum, bias, nb,
+                                        (char *)out + (int64_t)(mi + s) * os * esz, obf16);
+                    }
+                }
+            }
+        }
+#if defined(W8_AMX)
+        if (amx && acc) _tile_release();
+#endif
+        free(acc);
+    }
+    free(X);
+    free(sx);
+    return fail ? -1 : 0;
+}

@@ -1,0 +1,60 @@
+"""LogitsHead: the lm_head, producing fp32 logits whatever the engine dtype.
+
+A bf16 lm_head that rounds its output to bf16 keeps 8 bits of mantissa: logits a few hundredths
+apart tie, and the tie goes to the lower token id (issue 25: "What is the capital of France?"
+answered "L'Étoile…" because "The" and "L" both came out as -1.8766; in fp32 they are -1.883
+and -1.965). vLLM's sampler works on fp32 logits; so does ours: every product of two bf16 values
+is exact in fp32 and the sums accumulate in fp32, so the logits carry no bf16 rounding at all.
+
+Paths: a bf16 weight on the CPU with the native kernels → `logits_bf16` (vdpbf16ps where the CPU
+has avx512_bf16); a quantized weight → its QLinear kernel storing the fp32 accumulator; an fp32
+engine → F.linear as before (the transformers-parity path). Elsewhere (CUDA, no kernels) the
+weight is converted to fp32 a tile of rows at a time, so no fp32 copy of the matrix exists.
+
+Invariant: the output is fp32 [rows, vocab]; the decode (1 row) and batched kernel paths agree
+bitwise.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import kernels_lib
+from engine.qlinear import QLinear
+from engine.quant import QuantizedWeight
+
+#: vocabulary rows converted per fp32 tile on the torch path (~9 MiB at hidden size 576)
+_TILE_ROWS = 4096
+
+
+class LogitsHead:
+    def __init__(self, weight: torch.Tensor | QuantizedWeight) -> None:
+        self.q = QLinear(weight) if isinstance(weight, QuantizedWeight) else None
+        self.weight = None if self.q is not None else weight.contiguous()
+        self.out_features = weight.out_features if isinstance(weight, QuantizedWeight) else weight.shape[0]
+        dev = weight.q.device if isinstance(weight, QuantizedWeight) else weight.device
+        bf16 = self.weight is not None and self.weight.dtype == torch.bfloat16
+        self.lib = kernels_lib() if (bf16 and dev.type == "cpu") else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.q is not None:
+            return self.q(x, torch.float32)
+        w = self.weight
+        if w.dtype == torch.float32:
+            return F.linear(x.float(), w)
+        if self.lib is not None and x.dtype == torch.bfloat16:
+            if x.stride(-1) != 1:
+                x = x.contiguous()
+            m, k = x.shape
+            out = torch.empty((m, self.out_features), dtype=torch.float32)
+            if m:
+                self.lib.logits_bf16(x.data_ptr(), x.stride(0), m, k, w.data_ptr(), self.out_features,
+                                     out.data_ptr(), out.stride(0))  # fmt: skip
+            return out
+        xf = x.float()
+        out = torch.empty((*x.shape[:-1], self.out_features), dtype=torch.float32, device=x.device)
+        for r0 in range(0, self.out_features, _TILE_ROWS):
+            rows = slice(r0, min(self.out_features, r0 + _TILE_ROWS))
+            out[..., rows] = F.linear(xf, w[rows].float())
+        return out
