@@ -130,3 +130,12 @@ def test_the_coordinator_index_holds_the_salted_hashes_the_gateway_routes_with(t
     wait_for(lambda: cached_on_the_index("team:alice") >= 16 * 4, what="alice's blocks on the coordinator's index")
     assert cached_on_the_index("team:bob") == 0
     assert cached_on_the_index(None) == 0
+
+
+def test_a_client_cannot_choose_its_cache_domain(tenants: Tenants) -> None:
+    """The domain is the gateway's to set: a `cache_salt` from the client (vLLM's public API
+    takes one) would let team B name team A's domain."""
+    with pytest.raises(openai.BadRequestError) as e:
+        tenants.client("bob").completions.create(model=MODEL, prompt=SECRET, max_tokens=1,
+                                                 extra_body={"cache_salt": "team:alice"})  # fmt: skip
+    assert e.value.code == "unsupported_field"
