@@ -105,6 +105,11 @@ class Membership(Protocol):
         or None when no such node is registered."""
         ...
 
+    def kv_hosts(self) -> set[str]:
+        """The hosts (as their URLs name them) of every registered prefill-capable node: what an
+        engine that moves KV itself (vLLM, whose engine ids are its own) may contact."""
+        ...
+
 
 class Node(Protocol):
     """What a role sees of its node (node.state.NodeState is the one implementation)."""

@@ -47,6 +47,9 @@ class ClusterMembers:
     def kv_source(self, engine_id: str) -> tuple[str, int] | None:
         return self._by_engine.get(engine_id)
 
+    def kv_hosts(self) -> set[str]:
+        return {host for _, host, _ in self._nodes.values()}
+
     def sync(self, nodes: dict[str, NodeInfo]) -> None:
         self._nodes = {}
         for info in nodes.values():

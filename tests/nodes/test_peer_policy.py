@@ -87,6 +87,7 @@ def test_cluster_members_are_the_registered_prefill_capable_nodes() -> None:
     assert m.kv_source("e-d") is None  # a decode node serves no KV
     m.put(info("b", "both", "http://[fd00::7]:8400"))
     assert m.kv_source("e-b") == ("fd00::7", 8400)
+    assert m.kv_hosts() == {"10.0.0.5", "fd00::7"}
     m.put(info("p", "prefill", "http://10.0.0.9:8200"))  # re-registered elsewhere: the new address
     assert m.kv_source("e-p") == ("10.0.0.9", 8200)
     m.delete("p")
