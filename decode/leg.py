@@ -2,10 +2,13 @@
 
 Order (each step can fail with a defined answer, never a hang):
 1. validate `kv_transfer_params`: fields present and well-typed, the address allowed by the
-   PeerPolicy (403 without any connection otherwise), the block count consistent with the
+   PeerPolicy and, on a node with a cluster, the engine a registered prefill-capable node at
+   that address (403 without any connection otherwise), the block count consistent with the
    prompt; a 400 from here on releases P's blocks (when the ids are the request's: P checks),
    so a bad request does not pin them until the lease ends;
-2. get the peer (cached metadata, or fetched from P; an engine id P does not run → 400);
+2. get the peer (cached metadata, or fetched from P; an engine id P does not run → 400; a
+   transport address in P's metadata outside the allowed networks or off the named host →
+   403, before the transport connects);
 3. reserve local blocks in the engine (WAITING_FOR_REMOTE_KV; a local prefix hit skips
    blocks), within `reserve_timeout` (else the request is aborted: 503 + Retry-After);
 4. READ P's blocks with the transport, under a timeout;
@@ -33,7 +36,7 @@ from decode.pull import Pull, Puller, PullOutcome, Source, release_quietly
 from decode.remote_kv import PeerUnreachable, RemoteKV
 from kvtransfer import Peer
 from node.engine_api import EngineStream, KVHandoff
-from node.legs import LegContext, Node, Prepared
+from node.legs import LegContext, Membership, Node, Prepared
 from protocol.kv_params import KVTransferParams
 from protocol.openai import APIError
 
@@ -48,8 +51,9 @@ def remote_kv(node: Node) -> RemoteKV:
     return rk
 
 
-async def _source(rk: RemoteKV, p: KVTransferParams) -> Source:
-    """Step 1a: the fields a contact needs, and the policy's word on the address."""
+async def _source(rk: RemoteKV, p: KVTransferParams, members: Membership | None) -> Source:
+    """Step 1a: the fields a contact needs, the policy's word on the address, and with a
+    cluster, the engine is a registered prefill-capable node at that address."""
     missing = [f for f in ("remote_engine_id", "remote_block_ids", "remote_request_id", "remote_host",
                            "remote_port") if getattr(p, f) is None]  # fmt: skip
     if missing:
@@ -73,8 +77,26 @@ async def _source(rk: RemoteKV, p: KVTransferParams) -> Source:
         status = 400 if "is at" in bad else 403
         raise APIError(status, f"refusing to contact the prefill node: {bad}", param="kv_transfer_params",
                        code="peer_not_allowed")  # fmt: skip
+    if members is not None:
+        await _registered(rk, members, p.remote_engine_id, addrs, p.remote_port)
     return Source(p.remote_engine_id, addrs[0], p.remote_port, p.remote_request_id,
-                  [b for b in p.remote_block_ids if isinstance(b, int)])  # fmt: skip
+                  [b for b in p.remote_block_ids if isinstance(b, int)], tuple(addrs))  # fmt: skip
+
+
+async def _registered(rk: RemoteKV, members: Membership, engine_id: str, addrs: list[str], port: int) -> None:
+    """With a cluster, only its registered prefill-capable nodes are pulled from, at the address
+    they registered (node.members)."""
+    if not members.listed:
+        raise _Unavailable("this node has not read the cluster's registrations yet; retry shortly")
+    where = members.kv_source(engine_id)
+    if where is None:
+        reason = f"engine {engine_id!r} is not a registered prefill node of this cluster"
+    elif where[1] != port or not set(await rk.policy.resolve(where[0])) & set(addrs):
+        reason = f"engine {engine_id!r} is registered at {where[0]}:{where[1]}, not {addrs[0]}:{port}"
+    else:
+        return
+    raise APIError(403, f"refusing to contact the prefill node: {reason}", param="kv_transfer_params",
+                   code="peer_not_allowed")  # fmt: skip
 
 
 def _check_shape(src: Source, p: KVTransferParams, prep: Prepared, block_size: int) -> None:
@@ -95,7 +117,7 @@ async def decode_leg(leg: LegContext) -> web.StreamResponse:
     rk = remote_kv(leg.node)
     p, prep = leg.prep.kv_params, leg.prep
     assert p is not None
-    src = await _source(rk, p)  # refused here: P is never contacted
+    src = await _source(rk, p, leg.node.members)  # refused here: P is never contacted
     try:
         _check_shape(src, p, prep, leg.node.engine.kv_layout.block_size)
     except APIError:
@@ -120,7 +142,7 @@ async def _connect(rk: RemoteKV, src: Source) -> tuple[Peer | None, Pull | None]
     """Step 2: the peer, or the pull's failure when P cannot be reached (the blocks are still
     reserved and handed back, so the failure policy applies as after a failed READ)."""
     try:
-        peer = await rk.peer(src.engine_id, src.host, src.port)
+        peer = await rk.peer(src.engine_id, src.host, src.port, src.addresses)
     except PeerUnreachable as e:
         return None, Pull(PullOutcome.PEER_UNREACHABLE, str(e))
     remote_blocks = peer.layout.num_blocks

@@ -7,9 +7,17 @@ so before any connection:
 - an engine id is pinned to the first address it was reached at (its metadata answered with
   that engine id): the same engine id at another address is refused, so the read and the
   release always go to the same peer.
-`allowed(host, port, engine_id)` returns None or the reason to refuse; it is the hook the
-coordinator will tighten to registered cluster members. Hostnames are resolved first
-(`resolve`), and every address they resolve to must be allowed.
+`allowed(host, port, engine_id)` returns None or the reason to refuse. Hostnames are resolved
+first (`resolve`), and every address they resolve to must be allowed.
+
+The transport address a peer publishes in its metadata (`GET /kv/metadata`: tcp and ucx give a
+host and port) is the peer's word, not the operator's: `transport_address` accepts it only when
+it lies in the allowed networks *and* is the very host the leg named, and returns the checked IP
+address to connect to (so a name cannot resolve elsewhere between the check and the connect).
+Otherwise a "prefill" inside the allowed networks could point the decode node's transport at any
+address, and the bytes read there would enter its prefix cache (issue #22, finding 1). NIXL's
+agent metadata is opaque (UCX worker addresses): for it, cluster membership is the check
+(decode.leg, `Node.members`).
 """
 
 from __future__ import annotations
@@ -24,6 +32,10 @@ MAX_PINNED = 4096
 _RESOLVE_TIMEOUT_S = 2.0
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+class PeerRefused(Exception):
+    """A peer this node must not read KV from (the reason in words): the client's 403."""
 
 
 class PeerPolicy:
@@ -52,6 +64,20 @@ class PeerPolicy:
         if pinned is not None and pinned != (host, port):
             return f"engine {engine_id!r} is at {pinned[0]}:{pinned[1]}, not {host}:{port}"
         return None
+
+    async def transport_address(self, published: str, named: tuple[str, ...]) -> str:
+        """The IP address to connect the transport to, given the host a peer `published` in its
+        metadata and the addresses of the host the leg `named`; raises PeerRefused otherwise."""
+        addrs = await self.resolve(published)
+        if not addrs:
+            raise PeerRefused(f"its KV transport address {published!r} does not resolve")
+        for a in addrs:
+            if (reason := self.network_reason(a)) is not None:
+                raise PeerRefused(f"its KV transport address: {reason}")
+            if a not in named:
+                raise PeerRefused(f"its KV transport address {a} is not the host it was named by "
+                                  f"({', '.join(named)})")  # fmt: skip
+        return addrs[0]
 
     def pin(self, engine_id: str, host: str, port: int) -> None:
         """`engine_id` answered at host:port: from now on it is only reached there."""

@@ -65,6 +65,8 @@ class Source:
     port: int
     request_id: str
     block_ids: list[int]
+    #: every address the named host resolves to (the peer's transport must be on one of them)
+    addresses: tuple[str, ...] = ()
 
 
 def released(status: int) -> Pull:

@@ -3,9 +3,11 @@
 Peers are known by engine id: on first contact the prefill node's transport metadata is
 fetched from the node itself (`GET /kv/metadata`, DESIGN §4: the data path never needs etcd)
 and cached; concurrent first contacts share one fetch. A metadata answer for a different
-engine id means the caller named an engine that is not at that address. Every contact goes
-through the PeerPolicy first (decode.peers); the cache is bounded (least recently used
-dropped first). The role's state on a node (node.legs.RoleStates holds it).
+engine id means the caller named an engine that is not at that address, and a transport
+address (tcp, ucx) outside the allowed networks or not on the host the leg named is refused
+before the transport connects (PeerPolicy.transport_address): the transport then connects to
+the checked IP address, never to the peer's name for it. Every contact goes through the
+PeerPolicy first (decode.peers); the cache is bounded (least recently used dropped first). The role's state on a node (node.legs.RoleStates holds it).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from decode.peers import PeerPolicy
+from decode.peers import PeerPolicy, PeerRefused
 from kvtransfer import Peer, Transport
 from node.engine_api import NodeEngine
 from protocol.node_api import KVReleaseRequest
@@ -47,11 +49,12 @@ class RemoteKV:
         #: waits for failed transfers to be over (strong references until done)
         self._quarantined: set[asyncio.Task[None]] = set()
 
-    async def peer(self, engine_id: str, host: str, port: int) -> Peer:
-        """The connected peer; `host` must be an address the policy allowed."""
+    async def peer(self, engine_id: str, host: str, port: int, named: tuple[str, ...]) -> Peer:
+        """The connected peer; `host` must be an address the policy allowed, one of `named` (the
+        addresses of the host the leg named), where the peer's transport must be too."""
         fut = self._peers.get(engine_id)
         if fut is None:
-            fut = self._peers[engine_id] = asyncio.ensure_future(self._connect(engine_id, host, port))
+            fut = self._peers[engine_id] = asyncio.ensure_future(self._connect(engine_id, host, port, named))
             while len(self._peers) > MAX_CACHED_PEERS:
                 self._peers.popitem(last=False)
         else:
@@ -63,7 +66,7 @@ class RemoteKV:
                 del self._peers[engine_id]  # retry on the next request
             raise
 
-    async def _connect(self, engine_id: str, host: str, port: int) -> Peer:
+    async def _connect(self, engine_id: str, host: str, port: int, named: tuple[str, ...]) -> Peer:
         from kvtransfer import TransferError, decode_metadata
 
         url = f"http://{_netloc(host, port)}/kv/metadata"
@@ -77,6 +80,13 @@ class RemoteKV:
         if meta.engine_id != engine_id:
             raise APIError(400, f"unknown remote_engine_id {engine_id!r}: {host}:{port} runs engine "
                                 f"{meta.engine_id!r}", param="kv_transfer_params")  # fmt: skip
+        if meta.host:  # tcp, ucx: the peer's own word on where its pool is, checked
+            try:
+                addr = await self.policy.transport_address(meta.host, named or (host,))
+            except PeerRefused as e:
+                raise APIError(403, f"refusing to read KV from engine {engine_id!r} at {host}:{port}: {e}",
+                               param="kv_transfer_params", code="peer_not_allowed") from None  # fmt: skip
+            meta = msgspec.structs.replace(meta, host=addr)
         self.policy.pin(engine_id, host, port)
         try:
             peer = await self.transport.add_peer(meta)

@@ -84,7 +84,9 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
                    help="decode: seconds to wait for KV blocks for a pull before answering 503")  # fmt: skip
     t.add_argument("--allowed-peers", default=DEFAULT_ALLOWED_PEERS,
                    help="decode: CIDR list of the prefill nodes this node may contact; a request naming "
-                        "another address is refused (403) without any connection. The default is "
+                        "another address is refused (403) without any connection, and so is a prefill "
+                        "node whose KV transport address lies elsewhere or off its own host. With --etcd, "
+                        "only the cluster's registered prefill nodes are contacted. The default is "
                         "loopback and the private ranges (RFC 1918, IPv6 ULA): never public or "
                         "link-local (cloud metadata) addresses")  # fmt: skip
     t.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from engine.block_pool import BlockPool
 from engine.request import Request
-from protocol.block_hash import DEFAULT_HASH_SEED, ROOT_PARENT_HASH, hash_block
+from protocol.block_hash import DEFAULT_HASH_SEED, domain_root, hash_block
 
 
 def cdiv(a: int, b: int) -> int:
@@ -45,14 +45,16 @@ class KVCacheManager:
     # -- hashing ---------------------------------------------------------------------------
     def block_hashes(self, req: Request, upto_tokens: int) -> list[int]:
         """Hashes of the request's full blocks within its first `upto_tokens` tokens,
-        extended incrementally (a request's tokens only ever grow)."""
+        extended incrementally (a request's tokens only ever grow). The chain starts at the
+        request's cache domain (`cache_salt`), so two domains never share a cached block."""
         hs = self._hashes.setdefault(req.request_id, [])
         bs = self.block_size
         n_full = min(upto_tokens, req.num_tokens) // bs
+        root = domain_root(req.params.cache_salt, self.hash_seed) if len(hs) < n_full else 0
         while len(hs) < n_full:
             i = len(hs)
             toks = [req.token_at(j) for j in range(i * bs, (i + 1) * bs)]
-            hs.append(hash_block(hs[-1] if hs else ROOT_PARENT_HASH, toks, self.hash_seed))
+            hs.append(hash_block(hs[-1] if hs else root, toks, self.hash_seed))
         return hs[:n_full]
 
     # -- admission -------------------------------------------------------------------------

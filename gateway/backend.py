@@ -42,6 +42,9 @@ class Attempt:
     prompt_ids: list[int]
     max_tokens: int
     tier: Tier
+    #: the caller's prefix-cache domain (GatewayConfig.cache_domain): the block hashes' salt and
+    #: the legs' `cache_salt`, so no team's cache answers another's prompt
+    cache_domain: str = ""
 
 
 @dataclass

@@ -29,7 +29,7 @@ from gateway.providers.fallback import Reason
 from gateway.requests import Endpoint, Request
 from gateway.routing import NodeLoad, Router
 from gateway.tiers import Shed
-from protocol.block_hash import block_hashes
+from protocol.block_hash import block_hashes, domain_root
 from protocol.kv_params import KVTransferParams
 from protocol.node_api import NodeCompletionChunk, NodeCompletionRequest
 from protocol.openai import APIError
@@ -53,13 +53,14 @@ _TO_DECODE = KVTransferParams(do_remote_decode=True)
 
 def leg_request(request: Request, attempt: Attempt, **leg: object) -> NodeCompletionRequest:
     """The node request of one leg: the prompt's ids, the client's sampling fields, the tier as
-    the node's priority, and the leg's own fields (stream, max_tokens, seed, kv params)."""
+    the node's priority, the caller's cache domain, and the leg's own fields (stream,
+    max_tokens, seed, kv params)."""
     s = request.sampling
     fields: dict[str, object] = {
         "prompt": attempt.prompt_ids, "max_tokens": attempt.max_tokens, "priority": attempt.tier,
         "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed, "top_k": s.top_k,
         "ignore_eos": bool(s.ignore_eos), "min_tokens": s.min_tokens or 0, "stop": list(s.stop) or None,
-        "logprobs": s.logprobs, **leg}  # fmt: skip
+        "logprobs": s.logprobs, "cache_salt": attempt.cache_domain or None, **leg}  # fmt: skip
     return NodeCompletionRequest(**fields)  # type: ignore[arg-type]
 
 
@@ -109,7 +110,7 @@ class ClusterBackend(Backend):
 
     async def _run(self, request: Request, job: Attempt, out: Accounting, touched: _Touched) -> AsyncIterator[Piece]:
         rid = job.request_id
-        hashes = block_hashes(job.prompt_ids, job.model.block_size)
+        hashes = block_hashes(job.prompt_ids, job.model.block_size, parent=domain_root(job.cache_domain))
         exclude: list[str] = []
         failures: list[str] = []
         out.model_used = job.model.name

@@ -46,6 +46,8 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     auto_pin = { hard = "gpt-4o-mini" }   # label (simple|medium|hard) → model auto uses
     forbid = ["claude-sonnet"]        # never chosen for this team: by auto, by fallback, or by name
     allow_paid_for_batch = true       # batch requests may fall back to / auto-route to external models
+    cache_group = "shared-prompts"    # share the prefix cache with the group's other teams, on purpose
+                                      # (default: the team's own domain; no team sees another's prefixes)
     [teams."*"]                       # the policy of every team not listed
 
 Fallback triggers: the self-hosted pool saturated (an interactive request waited
@@ -209,6 +211,9 @@ class TeamPolicy:
     forbid: tuple[str, ...] = ()
     #: batch requests may reach paid (external) models by fallback or auto
     allow_paid_for_batch: bool = False
+    #: prefix-cache domain shared on purpose with the other teams of this group (e.g. a common
+    #: system prompt); None: the team's own domain, matched by no other team (`cache_domain`)
+    cache_group: str | None = None
 
 
 @dataclass(frozen=True)
@@ -254,6 +259,12 @@ class GatewayConfig:
 
     def team_policy(self, team_id: str) -> TeamPolicy:
         return self.teams.get(team_id) or self.teams.get("*") or TeamPolicy()
+
+    def cache_domain(self, team_id: str) -> str:
+        """The team's prefix-cache domain (DESIGN §8): its `cache_group`, else the team itself.
+        The prefixes keep groups and teams apart even when a group is named like a team."""
+        group = self.team_policy(team_id).cache_group
+        return f"group:{group}" if group else f"team:{team_id}"
 
     @property
     def admin_key(self) -> str | None:
@@ -359,6 +370,8 @@ def _check_routing(cfg: GatewayConfig) -> None:
         _names(f"teams.{team}", "auto_pin", list(p.auto_pin.values()), cfg.models)
         if not isinstance(p.allow_paid_for_batch, bool):
             raise ConfigError(f"[teams.{team}] allow_paid_for_batch must be true or false")
+        if p.cache_group is not None and (not isinstance(p.cache_group, str) or not 0 < len(p.cache_group) <= 200):
+            raise ConfigError(f"[teams.{team}] cache_group must be a name of 1 to 200 characters")
 
 
 def _teams(data: Any) -> dict[str, TeamPolicy]:

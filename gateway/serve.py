@@ -177,7 +177,7 @@ class _Tries:
         self.ledger.attempt(served, len(size.ids))
         self.reply = None
         attempt = Attempt(request_id=rid, model=served.config, prompt_ids=size.ids, max_tokens=size.max_tokens,
-                          tier=self.tier)  # fmt: skip
+                          tier=self.tier, cache_domain=state.config.cache_domain(self.ledger.caller.team.id))  # fmt: skip
         if not served.backend.uses_tier_queues:  # the tier queues guard the self-hosted pool only
             return await self._respond(served, attempt, headers, sink)
         wait = None

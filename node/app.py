@@ -172,10 +172,12 @@ def make_app(state: NodeState) -> web.Application:
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     from node.kv_events import add_kv_event_routes  # /kv/events, /kv/snapshot
+    from node.members import members_ctx
     from node.registration import registration_ctx
 
     add_kv_event_routes(app, state)
     if state.config.etcd:
+        app.cleanup_ctx.append(members_ctx(state))
         app.cleanup_ctx.append(registration_ctx(state))
     return app
 

@@ -54,6 +54,7 @@ def sampling_params(body: NodeCompletionRequest, max_tokens: int | None = None) 
             skip_special_tokens=body.skip_special_tokens,
             logprobs=body.logprobs,
             prompt_logprobs=body.prompt_logprobs,
+            cache_salt=body.cache_salt,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None

@@ -91,6 +91,26 @@ class RoleStates:
         return value if isinstance(value, kind) else None
 
 
+class Membership(Protocol):
+    """The cluster's registered nodes as this node sees them (node.members.ClusterMembers, a
+    mirror of etcd's registrations): a decode node pulls KV only from a registered node."""
+
+    @property
+    def listed(self) -> bool:
+        """The registrations were read at least once (before that, nothing is known)."""
+        ...
+
+    def kv_source(self, engine_id: str) -> tuple[str, int] | None:
+        """(host, port) of the URL of the registered prefill-capable node running `engine_id`,
+        or None when no such node is registered."""
+        ...
+
+    def kv_hosts(self) -> set[str]:
+        """The hosts (as their URLs name them) of every registered prefill-capable node: what an
+        engine that moves KV itself (vLLM, whose engine ids are its own) may contact."""
+        ...
+
+
 class Node(Protocol):
     """What a role sees of its node (node.state.NodeState is the one implementation)."""
 
@@ -102,6 +122,8 @@ class Node(Protocol):
     transport: Transport | None
     session: aiohttp.ClientSession | None
     role_state: RoleStates
+    #: the cluster's registered nodes; None on a node without a cluster (no --etcd)
+    members: Membership | None
 
 
 class LegContext(Protocol):

@@ -16,7 +16,7 @@ import aiohttp
 
 from node.config import NodeConfig
 from node.engine_api import NodeEngine
-from node.legs import Roles, RoleStates
+from node.legs import Membership, Roles, RoleStates
 from node.metrics import NodeMetrics
 
 if TYPE_CHECKING:
@@ -43,6 +43,8 @@ class NodeState:
     active: set[str] = field(default_factory=set)
     #: per-role state set by the roles' start hooks, one object per type (decode: its RemoteKV)
     role_state: RoleStates = field(default_factory=RoleStates)
+    #: the cluster's registered nodes (node.members), with --etcd; None without a cluster
+    members: Membership | None = None
     #: unix time the node process started (registration, /v1/models)
     started_at: float = field(default_factory=time.time)
 

@@ -5,6 +5,12 @@
 over the *full* blocks of `block_size` tokens; a trailing partial block has no hash. The
 gateway, the coordinator and every node compute the same values with this one function, so a
 hash names the same prefix everywhere. Never use Python's `hash()`: it is salted per process.
+
+Cache domains (DESIGN §8): the chain starts from `h_{-1} = domain_root(domain)`, so the same
+tokens hash differently in two domains and no prefix cache or index ever matches across them
+(a team cannot learn from `cached_tokens` what another team sent). The domain travels to the
+nodes as vLLM's `cache_salt`; no domain (None or "") is the unsalted root, for requests sent to a
+node by hand.
 """
 
 from __future__ import annotations
@@ -23,6 +29,13 @@ DEFAULT_BLOCK_SIZE = 16
 _U64 = struct.Struct("<Q")
 
 
+def domain_root(domain: str | None, seed: int = DEFAULT_HASH_SEED) -> int:
+    """h_{-1} of a cache domain: `xxh3_64(seed, domain as UTF-8)`; ROOT_PARENT_HASH for none."""
+    if not domain:
+        return ROOT_PARENT_HASH
+    return xxhash.xxh3_64_intdigest(domain.encode(), seed=seed)
+
+
 def hash_block(parent: int, tokens: Sequence[int], seed: int = DEFAULT_HASH_SEED) -> int:
     """Hash one full block given its parent's hash."""
     data = _U64.pack(parent) + struct.pack(f"<{len(tokens)}I", *tokens)
@@ -35,7 +48,8 @@ def block_hashes(
     seed: int = DEFAULT_HASH_SEED,
     parent: int = ROOT_PARENT_HASH,
 ) -> list[int]:
-    """Hashes of every full block of `token_ids`, in order (len == len(token_ids) // block_size)."""
+    """Hashes of every full block of `token_ids`, in order (len == len(token_ids) // block_size);
+    `parent` is the chain's root: `domain_root(domain)` for a cache domain."""
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     out: list[int] = []

@@ -20,9 +20,12 @@ from protocol.openai import CompletionChoice, CompletionRequest, ErrorDetail, Us
 
 class NodeCompletionRequest(CompletionRequest, kw_only=True, omit_defaults=True):
     """A leg's request: the sampling fields, the prompt (token ids from the gateway; a node
-    also tokenizes text sent by hand), `priority`, and the P/D handoff, typed."""
+    also tokenizes text sent by hand), `priority`, the P/D handoff, typed, and the cache domain."""
 
     kv_transfer_params: KVTransferParams | None = None
+    #: the prefix-cache domain (vLLM's name; protocol.block_hash.domain_root): the gateway sets
+    #: it from the caller's team on both legs, and a node never matches a prefix across domains
+    cache_salt: str | None = None
 
 
 class NodeCompletion(msgspec.Struct, kw_only=True, omit_defaults=True):

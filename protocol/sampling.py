@@ -19,6 +19,8 @@ from protocol.logprobs import MAX_TOP_LOGPROBS
 #: temperature overflows them to inf, and softmax of inf is NaN.
 GREEDY_EPSILON = 1e-5
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
+#: longest cache domain name a request may carry (a team id or a cache group)
+MAX_CACHE_SALT = 256
 
 
 class Priority(enum.IntEnum):
@@ -54,6 +56,10 @@ class SamplingParams:
     logprobs: int | None = None
     #: None: none; N >= 0: the logprob of every prompt token after the first, plus N top tokens
     prompt_logprobs: int | None = None
+    #: the request's prefix-cache domain (vLLM's `cache_salt`; protocol.block_hash.domain_root).
+    #: Not a sampling knob: it rides here because these params are what reaches the engine
+    #: with every request, on both legs. None: the unsalted domain
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +82,8 @@ class SamplingParams:
             n = getattr(self, name)
             if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {n!r}")
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT:
+            raise ValueError(f"cache_salt must be 1 to {MAX_CACHE_SALT} characters")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 

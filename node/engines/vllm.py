@@ -276,8 +276,10 @@ class VllmNodeEngine:
         arrival = asyncio.get_running_loop().time()
         try:
             sp = vllm_sampling(params, h.kv_transfer_params)
-            collector = await self._llm.add_request(request_id, {"prompt_token_ids": list(prompt_token_ids)},
-                                                    sp, priority=int(priority))  # fmt: skip
+            prompt: dict[str, Any] = {"prompt_token_ids": list(prompt_token_ids)}
+            if params.cache_salt:  # the request's cache domain: vLLM salts its block hashes with it
+                prompt["cache_salt"] = params.cache_salt
+            collector = await self._llm.add_request(request_id, prompt, sp, priority=int(priority))
         except EngineDeadError as e:
             raise EngineDead(str(e) or "vLLM's engine core died") from e
         except (ValueError, TypeError) as e:  # vLLM's validation (VLLMValidationError is a ValueError)

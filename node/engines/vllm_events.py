@@ -7,6 +7,11 @@ so the bridge recomputes them from each event's token ids:
 
     duet(block) = hash_block(duet(parent), tokens of the block)
 
+and a prompt's first block chains from its cache domain's root (`domain_root(cache_salt)`,
+DESIGN §8), the salt read off the event's `extra_keys` (vLLM publishes the request's
+`cache_salt` there for the first block), so the index holds the same salted hashes the gateway
+routes with.
+
 keeping a map vLLM hash → duet hashes for every cached block (a vLLM block may hold several
 duet blocks: vLLM's CPU attention needs blocks of 32 tokens, duet hashes 16), so `BlockRemoved` and the parents of
 later `BlockStored` events translate too, and the map's values are the node's snapshot.
@@ -28,10 +33,11 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 import msgspec
 
-from protocol.block_hash import DEFAULT_HASH_SEED, ROOT_PARENT_HASH, hash_block
+from protocol.block_hash import DEFAULT_HASH_SEED, domain_root, hash_block
 from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 log = logging.getLogger("duet.node")
@@ -44,6 +50,13 @@ class VStored(msgspec.Struct, tag="BlockStored"):
     parent_block_hash: VllmHash | None
     token_ids: list[int]
     block_size: int
+    #: per block, the extra keys of its hash (untagged): the first block's hold the request's
+    #: cache_salt (a string; duet serves no LoRA, whose name would be a string too)
+    extra_keys: list[list[Any] | None] | None = None
+
+    def cache_salt(self) -> str | None:
+        first = self.extra_keys[0] if self.extra_keys else None
+        return next((k for k in first or () if isinstance(k, str)), None)
 
 
 class VRemoved(msgspec.Struct, tag="BlockRemoved"):
@@ -108,7 +121,7 @@ class HashTranslator:
             log.debug("dropping a KV event with %d hashes, %d tokens, block size %d", n, len(ev.token_ids), vbs)
             return None
         if ev.parent_block_hash is None:
-            parent, duet_parent = ROOT_PARENT_HASH, None
+            parent, duet_parent = domain_root(ev.cache_salt(), self.seed), None
         else:
             known = self._map.get(ev.parent_block_hash)
             if not known:  # we missed the parent's event: the chain cannot be recomputed

@@ -10,7 +10,8 @@ The gateway drives these legs exactly as it drives native ones (DESIGN §1, issu
 - decode leg (`do_remote_prefill`): the client's params, checked field by field
   (`VllmRemoteParams`: only vLLM's fields, well typed), and the address checked against
   `--allowed-peers` before the engine may contact it (a name must resolve inside the allowed
-  networks; the engine is handed the address, not the name); then the engine pulls, decodes and
+  networks; the engine is handed the address, not the name), and with a cluster the host of a
+  registered prefill-capable node (issue #22: an unregistered "prefill" poisons no cache); then the engine pulls, decodes and
   streams. A failed pull is the engine's `kv_load_failure_policy` (`--failure-policy`):
   recompute locally, or fail the request (an error answer / SSE error event).
 
@@ -84,25 +85,48 @@ async def prefill_leg(leg: LegContext) -> web.StreamResponse:
     return leg.answer(result)
 
 
-async def _allowed_address(node: Node, host: str) -> str:
-    """The one address the engine may contact for `host`, or a 403 (never a connection)."""
-    networks = node.config.peer_networks()
+async def _resolve(host: str) -> list[str]:
+    """The IP addresses of `host` (itself when it is one); a 400 when it does not resolve."""
     try:
-        addrs = [str(ipaddress.ip_address(host))]
+        return [str(ipaddress.ip_address(host))]
     except ValueError:
         if not host or len(host) > 253:
             raise APIError(400, "remote_host is empty or too long", param=_PARAM) from None
-        try:
-            infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM),
-                                           _RESOLVE_TIMEOUT_S)  # fmt: skip
-        except (OSError, TimeoutError, UnicodeError):
-            raise APIError(400, f"remote_host {host!r} does not resolve", param=_PARAM) from None
-        addrs = sorted({str(i[4][0]) for i in infos})
+    try:
+        infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM),
+                                       _RESOLVE_TIMEOUT_S)  # fmt: skip
+    except (OSError, TimeoutError, UnicodeError):
+        raise APIError(400, f"remote_host {host!r} does not resolve", param=_PARAM) from None
+    return sorted({str(i[4][0]) for i in infos})
+
+
+async def _allowed_address(node: Node, host: str) -> str:
+    """The one address the engine may contact for `host`, or a 403 (never a connection): inside
+    the allowed networks and, on a node with a cluster, the host of a registered prefill-capable
+    node (vLLM's engine ids and side-channel ports are its own, so the host is what is checked)."""
+    networks = node.config.peer_networks()
+    addrs = await _resolve(host)
     bad = [a for a in addrs if not any(ipaddress.ip_address(a) in n for n in networks)]
     if bad or not addrs:
         raise APIError(403, f"remote_host {host} is outside this node's allowed peer networks",
                        code="peer_not_allowed", param=_PARAM)  # fmt: skip
+    members = node.members
+    if members is not None:
+        if not members.listed:
+            raise APIError(503, "this node has not read the cluster's registrations yet; retry shortly",
+                           type_="service_unavailable", code="overloaded")  # fmt: skip
+        registered = {a for h in members.kv_hosts() for a in await _resolve_quietly(h)}
+        if addrs[0] not in registered:
+            raise APIError(403, f"remote_host {host} is no registered prefill node of this cluster",
+                           code="peer_not_allowed", param=_PARAM)  # fmt: skip
     return addrs[0]
+
+
+async def _resolve_quietly(host: str) -> list[str]:
+    try:
+        return await _resolve(host)
+    except APIError:
+        return []
 
 
 def _flat(ids: list[int | list[int]]) -> list[int]:

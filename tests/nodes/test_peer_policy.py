@@ -53,3 +53,44 @@ async def test_resolve() -> None:
     assert "127.0.0.1" in await p.resolve("localhost")
     assert await p.resolve("no-such-host.invalid") == []
     assert await p.resolve("x" * 300) == []
+
+
+async def test_a_published_transport_address_must_be_allowed_and_on_the_named_host() -> None:
+    """Issue #22, finding 1: the transport address in a peer's metadata is the peer's word."""
+    from decode.peers import PeerRefused
+
+    p = policy("127.0.0.0/8")
+    assert await p.transport_address("127.0.0.2", ("127.0.0.2",)) == "127.0.0.2"
+    with pytest.raises(PeerRefused, match="not the host it was named by"):
+        await p.transport_address("127.0.0.3", ("127.0.0.2",))
+    with pytest.raises(PeerRefused, match="outside this node's allowed peer networks"):
+        await p.transport_address("10.0.0.1", ("10.0.0.1",))
+    with pytest.raises(PeerRefused, match="does not resolve"):
+        await p.transport_address("no-such-host.invalid", ("127.0.0.2",))
+    # A name is resolved once, and the address checked is the one connected to.
+    assert await p.transport_address("localhost", ("127.0.0.1", "::1")) in ("127.0.0.1", "::1")
+
+
+def test_cluster_members_are_the_registered_prefill_capable_nodes() -> None:
+    from node.members import ClusterMembers
+    from protocol.cluster import NodeInfo
+
+    def info(node_id: str, role: str, url: str) -> NodeInfo:
+        return NodeInfo(node_id=node_id, role=role, url=url, model="m", engine_id=f"e-{node_id}",  # type: ignore[arg-type]
+                        block_size=16, kv_layout_hash="h", kv_capacity_blocks=1, max_model_len=1,
+                        started_at=0.0)  # fmt: skip
+
+    m = ClusterMembers()
+    assert not m.listed and m.kv_source("e-p") is None
+    m.sync({"p": info("p", "prefill", "http://10.0.0.5:8200"), "d": info("d", "decode", "http://10.0.0.6:8300")})
+    assert m.listed and m.kv_source("e-p") == ("10.0.0.5", 8200)
+    assert m.kv_source("e-d") is None  # a decode node serves no KV
+    m.put(info("b", "both", "http://[fd00::7]:8400"))
+    assert m.kv_source("e-b") == ("fd00::7", 8400)
+    assert m.kv_hosts() == {"10.0.0.5", "fd00::7"}
+    m.put(info("p", "prefill", "http://10.0.0.9:8200"))  # re-registered elsewhere: the new address
+    assert m.kv_source("e-p") == ("10.0.0.9", 8200)
+    m.delete("p")
+    assert m.kv_source("e-p") is None
+    m.sync({})
+    assert m.kv_source("e-b") is None

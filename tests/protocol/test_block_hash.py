@@ -39,3 +39,15 @@ def test_chained_prefix_property(tokens: list[int], other: int) -> None:
 
 def test_seed_changes_hashes() -> None:
     assert block_hashes(list(range(16)), seed=1) != block_hashes(list(range(16)))
+
+
+def test_a_cache_domain_salts_the_whole_chain() -> None:
+    """DESIGN §8: h_{-1} = xxh3_64(seed, domain); no domain is the unsalted root."""
+    from protocol.block_hash import domain_root
+
+    toks = list(range(48))
+    assert domain_root(None) == domain_root("") == ROOT_PARENT_HASH
+    assert domain_root("team:a") == xxhash.xxh3_64_intdigest(b"team:a", seed=DEFAULT_HASH_SEED)
+    a, b = (block_hashes(toks, 16, parent=domain_root(d)) for d in ("team:a", "team:b"))
+    assert not set(a) & set(b) and not set(a) & set(block_hashes(toks, 16))
+    assert a == block_hashes(toks, 16, parent=domain_root("team:a"))

@@ -91,3 +91,20 @@ def test_vllm_blocks_of_several_duet_blocks_are_split() -> None:
     assert out[1].parent_block_hash == want[1]  # type: ignore[union-attr]
     assert t.translate([VRemoved(block_hashes=[vhash(2)])]) == [BlockRemoved(block_hashes=want[2:4])]
     assert sorted(t.cached_hashes()) == sorted(want[:2] + want[4:])
+
+
+def test_a_salted_prompt_chains_from_its_cache_domain() -> None:
+    """vLLM publishes the request's cache_salt in the first block's extra keys; the bridge roots
+    the chain at that domain, as the gateway does (issue #22: the index never matches across
+    domains, and still finds a team's own prefixes)."""
+    from protocol.block_hash import domain_root
+
+    tokens = list(range(3 * BS))
+    wire = msgspec.msgpack.encode(VStored(block_hashes=[vhash(1), vhash(2), vhash(3)], parent_block_hash=None,
+                                          token_ids=tokens, block_size=BS,
+                                          extra_keys=[["team:a"], None, None]))  # fmt: skip
+    ev = msgspec.msgpack.decode(wire, type=VStored)
+    (out,) = HashTranslator(BS).translate([ev])
+    assert isinstance(out, BlockStored)
+    assert out.block_hashes == block_hashes(tokens, BS, parent=domain_root("team:a"))
+    assert out.block_hashes != block_hashes(tokens, BS)

@@ -125,7 +125,9 @@ async def test_bad_kv_transfer_params_are_refused(vllm_pd: tuple[Proc, Proc], sm
                             ({**good, "remote_port": "x"}, 400), ({**good, "remote_port": 70000}, 400),
                             ({**good, "remote_block_ids": [1, [2]]}, 400), ({**good, "remote_block_ids": [-1]}, 400),
                             ({k: v for k, v in good.items() if k != "remote_engine_id"}, 400),
-                            ({**good, "do_remote_decode": True}, 400)):  # fmt: skip
+                            ({**good, "do_remote_decode": True}, 400),
+                            # allowed network, but no registered prefill node there (issue #22)
+                            ({**good, "remote_host": "127.0.0.2"}, 403)):  # fmt: skip
             r = await completion(s, d.url, ids, GREEDY, kv_transfer_params=bad)
             assert r.error is not None and r.error["status"] == status, (bad, r.error)
         body = {"prompt": ids, "stream": True, "kv_transfer_params": {"do_remote_decode": True}}
@@ -227,6 +229,33 @@ def metric_sum(url: str, name: str, labels: str = "") -> float:
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     found = re.findall(rf"^{re.escape(name)}\{{[^}}]*{re.escape(labels)}[^}}]*\}} (\S+)$", text, re.M)
     return sum(float(v) for v in found)
+
+
+def test_cache_salt_isolates_vllms_prefix_cache(vllm_pd: tuple[Proc, Proc], smollm2: Path) -> None:
+    """Issue #22: the gateway's cache domain reaches vLLM as `cache_salt`: the same prompt in
+    another domain finds nothing cached, the same domain does, and the node's snapshot holds
+    the domain's salted duet hashes (read off vLLM's events' extra keys)."""
+    from protocol.block_hash import domain_root
+
+    p, _ = vllm_pd
+    ids = tokenize(smollm2, "A salted prefix, cached for one team and no other. " * 8)
+
+    def cached(salt: str) -> int:
+        body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "cache_salt": salt}
+        req = urllib.request.Request(p.url + "/v1/completions", method="POST", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return int(json.loads(resp.read())["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached("team:a") == 0
+    assert cached("team:b") == 0
+    assert cached("team:a") >= len(ids) // 32 * 32 - 32 > 0
+    want = block_hashes(ids[: len(ids) // 32 * 32], 16, parent=domain_root("team:a"))
+    deadline = time.monotonic() + 30
+    while not set(want) <= set(json.loads(urllib.request.urlopen(p.url + "/kv/snapshot", timeout=10).read())
+                               ["block_hashes"]):  # fmt: skip
+        assert time.monotonic() < deadline, "the salted hashes never reached P's snapshot"
+        time.sleep(0.2)  # polling the node's snapshot
 
 
 async def test_p_killed_before_pull_follows_the_failure_policy(vllm_pd: tuple[Proc, Proc], vllm_d_fail: Proc,
