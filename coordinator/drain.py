@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import msgspec
 
-from coordinator.registry import decode_node
+from coordinator.cluster_view import decode_node
 from coordinator.store import Store, StoreError
-from protocol.cluster import NodeInfo, nodes_prefix
+from protocol.cluster import NodeInfo, NodeStatus, nodes_prefix
 
 
 class NodeNotFound(KeyError):
@@ -37,9 +37,9 @@ async def drain_node(store: Store, cluster: str, node_id: str) -> NodeInfo:
         if found is None:
             raise NodeNotFound(node_id)
         key, info, revision, lease = found
-        if info.status == "draining":
+        if info.status == NodeStatus.DRAINING:
             return info
-        new = msgspec.structs.replace(info, status="draining")
+        new = msgspec.structs.replace(info, status=NodeStatus.DRAINING)
         if await store.replace(key, msgspec.json.encode(new), revision, lease):
             return new
     raise StoreError(f"registration of {node_id} kept changing; drain not written")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from coordinator.index import PrefixIndex
 from coordinator.nodes import NodeView, PendingTotals
-from protocol.cluster import kv_layouts_match
+from protocol.cluster import NodeStatus, kv_layouts_match
 from protocol.openai import APIError
 from protocol.route import RouteRequest, RouteResponse, RouteTarget
 
@@ -147,7 +147,7 @@ class Router:
             if need_len > info.max_model_len:
                 continue
             fits += 1
-            if info.status == "active" and n.node_id not in excluded and n.ready(now, stale):
+            if info.status == NodeStatus.ACTIVE and n.node_id not in excluded and n.ready(now, stale):
                 usable.append(n)
         if not n_serving:
             raise APIError(404, f"no node serves model {req.model!r}", type_="invalid_request_error",

@@ -13,21 +13,11 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-import msgspec
-
+from coordinator.cluster_view import decode_node
 from coordinator.store import Store, StoreError
 from protocol.cluster import NodeInfo, nodes_prefix
 
 log = logging.getLogger("duet.coordinator")
-_decoder = msgspec.json.Decoder(NodeInfo)
-
-
-def decode_node(key: str, value: bytes) -> NodeInfo | None:
-    try:
-        return _decoder.decode(value)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        log.warning("ignoring unreadable registration %s: %s", key, e)
-        return None
 
 
 class Registry:

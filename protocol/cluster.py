@@ -11,12 +11,21 @@ Invariant: `url` is the only address anyone uses to reach the node; a client nev
 
 from __future__ import annotations
 
+import enum
 from typing import Literal
 
 import msgspec
 
 Role = Literal["prefill", "decode", "both"]
-NodeStatus = Literal["active", "draining"]
+
+
+class NodeStatus(enum.StrEnum):
+    """Whether routers may send a node new work (the wire values are these strings)."""
+
+    ACTIVE = "active"
+    #: finishing in-flight work; no new routes (drain, or SIGTERM's grace period)
+    DRAINING = "draining"
+
 #: etcd lease TTL of a node registration (seconds)
 NODE_TTL_S = 10
 DEFAULT_CLUSTER = "default"
@@ -38,7 +47,7 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int
     #: routing pool label: "shared" (default), "interactive" or "batch"
     pool: str = "shared"
-    status: NodeStatus = "active"
+    status: NodeStatus = NodeStatus.ACTIVE
     #: unix time the node process started
     started_at: float
     #: weight quantization of the served model (None: the model's own dtype)
