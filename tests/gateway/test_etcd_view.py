@@ -25,9 +25,9 @@ def info(node: Proc, role: str, node_id: str) -> bytes:
                                         started_at=time.time()))  # fmt: skip
 
 
-async def test_routes_from_etcd_and_finds_coordinators(etcd: EtcdServer, nodes: tuple[Proc, Proc, Proc],
+async def test_routes_from_etcd_and_finds_coordinators(etcd: EtcdServer, pd_nodes: tuple[Proc, Proc, Proc],
                                                        tiny_llama: Path, tmp_path: Path) -> None:  # fmt: skip
-    p, d, _ = nodes
+    p, d, _ = pd_nodes
     async with aetcd.Client(host="127.0.0.1", port=etcd.port) as client:
         await client.put(node_key("default", "prefill", "p1").encode(), info(p, "prefill", "p1"))
         await client.put(node_key("default", "decode", "d1").encode(), info(d, "decode", "d1"))
