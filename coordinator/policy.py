@@ -19,6 +19,7 @@ pending) and its KV use.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -55,25 +56,37 @@ class PolicyConfig:
     pending_max_age_s: float = 5.0
 
 
+class RouteOutcome(enum.StrEnum):
+    """Which plan won: the metric label of `duet:route_decisions` and the first word of the
+    response's `reason` (refusals count as their error code instead: no_capacity,
+    model_not_found, context_length_exceeded, bad_request)."""
+
+    DISAGGREGATED = "disaggregated"
+    #: the whole prompt is shorter than local_prefill_tokens
+    LOCAL_SHORT = "local_short"
+    #: D holds enough of the prompt that what is left is under local_prefill_tokens
+    LOCAL_CACHED = "local_cached"
+    LOCAL_NO_PREFILL = "local_no_prefill"
+    LOCAL_PREFILL_IS_D = "local_prefill_is_d"
+    LOCAL_P_SATURATED = "local_p_saturated"
+
+
 @dataclass
 class Decision:
     response: RouteResponse
-    #: metric label: disaggregated | local_short | local_cached | local_no_prefill |
-    #: local_prefill_is_d | local_p_saturated (refusals count as their error code:
-    #: no_capacity, model_not_found, context_length_exceeded, bad_request)
-    outcome: str
+    outcome: RouteOutcome
     #: what to add to pending: node id → (seqs, prefill tokens, blocks)
     pending: dict[str, tuple[int, int, int]]
 
 
 POOL_FALLBACK = "shared"
 _WHY = {
-    "local_short": "{} uncached prompt tokens on D < local_prefill_tokens {threshold}",
-    "local_cached": "{} uncached prompt tokens on D < local_prefill_tokens {threshold}",
-    "local_no_prefill": "no compatible prefill node is usable",
-    "local_prefill_is_d": "D is also the cheapest prefill node",
-    "local_p_saturated": "prefill pool saturated ({} has {} tokens queued)",
-    "disaggregated": "P {} prefill cost {:.0f} ({} uncached)",
+    RouteOutcome.LOCAL_SHORT: "{} uncached prompt tokens on D < local_prefill_tokens {threshold}",
+    RouteOutcome.LOCAL_CACHED: "{} uncached prompt tokens on D < local_prefill_tokens {threshold}",
+    RouteOutcome.LOCAL_NO_PREFILL: "no compatible prefill node is usable",
+    RouteOutcome.LOCAL_PREFILL_IS_D: "D is also the cheapest prefill node",
+    RouteOutcome.LOCAL_P_SATURATED: "prefill pool saturated ({} has {} tokens queued)",
+    RouteOutcome.DISAGGREGATED: "P {} prefill cost {:.0f} ({} uncached)",
 }
 
 
@@ -199,7 +212,7 @@ class Router:
         p_cost_of = {node_id: cost for cost, node_id, _ in p_ranked}
 
         # The reason text is built for the winner only: `why` holds its template's arguments.
-        best: tuple[float, str, NodeView, NodeView | None, str, tuple] | None = None
+        best: tuple[float, str, NodeView, NodeView | None, RouteOutcome, tuple] | None = None
         for d in ds:
             pd = pend[d.node_id]
             d_cost = self._decode_cost(d, pd)
@@ -207,13 +220,14 @@ class Router:
             local_cost = self._prefill_cost(d, uncached_d, pd)
             p: NodeView | None = None
             if uncached_d < cfg.local_prefill_tokens:
-                outcome = "local_short" if n_prompt < cfg.local_prefill_tokens else "local_cached"
+                short = n_prompt < cfg.local_prefill_tokens
+                outcome = RouteOutcome.LOCAL_SHORT if short else RouteOutcome.LOCAL_CACHED
                 why: tuple = (uncached_d,)
             else:
                 layout = d.info.kv_layout_hash
                 found = next((t for t in p_ranked if kv_layouts_match(t[2].info.kv_layout_hash, layout)), None)
                 if found is None:
-                    outcome, why = "local_no_prefill", ()
+                    outcome, why = RouteOutcome.LOCAL_NO_PREFILL, ()
                 else:
                     p_cost, _, p_best = found
                     if p_cost_of.get(d.node_id) == p_cost:  # on a tie D itself wins: no KV moves
@@ -221,11 +235,11 @@ class Router:
                     p_queued = p_best.load.queued_prefill_tokens + pend[p_best.node_id].prefill_tokens  # type: ignore[union-attr]
                     d_queued = d.load.queued_prefill_tokens + pd.prefill_tokens  # type: ignore[union-attr]
                     if p_best is d:
-                        outcome, why = "local_prefill_is_d", ()
+                        outcome, why = RouteOutcome.LOCAL_PREFILL_IS_D, ()
                     elif p_queued >= cfg.prefill_saturation_tokens and d_queued < cfg.prefill_saturation_tokens:
-                        outcome, why = "local_p_saturated", (p_best.node_id, p_queued)
+                        outcome, why = RouteOutcome.LOCAL_P_SATURATED, (p_best.node_id, p_queued)
                     else:
-                        p, outcome, local_cost = p_best, "disaggregated", p_cost
+                        p, outcome, local_cost = p_best, RouteOutcome.DISAGGREGATED, p_cost
                         why = (p.node_id, p_cost, n_prompt - cached[p.node_id])
             total = d_cost + local_cost
             if best is None or (total, d.node_id) < (best[0], best[1]):
