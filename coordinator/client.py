@@ -125,4 +125,4 @@ class RouteClient:
 
 async def replica_urls(store: Store, cluster: str) -> list[str]:
     """The URLs of the coordinator replicas alive in `cluster` (from etcd), sorted."""
-    return (await ClusterView(store, cluster).read()).coordinators
+    return await ClusterView(store, cluster).replicas()

@@ -54,13 +54,27 @@ def decode_replica(value: bytes) -> str | None:
 
 
 @dataclass(frozen=True)
+class NodeRecord:
+    """One node's registration as stored: where, and at which revision on which lease."""
+
+    key: str
+    info: NodeInfo
+    mod_revision: int
+    lease: int
+
+
+@dataclass(frozen=True)
 class ClusterSnapshot:
     #: every readable node registration, by node id
-    nodes: tuple[NodeInfo, ...]
+    records: tuple[NodeRecord, ...]
     #: URLs of the coordinator replicas alive (their keys live on their leases)
     coordinators: list[str]
-    #: the store revision the nodes were read at
+    #: the store revision the nodes were read at (a watch continues from revision + 1)
     revision: int
+
+    @property
+    def nodes(self) -> tuple[NodeInfo, ...]:
+        return tuple(r.info for r in self.records)
 
     def active(self) -> list[NodeInfo]:
         """The nodes a router may send new work to."""
@@ -72,10 +86,23 @@ class ClusterView:
         self.store = store
         self.cluster = cluster
 
-    async def read(self) -> ClusterSnapshot:
+    async def nodes(self) -> tuple[tuple[NodeRecord, ...], int]:
+        """Every readable node registration (by node id), and the revision they were read at."""
         kvs, revision = await self.store.get_prefix(nodes_prefix(self.cluster))
-        nodes = [info for kv in kvs if (info := decode_node(kv.key, kv.value)) is not None]
-        replicas, _ = await self.store.get_prefix(coordinators_prefix(self.cluster))
-        urls = sorted(u for kv in replicas if (u := decode_replica(kv.value)) is not None)
-        return ClusterSnapshot(nodes=tuple(sorted(nodes, key=lambda n: n.node_id)), coordinators=urls,
-                               revision=revision)  # fmt: skip
+        records = [NodeRecord(kv.key, info, kv.mod_revision, kv.lease) for kv in kvs
+                   if (info := decode_node(kv.key, kv.value)) is not None]  # fmt: skip
+        return tuple(sorted(records, key=lambda r: r.info.node_id)), revision
+
+    async def replicas(self) -> list[str]:
+        """The URLs of the coordinator replicas alive, sorted."""
+        kvs, _ = await self.store.get_prefix(coordinators_prefix(self.cluster))
+        return sorted(u for kv in kvs if (u := decode_replica(kv.value)) is not None)
+
+    async def node(self, node_id: str) -> NodeRecord | None:
+        """`node_id`'s registration, or None."""
+        records, _ = await self.nodes()
+        return next((r for r in records if r.info.node_id == node_id), None)
+
+    async def read(self) -> ClusterSnapshot:
+        records, revision = await self.nodes()
+        return ClusterSnapshot(records=records, coordinators=await self.replicas(), revision=revision)
