@@ -83,3 +83,56 @@ def coordinators_prefix(cluster: str) -> str:
     """Coordinator replicas register their URL here (bound to their lease) so gateways can
     find every replica from etcd alone."""
     return f"/duet/{cluster}/coordinators/"
+
+
+# -- GET /cluster: one coordinator replica's view (duet status, operators) ---------------------
+class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
+    """A node's last load frame, as the replica last received it."""
+
+    waiting: int
+    running: int
+    kv_cache_usage_perc: float
+    queued_prefill_tokens: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+
+
+class PendingReport(msgspec.Struct, frozen=True, kw_only=True):
+    """Routing decisions sent to a node that its load frames do not show yet."""
+
+    seqs: int
+    prefill_tokens: int
+    blocks: int
+
+
+class ClusterNode(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    role: Role
+    url: str
+    model: str
+    pool: str
+    status: NodeStatus
+    engine_id: str
+    #: routable now: active, its event stream connected, its load fresh
+    ready: bool
+    connected: bool
+    #: seconds since the last load frame (None: none yet)
+    load_age_s: float | None
+    load: LoadReport | None
+    pending: PendingReport
+    indexed_blocks: int
+    event_seq: int
+    resyncs: int
+    event_lag_s: float
+
+
+class ClusterReport(msgspec.Struct, frozen=True, kw_only=True):
+    cluster: str
+    replica_id: str
+    #: replica id of the leader as this replica last saw it (None: unknown)
+    leader: str | None
+    is_leader: bool
+    etcd_connected: bool
+    index_blocks: int
+    index_max_blocks: int
+    nodes: list[ClusterNode]
