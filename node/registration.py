@@ -25,6 +25,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -40,16 +41,27 @@ log = logging.getLogger("duet.node")
 _WATCH_TICK_S = 0.25
 
 
+@dataclass(frozen=True)
+class DrainHooks:
+    """What registration asks the node about draining."""
+
+    #: a request in flight, or KV held for a decode node
+    is_busy: Callable[[], bool]
+    #: SIGTERM's grace period has begun
+    shutting_down: Callable[[], bool]
+    #: `--exit-when-drained`: exit once a drain finds the node idle
+    exit_when_drained: bool = False
+
+
 class Registration(LeaseHolder):
-    def __init__(self, store: Store, info: NodeInfo, cluster: str, ttl: int, *,
-                 is_busy: Callable[[], bool], shutting_down: Callable[[], bool],
-                 exit_when_drained: bool, registry: Any = None) -> None:  # fmt: skip
+    def __init__(self, store: Store, info: NodeInfo, cluster: str, ttl: int, drain: DrainHooks,
+                 registry: Any = None) -> None:  # fmt: skip
         self.key = node_key(cluster, info.role, info.node_id)
         super().__init__(store, ttl, self.key, tick_s=_WATCH_TICK_S)
         self.info = info
-        self.is_busy = is_busy
-        self.shutting_down = shutting_down
-        self.exit_when_drained = exit_when_drained
+        self.is_busy = drain.is_busy
+        self.shutting_down = drain.shutting_down
+        self.exit_when_drained = drain.exit_when_drained
         self.registered = False
         self.drain_requested = False
         self._published = NodeStatus.ACTIVE
@@ -172,9 +184,9 @@ def registration_ctx(state: Any) -> Callable[[web.Application], AsyncIterator[No
         def busy() -> bool:
             return state.inflight > 0 or state.engine.stats().get("num_requests_held", 0) > 0
 
-        reg = Registration(store, node_info(state, cfg.pool), cfg.cluster, ttl, is_busy=busy,
-                           shutting_down=lambda: state.draining, exit_when_drained=cfg.exit_when_drained,
-                           registry=state.metrics.registry)  # fmt: skip
+        drain = DrainHooks(is_busy=busy, shutting_down=lambda: state.draining,
+                           exit_when_drained=cfg.exit_when_drained)  # fmt: skip
+        reg = Registration(store, node_info(state, cfg.pool), cfg.cluster, ttl, drain, registry=state.metrics.registry)
         task = asyncio.create_task(reg.run(), name="etcd-registration")
         yield
         task.cancel()
