@@ -210,7 +210,7 @@ def _own_cluster(a: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="duet-bench-batch-") as d:
         tmp = Path(d)
         node = duet_node("both", str(model_dir), tmp, *extra, threads=None)
-        port, admin = free_port(), secrets.token_urlsafe(16)
+        port, admin = free_port(), secrets.token_urlsafe(32)
         cfg = tmp / "gateway.toml"
         cfg.write_text(f"""[server]
 port = {port}

@@ -267,7 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      str(args.token_delay)], sport, tmp / "echo-slow.log")  # fmt: skip
         relay = Proc([sys.executable, "-m", "bench.bare_relay", "--port", str(rport), "--node", node.url], rport,
                      tmp / "relay.log")  # fmt: skip
-        admin = secrets.token_urlsafe(16)
+        admin = secrets.token_urlsafe(32)
         store = ""
         if args.store == "postgres":
             store = stack.enter_context(_postgres(tmp))

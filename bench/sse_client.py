@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 
 from bench.records import RequestRecord
-from protocol.sse_end import read_to_end
+from protocol.sse import read_to_end
 
 _MAX_ERROR_BODY = 4096
 #: how long a server may take to end its body after `[DONE]` before its connection is given up
@@ -98,7 +98,7 @@ async def _exchange(session: aiohttp.ClientSession, url: str, payload: dict[str,
 
 
 async def finish_body(resp: aiohttp.ClientResponse) -> None:
-    """Read past `[DONE]` to the body's end (protocol/sse_end.py says why), as the official
+    """Read past `[DONE]` to the body's end (protocol/sse.py says why), as the official
     openai client's async streams do, so the connection goes back to the pool. A server that
     does not end the body within END_TIMEOUT_S loses the connection; the answer was whole all
     the same."""

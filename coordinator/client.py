@@ -55,8 +55,8 @@ class RouteError(APIError):
     """A replica's final error answer (a 4xx, or 503 no_capacity), as its status and body."""
 
     def __init__(self, err: APIError, retry_after_s: float | None = None) -> None:
-        super().__init__(err.status, err.message, type_=err.type, param=err.param, code=err.code)
-        self.retry_after_s = retry_after_s
+        super().__init__(err.status, err.message, type_=err.type, param=err.param, code=err.code,
+                         retry_after_s=retry_after_s)  # fmt: skip
 
 
 class CoordinatorUnavailable(Exception):

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import calendar
+import math
 import re
 import time
 from typing import Any
@@ -52,7 +53,7 @@ def _json(obj: Any, status: int = 200) -> web.Response:
 async def _body(request: web.Request, cls: type) -> Any:
     try:
         return msgspec.json.decode(await request.read(), type=cls)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: JSON nested too deep
         raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
     except msgspec.ValidationError as e:
         raise APIError(400, f"invalid request: {e}") from None
@@ -119,9 +120,13 @@ async def revoke_key(state: GatewayState, request: web.Request) -> web.Response:
 
 def parse_time(value: str, param: str) -> float:
     try:
-        return float(value)
+        t = float(value)
     except ValueError:
         pass
+    else:  # nan, inf and times past year 9999 are no time a store can compare with
+        if math.isfinite(t) and abs(t) < 2.5e11:
+            return t
+        raise APIError(400, f"{param} must be a date (YYYY-MM-DD) or unix seconds, got {value!r}", param=param)
     try:
         return float(calendar.timegm(time.strptime(value, "%Y-%m-%d")))
     except ValueError:

@@ -23,11 +23,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import admin, batch_wiring, serve
-from gateway.auth import authenticate, bearer, is_admin
+from gateway.auth import MIN_ADMIN_KEY, authenticate, bearer, is_admin
 from gateway.backend import Backend
 from gateway.choice import ModelChoice
 from gateway.cluster import ClusterBackend
-from gateway.config import AUTO, GatewayConfig, ModelConfig, StaticNodes
+from gateway.config import AUTO, ConfigError, GatewayConfig, ModelConfig, StaticNodes
 from gateway.etcd_view import EtcdView
 from gateway.key_cache import KeyCache
 from gateway.loop_lag import LoopLag
@@ -35,12 +35,14 @@ from gateway.metrics import GatewayMetrics
 from gateway.node_client import NodeClient
 from gateway.provider_backend import ProviderBackend, make_backend
 from gateway.providers.metrics import register_provider_metrics
+from gateway.requests import Endpoint
 from gateway.routing import CoordinatorRouter, FailoverRouter, NodeLoad, Router, StaticRouter
 from gateway.state import GatewayState, ServedModel
 from gateway.store import open_store
 from gateway.store.base import StoreError
 from gateway.tiers import Admission, Shed
 from gateway.usage_writer import UsageWriter
+from protocol.http_errors import error_middleware
 from protocol.models import resolve_model
 from protocol.openai import APIError
 from protocol.tokenizer import Tokenizer
@@ -49,45 +51,25 @@ log = logging.getLogger("duet.gateway")
 STATE = web.AppKey("state", GatewayState)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _ENC = msgspec.json.Encoder()
-_HTTP_CODES = {404: ("not_found", "invalid_request_error"), 405: ("method_not_allowed", "invalid_request_error"),
-               413: ("request_too_large", "invalid_request_error")}  # fmt: skip
-
-
-def error_response(err: APIError, request_id: str, headers: dict[str, str] | None = None) -> web.Response:
-    h = {"X-Request-Id": request_id, **(headers or {})}
-    retry = getattr(err, "retry_after_s", None) or getattr(err, "retry_after", None)
-    if retry is not None:
-        h["Retry-After"] = str(max(1, int(float(retry) + 0.999)))
-    return web.Response(status=err.status, body=_ENC.encode(err.body()), content_type="application/json", headers=h)
 
 
 @web.middleware
-async def _middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    rid = f"req-{uuid.uuid4().hex}"
-    request[_RID] = rid
-    try:
-        return await handler(request)
-    except serve.RateLimited as e:
-        return error_response(e, rid, e.headers)
-    except APIError as e:
-        (log.warning if e.status >= 500 else log.info)("%s %s %s → %d: %s", rid, request.method, request.path,
-                                                        e.status, e.message)  # fmt: skip
-        return error_response(e, rid)
-    except StoreError as e:
-        return error_response(APIError(e.status, str(e), code="conflict" if e.status == 409 else "not_found"), rid)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        code, type_ = _HTTP_CODES.get(e.status, ("http_error", "invalid_request_error"))
-        msg = e.text or e.reason
-        if e.status == 413:
-            msg = f"the request body is larger than this gateway accepts ({request.app[STATE].config.server.max_body_bytes} bytes)"
-        return error_response(APIError(e.status, msg, type_=type_, code=code), rid)
-    except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
-        raise
-    except Exception as e:
-        log.exception("%s: unexpected error in %s %s", rid, request.method, request.path)
-        return error_response(APIError(500, f"internal error: {type(e).__name__}", type_="internal_error"), rid)
+async def _request_id(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every request gets the gateway's own id (never the client's: it names engine requests on
+    shared nodes)."""
+    request[_RID] = f"req-{uuid.uuid4().hex}"
+    return await handler(request)
+
+
+def _translate(request: web.Request, e: BaseException) -> APIError | None:
+    """The gateway's own errors for the shared middleware: store conflicts, the body limit."""
+    if isinstance(e, StoreError):
+        return APIError(e.status, str(e), code="conflict" if e.status == 409 else "not_found")
+    if isinstance(e, web.HTTPRequestEntityTooLarge):
+        limit = request.app[STATE].config.server.max_body_bytes
+        return APIError(413, f"the request body is larger than this gateway accepts ({limit} bytes)",
+                        code="request_too_large")  # fmt: skip
+    return None
 
 
 _RID = web.RequestKey("request_id", str)
@@ -100,7 +82,7 @@ def _bind(fn: Callable[[GatewayState, web.Request], Awaitable[web.StreamResponse
     return h
 
 
-def _completions(endpoint: str) -> Handler:
+def _completions(endpoint: Endpoint) -> Handler:
     async def h(request: web.Request) -> web.StreamResponse:
         return await serve.handle(request.app[STATE], request, endpoint, request[_RID])
 
@@ -136,7 +118,12 @@ async def _metrics(request: web.Request) -> web.Response:
 
 
 def make_app(config: GatewayConfig) -> web.Application:
-    app = web.Application(middlewares=[_middleware], client_max_size=config.server.max_body_bytes)
+    errors = error_middleware(log, _translate, lambda r: r.get(_RID))
+    admin_key = config.admin_key
+    if admin_key is not None and len(admin_key) < MIN_ADMIN_KEY:
+        raise ConfigError(f"$DUET_ADMIN_KEY is {len(admin_key)} characters; an admin key needs at least {MIN_ADMIN_KEY} "
+                          "(generate one: python -c 'import secrets; print(secrets.token_urlsafe(32))')")  # fmt: skip
+    app = web.Application(middlewares=[_request_id, errors], client_max_size=config.server.max_body_bytes)
     metrics = GatewayMetrics()
     store = open_store(config.store_url)
     app[STATE] = GatewayState(config=config, store=store, metrics=metrics,
@@ -150,8 +137,8 @@ def make_app(config: GatewayConfig) -> web.Application:
     if config.batch.enabled:  # after _lifecycle: the runner needs the models and the session
         batch_wiring.install(app, STATE)
     r = app.router
-    r.add_post("/v1/chat/completions", _completions("chat"))
-    r.add_post("/v1/completions", _completions("completion"))
+    r.add_post("/v1/chat/completions", _completions(Endpoint.CHAT))
+    r.add_post("/v1/completions", _completions(Endpoint.COMPLETION))
     r.add_get("/v1/models", _models)
     r.add_get("/v1/usage", _bind(admin.usage))
     r.add_get("/health", _health)
@@ -239,6 +226,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await asyncio.gather(sweeper, heartbeat, return_exceptions=True)
         with contextlib.suppress(StopAsyncIteration):
             await writer.__anext__()
+        with contextlib.suppress(Exception):  # a clean stop: nothing of ours is left to reclaim
+            await s.store.leave(s.gateway_id)
         await cluster.drain()
         await nodes.close()
         if view_life is not None:
@@ -248,16 +237,27 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         await s.store.close()
 
 
+#: a gateway whose heartbeat is this many heartbeats old is dead (its reservations reclaimed)
+DEAD_AFTER_HEARTBEATS = 2.5
+
+
 async def _sweep(s: GatewayState) -> None:
-    """Expire reservations whose gateway died (so they stop holding quota)."""
+    """Every heartbeat: this gateway's heartbeat (which renews its own reservations, so a
+    request outliving the TTL still counts), the reclaim of dead gateways' reservations (a
+    killed gateway's, its own previous life's included), and the expiry of lapsed ones."""
+    q = s.config.quotas
     while True:
         try:
+            await s.store.heartbeat(s.gateway_id, q.reservation_ttl_s)
+            n = await s.store.reclaim(DEAD_AFTER_HEARTBEATS * q.heartbeat_s)
+            if n:
+                log.warning("reclaimed %d reservations of a gateway that stopped (billed at their prompt)", n)
             n = await s.store.expire_reservations()
             if n:
                 log.warning("expired %d stale quota reservations", n)
         except Exception:
-            log.exception("expiring reservations failed")
-        await asyncio.sleep(min(30.0, s.config.quotas.reservation_ttl_s / 4))
+            log.exception("the reservation heartbeat failed")
+        await asyncio.sleep(q.heartbeat_s)
 
 
 __all__ = ["STATE", "Shed", "make_app"]

@@ -1,10 +1,16 @@
 """Who is calling: `Authorization: Bearer sk-duet-…` → (key, team), or the admin key.
 
 401 for a missing, unknown or revoked key (the message never says which of the last two);
-403 is for a valid key asking for another team's data (checked by the handlers).
+403 is for a valid key asking for another team's data (checked by the handlers). An address
+that fails the admin key `AdminGuard.MAX_FAILURES` times within `WINDOW_S` is refused (429 +
+Retry-After) until the oldest failure leaves the window: the admin key cannot be guessed at
+line rate. The admin key itself is at least `MIN_ADMIN_KEY` characters (checked at start-up).
 """
 
 from __future__ import annotations
+
+import collections
+import time
 
 from aiohttp import web
 
@@ -23,6 +29,40 @@ def bearer(request: web.Request) -> str:
     return token.strip()
 
 
+#: the shortest admin key a gateway starts with (a shorter one can be guessed)
+MIN_ADMIN_KEY = 32
+
+
+class AdminGuard:
+    """Failed admin authentications per client address, in a sliding window."""
+
+    MAX_FAILURES = 10
+    WINDOW_S = 60.0
+    #: addresses tracked at most (the oldest is forgotten first): memory stays bounded
+    MAX_ADDRESSES = 10_000
+
+    def __init__(self) -> None:
+        self._failures: collections.OrderedDict[str, collections.deque[float]] = collections.OrderedDict()
+
+    def check(self, address: str, now: float | None = None) -> None:
+        """429 while `address` has used up its failures."""
+        now = time.monotonic() if now is None else now
+        q = self._failures.get(address)
+        while q and q[0] <= now - self.WINDOW_S:
+            q.popleft()
+        if q is not None and len(q) >= self.MAX_FAILURES:
+            raise APIError(429, "too many failed admin authentications from this address; retry later",
+                           type_="rate_limit_error", code="admin_auth_rate_limited",
+                           retry_after_s=q[0] + self.WINDOW_S - now)  # fmt: skip
+
+    def failed(self, address: str, now: float | None = None) -> None:
+        q = self._failures.setdefault(address, collections.deque())
+        self._failures.move_to_end(address)
+        q.append(time.monotonic() if now is None else now)
+        while len(self._failures) > self.MAX_ADDRESSES:
+            self._failures.popitem(last=False)
+
+
 def is_admin(state: GatewayState, token: str) -> bool:
     admin = state.config.admin_key
     if admin:
@@ -32,7 +72,10 @@ def is_admin(state: GatewayState, token: str) -> bool:
 
 
 def require_admin(state: GatewayState, request: web.Request) -> None:
+    address = request.remote or ""
+    state.admin_guard.check(address)
     if not is_admin(state, bearer(request)):
+        state.admin_guard.failed(address)
         raise APIError(401, "this endpoint needs the admin key", type_="authentication_error",
                        code="invalid_api_key")  # fmt: skip
 

@@ -1,9 +1,17 @@
 """The seam between the public API and whoever generates tokens.
 
 A model's `kind` picks its `Backend`: "cluster" → `cluster.ClusterBackend` (duet's own P/D
-nodes); "external" → `provider_backend.ProviderBackend` (a commercial API, gateway/providers/). The API layer
-hands a `Job` and reads `Piece`s; the backend fills `Outcome` as it goes, so accounting knows
-what happened even when the stream breaks or the client leaves.
+nodes); "external" → `provider_backend.ProviderBackend` (a commercial API, gateway/providers/).
+The API layer (serve.py) asks a backend, for one `Attempt` of a `Request`, to `open` a
+`Reply`: the `Piece`s of the answer, and the reply's own `Accounting` — what was served, by
+whom, with how many tokens — which the ledger reads once the reply ended, however it ended (the
+stream broke, the client left). The backend returns its accounting; nothing is written into an
+argument of the caller's.
+
+What callers need to know of a backend is said by the interface, never by its class: which
+endpoints it serves (`usable_for`), whether it is available now (`available`: an open breaker
+is not), why an error is a fallback trigger (`fallback_reason`), and whether its requests wait
+in the tier queues (`uses_tier_queues`: the self-hosted pool's guard).
 
 Errors: before the first piece a backend raises `APIError` (the request fails as a whole);
 after it, `MidStreamError` (the client already has part of the answer).
@@ -12,31 +20,28 @@ after it, `MidStreamError` (the client already has part of the answer).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
-from gateway.config import ModelConfig
+from gateway.config import ModelConfig, Tier
+from gateway.requests import Endpoint, Request
 from protocol.openai import APIError, CompletionLogprobs
 
+if TYPE_CHECKING:
+    from gateway.providers.fallback import Reason
 
-@dataclass
-class Job:
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try of a request on one model: the model, the ids, and the max_tokens that fit it."""
+
     request_id: str
     model: ModelConfig
-    #: "chat" or "completion": external providers speak one or the other
-    endpoint: str
+    #: the prompt's token ids on this model's tokenizer ([] for an external model)
     prompt_ids: list[int]
-    #: the chat messages (text content) for "chat" jobs: external providers need them, not ids
-    messages: list[dict[str, Any]] | None
-    #: node sampling fields: max_tokens, temperature, top_p, seed, stop, top_k, ...
-    params: dict[str, Any]
-    n: int
-    tier: str
-    #: the prompt as the client sent it, for "completion" jobs (text or token ids)
-    prompt: str | list[int] | None = None
-    #: the client streams: a backend that can answer whole (an external API) does so otherwise
-    stream: bool = True
+    max_tokens: int
+    tier: Tier
 
 
 @dataclass
@@ -53,7 +58,9 @@ class Piece:
 
 
 @dataclass
-class Outcome:
+class Accounting:
+    """What one reply served: filled by its backend as the pieces go out, read by the ledger."""
+
     prompt_tokens: int = 0
     #: per sample
     completion_tokens: dict[int, int] = field(default_factory=dict)
@@ -62,10 +69,32 @@ class Outcome:
     nodes: list[str] = field(default_factory=list)
     first_token_at: float | None = None
     model_used: str = ""
+    #: the prompt went to a node or a provider (it may be computing it: paid if the client leaves)
+    prompt_sent: bool = False
 
     @property
     def total_completion_tokens(self) -> int:
         return sum(self.completion_tokens.values())
+
+    @property
+    def served(self) -> bool:
+        """Whether anyone served the request (a request no node or provider served is free)."""
+        return bool(self.nodes) or self.first_token_at is not None
+
+
+class Reply:
+    """One attempt's answer: iterate it for the pieces; `accounting` is the reply's own record
+    of what was served. `aclose()` ends it now (not at GC): a backend aborts its work there."""
+
+    def __init__(self, pieces: Callable[[Accounting], AsyncIterator[Piece]], prompt_tokens: int = 0) -> None:
+        self.accounting = Accounting(prompt_tokens=prompt_tokens)
+        self._it = pieces(self.accounting)
+
+    def __aiter__(self) -> AsyncIterator[Piece]:
+        return self._it
+
+    async def aclose(self) -> None:
+        await self._it.aclose()  # type: ignore[attr-defined]
 
 
 class MidStreamError(APIError):
@@ -73,6 +102,23 @@ class MidStreamError(APIError):
 
 
 class Backend(ABC):
+    #: requests wait in the gateway's tier queues (they guard the self-hosted pool only)
+    uses_tier_queues: bool = False
+
     @abstractmethod
-    def stream(self, job: Job, out: Outcome) -> AsyncIterator[Piece]:
-        """Pieces of every sample, interleaved; ends when all samples finished."""
+    def open(self, request: Request, attempt: Attempt) -> Reply:
+        """The reply to one attempt: pieces of every sample, interleaved; ends when all
+        samples finished."""
+
+    def usable_for(self, endpoint: Endpoint, n: int) -> bool:
+        """Whether this backend can take such a request at all."""
+        return True
+
+    def available(self) -> bool:
+        """Whether it takes requests now (an external API's breaker may be open)."""
+        return True
+
+    def fallback_reason(self, err: APIError, tier: Tier) -> Reason | None:
+        """Why `err` (raised before the first piece) moves the request along its model's
+        fallback chain; None: it is the request's own failure, no fallback."""
+        return None

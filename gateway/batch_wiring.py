@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,8 @@ from gateway.batch import (
     make_batch_routes,
 )
 from gateway.config import BatchSettings, GatewayConfig
+from gateway.ledger import Caller, RateLimited
+from gateway.requests import Endpoint
 from gateway.state import GatewayState
 from gateway.store.base import ApiKey
 from gateway.tiers import Shed
@@ -55,7 +58,7 @@ from protocol.openai import APIError
 
 log = logging.getLogger("duet.gateway.batch")
 RUNNER = web.AppKey("batch_runner", BatchRunner)
-_ENDPOINTS = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+_ENDPOINTS = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.COMPLETION}
 _ENC = msgspec.json.Encoder()
 
 
@@ -108,21 +111,20 @@ class GatewayExecutor:
         team = await self.state.store.get_team(team_id)
         if team is None:
             err = APIError(403, f"team {team_id!r} no longer exists", type_="permission_error", code="team_deleted")
-            return err.status, err.body()
-        key = ApiKey(id="batch", team_id=team_id, name="batch")
+            return err.status, msgspec.to_builtins(err.body())
+        caller = Caller(ApiKey(id="batch", team_id=team_id, name="batch"), team, request_id, time.monotonic(),
+                        self.price_factor)  # fmt: skip
         try:
-            resp = await serve.run(self.state, key, team, _ENC.encode(body), _ENDPOINTS[endpoint], request_id,
-                                   tier_header=tier, price_factor=self.price_factor)  # fmt: skip
-        except serve.RateLimited as e:
+            answer = await serve.run(self.state, caller, _ENC.encode(body), _ENDPOINTS[endpoint], tier_header=tier)
+        except RateLimited as e:
             if e.type == "insufficient_quota":
-                return e.status, e.body()
-            raise Defer(float(e.headers.get("Retry-After", "1")), e.message) from None
+                return e.status, msgspec.to_builtins(e.body())
+            raise Defer(e.retry_after_s or 1.0, e.message) from None
         except Shed as e:
-            raise Defer(e.retry_after_s, e.message) from None
+            raise Defer(e.retry_after_s or 1.0, e.message) from None
         except APIError as e:
-            return e.status, e.body()
-        assert isinstance(resp, web.Response) and isinstance(resp.body, bytes)
-        return resp.status, msgspec.json.decode(resp.body)
+            return e.status, msgspec.to_builtins(e.body())
+        return answer.status, msgspec.to_builtins(answer.body)
 
 
 def health(runner: BatchRunner) -> dict[str, Any]:

@@ -17,28 +17,18 @@ on Anthropic). Models added after start-up (tests) have no chain and are not aut
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gateway.config import GatewayConfig, TeamPolicy, Tier
-from gateway.provider_backend import ProviderBackend, ProviderFailure
 from gateway.providers.auto import AutoChoice, AutoPolicy, AutoRouter
-from gateway.providers.breaker import BreakerState
 from gateway.providers.catalog import ModelEntry
-from gateway.providers.fallback import (
-    FallbackChains,
-    FallbackDecision,
-    Reason,
-    TeamFallbackPolicy,
-    error_trigger,
-)
-from gateway.tiers import Shed
+from gateway.providers.fallback import FallbackChains, FallbackDecision, Reason, TeamFallbackPolicy
+from gateway.requests import Endpoint
 from protocol.openai import APIError
 
 if TYPE_CHECKING:
     from gateway.state import ServedModel
-
-#: cluster errors that mean "no node can serve this model now" (router and ClusterBackend codes)
-_NO_NODES = {(503, "no_capacity"), (503, "upstream_unavailable"), (404, "model_not_found")}
 
 
 def _entry(s: ServedModel) -> ModelEntry:
@@ -46,6 +36,19 @@ def _entry(s: ServedModel) -> ModelEntry:
     return ModelEntry(name=c.name, capability_rank=c.capability_rank, context_length=s.max_model_len, tiers=c.tiers,
                       input_price_per_m=c.input_usd_per_mtok, output_price_per_m=c.output_usd_per_mtok,
                       paid=c.kind == "external")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a request needs of a model: its endpoint and n, its tier, its team's policy, and its
+    size (prompt tokens as first counted; max_tokens as asked)."""
+
+    endpoint: Endpoint
+    n: int
+    tier: Tier
+    policy: TeamPolicy
+    prompt_tokens: int
+    max_tokens: int | None
 
 
 class ModelChoice:
@@ -62,41 +65,32 @@ class ModelChoice:
             names = config.auto.models or tuple(self.catalog)
             self.auto_catalog = {n: self.catalog[n] for n in names}
 
-    def available(self, name: str, endpoint: str, n: int) -> bool:
+    def available(self, name: str, endpoint: Endpoint, n: int) -> bool:
         s = self.models.get(name)
-        if s is None:
-            return False
-        b = s.backend
-        if isinstance(b, ProviderBackend):
-            return b.provider.breaker.state is not BreakerState.OPEN and b.usable_for(endpoint, n)
-        return True
+        return s is not None and s.backend.available() and s.backend.usable_for(endpoint, n)
 
-    def auto(self, messages: list[dict[str, str]], *, endpoint: str, n: int, tier: Tier, policy: TeamPolicy,
-             prompt_tokens: int, max_tokens: int | None) -> AutoChoice:  # fmt: skip
+    def auto(self, messages: list[dict[str, str]], need: Need) -> AutoChoice:
         assert self.router is not None
-        ap = AutoPolicy(pin=dict(policy.auto_pin), forbid=frozenset(policy.forbid),
-                        allow_paid_for_batch=policy.allow_paid_for_batch)  # fmt: skip
-        return self.router.route(messages, self.auto_catalog, tier=tier, policy=ap, prompt_tokens=prompt_tokens,
-                                 max_tokens=max_tokens, available=lambda m: self.available(m, endpoint, n))  # fmt: skip
+        p = need.policy
+        ap = AutoPolicy(pin=dict(p.auto_pin), forbid=frozenset(p.forbid), allow_paid_for_batch=p.allow_paid_for_batch)
+        return self.router.route(messages, self.auto_catalog, tier=need.tier, policy=ap,
+                                 prompt_tokens=need.prompt_tokens, max_tokens=need.max_tokens,
+                                 available=lambda m: self.available(m, need.endpoint, need.n))  # fmt: skip
 
     @staticmethod
     def trigger(err: APIError, served: ServedModel, tier: Tier) -> Reason | None:
-        if isinstance(served.backend, ProviderBackend):
-            return error_trigger(err.error) if isinstance(err, ProviderFailure) else None
-        if isinstance(err, Shed):  # the admission queue: batch requests are there to wait
-            return Reason.SATURATED if tier == "interactive" else None
-        return Reason.NO_HEALTHY_NODES if (err.status, err.code) in _NO_NODES else None
+        """Whether `err`, raised before the first piece, is a fallback trigger (the backend says)."""
+        return served.backend.fallback_reason(err, tier)
 
     def has_chain(self, origin: str) -> bool:
         return bool(self.chains.chains.get(origin))
 
-    def next(self, origin: str, reason: Reason, *, endpoint: str, n: int, tier: Tier, policy: TeamPolicy,
-             prompt_tokens: int, max_tokens: int | None, tried: list[str]) -> FallbackDecision:  # fmt: skip
+    def next(self, origin: str, reason: Reason, need: Need, tried: list[str]) -> FallbackDecision:
         if origin not in self.chains.chains:
             return FallbackDecision(from_model=origin, to_model=None, reason=reason)
-        tp = TeamFallbackPolicy(allow_paid_for_batch=policy.allow_paid_for_batch,
-                                forbidden_models=frozenset(policy.forbid))  # fmt: skip
-        return self.chains.next(origin, reason, tier=tier, policy=tp, prompt_tokens=prompt_tokens,
-                                max_tokens=max_tokens, tried=tried,
-                                available=lambda m: self.available(m, endpoint, n))  # fmt: skip
+        tp = TeamFallbackPolicy(allow_paid_for_batch=need.policy.allow_paid_for_batch,
+                                forbidden_models=frozenset(need.policy.forbid))  # fmt: skip
+        return self.chains.next(origin, reason, tier=need.tier, policy=tp, prompt_tokens=need.prompt_tokens,
+                                max_tokens=need.max_tokens, tried=tried,
+                                available=lambda m: self.available(m, need.endpoint, need.n))  # fmt: skip
 

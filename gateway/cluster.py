@@ -21,13 +21,17 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
-from gateway.backend import Backend, Job, MidStreamError, Outcome, Piece
-from gateway.config import RoutingConfig
-from gateway.node_client import NodeChunk, NodeClient, NodeFailure
+from gateway.backend import Accounting, Attempt, Backend, MidStreamError, Piece, Reply
+from gateway.config import RoutingConfig, Tier
+from gateway.node_client import NodeClient, NodeFailure
+from gateway.providers.fallback import Reason
+from gateway.requests import Endpoint, Request
 from gateway.routing import NodeLoad, Router
+from gateway.tiers import Shed
 from protocol.block_hash import block_hashes
+from protocol.kv_params import KVTransferParams
+from protocol.node_api import NodeCompletionChunk, NodeCompletionRequest
 from protocol.openai import APIError
 from protocol.route import RouteRequest
 
@@ -41,7 +45,27 @@ class _Touched:
         self.items: set[tuple[str, str]] = set()
 
 
+#: errors that mean "no node can serve this model now" (router and ClusterBackend codes)
+_NO_NODES = {(503, "no_capacity"), (503, "upstream_unavailable"), (404, "model_not_found")}
+#: the prefill leg asks P to compute the prompt and hold its KV for a decode node
+_TO_DECODE = KVTransferParams(do_remote_decode=True)
+
+
+def leg_request(request: Request, attempt: Attempt, **leg: object) -> NodeCompletionRequest:
+    """The node request of one leg: the prompt's ids, the client's sampling fields, the tier as
+    the node's priority, and the leg's own fields (stream, max_tokens, seed, kv params)."""
+    s = request.sampling
+    fields: dict[str, object] = {
+        "prompt": attempt.prompt_ids, "max_tokens": attempt.max_tokens, "priority": attempt.tier,
+        "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed, "top_k": s.top_k,
+        "ignore_eos": bool(s.ignore_eos), "min_tokens": s.min_tokens or 0, "stop": list(s.stop) or None,
+        "logprobs": s.logprobs, **leg}  # fmt: skip
+    return NodeCompletionRequest(**fields)  # type: ignore[arg-type]
+
+
 class ClusterBackend(Backend):
+    uses_tier_queues = True
+
     def __init__(self, nodes: NodeClient, router: Router, load: NodeLoad, cfg: RoutingConfig,
                  on_retry: Callable[[str], None] = lambda _: None) -> None:  # fmt: skip
         self.nodes = nodes
@@ -51,11 +75,22 @@ class ClusterBackend(Backend):
         self._on_retry = on_retry
         self._cleanup: set[asyncio.Task[None]] = set()  # strong refs to abort tasks
 
-    async def stream(self, job: Job, out: Outcome) -> AsyncIterator[Piece]:
+    def usable_for(self, endpoint: Endpoint, n: int) -> bool:
+        return True
+
+    def fallback_reason(self, err: APIError, tier: Tier) -> Reason | None:
+        if isinstance(err, Shed):  # the admission queue: batch requests are there to wait
+            return Reason.SATURATED if tier == "interactive" else None
+        return Reason.NO_HEALTHY_NODES if (err.status, err.code) in _NO_NODES else None
+
+    def open(self, request: Request, attempt: Attempt) -> Reply:
+        return Reply(lambda acc: self._stream(request, attempt, acc), prompt_tokens=len(attempt.prompt_ids))
+
+    async def _stream(self, request: Request, attempt: Attempt, out: Accounting) -> AsyncIterator[Piece]:
         touched = _Touched()
         complete = False
         try:
-            async for piece in self._run(job, out, touched):
+            async for piece in self._run(request, attempt, out, touched):
                 yield piece
             complete = True
         finally:
@@ -72,10 +107,7 @@ class ClusterBackend(Backend):
     async def _abort(self, items: set[tuple[str, str]]) -> None:
         await asyncio.gather(*(self.nodes.abort(url, rid) for url, rid in items))
 
-    def _body(self, job: Job, **extra: Any) -> dict[str, Any]:
-        return {"prompt": job.prompt_ids, **job.params, "priority": job.tier, **extra}
-
-    async def _run(self, job: Job, out: Outcome, touched: _Touched) -> AsyncIterator[Piece]:
+    async def _run(self, request: Request, job: Attempt, out: Accounting, touched: _Touched) -> AsyncIterator[Piece]:
         rid = job.request_id
         hashes = block_hashes(job.prompt_ids, job.model.block_size)
         exclude: list[str] = []
@@ -86,9 +118,9 @@ class ClusterBackend(Backend):
                 self._on_retry("route")
             route = await self.router.route(RouteRequest(
                 model=job.model.cluster_name, block_hashes=hashes, num_prompt_tokens=len(job.prompt_ids),
-                max_tokens=int(job.params["max_tokens"]), tier=job.tier,  # type: ignore[arg-type]
+                max_tokens=job.max_tokens, tier=job.tier,
                 exclude=list(exclude), request_id=rid))  # fmt: skip
-            kv: dict[str, Any] | None = None
+            kv: KVTransferParams | None = None
             tried: list[tuple[str, str]] = []
             if route.prefill is not None:
                 p = route.prefill
@@ -96,8 +128,9 @@ class ClusterBackend(Backend):
                 touched.items.add((p.url, rid))
                 self.load.acquire(p.url)
                 try:
-                    answer = await self.nodes.prefill(p.url, rid, self._body(  # logprobs come from D
-                        job, max_tokens=1, stream=False, logprobs=None, kv_transfer_params={"do_remote_decode": True}))  # fmt: skip
+                    out.prompt_sent = True
+                    answer = await self.nodes.prefill(p.url, rid, leg_request(  # logprobs come from D
+                        request, job, max_tokens=1, stream=False, logprobs=None, kv_transfer_params=_TO_DECODE))  # fmt: skip
                     kv = answer.kv_transfer_params
                 except NodeFailure as e:
                     log.warning("%s: prefill on %s failed (%s); routing again without it", rid, p.node_id, e.reason)
@@ -110,8 +143,9 @@ class ClusterBackend(Backend):
             d = route.decode
             touched.items.add((d.url, rid))
             tried.append((d.url, rid))
-            first = _Sample(self, d.url, rid, 0, self._body(job, stream=True, **({"kv_transfer_params": kv} if kv else {})))
+            first = _Sample(self, d.url, rid, 0, leg_request(request, job, stream=True, kv_transfer_params=kv))
             try:
+                out.prompt_sent = True
                 head = await first.start()
             except NodeFailure as e:
                 log.warning("%s: decode on %s failed before its first token (%s); routing again without it",
@@ -123,15 +157,16 @@ class ClusterBackend(Backend):
             if route.prefill is not None:
                 out.nodes.append(route.prefill.node_id)
             out.nodes.append(d.node_id)
-            async for piece in self._samples(job, out, touched, d.url, first, head):
+            async for piece in self._samples(request, job, out, touched, (d.url, first, head)):
                 yield piece
             return
         raise APIError(503, f"the request failed on every node tried ({self.cfg.max_attempts} attempts): "
                             + "; ".join(failures), type_="service_unavailable", code="upstream_unavailable")  # fmt: skip
 
-    async def _samples(self, job: Job, out: Outcome, touched: _Touched, d_url: str, first: _Sample,
-                       head: tuple[NodeChunk, bool]) -> AsyncIterator[Piece]:  # fmt: skip
-        if job.n == 1:  # the common case: no queue, no extra task per request
+    async def _samples(self, request: Request, job: Attempt, out: Accounting, touched: _Touched,
+                       started: tuple[str, _Sample, tuple[NodeCompletionChunk, bool]]) -> AsyncIterator[Piece]:  # fmt: skip
+        d_url, first, head = started
+        if request.n == 1:  # the common case: no queue, no extra task per request
             it = first.chunks(head)
             try:
                 async for chunk, more in it:
@@ -145,14 +180,14 @@ class ClusterBackend(Backend):
                 await it.aclose()  # now, not at GC: frees the node's load count and connection
             return
         samples = [first]
-        for i in range(1, job.n):
-            extra: dict[str, Any] = {"stream": True}
-            if job.params.get("seed") is not None:
-                extra["seed"] = int(job.params["seed"]) + i  # distinct samples, still reproducible
+        seed = request.sampling.seed
+        for i in range(1, request.n):
             srid = f"{job.request_id}.{i}"
             touched.items.add((d_url, srid))
-            samples.append(_Sample(self, d_url, srid, i, self._body(job, **extra)))
-        queue: asyncio.Queue[tuple[int, NodeChunk | BaseException | None]] = asyncio.Queue()
+            # distinct samples, still reproducible
+            body = leg_request(request, job, stream=True, seed=None if seed is None else seed + i)
+            samples.append(_Sample(self, d_url, srid, i, body))
+        queue: asyncio.Queue[tuple[int, NodeCompletionChunk | BaseException | None]] = asyncio.Queue()
         tasks = [asyncio.ensure_future(s.pump(queue, head if s is first else None)) for s in samples]
         try:
             running = len(samples)
@@ -170,7 +205,7 @@ class ClusterBackend(Backend):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _pieces(self, i: int, chunk: NodeChunk, out: Outcome) -> list[Piece]:
+    def _pieces(self, i: int, chunk: NodeCompletionChunk, out: Accounting) -> list[Piece]:
         pieces = []
         for c in chunk.choices:
             n = len(c.token_ids or ())
@@ -190,16 +225,17 @@ class ClusterBackend(Backend):
 class _Sample:
     """One node stream (one sample) on one node, with its load counted while it runs."""
 
-    def __init__(self, backend: ClusterBackend, url: str, request_id: str, index: int, body: dict[str, Any]) -> None:
+    def __init__(self, backend: ClusterBackend, url: str, request_id: str, index: int,
+                 body: NodeCompletionRequest) -> None:  # fmt: skip
         self.backend = backend
         self.url = url
         self.request_id = request_id
         self.index = index
         self.body = body
-        self._it: AsyncIterator[tuple[NodeChunk, bool]] | None = None
+        self._it: AsyncIterator[tuple[NodeCompletionChunk, bool]] | None = None
         self._counted = False
 
-    def _open(self) -> AsyncIterator[tuple[NodeChunk, bool]]:
+    def _open(self) -> AsyncIterator[tuple[NodeCompletionChunk, bool]]:
         self.backend.load.acquire(self.url)
         self._counted = True
         return self.backend.nodes.stream(self.url, self.request_id, self.body)
@@ -209,7 +245,7 @@ class _Sample:
             self._counted = False
             self.backend.load.release(self.url)
 
-    async def start(self) -> tuple[NodeChunk, bool]:
+    async def start(self) -> tuple[NodeCompletionChunk, bool]:
         """Open the stream and read up to the first chunk that carries tokens."""
         self._it = self._open()
         try:
@@ -221,7 +257,7 @@ class _Sample:
             self._close_count()
             raise
 
-    async def chunks(self, head: tuple[NodeChunk, bool] | None) -> AsyncIterator[tuple[NodeChunk, bool]]:
+    async def chunks(self, head: tuple[NodeCompletionChunk, bool] | None) -> AsyncIterator[tuple[NodeCompletionChunk, bool]]:
         """`head` (what start() read), then the rest of the stream; the node's load is
         released and the stream closed however this ends."""
         try:
@@ -237,8 +273,8 @@ class _Sample:
             if aclose is not None:
                 await aclose()
 
-    async def pump(self, queue: asyncio.Queue[tuple[int, NodeChunk | BaseException | None]],
-                   head: tuple[NodeChunk, bool] | None) -> None:  # fmt: skip
+    async def pump(self, queue: asyncio.Queue[tuple[int, NodeCompletionChunk | BaseException | None]],
+                   head: tuple[NodeCompletionChunk, bool] | None) -> None:  # fmt: skip
         try:
             async for chunk, _ in self.chunks(head):
                 await queue.put((self.index, chunk))

@@ -58,6 +58,7 @@ Invariant: a `GatewayConfig` is immutable once loaded; the CLI's flags override 
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -178,8 +179,12 @@ class TierConfig:
 
 @dataclass(frozen=True)
 class QuotaConfig:
-    #: an unsettled reservation older than this is expired (its request's process died)
+    #: an unsettled reservation older than this is expired (its request's process died) —
+    #: renewed by its gateway's heartbeat while that gateway lives
     reservation_ttl_s: float = 900.0
+    #: each gateway's heartbeat in the store; a gateway silent for 2.5 heartbeats is dead and
+    #: its reservations are reclaimed (billed at their prompt) by any live gateway
+    heartbeat_s: float = 5.0
     #: usage records per store transaction (the batched writer)
     usage_batch: int = 256
 
@@ -283,9 +288,11 @@ def _model(name: str, data: Any) -> ModelConfig:
     if m.kind == "cluster" and (m.provider or options):
         raise ConfigError(f"[models.{name}] provider settings ({', '.join(['provider', *options])}) are for "
                           "kind = \"external\" models")  # fmt: skip
-    for k in ("input_usd_per_mtok", "output_usd_per_mtok"):
-        if getattr(m, k) < 0:
-            raise ConfigError(f"[models.{name}] {k} must be >= 0")
+    for k in ("input_usd_per_mtok", "output_usd_per_mtok", "cached_input_usd_per_mtok"):
+        v = getattr(m, k)
+        # NaN passes every comparison (a budget check against a NaN cost admits everything)
+        if v is not None and (not isinstance(v, int | float) or not math.isfinite(v) or v < 0):
+            raise ConfigError(f"[models.{name}] {k} must be a finite number >= 0, got {v!r}")
     if not isinstance(m.capability_rank, int) or m.capability_rank < 1:
         raise ConfigError(f"[models.{name}] capability_rank must be an integer >= 1")
     if not m.tiers or any(t not in ("interactive", "batch") for t in m.tiers):
@@ -400,6 +407,14 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
         raise ConfigError("[routing] max_connections_per_node must be an integer >= 1")
     if cfg.tiers.default_tier not in ("interactive", "batch"):
         raise ConfigError("[tiers] default_tier must be 'interactive' or 'batch'")
+    q = cfg.quotas
+    for name in ("reservation_ttl_s", "heartbeat_s"):
+        v = getattr(q, name)
+        if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
+            raise ConfigError(f"[quotas] {name} must be a positive number of seconds, got {v!r}")
+    if q.reservation_ttl_s < 3 * q.heartbeat_s:
+        raise ConfigError(f"[quotas] reservation_ttl_s ({q.reservation_ttl_s}) must be at least 3 heartbeats "
+                          f"({3 * q.heartbeat_s}): a live gateway renews its reservations once a heartbeat")  # fmt: skip
     _check_routing(cfg)
     return cfg
 

@@ -16,16 +16,20 @@ import errno
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 import msgspec
 
 from gateway.loop_lag import LoopLag
-from gateway.node_sse import DataLines
 from gateway.tiers import Shed
-from protocol.openai import APIError, CompletionLogprobs, Usage
-from protocol.sse_end import read_to_end
+from protocol.node_api import (
+    AbortRequest,
+    NodeCompletion,
+    NodeCompletionChunk,
+    NodeCompletionRequest,
+)
+from protocol.openai import parse_error
+from protocol.sse import DataLines, read_to_end
 
 log = logging.getLogger("duet.gateway.nodes")
 _ENC = msgspec.json.Encoder()
@@ -54,36 +58,13 @@ class NodeFailure(Exception):
         self.reason = reason
 
 
-class NodeChoice(msgspec.Struct, kw_only=True):
-    index: int = 0
-    text: str = ""
-    finish_reason: str | None = None
-    token_ids: list[int] | None = None
-    logprobs: CompletionLogprobs | None = None
-
-
-class NodeChunk(msgspec.Struct, kw_only=True):
-    choices: list[NodeChoice] = []
-    usage: Usage | None = None
-    error: dict[str, Any] | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-_CHUNK = msgspec.json.Decoder(NodeChunk)
+_CHUNK = msgspec.json.Decoder(NodeCompletionChunk)
+_WHOLE = msgspec.json.Decoder(NodeCompletion)
 #: how long a node may take to end a body after its `[DONE]` before its connection is closed
 DRAIN_TIMEOUT_S = 5.0
 #: a connect timeout is this process's own when its loop stood still this share of it or more
 OWN_STALL_SHARE = 0.5
 _NETWORK_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError)
-
-
-def _node_error(status: int, body: bytes) -> APIError:
-    try:
-        err = msgspec.json.decode(body)["error"]
-        return APIError(status, str(err.get("message")), type_=err.get("type") or "invalid_request_error",
-                        param=err.get("param"), code=err.get("code"))  # fmt: skip
-    except (msgspec.DecodeError, KeyError, TypeError, AttributeError):
-        return APIError(status, body.decode(errors="replace")[:500])
 
 
 class NodeClient:
@@ -110,7 +91,7 @@ class NodeClient:
     def draining(self) -> int:
         return len(self._draining)
 
-    async def prefill(self, url: str, request_id: str, body: dict[str, Any]) -> NodeChunk:
+    async def prefill(self, url: str, request_id: str, body: NodeCompletionRequest) -> NodeCompletion:
         """The prefill leg; its answer carries `kv_transfer_params` for the decode node."""
         try:
             async with await self._post(url, request_id, body, self._prefill_timeout) as r:
@@ -120,16 +101,17 @@ class NodeClient:
         if r.status >= 500 or r.status == 429:
             raise NodeFailure(url, f"prefill leg answered {r.status}: {raw[:300]!r}")
         if r.status != 200:
-            raise _node_error(r.status, raw)
+            raise parse_error(r.status, raw)
         try:
-            out = _CHUNK.decode(raw)
-        except msgspec.DecodeError as e:
+            out = _WHOLE.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise NodeFailure(url, f"prefill leg: unreadable answer: {e}") from None
-        if not out.kv_transfer_params or not out.kv_transfer_params.get("do_remote_prefill"):
+        if out.kv_transfer_params is None or not out.kv_transfer_params.do_remote_prefill:
             raise NodeFailure(url, "prefill leg answered without kv_transfer_params")
         return out
 
-    async def stream(self, url: str, request_id: str, body: dict[str, Any]) -> AsyncIterator[tuple[NodeChunk, bool]]:
+    async def stream(self, url: str, request_id: str,
+                     body: NodeCompletionRequest) -> AsyncIterator[tuple[NodeCompletionChunk, bool]]:  # fmt: skip
         """A streamed completion as `(chunk, more)`: `more` says the next chunk has already
         arrived (same network read), so a relay may hold this one and send both at once.
         Raises NodeFailure on any failure, APIError on a node's 4xx."""
@@ -143,7 +125,7 @@ class NodeClient:
                 raw = await _read_quietly(resp)
                 if resp.status >= 500 or resp.status == 429:
                     raise NodeFailure(url, f"answered {resp.status}: {raw[:300]!r}")
-                raise _node_error(resp.status, raw)
+                raise parse_error(resp.status, raw)
             done = False
             lines = DataLines()
             try:
@@ -160,11 +142,11 @@ class NodeClient:
                             break
                         chunk = _CHUNK.decode(payload)
                         if chunk.error is not None:
-                            raise NodeFailure(url, f"error event: {chunk.error.get('message')}")
+                            raise NodeFailure(url, f"error event: {chunk.error.message}")
                         yield chunk, k + 1 < len(events) and events[k + 1] != b"[DONE]"
                     if done:
                         break
-            except (*_NETWORK_ERRORS, msgspec.DecodeError) as e:
+            except (*_NETWORK_ERRORS, msgspec.DecodeError, msgspec.ValidationError) as e:
                 raise NodeFailure(url, f"stream broke: {type(e).__name__}: {e}") from None
             if not done:
                 raise NodeFailure(url, "stream ended before [DONE]")
@@ -175,7 +157,7 @@ class NodeClient:
             else:
                 resp.release()  # at the body's end: back to the pool; else (cut short) closed
 
-    async def _post(self, url: str, request_id: str, body: dict[str, Any],
+    async def _post(self, url: str, request_id: str, body: NodeCompletionRequest,
                     timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:  # fmt: skip
         """POST /v1/completions. A connect that timed out while this process's own event loop
         stood still for half the connect timeout or more is tried once more: the timeout was
@@ -232,7 +214,7 @@ class NodeClient:
     async def abort(self, url: str, request_id: str) -> None:
         """Best effort: the node frees whatever it holds for the request (quietly on failure)."""
         with contextlib.suppress(*_NETWORK_ERRORS):
-            async with self.session.post(f"{url}/abort", data=_ENC.encode({"request_id": request_id}),
+            async with self.session.post(f"{url}/abort", data=_ENC.encode(AbortRequest(request_id=request_id)),
                                          headers=_headers(request_id), timeout=self._abort_timeout) as r:  # fmt: skip
                 await r.read()
                 log.info("aborted %s on %s: %s", request_id, url, r.status)

@@ -1,7 +1,7 @@
 """`ProviderBackend`: an external model (a commercial API) behind the gateway's `Backend` seam.
 
-One per `kind = "external"` model, wrapping its `Provider` (gateway/providers/). A `Job`
-becomes a chat request (the client's messages, max_tokens and the sampling fields the
+One per `kind = "external"` model, wrapping its `Provider` (gateway/providers/). An `Attempt`
+of a `Request` becomes a chat request (the client's messages, max_tokens and the sampling fields the
 provider's API knows); a streaming job is relayed chunk by chunk, a whole one is one call.
 
 Errors follow the seam's contract:
@@ -13,7 +13,7 @@ Errors follow the seam's contract:
   (providers/base.py), so nothing the client saw is ever sent twice; a stream cut before any
   text reached the client is still a `ProviderFailure` (nothing to duplicate).
 
-The Outcome holds the provider's own token counts (its usage chunk), so the request is
+The reply's Accounting holds the provider's own token counts (its usage chunk), so the request is
 charged at this model's prices; `nodes` names the provider only once it answered, so a
 provider that failed costs nothing.
 """
@@ -27,17 +27,20 @@ from typing import Any
 
 import aiohttp
 
-from gateway.backend import Backend, Job, MidStreamError, Outcome, Piece
-from gateway.config import ModelConfig, provider_table
+from gateway.backend import Accounting, Attempt, Backend, MidStreamError, Piece, Reply
+from gateway.config import ModelConfig, Tier, provider_table
 from gateway.providers.base import Provider
+from gateway.providers.breaker import BreakerState
 from gateway.providers.config import ProviderConfig
 from gateway.providers.cost import TokenUsage, estimate_tokens
 from gateway.providers.errors import ProviderError
+from gateway.providers.fallback import Reason, error_trigger
+from gateway.requests import Endpoint, Request
 from protocol.openai import APIError
 
 log = logging.getLogger("duet.gateway.providers")
-#: Job.params the providers' chat APIs understand (node-only fields like ignore_eos are dropped)
-_SAMPLING = ("temperature", "top_p", "seed", "stop", "top_k")
+#: the sampling fields the providers' chat APIs understand (node-only ones like ignore_eos are dropped)
+_SAMPLING = ("temperature", "top_p", "seed", "top_k")
 
 
 class ProviderFailure(APIError):
@@ -45,9 +48,33 @@ class ProviderFailure(APIError):
 
     def __init__(self, model: str, err: ProviderError) -> None:
         status, type_, code = _client_view(err)
-        super().__init__(status, f"model {model!r}: {err.message}", type_=type_, code=code)
+        super().__init__(status, f"model {model!r}: {tenant_message(err)}", type_=type_, code=code,
+                         retry_after_s=err.retry_after)  # fmt: skip
         self.error = err
-        self.retry_after = err.retry_after
+        log.warning("model %r: provider %r failed (%r): %r", model, err.provider, err.kind, err.message)
+
+
+def tenant_message(e: ProviderError) -> str:
+    """What a tenant is told of a provider's failure. The provider's own text (an account id, a
+    quota of the operator's, another tenant's request) is never passed on: it goes to the log;
+    only the gateway's own words reach the client."""
+    if e.kind == "invalid_request":  # the gateway's own words: what this provider cannot express
+        return e.message
+    if e.kind == "breaker_open":
+        return "the provider is unavailable for now (it failed repeatedly); retry later"
+    if e.kind == "timeout":
+        return "the provider did not answer in time"
+    if e.kind == "connect":
+        return "the provider could not be reached, or dropped the connection"
+    if e.kind == "stream_interrupted":
+        return "the provider's stream was interrupted"
+    if e.kind == "invalid_response":
+        return "the provider's answer could not be read"
+    if e.status == 429:
+        return "the provider is rate limiting this gateway; retry later"
+    if 400 <= e.status < 500:
+        return f"the provider refused the request (HTTP {e.status})"
+    return f"the provider failed (HTTP {e.status})"
 
 
 def _client_view(e: ProviderError) -> tuple[int, str, str]:
@@ -70,32 +97,45 @@ class ProviderBackend(Backend):
         self.model = model
         self.provider = provider
 
-    def usable_for(self, endpoint: str, n: int) -> bool:
+    def usable_for(self, endpoint: Endpoint, n: int) -> bool:
         """Whether this model can take such a request at all (external APIs speak chat; Anthropic
         has no n > 1)."""
-        return endpoint == "chat" and (n == 1 or self.provider.kind != "anthropic")
+        return endpoint == Endpoint.CHAT and (n == 1 or self.provider.kind != "anthropic")
 
-    def _body(self, job: Job) -> dict[str, Any]:
-        if job.endpoint != "chat" or job.messages is None:
+    def available(self) -> bool:
+        return self.provider.breaker.state is not BreakerState.OPEN
+
+    def fallback_reason(self, err: APIError, tier: Tier) -> Reason | None:
+        return error_trigger(err.error) if isinstance(err, ProviderFailure) else None
+
+    def _body(self, request: Request, attempt: Attempt) -> dict[str, Any]:
+        if request.endpoint != Endpoint.CHAT or request.messages is None:
             raise APIError(400, f"model {self.model.name!r} is an external chat model: use /v1/chat/completions",
                            param="model", code="unsupported_endpoint")  # fmt: skip
-        if job.params.get("logprobs") is not None:  # not every provider has them: refused for all, by name
+        s = request.sampling
+        if s.logprobs is not None:  # not every provider has them: refused for all, by name
             raise APIError(400, f"model {self.model.name!r} is an external model: logprobs are served by duet's "
                                 "own models only", param="logprobs", code="unsupported_by_model")  # fmt: skip
-        body: dict[str, Any] = {"messages": job.messages, "max_tokens": int(job.params["max_tokens"])}
-        body.update({k: job.params[k] for k in _SAMPLING if job.params.get(k) is not None})
-        if job.n > 1:
-            body["n"] = job.n
+        body: dict[str, Any] = {"messages": request.messages, "max_tokens": attempt.max_tokens}
+        body.update({k: getattr(s, k) for k in _SAMPLING if getattr(s, k) is not None})
+        if s.stop:
+            body["stop"] = list(s.stop)
+        if request.n > 1:
+            body["n"] = request.n
         return body
 
-    async def stream(self, job: Job, out: Outcome) -> AsyncIterator[Piece]:
-        body = self._body(job)
+    def open(self, request: Request, attempt: Attempt) -> Reply:
+        return Reply(lambda acc: self._stream(request, attempt, acc))
+
+    async def _stream(self, request: Request, attempt: Attempt, out: Accounting) -> AsyncIterator[Piece]:
+        body = self._body(request, attempt)
         out.model_used = self.model.name
         # the provider counts; this estimate stands only if a stream breaks before its usage
         # chunk (a provider that answered nothing charges nothing: `nodes` stays empty)
-        out.prompt_tokens = estimate_tokens("\n".join(str(m.get("content") or "") for m in job.messages or []))
-        if not job.stream:
+        out.prompt_tokens = estimate_tokens("\n".join(str(m.get("content") or "") for m in request.messages or []))
+        if not request.stream:
             try:
+                out.prompt_sent = True
                 result = await self.provider.chat(body)
             except ProviderError as e:
                 raise ProviderFailure(self.model.name, e) from None
@@ -109,6 +149,7 @@ class ProviderBackend(Backend):
             out.completion_tokens = _split(result.usage.completion_tokens, out.completion_tokens)
             return
         sent = False
+        out.prompt_sent = True
         it = self.provider.chat_stream(body)
         try:
             async for chunk in it:
@@ -137,12 +178,14 @@ class ProviderBackend(Backend):
                 if e.kind == "stream_interrupted":
                     e = ProviderError(e.status, e.message, kind="connect", provider=e.provider)
                 raise ProviderFailure(self.model.name, e) from None
-            raise MidStreamError(502, f"model {self.model.name!r}: {e.message}", type_="upstream_error",
+            log.warning("model %r: provider %r failed mid-stream (%r): %r", self.model.name, e.provider, e.kind,
+                        e.message)  # fmt: skip
+            raise MidStreamError(502, f"model {self.model.name!r}: {tenant_message(e)}", type_="upstream_error",
                                  code="upstream_failed_midstream") from None  # fmt: skip
         finally:
             await it.aclose()  # type: ignore[attr-defined]
 
-    def _answered(self, out: Outcome, usage: TokenUsage) -> None:
+    def _answered(self, out: Accounting, usage: TokenUsage) -> None:
         out.prompt_tokens = usage.prompt_tokens
         out.cached_tokens = usage.cached_tokens
         if not out.nodes:

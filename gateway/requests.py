@@ -10,10 +10,12 @@ checked here with OpenAI's wording.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import msgspec
 
+from gateway.config import Tier
 from protocol.chat import ChatCompletionRequest
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.openai import APIError, CompletionRequest
@@ -30,16 +32,42 @@ CHAT_ROLES = {"system", "developer", "user", "assistant"}
 _DECODE = msgspec.json.Decoder()
 
 
-@dataclass
-class Parsed:
-    endpoint: str  # "chat" | "completion"
+class Endpoint(StrEnum):
+    """The public endpoint a request came to (its answer's shape)."""
+
+    CHAT = "chat"
+    COMPLETION = "completion"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling fields a client set (None: the model's default), checked; the nodes and the
+    providers each take what they know of them."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    top_k: int | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop: tuple[str, ...] = ()
+    #: the sampled token's logprob plus this many top tokens (completions form; None: none)
+    logprobs: int | None = None
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the client asked, parsed and checked: the one record of it, never changed after."""
+
+    endpoint: Endpoint
     model: str
     #: chat: messages as plain dicts with text content; completion: None
-    messages: list[dict[str, Any]] | None
+    messages: list[dict[str, str]] | None
     #: completion: the prompt as given (text or token ids)
     prompt: str | list[int] | None
+    #: as the client sent it (None: the model's default)
     max_tokens: int | None
-    params: dict[str, Any]
+    sampling: Sampling
     n: int
     stream: bool
     include_usage: bool
@@ -51,10 +79,10 @@ def _neutral(v: Any) -> bool:
     return v is None or v is False or v == 0 or v == [] or v == {} or v == {"type": "text"}
 
 
-def decode_json(raw: bytes) -> dict[str, Any]:
+def _decode_json(raw: bytes) -> dict[str, Any]:
     try:
         data = _DECODE.decode(raw)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: JSON nested past the parser's depth
         raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
@@ -64,7 +92,10 @@ def decode_json(raw: bytes) -> dict[str, Any]:
 def _refuse_unsupported(data: dict[str, Any], allowed: set[str]) -> None:
     bad = sorted(k for k, v in data.items() if k not in allowed and not _neutral(v))
     if bad:
-        raise APIError(400, f"unsupported field{'s' if len(bad) > 1 else ''}: {', '.join(bad)} "
+        # the names are the client's: any that is not a plain name is quoted (repr), so a name
+        # cannot forge a line in the log
+        names = ", ".join(k if k.isidentifier() else repr(k) for k in bad)
+        raise APIError(400, f"unsupported field{'s' if len(bad) > 1 else ''}: {names} "
                             "(duet serves text generation only)", param=bad[0], code="unsupported_field")  # fmt: skip
 
 
@@ -77,7 +108,7 @@ def _convert(data: dict[str, Any], cls: type) -> Any:
         raise APIError(400, f"invalid request: {msg}", param=param) from None
 
 
-def _sampling(body: Any, max_tokens: int | None) -> tuple[dict[str, Any], int]:
+def _sampling(body: Any, max_tokens: int | None, logprobs: int | None) -> tuple[Sampling, int]:
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     if body.temperature is not None and not 0 <= body.temperature <= 2:
@@ -96,18 +127,13 @@ def _sampling(body: Any, max_tokens: int | None) -> tuple[dict[str, Any], int]:
         raise APIError(400, f"stop takes up to {MAX_STOP} non-empty strings", param="stop")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
-    params: dict[str, Any] = {}
-    for k in ("temperature", "top_p", "seed", "top_k", "min_tokens", "ignore_eos"):
-        v = getattr(body, k)
-        if v is not None:
-            params[k] = v
-    if stop:
-        params["stop"] = stop
-    return params, n
+    return Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed, top_k=body.top_k,
+                    min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=tuple(stop),
+                    logprobs=logprobs), n  # fmt: skip
 
 
-def parse_chat(raw: bytes) -> Parsed:
-    data = decode_json(raw)
+def parse_chat(raw: bytes) -> Request:
+    data = _decode_json(raw)
     _refuse_unsupported(data, CHAT_FIELDS)
     if "messages" not in data or "model" not in data:
         missing = "model" if "model" not in data else "messages"
@@ -135,21 +161,20 @@ def parse_chat(raw: bytes) -> Parsed:
         role = "system" if m.role == "developer" else m.role
         messages.append({"role": role, "content": content})
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params, n = _sampling(body, max_tokens)
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         _check_top("top_logprobs", body.top_logprobs)
-    if body.logprobs:  # the nodes speak the completions form: N top tokens besides the chosen one
-        params["logprobs"] = body.top_logprobs or 0
-    return Parsed(endpoint="chat", model=body.model, messages=messages, prompt=None, max_tokens=max_tokens,
-                  params=params, n=n, stream=bool(body.stream),
-                  include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                  service_tier=body.service_tier, user=_user(body.user))  # fmt: skip
+    # the nodes speak the completions form: N top tokens besides the chosen one
+    sampling, n = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    return Request(endpoint=Endpoint.CHAT, model=body.model, messages=messages, prompt=None, max_tokens=max_tokens,
+                   sampling=sampling, n=n, stream=bool(body.stream),
+                   include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                   service_tier=body.service_tier, user=_user(body.user))  # fmt: skip
 
 
-def parse_completion(raw: bytes) -> Parsed:
-    data = decode_json(raw)
+def parse_completion(raw: bytes) -> Request:
+    data = _decode_json(raw)
     _refuse_unsupported(data, COMPLETION_FIELDS)
     if "prompt" not in data or "model" not in data:
         missing = "model" if "model" not in data else "prompt"
@@ -177,14 +202,13 @@ def parse_completion(raw: bytes) -> Parsed:
         raise APIError(400, "max_tokens must be an integer", param="max_tokens")
     if stream_options is None:
         body.stream_options = None
-    params, n = _sampling(_Shim(body, n=data.get("n")), max_tokens)
     if body.logprobs is not None:
         _check_top("logprobs", body.logprobs)
-        params["logprobs"] = body.logprobs
-    return Parsed(endpoint="completion", model=body.model, messages=None, prompt=p, max_tokens=max_tokens,
-                  params=params, n=n, stream=body.stream,
-                  include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                  service_tier=body.service_tier, user=_user(body.user))  # fmt: skip
+    sampling, n = _sampling(_Shim(body, n=data.get("n")), max_tokens, body.logprobs)
+    return Request(endpoint=Endpoint.COMPLETION, model=body.model, messages=None, prompt=p, max_tokens=max_tokens,
+                   sampling=sampling, n=n, stream=body.stream,
+                   include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                   service_tier=body.service_tier, user=_user(body.user))  # fmt: skip
 
 
 class _Shim:
@@ -214,3 +238,21 @@ def _check_top(name: str, n: int) -> None:
 
 def _is_token(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+TIER_ALIASES = {"interactive": "interactive", "batch": "batch", "priority": "interactive", "flex": "batch"}
+
+
+def resolve_tier(header: str | None, service_tier: str | None, default: Tier) -> Tier:
+    """The tier a request runs at: the `x-duet-tier` header, else OpenAI's `service_tier`
+    (duet's names or OpenAI's), else the team's default."""
+    if header is not None:
+        if header not in ("interactive", "batch"):
+            raise APIError(400, f"x-duet-tier must be 'interactive' or 'batch', got {header!r}", param="x-duet-tier")
+        return header  # type: ignore[return-value]
+    if service_tier is None or service_tier in ("auto", "default"):
+        return default
+    if service_tier not in TIER_ALIASES:
+        raise APIError(400, f"service_tier must be one of auto, default, interactive, batch, priority, flex; "
+                            f"got {service_tier!r}", param="service_tier")  # fmt: skip
+    return TIER_ALIASES[service_tier]  # type: ignore[return-value]

@@ -7,7 +7,6 @@ of a stream agrees on them (clients check).
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import msgspec
 
@@ -18,12 +17,12 @@ from protocol.chat import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
+    ChatLogprobs,
     ChatMessageOut,
     chat_logprobs,
 )
 from protocol.openai import CompletionLogprobs, Usage, merge_logprobs
-
-_ENC = msgspec.json.Encoder()
+from protocol.sse import sse
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -43,13 +42,6 @@ class CompletionResponse(msgspec.Struct, kw_only=True):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
-DONE = b"data: [DONE]\n\n"
-
-
-def sse(obj: Any) -> bytes:
-    return b"data: " + _ENC.encode(obj) + b"\n\n"
-
-
 def usage(prompt: int, completion: int, cached: int) -> Usage:
     return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                  prompt_tokens_details={"cached_tokens": cached})  # fmt: skip
@@ -84,20 +76,20 @@ class Formatter:
         return sse(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[], usage=u))
 
     def body(self, texts: dict[int, list[str]], finish: dict[int, str | None], u: Usage,
-             logprobs: dict[int, list[CompletionLogprobs]] | None = None) -> bytes:  # fmt: skip
+             logprobs: dict[int, list[CompletionLogprobs]] | None = None) -> ChatCompletion | CompletionResponse:  # fmt: skip
         idx = sorted(texts)
         lps = {i: merge_logprobs(parts) for i, parts in (logprobs or {}).items()}
         if self.endpoint == "chat":
-            return _ENC.encode(ChatCompletion(id=self.id, created=self.created, model=self.model, usage=u,
+            return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=u,
                                               service_tier=self.tier, choices=[ChatChoice(
                                                   index=i, message=ChatMessageOut(content="".join(texts[i])),
                                                   finish_reason=finish.get(i), logprobs=_chat(lps.get(i)))
-                                                  for i in idx]))  # fmt: skip
-        return _ENC.encode(CompletionResponse(id=self.id, created=self.created, model=self.model, usage=u,
+                                                  for i in idx])  # fmt: skip
+        return CompletionResponse(id=self.id, created=self.created, model=self.model, usage=u,
                                               choices=[CompletionChoice(index=i, text="".join(texts[i]),
                                                                         finish_reason=finish.get(i), logprobs=lps.get(i))
-                                                       for i in idx]))  # fmt: skip
+                                                       for i in idx])  # fmt: skip
 
 
-def _chat(lp: CompletionLogprobs | None) -> dict[str, Any] | None:
+def _chat(lp: CompletionLogprobs | None) -> ChatLogprobs | None:
     return None if lp is None else chat_logprobs(lp)

@@ -134,7 +134,6 @@ def _api_error(e: RouteError) -> APIError:
     the gateway asked wrongly (its bug, or its cluster secret), not the client."""
     if e.status not in (404, 503):
         return APIError(500, f"the coordinator refused the route request: {e.message}", type_="internal_error")
-    out = APIError(e.status, e.message, type_="service_unavailable" if e.status == 503 else "invalid_request_error",
-                   code=e.code or ("no_capacity" if e.status == 503 else "model_not_found"))  # fmt: skip
-    out.retry_after_s = e.retry_after_s  # type: ignore[attr-defined]
-    return out
+    return APIError(e.status, e.message, type_="service_unavailable" if e.status == 503 else "invalid_request_error",
+                    code=e.code or ("no_capacity" if e.status == 503 else "model_not_found"),
+                    retry_after_s=e.retry_after_s)  # fmt: skip

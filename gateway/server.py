@@ -17,7 +17,7 @@ import uvloop
 from aiohttp import web
 
 from gateway.app import make_app
-from gateway.config import GatewayConfig
+from gateway.config import ConfigError, GatewayConfig
 from protocol.http_errors import AppRunner
 
 log = logging.getLogger("duet.gateway")
@@ -49,7 +49,11 @@ def _raise_fd_limit(max_inflight: int) -> None:
 
 async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
     _raise_fd_limit(cfg.tiers.max_inflight)
-    app = make_app(cfg)
+    try:
+        app = make_app(cfg)
+    except ConfigError as e:
+        print(f"duet gateway: cannot start: {e}", file=sys.stderr)
+        return 2
     srv = cfg.server
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the
     # request on every node it touched.

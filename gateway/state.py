@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,15 @@ from gateway.tiers import Admission
 from gateway.usage_writer import UsageWriter
 from protocol.tokenizer import Tokenizer
 
+
+def _admin_guard() -> AdminGuard:
+    from gateway.auth import AdminGuard  # auth imports this module
+
+    return AdminGuard()
+
+
 if TYPE_CHECKING:
+    from gateway.auth import AdminGuard
     from gateway.choice import ModelChoice
     from gateway.providers.metrics import ProviderMetrics
 
@@ -45,3 +54,7 @@ class GatewayState:
     choice: ModelChoice | None = None
     #: breaker-state gauge and duet:fallback_total, on `metrics.registry`
     provider_metrics: ProviderMetrics | None = None
+    #: this process's identity in the store: its reservations and its heartbeat row
+    gateway_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex[:16]}")
+    #: failed admin authentications per address (gateway/auth.py)
+    admin_guard: AdminGuard = field(default_factory=lambda: _admin_guard())

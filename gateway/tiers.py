@@ -22,8 +22,7 @@ from protocol.openai import APIError
 
 class Shed(APIError):
     def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(503, message, type_="service_unavailable", code="overloaded")
-        self.retry_after_s = retry_after_s
+        super().__init__(503, message, type_="service_unavailable", code="overloaded", retry_after_s=retry_after_s)
 
 
 class Admission:

@@ -55,7 +55,7 @@ class ChatChoice(msgspec.Struct, kw_only=True):
     index: int
     message: ChatMessageOut
     finish_reason: str | None
-    logprobs: dict[str, Any] | None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(msgspec.Struct, kw_only=True):
@@ -78,7 +78,7 @@ class ChatChunkChoice(msgspec.Struct, kw_only=True):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: dict[str, Any] | None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(msgspec.Struct, kw_only=True):
@@ -93,16 +93,36 @@ class ChatCompletionChunk(msgspec.Struct, kw_only=True):
     system_fingerprint: str | None = None
 
 
-def _entry(token: str, logprob: float | None) -> dict[str, Any]:
+class TopLogprob(msgspec.Struct, kw_only=True):
+    """One candidate token in chat's logprobs shape."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob, kw_only=True):
+    """A sampled token in chat's logprobs shape, with the most likely tokens at its position."""
+
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(msgspec.Struct, kw_only=True):
+    """Chat's logprobs object: `{content: [{token, logprob, bytes, top_logprobs}]}`."""
+
+    content: list[ChatTokenLogprob]
+
+
+def _lp(logprob: float | None) -> float:
     # OpenAI sends -9999.0 where a logprob is -inf (JSON has no infinity)
-    lp = -9999.0 if logprob is None or logprob == float("-inf") else logprob
-    return {"token": token, "logprob": lp, "bytes": list(token.encode("utf-8"))}
+    return -9999.0 if logprob is None or logprob == float("-inf") else logprob
 
 
-def chat_logprobs(lp: CompletionLogprobs) -> dict[str, Any]:
-    """A completions logprobs object in chat's shape: `{content: [{token, logprob, bytes,
-    top_logprobs: [{token, logprob, bytes}]}]}` (tops most likely first, as sent)."""
-    return {"content": [
-        {**_entry(tok, v), "top_logprobs": [_entry(t, w) for t, w in (top or {}).items()]}
+def chat_logprobs(lp: CompletionLogprobs) -> ChatLogprobs:
+    """A completions logprobs object in chat's shape (tops most likely first, as sent)."""
+    return ChatLogprobs(content=[
+        ChatTokenLogprob(token=tok, logprob=_lp(v), bytes=list(tok.encode("utf-8")),
+                     top_logprobs=[TopLogprob(token=t, logprob=_lp(w), bytes=list(t.encode("utf-8")))
+                                   for t, w in (top or {}).items()])
         for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True)
-    ]}  # fmt: skip
+    ])  # fmt: skip

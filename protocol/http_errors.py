@@ -1,6 +1,13 @@
-"""OpenAI's error body for what aiohttp's HTTP parser refuses, in every duet server.
+"""OpenAI's error body for every error a duet server answers: one middleware for every app, and
+what aiohttp's HTTP parser refuses.
 
-The apps' middlewares put every error a handler raises into OpenAI's body. A request that
+`error_middleware` is the one error middleware of every process (gateway, coordinator, node):
+an `APIError` a handler raises, aiohttp's own refusals (404/405/413) and unexpected exceptions
+(500, logged with the traceback) become OpenAI's error body with the right status and headers
+(`APIError.response_headers()`: Retry-After, x-ratelimit-*), plus the request's id. A process
+adds what only it knows through `translate` (the node: an overloaded or dead engine; the
+gateway: a store conflict) — never a middleware of its own. A client that left is not an
+error: its ConnectionResetError and cancellation pass through. A request that
 aiohttp's parser refuses — a request line or header over the limit, too many headers, a
 malformed request line, bad chunked encoding — never reaches a handler or a middleware:
 aiohttp answers it from `RequestHandler.handle_error` with a plain-text 400 and closes the
@@ -21,7 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
+import aiohttp
 import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import (
@@ -36,6 +45,60 @@ from aiohttp.web_protocol import RequestHandler
 from protocol.openai import APIError
 
 log = logging.getLogger("duet.http")
+_ENC = msgspec.json.Encoder()
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+#: what a process makes of an exception the shared middleware does not know (None: not its own)
+Translate = Callable[[web.Request, BaseException], "APIError | None"]
+#: the request id an error answer names (None: it names none)
+RequestId = Callable[[web.Request], "str | None"]
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+
+
+def _one_line(text: str) -> str:
+    """`text` with its line breaks escaped: a client's words cannot forge a log line."""
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r")
+
+
+def error_response(err: APIError, request_id: str | None = None) -> web.Response:
+    """An APIError as the HTTP answer: OpenAI's body, the error's status and headers."""
+    h = err.response_headers()
+    if request_id is not None:
+        h = {**h, "X-Request-Id": request_id}
+    return web.Response(status=err.status, body=_ENC.encode(err.body()), content_type="application/json", headers=h)
+
+
+def error_middleware(logger: logging.Logger, translate: Translate | None = None,
+                     request_id: RequestId | None = None) -> Callable[..., Awaitable[web.StreamResponse]]:  # fmt: skip
+    """The error middleware of one app (see the module's docstring)."""
+
+    def _known(request: web.Request, e: BaseException) -> APIError | None:
+        return translate(request, e) if translate is not None else None
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except APIError as e:
+            err = e
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            err = _known(request, e) or APIError(e.status, f"{request.method} {request.path}: {e.text or e.reason}",
+                                                 code=_HTTP_CODES.get(e.status, "http_error"))  # fmt: skip
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
+            raise
+        except Exception as e:
+            known = _known(request, e)
+            if known is None:
+                logger.exception("unexpected error in %s %s", request.method, request.path)
+                known = APIError(500, f"internal error: {type(e).__name__}", type_="internal_error")
+            err = known
+        # The message may quote the client (a path, a name): one log line whatever it holds.
+        logger.log(logging.WARNING if err.status >= 500 else logging.INFO, "%s %r → %d: %s", request.method,
+                   request.path, err.status, _one_line(err.message))  # fmt: skip
+        return error_response(err, request_id(request) if request_id is not None else None)
+
+    return errors
 #: how much of aiohttp's own description a message quotes (it can repeat the client's bytes)
 _DETAIL_CHARS = 200
 #: aiohttp's words for the one refusal that has no exception class of its own

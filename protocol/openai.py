@@ -8,7 +8,9 @@ ignore_eos, skip_special_tokens, priority and kv_transfer_params.
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
 import msgspec
@@ -24,13 +26,24 @@ class APIError(Exception):
     """An error with an HTTP status and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:  # fmt: skip
+                 param: str | None = None, code: str | None = None, *, retry_after_s: float | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type_
         self.param = param
         self.code = code
+        #: when the client may try again (the answer's Retry-After, in whole seconds, at least 1)
+        self.retry_after_s = retry_after_s
+        #: headers the answer carries besides Retry-After (x-ratelimit-* on a 429)
+        self.headers = dict(headers or {})
+
+    def response_headers(self) -> dict[str, str]:
+        """The headers an error answer carries: every process renders them from here."""
+        if self.retry_after_s is None:
+            return self.headers
+        return {**self.headers, "Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
     def body(self) -> ErrorBody:
         return ErrorBody(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
@@ -40,7 +53,7 @@ class ErrorDetail(msgspec.Struct, kw_only=True):
     """OpenAI's error object: `{"message", "type", "param", "code"}`."""
 
     message: str = ""
-    type: str = "invalid_request_error"
+    type: str | None = None
     param: str | None = None
     code: str | int | None = None
 
@@ -54,12 +67,20 @@ class ErrorBody(msgspec.Struct, kw_only=True):
 _ERROR_BODY = msgspec.json.Decoder(ErrorBody)
 
 
+def read_error(raw: bytes) -> ErrorDetail | None:
+    """The error object of an error body (OpenAI's, Anthropic's: the same `{"error": {...}}`
+    shape), or None when the body is not one: the one reader of that body in the project."""
+    try:
+        return _ERROR_BODY.decode(raw).error
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
 def parse_error(status: int, raw: bytes) -> APIError:
     """An error answer (OpenAI's body, or anything else a peer sent) as an APIError with the
-    same status: the one reader of OpenAI's error body, for every client in the project."""
-    try:
-        e = _ERROR_BODY.decode(raw).error
-    except (msgspec.DecodeError, msgspec.ValidationError):
+    same status, for every client of a duet server."""
+    e = read_error(raw)
+    if e is None:
         return APIError(status, raw.decode(errors="replace")[:500])
     code = None if e.code is None else str(e.code)
     return APIError(status, str(e.message), type_=e.type or "invalid_request_error", param=e.param, code=code)
@@ -72,7 +93,7 @@ def decode_body(decoder: msgspec.json.Decoder[T], raw: bytes) -> T:
     """A request body through its typed decoder; anything it refuses is the client's 400."""
     try:
         return decoder.decode(raw)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: JSON nested too deep
         raise APIError(400, f"malformed request body: {e}") from None
     except msgspec.ValidationError as e:
         raise APIError(400, f"invalid request: {e}") from None

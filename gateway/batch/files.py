@@ -82,7 +82,7 @@ def parse_lines_collect(lines: Iterable[bytes],
         except msgspec.ValidationError as e:
             bad(n, "invalid_request", f"invalid request line: {e}")
             continue
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: JSON nested too deep
             bad(n, "invalid_json_line", f"malformed JSON: {e}")
             continue
         if not line.custom_id or len(line.custom_id) > MAX_CUSTOM_ID:

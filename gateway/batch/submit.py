@@ -62,7 +62,7 @@ def decode(raw: bytes, type_: type[Any]) -> Any:
         return msgspec.json.decode(raw, type=type_)
     except msgspec.ValidationError as e:
         raise APIError(400, f"invalid request: {e}") from None
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: JSON nested too deep
         raise APIError(400, f"malformed JSON body: {e}") from None
 
 

@@ -19,6 +19,7 @@ from gateway.providers.base import Provider
 from gateway.providers.cost import TokenUsage, estimate_tokens
 from gateway.providers.errors import ProviderError, http_error
 from gateway.providers.resilience import parse_retry_after
+from protocol.openai import read_error
 
 log = logging.getLogger(__name__)
 
@@ -67,14 +68,10 @@ class OpenAIProvider(Provider):
 
 
 def openai_error(status: int, headers: Mapping[str, str], data: bytes) -> ProviderError:
-    try:
-        d = json.loads(data)
-        err = d["error"] if isinstance(d, dict) and isinstance(d.get("error"), dict) else {}
-    except ValueError:
-        err = {}
-    msg = str(err.get("message") or data[:200].decode("utf-8", "replace") or f"HTTP {status}")
+    err = read_error(data)
+    msg = (err.message if err is not None else "") or data[:200].decode("utf-8", "replace") or f"HTTP {status}"
     return http_error(status, msg, retry_after=parse_retry_after(headers),
-                      error_type=str(err["type"]) if err.get("type") else None)  # fmt: skip
+                      error_type=err.type if err is not None and err.type else None)  # fmt: skip
 
 
 def _prompt_text(body: Mapping[str, Any]) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 from gateway.providers.cost import TokenUsage
 from gateway.providers.errors import ProviderError, http_error
 from gateway.providers.resilience import parse_retry_after
+from protocol.openai import read_error
 
 STOP_REASONS = {
     "end_turn": "stop",
@@ -395,10 +396,6 @@ def _error_from(etype: Any, message: str, status: int | None, retry_after: float
 
 
 def anthropic_error(status: int, headers: Mapping[str, str], data: bytes) -> ProviderError:
-    try:
-        d = json.loads(data)
-        err = d["error"] if isinstance(d, dict) and isinstance(d.get("error"), dict) else {}
-    except ValueError:
-        err = {}
-    msg = str(err.get("message") or data[:200].decode("utf-8", "replace") or f"HTTP {status}")
-    return _error_from(err.get("type"), msg, status, parse_retry_after(headers))
+    err = read_error(data)
+    msg = (err.message if err is not None else "") or data[:200].decode("utf-8", "replace") or f"HTTP {status}"
+    return _error_from(err.type if err is not None else None, msg, status, parse_retry_after(headers))

@@ -48,6 +48,18 @@ class ApiKey(msgspec.Struct, kw_only=True, frozen=True):
 
 
 @dataclass(frozen=True)
+class Booked:
+    """What a reservation bills if its gateway dies before settling it: the prompt, which a node
+    or a provider may already be computing (the usage record it then gets says `expired`)."""
+
+    model: str
+    tier: str
+    endpoint: str
+    prompt_tokens: int
+    prompt_cost_usd: float
+
+
+@dataclass(frozen=True)
 class ReserveRequest:
     team_id: str
     key_id: str
@@ -56,6 +68,10 @@ class ReserveRequest:
     cost_usd: float
     ttl_s: float
     now: float = field(default_factory=time.time)
+    #: the gateway instance that holds the booking (its heartbeat keeps it alive)
+    gateway_id: str = ""
+    #: billed if the booking expires unsettled (None: nothing)
+    booked: Booked | None = None
 
 
 @dataclass(frozen=True)
@@ -170,7 +186,23 @@ class Store(ABC):
         return False
 
     @abstractmethod
-    async def expire_reservations(self, now: float | None = None) -> int: ...
+    async def expire_reservations(self, now: float | None = None) -> int:
+        """Drop bookings past their expiry (their gateway stopped renewing them), billing each
+        one's booked prompt with an `expired` usage record."""
+
+    @abstractmethod
+    async def heartbeat(self, gateway_id: str, ttl_s: float, now: float | None = None) -> None:
+        """Gateway `gateway_id` is alive: its heartbeat row is now, and every booking it holds
+        expires `ttl_s` from now at the earliest (a request outliving the TTL still counts)."""
+
+    @abstractmethod
+    async def reclaim(self, dead_after_s: float, now: float | None = None) -> int:
+        """Expire (and bill) every booking of gateways whose heartbeat is older than
+        `dead_after_s` — a killed gateway's, its own previous life's included — and forget them."""
+
+    @abstractmethod
+    async def leave(self, gateway_id: str) -> None:
+        """A gateway stops cleanly: its heartbeat row goes (its bookings were settled)."""
 
     # usage
     @abstractmethod

@@ -30,6 +30,7 @@ from gateway.store.base import (
     Team,
     UsageRecord,
 )
+from gateway.store.expiry import booked_from, booked_json, expired_record
 from gateway.store.rules import Counters, day_period, decide, month_period, window_start
 
 SCHEMA = """
@@ -43,7 +44,7 @@ CREATE TABLE IF NOT EXISTS api_keys (
 CREATE TABLE IF NOT EXISTS reservations (
     id TEXT PRIMARY KEY, team_id TEXT NOT NULL, key_id TEXT NOT NULL, request_id TEXT NOT NULL,
     created_at DOUBLE PRECISION NOT NULL, expires_at DOUBLE PRECISION NOT NULL, tokens BIGINT NOT NULL,
-    cost_usd DOUBLE PRECISION NOT NULL);
+    cost_usd DOUBLE PRECISION NOT NULL, gateway_id TEXT, booked TEXT);
 CREATE INDEX IF NOT EXISTS reservations_team_expiry ON reservations (team_id, expires_at);
 CREATE INDEX IF NOT EXISTS reservations_expiry ON reservations (expires_at);
 CREATE TABLE IF NOT EXISTS team_state (
@@ -63,8 +64,10 @@ CREATE TABLE IF NOT EXISTS usage (
     created_at DOUBLE PRECISION NOT NULL, "user" TEXT);
 CREATE INDEX IF NOT EXISTS usage_team_time ON usage (team_id, created_at);
 """
+#: tables later versions added (created when missing, like SCHEMA on an empty database)
+GATEWAYS = "CREATE TABLE IF NOT EXISTS gateways (id TEXT PRIMARY KEY, heartbeat_at DOUBLE PRECISION NOT NULL)"
 #: columns later versions added to existing tables: (table, column, type)
-ADDED_COLUMNS = [("usage", "user", "TEXT")]
+ADDED_COLUMNS = [("usage", "user", "TEXT"), ("reservations", "gateway_id", "TEXT"), ("reservations", "booked", "TEXT")]
 
 _TEAM_COLS = "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, created_at"
 _KEY_COLS = "id, team_id, name, prefix, created_at, revoked_at"
@@ -94,13 +97,30 @@ async def _unbook(con: Any, rid: str, team_id: str, cost: float) -> None:
     await con.execute("DELETE FROM reservations WHERE id=$1", rid)
 
 
-async def _expire(con: Any, where: str, *args: Any) -> int:
-    rows = await con.fetch(f"SELECT id, team_id, created_at, tokens, cost_usd FROM reservations WHERE {where} "
-                           "FOR UPDATE", *args)  # fmt: skip
+async def _expire(con: Any, now: float, where: str, *args: Any) -> int:
+    """Bookings whose gateway never settled them stop counting; each bills its booked prompt
+    (an `expired` usage record, the day's and month's spend)."""
+    rows = await con.fetch(f"SELECT id, team_id, key_id, request_id, created_at, tokens, cost_usd, booked "
+                           f"FROM reservations WHERE {where} FOR UPDATE", *args)  # fmt: skip
     for r in rows:
         await _unbook(con, r["id"], r["team_id"], r["cost_usd"])
-        await _bucket(con, r["team_id"], int(r["created_at"]), 0, -r["tokens"])
+        record = expired_record(r["team_id"], r["key_id"], r["request_id"], booked_from(r["booked"]), now)
+        await _bucket(con, r["team_id"], int(r["created_at"]), 0, (record.prompt_tokens if record else 0) - r["tokens"])
+        if record is not None:
+            await _write_usage(con, [record], now)
     return len(rows)
+
+
+async def _write_usage(con: Any, records: list[UsageRecord], now: float) -> None:
+    for r in records:
+        if r.cost_usd > 0:
+            for period in (day_period(now), month_period(now)):
+                await con.execute("INSERT INTO spend (team_id, period, cost_usd) VALUES ($1,$2,$3) "
+                                  "ON CONFLICT (team_id, period) DO UPDATE SET cost_usd = spend.cost_usd + "
+                                  "excluded.cost_usd", r.team_id, period, r.cost_usd)  # fmt: skip
+    await con.executemany(
+        f"INSERT INTO usage ({_USAGE_SQL}) VALUES ({', '.join(f'${i + 1}' for i in range(len(_USAGE_COLS)))})",
+        [[json.dumps(r.nodes) if c == "nodes" else getattr(r, c) for c in _USAGE_COLS] for r in records])  # fmt: skip
 
 
 async def _settle_booking(con: Any, s: Settlement, now: float) -> None:
@@ -152,6 +172,8 @@ class PostgresStore(Store):
             # even when the index exists, which deadlocks against a running gateway's writes.
             if await con.fetchval("SELECT to_regclass('usage_team_time')") is None:
                 await con.execute(SCHEMA)
+            if await con.fetchval("SELECT to_regclass('gateways')") is None:
+                await con.execute(GATEWAYS)
             await _add_columns(con)
 
     async def close(self) -> None:
@@ -224,7 +246,7 @@ class PostgresStore(Store):
             if r is None:
                 raise StoreError(403, f"team {req.team_id!r} no longer exists")
             team = _team(r)
-            await _expire(con, "team_id=$1 AND expires_at<=$2", team.id, now)
+            await _expire(con, now, "team_id=$1 AND expires_at<=$2", team.id, now)
             st = await con.fetchrow("SELECT active, active_cost_usd FROM team_state WHERE team_id=$1", team.id)
             buckets = await con.fetch("SELECT second, requests, tokens FROM rate_buckets WHERE team_id=$1 AND "
                                       "second>=$2 ORDER BY second", team.id, window_start(now))  # fmt: skip
@@ -241,9 +263,9 @@ class PostgresStore(Store):
                 return verdict
             rid = f"rsv-{uuid.uuid4().hex}"
             await con.execute("INSERT INTO reservations (id, team_id, key_id, request_id, created_at, expires_at, "
-                              "tokens, cost_usd) VALUES ($1,$2,$3,$4,$5,$6,$7,$8)",
+                              "tokens, cost_usd, gateway_id, booked) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10)",
                               rid, team.id, req.key_id, req.request_id, now, now + req.ttl_s, req.tokens,
-                              req.cost_usd)  # fmt: skip
+                              req.cost_usd, req.gateway_id or None, booked_json(req.booked))  # fmt: skip
             await con.execute("INSERT INTO team_state (team_id, active, active_cost_usd) VALUES ($1, 1, $2) ON CONFLICT "
                               "(team_id) DO UPDATE SET active = team_state.active + 1, active_cost_usd = "
                               "team_state.active_cost_usd + excluded.active_cost_usd", team.id, req.cost_usd)  # fmt: skip
@@ -255,23 +277,36 @@ class PostgresStore(Store):
         batch = sorted(batch, key=lambda s: s.record.team_id)  # one lock order for every gateway
         async with self.pool.acquire() as con, con.transaction():
             for s in batch:
-                r = s.record
                 await _settle_booking(con, s, now)
-                if r.cost_usd > 0:
-                    for period in (day_period(now), month_period(now)):
-                        await con.execute("INSERT INTO spend (team_id, period, cost_usd) VALUES ($1,$2,$3) "
-                                          "ON CONFLICT (team_id, period) DO UPDATE SET cost_usd = spend.cost_usd + "
-                                          "excluded.cost_usd", r.team_id, period, r.cost_usd)  # fmt: skip
-            await con.executemany(
-                f"INSERT INTO usage ({_USAGE_SQL}) VALUES ({', '.join(f'${i + 1}' for i in range(len(_USAGE_COLS)))})",
-                [[json.dumps(s.record.nodes) if c == "nodes" else getattr(s.record, c) for c in _USAGE_COLS] for s in batch])  # fmt: skip
+            await _write_usage(con, [s.record for s in batch], now)
 
     async def expire_reservations(self, now: float | None = None) -> int:
         t = time.time() if now is None else now
         async with self.pool.acquire() as con, con.transaction():
-            n = await _expire(con, "expires_at<=$1", t)
+            n = await _expire(con, t, "expires_at<=$1", t)
             await con.execute("DELETE FROM rate_buckets WHERE second < $1", int(t - 2 * WINDOW_S))
         return n
+
+    async def heartbeat(self, gateway_id: str, ttl_s: float, now: float | None = None) -> None:
+        t = time.time() if now is None else now
+        async with self.pool.acquire() as con, con.transaction():
+            await con.execute("INSERT INTO gateways (id, heartbeat_at) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE "
+                              "SET heartbeat_at = excluded.heartbeat_at", gateway_id, t)  # fmt: skip
+            await con.execute("UPDATE reservations SET expires_at = $1 WHERE gateway_id = $2 AND expires_at < $1",
+                              t + ttl_s, gateway_id)  # fmt: skip
+
+    async def reclaim(self, dead_after_s: float, now: float | None = None) -> int:
+        t = time.time() if now is None else now
+        async with self.pool.acquire() as con, con.transaction():
+            dead = [r["id"] for r in await con.fetch("DELETE FROM gateways WHERE heartbeat_at < $1 RETURNING id",
+                                                     t - dead_after_s)]  # fmt: skip
+            n = 0
+            for g in dead:
+                n += await _expire(con, t, "gateway_id = $1", g)
+            return n
+
+    async def leave(self, gateway_id: str) -> None:
+        await self.pool.execute("DELETE FROM gateways WHERE id = $1", gateway_id)
 
     async def usage(self, team_id: str | None, start: float, end: float,
                     group_by: str | None) -> list[dict[str, Any]]:  # fmt: skip

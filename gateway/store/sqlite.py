@@ -32,6 +32,7 @@ from gateway.store.base import (
     Team,
     UsageRecord,
 )
+from gateway.store.expiry import booked_from, booked_json, expired_record
 from gateway.store.rules import Counters, day_period, decide, month_period, window_start
 from gateway.store.sqlite_conn import Connections
 
@@ -50,7 +51,8 @@ CREATE TABLE IF NOT EXISTS api_keys (
 CREATE TABLE IF NOT EXISTS reservations (
     id TEXT PRIMARY KEY, team_id TEXT NOT NULL, key_id TEXT NOT NULL, request_id TEXT NOT NULL,
     created_at REAL NOT NULL, expires_at REAL NOT NULL, tokens INTEGER NOT NULL,
-    cost_usd REAL NOT NULL);
+    cost_usd REAL NOT NULL, gateway_id TEXT, booked TEXT);
+CREATE TABLE IF NOT EXISTS gateways (id TEXT PRIMARY KEY, heartbeat_at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS reservations_expiry ON reservations (expires_at);
 CREATE TABLE IF NOT EXISTS team_state (
     team_id TEXT PRIMARY KEY, active INTEGER NOT NULL, active_cost_usd REAL NOT NULL);
@@ -69,7 +71,7 @@ CREATE TABLE IF NOT EXISTS usage (
 CREATE INDEX IF NOT EXISTS usage_team_time ON usage (team_id, created_at);
 """
 #: columns later versions added to existing tables: (table, column, type)
-ADDED_COLUMNS = [("usage", "user", "TEXT")]
+ADDED_COLUMNS = [("usage", "user", "TEXT"), ("reservations", "gateway_id", "TEXT"), ("reservations", "booked", "TEXT")]
 
 _TEAM_COLS = "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, created_at"
 _KEY_COLS = "id, team_id, name, prefix, created_at, revoked_at"
@@ -201,11 +203,37 @@ class SqliteStore(Store):
 
         def q(db: sqlite3.Connection) -> int:
             with _tx(db):
-                n = _expire(db, "expires_at<=?", (t,))
+                n = _expire(db, "expires_at<=?", (t,), t)
                 db.execute("DELETE FROM rate_buckets WHERE second < ?", (int(t - 2 * WINDOW_S),))
             return n
 
         return await self._run(q)
+
+    async def heartbeat(self, gateway_id: str, ttl_s: float, now: float | None = None) -> None:
+        t = time.time() if now is None else now
+
+        def q(db: sqlite3.Connection) -> None:
+            with _tx(db):
+                db.execute("INSERT INTO gateways (id, heartbeat_at) VALUES (?, ?) ON CONFLICT (id) DO UPDATE "
+                           "SET heartbeat_at = excluded.heartbeat_at", (gateway_id, t))  # fmt: skip
+                db.execute("UPDATE reservations SET expires_at = ? WHERE gateway_id = ? AND expires_at < ?",
+                           (t + ttl_s, gateway_id, t + ttl_s))  # fmt: skip
+
+        await self._run(q)
+
+    async def reclaim(self, dead_after_s: float, now: float | None = None) -> int:
+        t = time.time() if now is None else now
+
+        def q(db: sqlite3.Connection) -> int:
+            with _tx(db):
+                dead = [r[0] for r in db.execute("DELETE FROM gateways WHERE heartbeat_at < ? RETURNING id",
+                                                 (t - dead_after_s,)).fetchall()]  # fmt: skip
+                return sum(_expire(db, "gateway_id = ?", (g,), t) for g in dead)
+
+        return await self._run(q)
+
+    async def leave(self, gateway_id: str) -> None:
+        await self._run(lambda db: db.execute("DELETE FROM gateways WHERE id = ?", (gateway_id,)))
 
     # --- usage ----------------------------------------------------------------------------
 
@@ -250,15 +278,8 @@ def _settler(batch: list[Settlement]) -> Callable[[sqlite3.Connection], None]:
         now = time.time()
         with _tx(db):
             for s in batch:
-                r = s.record
                 _settle_booking(db, s, now)
-                if r.cost_usd > 0:  # the day's and the month's spend, in one statement
-                    db.execute("INSERT INTO spend (team_id, period, cost_usd) VALUES (?1,?2,?4), (?1,?3,?4) "
-                               "ON CONFLICT (team_id, period) DO UPDATE SET cost_usd = cost_usd + excluded.cost_usd",
-                               (r.team_id, day_period(now), month_period(now), r.cost_usd))  # fmt: skip
-                values = [getattr(r, c) for c in _USAGE_COLS]
-                values[_NODES] = json.dumps(r.nodes)
-                db.execute(_INSERT_USAGE, values)
+                _write_usage(db, s.record, now)
 
     return q
 
@@ -316,7 +337,7 @@ def _reserve(db: sqlite3.Connection, req: ReserveRequest) -> Reservation | Refus
         args = (window_start(now), req.team_id, day_period(now), month_period(now))
         row = db.execute(_COUNTERS, args).fetchone()
         if row is not None and row[-1] is not None and row[-1] <= now:
-            _expire(db, "expires_at<=?", (now,))  # every lapsed booking, as the sweeper would
+            _expire(db, "expires_at<=?", (now,), now)  # every lapsed booking, as the sweeper would
             row = db.execute(_COUNTERS, args).fetchone()
         if row is None:
             raise StoreError(403, f"team {req.team_id!r} no longer exists")
@@ -334,8 +355,9 @@ def _reserve(db: sqlite3.Connection, req: ReserveRequest) -> Reservation | Refus
             return verdict
         rid = f"rsv-{uuid.uuid4().hex}"
         db.execute("INSERT INTO reservations (id, team_id, key_id, request_id, created_at, expires_at, tokens, "
-                   "cost_usd) VALUES (?,?,?,?,?,?,?,?)",
-                   (rid, team.id, req.key_id, req.request_id, now, now + req.ttl_s, req.tokens, req.cost_usd))  # fmt: skip
+                   "cost_usd, gateway_id, booked) VALUES (?,?,?,?,?,?,?,?,?,?)",
+                   (rid, team.id, req.key_id, req.request_id, now, now + req.ttl_s, req.tokens, req.cost_usd,
+                    req.gateway_id or None, booked_json(req.booked)))  # fmt: skip
         db.execute("INSERT INTO team_state (team_id, active, active_cost_usd) VALUES (?, 1, ?) ON CONFLICT (team_id) "
                    "DO UPDATE SET active = active + 1, active_cost_usd = active_cost_usd + excluded.active_cost_usd",
                    (team.id, req.cost_usd))  # fmt: skip
@@ -356,14 +378,29 @@ def _unbook(db: sqlite3.Connection, team_id: str, cost: float) -> None:
                "ELSE active_cost_usd - ? END WHERE team_id=?", (cost, team_id))  # fmt: skip
 
 
-def _expire(db: sqlite3.Connection, where: str, args: tuple[Any, ...]) -> int:
-    """Bookings whose gateway never settled them stop counting: in flight and in the window."""
-    rows = db.execute(f"DELETE FROM reservations WHERE {where} RETURNING team_id, created_at, tokens, cost_usd",
-                      args).fetchall()  # fmt: skip
-    for team_id, created, tokens, cost in rows:
+def _expire(db: sqlite3.Connection, where: str, args: tuple[Any, ...], now: float | None = None) -> int:
+    """Bookings whose gateway never settled them stop counting: in flight and in the window;
+    each bills its booked prompt (an `expired` usage record, the day's and month's spend)."""
+    now = time.time() if now is None else now
+    rows = db.execute(f"DELETE FROM reservations WHERE {where} RETURNING team_id, key_id, request_id, created_at, "
+                      "tokens, cost_usd, booked", args).fetchall()  # fmt: skip
+    for team_id, key_id, request_id, created, tokens, cost, booked in rows:
         _unbook(db, team_id, cost)
-        _bucket(db, team_id, int(created), 0, -tokens)
+        record = expired_record(team_id, key_id, request_id, booked_from(booked), now)
+        _bucket(db, team_id, int(created), 0, (record.prompt_tokens if record else 0) - tokens)
+        if record is not None:
+            _write_usage(db, record, now)
     return len(rows)
+
+
+def _write_usage(db: sqlite3.Connection, r: UsageRecord, now: float) -> None:
+    if r.cost_usd > 0:  # the day's and the month's spend, in one statement
+        db.execute("INSERT INTO spend (team_id, period, cost_usd) VALUES (?1,?2,?4), (?1,?3,?4) "
+                   "ON CONFLICT (team_id, period) DO UPDATE SET cost_usd = cost_usd + excluded.cost_usd",
+                   (r.team_id, day_period(now), month_period(now), r.cost_usd))  # fmt: skip
+    values = [getattr(r, c) for c in _USAGE_COLS]
+    values[_NODES] = json.dumps(r.nodes)
+    db.execute(_INSERT_USAGE, values)
 
 
 def _settle_booking(db: sqlite3.Connection, s: Settlement, now: float) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from tests.procs import Proc, free_port
 
-ADMIN_KEY = "test-admin-key-0123456789"
+ADMIN_KEY = "test-admin-key-0123456789-abcdefghijklmnop"
 MODEL = "tiny"
 
 

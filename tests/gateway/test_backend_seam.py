@@ -1,7 +1,8 @@
 """The seam external providers plug into (gateway/backend.py): a model of kind "external" is
 served by any `Backend`, with no local tokenizer. The providers package is another issue; a
-minimal backend stands in for it here to pin the contract the API layer relies on: the Job it
-gets, the Outcome it fills, and the usage record and reservation that follow."""
+minimal backend stands in for it here to pin the contract the API layer relies on: the Request
+and Attempt it gets, the Accounting its Reply returns, and the usage record and reservation that
+follow."""
 
 from __future__ import annotations
 
@@ -13,21 +14,25 @@ import openai
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import STATE, make_app
-from gateway.backend import Backend, Job, Outcome, Piece
+from gateway.backend import Accounting, Attempt, Backend, Piece, Reply
 from gateway.config import ModelConfig, parse_config
 from gateway.keys import new_key
+from gateway.requests import Request
 from gateway.state import ServedModel
 from gateway.store.base import Team
 
 
 class ScriptedBackend(Backend):
     def __init__(self) -> None:
-        self.jobs: list[Job] = []
+        self.jobs: list[tuple[Request, Attempt]] = []
 
-    async def stream(self, job: Job, out: Outcome) -> AsyncIterator[Piece]:
-        self.jobs.append(job)
+    def open(self, request: Request, attempt: Attempt) -> Reply:
+        self.jobs.append((request, attempt))
+        return Reply(lambda out: self._pieces(request, out))
+
+    async def _pieces(self, request: Request, out: Accounting) -> AsyncIterator[Piece]:
         out.prompt_tokens, out.model_used, out.nodes = 11, "provider-model-v2", ["provider:test"]
-        for i in range(job.n):
+        for i in range(request.n):
             for word in ("hello", " there"):
                 out.completion_tokens[i] = out.completion_tokens.get(i, 0) + 1
                 yield Piece(index=i, text=word)
@@ -51,11 +56,11 @@ async def test_external_model_through_the_api(tiny_llama: Path, tmp_path: Path) 
                                               max_tokens=5)  # fmt: skip
         assert [c.message.content for c in r.choices] == ["hello there"] * 2
         assert r.usage.prompt_tokens == 11 and r.usage.completion_tokens == 4
-        job = backend.jobs[0]
-        assert job.endpoint == "chat" and job.prompt_ids == [] and job.messages == [{"role": "user", "content": "hi " * 30}]
-        assert job.params["max_tokens"] == 5 and job.n == 2 and job.tier == "interactive"
+        req, job = backend.jobs[0]
+        assert req.endpoint == "chat" and job.prompt_ids == [] and req.messages == [{"role": "user", "content": "hi " * 30}]
+        assert job.max_tokens == 5 and req.n == 2 and job.tier == "interactive"
         r2 = await oai.completions.create(model="ext", prompt="complete me", max_tokens=3)
-        assert r2.choices[0].text == "hello there" and backend.jobs[1].prompt == "complete me"
+        assert r2.choices[0].text == "hello there" and backend.jobs[1][0].prompt == "complete me"
         rows = await state.store.usage_records("t", 0, 1e12)
         x = rows[0]
         assert (x.model_requested, x.model_used, x.prompt_tokens, x.completion_tokens, x.nodes) == \

@@ -16,9 +16,9 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway import node_sse
 from gateway.node_client import NodeClient, NodeFailure
-from gateway.node_sse import DataLines
+from protocol import sse
+from protocol.sse import DataLines
 from tests.wait import until
 
 
@@ -101,7 +101,7 @@ async def test_an_error_event_fails(aiohttp_server) -> None:  # type: ignore[no-
 
 
 async def test_the_client_refuses_an_endless_line(aiohttp_server, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    monkeypatch.setattr(node_sse, "MAX_LINE", 4096)
+    monkeypatch.setattr(sse, "MAX_LINE", 4096)
     with pytest.raises(NodeFailure, match="SSE line over 4096 bytes"):
         # the line's end never comes (its write waits for a gate nobody opens)
         await _read(aiohttp_server, _server([b"data: {" + b"x" * 5000, b"}\n\n"], asyncio.Event()))

@@ -6,6 +6,7 @@ processes' connections on one database; usage totals and records, with each requ
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from gateway.keys import hash_secret, new_key
 from gateway.store import open_store
 from gateway.store.base import (
+    Booked,
     Refusal,
     Reservation,
     ReserveRequest,
@@ -239,3 +241,56 @@ async def test_old_postgres_database_gains_the_user_column(postgres_db: str) -> 
         await s.close()
     finally:
         await con.close()
+
+
+def _booked(tokens: int = 100, cost: float = 0.25) -> Booked:
+    return Booked(model="m", tier="interactive", endpoint="chat", prompt_tokens=tokens, prompt_cost_usd=cost)
+
+
+async def test_a_live_gateways_heartbeat_keeps_its_reservations(url: str) -> None:
+    """A request outliving the reservation TTL still counts while its gateway beats."""
+    s = await _store(url)
+    await s.create_team(Team(id="t", max_concurrent=1))
+    t0 = 2_000_000.0
+    res = await s.reserve(ReserveRequest(team_id="t", key_id="k", request_id="r", tokens=10, cost_usd=0.5,
+                                         ttl_s=30, now=t0, gateway_id="gw-a", booked=_booked()))  # fmt: skip
+    assert isinstance(res, Reservation)
+    await s.heartbeat("gw-a", 30, now=t0 + 25)  # renewed to t0 + 55
+    assert await s.expire_reservations(now=t0 + 40) == 0
+    assert isinstance(await s.reserve(_req("t", now=t0 + 40)), Refusal)  # still in flight
+    await s.close()
+
+
+async def test_a_dead_gateways_reservations_are_reclaimed_and_billed(url: str) -> None:
+    """A gateway that stops beating is dead: any live gateway reclaims its bookings (the team
+    may send again) and bills each booked prompt with an `expired` usage record."""
+    s = await _store(url)
+    await s.create_team(Team(id="t", max_concurrent=1, daily_budget_usd=1.0))
+    t0 = time.time()
+    await s.heartbeat("gw-dead", 900, now=t0)
+    res = await s.reserve(ReserveRequest(team_id="t", key_id="k", request_id="req-killed", tokens=10,
+                                         cost_usd=0.5, ttl_s=900, now=t0, gateway_id="gw-dead", booked=_booked()))  # fmt: skip
+    assert isinstance(res, Reservation)
+    await s.heartbeat("gw-live", 900, now=t0 + 12)
+    assert await s.reclaim(12.5, now=t0 + 12) == 0  # not dead yet
+    assert await s.reclaim(12.5, now=t0 + 13) == 1
+    assert isinstance(await s.reserve(_req("t", now=t0 + 13)), Reservation)
+    records = await s.usage_records("t", t0 - 1, t0 + 100)
+    assert [(r.request_id, r.status, r.prompt_tokens, r.cost_usd) for r in records] == \
+        [("req-killed", "expired", 100, 0.25)]  # fmt: skip
+    spent = await s.reserve(_req("t", cost=0.8, now=t0 + 14))  # 0.25 spent + 0.8 > 1.0
+    assert (isinstance(spent, Refusal) and spent.kind == "concurrency") or \
+        (isinstance(spent, Refusal) and spent.kind == "daily_budget")  # fmt: skip
+    await s.close()
+
+
+async def test_an_expired_reservation_bills_its_prompt(url: str) -> None:
+    s = await _store(url)
+    await s.create_team(Team(id="t"))
+    t0 = time.time()
+    await s.reserve(ReserveRequest(team_id="t", key_id="k", request_id="req-lapsed", tokens=10, cost_usd=0.5,
+                                   ttl_s=5, now=t0, booked=_booked(40, 0.1)))  # fmt: skip
+    assert await s.expire_reservations(now=t0 + 6) == 1
+    records = await s.usage_records("t", t0 - 1, t0 + 100)
+    assert [(r.status, r.prompt_tokens, r.cost_usd) for r in records] == [("expired", 40, 0.1)]
+    await s.close()

@@ -88,6 +88,9 @@ def _words(messages: list[dict[str, Any]], system: str = "") -> int:
 class FakeProvider:
     wire: str  # "openai" | "anthropic"
     reply: Callable[[dict[str, Any]], str] = lambda body: "echo: " + _last_user_text(body["messages"])
+    #: what the fake bills for a prompt (OpenAI wire): words by default; a test of money
+    #: sets a tokenizer's figure (one token per CJK character, several per emoji)
+    prompt_tokens: Callable[[list[dict[str, Any]]], int] = _words
     faults: collections.deque[Fault] = field(default_factory=collections.deque)
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -182,8 +185,8 @@ class FakeProvider:
             words, finish = words[:limit], "length"
         text_parts = [w if i == 0 else " " + w for i, w in enumerate(words)]
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex[:12]}", int(time.time()), body["model"]
-        usage = {"prompt_tokens": _words(body["messages"]), "completion_tokens": len(words),
-                 "total_tokens": _words(body["messages"]) + len(words),
+        billed = self.prompt_tokens(body["messages"])
+        usage = {"prompt_tokens": billed, "completion_tokens": len(words), "total_tokens": billed + len(words),
                  "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
         if not body.get("stream"):
             return web.json_response({

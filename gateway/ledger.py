@@ -1,0 +1,195 @@
+"""One request's money and record: the quota reservation, the rate-limit headers it earns, and
+the usage record that settles it.
+
+`Ledger.reserve` books the request's worst case in the store (atomic across gateways) or
+raises `RateLimited` (429 + Retry-After + x-ratelimit-*); the ledger then follows the request
+through its attempts (`attempt`: which model and prompt count the record names) and settles
+it from the reply's `Accounting` with `commit` (awaited: the record is in the store before the
+answer's last bytes go out) or `submit` (the caller cannot wait: the client left, the handler
+is cancelled).
+
+Invariants: a ledger settles exactly once (later calls are no-ops: `settled`); a request no
+node or provider served costs nothing and keeps no tokens in the team's window — unless its
+client left after the prompt went out (then the prompt is paid); the metrics and
+the log line of a request are written once, after its answer's last bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+from enum import StrEnum
+
+from gateway.backend import Accounting
+from gateway.config import Tier
+from gateway.measure import Measured
+from gateway.pricing import cost_usd, worst_case_usd
+from gateway.requests import Request
+from gateway.state import GatewayState, ServedModel
+from gateway.store.base import (
+    ApiKey,
+    Booked,
+    RateState,
+    Refusal,
+    ReserveRequest,
+    Settlement,
+    Team,
+    UsageRecord,
+)
+from protocol.openai import APIError
+
+log = logging.getLogger("duet.gateway")
+
+
+class UsageStatus(StrEnum):
+    """How a request ended, as its usage record says."""
+
+    OK = "ok"
+    ERROR = "error"
+    ERROR_MIDSTREAM = "error_midstream"
+    SHED = "shed"
+    CLIENT_DISCONNECTED = "client_disconnected"
+
+
+class RateLimited(APIError):
+    def __init__(self, refusal: Refusal) -> None:
+        code = "budget_exceeded" if refusal.kind.endswith("budget") else "rate_limit_exceeded"
+        super().__init__(429, refusal.message, type_="rate_limit_error" if code == "rate_limit_exceeded"
+                         else "insufficient_quota", code=code, param=refusal.kind,
+                         retry_after_s=max(1, math.ceil(refusal.retry_after_s)), headers=rate_headers(refusal.rate))  # fmt: skip
+
+
+def _reset(s: float) -> str:
+    return f"{s:.3f}s" if s < 60 else f"{int(s // 60)}m{s % 60:.0f}s"
+
+
+def rate_headers(r: RateState) -> dict[str, str]:
+    h = {}
+    if r.limit_requests is not None:
+        h.update({"x-ratelimit-limit-requests": str(r.limit_requests),
+                  "x-ratelimit-remaining-requests": str(max(0, r.remaining_requests or 0)),
+                  "x-ratelimit-reset-requests": _reset(r.reset_requests_s)})  # fmt: skip
+    if r.limit_tokens is not None:
+        h.update({"x-ratelimit-limit-tokens": str(r.limit_tokens),
+                  "x-ratelimit-remaining-tokens": str(max(0, r.remaining_tokens or 0)),
+                  "x-ratelimit-reset-tokens": _reset(r.reset_tokens_s)})  # fmt: skip
+    return h
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who asks, and on what terms: the key's team, the gateway's request id, when the request
+    arrived, and the price factor (1.0; the batch discount below it)."""
+
+    key: ApiKey
+    team: Team
+    request_id: str
+    t0: float
+    price_factor: float = 1.0
+
+
+def _worst_case(state: GatewayState, model: str, prompt: int, completion: int) -> float:
+    """The reservation's cost: the dearest model the request may end on (its fallback chain)."""
+    names = [model, *(state.choice.chains.chains.get(model, ()) if state.choice else ())]
+    return max(worst_case_usd(state.models[n].config, prompt, completion) for n in names if n in state.models)
+
+
+class Ledger:
+    def __init__(self, state: GatewayState, caller: Caller, reservation_id: str, record: UsageRecord,
+                 rate: RateState) -> None:  # fmt: skip
+        self.state = state
+        self.caller = caller
+        self.reservation_id = reservation_id
+        self.record = record
+        #: the x-ratelimit-* headers of the reservation, for the answer
+        self.headers = rate_headers(rate)
+        self._served = state.models.get(record.model_used)
+        self.settled = False
+
+    @classmethod
+    async def reserve(cls, state: GatewayState, caller: Caller, req: Request, tier: Tier, served: ServedModel,
+                      size: Measured) -> Ledger:  # fmt: skip
+        """Book the request's worst case (its prompt plus `n` full completions, at the dearest
+        model of its chain) or raise RateLimited."""
+        team, n_prompt, max_tokens = caller.team, size.n_prompt, size.max_tokens
+        # what the booking bills if this gateway dies before settling it: the prompt
+        booked = Booked(model=served.config.name, tier=tier, endpoint=req.endpoint.value, prompt_tokens=n_prompt,
+                        prompt_cost_usd=cost_usd(served.config, n_prompt, 0) * caller.price_factor)  # fmt: skip
+        reserve = ReserveRequest(team_id=team.id, key_id=caller.key.id, request_id=caller.request_id,
+                                 tokens=n_prompt + req.n * max_tokens,
+                                 cost_usd=_worst_case(state, served.config.name, n_prompt, req.n * max_tokens)
+                                 * caller.price_factor, ttl_s=state.config.quotas.reservation_ttl_s,
+                                 gateway_id=state.gateway_id, booked=booked)  # fmt: skip
+        res = await state.store.reserve(reserve)
+        if isinstance(res, Refusal):
+            state.metrics.rejections.labels(team=team.id, kind=res.kind).inc()
+            log.info("%s: team %s refused (%s): %s", caller.request_id, team.id, res.kind, res.message)
+            raise RateLimited(res)
+        record = UsageRecord(request_id=caller.request_id, team_id=team.id, key_id=caller.key.id,
+                             model_requested=req.model, model_used=served.config.name, tier=tier,
+                             status=UsageStatus.ERROR.value, prompt_tokens=len(size.ids), endpoint=req.endpoint.value,
+                             user=req.user)  # fmt: skip
+        return cls(state, caller, res.id, record, res.rate)
+
+    def attempt(self, served: ServedModel, prompt_tokens: int) -> None:
+        """The request now tries `served` (its first model, or a fallback)."""
+        self._served = served
+        self.record.model_used, self.record.prompt_tokens = served.config.name, prompt_tokens
+
+    def _settlement(self, status: UsageStatus, acc: Accounting | None) -> Settlement:
+        r = self.record
+        r.status = status.value
+        served = acc is not None and acc.served
+        # A client that leaves once its prompt went out still pays for the prompt: a node or a
+        # provider is computing it (else leaving before the first token would be free compute).
+        prompt_only = not served and acc is not None and acc.prompt_sent and status is UsageStatus.CLIENT_DISCONNECTED
+        if acc is not None:
+            r.prompt_tokens = acc.prompt_tokens or r.prompt_tokens
+            r.completion_tokens = acc.total_completion_tokens
+            r.cached_tokens = acc.cached_tokens
+            r.nodes = list(acc.nodes)
+            r.model_used = acc.model_used or r.model_used
+        # A request no node served (refused by a node, shed, every try failed) costs nothing.
+        model = self._served.config if self._served is not None else None
+        r.cost_usd = cost_usd(model, r.prompt_tokens, r.completion_tokens, r.cached_tokens) \
+            * self.caller.price_factor if (served or prompt_only) and model is not None else 0.0  # fmt: skip
+        r.ttft_s = (acc.first_token_at - self.caller.t0) if acc is not None and acc.first_token_at is not None else None
+        r.latency_s = time.monotonic() - self.caller.t0
+        r.created_at = time.time()
+        self.settled = True
+        return Settlement(self.reservation_id, r, window_tokens=None if served or prompt_only else 0)
+
+    async def commit(self, status: UsageStatus, acc: Accounting | None) -> None:
+        """Settle and wait until the record is in the store (before the answer's last bytes)."""
+        if self.settled:
+            return
+        s = self._settlement(status, acc)
+        # metrics and the log line once the answer's last bytes are out, not before them
+        asyncio.get_running_loop().call_soon(self._observe)
+        await self.state.writer.commit(s)
+
+    def submit(self, status: UsageStatus, acc: Accounting | None) -> None:
+        """Settle without waiting (the caller cannot: its client left, its task is cancelled)."""
+        if self.settled:
+            return
+        s = self._settlement(status, acc)
+        self._observe()
+        self.state.writer.submit(s)
+
+    def _observe(self) -> None:
+        r, m = self.record, self.state.metrics
+        log.info("%s team=%s model=%s used=%s tier=%s status=%s prompt=%d cached=%d completion=%d cost=$%.6f ttft=%s "
+                 "latency=%.3fs nodes=%s", r.request_id, r.team_id, r.model_requested, r.model_used, r.tier, r.status,
+                 r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.cost_usd,
+                 f"{r.ttft_s:.3f}s" if r.ttft_s is not None else "-", r.latency_s, ",".join(r.nodes) or "-")  # fmt: skip
+        m.requests.labels(team=r.team_id, model=r.model_requested, tier=r.tier, status=r.status).inc()
+        # spend and tokens go to the model that served (a fallback is paid at its prices)
+        m.spend.labels(team=r.team_id, model=r.model_used).inc(r.cost_usd)
+        m.tokens.labels(team=r.team_id, model=r.model_used, kind="prompt").inc(r.prompt_tokens)
+        m.tokens.labels(team=r.team_id, model=r.model_used, kind="completion").inc(r.completion_tokens)
+        m.e2e.labels(model=r.model_requested).observe(r.latency_s)
+        if r.ttft_s is not None:
+            m.ttft.labels(model=r.model_requested).observe(r.ttft_s)

@@ -1,0 +1,98 @@
+"""How big a request is on one model: its prompt's token ids (the model's tokenizer and chat
+template), the prompt tokens to reserve for, and the max_tokens that fit the context.
+
+A self-hosted model counts exactly. An external model has no local tokenizer: its provider
+counts, so the reservation holds on an upper bound that cannot be too low — the prompt's UTF-8
+bytes, since a byte-level BPE token covers at least one byte (`token_upper_bound`; a budget
+held on "one token per 3 characters" was overspent 2.4× by CJK text, which providers bill at
+about one token per character). `estimate_tokens`, a realistic figure, only helps `auto` pick
+a model. Prompts over `_BIG_PROMPT` characters are tokenized off the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from gateway.requests import Request
+from gateway.state import ServedModel
+from protocol.openai import APIError
+from protocol.tokenizer import ChatTemplateError
+
+#: prompts longer than this (characters) are tokenized off the event loop
+_BIG_PROMPT = 16_384
+
+
+@dataclass(frozen=True)
+class Measured:
+    #: the prompt's token ids on the model ([] for an external model)
+    ids: list[int]
+    #: prompt tokens to reserve for: len(ids), or an external model's estimate
+    n_prompt: int
+    max_tokens: int
+
+
+async def prompt_ids(served: ServedModel, req: Request) -> list[int]:
+    tok = served.tokenizer
+    if tok is None:
+        return []
+    try:
+        if req.messages is not None:
+            messages = req.messages
+            size = sum(len(m["content"]) for m in messages)
+            enc = lambda: tok.encode_chat(messages)  # noqa: E731
+        elif isinstance(req.prompt, str):
+            text = req.prompt
+            size = len(text)
+            enc = lambda: tok.encode(text)  # noqa: E731
+        else:
+            ids = list(req.prompt or [])
+            bad = [t for t in ids if not 0 <= t < tok.vocab_size]
+            if bad:
+                raise APIError(400, f"prompt token ids out of the vocabulary (size {tok.vocab_size}): {bad[:5]}",
+                               param="prompt")  # fmt: skip
+            return ids
+        return await asyncio.to_thread(enc) if size > _BIG_PROMPT else enc()
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+def estimate_tokens(req: Request) -> int:
+    """Prompt tokens of a request no local tokenizer can count (external models): one token
+    per 3 characters over-counts English for common tokenizers, so the reservation holds."""
+    if req.messages is not None:
+        return sum(len(m["content"]) // 3 + 4 for m in req.messages) + 3
+    return len(req.prompt) if isinstance(req.prompt, list) else len(req.prompt or "") // 3 + 1
+
+
+#: tokens a chat format adds per message (role, separators) and per conversation (the reply's
+#: start), as OpenAI counts them; generous for Anthropic's
+_PER_MESSAGE, _PER_CHAT = 4, 3
+
+
+def token_upper_bound(req: Request) -> int:
+    """Prompt tokens an external model's provider can bill at most: every token of a byte-level
+    BPE covers at least one byte, so the UTF-8 byte count bounds it from above."""
+    if req.messages is not None:
+        return sum(len(m["content"].encode()) + _PER_MESSAGE for m in req.messages) + _PER_CHAT
+    return len(req.prompt) if isinstance(req.prompt, list) else len((req.prompt or "").encode()) + 1
+
+
+def context_check(served: ServedModel, n_prompt: int, max_tokens: int | None) -> int:
+    """The max_tokens to use; 400 when the prompt (+ max_tokens) does not fit the context."""
+    limit = served.max_model_len
+    if max_tokens is None:
+        max_tokens = min(served.config.default_max_tokens, limit - n_prompt)
+    if n_prompt + max(max_tokens, 1) > limit:
+        raise APIError(400, f"this model's maximum context length is {limit} tokens, but {n_prompt + max_tokens} "
+                            f"were requested ({n_prompt} in the prompt, {max_tokens} for the completion)",
+                       param="messages" if max_tokens <= 0 else "max_tokens", code="context_length_exceeded")  # fmt: skip
+    return max_tokens
+
+
+async def measure(served: ServedModel, req: Request) -> Measured:
+    ids = await prompt_ids(served, req)
+    if served.tokenizer is not None:
+        return Measured(ids, len(ids), context_check(served, len(ids), req.max_tokens))
+    # an external model: its provider counts; reserve on an upper bound of what it can bill
+    return Measured(ids, token_upper_bound(req), req.max_tokens or served.config.default_max_tokens)
