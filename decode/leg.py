@@ -16,56 +16,36 @@ Order (each step can fail with a defined answer, never a hang):
    failure apply the policy: `recompute` (prefill locally) or `fail` (an error to the client).
    A read that failed but may still write (the transport's `settled`) quarantines its blocks
    until the transport says it is over.
-Steps 3-6 run in a task the client cannot cancel, and `kv_ready` runs whatever happens before
-(a release that raises included): the engine must learn the transfer's end before it may free
-blocks the transfer writes into.
+Steps 3-6 (decode.pull) run in a task the client cannot cancel, and `kv_ready` runs whatever
+happens before (a release that raises included): the engine must learn the transfer's end
+before it may free blocks the transfer writes into. Their outcome is a `PullOutcome`, and the
+answer is chosen by matching on it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import time
-from collections.abc import Awaitable
-from dataclasses import dataclass
-from typing import Any
 
 from aiohttp import web
 
+from decode.pull import Pull, Puller, PullOutcome, Source, release_quietly
 from decode.remote_kv import PeerUnreachable, RemoteKV
 from kvtransfer import Peer
-from node.completions import Prepared, respond, start
-from node.engine_api import EngineStream
-from node.responder import SSE_HEADERS, Responder, end_stream, error_event
-from node.state import NodeState
+from node.engine_api import EngineStream, KVHandoff
+from node.legs import LegContext, Node, Prepared
 from protocol.kv_params import KVTransferParams
 from protocol.openai import APIError
 
 log = logging.getLogger("duet.decode")
-#: P refused the release: the ids in kv_transfer_params are not that request's blocks
-NOT_THEIRS = "the prefill node says these blocks do not belong to the request"
-#: the engine did not reserve blocks for the remote KV in time
-RESERVE_TIMEOUT = "no KV blocks could be reserved in time"
 _RETRY_AFTER_S = "1"
 
 
-@dataclass(frozen=True)
-class Source:
-    """Where the KV comes from, checked: an allowed address for this engine id."""
-
-    engine_id: str
-    host: str  # an IP address the policy allowed
-    port: int
-    request_id: str
-    block_ids: list[int]
-
-
-def remote_kv(state: NodeState) -> RemoteKV:
-    rk = state.role_state.get("decode")
+def remote_kv(node: Node) -> RemoteKV:
+    rk = node.role_state.get(RemoteKV)
     if rk is None:
         raise APIError(503, "this node has no KV transport; it cannot serve decode legs")
-    return rk  # type: ignore[no-any-return]
+    return rk
 
 
 async def _source(rk: RemoteKV, p: KVTransferParams) -> Source:
@@ -76,6 +56,8 @@ async def _source(rk: RemoteKV, p: KVTransferParams) -> Source:
         raise APIError(400, f"kv_transfer_params lacks {', '.join(missing)}", param="kv_transfer_params")
     assert p.remote_engine_id is not None and p.remote_host is not None and p.remote_port is not None
     assert p.remote_request_id is not None and p.remote_block_ids is not None
+    if not all(isinstance(b, int) for b in p.remote_block_ids):
+        raise APIError(400, "remote_block_ids must be block numbers", param="kv_transfer_params")
     if not p.remote_engine_id or not p.remote_request_id:
         raise APIError(400, "remote_engine_id and remote_request_id must be non-empty", param="kv_transfer_params")
     if not 0 < p.remote_port < 65536:
@@ -91,7 +73,8 @@ async def _source(rk: RemoteKV, p: KVTransferParams) -> Source:
         status = 400 if "is at" in bad else 403
         raise APIError(status, f"refusing to contact the prefill node: {bad}", param="kv_transfer_params",
                        code="peer_not_allowed")  # fmt: skip
-    return Source(p.remote_engine_id, addrs[0], p.remote_port, p.remote_request_id, list(p.remote_block_ids))
+    return Source(p.remote_engine_id, addrs[0], p.remote_port, p.remote_request_id,
+                  [b for b in p.remote_block_ids if isinstance(b, int)])  # fmt: skip
 
 
 def _check_shape(src: Source, p: KVTransferParams, prep: Prepared, block_size: int) -> None:
@@ -108,151 +91,71 @@ def _check_shape(src: Source, p: KVTransferParams, prep: Prepared, block_size: i
         raise APIError(400, "remote_block_ids must be block numbers (0 <= id < 2**31)", param="kv_transfer_params")
 
 
-async def decode_leg(state: NodeState, request: web.Request, prep: Prepared) -> web.StreamResponse:
-    rk = remote_kv(state)
-    cfg = state.config
-    assert prep.kv_params is not None
-    p = prep.kv_params
+async def decode_leg(leg: LegContext) -> web.StreamResponse:
+    rk = remote_kv(leg.node)
+    p, prep = leg.prep.kv_params, leg.prep
+    assert p is not None
     src = await _source(rk, p)  # refused here: P is never contacted
     try:
-        _check_shape(src, p, prep, state.engine.kv_layout.block_size)
+        _check_shape(src, p, prep, leg.node.engine.kv_layout.block_size)
     except APIError:
-        await _release_quietly(rk, src)
+        await release_quietly(rk, src)
         raise
-    rid = prep.request_id
-    responder = Responder(state, rid, rid, prep.arrival)
-    failure: str | None = None
-    peer: Peer | None = None
+    peer, failure = await _connect(rk, src)
+    try:
+        stream = await leg.start(prep.params, KVHandoff(remote_num_tokens=len(prep.prompt_ids)))
+    except BaseException:
+        await release_quietly(rk, src)
+        raise
+    transfer = asyncio.ensure_future(Puller(leg, rk, src, stream).run(peer, failure))
+    try:
+        pull = await asyncio.shield(transfer)
+    except asyncio.CancelledError:
+        await leg.abort()  # the transfer task still tells the engine when it ends
+        raise
+    return await _answer(leg, src, pull, stream)
+
+
+async def _connect(rk: RemoteKV, src: Source) -> tuple[Peer | None, Pull | None]:
+    """Step 2: the peer, or the pull's failure when P cannot be reached (the blocks are still
+    reserved and handed back, so the failure policy applies as after a failed READ)."""
     try:
         peer = await rk.peer(src.engine_id, src.host, src.port)
-        remote_blocks = peer.layout.num_blocks
-        if any(b >= remote_blocks for b in src.block_ids):
-            await _release_quietly(rk, src)
-            raise APIError(400, f"remote_block_ids {src.block_ids} fall outside the prefill "
-                                f"node's pool of {remote_blocks} blocks", param="kv_transfer_params")  # fmt: skip
     except PeerUnreachable as e:
-        failure = str(e)
-    state.enter(rid)
-    try:
-        try:
-            stream = await start(state, rid, prep, prep.params, remote_num_tokens=len(prep.prompt_ids))
-        except BaseException:
-            await _release_quietly(rk, src)
-            raise
-        transfer = asyncio.ensure_future(_transfer(state, rk, src, peer, stream, failure, responder))
-        try:
-            failure = await asyncio.shield(transfer)
-        except asyncio.CancelledError:
-            await responder.abort()  # the transfer task still tells the engine when it ends
-            raise
-        if failure == RESERVE_TIMEOUT:  # the task aborted the engine request already
-            state.metrics.rejected("reserve_timeout")
+        return None, Pull(PullOutcome.PEER_UNREACHABLE, str(e))
+    remote_blocks = peer.layout.num_blocks
+    if any(b >= remote_blocks for b in src.block_ids):
+        await release_quietly(rk, src)
+        raise APIError(400, f"remote_block_ids {src.block_ids} fall outside the prefill "
+                            f"node's pool of {remote_blocks} blocks", param="kv_transfer_params")  # fmt: skip
+    return peer, None
+
+
+async def _answer(leg: LegContext, src: Source, pull: Pull, stream: EngineStream) -> web.StreamResponse:
+    cfg = leg.node.config
+    match pull.outcome:
+        case PullOutcome.OK:
+            return await leg.respond(stream)
+        case PullOutcome.RESERVE_TIMEOUT:  # the puller aborted the engine request already
+            leg.node.metrics.rejected("reserve_timeout")
             raise _Unavailable(f"this node could not reserve KV blocks within {cfg.reserve_timeout:g} s; "
                                "retry later or on another node")  # fmt: skip
-        if failure == NOT_THEIRS:  # the client's kv_transfer_params were wrong: its error
-            await responder.abort()
+        case PullOutcome.NOT_THEIRS:  # the client's kv_transfer_params were wrong: its error
+            await leg.abort()
             raise APIError(400, f"remote_block_ids {src.block_ids} do not belong to request "
                                 f"{src.request_id!r} on the prefill node", param="kv_transfer_params")  # fmt: skip
-        if failure is not None and cfg.failure_policy == "fail":
-            await responder.abort()
-            err = APIError(502, f"KV transfer from the prefill node failed: {failure}",
+        case _ if cfg.failure_policy == "fail":
+            await leg.abort()
+            err = APIError(502, f"KV transfer from the prefill node failed: {pull.detail}",
                            type_="kv_transfer_error", code="kv_transfer_failed")  # fmt: skip
-            if not prep.body.stream:
+            if not leg.prep.body.stream:
                 raise err
-            resp = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": rid})
-            await resp.prepare(request)
-            await end_stream(resp, error_event(err))
-            return resp
-        return await respond(state, request, prep, responder, stream)
-    finally:
-        state.leave(rid)
+            return await leg.stream_error(err)
+        case _:  # policy recompute: the engine prefills the prompt here
+            return await leg.respond(stream)
 
 
 class _Unavailable(APIError):
     def __init__(self, message: str) -> None:
         super().__init__(503, message, type_="service_unavailable", code="overloaded")
         self.headers = {"Retry-After": _RETRY_AFTER_S}
-
-
-async def _transfer(state: NodeState, rk: RemoteKV, src: Source, peer: Peer | None, stream: EngineStream,
-                    failure: str | None, responder: Responder) -> str | None:  # fmt: skip
-    """Steps 3-6. Returns None on success or the failure's reason. Always ends with kv_ready."""
-    ok = False
-    released = False
-    settled: Awaitable[Any] | None = None
-    erid = responder.engine_request_id
-    try:
-        assert stream.reserved is not None
-        try:
-            local = await asyncio.wait_for(asyncio.shield(stream.reserved), state.config.reserve_timeout)
-        except TimeoutError:
-            # Abort before the kv_ready below: a reservation that lands in between is then
-            # freed by it, instead of waiting for a kv_ready that already ran.
-            with contextlib.suppress(Exception):
-                await state.engine.abort(erid)
-            return RESERVE_TIMEOUT
-        except asyncio.CancelledError:
-            if not stream.reserved.cancelled():
-                raise  # this task was cancelled
-            return "the request was aborted before its blocks were reserved"
-        t_reserved = time.monotonic()
-        responder.timing["queue_s"] = t_reserved - responder.arrival
-        if failure is None:
-            k = stream.num_cached_blocks
-            try:
-                if k < len(local):
-                    await state.transport.read(peer, src.block_ids[k:], local[k:],
-                                               timeout=state.config.transfer_timeout)  # fmt: skip
-            except Exception as e:
-                failure = f"{type(e).__name__}: {e}"
-                settled = getattr(e, "settled", None)
-                rk.forget(src.engine_id)
-            else:
-                released = True  # asked once, whatever the answer
-                status = await rk.release(src.host, src.port, src.request_id, src.block_ids)
-                if status == 200:
-                    ok = True
-                elif status == 400:
-                    failure = NOT_THEIRS
-                elif status == 404:
-                    failure = "the prefill node's lease ran out before the pull finished"
-                else:
-                    failure = (f"the prefill node answered {status} to the release" if status
-                               else "the prefill node could not be reached to release")  # fmt: skip
-        responder.timing["transfer_s"] = time.monotonic() - t_reserved
-        if failure is not None:
-            log.warning("KV pull failed (%s); policy %s", failure, state.config.failure_policy)
-        else:
-            log.info("pulled %d blocks in %.1f ms", len(local) - stream.num_cached_blocks,
-                     (time.monotonic() - t_reserved) * 1e3)  # fmt: skip
-        return failure
-    finally:
-        try:
-            if not released:
-                await _release_quietly(rk, src)
-        finally:
-            with contextlib.suppress(Exception):
-                await state.engine.kv_ready(erid, ok, quarantine=settled is not None)
-            if settled is not None:
-                _unquarantine_later(state, erid, settled)
-
-
-def _unquarantine_later(state: NodeState, erid: str, settled: Awaitable[Any]) -> None:
-    async def run() -> None:
-        with contextlib.suppress(Exception):
-            await settled
-        n = await state.engine.release_quarantine(erid)
-        log.info("the failed transfer of %s is over: %d quarantined blocks freed", erid, n)
-
-    task = asyncio.ensure_future(run())
-    tasks: set[asyncio.Task[None]] = state.role_state.setdefault("decode_quarantine", set())
-    tasks.add(task)  # strong reference until done
-    task.add_done_callback(tasks.discard)
-
-
-async def _release_quietly(rk: RemoteKV, src: Source) -> None:
-    """Let P free the blocks now instead of at its lease's end. The block ids go along: P frees
-    only when they are exactly the request's, so a client cannot free others' blocks by naming
-    their request id."""
-    with contextlib.suppress(Exception):
-        await rk.release(src.host, src.port, src.request_id, src.block_ids)

@@ -5,24 +5,31 @@ fetched from the node itself (`GET /kv/metadata`, DESIGN §4: the data path neve
 and cached; concurrent first contacts share one fetch. A metadata answer for a different
 engine id means the caller named an engine that is not at that address. Every contact goes
 through the PeerPolicy first (decode.peers); the cache is bounded (least recently used
-dropped first).
+dropped first). The role's state on a node (node.legs.RoleStates holds it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import OrderedDict
+from collections.abc import Awaitable
+from typing import Any
 
 import aiohttp
+import msgspec
 
 from decode.peers import PeerPolicy
 from kvtransfer import Peer, Transport
+from node.engine_api import NodeEngine
+from protocol.node_api import KVReleaseRequest
 from protocol.openai import APIError
 
 log = logging.getLogger("duet.decode")
 #: peers whose metadata stays cached
 MAX_CACHED_PEERS = 256
+_JSON = {"Content-Type": "application/json"}
 
 
 class PeerUnreachable(Exception):
@@ -37,6 +44,8 @@ class RemoteKV:
         self.timeout = timeout
         self.policy = policy
         self._peers: OrderedDict[str, asyncio.Future[Peer]] = OrderedDict()
+        #: waits for failed transfers to be over (strong references until done)
+        self._quarantined: set[asyncio.Task[None]] = set()
 
     async def peer(self, engine_id: str, host: str, port: int) -> Peer:
         """The connected peer; `host` must be an address the policy allowed."""
@@ -83,12 +92,26 @@ class RemoteKV:
         """Tell the prefill node it may free the blocks; returns its HTTP status (0: unreachable)."""
         url = f"http://{_netloc(host, port)}/kv/release"
         try:
-            async with self.session.post(url, json={"request_id": request_id, "block_ids": block_ids},
-                                         timeout=aiohttp.ClientTimeout(total=5)) as r:  # fmt: skip
+            body = msgspec.json.encode(KVReleaseRequest(request_id=request_id, block_ids=block_ids))
+            async with self.session.post(url, data=body, headers=_JSON, timeout=aiohttp.ClientTimeout(total=5)) as r:
                 return r.status
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             log.warning("could not release %s on %s:%d: %s", request_id, host, port, e)
             return 0
+
+
+    def unquarantine_later(self, engine: NodeEngine, erid: str, settled: Awaitable[Any]) -> None:
+        """Free the blocks a failed transfer may still write into once the transport says it is over."""
+
+        async def run() -> None:
+            with contextlib.suppress(Exception):
+                await settled
+            n = await engine.release_quarantine(erid)
+            log.info("the failed transfer of %s is over: %d quarantined blocks freed", erid, n)
+
+        task = asyncio.ensure_future(run())
+        self._quarantined.add(task)
+        task.add_done_callback(self._quarantined.discard)
 
 
 def _netloc(host: str, port: int) -> str:

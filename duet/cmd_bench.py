@@ -11,13 +11,14 @@ BENCHES = {
     "pd": "TTFT breakdown, disaggregated vs colocated (bench.pd)",
     "serve": "load-test an OpenAI-compatible URL: TTFT/TPOT/ITL, goodput, sweeps (bench.serve)",
     "compare": "side-by-side table of two `bench serve` JSON results (bench.compare)",
+    "chaos": "mixed load on a duet up while SIGKILLing its processes: availability, recovery (bench.chaos)",
 }
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks: engine, kvtransfer, pd, serve, compare",
+        help="benchmarks: engine, kvtransfer, pd, serve, compare, chaos",
         description="Run a benchmark; arguments after the name go to it "
         "(e.g. `duet bench serve --base-url URL`). See `duet bench NAME --help`.",
     )

@@ -6,7 +6,8 @@ Without flags it reads `$DUET_HOME/up/state.json`, written by the running `duet 
 With etcd (`--etcd URL`, or the running `duet up`'s) it also lists what is registered there
 (coordinator/cluster_view.py): the replicas alive, asked first, and every node, shown even when
 no coordinator answers.
-Exit code 0 when every node is ready, 1 when some is not or no coordinator answers.
+Exit code 0 when every node is ready, 1 when some is not, no coordinator answers, or `duet up`
+left a crash-looping process down.
 """
 
 from __future__ import annotations
@@ -110,10 +111,9 @@ def render(info: dict[str, Any]) -> None:
     if up:
         con.print(f"[bold]duet up[/] pid {up['pid']} ({'ready' if up.get('ready') else 'starting'}) "
                   f"home {up['home']} (logs in logs/)  gateway {up['gateway']}: {info.get('gateway', {}).get('status')}")  # fmt: skip
-        t = Table("process", "pid", "alive", "url")
-        for c in up["children"]:
-            t.add_row(c["name"], str(c["pid"]), "yes" if c["alive"] else "[red]no[/]", c.get("url") or "")
-        con.print(t)
+        from duet.up_status import process_table
+
+        con.print(process_table(up["children"]))
     cl = info["cluster"]
     if cl is None:
         con.print(f"[red]no coordinator answered[/]: {'; '.join(info['errors']) or 'none given'}")
@@ -178,4 +178,8 @@ def _run(args: argparse.Namespace) -> int:
     else:
         render(info)
     cl = info["cluster"]
+    from duet.up_status import failed
+
+    if failed(info.get("up", {}).get("children", [])):  # a process left down after a crash loop
+        return 1
     return 0 if cl is not None and cl["nodes"] and all(n["ready"] for n in cl["nodes"]) else 1

@@ -8,6 +8,15 @@ through the coordinator. A development team `dev` and its API key are created on
 and kept (with teams, keys and usage) across restarts. Once the coordinator sees every node
 ready, `duet up` prints the URL, the key, and a curl and an openai snippet.
 
+Self-healing: a process that dies (etcd, a coordinator replica, a node, the gateway) is
+restarted alone, with the same ports and arguments, after an exponential backoff (1 s, 2 s,
+4 s ... up to 30 s); nodes register again, coordinators rejoin the election, etcd keeps its
+data directory. A process that stops answering its health URL for 60 s (hung) is killed and
+restarted the same way. After --max-restarts failures in a row (a life healthy for 60 s clears the
+count) the process crash-loops: it stays down, is reported, and the rest keep serving. Each
+death is logged with its cause; `duet status` shows restarts, last exit and backoff per
+process. Tune it with --max-restarts/--restart-backoff or a [restart] table in cluster.toml.
+
 Logs: one file per process in $DUET_HOME/logs, and a merged tail on the terminal (--quiet
 turns it off). Ctrl-C or SIGTERM drains and stops everything in reverse order. `duet status`
 shows the running cluster. Internal ports (etcd, coordinator, nodes) are free loopback ports
@@ -60,6 +69,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", default=None, help="cluster name in etcd (default 'default')")
     p.add_argument("--quiet", action="store_true", help="no merged log tail on the terminal")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds every stage may take to be healthy (default 600)")
+    r = p.add_argument_group("restarts (a [restart] table in cluster.toml sets all of them)")
+    r.add_argument("--max-restarts", type=int, default=None, metavar="N",
+                   help="failures in a row after which a process stays down (default 5; 0: never restart)")
+    r.add_argument("--restart-backoff", type=float, default=None, metavar="S",
+                   help="first delay before a restart, doubled per failure in a row up to 30 s (default 1)")  # fmt: skip
     p.set_defaults(func=_run)
 
 
@@ -98,8 +112,13 @@ def build_config(args: argparse.Namespace):  # -> UpConfig
             cfg = load_cluster_toml(args.config, base)
         else:
             cfg = replace(base, nodes=layout_from_flags(args.prefill, args.decode, args.colocated))
+        restart = cfg.restart
+        if args.max_restarts is not None:
+            restart = replace(restart, max_restarts=args.max_restarts)
+        if args.restart_backoff is not None:
+            restart = replace(restart, backoff_s=args.restart_backoff)
         gw = cfg.gateway
-        cfg = replace(cfg, model=args.model or cfg.model, cluster=args.cluster or cfg.cluster,
+        cfg = replace(cfg, restart=restart, model=args.model or cfg.model, cluster=args.cluster or cfg.cluster,
                       gateway=GatewaySection(**{**gw.__dict__, **{k: v for k, v in (("host", args.host),
                                                                                      ("port", args.port),
                                                                                      ("routing", args.routing)) if v is not None}}))  # fmt: skip
@@ -136,14 +155,18 @@ def _toml(v: Any) -> str:
 
 
 def gateway_toml(cfg, store_url: str, admin_sha256: str, coordinators: list[str], served: dict[str, str],
-                 nodes: list[tuple[str, str, str]]) -> str:  # fmt: skip
-    """`nodes`: (model, role, url) of every node, for static routing."""
+                 nodes: list[tuple[str, str, str]], etcd: str | None = None) -> str:  # fmt: skip
+    """`nodes`: (model, role, url) of every node, for static routing. `etcd`: where the gateway
+    also reads the cluster, so it routes on its own (etcd's node view) while no coordinator
+    replica answers — every one restarting at once — instead of failing every request."""
     gw = cfg.gateway
     static = gw.routing == "static"
     lines = ["# written by `duet up` on every start: edit cluster.toml or the flags instead", "[server]",
              f"host = {_toml(gw.host)}", f"port = {gw.port}", f"admin_key_sha256 = {_toml(admin_sha256)}",
              "[store]", f"url = {_toml(store_url)}",
              "[routing]", f"coordinator = {_toml([] if static else coordinators)}", f"cluster = {_toml(cfg.cluster)}"]  # fmt: skip
+    if etcd and not static:
+        lines.append(f"etcd = {_toml(etcd)}")
     for model, name in served.items():
         lines += [f"[models.{json.dumps(name)}]", 'kind = "cluster"', f"tokenizer = {_toml(model)}",
                   f"input_usd_per_mtok = {gw.input_usd_per_mtok!r}", f"output_usd_per_mtok = {gw.output_usd_per_mtok!r}"]  # fmt: skip
@@ -262,7 +285,8 @@ def _run(args: argparse.Namespace) -> int:
     nodes = _node_children(cfg, home, etcd_url, log)
     node_urls = [(m, role, c.health_url.removesuffix("/health")) for c, (m, role) in nodes]  # type: ignore[union-attr]
     nodes = [c for c, _ in nodes]
-    home.gateway_toml.write_text(gateway_toml(cfg, home.store_url, hash_secret(admin), coord_urls, served, node_urls))
+    home.gateway_toml.write_text(gateway_toml(cfg, home.store_url, hash_secret(admin), coord_urls, served, node_urls,
+                                                etcd=etcd_url))
     gw_host = "127.0.0.1" if cfg.gateway.host in ("0.0.0.0", "::", "") else cfg.gateway.host
     gw_url = f"http://{gw_host}:{cfg.gateway.port}"
     env = {k: v for k, v in os.environ.items() if k != "DUET_ADMIN_KEY"}  # the admin key is the file's
@@ -274,9 +298,9 @@ def _run(args: argparse.Namespace) -> int:
                              "gateway": gw_url, "coordinators": coord_urls, "etcd": etcd_url, "cluster": cfg.cluster,
                              "models": sorted(served.values()), "children": []}  # fmt: skip
 
-    def started(c: Child) -> None:
-        state["children"].append({"name": c.name, "pid": c.pid, "log": str(c.log_path),
-                                  "url": c.health_url.rsplit("/health", 1)[0] if c.health_url else None})  # fmt: skip
+    def changed(sup: Supervisor) -> None:
+        """Every child started so far, with its supervision state, for `duet status`."""
+        state["children"] = [c.status() for c in sup.children if c.proc is not None]
         home.write_state(state)
 
     node_ids = {c.name for c in nodes}
@@ -302,12 +326,13 @@ def _run(args: argparse.Namespace) -> int:
         home.write_state(state)
         model = sorted(served.values())[0]
         print(_banner(gw_url + "/v1", model, key, created, home, cfg.describe()), flush=True)
-        sup.say("all up; Ctrl-C stops everything")
+        sup.say("all up; Ctrl-C stops everything; a process that dies is restarted "
+                f"(at most {cfg.restart.max_restarts} failures in a row)")
         return True
 
     log(f"DUET_HOME={home.root}: {cfg.describe()} node(s), serving {', '.join(served.values())}")
     sup = Supervisor(stages, startup_timeout=args.startup_timeout, tail=not args.quiet, on_ready=ready,
-                     on_started=started)  # fmt: skip
+                     on_change=changed, restart=cfg.restart)  # fmt: skip
     try:
         return sup.run()
     finally:

@@ -1,6 +1,19 @@
 """The process supervisor of `duet up`: start children stage by stage (each stage's children
-together, the next stage once all of them answer their health check), watch them, and on
-SIGINT/SIGTERM — or when any child dies — stop everything in reverse stage order.
+together, the next stage once all of them answer their health check), then watch them like an
+orchestrator: a child that dies is restarted alone, with the same arguments (so the same
+ports, node id, data directory), after an exponential backoff; the others are not touched. On
+SIGINT/SIGTERM everything stops in reverse stage order.
+
+Restart policy (`RestartPolicy`): a child that exits — or, restarted, is not healthy within
+`startup_timeout_s`, or, running, has not answered its health URL at all (any status: a
+draining node's 503 is an answer) for `liveness_timeout_s` — a hung or SIGSTOPped process; it
+is then killed — has failed once; a life healthy for `stable_s` clears
+its count of failures in a row. After `max_restarts` failures in a row the child crash-loops:
+it stays down and is reported (`ChildState.FAILED`) while the rest keep serving. The delay
+before restart k of a run of failures is `backoff_s * 2**(k-1)`, capped at `backoff_max_s`.
+Every exit is said on stderr with its cause (exit code or signal, or the start-up timeout).
+A child's failure during the first start-up still stops everything: a cluster that cannot
+start once (a port taken, a bad flag) is a configuration error, not a crash to retry.
 
 Every child writes stdout+stderr to its own log file; a tail thread prints new lines of all
 of them, prefixed with the child's name (coloured on a terminal), unless `tail=False`.
@@ -19,20 +32,65 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import enum
+import http.client
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 _COLOURS = (36, 33, 35, 32, 34, 31, 96, 93, 95, 92, 94)
+#: how often a running child's health is checked (in a worker thread: a hung child must not
+#: stall the supervision of the others)
+_LIVENESS_EVERY_S = 2.0
 _PR_SET_PDEATHSIG = 1
+
+
+class ChildState(enum.StrEnum):
+    STARTING = "starting"  # started, not yet healthy
+    RUNNING = "running"  # answered its health check
+    BACKOFF = "backoff"  # died; waits to be started again
+    FAILED = "failed"  # crash-looped: stays down
+    STOPPED = "stopped"  # stopped by the supervisor's shutdown
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    #: failures in a row after which a child stays down (0: never restart)
+    max_restarts: int = 5
+    backoff_s: float = 1.0
+    backoff_max_s: float = 30.0
+    #: a life healthy this long clears the count of failures in a row
+    stable_s: float = 60.0
+    #: a restarted child not healthy after this long is killed (one more failure)
+    startup_timeout_s: float = 180.0
+    #: a running child whose health URL has not answered at all (any status) for this long is
+    #: killed: it is hung (0: never)
+    liveness_timeout_s: float = 60.0
+
+    def delay(self, failures: int) -> float:
+        return min(self.backoff_max_s, self.backoff_s * 2 ** max(0, failures - 1))
+
+
+def exit_cause(code: int | None) -> str:
+    """'exited with code 3' or 'killed by SIGKILL' (Popen reports a signal as a negative code)."""
+    if code is None:
+        return "running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 @dataclass
@@ -46,10 +104,35 @@ class Child:
     #: whose clean shutdown needs another child that gets the same signal at the same time)
     death_signal: int = signal.SIGTERM
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    # -- supervision state (the supervisor's thread alone writes it) ---------------------------
+    state: ChildState = ChildState.STARTING
+    restarts: int = 0
+    #: failures in a row (cleared by a life healthy for RestartPolicy.stable_s)
+    failures: int = 0
+    last_exit: int | None = None
+    last_cause: str | None = None
+    started_at: float = 0.0  # monotonic
+    healthy_at: float | None = None  # monotonic
+    next_start: float = 0.0  # monotonic, in BACKOFF
+    #: wall-clock time of the next start, for `duet status`
+    next_start_wall: float | None = None
+    reaped: bool = field(default=False, repr=False)
+    #: last time (monotonic) the child answered its health check
+    last_alive: float = field(default=0.0, repr=False)
+    probe: Future[bool] | None = field(default=None, repr=False)
+    probe_at: float = field(default=0.0, repr=False)
 
     @property
     def pid(self) -> int | None:
         return None if self.proc is None else self.proc.pid
+
+    def status(self) -> dict[str, object]:
+        """What `duet status` shows of this child (JSON-ready)."""
+        return {"name": self.name, "pid": self.pid, "log": str(self.log_path),
+                "url": self.health_url.rsplit("/health", 1)[0] if self.health_url else None,
+                "state": str(self.state), "restarts": self.restarts, "failures_in_a_row": self.failures,
+                "last_exit": self.last_exit, "last_cause": self.last_cause,
+                "next_start": self.next_start_wall if self.state == ChildState.BACKOFF else None}  # fmt: skip
 
 
 def _pdeathsig_hook(sig: int) -> Callable[[], None] | None:
@@ -73,32 +156,40 @@ class _Tail(threading.Thread):
         super().__init__(name="duet-up-tail", daemon=True)
         self.out, self.colour, self._stop_evt = out, colour, stop
         self._files: list[tuple[str, IO[bytes], bytes]] = []
-        self._lock = threading.Lock()
+        # one lock for the list and the reads: the supervisor pumps a dead child's last lines
+        # before following its next life, while this thread may be pumping too
+        self._lock = threading.RLock()
         self._width = width
 
     def follow(self, name: str, path: Path, offset: int) -> None:
+        """Follow `path` from `offset`; a restarted child's log replaces its previous life's."""
         fh = path.open("rb")
         fh.seek(offset)
         with self._lock:
-            n = len(self._files)
+            self.pump()  # the last words of a previous life first
+            old = next((i for i, f in enumerate(self._files) if f[0] == name), None)
+            n = len(self._files) if old is None else old
             prefix = name.ljust(self._width) + " | "
             if self.colour:
                 prefix = f"\x1b[{_COLOURS[n % len(_COLOURS)]}m{prefix}\x1b[0m"
-            self._files.append((name, fh, prefix.encode()))
+            if old is None:
+                self._files.append((name, fh, prefix.encode()))
+            else:
+                self._files[old][1].close()
+                self._files[old] = (name, fh, prefix.encode())
 
     def pump(self) -> None:
         with self._lock:
-            files = list(self._files)
-        for _, fh, prefix in files:
-            while True:
-                line = fh.readline()
-                if not line:
-                    break
-                if not line.endswith(b"\n"):  # a partial line: wait for the rest of it
-                    fh.seek(-len(line), os.SEEK_CUR)
-                    break
-                self.out.write((prefix + line).decode(errors="replace"))
-        self.out.flush()
+            for _, fh, prefix in self._files:
+                while True:
+                    line = fh.readline()
+                    if not line:
+                        break
+                    if not line.endswith(b"\n"):  # a partial line: wait for the rest of it
+                        fh.seek(-len(line), os.SEEK_CUR)
+                        break
+                    self.out.write((prefix + line).decode(errors="replace"))
+            self.out.flush()
 
     def run(self) -> None:
         while not self._stop_evt.wait(0.2):  # tail interval
@@ -115,12 +206,18 @@ class Supervisor:
     def __init__(self, stages: list[list[Child]], *, startup_timeout: float = 600.0,
                  stop_timeout: float = 45.0, tail: bool = True,
                  on_ready: Callable[[Supervisor], bool] | None = None,
-                 on_started: Callable[[Child], None] | None = None) -> None:  # fmt: skip
+                 on_started: Callable[[Child], None] | None = None,
+                 on_change: Callable[[Supervisor], None] | None = None,
+                 restart: RestartPolicy = RestartPolicy()) -> None:  # fmt: skip
         self.stages = stages
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.on_ready = on_ready
         self.on_started = on_started
+        #: called after any child changes state (started, up, died, gave up)
+        self.on_change = on_change
+        self.restart = restart
+        self._probes: ThreadPoolExecutor | None = None
         self.stopping = threading.Event()
         self._signals = 0
         self._force = threading.Event()
@@ -139,7 +236,10 @@ class Supervisor:
 
     def _died(self, c: Child, when: str) -> None:
         assert c.proc is not None
-        self.say(f"{c.name} exited with {c.proc.returncode} {when}; see {c.log_path}")
+        self.say(f"{c.name} {exit_cause(c.proc.returncode)} {when}; see {c.log_path}")
+        self._last_words(c)
+
+    def _last_words(self, c: Child) -> None:
         if self._tail is None:  # --quiet: the operator has not seen its last words yet
             with contextlib.suppress(OSError):
                 for line in c.log_path.read_text(errors="replace").splitlines()[-15:]:
@@ -163,10 +263,17 @@ class Supervisor:
             c.proc = subprocess.Popen(c.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       env=c.env,
                                       start_new_session=True, preexec_fn=self._preexec[c.death_signal])  # fmt: skip
+        c.state, c.started_at, c.healthy_at, c.reaped = ChildState.STARTING, time.monotonic(), None, False
+        c.probe = None  # a probe of the previous life says nothing about this one
         if self._tail is not None:
             self._tail.follow(c.name, c.log_path, offset)
         if self.on_started is not None:
             self.on_started(c)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self)
 
     @staticmethod
     def _healthy(c: Child) -> bool:
@@ -175,7 +282,19 @@ class Supervisor:
         try:
             with urllib.request.urlopen(c.health_url, timeout=2) as r:
                 return r.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, OSError):
+            return False
+
+    @staticmethod
+    def _answers(c: Child) -> bool:
+        """Liveness, not readiness: any HTTP answer (a draining node's 503 included) proves the
+        process is not hung; only silence (refused, reset, timed out) does not."""
+        try:
+            with urllib.request.urlopen(c.health_url, timeout=2):
+                return True
+        except urllib.error.HTTPError:
+            return True
+        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, OSError):
             return False
 
     def _start_stage(self, stage: list[Child]) -> bool:
@@ -193,7 +312,10 @@ class Supervisor:
                     return False
                 if self._healthy(c):
                     self.say(f"{c.name} is up (pid {c.proc.pid})")
+                    c.state, c.healthy_at = ChildState.RUNNING, time.monotonic()
+                    c.last_alive = c.healthy_at
                     pending.remove(c)
+                    self._changed()
             if not pending:
                 break
             if waited > deadline:
@@ -215,15 +337,17 @@ class Supervisor:
                     return 0 if self.stopping.is_set() else 1
             if self.on_ready is not None and not self.on_ready(self):
                 return 0 if self.stopping.is_set() else 1
+            self._probes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="duet-up-health")
             while not self.wait(0.5):  # supervision interval
                 for c in self.children:
-                    assert c.proc is not None
-                    if c.proc.poll() is not None:
-                        self._died(c, "unexpectedly; stopping the rest")
-                        return 1
+                    if self.stopping.is_set():
+                        break
+                    self._tick(c, time.monotonic())
             return 0
         finally:
             self.say("stopping (Ctrl-C again to kill at once)" if self._signals else "stopping")
+            if self._probes is not None:
+                self._probes.shutdown(wait=False, cancel_futures=True)
             self._shutdown()
             if self._tail is not None:
                 self._tail_stop.set()
@@ -233,9 +357,83 @@ class Supervisor:
                 signal.signal(s, h)
             self.say("stopped")
 
+    # -- supervise ---------------------------------------------------------------------------
+    def _tick(self, c: Child, now: float) -> None:
+        """One look at one child: notice its death or its health, start it when its backoff is over."""
+        assert c.proc is not None
+        if c.state in (ChildState.STARTING, ChildState.RUNNING):
+            if c.proc.poll() is not None:
+                lived = now - c.started_at
+                self._failed(c, f"{exit_cause(c.proc.returncode)} after {lived:.1f} s", now)
+            elif c.state == ChildState.STARTING:
+                if self._healthy(c):
+                    c.state, c.healthy_at, c.last_alive = ChildState.RUNNING, now, now
+                    self.say(f"{c.name} is up again (pid {c.pid}, restart {c.restarts})")
+                    self._changed()
+                elif now - c.started_at > self.restart.startup_timeout_s:
+                    self._kill_group(c)
+                    self._failed(c, f"not healthy {self.restart.startup_timeout_s:.0f} s after its start", now)
+            elif self._hung(c, now):
+                self._kill_group(c)
+                self._failed(c, f"not answering its health check for {self.restart.liveness_timeout_s:.0f} s", now)
+            elif c.failures and c.healthy_at is not None and now - c.healthy_at >= self.restart.stable_s:
+                c.failures = 0  # a stable life: the next death starts a new run of failures
+                self._changed()
+        elif c.state == ChildState.BACKOFF and now >= c.next_start:
+            c.restarts += 1
+            self.say(f"restarting {c.name} (restart {c.restarts}; last: {c.last_cause})")
+            self._start(c)
+
+    def _hung(self, c: Child, now: float) -> bool:
+        """Probe a running child's health now and then (off the supervision thread); True once
+        it has not answered for `liveness_timeout_s`."""
+        if not self.restart.liveness_timeout_s or c.health_url is None or self._probes is None:
+            return False
+        if c.probe is not None and c.probe.done():
+            if c.probe.exception() is None and c.probe.result():
+                c.last_alive = c.probe_at
+            c.probe = None
+        if c.probe is None and now - c.probe_at >= _LIVENESS_EVERY_S:
+            c.probe_at, c.probe = now, self._probes.submit(self._answers, c)
+        return now - c.last_alive > self.restart.liveness_timeout_s
+
+    def _failed(self, c: Child, cause: str, now: float) -> None:
+        """`c` died (or was killed for not starting): reap its group, then back off or give up."""
+        assert c.proc is not None
+        self._kill_group(c)
+        c.last_exit, c.last_cause = c.proc.returncode, cause
+        if c.healthy_at is not None and now - c.healthy_at >= self.restart.stable_s:
+            c.failures = 0
+        c.failures += 1
+        if c.failures > self.restart.max_restarts:
+            c.state = ChildState.FAILED
+            self.say(f"{c.name} {cause}: {c.failures} failures in a row, over the limit of "
+                     f"{self.restart.max_restarts} restarts; leaving it down (the rest keep serving)")  # fmt: skip
+        else:
+            delay = self.restart.delay(c.failures)
+            c.state, c.next_start = ChildState.BACKOFF, now + delay
+            c.next_start_wall = time.time() + delay
+            self.say(f"{c.name} {cause}; restarting it in {delay:.1f} s "
+                     f"({c.failures} failure(s) in a row; left down after {self.restart.max_restarts + 1}); "
+                     f"see {c.log_path}")  # fmt: skip
+        self._last_words(c)
+        self._changed()
+
+    @staticmethod
+    def _kill_group(c: Child) -> None:
+        """SIGKILL the child's process group (it, if still there, and anything it left behind),
+        then reap it; once reaped the group id may be reused, so it is never signalled again."""
+        assert c.proc is not None
+        if c.reaped:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(c.proc.pid, signal.SIGKILL)
+        c.proc.wait()
+        c.reaped = True
+
     def _shutdown(self) -> None:
         for stage in reversed(self.stages):
-            live = [c for c in stage if c.proc is not None]
+            live = [c for c in stage if c.proc is not None and not c.reaped]
             for c in live:
                 if c.proc.poll() is None:  # type: ignore[union-attr]
                     c.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
@@ -248,7 +446,6 @@ class Supervisor:
                     waited += 0.2
                 if c.proc.poll() is None:
                     self.say(f"{c.name} did not stop in time: killing it")
-                # Kill the whole group: the child if it is still there, and anything it left behind.
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(c.proc.pid, signal.SIGKILL)
-                c.proc.wait()
+                self._kill_group(c)
+                c.state = ChildState.STOPPED
+        self._changed()

@@ -17,6 +17,14 @@ cluster.toml (every section optional; unknown keys are refused, so a typo never 
     replicas = 1
     args = ["--local-prefill-tokens", "128"]    # extra `duet coordinator` flags
 
+    [restart]                           # what `duet up` does when a process dies
+    max_restarts = 5                    # failures in a row before it stays down (0: never restart)
+    backoff_s = 1.0                     # first delay, doubled per failure in a row ...
+    backoff_max_s = 30.0                # ... up to this
+    stable_s = 60.0                     # a life healthy this long clears the count
+    startup_timeout_s = 180.0           # a restarted process not healthy by then is killed
+    liveness_timeout_s = 60.0           # a running one not answering /health this long is killed (0: never)
+
     [[nodes]]
     role = "prefill"                    # prefill | decode | both
     count = 2
@@ -42,6 +50,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from duet.supervisor import RestartPolicy
 from protocol.models import DEFAULT_MODEL
 from protocol.tables import from_table
 
@@ -90,6 +99,7 @@ class UpConfig:
     gateway: GatewaySection = GatewaySection()
     coordinator: CoordinatorSection = CoordinatorSection()
     nodes: tuple[NodeGroup, ...] = (NodeGroup(role="prefill"), NodeGroup(role="decode"))
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
     #: defaults for every node group (flags of `duet up`)
     kv_memory: str = "1GiB"
     kv_blocks: int | None = None
@@ -127,7 +137,7 @@ def _table(cls: type, where: str, data: Any) -> Any:
 
 
 def parse_cluster_toml(data: dict[str, Any], base: UpConfig) -> UpConfig:
-    known = {"model", "cluster", "gateway", "coordinator", "nodes"}
+    known = {"model", "cluster", "gateway", "coordinator", "nodes", "restart"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise UpConfigError(f"unknown keys: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
@@ -136,6 +146,8 @@ def parse_cluster_toml(data: dict[str, Any], base: UpConfig) -> UpConfig:
         cfg = replace(cfg, gateway=_table(GatewaySection, "[gateway]", data["gateway"]))
     if "coordinator" in data:
         cfg = replace(cfg, coordinator=_table(CoordinatorSection, "[coordinator]", data["coordinator"]))
+    if "restart" in data:
+        cfg = replace(cfg, restart=_table(RestartPolicy, "[restart]", data["restart"]))
     if "nodes" in data:
         if not isinstance(data["nodes"], list):
             raise UpConfigError("`nodes` must be an array of tables: [[nodes]]")
@@ -178,6 +190,13 @@ def validate(cfg: UpConfig) -> UpConfig:
         raise UpConfigError(f"[gateway] routing must be 'coordinator' or 'static', got {cfg.gateway.routing!r}")
     if cfg.coordinator.replicas < 1:
         raise UpConfigError("[coordinator] replicas must be >= 1")
+    r = cfg.restart
+    for name in ("max_restarts", "backoff_s", "backoff_max_s", "stable_s", "startup_timeout_s", "liveness_timeout_s"):
+        v = getattr(r, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            raise UpConfigError(f"[restart] {name} must be a number >= 0, got {v!r}")
+    if not isinstance(r.max_restarts, int):
+        raise UpConfigError(f"[restart] max_restarts must be a whole number, got {r.max_restarts!r}")
     return cfg
 
 

@@ -1,4 +1,5 @@
-"""What the engine reports per request per step, and the text side of finishing.
+"""What the engine reports per request per step (`RequestOutput`, defined once in
+protocol.outputs and shared with the node's engine interface), and the text side of finishing.
 
 `TextState` turns sampled tokens into text deltas (incremental detokenization) and applies
 stop strings: the text ends just before the first stop string; while a request streams, the
@@ -8,39 +9,11 @@ written.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from protocol.detokenizer import IncrementalDetokenizer
-from protocol.logprobs import TokenLogprob
+from protocol.outputs import RequestOutput
 from protocol.tokenizer import Tokenizer
 
-
-@dataclass
-class RequestOutput:
-    """A delta for one request (the offline API accumulates them)."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort | error
-    #: why the engine failed this request (finish_reason "error"); other requests go on
-    error: str | None = None
-    stop_reason: str | int | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    #: prefill node: the blocks held for transfer (on the finishing delta of a held request)
-    held_block_ids: list[int] = field(default_factory=list)
-    #: monotonic timestamps, on the finishing delta (None if the request never got there)
-    arrival_time: float | None = None
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    #: with params.logprobs: one record per token of `new_token_ids`
-    logprobs: list[TokenLogprob] | None = None
-    #: with params.prompt_logprobs, on the delta of the first generated token: one entry per
-    #: prompt token, None for the first (nothing predicts it)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+__all__ = ["RequestOutput", "TextState"]
 
 
 class TextState:

@@ -5,6 +5,13 @@ Invariant: a request awaits `commit()` before its final chunk / `[DONE]` / body 
 a response a client saw always has its record. A request that cannot await (its client is
 gone, the handler is being cancelled) calls `submit()`: the record is written all the same.
 A `commit()` that finds the writer idle writes its record at once, as a batch of one.
+
+A batch the store refuses (a database gone, a full disk) is never dropped: it goes back to the
+writer, which retries it with a backoff (`RETRY_S`, doubling to `MAX_RETRY_S`) until the store
+takes it, in the order it came. A request waits for its record at most `COMMIT_WAIT_S`, then
+answers anyway (the record stays queued: it is written once the store is back). At shutdown,
+what is still queued is retried for `FLUSH_S`; what the store still refuses then is logged
+record by record (an operator can replay it), not silently lost.
 """
 
 from __future__ import annotations
@@ -17,6 +24,13 @@ from gateway.metrics import GatewayMetrics
 from gateway.store.base import Settlement, Store
 
 log = logging.getLogger("duet.gateway.usage")
+#: the first retry of a batch the store refused, doubling to MAX_RETRY_S
+RETRY_S = 0.2
+MAX_RETRY_S = 5.0
+#: how long a request waits for its record before answering anyway (the record stays queued)
+COMMIT_WAIT_S = 10.0
+#: how long a stopping gateway keeps retrying what is still queued
+FLUSH_S = 10.0
 
 
 class UsageWriter:
@@ -27,6 +41,8 @@ class UsageWriter:
         self._queue: asyncio.Queue[tuple[Settlement, asyncio.Future[None]]] = asyncio.Queue()
         #: a batch is being written (by the writer task or a caller's batch of one)
         self._writing = False
+        #: the batch the writer task holds (being written or retried)
+        self._current: list[tuple[Settlement, asyncio.Future[None]]] = []
 
     def submit(self, s: Settlement) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -38,12 +54,25 @@ class UsageWriter:
             # Nothing queued, nothing being written: this record is a batch of one — write it
             # now instead of waking the writer task and waiting for it to wake us back; at
             # once if the store can (no task, no wait: nothing to shield from cancellation).
-            if self.store.settle_now([s]):
-                self.metrics.usage_batches.inc()
+            try:
+                if self.store.settle_now([s]):
+                    self.metrics.usage_batches.inc()
+                    return
+                await asyncio.shield(self._write_now([s]))
                 return
-            await asyncio.shield(self._write_now([s]))
-            return
-        await asyncio.shield(self.submit(s))
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("writing a usage record failed; the writer retries it", exc_info=True)
+        await self._wait(self.submit(s))
+
+    async def _wait(self, fut: asyncio.Future[None]) -> None:
+        """Wait for a queued record at most COMMIT_WAIT_S (the writer keeps it until written)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(fut), COMMIT_WAIT_S)
+        except TimeoutError:
+            log.error("the store has not taken a usage record for %.0f s; answering anyway (it stays queued "
+                      "and is written once the store is back)", COMMIT_WAIT_S)  # fmt: skip
 
     async def _write_now(self, batch: list[Settlement]) -> None:
         self._writing = True
@@ -58,28 +87,37 @@ class UsageWriter:
             batch = [await self._queue.get()]
             while len(batch) < self.max_batch and not self._queue.empty():
                 batch.append(self._queue.get_nowait())
+            self._current = batch  # if a stop cancels its retries, flush() writes it
             await self._write(batch)
+            self._current = []
 
-    async def _write(self, batch: list[tuple[Settlement, asyncio.Future[None]]]) -> None:
-        try:
-            await self._write_now([s for s, _ in batch])
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_result(None)
-        except Exception as e:
-            log.exception("writing %d usage records failed", len(batch))
-            for _, fut in batch:
-                if not fut.done():
-                    fut.set_exception(e)
-                    fut.exception()  # retrieved: a caller that stopped waiting must not warn
+    async def _write(self, batch: list[tuple[Settlement, asyncio.Future[None]]], give_up_at: float | None = None) -> None:
+        """Write `batch`, retrying until the store takes it (or `give_up_at`, at shutdown)."""
+        delay = RETRY_S
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                await self._write_now([s for s, _ in batch])
+                break
+            except Exception:
+                if give_up_at is not None and loop.time() + delay > give_up_at:
+                    for s, _ in batch:  # the operator's copy: every figure of every record
+                        log.error("usage record NOT written (the store refused it at shutdown): %r", s)
+                    return
+                log.exception("writing %d usage records failed; retrying in %.1f s", len(batch), delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, MAX_RETRY_S)
+        for _, fut in batch:
+            if not fut.done():
+                fut.set_result(None)
 
     async def flush(self) -> None:
-        """Write everything queued (at shutdown)."""
-        batch = []
+        """Write everything queued (at shutdown), retrying for FLUSH_S."""
+        batch, self._current = self._current, []
         while not self._queue.empty():
             batch.append(self._queue.get_nowait())
         if batch:
-            await self._write(batch)
+            await self._write(batch, give_up_at=asyncio.get_running_loop().time() + FLUSH_S)
 
     async def lifecycle(self) -> AsyncIterator[None]:
         task = asyncio.ensure_future(self.run())

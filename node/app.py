@@ -1,17 +1,17 @@
 """The node's aiohttp application (DESIGN §4 internal API), built by `make_app`.
 
-Middleware gives every request its X-Request-Id (in the log context and the answer), turns
-APIError into OpenAI's error body with the right status, answers 503 while draining, when the
-engine's queue is full (with Retry-After) or when the engine is dead, 413 for a body larger
-than any prompt within the context can need, and keeps an unexpected exception from taking the
-node down (500 with a message, logged). Role routes and hooks come from `state.roles`
+Middleware gives every request its X-Request-Id (in the log context and the answer); the shared
+error middleware (protocol/http_errors.py) turns APIError into OpenAI's error body with the
+right status and keeps an unexpected exception from taking the node down (500, logged), and the
+node's `_translate` adds its own: 503 when the engine's queue is full (with Retry-After) or the
+engine is dead, 413 for a body larger than any prompt within the context can need. A draining
+node answers 503 to new completions. Role routes and hooks come from `state.roles`
 (node.legs); this module knows no role.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
@@ -24,6 +24,7 @@ from node.engine_api import EngineDead, EngineOverloaded
 from node.request_log import REQUEST_ID
 from node.responder import engine_dead
 from node.state import NodeState
+from protocol.http_errors import error_middleware
 from protocol.node_api import AbortRequest, NodeHealth
 from protocol.openai import APIError
 
@@ -44,57 +45,49 @@ def max_body_bytes(max_model_len: int) -> int:
     return BODY_OVERHEAD + BODY_BYTES_PER_TOKEN * max_model_len
 
 
-def _error(err: APIError, request_id: str, headers: dict[str, str] | None = None) -> web.Response:
-    h = {"X-Request-Id": request_id, **(headers or {})}
-    return web.Response(status=err.status, body=msgspec.json.encode(err.body()),
-                        content_type="application/json", headers=h)  # fmt: skip
+@web.middleware
+async def _request_id(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The request's X-Request-Id (the gateway's, or a new one) in the log context, for every
+    middleware and handler inside (the error answer names it too)."""
+    token = REQUEST_ID.set(request.headers.get("X-Request-Id") or new_request_id())
+    try:
+        return await handler(request)
+    finally:
+        REQUEST_ID.reset(token)
 
 
 @web.middleware
-async def _middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    rid = request.headers.get("X-Request-Id") or new_request_id()
-    token = REQUEST_ID.set(rid)
+async def _draining(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A node that is draining refuses new completions (the gateway retries them elsewhere)."""
     state = request.app[STATE]
-    try:
-        if state.draining and request.method == "POST" and request.path in _COMPLETION_PATHS:
-            state.metrics.rejected("draining")
-            raise APIError(503, "this node is shutting down; retry on another node",
-                           type_="service_unavailable", code="draining")  # fmt: skip
-        return await handler(request)
-    except APIError as e:
-        if e.status >= 500:
-            log.warning("%s %s → %d: %s", request.method, request.path, e.status, e.message)
-        else:
-            log.info("%s %s → %d: %s", request.method, request.path, e.status, e.message)
-        return _error(e, rid, getattr(e, "headers", None))
-    except EngineOverloaded as e:
+    if state.draining and request.method == "POST" and request.path in _COMPLETION_PATHS:
+        state.metrics.rejected("draining")
+        raise APIError(503, "this node is shutting down; retry on another node",
+                       type_="service_unavailable", code="draining")  # fmt: skip
+    return await handler(request)
+
+
+def _translate(request: web.Request, e: BaseException) -> APIError | None:
+    """The node's own failures for the shared error middleware (protocol/http_errors.py)."""
+    state = request.app[STATE]
+    if isinstance(e, EngineOverloaded):
         state.metrics.rejected("queue_full")
-        log.warning("%s %s → 503: %s", request.method, request.path, e)
-        err = APIError(503, f"this node is overloaded: {e}; retry later or on another node",
-                       type_="service_unavailable", code="overloaded")  # fmt: skip
-        return _error(err, rid, {"Retry-After": str(max(1, math.ceil(e.retry_after)))})
-    except EngineDead as e:
+        return APIError(503, f"this node is overloaded: {e}; retry later or on another node",
+                        type_="service_unavailable", code="overloaded", retry_after_s=e.retry_after)  # fmt: skip
+    if isinstance(e, EngineDead):
         state.metrics.rejected("engine_dead")
-        return _error(engine_dead(e), rid)
-    except web.HTTPRequestEntityTooLarge as e:
+        return engine_dead(e)
+    if isinstance(e, web.HTTPRequestEntityTooLarge):
         state.metrics.rejected("body_too_large")
         limit = request.app._client_max_size  # the limit aiohttp enforced
-        return _error(APIError(413, f"the request body is too large ({e.text or ''}); a prompt within "
-                                    f"this model's context of {state.engine.max_model_len} tokens needs at "
-                                    f"most {limit} bytes", code="request_too_large"), rid)  # fmt: skip
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        # aiohttp's own refusals (unknown route, wrong method) in OpenAI's error body too.
-        return _error(APIError(e.status, f"{request.method} {request.path}: {e.reason}",
-                               code="not_found" if e.status == 404 else None), rid)  # fmt: skip
-    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
-        raise
-    except Exception as e:
-        log.exception("unexpected error in %s %s", request.method, request.path)
-        return _error(APIError(500, f"internal error: {type(e).__name__}: {e}", type_="internal_error"), rid)
-    finally:
-        REQUEST_ID.reset(token)
+        return APIError(413, f"the request body is too large ({e.text or ''}); a prompt within this model's "
+                             f"context of {state.engine.max_model_len} tokens needs at most {limit} bytes",
+                        code="request_too_large")  # fmt: skip
+    return None
+
+
+def _rid(request: web.Request) -> str | None:
+    return REQUEST_ID.get()
 
 
 async def _completions(request: web.Request) -> web.StreamResponse:
@@ -158,7 +151,8 @@ async def _abort(request: web.Request) -> web.Response:
 def make_app(state: NodeState) -> web.Application:
     """The node app; `state` holds an engine that is built but not started, and the roles
     registered for this node."""
-    app = web.Application(middlewares=[_middleware], client_max_size=max_body_bytes(state.engine.max_model_len))
+    errors = error_middleware(log, _translate, _rid)
+    app = web.Application(middlewares=[_request_id, errors, _draining], client_max_size=max_body_bytes(state.engine.max_model_len))
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
 

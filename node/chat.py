@@ -20,30 +20,34 @@ from typing import Any
 import msgspec
 
 from node.engine_api import Delta
-from protocol.chat import ChatChunkChoice, ChatDelta, chat_logprobs
+from node.request_body import decode_request
+from protocol.chat import ChatChunkChoice, ChatDelta, ChatLogprobs, chat_logprobs
+from protocol.kv_params import KVTransferParams
 from protocol.logprobs import MAX_TOP_LOGPROBS
-from protocol.openai import (
-    APIError,
-    CompletionLogprobs,
-    CompletionRequest,
-    CompletionResponse,
-    SamplingFields,
-    Usage,
-    decode_body,
-)
+from protocol.node_api import NodeCompletion, NodeCompletionRequest
+from protocol.openai import APIError, CompletionLogprobs, SamplingFields, Usage
 from protocol.tokenizer import ChatTemplateError, Tokenizer
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    """One part of a message's content; only `{"type": "text", "text": ...}` is served (other
+    kinds decode, so the refusal can name them)."""
+
+    type: str
+    text: str | None = None
 
 
 class NodeChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: str
-    content: str | list[dict[str, Any]]
+    content: str | list[ContentPart]
     name: str | None = None
 
 
 class NodeChatRequest(SamplingFields, kw_only=True):
     """The chat body a node accepts: the sampling fields a completion takes (SamplingFields)
-    plus the chat form's own."""
+    plus the chat form's own; `kv_transfer_params` typed as on the completion leg."""
 
+    kv_transfer_params: KVTransferParams | None = None
     messages: list[NodeChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -58,15 +62,14 @@ _ROLES = ("system", "user", "assistant", "developer")
 
 
 def parse_chat(raw: bytes) -> NodeChatRequest:
-    body = decode_body(_DEC, raw)
+    body = decode_request(_DEC, raw)
     if not body.messages:
         raise APIError(400, "messages must not be empty", param="messages")
     for i, m in enumerate(body.messages):
         if m.role not in _ROLES:
             raise APIError(400, f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {m.role!r}",
                            param="messages")  # fmt: skip
-        if isinstance(m.content, list) and any(p.get("type") != "text" or not isinstance(p.get("text"), str)
-                                               for p in m.content):  # fmt: skip
+        if isinstance(m.content, list) and any(p.type != "text" or p.text is None for p in m.content):
             raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
     if body.tools:
         raise APIError(400, "tools are not supported", param="tools")
@@ -81,8 +84,8 @@ def parse_chat(raw: bytes) -> NodeChatRequest:
     return body
 
 
-def _text(content: str | list[dict[str, Any]]) -> str:
-    return content if isinstance(content, str) else "".join(p["text"] for p in content)
+def _text(content: str | list[ContentPart]) -> str:
+    return content if isinstance(content, str) else "".join(p.text or "" for p in content)
 
 
 def template(tokenizer: Tokenizer, body: NodeChatRequest) -> list[int]:
@@ -94,12 +97,28 @@ def template(tokenizer: Tokenizer, body: NodeChatRequest) -> list[int]:
         raise APIError(400, str(e), param="messages") from None
 
 
-def as_completion(body: NodeChatRequest, prompt_ids: list[int]) -> CompletionRequest:
+def as_completion(body: NodeChatRequest, prompt_ids: list[int]) -> NodeCompletionRequest:
     """The completion request the chat request means (its prompt already templated)."""
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     shared = {name: getattr(body, name) for name in SamplingFields.__struct_fields__}
-    return CompletionRequest(prompt=prompt_ids, max_tokens=16 if max_tokens is None else max_tokens,
+    return NodeCompletionRequest(prompt=prompt_ids, max_tokens=16 if max_tokens is None else max_tokens,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None, **shared)  # fmt: skip
+
+
+class NodeChatMessageOut(msgspec.Struct, kw_only=True):
+    role: str
+    content: str
+
+
+class NodeChatChoice(msgspec.Struct, kw_only=True):
+    """A whole chat answer's choice (every key always present, as vLLM's)."""
+
+    index: int
+    message: NodeChatMessageOut
+    finish_reason: str | None
+    #: protocol.chat.chat_logprobs' object (OpenAI's chat logprobs)
+    logprobs: ChatLogprobs | None
+    stop_reason: str | int | None
 
 
 class NodeChatCompletion(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -107,17 +126,17 @@ class NodeChatCompletion(msgspec.Struct, kw_only=True, omit_defaults=True):
     object: str  # no default: omit_defaults would drop it
     created: int
     model: str
-    choices: list[dict[str, Any]]
+    choices: list[NodeChatChoice]
     usage: Usage | None = None
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None
     timing: dict[str, float] | None = None
 
 
-def chat_response(result: CompletionResponse) -> NodeChatCompletion:
+def chat_response(result: NodeCompletion) -> NodeChatCompletion:
     c = result.choices[0]
-    choice = {"index": 0, "message": {"role": "assistant", "content": c.text}, "finish_reason": c.finish_reason,
-              "logprobs": None if c.logprobs is None else chat_logprobs(c.logprobs),
-              "stop_reason": c.stop_reason}  # fmt: skip
+    choice = NodeChatChoice(index=0, message=NodeChatMessageOut(role="assistant", content=c.text),
+                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                            logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs))  # fmt: skip
     return NodeChatCompletion(id=result.id, object="chat.completion", created=result.created, model=result.model, choices=[choice],
                               usage=result.usage, kv_transfer_params=result.kv_transfer_params,
                               timing=result.timing)  # fmt: skip

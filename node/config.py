@@ -75,6 +75,10 @@ class NodeConfig:
             raise ValueError("lease, transfer and reserve timeouts must be positive")
         parse_networks(self.allowed_peers)
 
+    def peer_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        """The networks a decode leg may contact (`--allowed-peers`)."""
+        return parse_networks(self.allowed_peers)
+
     @property
     def public_host(self) -> str:
         if self.advertise_host:

@@ -11,31 +11,33 @@ Contract:
   `EngineDead`.
 - Refusals are typed: `RequestRefused` (the client's fault → 400), `EngineOverloaded` (the
   queue is full → 503 with Retry-After), `EngineDead` (→ 503).
-- P/D hooks. Prefill: `hold_seconds` keeps a finished request's blocks for that long, atomically
-  with its finishing (the engine frees them itself when the time is up); `release_held` frees
+- P/D hooks: `add_request`'s `KVHandoff`, and the calls below. Prefill: `hold_seconds` keeps
+  a finished request's blocks for that long, atomically with its finishing (the engine frees
+  them itself when the time is up); `release_held` frees
   them early (None: nothing held); `abort` also frees held blocks. Decode: `remote_num_tokens`
   makes the engine reserve blocks first (`EngineStream.reserved`), then wait for `kv_ready`;
   `quarantine=True` sets the blocks a failed transfer may still write aside until
   `release_quarantine`.
 - An engine with `handles_kv_transfer` (vLLM) moves KV itself: the legs pass the client's
-  `kv_transfer_params` to `add_request` and answer with the finishing delta's; the hooks above
-  then hold nothing.
+  `kv_transfer_params` (typed, `KVHandoff.kv_transfer_params`) to `add_request` and answer with
+  the finishing delta's; the hooks above then hold nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Protocol
 
 from protocol.kv_events import KVEvent
 from protocol.kv_layout import KVLayout
-from protocol.logprobs import TokenLogprob
+from protocol.kv_params import KVTransferParams
+from protocol.outputs import RequestOutput
 from protocol.sampling import Priority, SamplingParams
 from protocol.tokenizer import Tokenizer
 
-__all__ = ["Delta", "EngineDead", "EngineOverloaded", "EngineStream", "KVEventDrain", "NodeEngine",
+__all__ = ["Delta", "EngineDead", "EngineOverloaded", "EngineStream", "KVEventDrain", "KVHandoff", "NodeEngine",
            "Priority", "RequestRefused", "SamplingParams"]  # fmt: skip
 
 
@@ -55,33 +57,21 @@ class EngineDead(RuntimeError):
     """The engine failed as a whole; the node must be restarted (503 until then)."""
 
 
-@dataclass
-class Delta:
-    """What one engine step produced for one request."""
+#: What one engine step produced for one request: the engine's own output record, reused as is
+#: (protocol.outputs; the native adapter passes the engine's outputs through uncopied).
+Delta = RequestOutput
 
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool = False
-    finish_reason: str | None = None  # stop | length | abort | error
-    stop_reason: str | int | None = None
-    error: str | None = None  # why the request failed (finish_reason "error")
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
-    num_output_tokens: int = 0
-    #: prefill node: the blocks held for transfer (on the finishing delta of a held request)
-    held_block_ids: list[int] = field(default_factory=list)
-    #: monotonic timestamps, on the finishing delta
-    arrival_time: float | None = None
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    #: engines that move KV themselves (`handles_kv_transfer`): the vLLM-named params the
-    #: engine answers with (a prefill's do_remote_prefill handoff), on the finishing delta
-    kv_transfer_params: dict[str, Any] | None = None
-    #: with params.logprobs: one record per token of `new_token_ids` (raw model distribution)
-    logprobs: list[TokenLogprob] | None = None
-    #: with params.prompt_logprobs, on the first token's delta: one per prompt token (first None)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+@dataclass(frozen=True)
+class KVHandoff:
+    """A request's part in a P/D handoff (`add_request`; None: a plain request)."""
+
+    #: prefill: keep the finished request's blocks this long (native engine)
+    hold_seconds: float | None = None
+    #: decode: reserve blocks for this many remote prompt tokens, then wait for `kv_ready`
+    remote_num_tokens: int = 0
+    #: an engine that moves KV itself (`handles_kv_transfer`): the vLLM-named params to pass on
+    kv_transfer_params: KVTransferParams | None = None
 
 
 @dataclass
@@ -130,9 +120,8 @@ class NodeEngine(Protocol):
     async def stop(self) -> None: ...
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: Priority = Priority.INTERACTIVE, *, hold_seconds: float | None = None,
-                          remote_num_tokens: int = 0,
-                          kv_transfer_params: dict[str, Any] | None = None) -> EngineStream: ...  # fmt: skip
+                          priority: Priority = Priority.INTERACTIVE,
+                          handoff: KVHandoff | None = None) -> EngineStream: ...  # fmt: skip
 
     async def abort(self, request_id: str) -> bool: ...
 

@@ -16,10 +16,8 @@ string, as OpenAI's is: two ids that decode alike keep the likelier.
 
 from __future__ import annotations
 
-from typing import Any
-
 from protocol.logprobs import TokenLogprob
-from protocol.openai import CompletionLogprobs
+from protocol.openai import CompletionLogprobs, PromptLogprob
 from protocol.tokenizer import Tokenizer
 
 
@@ -52,14 +50,17 @@ class CompletionRenderer:
                                   text_offset=offsets)  # fmt: skip
 
 
-def prompt_logprobs(tokenizer: Tokenizer, records: list[TokenLogprob | None]) -> list[dict[str, Any] | None]:
-    out: list[dict[str, Any] | None] = []
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
+def prompt_logprobs(tokenizer: Tokenizer, records: list[TokenLogprob | None]) -> PromptLogprobs:
+    out: PromptLogprobs = []
     for r in records:
         if r is None:
             out.append(None)
             continue
-        entry = {str(r.token_id): {"logprob": r.logprob, "decoded_token": _tok(tokenizer, r.token_id)}}
+        entry = {str(r.token_id): PromptLogprob(logprob=r.logprob, decoded_token=_tok(tokenizer, r.token_id))}
         for t, lp in r.top:
-            entry.setdefault(str(t), {"logprob": lp, "decoded_token": _tok(tokenizer, t)})
+            entry.setdefault(str(t), PromptLogprob(logprob=lp, decoded_token=_tok(tokenizer, t)))
         out.append(entry)
     return out

@@ -13,45 +13,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Any
 
-import msgspec
 from aiohttp import web
 
 from node.chat import ChatChunker
 from node.engine_api import Delta, EngineDead, EngineStream
-from node.logprobs import CompletionRenderer, prompt_logprobs
+from node.logprobs import CompletionRenderer, PromptLogprobs, prompt_logprobs
 from node.state import NodeState
 from protocol.logprobs import TokenLogprob
-from protocol.openai import (
-    APIError,
-    CompletionChoice,
-    CompletionLogprobs,
-    CompletionResponse,
-    usage,
-)
+from protocol.node_api import NodeCompletion, NodeCompletionChunk
+from protocol.openai import APIError, CompletionChoice, CompletionLogprobs, usage
+from protocol.sse import SSE_HEADERS, end_stream, error_event, sse
 
 log = logging.getLogger("duet.node")
-_ENC = msgspec.json.Encoder()
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-
-
-def sse(obj: object) -> bytes:
-    return b"data: " + _ENC.encode(obj) + b"\n\n"
-
-
-def error_event(err: APIError) -> bytes:
-    return sse(err.body())
-
-
-async def end_stream(resp: web.StreamResponse, last: bytes = b"") -> None:
-    """`last` (if any), `[DONE]` and the body's end in one send. A client that stops reading
-    at `[DONE]` (the gateway, the openai SDK) then finds the body ended and keeps the
-    connection for its next request; with `[DONE]` and the end in two sends it often finds
-    the body unfinished and must close the connection."""
-    await resp.write_eof(last + b"data: [DONE]\n\n")
-
-
 def request_failed(out: Delta) -> APIError:
     """The engine failed this one request (its other requests go on)."""
     return APIError(500, f"the engine failed this request: {out.error}", type_="engine_error",
@@ -75,12 +49,13 @@ class Responder:
         self._first_token_time: float | None = None
         self._last_token_time: float | None = None
         self._logprobs = CompletionRenderer(state.engine.tokenizer)
+        self._created = int(time.time())
 
     def logprobs(self, out: Delta) -> CompletionLogprobs | None:
         """This delta's logprobs in the completions shape (None: not asked for)."""
         return None if out.logprobs is None else self._logprobs.render(out.logprobs)
 
-    def prompt_logprobs(self, out: Delta) -> list[dict[str, Any] | None] | None:
+    def prompt_logprobs(self, out: Delta) -> PromptLogprobs | None:
         return None if out.prompt_logprobs is None else prompt_logprobs(self.state.engine.tokenizer, out.prompt_logprobs)
 
     def _observe(self, out: Delta) -> None:
@@ -138,7 +113,7 @@ class Responder:
                 for c in chunker.chunks(out, final if out.finished else None, timing, self.logprobs(out)):
                     await resp.write(sse(c))
                 continue
-            chunk = CompletionResponse(id=self.request_id, model=model, choices=[
+            chunk = NodeCompletionChunk(id=self.request_id, created=self._created, model=model, choices=[
                 CompletionChoice(text=out.new_text, finish_reason=out.finish_reason,
                                  stop_reason=out.stop_reason, token_ids=out.new_token_ids,
                                  logprobs=self.logprobs(out), prompt_logprobs=self.prompt_logprobs(out))])  # fmt: skip
@@ -149,12 +124,12 @@ class Responder:
         await end_stream(resp)
         return True
 
-    async def collect(self, stream: EngineStream, model: str, **extra: object) -> CompletionResponse:
+    async def collect(self, stream: EngineStream, model: str) -> NodeCompletion:
         text: list[str] = []
         tokens: list[int] = []
         final: Delta | None = None
         records: list[TokenLogprob] | None = None
-        prompt: list[dict[str, Any] | None] | None = None
+        prompt: PromptLogprobs | None = None
         done = False
         try:
             try:
@@ -178,14 +153,14 @@ class Responder:
         if final.error is not None:
             log.warning("request %s failed in the engine: %s", self.engine_request_id, final.error)
             raise request_failed(final)
-        return CompletionResponse(
-            id=self.request_id, model=model,
+        return NodeCompletion(
+            id=self.request_id, created=self._created, model=model,
             choices=[CompletionChoice(text="".join(text), finish_reason=final.finish_reason,
                                       stop_reason=final.stop_reason, token_ids=tokens,
                                       logprobs=None if records is None else self._logprobs.render(records),
                                       prompt_logprobs=prompt)],
             usage=usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens),
-            timing=self.timing, kv_transfer_params=final.kv_transfer_params, **extra,  # type: ignore[arg-type]
+            timing=self.timing, kv_transfer_params=final.kv_transfer_params,
         )  # fmt: skip
 
     async def abort(self) -> None:

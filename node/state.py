@@ -1,4 +1,5 @@
-"""What a node app shares between handlers (stored under one web.AppKey).
+"""What a node app shares between handlers (stored under one web.AppKey); the roles see it as
+node.legs.Node.
 
 `shutdown` is set by SIGTERM/SIGINT or by the engine dying; `exit_code` is what the process
 then returns (non-zero after an engine failure, so a supervisor restarts it).
@@ -9,14 +10,17 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import aiohttp
 
 from node.config import NodeConfig
 from node.engine_api import NodeEngine
-from node.legs import Roles
+from node.legs import Roles, RoleStates
 from node.metrics import NodeMetrics
+
+if TYPE_CHECKING:
+    from kvtransfer import Transport
 
 
 @dataclass
@@ -27,7 +31,8 @@ class NodeState:
     node_id: str
     engine_id: str
     roles: Roles = field(default_factory=Roles)
-    transport: Any = None  # kvtransfer.Transport, None on a node that moves no KV
+    #: None on a node that moves no KV (or whose engine moves it itself)
+    transport: Transport | None = None
     session: aiohttp.ClientSession | None = None
     draining: bool = False
     inflight: int = 0
@@ -36,8 +41,8 @@ class NodeState:
     exit_code: int = 0
     #: engine request ids of in-flight requests (aborted when the grace period ends)
     active: set[str] = field(default_factory=set)
-    #: per-role state set by the roles' start hooks (e.g. "decode" → its RemoteKV)
-    role_state: dict[str, Any] = field(default_factory=dict)
+    #: per-role state set by the roles' start hooks, one object per type (decode: its RemoteKV)
+    role_state: RoleStates = field(default_factory=RoleStates)
     #: unix time the node process started (registration, /v1/models)
     started_at: float = field(default_factory=time.time)
 

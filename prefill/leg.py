@@ -16,10 +16,8 @@ import logging
 import msgspec
 from aiohttp import web
 
-from node.completions import Prepared, answer, prefill_request_id, start
-from node.engine_api import RequestRefused
-from node.responder import Responder
-from node.state import NodeState
+from node.engine_api import KVHandoff, RequestRefused
+from node.legs import LegContext, Node, prefill_request_id
 from protocol.kv_params import KVTransferParams
 from protocol.node_api import KVReleaseRequest
 from protocol.openai import APIError
@@ -27,36 +25,30 @@ from protocol.openai import APIError
 log = logging.getLogger("duet.prefill")
 
 
-async def prefill_leg(state: NodeState, request: web.Request, prep: Prepared) -> web.StreamResponse:
+async def prefill_leg(leg: LegContext) -> web.StreamResponse:
+    prep, node = leg.prep, leg.node
     if prep.body.stream:
         raise APIError(400, "a prefill leg (do_remote_decode) cannot stream", param="stream")
-    if state.transport is None:
+    if node.transport is None:
         raise APIError(503, "this node has no KV transport; it cannot serve prefill legs")
-    erid = prefill_request_id(prep.request_id)
     params = prep.params
     params.max_tokens = 1  # P computes the prompt; the first real token comes from D
-    lease = state.config.lease_seconds
-    state.enter(erid)
-    try:
-        stream = await start(state, erid, prep, params, hold_seconds=lease)
-        responder = Responder(state, prep.request_id, erid, prep.arrival)
-        result = await responder.collect(stream, state.engine.model_name)
-    finally:
-        state.leave(erid)
-    blocks = await state.engine.held_blocks(erid)
+    lease = node.config.lease_seconds
+    result = await leg.collect(await leg.start(params, KVHandoff(hold_seconds=lease)))
+    blocks = await node.engine.held_blocks(leg.engine_request_id)
     if not blocks:
         raise APIError(500, "prefill finished without holding its KV blocks", type_="internal_error")
-    cfg = state.config
-    result.kv_transfer_params = msgspec.structs.asdict(KVTransferParams(
-        do_remote_prefill=True, remote_engine_id=state.engine_id, remote_block_ids=blocks,
+    cfg = node.config
+    result.kv_transfer_params = KVTransferParams(
+        do_remote_prefill=True, remote_engine_id=node.engine_id, remote_block_ids=list(blocks),
         remote_request_id=prep.request_id, remote_host=cfg.public_host, remote_port=cfg.port,
         remote_num_tokens=len(prep.prompt_ids), lease_seconds=lease,
-    ))  # fmt: skip
+    )  # fmt: skip
     log.info("prefilled %d tokens into %d blocks, held for %.0fs", len(prep.prompt_ids), len(blocks), lease)
-    return answer(prep, result)
+    return leg.answer(result)
 
 
-async def handle_release(state: NodeState, request: web.Request) -> web.Response:
+async def handle_release(state: Node, request: web.Request) -> web.Response:
     try:
         body = msgspec.json.decode(await request.read(), type=KVReleaseRequest)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -72,7 +64,7 @@ async def handle_release(state: NodeState, request: web.Request) -> web.Response
     return web.json_response({"released": n})
 
 
-async def abort_held(state: NodeState, request_id: str) -> bool:
+async def abort_held(state: Node, request_id: str) -> bool:
     """`POST /abort`: drop the prefill leg of `request_id` (running or held)."""
     return await state.engine.abort(prefill_request_id(request_id))
 

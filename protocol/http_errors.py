@@ -83,7 +83,7 @@ def error_middleware(logger: logging.Logger, translate: Translate | None = None,
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            err = _known(request, e) or APIError(e.status, f"{request.method} {request.path}: {e.text or e.reason}",
+            err = _known(request, e) or APIError(e.status, f"{request.method} {request.path}: {e.reason}",
                                                  code=_HTTP_CODES.get(e.status, "http_error"))  # fmt: skip
         except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
             raise

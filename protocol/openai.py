@@ -9,7 +9,6 @@ ignore_eos, skip_special_tokens, priority and kv_transfer_params.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
@@ -205,6 +204,13 @@ def merge_logprobs(parts: list[CompletionLogprobs]) -> CompletionLogprobs:
                               text_offset=[o for p in parts for o in p.text_offset])  # fmt: skip
 
 
+class PromptLogprob(msgspec.Struct, kw_only=True):
+    """vLLM's prompt-logprob entry for one token id at one prompt position."""
+
+    logprob: float | None  # None: -inf (JSON has no infinity)
+    decoded_token: str
+
+
 class CompletionChoice(msgspec.Struct, kw_only=True):
     index: int = 0
     text: str
@@ -213,19 +219,7 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     token_ids: list[int] | None = None
     logprobs: CompletionLogprobs | None = None
     #: vLLM's extension: per prompt token None (the first) or {token id: {logprob, decoded_token}}
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
-
-
-class CompletionResponse(msgspec.Struct, kw_only=True, omit_defaults=True):
-    id: str
-    object: str = "text_completion"
-    created: int = msgspec.field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-    kv_transfer_params: dict[str, Any] | None = None
-    #: duet extension: where the time went (seconds), for SREs and bench.pd
-    timing: dict[str, float] | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:

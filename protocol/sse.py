@@ -17,6 +17,7 @@ import asyncio
 
 import aiohttp
 import msgspec
+from aiohttp import web
 
 from protocol.openai import APIError
 
@@ -33,8 +34,17 @@ def sse(obj: object) -> bytes:
 
 
 def error_event(err: APIError) -> bytes:
-    """The event of a stream that failed after its headers went out (then `[DONE]`)."""
+    """The event of a stream that failed after its headers went out (then `[DONE]`): an event
+    carrying only `error`, OpenAI's error object."""
     return sse(err.body())
+
+
+async def end_stream(resp: web.StreamResponse, last: bytes = b"") -> None:
+    """`last` (if any), `[DONE]` and the body's end in one send. A client that stops reading at
+    `[DONE]` (the gateway, the openai SDK) then finds the body ended and keeps the connection for
+    its next request; with `[DONE]` and the end in two sends it often finds the body unfinished
+    and must close the connection."""
+    await resp.write_eof(last + DONE)
 
 
 class DataLines:

@@ -33,15 +33,45 @@ class CallbackURLError(ValueError):
     """A callback URL that must not be contacted."""
 
 
+#: NAT64's well-known prefix (RFC 6052): its addresses carry an IPv4 address in the last 32 bits
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+#: ports a callback may use without `allow_private_callbacks`: the web's, and unprivileged ones
+#: (a privileged port other than 80/443 is a service — SSH, SMTP — not a webhook receiver)
+_WEB_PORTS = frozenset({80, 443})
+
+
+IP = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+def _addresses(ip: IP) -> list[IP]:
+    """`ip` and every IPv4 address it wraps: 6to4 (2002::/16), Teredo
+    (2001::/32: its server and its client) and NAT64 (64:ff9b::/96) all reach an IPv4 host —
+    a private one too, while the IPv6 address itself looks global."""
+    out: list[IP] = [ip]
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.sixtofour is not None:
+            out.append(ip.sixtofour)
+        if ip.teredo is not None:
+            out.extend(ip.teredo)
+        if ip in _NAT64:
+            out.append(ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF))
+    return out
+
+
 def address_allowed(addr: str, allow_private: bool) -> bool:
     ip = ipaddress.ip_address(addr.split("%", 1)[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    if ip.is_multicast or ip.is_unspecified or ip.is_reserved:
-        return False
-    if allow_private:
-        return True
-    return ip.is_global
+        ip = ip.ipv4_mapped  # the IPv4 host it is (the mapped block itself counts as reserved)
+    for a in _addresses(ip):
+        if a.is_multicast or a.is_unspecified or a.is_reserved:
+            return False
+        if not allow_private and not a.is_global:
+            return False
+    return True
+
+
+def port_allowed(port: int, allow_private: bool) -> bool:
+    return allow_private or port in _WEB_PORTS or port >= 1024
 
 
 def check_url_syntax(url: str) -> tuple[str, int]:
@@ -58,6 +88,12 @@ def check_url_syntax(url: str) -> tuple[str, int]:
     if parts.username or parts.password:
         raise CallbackURLError("callback_url must not carry credentials")
     return parts.hostname, port or (443 if parts.scheme == "https" else 80)
+
+
+def check_port(port: int, allow_private: bool) -> None:
+    if not port_allowed(port, allow_private):
+        raise CallbackURLError(f"callback_url port {port} is a privileged service port; use 80, 443 or a port "
+                               "from 1024 up")  # fmt: skip
 
 
 async def resolve_checked(host: str, port: int, allow_private: bool) -> list[str]:
@@ -78,6 +114,7 @@ async def resolve_checked(host: str, port: int, allow_private: bool) -> list[str
 
 async def check_callback_url(url: str, allow_private: bool) -> None:
     host, port = check_url_syntax(url)
+    check_port(port, allow_private)
     await resolve_checked(host, port, allow_private)
 
 

@@ -1,8 +1,9 @@
 """NativeNodeEngine: this repo's engine (engine.AsyncEngine) behind the node seam.
 
-The only node module that imports engine/: it turns engine outputs into `Delta`s and the
-engine's exceptions into the interface's (RequestError → RequestRefused, EngineOverloaded →
-EngineOverloaded, EngineDeadError → EngineDead).
+The only node module that imports engine/. The engine's outputs are the interface's `Delta`s
+(one class, protocol.outputs), passed on uncopied; the engine's exceptions become the
+interface's (RequestError → RequestRefused, EngineOverloaded → EngineOverloaded,
+EngineDeadError → EngineDead).
 """
 
 from __future__ import annotations
@@ -16,24 +17,20 @@ from engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from engine.config import EngineConfig
 from engine.core import EngineCore, RequestError
 from engine.core import EngineOverloaded as CoreOverloaded
-from engine.outputs import RequestOutput
-from node.engine_api import Delta, EngineDead, EngineOverloaded, KVEventDrain, RequestRefused
+from node.engine_api import (
+    Delta,
+    EngineDead,
+    EngineOverloaded,
+    KVEventDrain,
+    KVHandoff,
+    RequestRefused,
+)
 from protocol import kv_events as wire
 from protocol.sampling import Priority, SamplingParams
 
 #: seconds a client is told to wait after an overload answer
 RETRY_AFTER_S = 1.0
-
-
-def _delta(o: RequestOutput) -> Delta:
-    return Delta(
-        request_id=o.request_id, new_token_ids=o.new_token_ids, new_text=o.new_text,
-        finished=o.finished, finish_reason=o.finish_reason, stop_reason=o.stop_reason,
-        error=o.error, num_prompt_tokens=o.num_prompt_tokens, num_cached_tokens=o.num_cached_tokens,
-        num_output_tokens=o.num_output_tokens, held_block_ids=o.held_block_ids,
-        arrival_time=o.arrival_time, first_scheduled_time=o.first_scheduled_time,
-        first_token_time=o.first_token_time, logprobs=o.logprobs, prompt_logprobs=o.prompt_logprobs,
-    )  # fmt: skip
+_PLAIN = KVHandoff()
 
 
 class NativeStream:
@@ -55,7 +52,7 @@ class NativeStream:
     async def _iter(self) -> AsyncIterator[Delta]:
         try:
             async for out in self._stream:
-                yield _delta(out)
+                yield out  # the engine's RequestOutput is the interface's Delta
         except EngineDeadError as e:
             raise EngineDead(str(e)) from e
 
@@ -118,15 +115,14 @@ class NativeNodeEngine:
             raise EngineDead(str(e)) from e
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: Priority = Priority.INTERACTIVE, *, hold_seconds: float | None = None,
-                          remote_num_tokens: int = 0,
-                          kv_transfer_params: dict[str, Any] | None = None) -> NativeStream:  # fmt: skip
-        if kv_transfer_params is not None:  # the native legs move KV with kvtransfer
+                          priority: Priority = Priority.INTERACTIVE, handoff: KVHandoff | None = None) -> NativeStream:
+        h = handoff or _PLAIN
+        if h.kv_transfer_params is not None:  # the native legs move KV with kvtransfer
             raise RequestRefused("the native engine takes no kv_transfer_params (its legs move KV)")
         try:
             stream = await self._call(self._engine.add_request(
-                request_id, prompt_token_ids, params, priority, hold_blocks=hold_seconds is not None,
-                remote_num_tokens=remote_num_tokens, hold_seconds=hold_seconds))  # fmt: skip
+                request_id, prompt_token_ids, params, priority, hold_blocks=h.hold_seconds is not None,
+                remote_num_tokens=h.remote_num_tokens, hold_seconds=h.hold_seconds))  # fmt: skip
         except RequestError as e:
             raise RequestRefused(str(e)) from None
         except CoreOverloaded as e:

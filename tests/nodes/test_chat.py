@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 
 import aiohttp
+import msgspec
 import openai
 import pytest
 
@@ -109,5 +110,6 @@ def test_a_chat_request_means_the_completion_with_every_shared_field() -> None:
     c = as_completion(parse_chat(json.dumps(body).encode()), [1, 2])
     got = {name: getattr(c, name) for name in shared}
     got["stream_options"] = {"include_usage": c.stream_options.include_usage} if c.stream_options else None
+    got["kv_transfer_params"] = msgspec.to_builtins(c.kv_transfer_params)  # typed: KVTransferParams
     assert got == shared
     assert (c.prompt, c.max_tokens, c.logprobs) == ([1, 2], 5, 3)

@@ -1,8 +1,11 @@
 """The node's layering (DESIGN §2): node/ reaches an engine only through node/engine_api.py, and
 only node/engines/native.py imports engine/; node/ never imports prefill/ or decode/; the roles
-import node/, never the other way round. Checked on the source (every import statement, also
-the ones inside functions) and at run time (importing node modules loads no engine/prefill/
-decode module)."""
+import node/, never the other way round, and of node/ only its role API (node.legs) and the
+engine interface (node.engine_api). No public function on the node's request path takes or
+returns a `dict[str, Any]` (a wire message is a msgspec Struct of protocol/; only the vLLM
+adapter, node/engines/vllm*.py, hands vLLM its dicts). Checked on the source (every import
+statement, also the ones inside functions; every annotation) and at run time (importing node
+modules loads no engine/prefill/decode module)."""
 
 from __future__ import annotations
 
@@ -47,10 +50,55 @@ def test_roles_do_not_import_engine_or_each_other() -> None:
             assert not tops & {"engine", other, "duet"}, f"{f.relative_to(ROOT)} imports {tops & {'engine', other}}"
 
 
+#: what a role may import of ours: its own package, and of the others these modules or packages
+ROLE_MAY_IMPORT = ("node.legs", "node.engine_api", "protocol", "kvtransfer")
+OURS = {"node", "engine", "prefill", "decode", "gateway", "coordinator", "protocol", "kvtransfer", "bench", "duet"}
+
+
+def test_roles_import_only_the_role_api_of_node() -> None:
+    for role in ("prefill", "decode"):
+        files = sorted((ROOT / role).rglob("*.py"))
+        assert files
+        for f in files:
+            for m in imports(f):
+                if top(m) not in OURS or top(m) == role:
+                    continue
+                ok = any(m == allowed or m.startswith(allowed + ".") for allowed in ROLE_MAY_IMPORT)
+                assert ok, f"{f.relative_to(ROOT)} imports {m}; a role imports only {ROLE_MAY_IMPORT} of ours"
+
+
+def _public_functions(tree: ast.Module) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    """Module-level functions and methods of module-level classes whose names are public."""
+    out: list[ast.FunctionDef | ast.AsyncFunctionDef] = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("_"):
+            out.append(node)
+        elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            out.extend(n for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+                       and (not n.name.startswith("_") or n.name == "__init__"))  # fmt: skip
+    return out
+
+
+def test_no_public_function_on_the_request_path_takes_or_returns_a_raw_dict() -> None:
+    files = [f for pkg in ("node", "prefill", "decode") for f in sorted((ROOT / pkg).rglob("*.py"))
+             if not f.relative_to(ROOT).as_posix().startswith("node/engines/vllm")]  # fmt: skip
+    assert files
+    bad = []
+    for f in files:
+        for fn in _public_functions(ast.parse(f.read_text())):
+            a = fn.args
+            annotated = [x.annotation for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg)
+                         if x is not None and x.annotation is not None]  # fmt: skip
+            annotated += [fn.returns] if fn.returns is not None else []
+            if any("dict[str, Any]" in ast.unparse(t).replace("'", "").replace('"', "") for t in annotated):
+                bad.append(f"{f.relative_to(ROOT)}:{fn.lineno} {fn.name}")
+    assert not bad, f"public functions taking or returning dict[str, Any] (use a protocol/ Struct): {bad}"
+
+
 def test_importing_node_loads_no_engine_or_role() -> None:
     code = (
-        "import sys, node.app, node.server, node.completions, node.responder, node.legs, node.engine_api, "
-        "node.engines\n"
+        "import sys, node.app, node.server, node.completions, node.responder, node.legs, node.leg_context, "
+        "node.engine_api, node.engines\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'prefill', 'decode', 'torch'))\n"
         "print(','.join(bad))"
     )

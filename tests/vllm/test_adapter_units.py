@@ -4,6 +4,7 @@ without it; .ci/run runs it in its vLLM stage)."""
 
 from __future__ import annotations
 
+from protocol.kv_params import KVTransferParams
 from protocol.sampling import SamplingParams
 
 
@@ -14,14 +15,14 @@ def test_sampling_params_map_onto_vllms(need_vllm: None) -> None:
 
     p = SamplingParams(max_tokens=7, temperature=0.5, top_k=0, top_p=0.9, seed=3, stop=["\n\n"],
                        stop_token_ids=[2], ignore_eos=True, min_tokens=1, skip_special_tokens=False)  # fmt: skip
-    kv = {"do_remote_decode": True}
+    kv = KVTransferParams(do_remote_decode=True)
     v = vllm_sampling(p, kv)
     assert (v.max_tokens, v.temperature, v.top_p, v.seed, v.stop, v.ignore_eos, v.min_tokens) == (
         7, 0.5, 0.9, 3, ["\n\n"], True, 1)
     assert 2 in v.stop_token_ids and v.skip_special_tokens is False
     assert v.top_k in (0, -1)  # disabled in both spellings vLLM accepts
     assert v.output_kind == RequestOutputKind.DELTA
-    assert v.extra_args == {"kv_transfer_params": kv} and v.extra_args["kv_transfer_params"] is not kv
+    assert v.extra_args == {"kv_transfer_params": {"do_remote_decode": True}}
     assert vllm_sampling(SamplingParams(top_k=5), None).top_k == 5
     assert not vllm_sampling(SamplingParams(), None).extra_args
 

@@ -1,0 +1,266 @@
+"""`duet bench chaos`: the SRE's fault drill. Runs mixed load (interactive streams, non-streamed
+requests, one batch job) against a `duet up` cluster — one it starts (`--up-config`,
+`--up-arg`) or a running one (`--url` with its `--home`) — and SIGKILLs a random process of
+it every `--kill-every` seconds (etcd, coordinators, nodes; the gateway with --kill-gateway).
+
+Prints a table (or `--json`) and writes DIR/chaos.json and DIR/chaos.png:
+- requests answered (tokens or a defined error) and undefined (a connection error, a hang,
+  a cut stream); availability with full tokens; full answers whose text differs from the
+  greedy reference taken before the first kill (undefined with --strict-text);
+- per kill: how long until `duet up` had the process healthy again;
+- KV blocks still held on every node once the load is over (should be 0);
+- usage the gateway recorded since the start against the client's own counts;
+- the batch job's lines: each done exactly once;
+- chaos.png: availability and p99 TTFT over time, the kills marked.
+
+Examples:
+    duet bench chaos --up-config cluster.toml --duration 120 --kill-every 30
+    duet bench chaos --url http://127.0.0.1:8000 --home ~/.cache/duet --duration 600 --kill-every 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from bench.chaos_kill import KINDS, Killer
+from bench.chaos_load import PROMPTS, BatchResult, Record, one_request, references, run_batch
+from bench.chaos_report import plot, render, summarise
+from protocol.ports import free_port
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="duet bench chaos", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    t = p.add_argument_group("target (one of)")
+    t.add_argument("--url", default=None, help="gateway root of a running `duet up` (give its --home to kill processes)")
+    t.add_argument("--home", default=None, help="DUET_HOME of that `duet up` (default $DUET_HOME): its processes and dev key")
+    t.add_argument("--up-config", default=None, metavar="cluster.toml", help="start `duet up --config FILE` in a fresh home")
+    t.add_argument("--up-arg", action="append", default=[], metavar="FLAG",
+                   help="extra `duet up` flag when chaos starts it, repeatable (e.g. --up-arg=--model=/m/tiny)")
+    t.add_argument("--api-key", default=None, help="bearer key (default: the home's dev key)")
+    t.add_argument("--model", default=None, help="model to ask (default: the first the gateway lists)")
+    c = p.add_argument_group("chaos")
+    c.add_argument("--duration", type=float, default=120.0, help="seconds of load (default 120)")
+    c.add_argument("--kill-every", type=float, default=30.0, help="seconds between kills; 0: no kills (default 30)")
+    c.add_argument("--kill", default="etcd,coordinator,prefill,decode,both", metavar="KINDS",
+                   help=f"kinds of process to kill, comma-separated, of {','.join(KINDS)} (default: all but the gateway)")
+    c.add_argument("--kill-gateway", action="store_true", help="also kill the gateway (with one gateway: an outage)")
+    c.add_argument("--seed", type=int, default=0, help="random seed of the victims (default 0)")
+    w = p.add_argument_group("load")
+    w.add_argument("--streams", type=int, default=4, help="interactive streaming clients (default 4)")
+    w.add_argument("--plain", type=int, default=1, help="non-streamed clients (default 1)")
+    w.add_argument("--batch-lines", type=int, default=16, help="lines of the batch job (default 16; 0: none)")
+    w.add_argument("--max-tokens", type=int, default=32, help="max_tokens per request (default 32)")
+    w.add_argument("--strict-text", action="store_true",
+                   help="count a full answer whose greedy text differs from the reference as undefined (default: "
+                        "only counted; bf16 greedy is not batch-invariant)")  # fmt: skip
+    w.add_argument("--request-timeout", type=float, default=60.0, help="a request past this is a hang (default 60)")
+    w.add_argument("--settle", type=float, default=60.0,
+                   help="seconds after the load for killed processes to come back, held KV to be freed and the "
+                        "batch to end (default 60)")  # fmt: skip
+    o = p.add_argument_group("output")
+    o.add_argument("--out", default="chaos-results", help="directory for chaos.json and chaos.png (default chaos-results)")
+    o.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
+    o.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a started `duet up` to be ready")
+    a = p.parse_args(argv)
+    kinds = {k.strip() for k in a.kill.split(",") if k.strip()} | ({"gateway"} if a.kill_gateway else set())
+    if unknown := kinds - set(KINDS):
+        p.error(f"--kill: unknown kinds {sorted(unknown)} (known: {', '.join(KINDS)})")
+    a.kinds = kinds
+    if (a.url is None) == (a.up_config is None and not a.up_arg):
+        p.error("give --url (a running duet up) or --up-config/--up-arg (chaos starts one), not both or neither")
+    if a.duration <= 0 or a.kill_every < 0 or a.streams < 0 or a.plain < 0 or a.streams + a.plain == 0:
+        p.error("--duration must be > 0, --kill-every >= 0, and at least one stream or plain client")
+    return a
+
+
+def _say(msg: str) -> None:
+    print(f"chaos: {msg}", file=sys.stderr, flush=True)
+
+
+class StartedUp:
+    """A `duet up` this run started, in its own temporary home; stopped (SIGTERM, then SIGKILL)
+    at the end, its process logs moved to OUT/logs and the home deleted."""
+
+    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+        self.home = Path(tempfile.mkdtemp(prefix="duet-chaos-"))
+        self.out = out
+        self.port = free_port()
+        flags = ["--config", args.up_config] if args.up_config else []
+        self.log = out / "up.log"
+        env = {**os.environ, "DUET_HOME": str(self.home)}
+        self._log = self.log.open("wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "duet", "up", "--port", str(self.port), "--quiet",
+                                      *flags, *args.up_arg], stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)  # fmt: skip
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        state = self.home / "up" / "state.json"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"duet up exited with {self.proc.returncode}; see {self.log}")
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                if json.loads(state.read_text()).get("ready"):
+                    return
+            time.sleep(0.5)  # readiness polling interval
+        raise RuntimeError(f"duet up not ready after {timeout:.0f} s; see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+        logs = self.out / "logs"
+        shutil.rmtree(logs, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            shutil.move(self.home / "logs", logs)
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+def _get(url: str, key: str | None = None, timeout: float = 10.0) -> Any:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def kv_held(state: dict[str, Any]) -> dict[str, int] | None:
+    """Blocks in use per node (total − free), from any coordinator replica that answers."""
+    for url in state.get("coordinators", []):
+        with contextlib.suppress(urllib.error.URLError, OSError, ValueError, KeyError):
+            nodes = _get(url + "/cluster")["nodes"]
+            return {n["node_id"]: n["load"]["kv_blocks_total"] - n["load"]["kv_blocks_free"]
+                    for n in nodes if n.get("load")}  # fmt: skip
+    return None
+
+
+def usage_since(url: str, key: str, start: float) -> dict[str, Any]:
+    """The gateway's usage totals since `start` (unix seconds); {"error": ...} if it cannot say."""
+    try:
+        rows = _get(f"{url}/v1/usage?start={start:.3f}", key)["data"]
+    except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+        return {"error": f"usage not readable: {e}"}
+    return {f: sum(r[f] for r in rows) for f in ("requests", "prompt_tokens", "completion_tokens")}
+
+
+async def _client(session: aiohttp.ClientSession, a: argparse.Namespace, url: str, key: str, model: str,
+                  kind: str, n: int, refs: dict[int, Any], t0: float, records: list[Record]) -> None:  # fmt: skip
+    i = n
+    while time.monotonic() - t0 < a.duration:
+        prompt = i % len(PROMPTS)
+        rec = await one_request(session, url, key, model, kind, prompt, a.max_tokens, refs[prompt], t0,
+                                a.request_timeout, a.strict_text)  # fmt: skip
+        records.append(rec)
+        i += 1
+        if rec.outcome != "full" and rec.end_s - rec.sent_s < 0.05:
+            await asyncio.sleep(0.05)  # an instant refusal (gateway down): do not spin
+
+
+async def run(a: argparse.Namespace, url: str, key: str, home: Path | None) -> dict[str, Any]:
+    state_file = home / "up" / "state.json" if home else None
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+        model = a.model or (await _models(session, url, key))[0]
+        _say(f"model {model}: greedy references of {len(PROMPTS)} prompts")
+        refs = await references(session, url, key, model, a.max_tokens, a.request_timeout)
+        start_wall, t0 = time.time(), time.monotonic()
+        records: list[Record] = []
+        killer = Killer(state_file, a.kinds, a.kill_every if state_file else 0, a.seed, t0, _say) if state_file else None
+        _say(f"{a.duration:.0f} s of load: {a.streams} stream + {a.plain} plain clients, batch of {a.batch_lines}"
+             + (f"; SIGKILL every {a.kill_every:.0f} s among {sorted(a.kinds)}" if killer and a.kill_every else ""))
+        batch = asyncio.ensure_future(run_batch(session, url, key, model, a.batch_lines, a.max_tokens,
+                                                t0 + a.duration + a.settle))  # fmt: skip
+        clients = [_client(session, a, url, key, model, "stream", i, refs, t0, records) for i in range(a.streams)]
+        clients += [_client(session, a, url, key, model, "plain", i, refs, t0, records) for i in range(a.plain)]
+        await asyncio.gather(*clients, killer.run(a.duration) if killer else asyncio.sleep(0))
+        _say(f"load over: {len(records)} requests; settling (killed processes, held KV, the batch)")
+        if killer:
+            await killer.settle(a.settle)
+        batch_res: BatchResult = await batch
+        held: dict[str, int] | None = None
+        if state_file:
+            deadline = time.monotonic() + a.settle
+            while time.monotonic() < deadline:  # P holds blocks for a pull until its lease ends
+                st = json.loads(state_file.read_text())
+                held = await asyncio.to_thread(kv_held, st)
+                if held is not None and not any(held.values()):
+                    break
+                await asyncio.sleep(1.0)
+        usage = await asyncio.to_thread(usage_since, url, key, start_wall)
+    return summarise(records, killer.kills if killer else [], batch_res, held or {}, usage, a.duration,
+                     max(5.0, a.duration / 24))  # fmt: skip
+
+
+async def _models(session: aiohttp.ClientSession, url: str, key: str) -> list[str]:
+    async with session.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}) as r:
+        return [m["id"] for m in (await r.json())["data"]]
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    up: StartedUp | None = None
+    try:
+        if a.url is None:
+            up = StartedUp(a, out)
+            _say(f"starting duet up (home {up.home}, log {up.log})")
+            up.wait_ready(a.startup_timeout)
+            home, url = up.home, f"http://127.0.0.1:{up.port}"
+        else:
+            home = Path(a.home or os.environ.get("DUET_HOME") or Path.home() / ".cache" / "duet").expanduser()
+            url = a.url.rstrip("/")
+            if not (home / "up" / "state.json").exists():
+                if a.kill_every:
+                    _say(f"no running duet up in {home}: nothing to kill (give --home, or --kill-every 0)")
+                    return 2
+                home = None  # type: ignore[assignment]
+        key = a.api_key or (home and (home / "up" / "dev.key").read_text().strip())
+        if not key:
+            _say("no API key: give --api-key")
+            return 2
+        summary = asyncio.run(run(a, url, key, home))
+    except RuntimeError as e:
+        _say(f"error: {e}")
+        return 1
+    except KeyboardInterrupt:
+        _say("interrupted")
+        return 130
+    finally:
+        if up is not None:
+            _say("stopping the duet up it started")
+            up.stop()
+    (out / "chaos.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary), indent=2))
+    png = plot(summary, out / "chaos.png")
+    if a.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        render(summary)
+        print(f"wrote {out / 'chaos.json'} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

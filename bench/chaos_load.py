@@ -1,0 +1,287 @@
+"""The load `duet bench chaos` runs while it kills processes, and how each answer is judged.
+
+Three kinds of client against the gateway's OpenAI API, all greedy (temperature 0) on a fixed
+set of chat prompts whose reference answers are taken once before the first kill:
+- `stream`: interactive streams (`stream: true`, usage in the last chunk), back to back;
+- `plain`: non-streamed requests, back to back;
+- `batch`: one simple batch job (`POST /v1/batch`), polled until it ends.
+
+Every request ends in one `Outcome`:
+- FULL: the whole answer (`[DONE]` after the content, or a complete JSON body);
+- DEFINED_ERROR: an HTTP error with OpenAI's error body, or an SSE `error` event — the client
+  was told what happened (tokens it got before an error event still count as received);
+- UNDEFINED: a connection error, a hang past the timeout, a stream that ends without `[DONE]`,
+  or an answer that is not OpenAI-shaped.
+
+A full answer whose text or finish reason differs from the reference is flagged
+(`differs_from_reference`). With `strict_text` it is UNDEFINED (the check the issue asks for
+once streams migrate: repeated or missing text); without, it stays FULL and is only counted,
+because greedy decoding on the native engine is not batch-invariant in bf16 (a different batch
+composition can flip a near-tie), so a difference alone does not prove that chaos broke it.
+
+Invariant: a client never raises; a failure is a record, and the run goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from protocol.openai import ErrorBody
+
+#: fixed chat prompts (varied lengths, so some span several KV blocks)
+PROMPTS = (
+    "Say hello.",
+    "List three colours.",
+    "Write one sentence about the sea.",
+    "What is the capital of France? Answer in a sentence.",
+    "Explain in two sentences why the sky looks blue during the day, for a ten year old.",
+    "Count from one to ten in words, separated by commas.",
+    "Give me a short recipe for a cup of tea, in numbered steps, with quantities for one cup.",
+    "Name a planet of the solar system and one fact about it.",
+)
+
+
+class Outcome(enum.StrEnum):
+    FULL = "full"
+    DEFINED_ERROR = "defined_error"
+    UNDEFINED = "undefined"
+
+
+class Record(msgspec.Struct, kw_only=True):
+    kind: str  # stream | plain | batch
+    prompt: int
+    #: seconds since the run's start
+    sent_s: float
+    end_s: float = 0.0
+    outcome: Outcome = Outcome.UNDEFINED
+    cause: str = ""
+    message: str = ""
+    ttft_s: float | None = None
+    #: completion tokens the client received (usage when the answer had it, else chunks)
+    tokens: int = 0
+    #: the gateway answered (a body or a stream), whatever it said: it should have billed it
+    answered: bool = False
+    #: a full answer whose text differs from the greedy reference
+    differs_from_reference: bool = False
+
+
+class Reference(msgspec.Struct, frozen=True, kw_only=True):
+    text: str
+    finish_reason: str | None
+
+
+def chat_body(model: str, prompt: int, max_tokens: int, stream: bool) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": PROMPTS[prompt]}],
+                            "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return body
+
+
+def _error_answer(rec: Record, status: int, raw: bytes) -> Record:
+    rec.answered = True
+    try:
+        err = msgspec.json.decode(raw, type=ErrorBody).error
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        rec.outcome, rec.cause, rec.message = Outcome.UNDEFINED, f"http_{status}_not_openai", raw[:200].decode(errors="replace")
+        return rec
+    rec.outcome, rec.cause, rec.message = Outcome.DEFINED_ERROR, f"http_{status}", err.message[:300]
+    return rec
+
+
+def _judge(rec: Record, text: str, finish: str | None, ref: Reference | None, strict_text: bool) -> Record:
+    rec.outcome, rec.cause = Outcome.FULL, "ok"
+    if ref is not None and (text, finish) != (ref.text, ref.finish_reason):
+        rec.differs_from_reference = True
+        rec.message = f"got {text[:80]!r} ({finish}), reference {ref.text[:80]!r} ({ref.finish_reason})"
+        if strict_text:
+            rec.outcome, rec.cause = Outcome.UNDEFINED, "text_mismatch"
+    return rec
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict[str, Any],
+                  rec: Record, ref: Reference | None, strict_text: bool) -> Record:  # fmt: skip
+    start = time.perf_counter()
+    async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status != 200:
+            return _error_answer(rec, r.status, await r.content.read(4096))
+        rec.answered = True
+        parts: list[str] = []
+        finish, usage, event, chunks, done = None, None, "", 0, False
+        async for raw in r.content:
+            line = raw.decode().rstrip("\r\n")
+            if not line:
+                event = ""
+                continue
+            if line.startswith("event:"):
+                event = line[6:].strip()
+                continue
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                done = True
+                break
+            chunk = json.loads(data)
+            if event == "error" or "error" in chunk:
+                err = chunk.get("error", chunk)
+                rec.outcome, rec.cause = Outcome.DEFINED_ERROR, "sse_error"
+                rec.message = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+                rec.tokens = chunks
+                return rec
+            for choice in chunk.get("choices") or []:
+                piece = (choice.get("delta") or {}).get("content") or ""
+                if piece:
+                    if rec.ttft_s is None:
+                        rec.ttft_s = time.perf_counter() - start
+                    parts.append(piece)
+                    chunks += 1
+                finish = choice.get("finish_reason") or finish
+            if isinstance(chunk.get("usage"), dict):
+                usage = chunk["usage"].get("completion_tokens")
+        rec.tokens = usage if isinstance(usage, int) else chunks
+        if not done:
+            rec.outcome, rec.cause = Outcome.UNDEFINED, "incomplete_stream"
+            rec.message = f"the stream ended after {chunks} chunks without [DONE]"
+            return rec
+        return _judge(rec, "".join(parts), finish, ref, strict_text)
+
+
+async def _plain(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict[str, Any],
+                 rec: Record, ref: Reference | None, strict_text: bool) -> Record:  # fmt: skip
+    async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+        raw = await r.read()
+        if r.status != 200:
+            return _error_answer(rec, r.status, raw)
+    rec.answered = True
+    answer = json.loads(raw)
+    choice = answer["choices"][0]
+    rec.tokens = int(answer["usage"]["completion_tokens"])
+    return _judge(rec, choice["message"]["content"] or "", choice.get("finish_reason"), ref, strict_text)
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, key: str, model: str, kind: str, prompt: int,
+                      max_tokens: int, ref: Reference | None, t0: float, timeout: float,
+                      strict_text: bool = False) -> Record:  # fmt: skip
+    rec = Record(kind=kind, prompt=prompt, sent_s=time.monotonic() - t0)
+    headers = {"Authorization": f"Bearer {key}"}
+    body = chat_body(model, prompt, max_tokens, stream=kind == "stream")
+    try:
+        async with asyncio.timeout(timeout):
+            if kind == "stream":
+                await _stream(session, url, headers, body, rec, ref, strict_text)
+            else:
+                await _plain(session, url, headers, body, rec, ref, strict_text)
+    except TimeoutError:
+        rec.outcome, rec.cause, rec.message = Outcome.UNDEFINED, "timeout", f"no complete answer within {timeout:g} s"
+    except (aiohttp.ClientError, ConnectionError) as e:
+        rec.outcome, rec.cause, rec.message = Outcome.UNDEFINED, "connection_error", f"{type(e).__name__}: {e}"[:300]
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        rec.outcome, rec.cause, rec.message = Outcome.UNDEFINED, "bad_response", f"{type(e).__name__}: {e}"[:300]
+    rec.end_s = time.monotonic() - t0
+    return rec
+
+
+async def references(session: aiohttp.ClientSession, url: str, key: str, model: str, max_tokens: int,
+                     timeout: float) -> dict[int, Reference]:  # fmt: skip
+    """Each prompt's greedy answer on the whole cluster, before any kill (three tries each)."""
+    refs: dict[int, Reference] = {}
+    headers = {"Authorization": f"Bearer {key}"}
+    for i in range(len(PROMPTS)):
+        last = ""
+        for _ in range(3):
+            try:
+                async with asyncio.timeout(timeout):
+                    async with session.post(url + "/v1/chat/completions", headers=headers,
+                                            json=chat_body(model, i, max_tokens, stream=False)) as r:  # fmt: skip
+                        raw = await r.read()
+                if r.status == 200:
+                    choice = json.loads(raw)["choices"][0]
+                    refs[i] = Reference(text=choice["message"]["content"] or "", finish_reason=choice.get("finish_reason"))
+                    break
+                last = f"HTTP {r.status}: {raw[:200]!r}"
+            except (TimeoutError, aiohttp.ClientError) as e:
+                last = repr(e)
+        else:
+            raise RuntimeError(f"no reference answer for prompt {i} before the chaos: {last}")
+    return refs
+
+
+class BatchResult(msgspec.Struct, kw_only=True):
+    batch_id: str | None = None
+    status: str = "not_submitted"
+    lines: int = 0
+    #: custom ids in the output, and how many times each appeared
+    done_once: int = 0
+    duplicated: list[str] = msgspec.field(default_factory=list)
+    missing: list[str] = msgspec.field(default_factory=list)
+    succeeded: int = 0
+    failed: int = 0
+    completion_tokens: int = 0
+    message: str = ""
+
+    @property
+    def exactly_once(self) -> bool:
+        return self.status == "completed" and not self.duplicated and not self.missing
+
+
+async def run_batch(session: aiohttp.ClientSession, url: str, key: str, model: str, lines: int, max_tokens: int,
+                    deadline: float) -> BatchResult:  # fmt: skip
+    """Submit one simple batch of `lines` requests and poll it (through the chaos: a failed poll
+    is retried) until it ends or `deadline` (monotonic) passes."""
+    res = BatchResult(lines=lines)
+    if lines <= 0:
+        return res
+    headers = {"Authorization": f"Bearer {key}"}
+    ids = [f"chaos-{i}" for i in range(lines)]
+    reqs = [{"custom_id": cid, "body": chat_body(model, i % len(PROMPTS), max_tokens, stream=False)}
+            for i, cid in enumerate(ids)]  # fmt: skip
+    while res.batch_id is None and time.monotonic() < deadline:
+        try:
+            async with session.post(url + "/v1/batch", json={"requests": reqs}, headers=headers) as r:
+                body = await r.json(content_type=None)
+                if r.status == 202:
+                    res.batch_id, res.status = body["batch_id"], body["status"]
+                else:
+                    res.message = f"submit: HTTP {r.status}: {str(body)[:200]}"
+        except (aiohttp.ClientError, ValueError, TimeoutError) as e:
+            res.message = f"submit: {e!r}"[:300]
+        if res.batch_id is None:
+            await asyncio.sleep(1.0)  # the gateway may be restarting: try again
+    results = None
+    while res.batch_id is not None and time.monotonic() < deadline:
+        try:
+            async with session.get(f"{url}/v1/batch/{res.batch_id}", headers=headers) as r:
+                body = await r.json(content_type=None)
+            if r.status == 200:
+                res.status = body["status"]
+                if body.get("results") is not None:
+                    results = body["results"]
+                    break
+        except (aiohttp.ClientError, ValueError, TimeoutError) as e:
+            res.message = f"poll: {e!r}"[:300]
+        await asyncio.sleep(2.0)  # polling interval of a batch job
+    if results is None:
+        if res.batch_id is not None:
+            res.message = res.message or f"still {res.status} at the deadline"
+        return res
+    seen: dict[str, int] = {}
+    for line in results:
+        seen[line["custom_id"]] = seen.get(line["custom_id"], 0) + 1
+        resp = line.get("response")
+        if resp and resp.get("status_code") == 200:
+            res.succeeded += 1
+            res.completion_tokens += int(resp["body"]["usage"]["completion_tokens"])
+        else:
+            res.failed += 1
+    res.done_once = sum(1 for cid in ids if seen.get(cid) == 1)
+    res.duplicated = sorted(cid for cid, n in seen.items() if n > 1)
+    res.missing = sorted(cid for cid in ids if cid not in seen)
+    return res

@@ -1,0 +1,75 @@
+"""`Leg`: the node's implementation of node.legs.LegContext — one leg of one request, from the
+engine request it queues to the answer it writes.
+
+Every leg (local, prefill, decode; native or vLLM) answers through here, so the answer's shapes
+live in one place: a whole `NodeCompletion` (or its chat form), a stream of
+`NodeCompletionChunk`s (or chat chunks), or a stream holding only an error event. One
+`Responder` per leg keeps the timing and aborts the engine request when an answer does not
+complete.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+from node.chat import ChatChunker, chat_response
+from node.engine_api import EngineStream, KVHandoff, RequestRefused
+from node.legs import Prepared
+from node.responder import Responder
+from node.state import NodeState
+from protocol.node_api import NodeCompletion
+from protocol.openai import APIError
+from protocol.sampling import SamplingParams
+from protocol.sse import SSE_HEADERS, end_stream, error_event
+
+_ENC = msgspec.json.Encoder()
+
+
+class Leg:
+    def __init__(self, state: NodeState, request: web.Request, prep: Prepared, engine_request_id: str) -> None:
+        self.node = state
+        self.request = request
+        self.prep = prep
+        self.engine_request_id = engine_request_id
+        self._responder = Responder(state, prep.request_id, engine_request_id, prep.arrival)
+
+    @property
+    def timing(self) -> dict[str, float]:
+        return self._responder.timing
+
+    async def start(self, params: SamplingParams, handoff: KVHandoff | None = None) -> EngineStream:
+        """Queue the request in the engine; a request the engine refuses is the client's 400
+        (EngineOverloaded and EngineDead propagate: the app answers 503)."""
+        try:
+            return await self.node.engine.add_request(self.engine_request_id, self.prep.prompt_ids, params,
+                                                      self.prep.priority, handoff)  # fmt: skip
+        except RequestRefused as e:
+            raise APIError(400, str(e)) from None
+
+    async def respond(self, stream: EngineStream) -> web.StreamResponse:
+        prep, model = self.prep, self.node.engine.model_name
+        if prep.body.stream:
+            chunker = None
+            if prep.chat:
+                opts = prep.body.stream_options
+                chunker = ChatChunker(prep.request_id, model, include_usage=opts is None or opts.include_usage)
+            return await self._responder.stream(self.request, stream, model, chunker)
+        return self.answer(await self.collect(stream))
+
+    async def collect(self, stream: EngineStream) -> NodeCompletion:
+        return await self._responder.collect(stream, self.node.engine.model_name)
+
+    def answer(self, result: NodeCompletion) -> web.Response:
+        body = chat_response(result) if self.prep.chat else result
+        return web.Response(body=_ENC.encode(body), content_type="application/json",
+                            headers={"X-Request-Id": self.prep.request_id})  # fmt: skip
+
+    async def stream_error(self, err: APIError) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": self.prep.request_id})
+        await resp.prepare(self.request)
+        await end_stream(resp, error_event(err))
+        return resp
+
+    async def abort(self) -> None:
+        await self._responder.abort()

@@ -1,0 +1,91 @@
+"""A gateway's death does not lock a team out, nor give it a free request (issue #22, "Money").
+
+The attack (or the accident): a team with `max_concurrent = 1` has a request in flight when its
+gateway is SIGKILLed. The reservation stayed in the store, unsettled, for the 900 s TTL: the team
+got 429 for a quarter of an hour, and the killed request (whose prompt a provider was already
+computing) was never billed. Now every gateway beats in the store; a restarted gateway reclaims
+the dead instance's reservations once it has been silent for 2.5 heartbeats, billing each
+booked prompt with an `expired` usage record.
+
+Real parts: two gateway processes in turn on one SQLite store, SIGKILL, the official openai
+client; the provider is the local fake (it holds the request until the test ends).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.gateway.helpers import gateway_proc, make_team
+from tests.gateway.test_providers_e2e import FakeServers, external
+from tests.procs import running
+from tests.providers.fakes import API_KEY, Fault
+from tests.wait import wait_for
+
+HEARTBEAT_S = 1.0
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeServers]:
+    servers = FakeServers({"gpt": "openai"})
+    try:
+        yield servers
+    finally:
+        servers.close()
+
+
+def test_a_killed_gateways_reservation_is_reclaimed_and_billed(fake: FakeServers, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
+    models = {"gpt": external(fake.fakes["gpt"], {"in": 10.0, "out": 20.0}, 2)}
+    quotas = {"heartbeat_s": HEARTBEAT_S}
+    first = gateway_proc(tmp_path, models, quotas=quotas)
+    with running(first):
+        key = make_team(first.url, "solo", max_concurrent=1)
+        gpt = fake.fakes["gpt"]
+        fake.loop.call_soon_threadsafe(gpt.faults.append, Fault.hang())
+        seen = len(gpt.requests)
+        client = openai.OpenAI(base_url=first.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+        def in_flight() -> None:
+            with contextlib.suppress(openai.APIError):  # its gateway is killed under it
+                client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "hold on " * 50}],
+                                               max_tokens=8)  # fmt: skip
+
+        t = threading.Thread(target=in_flight, daemon=True)
+        t.start()
+        wait_for(lambda: len(gpt.requests) > seen, 30, "the provider to hold the request")
+        first.proc.kill()
+        first.proc.wait(10)
+        killed_at = time.monotonic()
+    second = gateway_proc(tmp_path, models, quotas=quotas)
+    with running(second):
+        client = openai.OpenAI(base_url=second.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+        def sends() -> bool:
+            try:
+                client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "again"}],
+                                               max_tokens=4)  # fmt: skip
+                return True
+            except openai.RateLimitError as e:
+                assert e.body["code"] == "rate_limit_exceeded" and e.body["param"] == "concurrency", e.body
+                return False
+
+        wait_for(sends, 60, "the team to send again after its gateway's death")
+        back_after = time.monotonic() - killed_at
+    t.join(10)
+    with sqlite3.connect(tmp_path / "gateway.db") as conn:
+        rows = conn.execute("SELECT status, prompt_tokens, cost_usd FROM usage WHERE team_id = 'solo' "
+                            "ORDER BY created_at").fetchall()  # fmt: skip
+    statuses = [r[0] for r in rows]
+    assert statuses == ["expired", "ok"], rows
+    assert rows[0][1] > 0 and rows[0][2] == pytest.approx(rows[0][1] * 10.0 / 1e6), rows[0]
+    # reclaimed within the second gateway's start plus 2.5 silent heartbeats (and a sweep), not 900 s
+    assert back_after < 60, back_after
