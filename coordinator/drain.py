@@ -9,25 +9,18 @@ from __future__ import annotations
 
 import msgspec
 
-from coordinator.registry import decode_node
+from coordinator.cluster_view import ClusterView, NodeRecord
 from coordinator.store import Store, StoreError
-from protocol.cluster import NodeInfo, nodes_prefix
+from protocol.cluster import NodeInfo, NodeStatus
 
 
 class NodeNotFound(KeyError):
     pass
 
 
-async def find_node(store: Store, cluster: str, node_id: str) -> tuple[str, NodeInfo, int, int] | None:
-    """(key, info, mod_revision, lease) of `node_id`'s registration, or None."""
-    kvs, _ = await store.get_prefix(nodes_prefix(cluster))
-    for kv in kvs:
-        if kv.key.rsplit("/", 1)[-1] != node_id:
-            continue
-        info = decode_node(kv.key, kv.value)
-        if info is not None and info.node_id == node_id:
-            return kv.key, info, kv.mod_revision, kv.lease
-    return None
+async def find_node(store: Store, cluster: str, node_id: str) -> NodeRecord | None:
+    """`node_id`'s registration (key, info, revision, lease), or None."""
+    return await ClusterView(store, cluster).node(node_id)
 
 
 async def drain_node(store: Store, cluster: str, node_id: str) -> NodeInfo:
@@ -36,10 +29,9 @@ async def drain_node(store: Store, cluster: str, node_id: str) -> NodeInfo:
         found = await find_node(store, cluster, node_id)
         if found is None:
             raise NodeNotFound(node_id)
-        key, info, revision, lease = found
-        if info.status == "draining":
-            return info
-        new = msgspec.structs.replace(info, status="draining")
-        if await store.replace(key, msgspec.json.encode(new), revision, lease):
+        if found.info.status == NodeStatus.DRAINING:
+            return found.info
+        new = msgspec.structs.replace(found.info, status=NodeStatus.DRAINING)
+        if await store.replace(found.key, msgspec.json.encode(new), found.mod_revision, found.lease):
             return new
     raise StoreError(f"registration of {node_id} kept changing; drain not written")

@@ -1,6 +1,7 @@
 """Coordinator replica membership and leader election over etcd.
 
-Each replica holds one lease (TTL `ttl`, refreshed every TTL/3) and writes its URL under
+Each replica holds one lease (TTL `ttl`, refreshed every TTL/3, by coordinator/lease.py's
+loop, the same one that keeps a node's registration) and writes its URL under
 `/duet/<cluster>/coordinators/<replica_id>` with it, so gateways can find every replica. The
 leader is whoever created `/duet/<cluster>/coordinator/leader` (a create-if-absent
 transaction) with its lease; the others watch that key and campaign when it is deleted, so a
@@ -11,34 +12,53 @@ runs cluster-wide actions.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import enum
 import logging
 
+from coordinator.lease import LeaseHolder, Watcher
 from coordinator.store import Store, StoreError
 from protocol.cluster import coordinators_prefix, leader_key
 
 log = logging.getLogger("duet.coordinator")
 
 
-class Election:
+class ElectionState(enum.StrEnum):
+    """Where this replica stands (the `/cluster` view shows it as is_leader and leader)."""
+
+    LEADER = "leader"
+    FOLLOWER = "follower"
+    #: no leader known: campaigning, or etcd unreachable
+    UNKNOWN = "unknown"
+
+
+class Election(LeaseHolder):
     def __init__(self, store: Store, cluster: str, replica_id: str, url: str, ttl: int) -> None:
-        self.store = store
+        super().__init__(store, ttl, f"coordinator replica {replica_id}")
         self.replica_id = replica_id
         self.url = url
-        self.ttl = ttl
         self.key = leader_key(cluster)
         self.member_key = coordinators_prefix(cluster) + replica_id
-        self.lease = 0
         self.is_leader = False
         #: replica id of the current leader, as last seen (None: unknown / no leader)
         self.leader: str | None = None
 
-    async def _keepalive(self) -> None:
-        while True:
-            await asyncio.sleep(self.ttl / 3)
-            if await self.store.keepalive(self.lease) <= 0:
-                log.warning("coordinator lease lost; joining again")
-                return
+    @property
+    def state(self) -> ElectionState:
+        if self.is_leader:
+            return ElectionState.LEADER
+        return ElectionState.UNKNOWN if self.leader is None else ElectionState.FOLLOWER
+
+    async def attach(self) -> list[Watcher]:
+        await self.store.put(self.member_key, self.url.encode(), self.lease)
+        return [self._campaign()]
+
+    def on_session_end(self) -> None:
+        self.is_leader = False
+
+    def on_down(self, error: Exception) -> None:
+        if self.state is not ElectionState.UNKNOWN and isinstance(error, StoreError):
+            log.warning("etcd unreachable (%s): no longer following or leading", error)
+        self.is_leader, self.leader = False, None
 
     async def _campaign(self) -> None:
         """Become leader, or follow until the leader key goes away; returns to campaign again."""
@@ -67,38 +87,7 @@ class Election:
                     break
                 self.leader = ev.value.decode(errors="replace")
 
-    async def run(self) -> None:
-        backoff = 0.2
-        while True:
-            try:
-                self.lease = await self.store.grant(self.ttl)
-                await self.store.put(self.member_key, self.url.encode(), self.lease)
-                backoff = 0.2
-                tasks = [asyncio.create_task(self._keepalive()), asyncio.create_task(self._campaign())]
-                try:
-                    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for t in tasks:
-                        t.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-                    self.is_leader = False
-                for t in done:
-                    t.result()
-            except StoreError as e:
-                if self.is_leader:
-                    log.warning("etcd unreachable (%s): stepping down as leader", e)
-                self.is_leader, self.leader = False, None
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
-            except Exception:  # a bug must not leave the replica silently out of the election
-                self.is_leader, self.leader = False, None
-                log.exception("election failed; joining again")
-                await asyncio.sleep(1.0)
-
     async def resign(self) -> None:
         """Give up leadership and membership now (clean shutdown): followers need not wait."""
-        lease, self.lease = self.lease, 0
         self.is_leader = False
-        if lease:
-            with contextlib.suppress(StoreError):
-                await self.store.revoke(lease)
+        await self.release()

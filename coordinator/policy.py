@@ -19,12 +19,14 @@ pending) and its KV use.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from coordinator.index import PrefixIndex
 from coordinator.nodes import NodeView, PendingTotals
-from protocol.cluster import kv_layouts_match
+from protocol.cluster import NodeStatus, kv_layouts_match
 from protocol.openai import APIError
 from protocol.route import RouteRequest, RouteResponse, RouteTarget
 
@@ -55,25 +57,63 @@ class PolicyConfig:
     pending_max_age_s: float = 5.0
 
 
+class RouteOutcome(enum.StrEnum):
+    """Which plan won: the metric label of `duet:route_decisions` and the first word of the
+    response's `reason` (refusals count as their error code instead: no_capacity,
+    model_not_found, context_length_exceeded, bad_request)."""
+
+    DISAGGREGATED = "disaggregated"
+    #: the whole prompt is shorter than local_prefill_tokens
+    LOCAL_SHORT = "local_short"
+    #: D holds enough of the prompt that what is left is under local_prefill_tokens
+    LOCAL_CACHED = "local_cached"
+    LOCAL_NO_PREFILL = "local_no_prefill"
+    LOCAL_PREFILL_IS_D = "local_prefill_is_d"
+    LOCAL_P_SATURATED = "local_p_saturated"
+
+
 @dataclass
 class Decision:
     response: RouteResponse
-    #: metric label: disaggregated | local_short | local_cached | local_no_prefill |
-    #: local_prefill_is_d | local_p_saturated (refusals count as their error code:
-    #: no_capacity, model_not_found, context_length_exceeded, bad_request)
-    outcome: str
+    outcome: RouteOutcome
     #: what to add to pending: node id → (seqs, prefill tokens, blocks)
     pending: dict[str, tuple[int, int, int]]
 
 
+@dataclass(slots=True)
+class _Facts:
+    """One request's facts every step of the policy reads."""
+
+    req: RouteRequest
+    n_prompt: int
+    #: prompt + max_tokens: the KV a decode node must have room for
+    need_len: int
+    #: node id → prompt blocks its prefix cache holds (the index's match)
+    matches: dict[str, int]
+    pend: dict[str, PendingTotals]
+    #: node id → prompt tokens it need not compute
+    cached: dict[str, int]
+
+
+class _Plan(NamedTuple):
+    """One decode node's best plan: its total cost, the P (None: prefill on D), and why. (A
+    tuple: one is made per decode candidate per decision, and a frozen dataclass costs more.)"""
+
+    total: float
+    d: NodeView
+    p: NodeView | None
+    outcome: RouteOutcome
+    why: tuple[object, ...]
+
+
 POOL_FALLBACK = "shared"
 _WHY = {
-    "local_short": "{} uncached prompt tokens on D < local_prefill_tokens {threshold}",
-    "local_cached": "{} uncached prompt tokens on D < local_prefill_tokens {threshold}",
-    "local_no_prefill": "no compatible prefill node is usable",
-    "local_prefill_is_d": "D is also the cheapest prefill node",
-    "local_p_saturated": "prefill pool saturated ({} has {} tokens queued)",
-    "disaggregated": "P {} prefill cost {:.0f} ({} uncached)",
+    RouteOutcome.LOCAL_SHORT: "{} uncached prompt tokens on D < local_prefill_tokens {threshold}",
+    RouteOutcome.LOCAL_CACHED: "{} uncached prompt tokens on D < local_prefill_tokens {threshold}",
+    RouteOutcome.LOCAL_NO_PREFILL: "no compatible prefill node is usable",
+    RouteOutcome.LOCAL_PREFILL_IS_D: "D is also the cheapest prefill node",
+    RouteOutcome.LOCAL_P_SATURATED: "prefill pool saturated ({} has {} tokens queued)",
+    RouteOutcome.DISAGGREGATED: "P {} prefill cost {:.0f} ({} uncached)",
 }
 
 
@@ -129,11 +169,29 @@ class Router:
 
     def route(self, req: RouteRequest, nodes: Iterable[NodeView], index: PrefixIndex, now: float) -> Decision:
         validate(req)
-        cfg = self.config
-        # One pass over the cluster: what serves the model, fits the request, and is usable.
+        usable = self._usable(req, nodes, now)
+        pools = _pools(req.tier)
+        r = self._facts(req, usable, index, now)
+        ds = self._admitted(r, usable, pools)
+        ps_all = _by_pool([n for n in usable if n.info.role in ("prefill", "both")], pools)
+        # Prefill costs do not depend on D: compute them once, cheapest first.
+        p_ranked = sorted((self._prefill_cost(n, r.n_prompt - r.cached[n.node_id], r.pend[n.node_id]), n.node_id, n)
+                          for n in ps_all)  # fmt: skip
+        p_cost_of = {node_id: cost for cost, node_id, _ in p_ranked}
+        best: _Plan | None = None
+        for d in ds:
+            plan = self._plan(r, d, p_ranked, p_cost_of)
+            if best is None or (plan.total, d.node_id) < (best.total, best.d.node_id):
+                best = plan
+        assert best is not None
+        return self._decision(r, best, len(ds))
+
+    def _usable(self, req: RouteRequest, nodes: Iterable[NodeView], now: float) -> list[NodeView]:
+        """One pass over the cluster: what serves the model, fits the request, and is usable;
+        the refusal that says why when nothing is."""
         excluded = set(req.exclude) if req.exclude else ()
         need_len = req.num_prompt_tokens + req.max_tokens
-        stale, model = cfg.stale_load_s, req.model
+        stale, model = self.config.stale_load_s, req.model
         n_serving, bs, longest = 0, 1 << 30, 0
         fits = 0
         usable: list[NodeView] = []
@@ -147,7 +205,7 @@ class Router:
             if need_len > info.max_model_len:
                 continue
             fits += 1
-            if info.status == "active" and n.node_id not in excluded and n.ready(now, stale):
+            if info.status == NodeStatus.ACTIVE and n.node_id not in excluded and n.ready(now, stale):
                 usable.append(n)
         if not n_serving:
             raise APIError(404, f"no node serves model {req.model!r}", type_="invalid_request_error",
@@ -163,26 +221,29 @@ class Router:
             raise APIError(503, f"no node serving {req.model!r} can take new work now "
                            f"({fits} registered, none active, reachable and not excluded)",
                            type_="service_unavailable", code="no_capacity")  # fmt: skip
-        pools = _pools(req.tier)
+        return usable
+
+    def _facts(self, req: RouteRequest, usable: list[NodeView], index: PrefixIndex, now: float) -> _Facts:
         matches = index.match(req.block_hashes, [n.node_id for n in usable])
-        pend = {n.node_id: n.pending_totals(now, cfg.pending_max_age_s) for n in usable}
         n_prompt = req.num_prompt_tokens
+        return _Facts(
+            req=req, n_prompt=n_prompt, need_len=n_prompt + req.max_tokens, matches=matches,
+            pend={n.node_id: n.pending_totals(now, self.config.pending_max_age_s) for n in usable},
+            # The last prompt token is always computed (DESIGN §3), so at most n_prompt - 1 cached.
+            cached={n.node_id: min(matches.get(n.node_id, 0) * n.info.block_size, n_prompt - 1) for n in usable},
+        )  # fmt: skip
 
-        # The last prompt token is always computed (DESIGN §3), so at most n_prompt - 1 cached.
-        cached = {n.node_id: min(matches.get(n.node_id, 0) * n.info.block_size, n_prompt - 1) for n in usable}
-
-        def cached_tokens(n: NodeView) -> int:
-            return cached[n.node_id]
-
-        # -- D admission -------------------------------------------------------------------
+    def _admitted(self, r: _Facts, usable: list[NodeView], pools: list[str]) -> list[NodeView]:
+        """D admission: decode-capable nodes with free KV blocks for the prompt and max_tokens,
+        of the first pool that has any; 503 no_capacity (saying why) when none."""
         admitted: list[NodeView] = []
         refused: list[str] = []
         for d in usable:
             if d.info.role not in ("decode", "both"):
                 continue
             assert d.load is not None
-            need = _cdiv(need_len, d.info.block_size) - matches.get(d.node_id, 0)
-            free = d.load.kv_blocks_free - pend[d.node_id].blocks
+            need = _cdiv(r.need_len, d.info.block_size) - r.matches.get(d.node_id, 0)
+            free = d.load.kv_blocks_free - r.pend[d.node_id].blocks
             if free >= need:
                 admitted.append(d)
             else:
@@ -190,63 +251,57 @@ class Router:
         ds = _by_pool(admitted, pools)
         if not ds:
             why = "; ".join(refused) if refused else "no decode-capable node is usable"
-            raise APIError(503, f"no decode node for {req.model!r} in pools {pools} has room: {why}",
+            raise APIError(503, f"no decode node for {r.req.model!r} in pools {pools} has room: {why}",
                            type_="service_unavailable", code="no_capacity")  # fmt: skip
-        ps_all = _by_pool([n for n in usable if n.info.role in ("prefill", "both")], pools)
-        # Prefill costs do not depend on D: compute them once, cheapest first.
-        p_ranked = sorted((self._prefill_cost(n, n_prompt - cached[n.node_id], pend[n.node_id]), n.node_id, n)
-                          for n in ps_all)  # fmt: skip
-        p_cost_of = {node_id: cost for cost, node_id, _ in p_ranked}
+        return ds
 
-        # The reason text is built for the winner only: `why` holds its template's arguments.
-        best: tuple[float, str, NodeView, NodeView | None, str, tuple] | None = None
-        for d in ds:
-            pd = pend[d.node_id]
-            d_cost = self._decode_cost(d, pd)
-            uncached_d = n_prompt - cached[d.node_id]
-            local_cost = self._prefill_cost(d, uncached_d, pd)
-            p: NodeView | None = None
-            if uncached_d < cfg.local_prefill_tokens:
-                outcome = "local_short" if n_prompt < cfg.local_prefill_tokens else "local_cached"
-                why: tuple = (uncached_d,)
-            else:
-                layout = d.info.kv_layout_hash
-                found = next((t for t in p_ranked if kv_layouts_match(t[2].info.kv_layout_hash, layout)), None)
-                if found is None:
-                    outcome, why = "local_no_prefill", ()
-                else:
-                    p_cost, _, p_best = found
-                    if p_cost_of.get(d.node_id) == p_cost:  # on a tie D itself wins: no KV moves
-                        p_best = d
-                    p_queued = p_best.load.queued_prefill_tokens + pend[p_best.node_id].prefill_tokens  # type: ignore[union-attr]
-                    d_queued = d.load.queued_prefill_tokens + pd.prefill_tokens  # type: ignore[union-attr]
-                    if p_best is d:
-                        outcome, why = "local_prefill_is_d", ()
-                    elif p_queued >= cfg.prefill_saturation_tokens and d_queued < cfg.prefill_saturation_tokens:
-                        outcome, why = "local_p_saturated", (p_best.node_id, p_queued)
-                    else:
-                        p, outcome, local_cost = p_best, "disaggregated", p_cost
-                        why = (p.node_id, p_cost, n_prompt - cached[p.node_id])
-            total = d_cost + local_cost
-            if best is None or (total, d.node_id) < (best[0], best[1]):
-                best = (total, d.node_id, d, p, outcome, why)
-        assert best is not None
-        total, _, d, p, outcome, why = best
-        d_blocks = _cdiv(need_len, d.info.block_size) - matches.get(d.node_id, 0)
+    def _plan(self, r: _Facts, d: NodeView, p_ranked: list[tuple[float, str, NodeView]],
+              p_cost_of: dict[str, float]) -> _Plan:  # fmt: skip
+        """The cheapest plan with `d` as the decode node: local prefill, or the cheapest P of
+        D's KV layout. The reason text is built for the winner only: `why` holds its template's
+        arguments."""
+        cfg, pd, n_prompt = self.config, r.pend[d.node_id], r.n_prompt
+        d_cost = self._decode_cost(d, pd)
+        uncached_d = n_prompt - r.cached[d.node_id]
+        local_cost = self._prefill_cost(d, uncached_d, pd)
+        if uncached_d < cfg.local_prefill_tokens:
+            short = n_prompt < cfg.local_prefill_tokens
+            outcome = RouteOutcome.LOCAL_SHORT if short else RouteOutcome.LOCAL_CACHED
+            return _Plan(d_cost + local_cost, d, None, outcome, (uncached_d,))
+        layout = d.info.kv_layout_hash
+        found = next((t for t in p_ranked if kv_layouts_match(t[2].info.kv_layout_hash, layout)), None)
+        if found is None:
+            return _Plan(d_cost + local_cost, d, None, RouteOutcome.LOCAL_NO_PREFILL, ())
+        p_cost, _, p_best = found
+        if p_cost_of.get(d.node_id) == p_cost:  # on a tie D itself wins: no KV moves
+            p_best = d
+        p_queued = p_best.load.queued_prefill_tokens + r.pend[p_best.node_id].prefill_tokens  # type: ignore[union-attr]
+        d_queued = d.load.queued_prefill_tokens + pd.prefill_tokens  # type: ignore[union-attr]
+        if p_best is d:
+            return _Plan(d_cost + local_cost, d, None, RouteOutcome.LOCAL_PREFILL_IS_D, ())
+        if p_queued >= cfg.prefill_saturation_tokens and d_queued < cfg.prefill_saturation_tokens:
+            return _Plan(d_cost + local_cost, d, None, RouteOutcome.LOCAL_P_SATURATED, (p_best.node_id, p_queued))
+        why = (p_best.node_id, p_cost, n_prompt - r.cached[p_best.node_id])
+        return _Plan(d_cost + p_cost, d, p_best, RouteOutcome.DISAGGREGATED, why)
+
+    def _decision(self, r: _Facts, best: _Plan, n_candidates: int) -> Decision:
+        d, p, outcome, cached, n_prompt = best.d, best.p, best.outcome, r.cached, r.n_prompt
+        d_blocks = _cdiv(r.need_len, d.info.block_size) - r.matches.get(d.node_id, 0)
         pending: dict[str, tuple[int, int, int]] = {}
         if p is None:
-            pending[d.node_id] = (1, n_prompt - cached_tokens(d), d_blocks)
+            pending[d.node_id] = (1, n_prompt - cached[d.node_id], d_blocks)
         else:
             pending[d.node_id] = (1, 0, d_blocks)
-            pending[p.node_id] = (0, n_prompt - cached_tokens(p), _cdiv(n_prompt, p.info.block_size))
+            pending[p.node_id] = (0, n_prompt - cached[p.node_id], _cdiv(n_prompt, p.info.block_size))
         load = d.load
         assert load is not None
-        reason = (f"{outcome}: {_WHY[outcome].format(*why, threshold=cfg.local_prefill_tokens)}; D {d.node_id} (pool {d.info.pool}, running {load.num_requests_running}, "
+        why = _WHY[outcome].format(*best.why, threshold=self.config.local_prefill_tokens)
+        reason = (f"{outcome}: {why}; D {d.node_id} (pool {d.info.pool}, running {load.num_requests_running}, "
                   f"waiting {load.num_requests_waiting}, kv {load.kv_cache_usage_perc:.2f}, "
-                  f"{cached_tokens(d)} cached) total cost {total:.0f} among {len(ds)} decode candidate(s)")  # fmt: skip
+                  f"{cached[d.node_id]} cached) total cost {best.total:.0f} among {n_candidates} decode candidate(s)")  # fmt: skip
         resp = RouteResponse(
-            prefill=None if p is None else RouteTarget(node_id=p.node_id, url=p.info.url, cached_tokens=cached_tokens(p)),
-            decode=RouteTarget(node_id=d.node_id, url=d.info.url, cached_tokens=cached_tokens(d)),
+            prefill=None if p is None else RouteTarget(node_id=p.node_id, url=p.info.url, cached_tokens=cached[p.node_id]),
+            decode=RouteTarget(node_id=d.node_id, url=d.info.url, cached_tokens=cached[d.node_id]),
             reason=reason,
         )  # fmt: skip
         return Decision(response=resp, outcome=outcome, pending=pending)

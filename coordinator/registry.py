@@ -1,7 +1,8 @@
 """The node registry: mirrors `/duet/<cluster>/nodes/` from etcd into callbacks.
 
-List the prefix, hand the full set to `on_sync`, then watch from the listed revision and hand
-each change to `on_put` / `on_delete`. When the watch breaks (etcd restarted, network), list
+List the prefix (through coordinator/cluster_view.py, the one reader of membership), hand the
+full set to `on_sync`, then watch from the listed revision and hand each change to `on_put` /
+`on_delete`. When the watch breaks (etcd restarted, network), list
 again: whatever vanished meanwhile is deleted by the next `on_sync`. While etcd is unreachable
 the last known view stays in place (nodes keep serving; a dead one stops reporting load and is
 not routed to).
@@ -13,21 +14,11 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-import msgspec
-
+from coordinator.cluster_view import ClusterView, decode_node
 from coordinator.store import Store, StoreError
 from protocol.cluster import NodeInfo, nodes_prefix
 
 log = logging.getLogger("duet.coordinator")
-_decoder = msgspec.json.Decoder(NodeInfo)
-
-
-def decode_node(key: str, value: bytes) -> NodeInfo | None:
-    try:
-        return _decoder.decode(value)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        log.warning("ignoring unreadable registration %s: %s", key, e)
-        return None
 
 
 class Registry:
@@ -35,6 +26,7 @@ class Registry:
                  on_put: Callable[[NodeInfo], None], on_delete: Callable[[str], None],
                  on_connected: Callable[[bool], None] = lambda ok: None) -> None:  # fmt: skip
         self.store = store
+        self.view = ClusterView(store, cluster)
         self.prefix = nodes_prefix(cluster)
         self.on_sync = on_sync
         self.on_put = on_put
@@ -47,14 +39,9 @@ class Registry:
         backoff, down = 0.2, False
         while True:
             try:
-                kvs, revision = await self.store.get_prefix(self.prefix)
-                nodes: dict[str, NodeInfo] = {}
-                self._keys = {}
-                for kv in kvs:
-                    info = decode_node(kv.key, kv.value)
-                    if info is not None:
-                        nodes[info.node_id] = info
-                        self._keys[kv.key] = info.node_id
+                records, revision = await self.view.nodes()
+                nodes = {r.info.node_id: r.info for r in records}
+                self._keys = {r.key: r.info.node_id for r in records}
                 self.on_sync(nodes)
                 self.on_connected(True)
                 if down:

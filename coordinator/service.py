@@ -26,7 +26,15 @@ from coordinator.policy import Decision, PolicyConfig, Router
 from coordinator.registry import Registry
 from coordinator.store import Store
 from coordinator.subscriber import Subscriber
-from protocol.cluster import DEFAULT_CLUSTER, NODE_TTL_S, NodeInfo
+from protocol.cluster import (
+    DEFAULT_CLUSTER,
+    NODE_TTL_S,
+    ClusterNode,
+    ClusterReport,
+    LoadReport,
+    NodeInfo,
+    PendingReport,
+)
 from protocol.openai import APIError
 from protocol.route import RouteRequest
 
@@ -167,32 +175,32 @@ class Coordinator:
             "etcd_connected": self.etcd_connected,
         }
 
-    def cluster(self) -> dict[str, Any]:
+    def cluster(self) -> ClusterReport:
         now = time.monotonic()
         cfg = self.config.policy
-        nodes = []
-        for v in sorted(self.views.values(), key=lambda v: v.node_id):
-            p = v.pending_totals(now, cfg.pending_max_age_s)
-            load = v.load
-            nodes.append({
-                "node_id": v.node_id, "role": v.info.role, "url": v.info.url, "model": v.info.model,
-                "pool": v.info.pool, "status": v.info.status, "engine_id": v.info.engine_id,
-                "ready": v.ready(now, cfg.stale_load_s), "connected": v.connected,
-                "load_age_s": None if load is None else round(now - v.load_at, 3),
-                "load": None if load is None else {
-                    "waiting": load.num_requests_waiting, "running": load.num_requests_running,
-                    "kv_cache_usage_perc": load.kv_cache_usage_perc,
-                    "queued_prefill_tokens": load.queued_prefill_tokens,
-                    "kv_blocks_free": load.kv_blocks_free, "kv_blocks_total": load.kv_blocks_total,
-                },
-                "pending": {"seqs": p.seqs, "prefill_tokens": p.prefill_tokens, "blocks": p.blocks},
-                "indexed_blocks": self.index.node_block_count(v.node_id),
-                "event_seq": v.seq, "resyncs": v.resyncs, "event_lag_s": round(v.last_event_lag_s, 4),
-            })  # fmt: skip
-        return {
-            "cluster": self.config.cluster, "replica_id": self.replica_id,
-            "leader": self.election.leader, "is_leader": self.election.is_leader,
-            "etcd_connected": self.etcd_connected,
-            "index_blocks": len(self.index), "index_max_blocks": self.index.max_blocks,
-            "nodes": nodes,
-        }  # fmt: skip
+        return ClusterReport(
+            cluster=self.config.cluster, replica_id=self.replica_id,
+            leader=self.election.leader, is_leader=self.election.is_leader,
+            etcd_connected=self.etcd_connected,
+            index_blocks=len(self.index), index_max_blocks=self.index.max_blocks,
+            nodes=[self._node_report(v, now, cfg) for v in sorted(self.views.values(), key=lambda v: v.node_id)],
+        )  # fmt: skip
+
+    def _node_report(self, v: NodeView, now: float, cfg: PolicyConfig) -> ClusterNode:
+        p = v.pending_totals(now, cfg.pending_max_age_s)
+        load = v.load
+        return ClusterNode(
+            node_id=v.node_id, role=v.info.role, url=v.info.url, model=v.info.model,
+            pool=v.info.pool, status=v.info.status, engine_id=v.info.engine_id,
+            ready=v.ready(now, cfg.stale_load_s), connected=v.connected,
+            load_age_s=None if load is None else round(now - v.load_at, 3),
+            load=None if load is None else LoadReport(
+                waiting=load.num_requests_waiting, running=load.num_requests_running,
+                kv_cache_usage_perc=load.kv_cache_usage_perc,
+                queued_prefill_tokens=load.queued_prefill_tokens,
+                kv_blocks_free=load.kv_blocks_free, kv_blocks_total=load.kv_blocks_total,
+            ),
+            pending=PendingReport(seqs=p.seqs, prefill_tokens=p.prefill_tokens, blocks=p.blocks),
+            indexed_blocks=self.index.node_block_count(v.node_id),
+            event_seq=v.seq, resyncs=v.resyncs, event_lag_s=round(v.last_event_lag_s, 4),
+        )  # fmt: skip

@@ -3,6 +3,9 @@
 
 Without flags it reads `$DUET_HOME/up/state.json`, written by the running `duet up`; with
 `--coordinator URL[,URL]` it asks any coordinator replica of any cluster (`GET /cluster`).
+With etcd (`--etcd URL`, or the running `duet up`'s) it also lists what is registered there
+(coordinator/cluster_view.py): the replicas alive, asked first, and every node, shown even when
+no coordinator answers.
 Exit code 0 when every node is ready, 1 when some is not, no coordinator answers, or `duet up`
 left a crash-looping process down.
 """
@@ -10,12 +13,18 @@ left a crash-looping process down.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import sys
 import urllib.error
 import urllib.request
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    from coordinator.cluster_view import ClusterSnapshot
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,6 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--coordinator", default=None, metavar="URL[,URL]",
                    help="coordinator replica(s) to ask (default: the running `duet up`'s)")  # fmt: skip
+    p.add_argument("--etcd", default=None, metavar="URL",
+                   help="etcd to list registered nodes and replicas from (default: the running `duet up`'s)")
+    p.add_argument("--cluster", default="default", help="cluster name in etcd (with --etcd; default 'default')")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.set_defaults(func=_run)
 
@@ -44,8 +56,33 @@ def _alive(pid: int | None) -> bool:
     return True
 
 
-def collect(coordinators: list[str], state: dict[str, Any] | None) -> dict[str, Any]:
+def registered(etcd: str, cluster: str) -> ClusterSnapshot | str:
+    """Nodes and coordinator replicas registered in etcd, or why they could not be read."""
+    from coordinator.cluster_view import ClusterView
+    from coordinator.etcd_store import EtcdStore
+    from coordinator.store import StoreError
+
+    async def read() -> ClusterSnapshot:
+        store = EtcdStore(etcd, timeout=2.0)
+        try:
+            return await ClusterView(store, cluster).read()
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(read())
+    except (StoreError, ValueError) as e:
+        return f"etcd {etcd}: {e}"
+
+
+def collect(coordinators: list[str], state: dict[str, Any] | None,
+            members: ClusterSnapshot | str | None = None) -> dict[str, Any]:  # fmt: skip
     out: dict[str, Any] = {"cluster": None, "coordinator": None, "errors": []}
+    if isinstance(members, str):
+        out["etcd_error"] = members
+    elif members is not None:  # the replicas alive in etcd first, then any other one given
+        coordinators = members.coordinators + [u for u in coordinators if u not in members.coordinators]
+        out["registered"] = {"coordinators": members.coordinators, "nodes": msgspec.to_builtins(members.nodes)}
     for url in coordinators:
         try:
             out["cluster"], out["coordinator"] = _get(url + "/cluster"), url
@@ -80,6 +117,7 @@ def render(info: dict[str, Any]) -> None:
     cl = info["cluster"]
     if cl is None:
         con.print(f"[red]no coordinator answered[/]: {'; '.join(info['errors']) or 'none given'}")
+        _render_registered(con, info.get("registered"), info.get("etcd_error"))
         return
     con.print(f"[bold]cluster[/] {cl['cluster']}  leader {cl['leader']}  (asked {cl['replica_id']} at "
               f"{info['coordinator']}; etcd {'connected' if cl['etcd_connected'] else '[red]disconnected[/]'})  "
@@ -95,21 +133,45 @@ def render(info: dict[str, Any]) -> None:
     con.print(t)
 
 
+def _render_registered(con: Any, reg: dict[str, Any] | None, error: str | None) -> None:
+    """What etcd says, for when no coordinator can say more (load, readiness)."""
+    from rich.table import Table
+
+    if error:
+        con.print(f"[red]cannot list the cluster from etcd[/]: {error}")
+    if not reg:
+        return
+    con.print(f"[bold]registered in etcd[/]: coordinators {', '.join(reg['coordinators']) or 'none'}")
+    t = Table("node", "role", "model", "pool", "status", "url")
+    for n in reg["nodes"]:
+        t.add_row(n["node_id"], n["role"], n["model"], n["pool"], n["status"], n["url"])
+    con.print(t)
+
+
 def _run(args: argparse.Namespace) -> int:
     from duet.cli import UsageError
     from duet.up_home import UpHome
 
     state = None
-    if args.coordinator:
-        coords = [u.strip().rstrip("/") for u in args.coordinator.split(",") if u.strip()]
+    if args.etcd:
+        from coordinator.store import parse_etcd_url
+
+        try:
+            parse_etcd_url(args.etcd)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    if args.coordinator or args.etcd:
+        coords = [u.strip().rstrip("/") for u in (args.coordinator or "").split(",") if u.strip()]
     else:
         home = UpHome.current()
         state = home.read_state()
         if state is None or not _alive(state.get("pid")):
             raise UsageError(f"no `duet up` is running with DUET_HOME={home.root}; "
-                             "give --coordinator URL for another cluster")  # fmt: skip
+                             "give --coordinator URL or --etcd URL for another cluster")  # fmt: skip
         coords = state["coordinators"]
-    info = collect(coords, state)
+    etcd = args.etcd or (state or {}).get("etcd")
+    cluster = args.cluster if args.etcd or state is None else state.get("cluster", args.cluster)
+    info = collect(coords, state, registered(etcd, cluster) if etcd else None)
     if args.json:
         json.dump(info, sys.stdout, indent=2)
         print()

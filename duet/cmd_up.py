@@ -263,17 +263,12 @@ def _run(args: argparse.Namespace) -> int:
 
     key, created = dev_key(home)
     admin = admin_key(home)
-    etcd_port, etcd_peer = free_port(), free_port()
-    etcd_url = f"http://127.0.0.1:{etcd_port}"
-    from coordinator.etcd_server import etcd_binary
+    from coordinator.etcd_server import EtcdServer
 
-    # The same single-member etcd as coordinator.etcd_server.EtcdServer, run as a supervised child.
-    peer = f"http://127.0.0.1:{etcd_peer}"
-    etcd = Child("etcd", [etcd_binary(), "--name", "duet", "--data-dir", str(home.etcd_data / "member-data"),
-                          "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
-                          "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                          "--initial-cluster", f"duet={peer}", "--log-level", "warn"],
-                 home.logs / "etcd.log", etcd_url + "/health")  # fmt: skip
+    # The same single-member etcd as the tests', run as a supervised child.
+    etcd_server = EtcdServer(home.etcd_data)
+    etcd_url = etcd_server.url
+    etcd = Child("etcd", etcd_server.command(), home.logs / "etcd.log", etcd_server.health_url)
     coords, coord_urls = [], []
     for i in range(cfg.coordinator.replicas):
         port = free_port()

@@ -1,5 +1,5 @@
 """The gateway's own view of the cluster, read from etcd (`--etcd`): coordinator replicas and
-active nodes per model (protocol.cluster keys).
+active nodes per model, through the one reader of membership (coordinator/cluster_view.py).
 
 It lets the gateway find every coordinator replica without a list, and route on its own
 (least-loaded by its in-flight counts, through `StaticRouter`) when no coordinator answers.
@@ -13,35 +13,16 @@ Invariant: node URLs come only from NodeInfo records nodes registered, never fro
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterable
-from urllib.parse import urlparse
 
-import aetcd
-import msgspec
-
+from coordinator.cluster_view import ClusterSnapshot, ClusterView
+from coordinator.etcd_store import EtcdStore
+from coordinator.store import Store
 from gateway.config import StaticNodes
-from protocol.cluster import NodeInfo, coordinators_prefix, nodes_prefix
+from protocol.cluster import NodeInfo, NodeStatus
 
 log = logging.getLogger("duet.gateway.etcd")
-_NODE = msgspec.json.Decoder(NodeInfo)
-
-
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    u = urlparse(endpoint if "://" in endpoint else f"http://{endpoint}")
-    return u.hostname or "127.0.0.1", u.port or 2379
-
-
-def _coordinator_url(value: bytes) -> str | None:
-    """A replica's registration: its URL, or a JSON object with `url`."""
-    text = value.decode(errors="replace").strip()
-    if text.startswith("{"):
-        with contextlib.suppress(msgspec.DecodeError, AttributeError):
-            url = msgspec.json.decode(value).get("url")
-            return url if isinstance(url, str) else None
-        return None
-    return text if text.startswith(("http://", "https://")) else None
 
 
 def pools_from(infos: Iterable[NodeInfo]) -> dict[str, StaticNodes]:
@@ -50,7 +31,7 @@ def pools_from(infos: Iterable[NodeInfo]) -> dict[str, StaticNodes]:
     pools: dict[str, dict[str, list[str]]] = {}
     layouts: dict[str, dict[str, str]] = {}
     for info in infos:
-        if info.status != "active":
+        if info.status != NodeStatus.ACTIVE:
             continue
         pools.setdefault(info.model, {"prefill": [], "decode": [], "both": []})[info.role].append(info.url)
         layouts.setdefault(info.model, {})[info.url] = info.kv_layout_hash
@@ -59,9 +40,12 @@ def pools_from(infos: Iterable[NodeInfo]) -> dict[str, StaticNodes]:
 
 
 class EtcdView:
-    def __init__(self, endpoint: str, cluster: str, interval_s: float = 2.0) -> None:
-        self.host, self.port = parse_endpoint(endpoint)
-        self.cluster = cluster
+    def __init__(self, endpoint: str, cluster: str, interval_s: float = 2.0, store: Store | None = None) -> None:
+        #: the store is the view's own unless given (then the caller closes it)
+        self._owned = store is None
+        self.store: Store = store if store is not None else EtcdStore(endpoint)
+        self.endpoint = endpoint
+        self.view = ClusterView(self.store, cluster)
         self.interval_s = interval_s
         self.coordinators: list[str] = []
         self.nodes: dict[str, StaticNodes] = {}
@@ -70,41 +54,27 @@ class EtcdView:
     def pool(self, model: str) -> StaticNodes | None:
         return self.nodes.get(model)
 
-    async def refresh(self, client: aetcd.Client) -> None:
-        coords = []
-        for kv in await client.get_prefix(coordinators_prefix(self.cluster).encode()):
-            url = _coordinator_url(kv.value)
-            if url:
-                coords.append(url)
-        infos = []
-        for kv in await client.get_prefix(nodes_prefix(self.cluster).encode()):
-            try:
-                infos.append(_NODE.decode(kv.value))
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                log.warning("ignoring a malformed node record at %s", kv.key.decode(errors="replace"))
-        self.coordinators = sorted(coords)
-        self.nodes = pools_from(infos)
+    def apply(self, snap: ClusterSnapshot) -> None:
+        self.coordinators = snap.coordinators
+        self.nodes = pools_from(snap.nodes)
         self.loaded.set()
+
+    async def refresh(self) -> None:
+        self.apply(await self.view.read())
 
     async def run(self) -> None:
         warned = False
         while True:
             try:
-                async with aetcd.Client(host=self.host, port=self.port, timeout=5) as client:
-                    while True:
-                        await self.refresh(client)
-                        if warned:
-                            log.info("etcd at %s:%d is reachable again", self.host, self.port)
-                            warned = False
-                        await asyncio.sleep(self.interval_s)
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
+                await self.refresh()
+                if warned:
+                    log.info("etcd at %s is reachable again", self.endpoint)
+                    warned = False
+            except Exception as e:  # StoreError, or a bug: either way keep the last view and retry
                 if not warned:
-                    log.warning("cannot read the cluster from etcd at %s:%d (%s); keeping the last view",
-                                self.host, self.port, e)  # fmt: skip
+                    log.warning("cannot read the cluster from etcd (%s); keeping the last view", e)
                     warned = True
-                await asyncio.sleep(self.interval_s)
+            await asyncio.sleep(self.interval_s)
 
     async def lifecycle(self, first_load_timeout_s: float = 5.0) -> AsyncIterator[None]:
         task = asyncio.ensure_future(self.run())
@@ -115,3 +85,5 @@ class EtcdView:
         yield
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+        if self._owned:
+            await self.store.close()

@@ -1,8 +1,8 @@
 """Where a request runs: the `Router` interface and its implementations.
 
-- `CoordinatorRouter` asks the coordinator (`POST /route`, protocol.route), trying each
-  replica in turn under a short timeout; a 404/503 from a replica is the cluster's answer, a
-  connection error or timeout moves on to the next replica.
+- `CoordinatorRouter` asks the coordinator (`POST /route`, protocol.route) through
+  coordinator/client.py's `RouteClient`, the one route client: each replica in turn under a
+  short timeout; a 4xx or a 503 no_capacity is the cluster's answer, anything else moves on.
 - `StaticRouter` picks among node URLs listed in gateway.toml (prefill/decode pairs, or
   colocated `both` nodes), least-loaded by this gateway's own in-flight counts. A real mode
   for small deployments (like vLLM's P/D proxy), and the view used when no coordinator answers.
@@ -23,16 +23,14 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import aiohttp
-import msgspec
 
+from coordinator.client import CoordinatorUnavailable, RouteClient, RouteError
 from gateway.config import StaticNodes
 from protocol.cluster import kv_layouts_match
-from protocol.openai import APIError, parse_error
+from protocol.openai import APIError
 from protocol.route import RouteRequest, RouteResponse, RouteTarget
 
 log = logging.getLogger("duet.gateway.routing")
-_ROUTE_DEC = msgspec.json.Decoder(RouteResponse)
-_ENC = msgspec.json.Encoder()
 
 
 class NoRouterAnswer(Exception):
@@ -101,34 +99,19 @@ class StaticRouter(Router):
 
 
 class CoordinatorRouter(Router):
+    """The coordinator replicas through coordinator/client.py::RouteClient (its rule says which
+    answer is final); its errors in the gateway's terms."""
+
     def __init__(self, session: aiohttp.ClientSession, urls: Callable[[], list[str]], timeout_s: float) -> None:
-        self._session = session
-        self._urls = urls
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
-        self._preferred = 0  # the replica that answered last goes first next time
+        self._client = RouteClient(urls, session, timeout_s)
 
     async def route(self, req: RouteRequest) -> RouteResponse:
-        urls = self._urls()
-        if not urls:
-            raise NoRouterAnswer("no coordinator replica is known")
-        errors = []
-        for i in range(len(urls)):
-            k = (self._preferred + i) % len(urls)
-            url = urls[k].rstrip("/") + "/route"
-            try:
-                async with self._session.post(url, data=_ENC.encode(req), timeout=self._timeout,
-                                              headers=_headers(req)) as r:  # fmt: skip
-                    body = await r.read()
-                    if r.status == 200:
-                        self._preferred = k
-                        return _ROUTE_DEC.decode(body)
-                    if r.status in (400, 404, 503):
-                        self._preferred = k
-                        raise _api_error(r.status, body, r.headers.get("Retry-After"))
-                    errors.append(f"{url}: HTTP {r.status}")
-            except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as e:
-                errors.append(f"{url}: {type(e).__name__}: {e}")
-        raise NoRouterAnswer("; ".join(errors))
+        try:
+            return await self._client.route(req)
+        except CoordinatorUnavailable as e:
+            raise NoRouterAnswer(str(e)) from None
+        except RouteError as e:
+            raise _api_error(e) from None
 
 
 class FailoverRouter(Router):
@@ -146,20 +129,11 @@ class FailoverRouter(Router):
             return await self.fallback.route(req)
 
 
-def _headers(req: RouteRequest) -> dict[str, str]:
-    h = {"Content-Type": "application/json"}
-    if req.request_id:
-        h["X-Request-Id"] = req.request_id
-    return h
-
-
-def _api_error(status: int, body: bytes, retry_after: str | None) -> APIError:
-    err = parse_error(status, body)
-    if status == 400:  # our request was malformed: the gateway's bug, not the client's
-        return APIError(500, f"the coordinator refused the route request: {err.message}", type_="internal_error")
-    try:
-        retry = float(retry_after) if retry_after is not None else None
-    except ValueError:
-        retry = None
-    return APIError(status, err.message, type_="service_unavailable" if status == 503 else "invalid_request_error",
-                    code=err.code or ("no_capacity" if status == 503 else "model_not_found"), retry_after_s=retry)  # fmt: skip
+def _api_error(e: RouteError) -> APIError:
+    """The cluster's final answer for the client: its 404/503 as they are; any other 4xx means
+    the gateway asked wrongly (its bug, or its cluster secret), not the client."""
+    if e.status not in (404, 503):
+        return APIError(500, f"the coordinator refused the route request: {e.message}", type_="internal_error")
+    return APIError(e.status, e.message, type_="service_unavailable" if e.status == 503 else "invalid_request_error",
+                    code=e.code or ("no_capacity" if e.status == 503 else "model_not_found"),
+                    retry_after_s=e.retry_after_s)  # fmt: skip

@@ -1,7 +1,8 @@
 """The node's membership in the cluster: its NodeInfo in etcd, kept alive, and drain.
 
 With `--etcd URL` the node writes `NodeInfo` under `/duet/<cluster>/nodes/<role>/<node_id>`
-bound to a lease of `NODE_TTL_S` seconds, refreshed every TTL/3. If the lease is lost (etcd
+bound to a lease of `NODE_TTL_S` seconds, refreshed every TTL/3 by coordinator/lease.py's loop
+(the one a coordinator replica's election runs on too). If the lease is lost (etcd
 restarted empty, a long partition) or the key disappears, it registers again by itself; while
 etcd is unreachable it keeps serving what it has, logs that once per outage and exports
 `duet:etcd_registered 0`.
@@ -24,49 +25,63 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 from aiohttp import web
 from prometheus_client import Gauge
 
+from coordinator.lease import LeaseHolder, Watcher
 from coordinator.store import Store, StoreError
-from protocol.cluster import NODE_TTL_S, NodeInfo, node_key
+from protocol.cluster import NODE_TTL_S, NodeInfo, NodeStatus, node_key
 
 log = logging.getLogger("duet.node")
-_RETRY_MAX_S = 2.0
+#: how often a status change (drain, shutdown) is published and a drained node checked
 _WATCH_TICK_S = 0.25
 
 
-class Registration:
-    def __init__(self, store: Store, info: NodeInfo, cluster: str, ttl: int, *,
-                 is_busy: Callable[[], bool], shutting_down: Callable[[], bool],
-                 exit_when_drained: bool, registry: Any = None) -> None:  # fmt: skip
-        self.store = store
-        self.info = info
+@dataclass(frozen=True)
+class DrainHooks:
+    """What registration asks the node about draining."""
+
+    #: a request in flight, or KV held for a decode node
+    is_busy: Callable[[], bool]
+    #: SIGTERM's grace period has begun
+    shutting_down: Callable[[], bool]
+    #: `--exit-when-drained`: exit once a drain finds the node idle
+    exit_when_drained: bool = False
+
+
+class Registration(LeaseHolder):
+    def __init__(self, store: Store, info: NodeInfo, cluster: str, ttl: int, drain: DrainHooks,
+                 registry: Any = None) -> None:  # fmt: skip
         self.key = node_key(cluster, info.role, info.node_id)
-        self.ttl = ttl
-        self.is_busy = is_busy
-        self.shutting_down = shutting_down
-        self.exit_when_drained = exit_when_drained
-        self.lease = 0
+        super().__init__(store, ttl, self.key, tick_s=_WATCH_TICK_S)
+        self.info = info
+        self.is_busy = drain.is_busy
+        self.shutting_down = drain.shutting_down
+        self.exit_when_drained = drain.exit_when_drained
         self.registered = False
         self.drain_requested = False
+        self._published = NodeStatus.ACTIVE
+        self._outage_since: float | None = None
         self._encoder = msgspec.json.Encoder()
         self._g_registered = Gauge("duet:etcd_registered", "1 while this node's etcd registration is alive",
                                    registry=registry)  # fmt: skip
         self._g_draining = Gauge("duet:node_draining", "1 once this node was asked to drain", registry=registry)
 
     @property
-    def status(self) -> str:
-        return "draining" if self.drain_requested or self.shutting_down() else "active"
+    def status(self) -> NodeStatus:
+        return NodeStatus.DRAINING if self.drain_requested or self.shutting_down() else NodeStatus.ACTIVE
 
     def _set_registered(self, ok: bool) -> None:
         self.registered = ok
         self._g_registered.set(1 if ok else 0)
 
     async def _publish(self) -> None:
-        info = msgspec.structs.replace(self.info, status=self.status)
+        self._published = self.status
+        info = msgspec.structs.replace(self.info, status=self._published)
         await self.store.put(self.key, self._encoder.encode(info), self.lease)
 
     def _on_drain(self, why: str) -> None:
@@ -76,20 +91,40 @@ class Registration:
             log.info("drain requested (%s): no new routes; finishing in-flight work%s", why,
                      ", then exiting" if self.exit_when_drained else "")  # fmt: skip
 
-    # -- one registration ------------------------------------------------------------------
-    async def _register(self) -> int:
-        """Write our key under a fresh lease; returns the revision to watch from."""
-        self.lease = await self.store.grant(self.ttl)
+    def _drained(self) -> bool:
+        return self.drain_requested and self.exit_when_drained and not self.is_busy()
+
+    # -- one registration (a LeaseHolder session) ------------------------------------------
+    async def attach(self) -> list[Watcher]:
+        """Write our key under the fresh lease; watch it from the revision written."""
         old = await self.store.get(self.key)
         if old is not None:
             with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
                 prev = msgspec.json.decode(old.value, type=NodeInfo)
                 # A drain of this very process survives re-registration; a dead predecessor's not.
-                if prev.engine_id == self.info.engine_id and prev.status == "draining":
+                if prev.engine_id == self.info.engine_id and prev.status == NodeStatus.DRAINING:
                     self._on_drain("kept across re-registration")
         await self._publish()
         kv = await self.store.get(self.key)
-        return (kv.mod_revision if kv else 0) + 1
+        return [self._watch_own_key((kv.mod_revision if kv else 0) + 1)]
+
+    def on_up(self) -> None:
+        self._set_registered(True)
+        if self._outage_since is not None:
+            log.info("etcd reachable again after %.1fs; registered as %s", time.monotonic() - self._outage_since, self.key)
+        else:
+            log.info("registered in etcd as %s (lease TTL %ds, pool %s)", self.key, self.ttl, self.info.pool)
+        self._outage_since = None
+
+    def on_down(self, error: Exception) -> None:
+        self._set_registered(False)
+        if self._outage_since is None and isinstance(error, StoreError):
+            self._outage_since = time.monotonic()
+            log.warning("etcd unreachable (%s): still serving in-flight and direct requests; "
+                        "retrying registration", error)  # fmt: skip
+
+    def finished(self) -> bool:
+        return self._drained()
 
     async def _watch_own_key(self, revision: int) -> None:
         async for ev in self.store.watch_prefix(self.key, revision):
@@ -101,74 +136,26 @@ class Registration:
             with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
                 info = msgspec.json.decode(ev.value, type=NodeInfo)
                 ours = info.engine_id == self.info.engine_id
-                if info.status == "draining" and ours and not self.shutting_down():
+                if info.status == NodeStatus.DRAINING and ours and not self.shutting_down():
                     self._on_drain("status set to draining in etcd")
 
-    async def _keepalive(self) -> None:
-        published = self.status
-        next_refresh = time.monotonic() + self.ttl / 3
-        while True:
-            if self.status != published:  # drain or shutdown: tell the routers now
-                await self._publish()
-                published = self.status
-            if self.drain_requested and self.exit_when_drained and not self.is_busy():
-                log.info("drained: deregistering and exiting")
-                # The signal first: deregistering deletes our key, which ends the watcher task,
-                # which cancels this one — a kill sent after the await could be lost, leaving a
-                # drained node running (seen in test_drain under load).
-                os.kill(os.getpid(), signal.SIGTERM)  # the operator's graceful-stop path
-                await self.deregister()
-                return
-            if time.monotonic() >= next_refresh:
-                if await self.store.keepalive(self.lease) <= 0:
-                    log.warning("etcd lease of %s is gone (etcd restarted empty?); registering again", self.key)
-                    return
-                next_refresh = time.monotonic() + self.ttl / 3
-            await asyncio.sleep(_WATCH_TICK_S)
-
-    # -- the loop --------------------------------------------------------------------------
-    async def run(self) -> None:
-        backoff, outage_since = 0.2, None
-        while True:
-            try:
-                revision = await self._register()
-                self._set_registered(True)
-                if outage_since is not None:
-                    log.info("etcd reachable again after %.1fs; registered as %s", time.monotonic() - outage_since, self.key)
-                else:
-                    log.info("registered in etcd as %s (lease TTL %ds, pool %s)", self.key, self.ttl, self.info.pool)
-                outage_since, backoff = None, 0.2
-                tasks = [asyncio.create_task(self._watch_own_key(revision)), asyncio.create_task(self._keepalive())]
-                try:
-                    done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    for t in tasks:
-                        t.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
-                for t in done:
-                    t.result()  # re-raise a StoreError
-                if self.drain_requested and self.exit_when_drained and not self.is_busy():
-                    return
-            except StoreError as e:
-                self._set_registered(False)
-                if outage_since is None:
-                    outage_since = time.monotonic()
-                    log.warning("etcd unreachable (%s): still serving in-flight and direct requests; "
-                                "retrying registration", e)  # fmt: skip
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, _RETRY_MAX_S)
-            except Exception:  # a bug must not leave the node silently unregistered
-                self._set_registered(False)
-                log.exception("etcd registration failed; registering again")
-                await asyncio.sleep(1.0)
+    async def tick(self) -> bool:
+        if self.status != self._published:  # drain or shutdown: tell the routers now
+            await self._publish()
+        if self._drained():
+            log.info("drained: deregistering and exiting")
+            # The signal first: deregistering deletes our key, which ends the watcher task,
+            # which cancels this one — a kill sent after the await could be lost, leaving a
+            # drained node running (seen in test_drain under load).
+            os.kill(os.getpid(), signal.SIGTERM)  # the operator's graceful-stop path
+            await self.deregister()
+            return True
+        return False
 
     async def deregister(self) -> None:
         """Delete our key now (revoking the lease), so no router waits for the TTL."""
-        lease, self.lease = self.lease, 0
         self._set_registered(False)
-        if lease:
-            with contextlib.suppress(StoreError):
-                await self.store.revoke(lease)
+        await self.release()
 
 
 def node_info(state: Any, pool: str) -> NodeInfo:
@@ -197,9 +184,9 @@ def registration_ctx(state: Any) -> Callable[[web.Application], AsyncIterator[No
         def busy() -> bool:
             return state.inflight > 0 or state.engine.stats().get("num_requests_held", 0) > 0
 
-        reg = Registration(store, node_info(state, cfg.pool), cfg.cluster, ttl, is_busy=busy,
-                           shutting_down=lambda: state.draining, exit_when_drained=cfg.exit_when_drained,
-                           registry=state.metrics.registry)  # fmt: skip
+        drain = DrainHooks(is_busy=busy, shutting_down=lambda: state.draining,
+                           exit_when_drained=cfg.exit_when_drained)  # fmt: skip
+        reg = Registration(store, node_info(state, cfg.pool), cfg.cluster, ttl, drain, registry=state.metrics.registry)
         task = asyncio.create_task(reg.run(), name="etcd-registration")
         yield
         task.cancel()

@@ -11,12 +11,21 @@ Invariant: `url` is the only address anyone uses to reach the node; a client nev
 
 from __future__ import annotations
 
+import enum
 from typing import Literal
 
 import msgspec
 
 Role = Literal["prefill", "decode", "both"]
-NodeStatus = Literal["active", "draining"]
+
+
+class NodeStatus(enum.StrEnum):
+    """Whether routers may send a node new work (the wire values are these strings)."""
+
+    ACTIVE = "active"
+    #: finishing in-flight work; no new routes (drain, or SIGTERM's grace period)
+    DRAINING = "draining"
+
 #: etcd lease TTL of a node registration (seconds)
 NODE_TTL_S = 10
 DEFAULT_CLUSTER = "default"
@@ -38,7 +47,7 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int
     #: routing pool label: "shared" (default), "interactive" or "batch"
     pool: str = "shared"
-    status: NodeStatus = "active"
+    status: NodeStatus = NodeStatus.ACTIVE
     #: unix time the node process started
     started_at: float
     #: weight quantization of the served model (None: the model's own dtype)
@@ -74,3 +83,56 @@ def coordinators_prefix(cluster: str) -> str:
     """Coordinator replicas register their URL here (bound to their lease) so gateways can
     find every replica from etcd alone."""
     return f"/duet/{cluster}/coordinators/"
+
+
+# -- GET /cluster: one coordinator replica's view (duet status, operators) ---------------------
+class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
+    """A node's last load frame, as the replica last received it."""
+
+    waiting: int
+    running: int
+    kv_cache_usage_perc: float
+    queued_prefill_tokens: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+
+
+class PendingReport(msgspec.Struct, frozen=True, kw_only=True):
+    """Routing decisions sent to a node that its load frames do not show yet."""
+
+    seqs: int
+    prefill_tokens: int
+    blocks: int
+
+
+class ClusterNode(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    role: Role
+    url: str
+    model: str
+    pool: str
+    status: NodeStatus
+    engine_id: str
+    #: routable now: active, its event stream connected, its load fresh
+    ready: bool
+    connected: bool
+    #: seconds since the last load frame (None: none yet)
+    load_age_s: float | None
+    load: LoadReport | None
+    pending: PendingReport
+    indexed_blocks: int
+    event_seq: int
+    resyncs: int
+    event_lag_s: float
+
+
+class ClusterReport(msgspec.Struct, frozen=True, kw_only=True):
+    cluster: str
+    replica_id: str
+    #: replica id of the leader as this replica last saw it (None: unknown)
+    leader: str | None
+    is_leader: bool
+    etcd_connected: bool
+    index_blocks: int
+    index_max_blocks: int
+    nodes: list[ClusterNode]

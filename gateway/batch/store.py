@@ -1,7 +1,8 @@
 """Durable state of the batch tier: files, batches and one row per request (its claim and,
 once finished, its result). `BatchStore` is the interface; `SqliteBatchStore` is the default
 (stdlib sqlite3 in WAL mode, each call in a worker thread). A PostgreSQL store implements the
-same methods (claims with `SELECT ... FOR UPDATE SKIP LOCKED`).
+same methods (claims with `SELECT ... FOR UPDATE SKIP LOCKED`). The rows and their mapping to
+columns are rows.py's, shared by both.
 
 Invariants:
 - (batch_id, custom_id) is the primary key of `batch_requests`: one row, hence at most one
@@ -18,15 +19,25 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import json
 import sqlite3
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from gateway.batch.models import RequestCounts
+from gateway.batch import rows
+from gateway.batch.rows import (
+    BATCH_COLS,
+    CLAIM_COLS,
+    FILE_COLS,
+    REQUEST_INSERT_COLS,
+    RESULT_COLS,
+    BatchRow,
+    Claimed,
+    FileRow,
+    NewRequest,
+    ResultRow,
+)
 from gateway.private_files import private_dir, private_file
 
 T = TypeVar("T")
@@ -93,82 +104,6 @@ CREATE INDEX IF NOT EXISTS batch_requests_state ON batch_requests (state, not_be
 CREATE INDEX IF NOT EXISTS batch_requests_line ON batch_requests (batch_id, line);
 """
 
-# Request states: pending → running → succeeded | failed; pending → cancelled (batch cancelled)
-# A running row whose lease lapsed counts as pending (its runner died).
-FINISHED = ("succeeded", "failed")
-
-
-@dataclass(frozen=True)
-class FileRow:
-    id: str
-    team_id: str
-    purpose: str
-    filename: str
-    bytes: int
-    created_at: float
-
-
-@dataclass(frozen=True)
-class BatchRow:
-    id: str
-    team_id: str
-    kind: str  # "openai" | "simple"
-    endpoint: str
-    input_file_id: str
-    completion_window: str
-    status: str
-    priority: int
-    metadata: dict[str, str] | None
-    errors: list[dict[str, Any]] | None
-    total: int
-    output_file_id: str | None
-    error_file_id: str | None
-    created_at: float
-    in_progress_at: float | None
-    expires_at: float
-    finalizing_at: float | None
-    completed_at: float | None
-    failed_at: float | None
-    expired_at: float | None
-    cancelling_at: float | None
-    cancelled_at: float | None
-    callback_url: str | None
-    callback_state: str | None
-    callback_attempts: int
-    counts: RequestCounts
-
-
-@dataclass(frozen=True)
-class NewRequest:
-    line: int
-    custom_id: str
-    body: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Claimed:
-    """A request this runner now holds a lease on."""
-
-    batch_id: str
-    custom_id: str
-    line: int
-    body: dict[str, Any]
-    attempts: int  # including this one
-    team_id: str
-    endpoint: str
-
-
-@dataclass(frozen=True)
-class ResultRow:
-    custom_id: str
-    line: int
-    state: str
-    status_code: int | None
-    request_id: str | None
-    response: dict[str, Any] | None
-    error: dict[str, Any] | None
-
-
 class Conflict(Exception):
     """The batch is in a state that does not allow the change."""
 
@@ -211,17 +146,8 @@ class BatchStore(Protocol):
     def close(self) -> None: ...
 
 
-_BATCH_COLS = (
-    "id, team_id, kind, endpoint, input_file_id, completion_window, status, priority, metadata, "
-    "errors, total, output_file_id, error_file_id, created_at, in_progress_at, expires_at, "
-    "finalizing_at, completed_at, failed_at, expired_at, cancelling_at, cancelled_at, "
-    "callback_url, callback_state, callback_attempts"
-)
-_FILE_COLS = "id, team_id, purpose, filename, bytes, created_at"
-
-
-def _loads(text: str | None) -> Any:
-    return None if text is None else json.loads(text)
+def _marks(n: int) -> str:
+    return ",".join("?" * n)
 
 
 class SqliteBatchStore:
@@ -269,7 +195,7 @@ class SqliteBatchStore:
 
     async def get_file(self, team_id: str, file_id: str) -> FileRow | None:
         def q(db: sqlite3.Connection) -> FileRow | None:
-            r = db.execute(f"SELECT {_FILE_COLS} FROM batch_files WHERE id=? AND team_id=? "
+            r = db.execute(f"SELECT {FILE_COLS} FROM batch_files WHERE id=? AND team_id=? "
                            "AND deleted=0", (file_id, team_id)).fetchone()  # fmt: skip
             return FileRow(*r) if r else None
 
@@ -279,12 +205,12 @@ class SqliteBatchStore:
                          limit: int) -> tuple[list[FileRow], bool]:  # fmt: skip
         def q(db: sqlite3.Connection) -> tuple[list[FileRow], bool]:
             cursor = _cursor(db, "batch_files", team_id, after)
-            rows = db.execute(
-                f"SELECT {_FILE_COLS} FROM batch_files WHERE team_id=? AND deleted=0 AND seq<? "
+            found = db.execute(
+                f"SELECT {FILE_COLS} FROM batch_files WHERE team_id=? AND deleted=0 AND seq<? "
                 "AND (? IS NULL OR purpose=?) ORDER BY seq DESC LIMIT ?",
                 (team_id, cursor, purpose, purpose, limit + 1),
             ).fetchall()
-            return [FileRow(*r) for r in rows[:limit]], len(rows) > limit
+            return [FileRow(*r) for r in found[:limit]], len(found) > limit
 
         return await self._read(q)
 
@@ -298,22 +224,10 @@ class SqliteBatchStore:
     # ---- batches ----
     async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest]) -> None:
         def q(db: sqlite3.Connection) -> None:
-            db.execute(
-                "INSERT INTO batches (id, team_id, kind, endpoint, input_file_id, completion_window, "
-                "status, priority, metadata, errors, total, created_at, in_progress_at, expires_at, "
-                "failed_at, callback_url) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-                (row.id, row.team_id, row.kind, row.endpoint, row.input_file_id,
-                 row.completion_window, row.status, row.priority,
-                 None if row.metadata is None else json.dumps(row.metadata),
-                 None if row.errors is None else json.dumps(row.errors), len(requests),
-                 row.created_at, row.in_progress_at, row.expires_at, row.failed_at,
-                 row.callback_url),
-            )  # fmt: skip
-            db.executemany(
-                "INSERT INTO batch_requests (batch_id, custom_id, line, body) VALUES (?,?,?,?)",
-                ((row.id, r.custom_id, r.line, json.dumps(r.body)) for r in requests),
-            )
-            if row.callback_url and row.status == "failed":
+            db.execute(rows.insert_batch_sql(_marks), rows.batch_values(row, len(requests)))
+            db.executemany(f"INSERT INTO batch_requests ({', '.join(REQUEST_INSERT_COLS)}) VALUES (?,?,?,?)",
+                           rows.request_values(row.id, requests))  # fmt: skip
+            if rows.callback_starts_at_creation(row):
                 db.execute("UPDATE batches SET callback_state='pending', callback_next_at=? "
                            "WHERE id=?", (row.created_at, row.id))  # fmt: skip
 
@@ -321,7 +235,7 @@ class SqliteBatchStore:
 
     async def get_batch(self, team_id: str | None, batch_id: str) -> BatchRow | None:
         def q(db: sqlite3.Connection) -> BatchRow | None:
-            r = db.execute(f"SELECT {_BATCH_COLS} FROM batches WHERE id=? AND (? IS NULL OR team_id=?)",
+            r = db.execute(f"SELECT {BATCH_COLS} FROM batches WHERE id=? AND (? IS NULL OR team_id=?)",
                            (batch_id, team_id, team_id)).fetchone()  # fmt: skip
             return _batch_row(db, r) if r else None
 
@@ -331,9 +245,9 @@ class SqliteBatchStore:
                            limit: int) -> tuple[list[BatchRow], bool]:  # fmt: skip
         def q(db: sqlite3.Connection) -> tuple[list[BatchRow], bool]:
             cursor = _cursor(db, "batches", team_id, after)
-            rows = db.execute(f"SELECT {_BATCH_COLS} FROM batches WHERE team_id=? AND seq<? "
+            found = db.execute(f"SELECT {BATCH_COLS} FROM batches WHERE team_id=? AND seq<? "
                               "ORDER BY seq DESC LIMIT ?", (team_id, cursor, limit + 1)).fetchall()  # fmt: skip
-            return [_batch_row(db, r) for r in rows[:limit]], len(rows) > limit
+            return [_batch_row(db, r) for r in found[:limit]], len(found) > limit
 
         return await self._read(q)
 
@@ -351,7 +265,7 @@ class SqliteBatchStore:
                            "state='pending'", (batch_id,))  # fmt: skip
             elif r[0] != "cancelling":
                 raise Conflict(f"a batch that is {r[0]} cannot be cancelled")
-            row = db.execute(f"SELECT {_BATCH_COLS} FROM batches WHERE id=?", (batch_id,)).fetchone()
+            row = db.execute(f"SELECT {BATCH_COLS} FROM batches WHERE id=?", (batch_id,)).fetchone()
             return _batch_row(db, row)
 
         return await self._read(q)
@@ -373,23 +287,19 @@ class SqliteBatchStore:
 
     async def claim_requests(self, worker: str, n: int, lease_s: float, now: float) -> list[Claimed]:
         def q(db: sqlite3.Connection) -> list[Claimed]:
-            rows = db.execute(
-                "SELECT r.batch_id, r.custom_id, r.line, r.body, r.attempts, b.team_id, b.endpoint "
+            found = db.execute(
+                f"SELECT {CLAIM_COLS} "
                 "FROM batch_requests r JOIN batches b ON b.id = r.batch_id "
                 "WHERE b.status='in_progress' AND b.expires_at>? AND ("
                 "  (r.state='pending' AND r.not_before<=?) OR (r.state='running' AND r.lease_until<?)) "
                 "ORDER BY b.priority DESC, b.seq, r.line LIMIT ?",
                 (now, now, now, n),
             ).fetchall()  # fmt: skip
-            out = []
-            for batch_id, custom_id, line, body, attempts, team_id, endpoint in rows:
+            for r in found:
                 db.execute("UPDATE batch_requests SET state='running', claimed_by=?, lease_until=?, "
                            "attempts=attempts+1, started_at=? WHERE batch_id=? AND custom_id=?",
-                           (worker, now + lease_s, now, batch_id, custom_id))  # fmt: skip
-                out.append(Claimed(batch_id=batch_id, custom_id=custom_id, line=line,
-                                   body=json.loads(body), attempts=attempts + 1, team_id=team_id,
-                                   endpoint=endpoint))  # fmt: skip
-            return out
+                           (worker, now + lease_s, now, r[0], r[1]))  # fmt: skip
+            return [rows.claimed(r, attempts=r[4] + 1) for r in found]
 
         return await self._tx(q)
 
@@ -410,9 +320,8 @@ class SqliteBatchStore:
                 "UPDATE batch_requests SET state=?, status_code=?, request_id=?, response=?, "
                 "error=?, finished_at=?, claimed_by=NULL, lease_until=NULL "
                 "WHERE batch_id=? AND custom_id=? AND state='running' AND claimed_by=?",
-                ("succeeded" if ok else "failed", status_code, request_id,
-                 None if response is None else json.dumps(response),
-                 None if error is None else json.dumps(error), now, batch_id, custom_id, worker),
+                ("succeeded" if ok else "failed", status_code, request_id, rows.dumps(response),
+                 rows.dumps(error), now, batch_id, custom_id, worker),
             ).rowcount == 1  # fmt: skip
 
         return await self._tx(q)
@@ -424,7 +333,7 @@ class SqliteBatchStore:
                 "UPDATE batch_requests SET state='pending', not_before=?, error=?, claimed_by=NULL, "
                 "lease_until=NULL, attempts=attempts-? WHERE batch_id=? AND custom_id=? AND "
                 "state='running' AND claimed_by=?",
-                (not_before, json.dumps(error), 0 if spent else 1, batch_id, custom_id, worker),
+                (not_before, rows.dumps(error), 0 if spent else 1, batch_id, custom_id, worker),
             ).rowcount == 1  # fmt: skip
 
         return await self._tx(q)
@@ -455,19 +364,16 @@ class SqliteBatchStore:
 
     async def results(self, batch_id: str) -> list[ResultRow]:
         def q(db: sqlite3.Connection) -> list[ResultRow]:
-            rows = db.execute("SELECT custom_id, line, state, status_code, request_id, response, error "
-                              "FROM batch_requests WHERE batch_id=? ORDER BY line",
-                              (batch_id,)).fetchall()  # fmt: skip
-            return [ResultRow(c, n, s, sc, rid, _loads(resp), _loads(err))
-                    for c, n, s, sc, rid, resp, err in rows]  # fmt: skip
+            found = db.execute(f"SELECT {RESULT_COLS} FROM batch_requests WHERE batch_id=? ORDER BY line",
+                               (batch_id,)).fetchall()  # fmt: skip
+            return [rows.result_row(r) for r in found]
 
         return await self._tx(q)
 
     async def finish_batch(self, worker: str, batch_id: str, status: str, files: Sequence[FileRow],
                            output_file_id: str | None, error_file_id: str | None,
                            now: float) -> bool:  # fmt: skip
-        if status not in ("completed", "expired", "cancelled"):
-            raise ValueError(f"not a final status: {status}")
+        rows.check_final(status)
 
         def q(db: sqlite3.Connection) -> bool:
             n = db.execute(
@@ -482,7 +388,7 @@ class SqliteBatchStore:
             # Requests that never ran now say why, so counts and files agree after the end.
             db.execute("UPDATE batch_requests SET state=?, claimed_by=NULL, lease_until=NULL "
                        "WHERE batch_id=? AND state IN ('pending','running','cancelled')",
-                       ("expired" if status == "expired" else "cancelled", batch_id))  # fmt: skip
+                       (rows.leftover_state(status), batch_id))  # fmt: skip
             for f in files:
                 _insert_file(db, f)
             return True
@@ -491,20 +397,20 @@ class SqliteBatchStore:
 
     async def claim_callbacks(self, worker: str, lease_s: float, now: float) -> list[BatchRow]:
         def q(db: sqlite3.Connection) -> list[BatchRow]:
-            rows = db.execute(f"SELECT {_BATCH_COLS} FROM batches WHERE callback_state='pending' "
-                              "AND callback_next_at<=? AND (lease_until IS NULL OR lease_until<?)",
-                              (now, now)).fetchall()  # fmt: skip
-            for r in rows:
+            found = db.execute(f"SELECT {BATCH_COLS} FROM batches WHERE callback_state='pending' "
+                               "AND callback_next_at<=? AND (lease_until IS NULL OR lease_until<?)",
+                               (now, now)).fetchall()  # fmt: skip
+            for r in found:
                 db.execute("UPDATE batches SET claimed_by=?, lease_until=?, "
                            "callback_attempts=callback_attempts+1 WHERE id=?",
                            (worker, now + lease_s, r[0]))  # fmt: skip
-            return [_batch_row(db, r) for r in rows]
+            return [_batch_row(db, r) for r in found]
 
         return await self._tx(q)
 
     async def callback_result(self, worker: str, batch_id: str, *, delivered: bool,
                               next_at: float | None, error: str | None) -> None:  # fmt: skip
-        state = "delivered" if delivered else ("pending" if next_at is not None else "failed")
+        state = rows.callback_state(delivered, next_at)
 
         def q(db: sqlite3.Connection) -> None:
             db.execute("UPDATE batches SET callback_state=?, callback_next_at=?, callback_error=?, "
@@ -531,8 +437,7 @@ class SqliteBatchStore:
 
 
 def _insert_file(db: sqlite3.Connection, f: FileRow) -> None:
-    db.execute(f"INSERT INTO batch_files ({_FILE_COLS}) VALUES (?,?,?,?,?,?)",
-               (f.id, f.team_id, f.purpose, f.filename, f.bytes, f.created_at))  # fmt: skip
+    db.execute(rows.insert_file_sql(_marks), rows.file_values(f))
 
 
 def _cursor(db: sqlite3.Connection, table: str, team_id: str, after: str | None) -> int:
@@ -547,12 +452,4 @@ def _cursor(db: sqlite3.Connection, table: str, team_id: str, after: str | None)
 def _batch_row(db: sqlite3.Connection, r: Sequence[Any]) -> BatchRow:
     counts = dict(db.execute("SELECT state, COUNT(*) FROM batch_requests WHERE batch_id=? "
                              "GROUP BY state", (r[0],)).fetchall())  # fmt: skip
-    rc = RequestCounts(total=r[10], completed=counts.get("succeeded", 0), failed=counts.get("failed", 0))
-    return BatchRow(
-        id=r[0], team_id=r[1], kind=r[2], endpoint=r[3], input_file_id=r[4], completion_window=r[5],
-        status=r[6], priority=r[7], metadata=_loads(r[8]), errors=_loads(r[9]), total=r[10],
-        output_file_id=r[11], error_file_id=r[12], created_at=r[13], in_progress_at=r[14],
-        expires_at=r[15], finalizing_at=r[16], completed_at=r[17], failed_at=r[18],
-        expired_at=r[19], cancelling_at=r[20], cancelled_at=r[21], callback_url=r[22],
-        callback_state=r[23], callback_attempts=r[24], counts=rc,
-    )  # fmt: skip
+    return rows.batch_row(r, counts)

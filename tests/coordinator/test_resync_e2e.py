@@ -16,13 +16,15 @@ import msgspec
 from aiohttp import web
 
 from coordinator.app import COORDINATOR, make_app
+from coordinator.cluster_view import ClusterView, NodeRecord
 from coordinator.etcd_server import EtcdServer
 from coordinator.etcd_store import EtcdStore
 from coordinator.service import CoordinatorConfig
-from protocol.cluster import NodeInfo, node_key, nodes_prefix
+from protocol.cluster import node_key
 from protocol.kv_events import CONTENT_TYPE, EventBatch, FrameDecoder, encode_frame
 from tests.coordinator.conftest import node
 from tests.procs import free_port, running
+from tests.wait import until
 
 
 class LossyProxy:
@@ -78,8 +80,11 @@ async def scenario(etcd_url: str, node_url: str) -> None:
         pport = free_port()
         await web.TCPSite(prunner, "127.0.0.1", pport).start()
 
-        kvs, _ = await store.get_prefix(nodes_prefix("default"))
-        info = msgspec.json.decode(kvs[0].value, type=NodeInfo)
+        async def registered() -> tuple[NodeRecord, ...]:
+            return (await ClusterView(store, "default").nodes())[0]
+
+        # The node answers /health before its registration task has written its key.
+        info = (await until(registered, 30, "the node's registration in etcd"))[0].info
         fake = msgspec.structs.replace(info, url=f"http://127.0.0.1:{pport}")
         await store.put(node_key("gap", info.role, info.node_id), msgspec.json.encode(fake))
 

@@ -66,9 +66,9 @@ def target(node: Proc, node_id: str) -> RouteTarget:
     return RouteTarget(node_id=node_id, url=node.url)
 
 
-async def test_replica_failover_and_exclude(nodes: tuple[Proc, Proc, Proc], tiny_llama: Path, tmp_path: Path,
+async def test_replica_failover_and_exclude(pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path, tmp_path: Path,
                                             coord: RouteServer) -> None:  # fmt: skip
-    p, d, _ = nodes
+    p, d, _ = pd_nodes
     dead = f"http://127.0.0.1:{free_port()}"
     # first answer sends the decode leg to a dead node; the retry must exclude it
     coord.script = [(200, RouteResponse(prefill=target(p, "p1"), decode=RouteTarget(node_id="d-dead", url=dead),
@@ -112,9 +112,9 @@ async def test_cluster_answers_are_passed_on(tiny_llama: Path, tmp_path: Path, c
         assert rows["requests"] == 3 and rows["cost_usd"] == 0
 
 
-async def test_no_coordinator_answers_static_view_serves(nodes: tuple[Proc, Proc, Proc], tiny_llama: Path,
+async def test_no_coordinator_answers_static_view_serves(pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path,
                                                          tmp_path: Path) -> None:  # fmt: skip
-    p, d, _ = nodes
+    p, d, _ = pd_nodes
     dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     g = gateway_proc(tmp_path, {MODEL: tiny_model(tiny_llama, prefill=[p.url], decode=[d.url])},
                      routing={"coordinator": dead, "route_timeout_s": 1.0})  # fmt: skip

@@ -14,6 +14,7 @@ import openai
 
 from tests.gateway.helpers import MODEL, gateway_proc, make_team, tiny_model
 from tests.procs import duet_node, running
+from tests.wait import until
 
 WORKERS = 8
 
@@ -47,9 +48,8 @@ async def test_sigkill_under_load_loses_no_seen_usage(tiny_llama: Path, tmp_path
         seen: list[dict] = []  # type: ignore[type-arg]
         stop = asyncio.Event()
         workers = [asyncio.ensure_future(_worker(g1.url, key, seen, stop, i)) for i in range(WORKERS)]
-        while len(seen) < 40:
-            await asyncio.sleep(0.05)
-            assert not all(w.done() for w in workers), "every worker stopped before the kill"
+        await until(lambda: len(seen) >= 40 or all(w.done() for w in workers), 300, "40 complete responses")
+        assert len(seen) >= 40, "every worker stopped before the kill"
         g1.kill()  # SIGKILL, mid-load
         stop.set()
         await asyncio.gather(*workers)

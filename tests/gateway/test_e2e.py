@@ -29,8 +29,8 @@ CHATS = [[{"role": "user", "content": "hi"}],
 
 
 @pytest.fixture(scope="module")
-def gw(nodes: tuple[Proc, Proc, Proc], tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, str]]:
-    p, d, both = nodes
+def gw(pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, str]]:
+    p, d, both = pd_nodes
     tmp = tmp_path_factory.mktemp("gw")
     models = {MODEL: tiny_model(tiny_llama, prefill=[p.url], decode=[d.url]),
               "tiny-colocated": tiny_model(tiny_llama, both=[both.url])}  # fmt: skip
@@ -57,10 +57,10 @@ async def node_text(node: Proc, ids: list[int], **params: object) -> tuple[str, 
 
 
 @pytest.mark.parametrize("model", [MODEL, "tiny-colocated"])
-async def test_sync_greedy_equals_node(gw: tuple[Proc, str], nodes: tuple[Proc, Proc, Proc], tiny_llama: Path,
+async def test_sync_greedy_equals_node(gw: tuple[Proc, str], pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path,
                                        model: str) -> None:  # fmt: skip
     g, key = gw
-    both = nodes[2]
+    both = pd_nodes[2]
     tok = Tokenizer(tiny_llama)
     client = openai.OpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
     for prompt in PROMPTS:
@@ -126,19 +126,19 @@ async def _connections_for_streams(url: str, body: dict[str, object], headers: d
 
 
 async def test_streams_end_with_done_so_clients_keep_connections(gw: tuple[Proc, str],
-                                                                 nodes: tuple[Proc, Proc, Proc]) -> None:  # fmt: skip
+                                                                 pd_nodes: tuple[Proc, Proc, Proc]) -> None:  # fmt: skip
     """The gateway and the nodes send `[DONE]` and the body's end in one send: a client that
     stops at `[DONE]` finds the body ended and reuses its connection (with two sends it often
     found the body unfinished and had to close it — a new connection for the next request)."""
     g, key = gw
     auth = {"Authorization": f"Bearer {key}"}
     assert await _connections_for_streams(g.url, {"model": MODEL, "prompt": "hello"}, auth, 12) == 1
-    assert await _connections_for_streams(nodes[2].url, {"prompt": [1, 2, 3]}, {}, 12) == 1
+    assert await _connections_for_streams(pd_nodes[2].url, {"prompt": [1, 2, 3]}, {}, 12) == 1
 
 
-async def test_n_samples_share_one_prefill(gw: tuple[Proc, str], nodes: tuple[Proc, Proc, Proc]) -> None:
+async def test_n_samples_share_one_prefill(gw: tuple[Proc, str], pd_nodes: tuple[Proc, Proc, Proc]) -> None:
     g, key = gw
-    p, d, _ = nodes
+    p, d, _ = pd_nodes
     client = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
     prompt = "n samples share one prefill: " + "xyz " * 40
     hits0, p_tokens0 = metric(d.url, "duet:prefix_cache_hits_total"), metric(p.url, "duet:prompt_tokens_total")

@@ -4,34 +4,19 @@ routes on its own view when no coordinator is known or none answers."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import aetcd
 import msgspec
 import openai
-import pytest
 
+from coordinator.etcd_server import EtcdServer
 from protocol.cluster import NodeInfo, coordinators_prefix, node_key
 from protocol.route import RouteResponse, RouteTarget
 from tests.gateway.helpers import MODEL, gateway_proc, make_team, metric, tiny_model
 from tests.gateway.test_coordinator_routing import RouteServer
-from tests.procs import Proc, free_port, running
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[Proc]:
-    exe = shutil.which("etcd") or str(Path(__import__("sys").executable).parent / "etcd")
-    port, peer = free_port(), free_port()
-    args = [exe, "--name", "t", "--data-dir", str(tmp_path / "etcd"),
-            "--listen-client-urls", f"http://127.0.0.1:{port}", "--advertise-client-urls", f"http://127.0.0.1:{port}",
-            "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-            "--initial-cluster", f"t=http://127.0.0.1:{peer}"]  # fmt: skip
-    e = Proc(args, port, tmp_path / "etcd.log")
-    with running(e, timeout=60):
-        yield e
+from tests.procs import Proc, running
 
 
 def info(node: Proc, role: str, node_id: str) -> bytes:
@@ -40,9 +25,9 @@ def info(node: Proc, role: str, node_id: str) -> bytes:
                                         started_at=time.time()))  # fmt: skip
 
 
-async def test_routes_from_etcd_and_finds_coordinators(etcd: Proc, nodes: tuple[Proc, Proc, Proc],
+async def test_routes_from_etcd_and_finds_coordinators(etcd: EtcdServer, pd_nodes: tuple[Proc, Proc, Proc],
                                                        tiny_llama: Path, tmp_path: Path) -> None:  # fmt: skip
-    p, d, _ = nodes
+    p, d, _ = pd_nodes
     async with aetcd.Client(host="127.0.0.1", port=etcd.port) as client:
         await client.put(node_key("default", "prefill", "p1").encode(), info(p, "prefill", "p1"))
         await client.put(node_key("default", "decode", "d1").encode(), info(d, "decode", "d1"))

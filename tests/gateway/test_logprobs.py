@@ -24,8 +24,8 @@ TOL = 1e-5  # the same engine; the prefix cache's reuse changes the fp32 arithme
 
 
 @pytest.fixture(scope="module")
-def gw(nodes: tuple[Proc, Proc, Proc], tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, str]]:
-    p, d, both = nodes
+def gw(pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, str]]:
+    p, d, both = pd_nodes
     models = {MODEL: tiny_model(tiny_llama, prefill=[p.url], decode=[d.url]),
               "tiny-colocated": tiny_model(tiny_llama, both=[both.url])}  # fmt: skip
     g = gateway_proc(tmp_path_factory.mktemp("gw-lp"), models)
@@ -46,10 +46,10 @@ def _close(a: list[float | None], b: list[float]) -> bool:
 
 
 @pytest.mark.parametrize("model", [MODEL, "tiny-colocated"])
-async def test_completions_logprobs(gw: tuple[Proc, str], nodes: tuple[Proc, Proc, Proc], tiny_llama: Path,
+async def test_completions_logprobs(gw: tuple[Proc, str], pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path,
                                     model: str) -> None:  # fmt: skip
     g, key = gw
-    ref = await node_logprobs(nodes[2], Tokenizer(tiny_llama).encode(PROMPT), 2)
+    ref = await node_logprobs(pd_nodes[2], Tokenizer(tiny_llama).encode(PROMPT), 2)
     client = openai.OpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
     r = client.completions.create(model=model, prompt=PROMPT, logprobs=2, **GREEDY)
     lp = r.choices[0].logprobs
@@ -69,10 +69,10 @@ async def test_completions_logprobs(gw: tuple[Proc, str], nodes: tuple[Proc, Pro
 
 
 @pytest.mark.parametrize("model", [MODEL, "tiny-colocated"])
-async def test_chat_logprobs(gw: tuple[Proc, str], nodes: tuple[Proc, Proc, Proc], tiny_llama: Path,
+async def test_chat_logprobs(gw: tuple[Proc, str], pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path,
                              model: str) -> None:  # fmt: skip
     g, key = gw
-    ref = await node_logprobs(nodes[2], Tokenizer(tiny_llama).encode_chat(MESSAGES), 2)
+    ref = await node_logprobs(pd_nodes[2], Tokenizer(tiny_llama).encode_chat(MESSAGES), 2)
     client = openai.OpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
     kw: dict[str, Any] = {"model": model, "messages": MESSAGES, "logprobs": True, "top_logprobs": 2, **GREEDY}
     r = client.chat.completions.create(**kw)

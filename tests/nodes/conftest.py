@@ -1,23 +1,6 @@
-"""Node processes shared by a test module: one prefill, one decode, one colocated node on the
-tiny model (fp32, one thread each). Every process is stopped at the end, pass or fail."""
+"""Node tests share tests/conftest.py's `pd_nodes` (one prefill, one decode, one colocated
+node on the tiny model); COMMON is those nodes' arguments, for tests that start their own."""
 
-from __future__ import annotations
+from tests.procs import TINY_NODE_ARGS as COMMON
 
-from collections.abc import Iterator
-from pathlib import Path
-
-import pytest
-
-from tests.procs import Proc, duet_node, running
-
-COMMON = ("--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024")
-
-
-@pytest.fixture(scope="module")
-def pd_nodes(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc, Proc]]:
-    tmp = tmp_path_factory.mktemp("nodes")
-    p = duet_node("prefill", tiny_llama, tmp, *COMMON, "--lease-seconds", "30")
-    d = duet_node("decode", tiny_llama, tmp, *COMMON)
-    both = duet_node("both", tiny_llama, tmp, *COMMON)
-    with running(p, d, both):
-        yield p, d, both
+__all__ = ["COMMON"]

@@ -19,6 +19,7 @@ from node.app import make_app
 from node.config import NodeConfig
 from node.server import build_state
 from tests.procs import free_port
+from tests.wait import until
 
 
 async def test_engine_death_answers_503_and_stops_the_node(tiny_llama: Path) -> None:
@@ -32,7 +33,7 @@ async def test_engine_death_answers_503_and_stops_the_node(tiny_llama: Path) -> 
         first = await sse.content.readline()
         assert first.startswith(b"data: ")
         plain = asyncio.ensure_future(client.post("/v1/completions", json=body))
-        await asyncio.sleep(0)
+        await until(lambda: state.inflight == 2, 30, "the JSON request in flight beside the stream")
 
         def broken():
             raise RuntimeError("scheduler state corrupted")

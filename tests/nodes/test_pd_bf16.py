@@ -12,17 +12,14 @@ import aiohttp
 from bench.pd_client import completion, disaggregated
 from tests.nodes.test_pd import GREEDY, prompts
 from tests.nodes.transfer_checks import PullCheck
-from tests.procs import duet_node, running
+from tests.procs import three_nodes
 
 COMMON = ("--dtype", "bfloat16", "--kv-blocks", "256", "--max-model-len", "1024")
 
 
 async def test_pd_bf16_equals_colocated_and_moves_bf16_blocks(tiny_llama: Path, tmp_path: Path) -> None:
     ps = prompts(10, 1, 300, seed=11) + [[5] * 16, [6] * 33]
-    p = duet_node("prefill", tiny_llama, tmp_path, *COMMON)
-    d = duet_node("decode", tiny_llama, tmp_path, *COMMON)
-    both = duet_node("both", tiny_llama, tmp_path, *COMMON)
-    with running(p, d, both):
+    with three_nodes(tiny_llama, tmp_path, *COMMON) as (p, d, both):
         check = PullCheck(p, d, "nixl")
         async with aiohttp.ClientSession() as s:
             pd = [await disaggregated(s, p.url, d.url, x, GREEDY) for x in ps]

@@ -14,7 +14,7 @@ import pytest
 from bench.pd_client import completion, disaggregated
 from engine import LLM, SamplingParams
 from tests.nodes.transfer_checks import PullCheck
-from tests.procs import duet_node, running
+from tests.procs import three_nodes
 
 pytestmark = pytest.mark.smollm2
 GREEDY = {"max_tokens": 16, "temperature": 0}
@@ -42,10 +42,7 @@ async def test_16_prompts_pd_equals_offline_and_colocated(smollm2: Path, tmp_pat
     assert len(ps) == 16 and min(map(len, ps)) >= 16 and max(map(len, ps)) >= 890
     expected = [o.token_ids for o in llm.generate(ps, SamplingParams(**GREEDY))]
     del llm
-    p = duet_node("prefill", smollm2, tmp_path, *COMMON)
-    d = duet_node("decode", smollm2, tmp_path, *COMMON)
-    both = duet_node("both", smollm2, tmp_path, *COMMON)
-    with running(p, d, both):
+    with three_nodes(smollm2, tmp_path, *COMMON) as (p, d, both):
         check = PullCheck(p, d, "nixl")
         async with aiohttp.ClientSession() as s:
             # Concurrent: continuous batching must not change greedy tokens (fp32).

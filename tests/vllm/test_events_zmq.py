@@ -10,6 +10,7 @@ from pathlib import Path
 
 from protocol.block_hash import block_hashes
 from protocol.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from tests.wait import until
 
 
 async def test_bridge_reads_vllms_publisher(need_vllm: None, tmp_path: Path) -> None:
@@ -47,8 +48,7 @@ async def test_bridge_reads_vllms_publisher(need_vllm: None, tmp_path: Path) -> 
         pub.publish(KVEventBatch(ts=1.0, events=[stored([b"a" * 32], None, tokens[:32])]))
         pub.publish(KVEventBatch(ts=2.0, events=[stored([b"b" * 32], b"a" * 32, tokens[32:]),
                                                  VRemoved(block_hashes=[b"b" * 32], medium="CPU")]))  # fmt: skip
-        while len(got) < 3:
-            await asyncio.sleep(0.02)
+        await until(lambda: len(got) >= 3, 30, "three events through the bridge")
         assert got[0] == BlockStored(block_hashes=want[:2], parent_block_hash=None, token_ids=tokens[:32], block_size=16)
         assert got[1] == BlockStored(block_hashes=want[2:], parent_block_hash=want[1], token_ids=tokens[32:],
                                      block_size=16)  # fmt: skip
@@ -57,8 +57,7 @@ async def test_bridge_reads_vllms_publisher(need_vllm: None, tmp_path: Path) -> 
         # A gap in vLLM's sequence numbers: everything is announced cleared.
         next(pub._seq_gen)
         pub.publish(KVEventBatch(ts=3.0, events=[]))
-        while len(got) < 4:
-            await asyncio.sleep(0.02)
+        await until(lambda: len(got) >= 4, 30, "AllBlocksCleared after the gap")
         assert got[3] == AllBlocksCleared() and bridge.translator.cached_hashes() == []
     finally:
         task.cancel()
