@@ -6,8 +6,9 @@
 - `POST /nodes/{node_id}/drain`: mark a node draining in etcd (any replica may do it).
 - `GET /health`, `GET /metrics`.
 
-Errors are OpenAI-shaped; one bad request never affects another, and an unexpected exception
-is a logged 500, never a dead replica.
+Errors are OpenAI-shaped (the shared error middleware, protocol/http_errors.py; a 503 says when
+to retry through APIError.retry_after_s); one bad request never affects another, and an
+unexpected exception is a logged 500, never a dead replica.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from coordinator.drain import NodeNotFound, drain_node
 from coordinator.service import Coordinator, CoordinatorConfig
 from coordinator.store import Store, StoreError
+from protocol.http_errors import error_middleware
 from protocol.openai import APIError
 from protocol.route import RouteRequest
 
@@ -35,26 +37,6 @@ _NODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
 def _json(body: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json",
                         headers=headers)  # fmt: skip
-
-
-@web.middleware
-async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except APIError as e:
-        log.log(logging.WARNING if e.status >= 500 else logging.INFO, "%s %s → %d: %s", request.method,
-                request.path, e.status, e.message)  # fmt: skip
-        headers = {"Retry-After": "1"} if e.status == 503 else None
-        return _json(e.body(), e.status, headers)
-    except web.HTTPException as e:
-        if e.status >= 400:
-            err = APIError(e.status, f"{e.reason}: {request.method} {request.path}",
-                           type_="invalid_request_error" if e.status < 500 else "internal_error")  # fmt: skip
-            return _json(err.body(), e.status)
-        raise
-    except Exception as e:
-        log.exception("unexpected error in %s %s", request.method, request.path)
-        return _json(APIError(500, f"internal error: {type(e).__name__}: {e}", type_="internal_error").body(), 500)
 
 
 _route_decoder = msgspec.json.Decoder(RouteRequest)
@@ -90,7 +72,8 @@ async def _drain(request: web.Request) -> web.Response:
         raise APIError(404, f"no node {node_id!r} is registered in cluster {c.config.cluster!r}",
                        param="node_id", code="node_not_found") from None  # fmt: skip
     except StoreError as e:
-        raise APIError(503, f"cannot reach etcd to drain {node_id}: {e}", type_="service_unavailable") from None
+        raise APIError(503, f"cannot reach etcd to drain {node_id}: {e}", type_="service_unavailable",
+                       retry_after_s=1) from None  # fmt: skip
     log.info("node %s set to draining (requested through %s)", node_id, c.replica_id)
     return _json({"node_id": info.node_id, "status": info.status})
 
@@ -132,7 +115,7 @@ def make_app(config: CoordinatorConfig, store: Store | None = None, *,
 
 
 def _app(coordinator: Coordinator) -> web.Application:
-    app = web.Application(middlewares=[_errors], client_max_size=16 * 2**20)
+    app = web.Application(middlewares=[error_middleware(log)], client_max_size=16 * 2**20)
     app[COORDINATOR] = coordinator
     app.router.add_post("/route", _route)
     app.router.add_get("/cluster", _cluster)

@@ -220,7 +220,7 @@ class Router:
         if not usable:
             raise APIError(503, f"no node serving {req.model!r} can take new work now "
                            f"({fits} registered, none active, reachable and not excluded)",
-                           type_="service_unavailable", code="no_capacity")  # fmt: skip
+                           type_="service_unavailable", code="no_capacity", retry_after_s=1)  # fmt: skip
         return usable
 
     def _facts(self, req: RouteRequest, usable: list[NodeView], index: PrefixIndex, now: float) -> _Facts:
@@ -252,7 +252,7 @@ class Router:
         if not ds:
             why = "; ".join(refused) if refused else "no decode-capable node is usable"
             raise APIError(503, f"no decode node for {r.req.model!r} in pools {pools} has room: {why}",
-                           type_="service_unavailable", code="no_capacity")  # fmt: skip
+                           type_="service_unavailable", code="no_capacity", retry_after_s=1)  # fmt: skip
         return ds
 
     def _plan(self, r: _Facts, d: NodeView, p_ranked: list[tuple[float, str, NodeView]],
