@@ -156,7 +156,10 @@ class EngineCore:
             self.scheduler.add(req)
         except ValueError as e:
             raise RequestError(str(e)) from None
-        self._text[request_id] = TextState(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+        r = params.resume
+        self._text[request_id] = TextState(self.tokenizer, ids, params.stop, params.skip_special_tokens) if r is None \
+            else TextState.resumed(self.tokenizer, ids, params.stop, params.skip_special_tokens, r.output_tokens,
+                                   r.text_chars)  # fmt: skip
         return req
 
     def queue_full(self, extra_tokens: int = 1) -> bool:

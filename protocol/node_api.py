@@ -16,13 +16,16 @@ import msgspec
 
 from protocol.kv_params import KVTransferParams
 from protocol.openai import CompletionChoice, CompletionRequest, ErrorDetail, Usage
+from protocol.resume import Resume
 
 
 class NodeCompletionRequest(CompletionRequest, kw_only=True, omit_defaults=True):
     """A leg's request: the sampling fields, the prompt (token ids from the gateway; a node
-    also tokenizes text sent by hand), `priority`, and the P/D handoff, typed."""
+    also tokenizes text sent by hand), `priority`, the P/D handoff, and — on a migrated
+    request's leg — where the output continues (`resume`, protocol/resume.py), typed."""
 
     kv_transfer_params: KVTransferParams | None = None
+    resume: Resume | None = None
 
 
 class NodeCompletion(msgspec.Struct, kw_only=True, omit_defaults=True):

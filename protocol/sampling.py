@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from protocol.logprobs import MAX_TOP_LOGPROBS
+from protocol.resume import Resume
 
 #: Temperatures below this sample as greedy (as vLLM does): dividing logits by a tiny positive
 #: temperature overflows them to inf, and softmax of inf is NaN.
@@ -54,6 +55,9 @@ class SamplingParams:
     logprobs: int | None = None
     #: None: none; N >= 0: the logprob of every prompt token after the first, plus N top tokens
     prompt_logprobs: int | None = None
+    #: a migrated request: the prompt's last `resume.output_tokens` ids are its output so far
+    #: (text replayed, seeded draws skipped; max/min_tokens here count only what is left)
+    resume: Resume | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
