@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from protocol.detokenizer import IncrementalDetokenizer
 from protocol.outputs import RequestOutput
+from protocol.resume import Resume
 from protocol.tokenizer import Tokenizer
 
 __all__ = ["RequestOutput", "TextState"]
@@ -31,14 +32,15 @@ class TextState:
 
     @classmethod
     def resumed(cls, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool,
-                output_tokens: int, text_chars: int) -> TextState:  # fmt: skip
-        """The state after the last `output_tokens` of `prompt_ids` were generated and
-        `text_chars` characters of their text were emitted: the same calls the first node made,
-        so the detokenizer's window and the stop strings' hold-back continue exactly."""
-        state = cls(tokenizer, prompt_ids[: len(prompt_ids) - output_tokens], stop, skip_special_tokens)
-        for t in prompt_ids[len(prompt_ids) - output_tokens :]:
+                resume: Resume) -> TextState:  # fmt: skip
+        """The state after the last `resume.output_tokens` of `prompt_ids` were generated and
+        `resume.text_chars` characters of their text were emitted: the same calls the first node
+        made, so the detokenizer's window and the stop strings' hold-back continue exactly."""
+        split = len(prompt_ids) - resume.output_tokens
+        state = cls(tokenizer, prompt_ids[:split], stop, skip_special_tokens)
+        for t in prompt_ids[split:]:
             state.add(t, last=False)
-        state._emitted = min(text_chars, len(state.text))
+        state._emitted = min(resume.text_chars, len(state.text))
         return state
 
     def add(self, token_id: int, last: bool) -> tuple[str, str | None]:
