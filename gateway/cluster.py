@@ -102,9 +102,13 @@ class ClusterBackend(Backend):
             complete = True
         finally:
             if not complete and touched.items:
-                task = asyncio.ensure_future(self._abort(touched.items))
-                self._cleanup.add(task)
-                task.add_done_callback(self._cleanup.discard)
+                self._abort_later(touched.items)
+
+    def _abort_later(self, items: set[tuple[str, str]]) -> None:
+        """`POST /abort` to each, in a task the client's cancellation cannot stop."""
+        task = asyncio.ensure_future(self._abort(set(items)))
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
 
     async def drain(self) -> None:
         """Wait for pending aborts (at shutdown)."""
@@ -174,7 +178,7 @@ class ClusterBackend(Backend):
             if route.prefill is not None:
                 out.nodes.append(route.prefill.node_id)
             out.nodes.append(d.node_id)
-            trip.node_id = d.node_id
+            trip.node_id, trip.leg = d.node_id, (d.url, rid)
             return d.url, first, head
         raise APIError(503, f"the request failed on every node tried ({self.cfg.max_attempts} attempts): "
                             + "; ".join(failures), type_="service_unavailable", code="upstream_unavailable")  # fmt: skip
@@ -237,6 +241,7 @@ class ClusterBackend(Backend):
         log.warning("%s: decode on %s failed mid-stream after %d tokens (%s); migrating the stream (%d of at most %d)",
                     job.request_id, trip.node_id, len(trip.ids), failure.reason, n, self.cfg.max_migrations)  # fmt: skip
         self._on_retry("migration")
+        self._abort_later({trip.leg})  # a node that only stalled must not go on decoding for nobody
         trip.migrations = out.migrations = n
         trip.exclude.append(trip.node_id)
         trip.base = len(trip.ids)
@@ -318,6 +323,8 @@ class _Trip:
     base: int = 0
     migrations: int = 0
     node_id: str = ""
+    #: (url, request id) of the current decode leg
+    leg: tuple[str, str] = ("", "")
     exclude: list[str] = field(default_factory=list)
     resume: Resume | None = None
     #: why the current leg ended early (None: it ended complete)
