@@ -8,7 +8,8 @@ greedy output is exact), a real gateway, the official openai client.
 - the same for a whole (non-streamed) answer;
 - P killed mid-transfer and then D killed mid-stream, in one request: still the same text;
 - a seeded sampled request continues its random sequence on the new node;
-- the migration limit reached: a defined SSE error event (`migration_limit_reached`).
+- the migration limit or the migration deadline reached: a defined SSE error event
+  (`migration_limit_reached`, `migration_deadline_exceeded`).
 
 The kill is timed by the relay in front of a node (tests/gateway/faults.py): after N chunks.
 """
@@ -167,22 +168,40 @@ async def test_migration_limit_is_an_sse_error(tmp_path: Path, tiny_llama: Path,
         g = gateway(tmp_path, tiny_llama, routing={"max_migrations": 1}, decode=[r1.url, r2.url])
         with running(g):
             key = make_team(g.url, "m")
-            text, events = "", []
-            body = {"model": MODEL, "prompt": PROMPT, "stream": True, "max_tokens": MAX, "temperature": 0,
-                    "ignore_eos": True}  # fmt: skip
-            async with aiohttp.ClientSession() as s, s.post(g.url + "/v1/completions", json=body,
-                                                            headers={"Authorization": f"Bearer {key}"}) as resp:
-                assert resp.status == 200
-                async for line in resp.content:
-                    if line.startswith(b"data: "):
-                        events.append(line[6:].strip())
-            assert events[-1] == b"[DONE]"
-            error = json.loads(events[-2])["error"]
-            assert error["code"] == "migration_limit_reached", error
-            text = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
+            text = await ask_until_error(g, key, "migration_limit_reached")
             assert r1.killed and r2.killed
             assert text and want.startswith(text)  # what came is right, nothing repeated
             row = await one_record(g, key)
             assert row["status"] == "error_midstream" and row["migrations"] == 1
             assert row["nodes"].split() == [r1.url, r2.url]
             assert sum(row["leg_tokens"]) == row["completion_tokens"] < MAX
+
+
+async def test_migration_deadline_is_an_sse_error(tmp_path: Path, tiny_llama: Path, relays: list[KillRelay]) -> None:
+    """Past [routing] migration_deadline_s no migration starts: the error event says why."""
+    d1, d2 = _node("decode", tiny_llama, tmp_path), _node("decode", tiny_llama, tmp_path)
+    with running(d1, d2):
+        r = await kill_after(relays, d1, chunks=4)
+        g = gateway(tmp_path, tiny_llama, routing={"migration_deadline_s": 0.001}, decode=[r.url, d2.url])
+        with running(g):
+            key = make_team(g.url, "m")
+            assert await ask_until_error(g, key, "migration_deadline_exceeded")
+            row = await one_record(g, key)
+            assert row["status"] == "error_midstream" and row["migrations"] == 0
+            assert row["nodes"].split() == [r.url]
+
+
+async def ask_until_error(g: Proc, key: str, code: str) -> str:
+    """A greedy stream that ends with an SSE error event of `code`, then [DONE]: the text before."""
+    events = []
+    body = {"model": MODEL, "prompt": PROMPT, "stream": True, "max_tokens": MAX, "temperature": 0, "ignore_eos": True}
+    async with aiohttp.ClientSession() as s, s.post(g.url + "/v1/completions", json=body,
+                                                    headers={"Authorization": f"Bearer {key}"}) as resp:  # fmt: skip
+        assert resp.status == 200
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                events.append(line[6:].strip())
+    assert events[-1] == b"[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == code, error
+    return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
