@@ -163,7 +163,9 @@ class EngineCore:
             self.scheduler.add(req)
         except ValueError as e:
             raise RequestError(str(e)) from None
-        self._text[request_id] = TextState(self.tokenizer, ids, params.stop, params.skip_special_tokens)
+        text = (self.tokenizer, ids, params.stop, params.skip_special_tokens)
+        # a migrated request continues the text the client already has (protocol/resume.py)
+        self._text[request_id] = TextState(*text) if params.resume is None else TextState.resumed(*text, params.resume)
         return req
 
     def queue_full(self, extra_tokens: int = 1) -> bool:

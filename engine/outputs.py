@@ -5,12 +5,17 @@ protocol.outputs and shared with the node's engine interface), and the text side
 stop strings: the text ends just before the first stop string; while a request streams, the
 last `len(longest stop) - 1` characters are held back so a stop string never leaks out half
 written.
+
+A migrated request (protocol/resume.py) starts from `TextState.resumed`: its already-streamed
+tokens are replayed through the same state, from the same original prompt, as on the node that
+streamed them, and only the text past what the client already has is emitted.
 """
 
 from __future__ import annotations
 
 from protocol.detokenizer import IncrementalDetokenizer
 from protocol.outputs import RequestOutput
+from protocol.resume import Resume
 from protocol.tokenizer import Tokenizer
 
 __all__ = ["RequestOutput", "TextState"]
@@ -24,6 +29,19 @@ class TextState:
         self._hold = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # full text so far (after stop truncation)
         self._emitted = 0
+
+    @classmethod
+    def resumed(cls, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool,
+                resume: Resume) -> TextState:  # fmt: skip
+        """The state after the last `resume.output_tokens` of `prompt_ids` were generated and
+        `resume.text_chars` characters of their text were emitted: the same calls the first node
+        made, so the detokenizer's window and the stop strings' hold-back continue exactly."""
+        split = len(prompt_ids) - resume.output_tokens
+        state = cls(tokenizer, prompt_ids[:split], stop, skip_special_tokens)
+        for t in prompt_ids[split:]:
+            state.add(t, last=False)
+        state._emitted = min(resume.text_chars, len(state.text))
+        return state
 
     def add(self, token_id: int, last: bool) -> tuple[str, str | None]:
         """Add a token; returns (text delta to emit, matched stop string or None). With `last`

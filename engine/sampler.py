@@ -5,7 +5,10 @@ maximum), with the `argmax_rows` CPU kernel when available, on the logits as the
 from the model in every dtype (engine/logits_head.py), so a bf16 engine no longer ties tokens
 whose logits differ below bf16's precision. Sampled rows are processed together in fp32 for temperature/top-k/top-p, then
 each draws with its own `torch.Generator` when it has a seed, so its tokens do not depend on
-what else is batched.
+what else is batched. A migrated request (`params.resume`) first advances its generator by the
+draws its already-streamed tokens took on the node that sampled them: `torch.multinomial` of one
+sample draws one exponential per vocabulary entry whatever the probabilities, so K dummy draws
+over the same vocabulary leave the generator where the first node's was.
 
 `token_logprobs` scores tokens under the raw distribution (see there); it is used only for
 requests that ask for logprobs.
@@ -28,10 +31,13 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._default = torch.Generator().manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
+        #: seeded migrated requests whose generator has not yet skipped the streamed tokens' draws
+        self._skip: dict[str, int] = {}
         self._lib = kernels_lib()
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._skip.pop(request_id, None)
 
     def generator(self, request_id: str, params: SamplingParams) -> torch.Generator:
         """The request's own generator (seeded requests), else the engine's."""
@@ -46,7 +52,16 @@ class Sampler:
         g = self._generators.get(request_id)
         if g is None:
             g = self._generators[request_id] = torch.Generator().manual_seed(params.seed)
+            if params.resume is not None:
+                self._skip[request_id] = params.resume.output_tokens
         return g
+
+    def _advance(self, request_id: str, g: torch.Generator, vocab: int) -> None:
+        skip = self._skip.pop(request_id, 0)
+        if skip:
+            ones = torch.ones(vocab)
+            for _ in range(skip):
+                torch.multinomial(ones, 1, generator=g)
 
     def sample(
         self,
@@ -101,6 +116,8 @@ class Sampler:
                 continue
             try:
                 g = self._generator(rows[r][0], params[j])
+                if params[j].seed is not None:
+                    self._advance(rows[r][0], g, probs.shape[-1])
                 out[r] = int(torch.multinomial(probs[j], 1, generator=g).item())
             except (RuntimeError, ValueError, OverflowError) as e:
                 errors[r], out[r] = f"sampling failed: {e}", -1

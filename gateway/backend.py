@@ -74,6 +74,10 @@ class Accounting:
     model_used: str = ""
     #: the prompt went to a node or a provider (it may be computing it: paid if the client leaves)
     prompt_sent: bool = False
+    #: times the stream moved to another node after its decode node died (cluster only)
+    migrations: int = 0
+    #: completion tokens of each decode leg of sample 0, in order (one entry unless migrated)
+    leg_tokens: list[int] = field(default_factory=list)
 
     @property
     def total_completion_tokens(self) -> int:

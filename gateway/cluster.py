@@ -5,7 +5,12 @@ Failure answers, all under the same X-Request-Id:
 - P fails before the transfer → route again without P (another P, or prefill locally on D);
 - D fails before its first token → abort what the try touched (P's held blocks included) and
   route again without D;
-- D fails after the first token → `MidStreamError` (the API layer sends an SSE error event);
+- D fails after the first token → the stream migrates (`_migrate`): the prompt plus the tokens
+  streamed go to another node, whose leg carries `Resume` (protocol/resume.py) and continues the
+  text where the client's stops; at most [routing] max_migrations times, within
+  migration_deadline_s, else `MidStreamError` (the API layer sends an SSE error event). The
+  same for a whole (non-streamed) answer, which reads the same stream. Only n == 1 migrates
+  (the samples of n > 1 share one node: its death mid-stream is a MidStreamError);
 - the request ends any way but complete (error, client gone, cancelled) → `POST /abort` on
   every node it touched, in a task the client's cancellation cannot stop.
 
@@ -21,6 +26,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
 
 from gateway.backend import Accounting, Attempt, Backend, MidStreamError, Piece, Reply
 from gateway.config import RoutingConfig, Tier
@@ -32,8 +38,9 @@ from gateway.tiers import Shed
 from protocol.block_hash import block_hashes, domain_root
 from protocol.kv_params import KVTransferParams
 from protocol.node_api import NodeCompletionChunk, NodeCompletionRequest
-from protocol.openai import APIError
-from protocol.route import RouteRequest
+from protocol.openai import APIError, CompletionChoice
+from protocol.resume import Resume
+from protocol.route import RouteRequest, RouteResponse
 
 log = logging.getLogger("duet.gateway.cluster")
 
@@ -96,9 +103,13 @@ class ClusterBackend(Backend):
             complete = True
         finally:
             if not complete and touched.items:
-                task = asyncio.ensure_future(self._abort(touched.items))
-                self._cleanup.add(task)
-                task.add_done_callback(self._cleanup.discard)
+                self._abort_later(touched.items)
+
+    def _abort_later(self, items: set[tuple[str, str]]) -> None:
+        """`POST /abort` to each, in a task the client's cancellation cannot stop."""
+        task = asyncio.ensure_future(self._abort(set(items)))
+        self._cleanup.add(task)
+        task.add_done_callback(self._cleanup.discard)
 
     async def drain(self) -> None:
         """Wait for pending aborts (at shutdown)."""
@@ -109,11 +120,29 @@ class ClusterBackend(Backend):
         await asyncio.gather(*(self.nodes.abort(url, rid) for url, rid in items))
 
     async def _run(self, request: Request, job: Attempt, out: Accounting, touched: _Touched) -> AsyncIterator[Piece]:
+        out.model_used = job.model.name
+        trip = _Trip(t0=time.monotonic())
+        leg = await self._open_leg(request, job, out, touched, trip)
+        if request.n > 1:  # samples 1..n-1 share sample 0's node; a mid-stream failure is not migrated
+            async for piece in self._samples(request, job, out, touched, leg):
+                yield piece
+            return
+        while True:
+            trip.failure = None
+            async for piece in self._follow(leg, out, trip):
+                yield piece
+            if trip.failure is None:
+                return
+            leg = await self._migrate(request, job, out, touched, trip, trip.failure)
+
+    async def _open_leg(self, request: Request, job: Attempt, out: Accounting, touched: _Touched,
+                        trip: _Trip) -> _Started:  # fmt: skip
+        """Route, prefill on P (unless the route says D), start the decode leg on D up to its
+        first token: retried on other nodes up to max_attempts. A migrated leg's decode
+        request carries `trip.resume`."""
         rid = job.request_id
         hashes = block_hashes(job.prompt_ids, job.model.block_size, parent=domain_root(job.cache_domain))
-        exclude: list[str] = []
-        failures: list[str] = []
-        out.model_used = job.model.name
+        exclude, failures = trip.exclude, []
         for attempt in range(self.cfg.max_attempts):
             if attempt:
                 self._on_retry("route")
@@ -121,30 +150,22 @@ class ClusterBackend(Backend):
                 model=job.model.cluster_name, block_hashes=hashes, num_prompt_tokens=len(job.prompt_ids),
                 max_tokens=job.max_tokens, tier=job.tier,
                 exclude=list(exclude), request_id=rid))  # fmt: skip
-            kv: KVTransferParams | None = None
             tried: list[tuple[str, str]] = []
-            if route.prefill is not None:
-                p = route.prefill
-                tried.append((p.url, rid))
-                touched.items.add((p.url, rid))
-                self.load.acquire(p.url)
-                try:
-                    out.prompt_sent = True
-                    answer = await self.nodes.prefill(p.url, rid, leg_request(  # logprobs come from D
-                        request, job, max_tokens=1, stream=False, logprobs=None, kv_transfer_params=_TO_DECODE))  # fmt: skip
-                    kv = answer.kv_transfer_params
-                except NodeFailure as e:
-                    log.warning("%s: prefill on %s failed (%s); routing again without it", rid, p.node_id, e.reason)
-                    failures.append(str(e))
-                    exclude.append(p.node_id)
-                    await self._abort(set(tried))
-                    continue
-                finally:
-                    self.load.release(p.url)
+            try:
+                kv = await self._prefill(request, job, out, touched, route, tried)
+            except NodeFailure as e:
+                assert route.prefill is not None
+                log.warning("%s: prefill on %s failed (%s); routing again without it", rid, route.prefill.node_id,
+                            e.reason)  # fmt: skip
+                failures.append(str(e))
+                exclude.append(route.prefill.node_id)
+                await self._abort(set(tried))
+                continue
             d = route.decode
             touched.items.add((d.url, rid))
             tried.append((d.url, rid))
-            first = _Sample(self, d.url, rid, 0, leg_request(request, job, stream=True, kv_transfer_params=kv))
+            first = _Sample(self, d.url, rid, 0, leg_request(request, job, stream=True, kv_transfer_params=kv,
+                                                             resume=trip.resume))  # fmt: skip
             try:
                 out.prompt_sent = True
                 head = await first.start()
@@ -158,28 +179,86 @@ class ClusterBackend(Backend):
             if route.prefill is not None:
                 out.nodes.append(route.prefill.node_id)
             out.nodes.append(d.node_id)
-            async for piece in self._samples(request, job, out, touched, (d.url, first, head)):
-                yield piece
-            return
+            trip.node_id, trip.leg = d.node_id, (d.url, rid)
+            return d.url, first, head
         raise APIError(503, f"the request failed on every node tried ({self.cfg.max_attempts} attempts): "
                             + "; ".join(failures), type_="service_unavailable", code="upstream_unavailable")  # fmt: skip
 
+    async def _prefill(self, request: Request, job: Attempt, out: Accounting, touched: _Touched, route: RouteResponse,
+                       tried: list[tuple[str, str]]) -> KVTransferParams | None:  # fmt: skip
+        """The prefill leg on the route's P, if it names one: P's KV handle for D."""
+        p = route.prefill
+        if p is None:
+            return None
+        rid = job.request_id
+        tried.append((p.url, rid))
+        touched.items.add((p.url, rid))
+        self.load.acquire(p.url)
+        try:
+            out.prompt_sent = True
+            answer = await self.nodes.prefill(p.url, rid, leg_request(  # logprobs come from D
+                request, job, max_tokens=1, stream=False, logprobs=None, kv_transfer_params=_TO_DECODE))  # fmt: skip
+            return answer.kv_transfer_params
+        finally:
+            self.load.release(p.url)
+
+    async def _follow(self, leg: _Started, out: Accounting, trip: _Trip) -> AsyncIterator[Piece]:
+        """Sample 0's pieces from one decode leg. A node failure before its last token ends them
+        with `trip.failure` set (the caller migrates the stream); any other failure raises
+        MidStreamError."""
+        _, sample, head = leg
+        it = sample.chunks(head)
+        try:
+            async for chunk, more in it:
+                pieces = self._pieces(0, chunk, out, trip)
+                for piece in pieces:
+                    piece.more = more or piece is not pieces[-1]
+                    yield piece
+        except NodeFailure as e:
+            if not trip.finished:  # a node that died after its last token owes nothing
+                trip.failure = e
+        except Exception as e:
+            raise _midstream(e) from None
+        finally:
+            await it.aclose()  # now, not at GC: frees the node's load count and connection
+            out.leg_tokens.append(len(trip.ids) - trip.base)
+
+    async def _migrate(self, request: Request, job: Attempt, out: Accounting, touched: _Touched, trip: _Trip,
+                       failure: NodeFailure) -> _Started:  # fmt: skip
+        """Stream migration: the decode node died after tokens went out. The prompt plus the
+        tokens streamed go to another node (routed like any request, the dead node excluded:
+        prefix cache and P/D as usual) under the request id `<id>.m<N>`, with `Resume` telling
+        it where the output stands; the client's stream goes on. Bounded by [routing]
+        max_migrations and migration_deadline_s (past them: MidStreamError)."""
+        n = trip.migrations + 1
+        if n > self.cfg.max_migrations:
+            raise MidStreamError(502, f"the decode node failed mid-stream ({failure}) and the stream was migrated "
+                                      f"{trip.migrations} times already ([routing] max_migrations)",
+                                 type_="upstream_error", code="migration_limit_reached")  # fmt: skip
+        if time.monotonic() - trip.t0 > self.cfg.migration_deadline_s:
+            raise MidStreamError(502, f"the decode node failed mid-stream ({failure}) past the request's migration "
+                                      f"deadline ([routing] migration_deadline_s = {self.cfg.migration_deadline_s})",
+                                 type_="upstream_error", code="migration_deadline_exceeded")  # fmt: skip
+        log.warning("%s: decode on %s failed mid-stream after %d tokens (%s); migrating the stream (%d of at most %d)",
+                    job.request_id, trip.node_id, len(trip.ids), failure.reason, n, self.cfg.max_migrations)  # fmt: skip
+        self._on_retry("migration")
+        self._abort_later({trip.leg})  # a node that only stalled must not go on decoding for nobody
+        trip.migrations = out.migrations = n
+        trip.exclude.append(trip.node_id)
+        trip.base = len(trip.ids)
+        trip.resume = Resume(output_tokens=len(trip.ids), text_chars=trip.chars, migration=n) if trip.ids else None
+        leg_job = replace(job, request_id=f"{job.request_id}.m{n}", prompt_ids=job.prompt_ids + trip.ids)
+        try:
+            return await self._open_leg(request, leg_job, out, touched, trip)
+        except APIError as e:
+            raise MidStreamError(502, f"the decode node failed mid-stream ({failure}) and no node could continue "
+                                      f"the stream: {e.message}", type_="upstream_error",
+                                 code="upstream_failed_midstream") from None  # fmt: skip
+
     async def _samples(self, request: Request, job: Attempt, out: Accounting, touched: _Touched,
-                       started: tuple[str, _Sample, tuple[NodeCompletionChunk, bool]]) -> AsyncIterator[Piece]:  # fmt: skip
+                       started: _Started) -> AsyncIterator[Piece]:  # fmt: skip
+        """n > 1: sample 0's stream and samples 1..n-1 on the same node, interleaved."""
         d_url, first, head = started
-        if request.n == 1:  # the common case: no queue, no extra task per request
-            it = first.chunks(head)
-            try:
-                async for chunk, more in it:
-                    pieces = self._pieces(0, chunk, out)
-                    for piece in pieces:
-                        piece.more = more or piece is not pieces[-1]
-                        yield piece
-            except Exception as e:
-                raise _midstream(e) from None
-            finally:
-                await it.aclose()  # now, not at GC: frees the node's load count and connection
-            return
         samples = [first]
         seed = request.sampling.seed
         for i in range(1, request.n):
@@ -206,21 +285,56 @@ class ClusterBackend(Backend):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _pieces(self, i: int, chunk: NodeCompletionChunk, out: Accounting) -> list[Piece]:
+    def _pieces(self, i: int, chunk: NodeCompletionChunk, out: Accounting, trip: _Trip | None = None) -> list[Piece]:
+        """The chunk's pieces; its tokens counted (and, for a migratable stream, remembered)."""
         pieces = []
         for c in chunk.choices:
             n = len(c.token_ids or ())
             if n and out.first_token_at is None:
                 out.first_token_at = time.monotonic()
             out.completion_tokens[i] = out.completion_tokens.get(i, 0) + n
+            if trip is not None:
+                trip.add(c)
             if c.text or c.finish_reason or c.logprobs:
                 pieces.append(Piece(index=i, text=c.text, finish_reason=c.finish_reason, logprobs=c.logprobs))
         if chunk.usage is not None:
-            out.completion_tokens[i] = chunk.usage.completion_tokens
-            if i == 0:
+            # a migrated leg reports its own new tokens; the prompt is the first leg's (billed once)
+            base = trip.base if trip is not None else 0
+            out.completion_tokens[i] = base + chunk.usage.completion_tokens
+            if i == 0 and not base:
                 out.prompt_tokens = chunk.usage.prompt_tokens
                 out.cached_tokens = (chunk.usage.prompt_tokens_details or {}).get("cached_tokens", 0)
         return pieces
+
+
+#: a decode leg once started: (node url, its stream, the first chunk read)
+_Started = tuple[str, "_Sample", tuple[NodeCompletionChunk, bool]]
+
+
+@dataclass
+class _Trip:
+    """Sample 0's journey across nodes: what it streamed so far (the ids and the characters the
+    client has), the nodes excluded, and its migrations."""
+
+    t0: float
+    ids: list[int] = field(default_factory=list)
+    chars: int = 0
+    finished: bool = False
+    #: tokens streamed before the current leg
+    base: int = 0
+    migrations: int = 0
+    node_id: str = ""
+    #: (url, request id) of the current decode leg
+    leg: tuple[str, str] = ("", "")
+    exclude: list[str] = field(default_factory=list)
+    resume: Resume | None = None
+    #: why the current leg ended early (None: it ended complete)
+    failure: NodeFailure | None = None
+
+    def add(self, c: CompletionChoice) -> None:
+        self.ids.extend(c.token_ids or ())
+        self.chars += len(c.text)
+        self.finished = self.finished or c.finish_reason is not None
 
 
 class _Sample:

@@ -12,6 +12,7 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     [routing]
     coordinator = ["http://10.0.0.2:8400", "http://10.0.0.3:8400"]   # every replica
     etcd = "http://10.0.0.2:2379"     # optional: find replicas and nodes there too
+    max_migrations = 2                # a stream whose decode node dies moves on at most twice
 
     [batch]                           # Files/Batches API (on by default)
     concurrency = 4
@@ -159,6 +160,12 @@ class RoutingConfig:
     read_timeout_s: float = 120.0
     #: route + prefill + decode tries before the request fails
     max_attempts: int = 3
+    #: times a stream whose decode node died after its first token moves to another node
+    #: (stream migration; 0: never, the client gets an SSE error event)
+    max_migrations: int = 2
+    #: no migration starts once the request has run this long (seconds): a bound on the
+    #: request's whole time, however many nodes die under it
+    migration_deadline_s: float = 300.0
     #: open connections to one node (or coordinator, or provider) at most; more requests wait
     #: for one (bounded by read_timeout_s) instead of flooding it: a node runs a few hundred
     #: at once and queues or refuses the rest anyway, and every socket is a descriptor here
@@ -418,6 +425,9 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
         raise ConfigError(f"[server] key_cache_ttl_s must be a number of seconds in [0, 3600], got {cfg.server.key_cache_ttl_s!r}")
     if not isinstance(cfg.routing.max_connections_per_node, int) or cfg.routing.max_connections_per_node < 1:
         raise ConfigError("[routing] max_connections_per_node must be an integer >= 1")
+    if not isinstance(cfg.routing.max_migrations, int) or cfg.routing.max_migrations < 0 \
+            or not cfg.routing.migration_deadline_s > 0:  # fmt: skip
+        raise ConfigError("[routing] max_migrations must be an integer >= 0 and migration_deadline_s > 0")
     if cfg.tiers.default_tier not in ("interactive", "batch"):
         raise ConfigError("[tiers] default_tier must be 'interactive' or 'batch'")
     q = cfg.quotas

@@ -151,6 +151,7 @@ class Ledger:
             r.completion_tokens = acc.total_completion_tokens
             r.cached_tokens = acc.cached_tokens
             r.nodes = list(acc.nodes)
+            r.migrations, r.leg_tokens = acc.migrations, list(acc.leg_tokens)
             r.model_used = acc.model_used or r.model_used
         # A request no node served (refused by a node, shed, every try failed) costs nothing.
         model = self._served.config if self._served is not None else None

@@ -166,7 +166,7 @@ class NodeClient:
         for attempt in (0, 1):
             t0 = time.monotonic()
             try:
-                return await self.session.post(f"{url}/v1/completions", data=data, headers=_headers(request_id),
+                return await self.session.post(f"{url}/v1/completions", data=data, headers=_headers(request_id, body),
                                                timeout=timeout)  # fmt: skip
             except aiohttp.ConnectionTimeoutError:
                 stalled = self._lag.stalled_since(t0) if self._lag is not None else 0.0
@@ -220,8 +220,11 @@ class NodeClient:
                 log.info("aborted %s on %s: %s", request_id, url, r.status)
 
 
-def _headers(request_id: str) -> dict[str, str]:
-    return {"X-Request-Id": request_id, "Content-Type": "application/json"}
+def _headers(request_id: str, body: NodeCompletionRequest | None = None) -> dict[str, str]:
+    h = {"X-Request-Id": request_id, "Content-Type": "application/json"}
+    if body is not None and body.resume is not None:  # a migrated leg says so to logs and proxies
+        h["X-Duet-Migration"] = str(body.resume.migration)
+    return h
 
 
 async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:

@@ -40,9 +40,12 @@ def parse_body(raw: bytes) -> NodeCompletionRequest:
 
 
 def sampling_params(body: NodeCompletionRequest, max_tokens: int | None = None) -> SamplingParams:
+    """The engine's params. On a migrated leg (`resume`) max_tokens and min_tokens are the
+    original request's: the tokens already streamed count against them."""
+    done = body.resume.output_tokens if body.resume is not None else 0
     try:
         return SamplingParams(
-            max_tokens=max_tokens or body.max_tokens or 16,
+            max_tokens=(max_tokens or body.max_tokens or 16) - done,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=body.top_k or 0,
@@ -50,14 +53,30 @@ def sampling_params(body: NodeCompletionRequest, max_tokens: int | None = None) 
             stop=body.stop_list(),
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens,
+            min_tokens=body.min_tokens - min(done, max(body.min_tokens, 0)),  # a negative one stays refused
             skip_special_tokens=body.skip_special_tokens,
             logprobs=body.logprobs,
             prompt_logprobs=body.prompt_logprobs,
             cache_salt=body.cache_salt,
+            resume=body.resume,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None
+
+
+def check_resume(body: NodeCompletionRequest, num_ids: int) -> None:
+    """A migrated leg's continuation point must lie inside its prompt and leave tokens to make."""
+    r = body.resume
+    if r is None:
+        return
+    if not 0 < r.output_tokens < num_ids or r.text_chars < 0 or r.migration < 1:
+        raise APIError(400, f"resume must name 0 < output_tokens < the prompt's {num_ids} tokens, text_chars >= 0 "
+                            f"and migration >= 1, got {r}", param="resume")  # fmt: skip
+    if r.output_tokens >= (body.max_tokens or 16):
+        raise APIError(400, f"resume.output_tokens ({r.output_tokens}) leaves nothing of max_tokens "
+                            f"({body.max_tokens}) to generate", param="resume")  # fmt: skip
+    if body.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs cannot be asked on a migrated leg", param="resume")
 
 
 def check_transfer_params(body: NodeCompletionRequest) -> None:
@@ -79,13 +98,14 @@ async def prepare_body(state: NodeState, body: NodeCompletionRequest, arrival: f
         raise APIError(404, f"model {body.model!r} is not served here (this node serves "
                             f"{engine.model_name!r})", code="model_not_found", param="model")  # fmt: skip
     check_transfer_params(body)
-    params = sampling_params(body)
     prompt = body.single_prompt()
     if isinstance(prompt, str):
         # Tokenizing a long prompt takes milliseconds: never on the event loop.
         ids = await asyncio.to_thread(engine.tokenizer.encode, prompt)
     else:
         ids = list(prompt)
+    check_resume(body, len(ids))
+    params = sampling_params(body)
     if len(ids) + params.max_tokens > engine.max_model_len:
         raise APIError(400, f"this model's maximum context length is {engine.max_model_len} tokens, "
                             f"but {len(ids) + params.max_tokens} were requested ({len(ids)} in the "

@@ -32,7 +32,8 @@ class Leg:
         self.request = request
         self.prep = prep
         self.engine_request_id = engine_request_id
-        self._responder = Responder(state, prep.request_id, engine_request_id, prep.arrival)
+        resumed = prep.body.resume.output_tokens if prep.body.resume is not None else 0
+        self._responder = Responder(state, prep.request_id, engine_request_id, prep.arrival, resumed)
 
     @property
     def timing(self) -> dict[str, float]:

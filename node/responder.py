@@ -6,6 +6,10 @@ failed, handler cancelled), so its blocks are freed; TTFT / ITL / e2e are observ
 request on the node's histograms; once SSE headers are out, any failure (the request failed in
 the engine, the engine died) is an SSE error event followed by `[DONE]`, never a second
 response.
+
+On a migrated leg (`resumed` > 0: the prompt's last `resumed` ids are output already streamed
+by another node) the usage counts the original prompt and the new tokens only: the team is not
+billed twice for what the first node made.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from node.logprobs import CompletionRenderer, PromptLogprobs, prompt_logprobs
 from node.state import NodeState
 from protocol.logprobs import TokenLogprob
 from protocol.node_api import NodeCompletion, NodeCompletionChunk
-from protocol.openai import APIError, CompletionChoice, CompletionLogprobs, usage
+from protocol.openai import APIError, CompletionChoice, CompletionLogprobs, Usage, usage
 from protocol.sse import SSE_HEADERS, end_stream, error_event, sse
 
 log = logging.getLogger("duet.node")
@@ -38,8 +42,10 @@ def engine_dead(e: BaseException) -> APIError:
 
 
 class Responder:
-    def __init__(self, state: NodeState, request_id: str, engine_request_id: str, arrival: float) -> None:
+    def __init__(self, state: NodeState, request_id: str, engine_request_id: str, arrival: float,
+                 resumed: int = 0) -> None:  # fmt: skip
         self.state = state
+        self.resumed = resumed
         self.request_id = request_id
         self.engine_request_id = engine_request_id
         self.arrival = arrival
@@ -50,6 +56,10 @@ class Responder:
         self._last_token_time: float | None = None
         self._logprobs = CompletionRenderer(state.engine.tokenizer)
         self._created = int(time.time())
+
+    def _usage(self, out: Delta) -> Usage:
+        prompt = out.num_prompt_tokens - self.resumed
+        return usage(prompt, out.num_output_tokens, min(out.num_cached_tokens, prompt))
 
     def logprobs(self, out: Delta) -> CompletionLogprobs | None:
         """This delta's logprobs in the completions shape (None: not asked for)."""
@@ -108,7 +118,7 @@ class Responder:
                 await end_stream(resp, error_event(request_failed(out)))
                 return True
             if chunker is not None:
-                final = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+                final = self._usage(out)
                 timing = self.timing if out.finished else None
                 for c in chunker.chunks(out, final if out.finished else None, timing, self.logprobs(out)):
                     await resp.write(sse(c))
@@ -118,7 +128,7 @@ class Responder:
                                  stop_reason=out.stop_reason, token_ids=out.new_token_ids,
                                  logprobs=self.logprobs(out), prompt_logprobs=self.prompt_logprobs(out))])  # fmt: skip
             if out.finished:
-                chunk.usage = usage(out.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
+                chunk.usage = self._usage(out)
                 chunk.timing = self.timing
             await resp.write(sse(chunk))
         await end_stream(resp)
@@ -159,7 +169,7 @@ class Responder:
                                       stop_reason=final.stop_reason, token_ids=tokens,
                                       logprobs=None if records is None else self._logprobs.render(records),
                                       prompt_logprobs=prompt)],
-            usage=usage(final.num_prompt_tokens, final.num_output_tokens, final.num_cached_tokens),
+            usage=self._usage(final),
             timing=self.timing, kv_transfer_params=final.kv_transfer_params,
         )  # fmt: skip
 

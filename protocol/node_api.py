@@ -16,16 +16,19 @@ import msgspec
 
 from protocol.kv_params import KVTransferParams
 from protocol.openai import CompletionChoice, CompletionRequest, ErrorDetail, Usage
+from protocol.resume import Resume
 
 
 class NodeCompletionRequest(CompletionRequest, kw_only=True, omit_defaults=True):
     """A leg's request: the sampling fields, the prompt (token ids from the gateway; a node
-    also tokenizes text sent by hand), `priority`, the P/D handoff, typed, and the cache domain."""
+    also tokenizes text sent by hand), `priority`, the P/D handoff, typed, the cache domain, and — on
+    a migrated request's leg — where the output continues (`resume`, protocol/resume.py)."""
 
     kv_transfer_params: KVTransferParams | None = None
     #: the prefix-cache domain (vLLM's name; protocol.block_hash.domain_root): the gateway sets
     #: it from the caller's team on both legs, and a node never matches a prefix across domains
     cache_salt: str | None = None
+    resume: Resume | None = None
 
 
 class NodeCompletion(msgspec.Struct, kw_only=True, omit_defaults=True):

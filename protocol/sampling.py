@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from protocol.logprobs import MAX_TOP_LOGPROBS
+from protocol.resume import Resume
 
 #: Temperatures below this sample as greedy (as vLLM does): dividing logits by a tiny positive
 #: temperature overflows them to inf, and softmax of inf is NaN.
@@ -60,6 +61,9 @@ class SamplingParams:
     #: Not a sampling knob: it rides here because these params are what reaches the engine
     #: with every request, on both legs. None: the unsalted domain
     cache_salt: str | None = None
+    #: a migrated request: the prompt's last `resume.output_tokens` ids are its output so far
+    #: (text replayed, seeded draws skipped; max/min_tokens here count only what is left)
+    resume: Resume | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

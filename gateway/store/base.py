@@ -120,6 +120,10 @@ class UsageRecord:
     created_at: float = field(default_factory=time.time)
     #: the request's OpenAI `user` field: the caller's own end user, for attributing spend
     user: str | None = None
+    #: times the stream moved to another node mid-stream (its decode node died)
+    migrations: int = 0
+    #: completion tokens of each decode leg, in order (`nodes` lists every leg's nodes)
+    leg_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -61,19 +61,22 @@ CREATE TABLE IF NOT EXISTS usage (
     status TEXT NOT NULL, endpoint TEXT NOT NULL, prompt_tokens BIGINT NOT NULL,
     completion_tokens BIGINT NOT NULL, cached_tokens BIGINT NOT NULL, cost_usd DOUBLE PRECISION NOT NULL,
     ttft_s DOUBLE PRECISION, latency_s DOUBLE PRECISION NOT NULL, nodes TEXT NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL, "user" TEXT);
+    created_at DOUBLE PRECISION NOT NULL, "user" TEXT, migrations INTEGER, leg_tokens TEXT);
 CREATE INDEX IF NOT EXISTS usage_team_time ON usage (team_id, created_at);
 """
 #: tables later versions added (created when missing, like SCHEMA on an empty database)
 GATEWAYS = "CREATE TABLE IF NOT EXISTS gateways (id TEXT PRIMARY KEY, heartbeat_at DOUBLE PRECISION NOT NULL)"
 #: columns later versions added to existing tables: (table, column, type)
-ADDED_COLUMNS = [("usage", "user", "TEXT"), ("reservations", "gateway_id", "TEXT"), ("reservations", "booked", "TEXT")]
+ADDED_COLUMNS = [("usage", "user", "TEXT"), ("reservations", "gateway_id", "TEXT"), ("reservations", "booked", "TEXT"),
+                 ("usage", "migrations", "INTEGER"), ("usage", "leg_tokens", "TEXT")]
 
 _TEAM_COLS = "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, created_at"
 _KEY_COLS = "id, team_id, name, prefix, created_at, revoked_at"
 _USAGE_COLS = ("request_id", "team_id", "key_id", "model_requested", "model_used", "tier", "status",
                "endpoint", "prompt_tokens", "completion_tokens", "cached_tokens", "cost_usd", "ttft_s",
-               "latency_s", "nodes", "created_at", "user")  # fmt: skip
+               "latency_s", "nodes", "created_at", "user", "migrations", "leg_tokens")  # fmt: skip
+#: list columns stored as JSON text
+_JSON_COLS = ("nodes", "leg_tokens")
 # quoted: `user` is a reserved word in PostgreSQL (unquoted it means CURRENT_USER)
 _USAGE_SQL = ", ".join(f'"{c}"' for c in _USAGE_COLS)
 _DAY = "to_char(to_timestamp(created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
@@ -120,7 +123,7 @@ async def _write_usage(con: Any, records: list[UsageRecord], now: float) -> None
                                   "excluded.cost_usd", r.team_id, period, r.cost_usd)  # fmt: skip
     await con.executemany(
         f"INSERT INTO usage ({_USAGE_SQL}) VALUES ({', '.join(f'${i + 1}' for i in range(len(_USAGE_COLS)))})",
-        [[json.dumps(r.nodes) if c == "nodes" else getattr(r, c) for c in _USAGE_COLS] for r in records])  # fmt: skip
+        [[json.dumps(getattr(r, c)) if c in _JSON_COLS else getattr(r, c) for c in _USAGE_COLS] for r in records])  # fmt: skip
 
 
 async def _settle_booking(con: Any, s: Settlement, now: float) -> None:
@@ -335,4 +338,5 @@ class PostgresStore(Store):
             where += " AND team_id = $3"
             args.append(team_id)
         rows = await self.pool.fetch(f"SELECT {_USAGE_SQL} FROM usage WHERE {where} ORDER BY created_at", *args)
-        return [UsageRecord(**{**dict(r), "nodes": json.loads(r["nodes"])}) for r in rows]
+        return [UsageRecord(**{**dict(r), "nodes": json.loads(r["nodes"]), "migrations": r["migrations"] or 0,
+                               "leg_tokens": json.loads(r["leg_tokens"] or "[]")}) for r in rows]  # fmt: skip

@@ -67,17 +67,19 @@ CREATE TABLE IF NOT EXISTS usage (
     model_requested TEXT NOT NULL, model_used TEXT NOT NULL, tier TEXT NOT NULL,
     status TEXT NOT NULL, endpoint TEXT NOT NULL, prompt_tokens INTEGER NOT NULL,
     completion_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, cost_usd REAL NOT NULL,
-    ttft_s REAL, latency_s REAL NOT NULL, nodes TEXT NOT NULL, created_at REAL NOT NULL, user TEXT);
+    ttft_s REAL, latency_s REAL NOT NULL, nodes TEXT NOT NULL, created_at REAL NOT NULL, user TEXT,
+    migrations INTEGER, leg_tokens TEXT);
 CREATE INDEX IF NOT EXISTS usage_team_time ON usage (team_id, created_at);
 """
 #: columns later versions added to existing tables: (table, column, type)
-ADDED_COLUMNS = [("usage", "user", "TEXT"), ("reservations", "gateway_id", "TEXT"), ("reservations", "booked", "TEXT")]
+ADDED_COLUMNS = [("usage", "user", "TEXT"), ("reservations", "gateway_id", "TEXT"), ("reservations", "booked", "TEXT"),
+                 ("usage", "migrations", "INTEGER"), ("usage", "leg_tokens", "TEXT")]
 
 _TEAM_COLS = "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, created_at"
 _KEY_COLS = "id, team_id, name, prefix, created_at, revoked_at"
 _USAGE_COLS = ("request_id", "team_id", "key_id", "model_requested", "model_used", "tier", "status",
                "endpoint", "prompt_tokens", "completion_tokens", "cached_tokens", "cost_usd", "ttft_s",
-               "latency_s", "nodes", "created_at", "user")  # fmt: skip
+               "latency_s", "nodes", "created_at", "user", "migrations", "leg_tokens")  # fmt: skip
 
 
 def _team(row: tuple[Any, ...]) -> Team:
@@ -92,6 +94,8 @@ def _key(row: tuple[Any, ...]) -> ApiKey:
 def _record(row: tuple[Any, ...]) -> UsageRecord:
     d = dict(zip(_USAGE_COLS, row, strict=True))
     d["nodes"] = json.loads(d["nodes"])
+    d["migrations"] = d["migrations"] or 0  # NULL: a record from before stream migration
+    d["leg_tokens"] = json.loads(d["leg_tokens"] or "[]")
     return UsageRecord(**d)
 
 
@@ -268,6 +272,7 @@ class SqliteStore(Store):
 
 _INSERT_USAGE = f"INSERT INTO usage ({', '.join(_USAGE_COLS)}) VALUES ({', '.join('?' * len(_USAGE_COLS))})"
 _NODES = _USAGE_COLS.index("nodes")
+_LEG_TOKENS = _USAGE_COLS.index("leg_tokens")
 
 
 def _settler(batch: list[Settlement]) -> Callable[[sqlite3.Connection], None]:
@@ -400,6 +405,7 @@ def _write_usage(db: sqlite3.Connection, r: UsageRecord, now: float) -> None:
                    (r.team_id, day_period(now), month_period(now), r.cost_usd))  # fmt: skip
     values = [getattr(r, c) for c in _USAGE_COLS]
     values[_NODES] = json.dumps(r.nodes)
+    values[_LEG_TOKENS] = json.dumps(r.leg_tokens)
     db.execute(_INSERT_USAGE, values)
 
 

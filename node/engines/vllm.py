@@ -271,6 +271,8 @@ class VllmNodeEngine:
         h = handoff or KVHandoff()
         if h.hold_seconds is not None or h.remote_num_tokens:
             raise RequestRefused("a vLLM node moves KV through kv_transfer_params, not the native P/D hooks")
+        if params.resume is not None:  # its detokenizer cannot start from another node's state
+            raise RequestRefused("a vLLM node cannot continue a migrated request (resume)")
         if self.dead is not None:
             raise self.dead if isinstance(self.dead, EngineDead) else EngineDead(str(self.dead))
         arrival = asyncio.get_running_loop().time()

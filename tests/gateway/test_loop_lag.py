@@ -18,6 +18,9 @@ from aiohttp import web
 
 from gateway.loop_lag import INTERVAL_S, LoopLag
 from gateway.node_client import NodeClient, NodeFailure
+from protocol.node_api import NodeCompletionRequest
+
+_BODY = NodeCompletionRequest(prompt=[1])
 
 CONNECT_TIMEOUT_S = 0.3
 
@@ -81,7 +84,7 @@ def test_a_connect_timed_out_by_our_own_stall_is_retried() -> None:
             async with aiohttp.ClientSession(trace_configs=[trace]) as s:
                 nc = NodeClient(s, CONNECT_TIMEOUT_S, 5.0, 5.0, lag)
                 texts = [c.choices[0].text async for c, _ in nc.stream(f"http://127.0.0.1:{port}", "r1",
-                                                                         {"prompt": [1]})]  # fmt: skip
+                                                                         _BODY)]  # fmt: skip
                 assert texts == ["hi"]
                 return nc.own_stall_retries
         finally:
@@ -110,7 +113,7 @@ async def test_a_node_that_does_not_answer_still_fails(monkeypatch: pytest.Monke
             nc = NodeClient(s, CONNECT_TIMEOUT_S, 5.0, 5.0, lag)
             t0 = time.monotonic()
             with pytest.raises(NodeFailure, match="ConnectionTimeoutError"):
-                async for _ in nc.stream(f"http://127.0.0.1:{port}", "r1", {"prompt": [1]}):
+                async for _ in nc.stream(f"http://127.0.0.1:{port}", "r1", _BODY):
                     pass
             assert nc.own_stall_retries == 0
             assert time.monotonic() - t0 < CONNECT_TIMEOUT_S * 3  # no second wait

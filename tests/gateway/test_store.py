@@ -202,9 +202,10 @@ async def test_old_sqlite_file_gains_the_user_column(tmp_path: Path) -> None:
     await asyncio.gather(a.open(), b.open())
     await b.close()
     with sqlite3.connect(path) as db:
-        assert [r[1] for r in db.execute("PRAGMA table_info(usage)")][-1] == "user"
+        assert [r[1] for r in db.execute("PRAGMA table_info(usage)")][-3:] == ["user", "migrations", "leg_tokens"]
     [old] = await a.usage_records(None, 0, 1e12)
     assert (old.request_id, old.user, old.nodes, old.prompt_tokens) == ("old-1", None, ["n1"], 3)
+    assert (old.migrations, old.leg_tokens) == (0, [])  # a record from before stream migration
     await a.create_team(Team(id="t"))
     await _settled(a, "t", 5, 0.25, "alice", "new-1")
     assert [(r["user"], r["requests"]) for r in await a.usage("t", 0, 1e12, "user")] == [(None, 1), ("alice", 1)]
@@ -221,14 +222,15 @@ async def test_old_postgres_database_gains_the_user_column(postgres_db: str) -> 
     await s.close()
     con = await asyncpg.connect(postgres_db)
     try:  # back to the schema versions before the `user` column created, with one old row
-        await con.execute('ALTER TABLE usage DROP COLUMN "user"')
+        for column in ('"user"', "migrations", "leg_tokens"):
+            await con.execute(f"ALTER TABLE usage DROP COLUMN {column}")
         await con.execute("INSERT INTO usage (request_id, team_id, key_id, model_requested, model_used, tier, status, "
                           "endpoint, prompt_tokens, completion_tokens, cached_tokens, cost_usd, ttft_s, latency_s, "
                           "nodes, created_at) VALUES ('old-1', 't', 'k', 'm', 'm', 'interactive', 'ok', 'chat', 3, 4, "
                           "0, 0.5, 0.1, 0.2, '[\"n1\"]', 1000.0)")  # fmt: skip
         s = await _store(postgres_db)
         [old] = await s.usage_records(None, 0, 1e12)
-        assert (old.request_id, old.user, old.nodes) == ("old-1", None, ["n1"])
+        assert (old.request_id, old.user, old.nodes, old.migrations, old.leg_tokens) == ("old-1", None, ["n1"], 0, [])
         await s.create_team(Team(id="t"))
         await _settled(s, "t", 5, 0.25, "alice", "new-1")
         assert [r.user for r in await s.usage_records("t", 0, 1e12)] == [None, "alice"]

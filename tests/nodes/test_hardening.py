@@ -99,6 +99,15 @@ HOSTILE: list[tuple[str, str, Any, int]] = [
     ("both", "/v1/completions", cmpl(kv_transfer_params={"do_remote_prefill": "yes"}), 400),
     ("both", "/v1/completions", cmpl(kv_transfer_params={"do_remote_prefill": True, "do_remote_decode": True}), 400),
     ("both", "/v1/completions", cmpl(kv_transfer_params={"do_remote_decode": True}, stream=True), 400),
+    # a migrated leg's continuation point (protocol/resume.py) must lie inside its prompt
+    ("both", "/v1/completions", cmpl(resume={"output_tokens": 3, "text_chars": 0}), 400),  # the whole prompt
+    ("both", "/v1/completions", cmpl(resume={"output_tokens": 0, "text_chars": 0}), 400),
+    ("both", "/v1/completions", cmpl(resume={"output_tokens": 1, "text_chars": -1}), 400),
+    ("both", "/v1/completions", cmpl(resume={"output_tokens": 2, "text_chars": 0}, max_tokens=2), 400),
+    ("both", "/v1/completions", cmpl(resume={"output_tokens": 1, "text_chars": 0, "migration": 0}), 400),
+    ("both", "/v1/completions", cmpl(resume={"output_tokens": "1", "text_chars": 0}), 400),
+    ("both", "/v1/completions", cmpl(resume={"output_tokens": 1}), 400),
+    ("both", "/v1/completions", cmpl(resume={"output_tokens": 1, "text_chars": 0}, prompt_logprobs=1), 400),
     ("prefill", "/v1/completions", ktp(), 400),  # a prefill node runs no decode legs
     ("decode", "/v1/completions", cmpl(kv_transfer_params={"do_remote_decode": True}), 400),
     ("decode", "/v1/completions", cmpl(kv_transfer_params={"do_remote_prefill": True}), 400),
