@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from gateway.node_client import NodeClient, NodeFailure
 from protocol import sse
+from protocol.node_api import NodeCompletionRequest
 from protocol.sse import DataLines
 from tests.wait import until
 
@@ -49,7 +50,7 @@ async def _read(aiohttp_server, app: web.Application, on_chunk=None) -> list[tup
     async with aiohttp.ClientSession() as s:
         nc = NodeClient(s, 5.0, 5.0, 5.0)
         out = []
-        async for chunk, more in nc.stream(str(server.make_url("")).rstrip("/"), "r1", {"prompt": [1]}):
+        async for chunk, more in nc.stream(str(server.make_url("")).rstrip("/"), "r1", NodeCompletionRequest(prompt=[1])):
             out.append((chunk.choices[0].text, more))
             if on_chunk is not None:
                 on_chunk(len(out))
@@ -140,7 +141,7 @@ async def test_a_body_ending_after_done_keeps_its_connection(aiohttp_server) -> 
     async with aiohttp.ClientSession() as s:
         nc = NodeClient(s, 5.0, 5.0, 5.0)
         for _ in range(3):
-            texts = [c.choices[0].text async for c, _ in nc.stream(url, "r1", {"prompt": [1]})]
+            texts = [c.choices[0].text async for c, _ in nc.stream(url, "r1", NodeCompletionRequest(prompt=[1]))]
             assert texts == [" t0"]  # the stream is over for the caller before the body ends
             assert nc.draining == 1
             end.set()  # now the body's end arrives, in a later read than [DONE]
@@ -154,10 +155,10 @@ async def test_a_body_that_never_ends_loses_its_connection(aiohttp_server) -> No
     async with aiohttp.ClientSession() as s:
         nc = NodeClient(s, 5.0, 5.0, 5.0)
         nc.drain_timeout_s = 0.05
-        assert [c.choices[0].text async for c, _ in nc.stream(url, "r1", {"prompt": [1]})] == [" t0"]
+        assert [c.choices[0].text async for c, _ in nc.stream(url, "r1", NodeCompletionRequest(prompt=[1]))] == [" t0"]
         await until(lambda: nc.draining == 0)  # gave up: the connection was closed, not pooled
         end.set()
-        assert [c.choices[0].text async for c, _ in nc.stream(url, "r2", {"prompt": [1]})] == [" t0"]
+        assert [c.choices[0].text async for c, _ in nc.stream(url, "r2", NodeCompletionRequest(prompt=[1]))] == [" t0"]
         assert len(set(peers)) == 2  # the second request needed a new connection
         await nc.close()  # at shutdown: a drain still going is stopped
         assert nc.draining == 0
