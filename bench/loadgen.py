@@ -73,12 +73,20 @@ async def run_load(session: aiohttp.ClientSession, cfg: ServeConfig, requests: I
     sem = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
     run_id = uuid.uuid4().hex[:8]
     records: list[RequestRecord] = []
-    tasks: list[asyncio.Task[RequestRecord]] = []
+    tasks: list[asyncio.Task[RequestRecord | None]] = []
     started_at = time.time()
     start = time.perf_counter()
 
-    async def one(rec: RequestRecord, req: BenchRequest, key: str | None) -> RequestRecord:
+    def over() -> bool:
+        return stop.is_set() or (cfg.duration_s is not None and time.perf_counter() - start >= cfg.duration_s)
+
+    async def one(rec: RequestRecord, req: BenchRequest, key: str | None) -> RequestRecord | None:
         try:
+            # The task starts a moment after the loop decided to send: a send that would start
+            # past --duration (or after Ctrl-C) is not made, so no request starts after the end.
+            if over():
+                return None
+            records.append(rec)
             await sse_client.send(session, cfg.url, payload.body(cfg, req, rec.tier),
                                   payload.headers(cfg, key, rec.tier, f"bench-{run_id}-{rec.index}"),
                                   rec, cfg.request_timeout, start)  # fmt: skip
@@ -88,9 +96,6 @@ async def run_load(session: aiohttp.ClientSession, cfg: ServeConfig, requests: I
         if on_done is not None:
             on_done(rec)
         return rec
-
-    def over() -> bool:
-        return stop.is_set() or (cfg.duration_s is not None and time.perf_counter() - start >= cfg.duration_s)
 
     count = itertools.count() if cfg.num_requests is None else range(cfg.num_requests)
     for i, req in zip(count, requests, strict=False):
@@ -111,7 +116,6 @@ async def run_load(session: aiohttp.ClientSession, cfg: ServeConfig, requests: I
         team, key, tier = mixer.draw()
         rec = RequestRecord(index=i, prompt_len=req.prompt_len, max_tokens=req.output_len,
                             scheduled_s=planned, team=team, tier=tier, group=req.group)  # fmt: skip
-        records.append(rec)
         tasks.append(asyncio.create_task(one(rec, req, key)))
         await asyncio.sleep(0)  # let the new task start its send before the next one is planned
     await asyncio.gather(*tasks)
