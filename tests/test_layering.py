@@ -18,6 +18,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from tests.nodes.test_layering import imports, top
+
 ROOT = Path(__file__).resolve().parents[1]
 
 #: modules a request crosses, gateway → coordinator client → node legs (their public
@@ -40,20 +42,6 @@ COMPONENT_BENCHMARKS = {
     "bench/route.py": {"coordinator"}, "bench/router.py": {"gateway"}, "bench/profile.py": {"engine", "sim"},
     "bench/engine_tiers.py": {"engine"}, "bench/spec_engine.py": {"engine"},
 }  # fmt: skip
-
-
-def imports(path: Path) -> set[str]:
-    out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
-    return out
-
-
-def top(name: str) -> str:
-    return name.split(".")[0]
 
 
 def py_files(package: str) -> list[Path]:
