@@ -33,6 +33,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from bench.sse_client import sse_events
 from protocol.openai import ErrorBody
 
 #: fixed chat prompts (varied lengths, so some span several KV blocks)
@@ -114,18 +115,8 @@ async def _stream(session: aiohttp.ClientSession, url: str, headers: dict[str, s
             return _error_answer(rec, r.status, await r.content.read(4096))
         rec.answered = True
         parts: list[str] = []
-        finish, usage, event, chunks, done = None, None, "", 0, False
-        async for raw in r.content:
-            line = raw.decode().rstrip("\r\n")
-            if not line:
-                event = ""
-                continue
-            if line.startswith("event:"):
-                event = line[6:].strip()
-                continue
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
+        finish, usage, chunks, done = None, None, 0, False
+        async for event, data in sse_events(r.content):
             if data == "[DONE]":
                 done = True
                 break

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -61,18 +62,7 @@ async def _exchange(session: aiohttp.ClientSession, url: str, payload: dict[str,
         if resp.content_type != "text/event-stream":
             raise ValueError(f"expected an SSE stream (text/event-stream), got {resp.content_type or 'no type'}")
         done = False
-        event = ""
-        async for raw in resp.content:
-            line = raw.decode().rstrip("\r\n")
-            if not line:  # a blank line ends an event: its type does not carry over
-                event = ""
-                continue
-            if line.startswith("event:"):
-                event = line[6:].strip()
-                continue
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
+        async for event, data in sse_events(resp.content):
             if data == "[DONE]":
                 done = True
                 end = time.perf_counter()
@@ -125,6 +115,20 @@ def _take_chunk(chunk: dict[str, Any], rec: RequestRecord, now: float) -> None:
         rec.usage_prompt_tokens = usage.get("prompt_tokens")
         details = usage.get("prompt_tokens_details") or {}
         rec.cached_tokens = details.get("cached_tokens")
+
+
+async def sse_events(content: aiohttp.StreamReader) -> AsyncIterator[tuple[str, str]]:
+    """A stream's `data:` payloads with their event type ("" unless an `event:` line named one;
+    a blank line ends an event, so its type does not carry over), in order."""
+    event = ""
+    async for raw in content:
+        line = raw.decode().rstrip("\r\n")
+        if not line:
+            event = ""
+        elif line.startswith("event:"):
+            event = line[6:].strip()
+        elif line.startswith("data:"):
+            yield event, line[5:].strip()
 
 
 async def _error_message(resp: aiohttp.ClientResponse) -> str:
