@@ -17,6 +17,7 @@ import msgspec
 from protocol.kv_params import KVTransferParams
 from protocol.openai import CompletionChoice, CompletionRequest, ErrorDetail, Usage
 from protocol.resume import Resume
+from protocol.structured import Guide
 
 
 class NodeCompletionRequest(CompletionRequest, kw_only=True, omit_defaults=True):
@@ -29,6 +30,9 @@ class NodeCompletionRequest(CompletionRequest, kw_only=True, omit_defaults=True)
     #: it from the caller's team on both legs, and a node never matches a prefix across domains
     cache_salt: str | None = None
     resume: Resume | None = None
+    #: the constrained-decoding guide (protocol/structured.py): P masks the first token with
+    #: it, D resumes it from the tokens so far; None: unconstrained
+    guide: Guide | None = None
 
 
 class NodeCompletion(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -123,6 +123,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     priority: Literal["interactive", "batch"] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     user: str | None = None
+    # Penalties and biases (OpenAI's: frequency/presence -2..2, logit_bias token id -> -100..100,
+    # at most 300 entries; vLLM's: repetition_penalty > 0, min_p in [0, 1]); issue #24
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -1,0 +1,54 @@
+"""Structured-output contracts shared by the gateway and the nodes (issue #24).
+
+`ResponseFormat` is OpenAI's `response_format` body field as clients send it. `Guide` is what a
+node's leg carries: the one constraint the engine enforces with a token mask every step (the
+gateway derives it from `response_format`, or from `tool_choice` = `required` / a named function).
+A leg carries at most one guide; its `spec` is canonical text (a schema's JSON with sorted keys,
+a regex, or a JSON list of choices), so the same constraint hashes to the same compiled grammar
+on every node.
+
+Invariant: a guide reaching a node was already checked by the gateway (the grammar engine
+accepted it), so a node refusing one is a 400 of the same words, never a crash.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Literal
+
+import msgspec
+
+
+class JSONSchemaFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's `response_format.json_schema`: `{"name", "schema", "strict", "description"}`."""
+
+    name: str
+    #: a JSON Schema, as the client wrote it (JSON Schema is open-ended: checked by the
+    #: grammar engine, not by a Struct)
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's `response_format`: text (no constraint), a JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class GuideKind(enum.StrEnum):
+    """What a guide's `spec` holds."""
+
+    JSON_OBJECT = "json_object"  # any JSON object (spec is empty)
+    JSON_SCHEMA = "json_schema"  # spec: the schema's JSON, keys sorted
+    REGEX = "regex"  # spec: the regular expression
+    CHOICE = "choice"  # spec: a JSON list of the allowed strings
+
+
+class Guide(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
+    """The constraint of one leg: the prefill node masks the first token with it, the decode
+    node resumes it from the tokens sampled so far and masks the rest."""
+
+    kind: GuideKind
+    spec: str = ""
