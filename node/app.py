@@ -169,6 +169,11 @@ def make_app(state: NodeState) -> web.Application:
         app.router.add_route(method, path, bind(fn))
     app.router.add_get("/kv/metadata", _kv_metadata)
     app.router.add_post("/abort", _abort)
+    from node.drain import handle_get_drain, handle_post_drain
+
+    # the drain endpoint (planner actuators, a pod's preStop hook)
+    app.router.add_get("/drain", bind(handle_get_drain))
+    app.router.add_post("/drain", bind(handle_post_drain))
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     from node.kv_events import add_kv_event_routes  # /kv/events, /kv/snapshot

@@ -51,6 +51,10 @@ class DrainHooks:
     shutting_down: Callable[[], bool]
     #: `--exit-when-drained`: exit once a drain finds the node idle
     exit_when_drained: bool = False
+    #: a drain asked on the node itself (`POST /drain`, node/drain.py)
+    requested: Callable[[], bool] = lambda: False
+    #: told when a drain starts, whoever asked (so `GET /drain` says draining)
+    on_drain: Callable[[], None] = lambda: None
 
 
 class Registration(LeaseHolder):
@@ -62,6 +66,8 @@ class Registration(LeaseHolder):
         self.is_busy = drain.is_busy
         self.shutting_down = drain.shutting_down
         self.exit_when_drained = drain.exit_when_drained
+        self.drain_asked = drain.requested
+        self.drain_started = drain.on_drain
         self.registered = False
         self.drain_requested = False
         self._published = NodeStatus.ACTIVE
@@ -87,6 +93,7 @@ class Registration(LeaseHolder):
     def _on_drain(self, why: str) -> None:
         if not self.drain_requested:
             self.drain_requested = True
+            self.drain_started()
             self._g_draining.set(1)
             log.info("drain requested (%s): no new routes; finishing in-flight work%s", why,
                      ", then exiting" if self.exit_when_drained else "")  # fmt: skip
@@ -140,6 +147,8 @@ class Registration(LeaseHolder):
                     self._on_drain("status set to draining in etcd")
 
     async def tick(self) -> bool:
+        if self.drain_asked() and not self.drain_requested:
+            self._on_drain("POST /drain")
         if self.status != self._published:  # drain or shutdown: tell the routers now
             await self._publish()
         if self._drained():
@@ -184,8 +193,11 @@ def registration_ctx(state: Any) -> Callable[[web.Application], AsyncIterator[No
         def busy() -> bool:
             return state.inflight > 0 or state.engine.stats().get("num_requests_held", 0) > 0
 
-        drain = DrainHooks(is_busy=busy, shutting_down=lambda: state.draining,
-                           exit_when_drained=cfg.exit_when_drained)  # fmt: skip
+        def started() -> None:
+            state.drain_requested = True
+
+        drain = DrainHooks(is_busy=busy, shutting_down=lambda: state.draining, exit_when_drained=cfg.exit_when_drained,
+                           requested=lambda: state.drain_requested, on_drain=started)  # fmt: skip
         reg = Registration(store, node_info(state, cfg.pool), cfg.cluster, ttl, drain, registry=state.metrics.registry)
         task = asyncio.create_task(reg.run(), name="etcd-registration")
         yield

@@ -35,6 +35,8 @@ class NodeState:
     transport: Transport | None = None
     session: aiohttp.ClientSession | None = None
     draining: bool = False
+    #: a drain was asked through `POST /drain` (node/drain.py); registration publishes it
+    drain_requested: bool = False
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     shutdown: asyncio.Event = field(default_factory=asyncio.Event)
