@@ -86,9 +86,28 @@ def declared_in_source() -> dict[str, Path]:
     return found
 
 
-_NAME = re.compile(r"\bduet:[a-zA-Z0-9_:]+")
+#: Grafana's own variables, and the dashboard's (always inside a label matcher's regex)
+_GRAFANA_RANGES = re.compile(r"\$__(?:rate_interval|interval|range)\b")
+_GRAFANA_VARIABLE = re.compile(r"\$\{?\w+\}?")
+_LABEL_VALUES = re.compile(r"^label_values\((.+),\s*\w+\)$")
 
 
 def used_in(expr: str) -> set[str]:
-    """The duet metric names a PromQL expression reads."""
-    return set(_NAME.findall(expr))
+    """The metric names a PromQL expression reads, from its syntax tree (promql-parser, the
+    Rust parser Prometheus-compatible databases use). A Grafana expression has its variables
+    replaced first; `label_values(SELECTOR, label)` (a variable's query) is its selector.
+    Raises ValueError when the expression is not PromQL."""
+    import promql_parser
+
+    if m := _LABEL_VALUES.match(expr.strip()):
+        expr = m.group(1)
+    expr = _GRAFANA_VARIABLE.sub(".*", _GRAFANA_RANGES.sub("5m", expr))
+    names: set[str] = set()
+
+    def visit(node: object) -> bool:
+        if isinstance(node, promql_parser.VectorSelector) and node.name:
+            names.add(node.name)
+        return True
+
+    promql_parser.walk(promql_parser.parse(expr), visit)
+    return names
