@@ -215,7 +215,8 @@ def test_gpu_and_cpu_node_variants(rendered: dict[str, list[dict[str, Any]]]) ->
     for role in ("prefill", "decode"):
         gpu, cpu = (_one(rendered[o], "Deployment", f"duet-{role}") for o in ("gpu", "cpu"))
         g, c = _container(gpu), _container(cpu)
-        assert g["resources"]["limits"]["nvidia.com/gpu"] == 1 and "--device=cuda" in g["args"]
+        assert g["resources"]["limits"]["nvidia.com/gpu"] == g["resources"]["requests"]["nvidia.com/gpu"] == 1
+        assert "--device=cuda" in g["args"]
         assert "nvidia.com/gpu" not in json.dumps(c["resources"]) and "--device=cpu" in c["args"]
         # RDMA first on GPU machines; TCP between CPU pods (cma/shared memory cannot cross pods).
         assert _env(gpu)["UCX_TLS"]["value"].split(",")[:2] == ["rc", "ud"]
