@@ -7,6 +7,7 @@ import asyncio
 import sys
 import time
 
+from duet.security_args import add_server_arguments, plane_security
 from protocol.cluster import DEFAULT_CLUSTER, NODE_TTL_S
 
 COORDINATOR_HELP = """\
@@ -47,6 +48,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="a node whose last load report is older than this gets no new routes")
     p.add_argument("--ttl", type=int, default=NODE_TTL_S, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="INFO")
+    add_server_arguments(p)
     p.set_defaults(func=_run_coordinator)
 
     d = sub.add_parser("drain", help="drain a node: no new routes, finish its work (see --help)",
@@ -76,7 +78,8 @@ def _run_coordinator(args: argparse.Namespace) -> int:
                               stale_load_s=args.stale_load_s)  # fmt: skip
         cfg = CoordinatorConfig(etcd=args.etcd, cluster=args.cluster, host=args.host, port=args.port,
                                 replica_id=args.replica_id, advertise_url=args.advertise_url,
-                                index_max_blocks=args.index_max_blocks, ttl=args.ttl, policy=policy)  # fmt: skip
+                                index_max_blocks=args.index_max_blocks, ttl=args.ttl, policy=policy,
+                                security=plane_security(args))  # fmt: skip
     except ValueError as e:
         raise UsageError(str(e)) from None
     return run_coordinator(cfg)

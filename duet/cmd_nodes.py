@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from duet.security_args import add_server_arguments, plane_security
 from node.config import DEFAULT_ALLOWED_PEERS
 from protocol.models import DEFAULT_MODEL
 
@@ -98,6 +99,7 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
                    help="routing pool: interactive/batch requests prefer their pool, then shared")
     c.add_argument("--exit-when-drained", action="store_true",
                    help="after `duet drain`, finish in-flight work, deregister and exit 0")  # fmt: skip
+    add_server_arguments(p)
 
 
 def node_config(args: argparse.Namespace, role: str):
@@ -120,6 +122,7 @@ def node_config(args: argparse.Namespace, role: str):
         failure_policy=args.failure_policy, grace_period=args.grace_period, cpus=args.cpus,
         engine_kind=args.engine, reserve_timeout=args.reserve_timeout, allowed_peers=args.allowed_peers,
         etcd=args.etcd, cluster=args.cluster, pool=args.pool, exit_when_drained=args.exit_when_drained,
+        security=plane_security(args),
     )  # fmt: skip
 
 
