@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
 from duet.security_args import add_server_arguments, plane_security
 from node.config import DEFAULT_ALLOWED_PEERS
 from protocol.models import DEFAULT_MODEL
@@ -95,6 +96,7 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
     c.add_argument("--etcd", default=None, metavar="URL",
                    help="register with this etcd (e.g. http://10.0.0.2:2379); without it the node runs standalone")
     c.add_argument("--cluster", default="default", help="cluster name (etcd key prefix /duet/NAME/)")
+    add_etcd_arguments(c)
     c.add_argument("--pool", default="shared", choices=["shared", "interactive", "batch"],
                    help="routing pool: interactive/batch requests prefer their pool, then shared")
     c.add_argument("--exit-when-drained", action="store_true",
@@ -108,6 +110,7 @@ def node_config(args: argparse.Namespace, role: str):
 
     if args.etcd:
         parse_etcd_url(args.etcd)  # a typo is a usage error now, not a registration retry loop
+    apply_etcd_args(args)
 
     if args.engine == "vllm":
         engine = vllm_engine_config(args, role)

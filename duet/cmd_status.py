@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
 from duet.security_args import add_client_arguments, plane_security
 
 if TYPE_CHECKING:
@@ -38,6 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--etcd", default=None, metavar="URL",
                    help="etcd to list registered nodes and replicas from (default: the running `duet up`'s)")
     p.add_argument("--cluster", default="default", help="cluster name in etcd (with --etcd; default 'default')")
+    add_etcd_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     add_client_arguments(p)
     p.set_defaults(func=_run)
@@ -169,6 +171,7 @@ def _run(args: argparse.Namespace) -> int:
 
         try:
             parse_etcd_url(args.etcd)
+            apply_etcd_args(args)
         except ValueError as e:
             raise UsageError(str(e)) from None
     if args.coordinator or args.etcd:
