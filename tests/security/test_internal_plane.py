@@ -90,8 +90,10 @@ def plane(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         coord = Proc([sys.executable, "-m", "duet", "coordinator", "--etcd", etcd.url, "--port", str(port),
                       "--local-prefill-tokens", "8", *flag], port, tmp / "coordinator.log")  # fmt: skip
         p = duet_node("prefill", str(tiny_llama), tmp, *NODE_ARGS, "--etcd", etcd.url, "--node-id", "prefill-0", *flag)
+        # --failure-policy fail: a pull whose metadata, read or release were refused fails the
+        # request instead of hiding behind a local recompute
         d = duet_node("decode", str(tiny_llama), tmp, *NODE_ARGS, "--etcd", etcd.url, "--node-id", "decode-0",
-                      "--protect-metrics", *flag)  # fmt: skip
+                      "--protect-metrics", "--failure-policy", "fail", *flag)  # fmt: skip
         model = {"kind": "cluster", "tokenizer": str(tiny_llama), "served_name": tiny_llama.name}
         g = gateway_proc(tmp, {MODEL: model}, routing={"coordinator": [coord.url]},
                          args=("--protect-metrics", *flag))  # fmt: skip
@@ -150,8 +152,9 @@ def test_health_is_open_and_metrics_are_protected_by_flag(plane: Plane) -> None:
 
 
 def test_with_the_secret_everything_works_as_before(plane: Plane) -> None:
-    """Gateway → coordinator → prefill → decode (pulling over the tcp transport): every hop
-    carries the secret, and the decode node reads real KV bytes."""
+    """Gateway → coordinator → prefill → decode (pulling over the tcp transport, releasing on
+    P): every hop carries the secret, and the decode node reads real KV bytes (a refused hop
+    would fail the request: the decode node runs with --failure-policy fail)."""
     moved = metric_value(plane.decode.url, "duet:kv_transfer_bytes_total", AUTH)
     computed = metric_value(plane.prefill.url, "duet:prompt_tokens_total")
     client = openai.AsyncOpenAI(base_url=plane.gateway.url + "/v1", api_key=plane.key, max_retries=0)
