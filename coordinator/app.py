@@ -115,7 +115,9 @@ def make_app(config: CoordinatorConfig, store: Store | None = None, *,
 
 
 def _app(coordinator: Coordinator) -> web.Application:
-    app = web.Application(middlewares=[error_middleware(log)], client_max_size=16 * 2**20)
+    # The cluster secret first: a request without it reaches nothing (protocol/cluster_secret.py).
+    auth = coordinator.config.security.middlewares()
+    app = web.Application(middlewares=[*auth, error_middleware(log)], client_max_size=16 * 2**20)
     app[COORDINATOR] = coordinator
     app.router.add_post("/route", _route)
     app.router.add_get("/cluster", _cluster)

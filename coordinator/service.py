@@ -36,6 +36,7 @@ from protocol.cluster import (
     PendingReport,
 )
 from protocol.openai import APIError
+from protocol.plane import PlaneSecurity
 from protocol.route import RouteRequest
 
 log = logging.getLogger("duet.coordinator")
@@ -55,6 +56,8 @@ class CoordinatorConfig:
     #: lease TTL of this replica's membership and leadership (seconds)
     ttl: int = NODE_TTL_S
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    #: cluster secret, TLS and /metrics policy of the internal plane (protocol/plane.py)
+    security: PlaneSecurity = field(default_factory=PlaneSecurity)
 
     def __post_init__(self) -> None:
         if self.index_max_blocks < 1:
@@ -71,7 +74,7 @@ class CoordinatorConfig:
     @property
     def url(self) -> str:
         host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
-        return self.advertise_url or f"http://{host}:{self.port}"
+        return self.advertise_url or f"{self.security.scheme}://{host}:{self.port}"
 
 
 class Coordinator:
@@ -93,7 +96,7 @@ class Coordinator:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession()
+        self.session = self.config.security.client_session()  # nodes' /kv/events, with the secret
         self._background = [asyncio.create_task(self.registry.run(), name="registry"),
                             asyncio.create_task(self.election.run(), name="election")]  # fmt: skip
 

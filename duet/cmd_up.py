@@ -176,7 +176,7 @@ def gateway_toml(cfg, store_url: str, admin_sha256: str, coordinators: list[str]
     return "\n".join(lines) + "\n"
 
 
-def _node_children(cfg, home, etcd_url: str, log):  # -> list[(Child, (model, role))]
+def _node_children(cfg, home, etcd_url: str, log, secret_args: list[str]):  # -> list[(Child, (model, role))]
     from duet.supervisor import Child
     from duet.up_config import cpu_list, plan_cpus
 
@@ -200,7 +200,7 @@ def _node_children(cfg, home, etcd_url: str, log):  # -> list[(Child, (model, ro
         args += ["--kv-blocks", str(kv_blocks)] if kv_blocks else ["--kv-memory", g.kv_memory or cfg.kv_memory]
         if pinned:
             args += ["--cpus", pinned]
-        args += [*cfg.node_args, *g.args]
+        args += [*secret_args, *cfg.node_args, *g.args]
         children.append((Child(name, args, home.logs / f"{name}.log", f"http://127.0.0.1:{port}/health"),
                          (g.model or cfg.model, g.role)))  # fmt: skip
     return children
@@ -215,8 +215,8 @@ def cfg_threads(cfg, cpus: list[int] | None, n_nodes: int, n_cpus: int) -> int:
     return max(1, n_cpus // max(1, n_nodes))
 
 
-def _get_json(url: str, timeout: float = 2.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def _get_json(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> Any:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
         return json.loads(r.read())
 
 
@@ -242,8 +242,9 @@ def _banner(url: str, model: str, key: str, created: bool, home, layout: str) ->
 def _run(args: argparse.Namespace) -> int:
     from duet.cli import UsageError
     from duet.supervisor import Child, Supervisor
-    from duet.up_home import UpHome, admin_key, dev_key
+    from duet.up_home import UpHome, admin_key, cluster_secret, dev_key
     from gateway.keys import hash_secret
+    from protocol.cluster_secret import read_secret_file
 
     cfg = build_config(args)
     home = UpHome.current()
@@ -263,6 +264,11 @@ def _run(args: argparse.Namespace) -> int:
 
     key, created = dev_key(home)
     admin = admin_key(home)
+    # The cluster secret (protocol/cluster_secret.py): every child gets the file's path, and
+    # this process sends it on its own /cluster polls.
+    secret_file = cluster_secret(home)
+    secret_args = ["--cluster-secret-file", str(secret_file)]
+    auth = read_secret_file(secret_file).headers
     from coordinator.etcd_server import EtcdServer
 
     # The same single-member etcd as the tests', run as a supervised child.
@@ -276,13 +282,13 @@ def _run(args: argparse.Namespace) -> int:
         coords.append(Child(f"coordinator-{i}" if cfg.coordinator.replicas > 1 else "coordinator",
                             [sys.executable, "-m", "duet", "coordinator", "--etcd", etcd_url, "--cluster", cfg.cluster,
                              "--host", "127.0.0.1", "--port", str(port), "--replica-id", f"coordinator-{i}",
-                             *cfg.coordinator.args],
+                             *secret_args, *cfg.coordinator.args],
                             home.logs / (f"coordinator-{i}.log" if cfg.coordinator.replicas > 1 else "coordinator.log"),
                             coord_urls[-1] + "/health",
                             # Orphaned, it would resign in an etcd that is going down with it, and
                             # resigning has no time limit: it holds no state worth a clean exit.
                             death_signal=signal.SIGKILL))  # fmt: skip
-    nodes = _node_children(cfg, home, etcd_url, log)
+    nodes = _node_children(cfg, home, etcd_url, log, secret_args)
     node_urls = [(m, role, c.health_url.removesuffix("/health")) for c, (m, role) in nodes]  # type: ignore[union-attr]
     nodes = [c for c, _ in nodes]
     home.gateway_toml.write_text(gateway_toml(cfg, home.store_url, hash_secret(admin), coord_urls, served, node_urls,
@@ -290,7 +296,8 @@ def _run(args: argparse.Namespace) -> int:
     gw_host = "127.0.0.1" if cfg.gateway.host in ("0.0.0.0", "::", "") else cfg.gateway.host
     gw_url = f"http://{gw_host}:{cfg.gateway.port}"
     env = {k: v for k, v in os.environ.items() if k != "DUET_ADMIN_KEY"}  # the admin key is the file's
-    gateway = Child("gateway", [sys.executable, "-m", "duet", "gateway", "--config", str(home.gateway_toml)],
+    gateway = Child("gateway", [sys.executable, "-m", "duet", "gateway", "--config", str(home.gateway_toml),
+                                *secret_args],
                     home.logs / "gateway.log", gw_url + "/health", env=env)  # fmt: skip
     stages = [[etcd], coords, nodes, [gateway]]
 
@@ -310,7 +317,7 @@ def _run(args: argparse.Namespace) -> int:
         waited, seen = 0.0, set()
         while waited < args.startup_timeout:
             try:
-                info = _get_json(coord_urls[0] + "/cluster")
+                info = _get_json(coord_urls[0] + "/cluster", headers=auth)
                 seen = {n["node_id"] for n in info["nodes"] if n["ready"]}
                 if node_ids <= seen:
                     break

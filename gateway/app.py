@@ -42,6 +42,7 @@ from gateway.store import open_store
 from gateway.store.base import StoreError
 from gateway.tiers import Admission, Shed
 from gateway.usage_writer import UsageWriter
+from protocol.cluster_secret import metrics_middleware
 from protocol.http_errors import error_middleware
 from protocol.models import resolve_model
 from protocol.openai import APIError
@@ -117,13 +118,30 @@ async def _metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": CONTENT_TYPE_LATEST})  # fmt: skip
 
 
+def _metrics_reader(config: GatewayConfig) -> Callable[[web.Request], bool]:
+    """Who may read a protected /metrics: the cluster secret's holders and the admin."""
+    secret = config.security.secret
+
+    def check(request: web.Request) -> bool:
+        header = request.headers.get("Authorization", "")
+        if secret is not None and secret.verify(header):
+            return True
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and bool(token.strip()) and is_admin(request.app[STATE], token.strip())
+
+    return check
+
+
 def make_app(config: GatewayConfig) -> web.Application:
     errors = error_middleware(log, _translate, lambda r: r.get(_RID))
     admin_key = config.admin_key
     if admin_key is not None and len(admin_key) < MIN_ADMIN_KEY:
         raise ConfigError(f"$DUET_ADMIN_KEY is {len(admin_key)} characters; an admin key needs at least {MIN_ADMIN_KEY} "
                           "(generate one: python -c 'import secrets; print(secrets.token_urlsafe(32))')")  # fmt: skip
-    app = web.Application(middlewares=[_request_id, errors], client_max_size=config.server.max_body_bytes)
+    # --protect-metrics: /metrics needs the cluster secret or the admin key (the rest of the
+    # gateway's API has its own keys).
+    guard = [metrics_middleware(_metrics_reader(config))] if config.security.protect_metrics else []
+    app = web.Application(middlewares=[*guard, _request_id, errors], client_max_size=config.server.max_body_bytes)
     metrics = GatewayMetrics()
     store = open_store(config.store_url)
     app[STATE] = GatewayState(config=config, store=store, metrics=metrics,
@@ -173,7 +191,7 @@ def _router(s: GatewayState, load: NodeLoad, view: EtcdView | None) -> Router:
     def replicas() -> list[str]:
         return configured + [u for u in (view.coordinators if view else []) if u not in configured]
 
-    coord = CoordinatorRouter(s.session, replicas, cfg.routing.route_timeout_s)
+    coord = CoordinatorRouter(s.session, replicas, cfg.routing.route_timeout_s, cfg.security.headers)
     return FailoverRouter(coord, static, lambda reason: s.metrics.route_fallback.labels(reason=reason).inc())
 
 
@@ -193,8 +211,10 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     s = app[STATE]
     cfg = s.config
     await s.store.open()
+    # One session for nodes, coordinators and providers: it carries no cluster secret (NodeClient
+    # and the route client add it per request); it trusts --tls-ca besides the system's CAs.
     s.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
-        limit=0, limit_per_host=cfg.routing.max_connections_per_node))  # fmt: skip
+        limit=0, limit_per_host=cfg.routing.max_connections_per_node, ssl=cfg.security.client_ssl()))  # fmt: skip
     load = NodeLoad()
     rc = cfg.routing
     view = EtcdView(rc.etcd, rc.cluster) if rc.etcd else None
@@ -202,7 +222,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     if view_life is not None:
         await view_life.__anext__()
     lag = LoopLag()
-    nodes = NodeClient(s.session, rc.connect_timeout_s, rc.prefill_timeout_s, rc.read_timeout_s, lag)
+    nodes = NodeClient(s.session, rc.connect_timeout_s, rc.prefill_timeout_s, rc.read_timeout_s, lag,
+                       auth=cfg.security.headers)  # fmt: skip
     router = _router(s, load, view)
     cluster = ClusterBackend(nodes, router, load, rc, on_retry=lambda k: s.metrics.retries.labels(kind=k).inc())
     for name, m in cfg.models.items():

@@ -70,6 +70,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from protocol.models import duet_home
+from protocol.plane import PlaneSecurity
 from protocol.tables import from_table
 
 ModelKind = Literal["cluster", "external"]
@@ -263,6 +264,8 @@ class GatewayConfig:
     auto: AutoConfig | None = None
     teams: dict[str, TeamPolicy] = field(default_factory=dict)
     batch: BatchSettings = BatchSettings()
+    #: cluster secret, TLS and /metrics policy (flags of `duet gateway`; protocol/plane.py)
+    security: PlaneSecurity = field(default_factory=PlaneSecurity)
 
     def team_policy(self, team_id: str) -> TeamPolicy:
         return self.teams.get(team_id) or self.teams.get("*") or TeamPolicy()

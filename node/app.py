@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import aiohttp
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -152,7 +151,10 @@ def make_app(state: NodeState) -> web.Application:
     """The node app; `state` holds an engine that is built but not started, and the roles
     registered for this node."""
     errors = error_middleware(log, _translate, _rid)
-    app = web.Application(middlewares=[_request_id, errors, _draining], client_max_size=max_body_bytes(state.engine.max_model_len))
+    # The cluster secret first: a request without it reaches nothing (protocol/cluster_secret.py).
+    auth = state.config.security.middlewares()
+    app = web.Application(middlewares=[*auth, _request_id, errors, _draining],
+                          client_max_size=max_body_bytes(state.engine.max_model_len))  # fmt: skip
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
 
@@ -197,7 +199,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         s.shutdown.set()
 
     s.engine.start(on_dead)
-    s.session = aiohttp.ClientSession()
+    s.session = s.config.security.client_session()  # the internal plane only: peers' /kv/*
     if s.transport is not None:
         base, device = s.engine.kv_memory()
         await s.transport.register_pool(base, s.engine.kv_layout, device)

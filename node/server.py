@@ -45,7 +45,8 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
 
     metrics = NodeMetrics(engine.stats, engine.model_name, cfg.role)
     # The tcp backend (and nixl's fallback to it) listens beside the HTTP port.
-    listen = {"host": cfg.host, "advertise_host": cfg.public_host} if cfg.transport == "tcp" else {}
+    listen = ({"host": cfg.host, "advertise_host": cfg.public_host, "secret": cfg.security.secret}
+              if cfg.transport == "tcp" else {})  # fmt: skip
     if cfg.transport == "ucx":
         listen = {"host": cfg.host}
     transport = None
@@ -75,12 +76,12 @@ async def serve(state: NodeState) -> int:
     # HTTP parser errors answered in OpenAI's error body too (protocol.http_errors).
     runner = AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=LISTEN_BACKLOG)
+    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=LISTEN_BACKLOG, ssl_context=cfg.security.server_ssl())
     await site.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.shutdown.set)
-    print(f"duet {cfg.role} node ready on http://{cfg.host}:{cfg.port} node_id={state.node_id} "
+    print(f"duet {cfg.role} node ready on {cfg.security.scheme}://{cfg.host}:{cfg.port} node_id={state.node_id} "
           f"engine_id={state.engine_id} model={state.engine.model_name}", flush=True)  # fmt: skip
     await state.shutdown.wait()
     state.draining = True
@@ -97,6 +98,13 @@ async def serve(state: NodeState) -> int:
 
 
 def run_node(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] = ()) -> int:
+    from protocol.cluster_secret import SecretError
+
+    try:
+        cfg.security.check_start([cfg.host], f"this {cfg.role} node")  # before the engine loads
+    except SecretError as e:
+        print(f"duet {cfg.role}: {e}", file=sys.stderr)
+        return 2
     state = build_state(cfg, register)
     try:
         return asyncio.run(serve(state))
