@@ -173,12 +173,41 @@ def test_references_resolve(rendered: dict[str, list[dict[str, Any]]], overlay: 
         for v in volumes.values():
             if "configMap" in v:
                 assert v["configMap"]["name"] in configmaps, f"{name}: {v}"
-        # The cluster secret (DESIGN §8): the file the env names is the Secret's key, mounted.
+        # The cluster secret (DESIGN §8): the file the env names is where the init container
+        # copies the Secret's key to (test_the_cluster_secret_file_is_one_duet_accepts runs it).
         secret_file = Path(env["DUET_CLUSTER_SECRET_FILE"]["value"])
         mount = next(m for m in c["volumeMounts"] if m["mountPath"] == str(secret_file.parent))
-        secret = volumes[mount["name"]]["secret"]
+        assert volumes[mount["name"]]["emptyDir"]["medium"] == "Memory" and mount["readOnly"]
+        init = {i["name"]: i for i in w["spec"]["template"]["spec"]["initContainers"]}["cluster-secret"]
+        mounts = {m["mountPath"]: volumes[m["name"]] for m in init["volumeMounts"]}
+        assert mounts[str(secret_file.parent)] is volumes[mount["name"]]
+        src, dst = init["command"][2].split("cp ")[1].split()
+        assert dst == str(secret_file)
+        secret = mounts[str(Path(src).parent)]["secret"]
         assert secret["secretName"] == SECRET
-        assert {"key": "cluster-secret", "path": secret_file.name} in secret["items"]
+        assert {"key": "cluster-secret", "path": Path(src).name} in secret["items"]
+
+
+def test_the_cluster_secret_file_is_one_duet_accepts(rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+    """The init container's command, run on a file laid out as the kubelet lays out a Secret
+    volume with fsGroup (a symlink to a group-readable file), yields a file the cluster secret's
+    reader accepts — which refuses the Secret volume's own file."""
+    from protocol.cluster_secret import SecretError, read_secret_file
+
+    init = _one(rendered["gpu"], "Deployment", "duet-gateway")["spec"]["template"]["spec"]["initContainers"][0]
+    command = init["command"][2]
+    src, dst = (Path(p) for p in command.split("cp ")[1].split())
+    volume, target = tmp_path / src.parent.relative_to("/"), tmp_path / dst.parent.relative_to("/")
+    (volume / "..data").mkdir(parents=True)
+    target.mkdir(parents=True)
+    (volume / "..data" / src.name).write_text("s" * 64 + "\n")
+    (volume / "..data" / src.name).chmod(0o440)
+    (volume / src.name).symlink_to(Path("..data") / src.name)
+    with pytest.raises(SecretError, match="group or others"):
+        read_secret_file(volume / src.name)
+    local = command.replace(str(src), str(volume / src.name)).replace(str(dst), str(target / dst.name))
+    subprocess.run(["/bin/sh", "-c", local], check=True)
+    assert read_secret_file(target / dst.name).verify("Bearer " + "s" * 64)
 
 
 def test_the_gateway_config_loads(rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
