@@ -66,6 +66,12 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[st
         "resources": [os.path.relpath(DEPLOY / "overlays" / "cpu", ext)],  # kustomize takes no absolute root
         "components": [os.path.relpath(DEPLOY / "components" / "external-etcd", ext)]}))  # fmt: skip
     out["cpu+external-etcd"] = _render(ext)
+    planner = tmp_path_factory.mktemp("planner")
+    (planner / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [os.path.relpath(DEPLOY / "overlays" / "gpu", planner)],
+        "components": [os.path.relpath(DEPLOY / "components" / "planner", planner)]}))  # fmt: skip
+    out["gpu+planner"] = _render(planner)
     return out
 
 
@@ -208,6 +214,44 @@ def test_the_cluster_secret_file_is_one_duet_accepts(rendered: dict[str, list[di
     local = command.replace(str(src), str(volume / src.name)).replace(str(dst), str(target / dst.name))
     subprocess.run(["/bin/sh", "-c", local], check=True)
     assert read_secret_file(target / dst.name).verify("Bearer " + "s" * 64)
+
+
+#: what the manifests' $(VAR)s stand for, to parse the arguments with duet's own parser
+_POD_ENV = {"POD_IP": "10.1.2.3", "POD_NAME": "duet-x-5d8f-abcde", "DUET_ETCD": "http://duet-etcd:2379",
+            "DUET_CLUSTER": "default", "DUET_STORE_URL": "postgresql://duet@db/duet"}  # fmt: skip
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_command_line_parses(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+    """Each container's arguments, and the preStop fallback's `duet drain`, through `duet`'s own
+    argument parser: a misspelt flag fails here, not in a crash-looping pod."""
+    from duet.cli import build_parser
+
+    def parse(argv: list[str], what: str) -> None:
+        argv = [re.sub(r"\$\((\w+)\)", lambda m: _POD_ENV[m.group(1)], a) for a in argv]
+        try:
+            build_parser().parse_args(argv)
+        except SystemExit as e:
+            pytest.fail(f"{what}: duet {shlex.join(argv)} does not parse (exit {e.code})")
+
+    for d in _find(rendered[overlay], "Deployment"):
+        c = _container(d)
+        parse(c["args"], d["metadata"]["name"])
+        pre_stop = c.get("lifecycle", {}).get("preStop")
+        if pre_stop:
+            fallback = pre_stop["exec"]["command"][2].split("|| exec duet ")[1]
+            fallback = re.sub(r'"\$(\w+)"', lambda m: _POD_ENV[m.group(1)], fallback)
+            parse(shlex.split(fallback), d["metadata"]["name"] + " preStop")
+
+
+def test_the_planner_component_resizes_the_pools(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    coord = _one(rendered["gpu+planner"], "Deployment", "duet-coordinator")
+    assert {"--planner=load", "--actuator=kubernetes"} <= set(_container(coord)["args"])
+    assert _env(coord)["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert coord["spec"]["template"]["spec"]["serviceAccountName"] == "duet-coordinator"
+    rules = _one(rendered["gpu+planner"], "Role", "duet-coordinator")["rules"]
+    assert any("deployments/scale" in r["resources"] and "patch" in r["verbs"] for r in rules)
+    assert any("pods" in r["resources"] and "patch" in r["verbs"] for r in rules)  # pod-deletion-cost
 
 
 def test_the_gateway_config_loads(rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
