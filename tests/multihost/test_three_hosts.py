@@ -3,7 +3,7 @@
 Host A runs etcd, a coordinator and the gateway; host B a prefill node; host C a decode node;
 the three are joined by veth pairs on a bridge (tests/multihost/netns.py), each with its own
 address, and every process reaches the others only through those interfaces, by the addresses
-they registered in etcd. UCX is told to use TCP over each host's veth (`UCX_TLS=tcp`,
+they registered in etcd, with the cluster secret on every internal call. UCX is told to use TCP over each host's veth (`UCX_TLS=tcp`,
 `UCX_NET_DEVICES=eth0`): within one machine it would otherwise pick cma (a process_vm_readv
 copy that needs no network at all), which would prove nothing about crossing hosts.
 
@@ -53,9 +53,9 @@ MODEL = "tiny"
 ETCD_PORT, COORD_PORT, GATEWAY_PORT, PREFILL_PORT, DECODE_PORT = 2379, 8400, 8000, 8100, 8200
 #: UCX over the host's veth only: TCP, no shared memory or cma (see the module docstring)
 UCX_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": netns.HOST_DEV}
-#: ~25 blocks of 16 tokens: far more KV bytes than the HTTP legs carry, so the veth counter
-#: can tell a transfer from the requests around it
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+#: ~24 blocks of 16 tokens: far more KV bytes than the HTTP legs carry, so the veth counter
+#: can tell a transfer from the requests around it
 PROMPT = "Host A routes, host B prefills and host C decodes across a real interface. " * 6
 
 
