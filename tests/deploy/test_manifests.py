@@ -24,6 +24,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from protocol.models import DEFAULT_MODEL
 from protocol.strict import strict_mode
 from tests.deploy import exported_metrics
 
@@ -261,7 +262,13 @@ def test_the_gateway_config_loads(rendered: dict[str, list[dict[str, Any]]], tmp
     path = tmp_path / "gateway.toml"
     path.write_text(cm["data"]["gateway.toml"])
     cfg = load_config(path)
-    assert "smollm2" in cfg.models and cfg.server.port == 8000
+    assert cfg.server.port == 8000
+    # It routes to what the nodes serve, in the cluster the rest of the deployment names.
+    cluster = next(o for o in _find(rendered["gpu"], "ConfigMap") if o["metadata"]["name"].startswith("duet-config"))
+    assert cfg.routing.cluster == cluster["data"]["cluster"]
+    node_args = _container(_one(rendered["gpu"], "Deployment", "duet-decode"))["args"]
+    served = next((a.split("=", 1)[1] for a in node_args if a.startswith("--model=")), DEFAULT_MODEL)
+    assert cfg.models["smollm2"].cluster_name == served
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
