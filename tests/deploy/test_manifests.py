@@ -255,6 +255,19 @@ def test_the_planner_component_resizes_the_pools(rendered: dict[str, list[dict[s
     assert any("pods" in r["resources"] and "patch" in r["verbs"] for r in rules)  # pod-deletion-cost
 
 
+def test_the_kubernetes_actuator_scales_these_deployments(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """The planner's kubernetes actuator finds each pool's Deployment by name, and its victims'
+    pods by node id: the names it derives are the ones deploy/ uses."""
+    from planner.kube import default_deployment
+    from planner.pools import PoolKey
+
+    for role in ("prefill", "decode"):
+        name = default_deployment(PoolKey(role=role, model=DEFAULT_MODEL, tier="shared"))
+        d = _one(rendered["gpu+planner"], "Deployment", name)
+        assert "--node-id=$(POD_NAME)" in _container(d)["args"]
+        assert "--pool=" not in " ".join(_container(d)["args"])  # the shared pool, the name's default
+
+
 def test_the_gateway_config_loads(rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
     from gateway.config import load_config
 
