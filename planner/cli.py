@@ -1,0 +1,77 @@
+"""The planner's flags on `duet coordinator`, and building it from them (the composition root
+calls `add_args` and `from_args`; nothing here runs unless `--planner` is given)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from planner.config import PlannerMode, load_config
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("planner (autoscaling; runs only while this replica leads)")
+    g.add_argument("--planner", choices=["off", *[m.value for m in PlannerMode]], default="off",
+                   help="load: react to queues, KV use and predicted TTFT/ITL against the tier's SLO; throughput: "
+                        "size for the forecast request rate on the simulator (needs a profile)")  # fmt: skip
+    g.add_argument("--planner-config", default=None, metavar="planner.toml",
+                   help="SLOs, bounds, budget, pacing (see planner/config.py); the flags below override it")
+    g.add_argument("--actuator", choices=["virtual", "kubernetes", "local"], default="virtual",
+                   help="virtual: write the decision to --decision-file for an external scaler; kubernetes: resize "
+                        "the P/D Deployments; local: ask `duet up` (--local-control) to start or stop nodes")  # fmt: skip
+    g.add_argument("--decision-file", default="planner-decision.json", help="virtual actuator: where to write")
+    g.add_argument("--k8s-namespace", default=os.environ.get("POD_NAMESPACE", "default"),
+                   help="kubernetes actuator: the namespace of the P/D Deployments")
+    g.add_argument("--local-control", default=None, metavar="URL", help="local actuator: duet up's control URL")
+    g.add_argument("--node-budget", type=int, default=None, help="most nodes across every pool and model")
+    g.add_argument("--planner-profile", default=None, metavar="PROFILE.json",
+                   help="node profile (duet bench profile): the load mode's step cost, the throughput mode's model")
+    g.add_argument("--drain-deadline-s", type=float, default=120.0,
+                   help="scale-in: how long a node may take to finish its work before it is stopped anyway "
+                        "(its streams then migrate)")  # fmt: skip
+
+
+def from_args(args: argparse.Namespace) -> Callable[[Any], Awaitable[None]] | None:
+    """The planner as a coordinator background task, or None with `--planner off`. Raises
+    ValueError on a bad configuration (the CLI turns it into a usage error)."""
+    if args.planner == "off":
+        return None
+    cfg = load_config(args.planner_config, mode=args.planner, node_budget=args.node_budget,
+                      profile=args.planner_profile)  # fmt: skip
+    if cfg.mode == PlannerMode.THROUGHPUT and not cfg.profile:
+        raise ValueError("--planner throughput needs a node profile (--planner-profile or profile = in the config)")
+    if args.actuator == "local" and not args.local_control:
+        raise ValueError("--actuator local needs --local-control URL (duet up --autoscale passes it)")
+    secret = os.environ.get("DUET_CLUSTER_SECRET")
+
+    async def run(coordinator: Any) -> None:
+        import aiohttp
+
+        from planner.drain import Drainer
+        from planner.loop import PlannerLoop
+
+        async with aiohttp.ClientSession() as session:
+            drainer = Drainer(session, secret=secret, deadline_s=args.drain_deadline_s)
+            actuator: Any
+            if args.actuator == "kubernetes":
+                from planner.kube import KubernetesActuator
+
+                actuator = KubernetesActuator(args.k8s_namespace, drainer)
+            elif args.actuator == "local":
+                from planner.local import LocalActuator
+
+                actuator = LocalActuator(args.local_control, drainer, session)
+            else:
+                from planner.virtual import VirtualActuator
+
+                actuator = VirtualActuator(args.decision_file)
+            sizer = None
+            if cfg.mode == PlannerMode.THROUGHPUT:
+                from planner.throughput import SimSizer
+
+                sizer = SimSizer(cfg.profile or "", headroom=cfg.headroom)
+            await PlannerLoop(coordinator, cfg, actuator, sizer=sizer).run()
+
+    return run
