@@ -430,7 +430,8 @@ class Supervisor:
             elif c.state == ChildState.STARTING:
                 if self._healthy(c):
                     c.state, c.healthy_at, c.last_alive = ChildState.RUNNING, now, now
-                    self.say(f"{c.name} is up again (pid {c.pid}, restart {c.restarts})")
+                    self.say(f"{c.name} is up again (pid {c.pid}, restart {c.restarts})" if c.restarts
+                             else f"{c.name} is up (pid {c.pid})")  # fmt: skip
                     self._changed()
                 elif now - c.started_at > self.restart.startup_timeout_s:
                     self._kill_group(c)

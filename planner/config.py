@@ -64,6 +64,8 @@ class PlannerConfig(msgspec.Struct, kw_only=True):
     cooldown_s: float = 60.0
     reverse_cooldown_s: float = 180.0
     cold_start_s: float = 60.0
+    #: how long a node an actuator started may take to register before it is no longer expected
+    pending_timeout_s: float = 300.0
     #: most nodes across every pool and model (None: no cap)
     node_budget: int | None = None
     default_min: int = 1

@@ -85,6 +85,7 @@ class _Window:
     samples: deque[tuple[float, float, float, float, float]] = field(default_factory=deque)
     last_step_at: float | None = None
     last_direction: Direction | None = None
+    last_hold: Reason | None = None
 
     def add(self, now: float, p: PoolLoad, window_s: float) -> None:
         self.samples.append((now, p.waiting, p.running, p.kv_usage, p.queued_prefill_tokens))
@@ -205,8 +206,9 @@ class Planner:
             w.last_step_at, w.last_direction = now, direction
             w.samples.clear()  # the step changes what the figures mean
             log.info("%s", d.describe())
-        elif reason == Reason.BUDGET:
+        elif reason == Reason.BUDGET and w.last_hold != Reason.BUDGET:  # once per run of budget holds
             log.info("%s", d.describe())
+        w.last_hold = reason if direction == Direction.HOLD else None
         if self.metrics is not None:
             self.metrics.record(d)  # type: ignore[attr-defined]
         return d

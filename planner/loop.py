@@ -69,6 +69,9 @@ class PlannerLoop:
         self.clock = clock
         self.meters: dict[tuple[str, str], RateMeter] = {}
         self.busy: dict[PoolKey, asyncio.Task[ActResult]] = {}
+        #: nodes an actuator started that have not registered yet: pool → [(node count to reach,
+        #: give up waiting at)]; they count as cold replicas (budget, no second step meanwhile)
+        self.pending: dict[PoolKey, tuple[int, float]] = {}
         self.results: list[tuple[Decision, ActResult]] = []
         coordinator.route_observers.append(self.on_route)
 
@@ -118,6 +121,7 @@ class PlannerLoop:
             del self.busy[key]
         pools = group(samples(c.views.values(), time.monotonic(), c.config.policy.stale_load_s), self.clock(),
                       self.cfg.cold_start_s)  # fmt: skip
+        self._add_pending(pools)
         targets = None
         if self.cfg.mode == PlannerMode.THROUGHPUT and self.sizer is not None:
             targets = await self._targets(pools)
@@ -126,6 +130,25 @@ class PlannerLoop:
             if d.direction != Direction.HOLD:
                 self.busy[d.pool] = asyncio.create_task(self._act(d), name=f"planner-{d.pool}")
         return decisions
+
+    def _add_pending(self, pools: dict[PoolKey, PoolLoad]) -> None:
+        """A started node is invisible until it registers (seconds to minutes: loading weights):
+        count it as a cold replica meanwhile, so the pool neither steps again nor overdraws the
+        budget. Given up after `pending_timeout_s` (the actuator said done; the platform did not)."""
+        now = time.monotonic()
+        for key, (reach, until) in list(self.pending.items()):
+            p = pools.get(key)
+            seen = p.replicas if p is not None else 0
+            if seen >= reach or now > until:
+                if seen < reach:
+                    log.warning("%s: the node started for it has not registered after %.0f s; no longer waiting",
+                                key, self.cfg.pending_timeout_s)  # fmt: skip
+                del self.pending[key]
+                continue
+            if p is None:
+                p = pools[key] = PoolLoad(key)
+            p.replicas += reach - seen
+            p.starting += reach - seen
 
     async def _act(self, d: Decision) -> ActResult:
         try:
@@ -140,6 +163,8 @@ class PlannerLoop:
         except Exception as e:  # an actuator bug must not end the planner
             log.exception("actuator %s failed on %s", self.actuator.name, d.describe())
             r = ActResult(Outcome.FAILED, f"{type(e).__name__}: {e}")
+        if d.direction == Direction.OUT and r.outcome == Outcome.DONE:
+            self.pending[d.pool] = (d.desired, time.monotonic() + self.cfg.pending_timeout_s)
         self.metrics.actuated(self.actuator.name, d.direction, str(r.outcome))
         (log.info if r.outcome == Outcome.DONE else log.warning)(
             "actuator %s: %s %s → %s: %s", self.actuator.name, d.direction, d.pool, r.outcome, r.detail)
