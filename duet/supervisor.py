@@ -231,6 +231,8 @@ class Supervisor:
         width = max((len(c.name) for stage in stages for c in stage), default=8)
         self._tail = _Tail(sys.stderr, colour, self._tail_stop, width) if tail else None
         self._preexec = {sig: _pdeathsig_hook(sig) for sig in {c.death_signal for c in self.children}}
+        #: set once every stage is up and `on_ready` agreed: children may be added or retired
+        self.ready = threading.Event()
         #: work other threads hand to the supervision thread (add or retire a child)
         self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = queue.SimpleQueue()
 
@@ -395,6 +397,7 @@ class Supervisor:
                     return 0 if self.stopping.is_set() else 1
             if self.on_ready is not None and not self.on_ready(self):
                 return 0 if self.stopping.is_set() else 1
+            self.ready.set()
             self._probes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="duet-up-health")
             while not self.wait(0.5):  # supervision interval
                 self._run_calls()

@@ -70,7 +70,9 @@ class Autoscale:
         url = (child.health_url or "").removesuffix("/health")
         return 200, NodeStarted(name=name, node_id=name, url=url, nodes=live + 1)
 
-    def stop(self, node_id: str) -> tuple[int, msgspec.Struct]:
+    def stop(self, node_id: str, dry_run: bool = False) -> tuple[int, msgspec.Struct]:
+        """Stop a (drained) node; `dry_run`: only say whether it would be stopped, so the
+        actuator asks before it drains a node it could then not remove."""
         with self._lock:
             nodes = self.sup.call(self._nodes).result(10)
             child = next((c for c in nodes if c.name == node_id), None)
@@ -78,6 +80,8 @@ class Autoscale:
                 return 404, ControlError(message=f"no node {node_id!r} under supervision", code="node_not_found")
             if len(nodes) <= 1:
                 return 409, ControlError(message="the last node is not stopped", code="last_node")
+            if dry_run:
+                return 200, NodeStopped(node_id=node_id, exit_code=None, nodes=len(nodes))
             self.sup.call(lambda: self.sup.retire(child)).result(10)
         child.retired.wait(self.sup.stop_timeout + 15)
         code = None if child.proc is None else child.proc.returncode
@@ -101,14 +105,15 @@ def serve_control(auto: Autoscale) -> ThreadingHTTPServer:
 
         def do_POST(self) -> None:
             raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-            parts = self.path.strip("/").split("/")
+            path, _, query = self.path.partition("?")
+            parts = path.strip("/").split("/")
             try:
-                if auto.sup is None:
+                if auto.sup is None or not auto.sup.ready.is_set():
                     self._send(503, ControlError(message="duet up is still starting", code="starting"))
                 elif parts == ["nodes"]:
                     self._send(*auto.start(msgspec.json.decode(raw, type=ScaleOut)))
                 elif len(parts) == 3 and parts[0] == "nodes" and parts[2] == "stop":
-                    self._send(*auto.stop(parts[1]))
+                    self._send(*auto.stop(parts[1], dry_run=query == "dry_run=1"))
                 else:
                     self._send(404, ControlError(message=f"no route {self.path}", code="not_found"))
             except (msgspec.DecodeError, msgspec.ValidationError, json.JSONDecodeError) as e:

@@ -6,10 +6,12 @@ The two speak over `duet up`'s control endpoint on loopback (duet/up_autoscale.p
   like the layout's nodes of that role; 409 when `--max-nodes` (bounded by the machine's CPUs)
   is reached;
 - `POST /nodes/{node_id}/stop` → NodeStopped{node_id, exit_code}: SIGTERM, wait for the exit,
-  and take it off supervision (a stopped node is not restarted).
+  and take it off supervision (a stopped node is not restarted); `?dry_run=1` only checks.
 
-scale_in drains first (planner/drain.py) — only an idle node (or one past the drain deadline)
-is stopped.
+scale_in asks with a dry run first (so a node is never drained that could then not be removed:
+duet up still starting, the last node), then drains (planner/drain.py) — only an idle node (or
+one past the drain deadline) is stopped. 503 (duet up starting or busy) is a failure the
+planner retries after its cool-down.
 """
 
 from __future__ import annotations
@@ -80,6 +82,12 @@ class LocalActuator:
         return ActResult(Outcome.DONE, f"started {started.node_id} at {started.url}", replicas=to)
 
     async def scale_in(self, pool: PoolKey, victim: Victim, to: int) -> ActResult:
+        try:
+            status, raw = await self._post(f"/nodes/{victim.node_id}/stop?dry_run=1", {}, 30)
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return ActResult(Outcome.FAILED, f"duet up's control endpoint: {type(e).__name__}: {e}")
+        if status != 200:
+            return self._error(status, raw, f"stop {victim.node_id} (asked before draining it)")
         try:
             drained = await self.drainer.drain(victim.url)
         except (DrainError, aiohttp.ClientError, TimeoutError) as e:
