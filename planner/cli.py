@@ -24,6 +24,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decision-file", default="planner-decision.json", help="virtual actuator: where to write")
     g.add_argument("--k8s-namespace", default=os.environ.get("POD_NAMESPACE", "default"),
                    help="kubernetes actuator: the namespace of the P/D Deployments")
+    g.add_argument("--k8s-deployment", action="append", default=[], metavar="POOL=NAME",
+                   help="kubernetes actuator: the Deployment of a pool (role, role/tier or role/model/tier), "
+                        "repeatable; default duet-ROLE[-TIER]")  # fmt: skip
     g.add_argument("--local-control", default=None, metavar="URL", help="local actuator: duet up's control URL")
     g.add_argument("--node-budget", type=int, default=None, help="most nodes across every pool and model")
     g.add_argument("--planner-profile", default=None, metavar="PROFILE.json",
@@ -44,6 +47,12 @@ def from_args(args: argparse.Namespace) -> Callable[[Any], Awaitable[None]] | No
         raise ValueError("--planner throughput needs a node profile (--planner-profile or profile = in the config)")
     if args.actuator == "local" and not args.local_control:
         raise ValueError("--actuator local needs --local-control URL (duet up --autoscale passes it)")
+    deployments = {}
+    for item in args.k8s_deployment:
+        pool, sep, name = item.partition("=")
+        if not sep or not pool or not name:
+            raise ValueError(f"--k8s-deployment wants POOL=NAME (e.g. decode/batch=duet-decode-batch), not {item!r}")
+        deployments[pool] = name
     secret = os.environ.get("DUET_CLUSTER_SECRET")
 
     async def run(coordinator: Any) -> None:
@@ -58,7 +67,7 @@ def from_args(args: argparse.Namespace) -> Callable[[Any], Awaitable[None]] | No
             if args.actuator == "kubernetes":
                 from planner.kube import KubernetesActuator
 
-                actuator = KubernetesActuator(args.k8s_namespace, drainer)
+                actuator = KubernetesActuator(args.k8s_namespace, drainer, deployments=deployments)
             elif args.actuator == "local":
                 from planner.local import LocalActuator
 
