@@ -13,9 +13,11 @@ unexpected exception is a logged 500, never a dead replica.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import msgspec
 from aiohttp import web
@@ -89,12 +91,13 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def make_app(config: CoordinatorConfig, store: Store | None = None, *,
-             coordinator: Coordinator | None = None) -> web.Application:  # fmt: skip
+def make_app(config: CoordinatorConfig, store: Store | None = None, *, coordinator: Coordinator | None = None,
+             background: Sequence[Callable[[Coordinator], Awaitable[None]]] = ()) -> web.Application:  # fmt: skip
     """The coordinator app; `store` defaults to an EtcdStore on `config.etcd`.
 
     With `coordinator`, the app serves that (already populated) state and starts nothing
-    against etcd: the caller owns it (benchmarks, embedding)."""
+    against etcd: the caller owns it (benchmarks, embedding). `background`: coroutines run
+    beside the replica while it serves, given it (the composition root passes the planner)."""
     if coordinator is not None:
         return _app(coordinator)
     if store is None:
@@ -106,7 +109,13 @@ def make_app(config: CoordinatorConfig, store: Store | None = None, *,
 
     async def lifecycle(_: web.Application) -> AsyncIterator[None]:
         await coordinator.start()
+        tasks = [asyncio.create_task(run(coordinator), name="coordinator-background") for run in background]
         yield
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
         await coordinator.stop()
         await store.close()
 

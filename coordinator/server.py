@@ -13,11 +13,12 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
 from coordinator.app import make_app
-from coordinator.service import CoordinatorConfig
+from coordinator.service import Coordinator, CoordinatorConfig
 from protocol.http_errors import AppRunner
 
 log = logging.getLogger("duet.coordinator")
@@ -25,7 +26,7 @@ log = logging.getLogger("duet.coordinator")
 SHUTDOWN_GRACE_S = 15.0
 
 
-async def serve(cfg: CoordinatorConfig) -> int:
+async def serve(cfg: CoordinatorConfig, background: Sequence[Callable[[Coordinator], Awaitable[None]]] = ()) -> int:
     from protocol.cluster_secret import SecretError
 
     try:
@@ -33,7 +34,7 @@ async def serve(cfg: CoordinatorConfig) -> int:
     except SecretError as e:
         print(f"duet coordinator: {e}", file=sys.stderr)
         return 2
-    app = make_app(cfg)
+    app = make_app(cfg, background=background)
     # HTTP parser errors answered in the same error body as /route's own (protocol.http_errors).
     runner = AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -69,5 +70,6 @@ def _force_exit() -> None:
     os._exit(0)
 
 
-def run_coordinator(cfg: CoordinatorConfig) -> int:
-    return asyncio.run(serve(cfg))
+def run_coordinator(cfg: CoordinatorConfig,
+                    background: Sequence[Callable[[Coordinator], Awaitable[None]]] = ()) -> int:  # fmt: skip
+    return asyncio.run(serve(cfg, background))

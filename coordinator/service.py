@@ -13,6 +13,7 @@ import contextlib
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,6 +93,8 @@ class Coordinator:
         self.registry = Registry(store, config.cluster, on_sync=self._on_sync, on_put=self._on_put,
                                  on_delete=self._on_delete, on_connected=self._on_connected)  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
+        #: told of every routing decision (the planner's rate meters); must not raise or block
+        self.route_observers: list[Callable[[RouteRequest, Decision], None]] = []
         self._background: list[asyncio.Task[None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -165,6 +168,8 @@ class Coordinator:
         for node_id, (seqs, tokens, blocks) in decision.pending.items():
             self.views[node_id].add_pending(now, seqs, tokens, blocks)
         self.metrics.decisions.labels(decision.outcome).inc()
+        for observe in self.route_observers:
+            observe(req, decision)
         return decision
 
     # -- views -----------------------------------------------------------------------------

@@ -51,6 +51,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ttl", type=int, default=NODE_TTL_S, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="INFO")
     add_server_arguments(p)
+    from planner.cli import add_args as add_planner_args
+
+    add_planner_args(p)
     p.set_defaults(func=_run_coordinator)
 
     d = sub.add_parser("drain", help="drain a node: no new routes, finish its work (see --help)",
@@ -84,9 +87,12 @@ def _run_coordinator(args: argparse.Namespace) -> int:
                                 replica_id=args.replica_id, advertise_url=args.advertise_url,
                                 index_max_blocks=args.index_max_blocks, ttl=args.ttl, policy=policy,
                                 security=plane_security(args))  # fmt: skip
+        from planner.cli import from_args as planner_from_args
+
+        planner = planner_from_args(args)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    return run_coordinator(cfg)
+    return run_coordinator(cfg, [planner] if planner else [])
 
 
 def _run_drain(args: argparse.Namespace) -> int:

@@ -5,7 +5,9 @@ A drain asked here is the drain `duet drain` writes in etcd: registration (node/
 sees `state.drain_requested` on its next tick (≤ 250 ms) and publishes `status: draining`, so
 routers stop sending work; the node finishes its prefills and streams and keeps held KV until
 it is pulled or its lease ends; with `--exit-when-drained` it then deregisters and exits 0.
-`idle` is the actuators' "safe to stop": draining, nothing in flight, nothing held.
+`idle` is the actuators' "safe to stop": the drain is published (in etcd) since at least
+`SETTLE_S` — a route decided just before routers saw it has arrived by then — and nothing is in
+flight nor held.
 """
 
 from __future__ import annotations
@@ -21,13 +23,20 @@ from protocol.openai import APIError
 
 #: the longest a `POST /drain?wait=` may hold its connection (a preStop hook's budget)
 MAX_WAIT_S = 3600.0
+#: how long after routers were told (etcd) a route decided before may still arrive: the
+#: gateway's route → leg hop is milliseconds; a second covers a loaded machine
+SETTLE_S = 1.0
 
 
 def drain_status(state) -> DrainStatus:  # state: node.state.NodeState
     held = int(state.engine.stats().get("num_requests_held", 0))
     draining = state.drain_requested or state.draining
+    if draining and not state.drain_via_etcd and state.drain_published_at is None:
+        state.drain_published_at = time.monotonic()  # no routers to tell: published as asked
+    published = state.drain_published_at
+    settled = published is not None and time.monotonic() - published >= SETTLE_S
     return DrainStatus(node_id=state.node_id, role=state.config.role, draining=draining, inflight=state.inflight,
-                       held=held, idle=draining and state.inflight == 0 and held == 0)  # fmt: skip
+                       held=held, idle=draining and settled and state.inflight == 0 and held == 0)  # fmt: skip
 
 
 def _answer(status: DrainStatus) -> web.Response:

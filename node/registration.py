@@ -55,6 +55,8 @@ class DrainHooks:
     requested: Callable[[], bool] = lambda: False
     #: told when a drain starts, whoever asked (so `GET /drain` says draining)
     on_drain: Callable[[], None] = lambda: None
+    #: told once `status: draining` is written in etcd (routers stop from then on)
+    on_published: Callable[[], None] = lambda: None
 
 
 class Registration(LeaseHolder):
@@ -68,6 +70,7 @@ class Registration(LeaseHolder):
         self.exit_when_drained = drain.exit_when_drained
         self.drain_asked = drain.requested
         self.drain_started = drain.on_drain
+        self.drain_published = drain.on_published
         self.registered = False
         self.drain_requested = False
         self._published = NodeStatus.ACTIVE
@@ -89,6 +92,8 @@ class Registration(LeaseHolder):
         self._published = self.status
         info = msgspec.structs.replace(self.info, status=self._published)
         await self.store.put(self.key, self._encoder.encode(info), self.lease)
+        if self._published == NodeStatus.DRAINING:
+            self.drain_published()
 
     def _on_drain(self, why: str) -> None:
         if not self.drain_requested:
@@ -196,8 +201,13 @@ def registration_ctx(state: Any) -> Callable[[web.Application], AsyncIterator[No
         def started() -> None:
             state.drain_requested = True
 
+        def published() -> None:
+            if state.drain_published_at is None:
+                state.drain_published_at = time.monotonic()
+
         drain = DrainHooks(is_busy=busy, shutting_down=lambda: state.draining, exit_when_drained=cfg.exit_when_drained,
-                           requested=lambda: state.drain_requested, on_drain=started)  # fmt: skip
+                           requested=lambda: state.drain_requested, on_drain=started, on_published=published)  # fmt: skip
+        state.drain_via_etcd = True
         reg = Registration(store, node_info(state, cfg.pool), cfg.cluster, ttl, drain, registry=state.metrics.registry)
         task = asyncio.create_task(reg.run(), name="etcd-registration")
         yield

@@ -1,7 +1,7 @@
 """Running a node process: build the engine and transport, serve, and shut down gracefully.
 
 SIGTERM/SIGINT: stop taking new requests (503 with a clear body), give in-flight requests
-`grace_period` seconds to finish, abort the rest, free held blocks, close the transport and
+and KV held for decode nodes `grace_period` seconds to finish or be pulled, abort the rest, free held blocks, close the transport and
 exit 0. If the engine dies the node exits 1 at once (its streams already ended with an
 error), so a supervisor restarts it: never half alive. The "ready" line on stdout is printed
 only once the port accepts requests.
@@ -88,13 +88,23 @@ async def serve(state: NodeState) -> int:
     if state.engine.dead is None:
         log.info("shutting down: draining %d in-flight request(s), grace %.0fs", state.inflight, cfg.grace_period)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(state.idle.wait(), cfg.grace_period)
+            await asyncio.wait_for(_quiet(state), cfg.grace_period)
         for erid in list(state.active):
             log.info("grace period over: aborting %s", erid)
             await state.engine.abort(erid)
     await runner.cleanup()
     log.info("stopped (exit code %d)", state.exit_code)
     return state.exit_code
+
+
+async def _quiet(state: NodeState) -> None:
+    """No request in flight and no KV held for a decode node (a P stopped while D has not pulled
+    yet would make D recompute the prompt): what the grace period waits for."""
+    while True:
+        await state.idle.wait()
+        if state.inflight == 0 and not state.engine.stats().get("num_requests_held", 0):
+            return
+        await asyncio.sleep(0.1)  # holds end on the engine thread: polled, as registration does
 
 
 def run_node(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] = ()) -> int:

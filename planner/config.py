@@ -36,7 +36,7 @@ class PlannerMode(enum.StrEnum):
     THROUGHPUT = "throughput"
 
 
-class TierSLO(msgspec.Struct, frozen=True, kw_only=True):
+class TierSLO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     ttft_s: float
     itl_s: float
 
@@ -46,7 +46,7 @@ def _default_slos() -> dict[str, TierSLO]:
             "batch": TierSLO(ttft_s=30.0, itl_s=1.0)}  # fmt: skip
 
 
-class StepCost(msgspec.Struct, frozen=True, kw_only=True):
+class StepCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Seconds of one engine step (sim/profile.py's StepModel terms); the load mode's predictor.
     The defaults are SmolLM2-135M bf16 on one CPU thread in CPU terms (docs/capacity.md)."""
 
@@ -56,7 +56,9 @@ class StepCost(msgspec.Struct, frozen=True, kw_only=True):
     context_s: float = 5e-6  # per context token of every sequence
 
 
-class PlannerConfig(msgspec.Struct, kw_only=True):
+class PlannerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Unknown keys are refused: a typo in planner.toml never passes silently."""
+
     mode: PlannerMode = PlannerMode.LOAD
     interval_s: float = 5.0
     #: load figures are averaged over this window before a decision
@@ -64,6 +66,8 @@ class PlannerConfig(msgspec.Struct, kw_only=True):
     cooldown_s: float = 60.0
     reverse_cooldown_s: float = 180.0
     cold_start_s: float = 60.0
+    #: how long a node an actuator started may take to register before it is no longer expected
+    pending_timeout_s: float = 300.0
     #: most nodes across every pool and model (None: no cap)
     node_budget: int | None = None
     default_min: int = 1

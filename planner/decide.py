@@ -4,7 +4,8 @@ Pure code on an injected clock (`now` arguments): the live loop (planner/loop.py
 replays (planner/trace.py, tests) run exactly this.
 
 Rules, in order, per pool:
-1. below its min → out; above its max → in (bounds win over everything but the budget);
+1. below its min → out; above its max → in (bounds win over everything but the budget and
+   the plain cool-down);
 2. an actuation still in flight, a node still in its cold start, or too few samples → hold;
 3. load mode: out when the pool, its load spread over its warm replicas, is predicted to miss
    its tier's SLO (TTFT for P, ITL / KV / admission queue for D); in when at N−1 every figure
@@ -85,6 +86,7 @@ class _Window:
     samples: deque[tuple[float, float, float, float, float]] = field(default_factory=deque)
     last_step_at: float | None = None
     last_direction: Direction | None = None
+    last_hold: Reason | None = None
 
     def add(self, now: float, p: PoolLoad, window_s: float) -> None:
         self.samples.append((now, p.waiting, p.running, p.kv_usage, p.queued_prefill_tokens))
@@ -169,9 +171,12 @@ class Planner:
                 direction, reason = Direction.HOLD, Reason.AT_BOUND
             if direction == Direction.IN and (p.replicas <= lo or p.warm < 1) and not forced:
                 direction, reason = Direction.HOLD, Reason.AT_BOUND
-            if direction != Direction.HOLD and not forced and w.last_step_at is not None:
+            if direction != Direction.HOLD and w.last_step_at is not None:
                 since = now - w.last_step_at
-                if since < cfg.cooldown_s or (direction != w.last_direction and since < cfg.reverse_cooldown_s):
+                # bounds skip the reverse cool-down (a pool over its max goes down at once), not
+                # the plain one: a step that failed is retried at that pace, not every tick
+                reverse = not forced and direction != w.last_direction and since < cfg.reverse_cooldown_s
+                if since < cfg.cooldown_s or reverse:
                     inputs["blocked"] = str(direction)
                     direction, reason = Direction.HOLD, Reason.COOLDOWN
             wanted.append((p, direction, reason, inputs))
@@ -205,8 +210,9 @@ class Planner:
             w.last_step_at, w.last_direction = now, direction
             w.samples.clear()  # the step changes what the figures mean
             log.info("%s", d.describe())
-        elif reason == Reason.BUDGET:
+        elif reason == Reason.BUDGET and w.last_hold != Reason.BUDGET:  # once per run of budget holds
             log.info("%s", d.describe())
+        w.last_hold = reason if direction == Direction.HOLD else None
         if self.metrics is not None:
             self.metrics.record(d)  # type: ignore[attr-defined]
         return d

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 
 import aiohttp
 import msgspec
@@ -32,10 +33,11 @@ class DrainError(Exception):
 
 
 class Drainer:
-    def __init__(self, session: aiohttp.ClientSession, *, secret: str | None = None, poll_s: float = 0.5,
+    def __init__(self, session: aiohttp.ClientSession, *, auth: Mapping[str, str] | None = None, poll_s: float = 0.5,
                  deadline_s: float = 120.0) -> None:  # fmt: skip
         self.session = session
-        self.headers = {"Authorization": f"Bearer {secret}"} if secret else {}
+        #: the cluster secret's header (protocol/cluster_secret.py): a node's /drain requires it
+        self.headers = dict(auth or {})
         self.poll_s = poll_s
         self.deadline_s = deadline_s
 

@@ -4,7 +4,8 @@ load as one figure per pool, summed over the pool's warm nodes.
 Invariants:
 - a draining node is in no pool's count: it is already leaving;
 - a node in its cold-start period (`now - started_at < cold_start_s`) counts as a replica but
-  its figures are left out (Dynamo #12430: a node loading weights and warming its kernels
+  its figures are left out (so are those of a node that does not report load: a broken event
+  stream says nothing about capacity) (Dynamo #12430: a node loading weights and warming its kernels
   shows queues that say nothing about the pool's capacity), and the pool is marked `cold` so
   the planner holds it until the step that added the node has landed.
 """
@@ -52,7 +53,10 @@ class PoolLoad:
     key: PoolKey
     #: active replicas (warm + cold); draining ones are not counted
     replicas: int = 0
+    #: replicas whose figures count (past their cold start, reporting)
     warm: int = 0
+    #: replicas still in their cold start
+    starting: int = 0
     waiting: float = 0.0
     running: float = 0.0
     kv_usage: float = 0.0  # sum of fractions
@@ -62,7 +66,7 @@ class PoolLoad:
 
     @property
     def cold(self) -> bool:
-        return self.warm < self.replicas
+        return self.starting > 0
 
 
 def group(samples: list[NodeSample], now: float, cold_start_s: float) -> dict[PoolKey, PoolLoad]:
@@ -74,7 +78,9 @@ def group(samples: list[NodeSample], now: float, cold_start_s: float) -> dict[Po
             continue
         p = out.setdefault(s.pool, PoolLoad(s.pool))
         p.replicas += 1
-        warm = s.reporting and now - s.started_at >= cold_start_s
+        young = now - s.started_at < cold_start_s
+        p.starting += young
+        warm = s.reporting and not young
         work = s.running + s.waiting + s.queued_prefill_tokens / 512
         ranked.setdefault(s.pool, []).append((0 if warm else 1, work, s.kv_usage, s.node_id))
         if not warm:

@@ -5,7 +5,7 @@ on the node kind's measured step model) — the same machinery as `duet plan`.
 Search: from the pools' minima, simulate the forecast (rate × headroom, its ISL/OSL and prefix
 share) on the layout; while it misses the tier's SLO, simulate one more node of each role that
 may still grow and keep the better of the two (meets the SLO, else the smaller worst ratio of
-TTFT P90 / ITL P99 to their bounds), within the pools' maxima. Colocated pools grow alone. The answer is cached per
+TTFT P90 / ITL P99 / failed share to their bounds), within the pools' maxima. Colocated pools grow alone. The answer is cached per
 rounded forecast (rates to 2 significant figures), so a steady load costs no simulation.
 
 Runs in a worker thread (planner/loop.py): a probe is tens of milliseconds to a second of CPU.
@@ -67,7 +67,7 @@ class SimSizer:
         lat = s.latency_ms
         worst = max((lat.get("p90_ttft") or math.inf) / (slo.ttft_s * 1e3),
                     (lat.get("p99_itl") or 0.0) / (slo.itl_s * 1e3),
-                    1.0 + sum(s.failures.values()) / max(s.requests, 1))  # fmt: skip
+                    100 * sum(s.failures.values()) / max(s.requests, 1))  # 1 % failed: at the bound  # fmt: skip
         return bool(s.meets_slo), worst, s.violations
 
     def _search(self, key: tuple[float, float, float, float], ttft_s: float, itl_s: float, tier: str,
