@@ -19,6 +19,7 @@ import msgspec
 from gateway.config import Tier
 from gateway.tools.spec import Tools, check_tools, tool_turn
 from protocol.chat import ChatCompletionRequest
+from protocol.guide_check import check_guide, guide_from_response_format
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.openai import APIError, CompletionRequest
 from protocol.structured import Guide, ResponseFormat
@@ -198,10 +199,9 @@ def _response_format(rf: ResponseFormat | None) -> Guide | None:
     if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema is None):
         raise APIError(400, "response_format of type json_schema needs json_schema.schema",
                        param="response_format.json_schema")  # fmt: skip
-    from protocol.guide_check import check_guide, guide_from_response_format
-
     guide = guide_from_response_format(rf)
-    check_guide(guide)
+    if guide is not None:
+        check_guide(guide)
     return guide
 
 
