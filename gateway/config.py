@@ -26,6 +26,8 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     static = { prefill = ["http://p1:8100"], decode = ["http://d1:8200"] }
     capability_rank = 1               # for `model: "auto"` (higher = more capable)
     fallback = ["gpt-4o-mini"]        # tried in order when this model cannot answer
+    tool_parser = "hermes"            # or "llama3_json" (default: from the chat template; docs/tools.md)
+    features = ["tools", "structured_outputs", "penalties", "logit_bias"]   # what it serves (default: all)
 
     [models.gpt-4o-mini]
     kind = "external"
