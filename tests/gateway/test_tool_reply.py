@@ -102,3 +102,21 @@ async def test_required_parses_the_calls_json() -> None:
     _, body = await _run(plan, ['{"name": "get_weather", ', '"parameters": {"city": "Rome"}}'])
     [call] = body["choices"][0]["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Rome"}
+
+
+async def test_parallel_false_keeps_the_first_call_and_choices_parse_apart() -> None:
+    one = plan_for(check_tools(TOOLS, "auto", False), None, None)
+    two_calls = ('<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>'
+                 '<tool_call>{"name": "get_weather", "arguments": {"city": "B"}}</tool_call>')  # fmt: skip
+    _, body = await _run(one, [two_calls])
+    assert [json.loads(c["function"]["arguments"]) for c in body["choices"][0]["message"]["tool_calls"]] == [{"city": "A"}]
+    # n = 2: each choice has its own parser; their pieces interleave
+    plan = plan_for(check_tools(TOOLS, "auto", None), None, None)
+    half = len(two_calls) // 2
+    pieces = [Piece(index=0, text=two_calls[:half]), Piece(index=1, text="plain "),
+              Piece(index=0, text=two_calls[half:], finish_reason="stop"), Piece(index=1, text="text", finish_reason="stop")]
+    got = [p async for p in with_tool_calls(_reply(pieces), plan)]
+    calls = [d for p in got if p.index == 0 for d in p.tool_calls or ()]
+    assert [d.index for d in calls if d.id] == [0, 1]
+    assert "".join(p.text for p in got if p.index == 1) == "plain text"
+    assert {p.index: p.finish_reason for p in got if p.finish_reason} == {0: "tool_calls", 1: "stop"}
