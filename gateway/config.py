@@ -65,10 +65,12 @@ import math
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from gateway.features import parse_features
+from gateway.tools.formats import TOOL_PARSERS
 from protocol.models import duet_home
 from protocol.tables import from_table
 
@@ -124,6 +126,11 @@ class ModelConfig:
     provider: str | None = None
     #: external models: the PROVIDER_KEYS settings, checked by the providers package
     provider_options: dict[str, Any] = field(default_factory=dict)
+    #: cluster models: how the model writes tool calls ("hermes" | "llama3_json"; default:
+    #: detected from its chat template, else hermes with duet's generic tool prompt)
+    tool_parser: str | None = None
+    #: the optional API features it serves (gateway/features.py; default: all of them)
+    features: tuple[str, ...] | None = None
 
     @property
     def cluster_name(self) -> str:
@@ -315,6 +322,14 @@ def _model(name: str, data: Any) -> ModelConfig:
         raise ConfigError(f"[models.{name}] capability_rank must be an integer >= 1")
     if not m.tiers or any(t not in ("interactive", "batch") for t in m.tiers):
         raise ConfigError(f"[models.{name}] tiers must list 'interactive' and/or 'batch'")
+    if m.tool_parser is not None and m.tool_parser not in TOOL_PARSERS:
+        raise ConfigError(f"[models.{name}] tool_parser must be one of {', '.join(TOOL_PARSERS)}, "
+                          f"got {m.tool_parser!r}")  # fmt: skip
+    if m.features is not None:
+        try:
+            m = replace(m, features=parse_features(m.features, f"[models.{name}]"))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if m.kind == "external":
         if m.provider not in ("openai", "anthropic"):
             raise ConfigError(f"[models.{name}] an external model needs provider = \"openai\" or \"anthropic\"")

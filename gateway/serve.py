@@ -33,6 +33,7 @@ from gateway.auth import authenticate
 from gateway.backend import Accounting, Attempt, MidStreamError, Reply
 from gateway.choice import Need
 from gateway.config import AUTO, TeamPolicy, Tier
+from gateway.features import refuse_missing
 from gateway.ledger import Caller, Ledger, UsageStatus
 from gateway.measure import Measured, estimate_tokens, measure
 from gateway.providers.fallback import FallbackDecision, Reason
@@ -40,6 +41,8 @@ from gateway.relay import EventSink, HttpEventStream, relay_stream, relay_whole
 from gateway.requests import Endpoint, Request, parse_chat, parse_completion, resolve_tier
 from gateway.responses import Formatter
 from gateway.state import GatewayState, ServedModel
+from gateway.tools.plan import ToolMode, ToolPlan
+from gateway.tools.reply import with_tool_calls
 from protocol.openai import APIError
 
 log = logging.getLogger("duet.gateway")
@@ -82,6 +85,7 @@ async def run(state: GatewayState, caller: Caller, raw: bytes, endpoint: Endpoin
     policy = state.config.team_policy(caller.team.id)
     headers: dict[str, str] = {}
     served = _auto(state, req, tier, policy, headers) if _is_auto(state, req) else _named(state, req, caller, policy)
+    refuse_missing(req, served.config)
     size = await measure(served, req)
     ledger = await Ledger.reserve(state, caller, req, tier, served, size)
     headers.update({**ledger.headers, "X-Request-Id": caller.request_id, "x-duet-tier": tier})
@@ -147,6 +151,8 @@ class _Tries:
         self.state, self.req, self.ledger, self.tier, self.policy = state, req, ledger, tier, policy
         self.reply: Reply | None = None
         self.tried: list[str] = []
+        #: the current attempt's tool handling (its model's format; None: no tools)
+        self.tools: ToolPlan | None = None
 
     @property
     def accounting(self) -> Accounting | None:
@@ -176,8 +182,10 @@ class _Tries:
         state, rid = self.state, self.ledger.record.request_id
         self.ledger.attempt(served, len(size.ids))
         self.reply = None
+        self.tools = size.tools
         attempt = Attempt(request_id=rid, model=served.config, prompt_ids=size.ids, max_tokens=size.max_tokens,
-                          tier=self.tier, cache_domain=state.config.cache_domain(self.ledger.caller.team.id))  # fmt: skip
+                          tier=self.tier, cache_domain=state.config.cache_domain(self.ledger.caller.team.id),
+                          guide=self.req.guide or (size.tools.guide if size.tools else None))  # fmt: skip
         if not served.backend.uses_tier_queues:  # the tier queues guard the self-hosted pool only
             return await self._respond(served, attempt, headers, sink)
         wait = None
@@ -190,6 +198,8 @@ class _Tries:
     async def _respond(self, served: ServedModel, attempt: Attempt, headers: dict[str, str],
                        sink: EventSink | None) -> Answer:  # fmt: skip
         self.reply = reply = served.backend.open(self.req, attempt)
+        if self.tools is not None and self.tools.mode != ToolMode.NONE:
+            reply = with_tool_calls(reply, self.tools)
         fmt = Formatter(self.req.endpoint, attempt.request_id, served.config.name, self.tier)
         if self.req.stream:
             assert sink is not None
