@@ -202,8 +202,10 @@ def _turn(role: str, content: str | list, out: list[chat.Message]) -> None:  # t
         return
     parts: list[TextBlock | ImageBlock] = []
     calls: list[chat.ToolCall] = []
+    results = 0
     for b in content:
         if isinstance(b, ToolResultBlock):
+            results += 1
             if role != "user":
                 raise APIError(400, "tool_result blocks belong in a user turn")
             out.append(chat.Message(role="tool", tool_call_id=b.tool_use_id, content=_result_text(b)))
@@ -213,9 +215,9 @@ def _turn(role: str, content: str | list, out: list[chat.Message]) -> None:  # t
             calls.append(chat.ToolCall(id=b.id, function=chat.FunctionCall(name=b.name, arguments=json.dumps(b.input))))
         else:
             parts.append(b)
-    if parts or not calls:
+    if parts or not (calls or results):
         chat.append(out, chat.Message(role=role, content=_parts(parts), tool_calls=calls or None))  # type: ignore[arg-type]
-    else:
+    elif calls:
         chat.append(out, chat.Message(role="assistant", tool_calls=calls))
 
 

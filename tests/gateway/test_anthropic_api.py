@@ -120,3 +120,54 @@ def test_malformed_json_is_an_anthropic_400(env: Env) -> None:
     status, _, got = http(env.gw.url + "/v1/messages", "POST", raw=b"{not json", key=env.key)
     assert status == 400 and got["type"] == "error" and got["error"]["type"] == "invalid_request_error"
     assert got["error"]["message"].startswith("malformed JSON body")
+
+
+def _tool_turns(model: str) -> dict[str, Any]:
+    return {"model": model, "max_tokens": 64, "tools": [WEATHER], "tool_choice": {"type": "any"},
+            "messages": [{"role": "user", "content": "weather in Paris"}]}  # fmt: skip
+
+
+@pytest.mark.parametrize("model", ["gpt", "claude"])
+def test_tools_whole_streamed_and_continued(env: Env, model: str) -> None:
+    """The same tool request on an OpenAI and an Anthropic provider: a tool_use block whose input
+    is the call's arguments, streamed as input_json_delta, billed; its result continues."""
+    c, fake = env.client(), env.fakes[model]
+    kw = _tool_turns(model)
+    raw = c.messages.with_raw_response.create(**kw)
+    msg = raw.parse()
+    assert msg.stop_reason == "tool_use"
+    assert [b.type for b in msg.content] == ["text", "tool_use"]
+    call = msg.content[1]
+    assert call.name == "get_weather" and call.input == {"query": "weather in Paris"} and call.id
+    assert msg.usage.output_tokens == 7 and msg.usage.input_tokens > 0
+    sent = fake.requests[-1]
+    if model == "gpt":  # the provider got OpenAI's tools, unchanged
+        assert sent["tools"][0]["function"]["parameters"] == WEATHER["input_schema"]
+        assert sent["tool_choice"] == "required"
+    else:  # the Anthropic provider got Anthropic's tools back
+        assert sent["tools"][0]["input_schema"] == WEATHER["input_schema"] and sent["tool_choice"] == {"type": "any"}
+    rec = record(env, raw.headers["x-request-id"])
+    assert rec["model_used"] == model and rec["completion_tokens"] == 7 and rec["cost_usd"] > 0
+
+    with c.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
+    assert "input_json_delta" in deltas and "text_delta" in deltas
+    assert final.stop_reason == "tool_use" and final.content[1].input == call.input
+    assert final.usage.output_tokens == 7
+
+    kw["messages"] = [*kw["messages"], {"role": "assistant", "content": [b.model_dump() for b in msg.content]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                                    "content": "sunny, 21 C"}]}]  # fmt: skip
+    kw["tool_choice"] = {"type": "auto"}
+    after = c.messages.create(**kw)
+    assert after.stop_reason == "end_turn" and after.content[0].type == "text"
+    sent = fake.requests[-1]
+    if model == "gpt":
+        assert sent["messages"][-1] == {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}
+        assert sent["messages"][-2]["tool_calls"][0]["id"] == call.id
+    else:
+        assert sent["messages"][-1]["content"][0] == {"type": "tool_result", "tool_use_id": call.id,
+                                                      "content": "sunny, 21 C"}  # fmt: skip
+        assert sent["messages"][-2]["content"][-1]["type"] == "tool_use"
