@@ -38,9 +38,9 @@ class Env:
         return anthropic.Anthropic(base_url=self.gw.url, api_key=key or self.key, max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def env(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    tmp = tmp_path_factory.mktemp("anthropic-api")
+def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    """One node of the tiny Llama, two fake providers and a gateway (also test_responses_api.py's)."""
+    tmp = tmp_path_factory.mktemp("translated-api")
     servers = FakeServers({"gpt": "openai", "claude": "anthropic"})
     f = servers.fakes
     try:
@@ -54,6 +54,11 @@ def env(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
                 yield Env(gw, f, tmp / "gateway.db", make_team(gw.url, "main"))
     finally:
         servers.close()
+
+
+@pytest.fixture(scope="module")
+def env(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    yield from cluster(tiny_llama, tmp_path_factory)
 
 
 @pytest.mark.parametrize("model", ["gpt", "claude", "tiny"])
