@@ -235,13 +235,13 @@ def to_chat(body: MessagesRequest) -> chat.ChatBody:
     if body.stream:
         out.stream, out.stream_options = True, chat.StreamOptions(include_usage=True)
     if body.tools:
-        out.tools = [chat.Tool(function=chat.Function(name=t.name, description=t.description,
+        out.tools = [chat.ToolDef(type="function", function=chat.FunctionDef(name=t.name, description=t.description,
                                                       parameters=t.input_schema)) for t in body.tools]  # fmt: skip
     tc = body.tool_choice
     if tc is not None:
         kind = type(tc).__struct_config__.tag
         if kind == "tool":
-            out.tool_choice = chat.NamedToolChoice(function=chat.NamedFunction(name=tc.name))  # type: ignore[union-attr]
+            out.tool_choice = chat.NamedToolChoice(type="function", function=chat.NamedFunction(name=tc.name))  # type: ignore[union-attr]
         else:
             out.tool_choice = TOOL_CHOICES_BACK[str(kind)]  # type: ignore[assignment]
         if tc.disable_parallel_tool_use:

@@ -1,30 +1,27 @@
 """The OpenAI chat request that `/v1/messages` and `/v1/responses` are translated into.
 
 Both APIs run on the gateway's chat path (see chat_answer.py): they build a `ChatBody` and hand
-its JSON to `serve.run`, which parses and checks it as it checks any client's. Every field is
+its JSON to `serve.run`, which parses and checks it as it checks any client's. The tool shapes
+are protocol/tools.py's (re-exported here for the two translators). Every field is
 omitted when unset (`omit_defaults`), so a request that uses no tools carries no `tools` key
 and is served by every model the chat path serves.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 import msgspec
 
 from protocol.structured import ResponseFormat
-
-
-class FunctionCall(msgspec.Struct, kw_only=True):
-    name: str
-    #: a JSON object's text, as OpenAI sends it
-    arguments: str
-
-
-class ToolCall(msgspec.Struct, kw_only=True):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
+from protocol.tools import (
+    FunctionCall,
+    FunctionDef,
+    NamedFunction,
+    NamedToolChoice,
+    ToolCall,
+    ToolDef,
+)
 
 
 class TextPart(msgspec.Struct, kw_only=True, tag="text", tag_field="type"):
@@ -46,28 +43,6 @@ class Message(msgspec.Struct, kw_only=True, omit_defaults=True):
     tool_call_id: str | None = None
 
 
-class Function(msgspec.Struct, kw_only=True, omit_defaults=True):
-    name: str
-    description: str | None = None
-    #: the function's JSON Schema, as the client wrote it (open-ended: not a Struct)
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(msgspec.Struct, kw_only=True):
-    type: Literal["function"] = "function"
-    function: Function
-
-
-class NamedFunction(msgspec.Struct, kw_only=True):
-    name: str
-
-
-class NamedToolChoice(msgspec.Struct, kw_only=True):
-    type: Literal["function"] = "function"
-    function: NamedFunction
-
-
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = True
 
@@ -82,7 +57,7 @@ class ChatBody(msgspec.Struct, kw_only=True, omit_defaults=True):
     stop: list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    tools: list[Tool] | None = None
+    tools: list[ToolDef] | None = None
     tool_choice: Literal["auto", "none", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
@@ -90,6 +65,8 @@ class ChatBody(msgspec.Struct, kw_only=True, omit_defaults=True):
     service_tier: str | None = None
 
 
+__all__ = ["ChatBody", "FunctionCall", "FunctionDef", "ImagePart", "ImageURL", "Message", "NamedFunction",
+           "NamedToolChoice", "StreamOptions", "TextPart", "ToolCall", "ToolDef", "append", "encode"]
 _ENC = msgspec.json.Encoder()
 
 

@@ -132,12 +132,12 @@ class ProviderBackend(Backend):
             body["n"] = request.n
         t = request.tools
         if t.defs:
-            body["tools"] = msgspec.to_builtins(list(t.defs))
+            body["tools"] = [_unset_dropped(d) for d in t.defs]
             body["tool_choice"] = {"type": "function", "function": {"name": t.named}} if t.named else t.choice
             if not t.parallel:
                 body["parallel_tool_calls"] = False
         if request.response_format is not None:
-            body["response_format"] = msgspec.to_builtins(request.response_format)
+            body["response_format"] = _unset_dropped(request.response_format)
         return body
 
     def open(self, request: Request, attempt: Attempt) -> Reply:
@@ -215,6 +215,14 @@ class ProviderBackend(Backend):
         out.cached_tokens = usage.cached_tokens
         if not out.nodes:
             out.nodes.append(f"provider:{self.provider.name}")
+
+
+def _unset_dropped(obj: msgspec.Struct) -> dict[str, Any]:
+    """A request struct as the client sent it: fields it left unset (None) are not sent (a
+    provider may refuse `"description": null`); what a field holds — a JSON Schema, whose
+    nulls mean something — is passed as it is."""
+    return {f: _unset_dropped(v) if isinstance(v, msgspec.Struct) else msgspec.to_builtins(v)
+            for f in obj.__struct_fields__ if (v := getattr(obj, f)) is not None}  # fmt: skip
 
 
 def _calls(raw: Any, whole: bool) -> list[ToolCallDelta] | None:

@@ -186,11 +186,11 @@ def to_chat(body: ResponsesRequest) -> chat.ChatBody:
     if body.stream:
         out.stream, out.stream_options = True, chat.StreamOptions(include_usage=True)
     if body.tools:
-        out.tools = [chat.Tool(function=chat.Function(name=t.name, description=t.description, parameters=t.parameters,
+        out.tools = [chat.ToolDef(type="function", function=chat.FunctionDef(name=t.name, description=t.description, parameters=t.parameters,
                                                       strict=t.strict)) for t in body.tools]  # fmt: skip
     tc = body.tool_choice
     if isinstance(tc, NamedFunction):
-        out.tool_choice = chat.NamedToolChoice(function=chat.NamedFunction(name=tc.name))
+        out.tool_choice = chat.NamedToolChoice(type="function", function=chat.NamedFunction(name=tc.name))
     elif tc is not None:
         out.tool_choice = tc
     f = body.text.format if body.text is not None else None

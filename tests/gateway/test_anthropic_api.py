@@ -38,18 +38,24 @@ class Env:
         return anthropic.Anthropic(base_url=self.gw.url, api_key=key or self.key, max_retries=0, timeout=60)
 
 
-def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    """One node of the tiny Llama, two fake providers and a gateway (also test_responses_api.py's)."""
+def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, node: bool = True) -> Iterator[Env]:
+    """A gateway with external models on three fake providers (`gpt` falls back to `claude`,
+    then `gpt2`; `auto` picks between `claude` and `gpt`, team `pinned` pins simple prompts to
+    `claude`) and, with `node`, the tiny Llama on a real node. Also test_responses_api.py's and
+    test_provider_tools.py's."""
     tmp = tmp_path_factory.mktemp("translated-api")
-    servers = FakeServers({"gpt": "openai", "claude": "anthropic"})
+    servers = FakeServers({"gpt": "openai", "gpt2": "openai", "claude": "anthropic"})
     f = servers.fakes
     try:
-        node = duet_node("both", tiny_llama, tmp, *COMMON)
-        with running(node), pytest.MonkeyPatch.context() as mp:
+        proc = duet_node("both", tiny_llama, tmp, *COMMON) if node else None
+        with running(*([proc] if proc else [])), pytest.MonkeyPatch.context() as mp:
             mp.setenv("FAKE_PROVIDER_KEY", API_KEY)
-            models = {"tiny": tiny_model(tiny_llama, both=[node.url]),
-                      "gpt": external(f["gpt"], GPT, 2), "claude": external(f["claude"], CLAUDE, 3)}  # fmt: skip
-            gw = gateway_proc(tmp, models)
+            models = {"gpt": external(f["gpt"], GPT, 2, fallback=["claude", "gpt2"]), "gpt2": external(f["gpt2"], GPT, 2),
+                      "claude": external(f["claude"], CLAUDE, 3)}  # fmt: skip
+            if proc is not None:
+                models["tiny"] = tiny_model(tiny_llama, both=[proc.url])
+            gw = gateway_proc(tmp, models, auto={"models": ["claude", "gpt"]},
+                              **{"teams.pinned": {"auto_pin": {"simple": "claude"}}})  # fmt: skip
             with running(gw):
                 yield Env(gw, f, tmp / "gateway.db", make_team(gw.url, "main"))
     finally:
