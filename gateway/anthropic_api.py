@@ -16,6 +16,7 @@ Mapping (the shared names are in providers/anthropic_shapes.py):
 - `system` → a system message; `tool_use` blocks → the assistant turn's `tool_calls`;
   `tool_result` blocks → `tool` messages (before the turn's text, as Anthropic orders them);
   `image` blocks → `image_url` parts;
+- `output_config.format` (a JSON schema) → `response_format` json_schema;
 - `tool_choice` auto|any|tool|none → auto|required|a named function|none;
   `disable_parallel_tool_use` → `parallel_tool_calls: false`; `stop_sequences` → `stop`;
   `metadata.user_id` → `user`;
@@ -86,6 +87,7 @@ from gateway.relay import HttpEventStream
 from gateway.requests import Endpoint
 from gateway.state import GatewayState
 from protocol.openai import APIError
+from protocol.structured import JSONSchemaFormat, ResponseFormat
 
 _ENC = msgspec.json.Encoder()
 
@@ -237,6 +239,10 @@ def to_chat(body: MessagesRequest) -> chat.ChatBody:
     if body.tools:
         out.tools = [chat.ToolDef(type="function", function=chat.FunctionDef(name=t.name, description=t.description,
                                                       parameters=t.input_schema)) for t in body.tools]  # fmt: skip
+    fmt = body.output_config.format if body.output_config is not None else None
+    if fmt is not None:
+        out.response_format = ResponseFormat(type="json_schema", json_schema=JSONSchemaFormat(name="output",
+                                                                                              schema=fmt.schema))  # fmt: skip
     tc = body.tool_choice
     if tc is not None:
         kind = type(tc).__struct_config__.tag

@@ -81,11 +81,28 @@ class ChoiceNone(msgspec.Struct, kw_only=True, tag="none", tag_field="type"):
 ToolChoice = ChoiceAuto | ChoiceAny | ChoiceTool | ChoiceNone
 
 
+class JSONOutputFormat(msgspec.Struct, kw_only=True):
+    type: Literal["json_schema"]
+    #: a JSON Schema, as the client wrote it
+    schema: dict[str, Any]
+
+
+class OutputConfig(msgspec.Struct, kw_only=True):
+    """`output_config`: a JSON schema the answer must follow; `effort` (a thinking hint for
+    Claude models) is accepted and has no effect here."""
+
+    format: JSONOutputFormat | None = None
+    effort: str | None = None
+
+
 class Metadata(msgspec.Struct, kw_only=True):
     user_id: str | None = None
 
 
 class MessagesRequest(msgspec.Struct, kw_only=True):
+    """The body. temperature, top_p and top_k are the older API's (recent SDKs send them
+    through `extra_body`); they still steer the self-hosted and OpenAI-compatible models."""
+
     model: str
     messages: list[InputMessage]
     max_tokens: int
@@ -98,6 +115,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     tools: list[InputTool] | None = None
     tool_choice: ToolChoice | None = None
     metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
     #: Anthropic's own tier names (auto | standard_only): accepted, the gateway's tiers decide
     service_tier: str | None = None
 

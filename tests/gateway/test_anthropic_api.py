@@ -182,3 +182,11 @@ def test_tools_whole_streamed_and_continued(env: Env, model: str) -> None:
         assert sent["messages"][-1]["content"][0] == {"type": "tool_result", "tool_use_id": call.id,
                                                       "content": "sunny, 21 C"}  # fmt: skip
         assert sent["messages"][-2]["content"][-1]["type"] == "tool_use"
+
+
+def test_output_config_format_is_response_format(env: Env) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    env.client().messages.create(model="gpt", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+                                 output_config={"format": {"type": "json_schema", "schema": schema}})  # fmt: skip
+    sent = env.fakes["gpt"].requests[-1]
+    assert sent["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
