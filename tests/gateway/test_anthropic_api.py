@@ -21,7 +21,7 @@ from tests.gateway.conftest import COMMON
 from tests.gateway.helpers import gateway_proc, http, make_team, tiny_model
 from tests.gateway.test_providers_e2e import CLAUDE, GPT, FakeServers, external, record
 from tests.procs import Proc, duet_node, running
-from tests.providers.fakes import API_KEY, FakeProvider
+from tests.providers.fakes import API_KEY, FakeProvider, Fault
 
 WEATHER = {"name": "get_weather", "description": "The weather in a city",
            "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}  # fmt: skip
@@ -190,3 +190,14 @@ def test_output_config_format_is_response_format(env: Env) -> None:
                                  output_config={"format": {"type": "json_schema", "schema": schema}})  # fmt: skip
     sent = env.fakes["gpt"].requests[-1]
     assert sent["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+
+
+def test_a_stream_cut_mid_answer_ends_with_an_error_event(env: Env) -> None:
+    env.fakes["gpt"].faults.append(Fault.drop_after(3))
+    got: list[str] = []
+    ask = [{"role": "user", "content": "one two three four five"}]
+    with pytest.raises(anthropic.APIStatusError) as e, \
+            env.client().messages.stream(model="gpt", max_tokens=16, messages=ask) as s:  # fmt: skip
+        got.extend(ev.type for ev in s)
+    assert got[0] == "message_start" and "message_stop" not in got
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "api_error"
