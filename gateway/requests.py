@@ -19,6 +19,7 @@ import msgspec
 from gateway.config import Tier
 from gateway.tools.spec import Tools, check_tools, tool_turn
 from protocol.chat import ChatCompletionRequest
+from protocol.guide_check import check_guide, guide_from_response_format
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.openai import APIError, CompletionRequest
 from protocol.structured import Guide, ResponseFormat
@@ -198,10 +199,9 @@ def _response_format(rf: ResponseFormat | None) -> Guide | None:
     if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema is None):
         raise APIError(400, "response_format of type json_schema needs json_schema.schema",
                        param="response_format.json_schema")  # fmt: skip
-    from protocol.guide_check import check_guide, guide_from_response_format
-
     guide = guide_from_response_format(rf)
-    check_guide(guide)
+    if guide is not None:
+        check_guide(guide)
     return guide
 
 
@@ -245,6 +245,7 @@ def parse_chat(raw: bytes) -> Request:
     sampling, n = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     guide = _response_format(body.response_format)
+    _guided_min_tokens(guide is not None or tools.choice in ("required", "named"), sampling)
     if guide is not None and tools.choice in ("required", "named"):
         raise APIError(400, "response_format cannot be combined with a forced tool_choice (required or a named "
                             "function): both constrain the whole answer", param="response_format")  # fmt: skip
@@ -294,7 +295,19 @@ def parse_completion(raw: bytes) -> Request:
                    sampling=sampling, n=n, stream=body.stream,
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
                    service_tier=body.service_tier, user=_user(body.user), response_format=rf,
-                   guide=_response_format(rf))  # fmt: skip
+                   guide=_guided(_response_format(rf), sampling))  # fmt: skip
+
+
+def _guided(guide: Guide | None, sampling: Sampling) -> Guide | None:
+    _guided_min_tokens(guide is not None, sampling)
+    return guide
+
+
+def _guided_min_tokens(guided: bool, sampling: Sampling) -> None:
+    """A finished grammar allows only EOS, which min_tokens forbids: the two cannot meet."""
+    if guided and sampling.min_tokens:
+        raise APIError(400, "min_tokens cannot be combined with response_format or a forced tool_choice "
+                            "(a finished JSON value allows only the end of the answer)", param="min_tokens")  # fmt: skip
 
 
 class _Format(msgspec.Struct):

@@ -7,8 +7,9 @@ check compiles the guide's grammar with llguidance — the same engine, through 
 tokenizer, so a guide the gateway passes is one every node accepts (protocol/structured.py's
 invariant). llguidance imports no torch (xgrammar does), which is what lets the gateway run it.
 
-Canonical specs: a schema is its JSON with sorted keys and no spaces, so equal schemas written
-differently hash to the same compiled grammar on every node. Checks are cached per (kind, spec)
+Canonical specs: a schema is its compact JSON (no spaces) with keys in the client's order — not
+sorted, because property order is the order the output is generated in (see canonical_schema);
+the same schema text hashes to the same compiled grammar on every node. Checks are cached per (kind, spec)
 in a bounded LRU: clients resend the same schema with every request.
 
 Invariant: `check_guide` either returns (the engine accepts the grammar) or raises APIError(400);
@@ -49,7 +50,10 @@ def _llguidance() -> Any:
 
 
 def canonical_schema(schema: Any) -> str:
-    return json.dumps(schema, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    """The schema's compact JSON, keys in the client's order: the grammar emits an object's
+    properties in schema order (as OpenAI's structured outputs do: "reasoning" before "answer"
+    is a prompt), so sorting them would change what the model writes, not only the cache key."""
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 def guide_from_response_format(rf: ResponseFormat | None) -> Guide | None:

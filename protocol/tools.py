@@ -16,14 +16,14 @@ from typing import Any, Literal
 import msgspec
 
 
-class FunctionDef(msgspec.Struct, kw_only=True):
+class FunctionDef(msgspec.Struct, kw_only=True, omit_defaults=True):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDef(msgspec.Struct, kw_only=True):
+class ToolDef(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One entry of `tools`: `{"type": "function", "function": {...}}`."""
 
     type: str

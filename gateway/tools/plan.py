@@ -15,7 +15,6 @@ grammar engine here, before any node work (a 400 naming what is wrong).
 from __future__ import annotations
 
 import enum
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +29,7 @@ from gateway.tools.events import (
 )
 from gateway.tools.formats import ToolFormat, tool_format
 from gateway.tools.spec import Tools
+from protocol.guide_check import canonical_schema, check_guide
 from protocol.structured import Guide, GuideKind
 
 
@@ -58,8 +58,8 @@ class ToolPlan:
 
 
 def schema_guide(schema: dict[str, Any]) -> Guide:
-    """A JSON-schema guide in the contract's canonical form (keys sorted)."""
-    return Guide(kind=GuideKind.JSON_SCHEMA, spec=json.dumps(schema, sort_keys=True, ensure_ascii=False))
+    """A JSON-schema guide in the contract's canonical form (keys sorted, compact)."""
+    return Guide(kind=GuideKind.JSON_SCHEMA, spec=canonical_schema(schema))
 
 
 def plan_for(tools: Tools, configured: str | None, template: str | None) -> ToolPlan:
@@ -73,11 +73,7 @@ def plan_for(tools: Tools, configured: str | None, template: str | None) -> Tool
     elif mode == ToolMode.REQUIRED:
         calls = [fmt.call_schema(n, tools.parameters(n)) for n in tools.names]
         guide = schema_guide(calls[0] if len(calls) == 1 else {"anyOf": calls})
-    if guide is not None:
-        # w/grammar (#24): the grammar engine's verdict
-        from protocol.guide_check import check_guide
-
-        check_guide(guide)
+    check_guide(guide, param="tools")
     return ToolPlan(mode, fmt, tools, guide)
 
 

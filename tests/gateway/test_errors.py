@@ -76,6 +76,8 @@ CASES = [
     ("json_schema without schema", "/v1/chat/completions",
      chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), 400, None,
      "response_format.json_schema", None),
+    ("min_tokens with a guide", "/v1/chat/completions", chat(min_tokens=3, response_format={"type": "json_object"}),
+     400, None, "min_tokens", None),
     ("response_format type", "/v1/chat/completions", chat(response_format={"type": "yaml"}), 400, None,
      "response_format", None),
     ("top logprobs above 20", "/v1/chat/completions", chat(logprobs=True, top_logprobs=21), 400, None, "top_logprobs",
