@@ -200,20 +200,9 @@ class FakeProvider:
                 "usage": usage, "system_fingerprint": "fp_fake",
             })  # fmt: skip
 
-        def chunk(delta: dict[str, Any], fin: str | None = None) -> bytes:
-            c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": fin}]}  # fmt: skip
-            return b"data: " + json.dumps(c).encode() + b"\n\n"
-
-        events = [chunk({"role": "assistant", "content": ""})]
-        events += [chunk({"content": p}) for p in text_parts]
-        events.append(chunk({}, finish))
-        if (body.get("stream_options") or {}).get("include_usage"):
-            u = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": [], "usage": usage}  # fmt: skip
-            events.append(b"data: " + json.dumps(u).encode() + b"\n\n")
-        events.append(b"data: [DONE]\n\n")
-        return await self._stream(request, events, fault)
+        deltas = [({"role": "assistant", "content": ""}, None), *(({"content": p}, None) for p in text_parts),
+                  ({}, finish)]  # fmt: skip
+        return await self._stream(request, _openai_events(body, rid, created, deltas, usage), fault)
 
     async def _openai_tool(self, request: web.Request, body: dict[str, Any], fault: Fault | None,
                            tool: str) -> web.StreamResponse:  # fmt: skip
@@ -235,23 +224,13 @@ class FakeProvider:
                 "usage": usage,
             })  # fmt: skip
 
-        def chunk(delta: dict[str, Any], fin: str | None = None) -> bytes:
-            c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": fin}]}  # fmt: skip
-            return b"data: " + json.dumps(c).encode() + b"\n\n"
-
-        events = [chunk({"role": "assistant", "content": ""}), chunk({"content": "Let me check."}),
-                  chunk({"tool_calls": [{"index": 0, "id": call_id, "type": "function",
-                                         "function": {"name": tool, "arguments": ""}}]}),
-                  chunk({"tool_calls": [{"index": 0, "function": {"arguments": args[:5]}}]}),
-                  chunk({"tool_calls": [{"index": 0, "function": {"arguments": args[5:]}}]}),
-                  chunk({}, "tool_calls")]  # fmt: skip
-        if (body.get("stream_options") or {}).get("include_usage"):
-            u = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": [], "usage": usage}  # fmt: skip
-            events.append(b"data: " + json.dumps(u).encode() + b"\n\n")
-        events.append(b"data: [DONE]\n\n")
-        return await self._stream(request, events, fault)
+        deltas = [({"role": "assistant", "content": ""}, None), ({"content": "Let me check."}, None),
+                  ({"tool_calls": [{"index": 0, "id": call_id, "type": "function",
+                                    "function": {"name": tool, "arguments": ""}}]}, None),
+                  ({"tool_calls": [{"index": 0, "function": {"arguments": args[:5]}}]}, None),
+                  ({"tool_calls": [{"index": 0, "function": {"arguments": args[5:]}}]}, None),
+                  ({}, "tool_calls")]  # fmt: skip
+        return await self._stream(request, _openai_events(body, rid, created, deltas, usage), fault)
 
     # -- Anthropic Messages -----------------------------------------------------------------
 
@@ -338,6 +317,16 @@ class FakeProvider:
             _sse("message_stop", {"type": "message_stop"}),
         ]  # fmt: skip
         return await self._stream(request, events, fault)
+
+
+def _openai_events(body: dict[str, Any], rid: str, created: int, deltas: list[tuple[dict[str, Any], str | None]],
+                   usage: dict[str, Any]) -> list[bytes]:  # fmt: skip
+    """An OpenAI chat stream: a chunk per (delta, finish_reason), the usage chunk when asked, [DONE]."""
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body["model"]}
+    chunks = [{**head, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": f}]} for d, f in deltas]
+    if (body.get("stream_options") or {}).get("include_usage"):
+        chunks.append({**head, "choices": [], "usage": usage})
+    return [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
 
 
 def _openai_tool(body: dict[str, Any]) -> str | None:
