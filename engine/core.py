@@ -274,7 +274,7 @@ class EngineCore:
         # penalties, then the guides' masks, on a copy: logprobs below score the raw logits
         adjusted = penalize(logits, [c.req for c in samplers])
         guided = [(i, c.req.request_id) for i, c in enumerate(samplers) if self.guides.guided(c.req.request_id)]
-        adjusted, dead = self.guides.mask(adjusted, guided)
+        adjusted, dead = self.guides.mask(adjusted, guided, copy=adjusted is logits)
         tokens, errors = self.sampler.sample_rows(adjusted, rows, [c.req.eos_token_ids for c in samplers])
         errors.update(dead)
         lps = self._logprobs(samplers, logits, tokens, errors)

@@ -143,7 +143,7 @@ class GuidedDecoding:
         """Give `request_id` a matcher advanced over the tokens it has sampled so far (a decode
         node resuming a migrated leg); GuideError if those tokens leave the grammar."""
         m = self.compile(guide).deep_copy()
-        if sampled and m.consume_tokens(sampled) != len(sampled):
+        if not all(m.consume_token(t) for t in sampled):
             raise GuideError(f"the tokens sampled so far do not satisfy the {guide.kind.value} guide: "
                              f"{m.get_error().strip()}")  # fmt: skip
         self._matchers[request_id] = m
@@ -154,10 +154,16 @@ class GuidedDecoding:
     def guided(self, request_id: str) -> bool:
         return request_id in self._matchers
 
-    def mask(self, logits: torch.Tensor, rows: list[tuple[int, str]]) -> tuple[torch.Tensor, dict[int, str]]:
+    def mask(self, logits: torch.Tensor, rows: list[tuple[int, str]],
+             copy: bool = True) -> tuple[torch.Tensor, dict[int, str]]:  # fmt: skip
         """`logits` [S, V] with each (row, request id) in `rows` masked to its grammar's allowed
-        next tokens (-inf elsewhere): a float32 copy when `rows` is non-empty; and {row: why}
-        for rows no token may follow (their request must fail: argmax of -inf is no answer)."""
+        next tokens (-inf elsewhere) — on a float32 CPU copy unless `copy` is False (the caller
+        owns `logits`, a float32 CPU tensor) — and {row: why} for rows no token may follow
+        (their request must fail: an argmax over -inf is no answer).
+
+        The mask is applied with numpy, single-threaded: torch's indexed masked_fill on a few
+        rows goes through its intra-op thread pool, which cost 100+ ms a step on a loaded
+        2-core machine (measured) for microseconds of work."""
         if not rows:
             return logits, {}
         words = (self.vocab_size + 31) // 32
@@ -171,12 +177,16 @@ class GuidedDecoding:
             self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.ctypes.data,
                                                    words * 4, len(rows))  # fmt: skip
         # bit i of word w allows token 32 w + i: little-endian bytes, each unpacked low bit first
-        allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
-        x = logits.float().clone() if logits.dtype != torch.float32 or logits.requires_grad else logits.clone()
-        idx = torch.tensor([r for r, _ in rows], dtype=torch.long)
-        x[idx] = x[idx].masked_fill(torch.from_numpy(allowed) == 0, float("-inf"))
+        banned = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]] == 0
+        if copy or logits.dtype != torch.float32 or logits.device.type != "cpu":
+            x = torch.from_numpy(logits.detach().float().cpu().numpy().copy())
+        else:
+            x = logits
+        xn = x.numpy()
+        for j, (r, _) in enumerate(rows):
+            np.copyto(xn[r], -np.inf, where=banned[j])
         dead = {r: f"no token satisfies the guide: {m.get_error().strip() or 'the grammar allows nothing here'}"
-                for (r, _), m, n in zip(rows, matchers, allowed.sum(axis=1).tolist(), strict=True) if n == 0}  # fmt: skip
+                for (r, _), m, b in zip(rows, matchers, banned.all(axis=1).tolist(), strict=True) if b}  # fmt: skip
         return x, dead
 
     def advance(self, request_id: str, token: int) -> bool:

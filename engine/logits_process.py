@@ -19,6 +19,7 @@ written (the forward pass's tensor may be read again for logprobs): a changed co
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.request import Request
@@ -31,30 +32,29 @@ def output_so_far(req: Request) -> list[int]:
     return done + req.output_token_ids
 
 
-def penalize_row(x: torch.Tensor, req: Request) -> None:
-    """Apply `req`'s bias and penalties to its row `x` ([V] float32) in place."""
+def penalize_row(x: np.ndarray, req: Request) -> None:
+    """Apply `req`'s bias and penalties to its row `x` ([V] float32) in place. Only the ids
+    involved are touched (numpy, single-threaded: no whole-vocabulary pass per row)."""
     p = req.params
-    vocab = x.shape[0]
-    if p.logit_bias:
-        ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
-        x.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=x.dtype))
+    if p.logit_bias:  # dict keys: each id once
+        x[np.fromiter(p.logit_bias, dtype=np.int64)] += np.fromiter(p.logit_bias.values(), dtype=np.float32)
     out = output_so_far(req)
     if p.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool)
-        seen[torch.tensor(req.prompt_token_ids + out, dtype=torch.long)] = True
-        x.copy_(torch.where(seen, torch.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty), x))
+        seen = np.unique(np.asarray(req.prompt_token_ids + out, dtype=np.int64))
+        v = x[seen]
+        x[seen] = np.where(v > 0, v / np.float32(p.repetition_penalty), v * np.float32(p.repetition_penalty))
     if (p.frequency_penalty or p.presence_penalty) and out:
-        counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=vocab)[:vocab].to(x.dtype)
-        x -= counts * p.frequency_penalty + (counts > 0).to(x.dtype) * p.presence_penalty
+        ids, counts = np.unique(np.asarray(out, dtype=np.int64), return_counts=True)
+        x[ids] -= (counts * p.frequency_penalty + p.presence_penalty).astype(np.float32)
 
 
 def penalize(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
-    """`logits` [S, V] with row r penalised for `reqs[r]`: a float32 copy when any row asks,
-    else `logits` itself."""
+    """`logits` [S, V] with row r penalised for `reqs[r]`: a float32 CPU copy when any row
+    asks, else `logits` itself."""
     rows = [r for r, req in enumerate(reqs) if req.params.penalized]
     if not rows:
         return logits
-    x = logits.float().clone()
+    x = logits.detach().float().cpu().numpy().copy()
     for r in rows:
         penalize_row(x[r], reqs[r])
-    return x
+    return torch.from_numpy(x)

@@ -43,7 +43,7 @@ SEARCH = {"type": "function", "function": {
                    "required": ["query", "limit"], "additionalProperties": False}}}  # fmt: skip
 SCHEMAS = {f["function"]["name"]: f["function"]["parameters"] for f in (WEATHER, SEARCH)}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 48}
+GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 40}
 
 
 @pytest.fixture(scope="module")
@@ -89,34 +89,34 @@ async def _streamed(client: openai.AsyncOpenAI, **kw: Any) -> tuple[str, list[di
     return content, calls, finish
 
 
-@pytest.mark.parametrize("model", MODELS)
-async def test_forced_tool_choice_gives_a_schema_valid_call(gw: tuple[Proc, str, tuple[Proc, ...]], model: str) -> None:
+async def test_forced_tool_choice_gives_a_schema_valid_call(gw: tuple[Proc, str, tuple[Proc, ...]]) -> None:
     sync, client = clients(gw)
     named = {"type": "function", "function": {"name": "get_weather"}}
-    kw = {"model": model, "messages": ASK, "tools": [WEATHER, SEARCH], **GREEDY}
-    r = sync.chat.completions.create(tool_choice=named, **kw)  # the sync client too
-    (whole, required, (content, calls, finish)) = (r, *await asyncio.gather(
-        client.chat.completions.create(tool_choice="required", **kw),
-        _streamed(client, tool_choice=named, **kw)))  # fmt: skip
-    for answer in (whole, required):
-        ch = answer.choices[0]
-        assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
-        assert len(ch.message.tool_calls) == 1
-        _valid_call(ch.message.tool_calls[0])
-    assert whole.choices[0].message.tool_calls[0].function.name == "get_weather"
-    assert finish == "tool_calls" and content == "" and len(calls) == 1 and calls[0]["name"] == "get_weather"
-    jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS["get_weather"])
+    kw = {"messages": ASK, "tools": [WEATHER, SEARCH], **GREEDY}
+    results = await asyncio.gather(*(job for m in MODELS for job in (
+        asyncio.to_thread(sync.chat.completions.create, model=m, tool_choice=named, **kw),  # the sync client too
+        client.chat.completions.create(model=m, tool_choice="required", **kw),
+        _streamed(client, model=m, tool_choice=named, **kw))))  # fmt: skip
+    for whole, required, (content, calls, finish) in zip(results[::3], results[1::3], results[2::3], strict=True):
+        for answer in (whole, required):
+            ch = answer.choices[0]
+            assert ch.finish_reason == "tool_calls" and ch.message.content is None, ch
+            assert len(ch.message.tool_calls) == 1
+            _valid_call(ch.message.tool_calls[0])
+        assert whole.choices[0].message.tool_calls[0].function.name == "get_weather"
+        assert finish == "tool_calls" and content == "" and len(calls) == 1 and calls[0]["name"] == "get_weather"
+        jsonschema.validate(json.loads(calls[0]["arguments"]), SCHEMAS["get_weather"])
 
 
 async def test_auto_gives_text_or_a_valid_call(gw: tuple[Proc, str, tuple[Proc, ...]]) -> None:
     _, client = clients(gw)
-    asks = [ASK, [{"role": "user", "content": "Say hello."}],
-            [{"role": "user", "content": "Search the web for the tallest building."}]]  # fmt: skip
-    answers = await asyncio.gather(*(client.chat.completions.create(model=m, messages=a, tools=[WEATHER, SEARCH],
-                                                                    **GREEDY) for m in MODELS for a in asks))  # fmt: skip
-    streamed = await asyncio.gather(*(_streamed(client, model=m, messages=a, tools=[WEATHER, SEARCH], **GREEDY)
-                                      for m in MODELS for a in asks))  # fmt: skip
-    for r in answers:
+    asks = [ASK, [{"role": "user", "content": "Say hello."}]]
+    jobs = [(m, a) for m in MODELS for a in asks]
+    *answers, = await asyncio.gather(*(client.chat.completions.create(model=m, messages=a, tools=[WEATHER, SEARCH],
+                                                                      **GREEDY) for m, a in jobs),
+                                     *(_streamed(client, model=m, messages=a, tools=[WEATHER, SEARCH], **GREEDY)
+                                       for m, a in jobs))  # fmt: skip
+    for r in answers[: len(jobs)]:
         ch = r.choices[0]
         if ch.message.tool_calls:
             assert ch.finish_reason == "tool_calls"
@@ -126,7 +126,7 @@ async def test_auto_gives_text_or_a_valid_call(gw: tuple[Proc, str, tuple[Proc, 
             assert isinstance(ch.message.content, str) and ch.finish_reason in ("stop", "length")
             assert "<tool_call>\n{" not in ch.message.content or "</tool_call>" in ch.message.content
     # streamed (batched differently, so not token-equal to the whole answers): the same rules
-    for content, calls, finish in streamed:
+    for content, calls, finish in answers[len(jobs) :]:
         assert (finish == "tool_calls") == bool(calls), (content, calls, finish)
         for call in calls:
             json.loads(call["arguments"])
@@ -164,8 +164,7 @@ def _as_turn(m: dict[str, Any]) -> dict[str, Any]:
     return {**m, "content": m["content"] or ""}
 
 
-@pytest.mark.parametrize("model", MODELS)
-async def test_json_object_and_schemas(gw: tuple[Proc, str, tuple[Proc, ...]], model: str) -> None:
+async def test_json_object_and_schemas(gw: tuple[Proc, str, tuple[Proc, ...]]) -> None:
     _, client = clients(gw)
     schemas = [
         {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -182,19 +181,24 @@ async def test_json_object_and_schemas(gw: tuple[Proc, str, tuple[Proc, ...]], m
          "required": ["point", "code"], "additionalProperties": False},
     ]  # fmt: skip
     ask = [{"role": "user", "content": "Describe a person as JSON."}]
-    obj, *answers = await asyncio.gather(
-        client.chat.completions.create(model=model, response_format={"type": "json_object"}, temperature=0, max_tokens=96,
-                                       messages=[{"role": "user", "content": 'What is 2+2? Answer as {"answer": n}.'}]),
-        *(client.chat.completions.create(model=model, messages=ask, **GREEDY, response_format={
-            "type": "json_schema", "json_schema": {"name": f"s{i}", "schema": s, "strict": True}})
-          for i, s in enumerate(schemas)))  # fmt: skip
-    assert obj.choices[0].finish_reason == "stop", obj.choices[0].message.content
-    assert isinstance(json.loads(obj.choices[0].message.content), dict)
-    for s, r in zip(schemas, answers, strict=True):
+    obj_ask = [{"role": "user", "content": 'What is 2+2? Answer as {"answer": n}.'}]
+    jobs = [(m, i) for m in MODELS for i in range(len(schemas))]
+    streamed, *rest = await asyncio.gather(
+        _streamed(client, model="smollm2", messages=ask, **GREEDY, response_format={
+            "type": "json_schema", "json_schema": {"name": "s0", "schema": schemas[0]}}),
+        *(client.chat.completions.create(model=m, response_format={"type": "json_object"}, temperature=0, max_tokens=96,
+                                         messages=obj_ask) for m in MODELS),
+        *(client.chat.completions.create(model=m, messages=ask, **GREEDY, response_format={
+            "type": "json_schema", "json_schema": {"name": f"s{i}", "schema": schemas[i], "strict": True}})
+          for m, i in jobs))  # fmt: skip
+    objs, answers = rest[: len(MODELS)], rest[len(MODELS) :]
+    for obj in objs:
+        assert obj.choices[0].finish_reason == "stop", obj.choices[0].message.content
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    for (_, i), r in zip(jobs, answers, strict=True):
         assert r.choices[0].finish_reason == "stop", r
-        jsonschema.validate(json.loads(r.choices[0].message.content), s)
-    content, _, finish = await _streamed(client, model=model, messages=ask, **GREEDY, response_format={
-        "type": "json_schema", "json_schema": {"name": "s0", "schema": schemas[0]}})  # fmt: skip
+        jsonschema.validate(json.loads(r.choices[0].message.content), schemas[i])
+    content, _, finish = streamed
     assert finish == "stop"
     jsonschema.validate(json.loads(content), schemas[0])
 
