@@ -68,8 +68,6 @@ def test_text_equals_the_chat_endpoints(clients: Clients) -> None:
     assert streamed == expected
 
 
-@pytest.mark.xfail(strict=False, reason="the node does not apply a leg's guide yet (node ← Guide wiring of #24's "
-                                        "engine work); passes once it does")  # fmt: skip
 def test_forced_tool_choice_gives_a_schema_valid_call(clients: Clients) -> None:
     ask = "What is the weather in Paris?"
     tool = {"name": "get_weather", "description": "The weather in a city", "input_schema": SCHEMA}
