@@ -22,7 +22,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import admin, batch_wiring, serve
+from gateway import admin, anthropic_api, batch_wiring, responses_api, serve
 from gateway.auth import MIN_ADMIN_KEY, authenticate, bearer, is_admin
 from gateway.backend import Backend
 from gateway.choice import ModelChoice
@@ -88,6 +88,14 @@ def _completions(endpoint: Endpoint) -> Handler:
         return await serve.handle(request.app[STATE], request, endpoint, request[_RID])
 
     return h
+
+
+async def _messages(request: web.Request) -> web.StreamResponse:
+    return await anthropic_api.handle(request.app[STATE], request, request[_RID])
+
+
+async def _responses(request: web.Request) -> web.StreamResponse:
+    return await responses_api.handle(request.app[STATE], request, request[_RID])
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -157,6 +165,8 @@ def make_app(config: GatewayConfig) -> web.Application:
     r = app.router
     r.add_post("/v1/chat/completions", _completions(Endpoint.CHAT))
     r.add_post("/v1/completions", _completions(Endpoint.COMPLETION))
+    r.add_post("/v1/messages", _messages)
+    r.add_post("/v1/responses", _responses)
     r.add_get("/v1/models", _models)
     r.add_get("/v1/usage", _bind(admin.usage))
     r.add_get("/health", _health)

@@ -54,10 +54,16 @@ def features(request: Request) -> frozenset[Feature]:
     return frozenset(out)
 
 
+#: what an Anthropic model serves by default: tools (translated both ways); it has no
+#: structured outputs, penalties or logit_bias (providers/translate.py)
+ANTHROPIC = frozenset({Feature.TOOLS})
+
+
 def model_features(model: ModelConfig) -> frozenset[Feature]:
-    """The features `model` serves (its config's `features`, else all)."""
+    """The features `model` serves (its config's `features`, else all; an Anthropic model's
+    default is `ANTHROPIC`)."""
     if model.features is None:
-        return ALL
+        return ANTHROPIC if model.kind == "external" and model.provider == "anthropic" else ALL
     return frozenset(Feature(f) for f in model.features)
 
 

@@ -33,7 +33,7 @@ from gateway.auth import authenticate
 from gateway.backend import Accounting, Attempt, MidStreamError, Reply
 from gateway.choice import Need
 from gateway.config import AUTO, TeamPolicy, Tier
-from gateway.features import refuse_missing
+from gateway.features import features, refuse_missing
 from gateway.ledger import Caller, Ledger, UsageStatus
 from gateway.measure import Measured, estimate_tokens, measure
 from gateway.providers.fallback import FallbackDecision, Reason
@@ -131,7 +131,8 @@ def _auto(state: GatewayState, req: Request, tier: Tier, policy: TeamPolicy, hea
     else:
         raise APIError(400, "model 'auto' needs a text prompt (token ids belong to one model's tokenizer)",
                        param="prompt")  # fmt: skip
-    c = state.choice.auto(messages, Need(req.endpoint, req.n, tier, policy, estimate_tokens(req), req.max_tokens))
+    c = state.choice.auto(messages, Need(req.endpoint, req.n, tier, policy, estimate_tokens(req), req.max_tokens,
+                                         features(req)))  # fmt: skip
     if c.model is None:
         why = "; ".join(f"{m}: {r}" for m, r in c.skipped)
         unavailable = any(r == "unavailable" for _, r in c.skipped)
@@ -160,7 +161,8 @@ class _Tries:
 
     def _next(self, origin: str, reason: Reason, n_prompt: int) -> FallbackDecision:
         assert self.state.choice is not None
-        need = Need(self.req.endpoint, self.req.n, self.tier, self.policy, n_prompt, self.req.max_tokens)
+        need = Need(self.req.endpoint, self.req.n, self.tier, self.policy, n_prompt, self.req.max_tokens,
+                    features(self.req))  # fmt: skip
         return self.state.choice.next(origin, reason, need, self.tried)
 
     async def run(self, served: ServedModel, size: Measured, headers: dict[str, str],
