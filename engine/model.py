@@ -100,6 +100,14 @@ class LlamaModel:
         md: AttentionMetadata,
         sample_idx: torch.Tensor,  # [S] rows of the step whose logits are wanted
     ) -> torch.Tensor:
+        x = self.hidden_states(input_ids, kv_cache, md, sample_idx)
+        return self.lm_head(x)  # fp32 logits in every dtype (engine/logits_head.py)
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                      rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """The final hidden states (after the final norm) of `rows` of the step (None: every
+        token): what the logits head reads, and what embeddings pool (engine/embed.py)."""
         lib = self.kernels
         ptr = 0
         step = None
@@ -128,5 +136,4 @@ class LlamaModel:
             else:
                 h += down
         del step  # the kernels are done with the step's tensors
-        x = self._norm(h[sample_idx], self.norm)
-        return self.lm_head(x)  # fp32 logits in every dtype (engine/logits_head.py)
+        return self._norm(h if rows is None else h[rows], self.norm)
