@@ -32,6 +32,8 @@ log = logging.getLogger("duet.node")
 STATE = web.AppKey("state", NodeState)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+#: what a draining node refuses: new work of either task (node/embed.py serves the last one)
+_WORK_PATHS = (*_COMPLETION_PATHS, "/v1/embeddings")
 
 #: bytes a body may take beyond its prompt (sampling fields, stop strings, kv_transfer_params)
 BODY_OVERHEAD = 1 << 20
@@ -60,10 +62,13 @@ async def _request_id(request: web.Request, handler: Handler) -> web.StreamRespo
 async def _draining(request: web.Request, handler: Handler) -> web.StreamResponse:
     """A node that is draining refuses new completions (the gateway retries them elsewhere)."""
     state = request.app[STATE]
-    if state.draining and request.method == "POST" and request.path in _COMPLETION_PATHS:
+    if state.draining and request.method == "POST" and request.path in _WORK_PATHS:
         state.metrics.rejected("draining")
         raise APIError(503, "this node is shutting down; retry on another node",
                        type_="service_unavailable", code="draining")  # fmt: skip
+    if state.config.task == "embed" and request.path in _COMPLETION_PATHS:
+        raise APIError(400, "this node serves embeddings only (--task embed): POST /v1/embeddings",
+                       code="wrong_task")  # fmt: skip
     return await handler(request)
 
 
