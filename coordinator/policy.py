@@ -223,6 +223,9 @@ class Router:
         if len(req.block_hashes) * bs > req.num_prompt_tokens:
             raise APIError(400, f"{len(req.block_hashes)} block hashes of {bs} tokens do not fit in a prompt "
                            f"of {req.num_prompt_tokens} tokens (hash full blocks only)", param="block_hashes")  # fmt: skip
+        if not fits and task == NodeTask.EMBED:
+            raise APIError(400, f"an input of {req.num_prompt_tokens} tokens exceeds the context of every embed node "
+                           f"serving {req.model!r} ({longest})", param="input", code="context_length_exceeded")  # fmt: skip
         if not fits:
             raise APIError(400, f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) "
                            f"exceeds the context of every node serving {req.model!r} ({longest})",
