@@ -196,3 +196,18 @@ def test_wrong_kind_of_model_both_ways_and_the_task_split(cluster: Cluster) -> N
     assert metric(cluster.gen.url, "duet:prompt_tokens_total") > gen_before
     models = {m.id: m for m in c.models.list().data}
     assert models[EMBED].owned_by == "duet"
+
+
+def test_nodes_refuse_the_other_task(cluster: Cluster) -> None:
+    """Each node's own API: an embed node refuses completions (400 wrong_task); a generation node
+    has no embeddings route (404)."""
+    from tests.gateway.helpers import http
+
+    status, _, body = http(cluster.embed.url + "/v1/completions", "POST", {"prompt": [1, 2], "max_tokens": 2},
+                           key=None)  # fmt: skip
+    assert status == 400 and body["error"]["code"] == "wrong_task"
+    status, _, body = http(cluster.gen.url + "/v1/embeddings", "POST", {"inputs": [[1, 2]]}, key=None)
+    assert status == 404
+    status, _, body = http(cluster.embed.url + "/v1/embeddings", "POST", {"inputs": [[1, 2]], "dimensions": 9999},
+                           key=None)  # fmt: skip
+    assert status == 400 and "between 1 and 576" in body["error"]["message"]
