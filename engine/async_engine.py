@@ -88,6 +88,10 @@ class AsyncEngine:
         self._pending: set[asyncio.Future[Any]] = set()
         #: embedding jobs not yet run (appended on the loop, taken on the engine thread)
         self._embed_jobs: deque[_EmbedJob] = deque()
+        #: prompt tokens of embedding jobs submitted (written on the loop) and answered (written
+        #: on the engine thread): one writer each, so their difference is safe to read anywhere
+        self._embed_tokens_in = 0
+        self._embed_tokens_out = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.dead: BaseException | None = None
@@ -292,6 +296,7 @@ class AsyncEngine:
         fut: asyncio.Future[list[bytes]] = loop.create_future()
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
+        self._embed_tokens_in += sum(map(len, prompts))
         self._embed_jobs.append(_EmbedJob(prompts, pooling, dimensions, fut, loop))
         self._commands.put(self._run_embeds)
         return await fut
@@ -307,6 +312,17 @@ class AsyncEngine:
         for j in jobs:
             if not j.fut.cancelled():
                 groups.setdefault((j.pooling, j.dimensions), []).append(j)
+        try:
+            self._embed_groups(groups)
+        finally:
+            self._embed_tokens_out += sum(len(p) for j in jobs for p in j.prompts)
+
+    @property
+    def queued_embed_tokens(self) -> int:
+        """Prompt tokens of embedding jobs submitted and not yet answered (load reports)."""
+        return max(0, self._embed_tokens_in - self._embed_tokens_out)
+
+    def _embed_groups(self, groups: dict[tuple[Pooling, int | None], list[_EmbedJob]]) -> None:
         for (pooling, dims), group in groups.items():
             try:
                 vecs = self.core.embed([p for j in group for p in j.prompts], pooling, dims)

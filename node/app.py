@@ -42,6 +42,11 @@ BODY_OVERHEAD = 1 << 20
 BODY_BYTES_PER_TOKEN = 64
 
 
+#: an embed node's body limit: 2,048 inputs of token ids, as many as a gateway's largest text
+#: body (4 MiB: at least a byte of text per token) can turn into
+EMBED_MAX_BODY = 64 * 2**20
+
+
 def max_body_bytes(max_model_len: int) -> int:
     """The largest body a prompt within the context can need."""
     return BODY_OVERHEAD + BODY_BYTES_PER_TOKEN * max_model_len
@@ -157,7 +162,10 @@ def make_app(state: NodeState) -> web.Application:
     """The node app; `state` holds an engine that is built but not started, and the roles
     registered for this node."""
     errors = error_middleware(log, _translate, _rid)
-    app = web.Application(middlewares=[_request_id, errors, _draining], client_max_size=max_body_bytes(state.engine.max_model_len))
+    limit = max_body_bytes(state.engine.max_model_len)
+    if state.config.task == "embed":
+        limit = max(limit, EMBED_MAX_BODY)
+    app = web.Application(middlewares=[_request_id, errors, _draining], client_max_size=limit)
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
 

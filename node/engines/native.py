@@ -161,7 +161,10 @@ class NativeNodeEngine:
         return await self._call(self._engine.call(lambda core: core.pool.cached_hashes()))
 
     async def drain_kv_events(self, snapshot: bool = False) -> KVEventDrain:
-        return await self._call(self._engine.call(lambda core: _drain(core, snapshot)))
+        drained = await self._call(self._engine.call(lambda core: _drain(core, snapshot)))
+        # embedding work waiting counts as prompt tokens queued (the coordinator balances on it)
+        drained.queued_prefill_tokens += self._engine.queued_embed_tokens
+        return drained
 
     def stats(self) -> dict[str, float]:
         return self._engine.stats()

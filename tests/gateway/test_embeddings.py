@@ -40,7 +40,8 @@ pytestmark = pytest.mark.smollm2
 EMBED, GEN = "smol-embed", "smol"
 PRICE = 0.5  # USD per million prompt tokens
 MAX_LEN = 512
-EMBED_ARGS = ("--task", "embed", "--dtype", "float32", "--kv-blocks", "64", "--max-model-len", str(MAX_LEN))
+#: 256 blocks: 2,048 one-token inputs (a block each) run in 8 forwards of 256
+EMBED_ARGS = ("--task", "embed", "--dtype", "float32", "--kv-blocks", "256", "--max-model-len", str(MAX_LEN))
 GEN_ARGS = ("--dtype", "float32", "--kv-blocks", "128", "--max-model-len", "1024")
 
 
@@ -138,6 +139,15 @@ def test_usage_record_and_billing(cluster: Cluster) -> None:
                          "FROM usage WHERE request_id = ?", (rid,)).fetchone()  # fmt: skip
     assert row[:7] == ("embedding", "ok", EMBED, 2 * n, 0, pytest.approx(2 * n * PRICE / 1e6), "bob")
     assert "embed-0" in row[7]
+
+
+def test_2048_items_in_one_request(cluster: Cluster) -> None:
+    words = ["alpha", "beta", "gamma", "delta"]
+    r = cluster.client().embeddings.create(model=EMBED, input=[words[i % 4] for i in range(2048)])
+    assert len(r.data) == 2048 and [d.index for d in r.data] == list(range(2048))
+    assert r.data[0].embedding == r.data[4].embedding != r.data[1].embedding
+    tok = Tokenizer(cluster.model_dir)
+    assert r.usage.prompt_tokens == 512 * sum(len(tok.encode(w)) for w in words)
 
 
 def test_concurrent_requests_are_each_answered_right(cluster: Cluster) -> None:
