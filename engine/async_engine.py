@@ -76,6 +76,12 @@ class _EmbedJob:
     dimensions: int | None
     fut: asyncio.Future[list[bytes]]
     loop: asyncio.AbstractEventLoop
+    #: called on the engine thread with the job's tokens when it is answered
+    done: Callable[[int], None]
+
+    @property
+    def tokens(self) -> int:
+        return sum(map(len, self.prompts))
 
 
 class AsyncEngine:
@@ -297,7 +303,7 @@ class AsyncEngine:
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
         self._embed_tokens_in += sum(map(len, prompts))
-        self._embed_jobs.append(_EmbedJob(prompts, pooling, dimensions, fut, loop))
+        self._embed_jobs.append(_EmbedJob(prompts, pooling, dimensions, fut, loop, self._embed_answered))
         self._commands.put(self._run_embeds)
         return await fut
 
@@ -310,12 +316,14 @@ class AsyncEngine:
             jobs.append(self._embed_jobs.popleft())
         groups: dict[tuple[Pooling, int | None], list[_EmbedJob]] = {}
         for j in jobs:
-            if not j.fut.cancelled():
+            if j.fut.cancelled():
+                self._embed_tokens_out += j.tokens
+            else:
                 groups.setdefault((j.pooling, j.dimensions), []).append(j)
-        try:
-            self._embed_groups(groups)
-        finally:
-            self._embed_tokens_out += sum(len(p) for j in jobs for p in j.prompts)
+        self._embed_groups(groups)
+
+    def _embed_answered(self, tokens: int) -> None:
+        self._embed_tokens_out += tokens  # engine thread only
 
     @property
     def queued_embed_tokens(self) -> int:
@@ -352,6 +360,7 @@ class AsyncEngine:
 
 def _answer(job: _EmbedJob, result: Any) -> None:
     """From the engine thread: a job's rows (as float32 bytes) or its exception, to its loop."""
+    job.done(job.tokens)  # before the caller can see it: no longer queued
     if isinstance(result, BaseException):
         job.loop.call_soon_threadsafe(_set_exception, job.fut, result)
     else:
