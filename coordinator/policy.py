@@ -13,6 +13,9 @@ pending) and its KV use.
     P is saturated (`prefill_saturation_tokens` queued) while D is not;
   * otherwise disaggregated with the cheapest compatible P (same model and KV layout hash).
   The D whose plan costs least wins; ties go to the lower node id (stable, testable).
+- Tasks: a request goes only to nodes of its task (NodeInfo.task): an embedding request to the
+  embed node with the fewest queued prompt tokens (no P/D plan, `prefill: null`), a generation
+  request never to an embed node.
 - Tiers: a request uses its tier's pool ("interactive" | "batch") when that pool has a usable
   node of the role, else the "shared" pool; D and P fall back independently.
 """
@@ -26,7 +29,7 @@ from typing import NamedTuple
 
 from coordinator.index import PrefixIndex
 from coordinator.nodes import NodeView, PendingTotals
-from protocol.cluster import NodeStatus, kv_layouts_match
+from protocol.cluster import NodeStatus, NodeTask, kv_layouts_match
 from protocol.openai import APIError
 from protocol.route import RouteRequest, RouteResponse, RouteTarget
 
@@ -70,6 +73,8 @@ class RouteOutcome(enum.StrEnum):
     LOCAL_NO_PREFILL = "local_no_prefill"
     LOCAL_PREFILL_IS_D = "local_prefill_is_d"
     LOCAL_P_SATURATED = "local_p_saturated"
+    #: an embedding request, on the least loaded embed node (`decode` names it)
+    EMBED = "embed"
 
 
 @dataclass
@@ -171,6 +176,8 @@ class Router:
         validate(req)
         usable = self._usable(req, nodes, now)
         pools = _pools(req.tier)
+        if req.task == NodeTask.EMBED:
+            return self._embed(req, usable, pools, now)
         r = self._facts(req, usable, index, now)
         ds = self._admitted(r, usable, pools)
         ps_all = _by_pool([n for n in usable if n.info.role in ("prefill", "both")], pools)
@@ -190,14 +197,16 @@ class Router:
         """One pass over the cluster: what serves the model, fits the request, and is usable;
         the refusal that says why when nothing is."""
         excluded = set(req.exclude) if req.exclude else ()
-        need_len = req.num_prompt_tokens + req.max_tokens
+        task = req.task
+        # an embedding item needs no room for a generated token
+        need_len = req.num_prompt_tokens + (req.max_tokens if task == NodeTask.GENERATE else 0)
         stale, model = self.config.stale_load_s, req.model
         n_serving, bs, longest = 0, 1 << 30, 0
         fits = 0
         usable: list[NodeView] = []
         for n in nodes:
             info = n.info
-            if info.model != model:
+            if info.model != model or info.task != task:  # never one task's work on the other's node
                 continue
             n_serving += 1
             bs = min(bs, info.block_size)
@@ -208,11 +217,15 @@ class Router:
             if info.status == NodeStatus.ACTIVE and n.node_id not in excluded and n.ready(now, stale):
                 usable.append(n)
         if not n_serving:
-            raise APIError(404, f"no node serves model {req.model!r}", type_="invalid_request_error",
+            what = "embeddings of model" if task == NodeTask.EMBED else "model"
+            raise APIError(404, f"no node serves {what} {req.model!r}", type_="invalid_request_error",
                            param="model", code="model_not_found")  # fmt: skip
         if len(req.block_hashes) * bs > req.num_prompt_tokens:
             raise APIError(400, f"{len(req.block_hashes)} block hashes of {bs} tokens do not fit in a prompt "
                            f"of {req.num_prompt_tokens} tokens (hash full blocks only)", param="block_hashes")  # fmt: skip
+        if not fits and task == NodeTask.EMBED:
+            raise APIError(400, f"an input of {req.num_prompt_tokens} tokens exceeds the context of every embed node "
+                           f"serving {req.model!r} ({longest})", param="input", code="context_length_exceeded")  # fmt: skip
         if not fits:
             raise APIError(400, f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) "
                            f"exceeds the context of every node serving {req.model!r} ({longest})",
@@ -222,6 +235,18 @@ class Router:
                            f"({fits} registered, none active, reachable and not excluded)",
                            type_="service_unavailable", code="no_capacity", retry_after_s=1)  # fmt: skip
         return usable
+
+    def _embed(self, req: RouteRequest, usable: list[NodeView], pools: list[str], now: float) -> Decision:
+        """An embedding request: the embed node of the first pool with any whose queued prompt
+        tokens (its load's plus pending decisions') are fewest; ties to the lower node id."""
+        n_prompt = req.num_prompt_tokens
+        ranked = sorted((self._prefill_cost(n, n_prompt, n.pending_totals(now, self.config.pending_max_age_s)),
+                         n.node_id, n) for n in _by_pool(usable, pools))  # fmt: skip
+        cost, node_id, n = ranked[0]
+        target = RouteTarget(node_id=node_id, url=n.info.url)
+        reason = f"{RouteOutcome.EMBED}: {node_id} (pool {n.info.pool}) cost {cost:.0f} among {len(ranked)} embed node(s)"
+        return Decision(response=RouteResponse(prefill=None, decode=target, reason=reason), outcome=RouteOutcome.EMBED,
+                        pending={node_id: (0, n_prompt, 0)})  # fmt: skip
 
     def _facts(self, req: RouteRequest, usable: list[NodeView], index: PrefixIndex, now: float) -> _Facts:
         matches = index.match(req.block_hashes, [n.node_id for n in usable])

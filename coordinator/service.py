@@ -210,5 +210,5 @@ class Coordinator:
             ),
             pending=PendingReport(seqs=p.seqs, prefill_tokens=p.prefill_tokens, blocks=p.blocks),
             indexed_blocks=self.index.node_block_count(v.node_id),
-            event_seq=v.seq, resyncs=v.resyncs, event_lag_s=round(v.last_event_lag_s, 4),
+            event_seq=v.seq, resyncs=v.resyncs, event_lag_s=round(v.last_event_lag_s, 4), task=v.info.task,
         )  # fmt: skip

@@ -37,6 +37,13 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
     g.add_argument("--advertise-host", default=None, help="address peers use to reach this node")
     g.add_argument("--node-id", default=None, help="stable id (default: ROLE-HOSTNAME-PORT)")
     g.add_argument("--log-level", default="INFO")
+    g.add_argument("--task", choices=["generate", "embed"], default="generate",
+                   help="generate: the P/D legs of text generation; embed: POST /v1/embeddings only (prefill-only "
+                        "forwards, pooled and L2-normalized vectors, batched across requests), registered so "
+                        "that routers send it embedding work only (`duet node --task embed`; see docs/embeddings.md)")  # fmt: skip
+    g.add_argument("--pooling", choices=["last", "mean"], default="last",
+                   help="--task embed: the last token's final hidden state (Qwen3-Embedding and other decoder "
+                        "embedders) or the mean over the prompt's tokens")  # fmt: skip
     e = p.add_argument_group("engine")
     e.add_argument("--kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-memory)")
     e.add_argument("--kv-memory", default="1GiB", help="KV pool size in bytes, e.g. 512MiB")
@@ -111,6 +118,10 @@ def node_config(args: argparse.Namespace, role: str):
     if args.etcd:
         parse_etcd_url(args.etcd)  # a typo is a usage error now, not a registration retry loop
     apply_etcd_args(args)
+    if args.task == "embed" and args.engine != "native":
+        raise ValueError("--task embed needs --engine native (the vllm adapter serves generation only)")
+    if args.task != "embed" and args.pooling != "last":
+        raise ValueError("--pooling applies only with --task embed")
 
     if args.engine == "vllm":
         engine = vllm_engine_config(args, role)
@@ -126,6 +137,7 @@ def node_config(args: argparse.Namespace, role: str):
         engine_kind=args.engine, reserve_timeout=args.reserve_timeout, allowed_peers=args.allowed_peers,
         etcd=args.etcd, cluster=args.cluster, pool=args.pool, exit_when_drained=args.exit_when_drained,
         security=plane_security(args),
+        task=args.task, pooling=args.pooling,
     )  # fmt: skip
 
 
@@ -176,9 +188,14 @@ def vllm_engine_config(args: argparse.Namespace, role: str):
     )  # fmt: skip
 
 
-def role_registrations(role: str, engine_kind: str = "native") -> list:
+def role_registrations(role: str, engine_kind: str = "native", task: str = "generate") -> list:
     """The composition root's choice of roles: what `register(roles)` each node role runs. An
-    engine that moves KV itself (vllm) gets the pass-through legs of node.engines.vllm_legs."""
+    engine that moves KV itself (vllm) gets the pass-through legs of node.engines.vllm_legs; an
+    embedding node (`--task embed`) gets node.embed instead of the P/D legs."""
+    if task == "embed":
+        from node import embed
+
+        return [embed.register]
     if engine_kind == "vllm":
         from node.engines import vllm_legs
 
@@ -203,6 +220,6 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(str(e)) from None
     try:
-        return run_node(cfg, role_registrations(role, cfg.engine_kind))
+        return run_node(cfg, role_registrations(role, cfg.engine_kind, cfg.task))
     except ValueError as e:  # engine sizing errors: pool too small, bad dtype...
         raise UsageError(str(e)) from None

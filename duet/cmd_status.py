@@ -139,7 +139,8 @@ def render(info: dict[str, Any]) -> None:
               "queued prefill", "cached blocks", "url")  # fmt: skip
     for n in cl["nodes"]:
         ld = n.get("load") or {}
-        t.add_row(n["node_id"], n["role"], n["pool"], n["status"], "yes" if n["ready"] else "[red]no[/]",
+        role = "embed" if n.get("task") == "embed" else n["role"]  # an embed node's role is "both"
+        t.add_row(n["node_id"], role, n["pool"], n["status"], "yes" if n["ready"] else "[red]no[/]",
                   str(ld.get("waiting", "-")), str(ld.get("running", "-")), _pct(ld.get("kv_cache_usage_perc")),
                   f"{ld.get('kv_blocks_free', '-')}/{ld.get('kv_blocks_total', '-')}",
                   str(ld.get("queued_prefill_tokens", "-")), str(n["indexed_blocks"]), n["url"])  # fmt: skip
@@ -157,7 +158,8 @@ def _render_registered(con: Any, reg: dict[str, Any] | None, error: str | None) 
     con.print(f"[bold]registered in etcd[/]: coordinators {', '.join(reg['coordinators']) or 'none'}")
     t = Table("node", "role", "model", "pool", "status", "url")
     for n in reg["nodes"]:
-        t.add_row(n["node_id"], n["role"], n["model"], n["pool"], n["status"], n["url"])
+        t.add_row(n["node_id"], "embed" if n.get("task") == "embed" else n["role"], n["model"], n["pool"], n["status"],
+                  n["url"])  # fmt: skip
     con.print(t)
 
 

@@ -58,6 +58,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     lay.add_argument("--colocated", type=int, nargs="?", const=1, default=None, metavar="N",
                      help="N nodes that prefill and decode themselves (no disaggregation)")
     lay.add_argument("--pd", action="store_true", help=argparse.SUPPRESS)  # before the gateway: P+D
+    lay.add_argument("--embed", default=None, metavar="MODEL",
+                     help="also start an embedding node (`duet node --task embed`, pooling last) for MODEL, served "
+                          "on POST /v1/embeddings as MODEL's name (NAME-embed when the generation nodes serve "
+                          "the same model); see docs/embeddings.md")  # fmt: skip
     n = p.add_argument_group("every node")
     n.add_argument("--threads", type=int, default=None, help="torch threads per node (default: its CPU share)")
     n.add_argument("--kv-memory", default="1GiB", help="KV pool per node (default 1GiB)")
@@ -101,6 +105,7 @@ def build_config(args: argparse.Namespace):  # -> UpConfig
     from duet.cli import UsageError
     from duet.up_config import (
         GatewaySection,
+        NodeGroup,
         UpConfig,
         UpConfigError,
         layout_from_flags,
@@ -120,6 +125,8 @@ def build_config(args: argparse.Namespace):  # -> UpConfig
             cfg = load_cluster_toml(args.config, base)
         else:
             cfg = replace(base, nodes=layout_from_flags(args.prefill, args.decode, args.colocated))
+        if args.embed:
+            cfg = replace(cfg, nodes=(*cfg.nodes, NodeGroup(role="embed", model=args.embed)))
         restart = cfg.restart
         if args.max_restarts is not None:
             restart = replace(restart, max_restarts=args.max_restarts)
@@ -175,13 +182,28 @@ def gateway_toml(cfg, store_url: str, admin_sha256: str, coordinators: list[str]
              "[routing]", f"coordinator = {_toml([] if static else coordinators)}", f"cluster = {_toml(cfg.cluster)}"]  # fmt: skip
     if etcd and not static:
         lines.append(f"etcd = {_toml(etcd)}")
+    generation = set(cfg.generation_models())
     for model, name in served.items():
+        if model not in generation:
+            continue
         lines += [f"[models.{json.dumps(name)}]", 'kind = "cluster"', f"tokenizer = {_toml(model)}",
                   f"input_usd_per_mtok = {gw.input_usd_per_mtok!r}", f"output_usd_per_mtok = {gw.output_usd_per_mtok!r}"]  # fmt: skip
         if static:
             urls = {r: [u for m, role, u in nodes if m == model and role == r] for r in ("prefill", "decode", "both")}
             lines.append("static = { " + ", ".join(f"{r} = {_toml(u)}" for r, u in urls.items() if u) + " }")
+    for model in cfg.embedding_models():
+        lines += [f"[models.{json.dumps(embedding_name(cfg, served, model))}]", 'kind = "embedding"',
+                  f"tokenizer = {_toml(model)}", f"served_name = {_toml(served[model])}",
+                  f"input_usd_per_mtok = {gw.input_usd_per_mtok!r}"]  # fmt: skip
+        if static:
+            lines.append(f"static = {{ both = {_toml([u for m, role, u in nodes if m == model and role == 'embed'])} }}")
     return "\n".join(lines) + "\n"
+
+
+def embedding_name(cfg, served: dict[str, str], model: str) -> str:
+    """The gateway's name of an embedding model: the model's own, or NAME-embed when generation
+    nodes serve the same model under that name."""
+    return served[model] + ("-embed" if model in cfg.generation_models() else "")
 
 
 def _node_children(cfg, home, etcd_url: str, log, autoscale: int = 0):  # -> list[(Child, (model, role))]
@@ -212,7 +234,9 @@ def node_child(cfg, home, etcd_url: str, g, name: str, threads: int, pinned: str
     from duet.supervisor import Child
 
     port = free_port()
-    args = [sys.executable, "-m", "duet", "node", "--role", g.role, "--model", g.model or cfg.model,
+    # an embedding node has no P/D role: `--task embed` (node/embed.py)
+    role = ["both", "--task", "embed", "--pooling", g.pooling] if g.role == "embed" else [g.role]
+    args = [sys.executable, "-m", "duet", "node", "--role", *role, "--model", g.model or cfg.model,
             "--host", "127.0.0.1", "--port", str(port), "--node-id", name, "--etcd", etcd_url,
             "--cluster", cfg.cluster, "--pool", g.pool, "--dtype", cfg.dtype, "--transport", cfg.transport,
             "--threads", str(threads)]  # fmt: skip

@@ -38,6 +38,11 @@ cluster.toml (every section optional; unknown keys are refused, so a typo never 
     [[nodes]]
     role = "decode"
 
+    [[nodes]]
+    role = "embed"                      # `duet node --task embed`: POST /v1/embeddings only
+    model = "smollm2-135m-instruct"     # served as its own name, or NAME-embed when generation
+    pooling = "last"                    # nodes serve the same model; last | mean
+
 Invariant: an `UpConfig` is valid once built — every group has a known role and count >= 1,
 at least one node can decode for every model, and the gateway port is a real port.
 """
@@ -54,7 +59,10 @@ from duet.supervisor import RestartPolicy
 from protocol.models import DEFAULT_MODEL
 from protocol.tables import from_table
 
-ROLES = ("prefill", "decode", "both")
+#: "embed": a node of `--task embed` (its node role is `both`), served as a kind = "embedding"
+#: model by the gateway
+ROLES = ("prefill", "decode", "both", "embed")
+POOLINGS = ("last", "mean")
 POOLS = ("shared", "interactive", "batch")
 
 
@@ -73,6 +81,8 @@ class NodeGroup:
     kv_memory: str | None = None
     kv_blocks: int | None = None
     args: tuple[str, ...] = ()
+    #: embed groups: last | mean (`duet node --pooling`)
+    pooling: str = "last"
 
 
 @dataclass(frozen=True)
@@ -111,8 +121,14 @@ class UpConfig:
     def models(self) -> list[str]:
         return sorted({g.model or self.model for g in self.nodes})
 
+    def generation_models(self) -> list[str]:
+        return sorted({g.model or self.model for g in self.nodes if g.role != "embed"})
+
+    def embedding_models(self) -> list[str]:
+        return sorted({g.model or self.model for g in self.nodes if g.role == "embed"})
+
     def describe(self) -> str:
-        label = {"prefill": "prefill", "decode": "decode", "both": "colocated"}
+        label = {"prefill": "prefill", "decode": "decode", "both": "colocated", "embed": "embedding"}
         return ", ".join(f"{g.count} {label[g.role]}" + (f" ({g.model})" if g.model else "") for g in self.nodes)
 
 
@@ -181,7 +197,9 @@ def validate(cfg: UpConfig) -> UpConfig:
             raise UpConfigError(f"node pool must be one of {', '.join(POOLS)}, got {g.pool!r}")
         if g.threads is not None and g.threads < 1:
             raise UpConfigError("threads must be >= 1")
-    for model in cfg.models():
+        if g.pooling not in POOLINGS or (g.pooling != "last" and g.role != "embed"):
+            raise UpConfigError(f"pooling is last or mean, and only for role = \"embed\" groups; got {g.pooling!r}")
+    for model in cfg.generation_models():
         if not any(g.role in ("decode", "both") and (g.model or cfg.model) == model for g in cfg.nodes):
             raise UpConfigError(f"model {model!r} has no decode or colocated node: nothing would answer it")
     if not 1 <= cfg.gateway.port <= 65535:

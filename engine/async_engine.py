@@ -22,12 +22,14 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.embed import Pooling
 from engine.holds import Claim
 from engine.outputs import RequestOutput
 from engine.request import Priority, Request
@@ -67,6 +69,21 @@ class RequestStream:
             yield item
 
 
+@dataclass
+class _EmbedJob:
+    prompts: list[list[int]]
+    pooling: Pooling
+    dimensions: int | None
+    fut: asyncio.Future[list[bytes]]
+    loop: asyncio.AbstractEventLoop
+    #: called on the engine thread with the job's tokens when it is answered
+    done: Callable[[int], None]
+
+    @property
+    def tokens(self) -> int:
+        return sum(map(len, self.prompts))
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
         self.core = core or EngineCore(config)
@@ -75,6 +92,12 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}
         #: futures of submitted commands not yet answered (failed if the engine dies first)
         self._pending: set[asyncio.Future[Any]] = set()
+        #: embedding jobs not yet run (appended on the loop, taken on the engine thread)
+        self._embed_jobs: deque[_EmbedJob] = deque()
+        #: prompt tokens of embedding jobs submitted (written on the loop) and answered (written
+        #: on the engine thread): one writer each, so their difference is safe to read anywhere
+        self._embed_tokens_in = 0
+        self._embed_tokens_out = 0
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.dead: BaseException | None = None
@@ -282,6 +305,63 @@ class AsyncEngine:
     async def release_quarantine(self, request_id: str) -> int:
         return await self._submit(lambda: self.core.release_quarantine(request_id))
 
+    async def embed(self, prompts: list[list[int]], pooling: Pooling, dimensions: int | None = None) -> list[bytes]:
+        """Embeddings of token-id prompts (EngineCore.embed): each vector's float32 bytes, in
+        order. Batched across callers: every job queued while a forward runs goes into the
+        next forwards together (`_run_embeds`); a job that fails fails alone."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine failed: {self.dead!r}")
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[list[bytes]] = loop.create_future()
+        self._pending.add(fut)
+        fut.add_done_callback(self._pending.discard)
+        self._embed_tokens_in += sum(map(len, prompts))
+        self._embed_jobs.append(_EmbedJob(prompts, pooling, dimensions, fut, loop, self._embed_answered))
+        self._commands.put(self._run_embeds)
+        return await fut
+
+    def _run_embeds(self) -> None:
+        """On the engine thread: every queued embedding job, jobs of one (pooling, dimensions)
+        in one call (their prompts packed into shared forwards). The first of the commands
+        queued for them runs them all; the others find nothing left."""
+        jobs: list[_EmbedJob] = []
+        while self._embed_jobs:
+            jobs.append(self._embed_jobs.popleft())
+        groups: dict[tuple[Pooling, int | None], list[_EmbedJob]] = {}
+        for j in jobs:
+            if j.fut.cancelled():
+                self._embed_tokens_out += j.tokens
+            else:
+                groups.setdefault((j.pooling, j.dimensions), []).append(j)
+        self._embed_groups(groups)
+
+    def _embed_answered(self, tokens: int) -> None:
+        self._embed_tokens_out += tokens  # engine thread only
+
+    @property
+    def queued_embed_tokens(self) -> int:
+        """Prompt tokens of embedding jobs submitted and not yet answered (load reports)."""
+        return max(0, self._embed_tokens_in - self._embed_tokens_out)
+
+    def _embed_groups(self, groups: dict[tuple[Pooling, int | None], list[_EmbedJob]]) -> None:
+        for (pooling, dims), group in groups.items():
+            try:
+                vecs = self.core.embed([p for j in group for p in j.prompts], pooling, dims)
+            except Exception as e:
+                if len(group) == 1:
+                    _answer(group[0], e)
+                    continue
+                for j in group:  # after a failure only: each job on its own, so the culprit fails alone
+                    try:
+                        _answer(j, self.core.embed(j.prompts, pooling, dims))
+                    except Exception as e1:
+                        _answer(j, e1)
+                continue
+            at = 0
+            for j in group:
+                _answer(j, vecs[at : at + len(j.prompts)])
+                at += len(j.prompts)
+
     async def call(self, fn: Callable[[EngineCore], T]) -> T:
         """Run an arbitrary read or command against the core on the engine thread."""
         return await self._submit(lambda: fn(self.core))
@@ -289,6 +369,15 @@ class AsyncEngine:
     def stats(self) -> dict[str, float]:
         """The counters as of the last step (cheap, lock-free snapshot)."""
         return self._stats
+
+
+def _answer(job: _EmbedJob, result: Any) -> None:
+    """From the engine thread: a job's rows (as float32 bytes) or its exception, to its loop."""
+    job.done(job.tokens)  # before the caller can see it: no longer queued
+    if isinstance(result, BaseException):
+        job.loop.call_soon_threadsafe(_set_exception, job.fut, result)
+    else:
+        job.loop.call_soon_threadsafe(_set_result, job.fut, [r.numpy().tobytes() for r in result])
 
 
 def _noop() -> None:

@@ -23,6 +23,7 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig, parse_size
 from engine.convert import ensure_converted
 from engine.cpu import cpu_flags
+from engine.embed import EmbedCapacityError, Embedder, Pooling, finish
 from engine.guided import GuidedDecoding, GuideError
 from engine.kv_manager import KVCacheManager
 from engine.logits_process import penalize
@@ -127,6 +128,7 @@ class EngineCore:
                                          self.sampler)  # fmt: skip
             self.scheduler.drafter = self.speculator.draft
             self.scheduler.spec_max_batch = config.spec_max_batch
+        self.embedder = Embedder(self.runner, self.pool, config.max_num_batched_tokens)
         self.counters = EngineCounters()
         self.progressed = False  # whether the last step changed anything
         self._text: dict[str, TextState] = {}
@@ -209,6 +211,31 @@ class EngineCore:
         if min(ids) < 0 or max(ids) >= vocab:
             bad = next(t for t in ids if not 0 <= t < vocab)
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def embed(self, prompts: list[list[int]], pooling: Pooling, dimensions: int | None = None) -> torch.Tensor:
+        """[B, d] fp32 L2-normalized embeddings of token-id prompts (engine/embed.py); d is
+        `dimensions` or the hidden size. RequestError for a prompt the model cannot take, or for
+        a `dimensions` outside 1..hidden size; EngineOverloaded when generation holds the pool."""
+        size = self.model_config.hidden_size
+        if dimensions is not None and not 1 <= dimensions <= size:
+            raise RequestError(f"dimensions must be between 1 and {size} (this model's embedding size), "
+                               f"got {dimensions}")  # fmt: skip
+        vocab = self.model_config.vocab_size
+        for i, ids in enumerate(prompts):
+            if not ids:
+                raise RequestError(f"input {i} is empty")
+            if len(ids) > self.max_model_len:
+                raise RequestError(f"input {i} is {len(ids)} tokens, but this model's context is "
+                                   f"{self.max_model_len} tokens")  # fmt: skip
+            if min(ids) < 0 or max(ids) >= vocab:
+                bad = next(t for t in ids if not 0 <= t < vocab)
+                raise RequestError(f"input {i}: token id {bad} is outside the vocabulary [0, {vocab})")
+        try:
+            pooled = self.embedder.embed(prompts, pooling)
+        except EmbedCapacityError as e:
+            raise EngineOverloaded(str(e)) from None
+        self.counters.prompt_tokens_computed += sum(map(len, prompts))
+        return finish(pooled, dimensions)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.requests)

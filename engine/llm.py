@@ -10,6 +10,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
+from engine.embed import Pooling
 from engine.request import Priority
 from engine.sampling_params import SamplingParams
 from protocol.logprobs import TokenLogprob
@@ -81,3 +82,13 @@ class LLM:
                     r.num_cached_tokens = o.num_cached_tokens
                     pending.discard(o.request_id)
         return [results[rid] for rid in order]
+
+    def embed(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], pooling: str = "last",
+              dimensions: int | None = None) -> list[list[float]]:  # fmt: skip
+        """L2-normalized embeddings of `prompts` (strings or token-id lists; engine/embed.py), in
+        input order: `pooling` "last" (the last token's final hidden state) or "mean"."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        tok = self.engine.tokenizer
+        ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[union-attr]
+        return self.engine.embed(ids, Pooling(pooling), dimensions).tolist()

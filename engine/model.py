@@ -41,6 +41,8 @@ class Layer:
     post_norm: torch.Tensor
     gate_up: Linear | QLinear
     down: Linear | QLinear
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 class LlamaModel:
@@ -56,7 +58,7 @@ class LlamaModel:
         a8 = act_int8  # W8A8 linears (engine/qlinear.py); the lm_head stays weight-only
         self.layers = [
             Layer(lw.input_norm, make_linear(lw.qkv, lw.qkv_bias, a8), make_linear(lw.o, None, a8), lw.post_norm,
-                  make_linear(lw.gate_up, None, a8), make_linear(lw.down, None, a8))
+                  make_linear(lw.gate_up, None, a8), make_linear(lw.down, None, a8), lw.q_norm, lw.k_norm)
             for lw in weights.layers
         ]
         weights.layers = []  # prepacked copies replace the plain weights
@@ -85,6 +87,16 @@ class LlamaModel:
         h += delta
         return F.rms_norm(h, self.hidden, weight, self.eps)
 
+    def _qk_norm(self, qkv: torch.Tensor, layer: Layer) -> None:
+        """Qwen3: RMSNorm over each head of q and of k, in place in the qkv rows, before the
+        rotary embedding reads them (as transformers: in fp32, the weight applied after)."""
+        t, d = qkv.shape[0], self.cfg.head_dim
+        nq, nk = self.cfg.num_heads * d, self.cfg.num_kv_heads * d
+        for part, w in ((qkv[:, :nq], layer.q_norm), (qkv[:, nq : nq + nk], layer.k_norm)):
+            heads = part.view(t, -1, d)
+            normed = F.rms_norm(heads.float(), (d,), None, self.eps).to(qkv.dtype)
+            heads.copy_(normed * w)
+
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused:
             out = torch.empty((gate_up.shape[0], self.inter), dtype=gate_up.dtype)
@@ -100,6 +112,14 @@ class LlamaModel:
         md: AttentionMetadata,
         sample_idx: torch.Tensor,  # [S] rows of the step whose logits are wanted
     ) -> torch.Tensor:
+        x = self.hidden_states(input_ids, kv_cache, md, sample_idx)
+        return self.lm_head(x)  # fp32 logits in every dtype (engine/logits_head.py)
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
+                      rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        """The final hidden states (after the final norm) of `rows` of the step (None: every
+        token): what the logits head reads, and what embeddings pool (engine/embed.py)."""
         lib = self.kernels
         ptr = 0
         step = None
@@ -116,6 +136,8 @@ class LlamaModel:
         x = self._norm(h, layers[0].input_norm)
         for i, layer in enumerate(layers):
             qkv = layer.qkv(x)
+            if layer.q_norm is not None:
+                self._qk_norm(qkv, layer)
             if lib is not None:
                 lib.rope_store(ptr, i, qkv.data_ptr(), qkv.stride(0))
             else:
@@ -128,5 +150,4 @@ class LlamaModel:
             else:
                 h += down
         del step  # the kernels are done with the step's tensors
-        x = self._norm(h[sample_idx], self.norm)
-        return self.lm_head(x)  # fp32 logits in every dtype (engine/logits_head.py)
+        return self._norm(h if rows is None else h[rows], self.norm)

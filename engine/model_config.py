@@ -1,8 +1,9 @@
 """The model hyper-parameters the engine needs, read from a HF `config.json`.
 
-Supports the Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2): RMSNorm, rotary embeddings
-(default, linear, dynamic-free llama3 scaling), SwiGLU MLP, grouped-query attention, optional
-q/k/v bias (Qwen2) and tied embeddings.
+Supports the Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2): RMSNorm, rotary
+embeddings (default, linear, dynamic-free llama3 scaling), SwiGLU MLP, grouped-query attention,
+optional q/k/v bias (Qwen2), per-head q/k RMSNorm before the rotary embedding (Qwen3, whose
+Qwen3-Embedding models duet serves with `--task embed`) and tied embeddings.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED = {"llama", "mistral", "qwen2"}
+SUPPORTED = {"llama", "mistral", "qwen2", "qwen3"}
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class ModelConfig:
     tie_word_embeddings: bool
     sliding_window: int | None
     torch_dtype: str
+    #: Qwen3: RMSNorm over each head of q and k (weights [head_dim]) before the rotary embedding
+    qk_norm: bool = False
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -67,4 +70,5 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             sliding_window=window,
             torch_dtype=cfg.get("dtype") or cfg.get("torch_dtype") or "float32",
+            qk_norm=model_type == "qwen3",
         )

@@ -37,6 +37,9 @@ class LayerWeights:
     post_norm: torch.Tensor
     gate_up: Matrix
     down: Matrix
+    #: Qwen3's per-head q/k norms ([head_dim]); None for the rest of the family
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -87,9 +90,12 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
             scheme = "int8"
         return quantize(w, scheme).to(device)
 
+    # A base-model checkpoint (Qwen3-Embedding saved as Qwen3Model) names its weights without
+    # the causal LM's "model." prefix, and has no lm_head (tied to the embedding below).
+    root = "" if "model.embed_tokens.weight" not in raw and "embed_tokens.weight" in raw else "model."
     layers = []
     for i in range(cfg.num_layers):
-        p = f"model.layers.{i}."
+        p = f"{root}layers.{i}."
         bias = None
         if cfg.attention_bias:
             bias = put(torch.cat([take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]))
@@ -102,10 +108,12 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
                 post_norm=put(take(p + "post_attention_layernorm.weight")),
                 gate_up=matrix(p + "gate_up", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 down=matrix(p + "down", [p + "mlp.down_proj.weight"]),
+                q_norm=put(take(p + "self_attn.q_norm.weight")) if cfg.qk_norm else None,
+                k_norm=put(take(p + "self_attn.k_norm.weight")) if cfg.qk_norm else None,
             )
         )
     tied = cfg.tie_word_embeddings or "lm_head.weight" not in raw
-    embed_src = take("model.embed_tokens.weight")
+    embed_src = take(f"{root}embed_tokens.weight")
     embed = put(embed_src)
     lm_head: Matrix
     if quantization is None:
@@ -118,4 +126,4 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
         log.info("weights quantized to %s: %.1f MiB of linear weights, %s in %.1f s", quantization,
                  sum(m.nbytes for m in mats if isinstance(m, QuantizedWeight)) / 2**20,
                  "read from the cache" if cached else "quantized at load", time.monotonic() - t0)  # fmt: skip
-    return ModelWeights(embed=embed, layers=layers, norm=put(take("model.norm.weight")), lm_head=lm_head)
+    return ModelWeights(embed=embed, layers=layers, norm=put(take(f"{root}norm.weight")), lm_head=lm_head)

@@ -22,7 +22,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import admin, anthropic_api, batch_wiring, responses_api, serve
+from gateway import admin, anthropic_api, batch_wiring, embeddings, responses_api, serve
 from gateway.auth import MIN_ADMIN_KEY, authenticate, bearer, is_admin
 from gateway.backend import Backend
 from gateway.choice import ModelChoice
@@ -42,6 +42,7 @@ from gateway.store import open_store
 from gateway.store.base import StoreError
 from gateway.tiers import Admission, Shed
 from gateway.usage_writer import UsageWriter
+from protocol.cluster import NodeTask
 from protocol.cluster_secret import metrics_middleware
 from protocol.http_errors import error_middleware
 from protocol.models import resolve_model
@@ -98,11 +99,15 @@ async def _responses(request: web.Request) -> web.StreamResponse:
     return await responses_api.handle(request.app[STATE], request, request[_RID])
 
 
+async def _embeddings(request: web.Request) -> web.StreamResponse:
+    return await embeddings.handle(request.app[STATE], request, request[_RID])
+
+
 async def _models(request: web.Request) -> web.Response:
     s = request.app[STATE]
     if not is_admin(s, bearer(request)):
         await authenticate(s, request)
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "duet" if m.config.kind == "cluster" else "external",
+    data = [{"id": name, "object": "model", "created": 0, "owned_by": "external" if m.config.kind == "external" else "duet",
              "max_model_len": m.max_model_len, "capability_rank": m.config.capability_rank,
              "tiers": list(m.config.tiers), "fallback": list(m.config.fallback)}
             for name, m in sorted(s.models.items())]  # fmt: skip
@@ -167,6 +172,7 @@ def make_app(config: GatewayConfig) -> web.Application:
     r.add_post("/v1/completions", _completions(Endpoint.COMPLETION))
     r.add_post("/v1/messages", _messages)
     r.add_post("/v1/responses", _responses)
+    r.add_post("/v1/embeddings", _embeddings)
     r.add_get("/v1/models", _models)
     r.add_get("/v1/usage", _bind(admin.usage))
     r.add_get("/health", _health)
@@ -188,11 +194,13 @@ def _max_model_len(m: ModelConfig, directory: Path) -> int:
     return int(cfg.get("max_position_embeddings") or 4096)
 
 
-def _router(s: GatewayState, load: NodeLoad, view: EtcdView | None) -> Router:
+def _router(s: GatewayState, load: NodeLoad, view: EtcdView | None, task: NodeTask = NodeTask.GENERATE) -> Router:
     """Coordinator replicas (configured, plus those registered in etcd) first; the static
-    node lists (configured, else etcd's view) when no replica answers, or when there is none."""
+    node lists (configured, else etcd's view) of the task's nodes when no replica answers, or
+    when there is none."""
     cfg = s.config
-    static = StaticRouter(lambda name: _static_nodes(cfg, name) or (view.pool(name) if view else None), load)
+    static = StaticRouter(lambda name: _static_nodes(cfg, name, task) or (view.pool(name, task) if view else None),
+                          load)  # fmt: skip
     configured = list(cfg.routing.coordinator)
     if not configured and view is None:
         return static
@@ -205,11 +213,19 @@ def _router(s: GatewayState, load: NodeLoad, view: EtcdView | None) -> Router:
     return FailoverRouter(coord, static, lambda reason: s.metrics.route_fallback.labels(reason=reason).inc())
 
 
-def _static_nodes(cfg: GatewayConfig, cluster_name: str) -> StaticNodes | None:
+def _static_nodes(cfg: GatewayConfig, cluster_name: str, task: NodeTask = NodeTask.GENERATE) -> StaticNodes | None:
     for m in cfg.models.values():
-        if m.cluster_name == cluster_name and m.static is not None:
+        if m.cluster_name == cluster_name and m.static is not None and (m.kind == "embedding") == (task == NodeTask.EMBED):
             return m.static
     return None
+
+
+def _embedding_size(directory: Path) -> int | None:
+    """An embedding model's vector size (config.json's hidden_size; None: unknown here, the
+    node checks `dimensions` then)."""
+    f = directory / "config.json"
+    size = json.loads(f.read_text()).get("hidden_size") if f.is_file() else None
+    return int(size) if size else None
 
 
 def _external_backend(m: ModelConfig, s: GatewayState) -> Backend:
@@ -236,11 +252,18 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                        auth=cfg.security.headers)  # fmt: skip
     router = _router(s, load, view)
     cluster = ClusterBackend(nodes, router, load, rc, on_retry=lambda k: s.metrics.retries.labels(kind=k).inc())
+    embed_router = _router(s, load, view, NodeTask.EMBED) if any(m.kind == "embedding" for m in cfg.models.values()) \
+        else None  # fmt: skip
     for name, m in cfg.models.items():
         if m.kind == "cluster":
             assert m.tokenizer is not None
             directory = resolve_model(m.tokenizer).directory
             s.models[name] = ServedModel(m, cluster, Tokenizer(directory), _max_model_len(m, directory))
+        elif m.kind == "embedding":
+            assert m.tokenizer is not None and embed_router is not None
+            directory = resolve_model(m.tokenizer).directory
+            backend = embeddings.EmbeddingBackend(nodes, embed_router, rc, _embedding_size(directory))
+            s.models[name] = ServedModel(m, backend, Tokenizer(directory), _max_model_len(m, directory))
         else:
             s.models[name] = ServedModel(m, _external_backend(m, s), None, m.max_model_len or 1 << 20)
     s.choice = ModelChoice(cfg, s.models)

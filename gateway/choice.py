@@ -66,7 +66,8 @@ class ModelChoice:
         self.auto_catalog: dict[str, ModelEntry] = {}
         if config.auto is not None:
             self.router = AutoRouter(rank_for=config.auto.rank_for)
-            names = config.auto.models or tuple(self.catalog)
+            # embedding models answer no chat: never an auto candidate
+            names = config.auto.models or tuple(n for n, s in models.items() if s.config.kind != "embedding")
             self.auto_catalog = {n: self.catalog[n] for n in names}
 
     def available(self, name: str, endpoint: Endpoint, n: int, needs: frozenset[Feature] = frozenset()) -> bool:

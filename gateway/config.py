@@ -29,6 +29,11 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     tool_parser = "hermes"            # or "llama3_json" (default: from the chat template; docs/tools.md)
     features = ["tools", "structured_outputs", "penalties", "logit_bias"]   # what it serves (default: all)
 
+    [models.embed]                    # POST /v1/embeddings on `duet node --task embed` nodes
+    kind = "embedding"                # (docs/embeddings.md); chat/completions on it get a 400
+    tokenizer = "smollm2-135m-instruct"
+    input_usd_per_mtok = 0.02
+
     [models.gpt-4o-mini]
     kind = "external"
     provider = "openai"               # or "anthropic"
@@ -77,7 +82,9 @@ from protocol.models import duet_home
 from protocol.plane import PlaneSecurity
 from protocol.tables import from_table
 
-ModelKind = Literal["cluster", "external"]
+#: "cluster": generation on duet's nodes; "external": a provider's model; "embedding": served by
+#: duet nodes started with `--task embed`, on `/v1/embeddings` only (gateway/embeddings.py)
+ModelKind = Literal["cluster", "external", "embedding"]
 Tier = Literal["interactive", "batch"]
 AUTO = "auto"
 AUTO_LABELS = ("simple", "medium", "hard")
@@ -311,11 +318,13 @@ def _model(name: str, data: Any) -> ModelConfig:
     m = _build(ModelConfig, f"models.{name}", {**data, "name": name, "provider_options": options})
     if static is not None:
         m = ModelConfig(**{**m.__dict__, "static": _build(StaticNodes, f"models.{name}.static", static)})
-    if m.kind not in ("cluster", "external"):
-        raise ConfigError(f"[models.{name}] kind must be 'cluster' or 'external', got {m.kind!r}")
-    if m.kind == "cluster" and not m.tokenizer:
-        raise ConfigError(f"[models.{name}] a cluster model needs `tokenizer` (registry name or directory)")
-    if m.kind == "cluster" and (m.provider or options):
+    if m.kind not in ("cluster", "external", "embedding"):
+        raise ConfigError(f"[models.{name}] kind must be 'cluster', 'external' or 'embedding', got {m.kind!r}")
+    if m.kind in ("cluster", "embedding") and not m.tokenizer:
+        raise ConfigError(f"[models.{name}] a {m.kind} model needs `tokenizer` (registry name or directory)")
+    if m.kind == "embedding" and (m.fallback or m.output_usd_per_mtok):
+        raise ConfigError(f"[models.{name}] an embedding model has no fallback and no output price")
+    if m.kind in ("cluster", "embedding") and (m.provider or options):
         raise ConfigError(f"[models.{name}] provider settings ({', '.join(['provider', *options])}) are for "
                           "kind = \"external\" models")  # fmt: skip
     for k in ("input_usd_per_mtok", "output_usd_per_mtok", "cached_input_usd_per_mtok"):
@@ -379,14 +388,19 @@ def _names(section: str, key: str, value: Any, models: dict[str, ModelConfig]) -
 
 
 def _check_routing(cfg: GatewayConfig) -> None:
+    embedding = {n for n, m in cfg.models.items() if m.kind == "embedding"}
     for m in cfg.models.values():
         if m.kind == "external":
             _check_provider(m)
         chain = _names(f"models.{m.name}", "fallback", m.fallback, cfg.models)
         if m.name in chain:
             raise ConfigError(f"[models.{m.name}] fallback names the model itself")
+        if embedding & set(chain):
+            raise ConfigError(f"[models.{m.name}] fallback names an embedding model: {', '.join(sorted(embedding & set(chain)))}")
     if cfg.auto is not None:
         _names("auto", "models", cfg.auto.models, cfg.models)
+        if embedding & set(cfg.auto.models):
+            raise ConfigError(f"[auto] models names an embedding model: {', '.join(sorted(embedding & set(cfg.auto.models)))}")
         if set(cfg.auto.rank_for) != set(AUTO_LABELS) or not all(
                 isinstance(v, int) and v >= 1 for v in cfg.auto.rank_for.values()):  # fmt: skip
             raise ConfigError(f"[auto] rank_for must give a rank >= 1 to each of {', '.join(AUTO_LABELS)}")

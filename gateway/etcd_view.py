@@ -20,18 +20,19 @@ from coordinator.cluster_view import ClusterSnapshot, ClusterView
 from coordinator.etcd_store import EtcdStore
 from coordinator.store import Store
 from gateway.config import StaticNodes
-from protocol.cluster import NodeInfo, NodeStatus
+from protocol.cluster import NodeInfo, NodeStatus, NodeTask
 
 log = logging.getLogger("duet.gateway.etcd")
 
 
-def pools_from(infos: Iterable[NodeInfo]) -> dict[str, StaticNodes]:
-    """Model → its active nodes by role, with each node's KV layout hash, so the static router
-    pairs P and D by the coordinator's rule (protocol.cluster.kv_layouts_match)."""
+def pools_from(infos: Iterable[NodeInfo], task: NodeTask = NodeTask.GENERATE) -> dict[str, StaticNodes]:
+    """Model → its active nodes of `task` by role, with each node's KV layout hash, so the static
+    router pairs P and D by the coordinator's rule (protocol.cluster.kv_layouts_match). Embed
+    nodes register as `both`: a pool of them is routed as colocated nodes."""
     pools: dict[str, dict[str, list[str]]] = {}
     layouts: dict[str, dict[str, str]] = {}
     for info in infos:
-        if info.status != NodeStatus.ACTIVE:
+        if info.status != NodeStatus.ACTIVE or info.task != task:
             continue
         pools.setdefault(info.model, {"prefill": [], "decode": [], "both": []})[info.role].append(info.url)
         layouts.setdefault(info.model, {})[info.url] = info.kv_layout_hash
@@ -49,14 +50,17 @@ class EtcdView:
         self.interval_s = interval_s
         self.coordinators: list[str] = []
         self.nodes: dict[str, StaticNodes] = {}
+        #: the `--task embed` nodes, by model (never in `nodes`)
+        self.embed_nodes: dict[str, StaticNodes] = {}
         self.loaded = asyncio.Event()
 
-    def pool(self, model: str) -> StaticNodes | None:
-        return self.nodes.get(model)
+    def pool(self, model: str, task: NodeTask = NodeTask.GENERATE) -> StaticNodes | None:
+        return (self.nodes if task == NodeTask.GENERATE else self.embed_nodes).get(model)
 
     def apply(self, snap: ClusterSnapshot) -> None:
         self.coordinators = snap.coordinators
         self.nodes = pools_from(snap.nodes)
+        self.embed_nodes = pools_from(snap.nodes, NodeTask.EMBED)
         self.loaded.set()
 
     async def refresh(self) -> None:

@@ -22,6 +22,7 @@ import msgspec
 
 from gateway.loop_lag import LoopLag
 from gateway.tiers import Shed
+from protocol.embeddings import NodeEmbeddingRequest, NodeEmbeddingResponse
 from protocol.node_api import (
     AbortRequest,
     NodeCompletion,
@@ -60,6 +61,7 @@ class NodeFailure(Exception):
 
 _CHUNK = msgspec.json.Decoder(NodeCompletionChunk)
 _WHOLE = msgspec.json.Decoder(NodeCompletion)
+_EMBEDDED = msgspec.json.Decoder(NodeEmbeddingResponse)
 #: how long a node may take to end a body after its `[DONE]` before its connection is closed
 DRAIN_TIMEOUT_S = 5.0
 #: a connect timeout is this process's own when its loop stood still this share of it or more
@@ -214,6 +216,24 @@ class NodeClient:
         for task in list(self._draining):
             task.cancel()
         await asyncio.gather(*self._draining, return_exceptions=True)
+
+    async def embed(self, url: str, request_id: str, body: NodeEmbeddingRequest) -> NodeEmbeddingResponse:
+        """`POST /v1/embeddings` on an embed node (protocol/embeddings.py), under the prefill
+        leg's timeout (both are one prefill). NodeFailure / APIError as the legs."""
+        try:
+            async with self.session.post(f"{url}/v1/embeddings", data=_ENC.encode(body), headers=_headers(request_id),
+                                         timeout=self._prefill_timeout) as r:  # fmt: skip
+                raw = await r.read()
+        except _NETWORK_ERRORS as e:
+            raise _unreachable(url, e, "embeddings: ") from None
+        if r.status >= 500 or r.status == 429:
+            raise NodeFailure(url, f"embeddings answered {r.status}: {raw[:300]!r}")
+        if r.status != 200:
+            raise parse_error(r.status, raw)
+        try:
+            return _EMBEDDED.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise NodeFailure(url, f"embeddings: unreadable answer: {e}") from None
 
     async def abort(self, url: str, request_id: str) -> None:
         """Best effort: the node frees whatever it holds for the request (quietly on failure)."""

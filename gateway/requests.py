@@ -46,6 +46,8 @@ class Endpoint(StrEnum):
 
     CHAT = "chat"
     COMPLETION = "completion"
+    #: `/v1/embeddings` (gateway/embeddings.py): usage records and `usable_for` only
+    EMBEDDING = "embedding"
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,9 @@ async def run(state: GatewayState, caller: Caller, raw: bytes, endpoint: Endpoin
     policy = state.config.team_policy(caller.team.id)
     headers: dict[str, str] = {}
     served = _auto(state, req, tier, policy, headers) if _is_auto(state, req) else _named(state, req, caller, policy)
+    if served.config.kind == "embedding":
+        raise APIError(400, f"{req.model!r} is an embedding model: use POST /v1/embeddings", param="model",
+                       code="wrong_model_kind")  # fmt: skip
     refuse_missing(req, served.config)
     size = await measure(served, req)
     ledger = await Ledger.reserve(state, caller, req, tier, served, size)

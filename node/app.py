@@ -31,12 +31,19 @@ log = logging.getLogger("duet.node")
 STATE = web.AppKey("state", NodeState)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _COMPLETION_PATHS = ("/v1/completions", "/v1/chat/completions")
+#: what a draining node refuses: new work of either task (node/embed.py serves the last one)
+_WORK_PATHS = (*_COMPLETION_PATHS, "/v1/embeddings")
 
 #: bytes a body may take beyond its prompt (sampling fields, stop strings, kv_transfer_params)
 BODY_OVERHEAD = 1 << 20
 #: bytes one prompt token can take in JSON: a token id with its separator, or a token's text
 #: with JSON escapes (a long token of escaped characters)
 BODY_BYTES_PER_TOKEN = 64
+
+
+#: an embed node's body limit: 2,048 inputs of token ids, as many as a gateway's largest text
+#: body (4 MiB: at least a byte of text per token) can turn into
+EMBED_MAX_BODY = 64 * 2**20
 
 
 def max_body_bytes(max_model_len: int) -> int:
@@ -59,10 +66,13 @@ async def _request_id(request: web.Request, handler: Handler) -> web.StreamRespo
 async def _draining(request: web.Request, handler: Handler) -> web.StreamResponse:
     """A node that is draining refuses new completions (the gateway retries them elsewhere)."""
     state = request.app[STATE]
-    if state.draining and request.method == "POST" and request.path in _COMPLETION_PATHS:
+    if state.draining and request.method == "POST" and request.path in _WORK_PATHS:
         state.metrics.rejected("draining")
         raise APIError(503, "this node is shutting down; retry on another node",
                        type_="service_unavailable", code="draining")  # fmt: skip
+    if state.config.task == "embed" and request.path in _COMPLETION_PATHS:
+        raise APIError(400, "this node serves embeddings only (--task embed): POST /v1/embeddings",
+                       code="wrong_task")  # fmt: skip
     return await handler(request)
 
 
@@ -153,8 +163,10 @@ def make_app(state: NodeState) -> web.Application:
     errors = error_middleware(log, _translate, _rid)
     # The cluster secret first: a request without it reaches nothing (protocol/cluster_secret.py).
     auth = state.config.security.middlewares()
-    app = web.Application(middlewares=[*auth, _request_id, errors, _draining],
-                          client_max_size=max_body_bytes(state.engine.max_model_len))  # fmt: skip
+    limit = max_body_bytes(state.engine.max_model_len)
+    if state.config.task == "embed":
+        limit = max(limit, EMBED_MAX_BODY)
+    app = web.Application(middlewares=[*auth, _request_id, errors, _draining], client_max_size=limit)
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
 

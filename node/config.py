@@ -11,6 +11,8 @@ from protocol.plane import PlaneSecurity
 
 ROLES = ("prefill", "decode", "both")
 FAILURE_POLICIES = ("recompute", "fail")
+TASKS = ("generate", "embed")
+POOLINGS = ("last", "mean")
 #: Peers a decode node may pull from unless the operator says otherwise: loopback and the
 #: private ranges (RFC 1918, IPv6 ULA), where a cluster's own nodes live. Public addresses and
 #: link-local ones (cloud metadata services) are refused: a client cannot aim a decode node at
@@ -69,8 +71,18 @@ class NodeConfig:
     exit_when_drained: bool = False
     #: cluster secret, TLS and /metrics policy of the internal plane (protocol/plane.py)
     security: PlaneSecurity = field(default_factory=PlaneSecurity)
+    #: "generate" (the P/D legs) or "embed" (POST /v1/embeddings only: node/embed.py)
+    task: str = "generate"
+    #: embed nodes: how a prompt's final hidden states become one vector ("last" or "mean")
+    pooling: str = "last"
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        if self.task == "embed" and self.role != "both":
+            raise ValueError("an embedding node has no prefill/decode role: start it with `duet node --task embed`")
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.failure_policy not in FAILURE_POLICIES:
@@ -91,7 +103,8 @@ class NodeConfig:
 
     @property
     def resolved_node_id(self) -> str:
-        return self.node_id or f"{self.role}-{socket.gethostname()}-{self.port}"
+        kind = "embed" if self.task == "embed" else self.role
+        return self.node_id or f"{kind}-{socket.gethostname()}-{self.port}"
 
 
 def parse_cpus(spec: str) -> set[int]:

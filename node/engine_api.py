@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from protocol.kv_events import KVEvent
 from protocol.kv_layout import KVLayout
@@ -37,8 +37,8 @@ from protocol.outputs import RequestOutput
 from protocol.sampling import Priority, SamplingParams
 from protocol.tokenizer import Tokenizer
 
-__all__ = ["Delta", "EngineDead", "EngineOverloaded", "EngineStream", "KVEventDrain", "KVHandoff", "NodeEngine",
-           "Priority", "RequestRefused", "SamplingParams"]  # fmt: skip
+__all__ = ["Delta", "EmbeddingEngine", "EngineDead", "EngineOverloaded", "EngineStream", "KVEventDrain", "KVHandoff",
+           "NodeEngine", "Priority", "RequestRefused", "SamplingParams"]  # fmt: skip
 
 
 class RequestRefused(ValueError):
@@ -141,3 +141,16 @@ class NodeEngine(Protocol):
         ...
 
     def stats(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class EmbeddingEngine(Protocol):
+    """An engine that also serves embeddings (`--task embed`; the native one does): prefill
+    only, pooled and L2-normalized, batched across callers. Refusals as `add_request`'s."""
+
+    #: components of a full vector (the model's hidden size)
+    embedding_size: int
+
+    async def embed(self, prompts: list[list[int]], pooling: str, dimensions: int | None = None) -> list[bytes]:
+        """One vector per prompt, in order: `dimensions` (None: all) little-endian float32."""
+        ...

@@ -34,7 +34,7 @@ from prometheus_client import Gauge
 
 from coordinator.lease import LeaseHolder, Watcher
 from coordinator.store import Store, StoreError
-from protocol.cluster import NODE_TTL_S, NodeInfo, NodeStatus, node_key
+from protocol.cluster import NODE_TTL_S, NodeInfo, NodeStatus, NodeTask, node_key
 
 log = logging.getLogger("duet.node")
 #: how often a status change (drain, shutdown) is published and a drained node checked
@@ -181,7 +181,7 @@ def node_info(state: Any, pool: str) -> NodeInfo:
                     block_size=eng.kv_layout.block_size, kv_layout_hash=eng.kv_layout.compat_hash,
                     kv_capacity_blocks=int(stats.get("kv_blocks_total", eng.kv_layout.num_blocks)),
                     max_model_len=eng.max_model_len, pool=pool, started_at=state.started_at,
-                    quantization=eng.kv_layout.weights or None)  # fmt: skip
+                    quantization=eng.kv_layout.weights or None, task=NodeTask(cfg.task))  # fmt: skip
 
 
 def registration_ctx(state: Any) -> Callable[[web.Application], AsyncIterator[None]]:

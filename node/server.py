@@ -50,7 +50,9 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
     if cfg.transport == "ucx":
         listen = {"host": cfg.host}
     transport = None
-    if getattr(engine, "handles_kv_transfer", False):
+    if cfg.task == "embed":
+        log.info("KV transport: none (an embedding node keeps no KV past a request)")
+    elif getattr(engine, "handles_kv_transfer", False):
         log.info("KV transport: the %s engine's own", cfg.engine_kind)
     else:
         transport = make_transport(cfg.transport, engine_id=engine_id, timeout=cfg.transfer_timeout,
@@ -81,7 +83,7 @@ async def serve(state: NodeState) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.shutdown.set)
-    print(f"duet {cfg.role} node ready on {cfg.security.scheme}://{cfg.host}:{cfg.port} node_id={state.node_id} "
+    print(f"duet {cfg.role if cfg.task == 'generate' else 'embed'} node ready on {cfg.security.scheme}://{cfg.host}:{cfg.port} node_id={state.node_id} "
           f"engine_id={state.engine_id} model={state.engine.model_name}", flush=True)  # fmt: skip
     await state.shutdown.wait()
     state.draining = True

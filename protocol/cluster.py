@@ -26,6 +26,15 @@ class NodeStatus(enum.StrEnum):
     #: finishing in-flight work; no new routes (drain, or SIGTERM's grace period)
     DRAINING = "draining"
 
+
+class NodeTask(enum.StrEnum):
+    """What a node computes: text generation (the P/D legs) or embeddings (`--task embed`).
+    Routers never send one task's work to a node of the other."""
+
+    GENERATE = "generate"
+    EMBED = "embed"
+
+
 #: etcd lease TTL of a node registration (seconds)
 NODE_TTL_S = 10
 DEFAULT_CLUSTER = "default"
@@ -52,6 +61,8 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     started_at: float
     #: weight quantization of the served model (None: the model's own dtype)
     quantization: str | None = None
+    #: generation (P/D legs) or embeddings: routers filter on it
+    task: NodeTask = NodeTask.GENERATE
 
 
 def kv_layouts_match(prefill_hash: str | None, decode_hash: str | None) -> bool:
@@ -124,6 +135,7 @@ class ClusterNode(msgspec.Struct, frozen=True, kw_only=True):
     event_seq: int
     resyncs: int
     event_lag_s: float
+    task: NodeTask = NodeTask.GENERATE
 
 
 class ClusterReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,6 +14,8 @@ from typing import Literal
 
 import msgspec
 
+from protocol.cluster import NodeTask
+
 Tier = Literal["interactive", "batch"]
 
 
@@ -28,6 +30,9 @@ class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
     exclude: list[str] = []
     #: the X-Request-Id, for the coordinator's logs
     request_id: str | None = None
+    #: embed: one node of `--task embed` (the answer's `decode`, `prefill` null; `max_tokens` is
+    #: ignored and `num_prompt_tokens` is the longest item); generate: the P/D pair
+    task: NodeTask = NodeTask.GENERATE
 
 
 class RouteTarget(msgspec.Struct, frozen=True, kw_only=True):

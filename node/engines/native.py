@@ -17,6 +17,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from engine.config import EngineConfig
 from engine.core import EngineCore, RequestError
 from engine.core import EngineOverloaded as CoreOverloaded
+from engine.embed import Pooling
 from node.engine_api import (
     Delta,
     EngineDead,
@@ -88,6 +89,7 @@ class NativeNodeEngine:
         self.tokenizer = core.tokenizer
         self.max_model_len = core.max_model_len
         self.kv_layout = core.runner.kv_layout
+        self.embedding_size = core.model_config.hidden_size
 
     @property
     def async_engine(self) -> AsyncEngine:
@@ -129,6 +131,14 @@ class NativeNodeEngine:
             raise EngineOverloaded(str(e), RETRY_AFTER_S) from None
         return NativeStream(stream)
 
+    async def embed(self, prompts: list[list[int]], pooling: str, dimensions: int | None = None) -> list[bytes]:
+        try:
+            return await self._call(self._engine.embed(prompts, Pooling(pooling), dimensions))
+        except RequestError as e:
+            raise RequestRefused(str(e)) from None
+        except CoreOverloaded as e:
+            raise EngineOverloaded(str(e), RETRY_AFTER_S) from None
+
     async def abort(self, request_id: str) -> bool:
         return bool(await self._call(self._engine.abort(request_id)))
 
@@ -151,7 +161,10 @@ class NativeNodeEngine:
         return await self._call(self._engine.call(lambda core: core.pool.cached_hashes()))
 
     async def drain_kv_events(self, snapshot: bool = False) -> KVEventDrain:
-        return await self._call(self._engine.call(lambda core: _drain(core, snapshot)))
+        drained = await self._call(self._engine.call(lambda core: _drain(core, snapshot)))
+        # embedding work waiting counts as prompt tokens queued (the coordinator balances on it)
+        drained.queued_prefill_tokens += self._engine.queued_embed_tokens
+        return drained
 
     def stats(self) -> dict[str, float]:
         return self._engine.stats()

@@ -171,8 +171,10 @@ def test_openai_client_exceptions_and_still_serving(gw: tuple[Proc, str, str]) -
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=g.url + "/v1", api_key="sk-duet-nope", max_retries=0).models.list()
     # unknown route and wrong method: OpenAI-shaped too
-    s, _, b = http(g.url + "/v1/embeddings", "POST", {"model": MODEL, "input": "x"}, key=key)
+    s, _, b = http(g.url + "/v1/audio/speech", "POST", {"model": MODEL, "input": "x"}, key=key)
     _assert_error(s, b, 404, 404, "not_found")
+    s, _, b = http(g.url + "/v1/embeddings", "POST", {"model": MODEL, "input": "x"}, key=key)
+    _assert_error(s, b, 400, 400, "wrong_model_kind", "model")  # a generation model
     s, _, b = http(g.url + "/v1/chat/completions", "GET", key=key)
     _assert_error(s, b, 405, 405)
     # an over-long header is refused by the HTTP parser; the next request is fine

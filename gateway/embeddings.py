@@ -1,0 +1,251 @@
+"""`POST /v1/embeddings`: OpenAI's embeddings API on models of `kind = "embedding"`.
+
+auth → parse and check (`parse_embedding`: input a string, strings, token ids or token-id
+arrays; 1..2,048 items; encoding_format float | base64; dimensions 1..the model's size; user) →
+the model (404 unknown, 403 forbidden for the team, 400 when it is a generation model) →
+tokenize each item with the model's tokenizer (400 for an item over the context) → reserve
+quota for the prompt tokens (`Ledger`, the completions' path: same store, limits, usage
+record, prices at `input_usd_per_mtok`) → a tier admission slot → `EmbeddingBackend.embed`:
+route through the coordinator with `task: embed` (only `--task embed` nodes answer; etcd's
+view or the model's `static` list when no coordinator answers) and `POST /v1/embeddings` on
+that node, retried on another node when one fails (up to `[routing] max_attempts`) → settle →
+OpenAI's response (`float` lists, or `base64` of the little-endian float32 bytes).
+
+Invariants: the ledger settles exactly once (as serve.py's); usage counts the tokens the
+gateway measured, which are exactly the ids the node embedded; a node URL comes only from the
+router. The reverse refusal — chat or completions on an embedding model — is serve.py's.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import base64
+import logging
+import sys
+import time
+from collections.abc import Callable
+
+import msgspec
+from aiohttp import web
+
+from gateway.auth import authenticate
+from gateway.backend import Accounting, Attempt, Backend, Reply
+from gateway.config import RoutingConfig, Tier
+from gateway.ledger import Caller, Ledger, UsageStatus
+from gateway.measure import Measured
+from gateway.node_client import NodeClient, NodeFailure
+from gateway.providers.fallback import Reason
+from gateway.requests import MAX_USER, Endpoint, Request, Sampling, resolve_tier
+from gateway.routing import Router
+from gateway.state import GatewayState, ServedModel
+from gateway.tiers import Shed
+from protocol.cluster import NodeTask
+from protocol.embeddings import (
+    MAX_EMBEDDING_INPUTS,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    EmbeddingUsage,
+    EncodingFormat,
+    NodeEmbeddingRequest,
+    NodeEmbeddingResponse,
+)
+from protocol.openai import APIError
+from protocol.route import RouteRequest
+
+log = logging.getLogger("duet.gateway.embeddings")
+_DEC = msgspec.json.Decoder(EmbeddingRequest)
+_ENC = msgspec.json.Encoder()
+#: characters of text inputs above which tokenizing moves off the event loop
+_BIG_INPUT = 16_384
+
+
+def parse_embedding(raw: bytes) -> tuple[EmbeddingRequest, list[str] | list[list[int]]]:
+    """The checked request and its items: strings, or token-id lists (never mixed)."""
+    try:
+        body = _DEC.decode(raw)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        param = msg.rsplit("`$.", 1)[1].rstrip("`").split("[")[0].split(".")[0] if "`$." in msg else None
+        raise APIError(400, f"invalid request: {msg}", param=param) from None
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    inp = body.input
+    items: list[str] | list[list[int]]
+    if isinstance(inp, str):
+        items = [inp]
+    elif inp and all(isinstance(x, int) and not isinstance(x, bool) for x in inp):
+        items = [list(inp)]  # type: ignore[arg-type]
+    elif all(isinstance(x, str) for x in inp) or all(isinstance(x, list) for x in inp):
+        items = list(inp)  # type: ignore[arg-type]
+    else:
+        raise APIError(400, "input must be a string, an array of strings, an array of token ids or an array of "
+                            "token-id arrays (not a mix)", param="input")  # fmt: skip
+    if not items:
+        raise APIError(400, "input must not be empty", param="input")
+    if len(items) > MAX_EMBEDDING_INPUTS:
+        raise APIError(400, f"input holds {len(items)} items; at most {MAX_EMBEDDING_INPUTS} per request",
+                       param="input")  # fmt: skip
+    for i, item in enumerate(items):
+        if not item:
+            raise APIError(400, f"input[{i}] is empty", param="input")
+    if body.dimensions is not None and body.dimensions < 1:
+        raise APIError(400, f"dimensions must be at least 1, got {body.dimensions}", param="dimensions")
+    if body.user is not None and len(body.user) > MAX_USER:
+        raise APIError(400, f"user must be a string of at most {MAX_USER} characters, got {len(body.user)}",
+                       param="user")  # fmt: skip
+    return body, items
+
+
+def _token_ids(served: ServedModel, items: list[str] | list[list[int]]) -> list[list[int]]:
+    tok = served.tokenizer
+    assert tok is not None
+    if isinstance(items[0], str):
+        return [tok.encode(t) for t in items]  # type: ignore[arg-type]
+    for i, ids in enumerate(items):
+        bad = [t for t in ids if not 0 <= t < tok.vocab_size]  # type: ignore[union-attr]
+        if bad:
+            raise APIError(400, f"input[{i}]: token ids out of the vocabulary (size {tok.vocab_size}): {bad[:5]}",
+                           param="input")  # fmt: skip
+    return items  # type: ignore[return-value]
+
+
+async def measure_items(served: ServedModel, items: list[str] | list[list[int]]) -> list[list[int]]:
+    """Each item's token ids on the model; 400 for an item longer than its context."""
+    big = isinstance(items[0], str) and sum(map(len, items)) > _BIG_INPUT  # type: ignore[arg-type]
+    ids = await asyncio.to_thread(_token_ids, served, items) if big else _token_ids(served, items)
+    limit = served.max_model_len
+    for i, x in enumerate(ids):
+        if len(x) > limit:
+            raise APIError(400, f"input[{i}] is {len(x)} tokens; this model's maximum context length is {limit} "
+                                "tokens", param="input", code="context_length_exceeded")  # fmt: skip
+        if not x:
+            raise APIError(400, f"input[{i}] has no tokens", param="input")
+    return ids
+
+
+class EmbeddingBackend(Backend):
+    """An embedding model's nodes: route with `task: embed`, then one call to the chosen node.
+    `embedding_size` is the model's vector size when the gateway knows it (its config.json)."""
+
+    uses_tier_queues = True
+
+    def __init__(self, nodes: NodeClient, router: Router, cfg: RoutingConfig, embedding_size: int | None) -> None:
+        self.nodes = nodes
+        self.router = router
+        self.cfg = cfg
+        self.embedding_size = embedding_size
+
+    def usable_for(self, endpoint: Endpoint, n: int) -> bool:
+        return endpoint == Endpoint.EMBEDDING
+
+    def open(self, request: Request, attempt: Attempt) -> Reply:
+        raise APIError(400, f"{attempt.model.name!r} is an embedding model: use POST /v1/embeddings", param="model",
+                       code="wrong_model_kind")  # fmt: skip
+
+    def fallback_reason(self, err: APIError, tier: Tier) -> Reason | None:
+        return None  # an embedding model has no fallback chain (gateway/config.py)
+
+    async def embed(self, request_id: str, served: ServedModel, ids: list[list[int]], dimensions: int | None,
+                    tier: Tier, acc: Accounting) -> NodeEmbeddingResponse:  # fmt: skip
+        exclude: list[str] = []
+        failures: list[str] = []
+        body = NodeEmbeddingRequest(inputs=ids, dimensions=dimensions)
+        for _ in range(max(1, self.cfg.max_attempts)):
+            route = await self.router.route(RouteRequest(
+                model=served.config.cluster_name, block_hashes=[], num_prompt_tokens=max(map(len, ids)), max_tokens=1,
+                tier=tier, exclude=exclude, request_id=request_id, task=NodeTask.EMBED))  # fmt: skip
+            node = route.decode
+            acc.prompt_sent = True
+            try:
+                out = await self.nodes.embed(node.url, request_id, body)
+            except NodeFailure as e:
+                log.warning("%s: embed node %s failed (%s); trying another", request_id, node.node_id, e.reason)
+                failures.append(f"{node.node_id}: {e.reason}")
+                exclude.append(node.node_id)
+                continue
+            acc.nodes.append(node.node_id)
+            if len(out.vectors) != len(ids) or any(len(v) != 4 * out.dim for v in out.vectors):
+                raise APIError(502, f"embed node {node.node_id} answered {len(out.vectors)} vectors for {len(ids)} "
+                                    "inputs", type_="server_error", code="bad_upstream")  # fmt: skip
+            return out
+        raise APIError(503, f"every embed node tried failed: {'; '.join(failures)}", type_="service_unavailable",
+                       code="upstream_unavailable", retry_after_s=1)  # fmt: skip
+
+
+def _floats(le: bytes) -> list[float]:
+    a = array.array("f", le)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tolist()
+
+
+def render(out: NodeEmbeddingResponse, fmt: EncodingFormat, model: str, n_tokens: int) -> EmbeddingResponse:
+    enc: Callable[[bytes], list[float] | str] = (
+        _floats if fmt == EncodingFormat.FLOAT else (lambda b: base64.b64encode(b).decode("ascii")))  # fmt: skip
+    return EmbeddingResponse(data=[EmbeddingData(index=i, embedding=enc(v)) for i, v in enumerate(out.vectors)],
+                             model=model, usage=EmbeddingUsage(prompt_tokens=n_tokens, total_tokens=n_tokens))  # fmt: skip
+
+
+def _model(state: GatewayState, caller: Caller, name: str) -> ServedModel:
+    served = state.models.get(name)
+    if served is None:
+        names = sorted(n for n, m in state.models.items() if m.config.kind == "embedding")
+        raise APIError(404, f"the model {name!r} does not exist (embedding models: {', '.join(names) or 'none'})",
+                       param="model", code="model_not_found")  # fmt: skip
+    if name in state.config.team_policy(caller.team.id).forbid:
+        raise APIError(403, f"team {caller.team.id!r} may not use model {name!r}", type_="permission_error",
+                       param="model", code="model_forbidden")  # fmt: skip
+    if served.config.kind != "embedding" or not isinstance(served.backend, EmbeddingBackend):
+        raise APIError(400, f"{name!r} is a text generation model; /v1/embeddings needs a model of kind "
+                            "\"embedding\"", param="model", code="wrong_model_kind")  # fmt: skip
+    return served
+
+
+async def run(state: GatewayState, caller: Caller, raw: bytes, *, tier_header: str | None = None) -> tuple[
+        EmbeddingResponse, dict[str, str]]:  # fmt: skip
+    """One embeddings request of an authenticated caller: the response and its headers."""
+    body, items = parse_embedding(raw)
+    served = _model(state, caller, body.model)
+    backend = served.backend
+    assert isinstance(backend, EmbeddingBackend)
+    size = backend.embedding_size
+    if size is not None and body.dimensions is not None and body.dimensions > size:
+        raise APIError(400, f"dimensions must be at most {size} for {body.model!r}, got {body.dimensions}",
+                       param="dimensions")  # fmt: skip
+    tier = resolve_tier(tier_header, None, caller.team.default_tier)
+    ids = await measure_items(served, items)
+    n_tokens = sum(map(len, ids))
+    req = Request(endpoint=Endpoint.EMBEDDING, model=body.model, messages=None, prompt=None, max_tokens=0,
+                  sampling=Sampling(), n=1, stream=False, include_usage=False, service_tier=None,
+                  user=body.user or None)  # fmt: skip
+    ledger = await Ledger.reserve(state, caller, req, tier, served, Measured([], n_tokens, 0))
+    ledger.attempt(served, n_tokens)
+    acc = Accounting(prompt_tokens=n_tokens, model_used=served.config.name)
+    try:
+        async with state.admission.slot(tier):
+            out = await backend.embed(caller.request_id, served, ids, body.dimensions, tier, acc)
+        acc.first_token_at = time.monotonic()
+        await ledger.commit(UsageStatus.OK, acc)
+    except APIError as e:
+        ledger.submit(UsageStatus.SHED if isinstance(e, Shed) else UsageStatus.ERROR, acc)
+        raise
+    except (asyncio.CancelledError, ConnectionResetError):
+        ledger.submit(UsageStatus.CLIENT_DISCONNECTED, acc)
+        raise
+    finally:
+        ledger.submit(UsageStatus.ERROR, acc)  # a no-op once settled
+    headers = {**ledger.headers, "X-Request-Id": caller.request_id, "x-duet-tier": tier,
+               "x-duet-model-used": served.config.name, "x-duet-cost-usd": f"{ledger.record.cost_usd:.8f}"}  # fmt: skip
+    return render(out, body.encoding_format, served.config.name, n_tokens), headers
+
+
+async def handle(state: GatewayState, request: web.Request, request_id: str) -> web.Response:
+    """The HTTP handler: authenticate, run, answer in OpenAI's shape."""
+    t0 = time.monotonic()
+    key, team = await authenticate(state, request)
+    raw = await request.read()
+    body, headers = await run(state, Caller(key, team, request_id, t0), raw,
+                              tier_header=request.headers.get("x-duet-tier"))  # fmt: skip
+    return web.Response(body=_ENC.encode(body), content_type="application/json", headers=headers)
