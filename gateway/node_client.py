@@ -221,7 +221,7 @@ class NodeClient:
         """`POST /v1/embeddings` on an embed node (protocol/embeddings.py), under the prefill
         leg's timeout (both are one prefill). NodeFailure / APIError as the legs."""
         try:
-            async with self.session.post(f"{url}/v1/embeddings", data=_ENC.encode(body), headers=_headers(request_id),
+            async with self.session.post(f"{url}/v1/embeddings", data=_ENC.encode(body), headers=_headers(request_id, None, self._auth),
                                          timeout=self._prefill_timeout) as r:  # fmt: skip
                 raw = await r.read()
         except _NETWORK_ERRORS as e:
