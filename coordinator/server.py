@@ -49,7 +49,7 @@ async def serve(cfg: CoordinatorConfig, background: Sequence[Callable[[Coordinat
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"duet coordinator ready on {cfg.security.scheme}://{cfg.host}:{cfg.port} replica_id={cfg.resolved_replica_id} "
+    print(f"duet coordinator ready on {cfg.security.own_scheme}://{cfg.host}:{cfg.port} replica_id={cfg.resolved_replica_id} "
           f"cluster={cfg.cluster} etcd={cfg.etcd}", flush=True)  # fmt: skip
     await stop.wait()
     log.info("shutting down")

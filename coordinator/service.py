@@ -75,7 +75,7 @@ class CoordinatorConfig:
     @property
     def url(self) -> str:
         host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
-        return self.advertise_url or f"{self.security.scheme}://{host}:{self.port}"
+        return self.advertise_url or f"{self.security.own_scheme}://{host}:{self.port}"
 
 
 class Coordinator:

@@ -153,6 +153,9 @@ def make_app(config: GatewayConfig) -> web.Application:
                           "(generate one: python -c 'import secrets; print(secrets.token_urlsafe(32))')")  # fmt: skip
     # --protect-metrics: /metrics needs the cluster secret or the admin key (the rest of the
     # gateway's API has its own keys).
+    if config.security.protect_metrics and config.security.secret is None and not (
+            admin_key or config.server.admin_key_sha256):  # fmt: skip
+        raise ConfigError("--protect-metrics needs a cluster secret or an admin key: nothing could read /metrics")
     guard = [metrics_middleware(_metrics_reader(config))] if config.security.protect_metrics else []
     app = web.Application(middlewares=[*guard, _request_id, errors], client_max_size=config.server.max_body_bytes)
     metrics = GatewayMetrics()

@@ -176,7 +176,7 @@ def node_info(state: Any, pool: str) -> NodeInfo:
     cfg = state.config
     eng = state.engine
     stats = eng.stats()
-    return NodeInfo(node_id=state.node_id, role=cfg.role, url=f"{cfg.security.scheme}://{cfg.public_host}:{cfg.port}",
+    return NodeInfo(node_id=state.node_id, role=cfg.role, url=f"{cfg.security.own_scheme}://{cfg.public_host}:{cfg.port}",
                     model=eng.model_name, engine_id=state.engine_id, engine_kind=cfg.engine_kind,
                     block_size=eng.kv_layout.block_size, kv_layout_hash=eng.kv_layout.compat_hash,
                     kv_capacity_blocks=int(stats.get("kv_blocks_total", eng.kv_layout.num_blocks)),

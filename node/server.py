@@ -83,7 +83,7 @@ async def serve(state: NodeState) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.shutdown.set)
-    print(f"duet {cfg.role if cfg.task == 'generate' else 'embed'} node ready on {cfg.security.scheme}://{cfg.host}:{cfg.port} node_id={state.node_id} "
+    print(f"duet {cfg.role if cfg.task == 'generate' else 'embed'} node ready on {cfg.security.own_scheme}://{cfg.host}:{cfg.port} node_id={state.node_id} "
           f"engine_id={state.engine_id} model={state.engine.model_name}", flush=True)  # fmt: skip
     await state.shutdown.wait()
     state.draining = True

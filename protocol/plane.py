@@ -54,7 +54,13 @@ class PlaneSecurity:
 
     @property
     def scheme(self) -> str:
+        """For a peer's URL built from a bare host and port (a plane with TLS is TLS throughout)."""
         return "https" if self.tls else "http"
+
+    @property
+    def own_scheme(self) -> str:
+        """For this process's own URL (what it registers, advertises and prints): what it serves."""
+        return "https" if self.tls_cert else "http"
 
     @property
     def headers(self) -> dict[str, str]:

@@ -168,7 +168,9 @@ def test_drain(tiny_llama: Path, tmp_path: Path, etcd: EtcdServer) -> None:
         for _ in range(5):
             status, body = http("POST", coord.url + "/route", short_route(model))
             assert status == 200 and body["decode"]["node_id"] == aid
-        assert metric(b.url, "duet:node_draining") == 1 and b.proc.poll() is None
+        # the node learns it from its own etcd watch, a moment after the coordinator may
+        wait_for(lambda: metric(b.url, "duet:node_draining") == 1, 30, "B to see itself draining")
+        assert b.proc.poll() is None
 
         # With the CLI, on a node with --exit-when-drained and a request in flight.
         result: dict = {}
