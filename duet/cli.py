@@ -8,6 +8,7 @@ value) into one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -60,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "trace", False):  # protocol/tracing.py reads it; `duet up`'s children inherit it
+        os.environ["DUET_TRACING"] = "1"
     try:
         return int(args.func(args) or 0)
     except (ModelNotFoundError, UsageError) as e:

@@ -46,6 +46,7 @@ from protocol.http_errors import error_middleware
 from protocol.models import resolve_model
 from protocol.openai import APIError
 from protocol.tokenizer import Tokenizer
+from protocol.tracing import DEFAULT_RING, from_env, setup
 
 log = logging.getLogger("duet.gateway")
 STATE = web.AppKey("state", GatewayState)
@@ -123,13 +124,15 @@ def make_app(config: GatewayConfig) -> web.Application:
     if admin_key is not None and len(admin_key) < MIN_ADMIN_KEY:
         raise ConfigError(f"$DUET_ADMIN_KEY is {len(admin_key)} characters; an admin key needs at least {MIN_ADMIN_KEY} "
                           "(generate one: python -c 'import secrets; print(secrets.token_urlsafe(32))')")  # fmt: skip
-    app = web.Application(middlewares=[_request_id, errors], client_max_size=config.server.max_body_bytes)
+    tracing = setup("duet-gateway", from_env(DEFAULT_RING, config.tracing))
+    app = web.Application(middlewares=[_request_id, *tracing.middleware(), errors],
+                          client_max_size=config.server.max_body_bytes)  # fmt: skip
     metrics = GatewayMetrics()
     store = open_store(config.store_url)
     app[STATE] = GatewayState(config=config, store=store, metrics=metrics,
                               writer=UsageWriter(store, metrics, config.quotas.usage_batch),
                               admission=Admission(config.tiers, metrics),
-                              keys=KeyCache(store, config.server.key_cache_ttl_s))  # fmt: skip
+                              keys=KeyCache(store, config.server.key_cache_ttl_s), tracing=tracing)  # fmt: skip
     state = app[STATE]
     state.provider_metrics = register_provider_metrics(metrics.registry, lambda: [
         m.backend.provider for m in state.models.values() if isinstance(m.backend, ProviderBackend)])  # fmt: skip
@@ -194,7 +197,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     cfg = s.config
     await s.store.open()
     s.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
-        limit=0, limit_per_host=cfg.routing.max_connections_per_node))  # fmt: skip
+        limit=0, limit_per_host=cfg.routing.max_connections_per_node), trace_configs=s.tracing.trace_configs())  # fmt: skip
     load = NodeLoad()
     rc = cfg.routing
     view = EtcdView(rc.etcd, rc.cluster) if rc.etcd else None
@@ -204,7 +207,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     lag = LoopLag()
     nodes = NodeClient(s.session, rc.connect_timeout_s, rc.prefill_timeout_s, rc.read_timeout_s, lag)
     router = _router(s, load, view)
-    cluster = ClusterBackend(nodes, router, load, rc, on_retry=lambda k: s.metrics.retries.labels(kind=k).inc())
+    cluster = ClusterBackend(nodes, router, load, rc, on_retry=lambda k: s.metrics.retries.labels(kind=k).inc(),
+                             tracing=s.tracing)  # fmt: skip
     for name, m in cfg.models.items():
         if m.kind == "cluster":
             assert m.tokenizer is not None
@@ -235,6 +239,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                 await view_life.__anext__()
         await s.session.close()
         await s.store.close()
+        await asyncio.to_thread(s.tracing.shutdown)  # flushes the spans still queued for export
 
 
 #: a gateway whose heartbeat is this many heartbeats old is dead (its reservations reclaimed)

@@ -51,6 +51,11 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
                                       # (default: the team's own domain; no team sees another's prefixes)
     [teams."*"]                       # the policy of every team not listed
 
+    [tracing]                         # OpenTelemetry (off by default; also DUET_TRACING=1, --trace)
+    enabled = true
+    endpoint = "http://jaeger:4318"   # OTLP/HTTP (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else none)
+    ring_size = 20000                 # spans kept in memory for the console's request view
+
 Fallback triggers: the self-hosted pool saturated (an interactive request waited
 `[tiers] interactive_fallback_wait_s` for a slot), no healthy node, an open circuit breaker, a
 provider's 5xx/429 after its retries. Batch requests never reach a paid (external) model unless
@@ -71,6 +76,7 @@ from typing import Any, Literal
 
 from protocol.models import duet_home
 from protocol.tables import from_table
+from protocol.tracing import TracingConfig
 
 ModelKind = Literal["cluster", "external"]
 Tier = Literal["interactive", "batch"]
@@ -263,6 +269,8 @@ class GatewayConfig:
     auto: AutoConfig | None = None
     teams: dict[str, TeamPolicy] = field(default_factory=dict)
     batch: BatchSettings = BatchSettings()
+    #: OpenTelemetry ([tracing]: enabled, endpoint, ring_size, sample_ratio; protocol/tracing.py)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def team_policy(self, team_id: str) -> TeamPolicy:
         return self.teams.get(team_id) or self.teams.get("*") or TeamPolicy()
@@ -399,7 +407,7 @@ def _batch(data: Any) -> BatchSettings:
 
 
 def parse_config(data: dict[str, Any]) -> GatewayConfig:
-    known = {"models", "store", "server", "routing", "tiers", "quotas", "auto", "teams", "batch"}
+    known = {"models", "store", "server", "routing", "tiers", "quotas", "auto", "teams", "batch", "tracing"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown sections: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
@@ -419,6 +427,7 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
         auto=_build(AutoConfig, "auto", data["auto"]) if "auto" in data else None,
         teams=_teams(data.get("teams", {})),
         batch=_batch(data.get("batch", {})),
+        tracing=_build(TracingConfig, "tracing", data.get("tracing", {})),
     )
     if not isinstance(cfg.server.key_cache_ttl_s, (int, float)) or isinstance(cfg.server.key_cache_ttl_s, bool) \
             or not 0 <= cfg.server.key_cache_ttl_s <= 3600:  # fmt: skip

@@ -16,6 +16,7 @@ from gateway.store.base import Store
 from gateway.tiers import Admission
 from gateway.usage_writer import UsageWriter
 from protocol.tokenizer import Tokenizer
+from protocol.tracing import Tracing
 
 
 def _admin_guard() -> AdminGuard:
@@ -58,3 +59,5 @@ class GatewayState:
     gateway_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex[:16]}")
     #: failed admin authentications per address (gateway/auth.py)
     admin_guard: AdminGuard = field(default_factory=lambda: _admin_guard())
+    #: OpenTelemetry (off: every span site is a no-op); its ring feeds the console
+    tracing: Tracing = field(default_factory=Tracing.off)

@@ -152,7 +152,8 @@ def make_app(state: NodeState) -> web.Application:
     """The node app; `state` holds an engine that is built but not started, and the roles
     registered for this node."""
     errors = error_middleware(log, _translate, _rid)
-    app = web.Application(middlewares=[_request_id, errors, _draining], client_max_size=max_body_bytes(state.engine.max_model_len))
+    app = web.Application(middlewares=[_request_id, *state.tracing.middleware(), errors, _draining],
+                          client_max_size=max_body_bytes(state.engine.max_model_len))  # fmt: skip
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
 
@@ -192,7 +193,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         s.shutdown.set()
 
     s.engine.start(on_dead)
-    s.session = aiohttp.ClientSession()
+    s.session = aiohttp.ClientSession(trace_configs=s.tracing.trace_configs())  # D → P's /kv/* carry traceparent
     if s.transport is not None:
         base, device = s.engine.kv_memory()
         await s.transport.register_pool(base, s.engine.kv_layout, device)
