@@ -5,7 +5,8 @@
 - `POST /admin/keys {team_id, name}` → 201 with the secret, shown this once;
   `GET /admin/keys[?team_id=]`; `DELETE /admin/keys/{id}` revokes.
 - `GET /v1/usage?date=YYYY-MM-DD` (or `start=&end=`, dates or unix seconds;
-  `group_by=model|day|team|user`, user being the requests' OpenAI `user` field; `team_id=`):
+  `group_by=model|day|team|user|record`, user being the requests' OpenAI `user` field, record
+  every request's usage record; `team_id=`):
   a team key reads its own team only (another team's id → 403); the admin key reads any
   team, or all of them.
 """
@@ -13,6 +14,7 @@
 from __future__ import annotations
 
 import calendar
+import dataclasses
 import math
 import re
 import time
@@ -24,7 +26,7 @@ from aiohttp import web
 from gateway.auth import authenticate, bearer, is_admin, require_admin
 from gateway.keys import new_key
 from gateway.state import GatewayState
-from gateway.store.base import GROUP_BY, Team
+from gateway.store.base import GROUP_BY, Team, UsageRecord
 from protocol.openai import APIError
 
 _ENC = msgspec.json.Encoder()
@@ -118,6 +120,12 @@ async def revoke_key(state: GatewayState, request: web.Request) -> web.Response:
     return _json({"id": kid, "revoked": True})
 
 
+def record_rows(records: list[UsageRecord]) -> list[dict[str, Any]]:
+    """Usage records as report rows (the nodes as one space-separated field): the API's
+    `group_by=record`, `duet usage report` and the console's CSV write these same rows."""
+    return [{**dataclasses.asdict(r), "nodes": " ".join(r.nodes)} for r in records]
+
+
 def parse_time(value: str, param: str) -> float:
     try:
         t = float(value)
@@ -160,9 +168,12 @@ async def usage(state: GatewayState, request: web.Request) -> web.Response:
                            code="forbidden", param="team_id")  # fmt: skip
         team_id = team.id
     group_by = q.get("group_by")
-    if group_by is not None and group_by not in GROUP_BY:
-        raise APIError(400, f"group_by must be one of {', '.join(map(repr, GROUP_BY))}", param="group_by")
+    if group_by is not None and group_by not in (*GROUP_BY, "record"):
+        raise APIError(400, f"group_by must be one of {', '.join(map(repr, (*GROUP_BY, 'record')))}", param="group_by")
     start, end = time_range(q)
-    rows = await state.store.usage(team_id, start, end, group_by)
+    if group_by == "record":  # every request's record, as `duet usage report` lists them
+        rows = record_rows(await state.store.usage_records(team_id, start, end))
+    else:
+        rows = await state.store.usage(team_id, start, end, group_by)
     return _json({"object": "list", "team_id": team_id, "start": start, "end": end, "group_by": group_by,
                   "data": rows})  # fmt: skip

@@ -22,7 +22,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import admin, batch_wiring, serve
+from gateway import admin, batch_wiring, console, serve
 from gateway.auth import MIN_ADMIN_KEY, authenticate, bearer, is_admin
 from gateway.backend import Backend
 from gateway.choice import ModelChoice
@@ -153,6 +153,7 @@ def make_app(config: GatewayConfig) -> web.Application:
     r.add_post("/admin/keys", _bind(admin.create_key))
     r.add_get("/admin/keys", _bind(admin.list_keys))
     r.add_delete("/admin/keys/{id}", _bind(admin.revoke_key))
+    console.install(app, STATE)  # /console: the operator console (gateway/console)
     return app
 
 
@@ -207,6 +208,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     lag = LoopLag()
     nodes = NodeClient(s.session, rc.connect_timeout_s, rc.prefill_timeout_s, rc.read_timeout_s, lag)
     router = _router(s, load, view)
+    s.etcd_view = view
+    s.coordinator_urls = lambda: list(rc.coordinator) + [u for u in (view.coordinators if view else [])
+                                                         if u not in rc.coordinator]  # fmt: skip
     cluster = ClusterBackend(nodes, router, load, rc, on_retry=lambda k: s.metrics.retries.labels(kind=k).inc(),
                              tracing=s.tracing)  # fmt: skip
     for name, m in cfg.models.items():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Iterable
 
 from coordinator.cluster_view import ClusterSnapshot, ClusterView
@@ -49,6 +50,11 @@ class EtcdView:
         self.interval_s = interval_s
         self.coordinators: list[str] = []
         self.nodes: dict[str, StaticNodes] = {}
+        #: every registration as last read (the console's cluster page)
+        self.infos: tuple[NodeInfo, ...] = ()
+        #: unix time of the last successful read, and the last read's error (None: it worked)
+        self.read_at: float | None = None
+        self.error: str | None = None
         self.loaded = asyncio.Event()
 
     def pool(self, model: str) -> StaticNodes | None:
@@ -57,6 +63,8 @@ class EtcdView:
     def apply(self, snap: ClusterSnapshot) -> None:
         self.coordinators = snap.coordinators
         self.nodes = pools_from(snap.nodes)
+        self.infos = snap.nodes
+        self.read_at, self.error = time.time(), None
         self.loaded.set()
 
     async def refresh(self) -> None:
@@ -71,6 +79,7 @@ class EtcdView:
                     log.info("etcd at %s is reachable again", self.endpoint)
                     warned = False
             except Exception as e:  # StoreError, or a bug: either way keep the last view and retry
+                self.error = f"{type(e).__name__}: {e}"
                 if not warned:
                     log.warning("cannot read the cluster from etcd (%s); keeping the last view", e)
                     warned = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,6 +29,7 @@ def _admin_guard() -> AdminGuard:
 if TYPE_CHECKING:
     from gateway.auth import AdminGuard
     from gateway.choice import ModelChoice
+    from gateway.etcd_view import EtcdView
     from gateway.providers.metrics import ProviderMetrics
 
 
@@ -61,3 +63,7 @@ class GatewayState:
     admin_guard: AdminGuard = field(default_factory=lambda: _admin_guard())
     #: OpenTelemetry (off: every span site is a no-op); its ring feeds the console
     tracing: Tracing = field(default_factory=Tracing.off)
+    #: the cluster as etcd shows it (None without [routing] etcd) and the coordinator replicas'
+    #: URLs (configured + registered): the console's cluster page
+    etcd_view: EtcdView | None = None
+    coordinator_urls: Callable[[], list[str]] = field(default_factory=lambda: list)

@@ -145,8 +145,18 @@ class SpanRing:
         return sorted((s for s in self._spans if s.trace_id == trace_id), key=lambda s: s.start_ns)
 
     def roots(self) -> list[SpanRecord]:
-        """The spans without a parent in this process (one per request), newest first."""
-        return [s for s in reversed(self._spans) if s.parent_id is None or s.attributes.get("duet.root") is True]
+        """The spans without a parent in this process, newest first."""
+        return [s for s in reversed(self._spans) if s.parent_id is None]
+
+    def requests(self, limit: int = 50) -> list[SpanRecord]:
+        """The request spans (those naming a `duet.request_id`), newest first."""
+        out = []
+        for s in reversed(self._spans):
+            if "duet.request_id" in s.attributes:
+                out.append(s)
+                if len(out) >= limit:
+                    break
+        return out
 
     def find(self, attribute: str, value: object) -> SpanRecord | None:
         return next((s for s in reversed(self._spans) if s.attributes.get(attribute) == value), None)

@@ -1,0 +1,54 @@
+"""The console's way to the gateway's own API: every read and every change goes through the
+public and admin HTTP API (the same checks, limits and store paths as curl or `duet`), with
+the session's key, to the address and port this request came in on — never to the store.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gateway.console.session import Session
+from gateway.state import GatewayState
+
+_TIMEOUT = aiohttp.ClientTimeout(total=10)
+
+
+class ApiFailed(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def own_url(request: web.Request) -> str:
+    """This gateway, as reached on the socket the request came in on."""
+    sock = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    if not sock:
+        raise ApiFailed(503, "the console cannot tell which address this gateway listens on")
+    host, port = sock[0], sock[1]
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+async def call(state: GatewayState, request: web.Request, session: Session, method: str, path: str, *,
+               query: dict[str, str] | None = None, body: Any = None) -> Any:  # fmt: skip
+    """The API's JSON answer, or ApiFailed with its status and message."""
+    assert state.session is not None
+    async with state.session.request(method, own_url(request) + path, params=query, timeout=_TIMEOUT,
+                                     data=None if body is None else json.dumps(body),
+                                     headers={"Authorization": f"Bearer {session.key}",
+                                              "Content-Type": "application/json"}) as r:  # fmt: skip
+        raw = await r.read()
+    try:
+        data = json.loads(raw) if raw else None
+    except ValueError:
+        data = None
+    if r.status >= 400:
+        msg = data["error"]["message"] if isinstance(data, dict) and isinstance(data.get("error"), dict) else raw[:200].decode(errors="replace")
+        raise ApiFailed(r.status, msg)
+    return data
