@@ -110,10 +110,12 @@ class SpanRecord(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SpanRing:
-    """The last N finished spans of this process, by trace (an OTel SpanProcessor)."""
+    """The last N finished spans of this process, by trace (an OTel SpanProcessor). It keeps
+    the SDK's span objects as they end (no copy on the request's path) and converts only what
+    a reader asks for."""
 
     def __init__(self, size: int, service: str) -> None:
-        self._spans: deque[SpanRecord] = deque(maxlen=size)
+        self._spans: deque[ReadableSpan] = deque(maxlen=size)
         self._service = service
 
     # --- SpanProcessor
@@ -124,15 +126,7 @@ class SpanRing:
         pass
 
     def on_end(self, span: ReadableSpan) -> None:
-        ctx = span.context
-        parent = span.parent
-        self._spans.append(SpanRecord(
-            trace_id=f"{ctx.trace_id:032x}", span_id=f"{ctx.span_id:016x}",
-            parent_id=f"{parent.span_id:016x}" if parent is not None else None, name=span.name,
-            service=self._service, start_ns=span.start_time or 0, end_ns=span.end_time or 0,
-            error=span.status.status_code.name == "ERROR",
-            attributes={k: (list(v) if isinstance(v, tuple) else v) for k, v in (span.attributes or {}).items()},
-        ))  # fmt: skip
+        self._spans.append(span)
 
     def shutdown(self) -> None:
         pass
@@ -141,25 +135,38 @@ class SpanRing:
         return True
 
     # --- reading
+    def _record(self, span: ReadableSpan) -> SpanRecord:
+        ctx, parent = span.context, span.parent
+        return SpanRecord(
+            trace_id=f"{ctx.trace_id:032x}", span_id=f"{ctx.span_id:016x}",
+            parent_id=f"{parent.span_id:016x}" if parent is not None else None, name=span.name,
+            service=self._service, start_ns=span.start_time or 0, end_ns=span.end_time or 0,
+            error=span.status.status_code.name == "ERROR",
+            attributes={k: (list(v) if isinstance(v, tuple) else v) for k, v in (span.attributes or {}).items()},
+        )  # fmt: skip
+
     def trace(self, trace_id: str) -> list[SpanRecord]:
-        return sorted((s for s in self._spans if s.trace_id == trace_id), key=lambda s: s.start_ns)
+        tid = int(trace_id, 16)
+        got = [self._record(s) for s in list(self._spans) if s.context.trace_id == tid]
+        return sorted(got, key=lambda s: s.start_ns)
 
     def roots(self) -> list[SpanRecord]:
         """The spans without a parent in this process, newest first."""
-        return [s for s in reversed(self._spans) if s.parent_id is None]
+        return [self._record(s) for s in reversed(list(self._spans)) if s.parent is None]
 
     def requests(self, limit: int = 50) -> list[SpanRecord]:
         """The request spans (those naming a `duet.request_id`), newest first."""
         out = []
-        for s in reversed(self._spans):
-            if "duet.request_id" in s.attributes:
-                out.append(s)
+        for s in reversed(list(self._spans)):
+            if s.attributes and "duet.request_id" in s.attributes:
+                out.append(self._record(s))
                 if len(out) >= limit:
                     break
         return out
 
     def find(self, attribute: str, value: object) -> SpanRecord | None:
-        return next((s for s in reversed(self._spans) if s.attributes.get(attribute) == value), None)
+        s = next((s for s in reversed(list(self._spans)) if s.attributes and s.attributes.get(attribute) == value), None)
+        return self._record(s) if s is not None else None
 
 
 _NOOP = contextlib.nullcontext()

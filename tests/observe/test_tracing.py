@@ -117,3 +117,16 @@ def test_off_by_default_and_on_by_env() -> None:
     spans = on.ring.trace(on.ring.roots()[0].trace_id)
     assert [s.name for s in spans] == ["a", "b"] and spans[1].parent_id == spans[0].span_id
     on.shutdown()
+
+
+def test_gateway_tracing_section_is_parsed_and_checked() -> None:
+    import pytest
+
+    from gateway.config import ConfigError, parse_config
+
+    models = {"m": {"kind": "cluster", "tokenizer": "x", "static": {"both": ["http://127.0.0.1:1"]}}}
+    cfg = parse_config({"models": models, "tracing": {"enabled": True, "endpoint": "http://otel:4318", "ring_size": 10}})
+    assert cfg.tracing == TracingConfig(enabled=True, endpoint="http://otel:4318", ring_size=10)
+    assert parse_config({"models": models}).tracing.enabled is False
+    with pytest.raises(ConfigError, match=r"\[tracing\] has unknown keys: enable"):
+        parse_config({"models": models, "tracing": {"enable": True}})
