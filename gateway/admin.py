@@ -1,7 +1,8 @@
 """Admin endpoints (teams and keys, admin key only) and `GET /v1/usage` (a team's own usage).
 
 - `POST /admin/teams {id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd,
-  default_tier}` → 201; `GET /admin/teams[/{id}]`; `DELETE /admin/teams/{id}` (revokes its keys).
+  default_tier}` → 201; `GET /admin/teams[/{id}]`; `PUT /admin/teams/{id} {limits…}` sets its
+  limits; `DELETE /admin/teams/{id}` (revokes its keys).
 - `POST /admin/keys {team_id, name}` → 201 with the secret, shown this once;
   `GET /admin/keys[?team_id=]`; `DELETE /admin/keys/{id}` revokes.
 - `GET /v1/usage?date=YYYY-MM-DD` (or `start=&end=`, dates or unix seconds;
@@ -35,6 +36,15 @@ _TEAM_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 class TeamCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     id: str
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    daily_budget_usd: float | None = None
+    monthly_budget_usd: float | None = None
+    default_tier: str = "interactive"
+
+
+class TeamLimits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rpm: int | None = None
     tpm: int | None = None
     max_concurrent: int | None = None
@@ -87,6 +97,21 @@ async def list_teams(state: GatewayState, request: web.Request) -> web.Response:
             raise APIError(404, f"no team {request.match_info['id']!r}", code="not_found")
         return _json(team)
     return _json({"object": "list", "data": await state.store.list_teams()})
+
+
+async def update_team(state: GatewayState, request: web.Request) -> web.Response:
+    """`PUT /admin/teams/{id}`: the team's limits and default tier, all of them (a limit left
+    out is none). Its keys see the new limits at once on this gateway (the key cache forgets
+    the team), within [server] key_cache_ttl_s on others."""
+    require_admin(state, request)
+    tid = request.match_info["id"]
+    body: TeamLimits = await _body(request, TeamLimits)
+    team = validate_team(TeamCreate(id=tid, **msgspec.structs.asdict(body)))
+    updated = await state.store.update_team(team)
+    if updated is None:
+        raise APIError(404, f"no team {tid!r}", code="not_found")
+    state.keys.forget_team(tid)
+    return _json(updated)
 
 
 async def delete_team(state: GatewayState, request: web.Request) -> web.Response:

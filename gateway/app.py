@@ -149,6 +149,7 @@ def make_app(config: GatewayConfig) -> web.Application:
     r.add_post("/admin/teams", _bind(admin.create_team))
     r.add_get("/admin/teams", _bind(admin.list_teams))
     r.add_get("/admin/teams/{id}", _bind(admin.list_teams))
+    r.add_put("/admin/teams/{id}", _bind(admin.update_team))
     r.add_delete("/admin/teams/{id}", _bind(admin.delete_team))
     r.add_post("/admin/keys", _bind(admin.create_key))
     r.add_get("/admin/keys", _bind(admin.list_keys))

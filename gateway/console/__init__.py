@@ -98,6 +98,7 @@ def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
     r.add_get("/console/cluster", view(pages.cluster, "cluster", admin=True))
     r.add_get("/console/teams", view(pages.teams, "teams"))
     r.add_post("/console/teams", action(pages.create_team, "teams", admin=True))
+    r.add_post("/console/teams/limits", action(pages.set_limits, "teams", admin=True))
     r.add_post("/console/keys", action(pages.create_key, "teams", admin=True))
     r.add_post("/console/keys/{id}/revoke", action(pages.revoke_key, "teams", admin=True))
     r.add_get("/console/usage", view(pages.usage, "usage"))

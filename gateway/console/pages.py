@@ -120,14 +120,22 @@ LIMITS = (("rpm", "Requests per minute"), ("tpm", "Tokens per minute"), ("max_co
           ("daily_budget_usd", "Daily budget (USD)"), ("monthly_budget_usd", "Monthly budget (USD)"))  # fmt: skip
 
 
-def _team_form(s: Session) -> str:
-    fields = "".join(f'<label>{esc(label)} <input name="{k}" inputmode="decimal" autocomplete="off"></label>'
-                     for k, label in LIMITS)  # fmt: skip
-    return (f'<form method="post" action="/console/teams" class="card"><h2>Create a team</h2>{csrf_field(s)}'
-            f'<label>Team id <input name="id" required pattern="[A-Za-z0-9][A-Za-z0-9_.\\-]{{0,63}}" '
-            f'autocomplete="off"></label>{fields}<label>Default tier <select name="default_tier">'
-            f'<option>interactive</option><option>batch</option></select></label>'
-            f'<button type="submit">Create team</button></form>')  # fmt: skip
+def _limit_fields() -> str:
+    return ("".join(f'<label>{esc(label)} <input name="{k}" inputmode="decimal" autocomplete="off"></label>'
+                    for k, label in LIMITS)
+            + '<label>Default tier <select name="default_tier"><option>interactive</option><option>batch</option>'
+            "</select></label>")  # fmt: skip
+
+
+def _team_forms(s: Session, options: str) -> str:
+    create = (f'<form method="post" action="/console/teams" class="card"><h2>Create a team</h2>{csrf_field(s)}'
+              f'<label>Team id <input name="id" required pattern="[A-Za-z0-9][A-Za-z0-9_.\\-]{{0,63}}" '
+              f'autocomplete="off"></label>{_limit_fields()}<button type="submit">Create team</button></form>')  # fmt: skip
+    limits = (f'<form method="post" action="/console/teams/limits" class="card"><h2>Set a team\'s limits</h2>'
+              f'{csrf_field(s)}<label>Team <select name="id" required>{options}</select></label>'
+              f'<p class="muted">A limit left empty is no limit.</p>{_limit_fields()}'
+              f'<button type="submit">Set limits</button></form>')  # fmt: skip
+    return create + limits
 
 
 async def teams(state: GatewayState, request: web.Request, s: Session, shown: str = "") -> web.Response:
@@ -153,7 +161,7 @@ async def teams(state: GatewayState, request: web.Request, s: Session, shown: st
                 f'<button type="submit">Create key</button></form>')  # fmt: skip
     body = (shown + table("Teams", ["Team", *(label for _, label in LIMITS), "Default tier"], t_rows, raw=True)
             + table("Keys", ["Key id", "Team", "Name", "Created", "Action"], k_rows, raw=True)
-            + '<div class="forms">' + _team_form(s) + key_form + "</div>")  # fmt: skip
+            + '<div class="forms">' + _team_forms(s, options) + key_form + "</div>")  # fmt: skip
     return page("Teams and keys", "teams", body, s)
 
 
@@ -176,6 +184,15 @@ async def create_team(state: GatewayState, request: web.Request, s: Session, for
             body[k] = v
     t = await call(state, request, s, "POST", "/admin/teams", body=body)
     return await teams(state, request, s, notice(f"Team {t['id']} created."))
+
+
+async def set_limits(state: GatewayState, request: web.Request, s: Session, form: Any) -> web.Response:
+    tid = (form.get("id") or "").strip()
+    body: dict[str, Any] = {"default_tier": form.get("default_tier") or "interactive"}
+    for k, _ in LIMITS:
+        body[k] = _number(form, k)
+    t = await call(state, request, s, "PUT", f"/admin/teams/{tid}", body=body)
+    return await teams(state, request, s, notice(f"Limits of team {t['id']} set."))
 
 
 async def create_key(state: GatewayState, request: web.Request, s: Session, form: Any) -> web.Response:

@@ -140,9 +140,19 @@ def test_team_key_lifecycle_through_the_console(traced: Traced, browser: object)
     form.find_element("css selector", "button").click()
     wait_for(lambda: f"Team {TEAM} created" in text(d), 10, "the team")
     assert any(r.text.startswith(f"{TEAM} 600") for r in css(d, "table tbody tr"))
-    form = css(d, "form[action='/console/keys']")[0]
+    # set its limits (PUT /admin/teams/{id}); every field has a label
+    assert d.execute_script("return [...document.querySelectorAll('input:not([type=hidden]), select')]"  # type: ignore[attr-defined]
+                            ".filter(e => !e.labels || !e.labels.length).length") == 0
     from selenium.webdriver.support.select import Select
 
+    form = css(d, "form[action='/console/teams/limits']")[0]
+    Select(form.find_element("name", "id")).select_by_visible_text(TEAM)
+    form.find_element("name", "rpm").send_keys("1200")
+    form.find_element("css selector", "button").click()
+    wait_for(lambda: f"Limits of team {TEAM} set" in text(d), 10, "the limits")
+    assert http(f"{base}/admin/teams/{TEAM}")[2]["rpm"] == 1200
+    assert http(f"{base}/admin/teams/{TEAM}")[2]["daily_budget_usd"] is None  # left empty: no limit
+    form = css(d, "form[action='/console/keys']")[0]
     Select(form.find_element("name", "team_id")).select_by_visible_text(TEAM)
     form.find_element("name", "name").send_keys("from-the-console")
     form.find_element("css selector", "button").click()

@@ -54,7 +54,10 @@ def test_one_trace_spans_gateway_coordinator_prefill_and_decode(traced: Traced) 
     def child(name: str, service: str, parent: Span) -> Span:
         s = _one(spans, name, service)
         assert s.parent_id == parent.span_id, (name, by_id.get(s.parent_id or ""))
-        assert parent.start_ns <= s.start_ns and s.end_ns <= parent.end_ns + 1_000_000, name
+        assert parent.start_ns <= s.start_ns, name
+        # within a process a child ends before its parent; across one, a streamed server span
+        # may end after its client stopped reading at [DONE]
+        assert s.service != parent.service or s.end_ns <= parent.end_ns + 1_000_000, name
         return s
 
     for name in ("gateway.auth", "gateway.tokenize", "gateway.quota.reserve"):
