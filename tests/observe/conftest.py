@@ -65,7 +65,8 @@ def traced(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         gport = free_port()
         cfg = write_config(tmp / "gateway.toml", {MODEL: model}, server={"port": gport},
                            store={"url": f"sqlite://{tmp / 'gateway.db'}"},
-                           routing={"coordinator": [coord.url], "etcd": etcd.url})  # fmt: skip
+                           routing={"coordinator": [coord.url], "etcd": etcd.url},
+                           batch={"concurrency": 1, "poll_s": 0.1})  # one line at a time: a batch to cancel  # fmt: skip
         g = Proc([sys.executable, "-m", "duet", "gateway", "--config", str(cfg)], gport, tmp / "gateway.log",
                  env={"DUET_ADMIN_KEY": ADMIN_KEY, **env})  # fmt: skip
         with running(coord, p, d, g):

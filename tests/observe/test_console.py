@@ -13,6 +13,7 @@ Under CI=true a missing browser is a failure, never a skip.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -92,7 +93,13 @@ def sign_in(d: object, base: str, key: str) -> None:
 
 
 def text(d: object) -> str:
-    return css(d, "main")[0].text
+    """The page's main text ("" while a click's navigation replaces the page)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    try:
+        return d.execute_script("const m = document.querySelector('main'); return m ? m.innerText : ''")  # type: ignore[attr-defined]
+    except StaleElementReferenceException:
+        return ""
 
 
 def cookie_header(d: object) -> str:
@@ -127,6 +134,14 @@ def test_sign_in_and_see_the_nodes_live(traced: Traced, browser: object) -> None
     first = stamp()
     wait_for(lambda: stamp() != first, 15, "the live refresh")
     shot(d, "cluster")
+    # keyboard: the first Tab reaches the skip link, Enter moves focus to the content
+    from selenium.webdriver.common.keys import Keys
+
+    d.get(base + "/console/cluster")  # type: ignore[attr-defined]
+    css(d, "body")[0].send_keys(Keys.TAB)
+    assert d.switch_to.active_element.text == "Skip to content"  # type: ignore[attr-defined]
+    d.switch_to.active_element.send_keys(Keys.ENTER)  # type: ignore[attr-defined]
+    wait_for(lambda: d.switch_to.active_element.get_attribute("id") == "main", 5, "focus on the content")  # type: ignore[attr-defined]
 
 
 def test_team_key_lifecycle_through_the_console(traced: Traced, browser: object) -> None:
@@ -257,9 +272,30 @@ def test_a_team_key_sees_only_its_own_team(traced: Traced, browser: object) -> N
     gw_rid = next(s.attributes["duet.request_id"] for s in traced.receiver.spans
                   if s.attributes.get("duet.team") == "observe" and "duet.request_id" in s.attributes)  # fmt: skip
     assert get_raw(f"{base}/console/requests/{gw_rid}", cookie)[0] == 404
+
+
+def _batch(client: openai.OpenAI, n: int, max_tokens: int) -> str:
+    lines = [{"custom_id": f"c-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "messages": [{"role": "user", "content": f"batch line {i}"}],
+                       "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}} for i in range(n)]  # fmt: skip
+    f = client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()), purpose="batch")
+    return client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h").id
+
+
+def test_batches_show_progress_and_cancel(traced: Traced, browser: object) -> None:
+    d, base, client = browser, traced.gateway.url, traced.client()
+    small = _batch(client, 2, 2)
+    wait_for(lambda: client.batches.retrieve(small).status == "completed", 60, "the small batch")
+    big = _batch(client, 60, 32)  # one line at a time ([batch] concurrency = 1): long enough to cancel
+    sign_in(d, base, traced.key)
     d.get(base + "/console/batches")  # type: ignore[attr-defined]
-    assert "Batches" in text(d)
+    rows = {r.text.split()[0]: r for r in css(d, "table tbody tr")}
+    assert "completed" in rows[small].text and "2/2 (0 failed)" in rows[small].text
+    assert rows[small].find_element("css selector", "progress").get_attribute("value") == "2"
     shot(d, "batches")
+    css(d, f"form[action='/console/batches/{big}/cancel'] button")[0].click()
+    wait_for(lambda: f"Batch {big}: cancel" in text(d), 10, "the cancellation")
+    wait_for(lambda: client.batches.retrieve(big).status == "cancelled", 60, "the batch to stop")
 
 
 def test_console_refuses_a_post_without_its_csrf_token(traced: Traced, browser: object) -> None:
