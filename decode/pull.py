@@ -114,6 +114,8 @@ class Puller:
                     span.set_attributes({"duet.kv.outcome": pull.outcome.value, "duet.kv.blocks": moved if ok else 0,
                                          "duet.kv.bytes": moved * node.engine.kv_layout.block_bytes if ok else 0,
                                          "duet.kv.cached_blocks": self.stream.num_cached_blocks})  # fmt: skip
+                    if not ok:  # the fallback D takes: prefill here (recompute) or an error (fail)
+                        span.set_attributes({"duet.kv.fallback": node.config.failure_policy, "duet.kv.detail": pull.detail})
             self.leg.timing["transfer_s"] = time.monotonic() - t_reserved
             self._log(pull, len(local), t_reserved)
             return pull

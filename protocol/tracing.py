@@ -68,8 +68,9 @@ class TracingConfig:
     #: OTLP/HTTP base URL (…/v1/traces is added); None: the OTEL_EXPORTER_OTLP_* environment,
     #: and no export at all when that is unset
     endpoint: str | None = None
-    #: finished spans kept in memory (0: none; the gateway keeps them for its console)
-    ring_size: int = 0
+    #: finished spans kept in memory (0: none; None: the process's default — the gateway keeps
+    #: DEFAULT_RING for its console, the other processes none)
+    ring_size: int | None = None
     #: share of new traces sampled (a request that arrives with a sampled traceparent is kept)
     sample_ratio: float = 1.0
 
@@ -91,7 +92,8 @@ def from_env(ring_size: int = 0, base: TracingConfig | None = None) -> TracingCo
     base = base or TracingConfig()
     on = env_enabled()
     enabled = base.enabled if on is None else on
-    return TracingConfig(enabled=enabled, endpoint=base.endpoint, ring_size=base.ring_size or ring_size,
+    return TracingConfig(enabled=enabled, endpoint=base.endpoint,
+                         ring_size=ring_size if base.ring_size is None else base.ring_size,
                          sample_ratio=base.sample_ratio)  # fmt: skip
 
 
@@ -298,9 +300,11 @@ class Tracing:
         tc.on_request_start.append(inject)
         return [tc]
 
-    def middleware(self, skip: tuple[str, ...] = ("/health", "/metrics", "/kv/events")) -> list[Any]:
+    def middleware(self, skip: tuple[str, ...] = ("/health", "/metrics", "/kv/events", "/kv/snapshot", "/console",
+                                                  "/cluster")) -> list[Any]:  # fmt: skip
         """[] when off; else an aiohttp middleware opening a SERVER span per request, child of
-        the caller's traceparent (long-lived streams and probes are not traced)."""
+        the caller's traceparent. Probes, long-lived streams and what the console and `duet
+        status` poll are not traced: they would crowd out the requests in the ring."""
         if self._tracer is None:
             return []
         from aiohttp import web
@@ -359,7 +363,7 @@ def setup(service: str, cfg: TracingConfig) -> Tracing:
     provider = TracerProvider(resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or service}),
                               sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)))  # fmt: skip
     ring = None
-    if cfg.ring_size > 0:
+    if cfg.ring_size:
         ring = SpanRing(cfg.ring_size, service)
         provider.add_span_processor(ring)  # type: ignore[arg-type]
     endpoint = cfg.endpoint

@@ -21,7 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.console import charts
-from gateway.console.api import call
+from gateway.console.api import ApiFailed, call
 from gateway.console.render import csrf_field, esc, fragment, notice, page, table
 from gateway.console.session import Session
 from gateway.state import GatewayState
@@ -172,7 +172,7 @@ def _number(form: Any, name: str) -> float | int | None:
     try:
         v = float(raw)
     except ValueError:
-        raise web.HTTPBadRequest(text=f"{name} must be a number") from None
+        raise ApiFailed(400, f"{name} must be a number, got {raw!r}") from None
     return int(v) if v.is_integer() and name in ("rpm", "tpm", "max_concurrent") else v
 
 
@@ -221,7 +221,7 @@ def _range(request: web.Request) -> tuple[str, str]:
         try:
             time.strptime(v, "%Y-%m-%d")
         except ValueError:
-            raise web.HTTPBadRequest(text="start and end are dates: YYYY-MM-DD") from None
+            raise ApiFailed(400, "start and end are dates: YYYY-MM-DD") from None
     return start, end
 
 
@@ -300,7 +300,7 @@ async def usage_csv(state: GatewayState, request: web.Request, s: Session) -> we
     start, end = _range(request)
     group_by = request.query.get("group_by", "record")
     if group_by not in CSV_GROUPS:
-        raise web.HTTPBadRequest(text=f"group_by is one of {', '.join(CSV_GROUPS)}")
+        raise ApiFailed(400, f"group_by is one of {', '.join(CSV_GROUPS)}")
     data = await call(state, request, s, "GET", "/v1/usage", query=_query(s, request, start, end, group_by))
     name = f"usage-{start}-{end}-{group_by}.csv"
     return web.Response(text=usage_csv_text(data["data"]), content_type="text/csv",

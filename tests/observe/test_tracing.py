@@ -9,7 +9,7 @@ counts and the KV bytes moved in their attributes (GenAI semantic-convention nam
 
 from __future__ import annotations
 
-from protocol.tracing import Tracing, TracingConfig, env_enabled, setup
+from protocol.tracing import DEFAULT_RING, Tracing, TracingConfig, env_enabled, from_env, setup
 from tests.gateway.helpers import metric
 from tests.observe.conftest import MODEL, Traced
 from tests.observe.otlp import Span
@@ -131,5 +131,8 @@ def test_gateway_tracing_section_is_parsed_and_checked() -> None:
     cfg = parse_config({"models": models, "tracing": {"enabled": True, "endpoint": "http://otel:4318", "ring_size": 10}})
     assert cfg.tracing == TracingConfig(enabled=True, endpoint="http://otel:4318", ring_size=10)
     assert parse_config({"models": models}).tracing.enabled is False
+    # the gateway keeps a ring by default; ring_size = 0 turns it off
+    assert from_env(DEFAULT_RING, parse_config({"models": models}).tracing).ring_size == DEFAULT_RING
+    assert from_env(DEFAULT_RING, TracingConfig(enabled=True, ring_size=0)).ring_size == 0
     with pytest.raises(ConfigError, match=r"\[tracing\] has unknown keys: enable"):
         parse_config({"models": models, "tracing": {"enable": True}})
