@@ -127,7 +127,8 @@ def make_app(config: CoordinatorConfig, store: Store | None = None, *,
 
 def _app(coordinator: Coordinator) -> web.Application:
     tracing = setup("duet-coordinator", from_env())
-    app = web.Application(middlewares=[*tracing.middleware(), error_middleware(log)], client_max_size=16 * 2**20)
+    app = web.Application(middlewares=[error_middleware(log)], client_max_size=16 * 2**20)
+    tracing.install(app)
     app[COORDINATOR] = coordinator
     app[TRACING] = tracing
 

@@ -47,7 +47,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="a node whose last load report is older than this gets no new routes")
     p.add_argument("--ttl", type=int, default=NODE_TTL_S, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="INFO")
-    p.add_argument("--trace", action="store_true", help="OpenTelemetry tracing on (as DUET_TRACING=1; spans go to $OTEL_EXPORTER_OTLP_ENDPOINT when set)")
     p.set_defaults(func=_run_coordinator)
 
     d = sub.add_parser("drain", help="drain a node: no new routes, finish its work (see --help)",

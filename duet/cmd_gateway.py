@@ -38,7 +38,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--etcd", default=None, help="etcd endpoint to find coordinators and nodes from")
     g.add_argument("--store", default=None, help="sqlite:///PATH or postgresql://... (overrides [store] url)")
     g.add_argument("--log-level", default="INFO")
-    g.add_argument("--trace", action="store_true", help="OpenTelemetry tracing on (as DUET_TRACING=1; spans go to $OTEL_EXPORTER_OTLP_ENDPOINT when set)")
     g.set_defaults(func=_gateway)
 
     t = sub.add_parser("teams", help="create, list and delete gateway teams (in the gateway's store)")

@@ -35,7 +35,6 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
     g.add_argument("--advertise-host", default=None, help="address peers use to reach this node")
     g.add_argument("--node-id", default=None, help="stable id (default: ROLE-HOSTNAME-PORT)")
     g.add_argument("--log-level", default="INFO")
-    g.add_argument("--trace", action="store_true", help="OpenTelemetry tracing on (as DUET_TRACING=1; spans go to $OTEL_EXPORTER_OTLP_ENDPOINT when set)")
     e = p.add_argument_group("engine")
     e.add_argument("--kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides --kv-memory)")
     e.add_argument("--kv-memory", default="1GiB", help="KV pool size in bytes, e.g. 512MiB")

@@ -68,8 +68,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="extra `duet node` flag, repeatable (e.g. --node-arg=--max-num-seqs=64)")
     p.add_argument("--cluster", default=None, help="cluster name in etcd (default 'default')")
     p.add_argument("--quiet", action="store_true", help="no merged log tail on the terminal")
-    p.add_argument("--trace", action="store_true", help="OpenTelemetry tracing in every process (as DUET_TRACING=1; "
-                   "spans go to $OTEL_EXPORTER_OTLP_ENDPOINT when set, and the gateway's console shows them)")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds every stage may take to be healthy (default 600)")
     r = p.add_argument_group("restarts (a [restart] table in cluster.toml sets all of them)")
     r.add_argument("--max-restarts", type=int, default=None, metavar="N",

@@ -125,8 +125,8 @@ def make_app(config: GatewayConfig) -> web.Application:
         raise ConfigError(f"$DUET_ADMIN_KEY is {len(admin_key)} characters; an admin key needs at least {MIN_ADMIN_KEY} "
                           "(generate one: python -c 'import secrets; print(secrets.token_urlsafe(32))')")  # fmt: skip
     tracing = setup("duet-gateway", from_env(DEFAULT_RING, config.tracing))
-    app = web.Application(middlewares=[_request_id, *tracing.middleware(), errors],
-                          client_max_size=config.server.max_body_bytes)  # fmt: skip
+    app = web.Application(middlewares=[_request_id, errors], client_max_size=config.server.max_body_bytes)
+    tracing.install(app, after=_request_id)
     metrics = GatewayMetrics()
     store = open_store(config.store_url)
     app[STATE] = GatewayState(config=config, store=store, metrics=metrics,

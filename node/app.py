@@ -152,8 +152,8 @@ def make_app(state: NodeState) -> web.Application:
     """The node app; `state` holds an engine that is built but not started, and the roles
     registered for this node."""
     errors = error_middleware(log, _translate, _rid)
-    app = web.Application(middlewares=[_request_id, *state.tracing.middleware(), errors, _draining],
-                          client_max_size=max_body_bytes(state.engine.max_model_len))  # fmt: skip
+    app = web.Application(middlewares=[_request_id, errors, _draining], client_max_size=max_body_bytes(state.engine.max_model_len))
+    state.tracing.install(app, after=_request_id)
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
 

@@ -339,6 +339,12 @@ class Tracing:
 
         return [traced]
 
+    def install(self, app: web.Application, after: Any = None) -> None:
+        """Put `middleware()` into `app`'s chain right after `after` (else first): a no-op when off."""
+        at = app.middlewares.index(after) + 1 if after is not None else 0
+        for m in reversed(self.middleware()):
+            app.middlewares.insert(at, m)
+
     def shutdown(self) -> None:
         """Flush what is queued for export (at process exit)."""
         for _, (span, _) in list(self._deferred.items()):
