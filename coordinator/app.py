@@ -126,10 +126,10 @@ def make_app(config: CoordinatorConfig, store: Store | None = None, *,
 
 
 def _app(coordinator: Coordinator) -> web.Application:
-    tracing = setup("duet-coordinator", from_env())
     app = web.Application(middlewares=[error_middleware(log)], client_max_size=16 * 2**20)
-    tracing.install(app)
     app[COORDINATOR] = coordinator
+    tracing = setup("duet-coordinator", from_env())
+    tracing.install(app, at=len(app.middlewares) - 1)  # just before the error middleware
     app[TRACING] = tracing
 
     async def flush(_: web.Application) -> None:

@@ -124,16 +124,16 @@ def make_app(config: GatewayConfig) -> web.Application:
     if admin_key is not None and len(admin_key) < MIN_ADMIN_KEY:
         raise ConfigError(f"$DUET_ADMIN_KEY is {len(admin_key)} characters; an admin key needs at least {MIN_ADMIN_KEY} "
                           "(generate one: python -c 'import secrets; print(secrets.token_urlsafe(32))')")  # fmt: skip
-    tracing = setup("duet-gateway", from_env(DEFAULT_RING, config.tracing))
     app = web.Application(middlewares=[_request_id, errors], client_max_size=config.server.max_body_bytes)
-    tracing.install(app, after=_request_id)
     metrics = GatewayMetrics()
     store = open_store(config.store_url)
     app[STATE] = GatewayState(config=config, store=store, metrics=metrics,
                               writer=UsageWriter(store, metrics, config.quotas.usage_batch),
                               admission=Admission(config.tiers, metrics),
-                              keys=KeyCache(store, config.server.key_cache_ttl_s), tracing=tracing)  # fmt: skip
+                              keys=KeyCache(store, config.server.key_cache_ttl_s))  # fmt: skip
     state = app[STATE]
+    state.tracing = setup("duet-gateway", from_env(DEFAULT_RING, config.tracing))
+    state.tracing.install(app, after=_request_id)
     state.provider_metrics = register_provider_metrics(metrics.registry, lambda: [
         m.backend.provider for m in state.models.values() if isinstance(m.backend, ProviderBackend)])  # fmt: skip
     app.cleanup_ctx.append(_lifecycle)
@@ -212,8 +212,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     s.etcd_view = view
     s.coordinator_urls = lambda: list(rc.coordinator) + [u for u in (view.coordinators if view else [])
                                                          if u not in rc.coordinator]  # fmt: skip
-    cluster = ClusterBackend(nodes, router, load, rc, on_retry=lambda k: s.metrics.retries.labels(kind=k).inc(),
-                             tracing=s.tracing)  # fmt: skip
+    cluster = ClusterBackend(nodes, router, load, rc, on_retry=lambda k: s.metrics.retries.labels(kind=k).inc())
+    cluster.tracing = s.tracing
     for name, m in cfg.models.items():
         if m.kind == "cluster":
             assert m.tokenizer is not None

@@ -262,6 +262,8 @@ class BatchSettings:
 class GatewayConfig:
     models: dict[str, ModelConfig]
     store_url: str = ""
+    #: OpenTelemetry ([tracing]: enabled, endpoint, ring_size, sample_ratio; protocol/tracing.py)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     server: ServerConfig = ServerConfig()
     routing: RoutingConfig = RoutingConfig()
     tiers: TierConfig = TierConfig()
@@ -269,8 +271,6 @@ class GatewayConfig:
     auto: AutoConfig | None = None
     teams: dict[str, TeamPolicy] = field(default_factory=dict)
     batch: BatchSettings = BatchSettings()
-    #: OpenTelemetry ([tracing]: enabled, endpoint, ring_size, sample_ratio; protocol/tracing.py)
-    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def team_policy(self, team_id: str) -> TeamPolicy:
         return self.teams.get(team_id) or self.teams.get("*") or TeamPolicy()

@@ -153,9 +153,9 @@ def make_app(state: NodeState) -> web.Application:
     registered for this node."""
     errors = error_middleware(log, _translate, _rid)
     app = web.Application(middlewares=[_request_id, errors, _draining], client_max_size=max_body_bytes(state.engine.max_model_len))
-    state.tracing.install(app, after=_request_id)
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
+    state.tracing.install(app, after=_request_id)
 
     def bind(fn: Callable[[NodeState, web.Request], Awaitable[web.StreamResponse]]) -> Handler:
         async def h(request: web.Request) -> web.StreamResponse:

@@ -339,9 +339,11 @@ class Tracing:
 
         return [traced]
 
-    def install(self, app: web.Application, after: Any = None) -> None:
-        """Put `middleware()` into `app`'s chain right after `after` (else first): a no-op when off."""
-        at = app.middlewares.index(after) + 1 if after is not None else 0
+    def install(self, app: web.Application, after: Any = None, at: int = 0) -> None:
+        """Put `middleware()` into `app`'s chain right after `after` (else at `at`): a no-op when
+        off. Called once the app's own chain is built."""
+        if after is not None:
+            at = app.middlewares.index(after) + 1
         for m in reversed(self.middleware()):
             app.middlewares.insert(at, m)
 
