@@ -22,12 +22,13 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import admin, batch_wiring, console, serve
+from gateway import admin, batch_wiring, serve
 from gateway.auth import MIN_ADMIN_KEY, authenticate, bearer, is_admin
 from gateway.backend import Backend
 from gateway.choice import ModelChoice
 from gateway.cluster import ClusterBackend
 from gateway.config import AUTO, ConfigError, GatewayConfig, ModelConfig, StaticNodes
+from gateway.console import install as install_console
 from gateway.etcd_view import EtcdView
 from gateway.key_cache import KeyCache
 from gateway.loop_lag import LoopLag
@@ -154,7 +155,7 @@ def make_app(config: GatewayConfig) -> web.Application:
     r.add_post("/admin/keys", _bind(admin.create_key))
     r.add_get("/admin/keys", _bind(admin.list_keys))
     r.add_delete("/admin/keys/{id}", _bind(admin.revoke_key))
-    console.install(app, STATE)  # /console: the operator console (gateway/console)
+    install_console(app, STATE)  # /console: the operator console (gateway/console)
     return app
 
 
