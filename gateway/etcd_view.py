@@ -50,21 +50,21 @@ class EtcdView:
         self.interval_s = interval_s
         self.coordinators: list[str] = []
         self.nodes: dict[str, StaticNodes] = {}
+        self.loaded = asyncio.Event()
         #: every registration as last read (the console's cluster page)
         self.infos: tuple[NodeInfo, ...] = ()
         #: unix time of the last successful read, and the last read's error (None: it worked)
         self.read_at: float | None = None
         self.error: str | None = None
-        self.loaded = asyncio.Event()
 
     def pool(self, model: str) -> StaticNodes | None:
         return self.nodes.get(model)
 
     def apply(self, snap: ClusterSnapshot) -> None:
-        self.coordinators = snap.coordinators
-        self.nodes = pools_from(snap.nodes)
         self.infos = snap.nodes
         self.read_at, self.error = time.time(), None
+        self.coordinators = snap.coordinators
+        self.nodes = pools_from(snap.nodes)
         self.loaded.set()
 
     async def refresh(self) -> None:
