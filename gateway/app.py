@@ -214,7 +214,6 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     s.coordinator_urls = lambda: list(rc.coordinator) + [u for u in (view.coordinators if view else [])
                                                          if u not in rc.coordinator]  # fmt: skip
     cluster = ClusterBackend(nodes, router, load, rc, on_retry=lambda k: s.metrics.retries.labels(kind=k).inc())
-    cluster.tracing = s.tracing
     for name, m in cfg.models.items():
         if m.kind == "cluster":
             assert m.tokenizer is not None
@@ -223,6 +222,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         else:
             s.models[name] = ServedModel(m, _external_backend(m, s), None, m.max_model_len or 1 << 20)
     s.choice = ModelChoice(cfg, s.models)
+    cluster.tracing = s.tracing
     writer = s.writer.lifecycle()
     await writer.__anext__()
     sweeper = asyncio.ensure_future(_sweep(s))
