@@ -24,22 +24,29 @@ class ApiFailed(Exception):
         self.message = message
 
 
-def own_url(request: web.Request) -> str:
-    """This gateway, as reached on the socket the request came in on."""
-    sock = request.transport.get_extra_info("sockname") if request.transport is not None else None
-    if not sock:
+def own_url(request: web.Request) -> tuple[str, bool]:
+    """This gateway, as reached on the socket the request came in on, and whether that socket
+    speaks TLS."""
+    transport = request.transport
+    sock = transport.get_extra_info("sockname") if transport is not None else None
+    if not sock or transport is None:
         raise ApiFailed(503, "the console cannot tell which address this gateway listens on")
     host, port = sock[0], sock[1]
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    tls = transport.get_extra_info("sslcontext") is not None
+    scheme = "https" if tls else "http"
+    return (f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"), tls
 
 
 async def call(state: GatewayState, request: web.Request, session: Session, method: str, path: str, *,
                query: dict[str, str] | None = None, body: Any = None) -> Any:  # fmt: skip
     """The API's JSON answer, or ApiFailed with its status and message."""
     assert state.session is not None
-    async with state.session.request(method, own_url(request) + path, params=query, timeout=_TIMEOUT,
+    base, tls = own_url(request)
+    # over TLS, to this very socket by its address: its certificate names the gateway's host,
+    # not the address, and the peer is this process (no verification to gain)
+    async with state.session.request(method, base + path, params=query, timeout=_TIMEOUT, ssl=not tls,
                                      data=None if body is None else json.dumps(body),
                                      headers={"Authorization": f"Bearer {session.key}",
                                               "Content-Type": "application/json"}) as r:  # fmt: skip

@@ -169,9 +169,10 @@ def test_team_key_lifecycle_through_the_console(traced: Traced, browser: object)
     assert http(f"{base}/admin/teams/{TEAM}")[2]["daily_budget_usd"] is None  # left empty: no limit
     form = css(d, "form[action='/console/keys']")[0]
     Select(form.find_element("name", "team_id")).select_by_visible_text(TEAM)
-    form.find_element("name", "name").send_keys("from-the-console")
+    form.find_element("name", "name").send_keys("<b>console</b>")  # a name is text, never markup
     form.find_element("css selector", "button").click()
     wait_for(lambda: css(d, "#new-key"), 10, "the new key")
+    assert "<b>console</b>" in text(d) and not css(d, "table b")
     key, key_id = css(d, "#new-key")[0].get_attribute("value"), css(d, "#new-key-id")[0].text
     assert key.startswith("sk-duet-") and key not in d.current_url  # type: ignore[attr-defined]
     shot(d, "teams")
