@@ -45,9 +45,9 @@ from protocol.tracing import (
     GEN_AI_INPUT_TOKENS,
     GEN_AI_OPERATION,
     GEN_AI_OUTPUT_TOKENS,
+    GEN_AI_PROVIDER,
     GEN_AI_REQUEST_MODEL,
     GEN_AI_RESPONSE_MODEL,
-    GEN_AI_SYSTEM,
 )
 
 log = logging.getLogger("duet.gateway")
@@ -92,7 +92,7 @@ async def run(state: GatewayState, caller: Caller, raw: bytes, endpoint: Endpoin
     headers: dict[str, str] = {}
     served = _auto(state, req, tier, policy, headers) if _is_auto(state, req) else _named(state, req, caller, policy)
     tr = state.tracing
-    tr.annotate({GEN_AI_OPERATION: "chat" if endpoint == Endpoint.CHAT else "text_completion", GEN_AI_SYSTEM: "duet",
+    tr.annotate({GEN_AI_OPERATION: "chat" if endpoint == Endpoint.CHAT else "text_completion", GEN_AI_PROVIDER: "duet",
                  GEN_AI_REQUEST_MODEL: req.model, "duet.request_id": caller.request_id, "duet.team": caller.team.id,
                  "duet.tier": tier, "duet.stream": req.stream})  # fmt: skip
     with tr.span("gateway.tokenize", {GEN_AI_REQUEST_MODEL: served.config.name}) as span:

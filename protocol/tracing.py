@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import Span
 
 GEN_AI_OPERATION = "gen_ai.operation.name"
-GEN_AI_SYSTEM = "gen_ai.provider.name"
+GEN_AI_PROVIDER = "gen_ai.provider.name"
 GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
 GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
 GEN_AI_MAX_TOKENS = "gen_ai.request.max_tokens"
