@@ -148,9 +148,11 @@ def _get(url: str, key: str | None = None, timeout: float = 10.0) -> Any:
 
 def kv_held(state: dict[str, Any]) -> dict[str, int] | None:
     """Blocks in use per node (total − free), from any coordinator replica that answers."""
+    secret = Path(state["home"]) / "up" / "cluster.secret" if state.get("home") else None
+    key = secret.read_text().strip() if secret is not None and secret.exists() else None  # duet up's
     for url in state.get("coordinators", []):
         with contextlib.suppress(urllib.error.URLError, OSError, ValueError, KeyError):
-            nodes = _get(url + "/cluster")["nodes"]
+            nodes = _get(url + "/cluster", key)["nodes"]
             return {n["node_id"]: n["load"]["kv_blocks_total"] - n["load"]["kv_blocks_free"]
                     for n in nodes if n.get("load")}  # fmt: skip
     return None

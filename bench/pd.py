@@ -26,6 +26,7 @@ import json
 import os
 import random
 import re
+import secrets
 import statistics
 import sys
 import tempfile
@@ -37,6 +38,7 @@ import aiohttp
 from bench.pd_client import Result, completion, disaggregated
 from bench.procs import duet_node, running
 from bench.stats import spread
+from protocol.cluster_secret import read_secret_file, write_secret_file
 from protocol.models import DEFAULT_MODEL, resolve_model
 from protocol.tokenizer import Tokenizer
 
@@ -160,10 +162,10 @@ def _prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
 
 
 async def _measure(send: Any, lengths: list[int], reps: int, vocab: int, params: dict[str, Any],
-                   seed: int) -> dict[int, list[Result]]:  # fmt: skip
+                   seed: int, headers: dict[str, str] | None = None) -> dict[int, list[Result]]:  # fmt: skip
     rng = random.Random(seed)
     out: dict[int, list[Result]] = {}
-    async with aiohttp.ClientSession() as s:
+    async with aiohttp.ClientSession(headers=headers) as s:  # the nodes only: the cluster secret
         for _ in range(2):  # warm-up: first-touch allocations, kernel load, peer handshake
             await send(s, _prompt(rng, vocab, 64), params)
         for n in lengths:
@@ -191,18 +193,23 @@ def main(argv: list[str] | None = None) -> int:
               "--transport", args.transport, "--max-num-batched-tokens", "1024")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-pd-") as tmp:
         logs = Path(tmp)
+        # The nodes run as a cluster does, behind a cluster secret that this client sends.
+        secret = logs / "cluster.secret"
+        write_secret_file(secret, secrets.token_urlsafe(32))
+        common = (*common, "--cluster-secret-file", str(secret))
+        headers = read_secret_file(secret).headers
         print(f"disaggregated: P on cpus {p_cpus}, D on cpus {d_cpus}", file=sys.stderr)
         p = duet_node("prefill", args.model, logs, *common, "--cpus", p_cpus, threads=_count(p_cpus))
         d = duet_node("decode", args.model, logs, *common, "--cpus", d_cpus, threads=_count(d_cpus))
         with running(p, d):
             pd = asyncio.run(_measure(lambda s, x, prm: disaggregated(s, p.url, d.url, x, prm),
-                                      lengths, args.reps, vocab, params, seed=1))  # fmt: skip
+                                      lengths, args.reps, vocab, params, seed=1, headers=headers))  # fmt: skip
             transport_line = check_pulls(d.log(), args.transport, {"prefill": p.log(), "decode": d.log()})
         print(f"colocated: one node on cpus {both_cpus}", file=sys.stderr)
         c = duet_node("both", args.model, logs, *common, "--cpus", both_cpus, threads=_count(both_cpus))
         with running(c):
             co = asyncio.run(_measure(lambda s, x, prm: completion(s, c.url, x, prm),
-                                      lengths, args.reps, vocab, params, seed=1))  # fmt: skip
+                                      lengths, args.reps, vocab, params, seed=1, headers=headers))  # fmt: skip
     report: dict[str, Any] = {
         "model": ref.name, "dtype": args.dtype, "transport": args.transport, "reps": args.reps,
         "max_tokens": args.max_tokens, "quick": args.quick, "prefill_cpus": p_cpus, "decode_cpus": d_cpus,

@@ -13,9 +13,11 @@ unexpected exception is a logged 500, never a dead replica.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
 import msgspec
 from aiohttp import web
@@ -100,12 +102,13 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def make_app(config: CoordinatorConfig, store: Store | None = None, *,
-             coordinator: Coordinator | None = None) -> web.Application:  # fmt: skip
+def make_app(config: CoordinatorConfig, store: Store | None = None, *, coordinator: Coordinator | None = None,
+             background: Sequence[Callable[[Coordinator], Awaitable[None]]] = ()) -> web.Application:  # fmt: skip
     """The coordinator app; `store` defaults to an EtcdStore on `config.etcd`.
 
     With `coordinator`, the app serves that (already populated) state and starts nothing
-    against etcd: the caller owns it (benchmarks, embedding)."""
+    against etcd: the caller owns it (benchmarks, embedding). `background`: coroutines run
+    beside the replica while it serves, given it (the composition root passes the planner)."""
     if coordinator is not None:
         return _app(coordinator)
     if store is None:
@@ -117,7 +120,13 @@ def make_app(config: CoordinatorConfig, store: Store | None = None, *,
 
     async def lifecycle(_: web.Application) -> AsyncIterator[None]:
         await coordinator.start()
+        tasks = [asyncio.create_task(run(coordinator), name="coordinator-background") for run in background]
         yield
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
         await coordinator.stop()
         await store.close()
 
@@ -126,7 +135,9 @@ def make_app(config: CoordinatorConfig, store: Store | None = None, *,
 
 
 def _app(coordinator: Coordinator) -> web.Application:
-    app = web.Application(middlewares=[error_middleware(log)], client_max_size=16 * 2**20)
+    # The cluster secret first: a request without it reaches nothing (protocol/cluster_secret.py).
+    auth = coordinator.config.security.middlewares()
+    app = web.Application(middlewares=[*auth, error_middleware(log)], client_max_size=16 * 2**20)
     app[COORDINATOR] = coordinator
     tracing = setup("duet-coordinator", from_env())
     tracing.install(app, at=len(app.middlewares) - 1)  # just before the error middleware

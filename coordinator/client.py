@@ -72,12 +72,14 @@ def _retry_after(value: str | None) -> float | None:
 
 class RouteClient:
     def __init__(self, urls: Sequence[str] | Callable[[], Sequence[str]], session: aiohttp.ClientSession,
-                 timeout: float = 2.0) -> None:  # fmt: skip
+                 timeout: float = 2.0, auth: dict[str, str] | None = None) -> None:  # fmt: skip
         if not callable(urls) and not urls:
             raise ValueError("RouteClient needs at least one coordinator URL")
         fixed = None if callable(urls) else [u.rstrip("/") for u in urls]
         self._urls: Callable[[], Sequence[str]] = urls if fixed is None else (lambda: fixed)  # type: ignore[assignment]
         self.session = session
+        #: the cluster secret's header (protocol/plane.py): on every request, the session's or not
+        self._auth = dict(auth or {})
         self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 1.0))
         #: the replica that answered last goes first next time
         self._preferred: str | None = None
@@ -100,7 +102,7 @@ class RouteClient:
         if not urls:
             raise CoordinatorUnavailable("no coordinator replica is known")
         body = self._encoder.encode(req)
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", **self._auth}
         if req.request_id:
             headers["X-Request-Id"] = req.request_id
         failures: list[str] = []

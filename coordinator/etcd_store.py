@@ -14,6 +14,8 @@ from typing import Any
 
 import aetcd
 
+from coordinator.etcd_auth import EtcdAuth
+from coordinator.etcd_tls import make_client
 from coordinator.store import KeyValue, StoreError, WatchEvent, parse_etcd_url
 
 
@@ -22,7 +24,8 @@ def _kv(kv: Any) -> KeyValue:
 
 
 class EtcdStore:
-    def __init__(self, url: str, timeout: float = 5.0) -> None:
+    def __init__(self, url: str, timeout: float = 5.0, auth: EtcdAuth | None = None) -> None:
+        """`auth`: TLS and user settings (default: this process's, coordinator/etcd_auth.py)."""
         host, port = parse_etcd_url(url)
         self.url = url
         self.timeout = timeout
@@ -31,7 +34,7 @@ class EtcdStore:
         options = {"grpc.initial_reconnect_backoff_ms": 200, "grpc.min_reconnect_backoff_ms": 200,
                    "grpc.max_reconnect_backoff_ms": 1000, "grpc.keepalive_time_ms": 5000,
                    "grpc.keepalive_timeout_ms": 3000}  # fmt: skip
-        self._client = aetcd.Client(host=host, port=port, timeout=timeout, options=options)
+        self._client = make_client(host, port, url.startswith("https://"), timeout, options, auth)
 
     async def _call(self, coro: Any) -> Any:
         try:

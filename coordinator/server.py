@@ -13,11 +13,12 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
 from coordinator.app import make_app
-from coordinator.service import CoordinatorConfig
+from coordinator.service import Coordinator, CoordinatorConfig
 from protocol.http_errors import AppRunner
 
 log = logging.getLogger("duet.coordinator")
@@ -25,12 +26,19 @@ log = logging.getLogger("duet.coordinator")
 SHUTDOWN_GRACE_S = 15.0
 
 
-async def serve(cfg: CoordinatorConfig) -> int:
-    app = make_app(cfg)
+async def serve(cfg: CoordinatorConfig, background: Sequence[Callable[[Coordinator], Awaitable[None]]] = ()) -> int:
+    from protocol.cluster_secret import SecretError
+
+    try:
+        cfg.security.check_start([cfg.host], "this coordinator")
+    except SecretError as e:
+        print(f"duet coordinator: {e}", file=sys.stderr)
+        return 2
+    app = make_app(cfg, background=background)
     # HTTP parser errors answered in the same error body as /route's own (protocol.http_errors).
     runner = AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port)
+    site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=cfg.security.server_ssl())
     try:
         await site.start()
     except OSError as e:
@@ -41,7 +49,7 @@ async def serve(cfg: CoordinatorConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"duet coordinator ready on http://{cfg.host}:{cfg.port} replica_id={cfg.resolved_replica_id} "
+    print(f"duet coordinator ready on {cfg.security.scheme}://{cfg.host}:{cfg.port} replica_id={cfg.resolved_replica_id} "
           f"cluster={cfg.cluster} etcd={cfg.etcd}", flush=True)  # fmt: skip
     await stop.wait()
     log.info("shutting down")
@@ -62,5 +70,6 @@ def _force_exit() -> None:
     os._exit(0)
 
 
-def run_coordinator(cfg: CoordinatorConfig) -> int:
-    return asyncio.run(serve(cfg))
+def run_coordinator(cfg: CoordinatorConfig,
+                    background: Sequence[Callable[[Coordinator], Awaitable[None]]] = ()) -> int:  # fmt: skip
+    return asyncio.run(serve(cfg, background))

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ from protocol.cluster import (
     PendingReport,
 )
 from protocol.openai import APIError
+from protocol.plane import PlaneSecurity
 from protocol.route import RouteRequest
 
 log = logging.getLogger("duet.coordinator")
@@ -55,6 +57,8 @@ class CoordinatorConfig:
     #: lease TTL of this replica's membership and leadership (seconds)
     ttl: int = NODE_TTL_S
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    #: cluster secret, TLS and /metrics policy of the internal plane (protocol/plane.py)
+    security: PlaneSecurity = field(default_factory=PlaneSecurity)
 
     def __post_init__(self) -> None:
         if self.index_max_blocks < 1:
@@ -71,7 +75,7 @@ class CoordinatorConfig:
     @property
     def url(self) -> str:
         host = socket.gethostname() if self.host in ("0.0.0.0", "::", "") else self.host
-        return self.advertise_url or f"http://{host}:{self.port}"
+        return self.advertise_url or f"{self.security.scheme}://{host}:{self.port}"
 
 
 class Coordinator:
@@ -89,11 +93,13 @@ class Coordinator:
         self.registry = Registry(store, config.cluster, on_sync=self._on_sync, on_put=self._on_put,
                                  on_delete=self._on_delete, on_connected=self._on_connected)  # fmt: skip
         self.session: aiohttp.ClientSession | None = None
+        #: told of every routing decision (the planner's rate meters); must not raise or block
+        self.route_observers: list[Callable[[RouteRequest, Decision], None]] = []
         self._background: list[asyncio.Task[None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        self.session = aiohttp.ClientSession()
+        self.session = self.config.security.client_session()  # nodes' /kv/events, with the secret
         self._background = [asyncio.create_task(self.registry.run(), name="registry"),
                             asyncio.create_task(self.election.run(), name="election")]  # fmt: skip
 
@@ -162,6 +168,8 @@ class Coordinator:
         for node_id, (seqs, tokens, blocks) in decision.pending.items():
             self.views[node_id].add_pending(now, seqs, tokens, blocks)
         self.metrics.decisions.labels(decision.outcome).inc()
+        for observe in self.route_observers:
+            observe(req, decision)
         return decision
 
     # -- views -----------------------------------------------------------------------------

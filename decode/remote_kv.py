@@ -40,8 +40,10 @@ class PeerUnreachable(Exception):
 
 class RemoteKV:
     def __init__(self, transport: Transport, session: aiohttp.ClientSession, timeout: float,
-                 policy: PeerPolicy) -> None:  # fmt: skip
+                 policy: PeerPolicy, scheme: str = "http") -> None:  # fmt: skip
         self.transport = transport
+        #: http, or https when the plane runs TLS; the session carries the cluster secret
+        self.scheme = scheme
         self.session = session
         self.timeout = timeout
         self.policy = policy
@@ -69,7 +71,7 @@ class RemoteKV:
     async def _connect(self, engine_id: str, host: str, port: int, named: tuple[str, ...]) -> Peer:
         from kvtransfer import TransferError, decode_metadata
 
-        url = f"http://{_netloc(host, port)}/kv/metadata"
+        url = f"{self.scheme}://{_netloc(host, port)}/kv/metadata"
         try:
             async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
                 if r.status != 200:
@@ -100,7 +102,7 @@ class RemoteKV:
 
     async def release(self, host: str, port: int, request_id: str, block_ids: list[int] | None) -> int:
         """Tell the prefill node it may free the blocks; returns its HTTP status (0: unreachable)."""
-        url = f"http://{_netloc(host, port)}/kv/release"
+        url = f"{self.scheme}://{_netloc(host, port)}/kv/release"
         try:
             body = msgspec.json.encode(KVReleaseRequest(request_id=request_id, block_ids=block_ids))
             async with self.session.post(url, data=body, headers=_JSON, timeout=aiohttp.ClientTimeout(total=5)) as r:

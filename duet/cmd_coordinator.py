@@ -7,6 +7,8 @@ import asyncio
 import sys
 import time
 
+from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
+from duet.security_args import add_server_arguments, plane_security
 from protocol.cluster import DEFAULT_CLUSTER, NODE_TTL_S
 
 COORDINATOR_HELP = """\
@@ -32,6 +34,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                        description=COORDINATOR_HELP, formatter_class=_Formatter)  # fmt: skip
     p.add_argument("--etcd", default="http://127.0.0.1:2379", metavar="URL", help="etcd client URL")
     p.add_argument("--cluster", default=DEFAULT_CLUSTER, help="cluster name (etcd key prefix /duet/NAME/)")
+    add_etcd_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8400)
     p.add_argument("--advertise-url", default=None, help="URL gateways use to reach this replica")
@@ -47,6 +50,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="a node whose last load report is older than this gets no new routes")
     p.add_argument("--ttl", type=int, default=NODE_TTL_S, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="INFO")
+    add_server_arguments(p)
+    from planner.cli import add_args as add_planner_args
+
+    add_planner_args(p)
     p.set_defaults(func=_run_coordinator)
 
     d = sub.add_parser("drain", help="drain a node: no new routes, finish its work (see --help)",
@@ -54,6 +61,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     d.add_argument("node_id", metavar="NODE_ID")
     d.add_argument("--etcd", default="http://127.0.0.1:2379", metavar="URL", help="etcd client URL")
     d.add_argument("--cluster", default=DEFAULT_CLUSTER)
+    add_etcd_arguments(d)
     d.add_argument("--wait", action="store_true", help="wait until the node has left the cluster")
     d.add_argument("--timeout", type=float, default=600.0, help="with --wait: give up after this many seconds")
     d.set_defaults(func=_run_drain)
@@ -71,21 +79,27 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     setup_logging(args.log_level, name="coordinator")
     try:
         parse_etcd_url(args.etcd)
+        apply_etcd_args(args)
         policy = PolicyConfig(local_prefill_tokens=args.local_prefill_tokens,
                               prefill_saturation_tokens=args.prefill_saturation_tokens,
                               stale_load_s=args.stale_load_s)  # fmt: skip
         cfg = CoordinatorConfig(etcd=args.etcd, cluster=args.cluster, host=args.host, port=args.port,
                                 replica_id=args.replica_id, advertise_url=args.advertise_url,
-                                index_max_blocks=args.index_max_blocks, ttl=args.ttl, policy=policy)  # fmt: skip
+                                index_max_blocks=args.index_max_blocks, ttl=args.ttl, policy=policy,
+                                security=plane_security(args))  # fmt: skip
+        from planner.cli import from_args as planner_from_args
+
+        planner = planner_from_args(args)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    return run_coordinator(cfg)
+    return run_coordinator(cfg, [planner] if planner else [])
 
 
 def _run_drain(args: argparse.Namespace) -> int:
     from duet.cli import UsageError
 
     try:
+        apply_etcd_args(args)
         return asyncio.run(_drain(args))
     except ValueError as e:
         raise UsageError(str(e)) from None

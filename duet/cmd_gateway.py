@@ -15,6 +15,8 @@ import json
 import sys
 from typing import Any
 
+from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
+from duet.security_args import add_gateway_security_arguments, plane_security
 from gateway.store.base import GROUP_BY  # msgspec only: cheap enough for the parser
 
 GATEWAY_HELP = """\
@@ -36,8 +38,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--port", type=int, default=None, help="port (default: [server] port, 8000)")
     g.add_argument("--coordinator", default=None, help="coordinator replica URLs, comma-separated (all of them)")
     g.add_argument("--etcd", default=None, help="etcd endpoint to find coordinators and nodes from")
+    add_etcd_arguments(g)
     g.add_argument("--store", default=None, help="sqlite:///PATH or postgresql://... (overrides [store] url)")
     g.add_argument("--log-level", default="INFO")
+    add_gateway_security_arguments(g)
     g.set_defaults(func=_gateway)
 
     t = sub.add_parser("teams", help="create, list and delete gateway teams (in the gateway's store)")
@@ -112,7 +116,8 @@ def _config(args: argparse.Namespace):  # -> GatewayConfig
 
     try:
         cfg = load_config(args.config)
-    except ConfigError as e:
+        apply_etcd_args(args)
+    except (ConfigError, ValueError) as e:
         raise UsageError(str(e)) from None
     server = dataclasses.replace(cfg.server, **{k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
     routing: RoutingConfig = cfg.routing
@@ -120,7 +125,8 @@ def _config(args: argparse.Namespace):  # -> GatewayConfig
         routing = dataclasses.replace(routing, coordinator=tuple(u.strip() for u in args.coordinator.split(",") if u.strip()))
     if args.etcd:
         routing = dataclasses.replace(routing, etcd=args.etcd)
-    cfg = dataclasses.replace(cfg, server=server, routing=routing, store_url=args.store or cfg.store_url)
+    cfg = dataclasses.replace(cfg, server=server, routing=routing, store_url=args.store or cfg.store_url,
+                              security=plane_security(args))  # fmt: skip
     from gateway.store import open_store
 
     try:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
+from duet.security_args import add_server_arguments, plane_security
 from node.config import DEFAULT_ALLOWED_PEERS
 from protocol.models import DEFAULT_MODEL
 
@@ -94,10 +96,12 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
     c.add_argument("--etcd", default=None, metavar="URL",
                    help="register with this etcd (e.g. http://10.0.0.2:2379); without it the node runs standalone")
     c.add_argument("--cluster", default="default", help="cluster name (etcd key prefix /duet/NAME/)")
+    add_etcd_arguments(c)
     c.add_argument("--pool", default="shared", choices=["shared", "interactive", "batch"],
                    help="routing pool: interactive/batch requests prefer their pool, then shared")
     c.add_argument("--exit-when-drained", action="store_true",
                    help="after `duet drain`, finish in-flight work, deregister and exit 0")  # fmt: skip
+    add_server_arguments(p)
 
 
 def node_config(args: argparse.Namespace, role: str):
@@ -106,6 +110,7 @@ def node_config(args: argparse.Namespace, role: str):
 
     if args.etcd:
         parse_etcd_url(args.etcd)  # a typo is a usage error now, not a registration retry loop
+    apply_etcd_args(args)
 
     if args.engine == "vllm":
         engine = vllm_engine_config(args, role)
@@ -120,6 +125,7 @@ def node_config(args: argparse.Namespace, role: str):
         failure_policy=args.failure_policy, grace_period=args.grace_period, cpus=args.cpus,
         engine_kind=args.engine, reserve_timeout=args.reserve_timeout, allowed_peers=args.allowed_peers,
         etcd=args.etcd, cluster=args.cluster, pool=args.pool, exit_when_drained=args.exit_when_drained,
+        security=plane_security(args),
     )  # fmt: skip
 
 

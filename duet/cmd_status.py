@@ -23,8 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
+from duet.security_args import add_client_arguments, plane_security
+
 if TYPE_CHECKING:
     from coordinator.cluster_view import ClusterSnapshot
+    from protocol.plane import PlaneSecurity
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,12 +39,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--etcd", default=None, metavar="URL",
                    help="etcd to list registered nodes and replicas from (default: the running `duet up`'s)")
     p.add_argument("--cluster", default="default", help="cluster name in etcd (with --etcd; default 'default')")
+    add_etcd_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    add_client_arguments(p)
     p.set_defaults(func=_run)
 
 
-def _get(url: str) -> Any:
-    with urllib.request.urlopen(url, timeout=3) as r:
+def _get(url: str, auth: PlaneSecurity | None = None) -> Any:
+    """GET a JSON answer; `auth` adds the cluster secret and the cluster's CA (coordinators)."""
+    headers, ctx = (auth.headers, auth.client_ssl()) if auth is not None else ({}, True)
+    context = ctx if not isinstance(ctx, bool) else None
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=3, context=context) as r:
         return json.loads(r.read())
 
 
@@ -76,7 +85,7 @@ def registered(etcd: str, cluster: str) -> ClusterSnapshot | str:
 
 
 def collect(coordinators: list[str], state: dict[str, Any] | None,
-            members: ClusterSnapshot | str | None = None) -> dict[str, Any]:  # fmt: skip
+            members: ClusterSnapshot | str | None = None, auth: PlaneSecurity | None = None) -> dict[str, Any]:  # fmt: skip
     out: dict[str, Any] = {"cluster": None, "coordinator": None, "errors": []}
     if isinstance(members, str):
         out["etcd_error"] = members
@@ -85,8 +94,12 @@ def collect(coordinators: list[str], state: dict[str, Any] | None,
         out["registered"] = {"coordinators": members.coordinators, "nodes": msgspec.to_builtins(members.nodes)}
     for url in coordinators:
         try:
-            out["cluster"], out["coordinator"] = _get(url + "/cluster"), url
+            out["cluster"], out["coordinator"] = _get(url + "/cluster", auth), url
             break
+        except urllib.error.HTTPError as e:
+            hint = (": it needs the cluster secret (--cluster-secret-file, or $DUET_CLUSTER_SECRET_FILE)"
+                    if e.code == 401 else "")  # fmt: skip
+            out["errors"].append(f"{url}: HTTP {e.code} {e.reason}{hint}")
         except (urllib.error.URLError, OSError, ValueError) as e:
             out["errors"].append(f"{url}: {getattr(e, 'reason', e)}")
     if state is not None:
@@ -158,6 +171,7 @@ def _run(args: argparse.Namespace) -> int:
 
         try:
             parse_etcd_url(args.etcd)
+            apply_etcd_args(args)
         except ValueError as e:
             raise UsageError(str(e)) from None
     if args.coordinator or args.etcd:
@@ -171,7 +185,10 @@ def _run(args: argparse.Namespace) -> int:
         coords = state["coordinators"]
     etcd = args.etcd or (state or {}).get("etcd")
     cluster = args.cluster if args.etcd or state is None else state.get("cluster", args.cluster)
-    info = collect(coords, state, registered(etcd, cluster) if etcd else None)
+    if args.cluster_secret_file is None and state is not None and not os.environ.get("DUET_CLUSTER_SECRET_FILE"):
+        default = UpHome.current().cluster_secret_file  # the running `duet up`'s
+        args.cluster_secret_file = str(default) if default.exists() else None
+    info = collect(coords, state, registered(etcd, cluster) if etcd else None, plane_security(args))
     if args.json:
         json.dump(info, sys.stdout, indent=2)
         print()

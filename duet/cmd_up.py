@@ -69,6 +69,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cluster", default=None, help="cluster name in etcd (default 'default')")
     p.add_argument("--quiet", action="store_true", help="no merged log tail on the terminal")
     p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds every stage may take to be healthy (default 600)")
+    a = p.add_argument_group("autoscaling (the planner in the coordinator starts and drains nodes)")
+    a.add_argument("--autoscale", action="store_true",
+                   help="size the P and D pools to the load: min 1 / max per role within --max-nodes; a node is "
+                        "drained (prefills, streams, held KV) before it is stopped")  # fmt: skip
+    a.add_argument("--max-nodes", type=int, default=None, metavar="N",
+                   help="with --autoscale: most nodes at once (default: this machine's CPUs)")
+    a.add_argument("--planner-config", default=None, metavar="planner.toml",
+                   help="with --autoscale: SLOs, pacing and bounds (planner/config.py) instead of the defaults")
     r = p.add_argument_group("restarts (a [restart] table in cluster.toml sets all of them)")
     r.add_argument("--max-restarts", type=int, default=None, metavar="N",
                    help="failures in a row after which a process stays down (default 5; 0: never restart)")
@@ -176,34 +184,45 @@ def gateway_toml(cfg, store_url: str, admin_sha256: str, coordinators: list[str]
     return "\n".join(lines) + "\n"
 
 
-def _node_children(cfg, home, etcd_url: str, log):  # -> list[(Child, (model, role))]
-    from duet.supervisor import Child
+def _node_children(cfg, home, etcd_url: str, log, autoscale: int = 0):  # -> list[(Child, (model, role))]
     from duet.up_config import cpu_list, plan_cpus
 
     flat = [(g, i) for g in cfg.nodes for i in range(g.count)]
     avail = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    plan = plan_cpus(len(flat), avail)
-    if plan and plan[0] is None:
+    # autoscaled nodes come and go: none is pinned, each gets an even share of the machine at its maximum
+    plan = [None] * len(flat) if autoscale else plan_cpus(len(flat), avail)
+    if autoscale:
+        flat_threads = max(1, len(avail) // autoscale)
+        cfg = replace(cfg, threads=cfg.threads or flat_threads)
+    if plan and plan[0] is None and not autoscale:
         log(f"{len(flat)} nodes on {len(avail)} CPUs: not pinning (fewer CPUs than nodes)")
     children, counters = [], {}
     for (g, _), cpus in zip(flat, plan, strict=True):
         k = counters[g.role] = counters.get(g.role, -1) + 1
-        name = f"{g.role}-{k}"
-        port = free_port()
         pinned = g.cpus or (cpu_list(cpus) if cpus else None)
         threads = g.threads or cfg_threads(cfg, cpus, len(flat), len(avail))
-        args = [sys.executable, "-m", "duet", "node", "--role", g.role, "--model", g.model or cfg.model,
-                "--host", "127.0.0.1", "--port", str(port), "--node-id", name, "--etcd", etcd_url,
-                "--cluster", cfg.cluster, "--pool", g.pool, "--dtype", cfg.dtype, "--transport", cfg.transport,
-                "--threads", str(threads)]  # fmt: skip
-        kv_blocks = g.kv_blocks if g.kv_blocks is not None else (None if g.kv_memory else cfg.kv_blocks)
-        args += ["--kv-blocks", str(kv_blocks)] if kv_blocks else ["--kv-memory", g.kv_memory or cfg.kv_memory]
-        if pinned:
-            args += ["--cpus", pinned]
-        args += [*cfg.node_args, *g.args]
-        children.append((Child(name, args, home.logs / f"{name}.log", f"http://127.0.0.1:{port}/health"),
+        children.append((node_child(cfg, home, etcd_url, g, f"{g.role}-{k}", threads, pinned),
                          (g.model or cfg.model, g.role)))  # fmt: skip
     return children
+
+
+def node_child(cfg, home, etcd_url: str, g, name: str, threads: int, pinned: str | None = None):  # -> Child
+    """The supervised `duet node` process of group `g` named `name` on a free port (also how
+    `duet up --autoscale` adds one, duet/up_autoscale.py)."""
+    from duet.supervisor import Child
+
+    port = free_port()
+    args = [sys.executable, "-m", "duet", "node", "--role", g.role, "--model", g.model or cfg.model,
+            "--host", "127.0.0.1", "--port", str(port), "--node-id", name, "--etcd", etcd_url,
+            "--cluster", cfg.cluster, "--pool", g.pool, "--dtype", cfg.dtype, "--transport", cfg.transport,
+            "--threads", str(threads)]  # fmt: skip
+    kv_blocks = g.kv_blocks if g.kv_blocks is not None else (None if g.kv_memory else cfg.kv_blocks)
+    args += ["--kv-blocks", str(kv_blocks)] if kv_blocks else ["--kv-memory", g.kv_memory or cfg.kv_memory]
+    if pinned:
+        args += ["--cpus", pinned]
+    # the cluster secret (duet/up_home.py::cluster_secret) exists before any child starts
+    args += ["--cluster-secret-file", str(home.cluster_secret_file), *cfg.node_args, *g.args]
+    return Child(name, args, home.logs / f"{name}.log", f"http://127.0.0.1:{port}/health")
 
 
 def cfg_threads(cfg, cpus: list[int] | None, n_nodes: int, n_cpus: int) -> int:
@@ -215,8 +234,28 @@ def cfg_threads(cfg, cpus: list[int] | None, n_nodes: int, n_cpus: int) -> int:
     return max(1, n_cpus // max(1, n_nodes))
 
 
-def _get_json(url: str, timeout: float = 2.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
+def _autoscale_bounds(args: argparse.Namespace, cfg, log) -> tuple[bool, int]:
+    """(--autoscale on, the most nodes at once); refuses what cannot work."""
+    from duet.cli import UsageError
+
+    if not args.autoscale:
+        if args.max_nodes is not None or args.planner_config:
+            raise UsageError("--max-nodes and --planner-config need --autoscale")
+        return False, 0
+    if cfg.gateway.routing == "static":
+        raise UsageError("--autoscale needs coordinator routing: static routing lists the nodes once, at start")
+    n_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    start = sum(g.count for g in cfg.nodes)
+    max_nodes = args.max_nodes if args.max_nodes is not None else max(n_cpus, start)
+    if max_nodes < start:
+        raise UsageError(f"--max-nodes {max_nodes} is less than the {start} nodes the layout starts with")
+    if max_nodes > n_cpus:
+        log(f"--max-nodes {max_nodes} is more than this machine's {n_cpus} CPUs: nodes will share CPUs")
+    return True, max_nodes
+
+
+def _get_json(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> Any:
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
         return json.loads(r.read())
 
 
@@ -242,8 +281,9 @@ def _banner(url: str, model: str, key: str, created: bool, home, layout: str) ->
 def _run(args: argparse.Namespace) -> int:
     from duet.cli import UsageError
     from duet.supervisor import Child, Supervisor
-    from duet.up_home import UpHome, admin_key, dev_key
+    from duet.up_home import UpHome, admin_key, cluster_secret, dev_key
     from gateway.keys import hash_secret
+    from protocol.cluster_secret import read_secret_file
 
     cfg = build_config(args)
     home = UpHome.current()
@@ -261,8 +301,14 @@ def _run(args: argparse.Namespace) -> int:
     def log(msg: str) -> None:
         print(f"duet up: {msg}", file=sys.stderr, flush=True)
 
+    autoscale, max_nodes = _autoscale_bounds(args, cfg, log)
     key, created = dev_key(home)
     admin = admin_key(home)
+    # The cluster secret (protocol/cluster_secret.py): every child gets the file's path, and
+    # this process sends it on its own /cluster polls.
+    secret_file = cluster_secret(home)
+    secret_args = ["--cluster-secret-file", str(secret_file)]
+    auth = read_secret_file(secret_file).headers
     from coordinator.etcd_server import EtcdServer
 
     # The same single-member etcd as the tests', run as a supervised child.
@@ -270,19 +316,33 @@ def _run(args: argparse.Namespace) -> int:
     etcd_url = etcd_server.url
     etcd = Child("etcd", etcd_server.command(), home.logs / "etcd.log", etcd_server.health_url)
     coords, coord_urls = [], []
+    auto, control, planner_args = None, None, []
+    if autoscale:
+        from duet.up_autoscale import Autoscale, planner_toml, serve_control
+
+        n_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        auto = Autoscale(cfg, home, etcd_url, max_nodes, cfg.threads or max(1, n_cpus // max_nodes), 2, served)
+        control = serve_control(auto)
+        planner_file = home.root / "planner.toml"
+        planner_file.write_text(planner_toml([g.role for g in cfg.nodes], max_nodes))
+        planner_args = ["--planner", "load", "--actuator", "local", "--node-budget", str(max_nodes),
+                        "--local-control", f"http://127.0.0.1:{control.server_address[1]}",
+                        "--planner-config", args.planner_config or str(planner_file)]  # fmt: skip
+        log(f"autoscaling: 1 to {max_nodes - len({g.role for g in cfg.nodes}) + 1} nodes per role, "
+            f"{max_nodes} at most (planner config {args.planner_config or planner_file})")
     for i in range(cfg.coordinator.replicas):
         port = free_port()
         coord_urls.append(f"http://127.0.0.1:{port}")
         coords.append(Child(f"coordinator-{i}" if cfg.coordinator.replicas > 1 else "coordinator",
                             [sys.executable, "-m", "duet", "coordinator", "--etcd", etcd_url, "--cluster", cfg.cluster,
                              "--host", "127.0.0.1", "--port", str(port), "--replica-id", f"coordinator-{i}",
-                             *cfg.coordinator.args],
+                             *secret_args, *planner_args, *cfg.coordinator.args],
                             home.logs / (f"coordinator-{i}.log" if cfg.coordinator.replicas > 1 else "coordinator.log"),
                             coord_urls[-1] + "/health",
                             # Orphaned, it would resign in an etcd that is going down with it, and
                             # resigning has no time limit: it holds no state worth a clean exit.
                             death_signal=signal.SIGKILL))  # fmt: skip
-    nodes = _node_children(cfg, home, etcd_url, log)
+    nodes = _node_children(cfg, home, etcd_url, log, max_nodes if autoscale else 0)
     node_urls = [(m, role, c.health_url.removesuffix("/health")) for c, (m, role) in nodes]  # type: ignore[union-attr]
     nodes = [c for c, _ in nodes]
     home.gateway_toml.write_text(gateway_toml(cfg, home.store_url, hash_secret(admin), coord_urls, served, node_urls,
@@ -290,7 +350,8 @@ def _run(args: argparse.Namespace) -> int:
     gw_host = "127.0.0.1" if cfg.gateway.host in ("0.0.0.0", "::", "") else cfg.gateway.host
     gw_url = f"http://{gw_host}:{cfg.gateway.port}"
     env = {k: v for k, v in os.environ.items() if k != "DUET_ADMIN_KEY"}  # the admin key is the file's
-    gateway = Child("gateway", [sys.executable, "-m", "duet", "gateway", "--config", str(home.gateway_toml)],
+    gateway = Child("gateway", [sys.executable, "-m", "duet", "gateway", "--config", str(home.gateway_toml),
+                                *secret_args],
                     home.logs / "gateway.log", gw_url + "/health", env=env)  # fmt: skip
     stages = [[etcd], coords, nodes, [gateway]]
 
@@ -310,7 +371,7 @@ def _run(args: argparse.Namespace) -> int:
         waited, seen = 0.0, set()
         while waited < args.startup_timeout:
             try:
-                info = _get_json(coord_urls[0] + "/cluster")
+                info = _get_json(coord_urls[0] + "/cluster", headers=auth)
                 seen = {n["node_id"] for n in info["nodes"] if n["ready"]}
                 if node_ids <= seen:
                     break
@@ -333,9 +394,13 @@ def _run(args: argparse.Namespace) -> int:
     log(f"DUET_HOME={home.root}: {cfg.describe()} node(s), serving {', '.join(served.values())}")
     sup = Supervisor(stages, startup_timeout=args.startup_timeout, tail=not args.quiet, on_ready=ready,
                      on_change=changed, restart=cfg.restart)  # fmt: skip
+    if auto is not None:
+        auto.sup = sup
     try:
         return sup.run()
     finally:
+        if control is not None:
+            control.shutdown()
         home.clear_state()
         lock.close()
 

@@ -35,6 +35,7 @@ import ctypes.util
 import enum
 import http.client
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -121,6 +122,10 @@ class Child:
     last_alive: float = field(default=0.0, repr=False)
     probe: Future[bool] | None = field(default=None, repr=False)
     probe_at: float = field(default=0.0, repr=False)
+    #: being stopped for good (autoscaling's scale-in): its exit is not a failure, no restart
+    retiring: bool = False
+    #: set once a retiring child exited and left supervision
+    retired: threading.Event = field(default_factory=threading.Event, repr=False)
 
     @property
     def pid(self) -> int | None:
@@ -226,6 +231,10 @@ class Supervisor:
         width = max((len(c.name) for stage in stages for c in stage), default=8)
         self._tail = _Tail(sys.stderr, colour, self._tail_stop, width) if tail else None
         self._preexec = {sig: _pdeathsig_hook(sig) for sig in {c.death_signal for c in self.children}}
+        #: set once every stage is up and `on_ready` agreed: children may be added or retired
+        self.ready = threading.Event()
+        #: work other threads hand to the supervision thread (add or retire a child)
+        self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = queue.SimpleQueue()
 
     @property
     def children(self) -> list[Child]:
@@ -248,6 +257,57 @@ class Supervisor:
     def wait(self, seconds: float) -> bool:
         """Sleep up to `seconds`; True when a stop was asked meanwhile."""
         return self.stopping.wait(seconds)
+
+    # -- children added and removed while running (autoscaling; any thread) -------------------
+    def call(self, fn: Callable[[], object]) -> Future[object]:
+        """Run `fn` on the supervision thread (next tick, ≤ 0.5 s); its result in the future."""
+        fut: Future[object] = Future()
+        self._calls.put((fn, fut))
+        return fut
+
+    def add(self, stage: int, c: Child) -> None:
+        """Supervision thread: start `c` now and supervise it with `stage`'s children (it
+        restarts like them; on shutdown it stops with them)."""
+        if c.death_signal not in self._preexec:
+            self._preexec[c.death_signal] = _pdeathsig_hook(c.death_signal)
+        self.stages[stage].append(c)
+        self.say(f"starting {c.name} (log {c.log_path})")
+        self._start(c)
+
+    def retire(self, c: Child) -> None:
+        """Supervision thread: stop `c` for good (SIGTERM; SIGKILL after `stop_timeout`); it
+        leaves supervision once it exited (`c.retired` is set then)."""
+        c.retiring, c.next_start = True, time.monotonic() + self.stop_timeout  # the kill deadline
+        if c.proc is not None and c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+        self.say(f"stopping {c.name} (scale-in)")
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fut.set_result(fn())
+            except Exception as e:
+                fut.set_exception(e)
+
+    def _retire_tick(self, c: Child, now: float) -> None:
+        assert c.proc is not None
+        if c.proc.poll() is None:
+            if now > c.next_start:
+                self.say(f"{c.name} did not stop in time: killing it")
+                self._kill_group(c)
+            return
+        self._kill_group(c)
+        c.last_exit, c.last_cause, c.state = c.proc.returncode, "stopped by scale-in", ChildState.STOPPED
+        for stage in self.stages:
+            if c in stage:
+                stage.remove(c)
+        self.say(f"{c.name} stopped ({exit_cause(c.proc.returncode)}); no longer supervised")
+        c.retired.set()
+        self._changed()
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         self._signals += 1
@@ -337,8 +397,10 @@ class Supervisor:
                     return 0 if self.stopping.is_set() else 1
             if self.on_ready is not None and not self.on_ready(self):
                 return 0 if self.stopping.is_set() else 1
+            self.ready.set()
             self._probes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="duet-up-health")
             while not self.wait(0.5):  # supervision interval
+                self._run_calls()
                 for c in self.children:
                     if self.stopping.is_set():
                         break
@@ -361,6 +423,9 @@ class Supervisor:
     def _tick(self, c: Child, now: float) -> None:
         """One look at one child: notice its death or its health, start it when its backoff is over."""
         assert c.proc is not None
+        if c.retiring:
+            self._retire_tick(c, now)
+            return
         if c.state in (ChildState.STARTING, ChildState.RUNNING):
             if c.proc.poll() is not None:
                 lived = now - c.started_at
@@ -368,7 +433,8 @@ class Supervisor:
             elif c.state == ChildState.STARTING:
                 if self._healthy(c):
                     c.state, c.healthy_at, c.last_alive = ChildState.RUNNING, now, now
-                    self.say(f"{c.name} is up again (pid {c.pid}, restart {c.restarts})")
+                    self.say(f"{c.name} is up again (pid {c.pid}, restart {c.restarts})" if c.restarts
+                             else f"{c.name} is up (pid {c.pid})")  # fmt: skip
                     self._changed()
                 elif now - c.started_at > self.restart.startup_timeout_s:
                     self._kill_group(c)

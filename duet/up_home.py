@@ -7,6 +7,7 @@ cluster state:
     up/gateway.toml     the gateway config `duet up` writes (routes through the coordinator)
     up/dev.key          the development team's API key (0600): printed again on every start
     up/admin.key        the gateway admin key (0600); the gateway only gets its SHA-256
+    up/cluster.secret   the cluster secret (0600) every child gets through --cluster-secret-file
     up/state.json       URLs and PIDs of the running cluster, read by `duet status`
     up/lock             held (flock) while a `duet up` runs: one per DUET_HOME
 
@@ -60,6 +61,10 @@ class UpHome:
     @property
     def admin_key_file(self) -> Path:
         return self.up / "admin.key"
+
+    @property
+    def cluster_secret_file(self) -> Path:
+        return self.up / "cluster.secret"
 
     @property
     def state_file(self) -> Path:
@@ -125,6 +130,27 @@ def admin_key(home: UpHome) -> str:
         key = new_secret().replace("sk-duet-", "sk-duet-admin-", 1)
         write_secret(home.admin_key_file, key)
     return key
+
+
+def cluster_secret(home: UpHome) -> Path:
+    """The cluster secret's file, created on first start (secrets.token_urlsafe(32), 0600) and
+    reused while it is valid; one that is not (too short, readable by others, unreadable) is
+    replaced: every child of this `duet up` gets the new one, and nothing else shares it."""
+    import secrets
+
+    from protocol.cluster_secret import SecretError, read_secret_file, write_secret_file
+
+    path = home.cluster_secret_file
+    if path.exists():
+        try:
+            read_secret_file(path)
+            return path
+        except SecretError as e:
+            print(f"duet up: replacing the cluster secret: {e}", flush=True)
+    tmp = path.with_suffix(".tmp")
+    write_secret_file(tmp, secrets.token_urlsafe(32))
+    tmp.replace(path)
+    return path
 
 
 async def _ensure_dev_key(store_url: str, key_file: Path) -> tuple[str, bool]:

@@ -94,6 +94,7 @@ class AsyncEngine:
         self._commands.put(None)
         await asyncio.to_thread(self._thread.join)
         self._thread = None
+        self.core.guides.close()
 
     # -- engine thread ---------------------------------------------------------------------
     @property
@@ -219,6 +220,8 @@ class AsyncEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         self._streams[request_id] = stream
         try:
+            if params.guide is not None:  # compiled (or found cached) off the engine thread
+                await self._compile(params)
             req: Request = await self._submit(
                 lambda: self.core.add_request(
                     request_id, prompt, params, priority, hold_blocks, remote_num_tokens, hold_seconds
@@ -229,6 +232,16 @@ class AsyncEngine:
             raise
         stream.prompt_token_ids = req.prompt_token_ids
         return stream
+
+    async def _compile(self, params: SamplingParams) -> None:
+        from engine.core import RequestError
+        from engine.guided import GuideError
+
+        assert params.guide is not None
+        try:
+            await asyncio.wrap_future(self.core.guides.compile_async(params.guide))
+        except GuideError as e:
+            raise RequestError(str(e)) from None
 
     async def abort(self, request_id: str) -> bool:
         """Abort a live request, or free the blocks held for a finished one; False if

@@ -23,7 +23,9 @@ from engine.block_pool import BlockPool
 from engine.config import EngineConfig, parse_size
 from engine.convert import ensure_converted
 from engine.cpu import cpu_flags
+from engine.guided import GuidedDecoding, GuideError
 from engine.kv_manager import KVCacheManager
+from engine.logits_process import penalize
 from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput, TextState
 from engine.request import Priority, Request
@@ -118,6 +120,7 @@ class EngineCore:
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
                             config.enable_chunked_prefill), self.kv)  # fmt: skip
         self.sampler = Sampler(config.seed)
+        self.guides = GuidedDecoding(self.model_dir / "tokenizer.json", mc.vocab_size, self.tokenizer.eos_token_ids)
         self.speculator: Speculator | None = None
         if config.speculative:
             self.speculator = Speculator(config.speculative, config.num_speculative_tokens, self.max_model_len,
@@ -148,6 +151,9 @@ class EngineCore:
             raise RequestError("prompt_logprobs cannot be computed for a prompt whose KV comes from a prefill node")
         if remote_num_tokens and not 0 < remote_num_tokens <= len(ids):
             raise RequestError(f"remote KV covers {remote_num_tokens} tokens of a {len(ids)}-token prompt")
+        bad = next((t for t in params.logit_bias if not 0 <= t < self.model_config.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"logit_bias names token id {bad}, outside the vocabulary [0, {self.model_config.vocab_size})")
         self._check_queue(len(ids))
         req = Request(
             request_id=request_id,
@@ -159,9 +165,16 @@ class EngineCore:
             hold_seconds=hold_seconds,
             remote_num_tokens=remote_num_tokens,
         )
+        if params.guide is not None:  # compiled already when it came through AsyncEngine (off this thread)
+            done = params.resume.output_tokens if params.resume is not None else 0
+            try:
+                self.guides.attach(request_id, params.guide, ids[len(ids) - done :] if done else [])
+            except GuideError as e:
+                raise RequestError(str(e)) from None
         try:
             self.scheduler.add(req)
         except ValueError as e:
+            self.guides.forget(request_id)
             raise RequestError(str(e)) from None
         text = (self.tokenizer, ids, params.stop, params.skip_special_tokens)
         # a migrated request continues the text the client already has (protocol/resume.py)
@@ -258,7 +271,12 @@ class EngineCore:
             pr.req.prompt_logprobs.extend(token_logprobs(pr.logits, targets, [n] * len(targets)))
         if not samplers:
             return outputs
-        tokens, errors = self.sampler.sample_rows(logits, rows, [c.req.eos_token_ids for c in samplers])
+        # penalties, then the guides' masks, on a copy: logprobs below score the raw logits
+        adjusted = penalize(logits, [c.req for c in samplers])
+        guided = [(i, c.req.request_id) for i, c in enumerate(samplers) if self.guides.guided(c.req.request_id)]
+        adjusted, dead = self.guides.mask(adjusted, guided, copy=adjusted is logits)
+        tokens, errors = self.sampler.sample_rows(adjusted, rows, [c.req.eos_token_ids for c in samplers])
+        errors.update(dead)
         lps = self._logprobs(samplers, logits, tokens, errors)
         now = time.monotonic()
         for i, (c, tok) in enumerate(zip(samplers, tokens, strict=True)):
@@ -335,11 +353,15 @@ class EngineCore:
             req.first_token_time = now
         req.output_token_ids.append(tok)
         self.counters.generation_tokens += 1
+        try:  # a guided request: its matcher takes the token; a complete grammar ends the request
+            complete = self.guides.advance(req.request_id, tok)
+        except GuideError as e:
+            return self.fail(req, str(e))
         p = req.params
         reason: str | None = None
         stop_reason: str | int | None = None
         n_out = len(req.output_token_ids)
-        if n_out >= p.min_tokens and (tok in req.eos_token_ids or tok in p.stop_token_ids):
+        if n_out >= p.min_tokens and (tok in req.eos_token_ids or tok in p.stop_token_ids or complete):
             reason, stop_reason = "stop", (tok if tok in p.stop_token_ids else None)
         elif n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
@@ -359,6 +381,7 @@ class EngineCore:
         self.scheduler.finish(req, reason, stop_reason)
         self._text.pop(req.request_id, None)
         self.sampler.forget(req.request_id)
+        self.guides.forget(req.request_id)
         if self.speculator is not None:
             self.speculator.forget(req.request_id)
         self.counters.requests_finished += 1

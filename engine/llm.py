@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -54,6 +55,9 @@ class LLM:
         ps = [params] * len(plist) if isinstance(params, SamplingParams) else list(params)
         if len(ps) != len(plist):
             raise ValueError(f"{len(ps)} SamplingParams for {len(plist)} prompts")
+        # Distinct guides compile together on the compile pool (the core then finds them cached).
+        guides = {p.guide for p in ps if p.guide is not None}
+        concurrent.futures.wait([self.engine.guides.compile_async(g) for g in guides])  # errors: at add_request
         results: dict[str, CompletionOutput] = {}
         order = []
         for prompt, p in zip(plist, ps, strict=True):

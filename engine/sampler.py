@@ -133,11 +133,22 @@ class Sampler:
 
 
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Row r's sampling distribution: fp32 softmax after params[r]'s temperature, top-k, top-p."""
+    """Row r's sampling distribution: fp32 softmax after params[r]'s temperature, min-p, top-k,
+    top-p (vLLM's order)."""
     x = logits.float() / torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    if any(p.min_p > 0 for p in params):
+        x = apply_min_p(x, torch.tensor([p.min_p for p in params]))
     if any(p.top_k > 0 for p in params) or any(p.top_p < 1.0 for p in params):
         x = _top_k_top_p(x, params)
     return torch.softmax(x, dim=-1)
+
+
+def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """vLLM's min-p: drop the tokens whose probability (after temperature) is below min_p[r]
+    times the row's top probability (the top token always stays)."""
+    probs = torch.softmax(x, dim=-1)
+    floor = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return x.masked_fill(probs < floor, float("-inf"))
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:

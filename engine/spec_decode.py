@@ -3,8 +3,9 @@ and the counters (vLLM's spec-decode metric names).
 
 `Speculator.draft(req, budget)` is the scheduler's drafter: n-gram drafts (engine/spec_ngram.py)
 of the request's current k, never past max_tokens or the context, none for requests that asked
-for logprobs or have not reached min_tokens (their rows would need per-token processing the
-verifier does not do). `Speculator.verify(chunk, rows)` turns the target's k + 1 rows into the
+for logprobs, have not reached min_tokens, carry a guide (structured output) or a penalty/logit
+bias (their rows would need per-token processing the verifier does not do: speculation is off
+for them, they decode one token a step, masked and penalised). `Speculator.verify(chunk, rows)` turns the target's k + 1 rows into the
 tokens to emit (engine/spec_verify.py) and updates the request's k and the counters.
 
 Counters, as vLLM names them: spec_decode_num_drafts, spec_decode_num_draft_tokens,
@@ -70,7 +71,9 @@ class Speculator:
 
     def draft(self, req: Request, budget: int) -> list[int]:
         p = req.params
-        if p.logprobs is not None or len(req.output_token_ids) < p.min_tokens:
+        # A guide or a penalty changes each row's logits by the tokens before it, which the
+        # verifier's one batched pass does not replay: such requests decode without drafts.
+        if p.logprobs is not None or len(req.output_token_ids) < p.min_tokens or p.guide is not None or p.penalized:
             return []
         st = self._state.get(req.request_id)
         if st is None:

@@ -22,7 +22,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import admin, batch_wiring, serve
+from gateway import admin, anthropic_api, batch_wiring, responses_api, serve
 from gateway.auth import MIN_ADMIN_KEY, authenticate, bearer, is_admin
 from gateway.backend import Backend
 from gateway.choice import ModelChoice
@@ -43,6 +43,7 @@ from gateway.store import open_store
 from gateway.store.base import StoreError
 from gateway.tiers import Admission, Shed
 from gateway.usage_writer import UsageWriter
+from protocol.cluster_secret import metrics_middleware
 from protocol.http_errors import error_middleware
 from protocol.models import resolve_model
 from protocol.openai import APIError
@@ -91,6 +92,14 @@ def _completions(endpoint: Endpoint) -> Handler:
     return h
 
 
+async def _messages(request: web.Request) -> web.StreamResponse:
+    return await anthropic_api.handle(request.app[STATE], request, request[_RID])
+
+
+async def _responses(request: web.Request) -> web.StreamResponse:
+    return await responses_api.handle(request.app[STATE], request, request[_RID])
+
+
 async def _models(request: web.Request) -> web.Response:
     s = request.app[STATE]
     if not is_admin(s, bearer(request)):
@@ -119,13 +128,30 @@ async def _metrics(request: web.Request) -> web.Response:
                         headers={"Content-Type": CONTENT_TYPE_LATEST})  # fmt: skip
 
 
+def _metrics_reader(config: GatewayConfig) -> Callable[[web.Request], bool]:
+    """Who may read a protected /metrics: the cluster secret's holders and the admin."""
+    secret = config.security.secret
+
+    def check(request: web.Request) -> bool:
+        header = request.headers.get("Authorization", "")
+        if secret is not None and secret.verify(header):
+            return True
+        scheme, _, token = header.partition(" ")
+        return scheme.lower() == "bearer" and bool(token.strip()) and is_admin(request.app[STATE], token.strip())
+
+    return check
+
+
 def make_app(config: GatewayConfig) -> web.Application:
     errors = error_middleware(log, _translate, lambda r: r.get(_RID))
     admin_key = config.admin_key
     if admin_key is not None and len(admin_key) < MIN_ADMIN_KEY:
         raise ConfigError(f"$DUET_ADMIN_KEY is {len(admin_key)} characters; an admin key needs at least {MIN_ADMIN_KEY} "
                           "(generate one: python -c 'import secrets; print(secrets.token_urlsafe(32))')")  # fmt: skip
-    app = web.Application(middlewares=[_request_id, errors], client_max_size=config.server.max_body_bytes)
+    # --protect-metrics: /metrics needs the cluster secret or the admin key (the rest of the
+    # gateway's API has its own keys).
+    guard = [metrics_middleware(_metrics_reader(config))] if config.security.protect_metrics else []
+    app = web.Application(middlewares=[*guard, _request_id, errors], client_max_size=config.server.max_body_bytes)
     metrics = GatewayMetrics()
     store = open_store(config.store_url)
     app[STATE] = GatewayState(config=config, store=store, metrics=metrics,
@@ -143,6 +169,8 @@ def make_app(config: GatewayConfig) -> web.Application:
     r = app.router
     r.add_post("/v1/chat/completions", _completions(Endpoint.CHAT))
     r.add_post("/v1/completions", _completions(Endpoint.COMPLETION))
+    r.add_post("/v1/messages", _messages)
+    r.add_post("/v1/responses", _responses)
     r.add_get("/v1/models", _models)
     r.add_get("/v1/usage", _bind(admin.usage))
     r.add_get("/health", _health)
@@ -179,7 +207,7 @@ def _router(s: GatewayState, load: NodeLoad, view: EtcdView | None) -> Router:
     def replicas() -> list[str]:
         return configured + [u for u in (view.coordinators if view else []) if u not in configured]
 
-    coord = CoordinatorRouter(s.session, replicas, cfg.routing.route_timeout_s)
+    coord = CoordinatorRouter(s.session, replicas, cfg.routing.route_timeout_s, cfg.security.headers)
     return FailoverRouter(coord, static, lambda reason: s.metrics.route_fallback.labels(reason=reason).inc())
 
 
@@ -199,8 +227,11 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     s = app[STATE]
     cfg = s.config
     await s.store.open()
+    # One session for nodes, coordinators and providers: it carries no cluster secret (NodeClient
+    # and the route client add it per request); it trusts --tls-ca besides the system's CAs.
     s.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
-        limit=0, limit_per_host=cfg.routing.max_connections_per_node), trace_configs=s.tracing.trace_configs())  # fmt: skip
+        limit=0, limit_per_host=cfg.routing.max_connections_per_node, ssl=cfg.security.client_ssl()),
+        trace_configs=s.tracing.trace_configs())  # fmt: skip
     load = NodeLoad()
     rc = cfg.routing
     view = EtcdView(rc.etcd, rc.cluster) if rc.etcd else None
@@ -208,7 +239,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     if view_life is not None:
         await view_life.__anext__()
     lag = LoopLag()
-    nodes = NodeClient(s.session, rc.connect_timeout_s, rc.prefill_timeout_s, rc.read_timeout_s, lag)
+    nodes = NodeClient(s.session, rc.connect_timeout_s, rc.prefill_timeout_s, rc.read_timeout_s, lag,
+                       auth=cfg.security.headers)  # fmt: skip
     router = _router(s, load, view)
     s.etcd_view = view
     s.coordinator_urls = lambda: list(rc.coordinator) + [u for u in (view.coordinators if view else [])

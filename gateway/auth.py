@@ -80,8 +80,10 @@ def require_admin(state: GatewayState, request: web.Request) -> None:
                        code="invalid_api_key")  # fmt: skip
 
 
-async def authenticate(state: GatewayState, request: web.Request) -> tuple[ApiKey, Team]:
-    found = await state.keys.lookup(hash_secret(bearer(request)))
+async def authenticate(state: GatewayState, request: web.Request, token: str | None = None) -> tuple[ApiKey, Team]:
+    """The key's (key, team); `token`: the key as the caller sent it (default: the bearer token;
+    Anthropic's clients send `x-api-key`)."""
+    found = await state.keys.lookup(hash_secret(bearer(request) if token is None else token))
     if found is None:
         raise APIError(401, "invalid API key (unknown or revoked)", type_="authentication_error",
                        code="invalid_api_key")  # fmt: skip

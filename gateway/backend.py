@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 from gateway.config import ModelConfig, Tier
 from gateway.requests import Endpoint, Request
 from protocol.openai import APIError, CompletionLogprobs
+from protocol.structured import Guide
+from protocol.tools import ToolCallDelta
 
 if TYPE_CHECKING:
     from gateway.providers.fallback import Reason
@@ -45,6 +47,9 @@ class Attempt:
     #: the caller's prefix-cache domain (GatewayConfig.cache_domain): the block hashes' salt and
     #: the legs' `cache_salt`, so no team's cache answers another's prompt
     cache_domain: str = ""
+    #: the constrained-decoding guide of both legs (response_format's, or a forced tool
+    #: choice's on this model's tool format); None: unconstrained
+    guide: Guide | None = None
 
 
 @dataclass
@@ -58,6 +63,8 @@ class Piece:
     logprobs: CompletionLogprobs | None = None
     #: the next piece has already arrived: a relay may hold this one and send both in one write
     more: bool = False
+    #: chat: tool-call deltas of this sample (gateway/tools/reply.py), in OpenAI's stream shape
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 @dataclass

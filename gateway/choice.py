@@ -11,7 +11,7 @@ providers package's `ModelEntry` catalog (self-hosted models are free for batch,
 
 A model is unavailable while its provider's breaker is open (half-open lets probes through),
 or when it cannot take the request at all (an external chat model asked for a completion, n > 1
-on Anthropic). Models added after start-up (tests) have no chain and are not auto candidates.
+on Anthropic, a feature of the request it does not serve: gateway/features.py). Models added after start-up (tests) have no chain and are not auto candidates.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gateway.config import GatewayConfig, TeamPolicy, Tier
+from gateway.features import Feature, model_features
 from gateway.providers.auto import AutoChoice, AutoPolicy, AutoRouter
 from gateway.providers.catalog import ModelEntry
 from gateway.providers.fallback import FallbackChains, FallbackDecision, Reason, TeamFallbackPolicy
@@ -49,6 +50,9 @@ class Need:
     policy: TeamPolicy
     prompt_tokens: int
     max_tokens: int | None
+    #: the optional features the request uses (tools, structured outputs, …): a model that
+    #: lacks one is no candidate
+    features: frozenset[Feature] = frozenset()
 
 
 class ModelChoice:
@@ -65,9 +69,10 @@ class ModelChoice:
             names = config.auto.models or tuple(self.catalog)
             self.auto_catalog = {n: self.catalog[n] for n in names}
 
-    def available(self, name: str, endpoint: Endpoint, n: int) -> bool:
+    def available(self, name: str, endpoint: Endpoint, n: int, needs: frozenset[Feature] = frozenset()) -> bool:
         s = self.models.get(name)
-        return s is not None and s.backend.available() and s.backend.usable_for(endpoint, n)
+        return s is not None and s.backend.available() and s.backend.usable_for(endpoint, n) and \
+            needs <= model_features(s.config)  # fmt: skip
 
     def auto(self, messages: list[dict[str, str]], need: Need) -> AutoChoice:
         assert self.router is not None
@@ -75,7 +80,7 @@ class ModelChoice:
         ap = AutoPolicy(pin=dict(p.auto_pin), forbid=frozenset(p.forbid), allow_paid_for_batch=p.allow_paid_for_batch)
         return self.router.route(messages, self.auto_catalog, tier=need.tier, policy=ap,
                                  prompt_tokens=need.prompt_tokens, max_tokens=need.max_tokens,
-                                 available=lambda m: self.available(m, need.endpoint, need.n))  # fmt: skip
+                                 available=lambda m: self.available(m, need.endpoint, need.n, need.features))  # fmt: skip
 
     @staticmethod
     def trigger(err: APIError, served: ServedModel, tier: Tier) -> Reason | None:
@@ -92,5 +97,5 @@ class ModelChoice:
                                 forbidden_models=frozenset(need.policy.forbid))  # fmt: skip
         return self.chains.next(origin, reason, tier=need.tier, policy=tp, prompt_tokens=need.prompt_tokens,
                                 max_tokens=need.max_tokens, tried=tried,
-                                available=lambda m: self.available(m, need.endpoint, need.n))  # fmt: skip
+                                available=lambda m: self.available(m, need.endpoint, need.n, need.features))  # fmt: skip
 

@@ -61,15 +61,18 @@ _TO_DECODE = KVTransferParams(do_remote_decode=True)
 
 
 def leg_request(request: Request, attempt: Attempt, **leg: object) -> NodeCompletionRequest:
-    """The node request of one leg: the prompt's ids, the client's sampling fields, the tier as
-    the node's priority, the caller's cache domain, and the leg's own fields (stream,
-    max_tokens, seed, kv params)."""
+    """The node request of one leg: the prompt's ids, the client's sampling fields (penalties,
+    logit_bias and the guide included: the same on P and D), the tier as the node's priority,
+    the caller's cache domain, and the leg's own fields (stream, max_tokens, seed, kv params)."""
     s = request.sampling
     fields: dict[str, object] = {
         "prompt": attempt.prompt_ids, "max_tokens": attempt.max_tokens, "priority": attempt.tier,
         "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed, "top_k": s.top_k,
         "ignore_eos": bool(s.ignore_eos), "min_tokens": s.min_tokens or 0, "stop": list(s.stop) or None,
-        "logprobs": s.logprobs, "cache_salt": attempt.cache_domain or None, **leg}  # fmt: skip
+        "logprobs": s.logprobs, "cache_salt": attempt.cache_domain or None,
+        "frequency_penalty": s.frequency_penalty, "presence_penalty": s.presence_penalty,
+        "repetition_penalty": s.repetition_penalty, "min_p": s.min_p, "logit_bias": s.logit_bias,
+        "guide": attempt.guide, **leg}  # fmt: skip
     return NodeCompletionRequest(**fields)  # type: ignore[arg-type]
 
 

@@ -26,6 +26,8 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     static = { prefill = ["http://p1:8100"], decode = ["http://d1:8200"] }
     capability_rank = 1               # for `model: "auto"` (higher = more capable)
     fallback = ["gpt-4o-mini"]        # tried in order when this model cannot answer
+    tool_parser = "hermes"            # or "llama3_json" (default: from the chat template; docs/tools.md)
+    features = ["tools", "structured_outputs", "penalties", "logit_bias"]   # what it serves (default: all)
 
     [models.gpt-4o-mini]
     kind = "external"
@@ -70,11 +72,14 @@ import math
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
+from gateway.features import parse_features
+from gateway.tools.formats import TOOL_PARSERS
 from protocol.models import duet_home
+from protocol.plane import PlaneSecurity
 from protocol.tables import from_table
 from protocol.tracing import TracingConfig
 
@@ -130,6 +135,11 @@ class ModelConfig:
     provider: str | None = None
     #: external models: the PROVIDER_KEYS settings, checked by the providers package
     provider_options: dict[str, Any] = field(default_factory=dict)
+    #: cluster models: how the model writes tool calls ("hermes" | "llama3_json"; default:
+    #: detected from its chat template, else hermes with duet's generic tool prompt)
+    tool_parser: str | None = None
+    #: the optional API features it serves (gateway/features.py; default: all of them)
+    features: tuple[str, ...] | None = None
 
     @property
     def cluster_name(self) -> str:
@@ -271,6 +281,8 @@ class GatewayConfig:
     auto: AutoConfig | None = None
     teams: dict[str, TeamPolicy] = field(default_factory=dict)
     batch: BatchSettings = BatchSettings()
+    #: cluster secret, TLS and /metrics policy (flags of `duet gateway`; protocol/plane.py)
+    security: PlaneSecurity = field(default_factory=PlaneSecurity)
 
     def team_policy(self, team_id: str) -> TeamPolicy:
         return self.teams.get(team_id) or self.teams.get("*") or TeamPolicy()
@@ -323,6 +335,14 @@ def _model(name: str, data: Any) -> ModelConfig:
         raise ConfigError(f"[models.{name}] capability_rank must be an integer >= 1")
     if not m.tiers or any(t not in ("interactive", "batch") for t in m.tiers):
         raise ConfigError(f"[models.{name}] tiers must list 'interactive' and/or 'batch'")
+    if m.tool_parser is not None and m.tool_parser not in TOOL_PARSERS:
+        raise ConfigError(f"[models.{name}] tool_parser must be one of {', '.join(TOOL_PARSERS)}, "
+                          f"got {m.tool_parser!r}")  # fmt: skip
+    if m.features is not None:
+        try:
+            m = replace(m, features=parse_features(m.features, f"[models.{name}]"))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     if m.kind == "external":
         if m.provider not in ("openai", "anthropic"):
             raise ConfigError(f"[models.{name}] an external model needs provider = \"openai\" or \"anthropic\"")

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 from gateway.requests import Request
 from gateway.state import ServedModel
+from gateway.tools.plan import ToolPlan, plan_for
+from gateway.tools.prompt import render
 from protocol.openai import APIError
-from protocol.tokenizer import ChatTemplateError
+from protocol.tokenizer import ChatTemplateError, Tokenizer
 
 #: prompts longer than this (characters) are tokenized off the event loop
 _BIG_PROMPT = 16_384
@@ -30,17 +32,41 @@ class Measured:
     #: prompt tokens to reserve for: len(ids), or an external model's estimate
     n_prompt: int
     max_tokens: int
+    #: how the model takes the request's tools (self-hosted chat with tools or tool turns)
+    tools: ToolPlan | None = None
 
 
-async def prompt_ids(served: ServedModel, req: Request) -> list[int]:
+def tool_plan(served: ServedModel, req: Request) -> ToolPlan | None:
+    """The request's tools on a self-hosted model (None: no tools, or the provider's model)."""
+    if served.tokenizer is None or req.messages is None or (req.tools.choice == "none" and not req.has_tool_turns):
+        return None
+    return plan_for(req.tools, served.config.tool_parser, served.tokenizer.chat_template)
+
+
+def _chat_ids(tok: Tokenizer, req: Request, plan: ToolPlan | None) -> list[int]:
+    assert req.messages is not None
+    if plan is None:
+        return tok.encode_chat(req.messages)
+    return tok.encode(render(tok, req.messages, plan), add_special_tokens=False)
+
+
+def check_logit_bias(tok: Tokenizer, req: Request) -> None:
+    """logit_bias names token ids of this model's vocabulary."""
+    bad = [k for k in req.sampling.logit_bias or () if int(k) >= tok.vocab_size]
+    if bad:
+        raise APIError(400, f"logit_bias names token ids out of the vocabulary (size {tok.vocab_size}): {bad[:5]}",
+                       param="logit_bias")  # fmt: skip
+
+
+async def prompt_ids(served: ServedModel, req: Request, plan: ToolPlan | None = None) -> list[int]:
     tok = served.tokenizer
     if tok is None:
         return []
+    check_logit_bias(tok, req)
     try:
         if req.messages is not None:
-            messages = req.messages
-            size = sum(len(m["content"]) for m in messages)
-            enc = lambda: tok.encode_chat(messages)  # noqa: E731
+            size = sum(len(m["content"]) for m in req.messages)
+            enc = lambda: _chat_ids(tok, req, plan)  # noqa: E731
         elif isinstance(req.prompt, str):
             text = req.prompt
             size = len(text)
@@ -91,8 +117,9 @@ def context_check(served: ServedModel, n_prompt: int, max_tokens: int | None) ->
 
 
 async def measure(served: ServedModel, req: Request) -> Measured:
-    ids = await prompt_ids(served, req)
+    plan = tool_plan(served, req)
+    ids = await prompt_ids(served, req, plan)
     if served.tokenizer is not None:
-        return Measured(ids, len(ids), context_check(served, len(ids), req.max_tokens))
+        return Measured(ids, len(ids), context_check(served, len(ids), req.max_tokens), plan)
     # an external model: its provider counts; reserve on an upper bound of what it can bill
     return Measured(ids, token_upper_bound(req), req.max_tokens or served.config.default_max_tokens)

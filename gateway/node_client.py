@@ -69,8 +69,12 @@ _NETWORK_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError)
 
 class NodeClient:
     def __init__(self, session: aiohttp.ClientSession, connect_timeout_s: float, prefill_timeout_s: float,
-                 read_timeout_s: float, lag: LoopLag | None = None) -> None:  # fmt: skip
+                 read_timeout_s: float, lag: LoopLag | None = None,
+                 auth: dict[str, str] | None = None) -> None:  # fmt: skip
         self.session = session
+        #: the cluster secret's header (protocol/plane.py), on every request to a node and only
+        #: there: the session is shared with the providers, which must never see it
+        self._auth = auth or {}
         self._connect_timeout_s = connect_timeout_s
         self._lag = lag
         #: connects retried because this process's own stalled loop timed them out
@@ -166,7 +170,7 @@ class NodeClient:
         for attempt in (0, 1):
             t0 = time.monotonic()
             try:
-                return await self.session.post(f"{url}/v1/completions", data=data, headers=_headers(request_id, body),
+                return await self.session.post(f"{url}/v1/completions", data=data, headers=_headers(request_id, body, self._auth),
                                                timeout=timeout)  # fmt: skip
             except aiohttp.ConnectionTimeoutError:
                 stalled = self._lag.stalled_since(t0) if self._lag is not None else 0.0
@@ -215,13 +219,14 @@ class NodeClient:
         """Best effort: the node frees whatever it holds for the request (quietly on failure)."""
         with contextlib.suppress(*_NETWORK_ERRORS):
             async with self.session.post(f"{url}/abort", data=_ENC.encode(AbortRequest(request_id=request_id)),
-                                         headers=_headers(request_id), timeout=self._abort_timeout) as r:  # fmt: skip
+                                         headers=_headers(request_id, None, self._auth), timeout=self._abort_timeout) as r:  # fmt: skip
                 await r.read()
                 log.info("aborted %s on %s: %s", request_id, url, r.status)
 
 
-def _headers(request_id: str, body: NodeCompletionRequest | None = None) -> dict[str, str]:
-    h = {"X-Request-Id": request_id, "Content-Type": "application/json"}
+def _headers(request_id: str, body: NodeCompletionRequest | None = None,
+             auth: dict[str, str] | None = None) -> dict[str, str]:  # fmt: skip
+    h = {"X-Request-Id": request_id, "Content-Type": "application/json", **(auth or {})}
     if body is not None and body.resume is not None:  # a migrated leg says so to logs and proxies
         h["X-Duet-Migration"] = str(body.resume.migration)
     return h

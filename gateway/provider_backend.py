@@ -1,8 +1,13 @@
 """`ProviderBackend`: an external model (a commercial API) behind the gateway's `Backend` seam.
 
 One per `kind = "external"` model, wrapping its `Provider` (gateway/providers/). An `Attempt`
-of a `Request` becomes a chat request (the client's messages, max_tokens and the sampling fields the
-provider's API knows); a streaming job is relayed chunk by chunk, a whole one is one call.
+of a `Request` becomes a chat request (the client's messages — tool calls and tool results
+included —, max_tokens, the sampling fields, penalties and logit_bias, tools, tool_choice,
+parallel_tool_calls and response_format, as the client sent them); the provider passes them on
+(OpenAI-compatible) or translates them (Anthropic: tools and tool results both ways;
+response_format and logit_bias are refused with a 400 naming them). A streaming job is relayed
+chunk by chunk, a whole one is one call; the provider's tool calls come back as the pieces'
+`tool_calls` deltas, in OpenAI's stream shape.
 
 Errors follow the seam's contract:
 - before the first piece reached the client: `ProviderFailure`, an `APIError` that keeps the
@@ -26,6 +31,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from gateway.backend import Accounting, Attempt, Backend, MidStreamError, Piece, Reply
 from gateway.config import ModelConfig, Tier, provider_table
@@ -37,10 +43,12 @@ from gateway.providers.errors import ProviderError
 from gateway.providers.fallback import Reason, error_trigger
 from gateway.requests import Endpoint, Request
 from protocol.openai import APIError
+from protocol.tools import ToolCallDelta
 
 log = logging.getLogger("duet.gateway.providers")
 #: the sampling fields the providers' chat APIs understand (node-only ones like ignore_eos are dropped)
-_SAMPLING = ("temperature", "top_p", "seed", "top_k")
+_SAMPLING = ("temperature", "top_p", "seed", "top_k", "frequency_penalty", "presence_penalty", "repetition_penalty",
+             "min_p", "logit_bias")  # fmt: skip
 
 
 class ProviderFailure(APIError):
@@ -122,6 +130,14 @@ class ProviderBackend(Backend):
             body["stop"] = list(s.stop)
         if request.n > 1:
             body["n"] = request.n
+        t = request.tools
+        if t.defs:
+            body["tools"] = [_unset_dropped(d) for d in t.defs]
+            body["tool_choice"] = {"type": "function", "function": {"name": t.named}} if t.named else t.choice
+            if not t.parallel:
+                body["parallel_tool_calls"] = False
+        if request.response_format is not None:
+            body["response_format"] = _unset_dropped(request.response_format)
         return body
 
     def open(self, request: Request, attempt: Attempt) -> Reply:
@@ -139,13 +155,21 @@ class ProviderBackend(Backend):
                 result = await self.provider.chat(body)
             except ProviderError as e:
                 raise ProviderFailure(self.model.name, e) from None
-            self._answered(out, result.usage)
-            out.first_token_at = time.monotonic()
+            pieces = []
             for c in result.response.get("choices") or []:
                 i = c.get("index", 0) if isinstance(c, dict) else 0
                 msg = c.get("message") or {}
-                yield Piece(index=i, text=str(msg.get("content") or ""), finish_reason=c.get("finish_reason") or "stop")
-                out.completion_tokens.setdefault(i, 0)
+                try:
+                    calls = _calls(msg.get("tool_calls"), whole=True)
+                except ProviderError as e:
+                    raise ProviderFailure(self.model.name, e) from None
+                pieces.append(Piece(index=i, text=str(msg.get("content") or ""),
+                                    finish_reason=c.get("finish_reason") or "stop", tool_calls=calls))  # fmt: skip
+            self._answered(out, result.usage)
+            out.first_token_at = time.monotonic()
+            for p in pieces:
+                yield p
+                out.completion_tokens.setdefault(p.index, 0)
             out.completion_tokens = _split(result.usage.completion_tokens, out.completion_tokens)
             return
         sent = False
@@ -162,17 +186,18 @@ class ProviderBackend(Backend):
                 for c in chunk.get("choices") or []:
                     delta = c.get("delta") or {}
                     text, finish = delta.get("content") or "", c.get("finish_reason")
-                    if not text and not finish:
+                    calls = _calls(delta.get("tool_calls"), whole=False)
+                    if not text and not finish and not calls:
                         continue
                     i = c.get("index", 0)
-                    if text:
+                    if text or calls:
                         out.completion_tokens[i] = out.completion_tokens.get(i, 0) + 1  # refined by usage
                         if out.first_token_at is None:
                             out.first_token_at = time.monotonic()
                     if not sent:
                         sent = True
                         out.nodes.append(f"provider:{self.provider.name}")
-                    yield Piece(index=i, text=text, finish_reason=finish)
+                    yield Piece(index=i, text=text, finish_reason=finish, tool_calls=calls)
         except ProviderError as e:
             if not sent:  # nothing reached the client: a plain failure, free to fall back
                 if e.kind == "stream_interrupted":
@@ -190,6 +215,28 @@ class ProviderBackend(Backend):
         out.cached_tokens = usage.cached_tokens
         if not out.nodes:
             out.nodes.append(f"provider:{self.provider.name}")
+
+
+def _unset_dropped(obj: msgspec.Struct) -> dict[str, Any]:
+    """A request struct as the client sent it: fields it left unset (None) are not sent (a
+    provider may refuse `"description": null`); what a field holds — a JSON Schema, whose
+    nulls mean something — is passed as it is."""
+    return {f: _unset_dropped(v) if isinstance(v, msgspec.Struct) else msgspec.to_builtins(v)
+            for f in obj.__struct_fields__ if (v := getattr(obj, f)) is not None}  # fmt: skip
+
+
+def _calls(raw: Any, whole: bool) -> list[ToolCallDelta] | None:
+    """A provider's `tool_calls` (a message's, or a chunk delta's) as stream deltas; a whole
+    message's calls have no `index`, so they are numbered in order."""
+    if not isinstance(raw, list) or not raw:
+        return None
+    if whole:
+        raw = [{"index": i, "id": c.get("id"), "type": "function", "function": c.get("function")}
+               for i, c in enumerate(raw) if isinstance(c, dict)]  # fmt: skip
+    try:
+        return msgspec.convert(raw, list[ToolCallDelta])
+    except msgspec.ValidationError as e:
+        raise ProviderError(502, f"the provider's tool calls are malformed: {e}", kind="invalid_response") from None
 
 
 def _split(total: int, per_sample: dict[int, int]) -> dict[int, int]:

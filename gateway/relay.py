@@ -25,6 +25,7 @@ from gateway.ledger import Ledger, UsageStatus
 from gateway.responses import Formatter, usage
 from protocol.openai import APIError, CompletionLogprobs, Usage
 from protocol.sse import DONE, SSE_HEADERS, error_event
+from protocol.tools import ToolCallDelta
 
 log = logging.getLogger("duet.gateway")
 
@@ -86,11 +87,14 @@ async def relay_whole(ledger: Ledger, reply: Reply, fmt: Formatter, n: int) -> o
     texts: dict[int, list[str]] = {i: [] for i in range(n)}
     finish: dict[int, str | None] = {}
     logprobs: dict[int, list[CompletionLogprobs]] = {}
+    calls: dict[int, list[ToolCallDelta]] = {}
     try:
         async for p in reply:
             texts[p.index].append(p.text)
             if p.logprobs is not None:
                 logprobs.setdefault(p.index, []).append(p.logprobs)
+            if p.tool_calls:
+                calls.setdefault(p.index, []).extend(p.tool_calls)
             if p.finish_reason:
                 finish[p.index] = p.finish_reason
     except MidStreamError as e:
@@ -99,7 +103,7 @@ async def relay_whole(ledger: Ledger, reply: Reply, fmt: Formatter, n: int) -> o
     finally:
         await reply.aclose()
     await ledger.commit(UsageStatus.OK, reply.accounting)
-    return fmt.body(texts, finish, _usage(reply), logprobs or None)
+    return fmt.body(texts, finish, _usage(reply), logprobs or None, calls or None)
 
 
 async def relay_stream(ledger: Ledger, reply: Reply, fmt: Formatter, sink: EventSink, headers: dict[str, str],

@@ -1,34 +1,43 @@
 """Parsing and checking the public request bodies (`/v1/chat/completions`, `/v1/completions`).
 
 Nothing from the client is trusted: the raw JSON's keys are checked first, and a field the
-gateway does not support (tools, images, …) is a 400 that names it — unless it
+gateway does not support (images, audio, …) is a 400 that names it — unless it
 carries its neutral value (`null`, `false`, `0`, `[]`, `{}`), which changes nothing. Types
-come from msgspec; meaning (ranges, n ≤ 8, stop ≤ 4 strings, user ≤ 256 characters) is
-checked here with OpenAI's wording.
+come from msgspec; meaning (ranges, n ≤ 8, stop ≤ 4 strings, user ≤ 256 characters,
+penalties, logit_bias, response_format's schema, tools: gateway/tools/spec.py) is checked
+here with OpenAI's wording, before any node work.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 import msgspec
 
 from gateway.config import Tier
+from gateway.tools.spec import Tools, check_tools, tool_turn
 from protocol.chat import ChatCompletionRequest
+from protocol.guide_check import check_guide, guide_from_response_format
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.openai import APIError, CompletionRequest
+from protocol.structured import Guide, ResponseFormat
 
 MAX_N = 8
 MAX_STOP = 4
 #: the `user` field is stored in every usage record; longer than this it is not a user id
 MAX_USER = 256
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
-          "stream_options", "user", "service_tier", "top_k", "min_tokens", "ignore_eos"}  # fmt: skip
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+          "stream_options", "user", "service_tier", "top_k", "min_tokens", "ignore_eos",
+          "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "logit_bias",
+          "response_format"}  # fmt: skip
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                        "parallel_tool_calls"}  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"}
-CHAT_ROLES = {"system", "developer", "user", "assistant"}
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+#: OpenAI's bound on logit_bias entries, and on each bias
+MAX_LOGIT_BIAS, MAX_BIAS = 300, 100.0
 _DECODE = msgspec.json.Decoder()
 
 
@@ -53,6 +62,13 @@ class Sampling:
     stop: tuple[str, ...] = ()
     #: the sampled token's logprob plus this many top tokens (completions form; None: none)
     logprobs: int | None = None
+    # issue #24: OpenAI's penalties (-2..2), vLLM's repetition_penalty (> 0) and min_p ([0, 1]),
+    # logit_bias (token id as a decimal string → -100..100)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -61,8 +77,9 @@ class Request:
 
     endpoint: Endpoint
     model: str
-    #: chat: messages as plain dicts with text content; completion: None
-    messages: list[dict[str, str]] | None
+    #: chat: messages in OpenAI's form, content always a string (an assistant turn's
+    #: `tool_calls`, a tool turn's `tool_call_id` kept); completion: None
+    messages: list[dict[str, Any]] | None
     #: completion: the prompt as given (text or token ids)
     prompt: str | list[int] | None
     #: as the client sent it (None: the model's default)
@@ -73,6 +90,14 @@ class Request:
     include_usage: bool
     service_tier: str | None
     user: str | None
+    #: as the client sent it (None or type "text": unconstrained)
+    response_format: ResponseFormat | None = None
+    #: the constraint response_format asks for, checked by the grammar engine
+    guide: Guide | None = None
+    #: chat: the checked tools and tool_choice
+    tools: Tools = field(default_factory=Tools)
+    #: the conversation holds tool calls or tool results
+    has_tool_turns: bool = False
 
 
 def _neutral(v: Any) -> bool:
@@ -127,9 +152,57 @@ def _sampling(body: Any, max_tokens: int | None, logprobs: int | None) -> tuple[
         raise APIError(400, f"stop takes up to {MAX_STOP} non-empty strings", param="stop")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    _check_penalties(body)
     return Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed, top_k=body.top_k,
                     min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=tuple(stop),
-                    logprobs=logprobs), n  # fmt: skip
+                    logprobs=logprobs, frequency_penalty=body.frequency_penalty,
+                    presence_penalty=body.presence_penalty, repetition_penalty=body.repetition_penalty,
+                    min_p=body.min_p, logit_bias=_logit_bias(body.logit_bias)), n  # fmt: skip
+
+
+def _check_penalties(body: Any) -> None:
+    for name in ("frequency_penalty", "presence_penalty"):
+        v = getattr(body, name)
+        if v is not None and not -2 <= v <= 2:
+            raise APIError(400, f"{name} must be between -2 and 2, got {v}", param=name)
+    if body.repetition_penalty is not None and not body.repetition_penalty > 0:
+        raise APIError(400, f"repetition_penalty must be greater than 0, got {body.repetition_penalty}",
+                       param="repetition_penalty")  # fmt: skip
+    if body.min_p is not None and not 0 <= body.min_p <= 1:
+        raise APIError(400, f"min_p must be between 0 and 1, got {body.min_p}", param="min_p")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
+    """logit_bias with its keys as canonical token ids; the vocabulary's bound is the model's
+    (gateway/measure.py checks it)."""
+    if not bias:
+        return None
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", param="logit_bias")
+    out: dict[str, float] = {}
+    for k, v in bias.items():
+        if not k.isdecimal() or not k.isascii():
+            raise APIError(400, f"logit_bias keys must be token ids (non-negative integers as strings), got {k!r}",
+                           param="logit_bias")  # fmt: skip
+        if not -MAX_BIAS <= v <= MAX_BIAS:
+            raise APIError(400, f"logit_bias values must be between -100 and 100, got {v} for token {k}",
+                           param="logit_bias")  # fmt: skip
+        out[str(int(k))] = float(v)
+    return out
+
+
+def _response_format(rf: ResponseFormat | None) -> Guide | None:
+    """The guide response_format asks for, checked by the grammar engine (a 400 naming what is
+    wrong with the schema); None for text."""
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema is None):
+        raise APIError(400, "response_format of type json_schema needs json_schema.schema",
+                       param="response_format.json_schema")  # fmt: skip
+    guide = guide_from_response_format(rf)
+    if guide is not None:
+        check_guide(guide)
+    return guide
 
 
 def parse_chat(raw: bytes) -> Request:
@@ -144,8 +217,8 @@ def parse_chat(raw: bytes) -> Request:
     messages = []
     for i, m in enumerate(body.messages):
         if m.role not in CHAT_ROLES:
-            raise APIError(400, f"messages[{i}]: role {m.role!r} is not supported (use system, user or "
-                                "assistant; tool calls are not supported)", param=f"messages[{i}].role")  # fmt: skip
+            raise APIError(400, f"messages[{i}]: role {m.role!r} is not supported (use system, developer, user, "
+                                "assistant or tool)", param=f"messages[{i}].role")  # fmt: skip
         content = m.content
         if isinstance(content, list):
             texts = []
@@ -156,6 +229,9 @@ def parse_chat(raw: bytes) -> Request:
                                         "(only text)", param=f"messages[{i}].content")  # fmt: skip
                 texts.append(part["text"])
             content = "".join(texts)
+        if m.tool_calls or m.role == "tool" or m.tool_call_id is not None:
+            messages.append(tool_turn(i, m, content))
+            continue
         if content is None:
             raise APIError(400, f"messages[{i}]: content is required", param=f"messages[{i}].content")
         role = "system" if m.role == "developer" else m.role
@@ -167,10 +243,18 @@ def parse_chat(raw: bytes) -> Request:
         _check_top("top_logprobs", body.top_logprobs)
     # the nodes speak the completions form: N top tokens besides the chosen one
     sampling, n = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    guide = _response_format(body.response_format)
+    _guided_min_tokens(guide is not None or tools.choice in ("required", "named"), sampling)
+    if guide is not None and tools.choice in ("required", "named"):
+        raise APIError(400, "response_format cannot be combined with a forced tool_choice (required or a named "
+                            "function): both constrain the whole answer", param="response_format")  # fmt: skip
     return Request(endpoint=Endpoint.CHAT, model=body.model, messages=messages, prompt=None, max_tokens=max_tokens,
                    sampling=sampling, n=n, stream=bool(body.stream),
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                   service_tier=body.service_tier, user=_user(body.user))  # fmt: skip
+                   service_tier=body.service_tier, user=_user(body.user), response_format=body.response_format,
+                   guide=guide, tools=tools,
+                   has_tool_turns=any("tool_calls" in m or m["role"] == "tool" for m in messages))  # fmt: skip
 
 
 def parse_completion(raw: bytes) -> Request:
@@ -205,10 +289,31 @@ def parse_completion(raw: bytes) -> Request:
     if body.logprobs is not None:
         _check_top("logprobs", body.logprobs)
     sampling, n = _sampling(_Shim(body, n=data.get("n")), max_tokens, body.logprobs)
+    rf = _convert({"response_format": data["response_format"]}, _Format).response_format \
+        if data.get("response_format") is not None else None  # fmt: skip
     return Request(endpoint=Endpoint.COMPLETION, model=body.model, messages=None, prompt=p, max_tokens=max_tokens,
                    sampling=sampling, n=n, stream=body.stream,
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                   service_tier=body.service_tier, user=_user(body.user))  # fmt: skip
+                   service_tier=body.service_tier, user=_user(body.user), response_format=rf,
+                   guide=_guided(_response_format(rf), sampling))  # fmt: skip
+
+
+def _guided(guide: Guide | None, sampling: Sampling) -> Guide | None:
+    _guided_min_tokens(guide is not None, sampling)
+    return guide
+
+
+def _guided_min_tokens(guided: bool, sampling: Sampling) -> None:
+    """A finished grammar allows only EOS, which min_tokens forbids: the two cannot meet."""
+    if guided and sampling.min_tokens:
+        raise APIError(400, "min_tokens cannot be combined with response_format or a forced tool_choice "
+                            "(a finished JSON value allows only the end of the answer)", param="min_tokens")  # fmt: skip
+
+
+class _Format(msgspec.Struct):
+    """response_format on the completions form (vLLM's extension; OpenAI's chat field)."""
+
+    response_format: ResponseFormat
 
 
 class _Shim:

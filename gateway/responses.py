@@ -23,6 +23,7 @@ from protocol.chat import (
 )
 from protocol.openai import CompletionLogprobs, Usage, merge_logprobs
 from protocol.sse import sse
+from protocol.tools import FunctionCall, ToolCall, ToolCallDelta
 
 
 class CompletionChoice(msgspec.Struct, kw_only=True):
@@ -58,10 +59,12 @@ class Formatter:
 
     def chunk(self, p: Piece) -> bytes:
         if self.endpoint == "chat":
-            delta = ChatDelta(content=p.text)
+            # a tool-call delta carries no content (OpenAI's shape)
+            content = p.text if p.text or not (p.tool_calls or p.finish_reason) else None
+            delta = ChatDelta(content=content, tool_calls=p.tool_calls)
             if p.index not in self._started:  # OpenAI opens each choice with the role
                 self._started.add(p.index)
-                delta = ChatDelta(role="assistant", content=p.text)
+                delta = ChatDelta(role="assistant", content=content, tool_calls=p.tool_calls)
             return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
                                            service_tier=self.tier, choices=[ChatChunkChoice(
                                                index=p.index, delta=delta, finish_reason=p.finish_reason,
@@ -76,13 +79,14 @@ class Formatter:
         return sse(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[], usage=u))
 
     def body(self, texts: dict[int, list[str]], finish: dict[int, str | None], u: Usage,
-             logprobs: dict[int, list[CompletionLogprobs]] | None = None) -> ChatCompletion | CompletionResponse:  # fmt: skip
+             logprobs: dict[int, list[CompletionLogprobs]] | None = None,
+             calls: dict[int, list[ToolCallDelta]] | None = None) -> ChatCompletion | CompletionResponse:  # fmt: skip
         idx = sorted(texts)
         lps = {i: merge_logprobs(parts) for i, parts in (logprobs or {}).items()}
         if self.endpoint == "chat":
             return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=u,
                                               service_tier=self.tier, choices=[ChatChoice(
-                                                  index=i, message=ChatMessageOut(content="".join(texts[i])),
+                                                  index=i, message=_message("".join(texts[i]), (calls or {}).get(i)),
                                                   finish_reason=finish.get(i), logprobs=_chat(lps.get(i)))
                                                   for i in idx])  # fmt: skip
         return CompletionResponse(id=self.id, created=self.created, model=self.model, usage=u,
@@ -93,3 +97,19 @@ class Formatter:
 
 def _chat(lp: CompletionLogprobs | None) -> ChatLogprobs | None:
     return None if lp is None else chat_logprobs(lp)
+
+
+def _message(text: str, deltas: list[ToolCallDelta] | None) -> ChatMessageOut:
+    """A choice's message: its text, and the calls its deltas make up (content null when the
+    answer is only calls, as OpenAI sends it)."""
+    if not deltas:
+        return ChatMessageOut(content=text)
+    calls: list[ToolCall] = []
+    for d in deltas:
+        if d.index == len(calls):
+            calls.append(ToolCall(id=d.id or "", function=FunctionCall(name="", arguments="")))
+        f = calls[d.index].function
+        if d.function is not None:
+            f.name = d.function.name or f.name
+            f.arguments += d.function.arguments or ""
+    return ChatMessageOut(content=text if text.strip() else None, tool_calls=calls)

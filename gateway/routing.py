@@ -102,8 +102,9 @@ class CoordinatorRouter(Router):
     """The coordinator replicas through coordinator/client.py::RouteClient (its rule says which
     answer is final); its errors in the gateway's terms."""
 
-    def __init__(self, session: aiohttp.ClientSession, urls: Callable[[], list[str]], timeout_s: float) -> None:
-        self._client = RouteClient(urls, session, timeout_s)
+    def __init__(self, session: aiohttp.ClientSession, urls: Callable[[], list[str]], timeout_s: float,
+                 auth: dict[str, str] | None = None) -> None:  # fmt: skip
+        self._client = RouteClient(urls, session, timeout_s, auth)
 
     async def route(self, req: RouteRequest) -> RouteResponse:
         try:

@@ -33,6 +33,7 @@ from gateway.auth import authenticate
 from gateway.backend import Accounting, Attempt, MidStreamError, Reply
 from gateway.choice import Need
 from gateway.config import AUTO, TeamPolicy, Tier
+from gateway.features import features, refuse_missing
 from gateway.ledger import Caller, Ledger, UsageStatus
 from gateway.measure import Measured, estimate_tokens, measure
 from gateway.providers.fallback import FallbackDecision, Reason
@@ -40,6 +41,8 @@ from gateway.relay import EventSink, HttpEventStream, relay_stream, relay_whole
 from gateway.requests import Endpoint, Request, parse_chat, parse_completion, resolve_tier
 from gateway.responses import Formatter
 from gateway.state import GatewayState, ServedModel
+from gateway.tools.plan import ToolMode, ToolPlan
+from gateway.tools.reply import with_tool_calls
 from protocol.openai import APIError
 from protocol.tracing import (
     GEN_AI_INPUT_TOKENS,
@@ -91,6 +94,7 @@ async def run(state: GatewayState, caller: Caller, raw: bytes, endpoint: Endpoin
     policy = state.config.team_policy(caller.team.id)
     headers: dict[str, str] = {}
     served = _auto(state, req, tier, policy, headers) if _is_auto(state, req) else _named(state, req, caller, policy)
+    refuse_missing(req, served.config)
     tr = state.tracing
     tr.annotate({GEN_AI_OPERATION: "chat" if endpoint == Endpoint.CHAT else "text_completion", GEN_AI_PROVIDER: "duet",
                  GEN_AI_REQUEST_MODEL: req.model, "duet.request_id": caller.request_id, "duet.team": caller.team.id,
@@ -150,7 +154,8 @@ def _auto(state: GatewayState, req: Request, tier: Tier, policy: TeamPolicy, hea
     else:
         raise APIError(400, "model 'auto' needs a text prompt (token ids belong to one model's tokenizer)",
                        param="prompt")  # fmt: skip
-    c = state.choice.auto(messages, Need(req.endpoint, req.n, tier, policy, estimate_tokens(req), req.max_tokens))
+    c = state.choice.auto(messages, Need(req.endpoint, req.n, tier, policy, estimate_tokens(req), req.max_tokens,
+                                         features(req)))  # fmt: skip
     if c.model is None:
         why = "; ".join(f"{m}: {r}" for m, r in c.skipped)
         unavailable = any(r == "unavailable" for _, r in c.skipped)
@@ -170,6 +175,8 @@ class _Tries:
         self.state, self.req, self.ledger, self.tier, self.policy = state, req, ledger, tier, policy
         self.reply: Reply | None = None
         self.tried: list[str] = []
+        #: the current attempt's tool handling (its model's format; None: no tools)
+        self.tools: ToolPlan | None = None
 
     @property
     def accounting(self) -> Accounting | None:
@@ -177,7 +184,8 @@ class _Tries:
 
     def _next(self, origin: str, reason: Reason, n_prompt: int) -> FallbackDecision:
         assert self.state.choice is not None
-        need = Need(self.req.endpoint, self.req.n, self.tier, self.policy, n_prompt, self.req.max_tokens)
+        need = Need(self.req.endpoint, self.req.n, self.tier, self.policy, n_prompt, self.req.max_tokens,
+                    features(self.req))  # fmt: skip
         return self.state.choice.next(origin, reason, need, self.tried)
 
     async def run(self, served: ServedModel, size: Measured, headers: dict[str, str],
@@ -199,8 +207,10 @@ class _Tries:
         state, rid = self.state, self.ledger.record.request_id
         self.ledger.attempt(served, len(size.ids))
         self.reply = None
+        self.tools = size.tools
         attempt = Attempt(request_id=rid, model=served.config, prompt_ids=size.ids, max_tokens=size.max_tokens,
-                          tier=self.tier, cache_domain=state.config.cache_domain(self.ledger.caller.team.id))  # fmt: skip
+                          tier=self.tier, cache_domain=state.config.cache_domain(self.ledger.caller.team.id),
+                          guide=self.req.guide or (size.tools.guide if size.tools else None))  # fmt: skip
         if not served.backend.uses_tier_queues:  # the tier queues guard the self-hosted pool only
             return await self._respond(served, attempt, headers, sink)
         wait = None
@@ -213,6 +223,8 @@ class _Tries:
     async def _respond(self, served: ServedModel, attempt: Attempt, headers: dict[str, str],
                        sink: EventSink | None) -> Answer:  # fmt: skip
         self.reply = reply = served.backend.open(self.req, attempt)
+        if self.tools is not None and self.tools.mode != ToolMode.NONE:
+            reply = with_tool_calls(reply, self.tools)
         fmt = Formatter(self.req.endpoint, attempt.request_id, served.config.name, self.tier)
         with self.state.tracing.span("gateway.relay", {GEN_AI_REQUEST_MODEL: served.config.name}):
             if self.req.stream:

@@ -49,6 +49,11 @@ def _raise_fd_limit(max_inflight: int) -> None:
 
 async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
     _raise_fd_limit(cfg.tiers.max_inflight)
+    if cfg.security.secret is None and any(m.kind == "cluster" for m in cfg.models.values()):
+        # The gateway's own API has its keys; it is the nodes and coordinators that need the
+        # secret, and this gateway cannot reach them once they require it.
+        log.warning("no cluster secret (--cluster-secret-file, $DUET_CLUSTER_SECRET_FILE or $DUET_CLUSTER_SECRET): "
+                    "nodes and coordinators that require one will answer this gateway 401")  # fmt: skip
     try:
         app = make_app(cfg)
     except ConfigError as e:
@@ -68,13 +73,13 @@ async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
         print(f"duet gateway: cannot start (store {cfg.store_url}): {type(e).__name__}: {e}", file=sys.stderr)
         await runner.cleanup()
         return 1
-    site = web.TCPSite(runner, srv.host, srv.port, backlog=4096)
+    site = web.TCPSite(runner, srv.host, srv.port, backlog=4096, ssl_context=cfg.security.server_ssl())
     await site.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"duet gateway ready on http://{srv.host}:{srv.port} models={','.join(sorted(cfg.models))} "
+    print(f"duet gateway ready on {'https' if cfg.security.tls_cert else 'http'}://{srv.host}:{srv.port} models={','.join(sorted(cfg.models))} "
           f"store={cfg.store_url}", flush=True)  # fmt: skip
     await stop.wait()
     await runner.cleanup()

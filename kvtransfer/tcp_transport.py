@@ -10,13 +10,25 @@ pool without intermediate buffers (asyncio's `sock_sendall` / `sock_recv_into` o
 pool's memory; asyncio streams would copy every block twice more). A connection that
 fails, times out or is cancelled mid-request is closed, never reused: after that no byte
 can land in the reader's blocks.
+
+Every connection starts with a mutual challenge-response over the cluster secret
+(protocol/cluster_secret.py), before any request is read: the owner sends `Challenge(nonce_o)`,
+the reader answers `Hello(nonce_r, HMAC(secret, "reader", nonce_o, nonce_r))`, the owner checks
+it (constant time) and answers `Welcome(HMAC(secret, "owner", nonce_r, nonce_o))`, which the
+reader checks. The secret never crosses the wire; a reader without it gets no block and no
+notification through (the owner closes the connection), and a reader never takes bytes from an
+owner that cannot prove it (a listener an attacker put at a published address). Without a
+secret on either side the key is empty: the same exchange, authenticating nothing (a dev
+cluster on loopback, see cluster_secret.require_secret_policy).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import logging
+import os
 import socket
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,12 +40,15 @@ from kvtransfer.memory import PoolMemory
 from kvtransfer.metadata import Notification, TransportMetadata
 from kvtransfer.metrics import KVTransferMetrics
 from kvtransfer.regions import ReadPlan, side_runs
+from protocol.cluster_secret import ClusterSecret, hmac_parts
 from protocol.kv_layout import KVLayout
 
 log = logging.getLogger(__name__)
 
 #: Idle connections kept per peer; more concurrent reads open (and then close) extra ones.
 MAX_IDLE_CONNECTIONS = 4
+NONCE_BYTES = 32
+_READER, _OWNER = b"duet-kv-tcp/reader", b"duet-kv-tcp/owner"
 
 
 async def _recv_exactly(
@@ -87,8 +102,12 @@ class TcpTransport(Transport):
         host: str = "127.0.0.1",
         port: int = 0,
         advertise_host: str | None = None,
+        secret: ClusterSecret | None = None,
     ) -> None:
         super().__init__(engine_id=engine_id, metrics=metrics, timeout=timeout, hugepages=hugepages)
+        self._key = secret.key if secret is not None else b""
+        #: connections refused in the handshake (a reader without the cluster secret)
+        self.refused_handshakes = 0
         self._host = host
         self._port = port
         self._advertise = advertise_host
@@ -132,11 +151,27 @@ class TcpTransport(Transport):
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
 
+    async def _owner_handshake(self, conn: socket.socket) -> bool:
+        """Challenge the reader; True once it proved the secret (and got the owner's proof)."""
+        loop = asyncio.get_running_loop()
+        nonce = os.urandom(NONCE_BYTES)
+        await loop.sock_sendall(conn, wire.frame(wire.Challenge(nonce=nonce)))
+        hello = await asyncio.wait_for(_recv_message(loop, conn), self.timeout)
+        if not isinstance(hello, wire.Hello) or len(hello.nonce) != NONCE_BYTES or not hmac.compare_digest(
+                hello.mac, hmac_parts(self._key, _READER, nonce, hello.nonce)):  # fmt: skip
+            return False
+        await loop.sock_sendall(conn, wire.frame(wire.Welcome(mac=hmac_parts(self._key, _OWNER, hello.nonce, nonce))))
+        return True
+
     async def _serve(self, conn: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         layout, view = self._served, self._view
         assert layout is not None and view is not None
         try:
+            if not await self._owner_handshake(conn):
+                self.refused_handshakes += 1
+                log.warning("refused a KV reader from %s: it did not prove the cluster secret", _peer_name(conn))
+                return
             while True:
                 msg = await _recv_message(loop, conn)
                 if msg is None:
@@ -154,7 +189,7 @@ class TcpTransport(Transport):
                         await loop.sock_sendall(conn, view[start * bb : (start + count) * bb])
                 else:
                     return  # a reply sent to the owner: not a conversation we know
-        except (OSError, PeerError, TransferError, ValueError) as e:
+        except (OSError, PeerError, TransferError, ValueError, TimeoutError) as e:
             log.debug("tcp connection from a reader ended: %s", e)
         finally:
             conn.close()
@@ -179,7 +214,29 @@ class TcpTransport(Transport):
             sock.close()
             raise
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            await asyncio.wait_for(self._reader_handshake(sock, md.engine_id), self.timeout)
+        except BaseException as e:
+            sock.close()
+            if isinstance(e, (OSError, TimeoutError, ValueError)):
+                raise PeerError(f"handshake with peer {md.engine_id!r} at {md.host}:{md.port} failed: {e!r}") from e
+            raise
         return sock
+
+    async def _reader_handshake(self, sock: socket.socket, engine_id: str) -> None:
+        loop = asyncio.get_running_loop()
+        challenge = await _recv_message(loop, sock)
+        if not isinstance(challenge, wire.Challenge) or len(challenge.nonce) != NONCE_BYTES:
+            raise PeerError(f"peer {engine_id!r} did not open the tcp handshake "
+                            "(it does not hold this cluster's secret, or is not a duet KV transport)")  # fmt: skip
+        nonce = os.urandom(NONCE_BYTES)
+        mac = hmac_parts(self._key, _READER, challenge.nonce, nonce)
+        await loop.sock_sendall(sock, wire.frame(wire.Hello(nonce=nonce, mac=mac)))
+        welcome = await _recv_message(loop, sock)
+        if not isinstance(welcome, wire.Welcome) or not hmac.compare_digest(
+                welcome.mac, hmac_parts(self._key, _OWNER, nonce, challenge.nonce)):  # fmt: skip
+            raise PeerError(f"peer {engine_id!r} refused the tcp handshake or could not prove the cluster "
+                            "secret: the two nodes do not share one")  # fmt: skip
 
     async def _connect(self, metadata: TransportMetadata) -> Peer:
         if not metadata.host or not metadata.port:
@@ -254,3 +311,10 @@ class TcpTransport(Transport):
         await asyncio.gather(*tasks, return_exceptions=True)
         if self._listener is not None:
             self._listener.close()
+
+
+def _peer_name(conn: socket.socket) -> str:
+    try:
+        return str(conn.getpeername()[:2])
+    except OSError:
+        return "a closed connection"

@@ -33,7 +33,26 @@ class Reply(msgspec.Struct, frozen=True, kw_only=True, tag="reply", array_like=T
     nbytes: int = 0
 
 
-Message = ReadRequest | NotifyRequest | Reply
+class Challenge(msgspec.Struct, frozen=True, kw_only=True, tag="challenge", array_like=True, gc=False):
+    """tcp handshake, owner → reader, first on every connection: the owner's fresh nonce."""
+
+    nonce: bytes
+
+
+class Hello(msgspec.Struct, frozen=True, kw_only=True, tag="hello", array_like=True, gc=False):
+    """tcp handshake, reader → owner: its own nonce and the MAC proving the cluster secret."""
+
+    nonce: bytes
+    mac: bytes
+
+
+class Welcome(msgspec.Struct, frozen=True, kw_only=True, tag="welcome", array_like=True, gc=False):
+    """tcp handshake, owner → reader: the owner's proof of the same secret over both nonces."""
+
+    mac: bytes
+
+
+Message = ReadRequest | NotifyRequest | Reply | Challenge | Hello | Welcome
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(Message)

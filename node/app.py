@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import aiohttp
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -152,7 +151,10 @@ def make_app(state: NodeState) -> web.Application:
     """The node app; `state` holds an engine that is built but not started, and the roles
     registered for this node."""
     errors = error_middleware(log, _translate, _rid)
-    app = web.Application(middlewares=[_request_id, errors, _draining], client_max_size=max_body_bytes(state.engine.max_model_len))
+    # The cluster secret first: a request without it reaches nothing (protocol/cluster_secret.py).
+    auth = state.config.security.middlewares()
+    app = web.Application(middlewares=[*auth, _request_id, errors, _draining],
+                          client_max_size=max_body_bytes(state.engine.max_model_len))  # fmt: skip
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
     state.tracing.install(app, after=_request_id)
@@ -170,6 +172,11 @@ def make_app(state: NodeState) -> web.Application:
         app.router.add_route(method, path, bind(fn))
     app.router.add_get("/kv/metadata", _kv_metadata)
     app.router.add_post("/abort", _abort)
+    from node.drain import handle_get_drain, handle_post_drain
+
+    # the drain endpoint (planner actuators, a pod's preStop hook)
+    app.router.add_get("/drain", bind(handle_get_drain))
+    app.router.add_post("/drain", bind(handle_post_drain))
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     from node.kv_events import add_kv_event_routes  # /kv/events, /kv/snapshot
@@ -193,7 +200,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         s.shutdown.set()
 
     s.engine.start(on_dead)
-    s.session = aiohttp.ClientSession(trace_configs=s.tracing.trace_configs())  # D → P's /kv/* carry traceparent
+    # the internal plane only: peers' /kv/* (with the trace's traceparent when tracing)
+    s.session = s.config.security.client_session(trace_configs=s.tracing.trace_configs())
     if s.transport is not None:
         base, device = s.engine.kv_memory()
         await s.transport.register_pool(base, s.engine.kv_layout, device)

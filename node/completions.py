@@ -26,6 +26,7 @@ from node.legs import PREFILL_TRIGGER, LegContext, Prepared, leg_trigger, prefil
 from node.request_body import decode_request
 from node.request_log import REQUEST_ID
 from node.state import NodeState
+from protocol.guide_check import check_guide
 from protocol.node_api import NodeCompletionRequest
 from protocol.openai import APIError
 from protocol.sampling import Priority, SamplingParams
@@ -60,6 +61,12 @@ def sampling_params(body: NodeCompletionRequest, max_tokens: int | None = None) 
             prompt_logprobs=body.prompt_logprobs,
             cache_salt=body.cache_salt,
             resume=body.resume,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            min_p=body.min_p or 0.0,
+            logit_bias={int(t): b for t, b in (body.logit_bias or {}).items()},  # keys checked by validate()
+            guide=body.guide,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None
@@ -106,6 +113,7 @@ async def prepare_body(state: NodeState, body: NodeCompletionRequest, arrival: f
     else:
         ids = list(prompt)
     check_resume(body, len(ids))
+    check_guide(body.guide, param="guide")  # the engine's words, before any engine work (cached)
     params = sampling_params(body)
     if len(ids) + params.max_tokens > engine.max_model_len:
         raise APIError(400, f"this model's maximum context length is {engine.max_model_len} tokens, "

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from protocol.plane import PlaneSecurity
 
 ROLES = ("prefill", "decode", "both")
 FAILURE_POLICIES = ("recompute", "fail")
@@ -65,6 +67,8 @@ class NodeConfig:
     #: routing pool label: shared, interactive or batch
     pool: str = "shared"
     exit_when_drained: bool = False
+    #: cluster secret, TLS and /metrics policy of the internal plane (protocol/plane.py)
+    security: PlaneSecurity = field(default_factory=PlaneSecurity)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:

@@ -51,6 +51,12 @@ class DrainHooks:
     shutting_down: Callable[[], bool]
     #: `--exit-when-drained`: exit once a drain finds the node idle
     exit_when_drained: bool = False
+    #: a drain asked on the node itself (`POST /drain`, node/drain.py)
+    requested: Callable[[], bool] = lambda: False
+    #: told when a drain starts, whoever asked (so `GET /drain` says draining)
+    on_drain: Callable[[], None] = lambda: None
+    #: told once `status: draining` is written in etcd (routers stop from then on)
+    on_published: Callable[[], None] = lambda: None
 
 
 class Registration(LeaseHolder):
@@ -62,6 +68,9 @@ class Registration(LeaseHolder):
         self.is_busy = drain.is_busy
         self.shutting_down = drain.shutting_down
         self.exit_when_drained = drain.exit_when_drained
+        self.drain_asked = drain.requested
+        self.drain_started = drain.on_drain
+        self.drain_published = drain.on_published
         self.registered = False
         self.drain_requested = False
         self._published = NodeStatus.ACTIVE
@@ -83,10 +92,13 @@ class Registration(LeaseHolder):
         self._published = self.status
         info = msgspec.structs.replace(self.info, status=self._published)
         await self.store.put(self.key, self._encoder.encode(info), self.lease)
+        if self._published == NodeStatus.DRAINING:
+            self.drain_published()
 
     def _on_drain(self, why: str) -> None:
         if not self.drain_requested:
             self.drain_requested = True
+            self.drain_started()
             self._g_draining.set(1)
             log.info("drain requested (%s): no new routes; finishing in-flight work%s", why,
                      ", then exiting" if self.exit_when_drained else "")  # fmt: skip
@@ -140,6 +152,8 @@ class Registration(LeaseHolder):
                     self._on_drain("status set to draining in etcd")
 
     async def tick(self) -> bool:
+        if self.drain_asked() and not self.drain_requested:
+            self._on_drain("POST /drain")
         if self.status != self._published:  # drain or shutdown: tell the routers now
             await self._publish()
         if self._drained():
@@ -162,7 +176,7 @@ def node_info(state: Any, pool: str) -> NodeInfo:
     cfg = state.config
     eng = state.engine
     stats = eng.stats()
-    return NodeInfo(node_id=state.node_id, role=cfg.role, url=f"http://{cfg.public_host}:{cfg.port}",
+    return NodeInfo(node_id=state.node_id, role=cfg.role, url=f"{cfg.security.scheme}://{cfg.public_host}:{cfg.port}",
                     model=eng.model_name, engine_id=state.engine_id, engine_kind=cfg.engine_kind,
                     block_size=eng.kv_layout.block_size, kv_layout_hash=eng.kv_layout.compat_hash,
                     kv_capacity_blocks=int(stats.get("kv_blocks_total", eng.kv_layout.num_blocks)),
@@ -184,8 +198,16 @@ def registration_ctx(state: Any) -> Callable[[web.Application], AsyncIterator[No
         def busy() -> bool:
             return state.inflight > 0 or state.engine.stats().get("num_requests_held", 0) > 0
 
-        drain = DrainHooks(is_busy=busy, shutting_down=lambda: state.draining,
-                           exit_when_drained=cfg.exit_when_drained)  # fmt: skip
+        def started() -> None:
+            state.drain_requested = True
+
+        def published() -> None:
+            if state.drain_published_at is None:
+                state.drain_published_at = time.monotonic()
+
+        drain = DrainHooks(is_busy=busy, shutting_down=lambda: state.draining, exit_when_drained=cfg.exit_when_drained,
+                           requested=lambda: state.drain_requested, on_drain=started, on_published=published)  # fmt: skip
+        state.drain_via_etcd = True
         reg = Registration(store, node_info(state, cfg.pool), cfg.cluster, ttl, drain, registry=state.metrics.registry)
         task = asyncio.create_task(reg.run(), name="etcd-registration")
         yield

@@ -113,6 +113,15 @@ class Responder:
                      chunker: ChatChunker | None) -> bool:  # fmt: skip
         async for out in stream:
             self._observe(out)
+            if out.finish_reason == "abort" and self.state.draining:
+                # The node is stopping (SIGTERM's grace period ran out: a drain deadline of a
+                # scale-in, or an operator's stop) with this stream unfinished: an error event, not
+                # a normal end, so the gateway migrates the stream to another node (the client's
+                # answer goes on) instead of ending it with finish_reason "abort".
+                await end_stream(resp, error_event(APIError(
+                    503, "this node stopped before the answer ended (drain deadline or shutdown); continue elsewhere",
+                    type_="service_unavailable", code="node_stopping")))  # fmt: skip
+                return True
             if out.error is not None:
                 log.warning("request %s failed in the engine: %s", self.engine_request_id, out.error)
                 await end_stream(resp, error_event(request_failed(out)))

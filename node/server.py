@@ -1,7 +1,7 @@
 """Running a node process: build the engine and transport, serve, and shut down gracefully.
 
 SIGTERM/SIGINT: stop taking new requests (503 with a clear body), give in-flight requests
-`grace_period` seconds to finish, abort the rest, free held blocks, close the transport and
+and KV held for decode nodes `grace_period` seconds to finish or be pulled, abort the rest, free held blocks, close the transport and
 exit 0. If the engine dies the node exits 1 at once (its streams already ended with an
 error), so a supervisor restarts it: never half alive. The "ready" line on stdout is printed
 only once the port accepts requests.
@@ -45,7 +45,8 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
 
     metrics = NodeMetrics(engine.stats, engine.model_name, cfg.role)
     # The tcp backend (and nixl's fallback to it) listens beside the HTTP port.
-    listen = {"host": cfg.host, "advertise_host": cfg.public_host} if cfg.transport == "tcp" else {}
+    listen = ({"host": cfg.host, "advertise_host": cfg.public_host, "secret": cfg.security.secret}
+              if cfg.transport == "tcp" else {})  # fmt: skip
     if cfg.transport == "ucx":
         listen = {"host": cfg.host}
     transport = None
@@ -77,19 +78,19 @@ async def serve(state: NodeState) -> int:
     # HTTP parser errors answered in OpenAI's error body too (protocol.http_errors).
     runner = AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=LISTEN_BACKLOG)
+    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=LISTEN_BACKLOG, ssl_context=cfg.security.server_ssl())
     await site.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.shutdown.set)
-    print(f"duet {cfg.role} node ready on http://{cfg.host}:{cfg.port} node_id={state.node_id} "
+    print(f"duet {cfg.role} node ready on {cfg.security.scheme}://{cfg.host}:{cfg.port} node_id={state.node_id} "
           f"engine_id={state.engine_id} model={state.engine.model_name}", flush=True)  # fmt: skip
     await state.shutdown.wait()
     state.draining = True
     if state.engine.dead is None:
         log.info("shutting down: draining %d in-flight request(s), grace %.0fs", state.inflight, cfg.grace_period)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(state.idle.wait(), cfg.grace_period)
+            await asyncio.wait_for(_quiet(state), cfg.grace_period)
         for erid in list(state.active):
             log.info("grace period over: aborting %s", erid)
             await state.engine.abort(erid)
@@ -99,7 +100,24 @@ async def serve(state: NodeState) -> int:
     return state.exit_code
 
 
+async def _quiet(state: NodeState) -> None:
+    """No request in flight and no KV held for a decode node (a P stopped while D has not pulled
+    yet would make D recompute the prompt): what the grace period waits for."""
+    while True:
+        await state.idle.wait()
+        if state.inflight == 0 and not state.engine.stats().get("num_requests_held", 0):
+            return
+        await asyncio.sleep(0.1)  # holds end on the engine thread: polled, as registration does
+
+
 def run_node(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] = ()) -> int:
+    from protocol.cluster_secret import SecretError
+
+    try:
+        cfg.security.check_start([cfg.host], f"this {cfg.role} node")  # before the engine loads
+    except SecretError as e:
+        print(f"duet {cfg.role}: {e}", file=sys.stderr)
+        return 2
     state = build_state(cfg, register)
     try:
         return asyncio.run(serve(state))

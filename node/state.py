@@ -36,6 +36,12 @@ class NodeState:
     transport: Transport | None = None
     session: aiohttp.ClientSession | None = None
     draining: bool = False
+    #: a drain was asked through `POST /drain` (node/drain.py); registration publishes it
+    drain_requested: bool = False
+    #: monotonic time `status: draining` reached etcd (None: not yet); with `drain_via_etcd`
+    #: False (no --etcd) the drain counts as published when it is asked
+    drain_published_at: float | None = None
+    drain_via_etcd: bool = False
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     shutdown: asyncio.Event = field(default_factory=asyncio.Event)

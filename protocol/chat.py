@@ -13,14 +13,19 @@ from typing import Any, Literal
 import msgspec
 
 from protocol.openai import CompletionLogprobs, StreamOptions, Usage
+from protocol.structured import ResponseFormat
+from protocol.tools import ToolCall, ToolCallDelta, ToolChoice, ToolDef
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     #: a string, or a list of content parts ({"type": "text", "text": ...}); None for an
-    #: assistant turn that only called tools (refused: tools are unsupported)
+    #: assistant turn that only called tools
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    #: an assistant turn's calls; a `role: "tool"` turn answers one of them by its id
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatCompletionRequest(msgspec.Struct, kw_only=True):
@@ -43,12 +48,23 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    # issue #24: penalties and biases (OpenAI's and vLLM's), structured outputs, tools
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class ChatMessageOut(msgspec.Struct, kw_only=True):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, kw_only=True):
@@ -72,6 +88,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
 class ChatDelta(msgspec.Struct, kw_only=True, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct, kw_only=True):

@@ -131,6 +131,46 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     min_p: float | None = None
     logit_bias: dict[str, float] | None = None
 
+    def validate_sampling(self) -> None:
+        """400s naming the field for penalties, logit_bias and min_p out of range (the chat
+        form and the completion form share this; token ids are checked against the model's
+        vocabulary on the node)."""
+        check_penalty_fields(self.frequency_penalty, self.presence_penalty, self.repetition_penalty,
+                             self.min_p, self.logit_bias)  # fmt: skip
+
+
+#: OpenAI's limits: frequency/presence penalties in [-2, 2], logit_bias values in [-100, 100]
+#: over at most 300 token ids
+PENALTY_RANGE = 2.0
+LOGIT_BIAS_RANGE = 100.0
+MAX_LOGIT_BIAS = 300
+
+
+def check_penalty_fields(frequency_penalty: float | None, presence_penalty: float | None,
+                         repetition_penalty: float | None, min_p: float | None,
+                         logit_bias: dict[str, float] | None) -> None:  # fmt: skip
+    """Raise APIError(400, param=the field) for a penalty, min_p or logit_bias out of range."""
+    for name, v in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+        if v is not None and not (math.isfinite(v) and -PENALTY_RANGE <= v <= PENALTY_RANGE):
+            raise APIError(400, f"{name} must be between -2 and 2, got {v}", param=name)
+    if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
+        raise APIError(400, f"repetition_penalty must be a number > 0, got {repetition_penalty}",
+                       param="repetition_penalty")  # fmt: skip
+    if min_p is not None and not (math.isfinite(min_p) and 0 <= min_p <= 1):
+        raise APIError(400, f"min_p must be in [0, 1], got {min_p}", param="min_p")
+    if logit_bias is None:
+        return
+    if len(logit_bias) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(logit_bias)}",
+                       param="logit_bias")  # fmt: skip
+    for key, v in logit_bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise APIError(400, f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                           param="logit_bias")  # fmt: skip
+        if not (math.isfinite(v) and -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE):
+            raise APIError(400, f"logit_bias values must be between -100 and 100, got {v} for token {key}",
+                           param="logit_bias")  # fmt: skip
+
 
 class CompletionRequest(SamplingFields, kw_only=True):
     prompt: Prompt
@@ -158,6 +198,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
             raise APIError(400, "temperature must be between 0 and 2", param="temperature")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise APIError(400, "top_p must be in (0, 1]", param="top_p")
+        self.validate_sampling()
         p = self.prompt
         if isinstance(p, list) and p and not _is_token(p[0]):
             if len(p) != 1:

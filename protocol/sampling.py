@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.resume import Resume
+from protocol.structured import Guide
 
 #: Temperatures below this sample as greedy (as vLLM does): dividing logits by a tiny positive
 #: temperature overflows them to inf, and softmax of inf is NaN.
@@ -22,6 +23,8 @@ GREEDY_EPSILON = 1e-5
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 #: longest cache domain name a request may carry (a team id or a cache group)
 MAX_CACHE_SALT = 256
+#: most token ids a request's logit_bias may name (OpenAI's limit)
+MAX_LOGIT_BIAS = 300
 
 
 class Priority(enum.IntEnum):
@@ -64,6 +67,19 @@ class SamplingParams:
     #: a migrated request: the prompt's last `resume.output_tokens` ids are its output so far
     #: (text replayed, seeded draws skipped; max/min_tokens here count only what is left)
     resume: Resume | None = None
+    #: OpenAI's penalties over the output so far (a migrated leg's `resume` tokens included):
+    #: logit[t] -= count[t] * frequency_penalty + (count[t] > 0) * presence_penalty; in [-2, 2]
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    #: vLLM's: every token of prompt + output has its logit divided by this when positive,
+    #: multiplied when negative; > 0, 1 = off
+    repetition_penalty: float = 1.0
+    #: vLLM's: after temperature, drop tokens less likely than min_p x the top token's probability
+    min_p: float = 0.0
+    #: OpenAI's: added to the token's logit before sampling; token id -> [-100, 100], <= 300 ids
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    #: constrained decoding (protocol/structured.py): the engine masks every token with it
+    guide: Guide | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +106,33 @@ class SamplingParams:
             raise ValueError(f"cache_salt must be 1 to {MAX_CACHE_SALT} characters")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not math.isfinite(v) or not -2.0 <= v <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+        for t, v in self.logit_bias.items():
+            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {t!r}")
+            if not math.isfinite(v) or not -100.0 <= v <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {v} for token {t}")
+        if self.guide is not None and self.min_tokens > 0:
+            # a finished grammar allows only EOS, which min_tokens forbids: no token would be left
+            raise ValueError("min_tokens cannot be combined with a guide (structured output)")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty or bias changes the logits before sampling."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)  # fmt: skip
 
     @property
     def greedy(self) -> bool:

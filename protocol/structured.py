@@ -3,9 +3,10 @@
 `ResponseFormat` is OpenAI's `response_format` body field as clients send it. `Guide` is what a
 node's leg carries: the one constraint the engine enforces with a token mask every step (the
 gateway derives it from `response_format`, or from `tool_choice` = `required` / a named function).
-A leg carries at most one guide; its `spec` is canonical text (a schema's JSON with sorted keys,
-a regex, or a JSON list of choices), so the same constraint hashes to the same compiled grammar
-on every node.
+A leg carries at most one guide; its `spec` is canonical text (a schema's compact JSON, keys in
+the client's order since property order is generation order — protocol/guide_check.py; a regex;
+or a JSON list of choices), so the same constraint hashes to the same compiled grammar on every
+node.
 
 Invariant: a guide reaching a node was already checked by the gateway (the grammar engine
 accepted it), so a node refusing one is a 400 of the same words, never a crash.
@@ -41,7 +42,7 @@ class GuideKind(enum.StrEnum):
     """What a guide's `spec` holds."""
 
     JSON_OBJECT = "json_object"  # any JSON object (spec is empty)
-    JSON_SCHEMA = "json_schema"  # spec: the schema's JSON, keys sorted
+    JSON_SCHEMA = "json_schema"  # spec: the schema's compact JSON (protocol/guide_check.py)
     REGEX = "regex"  # spec: the regular expression
     CHOICE = "choice"  # spec: a JSON list of the allowed strings
 

@@ -40,7 +40,7 @@ COMPONENT_BENCHMARKS = {
     "bench/engine.py": {"engine"}, "bench/engine_runs.py": {"engine"}, "bench/flops.py": {"engine"},
     "bench/quality.py": {"engine"}, "bench/quant_engine.py": {"engine"}, "bench/kvtransfer.py": {"kvtransfer"},
     "bench/route.py": {"coordinator"}, "bench/router.py": {"gateway"}, "bench/profile.py": {"engine", "sim"},
-    "bench/engine_tiers.py": {"engine"}, "bench/spec_engine.py": {"engine"},
+    "bench/engine_tiers.py": {"engine"}, "bench/spec_engine.py": {"engine"}, "bench/structured.py": {"engine"},
 }  # fmt: skip
 
 

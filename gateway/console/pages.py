@@ -37,7 +37,8 @@ _TIMEOUT = aiohttp.ClientTimeout(total=3)
 async def _replica(state: GatewayState, url: str) -> dict[str, Any] | str:
     assert state.session is not None
     try:
-        async with state.session.get(url + "/cluster", timeout=_TIMEOUT) as r:
+        # the coordinator's internal API: the cluster secret, as the route client sends it
+        async with state.session.get(url + "/cluster", timeout=_TIMEOUT, headers=state.config.security.headers) as r:
             if r.status != 200:
                 return f"HTTP {r.status}"
             return await r.json()

@@ -29,6 +29,9 @@ FORWARDED = frozenset({
     "max_completion_tokens", "n", "presence_penalty", "response_format", "seed", "stop",
     "temperature", "top_p", "tools", "tool_choice", "parallel_tool_calls", "user",
     "reasoning_effort", "modalities", "prediction", "service_tier", "metadata", "store",
+    # vLLM's sampling extensions, which OpenAI-compatible servers of open models take (OpenAI
+    # itself refuses them: a 400 the client sees, never a silent drop)
+    "repetition_penalty", "min_p",
 })
 
 

@@ -24,20 +24,16 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from gateway.providers.anthropic_shapes import (
+    STOP_REASONS,
+    TOOL_CHOICES,
+    anthropic_usage,
+    status_of,
+)
 from gateway.providers.cost import TokenUsage
 from gateway.providers.errors import ProviderError, http_error
 from gateway.providers.resilience import parse_retry_after
 from protocol.openai import read_error
-
-STOP_REASONS = {
-    "end_turn": "stop",
-    "stop_sequence": "stop",
-    "pause_turn": "stop",
-    "max_tokens": "length",
-    "model_context_window_exceeded": "length",
-    "tool_use": "tool_calls",
-    "refusal": "content_filter",
-}
 
 #: OpenAI chat fields that change the sampling only; Anthropic has no equivalent, so dropped
 _DROPPED = frozenset({"seed", "frequency_penalty", "presence_penalty", "logit_bias", "store",
@@ -228,12 +224,8 @@ def _tool(t: Any, i: int) -> dict[str, Any]:
 def _tool_choice(tc: Any, parallel: Any) -> dict[str, Any] | None:
     if tc is None:
         out = None
-    elif tc == "auto":
-        out = {"type": "auto"}
-    elif tc == "none":
-        out = {"type": "none"}
-    elif tc == "required":
-        out = {"type": "any"}
+    elif isinstance(tc, str) and tc in TOOL_CHOICES:
+        out = {"type": TOOL_CHOICES[tc]}
     elif isinstance(tc, dict) and isinstance(tc.get("function"), dict) and isinstance(tc["function"].get("name"), str):
         out = {"type": "tool", "name": tc["function"]["name"]}
     else:
@@ -244,18 +236,6 @@ def _tool_choice(tc: Any, parallel: Any) -> dict[str, Any] | None:
 
 
 # -- responses ------------------------------------------------------------------------------
-
-
-def anthropic_usage(u: Any) -> TokenUsage:
-    u = u if isinstance(u, dict) else {}
-
-    def n(k: str) -> int:
-        v = u.get(k)
-        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
-
-    read, write = n("cache_read_input_tokens"), n("cache_creation_input_tokens")
-    return TokenUsage(prompt_tokens=n("input_tokens") + read + write,
-                      completion_tokens=n("output_tokens"), cached_tokens=read)  # fmt: skip
 
 
 def from_anthropic(msg: Any) -> tuple[dict[str, Any], TokenUsage]:
@@ -384,13 +364,8 @@ class AnthropicStreamTranslator:
 
 # -- errors ---------------------------------------------------------------------------------
 
-_STATUS_OF_TYPE = {"invalid_request_error": 400, "authentication_error": 401, "permission_error": 403,
-                   "not_found_error": 404, "request_too_large": 413, "rate_limit_error": 429,
-                   "api_error": 500, "overloaded_error": 529}  # fmt: skip
-
-
 def _error_from(etype: Any, message: str, status: int | None, retry_after: float | None = None) -> ProviderError:
-    status = status or _STATUS_OF_TYPE.get(str(etype), 500)
+    status = status or status_of(etype)
     return http_error(status, f"anthropic: {message}", retry_after=retry_after,
                       error_type=str(etype) if etype else None)  # fmt: skip
 

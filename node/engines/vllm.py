@@ -45,6 +45,7 @@ from protocol.kv_params import KVTransferParams
 from protocol.logprobs import TokenLogprob
 from protocol.models import resolve_model
 from protocol.sampling import Priority, SamplingParams
+from protocol.structured import Guide, GuideKind
 from protocol.tokenizer import Tokenizer
 
 log = logging.getLogger("duet.node")
@@ -81,7 +82,34 @@ def vllm_sampling(params: SamplingParams, kv_transfer_params: KVTransferParams |
         min_tokens=params.min_tokens, skip_special_tokens=params.skip_special_tokens,
         output_kind=RequestOutputKind.DELTA, extra_args=extra,
         logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
+        frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
+        repetition_penalty=params.repetition_penalty, min_p=params.min_p,
+        logit_bias=dict(params.logit_bias) or None, **vllm_guide(params.guide),
     )  # fmt: skip
+
+
+def vllm_guide(guide: Guide | None) -> dict[str, Any]:
+    """The guide as vLLM's own structured outputs: `structured_outputs=StructuredOutputsParams`
+    (vLLM >= 0.10.2), else the older `guided_decoding=GuidedDecodingParams`; same field names."""
+    if guide is None:
+        return {}
+    match guide.kind:
+        case GuideKind.JSON_OBJECT:
+            fields: dict[str, Any] = {"json_object": True}
+        case GuideKind.JSON_SCHEMA:
+            fields = {"json": guide.spec}
+        case GuideKind.REGEX:
+            fields = {"regex": guide.spec}
+        case GuideKind.CHOICE:
+            fields = {"choice": json.loads(guide.spec)}
+    try:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        return {"structured_outputs": StructuredOutputsParams(**fields)}
+    except ImportError:
+        from vllm.sampling_params import GuidedDecodingParams
+
+        return {"guided_decoding": GuidedDecodingParams(**fields)}
 
 
 def _records(token_ids: list[int], dicts: Any, n: int) -> list[TokenLogprob | None]:

@@ -101,8 +101,14 @@ class Up:
             lines = r.read().decode().splitlines()
         return sum(float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith((name + "{", name + " ")))
 
+    @property
+    def auth(self) -> dict[str, str]:
+        """The cluster secret `duet up` generated: the internal endpoints need it."""
+        return {"Authorization": f"Bearer {(self.home / 'up' / 'cluster.secret').read_text().strip()}"}
+
     def cluster(self, url: str | None = None) -> dict[str, Any]:
-        with urllib.request.urlopen((url or self.state()["coordinators"][0]) + "/cluster", timeout=5) as r:
+        req = urllib.request.Request((url or self.state()["coordinators"][0]) + "/cluster", headers=self.auth)
+        with urllib.request.urlopen(req, timeout=5) as r:
             return json.loads(r.read())
 
     def status(self) -> tuple[int, dict[str, Any]]:
@@ -149,7 +155,7 @@ def test_a_killed_node_comes_back_on_its_port_registered_and_serving(up: Up) -> 
                                    for n in up.cluster(u)["nodes"]), 60, "decode-0 ready again")  # fmt: skip
     # It serves on its old port, and the gateway answers.
     body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 2}).encode()
-    req = urllib.request.Request(after["url"] + "/v1/completions", body, {"Content-Type": "application/json"})
+    req = urllib.request.Request(after["url"] + "/v1/completions", body, {"Content-Type": "application/json", **up.auth})
     with urllib.request.urlopen(req, timeout=30) as r:
         assert json.loads(r.read())["usage"]["completion_tokens"] == 2
     up.ask()

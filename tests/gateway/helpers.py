@@ -50,15 +50,17 @@ def tiny_model(tokenizer: Path, prefill: list[str] = (), decode: list[str] = (),
 
 
 def gateway_proc(tmp: Path, models: dict[str, dict[str, Any]], port: int | None = None,
-                 store: Path | str | None = None, **sections: dict[str, Any]) -> Proc:  # fmt: skip
-    """`store`: an SQLite file (default tmp/gateway.db) or a postgresql:// URL."""
+                 store: Path | str | None = None, args: tuple[str, ...] = (),
+                 **sections: dict[str, Any]) -> Proc:  # fmt: skip
+    """`store`: an SQLite file (default tmp/gateway.db) or a postgresql:// URL; `args`: more
+    `duet gateway` flags."""
     port = port or free_port()
     url = store if isinstance(store, str) else f"sqlite://{store or tmp / 'gateway.db'}"
     server = {**sections.pop("server", {}), "port": port}
     sections = {"server": server, "store": {"url": url}, **sections}
     cfg = write_config(tmp / f"gateway-{port}.toml", models, **sections)
-    args = [sys.executable, "-m", "duet", "gateway", "--config", str(cfg), "--log-level", "INFO"]
-    return Proc(args, port, tmp / f"gateway-{port}.log", env={"DUET_ADMIN_KEY": ADMIN_KEY})
+    cmd = [sys.executable, "-m", "duet", "gateway", "--config", str(cfg), "--log-level", "INFO", *args]
+    return Proc(cmd, port, tmp / f"gateway-{port}.log", env={"DUET_ADMIN_KEY": ADMIN_KEY})
 
 
 def http(url: str, method: str = "GET", body: Any = None, key: str | None = ADMIN_KEY,

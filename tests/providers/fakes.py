@@ -178,6 +178,9 @@ class FakeProvider:
         early = await self._pre_answer(request, fault)
         if early is not None:
             return early
+        tool = _openai_tool(body)
+        if tool is not None:
+            return await self._openai_tool(request, body, fault, tool)
         words = self.reply(body).split()
         limit = body.get("max_completion_tokens") or body.get("max_tokens")
         finish = "stop"
@@ -197,20 +200,37 @@ class FakeProvider:
                 "usage": usage, "system_fingerprint": "fp_fake",
             })  # fmt: skip
 
-        def chunk(delta: dict[str, Any], fin: str | None = None) -> bytes:
-            c = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": fin}]}  # fmt: skip
-            return b"data: " + json.dumps(c).encode() + b"\n\n"
+        deltas = [({"role": "assistant", "content": ""}, None), *(({"content": p}, None) for p in text_parts),
+                  ({}, finish)]  # fmt: skip
+        return await self._stream(request, _openai_events(body, rid, created, deltas, usage), fault)
 
-        events = [chunk({"role": "assistant", "content": ""})]
-        events += [chunk({"content": p}) for p in text_parts]
-        events.append(chunk({}, finish))
-        if (body.get("stream_options") or {}).get("include_usage"):
-            u = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                 "choices": [], "usage": usage}  # fmt: skip
-            events.append(b"data: " + json.dumps(u).encode() + b"\n\n")
-        events.append(b"data: [DONE]\n\n")
-        return await self._stream(request, events, fault)
+    async def _openai_tool(self, request: web.Request, body: dict[str, Any], fault: Fault | None,
+                           tool: str) -> web.StreamResponse:  # fmt: skip
+        """Answers, as the Anthropic fake does, with "Let me check." and a call of `tool`, its
+        arguments echoing the last user text (7 completion tokens)."""
+        rid, created, model = f"chatcmpl-{uuid.uuid4().hex[:12]}", int(time.time()), body["model"]
+        args = json.dumps({"query": _last_user_text(body["messages"])})
+        call_id = f"call_{uuid.uuid4().hex[:12]}"
+        billed = self.prompt_tokens(body["messages"])
+        usage = {"prompt_tokens": billed, "completion_tokens": 7, "total_tokens": billed + 7,
+                 "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+        if not body.get("stream"):
+            return web.json_response({
+                "id": rid, "object": "chat.completion", "created": created, "model": model,
+                "choices": [{"index": 0, "logprobs": None, "finish_reason": "tool_calls",
+                             "message": {"role": "assistant", "content": "Let me check.", "refusal": None,
+                                         "tool_calls": [{"id": call_id, "type": "function",
+                                                         "function": {"name": tool, "arguments": args}}]}}],
+                "usage": usage,
+            })  # fmt: skip
+
+        deltas = [({"role": "assistant", "content": ""}, None), ({"content": "Let me check."}, None),
+                  ({"tool_calls": [{"index": 0, "id": call_id, "type": "function",
+                                    "function": {"name": tool, "arguments": ""}}]}, None),
+                  ({"tool_calls": [{"index": 0, "function": {"arguments": args[:5]}}]}, None),
+                  ({"tool_calls": [{"index": 0, "function": {"arguments": args[5:]}}]}, None),
+                  ({}, "tool_calls")]  # fmt: skip
+        return await self._stream(request, _openai_events(body, rid, created, deltas, usage), fault)
 
     # -- Anthropic Messages -----------------------------------------------------------------
 
@@ -297,6 +317,27 @@ class FakeProvider:
             _sse("message_stop", {"type": "message_stop"}),
         ]  # fmt: skip
         return await self._stream(request, events, fault)
+
+
+def _openai_events(body: dict[str, Any], rid: str, created: int, deltas: list[tuple[dict[str, Any], str | None]],
+                   usage: dict[str, Any]) -> list[bytes]:  # fmt: skip
+    """An OpenAI chat stream: a chunk per (delta, finish_reason), the usage chunk when asked, [DONE]."""
+    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body["model"]}
+    chunks = [{**head, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": f}]} for d, f in deltas]
+    if (body.get("stream_options") or {}).get("include_usage"):
+        chunks.append({**head, "choices": [], "usage": usage})
+    return [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
+
+
+def _openai_tool(body: dict[str, Any]) -> str | None:
+    """The tool a chat request makes the fake call: the named one, else the first; none when
+    tool_choice is none or the last turn is not the user's (a tool result is answered in text)."""
+    tools, choice = body.get("tools") or [], body.get("tool_choice")
+    if not tools or choice == "none" or body["messages"][-1].get("role") != "user":
+        return None
+    if isinstance(choice, dict):
+        return str(choice["function"]["name"])
+    return str(tools[0]["function"]["name"])
 
 
 def _sse(event: str, data: dict[str, Any]) -> bytes:

@@ -1,0 +1,74 @@
+"""The internal-plane flags every server process shares (node, coordinator, gateway) and the
+client flags of the operator commands (`duet status`): one definition, so they never drift.
+
+Reads them into protocol.plane.PlaneSecurity; an unusable secret or certificate is a usage
+error (exit 2) before anything starts, never a silent start without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+SECURITY_HELP = """\
+The cluster secret authenticates every internal request (Authorization: Bearer) and the KV
+transport's handshake. Without one, a process bound to loopback only starts with a warning;
+bound to any other address it refuses to start unless --insecure is given. `duet up` generates
+one (0600, $DUET_HOME/up/cluster.secret) and passes it to every process it starts."""
+
+
+def add_secret_argument(g: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
+    g.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                   help="file holding the cluster secret (mode 0600, ≥ 32 bytes); default: "
+                        "$DUET_CLUSTER_SECRET_FILE, else the secret itself in $DUET_CLUSTER_SECRET")  # fmt: skip
+
+
+def add_client_arguments(p: argparse.ArgumentParser) -> None:
+    """What an operator command that calls the internal plane needs."""
+    g = p.add_argument_group("cluster security")
+    add_secret_argument(g)
+    g.add_argument("--tls-ca", default=None, metavar="PEM", help="CA that signs the cluster's certificates (https)")
+
+
+def add_server_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster security", SECURITY_HELP)
+    add_secret_argument(g)
+    g.add_argument("--insecure", action="store_true",
+                   help="start without a cluster secret although listening on a non-loopback address "
+                        "(anyone who reaches it can use the internal API)")  # fmt: skip
+    g.add_argument("--protect-metrics", action="store_true",
+                   help="GET /metrics needs the cluster secret too (default: open; /health always is)")
+    g.add_argument("--tls-cert", default=None, metavar="PEM", help="serve https with this certificate (chain)")
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
+    g.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="CA that signs the other processes' certificates (trusted with the system's CAs)")
+
+
+def add_gateway_security_arguments(p: argparse.ArgumentParser) -> None:
+    """The gateway's: it sends the secret to nodes and coordinators; its own API has API keys."""
+    g = p.add_argument_group("cluster security", "The cluster secret the gateway sends to nodes and coordinators "
+                             "(its own API is guarded by API keys).")  # fmt: skip
+    add_secret_argument(g)
+    g.add_argument("--protect-metrics", action="store_true",
+                   help="GET /metrics needs the cluster secret or the admin key (default: open)")
+    g.add_argument("--tls-cert", default=None, metavar="PEM", help="serve https with this certificate (chain)")
+    g.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
+    g.add_argument("--tls-ca", default=None, metavar="PEM",
+                   help="CA that signs the nodes' and coordinators' certificates (trusted with the system's CAs)")
+
+
+def plane_security(args: argparse.Namespace):
+    """The flags as a PlaneSecurity; raises UsageError for an unusable secret or TLS file."""
+    from duet.cli import UsageError
+    from protocol.cluster_secret import SecretError, load_secret
+    from protocol.plane import PlaneSecurity
+
+    try:
+        sec = PlaneSecurity(secret=load_secret(getattr(args, "cluster_secret_file", None)),
+                            protect_metrics=getattr(args, "protect_metrics", False),
+                            insecure=getattr(args, "insecure", False), tls_cert=getattr(args, "tls_cert", None),
+                            tls_key=getattr(args, "tls_key", None), tls_ca=getattr(args, "tls_ca", None))  # fmt: skip
+        sec.server_ssl()  # a bad certificate is the operator's error now, not at the first request
+        sec.client_ssl()
+    except SecretError as e:
+        raise UsageError(str(e)) from None
+    return sec

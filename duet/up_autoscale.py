@@ -1,0 +1,127 @@
+"""`duet up --autoscale`: the control endpoint through which the planner (in the supervised
+coordinator, `--actuator local`) adds and removes node processes (planner/local.py has the wire).
+
+Bounds: at most `max_nodes` nodes under supervision (default: the machine's CPUs, one thread
+each at least; an explicit larger value is allowed with a warning — nodes then share CPUs); the
+planner gets min 1 / max (max_nodes − other pools) per pool and `max_nodes` as its budget, so
+both sides refuse past the limit. A new node copies the layout's group of its role, model and
+pool (unpinned: autoscaled nodes come and go). Stopping is the last step of a drain-safe scale-in:
+the planner has drained the node already; here it is SIGTERMed, waited for and taken off
+supervision (never restarted).
+
+The endpoint listens on loopback only, on a free port, and only `duet up`'s own coordinator is
+told its URL.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from concurrent.futures import TimeoutError as FutureTimeout
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import msgspec
+
+from planner.local import ControlError, NodeStarted, NodeStopped, ScaleOut
+
+
+def planner_toml(roles: list[str], max_nodes: int, extra_pools: int = 0) -> str:
+    """The planner config `duet up --autoscale` hands its coordinator: min 1 / max per role."""
+    per_role = max(1, max_nodes - (len(roles) - 1) - extra_pools)
+    lines = ["# written by `duet up --autoscale` on every start", "[planner]", 'mode = "load"',
+             f"node_budget = {max_nodes}", "[planner.bounds]"]  # fmt: skip
+    lines += [f'"{r}" = [1, {per_role}]' for r in sorted(set(roles))]
+    return "\n".join(lines) + "\n"
+
+
+class Autoscale:
+    """Starts and stops autoscaled nodes on the supervisor (`sup` is set once it exists)."""
+
+    def __init__(self, cfg: Any, home: Any, etcd_url: str, max_nodes: int, threads: int, stage: int,
+                 served: dict[str, str]) -> None:  # fmt: skip
+        self.cfg, self.home, self.etcd_url, self.served = cfg, home, etcd_url, served
+        self.max_nodes, self.threads, self.stage = max_nodes, threads, stage
+        self.sup: Any = None
+        self._lock = threading.Lock()
+        self._serial = sum(g.count for g in cfg.nodes)
+
+    def _nodes(self) -> list[Any]:
+        return [c for c in self.sup.stages[self.stage] if not c.retiring]
+
+    def start(self, req: ScaleOut) -> tuple[int, msgspec.Struct]:
+        from duet.cmd_up import node_child
+
+        groups = [g for g in self.cfg.nodes if g.role == req.role
+                  and self.served.get(g.model or self.cfg.model, g.model or self.cfg.model) == req.model]  # fmt: skip
+        groups = [g for g in groups if g.pool == req.pool] or groups
+        if not groups:
+            return 404, ControlError(message=f"no {req.role} node of {req.model} (pool {req.pool}) in this layout",
+                                     code="no_such_pool")  # fmt: skip
+        with self._lock:
+            live = len(self.sup.call(self._nodes).result(10))
+            if live >= self.max_nodes:
+                return 409, ControlError(message=f"{live} nodes running: --max-nodes {self.max_nodes} reached",
+                                         code="max_nodes")  # fmt: skip
+            self._serial += 1
+            name = f"{req.role}-{self._serial}"
+            child = node_child(self.cfg, self.home, self.etcd_url, groups[0], name, self.threads)
+            self.sup.call(lambda: self.sup.add(self.stage, child)).result(10)
+        url = (child.health_url or "").removesuffix("/health")
+        return 200, NodeStarted(name=name, node_id=name, url=url, nodes=live + 1)
+
+    def stop(self, node_id: str, dry_run: bool = False) -> tuple[int, msgspec.Struct]:
+        """Stop a (drained) node; `dry_run`: only say whether it would be stopped, so the
+        actuator asks before it drains a node it could then not remove."""
+        with self._lock:
+            nodes = self.sup.call(self._nodes).result(10)
+            child = next((c for c in nodes if c.name == node_id), None)
+            if child is None:
+                return 404, ControlError(message=f"no node {node_id!r} under supervision", code="node_not_found")
+            if len(nodes) <= 1:
+                return 409, ControlError(message="the last node is not stopped", code="last_node")
+            if dry_run:
+                return 200, NodeStopped(node_id=node_id, exit_code=None, nodes=len(nodes))
+            self.sup.call(lambda: self.sup.retire(child)).result(10)
+        child.retired.wait(self.sup.stop_timeout + 15)
+        code = None if child.proc is None else child.proc.returncode
+        return 200, NodeStopped(node_id=node_id, exit_code=code, nodes=len(nodes) - 1)
+
+
+def serve_control(auto: Autoscale) -> ThreadingHTTPServer:
+    """The control endpoint on 127.0.0.1 (a free port), served by a daemon thread."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # quiet: the supervisor says what happens
+            pass
+
+        def _send(self, status: int, body: msgspec.Struct) -> None:
+            raw = msgspec.json.encode(body)
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_POST(self) -> None:
+            raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            path, _, query = self.path.partition("?")
+            parts = path.strip("/").split("/")
+            try:
+                if auto.sup is None or not auto.sup.ready.is_set():
+                    self._send(503, ControlError(message="duet up is still starting", code="starting"))
+                elif parts == ["nodes"]:
+                    self._send(*auto.start(msgspec.json.decode(raw, type=ScaleOut)))
+                elif len(parts) == 3 and parts[0] == "nodes" and parts[2] == "stop":
+                    self._send(*auto.stop(parts[1], dry_run=query == "dry_run=1"))
+                else:
+                    self._send(404, ControlError(message=f"no route {self.path}", code="not_found"))
+            except (msgspec.DecodeError, msgspec.ValidationError, json.JSONDecodeError) as e:
+                self._send(400, ControlError(message=f"bad request: {e}", code="bad_request"))
+            except FutureTimeout:
+                self._send(503, ControlError(message="the supervisor is busy (starting or stopping)", code="busy"))
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="duet-up-control", daemon=True).start()
+    return server

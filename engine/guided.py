@@ -1,0 +1,205 @@
+"""Constrained decoding in the engine: guides compiled off the engine thread, a matcher per
+request, the token mask on the logits every step (issue #24, DESIGN §8).
+
+The grammar engine is llguidance (chosen by measurement: docs/structured-outputs.md). A guide
+(protocol/structured.py) becomes a grammar through protocol/guide_check.py::guide_grammar — the
+same mapping the gateway's tokenizer-free check uses — and is compiled here against the model's
+tokenizer into a prototype `LLMatcher`, cached by (kind, sha256 of the spec) in a bounded LRU.
+`compile_async` runs that compilation in a small thread pool, so the engine thread only copies a
+prototype (`deep_copy`, microseconds) when the request is added.
+
+Each step, the rows of guided requests get their next-token bitmask (filled in parallel by an
+`LLExecutor` when several are guided) applied to the logits as -inf, before sampling, greedy or
+not; unconstrained rows in the same batch are left alone. Each accepted token advances the
+request's matcher; when the grammar is complete (`is_stopped`) the request finishes with "stop".
+EOS is allowed by the mask only where the grammar may end, so a cut by max_tokens is "length".
+
+P/D: a prefill node masks the one token it samples; a decode node's matcher starts from the
+tokens sampled so far — on a migrated leg, the `resume` tokens at the end of the prompt
+(protocol/resume.py) — and masks the rest.
+
+Invariants: a guided request always has a matcher until it finishes (`forget`); a matcher in
+error fails its own request only (`GuideError`); with llguidance missing, strict mode (CI)
+refuses to start an engine, elsewhere every guided request is refused with a 400 — never served
+unconstrained.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from protocol.guide_check import GrammarEngineMissing, guide_grammar
+from protocol.strict import fallback
+from protocol.structured import Guide
+
+log = logging.getLogger("duet.engine.guided")
+
+#: compiled guides kept per engine (one prototype matcher each: a few hundred KiB at most)
+CACHE_SIZE = 256
+#: threads compiling guides off the engine thread
+COMPILE_THREADS = 2
+
+
+class GuideError(ValueError):
+    """The guide cannot be compiled for this model, or the output left it."""
+
+
+def _import_llguidance() -> Any | None:
+    try:  # not llguidance.torch: its import decorates with torch.compile, which loads dynamo (~3 s)
+        import llguidance
+    except ImportError as e:
+        fallback(log, f"the grammar engine llguidance cannot be imported ({e})",
+                 "refusing every request with a guide (structured outputs)")  # fmt: skip
+        return None
+    return llguidance
+
+
+def _key(guide: Guide) -> tuple[str, str]:
+    return guide.kind.value, hashlib.sha256(guide.spec.encode()).hexdigest()
+
+
+class GuidedDecoding:
+    """Compiles guides for one model's tokenizer and keeps the matcher of each guided request.
+
+    `compile`/`compile_async` may run on any thread; everything else runs on the engine thread."""
+
+    def __init__(self, tokenizer_file: Path, vocab_size: int, eos_token_ids: frozenset[int],
+                 cache_size: int = CACHE_SIZE) -> None:  # fmt: skip
+        self._lib = _import_llguidance()
+        self._tokenizer_file = tokenizer_file
+        self.vocab_size = vocab_size
+        self._eos = sorted(eos_token_ids)
+        self._cache_size = cache_size
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lock = threading.Lock()
+        self._tokenizer: Any = None  # built on first use (~0.4 s): engines without guides never pay
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._executor: Any = None
+        self._matchers: dict[str, Any] = {}
+        #: counters: compilations done, cache hits
+        self.compiled = 0
+        self.hits = 0
+
+    # -- compilation (any thread) -----------------------------------------------------------
+    def _llg_tokenizer(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None:
+                assert self._lib is not None
+                text = self._tokenizer_file.read_text()
+                self._tokenizer = self._lib.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos)
+            return self._tokenizer
+
+    def compile(self, guide: Guide) -> Any:
+        """The guide's prototype matcher (cached); raises GuideError with the engine's words."""
+        if self._lib is None:
+            raise GuideError("structured outputs are not available on this node: the grammar engine "
+                             "llguidance cannot be imported")  # fmt: skip
+        key = _key(guide)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return hit
+        tok = self._llg_tokenizer()
+        try:
+            grammar = guide_grammar(guide)
+        except (ValueError, GrammarEngineMissing) as e:
+            raise GuideError(f"invalid {guide.kind.value} guide: {e}") from None
+        proto = self._lib.LLMatcher(tok, grammar)
+        if proto.is_error():
+            raise GuideError(f"invalid {guide.kind.value} guide: {proto.get_error().strip()}")
+        with self._lock:
+            self._cache[key] = proto
+            self._cache.move_to_end(key)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+            self.compiled += 1
+        return proto
+
+    def compile_async(self, guide: Guide) -> concurrent.futures.Future[Any]:
+        """`compile` on the compile pool (the async engine awaits it before adding)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="duet-grammar")
+            pool = self._pool
+        return pool.submit(self.compile, guide)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- per request (engine thread) ---------------------------------------------------------
+    def attach(self, request_id: str, guide: Guide, sampled: list[int]) -> None:
+        """Give `request_id` a matcher advanced over the tokens it has sampled so far (a decode
+        node resuming a migrated leg); GuideError if those tokens leave the grammar."""
+        m = self.compile(guide).deep_copy()
+        if not all(m.consume_token(t) for t in sampled):
+            raise GuideError(f"the tokens sampled so far do not satisfy the {guide.kind.value} guide: "
+                             f"{m.get_error().strip()}")  # fmt: skip
+        self._matchers[request_id] = m
+
+    def forget(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def guided(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def mask(self, logits: torch.Tensor, rows: list[tuple[int, str]],
+             copy: bool = True) -> tuple[torch.Tensor, dict[int, str]]:  # fmt: skip
+        """`logits` [S, V] with each (row, request id) in `rows` masked to its grammar's allowed
+        next tokens (-inf elsewhere) — on a float32 CPU copy unless `copy` is False (the caller
+        owns `logits`, a float32 CPU tensor) — and {row: why} for rows no token may follow
+        (their request must fail: an argmax over -inf is no answer).
+
+        The mask is applied with numpy, single-threaded: torch's indexed masked_fill on a few
+        rows goes through its intra-op thread pool, which cost 100+ ms a step on a loaded
+        2-core machine (measured) for microseconds of work."""
+        if not rows:
+            return logits, {}
+        words = (self.vocab_size + 31) // 32
+        bitmask = np.empty((len(rows), words), dtype=np.int32)  # C-contiguous: row i at i * 4 * words
+        matchers = [self._matchers[rid] for _, rid in rows]
+        if len(rows) == 1:
+            matchers[0].unsafe_compute_mask_ptr(bitmask.ctypes.data, words * 4)
+        else:  # llguidance's own threads fill the rows in parallel
+            if self._executor is None:
+                self._executor = self._lib.LLExecutor()  # type: ignore[union-attr]
+            self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.ctypes.data,
+                                                   words * 4, len(rows))  # fmt: skip
+        # bit i of word w allows token 32 w + i: little-endian bytes, each unpacked low bit first
+        banned = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]] == 0
+        if copy or logits.dtype != torch.float32 or logits.device.type != "cpu":
+            x = torch.from_numpy(logits.detach().float().cpu().numpy().copy())
+        else:
+            x = logits
+        xn = x.numpy()
+        for j, (r, _) in enumerate(rows):
+            np.copyto(xn[r], -np.inf, where=banned[j])
+        dead = {r: f"no token satisfies the guide: {m.get_error().strip() or 'the grammar allows nothing here'}"
+                for (r, _), m, b in zip(rows, matchers, banned.all(axis=1).tolist(), strict=True) if b}  # fmt: skip
+        return x, dead
+
+    def advance(self, request_id: str, token: int) -> bool:
+        """Feed the request's accepted token to its matcher; True when the grammar is complete.
+        Raises GuideError if the token leaves the grammar (a masked row cannot, unless it failed)."""
+        m = self._matchers.get(request_id)
+        if m is None:
+            return False
+        if not m.consume_token(token):
+            raise GuideError(f"token {token} does not satisfy the guide: {m.get_error().strip()}")
+        return bool(m.is_stopped())
+
+    def error(self, request_id: str) -> str | None:
+        """Why a guided request's matcher cannot go on (None: it can)."""
+        m = self._matchers.get(request_id)
+        return m.get_error().strip() if m is not None and m.is_error() else None

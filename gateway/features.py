@@ -1,0 +1,91 @@
+"""What a request needs of a model beyond plain text generation, and what a model serves.
+
+`features(request)` names the optional API features a request uses (tools, structured outputs,
+penalties, logit_bias); `model_features(config)` those a model serves — by default every one
+(duet's native engine constrains, penalizes and biases; an OpenAI-compatible provider takes the
+fields unchanged), or what its `[models.X] features = [...]` lists (a vLLM-engine model, a
+provider that cannot). Routing (fallback chains, `model: "auto"`) skips a model that lacks one
+of the request's features, and a model named outright answers 400 naming what it lacks
+(`refuse_missing`).
+
+Invariant: `features` only reads the checked `Request`; the enum's values are the names the
+config file and the error messages use.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+from protocol.openai import APIError
+
+if TYPE_CHECKING:
+    from gateway.config import ModelConfig
+    from gateway.requests import Request
+
+
+class Feature(enum.StrEnum):
+    """An optional API feature of a request."""
+
+    #: `tools` with a tool_choice other than none, or tool calls/results in the conversation
+    TOOLS = "tools"
+    #: `response_format` json_object / json_schema
+    STRUCTURED_OUTPUTS = "structured_outputs"
+    #: frequency_penalty, presence_penalty, repetition_penalty, min_p
+    PENALTIES = "penalties"
+    LOGIT_BIAS = "logit_bias"
+
+
+ALL = frozenset(Feature)
+
+
+def features(request: Request) -> frozenset[Feature]:
+    """The optional features `request` uses."""
+    out: set[Feature] = set()
+    if request.tools.choice != "none" or request.has_tool_turns:
+        out.add(Feature.TOOLS)
+    if request.response_format is not None and request.response_format.type != "text":
+        out.add(Feature.STRUCTURED_OUTPUTS)
+    s = request.sampling
+    if any(v is not None for v in (s.frequency_penalty, s.presence_penalty, s.repetition_penalty, s.min_p)):
+        out.add(Feature.PENALTIES)
+    if s.logit_bias:
+        out.add(Feature.LOGIT_BIAS)
+    return frozenset(out)
+
+
+#: what an Anthropic model serves by default: tools (translated both ways); it has no
+#: structured outputs, penalties or logit_bias (providers/translate.py)
+ANTHROPIC = frozenset({Feature.TOOLS})
+
+
+def model_features(model: ModelConfig) -> frozenset[Feature]:
+    """The features `model` serves (its config's `features`, else all; an Anthropic model's
+    default is `ANTHROPIC`)."""
+    if model.features is None:
+        return ANTHROPIC if model.kind == "external" and model.provider == "anthropic" else ALL
+    return frozenset(Feature(f) for f in model.features)
+
+
+def parse_features(value: object, where: str) -> tuple[str, ...]:
+    """A config's `features` list, checked (ValueError names the bad entry)."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{where} features must be a list of: {', '.join(Feature)}")
+    bad = [v for v in value if v not in Feature.__members__.values()]
+    if bad:
+        raise ValueError(f"{where} features: unknown {', '.join(map(repr, bad))} (known: {', '.join(Feature)})")
+    return tuple(value)
+
+
+def refuse_missing(request: Request, model: ModelConfig) -> None:
+    """400 naming what `model` cannot serve of `request` (before any work is done)."""
+    missing = sorted(features(request) - model_features(model))
+    if missing:
+        raise APIError(400, f"the model {model.name!r} does not support {', '.join(missing)} "
+                            f"(its [models.{model.name}] features list what it serves)",
+                       param=_PARAM[missing[0]], code="unsupported_feature")  # fmt: skip
+
+
+#: the request field an error about a feature names
+_PARAM = {Feature.TOOLS: "tools", Feature.STRUCTURED_OUTPUTS: "response_format",
+          Feature.PENALTIES: "frequency_penalty", Feature.LOGIT_BIAS: "logit_bias"}  # fmt: skip

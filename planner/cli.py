@@ -1,0 +1,90 @@
+"""The planner's flags on `duet coordinator`, and building it from them (the composition root
+calls `add_args` and `from_args`; nothing here runs unless `--planner` is given)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from planner.config import PlannerMode, load_config
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("planner (autoscaling; runs only while this replica leads)")
+    g.add_argument("--planner", choices=["off", *[m.value for m in PlannerMode]], default="off",
+                   help="load: react to queues, KV use and predicted TTFT/ITL against the tier's SLO; throughput: "
+                        "size for the forecast request rate on the simulator (needs a profile)")  # fmt: skip
+    g.add_argument("--planner-config", default=None, metavar="planner.toml",
+                   help="SLOs, bounds, budget, pacing (see planner/config.py); the flags below override it")
+    g.add_argument("--actuator", choices=["virtual", "kubernetes", "local"], default="virtual",
+                   help="virtual: write the decision to --decision-file for an external scaler; kubernetes: resize "
+                        "the P/D Deployments; local: ask `duet up` (--local-control) to start or stop nodes")  # fmt: skip
+    g.add_argument("--decision-file", default="planner-decision.json", help="virtual actuator: where to write")
+    g.add_argument("--k8s-namespace", default=os.environ.get("POD_NAMESPACE", "default"),
+                   help="kubernetes actuator: the namespace of the P/D Deployments")
+    g.add_argument("--k8s-deployment", action="append", default=[], metavar="POOL=NAME",
+                   help="kubernetes actuator: the Deployment of a pool (role, role/tier or role/model/tier), "
+                        "repeatable; default duet-ROLE[-TIER]")  # fmt: skip
+    g.add_argument("--local-control", default=None, metavar="URL", help="local actuator: duet up's control URL")
+    g.add_argument("--node-budget", type=int, default=None, help="most nodes across every pool and model")
+    g.add_argument("--planner-profile", default=None, metavar="PROFILE.json",
+                   help="node profile (duet bench profile): the load mode's step cost, the throughput mode's model")
+    g.add_argument("--drain-deadline-s", type=float, default=120.0,
+                   help="scale-in: how long a node may take to finish its work before it is stopped anyway "
+                        "(its streams then migrate)")  # fmt: skip
+
+
+def from_args(args: argparse.Namespace) -> Callable[[Any], Awaitable[None]] | None:
+    """The planner as a coordinator background task, or None with `--planner off`. Raises
+    ValueError on a bad configuration (the CLI turns it into a usage error)."""
+    if args.planner == "off":
+        return None
+    cfg = load_config(args.planner_config, mode=args.planner, node_budget=args.node_budget,
+                      profile=args.planner_profile)  # fmt: skip
+    if cfg.mode == PlannerMode.THROUGHPUT and not cfg.profile:
+        raise ValueError("--planner throughput needs a node profile (--planner-profile or profile = in the config)")
+    if args.actuator == "local" and not args.local_control:
+        raise ValueError("--actuator local needs --local-control URL (duet up --autoscale passes it)")
+    deployments = {}
+    for item in args.k8s_deployment:
+        pool, sep, name = item.partition("=")
+        if not sep or not pool or not name:
+            raise ValueError(f"--k8s-deployment wants POOL=NAME (e.g. decode/batch=duet-decode-batch), not {item!r}")
+        deployments[pool] = name
+    from protocol.cluster_secret import load_secret
+
+    # the same secret as the coordinator's own (--cluster-secret-file, else the environment):
+    # a node's /drain refuses a request without it
+    secret = load_secret(getattr(args, "cluster_secret_file", None))
+
+    async def run(coordinator: Any) -> None:
+        import aiohttp
+
+        from planner.drain import Drainer
+        from planner.loop import PlannerLoop
+
+        async with aiohttp.ClientSession() as session:
+            drainer = Drainer(session, auth=secret.headers if secret else None, deadline_s=args.drain_deadline_s)
+            actuator: Any
+            if args.actuator == "kubernetes":
+                from planner.kube import KubernetesActuator
+
+                actuator = KubernetesActuator(args.k8s_namespace, drainer, deployments=deployments)
+            elif args.actuator == "local":
+                from planner.local import LocalActuator
+
+                actuator = LocalActuator(args.local_control, drainer, session)
+            else:
+                from planner.virtual import VirtualActuator
+
+                actuator = VirtualActuator(args.decision_file)
+            sizer = None
+            if cfg.mode == PlannerMode.THROUGHPUT:
+                from planner.throughput import SimSizer
+
+                sizer = SimSizer(cfg.profile or "", headroom=cfg.headroom)
+            await PlannerLoop(coordinator, cfg, actuator, sizer=sizer).run()
+
+    return run

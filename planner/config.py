@@ -1,0 +1,140 @@
+"""The planner's configuration: mode, pacing, SLOs per tier, bounds per pool and the node budget.
+
+Read from a TOML file (`duet coordinator --planner-config planner.toml`, the `[planner]` table or
+the whole file) with CLI flags over it; every field has a default an operator can start from.
+
+    mode = "load"            # or "throughput"
+    interval_s = 5
+    cooldown_s = 60          # after any step on a pool, before the next one
+    reverse_cooldown_s = 180 # before a step the other way (no flapping)
+    cold_start_s = 60        # a new node's figures are ignored this long
+    node_budget = 8          # all pools, all models together (GPUs: nodes × gpus per node)
+    [slo.interactive]
+    ttft_s = 1.0
+    itl_s = 0.1
+    [bounds]
+    "prefill" = [1, 3]               # role
+    "decode/batch" = [0, 2]          # role/tier
+    "decode/smollm2-135m/interactive" = [1, 4]   # role/model/tier
+"""
+
+from __future__ import annotations
+
+import enum
+import tomllib
+from pathlib import Path
+
+import msgspec
+
+from planner.pools import PoolKey
+
+
+class PlannerMode(enum.StrEnum):
+    #: reactive: from the load frames, against the tier's SLO
+    LOAD = "load"
+    #: predictive: from the request rate, ISL/OSL and prefix hits, sized on the simulator
+    THROUGHPUT = "throughput"
+
+
+class TierSLO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    ttft_s: float
+    itl_s: float
+
+
+def _default_slos() -> dict[str, TierSLO]:
+    return {"interactive": TierSLO(ttft_s=1.0, itl_s=0.15), "shared": TierSLO(ttft_s=1.0, itl_s=0.15),
+            "batch": TierSLO(ttft_s=30.0, itl_s=1.0)}  # fmt: skip
+
+
+class StepCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Seconds of one engine step (sim/profile.py's StepModel terms); the load mode's predictor.
+    The defaults are SmolLM2-135M bf16 on one CPU thread in CPU terms (docs/capacity.md)."""
+
+    intercept_s: float = 0.05
+    prefill_s: float = 0.00035  # per prompt token
+    decode_s: float = 0.0  # per sequence
+    context_s: float = 5e-6  # per context token of every sequence
+
+
+class PlannerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Unknown keys are refused: a typo in planner.toml never passes silently."""
+
+    mode: PlannerMode = PlannerMode.LOAD
+    interval_s: float = 5.0
+    #: load figures are averaged over this window before a decision
+    window_s: float = 30.0
+    cooldown_s: float = 60.0
+    reverse_cooldown_s: float = 180.0
+    cold_start_s: float = 60.0
+    #: how long a node an actuator started may take to register before it is no longer expected
+    pending_timeout_s: float = 300.0
+    #: most nodes across every pool and model (None: no cap)
+    node_budget: int | None = None
+    default_min: int = 1
+    default_max: int = 4
+    bounds: dict[str, tuple[int, int]] = {}
+    slo: dict[str, TierSLO] = msgspec.field(default_factory=_default_slos)
+    #: KV use per node that means "scale out" (the requirements' 70 %)
+    kv_high: float = 0.7
+    #: scale in only when every figure at N−1 stays under (1 − margin) × its bound
+    margin: float = 0.3
+    #: requests waiting for admission per decode node that mean the pool is full
+    waiting_high: float = 1.0
+    #: prefill chunk per step, and the context a decode sequence is assumed to have
+    chunk_tokens: int = 512
+    context_tokens: int = 512
+    step: StepCost = StepCost()
+    #: a profile JSON (duet bench profile): its step model replaces `step`, and throughput mode
+    #: simulates on it
+    profile: str | None = None
+    #: throughput mode: the rate forecast's smoothing window, and the headroom it sizes for
+    forecast_window_s: float = 60.0
+    headroom: float = 1.2
+
+    def __post_init__(self) -> None:
+        if self.interval_s <= 0 or self.window_s <= 0:
+            raise ValueError("planner interval_s and window_s must be > 0")
+        if min(self.cooldown_s, self.reverse_cooldown_s, self.cold_start_s) < 0:
+            raise ValueError("planner cooldowns and cold_start_s must be ≥ 0")
+        if not 0 < self.kv_high <= 1 or not 0 <= self.margin < 1:
+            raise ValueError("planner kv_high must be in (0, 1] and margin in [0, 1)")
+        if self.node_budget is not None and self.node_budget < 1:
+            raise ValueError("planner node_budget must be ≥ 1")
+        for name, (lo, hi) in self.bounds.items():
+            if not 0 <= lo <= hi:
+                raise ValueError(f"planner bounds {name!r}: need 0 ≤ min ≤ max, got [{lo}, {hi}]")
+
+    def bounds_of(self, key: PoolKey) -> tuple[int, int]:
+        """The most specific bounds: role/model/tier, then role/tier, then role, then defaults."""
+        for name in (f"{key.role}/{key.model}/{key.tier}", f"{key.role}/{key.tier}", key.role):
+            if name in self.bounds:
+                return self.bounds[name]
+        return self.default_min, self.default_max
+
+    def slo_of(self, key: PoolKey) -> TierSLO:
+        return self.slo.get(key.tier) or self.slo.get("shared") or _default_slos()["shared"]
+
+
+def load_config(path: str | Path | None, **overrides: object) -> PlannerConfig:
+    """The file's `[planner]` table (or the whole file), then `overrides` that are not None."""
+    raw: dict[str, object] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ValueError(f"no planner config file {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: {e}") from None
+        raw = data.get("planner", data)  # type: ignore[assignment]
+    raw.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        cfg = msgspec.convert(raw, PlannerConfig)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"planner config{f' {path}' if path else ''}: {e}") from None
+    if cfg.profile:
+        from sim.profile import load
+
+        st = load(Path(cfg.profile)).step
+        cfg.step = StepCost(intercept_s=st.intercept_s, prefill_s=st.prefill_s, decode_s=st.decode_s,
+                            context_s=st.context_s)  # fmt: skip
+    return cfg

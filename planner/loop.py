@@ -1,0 +1,191 @@
+"""The planner in a coordinator replica: every `interval_s`, if this replica leads, read the
+nodes it sees (their registrations and last load frames), decide (planner/decide.py) and hand
+each step to the actuator — one actuation per pool at a time, in its own task (a drain can take
+minutes; other pools keep being planned meanwhile).
+
+A follower does nothing but keep its rate meters warm (every replica routes, so every replica
+measures what it routes); on gaining leadership it starts deciding at the next tick. Losing it
+mid-actuation lets the step finish (a half-done drain is worse than a late one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from planner.actuator import ActResult, Actuator, Outcome, Victim
+from planner.config import PlannerConfig, PlannerMode
+from planner.decide import Decision, Direction, Planner
+from planner.forecast import Forecast, RateMeter
+from planner.metrics import PlannerMetrics
+from planner.pools import NodeSample, PoolKey, PoolLoad, group
+from protocol.route import RouteRequest
+
+log = logging.getLogger("duet.planner")
+
+
+def samples(views: Any, now_mono: float, stale_s: float) -> list[NodeSample]:
+    """NodeSamples from a coordinator's NodeViews (started_at is the node's unix start time)."""
+    out = []
+    for v in views:
+        info, load = v.info, v.load
+        fresh = load is not None and v.connected and now_mono - v.load_at <= stale_s
+        out.append(NodeSample(
+            node_id=info.node_id, pool=PoolKey(info.role, info.model, info.pool), started_at=info.started_at,
+            status=info.status, reporting=fresh,
+            waiting=load.num_requests_waiting if load else 0, running=load.num_requests_running if load else 0,
+            kv_usage=load.kv_cache_usage_perc if load else 0.0,
+            queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
+        ))  # fmt: skip
+    return out
+
+
+def _merge(fs: list[Forecast]) -> Forecast | None:
+    fs = [f for f in fs if f.rate > 0 or f.observed_rate > 0]
+    if not fs:
+        return None
+    rate = sum(f.rate for f in fs)
+    obs = sum(f.observed_rate for f in fs)
+    w = [max(f.observed_rate, 1e-9) for f in fs]
+    tw = sum(w)
+    return Forecast(rate=rate, observed_rate=obs, isl=sum(f.isl * x for f, x in zip(fs, w, strict=True)) / tw,
+                    osl=sum(f.osl * x for f, x in zip(fs, w, strict=True)) / tw,
+                    prefix_hit=sum(f.prefix_hit * x for f, x in zip(fs, w, strict=True)) / tw)  # fmt: skip
+
+
+class PlannerLoop:
+    def __init__(self, coordinator: Any, cfg: PlannerConfig, actuator: Actuator, *,
+                 sizer: Any = None, clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+        self.coordinator = coordinator
+        self.cfg = cfg
+        self.actuator = actuator
+        self.metrics = PlannerMetrics(coordinator.metrics.registry)
+        self.planner = Planner(cfg, self.metrics)
+        self.sizer = sizer
+        self.clock = clock
+        self.meters: dict[tuple[str, str], RateMeter] = {}
+        self.busy: dict[PoolKey, asyncio.Task[ActResult]] = {}
+        #: nodes an actuator started that have not registered yet: pool → [(node count to reach,
+        #: give up waiting at)]; they count as cold replicas (budget, no second step meanwhile)
+        self.pending: dict[PoolKey, tuple[int, float]] = {}
+        self.results: list[tuple[Decision, ActResult]] = []
+        coordinator.route_observers.append(self.on_route)
+
+    def on_route(self, req: RouteRequest, decision: Any) -> None:
+        resp = decision.response
+        target = resp.prefill or resp.decode
+        meter = self.meters.setdefault((req.model, req.tier), RateMeter(self.cfg.forecast_window_s))
+        meter.add(time.monotonic(), req.num_prompt_tokens, req.max_tokens, target.cached_tokens if target else 0)
+
+    # -- throughput mode -----------------------------------------------------------------------
+    def _forecast(self, model: str, tier: str, tiers_with_pools: set[str]) -> Forecast | None:
+        now = time.monotonic()
+        look = self.cfg.cold_start_s
+        if tier == "shared":  # serves every tier without a pool of its own
+            fs = [m.forecast(now, look) for (mdl, t), m in self.meters.items()
+                  if mdl == model and t not in tiers_with_pools]  # fmt: skip
+        else:
+            m = self.meters.get((model, tier))
+            fs = [m.forecast(now, look)] if m else []
+        return _merge([f for f in fs if f is not None])
+
+    async def _targets(self, pools: dict[PoolKey, PoolLoad]) -> dict[PoolKey, int]:
+        out: dict[PoolKey, int] = {}
+        by_group: dict[tuple[str, str], list[PoolKey]] = {}
+        for key in pools:
+            by_group.setdefault((key.model, key.tier), []).append(key)
+        for (model, tier), keys in by_group.items():
+            tiers = {k.tier for k in pools if k.model == model}
+            f = self._forecast(model, tier, tiers)
+            if f is None:
+                continue
+            colocated = all(k.role == "both" for k in keys)
+            bounds = {k.role: self.cfg.bounds_of(k) for k in keys}
+            sizes = await asyncio.to_thread(self.sizer.size, f, self.cfg.slo_of(keys[0]), tier, colocated, bounds)
+            log.debug("throughput forecast %s/%s %s → %s", model, tier, f.as_dict(), sizes)
+            for k in keys:
+                if k.role in sizes:
+                    out[k] = sizes[k.role]
+        return out
+
+    # -- the loop ------------------------------------------------------------------------------
+    async def tick(self) -> list[Decision]:
+        c = self.coordinator
+        if not c.election.is_leader:
+            return []
+        for key in [k for k, t in self.busy.items() if t.done()]:
+            del self.busy[key]
+        pools = group(samples(c.views.values(), time.monotonic(), c.config.policy.stale_load_s), self.clock(),
+                      self.cfg.cold_start_s)  # fmt: skip
+        self._add_pending(pools)
+        targets = None
+        if self.cfg.mode == PlannerMode.THROUGHPUT and self.sizer is not None:
+            targets = await self._targets(pools)
+        decisions = self.planner.step(self.clock(), pools, targets=targets, busy=set(self.busy))
+        for d in decisions:
+            if d.direction != Direction.HOLD:
+                self.busy[d.pool] = asyncio.create_task(self._act(d), name=f"planner-{d.pool}")
+        return decisions
+
+    def _add_pending(self, pools: dict[PoolKey, PoolLoad]) -> None:
+        """A started node is invisible until it registers (seconds to minutes: loading weights):
+        count it as a cold replica meanwhile, so the pool neither steps again nor overdraws the
+        budget. Given up after `pending_timeout_s` (the actuator said done; the platform did not)."""
+        now = time.monotonic()
+        for key, (reach, until) in list(self.pending.items()):
+            p = pools.get(key)
+            seen = p.replicas if p is not None else 0
+            if seen >= reach or now > until:
+                if seen < reach:
+                    log.warning("%s: the node started for it has not registered after %.0f s; no longer waiting",
+                                key, self.cfg.pending_timeout_s)  # fmt: skip
+                del self.pending[key]
+                continue
+            if p is None:
+                p = pools[key] = PoolLoad(key)
+            p.replicas += reach - seen
+            p.starting += reach - seen
+
+    async def _act(self, d: Decision) -> ActResult:
+        try:
+            if d.direction == Direction.OUT:
+                r = await self.actuator.scale_out(d.pool, d.desired)
+            else:
+                view = self.coordinator.views.get(d.victim)
+                if view is None:
+                    r = ActResult(Outcome.FAILED, f"{d.victim} left before it could be drained")
+                else:
+                    r = await self.actuator.scale_in(d.pool, Victim(d.victim or "", view.info.url), d.desired)
+        except Exception as e:  # an actuator bug must not end the planner
+            log.exception("actuator %s failed on %s", self.actuator.name, d.describe())
+            r = ActResult(Outcome.FAILED, f"{type(e).__name__}: {e}")
+        if d.direction == Direction.OUT and r.outcome == Outcome.DONE:
+            self.pending[d.pool] = (d.desired, time.monotonic() + self.cfg.pending_timeout_s)
+        self.metrics.actuated(self.actuator.name, d.direction, str(r.outcome))
+        (log.info if r.outcome == Outcome.DONE else log.warning)(
+            "actuator %s: %s %s → %s: %s", self.actuator.name, d.direction, d.pool, r.outcome, r.detail)
+        self.results.append((d, r))
+        return r
+
+    async def run(self) -> None:
+        log.info("planner on (%s mode, %s actuator, every %.0f s, cooldown %.0f s, cold start %.0f s, budget %s)",
+                 self.cfg.mode, self.actuator.name, self.cfg.interval_s, self.cfg.cooldown_s, self.cfg.cold_start_s,
+                 self.cfg.node_budget)  # fmt: skip
+        try:
+            while True:
+                try:
+                    await self.tick()
+                except Exception:
+                    log.exception("planner tick failed; trying again next tick")
+                await asyncio.sleep(self.cfg.interval_s)
+        finally:
+            for t in self.busy.values():
+                t.cancel()
+            for t in self.busy.values():
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await t
+            await self.actuator.close()

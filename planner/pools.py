@@ -1,0 +1,95 @@
+"""What the planner sizes: a pool is role × model × tier (the node's routing pool label), and its
+load as one figure per pool, summed over the pool's warm nodes.
+
+Invariants:
+- a draining node is in no pool's count: it is already leaving;
+- a node in its cold-start period (`now - started_at < cold_start_s`) counts as a replica but
+  its figures are left out (so are those of a node that does not report load: a broken event
+  stream says nothing about capacity) (Dynamo #12430: a node loading weights and warming its kernels
+  shows queues that say nothing about the pool's capacity), and the pool is marked `cold` so
+  the planner holds it until the step that added the node has landed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from protocol.cluster import NodeStatus
+
+
+@dataclass(frozen=True, order=True)
+class PoolKey:
+    role: str  # "prefill" | "decode" | "both"
+    model: str
+    tier: str  # the node's pool label: "shared" | "interactive" | "batch"
+
+    def labels(self) -> dict[str, str]:
+        return {"role": self.role, "model": self.model, "pool": self.tier}
+
+    def __str__(self) -> str:
+        return f"{self.role}/{self.model}/{self.tier}"
+
+
+@dataclass(frozen=True)
+class NodeSample:
+    """One node's last load frame, as the planner reads it (coordinator NodeView or a trace)."""
+
+    node_id: str
+    pool: PoolKey
+    started_at: float  # same clock as `now`
+    status: NodeStatus = NodeStatus.ACTIVE
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0  # fraction 0..1
+    queued_prefill_tokens: int = 0
+    #: the node has reported load at all (a node with no frame yet is cold whatever its age)
+    reporting: bool = True
+
+
+@dataclass
+class PoolLoad:
+    """A pool's figures: totals over its warm nodes (divide by a replica count to predict)."""
+
+    key: PoolKey
+    #: active replicas (warm + cold); draining ones are not counted
+    replicas: int = 0
+    #: replicas whose figures count (past their cold start, reporting)
+    warm: int = 0
+    #: replicas still in their cold start
+    starting: int = 0
+    waiting: float = 0.0
+    running: float = 0.0
+    kv_usage: float = 0.0  # sum of fractions
+    queued_prefill_tokens: float = 0.0
+    #: active node ids, warm ones first, least loaded first (the scale-in victim is [0])
+    candidates: list[str] = field(default_factory=list)
+
+    @property
+    def cold(self) -> bool:
+        return self.starting > 0
+
+
+def group(samples: list[NodeSample], now: float, cold_start_s: float) -> dict[PoolKey, PoolLoad]:
+    """Per pool: its replicas, and the totals of its warm nodes' figures."""
+    out: dict[PoolKey, PoolLoad] = {}
+    ranked: dict[PoolKey, list[tuple[int, float, float, str]]] = {}
+    for s in samples:
+        if s.status == NodeStatus.DRAINING:
+            continue
+        p = out.setdefault(s.pool, PoolLoad(s.pool))
+        p.replicas += 1
+        young = now - s.started_at < cold_start_s
+        p.starting += young
+        warm = s.reporting and not young
+        work = s.running + s.waiting + s.queued_prefill_tokens / 512
+        ranked.setdefault(s.pool, []).append((0 if warm else 1, work, s.kv_usage, s.node_id))
+        if not warm:
+            continue
+        p.warm += 1
+        p.waiting += s.waiting
+        p.running += s.running
+        p.kv_usage += s.kv_usage
+        p.queued_prefill_tokens += s.queued_prefill_tokens
+    for key, rows in ranked.items():
+        out[key].candidates = [r[3] for r in sorted(rows)]
+    return out

@@ -1,0 +1,63 @@
+"""Load mode's predictor: what a pool's nodes would show with its load spread over n replicas.
+
+From the totals of a pool's warm nodes (planner/pools.py) and the node kind's step cost:
+- TTFT: a request queued behind q prompt tokens waits q / chunk steps and then its own, each step
+  costing intercept + prefill·chunk + the decode batch riding on it;
+- ITL: one decode step of r sequences with their context;
+- KV use and admission waiting: the totals over n.
+
+Scale-in asks the same question at n − 1 (Dynamo PR #9294: the survivors carry the leaver's
+load). The prediction is a model, not a measurement: its inputs are logged with every decision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.config import PlannerConfig, StepCost, TierSLO
+from planner.pools import PoolLoad
+
+
+@dataclass(frozen=True)
+class Prediction:
+    replicas: int
+    ttft_s: float
+    itl_s: float
+    kv_usage: float
+    waiting: float
+
+    def as_dict(self) -> dict[str, float]:
+        return {"n": self.replicas, "ttft_s": round(self.ttft_s, 4), "itl_s": round(self.itl_s, 4),
+                "kv": round(self.kv_usage, 3), "waiting": round(self.waiting, 2)}  # fmt: skip
+
+
+def _step(c: StepCost, prefill_tokens: float, seqs: float, context: float) -> float:
+    return c.intercept_s + c.prefill_s * prefill_tokens + c.decode_s * seqs + c.context_s * seqs * context
+
+
+def predict(load: PoolLoad, n: int, cfg: PlannerConfig) -> Prediction:
+    """The per-node figures of `load` spread evenly over `n` ≥ 1 replicas."""
+    n = max(n, 1)
+    q = load.queued_prefill_tokens / n
+    r = load.running / n
+    w = load.waiting / n
+    chunk = cfg.chunk_tokens
+    decoding = r if load.key.role != "prefill" else 0.0
+    ttft = (1 + q / chunk) * _step(cfg.step, min(chunk, q + 1), decoding, cfg.context_tokens)
+    itl = _step(cfg.step, 0, r, cfg.context_tokens) if load.key.role != "prefill" else 0.0
+    return Prediction(replicas=n, ttft_s=ttft, itl_s=itl, kv_usage=load.kv_usage / n, waiting=w)
+
+
+def violations(p: Prediction, role: str, slo: TierSLO, cfg: PlannerConfig, scale: float = 1.0) -> list[str]:
+    """The bounds `p` exceeds, each bound × `scale` (1: the SLO; 1 − margin: the scale-in test).
+    Named after the planner's reasons (planner/decide.py Reason)."""
+    out = []
+    if role in ("prefill", "both") and p.ttft_s > slo.ttft_s * scale:
+        out.append("ttft")
+    if role in ("decode", "both") and p.itl_s > slo.itl_s * scale:
+        out.append("itl")
+    if p.kv_usage > cfg.kv_high * scale:
+        out.append("kv_cache")
+    if role in ("decode", "both") and p.waiting > cfg.waiting_high * scale:
+        out.append("queue")
+    return out

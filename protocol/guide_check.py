@@ -1,0 +1,141 @@
+"""From `response_format` to a `Guide`, and the tokenizer-free check of a guide (issue #24).
+
+The gateway calls `guide_from_response_format` and `check_guide` before any node work, so an
+invalid or unsupported schema is a 400 naming what is wrong (`param="response_format"`). The
+check compiles the guide's grammar with llguidance — the same engine, through the same
+`guide_grammar`, that the nodes' engine masks logits with (engine/guided.py) — only without a
+tokenizer, so a guide the gateway passes is one every node accepts (protocol/structured.py's
+invariant). llguidance imports no torch (xgrammar does), which is what lets the gateway run it.
+
+Canonical specs: a schema is its compact JSON (no spaces) with keys in the client's order — not
+sorted, because property order is the order the output is generated in (see canonical_schema);
+the same schema text hashes to the same compiled grammar on every node. Checks are cached per (kind, spec)
+in a bounded LRU: clients resend the same schema with every request.
+
+Invariant: `check_guide` either returns (the engine accepts the grammar) or raises APIError(400);
+with llguidance missing it raises too — never an unchecked, unconstrained pass-through.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from typing import Any
+
+from protocol.openai import APIError
+from protocol.structured import Guide, GuideKind, ResponseFormat
+
+log = logging.getLogger("duet.guide")
+
+#: longest spec a guide may carry (characters): a schema larger than this is no API request
+MAX_SPEC_CHARS = 100_000
+#: most strings a `choice` guide may list
+MAX_CHOICES = 1_000
+#: compact JSON: no whitespace between tokens, so a small model cannot pad its output with it
+JSON_DEFAULTS = {"whitespace_flexible": False}
+_PARAM = "response_format"
+
+
+class GrammarEngineMissing(RuntimeError):
+    """llguidance cannot be imported: guided requests cannot be served here."""
+
+
+def _llguidance() -> Any:
+    try:
+        import llguidance
+    except ImportError as e:  # pragma: no cover - installed with duet
+        raise GrammarEngineMissing(f"the grammar engine llguidance cannot be imported: {e}") from None
+    return llguidance
+
+
+def canonical_schema(schema: Any) -> str:
+    """The schema's compact JSON, keys in the client's order: the grammar emits an object's
+    properties in schema order (as OpenAI's structured outputs do: "reasoning" before "answer"
+    is a prompt), so sorting them would change what the model writes, not only the cache key."""
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+
+
+def guide_from_response_format(rf: ResponseFormat | None) -> Guide | None:
+    """The guide a `response_format` asks for: None for text, a JSON object guide, or a JSON
+    schema guide with the schema in canonical form."""
+    if rf is None or rf.type == "text":
+        return None
+    if rf.type == "json_object":
+        return Guide(kind=GuideKind.JSON_OBJECT)
+    js = rf.json_schema
+    if js is None:
+        raise APIError(400, "response_format of type json_schema needs a json_schema object", param=_PARAM)
+    if js.schema is None:
+        raise APIError(400, "response_format.json_schema needs a schema", param=_PARAM)
+    return Guide(kind=GuideKind.JSON_SCHEMA, spec=canonical_schema(js.schema))
+
+
+def _choices(spec: str) -> list[str]:
+    try:
+        choices = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"a choice guide's spec must be a JSON list of strings: {e}") from None
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise ValueError("a choice guide's spec must be a non-empty JSON list of non-empty strings")
+    if len(choices) > MAX_CHOICES:
+        raise ValueError(f"a choice guide may list at most {MAX_CHOICES} strings, got {len(choices)}")
+    return choices
+
+
+def guide_grammar(guide: Guide) -> str:
+    """The llguidance grammar (its JSON text) that enforces `guide`; raises ValueError for a
+    spec that is not even well-formed (not JSON, too long, an empty choice list)."""
+    if len(guide.spec) > MAX_SPEC_CHARS:
+        raise ValueError(f"the {guide.kind.value} spec is {len(guide.spec)} characters; at most {MAX_SPEC_CHARS}")
+    m = _llguidance().LLMatcher
+    match guide.kind:
+        case GuideKind.JSON_OBJECT:
+            return m.grammar_from_json_schema({"type": "object"}, defaults=JSON_DEFAULTS)
+        case GuideKind.JSON_SCHEMA:
+            try:
+                schema = json.loads(guide.spec)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(schema, dict | bool):
+                raise ValueError("a JSON schema must be an object or a boolean")
+            return m.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+        case GuideKind.REGEX:
+            if not guide.spec:
+                raise ValueError("a regex guide needs a non-empty regular expression")
+            return m.grammar_from_regex(guide.spec)
+        case GuideKind.CHOICE:
+            alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in _choices(guide.spec))
+            return m.grammar_from_lark(f"start: {alts}")
+    raise ValueError(f"unknown guide kind {guide.kind!r}")  # pragma: no cover - GuideKind is closed
+
+
+def grammar_error(guide: Guide) -> str | None:
+    """Why the grammar engine refuses `guide` (None: it accepts it). Cached: see check_guide."""
+    return _grammar_error(guide.kind, guide.spec)
+
+
+@functools.lru_cache(maxsize=512)
+def _grammar_error(kind: GuideKind, spec: str) -> str | None:
+    try:
+        grammar = guide_grammar(Guide(kind=kind, spec=spec))
+        failed, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar)
+    except ValueError as e:
+        return str(e)
+    if failed:
+        return "; ".join(m.strip() for m in messages) or "the grammar engine refused it"
+    return None
+
+
+def check_guide(guide: Guide | None, param: str = _PARAM) -> None:
+    """Raise APIError(400, naming what is wrong, `param`) unless the grammar engine accepts
+    `guide` (None: nothing to check)."""
+    if guide is None:
+        return
+    try:
+        why = grammar_error(guide)
+    except GrammarEngineMissing as e:
+        raise APIError(400, f"structured outputs are not available: {e}", param=param) from None
+    if why is not None:
+        what = "JSON schema" if guide.kind is GuideKind.JSON_SCHEMA else f"{guide.kind.value} guide"
+        raise APIError(400, f"unsupported or invalid {what}: {why}", param=param)

@@ -1,0 +1,103 @@
+"""One process's settings for the internal plane: its cluster secret, TLS and metrics policy.
+
+A node, a coordinator and a gateway each hold one `PlaneSecurity` (from the flags of
+duet/security_args.py). The server side: `middlewares()` (the cluster-secret check,
+protocol/cluster_secret.py), `server_ssl()` (an https listener when `--tls-cert/--tls-key` are
+set). The client side: `headers` on every internal request and `client_ssl()`, which trusts
+`--tls-ca` (plus the system's CAs) for https peers. `scheme` is what a process writes into a
+URL it builds from a bare host and port (a peer named in `kv_transfer_params`, its own
+registration): https once the plane runs TLS.
+
+Invariants: on a node or coordinator `--protect-metrics` needs a secret (`check_start`: it would
+lock out everyone otherwise; the gateway also takes its admin key there); a TLS
+cert needs its key and the reverse; a process without a secret obeys
+cluster_secret.require_secret_policy before it listens.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from protocol.cluster_secret import (
+    ClusterSecret,
+    SecretError,
+    auth_middleware,
+    require_secret_policy,
+)
+
+
+@dataclass(frozen=True)
+class PlaneSecurity:
+    secret: ClusterSecret | None = None
+    #: /metrics needs the secret too (default: open, for a scraper on the private network)
+    protect_metrics: bool = False
+    #: start without a secret on a non-loopback address (the operator's explicit choice)
+    insecure: bool = False
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    #: CA bundle that signs the cluster's certificates (clients trust it, with the system's)
+    tls_ca: str | None = None
+
+    def __post_init__(self) -> None:
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise SecretError("--tls-cert and --tls-key go together")
+
+    @property
+    def tls(self) -> bool:
+        """Whether this plane speaks https (this process serves it, or trusts a cluster CA)."""
+        return bool(self.tls_cert or self.tls_ca)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls else "http"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return self.secret.headers if self.secret is not None else {}
+
+    def check_start(self, hosts: Iterable[str], what: str) -> None:
+        """Refuse (SecretError) or warn about a start without a secret (cluster_secret's rule)."""
+        if self.protect_metrics and self.secret is None:
+            raise SecretError("--protect-metrics needs a cluster secret (--cluster-secret-file): "
+                              "without one nothing could read /metrics")  # fmt: skip
+        require_secret_policy(self.secret, hosts, self.insecure, what)
+
+    def middlewares(self, extra_check: Callable[[web.Request], bool] | None = None) -> list:
+        """The server's auth middleware (outermost), or none without a secret."""
+        if self.secret is None:
+            return []
+        return [auth_middleware(self.secret, protect_metrics=self.protect_metrics, extra_check=extra_check)]
+
+    def server_ssl(self) -> ssl.SSLContext | None:
+        if not self.tls_cert:
+            return None
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            ctx.load_cert_chain(self.tls_cert, self.tls_key)
+        except (OSError, ssl.SSLError) as e:
+            raise SecretError(f"cannot load --tls-cert {self.tls_cert!r} / --tls-key: {e}") from None
+        return ctx
+
+    def client_ssl(self) -> ssl.SSLContext | bool:
+        """The client's TLS trust: the system's CAs, plus `tls_ca` when set (True: aiohttp's default)."""
+        if not self.tls_ca:
+            return True
+        ctx = ssl.create_default_context()
+        try:
+            ctx.load_verify_locations(cafile=self.tls_ca)
+        except (OSError, ssl.SSLError) as e:
+            raise SecretError(f"cannot load --tls-ca {self.tls_ca!r}: {e}") from None
+        return ctx
+
+    def client_session(self, trace_configs: list[aiohttp.TraceConfig] | None = None,
+                       **connector: object) -> aiohttp.ClientSession:  # fmt: skip
+        """A session for the internal plane only: every request carries the secret. (Never for a
+        session that also reaches third parties: the gateway adds `headers` per request.)
+        `trace_configs`: protocol/tracing.py's, so the session's requests carry `traceparent`."""
+        return aiohttp.ClientSession(headers=self.headers, trace_configs=trace_configs,
+                                     connector=aiohttp.TCPConnector(ssl=self.client_ssl(), **connector))  # type: ignore[arg-type]  # fmt: skip

@@ -1,0 +1,104 @@
+"""A local HTTP server that speaks the part of the Kubernetes API the planner's actuator uses, as
+the API server does: `GET`/`PATCH /apis/apps/v1/namespaces/NS/deployments/NAME/scale` (an
+autoscaling/v1 Scale; PATCH takes `application/merge-patch+json`, `?dryRun=All` changes
+nothing) and `PATCH /api/v1/namespaces/NS/pods/NAME` (metadata merge). Bodies are built and
+read with the official client's models (V1Scale, V1Pod), so a field the real API would not
+accept fails here too. Refusals answer a v1 Status as the API server does (403 Forbidden, 409
+Conflict).
+
+Every call is recorded with, for a real scale PATCH, what the victim node's `GET /drain`
+said at that instant (`drain_at_patch`), so a test can check the order drain → scale-down.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+from kubernetes.client import ApiClient, V1ObjectMeta, V1Pod, V1Scale, V1ScaleSpec, V1ScaleStatus
+
+MERGE_PATCH = "application/merge-patch+json"
+
+
+@dataclass
+class FakeKube:
+    namespace: str = "duet"
+    replicas: dict[str, int] = field(default_factory=dict)
+    annotations: dict[str, dict[str, str]] = field(default_factory=dict)
+    calls: list[tuple[str, str, dict]] = field(default_factory=list)
+    #: answer every real (not dry-run) scale PATCH with this status (403, 409); None: accept
+    refuse: int | None = None
+    refuse_dry_run: bool = False
+    #: node URL per pod, to read its drain state when the replica count drops
+    node_urls: dict[str, str] = field(default_factory=dict)
+    drain_at_patch: list[dict] = field(default_factory=list)
+
+    def _scale(self, name: str) -> dict:
+        n = self.replicas[name]
+        s = V1Scale(api_version="autoscaling/v1", kind="Scale",
+                    metadata=V1ObjectMeta(name=name, namespace=self.namespace, resource_version=str(len(self.calls))),
+                    spec=V1ScaleSpec(replicas=n), status=V1ScaleStatus(replicas=n, selector=f"app={name}"))  # fmt: skip
+        return ApiClient().sanitize_for_serialization(s)
+
+    @staticmethod
+    def _status(code: int, reason: str, message: str) -> web.Response:
+        body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+                "reason": reason, "code": code}  # fmt: skip
+        return web.json_response(body, status=code)
+
+    async def get_scale(self, request: web.Request) -> web.Response:
+        ns, name = request.match_info["ns"], request.match_info["name"]
+        self.calls.append(("GET", f"deployments/{name}/scale", {}))
+        if ns != self.namespace or name not in self.replicas:
+            return self._status(404, "NotFound", f'deployments.apps "{name}" not found')
+        return web.json_response(self._scale(name))
+
+    async def patch_scale(self, request: web.Request) -> web.Response:
+        ns, name = request.match_info["ns"], request.match_info["name"]
+        if request.content_type != MERGE_PATCH:
+            return self._status(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - "
+                                                              f"accepted media types include: {MERGE_PATCH}")  # fmt: skip
+        body = await request.json()
+        dry = request.query.get("dryRun") == "All"
+        self.calls.append(("PATCH", f"deployments/{name}/scale", {"body": body, "dry_run": dry}))
+        if ns != self.namespace or name not in self.replicas:
+            return self._status(404, "NotFound", f'deployments.apps "{name}" not found')
+        merged = V1Scale.from_dict({**self._scale(name), "spec": {**self._scale(name)["spec"], **body.get("spec", {})}})
+        assert merged is not None and merged.spec is not None
+        if self.refuse is not None and (not dry or self.refuse_dry_run):
+            if self.refuse == 403:
+                return self._status(403, "Forbidden", f'deployments.apps "{name}" is forbidden: User '
+                                    '"system:serviceaccount:duet:planner" cannot patch resource '
+                                    '"deployments/scale" in API group "apps"')  # fmt: skip
+            return self._status(409, "Conflict", f'Operation cannot be fulfilled on deployments.apps "{name}": '
+                                                 "the object has been modified; please apply your changes to "
+                                                 "the latest version and try again")  # fmt: skip
+        if not dry:
+            if merged.spec.replicas is not None and merged.spec.replicas < self.replicas[name]:
+                async with aiohttp.ClientSession() as s:
+                    for pod, url in self.node_urls.items():
+                        async with s.get(url + "/drain") as r:
+                            self.drain_at_patch.append({"pod": pod, **(await r.json())})
+            self.replicas[name] = int(merged.spec.replicas or 0)
+        return web.json_response(self._scale(name) if not dry else {**self._scale(name), "spec": merged.spec.to_dict()})
+
+    async def patch_pod(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if request.content_type != MERGE_PATCH:
+            return self._status(415, "UnsupportedMediaType", "use a merge patch")
+        body = await request.json()
+        self.calls.append(("PATCH", f"pods/{name}", {"body": body}))
+        ann = self.annotations.setdefault(name, {})
+        ann.update(body.get("metadata", {}).get("annotations", {}))
+        pod = V1Pod(api_version="v1", kind="Pod",
+                    metadata=V1ObjectMeta(name=name, namespace=self.namespace, annotations=ann))  # fmt: skip
+        return web.json_response(ApiClient().sanitize_for_serialization(pod))
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        base = "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale"
+        app.router.add_get(base, self.get_scale)
+        app.router.add_patch(base, self.patch_scale)
+        app.router.add_patch("/api/v1/namespaces/{ns}/pods/{name}", self.patch_pod)
+        return app

@@ -1,0 +1,45 @@
+"""planner.toml: the defaults, the most specific bounds, and clear errors (unknown keys refused)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from planner.config import PlannerMode, load_config
+from planner.pools import PoolKey
+
+
+def test_file_flags_and_bounds(tmp_path: Path) -> None:
+    f = tmp_path / "planner.toml"
+    f.write_text('[planner]\nmode = "load"\ncooldown_s = 10\n[planner.bounds]\nprefill = [1, 2]\n'
+                 '"decode/batch" = [0, 1]\n"decode/m/interactive" = [2, 5]\n[planner.slo.batch]\nttft_s = 20\nitl_s = 2\n')  # fmt: skip
+    cfg = load_config(f, mode="throughput", node_budget=7)
+    assert (cfg.mode, cfg.cooldown_s, cfg.node_budget) == (PlannerMode.THROUGHPUT, 10, 7)
+    assert cfg.bounds_of(PoolKey("prefill", "m", "shared")) == (1, 2)
+    assert cfg.bounds_of(PoolKey("decode", "m", "batch")) == (0, 1)
+    assert cfg.bounds_of(PoolKey("decode", "m", "interactive")) == (2, 5)
+    assert cfg.bounds_of(PoolKey("decode", "other", "interactive")) == (cfg.default_min, cfg.default_max)
+    assert cfg.slo_of(PoolKey("decode", "m", "batch")).ttft_s == 20
+    assert cfg.slo_of(PoolKey("decode", "m", "interactive")).ttft_s == 1.0  # the default
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[planner]\nmodee = 'load'\n", "unknown field `modee`"),
+    ("[planner]\ninterval_s = 0\n", "interval_s and window_s must be > 0"),
+    ("[planner]\n[planner.bounds]\nprefill = [3, 1]\n", "need 0 ≤ min ≤ max"),
+    ("[planner]\nkv_high = 1.5\n", "kv_high must be in (0, 1]"),
+    ("[planner]\nmode = 'guess'\n", "Invalid enum value 'guess'"),
+    ("[planner\n", "planner.toml"),
+])  # fmt: skip
+def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) -> None:
+    f = tmp_path / "planner.toml"
+    f.write_text(text)
+    with pytest.raises(ValueError) as e:
+        load_config(f)
+    assert message in str(e.value)
+
+
+def test_missing_file() -> None:
+    with pytest.raises(ValueError, match="no planner config file"):
+        load_config("/nonexistent/planner.toml")

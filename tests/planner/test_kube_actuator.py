@@ -1,0 +1,136 @@
+"""The Kubernetes actuator against a local server speaking the Deployment scale subresource as
+the API server does (tests/planner/fake_kube.py, built on the official client's models): the
+scale patch, the drain before the replica count drops, and refused patches (409, 403).
+
+The victim "node" here is a stand-in serving only `GET|POST /drain` (busy for a few polls, then
+idle), so the order can be checked exactly; the real node's drain is tests/planner/test_drain_e2e.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+from aiohttp import web
+from kubernetes import client
+
+from planner.actuator import Outcome, Victim
+from planner.drain import Drainer
+from planner.kube import DELETION_COST, KubernetesActuator
+from planner.pools import PoolKey
+from protocol.ports import free_port
+from tests.planner.fake_kube import FakeKube
+
+D = PoolKey("decode", "smollm2-135m", "shared")
+P_BATCH = PoolKey("prefill", "smollm2-135m", "batch")
+
+
+class DrainingNode:
+    """A node's drain endpoint: busy for `busy_polls` reads after the drain was asked."""
+
+    def __init__(self, busy_polls: int) -> None:
+        self.busy_polls = busy_polls
+        self.draining = False
+        self.log: list[str] = []
+
+    def _status(self) -> dict:
+        idle = self.draining and self.busy_polls <= 0
+        return {"node_id": "duet-decode-7f9c", "role": "decode", "draining": self.draining,
+                "inflight": 0 if idle else 1, "held": 0, "idle": idle}  # fmt: skip
+
+    async def post(self, _: web.Request) -> web.Response:
+        self.draining = True
+        self.log.append("POST /drain")
+        return web.json_response(self._status())
+
+    async def get(self, _: web.Request) -> web.Response:
+        self.busy_polls -= 1
+        self.log.append("GET /drain")
+        return web.json_response(self._status())
+
+
+@asynccontextmanager
+async def serve(app: web.Application) -> AsyncIterator[str]:
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def cluster(kube: FakeKube, node: DrainingNode) -> AsyncIterator[tuple[KubernetesActuator, str]]:
+    node_app = web.Application()
+    node_app.router.add_post("/drain", node.post)
+    node_app.router.add_get("/drain", node.get)
+    async with serve(kube.app()) as api, serve(node_app) as node_url, aiohttp.ClientSession() as s:
+        kube.node_urls = {"duet-decode-7f9c": node_url}
+        conf = client.Configuration(host=api)
+        act = KubernetesActuator("duet", Drainer(s, poll_s=0.05, deadline_s=10), api_client=client.ApiClient(conf))
+        try:
+            yield act, node_url
+        finally:
+            await act.close()
+
+
+def test_scale_out_patches_the_scale_subresource() -> None:
+    async def go() -> None:
+        kube = FakeKube(replicas={"duet-decode": 1, "duet-prefill-batch": 1})
+        async with cluster(kube, DrainingNode(0)) as (act, _):
+            r = await act.scale_out(D, 2)
+            assert (r.outcome, r.replicas) == (Outcome.DONE, 2), r
+            assert kube.replicas == {"duet-decode": 2, "duet-prefill-batch": 1}
+            patch = [c for c in kube.calls if c[0] == "PATCH"]
+            assert patch == [("PATCH", "deployments/duet-decode/scale", {"body": {"spec": {"replicas": 2}}, "dry_run": False})]
+            # the batch P pool is its own Deployment
+            assert (await act.scale_out(P_BATCH, 2)).replicas == 2
+            assert kube.replicas["duet-prefill-batch"] == 2
+            # already there: nothing patched
+            before = len(kube.calls)
+            assert (await act.scale_out(D, 2)).outcome == Outcome.DONE
+            assert [c[0] for c in kube.calls[before:]] == ["GET"]
+
+    asyncio.run(go())
+
+
+def test_scale_in_drains_the_victim_before_the_replica_count_drops() -> None:
+    async def go() -> None:
+        kube = FakeKube(replicas={"duet-decode": 3})
+        node = DrainingNode(busy_polls=4)
+        async with cluster(kube, node) as (act, url):
+            r = await act.scale_in(D, Victim("duet-decode-7f9c", url), 2)
+            assert (r.outcome, r.replicas, r.drained) == (Outcome.DONE, 2, True), r
+            assert kube.replicas["duet-decode"] == 2
+            # order: dry run, drain asked, polled until idle, victim marked, then the real patch
+            kinds = [(c[1], c[2].get("dry_run")) for c in kube.calls if c[0] == "PATCH"]
+            assert kinds == [("deployments/duet-decode/scale", True), ("pods/duet-decode-7f9c", None),
+                             ("deployments/duet-decode/scale", False)]  # fmt: skip
+            assert node.log[0] == "POST /drain" and node.log.count("GET /drain") >= 4
+            assert kube.drain_at_patch and all(s["idle"] for s in kube.drain_at_patch), kube.drain_at_patch
+            assert kube.annotations["duet-decode-7f9c"][DELETION_COST] == "-2147483647"
+
+    asyncio.run(go())
+
+
+def test_a_refused_patch_is_reported_not_raised() -> None:
+    async def go() -> None:
+        kube = FakeKube(replicas={"duet-decode": 2}, refuse=409)
+        node = DrainingNode(0)
+        async with cluster(kube, node) as (act, url):
+            r = await act.scale_out(D, 3)
+            assert r.outcome == Outcome.REFUSED and "409" in r.detail and "Conflict" in r.detail, r
+            assert kube.replicas["duet-decode"] == 2
+            # 403 on the dry run: refused before the node is drained for nothing
+            kube.refuse, kube.refuse_dry_run = 403, True
+            r = await act.scale_in(D, Victim("duet-decode-7f9c", url), 1)
+            assert r.outcome == Outcome.REFUSED and "403" in r.detail and "cannot patch" in r.detail, r
+            assert node.log == [] and kube.replicas["duet-decode"] == 2
+            # a Deployment that does not exist is a failure, not a refusal
+            r = await act.scale_out(PoolKey("decode", "m", "interactive"), 1)
+            assert r.outcome == Outcome.FAILED and "404" in r.detail
+
+    asyncio.run(go())
