@@ -5,6 +5,7 @@ through the coordinator — every process exporting its spans over OTLP/HTTP to 
 from __future__ import annotations
 
 import json
+import secrets
 import sys
 import time
 import urllib.request
@@ -43,8 +44,9 @@ class Traced:
         return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key=key or self.key, max_retries=0)
 
 
-def _ready(coordinator: Proc, ids: set[str]) -> bool:
-    with urllib.request.urlopen(coordinator.url + "/cluster", timeout=5) as r:
+def _ready(coordinator: Proc, ids: set[str], secret: str) -> bool:
+    req = urllib.request.Request(coordinator.url + "/cluster", headers={"Authorization": f"Bearer {secret}"})
+    with urllib.request.urlopen(req, timeout=5) as r:
         nodes = json.loads(r.read())["nodes"]
     return ids <= {n["node_id"] for n in nodes if n["ready"]}
 
@@ -53,8 +55,11 @@ def _ready(coordinator: Proc, ids: set[str]) -> bool:
 def traced(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Traced]:
     tmp = tmp_path_factory.mktemp("observe")
     with Receiver() as receiver, EtcdServer(tmp / "etcd") as etcd:
-        # the SDK's batch processor exports every 100 ms here (5 s by default)
-        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+        # the SDK's batch processor exports every 100 ms here (5 s by default); the internal
+        # plane behind a cluster secret, as in production (the traceparent travels beside it)
+        secret = secrets.token_urlsafe(32)
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "100",
+               "DUET_CLUSTER_SECRET": secret}  # fmt: skip
         port = free_port()
         coord = Proc([sys.executable, "-m", "duet", "coordinator", "--etcd", etcd.url, "--port", str(port),
                       "--local-prefill-tokens", str(LOCAL_PREFILL_TOKENS)], port, tmp / "coordinator.log", env=env)  # fmt: skip
@@ -70,7 +75,7 @@ def traced(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         g = Proc([sys.executable, "-m", "duet", "gateway", "--config", str(cfg)], gport, tmp / "gateway.log",
                  env={"DUET_ADMIN_KEY": ADMIN_KEY, **env})  # fmt: skip
         with running(coord, p, d, g):
-            wait_for(lambda: _ready(coord, {"prefill-0", "decode-0"}), 60, "both nodes ready")
+            wait_for(lambda: _ready(coord, {"prefill-0", "decode-0"}, secret), 60, "both nodes ready")
             yield Traced(receiver, etcd, coord, p, d, g, make_team(g.url, "observe"), tiny_llama, tmp)
 
 
