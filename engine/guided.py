@@ -180,8 +180,12 @@ class GuidedDecoding:
         else:
             x = logits
         xn = x.numpy()
-        for j, (r, _) in enumerate(rows):
-            np.copyto(xn[r], -np.inf, where=banned[j])
+        first, last = rows[0][0], rows[-1][0]
+        if last - first == len(rows) - 1 and all(r == first + j for j, (r, _) in enumerate(rows)):
+            np.copyto(xn[first : last + 1], -np.inf, where=banned)  # the usual case: one pass
+        else:
+            for j, (r, _) in enumerate(rows):
+                np.copyto(xn[r], -np.inf, where=banned[j])
         dead = {r: f"no token satisfies the guide: {m.get_error().strip() or 'the grammar allows nothing here'}"
                 for (r, _), m, b in zip(rows, matchers, banned.all(axis=1).tolist(), strict=True) if b}  # fmt: skip
         return x, dead

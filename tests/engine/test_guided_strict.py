@@ -32,11 +32,17 @@ def test_elsewhere_guided_requests_are_refused(no_llguidance: None, monkeypatch:
         gd.compile(Guide(kind=GuideKind.JSON_OBJECT))
 
 
-def test_the_tiny_models_tokenizer_compiles_a_guide(tiny_llama: Path) -> None:
-    gd = GuidedDecoding(tiny_llama / "tokenizer.json", 512, frozenset({2}))
-    gd.attach("r", Guide(kind=GuideKind.CHOICE, spec='["yes", "no"]'), [])
+def test_only_the_guided_rows_are_masked(tiny_llama: Path) -> None:
     import torch
 
-    x, dead = gd.mask(torch.zeros(2, 512), [(1, "r")])
-    assert not dead and torch.isinf(x[1]).sum() > 500 - 10 and not torch.isinf(x[0]).any()
+    gd = GuidedDecoding(tiny_llama / "tokenizer.json", 512, frozenset({2}))
+    gd.attach("a", Guide(kind=GuideKind.CHOICE, spec='["yes", "no"]'), [])
+    gd.attach("b", Guide(kind=GuideKind.REGEX, spec="[0-9]+"), [])
+    logits = torch.zeros(3, 512)
+    for rows in ([(1, "a")], [(0, "a"), (2, "b")], [(0, "a"), (1, "b")]):  # one, apart, contiguous
+        x, dead = gd.mask(logits, rows)
+        assert not dead and not torch.isinf(logits).any()  # a copy: the step's logits stay raw
+        for r in range(3):
+            masked = int(torch.isinf(x[r]).sum())
+            assert (masked > 400) if r in dict(rows) else masked == 0
     gd.close()
