@@ -1,5 +1,7 @@
-"""A missing grammar engine is never a silent unconstrained fallback (protocol/strict.py): under
-strict mode (CI=true) the engine refuses to start; elsewhere guided requests are refused."""
+"""Guided decoding on the tiny model, no SmolLM2 needed: a missing grammar engine is never a silent
+unconstrained fallback (protocol/strict.py: under CI=true the engine refuses to start; elsewhere
+guided requests are refused); only guided rows are masked; speculation is off for guided and
+penalised requests."""
 
 import sys
 from pathlib import Path
@@ -46,3 +48,20 @@ def test_only_the_guided_rows_are_masked(tiny_llama: Path) -> None:
             masked = int(torch.isinf(x[r]).sum())
             assert (masked > 400) if r in dict(rows) else masked == 0
     gd.close()
+
+
+def test_speculation_is_off_for_guided_and_penalised_requests(tiny_llama: Path) -> None:
+    """The verifier scores a draft's positions in one pass; masks and penalties depend on the
+    tokens before each position, so such requests get no drafts (and stay exact)."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama), dtype="float32", speculative="ngram", num_speculative_tokens=4)
+    prompt = [11, 22, 33, 44, 55]  # greedy, the tiny model repeats itself here: n-grams to draft from
+    guided, penalised = llm.generate([prompt] * 2, [
+        SamplingParams(max_tokens=8, temperature=0, guide=Guide(kind=GuideKind.REGEX, spec="[a-z]{8}")),
+        SamplingParams(max_tokens=80, temperature=0, ignore_eos=True, frequency_penalty=0.5)])  # fmt: skip
+    assert llm.engine.stats()["spec_decode_num_drafts"] == 0
+    assert len(guided.text) == 8 and guided.text.isalpha() and guided.text.islower()
+    assert len(penalised.token_ids) == 80
+    plain = llm.generate([prompt], SamplingParams(max_tokens=80, temperature=0, ignore_eos=True))[0]
+    assert plain.token_ids and llm.engine.stats()["spec_decode_num_drafts"] > 0  # the engine does speculate
