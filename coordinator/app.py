@@ -3,6 +3,8 @@
 - `POST /route`: RouteRequest → RouteResponse (protocol/route.py); 400 malformed, 404
   `model_not_found`, 503 `no_capacity` with `Retry-After`.
 - `GET /cluster`: nodes, status, load, pending decisions, index size, leader.
+- `GET /planner`: the autoscaler's recent decisions (protocol/planner.py); 404 `planner_off`
+  on a replica without `--planner`.
 - `POST /nodes/{node_id}/drain`: mark a node draining in etcd (any replica may do it).
 - `GET /health`, `GET /metrics`.
 
@@ -72,6 +74,14 @@ async def _route(request: web.Request) -> web.Response:
 
 async def _cluster(request: web.Request) -> web.Response:
     return _json(request.app[COORDINATOR].cluster())
+
+
+async def _planner(request: web.Request) -> web.Response:
+    report = request.app[COORDINATOR].planner_report
+    if report is None:
+        raise APIError(404, "this coordinator replica runs no planner (start it with --planner load|throughput)",
+                       code="planner_off")  # fmt: skip
+    return _json(report())
 
 
 async def _drain(request: web.Request) -> web.Response:
@@ -151,6 +161,7 @@ def _app(coordinator: Coordinator) -> web.Application:
     app.on_cleanup.append(flush)
     app.router.add_post("/route", _route)
     app.router.add_get("/cluster", _cluster)
+    app.router.add_get("/planner", _planner)
     app.router.add_post("/nodes/{node_id}/drain", _drain)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)

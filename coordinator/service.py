@@ -38,6 +38,7 @@ from protocol.cluster import (
 )
 from protocol.openai import APIError
 from protocol.plane import PlaneSecurity
+from protocol.planner import PlannerReport
 from protocol.route import RouteRequest
 
 log = logging.getLogger("duet.coordinator")
@@ -95,6 +96,8 @@ class Coordinator:
         self.session: aiohttp.ClientSession | None = None
         #: told of every routing decision (the planner's rate meters); must not raise or block
         self.route_observers: list[Callable[[RouteRequest, Decision], None]] = []
+        #: the planner's report for `GET /planner` (set by planner/loop.py; None: no planner here)
+        self.planner_report: Callable[[], PlannerReport] | None = None
         self._background: list[asyncio.Task[None]] = []
 
     # -- lifecycle -------------------------------------------------------------------------

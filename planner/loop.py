@@ -21,8 +21,10 @@ from planner.actuator import ActResult, Actuator, Outcome, Victim
 from planner.config import PlannerConfig, PlannerMode
 from planner.decide import Decision, Direction, Planner
 from planner.forecast import Forecast, RateMeter
+from planner.history import DecisionLog
 from planner.metrics import PlannerMetrics
 from planner.pools import NodeSample, PoolKey, PoolLoad, group
+from protocol.planner import PlannerReport
 from protocol.route import RouteRequest
 
 log = logging.getLogger("duet.planner")
@@ -73,7 +75,16 @@ class PlannerLoop:
         #: give up waiting at)]; they count as cold replicas (budget, no second step meanwhile)
         self.pending: dict[PoolKey, tuple[int, float]] = {}
         self.results: list[tuple[Decision, ActResult]] = []
+        #: the recent decisions `GET /planner` serves (planner/history.py)
+        self.history = DecisionLog()
         coordinator.route_observers.append(self.on_route)
+        coordinator.planner_report = self.report
+
+    def report(self, limit: int | None = None) -> PlannerReport:
+        h = self.history
+        return PlannerReport(replica_id=self.coordinator.replica_id, is_leader=self.coordinator.election.is_leader,
+                             mode=str(self.cfg.mode), actuator=self.actuator.name, interval_s=self.cfg.interval_s,
+                             last_tick=h.last_tick, pools=list(h.pools.values()), decisions=h.newest(limit))  # fmt: skip
 
     def on_route(self, req: RouteRequest, decision: Any) -> None:
         resp = decision.response
@@ -126,6 +137,7 @@ class PlannerLoop:
         if self.cfg.mode == PlannerMode.THROUGHPUT and self.sizer is not None:
             targets = await self._targets(pools)
         decisions = self.planner.step(self.clock(), pools, targets=targets, busy=set(self.busy))
+        self.history.tick(self.clock(), decisions)
         for d in decisions:
             if d.direction != Direction.HOLD:
                 self.busy[d.pool] = asyncio.create_task(self._act(d), name=f"planner-{d.pool}")
@@ -169,6 +181,7 @@ class PlannerLoop:
         (log.info if r.outcome == Outcome.DONE else log.warning)(
             "actuator %s: %s %s → %s: %s", self.actuator.name, d.direction, d.pool, r.outcome, r.detail)
         self.results.append((d, r))
+        self.history.acted(d.pool, r)
         return r
 
     async def run(self) -> None:
