@@ -54,11 +54,11 @@ class DecisionLog:
 
     def add(self, at: float, d: Decision) -> PlannerDecision | None:
         key = (d.direction, d.reason)
-        if d.direction == Direction.HOLD:
-            if d.reason not in KEPT_HOLDS or self._last.get(d.pool) == key:
-                if d.reason not in KEPT_HOLDS:
-                    self._last.pop(d.pool, None)
-                return None
+        if d.direction == Direction.HOLD and d.reason not in KEPT_HOLDS:
+            self._last.pop(d.pool, None)  # a steady pool: the next blocked hold starts a new run
+            return None
+        if d.direction == Direction.HOLD and self._last.get(d.pool) == key:
+            return None
         self._last[d.pool] = key
         self._seq += 1
         e = PlannerDecision(seq=self._seq, at=at, role=d.pool.role, model=d.pool.model, tier=d.pool.tier,
