@@ -10,6 +10,11 @@
   every request's usage record; `team_id=`):
   a team key reads its own team only (another team's id → 403); the admin key reads any
   team, or all of them.
+- `GET /admin/batches[?team_id=&limit=]`: every team's batches (newest first, at most `limit`,
+  default and maximum 100), each as `{team_id, batch}` with `batch` the OpenAI Batch object;
+  `POST /admin/batches/{id}/cancel` cancels any team's batch (409 when it has ended). A team
+  key keeps `/v1/batches`, which shows its own team only. 404 `batch_tier_off` when the gateway
+  runs no batch tier.
 """
 
 from __future__ import annotations
@@ -24,7 +29,11 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from gateway import batch_wiring
 from gateway.auth import authenticate, bearer, is_admin, require_admin
+from gateway.batch.models import Batch
+from gateway.batch.store import BatchStore, Conflict
+from gateway.batch.submit import batch_object
 from gateway.keys import new_key
 from gateway.state import GatewayState
 from gateway.store.base import GROUP_BY, Team, UsageRecord
@@ -202,3 +211,67 @@ async def usage(state: GatewayState, request: web.Request) -> web.Response:
         rows = await state.store.usage(team_id, start, end, group_by)
     return _json({"object": "list", "team_id": team_id, "start": start, "end": end, "group_by": group_by,
                   "data": rows})  # fmt: skip
+
+
+# --- batches of every team ----------------------------------------------------------------------
+class TeamBatch(msgspec.Struct, frozen=True, kw_only=True):
+    """A batch as the admin lists it: OpenAI's Batch object has no owner, so it travels beside it."""
+
+    team_id: str
+    batch: Batch
+
+
+class TeamBatchList(msgspec.Struct, frozen=True, kw_only=True):
+    data: list[TeamBatch]
+    #: more batches than `limit` matched
+    has_more: bool
+    object: str = "list"
+
+
+def _batch_store(request: web.Request) -> tuple[BatchStore, Any]:
+    if batch_wiring.RUNNER not in request.app:
+        raise APIError(404, "this gateway runs no batch tier ([batch] enabled = false)", code="batch_tier_off")
+    runner = request.app[batch_wiring.RUNNER]
+    return runner.store, runner.wake
+
+
+async def list_batches(state: GatewayState, request: web.Request) -> web.Response:
+    """Every team's batches: per team (the store reads batches by team), merged newest first.
+    A deleted team's batches are not listed (its keys are gone and its batches with it)."""
+    require_admin(state, request)
+    store, _ = _batch_store(request)
+    raw = request.query.get("limit", "100")
+    try:
+        limit = int(raw)
+    except ValueError:
+        raise APIError(400, f"limit must be an integer, got {raw!r}", param="limit") from None
+    if not 1 <= limit <= 100:
+        raise APIError(400, "limit must be between 1 and 100", param="limit")
+    team_id = request.query.get("team_id")
+    teams = [team_id] if team_id else [t.id for t in await state.store.list_teams()]
+    rows = []
+    more = False
+    for tid in teams:
+        found, has_more = await store.list_batches(tid, None, limit)
+        rows.extend(found)
+        more = more or has_more
+    rows.sort(key=lambda r: (r.created_at, r.id), reverse=True)
+    data = [TeamBatch(team_id=r.team_id, batch=batch_object(r)) for r in rows[:limit]]
+    return _json(TeamBatchList(data=data, has_more=more or len(rows) > limit))
+
+
+async def cancel_batch(state: GatewayState, request: web.Request) -> web.Response:
+    require_admin(state, request)
+    store, wake = _batch_store(request)
+    bid = request.match_info["id"]
+    row = await store.get_batch(None, bid)
+    if row is None:
+        raise APIError(404, f"No such Batch: {bid!r}", param="id", code="not_found")
+    try:
+        cancelled = await store.cancel_batch(row.team_id, bid, time.time())
+    except Conflict as e:
+        raise APIError(409, str(e), code="batch_not_cancellable") from None
+    if cancelled is None:  # removed between the two reads
+        raise APIError(404, f"No such Batch: {bid!r}", param="id", code="not_found")
+    wake()
+    return _json(TeamBatch(team_id=cancelled.team_id, batch=batch_object(cancelled)))

@@ -192,6 +192,8 @@ def make_app(config: GatewayConfig) -> web.Application:
     r.add_post("/admin/keys", _bind(admin.create_key))
     r.add_get("/admin/keys", _bind(admin.list_keys))
     r.add_delete("/admin/keys/{id}", _bind(admin.revoke_key))
+    r.add_get("/admin/batches", _bind(admin.list_batches))
+    r.add_post("/admin/batches/{id}/cancel", _bind(admin.cancel_batch))
     install_console(app, STATE)  # /console: the operator console (gateway/console)
     return app
 

@@ -1,6 +1,11 @@
 """One traced cluster for the tracing and console tests (package scope: started once): a real
 etcd, a coordinator, a prefill and a decode node on the tiny model, and the gateway routing
-through the coordinator — every process exporting its spans over OTLP/HTTP to one receiver."""
+through the coordinator — every process exporting its spans over OTLP/HTTP to one receiver.
+
+The coordinator runs the autoscaler (load mode, the virtual actuator: it only writes
+`decision.json`) with prefill bounds of at least 2 replicas, so its first tick scales the one
+prefill node's pool out (`below_min`) — a real decision for the console's Cluster page, and no
+process is started or stopped by it."""
 
 from __future__ import annotations
 
@@ -39,6 +44,8 @@ class Traced:
     key: str
     model_dir: Path
     tmp: Path
+    #: the internal plane's cluster secret (coordinator and nodes refuse a request without it)
+    secret: str = ""
 
     def client(self, key: str | None = None) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key=key or self.key, max_retries=0)
@@ -61,8 +68,11 @@ def traced(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "100",
                "DUET_CLUSTER_SECRET": secret}  # fmt: skip
         port = free_port()
+        (tmp / "planner.toml").write_text('interval_s = 1\n[bounds]\nprefill = [2, 3]\n')
         coord = Proc([sys.executable, "-m", "duet", "coordinator", "--etcd", etcd.url, "--port", str(port),
-                      "--local-prefill-tokens", str(LOCAL_PREFILL_TOKENS)], port, tmp / "coordinator.log", env=env)  # fmt: skip
+                      "--local-prefill-tokens", str(LOCAL_PREFILL_TOKENS), "--planner", "load", "--planner-config",
+                      str(tmp / "planner.toml"), "--actuator", "virtual", "--decision-file", str(tmp / "decision.json")],
+                     port, tmp / "coordinator.log", env=env)  # fmt: skip
         p = duet_node("prefill", str(tiny_llama), tmp, *NODE_ARGS, "--etcd", etcd.url, "--node-id", "prefill-0", env=env)
         d = duet_node("decode", str(tiny_llama), tmp, *NODE_ARGS, "--etcd", etcd.url, "--node-id", "decode-0", env=env)
         model = {"kind": "cluster", "tokenizer": str(tiny_llama), "served_name": tiny_llama.name,
@@ -76,7 +86,7 @@ def traced(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                  env={"DUET_ADMIN_KEY": ADMIN_KEY, **env})  # fmt: skip
         with running(coord, p, d, g):
             wait_for(lambda: _ready(coord, {"prefill-0", "decode-0"}, secret), 60, "both nodes ready")
-            yield Traced(receiver, etcd, coord, p, d, g, make_team(g.url, "observe"), tiny_llama, tmp)
+            yield Traced(receiver, etcd, coord, p, d, g, make_team(g.url, "observe"), tiny_llama, tmp, secret)
 
 
 def settle(what: str, cond, timeout: float = 15.0):  # type: ignore[no-untyped-def]

@@ -4,7 +4,8 @@ by Selenium) against the traced cluster of conftest.py (etcd, coordinator, P, D,
 In order, as an operator would: sign in with the admin key and see the nodes (live refresh);
 create a team and a key, use the key with the openai client, revoke it and see it refused;
 see that team's usage in the charts and tables, and the CSV equal to `duet usage report`;
-open a request's trace (the gateway's prefill and decode leg spans). A team key's session sees
+open a request's trace (the gateway's prefill and decode leg spans); see the autoscaler's
+decision on the Cluster page; the admin reads and cancels every team's batches. A team key's session sees
 its own team only (and the API refuses it the rest), and a POST without the CSRF token is
 refused. Screenshots go to $DUET_CONSOLE_SCREENSHOTS when set (docs/console.md's images).
 
@@ -106,8 +107,8 @@ def cookie_header(d: object) -> str:
     return "; ".join(f"{c['name']}={c['value']}" for c in d.get_cookies())  # type: ignore[attr-defined]
 
 
-def get_raw(url: str, cookie: str) -> tuple[int, bytes]:
-    req = urllib.request.Request(url, headers={"Cookie": cookie})
+def get_raw(url: str, cookie: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers={"Cookie": cookie, **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, r.read()
@@ -133,6 +134,25 @@ def test_sign_in_and_see_the_nodes_live(traced: Traced, browser: object) -> None
 
     first = stamp()
     wait_for(lambda: stamp() != first, 15, "the live refresh")
+    # the autoscaler's decision (conftest: prefill bounds [2, 3], the virtual actuator), through
+    # the coordinator's API and on the page
+    status, body = get_raw(traced.coordinator.url + "/planner", "", {"Authorization": f"Bearer {traced.secret}"})
+    assert status == 200, body
+    out = [x for x in json.loads(body)["decisions"] if x["direction"] == "out"]
+    assert out and out[-1]["role"] == "prefill" and out[-1]["reason"] == "below_min", out
+    assert (out[-1]["current"], out[-1]["desired"], out[-1]["outcome"]) == (1, 2, "done"), out
+    assert out[-1]["inputs"]["bounds"] == [2, 3]
+    assert json.loads((traced.tmp / "decision.json").read_text())["pools"][f"prefill/{out[-1]['model']}/shared"][
+        "replicas"] == 2  # fmt: skip
+
+    def decisions() -> list[str]:
+        return d.execute_script("return [...document.querySelectorAll('#planner-decisions tr')].map(r => r.innerText)")  # type: ignore[attr-defined]
+
+    wait_for(lambda: any("scale out" in r and "below_min" in r and "1 → 2" in r and "done" in r for r in decisions()),
+             10, "the autoscaler's decision on the page")  # fmt: skip
+    row = next(r for r in decisions() if "scale out" in r)
+    assert f"prefill/{out[-1]['model']}/shared" in row and "bounds 2–3" in row, row
+    assert "virtual actuator" in text(d) and "Autoscaler pools" in text(d)
     shot(d, "cluster")
     # keyboard: the first Tab reaches the skip link, Enter moves focus to the content
     from selenium.webdriver.common.keys import Keys
@@ -297,6 +317,45 @@ def test_batches_show_progress_and_cancel(traced: Traced, browser: object) -> No
     css(d, f"form[action='/console/batches/{big}/cancel'] button")[0].click()
     wait_for(lambda: f"Batch {big}: cancel" in text(d), 10, "the cancellation")
     wait_for(lambda: client.batches.retrieve(big).status == "cancelled", 60, "the batch to stop")
+
+
+def test_the_admin_reads_and_cancels_every_teams_batches(traced: Traced, browser: object) -> None:
+    d, base, own = browser, traced.gateway.url, traced.client()
+    other_key = make_team(base, "batch-other")
+    other = traced.client(other_key)
+    mine = _batch(own, 1, 2)
+    theirs = _batch(other, 60, 32)  # one line at a time: long enough to cancel
+    # the admin API: every team's batches with their team; a team key reaches none of it
+    status, _, listed = http(f"{base}/admin/batches")
+    assert status == 200, listed
+    owners = {x["batch"]["id"]: x["team_id"] for x in listed["data"]}
+    assert owners[mine] == "observe" and owners[theirs] == "batch-other", owners
+    assert {x["team_id"] for x in http(f"{base}/admin/batches?team_id=batch-other")[2]["data"]} == {"batch-other"}
+    assert http(f"{base}/admin/batches", key=other_key)[0] == 401
+    assert http(f"{base}/admin/batches/{mine}/cancel", "POST", key=other_key)[0] == 401
+    assert http(f"{base}/admin/batches?limit=0")[0] == 400
+    assert http(f"{base}/admin/batches/batch_nope/cancel", "POST")[0] == 404
+    # a team key still sees only its own team's batches, and cannot cancel another's
+    assert [b.id for b in other.batches.list()] == [theirs]
+    assert theirs not in [b.id for b in own.batches.list()]
+    assert http(f"{base}/v1/batches/{mine}/cancel", "POST", key=other_key)[0] == 404
+    # the console: the admin's Batches page lists both teams, and cancels the other team's
+    sign_in(d, base, ADMIN_KEY)
+    d.get(base + "/console/batches")  # type: ignore[attr-defined]
+    rows = {r.text.split()[0]: r.text for r in css(d, "table tbody tr")}
+    assert rows[mine].split()[1] == "observe" and rows[theirs].split()[1] == "batch-other", rows
+    assert "Batches of every team" in text(d)
+    shot(d, "batches-admin")
+    css(d, f"form[action='/console/batches/{theirs}/cancel'] button")[0].click()
+    wait_for(lambda: f"Batch {theirs}: cancel" in text(d), 10, "the admin's cancellation")
+    wait_for(lambda: other.batches.retrieve(theirs).status == "cancelled", 60, "the other team's batch to stop")
+    d.get(base + "/console/batches?team=observe")  # type: ignore[attr-defined]
+    assert theirs not in text(d) and mine in text(d)
+    # the other team's own session: its batch only, and no team column
+    sign_in(d, base, other_key)
+    d.get(base + "/console/batches")  # type: ignore[attr-defined]
+    assert [r.text.split()[0] for r in css(d, "table tbody tr")] == [theirs]
+    assert "Team" not in [h.text for h in css(d, "table thead th")]
 
 
 def test_console_refuses_a_post_without_its_csrf_token(traced: Traced, browser: object) -> None:
