@@ -47,7 +47,7 @@ def _s(x: float) -> str:
 
 def describe_inputs(i: DecisionInputs) -> str:
     """The figures of a decision in a line an operator reads (the JSON has them all)."""
-    parts = [f"{i.replicas} replicas ({i.warm} warm)"]
+    parts = [f"{i.replicas} replica{'' if i.replicas == 1 else 's'} ({i.warm} warm)"]
     if i.bounds is not None:
         parts.append(f"bounds {i.bounds[0]}–{i.bounds[1]}")
     if i.target is not None:
