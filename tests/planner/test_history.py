@@ -101,3 +101,33 @@ def test_a_replica_without_a_planner_answers_404() -> None:
         assert status == 404 and b"planner_off" in body
 
     asyncio.run(go())
+
+
+def test_the_ring_keeps_steps_and_one_entry_per_run_of_holds() -> None:
+    from planner.actuator import ActResult, Outcome
+    from planner.decide import Decision, Direction, Reason
+    from planner.history import DecisionLog
+    from planner.pools import PoolKey
+
+    pool = PoolKey("decode", "m", "batch")
+    log = DecisionLog(maxlen=4)
+
+    def d(direction: Direction, reason: Reason, current: int = 1) -> Decision:
+        return Decision(pool, current, current + (direction == Direction.OUT), direction, reason,
+                        inputs={"replicas": current, "warm": current, "bounds": [1, 4], "budget": {"total": 3, "limit": 3},
+                                "blocked": "out", "a figure the wire does not know": 1.5})  # fmt: skip
+
+    for t, (direction, reason) in enumerate([(Direction.HOLD, Reason.BUDGET)] * 3 + [(Direction.HOLD, Reason.STEADY),
+                                             (Direction.HOLD, Reason.BUDGET), (Direction.OUT, Reason.KV_CACHE)]):  # fmt: skip
+        log.tick(float(t), [d(direction, reason)])
+    got = [(e.at, e.direction, e.reason) for e in log.newest()]
+    # three budget holds are one entry; a steady tick ends the run, so the next budget hold is a new one
+    assert got == [(5.0, "out", "kv_cache"), (4.0, "hold", "budget"), (0.0, "hold", "budget")], got
+    assert log.newest()[1].inputs.budget is not None and log.newest()[1].inputs.blocked == "out"
+    log.acted(pool, ActResult(Outcome.REFUSED, "403 from the API server"))
+    assert (log.newest()[0].outcome, log.newest()[0].detail) == ("refused", "403 from the API server")
+    assert log.newest()[1].outcome is None  # a hold has no outcome
+    for t in range(6, 12):  # bounded: the oldest go
+        log.tick(float(t), [d(Direction.IN, Reason.HEADROOM, 2)])
+    assert [e.at for e in log.newest()] == [11.0, 10.0, 9.0, 8.0]
+    assert log.pools[pool].reason == "headroom" and log.last_tick == 11.0
