@@ -150,3 +150,9 @@ def test_two_gateways_one_port_survive_a_killed_gateway(tiny_llama: Path, tmp_pa
         stop_and_check_nothing_left(up, home, signal.SIGINT)
     finally:
         up.kill()
+
+
+def test_gateways_must_be_at_least_one(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "duet", "up", "--gateways", "0", "--quiet"], capture_output=True,
+                       text=True, timeout=60, env={**os.environ, "DUET_HOME": str(tmp_path)})  # fmt: skip
+    assert r.returncode == 2 and "--gateways must be at least 1, got 0" in r.stderr, r.stderr
