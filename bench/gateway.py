@@ -68,6 +68,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--store", choices=("sqlite", "postgres"), default="sqlite",
                    help="the gateway's store: SQLite (its default) or a PostgreSQL server started for the run "
                         "(pgserver; the store of several gateways)")
+    p.add_argument("--traced", action="store_true",
+                   help="also a second gateway with OpenTelemetry tracing on (spans kept in its console ring, no "
+                        "export), its requests interleaved with the others: tracing's cost, per request")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     return p.parse_args(argv)
 
@@ -112,10 +115,13 @@ async def _stream(s: aiohttp.ClientSession, url: str, body: dict[str, Any], head
 
 
 async def _overhead(node: str, gw: str, relay: str, key: str, ids: list[int],
-                    args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+                    args: argparse.Namespace, traced: tuple[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+    """`traced`: (url, key) of a gateway with tracing on, a fourth path."""
     paths = {"node": (node, {"prompt": ids}, {}),
              "gateway": (gw, {"model": "echo", "prompt": PROMPT}, {"Authorization": f"Bearer {key}"}),
              "bare_relay": (relay, {"prompt": ids}, {})}  # fmt: skip
+    if traced is not None:
+        paths["gateway_traced"] = (traced[0], {"model": "echo", "prompt": PROMPT}, {"Authorization": f"Bearer {traced[1]}"})
     times: dict[str, dict[str, list[float]]] = {p: {"ttft": [], "latency": []} for p in paths}
     common = {"max_tokens": args.max_tokens, "stream": True, "temperature": 0}
     async with aiohttp.ClientSession() as s:
@@ -130,11 +136,11 @@ async def _overhead(node: str, gw: str, relay: str, key: str, ids: list[int],
         direct = times["node"][metric]
         x: dict[str, Any] = {p: _summary(times[p][metric]) for p in paths}
         x["slow_share"] = {p: slow_share(times[p][metric]) for p in paths}
-        for p in ("gateway", "bare_relay"):
+        for p in [q for q in paths if q != "node"]:
             # Request i's overhead is its own difference to node request i (they ran back to
             # back): percentiles of those differences, never a percentile minus a percentile.
             paired = _summary([v - d for d, v in zip(direct, times[p][metric], strict=True)])
-            prefix = "overhead" if p == "gateway" else "bare_relay_overhead"
+            prefix = "overhead" if p == "gateway" else f"{p}_overhead"
             x[f"{prefix}_p50_ms"], x[f"{prefix}_p99_ms"] = paired["p50_ms"], paired["p99_ms"]
         out[metric] = x
     out["target_overhead_p99_ms"] = TARGET_P99_MS
@@ -274,18 +280,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cfg = _write_config(tmp, gport, node.url, slow.url, str(tok_dir), args.streams, args.connect_timeout, store)
         gw = Proc([sys.executable, "-m", "duet", "gateway", "--config", str(cfg), "--log-level", "WARNING"], gport,
                   tmp / "gateway.log", env={"DUET_ADMIN_KEY": admin, "DUET_HOME": str(tmp)})  # fmt: skip
-        with running(node, slow, relay, gw):
+        procs = [node, slow, relay, gw]
+        if args.traced:  # the same gateway with tracing on, in a store of its own
+            (tmp / "traced").mkdir()
+            tport = free_port()
+            tcfg = _write_config(tmp / "traced", tport, node.url, slow.url, str(tok_dir), args.streams,
+                                 args.connect_timeout)  # fmt: skip
+            procs.append(Proc([sys.executable, "-m", "duet", "gateway", "--config", str(tcfg), "--log-level",
+                               "WARNING"], tport, tmp / "gateway-traced.log",
+                              env={"DUET_ADMIN_KEY": admin, "DUET_HOME": str(tmp / "traced"), "DUET_TRACING": "1"}))  # fmt: skip
+        with running(*procs):
             _admin(gw.url, admin, "/admin/teams", {"id": "bench"})
             key = _admin(gw.url, admin, "/admin/keys", {"team_id": "bench"})["key"]
+            measured = [("gateway", gw.proc), ("bare_relay", relay.proc)]
+            traced = None
+            if args.traced:
+                tgw = procs[-1]
+                _admin(tgw.url, admin, "/admin/teams", {"id": "bench"})
+                traced = (tgw.url, _admin(tgw.url, admin, "/admin/keys", {"team_id": "bench"})["key"])
+                measured.append(("gateway_traced", tgw.proc))
             if not args.json:
                 print(f"overhead: {args.requests} sequential requests per path …", file=sys.stderr)
-            cpu0 = {"gateway": _cpu_s(gw.proc.pid), "bare_relay": _cpu_s(relay.proc.pid)}
-            overhead = asyncio.run(_overhead(node.url, gw.url, relay.url, key, ids, args))
+            cpu0 = {p: _cpu_s(proc.pid) for p, proc in measured}
+            overhead = asyncio.run(_overhead(node.url, gw.url, relay.url, key, ids, args, traced))
             # CPU per request (every thread, user + system): what a core sustains, which the
             # machine's noise hardly moves — unlike a p99 on shared cores
             overhead["cpu_ms_per_request"] = {
-                p: round((_cpu_s(proc.pid) - cpu0[p]) * 1000 / args.requests, 3)
-                for p, proc in (("gateway", gw.proc), ("bare_relay", relay.proc))}  # fmt: skip
+                p: round((_cpu_s(proc.pid) - cpu0[p]) * 1000 / args.requests, 3) for p, proc in measured}
             if not args.json:
                 print(f"concurrency: {args.streams} streams at once …", file=sys.stderr)
             conc, mem = asyncio.run(_with_memory(gw.proc.pid, _concurrency(gw.url, key, args)))
@@ -318,6 +339,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {'':8s} requests over 1 ms slower than their path's median: {slow}")
     cpu = o["cpu_ms_per_request"]
     print(f"  CPU per request: gateway {cpu['gateway']} ms, bare relay {cpu['bare_relay']} ms")
+    if "gateway_traced" in cpu:
+        t = o["latency"]
+        print(f"  tracing on: CPU per request {cpu['gateway_traced']} ms ({cpu['gateway_traced'] / cpu['gateway']:.2f}x "
+              f"the untraced gateway's), latency overhead p50 {t['gateway_traced_overhead_p50_ms']} ms p99 "
+              f"{t['gateway_traced_overhead_p99_ms']} ms")  # fmt: skip
     print(f"{c['streams']} concurrent streams: {c['completed']} completed, errors {c['errors']}, wall {c['wall_s']} s, "
           f"TTFT p50 {c['ttft']['p50_ms']} ms p99 {c['ttft']['p99_ms']} ms, {c['tokens_per_s']} tokens/s, gateway RSS "
           f"{c['gateway_memory']}")  # fmt: skip

@@ -79,9 +79,9 @@ def running(*procs: Proc, timeout: float = 180.0) -> Iterator[tuple[Proc, ...]]:
 
 
 def duet_node(role: str, model: str, log_dir: Path, *extra: str, port: int | None = None,
-              threads: int | None = 1) -> Proc:  # fmt: skip
+              threads: int | None = 1, env: dict[str, str] | None = None) -> Proc:  # fmt: skip
     """A `duet node --role ROLE` process on a free loopback port."""
     port = port or free_port()
     args = [sys.executable, "-m", "duet", "node", "--role", role, "--model", str(model),
             "--port", str(port), *(["--threads", str(threads)] if threads else []), *extra]  # fmt: skip
-    return Proc(args, port, log_dir / f"{role}-{port}.log")
+    return Proc(args, port, log_dir / f"{role}-{port}.log", env=env)

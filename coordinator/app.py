@@ -29,9 +29,11 @@ from coordinator.store import Store, StoreError
 from protocol.http_errors import error_middleware
 from protocol.openai import APIError
 from protocol.route import RouteRequest
+from protocol.tracing import GEN_AI_REQUEST_MODEL, Tracing, from_env, setup
 
 log = logging.getLogger("duet.coordinator")
 COORDINATOR = web.AppKey("coordinator", Coordinator)
+TRACING = web.AppKey("tracing", Tracing)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _NODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
 
@@ -53,7 +55,16 @@ async def _route(request: web.Request) -> web.Response:
         raise APIError(400, f"invalid route request: {e}") from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"route request is not valid JSON: {e}") from None
-    decision = request.app[COORDINATOR].route(req)
+    with request.app[TRACING].span("coordinator.decide", {GEN_AI_REQUEST_MODEL: req.model,
+                                                          "duet.prompt_tokens": req.num_prompt_tokens,
+                                                          "duet.tier": req.tier}) as span:  # fmt: skip
+        decision = request.app[COORDINATOR].route(req)
+        if span is not None:
+            r = decision.response
+            span.set_attributes({"duet.route.reason": r.reason, "duet.route.outcome": str(decision.outcome.value),
+                                 "duet.decode.node_id": r.decode.node_id,
+                                 "duet.prefill.node_id": r.prefill.node_id if r.prefill is not None else "",
+                                 "duet.cached_tokens": r.decode.cached_tokens})  # fmt: skip
     if req.request_id:
         log.debug("route %s → %s", req.request_id, decision.response.reason)
     return _json(decision.response)
@@ -128,6 +139,16 @@ def _app(coordinator: Coordinator) -> web.Application:
     auth = coordinator.config.security.middlewares()
     app = web.Application(middlewares=[*auth, error_middleware(log)], client_max_size=16 * 2**20)
     app[COORDINATOR] = coordinator
+    tracing = setup("duet-coordinator", from_env())
+    tracing.install(app, at=len(app.middlewares) - 1)  # just before the error middleware
+    app[TRACING] = tracing
+
+    async def flush(_: web.Application) -> None:
+        import asyncio
+
+        await asyncio.to_thread(tracing.shutdown)
+
+    app.on_cleanup.append(flush)
     app.router.add_post("/route", _route)
     app.router.add_get("/cluster", _cluster)
     app.router.add_post("/nodes/{node_id}/drain", _drain)

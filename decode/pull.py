@@ -95,13 +95,27 @@ class Puller:
         """`failure`: the pull failed before it started (P unreachable); the blocks are still
         reserved and handed back through kv_ready, as after any failure."""
         pull = ABORTED
+        tr, node = self.leg.node.tracing, self.leg.node
         try:
-            local = await self._reserve()
+            with tr.span("decode.reserve") as span:
+                local = await self._reserve()
+                if span is not None:
+                    span.set_attribute("duet.kv.outcome", local.outcome.value if isinstance(local, Pull) else "ok")
             if isinstance(local, Pull):
                 return local
             t_reserved = time.monotonic()
             self.leg.timing["queue_s"] = t_reserved - self.leg.prep.arrival
-            pull = failure or await self._read(peer, local)
+            moved = max(0, len(local) - self.stream.num_cached_blocks) if failure is None else 0
+            with tr.span("decode.kv_pull", {"duet.kv.transport": node.transport.backend if node.transport else "none",
+                                            "duet.kv.source": self.src.engine_id}) as span:  # fmt: skip
+                pull = failure or await self._read(peer, local)
+                if span is not None:
+                    ok = pull.outcome is PullOutcome.OK
+                    span.set_attributes({"duet.kv.outcome": pull.outcome.value, "duet.kv.blocks": moved if ok else 0,
+                                         "duet.kv.bytes": moved * node.engine.kv_layout.block_bytes if ok else 0,
+                                         "duet.kv.cached_blocks": self.stream.num_cached_blocks})  # fmt: skip
+                    if not ok:  # the fallback D takes: prefill here (recompute) or an error (fail)
+                        span.set_attributes({"duet.kv.fallback": node.config.failure_policy, "duet.kv.detail": pull.detail})
             self.leg.timing["transfer_s"] = time.monotonic() - t_reserved
             self._log(pull, len(local), t_reserved)
             return pull

@@ -8,6 +8,7 @@ value) into one line on stderr and exit code 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -37,6 +38,10 @@ Plan capacity and cost:             duet plan
 """
 
 
+#: the commands that run a process `--trace` turns tracing on in (docs/console.md)
+TRACED = ("up", "gateway", "coordinator", "prefill", "decode", "node")
+
+
 class UsageError(Exception):
     """An operator mistake worth a one-line message and exit code 2."""
 
@@ -54,12 +59,19 @@ def build_parser() -> argparse.ArgumentParser:
     cmd_gateway.add_parsers(sub)
     cmd_bench.add_parser(sub)
     cmd_plan.add_parser(sub)
+    for name in TRACED:  # one flag for every process kind (read in main)
+        sub.choices[name].add_argument(
+            "--trace", action="store_true",
+            help="OpenTelemetry tracing on (as DUET_TRACING=1): spans go to $OTEL_EXPORTER_OTLP_ENDPOINT when set"
+                 + (", in every process it starts" if name == "up" else ""))  # fmt: skip
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "trace", False):  # protocol/tracing.py reads it; `duet up`'s children inherit it
+        os.environ["DUET_TRACING"] = "1"
     try:
         return int(args.func(args) or 0)
     except (ModelNotFoundError, UsageError) as e:

@@ -234,8 +234,9 @@ def _usage(args: argparse.Namespace) -> int:
 
     async def run(store: Any) -> list[dict[str, Any]]:
         if args.group_by == "record":
-            recs = await store.usage_records(args.team, start, end)
-            return [{**dataclasses.asdict(r), "nodes": " ".join(r.nodes)} for r in recs]
+            from gateway.admin import record_rows
+
+            return record_rows(await store.usage_records(args.team, start, end))
         return await store.usage(args.team, start, end, args.group_by)
 
     rows = asyncio.run(_with_store(_store_url(args), run))

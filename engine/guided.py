@@ -8,9 +8,9 @@ tokenizer into a prototype `LLMatcher`, cached by (kind, sha256 of the spec) in 
 `compile_async` runs that compilation in a small thread pool, so the engine thread only copies a
 prototype (`deep_copy`, microseconds) when the request is added.
 
-Each step, the rows of guided requests get their next-token bitmask (filled in parallel by an
-`LLExecutor` when several are guided) applied to the logits as -inf, before sampling, greedy or
-not; unconstrained rows in the same batch are left alone. Each accepted token advances the
+Each step, the rows of guided requests get their next-token bitmask (filled on the engine
+thread: see `mask`) applied to the logits as -inf, before sampling, greedy or not; unconstrained
+rows in the same batch are left alone. Each accepted token advances the
 request's matcher; when the grammar is complete (`is_stopped`) the request finishes with "stop".
 EOS is allowed by the mask only where the grammar may end, so a cut by max_tokens is "length".
 
@@ -83,7 +83,6 @@ class GuidedDecoding:
         self._lock = threading.Lock()
         self._tokenizer: Any = None  # built on first use (~0.4 s): engines without guides never pay
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._executor: Any = None
         self._matchers: dict[str, Any] = {}
         #: counters: compilations done, cache hits
         self.compiled = 0
@@ -169,13 +168,11 @@ class GuidedDecoding:
         words = (self.vocab_size + 31) // 32
         bitmask = np.empty((len(rows), words), dtype=np.int32)  # C-contiguous: row i at i * 4 * words
         matchers = [self._matchers[rid] for _, rid in rows]
-        if len(rows) == 1:
-            matchers[0].unsafe_compute_mask_ptr(bitmask.ctypes.data, words * 4)
-        else:  # llguidance's own threads fill the rows in parallel
-            if self._executor is None:
-                self._executor = self._lib.LLExecutor()  # type: ignore[union-attr]
-            self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in enumerate(matchers)], bitmask.ctypes.data,
-                                                   words * 4, len(rows))  # fmt: skip
+        # Filled here, row by row, not by llguidance's parallel LLExecutor: measured for 32 rows
+        # of a JSON schema, 0.56 ms serial against 9-25 ms wall through the executor (its
+        # threads' hand-off dominates microseconds of work per row on a 2-core machine).
+        for i, m in enumerate(matchers):
+            m.unsafe_compute_mask_ptr(bitmask.ctypes.data + i * words * 4, words * 4)
         # bit i of word w allows token 32 w + i: little-endian bytes, each unpacked low bit first
         banned = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]] == 0
         if copy or logits.dtype != torch.float32 or logits.device.type != "cpu":
@@ -183,8 +180,12 @@ class GuidedDecoding:
         else:
             x = logits
         xn = x.numpy()
-        for j, (r, _) in enumerate(rows):
-            np.copyto(xn[r], -np.inf, where=banned[j])
+        first, last = rows[0][0], rows[-1][0]
+        if last - first == len(rows) - 1 and all(r == first + j for j, (r, _) in enumerate(rows)):
+            np.copyto(xn[first : last + 1], -np.inf, where=banned)  # the usual case: one pass
+        else:
+            for j, (r, _) in enumerate(rows):
+                np.copyto(xn[r], -np.inf, where=banned[j])
         dead = {r: f"no token satisfies the guide: {m.get_error().strip() or 'the grammar allows nothing here'}"
                 for (r, _), m, b in zip(rows, matchers, banned.all(axis=1).tolist(), strict=True) if b}  # fmt: skip
         return x, dead

@@ -1,11 +1,13 @@
 """Admin endpoints (teams and keys, admin key only) and `GET /v1/usage` (a team's own usage).
 
 - `POST /admin/teams {id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd,
-  default_tier}` → 201; `GET /admin/teams[/{id}]`; `DELETE /admin/teams/{id}` (revokes its keys).
+  default_tier}` → 201; `GET /admin/teams[/{id}]`; `PUT /admin/teams/{id} {limits…}` sets its
+  limits; `DELETE /admin/teams/{id}` (revokes its keys).
 - `POST /admin/keys {team_id, name}` → 201 with the secret, shown this once;
   `GET /admin/keys[?team_id=]`; `DELETE /admin/keys/{id}` revokes.
 - `GET /v1/usage?date=YYYY-MM-DD` (or `start=&end=`, dates or unix seconds;
-  `group_by=model|day|team|user`, user being the requests' OpenAI `user` field; `team_id=`):
+  `group_by=model|day|team|user|record`, user being the requests' OpenAI `user` field, record
+  every request's usage record; `team_id=`):
   a team key reads its own team only (another team's id → 403); the admin key reads any
   team, or all of them.
 """
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import calendar
+import dataclasses
 import math
 import re
 import time
@@ -24,7 +27,7 @@ from aiohttp import web
 from gateway.auth import authenticate, bearer, is_admin, require_admin
 from gateway.keys import new_key
 from gateway.state import GatewayState
-from gateway.store.base import GROUP_BY, Team
+from gateway.store.base import GROUP_BY, Team, UsageRecord
 from protocol.openai import APIError
 
 _ENC = msgspec.json.Encoder()
@@ -33,6 +36,15 @@ _TEAM_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 class TeamCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     id: str
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    daily_budget_usd: float | None = None
+    monthly_budget_usd: float | None = None
+    default_tier: str = "interactive"
+
+
+class TeamLimits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     rpm: int | None = None
     tpm: int | None = None
     max_concurrent: int | None = None
@@ -87,6 +99,21 @@ async def list_teams(state: GatewayState, request: web.Request) -> web.Response:
     return _json({"object": "list", "data": await state.store.list_teams()})
 
 
+async def update_team(state: GatewayState, request: web.Request) -> web.Response:
+    """`PUT /admin/teams/{id}`: the team's limits and default tier, all of them (a limit left
+    out is none). Its keys see the new limits at once on this gateway (the key cache forgets
+    the team), within [server] key_cache_ttl_s on others."""
+    require_admin(state, request)
+    tid = request.match_info["id"]
+    body: TeamLimits = await _body(request, TeamLimits)
+    team = validate_team(TeamCreate(id=tid, **msgspec.structs.asdict(body)))
+    updated = await state.store.update_team(team)
+    if updated is None:
+        raise APIError(404, f"no team {tid!r}", code="not_found")
+    state.keys.forget_team(tid)
+    return _json(updated)
+
+
 async def delete_team(state: GatewayState, request: web.Request) -> web.Response:
     require_admin(state, request)
     tid = request.match_info["id"]
@@ -116,6 +143,12 @@ async def revoke_key(state: GatewayState, request: web.Request) -> web.Response:
         raise APIError(404, f"no live key {kid!r}", code="not_found")
     state.keys.forget_key(kid)
     return _json({"id": kid, "revoked": True})
+
+
+def record_rows(records: list[UsageRecord]) -> list[dict[str, Any]]:
+    """Usage records as report rows (the nodes as one space-separated field): the API's
+    `group_by=record`, `duet usage report` and the console's CSV write these same rows."""
+    return [{**dataclasses.asdict(r), "nodes": " ".join(r.nodes)} for r in records]
 
 
 def parse_time(value: str, param: str) -> float:
@@ -160,9 +193,12 @@ async def usage(state: GatewayState, request: web.Request) -> web.Response:
                            code="forbidden", param="team_id")  # fmt: skip
         team_id = team.id
     group_by = q.get("group_by")
-    if group_by is not None and group_by not in GROUP_BY:
-        raise APIError(400, f"group_by must be one of {', '.join(map(repr, GROUP_BY))}", param="group_by")
+    if group_by is not None and group_by not in (*GROUP_BY, "record"):
+        raise APIError(400, f"group_by must be one of {', '.join(map(repr, (*GROUP_BY, 'record')))}", param="group_by")
     start, end = time_range(q)
-    rows = await state.store.usage(team_id, start, end, group_by)
+    if group_by == "record":  # every request's record, as `duet usage report` lists them
+        rows = record_rows(await state.store.usage_records(team_id, start, end))
+    else:
+        rows = await state.store.usage(team_id, start, end, group_by)
     return _json({"object": "list", "team_id": team_id, "start": start, "end": end, "group_by": group_by,
                   "data": rows})  # fmt: skip

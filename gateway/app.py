@@ -28,6 +28,7 @@ from gateway.backend import Backend
 from gateway.choice import ModelChoice
 from gateway.cluster import ClusterBackend
 from gateway.config import AUTO, ConfigError, GatewayConfig, ModelConfig, StaticNodes
+from gateway.console import install as install_console
 from gateway.etcd_view import EtcdView
 from gateway.key_cache import KeyCache
 from gateway.loop_lag import LoopLag
@@ -48,6 +49,7 @@ from protocol.http_errors import error_middleware
 from protocol.models import resolve_model
 from protocol.openai import APIError
 from protocol.tokenizer import Tokenizer
+from protocol.tracing import DEFAULT_RING, from_env, setup
 
 log = logging.getLogger("duet.gateway")
 STATE = web.AppKey("state", GatewayState)
@@ -165,6 +167,8 @@ def make_app(config: GatewayConfig) -> web.Application:
                               admission=Admission(config.tiers, metrics),
                               keys=KeyCache(store, config.server.key_cache_ttl_s))  # fmt: skip
     state = app[STATE]
+    state.tracing = setup("duet-gateway", from_env(DEFAULT_RING, config.tracing))
+    state.tracing.install(app, after=_request_id)
     state.provider_metrics = register_provider_metrics(metrics.registry, lambda: [
         m.backend.provider for m in state.models.values() if isinstance(m.backend, ProviderBackend)])  # fmt: skip
     app.cleanup_ctx.append(_lifecycle)
@@ -183,10 +187,12 @@ def make_app(config: GatewayConfig) -> web.Application:
     r.add_post("/admin/teams", _bind(admin.create_team))
     r.add_get("/admin/teams", _bind(admin.list_teams))
     r.add_get("/admin/teams/{id}", _bind(admin.list_teams))
+    r.add_put("/admin/teams/{id}", _bind(admin.update_team))
     r.add_delete("/admin/teams/{id}", _bind(admin.delete_team))
     r.add_post("/admin/keys", _bind(admin.create_key))
     r.add_get("/admin/keys", _bind(admin.list_keys))
     r.add_delete("/admin/keys/{id}", _bind(admin.revoke_key))
+    install_console(app, STATE)  # /console: the operator console (gateway/console)
     return app
 
 
@@ -243,7 +249,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     # One session for nodes, coordinators and providers: it carries no cluster secret (NodeClient
     # and the route client add it per request); it trusts --tls-ca besides the system's CAs.
     s.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
-        limit=0, limit_per_host=cfg.routing.max_connections_per_node, ssl=cfg.security.client_ssl()))  # fmt: skip
+        limit=0, limit_per_host=cfg.routing.max_connections_per_node, ssl=cfg.security.client_ssl()),
+        trace_configs=s.tracing.trace_configs())  # fmt: skip
     load = NodeLoad()
     rc = cfg.routing
     view = EtcdView(rc.etcd, rc.cluster) if rc.etcd else None
@@ -254,6 +261,9 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     nodes = NodeClient(s.session, rc.connect_timeout_s, rc.prefill_timeout_s, rc.read_timeout_s, lag,
                        auth=cfg.security.headers)  # fmt: skip
     router = _router(s, load, view)
+    s.etcd_view = view
+    s.coordinator_urls = lambda: list(rc.coordinator) + [u for u in (view.coordinators if view else [])
+                                                         if u not in rc.coordinator]  # fmt: skip
     cluster = ClusterBackend(nodes, router, load, rc, on_retry=lambda k: s.metrics.retries.labels(kind=k).inc())
     embed_router = _router(s, load, view, NodeTask.EMBED) if any(m.kind == "embedding" for m in cfg.models.values()) \
         else None  # fmt: skip
@@ -270,6 +280,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         else:
             s.models[name] = ServedModel(m, _external_backend(m, s), None, m.max_model_len or 1 << 20)
     s.choice = ModelChoice(cfg, s.models)
+    cluster.tracing = s.tracing
     writer = s.writer.lifecycle()
     await writer.__anext__()
     sweeper = asyncio.ensure_future(_sweep(s))
@@ -292,6 +303,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                 await view_life.__anext__()
         await s.session.close()
         await s.store.close()
+        await asyncio.to_thread(s.tracing.shutdown)  # flushes the spans still queued for export
 
 
 #: a gateway whose heartbeat is this many heartbeats old is dead (its reservations reclaimed)

@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from gateway.backend import Accounting, Attempt, Backend, MidStreamError, Piece, Reply
 from gateway.config import RoutingConfig, Tier
@@ -46,6 +47,7 @@ from protocol.node_api import NodeCompletionChunk, NodeCompletionRequest
 from protocol.openai import APIError, CompletionChoice
 from protocol.resume import Resume
 from protocol.route import RouteRequest, RouteResponse
+from protocol.tracing import GEN_AI_INPUT_TOKENS, GEN_AI_OUTPUT_TOKENS, SERVER_ADDRESS, Tracing
 
 log = logging.getLogger("duet.gateway.cluster")
 
@@ -83,8 +85,9 @@ class ClusterBackend(Backend):
     uses_tier_queues = True
 
     def __init__(self, nodes: NodeClient, router: Router, load: NodeLoad, cfg: RoutingConfig,
-                 on_retry: Callable[[str], None] = lambda _: None) -> None:  # fmt: skip
+                 on_retry: Callable[[str], None] = lambda _: None, tracing: Tracing | None = None) -> None:  # fmt: skip
         self.nodes = nodes
+        self.tracing = tracing or Tracing.off()
         self.router = router
         self.load = load
         self.cfg = cfg
@@ -154,10 +157,10 @@ class ClusterBackend(Backend):
         for attempt in range(self.cfg.max_attempts):
             if attempt:
                 self._on_retry("route")
-            route = await self.router.route(RouteRequest(
+            route = await self._route(RouteRequest(
                 model=job.model.cluster_name, block_hashes=hashes, num_prompt_tokens=len(job.prompt_ids),
                 max_tokens=job.max_tokens, tier=job.tier,
-                exclude=list(exclude), request_id=rid))  # fmt: skip
+                exclude=list(exclude), request_id=rid), attempt)  # fmt: skip
             tried: list[tuple[str, str]] = []
             try:
                 kv = await self._prefill(request, job, out, touched, route, tried)
@@ -175,23 +178,46 @@ class ClusterBackend(Backend):
             own_seed = {"seed": trip.seed} if trip.index else {}  # sample i > 0 draws from seed + i
             first = _Sample(self, d.url, rid, trip.index, leg_request(request, job, stream=True, kv_transfer_params=kv,
                                                                       resume=trip.resume, **own_seed))  # fmt: skip
+            tr = self.tracing
+            span = tr.start("gateway.decode_leg", {"duet.node_id": d.node_id, SERVER_ADDRESS: d.url,
+                                                   "duet.cached_tokens": d.cached_tokens}, kind="CLIENT")  # fmt: skip
+            t_start = time.time_ns()
             try:
                 out.prompt_sent = True
-                head = await first.start()
+                with tr.current(span):  # its POST carries this span's traceparent
+                    head = await first.start()
             except NodeFailure as e:
+                tr.end(span, error=e.reason)
                 log.warning("%s: decode on %s failed before its first token (%s); routing again without it",
                             rid, d.node_id, e.reason)  # fmt: skip
                 failures.append(str(e))
                 exclude.append(d.node_id)
                 await self._abort(set(tried))
                 continue
+            except BaseException as e:
+                tr.end(span, error=type(e).__name__)
+                raise
+            tr.record("gateway.first_token", t_start, time.time_ns(), parent=span)
             if route.prefill is not None:
                 out.nodes.append(route.prefill.node_id)
             out.nodes.append(d.node_id)
-            trip.node_id, trip.leg = d.node_id, (d.url, rid)
+            trip.node_id, trip.leg, trip.span = d.node_id, (d.url, rid), span
             return d.url, first, head
         raise APIError(503, f"the request failed on every node tried ({self.cfg.max_attempts} attempts): "
                             + "; ".join(failures), type_="service_unavailable", code="upstream_unavailable")  # fmt: skip
+
+    async def _route(self, req: RouteRequest, attempt: int) -> RouteResponse:
+        """The router's placement, in a span that says where and why."""
+        tr = self.tracing
+        with tr.span("gateway.route", {"duet.attempt": attempt, "duet.exclude": list(req.exclude)}) as span:
+            route = await self.router.route(req)
+            if span is not None:
+                p = route.prefill
+                span.set_attributes({"duet.route.reason": route.reason, "duet.decode.node_id": route.decode.node_id,
+                                     "duet.prefill.node_id": p.node_id if p is not None else "",
+                                     "duet.cached_tokens": max(route.decode.cached_tokens,
+                                                               p.cached_tokens if p is not None else 0)})  # fmt: skip
+            return route
 
     async def _prefill(self, request: Request, job: Attempt, out: Accounting, touched: _Touched, route: RouteResponse,
                        tried: list[tuple[str, str]]) -> KVTransferParams | None:  # fmt: skip
@@ -203,10 +229,15 @@ class ClusterBackend(Backend):
         tried.append((p.url, rid))
         touched.items.add((p.url, rid))
         self.load.acquire(p.url)
+        tr = self.tracing
         try:
-            out.prompt_sent = True
-            answer = await self.nodes.prefill(p.url, rid, leg_request(  # logprobs come from D
-                request, job, max_tokens=1, stream=False, logprobs=None, kv_transfer_params=_TO_DECODE))  # fmt: skip
+            with tr.span("gateway.prefill_leg", {"duet.node_id": p.node_id, SERVER_ADDRESS: p.url,
+                                                 "duet.cached_tokens": p.cached_tokens}, kind="CLIENT") as span:  # fmt: skip
+                out.prompt_sent = True
+                answer = await self.nodes.prefill(p.url, rid, leg_request(  # logprobs come from D
+                    request, job, max_tokens=1, stream=False, logprobs=None, kv_transfer_params=_TO_DECODE))  # fmt: skip
+                if span is not None and answer.usage is not None:
+                    span.set_attribute(GEN_AI_INPUT_TOKENS, answer.usage.prompt_tokens)
             return answer.kv_transfer_params
         finally:
             self.load.release(p.url)
@@ -227,10 +258,15 @@ class ClusterBackend(Backend):
             if not trip.finished:  # a node that died after its last token owes nothing
                 trip.failure = e
         except Exception as e:
+            self.tracing.end(trip.span, error=type(e).__name__)
+            trip.span = None
             raise _midstream(e) from None
         finally:
             await it.aclose()  # now, not at GC: frees the node's load count and connection
             out.leg_tokens.append(len(trip.ids) - trip.base)
+            self.tracing.end(trip.span, {GEN_AI_OUTPUT_TOKENS: len(trip.ids) - trip.base},
+                             error=trip.failure.reason if trip.failure is not None else None)  # fmt: skip
+            trip.span = None
 
     async def _migrate(self, request: Request, job: Attempt, out: Accounting, touched: _Touched, trip: _Trip,
                        failure: NodeFailure) -> _Started:  # fmt: skip
@@ -259,7 +295,10 @@ class ClusterBackend(Backend):
         trip.resume = Resume(output_tokens=len(trip.ids), text_chars=trip.chars, migration=n) if trip.ids else None
         leg_job = replace(job, request_id=f"{job.request_id}.m{n}", prompt_ids=job.prompt_ids + trip.ids)
         try:
-            return await self._open_leg(request, leg_job, out, touched, trip)
+            with self.tracing.span("gateway.migration", {"duet.migration": n, "duet.failed_node_id": trip.node_id,
+                                                         "duet.reason": failure.reason,
+                                                         "duet.streamed_tokens": len(trip.ids)}):  # fmt: skip
+                return await self._open_leg(request, leg_job, out, touched, trip)
         except APIError as e:
             raise MidStreamError(502, f"the decode node failed mid-stream ({failure}) and no node could continue "
                                       f"the stream: {e.message}", type_="upstream_error",
@@ -294,7 +333,7 @@ class ClusterBackend(Backend):
                     self._leg_done(out, trip)
                     continue
                 if isinstance(item, NodeFailure):  # every piece before it went out: trip is whole
-                    self._leg_done(out, trip)
+                    self._leg_done(out, trip, item)
                     job_i = job if i == 0 else replace(job, request_id=f"{job.request_id}.{i}")
                     tasks.append(asyncio.ensure_future(self._migrate_sample(request, job_i, out, touched, trip, item,
                                                                             queue)))  # fmt: skip
@@ -307,11 +346,18 @@ class ClusterBackend(Backend):
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for trip in trips:  # legs still open: the request ended early
+                self.tracing.end(trip.span, {GEN_AI_OUTPUT_TOKENS: len(trip.ids) - trip.base}, error="ended early")
+                trip.span = None
 
-    @staticmethod
-    def _leg_done(out: Accounting, trip: _Trip) -> None:
+    def _leg_done(self, out: Accounting, trip: _Trip, failure: NodeFailure | None = None) -> None:
+        """A decode leg of one sample ended (complete, or its node failed): its tokens, and its
+        span (a leg `_open_leg` opened: sample 0's first, any sample's migrated ones) with them."""
         if trip.index == 0:  # the record's leg_tokens are sample 0's
             out.leg_tokens.append(len(trip.ids) - trip.base)
+        self.tracing.end(trip.span, {GEN_AI_OUTPUT_TOKENS: len(trip.ids) - trip.base},
+                         error=failure.reason if failure is not None else None)  # fmt: skip
+        trip.span = None
 
     async def _migrate_sample(self, request: Request, job: Attempt, out: Accounting, touched: _Touched, trip: _Trip,
                               failure: NodeFailure,
@@ -377,6 +423,8 @@ class _Trip:
     seed: int | None = None
     #: why the current leg ended early (None: it ended complete)
     failure: NodeFailure | None = None
+    #: the current decode leg's span (None when tracing is off)
+    span: Any = None
 
     def add(self, c: CompletionChoice) -> None:
         self.ids.extend(c.token_ids or ())

@@ -58,6 +58,11 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
                                       # (default: the team's own domain; no team sees another's prefixes)
     [teams."*"]                       # the policy of every team not listed
 
+    [tracing]                         # OpenTelemetry (off by default; also DUET_TRACING=1, --trace)
+    enabled = true
+    endpoint = "http://jaeger:4318"   # OTLP/HTTP (default: $OTEL_EXPORTER_OTLP_ENDPOINT, else none)
+    ring_size = 20000                 # spans kept in memory for the console's request view
+
 Fallback triggers: the self-hosted pool saturated (an interactive request waited
 `[tiers] interactive_fallback_wait_s` for a slot), no healthy node, an open circuit breaker, a
 provider's 5xx/429 after its retries. Batch requests never reach a paid (external) model unless
@@ -81,6 +86,7 @@ from gateway.tools.formats import TOOL_PARSERS
 from protocol.models import duet_home
 from protocol.plane import PlaneSecurity
 from protocol.tables import from_table
+from protocol.tracing import TracingConfig
 
 #: "cluster": generation on duet's nodes; "external": a provider's model; "embedding": served by
 #: duet nodes started with `--task embed`, on `/v1/embeddings` only (gateway/embeddings.py)
@@ -279,6 +285,8 @@ class BatchSettings:
 class GatewayConfig:
     models: dict[str, ModelConfig]
     store_url: str = ""
+    #: OpenTelemetry ([tracing]: enabled, endpoint, ring_size, sample_ratio; protocol/tracing.py)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
     server: ServerConfig = ServerConfig()
     routing: RoutingConfig = RoutingConfig()
     tiers: TierConfig = TierConfig()
@@ -439,7 +447,7 @@ def _batch(data: Any) -> BatchSettings:
 
 
 def parse_config(data: dict[str, Any]) -> GatewayConfig:
-    known = {"models", "store", "server", "routing", "tiers", "quotas", "auto", "teams", "batch"}
+    known = {"models", "store", "server", "routing", "tiers", "quotas", "auto", "teams", "batch", "tracing"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"unknown sections: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
@@ -459,6 +467,7 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
         auto=_build(AutoConfig, "auto", data["auto"]) if "auto" in data else None,
         teams=_teams(data.get("teams", {})),
         batch=_batch(data.get("batch", {})),
+        tracing=_build(TracingConfig, "tracing", data.get("tracing", {})),
     )
     if not isinstance(cfg.server.key_cache_ttl_s, (int, float)) or isinstance(cfg.server.key_cache_ttl_s, bool) \
             or not 0 <= cfg.server.key_cache_ttl_s <= 3600:  # fmt: skip

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Iterable
 
 from coordinator.cluster_view import ClusterSnapshot, ClusterView
@@ -53,11 +54,18 @@ class EtcdView:
         #: the `--task embed` nodes, by model (never in `nodes`)
         self.embed_nodes: dict[str, StaticNodes] = {}
         self.loaded = asyncio.Event()
+        #: every registration as last read (the console's cluster page)
+        self.infos: tuple[NodeInfo, ...] = ()
+        #: unix time of the last successful read, and the last read's error (None: it worked)
+        self.read_at: float | None = None
+        self.error: str | None = None
 
     def pool(self, model: str, task: NodeTask = NodeTask.GENERATE) -> StaticNodes | None:
         return (self.nodes if task == NodeTask.GENERATE else self.embed_nodes).get(model)
 
     def apply(self, snap: ClusterSnapshot) -> None:
+        self.infos = snap.nodes
+        self.read_at, self.error = time.time(), None
         self.coordinators = snap.coordinators
         self.nodes = pools_from(snap.nodes)
         self.embed_nodes = pools_from(snap.nodes, NodeTask.EMBED)
@@ -75,6 +83,7 @@ class EtcdView:
                     log.info("etcd at %s is reachable again", self.endpoint)
                     warned = False
             except Exception as e:  # StoreError, or a bug: either way keep the last view and retry
+                self.error = f"{type(e).__name__}: {e}"
                 if not warned:
                     log.warning("cannot read the cluster from etcd (%s); keeping the last view", e)
                     warned = True

@@ -170,7 +170,8 @@ class Ledger:
         s = self._settlement(status, acc)
         # metrics and the log line once the answer's last bytes are out, not before them
         asyncio.get_running_loop().call_soon(self._observe)
-        await self.state.writer.commit(s)
+        with self.state.tracing.span("gateway.usage.commit", {"duet.status": status.value}):
+            await self.state.writer.commit(s)
 
     def submit(self, status: UsageStatus, acc: Accounting | None) -> None:
         """Settle without waiting (the caller cannot: its client left, its task is cancelled)."""

@@ -44,6 +44,14 @@ from gateway.state import GatewayState, ServedModel
 from gateway.tools.plan import ToolMode, ToolPlan
 from gateway.tools.reply import with_tool_calls
 from protocol.openai import APIError
+from protocol.tracing import (
+    GEN_AI_INPUT_TOKENS,
+    GEN_AI_OPERATION,
+    GEN_AI_OUTPUT_TOKENS,
+    GEN_AI_PROVIDER,
+    GEN_AI_REQUEST_MODEL,
+    GEN_AI_RESPONSE_MODEL,
+)
 
 log = logging.getLogger("duet.gateway")
 _ENC = msgspec.json.Encoder()
@@ -62,7 +70,8 @@ class Answer:
 async def handle(state: GatewayState, request: web.Request, endpoint: Endpoint, request_id: str) -> web.StreamResponse:
     """The HTTP handler of both endpoints: authenticate, run, render the Answer."""
     t0 = time.monotonic()
-    key, team = await authenticate(state, request)
+    with state.tracing.span("gateway.auth"):
+        key, team = await authenticate(state, request)
     raw = await request.read()
     sink = HttpEventStream(request)
     answer = await run(state, Caller(key, team, request_id, t0), raw, endpoint,
@@ -89,8 +98,16 @@ async def run(state: GatewayState, caller: Caller, raw: bytes, endpoint: Endpoin
         raise APIError(400, f"{req.model!r} is an embedding model: use POST /v1/embeddings", param="model",
                        code="wrong_model_kind")  # fmt: skip
     refuse_missing(req, served.config)
-    size = await measure(served, req)
-    ledger = await Ledger.reserve(state, caller, req, tier, served, size)
+    tr = state.tracing
+    tr.annotate({GEN_AI_OPERATION: "chat" if endpoint == Endpoint.CHAT else "text_completion", GEN_AI_PROVIDER: "duet",
+                 GEN_AI_REQUEST_MODEL: req.model, "duet.request_id": caller.request_id, "duet.team": caller.team.id,
+                 "duet.tier": tier, "duet.stream": req.stream})  # fmt: skip
+    with tr.span("gateway.tokenize", {GEN_AI_REQUEST_MODEL: served.config.name}) as span:
+        size = await measure(served, req)
+        if span is not None:
+            span.set_attribute(GEN_AI_INPUT_TOKENS, size.n_prompt)
+    with tr.span("gateway.quota.reserve", {"duet.team": caller.team.id}):
+        ledger = await Ledger.reserve(state, caller, req, tier, served, size)
     headers.update({**ledger.headers, "X-Request-Id": caller.request_id, "x-duet-tier": tier})
     tries = _Tries(state, req, ledger, tier, policy)
     try:
@@ -106,6 +123,12 @@ async def run(state: GatewayState, caller: Caller, raw: bytes, endpoint: Endpoin
         raise
     finally:
         ledger.submit(UsageStatus.ERROR, tries.accounting)  # a no-op once settled
+        if tr.enabled:
+            r = ledger.record
+            tr.annotate({GEN_AI_RESPONSE_MODEL: r.model_used, GEN_AI_INPUT_TOKENS: r.prompt_tokens,
+                         GEN_AI_OUTPUT_TOKENS: r.completion_tokens, "duet.cached_tokens": r.cached_tokens,
+                         "duet.status": r.status, "duet.cost_usd": r.cost_usd, "duet.nodes": list(r.nodes),
+                         "duet.migrations": r.migrations, "duet.ttft_s": r.ttft_s if r.ttft_s is not None else -1.0})  # fmt: skip
 
 
 def _is_auto(state: GatewayState, req: Request) -> bool:
@@ -206,11 +229,12 @@ class _Tries:
         if self.tools is not None and self.tools.mode != ToolMode.NONE:
             reply = with_tool_calls(reply, self.tools)
         fmt = Formatter(self.req.endpoint, attempt.request_id, served.config.name, self.tier)
-        if self.req.stream:
-            assert sink is not None
-            await relay_stream(self.ledger, reply, fmt, sink, headers, self.req.include_usage)
-            return Answer(200, None, headers)
-        body = await relay_whole(self.ledger, reply, fmt, self.req.n)
+        with self.state.tracing.span("gateway.relay", {GEN_AI_REQUEST_MODEL: served.config.name}):
+            if self.req.stream:
+                assert sink is not None
+                await relay_stream(self.ledger, reply, fmt, sink, headers, self.req.include_usage)
+                return Answer(200, None, headers)
+            body = await relay_whole(self.ledger, reply, fmt, self.req.n)
         return Answer(200, body, {**headers, "x-duet-cost-usd": f"{self.ledger.record.cost_usd:.8f}"})
 
     def _fallback(self, e: APIError, served: ServedModel, origin: str, n_prompt: int) -> ServedModel:
@@ -233,4 +257,7 @@ class _Tries:
                         f" (skipped {dict(d.skipped)})" if d.skipped else "")  # fmt: skip
             raise e
         log.info("%s: %s → %s (%s: %s)", rid, name, d.to_model, reason, e.message)
+        now = time.time_ns()
+        state.tracing.record("gateway.fallback", now, now, {"duet.fallback.from": name, "duet.fallback.to": d.to_model,
+                                                           "duet.fallback.reason": str(reason), "duet.error": e.message})  # fmt: skip
         return state.models[d.to_model]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from gateway.store.base import Store
 from gateway.tiers import Admission
 from gateway.usage_writer import UsageWriter
 from protocol.tokenizer import Tokenizer
+from protocol.tracing import Tracing
 
 
 def _admin_guard() -> AdminGuard:
@@ -27,6 +29,7 @@ def _admin_guard() -> AdminGuard:
 if TYPE_CHECKING:
     from gateway.auth import AdminGuard
     from gateway.choice import ModelChoice
+    from gateway.etcd_view import EtcdView
     from gateway.providers.metrics import ProviderMetrics
 
 
@@ -58,3 +61,9 @@ class GatewayState:
     gateway_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex[:16]}")
     #: failed admin authentications per address (gateway/auth.py)
     admin_guard: AdminGuard = field(default_factory=lambda: _admin_guard())
+    #: OpenTelemetry (off: every span site is a no-op); its ring feeds the console
+    tracing: Tracing = field(default_factory=Tracing.off)
+    #: the cluster as etcd shows it (None without [routing] etcd) and the coordinator replicas'
+    #: URLs (configured + registered): the console's cluster page
+    etcd_view: EtcdView | None = None
+    coordinator_urls: Callable[[], list[str]] = field(default_factory=lambda: list)

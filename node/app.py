@@ -169,6 +169,7 @@ def make_app(state: NodeState) -> web.Application:
     app = web.Application(middlewares=[*auth, _request_id, errors, _draining], client_max_size=limit)
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
+    state.tracing.install(app, after=_request_id)
 
     def bind(fn: Callable[[NodeState, web.Request], Awaitable[web.StreamResponse]]) -> Handler:
         async def h(request: web.Request) -> web.StreamResponse:
@@ -211,7 +212,8 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         s.shutdown.set()
 
     s.engine.start(on_dead)
-    s.session = s.config.security.client_session()  # the internal plane only: peers' /kv/*
+    # the internal plane only: peers' /kv/* (with the trace's traceparent when tracing)
+    s.session = s.config.security.client_session(trace_configs=s.tracing.trace_configs())
     if s.transport is not None:
         base, device = s.engine.kv_memory()
         await s.transport.register_pool(base, s.engine.kv_layout, device)

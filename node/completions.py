@@ -21,6 +21,7 @@ from aiohttp import web
 
 from node.chat import as_completion, parse_chat, template
 from node.leg_context import Leg
+from node.leg_spans import record_leg
 from node.legs import PREFILL_TRIGGER, LegContext, Prepared, leg_trigger, prefill_request_id
 from node.request_body import decode_request
 from node.request_log import REQUEST_ID
@@ -149,10 +150,13 @@ async def dispatch(state: NodeState, request: web.Request, prep: Prepared) -> we
                        param="kv_transfer_params")  # fmt: skip
     erid = prefill_request_id(prep.request_id) if trigger == PREFILL_TRIGGER else prep.request_id
     state.enter(erid)
+    leg = Leg(state, request, prep, erid)
     try:
-        return await handler(Leg(state, request, prep, erid))
+        return await handler(leg)
     finally:
         state.leave(erid)
+        kind = None if trigger is None else "prefill" if trigger == PREFILL_TRIGGER else "decode"
+        record_leg(state.tracing, kind, leg.timing, prep.arrival, len(prep.prompt_ids))
 
 
 async def local_leg(leg: LegContext) -> web.StreamResponse:

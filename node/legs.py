@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from kvtransfer import Transport
     from node.config import NodeConfig
     from node.metrics import NodeMetrics
+    from protocol.tracing import Tracing
 
 T = TypeVar("T")
 
@@ -124,6 +125,7 @@ class Node(Protocol):
     role_state: RoleStates
     #: the cluster's registered nodes; None on a node without a cluster (no --etcd)
     members: Membership | None
+    tracing: Tracing
 
 
 class LegContext(Protocol):

@@ -61,8 +61,10 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
     roles = Roles()
     for reg in register:
         reg(roles)
+    from protocol.tracing import from_env, setup
+
     return NodeState(config=cfg, engine=engine, metrics=metrics, node_id=node_id, engine_id=engine_id,
-                     transport=transport, roles=roles)  # fmt: skip
+                     transport=transport, roles=roles, tracing=setup(f"duet-{cfg.role}", from_env()))  # fmt: skip
 
 
 #: A gateway opens up to `[routing] max_connections_per_node` (1024) connections to a node at
@@ -95,6 +97,7 @@ async def serve(state: NodeState) -> int:
             log.info("grace period over: aborting %s", erid)
             await state.engine.abort(erid)
     await runner.cleanup()
+    await asyncio.to_thread(state.tracing.shutdown)  # flushes the spans still queued for export
     log.info("stopped (exit code %d)", state.exit_code)
     return state.exit_code
 

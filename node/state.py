@@ -18,6 +18,7 @@ from node.config import NodeConfig
 from node.engine_api import NodeEngine
 from node.legs import Membership, Roles, RoleStates
 from node.metrics import NodeMetrics
+from protocol.tracing import Tracing
 
 if TYPE_CHECKING:
     from kvtransfer import Transport
@@ -53,6 +54,8 @@ class NodeState:
     members: Membership | None = None
     #: unix time the node process started (registration, /v1/models)
     started_at: float = field(default_factory=time.time)
+    #: OpenTelemetry (off: every span site is a no-op)
+    tracing: Tracing = field(default_factory=Tracing.off)
 
     def enter(self, engine_request_id: str) -> None:
         self.inflight += 1

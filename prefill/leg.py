@@ -45,6 +45,9 @@ async def prefill_leg(leg: LegContext) -> web.StreamResponse:
         remote_num_tokens=len(prep.prompt_ids), lease_seconds=lease,
     )  # fmt: skip
     log.info("prefilled %d tokens into %d blocks, held for %.0fs", len(prep.prompt_ids), len(blocks), lease)
+    # from now until D's release (or the lease's end: `untracked`), in this leg's trace
+    node.tracing.defer(_hold_key(prep.request_id), "prefill.hold", {"duet.kv.blocks": len(blocks),
+                                                                    "duet.lease_s": lease})  # fmt: skip
     return leg.answer(result)
 
 
@@ -58,6 +61,7 @@ async def handle_release(state: Node, request: web.Request) -> web.Response:
     except RequestRefused:
         raise APIError(400, f"block ids {body.block_ids} do not belong to request {body.request_id!r}",
                        param="block_ids") from None  # fmt: skip
+    state.tracing.finish(_hold_key(body.request_id), {"duet.outcome": "released" if n is not None else "not_held"})
     if n is None:
         raise APIError(404, f"no blocks are held for request {body.request_id!r} (released, "
                             "lease expired, or never prefilled here)", code="not_held")  # fmt: skip
@@ -66,5 +70,10 @@ async def handle_release(state: Node, request: web.Request) -> web.Response:
 
 async def abort_held(state: Node, request_id: str) -> bool:
     """`POST /abort`: drop the prefill leg of `request_id` (running or held)."""
+    state.tracing.finish(_hold_key(request_id), {"duet.outcome": "aborted"})
     return await state.engine.abort(prefill_request_id(request_id))
+
+
+def _hold_key(request_id: str) -> str:
+    return f"hold:{request_id}"
 

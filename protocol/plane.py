@@ -100,8 +100,10 @@ class PlaneSecurity:
             raise SecretError(f"cannot load --tls-ca {self.tls_ca!r}: {e}") from None
         return ctx
 
-    def client_session(self, **connector: object) -> aiohttp.ClientSession:
+    def client_session(self, trace_configs: list[aiohttp.TraceConfig] | None = None,
+                       **connector: object) -> aiohttp.ClientSession:  # fmt: skip
         """A session for the internal plane only: every request carries the secret. (Never for a
-        session that also reaches third parties: the gateway adds `headers` per request.)"""
-        return aiohttp.ClientSession(headers=self.headers,
+        session that also reaches third parties: the gateway adds `headers` per request.)
+        `trace_configs`: protocol/tracing.py's, so the session's requests carry `traceparent`."""
+        return aiohttp.ClientSession(headers=self.headers, trace_configs=trace_configs,
                                      connector=aiohttp.TCPConnector(ssl=self.client_ssl(), **connector))  # type: ignore[arg-type]  # fmt: skip

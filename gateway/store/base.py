@@ -160,6 +160,11 @@ class Store(ABC):
     async def list_teams(self) -> list[Team]: ...
 
     @abstractmethod
+    async def update_team(self, team: Team) -> Team | None:
+        """Set the team's limits and default tier (its id and creation time stay); None when
+        there is no such team."""
+
+    @abstractmethod
     async def delete_team(self, team_id: str) -> bool:
         """Delete the team and revoke its keys; its usage records stay."""
 

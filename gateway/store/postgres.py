@@ -195,6 +195,13 @@ class PostgresStore(Store):
             raise StoreError(409, f"team {t.id!r} already exists") from None
         return t
 
+    async def update_team(self, team: Team) -> Team | None:
+        r = await self.pool.fetchrow(
+            f"UPDATE teams SET rpm=$2, tpm=$3, max_concurrent=$4, daily_budget_usd=$5, monthly_budget_usd=$6, "
+            f"default_tier=$7 WHERE id=$1 RETURNING {_TEAM_COLS}", team.id, team.rpm, team.tpm, team.max_concurrent,
+            team.daily_budget_usd, team.monthly_budget_usd, team.default_tier)  # fmt: skip
+        return _team(r) if r else None
+
     async def get_team(self, team_id: str) -> Team | None:
         r = await self.pool.fetchrow(f"SELECT {_TEAM_COLS} FROM teams WHERE id=$1", team_id)
         return _team(r) if r else None

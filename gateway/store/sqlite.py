@@ -138,6 +138,18 @@ class SqliteStore(Store):
 
         return await self._run(q)
 
+    async def update_team(self, team: Team) -> Team | None:
+        def q(db: sqlite3.Connection) -> Team | None:
+            with _tx(db):
+                n = db.execute("UPDATE teams SET rpm=?, tpm=?, max_concurrent=?, daily_budget_usd=?, "
+                               "monthly_budget_usd=?, default_tier=? WHERE id=?",
+                               (team.rpm, team.tpm, team.max_concurrent, team.daily_budget_usd,
+                                team.monthly_budget_usd, team.default_tier, team.id)).rowcount  # fmt: skip
+                row = db.execute(f"SELECT {_TEAM_COLS} FROM teams WHERE id=?", (team.id,)).fetchone() if n else None
+            return _team(row) if row else None
+
+        return await self._run(q)
+
     async def get_team(self, team_id: str) -> Team | None:
         row = await self._run(lambda db: db.execute(f"SELECT {_TEAM_COLS} FROM teams WHERE id=?",
                                                     (team_id,)).fetchone())  # fmt: skip

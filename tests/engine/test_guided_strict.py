@@ -1,5 +1,7 @@
-"""A missing grammar engine is never a silent unconstrained fallback (protocol/strict.py): under
-strict mode (CI=true) the engine refuses to start; elsewhere guided requests are refused."""
+"""Guided decoding on the tiny model, no SmolLM2 needed: a missing grammar engine is never a silent
+unconstrained fallback (protocol/strict.py: under CI=true the engine refuses to start; elsewhere
+guided requests are refused); only guided rows are masked; speculation is off for guided and
+penalised requests."""
 
 import sys
 from pathlib import Path
@@ -32,11 +34,34 @@ def test_elsewhere_guided_requests_are_refused(no_llguidance: None, monkeypatch:
         gd.compile(Guide(kind=GuideKind.JSON_OBJECT))
 
 
-def test_the_tiny_models_tokenizer_compiles_a_guide(tiny_llama: Path) -> None:
-    gd = GuidedDecoding(tiny_llama / "tokenizer.json", 512, frozenset({2}))
-    gd.attach("r", Guide(kind=GuideKind.CHOICE, spec='["yes", "no"]'), [])
+def test_only_the_guided_rows_are_masked(tiny_llama: Path) -> None:
     import torch
 
-    x, dead = gd.mask(torch.zeros(2, 512), [(1, "r")])
-    assert not dead and torch.isinf(x[1]).sum() > 500 - 10 and not torch.isinf(x[0]).any()
+    gd = GuidedDecoding(tiny_llama / "tokenizer.json", 512, frozenset({2}))
+    gd.attach("a", Guide(kind=GuideKind.CHOICE, spec='["yes", "no"]'), [])
+    gd.attach("b", Guide(kind=GuideKind.REGEX, spec="[0-9]+"), [])
+    logits = torch.zeros(3, 512)
+    for rows in ([(1, "a")], [(0, "a"), (2, "b")], [(0, "a"), (1, "b")]):  # one, apart, contiguous
+        x, dead = gd.mask(logits, rows)
+        assert not dead and not torch.isinf(logits).any()  # a copy: the step's logits stay raw
+        for r in range(3):
+            masked = int(torch.isinf(x[r]).sum())
+            assert (masked > 400) if r in dict(rows) else masked == 0
     gd.close()
+
+
+def test_speculation_is_off_for_guided_and_penalised_requests(tiny_llama: Path) -> None:
+    """The verifier scores a draft's positions in one pass; masks and penalties depend on the
+    tokens before each position, so such requests get no drafts (and stay exact)."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(str(tiny_llama), dtype="float32", speculative="ngram", num_speculative_tokens=4)
+    prompt = [11, 22, 33, 44, 55]  # greedy, the tiny model repeats itself here: n-grams to draft from
+    guided, penalised = llm.generate([prompt] * 2, [
+        SamplingParams(max_tokens=8, temperature=0, guide=Guide(kind=GuideKind.REGEX, spec="[a-z]{8}")),
+        SamplingParams(max_tokens=80, temperature=0, ignore_eos=True, frequency_penalty=0.5)])  # fmt: skip
+    assert llm.engine.stats()["spec_decode_num_drafts"] == 0
+    assert len(guided.text) == 8 and guided.text.isalpha() and guided.text.islower()
+    assert len(penalised.token_ids) == 80
+    plain = llm.generate([prompt], SamplingParams(max_tokens=80, temperature=0, ignore_eos=True))[0]
+    assert plain.token_ids and llm.engine.stats()["spec_decode_num_drafts"] > 0  # the engine does speculate

@@ -64,6 +64,16 @@ async def test_keys_are_stored_as_hashes(url: str) -> None:
     await s.close()
 
 
+async def test_update_team_sets_limits_and_keeps_the_rest(url: str) -> None:
+    s = await _store(url)
+    t = await s.create_team(Team(id="t", rpm=5, daily_budget_usd=1.0))
+    got = await s.update_team(Team(id="t", tpm=100, default_tier="batch"))
+    assert got is not None and (got.rpm, got.tpm, got.daily_budget_usd, got.default_tier) == (None, 100, None, "batch")
+    assert got.created_at == t.created_at and await s.get_team("t") == got
+    assert await s.update_team(Team(id="nobody", rpm=1)) is None
+    await s.close()
+
+
 async def test_concurrency_limit_and_settle(url: str) -> None:
     s = await _store(url)
     await s.create_team(Team(id="t", max_concurrent=2))

@@ -104,7 +104,7 @@ def test_a_chat_request_means_the_completion_with_every_shared_field() -> None:
               "stop_token_ids": [3], "ignore_eos": True, "min_tokens": 2, "skip_special_tokens": False,
               "stream": True, "stream_options": {"include_usage": False}, "n": 1, "priority": "batch",
               "kv_transfer_params": {"do_remote_decode": True}, "user": "u-1", "frequency_penalty": 0.5,
-              "presence_penalty": -0.5, "repetition_penalty": 1.1, "min_p": 0.05, "logit_bias": {"7": -100.0}}  # fmt: skip
+              "presence_penalty": -0.5, "repetition_penalty": 1.25, "min_p": 0.05, "logit_bias": {"7": -100.0}}  # fmt: skip
     assert set(shared) == set(SamplingFields.__struct_fields__)  # a new shared field gets a value here
     body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5, "logprobs": True,
             "top_logprobs": 3, **shared}  # fmt: skip

@@ -2,8 +2,10 @@
 
 The guide and the sampling fields ride on both legs (NodeCompletionRequest): P masks (and
 penalises) the one token it samples, D resumes the matcher from the tokens so far and masks
-the rest. Checked: the whole schema corpus, concurrently P → D over NIXL, gives JSON valid
-against each schema; P's token is masked (an object schema's token opens the object where the
+the rest. Checked: every fifth schema of the corpus, concurrently P → D over NIXL, gives JSON
+valid against it (the whole corpus runs P/D and colocated through the gateway in
+tests/gateway/test_tools_structured.py, and in one engine batch in tests/engine/test_guided.py:
+this file's share is the bare legs, at a fifth of the CI time); P's token is masked (an object schema's token opens the object where the
 unguided one does not) and biased (logit_bias -100 bans the unguided token); an invalid guide
 is a 400 with the engine's words at either node, before any engine work.
 """
@@ -29,7 +31,7 @@ from tests.protocol.test_guide_check import CORPUS
 
 pytestmark = pytest.mark.smollm2
 COMMON = ("--dtype", "float32", "--kv-memory", "256MiB", "--max-model-len", "1024")
-SCHEMAS: dict[str, dict] = json.loads(CORPUS.read_text())
+SCHEMAS: dict[str, dict] = dict(list(json.loads(CORPUS.read_text()).items())[::5])
 
 
 def guide(schema: dict) -> dict:
@@ -56,7 +58,7 @@ def tok(smollm2: Path):
     return Tokenizer(smollm2)
 
 
-async def test_the_corpus_p_to_d_gives_valid_json(pd, tok) -> None:
+async def test_corpus_schemas_p_to_d_give_valid_json(pd, tok) -> None:
     p, d = pd
     check = PullCheck(p, d, "nixl")
     prompts = [chat(tok, f"Give me an example {n.replace('_', ' ')} as JSON.") for n in SCHEMAS]

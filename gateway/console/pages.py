@@ -1,0 +1,408 @@
+"""The console's pages, each a handler of (state, request, session).
+
+Every read and change goes through the gateway's own API with the session's key
+(gateway/console/api.py), so a team key sees exactly what the API shows it — its own team —
+and the admin key everything. The cluster page reads the coordinator replicas' `GET /cluster`
+and the gateway's etcd view, like `duet status`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import json
+import statistics
+import time
+from collections import defaultdict
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from gateway.console import charts
+from gateway.console.api import ApiFailed, call
+from gateway.console.render import csrf_field, esc, fragment, notice, page, table
+from gateway.console.session import Session
+from gateway.state import GatewayState
+from protocol.models import duet_home
+
+DAY = 86400
+#: group_by values the CSV export offers (those of `duet usage report`)
+CSV_GROUPS = ("record", "day", "model", "team", "user")
+_TIMEOUT = aiohttp.ClientTimeout(total=3)
+
+
+# --- cluster ----------------------------------------------------------------------------------
+async def _replica(state: GatewayState, url: str) -> dict[str, Any] | str:
+    assert state.session is not None
+    try:
+        # the coordinator's internal API: the cluster secret, as the route client sends it
+        async with state.session.get(url + "/cluster", timeout=_TIMEOUT, headers=state.config.security.headers) as r:
+            if r.status != 200:
+                return f"HTTP {r.status}"
+            return await r.json()
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def _ago(t: float | None) -> str:
+    if not t:
+        return "-"
+    s = max(0, time.time() - t)
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def _supervised() -> list[dict[str, Any]]:
+    """The processes a `duet up` on this machine supervises (its state file), if any."""
+    try:
+        data = json.loads((duet_home() / "up" / "state.json").read_text())
+    except (OSError, ValueError):
+        return []
+    children = data.get("children") if isinstance(data, dict) else None
+    return [c for c in children if isinstance(c, dict)] if isinstance(children, list) else []
+
+
+async def cluster_tables(state: GatewayState) -> str:
+    urls = state.coordinator_urls()
+    reports = await asyncio.gather(*(_replica(state, u) for u in urls))
+    view = state.etcd_view
+    infos = {i.node_id: i for i in (view.infos if view is not None else ())}
+    first = next((r for r in reports if isinstance(r, dict)), None)
+    rows = []
+    if first is not None:
+        for n in first.get("nodes", []):
+            info = infos.get(n["node_id"])
+            load = n.get("load") or {}
+            health = "ready" if n.get("ready") else ("connected" if n.get("connected") else "unreachable")
+            rows.append([n["node_id"], n["role"], n.get("pool", ""), info.engine_kind if info else "-",
+                         (info.quantization or "none") if info else "-", f"{n['status']}, {health}",
+                         f"{load.get('running', '-')} running, {load.get('waiting', '-')} waiting",
+                         f"{100 * load['kv_cache_usage_perc']:.1f}%" if "kv_cache_usage_perc" in load else "-",
+                         n.get("indexed_blocks", 0), _ago(info.started_at) if info else "-", n.get("resyncs", 0)])  # fmt: skip
+    else:
+        for i in infos.values():
+            rows.append([i.node_id, i.role, i.pool, i.engine_kind, i.quantization or "none", f"{i.status} (etcd only)",
+                         "-", "-", "-", _ago(i.started_at), "-"])  # fmt: skip
+    out = [table("Nodes", ["Node", "Role", "Pool", "Engine", "Quantization", "Health", "Load", "KV use",
+                           "Cached blocks", "Up for", "Resyncs"], rows)]  # fmt: skip
+    reps = []
+    for url, r in zip(urls, reports, strict=True):
+        if isinstance(r, dict):
+            reps.append([url, r["replica_id"], "yes" if r["is_leader"] else "no", r.get("leader") or "unknown",
+                         "connected" if r["etcd_connected"] else "disconnected",
+                         f"{r['index_blocks']} / {r['index_max_blocks']}"])  # fmt: skip
+        else:
+            reps.append([url, "-", "-", "-", "-", f"unreachable: {r}"])
+    out.append(table("Coordinator replicas", ["URL", "Replica", "Leader", "Leader seen", "etcd", "Prefix index"], reps))
+    if view is not None:
+        state_text = f"read {_ago(view.read_at)} ago" + (f"; last read failed: {view.error}" if view.error else "")
+        out.append(table("etcd", ["Endpoint", "State", "Registered nodes", "Replicas"],
+                         [[view.endpoint, state_text, len(view.infos), len(view.coordinators)]]))  # fmt: skip
+    sup = _supervised()
+    if sup:
+        out.append(table("Processes supervised by duet up", ["Process", "State", "PID", "Restarts"],
+                         [[c.get("name"), c.get("state") or ("running" if c.get("alive") else "down"), c.get("pid"),
+                           c.get("restarts", 0)] for c in sup]))  # fmt: skip
+    out.append(f'<p class="muted">Updated {time.strftime("%H:%M:%S", time.gmtime())} UTC; refreshes every 3 s.</p>')
+    return "".join(out)
+
+
+async def cluster(state: GatewayState, request: web.Request, s: Session) -> web.Response:
+    body = await cluster_tables(state)
+    if request.query.get("fragment"):
+        return fragment(body)
+    return page("Cluster", "cluster", f'<div id="live" data-refresh="/console/cluster?fragment=1" '
+                                      f'aria-live="polite">{body}</div>', s)  # fmt: skip
+
+
+# --- teams and keys ---------------------------------------------------------------------------
+LIMITS = (("rpm", "Requests per minute"), ("tpm", "Tokens per minute"), ("max_concurrent", "Concurrent requests"),
+          ("daily_budget_usd", "Daily budget (USD)"), ("monthly_budget_usd", "Monthly budget (USD)"))  # fmt: skip
+
+
+def _limit_fields() -> str:
+    return ("".join(f'<label>{esc(label)} <input name="{k}" inputmode="decimal" autocomplete="off"></label>'
+                    for k, label in LIMITS)
+            + '<label>Default tier <select name="default_tier"><option>interactive</option><option>batch</option>'
+            "</select></label>")  # fmt: skip
+
+
+def _team_forms(s: Session, options: str) -> str:
+    create = (f'<form method="post" action="/console/teams" class="card"><h2>Create a team</h2>{csrf_field(s)}'
+              f'<label>Team id <input name="id" required pattern="[A-Za-z0-9][A-Za-z0-9_.\\-]{{0,63}}" '
+              f'autocomplete="off"></label>{_limit_fields()}<button type="submit">Create team</button></form>')  # fmt: skip
+    limits = (f'<form method="post" action="/console/teams/limits" class="card"><h2>Set a team\'s limits</h2>'
+              f'{csrf_field(s)}<label>Team <select name="id" required>{options}</select></label>'
+              f'<p class="muted">A limit left empty is no limit.</p>{_limit_fields()}'
+              f'<button type="submit">Set limits</button></form>')  # fmt: skip
+    return create + limits
+
+
+async def teams(state: GatewayState, request: web.Request, s: Session, shown: str = "") -> web.Response:
+    if not s.admin:
+        return page("Teams and keys", "teams", notice(f"You are signed in with a key of team {s.team_id}. Teams and "
+                                                      "keys are managed with the admin key.") + shown, s)  # fmt: skip
+    team_list = (await call(state, request, s, "GET", "/admin/teams"))["data"]
+    keys = (await call(state, request, s, "GET", "/admin/keys"))["data"]
+    t_rows = [[esc(t["id"]), *(esc("-" if t.get(k) is None else t[k]) for k, _ in LIMITS), esc(t["default_tier"])]
+              for t in team_list]  # fmt: skip
+    k_rows = []
+    for k in keys:
+        revoked = k.get("revoked_at")
+        action = "revoked" if revoked else (
+            f'<form method="post" action="/console/keys/{esc(k["id"])}/revoke" class="inline">{csrf_field(s)}'
+            f'<button type="submit" aria-label="Revoke key {esc(k["id"])}">Revoke</button></form>')  # fmt: skip
+        k_rows.append([esc(k["id"]), esc(k["team_id"]), esc(k.get("name") or ""), esc(_ago(k.get("created_at"))),
+                       action])  # fmt: skip
+    options = "".join(f"<option>{esc(t['id'])}</option>" for t in team_list)
+    key_form = (f'<form method="post" action="/console/keys" class="card"><h2>Create a key</h2>{csrf_field(s)}'
+                f'<label>Team <select name="team_id" required>{options}</select></label>'
+                f'<label>Name <input name="name" autocomplete="off"></label>'
+                f'<button type="submit">Create key</button></form>')  # fmt: skip
+    body = (shown + table("Teams", ["Team", *(label for _, label in LIMITS), "Default tier"], t_rows, raw=True)
+            + table("Keys", ["Key id", "Team", "Name", "Created", "Action"], k_rows, raw=True)
+            + '<div class="forms">' + _team_forms(s, options) + key_form + "</div>")  # fmt: skip
+    return page("Teams and keys", "teams", body, s)
+
+
+def _number(form: Any, name: str) -> float | int | None:
+    raw = (form.get(name) or "").strip()
+    if not raw:
+        return None
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ApiFailed(400, f"{name} must be a number, got {raw!r}") from None
+    return int(v) if v.is_integer() and name in ("rpm", "tpm", "max_concurrent") else v
+
+
+async def create_team(state: GatewayState, request: web.Request, s: Session, form: Any) -> web.Response:
+    body: dict[str, Any] = {"id": (form.get("id") or "").strip(), "default_tier": form.get("default_tier") or "interactive"}
+    for k, _ in LIMITS:
+        v = _number(form, k)
+        if v is not None:
+            body[k] = v
+    t = await call(state, request, s, "POST", "/admin/teams", body=body)
+    return await teams(state, request, s, notice(f"Team {t['id']} created."))
+
+
+async def set_limits(state: GatewayState, request: web.Request, s: Session, form: Any) -> web.Response:
+    tid = (form.get("id") or "").strip()
+    body: dict[str, Any] = {"default_tier": form.get("default_tier") or "interactive"}
+    for k, _ in LIMITS:
+        body[k] = _number(form, k)
+    t = await call(state, request, s, "PUT", f"/admin/teams/{tid}", body=body)
+    return await teams(state, request, s, notice(f"Limits of team {t['id']} set."))
+
+
+async def create_key(state: GatewayState, request: web.Request, s: Session, form: Any) -> web.Response:
+    k = await call(state, request, s, "POST", "/admin/keys",
+                   body={"team_id": form.get("team_id") or "", "name": form.get("name") or ""})  # fmt: skip
+    shown = (f'<div class="card secret" role="status"><h2>New key for team {esc(k["team_id"])}</h2>'
+             f"<p>Copy it now: it is shown this once and never again.</p>"
+             f'<label>Key <input id="new-key" readonly value="{esc(k["key"])}" size="60"></label>'
+             f'<p>Key id <code id="new-key-id">{esc(k["id"])}</code></p></div>')  # fmt: skip
+    return await teams(state, request, s, shown)
+
+
+async def revoke_key(state: GatewayState, request: web.Request, s: Session, form: Any) -> web.Response:
+    kid = request.match_info["id"]
+    await call(state, request, s, "DELETE", f"/admin/keys/{kid}")
+    return await teams(state, request, s, notice(f"Key {kid} revoked."))
+
+
+# --- usage and spend --------------------------------------------------------------------------
+def _range(request: web.Request) -> tuple[str, str]:
+    """YYYY-MM-DD start and (inclusive) end; the last 7 days by default."""
+    today = time.strftime("%Y-%m-%d", time.gmtime())
+    week = time.strftime("%Y-%m-%d", time.gmtime(time.time() - 6 * DAY))
+    start, end = request.query.get("start") or week, request.query.get("end") or today
+    for v in (start, end):
+        try:
+            time.strptime(v, "%Y-%m-%d")
+        except ValueError:
+            raise ApiFailed(400, "start and end are dates: YYYY-MM-DD") from None
+    return start, end
+
+
+def _query(s: Session, request: web.Request, start: str, end: str, group_by: str) -> dict[str, str]:
+    q = {"start": start, "end": end, "group_by": group_by}
+    team = request.query.get("team")
+    if s.admin and team:
+        q["team_id"] = team
+    return q
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def usage(state: GatewayState, request: web.Request, s: Session) -> web.Response:
+    start, end = _range(request)
+    get = lambda g: call(state, request, s, "GET", "/v1/usage", query=_query(s, request, start, end, g))  # noqa: E731
+    by_day, by_team, by_model, records = await asyncio.gather(get("day"), get("team"), get("model"), get("record"))
+    days = [r["date"] for r in by_day["data"]]
+    ttft: dict[str, list[float]] = defaultdict(list)
+    tiers: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
+    for r in records["data"]:
+        day = time.strftime("%Y-%m-%d", time.gmtime(r["created_at"]))
+        if r.get("ttft_s") is not None:
+            ttft[day].append(r["ttft_s"] * 1000)
+        t = tiers[r["tier"]]
+        t[0] += 1
+        t[1] += r["prompt_tokens"] + r["completion_tokens"]
+        t[2] += r["cost_usd"]
+    team_sel = ""
+    if s.admin:
+        team_sel = (f'<label>Team <input name="team" value="{esc(request.query.get("team") or "")}" '
+                    f'placeholder="all teams" autocomplete="off"></label>')  # fmt: skip
+    form = (f'<form method="get" action="/console/usage" class="range"><label>From <input type="date" name="start" '
+            f'value="{esc(start)}"></label><label>To <input type="date" name="end" value="{esc(end)}"></label>{team_sel}'
+            f'<button type="submit">Show</button></form>')  # fmt: skip
+    qs = "&".join(f"{k}={esc(v)}" for k, v in _query(s, request, start, end, "").items() if k != "group_by")
+    csv_links = " ".join(f'<a href="/console/usage.csv?{qs}&amp;group_by={g}" download>{g}</a>' for g in CSV_GROUPS)
+    charts_html = (charts.bars("Tokens per day", days, [r["total_tokens"] for r in by_day["data"]])
+                   + charts.bars("Spend per day (USD)", days, [r["cost_usd"] for r in by_day["data"]], " USD")
+                   + charts.bars("Requests per day", days, [r["requests"] for r in by_day["data"]])
+                   + charts.lines("Time to first token (ms)", days,
+                                  {"P50": [_pct(ttft[d], 0.5) for d in days], "P90": [_pct(ttft[d], 0.9) for d in days]},
+                                  " ms"))  # fmt: skip
+
+    def rows(data: list[dict[str, Any]], key: str) -> list[list[Any]]:
+        return [[r[key] if r[key] is not None else "-", r["requests"], r["prompt_tokens"], r["completion_tokens"],
+                 r["cached_tokens"], f"{r['cost_usd']:.6f}"] for r in data]  # fmt: skip
+
+    head = ["Requests", "Prompt tokens", "Completion tokens", "Cached tokens", "Cost (USD)"]
+    body = (form + f'<p class="csv">CSV export (as <code>duet usage report</code>): {csv_links}</p>'
+            + f'<div class="charts">{charts_html}</div>'
+            + table("Per day", ["Day", *head], rows(by_day["data"], "date"))
+            + table("Per team", ["Team", *head], rows(by_team["data"], "team_id"))
+            + table("Per model", ["Model", *head], rows(by_model["data"], "model"))
+            + table("Per tier", ["Tier", "Requests", "Tokens", "Cost (USD)"],
+                    [[k, v[0], v[1], f"{v[2]:.6f}"] for k, v in sorted(tiers.items())]))  # fmt: skip
+    return page("Usage and spend", "usage", body, s)
+
+
+def usage_csv_text(rows: list[dict[str, Any]]) -> str:
+    """The rows as `duet usage report --format csv` prints them (csv.DictWriter, header first)."""
+    out = io.StringIO()
+    if rows:
+        w = csv.DictWriter(out, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    return out.getvalue()
+
+
+async def usage_csv(state: GatewayState, request: web.Request, s: Session) -> web.Response:
+    start, end = _range(request)
+    group_by = request.query.get("group_by", "record")
+    if group_by not in CSV_GROUPS:
+        raise ApiFailed(400, f"group_by is one of {', '.join(CSV_GROUPS)}")
+    data = await call(state, request, s, "GET", "/v1/usage", query=_query(s, request, start, end, group_by))
+    name = f"usage-{start}-{end}-{group_by}.csv"
+    return web.Response(text=usage_csv_text(data["data"]), content_type="text/csv",
+                        headers={"Content-Disposition": f'attachment; filename="{name}"', "Cache-Control": "no-store"})  # fmt: skip
+
+
+# --- batches ----------------------------------------------------------------------------------
+CANCELLABLE = ("validating", "in_progress", "finalizing")
+
+
+async def batches(state: GatewayState, request: web.Request, s: Session, shown: str = "") -> web.Response:
+    if s.admin:
+        return page("Batches", "batches", shown + notice("Batches belong to teams: sign in with a team's key to see "
+                                                         "and cancel its batches."), s)  # fmt: skip
+    data = (await call(state, request, s, "GET", "/v1/batches", query={"limit": "100"}))["data"]
+    rows = []
+    for b in data:
+        c = b.get("request_counts") or {}
+        total, done, failed = c.get("total", 0), c.get("completed", 0), c.get("failed", 0)
+        errors = b.get("errors") or {}
+        err = "; ".join(str(e.get("message")) for e in (errors.get("data") or [])[:3]) if isinstance(errors, dict) else ""
+        bar = (f'<progress max="{max(total, 1)}" value="{done + failed}" aria-label="progress of {esc(b["id"])}">'
+               f"</progress> {done + failed}/{total} ({failed} failed)")  # fmt: skip
+        action = ""
+        if b["status"] in CANCELLABLE:
+            action = (f'<form method="post" action="/console/batches/{esc(b["id"])}/cancel" class="inline">'
+                      f'{csrf_field(s)}<button type="submit">Cancel</button></form>')  # fmt: skip
+        rows.append([esc(b["id"]), esc(b["status"]), esc(_ago(b.get("created_at"))), bar, esc(err or "-"), action])
+    return page("Batches", "batches", shown + table("Batches", ["Batch", "Status", "Created", "Progress", "Errors",
+                                                                "Action"], rows, raw=True), s)  # fmt: skip
+
+
+async def cancel_batch(state: GatewayState, request: web.Request, s: Session, form: Any) -> web.Response:
+    bid = request.match_info["id"]
+    b = await call(state, request, s, "POST", f"/v1/batches/{bid}/cancel")
+    return await batches(state, request, s, notice(f"Batch {bid}: {b['status']}."))
+
+
+# --- requests and traces ----------------------------------------------------------------------
+async def requests(state: GatewayState, request: web.Request, s: Session) -> web.Response:
+    since = time.strftime("%Y-%m-%d", time.gmtime(time.time() - DAY))
+    recs = (await call(state, request, s, "GET", "/v1/usage", query={"start": since, "group_by": "record"}))["data"]
+    lat = [r["latency_s"] for r in recs]
+    slow_at = statistics.quantiles(lat, n=10)[-1] if len(lat) >= 10 else float("inf")
+    picked = [r for r in recs if r["status"] != "ok" or r["latency_s"] >= slow_at]
+    picked.sort(key=lambda r: r["created_at"], reverse=True)
+    ring = state.tracing.ring
+    rows = []
+    for r in picked[:100]:
+        rid = r["request_id"]
+        traced = ring is not None and ring.find("duet.request_id", rid) is not None
+        link = f'<a href="/console/requests/{esc(rid)}">{esc(rid)}</a>' if traced else esc(rid)
+        why = "failed" if r["status"] != "ok" else "slow"
+        rows.append([esc(time.strftime("%H:%M:%S", time.gmtime(r["created_at"]))), link, esc(r["team_id"]),
+                     esc(r["model_used"]), esc(r["status"]), esc(why),
+                     esc("-" if r.get("ttft_s") is None else f"{r['ttft_s'] * 1000:.1f} ms"),
+                     esc(f"{r['latency_s'] * 1000:.1f} ms"), esc(r["completion_tokens"])])  # fmt: skip
+    recent = []
+    for x in ring.requests(200) if ring is not None else []:
+        if s.admin or x.attributes.get("duet.team") == s.team_id:
+            a, rid = x.attributes, str(x.attributes["duet.request_id"])
+            recent.append([esc(time.strftime("%H:%M:%S", time.gmtime(x.start_ns / 1e9))),
+                           f'<a href="/console/requests/{esc(rid)}">{esc(rid)}</a>', esc(a.get("duet.team")),
+                           esc(a.get("gen_ai.request.model")), esc(a.get("duet.status")),
+                           esc(f"{(x.end_ns - x.start_ns) / 1e6:.1f} ms"), esc(a.get("gen_ai.usage.output_tokens"))])  # fmt: skip
+        if len(recent) >= 20:
+            break
+    head = notice("Tracing is off on this gateway: start it with --trace (or [tracing] enabled) to open a "
+                  "request's trace.") if ring is None else ""  # fmt: skip
+    intro = ('<p>The last 24 hours\' failed requests and the slowest tenth. A request id links to its trace '
+             "while the gateway still holds its spans.</p>")  # fmt: skip
+    return page("Requests", "requests", head + intro + table(
+        "Slow or failed requests", ["Time (UTC)", "Request", "Team", "Model", "Status", "Why", "TTFT", "Latency",
+                                    "Tokens out"], rows, raw=True)
+        + table("Recent traced requests", ["Time (UTC)", "Request", "Team", "Model", "Status", "Latency", "Tokens out"],
+                recent, raw=True), s)  # fmt: skip
+
+
+async def trace(state: GatewayState, request: web.Request, s: Session) -> web.Response:
+    rid = request.match_info["rid"]
+    ring = state.tracing.ring
+    root = ring.find("duet.request_id", rid) if ring is not None else None
+    if root is None or (not s.admin and root.attributes.get("duet.team") != s.team_id):
+        return page("Trace", "requests", notice(f"No trace of {rid} is held here (tracing off, or its spans "
+                                                "aged out of the gateway's ring).", "error"), s, 404)  # fmt: skip
+    spans = ring.trace(root.trace_id) if ring is not None else []
+    ids = {x.span_id: x for x in spans}
+
+    def depth(x: Any) -> int:
+        d = 0
+        while x.parent_id in ids and d < 20:
+            x, d = ids[x.parent_id], d + 1
+        return d
+
+    t0 = min(x.start_ns for x in spans)
+    bars = [(x.name, depth(x), (x.start_ns - t0) / 1e6, (x.end_ns - t0) / 1e6, x.error) for x in spans]
+    rows = [[esc(x.name), esc(f"{(x.end_ns - x.start_ns) / 1e6:.2f} ms"),
+             "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in sorted(x.attributes.items())) + "</dl>"]
+            for x in spans]  # fmt: skip
+    body = (f"<p>Trace <code>{esc(root.trace_id)}</code> of request <code>{esc(rid)}</code>, as this gateway "
+            "recorded it; the nodes' and the coordinator's own spans go to the OTLP collector.</p>"
+            + charts.timeline(f"Timeline of {rid}", bars)
+            + table("Spans", ["Span", "Duration", "Attributes"], rows, raw=True))  # fmt: skip
+    return page("Trace", "requests", body, s)

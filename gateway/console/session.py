@@ -1,0 +1,77 @@
+"""Console sign-in: server-side sessions, their cookie, and the CSRF token of each.
+
+A session holds the key it signed in with (the admin key, or one team's key) in this process's
+memory only: the browser gets an opaque random id in an HttpOnly, SameSite=Strict cookie
+(Secure over HTTPS), never the key, and no secret ever sits in a URL. Each session has its own
+CSRF token, required on every POST (a form field or the X-CSRF-Token header) and compared in
+constant time; the sign-in form, before any session exists, uses a double-submit token (a
+cookie and a form field that must match).
+
+Invariants: bounded (the oldest session goes past MAX_SESSIONS), expiring (TTL_S), and a
+session that fails the API's authentication (its key revoked) is dropped by the caller.
+Sessions are per gateway process: behind a load balancer, pin the console to one gateway.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from aiohttp import web
+
+COOKIE = "duet_console"
+#: the sign-in form's double-submit token (before any session exists)
+LOGIN_COOKIE = "duet_console_login"
+TTL_S = 8 * 3600.0
+MAX_SESSIONS = 10_000
+
+
+@dataclass
+class Session:
+    sid: str
+    #: the key signed in with; only ever sent to this gateway's own API
+    key: str
+    #: the team a team key belongs to; None: the admin key (every team)
+    team_id: str | None
+    csrf: str
+    expires: float
+
+    @property
+    def admin(self) -> bool:
+        return self.team_id is None
+
+
+class Sessions:
+    def __init__(self) -> None:
+        self._by_id: OrderedDict[str, Session] = OrderedDict()
+
+    def new(self, key: str, team_id: str | None) -> Session:
+        s = Session(sid=secrets.token_urlsafe(32), key=key, team_id=team_id, csrf=secrets.token_urlsafe(32),
+                    expires=time.time() + TTL_S)  # fmt: skip
+        self._by_id[s.sid] = s
+        while len(self._by_id) > MAX_SESSIONS:
+            self._by_id.popitem(last=False)
+        return s
+
+    def get(self, request: web.Request) -> Session | None:
+        sid = request.cookies.get(COOKIE)
+        s = self._by_id.get(sid) if sid else None
+        if s is not None and s.expires < time.time():
+            self.drop(s.sid)
+            return None
+        return s
+
+    def drop(self, sid: str) -> None:
+        self._by_id.pop(sid, None)
+
+
+def same(a: str | None, b: str) -> bool:
+    return a is not None and hmac.compare_digest(a.encode(), b.encode())
+
+
+def set_cookie(resp: web.StreamResponse, request: web.Request, name: str, value: str, max_age: float) -> None:
+    resp.set_cookie(name, value, max_age=int(max_age), path="/console", httponly=True, samesite="Strict",
+                    secure=request.secure)  # fmt: skip

@@ -1,0 +1,399 @@
+"""OpenTelemetry tracing for every duet process: one trace per request, W3C `traceparent` on
+every hop (DESIGN §8).
+
+`Tracing` is what a process holds: `Tracing.off()` (the default) costs one attribute read per
+span site and imports nothing of OpenTelemetry; `setup(service, cfg)` builds an SDK
+`TracerProvider` of the process's own (never the global one, so several apps in one test
+process keep apart) that exports over OTLP/HTTP when an endpoint is configured, and keeps the
+last `ring_size` finished spans in memory (`SpanRing`, the console's request view) when asked.
+
+The hops: `trace_configs()` makes an aiohttp ClientSession inject `traceparent` from the
+current context into every request it sends (gateway → coordinator, gateway → P and D,
+D → P's `/kv/*`); `middleware()` opens a SERVER span per request, child of the caller's
+`traceparent`. Span sites use `span()` (a context manager), `start()`/`end()` (a span that
+lives across an async generator's yields: it is made current only around the awaits that send
+its HTTP requests, never across a yield), and `record()` (a span whose times were measured
+already, e.g. the node's queue/prefill split).
+
+Attribute names follow OTel's GenAI semantic conventions where one exists (`GEN_AI_*` below);
+duet's own are under `duet.`.
+
+Turned on by config (`[tracing] enabled`, `--trace`) or the environment: `DUET_TRACING=1`, or
+`OTEL_EXPORTER_OTLP_ENDPOINT` / `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` set; `OTEL_SDK_DISABLED=true`
+turns it off whatever else says on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import OrderedDict, deque
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+if TYPE_CHECKING:
+    from aiohttp import TraceConfig, web
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+    from opentelemetry.trace import Span
+
+GEN_AI_OPERATION = "gen_ai.operation.name"
+GEN_AI_PROVIDER = "gen_ai.provider.name"
+GEN_AI_REQUEST_MODEL = "gen_ai.request.model"
+GEN_AI_RESPONSE_MODEL = "gen_ai.response.model"
+GEN_AI_MAX_TOKENS = "gen_ai.request.max_tokens"
+GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
+GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
+GEN_AI_FINISH_REASONS = "gen_ai.response.finish_reasons"
+GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+#: OTel's general attributes for the peer and the HTTP status
+SERVER_ADDRESS = "server.address"
+HTTP_STATUS = "http.response.status_code"
+
+TRUE = ("1", "true", "yes", "on")
+#: spans the gateway keeps for its console by default (about 20 spans a request)
+DEFAULT_RING = 20_000
+#: deferred spans (started by one request, ended by another: P's hold) kept at most
+MAX_DEFERRED = 4096
+
+Attrs = Mapping[str, "str | int | float | bool | list[str]"]
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    enabled: bool = False
+    #: OTLP/HTTP base URL (…/v1/traces is added); None: the OTEL_EXPORTER_OTLP_* environment,
+    #: and no export at all when that is unset
+    endpoint: str | None = None
+    #: finished spans kept in memory (0: none; None: the process's default — the gateway keeps
+    #: DEFAULT_RING for its console, the other processes none)
+    ring_size: int | None = None
+    #: share of new traces sampled (a request that arrives with a sampled traceparent is kept)
+    sample_ratio: float = 1.0
+
+
+def env_enabled(environ: Mapping[str, str] | None = None) -> bool | None:
+    """What the environment says: True (on), False (OTEL_SDK_DISABLED) or None (nothing)."""
+    env = os.environ if environ is None else environ
+    if env.get("OTEL_SDK_DISABLED", "").lower() in TRUE:
+        return False
+    if env.get("DUET_TRACING", "").lower() in TRUE:
+        return True
+    if env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        return True
+    return None
+
+
+def from_env(ring_size: int = 0, base: TracingConfig | None = None) -> TracingConfig:
+    """`base` (a config file's section) with the environment's word on top."""
+    base = base or TracingConfig()
+    on = env_enabled()
+    enabled = base.enabled if on is None else on
+    return TracingConfig(enabled=enabled, endpoint=base.endpoint,
+                         ring_size=ring_size if base.ring_size is None else base.ring_size,
+                         sample_ratio=base.sample_ratio)  # fmt: skip
+
+
+class SpanRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One finished span as the console reads it (ids in hex, times in unix ns)."""
+
+    trace_id: str
+    span_id: str
+    parent_id: str | None
+    name: str
+    service: str
+    start_ns: int
+    end_ns: int
+    error: bool
+    attributes: dict[str, str | int | float | bool | list[str]]
+
+
+class SpanRing:
+    """The last N finished spans of this process, by trace (an OTel SpanProcessor). It keeps
+    the SDK's span objects as they end (no copy on the request's path) and converts only what
+    a reader asks for."""
+
+    def __init__(self, size: int, service: str) -> None:
+        self._spans: deque[ReadableSpan] = deque(maxlen=size)
+        self._service = service
+
+    # --- SpanProcessor
+    def on_start(self, span: Any, parent_context: Any = None) -> None:
+        pass
+
+    def _on_ending(self, span: Any) -> None:
+        pass
+
+    def on_end(self, span: ReadableSpan) -> None:
+        self._spans.append(span)
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+    # --- reading
+    def _record(self, span: ReadableSpan) -> SpanRecord:
+        ctx, parent = span.context, span.parent
+        return SpanRecord(
+            trace_id=f"{ctx.trace_id:032x}", span_id=f"{ctx.span_id:016x}",
+            parent_id=f"{parent.span_id:016x}" if parent is not None else None, name=span.name,
+            service=self._service, start_ns=span.start_time or 0, end_ns=span.end_time or 0,
+            error=span.status.status_code.name == "ERROR",
+            attributes={k: (list(v) if isinstance(v, tuple) else v) for k, v in (span.attributes or {}).items()},
+        )  # fmt: skip
+
+    def trace(self, trace_id: str) -> list[SpanRecord]:
+        tid = int(trace_id, 16)
+        got = [self._record(s) for s in list(self._spans) if s.context.trace_id == tid]
+        return sorted(got, key=lambda s: s.start_ns)
+
+    def roots(self) -> list[SpanRecord]:
+        """The spans without a parent in this process, newest first."""
+        return [self._record(s) for s in reversed(list(self._spans)) if s.parent is None]
+
+    def requests(self, limit: int = 50) -> list[SpanRecord]:
+        """The request spans (those naming a `duet.request_id`), newest first."""
+        out = []
+        for s in reversed(list(self._spans)):
+            if s.attributes and "duet.request_id" in s.attributes:
+                out.append(self._record(s))
+                if len(out) >= limit:
+                    break
+        return out
+
+    def find(self, attribute: str, value: object) -> SpanRecord | None:
+        s = next((s for s in reversed(list(self._spans)) if s.attributes and s.attributes.get(attribute) == value), None)
+        return self._record(s) if s is not None else None
+
+
+_NOOP = contextlib.nullcontext()
+
+
+class Tracing:
+    """A process's tracer. Every method is cheap and does nothing when tracing is off."""
+
+    def __init__(self, provider: TracerProvider | None = None, ring: SpanRing | None = None) -> None:
+        self.enabled = provider is not None
+        self.provider = provider
+        self.ring = ring
+        self._tracer = provider.get_tracer("duet") if provider is not None else None
+        self._deferred: OrderedDict[str, tuple[Span, float]] = OrderedDict()
+        if provider is not None:
+            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+            self._propagator = TraceContextTextMapPropagator()
+
+    @classmethod
+    def off(cls) -> Tracing:
+        return cls()
+
+    # --- spans
+    def span(self, name: str, attributes: Attrs | None = None, *, kind: str = "INTERNAL") -> Any:
+        """A context manager: a child of the current span, current inside the block (its value
+        is the Span, or None when off)."""
+        if self._tracer is None:
+            return _NOOP
+        from opentelemetry.trace import SpanKind
+
+        return self._tracer.start_as_current_span(name, kind=SpanKind[kind], attributes=attributes)
+
+    def start(self, name: str, attributes: Attrs | None = None, *, kind: str = "INTERNAL",
+              parent: Span | None = None, start_ns: int | None = None) -> Span | None:  # fmt: skip
+        """A span the caller ends with `end` (child of `parent`, else of the current span)."""
+        if self._tracer is None:
+            return None
+        from opentelemetry import trace
+        from opentelemetry.trace import SpanKind
+
+        ctx = trace.set_span_in_context(parent) if parent is not None else None
+        return self._tracer.start_span(name, context=ctx, kind=SpanKind[kind], attributes=attributes,
+                                       start_time=start_ns)  # fmt: skip
+
+    @staticmethod
+    def end(span: Span | None, attributes: Attrs | None = None, error: str | None = None,
+            end_ns: int | None = None) -> None:  # fmt: skip
+        if span is None:
+            return
+        if attributes:
+            span.set_attributes(attributes)
+        if error is not None:
+            from opentelemetry.trace import Status, StatusCode
+
+            span.set_status(Status(StatusCode.ERROR, error))
+        span.end(end_time=end_ns)
+
+    @staticmethod
+    def current(span: Span | None) -> Any:
+        """A context manager making `span` current (for the awaits that send its requests)."""
+        if span is None:
+            return _NOOP
+        from opentelemetry import trace
+
+        return trace.use_span(span, end_on_exit=False)
+
+    def record(self, name: str, start_ns: int, end_ns: int, attributes: Attrs | None = None,
+               parent: Span | None = None) -> None:  # fmt: skip
+        """A span measured already (child of `parent`, else of the current span)."""
+        if self._tracer is None:
+            return
+        self.end(self.start(name, attributes, parent=parent, start_ns=start_ns), end_ns=end_ns)
+
+    def annotate(self, attributes: Attrs) -> None:
+        """Set attributes on the current span (the request's server span, most often)."""
+        if self._tracer is None:
+            return
+        from opentelemetry import trace
+
+        trace.get_current_span().set_attributes(attributes)
+
+    def event(self, name: str, attributes: Attrs | None = None) -> None:
+        if self._tracer is None:
+            return
+        from opentelemetry import trace
+
+        trace.get_current_span().add_event(name, attributes)
+
+    def defer(self, key: str, name: str, attributes: Attrs | None = None) -> None:
+        """Start a span another request ends (`finish`): P's hold, from its answer to D's
+        release. Bounded: the oldest is ended as it stands past MAX_DEFERRED."""
+        if self._tracer is None:
+            return
+        self._deferred[key] = (self.start(name, attributes), time.monotonic())  # type: ignore[assignment]
+        while len(self._deferred) > MAX_DEFERRED:
+            _, (span, _) = self._deferred.popitem(last=False)
+            self.end(span, {"duet.outcome": "untracked"})
+
+    def finish(self, key: str, attributes: Attrs | None = None, error: str | None = None) -> None:
+        if self._tracer is None:
+            return
+        got = self._deferred.pop(key, None)
+        if got is not None:
+            self.end(got[0], attributes, error)
+
+    def trace_id(self) -> str | None:
+        """The current trace's id in hex (None when off or outside a span)."""
+        if self._tracer is None:
+            return None
+        from opentelemetry import trace
+
+        ctx = trace.get_current_span().get_span_context()
+        return f"{ctx.trace_id:032x}" if ctx.is_valid else None
+
+    # --- hops
+    def trace_configs(self) -> list[TraceConfig]:
+        """For `aiohttp.ClientSession(trace_configs=…)`: `traceparent` on every request sent."""
+        if self._tracer is None:
+            return []
+        import aiohttp
+
+        propagator = self._propagator
+
+        async def inject(_: Any, __: Any, params: aiohttp.TraceRequestStartParams) -> None:
+            propagator.inject(params.headers)  # type: ignore[arg-type]
+
+        tc = aiohttp.TraceConfig()
+        tc.on_request_start.append(inject)
+        return [tc]
+
+    def middleware(self, skip: tuple[str, ...] = ("/health", "/metrics", "/kv/events", "/kv/snapshot", "/console",
+                                                  "/cluster")) -> list[Any]:  # fmt: skip
+        """[] when off; else an aiohttp middleware opening a SERVER span per request, child of
+        the caller's traceparent. Probes, long-lived streams and what the console and `duet
+        status` poll are not traced: they would crowd out the requests in the ring."""
+        if self._tracer is None:
+            return []
+        from aiohttp import web
+        from opentelemetry.trace import SpanKind, Status, StatusCode
+
+        tracer, propagator = self._tracer, self._propagator
+
+        @web.middleware
+        async def traced(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) \
+                -> web.StreamResponse:  # fmt: skip
+            if request.path.startswith(skip):
+                return await handler(request)
+            route = request.match_info.route.resource
+            name = f"{request.method} {route.canonical if route is not None else request.path}"
+            ctx = propagator.extract(request.headers) if "traceparent" in request.headers else None
+            with tracer.start_as_current_span(name, context=ctx, kind=SpanKind.SERVER,
+                                              record_exception=False, set_status_on_exception=False) as span:  # fmt: skip
+                span.set_attribute("http.request.method", request.method)
+                span.set_attribute("url.path", request.path)
+                try:
+                    resp = await handler(request)
+                except web.HTTPException as e:
+                    span.set_attribute(HTTP_STATUS, e.status)
+                    raise
+                except BaseException as e:
+                    span.set_status(Status(StatusCode.ERROR, type(e).__name__))
+                    raise
+                span.set_attribute(HTTP_STATUS, resp.status)
+                if resp.status >= 500:
+                    span.set_status(Status(StatusCode.ERROR, f"HTTP {resp.status}"))
+                return resp
+
+        return [traced]
+
+    def install(self, app: web.Application, after: Any = None, at: int = 0) -> None:
+        """Put `middleware()` into `app`'s chain right after `after` (else at `at`): a no-op when
+        off. Called once the app's own chain is built."""
+        if after is not None:
+            at = app.middlewares.index(after) + 1
+        for m in reversed(self.middleware()):
+            app.middlewares.insert(at, m)
+
+    def shutdown(self) -> None:
+        """Flush what is queued for export (at process exit)."""
+        for _, (span, _) in list(self._deferred.items()):
+            self.end(span, {"duet.outcome": "shutdown"})
+        self._deferred.clear()
+        if self.provider is not None:
+            self.provider.shutdown()
+
+
+def setup(service: str, cfg: TracingConfig) -> Tracing:
+    """The process's Tracing: off unless `cfg.enabled`. Needs the `tracing` extra when on."""
+    if not cfg.enabled:
+        return Tracing.off()
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+    except ImportError as e:
+        raise RuntimeError(f"tracing is on but OpenTelemetry is not installed ({e}): pip install 'duet[tracing]'") \
+            from None  # fmt: skip
+    provider = TracerProvider(resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or service}),
+                              sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)))  # fmt: skip
+    ring = None
+    if cfg.ring_size:
+        ring = SpanRing(cfg.ring_size, service)
+        provider.add_span_processor(ring)  # type: ignore[arg-type]
+    endpoint = cfg.endpoint
+    env = os.environ
+    if endpoint or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+        exporter = OTLPSpanExporter(endpoint=f"{endpoint.rstrip('/')}/v1/traces") if endpoint else OTLPSpanExporter()
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    return Tracing(provider, ring)
+
+
+@contextlib.contextmanager
+def timed_ns() -> Iterator[list[int]]:
+    """[start_ns, end_ns] of the block in unix ns (for `record`)."""
+    out = [time.time_ns(), 0]
+    try:
+        yield out
+    finally:
+        out[1] = time.time_ns()
+
+
+def mono_to_unix_ns(t_mono: float) -> int:
+    """A time.monotonic() reading as unix ns (spans' clock), by today's offset."""
+    return time.time_ns() - int((time.monotonic() - t_mono) * 1e9)
