@@ -108,6 +108,14 @@ def collect(coordinators: list[str], state: dict[str, Any] | None,
             out["gateway"] = _get(state["gateway"] + "/health")
         except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
             out["gateway"] = {"status": f"unreachable: {getattr(e, 'reason', e)}"}
+        # `duet up --gateways N`: the shared port answers from any of them; each its own port
+        out["gateways"] = {}
+        urls = state.get("gateways") or []
+        for url in urls if len(urls) > 1 else []:
+            try:
+                out["gateways"][url] = _get(url + "/health").get("status")
+            except (urllib.error.URLError, OSError, ValueError) as e:
+                out["gateways"][url] = f"unreachable: {getattr(e, 'reason', e)}"
     return out
 
 
@@ -126,6 +134,8 @@ def render(info: dict[str, Any]) -> None:
                   f"home {up['home']} (logs in logs/)  gateway {up['gateway']}: {info.get('gateway', {}).get('status')}")  # fmt: skip
         from duet.up_status import process_table
 
+        if info.get("gateways"):
+            con.print("gateways on the shared port: " + ", ".join(f"{u} {st}" for u, st in info["gateways"].items()))
         con.print(process_table(up["children"]))
     cl = info["cluster"]
     if cl is None:

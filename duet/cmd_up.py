@@ -20,7 +20,9 @@ process. Tune it with --max-restarts/--restart-backoff or a [restart] table in c
 Logs: one file per process in $DUET_HOME/logs, and a merged tail on the terminal (--quiet
 turns it off). Ctrl-C or SIGTERM drains and stops everything in reverse order. `duet status`
 shows the running cluster. Internal ports (etcd, coordinator, nodes) are free loopback ports
-picked at start; only the gateway's port is public.
+picked at start; only the gateway's port is public. `--gateways N` runs N gateway processes on
+that one port (SO_REUSEPORT) and one store, so a gateway's death costs only its in-flight
+requests while it is restarted (docs/operations.md, "Two gateways").
 """
 
 from __future__ import annotations
@@ -49,6 +51,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help=f"registry name, .gguf file or HF directory (default {DEFAULT_MODEL})")
     p.add_argument("--host", default=None, help="gateway address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="gateway port (default 8000)")
+    p.add_argument("--gateways", type=int, default=1, metavar="N",
+                   help="gateway processes sharing --port (SO_REUSEPORT: the kernel spreads connections; one "
+                        "that dies is restarted while the others serve) and one store (default 1)")  # fmt: skip
     p.add_argument("--routing", choices=["coordinator", "static"], default=None,
                    help="how the gateway picks nodes: coordinator (default; prefix- and load-aware) or "
                         "static (least-loaded, blind to prefixes: a baseline for benchmarks)")  # fmt: skip
@@ -170,14 +175,18 @@ def _toml(v: Any) -> str:
 
 
 def gateway_toml(cfg, store_url: str, admin_sha256: str, coordinators: list[str], served: dict[str, str],
-                 nodes: list[tuple[str, str, str]], etcd: str | None = None) -> str:  # fmt: skip
+                 nodes: list[tuple[str, str, str]], etcd: str | None = None,
+                 instance_port: int | None = None) -> str:  # fmt: skip
     """`nodes`: (model, role, url) of every node, for static routing. `etcd`: where the gateway
     also reads the cluster, so it routes on its own (etcd's node view) while no coordinator
-    replica answers — every one restarting at once — instead of failing every request."""
+    replica answers — every one restarting at once — instead of failing every request.
+    `instance_port`: one of several gateways on the shared port (`--gateways N`): it listens
+    there with SO_REUSEPORT, and on this loopback port of its own for its health check."""
     gw = cfg.gateway
     static = gw.routing == "static"
     lines = ["# written by `duet up` on every start: edit cluster.toml or the flags instead", "[server]",
              f"host = {_toml(gw.host)}", f"port = {gw.port}", f"admin_key_sha256 = {_toml(admin_sha256)}",
+             *(["reuse_port = true", f"instance_port = {instance_port}"] if instance_port is not None else []),
              "[store]", f"url = {_toml(store_url)}",
              "[routing]", f"coordinator = {_toml([] if static else coordinators)}", f"cluster = {_toml(cfg.cluster)}"]  # fmt: skip
     if etcd and not static:
@@ -278,6 +287,45 @@ def _autoscale_bounds(args: argparse.Namespace, cfg, log) -> tuple[bool, int]:
     return True, max_nodes
 
 
+def _gateway_children(n: int, cfg, home, admin_sha256: str, coord_urls: list[str], served: dict[str, str],
+                      node_urls: list[tuple[str, str, str]], etcd_url: str, gw_url: str, secret_args: list[str],
+                      env: dict[str, str]) -> list:  # fmt: skip  # -> list[Child]
+    """The supervised gateway process(es). One: `gateway` on --port, as always. N > 1:
+    `gateway-0` .. `gateway-{N-1}`, every one on --port with SO_REUSEPORT (the kernel spreads
+    the connections; a dead one's listener leaves with it, so new connections go to the others
+    while the supervisor restarts it) and on a loopback port of its own, which its health check
+    uses (the shared port answers from any of them). They share one store: SQLite in WAL mode,
+    whose reservations take the write lock first (`BEGIN IMMEDIATE`), so quotas stay exact
+    across processes (gateway/store/sqlite.py)."""
+    from duet.supervisor import Child
+
+    if n == 1:
+        home.gateway_toml.write_text(gateway_toml(cfg, home.store_url, admin_sha256, coord_urls, served, node_urls,
+                                                    etcd=etcd_url))  # fmt: skip
+        return [Child("gateway", [sys.executable, "-m", "duet", "gateway", "--config", str(home.gateway_toml),
+                                  *secret_args], home.logs / "gateway.log", gw_url + "/health", env=env)]  # fmt: skip
+    out = []
+    for i in range(n):
+        port, toml = free_port(), home.gateway_toml.with_name(f"gateway-{i}.toml")
+        toml.write_text(gateway_toml(cfg, home.store_url, admin_sha256, coord_urls, served, node_urls, etcd=etcd_url,
+                                     instance_port=port))  # fmt: skip
+        out.append(Child(f"gateway-{i}", [sys.executable, "-m", "duet", "gateway", "--config", str(toml),
+                                          *secret_args],
+                         home.logs / f"gateway-{i}.log", f"http://127.0.0.1:{port}/health", env=env))  # fmt: skip
+    return out
+
+
+def _check_gateways(n: int) -> None:
+    from duet.cli import UsageError
+
+    if n < 1:
+        raise UsageError(f"--gateways must be at least 1, got {n}")
+    if n > 1 and (not sys.platform.startswith("linux") or not hasattr(socket, "SO_REUSEPORT")):
+        # elsewhere SO_REUSEPORT does not spread connections (BSD/macOS: the last listener gets them)
+        raise UsageError("--gateways N > 1 needs Linux (SO_REUSEPORT spreads connections over the gateways); "
+                         "run one gateway per host behind a load balancer instead (docs/operations.md)")  # fmt: skip
+
+
 def _get_json(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> Any:
     with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
         return json.loads(r.read())
@@ -310,6 +358,7 @@ def _run(args: argparse.Namespace) -> int:
     from protocol.cluster_secret import read_secret_file
 
     cfg = build_config(args)
+    _check_gateways(args.gateways)
     home = UpHome.current()
     home.prepare()
     lock = home.lock()
@@ -369,19 +418,17 @@ def _run(args: argparse.Namespace) -> int:
     nodes = _node_children(cfg, home, etcd_url, log, max_nodes if autoscale else 0)
     node_urls = [(m, role, c.health_url.removesuffix("/health")) for c, (m, role) in nodes]  # type: ignore[union-attr]
     nodes = [c for c, _ in nodes]
-    home.gateway_toml.write_text(gateway_toml(cfg, home.store_url, hash_secret(admin), coord_urls, served, node_urls,
-                                                etcd=etcd_url))
     gw_host = "127.0.0.1" if cfg.gateway.host in ("0.0.0.0", "::", "") else cfg.gateway.host
     gw_url = f"http://{gw_host}:{cfg.gateway.port}"
     env = {k: v for k, v in os.environ.items() if k != "DUET_ADMIN_KEY"}  # the admin key is the file's
-    gateway = Child("gateway", [sys.executable, "-m", "duet", "gateway", "--config", str(home.gateway_toml),
-                                *secret_args],
-                    home.logs / "gateway.log", gw_url + "/health", env=env)  # fmt: skip
-    stages = [[etcd], coords, nodes, [gateway]]
+    gateways = _gateway_children(args.gateways, cfg, home, hash_secret(admin), coord_urls, served, node_urls,
+                                 etcd_url, gw_url, secret_args, env)  # fmt: skip
+    stages = [[etcd], coords, nodes, gateways]
 
     state: dict[str, Any] = {"pid": os.getpid(), "started_at": time.time(), "ready": False, "home": str(home.root),
                              "gateway": gw_url, "coordinators": coord_urls, "etcd": etcd_url, "cluster": cfg.cluster,
-                             "models": sorted(served.values()), "children": []}  # fmt: skip
+                             "models": sorted(served.values()), "children": [],
+                             "gateways": [c.health_url.removesuffix("/health") for c in gateways]}  # type: ignore[union-attr]  # fmt: skip
 
     def changed(sup: Supervisor) -> None:
         """Every child started so far, with its supervision state, for `duet status`."""

@@ -9,15 +9,20 @@ Failure answers, all under the same X-Request-Id:
   streamed go to another node, whose leg carries `Resume` (protocol/resume.py) and continues the
   text where the client's stops; at most [routing] max_migrations times, within
   migration_deadline_s, else `MidStreamError` (the API layer sends an SSE error event). The
-  same for a whole (non-streamed) answer, which reads the same stream. Only n == 1 migrates
-  (the samples of n > 1 share one node: its death mid-stream is a MidStreamError);
+  same for a whole (non-streamed) answer, which reads the same stream. With n > 1 every
+  sample not finished migrates on its own (its own streamed ids, seed and limits), the others
+  stream on meanwhile;
 - the request ends any way but complete (error, client gone, cancelled) → `POST /abort` on
   every node it touched, in a task the client's cancellation cannot stop.
 
 `n > 1`: the nodes take one sample per request, so sample 0 runs the P → D legs; once its
 first token is out its prompt KV sits in D's prefix cache, and samples 1..n-1 run on the same
 D as local legs (ids `<X-Request-Id>.<i>`) whose prompt is served from that cache (its full
-blocks: only the last partial block is recomputed).
+blocks: only the last partial block is recomputed). A migrated sample's leg is `<its id>.m<N>`.
+
+Usage: the prompt is billed once, with the cached tokens the answering leg of sample 0
+reported (a migrated leg's node reports them against the original prompt, as it does its
+prompt tokens); a leg that died never reported any.
 """
 
 from __future__ import annotations
@@ -129,12 +134,9 @@ class ClusterBackend(Backend):
         out.model_used = job.model.name
         trip = _Trip(t0=time.monotonic())
         leg = await self._open_leg(request, job, out, touched, trip)
-        if request.n > 1:  # samples 1..n-1 share sample 0's node; a mid-stream failure is not migrated
-            try:
-                async for piece in self._samples(request, job, out, touched, leg):
-                    yield piece
-            finally:
-                self.tracing.end(trip.span, {GEN_AI_OUTPUT_TOKENS: out.total_completion_tokens})
+        if request.n > 1:  # samples 1..n-1 start on sample 0's node; each migrates on its own
+            async for piece in self._samples(request, job, out, touched, leg, trip):
+                yield piece
             return
         while True:
             trip.failure = None
@@ -173,8 +175,9 @@ class ClusterBackend(Backend):
             d = route.decode
             touched.items.add((d.url, rid))
             tried.append((d.url, rid))
-            first = _Sample(self, d.url, rid, 0, leg_request(request, job, stream=True, kv_transfer_params=kv,
-                                                             resume=trip.resume))  # fmt: skip
+            own_seed = {"seed": trip.seed} if trip.index else {}  # sample i > 0 draws from seed + i
+            first = _Sample(self, d.url, rid, trip.index, leg_request(request, job, stream=True, kv_transfer_params=kv,
+                                                                      resume=trip.resume, **own_seed))  # fmt: skip
             tr = self.tracing
             span = tr.start("gateway.decode_leg", {"duet.node_id": d.node_id, SERVER_ADDRESS: d.url,
                                                    "duet.cached_tokens": d.cached_tokens}, kind="CLIENT")  # fmt: skip
@@ -285,7 +288,8 @@ class ClusterBackend(Backend):
                     job.request_id, trip.node_id, len(trip.ids), failure.reason, n, self.cfg.max_migrations)  # fmt: skip
         self._on_retry("migration")
         self._abort_later({trip.leg})  # a node that only stalled must not go on decoding for nobody
-        trip.migrations = out.migrations = n
+        trip.migrations = n
+        out.migrations += 1  # every sample's migrations
         trip.exclude.append(trip.node_id)
         trip.base = len(trip.ids)
         trip.resume = Resume(output_tokens=len(trip.ids), text_chars=trip.chars, migration=n) if trip.ids else None
@@ -301,34 +305,72 @@ class ClusterBackend(Backend):
                                  code="upstream_failed_midstream") from None  # fmt: skip
 
     async def _samples(self, request: Request, job: Attempt, out: Accounting, touched: _Touched,
-                       started: _Started) -> AsyncIterator[Piece]:  # fmt: skip
-        """n > 1: sample 0's stream and samples 1..n-1 on the same node, interleaved."""
+                       started: _Started, trip0: _Trip) -> AsyncIterator[Piece]:  # fmt: skip
+        """n > 1: sample 0's stream and samples 1..n-1 on the same node, interleaved. A sample
+        whose node fails before its last token migrates alone (`_migrate`, with its own trip),
+        in a task of its own; the others' pieces go on meanwhile."""
         d_url, first, head = started
-        samples = [first]
         seed = request.sampling.seed
+        trips = [trip0]
+        samples = [first]
         for i in range(1, request.n):
             srid = f"{job.request_id}.{i}"
             touched.items.add((d_url, srid))
             # distinct samples, still reproducible
-            body = leg_request(request, job, stream=True, seed=None if seed is None else seed + i)
-            samples.append(_Sample(self, d_url, srid, i, body))
+            trip = _Trip(t0=trip0.t0, index=i, seed=None if seed is None else seed + i, node_id=trip0.node_id,
+                         leg=(d_url, srid), exclude=list(trip0.exclude))  # fmt: skip
+            trips.append(trip)
+            samples.append(_Sample(self, d_url, srid, i, leg_request(request, job, stream=True, seed=trip.seed)))
         queue: asyncio.Queue[tuple[int, NodeCompletionChunk | BaseException | None]] = asyncio.Queue()
         tasks = [asyncio.ensure_future(s.pump(queue, head if s is first else None)) for s in samples]
         try:
             running = len(samples)
             while running:
                 i, item = await queue.get()
-                if item is None:
-                    running -= 1
+                trip = trips[i]
+                if item is None or (isinstance(item, NodeFailure) and trip.finished):
+                    running -= 1  # (a node that died after the sample's last token owes nothing)
+                    self._leg_done(out, trip)
+                    continue
+                if isinstance(item, NodeFailure):  # every piece before it went out: trip is whole
+                    self._leg_done(out, trip, item)
+                    job_i = job if i == 0 else replace(job, request_id=f"{job.request_id}.{i}")
+                    tasks.append(asyncio.ensure_future(self._migrate_sample(request, job_i, out, touched, trip, item,
+                                                                            queue)))  # fmt: skip
                     continue
                 if isinstance(item, BaseException):
                     raise _midstream(item)
-                for piece in self._pieces(i, item, out):
+                for piece in self._pieces(i, item, out, trip):
                     yield piece
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            for trip in trips:  # legs still open: the request ended early
+                self.tracing.end(trip.span, {GEN_AI_OUTPUT_TOKENS: len(trip.ids) - trip.base}, error="ended early")
+                trip.span = None
+
+    def _leg_done(self, out: Accounting, trip: _Trip, failure: NodeFailure | None = None) -> None:
+        """A decode leg of one sample ended (complete, or its node failed): its tokens, and its
+        span (a leg `_open_leg` opened: sample 0's first, any sample's migrated ones) with them."""
+        if trip.index == 0:  # the record's leg_tokens are sample 0's
+            out.leg_tokens.append(len(trip.ids) - trip.base)
+        self.tracing.end(trip.span, {GEN_AI_OUTPUT_TOKENS: len(trip.ids) - trip.base},
+                         error=failure.reason if failure is not None else None)  # fmt: skip
+        trip.span = None
+
+    async def _migrate_sample(self, request: Request, job: Attempt, out: Accounting, touched: _Touched, trip: _Trip,
+                              failure: NodeFailure,
+                              queue: asyncio.Queue[tuple[int, NodeCompletionChunk | BaseException | None]]) -> None:  # fmt: skip
+        """One sample of n > 1 moves to another node; its pieces join the queue from there."""
+        try:
+            _, sample, head = await self._migrate(request, job, out, touched, trip, failure)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            await queue.put((trip.index, e))
+            return
+        await sample.pump(queue, head)
 
     def _pieces(self, i: int, chunk: NodeCompletionChunk, out: Accounting, trip: _Trip | None = None) -> list[Piece]:
         """The chunk's pieces; its tokens counted (and, for a migratable stream, remembered)."""
@@ -343,10 +385,13 @@ class ClusterBackend(Backend):
             if c.text or c.finish_reason or c.logprobs:
                 pieces.append(Piece(index=i, text=c.text, finish_reason=c.finish_reason, logprobs=c.logprobs))
         if chunk.usage is not None:
-            # a migrated leg reports its own new tokens; the prompt is the first leg's (billed once)
+            # A migrated leg reports its own new tokens, and the original prompt's tokens and
+            # cached tokens (node/responder.py: the streamed ids it re-prefilled are neither):
+            # the prompt is billed once, with the answering leg's cache hits — the leg that
+            # died never reported its own.
             base = trip.base if trip is not None else 0
             out.completion_tokens[i] = base + chunk.usage.completion_tokens
-            if i == 0 and not base:
+            if i == 0:
                 out.prompt_tokens = chunk.usage.prompt_tokens
                 out.cached_tokens = (chunk.usage.prompt_tokens_details or {}).get("cached_tokens", 0)
         return pieces
@@ -358,7 +403,7 @@ _Started = tuple[str, "_Sample", tuple[NodeCompletionChunk, bool]]
 
 @dataclass
 class _Trip:
-    """Sample 0's journey across nodes: what it streamed so far (the ids and the characters the
+    """A sample's journey across nodes (sample 0's unless `index`): what it streamed so far (the ids and the characters the
     client has), the nodes excluded, and its migrations."""
 
     t0: float
@@ -373,6 +418,9 @@ class _Trip:
     leg: tuple[str, str] = ("", "")
     exclude: list[str] = field(default_factory=list)
     resume: Resume | None = None
+    #: which sample of the request (n > 1) this trip is, and its seed (None: the request's)
+    index: int = 0
+    seed: int | None = None
     #: why the current leg ended early (None: it ended complete)
     failure: NodeFailure | None = None
     #: the current decode leg's span (None when tracing is off)

@@ -167,6 +167,12 @@ class ServerConfig:
     #: through another gateway or the CLI stops working within this time (through this
     #: gateway: at once); 0 asks the store on every request
     key_cache_ttl_s: float = 5.0
+    #: listen on `port` with SO_REUSEPORT, so several gateway processes (on one store) share
+    #: it and the kernel spreads connections over them (`duet up --gateways N`; Linux)
+    reuse_port: bool = False
+    #: this process's own port on 127.0.0.1 besides `port` (same app): its health check and
+    #: metrics, which the shared port answers from whichever gateway the kernel picked
+    instance_port: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,10 @@
 """Running the gateway process: serve until SIGTERM/SIGINT, then stop taking requests, let
 in-flight ones finish (bounded), flush usage records and exit 0.
 
+With `[server] reuse_port` several gateway processes listen on one port (SO_REUSEPORT: the
+kernel spreads connections, and a dead process's listener leaves the group with it); each may
+also listen on its own `instance_port` (loopback), where a supervisor checks that very process.
+
 The "ready" line on stdout is printed only once the port accepts requests.
 """
 
@@ -73,8 +77,13 @@ async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
         print(f"duet gateway: cannot start (store {cfg.store_url}): {type(e).__name__}: {e}", file=sys.stderr)
         await runner.cleanup()
         return 1
-    site = web.TCPSite(runner, srv.host, srv.port, backlog=4096, ssl_context=cfg.security.server_ssl())
+    ssl = cfg.security.server_ssl()
+    # reuse_port: N gateways share the public port (duet up --gateways N); the kernel gives each
+    # new connection to one of them, and a dead one's share to the survivors at once
+    site = web.TCPSite(runner, srv.host, srv.port, backlog=4096, ssl_context=ssl, reuse_port=srv.reuse_port or None)
     await site.start()
+    if srv.instance_port is not None:  # this process alone: for its supervisor's health check
+        await web.TCPSite(runner, "127.0.0.1", srv.instance_port, ssl_context=ssl).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -6,6 +6,9 @@ greedy output is exact), a real gateway, the official openai client.
   token for token, and one usage record lists both decode nodes, the migration and each leg's
   tokens, with the prompt billed once;
 - the same for a whole (non-streamed) answer;
+- the record's cached tokens are the new leg's (its node's prefix-cache hits, up to the prompt);
+- n = 2, D killed mid-stream: each choice migrates on its own and equals its uninterrupted run
+  (greedy, and seeded sampling: sample i continues seed + i);
 - P killed mid-transfer and then D killed mid-stream, in one request: still the same text;
 - a seeded sampled request continues its random sequence on the new node;
 - the migration limit or the migration deadline reached: a defined SSE error event
@@ -65,12 +68,23 @@ def gateway(tmp: Path, tiny_llama: Path, routing: dict[str, Any] | None = None, 
 
 
 async def ask(g: Proc, key: str, stream: bool, **sampling: Any) -> str:
+    return (await ask_n(g, key, stream, **sampling))[0]
+
+
+async def ask_n(g: Proc, key: str, stream: bool, **sampling: Any) -> list[str]:
+    """Each choice's text, by index."""
     c = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
     args = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX, "temperature": 0, "extra_body": {"ignore_eos": True},
             **sampling}  # fmt: skip
+    texts = [""] * sampling.get("n", 1)
     if not stream:
-        return (await c.completions.create(**args)).choices[0].text
-    return "".join([chunk.choices[0].text async for chunk in await c.completions.create(stream=True, **args)])
+        for choice in (await c.completions.create(**args)).choices:
+            texts[choice.index] = choice.text
+        return texts
+    async for chunk in await c.completions.create(stream=True, **args):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    return texts
 
 
 async def one_record(g: Proc, key: str) -> dict[str, Any]:
@@ -94,14 +108,21 @@ async def test_decode_killed_mid_stream_migrates(tmp_path: Path, tiny_llama: Pat
                                                  stream: bool) -> None:  # fmt: skip
     d1, d2 = _node("decode", tiny_llama, tmp_path), _node("decode", tiny_llama, tmp_path)
     with running(d1, d2):
-        want = await reference(d2, tiny_llama)
+        # in team m's prefix-cache domain (gateway/config.py::cache_domain): D2 keeps it cached
+        want = await reference(d2, tiny_llama, cache_salt="team:m")
         r = await kill_after(relays, d1, chunks=7)
         g = gateway(tmp_path, tiny_llama, decode=[r.url, d2.url])  # no P: each D prefills
         with running(g):
             key = make_team(g.url, "m")
+            hits = metric(d2.url, "duet:prefix_cache_hits_total")
             assert await ask(g, key, stream) == want
             assert r.killed
-            check_record(await one_record(g, key), [r.url, d2.url], tiny_llama)
+            row = await one_record(g, key)
+            check_record(row, [r.url, d2.url], tiny_llama)
+            # D2 ran the reference: the new leg finds the prompt (and the streamed ids) in its
+            # prefix cache, and the record counts those hits up to the prompt (billed once)
+            new_hits = metric(d2.url, "duet:prefix_cache_hits_total") - hits
+            assert new_hits > 0 and row["cached_tokens"] == min(new_hits, row["prompt_tokens"]), (new_hits, row)
             assert metric(g.url, "duet:gateway_retries_total") >= 1
             await until(lambda: nothing_held(d2), what="D2 to hold nothing")
 
@@ -205,3 +226,29 @@ async def ask_until_error(g: Proc, key: str, code: str) -> str:
     error = json.loads(events[-2])["error"]
     assert error["code"] == code, error
     return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 77}], ids=["greedy", "seeded"])
+async def test_every_choice_of_n_migrates(tmp_path: Path, tiny_llama: Path, relays: list[KillRelay],
+                                          sampling: dict[str, Any]) -> None:  # fmt: skip
+    """n = 2: both samples stream from D1 (sample 1 as a local leg after sample 0's first
+    token); D1 dies mid-stream and each sample moves to D2 on its own, with its own streamed ids
+    (and seed + i): each choice equals its uninterrupted run."""
+    d1, d2 = _node("decode", tiny_llama, tmp_path), _node("decode", tiny_llama, tmp_path)
+    with running(d1, d2):
+        seeds = [{"seed": sampling["seed"] + i} if sampling else {} for i in range(2)]
+        want = [await reference(d2, tiny_llama, **{**sampling, **seed}) for seed in seeds]
+        if sampling:
+            assert want[0] != want[1]  # distinct samples: a mix-up of the choices would show
+        r = await kill_after(relays, d1, chunks=12)
+        g = gateway(tmp_path, tiny_llama, decode=[r.url, d2.url])
+        with running(g):
+            key = make_team(g.url, "m")
+            assert await ask_n(g, key, True, n=2, **sampling) == want
+            assert r.killed
+            row = await one_record(g, key)
+            assert row["status"] == "ok" and row["completion_tokens"] == 2 * MAX and row["migrations"] == 2
+            nodes = row["nodes"].split()
+            assert nodes[0] == r.url and nodes[1:] == [d2.url, d2.url], nodes
+            assert len(row["leg_tokens"]) == 2 and all(row["leg_tokens"]) and sum(row["leg_tokens"]) == MAX
+            await until(lambda: nothing_held(d2), what="D2 to hold nothing")
