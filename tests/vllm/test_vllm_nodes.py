@@ -316,7 +316,7 @@ async def test_logit_bias_and_frequency_penalty_reach_vllm(vllm_pd: tuple[Proc, 
     """logit_bias -100 bans the token the plain greedy run starts with; frequency_penalty breaks
     a greedy repetition (the most repeated token of the plain run occurs less often)."""
     _, d = vllm_pd
-    greedy = {"max_tokens": 32, "temperature": 0, "ignore_eos": True}
+    greedy = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
     hello = chat_ids(smollm2, "Say hello to the world in one sentence.")
     loop = tokenize(smollm2, "one two one two one two one two one two one two one two")
     async with aiohttp.ClientSession() as s:
@@ -356,6 +356,48 @@ async def test_invalid_sampling_fields_are_400s(vllm_pd: tuple[Proc, Proc]) -> N
         assert results[6].error["param"] == "guide" and "uniqueItems" in results[6].error["message"]
         ok = await completion(s, d.url, [1, 2, 3], GREEDY)
         assert ok.error is None and len(ok.token_ids) == 12
+
+
+async def test_tools_and_response_format_through_the_gateway(vllm_cluster: tuple[Proc, Proc, str, str]) -> None:
+    """The gateway renders tools and parses calls for any engine (gateway/tools/) and serves a
+    vLLM cluster every feature (gateway/features.py has no per-engine refusal): a named
+    tool_choice gives one schema-valid call (the gateway's guide, enforced by vLLM on the legs),
+    response_format json_schema valid JSON, and penalties are served, through the official client
+    and the disaggregated vLLM P/D."""
+    import jsonschema
+    import openai
+
+    _, g, key, _ = vllm_cluster
+    client = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+              "required": ["city", "unit"], "additionalProperties": False}  # fmt: skip
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Get the weather in a city",
+                                                "parameters": params}}  # fmt: skip
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+    greedy = {"model": "smollm2", "temperature": 0, "max_tokens": 40}
+    try:
+        call, js, pen = await asyncio.gather(
+            client.chat.completions.create(messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                                           tools=[weather], tool_choice={"type": "function", "function": {
+                                               "name": "get_weather"}}, **greedy),
+            client.chat.completions.create(messages=[{"role": "user", "content": "Invent a person."}],
+                                           response_format={"type": "json_schema", "json_schema": {
+                                               "name": "person", "schema": schema, "strict": True}}, **greedy),
+            client.chat.completions.create(messages=[{"role": "user", "content": "Count to ten."}],
+                                           frequency_penalty=1.0, presence_penalty=0.5,
+                                           extra_body={"repetition_penalty": 1.1, "min_p": 0.05},
+                                           **{**greedy, "max_tokens": 8}))  # fmt: skip
+    finally:
+        await client.close()
+    ch = call.choices[0]
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, ch
+    assert ch.message.tool_calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(ch.message.tool_calls[0].function.arguments), params)
+    jsonschema.validate(json.loads(js.choices[0].message.content), schema)
+    assert pen.choices[0].message.content and pen.usage and pen.usage.completion_tokens <= 8
 
 
 async def test_p_killed_before_pull_follows_the_failure_policy(vllm_pd: tuple[Proc, Proc], vllm_d_fail: Proc,
