@@ -90,7 +90,9 @@ def vllm_sampling(params: SamplingParams, kv_transfer_params: KVTransferParams |
 
 def vllm_guide(guide: Guide | None) -> dict[str, Any]:
     """The guide as vLLM's own structured outputs: `structured_outputs=StructuredOutputsParams`
-    (vLLM >= 0.10.2), else the older `guided_decoding=GuidedDecodingParams`; same field names."""
+    (vLLM >= 0.10.2), else the older `guided_decoding=GuidedDecodingParams`; same field names.
+    The backend (llguidance) and compact JSON are engine-wide settings (vllm_config's
+    STRUCTURED_OUTPUTS): vLLM ignores a request's own whitespace fields."""
     if guide is None:
         return {}
     match guide.kind:
@@ -226,6 +228,14 @@ class VllmNodeEngine:
             raise RuntimeError(import_error_hint(e)) from e
         kwargs = config.engine_kwargs(self.model_dir)
         kwargs.setdefault("scheduling_policy", "priority")  # duet's tiers: interactive before batch
+        so = kwargs.get("structured_outputs_config")
+        if isinstance(so, dict):  # AsyncEngineArgs converts some config dicts, not this one
+            from vllm.config import StructuredOutputsConfig
+
+            try:
+                kwargs["structured_outputs_config"] = StructuredOutputsConfig(**so)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"bad structured_outputs_config: {e}") from None
         try:
             args = AsyncEngineArgs(**kwargs)
         except TypeError as e:
@@ -234,6 +244,7 @@ class VllmNodeEngine:
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[logger_factory(self._stats)])
         vc = self._llm.vllm_config
         self.max_model_len = int(vc.model_config.max_model_len)
+        self.vocab_size = int(vc.model_config.get_vocab_size())
         hf = _hf_config(self.model_dir)
         heads = int(hf["num_attention_heads"])
         dtype = str(vc.model_config.dtype).removeprefix("torch.")
@@ -303,6 +314,11 @@ class VllmNodeEngine:
             raise RequestRefused("a vLLM node cannot continue a migrated request (resume)")
         if self.dead is not None:
             raise self.dead if isinstance(self.dead, EngineDead) else EngineDead(str(self.dead))
+        # vLLM indexes the logits with logit_bias's ids unchecked: an id outside the vocabulary
+        # would fail the engine core (every request), not this one. Refused as the native engine does.
+        bad = next((t for t in params.logit_bias if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise RequestRefused(f"logit_bias names token id {bad}, outside the vocabulary [0, {self.vocab_size})")
         arrival = asyncio.get_running_loop().time()
         try:
             sp = vllm_sampling(params, h.kv_transfer_params)

@@ -17,6 +17,12 @@ Mapping of duet's node options onto vLLM (issue #14):
   is the smallest multiple of it vLLM accepts (32 on CPUs), see `vllm_block_size`.
 - `--kv-memory` → `VLLM_CPU_KVCACHE_SPACE` (whole GiB, at least 1) on CPU,
   `kv_cache_memory_bytes` on GPUs.
+- structured outputs (issue #24): `structured_outputs_config` defaults to vLLM's `guidance` backend
+  (llguidance, the grammar engine the gateway checks guides with and the native engine masks
+  with, so a guide the gateway accepts means the same language on either engine) with
+  `disable_any_whitespace` (compact JSON, like the native engine: a small model cannot pad its
+  output with whitespace until max_tokens). vLLM reads whitespace only from this engine-wide
+  config, never from a request's StructuredOutputsParams. A `--vllm-arg` may replace it.
 - anything else: `--vllm-arg KEY=VALUE` (an AsyncEngineArgs field; VALUE is read as JSON when it
   parses, else as a string). duet's own options win over a `--vllm-arg` that names the same
   field only when the operator did not give that field: an explicit `--vllm-arg` is applied last.
@@ -35,6 +41,8 @@ CPU_BLOCK_MULTIPLE = 32
 #: kv_transfer_config.kv_role for every role: a node may serve either leg (a colocated node both)
 KV_ROLE = "kv_both"
 #: vLLM options duet sets itself; a --vllm-arg for them would silently break the node contract
+#: vLLM's structured-outputs config for duet's guides (see the module docstring)
+STRUCTURED_OUTPUTS = {"backend": "guidance", "disable_any_whitespace": True}
 RESERVED_ARGS = frozenset({"model", "kv_transfer_config", "kv_events_config", "tokenizer"})
 
 
@@ -174,6 +182,7 @@ class VllmEngineConfig:
                 "kv_load_failure_policy": self.failure_policy,
                 "kv_connector_extra_config": {"kv_lease_duration": max(1, math.ceil(self.lease_seconds))},
             },
+            "structured_outputs_config": dict(STRUCTURED_OUTPUTS),
         }
         if self.max_model_len:
             kw["max_model_len"] = self.max_model_len

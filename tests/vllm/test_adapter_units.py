@@ -27,6 +27,33 @@ def test_sampling_params_map_onto_vllms(need_vllm: None) -> None:
     assert not vllm_sampling(SamplingParams(), None).extra_args
 
 
+def test_penalties_and_guides_map_onto_vllms(need_vllm: None) -> None:
+    """Issue #24: the penalty fields under vLLM's names, and each guide kind as vLLM's
+    StructuredOutputsParams with exactly one constraint set (vLLM refuses zero or several)."""
+    import json
+
+    from node.engines.vllm import vllm_sampling
+    from protocol.structured import Guide, GuideKind
+
+    p = SamplingParams(frequency_penalty=0.5, presence_penalty=-1.0, repetition_penalty=1.2, min_p=0.1,
+                       logit_bias={7: -100.0, 9: 2.5})  # fmt: skip
+    v = vllm_sampling(p, None)
+    assert (v.frequency_penalty, v.presence_penalty, v.repetition_penalty, v.min_p) == (0.5, -1.0, 1.2, 0.1)
+    assert v.logit_bias == {7: -100.0, 9: 2.5}
+    plain = vllm_sampling(SamplingParams(), None)
+    assert not plain.logit_bias and plain.structured_outputs is None
+    assert (plain.frequency_penalty, plain.presence_penalty, plain.repetition_penalty, plain.min_p) == (0, 0, 1, 0)
+    schema = '{"type":"object","properties":{"a":{"type":"integer"}}}'
+    want = {GuideKind.JSON_SCHEMA: ("json", schema), GuideKind.JSON_OBJECT: ("json_object", True),
+            GuideKind.REGEX: ("regex", "[0-9]+"), GuideKind.CHOICE: ("choice", ["x", "y z"])}  # fmt: skip
+    for kind, (field, value) in want.items():
+        spec = {GuideKind.JSON_OBJECT: "", GuideKind.CHOICE: json.dumps(["x", "y z"])}.get(kind, value)
+        so = vllm_sampling(SamplingParams(guide=Guide(kind=kind, spec=spec)), None).structured_outputs
+        assert getattr(so, field) == value, kind
+        others = {"json", "json_object", "regex", "choice", "grammar", "structural_tag"} - {field}
+        assert all(getattr(so, f) in (None, False) for f in others), (kind, so)
+
+
 def test_stats_keep_gauges_and_sum_counters(need_vllm: None) -> None:
     from vllm.v1.metrics.stats import IterationStats, PrefixCacheStats, SchedulerStats
 

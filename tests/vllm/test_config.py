@@ -51,6 +51,15 @@ def test_node_flags_map_onto_vllm(vllm_importable: None) -> None:
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
 
 
+def test_structured_outputs_use_llguidance_and_compact_json() -> None:
+    """Issue #24: vLLM's guidance backend (the gateway's and the native engine's grammar engine)
+    with compact JSON by default; a --vllm-arg replaces it."""
+    e = VllmEngineConfig(model="m", device="cpu")
+    assert e.engine_kwargs("/m")["structured_outputs_config"] == {"backend": "guidance", "disable_any_whitespace": True}
+    e = VllmEngineConfig(model="m", device="cpu", extra_args={"structured_outputs_config": {"backend": "xgrammar"}})
+    assert e.engine_kwargs("/m")["structured_outputs_config"] == {"backend": "xgrammar"}
+
+
 def test_kv_events_need_an_endpoint_and_go_to_zmq() -> None:
     e = VllmEngineConfig(model="m", device="cpu", record_kv_events=True)
     with pytest.raises(ValueError, match="kv_events_endpoint"):

@@ -5,6 +5,9 @@
 - P's etcd registration says engine_kind vllm with a layout hash no native node has, and its
   KV events (re-served as duet's /kv/snapshot) carry duet's block hashes;
 - bad kv_transfer_params are refused before vLLM may contact anything; the chat form works;
+- issue #24: guides are vLLM's structured outputs (a few corpus schemas give schema-valid JSON,
+  json_object an object, regex a match, choice a choice), logit_bias and frequency_penalty change
+  vLLM's greedy output, and bad fields are 400s before vLLM sees them;
 - P killed before the pull: D follows the failure policy (recompute → the same tokens; fail →
   an error for that request only).
 The kill test runs last: it kills the module's P.
@@ -256,6 +259,145 @@ def test_cache_salt_isolates_vllms_prefix_cache(vllm_pd: tuple[Proc, Proc], smol
                                ["block_hashes"]):  # fmt: skip
         assert time.monotonic() < deadline, "the salted hashes never reached P's snapshot"
         time.sleep(0.2)  # polling the node's snapshot
+
+
+#: a handful of the structured-output corpus (bench/data/json_schemas.json): enum, pattern,
+#: nested object, array of objects, $ref
+GUIDED_SCHEMAS = ("status_enum_int", "zip_pattern", "person", "nested_address", "array_of_objects", "ref_defs")
+
+
+def chat_ids(smollm2: Path, text: str) -> list[int]:
+    from protocol.tokenizer import Tokenizer
+
+    return Tokenizer(smollm2).encode_chat([{"role": "user", "content": text}])
+
+
+async def test_guides_are_vllms_structured_outputs(vllm_pd: tuple[Proc, Proc], smollm2: Path) -> None:
+    """Issue #24 on the vLLM engine: a json_schema guide gives JSON valid against its schema
+    (vLLM's guidance backend, compact JSON), json_object an object, regex a match, choice one of
+    the choices; all in one concurrent batch on D (colocated)."""
+    import jsonschema
+
+    from protocol.guide_check import canonical_schema
+    from protocol.structured import Guide, GuideKind
+
+    _, d = vllm_pd
+    corpus = json.loads((Path(__file__).parents[2] / "bench" / "data" / "json_schemas.json").read_text())
+    schemas = {n: corpus[n] for n in GUIDED_SCHEMAS}
+
+    def g(kind: GuideKind, spec: str = "") -> dict:
+        return msgspec.to_builtins(Guide(kind=kind, spec=spec))
+
+    params = {"max_tokens": 96, "temperature": 0}
+    jobs = [(chat_ids(smollm2, f"Give me an example {n.replace('_', ' ')} as JSON."),
+             g(GuideKind.JSON_SCHEMA, canonical_schema(sc))) for n, sc in schemas.items()]  # fmt: skip
+    choices = ["red", "green", "blue"]
+    jobs.append((chat_ids(smollm2, 'Reply with the JSON object {"ok": true} and nothing else.'),
+                 g(GuideKind.JSON_OBJECT)))  # fmt: skip
+    jobs.append((chat_ids(smollm2, "Give me a product code."), g(GuideKind.REGEX, "[0-9]{3}-[a-z]{2}")))
+    jobs.append((chat_ids(smollm2, "Which colour is the sky?"), g(GuideKind.CHOICE, json.dumps(choices))))
+    async with aiohttp.ClientSession() as s:
+        results = await asyncio.gather(*[completion(s, d.url, ids, {**params, "guide": guide}) for ids, guide in jobs])
+    bad = []
+    for (name, schema), r in zip(schemas.items(), results, strict=False):
+        assert r.error is None, (name, r.error)
+        try:
+            jsonschema.validate(json.loads(r.text), schema)
+        except (json.JSONDecodeError, jsonschema.ValidationError) as e:
+            bad.append(f"{name}: {r.text!r} ({r.finish_reason}): {e}")
+    assert not bad, "\n".join(bad)
+    obj, rx, choice = results[-3:]
+    assert obj.error is None and obj.finish_reason == "stop" and isinstance(json.loads(obj.text), dict), obj.text
+    assert rx.error is None and re.fullmatch("[0-9]{3}-[a-z]{2}", rx.text), rx.text
+    assert choice.error is None and choice.text in choices, choice.text
+
+
+async def test_logit_bias_and_frequency_penalty_reach_vllm(vllm_pd: tuple[Proc, Proc], smollm2: Path) -> None:
+    """logit_bias -100 bans the token the plain greedy run starts with; frequency_penalty breaks
+    a greedy repetition (the most repeated token of the plain run occurs less often)."""
+    _, d = vllm_pd
+    greedy = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    hello = chat_ids(smollm2, "Say hello to the world in one sentence.")
+    loop = tokenize(smollm2, "one two one two one two one two one two one two one two")
+    async with aiohttp.ClientSession() as s:
+        plain, plain_loop = await asyncio.gather(completion(s, d.url, hello, greedy), completion(s, d.url, loop, greedy))
+        assert plain.error is None and plain_loop.error is None
+        first = plain.token_ids[0]
+        banned, penalised = await asyncio.gather(
+            completion(s, d.url, hello, {**greedy, "logit_bias": {str(first): -100}}),
+            completion(s, d.url, loop, {**greedy, "frequency_penalty": 1.5}))  # fmt: skip
+    assert banned.error is None and banned.token_ids[0] != first and first not in banned.token_ids
+    assert penalised.error is None
+
+    def most(ids: list[int]) -> tuple[int, int]:
+        top = max(set(ids), key=ids.count)
+        return ids.count(top), top
+
+    n, top = most(plain_loop.token_ids)
+    assert n >= 8, f"the plain greedy run does not repeat: {plain_loop.text!r}"
+    assert penalised.token_ids.count(top) < n, (plain_loop.text, penalised.text)
+    assert penalised.token_ids != plain_loop.token_ids
+
+
+async def test_invalid_sampling_fields_are_400s(vllm_pd: tuple[Proc, Proc]) -> None:
+    """Bad penalties, biases and guides are refused with a 400 before vLLM sees them (a
+    logit_bias id outside the vocabulary would otherwise fail vLLM's engine core); the node
+    serves on."""
+    _, d = vllm_pd
+    bad = [{"frequency_penalty": 3}, {"presence_penalty": -2.5}, {"repetition_penalty": 0}, {"min_p": 1.5},
+           {"logit_bias": {"5": 101}}, {"logit_bias": {"10000000": -100}},
+           {"guide": {"kind": "json_schema", "spec": '{"type": "array", "uniqueItems": true}'}},
+           {"guide": {"kind": "regex", "spec": "("}}]  # fmt: skip
+    async with aiohttp.ClientSession() as s:
+        results = await asyncio.gather(*[completion(s, d.url, [1, 2, 3], {"max_tokens": 4, **b}) for b in bad])
+        for b, r in zip(bad, results, strict=True):
+            assert r.error is not None and r.error["status"] == 400, (b, r.error)
+        assert "outside the vocabulary" in results[5].error["message"]
+        assert results[6].error["param"] == "guide" and "uniqueItems" in results[6].error["message"]
+        ok = await completion(s, d.url, [1, 2, 3], GREEDY)
+        assert ok.error is None and len(ok.token_ids) == 12
+
+
+async def test_tools_and_response_format_through_the_gateway(vllm_cluster: tuple[Proc, Proc, str, str]) -> None:
+    """The gateway renders tools and parses calls for any engine (gateway/tools/) and serves a
+    vLLM cluster every feature (gateway/features.py has no per-engine refusal): a named
+    tool_choice gives one schema-valid call (the gateway's guide, enforced by vLLM on the legs),
+    response_format json_schema valid JSON, and penalties are served, through the official client
+    and the disaggregated vLLM P/D."""
+    import jsonschema
+    import openai
+
+    _, g, key, _ = vllm_cluster
+    client = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
+    params = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+              "required": ["city", "unit"], "additionalProperties": False}  # fmt: skip
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Get the weather in a city",
+                                                "parameters": params}}  # fmt: skip
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+    greedy = {"model": "smollm2", "temperature": 0, "max_tokens": 40}
+    try:
+        call, js, pen = await asyncio.gather(
+            client.chat.completions.create(messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+                                           tools=[weather], tool_choice={"type": "function", "function": {
+                                               "name": "get_weather"}}, **greedy),
+            client.chat.completions.create(messages=[{"role": "user", "content": "Invent a person."}],
+                                           response_format={"type": "json_schema", "json_schema": {
+                                               "name": "person", "schema": schema, "strict": True}}, **greedy),
+            client.chat.completions.create(messages=[{"role": "user", "content": "Count to ten."}],
+                                           frequency_penalty=1.0, presence_penalty=0.5,
+                                           extra_body={"repetition_penalty": 1.1, "min_p": 0.05},
+                                           **{**greedy, "max_tokens": 8}))  # fmt: skip
+    finally:
+        await client.close()
+    ch = call.choices[0]
+    assert ch.finish_reason == "tool_calls" and len(ch.message.tool_calls) == 1, ch
+    assert ch.message.tool_calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(ch.message.tool_calls[0].function.arguments), params)
+    jsonschema.validate(json.loads(js.choices[0].message.content), schema)
+    assert pen.choices[0].message.content and pen.usage and pen.usage.completion_tokens <= 8
 
 
 async def test_p_killed_before_pull_follows_the_failure_policy(vllm_pd: tuple[Proc, Proc], vllm_d_fail: Proc,
