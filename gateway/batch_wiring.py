@@ -47,7 +47,8 @@ from gateway.batch import (
     SqliteBatchStore,
     make_batch_routes,
 )
-from gateway.config import BatchSettings, GatewayConfig
+from gateway.batch.models import PRIORITIES
+from gateway.config import BatchSettings, GatewayConfig, TeamPolicy
 from gateway.ledger import Caller, RateLimited
 from gateway.requests import Endpoint
 from gateway.state import GatewayState
@@ -95,7 +96,10 @@ def batch_config(cfg: GatewayConfig) -> BatchConfig:
                        retry_base_s=b.retry_base_s, max_requests=b.max_requests,
                        max_file_bytes=b.max_file_bytes,
                        callback_secret=b.callback_secret or os.environ.get("DUET_BATCH_CALLBACK_SECRET"),
-                       callback_secrets=dict(b.callback_secrets),
+                       callback_secrets=dict(b.callback_secrets), max_line_bytes=b.max_line_bytes,
+                       max_open_batches=b.max_open_batches, max_team_bytes=b.max_team_bytes,
+                       max_priority=PRIORITIES[cfg.teams.get("*", TeamPolicy()).batch_priority],
+                       max_priorities={t: PRIORITIES[p.batch_priority] for t, p in cfg.teams.items() if t != "*"},
                        allow_private_callbacks=b.allow_private_callbacks, worker_id=worker)  # fmt: skip
 
 

@@ -41,6 +41,7 @@ from gateway.relay import EventSink, HttpEventStream, relay_stream, relay_whole
 from gateway.requests import Endpoint, Request, parse_chat, parse_completion, resolve_tier
 from gateway.responses import Formatter
 from gateway.state import GatewayState, ServedModel
+from gateway.tiers import granted_tier
 from gateway.tools.plan import ToolMode, ToolPlan
 from gateway.tools.reply import with_tool_calls
 from protocol.openai import APIError
@@ -90,8 +91,9 @@ async def run(state: GatewayState, caller: Caller, raw: bytes, endpoint: Endpoin
     req = parse_chat(raw) if endpoint == Endpoint.CHAT else parse_completion(raw)
     if req.stream and sink is None:
         raise APIError(400, "stream is not supported here", param="stream")
-    tier = resolve_tier(tier_header, req.service_tier, caller.team.default_tier)
     policy = state.config.team_policy(caller.team.id)
+    tier = granted_tier(resolve_tier(tier_header, req.service_tier, caller.team.default_tier if policy.interactive
+                                     else "batch"), policy, caller.team.id)  # fmt: skip
     headers: dict[str, str] = {}
     served = _auto(state, req, tier, policy, headers) if _is_auto(state, req) else _named(state, req, caller, policy)
     if served.config.kind == "embedding":

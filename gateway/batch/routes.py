@@ -21,7 +21,7 @@ from aiohttp import web
 
 from gateway.batch.config import BatchConfig
 from gateway.batch.contracts import Authenticate
-from gateway.batch.files import FileStore, InvalidFile, new_file_id, parse_lines
+from gateway.batch.files import FileStore, InvalidFile, bounded_lines, new_file_id, parse_lines
 from gateway.batch.models import CreateBatch, FileObject, ListPage
 from gateway.batch.simple import add_simple_routes
 from gateway.batch.store import BatchStore, Conflict, FileRow
@@ -30,6 +30,7 @@ from gateway.batch.submit import (
     batch_object,
     decode,
     json_response,
+    storage_left,
     submit_batch,
     team_of,
 )
@@ -87,13 +88,14 @@ class _Routes:
                         raise APIError(400, "upload one file per request", param="file")
                     # Echoed in headers and listings: keep it printable and short.
                     filename = re.sub(r"[^\w.\- ]", "_", part.filename or filename)[:255]  # type: ignore[union-attr]
-                    temp, size = await self._save_part(part)
+                    temp, size = await self._save_part(part, await storage_left(self.store, self.config, team))
             if purpose != "batch":
                 raise APIError(400, f"purpose must be 'batch' (got {purpose!r})", param="purpose")
             if temp is None:
                 raise APIError(400, "the upload has no 'file' field", param="file")
             try:
-                await asyncio.to_thread(lambda: parse_lines(_lines(temp), self.config))
+                await asyncio.to_thread(lambda: parse_lines(bounded_lines(temp, self.config.max_line_bytes),
+                                                            self.config))  # fmt: skip
             except InvalidFile as e:
                 raise APIError(400, f"invalid batch file: {e}", param="file", code="invalid_file") from None
             fid = new_file_id()
@@ -107,14 +109,19 @@ class _Routes:
         await self.store.insert_file(row)
         return json_response(file_object(row))
 
-    async def _save_part(self, part: Any) -> tuple[Any, int]:
+    async def _save_part(self, part: Any, cap: int) -> tuple[Any, int]:
+        """`cap`: the file bound, or less when the team's storage (`max_team_bytes`) is nearly full."""
         temp = self.files.temp_path()
         size = 0
         try:
             with open_private(temp) as f:
                 while chunk := await part.read_chunk(UPLOAD_CHUNK):
                     size += len(chunk)
-                    if size > self.config.max_file_bytes:
+                    if size > cap:
+                        if cap < self.config.max_file_bytes:
+                            raise APIError(413, "this file would take the team's stored files past its limit of "
+                                                f"{self.config.max_team_bytes} bytes; delete files first",
+                                           param="file", code="team_storage_full")  # fmt: skip
                         raise APIError(413, f"a batch file is at most {self.config.max_file_bytes} "
                                             "bytes", param="file", code="file_too_large")  # fmt: skip
                     f.write(chunk)
@@ -204,11 +211,6 @@ class _Routes:
             raise not_found("Batch", bid)
         self.wake()
         return json_response(batch_object(row))
-
-
-def _lines(path: Any) -> Any:
-    with open(path, "rb") as f:
-        yield from f
 
 
 def make_batch_routes(app_or_router: web.Application | web.UrlDispatcher, *, store: BatchStore,
