@@ -100,8 +100,17 @@ async def run(state: GatewayState, caller: Caller, raw: bytes, endpoint: Endpoin
         raise APIError(400, f"{req.model!r} is an embedding model: use POST /v1/embeddings", param="model",
                        code="wrong_model_kind")  # fmt: skip
     refuse_missing(req, served.config)
+    # Cheap refusals before the tokenizer spends CPU on the prompt (the store decides the rest).
+    state.admission.teams.check(caller.team, state.config.quotas.default_max_concurrent)
+    with state.admission.teams.running(caller.team.id):
+        return await _measured(state, caller, req, tier, policy, served, headers, sink)
+
+
+async def _measured(state: GatewayState, caller: Caller, req: Request, tier: Tier, policy: TeamPolicy,
+                    served: ServedModel, headers: dict[str, str], sink: EventSink | None) -> Answer:  # fmt: skip
+    """The rest of `run`, from tokenizing on."""
     tr = state.tracing
-    tr.annotate({GEN_AI_OPERATION: "chat" if endpoint == Endpoint.CHAT else "text_completion", GEN_AI_PROVIDER: "duet",
+    tr.annotate({GEN_AI_OPERATION: "chat" if req.endpoint == Endpoint.CHAT else "text_completion", GEN_AI_PROVIDER: "duet",
                  GEN_AI_REQUEST_MODEL: req.model, "duet.request_id": caller.request_id, "duet.team": caller.team.id,
                  "duet.tier": tier, "duet.stream": req.stream})  # fmt: skip
     with tr.span("gateway.tokenize", {GEN_AI_REQUEST_MODEL: served.config.name}) as span:
@@ -110,6 +119,7 @@ async def run(state: GatewayState, caller: Caller, raw: bytes, endpoint: Endpoin
             span.set_attribute(GEN_AI_INPUT_TOKENS, size.n_prompt)
     with tr.span("gateway.quota.reserve", {"duet.team": caller.team.id}):
         ledger = await Ledger.reserve(state, caller, req, tier, served, size)
+    state.admission.teams.started(caller.team)
     headers.update({**ledger.headers, "X-Request-Id": caller.request_id, "x-duet-tier": tier})
     tries = _Tries(state, req, ledger, tier, policy)
     try:

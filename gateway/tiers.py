@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator
 
 from gateway.config import TeamPolicy, Tier, TierConfig
 from gateway.metrics import GatewayMetrics
+from gateway.team_gate import TeamGate
 from protocol.openai import APIError
 
 
@@ -40,6 +41,8 @@ class Admission:
         self.cfg = cfg
         self.metrics = metrics
         self.running = 0
+        #: per-team limits on this gateway's own counts, checked before tokenizing
+        self.teams = TeamGate()
         self._waiting: dict[str, deque[asyncio.Future[None]]] = {"interactive": deque(), "batch": deque()}
         self._limits = {"interactive": cfg.interactive_queue, "batch": cfg.batch_queue}
         self._waits = {"interactive": cfg.interactive_max_wait_s, "batch": cfg.batch_max_wait_s}

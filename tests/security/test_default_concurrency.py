@@ -3,6 +3,11 @@ is held to `[quotas] default_max_concurrent` (128 unless configured), so one tea
 got limits cannot take every slot of the gateway; a team's own `max_concurrent` overrides
 the default. Before, such a team had no bound at all.
 
+Cheap checks come before tokenizing: a team already at its concurrency limit is refused (429)
+on this gateway's own count before its prompt is measured — an over-long prompt gets the 429,
+not the tokenizer's 400 (before: measured first, 400) — and more than 2048 messages is a 400
+before any template work.
+
 Real parts: a `duet gateway` process in front of a fake OpenAI-compatible provider (a real
 HTTP server) that holds requests open, the official openai client.
 """
@@ -17,7 +22,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.gateway.helpers import gateway_proc, make_team
+from tests.gateway.helpers import MODEL, gateway_proc, make_team, tiny_model
 from tests.gateway.test_providers_e2e import FakeServers, external
 from tests.procs import running
 from tests.providers.fakes import API_KEY, Fault
@@ -33,12 +38,14 @@ def fake() -> Iterator[FakeServers]:
         servers.close()
 
 
-def test_a_team_without_limits_gets_the_default_concurrency(fake: FakeServers, tmp_path: Path,
+def test_a_team_without_limits_gets_the_default_concurrency(fake: FakeServers, tmp_path: Path, tiny_llama: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
     gpt = fake.fakes["gpt"]
-    gw = gateway_proc(tmp_path, {"gpt": external(gpt, {"in": 1.0, "out": 2.0}, 2)},
-                      quotas={"default_max_concurrent": 1})  # fmt: skip
+    # MODEL: a self-hosted model (the gateway tokenizes its prompts) whose node is never reached
+    models = {"gpt": external(gpt, {"in": 1.0, "out": 2.0}, 2),
+              MODEL: tiny_model(tiny_llama, both=["http://127.0.0.1:9"], max_model_len=1024)}  # fmt: skip
+    gw = gateway_proc(tmp_path, models, quotas={"default_max_concurrent": 1})
     with running(gw):
         plain, own = make_team(gw.url, "plain"), make_team(gw.url, "own", max_concurrent=3)
 
@@ -65,6 +72,15 @@ def test_a_team_without_limits_gets_the_default_concurrency(fake: FakeServers, t
             ask(plain)
         assert e.value.body["code"] == "rate_limit_exceeded" and e.value.body["param"] == "concurrency", e.value.body
         assert "limit 1" in e.value.body["message"]
+        # Refused before the tokenizer: a prompt far past the context gets the 429, not a 400.
+        with pytest.raises(openai.RateLimitError) as e:
+            client(plain).chat.completions.create(model=MODEL, max_tokens=4,
+                                                  messages=[{"role": "user", "content": "word " * 200_000}])  # fmt: skip
+        assert e.value.body["param"] == "concurrency", e.value.body
+        with pytest.raises(openai.BadRequestError) as e2:
+            client(own).chat.completions.create(model="gpt", max_tokens=4,
+                                                messages=[{"role": "user", "content": "hi"}] * 2049)  # fmt: skip
+        assert e2.value.body["param"] == "messages" and "2048" in e2.value.body["message"], e2.value.body
         # Per team, and a team's own limit wins over the default.
         hold(own)
         ask(own)
