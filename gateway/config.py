@@ -164,6 +164,13 @@ class ServerConfig:
     max_body_bytes: int = 4 * 2**20
     #: a request line or one header above this gets a 400 from the HTTP parser
     max_header_bytes: int = 16 * 1024
+    #: an idle keep-alive connection is closed after this long
+    keepalive_timeout_s: float = 75.0
+    #: a new connection that has not sent a whole request's headers by then is closed (slowloris)
+    header_timeout_s: float = 30.0
+    #: open connections from one client address at most; more are closed at once (0: no cap).
+    #: Behind a load balancer or proxy every client shares its address: raise this there.
+    max_connections_per_address: int = 1024
     #: sha256 hex of the admin key (or set $DUET_ADMIN_KEY to the key itself)
     admin_key_sha256: str | None = None
     #: seconds a found API key is trusted without asking the store again: a key revoked
