@@ -14,6 +14,7 @@ is synchronous like the protocol's and terminates the pool's connections.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,11 +35,15 @@ from gateway.batch.rows import (
 )
 from gateway.batch.store import OPEN, Conflict
 
+#: a file not expired (OpenAI's `expires_after`), as of the query's `now` ($3)
+LIVE = "(expires_at IS NULL OR expires_at > $3)"
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS batch_files (
     seq BIGSERIAL PRIMARY KEY, id TEXT NOT NULL UNIQUE, team_id TEXT NOT NULL, purpose TEXT NOT NULL,
     filename TEXT NOT NULL, bytes BIGINT NOT NULL, created_at DOUBLE PRECISION NOT NULL,
-    deleted BOOLEAN NOT NULL DEFAULT FALSE);
+    deleted BOOLEAN NOT NULL DEFAULT FALSE, expires_at DOUBLE PRECISION);
+ALTER TABLE batch_files ADD COLUMN IF NOT EXISTS expires_at DOUBLE PRECISION;
 CREATE INDEX IF NOT EXISTS batch_files_team ON batch_files (team_id, seq);
 CREATE TABLE IF NOT EXISTS batches (
     seq BIGSERIAL PRIMARY KEY, id TEXT NOT NULL UNIQUE, team_id TEXT NOT NULL, kind TEXT NOT NULL,
@@ -105,7 +110,7 @@ class PostgresBatchStore:
 
     async def get_file(self, team_id: str, file_id: str) -> FileRow | None:
         r = await (await self._p()).fetchrow(f"SELECT {FILE_COLS} FROM batch_files WHERE id=$1 AND team_id=$2 "
-                                             "AND NOT deleted", file_id, team_id)  # fmt: skip
+                                             f"AND NOT deleted AND {LIVE}", file_id, team_id, time.time())  # fmt: skip
         return FileRow(*r) if r else None
 
     async def list_files(self, team_id: str, purpose: str | None, after: str | None,
@@ -113,8 +118,9 @@ class PostgresBatchStore:
         async with (await self._p()).acquire() as con:
             cursor = await _cursor(con, "batch_files", team_id, after)
             found = await con.fetch(f"SELECT {FILE_COLS} FROM batch_files WHERE team_id=$1 AND NOT deleted "
-                                   "AND seq<$2 AND ($3::text IS NULL OR purpose=$3) ORDER BY seq DESC LIMIT $4",
-                                   team_id, cursor, purpose, limit + 1)  # fmt: skip
+                                   "AND seq<$2 AND ($3::text IS NULL OR purpose=$3) AND (expires_at IS NULL OR "
+                                   "expires_at > $5) ORDER BY seq DESC LIMIT $4",
+                                   team_id, cursor, purpose, limit + 1, time.time())  # fmt: skip
         return [FileRow(*r) for r in found[:limit]], len(found) > limit
 
     async def delete_file(self, team_id: str, file_id: str) -> bool:
@@ -292,8 +298,8 @@ class PostgresBatchStore:
 
     async def team_holdings(self, team_id: str) -> tuple[int, int]:
         p = await self._p()
-        size = await p.fetchval("SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=$1 AND NOT deleted",
-                                team_id)  # fmt: skip
+        size = await p.fetchval("SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=$1 AND NOT deleted "
+                                "AND (expires_at IS NULL OR expires_at > $2)", team_id, time.time())  # fmt: skip
         open_ = await p.fetchval("SELECT COUNT(*) FROM batches WHERE team_id=$1 AND status = ANY($2::text[])",
                                  team_id, list(OPEN))  # fmt: skip
         return int(size), int(open_)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -51,7 +52,8 @@ CREATE TABLE IF NOT EXISTS batch_files (
     filename TEXT NOT NULL,
     bytes INTEGER NOT NULL,
     created_at REAL NOT NULL,
-    deleted INTEGER NOT NULL DEFAULT 0
+    deleted INTEGER NOT NULL DEFAULT 0,
+    expires_at REAL
 );
 CREATE INDEX IF NOT EXISTS batch_files_team ON batch_files (team_id, seq);
 CREATE TABLE IF NOT EXISTS batches (
@@ -104,6 +106,8 @@ CREATE INDEX IF NOT EXISTS batch_requests_state ON batch_requests (state, not_be
 CREATE INDEX IF NOT EXISTS batch_requests_line ON batch_requests (batch_id, line);
 """
 
+#: a file not expired (OpenAI's `expires_after`), as of the query's `now` parameter
+LIVE = "(expires_at IS NULL OR expires_at > ?)"
 #: batch states that hold a team's open-batch allowance (`[batch] max_open_batches`)
 OPEN = ("validating", "in_progress", "finalizing", "cancelling")
 
@@ -174,6 +178,8 @@ class SqliteBatchStore:
         # the last transactions, which the runner then simply redoes.
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        if "expires_at" not in {r[1] for r in self._db.execute("PRAGMA table_info(batch_files)")}:
+            self._db.execute("ALTER TABLE batch_files ADD COLUMN expires_at REAL")  # a store made before it
 
     def close(self) -> None:
         with self._lock:
@@ -204,7 +210,7 @@ class SqliteBatchStore:
     async def get_file(self, team_id: str, file_id: str) -> FileRow | None:
         def q(db: sqlite3.Connection) -> FileRow | None:
             r = db.execute(f"SELECT {FILE_COLS} FROM batch_files WHERE id=? AND team_id=? "
-                           "AND deleted=0", (file_id, team_id)).fetchone()  # fmt: skip
+                           f"AND deleted=0 AND {LIVE}", (file_id, team_id, time.time())).fetchone()  # fmt: skip
             return FileRow(*r) if r else None
 
         return await self._read(q)
@@ -215,8 +221,8 @@ class SqliteBatchStore:
             cursor = _cursor(db, "batch_files", team_id, after)
             found = db.execute(
                 f"SELECT {FILE_COLS} FROM batch_files WHERE team_id=? AND deleted=0 AND seq<? "
-                "AND (? IS NULL OR purpose=?) ORDER BY seq DESC LIMIT ?",
-                (team_id, cursor, purpose, purpose, limit + 1),
+                f"AND (? IS NULL OR purpose=?) AND {LIVE} ORDER BY seq DESC LIMIT ?",
+                (team_id, cursor, purpose, purpose, time.time(), limit + 1),
             ).fetchall()
             return [FileRow(*r) for r in found[:limit]], len(found) > limit
 
@@ -445,8 +451,8 @@ class SqliteBatchStore:
 
     async def team_holdings(self, team_id: str) -> tuple[int, int]:
         def q(db: sqlite3.Connection) -> tuple[int, int]:
-            size = db.execute("SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=? AND NOT deleted",
-                              (team_id,)).fetchone()[0]  # fmt: skip
+            size = db.execute(f"SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=? AND NOT deleted "
+                              f"AND {LIVE}", (team_id, time.time())).fetchone()[0]  # fmt: skip
             open_ = db.execute(f"SELECT COUNT(*) FROM batches WHERE team_id=? AND status IN ({_marks(len(OPEN))})",
                                (team_id, *OPEN)).fetchone()[0]  # fmt: skip
             return int(size), int(open_)
