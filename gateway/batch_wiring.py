@@ -53,6 +53,7 @@ from gateway.ledger import Caller, RateLimited
 from gateway.requests import Endpoint
 from gateway.state import GatewayState
 from gateway.store.base import ApiKey
+from gateway.team_gate import TeamLimited
 from gateway.tiers import Shed
 from protocol.models import duet_home
 from protocol.openai import APIError
@@ -124,7 +125,7 @@ class GatewayExecutor:
             if e.type == "insufficient_quota":
                 return e.status, msgspec.to_builtins(e.body())
             raise Defer(e.retry_after_s or 1.0, e.message) from None
-        except Shed as e:
+        except (Shed, TeamLimited) as e:  # TeamLimited: the team's own limits, on this gateway's count
             raise Defer(e.retry_after_s or 1.0, e.message) from None
         except APIError as e:
             return e.status, msgspec.to_builtins(e.body())

@@ -41,6 +41,7 @@ from gateway.relay import EventSink, HttpEventStream, relay_stream, relay_whole
 from gateway.requests import Endpoint, Request, parse_chat, parse_completion, resolve_tier
 from gateway.responses import Formatter
 from gateway.state import GatewayState, ServedModel
+from gateway.team_gate import TeamLimited
 from gateway.tiers import granted_tier
 from gateway.tools.plan import ToolMode, ToolPlan
 from gateway.tools.reply import with_tool_calls
@@ -101,7 +102,11 @@ async def run(state: GatewayState, caller: Caller, raw: bytes, endpoint: Endpoin
                        code="wrong_model_kind")  # fmt: skip
     refuse_missing(req, served.config)
     # Cheap refusals before the tokenizer spends CPU on the prompt (the store decides the rest).
-    state.admission.teams.check(caller.team, state.config.quotas.default_max_concurrent)
+    try:
+        state.admission.teams.check(caller.team, state.config.quotas.default_max_concurrent)
+    except TeamLimited as e:  # counted as the store's refusals are (ledger.Ledger.reserve)
+        state.metrics.rejections.labels(team=caller.team.id, kind=e.param or "").inc()
+        raise
     with state.admission.teams.running(caller.team.id):
         return await _measured(state, caller, req, tier, policy, served, headers, sink)
 

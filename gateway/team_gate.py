@@ -21,10 +21,14 @@ from protocol.openai import APIError
 WINDOW_S = 60.0
 
 
-def _refuse(kind: str, message: str, retry_after_s: float, headers: dict[str, str]) -> APIError:
-    # The same answer as the store's refusal (ledger.RateLimited), so clients see one 429.
-    return APIError(429, message, type_="rate_limit_error", code="rate_limit_exceeded", param=kind,
-                    retry_after_s=max(1, math.ceil(retry_after_s)), headers=headers)  # fmt: skip
+class TeamLimited(APIError):
+    """The same answer as the store's refusal (ledger.RateLimited), so clients see one 429; the
+    batch executor defers the line, as for the store's."""
+
+
+def _refuse(kind: str, message: str, retry_after_s: float, headers: dict[str, str]) -> TeamLimited:
+    return TeamLimited(429, message, type_="rate_limit_error", code="rate_limit_exceeded", param=kind,
+                       retry_after_s=max(1, math.ceil(retry_after_s)), headers=headers)  # fmt: skip
 
 
 class TeamGate:
