@@ -216,6 +216,9 @@ def _write_config(tmp: Path, port: int, fast: str, slow: str, tokenizer: str, st
     cfg.write_text(f"""
 [server]
 port = {port}
+max_connections_per_address = 0   # every stream comes from this one address
+[quotas]
+default_max_concurrent = 0        # team "bench" runs all its streams at once
 [store]
 url = {json.dumps(store or f"sqlite://{tmp / 'gateway.db'}")}
 [routing]

@@ -47,11 +47,13 @@ from gateway.batch import (
     SqliteBatchStore,
     make_batch_routes,
 )
-from gateway.config import BatchSettings, GatewayConfig
+from gateway.batch.models import PRIORITIES
+from gateway.config import BatchSettings, GatewayConfig, TeamPolicy
 from gateway.ledger import Caller, RateLimited
 from gateway.requests import Endpoint
 from gateway.state import GatewayState
 from gateway.store.base import ApiKey
+from gateway.team_gate import TeamLimited
 from gateway.tiers import Shed
 from protocol.models import duet_home
 from protocol.openai import APIError
@@ -95,7 +97,10 @@ def batch_config(cfg: GatewayConfig) -> BatchConfig:
                        retry_base_s=b.retry_base_s, max_requests=b.max_requests,
                        max_file_bytes=b.max_file_bytes,
                        callback_secret=b.callback_secret or os.environ.get("DUET_BATCH_CALLBACK_SECRET"),
-                       callback_secrets=dict(b.callback_secrets),
+                       callback_secrets=dict(b.callback_secrets), max_line_bytes=b.max_line_bytes,
+                       max_open_batches=b.max_open_batches, max_team_bytes=b.max_team_bytes,
+                       max_priority=PRIORITIES[cfg.teams.get("*", TeamPolicy()).batch_priority],
+                       max_priorities={t: PRIORITIES[p.batch_priority] for t, p in cfg.teams.items() if t != "*"},
                        allow_private_callbacks=b.allow_private_callbacks, worker_id=worker)  # fmt: skip
 
 
@@ -120,7 +125,7 @@ class GatewayExecutor:
             if e.type == "insufficient_quota":
                 return e.status, msgspec.to_builtins(e.body())
             raise Defer(e.retry_after_s or 1.0, e.message) from None
-        except Shed as e:
+        except (Shed, TeamLimited) as e:  # TeamLimited: the team's own limits, on this gateway's count
             raise Defer(e.retry_after_s or 1.0, e.message) from None
         except APIError as e:
             return e.status, msgspec.to_builtins(e.body())

@@ -56,6 +56,9 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     allow_paid_for_batch = true       # batch requests may fall back to / auto-route to external models
     cache_group = "shared-prompts"    # share the prefix cache with the group's other teams, on purpose
                                       # (default: the team's own domain; no team sees another's prefixes)
+    interactive = false               # batch tier only: x-duet-tier/service_tier asking for interactive
+                                      # get a 403, and the team's requests default to batch
+    batch_priority = "high"           # the highest batch priority it may ask for (default "normal")
     [teams."*"]                       # the policy of every team not listed
 
     [tracing]                         # OpenTelemetry (off by default; also DUET_TRACING=1, --trace)
@@ -161,6 +164,13 @@ class ServerConfig:
     max_body_bytes: int = 4 * 2**20
     #: a request line or one header above this gets a 400 from the HTTP parser
     max_header_bytes: int = 16 * 1024
+    #: an idle keep-alive connection is closed after this long
+    keepalive_timeout_s: float = 75.0
+    #: a new connection that has not sent a whole request's headers by then is closed (slowloris)
+    header_timeout_s: float = 30.0
+    #: open connections from one client address at most; more are closed at once (0: no cap).
+    #: Behind a load balancer or proxy every client shares its address: raise this there.
+    max_connections_per_address: int = 1024
     #: sha256 hex of the admin key (or set $DUET_ADMIN_KEY to the key itself)
     admin_key_sha256: str | None = None
     #: seconds a found API key is trusted without asking the store again: a key revoked
@@ -225,6 +235,9 @@ class QuotaConfig:
     heartbeat_s: float = 5.0
     #: usage records per store transaction (the batched writer)
     usage_batch: int = 256
+    #: requests in flight at once for a team whose own `max_concurrent` is unset (across
+    #: gateways sharing the store); 0: no default bound
+    default_max_concurrent: int = 128
 
 
 @dataclass(frozen=True)
@@ -250,6 +263,12 @@ class TeamPolicy:
     #: prefix-cache domain shared on purpose with the other teams of this group (e.g. a common
     #: system prompt); None: the team's own domain, matched by no other team (`cache_domain`)
     cache_group: str | None = None
+    #: may use the interactive tier; False: batch only (an explicit ask for interactive is a
+    #: 403, the team's default tier becomes batch) — the tier is the operator's grant, not
+    #: the client's choice
+    interactive: bool = True
+    #: the highest `priority` its batches may ask for ("low" | "normal" | "high"); above it: 403
+    batch_priority: str = "normal"
 
 
 @dataclass(frozen=True)
@@ -279,6 +298,12 @@ class BatchSettings:
     worker_id: str | None = None
     max_requests: int = 50_000
     max_file_bytes: int = 200 * 2**20
+    #: one request line at most (OpenAI's per-request body bound is far below a file's)
+    max_line_bytes: int = 2**20
+    #: batches of one team not yet ended (validating, in_progress, finalizing, cancelling)
+    max_open_batches: int = 100
+    #: bytes of one team's stored files (inputs and results) not deleted
+    max_team_bytes: int = 10 * 2**30
 
 
 @dataclass(frozen=True)
@@ -427,6 +452,10 @@ def _check_routing(cfg: GatewayConfig) -> None:
             raise ConfigError(f"[teams.{team}] allow_paid_for_batch must be true or false")
         if p.cache_group is not None and (not isinstance(p.cache_group, str) or not 0 < len(p.cache_group) <= 200):
             raise ConfigError(f"[teams.{team}] cache_group must be a name of 1 to 200 characters")
+        if not isinstance(p.interactive, bool):
+            raise ConfigError(f"[teams.{team}] interactive must be true or false")
+        if p.batch_priority not in ("low", "normal", "high"):
+            raise ConfigError(f"[teams.{team}] batch_priority must be 'low', 'normal' or 'high'")
 
 
 def _teams(data: Any) -> dict[str, TeamPolicy]:
@@ -443,6 +472,10 @@ def _batch(data: Any) -> BatchSettings:
         raise ConfigError("[batch] concurrency must be >= 0, max_attempts >= 1, lease_s and poll_s > 0")
     if not isinstance(b.callback_secrets, dict) or not all(isinstance(v, str) for v in b.callback_secrets.values()):
         raise ConfigError("[batch] callback_secrets is a table of team id = secret")
+    for k in ("max_line_bytes", "max_open_batches", "max_team_bytes", "max_requests", "max_file_bytes"):
+        v = getattr(b, k)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ConfigError(f"[batch] {k} must be an integer >= 1, got {v!r}")
     return b
 
 
@@ -484,6 +517,9 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
         v = getattr(q, name)
         if not isinstance(v, int | float) or isinstance(v, bool) or not math.isfinite(v) or v <= 0:
             raise ConfigError(f"[quotas] {name} must be a positive number of seconds, got {v!r}")
+    if not isinstance(q.default_max_concurrent, int) or isinstance(q.default_max_concurrent, bool) \
+            or q.default_max_concurrent < 0:  # fmt: skip
+        raise ConfigError(f"[quotas] default_max_concurrent must be an integer >= 0, got {q.default_max_concurrent!r}")
     if q.reservation_ttl_s < 3 * q.heartbeat_s:
         raise ConfigError(f"[quotas] reservation_ttl_s ({q.reservation_ttl_s}) must be at least 3 heartbeats "
                           f"({3 * q.heartbeat_s}): a live gateway renews its reservations once a heartbeat")  # fmt: skip

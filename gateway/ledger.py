@@ -122,7 +122,8 @@ class Ledger:
                                  tokens=n_prompt + req.n * max_tokens,
                                  cost_usd=_worst_case(state, served.config.name, n_prompt, req.n * max_tokens)
                                  * caller.price_factor, ttl_s=state.config.quotas.reservation_ttl_s,
-                                 gateway_id=state.gateway_id, booked=booked)  # fmt: skip
+                                 gateway_id=state.gateway_id, booked=booked,
+                                 default_max_concurrent=state.config.quotas.default_max_concurrent)  # fmt: skip
         res = await state.store.reserve(reserve)
         if isinstance(res, Refusal):
             state.metrics.rejections.labels(team=team.id, kind=res.kind).inc()

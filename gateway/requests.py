@@ -28,6 +28,7 @@ MAX_N = 8
 MAX_STOP = 4
 #: the `user` field is stored in every usage record; longer than this it is not a user id
 MAX_USER = 256
+MAX_MESSAGES = 2048  # OpenAI's bound on a chat request's messages
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
           "stream_options", "user", "service_tier", "top_k", "min_tokens", "ignore_eos",
           "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "logit_bias",
@@ -216,6 +217,9 @@ def parse_chat(raw: bytes) -> Request:
     body: ChatCompletionRequest = _convert(data, ChatCompletionRequest)
     if not body.messages:
         raise APIError(400, "messages must not be empty", param="messages")
+    if len(body.messages) > MAX_MESSAGES:  # before any template or tokenizer work on them
+        raise APIError(400, f"messages holds at most {MAX_MESSAGES} messages, got {len(body.messages)}",
+                       param="messages")  # fmt: skip
     messages = []
     for i, m in enumerate(body.messages):
         if m.role not in CHAT_ROLES:

@@ -41,6 +41,8 @@ from gateway.relay import EventSink, HttpEventStream, relay_stream, relay_whole
 from gateway.requests import Endpoint, Request, parse_chat, parse_completion, resolve_tier
 from gateway.responses import Formatter
 from gateway.state import GatewayState, ServedModel
+from gateway.team_gate import TeamLimited
+from gateway.tiers import granted_tier
 from gateway.tools.plan import ToolMode, ToolPlan
 from gateway.tools.reply import with_tool_calls
 from protocol.openai import APIError
@@ -90,16 +92,30 @@ async def run(state: GatewayState, caller: Caller, raw: bytes, endpoint: Endpoin
     req = parse_chat(raw) if endpoint == Endpoint.CHAT else parse_completion(raw)
     if req.stream and sink is None:
         raise APIError(400, "stream is not supported here", param="stream")
-    tier = resolve_tier(tier_header, req.service_tier, caller.team.default_tier)
     policy = state.config.team_policy(caller.team.id)
+    tier = granted_tier(resolve_tier(tier_header, req.service_tier, caller.team.default_tier if policy.interactive
+                                     else "batch"), policy, caller.team.id)  # fmt: skip
     headers: dict[str, str] = {}
     served = _auto(state, req, tier, policy, headers) if _is_auto(state, req) else _named(state, req, caller, policy)
     if served.config.kind == "embedding":
         raise APIError(400, f"{req.model!r} is an embedding model: use POST /v1/embeddings", param="model",
                        code="wrong_model_kind")  # fmt: skip
     refuse_missing(req, served.config)
+    # Cheap refusals before the tokenizer spends CPU on the prompt (the store decides the rest).
+    try:
+        state.admission.teams.check(caller.team, state.config.quotas.default_max_concurrent)
+    except TeamLimited as e:  # counted as the store's refusals are (ledger.Ledger.reserve)
+        state.metrics.rejections.labels(team=caller.team.id, kind=e.param or "").inc()
+        raise
+    with state.admission.teams.running(caller.team.id):
+        return await _measured(state, caller, req, tier, policy, served, headers, sink)
+
+
+async def _measured(state: GatewayState, caller: Caller, req: Request, tier: Tier, policy: TeamPolicy,
+                    served: ServedModel, headers: dict[str, str], sink: EventSink | None) -> Answer:  # fmt: skip
+    """The rest of `run`, from tokenizing on."""
     tr = state.tracing
-    tr.annotate({GEN_AI_OPERATION: "chat" if endpoint == Endpoint.CHAT else "text_completion", GEN_AI_PROVIDER: "duet",
+    tr.annotate({GEN_AI_OPERATION: "chat" if req.endpoint == Endpoint.CHAT else "text_completion", GEN_AI_PROVIDER: "duet",
                  GEN_AI_REQUEST_MODEL: req.model, "duet.request_id": caller.request_id, "duet.team": caller.team.id,
                  "duet.tier": tier, "duet.stream": req.stream})  # fmt: skip
     with tr.span("gateway.tokenize", {GEN_AI_REQUEST_MODEL: served.config.name}) as span:
@@ -108,6 +124,7 @@ async def run(state: GatewayState, caller: Caller, raw: bytes, endpoint: Endpoin
             span.set_attribute(GEN_AI_INPUT_TOKENS, size.n_prompt)
     with tr.span("gateway.quota.reserve", {"duet.team": caller.team.id}):
         ledger = await Ledger.reserve(state, caller, req, tier, served, size)
+    state.admission.teams.started(caller.team)
     headers.update({**ledger.headers, "X-Request-Id": caller.request_id, "x-duet-tier": tier})
     tries = _Tries(state, req, ledger, tier, policy)
     try:

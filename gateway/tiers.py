@@ -15,9 +15,20 @@ import contextlib
 from collections import deque
 from collections.abc import AsyncIterator
 
-from gateway.config import TierConfig
+from gateway.config import TeamPolicy, Tier, TierConfig
 from gateway.metrics import GatewayMetrics
+from gateway.team_gate import TeamGate
 from protocol.openai import APIError
+
+
+def granted_tier(asked: Tier, policy: TeamPolicy, team_id: str) -> Tier:
+    """The tier is the operator's grant (`[teams.X] interactive`), not the client's choice: a
+    team kept to batch that asks for interactive (header or `service_tier`) gets a 403."""
+    if asked == "interactive" and not policy.interactive:
+        raise APIError(403, f"team {team_id!r} may not use the interactive tier; send batch requests "
+                            "(x-duet-tier: batch, or the Batch API)", type_="permission_error",
+                       param="x-duet-tier", code="tier_not_allowed")  # fmt: skip
+    return asked
 
 
 class Shed(APIError):
@@ -30,6 +41,8 @@ class Admission:
         self.cfg = cfg
         self.metrics = metrics
         self.running = 0
+        #: per-team limits on this gateway's own counts, checked before tokenizing
+        self.teams = TeamGate()
         self._waiting: dict[str, deque[asyncio.Future[None]]] = {"interactive": deque(), "batch": deque()}
         self._limits = {"interactive": cfg.interactive_queue, "batch": cfg.batch_queue}
         self._waits = {"interactive": cfg.interactive_max_wait_s, "batch": cfg.batch_max_wait_s}

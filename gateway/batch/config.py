@@ -26,6 +26,16 @@ class BatchConfig:
     data_dir: Path  # input/output file contents live under data_dir/files
     max_requests: int = 50_000
     max_file_bytes: int = 200 * 1024 * 1024
+    #: one request line at most: a line is one request body, far below a file's bound
+    max_line_bytes: int = 1024 * 1024
+    #: batches of one team not yet ended, and bytes of its stored files (per-team limits, so
+    #: one team cannot fill the disk or the queue)
+    max_open_batches: int = 100
+    max_team_bytes: int = 10 * 1024**3
+    #: the highest batch priority (models.PRIORITIES value) a team may ask for: per team, else
+    #: the default (a team right, not the client's choice)
+    max_priority: int = 1
+    max_priorities: dict[str, int] = field(default_factory=dict)
     endpoints: tuple[str, ...] = ENDPOINTS
     #: model names a batch line may ask for; None accepts any (the executor then refuses)
     models: frozenset[str] | None = None
@@ -48,6 +58,9 @@ class BatchConfig:
     #: a guess used for `estimated_completion` before any request of the tier has finished
     default_request_s: float = 2.0
     worker_id: str = field(default_factory=default_worker_id)
+
+    def max_priority_for(self, team_id: str) -> int:
+        return self.max_priorities.get(team_id, self.max_priority)
 
     def callback_secret_for(self, team_id: str) -> str | None:
         return self.callback_secrets.get(team_id, self.callback_secret)

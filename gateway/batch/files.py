@@ -76,6 +76,9 @@ def parse_lines_collect(lines: Iterable[bytes],
     for n, raw in enumerate(lines, start=1):
         if len(errors) >= MAX_REPORTED_ERRORS:
             break
+        if len(raw) > config.max_line_bytes:  # before decoding: a 200 MB line costs nothing
+            bad(n, "line_too_large", f"a request line is at most {config.max_line_bytes} bytes")
+            continue
         if not raw.strip():
             continue
         try:
@@ -130,6 +133,20 @@ def check_for_batch(lines: list[tuple[int, InputLine]], endpoint: str,
     return errors
 
 
+def bounded_lines(path: Path, limit: int | None = None) -> Iterator[bytes]:
+    """Lines of the file at `path`; with `limit`, a line longer than `limit` bytes is yielded
+    cut to `limit + 1` bytes and the rest of it is skipped."""
+    with open(path, "rb") as f:
+        if limit is None:
+            yield from f
+            return
+        while line := f.readline(limit + 1):
+            if len(line) > limit and not line.endswith(b"\n"):
+                while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                    pass
+            yield line
+
+
 class FileStore:
     """File contents under one directory, named by file id."""
 
@@ -159,9 +176,10 @@ class FileStore:
         self.commit(temp, file_id)
         return size
 
-    def lines(self, file_id: str) -> Iterator[bytes]:
-        with self.path(file_id).open("rb") as f:
-            yield from f
+    def lines(self, file_id: str, limit: int | None = None) -> Iterator[bytes]:
+        """The file's lines; with `limit`, a longer line comes cut to `limit + 1` bytes (never
+        whole in memory), enough for parse_lines to refuse it."""
+        yield from bounded_lines(self.path(file_id), limit)
 
     def read(self, file_id: str) -> bytes:
         return self.path(file_id).read_bytes()

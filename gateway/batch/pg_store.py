@@ -14,6 +14,7 @@ is synchronous like the protocol's and terminates the pool's connections.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,13 +33,17 @@ from gateway.batch.rows import (
     NewRequest,
     ResultRow,
 )
-from gateway.batch.store import Conflict
+from gateway.batch.store import OPEN, Conflict
+
+#: a file not expired (OpenAI's `expires_after`), as of the query's `now` ($3)
+LIVE = "(expires_at IS NULL OR expires_at > $3)"
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS batch_files (
     seq BIGSERIAL PRIMARY KEY, id TEXT NOT NULL UNIQUE, team_id TEXT NOT NULL, purpose TEXT NOT NULL,
     filename TEXT NOT NULL, bytes BIGINT NOT NULL, created_at DOUBLE PRECISION NOT NULL,
-    deleted BOOLEAN NOT NULL DEFAULT FALSE);
+    deleted BOOLEAN NOT NULL DEFAULT FALSE, expires_at DOUBLE PRECISION);
+ALTER TABLE batch_files ADD COLUMN IF NOT EXISTS expires_at DOUBLE PRECISION;
 CREATE INDEX IF NOT EXISTS batch_files_team ON batch_files (team_id, seq);
 CREATE TABLE IF NOT EXISTS batches (
     seq BIGSERIAL PRIMARY KEY, id TEXT NOT NULL UNIQUE, team_id TEXT NOT NULL, kind TEXT NOT NULL,
@@ -105,7 +110,7 @@ class PostgresBatchStore:
 
     async def get_file(self, team_id: str, file_id: str) -> FileRow | None:
         r = await (await self._p()).fetchrow(f"SELECT {FILE_COLS} FROM batch_files WHERE id=$1 AND team_id=$2 "
-                                             "AND NOT deleted", file_id, team_id)  # fmt: skip
+                                             f"AND NOT deleted AND {LIVE}", file_id, team_id, time.time())  # fmt: skip
         return FileRow(*r) if r else None
 
     async def list_files(self, team_id: str, purpose: str | None, after: str | None,
@@ -113,8 +118,9 @@ class PostgresBatchStore:
         async with (await self._p()).acquire() as con:
             cursor = await _cursor(con, "batch_files", team_id, after)
             found = await con.fetch(f"SELECT {FILE_COLS} FROM batch_files WHERE team_id=$1 AND NOT deleted "
-                                   "AND seq<$2 AND ($3::text IS NULL OR purpose=$3) ORDER BY seq DESC LIMIT $4",
-                                   team_id, cursor, purpose, limit + 1)  # fmt: skip
+                                   "AND seq<$2 AND ($3::text IS NULL OR purpose=$3) AND (expires_at IS NULL OR "
+                                   "expires_at > $5) ORDER BY seq DESC LIMIT $4",
+                                   team_id, cursor, purpose, limit + 1, time.time())  # fmt: skip
         return [FileRow(*r) for r in found[:limit]], len(found) > limit
 
     async def delete_file(self, team_id: str, file_id: str) -> bool:
@@ -171,16 +177,27 @@ class PostgresBatchStore:
 
     async def claim_requests(self, worker: str, n: int, lease_s: float, now: float) -> list[Claimed]:
         found = await (await self._p()).fetch(
-            "WITH c AS (SELECT r.batch_id, r.custom_id FROM batch_requests r JOIN batches b ON b.id=r.batch_id "
+            # Round-robin over teams (`turn`: a line's rank in its team's own queue after the lines
+            # the team already has running), so one team's huge batch cannot starve another's;
+            # FOR UPDATE cannot sit beside a window function, so the fair order picks candidates
+            # and the lock skips those another gateway holds.
+            "WITH k AS (SELECT b.team_id, COUNT(*) AS busy FROM batch_requests r JOIN batches b ON b.id=r.batch_id "
+            "  WHERE r.state='running' AND r.lease_until>=$1 GROUP BY b.team_id), "
+            "q AS (SELECT r.batch_id, r.custom_id, b.priority, b.seq, r.line, COALESCE(k.busy, 0) + ROW_NUMBER() OVER ("
+            "  PARTITION BY b.team_id ORDER BY b.priority DESC, b.seq, r.line) AS turn "
+            "  FROM batch_requests r JOIN batches b ON b.id=r.batch_id LEFT JOIN k ON k.team_id=b.team_id "
             "  WHERE b.status='in_progress' AND b.expires_at>$1 AND ((r.state='pending' AND r.not_before<=$1) "
-            "  OR (r.state='running' AND r.lease_until<$1)) ORDER BY b.priority DESC, b.seq, r.line LIMIT $2 "
-            "  FOR UPDATE OF r SKIP LOCKED) "
+            "  OR (r.state='running' AND r.lease_until<$1))), "
+            "c AS (SELECT r.batch_id, r.custom_id FROM batch_requests r JOIN q ON q.batch_id=r.batch_id "
+            "  AND q.custom_id=r.custom_id WHERE (r.state='pending' AND r.not_before<=$1) "
+            "  OR (r.state='running' AND r.lease_until<$1) "
+            "  ORDER BY q.priority DESC, q.turn, q.seq, q.line LIMIT $2 FOR UPDATE OF r SKIP LOCKED) "
             "UPDATE batch_requests r SET state='running', claimed_by=$3, lease_until=$4, attempts=r.attempts+1, "
             "started_at=$1 FROM c, batches b WHERE r.batch_id=c.batch_id AND r.custom_id=c.custom_id "
             f"AND b.id=r.batch_id RETURNING {CLAIM_COLS}, b.priority, b.seq",
             now, n, worker, now + lease_s,
         )  # fmt: skip
-        found = sorted(found, key=lambda r: (-r["priority"], r["seq"], r["line"]))
+        found = sorted(found, key=lambda r: (-r["priority"], r["seq"], r["line"]))  # runner order: oldest first
         return [rows.claimed(r, attempts=r["attempts"]) for r in found]
 
     async def renew_leases(self, worker: str, keys: Sequence[tuple[str, str]], until: float) -> None:
@@ -278,6 +295,14 @@ class PostgresBatchStore:
         return await (await self._p()).fetchval(  # type: ignore[no-any-return]
             "SELECT AVG(finished_at - started_at) FROM batch_requests WHERE state='succeeded' AND "
             "finished_at>=$1", since)  # fmt: skip
+
+    async def team_holdings(self, team_id: str) -> tuple[int, int]:
+        p = await self._p()
+        size = await p.fetchval("SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=$1 AND NOT deleted "
+                                "AND (expires_at IS NULL OR expires_at > $2)", team_id, time.time())  # fmt: skip
+        open_ = await p.fetchval("SELECT COUNT(*) FROM batches WHERE team_id=$1 AND status = ANY($2::text[])",
+                                 team_id, list(OPEN))  # fmt: skip
+        return int(size), int(open_)
 
     async def pending_requests(self) -> int:
         return int(await (await self._p()).fetchval(

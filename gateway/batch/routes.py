@@ -21,7 +21,7 @@ from aiohttp import web
 
 from gateway.batch.config import BatchConfig
 from gateway.batch.contracts import Authenticate
-from gateway.batch.files import FileStore, InvalidFile, new_file_id, parse_lines
+from gateway.batch.files import FileStore, InvalidFile, bounded_lines, new_file_id, parse_lines
 from gateway.batch.models import CreateBatch, FileObject, ListPage
 from gateway.batch.simple import add_simple_routes
 from gateway.batch.store import BatchStore, Conflict, FileRow
@@ -30,6 +30,7 @@ from gateway.batch.submit import (
     batch_object,
     decode,
     json_response,
+    storage_left,
     submit_batch,
     team_of,
 )
@@ -40,8 +41,30 @@ UPLOAD_CHUNK = 1 << 20
 
 
 def file_object(row: FileRow) -> FileObject:
-    return FileObject(id=row.id, bytes=row.bytes, created_at=int(row.created_at),
-                      filename=row.filename, purpose=row.purpose)  # fmt: skip
+    return FileObject(id=row.id, bytes=row.bytes, created_at=int(row.created_at), filename=row.filename,
+                      purpose=row.purpose, expires_at=None if row.expires_at is None else int(row.expires_at))  # fmt: skip
+
+
+#: OpenAI's bounds on a file's `expires_after[seconds]` (one hour to 30 days)
+EXPIRES_MIN_S, EXPIRES_MAX_S = 3600, 30 * 86400
+
+
+def expires_after(anchor: str | None, seconds: str | None) -> float | None:
+    """Seconds after creation at which the file expires, from OpenAI's multipart fields
+    `expires_after[anchor]` (only `created_at`) and `expires_after[seconds]`."""
+    if anchor is None and seconds is None:
+        return None
+    if anchor != "created_at":
+        raise APIError(400, f"expires_after[anchor] must be 'created_at', got {anchor!r}", param="expires_after")
+    try:
+        n = int(seconds or "")
+    except ValueError:
+        raise APIError(400, f"expires_after[seconds] must be an integer, got {seconds!r}",
+                       param="expires_after") from None  # fmt: skip
+    if not EXPIRES_MIN_S <= n <= EXPIRES_MAX_S:
+        raise APIError(400, f"expires_after[seconds] must be between {EXPIRES_MIN_S} and {EXPIRES_MAX_S}, got {n}",
+                       param="expires_after")  # fmt: skip
+    return float(n)
 
 
 def page_limit(request: web.Request, default: int = 20) -> int:
@@ -75,6 +98,7 @@ class _Routes:
             raise APIError(400, "upload a file as multipart/form-data with fields 'file' and 'purpose'")
         reader = await request.multipart()
         purpose: str | None = None
+        expiry: dict[str, str] = {}
         filename = "upload.jsonl"
         temp = None
         size = 0
@@ -82,18 +106,22 @@ class _Routes:
             while (part := await reader.next()) is not None:
                 if part.name == "purpose":
                     purpose = (await part.read(decode=True)).decode(errors="replace")[:64]  # type: ignore[union-attr]
+                elif part.name in ("expires_after[anchor]", "expires_after[seconds]"):
+                    expiry[part.name[14:-1]] = (await part.read(decode=True)).decode(errors="replace")[:64]  # type: ignore[union-attr]
                 elif part.name == "file":
                     if temp is not None:
                         raise APIError(400, "upload one file per request", param="file")
                     # Echoed in headers and listings: keep it printable and short.
                     filename = re.sub(r"[^\w.\- ]", "_", part.filename or filename)[:255]  # type: ignore[union-attr]
-                    temp, size = await self._save_part(part)
+                    temp, size = await self._save_part(part, await storage_left(self.store, self.config, team))
             if purpose != "batch":
                 raise APIError(400, f"purpose must be 'batch' (got {purpose!r})", param="purpose")
+            ttl = expires_after(expiry.get("anchor"), expiry.get("seconds"))
             if temp is None:
                 raise APIError(400, "the upload has no 'file' field", param="file")
             try:
-                await asyncio.to_thread(lambda: parse_lines(_lines(temp), self.config))
+                await asyncio.to_thread(lambda: parse_lines(bounded_lines(temp, self.config.max_line_bytes),
+                                                            self.config))  # fmt: skip
             except InvalidFile as e:
                 raise APIError(400, f"invalid batch file: {e}", param="file", code="invalid_file") from None
             fid = new_file_id()
@@ -102,19 +130,25 @@ class _Routes:
         finally:
             if temp is not None:
                 temp.unlink(missing_ok=True)
-        row = FileRow(id=fid, team_id=team, purpose="batch", filename=filename, bytes=size,
-                      created_at=time.time())  # fmt: skip
+        now = time.time()
+        row = FileRow(id=fid, team_id=team, purpose="batch", filename=filename, bytes=size, created_at=now,
+                      expires_at=None if ttl is None else now + ttl)  # fmt: skip
         await self.store.insert_file(row)
         return json_response(file_object(row))
 
-    async def _save_part(self, part: Any) -> tuple[Any, int]:
+    async def _save_part(self, part: Any, cap: int) -> tuple[Any, int]:
+        """`cap`: the file bound, or less when the team's storage (`max_team_bytes`) is nearly full."""
         temp = self.files.temp_path()
         size = 0
         try:
             with open_private(temp) as f:
                 while chunk := await part.read_chunk(UPLOAD_CHUNK):
                     size += len(chunk)
-                    if size > self.config.max_file_bytes:
+                    if size > cap:
+                        if cap < self.config.max_file_bytes:
+                            raise APIError(413, "this file would take the team's stored files past its limit of "
+                                                f"{self.config.max_team_bytes} bytes; delete files first",
+                                           param="file", code="team_storage_full")  # fmt: skip
                         raise APIError(413, f"a batch file is at most {self.config.max_file_bytes} "
                                             "bytes", param="file", code="file_too_large")  # fmt: skip
                     f.write(chunk)
@@ -204,11 +238,6 @@ class _Routes:
             raise not_found("Batch", bid)
         self.wake()
         return json_response(batch_object(row))
-
-
-def _lines(path: Any) -> Any:
-    with open(path, "rb") as f:
-        yield from f
 
 
 def make_batch_routes(app_or_router: web.Application | web.UrlDispatcher, *, store: BatchStore,

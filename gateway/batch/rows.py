@@ -32,6 +32,8 @@ class FileRow:
     filename: str
     bytes: int
     created_at: float
+    #: OpenAI's `expires_after`: past it the file is gone for the API and its team's storage
+    expires_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ BATCH_COLS = (
     "finalizing_at, completed_at, failed_at, expired_at, cancelling_at, cancelled_at, "
     "callback_url, callback_state, callback_attempts"
 )
-FILE_COLS = "id, team_id, purpose, filename, bytes, created_at"
+FILE_COLS = "id, team_id, purpose, filename, bytes, created_at, expires_at"
 _BATCH_INSERT_COLS = ("id, team_id, kind, endpoint, input_file_id, completion_window, status, priority, "
                       "metadata, errors, total, created_at, in_progress_at, expires_at, failed_at, callback_url")  # fmt: skip
 #: the columns of a claimed request, in `claimed`'s order (`r.` the request, `b.` its batch)
@@ -119,7 +121,7 @@ def insert_batch_sql(marks: Marks) -> str:
 
 
 def insert_file_sql(marks: Marks) -> str:
-    return f"INSERT INTO batch_files ({FILE_COLS}) VALUES ({marks(6)})"
+    return f"INSERT INTO batch_files ({FILE_COLS}) VALUES ({marks(7)})"
 
 
 # -- values ----------------------------------------------------------------------------------
@@ -139,7 +141,7 @@ def batch_values(row: BatchRow, total: int) -> tuple[Any, ...]:
 
 
 def file_values(f: FileRow) -> tuple[Any, ...]:
-    return (f.id, f.team_id, f.purpose, f.filename, f.bytes, f.created_at)
+    return (f.id, f.team_id, f.purpose, f.filename, f.bytes, f.created_at, f.expires_at)
 
 
 def request_values(batch_id: str, requests: Sequence[NewRequest]) -> list[tuple[str, str, int, str]]:

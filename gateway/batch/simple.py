@@ -41,8 +41,11 @@ from gateway.batch.store import BatchRow, BatchStore, FileRow
 from gateway.batch.submit import (
     api_handler,
     batch_object,
+    check_open_batches,
+    check_priority,
     decode,
     json_response,
+    storage_left,
     submit_batch,
     team_of,
     window_seconds,
@@ -115,6 +118,12 @@ def add_simple_routes(router: web.UrlDispatcher, *, store: BatchStore, authentic
         data = b"\n".join(lines) + b"\n"
         if len(data) > config.max_file_bytes:
             raise APIError(413, f"a batch is at most {config.max_file_bytes} bytes", param="requests")
+        if len(data) > await storage_left(store, config, team):
+            raise APIError(413, f"this batch would take the team's stored files past its limit of "
+                                f"{config.max_team_bytes} bytes; delete files first", param="requests",
+                           code="team_storage_full")  # fmt: skip
+        check_priority(config, team, PRIORITIES[body.priority])
+        await check_open_batches(store, config, team)  # before its file is stored
         fid = new_file_id()
         await asyncio.to_thread(files.write, fid, [data])
         now = time.time()

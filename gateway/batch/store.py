@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -51,7 +52,8 @@ CREATE TABLE IF NOT EXISTS batch_files (
     filename TEXT NOT NULL,
     bytes INTEGER NOT NULL,
     created_at REAL NOT NULL,
-    deleted INTEGER NOT NULL DEFAULT 0
+    deleted INTEGER NOT NULL DEFAULT 0,
+    expires_at REAL
 );
 CREATE INDEX IF NOT EXISTS batch_files_team ON batch_files (team_id, seq);
 CREATE TABLE IF NOT EXISTS batches (
@@ -104,6 +106,12 @@ CREATE INDEX IF NOT EXISTS batch_requests_state ON batch_requests (state, not_be
 CREATE INDEX IF NOT EXISTS batch_requests_line ON batch_requests (batch_id, line);
 """
 
+#: a file not expired (OpenAI's `expires_after`), as of the query's `now` parameter
+LIVE = "(expires_at IS NULL OR expires_at > ?)"
+#: batch states that hold a team's open-batch allowance (`[batch] max_open_batches`)
+OPEN = ("validating", "in_progress", "finalizing", "cancelling")
+
+
 class Conflict(Exception):
     """The batch is in a state that does not allow the change."""
 
@@ -143,6 +151,10 @@ class BatchStore(Protocol):
                               next_at: float | None, error: str | None) -> None: ...  # fmt: skip
     async def mean_request_seconds(self, since: float) -> float | None: ...
     async def pending_requests(self) -> int: ...
+    async def team_holdings(self, team_id: str) -> tuple[int, int]:
+        """(bytes of the team's stored files, its batches not yet ended): its per-team limits."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -166,6 +178,8 @@ class SqliteBatchStore:
         # the last transactions, which the runner then simply redoes.
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
+        if "expires_at" not in {r[1] for r in self._db.execute("PRAGMA table_info(batch_files)")}:
+            self._db.execute("ALTER TABLE batch_files ADD COLUMN expires_at REAL")  # a store made before it
 
     def close(self) -> None:
         with self._lock:
@@ -196,7 +210,7 @@ class SqliteBatchStore:
     async def get_file(self, team_id: str, file_id: str) -> FileRow | None:
         def q(db: sqlite3.Connection) -> FileRow | None:
             r = db.execute(f"SELECT {FILE_COLS} FROM batch_files WHERE id=? AND team_id=? "
-                           "AND deleted=0", (file_id, team_id)).fetchone()  # fmt: skip
+                           f"AND deleted=0 AND {LIVE}", (file_id, team_id, time.time())).fetchone()  # fmt: skip
             return FileRow(*r) if r else None
 
         return await self._read(q)
@@ -207,8 +221,8 @@ class SqliteBatchStore:
             cursor = _cursor(db, "batch_files", team_id, after)
             found = db.execute(
                 f"SELECT {FILE_COLS} FROM batch_files WHERE team_id=? AND deleted=0 AND seq<? "
-                "AND (? IS NULL OR purpose=?) ORDER BY seq DESC LIMIT ?",
-                (team_id, cursor, purpose, purpose, limit + 1),
+                f"AND (? IS NULL OR purpose=?) AND {LIVE} ORDER BY seq DESC LIMIT ?",
+                (team_id, cursor, purpose, purpose, time.time(), limit + 1),
             ).fetchall()
             return [FileRow(*r) for r in found[:limit]], len(found) > limit
 
@@ -287,13 +301,21 @@ class SqliteBatchStore:
 
     async def claim_requests(self, worker: str, n: int, lease_s: float, now: float) -> list[Claimed]:
         def q(db: sqlite3.Connection) -> list[Claimed]:
+            # Round-robin over teams (`turn`: a line's rank in its team's own queue after the
+            # lines the team already has running), so one team's 50,000-line batch cannot
+            # starve another team's batch queued after it, in one claim or over many.
             found = db.execute(
-                f"SELECT {CLAIM_COLS} "
-                "FROM batch_requests r JOIN batches b ON b.id = r.batch_id "
-                "WHERE b.status='in_progress' AND b.expires_at>? AND ("
-                "  (r.state='pending' AND r.not_before<=?) OR (r.state='running' AND r.lease_until<?)) "
-                "ORDER BY b.priority DESC, b.seq, r.line LIMIT ?",
-                (now, now, now, n),
+                f"SELECT {CLAIM_COLS} FROM (SELECT {CLAIM_COLS}, b.priority AS prio, b.seq AS bseq, "
+                "  COALESCE(k.busy, 0) + ROW_NUMBER() OVER ("
+                "    PARTITION BY b.team_id ORDER BY b.priority DESC, b.seq, r.line) AS turn "
+                "  FROM batch_requests r JOIN batches b ON b.id = r.batch_id LEFT JOIN ("
+                "    SELECT b2.team_id, COUNT(*) AS busy FROM batch_requests r2 JOIN batches b2 ON b2.id = r2.batch_id "
+                "    WHERE r2.state='running' AND r2.lease_until>=? GROUP BY b2.team_id) k ON k.team_id = b.team_id "
+                "  WHERE b.status='in_progress' AND b.expires_at>? AND ("
+                "  (r.state='pending' AND r.not_before<=?) OR (r.state='running' AND r.lease_until<?))) r "
+                "JOIN batches b ON b.id = r.batch_id "
+                "ORDER BY r.prio DESC, r.turn, r.bseq, r.line LIMIT ?",
+                (now, now, now, now, n),
             ).fetchall()  # fmt: skip
             for r in found:
                 db.execute("UPDATE batch_requests SET state='running', claimed_by=?, lease_until=?, "
@@ -426,6 +448,16 @@ class SqliteBatchStore:
             return r[0]
 
         return await self._tx(q)
+
+    async def team_holdings(self, team_id: str) -> tuple[int, int]:
+        def q(db: sqlite3.Connection) -> tuple[int, int]:
+            size = db.execute(f"SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=? AND NOT deleted "
+                              f"AND {LIVE}", (team_id, time.time())).fetchone()[0]  # fmt: skip
+            open_ = db.execute(f"SELECT COUNT(*) FROM batches WHERE team_id=? AND status IN ({_marks(len(OPEN))})",
+                               (team_id, *OPEN)).fetchone()[0]  # fmt: skip
+            return int(size), int(open_)
+
+        return await self._read(q)
 
     async def pending_requests(self) -> int:
         def q(db: sqlite3.Connection) -> int:

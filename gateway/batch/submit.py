@@ -20,12 +20,13 @@ from aiohttp import web
 from gateway.batch.config import BatchConfig
 from gateway.batch.contracts import Authenticate
 from gateway.batch.files import FileStore, InvalidFile, check_for_batch, parse_lines
-from gateway.batch.models import Batch, BatchError, BatchErrors, RequestCounts
+from gateway.batch.models import PRIORITIES, Batch, BatchError, BatchErrors, RequestCounts
 from gateway.batch.store import BatchRow, BatchStore, NewRequest
 from protocol.openai import APIError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_METADATA_PAIRS = 16
+PRIORITY_NAMES = {v: k for k, v in PRIORITIES.items()}
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
@@ -77,6 +78,33 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
                            param="metadata")  # fmt: skip
 
 
+def check_priority(config: BatchConfig, team_id: str, priority: int) -> None:
+    """A batch's priority is the operator's grant (`[teams.X] batch_priority`), not the client's."""
+    if priority > config.max_priority_for(team_id):
+        raise APIError(403, f"team {team_id!r} may not submit batches at this priority (its highest is "
+                            f"{PRIORITY_NAMES.get(config.max_priority_for(team_id), '?')!r})",
+                       type_="permission_error", param="priority", code="priority_not_allowed")  # fmt: skip
+
+
+async def check_open_batches(store: BatchStore, config: BatchConfig, team_id: str) -> None:
+    _, open_ = await store.team_holdings(team_id)
+    if open_ >= config.max_open_batches:
+        raise APIError(429, f"team {team_id!r} already has {open_} batches not yet ended (limit "
+                            f"{config.max_open_batches}); wait for one to end or cancel one",
+                       type_="rate_limit_error", code="too_many_open_batches")  # fmt: skip
+
+
+async def storage_left(store: BatchStore, config: BatchConfig, team_id: str) -> int:
+    """Bytes the team may still store in one file (its file bound, or what its storage allows)."""
+    held, _ = await store.team_holdings(team_id)
+    left = config.max_team_bytes - held
+    if left <= 0:
+        raise APIError(413, f"team {team_id!r} stores {held} bytes of files, its limit is "
+                            f"{config.max_team_bytes}; delete files first", param="file",
+                       code="team_storage_full")  # fmt: skip
+    return min(config.max_file_bytes, left)
+
+
 def window_seconds(config: BatchConfig, window: str) -> float:
     if window not in config.completion_windows:
         raise APIError(400, f"completion_window must be one of {', '.join(config.completion_windows)}",
@@ -98,10 +126,12 @@ async def submit_batch(store: BatchStore, files: FileStore, config: BatchConfig,
         raise APIError(400, f"endpoint must be one of {', '.join(config.endpoints)}", param="endpoint")
     seconds = window_seconds(config, window)
     check_metadata(metadata)
+    check_priority(config, team_id, priority)
+    await check_open_batches(store, config, team_id)
 
     def parse() -> tuple[list[Any], list[BatchError]]:
         try:
-            lines = parse_lines(files.lines(input_file_id), config)
+            lines = parse_lines(files.lines(input_file_id, config.max_line_bytes), config)
         except InvalidFile as e:  # limits may have changed since the upload
             return [], e.errors
         return lines, check_for_batch(lines, endpoint, config)

@@ -72,6 +72,9 @@ class ReserveRequest:
     gateway_id: str = ""
     #: billed if the booking expires unsettled (None: nothing)
     booked: Booked | None = None
+    #: the team's concurrency bound when its own `max_concurrent` is unset (`[quotas]
+    #: default_max_concurrent`; None or 0: none)
+    default_max_concurrent: int | None = None
 
 
 @dataclass(frozen=True)

@@ -69,9 +69,10 @@ def decide(team: Team, c: Counters, req: ReserveRequest,
         return RateState(limit_requests=team.rpm, limit_tokens=team.tpm, remaining_requests=left_requests,
                          remaining_tokens=left_tokens, reset_requests_s=reset, reset_tokens_s=reset_tokens)  # fmt: skip
 
-    if team.max_concurrent is not None and c.active >= team.max_concurrent:
+    concurrent = team.max_concurrent if team.max_concurrent is not None else (req.default_max_concurrent or None)
+    if concurrent is not None and c.active >= concurrent:
         return Refusal("concurrency", f"team {team.id!r} already has {c.active} requests in flight "
-                       f"(limit {team.max_concurrent})", 1.0, rate())  # fmt: skip
+                       f"(limit {concurrent})", 1.0, rate())  # fmt: skip
     if team.rpm is not None and c.window_requests >= team.rpm:
         return Refusal("requests", f"rate limit reached for team {team.id!r}: {team.rpm} requests per minute",
                        reset, rate())  # fmt: skip

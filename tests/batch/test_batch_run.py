@@ -260,7 +260,8 @@ async def test_callback_is_signed_and_retried(node: Proc, model_name: str, tiny_
     receiver.router.add_post("/hook", receive)
     recv_url = await serve(receiver)
     app = make_app(cfg(tmp_path, allow_private_callbacks=True, callback_secret="default",
-                       callback_secrets={"team-a": "team-a-secret"}, callback_retry_base_s=0.1),
+                       callback_secrets={"team-a": "team-a-secret"}, callback_retry_base_s=0.1,
+                       max_priorities={"team-a": 2}),
                    node_url=node.url, model_dir=tiny_llama)  # fmt: skip
     url = await serve(app)
     reqs = [x["body"] for x in chat_lines(5, model_name)]

@@ -116,7 +116,7 @@ async def test_quota_window_defers_lines_and_spent_budget_fails_them(nodes: tupl
             broke_id = await submit(c, lines_for(5))
         # the simple form, same team, same quota: plain OpenAI bodies in, results inline
         status, _, simple = http(f"{gw.url}/v1/batch", "POST", {"requests": [x["body"] for x in lines_for(3, user="simple")],
-                                                                 "priority": "high"}, key=narrow)  # fmt: skip
+                                                                 "priority": "low"}, key=narrow)  # fmt: skip
         assert status == 202, simple
         b = await wait_done(gw.url, narrow, narrow_id)
         assert b.status == "completed" and b.request_counts.completed == 20 and b.request_counts.failed == 0

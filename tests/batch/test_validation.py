@@ -170,7 +170,7 @@ async def test_list_batches_paginates_newest_first(tmp_path: Path, serve) -> Non
 
 
 async def test_simple_form_refusals(tmp_path: Path, serve) -> None:
-    url = await serve(make_app(config(tmp_path)))
+    url = await serve(make_app(config(tmp_path, max_priority=2)))  # "high" is granted here
     ok = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     async with aiohttp.ClientSession(headers={"Authorization": "Bearer key-a"}) as s:
         async def post(body: dict) -> tuple[int, dict]:

@@ -1,0 +1,87 @@
+"""A default per-team `max_concurrent` (issue #22): a team created without a concurrency limit
+is held to `[quotas] default_max_concurrent` (128 unless configured), so one team that never
+got limits cannot take every slot of the gateway; a team's own `max_concurrent` overrides
+the default. Before, such a team had no bound at all.
+
+Cheap checks come before tokenizing: a team already at its concurrency limit is refused (429)
+on this gateway's own count before its prompt is measured — an over-long prompt gets the 429,
+not the tokenizer's 400 (before: measured first, 400) — and more than 2048 messages is a 400
+before any template work.
+
+Real parts: a `duet gateway` process in front of a fake OpenAI-compatible provider (a real
+HTTP server) that holds requests open, the official openai client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+
+from tests.gateway.helpers import MODEL, gateway_proc, make_team, tiny_model
+from tests.gateway.test_providers_e2e import FakeServers, external
+from tests.procs import running
+from tests.providers.fakes import API_KEY, Fault
+from tests.wait import wait_for
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeServers]:
+    servers = FakeServers({"gpt": "openai"})
+    try:
+        yield servers
+    finally:
+        servers.close()
+
+
+def test_a_team_without_limits_gets_the_default_concurrency(fake: FakeServers, tmp_path: Path, tiny_llama: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
+    gpt = fake.fakes["gpt"]
+    # MODEL: a self-hosted model (the gateway tokenizes its prompts) whose node is never reached
+    models = {"gpt": external(gpt, {"in": 1.0, "out": 2.0}, 2),
+              MODEL: tiny_model(tiny_llama, both=["http://127.0.0.1:9"], max_model_len=1024)}  # fmt: skip
+    gw = gateway_proc(tmp_path, models, quotas={"default_max_concurrent": 1})
+    with running(gw):
+        plain, own = make_team(gw.url, "plain"), make_team(gw.url, "own", max_concurrent=3)
+
+        def client(key: str) -> openai.OpenAI:
+            return openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+        def hold(key: str) -> None:
+            seen = len(gpt.requests)
+            fake.loop.call_soon_threadsafe(gpt.faults.append, Fault.hang())
+
+            def send() -> None:
+                with contextlib.suppress(openai.APIError):  # the gateway stops under it at the end
+                    client(key).chat.completions.create(model="gpt", max_tokens=4,
+                                                        messages=[{"role": "user", "content": "hold"}])  # fmt: skip
+
+            threading.Thread(target=send, daemon=True).start()
+            wait_for(lambda: len(gpt.requests) > seen, 30, "the provider to hold a request")
+
+        def ask(key: str) -> None:
+            client(key).chat.completions.create(model="gpt", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+
+        hold(plain)
+        with pytest.raises(openai.RateLimitError) as e:
+            ask(plain)
+        assert e.value.body["code"] == "rate_limit_exceeded" and e.value.body["param"] == "concurrency", e.value.body
+        assert "limit 1" in e.value.body["message"]
+        # Refused before the tokenizer: a prompt far past the context gets the 429, not a 400.
+        with pytest.raises(openai.RateLimitError) as e:
+            client(plain).chat.completions.create(model=MODEL, max_tokens=4,
+                                                  messages=[{"role": "user", "content": "word " * 200_000}])  # fmt: skip
+        assert e.value.body["param"] == "concurrency", e.value.body
+        with pytest.raises(openai.BadRequestError) as e2:
+            client(own).chat.completions.create(model="gpt", max_tokens=4,
+                                                messages=[{"role": "user", "content": "hi"}] * 2049)  # fmt: skip
+        assert e2.value.body["param"] == "messages" and "2048" in e2.value.body["message"], e2.value.body
+        # Per team, and a team's own limit wins over the default.
+        hold(own)
+        ask(own)
+        fake.loop.call_soon_threadsafe(gpt.released.set)  # end the held requests: a quick stop
