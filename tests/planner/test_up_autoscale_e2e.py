@@ -37,8 +37,12 @@ def test_autoscale_adds_a_node_and_drains_one_without_a_failed_request(tiny_llam
     home = tmp_path / "home"
     cfg = tmp_path / "planner.toml"
     cfg.write_text(PLANNER)
+    # 2,048 KV blocks (UP_FLAGS' 256 is overridden): this test's subject is the scale steps, not
+    # admission. With 256, a CI run under load saw a 503 no_capacity ("decode-0 (-23 free blocks
+    # < 2)"): the coordinator subtracts routes not yet seen in the node's load frames, and three
+    # clients' ~10-block requests outran frames delayed by the loaded CPU.
     up = start_up(home, tiny_llama, free_port(), tmp_path / "up.log", "--prefill", "2", "--decode", "1",
-                  "--autoscale", "--max-nodes", "4", "--planner-config", str(cfg))  # fmt: skip
+                  "--autoscale", "--max-nodes", "4", "--planner-config", str(cfg), "--kv-blocks", "2048")  # fmt: skip
     try:
         key = wait_banner(up)
         client = openai.OpenAI(base_url=up.url + "/v1", api_key=key, max_retries=0)
