@@ -16,6 +16,7 @@ import errno
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import TypeVar
 
 import aiohttp
 import msgspec
@@ -59,6 +60,7 @@ class NodeFailure(Exception):
         self.reason = reason
 
 
+_T = TypeVar("_T")
 _CHUNK = msgspec.json.Decoder(NodeCompletionChunk)
 _WHOLE = msgspec.json.Decoder(NodeCompletion)
 _EMBEDDED = msgspec.json.Decoder(NodeEmbeddingResponse)
@@ -99,22 +101,28 @@ class NodeClient:
 
     async def prefill(self, url: str, request_id: str, body: NodeCompletionRequest) -> NodeCompletion:
         """The prefill leg; its answer carries `kv_transfer_params` for the decode node."""
-        try:
-            async with await self._post(url, request_id, body, self._prefill_timeout) as r:
-                raw = await r.read()
-        except _NETWORK_ERRORS as e:
-            raise _unreachable(url, e, "prefill leg: ") from None
-        if r.status >= 500 or r.status == 429:
-            raise NodeFailure(url, f"prefill leg answered {r.status}: {raw[:300]!r}")
-        if r.status != 200:
-            raise parse_error(r.status, raw)
-        try:
-            out = _WHOLE.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise NodeFailure(url, f"prefill leg: unreadable answer: {e}") from None
+        out = await self._whole(url, "/v1/completions", request_id, body, _WHOLE, "prefill leg")
         if out.kv_transfer_params is None or not out.kv_transfer_params.do_remote_prefill:
             raise NodeFailure(url, "prefill leg answered without kv_transfer_params")
         return out
+
+    async def _whole(self, url: str, path: str, request_id: str, body: msgspec.Struct,
+                     decoder: msgspec.json.Decoder[_T], what: str) -> _T:  # fmt: skip
+        """One whole (unstreamed) answer under the prefill leg's timeout: a network error, a 5xx
+        or a 429 is the node's failure (NodeFailure), another non-200 the request's (APIError)."""
+        try:
+            async with await self._post(url, request_id, body, self._prefill_timeout, path) as r:
+                raw = await r.read()
+        except _NETWORK_ERRORS as e:
+            raise _unreachable(url, e, f"{what}: ") from None
+        if r.status >= 500 or r.status == 429:
+            raise NodeFailure(url, f"{what} answered {r.status}: {raw[:300]!r}")
+        if r.status != 200:
+            raise parse_error(r.status, raw)
+        try:
+            return decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise NodeFailure(url, f"{what}: unreadable answer: {e}") from None
 
     async def stream(self, url: str, request_id: str,
                      body: NodeCompletionRequest) -> AsyncIterator[tuple[NodeCompletionChunk, bool]]:  # fmt: skip
@@ -163,16 +171,17 @@ class NodeClient:
             else:
                 resp.release()  # at the body's end: back to the pool; else (cut short) closed
 
-    async def _post(self, url: str, request_id: str, body: NodeCompletionRequest,
-                    timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:  # fmt: skip
-        """POST /v1/completions. A connect that timed out while this process's own event loop
+    async def _post(self, url: str, request_id: str, body: NodeCompletionRequest | NodeEmbeddingRequest,
+                    timeout: aiohttp.ClientTimeout, path: str = "/v1/completions") -> aiohttp.ClientResponse:  # fmt: skip
+        """POST `path` (a leg's by default) with the cluster secret: every call to a node goes
+        through here. A connect that timed out while this process's own event loop
         stood still for half the connect timeout or more is tried once more: the timeout was
         ours (loop_lag.py says how a burst does that), not the node's."""
         data = _ENC.encode(body)
         for attempt in (0, 1):
             t0 = time.monotonic()
             try:
-                return await self.session.post(f"{url}/v1/completions", data=data, headers=_headers(request_id, body, self._auth),
+                return await self.session.post(f"{url}{path}", data=data, headers=_headers(request_id, body, self._auth),
                                                timeout=timeout)  # fmt: skip
             except aiohttp.ConnectionTimeoutError:
                 stalled = self._lag.stalled_since(t0) if self._lag is not None else 0.0
@@ -220,20 +229,7 @@ class NodeClient:
     async def embed(self, url: str, request_id: str, body: NodeEmbeddingRequest) -> NodeEmbeddingResponse:
         """`POST /v1/embeddings` on an embed node (protocol/embeddings.py), under the prefill
         leg's timeout (both are one prefill). NodeFailure / APIError as the legs."""
-        try:
-            async with self.session.post(f"{url}/v1/embeddings", data=_ENC.encode(body), headers=_headers(request_id, None, self._auth),
-                                         timeout=self._prefill_timeout) as r:  # fmt: skip
-                raw = await r.read()
-        except _NETWORK_ERRORS as e:
-            raise _unreachable(url, e, "embeddings: ") from None
-        if r.status >= 500 or r.status == 429:
-            raise NodeFailure(url, f"embeddings answered {r.status}: {raw[:300]!r}")
-        if r.status != 200:
-            raise parse_error(r.status, raw)
-        try:
-            return _EMBEDDED.decode(raw)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise NodeFailure(url, f"embeddings: unreadable answer: {e}") from None
+        return await self._whole(url, "/v1/embeddings", request_id, body, _EMBEDDED, "embeddings")
 
     async def abort(self, url: str, request_id: str) -> None:
         """Best effort: the node frees whatever it holds for the request (quietly on failure)."""
@@ -244,10 +240,10 @@ class NodeClient:
                 log.info("aborted %s on %s: %s", request_id, url, r.status)
 
 
-def _headers(request_id: str, body: NodeCompletionRequest | None = None,
+def _headers(request_id: str, body: NodeCompletionRequest | NodeEmbeddingRequest | None = None,
              auth: dict[str, str] | None = None) -> dict[str, str]:  # fmt: skip
     h = {"X-Request-Id": request_id, "Content-Type": "application/json", **(auth or {})}
-    if body is not None and body.resume is not None:  # a migrated leg says so to logs and proxies
+    if isinstance(body, NodeCompletionRequest) and body.resume is not None:  # a migrated leg says so to logs and proxies
         h["X-Duet-Migration"] = str(body.resume.migration)
     return h
 
