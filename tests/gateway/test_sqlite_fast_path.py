@@ -116,6 +116,45 @@ async def test_the_wal_stays_bounded_while_the_loop_never_stops_writing(tmp_path
     await s.close()
 
 
+async def test_a_checkpoint_that_falls_behind_holds_the_loops_writes_back(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The WAL bound must not depend on how fast the worker thread is scheduled: on a starved
+    machine a checkpoint took as long as several cycles of the loop's writes (the WAL reached
+    5.5 cycles' worth in CI). A checkpoint held here on the worker: the loop writes one more
+    cycle on its fast path, then its writes wait behind the checkpoint, and go on once it ends."""
+    monkeypatch.setattr(sqlite_conn, "CHECKPOINT_EVERY", 20)
+    release = threading.Event()
+    real_passive = sqlite_conn._passive
+
+    def held_passive(db: sqlite3.Connection) -> None:
+        release.wait(30)
+        real_passive(db)
+
+    monkeypatch.setattr(sqlite_conn, "_passive", held_passive)
+    s = await _store(tmp_path / "g.db")
+    for i in range(20):  # the 20th fast write starts the (held) checkpoint
+        assert isinstance(await s.reserve(_req(i)), Reservation)
+    assert s._conns._checkpoint is not None
+    for i in range(20, 40):  # one more cycle goes on the fast path meanwhile
+        assert isinstance(await asyncio.wait_for(s.reserve(_req(i)), 10), Reservation)
+    assert s._conns.checkpoint_waits == 0
+    held = asyncio.ensure_future(s.reserve(_req(40)))
+    deadline = time.monotonic() + 10
+    while s._conns.checkpoint_waits == 0 and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert s._conns.checkpoint_waits == 1 and not held.done()  # queued behind the checkpoint
+    release.set()
+    assert isinstance(await asyncio.wait_for(held, 30), Reservation)
+    deadline = time.monotonic() + 30
+    while s._conns._checkpoint is not None and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    assert s._conns._checkpoint is None
+    waits = s._conns.checkpoint_waits
+    assert isinstance(await s.reserve(_req(41)), Reservation)  # the fast path again
+    assert s._conns.checkpoint_waits == waits
+    await s.close()
+
+
 async def test_calls_from_another_thread_use_the_worker(tmp_path: Path) -> None:
     """The loop's connection belongs to the loop's thread; a store used from another thread's
     event loop (a CLI helper, a test) still works, through the worker."""
