@@ -117,8 +117,10 @@ class GatewayExecutor:
         if team is None:
             err = APIError(403, f"team {team_id!r} no longer exists", type_="permission_error", code="team_deleted")
             return err.status, msgspec.to_builtins(err.body())
+        # idempotent: the runner reruns a line under the same id when its gateway died between
+        # billing it and recording its result — billed once (store/base.py UsageRecord.idempotent)
         caller = Caller(ApiKey(id="batch", team_id=team_id, name="batch"), team, request_id, time.monotonic(),
-                        self.price_factor)  # fmt: skip
+                        self.price_factor, idempotent=True)  # fmt: skip
         try:
             answer = await serve.run(self.state, caller, _ENC.encode(body), _ENDPOINTS[endpoint], tier_header=tier)
         except RateLimited as e:

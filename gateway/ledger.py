@@ -89,6 +89,8 @@ class Caller:
     request_id: str
     t0: float
     price_factor: float = 1.0
+    #: `request_id` is an idempotency key: a rerun under it is billed once (a batch line's)
+    idempotent: bool = False
 
 
 def _worst_case(state: GatewayState, model: str, prompt: int, completion: int) -> float:
@@ -117,7 +119,8 @@ class Ledger:
         team, n_prompt, max_tokens = caller.team, size.n_prompt, size.max_tokens
         # what the booking bills if this gateway dies before settling it: the prompt
         booked = Booked(model=served.config.name, tier=tier, endpoint=req.endpoint.value, prompt_tokens=n_prompt,
-                        prompt_cost_usd=cost_usd(served.config, n_prompt, 0) * caller.price_factor)  # fmt: skip
+                        prompt_cost_usd=cost_usd(served.config, n_prompt, 0) * caller.price_factor,
+                        idempotent=caller.idempotent)  # fmt: skip
         reserve = ReserveRequest(team_id=team.id, key_id=caller.key.id, request_id=caller.request_id,
                                  tokens=n_prompt + req.n * max_tokens,
                                  cost_usd=_worst_case(state, served.config.name, n_prompt, req.n * max_tokens)
@@ -162,7 +165,8 @@ class Ledger:
         r.latency_s = time.monotonic() - self.caller.t0
         r.created_at = time.time()
         self.settled = True
-        return Settlement(self.reservation_id, r, window_tokens=None if served or prompt_only else 0)
+        return Settlement(self.reservation_id, r, window_tokens=None if served or prompt_only else 0,
+                          idempotent=self.caller.idempotent)  # fmt: skip
 
     async def commit(self, status: UsageStatus, acc: Accounting | None) -> None:
         """Settle and wait until the record is in the store (before the answer's last bytes)."""

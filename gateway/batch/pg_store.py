@@ -193,7 +193,9 @@ class PostgresBatchStore:
             "  OR (r.state='running' AND r.lease_until<$1) "
             "  ORDER BY q.priority DESC, q.turn, q.seq, q.line LIMIT $2 FOR UPDATE OF r SKIP LOCKED) "
             "UPDATE batch_requests r SET state='running', claimed_by=$3, lease_until=$4, attempts=r.attempts+1, "
-            "started_at=$1 FROM c, batches b WHERE r.batch_id=c.batch_id AND r.custom_id=c.custom_id "
+            # a rerun keeps its key (rows.Claimed.request_id)
+            "started_at=$1, request_id=COALESCE(r.request_id, 'batch-' || replace(gen_random_uuid()::text, '-', '')) "
+            "FROM c, batches b WHERE r.batch_id=c.batch_id AND r.custom_id=c.custom_id "
             f"AND b.id=r.batch_id RETURNING {CLAIM_COLS}, b.priority, b.seq",
             now, n, worker, now + lease_s,
         )  # fmt: skip
@@ -223,7 +225,7 @@ class PostgresBatchStore:
                             error: dict[str, Any], *, spent: bool = True) -> bool:  # fmt: skip
         tag = await (await self._p()).execute(
             "UPDATE batch_requests SET state='pending', not_before=$1, error=$2, claimed_by=NULL, "
-            "lease_until=NULL, attempts=attempts-$3 WHERE batch_id=$4 AND custom_id=$5 AND state='running' "
+            "lease_until=NULL, request_id=NULL, attempts=attempts-$3 WHERE batch_id=$4 AND custom_id=$5 AND state='running' "
             "AND claimed_by=$6",
             not_before, rows.dumps(error), 0 if spent else 1, batch_id, custom_id, worker,
         )  # fmt: skip

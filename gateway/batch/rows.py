@@ -13,6 +13,7 @@ lapsed counts as pending (its runner died).
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +85,10 @@ class Claimed:
     attempts: int  # including this one
     team_id: str
     endpoint: str
+    #: the run's request id, the idempotency key of its usage record: kept on the row from the
+    #: claim on, so a rerun after the runner died (its outcome never recorded) is billed under
+    #: the same key, once; a recorded retry clears it and the next attempt gets a new one
+    request_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -108,7 +113,7 @@ FILE_COLS = "id, team_id, purpose, filename, bytes, created_at, expires_at"
 _BATCH_INSERT_COLS = ("id, team_id, kind, endpoint, input_file_id, completion_window, status, priority, "
                       "metadata, errors, total, created_at, in_progress_at, expires_at, failed_at, callback_url")  # fmt: skip
 #: the columns of a claimed request, in `claimed`'s order (`r.` the request, `b.` its batch)
-CLAIM_COLS = "r.batch_id, r.custom_id, r.line, r.body, r.attempts, b.team_id, b.endpoint"
+CLAIM_COLS = "r.batch_id, r.custom_id, r.line, r.body, r.attempts, b.team_id, b.endpoint, r.request_id"
 RESULT_COLS = "custom_id, line, state, status_code, request_id, response, error"
 REQUEST_INSERT_COLS = ("batch_id", "custom_id", "line", "body")
 
@@ -182,11 +187,15 @@ def batch_row(r: Sequence[Any], counts: Mapping[str, int]) -> BatchRow:
     )  # fmt: skip
 
 
-def claimed(r: Sequence[Any], attempts: int) -> Claimed:
+def claimed(r: Sequence[Any], attempts: int, request_id: str | None = None) -> Claimed:
     """A CLAIM_COLS row; `attempts` counts this claim (the stores read it before or after
-    their update)."""
+    their update); `request_id`: the one the claim wrote when the row had none."""
     return Claimed(batch_id=r[0], custom_id=r[1], line=r[2], body=json.loads(r[3]), attempts=attempts,
-                   team_id=r[5], endpoint=r[6])  # fmt: skip
+                   team_id=r[5], endpoint=r[6], request_id=r[7] or request_id or "")  # fmt: skip
+
+
+def new_request_id() -> str:
+    return f"batch-{uuid.uuid4().hex}"
 
 
 def result_row(r: Sequence[Any]) -> ResultRow:

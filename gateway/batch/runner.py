@@ -7,6 +7,11 @@ Invariants:
   when their leases lapse (at once if it restarts with the same `worker_id`), so a batch
   resumes after a restart or on another gateway, and the store's claim check means one result
   per custom_id, whoever ran it.
+- A line is billed once: its request id is written with its claim and kept until an outcome
+  is recorded, and the executor bills under it as an idempotency key (store/base.py
+  `Settlement.idempotent`), so a rerun after a crash between its usage record and its result
+  replaces the first run's record instead of adding a second. A recorded retry clears the id:
+  each recorded attempt is its own request.
 - Retryable failures (an exception, 408/429/5xx) go back to `pending` with exponential backoff,
   until `max_attempts`; then the last answer is the request's result. A 429
   `insufficient_quota` (spent budget) is final at once; an executor's `Defer` (rate window
@@ -25,7 +30,6 @@ import contextlib
 import hashlib
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +46,7 @@ from gateway.batch.models import (
     OutputResponse,
     RequestCounts,
 )
+from gateway.batch.rows import new_request_id
 from gateway.batch.store import BatchRow, BatchStore, Claimed, FileRow, ResultRow
 
 log = logging.getLogger("duet.gateway.batch")
@@ -157,7 +162,8 @@ class BatchRunner:
 
     # ---- one request ----
     async def _run(self, c: Claimed) -> None:
-        request_id = f"batch-{uuid.uuid4().hex}"
+        # The claim's id: a rerun after a crash reuses it, so its usage record is billed once.
+        request_id = c.request_id or new_request_id()
         try:
             await self._run_once(c, request_id)
         except asyncio.CancelledError:

@@ -317,11 +317,14 @@ class SqliteBatchStore:
                 "ORDER BY r.prio DESC, r.turn, r.bseq, r.line LIMIT ?",
                 (now, now, now, now, n),
             ).fetchall()  # fmt: skip
+            out = []
             for r in found:
+                rid = r[7] or rows.new_request_id()  # a rerun keeps its key (rows.Claimed.request_id)
                 db.execute("UPDATE batch_requests SET state='running', claimed_by=?, lease_until=?, "
-                           "attempts=attempts+1, started_at=? WHERE batch_id=? AND custom_id=?",
-                           (worker, now + lease_s, now, r[0], r[1]))  # fmt: skip
-            return [rows.claimed(r, attempts=r[4] + 1) for r in found]
+                           "attempts=attempts+1, started_at=?, request_id=? WHERE batch_id=? AND custom_id=?",
+                           (worker, now + lease_s, now, rid, r[0], r[1]))  # fmt: skip
+                out.append(rows.claimed(r, attempts=r[4] + 1, request_id=rid))
+            return out
 
         return await self._tx(q)
 
@@ -353,7 +356,7 @@ class SqliteBatchStore:
         def q(db: sqlite3.Connection) -> bool:
             return db.execute(
                 "UPDATE batch_requests SET state='pending', not_before=?, error=?, claimed_by=NULL, "
-                "lease_until=NULL, attempts=attempts-? WHERE batch_id=? AND custom_id=? AND "
+                "lease_until=NULL, request_id=NULL, attempts=attempts-? WHERE batch_id=? AND custom_id=? AND "
                 "state='running' AND claimed_by=?",
                 (not_before, rows.dumps(error), 0 if spent else 1, batch_id, custom_id, worker),
             ).rowcount == 1  # fmt: skip

@@ -57,6 +57,8 @@ class Booked:
     endpoint: str
     prompt_tokens: int
     prompt_cost_usd: float
+    #: the request id is an idempotency key (`Settlement.idempotent`)
+    idempotent: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,11 @@ class Settlement:
     #: tokens the request keeps in the team's TPM window (None: prompt + completion); a
     #: request no node ever served keeps none
     window_tokens: int | None = None
+    #: the record's `request_id` is an idempotency key: the same work may run again under it (a
+    #: batch line whose gateway died between billing it and recording its result), and the
+    #: store keeps one record per key — a later settled record replaces the earlier one (whose
+    #: spend is taken back), an expired booking's record never replaces one (`usage_keys`)
+    idempotent: bool = False
 
     @property
     def tokens(self) -> int:

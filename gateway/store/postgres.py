@@ -30,7 +30,7 @@ from gateway.store.base import (
     Team,
     UsageRecord,
 )
-from gateway.store.expiry import booked_from, booked_json, expired_record
+from gateway.store.expiry import EXPIRED, booked_from, booked_json, expired_record
 from gateway.store.rules import Counters, day_period, decide, month_period, window_start
 
 SCHEMA = """
@@ -66,6 +66,10 @@ CREATE INDEX IF NOT EXISTS usage_team_time ON usage (team_id, created_at);
 """
 #: tables later versions added (created when missing, like SCHEMA on an empty database)
 GATEWAYS = "CREATE TABLE IF NOT EXISTS gateways (id TEXT PRIMARY KEY, heartbeat_at DOUBLE PRECISION NOT NULL)"
+#: the idempotency keys of usage records (base.UsageRecord.idempotent)
+USAGE_KEYS = ("CREATE TABLE IF NOT EXISTS usage_keys (request_id TEXT PRIMARY KEY, team_id TEXT NOT NULL, "
+              "cost_usd DOUBLE PRECISION NOT NULL, created_at DOUBLE PRECISION NOT NULL, "
+              "billed_at DOUBLE PRECISION NOT NULL)")
 #: columns later versions added to existing tables: (table, column, type)
 ADDED_COLUMNS = [("usage", "user", "TEXT"), ("reservations", "gateway_id", "TEXT"), ("reservations", "booked", "TEXT"),
                  ("usage", "migrations", "INTEGER"), ("usage", "leg_tokens", "TEXT")]
@@ -107,14 +111,43 @@ async def _expire(con: Any, now: float, where: str, *args: Any) -> int:
                            f"FROM reservations WHERE {where} FOR UPDATE", *args)  # fmt: skip
     for r in rows:
         await _unbook(con, r["id"], r["team_id"], r["cost_usd"])
-        record = expired_record(r["team_id"], r["key_id"], r["request_id"], booked_from(r["booked"]), now)
+        b = booked_from(r["booked"])
+        record = expired_record(r["team_id"], r["key_id"], r["request_id"], b, now)
         await _bucket(con, r["team_id"], int(r["created_at"]), 0, (record.prompt_tokens if record else 0) - r["tokens"])
-        if record is not None:
-            await _write_usage(con, [record], now)
+        if record is not None and b is not None:
+            await _write_usage(con, [(record, b.idempotent)], now)
     return len(rows)
 
 
-async def _write_usage(con: Any, records: list[UsageRecord], now: float) -> None:
+async def _take_key(con: Any, r: UsageRecord, now: float) -> bool:
+    """`r`'s key is billed once (base.Settlement.idempotent): True to write `r` — its key is
+    new, or `r` replaces the key's earlier record (that record and its spend are taken back
+    here). The key's row lock orders two gateways settling one key: the second waits for the
+    first's commit, then replaces its record."""
+    if await con.fetchval("INSERT INTO usage_keys (request_id, team_id, cost_usd, created_at, billed_at) "
+                          "VALUES ($1,$2,$3,$4,$5) ON CONFLICT (request_id) DO NOTHING RETURNING 1",
+                          r.request_id, r.team_id, r.cost_usd, r.created_at, now):  # fmt: skip
+        return True
+    if r.status == EXPIRED:  # a dead run's booking: the key is billed already
+        return False
+    old = await con.fetchrow("SELECT team_id, cost_usd, created_at, billed_at FROM usage_keys WHERE request_id=$1 "
+                             "FOR UPDATE", r.request_id)  # fmt: skip
+    # (team_id, created_at) is the usage table's index: no scan for the old record
+    await con.execute("DELETE FROM usage WHERE team_id=$1 AND created_at=$2 AND request_id=$3",
+                      old["team_id"], old["created_at"], r.request_id)  # fmt: skip
+    if old["cost_usd"] > 0:
+        await con.execute("UPDATE spend SET cost_usd = cost_usd - $1 WHERE team_id=$2 AND period = ANY($3::text[])",
+                          old["cost_usd"], old["team_id"], [day_period(old["billed_at"]), month_period(old["billed_at"])])  # fmt: skip
+    await con.execute("UPDATE usage_keys SET team_id=$2, cost_usd=$3, created_at=$4, billed_at=$5 WHERE request_id=$1",
+                      r.request_id, r.team_id, r.cost_usd, r.created_at, now)  # fmt: skip
+    return True
+
+
+async def _write_usage(con: Any, keyed: list[tuple[UsageRecord, bool]], now: float) -> None:
+    """Write each record; one flagged `True` has an idempotency key (base.Settlement.idempotent)."""
+    records = [r for r, once in keyed if not once or await _take_key(con, r, now)]
+    if not records:
+        return
     for r in records:
         if r.cost_usd > 0:
             for period in (day_period(now), month_period(now)):
@@ -177,6 +210,8 @@ class PostgresStore(Store):
                 await con.execute(SCHEMA)
             if await con.fetchval("SELECT to_regclass('gateways')") is None:
                 await con.execute(GATEWAYS)
+            if await con.fetchval("SELECT to_regclass('usage_keys')") is None:
+                await con.execute(USAGE_KEYS)
             await _add_columns(con)
 
     async def close(self) -> None:
@@ -284,11 +319,11 @@ class PostgresStore(Store):
 
     async def settle(self, batch: list[Settlement]) -> None:
         now = time.time()
-        batch = sorted(batch, key=lambda s: s.record.team_id)  # one lock order for every gateway
+        batch = sorted(batch, key=lambda s: (s.record.team_id, s.record.request_id))  # one lock order for every gateway
         async with self.pool.acquire() as con, con.transaction():
             for s in batch:
                 await _settle_booking(con, s, now)
-            await _write_usage(con, [s.record for s in batch], now)
+            await _write_usage(con, [(s.record, s.idempotent) for s in batch], now)
 
     async def expire_reservations(self, now: float | None = None) -> int:
         t = time.time() if now is None else now

@@ -32,7 +32,7 @@ from gateway.store.base import (
     Team,
     UsageRecord,
 )
-from gateway.store.expiry import booked_from, booked_json, expired_record
+from gateway.store.expiry import EXPIRED, booked_from, booked_json, expired_record
 from gateway.store.rules import Counters, day_period, decide, month_period, window_start
 from gateway.store.sqlite_conn import Connections
 
@@ -70,6 +70,9 @@ CREATE TABLE IF NOT EXISTS usage (
     ttft_s REAL, latency_s REAL NOT NULL, nodes TEXT NOT NULL, created_at REAL NOT NULL, user TEXT,
     migrations INTEGER, leg_tokens TEXT);
 CREATE INDEX IF NOT EXISTS usage_team_time ON usage (team_id, created_at);
+CREATE TABLE IF NOT EXISTS usage_keys (
+    request_id TEXT PRIMARY KEY, team_id TEXT NOT NULL, cost_usd REAL NOT NULL, created_at REAL NOT NULL,
+    billed_at REAL NOT NULL);
 """
 #: columns later versions added to existing tables: (table, column, type)
 ADDED_COLUMNS = [("usage", "user", "TEXT"), ("reservations", "gateway_id", "TEXT"), ("reservations", "booked", "TEXT"),
@@ -296,7 +299,7 @@ def _settler(batch: list[Settlement]) -> Callable[[sqlite3.Connection], None]:
         with _tx(db):
             for s in batch:
                 _settle_booking(db, s, now)
-                _write_usage(db, s.record, now)
+                _write_usage(db, s.record, now, s.idempotent)
 
     return q
 
@@ -403,14 +406,18 @@ def _expire(db: sqlite3.Connection, where: str, args: tuple[Any, ...], now: floa
                       "tokens, cost_usd, booked", args).fetchall()  # fmt: skip
     for team_id, key_id, request_id, created, tokens, cost, booked in rows:
         _unbook(db, team_id, cost)
-        record = expired_record(team_id, key_id, request_id, booked_from(booked), now)
+        b = booked_from(booked)
+        record = expired_record(team_id, key_id, request_id, b, now)
         _bucket(db, team_id, int(created), 0, (record.prompt_tokens if record else 0) - tokens)
-        if record is not None:
-            _write_usage(db, record, now)
+        if record is not None and b is not None:
+            _write_usage(db, record, now, once=b.idempotent)
     return len(rows)
 
 
-def _write_usage(db: sqlite3.Connection, r: UsageRecord, now: float) -> None:
+def _write_usage(db: sqlite3.Connection, r: UsageRecord, now: float, once: bool = False) -> None:
+    """`once`: r's request id is an idempotency key (base.Settlement.idempotent)."""
+    if once and not _take_key(db, r, now):
+        return
     if r.cost_usd > 0:  # the day's and the month's spend, in one statement
         db.execute("INSERT INTO spend (team_id, period, cost_usd) VALUES (?1,?2,?4), (?1,?3,?4) "
                    "ON CONFLICT (team_id, period) DO UPDATE SET cost_usd = cost_usd + excluded.cost_usd",
@@ -419,6 +426,29 @@ def _write_usage(db: sqlite3.Connection, r: UsageRecord, now: float) -> None:
     values[_NODES] = json.dumps(r.nodes)
     values[_LEG_TOKENS] = json.dumps(r.leg_tokens)
     db.execute(_INSERT_USAGE, values)
+
+
+def _take_key(db: sqlite3.Connection, r: UsageRecord, now: float) -> bool:
+    """`r`'s key is billed once (base.Settlement.idempotent): True to write `r` — its key is
+    new, or `r` replaces the key's earlier record (that record and its spend are taken back
+    here, under the write lock the caller's transaction holds)."""
+    old = db.execute("SELECT team_id, cost_usd, created_at, billed_at FROM usage_keys WHERE request_id=?",
+                     (r.request_id,)).fetchone()  # fmt: skip
+    if old is not None and r.status == EXPIRED:  # a dead run's booking: the key is billed already
+        return False
+    if old is not None:
+        team_id, cost, created, billed = old
+        # (team_id, created_at) is the usage table's index: no scan for the old record
+        db.execute("DELETE FROM usage WHERE team_id=? AND created_at=? AND request_id=?",
+                   (team_id, created, r.request_id))  # fmt: skip
+        if cost > 0:
+            db.execute("UPDATE spend SET cost_usd = cost_usd - ? WHERE team_id=? AND period IN (?, ?)",
+                       (cost, team_id, day_period(billed), month_period(billed)))  # fmt: skip
+    db.execute("INSERT INTO usage_keys (request_id, team_id, cost_usd, created_at, billed_at) VALUES (?,?,?,?,?) "
+               "ON CONFLICT (request_id) DO UPDATE SET team_id=excluded.team_id, cost_usd=excluded.cost_usd, "
+               "created_at=excluded.created_at, billed_at=excluded.billed_at",
+               (r.request_id, r.team_id, r.cost_usd, r.created_at, now))  # fmt: skip
+    return True
 
 
 def _settle_booking(db: sqlite3.Connection, s: Settlement, now: float) -> None:
