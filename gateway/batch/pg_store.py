@@ -33,7 +33,7 @@ from gateway.batch.rows import (
     NewRequest,
     ResultRow,
 )
-from gateway.batch.store import OPEN, Conflict
+from gateway.batch.store import OPEN, Conflict, TeamLimit
 
 #: a file not expired (OpenAI's `expires_after`), as of the query's `now` ($3)
 LIVE = "(expires_at IS NULL OR expires_at > $3)"
@@ -69,6 +69,8 @@ CREATE INDEX IF NOT EXISTS batch_requests_line ON batch_requests (batch_id, line
 """
 #: serializes schema creation between gateways starting at once (CREATE IF NOT EXISTS races)
 _SCHEMA_LOCK = 0x6475657462617463
+#: the first key of the per-team advisory lock of batch-tier writes (an int4: 'dubt')
+_TEAM_LOCK = 0x64756274
 
 
 def _marks(n: int) -> str:
@@ -104,8 +106,13 @@ class PostgresBatchStore:
             self._pool = None
 
     # ---- files ----
-    async def insert_file(self, row: FileRow) -> None:
-        async with (await self._p()).acquire() as con:
+    async def insert_file(self, row: FileRow, max_team_bytes: int | None = None) -> None:
+        async with (await self._p()).acquire() as con, con.transaction():
+            if max_team_bytes is not None:
+                await _lock_team(con, row.team_id)  # held from this read to the commit
+                held = await _team_bytes(con, row.team_id)
+                if held + row.bytes > max_team_bytes:
+                    raise TeamLimit("bytes", held)
             await _insert_file(con, row)
 
     async def get_file(self, team_id: str, file_id: str) -> FileRow | None:
@@ -129,8 +136,13 @@ class PostgresBatchStore:
         return _count(tag) == 1
 
     # ---- batches ----
-    async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest]) -> None:
+    async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest], max_open: int | None = None) -> None:
         async with (await self._p()).acquire() as con, con.transaction():
+            if max_open is not None and row.status in OPEN:
+                await _lock_team(con, row.team_id)  # held from this read to the commit
+                held = await _open_batches(con, row.team_id)
+                if held >= max_open:
+                    raise TeamLimit("open_batches", held)
             await con.execute(rows.insert_batch_sql(_marks), *rows.batch_values(row, len(requests)))
             await con.copy_records_to_table("batch_requests", columns=list(REQUEST_INSERT_COLS),
                                             records=rows.request_values(row.id, requests))  # fmt: skip
@@ -299,12 +311,8 @@ class PostgresBatchStore:
             "finished_at>=$1", since)  # fmt: skip
 
     async def team_holdings(self, team_id: str) -> tuple[int, int]:
-        p = await self._p()
-        size = await p.fetchval("SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=$1 AND NOT deleted "
-                                "AND (expires_at IS NULL OR expires_at > $2)", team_id, time.time())  # fmt: skip
-        open_ = await p.fetchval("SELECT COUNT(*) FROM batches WHERE team_id=$1 AND status = ANY($2::text[])",
-                                 team_id, list(OPEN))  # fmt: skip
-        return int(size), int(open_)
+        async with (await self._p()).acquire() as con:
+            return await _team_bytes(con, team_id), await _open_batches(con, team_id)
 
     async def pending_requests(self) -> int:
         return int(await (await self._p()).fetchval(
@@ -315,6 +323,22 @@ class PostgresBatchStore:
 def _count(tag: str) -> int:
     """Rows a statement touched, from its status tag ("UPDATE 3")."""
     return int(tag.rsplit(" ", 1)[-1])
+
+
+async def _lock_team(con: Any, team_id: str) -> None:
+    """The team's batch-tier writes, one at a time until this transaction ends (store.TeamLimit):
+    READ COMMITTED alone would let two transactions count, then both insert."""
+    await con.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", _TEAM_LOCK, team_id)
+
+
+async def _team_bytes(con: Any, team_id: str) -> int:
+    return int(await con.fetchval("SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=$1 AND NOT "
+                                  "deleted AND (expires_at IS NULL OR expires_at > $2)", team_id, time.time()))  # fmt: skip
+
+
+async def _open_batches(con: Any, team_id: str) -> int:
+    return int(await con.fetchval("SELECT COUNT(*) FROM batches WHERE team_id=$1 AND status = ANY($2::text[])",
+                                  team_id, list(OPEN)))  # fmt: skip
 
 
 async def _insert_file(con: Any, f: FileRow) -> None:

@@ -24,12 +24,13 @@ from gateway.batch.contracts import Authenticate
 from gateway.batch.files import FileStore, InvalidFile, bounded_lines, new_file_id, parse_lines
 from gateway.batch.models import CreateBatch, FileObject, ListPage
 from gateway.batch.simple import add_simple_routes
-from gateway.batch.store import BatchStore, Conflict, FileRow
+from gateway.batch.store import BatchStore, Conflict, FileRow, TeamLimit
 from gateway.batch.submit import (
     api_handler,
     batch_object,
     decode,
     json_response,
+    limit_error,
     storage_left,
     submit_batch,
     team_of,
@@ -133,7 +134,12 @@ class _Routes:
         now = time.time()
         row = FileRow(id=fid, team_id=team, purpose="batch", filename=filename, bytes=size, created_at=now,
                       expires_at=None if ttl is None else now + ttl)  # fmt: skip
-        await self.store.insert_file(row)
+        try:
+            await self.store.insert_file(row, max_team_bytes=self.config.max_team_bytes)
+        except TeamLimit as e:  # uploads racing this one filled the team's storage meanwhile
+            with contextlib.suppress(OSError):
+                self.files.delete(fid)
+            raise limit_error(self.config, team, e) from None
         return json_response(file_object(row))
 
     async def _save_part(self, part: Any, cap: int) -> tuple[Any, int]:

@@ -11,6 +11,7 @@ file of the team, so both forms share validation, the runner, and the output fil
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -37,7 +38,7 @@ from gateway.batch.models import (
     SimpleRequest,
 )
 from gateway.batch.runner import output_line
-from gateway.batch.store import BatchRow, BatchStore, FileRow
+from gateway.batch.store import BatchRow, BatchStore, FileRow, TeamLimit
 from gateway.batch.submit import (
     api_handler,
     batch_object,
@@ -45,6 +46,7 @@ from gateway.batch.submit import (
     check_priority,
     decode,
     json_response,
+    limit_error,
     storage_left,
     submit_batch,
     team_of,
@@ -127,13 +129,24 @@ def add_simple_routes(router: web.UrlDispatcher, *, store: BatchStore, authentic
         fid = new_file_id()
         await asyncio.to_thread(files.write, fid, [data])
         now = time.time()
-        await store.insert_file(FileRow(id=fid, team_id=team, purpose="batch", filename="batch.jsonl",
-                                        bytes=len(data), created_at=now))  # fmt: skip
-        row = await submit_batch(store, files, config, team_id=team, kind="simple",
-                                 endpoint=parsed[0][1].url, input_file_id=fid,
-                                 window=body.completion_window, metadata=body.metadata,
-                                 callback_url=body.callback_url,
-                                 priority=PRIORITIES[body.priority], refuse_invalid=True)  # fmt: skip
+        try:  # the store holds both bounds against requests racing the checks above
+            await store.insert_file(FileRow(id=fid, team_id=team, purpose="batch", filename="batch.jsonl",
+                                            bytes=len(data), created_at=now), max_team_bytes=config.max_team_bytes)  # fmt: skip
+        except TeamLimit as e:
+            with contextlib.suppress(OSError):
+                files.delete(fid)
+            raise limit_error(config, team, e, param="requests") from None
+        try:
+            row = await submit_batch(store, files, config, team_id=team, kind="simple",
+                                     endpoint=parsed[0][1].url, input_file_id=fid,
+                                     window=body.completion_window, metadata=body.metadata,
+                                     callback_url=body.callback_url,
+                                     priority=PRIORITIES[body.priority], refuse_invalid=True)  # fmt: skip
+        except APIError:  # no batch: its file goes too, so it holds none of the team's storage
+            await store.delete_file(team, fid)
+            with contextlib.suppress(OSError):
+                files.delete(fid)
+            raise
         wake()
         est = min(await estimate_completion(store, config, len(parsed), now), now + window)
         return json_response(SimpleBatchCreated(batch_id=row.id, status=row.status,

@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 from gateway.batch import rows
 from gateway.batch.rows import (
@@ -116,16 +116,33 @@ class Conflict(Exception):
     """The batch is in a state that does not allow the change."""
 
 
+class TeamLimit(Exception):
+    """A write would take the team past one of its batch-tier bounds (`[batch] max_team_bytes`,
+    `max_open_batches`). Checked in the write's own transaction, under a lock on the team's
+    writes (SQLite's write lock; a per-team advisory lock on PostgreSQL), so requests racing
+    each other, on one gateway or several, cannot pass a bound together."""
+
+    def __init__(self, kind: Literal["bytes", "open_batches"], held: int) -> None:
+        super().__init__(f"{kind}: {held} held")
+        self.kind = kind
+        #: what the team held before this write (bytes stored, or batches not yet ended)
+        self.held = held
+
+
 class BatchStore(Protocol):
     """What the routes and the runner need from storage. `now` is unix seconds (the caller's
     clock, so tests and several gateways agree on one source)."""
 
-    async def insert_file(self, row: FileRow) -> None: ...
+    async def insert_file(self, row: FileRow, max_team_bytes: int | None = None) -> None:
+        """Store a file's row; with `max_team_bytes`, raise TeamLimit (nothing written) if the
+        team's live files would then hold more."""
     async def get_file(self, team_id: str, file_id: str) -> FileRow | None: ...
     async def list_files(self, team_id: str, purpose: str | None, after: str | None,
                          limit: int) -> tuple[list[FileRow], bool]: ...  # fmt: skip
     async def delete_file(self, team_id: str, file_id: str) -> bool: ...
-    async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest]) -> None: ...
+    async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest], max_open: int | None = None) -> None:
+        """Write a batch and its requests; with `max_open`, raise TeamLimit (nothing written)
+        if an open batch would make the team's open batches more than `max_open`."""
     async def get_batch(self, team_id: str | None, batch_id: str) -> BatchRow | None: ...
     async def list_batches(self, team_id: str, after: str | None,
                            limit: int) -> tuple[list[BatchRow], bool]: ...  # fmt: skip
@@ -204,8 +221,16 @@ class SqliteBatchStore:
         return await asyncio.to_thread(self._tx_sync, fn, False)
 
     # ---- files ----
-    async def insert_file(self, row: FileRow) -> None:
-        await self._tx(lambda db: _insert_file(db, row))
+    async def insert_file(self, row: FileRow, max_team_bytes: int | None = None) -> None:
+        def q(db: sqlite3.Connection) -> None:
+            # under BEGIN IMMEDIATE: the write lock is held from this read to the insert
+            if max_team_bytes is not None:
+                held = _team_bytes(db, row.team_id)
+                if held + row.bytes > max_team_bytes:
+                    raise TeamLimit("bytes", held)
+            _insert_file(db, row)
+
+        await self._tx(q)
 
     async def get_file(self, team_id: str, file_id: str) -> FileRow | None:
         def q(db: sqlite3.Connection) -> FileRow | None:
@@ -236,8 +261,12 @@ class SqliteBatchStore:
         return await self._read(q)
 
     # ---- batches ----
-    async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest]) -> None:
+    async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest], max_open: int | None = None) -> None:
         def q(db: sqlite3.Connection) -> None:
+            if max_open is not None and row.status in OPEN:  # under the write lock, like the insert
+                held = _open_batches(db, row.team_id)
+                if held >= max_open:
+                    raise TeamLimit("open_batches", held)
             db.execute(rows.insert_batch_sql(_marks), rows.batch_values(row, len(requests)))
             db.executemany(f"INSERT INTO batch_requests ({', '.join(REQUEST_INSERT_COLS)}) VALUES (?,?,?,?)",
                            rows.request_values(row.id, requests))  # fmt: skip
@@ -453,14 +482,7 @@ class SqliteBatchStore:
         return await self._tx(q)
 
     async def team_holdings(self, team_id: str) -> tuple[int, int]:
-        def q(db: sqlite3.Connection) -> tuple[int, int]:
-            size = db.execute(f"SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=? AND NOT deleted "
-                              f"AND {LIVE}", (team_id, time.time())).fetchone()[0]  # fmt: skip
-            open_ = db.execute(f"SELECT COUNT(*) FROM batches WHERE team_id=? AND status IN ({_marks(len(OPEN))})",
-                               (team_id, *OPEN)).fetchone()[0]  # fmt: skip
-            return int(size), int(open_)
-
-        return await self._read(q)
+        return await self._read(lambda db: (_team_bytes(db, team_id), _open_batches(db, team_id)))
 
     async def pending_requests(self) -> int:
         def q(db: sqlite3.Connection) -> int:
@@ -469,6 +491,16 @@ class SqliteBatchStore:
                               ).fetchone()[0]  # fmt: skip
 
         return await self._tx(q)
+
+
+def _team_bytes(db: sqlite3.Connection, team_id: str) -> int:
+    return int(db.execute(f"SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=? AND NOT deleted "
+                          f"AND {LIVE}", (team_id, time.time())).fetchone()[0])  # fmt: skip
+
+
+def _open_batches(db: sqlite3.Connection, team_id: str) -> int:
+    return int(db.execute(f"SELECT COUNT(*) FROM batches WHERE team_id=? AND status IN ({_marks(len(OPEN))})",
+                          (team_id, *OPEN)).fetchone()[0])  # fmt: skip
 
 
 def _insert_file(db: sqlite3.Connection, f: FileRow) -> None:

@@ -21,7 +21,7 @@ from gateway.batch.config import BatchConfig
 from gateway.batch.contracts import Authenticate
 from gateway.batch.files import FileStore, InvalidFile, check_for_batch, parse_lines
 from gateway.batch.models import PRIORITIES, Batch, BatchError, BatchErrors, RequestCounts
-from gateway.batch.store import BatchRow, BatchStore, NewRequest
+from gateway.batch.store import BatchRow, BatchStore, NewRequest, TeamLimit
 from protocol.openai import APIError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -86,16 +86,34 @@ def check_priority(config: BatchConfig, team_id: str, priority: int) -> None:
                        type_="permission_error", param="priority", code="priority_not_allowed")  # fmt: skip
 
 
+def too_many_open(config: BatchConfig, team_id: str, held: int) -> APIError:
+    return APIError(429, f"team {team_id!r} already has {held} batches not yet ended (limit "
+                         f"{config.max_open_batches}); wait for one to end or cancel one",
+                    type_="rate_limit_error", code="too_many_open_batches")  # fmt: skip
+
+
+def storage_full(config: BatchConfig, team_id: str, held: int, param: str = "file") -> APIError:
+    return APIError(413, f"team {team_id!r} stores {held} bytes of files; this one would take it past its "
+                         f"limit of {config.max_team_bytes} bytes; delete files first", param=param,
+                    code="team_storage_full")  # fmt: skip
+
+
+def limit_error(config: BatchConfig, team_id: str, e: TeamLimit, param: str = "file") -> APIError:
+    """The answer to a bound the store found reached in its own transaction (store.TeamLimit)."""
+    return storage_full(config, team_id, e.held, param) if e.kind == "bytes" else too_many_open(config, team_id, e.held)
+
+
 async def check_open_batches(store: BatchStore, config: BatchConfig, team_id: str) -> None:
+    """An early answer, before a file is read or stored; the bound itself is held by the store
+    (`create_batch(max_open=)`), where requests racing this check are counted."""
     _, open_ = await store.team_holdings(team_id)
     if open_ >= config.max_open_batches:
-        raise APIError(429, f"team {team_id!r} already has {open_} batches not yet ended (limit "
-                            f"{config.max_open_batches}); wait for one to end or cancel one",
-                       type_="rate_limit_error", code="too_many_open_batches")  # fmt: skip
+        raise too_many_open(config, team_id, open_)
 
 
 async def storage_left(store: BatchStore, config: BatchConfig, team_id: str) -> int:
-    """Bytes the team may still store in one file (its file bound, or what its storage allows)."""
+    """Bytes the team may still store in one file (its file bound, or what its storage allows):
+    an early bound for reading an upload; the store holds the limit (`insert_file(max_team_bytes=)`)."""
     held, _ = await store.team_holdings(team_id)
     left = config.max_team_bytes - held
     if left <= 0:
@@ -152,7 +170,10 @@ async def submit_batch(store: BatchStore, files: FileStore, config: BatchConfig,
         counts=RequestCounts(total=0 if errors else len(lines)),
     )  # fmt: skip
     reqs = [] if errors else [NewRequest(line=n, custom_id=x.custom_id, body=x.body) for n, x in lines]
-    await store.create_batch(row, reqs)
+    try:
+        await store.create_batch(row, reqs, max_open=config.max_open_batches)
+    except TeamLimit as e:  # batches created since the early check took the last places
+        raise limit_error(config, team_id, e) from None
     return row
 
 

@@ -15,6 +15,7 @@ so batches stay open), the official openai client, plain HTTP for the simple for
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -132,3 +133,45 @@ def test_the_interactive_tier_is_a_team_right(gw: Proc) -> None:
     # Its default is batch: the request goes on (to a node that is not there), not refused.
     status, _, answer = http(f"{gw.url}/v1/chat/completions", "POST", chat, key=key)
     assert status != 403, json.dumps(answer)
+
+
+# -- the bounds hold under concurrency (issue #22: they were checked without a lock) -----------
+async def test_racing_batch_creations_cannot_pass_the_open_bound(team: tuple[str, openai.AsyncOpenAI]) -> None:
+    """Ten creations at once by one team: exactly `max_open_batches` (2) are made. (On one
+    gateway the old race seldom shows through HTTP; test_batch_limit_store.py shows it failing
+    the old code: 11 and 12 of 12 racing submissions made against a bound of 3.)"""
+    _, c = team
+    f = await c.files.create(file=("input.jsonl", jsonl(lines_for(2))), purpose="batch")
+
+    async def create() -> str:
+        try:
+            await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+            return "made"
+        except openai.RateLimitError as e:
+            assert e.body["code"] == "too_many_open_batches", e.body
+            return "refused"
+
+    outcomes = await asyncio.gather(*(create() for _ in range(10)))
+    assert outcomes.count("made") == 2, outcomes
+    assert len((await c.batches.list()).data) == 2
+
+
+async def test_racing_uploads_cannot_pass_the_storage_bound(team: tuple[str, openai.AsyncOpenAI]) -> None:
+    """Eight uploads of ~0.9 MiB at once into 3 MiB: at most three are stored. The old code read
+    the team's storage before receiving each upload, so all eight were stored (7 MiB)."""
+    _, c = team
+    data = jsonl(_padded(2, 450_000))
+    assert 3 * len(data) <= TEAM_BYTES < 4 * len(data)
+
+    async def upload() -> str:
+        try:
+            await c.files.create(file=("a.jsonl", data), purpose="batch")
+            return "stored"
+        except openai.APIStatusError as e:
+            assert e.status_code == 413 and e.body["code"] == "team_storage_full", e.body
+            return "refused"
+
+    outcomes = await asyncio.gather(*(upload() for _ in range(8)))
+    stored = (await c.files.list()).data
+    assert outcomes.count("stored") == len(stored) and 1 <= len(stored) <= 3, outcomes
+    assert sum(x.bytes for x in stored) <= TEAM_BYTES
