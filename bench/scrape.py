@@ -5,6 +5,12 @@ use and queue depth during the run and the prefix-cache hit rate of the run (cou
 Invariants: only the URLs given are contacted; a failed scrape is recorded (`error`) and
 never fails the run; histogram buckets and process/python collector series are dropped to
 keep results small.
+
+A `--protect-metrics` endpoint answers only a caller with the cluster secret: scrapes carry it
+when one is configured, found as every internal client finds it (protocol/cluster_secret.py:
+$DUET_CLUSTER_SECRET_FILE, else $DUET_CLUSTER_SECRET) and sent to the URLs given; else the
+running `duet up`'s file ($DUET_HOME/up/cluster.secret, as `duet status` finds it), sent only
+to loopback URLs (that cluster's), never to another host the run scrapes.
 """
 
 from __future__ import annotations
@@ -19,8 +25,31 @@ from urllib.parse import urlsplit
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from protocol.cluster_secret import (
+    ClusterSecret,
+    SecretError,
+    is_loopback,
+    load_secret,
+    read_secret_file,
+)
+from protocol.models import duet_home
+
 _SKIP_PREFIXES = ("python_", "process_")
 _SKIP_SUFFIXES = ("_bucket", "_created")
+
+
+def scrape_secret(env: dict[str, str] | None = None) -> tuple[ClusterSecret | None, bool]:
+    """The cluster secret scrapes carry and whether it is the local `duet up`'s (then only
+    loopback URLs get it); (None, False) when there is none. Raises
+    protocol.cluster_secret.SecretError for a configured one that cannot be used."""
+    secret = load_secret(env=env)
+    if secret is not None:
+        return secret, False
+    up = duet_home() / "up" / "cluster.secret"
+    try:
+        return (read_secret_file(up), True) if up.is_file() else (None, False)
+    except SecretError:  # a convenience only: a stale or unreadable file is no secret
+        return None, False
 
 
 def metrics_url(url: str) -> str:
@@ -71,11 +100,23 @@ def summarize(scrapes: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _loopback(url: str) -> bool:
+    return is_loopback(urlsplit(url).hostname or "")
+
+
 class Scraper:
-    def __init__(self, session: aiohttp.ClientSession, urls: tuple[str, ...], interval: float) -> None:
+    def __init__(self, session: aiohttp.ClientSession, urls: tuple[str, ...], interval: float,
+                 secret: ClusterSecret | None = None) -> None:  # fmt: skip
+        """`secret`: the one to send to every URL (default: `scrape_secret()`'s, when there are URLs)."""
         self._session = session
         self._urls = [metrics_url(u) for u in urls]
         self._interval = interval
+        local_only = False
+        if secret is None and self._urls:
+            secret, local_only = scrape_secret()
+        #: each URL's headers: the secret, or none
+        self._headers = {u: secret.headers if secret is not None and (not local_only or _loopback(u)) else {}
+                         for u in self._urls}  # fmt: skip
         self.scrapes: dict[str, list[dict[str, Any]]] = {u: [] for u in self._urls}
 
     async def snapshot(self, phase: str) -> None:
@@ -85,7 +126,12 @@ class Scraper:
         entry: dict[str, Any] = {"phase": phase, "t": time.time()}
         try:
             timeout = aiohttp.ClientTimeout(total=max(2.0, self._interval))
-            async with self._session.get(url, timeout=timeout, allow_redirects=False) as r:
+            async with self._session.get(url, timeout=timeout, allow_redirects=False,
+                                         headers=self._headers[url]) as r:  # fmt: skip
+                if r.status == 401:
+                    raise ValueError("HTTP 401: a --protect-metrics endpoint " + (
+                        "refused the cluster secret sent" if self._headers[url] else
+                        "needs the cluster secret ($DUET_CLUSTER_SECRET_FILE)"))  # fmt: skip
                 if r.status != 200:
                     raise ValueError(f"HTTP {r.status}")
                 entry["samples"] = parse(await r.text())

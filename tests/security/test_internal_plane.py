@@ -190,3 +190,30 @@ def test_duet_status_sends_the_secret(plane: Plane, tmp_path: Path) -> None:
     assert without.returncode == 1
     assert "HTTP 401" in json.dumps(json.loads(without.stdout)["errors"])
     assert "--cluster-secret-file" in json.dumps(json.loads(without.stdout)["errors"])
+
+
+def test_bench_scrapes_send_the_secret(plane: Plane, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench serve --scrape-metrics` reads a --protect-metrics endpoint with the secret it finds
+    as every internal client does ($DUET_CLUSTER_SECRET_FILE); without one, the scrape records
+    the 401 and why. The old scraper sent no secret: both endpoints were scrape errors."""
+    import aiohttp
+
+    from bench.scrape import Scraper
+
+    urls = (plane.decode.url, plane.gateway.url)  # both --protect-metrics
+
+    async def scrape() -> dict[str, Any]:
+        async with aiohttp.ClientSession() as session:
+            s = Scraper(session, urls, 1.0)
+            await s.snapshot("after")
+            return {u: x[0] for u, x in s.scrapes.items()}
+
+    for k in ("DUET_CLUSTER_SECRET", "DUET_CLUSTER_SECRET_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("DUET_HOME", str(tmp_path))  # no `duet up` here: no secret at all
+    for entry in asyncio.run(scrape()).values():
+        assert "samples" not in entry and "HTTP 401" in entry["error"] and "DUET_CLUSTER_SECRET_FILE" in entry["error"]
+    monkeypatch.setenv("DUET_CLUSTER_SECRET_FILE", str(plane.secret_file))
+    got = asyncio.run(scrape())
+    assert got[plane.decode.url + "/metrics"]["samples"], got
+    assert any(k.startswith("duet:gateway_") for k in got[plane.gateway.url + "/metrics"]["samples"]), got
