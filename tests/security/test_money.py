@@ -24,7 +24,8 @@ from typing import Any
 import openai
 import pytest
 
-from tests.gateway.helpers import gateway_proc, make_team
+from tests.gateway.conftest import postgres, postgres_db  # noqa: F401  (a real PostgreSQL)
+from tests.gateway.helpers import gateway_proc, http, make_team
 from tests.gateway.test_providers_e2e import FakeServers, external
 from tests.procs import running
 from tests.providers.fakes import API_KEY, FakeProvider, Fault
@@ -124,3 +125,47 @@ def test_a_client_that_leaves_pays_for_its_sent_prompt(gateway: tuple[str, Path]
     status, prompt, completion, cost = record()  # type: ignore[misc]
     assert status == "client_disconnected" and completion == 0
     assert prompt > 0 and cost == pytest.approx(prompt * PRICES["in"] / 1e6), (prompt, cost)
+
+
+def test_two_gateways_on_postgres_hold_one_budget(postgres_db: str, tmp_path: Path,  # noqa: F811
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The same attack through two gateway processes sharing one PostgreSQL store (the issue's
+    "on Postgres with two gateways"): 100 concurrent requests, alternating gateways, on a $1
+    day. Each gateway books in the shared store under the team's row lock, so together they
+    spend at most the budget plus one request; every answered request has exactly one usage
+    record, and a refused one none."""
+    servers = FakeServers({"gpt": "openai"})
+    servers.fakes["gpt"].prompt_tokens = billed_tokens
+    monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
+    try:
+        models = {"gpt": external(servers.fakes["gpt"], PRICES, 2)}
+        gateways = [gateway_proc(tmp_path, models, store=postgres_db) for _ in range(2)]
+        with running(*gateways):
+            key = make_team(gateways[0].url, "cjk2", daily_budget_usd=BUDGET)
+            clients = [openai.OpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0, timeout=120)
+                       for g in gateways]  # fmt: skip
+
+            def send(i: int) -> str:
+                try:
+                    clients[i % 2].chat.completions.create(model="gpt", messages=[{"role": "user", "content": PROMPT}],
+                                                           max_tokens=MAX_TOKENS)  # fmt: skip
+                    return f"ok{i % 2}"
+                except openai.RateLimitError as e:
+                    assert e.body["code"] == "budget_exceeded", e.body
+                    return "refused"
+
+            with ThreadPoolExecutor(max_workers=100) as pool:
+                outcomes = list(pool.map(send, range(100)))
+            status, _, usage = http(f"{gateways[1].url}/v1/usage?team_id=cjk2")
+            assert status == 200, usage
+            status, _, records = http(f"{gateways[0].url}/v1/usage?team_id=cjk2&group_by=record")
+            assert status == 200, records
+    finally:
+        servers.close()
+    answered = outcomes.count("ok0") + outcomes.count("ok1")
+    assert outcomes.count("ok0") and outcomes.count("ok1") and "refused" in outcomes, outcomes
+    (total,) = usage["data"]
+    assert total["cost_usd"] <= BUDGET + one_request_cost(), f"spent ${total['cost_usd']:.4f} on a ${BUDGET} budget"
+    assert total["requests"] == answered == len(records["data"]), (total, answered)
+    assert all(r["status"] == "ok" and r["cost_usd"] > 0 for r in records["data"])
+    assert len({r["request_id"] for r in records["data"]}) == answered
