@@ -38,6 +38,7 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
+from protocol.log_throttle import ThrottledWarning
 from protocol.openai import APIError
 
 log = logging.getLogger("duet.security")
@@ -193,6 +194,7 @@ def auth_middleware(secret: ClusterSecret, *, protect_metrics: bool = False,
     """The middleware of an internal app: 401 before any handler runs (nothing read, nothing
     done) unless the request carries `secret`, or its path is open. `extra_check` may accept a
     request another way (the gateway's admin key on /metrics)."""
+    refused = ThrottledWarning(log)  # anyone who reaches the port can cause these
 
     @web.middleware
     async def cluster_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -203,7 +205,7 @@ def auth_middleware(secret: ClusterSecret, *, protect_metrics: bool = False,
             return await handler(request)
         if extra_check is not None and extra_check(request):
             return await handler(request)
-        log.warning("refused %s %s from %s: no valid cluster secret", request.method, path[:200], request.remote)
+        refused.warning("refused %s %r from %s: no valid cluster secret", request.method, path[:200], request.remote)
         return _unauthorized(request)
 
     return cluster_auth  # type: ignore[return-value]

@@ -14,13 +14,18 @@ starts open on a network address because its secret was missing is the hole this
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from duet.up_home import UpHome, cluster_secret
 from protocol.cluster_secret import (
@@ -28,9 +33,11 @@ from protocol.cluster_secret import (
     ENV_SECRET_FILE,
     ClusterSecret,
     SecretError,
+    auth_middleware,
     load_secret,
     write_secret_file,
 )
+from protocol.log_throttle import ThrottledWarning
 from protocol.plane import PlaneSecurity
 
 GOOD = secrets.token_urlsafe(32)
@@ -123,3 +130,45 @@ def test_duet_up_generates_a_private_secret_and_keeps_it(tmp_path: Path) -> None
     path.chmod(0o644)  # someone loosened it: a new one, private again
     assert cluster_secret(home).read_text() != first
     assert path.stat().st_mode & 0o777 == 0o600
+
+
+async def test_refusals_cannot_flood_the_log(aiohttp_server: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A stranger who reaches an internal port can send refused requests at will; each used to
+    log its own warning (a disk filled, the lines that matter buried). Now one line per 10 s at
+    most, the next saying how many were held back. Real HTTP to the middleware every internal
+    app runs (protocol/cluster_secret.py::auth_middleware)."""
+    async def metadata(_: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application(middlewares=[auth_middleware(ClusterSecret(GOOD, "test"))])
+    app.router.add_get("/kv/metadata", metadata)
+    server = await aiohttp_server(app, host="127.0.0.1")
+    url = str(server.make_url("/kv/metadata"))
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="duet.security"):
+        async with aiohttp.ClientSession() as s:
+            for i in range(200):
+                async with s.get(url, headers={"Authorization": f"Bearer wrong-{i}"}) as r:
+                    assert r.status == 401
+            async with s.get(url, headers={"Authorization": f"Bearer {GOOD}"}) as r:
+                assert r.status == 200
+    elapsed = time.monotonic() - t0
+    lines = [r.getMessage() for r in caplog.records if "no valid cluster secret" in r.getMessage()]
+    assert 1 <= len(lines) <= 1 + math.ceil(elapsed / 10), (len(lines), elapsed)  # the old code: 200
+    assert "'/kv/metadata'" in lines[0]  # the path quoted (a client's words cannot forge a line)
+
+
+def test_a_throttled_warning_counts_what_it_held_back(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    w = ThrottledWarning(logging.getLogger("duet.test.throttle"), every_s=10.0, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="duet.test.throttle"):
+        assert w.warning("refused %s", "a")
+        for t in (1.0, 2.0, 9.9):
+            now[0] = t
+            assert not w.warning("refused %s", "b")
+        now[0] = 12.0
+        assert w.warning("refused %s", "c")
+        now[0] = 30.0
+        assert w.warning("refused %s", "d")
+    assert [r.getMessage() for r in caplog.records] == [
+        "refused a", "refused c (and 3 more like it in the 12 s before, not logged one by one)", "refused d"]
