@@ -144,10 +144,18 @@ async def _take_key(con: Any, r: UsageRecord, now: float) -> bool:
 
 
 async def _write_usage(con: Any, keyed: list[tuple[UsageRecord, bool]], now: float) -> None:
-    """Write each record; one flagged `True` has an idempotency key (base.Settlement.idempotent)."""
-    records = [r for r, once in keyed if not once or await _take_key(con, r, now)]
-    if not records:
-        return
+    """Write each record; one flagged `True` has an idempotency key (base.Settlement.idempotent)
+    and is written at once after its key is taken, so a second record of the same key in this
+    batch finds — and replaces — the first."""
+    plain = [r for r, once in keyed if not once]
+    for r, once in keyed:
+        if once and await _take_key(con, r, now):
+            await _insert_usage(con, [r], now)
+    if plain:
+        await _insert_usage(con, plain, now)
+
+
+async def _insert_usage(con: Any, records: list[UsageRecord], now: float) -> None:
     for r in records:
         if r.cost_usd > 0:
             for period in (day_period(now), month_period(now)):

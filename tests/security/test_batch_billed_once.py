@@ -129,6 +129,23 @@ async def test_an_expired_booking_never_replaces_the_reruns_record(store: Store)
     assert await _room(store, 0.65) and not await _room(store, 0.75)
 
 
+async def test_runs_settled_together_or_at_once_leave_one_record(store: Store, store_url: str) -> None:
+    # both runs in one usage batch (one transaction)
+    await store.settle([Settlement(None, _record("batch-line-4", 0.2), idempotent=True),
+                        Settlement(None, _record("batch-line-4", 0.3), idempotent=True)])  # fmt: skip
+    assert await _billed(store) == [("batch-line-4", "ok", 0.3)]
+    # two gateways settling the same key at once
+    other = open_store(store_url)
+    await other.open()
+    try:
+        await asyncio.gather(*(s.settle([Settlement(None, _record("batch-line-5", 0.1), idempotent=True)])
+                               for s in (store, other, store, other)))  # fmt: skip
+    finally:
+        await other.close()
+    assert [b for b in await _billed(store) if b[0] == "batch-line-5"] == [("batch-line-5", "ok", 0.1)]
+    assert await _room(store, 0.55) and not await _room(store, 0.65)  # spent 0.3 + 0.1
+
+
 # -- the crash, with real processes -----------------------------------------------------------
 class Gate:
     """The fake provider's answer waits until the test opens the gate (it blocks the fake's own
