@@ -117,7 +117,8 @@ class Ledger:
         team, n_prompt, max_tokens = caller.team, size.n_prompt, size.max_tokens
         # what the booking bills if this gateway dies before settling it: the prompt
         booked = Booked(model=served.config.name, tier=tier, endpoint=req.endpoint.value, prompt_tokens=n_prompt,
-                        prompt_cost_usd=cost_usd(served.config, n_prompt, 0) * caller.price_factor)  # fmt: skip
+                        prompt_cost_usd=cost_usd(served.config, n_prompt, 0) * caller.price_factor,
+                        user=req.user)  # fmt: skip
         reserve = ReserveRequest(team_id=team.id, key_id=caller.key.id, request_id=caller.request_id,
                                  tokens=n_prompt + req.n * max_tokens,
                                  cost_usd=_worst_case(state, served.config.name, n_prompt, req.n * max_tokens)

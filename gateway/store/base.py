@@ -57,6 +57,9 @@ class Booked:
     endpoint: str
     prompt_tokens: int
     prompt_cost_usd: float
+    #: the request's OpenAI `user` field, kept on the `expired` record like on any other (spend
+    #: per end user; a client matches its records by it)
+    user: str | None = None
 
 
 @dataclass(frozen=True)
