@@ -16,6 +16,9 @@ restarted the same way. After --max-restarts failures in a row (a life healthy f
 count) the process crash-loops: it stays down, is reported, and the rest keep serving. Each
 death is logged with its cause; `duet status` shows restarts, last exit and backoff per
 process. Tune it with --max-restarts/--restart-backoff or a [restart] table in cluster.toml.
+A first start that fails is a crash like any other (the rest start and serve meanwhile); only a
+stage none of whose processes can ever start (etcd, say) stops `duet up`, naming it with its
+log's last lines.
 
 Logs: one file per process in $DUET_HOME/logs, and a merged tail on the terminal (--quiet
 turns it off). Ctrl-C or SIGTERM drains and stops everything in reverse order. `duet status`
