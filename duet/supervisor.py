@@ -248,11 +248,6 @@ class Supervisor:
     def say(self, msg: str) -> None:
         print(f"duet up: {msg}", file=sys.stderr, flush=True)
 
-    def _died(self, c: Child, when: str) -> None:
-        assert c.proc is not None
-        self.say(f"{c.name} {exit_cause(c.proc.returncode)} {when}; see {c.log_path}")
-        self._last_words(c)
-
     def _last_words(self, c: Child) -> None:
         if self._tail is None:  # --quiet: the operator has not seen its last words yet
             with contextlib.suppress(OSError):
