@@ -124,7 +124,8 @@ def render(s: dict[str, Any]) -> None:
             t.add_row("  records by status", _counts(m["records"]))
             t.add_row("  full answers billed once with their tokens", f"{m['exact']} / {m['full_answers']}"
                       + ("" if m["exact"] == m["full_answers"] else f"  [red]{m['mismatched']}[/]"))
-            t.add_row("  records of requests with no full answer", _counts(m["no_full_answer"]))
+            t.add_row("  records of requests with no full answer", _counts(m["no_full_answer"])
+                      + (f" ({m['no_full_answer_tokens']} completion tokens)" if m["no_full_answer_tokens"] else ""))
             t.add_row("  requests billed twice", str(len(m["billed_twice"]))
                       + (f"  [red]{m['billed_twice']}[/]" if m["billed_twice"] else ""))
             if m["unknown"]:

@@ -46,6 +46,9 @@ class UsageCheck(msgspec.Struct, kw_only=True):
     billed_twice: dict[str, list[str]] = msgspec.field(default_factory=dict)
     #: records of requests the client got no full answer for, by status
     no_full_answer: dict[str, int] = msgspec.field(default_factory=dict)
+    #: completion tokens those records bill (a stream cut by an error event: what was
+    #: generated, which the client saw as chunks, not tokens)
+    no_full_answer_tokens: int = 0
     #: records with a chaos tag the client never sent
     unknown: int = 0
     retried: int = 0
@@ -100,6 +103,7 @@ def check(records: list[Record], batch: BatchResult, rows: list[dict[str, Any]] 
         if tag not in full:
             for r in found:
                 out.no_full_answer[r["status"]] = out.no_full_answer.get(r["status"], 0) + 1
+                out.no_full_answer_tokens += r["completion_tokens"]
     for tag, (rid, tokens) in full.items():
         found = by_tag.get(tag, [])
         mine = [r for r in found if (not rid or r["request_id"] == rid)]

@@ -125,6 +125,7 @@ def test_the_usage_check_matches_records_to_requests_one_by_one() -> None:
     c = check(records, batch, rows)
     assert c.ok and c.full_answers == 3 and c.exact == 3 and c.retried == 1, c
     assert c.records == {"ok": 4, "expired": 1} and c.no_full_answer == {"ok": 1, "expired": 1}
+    assert c.no_full_answer_tokens == 8
     # the retried request's lost first attempt billed too: caught
     c = check(records, batch, [*rows, _row("chaos-b", "req-x", "expired", 0, cost=0.001)])
     assert not c.ok and c.billed_twice == {"chaos-b": ["ok", "expired"]}
