@@ -9,7 +9,8 @@ Prints a table (or `--json`) and writes DIR/chaos.json and DIR/chaos.png:
   greedy reference taken before the first kill (undefined with --strict-text);
 - per kill: how long until `duet up` had the process healthy again;
 - KV blocks still held on every node once the load is over (should be 0);
-- usage the gateway recorded since the start against the client's own counts;
+- usage: the gateway's records matched one by one to the client's requests (bench/chaos_usage.py):
+  each full answer billed once with its tokens, no request billed twice;
 - the batch job's lines: each done exactly once;
 - chaos.png: availability and p99 TTFT over time, the kills marked.
 
@@ -42,6 +43,7 @@ import msgspec
 from bench.chaos_kill import KINDS, Killer
 from bench.chaos_load import PROMPTS, BatchResult, Record, one_request, references, run_batch
 from bench.chaos_report import plot, render, summarise
+from bench.chaos_usage import check, fetch_records
 from protocol.ports import free_port
 
 
@@ -173,7 +175,7 @@ async def _client(session: aiohttp.ClientSession, a: argparse.Namespace, url: st
     while time.monotonic() - t0 < a.duration:
         prompt = i % len(PROMPTS)
         rec = await one_request(session, url, key, model, kind, prompt, a.max_tokens, refs[prompt], t0,
-                                a.request_timeout, a.strict_text)  # fmt: skip
+                                a.request_timeout, a.strict_text, tag=f"chaos-{kind}-{n}-{i}")  # fmt: skip
         records.append(rec)
         i += 1
         if rec.outcome != "full" and rec.end_s - rec.sent_s < 0.05:
@@ -211,8 +213,9 @@ async def run(a: argparse.Namespace, url: str, key: str, home: Path | None) -> d
                     break
                 await asyncio.sleep(1.0)
         usage = await asyncio.to_thread(usage_since, url, key, start_wall)
+        rows = await asyncio.to_thread(fetch_records, url, key, start_wall)
     return summarise(records, killer.kills if killer else [], batch_res, held or {}, usage, a.duration,
-                     max(5.0, a.duration / 24))  # fmt: skip
+                     max(5.0, a.duration / 24), check(records, batch_res, rows))  # fmt: skip
 
 
 async def _models(session: aiohttp.ClientSession, url: str, key: str) -> list[str]:

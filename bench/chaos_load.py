@@ -13,6 +13,13 @@ Every request ends in one `Outcome`:
 - UNDEFINED: a connection error, a hang past the timeout, a stream that ends without `[DONE]`,
   or an answer that is not OpenAI-shaped.
 
+A connection refused or reset before any byte of the answer (the gateway it reached was
+SIGKILLed; with `duet up --gateways 2` the other one takes the port's connections) is retried
+once, as the SDKs do; a stream cut after its first byte is not (its text was delivered). Each
+request carries a tag of its own in the OpenAI `user` field, the same on its retry, so the
+gateway's usage records can be matched to it whatever became of each attempt
+(bench/chaos_usage.py), and the X-Request-Id of the attempt that was answered.
+
 A full answer whose text or finish reason differs from the reference is flagged
 (`differs_from_reference`). With `strict_text` it is UNDEFINED (the check the issue asks for
 once streams migrate: repeated or missing text); without, it stays FULL and is only counted,
@@ -71,6 +78,12 @@ class Record(msgspec.Struct, kw_only=True):
     answered: bool = False
     #: a full answer whose text differs from the greedy reference
     differs_from_reference: bool = False
+    #: the OpenAI `user` field it was sent with (unique per request, kept on its retry)
+    tag: str = ""
+    #: the gateway's X-Request-Id of the answer (empty: no answer came)
+    request_id: str = ""
+    #: its first attempt met a refused or reset connection and it was sent again
+    retried: bool = False
 
 
 class Reference(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,9 +91,11 @@ class Reference(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: str | None
 
 
-def chat_body(model: str, prompt: int, max_tokens: int, stream: bool) -> dict[str, Any]:
+def chat_body(model: str, prompt: int, max_tokens: int, stream: bool, tag: str | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": PROMPTS[prompt]}],
                             "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
+    if tag is not None:
+        body["user"] = tag
     if stream:
         body |= {"stream": True, "stream_options": {"include_usage": True}}
     return body
@@ -111,6 +126,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, headers: dict[str, s
                   rec: Record, ref: Reference | None, strict_text: bool) -> Record:  # fmt: skip
     start = time.perf_counter()
     async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+        rec.request_id = r.headers.get("X-Request-Id", "")
         if r.status != 200:
             return _error_answer(rec, r.status, await r.content.read(4096))
         rec.answered = True
@@ -148,6 +164,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, headers: dict[str, s
 async def _plain(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict[str, Any],
                  rec: Record, ref: Reference | None, strict_text: bool) -> Record:  # fmt: skip
     async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
+        rec.request_id = r.headers.get("X-Request-Id", "")  # before the body: a cut body is not sent again
         raw = await r.read()
         if r.status != 200:
             return _error_answer(rec, r.status, raw)
@@ -158,18 +175,31 @@ async def _plain(session: aiohttp.ClientSession, url: str, headers: dict[str, st
     return _judge(rec, choice["message"]["content"] or "", choice.get("finish_reason"), ref, strict_text)
 
 
+#: errors that mean no answer came at all: the connection was refused, or reset or closed before
+#: the answer's status line (a SIGKILLed gateway's)
+_NO_ANSWER = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+              ConnectionError)  # fmt: skip
+
+
 async def one_request(session: aiohttp.ClientSession, url: str, key: str, model: str, kind: str, prompt: int,
                       max_tokens: int, ref: Reference | None, t0: float, timeout: float,
-                      strict_text: bool = False) -> Record:  # fmt: skip
-    rec = Record(kind=kind, prompt=prompt, sent_s=time.monotonic() - t0)
+                      strict_text: bool = False, tag: str = "") -> Record:  # fmt: skip
+    rec = Record(kind=kind, prompt=prompt, sent_s=time.monotonic() - t0, tag=tag)
     headers = {"Authorization": f"Bearer {key}"}
-    body = chat_body(model, prompt, max_tokens, stream=kind == "stream")
+    body = chat_body(model, prompt, max_tokens, stream=kind == "stream", tag=tag or None)
     try:
         async with asyncio.timeout(timeout):
-            if kind == "stream":
-                await _stream(session, url, headers, body, rec, ref, strict_text)
-            else:
-                await _plain(session, url, headers, body, rec, ref, strict_text)
+            for attempt in range(2):
+                try:
+                    if kind == "stream":
+                        await _stream(session, url, headers, body, rec, ref, strict_text)
+                    else:
+                        await _plain(session, url, headers, body, rec, ref, strict_text)
+                    break
+                except _NO_ANSWER:
+                    if attempt or rec.answered or rec.request_id:
+                        raise  # a second failure, or the answer had begun: not sent again
+                    rec.retried = True
     except TimeoutError:
         rec.outcome, rec.cause, rec.message = Outcome.UNDEFINED, "timeout", f"no complete answer within {timeout:g} s"
     except (aiohttp.ClientError, ConnectionError) as e:
@@ -216,6 +246,8 @@ class BatchResult(msgspec.Struct, kw_only=True):
     succeeded: int = 0
     failed: int = 0
     completion_tokens: int = 0
+    #: completion tokens of each line answered in full, by custom id
+    line_tokens: dict[str, int] = msgspec.field(default_factory=dict)
     message: str = ""
 
     @property
@@ -232,7 +264,7 @@ async def run_batch(session: aiohttp.ClientSession, url: str, key: str, model: s
         return res
     headers = {"Authorization": f"Bearer {key}"}
     ids = [f"chaos-{i}" for i in range(lines)]
-    reqs = [{"custom_id": cid, "body": chat_body(model, i % len(PROMPTS), max_tokens, stream=False)}
+    reqs = [{"custom_id": cid, "body": chat_body(model, i % len(PROMPTS), max_tokens, stream=False, tag=cid)}
             for i, cid in enumerate(ids)]  # fmt: skip
     while res.batch_id is None and time.monotonic() < deadline:
         try:
@@ -269,7 +301,9 @@ async def run_batch(session: aiohttp.ClientSession, url: str, key: str, model: s
         resp = line.get("response")
         if resp and resp.get("status_code") == 200:
             res.succeeded += 1
-            res.completion_tokens += int(resp["body"]["usage"]["completion_tokens"])
+            tokens = int(resp["body"]["usage"]["completion_tokens"])
+            res.completion_tokens += tokens
+            res.line_tokens[line["custom_id"]] = tokens
         else:
             res.failed += 1
     res.done_once = sum(1 for cid in ids if seen.get(cid) == 1)

@@ -13,10 +13,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from bench.chaos_kill import Kill
 from bench.chaos_load import BatchResult, Outcome, Record
+from bench.chaos_usage import UsageCheck
 
 
 def timeline(records: list[Record], duration: float, bin_s: float) -> list[dict[str, Any]]:
@@ -33,7 +35,8 @@ def timeline(records: list[Record], duration: float, bin_s: float) -> list[dict[
 
 
 def summarise(records: list[Record], kills: list[Kill], batch: BatchResult, kv_held: dict[str, int],
-              usage: dict[str, Any], duration: float, bin_s: float) -> dict[str, Any]:  # fmt: skip
+              usage: dict[str, Any], duration: float, bin_s: float,
+              matched: UsageCheck | None = None) -> dict[str, Any]:  # fmt: skip
     n = len(records)
     full = sum(r.outcome == Outcome.FULL for r in records)
     defined = sum(r.outcome == Outcome.DEFINED_ERROR for r in records)
@@ -68,9 +71,13 @@ def summarise(records: list[Record], kills: list[Kill], batch: BatchResult, kv_h
         "max_recovery_s": max((k.back_s for k in kills if k.back_s is not None), default=None),
         "not_back": [k.name for k in kills if k.back_s is None],
         "kv_blocks_held_after": kv_held,
+        # the totals (the gateway's include records of answers the client never got: they need
+        # not be equal) and the per-request match, which must be exact
         "usage": {"gateway": usage, "client": client,
-                  "requests_match": usage.get("requests") == client["requests"],
-                  "completion_tokens_match": usage.get("completion_tokens") == client["completion_tokens"]},
+                  "requests_match": matched.ok if matched is not None else usage.get("requests") == client["requests"],
+                  "completion_tokens_match": usage.get("completion_tokens") == client["completion_tokens"],
+                  "matched": msgspec.to_builtins(matched) if matched is not None else None},
+        "retried": sum(r.retried for r in records),
         "batch": {**{f: getattr(batch, f) for f in batch.__struct_fields__}, "exactly_once": batch.exactly_once},
         "timeline": timeline(records, duration, bin_s),
     }  # fmt: skip
@@ -78,6 +85,10 @@ def summarise(records: list[Record], kills: list[Kill], batch: BatchResult, kv_h
 
 def _f(x: float | None, fmt: str = ".1f", unit: str = "") -> str:
     return "-" if x is None else f"{x:{fmt}}{unit}"
+
+
+def _counts(d: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(d.items(), key=lambda kv: -kv[1])) or "0"
 
 
 def render(s: dict[str, Any]) -> None:
@@ -103,9 +114,22 @@ def render(s: dict[str, Any]) -> None:
         t.add_row(f"kill at {k['at_s']:.0f} s", f"{k['name']}: {back}")
     held = s["kv_blocks_held_after"]
     t.add_row("KV blocks held after the load", ", ".join(f"{n}={b}" for n, b in held.items()) or "no node answered")
+    t.add_row("retried once (connection refused or reset, no answer)", str(s.get("retried", 0)))
     u = s["usage"]
-    t.add_row("usage requests: gateway / client", f"{u['gateway'].get('requests')} / {u['client']['requests']}"
-              + ("" if u["requests_match"] else "  [red]differ[/]"))
+    t.add_row("usage records: gateway / client's answers", f"{u['gateway'].get('requests')} / {u['client']['requests']}")
+    if (m := u.get("matched")) is not None:
+        if m["error"]:
+            t.add_row("  matched per request", f"[red]{m['error']}[/]")
+        else:
+            t.add_row("  records by status", _counts(m["records"]))
+            t.add_row("  full answers billed once with their tokens", f"{m['exact']} / {m['full_answers']}"
+                      + ("" if m["exact"] == m["full_answers"] else f"  [red]{m['mismatched']}[/]"))
+            t.add_row("  records of requests with no full answer", _counts(m["no_full_answer"])
+                      + (f" ({m['no_full_answer_tokens']} completion tokens)" if m["no_full_answer_tokens"] else ""))
+            t.add_row("  requests billed twice", str(len(m["billed_twice"]))
+                      + (f"  [red]{m['billed_twice']}[/]" if m["billed_twice"] else ""))
+            if m["unknown"]:
+                t.add_row("  records of requests never sent", f"[red]{m['unknown']}[/]")
     t.add_row("usage completion tokens: gateway / client",
               f"{u['gateway'].get('completion_tokens')} / {u['client']['completion_tokens']}"
               + ("" if u["completion_tokens_match"] else "  [red]differ[/]"))

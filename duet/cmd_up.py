@@ -16,6 +16,9 @@ restarted the same way. After --max-restarts failures in a row (a life healthy f
 count) the process crash-loops: it stays down, is reported, and the rest keep serving. Each
 death is logged with its cause; `duet status` shows restarts, last exit and backoff per
 process. Tune it with --max-restarts/--restart-backoff or a [restart] table in cluster.toml.
+A first start that fails is a crash like any other (the rest start and serve meanwhile); only a
+stage none of whose processes can ever start (etcd, say) stops `duet up`, naming it with its
+log's last lines.
 
 Logs: one file per process in $DUET_HOME/logs, and a merged tail on the terminal (--quiet
 turns it off). Ctrl-C or SIGTERM drains and stops everything in reverse order. `duet status`
@@ -352,7 +355,7 @@ def _banner(url: str, model: str, key: str, created: bool, home, layout: str) ->
 
 def _run(args: argparse.Namespace) -> int:
     from duet.cli import UsageError
-    from duet.supervisor import Child, Supervisor
+    from duet.supervisor import Child, ChildState, Supervisor
     from duet.up_home import UpHome, admin_key, cluster_secret, dev_key
     from gateway.keys import hash_secret
     from protocol.cluster_secret import read_secret_file
@@ -435,12 +438,12 @@ def _run(args: argparse.Namespace) -> int:
         state["children"] = [c.status() for c in sup.children if c.proc is not None]
         home.write_state(state)
 
-    node_ids = {c.name for c in nodes}
-
     def ready(sup: Supervisor) -> bool:
-        """The cluster can route once a coordinator reports every node ready."""
-        waited, seen = 0.0, set()
+        """The cluster can route once a coordinator reports every node that is up ready (one
+        whose first start failed is being restarted meanwhile; it registers when it is up)."""
+        waited, seen, node_ids = 0.0, set(), set()
         while waited < args.startup_timeout:
+            node_ids = {c.name for c in nodes if c.state == ChildState.RUNNING}
             try:
                 info = _get_json(coord_urls[0] + "/cluster", headers=auth)
                 seen = {n["node_id"] for n in info["nodes"] if n["ready"]}
@@ -458,8 +461,11 @@ def _run(args: argparse.Namespace) -> int:
         home.write_state(state)
         model = sorted(served.values())[0]
         print(_banner(gw_url + "/v1", model, key, created, home, cfg.describe()), flush=True)
-        sup.say("all up; Ctrl-C stops everything; a process that dies is restarted "
-                f"(at most {cfg.restart.max_restarts} failures in a row)")
+        down = [c for c in sup.children if c.state != ChildState.RUNNING]
+        for c in down:  # its first start failed: restarted like any crash (`duet status` shows it)
+            sup.say(f"{c.name} is not up ({c.state}; last: {c.last_cause}); the others serve meanwhile")
+        sup.say(f"all up{' but ' + ', '.join(c.name for c in down) if down else ''}; Ctrl-C stops everything; "
+                f"a process that dies is restarted (at most {cfg.restart.max_restarts} failures in a row)")
         return True
 
     log(f"DUET_HOME={home.root}: {cfg.describe()} node(s), serving {', '.join(served.values())}")

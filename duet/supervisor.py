@@ -12,8 +12,13 @@ its count of failures in a row. After `max_restarts` failures in a row the child
 it stays down and is reported (`ChildState.FAILED`) while the rest keep serving. The delay
 before restart k of a run of failures is `backoff_s * 2**(k-1)`, capped at `backoff_max_s`.
 Every exit is said on stderr with its cause (exit code or signal, or the start-up timeout).
-A child's failure during the first start-up still stops everything: a cluster that cannot
-start once (a port taken, a bad flag) is a configuration error, not a crash to retry.
+A child's failure during the first start-up is a crash like any other (a port taken for a while,
+a secret mounted late): it is restarted with the same backoff and counted toward the same limit,
+and the next stage starts once every child of this one has answered its health check or failed
+at least once, with at least one of them up: a node that cannot start does not keep the rest
+from serving. A stage none of whose children can ever start (all of them over the limit, or none
+healthy after `startup_timeout`) stops everything, with an error naming them and their logs'
+last lines: every later stage needs it (etcd, the coordinators, the nodes, the gateway).
 
 Every child writes stdout+stderr to its own log file; a tail thread prints new lines of all
 of them, prefixed with the child's name (coloured on a terminal), unless `tail=False`.
@@ -243,11 +248,6 @@ class Supervisor:
     def say(self, msg: str) -> None:
         print(f"duet up: {msg}", file=sys.stderr, flush=True)
 
-    def _died(self, c: Child, when: str) -> None:
-        assert c.proc is not None
-        self.say(f"{c.name} {exit_cause(c.proc.returncode)} {when}; see {c.log_path}")
-        self._last_words(c)
-
     def _last_words(self, c: Child) -> None:
         if self._tail is None:  # --quiet: the operator has not seen its last words yet
             with contextlib.suppress(OSError):
@@ -358,39 +358,51 @@ class Supervisor:
             return False
 
     def _start_stage(self, stage: list[Child]) -> bool:
+        """Start `stage` and supervise every child started so far (earlier stages included)
+        until the stage is through: each child up or failed at least once, one of them up.
+        False to stop everything: asked to, or the stage cannot start (said why)."""
+        if not stage:
+            return True
         for c in stage:
             self.say(f"starting {c.name} (log {c.log_path})")
             self._start(c)
-        pending = list(stage)
-        deadline = self.startup_timeout
-        waited = 0.0
-        while pending:
-            for c in list(pending):
-                assert c.proc is not None
-                if c.proc.poll() is not None:
-                    self._died(c, "during start-up")
-                    return False
-                if self._healthy(c):
-                    self.say(f"{c.name} is up (pid {c.proc.pid})")
-                    c.state, c.healthy_at = ChildState.RUNNING, time.monotonic()
-                    c.last_alive = c.healthy_at
-                    pending.remove(c)
-                    self._changed()
-            if not pending:
-                break
-            if waited > deadline:
-                self.say(f"{', '.join(c.name for c in pending)} not healthy after {deadline:.0f}s; stopping")
+        began = time.monotonic()
+        while True:
+            now = time.monotonic()
+            for c in self.children:
+                if c.proc is not None and not self.stopping.is_set():
+                    self._tick(c, now)
+            up = any(c.state == ChildState.RUNNING for c in stage)
+            if up and all(c.state == ChildState.RUNNING or c.failures for c in stage):
+                return True
+            if all(c.state == ChildState.FAILED for c in stage):
+                self._cannot_start(stage, "over the limit of failures in a row")
+                return False
+            # (one up: a slow first life is killed at its own start-up limit, then counts as failed)
+            if not up and now - began > self.startup_timeout:
+                self._cannot_start(stage, f"none healthy after {self.startup_timeout:.0f} s")
                 return False
             if self.wait(0.2):  # readiness polling interval
                 return False
-            waited += 0.2
-        return True
+
+    def _cannot_start(self, stage: list[Child], why: str) -> None:
+        """The error that ends a start-up: which processes, why, and their logs' last lines
+        (always printed: this is the operator's only clue, tail or --quiet)."""
+        names = ", ".join(c.name for c in stage)
+        self.say(f"{names} could not start ({why}); everything after them needs them: stopping")
+        for c in stage:
+            self.say(f"{c.name}: {c.failures} failure(s) in a row, last: {c.last_cause or c.state}; "
+                     f"last lines of {c.log_path}:")  # fmt: skip
+            with contextlib.suppress(OSError):
+                for line in c.log_path.read_text(errors="replace").splitlines()[-15:]:
+                    print(f"  {c.name} | {line}", file=sys.stderr, flush=True)
 
     # -- run ---------------------------------------------------------------------------------
     def run(self) -> int:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         if self._tail is not None:
             self._tail.start()
+        self._probes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="duet-up-health")
         try:
             for stage in self.stages:
                 if not self._start_stage(stage):
@@ -398,7 +410,6 @@ class Supervisor:
             if self.on_ready is not None and not self.on_ready(self):
                 return 0 if self.stopping.is_set() else 1
             self.ready.set()
-            self._probes = ThreadPoolExecutor(max_workers=4, thread_name_prefix="duet-up-health")
             while not self.wait(0.5):  # supervision interval
                 self._run_calls()
                 for c in self.children:
@@ -408,8 +419,7 @@ class Supervisor:
             return 0
         finally:
             self.say("stopping (Ctrl-C again to kill at once)" if self._signals else "stopping")
-            if self._probes is not None:
-                self._probes.shutdown(wait=False, cancel_futures=True)
+            self._probes.shutdown(wait=False, cancel_futures=True)
             self._shutdown()
             if self._tail is not None:
                 self._tail_stop.set()
@@ -436,9 +446,9 @@ class Supervisor:
                     self.say(f"{c.name} is up again (pid {c.pid}, restart {c.restarts})" if c.restarts
                              else f"{c.name} is up (pid {c.pid})")  # fmt: skip
                     self._changed()
-                elif now - c.started_at > self.restart.startup_timeout_s:
+                elif now - c.started_at > (limit := self._startup_limit(c)):
                     self._kill_group(c)
-                    self._failed(c, f"not healthy {self.restart.startup_timeout_s:.0f} s after its start", now)
+                    self._failed(c, f"not healthy {limit:.0f} s after its start", now)
             elif self._hung(c, now):
                 self._kill_group(c)
                 self._failed(c, f"not answering its health check for {self.restart.liveness_timeout_s:.0f} s", now)
@@ -449,6 +459,11 @@ class Supervisor:
             c.restarts += 1
             self.say(f"restarting {c.name} (restart {c.restarts}; last: {c.last_cause})")
             self._start(c)
+
+    def _startup_limit(self, c: Child) -> float:
+        """A first life may load a model the first time (the whole start-up's timeout); a
+        restart gets the policy's."""
+        return self.startup_timeout if c.restarts == 0 else self.restart.startup_timeout_s
 
     def _hung(self, c: Child, now: float) -> bool:
         """Probe a running child's health now and then (off the supervision thread); True once

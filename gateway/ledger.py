@@ -120,7 +120,7 @@ class Ledger:
         # what the booking bills if this gateway dies before settling it: the prompt
         booked = Booked(model=served.config.name, tier=tier, endpoint=req.endpoint.value, prompt_tokens=n_prompt,
                         prompt_cost_usd=cost_usd(served.config, n_prompt, 0) * caller.price_factor,
-                        idempotent=caller.idempotent)  # fmt: skip
+                        idempotent=caller.idempotent, user=req.user)  # fmt: skip
         reserve = ReserveRequest(team_id=team.id, key_id=caller.key.id, request_id=caller.request_id,
                                  tokens=n_prompt + req.n * max_tokens,
                                  cost_usd=_worst_case(state, served.config.name, n_prompt, req.n * max_tokens)

@@ -59,6 +59,9 @@ class Booked:
     prompt_cost_usd: float
     #: the request id is an idempotency key (`Settlement.idempotent`)
     idempotent: bool = False
+    #: the request's OpenAI `user` field, kept on the `expired` record like on any other (spend
+    #: per end user; a client matches its records by it)
+    user: str | None = None
 
 
 @dataclass(frozen=True)

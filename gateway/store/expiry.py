@@ -38,4 +38,4 @@ def expired_record(team_id: str, key_id: str, request_id: str, b: Booked | None,
         return None
     return UsageRecord(request_id=request_id, team_id=team_id, key_id=key_id, model_requested=b.model,
                        model_used=b.model, tier=b.tier, status=EXPIRED, prompt_tokens=b.prompt_tokens,
-                       cost_usd=b.prompt_cost_usd, endpoint=b.endpoint, created_at=now)  # fmt: skip
+                       cost_usd=b.prompt_cost_usd, endpoint=b.endpoint, created_at=now, user=b.user)  # fmt: skip

@@ -6,6 +6,7 @@ processes' connections on one database; usage totals and records, with each requ
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 
@@ -300,9 +301,11 @@ async def test_an_expired_reservation_bills_its_prompt(url: str) -> None:
     s = await _store(url)
     await s.create_team(Team(id="t"))
     t0 = time.time()
+    booked = dataclasses.replace(_booked(40, 0.1), user="end-user-7")
     await s.reserve(ReserveRequest(team_id="t", key_id="k", request_id="req-lapsed", tokens=10, cost_usd=0.5,
-                                   ttl_s=5, now=t0, booked=_booked(40, 0.1)))  # fmt: skip
+                                   ttl_s=5, now=t0, booked=booked))  # fmt: skip
     assert await s.expire_reservations(now=t0 + 6) == 1
     records = await s.usage_records("t", t0 - 1, t0 + 100)
-    assert [(r.status, r.prompt_tokens, r.cost_usd) for r in records] == [("expired", 40, 0.1)]
+    # the request's `user` stays on its record (spend per end user; bench/chaos_usage.py matches by it)
+    assert [(r.status, r.prompt_tokens, r.cost_usd, r.user) for r in records] == [("expired", 40, 0.1, "end-user-7")]
     await s.close()

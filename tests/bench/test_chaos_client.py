@@ -1,0 +1,137 @@
+"""The chaos client against a real HTTP server standing in for a gateway that is SIGKILLed:
+a connection reset before any byte of the answer is sent again once (with the same `user`
+tag), a stream cut after its first bytes is not (its text was delivered), and the usage check
+matches the gateway's records to the client's requests one by one — a full answer billed once,
+a retried request billed twice, records of answers the client never got — where the totals
+alone were off by one or two either way."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+from aiohttp import web
+
+from bench.chaos_load import BatchResult, Outcome, Record, one_request
+from bench.chaos_usage import check
+from protocol.ports import free_port
+
+ANSWER = {"id": "c", "object": "chat.completion", "model": "m",
+          "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi there"}, "finish_reason": "stop"}],
+          "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}  # fmt: skip
+
+
+def _reset(request: web.Request) -> None:
+    """Drop the connection with a TCP RST, as the kernel does for a killed process's sockets."""
+    sock = request.transport.get_extra_info("socket")  # type: ignore[union-attr]
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    request.transport.close()  # type: ignore[union-attr]
+
+
+@asynccontextmanager
+async def gateway(resets: int, cut_stream: bool = False) -> AsyncIterator[tuple[str, list[dict]]]:
+    """A server that resets its first `resets` requests before answering, then answers (a
+    stream cut after its first chunk with `cut_stream`). Yields its URL and the bodies seen."""
+    seen: list[dict] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append(body)
+        if len(seen) <= resets:
+            _reset(request)
+            await asyncio.sleep(1)
+            return web.Response()
+        if body.get("stream"):
+            r = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Request-Id": f"req-{len(seen)}"})
+            await r.prepare(request)
+            chunk = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
+            await r.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            if cut_stream:
+                _reset(request)
+                await asyncio.sleep(1)
+                return r
+            await r.write(b"data: [DONE]\n\n")
+            return r
+        return web.json_response(ANSWER, headers={"X-Request-Id": f"req-{len(seen)}"})
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}", seen
+    finally:
+        await runner.cleanup()
+
+
+async def _ask(url: str, kind: str) -> Record:
+    async with aiohttp.ClientSession() as s:
+        return await one_request(s, url, "k", "m", kind, 0, 8, None, 0.0, 10, tag="chaos-plain-0-7")
+
+
+def test_a_reset_before_the_answer_is_sent_again_once_with_its_tag() -> None:
+    async def main() -> None:
+        async with gateway(resets=1) as (url, seen):
+            rec = await _ask(url, "plain")
+            assert rec.outcome == Outcome.FULL and rec.retried and rec.tokens == 2 and rec.request_id == "req-2"
+            assert [b["user"] for b in seen] == ["chaos-plain-0-7"] * 2  # the same tag on the retry
+        async with gateway(resets=2) as (url, seen):  # once only: a second reset is the answer
+            rec = await _ask(url, "stream")
+            assert rec.outcome == Outcome.UNDEFINED and rec.cause == "connection_error" and rec.retried
+            assert len(seen) == 2
+
+    asyncio.run(main())
+
+
+def test_a_stream_cut_after_its_first_bytes_is_not_sent_again() -> None:
+    async def main() -> None:
+        async with gateway(resets=0, cut_stream=True) as (url, seen):
+            rec = await _ask(url, "stream")
+            assert rec.outcome == Outcome.UNDEFINED and not rec.retried and len(seen) == 1
+            assert rec.answered and rec.request_id == "req-1"
+
+    asyncio.run(main())
+
+
+def _rec(tag: str, rid: str, outcome: Outcome, tokens: int, retried: bool = False) -> Record:
+    return Record(kind="plain", prompt=0, sent_s=0.0, tag=tag, request_id=rid, outcome=outcome, tokens=tokens,
+                  answered=bool(rid), retried=retried)  # fmt: skip
+
+
+def _row(tag: str | None, rid: str, status: str, completion: int, cost: float = 0.0) -> dict:
+    return {"user": tag, "request_id": rid, "status": status, "completion_tokens": completion, "prompt_tokens": 9,
+            "cost_usd": cost}  # fmt: skip
+
+
+def test_the_usage_check_matches_records_to_requests_one_by_one() -> None:
+    records = [
+        _rec("chaos-a", "req-1", Outcome.FULL, 8),
+        _rec("chaos-b", "req-2", Outcome.FULL, 8, retried=True),  # its first attempt died with a gateway
+        _rec("chaos-c", "", Outcome.UNDEFINED, 0),  # the answer died with its gateway, record written
+        _rec("chaos-d", "req-4", Outcome.UNDEFINED, 3),  # a stream cut mid-way: the booking expired
+    ]
+    batch = BatchResult(lines=1, status="completed", succeeded=1, completion_tokens=8, line_tokens={"chaos-0": 8})
+    rows = [_row("chaos-a", "req-1", "ok", 8), _row("chaos-b", "req-2", "ok", 8), _row("chaos-c", "req-3", "ok", 8),
+            _row("chaos-d", "req-4", "expired", 0), _row("chaos-0", "batch-1", "ok", 8),
+            _row(None, "req-ref", "ok", 8)]  # fmt: skip
+    # The totals differ both ways (6 records vs 4 answered + 1 line; 40 tokens vs 27) though
+    # every answer was billed once: only the per-request match can say so.
+    c = check(records, batch, rows)
+    assert c.ok and c.full_answers == 3 and c.exact == 3 and c.retried == 1, c
+    assert c.records == {"ok": 4, "expired": 1} and c.no_full_answer == {"ok": 1, "expired": 1}
+    assert c.no_full_answer_tokens == 8
+    # the retried request's lost first attempt billed too: caught
+    c = check(records, batch, [*rows, _row("chaos-b", "req-x", "expired", 0, cost=0.001)])
+    assert not c.ok and c.billed_twice == {"chaos-b": ["ok", "expired"]}
+    # an answer billed with other tokens, a record written twice, a record of no request sent
+    bad = [_row("chaos-a", "req-1", "ok", 7), _row("chaos-b", "req-2", "ok", 8), _row("chaos-b", "req-2", "ok", 8),
+           _row("chaos-0", "batch-1", "ok", 8), _row("chaos-zz", "req-9", "ok", 1)]  # fmt: skip
+    c = check(records, batch, bad)
+    assert not c.ok and set(c.mismatched) == {"chaos-a", "chaos-b"} and c.unknown == 1 and c.exact == 1, c
+    assert check(records, batch, "usage records not readable: refused").error
