@@ -100,13 +100,19 @@ INLINE void qb_store16(const float *acc, int cnt, int64_t n0, const float *scale
                        int out_f32) {
     const __mmask16 mk = (__mmask16)(cnt >= 16 ? 0xffff : (1u << cnt) - 1);
     __m512 v = _mm512_loadu_ps(acc);
-    if (scale) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mk, scale + n0));
+    if (scale) v = _mm512_mul_ps(v, cnt == 16 ? _mm512_loadu_ps(scale + n0) : _mm512_maskz_loadu_ps(mk, scale + n0));
     if (bias) {
         const __m256i b = _mm256_maskz_loadu_epi16(mk, (const uint16_t *)bias + n0);
         v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
     }
-    if (out_f32) _mm512_mask_storeu_ps((float *)out_row + n0, mk, v);
-    else _mm256_mask_storeu_epi16((uint16_t *)out_row + n0, mk, (__m256i)_mm512_cvtneps_pbh(v));
+    if (cnt == 16) {
+        if (out_f32) _mm512_storeu_ps((float *)out_row + n0, v);
+        else _mm256_storeu_si256((__m256i *)((uint16_t *)out_row + n0), (__m256i)_mm512_cvtneps_pbh(v));
+    } else if (out_f32) {
+        _mm512_mask_storeu_ps((float *)out_row + n0, mk, v);
+    } else {
+        _mm256_mask_storeu_epi16((uint16_t *)out_row + n0, mk, (__m256i)_mm512_cvtneps_pbh(v));
+    }
 }
 
 #if defined(QB_AMX)
