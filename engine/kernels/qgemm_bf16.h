@@ -122,13 +122,24 @@ typedef struct {
     uint8_t rows[16];
 } QbTileCfg;
 
-/* acc [32][32] = X rows mi .. mi + 32 (or 16 when !two) against the two panel halves. */
-static void qb_amx_tile(const uint16_t *X, int64_t kp, int two, const uint32_t *p0, const uint32_t *p1, float *acc) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t c = 0; c < kp; c += 32) {
+/* acc [32][32] (row stride 32) += X rows mi .. mi + 32 (or 16 when !two) times the two panel
+ * halves over k in [k0, k1); acc is loaded first unless `fresh`. */
+static void qb_amx_tile(const uint16_t *X, int64_t kp, int two, const uint32_t *p0, const uint32_t *p1, int64_t k0,
+                        int64_t k1, float *acc, int fresh) {
+    if (fresh) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        _tile_loadd(0, acc, 128);
+        _tile_loadd(1, acc + 16, 128);
+        if (two) {
+            _tile_loadd(2, acc + 16 * 32, 128);
+            _tile_loadd(3, acc + 16 * 32 + 16, 128);
+        }
+    }
+    for (int64_t c = k0; c < k1; c += 32) {
         _tile_loadd(6, p0 + c * 8, 64);
         _tile_loadd(7, p1 + c * 8, 64);
         _tile_loadd(4, X + c, kp * 2);
@@ -175,6 +186,9 @@ static void qb_dp_tile(const uint16_t *X, int64_t kp, const uint32_t *p0, const 
 #define QB_MC 128
 /* Blocks of 32 weight rows per super-panel at most: 8 x 32 rows x k bf16 (<= 768 KiB at k = 1536) */
 #define QB_SB 8
+/* k per AMX pass: a block's 32 x QB_KB bf16 (16 KiB) stays in L1 while the pass's activation rows
+ * run against it (their sums kept in acc between passes), so only the activations stream from L2 */
+#define QB_KB 256
 
 /*
  * Driver: out [m][os] = x [m][xs] (bf16) @ dequant(W)^T (* scale) (+ bias, bf16), out bf16 or
@@ -186,6 +200,7 @@ static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, c
                        const float *scale, const void *bias, void *out, int64_t os, int out_f32, int isa) {
     const int64_t kp = qb_pad32(k), blocks = (n + 31) / 32, esz = out_f32 ? 4 : 2, bsz = kp * 16; /* uint32 per block */
     const int mpad = (m + 15) & ~15;
+    const int64_t passes = (kp + QB_KB - 1) / QB_KB, kb = qb_pad32((kp + passes - 1) / passes); /* even passes */
     uint16_t *X = (uint16_t *)aligned_alloc(64, (size_t)(mpad * kp * 2 + 64));
     if (!X) return -1;
     for (int r = 0; r < mpad; r++) {
@@ -212,7 +227,7 @@ static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, c
 #pragma omp parallel if (par)
     {
         uint32_t *panel = (uint32_t *)aligned_alloc(64, (size_t)(sb * bsz * 4));
-        float *acc = (float *)aligned_alloc(64, sizeof(float) * 32 * 32);
+        float *acc = (float *)aligned_alloc(64, sizeof(float) * QB_MC * 32); /* [QB_MC][32] */
         if (!panel || !acc) {
 #pragma omp atomic write
             fail = 1;
@@ -226,7 +241,6 @@ static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, c
             _tile_loadconfig(&cfg);
         }
 #endif
-        const int step = isa == 2 ? 32 : QB_MR;
 #pragma omp for schedule(static)
         for (int64_t sp = 0; sp < sps; sp++) {
             if (!panel || !acc) continue;
@@ -245,17 +259,20 @@ static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, c
                     const int64_t n0 = 32 * (b0 + b);
                     const uint32_t *p0 = panel + b * bsz, *p1 = p0 + 8 * kp;
                     const int nr0 = (int)(n - n0 < 16 ? n - n0 : 16), nr1 = (int)(n - n0 - 16 < 16 ? n - n0 - 16 : 16);
-                    for (int mi = m0; mi < m1; mi += step) {
 #if defined(QB_AMX)
-                        if (isa == 2) qb_amx_tile(X + (int64_t)mi * kp, kp, mi + 16 < mpad, p0, p1, acc);
-                        else
+                    if (isa == 2)
+                        for (int64_t k0 = 0; k0 < kp; k0 += kb)
+                            for (int mi = m0; mi < m1; mi += 32)
+                                qb_amx_tile(X + (int64_t)mi * kp, kp, mi + 16 < mpad, p0, p1, k0,
+                                            kp - k0 < kb ? kp : k0 + kb, acc + (mi - m0) * 32, k0 == 0);
+                    else
 #endif
-                            qb_dp_tile(X + (int64_t)mi * kp, kp, p0, p1, acc);
-                        for (int s = 0; s < step && mi + s < m1; s++) {
-                            char *row = (char *)out + (int64_t)(mi + s) * os * esz;
-                            qb_store16(acc + 32 * s, nr0, n0, scale, bias, row, out_f32);
-                            if (nr1 > 0) qb_store16(acc + 32 * s + 16, nr1, n0 + 16, scale, bias, row, out_f32);
-                        }
+                        for (int mi = m0; mi < m1; mi += QB_MR)
+                            qb_dp_tile(X + (int64_t)mi * kp, kp, p0, p1, acc + (mi - m0) * 32);
+                    for (int s = m0; s < m1; s++) {
+                        char *row = (char *)out + (int64_t)s * os * esz;
+                        qb_store16(acc + 32 * (s - m0), nr0, n0, scale, bias, row, out_f32);
+                        if (nr1 > 0) qb_store16(acc + 32 * (s - m0) + 16, nr1, n0 + 16, scale, bias, row, out_f32);
                     }
                 }
             }
