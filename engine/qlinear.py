@@ -2,7 +2,11 @@
 
 On the CPU with the native kernels (bf16 or fp32 activations) it calls `qlinear_int8` /
 `qlinear_int4`, which read the packed weights directly (decode) or dequantize 16 rows at a time
-into a cached tile (batches, prefill). Elsewhere (CUDA, no compiler, DUET_DISABLE_KERNELS) it
+into a cached fp32 tile (small batches). bf16 batches of `BF16_GEMM_MIN_ROWS` rows or more
+(prefill, batched decode) take `qlinear_int8_bf16` / `qlinear_int4_bf16` instead where the CPU
+has AMX or AVX-512 BF16: weight panels dequantized to bf16 in cache and the bf16 GEMM of the
+bf16 model (engine/kernels/qgemm_bf16.h), so the cost is that GEMM plus one O(n k) dequant
+amortized over the rows; activations stay bf16 (weight-only arithmetic). Elsewhere (CUDA, no compiler, DUET_DISABLE_KERNELS) it
 dequantizes a tile of output rows at a time with torch and runs F.linear on it, so no full
 dequantized copy of the matrix ever exists.
 
@@ -13,7 +17,11 @@ the kernels' blocked layout. int4-w4a8 keeps its packed int4 for one-row calls (
 decode reads half the bytes, weight-only), and uses the int8 form for batches and prefill.
 
 Invariant: the weight-only paths compute x @ dequantize(w)^T (+ bias) with fp32 accumulation on
-the CPU, the W8A8 paths w8a8_reference; the result is rounded once to the activation dtype. With CI=true a missing kernel library is an
+the CPU (the bf16 GEMM path: int8 q exact and the scale in fp32, int4 weights rounded to bf16;
+within bf16 tolerance of the others, `bf16_gemm_reference`), the W8A8 paths w8a8_reference; the
+result is rounded once to the activation dtype. Below BF16_GEMM_MIN_ROWS every path is bitwise
+equal to the one-row GEMV, so small decode batches and speculative verification (k + 1 rows)
+compute a sequence's tokens exactly as single-stream decode does. With CI=true a missing kernel library is an
 error, not a silent torch fallback (DESIGN §6), unless DUET_DISABLE_KERNELS asks for torch.
 """
 
@@ -30,6 +38,34 @@ from engine.quant import QuantizedWeight, dequantize, int8_for_gemm, pack_w8a8, 
 
 #: output rows dequantized per torch tile: ~4-16 MiB of fp32 for common hidden sizes
 _TILE_ROWS = 2048
+
+#: bf16 activation rows from which the weight-only linears take the bf16 GEMM path. Measured
+#: crossover against the fp32 tile path (AMX, 1 thread, SmolLM2's shapes): ~4 rows for int8,
+#: ~8 for int4; 16 keeps every batch a speculative verification or a small decode step makes
+#: on the path that is bitwise equal to single-stream decode.
+BF16_GEMM_MIN_ROWS = 16
+
+
+def bf16_gemm_isa() -> int:
+    """The bf16 GEMM path the kernels run on this CPU: 2 AMX, 1 AVX-512 BF16, 0 none (no kernels
+    or a CPU without bf16 dot products: bf16 batches keep the fp32 tile path)."""
+    lib = kernels_lib()
+    return 0 if lib is None else int(lib.qgemm_bf16_isa())
+
+
+def bf16_gemm_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
+                        out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """The bf16 GEMM path's arithmetic in torch: bf16 x times the weight as the panel holds it
+    (int8: q, exact; int4: dequantized and rounded to bf16), fp32 sums, the int8 scale and the
+    bias in fp32, one rounding. Equal to the kernels up to the order of the fp32 sums."""
+    xf = x.to(torch.bfloat16).float()
+    if qw.scheme == "int8":
+        out = (xf @ qw.q.float().T) * qw.scales
+    else:
+        out = xf @ dequantize(qw).to(torch.bfloat16).float().T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype or x.dtype)
 
 
 class QLinear:
@@ -53,6 +89,8 @@ class QLinear:
             self._w8_args = (self._packed.data_ptr(), self.w8.scales.data_ptr(), self._wsum.data_ptr())
         #: one-row calls of int4-w4a8 keep the int4 weight-only GEMV
         self._gemv_weight_only = act_int8 and weight.scheme != "int8"
+        #: bf16 batches of at least this many rows take the bf16 GEMM path (0: never, no such path)
+        self.bf16_min_rows = BF16_GEMM_MIN_ROWS if self.lib is not None and self.lib.qgemm_bf16_isa() > 0 else 0
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W^T (+ bias), in x's dtype or in `out_dtype` (torch.float32 for the logits: the
@@ -78,6 +116,8 @@ class QLinear:
         if self.w8 is not None and not (m == 1 and self._gemv_weight_only):
             rc = self.lib.qlinear_w8a8(x.data_ptr(), x.stride(0), m, k, *self._w8_args, self.out_features, bias,
                                        out.data_ptr(), out.stride(0), bf16, out_f32)  # fmt: skip
+        elif bf16 and 0 < self.bf16_min_rows <= m:
+            rc = self._bf16_gemm(x, m, k, bias, out, out_f32)
         elif self.weight.scheme == "int8":
             rc = self.lib.qlinear_int8(x.data_ptr(), x.stride(0), m, k, *self._args, self.out_features, bias,
                                        out.data_ptr(), out.stride(0), bf16, out_f32)  # fmt: skip
@@ -87,6 +127,13 @@ class QLinear:
         if rc != 0:
             raise MemoryError(f"quantized linear kernel failed ({rc}) for a [{m}, {k}] input")
         return out
+
+    def _bf16_gemm(self, x: torch.Tensor, m: int, k: int, bias: int, out: torch.Tensor, out_f32: int,
+                   isa: int = 0) -> int:  # fmt: skip
+        """The bf16 GEMM path (isa 0: the best this CPU has; 1 / 2 force AVX-512 BF16 / AMX)."""
+        fn = self.lib.qlinear_int8_bf16 if self.weight.scheme == "int8" else self.lib.qlinear_int4_bf16
+        return fn(x.data_ptr(), x.stride(0), m, k, *self._args, self.out_features, bias, out.data_ptr(),
+                  out.stride(0), out_f32, isa)  # fmt: skip
 
     def _torch(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         n = self.out_features

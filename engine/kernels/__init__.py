@@ -14,7 +14,9 @@ pool), `prefill_attention` (the same for prefill tokens, in query blocks) and `r
 step's shared arguments as a `Step` struct (step.h, mirrored in engine/kernel_step.py); and
 bf16 `rms_norm` / `add_rms_norm` / `silu_mul` (norm_act.c), `argmax_rows` (greedy
 sampling, argmax.c), the weight-only quantized linears `qlinear_int8` / `qlinear_int4`
-(qgemv_int8.c, qgemv_int4.c, shared parts in qgemm.h), `logits_bf16` (the bf16 lm_head with
+(qgemv_int8.c, qgemv_int4.c, shared parts in qgemm.h) and their bf16-GEMM forms for large
+batches `qlinear_int8_bf16` / `qlinear_int4_bf16` (AMX or AVX-512 BF16, `qgemm_bf16_isa`;
+qgemm_bf16.h), `logits_bf16` (the bf16 lm_head with
 fp32 output, logits_bf16.c) and `qlinear_w8a8` (int8 activations x int8 weights, int32 sums:
 AMX, AVX-512 VNNI or portable, qgemm_w8a8.c).
 """
@@ -38,7 +40,7 @@ from protocol.strict import fallback
 log = logging.getLogger("duet.engine.kernels")
 
 _DIR = Path(__file__).parent
-_HEADERS = ("common.h", "step.h", "attention_parts.h", "qgemm.h")
+_HEADERS = ("common.h", "step.h", "attention_parts.h", "qgemm.h", "qgemm_bf16.h")
 _BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-fno-math-errno", "-fno-trapping-math")
 # Attention may reassociate (its sums are reductions anyway); rope and the bf16 norms must round
 # exactly where torch / transformers do, so they get neither reassociation nor FMA contraction.
@@ -136,4 +138,8 @@ def kernels_lib() -> ctypes.CDLL | None:
     lib.qlinear_w8a8.argtypes = [p, i64, i32, i32, p, p, p, i64, p, p, i64, i32, i32]
     lib.qlinear_w8a8.restype = i32
     lib.qlinear_int8.restype = lib.qlinear_int4.restype = i32
+    lib.qlinear_int8_bf16.argtypes = [p, i64, i32, i32, p, p, i64, p, p, i64, i32, i32]
+    lib.qlinear_int4_bf16.argtypes = [p, i64, i32, i32, p, p, p, i32, i64, p, p, i64, i32, i32]
+    lib.qlinear_int8_bf16.restype = lib.qlinear_int4_bf16.restype = lib.qgemm_bf16_isa.restype = i32
+    lib.qgemm_bf16_isa.argtypes = []
     return lib

@@ -4,9 +4,12 @@
  *
  * Decode (m == 1) reads each weight byte once, straight from the packed matrix: 16 bytes →
  * 16 int32 → 16 fp32 → one FMA. Batched calls dequantize 16 rows at a time into a cached fp32
- * tile (qgemm.h). Both paths give bitwise-identical results.
+ * tile (qgemm.h). Both paths give bitwise-identical results. Batches of bf16 activations large
+ * enough to amortize it take the bf16 GEMM path instead (qgemm_bf16.h: q is exact in bf16, the
+ * scale applied in the epilogue), within bf16 tolerance of the others.
  */
 #include "qgemm.h"
+#include "qgemm_bf16.h"
 
 typedef struct {
     const int8_t *q;
@@ -91,4 +94,50 @@ int32_t qlinear_int8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
     }
     free(X);
     return 0;
+}
+
+/* Which bf16 GEMM path qlinear_int8_bf16 / qlinear_int4_bf16 run here: 2 AMX, 1 AVX-512 BF16,
+ * 0 none (the callers keep qlinear_int8 / qlinear_int4). */
+int32_t qgemm_bf16_isa(void) { return qb_isa(); }
+
+#if defined(QB_BF16)
+/* Rows n0 .. n0 + nr of q as bf16 (exact) into the panel, 32 k at a time: 16 rows of 32 bytes
+ * widen to 16 vectors of 16 pairs, then one 16x16 transpose gives the panel's 16 pair rows. */
+static void dequant_int8_bf16(const void *ctx, int64_t n0, int nr, uint32_t *panel, int64_t kp) {
+    const Int8W *w = (const Int8W *)ctx;
+    const int64_t k = w->k;
+    for (int64_t c = 0; c < kp; c += 32) {
+        const __mmask32 mk = k - c >= 32 ? 0xffffffffu : (1u << (k - c)) - 1; /* bytes past k read as 0 */
+        __m512i r[16];
+        for (int i = 0; i < 16; i++) {
+            if (i >= nr) {
+                r[i] = _mm512_setzero_si512();
+                continue;
+            }
+            const __m256i b = _mm256_maskz_loadu_epi8(mk, w->q + (n0 + i) * k + c);
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
+            r[i] = qb_pairs(lo, hi);
+        }
+        qb_transpose16(r);
+        for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(panel + (c / 2 + p) * 16), r[p]);
+    }
+}
+#endif
+
+/* qlinear_int8 for bf16 x (bf16 out, or fp32 with out_f32) on the bf16 GEMM path. isa: 0 the
+ * best available, else 1 / 2 (tests). Returns 0, -1 when out of memory, -3 when the path is
+ * not available in this build or process. */
+int32_t qlinear_int8_bf16(const uint16_t *x, int64_t xs, int32_t m, int32_t k, const int8_t *q, const float *scale,
+                          int64_t n, const uint16_t *bias, void *out, int64_t os, int32_t out_f32, int32_t isa) {
+    const int have = qb_isa();
+    if (isa == 0) isa = have;
+    if (isa < 1 || isa > have) return -3;
+#if defined(QB_BF16)
+    const Int8W w = {q, k};
+    return qb_gemm(x, xs, m, k, n, &w, dequant_int8_bf16, scale, bias, out, os, out_f32, isa);
+#else
+    (void)x, (void)xs, (void)m, (void)k, (void)q, (void)scale, (void)n, (void)bias, (void)out, (void)os, (void)out_f32;
+    return -3;
+#endif
 }

@@ -2,8 +2,10 @@
 
 Reference: F.linear in fp32 over `dequantize(w)` (the exact values the kernels multiply by).
 The kernels accumulate in another order, so fp32 agrees to fp32 rounding and bf16 to one bf16
-rounding of the output. Decode (m = 1) and batched (m > 1) paths must agree bitwise, or a
-sequence's tokens would depend on the batch it happens to decode in.
+rounding of the output. Decode (m = 1) and batched (m > 1) paths must agree bitwise below
+BF16_GEMM_MIN_ROWS, or a sequence's tokens would depend on the small batch it happens to decode
+in; bf16 batches from there on take the bf16 GEMM path (tests/engine/test_qlinear_bf16.py),
+checked here against its own reference.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch.nn.functional as F
 
 import engine.kernels
 from engine.kernels import kernels_lib
-from engine.qlinear import QLinear
+from engine.qlinear import QLinear, bf16_gemm_reference
 from engine.quant import dequantize, pack_int4, quantize, unpack_int4
 
 lib = kernels_lib()
@@ -91,7 +93,10 @@ def test_kernel_matches_torch_reference(scheme: str, n: int, k: int, dtype: torc
             x = torch.randn(m, k, generator=g).to(dtype)
             got = lin(x)
             assert got.dtype == dtype and got.shape == (m, n)
-            _check(got, F.linear(x.float(), ref_w, None if bias is None else bias.float()), dtype)
+            if dtype == torch.bfloat16 and 0 < lin.bf16_min_rows <= m:
+                _check(got, bf16_gemm_reference(x, qw, bias, torch.float32), dtype)
+            else:
+                _check(got, F.linear(x.float(), ref_w, None if bias is None else bias.float()), dtype)
         # decode path (m = 1) and batched path agree bitwise
         x = torch.randn(5, k, generator=g).to(dtype)
         assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(5)]), lin(x))

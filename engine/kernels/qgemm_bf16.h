@@ -1,0 +1,291 @@
+/*
+ * The bf16 GEMM path of the weight-only quantized linears (qgemv_int8.c, qgemv_int4.c), for
+ * bf16 activations with many rows (prefill, batched decode):
+ * out[m, n] = sum_k x[m, k] * bf16(W[n, k]) (* scale[n]) (+ bias[n]), fp32 accumulation, one
+ * rounding at the store. Activations are NOT quantized (that is the W8A8 schemes' job).
+ *
+ * Each thread takes 32 output rows of W at a time, dequantizes them once into a bf16 panel in
+ * the VNNI pair layout (uint32 [k/2 pairs][16 rows] per half: pair p of row r at [16 p + r],
+ * i.e. one AMX B tile per 32 k, one vdpbf16ps operand per pair), then runs every activation row
+ * against it:
+ * - AMX (tdpbf16ps, 2x2 16x16 fp32 tiles) where the CPU has amx_bf16 and the OS grants the tile
+ *   state (asked once at run time);
+ * - AVX-512 BF16 (vdpbf16ps: a broadcast activation pair times a weight pair row), e.g. Zen 4;
+ * - neither (the build has no avx512_bf16): qgemm_bf16_isa() says 0 and the callers keep the
+ *   fp32 tile path (qgemm.h).
+ * The cost is the bf16 GEMM plus one O(n k) dequantization per call, amortized over m; the
+ * panel stays in L1/L2, so no dequantized copy of the matrix ever exists.
+ *
+ * The values multiplied: int8 q exactly (|q| <= 127 fits bf16's 8-bit significand; the per-row
+ * scale is applied in fp32 in the epilogue, as on the fp32 path), int4 fma(d, q, m) rounded to
+ * bf16 (nearest even). Sums are in fp32, in another order than the fp32 path's, so the two
+ * agree within bf16 tolerance, not bitwise.
+ */
+#ifndef DUET_KERNELS_QGEMM_BF16_H
+#define DUET_KERNELS_QGEMM_BF16_H
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#if defined(_OPENMP)
+#include <omp.h>
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define QB_BF16 1
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define QB_AMX 1
+#endif
+#endif
+
+INLINE int64_t qb_pad32(int64_t k) { return (k + 31) & ~(int64_t)31; }
+
+/* Which bf16 path this build and process can run: 2 AMX, 1 AVX-512 BF16, 0 none. */
+static int qb_isa(void) {
+#if defined(QB_AMX)
+    /* Linux grants the AMX tile state per process (asked once; every caller gets the same answer) */
+    static volatile int amx = -1;
+    if (amx < 0) amx = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return amx ? 2 : 1;
+#elif defined(QB_BF16)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#if defined(QB_BF16)
+/*
+ * Writes rows n0 .. n0 + nr (nr <= 16) of W, dequantized to bf16, into panel [kp / 2][16]
+ * (pairs of consecutive k as one uint32); rows nr .. 15 and k beyond the matrix are zero.
+ */
+typedef void (*qb_dequant_fn)(const void *ctx, int64_t n0, int nr, uint32_t *panel, int64_t kp);
+
+/* r[i] = the 16 uint32 of row i → r[j] = element j of every row (a 16x16 transpose). */
+INLINE void qb_transpose16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* r[4 g + j], 128-bit lane L: column 4 L + j of rows 4 g .. 4 g + 3 */
+    for (int g = 0; g < 4; g++) {
+        r[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        r[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        r[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        r[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    /* then a 4x4 transpose of 128-bit lanes among r[j], r[4 + j], r[8 + j], r[12 + j] */
+    for (int j = 0; j < 4; j++) {
+        const __m512i a = r[j], b = r[4 + j], c = r[8 + j], d = r[12 + j];
+        const __m512i p = _mm512_shuffle_i32x4(a, b, 0x44), q = _mm512_shuffle_i32x4(c, d, 0x44);
+        const __m512i s = _mm512_shuffle_i32x4(a, b, 0xEE), u = _mm512_shuffle_i32x4(c, d, 0xEE);
+        t[j] = _mm512_shuffle_i32x4(p, q, 0x88);
+        t[4 + j] = _mm512_shuffle_i32x4(p, q, 0xDD);
+        t[8 + j] = _mm512_shuffle_i32x4(s, u, 0x88);
+        t[12 + j] = _mm512_shuffle_i32x4(s, u, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+/* Two rows of 16 fp32 (k 0..15 and 16..31 of a chunk) as 32 bf16 = 16 pairs, in k order. */
+INLINE __m512i qb_pairs(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
+
+/* Outputs n0 .. n0 + cnt (cnt <= 16) of one row from 16 fp32 sums: scale, bias, one rounding. */
+INLINE void qb_store16(const float *acc, int cnt, int64_t n0, const float *scale, const void *bias, void *out_row,
+                       int out_f32) {
+    const __mmask16 mk = (__mmask16)(cnt >= 16 ? 0xffff : (1u << cnt) - 1);
+    __m512 v = _mm512_loadu_ps(acc);
+    if (scale) v = _mm512_mul_ps(v, cnt == 16 ? _mm512_loadu_ps(scale + n0) : _mm512_maskz_loadu_ps(mk, scale + n0));
+    if (bias) {
+        const __m256i b = _mm256_maskz_loadu_epi16(mk, (const uint16_t *)bias + n0);
+        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16)));
+    }
+    if (cnt == 16) {
+        if (out_f32) _mm512_storeu_ps((float *)out_row + n0, v);
+        else _mm256_storeu_si256((__m256i *)((uint16_t *)out_row + n0), (__m256i)_mm512_cvtneps_pbh(v));
+    } else if (out_f32) {
+        _mm512_mask_storeu_ps((float *)out_row + n0, mk, v);
+    } else {
+        _mm256_mask_storeu_epi16((uint16_t *)out_row + n0, mk, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+#if defined(QB_AMX)
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} QbTileCfg;
+
+/* acc [32][32] (row stride 32) += X rows mi .. mi + 32 (or 16 when !two) times the two panel
+ * halves over k in [k0, k1); acc is loaded first unless `fresh`. */
+static void qb_amx_tile(const uint16_t *X, int64_t kp, int two, const uint32_t *p0, const uint32_t *p1, int64_t k0,
+                        int64_t k1, float *acc, int fresh) {
+    if (fresh) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    } else {
+        _tile_loadd(0, acc, 128);
+        _tile_loadd(1, acc + 16, 128);
+        if (two) {
+            _tile_loadd(2, acc + 16 * 32, 128);
+            _tile_loadd(3, acc + 16 * 32 + 16, 128);
+        }
+    }
+    for (int64_t c = k0; c < k1; c += 32) {
+        _tile_loadd(6, p0 + c * 8, 64);
+        _tile_loadd(7, p1 + c * 8, 64);
+        _tile_loadd(4, X + c, kp * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, X + 16 * kp + c, kp * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, acc, 128);
+    _tile_stored(1, acc + 16, 128);
+    if (two) {
+        _tile_stored(2, acc + 16 * 32, 128);
+        _tile_stored(3, acc + 16 * 32 + 16, 128);
+    }
+}
+#endif
+
+#define QB_MR 8 /* activation rows per vdpbf16ps pass */
+
+/* acc [QB_MR][32] = X rows (QB_MR of them) against the two panel halves, with vdpbf16ps. */
+static void qb_dp_tile(const uint16_t *X, int64_t kp, const uint32_t *p0, const uint32_t *p1, float *acc) {
+    __m512 a[QB_MR][2];
+    for (int r = 0; r < QB_MR; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < kp / 2; p++) {
+        const __m512bh b0 = (__m512bh)_mm512_load_si512((const void *)(p0 + 16 * p));
+        const __m512bh b1 = (__m512bh)_mm512_load_si512((const void *)(p1 + 16 * p));
+        for (int r = 0; r < QB_MR; r++) {
+            const __m512bh xv = (__m512bh)_mm512_set1_epi32(*(const int32_t *)(X + r * kp + 2 * p));
+            a[r][0] = _mm512_dpbf16_ps(a[r][0], xv, b0);
+            a[r][1] = _mm512_dpbf16_ps(a[r][1], xv, b1);
+        }
+    }
+    for (int r = 0; r < QB_MR; r++) {
+        _mm512_storeu_ps(acc + 32 * r, a[r][0]);
+        _mm512_storeu_ps(acc + 32 * r + 16, a[r][1]);
+    }
+}
+
+/* Activation rows per pass over a super-panel: their bf16 copy and the pass's outputs stay in L2
+ * (a whole prefill's outputs, written 64 bytes per row per block, would thrash it). */
+#define QB_MC 128
+/* Blocks of 32 weight rows per super-panel at most: 8 x 32 rows x k bf16 (<= 768 KiB at k = 1536) */
+#define QB_SB 8
+/* k per AMX pass: a block's 32 x QB_KB bf16 (16 KiB) stays in L1 while the pass's activation rows
+ * run against it (their sums kept in acc between passes), so only the activations stream from L2 */
+#define QB_KB 256
+
+/*
+ * Driver: out [m][os] = x [m][xs] (bf16) @ dequant(W)^T (* scale) (+ bias, bf16), out bf16 or
+ * fp32 (out_f32). isa: 2 AMX, 1 AVX-512 BF16 (must be <= qb_isa()). Each thread dequantizes a
+ * super-panel of up to QB_SB blocks once, then runs the activations over it QB_MC rows at a
+ * time. Returns 0, -1 when out of memory.
+ */
+static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, const void *ctx, qb_dequant_fn dequant,
+                       const float *scale, const void *bias, void *out, int64_t os, int out_f32, int isa) {
+    const int64_t kp = qb_pad32(k), blocks = (n + 31) / 32, esz = out_f32 ? 4 : 2, bsz = kp * 16; /* uint32 per block */
+    const int mpad = (m + 15) & ~15;
+    const int64_t passes = (kp + QB_KB - 1) / QB_KB, kb = qb_pad32((kp + passes - 1) / passes); /* even passes */
+    uint16_t *X = (uint16_t *)aligned_alloc(64, (size_t)(mpad * kp * 2 + 64));
+    if (!X) return -1;
+    for (int r = 0; r < mpad; r++) {
+        uint16_t *dst = X + (int64_t)r * kp;
+        if (r < m) {
+            memcpy(dst, x + r * xs, (size_t)k * 2);
+            memset(dst + k, 0, (size_t)(kp - k) * 2);
+        } else {
+            memset(dst, 0, (size_t)kp * 2);
+        }
+    }
+    const int par = (int64_t)m * n * k >= (1 << 15);
+    int threads = 1;
+#if defined(_OPENMP)
+    if (par) threads = omp_get_max_threads();
+#endif
+    /* super-panels: at least one per thread, a multiple of the thread count, each <= QB_SB blocks */
+    int64_t sps = (blocks + QB_SB - 1) / QB_SB;
+    sps = sps < threads ? threads : sps;
+    sps = (sps + threads - 1) / threads * threads;
+    const int64_t sb = (blocks + sps - 1) / sps;
+    sps = (blocks + sb - 1) / sb;
+    int fail = 0;
+#pragma omp parallel if (par)
+    {
+        uint32_t *panel = (uint32_t *)aligned_alloc(64, (size_t)(sb * bsz * 4));
+        float *acc = (float *)aligned_alloc(64, sizeof(float) * QB_MC * 32); /* [QB_MC][32] */
+        if (!panel || !acc) {
+#pragma omp atomic write
+            fail = 1;
+        }
+#if defined(QB_AMX)
+        if (isa == 2 && panel && acc) {
+            QbTileCfg cfg;
+            memset(&cfg, 0, sizeof cfg);
+            cfg.palette = 1;
+            for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+            _tile_loadconfig(&cfg);
+        }
+#endif
+#pragma omp for schedule(static)
+        for (int64_t sp = 0; sp < sps; sp++) {
+            if (!panel || !acc) continue;
+            const int64_t b0 = sp * sb, nb = blocks - b0 < sb ? blocks - b0 : sb;
+            for (int64_t b = 0; b < nb; b++) { /* two halves of 16 rows per block */
+                for (int h = 0; h < 2; h++) {
+                    const int64_t r0 = 32 * (b0 + b) + 16 * h;
+                    uint32_t *dst = panel + b * bsz + h * 8 * kp;
+                    if (r0 < n) dequant(ctx, r0, (int)(n - r0 < 16 ? n - r0 : 16), dst, kp);
+                    else memset(dst, 0, (size_t)(kp * 32));
+                }
+            }
+            for (int m0 = 0; m0 < m; m0 += QB_MC) {
+                const int m1 = m - m0 < QB_MC ? m : m0 + QB_MC;
+                for (int64_t b = 0; b < nb; b++) {
+                    const int64_t n0 = 32 * (b0 + b);
+                    const uint32_t *p0 = panel + b * bsz, *p1 = p0 + 8 * kp;
+                    const int nr0 = (int)(n - n0 < 16 ? n - n0 : 16), nr1 = (int)(n - n0 - 16 < 16 ? n - n0 - 16 : 16);
+#if defined(QB_AMX)
+                    if (isa == 2)
+                        for (int64_t k0 = 0; k0 < kp; k0 += kb)
+                            for (int mi = m0; mi < m1; mi += 32)
+                                qb_amx_tile(X + (int64_t)mi * kp, kp, mi + 16 < mpad, p0, p1, k0,
+                                            kp - k0 < kb ? kp : k0 + kb, acc + (mi - m0) * 32, k0 == 0);
+                    else
+#endif
+                        for (int mi = m0; mi < m1; mi += QB_MR)
+                            qb_dp_tile(X + (int64_t)mi * kp, kp, p0, p1, acc + (mi - m0) * 32);
+                    for (int s = m0; s < m1; s++) {
+                        char *row = (char *)out + (int64_t)s * os * esz;
+                        qb_store16(acc + 32 * (s - m0), nr0, n0, scale, bias, row, out_f32);
+                        if (nr1 > 0) qb_store16(acc + 32 * (s - m0) + 16, nr1, n0 + 16, scale, bias, row, out_f32);
+                    }
+                }
+            }
+        }
+#if defined(QB_AMX)
+        if (isa == 2 && panel && acc) _tile_release();
+#endif
+        free(panel);
+        free(acc);
+    }
+    free(X);
+    return fail ? -1 : 0;
+}
+#endif /* QB_BF16 */
+
+#endif
