@@ -89,7 +89,7 @@ _PRIOR_SHAPES = (
 
 class OnlineStepModel:
     def __init__(self, prior: Coefficients = DEFAULT_PRIOR, *, window: int = 256, refit_every: int = 8,
-                 prior_weight: float = 0.5, margin_quantile: float = 0.9, max_margin: float = 2.0) -> None:  # fmt: skip
+                 prior_weight: float = 0.1, margin_quantile: float = 0.9, max_margin: float = 2.0) -> None:  # fmt: skip
         if window < 8 or refit_every < 1:
             raise ValueError("window must be ≥ 8 steps and refit_every ≥ 1")
         self.prior = prior
