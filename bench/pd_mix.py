@@ -152,7 +152,9 @@ async def _mix(node: Proc, a: argparse.Namespace, vocab: int, headers: dict[str,
     return out
 
 
-def summary(ws: list[Window]) -> dict[str, Any]:
+def summary(ws: list[Window], cpus: int = 1) -> dict[str, Any]:
+    """Pooled figures of a mode's windows; `node_cpu_of_its_cores`: the node's CPU time over
+    (wall × its cores), 1.0 when it had them to itself — what the machine's load left it."""
     itl = [x for w in ws for x in w.itl]
     ttft = [x for w in ws for x in w.long_ttft]
     cpu, wall = sum(w.node_cpu_s for w in ws), sum(w.wall_s for w in ws)
@@ -160,7 +162,7 @@ def summary(ws: list[Window]) -> dict[str, Any]:
         "itl_ms": {"p50": percentile(itl, 0.5) * 1e3, "p90": percentile(itl, 0.9) * 1e3,
                    "p99": percentile(itl, 0.99) * 1e3, "max": max(itl) * 1e3, "n": len(itl)},
         "long_ttft_ms": {k: (v * 1e3 if k != "n" else v) for k, v in spread(ttft).items()},
-        "node_cpu_s": cpu, "wall_s": wall, "node_cpu_share": cpu / wall,
+        "node_cpu_s": cpu, "wall_s": wall, "node_cpu_share": cpu / wall, "node_cpu_of_its_cores": cpu / wall / cpus,
         "decode_tokens": sum(w.decode_tokens for w in ws),
         "node_cpu_ms_per_decode_token": cpu / max(1, sum(w.decode_tokens for w in ws)) * 1e3,
         "load_avg_1m": [list(w.load) for w in ws],
@@ -188,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                 node = duet_node("both", a.model, logs, *common, *extra, threads=threads)
                 with running(node):
                     results[mode].append(asyncio.run(_mix(node, a, vocab, headers, seed=rnd)))
-    fixed, target = summary(results["fixed"]), summary(results["itl_target"])
+    fixed, target = summary(results["fixed"], threads), summary(results["itl_target"], threads)
     report: dict[str, Any] = {
         "mix": a.mix, "model": ref.name, "dtype": a.dtype, "cpus": cpus, "budget": a.budget,
         "itl_target_ms": a.itl_target_ms, "streams": a.streams, "decode_tokens": a.decode_tokens,
@@ -213,13 +215,13 @@ def _table(rep: dict[str, Any]) -> None:
     print(f"model {rep['model']}  cpus {rep['cpus']}  {rep['streams']} decode streams, {rep['long_count']} × "
           f"{rep['long_len']}-token prompts per round, {rep['rounds']} round(s)")  # fmt: skip
     print(f"{'mode':>18} | {'ITL p50':>7} {'p90':>7} {'p99':>7} {'max':>7} | {'long TTFT':>9} {'p90':>7} | "
-          f"{'node CPU s':>10} {'wall s':>7} {'CPU ms/tok':>10} | load 1m")  # fmt: skip
+          f"{'node CPU s':>10} {'wall s':>7} {'of cores':>8} {'CPU ms/tok':>10} | load 1m")  # fmt: skip
     for name, key in (("fixed budget", "fixed"), (f"itl-target {rep['itl_target_ms']:g} ms", "itl_target")):
         r = rep[key]
         i, t = r["itl_ms"], r["long_ttft_ms"]
         loads = ", ".join(f"{a:.1f}→{b:.1f}" for a, b in r["load_avg_1m"])
         print(f"{name:>18} | {i['p50']:7.1f} {i['p90']:7.1f} {i['p99']:7.1f} {i['max']:7.1f} | {t['median']:9.1f} "
-              f"{t['p90']:7.1f} | {r['node_cpu_s']:10.1f} {r['wall_s']:7.1f} "
+              f"{t['p90']:7.1f} | {r['node_cpu_s']:10.1f} {r['wall_s']:7.1f} {r['node_cpu_of_its_cores']:8.2f} "
               f"{r['node_cpu_ms_per_decode_token']:10.1f} | {loads}")  # fmt: skip
     q = rep["ratios_target_over_fixed"]
     print(f"target / fixed: ITL p99 {q['itl_p99']:.2f}, ITL p50 {q['itl_p50']:.2f}, long TTFT {q['long_ttft_median']:.2f}, "

@@ -22,12 +22,13 @@ def test_gaps_are_within_one_request_and_the_window() -> None:
 def test_summary_pools_rounds_and_reports_the_tail() -> None:
     a = Window(itl=[0.01] * 98 + [0.5, 0.5], long_ttft=[1.0, 3.0], node_cpu_s=4.0, wall_s=4.0, decode_tokens=100)
     b = Window(itl=[0.02] * 100, long_ttft=[2.0], node_cpu_s=2.0, wall_s=4.0, decode_tokens=100, load=(1.0, 2.0))
-    s = summary([a, b])
+    s = summary([a, b], cpus=2)
     assert s["itl_ms"]["n"] == 200 and s["itl_ms"]["max"] == pytest.approx(500.0)
     assert s["itl_ms"]["p50"] == pytest.approx(20.0)  # pooled: 98 gaps of 10 ms, 100 of 20, 2 of 500
     assert s["itl_ms"]["p99"] > 20.0  # the two 500 ms gaps are the top 1 %
     assert s["long_ttft_ms"]["median"] == pytest.approx(2000.0) and s["long_ttft_ms"]["n"] == 3
     assert s["node_cpu_s"] == 6.0 and s["node_cpu_share"] == pytest.approx(0.75)
+    assert s["node_cpu_of_its_cores"] == pytest.approx(0.375)
     assert s["node_cpu_ms_per_decode_token"] == pytest.approx(30.0)
     assert s["load_avg_1m"] == [[0.0, 0.0], [1.0, 2.0]]
 
