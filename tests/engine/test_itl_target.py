@@ -190,3 +190,20 @@ def test_greedy_tokens_are_the_same_as_with_the_fixed_budget(tiny_llama: Path) -
     assert llm.engine.scheduler.last_prefill_budget == 32
     for p, a, b in zip(ps, fixed, slo, strict=True):
         assert a.token_ids == b.token_ids, f"prompt length {len(p)}"
+
+
+def test_duet_node_flag_maps_onto_the_engine_config() -> None:
+    import argparse
+
+    from duet.cmd_nodes import add_node_arguments, node_config
+
+    def parse(*argv: str) -> argparse.Namespace:
+        p = argparse.ArgumentParser()
+        add_node_arguments(p, 8100)
+        return p.parse_args(list(argv))
+
+    assert node_config(parse("--itl-target-ms", "100"), "both").engine.itl_target_ms == 100.0
+    assert node_config(parse(), "both").engine.itl_target_ms is None
+    for bad in (("--itl-target-ms", "0"), ("--itl-target-ms", "50", "--engine", "vllm")):
+        with pytest.raises(ValueError, match="--itl-target-ms takes a positive number"):
+            node_config(parse(*bad), "both")
