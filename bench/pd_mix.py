@@ -53,6 +53,7 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--cpus", default=None, help="cores of the colocated node (default: all this process may use)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads of the node (default: one per core)")
     p.add_argument("--itl-target-ms", type=float, default=100.0, help="the target mode's --itl-target-ms (default 100)")
     p.add_argument("--budget", type=int, default=512, help="--max-num-batched-tokens of both modes (default 512)")
     p.add_argument("--streams", type=int, default=None, help="concurrent decode streams (default 4; quick 2)")
@@ -70,6 +71,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     for k, v in preset.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    if a.threads is not None and a.threads < 1:
+        p.error("--threads must be >= 1")
     if min(a.streams, a.long_count, a.rounds) < 1 or a.decode_tokens < 2 or a.long_len < 2:
         p.error("--streams, --long-count and --rounds must be >= 1; --decode-tokens and --long-len >= 2")
     if not a.itl_target_ms > 0 or a.long_gap < 0:
@@ -174,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ref = resolve_model(a.model)
     vocab = Tokenizer(ref.directory).vocab_size
     cpus = a.cpus or ",".join(map(str, sorted(os.sched_getaffinity(0))))
-    threads = len(cpus.split(","))
+    cores = len(cpus.split(","))
+    threads = a.threads or cores
     modes = {"fixed": (), "itl_target": ("--itl-target-ms", str(a.itl_target_ms))}
     results: dict[str, list[Window]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="bench-pd-mix-") as tmp:
@@ -190,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
                 node = duet_node("both", a.model, logs, *common, *extra, threads=threads)
                 with running(node):
                     results[mode].append(asyncio.run(_mix(node, a, vocab, headers, seed=rnd)))
-    fixed, target = summary(results["fixed"], threads), summary(results["itl_target"], threads)
+    fixed, target = summary(results["fixed"], cores), summary(results["itl_target"], cores)
     report: dict[str, Any] = {
-        "mix": a.mix, "model": ref.name, "dtype": a.dtype, "cpus": cpus, "budget": a.budget,
+        "mix": a.mix, "model": ref.name, "dtype": a.dtype, "cpus": cpus, "threads": threads, "budget": a.budget,
         "itl_target_ms": a.itl_target_ms, "streams": a.streams, "decode_tokens": a.decode_tokens,
         "long_len": a.long_len, "long_count": a.long_count, "long_gap_s": a.long_gap, "rounds": a.rounds,
         "quick": a.quick, "fixed": fixed, "itl_target": target,
@@ -212,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(rep: dict[str, Any]) -> None:
-    print(f"model {rep['model']}  cpus {rep['cpus']}  {rep['streams']} decode streams, {rep['long_count']} × "
+    print(f"model {rep['model']}  cpus {rep['cpus']} ({rep['threads']} threads)  {rep['streams']} decode streams, {rep['long_count']} × "
           f"{rep['long_len']}-token prompts per round, {rep['rounds']} round(s)")  # fmt: skip
     print(f"{'mode':>18} | {'ITL p50':>7} {'p90':>7} {'p99':>7} {'max':>7} | {'long TTFT':>9} {'p90':>7} | "
           f"{'node CPU s':>10} {'wall s':>7} {'of cores':>8} {'CPU ms/tok':>10} | load 1m")  # fmt: skip
