@@ -16,6 +16,10 @@ same prompt in both modes. A request without a first token, or a node that does 
 part, fails the run: nothing is counted as 0. The run also fails when a node runs another
 transport than the one asked for, or when D logs a failed pull (a recompute would measure
 local prefill, not the transfer). One JSON object with --json.
+
+`--mix long-prompt` runs bench/pd_mix.py instead: one colocated node's inter-token latency while
+long prompts arrive, the fixed token budget against `--itl-target-ms` (its own flags:
+`python -m bench.pd --mix long-prompt --help`).
 """
 
 from __future__ import annotations
@@ -35,7 +39,9 @@ from typing import Any
 
 import aiohttp
 
+from bench import pd_mix
 from bench.pd_client import Result, completion, disaggregated
+from bench.pd_mix import MIXES
 from bench.procs import duet_node, running
 from bench.stats import spread
 from protocol.cluster_secret import read_secret_file, write_secret_file
@@ -57,6 +63,8 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--p-cpus", default=None, help="cores for the prefill node (default: first half)")
     p.add_argument("--d-cpus", default=None, help="cores for the decode node (default: second half)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--mix", choices=MIXES, default=None,
+                   help="a colocated workload mix instead (bench/pd_mix.py; see --mix long-prompt --help)")  # fmt: skip
     a = p.parse_args(argv)
     preset = ({"lengths": "32,64", "reps": 3, "max_tokens": 4, "kv_memory": "64MiB"} if a.quick else
               {"lengths": "128,512,1024", "reps": 5, "max_tokens": 16, "kv_memory": "512MiB"})  # fmt: skip
@@ -181,6 +189,9 @@ async def _measure(send: Any, lengths: list[int], reps: int, vocab: int, params:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(x == "--mix" or x.startswith("--mix=") for x in argv):
+        return pd_mix.main(argv)
     args = _args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     ref = resolve_model(args.model)

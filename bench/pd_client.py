@@ -29,6 +29,8 @@ class Result:
     prefill_timing: dict[str, float] = field(default_factory=dict)
     error: dict[str, Any] | None = None
     ttft: float | None = None
+    #: perf_counter() at each chunk that carried tokens (inter-token gaps: bench/pd_mix.py)
+    token_times: list[float] = field(default_factory=list)
     latency: float = 0.0
     prefill_seconds: float = 0.0
 
@@ -47,8 +49,11 @@ async def read_sse(resp: aiohttp.ClientResponse, result: Result, t0: float) -> R
             result.error = chunk["error"]
             continue
         for choice in chunk.get("choices", []):
-            if choice.get("token_ids") and result.ttft is None:
-                result.ttft = time.perf_counter() - t0
+            if choice.get("token_ids"):
+                now = time.perf_counter()
+                result.token_times.append(now)
+                if result.ttft is None:
+                    result.ttft = now - t0
             result.token_ids.extend(choice.get("token_ids") or [])
             result.text += choice.get("text", "")
             if choice.get("finish_reason"):

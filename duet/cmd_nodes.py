@@ -51,6 +51,11 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
     e.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     e.add_argument("--max-num-seqs", type=int, default=128, help="sequences running at once")
     e.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
+    e.add_argument("--itl-target-ms", type=float, default=None, metavar="MS",
+                   help="native engine, colocated nodes: size each step's prefill chunk from an online model of "
+                        "step time (prefill tokens, decode batch, context) so decode steps stay within MS; "
+                        "--max-num-batched-tokens stays the cap, and every step still takes at least 32 "
+                        "prompt tokens, so long prompts progress (default: off, the fixed budget alone)")  # fmt: skip
     e.add_argument("--dtype", default="auto", help="auto, bfloat16 or float32")
     e.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     e.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -123,6 +128,8 @@ def node_config(args: argparse.Namespace, role: str):
     if args.task != "embed" and args.pooling != "last":
         raise ValueError("--pooling applies only with --task embed")
 
+    if args.itl_target_ms is not None and (args.engine != "native" or not args.itl_target_ms > 0):
+        raise ValueError("--itl-target-ms takes a positive number of milliseconds, with --engine native")
     if args.engine == "vllm":
         engine = vllm_engine_config(args, role)
     elif args.vllm_arg or args.nixl_port is not None:
@@ -153,7 +160,7 @@ def native_engine_config(args: argparse.Namespace):
         record_kv_events=bool(args.etcd),  # coordinators read them through GET /kv/events
         quantization=None if args.quantization == "none" else args.quantization,
         speculative=None if args.speculative == "none" else args.speculative,
-        num_speculative_tokens=args.num_speculative_tokens,
+        num_speculative_tokens=args.num_speculative_tokens, itl_target_ms=args.itl_target_ms,
     )  # fmt: skip
 
 

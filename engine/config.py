@@ -57,5 +57,9 @@ class EngineConfig:
     num_speculative_tokens: int = 5
     #: no drafts while more requests than this decode (larger batches are compute-bound)
     spec_max_batch: int = 4
+    #: colocated nodes: size each step's prefill chunk so the predicted step (an online fit of
+    #: step times, engine/step_model.py) stays within this inter-token latency; None: the fixed
+    #: max_num_batched_tokens budget alone
+    itl_target_ms: float | None = None
     #: keep BlockStored/BlockRemoved events for the coordinator
     record_kv_events: bool = False

@@ -118,8 +118,8 @@ class EngineCore:
         self.pool = BlockPool(num_blocks, bs, record_events=config.record_kv_events)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching, config.hash_seed)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs,
-                            config.enable_chunked_prefill), self.kv)  # fmt: skip
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill,
+                            None if config.itl_target_ms is None else config.itl_target_ms / 1e3), self.kv)  # fmt: skip
         self.sampler = Sampler(config.seed)
         self.guides = GuidedDecoding(self.model_dir / "tokenizer.json", mc.vocab_size, self.tokenizer.eos_token_ids)
         self.speculator: Speculator | None = None
@@ -253,6 +253,13 @@ class EngineCore:
         """One scheduling step. Returns the deltas and the requests newly reserved for remote
         KV (decode node: their transfers may start). `progressed` tells whether anything
         changed (False: only a command or a deadline can unblock the queue)."""
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:  # the step's wall time, for the step-time model of an ITL target
+            self.scheduler.observe_step(time.perf_counter() - t0)
+
+    def _step(self) -> tuple[list[RequestOutput], list[Request]]:
         expired = self.scheduler.expire_holds(time.monotonic())
         if expired:
             log.info("lease expired: freed the held blocks of %s", ", ".join(expired))

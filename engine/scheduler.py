@@ -19,6 +19,12 @@ slots of rejected tokens back (`KVCacheManager.trim`). No drafts while more than
 `spec_max_batch` requests decode: at larger batches the step is compute-bound and verifying
 drafts costs more than the accepted tokens give back.
 
+ITL target (`itl_target_s`, colocated nodes): decodes are scheduled as always, and the prompt
+tokens of the step are capped at the most that keep the step's predicted time within the target
+(engine/step_model.py, an online fit of measured step times against the step's shape), but never
+below `min_prefill_chunk`, so a long prompt always progresses. The engine reports each step's
+wall time through `observe_step`. Without a target the budget is the fixed token budget alone.
+
 Invariants: a request is in exactly one of waiting / running / remote / held; the scheduler
 never changes a block while a transfer may be writing it (requests in WAITING_FOR_REMOTE_KV
 are never preempted and are freed only after `kv_ready`); a held request carries its own
@@ -36,6 +42,7 @@ from dataclasses import dataclass, field
 from engine.holds import HoldLedger
 from engine.kv_manager import KVCacheManager
 from engine.request import Request, Status
+from engine.step_model import OnlineStepModel, StepShape, shape_of
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,19 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
+    #: ITL target (seconds): prompt tokens per step sized by the step-time model; None: fixed budget
+    itl_target_s: float | None = None
+    #: with a target, the fewest prompt tokens a step may carry (prefill is never starved)
+    min_prefill_chunk: int = 32
+
+    def __post_init__(self) -> None:
+        if self.itl_target_s is not None:
+            if not self.itl_target_s > 0:
+                raise ValueError(f"the ITL target must be positive (got {self.itl_target_s} s)")
+            if not self.enable_chunked_prefill:
+                raise ValueError("an ITL target needs chunked prefill (it sizes the prefill chunks)")
+            if self.min_prefill_chunk < 1:
+                raise ValueError("min_prefill_chunk must be at least 1")
 
 
 @dataclass
@@ -85,6 +105,11 @@ class Scheduler:
         #: speculative decoding: draft tokens for a decoding request ([] for none)
         self.drafter: Callable[[Request, int], list[int]] | None = None
         self.spec_max_batch = 0
+        #: with an ITL target: the step-time model, and the shape of the step scheduled last
+        self.step_model = OnlineStepModel() if config.itl_target_s is not None else None
+        self._last_shape: StepShape | None = None
+        #: the prompt-token cap of the last step (the full budget without a target)
+        self.last_prefill_budget = config.max_num_batched_tokens
 
     # -- queue management ------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -145,11 +170,16 @@ class Scheduler:
         num_priority_preempted = len(out.preempted)
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda r: r.sort_key)
+        # prompt tokens this step may still take; never below `budget` without a target
+        prefill_left = self.last_prefill_budget = self._prefill_budget(budget)
         drafting = self.drafter is not None and 0 < self._num_decoding() <= self.spec_max_batch
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            prompt_work = _prompt_work(req)
+            if prompt_work:
+                n = min(n, prefill_left)
             if n <= 0:
                 i += 1
                 continue
@@ -171,18 +201,40 @@ class Scheduler:
             else:
                 out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
                 budget -= n
+                prefill_left -= n if prompt_work else 0
                 i += 1
                 continue
             # `req` itself was preempted; the list shifted, so `i` already names the next one.
         # Blocks ran out for running requests: admitting new ones now would only thrash.
         if len(out.preempted) == num_priority_preempted:
-            budget = self._admit_waiting(out, budget)
+            budget = self._admit_waiting(out, budget, prefill_left)
+        if self.step_model is not None:
+            self._last_shape = shape_of(out.chunks)
         return out
+
+    def _prefill_budget(self, budget: int) -> int:
+        """The step's cap on prompt tokens: with an ITL target, the most the step-time model lets
+        ride along this step's decodes (at least `min_prefill_chunk`); else the whole budget.
+        The chunk is placed at the first prompt in line (the running ones first, as scheduled)."""
+        if self.step_model is None or self.config.itl_target_s is None:
+            return budget
+        decoding = [r for r in self.running if not _prompt_work(r)]
+        context = sum(r.num_computed_tokens + 1 for r in decoding)
+        first = next((r for r in self.running if _prompt_work(r)), self.waiting[0] if self.waiting else None)
+        start = first.num_computed_tokens if first is not None else 0
+        fit = self.step_model.max_prefill(len(decoding), context, start, self.config.itl_target_s, budget)
+        return max(fit, min(self.config.min_prefill_chunk, budget))
+
+    def observe_step(self, seconds: float) -> None:
+        """The engine's measured wall time of the step scheduled last (fits the step model)."""
+        shape, self._last_shape = self._last_shape, None
+        if self.step_model is not None and shape is not None and (shape.prefill_tokens or shape.decode_seqs):
+            self.step_model.observe(shape, seconds)
 
     def _num_decoding(self) -> int:
         return sum(1 for r in self.running if r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1)
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, prefill_left: int) -> int:
         full_budget = self.config.max_num_batched_tokens
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -191,11 +243,11 @@ class Scheduler:
                     break
                 out.reserved.append(req)
                 continue
-            if budget <= 0:
+            if budget <= 0 or prefill_left <= 0:
                 break
             cached = self.kv.find_cached_prefix(req)
             remaining = req.num_tokens - len(cached) * self.kv.block_size
-            n = min(remaining, budget)
+            n = min(remaining, budget, prefill_left)
             if not self.config.enable_chunked_prefill and n < remaining and budget < full_budget:
                 break
             if self.config.enable_chunked_prefill is False:
@@ -210,6 +262,7 @@ class Scheduler:
             self.running.append(req)
             out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, n))
             budget -= n
+            prefill_left -= n
         return budget
 
     # -- remote KV (decode node) -----------------------------------------------------------
@@ -297,3 +350,9 @@ class Scheduler:
 
     def next_hold_expiry(self) -> float | None:
         return min((r.hold_expiry for r in self.held.values() if r.hold_expiry is not None), default=None)
+
+
+def _prompt_work(req: Request) -> bool:
+    """True unless `req` is decoding (a sampled token and exactly that one token to compute):
+    a prompt chunk, a prompt's last token, or a preempted request's recompute."""
+    return not req.output_token_ids or req.num_tokens - req.num_computed_tokens != 1
