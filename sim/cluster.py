@@ -8,8 +8,12 @@ The life of a request mirrors DESIGN §1: admission slot (interactive/batch queu
 (WAITING_FOR_REMOTE_KV) → the transfer lasts latency + bytes/bandwidth → P releases, D marks
 the KV ready and recomputes the last prompt token → D decodes and streams.
 
-What is *not* simulated (each a stated assumption in the result): HTTP and the gateway's own
-CPU beyond the profile's fixed overheads; load-frame transport delay (frames reach the
+HTTP and the processes' own CPU come from the profile's overheads: fixed wall times per request
+(gateway + route + leg, the P→D hop, a token's relay) and, on a node that streams, its event
+loop's CPU per token beside the engine step (sim/node.py).
+
+What is *not* simulated (each a stated assumption in the result): the gateway's CPU as load
+on the nodes' cores (the run's contention carries it); load-frame transport delay (frames reach the
 coordinator the instant they are taken, every LOAD_INTERVAL_S, and KV events right after the
 step that produced them); failures, retries, migrations and lease expiry.
 """
@@ -84,6 +88,7 @@ class SimCluster:
         self._event_seq: dict[str, int] = {}
         self._tasks: set[asyncio.Task] = set()
         n = 0
+        token_s = profile.cpu_to_wall(profile.overheads.node_token_cpu_s)
         for g in layout.groups:
             for _ in range(g.count):
                 nid = f"{g.role[0]}{n}"
@@ -91,7 +96,7 @@ class SimCluster:
                 node = SimNode(nid, g.role, profile.step, num_blocks=profile.kv_blocks(), block_size=k.block_size,
                                max_num_seqs=layout.max_num_seqs or k.max_num_seqs,
                                max_num_batched_tokens=layout.max_num_batched_tokens or k.max_num_batched_tokens,
-                               on_events=self._on_events)  # fmt: skip
+                               on_events=self._on_events, token_s=0.0 if g.role == "prefill" else token_s)  # fmt: skip
                 node.on_reserved = self._start_transfer
                 self.nodes[nid] = node
                 info = NodeInfo(node_id=nid, role=g.role, url=f"sim://{nid}", model=MODEL, engine_id=nid,
