@@ -166,7 +166,8 @@ class SimNode:
             if len(req.output_token_ids) >= req.params.max_tokens:
                 self.scheduler.finish(req, "length")
                 del self.tracked[req.request_id]
-                t.done.set_result(None)
+                if not t.done.done():  # cancelled: a run stopped early (sim/early.py)
+                    t.done.set_result(None)
 
     def _flush_events(self) -> None:
         if self.on_events is not None and self.pool.events:
