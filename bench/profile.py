@@ -12,8 +12,11 @@ the profile keeps the samples, the fit error and the held-out error.
 
 KV bytes per token come from the engine's own KV layout. The transport figures come from
 `bench.kvtransfer` between two real processes (latency + bytes/bandwidth fitted to its
-scattered reads of 1..64 blocks). Per-request overheads outside the forward pass are not
-measured here: they default to the gateway's figures in docs/benchmarks.md (see --overhead-ms).
+scattered reads of 1..64 blocks). Per-request and per-token overheads outside the forward pass
+are measured with --overheads in a running cluster (`duet up`, sim/overheads.py: the gateway's,
+coordinator's and node loop's own CPU clocks, and the TTFT left outside the step); without it
+they are the --overhead-ms / --pd-hop-ms defaults, marked modelled. --overheads-only measures them
+alone and updates the profile at --out.
 
 Wall-clock figures need a quiet machine: the load average is recorded in the profile.
 """
@@ -58,6 +61,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--overhead-ms", type=float, default=2.0,
                    help="per-request time outside the forward pass (gateway + route + leg HTTP), ms")  # fmt: skip
     p.add_argument("--pd-hop-ms", type=float, default=3.0, help="extra time of a disaggregated request's P→D hop, ms")
+    p.add_argument("--overheads", choices=["none", "colocated", "pd"], default="none",
+                   help="measure per-request/per-token overheads in a running cluster (duet up): colocated, "
+                        "or colocated + 1P1D for the P→D hop (default none: the --overhead-ms defaults)")  # fmt: skip
+    p.add_argument("--overheads-only", action="store_true",
+                   help="measure only the overheads (--overheads, default pd) and update the profile at --out")
+    p.add_argument("--overhead-requests", type=int, default=12, help="requests per overhead shape (default 12)")
     p.add_argument("--name", default=None, help="node kind name (default: model-dtype-quant-tN)")
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--refit", action="store_true", help="refit the samples of the profile at --out (no measurement)")
@@ -176,6 +185,11 @@ def _transport(backend: str, log) -> pf.Transport:  # type: ignore[no-untyped-de
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.overheads_only:
+        prof = update_overheads(Path(a.out), a.model, "pd" if a.overheads == "none" else a.overheads,
+                                a.overhead_requests)  # fmt: skip
+        print(json.dumps({"overheads": msgspec.to_builtins(prof.overheads), "notes": prof.notes}))
+        return 0
     if a.refit:
         prof = refit(Path(a.out), a.threads)
         print(json.dumps({"fit_mape": prof.step.fit_mape, "holdout_mape": prof.step.holdout_mape,
@@ -227,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), contention=ratio,
         host=platform.node(),
     )  # fmt: skip
+    if a.overheads != "none":
+        prof = _with_overheads(prof, a.model, a.overheads, a.overhead_requests, log)
     pf.save(prof, Path(a.out))
     log(f"wrote {a.out}")
     print(json.dumps({"name": name, "samples": len(samples), "fit_mape": model.fit_mape,
@@ -262,6 +278,31 @@ def refit(path: Path, threads: int) -> pf.Profile:
     model, raw, ratio = fit_samples(prof.samples, threads)
     notes = [n for n in prof.notes if not n.startswith("step model:")]
     prof.step, prof.notes, prof.contention = model, [*fit_notes(raw, ratio), *notes], ratio
+    pf.save(prof, path)
+    return prof
+
+
+def _with_overheads(prof: pf.Profile, model: str | None, mode: str, requests: int, log) -> pf.Profile:  # type: ignore[no-untyped-def]
+    from protocol.models import DEFAULT_MODEL, resolve_model
+    from sim import overheads
+
+    if model is None or not Path(model).is_dir():
+        model = str(resolve_model(model or DEFAULT_MODEL).directory)
+    m = overheads.measure(prof, model, log, requests=requests, pd=mode == "pd")
+    notes = [n for n in prof.notes if not n.startswith(("overheads measured", "measured: step samples"))]
+    what = "measured: step samples, the fit, KV bytes/token, the transport, per-request/per-token overheads" + (
+        "" if mode == "pd" else " (the P→D hop: the --pd-hop-ms default)")
+    if mode != "pd":
+        m = overheads.Measured(msgspec.structs.replace(m.overheads, pd_hop_s=prof.overheads.pd_hop_s), m.notes, m.raw)
+    return msgspec.structs.replace(prof, overheads=m.overheads, notes=[*notes, *m.notes, what])
+
+
+def update_overheads(path: Path, model: str | None, mode: str, requests: int) -> pf.Profile:
+    """Measure the overheads of the profile at `path` and write them into it (samples stay)."""
+    def log(msg: str) -> None:
+        print(f"[bench.profile {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    prof = _with_overheads(pf.load(path), model, mode, requests, log)
     pf.save(prof, path)
     return prof
 

@@ -68,8 +68,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     one.add_argument("--max-inflight", type=int, default=None,
                      help="the gateway's tier admission limit (gateway TierConfig.max_inflight; default 256)")
     one.add_argument("--contention", type=float, default=None,
-                     help="CPU node kinds: the machine's contention during the run (sim/contention.py); the profile "
-                          "is scaled from its own")  # fmt: skip
+                     help="CPU node kinds: the contention the nodes ran at during the run (sim/procstat.py's "
+                          "stretch of their step threads, as sim.validate records it); the profile is scaled from its own")  # fmt: skip
     one.add_argument("--slo", default=None, help="ttft_p90=MS,e2e_p90=MS,itl_p99=MS,tpot_p50=MS")
     p.set_defaults(func=run)
 
@@ -224,7 +224,8 @@ def _plan(a: argparse.Namespace) -> int:
 
         def progress(c: pl.Capacity, t0: float = t0) -> None:
             console.print(f"  [{time.perf_counter() - t0:5.0f} s] {c.variant.label():28} {c.rate:7.2f} req/s per cell "
-                          f"({len(c.probes) + len(c.relaxed)} simulations)")  # fmt: skip
+                          f"({len(c.probes) + sum(1 for r in c.relaxed if all(r[2] is not p.summary for p in c.probes))} "
+                          "simulations)")  # fmt: skip
 
         caps = pl.search(prof, sc, cfg, quick=a.quick, jobs=a.jobs, progress=progress)
         t = Table(title=f"{prof.kind.name}: most load per cell within the SLOs")
@@ -271,7 +272,8 @@ def _plan(a: argparse.Namespace) -> int:
                   f"{f.usd_per_m_tokens(sc.day_utilisation, i_tok + o_tok):.3f}")  # fmt: skip
     console.print(t)
     front = pl.pareto(all_fleets)
-    console.print("\n[bold]Pareto front: fleet cost vs TTFT P90[/] (fleets of each variant at its minimum size, +25 %, +50 %)")
+    console.print("\n[bold]Pareto front: fleet cost vs TTFT P90[/] (fleets of each variant at its minimum size "
+                  "and at the passing probes' lower cell rates)")
     for f in front:
         console.print(f"  ${f.usd_per_hour:8,.0f}/h  TTFT p90 {_f(f.summary.latency_ms['p90_ttft']):>8} ms  {f.profile}: "
                       f"{f.cells} × [{f.variant}] ({f.nodes} nodes)")  # fmt: skip

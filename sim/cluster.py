@@ -8,8 +8,12 @@ The life of a request mirrors DESIGN §1: admission slot (interactive/batch queu
 (WAITING_FOR_REMOTE_KV) → the transfer lasts latency + bytes/bandwidth → P releases, D marks
 the KV ready and recomputes the last prompt token → D decodes and streams.
 
-What is *not* simulated (each a stated assumption in the result): HTTP and the gateway's own
-CPU beyond the profile's fixed overheads; load-frame transport delay (frames reach the
+HTTP and the processes' own CPU come from the profile's overheads: fixed wall times per request
+(gateway + route + leg, the P→D hop, a token's relay) and, on a node that streams, its event
+loop's CPU per token beside the engine step (sim/node.py).
+
+What is *not* simulated (each a stated assumption in the result): the gateway's CPU as load
+on the nodes' cores (the run's contention carries it); load-frame transport delay (frames reach the
 coordinator the instant they are taken, every LOAD_INTERVAL_S, and KV events right after the
 step that produced them); failures, retries, migrations and lease expiry.
 """
@@ -32,6 +36,7 @@ from protocol.kv_events import LOAD_INTERVAL_S
 from protocol.openai import APIError
 from protocol.route import RouteRequest
 from protocol.sampling import Priority, SamplingParams
+from sim.early import EarlyStop
 from sim.node import SimNode, apply_events
 from sim.profile import Profile
 from sim.stats import Collector, RequestResult
@@ -84,6 +89,7 @@ class SimCluster:
         self._event_seq: dict[str, int] = {}
         self._tasks: set[asyncio.Task] = set()
         n = 0
+        token_s = profile.cpu_to_wall(profile.overheads.node_token_cpu_s)
         for g in layout.groups:
             for _ in range(g.count):
                 nid = f"{g.role[0]}{n}"
@@ -91,7 +97,7 @@ class SimCluster:
                 node = SimNode(nid, g.role, profile.step, num_blocks=profile.kv_blocks(), block_size=k.block_size,
                                max_num_seqs=layout.max_num_seqs or k.max_num_seqs,
                                max_num_batched_tokens=layout.max_num_batched_tokens or k.max_num_batched_tokens,
-                               on_events=self._on_events)  # fmt: skip
+                               on_events=self._on_events, token_s=0.0 if g.role == "prefill" else token_s)  # fmt: skip
                 node.on_reserved = self._start_transfer
                 self.nodes[nid] = node
                 info = NodeInfo(node_id=nid, role=g.role, url=f"sim://{nid}", model=MODEL, engine_id=nid,
@@ -100,6 +106,9 @@ class SimCluster:
                 self.views[nid] = NodeView(info=info, connected=True)
         #: D request id -> (P node, P request id): whose blocks a transfer reads
         self._sources: dict[str, tuple[SimNode, str]] = {}
+        #: set by simulate(stop_early=True): the run ends once the SLO is certainly missed
+        self.early: EarlyStop | None = None
+        self._stopped: asyncio.Future[None] | None = None
 
     # -- coordinator side ----------------------------------------------------------------------
     def _on_events(self, node_id: str, events: list) -> None:
@@ -158,6 +167,7 @@ class SimCluster:
             now += ov.stream_s
             if res.first_token is None:
                 res.first_token = now
+                self._observe("ttft", res.arrival, now - res.arrival)
             else:
                 self.collector.itl(now - last[0])
             last[0] = now
@@ -194,6 +204,13 @@ class SimCluster:
         except APIError as e:
             res.failure = e.code or f"http_{e.status}"
         self.collector.finish(res)
+        if res.last_token is not None:
+            self._observe("e2e", res.arrival, res.last_token - res.arrival)
+
+    def _observe(self, what: str, arrival: float, latency: float) -> None:
+        stop = self.early is not None and self.early.observe(what, arrival, latency)
+        if stop and self._stopped is not None and not self._stopped.done():
+            self._stopped.set_result(None)
 
     # -- the whole run -------------------------------------------------------------------------
     async def run(self, items, *, progress=None) -> Collector:  # items: Iterable[WorkItem]
@@ -201,19 +218,30 @@ class SimCluster:
         bg = [loop.create_task(n.run()) for n in self.nodes.values()]
         bg.append(loop.create_task(self._load_ticker()))
         requests: set[asyncio.Task] = set()
+        self._stopped = loop.create_future()
         t_start = loop.time()
         for i, item in enumerate(items):
             delay = t_start + item.t - loop.time()
-            if delay > 0:
+            if delay > 0 and self.early is None:
                 await asyncio.sleep(delay)
+            elif delay > 0:
+                await asyncio.wait([self._stopped], timeout=delay)
+            if self._stopped.done():
+                break
             task = loop.create_task(self.serve(f"r{i}", item))
             requests.add(task)
             task.add_done_callback(requests.discard)
             if progress is not None:
                 progress(loop.time())
         self.collector.sending_ended = loop.time()
-        while requests:
-            await asyncio.gather(*list(requests))
+        while requests and not self._stopped.done():
+            await asyncio.wait([*requests, self._stopped], return_when=asyncio.FIRST_COMPLETED)
+        if self._stopped.done():  # the SLO is missed for sure: the rest is not simulated
+            self.collector.stopped = self.early.reason if self.early else "stopped"
+            rest = [*requests, *self._tasks]
+            for t in rest:
+                t.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
         self.collector.end = loop.time()
         for t in bg:
             t.cancel()

@@ -7,6 +7,11 @@ chunks' tokens become computed → full blocks go to the prefix cache → every 
 appends one token → finished requests leave through Scheduler.finish (held on a prefill
 node). Sampled token ids are a constant: generated text never changes scheduling.
 
+A node that streams (colocated or decode) also pays `token_s` per token the step samples: its
+event loop's work for that token (detokenize, SSE frame, write — the profile's measured
+`node_token_cpu_s` at the run's contention) shares the process's GIL and core with the engine
+thread, so the next step starts that much later. A prefill node answers once per request: 0.
+
 Invariants: one step at a time per node; `busy_s` is the sum of step times; KV events are
 applied to the coordinator's index right after the step that produced them (the real
 stream pushes them at once); a node with nothing schedulable sleeps until `wake()`.
@@ -69,10 +74,11 @@ def features(chunks: list[ScheduledChunk]) -> StepFeatures:
 class SimNode:
     def __init__(self, node_id: str, role: str, step: StepModel, *, num_blocks: int, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool = True,
-                 on_events: Callable[[str, list], None] | None = None) -> None:  # fmt: skip
+                 on_events: Callable[[str, list], None] | None = None, token_s: float = 0.0) -> None:  # fmt: skip
         self.node_id = node_id
         self.role = role
         self.step_model = step
+        self.token_s = token_s
         self.pool = BlockPool(num_blocks, block_size, record_events=on_events is not None)
         self.kv = KVCacheManager(self.pool, enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens, max_num_seqs, True), self.kv)
@@ -128,6 +134,8 @@ class SimNode:
                 continue
             f = features(out.chunks)
             dt = self.step_model.seconds(f)
+            if self.token_s:
+                dt += self.token_s * sum(1 for c in out.chunks if c.samples)
             t0 = loop.time()
             for c in out.chunks:
                 if c.req.first_scheduled_time is None:
@@ -158,7 +166,8 @@ class SimNode:
             if len(req.output_token_ids) >= req.params.max_tokens:
                 self.scheduler.finish(req, "length")
                 del self.tracked[req.request_id]
-                t.done.set_result(None)
+                if not t.done.done():  # cancelled: a run stopped early (sim/early.py)
+                    t.done.set_result(None)
 
     def _flush_events(self) -> None:
         if self.on_events is not None and self.pool.events:

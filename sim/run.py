@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable
 
 from sim import vclock
 from sim.cluster import Layout, SimCluster
+from sim.early import EarlyStop
 from sim.profile import Profile
 from sim.stats import SLO, Collector, Summary, summarize
 from sim.workload import WorkItem
@@ -14,8 +15,14 @@ from sim.workload import WorkItem
 
 def simulate(profile: Profile, layout: Layout, items: Iterable[WorkItem], *, slo: SLO | None = None,
              warmup_s: float = 0.0, node_price_per_hour: float | None = None,
-             progress: Callable[[float], None] | None = None) -> tuple[Summary, Collector]:  # fmt: skip
+             progress: Callable[[float], None] | None = None, stop_early: bool = False) -> tuple[Summary, Collector]:  # fmt: skip
+    """`stop_early` (with an `slo`): end the run as soon as the SLO is certainly missed
+    (sim/early.py) — the summary then says so in `violations`, and its figures cover only what
+    ran; for searches that need only pass/fail from a failing run."""
     cluster = SimCluster(profile, layout)
+    if stop_early and slo is not None:
+        items = list(items)
+        cluster.early = EarlyStop(slo, sum(1 for x in items if x.t >= warmup_s), warmup_s)
     collector = vclock.run(cluster.run(items, progress=progress))
     assert isinstance(collector, Collector)
     return summarize(collector, slo=slo, warmup_s=warmup_s, node_price_per_hour=node_price_per_hour), collector

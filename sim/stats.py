@@ -47,6 +47,8 @@ class Collector:
     transfers: int = 0
     sending_ended: float = 0.0
     end: float = 0.0
+    #: why the run ended before every request did (sim/early.py); None: it ran to the end
+    stopped: str | None = None
 
     def finish(self, r: RequestResult) -> None:
         self.results.append(r)
@@ -150,6 +152,8 @@ def summarize(c: Collector, *, slo: SLO | None = None, warmup_s: float = 0.0,
             v = lat.get(key)
             if bound is not None and (v is None or v > bound):
                 violations.append(f"{key} {v if v is None else round(v)} ms > {bound:g} ms")
+        if c.stopped:
+            violations.append(c.stopped)
         failed = sum(fails.values()) / max(len(measured), 1)
         if failed > slo.max_failed:
             violations.append(f"{failed:.1%} of requests failed ({dict(fails)}) > {slo.max_failed:.0%}")

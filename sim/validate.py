@@ -1,7 +1,7 @@
 """`python -m sim.validate`: the simulator against real runs on this machine.
 
-For each case: start a real cluster with `duet up` (its own DUET_HOME and port), load it with
-`duet bench serve --result-file`, stop it; then simulate the same layout from the recorded
+For each layout: start a real cluster with `duet up` (its own DUET_HOME and port), load it with
+`duet bench serve --result-file` once per case of that layout, stop it; then simulate the same layout from the recorded
 schedule (`duet plan --layout … --from-result`) with a profile measured *beforehand* by `duet
 bench profile`, scaled to the CPU contention a meter (sim/contention.py) measured on the
 machine during the run — the machine, not the system under test — and compare TTFT P50/P90, TPOT P50 and output throughput. Prints the table of
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.ports import free_port
+from sim import procstat
 from sim import profile as pf
 from sim import workload as wl
 from sim.contention import ContentionMeter
@@ -44,21 +45,22 @@ class Case:
     serve: tuple[str, ...]
 
 
-COMMON_SERVE = ("--num-requests", "30", "--ignore-eos", "--seed", "1")
+#: 20 requests a case (the first validation sent 30): six cases, three cluster starts, < 10 min
+COMMON_SERVE = ("--num-requests", "20", "--ignore-eos")
 # One torch thread per node everywhere: on a shared 2-core machine a 2-thread node's OpenMP
 # threads spin while they wait for a core (CPU time then says nothing about the step's cost).
 ONE, PD, TWO = ("--colocated", "1", "--threads", "1"), ("--prefill", "1", "--decode", "1", "--threads", "1"), \
     ("--colocated", "2", "--threads", "1")
 T1 = "smollm2-135m-bf16-none-t1.json"
 CASES = [
-    Case("1C-r0.5", ONE, "1C", T1, ("--request-rate", "0.5", "--input-len", "256", "--output-len", "24", *COMMON_SERVE)),
-    Case("1C-r1", ONE, "1C", T1, ("--request-rate", "1", "--input-len", "256", "--output-len", "24", *COMMON_SERVE)),
-    Case("1P1D-r0.5", PD, "1P+1D", T1, ("--request-rate", "0.5", "--input-len", "384", "--output-len", "24", *COMMON_SERVE)),
+    Case("1C-r0.5", ONE, "1C", T1, ("--request-rate", "0.5", "--input-len", "256", "--output-len", "24", "--seed", "1", *COMMON_SERVE)),
+    Case("1C-r1", ONE, "1C", T1, ("--request-rate", "1", "--input-len", "256", "--output-len", "24", "--seed", "2", *COMMON_SERVE)),
+    Case("1P1D-r0.5", PD, "1P+1D", T1, ("--request-rate", "0.5", "--input-len", "384", "--output-len", "24", "--seed", "3", *COMMON_SERVE)),
     Case("1P1D-r1-prefix", PD, "1P+1D", T1, ("--request-rate", "1", "--input-len", "128", "--prefix-groups", "4",
-                                           "--prefix-len", "384", "--output-len", "24", *COMMON_SERVE)),
-    Case("2C-r0.5", TWO, "2C", T1, ("--request-rate", "0.5", "--input-len", "256", "--output-len", "24", *COMMON_SERVE)),
+                                           "--prefix-len", "384", "--output-len", "24", "--seed", "4", *COMMON_SERVE)),
+    Case("2C-r0.5", TWO, "2C", T1, ("--request-rate", "0.5", "--input-len", "256", "--output-len", "24", "--seed", "5", *COMMON_SERVE)),
     Case("2C-r1-long", TWO, "2C", T1, ("--request-rate", "1", "--input-len", "lognormal:1024,0.4", "--output-len", "24",
-                                       *COMMON_SERVE)),
+                                       "--seed", "6", *COMMON_SERVE)),
 ]  # fmt: skip
 
 METRICS = (("TTFT p50 ms", "median_ttft_ms", "p50_ttft"), ("TTFT p90 ms", "p90_ttft_ms", "p90_ttft"),
@@ -95,39 +97,70 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(30)
 
 
-def run_case(case: Case, out: Path, model: str | None, simulate_only: bool = False) -> dict:
-    home = out / case.name / "home"
-    home.mkdir(parents=True, exist_ok=True)
-    log = out / case.name / "up.log"
+def _commands(case: Case, out: Path, port: int, model: str | None) -> tuple[list[str], list[str]]:
     result = out / case.name / "serve.json"
-    port = free_port()
-    env = {**os.environ, "DUET_HOME": str(home)}
     up_cmd = [sys.executable, "-m", "duet", "up", "--port", str(port), "--quiet", *case.up,
               *(("--model", model) if model else ())]  # fmt: skip
     serve_cmd = [sys.executable, "-m", "duet", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
                  "--result-file", str(result), "--quiet", "--json", *case.serve,
                  *(("--tokenizer", model) if model else ())]  # fmt: skip
-    loads_file = out / case.name / "load.json"
-    if not simulate_only:
-        _log(f"{case.name}: DUET_HOME={home} {' '.join(up_cmd[1:])}")
-        load0 = os.getloadavg()[0]
-        with log.open("w") as f:
-            proc = subprocess.Popen(up_cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            key = _wait_up(proc, log, 600)
+    return up_cmd, serve_cmd
+
+
+def measure_group(cases: list[Case], out: Path, model: str | None) -> None:
+    """Cases of one `duet up` layout on one cluster, one after the other (each its own seed, so
+    no prompt of one is cached for the next): per case its result file and `load.json` — the
+    load average before/after, the meter's median, and the nodes' step threads' stretch over
+    the case (sim/procstat.py)."""
+    home = out / cases[0].name / "home"
+    home.mkdir(parents=True, exist_ok=True)
+    log = out / cases[0].name / "up.log"
+    port = free_port()
+    env = {**os.environ, "DUET_HOME": str(home)}
+    up_cmd, _ = _commands(cases[0], out, port, model)
+    _log(f"{'+'.join(c.name for c in cases)}: DUET_HOME={home} {' '.join(up_cmd[1:])}")
+    with log.open("w") as f:
+        proc = subprocess.Popen(up_cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        key = _wait_up(proc, log, 600)
+        parts = procstat.cluster(proc.pid)
+        for case in cases:
+            (out / case.name).mkdir(parents=True, exist_ok=True)
+            _, serve_cmd = _commands(case, out, port, model)
             _log(f"{case.name}: {' '.join(serve_cmd[1:])}")
+            load0, s0 = os.getloadavg()[0], procstat.snapshot(parts)
             with ContentionMeter() as meter:
                 r = subprocess.run([*serve_cmd, "--api-key", key], env=env, capture_output=True, text=True, timeout=900)
+            d = procstat.snapshot(parts) - s0
             if r.returncode != 0:
                 raise RuntimeError(f"bench serve failed: {r.stderr[-2000:]}")
-        finally:
-            _stop(proc)
-        loads_file.write_text(json.dumps([load0, os.getloadavg()[0], meter.median]))
+            step = {k: c.stretch for k, c in d.parts().items() if k.endswith("/step")}
+            (out / case.name / "load.json").write_text(json.dumps(
+                {"load_before": load0, "load_after": os.getloadavg()[0], "meter": meter.median,
+                 "stretch": d.sum("/step").stretch, "stretch_per_node": step}))  # fmt: skip
+    finally:
+        _stop(proc)
+
+
+def _contention(loads: dict | list, mode: str) -> float:
+    if isinstance(loads, list):  # the first validation's files: [load before, after, meter]
+        return loads[2] if mode == "meter" else float("nan")
+    return loads["meter" if mode == "meter" else "stretch"]
+
+
+def simulate_case(case: Case, out: Path, *, mode: str = "threads", profile: Path | None = None) -> dict:
+    """Simulate one measured case; `mode`: the contention the profile is scaled to — the nodes'
+    step threads' stretch (`threads`, sim/procstat.py) or the meter's median (`meter`, the first
+    validation's correction)."""
+    result = out / case.name / "serve.json"
     if not result.exists():
         raise RuntimeError(f"no measured result {result}: run the case first")
-    load0, load1, contention = json.loads(loads_file.read_text()) if loads_file.exists() else [float("nan")] * 3
+    lf = out / case.name / "load.json"
+    loads = json.loads(lf.read_text()) if lf.exists() else [float("nan")] * 3
+    load0 = loads[0] if isinstance(loads, list) else loads["load_before"]
+    contention = _contention(loads, mode)
     measured = json.loads(result.read_text())
-    base = pf.load(PROFILES / case.profile)
+    base = pf.load(profile or PROFILES / case.profile)
     prof = base.at_contention(contention)
     from duet.cmd_plan import parse_layout
 
@@ -140,14 +173,15 @@ def run_case(case: Case, out: Path, model: str | None, simulate_only: bool = Fal
         p = s.output_throughput if skey is None else s.latency_ms.get(skey)
         ape = None if (m in (None, 0) or p is None) else abs(p - m) / abs(m)
         rows.append({"metric": label, "measured": m, "predicted": p, "ape": ape})
-    return {"case": case.name, "layout": case.layout, "profile": case.profile, "rows": rows,
+    up_cmd, serve_cmd = _commands(case, out, 0, "MODEL")
+    return {"case": case.name, "layout": case.layout, "profile": str(profile or case.profile), "rows": rows,
             "completed": measured.get("completed"), "failed": measured.get("failed"),
-            "sim_completed": s.completed, "load_avg_before": load0, "load_avg_after": load1, "sim_wall_s": sim_wall,
-            "contention_run": contention, "contention_profile": base.contention,
-            "commands": {"up": "DUET_HOME=... duet up " + " ".join(up_cmd[4:]),
-                         "serve": "duet bench serve " + " ".join(serve_cmd[4:]) + " --api-key KEY",
+            "sim_completed": s.completed, "load_avg_before": load0, "loads": loads, "sim_wall_s": sim_wall,
+            "contention_mode": mode, "contention_run": contention, "contention_profile": base.contention,
+            "commands": {"up": "DUET_HOME=... duet up " + " ".join(up_cmd[6:]),
+                         "serve": "duet bench serve " + " ".join(serve_cmd[6:]) + " --api-key KEY",
                          "simulate": f"duet plan --layout {case.layout} --profile data/profiles/{case.profile} "
-                                     f"--from-result {result}"}}  # fmt: skip
+                                     f"--from-result {result} --contention {contention:.3f}"}}  # fmt: skip
 
 
 def table(results: list[dict]) -> str:
@@ -181,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
                    "directory, so no case converts it again in its own DUET_HOME)")
     p.add_argument("--simulate-only", action="store_true",
                    help="re-simulate the cases already measured under --out (after a profile changed)")
+    p.add_argument("--contention", choices=["threads", "meter"], default="threads",
+                   help="scale the profile to the nodes' step threads' stretch during the run (threads, default: "
+                        "sim/procstat.py) or to the sleeping meter's reading (meter: the first validation's)")
+    p.add_argument("--profile", default=None, help="simulate with this profile instead of each case's own")
     a = p.parse_args(argv)
     # SIGTERM (also what a background job gets instead of Ctrl-C) unwinds like Ctrl-C, so each
     # case's `finally` stops the cluster it started
@@ -194,17 +232,32 @@ def main(argv: list[str] | None = None) -> int:
         from protocol.models import DEFAULT_MODEL, resolve_model
 
         a.model = str(resolve_model(DEFAULT_MODEL).directory)
+    chosen = [c for c in CASES if c.name in want]
+    groups: dict[tuple[str, ...], list[Case]] = {}
+    for c in chosen:
+        groups.setdefault(c.up, []).append(c)
+    failed: dict[str, str] = {}
+    if not a.simulate_only:
+        for group in groups.values():
+            try:
+                measure_group(group, out, a.model)
+            except Exception as e:  # one layout failing leaves the others to run; it is reported
+                _log(f"{'+'.join(c.name for c in group)}: FAILED: {e}")
+                failed.update({c.name: str(e)[-1000:] for c in group})
     results = []
-    for c in (c for c in CASES if c.name in want):
+    for c in chosen:
         try:
-            results.append(run_case(c, out, a.model, a.simulate_only))
-        except Exception as e:  # one case failing leaves the others to run; it is reported
+            if c.name in failed:
+                raise RuntimeError(failed[c.name])
+            results.append(simulate_case(c, out, mode=a.contention, profile=Path(a.profile) if a.profile else None))
+        except Exception as e:
             _log(f"{c.name}: FAILED: {e}")
             results.append({"case": c.name, "error": str(e)[-1000:], "rows": []})
-        (out / "validation.json").write_text(json.dumps(results, indent=1) + "\n")
-        ok = [r for r in results if r["rows"]]
-        if ok:
-            print(table(ok), flush=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"validation-{a.contention}.json").write_text(json.dumps(results, indent=1) + "\n")
+    ok = [r for r in results if r["rows"]]
+    if ok:
+        print(table(ok), flush=True)
     return 0 if all(r["rows"] for r in results) else 1
 
 

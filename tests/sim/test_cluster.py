@@ -3,6 +3,8 @@ real prefix cache, more nodes under the same load mean lower latency, admission 
 
 from __future__ import annotations
 
+import pytest
+
 from gateway.config import TierConfig
 from sim.cluster import Layout, NodeGroup
 from sim.run import simulate
@@ -56,3 +58,21 @@ def test_cost_per_million_tokens() -> None:
     assert s.cost_per_hour == 7.2
     assert s.usd_per_m_output is not None
     assert abs(s.usd_per_m_output - 7.2 * s.window_s / 3600 / 1000 * 1e6) < 1e-6
+
+
+def test_a_nodes_streaming_cpu_lengthens_its_steps_not_the_prefill_nodes() -> None:
+    import msgspec
+
+    base = msgspec.structs.replace(toy_profile(), contention=2.0)
+    ov = msgspec.structs.replace(base.overheads, node_token_cpu_s=0.005)
+    streaming = msgspec.structs.replace(base, overheads=ov)
+    item = [WorkItem(t=0.0, prompt=list(range(3, 403)), max_tokens=20)]
+    plain, _ = simulate(base, Layout((NodeGroup("both", 1),)), item)
+    slow, _ = simulate(streaming, Layout((NodeGroup("both", 1),)), item)
+    # one sequence: every step samples one token, which costs 5 ms of CPU × contention 2 beside it
+    assert slow.latency_ms["p50_tpot"] - plain.latency_ms["p50_tpot"] == pytest.approx(10.0, abs=0.01)
+    _, c = simulate(streaming, Layout(PD), item)
+    _, c0 = simulate(base, Layout(PD), item)
+    busy = {role: (st.busy_s, st0.busy_s) for (role, st), (_, st0) in zip(c.nodes.values(), c0.nodes.values(), strict=True)}
+    assert busy["prefill"][0] == busy["prefill"][1] > 0  # P answers once: no per-token cost
+    assert busy["decode"][0] == pytest.approx(busy["decode"][1] + 20 * 0.010)

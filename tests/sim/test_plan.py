@@ -52,7 +52,10 @@ def test_capacity_brackets_the_slo() -> None:
     assert any(not p.summary.meets_slo and p.rate > cap.rate for p in cap.probes)
     assert all(p.summary.meets_slo for p in cap.probes if p.rate <= cap.rate)
     fl = pl.fleets(prof, [cap], sc.peak_rate, usd_per_gpu_hour=2.0)
-    assert [f.factor for f in fl] == [1.0, 1.25, 1.5]
+    factors = [f.factor for f in fl]
+    assert factors[0] == 1.0 and len(factors) >= 2 and all(1.05 < x <= 2.5 for x in factors[1:])
+    # the larger fleets are the passing probes the search ran (no extra simulations)
+    assert all(any(s is p.summary for p in cap.probes) for _, _, s in cap.relaxed)
     assert fl[0].cells * cap.rate >= sc.peak_rate and fl[0].usd_per_hour == fl[0].gpus * 2.0
     front = pl.pareto(fl)
     costs = [f.usd_per_hour for f in front]

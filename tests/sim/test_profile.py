@@ -76,3 +76,31 @@ def test_contention_meter_reads_about_one_when_idle_or_more() -> None:
     with ContentionMeter(interval_s=0.02, work_s=0.001) as m:
         time.sleep(0.3)
     assert len(m.samples) >= 3 and m.median >= 0.99
+
+
+def test_the_schema_lives_in_protocol_and_needs_only_msgspec() -> None:
+    """The coordinator's autoscaler may import only protocol/: the schema must not pull in the
+    simulator, numpy or the engine, and every shipped profile must load through it."""
+    import ast
+
+    import protocol.profile as pp
+
+    tree = ast.parse(Path(pp.__file__).read_text())
+    mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    assert mods <= {"__future__", "enum", "pathlib", "msgspec"}, mods
+    assert pf.Profile is pp.Profile and pf.load is pp.load  # sim's callers keep working
+    shipped = sorted((Path(__file__).resolve().parents[2] / "data/profiles").glob("*.json"))
+    assert len(shipped) >= 4
+    for path in shipped:
+        assert isinstance(pp.load(path), pp.Profile)
+
+
+def test_cpu_overheads_do_not_scale_with_contention() -> None:
+    import msgspec
+
+    p = msgspec.structs.replace(toy_profile(), contention=2.0)
+    p = msgspec.structs.replace(p, overheads=msgspec.structs.replace(p.overheads, node_token_cpu_s=1e-3))
+    q = p.at_contention(4.0)
+    assert q.overheads.node_token_cpu_s == 1e-3  # CPU is the machine's cost, not its state
+    assert q.cpu_to_wall(1e-3) == pytest.approx(4e-3) and p.cpu_to_wall(1e-3) == pytest.approx(2e-3)

@@ -1,0 +1,68 @@
+"""The overhead measurement's pieces without a cluster: the kernel's per-thread clocks split a
+node into loop / step / aux and show a busy thread's stretch, and `derive` turns two request
+shapes' CPU and client figures into the profile's Overheads."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import msgspec
+import pytest
+
+from protocol.profile import Provenance
+from sim import procstat
+from sim.overheads import ShapeRun, derive
+from tests.sim.helpers import toy_profile
+
+pytestmark = pytest.mark.skipif(not procstat.available(), reason="needs Linux /proc schedstat")
+
+
+def test_a_nodes_busiest_other_thread_is_its_step_thread() -> None:
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    def idle() -> None:
+        stop.wait()
+
+    threads = [threading.Thread(target=spin), threading.Thread(target=idle)]
+    before = procstat.snapshot({"node:me": os.getpid()})
+    for t in threads:
+        t.start()
+    time.sleep(0.3)  # the spinning thread runs meanwhile: that is what is measured
+    after = procstat.snapshot({"node:me": os.getpid()})  # while the threads live (an ended one has no clock)
+    stop.set()
+    for t in threads:
+        t.join()
+    d = (after - before).parts()
+    assert set(d) == {"node:me/loop", "node:me/step", "node:me/aux"}
+    assert d["node:me/step"].cpu_s > 0.05 > d["node:me/aux"].cpu_s
+    assert d["node:me/step"].stretch >= 1.0
+
+
+def test_cluster_parts_are_named_from_their_command_lines() -> None:
+    assert procstat.part(os.getpid()) is None  # pytest is no duet part
+    assert procstat.cluster(os.getpid()) == {}
+
+
+def test_derive_overheads_from_two_shapes() -> None:
+    prof = msgspec.structs.replace(toy_profile(), contention=2.0)
+    # shape A: one token; TTFT 130 ms of which the step thread ran 50 ms of CPU at stretch 2
+    a = ShapeRun(cpu={"gateway": 0.004, "coordinator": 0.001, "node:n/loop": 0.002, "node:n/step": 0.050},
+                 ttft_ms=130.0, tpot_ms=None, contention=2.0, meter=1.5, wall_s=1.0)  # fmt: skip
+    # shape B: 1 + 10 tokens, 30 ms of step CPU a token at stretch 2, TPOT 64 ms: 4 ms blocked a token
+    b = ShapeRun(cpu={"gateway": 0.009, "coordinator": 0.001, "node:n/loop": 0.012, "node:n/step": 0.350},
+                 ttft_ms=130.0, tpot_ms=64.0, contention=2.0, meter=1.5, wall_s=5.0)  # fmt: skip
+    m = derive(prof, a, b, tokens=10)
+    o = m.overheads
+    assert o.provenance is Provenance.MEASURED
+    assert o.gateway_token_cpu_s == pytest.approx(0.0005) and o.gateway_request_cpu_s == pytest.approx(0.0035)
+    assert o.node_token_cpu_s == pytest.approx(0.002)  # 4 ms blocked / stretch 2
+    assert o.coordinator_request_cpu_s == pytest.approx(0.001)
+    # TTFT outside the step: 130 − 50·2 = 30 ms; less the node's token (2·2) and the relay (0.5·2)
+    assert o.request_s == pytest.approx(0.025) and o.stream_s == pytest.approx(0.001)
+    assert o.pd_hop_s == 0.0 and "TTFT outside the step 30.0 ms" in m.notes[0]
