@@ -122,7 +122,7 @@ class OnlineStepModel:
         x = np.vstack([x_real, self._prior_x])
         y = np.concatenate([y_real, self._prior_y])
         w = np.concatenate([1.0 / y_real, self._prior_w / self._prior_y])
-        c = _nnls(x, y, w)
+        c = nnls(x, y, w)
         self.coef = Coefficients(*map(float, c))
         pred = np.maximum(x_real @ c, 1e-9)
         ratio = float(np.quantile(y_real / pred, self._q)) if len(y_real) >= 16 else 1.0
@@ -152,8 +152,8 @@ class OnlineStepModel:
         return max(0, min(cap, int(p)))
 
 
-def _nnls(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Weighted least squares with coefficients ≥ 0 (active set: drop the most negative one and
+def nnls(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Weighted least squares (the simulator's offline fit, sim/profile.py, uses it too) with coefficients ≥ 0 (active set: drop the most negative one and
     refit until none is; 5 features, at most 5 refits). Columns are scaled to unit size first:
     the attention feature is ~10⁶ times the intercept's."""
     xw, yw = x * w[:, None], y * w

@@ -30,6 +30,7 @@ from engine.block_pool import BlockPool
 from engine.kv_manager import KVCacheManager
 from engine.request import Request
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from engine.step_model import shape_of
 from node.engines.native import _wire_event
 from protocol.kv_events import EventBatch, LoadFrame
 from sim.profile import StepFeatures, StepModel
@@ -58,17 +59,9 @@ class NodeStats:
 
 
 def features(chunks: list[ScheduledChunk]) -> StepFeatures:
-    prefill = decode = ctx = attn = 0
-    for c in chunks:
-        req, n = c.req, c.num_tokens
-        end = c.start + n
-        ctx += end
-        if c.start < req.num_prompt_tokens:  # prompt work (a chunk, or D's last-token recompute)
-            prefill += n
-            attn += n * end
-        else:
-            decode += 1
-    return StepFeatures(prefill, decode, ctx, attn)
+    """The step's shape, as the engine's own online step model reads it (one definition)."""
+    s = shape_of(chunks)
+    return StepFeatures(s.prefill_tokens, s.decode_seqs, s.context_tokens, s.attention)
 
 
 class SimNode:

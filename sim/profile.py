@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from engine.step_model import nnls
 from protocol.profile import (
     NodeKind,
     Overheads,
@@ -37,22 +38,10 @@ def _matrix(samples: list[StepSample]) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Least squares with coefficients ≥ 0, weighted by 1/y (so the fit minimises *relative*
-    error: a 2 ms step counts as much as a 200 ms one). Active set: drop the most negative
-    coefficient and refit until none is negative (5 features: at most 5 refits)."""
-    w = 1.0 / np.maximum(y, 1e-9)
-    xw, yw = x * w[:, None], y * w
-    active = list(range(x.shape[1]))
-    # a column that is all zero (e.g. no prefill samples) cannot be fitted: leave it at 0
-    active = [j for j in active if np.any(x[:, j])]
-    while True:
-        coef = np.zeros(x.shape[1])
-        sol, *_ = np.linalg.lstsq(xw[:, active], yw, rcond=None)
-        coef[active] = sol
-        neg = [j for j in active if coef[j] < 0]
-        if not neg:
-            return coef
-        active.remove(min(neg, key=lambda j: coef[j]))
+    """Least squares with coefficients ≥ 0, weighted by 1/y: the fit minimises *relative* error
+    (a 2 ms step counts as much as a 200 ms one). The engine's online model (`--itl-target-ms`)
+    fits the same form with the same solver."""
+    return nnls(x, y, 1.0 / np.maximum(y, 1e-9))
 
 
 def _ape(coef: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
