@@ -34,7 +34,7 @@ from engine.runner import ModelRunner, PoolFactory, zeroed_pool
 from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from engine.spec_decode import Speculator
+from engine.spec_decode import Speculator, build_speculator
 from protocol.logprobs import TokenLogprob
 from protocol.models import resolve_model
 from protocol.tokenizer import Tokenizer
@@ -124,9 +124,10 @@ class EngineCore:
         self.guides = GuidedDecoding(self.model_dir / "tokenizer.json", mc.vocab_size, self.tokenizer.eos_token_ids)
         self.speculator: Speculator | None = None
         if config.speculative:
-            self.speculator = Speculator(config.speculative, config.num_speculative_tokens, self.max_model_len,
-                                         self.sampler)  # fmt: skip
+            self.speculator = build_speculator(config, self.model_dir, mc, self.dtype, self.device, num_blocks,
+                                               self.max_model_len, self.sampler)  # fmt: skip
             self.scheduler.drafter = self.speculator.draft
+            self.scheduler.prepare_drafts = self.speculator.prepare
             self.scheduler.spec_max_batch = config.spec_max_batch
         self.embedder = Embedder(self.runner, self.pool, config.max_num_batched_tokens)
         self.counters = EngineCounters()

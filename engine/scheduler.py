@@ -84,6 +84,8 @@ class Scheduler:
         self.num_preemptions = 0
         #: speculative decoding: draft tokens for a decoding request ([] for none)
         self.drafter: Callable[[Request, int], list[int]] | None = None
+        #: called once before a drafting step with its decoding requests (a draft model batches them)
+        self.prepare_drafts: Callable[[list[Request]], None] | None = None
         self.spec_max_batch = 0
 
     # -- queue management ------------------------------------------------------------------
@@ -146,6 +148,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda r: r.sort_key)
         drafting = self.drafter is not None and 0 < self._num_decoding() <= self.spec_max_batch
+        if drafting and self.prepare_drafts is not None:
+            self.prepare_drafts([r for r in self.running if r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1])
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
