@@ -71,6 +71,7 @@ class SpecCounters:
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
             "spec_decode_acceptance_rate": self.num_accepted_tokens / tokens if tokens else 0.0,
             "spec_decode_mean_acceptance_length": 1 + self.num_accepted_tokens / drafts if drafts else 0.0,
+            **{f"spec_decode_num_accepted_tokens_per_pos.{i}": n for i, n in enumerate(self.accepted_per_pos)},
         }
 
 
