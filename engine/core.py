@@ -337,17 +337,23 @@ class EngineCore:
                 outputs.append(by_chunk[i])
                 continue
             req = c.req
+            rows = logits[starts[i] : starts[i] + 1 + len(c.draft)]
             try:
-                emitted = self.speculator.verify(c, logits[starts[i] : starts[i] + 1 + len(c.draft)])  # type: ignore[union-attr]
+                emitted = self.speculator.verify(c, rows)  # type: ignore[union-attr]
+                n_top = req.params.logprobs
+                # from the raw rows, as one-token steps score them (the same rows, bit for bit)
+                lps = token_logprobs(rows[: len(emitted)], emitted, [n_top] * len(emitted)) if n_top is not None else None
             except Exception as e:  # this request fails alone
                 outputs.append(self.fail(req, f"speculative verification failed: {type(e).__name__}: {e}"))
                 continue
             out: RequestOutput | None = None
-            for tok in emitted:
-                o = self._append_token(req, tok, now)
+            for j, tok in enumerate(emitted):
+                o = self._append_token(req, tok, now, lps[j] if lps is not None else None)
                 if out is not None:  # one delta for the step's tokens
                     o.new_token_ids = out.new_token_ids + o.new_token_ids
                     o.new_text = out.new_text + o.new_text
+                    if out.logprobs is not None:
+                        o.logprobs = out.logprobs + (o.logprobs or [])
                 out = o
                 if o.finished:
                     break

@@ -7,11 +7,14 @@ spec_draft.py): "draft-int4" (default: self-speculation, the target's own weight
 separate `speculative_model`). A draft model proposes for every decoding request in one batched
 pass per draft position: the scheduler calls `Speculator.prepare(requests)` first.
 
-`Speculator.draft(req, budget)` is the scheduler's drafter: the request's draft of its current k, never past max_tokens or the context, none for requests that asked
-for logprobs, have not reached min_tokens, carry a guide (structured output) or a penalty/logit
-bias (their rows would need per-token processing the verifier does not do: speculation is off
-for them, they decode one token a step, masked and penalised). `Speculator.verify(chunk, rows)` turns the target's k + 1 rows into the
-tokens to emit (engine/spec_verify.py) and updates the request's k and the counters.
+`Speculator.draft(req, budget)` is the scheduler's drafter: the request's draft of its current k,
+never past max_tokens or the context, none for requests that carry a guide (structured output)
+or a penalty/logit bias (their rows would need per-token processing the verifier does not do:
+speculation is off for them, they decode one token a step, masked and penalised). Requests with
+logprobs get them from the verified rows (the rows one-token steps give, bit for bit); before
+min_tokens the verifier masks EOS in the rows, as the sampler does. `Speculator.verify(chunk,
+rows)` turns the target's k + 1 rows into the tokens to emit (engine/spec_verify.py) and updates
+the request's k and the counters.
 
 Counters, as vLLM names them: spec_decode_num_drafts, spec_decode_num_draft_tokens,
 spec_decode_num_accepted_tokens, spec_decode_num_accepted_tokens_per_pos; derived: the
@@ -98,7 +101,9 @@ class Speculator:
         p = req.params
         # A guide or a penalty changes each row's logits by the tokens before it, which the
         # verifier's one batched pass does not replay: such requests decode without drafts.
-        if p.logprobs is not None or len(req.output_token_ids) < p.min_tokens or p.guide is not None or p.penalized:
+        # (min_tokens is replayed: `verify` masks EOS in the rows before it; logprobs are read
+        # from the verified rows.)
+        if p.guide is not None or p.penalized:
             return 0
         st = self._state.get(req.request_id)
         if st is None:
@@ -138,6 +143,10 @@ class Speculator:
         """The tokens `chunk`'s request emits: the accepted draft tokens and one more."""
         req, draft = chunk.req, chunk.draft
         d = self._drafts.pop(req.request_id, None)
+        early = min(rows.shape[0], req.params.min_tokens - len(req.output_token_ids))
+        if early > 0 and req.eos_token_ids:  # as the sampler does: no EOS before min_tokens
+            rows = rows.clone()
+            rows[:early, list(req.eos_token_ids)] = float("-inf")
         if req.params.greedy:
             emitted = verify_greedy(draft, self.sampler.argmax(rows))
         else:

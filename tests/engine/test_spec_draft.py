@@ -3,7 +3,8 @@ int4, and a separate draft model of the same tokenizer.
 
 Greedy output is token for token the plain engine's (one-token steps, chunked prefill, a batch
 of requests); the draft's own KV pool gets every block back, and so does the target's; a draft
-that the draft pool cannot hold decodes plainly; sampled verification against a draft
+that the draft pool cannot hold decodes plainly; requests with logprobs or short of min_tokens
+draft too, with the plain engine's tokens and logprobs; sampled verification against a draft
 distribution q is distributionally exact; a draft model of another tokenizer is refused."""
 
 from __future__ import annotations
@@ -109,3 +110,22 @@ def test_sampled_requests_with_a_draft_are_reproducible(tiny_llama: Path) -> Non
     b = [o.token_ids for o in spec.generate(_prompts(384), params)]
     assert a == b and all(len(x) == 16 for x in a)
     assert spec.engine.stats()["spec_decode_num_drafts"] > 0
+
+
+def test_drafts_with_logprobs_and_before_min_tokens(tiny_llama: Path) -> None:
+    """Requests with logprobs and min_tokens draft too: the tokens and their logprobs are the
+    plain engine's, and EOS (which these prompts' greedy answers reach within a few tokens) does
+    not end them before min_tokens."""
+    prompts = [[293, 215, 19, 208, 362, 293, 217, 342, 366, 26, 87, 231], [277, 309, 216, 249, 201, 314, 303, 122,
+               13, 339, 3, 382, 96], [214, 255, 238, 228, 63]]  # fmt: skip
+    plain = LLM(str(tiny_llama), dtype="bfloat16")
+    free = plain.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+    assert any(len(o.token_ids) < 8 and o.finish_reason == "stop" for o in free)  # EOS would come early
+    params = SamplingParams(max_tokens=16, temperature=0, min_tokens=8, logprobs=2)
+    ref = plain.generate(prompts, params)
+    spec = LLM(str(tiny_llama), dtype="bfloat16", speculative="draft-int4", num_speculative_tokens=4)
+    got = spec.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref]
+    assert [o.logprobs for o in got] == [o.logprobs for o in ref]
+    assert all(len(o.logprobs) == len(o.token_ids) >= 8 for o in got)
+    assert spec.engine.stats()["spec_decode_num_accepted_tokens"] > 0
