@@ -68,7 +68,7 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
                         "summaries, edits, RAG answers); draft-int4 (-int4-w4a8, -int8) drafts with the model's "
                         "own weights at int4 (a second, cheaper copy) and verifies with the full model; draft "
                         "uses --speculative-model as it is. Greedy output is unchanged, sampled output keeps "
-                        "its distribution; off by itself above 4 decoding requests")  # fmt: skip
+                        "its distribution; off by itself above 4 requests running or waiting")  # fmt: skip
     e.add_argument("--speculative-model", default=None, metavar="MODEL",
                    help="a separate draft model (name or directory) for the draft methods; it must share the "
                         "model's tokenizer (default: the model itself, self-speculation)")  # fmt: skip

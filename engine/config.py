@@ -63,7 +63,7 @@ class EngineConfig:
     spec_draft_kv_blocks: int | None = None
     #: most draft tokens per request and step (each request adapts its own k below this)
     num_speculative_tokens: int = 5
-    #: no drafts while more requests than this decode (larger batches are compute-bound)
+    #: no drafts while more requests than this run or wait (larger batches are compute-bound)
     spec_max_batch: int = 4
     #: keep BlockStored/BlockRemoved events for the coordinator
     record_kv_events: bool = False

@@ -16,7 +16,7 @@ Speculative decoding: with a `drafter` set, a decoding request (prompt done, one
 compute) may carry draft tokens in its chunk (`ScheduledChunk.draft`), within the step's budget
 and with slots allocated for them; the engine verifies them after the forward pass and gives the
 slots of rejected tokens back (`KVCacheManager.trim`). No drafts while more than
-`spec_max_batch` requests decode: at larger batches the step is compute-bound and verifying
+`spec_max_batch` requests run or wait: at larger batches the step is compute-bound and verifying
 drafts costs more than the accepted tokens give back.
 
 Invariants: a request is in exactly one of waiting / running / remote / held; the scheduler
@@ -147,7 +147,10 @@ class Scheduler:
         num_priority_preempted = len(out.preempted)
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=lambda r: r.sort_key)
-        drafting = self.drafter is not None and 0 < self._num_decoding() <= self.spec_max_batch
+        # the batch counts the requests queued behind the decoding ones: at the start of a big
+        # batch only a few decode while the rest prefill, and drafting then would only cost
+        drafting = (self.drafter is not None and self._num_decoding() > 0
+                    and len(self.running) + len(self.waiting) <= self.spec_max_batch)  # fmt: skip
         if drafting and self.prepare_drafts is not None:
             self.prepare_drafts([r for r in self.running if r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1])
         i = 0
