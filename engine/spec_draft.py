@@ -67,6 +67,8 @@ class DraftSeq:
     block_ids: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # draft K/V holds these, positions 0..len-1
     confirmed: int = 0  # tokens[:confirmed] are the request's own (the rest were drafted)
+    #: a seeded request's own draft generator (its output is reproducible within one engine)
+    gen: torch.Generator | None = None
 
 
 @dataclass
@@ -161,13 +163,15 @@ class DraftModel:
 
     def _pick(self, live: list[tuple[Request, DraftSeq, int]], rows: list[torch.Tensor],
               chains: dict[str, list[int]], qs: dict[str, list[torch.Tensor]]) -> None:  # fmt: skip
-        for (req, _, _), row in zip(live, rows, strict=True):
+        for (req, seq, _), row in zip(live, rows, strict=True):
             p = req.params
             if p.greedy:
                 tok = int(row.argmax())
             else:
+                if p.seed is not None and seq.gen is None:
+                    seq.gen = torch.Generator().manual_seed(p.seed)
                 q = processed_probs(row.unsqueeze(0), [p])[0]
-                tok = int(torch.multinomial(q, 1, generator=self.gen))
+                tok = int(torch.multinomial(q, 1, generator=seq.gen or self.gen))
                 qs[req.request_id].append(q)
             chains[req.request_id].append(tok)
 

@@ -86,7 +86,7 @@ def test_sampled_verification_against_a_draft_distribution() -> None:
     params = SamplingParams(temperature=0.9, max_tokens=8)
     p = processed_probs(rows, [params] * 2)
     q = torch.softmax(rows[:1] + torch.randn(1, 6, generator=g), dim=-1)  # a draft near p, not equal
-    n = 2000
+    n = 1500
     first = torch.zeros(6)
     stood = 0
     for seed in range(n):
@@ -106,8 +106,7 @@ def test_sampled_requests_with_a_draft_are_reproducible(tiny_llama: Path) -> Non
     params = SamplingParams(max_tokens=16, temperature=0.8, seed=7, ignore_eos=True)
     spec = LLM(str(tiny_llama), dtype="bfloat16", speculative="draft-int4")
     a = [o.token_ids for o in spec.generate(_prompts(384), params)]
-    spec = LLM(str(tiny_llama), dtype="bfloat16", speculative="draft-int4")
-    b = [o.token_ids for o in spec.generate(_prompts(384), params)]
+    b = [o.token_ids for o in spec.generate(_prompts(384), params)]  # same engine: the draft's draws too
     assert a == b and all(len(x) == 16 for x in a)
     assert spec.engine.stats()["spec_decode_num_drafts"] > 0
 
