@@ -187,8 +187,9 @@ def build_speculator(config: EngineConfig, model_dir: Path, target: ModelConfig,
         bs = config.block_size
         blocks = config.spec_draft_kv_blocks or min(
             num_blocks, config.spec_max_batch * -(-(max_model_len + config.num_speculative_tokens) // bs))
+        # the draft's catch-up prefill runs outside the step's token budget: a quarter of it
         model = DraftModel(draft_dir, cfg, dtype, device, quant, blocks, bs, max_model_len,
-                           config.max_num_batched_tokens, config.seed)  # fmt: skip
+                           max(1, config.max_num_batched_tokens // 4), config.seed)  # fmt: skip
         log.info("speculative draft: %s at %s, %d KV blocks of its own", draft_dir.name, quant or "full precision", blocks)
     elif config.speculative_model:
         raise ValueError(f"speculative_model is for the draft-model methods ({', '.join(DRAFT_METHODS)}), not {method!r}")

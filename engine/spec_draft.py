@@ -15,9 +15,10 @@ hold gets no drafts (it decodes plainly) and keeps no draft blocks.
 
 Per step (`propose`): one forward over every request's pending tokens (those the draft has not
 seen yet: the last token, often one accepted draft or bonus token more; the whole context the
-first time, in chunks of at most `chunk_tokens` — a chunk that does not reach the end drafts
-nothing this step), then k - 1 single-token steps batched over the requests still drafting.
-Greedy requests draft the argmax; sampled ones draw from the draft's own distribution q (same
+first time, in chunks of at most `chunk_tokens` per step for all requests together — so a decode
+node that receives long prompts' KV does not stall a step on the draft's prefill; a chunk that
+does not reach the end drafts nothing this step), then k - 1 single-token steps batched over
+the requests still drafting. Greedy requests draft the argmax; sampled ones draw from the draft's own distribution q (same
 temperature/top-k/top-p), which verification needs (returned per request).
 
 Invariant: a request's draft state never claims K/V for a token the request does not have at
@@ -42,6 +43,11 @@ from engine.runner import ModelRunner
 from engine.sampler import processed_probs
 
 log = logging.getLogger("duet.engine.spec")
+
+
+#: pending tokens a drafting request has in the steady state (its last token, accepted drafts and
+#: the bonus token): always fed; more is a catch-up, limited per step
+_STEADY = 16
 
 
 class DraftTokenizerMismatch(ValueError):
@@ -125,6 +131,7 @@ class DraftModel:
         """Drafts of up to k tokens for each (request, k) with k >= 1; a request missing from
         the answer drafts nothing this step."""
         feeds: list[tuple[Request, DraftSeq, list[int], int]] = []  # (req, seq, pending, k)
+        left = self.chunk_tokens  # catch-up tokens this step, all requests together
         for req, k in wants:
             rid = req.request_id
             if rid in self.starved:
@@ -133,8 +140,15 @@ class DraftModel:
             if seq is None:
                 seq = self.seqs[rid] = DraftSeq()
             self._sync(req, seq)
-            pending = [req.token_at(i) for i in range(len(seq.tokens), min(req.num_tokens, len(seq.tokens) + self.chunk_tokens))]
-            catching_up = len(seq.tokens) + len(pending) < req.num_tokens
+            have = len(seq.tokens)
+            remaining = req.num_tokens - have
+            if remaining > _STEADY:  # a catch-up: from this step's shared allowance
+                remaining = min(remaining, left)
+                left -= remaining
+                if remaining <= 0:
+                    continue
+            pending = [req.token_at(i) for i in range(have, have + remaining)]
+            catching_up = have + len(pending) < req.num_tokens
             k = 0 if catching_up else k
             if not self._reserve(req, seq, len(seq.tokens) + len(pending) + max(0, k - 1)):
                 log.info("draft KV pool full: request %s decodes without drafts", rid)
