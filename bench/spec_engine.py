@@ -1,16 +1,23 @@
-"""`python -m bench.spec_engine`: n-gram speculative decoding on a copy-heavy workload (issue 25),
-measured in one run: the same engine settings with `speculative` off and on.
+"""`python -m bench.spec_engine`: speculative decoding (issue 25) measured in one run: the same
+engine settings with `speculative` off and with `--method` (ngram, or a draft model such as
+draft-int4: the target's own weights at int4 draft, the target verifies).
 
-Workload: edit a given text — the chat prompt asks the model to correct the spelling of a
+Workloads (`--workload`; default: edit for ngram, chat for the draft-model methods):
+- chat: single-stream decode of `--tokens` (128: the issue's W2) answering an open question
+  (a draft model pays on any text, not only copies);
+- edit: edit a given text — the chat prompt asks the model to correct the spelling of a
 passage (bench/data/passage_en.txt, a few words misspelt) and reproduce it, so the answer copies
 long spans of the prompt, as summaries, edits and RAG answers do.
+Figures (both engines are loaded side by side; the single-stream runs alternate between them,
+`--repeats` each, and the median run of each is reported: the machine's load drifts):
 - single stream: decode tokens/s (first token to last) and process CPU time per output token,
   greedy; the two outputs must be identical token for token (reported, and the exit status is 1
   when they differ);
 - batch (default 32 requests of the same task with different passages' order, submitted
   together): output tokens/s with speculation on (it switches itself off above spec_max_batch)
   against off: its cost.
-Reported with speculation: vLLM's spec-decode figures (drafts, draft tokens, accepted tokens,
+Reported with speculation: decode tokens per CPU-second off and on (the figure a loaded machine
+moves least) and their ratio, and vLLM's spec-decode figures (drafts, draft tokens, accepted tokens,
 acceptance rate, mean acceptance length). Progress on stderr; JSON (--json) or a table on stdout.
 """
 
@@ -25,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.flops import machine_info
+from engine.spec_decode import METHODS
 
 PASSAGE = Path(__file__).parent / "data" / "passage_en.txt"
 #: misspellings put into the passage for the model to fix (correct -> wrong)
@@ -44,6 +52,14 @@ def edit_prompts(tokenizer, n: int) -> list[list[int]]:
     return out
 
 
+CHAT = ("Write a detailed story about a lighthouse keeper who finds a message in a bottle one winter "
+        "morning, and what she does next.")
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    return [tokenizer.encode_chat([{"role": "user", "content": CHAT}])] * n
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.spec_engine", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -52,10 +68,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quantization", default=None, help="engine quantization scheme (default: none)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--tokens", type=int, default=128, help="output tokens per request (default: %(default)s)")
+    p.add_argument("--method", default="ngram", choices=METHODS, help="speculative method (default: %(default)s)")
+    p.add_argument("--speculative-model", default=None, help="a separate draft model (draft-model methods)")
+    p.add_argument("--workload", default=None, choices=["edit", "chat"],
+                   help="single-stream task (default: edit for ngram, chat for a draft model)")
     p.add_argument("--k", type=int, default=5, help="num_speculative_tokens (default: %(default)s)")
     p.add_argument("--batch", type=int, default=32, help="requests of the batch figure (0: skip)")
+    p.add_argument("--repeats", type=int, default=3, help="single-stream runs per engine, alternating (default: %(default)s)")
     p.add_argument("--json", action="store_true")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.workload = args.workload or ("edit" if args.method == "ngram" else "chat")
+    return args
 
 
 def _engine(args: argparse.Namespace, spec: bool):
@@ -65,7 +88,8 @@ def _engine(args: argparse.Namespace, spec: bool):
     return EngineCore(EngineConfig(
         model=args.model, dtype=args.dtype, device="cpu", threads=args.threads, quantization=args.quantization,
         max_model_len=1024, num_kv_blocks=max(args.batch, 1) * (1024 // 16) + 16, max_num_seqs=max(args.batch, 1),
-        enable_prefix_caching=False, speculative="ngram" if spec else None, num_speculative_tokens=args.k,
+        enable_prefix_caching=False, speculative=args.method if spec else None, num_speculative_tokens=args.k,
+        speculative_model=args.speculative_model if spec else None,
     ))  # fmt: skip
 
 
@@ -99,6 +123,7 @@ def _run(eng, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
     return {"requests": len(ids), "output_tokens": n_out, "seconds": wall, "output_tokens_per_s": n_out / wall,
             "decode_tokens_per_s": (n_out - len(ids)) / decode_s if decode_s > 0 else None,
             "decode_cpu_ms_per_token": 1e3 * (time.process_time() - (cpu_first or c0)) / max(1, n_out - len(ids)),
+            "decode_tokens_per_cpu_s": max(1, n_out - len(ids)) / max(1e-9, time.process_time() - (cpu_first or c0)),
             "cpu_s": cpu, "token_ids": [out[r] for r in ids]}  # fmt: skip
 
 
@@ -109,29 +134,45 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     result: dict[str, Any] = {"machine": machine_info(torch.get_num_threads()),
                               "config": {k: v for k, v in vars(args).items() if k != "json"}}  # fmt: skip
-    for spec in (False, True):
-        name = "ngram" if spec else "off"
+    # Both engines live side by side and their single-stream runs alternate (off, on, on, off,
+    # ...): on a shared machine the load drifts, and a ratio of medians taken in turns moves less.
+    names = ["off", args.method]
+    engines = {}
+    for name in names:
         progress(f"speculation {name}: loading")
-        eng = _engine(args, spec)
-        prompts = edit_prompts(eng.tokenizer, max(args.batch, 1))
+        engines[name] = _engine(args, name != "off")
+    tok = engines["off"].tokenizer
+    prompts = edit_prompts(tok, max(args.batch, 1))
+    single = prompts[:1] if args.workload == "edit" else chat_prompts(tok, 1)
+    for eng in engines.values():
         _run(eng, [prompts[0][:64]], 4)  # warm-up
-        base = dict(eng.stats())
-        r = _run(eng, prompts[:1], args.tokens)
-        if spec:
-            st = eng.stats()
-            r["spec"] = {k: st[k] - base.get(k, 0) if "num" in k else st[k] for k in st if k.startswith("spec_decode")}
-        progress(f"speculation {name}: single stream {r['decode_tokens_per_s']:.1f} decode tokens/s, "
-                 f"{r['decode_cpu_ms_per_token']:.1f} CPU ms/token")  # fmt: skip
-        row = {"single": r}
-        if args.batch:
-            b = _run(eng, prompts, args.tokens)
+    base = dict(engines[args.method].stats())
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for rep in range(args.repeats):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            r = _run(engines[name], single, args.tokens)
+            runs[name].append(r)
+            progress(f"speculation {name}: single stream {r['decode_tokens_per_s']:.1f} decode tokens/s, "
+                     f"{r['decode_cpu_ms_per_token']:.1f} CPU ms/token")  # fmt: skip
+    for name in names:
+        rs = sorted(runs[name], key=lambda r: r["decode_cpu_ms_per_token"])
+        r = dict(rs[len(rs) // 2])  # the median run
+        r["repeats_decode_tokens_per_cpu_s"] = [round(x["decode_tokens_per_cpu_s"], 2) for x in runs[name]]
+        r["all_identical"] = all(x["token_ids"] == runs["off"][0]["token_ids"] for x in runs[name])
+        result[name] = {"single": r}
+    st = engines[args.method].stats()
+    result[args.method]["single"]["spec"] = {k: st[k] - base.get(k, 0) if "num" in k else st[k]
+                                             for k in st if k.startswith("spec_decode") and "per_pos" not in k}  # fmt: skip
+    if args.batch:
+        for name in names:
+            b = _run(engines[name], prompts, args.tokens)
             b.pop("token_ids")
-            row["batch"] = b
-            progress(f"speculation {name}: batch of {args.batch}: {b['output_tokens_per_s']:.1f} output tokens/s")
-        result[name] = row
-        del eng
-    off, on = result["off"], result["ngram"]
-    result["greedy_identical"] = off["single"]["token_ids"] == on["single"]["token_ids"]
+            result[name]["batch"] = b
+            progress(f"speculation {name}: batch of {args.batch}: {b['output_tokens_per_s']:.1f} output tokens/s, "
+                     f"{b['output_tokens'] / b['cpu_s']:.1f} per CPU-second")  # fmt: skip
+    del engines
+    off, on = result["off"], result[args.method]
+    result["greedy_identical"] = off["single"]["all_identical"] and on["single"]["all_identical"]
     result["single_speedup"] = on["single"]["decode_tokens_per_s"] / off["single"]["decode_tokens_per_s"]
     result["single_speedup_cpu"] = off["single"]["decode_cpu_ms_per_token"] / on["single"]["decode_cpu_ms_per_token"]
     if args.batch:
@@ -153,7 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(result, indent=2))
     else:
-        s = result["ngram"]["single"].get("spec", {})
+        s = result[args.method]["single"].get("spec", {})
+        off, on = result["off"]["single"], result[args.method]["single"]
+        print(f"{args.method}, {args.workload} workload, {args.tokens} tokens: decode tokens per CPU-second "
+              f"{off['decode_tokens_per_cpu_s']:.1f} off, {on['decode_tokens_per_cpu_s']:.1f} on (medians of "
+              f"{off['repeats_decode_tokens_per_cpu_s']} and {on['repeats_decode_tokens_per_cpu_s']})")
         print(f"single stream: x{result['single_speedup']:.2f} decode tokens/s (CPU x{result['single_speedup_cpu']:.2f}), "
               f"greedy identical: {result['greedy_identical']}, acceptance rate "
               f"{s.get('spec_decode_acceptance_rate', 0):.2f}, mean acceptance length "

@@ -67,10 +67,16 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
                         "(activations and the KV cache keep --dtype); int8-w8a8/int4-w4a8 also quantize "
                         "activations per token to int8 for int8 GEMMs (faster prefill and batches). Quantize "
                         "once ahead with `duet models pull --quantize`")  # fmt: skip
-    e.add_argument("--speculative", choices=["none", "ngram"], default="none",
+    e.add_argument("--speculative", choices=["none", "ngram", "draft-int4", "draft-int4-w4a8", "draft-int8", "draft"],
+                   default="none",
                    help="speculative decoding (native engine): ngram drafts tokens by prompt lookup (pays on "
-                        "summaries, edits, RAG answers); greedy output is unchanged, sampled output keeps its "
-                        "distribution; off by itself above 4 decoding requests")  # fmt: skip
+                        "summaries, edits, RAG answers); draft-int4 (-int4-w4a8, -int8) drafts with the model's "
+                        "own weights at int4 (a second, cheaper copy) and verifies with the full model; draft "
+                        "uses --speculative-model as it is. Greedy output is unchanged, sampled output keeps "
+                        "its distribution; off by itself above 4 requests running or waiting")  # fmt: skip
+    e.add_argument("--speculative-model", default=None, metavar="MODEL",
+                   help="a separate draft model (name or directory) for the draft methods; it must share the "
+                        "model's tokenizer (default: the model itself, self-speculation)")  # fmt: skip
     e.add_argument("--num-speculative-tokens", type=int, default=5, help="most draft tokens per step (default 5)")
     e.add_argument("--engine", choices=["native", "vllm"], default="native",
                    help="engine behind the node API: native (this repo's paged-KV engine, starts in "
@@ -160,7 +166,8 @@ def native_engine_config(args: argparse.Namespace):
         record_kv_events=bool(args.etcd),  # coordinators read them through GET /kv/events
         quantization=None if args.quantization == "none" else args.quantization,
         speculative=None if args.speculative == "none" else args.speculative,
-        num_speculative_tokens=args.num_speculative_tokens, itl_target_ms=args.itl_target_ms,
+        num_speculative_tokens=args.num_speculative_tokens, speculative_model=args.speculative_model,
+        itl_target_ms=args.itl_target_ms,
     )  # fmt: skip
 
 

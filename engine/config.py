@@ -50,12 +50,20 @@ class EngineConfig:
     #: scales), "int4" (groups of 32) or "int4-g64" (activations and the KV cache keep `dtype`); or
     #: W8A8 "int8-w8a8" / "int4-w4a8" (activations quantized per token to int8, int8 GEMMs)
     quantization: str | None = None
-    #: speculative decoding: None (off) or "ngram" (prompt lookup: drafts copied from the prompt and
-    #: the output so far; greedy output unchanged, sampled output distributed as without it)
+    #: speculative decoding: None (off), "ngram" (prompt lookup: drafts copied from the prompt and
+    #: the output so far) or a draft model: "draft-int4" (self-speculation: the target's weights at
+    #: int4), "draft-int4-w4a8", "draft-int8", "draft" (engine/spec_decode.py); greedy output
+    #: unchanged, sampled output distributed as without it
     speculative: str | None = None
+    #: draft-model speculation ("draft" methods): a separate draft model of the target's tokenizer
+    #: (None: self-speculation, the target's own weights at the method's quantization)
+    speculative_model: str | None = None
+    #: the draft model's own KV pool in blocks (None: room for spec_max_batch full-length sequences,
+    #: at most the target's pool)
+    spec_draft_kv_blocks: int | None = None
     #: most draft tokens per request and step (each request adapts its own k below this)
     num_speculative_tokens: int = 5
-    #: no drafts while more requests than this decode (larger batches are compute-bound)
+    #: no drafts while more requests than this run or wait (larger batches are compute-bound)
     spec_max_batch: int = 4
     #: colocated nodes: size each step's prefill chunk so the predicted step (an online fit of
     #: step times, engine/step_model.py) stays within this inter-token latency; None: the fixed

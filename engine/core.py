@@ -34,7 +34,7 @@ from engine.runner import ModelRunner, PoolFactory, zeroed_pool
 from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from engine.spec_decode import Speculator
+from engine.spec_decode import Speculator, build_speculator
 from protocol.logprobs import TokenLogprob
 from protocol.models import resolve_model
 from protocol.tokenizer import Tokenizer
@@ -124,9 +124,10 @@ class EngineCore:
         self.guides = GuidedDecoding(self.model_dir / "tokenizer.json", mc.vocab_size, self.tokenizer.eos_token_ids)
         self.speculator: Speculator | None = None
         if config.speculative:
-            self.speculator = Speculator(config.speculative, config.num_speculative_tokens, self.max_model_len,
-                                         self.sampler)  # fmt: skip
+            self.speculator = build_speculator(config, self.model_dir, mc, self.dtype, self.device, num_blocks,
+                                               self.max_model_len, self.sampler)  # fmt: skip
             self.scheduler.drafter = self.speculator.draft
+            self.scheduler.prepare_drafts = self.speculator.prepare
             self.scheduler.spec_max_batch = config.spec_max_batch
         self.embedder = Embedder(self.runner, self.pool, config.max_num_batched_tokens)
         self.counters = EngineCounters()
@@ -343,17 +344,23 @@ class EngineCore:
                 outputs.append(by_chunk[i])
                 continue
             req = c.req
+            rows = logits[starts[i] : starts[i] + 1 + len(c.draft)]
             try:
-                emitted = self.speculator.verify(c, logits[starts[i] : starts[i] + 1 + len(c.draft)])  # type: ignore[union-attr]
+                emitted = self.speculator.verify(c, rows)  # type: ignore[union-attr]
+                n_top = req.params.logprobs
+                # from the raw rows, as one-token steps score them (the same rows, bit for bit)
+                lps = token_logprobs(rows[: len(emitted)], emitted, [n_top] * len(emitted)) if n_top is not None else None
             except Exception as e:  # this request fails alone
                 outputs.append(self.fail(req, f"speculative verification failed: {type(e).__name__}: {e}"))
                 continue
             out: RequestOutput | None = None
-            for tok in emitted:
-                o = self._append_token(req, tok, now)
+            for j, tok in enumerate(emitted):
+                o = self._append_token(req, tok, now, lps[j] if lps is not None else None)
                 if out is not None:  # one delta for the step's tokens
                     o.new_token_ids = out.new_token_ids + o.new_token_ids
                     o.new_text = out.new_text + o.new_text
+                    if out.logprobs is not None:
+                        o.logprobs = out.logprobs + (o.logprobs or [])
                 out = o
                 if o.finished:
                     break

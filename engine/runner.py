@@ -85,15 +85,20 @@ class ModelRunner:
         the prompt-logprob rows: for each chunk whose request wants prompt logprobs, the
         logits of its positions that predict a prompt token not yet scored (computed only
         then: every other row stops at the last hidden state)."""
-        decodes = [c for c in chunks if c.num_tokens == 1 and c.start > 0]
-        prefills = [c for c in chunks if not (c.num_tokens == 1 and c.start > 0)]
-        ids = [c.req.token_at(c.start) for c in decodes]
-        for c in prefills:  # a speculative chunk runs as a short prefill: its token, then the draft
-            ids.extend(c.req.all_token_ids[c.start : c.start + c.num_tokens - len(c.draft)])
+        # A speculative chunk (its token, then the draft) runs as one decode query per token:
+        # each attends to the K/V written before it in the same step, and through the decode
+        # kernel its rows are bit for bit what one-token decode steps give (greedy identity).
+        decodes = [c for c in chunks if (c.num_tokens == 1 and c.start > 0) or c.draft]
+        prefills = [c for c in chunks if not ((c.num_tokens == 1 and c.start > 0) or c.draft)]
+        ids: list[int] = []
+        for c in decodes:
+            ids.append(c.req.token_at(c.start))
             ids.extend(c.draft)
+        for c in prefills:
+            ids.extend(c.req.all_token_ids[c.start : c.start + c.num_tokens])
         md = build_metadata(
             self.block_size,
-            [(c.req.block_ids, c.start) for c in decodes],
+            [(c.req.block_ids, c.start + j) for c in decodes for j in range(c.num_tokens)],
             [(c.req.block_ids, c.start, c.num_tokens) for c in prefills],
             self.cfg.sliding_window,
             self.device,

@@ -16,7 +16,7 @@ Speculative decoding: with a `drafter` set, a decoding request (prompt done, one
 compute) may carry draft tokens in its chunk (`ScheduledChunk.draft`), within the step's budget
 and with slots allocated for them; the engine verifies them after the forward pass and gives the
 slots of rejected tokens back (`KVCacheManager.trim`). No drafts while more than
-`spec_max_batch` requests decode: at larger batches the step is compute-bound and verifying
+`spec_max_batch` requests run or wait: at larger batches the step is compute-bound and verifying
 drafts costs more than the accepted tokens give back.
 
 ITL target (`itl_target_s`, colocated nodes): decodes are scheduled as always, and the prompt
@@ -104,6 +104,8 @@ class Scheduler:
         self.num_preemptions = 0
         #: speculative decoding: draft tokens for a decoding request ([] for none)
         self.drafter: Callable[[Request, int], list[int]] | None = None
+        #: called once before a drafting step with its decoding requests (a draft model batches them)
+        self.prepare_drafts: Callable[[list[Request]], None] | None = None
         self.spec_max_batch = 0
         #: with an ITL target: the step-time model, and the shape of the step scheduled last
         self.step_model = OnlineStepModel() if config.itl_target_s is not None else None
@@ -172,7 +174,12 @@ class Scheduler:
         self.running.sort(key=lambda r: r.sort_key)
         # prompt tokens this step may still take; never below `budget` without a target
         prefill_left = self.last_prefill_budget = self._prefill_budget(budget)
-        drafting = self.drafter is not None and 0 < self._num_decoding() <= self.spec_max_batch
+        # the batch counts the requests queued behind the decoding ones: at the start of a big
+        # batch only a few decode while the rest prefill, and drafting then would only cost
+        drafting = (self.drafter is not None and self._num_decoding() > 0
+                    and len(self.running) + len(self.waiting) <= self.spec_max_batch)  # fmt: skip
+        if drafting and self.prepare_drafts is not None:
+            self.prepare_drafts([r for r in self.running if r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1])
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]

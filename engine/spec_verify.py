@@ -4,10 +4,11 @@ token that follows them.
 Rows: the target's logits at the draft's positions, k + 1 rows for a k-token draft (row i scores
 the token after draft[:i]). Greedy: the longest prefix of the draft that equals the row-wise
 argmax, then the argmax after it — exactly the tokens non-speculative greedy decoding yields.
-Sampled: rejection sampling with a point-mass draft (an n-gram draft puts all its mass on one
-token): draft token d at row i stands with probability p_i(d); on a rejection the token comes
-from p_i with d removed and renormalized (the residual max(p - q, 0)); when every draft token
-stands, the bonus token comes from p_k. Each emitted token is then distributed exactly as
+Sampled: rejection sampling. Draft token d at row i, drawn from the draft's distribution q_i,
+stands with probability min(1, p_i(d) / q_i(d)); on a rejection the token comes from the residual
+max(p_i - q_i, 0), renormalized; when every draft token stands, the bonus token comes from p_k.
+An n-gram draft (or a greedy model draft) is a point mass, q_i(d) = 1: d stands with probability
+p_i(d) and the residual is p_i with d removed. Each emitted token is then distributed exactly as
 non-speculative sampling's (Leviathan et al. 2023), with p after temperature, top-k and top-p
 as the Sampler applies them, drawn with the request's own generator.
 
@@ -31,18 +32,24 @@ def verify_greedy(draft: list[int], targets: list[int]) -> list[int]:
 
 
 def verify_sampled(draft: list[int], rows: torch.Tensor, params: SamplingParams,
-                   gen: torch.Generator) -> list[int]:  # fmt: skip
+                   gen: torch.Generator, q: torch.Tensor | None = None) -> list[int]:  # fmt: skip
+    """q: [len(draft), V] the draft's distributions over the target's vocabulary (None: point
+    masses on the draft tokens)."""
     probs = processed_probs(rows, [params] * rows.shape[0])
     out: list[int] = []
     for i, d in enumerate(draft):
         p = probs[i]
         u = torch.rand((), generator=gen).item()
-        if u < p[d].item():
+        qd = 1.0 if q is None else q[i, d].item()
+        if u * qd < p[d].item():
             out.append(d)
             continue
-        residual = p.clone()
-        residual[d] = 0.0
-        if residual.sum() <= 0:  # p was a point mass on d: u < 1 = p(d) always, unreachable
+        if q is None:
+            residual = p.clone()
+            residual[d] = 0.0
+        else:
+            residual = (p - q[i]).clamp_(min=0.0)
+        if residual.sum() <= 0:  # p <= q everywhere means p == q: then u * q(d) < p(d) always, unreachable
             out.append(d)
             return out
         out.append(int(torch.multinomial(residual, 1, generator=gen).item()))

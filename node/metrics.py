@@ -33,7 +33,14 @@ _COUNTERS = {
     "duet:generation_tokens": ("generation_tokens", "Tokens generated"),
     "duet:num_preemptions": ("num_preemptions", "Requests preempted (recompute)"),
     "duet:num_requests_failed": ("num_requests_failed", "Requests the engine failed alone (finish_reason error)"),
+    # speculative decoding, vLLM's spec_decode_* counters (0 while speculation is off): the acceptance
+    # rate is accepted / draft tokens, the mean acceptance length 1 + accepted / drafts
+    "duet:spec_decode_num_drafts": ("spec_decode_num_drafts", "Speculative drafts verified"),
+    "duet:spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed"),
+    "duet:spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
 }
+#: the engine stats key prefix of the accepted tokens per draft position (`...per_pos.<position>`)
+_PER_POS = "spec_decode_num_accepted_tokens_per_pos."
 
 
 class _EngineCollector(Collector):
@@ -52,6 +59,11 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=names)
             c.add_metric(values, float(s.get(key, 0)))
             yield c
+        pos = CounterMetricFamily("duet:spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted, by their position in the draft", labels=[*names, "position"])  # fmt: skip
+        for key in sorted((k for k in s if k.startswith(_PER_POS)), key=lambda k: int(k[len(_PER_POS) :])):
+            pos.add_metric([*values, key[len(_PER_POS) :]], float(s[key]))
+        yield pos
 
 
 class NodeMetrics:
