@@ -2,16 +2,28 @@
 the state of its event stream, and the routing decisions its load has not shown yet.
 
 Pending decisions (so a burst does not herd onto one node): each route adds the sequences,
-prefill tokens and KV blocks it sends to a node. An entry stops counting at the first load
-report received `settle_s` after the decision (by then the node's own counters include the
-request, if it arrived), and at the latest after `max_age_s` (a node that stops reporting is
-not routable anyway).
+prefill tokens and KV blocks it sends to a node, as a reservation named by its ticket (the
+request's X-Request-Id, which the gateway sends the node). A reservation counts exactly until
+the node's load shows the request:
+- a node that acknowledges routes (LoadFrame.taken not None) names, in each load frame, the
+  requests its engine took since its previous frame on this stream; their reservations end on
+  that frame, whose counters (running/waiting/queued tokens, free blocks) now carry the request
+  — or no longer do, if it already finished: either way counting the reservation too would
+  count it twice. Routed requests that never reach the node (the gateway failed over to another
+  node) expire after `max_age_s`;
+- entries without a ticket, and all entries of a node that does not acknowledge, keep the
+  older rule: they stop counting at the first load report received `settle_s` after the
+  decision, and at the latest after `max_age_s`.
+Free blocks seen by admission are the frame's minus the reservations not yet in it, so one
+request's blocks are never subtracted twice. (An acked frame's counters can be one engine step
+old — the engine publishes them after each step — so for that long a request is counted by
+neither: the error is on the side of admitting, which the node's own queue absorbs.)
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
+from itertools import count
 
 from protocol.cluster import NodeInfo
 from protocol.kv_events import LoadFrame
@@ -23,6 +35,12 @@ class Pending:
     seqs: int
     prefill_tokens: int
     blocks: int
+    #: the route's ticket (X-Request-Id); None: only the settle time ends it
+    ticket: str | None = None
+
+
+#: keys of untagged reservations (ints never equal a ticket string)
+_untagged = count()
 
 
 @dataclass
@@ -44,7 +62,8 @@ class NodeView:
     engine_id: str | None = None
     resyncs: int = 0
     last_event_lag_s: float = 0.0
-    pending: deque[Pending] = field(default_factory=deque)
+    #: reservations by ticket (or an int for an untagged one), oldest first
+    pending: dict[str | int, Pending] = field(default_factory=dict)
     _totals: PendingTotals = field(default_factory=PendingTotals)
 
     #: = info.node_id (a plain attribute: the router reads it often)
@@ -57,23 +76,45 @@ class NodeView:
         """Routable: its stream is up and its load report is fresh."""
         return self.connected and self.load is not None and now - self.load_at <= stale_s
 
-    def add_pending(self, now: float, seqs: int, prefill_tokens: int, blocks: int) -> None:
-        self.pending.append(Pending(now, seqs, prefill_tokens, blocks))
+    def add_pending(self, now: float, seqs: int, prefill_tokens: int, blocks: int, ticket: str | None = None) -> None:
         t = self._totals
         t.seqs, t.prefill_tokens, t.blocks = t.seqs + seqs, t.prefill_tokens + prefill_tokens, t.blocks + blocks
+        old = self.pending.get(ticket) if ticket is not None else None
+        if old is not None:  # routed again (its first target failed): one request, one reservation
+            old.seqs, old.prefill_tokens, old.blocks = old.seqs + seqs, old.prefill_tokens + prefill_tokens, old.blocks + blocks
+            return
+        self.pending[next(_untagged) if ticket is None else ticket] = Pending(now, seqs, prefill_tokens, blocks, ticket)
 
-    def _pop(self) -> None:
-        p, t = self.pending.popleft(), self._totals
+    def _drop(self, key: str | int) -> None:
+        p, t = self.pending.pop(key), self._totals
         t.seqs, t.prefill_tokens, t.blocks = t.seqs - p.seqs, t.prefill_tokens - p.prefill_tokens, t.blocks - p.blocks
 
     def on_load(self, frame: LoadFrame, now: float, settle_s: float) -> None:
         self.load, self.load_at = frame, now
-        while self.pending and now - self.pending[0].at >= settle_s:
-            self._pop()
+        if not self.pending:
+            return
+        acks = frame.taken is not None
+        if acks:
+            for ticket in frame.taken or ():
+                if ticket in self.pending:
+                    self._drop(ticket)
+        # The settle rule (entries are oldest first): every entry of a node that does not ack,
+        # the untagged ones of a node that does.
+        settled: list[str | int] = []
+        for key, p in self.pending.items():
+            if now - p.at < settle_s:
+                break
+            if p.ticket is None or not acks:
+                settled.append(key)
+        for key in settled:
+            self._drop(key)
 
     def pending_totals(self, now: float, max_age_s: float) -> PendingTotals:
         """Sums over the pending decisions (kept as running totals: O(1) per route)."""
-        while self.pending and now - self.pending[0].at > max_age_s:
-            self._pop()
+        while self.pending:
+            key, p = next(iter(self.pending.items()))
+            if now - p.at <= max_age_s:
+                break
+            self._drop(key)
         t = self._totals
         return PendingTotals(t.seqs, t.prefill_tokens, t.blocks)

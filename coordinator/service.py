@@ -34,6 +34,7 @@ from protocol.cluster import (
     ClusterReport,
     LoadReport,
     NodeInfo,
+    NodeTask,
     PendingReport,
 )
 from protocol.openai import APIError
@@ -168,8 +169,11 @@ class Coordinator:
             raise
         finally:
             self.metrics.route_latency.observe(time.perf_counter() - t0)
+        # Generation legs reach nodes under the request's X-Request-Id, which their load frames
+        # acknowledge (coordinator/nodes.py); embeddings are not acknowledged: settle time.
+        ticket = req.request_id if req.task == NodeTask.GENERATE else None
         for node_id, (seqs, tokens, blocks) in decision.pending.items():
-            self.views[node_id].add_pending(now, seqs, tokens, blocks)
+            self.views[node_id].add_pending(now, seqs, tokens, blocks, ticket)
         self.metrics.decisions.labels(decision.outcome).inc()
         for observe in self.route_observers:
             observe(req, decision)

@@ -35,7 +35,6 @@ import msgspec
 from aiohttp import web
 
 from gateway import chat_request as chat
-from gateway import serve
 from gateway.anthropic_wire import (
     FIELDS,
     BlockDelta,
@@ -72,9 +71,7 @@ from gateway.chat_answer import (
     TokenCounts,
     ToolArgs,
     ToolStart,
-    TranslatingSink,
     UsageSeen,
-    read_completion,
 )
 from gateway.ledger import Caller
 from gateway.providers.anthropic_shapes import (
@@ -83,9 +80,8 @@ from gateway.providers.anthropic_shapes import (
     error_type_of,
     input_tokens,
 )
-from gateway.relay import HttpEventStream
-from gateway.requests import Endpoint
 from gateway.state import GatewayState
+from gateway.translated import Translated, field_names, json_object, unknown_fields
 from protocol.openai import APIError
 from protocol.structured import JSONSchemaFormat, ResponseFormat
 
@@ -95,7 +91,7 @@ _ENC = msgspec.json.Encoder()
 async def handle(state: GatewayState, request: web.Request, request_id: str) -> web.StreamResponse:
     """The handler: authenticate, translate, run on the chat path, translate back."""
     t0 = time.monotonic()
-    sink: TranslatingSink | None = None
+    call: Translated | None = None
     try:
         key = request.headers.get("x-api-key")
         if key is None and "Authorization" not in request.headers:
@@ -109,22 +105,13 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
             raise APIError(413, f"the request body is larger than this gateway accepts ({limit} bytes)") from None
         body = parse(raw)
         msg_id = "msg_" + request_id.removeprefix("req-")
-        if body.stream:
-            sink = TranslatingSink(HttpEventStream(request), MessageStream(msg_id, body.model),
-                                   {"request-id": request_id})
-        answer = await serve.run(state, Caller(api_key, team, request_id, t0), chat.encode(to_chat(body)),
-                                 Endpoint.CHAT, tier_header=request.headers.get("x-duet-tier"), sink=sink)  # fmt: skip
+        call = Translated(request, MessageStream(msg_id, body.model) if body.stream else None, {"request-id": request_id})
+        return await call.run(state, Caller(api_key, team, request_id, t0), to_chat(body), body.model,
+                              lambda answer, model: to_message(answer, msg_id, model))  # fmt: skip
     except APIError as e:
-        if sink is not None and sink.opened:
+        if call is not None and call.opened:
             raise  # the stream's own error event went out already (relay.py)
         return error_response(e, request_id)
-    headers = {**answer.headers, "request-id": request_id}
-    if answer.body is None:
-        assert sink is not None and isinstance(sink.inner, HttpEventStream) and sink.inner.response is not None
-        return sink.inner.response
-    model = answer.headers.get("x-duet-model-used", body.model)
-    return web.Response(status=answer.status, body=_ENC.encode(to_message(read_completion(answer.body), msg_id, model)),
-                        content_type="application/json", headers=headers)  # fmt: skip
 
 
 def error_response(e: APIError, request_id: str) -> web.Response:
@@ -140,16 +127,10 @@ def _neutral(v: object) -> bool:
 
 def parse(raw: bytes) -> MessagesRequest:
     """The body, typed and checked (400s name what is wrong, in Anthropic's words where it has them)."""
-    try:
-        top = msgspec.json.decode(raw)
-    except (msgspec.DecodeError, RecursionError) as e:
-        raise APIError(400, f"malformed JSON body: {e}") from None
-    if not isinstance(top, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    extra = sorted(k for k, v in top.items() if k not in FIELDS and not _neutral(v))
+    top = json_object(raw)
+    extra = unknown_fields(top, FIELDS, _neutral)
     if extra:
-        names = ", ".join(k if k.isidentifier() else repr(k) for k in extra)
-        raise APIError(400, f"{names}: Extra inputs are not permitted (not supported by this gateway)")
+        raise APIError(400, f"{field_names(extra)}: Extra inputs are not permitted (not supported by this gateway)")
     for k in ("model", "messages", "max_tokens"):
         if k not in top:
             raise APIError(400, f"{k}: Field required")

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from protocol.sse import named_sse
+
 # -- requests -------------------------------------------------------------------------------
 
 
@@ -216,10 +218,7 @@ class Ping(msgspec.Struct, kw_only=True, tag="ping", tag_field="type"):
 
 StreamEvent = MessageStart | BlockStart | BlockDelta | BlockStop | MessageDelta | MessageStop | Ping | ErrorBody
 
-_ENC = msgspec.json.Encoder()
-
 
 def sse(event: StreamEvent) -> bytes:
     """One event as Anthropic sends it: `event: <type>` and `data: <json>`."""
-    name = type(event).__struct_config__.tag
-    return b"event: " + str(name).encode() + b"\ndata: " + _ENC.encode(event) + b"\n\n"
+    return named_sse(event)

@@ -26,7 +26,6 @@ import msgspec
 from aiohttp import web
 
 from gateway import chat_request as chat
-from gateway import serve
 from gateway.auth import authenticate
 from gateway.chat_answer import (
     ChatAnswer,
@@ -38,13 +37,9 @@ from gateway.chat_answer import (
     TokenCounts,
     ToolArgs,
     ToolStart,
-    TranslatingSink,
     UsageSeen,
-    read_completion,
 )
 from gateway.ledger import Caller
-from gateway.relay import HttpEventStream
-from gateway.requests import Endpoint
 from gateway.responses_wire import (
     FIELDS,
     ArgsDelta,
@@ -81,6 +76,7 @@ from gateway.responses_wire import (
     sse,
 )
 from gateway.state import GatewayState
+from gateway.translated import Translated, field_names, json_object, unknown_fields
 from protocol.openai import APIError
 from protocol.structured import JSONSchemaFormat, ResponseFormat
 
@@ -92,16 +88,9 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
     key, team = await authenticate(state, request)
     body = parse(await request.read())
     rid = request_id.removeprefix("req-")
-    sink = TranslatingSink(HttpEventStream(request), ResponseStream(rid, body)) if body.stream else None
-    answer = await serve.run(state, Caller(key, team, request_id, t0), chat.encode(to_chat(body)), Endpoint.CHAT,
-                             tier_header=request.headers.get("x-duet-tier"), sink=sink)  # fmt: skip
-    if answer.body is None:
-        assert sink is not None and isinstance(sink.inner, HttpEventStream) and sink.inner.response is not None
-        return sink.inner.response
-    model = answer.headers.get("x-duet-model-used", body.model)
-    out = to_response(read_completion(answer.body), rid, body, model)
-    return web.Response(status=answer.status, body=_ENC.encode(out), content_type="application/json",
-                        headers=answer.headers)  # fmt: skip
+    call = Translated(request, ResponseStream(rid, body) if body.stream else None)
+    return await call.run(state, Caller(key, team, request_id, t0), to_chat(body), body.model,
+                          lambda answer, model: to_response(answer, rid, body, model))  # fmt: skip
 
 
 def _neutral(v: object) -> bool:
@@ -109,23 +98,17 @@ def _neutral(v: object) -> bool:
 
 
 def parse(raw: bytes) -> ResponsesRequest:
-    try:
-        top = msgspec.json.decode(raw)
-    except (msgspec.DecodeError, RecursionError) as e:
-        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
-    if not isinstance(top, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    top = json_object(raw, code="invalid_json")
     if top.get("previous_response_id") is not None:
         raise APIError(400, "previous_response_id is not supported: this gateway stores no responses (send the "
                             "whole conversation in `input`)", param="previous_response_id",
                        code="unsupported_field")  # fmt: skip
     if top.get("background"):
         raise APIError(400, "background responses are not supported", param="background", code="unsupported_field")
-    extra = sorted(k for k, v in top.items() if k not in FIELDS and k != "background" and not _neutral(v))
+    extra = unknown_fields(top, FIELDS | {"background"}, _neutral)
     if extra:
-        names = ", ".join(k if k.isidentifier() else repr(k) for k in extra)
-        raise APIError(400, f"unsupported field{'s' if len(extra) > 1 else ''}: {names}", param=extra[0],
-                       code="unsupported_field")  # fmt: skip
+        raise APIError(400, f"unsupported field{'s' if len(extra) > 1 else ''}: {field_names(extra)}",
+                       param=extra[0], code="unsupported_field")  # fmt: skip
     for k in ("model", "input"):
         if k not in top:
             raise APIError(400, f"missing required field: {k}", param=k)

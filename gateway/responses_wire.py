@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from protocol.sse import named_sse
+
 # -- requests -------------------------------------------------------------------------------
 
 
@@ -267,10 +269,7 @@ class StreamError(msgspec.Struct, kw_only=True, tag="error", tag_field="type"):
 StreamEvent = (Created | InProgress | Completed | Incomplete | ItemAdded | ItemDone | PartAdded | PartDone | TextDelta
                | TextDone | ArgsDelta | ArgsDone | StreamError)  # fmt: skip
 
-_ENC = msgspec.json.Encoder()
-
 
 def sse(event: StreamEvent) -> bytes:
     """One event as OpenAI sends it: `event: <type>` and `data: <json>`."""
-    name = type(event).__struct_config__.tag
-    return b"event: " + str(name).encode() + b"\ndata: " + _ENC.encode(event) + b"\n\n"
+    return named_sse(event)

@@ -4,7 +4,10 @@ A poller drains the engine's BlockPool events (recorded when EngineConfig.record
 on the engine thread every `POLL_INTERVAL_S`, numbers each non-empty drain as one
 `EventBatch` (seq 1, 2, ...) and keeps the last `ring_size` batches. Stream readers get the
 batches after their `since`, then new ones as they come, and a `LoadFrame` at least every
-`LOAD_INTERVAL_S` (protocol/kv_events.py documents the wire format).
+`LOAD_INTERVAL_S` (protocol/kv_events.py documents the wire format). Each load frame names the
+requests the engine took since the stream's previous one (`taken`, from a ring of the last
+`TAKEN_RING` ids; a new stream starts with the whole ring, so a reconnect loses no ack), and
+coordinators drop their pending reservations for those routes on it.
 
 Invariants: seq numbers have no gaps; the snapshot is taken on the engine thread in the same
 call that drains pending events, under the same lock as the poller, so "snapshot at seq S"
@@ -39,6 +42,9 @@ from protocol.openai import APIError
 log = logging.getLogger("duet.node")
 POLL_INTERVAL_S = 0.1
 RING_SIZE = 4096
+#: X-Request-Ids kept for load frames' `taken` (a stream further behind misses some: those
+#: reservations expire at the coordinator's pending_max_age_s instead)
+TAKEN_RING = 1024
 
 
 class KVEventLog:
@@ -54,6 +60,9 @@ class KVEventLog:
         self._lock = asyncio.Lock()
         self._new = asyncio.Event()
         self.closed = False
+        self._taken: collections.deque[str] = collections.deque(maxlen=TAKEN_RING)
+        #: ids ever passed to took(): a stream's position in the `taken` ring
+        self.taken_n = 0
 
     # -- engine side -----------------------------------------------------------------------
     async def _pull(self, snapshot: bool) -> list[int] | None:
@@ -76,6 +85,17 @@ class KVEventLog:
         return KVSnapshot(engine_id=self.engine_id, block_size=self.block_size, seq=self.seq,
                           block_hashes=hashes)  # fmt: skip
 
+    def took(self, request_id: str) -> None:
+        """The engine took (queued, or refused) the request `request_id`: called on the loop once
+        `add_request` returned, so every load frame built after this counts it."""
+        self._taken.append(request_id)
+        self.taken_n += 1
+
+    def taken_since(self, n: int) -> list[str]:
+        """The ids taken after the first `n` (as much of them as the ring still holds)."""
+        k = min(self.taken_n - n, len(self._taken))
+        return list(self._taken)[len(self._taken) - k :] if k > 0 else []
+
     # -- reader side -----------------------------------------------------------------------
     def after(self, since: int) -> list[EventBatch] | None:
         """Batches with seq > since, or None when the ring no longer holds seq since+1."""
@@ -97,8 +117,8 @@ class KVEventLog:
         with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
             await asyncio.wait_for(self._new.wait(), max(timeout, 0.0))
 
-    def load(self, stats: dict[str, float], seq: int) -> LoadFrame:
-        return LoadFrame(seq=seq, ts=time.time(),
+    def load(self, stats: dict[str, float], seq: int, taken: list[str]) -> LoadFrame:
+        return LoadFrame(seq=seq, ts=time.time(), taken=taken,
                          num_requests_waiting=int(stats.get("num_requests_waiting", 0)),
                          num_requests_running=int(stats.get("num_requests_running", 0)),
                          kv_cache_usage_perc=float(stats.get("kv_cache_usage_perc", 0.0)),
@@ -140,6 +160,7 @@ async def _events(request: web.Request) -> web.StreamResponse:
     await resp.prepare(request)
     enc = msgspec.msgpack.Encoder()
     pos, last_load = since, 0.0
+    taken_pos = kv.taken_n - len(kv._taken)  # the whole ring: acks made while this reader was away
     while not kv.closed and kv.engine.dead is None:
         batches = kv.after(pos)
         if batches is None:  # this reader fell behind the ring: close, it reconnects and resyncs
@@ -150,7 +171,9 @@ async def _events(request: web.Request) -> web.StreamResponse:
             pos = b.seq
         now = time.monotonic()
         if now - last_load >= LOAD_INTERVAL_S:
-            await resp.write(encode_frame(enc, kv.load(kv.engine.stats(), pos)))
+            # the ids first: one taken after this line is in the next frame, never lost
+            taken, taken_pos = kv.taken_since(taken_pos), kv.taken_n
+            await resp.write(encode_frame(enc, kv.load(kv.engine.stats(), pos, taken)))
             last_load = now
         await kv.wait_new(LOAD_INTERVAL_S - (time.monotonic() - last_load))
     return resp

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from node.chat import ChatChunker, chat_response
 from node.engine_api import EngineStream, KVHandoff, RequestRefused
+from node.kv_events import KV_EVENTS
 from node.legs import Prepared
 from node.responder import Responder
 from node.state import NodeState
@@ -47,6 +48,10 @@ class Leg:
                                                       self.prep.priority, handoff)  # fmt: skip
         except RequestRefused as e:
             raise APIError(400, str(e)) from None
+        finally:  # taken or refused, the node's next load frame is its answer to the route
+            kv = self.request.app.get(KV_EVENTS)
+            if kv is not None:
+                kv.took(self.prep.request_id)
 
     async def respond(self, stream: EngineStream) -> web.StreamResponse:
         prep, model = self.prep, self.node.engine.model_name

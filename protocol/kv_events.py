@@ -9,7 +9,11 @@ of msgpack encoding one `Frame` (a tagged union; the tag is the struct name). Co
   from 1, +1 per batch with no gaps; a reader that sees `seq != last + 1` has missed changes
   and must resync from `GET /kv/snapshot`.
 - `LoadFrame`: the node's load, sent at least every `LOAD_INTERVAL_S`; `seq` is the last batch
-  sent before it (a reader that holds an older seq is behind).
+  sent before it (a reader that holds an older seq is behind). `taken` acknowledges routes: the
+  X-Request-Ids of the requests the node's engine took since this stream's previous load frame
+  (their work is in this frame's counters, or was already done), so a coordinator drops its
+  pending reservation for a route exactly when the node's load shows it. None: the node does
+  not acknowledge (the simulator, older nodes); the reader falls back to a settle time.
 
 The stream starts after `since` (the reader has applied batches `≤ since`). A `since` older
 than the node's ring of recent batches, or newer than its last batch, answers 410 with an
@@ -63,6 +67,8 @@ class LoadFrame(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     queued_prefill_tokens: int
     kv_blocks_free: int
     kv_blocks_total: int
+    #: X-Request-Ids the engine took since the previous load frame on this stream (see above)
+    taken: list[str] | None = None
 
 
 Frame = EventBatch | LoadFrame

@@ -1,6 +1,7 @@
 """Server-sent events as every duet process speaks them (OpenAI's stream shape).
 
-Writing: `sse(obj)` is one `data: <json>` event, `DONE` the last one, `error_event(err)` the
+Writing: `sse(obj)` is one `data: <json>` event, `named_sse(event)` one with an `event:` line
+naming it (the Anthropic and Responses streams), `DONE` the last one, `error_event(err)` the
 event a stream carries when it fails after its headers went out (OpenAI's error body; `[DONE]`
 follows it). Reading: `DataLines` cuts a stream of `data:` events into payloads as network
 reads arrive (no read per line), and `read_to_end` reads what is left of a body after its
@@ -31,6 +32,13 @@ MAX_LINE = 16 * 2**20
 def sse(obj: object) -> bytes:
     """One event: `data: <obj as JSON>` and the blank line that ends it."""
     return b"data: " + _ENC.encode(obj) + b"\n\n"
+
+
+def named_sse(event: msgspec.Struct) -> bytes:
+    """One named event, as Anthropic's and OpenAI's Responses streams send them: `event: <the
+    struct's tag>` and `data: <json>` (the JSON carries the same name as its `type`)."""
+    name = type(event).__struct_config__.tag
+    return b"event: " + str(name).encode() + b"\ndata: " + _ENC.encode(event) + b"\n\n"
 
 
 def error_event(err: APIError) -> bytes:

@@ -55,12 +55,14 @@ async def test_batches_snapshot_and_ring(tiny_llama: Path) -> None:
 
         # Frames round-trip through the length-prefixed msgpack encoding, split anywhere.
         enc = msgspec.msgpack.Encoder()
-        load = log.load(engine.stats(), log.seq)
+        log.took("r0")
+        load = log.load(engine.stats(), log.seq, log.taken_since(0))
         wire = b"".join(encode_frame(enc, f) for f in [*kept, load])
         dec = FrameDecoder()
         frames = [f for i in range(0, len(wire), 7) for f in dec.feed(wire[i : i + 7])]
         assert frames == [*kept, load]
         assert isinstance(frames[-1], LoadFrame) and frames[-1].kv_blocks_total == 8
+        assert frames[-1].taken == ["r0"] and log.taken_since(1) == []
         assert all(isinstance(f, EventBatch) for f in frames[:-1])
     finally:
         await engine.stop()

@@ -21,40 +21,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 
 from coordinator.etcd_server import EtcdServer
 from protocol.tokenizer import Tokenizer
 from tests.gateway.helpers import gateway_proc, make_team, metric
-from tests.procs import Proc, duet_node, free_port, running
-
-MODEL = "tiny"
-NODE_ARGS = ("--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024")
-#: low enough that every prompt here is disaggregated unless the decode node has it cached
-LOCAL_PREFILL_TOKENS = 8
+from tests.pd_cluster import LOCAL_PREFILL_TOKENS, MODEL, PDCluster, cluster_model
+from tests.procs import TINY_NODE_ARGS, Proc, duet_node, free_port, running
 
 
-@dataclass
-class Cluster:
-    etcd: EtcdServer
-    coordinator: Proc
-    prefill: Proc
-    decode: Proc
-    gateway: Proc
-    key: str
-    model_dir: Path
-    tmp: Path
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key=self.key, max_retries=0)
-
-    def cluster(self) -> dict[str, Any]:
-        with urllib.request.urlopen(self.coordinator.url + "/cluster", timeout=5) as r:
-            return json.loads(r.read())
-
+@dataclass(kw_only=True)
+class Cluster(PDCluster):
     def node(self, role: str, node_id: str) -> Proc:
-        return duet_node(role, str(self.model_dir), self.tmp, *NODE_ARGS, "--etcd", self.etcd.url,
+        return duet_node(role, str(self.model_dir), self.tmp, *TINY_NODE_ARGS, "--etcd", self.etcd.url,
                          "--node-id", node_id)  # fmt: skip
 
     def wait_for(self, what: str, cond: Callable[[dict[str, Any]], bool], timeout: float = 60.0) -> None:
@@ -76,13 +55,12 @@ def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         coord = Proc([sys.executable, "-m", "duet", "coordinator", "--etcd", etcd.url, "--port", str(port),
                       "--local-prefill-tokens", str(LOCAL_PREFILL_TOKENS)], port, tmp / "coordinator.log")  # fmt: skip
         # "prefill-b": the test of prefix routing later adds "prefill-a", which wins ties.
-        p = duet_node("prefill", str(tiny_llama), tmp, *NODE_ARGS, "--etcd", etcd.url, "--node-id", "prefill-b")
-        d = duet_node("decode", str(tiny_llama), tmp, *NODE_ARGS, "--etcd", etcd.url, "--node-id", "decode-0")
-        model = {"kind": "cluster", "tokenizer": str(tiny_llama), "served_name": tiny_llama.name,
-                 "input_usd_per_mtok": 1.0, "output_usd_per_mtok": 2.0}  # fmt: skip
-        g = gateway_proc(tmp, {MODEL: model}, routing={"coordinator": [coord.url]})
+        p = duet_node("prefill", str(tiny_llama), tmp, *TINY_NODE_ARGS, "--etcd", etcd.url, "--node-id", "prefill-b")
+        d = duet_node("decode", str(tiny_llama), tmp, *TINY_NODE_ARGS, "--etcd", etcd.url, "--node-id", "decode-0")
+        g = gateway_proc(tmp, {MODEL: cluster_model(tiny_llama)}, routing={"coordinator": [coord.url]})
         with running(coord, p, d, g):
-            c = Cluster(etcd, coord, p, d, g, make_team(g.url, "e2e"), tiny_llama, tmp)
+            c = Cluster(etcd=etcd, coordinator=coord, prefill=p, decode=d, gateway=g, key=make_team(g.url, "e2e"),
+                        model_dir=tiny_llama, tmp=tmp)  # fmt: skip
             c.wait_for("both nodes ready", _ready({"prefill-b", "decode-0"}))
             yield c
 

@@ -9,53 +9,29 @@ process is started or stopped by it."""
 
 from __future__ import annotations
 
-import json
 import secrets
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import openai
 import pytest
 
 from coordinator.etcd_server import EtcdServer
 from tests.gateway.helpers import ADMIN_KEY, make_team, write_config
 from tests.observe.otlp import Receiver
-from tests.procs import Proc, duet_node, free_port, running
+from tests.pd_cluster import LOCAL_PREFILL_TOKENS, MODEL, PDCluster, cluster_model
+from tests.procs import TINY_NODE_ARGS, Proc, duet_node, free_port, running
 from tests.wait import wait_for
 
-MODEL = "tiny"
-NODE_ARGS = ("--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024")
-#: every prompt here is longer: disaggregated unless the decode node has it cached
-LOCAL_PREFILL_TOKENS = 8
 
+@dataclass(kw_only=True)
+class Traced(PDCluster):
+    """The cluster, every process exporting its spans to `receiver`; the internal plane behind
+    the cluster secret (coordinator and nodes refuse a request without it)."""
 
-@dataclass
-class Traced:
     receiver: Receiver
-    etcd: EtcdServer
-    coordinator: Proc
-    prefill: Proc
-    decode: Proc
-    gateway: Proc
-    key: str
-    model_dir: Path
-    tmp: Path
-    #: the internal plane's cluster secret (coordinator and nodes refuse a request without it)
-    secret: str = ""
-
-    def client(self, key: str | None = None) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key=key or self.key, max_retries=0)
-
-
-def _ready(coordinator: Proc, ids: set[str], secret: str) -> bool:
-    req = urllib.request.Request(coordinator.url + "/cluster", headers={"Authorization": f"Bearer {secret}"})
-    with urllib.request.urlopen(req, timeout=5) as r:
-        nodes = json.loads(r.read())["nodes"]
-    return ids <= {n["node_id"] for n in nodes if n["ready"]}
 
 
 @pytest.fixture(scope="package")
@@ -73,10 +49,9 @@ def traced(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
                       "--local-prefill-tokens", str(LOCAL_PREFILL_TOKENS), "--planner", "load", "--planner-config",
                       str(tmp / "planner.toml"), "--actuator", "virtual", "--decision-file", str(tmp / "decision.json")],
                      port, tmp / "coordinator.log", env=env)  # fmt: skip
-        p = duet_node("prefill", str(tiny_llama), tmp, *NODE_ARGS, "--etcd", etcd.url, "--node-id", "prefill-0", env=env)
-        d = duet_node("decode", str(tiny_llama), tmp, *NODE_ARGS, "--etcd", etcd.url, "--node-id", "decode-0", env=env)
-        model = {"kind": "cluster", "tokenizer": str(tiny_llama), "served_name": tiny_llama.name,
-                 "input_usd_per_mtok": 1.0, "output_usd_per_mtok": 2.0}  # fmt: skip
+        p = duet_node("prefill", str(tiny_llama), tmp, *TINY_NODE_ARGS, "--etcd", etcd.url, "--node-id", "prefill-0", env=env)
+        d = duet_node("decode", str(tiny_llama), tmp, *TINY_NODE_ARGS, "--etcd", etcd.url, "--node-id", "decode-0", env=env)
+        model = cluster_model(tiny_llama)
         gport = free_port()
         cfg = write_config(tmp / "gateway.toml", {MODEL: model}, server={"port": gport},
                            store={"url": f"sqlite://{tmp / 'gateway.db'}"},
@@ -85,8 +60,10 @@ def traced(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         g = Proc([sys.executable, "-m", "duet", "gateway", "--config", str(cfg)], gport, tmp / "gateway.log",
                  env={"DUET_ADMIN_KEY": ADMIN_KEY, **env})  # fmt: skip
         with running(coord, p, d, g):
-            wait_for(lambda: _ready(coord, {"prefill-0", "decode-0"}, secret), 60, "both nodes ready")
-            yield Traced(receiver, etcd, coord, p, d, g, make_team(g.url, "observe"), tiny_llama, tmp, secret)
+            t = Traced(receiver=receiver, etcd=etcd, coordinator=coord, prefill=p, decode=d, gateway=g,
+                       key=make_team(g.url, "observe"), model_dir=tiny_llama, tmp=tmp, secret=secret)  # fmt: skip
+            wait_for(lambda: {"prefill-0", "decode-0"} <= t.ready_nodes(), 60, "both nodes ready")
+            yield t
 
 
 def settle(what: str, cond, timeout: float = 15.0):  # type: ignore[no-untyped-def]

@@ -38,9 +38,10 @@ def test_autoscale_adds_a_node_and_drains_one_without_a_failed_request(tiny_llam
     cfg = tmp_path / "planner.toml"
     cfg.write_text(PLANNER)
     # 2,048 KV blocks (UP_FLAGS' 256 is overridden): this test's subject is the scale steps, not
-    # admission. With 256, a CI run under load saw a 503 no_capacity ("decode-0 (-23 free blocks
-    # < 2)"): the coordinator subtracts routes not yet seen in the node's load frames, and three
-    # clients' ~10-block requests outran frames delayed by the loaded CPU.
+    # admission. With 256, a CI run under load once saw a 503 no_capacity ("decode-0 (-23 free
+    # blocks < 2)"): the coordinator then held a route's reservation for a settle time, counting
+    # requests already in (or done from) the node's load frames twice. Reservations now end on
+    # the frame that acknowledges the request (tests/coordinator/test_admission_acks.py).
     up = start_up(home, tiny_llama, free_port(), tmp_path / "up.log", "--prefill", "2", "--decode", "1",
                   "--autoscale", "--max-nodes", "4", "--planner-config", str(cfg), "--kv-blocks", "2048")  # fmt: skip
     try:

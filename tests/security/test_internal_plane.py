@@ -23,8 +23,6 @@ import re
 import secrets
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +33,7 @@ import pytest
 
 from coordinator.etcd_server import EtcdServer
 from protocol.cluster_secret import write_secret_file
+from tests.coordinator.conftest import http
 from tests.gateway.helpers import ADMIN_KEY, gateway_proc, make_team
 from tests.procs import Proc, duet_node, free_port, running
 from tests.wait import wait_for
@@ -57,24 +56,8 @@ class Plane:
     secret_file: Path
 
 
-def call(url: str, method: str = "GET", body: Any = None, headers: dict[str, str] | None = None) -> tuple[int, Any]:
-    data = json.dumps(body).encode() if body is not None else (b"{}" if method == "POST" else None)
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})  # fmt: skip
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            text = r.read()
-            status = r.status
-    except urllib.error.HTTPError as e:
-        text, status = e.read(), e.code
-    try:
-        return status, json.loads(text)
-    except ValueError:
-        return status, text.decode(errors="replace")
-
-
 def metric_value(url: str, name: str, headers: dict[str, str] | None = None) -> float:
-    status, text = call(url + "/metrics", headers=headers)
+    status, text = http("GET", url + "/metrics", headers=headers)
     assert status == 200, text
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
 
@@ -100,7 +83,7 @@ def plane(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         with running(coord, p, d, g):
 
             def ready() -> bool:
-                status, body = call(coord.url + "/cluster", headers=AUTH)
+                status, body = http("GET", coord.url + "/cluster", headers=AUTH)
                 return status == 200 and {"prefill-0", "decode-0"} <= {n["node_id"] for n in body["nodes"] if n["ready"]}
 
             # the coordinator's /kv/events streams to both nodes carry the secret, or no node is ready
@@ -121,7 +104,7 @@ def _internal(plane: Plane) -> list[tuple[str, str, Any]]:
             ("POST", plane.coordinator.url + "/route", {"model": plane.model, "block_hashes": [], "num_prompt_tokens": 4,
                                                         "max_tokens": 2}),
             ("GET", plane.coordinator.url + "/cluster", None),
-            ("POST", plane.coordinator.url + "/nodes/decode-0/drain", None)]  # fmt: skip
+            ("POST", plane.coordinator.url + "/nodes/decode-0/drain", {})]  # fmt: skip
     return out
 
 
@@ -129,26 +112,26 @@ def test_every_internal_endpoint_refuses_a_caller_without_the_secret(plane: Plan
     computed = metric_value(plane.prefill.url, "duet:prompt_tokens_total")
     for method, url, body in _internal(plane):
         for headers in ({}, WRONG, {"Authorization": SECRET}, {"Authorization": f"Basic {SECRET}"}):
-            status, answer = call(url, method, body, headers)
+            status, answer = http(method, url, body, headers=headers)
             assert status == 401, (method, url, status, answer)
             assert answer["error"]["code"] == "cluster_secret_required", answer
     # ... and did nothing: no prompt computed, the node it tried to drain still active
     assert metric_value(plane.prefill.url, "duet:prompt_tokens_total") == computed
-    status, cluster = call(plane.coordinator.url + "/cluster", headers=AUTH)
+    status, cluster = http("GET", plane.coordinator.url + "/cluster", headers=AUTH)
     assert status == 200 and {n["node_id"]: n["status"] for n in cluster["nodes"]}["decode-0"] == "active"
 
 
 def test_health_is_open_and_metrics_are_protected_by_flag(plane: Plane) -> None:
     for proc in (plane.coordinator, plane.prefill, plane.decode, plane.gateway):
-        assert call(proc.url + "/health")[0] == 200
-    assert call(plane.prefill.url + "/metrics")[0] == 200  # open by default
-    assert call(plane.coordinator.url + "/metrics")[0] == 200
+        assert http("GET", proc.url + "/health")[0] == 200
+    assert http("GET", plane.prefill.url + "/metrics")[0] == 200  # open by default
+    assert http("GET", plane.coordinator.url + "/metrics")[0] == 200
     for url in (plane.decode.url, plane.gateway.url):  # --protect-metrics
-        assert call(url + "/metrics")[0] == 401
-        assert call(url + "/metrics", headers=WRONG)[0] == 401
-        assert call(url + "/metrics", headers=AUTH)[0] == 200
-    assert call(plane.gateway.url + "/metrics", headers={"Authorization": f"Bearer {plane.key}"})[0] == 401
-    assert call(plane.gateway.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})[0] == 200
+        assert http("GET", url + "/metrics")[0] == 401
+        assert http("GET", url + "/metrics", headers=WRONG)[0] == 401
+        assert http("GET", url + "/metrics", headers=AUTH)[0] == 200
+    assert http("GET", plane.gateway.url + "/metrics", headers={"Authorization": f"Bearer {plane.key}"})[0] == 401
+    assert http("GET", plane.gateway.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})[0] == 200
 
 
 def test_with_the_secret_everything_works_as_before(plane: Plane) -> None:
@@ -174,8 +157,8 @@ def test_with_the_secret_everything_works_as_before(plane: Plane) -> None:
     assert metric_value(plane.decode.url, "duet:kv_transfer_bytes_total", AUTH) > moved
     assert metric_value(plane.prefill.url, "duet:prompt_tokens_total") > computed  # the metric the refusals read
     # a leg sent by hand with the secret is served too
-    status, body = call(plane.prefill.url + "/v1/completions", "POST",
-                        {"model": plane.model, "prompt": list(range(10, 30)), "max_tokens": 2}, AUTH)  # fmt: skip
+    status, body = http("POST", plane.prefill.url + "/v1/completions",
+                        {"model": plane.model, "prompt": list(range(10, 30)), "max_tokens": 2}, headers=AUTH)  # fmt: skip
     assert status == 200 and body["usage"]["completion_tokens"] == 2
 
 
