@@ -27,6 +27,7 @@ from pathlib import Path
 import msgspec
 
 from planner.pools import PoolKey
+from protocol.profile import load as load_profile
 
 
 class PlannerMode(enum.StrEnum):
@@ -47,7 +48,7 @@ def _default_slos() -> dict[str, TierSLO]:
 
 
 class StepCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Seconds of one engine step (sim/profile.py's StepModel terms); the load mode's predictor.
+    """Seconds of one engine step (protocol/profile.py's StepModel terms); the load mode's predictor.
     The defaults are SmolLM2-135M bf16 on one CPU thread in CPU terms (docs/capacity.md)."""
 
     intercept_s: float = 0.05
@@ -132,9 +133,7 @@ def load_config(path: str | Path | None, **overrides: object) -> PlannerConfig:
     except msgspec.ValidationError as e:
         raise ValueError(f"planner config{f' {path}' if path else ''}: {e}") from None
     if cfg.profile:
-        from sim.profile import load
-
-        st = load(Path(cfg.profile)).step
+        st = load_profile(Path(cfg.profile)).step
         cfg.step = StepCost(intercept_s=st.intercept_s, prefill_s=st.prefill_s, decode_s=st.decode_s,
                             context_s=st.context_s)  # fmt: skip
     return cfg

@@ -33,7 +33,7 @@ class SimSizer:
     """Sizes P and D for one node kind (a profile JSON written by `duet bench profile`)."""
 
     def __init__(self, profile_path: str, headroom: float = 1.2, sim_requests: int = 200) -> None:
-        from sim.profile import load
+        from protocol.profile import load
 
         self.profile = load(profile_path)  # type: ignore[arg-type]
         self.headroom = headroom
