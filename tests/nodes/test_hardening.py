@@ -260,7 +260,10 @@ async def test_release_not_200_is_a_failed_pull_and_addresses_are_pinned(
 ) -> None:
     host, port, seen, target = release_proxy
     common = ("--dtype", "float32", "--kv-blocks", "128", "--max-model-len", "1024")
-    p = duet_node("prefill", tiny_llama, tmp_path, *common)
+    # short holds: P's SIGTERM grace waits for its unpulled holds (two, by design of this test),
+    # at the default 30 s lease that wait was half a minute of the suite; 15 s still outlasts the
+    # asserts on the holds below, with room for a loaded machine
+    p = duet_node("prefill", tiny_llama, tmp_path, *common, "--lease-seconds", "15")
     d = duet_node("decode", tiny_llama, tmp_path, *common, "--allowed-peers", "127.0.0.1/32")
     target["url"] = p.url
     prompt = [14] * 50
