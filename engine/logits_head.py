@@ -11,6 +11,11 @@ has avx512_bf16); a quantized weight → its QLinear kernel storing the fp32 acc
 engine → F.linear as before (the transformers-parity path). Elsewhere (CUDA, no kernels) the
 weight is converted to fp32 a tile of rows at a time, so no fp32 copy of the matrix exists.
 
+An fp32 input (bf16 engines feed the final norm's fp32 output: engine/model.py) meets a bf16
+weight as two bf16 halves, x = hi + lo with hi = bf16(x) and lo = bf16(x - hi) (x to 2^-17
+relative): both go through one `logits_bf16` call as 2m rows, so each weight block is read once
+for both, and the logits are the two fp32 sums added.
+
 Invariant: the output is fp32 [rows, vocab]; the decode (1 row) and batched kernel paths agree
 bitwise.
 """
@@ -43,15 +48,18 @@ class LogitsHead:
         w = self.weight
         if w.dtype == torch.float32:
             return F.linear(x.float(), w)
-        if self.lib is not None and x.dtype == torch.bfloat16:
-            if x.stride(-1) != 1:
+        if self.lib is not None and x.dtype in (torch.bfloat16, torch.float32):
+            m = x.shape[0]
+            if x.dtype == torch.float32:
+                hi = x.bfloat16()
+                x = torch.cat([hi, (x - hi.float()).bfloat16()])
+            elif x.stride(-1) != 1:
                 x = x.contiguous()
-            m, k = x.shape
-            out = torch.empty((m, self.out_features), dtype=torch.float32)
+            out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
             if m:
-                self.lib.logits_bf16(x.data_ptr(), x.stride(0), m, k, w.data_ptr(), self.out_features,
+                self.lib.logits_bf16(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], w.data_ptr(), self.out_features,
                                      out.data_ptr(), out.stride(0))  # fmt: skip
-            return out
+            return out if out.shape[0] == m else out[:m] + out[m:]
         xf = x.float()
         out = torch.empty((*x.shape[:-1], self.out_features), dtype=torch.float32, device=x.device)
         for r0 in range(0, self.out_features, _TILE_ROWS):

@@ -11,7 +11,12 @@ gate/up GEMM → SiLU·up → down GEMM → residual add + the next layer's norm
 SiLU·up and every token's attention are kernels and GEMMs use oneDNN-prepacked weights
 (engine/linear.py), or weight-only int8/int4 kernels when the weights are quantized
 (engine/qlinear.py); fp32 keeps torch norms and SDPA prefill (exact transformers parity).
-The logits are fp32 in every dtype (engine/logits_head.py).
+In bf16 the residual stream h is kept in fp32 (`res_norm_f32`: each layer's bf16 output is
+added to it in fp32, each norm reads it in fp32 and rounds its output once to bf16 for the
+GEMMs), and the final norm's output stays fp32 for the head: issue 25, a bf16 residual stream
+moved "What is the capital of France?" onto "L'Étoile…" (logits of "L" and "The" within 0.06;
+fp32 and transformers' bf16 both say "The capital… Paris"). The logits are fp32 in every dtype
+(engine/logits_head.py).
 Without kernels, the same steps run as torch ops.
 """
 
@@ -55,6 +60,9 @@ class LlamaModel:
         self.kernels = kernels_lib() if usable else None
         # fp32 stays on SDPA prefill and torch norms: the exact-parity reference path.
         self.kernel_prefill = self.fused = self.kernels is not None and dtype == torch.bfloat16
+        #: bf16 engines keep the residual stream in fp32 (see the module docstring)
+        self.res32 = dtype == torch.bfloat16
+        self.dtype = dtype
         a8 = act_int8  # W8A8 linears (engine/qlinear.py); the lm_head stays weight-only
         self.layers = [
             Layer(lw.input_norm, make_linear(lw.qkv, lw.qkv_bias, a8), make_linear(lw.o, None, a8), lw.post_norm,
@@ -70,7 +78,11 @@ class LlamaModel:
         self.hidden = (cfg.hidden_size,)
         self.inter = cfg.intermediate_size
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, final: bool = False) -> torch.Tensor:
+        """RMSNorm(x) * weight in the engine dtype, or in fp32 for the final norm of an fp32
+        residual stream (it feeds the fp32 logits head)."""
+        if x.dtype == torch.float32 and self.res32:
+            return self._res_norm(x, None, weight, final)
         if self.fused:
             out = torch.empty_like(x)
             self.kernels.rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], self.eps)
@@ -79,6 +91,8 @@ class LlamaModel:
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """h += delta (the residual stream, in place); returns RMSNorm(h) * weight."""
+        if self.res32:
+            return self._res_norm(h, delta, weight, False)
         if self.fused:
             out = torch.empty_like(h)
             self.kernels.add_rms_norm_bf16(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
@@ -86,6 +100,19 @@ class LlamaModel:
             return out
         h += delta
         return F.rms_norm(h, self.hidden, weight, self.eps)
+
+    def _res_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, final: bool) -> torch.Tensor:
+        """The fp32 residual stream h (+= delta, in place), normed: (h * inv_rms) * weight, rounded
+        once to the engine dtype (fp32 when `final`)."""
+        out = torch.empty(h.shape, dtype=torch.float32 if final else self.dtype)
+        if self.fused:
+            self.kernels.res_norm_f32(h.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
+                                      out.data_ptr(), h.shape[0], h.shape[1], self.eps, int(final))  # fmt: skip
+            return out
+        if delta is not None:
+            h += delta
+        out.copy_(F.rms_norm(h, self.hidden, weight.float(), self.eps))
+        return out
 
     def _qk_norm(self, qkv: torch.Tensor, layer: Layer) -> None:
         """Qwen3: RMSNorm over each head of q and of k, in place in the qkv rows, before the
@@ -119,7 +146,8 @@ class LlamaModel:
     def hidden_states(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
                       rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         """The final hidden states (after the final norm) of `rows` of the step (None: every
-        token): what the logits head reads, and what embeddings pool (engine/embed.py)."""
+        token): what the logits head reads, and what embeddings pool (engine/embed.py); fp32 in
+        fp32 and bf16 engines."""
         lib = self.kernels
         ptr = 0
         step = None
@@ -133,6 +161,8 @@ class LlamaModel:
             cos, sin = self.rope.tables(md.positions)
         nh, layers = self.cfg.num_heads, self.layers
         h = F.embedding(input_ids, self.embed)
+        if self.res32:
+            h = h.float()
         x = self._norm(h, layers[0].input_norm)
         for i, layer in enumerate(layers):
             qkv = layer.qkv(x)
@@ -150,4 +180,4 @@ class LlamaModel:
             else:
                 h += down
         del step  # the kernels are done with the step's tensors
-        return self._norm(h if rows is None else h[rows], self.norm)
+        return self._norm(h if rows is None else h[rows], self.norm, final=True)

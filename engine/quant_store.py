@@ -31,7 +31,8 @@ FORMAT_VERSION = 1
 
 
 def cache_path(model_dir: Path, scheme: str) -> Path:
-    """The cache of `scheme`'s weight format (int8-w8a8 reads int8's matrices, int4-w4a8 int4's)."""
+    """The cache of `scheme`'s weight format (the W8A8 schemes, whose weights are smoothed first
+    (engine/quant_smooth.py), do not read it: engine/weights.py)."""
     return Path(model_dir) / "quantized" / f"{WEIGHT_FORMAT[check_scheme(scheme)]}.safetensors"
 
 

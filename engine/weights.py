@@ -21,7 +21,14 @@ import torch
 from safetensors.torch import load_file
 
 from engine.model_config import ModelConfig
-from engine.quant import LM_HEAD_SCHEME, WEIGHT_FORMAT, QuantizedWeight, check_scheme, quantize
+from engine.quant import (
+    ACT_INT8,
+    LM_HEAD_SCHEME,
+    WEIGHT_FORMAT,
+    QuantizedWeight,
+    check_scheme,
+    quantize,
+)
 from engine.quant_store import load_quantized
 
 Matrix = torch.Tensor | QuantizedWeight
@@ -62,10 +69,12 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
         quantization = None
     cached: dict[str, QuantizedWeight] = {}
     t0 = time.monotonic()
+    smooth = quantization in ACT_INT8
     if quantization is not None:
-        # W8A8 schemes share their weight format's matrices (and cache); only the GEMMs differ
+        # W8A8 schemes quantize their weight format's matrices after smoothing them
+        # (engine/quant_smooth.py), so the weight-only cache does not hold them
         quantization = WEIGHT_FORMAT[check_scheme(quantization)]
-        cached = (load_quantized(model_dir, quantization) if use_cache else None) or {}
+        cached = (load_quantized(model_dir, quantization) if use_cache and not smooth else None) or {}
 
     def take(name: str) -> torch.Tensor:
         try:
@@ -93,6 +102,10 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
     # A base-model checkpoint (Qwen3-Embedding saved as Qwen3Model) names its weights without
     # the causal LM's "model." prefix, and has no lm_head (tied to the embedding below).
     root = "" if "model.embed_tokens.weight" not in raw and "embed_tokens.weight" in raw else "model."
+    if smooth:
+        from engine.quant_smooth import smooth_checkpoint
+
+        smooth_checkpoint(raw, Path(model_dir), cfg, root)
     layers = []
     for i in range(cfg.num_layers):
         p = f"{root}layers.{i}."

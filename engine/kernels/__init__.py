@@ -12,7 +12,8 @@ strict mode too; it is logged as such.
 Kernels (see each .c file): `paged_attention` (attention of any step token against the paged
 pool), `prefill_attention` (the same for prefill tokens, in query blocks) and `rope_store` (rotary embedding in place + K/V write to the pool), which take the
 step's shared arguments as a `Step` struct (step.h, mirrored in engine/kernel_step.py); and
-bf16 `rms_norm` / `add_rms_norm` / `silu_mul` (norm_act.c), `argmax_rows` (greedy
+bf16 `rms_norm` / `add_rms_norm` / `silu_mul` and the fp32 residual stream's `res_norm_f32`
+(norm_act.c), `argmax_rows` (greedy
 sampling, argmax.c), the weight-only quantized linears `qlinear_int8` / `qlinear_int4`
 (qgemv_int8.c, qgemv_int4.c, shared parts in qgemm.h) and their bf16-GEMM forms for large
 batches `qlinear_int8_bf16` / `qlinear_int4_bf16` (AMX or AVX-512 BF16, `qgemm_bf16_isa`;
@@ -128,8 +129,9 @@ def kernels_lib() -> ctypes.CDLL | None:
     lib.rms_norm_bf16.argtypes = [p, p, p, i32, i32, f32]
     lib.add_rms_norm_bf16.argtypes = [p, p, p, p, i32, i32, f32]
     lib.silu_mul_bf16.argtypes = [p, p, i32, i32]
+    lib.res_norm_f32.argtypes = [p, p, p, p, i32, i32, f32, i32]
     lib.argmax_rows.argtypes = [p, i64, i32, i32, i32, p]
-    for fn in (lib.rms_norm_bf16, lib.add_rms_norm_bf16, lib.silu_mul_bf16, lib.argmax_rows):
+    for fn in (lib.rms_norm_bf16, lib.add_rms_norm_bf16, lib.silu_mul_bf16, lib.res_norm_f32, lib.argmax_rows):
         fn.restype = None
     lib.qlinear_int8.argtypes = [p, i64, i32, i32, p, p, i64, p, p, i64, i32, i32]
     lib.qlinear_int4.argtypes = [p, i64, i32, i32, p, p, p, i32, i64, p, p, i64, i32, i32]

@@ -83,3 +83,45 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int32_t rows, int32_t
         }
     }
 }
+
+/* The fp32 residual stream of bf16 engines (issue 25): h stays fp32 across the layers, so the
+ * hidden state's rounding no longer follows the bf16 grid (a near-tie of two logits flipped with
+ * it: "What is the capital of France?" answered "L'Étoile…"). h += delta (bf16, skipped when
+ * delta is NULL), then out = (h * inv_rms) * w, rounded once to bf16, or stored in fp32 with out_f32
+ * (the final norm, which feeds the fp32 logits head). Each row is one thread's sequential work:
+ * the result does not depend on the thread count. */
+void res_norm_f32(float *h, const uint16_t *delta, const uint16_t *w, void *out, int32_t rows, int32_t n, float eps,
+                  int32_t out_f32) {
+#pragma omp parallel for schedule(static) if ((int64_t)rows * n >= (1 << 17))
+    for (int r = 0; r < rows; r++) {
+        float *x = h + (int64_t)r * n;
+        const uint16_t *d = delta ? delta + (int64_t)r * n : NULL;
+        int i = 0;
+        float ss = 0.f;
+#if defined(__AVX512F__)
+        __m512 acc = _mm512_setzero_ps();
+        for (; i + 16 <= n; i += 16) {
+            __m512 v = _mm512_loadu_ps(x + i);
+            if (d) {
+                v = _mm512_add_ps(v, load16(d, i, 1));
+                _mm512_storeu_ps(x + i, v);
+            }
+            acc = _mm512_fmadd_ps(v, v, acc);
+        }
+        ss = _mm512_reduce_add_ps(acc);
+#endif
+        for (; i < n; i++) {
+            if (d) x[i] += bf16_to_f32(d[i]);
+            ss += x[i] * x[i];
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        void *o = (char *)out + (int64_t)r * n * (out_f32 ? 4 : 2);
+        i = 0;
+#if defined(__AVX512F__)
+        const __m512 vi = _mm512_set1_ps(inv);
+        for (; i + 16 <= n; i += 16)
+            store16(o, i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), vi), load16(w, i, 1)), !out_f32);
+#endif
+        for (; i < n; i++) store_elem(o, i, (x[i] * inv) * bf16_to_f32(w[i]), !out_f32);
+    }
+}

@@ -1,6 +1,8 @@
 """fp32 logits (issue 25): the lm_head kernel against an fp64 reference, its decode and batched
-paths bitwise equal, the portable build, and on SmolLM2 the point of it all: bf16 greedy agrees
-with fp32 greedy at least as often as transformers' bf16 does."""
+paths bitwise equal, the portable build, the fp32 residual stream's norm kernel against torch,
+and on SmolLM2 the point of it all: bf16 greedy agrees with fp32 greedy at least as often as
+transformers' bf16 does, and "What is the capital of France?" answers Paris in bf16 at 1, 2 and
+4 threads, from the prefix cache, and through a real node's chat endpoint."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from engine import LLM, SamplingParams
 from engine.kernels import kernels_lib
 from engine.logits_head import LogitsHead
 from engine.quant import quantize
+from tests.procs import duet_node, running
 
 lib = kernels_lib()
 needs_kernels = pytest.mark.skipif(lib is None, reason="kernels unavailable (no C compiler, or DUET_DISABLE_KERNELS)")
@@ -80,6 +83,52 @@ def test_portable_build_matches_reference(tmp_path: Path) -> None:
         torch.testing.assert_close(out, _ref(x, w), rtol=1e-5, atol=1e-4)
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_fp32_residual_norm_kernel(rows: int) -> None:
+    """res_norm_f32: h += delta in fp32 (in place), then (h * inv_rms) * w rounded once (bf16 out)
+    or not at all (fp32 out, the final norm)."""
+    n = 576 + 3  # a tail past the 16-lane vectors
+    g = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, n, generator=g) * 4
+    delta = torch.randn(rows, n, generator=g).bfloat16()
+    w = (torch.rand(n, generator=g) + 0.5).bfloat16()
+    want_h = h + delta.float()
+    want = torch.nn.functional.rms_norm(want_h.double(), (n,), w.double(), 1e-5)
+    for out_f32 in (0, 1):
+        hh = h.clone()
+        out = torch.empty(rows, n, dtype=torch.float32 if out_f32 else torch.bfloat16)
+        lib.res_norm_f32(hh.data_ptr(), delta.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, 1e-5, out_f32)
+        assert torch.equal(hh, want_h)
+        if out_f32:
+            torch.testing.assert_close(out.double(), want, rtol=2e-6, atol=1e-6)
+        else:  # one rounding to bf16: within half a bf16 ulp of the exact value, plus fp32 noise
+            assert ((out.double() - want).abs() <= want.abs() * (2.0**-8 + 1e-6) + 1e-6).all()
+    out = torch.empty(rows, n, dtype=torch.float32)  # no delta: the norm alone, h untouched
+    hh = h.clone()
+    lib.res_norm_f32(hh.data_ptr(), None, w.data_ptr(), out.data_ptr(), rows, n, 1e-5, 1)
+    assert torch.equal(hh, h)
+    torch.testing.assert_close(out.double(), torch.nn.functional.rms_norm(h.double(), (n,), w.double(), 1e-5),
+                               rtol=2e-6, atol=1e-6)  # fmt: skip
+
+
+@needs_kernels
+def test_fp32_input_meets_a_bf16_head_as_two_halves() -> None:
+    """An fp32 activation against a bf16 head: hi + lo carry x to 2^-17, so the logits are the
+    fp64 product's to fp32 accumulation error, not bf16's; one row alone equals its batched row."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(1000, 576, generator=g).bfloat16()
+    x = torch.randn(5, 576, generator=g)
+    head = LogitsHead(w)
+    got = head(x)
+    ref = (x.double() @ w.double().T)
+    assert got.dtype == torch.float32
+    assert ((got.double() - ref).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T)).all()
+    assert not torch.allclose(head(x.bfloat16()), got, rtol=0, atol=1e-6)  # the lo half matters
+    for r in range(5):
+        assert torch.equal(head(x[r : r + 1]), got[r : r + 1])
+
+
 CHATS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -139,3 +188,48 @@ def test_bf16_greedy_agrees_with_fp32_at_least_as_often_as_transformers_bf16(smo
     print(f"tokens before divergence from fp32 greedy: engine bf16 {ours_agree}, transformers bf16 {theirs_agree} "
           f"of {n_new * len(prompts)}")  # fmt: skip
     assert ours_agree >= theirs_agree
+
+
+PARIS = "What is the capital of France?"
+
+
+@pytest.mark.smollm2
+def test_paris_in_bf16_at_every_thread_count_and_from_the_prefix_cache(smollm2: Path) -> None:
+    """A bf16 residual stream put "L" 0.06 above "The" for this prompt whatever the thread count
+    (fp32 and transformers' bf16 both start "The capital of France is Paris"); with the fp32
+    stream the answer, and the logits bit for bit, are the same at 1, 2 and 4 threads, and when
+    the prompt's KV comes from the prefix cache."""
+    before = torch.get_num_threads()
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=2)
+    seen = []
+    try:
+        for threads in (1, 2, 4):
+            llm = LLM(str(smollm2), dtype="bfloat16", max_model_len=256, threads=threads)
+            prompt = llm.tokenizer.encode_chat([{"role": "user", "content": PARIS}])
+            first, cached = (llm.generate([prompt], params)[0] for _ in range(2))
+            assert "Paris" in first.text, (threads, first.text)
+            assert cached.text == first.text
+            seen.append((first.text, first.logprobs[0].top))
+            del llm
+    finally:
+        torch.set_num_threads(before)
+    assert seen[0] == seen[1] == seen[2]
+
+
+@pytest.mark.smollm2
+def test_paris_through_a_bf16_node_chat_endpoint(smollm2: Path, tmp_path: Path) -> None:
+    """What `duet up` serves: a bf16 node at its default thread count, the chat template applied
+    by the node's /v1/chat/completions, greedy."""
+    import json
+    import urllib.request
+
+    node = duet_node("both", str(smollm2), tmp_path, "--dtype", "bfloat16", "--kv-blocks", "64", "--max-model-len",
+                     "512", threads=None)  # fmt: skip
+    with running(node):
+        body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": PARIS}],
+                "temperature": 0, "max_tokens": 12}  # fmt: skip
+        req = urllib.request.Request(node.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(req, timeout=120) as r:
+            text = json.loads(r.read())["choices"][0]["message"]["content"]
+    assert "Paris" in text, text

@@ -128,3 +128,36 @@ def test_engine_greedy_equals_torch_reference_arithmetic(tiny_llama: Path, schem
     got = _greedy(tiny_llama, scheme, "float32", kernels=True)
     ref = _greedy(tiny_llama, scheme, "float32", kernels=False)
     assert got == ref
+
+
+def test_smoothing_is_an_exact_reparametrization(tiny_llama: Path) -> None:
+    """SmoothQuant (engine/quant_smooth.py): calibrated ranges of every smoothed linear's input,
+    then norm * W, W_o through the v rows it reads, and down through up's rows are unchanged in
+    full precision — only how the range is split between activation and weight moves."""
+    from safetensors.torch import load_file
+
+    from engine.model_config import ModelConfig
+    from engine.quant_smooth import PARTS, activation_ranges, smooth_raw
+
+    cfg = ModelConfig.from_dir(tiny_llama)
+    ranges = activation_ranges(tiny_llama, cfg)
+    assert len(ranges) == cfg.num_layers and all((r[p] > 0).all() for r in ranges for p in PARTS)
+    raw = {k: v.float() for k, v in load_file(str(tiny_llama / "model.safetensors")).items()}
+    new = dict(raw)
+    smooth_raw(new, cfg, ranges, "model.", parts=frozenset(PARTS))
+    d, group = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
+    kv_of = torch.tensor([(h // group) * d + i for h in range(cfg.num_heads) for i in range(d)])
+    def same(a: torch.Tensor, b: torch.Tensor) -> None:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        for x, norm in (("self_attn.q_proj", "input_layernorm"), ("mlp.gate_proj", "post_attention_layernorm")):
+            same(new[p + x + ".weight"] * new[p + norm + ".weight"], raw[p + x + ".weight"] * raw[p + norm + ".weight"])
+        v, o, down, up, n1, n2 = (p + n for n in ("self_attn.v_proj.weight", "self_attn.o_proj.weight",
+                                                  "mlp.down_proj.weight", "mlp.up_proj.weight",
+                                                  "input_layernorm.weight", "post_attention_layernorm.weight"))  # fmt: skip
+        # each q head reads its kv head's v rows; v's and up's columns carry their input norm's scale
+        same(new[o] @ (new[v][kv_of] * new[n1]), raw[o] @ (raw[v][kv_of] * raw[n1]))
+        assert not torch.equal(new[o], raw[o])  # something did move
+        same(new[down] @ (new[up] * new[n2]), raw[down] @ (raw[up] * raw[n2]))
