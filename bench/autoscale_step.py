@@ -23,17 +23,38 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
+
+from bench.scrape import scrape_secret
+from protocol.cluster_secret import is_loopback
 
 
-def _sample(coordinator: str, t0: float, out: list[dict[str, Any]], stop: threading.Event) -> None:
+def cluster_headers(coordinator: str) -> dict[str, str]:
+    """The cluster secret's header for `/cluster` (an internal endpoint): found as scrapes find
+    it (bench/scrape.py: $DUET_CLUSTER_SECRET_FILE, $DUET_CLUSTER_SECRET, else the running
+    `duet up`'s file, the latter sent to a loopback coordinator only)."""
+    secret, local_only = scrape_secret()
+    if secret is None or (local_only and not is_loopback(urlsplit(coordinator).hostname or "")):
+        return {}
+    return dict(secret.headers)
+
+
+def _read_cluster(coordinator: str, headers: dict[str, str]) -> list[dict[str, Any]]:
+    req = urllib.request.Request(coordinator + "/cluster", headers=headers)
+    with urllib.request.urlopen(req, timeout=2) as r:
+        return json.loads(r.read())["nodes"]
+
+
+def _sample(coordinator: str, headers: dict[str, str], t0: float, out: list[dict[str, Any]],
+            stop: threading.Event) -> None:  # fmt: skip
     while not stop.wait(1.0):  # sampling interval
         try:
-            with urllib.request.urlopen(coordinator + "/cluster", timeout=2) as r:
-                nodes = json.loads(r.read())["nodes"]
-        except (OSError, ValueError, KeyError):
+            nodes = _read_cluster(coordinator, headers)
+        except (OSError, ValueError, KeyError):  # a coordinator restarting: the next second's sample
             continue
         row: dict[str, Any] = {"t": time.time() - t0, "prefill": 0, "decode": 0, "both": 0, "draining": 0,
                                "waiting": 0, "running": 0, "queued_prefill_tokens": 0}  # fmt: skip
@@ -65,10 +86,18 @@ def _p90(xs: list[float]) -> float | None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     phases = [float(x) for x in args.phases.split(",")]
     rates = [args.rate, args.rate * args.factor, args.rate]
+    headers = cluster_headers(args.coordinator)
+    try:  # one read first: a refused or unreachable coordinator is the caller's to fix, not an empty plot
+        _read_cluster(args.coordinator, headers)
+    except urllib.error.HTTPError as e:
+        hint = " (it needs the cluster secret: set $DUET_CLUSTER_SECRET_FILE)" if e.code == 401 else ""
+        raise SystemExit(f"autoscale_step: {args.coordinator}/cluster answered HTTP {e.code}{hint}") from None
+    except (OSError, ValueError, KeyError) as e:
+        raise SystemExit(f"autoscale_step: cannot read {args.coordinator}/cluster: {e}") from None
     samples: list[dict[str, Any]] = []
     stop = threading.Event()
     t0 = time.time()
-    sampler = threading.Thread(target=_sample, args=(args.coordinator, t0, samples, stop), daemon=True)
+    sampler = threading.Thread(target=_sample, args=(args.coordinator, headers, t0, samples, stop), daemon=True)
     sampler.start()
     tmp = Path(tempfile.mkdtemp(prefix="autoscale-step-"))
     procs, starts = [], []

@@ -200,3 +200,24 @@ def test_bench_scrapes_send_the_secret(plane: Plane, tmp_path: Path, monkeypatch
     got = asyncio.run(scrape())
     assert got[plane.decode.url + "/metrics"]["samples"], got
     assert any(k.startswith("duet:gateway_") for k in got[plane.gateway.url + "/metrics"]["samples"]), got
+
+
+def test_autoscale_step_reads_the_cluster_with_the_secret(plane: Plane, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """bench/autoscale_step.py samples the coordinator's /cluster (an internal endpoint) with the
+    cluster secret it finds as scrapes do, and stops with the 401 named when it has none. The
+    old sampler sent no secret and swallowed the 401: every sample was skipped and the run's
+    node counts came out empty."""
+    import argparse
+
+    from bench.autoscale_step import _read_cluster, cluster_headers, run
+
+    for k in ("DUET_CLUSTER_SECRET", "DUET_CLUSTER_SECRET_FILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("DUET_HOME", str(tmp_path))  # no `duet up` here: no secret at all
+    args = argparse.Namespace(coordinator=plane.coordinator.url, phases="1,1,1", rate=0.5, factor=2.0)
+    with pytest.raises(SystemExit, match=r"HTTP 401.*DUET_CLUSTER_SECRET_FILE"):
+        run(args)
+    monkeypatch.setenv("DUET_CLUSTER_SECRET_FILE", str(plane.secret_file))
+    nodes = _read_cluster(plane.coordinator.url, cluster_headers(plane.coordinator.url))
+    assert {n["role"] for n in nodes} >= {"prefill", "decode"}, nodes
