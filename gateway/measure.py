@@ -14,6 +14,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import msgspec
+
 from gateway.requests import Request
 from gateway.state import ServedModel
 from gateway.tools.plan import ToolPlan, plan_for
@@ -98,10 +100,30 @@ _PER_MESSAGE, _PER_CHAT = 4, 3
 
 def token_upper_bound(req: Request) -> int:
     """Prompt tokens an external model's provider can bill at most: every token of a byte-level
-    BPE covers at least one byte, so the UTF-8 byte count bounds it from above."""
+    BPE covers at least one byte, so the UTF-8 byte count bounds it from above. Providers bill
+    what they render into the prompt beside the messages' text too — tool definitions and
+    choice, response_format's schema, a tool turn's calls and ids — so their JSON's bytes
+    count (a tool description once carried a budget's worth of text unreserved)."""
     if req.messages is not None:
-        return sum(len(m["content"].encode()) + _PER_MESSAGE for m in req.messages) + _PER_CHAT
+        text = sum(len(m["content"].encode()) + _PER_MESSAGE for m in req.messages) + _PER_CHAT
+        return text + _beside_text_bytes(req)
     return len(req.prompt) if isinstance(req.prompt, list) else len((req.prompt or "").encode()) + 1
+
+
+_JSON = msgspec.json.Encoder()  # non-ASCII as UTF-8 bytes, never \u escapes: bytes stay a bound
+
+
+def _beside_text_bytes(req: Request) -> int:
+    n = 0
+    if req.tools.defs:
+        n += len(_JSON.encode(req.tools.defs)) + len(req.tools.named or req.tools.choice)
+    if req.response_format is not None:
+        n += len(_JSON.encode(req.response_format))
+    for m in req.messages or ():
+        rest = {k: v for k, v in m.items() if k not in ("role", "content")}
+        if rest:  # an assistant turn's tool_calls, a tool turn's tool_call_id, a name
+            n += len(_JSON.encode(rest))
+    return n
 
 
 def context_check(served: ServedModel, n_prompt: int, max_tokens: int | None) -> int:

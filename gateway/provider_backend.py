@@ -148,7 +148,10 @@ class ProviderBackend(Backend):
         out.model_used = self.model.name
         # the provider counts; this estimate stands only if a stream breaks before its usage
         # chunk (a provider that answered nothing charges nothing: `nodes` stays empty)
-        out.prompt_tokens = estimate_tokens("\n".join(str(m.get("content") or "") for m in request.messages or []))
+        shown = [str(m.get("content") or "") for m in request.messages or []]
+        if request.tools.defs:  # tool definitions are prompt the provider bills
+            shown.append(msgspec.json.encode(request.tools.defs).decode())
+        out.prompt_tokens = estimate_tokens("\n".join(shown))
         if not request.stream:
             try:
                 out.prompt_sent = True

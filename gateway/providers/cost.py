@@ -54,5 +54,10 @@ def cost_usd(usage: TokenUsage, input_price_per_m: float, output_price_per_m: fl
 
 
 def estimate_tokens(text: str) -> int:
-    """A rough count (about 4 characters per token in English) for providers that omit usage."""
-    return max(1, (len(text) + 3) // 4) if text else 0
+    """A rough count for providers that omit usage: about 4 characters a token for ASCII, one
+    token per other character (CJK runs about one a character, emoji more): a flat 4 characters
+    a token under-billed CJK text about four times."""
+    if not text:
+        return 0
+    wide = sum(1 for c in text if ord(c) > 0x7F)
+    return max(1, (len(text) - wide + 3) // 4 + wide)

@@ -91,6 +91,9 @@ class FakeProvider:
     #: what the fake bills for a prompt (OpenAI wire): words by default; a test of money
     #: sets a tokenizer's figure (one token per CJK character, several per emoji)
     prompt_tokens: Callable[[list[dict[str, Any]]], int] = _words
+    #: what it bills for the rest of the prompt: tool definitions, tool_choice, response_format
+    #: (providers render them into the prompt); nothing by default
+    request_tokens: Callable[[dict[str, Any]], int] = lambda body: 0
     faults: collections.deque[Fault] = field(default_factory=collections.deque)
     requests: list[dict[str, Any]] = field(default_factory=list)
     headers: list[dict[str, str]] = field(default_factory=list)
@@ -188,7 +191,7 @@ class FakeProvider:
             words, finish = words[:limit], "length"
         text_parts = [w if i == 0 else " " + w for i, w in enumerate(words)]
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex[:12]}", int(time.time()), body["model"]
-        billed = self.prompt_tokens(body["messages"])
+        billed = self.prompt_tokens(body["messages"]) + self.request_tokens(body)
         usage = {"prompt_tokens": billed, "completion_tokens": len(words), "total_tokens": billed + len(words),
                  "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
         if not body.get("stream"):
@@ -211,7 +214,7 @@ class FakeProvider:
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex[:12]}", int(time.time()), body["model"]
         args = json.dumps({"query": _last_user_text(body["messages"])})
         call_id = f"call_{uuid.uuid4().hex[:12]}"
-        billed = self.prompt_tokens(body["messages"])
+        billed = self.prompt_tokens(body["messages"]) + self.request_tokens(body)
         usage = {"prompt_tokens": billed, "completion_tokens": 7, "total_tokens": billed + 7,
                  "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
         if not body.get("stream"):

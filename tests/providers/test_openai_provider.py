@@ -170,3 +170,14 @@ async def test_missing_usage_is_estimated_not_free(fake_openai: FakeProvider, ma
     last = chunks[-1]
     assert last["choices"] == [] and last["usage"]["completion_tokens"] > 0
     assert text_of(chunks) == REPLY
+
+
+def test_an_estimate_counts_cjk_as_a_provider_bills_it() -> None:
+    """A provider that sends no usage is billed an estimate: about 4 ASCII characters a token,
+    but one per CJK character (what byte-level tokenizers bill), never a quarter of that — the
+    flat 4-characters estimate billed 600 CJK characters as 150 tokens."""
+    from gateway.providers.cost import estimate_tokens
+
+    assert estimate_tokens("预算必须守住" * 100) >= 600
+    assert estimate_tokens("the budget must hold " * 10) == pytest.approx(210 / 4, abs=1)
+    assert estimate_tokens("") == 0

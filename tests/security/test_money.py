@@ -15,6 +15,7 @@ is the local fake (tests/providers/fakes.py) with a tokenizer-like bill.
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -101,6 +102,47 @@ def test_cjk_and_emoji_cannot_overspend_a_budget(gateway: tuple[str, Path]) -> N
     with sqlite3.connect(db) as conn:
         (spent,) = conn.execute("SELECT COALESCE(SUM(cost_usd), 0) FROM usage WHERE team_id = 'cjk'").fetchone()
     assert spent <= BUDGET + one_request_cost(), f"spent ${spent:.4f} on a ${BUDGET} budget"
+
+
+#: a tool whose description is the attack's text: providers bill tool definitions as prompt
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": PROMPT,
+                                           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+
+
+def billed_rest(body: dict[str, Any]) -> int:
+    """The fake's bill for what a request carries beside its messages (tools, response_format)."""
+    rest = {k: body[k] for k in ("tools", "tool_choice", "response_format") if k in body}
+    return billed_tokens([{"content": json.dumps(rest, ensure_ascii=False)}]) if rest else 0
+
+
+def test_tool_definitions_cannot_overspend_a_budget(gateway: tuple[str, Path]) -> None:
+    """The same attack carried in a tool's description (and so in what the provider bills as the
+    prompt) with a one-word message. The reservation once counted message content only: each
+    request reserved a few tokens and the team spent several budgets."""
+    url, db = gateway
+    _, gpt = gateway_fake(url)
+    gpt.request_tokens = billed_rest
+    key = make_team(url, "cjk-tools", daily_budget_usd=BUDGET)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "hi"}]
+    cost = (billed_rest({"tools": TOOLS, "tool_choice": "auto"}) * PRICES["in"] + 7 * PRICES["out"]) / 1e6
+    assert 100 * cost > 4 * BUDGET  # the attack would overspend 4x over
+
+    def send(_: int) -> str:
+        try:
+            client.chat.completions.create(model="gpt", messages=messages, tools=TOOLS,  # type: ignore[arg-type]
+                                           max_tokens=MAX_TOKENS)  # fmt: skip
+            return "ok"
+        except openai.RateLimitError as e:
+            assert e.body["code"] == "budget_exceeded", e.body
+            return "refused"
+
+    with ThreadPoolExecutor(max_workers=100) as pool:
+        outcomes = list(pool.map(send, range(100)))
+    assert "ok" in outcomes and "refused" in outcomes, outcomes
+    with sqlite3.connect(db) as conn:
+        (spent,) = conn.execute("SELECT COALESCE(SUM(cost_usd), 0) FROM usage WHERE team_id = 'cjk-tools'").fetchone()
+    assert spent <= BUDGET + cost, f"spent ${spent:.4f} on a ${BUDGET} budget"
 
 
 def test_a_client_that_leaves_pays_for_its_sent_prompt(gateway: tuple[str, Path]) -> None:
