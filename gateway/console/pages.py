@@ -123,11 +123,15 @@ LIMITS = (("rpm", "Requests per minute"), ("tpm", "Tokens per minute"), ("max_co
           ("daily_budget_usd", "Daily budget (USD)"), ("monthly_budget_usd", "Monthly budget (USD)"))  # fmt: skip
 
 
-def _limit_fields() -> str:
-    return ("".join(f'<label>{esc(label)} <input name="{k}" inputmode="decimal" autocomplete="off"></label>'
+def _limit_fields(keep: bool = False) -> str:
+    """The limit inputs; `keep`: the set-limits form, whose empty fields keep the team's values
+    (its tier select offers 'unchanged' first)."""
+    unchanged = '<option value="">unchanged</option>' if keep else ""
+    mode = "" if keep else ' inputmode="decimal"'  # `none` must be typable on a phone's keyboard
+    return ("".join(f'<label>{esc(label)} <input name="{k}"{mode} autocomplete="off"></label>'
                     for k, label in LIMITS)
-            + '<label>Default tier <select name="default_tier"><option>interactive</option><option>batch</option>'
-            "</select></label>")  # fmt: skip
+            + f'<label>Default tier <select name="default_tier">{unchanged}<option>interactive</option>'
+            "<option>batch</option></select></label>")  # fmt: skip
 
 
 def _team_forms(s: Session, options: str) -> str:
@@ -136,7 +140,8 @@ def _team_forms(s: Session, options: str) -> str:
               f'autocomplete="off"></label>{_limit_fields()}<button type="submit">Create team</button></form>')  # fmt: skip
     limits = (f'<form method="post" action="/console/teams/limits" class="card"><h2>Set a team\'s limits</h2>'
               f'{csrf_field(s)}<label>Team <select name="id" required>{options}</select></label>'
-              f'<p class="muted">A limit left empty is no limit.</p>{_limit_fields()}'
+              f'<p class="muted">A field left empty keeps its limit; <code>none</code> removes it.</p>'
+              f'{_limit_fields(keep=True)}'
               f'<button type="submit">Set limits</button></form>')  # fmt: skip
     return create + limits
 
@@ -190,10 +195,15 @@ async def create_team(state: GatewayState, request: web.Request, s: Session, for
 
 
 async def set_limits(state: GatewayState, request: web.Request, s: Session, form: Any) -> web.Response:
+    """PUT sets every limit, so the form starts from the team's current ones: a field left
+    empty keeps its limit, `none` removes it (an empty field that cleared a budget would take a
+    team's spending cap off while its admin changed only the request rate)."""
     tid = (form.get("id") or "").strip()
-    body: dict[str, Any] = {"default_tier": form.get("default_tier") or "interactive"}
+    current = await call(state, request, s, "GET", f"/admin/teams/{tid}")
+    body: dict[str, Any] = {"default_tier": form.get("default_tier") or current["default_tier"]}
     for k, _ in LIMITS:
-        body[k] = _number(form, k)
+        raw = (form.get(k) or "").strip()
+        body[k] = current.get(k) if not raw else None if raw.lower() == "none" else _number(form, k)
     t = await call(state, request, s, "PUT", f"/admin/teams/{tid}", body=body)
     return await teams(state, request, s, notice(f"Limits of team {t['id']} set."))
 

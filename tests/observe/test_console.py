@@ -103,6 +103,17 @@ def text(d: object) -> str:
         return ""
 
 
+def stale(element: object) -> bool:
+    """True once `element`'s page is gone (the browser moved on to the next one)."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    try:
+        element.is_enabled()  # type: ignore[attr-defined]
+    except StaleElementReferenceException:
+        return True
+    return False
+
+
 def cookie_header(d: object) -> str:
     return "; ".join(f"{c['name']}={c['value']}" for c in d.get_cookies())  # type: ignore[attr-defined]
 
@@ -186,7 +197,16 @@ def test_team_key_lifecycle_through_the_console(traced: Traced, browser: object)
     form.find_element("css selector", "button").click()
     wait_for(lambda: f"Limits of team {TEAM} set" in text(d), 10, "the limits")
     assert http(f"{base}/admin/teams/{TEAM}")[2]["rpm"] == 1200
-    assert http(f"{base}/admin/teams/{TEAM}")[2]["daily_budget_usd"] is None  # left empty: no limit
+    # left empty: kept (an empty field once cleared the team's budget while only rpm was set)
+    assert http(f"{base}/admin/teams/{TEAM}")[2]["daily_budget_usd"] == 5
+    form = css(d, "form[action='/console/teams/limits']")[0]
+    Select(form.find_element("name", "id")).select_by_visible_text(TEAM)
+    form.find_element("name", "daily_budget_usd").send_keys("none")
+    form.find_element("css selector", "button").click()
+    wait_for(lambda: stale(form), 10, "the page after the second submit")  # its text says "set" already
+    wait_for(lambda: f"Limits of team {TEAM} set" in text(d), 10, "the limits again")
+    assert http(f"{base}/admin/teams/{TEAM}")[2]["daily_budget_usd"] is None  # `none`: removed
+    assert http(f"{base}/admin/teams/{TEAM}")[2]["rpm"] == 1200
     form = css(d, "form[action='/console/keys']")[0]
     Select(form.find_element("name", "team_id")).select_by_visible_text(TEAM)
     form.find_element("name", "name").send_keys("<b>console</b>")  # a name is text, never markup
