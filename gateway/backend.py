@@ -85,6 +85,8 @@ class Accounting:
     migrations: int = 0
     #: completion tokens of each decode leg of sample 0, in order (one entry unless migrated)
     leg_tokens: list[int] = field(default_factory=list)
+    #: each sample's finish reason as relayed to the client (the trace's gen_ai.response.finish_reasons)
+    finish_reasons: dict[int, str] = field(default_factory=dict)
 
     @property
     def total_completion_tokens(self) -> int:

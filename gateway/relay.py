@@ -96,7 +96,7 @@ async def relay_whole(ledger: Ledger, reply: Reply, fmt: Formatter, n: int) -> o
             if p.tool_calls:
                 calls.setdefault(p.index, []).extend(p.tool_calls)
             if p.finish_reason:
-                finish[p.index] = p.finish_reason
+                finish[p.index] = reply.accounting.finish_reasons[p.index] = p.finish_reason
     except MidStreamError as e:
         await ledger.commit(UsageStatus.ERROR_MIDSTREAM, reply.accounting)
         raise APIError(502, f"the answer broke off: {e.message}", type_="upstream_error", code=e.code) from None
@@ -117,6 +117,7 @@ async def relay_stream(ledger: Ledger, reply: Reply, fmt: Formatter, sink: Event
             if not sink.opened:
                 await sink.open(headers)
             if p.finish_reason:
+                reply.accounting.finish_reasons[p.index] = p.finish_reason
                 held.append(p)
                 continue
             pending.append(fmt.chunk(p))

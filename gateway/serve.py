@@ -47,11 +47,14 @@ from gateway.tools.plan import ToolMode, ToolPlan
 from gateway.tools.reply import with_tool_calls
 from protocol.openai import APIError
 from protocol.tracing import (
+    GEN_AI_FINISH_REASONS,
     GEN_AI_INPUT_TOKENS,
+    GEN_AI_MAX_TOKENS,
     GEN_AI_OPERATION,
     GEN_AI_OUTPUT_TOKENS,
     GEN_AI_PROVIDER,
     GEN_AI_REQUEST_MODEL,
+    GEN_AI_RESPONSE_ID,
     GEN_AI_RESPONSE_MODEL,
 )
 
@@ -122,6 +125,7 @@ async def _measured(state: GatewayState, caller: Caller, req: Request, tier: Tie
         size = await measure(served, req)
         if span is not None:
             span.set_attribute(GEN_AI_INPUT_TOKENS, size.n_prompt)
+    tr.annotate({GEN_AI_MAX_TOKENS: size.max_tokens})
     with tr.span("gateway.quota.reserve", {"duet.team": caller.team.id}):
         ledger = await Ledger.reserve(state, caller, req, tier, served, size)
     state.admission.teams.started(caller.team)
@@ -146,6 +150,10 @@ async def _measured(state: GatewayState, caller: Caller, req: Request, tier: Tie
                          GEN_AI_OUTPUT_TOKENS: r.completion_tokens, "duet.cached_tokens": r.cached_tokens,
                          "duet.status": r.status, "duet.cost_usd": r.cost_usd, "duet.nodes": list(r.nodes),
                          "duet.migrations": r.migrations, "duet.ttft_s": r.ttft_s if r.ttft_s is not None else -1.0})  # fmt: skip
+            acc = tries.accounting
+            if acc is not None and acc.finish_reasons:
+                tr.annotate({GEN_AI_FINISH_REASONS: [acc.finish_reasons[i] for i in sorted(acc.finish_reasons)],
+                             GEN_AI_RESPONSE_ID: tries.response_id})  # fmt: skip
 
 
 def _is_auto(state: GatewayState, req: Request) -> bool:
@@ -197,6 +205,8 @@ class _Tries:
         self.tried: list[str] = []
         #: the current attempt's tool handling (its model's format; None: no tools)
         self.tools: ToolPlan | None = None
+        #: the current attempt's answer id (chatcmpl-…/cmpl-…), once it relays
+        self.response_id = ""
 
     @property
     def accounting(self) -> Accounting | None:
@@ -246,6 +256,7 @@ class _Tries:
         if self.tools is not None and self.tools.mode != ToolMode.NONE:
             reply = with_tool_calls(reply, self.tools)
         fmt = Formatter(self.req.endpoint, attempt.request_id, served.config.name, self.tier)
+        self.response_id = fmt.id  # the answer's id as the client gets it (the trace's gen_ai.response.id)
         with self.state.tracing.span("gateway.relay", {GEN_AI_REQUEST_MODEL: served.config.name}):
             if self.req.stream:
                 assert sink is not None

@@ -49,6 +49,9 @@ def test_one_trace_spans_gateway_coordinator_prefill_and_decode(traced: Traced) 
     assert gw.attributes["gen_ai.request.model"] == MODEL
     assert gw.attributes["gen_ai.usage.input_tokens"] == answer.usage.prompt_tokens
     assert gw.attributes["gen_ai.usage.output_tokens"] == answer.usage.completion_tokens > 0
+    assert gw.attributes["gen_ai.request.max_tokens"] == 6
+    assert list(gw.attributes["gen_ai.response.finish_reasons"]) == [answer.choices[0].finish_reason]
+    assert gw.attributes["gen_ai.response.id"] == answer.id
     assert gw.attributes["duet.nodes"] == ["prefill-0", "decode-0"]
 
     def child(name: str, service: str, parent: Span) -> Span:
