@@ -36,10 +36,10 @@ from gateway.ledger import Caller, Ledger, UsageStatus
 from gateway.measure import Measured
 from gateway.node_client import NodeClient, NodeFailure
 from gateway.providers.fallback import Reason
-from gateway.requests import MAX_USER, Endpoint, Request, Sampling, resolve_tier
+from gateway.requests import MAX_USER, Endpoint, Request, Sampling
 from gateway.routing import Router
 from gateway.state import GatewayState, ServedModel
-from gateway.tiers import Shed
+from gateway.tiers import Shed, team_tier
 from protocol.cluster import NodeTask
 from protocol.embeddings import (
     MAX_EMBEDDING_INPUTS,
@@ -214,13 +214,24 @@ async def run(state: GatewayState, caller: Caller, raw: bytes, *, tier_header: s
     if size is not None and body.dimensions is not None and body.dimensions > size:
         raise APIError(400, f"dimensions must be at most {size} for {body.model!r}, got {body.dimensions}",
                        param="dimensions")  # fmt: skip
-    tier = resolve_tier(tier_header, None, caller.team.default_tier)
+    tier = team_tier(tier_header, None, caller.team, state.config.team_policy(caller.team.id))
+    state.admission.check_team(caller.team, state.config.quotas.default_max_concurrent)  # before tokenizing
+    with state.admission.teams.running(caller.team.id):
+        return await _measured(state, caller, body, served, items, tier)
+
+
+async def _measured(state: GatewayState, caller: Caller, body: EmbeddingRequest, served: ServedModel,
+                    items: list[str] | list[list[int]], tier: Tier) -> tuple[EmbeddingResponse, dict[str, str]]:  # fmt: skip
+    """The rest of `run`, counted in the team gate's in-flight requests."""
+    backend = served.backend
+    assert isinstance(backend, EmbeddingBackend)
     ids = await measure_items(served, items)
     n_tokens = sum(map(len, ids))
     req = Request(endpoint=Endpoint.EMBEDDING, model=body.model, messages=None, prompt=None, max_tokens=0,
                   sampling=Sampling(), n=1, stream=False, include_usage=False, service_tier=None,
                   user=body.user or None)  # fmt: skip
     ledger = await Ledger.reserve(state, caller, req, tier, served, Measured([], n_tokens, 0))
+    state.admission.teams.started(caller.team)
     ledger.attempt(served, n_tokens)
     acc = Accounting(prompt_tokens=n_tokens, model_used=served.config.name)
     try:

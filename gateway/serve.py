@@ -38,11 +38,10 @@ from gateway.ledger import Caller, Ledger, UsageStatus
 from gateway.measure import Measured, estimate_tokens, measure
 from gateway.providers.fallback import FallbackDecision, Reason
 from gateway.relay import EventSink, HttpEventStream, relay_stream, relay_whole
-from gateway.requests import Endpoint, Request, parse_chat, parse_completion, resolve_tier
+from gateway.requests import Endpoint, Request, parse_chat, parse_completion
 from gateway.responses import Formatter
 from gateway.state import GatewayState, ServedModel
-from gateway.team_gate import TeamLimited
-from gateway.tiers import granted_tier
+from gateway.tiers import team_tier
 from gateway.tools.plan import ToolMode, ToolPlan
 from gateway.tools.reply import with_tool_calls
 from protocol.openai import APIError
@@ -96,8 +95,7 @@ async def run(state: GatewayState, caller: Caller, raw: bytes, endpoint: Endpoin
     if req.stream and sink is None:
         raise APIError(400, "stream is not supported here", param="stream")
     policy = state.config.team_policy(caller.team.id)
-    tier = granted_tier(resolve_tier(tier_header, req.service_tier, caller.team.default_tier if policy.interactive
-                                     else "batch"), policy, caller.team.id)  # fmt: skip
+    tier = team_tier(tier_header, req.service_tier, caller.team, policy)
     headers: dict[str, str] = {}
     served = _auto(state, req, tier, policy, headers) if _is_auto(state, req) else _named(state, req, caller, policy)
     if served.config.kind == "embedding":
@@ -105,11 +103,7 @@ async def run(state: GatewayState, caller: Caller, raw: bytes, endpoint: Endpoin
                        code="wrong_model_kind")  # fmt: skip
     refuse_missing(req, served.config)
     # Cheap refusals before the tokenizer spends CPU on the prompt (the store decides the rest).
-    try:
-        state.admission.teams.check(caller.team, state.config.quotas.default_max_concurrent)
-    except TeamLimited as e:  # counted as the store's refusals are (ledger.Ledger.reserve)
-        state.metrics.rejections.labels(team=caller.team.id, kind=e.param or "").inc()
-        raise
+    state.admission.check_team(caller.team, state.config.quotas.default_max_concurrent)
     with state.admission.teams.running(caller.team.id):
         return await _measured(state, caller, req, tier, policy, served, headers, sink)
 

@@ -17,7 +17,9 @@ from collections.abc import AsyncIterator
 
 from gateway.config import TeamPolicy, Tier, TierConfig
 from gateway.metrics import GatewayMetrics
-from gateway.team_gate import TeamGate
+from gateway.requests import resolve_tier
+from gateway.store.base import Team
+from gateway.team_gate import TeamGate, TeamLimited
 from protocol.openai import APIError
 
 
@@ -29,6 +31,14 @@ def granted_tier(asked: Tier, policy: TeamPolicy, team_id: str) -> Tier:
                             "(x-duet-tier: batch, or the Batch API)", type_="permission_error",
                        param="x-duet-tier", code="tier_not_allowed")  # fmt: skip
     return asked
+
+
+def team_tier(header: str | None, service_tier: str | None, team: Team, policy: TeamPolicy) -> Tier:
+    """The tier a team's request runs in: what the client asks (header, `service_tier`), else the
+    team's default — batch for a team without the interactive grant — checked against the grant.
+    Every public endpoint takes its tier here (embeddings once skipped the grant)."""
+    default = team.default_tier if policy.interactive else "batch"
+    return granted_tier(resolve_tier(header, service_tier, default), policy, team.id)
 
 
 class Shed(APIError):
@@ -46,6 +56,15 @@ class Admission:
         self._waiting: dict[str, deque[asyncio.Future[None]]] = {"interactive": deque(), "batch": deque()}
         self._limits = {"interactive": cfg.interactive_queue, "batch": cfg.batch_queue}
         self._waits = {"interactive": cfg.interactive_max_wait_s, "batch": cfg.batch_max_wait_s}
+
+    def check_team(self, team: Team, default_max_concurrent: int) -> None:
+        """The team gate's cheap refusal (before any tokenizing), counted as the store's are
+        (ledger.Ledger.reserve)."""
+        try:
+            self.teams.check(team, default_max_concurrent)
+        except TeamLimited as e:
+            self.metrics.rejections.labels(team=team.id, kind=e.param or "").inc()
+            raise
 
     def depth(self, tier: str) -> int:
         return len(self._waiting[tier])

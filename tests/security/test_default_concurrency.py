@@ -38,6 +38,25 @@ def fake() -> Iterator[FakeServers]:
         servers.close()
 
 
+def _client(url: str, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+
+def _hold(fake: FakeServers, url: str, key: str) -> None:
+    """One request of the team held open at the fake provider (it counts as in flight)."""
+    gpt = fake.fakes["gpt"]
+    seen = len(gpt.requests)
+    fake.loop.call_soon_threadsafe(gpt.faults.append, Fault.hang())
+
+    def send() -> None:
+        with contextlib.suppress(openai.APIError):  # the gateway stops under it at the end
+            _client(url, key).chat.completions.create(model="gpt", max_tokens=4,
+                                                      messages=[{"role": "user", "content": "hold"}])  # fmt: skip
+
+    threading.Thread(target=send, daemon=True).start()
+    wait_for(lambda: len(gpt.requests) > seen, 30, "the provider to hold a request")
+
+
 def test_a_team_without_limits_gets_the_default_concurrency(fake: FakeServers, tmp_path: Path, tiny_llama: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
@@ -50,19 +69,10 @@ def test_a_team_without_limits_gets_the_default_concurrency(fake: FakeServers, t
         plain, own = make_team(gw.url, "plain"), make_team(gw.url, "own", max_concurrent=3)
 
         def client(key: str) -> openai.OpenAI:
-            return openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=60)
+            return _client(gw.url, key)
 
         def hold(key: str) -> None:
-            seen = len(gpt.requests)
-            fake.loop.call_soon_threadsafe(gpt.faults.append, Fault.hang())
-
-            def send() -> None:
-                with contextlib.suppress(openai.APIError):  # the gateway stops under it at the end
-                    client(key).chat.completions.create(model="gpt", max_tokens=4,
-                                                        messages=[{"role": "user", "content": "hold"}])  # fmt: skip
-
-            threading.Thread(target=send, daemon=True).start()
-            wait_for(lambda: len(gpt.requests) > seen, 30, "the provider to hold a request")
+            _hold(fake, gw.url, key)
 
         def ask(key: str) -> None:
             client(key).chat.completions.create(model="gpt", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
@@ -85,3 +95,31 @@ def test_a_team_without_limits_gets_the_default_concurrency(fake: FakeServers, t
         hold(own)
         ask(own)
         fake.loop.call_soon_threadsafe(gpt.released.set)  # end the held requests: a quick stop
+
+
+def test_embeddings_pass_the_team_gate_and_the_tier_grant(fake: FakeServers, tmp_path: Path, tiny_llama: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """`/v1/embeddings` takes its tier and its cheap refusals where chat does: a batch-only team
+    asking for interactive gets the 403, and a team at its concurrency limit gets the 429 before
+    its input is tokenized (an input far past the context: 429, not the tokenizer's 400). Before,
+    embeddings resolved the tier from the header alone and tokenized first."""
+    monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
+    # an embedding model whose node is never reached: both refusals come before any node work
+    emb = {"kind": "embedding", "tokenizer": str(tiny_llama), "input_usd_per_mtok": 0.02,
+           "static": {"both": ["http://127.0.0.1:9"]}, "max_model_len": 1024}  # fmt: skip
+    gw = gateway_proc(tmp_path, {"gpt": external(fake.fakes["gpt"], {"in": 1.0, "out": 2.0}, 2), "emb": emb},
+                      quotas={"default_max_concurrent": 1}, teams={"lowly": {"interactive": False}})  # fmt: skip
+    with running(gw):
+        plain, lowly = make_team(gw.url, "plain"), make_team(gw.url, "lowly")
+        with pytest.raises(openai.PermissionDeniedError) as e:
+            _client(gw.url, lowly).embeddings.create(model="emb", input="hi",
+                                                     extra_headers={"x-duet-tier": "interactive"})  # fmt: skip
+        assert e.value.body["code"] == "tier_not_allowed", e.value.body
+        with pytest.raises(openai.BadRequestError) as e2:  # not held: the tokenizer's 400
+            _client(gw.url, plain).embeddings.create(model="emb", input="word " * 5_000)
+        assert e2.value.body["param"] == "input", e2.value.body
+        _hold(fake, gw.url, plain)
+        with pytest.raises(openai.RateLimitError) as e3:
+            _client(gw.url, plain).embeddings.create(model="emb", input="word " * 5_000)
+        assert e3.value.body["param"] == "concurrency", e3.value.body
+        fake.loop.call_soon_threadsafe(fake.fakes["gpt"].released.set)  # end the held request: a quick stop
