@@ -30,7 +30,7 @@ import msgspec
 from aiohttp import web
 
 from gateway import batch_wiring
-from gateway.auth import authenticate, bearer, is_admin, require_admin
+from gateway.auth import admin_or_team, require_admin
 from gateway.batch.models import Batch
 from gateway.batch.store import BatchStore, Conflict
 from gateway.batch.submit import batch_object
@@ -192,11 +192,10 @@ def time_range(q: Any) -> tuple[float, float]:
 
 
 async def usage(state: GatewayState, request: web.Request) -> web.Response:
-    token = bearer(request)
     q = request.query
     team_id = q.get("team_id")
-    if not is_admin(state, token):
-        _key, team = await authenticate(state, request)
+    team = await admin_or_team(state, request)
+    if team is not None:
         if team_id is not None and team_id != team.id:
             raise APIError(403, "this key may only read its own team's usage", type_="permission_error",
                            code="forbidden", param="team_id")  # fmt: skip

@@ -23,7 +23,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import admin, anthropic_api, batch_wiring, embeddings, responses_api, serve
-from gateway.auth import MIN_ADMIN_KEY, authenticate, bearer, is_admin
+from gateway.auth import MIN_ADMIN_KEY, admin_or_team, is_admin
 from gateway.backend import Backend
 from gateway.choice import ModelChoice
 from gateway.cluster import ClusterBackend
@@ -107,8 +107,7 @@ async def _embeddings(request: web.Request) -> web.StreamResponse:
 
 async def _models(request: web.Request) -> web.Response:
     s = request.app[STATE]
-    if not is_admin(s, bearer(request)):
-        await authenticate(s, request)
+    await admin_or_team(s, request)
     data = [{"id": name, "object": "model", "created": 0, "owned_by": "external" if m.config.kind == "external" else "duet",
              "max_model_len": m.max_model_len, "capability_rank": m.config.capability_rank,
              "tiers": list(m.config.tiers), "fallback": list(m.config.fallback)}
@@ -142,7 +141,17 @@ def _metrics_reader(config: GatewayConfig) -> Callable[[web.Request], bool]:
         if secret is not None and secret.verify(header):
             return True
         scheme, _, token = header.partition(" ")
-        return scheme.lower() == "bearer" and bool(token.strip()) and is_admin(request.app[STATE], token.strip())
+        if scheme.lower() != "bearer" or not token.strip():
+            return False
+        state, address = request.app[STATE], request.remote or ""
+        try:  # the admin endpoints' per-address limit on failed attempts holds here too
+            state.admin_guard.check(address)
+        except APIError:
+            return False  # blocked: the key is not even compared
+        if is_admin(state, token.strip()):
+            return True
+        state.admin_guard.failed(address)
+        return False
 
     return check
 

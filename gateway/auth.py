@@ -80,6 +80,22 @@ def require_admin(state: GatewayState, request: web.Request) -> None:
                        code="invalid_api_key")  # fmt: skip
 
 
+async def admin_or_team(state: GatewayState, request: web.Request) -> Team | None:
+    """For endpoints the admin and team keys both read (`/v1/models`, `/v1/usage`): None for the
+    admin key, else the key's team. A token that is neither counts as a failed admin attempt
+    (the same per-address limit as the admin endpoints), so guessing the admin key here is
+    no cheaper than on /admin."""
+    address = request.remote or ""
+    state.admin_guard.check(address)
+    if is_admin(state, bearer(request)):
+        return None
+    try:
+        return (await authenticate(state, request))[1]
+    except APIError:
+        state.admin_guard.failed(address)
+        raise
+
+
 async def authenticate(state: GatewayState, request: web.Request, token: str | None = None) -> tuple[ApiKey, Team]:
     """The key's (key, team); `token`: the key as the caller sent it (default: the bearer token;
     Anthropic's clients send `x-api-key`)."""

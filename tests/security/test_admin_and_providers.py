@@ -45,10 +45,10 @@ def env(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         servers.close()
 
 
-def _admin_get(port: int, key: str, source: str) -> tuple[int, dict[str, str]]:
+def _admin_get(port: int, key: str, source: str, path: str = "/admin/teams") -> tuple[int, dict[str, str]]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30, source_address=(source, 0))
     try:
-        conn.request("GET", "/admin/teams", headers={"Authorization": f"Bearer {key}"})
+        conn.request("GET", path, headers={"Authorization": f"Bearer {key}"})
         r = conn.getresponse()
         r.read()
         return r.status, dict(r.getheaders())
@@ -95,3 +95,20 @@ def test_provider_error_text_does_not_reach_the_tenant(env: tuple[Proc, FakeServ
         assert f"HTTP {status}" in text or "rate limiting" in text, text
     log = gw.log()
     assert "injected 500" in log  # the operator still sees the provider's words
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/usage"])
+def test_guesses_on_endpoints_any_key_reads_count_too(env: tuple[Proc, FakeServers], path: str) -> None:
+    """/v1/models and /v1/usage take the admin key or a team key: a token that is neither counts
+    as a failed admin attempt there too. They compared the admin key with no limit, so guessing
+    it went on at line rate beside the limited /admin endpoints."""
+    gw, _ = env
+    source = "127.0.0.5" if path == "/v1/models" else "127.0.0.6"
+    for i in range(10):
+        assert _admin_get(gw.port, f"guess-{i}", source, path)[0] == 401
+    status, headers = _admin_get(gw.port, "guess-10", source, path)
+    assert status == 429 and int(headers["Retry-After"]) >= 1
+    assert _admin_get(gw.port, ADMIN_KEY, source, path)[0] == 429  # not even compared while blocked
+    assert _admin_get(gw.port, ADMIN_KEY, "127.0.0.7", path)[0] == 200
+    team_key = make_team(gw.url, f"reader{source[-1]}")
+    assert _admin_get(gw.port, team_key, "127.0.0.7", path)[0] == 200  # a team key still reads

@@ -221,3 +221,29 @@ def test_autoscale_step_reads_the_cluster_with_the_secret(plane: Plane, tmp_path
     monkeypatch.setenv("DUET_CLUSTER_SECRET_FILE", str(plane.secret_file))
     nodes = _read_cluster(plane.coordinator.url, cluster_headers(plane.coordinator.url))
     assert {n["role"] for n in nodes} >= {"prefill", "decode"}, nodes
+
+
+def test_metrics_guesses_of_the_admin_key_are_limited(plane: Plane) -> None:
+    """A --protect-metrics gateway's /metrics takes the admin key: a wrong bearer token there
+    counts as a failed admin attempt (the admin endpoints' 10 a minute per address), and a
+    blocked address's key is not even compared. It compared the admin key with no limit."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    port = urlsplit(plane.gateway.url).port
+
+    def get(key: str, source: str) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30, source_address=(source, 0))
+        try:
+            conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {key}"})
+            r = conn.getresponse()
+            r.read()
+            return r.status
+        finally:
+            conn.close()
+
+    assert get(ADMIN_KEY, "127.0.0.8") == 200
+    for i in range(10):
+        assert get(f"guess-{i}", "127.0.0.8") == 401
+    assert get(ADMIN_KEY, "127.0.0.8") == 401  # blocked: not compared
+    assert get(ADMIN_KEY, "127.0.0.9") == 200  # another address is not affected
