@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from protocol.http_errors import AppRunner, OpenAIErrorHandler, _Server
+from protocol.log_throttle import ThrottledWarning
 
 log = logging.getLogger("duet.gateway")
 
@@ -25,6 +26,8 @@ class _Gate:
         self.per_address = per_address
         self.header_timeout_s = header_timeout_s
         self.open: dict[str, int] = {}
+        #: a client over its cap can cause one per connection it opens: one line per 10 s
+        self.refused = ThrottledWarning(log)
 
 
 class _LimitedHandler(OpenAIErrorHandler):
@@ -41,8 +44,8 @@ class _LimitedHandler(OpenAIErrorHandler):
         address = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         gate = self._gate
         if gate.per_address and gate.open.get(address, 0) >= gate.per_address:
-            log.info("refused a connection from %s: %d open already (server.max_connections_per_address)",
-                     address, gate.open[address])  # fmt: skip
+            gate.refused.warning("refused a connection from %s: %d open already (server.max_connections_per_address)",
+                                 address, gate.open[address])  # fmt: skip
             transport.close()
             return
         gate.open[address] = gate.open.get(address, 0) + 1

@@ -42,6 +42,7 @@ from kvtransfer.metrics import KVTransferMetrics
 from kvtransfer.regions import ReadPlan, side_runs
 from protocol.cluster_secret import ClusterSecret, hmac_parts
 from protocol.kv_layout import KVLayout
+from protocol.log_throttle import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,8 @@ class TcpTransport(Transport):
         self._key = secret.key if secret is not None else b""
         #: connections refused in the handshake (a reader without the cluster secret)
         self.refused_handshakes = 0
+        #: anyone who reaches the KV port can cause these: one line per 10 s, the rest counted
+        self._refused_log = ThrottledWarning(log)
         self._host = host
         self._port = port
         self._advertise = advertise_host
@@ -170,7 +173,8 @@ class TcpTransport(Transport):
         try:
             if not await self._owner_handshake(conn):
                 self.refused_handshakes += 1
-                log.warning("refused a KV reader from %s: it did not prove the cluster secret", _peer_name(conn))
+                self._refused_log.warning("refused a KV reader from %s: it did not prove the cluster secret",
+                                          _peer_name(conn))  # fmt: skip
                 return
             while True:
                 msg = await _recv_message(loop, conn)

@@ -64,3 +64,21 @@ def test_connections_per_address_are_capped_and_slow_headers_dropped(gw: Proc) -
     # Their slots are free again: a client that behaves is served.
     status, _, body = http(f"{gw.url}/health", key=None)
     assert status == 200, body
+
+
+def test_refused_connections_cannot_flood_the_log(gw: Proc) -> None:
+    """Each connection over the cap was one log line: a client could write lines as fast as it
+    opened sockets. Now one line per 10 s, the rest counted into the next."""
+    held = [_connect(gw) for _ in range(CAP)]
+    try:
+        before = gw.log().count("refused a connection from")
+        for _ in range(40):
+            extra = _connect(gw)
+            try:
+                wait_for(lambda s=extra: _closed(s), 10, "the connection over the cap to be closed")  # type: ignore[misc]
+            finally:
+                extra.close()
+        assert gw.log().count("refused a connection from") - before <= 2  # 40 refusals, within a 10 s window or two
+    finally:
+        for s in held:
+            s.close()

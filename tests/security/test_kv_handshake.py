@@ -77,3 +77,17 @@ def _raw_read(host: str, port: int) -> bytes:
         while chunk := s.recv(1 << 16):
             data += chunk
         return data
+
+
+async def test_refused_handshakes_cannot_flood_the_log(caplog: pytest.LogCaptureFixture) -> None:
+    """Anyone who reaches the KV port could write one warning per connection; now one per 10 s."""
+    pool = HostPool(TEST_LAYOUT, 7)
+    async with make_transport("tcp", engine_id="P", secret=A) as owner:
+        await owner.register_pool(pool.base, TEST_LAYOUT)
+        md = owner.metadata()
+        with caplog.at_level("WARNING"):
+            for _ in range(20):
+                await asyncio.to_thread(_raw_read, md.host, md.port)
+        assert owner.refused_handshakes == 20
+        lines = [r for r in caplog.records if "refused a KV reader" in r.getMessage()]
+        assert len(lines) == 1, [r.getMessage() for r in lines]
