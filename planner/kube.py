@@ -110,6 +110,10 @@ class KubernetesActuator:
             now = await self._replicas(name)
             if now <= to:
                 return ActResult(Outcome.DONE, f"{name} already has {now} replicas", replicas=now)
+            # One pod goes: the drained victim. The planner's `to` counts the nodes it sees; a
+            # Deployment may hold pods it does not (starting, crash-looping, unregistered), and
+            # patching to `to` would then remove them too, undrained, beside the victim.
+            to = now - 1
             await self._patch(name, to, dry_run=True)  # refused? then before any drain
         except Exception as e:
             return self._refusal(e, f"scale {self.namespace}/{name} to {to}")

@@ -134,3 +134,20 @@ def test_a_refused_patch_is_reported_not_raised() -> None:
             assert r.outcome == Outcome.FAILED and "404" in r.detail
 
     asyncio.run(go())
+
+
+def test_scale_in_removes_only_the_drained_victim() -> None:
+    """The Deployment holds a pod the planner does not count (starting, crash-looping): the
+    planner asks for 1 where the Deployment has 3. One pod goes — the drained victim — not two,
+    one of them undrained. The actuator patched to the planner's figure."""
+
+    async def go() -> None:
+        kube = FakeKube(replicas={"duet-decode": 3})
+        async with cluster(kube, DrainingNode(0)) as (act, url):
+            r = await act.scale_in(D, Victim("duet-decode-7f9c", url), 1)
+            assert (r.outcome, r.replicas, r.drained) == (Outcome.DONE, 2, True), r
+            assert kube.replicas["duet-decode"] == 2
+            patches = [c[2]["body"] for c in kube.calls if c[0] == "PATCH" and c[1].endswith("/scale")]
+            assert patches == [{"spec": {"replicas": 2}}] * 2, patches  # the dry run, then the patch
+
+    asyncio.run(go())
