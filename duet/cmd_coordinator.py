@@ -89,7 +89,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
                                 security=plane_security(args))  # fmt: skip
         from planner.cli import from_args as planner_from_args
 
-        planner = planner_from_args(args)
+        planner = planner_from_args(args, cfg.security)
     except ValueError as e:
         raise UsageError(str(e)) from None
     return run_coordinator(cfg, [planner] if planner else [])

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from planner.config import PlannerMode, load_config
+from protocol.plane import PlaneSecurity
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -36,9 +37,12 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "(its streams then migrate)")  # fmt: skip
 
 
-def from_args(args: argparse.Namespace) -> Callable[[Any], Awaitable[None]] | None:
+def from_args(args: argparse.Namespace, security: PlaneSecurity) -> Callable[[Any], Awaitable[None]] | None:
     """The planner as a coordinator background task, or None with `--planner off`. Raises
-    ValueError on a bad configuration (the CLI turns it into a usage error)."""
+    ValueError on a bad configuration (the CLI turns it into a usage error). `security`: the
+    coordinator's own plane settings — the drains go out with its cluster secret and trust its
+    `--tls-ca` (a node's /drain refuses a request without the secret, and a TLS node's
+    certificate may come from a private CA)."""
     if args.planner == "off":
         return None
     cfg = load_config(args.planner_config, mode=args.planner, node_budget=args.node_budget,
@@ -53,20 +57,13 @@ def from_args(args: argparse.Namespace) -> Callable[[Any], Awaitable[None]] | No
         if not sep or not pool or not name:
             raise ValueError(f"--k8s-deployment wants POOL=NAME (e.g. decode/batch=duet-decode-batch), not {item!r}")
         deployments[pool] = name
-    from protocol.cluster_secret import load_secret
-
-    # the same secret as the coordinator's own (--cluster-secret-file, else the environment):
-    # a node's /drain refuses a request without it
-    secret = load_secret(getattr(args, "cluster_secret_file", None))
 
     async def run(coordinator: Any) -> None:
-        import aiohttp
-
         from planner.drain import Drainer
         from planner.loop import PlannerLoop
 
-        async with aiohttp.ClientSession() as session:
-            drainer = Drainer(session, auth=secret.headers if secret else None, deadline_s=args.drain_deadline_s)
+        async with security.client_session() as session:
+            drainer = Drainer(session, deadline_s=args.drain_deadline_s)
             actuator: Any
             if args.actuator == "kubernetes":
                 from planner.kube import KubernetesActuator

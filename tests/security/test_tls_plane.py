@@ -94,3 +94,23 @@ def test_the_gateway_reaches_an_https_node_with_the_cluster_ca(tiny_llama: Path,
         r = client.completions.create(model="tiny", prompt="TLS carries the cluster secret", max_tokens=3,
                                       temperature=0)  # fmt: skip
         assert r.usage is not None and r.usage.completion_tokens > 0
+
+
+def test_the_planners_drain_reaches_an_https_node(tls_node: tuple[Proc, str, Certs, Path]) -> None:
+    """The planner drains a node through the coordinator's own plane session (planner/cli.py):
+    the cluster secret and the cluster's CA. It used a bare session, which an https node with a
+    private CA refuses in the handshake, so no scale-in could ever drain on a TLS cluster.
+    (Last in this module: the node stays drained.)"""
+    from planner.drain import Drainer
+
+    _, url, certs, _ = tls_node
+    security = PlaneSecurity(secret=ClusterSecret(SECRET, "test"), tls_ca=str(certs.ca))
+
+    async def drain(session_of: PlaneSecurity | None) -> bool:
+        session = session_of.client_session() if session_of is not None else aiohttp.ClientSession()
+        async with session:
+            return await Drainer(session, poll_s=0.1, deadline_s=30).drain(url)
+
+    with pytest.raises(aiohttp.ClientConnectorCertificateError):
+        asyncio.run(drain(None))  # what the planner's bare session got
+    assert asyncio.run(drain(security)) is True
