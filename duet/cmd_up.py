@@ -398,7 +398,7 @@ def _run(args: argparse.Namespace) -> int:
 
         n_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         auto = Autoscale(cfg, home, etcd_url, max_nodes, cfg.threads or max(1, n_cpus // max_nodes), 2, served)
-        control = serve_control(auto)
+        control = serve_control(auto, read_secret_file(secret_file))
         planner_file = home.root / "planner.toml"
         planner_file.write_text(planner_toml([g.role for g in cfg.nodes], max_nodes))
         planner_args = ["--planner", "load", "--actuator", "local", "--node-budget", str(max_nodes),

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 
 from planner.local import ControlError, NodeStarted, NodeStopped, ScaleOut
+from protocol.cluster_secret import ClusterSecret
 
 
 def planner_toml(roles: list[str], max_nodes: int, extra_pools: int = 0) -> str:
@@ -88,8 +89,10 @@ class Autoscale:
         return 200, NodeStopped(node_id=node_id, exit_code=code, nodes=len(nodes) - 1)
 
 
-def serve_control(auto: Autoscale) -> ThreadingHTTPServer:
-    """The control endpoint on 127.0.0.1 (a free port), served by a daemon thread."""
+def serve_control(auto: Autoscale, secret: ClusterSecret) -> ThreadingHTTPServer:
+    """The control endpoint on 127.0.0.1 (a free port), served by a daemon thread. It starts
+    and stops nodes, so it needs the cluster secret as the rest of the internal plane does
+    (any local user could reach a loopback port); the planner's local actuator sends it."""
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args: object) -> None:  # quiet: the supervisor says what happens
@@ -104,6 +107,10 @@ def serve_control(auto: Autoscale) -> ThreadingHTTPServer:
             self.wfile.write(raw)
 
         def do_POST(self) -> None:
+            if not secret.verify(self.headers.get("Authorization")):
+                self._send(401, ControlError(message="duet up's control endpoint needs the cluster secret "
+                                                     "('Authorization: Bearer <secret>')", code="cluster_secret_required"))  # fmt: skip
+                return
             raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             path, _, query = self.path.partition("?")
             parts = path.strip("/").split("/")

@@ -172,3 +172,30 @@ def test_a_throttled_warning_counts_what_it_held_back(caplog: pytest.LogCaptureF
         assert w.warning("refused %s", "d")
     assert [r.getMessage() for r in caplog.records] == [
         "refused a", "refused c (and 3 more like it in the 12 s before, not logged one by one)", "refused d"]
+
+
+def test_duet_ups_control_endpoint_needs_the_secret() -> None:
+    """`duet up --autoscale`'s control endpoint starts and stops nodes: without the cluster
+    secret it answers 401 and does nothing (it had no auth: any local user could stop nodes).
+    Here duet up is still starting, so an authorized request gets that 503, not the 401."""
+    import json
+    import types
+    import urllib.error
+    import urllib.request
+
+    from duet.up_autoscale import serve_control
+
+    secret = ClusterSecret(secrets.token_urlsafe(32), "test")
+    server = serve_control(types.SimpleNamespace(sup=None), secret)  # type: ignore[arg-type]
+    url = f"http://127.0.0.1:{server.server_address[1]}/nodes/decode-0/stop"
+    try:
+        for headers, status, code in (({}, 401, "cluster_secret_required"),
+                                      ({"Authorization": "Bearer " + "x" * 43}, 401, "cluster_secret_required"),
+                                      (secret.headers, 503, "starting")):  # fmt: skip
+            req = urllib.request.Request(url, data=b"{}", method="POST", headers=headers)
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=10)
+            assert e.value.code == status and json.loads(e.value.read())["code"] == code
+    finally:
+        server.shutdown()
+        server.server_close()
