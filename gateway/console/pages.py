@@ -377,10 +377,11 @@ async def requests(state: GatewayState, request: web.Request, s: Session) -> web
     picked = [r for r in recs if r["status"] != "ok" or r["latency_s"] >= slow_at]
     picked.sort(key=lambda r: r["created_at"], reverse=True)
     ring = state.tracing.ring
+    traced_ids = ring.values("duet.request_id") if ring is not None else set()
     rows = []
     for r in picked[:100]:
         rid = r["request_id"]
-        traced = ring is not None and ring.find("duet.request_id", rid) is not None
+        traced = rid in traced_ids
         link = f'<a href="/console/requests/{esc(rid)}">{esc(rid)}</a>' if traced else esc(rid)
         why = "failed" if r["status"] != "ok" else "slow"
         rows.append([esc(time.strftime("%H:%M:%S", time.gmtime(r["created_at"]))), link, esc(r["team_id"]),

@@ -139,3 +139,24 @@ def test_gateway_tracing_section_is_parsed_and_checked() -> None:
     assert from_env(DEFAULT_RING, TracingConfig(enabled=True, ring_size=0)).ring_size == 0
     with pytest.raises(ConfigError, match=r"\[tracing\] has unknown keys: enable"):
         parse_config({"models": models, "tracing": {"enable": True}})
+
+
+def test_the_ring_lists_an_attributes_values_in_one_pass() -> None:
+    """The console's Requests page asks, for each of up to 100 rows, whether the request is in
+    the ring: one `values` pass answers them all (it called `find`, a scan of the whole ring,
+    per row)."""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from protocol.tracing import SpanRing
+
+    ring = SpanRing(8, "test")
+    provider = TracerProvider()
+    provider.add_span_processor(ring)
+    tracer = provider.get_tracer("test")
+    for i in range(10):  # 10 spans into a ring of 8: the first two are gone
+        with tracer.start_as_current_span("POST /v1/chat/completions", attributes={"duet.request_id": f"req-{i}"}):
+            pass
+    with tracer.start_as_current_span("GET /health"):
+        pass
+    assert ring.values("duet.request_id") == {f"req-{i}" for i in range(3, 10)}
+    assert ring.values("no.such.attribute") == set()
