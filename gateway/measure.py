@@ -144,4 +144,8 @@ async def measure(served: ServedModel, req: Request) -> Measured:
     if served.tokenizer is not None:
         return Measured(ids, len(ids), context_check(served, len(ids), req.max_tokens), plan)
     # an external model: its provider counts; reserve on an upper bound of what it can bill
-    return Measured(ids, token_upper_bound(req), req.max_tokens or served.config.default_max_tokens)
+    limit = served.max_model_len  # required in the config for an external model: its context
+    if req.max_tokens is not None and req.max_tokens >= limit:  # at least one prompt token besides
+        raise APIError(400, f"max_tokens must be less than this model's context length ({limit} tokens), got "
+                            f"{req.max_tokens}", param="max_tokens", code="context_length_exceeded")  # fmt: skip
+    return Measured(ids, token_upper_bound(req), req.max_tokens or min(served.config.default_max_tokens, limit - 1))

@@ -337,3 +337,17 @@ def test_logprobs_on_an_external_model_are_refused_by_name(env: Env) -> None:
     assert len(env.fakes["gpt"].requests) == before
     _, r = chat(env.client(), "tiny", "hello", logprobs=True, top_logprobs=2, max_tokens=3)
     assert r.choices[0].logprobs is not None and len(r.choices[0].logprobs.content) == r.usage.completion_tokens
+
+
+def test_max_tokens_past_an_external_models_context_is_a_400(env: Env) -> None:
+    """An external model's max_tokens is checked against its context (max_model_len, 8192
+    here) before anything is reserved or sent: it was passed on unchecked, so the provider's
+    error — after a reservation of a billion tokens against the team's budget — was the answer."""
+    key = make_team(env.gw.url, "ctx")
+    sent = len(env.fakes["gpt"].requests)
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(env.client(key), "gpt", "hello", max_tokens=10**9)
+    assert e.value.body["param"] == "max_tokens" and "8192" in e.value.body["message"], e.value.body
+    assert len(env.fakes["gpt"].requests) == sent  # nothing went to the provider
+    _, r = chat(env.client(key), "gpt", "hello", max_tokens=8000)  # within the context: served
+    assert r.choices[0].message.content == "echo: hello"
