@@ -135,6 +135,12 @@ class PostgresBatchStore:
                                               "AND NOT deleted", file_id, team_id)  # fmt: skip
         return _count(tag) == 1
 
+    async def purge_expired_files(self, now: float, limit: int = 100) -> list[str]:
+        rows = await (await self._p()).fetch(
+            "UPDATE batch_files SET deleted=TRUE WHERE id IN (SELECT id FROM batch_files WHERE NOT deleted AND "
+            "expires_at IS NOT NULL AND expires_at<=$1 LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING id", now, limit)  # fmt: skip
+        return [r["id"] for r in rows]
+
     # ---- batches ----
     async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest], max_open: int | None = None) -> None:
         async with (await self._p()).acquire() as con, con.transaction():

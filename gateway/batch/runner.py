@@ -72,6 +72,10 @@ def output_line(batch_id: str, r: ResultRow) -> OutputLine:
     return OutputLine(id=rid, custom_id=r.custom_id, response=None, error=err)
 
 
+#: how often expired batch files' contents are removed from disk
+FILE_SWEEP_S = 60.0
+
+
 class BatchRunner:
     def __init__(self, store: BatchStore, executor: Executor, config: BatchConfig, *,
                  may_run: MayRun | None = None, clock: Callable[[], float] = time.time) -> None:  # fmt: skip
@@ -88,6 +92,7 @@ class BatchRunner:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task[None] | None = None
         self._last_renew = 0.0
+        self._last_sweep = 0.0
         self._claiming = False
         self._sender = CallbackSender(allow_private=config.allow_private_callbacks,
                                       timeout_s=config.callback_timeout_s)  # fmt: skip
@@ -143,6 +148,9 @@ class BatchRunner:
 
     async def tick(self) -> None:
         now = self.clock()
+        if now - self._last_sweep >= FILE_SWEEP_S:
+            self._last_sweep = now
+            await self.sweep_expired_files(now)
         if self._inflight and now - self._last_renew >= self.config.lease_s / 3:
             self._last_renew = now
             await self.store.renew_leases(self.worker_id, list(self._inflight), now + self.config.lease_s)
@@ -159,6 +167,19 @@ class BatchRunner:
                     self._inflight[(c.batch_id, c.custom_id)] = asyncio.create_task(self._run(c))
             finally:
                 self._claiming = False
+
+    async def sweep_expired_files(self, now: float) -> int:
+        """Remove the contents of files past their `expires_after` (the store marks them deleted
+        first, so the API and the team's storage already count them gone); how many."""
+        n = 0
+        while ids := await self.store.purge_expired_files(now):
+            for fid in ids:
+                with contextlib.suppress(OSError):
+                    self.files.delete(fid)
+            n += len(ids)
+        if n:
+            log.info("batch files: removed %d expired file(s)", n)
+        return n
 
     # ---- one request ----
     async def _run(self, c: Claimed) -> None:

@@ -140,6 +140,10 @@ class BatchStore(Protocol):
     async def list_files(self, team_id: str, purpose: str | None, after: str | None,
                          limit: int) -> tuple[list[FileRow], bool]: ...  # fmt: skip
     async def delete_file(self, team_id: str, file_id: str) -> bool: ...
+    async def purge_expired_files(self, now: float, limit: int = 100) -> list[str]:
+        """Mark up to `limit` files expired by `now` deleted and return their ids (their contents
+        on disk are the caller's to remove): an expired file no longer counts in its team's
+        storage, so its bytes must not stay on disk either."""
     async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest], max_open: int | None = None) -> None:
         """Write a batch and its requests; with `max_open`, raise TeamLimit (nothing written)
         if an open batch would make the team's open batches more than `max_open`."""
@@ -259,6 +263,15 @@ class SqliteBatchStore:
                               (file_id, team_id)).rowcount == 1  # fmt: skip
 
         return await self._read(q)
+
+    async def purge_expired_files(self, now: float, limit: int = 100) -> list[str]:
+        def q(db: sqlite3.Connection) -> list[str]:
+            ids = [r[0] for r in db.execute("SELECT id FROM batch_files WHERE deleted=0 AND expires_at IS NOT NULL "
+                                            "AND expires_at<=? LIMIT ?", (now, limit))]  # fmt: skip
+            db.executemany("UPDATE batch_files SET deleted=1 WHERE id=?", [(i,) for i in ids])
+            return ids
+
+        return await self._tx(q)  # the write lock from the read on: two gateways never purge one file twice
 
     # ---- batches ----
     async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest], max_open: int | None = None) -> None:

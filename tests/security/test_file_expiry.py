@@ -46,6 +46,33 @@ async def test_an_expired_file_is_gone_and_frees_its_storage(tmp_path: Path, ope
         s.close()
 
 
+async def test_expired_files_leave_the_disk(tmp_path: Path, open_store: Any) -> None:  # noqa: F811
+    """An expired file stopped counting in its team's storage while its bytes stayed on disk, so
+    a team uploading with `expires_after` could fill the disk past `max_team_bytes` forever. The
+    runner's sweep marks expired files deleted in the store and removes their contents; live
+    and never-expiring files stay. Two gateways' sweeps never take one file twice."""
+    from gateway.batch.config import BatchConfig
+    from gateway.batch.runner import BatchRunner
+
+    s, other = open_store(tmp_path / "db.sqlite3"), open_store(tmp_path / "db.sqlite3")
+    runner = BatchRunner(s, executor=None, config=BatchConfig(data_dir=tmp_path))  # type: ignore[arg-type]
+    try:
+        now = time.time()
+        for fid, expires in (("file-old", now - 1), ("file-older", now - 60), ("file-live", now + 3600),
+                             ("file-forever", None)):  # fmt: skip
+            runner.files.write(fid, [b'{"x": 1}\n'])
+            await s.insert_file(_file(fid, expires))
+        assert await runner.sweep_expired_files(now) == 2
+        assert {f for f in ("file-old", "file-older", "file-live", "file-forever")
+                if runner.files.path(f).exists()} == {"file-live", "file-forever"}  # fmt: skip
+        assert await runner.sweep_expired_files(now) == 0
+        assert await other.purge_expired_files(now) == []  # the other gateway finds nothing left
+        assert (await s.team_holdings("t"))[0] == 2000
+    finally:
+        s.close()
+        other.close()
+
+
 async def test_a_store_made_before_expiry_opens(tmp_path: Path) -> None:
     path = tmp_path / "old.sqlite3"
     with sqlite3.connect(path) as db:  # batch_files as it was, without expires_at
