@@ -317,6 +317,25 @@ def test_gpu_and_cpu_node_variants(rendered: dict[str, list[dict[str, Any]]]) ->
         assert g["image"].startswith("duet:") and c["image"].endswith("-cpu")
 
 
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_only_duets_pods_reach_etcd(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+    """A registration in etcd gets the cluster secret from gateways and decode nodes, so etcd
+    takes connections from duet's own pods only (it was open to the whole pod network)."""
+    objs = rendered[overlay]
+    policy = next(o for o in _find(objs, "NetworkPolicy") if o["metadata"]["name"] == "duet-etcd")
+    etcd = next(o for o in _find(objs, "StatefulSet") if o["metadata"]["name"] == "duet-etcd")
+    pod_labels = etcd["spec"]["template"]["metadata"]["labels"]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+    [rule] = policy["spec"]["ingress"]
+    [peer] = rule["from"]
+    [expr] = peer["podSelector"]["matchExpressions"]
+    names = {o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+             for o in objs if o["kind"] in ("Deployment", "StatefulSet")}  # fmt: skip
+    assert (expr["key"], expr["operator"]) == ("app.kubernetes.io/name", "In")
+    assert set(expr["values"]) == names, (expr["values"], names)  # every duet workload, nothing else
+
+
 def test_external_etcd_component(rendered: dict[str, list[dict[str, Any]]]) -> None:
     objs = rendered["cpu+external-etcd"]
     assert not [o for o in objs if "etcd" in o["metadata"]["name"]]
