@@ -15,7 +15,7 @@ import io
 import json
 import statistics
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from typing import Any
 
 import aiohttp
@@ -85,7 +85,13 @@ async def cluster_tables(state: GatewayState) -> str:
         for i in infos.values():
             rows.append([i.node_id, i.role, i.pool, i.engine_kind, i.quantization or "none", f"{i.status} (etcd only)",
                          "-", "-", "-", _ago(i.started_at), "-"])  # fmt: skip
-    out = [table("Nodes", ["Node", "Role", "Pool", "Engine", "Quantization", "Health", "Load", "KV use",
+    # What a screen reader hears when it changes (the page's status region, console.js): the
+    # node count and each health's share, not the tables, which are replaced every 3 s.
+    healths = Counter(str(r[5]) for r in rows)
+    summary = f"{len(rows)} node{'s' * (len(rows) != 1)}" + (": " + ", ".join(
+        f"{n} {h}" for h, n in sorted(healths.items())) if healths else "")  # fmt: skip
+    out = [f'<p class="summary" data-summary="{esc(summary)}">{esc(summary)}</p>',
+           table("Nodes", ["Node", "Role", "Pool", "Engine", "Quantization", "Health", "Load", "KV use",
                            "Cached blocks", "Up for", "Resyncs"], rows)]  # fmt: skip
     reps = []
     for url, r in zip(urls, reports, strict=True):
@@ -114,8 +120,10 @@ async def cluster(state: GatewayState, request: web.Request, s: Session) -> web.
     body = await cluster_tables(state)
     if request.query.get("fragment"):
         return fragment(body)
-    return page("Cluster", "cluster", f'<div id="live" data-refresh="/console/cluster?fragment=1" '
-                                      f'aria-live="polite">{body}</div>', s)  # fmt: skip
+    # The tables are not a live region (re-announced whole every 3 s); the status line says what
+    # changed in the node summary.
+    return page("Cluster", "cluster", '<p id="live-status" class="visually-hidden" role="status" aria-live="polite">'
+                                      f'</p><div id="live" data-refresh="/console/cluster?fragment=1">{body}</div>', s)  # fmt: skip
 
 
 # --- teams and keys ---------------------------------------------------------------------------

@@ -145,6 +145,13 @@ def test_sign_in_and_see_the_nodes_live(traced: Traced, browser: object) -> None
 
     first = stamp()
     wait_for(lambda: stamp() != first, 15, "the live refresh")
+    # Screen readers hear the node summary when it changes, not the tables every 3 s: the tables
+    # are no live region, and a refresh announces the summary only if it changed.
+    live = d.execute_script("const l = document.getElementById('live'), s = document.getElementById('live-status');"  # type: ignore[attr-defined]
+                            "return [l.getAttribute('aria-live'), s.getAttribute('role'), s.textContent,"
+                            " l.querySelector('[data-summary]').getAttribute('data-summary')]")  # fmt: skip
+    assert live[:2] == [None, "status"] and live[2] in ("", live[3]), live  # the summary or nothing
+    assert live[3].startswith(f"{len(rows)} nodes: ") and "ready" in live[3], live
     # the autoscaler's decision (conftest: prefill bounds [2, 3], the virtual actuator), through
     # the coordinator's API and on the page
     status, body = get_raw(traced.coordinator.url + "/planner", "", {"Authorization": f"Bearer {traced.secret}"})

@@ -10,7 +10,14 @@ document.addEventListener("DOMContentLoaded", () => {
       try {
         const r = await fetch(url, { credentials: "same-origin", headers: { Accept: "text/html" } });
         if (r.redirected || r.status === 401) location.assign("/console/login?expired=1");
-        else if (r.ok) el.innerHTML = await r.text();
+        else if (r.ok) {
+          const before = el.querySelector("[data-summary]")?.getAttribute("data-summary");
+          el.innerHTML = await r.text();
+          const after = el.querySelector("[data-summary]")?.getAttribute("data-summary");
+          const status = document.getElementById("live-status");
+          // announce the nodes' summary when it changes, never the whole tables
+          if (status && after && after !== before) status.textContent = after;
+        }
       } catch (e) { /* the next tick tries again */ }
     }, 3000);
   }
