@@ -417,6 +417,14 @@ async def requests(state: GatewayState, request: web.Request, s: Session) -> web
                 recent, raw=True), s)  # fmt: skip
 
 
+def _attr(v: object) -> str:
+    """A span attribute as an operator reads it: a sequence's items joined (OTel keeps them as
+    tuples, whose repr showed parentheses and quotes)."""
+    if isinstance(v, (list, tuple)):
+        return ", ".join(str(i) for i in v)
+    return str(v)
+
+
 async def trace(state: GatewayState, request: web.Request, s: Session) -> web.Response:
     rid = request.match_info["rid"]
     ring = state.tracing.ring
@@ -436,7 +444,8 @@ async def trace(state: GatewayState, request: web.Request, s: Session) -> web.Re
     t0 = min(x.start_ns for x in spans)
     bars = [(x.name, depth(x), (x.start_ns - t0) / 1e6, (x.end_ns - t0) / 1e6, x.error) for x in spans]
     rows = [[esc(x.name), esc(f"{(x.end_ns - x.start_ns) / 1e6:.2f} ms"),
-             "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(v)}</dd>" for k, v in sorted(x.attributes.items())) + "</dl>"]
+             "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(_attr(v))}</dd>" for k, v in sorted(x.attributes.items()))
+             + "</dl>"]
             for x in spans]  # fmt: skip
     body = (f"<p>Trace <code>{esc(root.trace_id)}</code> of request <code>{esc(rid)}</code>, as this gateway "
             "recorded it; the nodes' and the coordinator's own spans go to the OTLP collector.</p>"

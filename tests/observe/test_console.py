@@ -287,6 +287,9 @@ def test_a_request_trace_shows_the_prefill_and_decode_legs(traced: Traced, brows
         assert name in names, names
     svg = css(d, "svg[role='img']")[0].get_attribute("outerHTML")
     assert "gateway.prefill_leg" in svg and "gateway.decode_leg" in svg
+    # a list attribute reads as its items, not a Python tuple's repr
+    nodes = next(dd.text for dt, dd in zip(css(d, "dl dt"), css(d, "dl dd"), strict=True) if dt.text == "duet.nodes")
+    assert nodes == "prefill-0, decode-0", nodes
     shot(d, "trace")
 
 
