@@ -7,8 +7,8 @@ When it expires — its gateway stopped renewing it, or a restarted gateway recl
 instance's bookings — it is billed with a usage record of status `expired`: the prompt (a node
 or a provider may already have computed it) plus the streamed tokens at the booked completion
 price (the client has them), so a team gets neither a free request nor a free stream by
-killing its gateway mid-flight. Tokens streamed after the last heartbeat (at most
-`heartbeat_s` of them) are not known to the store and go unbilled: the record is a floor.
+killing its gateway mid-flight. Tokens streamed after the last heartbeat (at most `heartbeat_s`
+of streaming) are not known to the store and go unbilled: the record is a floor.
 """
 
 from __future__ import annotations
