@@ -3,10 +3,11 @@ requests the client sent.
 
 Totals alone cannot be compared: a request whose answer died with its gateway (the record was
 written, the last bytes never arrived), a client that gave up on a hang (`client_disconnected`)
-or a booking a restarted gateway billed (`expired`, the prompt) have a record the client never
-saw answered, while the client sees answers with no record at all (a 429 refused before any
-booking). So each request carries a tag of its own in the OpenAI `user` field (the same on its
-one retry) and the answer's X-Request-Id, and the check is per request:
+or a booking a restarted gateway billed (`expired`: the prompt, and what its stream had sent by
+the dead gateway's last heartbeat) have a record the client never saw answered, while the
+client sees answers with no record at all (a 429 refused before any booking). So each request
+carries a tag of its own in the OpenAI `user` field (the same on its one retry) and the
+answer's X-Request-Id, and the check is per request:
 - every full answer has exactly one record: its X-Request-Id, status `ok`, the client's
   completion tokens (`exact`);
 - no tag has more than one billed record (`billed_twice`: a retried request whose lost first

@@ -31,6 +31,7 @@ from gateway.config import AUTO, ConfigError, GatewayConfig, ModelConfig, Static
 from gateway.console import install as install_console
 from gateway.etcd_view import EtcdView
 from gateway.key_cache import KeyCache
+from gateway.ledger import streamed_report, streamed_reported
 from gateway.loop_lag import LoopLag
 from gateway.metrics import GatewayMetrics
 from gateway.node_client import NodeClient
@@ -323,15 +324,19 @@ DEAD_AFTER_HEARTBEATS = 2.5
 
 async def _sweep(s: GatewayState) -> None:
     """Every heartbeat: this gateway's heartbeat (which renews its own reservations, so a
-    request outliving the TTL still counts), the reclaim of dead gateways' reservations (a
+    request outliving the TTL still counts, and reports the tokens each stream has sent, which
+    a booking bills if this gateway dies), the reclaim of dead gateways' reservations (a
     killed gateway's, its own previous life's included), and the expiry of lapsed ones."""
     q = s.config.quotas
     while True:
         try:
-            await s.store.heartbeat(s.gateway_id, q.reservation_ttl_s)
+            report = streamed_report(s)
+            await s.store.heartbeat(s.gateway_id, q.reservation_ttl_s, streamed=report)
+            streamed_reported(s, report)
             n = await s.store.reclaim(DEAD_AFTER_HEARTBEATS * q.heartbeat_s)
             if n:
-                log.warning("reclaimed %d reservations of a gateway that stopped (billed at their prompt)", n)
+                log.warning("reclaimed %d reservations of a gateway that stopped (billed at their prompt and "
+                            "what they had streamed)", n)  # fmt: skip
             n = await s.store.expire_reservations()
             if n:
                 log.warning("expired %d stale quota reservations", n)

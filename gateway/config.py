@@ -230,8 +230,9 @@ class QuotaConfig:
     #: an unsettled reservation older than this is expired (its request's process died) —
     #: renewed by its gateway's heartbeat while that gateway lives
     reservation_ttl_s: float = 900.0
-    #: each gateway's heartbeat in the store; a gateway silent for 2.5 heartbeats is dead and
-    #: its reservations are reclaimed (billed at their prompt) by any live gateway
+    #: each gateway's heartbeat in the store (it reports what each stream has sent); a gateway
+    #: silent for 2.5 heartbeats is dead and its reservations are reclaimed by any live gateway,
+    #: billed at their prompt plus the tokens streamed as of its last heartbeat
     heartbeat_s: float = 5.0
     #: usage records per store transaction (the batched writer)
     usage_batch: int = 256

@@ -12,6 +12,12 @@ Invariants: a ledger settles exactly once (later calls are no-ops: `settled`); a
 node or provider served costs nothing and keeps no tokens in the team's window — unless its
 client left after the prompt went out (then the prompt is paid); the metrics and
 the log line of a request are written once, after its answer's last bytes.
+
+In flight (reserved, not settled) a ledger is in `GatewayState.in_flight`, by reservation id:
+the heartbeat reads each streaming one's completion tokens there (`streamed_report`) and the
+store keeps them on the booking, so a booking whose gateway dies bills what its client was
+streamed (store/expiry.py). The request path pays one dict insert and one delete for it, never
+anything per token: the heartbeat reads the reply's own counters.
 """
 
 from __future__ import annotations
@@ -110,6 +116,11 @@ class Ledger:
         self.headers = rate_headers(rate)
         self._served = state.models.get(record.model_used)
         self.settled = False
+        #: the accounting of the reply being streamed to the client (`streaming`); None: nothing
+        #: streams (a whole answer reaches its client only at the end: a death bills its prompt)
+        self.streamed: Accounting | None = None
+        #: the completion tokens the store was last told of (`streamed_report`)
+        self.reported = 0
 
     @classmethod
     async def reserve(cls, state: GatewayState, caller: Caller, req: Request, tier: Tier, served: ServedModel,
@@ -117,9 +128,11 @@ class Ledger:
         """Book the request's worst case (its prompt plus `n` full completions, at the dearest
         model of its chain) or raise RateLimited."""
         team, n_prompt, max_tokens = caller.team, size.n_prompt, size.max_tokens
-        # what the booking bills if this gateway dies before settling it: the prompt
+        # what the booking bills if this gateway dies before settling it: the prompt, and what was
+        # streamed by the last heartbeat at this model's completion price
         booked = Booked(model=served.config.name, tier=tier, endpoint=req.endpoint.value, prompt_tokens=n_prompt,
                         prompt_cost_usd=cost_usd(served.config, n_prompt, 0) * caller.price_factor,
+                        completion_usd_per_mtok=served.config.output_usd_per_mtok * caller.price_factor,
                         idempotent=caller.idempotent, user=req.user)  # fmt: skip
         reserve = ReserveRequest(team_id=team.id, key_id=caller.key.id, request_id=caller.request_id,
                                  tokens=n_prompt + req.n * max_tokens,
@@ -136,14 +149,21 @@ class Ledger:
                              model_requested=req.model, model_used=served.config.name, tier=tier,
                              status=UsageStatus.ERROR.value, prompt_tokens=len(size.ids), endpoint=req.endpoint.value,
                              user=req.user)  # fmt: skip
-        return cls(state, caller, res.id, record, res.rate)
+        ledger = cls(state, caller, res.id, record, res.rate)
+        state.in_flight[res.id] = ledger  # until it settles (`_settlement`)
+        return ledger
 
     def attempt(self, served: ServedModel, prompt_tokens: int) -> None:
         """The request now tries `served` (its first model, or a fallback)."""
         self._served = served
         self.record.model_used, self.record.prompt_tokens = served.config.name, prompt_tokens
 
+    def streaming(self, acc: Accounting) -> None:
+        """`acc`'s reply now streams to the client: the heartbeat reports its completion tokens."""
+        self.streamed = acc
+
     def _settlement(self, status: UsageStatus, acc: Accounting | None) -> Settlement:
+        self.state.in_flight.pop(self.reservation_id, None)
         r = self.record
         r.status = status.value
         served = acc is not None and acc.served
@@ -200,3 +220,22 @@ class Ledger:
         m.e2e.labels(model=r.model_requested).observe(r.latency_s)
         if r.ttft_s is not None:
             m.ttft.labels(model=r.model_requested).observe(r.ttft_s)
+
+
+def streamed_report(state: GatewayState) -> dict[str, int]:
+    """Reservation id → completion tokens streamed so far, for each in-flight ledger whose
+    count grew since the store was last told (`Store.heartbeat`'s `streamed`); the caller marks
+    them told with `streamed_reported` once the heartbeat committed."""
+    out = {}
+    for rid, ledger in state.in_flight.items():
+        acc = ledger.streamed
+        if acc is not None and (n := acc.total_completion_tokens) > ledger.reported:
+            out[rid] = n
+    return out
+
+
+def streamed_reported(state: GatewayState, report: dict[str, int]) -> None:
+    for rid, n in report.items():
+        ledger = state.in_flight.get(rid)
+        if ledger is not None:
+            ledger.reported = max(ledger.reported, n)

@@ -110,6 +110,7 @@ async def relay_stream(ledger: Ledger, reply: Reply, fmt: Formatter, sink: Event
                        include_usage: bool) -> None:  # fmt: skip
     """The answer as SSE into `sink` (opened with `headers` at the first piece; errors before
     it are plain HTTP errors, raised)."""
+    ledger.streaming(reply.accounting)  # a dead gateway's booking bills what this sends
     held: list[Piece] = []  # finishing chunks wait for the usage record's commit
     pending: list[bytes] = []  # chunks whose successor has already arrived: one write for all
     try:

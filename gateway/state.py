@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from gateway.auth import AdminGuard
     from gateway.choice import ModelChoice
     from gateway.etcd_view import EtcdView
+    from gateway.ledger import Ledger
     from gateway.providers.metrics import ProviderMetrics
 
 
@@ -67,3 +68,6 @@ class GatewayState:
     #: URLs (configured + registered): the console's cluster page
     etcd_view: EtcdView | None = None
     coordinator_urls: Callable[[], list[str]] = field(default_factory=lambda: list)
+    #: reservation id → the ledger of each request reserved and not yet settled: the heartbeat
+    #: reports their streamed tokens to the store (gateway/ledger.py)
+    in_flight: dict[str, Ledger] = field(default_factory=dict)

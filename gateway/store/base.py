@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -50,13 +51,18 @@ class ApiKey(msgspec.Struct, kw_only=True, frozen=True):
 @dataclass(frozen=True)
 class Booked:
     """What a reservation bills if its gateway dies before settling it: the prompt, which a node
-    or a provider may already be computing (the usage record it then gets says `expired`)."""
+    or a provider may already be computing, and the completion tokens its stream had sent as of
+    the gateway's last heartbeat, at `completion_usd_per_mtok` (the usage record it then gets
+    says `expired`; expiry.py)."""
 
     model: str
     tier: str
     endpoint: str
     prompt_tokens: int
     prompt_cost_usd: float
+    #: USD per million completion tokens, the caller's price factor applied: the store prices
+    #: the streamed tokens without the config (0 in a booking an older version wrote)
+    completion_usd_per_mtok: float = 0.0
     #: the request id is an idempotency key (`Settlement.idempotent`)
     idempotent: bool = False
     #: the request's OpenAI `user` field, kept on the `expired` record like on any other (spend
@@ -210,12 +216,16 @@ class Store(ABC):
     @abstractmethod
     async def expire_reservations(self, now: float | None = None) -> int:
         """Drop bookings past their expiry (their gateway stopped renewing them), billing each
-        one's booked prompt with an `expired` usage record."""
+        one's booked prompt and streamed tokens with an `expired` usage record."""
 
     @abstractmethod
-    async def heartbeat(self, gateway_id: str, ttl_s: float, now: float | None = None) -> None:
+    async def heartbeat(self, gateway_id: str, ttl_s: float, now: float | None = None,
+                        streamed: Mapping[str, int] | None = None) -> None:  # fmt: skip
         """Gateway `gateway_id` is alive: its heartbeat row is now, and every booking it holds
-        expires `ttl_s` from now at the earliest (a request outliving the TTL still counts)."""
+        expires `ttl_s` from now at the earliest (a request outliving the TTL still counts).
+        `streamed`: reservation id → completion tokens its stream has sent so far, kept on the
+        booking (never lowered) and billed if the booking expires; bookings not named keep
+        their count."""
 
     @abstractmethod
     async def reclaim(self, dead_after_s: float, now: float | None = None) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import asyncpg
@@ -44,7 +45,7 @@ CREATE TABLE IF NOT EXISTS api_keys (
 CREATE TABLE IF NOT EXISTS reservations (
     id TEXT PRIMARY KEY, team_id TEXT NOT NULL, key_id TEXT NOT NULL, request_id TEXT NOT NULL,
     created_at DOUBLE PRECISION NOT NULL, expires_at DOUBLE PRECISION NOT NULL, tokens BIGINT NOT NULL,
-    cost_usd DOUBLE PRECISION NOT NULL, gateway_id TEXT, booked TEXT);
+    cost_usd DOUBLE PRECISION NOT NULL, gateway_id TEXT, booked TEXT, streamed_tokens BIGINT NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS reservations_team_expiry ON reservations (team_id, expires_at);
 CREATE INDEX IF NOT EXISTS reservations_expiry ON reservations (expires_at);
 CREATE TABLE IF NOT EXISTS team_state (
@@ -72,7 +73,8 @@ USAGE_KEYS = ("CREATE TABLE IF NOT EXISTS usage_keys (request_id TEXT PRIMARY KE
               "billed_at DOUBLE PRECISION NOT NULL)")
 #: columns later versions added to existing tables: (table, column, type)
 ADDED_COLUMNS = [("usage", "user", "TEXT"), ("reservations", "gateway_id", "TEXT"), ("reservations", "booked", "TEXT"),
-                 ("usage", "migrations", "INTEGER"), ("usage", "leg_tokens", "TEXT")]
+                 ("usage", "migrations", "INTEGER"), ("usage", "leg_tokens", "TEXT"),
+                 ("reservations", "streamed_tokens", "BIGINT NOT NULL DEFAULT 0")]  # fmt: skip
 
 _TEAM_COLS = "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, created_at"
 _KEY_COLS = "id, team_id, name, prefix, created_at, revoked_at"
@@ -105,15 +107,18 @@ async def _unbook(con: Any, rid: str, team_id: str, cost: float) -> None:
 
 
 async def _expire(con: Any, now: float, where: str, *args: Any) -> int:
-    """Bookings whose gateway never settled them stop counting; each bills its booked prompt
-    (an `expired` usage record, the day's and month's spend)."""
-    rows = await con.fetch(f"SELECT id, team_id, key_id, request_id, created_at, tokens, cost_usd, booked "
-                           f"FROM reservations WHERE {where} FOR UPDATE", *args)  # fmt: skip
+    """Bookings whose gateway never settled them stop counting; each bills its booked prompt and
+    the tokens it had streamed as of its gateway's last heartbeat (an `expired` usage record,
+    the day's and month's spend)."""
+    rows = await con.fetch(f"SELECT id, team_id, key_id, request_id, created_at, tokens, cost_usd, booked, "
+                           f"streamed_tokens FROM reservations WHERE {where} FOR UPDATE", *args)  # fmt: skip
     for r in rows:
         await _unbook(con, r["id"], r["team_id"], r["cost_usd"])
         b = booked_from(r["booked"])
-        record = expired_record(r["team_id"], r["key_id"], r["request_id"], b, now)
-        await _bucket(con, r["team_id"], int(r["created_at"]), 0, (record.prompt_tokens if record else 0) - r["tokens"])
+        record = expired_record(r["team_id"], r["key_id"], r["request_id"], b, now, r["streamed_tokens"])
+        # the window keeps what was billed, as a settled request's does (prompt + completion)
+        billed = record.prompt_tokens + record.completion_tokens if record else 0
+        await _bucket(con, r["team_id"], int(r["created_at"]), 0, billed - r["tokens"])
         if record is not None and b is not None:
             await _write_usage(con, [(record, b.idempotent)], now)
     return len(rows)
@@ -340,13 +345,19 @@ class PostgresStore(Store):
             await con.execute("DELETE FROM rate_buckets WHERE second < $1", int(t - 2 * WINDOW_S))
         return n
 
-    async def heartbeat(self, gateway_id: str, ttl_s: float, now: float | None = None) -> None:
+    async def heartbeat(self, gateway_id: str, ttl_s: float, now: float | None = None,
+                        streamed: Mapping[str, int] | None = None) -> None:  # fmt: skip
         t = time.time() if now is None else now
+        ids, counts = list((streamed or {}).keys()), list((streamed or {}).values())
         async with self.pool.acquire() as con, con.transaction():
             await con.execute("INSERT INTO gateways (id, heartbeat_at) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE "
                               "SET heartbeat_at = excluded.heartbeat_at", gateway_id, t)  # fmt: skip
             await con.execute("UPDATE reservations SET expires_at = $1 WHERE gateway_id = $2 AND expires_at < $1",
                               t + ttl_s, gateway_id)  # fmt: skip
+            if ids:  # one statement for all of them; GREATEST: a late report never lowers an earlier one
+                await con.execute("UPDATE reservations AS r SET streamed_tokens = GREATEST(r.streamed_tokens, s.n) "
+                                  "FROM unnest($1::text[], $2::bigint[]) AS s(id, n) "
+                                  "WHERE r.id = s.id AND r.gateway_id = $3", ids, counts, gateway_id)  # fmt: skip
 
     async def reclaim(self, dead_after_s: float, now: float | None = None) -> int:
         t = time.time() if now is None else now

@@ -16,7 +16,7 @@ import json
 import sqlite3
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -51,7 +51,7 @@ CREATE TABLE IF NOT EXISTS api_keys (
 CREATE TABLE IF NOT EXISTS reservations (
     id TEXT PRIMARY KEY, team_id TEXT NOT NULL, key_id TEXT NOT NULL, request_id TEXT NOT NULL,
     created_at REAL NOT NULL, expires_at REAL NOT NULL, tokens INTEGER NOT NULL,
-    cost_usd REAL NOT NULL, gateway_id TEXT, booked TEXT);
+    cost_usd REAL NOT NULL, gateway_id TEXT, booked TEXT, streamed_tokens INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS gateways (id TEXT PRIMARY KEY, heartbeat_at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS reservations_expiry ON reservations (expires_at);
 CREATE TABLE IF NOT EXISTS team_state (
@@ -76,7 +76,8 @@ CREATE TABLE IF NOT EXISTS usage_keys (
 """
 #: columns later versions added to existing tables: (table, column, type)
 ADDED_COLUMNS = [("usage", "user", "TEXT"), ("reservations", "gateway_id", "TEXT"), ("reservations", "booked", "TEXT"),
-                 ("usage", "migrations", "INTEGER"), ("usage", "leg_tokens", "TEXT")]
+                 ("usage", "migrations", "INTEGER"), ("usage", "leg_tokens", "TEXT"),
+                 ("reservations", "streamed_tokens", "INTEGER NOT NULL DEFAULT 0")]  # fmt: skip
 
 _TEAM_COLS = "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, created_at"
 _KEY_COLS = "id, team_id, name, prefix, created_at, revoked_at"
@@ -228,8 +229,10 @@ class SqliteStore(Store):
 
         return await self._run(q)
 
-    async def heartbeat(self, gateway_id: str, ttl_s: float, now: float | None = None) -> None:
+    async def heartbeat(self, gateway_id: str, ttl_s: float, now: float | None = None,
+                        streamed: Mapping[str, int] | None = None) -> None:  # fmt: skip
         t = time.time() if now is None else now
+        counts = [(n, rid, gateway_id) for rid, n in (streamed or {}).items()]
 
         def q(db: sqlite3.Connection) -> None:
             with _tx(db):
@@ -237,6 +240,9 @@ class SqliteStore(Store):
                            "SET heartbeat_at = excluded.heartbeat_at", (gateway_id, t))  # fmt: skip
                 db.execute("UPDATE reservations SET expires_at = ? WHERE gateway_id = ? AND expires_at < ?",
                            (t + ttl_s, gateway_id, t + ttl_s))  # fmt: skip
+                # by primary key; max(): a late report never lowers what an earlier one said
+                db.executemany("UPDATE reservations SET streamed_tokens = max(streamed_tokens, ?) "
+                               "WHERE id = ? AND gateway_id = ?", counts)  # fmt: skip
 
         await self._run(q)
 
@@ -400,15 +406,17 @@ def _unbook(db: sqlite3.Connection, team_id: str, cost: float) -> None:
 
 def _expire(db: sqlite3.Connection, where: str, args: tuple[Any, ...], now: float | None = None) -> int:
     """Bookings whose gateway never settled them stop counting: in flight and in the window;
-    each bills its booked prompt (an `expired` usage record, the day's and month's spend)."""
+    each bills its booked prompt and the tokens it had streamed as of its gateway's last
+    heartbeat (an `expired` usage record, the day's and month's spend)."""
     now = time.time() if now is None else now
     rows = db.execute(f"DELETE FROM reservations WHERE {where} RETURNING team_id, key_id, request_id, created_at, "
-                      "tokens, cost_usd, booked", args).fetchall()  # fmt: skip
-    for team_id, key_id, request_id, created, tokens, cost, booked in rows:
+                      "tokens, cost_usd, booked, streamed_tokens", args).fetchall()  # fmt: skip
+    for team_id, key_id, request_id, created, tokens, cost, booked, streamed in rows:
         _unbook(db, team_id, cost)
         b = booked_from(booked)
-        record = expired_record(team_id, key_id, request_id, b, now)
-        _bucket(db, team_id, int(created), 0, (record.prompt_tokens if record else 0) - tokens)
+        record = expired_record(team_id, key_id, request_id, b, now, streamed)
+        # the window keeps what was billed, as a settled request's does (prompt + completion)
+        _bucket(db, team_id, int(created), 0, (record.prompt_tokens + record.completion_tokens if record else 0) - tokens)
         if record is not None and b is not None:
             _write_usage(db, record, now, once=b.idempotent)
     return len(rows)

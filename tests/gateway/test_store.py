@@ -235,6 +235,7 @@ async def test_old_postgres_database_gains_the_user_column(postgres_db: str) -> 
     try:  # back to the schema versions before the `user` column created, with one old row
         for column in ('"user"', "migrations", "leg_tokens"):
             await con.execute(f"ALTER TABLE usage DROP COLUMN {column}")
+        await con.execute("ALTER TABLE reservations DROP COLUMN streamed_tokens")
         await con.execute("INSERT INTO usage (request_id, team_id, key_id, model_requested, model_used, tier, status, "
                           "endpoint, prompt_tokens, completion_tokens, cached_tokens, cost_usd, ttft_s, latency_s, "
                           "nodes, created_at) VALUES ('old-1', 't', 'k', 'm', 'm', 'interactive', 'ok', 'chat', 3, 4, "
@@ -245,6 +246,8 @@ async def test_old_postgres_database_gains_the_user_column(postgres_db: str) -> 
         await s.create_team(Team(id="t"))
         await _settled(s, "t", 5, 0.25, "alice", "new-1")
         assert [r.user for r in await s.usage_records("t", 0, 1e12)] == [None, "alice"]
+        assert await con.fetchval("SELECT count(*) FROM information_schema.columns WHERE table_name = "
+                                  "'reservations' AND column_name = 'streamed_tokens'") == 1  # fmt: skip
         # Up to date, a gateway's open takes no lock on usage (ALTER TABLE would wait for every
         # reader and writer of it: the deadlock the schema-only-when-missing rule avoids).
         async with con.transaction():
@@ -309,3 +312,75 @@ async def test_an_expired_reservation_bills_its_prompt(url: str) -> None:
     # the request's `user` stays on its record (spend per end user; bench/chaos_usage.py matches by it)
     assert [(r.status, r.prompt_tokens, r.cost_usd, r.user) for r in records] == [("expired", 40, 0.1, "end-user-7")]
     await s.close()
+
+
+async def test_a_dead_gateways_streams_bill_what_they_had_sent(url: str) -> None:
+    """Issue #23: each heartbeat reports the completion tokens its in-flight streams have sent;
+    a reclaimed booking bills them (at its booked completion price) besides its prompt, and the
+    team's token window keeps them. A late, lower report never lowers the count, and a gateway
+    cannot report on another's bookings."""
+    s = await _store(url)
+    await s.create_team(Team(id="t", tpm=1000))
+    await s.create_team(Team(id="u"))
+    t0 = time.time()
+    booked = dataclasses.replace(_booked(100, 0.25), completion_usd_per_mtok=10_000.0)  # 0.01 a token
+    await s.heartbeat("gw-dead", 900, now=t0)
+    await s.heartbeat("gw-live", 900, now=t0)
+    dead = await s.reserve(ReserveRequest(team_id="t", key_id="k", request_id="req-stream", tokens=900, cost_usd=5.0,
+                                          ttl_s=900, now=t0, gateway_id="gw-dead", booked=booked))  # fmt: skip
+    live = await s.reserve(ReserveRequest(team_id="u", key_id="k", request_id="req-live", tokens=900, cost_usd=5.0,
+                                          ttl_s=900, now=t0, gateway_id="gw-live", booked=booked))  # fmt: skip
+    assert isinstance(dead, Reservation) and isinstance(live, Reservation)
+    await s.heartbeat("gw-dead", 900, now=t0 + 1, streamed={dead.id: 7, live.id: 50})  # live's is not its own
+    await s.heartbeat("gw-dead", 900, now=t0 + 2, streamed={dead.id: 5})  # late and lower: 7 stays
+    await s.heartbeat("gw-live", 900, now=t0 + 14)
+    assert await s.reclaim(12.5, now=t0 + 15) == 1
+    [rec] = await s.usage_records("t", t0 - 1, t0 + 100)
+    assert (rec.request_id, rec.status, rec.prompt_tokens, rec.completion_tokens) == ("req-stream", "expired", 100, 7)
+    assert rec.cost_usd == pytest.approx(0.25 + 7 * 0.01)
+    # the window keeps what was billed (prompt + streamed), not the 900 booked
+    ok = await s.reserve(_req("t", tokens=1, now=t0 + 15))
+    assert isinstance(ok, Reservation) and ok.rate.remaining_tokens == 1000 - 107 - 1  # (this request's 1 too)
+    assert [r.completion_tokens for r in await s.usage_records("u", t0 - 1, t0 + 100)] == []  # live: in flight
+    assert await s.reclaim(1, now=t0 + 100) == 1  # gw-live dies too: its booking streamed nothing it reported
+    [other] = await s.usage_records("u", t0 - 1, t0 + 200)
+    assert (other.completion_tokens, other.cost_usd) == (0, 0.25)
+    await s.close()
+
+
+async def test_an_expired_booking_of_an_older_version_bills_its_prompt(tmp_path: Path) -> None:
+    """A file an older version wrote (no streamed_tokens column, bookings without a completion
+    price) gains the column at open; its bookings bill their prompt, as they did."""
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as db:
+        db.executescript(OLD_SQLITE_RESERVATIONS)
+    s = await _store(f"sqlite://{path}")
+    assert await s.reclaim(10, now=OLD_T0 + 60) == 1
+    [rec] = await s.usage_records("t", 0, 1e12)
+    assert (rec.request_id, rec.status, rec.prompt_tokens, rec.completion_tokens, rec.cost_usd) == \
+        ("req-old", "expired", 40, 0, 0.1)  # fmt: skip
+    await s.close()
+    with sqlite3.connect(path) as db:
+        assert "streamed_tokens" in [r[1] for r in db.execute("PRAGMA table_info(reservations)")]
+
+
+OLD_T0 = 3_000_000.0
+# the reservations table (and a booking in it) as versions before streamed_tokens left them
+OLD_SQLITE_RESERVATIONS = f"""
+PRAGMA journal_mode=WAL;
+CREATE TABLE teams (
+    id TEXT PRIMARY KEY, rpm INTEGER, tpm INTEGER, max_concurrent INTEGER,
+    daily_budget_usd REAL, monthly_budget_usd REAL, default_tier TEXT NOT NULL,
+    created_at REAL NOT NULL);
+INSERT INTO teams VALUES ('t', NULL, NULL, NULL, NULL, NULL, 'interactive', 0);
+CREATE TABLE reservations (
+    id TEXT PRIMARY KEY, team_id TEXT NOT NULL, key_id TEXT NOT NULL, request_id TEXT NOT NULL,
+    created_at REAL NOT NULL, expires_at REAL NOT NULL, tokens INTEGER NOT NULL,
+    cost_usd REAL NOT NULL, gateway_id TEXT, booked TEXT);
+INSERT INTO reservations VALUES ('rsv-old', 't', 'k', 'req-old', {OLD_T0}, {OLD_T0 + 900}, 90, 0.5, 'gw-old',
+    '{{"model":"m","tier":"interactive","endpoint":"chat","prompt_tokens":40,"prompt_cost_usd":0.1}}');
+CREATE TABLE gateways (id TEXT PRIMARY KEY, heartbeat_at REAL NOT NULL);
+INSERT INTO gateways VALUES ('gw-old', {OLD_T0});
+"""

@@ -5,7 +5,8 @@ gateway is SIGKILLed. The reservation stayed in the store, unsettled, for the 90
 got 429 for a quarter of an hour, and the killed request (whose prompt a provider was already
 computing) was never billed. Now every gateway beats in the store; a restarted gateway reclaims
 the dead instance's reservations once it has been silent for 2.5 heartbeats, billing each
-booked prompt with an `expired` usage record.
+booked prompt with an `expired` usage record — and, for a stream, the completion tokens it had
+sent as of the dead gateway's last heartbeat (issue #23: each heartbeat reports them).
 
 Real parts: two gateway processes in turn on one SQLite store, SIGKILL, the official openai
 client; the provider is the local fake (it holds the request until the test ends).
@@ -89,3 +90,64 @@ def test_a_killed_gateways_reservation_is_reclaimed_and_billed(fake: FakeServers
     assert rows[0][1] > 0 and rows[0][2] == pytest.approx(rows[0][1] * 10.0 / 1e6), rows[0]
     # reclaimed within the second gateway's start plus 2.5 silent heartbeats (and a sweep), not 900 s
     assert back_after < 60, back_after
+
+
+def test_a_killed_gateways_stream_bills_what_it_had_sent(fake: FakeServers, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The killed request is a stream that has already delivered tokens to its client: the
+    `expired` record bills them (as of the dead gateway's last heartbeat) besides the prompt."""
+    monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
+    models = {"gpt": external(fake.fakes["gpt"], {"in": 10.0, "out": 20.0}, 2)}
+    quotas = {"heartbeat_s": HEARTBEAT_S}
+    db = tmp_path / "gateway.db"
+    streamed = 5
+    first = gateway_proc(tmp_path, models, quotas=quotas)
+    with running(first):
+        key = make_team(first.url, "solo", max_concurrent=1)
+        gpt = fake.fakes["gpt"]
+        # the role event, then `streamed` words (one token each), then silence until the test ends
+        fake.loop.call_soon_threadsafe(gpt.faults.append, Fault.stall_after(1 + streamed))
+        client = openai.OpenAI(base_url=first.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        received: list[str] = []
+
+        def in_flight() -> None:
+            with contextlib.suppress(openai.APIError):  # its gateway is killed under it
+                for chunk in client.chat.completions.create(
+                        model="gpt", messages=[{"role": "user", "content": "one two three four five six seven eight"}],
+                        max_tokens=32, stream=True):  # fmt: skip
+                    if chunk.choices and chunk.choices[0].delta.content:
+                        received.append(chunk.choices[0].delta.content)
+
+        t = threading.Thread(target=in_flight, daemon=True)
+        t.start()
+        wait_for(lambda: len(received) >= streamed, 30, f"the client to read {streamed} streamed tokens")
+
+        def reported() -> int:  # the gateway's heartbeat told the store what the stream sent
+            with contextlib.closing(sqlite3.connect(db)) as conn:
+                row = conn.execute("SELECT max(streamed_tokens) FROM reservations WHERE team_id = 'solo'").fetchone()
+            return row[0] or 0
+
+        wait_for(lambda: reported() >= streamed, 30, "a heartbeat to report the streamed tokens")
+        first.proc.kill()
+        first.proc.wait(10)
+    second = gateway_proc(tmp_path, models, quotas=quotas)
+    with running(second):
+        key_client = openai.OpenAI(base_url=second.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+        def sends() -> bool:
+            try:
+                key_client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "again"}],
+                                                   max_tokens=4)  # fmt: skip
+                return True
+            except openai.RateLimitError:
+                return False
+
+        wait_for(sends, 60, "the team to send again after its gateway's death")
+    t.join(10)
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT status, prompt_tokens, completion_tokens, cost_usd FROM usage "
+                            "WHERE team_id = 'solo' ORDER BY created_at").fetchall()  # fmt: skip
+    assert [r[0] for r in rows] == ["expired", "ok"], rows
+    _, prompt, completion, cost = rows[0]
+    assert prompt > 0 and completion >= streamed, rows[0]
+    assert cost == pytest.approx((prompt * 10.0 + completion * 20.0) / 1e6), rows[0]

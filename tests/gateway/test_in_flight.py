@@ -1,0 +1,91 @@
+"""The gateway's registry of in-flight ledgers (issue #23): a request is in
+`GatewayState.in_flight` from its reservation to its settlement, whatever the answer's shape;
+the heartbeat's report (`ledger.streamed_report`) names a stream's reservation with the tokens
+its client was sent, only when the count grew since the last report, and never a whole
+(non-streamed) answer, which reaches its client only at the end.
+
+In process (aiohttp's test server) with a backend that holds its answer mid-way until told."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import openai
+from aiohttp.test_utils import TestClient, TestServer
+
+from gateway.app import STATE, make_app
+from gateway.backend import Accounting, Attempt, Backend, Piece, Reply
+from gateway.config import ModelConfig, parse_config
+from gateway.keys import new_key
+from gateway.ledger import streamed_report, streamed_reported
+from gateway.requests import Request
+from gateway.state import ServedModel
+from gateway.store.base import Team
+from tests.wait import until
+
+WORDS = ("one", " two", " three")
+
+
+class HeldBackend(Backend):
+    """Sends WORDS, then holds the answer until `release` is set."""
+
+    def __init__(self) -> None:
+        self.sent = asyncio.Event()
+        self.release = asyncio.Event()
+
+    def open(self, request: Request, attempt: Attempt) -> Reply:
+        return Reply(self._pieces)
+
+    async def _pieces(self, out: Accounting) -> AsyncIterator[Piece]:
+        out.prompt_tokens, out.nodes = 11, ["provider:test"]
+        for word in WORDS:
+            out.completion_tokens[0] = out.completion_tokens.get(0, 0) + 1
+            yield Piece(index=0, text=word)
+        self.sent.set()
+        await self.release.wait()
+        yield Piece(index=0, text="", finish_reason="stop")
+
+
+async def _streamed(oai: openai.AsyncOpenAI) -> str:
+    chunks = await oai.chat.completions.create(model="ext", messages=MESSAGES, max_tokens=8, stream=True)
+    return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+
+
+async def _whole(oai: openai.AsyncOpenAI) -> str:
+    answer = await oai.chat.completions.create(model="ext", messages=MESSAGES, max_tokens=8)
+    return answer.choices[0].message.content or ""
+
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+async def test_in_flight_ledgers_and_the_streamed_report(tiny_llama: Path, tmp_path: Path) -> None:
+    # a heartbeat every 5 minutes: the app's own sweep must not report between our looks
+    cfg = parse_config({"store": {"url": f"sqlite://{tmp_path / 'g.db'}"}, "quotas": {"heartbeat_s": 300},
+                        "models": {"tiny": {"tokenizer": str(tiny_llama), "static": {"both": ["http://127.0.0.1:9"]}}}})  # fmt: skip
+    app = make_app(cfg)
+    async with TestClient(TestServer(app)) as client:
+        state = app[STATE]
+        ext = ModelConfig(name="ext", kind="external", input_usd_per_mtok=1.0, output_usd_per_mtok=3.0)
+        await state.store.create_team(Team(id="t"))
+        key, secret, digest = new_key("t")
+        await state.store.create_key(key, digest)
+        oai = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=secret, max_retries=0)
+        for ask in (_streamed, _whole):
+            backend = HeldBackend()
+            state.models["ext"] = ServedModel(ext, backend, None, 1 << 20)
+            task = asyncio.ensure_future(ask(oai))
+            await until(backend.sent.is_set, 30, "the backend to send its words")
+            [rid] = state.in_flight  # reserved, not settled
+            if ask is _streamed:
+                report = streamed_report(state)
+                assert report == {rid: len(WORDS)}
+                streamed_reported(state, report)
+                assert streamed_report(state) == {}  # nothing new since
+            else:
+                assert streamed_report(state) == {}  # nothing reached the client yet
+            backend.release.set()
+            assert await asyncio.wait_for(task, 30) == "".join(WORDS)
+            assert state.in_flight == {}  # settled: out of the registry
