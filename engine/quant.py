@@ -20,10 +20,11 @@ Activation-quantized schemes (W8A8: int8 arithmetic in the GEMMs, issue 25): `in
 the `int8` weights, `int4-w4a8` the `int4` weights (their dequantized values requantized per
 channel to int8 for the GEMM, so the int4 rounding is what the model computes with); every
 linear's activations are quantized per token, dynamically, to int8 (`w8a8_reference`), and the
-products accumulate in int32. Their weights are quantized after SmoothQuant-style smoothing
-(engine/quant_smooth.py: per-input-channel scales from a calibration pass, folded into the
-norms and the v / up rows), so they are not the weight-only schemes' matrices and do not use
-their cache. The lm_head keeps the weight-only int8 path (fp32 logits). The KV
+products accumulate in int32. `int8-w8a8`'s weights are quantized after SmoothQuant-style
+smoothing (engine/quant_smooth.py: per-input-channel scales from a calibration pass, folded into
+the norms and the v / up rows), so they are not the weight-only matrices and do not use their
+cache; `int4-w4a8` keeps the int4 weights as they are (a 4-bit checkpoint's groups are recovered
+exactly; smoothed and requantized they cost more than smoothing saves: quant_smooth.SCHEMES). The lm_head keeps the weight-only int8 path (fp32 logits). The KV
 cache stays in the engine dtype. The W8A8 kernels read the weights in a blocked layout
 (`pack_w8a8`).
 

@@ -22,13 +22,13 @@ from safetensors.torch import load_file
 
 from engine.model_config import ModelConfig
 from engine.quant import (
-    ACT_INT8,
     LM_HEAD_SCHEME,
     WEIGHT_FORMAT,
     QuantizedWeight,
     check_scheme,
     quantize,
 )
+from engine.quant_smooth import SCHEMES as SMOOTHED_SCHEMES
 from engine.quant_store import load_quantized
 
 Matrix = torch.Tensor | QuantizedWeight
@@ -69,9 +69,9 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
         quantization = None
     cached: dict[str, QuantizedWeight] = {}
     t0 = time.monotonic()
-    smooth = quantization in ACT_INT8
+    smooth = quantization in SMOOTHED_SCHEMES
     if quantization is not None:
-        # W8A8 schemes quantize their weight format's matrices after smoothing them
+        # int8-w8a8 quantizes its weight format's matrices after smoothing them
         # (engine/quant_smooth.py), so the weight-only cache does not hold them
         quantization = WEIGHT_FORMAT[check_scheme(quantization)]
         cached = (load_quantized(model_dir, quantization) if use_cache and not smooth else None) or {}
