@@ -1,7 +1,8 @@
 """`duet bench chaos`: the SRE's fault drill. Runs mixed load (interactive streams, non-streamed
 requests, one batch job) against a `duet up` cluster — one it starts (`--up-config`,
 `--up-arg`) or a running one (`--url` with its `--home`) — and SIGKILLs a random process of
-it every `--kill-every` seconds (etcd, coordinators, nodes; the gateway with --kill-gateway).
+it every `--kill-every` seconds (etcd, coordinators, nodes; a gateway while two or more run, or
+with --kill-gateway).
 
 Prints a table (or `--json`) and writes DIR/chaos.json and DIR/chaos.png:
 - requests answered (tokens or a defined error) and undefined (a connection error, a hang,
@@ -61,8 +62,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     c = p.add_argument_group("chaos")
     c.add_argument("--duration", type=float, default=120.0, help="seconds of load (default 120)")
     c.add_argument("--kill-every", type=float, default=30.0, help="seconds between kills; 0: no kills (default 30)")
-    c.add_argument("--kill", default="etcd,coordinator,prefill,decode,both", metavar="KINDS",
-                   help=f"kinds of process to kill, comma-separated, of {','.join(KINDS)} (default: all but the gateway)")
+    c.add_argument("--kill", default=DEFAULT_KILL, metavar="KINDS",
+                   help=f"kinds of process to kill, comma-separated, of {','.join(KINDS)} (default: all; the "
+                        "gateways only while two or more run, as with `duet up --gateways 2`)")  # fmt: skip
     c.add_argument("--kill-gateway", action="store_true", help="also kill the gateway (with one gateway: an outage)")
     c.add_argument("--seed", type=int, default=0, help="random seed of the victims (default 0)")
     w = p.add_argument_group("load")
@@ -86,11 +88,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     if unknown := kinds - set(KINDS):
         p.error(f"--kill: unknown kinds {sorted(unknown)} (known: {', '.join(KINDS)})")
     a.kinds = kinds
+    a.gateways_when_several = a.kill == DEFAULT_KILL  # an explicit --kill list is taken as given
     if (a.url is None) == (a.up_config is None and not a.up_arg):
         p.error("give --url (a running duet up) or --up-config/--up-arg (chaos starts one), not both or neither")
     if a.duration <= 0 or a.kill_every < 0 or a.streams < 0 or a.plain < 0 or a.streams + a.plain == 0:
         p.error("--duration must be > 0, --kill-every >= 0, and at least one stream or plain client")
     return a
+
+
+#: every kind but the gateway, which joins while two or more run (Killer.gateways_when_several)
+DEFAULT_KILL = "etcd,coordinator,prefill,decode,both"
 
 
 def _say(msg: str) -> None:
@@ -191,7 +198,8 @@ async def run(a: argparse.Namespace, url: str, key: str, home: Path | None) -> d
         refs = await references(session, url, key, model, a.max_tokens, a.request_timeout)
         start_wall, t0 = time.time(), time.monotonic()
         records: list[Record] = []
-        killer = Killer(state_file, a.kinds, a.kill_every if state_file else 0, a.seed, t0, _say) if state_file else None
+        killer = Killer(state_file, a.kinds, a.kill_every if state_file else 0, a.seed, t0, _say,
+                        gateways_when_several=a.gateways_when_several) if state_file else None  # fmt: skip
         _say(f"{a.duration:.0f} s of load: {a.streams} stream + {a.plain} plain clients, batch of {a.batch_lines}"
              + (f"; SIGKILL every {a.kill_every:.0f} s among {sorted(a.kinds)}" if killer and a.kill_every else ""))
         batch = asyncio.ensure_future(run_batch(session, url, key, model, a.batch_lines, a.max_tokens,

@@ -4,8 +4,9 @@ has it running (healthy) again.
 
 The processes come from `$DUET_HOME/up/state.json` (duet/supervisor.py::Child.status, which
 `duet up` rewrites on every change): name, pid, state. A process's kind is its name without
-the replica number (`decode-1` → decode). The gateway is left alone unless asked for: with
-one gateway, its death is a client-visible outage by design (no second gateway to take over).
+the replica number (`decode-1` → decode). A gateway is a candidate when the cluster runs two
+or more (`duet up --gateways N`: another one takes over its port), or when asked for: with one
+gateway, its death is a client-visible outage by design (no second gateway to take over).
 
 Invariant: only pids listed by the running `duet up` are ever signalled, and only while they
 are listed as running.
@@ -53,9 +54,12 @@ def read_children(state_file: Path) -> list[dict[str, Any]]:
 
 class Killer:
     def __init__(self, state_file: Path, kinds: set[str], every_s: float, seed: int, t0: float,
-                 say: Callable[[str], None]) -> None:  # fmt: skip
+                 say: Callable[[str], None], gateways_when_several: bool = True) -> None:  # fmt: skip
+        """`gateways_when_several`: gateways are candidates too while two or more run (the
+        default kinds; an explicit --kill list is taken as given)."""
         self.state_file = state_file
         self.kinds = kinds
+        self.gateways_when_several = gateways_when_several
         self.every_s = every_s
         self.rng = random.Random(seed)
         self.t0 = t0
@@ -64,8 +68,12 @@ class Killer:
         self._watchers: list[asyncio.Future[None]] = []
 
     def candidates(self) -> list[dict[str, Any]]:
-        return [c for c in read_children(self.state_file)
-                if c.get("state") == "running" and kind_of(c["name"]) in self.kinds and c.get("pid")]  # fmt: skip
+        children = read_children(self.state_file)
+        kinds = self.kinds
+        if self.gateways_when_several and sum(kind_of(c["name"]) == "gateway" for c in children) >= 2:
+            kinds = kinds | {"gateway"}
+        return [c for c in children
+                if c.get("state") == "running" and kind_of(c["name"]) in kinds and c.get("pid")]  # fmt: skip
 
     async def run(self, until_s: float) -> None:
         """Kill every `every_s` seconds until `until_s` (seconds since t0)."""

@@ -51,3 +51,25 @@ def test_chaos_refuses_bad_flags() -> None:
         r = subprocess.run([sys.executable, "-m", "duet", "bench", "chaos", *flags], capture_output=True, text=True,
                            timeout=60)  # fmt: skip
         assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
+
+
+def test_gateways_are_victims_only_while_another_keeps_the_port(tmp_path: Path) -> None:
+    """The killer draws a gateway only when `duet up --gateways N` runs two or more (one dying
+    leaves the port to another), unless an explicit --kill list says otherwise; with one gateway
+    its death is an outage by design. The issue: "a gateway when there are two"."""
+    import json
+
+    from bench.chaos_kill import Killer
+
+    state = tmp_path / "state.json"
+
+    def names(gateways: int, **kw: bool) -> set[str]:
+        children = [{"name": "decode-0", "state": "running", "pid": 10}]
+        children += [{"name": f"gateway-{i}", "state": "running", "pid": 20 + i} for i in range(gateways)]
+        state.write_text(json.dumps({"children": children}))
+        killer = Killer(state, {"decode"}, 30, 0, 0.0, lambda _m: None, **kw)
+        return {c["name"] for c in killer.candidates()}
+
+    assert names(1) == {"decode-0"}
+    assert names(2) == {"decode-0", "gateway-0", "gateway-1"}
+    assert names(2, gateways_when_several=False) == {"decode-0"}

@@ -80,17 +80,13 @@ def one_request_cost() -> float:
     return (billed_tokens(messages) * PRICES["in"] + MAX_TOKENS * PRICES["out"]) / 1e6
 
 
-def test_cjk_and_emoji_cannot_overspend_a_budget(gateway: tuple[str, Path]) -> None:
-    url, db = gateway
-    key = make_team(url, "cjk", daily_budget_usd=BUDGET)
-    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
-    # the fake answers "echo: <prompt>": two words, so each request bills its prompt and 2 tokens
-    assert 100 * one_request_cost() > 4 * BUDGET  # the attack would overspend 4x over
+def attack(client: openai.OpenAI, db: Path, team: str, **create: Any) -> float:
+    """100 concurrent chat requests of the team to the external model: some answered, the rest
+    refused for the budget; what the team spent."""
 
     def send(_: int) -> str:
         try:
-            client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": PROMPT}],
-                                           max_tokens=MAX_TOKENS)  # fmt: skip
+            client.chat.completions.create(model="gpt", max_tokens=MAX_TOKENS, **create)
             return "ok"
         except openai.RateLimitError as e:
             assert e.body["code"] == "budget_exceeded", e.body
@@ -98,9 +94,20 @@ def test_cjk_and_emoji_cannot_overspend_a_budget(gateway: tuple[str, Path]) -> N
 
     with ThreadPoolExecutor(max_workers=100) as pool:
         outcomes = list(pool.map(send, range(100)))
-    assert "ok" in outcomes and "refused" in outcomes
+    assert "ok" in outcomes and "refused" in outcomes, outcomes
     with sqlite3.connect(db) as conn:
-        (spent,) = conn.execute("SELECT COALESCE(SUM(cost_usd), 0) FROM usage WHERE team_id = 'cjk'").fetchone()
+        (spent,) = conn.execute("SELECT COALESCE(SUM(cost_usd), 0) FROM usage WHERE team_id = ?", (team,)).fetchone()
+    return spent
+
+
+def test_cjk_and_emoji_cannot_overspend_a_budget(gateway: tuple[str, Path]) -> None:
+    url, db = gateway
+    key = make_team(url, "cjk", daily_budget_usd=BUDGET)
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
+    # the fake answers "echo: <prompt>": two words, so each request bills its prompt and 2 tokens
+    assert 100 * one_request_cost() > 4 * BUDGET  # the attack would overspend 4x over
+
+    spent = attack(client, db, "cjk", messages=[{"role": "user", "content": PROMPT}])
     assert spent <= BUDGET + one_request_cost(), f"spent ${spent:.4f} on a ${BUDGET} budget"
 
 
@@ -128,20 +135,7 @@ def test_tool_definitions_cannot_overspend_a_budget(gateway: tuple[str, Path]) -
     cost = (billed_rest({"tools": TOOLS, "tool_choice": "auto"}) * PRICES["in"] + 7 * PRICES["out"]) / 1e6
     assert 100 * cost > 4 * BUDGET  # the attack would overspend 4x over
 
-    def send(_: int) -> str:
-        try:
-            client.chat.completions.create(model="gpt", messages=messages, tools=TOOLS,  # type: ignore[arg-type]
-                                           max_tokens=MAX_TOKENS)  # fmt: skip
-            return "ok"
-        except openai.RateLimitError as e:
-            assert e.body["code"] == "budget_exceeded", e.body
-            return "refused"
-
-    with ThreadPoolExecutor(max_workers=100) as pool:
-        outcomes = list(pool.map(send, range(100)))
-    assert "ok" in outcomes and "refused" in outcomes, outcomes
-    with sqlite3.connect(db) as conn:
-        (spent,) = conn.execute("SELECT COALESCE(SUM(cost_usd), 0) FROM usage WHERE team_id = 'cjk-tools'").fetchone()
+    spent = attack(client, db, "cjk-tools", messages=messages, tools=TOOLS)
     assert spent <= BUDGET + cost, f"spent ${spent:.4f} on a ${BUDGET} budget"
 
 
