@@ -179,16 +179,19 @@ def _toml(v: Any) -> str:
 
 def gateway_toml(cfg, store_url: str, admin_sha256: str, coordinators: list[str], served: dict[str, str],
                  nodes: list[tuple[str, str, str]], etcd: str | None = None,
-                 instance_port: int | None = None) -> str:  # fmt: skip
+                 instance_port: int | None = None, instance: str = "gateway") -> str:  # fmt: skip
     """`nodes`: (model, role, url) of every node, for static routing. `etcd`: where the gateway
     also reads the cluster, so it routes on its own (etcd's node view) while no coordinator
     replica answers — every one restarting at once — instead of failing every request.
     `instance_port`: one of several gateways on the shared port (`--gateways N`): it listens
-    there with SO_REUSEPORT, and on this loopback port of its own for its health check."""
+    there with SO_REUSEPORT, and on this loopback port of its own for its health check.
+    `instance`: the supervised process's name, stable across its restarts, so a restarted
+    gateway reclaims its dead life's reservations as it starts."""
     gw = cfg.gateway
     static = gw.routing == "static"
     lines = ["# written by `duet up` on every start: edit cluster.toml or the flags instead", "[server]",
              f"host = {_toml(gw.host)}", f"port = {gw.port}", f"admin_key_sha256 = {_toml(admin_sha256)}",
+             f"instance = {_toml(instance)}",
              *(["reuse_port = true", f"instance_port = {instance_port}"] if instance_port is not None else []),
              "[store]", f"url = {_toml(store_url)}",
              "[routing]", f"coordinator = {_toml([] if static else coordinators)}", f"cluster = {_toml(cfg.cluster)}"]  # fmt: skip
@@ -311,7 +314,7 @@ def _gateway_children(n: int, cfg, home, admin_sha256: str, coord_urls: list[str
     for i in range(n):
         port, toml = free_port(), home.gateway_toml.with_name(f"gateway-{i}.toml")
         toml.write_text(gateway_toml(cfg, home.store_url, admin_sha256, coord_urls, served, node_urls, etcd=etcd_url,
-                                     instance_port=port))  # fmt: skip
+                                     instance_port=port, instance=f"gateway-{i}"))  # fmt: skip
         out.append(Child(f"gateway-{i}", [sys.executable, "-m", "duet", "gateway", "--config", str(toml),
                                           *secret_args],
                          home.logs / f"gateway-{i}.log", f"http://127.0.0.1:{port}/health", env=env))  # fmt: skip

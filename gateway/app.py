@@ -258,6 +258,12 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     s = app[STATE]
     cfg = s.config
     await s.store.open()
+    if cfg.server.instance:  # a restart of a named gateway frees its dead life's team slots at once
+        s.gateway_id = f"{cfg.server.instance}/{uuid.uuid4().hex[:16]}"
+        n = await s.store.reclaim_previous(cfg.server.instance, s.gateway_id)
+        if n:
+            log.warning("reclaimed %d reservations of this gateway's previous life (%s; billed at their prompt and "
+                        "what they had streamed)", n, cfg.server.instance)  # fmt: skip
     # One session for nodes, coordinators and providers: it carries no cluster secret (NodeClient
     # and the route client add it per request); it trusts --tls-ca besides the system's CAs.
     s.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(

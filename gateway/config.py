@@ -5,6 +5,7 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
 
     [server]
     port = 8000
+    instance = "gateway-a"            # this gateway's own name (stable across restarts; unique)
 
     [store]
     url = "sqlite:///var/lib/duet/gateway.db"   # default: sqlite:///$DUET_HOME/gateway.db
@@ -78,6 +79,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -183,6 +185,11 @@ class ServerConfig:
     #: this process's own port on 127.0.0.1 besides `port` (same app): its health check and
     #: metrics, which the shared port answers from whichever gateway the kernel picked
     instance_port: int | None = None
+    #: this gateway's name among the processes sharing the store, stable across its restarts
+    #: (`duet up`: "gateway", "gateway-0", …): a restarted gateway reclaims — bills and frees —
+    #: its dead life's reservations as it starts, instead of after 2.5 missed heartbeats. Two
+    #: live gateways must never share one (each would reclaim the other's bookings).
+    instance: str | None = None
 
 
 @dataclass(frozen=True)
@@ -506,6 +513,9 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
     if not isinstance(cfg.server.key_cache_ttl_s, (int, float)) or isinstance(cfg.server.key_cache_ttl_s, bool) \
             or not 0 <= cfg.server.key_cache_ttl_s <= 3600:  # fmt: skip
         raise ConfigError(f"[server] key_cache_ttl_s must be a number of seconds in [0, 3600], got {cfg.server.key_cache_ttl_s!r}")
+    inst = cfg.server.instance
+    if inst is not None and (not isinstance(inst, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", inst)):
+        raise ConfigError(f"[server] instance must be 1-64 letters, digits, '_', '.', '-', got {inst!r}")
     if not isinstance(cfg.routing.max_connections_per_node, int) or cfg.routing.max_connections_per_node < 1:
         raise ConfigError("[routing] max_connections_per_node must be an integer >= 1")
     if not isinstance(cfg.routing.max_migrations, int) or cfg.routing.max_migrations < 0 \

@@ -233,6 +233,12 @@ class Store(ABC):
         `dead_after_s` — a killed gateway's, its own previous life's included — and forget them."""
 
     @abstractmethod
+    async def reclaim_previous(self, instance: str, gateway_id: str, now: float | None = None) -> int:
+        """Expire (and bill) every booking of an earlier life of gateway `instance` — ids
+        `instance/…` other than `gateway_id`, the starting life's own — and forget those lives:
+        a restarted gateway frees its team slots as it starts, not 2.5 heartbeats later."""
+
+    @abstractmethod
     async def leave(self, gateway_id: str) -> None:
         """A gateway stops cleanly: its heartbeat row goes (its bookings were settled)."""
 

@@ -369,6 +369,16 @@ class PostgresStore(Store):
                 n += await _expire(con, t, "gateway_id = $1", g)
             return n
 
+    async def reclaim_previous(self, instance: str, gateway_id: str, now: float | None = None) -> int:
+        t = time.time() if now is None else now
+        prefix = instance + "/"
+        async with self.pool.acquire() as con, con.transaction():
+            # left(), not LIKE: an instance name's '_' would be a wildcard
+            await con.execute("DELETE FROM gateways WHERE left(id, $1) = $2 AND id != $3", len(prefix), prefix,
+                              gateway_id)  # fmt: skip
+            return await _expire(con, t, "left(gateway_id, $1) = $2 AND gateway_id != $3", len(prefix), prefix,
+                                 gateway_id)  # fmt: skip
+
     async def leave(self, gateway_id: str) -> None:
         await self.pool.execute("DELETE FROM gateways WHERE id = $1", gateway_id)
 

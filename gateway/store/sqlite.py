@@ -257,6 +257,19 @@ class SqliteStore(Store):
 
         return await self._run(q)
 
+    async def reclaim_previous(self, instance: str, gateway_id: str, now: float | None = None) -> int:
+        t = time.time() if now is None else now
+        prefix = instance + "/"
+
+        def q(db: sqlite3.Connection) -> int:
+            with _tx(db):
+                # substr, not LIKE: an instance name's '_' would be a wildcard
+                db.execute("DELETE FROM gateways WHERE substr(id, 1, ?) = ? AND id != ?",
+                           (len(prefix), prefix, gateway_id))  # fmt: skip
+                return _expire(db, "substr(gateway_id, 1, ?) = ? AND gateway_id != ?", (len(prefix), prefix, gateway_id), t)
+
+        return await self._run(q)
+
     async def leave(self, gateway_id: str) -> None:
         await self._run(lambda db: db.execute("DELETE FROM gateways WHERE id = ?", (gateway_id,)))
 

@@ -300,6 +300,34 @@ async def test_a_dead_gateways_reservations_are_reclaimed_and_billed(url: str) -
     await s.close()
 
 
+async def test_a_restarted_gateway_reclaims_its_previous_life_at_once(url: str) -> None:
+    """A named gateway (`[server] instance`, what `duet up` sets) that starts again reclaims its
+    dead life's bookings as it starts — billed, the team's slot freed — without waiting for the
+    heartbeats to run out; another instance's bookings (even one whose name extends it, or
+    a '_' that LIKE would take as a wildcard) and its own new life's are untouched."""
+    s = await _store(url)
+    for team in ("t", "u", "v"):
+        await s.create_team(Team(id=team, max_concurrent=1))
+    t0 = time.time()
+
+    async def book(team: str, gateway: str, rid: str) -> None:
+        res = await s.reserve(ReserveRequest(team_id=team, key_id="k", request_id=rid, tokens=10, cost_usd=0.5,
+                                             ttl_s=900, now=t0, gateway_id=gateway, booked=_booked()))  # fmt: skip
+        assert isinstance(res, Reservation)
+
+    for gw in ("gw_0/dead", "gw_0-1/live", "gwx0/live"):
+        await s.heartbeat(gw, 900, now=t0)
+    await book("t", "gw_0/dead", "req-dead")
+    await book("u", "gw_0-1/live", "req-other")
+    await book("v", "gwx0/live", "req-lookalike")  # 'gw_0' as a LIKE pattern would match 'gwx0'
+    assert await s.reclaim_previous("gw_0", "gw_0/new", now=t0 + 1) == 1
+    assert isinstance(await s.reserve(_req("t", now=t0 + 1)), Reservation)  # the slot is free at once
+    assert [(r.request_id, r.status) for r in await s.usage_records("t", t0 - 1, t0 + 100)] == [("req-dead", "expired")]
+    assert await s.usage_records("u", t0 - 1, t0 + 100) == [] == await s.usage_records("v", t0 - 1, t0 + 100)
+    assert await s.reclaim_previous("gw_0", "gw_0/new", now=t0 + 2) == 0
+    await s.close()
+
+
 async def test_an_expired_reservation_bills_its_prompt(url: str) -> None:
     s = await _store(url)
     await s.create_team(Team(id="t"))

@@ -151,3 +151,43 @@ def test_a_killed_gateways_stream_bills_what_it_had_sent(fake: FakeServers, tmp_
     _, prompt, completion, cost = rows[0]
     assert prompt > 0 and completion >= streamed, rows[0]
     assert cost == pytest.approx((prompt * 10.0 + completion * 20.0) / 1e6), rows[0]
+
+
+def test_a_restarted_gateway_frees_its_teams_slot_as_it_starts(fake: FakeServers, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The issue's case exactly: SIGKILL a gateway with a `max_concurrent = 1` team's request in
+    flight and restart it (`[server] instance`, which `duet up` sets to the process's name): the
+    team sends again at once — the restarted gateway reclaims its previous life's reservation as
+    it starts, billed `expired` — however long the heartbeat. Here it is 30 s, so waiting for
+    2.5 silent heartbeats (the reclaim of an unnamed gateway, and before, of this one) would
+    refuse the first request after the restart."""
+    monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
+    models = {"gpt": external(fake.fakes["gpt"], {"in": 10.0, "out": 20.0}, 2)}
+    quotas, server = {"heartbeat_s": 30.0}, {"instance": "gateway"}
+    first = gateway_proc(tmp_path, models, quotas=quotas, server=server)
+    with running(first):
+        key = make_team(first.url, "solo", max_concurrent=1)
+        gpt = fake.fakes["gpt"]
+        fake.loop.call_soon_threadsafe(gpt.faults.append, Fault.hang())
+        seen = len(gpt.requests)
+        client = openai.OpenAI(base_url=first.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+        def in_flight() -> None:
+            with contextlib.suppress(openai.APIError):  # its gateway is killed under it
+                client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "hold on"}],
+                                               max_tokens=8)  # fmt: skip
+
+        t = threading.Thread(target=in_flight, daemon=True)
+        t.start()
+        wait_for(lambda: len(gpt.requests) > seen, 30, "the provider to hold the request")
+        first.proc.kill()
+        first.proc.wait(10)
+    second = gateway_proc(tmp_path, models, quotas=quotas, server=server, port=first.port)
+    with running(second):
+        client = openai.OpenAI(base_url=second.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        r = client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "again"}], max_tokens=4)
+        assert r.choices[0].message.content
+    t.join(10)
+    with sqlite3.connect(tmp_path / "gateway.db") as conn:
+        statuses = [r[0] for r in conn.execute("SELECT status FROM usage WHERE team_id = 'solo' ORDER BY created_at")]
+    assert statuses == ["expired", "ok"], statuses
