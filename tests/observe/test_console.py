@@ -71,6 +71,33 @@ def browser() -> Iterator[object]:
         d.quit()
 
 
+#: WCAG 2.1 contrast of every visible text against the background it is drawn on, as the
+#: browser computed both: 4.5:1, or 3:1 for large text (18.66 px bold, 24 px)
+_CONTRAST_JS = """
+const lum = c => { const [r, g, b] = c.match(/[\\d.]+/g).slice(0, 3).map(Number).map(v => v / 255)
+  .map(v => v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4); return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
+const opaque = c => { const m = c.match(/[\\d.]+/g); return m && (m.length < 4 || Number(m[3]) > 0); };
+const bad = [];
+for (const el of document.querySelectorAll("body *")) {
+  if (![...el.childNodes].some(n => n.nodeType === 3 && n.textContent.trim())) continue;
+  const st = getComputedStyle(el), r = el.getBoundingClientRect();
+  if (st.visibility === "hidden" || r.width <= 1 || r.height <= 1) continue;  // not shown
+  let bg = null;
+  for (let a = el; a; a = a.parentElement) { const c = getComputedStyle(a).backgroundColor; if (opaque(c)) { bg = c; break; } }
+  const [l1, l2] = [lum(st.color), lum(bg || "rgb(255, 255, 255)")].sort((x, y) => y - x);
+  const ratio = (l1 + 0.05) / (l2 + 0.05), size = parseFloat(st.fontSize), bold = Number(st.fontWeight) >= 700;
+  const need = (size >= 24 || (bold && size >= 18.66)) ? 3 : 4.5;
+  if (ratio < need) bad.push(`${el.tagName} "${el.textContent.trim().slice(0, 40)}" ${st.color} on ${bg}: ${ratio.toFixed(2)}`);
+}
+return bad;
+"""
+
+
+def low_contrast(d: object) -> list[str]:
+    """The texts of the page whose contrast is below WCAG AA (empty: every one passes)."""
+    return d.execute_script(_CONTRAST_JS)  # type: ignore[attr-defined]
+
+
 def shot(d: object, name: str) -> None:
     where = os.environ.get("DUET_CONSOLE_SCREENSHOTS")
     if where:
@@ -134,9 +161,14 @@ def test_sign_in_and_see_the_nodes_live(traced: Traced, browser: object) -> None
     shot(d, "login")
     sign_in(d, base, ADMIN_KEY)
     assert d.current_url.endswith("/console/cluster")  # type: ignore[attr-defined]
-    # read at once, in the page (the live refresh replaces these elements every 3 s)
-    rows = {r.split()[0]: r for r in d.execute_script(  # type: ignore[attr-defined]
-        "return [...document.querySelectorAll('#live table:first-of-type tbody tr')].map(r => r.innerText)")}
+    def node_rows() -> dict[str, str]:
+        # read at once, in the page (the live refresh replaces these elements every 3 s)
+        return {r.split()[0]: r for r in d.execute_script(  # type: ignore[attr-defined]
+            "return [...document.querySelectorAll('#live table:first-of-type tbody tr')].map(r => r.innerText)")}
+
+    # the engine column comes from the gateway's etcd view, which may read a node a refresh later
+    wait_for(lambda: "native" in node_rows().get("decode-0", ""), 15, "decode-0's row with its engine")
+    rows = node_rows()
     assert {"prefill-0", "decode-0"} <= set(rows), rows
     assert "prefill" in rows["prefill-0"] and "ready" in rows["decode-0"] and "native" in rows["decode-0"]
     assert "Coordinator replicas" in text(d) and "etcd" in text(d)
@@ -171,6 +203,7 @@ def test_sign_in_and_see_the_nodes_live(traced: Traced, browser: object) -> None
     row = next(r for r in decisions() if "scale out" in r)
     assert f"prefill/{out[-1]['model']}/shared" in row and "bounds 2–3" in row, row
     assert "virtual actuator" in text(d) and "Autoscaler pools" in text(d)
+    assert not low_contrast(d), low_contrast(d)  # WCAG AA, as the browser renders it
     shot(d, "cluster")
     # keyboard: the first Tab reaches the skip link, Enter moves focus to the content
     from selenium.webdriver.common.keys import Keys
@@ -222,6 +255,7 @@ def test_team_key_lifecycle_through_the_console(traced: Traced, browser: object)
     assert "<b>console</b>" in text(d) and not css(d, "table b")
     key, key_id = css(d, "#new-key")[0].get_attribute("value"), css(d, "#new-key-id")[0].text
     assert key.startswith("sk-duet-") and key not in d.current_url  # type: ignore[attr-defined]
+    assert not low_contrast(d), low_contrast(d)  # WCAG AA, as the browser renders it
     shot(d, "teams")
     # the key works with the official client
     client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
@@ -259,6 +293,7 @@ def test_usage_charts_and_csv_equal_the_cli_report(traced: Traced, browser: obje
     desc = css(d, "svg[aria-label='Tokens per day'] desc")[0].get_attribute("textContent")
     assert desc == f"{day}: {tokens}", desc  # the chart draws the API's numbers
     assert css(d, "svg[aria-label='Time to first token (ms)'] polyline, svg[aria-label='Time to first token (ms)'] circle")
+    assert not low_contrast(d), low_contrast(d)  # WCAG AA, as the browser renders it
     shot(d, "usage")
     cookie = cookie_header(d)
     for group_by in ("record", "day", "model"):
