@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from dataclasses import dataclass, field
 
@@ -232,7 +233,11 @@ class _Tries:
         self.ledger.attempt(served, len(size.ids))
         self.reply = None
         self.tools = size.tools
-        attempt = Attempt(request_id=rid, model=served.config, prompt_ids=size.ids, max_tokens=size.max_tokens,
+        # A batch line runs under one id however often it runs (its usage key: billed once); a
+        # rerun may reach a node still holding the dead run's request of that id, and a node
+        # refuses an id in use, so each run's legs get their own. The answer keeps `rid`.
+        leg_rid = f"{rid}.{secrets.token_hex(3)}" if self.ledger.caller.idempotent else rid
+        attempt = Attempt(request_id=leg_rid, model=served.config, prompt_ids=size.ids, max_tokens=size.max_tokens,
                           tier=self.tier, cache_domain=state.config.cache_domain(self.ledger.caller.team.id),
                           guide=self.req.guide or (size.tools.guide if size.tools else None))  # fmt: skip
         if not served.backend.uses_tier_queues:  # the tier queues guard the self-hosted pool only
@@ -249,7 +254,7 @@ class _Tries:
         self.reply = reply = served.backend.open(self.req, attempt)
         if self.tools is not None and self.tools.mode != ToolMode.NONE:
             reply = with_tool_calls(reply, self.tools)
-        fmt = Formatter(self.req.endpoint, attempt.request_id, served.config.name, self.tier)
+        fmt = Formatter(self.req.endpoint, self.ledger.record.request_id, served.config.name, self.tier)
         self.response_id = fmt.id  # the answer's id as the client gets it (the trace's gen_ai.response.id)
         with self.state.tracing.span("gateway.relay", {GEN_AI_REQUEST_MODEL: served.config.name}):
             if self.req.stream:
