@@ -3,7 +3,8 @@ SIGKILLs that node at a chosen stage of a request:
 
 - `on_request`: when a completion request arrives, before the node sees it;
 - `after_response`: once the node has answered a prefill leg (before the decode node pulls);
-- `after_chunks`: after relaying `chunks` SSE events of a stream (mid-stream).
+- `after_chunks`: after relaying `chunks` SSE events of a stream, or before the event that
+  finishes the answer if that comes first (always mid-stream).
 
 Everything else (abort, health, metrics) is relayed as is, so the gateway treats the relay as
 the node. It runs on the test's own event loop.
@@ -80,6 +81,12 @@ class KillRelay:
             sent = 0
             with contextlib.suppress(aiohttp.ClientError):
                 async for line in upstream.content:
+                    if line.startswith(b"data: ") and b'"finish_reason":"' in line:
+                        # the answer's last event: kill before it, so the stream is cut mid-answer
+                        # however the node grouped its tokens (a fast node sends a short answer
+                        # in fewer events than `chunks`)
+                        self._kill()
+                        break
                     await resp.write(line)
                     if line.startswith(b"data: "):
                         sent += 1
