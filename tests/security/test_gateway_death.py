@@ -26,7 +26,7 @@ import pytest
 
 from tests.gateway.helpers import gateway_proc, make_team
 from tests.gateway.test_providers_e2e import FakeServers, external
-from tests.procs import running
+from tests.procs import Proc, running
 from tests.providers.fakes import API_KEY, Fault
 from tests.wait import wait_for
 
@@ -42,30 +42,36 @@ def fake() -> Iterator[FakeServers]:
         servers.close()
 
 
-def test_a_killed_gateways_reservation_is_reclaimed_and_billed(fake: FakeServers, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
-    models = {"gpt": external(fake.fakes["gpt"], {"in": 10.0, "out": 20.0}, 2)}
-    quotas = {"heartbeat_s": HEARTBEAT_S}
-    first = gateway_proc(tmp_path, models, quotas=quotas)
-    with running(first):
-        key = make_team(first.url, "solo", max_concurrent=1)
+def kill_while_holding(fake: FakeServers, gw: Proc, content: str) -> tuple[str, threading.Thread]:
+    """Start `gw`, give team `solo` (max_concurrent 1) a request the fake provider holds, and
+    SIGKILL the gateway under it: the team's key and the client's thread."""
+    with running(gw):
+        key = make_team(gw.url, "solo", max_concurrent=1)
         gpt = fake.fakes["gpt"]
         fake.loop.call_soon_threadsafe(gpt.faults.append, Fault.hang())
         seen = len(gpt.requests)
-        client = openai.OpenAI(base_url=first.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        client = openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=60)
 
         def in_flight() -> None:
             with contextlib.suppress(openai.APIError):  # its gateway is killed under it
-                client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "hold on " * 50}],
+                client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": content}],
                                                max_tokens=8)  # fmt: skip
 
         t = threading.Thread(target=in_flight, daemon=True)
         t.start()
         wait_for(lambda: len(gpt.requests) > seen, 30, "the provider to hold the request")
-        first.proc.kill()
-        first.proc.wait(10)
-        killed_at = time.monotonic()
+        gw.proc.kill()
+        gw.proc.wait(10)
+    return key, t
+
+
+def test_a_killed_gateways_reservation_is_reclaimed_and_billed(fake: FakeServers, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
+    models = {"gpt": external(fake.fakes["gpt"], {"in": 10.0, "out": 20.0}, 2)}
+    quotas = {"heartbeat_s": HEARTBEAT_S}
+    key, t = kill_while_holding(fake, gateway_proc(tmp_path, models, quotas=quotas), "hold on " * 50)
+    killed_at = time.monotonic()
     second = gateway_proc(tmp_path, models, quotas=quotas)
     with running(second):
         client = openai.OpenAI(base_url=second.url + "/v1", api_key=key, max_retries=0, timeout=60)
@@ -165,23 +171,7 @@ def test_a_restarted_gateway_frees_its_teams_slot_as_it_starts(fake: FakeServers
     models = {"gpt": external(fake.fakes["gpt"], {"in": 10.0, "out": 20.0}, 2)}
     quotas, server = {"heartbeat_s": 30.0}, {"instance": "gateway"}
     first = gateway_proc(tmp_path, models, quotas=quotas, server=server)
-    with running(first):
-        key = make_team(first.url, "solo", max_concurrent=1)
-        gpt = fake.fakes["gpt"]
-        fake.loop.call_soon_threadsafe(gpt.faults.append, Fault.hang())
-        seen = len(gpt.requests)
-        client = openai.OpenAI(base_url=first.url + "/v1", api_key=key, max_retries=0, timeout=60)
-
-        def in_flight() -> None:
-            with contextlib.suppress(openai.APIError):  # its gateway is killed under it
-                client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "hold on"}],
-                                               max_tokens=8)  # fmt: skip
-
-        t = threading.Thread(target=in_flight, daemon=True)
-        t.start()
-        wait_for(lambda: len(gpt.requests) > seen, 30, "the provider to hold the request")
-        first.proc.kill()
-        first.proc.wait(10)
+    key, t = kill_while_holding(fake, first, "hold on")
     second = gateway_proc(tmp_path, models, quotas=quotas, server=server, port=first.port)
     with running(second):
         client = openai.OpenAI(base_url=second.url + "/v1", api_key=key, max_retries=0, timeout=60)
