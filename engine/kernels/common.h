@@ -9,6 +9,7 @@
 #define DUET_KERNELS_COMMON_H
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #if defined(__AVX512F__)
