@@ -180,8 +180,10 @@ class Planner:
                     inputs["blocked"] = str(direction)
                     direction, reason = Direction.HOLD, Reason.COOLDOWN
             wanted.append((p, direction, reason, inputs))
-        # the budget: outs by priority (interactive first), then the rest of the pool figures
-        total = sum(p.replicas for p in pools.values())
+        # the budget: outs by priority (interactive first), then the rest of the pool figures.
+        # Draining nodes still hold their machines: a pool that just stepped in must not let
+        # another step out onto the victim's machine before it is stopped.
+        total = sum(p.replicas + p.draining for p in pools.values())
         order = sorted(range(len(wanted)), key=lambda i: (wanted[i][1] != Direction.OUT,
                                                           _PRIORITY.get(wanted[i][0].key.tier, 1),
                                                           wanted[i][2] not in (Reason.BELOW_MIN,)))  # fmt: skip

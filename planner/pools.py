@@ -53,6 +53,9 @@ class PoolLoad:
     key: PoolKey
     #: active replicas (warm + cold); draining ones are not counted
     replicas: int = 0
+    #: replicas draining out of the pool: not capacity (no routing), but still machines, so
+    #: they count against the node budget until they are gone
+    draining: int = 0
     #: replicas whose figures count (past their cold start, reporting)
     warm: int = 0
     #: replicas still in their cold start
@@ -74,9 +77,10 @@ def group(samples: list[NodeSample], now: float, cold_start_s: float) -> dict[Po
     out: dict[PoolKey, PoolLoad] = {}
     ranked: dict[PoolKey, list[tuple[int, float, float, str]]] = {}
     for s in samples:
-        if s.status == NodeStatus.DRAINING:
-            continue
         p = out.setdefault(s.pool, PoolLoad(s.pool))
+        if s.status == NodeStatus.DRAINING:
+            p.draining += 1
+            continue
         p.replicas += 1
         young = now - s.started_at < cold_start_s
         p.starting += young
@@ -90,6 +94,6 @@ def group(samples: list[NodeSample], now: float, cold_start_s: float) -> dict[Po
         p.running += s.running
         p.kv_usage += s.kv_usage
         p.queued_prefill_tokens += s.queued_prefill_tokens
-    for key, rows in ranked.items():
+    for key, rows in ranked.items():  # a pool of draining nodes only has no candidates
         out[key].candidates = [r[3] for r in sorted(rows)]
     return out
