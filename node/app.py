@@ -117,11 +117,20 @@ async def _models(request: web.Request) -> web.Response:
 
 
 async def _health(request: web.Request) -> web.Response:
+    """Liveness by default: 503 once the engine died or SIGTERM's grace period began, but 200
+    through a drain asked by `POST /drain` or `duet drain` (a long drain is not a dead node).
+    `?probe=ready` is readiness: 503 from the moment a drain is asked, whoever asked — in
+    Kubernetes the drained scale-in victim then ranks as a not-ready pod, like any other
+    not-ready pod of its Deployment, so the ReplicaSet's pod-deletion-cost decides between them
+    (a Ready victim would outrank a starting pod, and the starting pod would be removed instead)."""
     s = request.app[STATE]
+    probe = request.query.get("probe", "live")
+    if probe not in ("live", "ready"):
+        raise APIError(400, f"probe must be 'live' or 'ready', not {probe[:40]!r}", param="probe")
     status, detail = "ok", None
     if s.engine.dead is not None:
         status, detail = "failed", f"engine failed: {s.engine.dead!r}"
-    elif s.draining:
+    elif s.draining or (probe == "ready" and s.drain_requested):
         status = "draining"
     body = NodeHealth(status=status, role=s.config.role, node_id=s.node_id, engine_id=s.engine_id,
                       model=s.engine.model_name, detail=detail)  # fmt: skip

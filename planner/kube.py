@@ -8,6 +8,13 @@ resized through its `scale` subresource with the official `kubernetes` client.
   `controller.kubernetes.io/pod-deletion-cost` set very low so the ReplicaSet removes *that*
   pod, then the patch.
 
+The ReplicaSet ranks pods before it reads their deletion cost: unscheduled and Pending pods go
+first, then not-Ready ones. So: a Deployment holding a Pending pod shrinks by that pod, with no
+drain (it serves nothing; the planner asks again after its cool-down if it still wants fewer
+nodes); and when another pod is Running but not Ready (starting, crash-looping), the patch waits
+until the drained victim reads not Ready too (the node's readiness probe, `/health?probe=ready`,
+fails from the moment it is drained), where its deletion cost puts it first.
+
 Invariants: the replica count never drops before the victim was drained (or its drain deadline
 passed: its streams then migrate when the pod's SIGTERM grace period ends them); a refused patch
 is `Outcome.REFUSED` with the API server's message, never an exception. Node ids are pod names
@@ -21,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any
 
 from planner.actuator import ActResult, Outcome, Victim
@@ -30,6 +39,24 @@ from planner.pools import PoolKey
 log = logging.getLogger("duet.planner")
 MERGE_PATCH = "application/merge-patch+json"
 DELETION_COST = "controller.kubernetes.io/pod-deletion-cost"
+
+
+@dataclass(frozen=True)
+class PodState:
+    """What the ReplicaSet's ranking reads of a pod."""
+
+    name: str
+    #: not scheduled or not Running yet: the ReplicaSet removes it before any Running pod
+    pending: bool
+    ready: bool
+
+    @staticmethod
+    def of(pod: Any) -> PodState:  # a kubernetes.client.V1Pod
+        status = pod.status
+        ready = any(c.type == "Ready" and c.status == "True" for c in (status.conditions or [])) if status else False
+        running = bool(status and status.phase == "Running")
+        scheduled = bool(pod.spec and pod.spec.node_name)
+        return PodState(pod.metadata.name, pending=not (running and scheduled), ready=ready)
 
 
 def default_deployment(pool: PoolKey) -> str:
@@ -42,7 +69,7 @@ class KubernetesActuator:
     name = "kubernetes"
 
     def __init__(self, namespace: str, drainer: Drainer, *, deployments: dict[str, str] | None = None,
-                 api_client: Any = None) -> None:  # fmt: skip
+                 api_client: Any = None, ready_wait_s: float = 30.0, poll_s: float = 1.0) -> None:  # fmt: skip
         from kubernetes import client, config
 
         if api_client is None:
@@ -57,6 +84,9 @@ class KubernetesActuator:
         self.namespace = namespace
         self.drainer = drainer
         self.deployments = deployments or {}
+        #: how long a drained victim may take to read not Ready (readinessProbe 5 s × 3 failures)
+        self.ready_wait_s = ready_wait_s
+        self.poll_s = poll_s
 
     def deployment_of(self, pool: PoolKey) -> str:
         for name in (f"{pool.role}/{pool.model}/{pool.tier}", f"{pool.role}/{pool.tier}", pool.role):
@@ -66,8 +96,30 @@ class KubernetesActuator:
 
     # -- API calls (worker thread) ---------------------------------------------------------
     async def _replicas(self, name: str) -> int:
+        return (await self._scale(name))[0]
+
+    async def _scale(self, name: str) -> tuple[int, str]:
+        """The Deployment's replica count and its pods' label selector (the Scale's status)."""
         scale = await asyncio.to_thread(self.apps.read_namespaced_deployment_scale, name, self.namespace)
-        return int(scale.spec.replicas or 0)
+        return int(scale.spec.replicas or 0), str((scale.status and scale.status.selector) or "")
+
+    async def _pods(self, selector: str) -> list[PodState]:
+        """The Deployment's pods not already being deleted (none when the selector is unknown)."""
+        if not selector:
+            return []
+        pods = await asyncio.to_thread(self.core.list_namespaced_pod, self.namespace, label_selector=selector)
+        return [PodState.of(p) for p in pods.items if not p.metadata.deletion_timestamp]
+
+    async def _not_ready(self, pod: str) -> bool:
+        """Wait until `pod` reads not Ready (its readiness probe saw the drain); False on timeout."""
+        deadline = time.monotonic() + self.ready_wait_s
+        while True:
+            state = PodState.of(await asyncio.to_thread(self.core.read_namespaced_pod, pod, self.namespace))
+            if not state.ready:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(self.poll_s)  # kubelet probes every few seconds; nothing to wait on
 
     async def _patch(self, name: str, to: int, dry_run: bool = False) -> int:
         scale = await asyncio.to_thread(self.apps.patch_namespaced_deployment_scale, name, self.namespace,
@@ -107,7 +159,7 @@ class KubernetesActuator:
     async def scale_in(self, pool: PoolKey, victim: Victim, to: int) -> ActResult:
         name = self.deployment_of(pool)
         try:
-            now = await self._replicas(name)
+            now, selector = await self._scale(name)
             if now <= to:
                 return ActResult(Outcome.DONE, f"{name} already has {now} replicas", replicas=now)
             # One pod goes: the drained victim. The planner's `to` counts the nodes it sees; a
@@ -115,6 +167,14 @@ class KubernetesActuator:
             # patching to `to` would then remove them too, undrained, beside the victim.
             to = now - 1
             await self._patch(name, to, dry_run=True)  # refused? then before any drain
+            others = [p for p in await self._pods(selector) if p.name != victim.node_id]
+            pending = [p.name for p in others if p.pending]
+            if pending:  # the ReplicaSet removes that one whatever the victim's deletion cost
+                got = await self._patch(name, to)
+                log.info("kubernetes: %s/%s scaled to %d replicas by a pending pod (%s); nothing drained",
+                         self.namespace, name, got, pending[0])  # fmt: skip
+                return ActResult(Outcome.DONE, f"{name} → {got}: the ReplicaSet removes pending pod {pending[0]} "
+                                               "first (it serves nothing); no node drained", replicas=got)  # fmt: skip
         except Exception as e:
             return self._refusal(e, f"scale {self.namespace}/{name} to {to}")
         try:
@@ -123,6 +183,13 @@ class KubernetesActuator:
             return ActResult(Outcome.FAILED, f"drain of {victim.node_id} failed, left running: {e}")
         try:
             await self._mark_victim(victim.node_id)
+            unready = [p.name for p in others if not p.ready]
+            if unready and not await self._not_ready(victim.node_id):
+                detail = (f"{victim.node_id} still reads Ready {self.ready_wait_s:g}s after its drain, and the "
+                          f"ReplicaSet would remove not-ready {unready[0]} before it: not scaled in "
+                          "(the node stays drained: no routes)")  # fmt: skip
+                log.warning("kubernetes actuator: %s", detail)
+                return ActResult(Outcome.FAILED, detail, drained=drained)
             got = await self._patch(name, to)
         except Exception as e:
             r = self._refusal(e, f"scale {self.namespace}/{name} to {to} after draining {victim.node_id}")

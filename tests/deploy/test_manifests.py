@@ -154,7 +154,9 @@ def test_the_cluster_every_overlay_deploys(rendered: dict[str, list[dict[str, An
         c = _container(w)
         assert c.get("readinessProbe") and c.get("livenessProbe"), w["metadata"]["name"]
         if w["kind"] == "Deployment":
-            assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+            # nodes: not ready once drained (node/app.py's probe=ready), alive while draining
+            node = w["metadata"]["name"] in ("duet-prefill", "duet-decode")
+            assert c["readinessProbe"]["httpGet"]["path"] == ("/health?probe=ready" if node else "/health")
             assert c["livenessProbe"]["httpGet"]["path"] == "/health"
 
 

@@ -39,6 +39,11 @@ async def _scenario(p_url: str, d_url: str, etcd_url: str, p_id: str) -> dict[st
             params = (await r.json())["kv_transfer_params"]
         assert params["do_remote_prefill"] and params["remote_block_ids"]
 
+        # readiness (deploy/'s readinessProbe) and liveness before the drain; a bad probe name
+        for probe, want in (("ready", 200), ("live", 200), ("bogus", 400)):
+            async with s.get(p_url + "/health", params={"probe": probe}) as r:
+                assert r.status == want, (probe, r.status, await r.text())
+
         drainer = Drainer(s, poll_s=0.1, deadline_s=60)
         drain = asyncio.create_task(drainer.drain(p_url))
 
@@ -49,6 +54,12 @@ async def _scenario(p_url: str, d_url: str, etcd_url: str, p_id: str) -> dict[st
 
         status = await until(held_and_draining, 10, "P draining with its KV still held")
         assert not status["idle"] and not drain.done()
+        # drained: not ready (the scale-in victim ranks as a not-ready pod), but alive (a long
+        # drain is not restarted by the liveness probe)
+        async with s.get(p_url + "/health", params={"probe": "ready"}) as r:
+            assert r.status == 503 and (await r.json())["status"] == "draining"
+        async with s.get(p_url + "/health") as r:
+            assert r.status == 200 and (await r.json())["status"] == "ok"
         store = EtcdStore(etcd_url)
         try:
             rec = await until(lambda: _draining_in_etcd(store, p_id), 10, "P's registration to say draining")

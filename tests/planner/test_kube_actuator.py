@@ -20,7 +20,7 @@ from planner.drain import Drainer
 from planner.kube import DELETION_COST, KubernetesActuator
 from planner.pools import PoolKey
 from protocol.ports import free_port
-from tests.planner.fake_kube import FakeKube
+from tests.planner.fake_kube import FakeKube, FakePod
 
 D = PoolKey("decode", "smollm2-135m", "shared")
 P_BATCH = PoolKey("prefill", "smollm2-135m", "batch")
@@ -29,10 +29,16 @@ P_BATCH = PoolKey("prefill", "smollm2-135m", "batch")
 class DrainingNode:
     """A node's drain endpoint: busy for `busy_polls` reads after the drain was asked."""
 
-    def __init__(self, busy_polls: int) -> None:
+    def __init__(self, busy_polls: int, ready_follows_drain: bool = True) -> None:
         self.busy_polls = busy_polls
         self.draining = False
+        self.ready_follows_drain = ready_follows_drain
         self.log: list[str] = []
+
+    async def health(self, request: web.Request) -> web.Response:
+        """Readiness as node/app.py answers it: 503 once drained (unless told to stay Ready)."""
+        drained = self.draining and self.ready_follows_drain and request.query.get("probe") == "ready"
+        return web.json_response({"status": "draining" if drained else "ok"}, status=503 if drained else 200)
 
     def _status(self) -> dict:
         idle = self.draining and self.busy_polls <= 0
@@ -67,10 +73,12 @@ async def cluster(kube: FakeKube, node: DrainingNode) -> AsyncIterator[tuple[Kub
     node_app = web.Application()
     node_app.router.add_post("/drain", node.post)
     node_app.router.add_get("/drain", node.get)
+    node_app.router.add_get("/health", node.health)
     async with serve(kube.app()) as api, serve(node_app) as node_url, aiohttp.ClientSession() as s:
         kube.node_urls = {"duet-decode-7f9c": node_url}
         conf = client.Configuration(host=api)
-        act = KubernetesActuator("duet", Drainer(s, poll_s=0.05, deadline_s=10), api_client=client.ApiClient(conf))
+        act = KubernetesActuator("duet", Drainer(s, poll_s=0.05, deadline_s=10), api_client=client.ApiClient(conf),
+                                 ready_wait_s=5, poll_s=0.05)  # fmt: skip
         try:
             yield act, node_url
         finally:
@@ -149,5 +157,57 @@ def test_scale_in_removes_only_the_drained_victim() -> None:
             assert kube.replicas["duet-decode"] == 2
             patches = [c[2]["body"] for c in kube.calls if c[0] == "PATCH" and c[1].endswith("/scale")]
             assert patches == [{"spec": {"replicas": 2}}] * 2, patches  # the dry run, then the patch
+
+    asyncio.run(go())
+
+
+VICTIM = "duet-decode-7f9c"
+
+
+def test_a_not_ready_pod_does_not_go_in_the_drained_victims_place() -> None:
+    """The ReplicaSet removes a not-Ready pod before a Ready one, whatever their deletion costs:
+    with a starting pod in the Deployment, a patch sent while the drained victim still reads
+    Ready (kubelet probes every period) removes the starting pod and leaves the victim drained,
+    serving nothing. The patch waits until the victim reads not Ready, then the victim goes."""
+
+    async def go() -> None:
+        pods = [FakePod(VICTIM, "duet-decode"), FakePod("duet-decode-ready", "duet-decode"),
+                FakePod("duet-decode-starting", "duet-decode", ready=False)]  # fmt: skip
+        kube = FakeKube(replicas={"duet-decode": 3}, pods=pods)
+        async with cluster(kube, DrainingNode(0)) as (act, url):
+            r = await act.scale_in(D, Victim(VICTIM, url), 2)
+            assert (r.outcome, r.replicas, r.drained) == (Outcome.DONE, 2, True), r
+            assert kube.deleted == [VICTIM]
+
+    asyncio.run(go())
+
+
+def test_a_victim_that_stays_ready_is_not_scaled_in_past_a_not_ready_pod() -> None:
+    async def go() -> None:
+        pods = [FakePod(VICTIM, "duet-decode"), FakePod("duet-decode-starting", "duet-decode", ready=False)]
+        kube = FakeKube(replicas={"duet-decode": 2}, pods=pods)
+        async with cluster(kube, DrainingNode(0, ready_follows_drain=False)) as (act, url):
+            act.ready_wait_s = 1.0
+            r = await act.scale_in(D, Victim(VICTIM, url), 1)
+            assert r.outcome == Outcome.FAILED and "still reads Ready" in r.detail, r
+            assert kube.replicas["duet-decode"] == 2 and kube.deleted == []
+
+    asyncio.run(go())
+
+
+def test_a_pending_pod_is_removed_first_and_nothing_is_drained() -> None:
+    """A Pending pod (unscheduled: no room on the cluster) goes before any Running pod; draining
+    the victim as well would leave it drained and serving nothing."""
+
+    async def go() -> None:
+        pods = [FakePod(VICTIM, "duet-decode"), FakePod("duet-decode-new", "duet-decode", phase="Pending",
+                                                        ready=False, scheduled=False)]  # fmt: skip
+        kube = FakeKube(replicas={"duet-decode": 2}, pods=pods)
+        node = DrainingNode(0)
+        async with cluster(kube, node) as (act, url):
+            r = await act.scale_in(D, Victim(VICTIM, url), 1)
+            assert (r.outcome, r.replicas) == (Outcome.DONE, 1) and "pending pod duet-decode-new" in r.detail, r
+            assert kube.deleted == ["duet-decode-new"]
+            assert "POST /drain" not in node.log, "the victim was drained for nothing"
 
     asyncio.run(go())
