@@ -4,12 +4,15 @@ calls `add_args` and `from_args`; nothing here runs unless `--planner` is given)
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from planner.config import PlannerMode, load_config
+from planner.config import PlannerMode, StepCost, load_config
 from protocol.plane import PlaneSecurity
+
+log = logging.getLogger("duet.planner")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -49,6 +52,12 @@ def from_args(args: argparse.Namespace, security: PlaneSecurity) -> Callable[[An
                       profile=args.planner_profile)  # fmt: skip
     if cfg.mode == PlannerMode.THROUGHPUT and not cfg.profile:
         raise ValueError("--planner throughput needs a node profile (--planner-profile or profile = in the config)")
+    if not cfg.profile and cfg.step == StepCost():
+        # load mode predicts TTFT/ITL from these: right for a small CPU node, wrong by orders of
+        # magnitude for a GPU one — the operator must hear it, not find out from a bad step
+        log.warning("planner: no node profile and no [planner.step]: TTFT/ITL are predicted with the default "
+                    "step cost (SmolLM2-135M on one CPU thread); give --planner-profile PROFILE.json "
+                    "(duet bench profile, or data/profiles/) for any other node kind")  # fmt: skip
     if args.actuator == "local" and not args.local_control:
         raise ValueError("--actuator local needs --local-control URL (duet up --autoscale passes it)")
     deployments = {}

@@ -255,6 +255,27 @@ def test_the_planner_component_resizes_the_pools(rendered: dict[str, list[dict[s
     rules = _one(rendered["gpu+planner"], "Role", "duet-coordinator")["rules"]
     assert any("deployments/scale" in r["resources"] and "patch" in r["verbs"] for r in rules)
     assert any("pods" in r["resources"] and "patch" in r["verbs"] for r in rules)  # pod-deletion-cost
+    assert any("pods" in r["resources"] and {"get", "list"} <= set(r["verbs"]) for r in rules)  # readiness ranks
+
+
+def test_the_planner_component_mounts_a_config_that_loads(rendered: dict[str, list[dict[str, Any]]],
+                                                          tmp_path: Path) -> None:  # fmt: skip
+    """--planner-config names a file of a mounted ConfigMap, and planner/config.py loads it (an
+    unknown key or a bad bound would stop the coordinator at start)."""
+    from planner.config import PlannerMode, load_config
+
+    objs = rendered["gpu+planner"]
+    coord = _one(objs, "Deployment", "duet-coordinator")
+    c = _container(coord)
+    path = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("--planner-config="))
+    mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
+    volume = next(v for v in coord["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
+    cm = next(o for o in _find(objs, "ConfigMap") if o["metadata"]["name"] == volume["configMap"]["name"])
+    assert cm["metadata"]["name"].startswith("duet-planner-")  # generated: a change rolls the coordinators
+    f = tmp_path / "planner.toml"
+    f.write_text(cm["data"][path.rsplit("/", 1)[1]])
+    cfg = load_config(f)
+    assert cfg.mode == PlannerMode.LOAD and cfg.node_budget and cfg.bounds["decode"][0] >= 1
 
 
 def test_the_kubernetes_actuator_scales_these_deployments(rendered: dict[str, list[dict[str, Any]]]) -> None:

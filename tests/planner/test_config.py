@@ -43,3 +43,25 @@ def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) ->
 def test_missing_file() -> None:
     with pytest.raises(ValueError, match="no planner config file"):
         load_config("/nonexistent/planner.toml")
+
+
+def test_a_planner_without_a_profile_warns_that_it_predicts_with_cpu_step_costs(
+        caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    """Load mode's TTFT/ITL predictions come from the step cost; the default one is SmolLM2 on one
+    CPU thread. A GPU deployment that gives no profile must be told at start."""
+    import argparse
+    import logging
+
+    from planner.cli import add_args, from_args
+    from protocol.plane import PlaneSecurity
+
+    p = argparse.ArgumentParser()
+    add_args(p)
+    profile = Path(__file__).parents[2] / "data" / "profiles" / "llama-3-70b-fp8-h200-tp2.json"
+    with caplog.at_level(logging.WARNING, logger="duet.planner"):
+        assert from_args(p.parse_args(["--planner", "load"]), PlaneSecurity()) is not None
+    assert any("no node profile" in r.getMessage() for r in caplog.records), caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="duet.planner"):
+        from_args(p.parse_args(["--planner", "load", "--planner-profile", str(profile)]), PlaneSecurity())
+    assert not any("no node profile" in r.getMessage() for r in caplog.records), caplog.text
