@@ -28,7 +28,8 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     capability_rank = 1               # for `model: "auto"` (higher = more capable)
     fallback = ["gpt-4o-mini"]        # tried in order when this model cannot answer
     tool_parser = "hermes"            # or "llama3_json" (default: from the chat template; docs/tools.md)
-    features = ["tools", "structured_outputs", "penalties", "logit_bias"]   # what it serves (default: all)
+    features = ["tools", "structured_outputs", "penalties", "logit_bias"]   # what it serves (default: all;
+                                      # "vllm_structured_outputs" too, which external models lack by default)
 
     [models.embed]                    # POST /v1/embeddings on `duet node --task embed` nodes
     kind = "embedding"                # (docs/embeddings.md); chat/completions on it get a 400

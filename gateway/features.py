@@ -1,12 +1,14 @@
 """What a request needs of a model beyond plain text generation, and what a model serves.
 
 `features(request)` names the optional API features a request uses (tools, structured outputs,
-penalties, logit_bias); `model_features(config)` those a model serves — by default every one
-(duet's native engine constrains, penalizes and biases; an OpenAI-compatible provider takes the
-fields unchanged), or what its `[models.X] features = [...]` lists (a vLLM-engine model, a
-provider that cannot). Routing (fallback chains, `model: "auto"`) skips a model that lacks one
-of the request's features, and a model named outright answers 400 naming what it lacks
-(`refuse_missing`).
+vLLM's structured-output extras, penalties, logit_bias); `model_features(config)` those a model
+serves — by default every one for a self-hosted model (duet's native engine constrains,
+penalizes and biases), every one but vLLM's extras for an OpenAI-compatible provider (it takes
+OpenAI's fields unchanged; `guided_regex` / `guided_choice` / `structured_outputs` are no
+OpenAI fields, and OpenAI itself refuses them), or what its `[models.X] features = [...]` lists
+(a vLLM-engine model, a provider that cannot, an OpenAI-compatible vLLM server that can).
+Routing (fallback chains, `model: "auto"`) skips a model that lacks one of the request's
+features, and a model named outright answers 400 naming what it lacks (`refuse_missing`).
 
 Invariant: `features` only reads the checked `Request`; the enum's values are the names the
 config file and the error messages use.
@@ -31,6 +33,8 @@ class Feature(enum.StrEnum):
     TOOLS = "tools"
     #: `response_format` json_object / json_schema
     STRUCTURED_OUTPUTS = "structured_outputs"
+    #: vLLM's guided_regex, guided_choice, structured_outputs (gateway/constraint.py)
+    VLLM_STRUCTURED_OUTPUTS = "vllm_structured_outputs"
     #: frequency_penalty, presence_penalty, repetition_penalty, min_p
     PENALTIES = "penalties"
     LOGIT_BIAS = "logit_bias"
@@ -46,6 +50,8 @@ def features(request: Request) -> frozenset[Feature]:
         out.add(Feature.TOOLS)
     if request.response_format is not None and request.response_format.type != "text":
         out.add(Feature.STRUCTURED_OUTPUTS)
+    if request.structured_outputs is not None:
+        out.add(Feature.VLLM_STRUCTURED_OUTPUTS)
     s = request.sampling
     if any(v is not None for v in (s.frequency_penalty, s.presence_penalty, s.repetition_penalty, s.min_p)):
         out.add(Feature.PENALTIES)
@@ -57,13 +63,17 @@ def features(request: Request) -> frozenset[Feature]:
 #: what an Anthropic model serves by default: tools (translated both ways); it has no
 #: structured outputs, penalties or logit_bias (providers/translate.py)
 ANTHROPIC = frozenset({Feature.TOOLS})
+#: what an OpenAI-compatible provider serves by default: OpenAI's fields, passed on unchanged
+OPENAI_COMPATIBLE = ALL - {Feature.VLLM_STRUCTURED_OUTPUTS}
 
 
 def model_features(model: ModelConfig) -> frozenset[Feature]:
-    """The features `model` serves (its config's `features`, else all; an Anthropic model's
-    default is `ANTHROPIC`)."""
+    """The features `model` serves (its config's `features`, else all for a self-hosted model;
+    an external one's default is `ANTHROPIC` or `OPENAI_COMPATIBLE`)."""
     if model.features is None:
-        return ANTHROPIC if model.kind == "external" and model.provider == "anthropic" else ALL
+        if model.kind != "external":
+            return ALL
+        return ANTHROPIC if model.provider == "anthropic" else OPENAI_COMPATIBLE
     return frozenset(Feature(f) for f in model.features)
 
 
@@ -83,9 +93,16 @@ def refuse_missing(request: Request, model: ModelConfig) -> None:
     if missing:
         raise APIError(400, f"the model {model.name!r} does not support {', '.join(missing)} "
                             f"(its [models.{model.name}] features list what it serves)",
-                       param=_PARAM[missing[0]], code="unsupported_feature")  # fmt: skip
+                       param=_param(request, missing[0]), code="unsupported_feature")  # fmt: skip
+
+
+def _param(request: Request, feature: Feature) -> str:
+    if feature is Feature.VLLM_STRUCTURED_OUTPUTS and request.constraint_field is not None:
+        return request.constraint_field  # the one of vLLM's fields the client sent
+    return _PARAM[feature]
 
 
 #: the request field an error about a feature names
 _PARAM = {Feature.TOOLS: "tools", Feature.STRUCTURED_OUTPUTS: "response_format",
+          Feature.VLLM_STRUCTURED_OUTPUTS: "structured_outputs",
           Feature.PENALTIES: "frequency_penalty", Feature.LOGIT_BIAS: "logit_bias"}  # fmt: skip

@@ -3,9 +3,11 @@
 One per `kind = "external"` model, wrapping its `Provider` (gateway/providers/). An `Attempt`
 of a `Request` becomes a chat request (the client's messages — tool calls and tool results
 included —, max_tokens, the sampling fields, penalties and logit_bias, tools, tool_choice,
-parallel_tool_calls and response_format, as the client sent them); the provider passes them on
-(OpenAI-compatible) or translates them (Anthropic: tools and tool results both ways;
-response_format and logit_bias are refused with a 400 naming them). A streaming job is relayed
+parallel_tool_calls and response_format, as the client sent them; vLLM's guided_regex /
+guided_choice / structured_outputs as vLLM's `structured_outputs`, for a model whose features
+list them: gateway/features.py); the provider passes them on (OpenAI-compatible) or translates
+them (Anthropic: tools and tool results both ways; response_format, structured_outputs and
+logit_bias are refused with a 400 naming them). A streaming job is relayed
 chunk by chunk, a whole one is one call; the provider's tool calls come back as the pieces'
 `tool_calls` deltas, in OpenAI's stream shape.
 
@@ -138,6 +140,9 @@ class ProviderBackend(Backend):
                 body["parallel_tool_calls"] = False
         if request.response_format is not None:
             body["response_format"] = _unset_dropped(request.response_format)
+        if request.structured_outputs is not None:
+            # vLLM's extras, normalized: one field set (gateway/constraint.py)
+            body["structured_outputs"] = msgspec.to_builtins(request.structured_outputs)
         return body
 
     def open(self, request: Request, attempt: Attempt) -> Reply:

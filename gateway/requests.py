@@ -4,8 +4,9 @@ Nothing from the client is trusted: the raw JSON's keys are checked first, and a
 gateway does not support (images, audio, …) is a 400 that names it — unless it
 carries its neutral value (`null`, `false`, `0`, `[]`, `{}`), which changes nothing. Types
 come from msgspec; meaning (ranges, n ≤ 8, stop ≤ 4 strings, user ≤ 256 characters,
-penalties, logit_bias, response_format's schema, tools: gateway/tools/spec.py) is checked
-here with OpenAI's wording, before any node work.
+penalties, logit_bias, tools: gateway/tools/spec.py; the one constraint of response_format,
+vLLM's guided_regex / guided_choice / structured_outputs or a forced tool_choice:
+gateway/constraint.py) is checked here with OpenAI's wording, before any node work.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from typing import Any
 import msgspec
 
 from gateway.config import Tier
+from gateway.constraint import VLLM_FIELDS, constraint, described
 from gateway.tools.spec import Tools, check_tools, tool_turn
 from protocol.chat import ChatCompletionRequest
-from protocol.guide_check import check_guide, guide_from_response_format
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.openai import APIError, CompletionRequest
-from protocol.structured import Guide, ResponseFormat
+from protocol.structured import Guide, ResponseFormat, StructuredOutputs
 
 MAX_N = 8
 MAX_STOP = 4
@@ -32,7 +33,7 @@ MAX_MESSAGES = 2048  # OpenAI's bound on a chat request's messages
 COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
           "stream_options", "user", "service_tier", "top_k", "min_tokens", "ignore_eos",
           "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "logit_bias",
-          "response_format"}  # fmt: skip
+          "response_format", *VLLM_FIELDS}  # fmt: skip
 CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
                         "parallel_tool_calls"}  # fmt: skip
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"}
@@ -95,8 +96,14 @@ class Request:
     user: str | None
     #: as the client sent it (None or type "text": unconstrained)
     response_format: ResponseFormat | None = None
-    #: the constraint response_format asks for, checked by the grammar engine
+    #: the constraint response_format or vLLM's guided_regex / guided_choice /
+    #: structured_outputs ask for, checked by the grammar engine (a forced tool_choice's is
+    #: built per model: gateway/tools/plan.py)
     guide: Guide | None = None
+    #: vLLM's extras as `structured_outputs`, one field set (None: not used; gateway/constraint.py)
+    structured_outputs: StructuredOutputs | None = None
+    #: the request field that constrains the answer (None: unconstrained); errors name it
+    constraint_field: str | None = None
     #: chat: the checked tools and tool_choice
     tools: Tools = field(default_factory=Tools)
     #: the conversation holds tool calls or tool results
@@ -194,20 +201,6 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
     return out
 
 
-def _response_format(rf: ResponseFormat | None) -> Guide | None:
-    """The guide response_format asks for, checked by the grammar engine (a 400 naming what is
-    wrong with the schema); None for text."""
-    if rf is None or rf.type == "text":
-        return None
-    if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema is None):
-        raise APIError(400, "response_format of type json_schema needs json_schema.schema",
-                       param="response_format.json_schema")  # fmt: skip
-    guide = guide_from_response_format(rf)
-    if guide is not None:
-        check_guide(guide)
-    return guide
-
-
 def parse_chat(raw: bytes) -> Request:
     data = _decode_json(raw)
     _refuse_unsupported(data, CHAT_FIELDS)
@@ -250,16 +243,13 @@ def parse_chat(raw: bytes) -> Request:
     # the nodes speak the completions form: N top tokens besides the chosen one
     sampling, n = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-    guide = _response_format(body.response_format)
-    _guided_min_tokens(guide is not None or tools.choice in ("required", "named"), sampling)
-    if guide is not None and tools.choice in ("required", "named"):
-        raise APIError(400, "response_format cannot be combined with a forced tool_choice (required or a named "
-                            "function): both constrain the whole answer", param="response_format")  # fmt: skip
+    c = constraint(data, body.response_format, forced_tool=tools.choice in ("required", "named"))
+    _guided_min_tokens(c.field, sampling)
     return Request(endpoint=Endpoint.CHAT, model=body.model, messages=messages, prompt=None, max_tokens=max_tokens,
                    sampling=sampling, n=n, stream=bool(body.stream),
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
                    service_tier=body.service_tier, user=_user(body.user), response_format=body.response_format,
-                   guide=guide, tools=tools,
+                   guide=c.guide, structured_outputs=c.structured_outputs, constraint_field=c.field, tools=tools,
                    has_tool_turns=any("tool_calls" in m or m["role"] == "tool" for m in messages))  # fmt: skip
 
 
@@ -297,23 +287,20 @@ def parse_completion(raw: bytes) -> Request:
     sampling, n = _sampling(_Shim(body, n=data.get("n")), max_tokens, body.logprobs)
     rf = _convert({"response_format": data["response_format"]}, _Format).response_format \
         if data.get("response_format") is not None else None  # fmt: skip
+    c = constraint(data, rf, forced_tool=False)
+    _guided_min_tokens(c.field, sampling)
     return Request(endpoint=Endpoint.COMPLETION, model=body.model, messages=None, prompt=p, max_tokens=max_tokens,
                    sampling=sampling, n=n, stream=body.stream,
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                   service_tier=body.service_tier, user=_user(body.user), response_format=rf,
-                   guide=_guided(_response_format(rf), sampling))  # fmt: skip
+                   service_tier=body.service_tier, user=_user(body.user), response_format=rf, guide=c.guide,
+                   structured_outputs=c.structured_outputs, constraint_field=c.field)  # fmt: skip
 
 
-def _guided(guide: Guide | None, sampling: Sampling) -> Guide | None:
-    _guided_min_tokens(guide is not None, sampling)
-    return guide
-
-
-def _guided_min_tokens(guided: bool, sampling: Sampling) -> None:
+def _guided_min_tokens(field: str | None, sampling: Sampling) -> None:
     """A finished grammar allows only EOS, which min_tokens forbids: the two cannot meet."""
-    if guided and sampling.min_tokens:
-        raise APIError(400, "min_tokens cannot be combined with response_format or a forced tool_choice "
-                            "(a finished JSON value allows only the end of the answer)", param="min_tokens")  # fmt: skip
+    if field is not None and sampling.min_tokens:
+        raise APIError(400, f"min_tokens cannot be combined with {described(field)} (a finished constraint allows only the "
+                            "end of the answer)", param="min_tokens")  # fmt: skip
 
 
 class _Format(msgspec.Struct):

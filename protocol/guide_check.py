@@ -1,7 +1,8 @@
 """From `response_format` to a `Guide`, and the tokenizer-free check of a guide (issue #24).
 
-The gateway calls `guide_from_response_format` and `check_guide` before any node work, so an
-invalid or unsupported schema is a 400 naming what is wrong (`param="response_format"`). The
+The gateway calls `guide_from_response_format` (or `choice_guide`, for vLLM's choice fields:
+gateway/constraint.py) and `check_guide` before any node work, so an invalid or unsupported
+schema, regex or list of choices is a 400 naming what is wrong and the field it came from. The
 check compiles the guide's grammar with llguidance — the same engine, through the same
 `guide_grammar`, that the nodes' engine masks logits with (engine/guided.py) — only without a
 tokenizer, so a guide the gateway passes is one every node accepts (protocol/structured.py's
@@ -30,8 +31,12 @@ log = logging.getLogger("duet.guide")
 
 #: longest spec a guide may carry (characters): a schema larger than this is no API request
 MAX_SPEC_CHARS = 100_000
-#: most strings a `choice` guide may list
+#: most strings a `choice` guide may list, and most characters in one of them: a choice is a
+#: label or a short answer, and every one becomes an alternative of the compiled grammar
 MAX_CHOICES = 1_000
+MAX_CHOICE_CHARS = 1_000
+#: longest regular expression a `regex` guide may carry (characters)
+MAX_REGEX_CHARS = 10_000
 #: compact JSON: no whitespace between tokens, so a small model cannot pad its output with it
 JSON_DEFAULTS = {"whitespace_flexible": False}
 _PARAM = "response_format"
@@ -71,16 +76,36 @@ def guide_from_response_format(rf: ResponseFormat | None) -> Guide | None:
     return Guide(kind=GuideKind.JSON_SCHEMA, spec=canonical_schema(js.schema))
 
 
+def check_choices(choices: object) -> list[str]:
+    """`choices` if it is a list of 1..MAX_CHOICES non-empty strings of at most MAX_CHOICE_CHARS
+    characters each; else ValueError saying which bound it breaks."""
+    if not isinstance(choices, list) or not all(isinstance(c, str) for c in choices):
+        raise ValueError("the choices must be a list of strings")
+    if not choices:
+        raise ValueError("the list of choices is empty: give at least one string")
+    if len(choices) > MAX_CHOICES:
+        raise ValueError(f"at most {MAX_CHOICES} choices are allowed, got {len(choices)}")
+    for i, c in enumerate(choices):
+        if not c:
+            raise ValueError(f"choice {i} is empty (an empty answer cannot be chosen)")
+        if len(c) > MAX_CHOICE_CHARS:
+            raise ValueError(f"choice {i} is {len(c)} characters long; at most {MAX_CHOICE_CHARS}")
+    return choices
+
+
+def choice_guide(choices: list[str]) -> Guide:
+    """A choice guide in canonical form (a compact JSON list, in the client's order);
+    ValueError as `check_choices`."""
+    return Guide(kind=GuideKind.CHOICE, spec=json.dumps(check_choices(choices), separators=(",", ":"),
+                                                        ensure_ascii=False))  # fmt: skip
+
+
 def _choices(spec: str) -> list[str]:
     try:
         choices = json.loads(spec)
     except json.JSONDecodeError as e:
         raise ValueError(f"a choice guide's spec must be a JSON list of strings: {e}") from None
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
-        raise ValueError("a choice guide's spec must be a non-empty JSON list of non-empty strings")
-    if len(choices) > MAX_CHOICES:
-        raise ValueError(f"a choice guide may list at most {MAX_CHOICES} strings, got {len(choices)}")
-    return choices
+    return check_choices(choices)
 
 
 def guide_grammar(guide: Guide) -> str:
@@ -102,7 +127,10 @@ def guide_grammar(guide: Guide) -> str:
             return m.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
         case GuideKind.REGEX:
             if not guide.spec:
-                raise ValueError("a regex guide needs a non-empty regular expression")
+                raise ValueError("the regular expression is empty")
+            if len(guide.spec) > MAX_REGEX_CHARS:
+                raise ValueError(f"the regular expression is {len(guide.spec)} characters long; "
+                                 f"at most {MAX_REGEX_CHARS}")  # fmt: skip
             return m.grammar_from_regex(guide.spec)
         case GuideKind.CHOICE:
             alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in _choices(guide.spec))
@@ -137,5 +165,10 @@ def check_guide(guide: Guide | None, param: str = _PARAM) -> None:
     except GrammarEngineMissing as e:
         raise APIError(400, f"structured outputs are not available: {e}", param=param) from None
     if why is not None:
-        what = "JSON schema" if guide.kind is GuideKind.JSON_SCHEMA else f"{guide.kind.value} guide"
+        what = _WHAT[guide.kind]
         raise APIError(400, f"unsupported or invalid {what}: {why}", param=param)
+
+
+#: what a refused guide is called in a 400 (its `param` names the request field)
+_WHAT = {GuideKind.JSON_OBJECT: "JSON object guide", GuideKind.JSON_SCHEMA: "JSON schema",
+         GuideKind.REGEX: "regular expression", GuideKind.CHOICE: "list of choices"}  # fmt: skip

@@ -1,8 +1,10 @@
 """Structured-output contracts shared by the gateway and the nodes (issue #24).
 
-`ResponseFormat` is OpenAI's `response_format` body field as clients send it. `Guide` is what a
-node's leg carries: the one constraint the engine enforces with a token mask every step (the
-gateway derives it from `response_format`, or from `tool_choice` = `required` / a named function).
+`ResponseFormat` is OpenAI's `response_format` body field as clients send it; `StructuredOutputs`
+is vLLM's `structured_outputs` extra (which replaced its `guided_regex` / `guided_choice` /
+`guided_json`). `Guide` is what a node's leg carries: the one constraint the engine enforces with
+a token mask every step (the gateway derives it from `response_format`, vLLM's extras —
+gateway/constraint.py — or `tool_choice` = `required` / a named function).
 A leg carries at most one guide; its `spec` is canonical text (a schema's compact JSON, keys in
 the client's order since property order is generation order — protocol/guide_check.py; a regex;
 or a JSON list of choices), so the same constraint hashes to the same compiled grammar on every
@@ -36,6 +38,31 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputs(
+    msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
+):
+    """vLLM's `structured_outputs` body field (vLLM >= 0.10.2), with vLLM's field names: exactly
+    one of `json` (a JSON schema, inline or as its JSON text), `regex`, `choice` or
+    `json_object: true`. `grammar`, `structural_tag`, `whitespace_pattern` and
+    `disable_additional_properties` are vLLM's too; duet refuses them by name (400) rather than
+    ignore them. `disable_any_whitespace` and `disable_fallback` change nothing here: duet's JSON
+    is always compact, and there is one grammar engine, no fallback.
+
+    The gateway also sends this form, normalized (one field set, `json` an object), to an
+    OpenAI-compatible provider whose model serves it (gateway/features.py)."""
+
+    json: dict[str, Any] | bool | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    json_object: bool | None = None
+    grammar: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    whitespace_pattern: str | None = None
+    disable_additional_properties: bool | None = None
+    disable_any_whitespace: bool | None = None
+    disable_fallback: bool | None = None
 
 
 class GuideKind(enum.StrEnum):

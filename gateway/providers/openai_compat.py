@@ -32,6 +32,9 @@ FORWARDED = frozenset({
     # vLLM's sampling extensions, which OpenAI-compatible servers of open models take (OpenAI
     # itself refuses them: a 400 the client sees, never a silent drop)
     "repetition_penalty", "min_p",
+    # vLLM's structured outputs (>= 0.10.2): only in a body for a model whose config lists the
+    # feature vllm_structured_outputs (gateway/features.py), i.e. a vLLM server
+    "structured_outputs",
 })
 
 

@@ -56,6 +56,8 @@ def to_anthropic(body: Mapping[str, Any], model: str, default_max_tokens: int) -
     rf = body.get("response_format")
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
         raise _bad("response_format other than text is not supported by Anthropic models")
+    if body.get("structured_outputs") is not None:
+        raise _bad("structured_outputs (vLLM's) is not supported by Anthropic models")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages must be a non-empty list")

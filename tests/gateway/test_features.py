@@ -29,6 +29,9 @@ def _chat(**extra: Any) -> bytes:
     ({"response_format": {"type": "text"}}, set()),
     ({"frequency_penalty": 0.5, "min_p": 0.1}, {Feature.PENALTIES}),
     ({"logit_bias": {"3": -100}}, {Feature.LOGIT_BIAS}),
+    ({"guided_choice": ["a", "b"]}, {Feature.VLLM_STRUCTURED_OUTPUTS}),
+    ({"guided_regex": "[0-9]+", "presence_penalty": 1}, {Feature.VLLM_STRUCTURED_OUTPUTS, Feature.PENALTIES}),
+    ({"structured_outputs": {"json": {"type": "object"}}}, {Feature.VLLM_STRUCTURED_OUTPUTS}),
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]}, {Feature.TOOLS}),

@@ -56,8 +56,13 @@ def test_every_corpus_schema_passes() -> None:
     (Guide(kind=GuideKind.JSON_SCHEMA, spec="{not json"), "not valid JSON"),
     (Guide(kind=GuideKind.JSON_SCHEMA, spec="[1]"), "object or a boolean"),
     (Guide(kind=GuideKind.REGEX, spec="(ab"), "unclosed group"),
-    (Guide(kind=GuideKind.CHOICE, spec="[]"), "non-empty JSON list"),
-    (Guide(kind=GuideKind.CHOICE, spec='["a", 1]'), "non-empty JSON list"),
+    (Guide(kind=GuideKind.CHOICE, spec="[]"), "the list of choices is empty"),
+    (Guide(kind=GuideKind.CHOICE, spec='["a", 1]'), "a list of strings"),
+    (Guide(kind=GuideKind.CHOICE, spec='["a", ""]'), "choice 1 is empty"),
+    # the bounds (docs/structured-outputs.md): 1,000 choices of 1,000 characters, a 10,000-character regex
+    (Guide(kind=GuideKind.CHOICE, spec=json.dumps(["x"] * 1001)), "at most 1000 choices"),
+    (Guide(kind=GuideKind.CHOICE, spec=json.dumps(["ok", "x" * 1001])), "choice 1 is 1001 characters long"),
+    (Guide(kind=GuideKind.REGEX, spec="a" * 10_001), "10001 characters long; at most 10000"),
 ])  # fmt: skip
 def test_invalid_guides_are_400s_naming_the_fault(guide: Guide, words: str) -> None:
     with pytest.raises(APIError) as e:

@@ -1,0 +1,169 @@
+"""The one constraint a request puts on its whole answer, from whichever field asked for it.
+
+Four request fields constrain the answer with a guide (protocol/structured.py): OpenAI's
+`response_format` (json_object / json_schema), vLLM's extras `guided_regex`, `guided_choice` and
+`structured_outputs` (`json`, `regex`, `choice` or `json_object`), and a forced `tool_choice`
+(`required` or a named function, whose guide gateway/tools/plan.py builds per model). Each
+constrains the whole answer, so a request may use at most one: two are a 400 naming both.
+
+vLLM's extras become the same `Guide` that `response_format` does, checked by the same grammar
+engine call (protocol/guide_check.py::check_guide) before any node work, so an invalid regex, an
+empty or oversized list of choices or a bad schema is a 400 whose `param` names the field
+(`guided_choice`, `structured_outputs.regex`, …). They are also kept in vLLM's newest form
+(`structured_outputs`, one field set), which is what an OpenAI-compatible provider serving them
+is sent (gateway/provider_backend.py); `features.py` counts them as the feature
+`vllm_structured_outputs`, which external models lack unless their config lists it.
+
+Invariant: `Constraint.guide` is None or accepted by the grammar engine; `field` names the
+request field it came from (None exactly when there is no guide and no forced tool choice).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from protocol.guide_check import (
+    canonical_schema,
+    check_guide,
+    choice_guide,
+    guide_from_response_format,
+)
+from protocol.openai import APIError
+from protocol.structured import Guide, GuideKind, ResponseFormat, StructuredOutputs
+
+#: vLLM's structured-output request fields duet serves (on both endpoints)
+VLLM_FIELDS = ("guided_regex", "guided_choice", "structured_outputs")
+#: structured_outputs fields that choose the constraint: exactly one must be set
+_KINDS = ("json", "regex", "choice", "json_object")
+#: vLLM's structured_outputs fields duet does not serve (refused when set, never ignored)
+_REFUSED = ("grammar", "structural_tag", "whitespace_pattern", "disable_additional_properties")
+_FORCED_TOOL = "tool_choice"
+
+
+class VllmFields(msgspec.Struct, kw_only=True):
+    """vLLM's extras as the client sent them (None: not sent)."""
+
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    structured_outputs: StructuredOutputs | None = None
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What constrains a request's answer."""
+
+    #: the guide every leg carries (None: none, or a forced tool choice's, built per model)
+    guide: Guide | None = None
+    #: the request field the constraint came from ("response_format", "guided_choice",
+    #: "structured_outputs", "tool_choice"); None: unconstrained
+    field: str | None = None
+    #: vLLM's extras normalized to `structured_outputs` with one field set (None: not used)
+    structured_outputs: StructuredOutputs | None = None
+
+
+def constraint(data: dict[str, Any], rf: ResponseFormat | None, forced_tool: bool) -> Constraint:
+    """The request's constraint from its raw body `data` (for vLLM's fields), its parsed
+    `response_format` and whether its tool_choice is forced; 400 for two constraints, or one
+    the grammar engine refuses."""
+    vllm = _vllm_fields(data)
+    sources = [name for name, used in (
+        ("response_format", rf is not None and rf.type != "text"),
+        ("guided_regex", vllm.guided_regex is not None), ("guided_choice", vllm.guided_choice is not None),
+        ("structured_outputs", vllm.structured_outputs is not None), (_FORCED_TOOL, forced_tool)) if used]  # fmt: skip
+    if len(sources) > 1:
+        raise APIError(400, f"{described(sources[0])} and {described(sources[1])} cannot be combined: each constrains "
+                            "the whole answer (send one)", param=sources[1])  # fmt: skip
+    if not sources:
+        return Constraint()
+    field = sources[0]
+    if field == _FORCED_TOOL:
+        return Constraint(field=field)
+    if field == "response_format":
+        return Constraint(guide=_response_format(rf), field=field)
+    so, param = _normalized(vllm, field)
+    guide = _guide(so, param)
+    check_guide(guide, param=param)
+    return Constraint(guide=guide, field=field, structured_outputs=so)
+
+
+def described(source: str) -> str:
+    return (
+        "a forced tool_choice (required or a named function)" if source == _FORCED_TOOL else source
+    )
+
+
+def _vllm_fields(data: dict[str, Any]) -> VllmFields:
+    sent = {k: data[k] for k in VLLM_FIELDS if data.get(k) is not None}
+    if not sent:
+        return VllmFields()
+    try:
+        return msgspec.convert(sent, VllmFields)
+    except msgspec.ValidationError as e:
+        where = str(e).rsplit("`$.", 1)[1].rstrip("`") if "`$." in str(e) else next(iter(sent))
+        raise APIError(400, f"invalid request: {e}", param=where.split("[")[0]) from None
+
+
+def _response_format(rf: ResponseFormat | None) -> Guide | None:
+    """The guide response_format asks for, checked by the grammar engine."""
+    assert rf is not None
+    if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema is None):
+        raise APIError(400, "response_format of type json_schema needs json_schema.schema",
+                       param="response_format.json_schema")  # fmt: skip
+    guide = guide_from_response_format(rf)
+    check_guide(guide)
+    return guide
+
+
+def _normalized(vllm: VllmFields, field: str) -> tuple[StructuredOutputs, str]:
+    """vLLM's field as `structured_outputs` with exactly one constraint set, and the param an
+    error about it names."""
+    if field == "guided_regex":
+        return StructuredOutputs(regex=vllm.guided_regex), field
+    if field == "guided_choice":
+        return StructuredOutputs(choice=vllm.guided_choice), field
+    so = vllm.structured_outputs
+    assert so is not None
+    for name in _REFUSED:
+        if getattr(so, name) not in (None, False):
+            raise APIError(400, f"structured_outputs.{name} is not supported (duet serves json, regex, choice and "
+                                "json_object)", param=f"structured_outputs.{name}")  # fmt: skip
+    kinds = [k for k in _KINDS if getattr(so, k) not in (None, False)]
+    if len(kinds) != 1:
+        got = f"got {', '.join(kinds)}" if kinds else "got none"
+        raise APIError(400, f"structured_outputs takes exactly one of {', '.join(_KINDS)}; {got}",
+                       param="structured_outputs")  # fmt: skip
+    kind, param = kinds[0], f"structured_outputs.{kinds[0]}"
+    if kind == "json":
+        return StructuredOutputs(json=_schema(so.json, param)), param
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True), param
+    return StructuredOutputs(**{kind: getattr(so, kind)}), param
+
+
+def _schema(value: Any, param: str) -> dict[str, Any] | bool:
+    """structured_outputs.json: a schema inline or as its JSON text (vLLM takes both)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise APIError(400, f"{param} is a string but not JSON: {e}", param=param) from None
+    if not isinstance(value, dict | bool):
+        raise APIError(400, f"{param} must be a JSON schema (an object)", param=param)
+    return value
+
+
+def _guide(so: StructuredOutputs, param: str) -> Guide:
+    if so.regex is not None:
+        return Guide(kind=GuideKind.REGEX, spec=so.regex)
+    if so.choice is not None:
+        try:
+            return choice_guide(so.choice)
+        except ValueError as e:
+            raise APIError(400, f"invalid {param}: {e}", param=param) from None
+    if so.json_object:
+        return Guide(kind=GuideKind.JSON_OBJECT)
+    return Guide(kind=GuideKind.JSON_SCHEMA, spec=canonical_schema(so.json))
