@@ -19,6 +19,7 @@ import engine.kernels
 from engine.kernels import kernels_lib
 from engine.qlinear import QLinear
 from engine.quant import int8_for_gemm, pack_w8a8, quantize, w8a8_reference
+from tests.engine.isa import skip_unless_runs_here
 
 lib = kernels_lib()
 needs_kernels = pytest.mark.skipif(lib is None, reason="kernels unavailable (no C compiler, or DUET_DISABLE_KERNELS)")
@@ -75,6 +76,7 @@ def test_packed_layout() -> None:
 @pytest.mark.parametrize("march", ["x86-64-v2", "skylake-avx512", "icelake-server"])
 def test_other_builds_equal_reference(march: str, tmp_path: Path) -> None:
     """Portable C, AVX-512BW without VNNI, VNNI without AMX: what CI's and other CPUs compile."""
+    skip_unless_runs_here(march)
     kdir = Path(engine.kernels.__file__).parent
     so = tmp_path / f"{march}.so"
     subprocess.run(["gcc", "-O2", f"-march={march}", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off",
