@@ -19,7 +19,7 @@ from aiohttp import web
 
 from coordinator.app import make_app
 from coordinator.service import Coordinator, CoordinatorConfig
-from protocol.http_errors import AppRunner
+from protocol.read_deadlines import DeadlineAppRunner
 
 log = logging.getLogger("duet.coordinator")
 #: seconds shutdown may take before the process exits regardless
@@ -35,8 +35,9 @@ async def serve(cfg: CoordinatorConfig, background: Sequence[Callable[[Coordinat
         print(f"duet coordinator: {e}", file=sys.stderr)
         return 2
     app = make_app(cfg, background=background)
-    # HTTP parser errors answered in the same error body as /route's own (protocol.http_errors).
-    runner = AppRunner(app, handler_cancellation=True, access_log=None)
+    # HTTP parser errors answered in the same error body as /route's own (protocol.http_errors);
+    # deadlines for reading each request's headers and body (protocol.read_deadlines).
+    runner = DeadlineAppRunner(app, deadlines=cfg.deadlines, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=cfg.security.server_ssl())
     try:

@@ -40,6 +40,7 @@ from protocol.cluster import (
 from protocol.openai import APIError
 from protocol.plane import PlaneSecurity
 from protocol.planner import PlannerReport
+from protocol.read_deadlines import ReadDeadlines
 from protocol.route import RouteRequest
 
 log = logging.getLogger("duet.coordinator")
@@ -61,6 +62,8 @@ class CoordinatorConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     #: cluster secret, TLS and /metrics policy of the internal plane (protocol/plane.py)
     security: PlaneSecurity = field(default_factory=PlaneSecurity)
+    #: deadlines for reading a request's headers and body (slow clients)
+    deadlines: ReadDeadlines = field(default_factory=ReadDeadlines)
 
     def __post_init__(self) -> None:
         if self.index_max_blocks < 1:

@@ -8,7 +8,7 @@ import sys
 import time
 
 from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
-from duet.security_args import add_server_arguments, plane_security
+from duet.security_args import add_server_arguments, plane_security, read_deadlines
 from protocol.cluster import DEFAULT_CLUSTER, NODE_TTL_S
 
 COORDINATOR_HELP = """\
@@ -86,7 +86,7 @@ def _run_coordinator(args: argparse.Namespace) -> int:
         cfg = CoordinatorConfig(etcd=args.etcd, cluster=args.cluster, host=args.host, port=args.port,
                                 replica_id=args.replica_id, advertise_url=args.advertise_url,
                                 index_max_blocks=args.index_max_blocks, ttl=args.ttl, policy=policy,
-                                security=plane_security(args))  # fmt: skip
+                                security=plane_security(args), deadlines=read_deadlines(args))  # fmt: skip
         from planner.cli import from_args as planner_from_args
 
         planner = planner_from_args(args, cfg.security)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
-from duet.security_args import add_server_arguments, plane_security
+from duet.security_args import add_server_arguments, plane_security, read_deadlines
 from node.config import DEFAULT_ALLOWED_PEERS
 from protocol.models import DEFAULT_MODEL
 
@@ -149,7 +149,7 @@ def node_config(args: argparse.Namespace, role: str):
         failure_policy=args.failure_policy, grace_period=args.grace_period, cpus=args.cpus,
         engine_kind=args.engine, reserve_timeout=args.reserve_timeout, allowed_peers=args.allowed_peers,
         etcd=args.etcd, cluster=args.cluster, pool=args.pool, exit_when_drained=args.exit_when_drained,
-        security=plane_security(args),
+        security=plane_security(args), deadlines=read_deadlines(args),
         task=args.task, pooling=args.pooling,
     )  # fmt: skip
 

@@ -41,6 +41,30 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
     g.add_argument("--tls-ca", default=None, metavar="PEM",
                    help="CA that signs the other processes' certificates (trusted with the system's CAs)")
+    add_deadline_arguments(p)
+
+
+def add_deadline_arguments(p: argparse.ArgumentParser) -> None:
+    """A node's and a coordinator's read deadlines (protocol/read_deadlines.py); the gateway's
+    are `[server]` settings of its config file."""
+    g = p.add_argument_group("slow clients", "Deadlines for reading a request (slowloris): a connection past "
+                             "one is answered 408 and closed.")  # fmt: skip
+    g.add_argument("--header-timeout-s", type=float, default=30.0, metavar="S",
+                   help="a request's headers must be complete this long after its first byte (0: off)")
+    g.add_argument("--body-timeout-s", type=float, default=30.0, metavar="S",
+                   help="a request's body gets this long, plus 1 s per 4096 bytes received (0: off)")  # fmt: skip
+
+
+def read_deadlines(args: argparse.Namespace):
+    """The flags as a ReadDeadlines; raises UsageError for a value out of range."""
+    from duet.cli import UsageError
+    from protocol.read_deadlines import ReadDeadlines
+
+    d = ReadDeadlines(header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s)
+    problem = d.problem()
+    if problem is not None:
+        raise UsageError(f"--{problem.replace('_', '-')}")
+    return d
 
 
 def add_gateway_security_arguments(p: argparse.ArgumentParser) -> None:

@@ -91,6 +91,7 @@ from gateway.features import parse_features
 from gateway.tools.formats import TOOL_PARSERS
 from protocol.models import duet_home
 from protocol.plane import PlaneSecurity
+from protocol.read_deadlines import ReadDeadlines
 from protocol.tables import from_table
 from protocol.tracing import TracingConfig
 
@@ -167,10 +168,16 @@ class ServerConfig:
     max_body_bytes: int = 4 * 2**20
     #: a request line or one header above this gets a 400 from the HTTP parser
     max_header_bytes: int = 16 * 1024
-    #: an idle keep-alive connection is closed after this long
+    #: an idle keep-alive connection (nothing sent since its last answer) is closed after this long
     keepalive_timeout_s: float = 75.0
-    #: a new connection that has not sent a whole request's headers by then is closed (slowloris)
+    #: a request's headers must be complete this long after its first byte (a new connection's
+    #: first request: after connecting), or the connection is closed with a 408 (slowloris; 0: off)
     header_timeout_s: float = 30.0
+    #: a request body must arrive within this long plus 1 s per `body_min_rate_bytes_s` bytes
+    #: received, or the connection is closed with a 408 (a trickled body; 0: off)
+    body_timeout_s: float = 30.0
+    #: the average rate a body must keep past `body_timeout_s` (protocol/read_deadlines.py)
+    body_min_rate_bytes_s: int = 4096
     #: open connections from one client address at most; more are closed at once (0: no cap).
     #: Behind a load balancer or proxy every client shares its address: raise this there.
     max_connections_per_address: int = 1024
@@ -191,6 +198,10 @@ class ServerConfig:
     #: its dead life's reservations as it starts, instead of after 2.5 missed heartbeats. Two
     #: live gateways must never share one (each would reclaim the other's bookings).
     instance: str | None = None
+
+    def read_deadlines(self) -> ReadDeadlines:
+        return ReadDeadlines(header_timeout_s=self.header_timeout_s, body_timeout_s=self.body_timeout_s,
+                             body_min_rate_bytes_s=self.body_min_rate_bytes_s)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -514,6 +525,9 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
     if not isinstance(cfg.server.key_cache_ttl_s, (int, float)) or isinstance(cfg.server.key_cache_ttl_s, bool) \
             or not 0 <= cfg.server.key_cache_ttl_s <= 3600:  # fmt: skip
         raise ConfigError(f"[server] key_cache_ttl_s must be a number of seconds in [0, 3600], got {cfg.server.key_cache_ttl_s!r}")
+    problem = cfg.server.read_deadlines().problem()
+    if problem is not None:
+        raise ConfigError(f"[server] {problem}")
     inst = cfg.server.instance
     if inst is not None and (not isinstance(inst, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", inst)):
         raise ConfigError(f"[server] instance must be 1-64 letters, digits, '_', '.', '-', got {inst!r}")

@@ -68,12 +68,13 @@ async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
     # request on every node it touched.
     # AppRunner from protocol.http_errors: what aiohttp's HTTP parser refuses (a header over
     # max_header_bytes, a malformed request line) is answered in OpenAI's error body too.
-    # LimitedAppRunner: connections per client address, a deadline for the first headers.
+    # LimitedAppRunner: connections per client address; deadlines for each request's headers
+    # and body (protocol/read_deadlines.py).
     runner = LimitedAppRunner(app, handler_cancellation=True, access_log=None,
                               max_line_size=srv.max_header_bytes, max_field_size=srv.max_header_bytes,
                               shutdown_timeout=grace_s, keepalive_timeout=srv.keepalive_timeout_s,
                               max_connections_per_address=srv.max_connections_per_address,
-                              header_timeout_s=srv.header_timeout_s)  # fmt: skip
+                              deadlines=srv.read_deadlines())  # fmt: skip
     try:
         await runner.setup()  # opens the store, loads tokenizers
     except Exception as e:  # an unreachable database, a broken tokenizer: one line, not a traceback

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.plane import PlaneSecurity
+from protocol.read_deadlines import ReadDeadlines
 
 ROLES = ("prefill", "decode", "both")
 FAILURE_POLICIES = ("recompute", "fail")
@@ -71,6 +72,8 @@ class NodeConfig:
     exit_when_drained: bool = False
     #: cluster secret, TLS and /metrics policy of the internal plane (protocol/plane.py)
     security: PlaneSecurity = field(default_factory=PlaneSecurity)
+    #: deadlines for reading a request's headers and body (slow clients)
+    deadlines: ReadDeadlines = field(default_factory=ReadDeadlines)
     #: "generate" (the P/D legs) or "embed" (POST /v1/embeddings only: node/embed.py)
     task: str = "generate"
     #: embed nodes: how a prompt's final hidden states become one vector ("last" or "mean")

@@ -26,7 +26,7 @@ from node.engines import make_engine
 from node.legs import Roles
 from node.metrics import NodeMetrics
 from node.state import NodeState
-from protocol.http_errors import AppRunner
+from protocol.read_deadlines import DeadlineAppRunner
 
 log = logging.getLogger("duet.node")
 
@@ -77,8 +77,9 @@ LISTEN_BACKLOG = 4096
 async def serve(state: NodeState) -> int:
     cfg = state.config
     app = make_app(state)
-    # HTTP parser errors answered in OpenAI's error body too (protocol.http_errors).
-    runner = AppRunner(app, handler_cancellation=True, access_log=None)
+    # HTTP parser errors answered in OpenAI's error body too (protocol.http_errors); deadlines for
+    # reading each request's headers and body (protocol.read_deadlines).
+    runner = DeadlineAppRunner(app, deadlines=cfg.deadlines, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, backlog=LISTEN_BACKLOG, ssl_context=cfg.security.server_ssl())
     await site.start()

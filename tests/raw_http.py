@@ -1,13 +1,16 @@
 """Raw HTTP over a socket, for what no HTTP client sends — an over-long header or request line,
-a garbage request line — and the check that a duet server refuses each with a 400 in OpenAI's
-error body and closes the connection (protocol/http_errors.py). Shared by the gateway, node
-and coordinator tests."""
+a garbage request line, a request trickled in — and the checks that a duet server refuses each
+in OpenAI's error body and closes the connection (protocol/http_errors.py: a 400;
+protocol/read_deadlines.py: a 408). Shared by the gateway, node and coordinator tests."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 from typing import Any
+
+from tests.wait import wait_for
 
 #: far over any duet server's header limit (the gateway's is configurable, the others' 8190)
 _LONG = 20_000
@@ -59,3 +62,66 @@ def assert_parser_errors_in_openai_shape(port: int, limit: int) -> None:
             assert_openai_error(status, headers, body, 400, code, words.format(limit=limit))
         except AssertionError as e:
             raise AssertionError(f"{name}: {e}") from None
+
+
+class RawConn:
+    """A raw socket to a server on 127.0.0.1 that keeps what the server answers."""
+
+    def __init__(self, port: int) -> None:
+        self.s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        self.got = bytearray()
+
+    def closed(self) -> bool:
+        """True once the server closed the connection (a read sees EOF or a reset), False
+        while it is open."""
+        self.s.settimeout(0.05)
+        try:
+            chunk = self.s.recv(65536)
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            return True
+        self.got += chunk
+        return chunk == b""
+
+    def send(self, data: bytes) -> None:
+        """Send, unless the server has closed the connection already."""
+        with contextlib.suppress(OSError):  # broken pipe or reset: what closed() reports next
+            self.s.sendall(data)
+
+    def _recv(self, timeout: float) -> bytes:
+        self.s.settimeout(timeout)
+        try:
+            chunk = self.s.recv(65536)
+        except TimeoutError:
+            raise AssertionError(
+                f"no answer within {timeout:g} s (got {bytes(self.got)[:300]!r})"
+            ) from None
+        assert chunk, f"the connection closed mid-response: {bytes(self.got)[:300]!r}"
+        return chunk
+
+    def response(self, timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:
+        """One whole response (Content-Length framed) off the connection; the server has
+        `timeout` seconds for each read."""
+        while b"\r\n\r\n" not in self.got:
+            self.got += self._recv(timeout)
+        head, _, rest = bytes(self.got).partition(b"\r\n\r\n")
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines)}
+        n = int(headers.get("content-length", "0"))
+        while len(rest) < n:
+            rest += self._recv(timeout)
+        self.got = bytearray(rest[n:])
+        return int(status_line.split()[1]), headers, rest[:n]
+
+    def close(self) -> None:
+        self.s.close()
+
+
+def assert_timed_out(c: RawConn, words: str, timeout: float = 30.0) -> None:
+    """The server answers the connection's request 408 in OpenAI's error body (`words` in its
+    message) within `timeout` seconds, then closes the connection."""
+    status, headers, body = c.response(timeout)
+    assert headers.get("connection", "").lower() == "close", headers
+    assert_openai_error(status, headers, body, 408, "request_timeout", words)
+    wait_for(c.closed, timeout, "the connection to be closed after its 408")
