@@ -17,10 +17,10 @@ import torch
 
 import engine.kernels
 from engine import LLM, SamplingParams
+from engine.cpu import cpu_flags
 from engine.kernels import kernels_lib
 from engine.logits_head import LogitsHead
 from engine.quant import quantize
-from engine.cpu import cpu_flags
 from tests.engine.isa import needs
 from tests.procs import duet_node, running
 

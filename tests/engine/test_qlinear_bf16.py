@@ -19,7 +19,6 @@ import pytest
 import torch
 
 import engine.kernels
-from engine.cpu import cpu_flags
 from engine.kernels import kernels_lib
 from engine.qlinear import BF16_GEMM_MIN_ROWS, QLinear, bf16_gemm_isa, bf16_gemm_reference
 from engine.quant import quantize
