@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -27,15 +26,6 @@ from tests.gateway.test_providers_e2e import FakeServers, external
 from tests.procs import running
 from tests.providers.fakes import API_KEY, Fault
 from tests.wait import wait_for
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeServers]:
-    servers = FakeServers({"gpt": "openai"})
-    try:
-        yield servers
-    finally:
-        servers.close()
 
 
 def _client(url: str, key: str) -> openai.OpenAI:

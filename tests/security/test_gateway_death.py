@@ -18,7 +18,6 @@ import contextlib
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -31,15 +30,6 @@ from tests.providers.fakes import API_KEY, Fault
 from tests.wait import wait_for
 
 HEARTBEAT_S = 1.0
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeServers]:
-    servers = FakeServers({"gpt": "openai"})
-    try:
-        yield servers
-    finally:
-        servers.close()
 
 
 def kill_while_holding(fake: FakeServers, gw: Proc, content: str) -> tuple[str, threading.Thread]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -27,15 +26,6 @@ from tests.wait import wait_for
 
 TTL_S = 1.5
 HEARTBEAT_S = 0.5  # the shortest heartbeat the TTL allows (3 beats)
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeServers]:
-    servers = FakeServers({"gpt": "openai"})
-    try:
-        yield servers
-    finally:
-        servers.close()
 
 
 def _query(db: Path, sql: str, *args: object) -> list[tuple[object, ...]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -28,15 +27,6 @@ from tests.wait import wait_for
 
 #: the gateway's SQLite busy timeout is 30 s: its first write fails after that
 FIRST_FAILURE_WITHIN_S = 120.0
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeServers]:
-    servers = FakeServers({"gpt": "openai"})
-    try:
-        yield servers
-    finally:
-        servers.close()
 
 
 def _usage(db: Path) -> list[tuple[object, ...]]:
