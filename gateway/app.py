@@ -46,6 +46,7 @@ from gateway.tiers import Admission, Shed
 from gateway.usage_writer import UsageWriter
 from protocol.cluster import NodeTask
 from protocol.cluster_secret import metrics_middleware
+from protocol.guide_compile import GuideChecker
 from protocol.http_errors import error_middleware
 from protocol.models import resolve_model
 from protocol.openai import APIError
@@ -175,7 +176,10 @@ def make_app(config: GatewayConfig) -> web.Application:
     app[STATE] = GatewayState(config=config, store=store, metrics=metrics,
                               writer=UsageWriter(store, metrics, config.quotas.usage_batch),
                               admission=Admission(config.tiers, metrics),
-                              keys=KeyCache(store, config.server.key_cache_ttl_s))  # fmt: skip
+                              keys=KeyCache(store, config.server.key_cache_ttl_s),
+                              guides=GuideChecker(config.server.guide_compile_timeout_s, config.server.guide_compile_threads,
+                                                  on_compile=lambda v: metrics.guide_compiles.labels(verdict=v.value).inc(),
+                                                  running=metrics.guide_compiling.set))  # fmt: skip
     state = app[STATE]
     state.tracing = setup("duet-gateway", from_env(DEFAULT_RING, config.tracing))
     state.tracing.install(app, after=_request_id)
@@ -321,6 +325,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
                 await view_life.__anext__()
         await s.session.close()
         await s.store.close()
+        s.guides.close()
         await asyncio.to_thread(s.tracing.shutdown)  # flushes the spans still queued for export
 
 

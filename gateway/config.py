@@ -6,6 +6,8 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     [server]
     port = 8000
     instance = "gateway-a"            # this gateway's own name (stable across restarts; unique)
+    guide_compile_timeout_s = 5.0     # a constraint's grammar compiling longer is a 400 (2 threads
+                                      # compile, off the event loop: docs/structured-outputs.md)
 
     [store]
     url = "sqlite:///var/lib/duet/gateway.db"   # default: sqlite:///$DUET_HOME/gateway.db
@@ -187,6 +189,12 @@ class ServerConfig:
     #: through another gateway or the CLI stops working within this time (through this
     #: gateway: at once); 0 asks the store on every request
     key_cache_ttl_s: float = 5.0
+    #: a structured-output constraint (response_format, guided_*, structured_outputs, a forced
+    #: tool choice's schema) whose grammar compiles longer than this is a 400 "too complex"
+    #: (protocol/guide_compile.py); compiles run off the event loop on at most
+    #: `guide_compile_threads` threads at once
+    guide_compile_timeout_s: float = 5.0
+    guide_compile_threads: int = 2
     #: listen on `port` with SO_REUSEPORT, so several gateway processes (on one store) share
     #: it and the kernel spreads connections over them (`duet up --gateways N`; Linux)
     reuse_port: bool = False
@@ -528,6 +536,11 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
     problem = cfg.server.read_deadlines().problem()
     if problem is not None:
         raise ConfigError(f"[server] {problem}")
+    gt, gn = cfg.server.guide_compile_timeout_s, cfg.server.guide_compile_threads
+    if not isinstance(gt, int | float) or isinstance(gt, bool) or not 0 < gt <= 600:
+        raise ConfigError(f"[server] guide_compile_timeout_s must be a number of seconds in (0, 600], got {gt!r}")
+    if not isinstance(gn, int) or isinstance(gn, bool) or not 1 <= gn <= 64:
+        raise ConfigError(f"[server] guide_compile_threads must be an integer in [1, 64], got {gn!r}")
     inst = cfg.server.instance
     if inst is not None and (not isinstance(inst, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", inst)):
         raise ConfigError(f"[server] instance must be 1-64 letters, digits, '_', '.', '-', got {inst!r}")

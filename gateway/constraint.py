@@ -7,15 +7,17 @@ Four request fields constrain the answer with a guide (protocol/structured.py): 
 constrains the whole answer, so a request may use at most one: two are a 400 naming both.
 
 vLLM's extras become the same `Guide` that `response_format` does, checked by the same grammar
-engine call (protocol/guide_check.py::check_guide) before any node work, so an invalid regex, an
-empty or oversized list of choices or a bad schema is a 400 whose `param` names the field
-(`guided_choice`, `structured_outputs.regex`, …). They are also kept in vLLM's newest form
+engine call before any node work — serve.run awaits it off the event loop, bounded in time
+(protocol/guide_compile.py), since a pathological schema compiles for seconds — so an invalid
+regex, an empty or oversized list of choices or a bad schema is a 400 whose `param` names the
+field (`guided_choice`, `structured_outputs.regex`, …): `Constraint.param`. They are also kept in vLLM's newest form
 (`structured_outputs`, one field set), which is what an OpenAI-compatible provider serving them
 is sent (gateway/provider_backend.py); `features.py` counts them as the feature
 `vllm_structured_outputs`, which external models lack unless their config lists it.
 
-Invariant: `Constraint.guide` is None or accepted by the grammar engine; `field` names the
-request field it came from (None exactly when there is no guide and no forced tool choice).
+Invariant: `Constraint.guide` is None or well-formed (its grammar not yet compiled: `param` is
+what a refusal names); `field` names the request field it came from (None exactly when there is
+no guide and no forced tool choice).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import msgspec
 
 from protocol.guide_check import (
     canonical_schema,
-    check_guide,
     choice_guide,
     guide_from_response_format,
 )
@@ -63,12 +64,14 @@ class Constraint:
     field: str | None = None
     #: vLLM's extras normalized to `structured_outputs` with one field set (None: not used)
     structured_outputs: StructuredOutputs | None = None
+    #: what an error about `guide` names: the field, or the part of it that holds the guide
+    param: str | None = None
 
 
 def constraint(data: dict[str, Any], rf: ResponseFormat | None, forced_tool: bool) -> Constraint:
     """The request's constraint from its raw body `data` (for vLLM's fields), its parsed
     `response_format` and whether its tool_choice is forced; 400 for two constraints, or one
-    the grammar engine refuses."""
+    malformed before any grammar work (the grammar engine's check is serve.run's, async)."""
     vllm = _vllm_fields(data)
     sources = [name for name, used in (
         ("response_format", rf is not None and rf.type != "text"),
@@ -83,11 +86,9 @@ def constraint(data: dict[str, Any], rf: ResponseFormat | None, forced_tool: boo
     if field == _FORCED_TOOL:
         return Constraint(field=field)
     if field == "response_format":
-        return Constraint(guide=_response_format(rf), field=field)
+        return Constraint(guide=_response_format(rf), field=field, param=field)
     so, param = _normalized(vllm, field)
-    guide = _guide(so, param)
-    check_guide(guide, param=param)
-    return Constraint(guide=guide, field=field, structured_outputs=so)
+    return Constraint(guide=_guide(so, param), field=field, structured_outputs=so, param=param)
 
 
 def described(source: str) -> str:
@@ -108,14 +109,12 @@ def _vllm_fields(data: dict[str, Any]) -> VllmFields:
 
 
 def _response_format(rf: ResponseFormat | None) -> Guide | None:
-    """The guide response_format asks for, checked by the grammar engine."""
+    """The guide response_format asks for (its grammar is checked by serve.run)."""
     assert rf is not None
     if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema is None):
         raise APIError(400, "response_format of type json_schema needs json_schema.schema",
                        param="response_format.json_schema")  # fmt: skip
-    guide = guide_from_response_format(rf)
-    check_guide(guide)
-    return guide
+    return guide_from_response_format(rf)
 
 
 def _normalized(vllm: VllmFields, field: str) -> tuple[StructuredOutputs, str]:

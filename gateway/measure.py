@@ -20,6 +20,7 @@ from gateway.requests import Request
 from gateway.state import ServedModel
 from gateway.tools.plan import ToolPlan, plan_for
 from gateway.tools.prompt import render
+from protocol.guide_compile import GuideChecker
 from protocol.openai import APIError
 from protocol.tokenizer import ChatTemplateError, Tokenizer
 
@@ -138,8 +139,10 @@ def context_check(served: ServedModel, n_prompt: int, max_tokens: int | None) ->
     return max_tokens
 
 
-async def measure(served: ServedModel, req: Request) -> Measured:
+async def measure(served: ServedModel, req: Request, guides: GuideChecker) -> Measured:
     plan = tool_plan(served, req)
+    if plan is not None:  # a forced tool choice's schema: checked off the loop, as every guide
+        await guides.check(plan.guide, "tools")
     ids = await prompt_ids(served, req, plan)
     if served.tokenizer is not None:
         return Measured(ids, len(ids), context_check(served, len(ids), req.max_tokens), plan)

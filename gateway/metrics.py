@@ -29,3 +29,9 @@ class GatewayMetrics:
         self.route_fallback = Counter("duet:route_fallback", "Requests routed without a coordinator",
                                       ["reason"], registry=r)  # fmt: skip
         self.usage_batches = Counter("duet:usage_write_batches", "Usage-record transactions", registry=r)
+        # grammar compiles of structured-output constraints (protocol/guide_compile.py): one per
+        # distinct guide (a resent one is answered from the cache), by verdict
+        self.guide_compiles = Counter("duet:guide_compiles", "Grammar compiles of request constraints, by verdict",
+                                      ["verdict"], registry=r)  # fmt: skip
+        self.guide_compiling = Gauge("duet:guide_compiles_running", "Grammar compiles running on their threads",
+                                     registry=r)  # fmt: skip

@@ -97,13 +97,16 @@ class Request:
     #: as the client sent it (None or type "text": unconstrained)
     response_format: ResponseFormat | None = None
     #: the constraint response_format or vLLM's guided_regex / guided_choice /
-    #: structured_outputs ask for, checked by the grammar engine (a forced tool_choice's is
-    #: built per model: gateway/tools/plan.py)
+    #: structured_outputs ask for, checked by the grammar engine in serve.run (a forced
+    #: tool_choice's is built per model: gateway/tools/plan.py, checked in measure.py)
     guide: Guide | None = None
     #: vLLM's extras as `structured_outputs`, one field set (None: not used; gateway/constraint.py)
     structured_outputs: StructuredOutputs | None = None
     #: the request field that constrains the answer (None: unconstrained); errors name it
     constraint_field: str | None = None
+    #: the param a refused `guide` names ("structured_outputs.regex", …); the guide is checked
+    #: by the grammar engine off the event loop (serve.run → GuideChecker) before any node work
+    guide_param: str | None = None
     #: chat: the checked tools and tool_choice
     tools: Tools = field(default_factory=Tools)
     #: the conversation holds tool calls or tool results
@@ -249,8 +252,8 @@ def parse_chat(raw: bytes) -> Request:
                    sampling=sampling, n=n, stream=bool(body.stream),
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
                    service_tier=body.service_tier, user=_user(body.user), response_format=body.response_format,
-                   guide=c.guide, structured_outputs=c.structured_outputs, constraint_field=c.field, tools=tools,
-                   has_tool_turns=any("tool_calls" in m or m["role"] == "tool" for m in messages))  # fmt: skip
+                   guide=c.guide, structured_outputs=c.structured_outputs, constraint_field=c.field, guide_param=c.param,
+                   tools=tools, has_tool_turns=any("tool_calls" in m or m["role"] == "tool" for m in messages))  # fmt: skip
 
 
 def parse_completion(raw: bytes) -> Request:
@@ -293,7 +296,7 @@ def parse_completion(raw: bytes) -> Request:
                    sampling=sampling, n=n, stream=body.stream,
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
                    service_tier=body.service_tier, user=_user(body.user), response_format=rf, guide=c.guide,
-                   structured_outputs=c.structured_outputs, constraint_field=c.field)  # fmt: skip
+                   structured_outputs=c.structured_outputs, constraint_field=c.field, guide_param=c.param)  # fmt: skip
 
 
 def _guided_min_tokens(field: str | None, sampling: Sampling) -> None:

@@ -93,6 +93,9 @@ async def run(state: GatewayState, caller: Caller, raw: bytes, endpoint: Endpoin
     """One request of an authenticated caller: what the HTTP handlers and the batch executor
     (gateway/batch_wiring.py; no sink, so no streaming) both call."""
     req = parse_chat(raw) if endpoint == Endpoint.CHAT else parse_completion(raw)
+    # the grammar engine's check of its constraint: off the event loop, bounded in time (a
+    # pathological schema must not stall every other request; protocol/guide_compile.py)
+    await state.guides.check(req.guide, req.guide_param or "response_format")
     if req.stream and sink is None:
         raise APIError(400, "stream is not supported here", param="stream")
     policy = state.config.team_policy(caller.team.id)
@@ -117,7 +120,7 @@ async def _measured(state: GatewayState, caller: Caller, req: Request, tier: Tie
                  GEN_AI_REQUEST_MODEL: req.model, "duet.request_id": caller.request_id, "duet.team": caller.team.id,
                  "duet.tier": tier, "duet.stream": req.stream})  # fmt: skip
     with tr.span("gateway.tokenize", {GEN_AI_REQUEST_MODEL: served.config.name}) as span:
-        size = await measure(served, req)
+        size = await measure(served, req, state.guides)
         if span is not None:
             span.set_attribute(GEN_AI_INPUT_TOKENS, size.n_prompt)
     tr.annotate({GEN_AI_MAX_TOKENS: size.max_tokens})
@@ -221,7 +224,7 @@ class _Tries:
         while True:
             try:
                 if self.tried:  # a fallback target counts and checks the prompt its own way
-                    size = await measure(served, self.req)
+                    size = await measure(served, self.req, self.state.guides)
                 return await self._attempt(served, size, {**headers, "x-duet-model-used": served.config.name},
                                            sink, origin, first.n_prompt)  # fmt: skip
             except APIError as e:

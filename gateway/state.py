@@ -16,6 +16,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.store.base import Store
 from gateway.tiers import Admission
 from gateway.usage_writer import UsageWriter
+from protocol.guide_compile import GuideChecker
 from protocol.tokenizer import Tokenizer
 from protocol.tracing import Tracing
 
@@ -53,6 +54,8 @@ class GatewayState:
     #: API keys found recently (authentication without a store round trip)
     keys: KeyCache
     session: aiohttp.ClientSession | None = None
+    #: the grammar check of constraints, off the event loop (made by the app from [server])
+    guides: GuideChecker = field(default_factory=GuideChecker)
     models: dict[str, ServedModel] = field(default_factory=dict)
     #: auto, team policies and fallback chains (built once the models are loaded)
     choice: ModelChoice | None = None

@@ -1,17 +1,21 @@
 """From `response_format` to a `Guide`, and the tokenizer-free check of a guide (issue #24).
 
 The gateway calls `guide_from_response_format` (or `choice_guide`, for vLLM's choice fields:
-gateway/constraint.py) and `check_guide` before any node work, so an invalid or unsupported
-schema, regex or list of choices is a 400 naming what is wrong and the field it came from. The
-check compiles the guide's grammar with llguidance — the same engine, through the same
+gateway/constraint.py) and checks the guide before any node work, so an invalid or unsupported
+schema, regex or list of choices is a 400 naming what is wrong and the field it came from. It
+runs `grammar_error_uncached` off its event loop, bounded in threads and time, with its own
+cache (protocol/guide_compile.py: a pathological schema compiles for seconds); a node calls
+`check_guide`, which caches in `_grammar_error`. The check compiles the guide's grammar with llguidance — the same engine, through the same
 `guide_grammar`, that the nodes' engine masks logits with (engine/guided.py) — only without a
 tokenizer, so a guide the gateway passes is one every node accepts (protocol/structured.py's
 invariant). llguidance imports no torch (xgrammar does), which is what lets the gateway run it.
 
 Canonical specs: a schema is its compact JSON (no spaces) with keys in the client's order — not
 sorted, because property order is the order the output is generated in (see canonical_schema);
-the same schema text hashes to the same compiled grammar on every node. Checks are cached per (kind, spec)
-in a bounded LRU: clients resend the same schema with every request.
+the same schema text hashes to the same compiled grammar on every node. Checks are cached per
+(kind, spec) in a bounded LRU: clients resend the same schema with every request. The size
+bounds below keep the slowest admitted compile to about a second (docs/structured-outputs.md,
+Limits: one object of 9,800 optional properties took 13 s).
 
 Invariant: `check_guide` either returns (the engine accepts the grammar) or raises APIError(400);
 with llguidance missing it raises too — never an unchecked, unconstrained pass-through.
@@ -35,6 +39,10 @@ MAX_SPEC_CHARS = 100_000
 #: label or a short answer, and every one becomes an alternative of the compiled grammar
 MAX_CHOICES = 1_000
 MAX_CHOICE_CHARS = 1_000
+#: most properties one object of a JSON schema may declare: llguidance's compile time grows with
+#: the square of an object's optional properties (9,800 of them, 97k characters, took 13 s on
+#: the 2-core dev machine; 1,000 take ~0.3 s). OpenAI allows 5,000 in a whole schema.
+MAX_OBJECT_PROPERTIES = 1_000
 #: longest regular expression a `regex` guide may carry (characters)
 MAX_REGEX_CHARS = 10_000
 #: compact JSON: no whitespace between tokens, so a small model cannot pad its output with it
@@ -124,6 +132,7 @@ def guide_grammar(guide: Guide) -> str:
                 raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
             if not isinstance(schema, dict | bool):
                 raise ValueError("a JSON schema must be an object or a boolean")
+            _check_widths(schema)
             return m.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
         case GuideKind.REGEX:
             if not guide.spec:
@@ -138,6 +147,22 @@ def guide_grammar(guide: Guide) -> str:
     raise ValueError(f"unknown guide kind {guide.kind!r}")  # pragma: no cover - GuideKind is closed
 
 
+def _check_widths(schema: object) -> None:
+    """ValueError if an object in `schema` declares more than MAX_OBJECT_PROPERTIES properties
+    (a walk without recursion: a deep schema must not exhaust the stack here)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict) and len(props) > MAX_OBJECT_PROPERTIES:
+                raise ValueError(f"an object of the schema declares {len(props)} properties; at most "
+                                 f"{MAX_OBJECT_PROPERTIES}")  # fmt: skip
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+
+
 def grammar_error(guide: Guide) -> str | None:
     """Why the grammar engine refuses `guide` (None: it accepts it). Cached: see check_guide."""
     return _grammar_error(guide.kind, guide.spec)
@@ -145,11 +170,19 @@ def grammar_error(guide: Guide) -> str | None:
 
 @functools.lru_cache(maxsize=512)
 def _grammar_error(kind: GuideKind, spec: str) -> str | None:
+    return grammar_error_uncached(Guide(kind=kind, spec=spec))
+
+
+def grammar_error_uncached(guide: Guide) -> str | None:
+    """`grammar_error` without the cache: the compile itself (protocol/guide_compile.py runs
+    it on its threads and keeps its own cache of verdicts)."""
     try:
-        grammar = guide_grammar(Guide(kind=kind, spec=spec))
+        grammar = guide_grammar(guide)
         failed, messages = _llguidance().LLMatcher.validate_grammar_with_warnings(grammar)
     except ValueError as e:
         return str(e)
+    except RecursionError:
+        return "the schema is nested too deeply"
     if failed:
         return "; ".join(m.strip() for m in messages) or "the grammar engine refused it"
     return None
@@ -165,10 +198,10 @@ def check_guide(guide: Guide | None, param: str = _PARAM) -> None:
     except GrammarEngineMissing as e:
         raise APIError(400, f"structured outputs are not available: {e}", param=param) from None
     if why is not None:
-        what = _WHAT[guide.kind]
+        what = WHAT[guide.kind]
         raise APIError(400, f"unsupported or invalid {what}: {why}", param=param)
 
 
 #: what a refused guide is called in a 400 (its `param` names the request field)
-_WHAT = {GuideKind.JSON_OBJECT: "JSON object guide", GuideKind.JSON_SCHEMA: "JSON schema",
+WHAT = {GuideKind.JSON_OBJECT: "JSON object guide", GuideKind.JSON_SCHEMA: "JSON schema",
          GuideKind.REGEX: "regular expression", GuideKind.CHOICE: "list of choices"}  # fmt: skip

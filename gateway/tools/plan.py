@@ -29,7 +29,7 @@ from gateway.tools.events import (
 )
 from gateway.tools.formats import ToolFormat, tool_format
 from gateway.tools.spec import Tools
-from protocol.guide_check import canonical_schema, check_guide
+from protocol.guide_check import canonical_schema
 from protocol.structured import Guide, GuideKind
 
 
@@ -73,7 +73,6 @@ def plan_for(tools: Tools, configured: str | None, template: str | None) -> Tool
     elif mode == ToolMode.REQUIRED:
         calls = [fmt.call_schema(n, tools.parameters(n)) for n in tools.names]
         guide = schema_guide(calls[0] if len(calls) == 1 else {"anyOf": calls})
-    check_guide(guide, param="tools")
     return ToolPlan(mode, fmt, tools, guide)
 
 

@@ -1,0 +1,212 @@
+"""The grammar check of a request's guide, off the event loop, bounded in threads and in time
+(issue #24).
+
+`check_guide` (protocol/guide_check.py) compiles a guide's grammar with llguidance; a
+pathological one takes seconds (a 97k-character JSON schema of 9,800 optional properties took
+13 s on the 2-core dev machine; the figures are in docs/structured-outputs.md). Run on the event
+loop, that stalled every other request and stream of every team. `GuideChecker.check` instead:
+
+- answers from a bounded LRU of verdicts keyed by (kind, sha256 of the spec), so a schema a
+  client resends with every request is compiled once; a compile already running for the same
+  key is awaited, not started again;
+- runs the compile in its own pool of `threads` threads (llguidance releases the GIL while it
+  compiles), so a flood of bad schemas holds at most `threads` threads and never the loop or
+  the default executor that tokenizing and the store use;
+- waits for a free thread at most `timeout_s` (then 503 `overloaded`, retryable: the pool is
+  busy with others' compiles), and for the compile at most `timeout_s` from its start (then
+  400 "too complex to compile within N s" naming the request field; the verdict is cached, so
+  the same guide resent is refused at once).
+
+llguidance cannot be interrupted: a compile past its time limit keeps its thread until it ends,
+and its slot in the bound is given back only then — so `threads` bounds the CPU that slow
+compiles take, however many clients send them; more waiting than `max_waiting` is a 503 at
+once. protocol/guide_check.py's size bounds keep the slowest admitted compile to about a second.
+
+Invariant: `check` returns only for a guide the grammar engine accepted (or None); otherwise it
+raises APIError — 400 for an invalid or too complex guide, 503 when the pool is busy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import enum
+import hashlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from protocol.guide_check import WHAT, GrammarEngineMissing, grammar_error_uncached
+from protocol.openai import APIError
+from protocol.structured import Guide
+
+log = logging.getLogger("duet.guide")
+
+#: default seconds a compile may take (the slowest guide the size bounds admit compiles in
+#: about a second on a loaded 2-core machine)
+TIMEOUT_S = 5.0
+#: default threads compiling at once (each holds a core while it compiles)
+THREADS = 2
+#: verdicts kept (a key is ~100 bytes, a refusal's message at most a few hundred)
+CACHE_SIZE = 1024
+#: compiles that may wait for a thread at once; more are refused with a 503 at once
+MAX_WAITING = 64
+
+
+class Verdict(enum.Enum):
+    """What a compile found."""
+
+    OK = "ok"
+    INVALID = "invalid"
+    TOO_COMPLEX = "too_complex"
+    #: llguidance cannot be imported (never cached: a fixed install should be seen)
+    UNAVAILABLE = "unavailable"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    verdict: Verdict
+    #: why the engine refused it (INVALID, UNAVAILABLE)
+    why: str | None = None
+
+
+class _Busy(Exception):
+    """No thread came free within the time limit, or too many compiles wait."""
+
+
+Key = tuple[str, str]
+
+
+def key(guide: Guide) -> Key:
+    return guide.kind.value, hashlib.sha256(guide.spec.encode()).hexdigest()
+
+
+class GuideChecker:
+    """Checks guides for one event loop. `on_compile(verdict)` is called on the loop once per
+    compile that ends (a timed-out one when its thread ends too), `running(n)` whenever the number
+    of compiles running on threads changes: the gateway counts them in its metrics."""
+
+    def __init__(self, timeout_s: float = TIMEOUT_S, threads: int = THREADS, cache_size: int = CACHE_SIZE,
+                 max_waiting: int = MAX_WAITING, on_compile: Callable[[Verdict], None] | None = None,
+                 running: Callable[[int], None] | None = None) -> None:  # fmt: skip
+        if timeout_s <= 0 or threads < 1 or cache_size < 1 or max_waiting < 0:
+            raise ValueError("timeout_s must be > 0, threads and cache_size >= 1, max_waiting >= 0")
+        self.timeout_s, self.threads, self.max_waiting = timeout_s, threads, max_waiting
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            threads, thread_name_prefix="guide-compile"
+        )
+        self._cache: OrderedDict[Key, Outcome] = OrderedDict()
+        self._cache_size = cache_size
+        self._inflight: dict[Key, asyncio.Task[Outcome]] = {}
+        self._slots: asyncio.Semaphore | None = None  # made on the loop (first check)
+        self._waiting = 0
+        self._running = 0
+        self._on_compile = on_compile or (lambda v: None)
+        self._on_running = running or (lambda n: None)
+
+    async def check(self, guide: Guide | None, param: str) -> None:
+        """Raise APIError naming `param` unless the grammar engine accepts `guide` (None: nothing
+        to check) within the time limit."""
+        if guide is None:
+            return
+        k = key(guide)
+        outcome = self._cache.get(k)
+        if outcome is not None:
+            self._cache.move_to_end(k)
+        else:
+            task = self._inflight.get(k)
+            if task is None:
+                task = asyncio.ensure_future(self._compile(k, guide))
+                self._inflight[k] = task
+                task.add_done_callback(lambda _t: self._inflight.pop(k, None))
+            try:  # shielded: a client leaving does not cancel the others' wait
+                outcome = await asyncio.shield(task)
+            except _Busy as e:
+                raise APIError(503, f"the grammar engine is busy compiling other requests' {param} ({e}); "
+                                    "try again", type_="service_unavailable", param=param, code="overloaded",
+                               retry_after_s=1.0) from None  # fmt: skip
+        _raise_for(outcome, guide, param, self.timeout_s)
+
+    async def _compile(self, k: Key, guide: Guide) -> Outcome:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.threads)
+        slots = self._slots
+        if self._waiting >= self.max_waiting and slots.locked():
+            raise _Busy(f"{self._waiting} compiles wait for a thread")
+        self._waiting += 1
+        try:
+            await asyncio.wait_for(slots.acquire(), self.timeout_s)
+        except TimeoutError:
+            raise _Busy(f"no compile thread came free within {self.timeout_s:g} s") from None
+        finally:
+            self._waiting -= 1
+        loop = asyncio.get_running_loop()
+        t0 = time.monotonic()
+        fut = loop.run_in_executor(self._pool, _verdict, guide)
+        self._set_running(+1)
+        fut.add_done_callback(lambda f: self._ended(slots, f, t0, guide))
+        try:
+            outcome = await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+        except TimeoutError:
+            outcome = Outcome(Verdict.TOO_COMPLEX)
+            log.warning("a %s guide (%d characters) is still compiling after %g s: refused as too complex (its "
+                        "thread stays busy until llguidance returns)", guide.kind.value, len(guide.spec),
+                        self.timeout_s)  # fmt: skip
+        if outcome.verdict != Verdict.UNAVAILABLE:
+            self._remember(k, outcome)
+        return outcome
+
+    def _ended(
+        self, slots: asyncio.Semaphore, fut: asyncio.Future[Outcome], t0: float, guide: Guide
+    ) -> None:
+        """A compile's thread ended (in time or not): its slot is free again."""
+        slots.release()
+        self._set_running(-1)
+        dt = time.monotonic() - t0
+        verdict = Verdict.INVALID if fut.cancelled() or fut.exception() else fut.result().verdict
+        if dt > self.timeout_s:
+            verdict = Verdict.TOO_COMPLEX
+        log.info("guide compiled: kind=%s, %d characters, %s in %.3f s", guide.kind.value, len(guide.spec),
+                 verdict.value, dt)  # fmt: skip
+        self._on_compile(verdict)
+
+    def _set_running(self, d: int) -> None:
+        self._running += d
+        self._on_running(self._running)
+
+    def _remember(self, k: Key, outcome: Outcome) -> None:
+        self._cache[k] = outcome
+        self._cache.move_to_end(k)
+        while len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+
+    def close(self) -> None:
+        """Stop taking compiles; a running one is not waited for (it cannot be interrupted)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _verdict(guide: Guide) -> Outcome:
+    """On a pool thread: compile `guide` and say what the engine found."""
+    try:
+        why = grammar_error_uncached(guide)
+    except GrammarEngineMissing as e:
+        return Outcome(Verdict.UNAVAILABLE, str(e))
+    return Outcome(Verdict.OK) if why is None else Outcome(Verdict.INVALID, why)
+
+
+def _raise_for(outcome: Outcome, guide: Guide, param: str, timeout_s: float) -> None:
+    match outcome.verdict:
+        case Verdict.OK:
+            return
+        case Verdict.UNAVAILABLE:
+            raise APIError(400, f"structured outputs are not available: {outcome.why}", param=param)
+        case Verdict.TOO_COMPLEX:
+            raise APIError(400, f"the {WHAT[guide.kind]} in {param} is too complex to compile within {timeout_s:g} s "
+                                "(simplify it: fewer optional properties, alternatives or counted repetitions)",
+                           param=param, code="guide_too_complex")  # fmt: skip
+        case Verdict.INVALID:
+            raise APIError(
+                400, f"unsupported or invalid {WHAT[guide.kind]}: {outcome.why}", param=param
+            )
