@@ -15,7 +15,7 @@ import io
 import json
 import statistics
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from typing import Any
 
 import aiohttp
@@ -30,7 +30,7 @@ from protocol.models import duet_home
 
 DAY = 86400
 #: group_by values the CSV export offers (those of `duet usage report`)
-CSV_GROUPS = ("record", "day", "model", "team", "user")
+CSV_GROUPS = ("record", "day", "model", "team", "tier", "user")
 _TIMEOUT = aiohttp.ClientTimeout(total=3)
 
 
@@ -254,28 +254,19 @@ def _query(s: Session, request: web.Request, start: str, end: str, group_by: str
     return q
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
 
 
 async def usage(state: GatewayState, request: web.Request, s: Session) -> web.Response:
+    """Every figure is a row of `GET /v1/usage` grouped by day, team, model or tier — totals
+    and TTFT percentiles the store computed (gateway/store/usage_totals.py), the rows `duet usage
+    report --group-by …` prints — so the page's work is bounded by the number of groups, never
+    by the records of the range."""
     start, end = _range(request)
     get = lambda g: call(state, request, s, "GET", "/v1/usage", query=_query(s, request, start, end, g))  # noqa: E731
-    by_day, by_team, by_model, records = await asyncio.gather(get("day"), get("team"), get("model"), get("record"))
+    by_day, by_team, by_model, by_tier = await asyncio.gather(get("day"), get("team"), get("model"), get("tier"))
     days = [r["date"] for r in by_day["data"]]
-    ttft: dict[str, list[float]] = defaultdict(list)
-    tiers: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
-    for r in records["data"]:
-        day = time.strftime("%Y-%m-%d", time.gmtime(r["created_at"]))
-        if r.get("ttft_s") is not None:
-            ttft[day].append(r["ttft_s"] * 1000)
-        t = tiers[r["tier"]]
-        t[0] += 1
-        t[1] += r["prompt_tokens"] + r["completion_tokens"]
-        t[2] += r["cost_usd"]
     team_sel = ""
     if s.admin:
         team_sel = (f'<label>Team <input name="team" value="{esc(request.query.get("team") or "")}" '
@@ -289,22 +280,29 @@ async def usage(state: GatewayState, request: web.Request, s: Session) -> web.Re
                    + charts.bars("Spend per day (USD)", days, [r["cost_usd"] for r in by_day["data"]], " USD")
                    + charts.bars("Requests per day", days, [r["requests"] for r in by_day["data"]])
                    + charts.lines("Time to first token (ms)", days,
-                                  {"P50": [_pct(ttft[d], 0.5) for d in days], "P90": [_pct(ttft[d], 0.9) for d in days]},
+                                  {"P50": [_ms(r["ttft_p50_s"]) for r in by_day["data"]],
+                                   "P90": [_ms(r["ttft_p90_s"]) for r in by_day["data"]]},
                                   " ms"))  # fmt: skip
 
     def rows(data: list[dict[str, Any]], key: str) -> list[list[Any]]:
         return [[r[key] if r[key] is not None else "-", r["requests"], r["prompt_tokens"], r["completion_tokens"],
-                 r["cached_tokens"], f"{r['cost_usd']:.6f}"] for r in data]  # fmt: skip
+                 r["cached_tokens"], f"{r['cost_usd']:.6f}", ms_cell(r["ttft_p50_s"]), ms_cell(r["ttft_p90_s"])]
+                for r in data]  # fmt: skip
 
-    head = ["Requests", "Prompt tokens", "Completion tokens", "Cached tokens", "Cost (USD)"]
+    head = ["Requests", "Prompt tokens", "Completion tokens", "Cached tokens", "Cost (USD)", "TTFT P50 (ms)",
+            "TTFT P90 (ms)"]  # fmt: skip
     body = (form + f'<p class="csv">CSV export (as <code>duet usage report</code>): {csv_links}</p>'
             + f'<div class="charts">{charts_html}</div>'
             + table("Per day", ["Day", *head], rows(by_day["data"], "date"))
             + table("Per team", ["Team", *head], rows(by_team["data"], "team_id"))
             + table("Per model", ["Model", *head], rows(by_model["data"], "model"))
-            + table("Per tier", ["Tier", "Requests", "Tokens", "Cost (USD)"],
-                    [[k, v[0], v[1], f"{v[2]:.6f}"] for k, v in sorted(tiers.items())]))  # fmt: skip
+            + table("Per tier", ["Tier", *head], rows(by_tier["data"], "tier")))  # fmt: skip
     return page("Usage and spend", "usage", body, s)
+
+
+def ms_cell(seconds: float | None) -> str:
+    """A TTFT percentile (seconds, as the report gives it) as the tables show it."""
+    return "-" if seconds is None else f"{seconds * 1000:.3f}"
 
 
 def usage_csv_text(rows: list[dict[str, Any]]) -> str:

@@ -1,0 +1,130 @@
+"""`Store.usage`'s totals per group, computed by the database (gateway/store/usage_totals.py),
+on SQLite and PostgreSQL: requests, tokens, cost and the TTFT P50/P90 of every group — day,
+team, model, tier, user and none — equal a reference computed here from the same records, and
+both databases answer alike. The console's Usage page and `duet usage report` show these rows."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gateway.store import open_store
+from gateway.store.base import Settlement, Store, UsageRecord
+
+DAY0 = 1_793_491_200.0  # 2026-11-01 00:00 UTC
+TEAMS, MODELS, TIERS, USERS = (
+    ("a", "b", "c"),
+    ("m1", "m2", "m3"),
+    ("interactive", "batch"),
+    (None, "u1", "u2"),
+)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite://{tmp_path / 's.db'}"
+    return request.getfixturevalue("postgres_db")
+
+
+def synthetic(n: int, seed: int = 7) -> list[UsageRecord]:
+    """`n` records over three days, teams, models and tiers; a fifth with no first token, TTFTs
+    with ties; costs in 1/1024 USD, so their sums are exact in any order."""
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        ttft = (
+            None
+            if rnd.random() < 0.2
+            else rnd.choice((0.25, 0.5))
+            if rnd.random() < 0.2
+            else rnd.uniform(0.01, 2)
+        )
+        out.append(UsageRecord(request_id=f"r{i}", team_id=rnd.choice(TEAMS), key_id="k", model_requested=rnd.choice(MODELS),
+                               model_used="x", tier=rnd.choice(TIERS), status="ok", prompt_tokens=rnd.randint(1, 900),
+                               completion_tokens=rnd.randint(0, 300), cached_tokens=rnd.randint(0, 64),
+                               cost_usd=rnd.randint(0, 4096) / 1024, ttft_s=ttft, latency_s=1.0,
+                               created_at=DAY0 + rnd.uniform(0, 3 * 86400), user=rnd.choice(USERS)))  # fmt: skip
+    return out
+
+
+def nearest_rank(xs: list[float], tenths: int) -> float | None:
+    """The value at rank min(n, floor(q·n) + 1) of the sorted TTFTs (usage_totals.py)."""
+    xs = sorted(xs)
+    return xs[min(len(xs), len(xs) * tenths // 10 + 1) - 1] if xs else None
+
+
+GROUP = {"day": ("date", lambda r: time.strftime("%Y-%m-%d", time.gmtime(r.created_at))),
+         "team": ("team_id", lambda r: r.team_id), "model": ("model", lambda r: r.model_requested),
+         "tier": ("tier", lambda r: r.tier), "user": ("user", lambda r: r.user)}  # fmt: skip
+
+
+def reference(
+    records: list[UsageRecord], group_by: str | None, team: str | None
+) -> list[dict[str, Any]]:
+    groups: dict[Any, list[UsageRecord]] = defaultdict(list)
+    name, key = GROUP[group_by] if group_by else ("", lambda r: None)
+    for r in records:
+        if team is None or r.team_id == team:
+            groups[key(r)].append(r)
+    if group_by is None:
+        groups.setdefault(None, [])
+    rows = []
+    for k in sorted(groups, key=lambda k: (k is not None, k or "")):  # NULL first
+        rs = groups[k]
+        ttfts = [r.ttft_s for r in rs if r.ttft_s is not None]
+        p, c = sum(r.prompt_tokens for r in rs), sum(r.completion_tokens for r in rs)
+        rows.append({**({name: k} if group_by else {}), "requests": len(rs), "prompt_tokens": p,
+                     "completion_tokens": c, "cached_tokens": sum(r.cached_tokens for r in rs), "total_tokens": p + c,
+                     "cost_usd": round(sum(r.cost_usd for r in rs), 10), "ttft_p50_s": nearest_rank(ttfts, 5),
+                     "ttft_p90_s": nearest_rank(ttfts, 9)})  # fmt: skip
+    return rows
+
+
+async def fill(s: Store, records: list[UsageRecord]) -> None:
+    for i in range(0, len(records), 100):
+        await s.settle([Settlement(None, r) for r in records[i : i + 100]])
+
+
+@pytest.mark.parametrize("group_by", [None, "day", "team", "model", "tier", "user"])
+async def test_totals_and_ttft_percentiles_per_group(url: str, group_by: str | None) -> None:
+    s = open_store(url)
+    await s.open()
+    try:
+        records = synthetic(400)
+        await fill(s, records)
+        for team in (None, "b"):
+            assert await s.usage(team, DAY0, DAY0 + 3 * 86400, group_by) == reference(
+                records, group_by, team
+            )
+        assert await s.usage("nobody", DAY0, DAY0 + 3 * 86400, group_by) == reference(
+            [], group_by, None
+        )
+    finally:
+        await s.close()
+
+
+async def test_percentile_ranks_at_small_counts(url: str) -> None:
+    """n = 1..11 TTFTs of one group: the exact record each percentile picks (the ranks the
+    docstring names), the group with only TTFT-less records None."""
+    s = open_store(url)
+    await s.open()
+    try:
+        records = [UsageRecord(request_id=f"r{n}-{i}", team_id=f"t{n}", key_id="k", model_requested="m", model_used="m",
+                               tier="interactive", status="ok", ttft_s=(i + 1) / 100, created_at=DAY0 + i)
+                   for n in range(1, 12) for i in range(n)]  # fmt: skip
+        records.append(UsageRecord(request_id="none", team_id="t0", key_id="k", model_requested="m", model_used="m",
+                                   tier="interactive", status="error", created_at=DAY0))  # fmt: skip
+        await fill(s, records)
+        rows = {r["team_id"]: r for r in await s.usage(None, DAY0, DAY0 + 86400, "team")}
+        assert (rows["t0"]["ttft_p50_s"], rows["t0"]["ttft_p90_s"]) == (None, None)
+        for n in range(1, 12):
+            want = ((n // 2 + 1) / 100, min(n, n * 9 // 10 + 1) / 100)
+            assert (rows[f"t{n}"]["ttft_p50_s"], rows[f"t{n}"]["ttft_p90_s"]) == want, n
+    finally:
+        await s.close()
