@@ -179,6 +179,9 @@ class ServerConfig:
     #: through another gateway or the CLI stops working within this time (through this
     #: gateway: at once); 0 asks the store on every request
     key_cache_ttl_s: float = 5.0
+    #: console requests (pages, live refreshes, forms) one signed-in session makes a minute at
+    #: most, and fewer when its team's `rpm` is lower (gateway/console/limits.py); 0: no cap
+    console_rpm: int = 120
     #: listen on `port` with SO_REUSEPORT, so several gateway processes (on one store) share
     #: it and the kernel spreads connections over them (`duet up --gateways N`; Linux)
     reuse_port: bool = False
@@ -513,6 +516,9 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
     if not isinstance(cfg.server.key_cache_ttl_s, (int, float)) or isinstance(cfg.server.key_cache_ttl_s, bool) \
             or not 0 <= cfg.server.key_cache_ttl_s <= 3600:  # fmt: skip
         raise ConfigError(f"[server] key_cache_ttl_s must be a number of seconds in [0, 3600], got {cfg.server.key_cache_ttl_s!r}")
+    if not isinstance(cfg.server.console_rpm, int) or isinstance(cfg.server.console_rpm, bool) \
+            or cfg.server.console_rpm < 0:  # fmt: skip
+        raise ConfigError(f"[server] console_rpm must be an integer >= 0, got {cfg.server.console_rpm!r}")
     inst = cfg.server.instance
     if inst is not None and (not isinstance(inst, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", inst)):
         raise ConfigError(f"[server] instance must be 1-64 letters, digits, '_', '.', '-', got {inst!r}")
