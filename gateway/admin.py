@@ -6,8 +6,9 @@
 - `POST /admin/keys {team_id, name}` → 201 with the secret, shown this once;
   `GET /admin/keys[?team_id=]`; `DELETE /admin/keys/{id}` revokes.
 - `GET /v1/usage?date=YYYY-MM-DD` (or `start=&end=`, dates or unix seconds;
-  `group_by=model|day|team|user|record`, user being the requests' OpenAI `user` field, record
-  every request's usage record; `team_id=`):
+  `group_by=model|day|team|tier|user|record`, user being the requests' OpenAI `user` field,
+  record every request's usage record; a grouped row carries its TTFT P50/P90, all computed by
+  the store; `team_id=`):
   a team key reads its own team only (another team's id → 403); the admin key reads any
   team, or all of them.
 - `GET /admin/batches[?team_id=&limit=]`: every team's batches (newest first, at most `limit`,

@@ -261,7 +261,8 @@ class _Tries:
             reply = with_tool_calls(reply, self.tools)
         fmt = Formatter(self.req.endpoint, self.ledger.record.request_id, served.config.name, self.tier)
         self.response_id = fmt.id  # the answer's id as the client gets it (the trace's gen_ai.response.id)
-        with self._inference(served, self.reply.accounting):
+        traced = self.state.tracing.enabled  # off: no generator per request (bench.gateway's CPU)
+        with self._inference(served, self.reply.accounting) if traced else contextlib.nullcontext():
             if self.req.stream:
                 assert sink is not None
                 await relay_stream(self.ledger, reply, fmt, sink, headers, self.req.include_usage)
@@ -275,9 +276,6 @@ class _Tries:
         CLIENT, the model that answers and what it served; `error.type` when it failed — a
         fallback's first model ends here with the trigger's code)."""
         tr = self.state.tracing
-        if not tr.enabled:
-            yield
-            return
         op = "chat" if self.req.endpoint == Endpoint.CHAT else "text_completion"
         name = served.config.name
         attrs = {GEN_AI_OPERATION: op, GEN_AI_PROVIDER: served.config.provider or "duet", GEN_AI_REQUEST_MODEL: name}
@@ -289,9 +287,14 @@ class _Tries:
             except APIError as e:
                 span.set_attribute(ERROR_TYPE, e.code or e.type)
                 raise
+            except BaseException as e:  # the client left (cancelled), or a bug: its class
+                span.set_attribute(ERROR_TYPE, type(e).__name__)
+                raise
             finally:
-                span.set_attributes({GEN_AI_RESPONSE_MODEL: acc.model_used or name, GEN_AI_INPUT_TOKENS: acc.prompt_tokens,
-                                     GEN_AI_OUTPUT_TOKENS: acc.total_completion_tokens})  # fmt: skip
+                if acc.served:  # what a node or provider served (a model nobody reached served nothing)
+                    span.set_attributes({GEN_AI_RESPONSE_MODEL: acc.model_used or name,
+                                         GEN_AI_INPUT_TOKENS: acc.prompt_tokens,
+                                         GEN_AI_OUTPUT_TOKENS: acc.total_completion_tokens})  # fmt: skip
 
     def _fallback(self, e: APIError, served: ServedModel, origin: str, n_prompt: int) -> ServedModel:
         """The next model to try after `e`, or `e` raised again (no fallback)."""
