@@ -13,7 +13,6 @@ import asyncio
 import csv
 import io
 import json
-import statistics
 import time
 from collections import Counter
 from typing import Any
@@ -32,6 +31,8 @@ DAY = 86400
 #: group_by values the CSV export offers (those of `duet usage report`)
 CSV_GROUPS = ("record", "day", "model", "team", "tier", "user")
 _TIMEOUT = aiohttp.ClientTimeout(total=3)
+#: slow or failed requests the Requests page lists at most
+REQUESTS_SHOWN = 100
 
 
 # --- cluster ----------------------------------------------------------------------------------
@@ -376,16 +377,15 @@ async def cancel_batch(state: GatewayState, request: web.Request, s: Session, fo
 
 # --- requests and traces ----------------------------------------------------------------------
 async def requests(state: GatewayState, request: web.Request, s: Session) -> web.Response:
+    # the store picks them (the failed and the slowest tenth, newest first, at most 100): a
+    # day of records never leaves the database for this page
     since = time.strftime("%Y-%m-%d", time.gmtime(time.time() - DAY))
-    recs = (await call(state, request, s, "GET", "/v1/usage", query={"start": since, "group_by": "record"}))["data"]
-    lat = [r["latency_s"] for r in recs]
-    slow_at = statistics.quantiles(lat, n=10)[-1] if len(lat) >= 10 else float("inf")
-    picked = [r for r in recs if r["status"] != "ok" or r["latency_s"] >= slow_at]
-    picked.sort(key=lambda r: r["created_at"], reverse=True)
+    picked = (await call(state, request, s, "GET", "/v1/usage", query={
+        "start": since, "group_by": "record", "outliers": "true", "limit": str(REQUESTS_SHOWN)}))["data"]  # fmt: skip
     ring = state.tracing.ring
     traced_ids = ring.values("duet.request_id") if ring is not None else set()
     rows = []
-    for r in picked[:100]:
+    for r in picked:
         rid = r["request_id"]
         traced = rid in traced_ids
         link = f'<a href="/console/requests/{esc(rid)}">{esc(rid)}</a>' if traced else esc(rid)

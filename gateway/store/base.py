@@ -253,6 +253,11 @@ class Store(ABC):
     @abstractmethod
     async def usage_records(self, team_id: str | None, start: float, end: float) -> list[UsageRecord]: ...
 
+    @abstractmethod
+    async def usage_outliers(self, team_id: str | None, start: float, end: float, limit: int) -> list[UsageRecord]:
+        """The range's failed requests and its slowest tenth (usage_totals.outliers_sql), newest
+        first, at most `limit`: found by the database, so only they leave it."""
+
 
 class StoreError(Exception):
     """A conflict or a missing row the caller can explain (409/404)."""

@@ -33,7 +33,7 @@ from gateway.store.base import (
 )
 from gateway.store.expiry import EXPIRED, booked_from, booked_json, expired_record
 from gateway.store.rules import Counters, day_period, decide, month_period, window_start
-from gateway.store.usage_totals import totals_row, totals_sql
+from gateway.store.usage_totals import outliers_sql, totals_row, totals_sql
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS teams (
@@ -87,6 +87,11 @@ _JSON_COLS = ("nodes", "leg_tokens")
 # quoted: `user` is a reserved word in PostgreSQL (unquoted it means CURRENT_USER)
 _USAGE_SQL = ", ".join(f'"{c}"' for c in _USAGE_COLS)
 _DAY = "to_char(to_timestamp(created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
+
+
+def _usage_record(r: Any) -> UsageRecord:
+    return UsageRecord(**{**dict(r), "nodes": json.loads(r["nodes"]), "migrations": r["migrations"] or 0,
+                          "leg_tokens": json.loads(r["leg_tokens"] or "[]")})  # fmt: skip
 
 
 def _team(r: Any) -> Team:
@@ -403,5 +408,14 @@ class PostgresStore(Store):
             where += " AND team_id = $3"
             args.append(team_id)
         rows = await self.pool.fetch(f"SELECT {_USAGE_SQL} FROM usage WHERE {where} ORDER BY created_at", *args)
-        return [UsageRecord(**{**dict(r), "nodes": json.loads(r["nodes"]), "migrations": r["migrations"] or 0,
-                               "leg_tokens": json.loads(r["leg_tokens"] or "[]")}) for r in rows]  # fmt: skip
+        return [_usage_record(r) for r in rows]
+
+    async def usage_outliers(self, team_id: str | None, start: float, end: float, limit: int) -> list[UsageRecord]:
+        args: list[Any] = [start, end, limit]
+        where = "created_at >= $1 AND created_at < $2"
+        if team_id:
+            where += " AND team_id = $4"
+            args.append(team_id)
+        cols = ", ".join(f'usage."{c}"' for c in _USAGE_COLS)
+        rows = await self.pool.fetch(outliers_sql(cols, where, "LEAST", "$3"), *args)
+        return [_usage_record(r) for r in rows]

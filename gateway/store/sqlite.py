@@ -35,7 +35,7 @@ from gateway.store.base import (
 from gateway.store.expiry import EXPIRED, booked_from, booked_json, expired_record
 from gateway.store.rules import Counters, day_period, decide, month_period, window_start
 from gateway.store.sqlite_conn import Connections
-from gateway.store.usage_totals import totals_row, totals_sql
+from gateway.store.usage_totals import outliers_sql, totals_row, totals_sql
 
 T = TypeVar("T")
 #: usage batches up to this many records commit on the event loop's fast path
@@ -291,6 +291,14 @@ class SqliteStore(Store):
         args: tuple[Any, ...] = (start, end, team_id) if team_id else (start, end)
         rows = await self._run(lambda db: db.execute(
             f"SELECT {', '.join(_USAGE_COLS)} FROM usage WHERE {where} ORDER BY created_at", args).fetchall())  # fmt: skip
+        return [_record(r) for r in rows]
+
+
+    async def usage_outliers(self, team_id: str | None, start: float, end: float, limit: int) -> list[UsageRecord]:
+        where = "created_at >= ? AND created_at < ?" + (" AND team_id = ?" if team_id else "")
+        args: tuple[Any, ...] = (start, end, team_id) if team_id else (start, end)
+        sql = outliers_sql(", ".join(f"usage.{c}" for c in _USAGE_COLS), where, "min", "?")
+        rows = await self._run(lambda db: db.execute(sql, (*args, *args, limit)).fetchall())
         return [_record(r) for r in rows]
 
 

@@ -9,6 +9,10 @@ databases pick the same record; None when no request of the group had a first to
 
 Invariant: the statement's result has one row per group (one row in all without a group), so
 what the caller receives is bounded by the number of groups, never by the number of records.
+
+`outliers_sql`: a range's failed requests and its slowest tenth (latency at or above the
+range's nearest-rank P90, once it has 10 records), newest first, at most a limit — the
+console's Requests page, which must not read a day of records to find a hundred.
 """
 
 from __future__ import annotations
@@ -56,3 +60,19 @@ def totals_row(names: list[str], row: Any) -> dict[str, Any]:
              total_tokens=int(p + c), cost_usd=round(float(cost), 10))  # fmt: skip
     d.update({name: v for (name, _), v in zip(PERCENTILES, pcts, strict=True)})
     return d
+
+
+#: records a range needs before it has a slowest tenth (fewer: only its failed requests)
+OUTLIER_MIN_RECORDS = 10
+
+
+def outliers_sql(columns: str, where: str, least: str, limit: str) -> str:
+    """The statement for the outliers of the records matching `where` (which the statement uses
+    twice: a positional-parameter database passes its arguments twice), `columns` of each,
+    `limit` the placeholder of the row limit."""
+    return (f"WITH r AS (SELECT latency_s, row_number() OVER (ORDER BY latency_s) AS rn, count(*) OVER () AS n "
+            f"FROM usage WHERE {where}), "
+            f"cut AS (SELECT max(CASE WHEN n >= {OUTLIER_MIN_RECORDS} AND rn = {least}(n, n * 9 / 10 + 1) "
+            f"THEN latency_s END) AS p90 FROM r) "
+            f"SELECT {columns} FROM usage, cut WHERE {where} AND (status != 'ok' OR latency_s >= cut.p90) "
+            f"ORDER BY created_at DESC LIMIT {limit}")  # fmt: skip

@@ -34,7 +34,8 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 def synthetic(n: int, seed: int = 7) -> list[UsageRecord]:
     """`n` records over three days, teams, models and tiers; a fifth with no first token, TTFTs
-    with ties; costs in 1/1024 USD, so their sums are exact in any order."""
+    with ties; costs in 1/1024 USD, so their sums are exact in any order; a tenth failed, and
+    latencies with ties."""
     rnd = random.Random(seed)
     out = []
     for i in range(n):
@@ -46,9 +47,10 @@ def synthetic(n: int, seed: int = 7) -> list[UsageRecord]:
             else rnd.uniform(0.01, 2)
         )
         out.append(UsageRecord(request_id=f"r{i}", team_id=rnd.choice(TEAMS), key_id="k", model_requested=rnd.choice(MODELS),
-                               model_used="x", tier=rnd.choice(TIERS), status="ok", prompt_tokens=rnd.randint(1, 900),
+                               model_used="x", tier=rnd.choice(TIERS), status="error" if rnd.random() < 0.1 else "ok",
+                               prompt_tokens=rnd.randint(1, 900),
                                completion_tokens=rnd.randint(0, 300), cached_tokens=rnd.randint(0, 64),
-                               cost_usd=rnd.randint(0, 4096) / 1024, ttft_s=ttft, latency_s=1.0,
+                               cost_usd=rnd.randint(0, 4096) / 1024, ttft_s=ttft, latency_s=rnd.choice((1.0, 2.5, rnd.uniform(0.05, 5))),
                                created_at=DAY0 + rnd.uniform(0, 3 * 86400), user=rnd.choice(USERS)))  # fmt: skip
     return out
 
@@ -126,5 +128,35 @@ async def test_percentile_ranks_at_small_counts(url: str) -> None:
         for n in range(1, 12):
             want = ((n // 2 + 1) / 100, min(n, n * 9 // 10 + 1) / 100)
             assert (rows[f"t{n}"]["ttft_p50_s"], rows[f"t{n}"]["ttft_p90_s"]) == want, n
+    finally:
+        await s.close()
+
+
+def outliers(records: list[UsageRecord], team: str | None, limit: int) -> list[UsageRecord]:
+    """The failed and the slowest tenth (latency at or above the nearest-rank P90, once there
+    are 10), newest first, at most `limit` (usage_totals.outliers_sql)."""
+    rs = [r for r in records if team is None or r.team_id == team]
+    p90 = nearest_rank([r.latency_s for r in rs], 9) if len(rs) >= 10 else None
+    picked = [r for r in rs if r.status != "ok" or (p90 is not None and r.latency_s >= p90)]
+    return sorted(picked, key=lambda r: r.created_at, reverse=True)[:limit]
+
+
+async def test_outliers_are_the_failed_and_the_slowest_tenth(url: str) -> None:
+    s = open_store(url)
+    await s.open()
+    try:
+        records = synthetic(400)
+        await fill(s, records)
+        end = DAY0 + 3 * 86400
+        for team, limit in ((None, 1000), (None, 25), ("b", 1000), ("b", 3)):
+            got = await s.usage_outliers(team, DAY0, end, limit)
+            assert got == outliers(records, team, limit), (team, limit)
+        # fewer than 10 records: no slowest tenth, only the failed ones
+        first = sorted(records, key=lambda r: r.created_at)[:9]
+        few = await s.usage_outliers(None, DAY0, first[-1].created_at + 1e-3, 100)
+        assert few == sorted(
+            [r for r in first if r.status != "ok"], key=lambda r: r.created_at, reverse=True
+        )
+        assert await s.usage_outliers("nobody", DAY0, end, 100) == []
     finally:
         await s.close()

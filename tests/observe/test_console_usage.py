@@ -7,11 +7,16 @@ gateway app on a real socket, its SQLite store filled with 3000 records over thr
 - every figure it shows (the tables' cells, the TTFT chart) and the CSV of each grouping are
   exactly `duet usage report`'s, run as a process on the same database file.
 
+The Requests page on 3000 records of the last 20 hours: the store picks the failed requests and
+the slowest tenth (`GET /v1/usage?group_by=record&outliers=true&limit=100`); the page gets 100
+records, no more, and lists exactly the reference's, newest first.
+
 No browser: the page's HTML is read as served (tests/observe/test_console.py drives Chromium).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -22,16 +27,16 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
-from aiohttp import ClientSession
+from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import STATE, make_app
 from gateway.config import parse_config
 from gateway.console import charts
 from gateway.console.pages import ms_cell
-from gateway.store.base import Settlement
+from gateway.store.base import Settlement, UsageRecord
 from tests.gateway.helpers import ADMIN_KEY
-from tests.gateway.test_usage_totals import DAY0, synthetic
+from tests.gateway.test_usage_totals import DAY0, outliers, synthetic
 
 #: DAY0 and the two days after it: every synthetic record
 START, END = (time.strftime("%Y-%m-%d", time.gmtime(DAY0 + d * 86400)) for d in (0, 2))
@@ -107,19 +112,26 @@ async def sign_in(client: TestClient) -> None:
     assert r.status == 303, await r.text()
 
 
+def console_app(tiny_llama: Path, db: Path) -> web.Application:
+    cfg = parse_config({"store": {"url": f"sqlite://{db}"},
+                        "server": {"admin_key_sha256": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()},
+                        "models": {"tiny": {"tokenizer": str(tiny_llama), "static": {"both": ["http://127.0.0.1:9"]}}}})  # fmt: skip
+    return make_app(cfg)
+
+
+async def fill(store: Any, records: list[UsageRecord]) -> None:
+    for i in range(0, len(records), 500):
+        await store.settle([Settlement(None, r) for r in records[i : i + 500]])
+
+
 async def test_usage_page_reads_groups_not_records_and_equals_the_report(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
     db = tmp_path / "g.db"
-    cfg = parse_config({"store": {"url": f"sqlite://{db}"},
-                        "server": {"admin_key_sha256": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()},
-                        "models": {"tiny": {"tokenizer": str(tiny_llama), "static": {"both": ["http://127.0.0.1:9"]}}}})  # fmt: skip
-    app = make_app(cfg)
+    app = console_app(tiny_llama, db)
     async with TestClient(TestServer(app)) as client:
         store = app[STATE].store
-        records = synthetic(3000)
-        for i in range(0, len(records), 500):
-            await store.settle([Settlement(None, r) for r in records[i : i + 500]])
+        await fill(store, synthetic(3000))
         await sign_in(client)
         # the store as the page sees it: every record or group row it hands out is counted
         fetched = {"records": 0, "rows": 0}
@@ -168,3 +180,54 @@ async def test_usage_page_reads_groups_not_records_and_equals_the_report(
                 client.make_url(f"/console/usage?start={START}&end={END}"), allow_redirects=False
             )
             assert r.status == 303 and r.headers["Location"] == "/console/login"
+
+
+async def test_requests_page_reads_only_the_outliers(tiny_llama: Path, tmp_path: Path) -> None:
+    """The Requests page lists the last 24 hours' failed requests and slowest tenth: the store
+    picks them, so of 3000 records at most 100 leave it (the old page read all 3000)."""
+    app = console_app(tiny_llama, tmp_path / "g.db")
+    now = time.time()
+    # the synthetic three days, squeezed into the last 20 hours
+    records = [dataclasses.replace(r, created_at=now - 72000 + (r.created_at - DAY0) / (3 * 86400) * 72000)
+               for r in synthetic(3000)]  # fmt: skip
+    async with TestClient(TestServer(app)) as client:
+        store = app[STATE].store
+        await fill(store, records)
+        await sign_in(client)
+        fetched = {"records": 0, "outliers": 0}
+        usage_records, usage_outliers = store.usage_records, store.usage_outliers
+
+        async def counted_records(*a: Any) -> Any:
+            recs = await usage_records(*a)
+            fetched["records"] += len(recs)
+            return recs
+
+        async def counted_outliers(*a: Any) -> Any:
+            recs = await usage_outliers(*a)
+            fetched["outliers"] += len(recs)
+            return recs
+
+        store.usage_records, store.usage_outliers = counted_records, counted_outliers  # type: ignore[method-assign]
+        r = await client.get("/console/requests")
+        html = await r.text()
+        assert r.status == 200, html
+        assert fetched == {"records": 0, "outliers": 100}, fetched
+        page = Tables()
+        page.feed(html)
+        rows = page.tables["Slow or failed requests"]
+        want = outliers(records, None, 100)
+        assert [row[1] for row in rows] == [x.request_id for x in want]
+        assert [row[5] for row in rows] == ["failed" if x.status != "ok" else "slow" for x in want]
+        # the API it reads: outliers go with group_by=record, limit in [1, 1000], one team's own
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        for query, param in (("outliers=true", "outliers"), ("group_by=record&outliers=yes", "outliers"),
+                             ("group_by=record&outliers=true&limit=0", "limit"),
+                             ("group_by=record&outliers=true&limit=1001", "limit"),
+                             ("group_by=record&outliers=true&limit=x", "limit")):  # fmt: skip
+            r = await client.get(f"/v1/usage?start={int(now) - 86400}&{query}", headers=admin)
+            assert r.status == 400 and (await r.json())["error"]["param"] == param, query
+        r = await client.get(f"/v1/usage?start={int(now) - 86400}&group_by=record&outliers=true&limit=1000&team_id=b",
+                             headers=admin)  # fmt: skip
+        assert [x["request_id"] for x in (await r.json())["data"]] == [
+            x.request_id for x in outliers(records, "b", 1000)
+        ]
