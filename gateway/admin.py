@@ -10,7 +10,9 @@
   record every request's usage record; a grouped row carries its TTFT P50/P90, all computed by
   the store; `team_id=`; with `group_by=record`, `outliers=true&limit=N` (1–1000, default 100):
   only the failed requests and the slowest tenth — latency at or above the range's nearest-rank
-  P90, once it has 10 records — newest first, at most N, found by the store):
+  P90, once it has 10 records — newest first, at most N, found by the store; without
+  outliers, `limit=N` (1–10000) gives one page of records in (created_at, request_id) order
+  and `next`, the `after=` of the following page, null on the last):
   a team key reads its own team only (another team's id → 403); the admin key reads any
   team, or all of them.
 - `GET /admin/batches[?team_id=&limit=]`: every team's batches (newest first, at most `limit`,
@@ -196,6 +198,22 @@ def time_range(q: Any) -> tuple[float, float]:
 
 #: `GET /v1/usage?group_by=record&outliers=true&limit=N`: N at most
 OUTLIERS_MAX = 1000
+#: `GET /v1/usage?group_by=record&limit=N[&after=…]`: N at most
+RECORDS_PAGE_MAX = 10_000
+
+
+def _cursor(raw: str | None) -> tuple[float, str] | None:
+    """A page's `next` (`<created_at>/<request_id>` of its last record) as the store's `after`."""
+    if raw is None:
+        return None
+    t, sep, rid = raw.partition("/")
+    try:
+        at = float(t)
+    except ValueError:
+        at = math.nan
+    if not sep or not rid or not math.isfinite(at):
+        raise APIError(400, f"after must be a page's `next`, got {raw!r}", param="after")
+    return at, rid
 
 
 def _limit(q: Any, most: int) -> int:
@@ -228,6 +246,16 @@ async def usage(state: GatewayState, request: web.Request) -> web.Response:
             raise APIError(400, "outliers=true goes with group_by=record", param="outliers")
         limit = _limit(q, OUTLIERS_MAX)
         rows = record_rows(await state.store.usage_outliers(team_id, start, end, limit))
+    elif "after" in q and not (group_by == "record" and "limit" in q):
+        raise APIError(400, "after goes with group_by=record and limit", param="after")
+    elif group_by == "record" and "limit" in q:  # one page (the console's CSV export reads them in turn)
+        limit = _limit(q, RECORDS_PAGE_MAX)
+        page = await state.store.usage_records(team_id, start, end, _cursor(q.get("after")), limit + 1)
+        more = len(page) > limit
+        page = page[:limit]
+        return _json({"object": "list", "team_id": team_id, "start": start, "end": end, "group_by": group_by,
+                      "data": record_rows(page),
+                      "next": f"{page[-1].created_at!r}/{page[-1].request_id}" if more else None})  # fmt: skip
     elif group_by == "record":  # every request's record, as `duet usage report` lists them
         rows = record_rows(await state.store.usage_records(team_id, start, end))
     else:

@@ -37,7 +37,7 @@ _TYPES = {".css": "text/css", ".js": "text/javascript", ".svg": "image/svg+xml"}
 #: the static files, by name (nothing else under static/ is served: no path from a URL is opened)
 _FILES = {p.name: p for p in STATIC.iterdir() if p.suffix in _TYPES} if STATIC.is_dir() else {}
 
-View = Callable[[GatewayState, web.Request, Session], Awaitable[web.Response]]
+View = Callable[[GatewayState, web.Request, Session], Awaitable[web.StreamResponse]]
 Action = Callable[[GatewayState, web.Request, Session, Any], Awaitable[web.Response]]
 
 

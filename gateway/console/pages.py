@@ -33,6 +33,8 @@ CSV_GROUPS = ("record", "day", "model", "team", "tier", "user")
 _TIMEOUT = aiohttp.ClientTimeout(total=3)
 #: slow or failed requests the Requests page lists at most
 REQUESTS_SHOWN = 100
+#: records the CSV export reads from the API at a time (what it holds at most)
+CSV_PAGE = 2000
 
 
 # --- cluster ----------------------------------------------------------------------------------
@@ -316,15 +318,45 @@ def usage_csv_text(rows: list[dict[str, Any]]) -> str:
     return out.getvalue()
 
 
-async def usage_csv(state: GatewayState, request: web.Request, s: Session) -> web.Response:
+async def usage_csv(state: GatewayState, request: web.Request, s: Session) -> web.StreamResponse:
     start, end = _range(request)
     group_by = request.query.get("group_by", "record")
     if group_by not in CSV_GROUPS:
         raise ApiFailed(400, f"group_by is one of {', '.join(CSV_GROUPS)}")
-    data = await call(state, request, s, "GET", "/v1/usage", query=_query(s, request, start, end, group_by))
-    name = f"usage-{start}-{end}-{group_by}.csv"
-    return web.Response(text=usage_csv_text(data["data"]), content_type="text/csv",
-                        headers={"Content-Disposition": f'attachment; filename="{name}"', "Cache-Control": "no-store"})  # fmt: skip
+    query = _query(s, request, start, end, group_by)
+    headers = {"Content-Disposition": f'attachment; filename="usage-{start}-{end}-{group_by}.csv"',
+               "Cache-Control": "no-store"}  # fmt: skip
+    if group_by != "record":  # one row per group
+        data = await call(state, request, s, "GET", "/v1/usage", query=query)
+        return web.Response(text=usage_csv_text(data["data"]), content_type="text/csv", headers=headers)
+    # every record of the range: read a page at a time and written as it comes, so the
+    # gateway holds one page however long the range (the bytes are the report's all the same)
+    page = await call(state, request, s, "GET", "/v1/usage", query={**query, "limit": str(CSV_PAGE)})
+    resp = web.StreamResponse(headers={**headers, "Content-Type": "text/csv; charset=utf-8"})
+    await resp.prepare(request)
+    fields: list[str] | None = None
+    while True:
+        rows = page["data"]
+        if rows:
+            out = io.StringIO()
+            w = csv.DictWriter(out, fieldnames=fields or list(rows[0]))
+            if fields is None:
+                fields = list(rows[0])
+                w.writeheader()
+            w.writerows(rows)
+            await resp.write(out.getvalue().encode())
+        if not page.get("next"):
+            break
+        try:
+            page = await call(state, request, s, "GET", "/v1/usage",
+                              query={**query, "limit": str(CSV_PAGE), "after": page["next"]})  # fmt: skip
+        except ApiFailed:  # the status is sent already: cut the download short (the client sees it fail)
+            resp.force_close()
+            if request.transport is not None:
+                request.transport.close()
+            return resp
+    await resp.write_eof()
+    return resp
 
 
 # --- batches ----------------------------------------------------------------------------------

@@ -251,7 +251,11 @@ class Store(ABC):
         (usage_totals.py), so the answer's size is the number of groups, not of records."""
 
     @abstractmethod
-    async def usage_records(self, team_id: str | None, start: float, end: float) -> list[UsageRecord]: ...
+    async def usage_records(self, team_id: str | None, start: float, end: float,
+                            after: tuple[float, str] | None = None, limit: int | None = None) -> list[UsageRecord]:  # fmt: skip
+        """The range's records in (created_at, request_id) order; `after` (a record's
+        (created_at, request_id)) and `limit`: one page of them, the next one starting after
+        the last record of this one."""
 
     @abstractmethod
     async def usage_outliers(self, team_id: str | None, start: float, end: float, limit: int) -> list[UsageRecord]:

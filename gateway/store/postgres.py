@@ -401,13 +401,22 @@ class PostgresStore(Store):
         rows = await self.pool.fetch(totals_sql(keys, where, "LEAST", " NULLS FIRST"), *args)
         return [totals_row([name for _, name in keys], r) for r in rows]
 
-    async def usage_records(self, team_id: str | None, start: float, end: float) -> list[UsageRecord]:
+    async def usage_records(self, team_id: str | None, start: float, end: float,
+                            after: tuple[float, str] | None = None, limit: int | None = None) -> list[UsageRecord]:  # fmt: skip
         args: list[Any] = [start, end]
         where = "created_at >= $1 AND created_at < $2"
         if team_id:
-            where += " AND team_id = $3"
             args.append(team_id)
-        rows = await self.pool.fetch(f"SELECT {_USAGE_SQL} FROM usage WHERE {where} ORDER BY created_at", *args)
+            where += f" AND team_id = ${len(args)}"
+        if after is not None:
+            args += [after[0], after[1]]
+            n = len(args)
+            where += f" AND (created_at > ${n - 1} OR (created_at = ${n - 1} AND request_id > ${n}))"
+        sql = f"SELECT {_USAGE_SQL} FROM usage WHERE {where} ORDER BY created_at, request_id"
+        if limit is not None:
+            args.append(limit)
+            sql += f" LIMIT ${len(args)}"
+        rows = await self.pool.fetch(sql, *args)
         return [_usage_record(r) for r in rows]
 
     async def usage_outliers(self, team_id: str | None, start: float, end: float, limit: int) -> list[UsageRecord]:

@@ -286,13 +286,18 @@ class SqliteStore(Store):
         rows = await self._run(lambda db: db.execute(sql, args).fetchall())
         return [totals_row([name for _, name in keys], r) for r in rows]
 
-    async def usage_records(self, team_id: str | None, start: float, end: float) -> list[UsageRecord]:
+    async def usage_records(self, team_id: str | None, start: float, end: float,
+                            after: tuple[float, str] | None = None, limit: int | None = None) -> list[UsageRecord]:  # fmt: skip
         where = "created_at >= ? AND created_at < ?" + (" AND team_id = ?" if team_id else "")
         args: tuple[Any, ...] = (start, end, team_id) if team_id else (start, end)
-        rows = await self._run(lambda db: db.execute(
-            f"SELECT {', '.join(_USAGE_COLS)} FROM usage WHERE {where} ORDER BY created_at", args).fetchall())  # fmt: skip
+        if after is not None:
+            where += " AND (created_at > ? OR (created_at = ? AND request_id > ?))"
+            args = (*args, after[0], after[0], after[1])
+        sql = f"SELECT {', '.join(_USAGE_COLS)} FROM usage WHERE {where} ORDER BY created_at, request_id"
+        if limit is not None:
+            sql, args = sql + " LIMIT ?", (*args, limit)
+        rows = await self._run(lambda db: db.execute(sql, args).fetchall())
         return [_record(r) for r in rows]
-
 
     async def usage_outliers(self, team_id: str | None, start: float, end: float, limit: int) -> list[UsageRecord]:
         where = "created_at >= ? AND created_at < ?" + (" AND team_id = ?" if team_id else "")

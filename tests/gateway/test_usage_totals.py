@@ -5,6 +5,7 @@ both databases answer alike. The console's Usage page and `duet usage report` sh
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from collections import defaultdict
@@ -158,5 +159,37 @@ async def test_outliers_are_the_failed_and_the_slowest_tenth(url: str) -> None:
             [r for r in first if r.status != "ok"], key=lambda r: r.created_at, reverse=True
         )
         assert await s.usage_outliers("nobody", DAY0, end, 100) == []
+    finally:
+        await s.close()
+
+
+async def test_record_pages_cover_the_range_once_in_order(url: str) -> None:
+    """Pages of 37 (after = the last record's (created_at, request_id)) are the whole range in
+    (created_at, request_id) order, each record once — records sharing a created_at across a
+    page boundary included."""
+    s = open_store(url)
+    await s.open()
+    try:
+        records = synthetic(400)
+        tied = [
+            dataclasses.replace(records[0], request_id=f"tie-{i}", created_at=DAY0 + 7)
+            for i in range(60)
+        ]
+        await fill(s, records + tied)
+        end = DAY0 + 3 * 86400
+        for team in (None, "b"):
+            whole = await s.usage_records(team, DAY0, end)
+            assert [(r.created_at, r.request_id) for r in whole] == sorted(
+                (r.created_at, r.request_id) for r in whole
+            )
+            got: list[UsageRecord] = []
+            after = None
+            while page := await s.usage_records(team, DAY0, end, after, 37):
+                assert len(page) <= 37
+                got += page
+                after = (page[-1].created_at, page[-1].request_id)
+            assert got == whole and len(whole) == sum(
+                team in (None, r.team_id) for r in records + tied
+            )
     finally:
         await s.close()

@@ -27,12 +27,13 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import STATE, make_app
 from gateway.config import parse_config
-from gateway.console import charts
+from gateway.console import charts, pages
 from gateway.console.pages import ms_cell
 from gateway.store.base import Settlement, UsageRecord
 from tests.gateway.helpers import ADMIN_KEY
@@ -125,8 +126,9 @@ async def fill(store: Any, records: list[UsageRecord]) -> None:
 
 
 async def test_usage_page_reads_groups_not_records_and_equals_the_report(
-    tiny_llama: Path, tmp_path: Path
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(pages, "CSV_PAGE", 700)  # the record export in five pages
     db = tmp_path / "g.db"
     app = console_app(tiny_llama, db)
     async with TestClient(TestServer(app)) as client:
@@ -135,6 +137,7 @@ async def test_usage_page_reads_groups_not_records_and_equals_the_report(
         await sign_in(client)
         # the store as the page sees it: every record or group row it hands out is counted
         fetched = {"records": 0, "rows": 0}
+        record_pages: list[int] = []  # records each usage_records call handed out
         usage, usage_records = store.usage, store.usage_records
 
         async def counted_usage(*a: Any) -> list[dict[str, Any]]:
@@ -145,6 +148,7 @@ async def test_usage_page_reads_groups_not_records_and_equals_the_report(
         async def counted_records(*a: Any) -> Any:
             recs = await usage_records(*a)
             fetched["records"] += len(recs)
+            record_pages.append(len(recs))
             return recs
 
         store.usage, store.usage_records = counted_usage, counted_records  # type: ignore[method-assign]
@@ -175,6 +179,17 @@ async def test_usage_page_reads_groups_not_records_and_equals_the_report(
                 group_by
             )
         assert fetched["records"] == 0  # a grouped export reads groups too
+        # the record export: the report's bytes, read a page at a time (700 + 1 to see the next)
+        r = await client.get(f"/console/usage.csv?start={START}&end={END}&group_by=record")
+        assert r.status == 200 and (await r.read()).decode() == report(db, "record", "csv")
+        assert record_pages == [701, 701, 701, 701, 200], record_pages
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        for query, param in (("group_by=record&limit=0", "limit"), ("group_by=record&limit=10001", "limit"),
+                             ("group_by=record&after=1.0/r1", "after"), ("group_by=day&limit=5&after=1.0/r1", "after"),
+                             ("group_by=record&limit=5&after=nan/r1", "after"),
+                             ("group_by=record&limit=5&after=1.0", "after")):  # fmt: skip
+            r = await client.get(f"/v1/usage?start={START}&end={END}&{query}", headers=admin)
+            assert r.status == 400 and (await r.json())["error"]["param"] == param, query
         async with ClientSession() as anonymous:  # and nothing without a session
             r = await anonymous.get(
                 client.make_url(f"/console/usage?start={START}&end={END}"), allow_redirects=False
