@@ -82,8 +82,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ur.add_argument("--end", default=None, help="YYYY-MM-DD (inclusive) or unix seconds")
     ur.add_argument("--team", default=None, help="one team (default: all)")
     ur.add_argument("--group-by", choices=[*GROUP_BY, "record"], default="record",
-                    help="totals per model/day/team/user (the requests' OpenAI `user` field), or every usage "
-                         "record")  # fmt: skip
+                    help="totals per model/day/team/tier/user (the requests' OpenAI `user` field), each with "
+                         "its TTFT P50/P90, or every usage record")  # fmt: skip
     ur.add_argument("--format", choices=["csv", "json"], default="csv")
     _store_args(ur)
     ur.set_defaults(func=_usage)

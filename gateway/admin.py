@@ -6,8 +6,13 @@
 - `POST /admin/keys {team_id, name}` → 201 with the secret, shown this once;
   `GET /admin/keys[?team_id=]`; `DELETE /admin/keys/{id}` revokes.
 - `GET /v1/usage?date=YYYY-MM-DD` (or `start=&end=`, dates or unix seconds;
-  `group_by=model|day|team|user|record`, user being the requests' OpenAI `user` field, record
-  every request's usage record; `team_id=`):
+  `group_by=model|day|team|tier|user|record`, user being the requests' OpenAI `user` field,
+  record every request's usage record; a grouped row carries its TTFT P50/P90, all computed by
+  the store; `team_id=`; with `group_by=record`, `outliers=true&limit=N` (1–1000, default 100):
+  only the failed requests and the slowest tenth — latency at or above the range's nearest-rank
+  P90, once it has 10 records — newest first, at most N, found by the store; without
+  outliers, `limit=N` (1–10000) gives one page of records in (created_at, request_id) order
+  and `next`, the `after=` of the following page, null on the last):
   a team key reads its own team only (another team's id → 403); the admin key reads any
   team, or all of them.
 - `GET /admin/batches[?team_id=&limit=]`: every team's batches (newest first, at most `limit`,
@@ -191,6 +196,38 @@ def time_range(q: Any) -> tuple[float, float]:
     return today, today + 86400
 
 
+#: `GET /v1/usage?group_by=record&outliers=true&limit=N`: N at most
+OUTLIERS_MAX = 1000
+#: `GET /v1/usage?group_by=record&limit=N[&after=…]`: N at most
+RECORDS_PAGE_MAX = 10_000
+
+
+def _cursor(raw: str | None) -> tuple[float, str] | None:
+    """A page's `next` (`<created_at>/<request_id>` of its last record) as the store's `after`."""
+    if raw is None:
+        return None
+    t, sep, rid = raw.partition("/")
+    try:
+        at = float(t)
+    except ValueError:
+        at = math.nan
+    if not sep or not rid or not math.isfinite(at):
+        raise APIError(400, f"after must be a page's `next`, got {raw!r}", param="after")
+    return at, rid
+
+
+def _limit(q: Any, most: int) -> int:
+    """The query's `limit` (default 100), an integer in [1, most]."""
+    raw = q.get("limit", "100")
+    try:
+        limit = int(raw)
+    except ValueError:
+        raise APIError(400, f"limit must be an integer, got {raw!r}", param="limit") from None
+    if not 1 <= limit <= most:
+        raise APIError(400, f"limit must be between 1 and {most}", param="limit")
+    return limit
+
+
 async def usage(state: GatewayState, request: web.Request) -> web.Response:
     q = request.query
     team_id = q.get("team_id")
@@ -204,7 +241,22 @@ async def usage(state: GatewayState, request: web.Request) -> web.Response:
     if group_by is not None and group_by not in (*GROUP_BY, "record"):
         raise APIError(400, f"group_by must be one of {', '.join(map(repr, (*GROUP_BY, 'record')))}", param="group_by")
     start, end = time_range(q)
-    if group_by == "record":  # every request's record, as `duet usage report` lists them
+    if "outliers" in q:  # the failed and the slowest tenth, newest first (the console's Requests page)
+        if group_by != "record" or q["outliers"] not in ("true", "1"):
+            raise APIError(400, "outliers=true goes with group_by=record", param="outliers")
+        limit = _limit(q, OUTLIERS_MAX)
+        rows = record_rows(await state.store.usage_outliers(team_id, start, end, limit))
+    elif "after" in q and not (group_by == "record" and "limit" in q):
+        raise APIError(400, "after goes with group_by=record and limit", param="after")
+    elif group_by == "record" and "limit" in q:  # one page (the console's CSV export reads them in turn)
+        limit = _limit(q, RECORDS_PAGE_MAX)
+        page = await state.store.usage_records(team_id, start, end, _cursor(q.get("after")), limit + 1)
+        more = len(page) > limit
+        page = page[:limit]
+        return _json({"object": "list", "team_id": team_id, "start": start, "end": end, "group_by": group_by,
+                      "data": record_rows(page),
+                      "next": f"{page[-1].created_at!r}/{page[-1].request_id}" if more else None})  # fmt: skip
+    elif group_by == "record":  # every request's record, as `duet usage report` lists them
         rows = record_rows(await state.store.usage_records(team_id, start, end))
     else:
         rows = await state.store.usage(team_id, start, end, group_by)
@@ -239,13 +291,7 @@ async def list_batches(state: GatewayState, request: web.Request) -> web.Respons
     A deleted team's batches are not listed (its keys are gone and its batches with it)."""
     require_admin(state, request)
     store, _ = _batch_store(request)
-    raw = request.query.get("limit", "100")
-    try:
-        limit = int(raw)
-    except ValueError:
-        raise APIError(400, f"limit must be an integer, got {raw!r}", param="limit") from None
-    if not 1 <= limit <= 100:
-        raise APIError(400, "limit must be between 1 and 100", param="limit")
+    limit = _limit(request.query, 100)
     team_id = request.query.get("team_id")
     teams = [team_id] if team_id else [t.id for t in await state.store.list_teams()]
     rows = []

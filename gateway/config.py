@@ -195,6 +195,9 @@ class ServerConfig:
     #: `guide_compile_threads` threads at once
     guide_compile_timeout_s: float = 5.0
     guide_compile_threads: int = 2
+    #: console requests (pages, live refreshes, forms) one signed-in session makes a minute at
+    #: most, and fewer when its team's `rpm` is lower (gateway/console/limits.py); 0: no cap
+    console_rpm: int = 120
     #: listen on `port` with SO_REUSEPORT, so several gateway processes (on one store) share
     #: it and the kernel spreads connections over them (`duet up --gateways N`; Linux)
     reuse_port: bool = False
@@ -541,6 +544,9 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
         raise ConfigError(f"[server] guide_compile_timeout_s must be a number of seconds in (0, 600], got {gt!r}")
     if not isinstance(gn, int) or isinstance(gn, bool) or not 1 <= gn <= 64:
         raise ConfigError(f"[server] guide_compile_threads must be an integer in [1, 64], got {gn!r}")
+    if not isinstance(cfg.server.console_rpm, int) or isinstance(cfg.server.console_rpm, bool) \
+            or cfg.server.console_rpm < 0:  # fmt: skip
+        raise ConfigError(f"[server] console_rpm must be an integer >= 0, got {cfg.server.console_rpm!r}")
     inst = cfg.server.instance
     if inst is not None and (not isinstance(inst, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", inst)):
         raise ConfigError(f"[server] instance must be 1-64 letters, digits, '_', '.', '-', got {inst!r}")

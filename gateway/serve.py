@@ -22,9 +22,11 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -47,6 +49,8 @@ from gateway.tools.plan import ToolMode, ToolPlan
 from gateway.tools.reply import with_tool_calls
 from protocol.openai import APIError
 from protocol.tracing import (
+    ERROR_TYPE,
+    GEN_AI_CHOICE_COUNT,
     GEN_AI_FINISH_REASONS,
     GEN_AI_INPUT_TOKENS,
     GEN_AI_MAX_TOKENS,
@@ -56,6 +60,7 @@ from protocol.tracing import (
     GEN_AI_REQUEST_MODEL,
     GEN_AI_RESPONSE_ID,
     GEN_AI_RESPONSE_MODEL,
+    inference_span_name,
 )
 
 log = logging.getLogger("duet.gateway")
@@ -259,13 +264,40 @@ class _Tries:
             reply = with_tool_calls(reply, self.tools)
         fmt = Formatter(self.req.endpoint, self.ledger.record.request_id, served.config.name, self.tier)
         self.response_id = fmt.id  # the answer's id as the client gets it (the trace's gen_ai.response.id)
-        with self.state.tracing.span("gateway.relay", {GEN_AI_REQUEST_MODEL: served.config.name}):
+        traced = self.state.tracing.enabled  # off: no generator per request (bench.gateway's CPU)
+        with self._inference(served, self.reply.accounting) if traced else contextlib.nullcontext():
             if self.req.stream:
                 assert sink is not None
                 await relay_stream(self.ledger, reply, fmt, sink, headers, self.req.include_usage)
                 return Answer(200, None, headers)
             body = await relay_whole(self.ledger, reply, fmt, self.req.n)
         return Answer(200, body, {**headers, "x-duet-cost-usd": f"{self.ledger.record.cost_usd:.8f}"})
+
+    @contextlib.contextmanager
+    def _inference(self, served: ServedModel, acc: Accounting) -> Iterator[None]:
+        """The GenAI inference span of this attempt (OTel's GenAI conventions: `chat {model}`,
+        CLIENT, the model that answers and what it served; `error.type` when it failed — a
+        fallback's first model ends here with the trigger's code)."""
+        tr = self.state.tracing
+        op = "chat" if self.req.endpoint == Endpoint.CHAT else "text_completion"
+        name = served.config.name
+        attrs = {GEN_AI_OPERATION: op, GEN_AI_PROVIDER: served.config.provider or "duet", GEN_AI_REQUEST_MODEL: name}
+        if self.req.n != 1:
+            attrs[GEN_AI_CHOICE_COUNT] = self.req.n
+        with tr.span(inference_span_name(op, name), attrs, kind="CLIENT") as span:
+            try:
+                yield
+            except APIError as e:
+                span.set_attribute(ERROR_TYPE, e.code or e.type)
+                raise
+            except BaseException as e:  # the client left (cancelled), or a bug: its class
+                span.set_attribute(ERROR_TYPE, type(e).__name__)
+                raise
+            finally:
+                if acc.served:  # what a node or provider served (a model nobody reached served nothing)
+                    span.set_attributes({GEN_AI_RESPONSE_MODEL: acc.model_used or name,
+                                         GEN_AI_INPUT_TOKENS: acc.prompt_tokens,
+                                         GEN_AI_OUTPUT_TOKENS: acc.total_completion_tokens})  # fmt: skip
 
     def _fallback(self, e: APIError, served: ServedModel, origin: str, n_prompt: int) -> ServedModel:
         """The next model to try after `e`, or `e` raised again (no fallback)."""

@@ -16,7 +16,11 @@ its HTTP requests, never across a yield), and `record()` (a span whose times wer
 already, e.g. the node's queue/prefill split).
 
 Attribute names follow OTel's GenAI semantic conventions where one exists (`GEN_AI_*` below);
-duet's own are under `duet.`.
+duet's own are under `duet.`. So do span names where the conventions name one: the gateway's
+call to the model that answers (one per model tried: a fallback gives two) is an inference span
+named `{gen_ai.operation.name} {gen_ai.request.model}` (`inference_span_name`), kind CLIENT;
+HTTP server spans are `{method} {route}` (OTel's HTTP conventions). The steps no convention
+covers (auth, route, the P and D legs, KV pull, migration, fallback) are `<process>.<step>`.
 
 Turned on by config (`[tracing] enabled`, `--trace`) or the environment: `DUET_TRACING=1`, or
 `OTEL_EXPORTER_OTLP_ENDPOINT` / `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` set; `OTEL_SDK_DISABLED=true`
@@ -49,6 +53,9 @@ GEN_AI_INPUT_TOKENS = "gen_ai.usage.input_tokens"
 GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_FINISH_REASONS = "gen_ai.response.finish_reasons"
 GEN_AI_RESPONSE_ID = "gen_ai.response.id"
+GEN_AI_CHOICE_COUNT = "gen_ai.request.choice.count"
+#: OTel's general attribute for the class of error an operation ended with (low cardinality)
+ERROR_TYPE = "error.type"
 #: OTel's general attributes for the peer and the HTTP status
 SERVER_ADDRESS = "server.address"
 HTTP_STATUS = "http.response.status_code"
@@ -73,6 +80,11 @@ class TracingConfig:
     ring_size: int | None = None
     #: share of new traces sampled (a request that arrives with a sampled traceparent is kept)
     sample_ratio: float = 1.0
+
+
+def inference_span_name(operation: str, model: str) -> str:
+    """The GenAI inference span's name: `{gen_ai.operation.name} {gen_ai.request.model}`."""
+    return f"{operation} {model}"
 
 
 def env_enabled(environ: Mapping[str, str] | None = None) -> bool | None:

@@ -8,7 +8,8 @@ and CSRF: session.py. Pages: pages.py.
 
 Protected like the API: no page without a session; every POST needs the session's CSRF token;
 a strict CSP and no-store on every page; keys never in a URL; a failed sign-in counts against
-the same per-address limit as a failed admin call (gateway/auth.py::AdminGuard).
+the same per-address limit as a failed admin call (gateway/auth.py::AdminGuard); a session's
+requests are held to its key's requests per minute (limits.py).
 """
 
 from __future__ import annotations
@@ -23,18 +24,20 @@ from aiohttp import web
 
 from gateway.console import pages
 from gateway.console.api import ApiFailed, call
+from gateway.console.limits import ConsoleLimit
 from gateway.console.render import HEADERS, esc, notice, page
 from gateway.console.session import COOKIE, LOGIN_COOKIE, TTL_S, Session, Sessions, same, set_cookie
 from gateway.state import GatewayState
 from protocol.openai import APIError
 
 SESSIONS = web.AppKey("console_sessions", Sessions)
+LIMIT = web.AppKey("console_limit", ConsoleLimit)
 STATIC = Path(__file__).parent / "static"
 _TYPES = {".css": "text/css", ".js": "text/javascript", ".svg": "image/svg+xml"}
 #: the static files, by name (nothing else under static/ is served: no path from a URL is opened)
 _FILES = {p.name: p for p in STATIC.iterdir() if p.suffix in _TYPES} if STATIC.is_dir() else {}
 
-View = Callable[[GatewayState, web.Request, Session], Awaitable[web.Response]]
+View = Callable[[GatewayState, web.Request, Session], Awaitable[web.StreamResponse]]
 Action = Callable[[GatewayState, web.Request, Session, Any], Awaitable[web.Response]]
 
 
@@ -44,6 +47,19 @@ def _redirect(to: str) -> web.Response:
 
 def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
     app[SESSIONS] = Sessions()
+    app[LIMIT] = limit = ConsoleLimit()
+
+    async def too_many(state: GatewayState, s: Session, active: str) -> web.Response | None:
+        """The 429 page when the session is past its rate (limits.py), else None (counted)."""
+        n = await limit.limit_of(state, s)
+        wait = limit.admit(s, n)
+        if wait is None:
+            return None
+        resp = page("Too many requests", active, notice(f"Too many requests: this session may make {n} a minute "
+                                                        f"(the API's limit for its key). Retry in {wait:.0f} s.",
+                                                        "error"), s, 429)  # fmt: skip
+        resp.headers["Retry-After"] = f"{wait:.0f}"
+        return resp
 
     def session_of(request: web.Request) -> tuple[GatewayState, Sessions, Session | None]:
         sessions = request.app[SESSIONS]
@@ -61,6 +77,8 @@ def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
             state, sessions, s = session_of(request)
             if s is None:
                 return _redirect("/console/login")
+            if (refused := await too_many(state, s, active)) is not None:
+                return refused
             if admin and not s.admin:
                 return page("Admin only", active, notice("This page needs the admin key.", "error"), s, 403)
             try:
@@ -75,6 +93,8 @@ def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
             state, sessions, s = session_of(request)
             if s is None:
                 return page("Sign in", "", notice("Sign in first.", "error"), None, 401)
+            if (refused := await too_many(state, s, active)) is not None:
+                return refused
             form = await request.post()
             token = request.headers.get("X-CSRF-Token") or form.get("csrf")
             if not same(token if isinstance(token, str) else None, s.csrf):

@@ -13,9 +13,8 @@ import asyncio
 import csv
 import io
 import json
-import statistics
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from typing import Any
 
 import aiohttp
@@ -30,8 +29,12 @@ from protocol.models import duet_home
 
 DAY = 86400
 #: group_by values the CSV export offers (those of `duet usage report`)
-CSV_GROUPS = ("record", "day", "model", "team", "user")
+CSV_GROUPS = ("record", "day", "model", "team", "tier", "user")
 _TIMEOUT = aiohttp.ClientTimeout(total=3)
+#: slow or failed requests the Requests page lists at most
+REQUESTS_SHOWN = 100
+#: records the CSV export reads from the API at a time (what it holds at most)
+CSV_PAGE = 2000
 
 
 # --- cluster ----------------------------------------------------------------------------------
@@ -254,28 +257,19 @@ def _query(s: Session, request: web.Request, start: str, end: str, group_by: str
     return q
 
 
-def _pct(xs: list[float], q: float) -> float | None:
-    if not xs:
-        return None
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
 
 
 async def usage(state: GatewayState, request: web.Request, s: Session) -> web.Response:
+    """Every figure is a row of `GET /v1/usage` grouped by day, team, model or tier — totals
+    and TTFT percentiles the store computed (gateway/store/usage_totals.py), the rows `duet usage
+    report --group-by …` prints — so the page's work is bounded by the number of groups, never
+    by the records of the range."""
     start, end = _range(request)
     get = lambda g: call(state, request, s, "GET", "/v1/usage", query=_query(s, request, start, end, g))  # noqa: E731
-    by_day, by_team, by_model, records = await asyncio.gather(get("day"), get("team"), get("model"), get("record"))
+    by_day, by_team, by_model, by_tier = await asyncio.gather(get("day"), get("team"), get("model"), get("tier"))
     days = [r["date"] for r in by_day["data"]]
-    ttft: dict[str, list[float]] = defaultdict(list)
-    tiers: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
-    for r in records["data"]:
-        day = time.strftime("%Y-%m-%d", time.gmtime(r["created_at"]))
-        if r.get("ttft_s") is not None:
-            ttft[day].append(r["ttft_s"] * 1000)
-        t = tiers[r["tier"]]
-        t[0] += 1
-        t[1] += r["prompt_tokens"] + r["completion_tokens"]
-        t[2] += r["cost_usd"]
     team_sel = ""
     if s.admin:
         team_sel = (f'<label>Team <input name="team" value="{esc(request.query.get("team") or "")}" '
@@ -289,22 +283,29 @@ async def usage(state: GatewayState, request: web.Request, s: Session) -> web.Re
                    + charts.bars("Spend per day (USD)", days, [r["cost_usd"] for r in by_day["data"]], " USD")
                    + charts.bars("Requests per day", days, [r["requests"] for r in by_day["data"]])
                    + charts.lines("Time to first token (ms)", days,
-                                  {"P50": [_pct(ttft[d], 0.5) for d in days], "P90": [_pct(ttft[d], 0.9) for d in days]},
+                                  {"P50": [_ms(r["ttft_p50_s"]) for r in by_day["data"]],
+                                   "P90": [_ms(r["ttft_p90_s"]) for r in by_day["data"]]},
                                   " ms"))  # fmt: skip
 
     def rows(data: list[dict[str, Any]], key: str) -> list[list[Any]]:
         return [[r[key] if r[key] is not None else "-", r["requests"], r["prompt_tokens"], r["completion_tokens"],
-                 r["cached_tokens"], f"{r['cost_usd']:.6f}"] for r in data]  # fmt: skip
+                 r["cached_tokens"], f"{r['cost_usd']:.6f}", ms_cell(r["ttft_p50_s"]), ms_cell(r["ttft_p90_s"])]
+                for r in data]  # fmt: skip
 
-    head = ["Requests", "Prompt tokens", "Completion tokens", "Cached tokens", "Cost (USD)"]
+    head = ["Requests", "Prompt tokens", "Completion tokens", "Cached tokens", "Cost (USD)", "TTFT P50 (ms)",
+            "TTFT P90 (ms)"]  # fmt: skip
     body = (form + f'<p class="csv">CSV export (as <code>duet usage report</code>): {csv_links}</p>'
             + f'<div class="charts">{charts_html}</div>'
             + table("Per day", ["Day", *head], rows(by_day["data"], "date"))
             + table("Per team", ["Team", *head], rows(by_team["data"], "team_id"))
             + table("Per model", ["Model", *head], rows(by_model["data"], "model"))
-            + table("Per tier", ["Tier", "Requests", "Tokens", "Cost (USD)"],
-                    [[k, v[0], v[1], f"{v[2]:.6f}"] for k, v in sorted(tiers.items())]))  # fmt: skip
+            + table("Per tier", ["Tier", *head], rows(by_tier["data"], "tier")))  # fmt: skip
     return page("Usage and spend", "usage", body, s)
+
+
+def ms_cell(seconds: float | None) -> str:
+    """A TTFT percentile (seconds, as the report gives it) as the tables show it."""
+    return "-" if seconds is None else f"{seconds * 1000:.3f}"
 
 
 def usage_csv_text(rows: list[dict[str, Any]]) -> str:
@@ -317,15 +318,45 @@ def usage_csv_text(rows: list[dict[str, Any]]) -> str:
     return out.getvalue()
 
 
-async def usage_csv(state: GatewayState, request: web.Request, s: Session) -> web.Response:
+async def usage_csv(state: GatewayState, request: web.Request, s: Session) -> web.StreamResponse:
     start, end = _range(request)
     group_by = request.query.get("group_by", "record")
     if group_by not in CSV_GROUPS:
         raise ApiFailed(400, f"group_by is one of {', '.join(CSV_GROUPS)}")
-    data = await call(state, request, s, "GET", "/v1/usage", query=_query(s, request, start, end, group_by))
-    name = f"usage-{start}-{end}-{group_by}.csv"
-    return web.Response(text=usage_csv_text(data["data"]), content_type="text/csv",
-                        headers={"Content-Disposition": f'attachment; filename="{name}"', "Cache-Control": "no-store"})  # fmt: skip
+    query = _query(s, request, start, end, group_by)
+    headers = {"Content-Disposition": f'attachment; filename="usage-{start}-{end}-{group_by}.csv"',
+               "Cache-Control": "no-store"}  # fmt: skip
+    if group_by != "record":  # one row per group
+        data = await call(state, request, s, "GET", "/v1/usage", query=query)
+        return web.Response(text=usage_csv_text(data["data"]), content_type="text/csv", headers=headers)
+    # every record of the range: read a page at a time and written as it comes, so the
+    # gateway holds one page however long the range (the bytes are the report's all the same)
+    page = await call(state, request, s, "GET", "/v1/usage", query={**query, "limit": str(CSV_PAGE)})
+    resp = web.StreamResponse(headers={**headers, "Content-Type": "text/csv; charset=utf-8"})
+    await resp.prepare(request)
+    fields: list[str] | None = None
+    while True:
+        rows = page["data"]
+        if rows:
+            out = io.StringIO()
+            w = csv.DictWriter(out, fieldnames=fields or list(rows[0]))
+            if fields is None:
+                fields = list(rows[0])
+                w.writeheader()
+            w.writerows(rows)
+            await resp.write(out.getvalue().encode())
+        if not page.get("next"):
+            break
+        try:
+            page = await call(state, request, s, "GET", "/v1/usage",
+                              query={**query, "limit": str(CSV_PAGE), "after": page["next"]})  # fmt: skip
+        except ApiFailed:  # the status is sent already: cut the download short (the client sees it fail)
+            resp.force_close()
+            if request.transport is not None:
+                request.transport.close()
+            return resp
+    await resp.write_eof()
+    return resp
 
 
 # --- batches ----------------------------------------------------------------------------------
@@ -378,16 +409,15 @@ async def cancel_batch(state: GatewayState, request: web.Request, s: Session, fo
 
 # --- requests and traces ----------------------------------------------------------------------
 async def requests(state: GatewayState, request: web.Request, s: Session) -> web.Response:
+    # the store picks them (the failed and the slowest tenth, newest first, at most 100): a
+    # day of records never leaves the database for this page
     since = time.strftime("%Y-%m-%d", time.gmtime(time.time() - DAY))
-    recs = (await call(state, request, s, "GET", "/v1/usage", query={"start": since, "group_by": "record"}))["data"]
-    lat = [r["latency_s"] for r in recs]
-    slow_at = statistics.quantiles(lat, n=10)[-1] if len(lat) >= 10 else float("inf")
-    picked = [r for r in recs if r["status"] != "ok" or r["latency_s"] >= slow_at]
-    picked.sort(key=lambda r: r["created_at"], reverse=True)
+    picked = (await call(state, request, s, "GET", "/v1/usage", query={
+        "start": since, "group_by": "record", "outliers": "true", "limit": str(REQUESTS_SHOWN)}))["data"]  # fmt: skip
     ring = state.tracing.ring
     traced_ids = ring.values("duet.request_id") if ring is not None else set()
     rows = []
-    for r in picked[:100]:
+    for r in picked:
         rid = r["request_id"]
         traced = rid in traced_ids
         link = f'<a href="/console/requests/{esc(rid)}">{esc(rid)}</a>' if traced else esc(rid)

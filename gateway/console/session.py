@@ -17,8 +17,8 @@ from __future__ import annotations
 import hmac
 import secrets
 import time
-from collections import OrderedDict
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 from aiohttp import web
 
@@ -38,6 +38,8 @@ class Session:
     team_id: str | None
     csrf: str
     expires: float
+    #: monotonic times of this session's recent console requests (limits.py's window)
+    recent: deque[float] = field(default_factory=deque)
 
     @property
     def admin(self) -> bool:

@@ -22,8 +22,8 @@ from typing import Any, Literal
 import msgspec
 
 WINDOW_S = 60.0
-#: what `Store.usage` groups by; its rows name the group `model`, `date`, `team_id`, `user`
-GROUP_BY = ("model", "day", "team", "user")
+#: what `Store.usage` groups by; its rows name the group `model`, `date`, `team_id`, `tier`, `user`
+GROUP_BY = ("model", "day", "team", "tier", "user")
 LimitKind = Literal["requests", "tokens", "concurrency", "daily_budget", "monthly_budget"]
 
 
@@ -246,10 +246,21 @@ class Store(ABC):
     @abstractmethod
     async def usage(self, team_id: str | None, start: float, end: float,
                     group_by: str | None) -> list[dict[str, Any]]:  # fmt: skip
-        """Totals: one row (group_by None) or one row per group, ordered by it, nulls first."""
+        """Totals: one row (group_by None) or one row per group, ordered by it, nulls first; each
+        with its requests, tokens, cost and TTFT percentiles, all computed by the database
+        (usage_totals.py), so the answer's size is the number of groups, not of records."""
 
     @abstractmethod
-    async def usage_records(self, team_id: str | None, start: float, end: float) -> list[UsageRecord]: ...
+    async def usage_records(self, team_id: str | None, start: float, end: float,
+                            after: tuple[float, str] | None = None, limit: int | None = None) -> list[UsageRecord]:  # fmt: skip
+        """The range's records in (created_at, request_id) order; `after` (a record's
+        (created_at, request_id)) and `limit`: one page of them, the next one starting after
+        the last record of this one."""
+
+    @abstractmethod
+    async def usage_outliers(self, team_id: str | None, start: float, end: float, limit: int) -> list[UsageRecord]:
+        """The range's failed requests and its slowest tenth (usage_totals.outliers_sql), newest
+        first, at most `limit`: found by the database, so only they leave it."""
 
 
 class StoreError(Exception):

@@ -33,6 +33,7 @@ from gateway.store.base import (
 )
 from gateway.store.expiry import EXPIRED, booked_from, booked_json, expired_record
 from gateway.store.rules import Counters, day_period, decide, month_period, window_start
+from gateway.store.usage_totals import outliers_sql, totals_row, totals_sql
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS teams (
@@ -86,6 +87,11 @@ _JSON_COLS = ("nodes", "leg_tokens")
 # quoted: `user` is a reserved word in PostgreSQL (unquoted it means CURRENT_USER)
 _USAGE_SQL = ", ".join(f'"{c}"' for c in _USAGE_COLS)
 _DAY = "to_char(to_timestamp(created_at) AT TIME ZONE 'UTC', 'YYYY-MM-DD')"
+
+
+def _usage_record(r: Any) -> UsageRecord:
+    return UsageRecord(**{**dict(r), "nodes": json.loads(r["nodes"]), "migrations": r["migrations"] or 0,
+                          "leg_tokens": json.loads(r["leg_tokens"] or "[]")})  # fmt: skip
 
 
 def _team(r: Any) -> Team:
@@ -385,29 +391,40 @@ class PostgresStore(Store):
     async def usage(self, team_id: str | None, start: float, end: float,
                     group_by: str | None) -> list[dict[str, Any]]:  # fmt: skip
         keys = {None: [], "model": [("model_requested", "model")], "day": [(_DAY, "date")],
-                "team": [("team_id", "team_id")], "user": [('"user"', "user")]}[group_by]  # fmt: skip
-        sel = [f'{expr} AS "{name}"' for expr, name in keys]
+                "team": [("team_id", "team_id")], "tier": [("tier", "tier")], "user": [('"user"', "user")]}[group_by]  # fmt: skip
         args: list[Any] = [start, end]
         where = "created_at >= $1 AND created_at < $2"
         if team_id:
             where += " AND team_id = $3"
             args.append(team_id)
         # NULLS FIRST: as SQLite orders them (PostgreSQL's default puts them last)
-        group = (f" GROUP BY {', '.join(e for e, _ in keys)} ORDER BY {', '.join(f'{e} NULLS FIRST' for e, _ in keys)}"
-                 if keys else "")  # fmt: skip
-        rows = await self.pool.fetch(
-            f"SELECT {', '.join([*sel, 'count(*) AS n', 'coalesce(sum(prompt_tokens),0) AS p', 'coalesce(sum(completion_tokens),0) AS c', 'coalesce(sum(cached_tokens),0) AS k', 'coalesce(sum(cost_usd),0) AS cost'])} "
-            f"FROM usage WHERE {where}{group}", *args)  # fmt: skip
-        return [{**{name: r[name] for _, name in keys}, "requests": r["n"], "prompt_tokens": int(r["p"]),
-                 "completion_tokens": int(r["c"]), "cached_tokens": int(r["k"]), "total_tokens": int(r["p"] + r["c"]),
-                 "cost_usd": round(float(r["cost"]), 10)} for r in rows]  # fmt: skip
+        rows = await self.pool.fetch(totals_sql(keys, where, "LEAST", " NULLS FIRST"), *args)
+        return [totals_row([name for _, name in keys], r) for r in rows]
 
-    async def usage_records(self, team_id: str | None, start: float, end: float) -> list[UsageRecord]:
+    async def usage_records(self, team_id: str | None, start: float, end: float,
+                            after: tuple[float, str] | None = None, limit: int | None = None) -> list[UsageRecord]:  # fmt: skip
         args: list[Any] = [start, end]
         where = "created_at >= $1 AND created_at < $2"
         if team_id:
-            where += " AND team_id = $3"
             args.append(team_id)
-        rows = await self.pool.fetch(f"SELECT {_USAGE_SQL} FROM usage WHERE {where} ORDER BY created_at", *args)
-        return [UsageRecord(**{**dict(r), "nodes": json.loads(r["nodes"]), "migrations": r["migrations"] or 0,
-                               "leg_tokens": json.loads(r["leg_tokens"] or "[]")}) for r in rows]  # fmt: skip
+            where += f" AND team_id = ${len(args)}"
+        if after is not None:
+            args += [after[0], after[1]]
+            n = len(args)
+            where += f" AND (created_at > ${n - 1} OR (created_at = ${n - 1} AND request_id > ${n}))"
+        sql = f"SELECT {_USAGE_SQL} FROM usage WHERE {where} ORDER BY created_at, request_id"
+        if limit is not None:
+            args.append(limit)
+            sql += f" LIMIT ${len(args)}"
+        rows = await self.pool.fetch(sql, *args)
+        return [_usage_record(r) for r in rows]
+
+    async def usage_outliers(self, team_id: str | None, start: float, end: float, limit: int) -> list[UsageRecord]:
+        args: list[Any] = [start, end, limit]
+        where = "created_at >= $1 AND created_at < $2"
+        if team_id:
+            where += " AND team_id = $4"
+            args.append(team_id)
+        cols = ", ".join(f'usage."{c}"' for c in _USAGE_COLS)
+        rows = await self.pool.fetch(outliers_sql(cols, where, "LEAST", "$3"), *args)
+        return [_usage_record(r) for r in rows]

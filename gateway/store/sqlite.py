@@ -35,6 +35,7 @@ from gateway.store.base import (
 from gateway.store.expiry import EXPIRED, booked_from, booked_json, expired_record
 from gateway.store.rules import Counters, day_period, decide, month_period, window_start
 from gateway.store.sqlite_conn import Connections
+from gateway.store.usage_totals import outliers_sql, totals_row, totals_sql
 
 T = TypeVar("T")
 #: usage batches up to this many records commit on the event loop's fast path
@@ -277,30 +278,32 @@ class SqliteStore(Store):
 
     async def usage(self, team_id: str | None, start: float, end: float,
                     group_by: str | None) -> list[dict[str, Any]]:  # fmt: skip
-        keys = {None: [], "model": ["model_requested"], "day": ["date(created_at, 'unixepoch')"],
-                "team": ["team_id"], "user": ["user"]}[group_by]  # fmt: skip
-        names = {"model_requested": "model", "date(created_at, 'unixepoch')": "date", "team_id": "team_id",
-                 "user": "user"}  # fmt: skip
-        sel = [f"{k} AS {names[k]}" for k in keys]
+        keys = {None: [], "model": [("model_requested", "model")], "day": [("date(created_at, 'unixepoch')", "date")],
+                "team": [("team_id", "team_id")], "tier": [("tier", "tier")], "user": [("user", "user")]}[group_by]  # fmt: skip
         where = "created_at >= ? AND created_at < ?" + (" AND team_id = ?" if team_id else "")
         args: tuple[Any, ...] = (start, end, team_id) if team_id else (start, end)
-        sql = (f"SELECT {', '.join([*sel, 'count(*)', 'coalesce(sum(prompt_tokens),0)', 'coalesce(sum(completion_tokens),0)', 'coalesce(sum(cached_tokens),0)', 'coalesce(sum(cost_usd),0)'])} "
-               f"FROM usage WHERE {where}" + (f" GROUP BY {', '.join(keys)} ORDER BY {', '.join(keys)}" if keys else ""))  # fmt: skip
+        sql = totals_sql(keys, where, "min", "")  # SQLite orders NULL first
         rows = await self._run(lambda db: db.execute(sql, args).fetchall())
-        out = []
-        for row in rows:
-            d = {names[k]: v for k, v in zip(keys, row, strict=False)}
-            n, p, c, cached, cost = row[len(keys):]
-            d.update(requests=n, prompt_tokens=p, completion_tokens=c, cached_tokens=cached,
-                     total_tokens=p + c, cost_usd=round(cost, 10))  # fmt: skip
-            out.append(d)
-        return out
+        return [totals_row([name for _, name in keys], r) for r in rows]
 
-    async def usage_records(self, team_id: str | None, start: float, end: float) -> list[UsageRecord]:
+    async def usage_records(self, team_id: str | None, start: float, end: float,
+                            after: tuple[float, str] | None = None, limit: int | None = None) -> list[UsageRecord]:  # fmt: skip
         where = "created_at >= ? AND created_at < ?" + (" AND team_id = ?" if team_id else "")
         args: tuple[Any, ...] = (start, end, team_id) if team_id else (start, end)
-        rows = await self._run(lambda db: db.execute(
-            f"SELECT {', '.join(_USAGE_COLS)} FROM usage WHERE {where} ORDER BY created_at", args).fetchall())  # fmt: skip
+        if after is not None:
+            where += " AND (created_at > ? OR (created_at = ? AND request_id > ?))"
+            args = (*args, after[0], after[0], after[1])
+        sql = f"SELECT {', '.join(_USAGE_COLS)} FROM usage WHERE {where} ORDER BY created_at, request_id"
+        if limit is not None:
+            sql, args = sql + " LIMIT ?", (*args, limit)
+        rows = await self._run(lambda db: db.execute(sql, args).fetchall())
+        return [_record(r) for r in rows]
+
+    async def usage_outliers(self, team_id: str | None, start: float, end: float, limit: int) -> list[UsageRecord]:
+        where = "created_at >= ? AND created_at < ?" + (" AND team_id = ?" if team_id else "")
+        args: tuple[Any, ...] = (start, end, team_id) if team_id else (start, end)
+        sql = outliers_sql(", ".join(f"usage.{c}" for c in _USAGE_COLS), where, "min", "?")
+        rows = await self._run(lambda db: db.execute(sql, (*args, *args, limit)).fetchall())
         return [_record(r) for r in rows]
 
 

@@ -58,12 +58,13 @@ def test_teams_keys_usage_report(tmp_path: Path) -> None:
     assert [r["user"] for r in recs] == ["u-1", None]
     totals = json.loads(duet("usage", "report", "--store", store, "--group-by", "model", "--format", "json").stdout)
     assert totals == [{"model": "m", "requests": 2, "prompt_tokens": 12, "completion_tokens": 6, "cached_tokens": 0,
-                       "total_tokens": 18, "cost_usd": 0.006}]  # fmt: skip
+                       "total_tokens": 18, "cost_usd": 0.006, "ttft_p50_s": None, "ttft_p90_s": None}]  # fmt: skip
     per_user = json.loads(duet("usage", "report", "--store", store, "--group-by", "user", "--format", "json").stdout)
+    none = {"ttft_p50_s": None, "ttft_p90_s": None}  # no request had a first token
     assert per_user == [{"user": None, "requests": 1, "prompt_tokens": 6, "completion_tokens": 3, "cached_tokens": 0,
-                         "total_tokens": 9, "cost_usd": 0.002},
+                         "total_tokens": 9, "cost_usd": 0.002, **none},
                         {"user": "u-1", "requests": 1, "prompt_tokens": 6, "completion_tokens": 3, "cached_tokens": 0,
-                         "total_tokens": 9, "cost_usd": 0.004}]  # fmt: skip
+                         "total_tokens": 9, "cost_usd": 0.004, **none}]  # fmt: skip
     rows = list(csv.DictReader(io.StringIO(duet("usage", "report", "--store", store, "--group-by", "user").stdout)))
     assert [(r["user"], r["requests"]) for r in rows] == [("", "1"), ("u-1", "1")]
     assert json.loads(duet("usage", "report", "--store", store, "--date", "2001-01-01", "--format", "json").stdout) == []

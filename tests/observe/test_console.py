@@ -14,6 +14,8 @@ Under CI=true a missing browser is a failure, never a skip.
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import os
 import shutil
@@ -30,6 +32,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from gateway.console.pages import ms_cell
 from tests.gateway.helpers import ADMIN_KEY, http, make_team
 from tests.observe.conftest import MODEL, Traced
 from tests.wait import wait_for
@@ -295,8 +298,14 @@ def test_usage_charts_and_csv_equal_the_cli_report(traced: Traced, browser: obje
     assert css(d, "svg[aria-label='Time to first token (ms)'] polyline, svg[aria-label='Time to first token (ms)'] circle")
     assert not low_contrast(d), low_contrast(d)  # WCAG AA, as the browser renders it
     shot(d, "usage")
+    # the tier table's row is the report's tier row (TTFT percentiles included), as the page formats it
+    [tier] = csv.DictReader(io.StringIO(_cli_report(traced, day, "tier")))
+    cells = [c.text for c in tables["Per tier"].find_elements("css selector", "tbody td")]
+    assert cells == [tier["tier"], tier["requests"], tier["prompt_tokens"], tier["completion_tokens"],
+                     tier["cached_tokens"], f"{float(tier['cost_usd']):.6f}", ms_cell(float(tier["ttft_p50_s"])),
+                     ms_cell(float(tier["ttft_p90_s"]))], cells  # fmt: skip
     cookie = cookie_header(d)
-    for group_by in ("record", "day", "model"):
+    for group_by in ("record", "day", "tier", "model"):
         status, csv_bytes = get_raw(f"{base}/console/usage.csv?{q}&group_by={group_by}", cookie)
         assert status == 200
         assert csv_bytes.decode() == _cli_report(traced, day, group_by), group_by

@@ -67,7 +67,15 @@ def test_one_trace_spans_gateway_coordinator_prefill_and_decode(traced: Traced) 
         child(name, "duet-gateway", gw)
     assert _one(spans, "gateway.tokenize", "duet-gateway").attributes["gen_ai.usage.input_tokens"] \
         == answer.usage.prompt_tokens  # fmt: skip
-    relay = child("gateway.relay", "duet-gateway", gw)
+    # the call to the model, named as OTel's GenAI conventions say: `{operation} {model}`, CLIENT
+    relay = child(f"chat {MODEL}", "duet-gateway", gw)
+    assert relay.kind == 3  # SPAN_KIND_CLIENT in OTLP
+    assert {k: relay.attributes[k] for k in ("gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model",
+                                             "gen_ai.response.model", "gen_ai.usage.input_tokens",
+                                             "gen_ai.usage.output_tokens")} == {
+        "gen_ai.operation.name": "chat", "gen_ai.provider.name": "duet", "gen_ai.request.model": MODEL,
+        "gen_ai.response.model": MODEL, "gen_ai.usage.input_tokens": answer.usage.prompt_tokens,
+        "gen_ai.usage.output_tokens": answer.usage.completion_tokens}  # fmt: skip
     child("gateway.usage.commit", "duet-gateway", relay)
     # gateway → coordinator: the decision and its reason
     route = child("gateway.route", "duet-gateway", relay)
