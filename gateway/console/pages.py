@@ -13,6 +13,7 @@ import asyncio
 import csv
 import io
 import json
+import os
 import time
 from collections import Counter
 from typing import Any
@@ -57,13 +58,29 @@ def _ago(t: float | None) -> str:
     return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
 
+def _alive(pid: object) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
+
+
 def _supervised() -> list[dict[str, Any]]:
-    """The processes a `duet up` on this machine supervises (its state file), if any."""
+    """The processes a running `duet up` on this machine supervises (its state file), if any.
+    A state file whose `duet up` is dead (SIGKILLed: it could not remove it) is ignored, as
+    `duet status` ignores it: its processes are gone, not "running"."""
     try:
         data = json.loads((duet_home() / "up" / "state.json").read_text())
     except (OSError, ValueError):
         return []
-    children = data.get("children") if isinstance(data, dict) else None
+    if not isinstance(data, dict) or not _alive(data.get("pid")):
+        return []
+    children = data.get("children")
     return [c for c in children if isinstance(c, dict)] if isinstance(children, list) else []
 
 
@@ -73,6 +90,10 @@ async def cluster_tables(state: GatewayState) -> str:
     view = state.etcd_view
     infos = {i.node_id: i for i in (view.infos if view is not None else ())}
     first = next((r for r in reports if isinstance(r, dict)), None)
+    sup = _supervised()
+    # a node's restarts are its process's under `duet up` (whose process name is the node id);
+    # elsewhere (Kubernetes, systemd) its orchestrator counts them: "-"
+    restarts = {c.get("name"): c.get("restarts", 0) for c in sup}
     rows = []
     if first is not None:
         for n in first.get("nodes", []):
@@ -81,20 +102,21 @@ async def cluster_tables(state: GatewayState) -> str:
             health = "ready" if n.get("ready") else ("connected" if n.get("connected") else "unreachable")
             rows.append([n["node_id"], n["role"], n.get("pool", ""), info.engine_kind if info else "-",
                          (info.quantization or "none") if info else "-", f"{n['status']}, {health}",
+                         restarts.get(n["node_id"], "-"),
                          f"{load.get('running', '-')} running, {load.get('waiting', '-')} waiting",
                          f"{100 * load['kv_cache_usage_perc']:.1f}%" if "kv_cache_usage_perc" in load else "-",
                          n.get("indexed_blocks", 0), _ago(info.started_at) if info else "-", n.get("resyncs", 0)])  # fmt: skip
     else:
         for i in infos.values():
             rows.append([i.node_id, i.role, i.pool, i.engine_kind, i.quantization or "none", f"{i.status} (etcd only)",
-                         "-", "-", "-", _ago(i.started_at), "-"])  # fmt: skip
+                         restarts.get(i.node_id, "-"), "-", "-", "-", _ago(i.started_at), "-"])  # fmt: skip
     # What a screen reader hears when it changes (the page's status region, console.js): the
     # node count and each health's share, not the tables, which are replaced every 3 s.
     healths = Counter(str(r[5]) for r in rows)
     summary = f"{len(rows)} node{'s' * (len(rows) != 1)}" + (": " + ", ".join(
         f"{n} {h}" for h, n in sorted(healths.items())) if healths else "")  # fmt: skip
     out = [f'<p class="summary" data-summary="{esc(summary)}">{esc(summary)}</p>',
-           table("Nodes", ["Node", "Role", "Pool", "Engine", "Quantization", "Health", "Load", "KV use",
+           table("Nodes", ["Node", "Role", "Pool", "Engine", "Quantization", "Health", "Restarts", "Load", "KV use",
                            "Cached blocks", "Up for", "Resyncs"], rows)]  # fmt: skip
     reps = []
     for url, r in zip(urls, reports, strict=True):
@@ -110,7 +132,6 @@ async def cluster_tables(state: GatewayState) -> str:
         state_text = f"read {_ago(view.read_at)} ago" + (f"; last read failed: {view.error}" if view.error else "")
         out.append(table("etcd", ["Endpoint", "State", "Registered nodes", "Replicas"],
                          [[view.endpoint, state_text, len(view.infos), len(view.coordinators)]]))  # fmt: skip
-    sup = _supervised()
     if sup:
         out.append(table("Processes supervised by duet up", ["Process", "State", "PID", "Restarts"],
                          [[c.get("name"), c.get("state") or ("running" if c.get("alive") else "down"), c.get("pid"),
