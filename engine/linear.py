@@ -8,24 +8,48 @@ same kernel transformers calls, so fp32 greedy output stays token-identical to i
 Invariant: `Linear(x)` equals `F.linear(x, weight, bias)` up to bf16 rounding; when prepacking
 fails or fails its self-check the layer stays on F.linear with one warning — except in strict
 mode (CI=true, protocol/strict.py), where that is an error. A dtype or device prepacking does not
-apply to (fp32, CUDA) is a choice, not a fallback.
+apply to (fp32, CUDA) is a choice, not a fallback; so is an x86 CPU that oneDNN's bf16 reorder
+does not support (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only Zen 3 has neither),
+where bf16 layers run F.linear, said once at info level.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+import platform
 
 import torch
 import torch.nn.functional as F
 
+from engine.cpu import cpu_flags
 from protocol.strict import fallback
 
 log = logging.getLogger("duet.engine.linear")
 
 
+#: what oneDNN's bf16 weight reorder needs on x86 (its own error message names these)
+_BF16_REORDER_ISA = (frozenset({"avx512bw", "avx512vl", "avx512dq"}), frozenset({"avx_ne_convert"}))
+
+
+@functools.cache
+def cpu_can_prepack_bf16() -> bool:
+    """False on an x86 CPU without the ISA oneDNN's bf16 reorder needs (there it always fails:
+    a property of the CPU, not a broken install). Other architectures: attempted, and checked."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return True
+    flags = cpu_flags()
+    if any(need <= flags for need in _BF16_REORDER_ISA):
+        return True
+    log.info("bf16 linear layers use F.linear: oneDNN's bf16 weight prepacking needs AVX-512 BW/VL/DQ or "
+             "AVX-NE-CONVERT, which this CPU lacks")  # fmt: skip
+    return False
+
+
 def can_prepack(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))  # fmt: skip
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and cpu_can_prepack_bf16())  # fmt: skip
 
 
 class Linear:

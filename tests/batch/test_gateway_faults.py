@@ -22,6 +22,7 @@ from tests.batch.gateway_procs import (
 )
 from tests.gateway.helpers import make_team
 from tests.procs import duet_node, running
+from tests.wait import until
 
 
 def succeeded(db: Path, batch_id: str) -> dict[str, tuple[str, str]]:
@@ -70,6 +71,12 @@ async def test_node_sigkill_mid_batch(tiny_llama: Path, tmp_path: Path) -> None:
         async with client(gw.url, key) as c:
             batch_id = await submit(c, lines)
         await completed_at_least(gw.url, key, batch_id, 4)
+
+        def both_served() -> bool:  # the router may give the first lines all to one node
+            recs = usage_records(tmp_path / "gateway.db", "team-a")
+            return len({n for r in recs for n in r["nodes"].split()}) == 2
+
+        await until(both_served, 120, "both nodes to have served a batch line")
         killed_at = time.time()
         b.kill()
         done = await wait_done(gw.url, key, batch_id, timeout=180)

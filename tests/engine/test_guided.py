@@ -137,7 +137,7 @@ def test_a_migrated_leg_resumes_the_matcher(llm: LLM) -> None:
 @pytest.mark.parametrize(("guide", "words"), [
     (Guide(kind=GuideKind.JSON_SCHEMA, spec='{"type": "foo"}'), "Invalid type"),
     (Guide(kind=GuideKind.REGEX, spec="(ab"), "unclosed group"),
-    (Guide(kind=GuideKind.CHOICE, spec="[]"), "non-empty"),
+    (Guide(kind=GuideKind.CHOICE, spec="[]"), "list of choices is empty"),
 ])  # fmt: skip
 def test_invalid_guides_are_refused_with_the_engines_words(llm: LLM, guide: Guide, words: str) -> None:
     with pytest.raises(RequestError, match=words):
