@@ -40,7 +40,9 @@ def test_a_nodes_busiest_other_thread_is_its_step_thread() -> None:
         t.join()
     d = (after - before).parts()
     assert set(d) == {"node:me/loop", "node:me/step", "node:me/aux"}
-    assert d["node:me/step"].cpu_s > 0.05 > d["node:me/aux"].cpu_s
+    # aux is every other thread of this process: stray threads of earlier tests in the same
+    # pytest process may burn some CPU too (0.054 s once on a slow CPU), so relative, not absolute
+    assert d["node:me/step"].cpu_s > 0.05 and d["node:me/step"].cpu_s > 2 * d["node:me/aux"].cpu_s, d
     assert d["node:me/step"].stretch >= 1.0
 
 
