@@ -4,13 +4,14 @@ model (`pd_nodes`, per module); every process is stopped at the end, pass or fai
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
 
 from tests.fixtures.tiny_llama import make_tiny_llama
+from tests.gateway.faults import KillRelay
 from tests.procs import TINY_NODE_ARGS, Proc, three_nodes
 
 if TYPE_CHECKING:
@@ -62,3 +63,12 @@ def pd_nodes(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     with three_nodes(tiny_llama, tmp_path_factory.mktemp("nodes"), *TINY_NODE_ARGS,
                      prefill_args=("--lease-seconds", "30")) as nodes:  # fmt: skip
         yield nodes
+
+
+@pytest.fixture
+async def relays() -> AsyncIterator[list[KillRelay]]:
+    """Fault relays (tests/gateway/faults.py) a test puts in front of nodes; stopped at its end."""
+    made: list[KillRelay] = []
+    yield made
+    for r in made:
+        await r.stop()

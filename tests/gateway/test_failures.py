@@ -10,7 +10,6 @@ no KV blocks stay held on the surviving nodes:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -36,14 +35,6 @@ def tmp(tmp_path: Path) -> Path:
 
 def _node(role: str, model: Path, tmp: Path) -> Proc:
     return duet_node(role, model, tmp, *COMMON)
-
-
-@pytest.fixture
-async def relays() -> AsyncIterator[list[KillRelay]]:
-    made: list[KillRelay] = []
-    yield made
-    for r in made:
-        await r.stop()
 
 
 async def relay(relays: list[KillRelay], node: Proc, mode: Mode, chunks: int = 3) -> KillRelay:

@@ -20,7 +20,6 @@ The kill is timed by the relay in front of a node (tests/gateway/faults.py): aft
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -38,14 +37,6 @@ from tests.wait import until
 
 PROMPT = "a prompt long enough to fill a few KV blocks: " + "lorem ipsum " * 12
 MAX = 60
-
-
-@pytest.fixture
-async def relays() -> AsyncIterator[list[KillRelay]]:
-    made: list[KillRelay] = []
-    yield made
-    for r in made:
-        await r.stop()
 
 
 async def kill_after(relays: list[KillRelay], node: Proc, chunks: int) -> KillRelay:

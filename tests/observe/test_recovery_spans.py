@@ -36,21 +36,11 @@ from protocol.tracing import SpanRecord
 from tests.gateway.faults import KillRelay
 from tests.gateway.helpers import tiny_model
 from tests.gateway.test_failures import _node
+from tests.gateway.test_migration import MAX, PROMPT
 from tests.gateway.test_providers_e2e import GPT, external
 from tests.procs import free_port, running
 from tests.providers.fakes import API_KEY, FakeProvider
 from tests.wait import until
-
-PROMPT = "a prompt long enough to fill a few KV blocks: " + "lorem ipsum " * 12
-MAX = 60
-
-
-@pytest.fixture
-async def relays() -> AsyncIterator[list[KillRelay]]:
-    made: list[KillRelay] = []
-    yield made
-    for r in made:
-        await r.stop()
 
 
 def app_for(tmp: Path, models: dict[str, Any]) -> web.Application:
