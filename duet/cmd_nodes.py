@@ -7,6 +7,8 @@ import argparse
 from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
 from duet.security_args import add_server_arguments, plane_security, read_deadlines
 from node.config import DEFAULT_ALLOWED_PEERS
+from protocol.guide_compile import THREADS as GUIDE_THREADS
+from protocol.guide_compile import TIMEOUT_S as GUIDE_TIMEOUT_S
 from protocol.models import DEFAULT_MODEL
 
 ROLE_HELP = {
@@ -93,6 +95,13 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
                    help="backpressure: queued requests beyond which new ones get 503 + Retry-After")  # fmt: skip
     e.add_argument("--max-waiting-tokens", type=int, default=262144,
                    help="backpressure: queued prompt tokens beyond which new requests get 503 + Retry-After")  # fmt: skip
+    e.add_argument("--guide-compile-threads", type=int, default=GUIDE_THREADS,
+                   help="structured outputs: threads that check request guides' grammars, off the event loop "
+                        "(the gateway's [server] guide_compile_threads)")  # fmt: skip
+    e.add_argument("--guide-compile-timeout-s", type=float, default=GUIDE_TIMEOUT_S, metavar="S",
+                   help="structured outputs: a guide whose grammar compiles longer is a 400 guide_too_complex "
+                        "(the gateway's [server] guide_compile_timeout_s; keep it at least the gateway's, or "
+                        "the node refuses guides the gateway admitted)")  # fmt: skip
     t = p.add_argument_group("disaggregation")
     t.add_argument("--transport", choices=["nixl", "ucx", "tcp"], default="nixl",
                    help="KV transport (nixl falls back to tcp when NIXL is missing)")  # fmt: skip
@@ -150,7 +159,8 @@ def node_config(args: argparse.Namespace, role: str):
         engine_kind=args.engine, reserve_timeout=args.reserve_timeout, allowed_peers=args.allowed_peers,
         etcd=args.etcd, cluster=args.cluster, pool=args.pool, exit_when_drained=args.exit_when_drained,
         security=plane_security(args), deadlines=read_deadlines(args),
-        task=args.task, pooling=args.pooling,
+        task=args.task, pooling=args.pooling, guide_compile_threads=args.guide_compile_threads,
+        guide_compile_timeout_s=args.guide_compile_timeout_s,
     )  # fmt: skip
 
 

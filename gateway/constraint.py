@@ -1,10 +1,13 @@
 """The one constraint a request puts on its whole answer, from whichever field asked for it.
 
-Four request fields constrain the answer with a guide (protocol/structured.py): OpenAI's
-`response_format` (json_object / json_schema), vLLM's extras `guided_regex`, `guided_choice` and
-`structured_outputs` (`json`, `regex`, `choice` or `json_object`), and a forced `tool_choice`
-(`required` or a named function, whose guide gateway/tools/plan.py builds per model). Each
-constrains the whole answer, so a request may use at most one: two are a 400 naming both.
+These request fields constrain the answer with a guide (protocol/structured.py): OpenAI's
+`response_format` (json_object / json_schema), vLLM's extras `guided_json`, `guided_regex`,
+`guided_choice` and `structured_outputs` (`json`, `regex`, `choice` or `json_object`), and a
+forced `tool_choice` (`required` or a named function, whose guide gateway/tools/plan.py builds
+per model). Each constrains the whole answer, so a request may use at most one: two are a 400
+naming both. vLLM's older `guided_grammar` and `guided_whitespace_pattern` are refused by name
+(a 400 saying what to send instead), never ignored; `guided_decoding_backend` (vLLM's
+per-request choice of grammar engine) is taken and changes nothing: duet has one engine.
 
 vLLM's extras become the same `Guide` that `response_format` does, checked by the same grammar
 engine call before any node work — serve.run awaits it off the event loop, bounded in time
@@ -36,8 +39,18 @@ from protocol.guide_check import (
 from protocol.openai import APIError
 from protocol.structured import Guide, GuideKind, ResponseFormat, StructuredOutputs
 
-#: vLLM's structured-output request fields duet serves (on both endpoints)
-VLLM_FIELDS = ("guided_regex", "guided_choice", "structured_outputs")
+#: vLLM's request fields that constrain the answer (each becomes a guide)
+_GUIDED = ("guided_json", "guided_regex", "guided_choice", "structured_outputs")
+#: vLLM's older request fields duet does not serve: refused by name (400), never ignored
+_REFUSED_FIELDS = {
+    "guided_grammar": "duet serves JSON schemas, regular expressions and choices, not grammars: send guided_json, "
+                      "guided_regex or guided_choice (or structured_outputs with json, regex or choice); a grammar "
+                      "that is regular can be sent as guided_regex",
+    "guided_whitespace_pattern": "duet's JSON output is always compact (no whitespace between tokens)",
+}  # fmt: skip
+#: vLLM's structured-output request fields the gateway takes (on both endpoints): the guided
+#: ones, the refused ones (so that their 400 says why) and the inert guided_decoding_backend
+VLLM_FIELDS = (*_GUIDED, *_REFUSED_FIELDS, "guided_decoding_backend")
 #: structured_outputs fields that choose the constraint: exactly one must be set
 _KINDS = ("json", "regex", "choice", "json_object")
 #: vLLM's structured_outputs fields duet does not serve (refused when set, never ignored)
@@ -48,9 +61,16 @@ _FORCED_TOOL = "tool_choice"
 class VllmFields(msgspec.Struct, kw_only=True):
     """vLLM's extras as the client sent them (None: not sent)."""
 
+    #: a JSON schema, inline or as its JSON text (as structured_outputs.json)
+    guided_json: dict[str, Any] | bool | str | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     structured_outputs: StructuredOutputs | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    #: vLLM's per-request grammar engine ("xgrammar", "guidance", ...): type-checked, then
+    #: ignored — duet compiles every guide with llguidance, so no choice is left to make
+    guided_decoding_backend: str | None = None
 
 
 @dataclass(frozen=True)
@@ -73,10 +93,12 @@ def constraint(data: dict[str, Any], rf: ResponseFormat | None, forced_tool: boo
     `response_format` and whether its tool_choice is forced; 400 for two constraints, or one
     malformed before any grammar work (the grammar engine's check is serve.run's, async)."""
     vllm = _vllm_fields(data)
-    sources = [name for name, used in (
-        ("response_format", rf is not None and rf.type != "text"),
-        ("guided_regex", vllm.guided_regex is not None), ("guided_choice", vllm.guided_choice is not None),
-        ("structured_outputs", vllm.structured_outputs is not None), (_FORCED_TOOL, forced_tool)) if used]  # fmt: skip
+    for name, why in _REFUSED_FIELDS.items():
+        if getattr(vllm, name) is not None:
+            raise APIError(400, f"{name} is not supported: {why}", param=name)
+    sources = [name for name, used in (("response_format", rf is not None and rf.type != "text"),
+                                       *((f, getattr(vllm, f) is not None) for f in _GUIDED),
+                                       (_FORCED_TOOL, forced_tool)) if used]  # fmt: skip
     if len(sources) > 1:
         raise APIError(400, f"{described(sources[0])} and {described(sources[1])} cannot be combined: each constrains "
                             "the whole answer (send one)", param=sources[1])  # fmt: skip
@@ -120,6 +142,8 @@ def _response_format(rf: ResponseFormat | None) -> Guide | None:
 def _normalized(vllm: VllmFields, field: str) -> tuple[StructuredOutputs, str]:
     """vLLM's field as `structured_outputs` with exactly one constraint set, and the param an
     error about it names."""
+    if field == "guided_json":
+        return StructuredOutputs(json=_schema(vllm.guided_json, field)), field
     if field == "guided_regex":
         return StructuredOutputs(regex=vllm.guided_regex), field
     if field == "guided_choice":
@@ -144,7 +168,8 @@ def _normalized(vllm: VllmFields, field: str) -> tuple[StructuredOutputs, str]:
 
 
 def _schema(value: Any, param: str) -> dict[str, Any] | bool:
-    """structured_outputs.json: a schema inline or as its JSON text (vLLM takes both)."""
+    """structured_outputs.json or guided_json: a schema inline or as its JSON text (vLLM takes
+    both)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)

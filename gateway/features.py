@@ -4,7 +4,7 @@
 vLLM's structured-output extras, penalties, logit_bias); `model_features(config)` those a model
 serves — by default every one for a self-hosted model (duet's native engine constrains,
 penalizes and biases), every one but vLLM's extras for an OpenAI-compatible provider (it takes
-OpenAI's fields unchanged; `guided_regex` / `guided_choice` / `structured_outputs` are no
+OpenAI's fields unchanged; `guided_json` / `guided_regex` / `guided_choice` / `structured_outputs` are no
 OpenAI fields, and OpenAI itself refuses them), or what its `[models.X] features = [...]` lists
 (a vLLM-engine model, a provider that cannot, an OpenAI-compatible vLLM server that can).
 Routing (fallback chains, `model: "auto"`) skips a model that lacks one of the request's
@@ -33,7 +33,7 @@ class Feature(enum.StrEnum):
     TOOLS = "tools"
     #: `response_format` json_object / json_schema
     STRUCTURED_OUTPUTS = "structured_outputs"
-    #: vLLM's guided_regex, guided_choice, structured_outputs (gateway/constraint.py)
+    #: vLLM's guided_json, guided_regex, guided_choice, structured_outputs (gateway/constraint.py)
     VLLM_STRUCTURED_OUTPUTS = "vllm_structured_outputs"
     #: frequency_penalty, presence_penalty, repetition_penalty, min_p
     PENALTIES = "penalties"

@@ -3,9 +3,9 @@
 One per `kind = "external"` model, wrapping its `Provider` (gateway/providers/). An `Attempt`
 of a `Request` becomes a chat request (the client's messages — tool calls and tool results
 included —, max_tokens, the sampling fields, penalties and logit_bias, tools, tool_choice,
-parallel_tool_calls and response_format, as the client sent them; vLLM's guided_regex /
-guided_choice / structured_outputs as vLLM's `structured_outputs`, for a model whose features
-list them: gateway/features.py); the provider passes them on (OpenAI-compatible) or translates
+parallel_tool_calls and response_format, as the client sent them; vLLM's guided_json /
+guided_regex / guided_choice / structured_outputs as vLLM's `structured_outputs`, for a model
+whose features list them: gateway/features.py); the provider passes them on (OpenAI-compatible) or translates
 them (Anthropic: tools and tool results both ways; response_format, structured_outputs and
 logit_bias are refused with a 400 naming them). A streaming job is relayed
 chunk by chunk, a whole one is one call; the provider's tool calls come back as the pieces'

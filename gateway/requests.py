@@ -5,7 +5,7 @@ gateway does not support (images, audio, …) is a 400 that names it — unless 
 carries its neutral value (`null`, `false`, `0`, `[]`, `{}`), which changes nothing. Types
 come from msgspec; meaning (ranges, n ≤ 8, stop ≤ 4 strings, user ≤ 256 characters,
 penalties, logit_bias, tools: gateway/tools/spec.py; the one constraint of response_format,
-vLLM's guided_regex / guided_choice / structured_outputs or a forced tool_choice:
+vLLM's guided_json / guided_regex / guided_choice / structured_outputs or a forced tool_choice:
 gateway/constraint.py) is checked here with OpenAI's wording, before any node work.
 """
 
@@ -96,7 +96,7 @@ class Request:
     user: str | None
     #: as the client sent it (None or type "text": unconstrained)
     response_format: ResponseFormat | None = None
-    #: the constraint response_format or vLLM's guided_regex / guided_choice /
+    #: the constraint response_format or vLLM's guided_json / guided_regex / guided_choice /
     #: structured_outputs ask for, checked by the grammar engine in serve.run (a forced
     #: tool_choice's is built per model: gateway/tools/plan.py, checked in measure.py)
     guide: Guide | None = None

@@ -6,7 +6,8 @@ carries (node.legs: `do_remote_decode` → prefill leg, `do_remote_prefill` → 
 
 Nothing here trusts the body: every field is type-checked (msgspec: no bool for an int, no
 unknown kv_transfer_params shapes), range-checked (SamplingParams, the context length), and
-string prompts are tokenized off the event loop.
+string prompts are tokenized and guides grammar-checked (state.guides: protocol/guide_compile.py)
+off the event loop.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from node.legs import PREFILL_TRIGGER, LegContext, Prepared, leg_trigger, prefil
 from node.request_body import decode_request
 from node.request_log import REQUEST_ID
 from node.state import NodeState
-from protocol.guide_check import check_guide
 from protocol.node_api import NodeCompletionRequest
 from protocol.openai import APIError
 from protocol.sampling import Priority, SamplingParams
@@ -113,7 +113,9 @@ async def prepare_body(state: NodeState, body: NodeCompletionRequest, arrival: f
     else:
         ids = list(prompt)
     check_resume(body, len(ids))
-    check_guide(body.guide, param="guide")  # the engine's words, before any engine work (cached)
+    # the engine's words, before any engine work: off the event loop (a guide the size bounds
+    # admit compiles for up to about a second, which would stall every stream of this node)
+    await state.guides.check(body.guide, param="guide")
     params = sampling_params(body)
     if len(ids) + params.max_tokens > engine.max_model_len:
         raise APIError(400, f"this model's maximum context length is {engine.max_model_len} tokens, "

@@ -7,6 +7,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.guide_compile import THREADS as GUIDE_THREADS
+from protocol.guide_compile import TIMEOUT_S as GUIDE_TIMEOUT_S
 from protocol.plane import PlaneSecurity
 from protocol.read_deadlines import ReadDeadlines
 
@@ -78,6 +80,11 @@ class NodeConfig:
     task: str = "generate"
     #: embed nodes: how a prompt's final hidden states become one vector ("last" or "mean")
     pooling: str = "last"
+    #: a guide's grammar check (protocol/guide_compile.py) runs off the event loop on this many
+    #: threads, and one compiling longer than this is a 400 guide_too_complex — the gateway's
+    #: `[server] guide_compile_threads` / `guide_compile_timeout_s`, with its defaults
+    guide_compile_threads: int = GUIDE_THREADS
+    guide_compile_timeout_s: float = GUIDE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -93,6 +100,10 @@ class NodeConfig:
         if self.lease_seconds <= 0 or self.transfer_timeout <= 0 or self.reserve_timeout <= 0:
             raise ValueError("lease, transfer and reserve timeouts must be positive")
         parse_networks(self.allowed_peers)
+        if not 0 < self.guide_compile_timeout_s <= 600:
+            raise ValueError(f"guide compile timeout must be in (0, 600] seconds, got {self.guide_compile_timeout_s}")
+        if not 1 <= self.guide_compile_threads <= 64:
+            raise ValueError(f"guide compile threads must be in [1, 64], got {self.guide_compile_threads}")
 
     def peer_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
         """The networks a decode leg may contact (`--allowed-peers`)."""

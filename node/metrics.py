@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from protocol.guide_compile import Verdict
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                     5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
@@ -81,7 +83,19 @@ class NodeMetrics:
         self.registry.register(_EngineCollector(stats, self.labels))
         self._rejected = Counter("duet:num_requests_rejected", "Requests refused before running, by reason",
                                  [*names, "reason"], registry=self.registry)  # fmt: skip
+        # the grammar checks of request guides (protocol/guide_compile.py), as the gateway counts
+        # them: one compile per distinct guide (a resent one is answered from the cache)
+        self._guide_compiles = Counter("duet:guide_compiles", "Grammar compiles of request guides, by verdict",
+                                       [*names, "verdict"], registry=self.registry)  # fmt: skip
+        self._guide_compiling = Gauge("duet:guide_compiles_running", "Grammar compiles running on their threads",
+                                      names, registry=self.registry).labels(**self.labels)  # fmt: skip
 
     def rejected(self, reason: str) -> None:
         """Count a refused request (queue_full, draining, engine_dead, body_too_large, ...)."""
         self._rejected.labels(**self.labels, reason=reason).inc()
+
+    def guide_compiled(self, verdict: Verdict) -> None:
+        self._guide_compiles.labels(**self.labels, verdict=verdict.value).inc()
+
+    def guides_compiling(self, n: int) -> None:
+        self._guide_compiling.set(n)

@@ -26,6 +26,7 @@ from node.engines import make_engine
 from node.legs import Roles
 from node.metrics import NodeMetrics
 from node.state import NodeState
+from protocol.guide_compile import GuideChecker
 from protocol.read_deadlines import DeadlineAppRunner
 
 log = logging.getLogger("duet.node")
@@ -63,8 +64,11 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
         reg(roles)
     from protocol.tracing import from_env, setup
 
+    guides = GuideChecker(cfg.guide_compile_timeout_s, cfg.guide_compile_threads, on_compile=metrics.guide_compiled,
+                          running=metrics.guides_compiling)  # fmt: skip
     return NodeState(config=cfg, engine=engine, metrics=metrics, node_id=node_id, engine_id=engine_id,
-                     transport=transport, roles=roles, tracing=setup(f"duet-{cfg.role}", from_env()))  # fmt: skip
+                     transport=transport, roles=roles, tracing=setup(f"duet-{cfg.role}", from_env()),
+                     guides=guides)  # fmt: skip
 
 
 #: A gateway opens up to `[routing] max_connections_per_node` (1024) connections to a node at
@@ -98,6 +102,7 @@ async def serve(state: NodeState) -> int:
             log.info("grace period over: aborting %s", erid)
             await state.engine.abort(erid)
     await runner.cleanup()
+    state.guides.close()
     await asyncio.to_thread(state.tracing.shutdown)  # flushes the spans still queued for export
     log.info("stopped (exit code %d)", state.exit_code)
     return state.exit_code

@@ -18,6 +18,7 @@ from node.config import NodeConfig
 from node.engine_api import NodeEngine
 from node.legs import Membership, Roles, RoleStates
 from node.metrics import NodeMetrics
+from protocol.guide_compile import GuideChecker
 from protocol.tracing import Tracing
 
 if TYPE_CHECKING:
@@ -56,6 +57,9 @@ class NodeState:
     started_at: float = field(default_factory=time.time)
     #: OpenTelemetry (off: every span site is a no-op)
     tracing: Tracing = field(default_factory=Tracing.off)
+    #: checks request guides' grammars off the event loop, bounded in threads and time
+    #: (build_state sizes it from the config and counts its compiles in `metrics`)
+    guides: GuideChecker = field(default_factory=GuideChecker)
 
     def enter(self, engine_request_id: str) -> None:
         self.inflight += 1

@@ -4,11 +4,13 @@ The gateway calls `guide_from_response_format` (or `choice_guide`, for vLLM's ch
 gateway/constraint.py) and checks the guide before any node work, so an invalid or unsupported
 schema, regex or list of choices is a 400 naming what is wrong and the field it came from. It
 runs `grammar_error_uncached` off its event loop, bounded in threads and time, with its own
-cache (protocol/guide_compile.py: a pathological schema compiles for seconds); a node calls
-`check_guide`, which caches in `_grammar_error`. The check compiles the guide's grammar with llguidance — the same engine, through the same
-`guide_grammar`, that the nodes' engine masks logits with (engine/guided.py) — only without a
-tokenizer, so a guide the gateway passes is one every node accepts (protocol/structured.py's
-invariant). llguidance imports no torch (xgrammar does), which is what lets the gateway run it.
+cache (protocol/guide_compile.py: a pathological schema compiles for seconds), and so does a
+node for every leg's guide; `check_guide` is the synchronous form, cached in `_grammar_error`,
+for code with no event loop to keep serving. The check compiles the guide's grammar with
+llguidance — the same engine, through the same `guide_grammar`, that the nodes' engine masks
+logits with (engine/guided.py) — only without a tokenizer, so a guide the gateway passes is one
+every node accepts (protocol/structured.py's invariant). llguidance imports no torch (xgrammar
+does), which is what lets the gateway run it.
 
 Canonical specs: a schema is its compact JSON (no spaces) with keys in the client's order — not
 sorted, because property order is the order the output is generated in (see canonical_schema);

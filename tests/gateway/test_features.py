@@ -32,6 +32,8 @@ def _chat(**extra: Any) -> bytes:
     ({"guided_choice": ["a", "b"]}, {Feature.VLLM_STRUCTURED_OUTPUTS}),
     ({"guided_regex": "[0-9]+", "presence_penalty": 1}, {Feature.VLLM_STRUCTURED_OUTPUTS, Feature.PENALTIES}),
     ({"structured_outputs": {"json": {"type": "object"}}}, {Feature.VLLM_STRUCTURED_OUTPUTS}),
+    ({"guided_json": {"type": "object"}}, {Feature.VLLM_STRUCTURED_OUTPUTS}),
+    ({"guided_decoding_backend": "xgrammar"}, set()),  # inert: no constraint, no feature
     ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]}, {Feature.TOOLS}),

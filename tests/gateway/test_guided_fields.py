@@ -1,9 +1,11 @@
 """vLLM's structured-output extras on the public API, end to end: the official openai client
 (`extra_body`, sync and streamed) → a real gateway → real SmolLM2 prefill and decode nodes over
-the real transport. `guided_choice` / `guided_regex` and `structured_outputs` (`choice`, `regex`,
-`json`) become the same guide `response_format` does (gateway/constraint.py), so the prefill
-node masks the first token and the decode node the rest; a bad one is a 400 naming its field
-before any node work. max_tokens stays small."""
+the real transport. `guided_choice` / `guided_regex` / `guided_json` and `structured_outputs`
+(`choice`, `regex`, `json`) become the same guide `response_format` does
+(gateway/constraint.py), so the prefill node masks the first token and the decode node the rest;
+a bad one is a 400 naming its field before any node work, and so are vLLM's older
+`guided_grammar` and `guided_whitespace_pattern`, whose 400 says what to send instead;
+`guided_decoding_backend` is taken and changes nothing. max_tokens stays small."""
 
 from __future__ import annotations
 
@@ -120,6 +122,37 @@ async def test_structured_outputs_json_gives_schema_valid_json(env: Env) -> None
     jsonschema.validate(json.loads(text), PERSON)
 
 
+async def test_guided_json_gives_schema_valid_json(env: Env) -> None:
+    """vLLM's older guided_json (LangChain's VLLMOpenAI, older vLLM examples): the schema inline
+    or as its JSON text, with or without vLLM's inert guided_decoding_backend."""
+    client = _client(env)
+    ask = [{"role": "user", "content": "Describe a person as JSON."}]
+    inline, as_text, streamed = await asyncio.gather(
+        client.chat.completions.create(model=MODEL, messages=ask, max_tokens=40, temperature=0,
+                                       extra_body={"guided_json": PERSON}),
+        client.completions.create(model=MODEL, prompt="A person as JSON:", max_tokens=40, temperature=0,
+                                  extra_body={"guided_json": json.dumps(PERSON),
+                                              "guided_decoding_backend": "xgrammar"}),
+        _chat_streamed(client, messages=ask, max_tokens=40, temperature=1.0, seed=5,
+                       extra_body={"guided_json": PERSON, "guided_decoding_backend": "guidance"}))  # fmt: skip
+    assert inline.choices[0].finish_reason == "stop", inline.choices[0]
+    jsonschema.validate(json.loads(inline.choices[0].message.content), PERSON)
+    assert as_text.choices[0].finish_reason == "stop", as_text.choices[0]
+    jsonschema.validate(json.loads(as_text.choices[0].text), PERSON)
+    text, finish = streamed
+    assert finish == "stop", text
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+async def test_guided_decoding_backend_alone_changes_nothing(env: Env) -> None:
+    client = _client(env)
+    plain, with_backend = await asyncio.gather(
+        client.completions.create(model=MODEL, prompt="The sky is", max_tokens=6, temperature=0),
+        client.completions.create(model=MODEL, prompt="The sky is", max_tokens=6, temperature=0,
+                                  extra_body={"guided_decoding_backend": "outlines"}))  # fmt: skip
+    assert with_backend.choices[0].text == plain.choices[0].text
+
+
 TOOL = {
     "type": "function",
     "function": {"name": "f", "parameters": {"type": "object", "properties": {}}},
@@ -142,6 +175,21 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     ({"structured_outputs": {"regex": "a"}, "tools": [TOOL], "tool_choice": "required"}, "tool_choice",
      "structured_outputs and a forced tool_choice"),
     ({"guided_choice": ["a"], "min_tokens": 2}, "min_tokens", "cannot be combined with guided_choice"),
+    # vLLM's older guided_json: the same checks as structured_outputs.json, and one constraint
+    ({"guided_json": {"type": "frobnicate"}}, "guided_json", "Invalid type"),
+    ({"guided_json": "{not json"}, "guided_json", "guided_json is a string but not JSON"),
+    ({"guided_json": 7}, "guided_json", "Expected `bool | str | object | null`"),
+    ({"guided_json": PERSON, "structured_outputs": {"regex": "a"}}, "structured_outputs",
+     "guided_json and structured_outputs cannot be combined"),
+    ({"guided_json": PERSON, "response_format": {"type": "json_object"}}, "guided_json",
+     "response_format and guided_json cannot be combined"),
+    ({"guided_json": PERSON, "tools": [TOOL], "tool_choice": "required"}, "tool_choice",
+     "guided_json and a forced tool_choice"),
+    # vLLM's older fields duet does not serve: refused by name, saying what to send instead
+    ({"guided_grammar": "root ::= 'a'"}, "guided_grammar", "send guided_json, guided_regex or guided_choice"),
+    ({"guided_grammar": "root ::= 'a'", "guided_json": PERSON}, "guided_grammar", "not grammars"),
+    ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", "always compact"),
+    ({"guided_decoding_backend": 3}, "guided_decoding_backend", "Expected `str | null`"),
 ]  # fmt: skip
 
 

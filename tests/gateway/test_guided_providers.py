@@ -1,5 +1,5 @@
 """vLLM's structured-output extras and external models, with the official openai client against
-a real gateway process: `guided_regex` / `guided_choice` / `structured_outputs` are no OpenAI
+a real gateway process: `guided_json` / `guided_regex` / `guided_choice` / `structured_outputs` are no OpenAI
 fields, so an external model serves them only when its config lists the feature
 `vllm_structured_outputs` (an OpenAI-compatible vLLM server), which is then sent vLLM's
 `structured_outputs`; any other external model named outright is a 400 naming the field, and
@@ -67,6 +67,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     ({"guided_regex": "[0-9]+"}, {"regex": "[0-9]+"}),
     ({"structured_outputs": {"json": '{"type": "integer"}', "disable_any_whitespace": True}},
      {"json": {"type": "integer"}}),
+    # vLLM's older guided_json, rewritten; guided_decoding_backend is inert, so not sent on
+    ({"guided_json": {"type": "integer"}, "guided_decoding_backend": "xgrammar"}, {"json": {"type": "integer"}}),
 ])  # fmt: skip
 def test_a_vllm_provider_gets_structured_outputs(
     env: Env, extra: dict[str, Any], sent: dict[str, Any]
@@ -77,13 +79,14 @@ def test_a_vllm_provider_gets_structured_outputs(
     assert r.choices[0].message.content == "echo: Is the sky blue?"
     body = env.fakes["vllm"].requests[-1]
     assert body["structured_outputs"] == sent  # vLLM's newest form, one field set
-    assert not {"guided_choice", "guided_regex"} & set(body)
+    assert not {"guided_choice", "guided_regex", "guided_json", "guided_decoding_backend"} & set(body)
 
 
 @pytest.mark.parametrize(("model", "extra", "param"), [
     ("gpt", {"guided_choice": ["yes", "no"]}, "guided_choice"),
     ("gpt", {"structured_outputs": {"regex": "a+"}}, "structured_outputs"),
     ("claude", {"guided_regex": "a+"}, "guided_regex"),
+    ("gpt", {"guided_json": {"type": "integer"}}, "guided_json"),
 ])  # fmt: skip
 def test_other_external_models_refuse_them_by_name(
     env: Env, model: str, extra: dict[str, Any], param: str
