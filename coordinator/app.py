@@ -5,7 +5,10 @@
 - `GET /cluster`: nodes, status, load, pending decisions, index size, leader.
 - `GET /planner`: the autoscaler's recent decisions (protocol/planner.py); 404 `planner_off`
   on a replica without `--planner`.
-- `POST /nodes/{node_id}/drain`: mark a node draining in etcd (any replica may do it).
+- `POST /nodes/{node_id}/drain`: mark a node draining in etcd (any replica may do it);
+  `DELETE /nodes/{node_id}/drain` undoes it through the node (coordinator/drain.py): the node's
+  own answer — 200 UndrainStatus, 409 `node_stopping`, 503 — or 404 `node_not_found`, 502
+  `node_unreachable`.
 - `GET /health`, `GET /metrics`.
 
 Errors are OpenAI-shaped (the shared error middleware, protocol/http_errors.py; a 503 says when
@@ -21,11 +24,12 @@ import logging
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 
+import aiohttp
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from coordinator.drain import NodeNotFound, drain_node
+from coordinator.drain import NodeNotFound, drain_node, undrain_node
 from coordinator.service import Coordinator, CoordinatorConfig
 from coordinator.store import Store, StoreError
 from protocol.http_errors import error_middleware
@@ -101,6 +105,31 @@ async def _drain(request: web.Request) -> web.Response:
     return _json({"node_id": info.node_id, "status": info.status})
 
 
+async def _undrain(request: web.Request) -> web.Response:
+    node_id = request.match_info["node_id"]
+    if not _NODE_ID.match(node_id):
+        raise APIError(400, f"invalid node id {node_id[:60]!r}", param="node_id")
+    c = request.app[COORDINATOR]
+    if c.session is None:
+        raise APIError(503, "this coordinator replica is starting", type_="service_unavailable", retry_after_s=1)
+    try:
+        status, body, info = await undrain_node(c.store, c.config.cluster, node_id, c.session)
+    except NodeNotFound:
+        raise APIError(404, f"no node {node_id!r} is registered in cluster {c.config.cluster!r}",
+                       param="node_id", code="node_not_found") from None  # fmt: skip
+    except StoreError as e:
+        raise APIError(503, f"cannot reach etcd to find {node_id}: {e}", type_="service_unavailable",
+                       retry_after_s=1) from None  # fmt: skip
+    except (aiohttp.ClientError, TimeoutError) as e:
+        raise APIError(502, f"cannot reach node {node_id} to undo its drain: {type(e).__name__}: {e}",
+                       type_="service_unavailable", code="node_unreachable") from None  # fmt: skip
+    if status not in (200, 409, 503):  # 401: this replica's secret is not the node's
+        raise APIError(502, f"node {node_id} at {info.url} answered {status} to DELETE /drain: {body[:200]!r}",
+                       type_="service_unavailable", code="node_error")  # fmt: skip
+    log.info("undo of %s's drain (requested through %s): node answered %d", node_id, c.replica_id, status)
+    return web.Response(status=status, body=body, content_type="application/json")
+
+
 async def _health(request: web.Request) -> web.Response:
     c = request.app[COORDINATOR]
     return _json({"status": "ok", "replica_id": c.replica_id, "is_leader": c.election.is_leader,
@@ -163,6 +192,7 @@ def _app(coordinator: Coordinator) -> web.Application:
     app.router.add_get("/cluster", _cluster)
     app.router.add_get("/planner", _planner)
     app.router.add_post("/nodes/{node_id}/drain", _drain)
+    app.router.add_delete("/nodes/{node_id}/drain", _undrain)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     return app

@@ -54,8 +54,9 @@ class EtcdStore:
         r = await self._call(self._client.get_prefix(prefix.encode()))
         return [_kv(kv) for kv in r.kvs], r.header.revision
 
-    async def put(self, key: str, value: bytes, lease: int = 0) -> None:
-        await self._call(self._client.put(key.encode(), value, lease=lease or None))
+    async def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        r = await self._call(self._client.put(key.encode(), value, lease=lease or None))
+        return int(r.header.revision)
 
     async def create(self, key: str, value: bytes, lease: int = 0) -> bool:
         t = self._client.transactions
@@ -89,7 +90,8 @@ class EtcdStore:
                 except Exception as e:  # the watcher delivers raw gRPC errors too
                     raise StoreError(f"etcd {self.url}: watch broke: {e!r}") from e
                 kind = "put" if ev.kind == "PUT" else "delete"
-                yield WatchEvent(kind=kind, key=ev.kv.key.decode(), value=ev.kv.value if kind == "put" else b"")
+                yield WatchEvent(kind=kind, key=ev.kv.key.decode(), value=ev.kv.value if kind == "put" else b"",
+                                 mod_revision=int(ev.kv.mod_revision))  # fmt: skip
         finally:
             # A broken watcher cannot be cancelled; it is gone anyway.
             with contextlib.suppress(Exception):

@@ -35,6 +35,8 @@ class WatchEvent:
     key: str
     #: the new value (put); empty for a delete
     value: bytes = b""
+    #: the store revision of this change (0: not known)
+    mod_revision: int = 0
 
 
 class Store(Protocol):
@@ -44,7 +46,9 @@ class Store(Protocol):
         """Every key under `prefix`, and the store revision they were read at."""
         ...
 
-    async def put(self, key: str, value: bytes, lease: int = 0) -> None: ...
+    async def put(self, key: str, value: bytes, lease: int = 0) -> int:
+        """Write `key`; returns the store revision of the write."""
+        ...
 
     async def create(self, key: str, value: bytes, lease: int = 0) -> bool:
         """Put only if `key` does not exist (the election primitive); True if written."""

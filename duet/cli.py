@@ -30,7 +30,8 @@ duet: disaggregated prefill/decode LLM serving.
 Start everything on this machine:   duet up          (then: duet status)
 Fetch the default model:            duet models pull
 Run role-specific processes:        duet prefill | duet decode | duet node --role both
-Run the control plane:              duet coordinator --etcd URL   (drain a node: duet drain NODE_ID)
+Run the control plane:              duet coordinator --etcd URL   (drain a node: duet drain NODE_ID;
+                                    undo it: duet drain --undo NODE_ID)
 Serve the OpenAI API:               duet gateway --config gateway.toml
 Teams, keys and usage:              duet teams | duet keys | duet usage report
 Load-test and measure:              duet bench engine | kvtransfer | pd | serve | profile

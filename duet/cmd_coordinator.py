@@ -1,4 +1,4 @@
-"""`duet coordinator` (a coordinator replica) and `duet drain NODE_ID`."""
+"""`duet coordinator` (a coordinator replica) and `duet drain [--undo] NODE_ID`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,12 @@ import sys
 import time
 
 from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
-from duet.security_args import add_server_arguments, plane_security, read_deadlines
+from duet.security_args import (
+    add_client_arguments,
+    add_server_arguments,
+    plane_security,
+    read_deadlines,
+)
 from protocol.cluster import DEFAULT_CLUSTER, NODE_TTL_S
 
 COORDINATOR_HELP = """\
@@ -16,12 +21,18 @@ Run one coordinator replica: watches the nodes registered in etcd, follows every
 event stream into a global prefix index, and answers POST /route with the prefill/decode pair
 for a request. Run two or more replicas for availability: all of them route, one (elected in
 etcd) is leader for cluster-wide actions. Also serves GET /cluster, GET /metrics, GET /health
-and POST /nodes/{id}/drain.
+and POST|DELETE /nodes/{id}/drain.
 """
 
 DRAIN_HELP = """\
 Mark a node draining: coordinators send it no new requests, it finishes the ones it has and,
 if it runs with --exit-when-drained, deregisters and exits 0.
+
+--undo calls a drain off — one in progress, or a finished one whose process was not stopped:
+the node is routed again and its readiness probe passes. It asks the node itself (its URL from
+etcd, DELETE /drain), so it needs the cluster secret (--cluster-secret-file or
+$DUET_CLUSTER_SECRET_FILE). A node already stopping (SIGTERM, or drained and exiting) refuses:
+exit 1. Exit codes: 0 undone (or the node was not draining), 1 refused or not found, 2 usage.
 """
 
 
@@ -62,8 +73,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--etcd", default="http://127.0.0.1:2379", metavar="URL", help="etcd client URL")
     d.add_argument("--cluster", default=DEFAULT_CLUSTER)
     add_etcd_arguments(d)
+    d.add_argument("--undo", action="store_true",
+                   help="undo the node's drain: it is routed again (refused once it is stopping)")
     d.add_argument("--wait", action="store_true", help="wait until the node has left the cluster")
     d.add_argument("--timeout", type=float, default=600.0, help="with --wait: give up after this many seconds")
+    add_client_arguments(d)
     d.set_defaults(func=_run_drain)
 
 
@@ -98,11 +112,50 @@ def _run_coordinator(args: argparse.Namespace) -> int:
 def _run_drain(args: argparse.Namespace) -> int:
     from duet.cli import UsageError
 
+    if args.undo and args.wait:
+        raise UsageError("--wait is for a drain; --undo answers once the node is routed again")
     try:
         apply_etcd_args(args)
+        if args.undo:
+            return asyncio.run(_undo(args, plane_security(args)))
         return asyncio.run(_drain(args))
     except ValueError as e:
         raise UsageError(str(e)) from None
+
+
+async def _undo(args: argparse.Namespace, security) -> int:  # security: protocol.plane.PlaneSecurity
+    import aiohttp
+    import msgspec
+
+    from coordinator.drain import NodeNotFound, undrain_node
+    from coordinator.etcd_store import EtcdStore
+    from coordinator.store import StoreError
+    from protocol.drain import UndrainOutcome, UndrainStatus
+
+    store = EtcdStore(args.etcd)
+    try:
+        async with security.client_session() as session:
+            status, body, info = await undrain_node(store, args.cluster, args.node_id, session)
+    except NodeNotFound:
+        print(f"duet drain --undo: no node {args.node_id!r} is registered in cluster {args.cluster!r}", file=sys.stderr)
+        return 1
+    except (StoreError, aiohttp.ClientError, TimeoutError) as e:
+        print(f"duet drain --undo: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        await store.close()
+    if status == 200:
+        answer = msgspec.json.decode(body, type=UndrainStatus)
+        done = "undrained: routed again" if answer.outcome == UndrainOutcome.UNDRAINED else "was not draining"
+        print(f"{answer.node_id}: {done} ({answer.role} at {info.url})", flush=True)
+        return 0
+    try:
+        message = msgspec.json.decode(body)["error"]["message"]
+    except (msgspec.DecodeError, KeyError, TypeError):
+        message = body[:300].decode(errors="replace")
+    hint = " (give the cluster secret: --cluster-secret-file)" if status == 401 else ""
+    print(f"duet drain --undo: {args.node_id} at {info.url} answered {status}: {message}{hint}", file=sys.stderr)
+    return 1
 
 
 async def _drain(args: argparse.Namespace) -> int:

@@ -119,7 +119,8 @@ async def _models(request: web.Request) -> web.Response:
 async def _health(request: web.Request) -> web.Response:
     """Liveness by default: 503 once the engine died or SIGTERM's grace period began, but 200
     through a drain asked by `POST /drain` or `duet drain` (a long drain is not a dead node).
-    `?probe=ready` is readiness: 503 from the moment a drain is asked, whoever asked — in
+    `?probe=ready` is readiness: 503 from the moment a drain is asked, whoever asked, until it
+    is undone (`DELETE /drain`) — in
     Kubernetes the drained scale-in victim then ranks as a not-ready pod, like any other
     not-ready pod of its Deployment, so the ReplicaSet's pod-deletion-cost decides between them
     (a Ready victim would outrank a starting pod, and the starting pod would be removed instead)."""
@@ -193,11 +194,12 @@ def make_app(state: NodeState) -> web.Application:
         app.router.add_route(method, path, bind(fn))
     app.router.add_get("/kv/metadata", _kv_metadata)
     app.router.add_post("/abort", _abort)
-    from node.drain import handle_get_drain, handle_post_drain
+    from node.drain import handle_delete_drain, handle_get_drain, handle_post_drain
 
-    # the drain endpoint (planner actuators, a pod's preStop hook)
+    # the drain endpoint (planner actuators, a pod's preStop hook; DELETE: `duet drain --undo`)
     app.router.add_get("/drain", bind(handle_get_drain))
     app.router.add_post("/drain", bind(handle_post_drain))
+    app.router.add_delete("/drain", bind(handle_delete_drain))
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     from node.kv_events import add_kv_event_routes  # /kv/events, /kv/snapshot

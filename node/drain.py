@@ -1,5 +1,7 @@
 """The node's drain endpoint: `POST /drain[?wait=S]` asks for a drain, `GET /drain` reads it
-(protocol/drain.py::DrainStatus). Called by the planner's actuators and a pod's preStop hook.
+(protocol/drain.py::DrainStatus), `DELETE /drain` undoes it (UndrainStatus). Called by the
+planner's actuators, a pod's preStop hook, `duet drain --undo` and the coordinator's
+`DELETE /nodes/{id}/drain`; the cluster secret guards all three (the app's auth middleware).
 
 A drain asked here is the drain `duet drain` writes in etcd: registration (node/registration.py)
 sees `state.drain_requested` on its next tick (≤ 250 ms) and publishes `status: draining`, so
@@ -8,18 +10,29 @@ it is pulled or its lease ends; with `--exit-when-drained` it then deregisters a
 `idle` is the actuators' "safe to stop": the drain is published (in etcd) since at least
 `SETTLE_S` — a route decided just before routers saw it has arrived by then — and nothing is in
 flight nor held.
+
+Undo: a drain in progress or finished (the process not stopped) is called off — with --etcd,
+registration writes `status: active` first (node/registration.py::Registration.undrain), then
+`end_drain` clears it here: routers route to the node again, `GET /health?probe=ready` is 200
+again, and a `POST /drain?wait=` still waiting answers `outcome: cancelled` (its caller must not
+stop the node). A node that is stopping (SIGTERM's grace period, or drained and exiting with
+--exit-when-drained) answers 409 `node_stopping`; etcd unreachable: 503, the drain stays.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import msgspec
 from aiohttp import web
 
-from protocol.drain import DrainStatus
+from coordinator.store import StoreError
+from protocol.drain import DrainOutcome, DrainStatus, UndrainOutcome, UndrainStatus
 from protocol.openai import APIError
+
+log = logging.getLogger("duet.node")
 
 #: the longest a `POST /drain?wait=` may hold its connection (a preStop hook's budget)
 MAX_WAIT_S = 3600.0
@@ -35,11 +48,25 @@ def drain_status(state) -> DrainStatus:  # state: node.state.NodeState
         state.drain_published_at = time.monotonic()  # no routers to tell: published as asked
     published = state.drain_published_at
     settled = published is not None and time.monotonic() - published >= SETTLE_S
+    idle = draining and settled and state.inflight == 0 and held == 0
+    outcome = DrainOutcome.IDLE if idle else DrainOutcome.DRAINING if draining else DrainOutcome.ACTIVE
     return DrainStatus(node_id=state.node_id, role=state.config.role, draining=draining, inflight=state.inflight,
-                       held=held, idle=draining and settled and state.inflight == 0 and held == 0)  # fmt: skip
+                       held=held, idle=idle, outcome=outcome)  # fmt: skip
 
 
-def _answer(status: DrainStatus) -> web.Response:
+def stopping(state) -> bool:
+    """SIGTERM's grace period (or an engine failure) has begun: the process is on its way out."""
+    return state.draining or state.shutdown.is_set()
+
+
+def end_drain(state) -> None:
+    """Call the drain off on the node (registration wrote `status: active` first, with --etcd)."""
+    state.drain_requested = False
+    state.drain_published_at = None
+    state.drain_epoch += 1
+
+
+def _answer(status: msgspec.Struct) -> web.Response:
     return web.Response(body=msgspec.json.encode(status), content_type="application/json")
 
 
@@ -56,9 +83,36 @@ async def handle_post_drain(state, request: web.Request) -> web.Response:
     if not 0 <= wait <= MAX_WAIT_S:
         raise APIError(400, f"wait must be between 0 and {MAX_WAIT_S:g} seconds", param="wait")
     state.drain_requested = True
+    epoch = state.drain_epoch
     deadline = time.monotonic() + wait
     status = drain_status(state)
     while not status.idle and time.monotonic() < deadline:
         await asyncio.sleep(0.25)  # the registration tick; holds end on the engine thread
+        if state.drain_epoch != epoch:  # undone while we waited: this drain is over, not done
+            return _answer(msgspec.structs.replace(drain_status(state), outcome=DrainOutcome.CANCELLED))
         status = drain_status(state)
     return _answer(status)
+
+
+def _node_stopping(state, why: str) -> APIError:
+    return APIError(409, f"node {state.node_id} is stopping ({why}): its drain cannot be undone; start another "
+                         "node instead", code="node_stopping")  # fmt: skip
+
+
+async def handle_delete_drain(state, request: web.Request) -> web.Response:
+    if stopping(state):
+        raise _node_stopping(state, "SIGTERM's grace period")
+    if not state.drain_requested:
+        return _answer(UndrainStatus(node_id=state.node_id, role=state.config.role, outcome=UndrainOutcome.NOT_DRAINING))
+    if state.undrain_registered is None:  # no etcd: no router to tell but the gateway's static list
+        end_drain(state)
+    else:
+        try:
+            undone = await state.undrain_registered()
+        except StoreError as e:
+            raise APIError(503, f"cannot write node {state.node_id}'s status to etcd ({e}); it stays drained",
+                           type_="service_unavailable", code="etcd_unavailable", retry_after_s=1) from None  # fmt: skip
+        if not undone:
+            raise _node_stopping(state, "drained and exiting, or SIGTERM's grace period")
+    log.info("drain undone (DELETE /drain): routed again")
+    return _answer(UndrainStatus(node_id=state.node_id, role=state.config.role, outcome=UndrainOutcome.UNDRAINED))

@@ -13,6 +13,13 @@ waits until no request is in flight and no KV is held for a decode node, deletes
 exits 0 through the same path as SIGTERM. On SIGTERM the node marks itself draining at once
 (so coordinators stop routing to it during the grace period) and deletes its key on exit.
 
+Undrain (`DELETE /drain`, node/drain.py): `undrain` writes `status: active` first and only then
+ends the drain on the node, so a failed write leaves the node drained as etcd says. Every drain
+event written before that write (our own `draining`, a `duet drain`) is superseded by it: the
+watcher skips events at or below the revision of our last write, so a late-delivered one cannot
+drain the node again. Writes (publish, undrain) hold one lock, so they land in the order taken.
+A node that is stopping — SIGTERM's grace period, or drained and exiting — is never undrained.
+
 `DUET_NODE_TTL_S` overrides the lease TTL (seconds) for experiments; operators keep 10.
 """
 
@@ -57,6 +64,8 @@ class DrainHooks:
     on_drain: Callable[[], None] = lambda: None
     #: told once `status: draining` is written in etcd (routers stop from then on)
     on_published: Callable[[], None] = lambda: None
+    #: told when a drain is undone, once `status: active` is written in etcd
+    on_undrain: Callable[[], None] = lambda: None
 
 
 class Registration(LeaseHolder):
@@ -71,8 +80,14 @@ class Registration(LeaseHolder):
         self.drain_asked = drain.requested
         self.drain_started = drain.on_drain
         self.drain_published = drain.on_published
+        self.drain_undone = drain.on_undrain
         self.registered = False
         self.drain_requested = False
+        #: drained with --exit-when-drained: the SIGTERM is sent, nothing may undrain it
+        self.exiting = False
+        #: the etcd revision of our last write: watch events at or below it are superseded
+        self._own_rev = 0
+        self._write_lock = asyncio.Lock()
         self._published = NodeStatus.ACTIVE
         self._outage_since: float | None = None
         self._encoder = msgspec.json.Encoder()
@@ -89,11 +104,33 @@ class Registration(LeaseHolder):
         self._g_registered.set(1 if ok else 0)
 
     async def _publish(self) -> None:
-        self._published = self.status
-        info = msgspec.structs.replace(self.info, status=self._published)
-        await self.store.put(self.key, self._encoder.encode(info), self.lease)
-        if self._published == NodeStatus.DRAINING:
+        async with self._write_lock:
+            await self._write(self.status)
+
+    async def _write(self, status: NodeStatus) -> None:
+        self._published = status
+        info = msgspec.structs.replace(self.info, status=status)
+        self._own_rev = max(self._own_rev, await self.store.put(self.key, self._encoder.encode(info), self.lease))
+        if status == NodeStatus.DRAINING:
             self.drain_published()
+
+    async def undrain(self) -> bool:
+        """Undo a drain: `status: active` in etcd, then `on_undrain`. False, and the drain stays,
+        when the node is stopping; raises StoreError when etcd cannot take the write (the drain
+        stays: etcd still says draining, and a re-registration would keep it)."""
+        async with self._write_lock:
+            if self.exiting or self.shutting_down():
+                return False
+            if not self.registered or not self.lease:
+                raise StoreError(f"{self.key} is not registered in etcd right now (etcd unreachable?)")
+            await self._write(NodeStatus.ACTIVE)
+            if self.exiting or self.shutting_down():  # stopped while we wrote: tick republishes draining
+                return False
+            self.drain_requested = False
+            self._g_draining.set(0)
+            self.drain_undone()
+        log.info("drain undone: routed again (%s written at revision %d)", self.key, self._own_rev)
+        return True
 
     def _on_drain(self, why: str) -> None:
         if not self.drain_requested:
@@ -145,6 +182,8 @@ class Registration(LeaseHolder):
             if ev.kind == "delete":
                 log.warning("registration %s was deleted (lease expired?); registering again", self.key)
                 return
+            if ev.mod_revision and ev.mod_revision <= self._own_rev:
+                continue  # superseded by our own later write (an undrain must not be drained again)
             with contextlib.suppress(msgspec.DecodeError, msgspec.ValidationError):
                 info = msgspec.json.decode(ev.value, type=NodeInfo)
                 ours = info.engine_id == self.info.engine_id
@@ -158,6 +197,7 @@ class Registration(LeaseHolder):
             await self._publish()
         if self._drained():
             log.info("drained: deregistering and exiting")
+            self.exiting = True
             # The signal first: deregistering deletes our key, which ends the watcher task,
             # which cancels this one — a kill sent after the await could be lost, leaving a
             # drained node running (seen in test_drain under load).
@@ -190,6 +230,7 @@ def registration_ctx(state: Any) -> Callable[[web.Application], AsyncIterator[No
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         from coordinator.etcd_store import EtcdStore
+        from node.drain import end_drain
 
         cfg = state.config
         store = EtcdStore(cfg.etcd)
@@ -205,10 +246,12 @@ def registration_ctx(state: Any) -> Callable[[web.Application], AsyncIterator[No
             if state.drain_published_at is None:
                 state.drain_published_at = time.monotonic()
 
-        drain = DrainHooks(is_busy=busy, shutting_down=lambda: state.draining, exit_when_drained=cfg.exit_when_drained,
-                           requested=lambda: state.drain_requested, on_drain=started, on_published=published)  # fmt: skip
+        drain = DrainHooks(is_busy=busy, shutting_down=lambda: state.draining or state.shutdown.is_set(),
+                           exit_when_drained=cfg.exit_when_drained, requested=lambda: state.drain_requested,
+                           on_drain=started, on_published=published, on_undrain=lambda: end_drain(state))  # fmt: skip
         state.drain_via_etcd = True
         reg = Registration(store, node_info(state, cfg.pool), cfg.cluster, ttl, drain, registry=state.metrics.registry)
+        state.undrain_registered = reg.undrain
         task = asyncio.create_task(reg.run(), name="etcd-registration")
         yield
         task.cancel()

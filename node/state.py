@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,12 @@ class NodeState:
     #: False (no --etcd) the drain counts as published when it is asked
     drain_published_at: float | None = None
     drain_via_etcd: bool = False
+    #: one more each time a drain is undone (`DELETE /drain`): a `POST /drain?wait=` waiter
+    #: that sees it change knows its drain was called off
+    drain_epoch: int = 0
+    #: with --etcd, registration's undo (node/registration.py::Registration.undrain): writes
+    #: `status: active` and then ends the drain here; False when the node is exiting
+    undrain_registered: Callable[[], Awaitable[bool]] | None = None
     inflight: int = 0
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     shutdown: asyncio.Event = field(default_factory=asyncio.Event)

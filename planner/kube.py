@@ -17,7 +17,12 @@ fails from the moment it is drained), where its deletion cost puts it first.
 
 Invariants: the replica count never drops before the victim was drained (or its drain deadline
 passed: its streams then migrate when the pod's SIGTERM grace period ends them); a refused patch
-is `Outcome.REFUSED` with the API server's message, never an exception. Node ids are pod names
+is `Outcome.REFUSED` with the API server's message, never an exception. A scale-in that fails
+after the drain (the victim still reads Ready past `ready_wait_s` while another pod is not
+Ready, the patch refused) undoes it before it reports: the victim's `DELETE /drain` (it is
+routed again, its readiness passes) and its deletion cost taken off — a drained pod left in
+the Deployment would serve nothing until it went away. A drain undone by someone else while it
+ran (`duet drain --undo`) is `Outcome.REFUSED`: the victim serves again and nothing is patched. Node ids are pod names
 (deploy/ sets `--node-id $(POD_NAME)`); nodes in Kubernetes run without `--exit-when-drained`
 (a Deployment would restart a container that exits).
 
@@ -33,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from planner.actuator import ActResult, Outcome, Victim
-from planner.drain import Drainer, DrainError
+from planner.drain import DrainEnd, Drainer, DrainError
 from planner.pools import PoolKey
 
 log = logging.getLogger("duet.planner")
@@ -127,9 +132,22 @@ class KubernetesActuator:
                                         _content_type=MERGE_PATCH)  # fmt: skip
         return int(scale.spec.replicas or 0)
 
-    async def _mark_victim(self, pod: str) -> None:
-        body = {"metadata": {"annotations": {DELETION_COST: "-2147483647"}}}
+    async def _mark_victim(self, pod: str, mark: bool = True) -> None:
+        """Put the victim first in the ReplicaSet's ranking (`mark`), or take that off (a merge
+        patch's null deletes the annotation)."""
+        body = {"metadata": {"annotations": {DELETION_COST: "-2147483647" if mark else None}}}
         await asyncio.to_thread(self.core.patch_namespaced_pod, pod, self.namespace, body, _content_type=MERGE_PATCH)
+
+    async def _undo(self, victim: Victim, marked: bool) -> str:
+        """The scale-in failed after the drain: the victim serves again (and is no longer ranked
+        first for removal). What happened, for the detail."""
+        said = await self.drainer.undo_after_failure(victim.url, victim.node_id)
+        if marked:
+            try:
+                await self._mark_victim(victim.node_id, mark=False)
+            except Exception as e:
+                said += f"; its {DELETION_COST} stays ({type(e).__name__}: {e})"
+        return said
 
     @staticmethod
     def _refusal(e: Exception, what: str) -> ActResult:
@@ -178,22 +196,28 @@ class KubernetesActuator:
         except Exception as e:
             return self._refusal(e, f"scale {self.namespace}/{name} to {to}")
         try:
-            drained = await self.drainer.drain(victim.url)
-        except (DrainError, OSError, TimeoutError) as e:
-            return ActResult(Outcome.FAILED, f"drain of {victim.node_id} failed, left running: {e}")
+            end = await self.drainer.drain(victim.url)
+        except (DrainError, OSError, TimeoutError) as e:  # a drain asked, then its poll failed: undo it
+            undone = await self._undo(victim, marked=False)
+            return ActResult(Outcome.FAILED, f"drain of {victim.node_id} failed, left running: {e}; {undone}")
+        if end == DrainEnd.CANCELLED:
+            return ActResult(Outcome.REFUSED, f"the drain of {victim.node_id} was undone while it ran "
+                                              "(duet drain --undo): it serves again; not scaled in")  # fmt: skip
+        drained, marked = end.drained, False
         try:
             await self._mark_victim(victim.node_id)
+            marked = True
             unready = [p.name for p in others if not p.ready]
             if unready and not await self._not_ready(victim.node_id):
+                undone = await self._undo(victim, marked)
                 detail = (f"{victim.node_id} still reads Ready {self.ready_wait_s:g}s after its drain, and the "
-                          f"ReplicaSet would remove not-ready {unready[0]} before it: not scaled in "
-                          "(the node stays drained: no routes)")  # fmt: skip
+                          f"ReplicaSet would remove not-ready {unready[0]} before it: not scaled in; {undone}")  # fmt: skip
                 log.warning("kubernetes actuator: %s", detail)
                 return ActResult(Outcome.FAILED, detail, drained=drained)
             got = await self._patch(name, to)
         except Exception as e:
             r = self._refusal(e, f"scale {self.namespace}/{name} to {to} after draining {victim.node_id}")
-            return ActResult(r.outcome, r.detail + " (the node stays drained: no routes)", drained=drained)
+            return ActResult(r.outcome, f"{r.detail}; {await self._undo(victim, marked)}", drained=drained)
         log.info("kubernetes: %s/%s scaled to %d replicas; removed %s (%s)", self.namespace, name, got,
                  victim.node_id, "drained" if drained else "drain deadline passed: its streams migrate")  # fmt: skip
         return ActResult(Outcome.DONE, f"{name} → {got}", replicas=got, drained=drained)

@@ -11,7 +11,9 @@ The two speak over `duet up`'s control endpoint on loopback (duet/up_autoscale.p
 scale_in asks with a dry run first (so a node is never drained that could then not be removed:
 duet up still starting, the last node), then drains (planner/drain.py) — only an idle node (or
 one past the drain deadline) is stopped. 503 (duet up starting or busy) is a failure the
-planner retries after its cool-down.
+planner retries after its cool-down. A stop refused or failed after the drain undoes it (the
+node's `DELETE /drain`): the node serves again rather than sit drained under supervision; a
+drain undone by someone else while it ran (`duet drain --undo`) is REFUSED, nothing stopped.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import aiohttp
 import msgspec
 
 from planner.actuator import ActResult, Outcome, Victim
-from planner.drain import Drainer, DrainError
+from planner.drain import DrainEnd, Drainer, DrainError
 from planner.pools import PoolKey
 
 
@@ -89,15 +91,24 @@ class LocalActuator:
         if status != 200:
             return self._error(status, raw, f"stop {victim.node_id} (asked before draining it)")
         try:
-            drained = await self.drainer.drain(victim.url)
-        except (DrainError, aiohttp.ClientError, TimeoutError) as e:
-            return ActResult(Outcome.FAILED, f"drain of {victim.node_id} failed, left running: {e}")
+            end = await self.drainer.drain(victim.url)
+        except (DrainError, aiohttp.ClientError, TimeoutError) as e:  # a drain asked, then its poll failed
+            undone = await self.drainer.undo_after_failure(victim.url, victim.node_id)
+            return ActResult(Outcome.FAILED, f"drain of {victim.node_id} failed, left running: {e}; {undone}")
+        if end == DrainEnd.CANCELLED:
+            return ActResult(Outcome.REFUSED, f"the drain of {victim.node_id} was undone while it ran "
+                                              "(duet drain --undo): it serves again; not stopped")  # fmt: skip
+        drained = end.drained
         try:
             status, raw = await self._post(f"/nodes/{victim.node_id}/stop", {}, 120)
         except (aiohttp.ClientError, TimeoutError) as e:
-            return ActResult(Outcome.FAILED, f"duet up's control endpoint: {type(e).__name__}: {e}", drained=drained)
+            undone = await self.drainer.undo_after_failure(victim.url, victim.node_id)
+            return ActResult(Outcome.FAILED, f"duet up's control endpoint: {type(e).__name__}: {e}; {undone}",
+                             drained=drained)  # fmt: skip
         if status != 200:
             r = self._error(status, raw, f"stop {victim.node_id}")
+            if status != 404:  # 404: no longer under supervision — nothing left to undo
+                r = ActResult(r.outcome, f"{r.detail}; {await self.drainer.undo_after_failure(victim.url, victim.node_id)}")
             return ActResult(r.outcome, r.detail, drained=drained)
         stopped = msgspec.json.decode(raw, type=NodeStopped)
         return ActResult(Outcome.DONE, f"stopped {victim.node_id} (exit {stopped.exit_code}, "

@@ -1,7 +1,8 @@
 """A local HTTP server that speaks the part of the Kubernetes API the planner's actuator uses, as
 the API server does: `GET`/`PATCH /apis/apps/v1/namespaces/NS/deployments/NAME/scale` (an
 autoscaling/v1 Scale; PATCH takes `application/merge-patch+json`, `?dryRun=All` changes
-nothing), `PATCH /api/v1/namespaces/NS/pods/NAME` (metadata merge), and `GET` of the pods
+nothing), `PATCH /api/v1/namespaces/NS/pods/NAME` (a metadata merge patch: a null annotation
+is deleted, as RFC 7386 says), and `GET` of the pods
 (a list by label selector, one by name) with their phase and Ready condition. Bodies are built
 and read with the official client's models (V1Scale, V1Pod), so a field the real API would not
 accept fails here too. Refusals answer a v1 Status as the API server does (403 Forbidden, 409
@@ -181,7 +182,11 @@ class FakeKube:
         body = await request.json()
         self.calls.append(("PATCH", f"pods/{name}", {"body": body}))
         ann = self.annotations.setdefault(name, {})
-        ann.update(body.get("metadata", {}).get("annotations", {}))
+        for key, value in body.get("metadata", {}).get("annotations", {}).items():
+            if value is None:
+                ann.pop(key, None)
+            else:
+                ann[key] = value
         pod = V1Pod(api_version="v1", kind="Pod",
                     metadata=V1ObjectMeta(name=name, namespace=self.namespace, annotations=ann))  # fmt: skip
         return web.json_response(ApiClient().sanitize_for_serialization(pod))

@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import openai
 
-from planner.drain import Drainer
+from planner.drain import DrainEnd, Drainer
 from tests.gateway.helpers import MODEL, make_team
 from tests.gateway.test_migration import PROMPT, gateway, one_record, reference
 from tests.procs import duet_node, running
@@ -45,8 +45,8 @@ async def test_a_stream_past_the_drain_deadline_migrates(tmp_path: Path, tiny_ll
                                 busy += [d] if (await r.json())["inflight"] else []
                         assert len(busy) == 1
                         stopped = busy[0]
-                        drained = await Drainer(s, poll_s=0.05, deadline_s=0.0).drain(stopped.url)
-                        assert drained is False  # its stream is still running: the deadline passed
+                        end = await Drainer(s, poll_s=0.05, deadline_s=0.0).drain(stopped.url)
+                        assert end == DrainEnd.DEADLINE  # its stream is still running
                         stopped.proc.send_signal(signal.SIGTERM)  # the actuator's stop
             assert "".join(text) == want
             assert stopped is not None and stopped.proc.wait(30) == 0

@@ -80,8 +80,8 @@ async def _scenario(p_url: str, d_url: str, etcd_url: str, p_id: str) -> dict[st
         assert not any(c.get("error") for c in chunks), chunks
         finish = [c["choices"][0].get("finish_reason") for c in chunks if c.get("choices")]
         assert finish[-1] in ("length", "stop"), finish
-        drained = await asyncio.wait_for(drain, 30)
-        return {"drained": drained, "chunks": len(chunks)}
+        end = await asyncio.wait_for(drain, 30)
+        return {"drained": end.drained, "chunks": len(chunks)}
 
 
 async def _sigterm_scenario(p, d_url: str) -> None:

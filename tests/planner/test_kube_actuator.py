@@ -2,8 +2,10 @@
 the API server does (tests/planner/fake_kube.py, built on the official client's models): the
 scale patch, the drain before the replica count drops, and refused patches (409, 403).
 
-The victim "node" here is a stand-in serving only `GET|POST /drain` (busy for a few polls, then
-idle), so the order can be checked exactly; the real node's drain is tests/planner/test_drain_e2e.py."""
+The victim "node" here is a stand-in serving only `GET|POST|DELETE /drain` (busy for a few
+polls, then idle), so the order can be checked exactly; the real node's drain is
+tests/planner/test_drain_e2e.py, and a failed scale-in undoing a real node's drain
+tests/planner/test_undrain_e2e.py."""
 
 from __future__ import annotations
 
@@ -42,8 +44,9 @@ class DrainingNode:
 
     def _status(self) -> dict:
         idle = self.draining and self.busy_polls <= 0
+        outcome = "idle" if idle else "draining" if self.draining else "active"
         return {"node_id": "duet-decode-7f9c", "role": "decode", "draining": self.draining,
-                "inflight": 0 if idle else 1, "held": 0, "idle": idle}  # fmt: skip
+                "inflight": 0 if idle else 1, "held": 0, "idle": idle, "outcome": outcome}  # fmt: skip
 
     async def post(self, _: web.Request) -> web.Response:
         self.draining = True
@@ -54,6 +57,12 @@ class DrainingNode:
         self.busy_polls -= 1
         self.log.append("GET /drain")
         return web.json_response(self._status())
+
+    async def delete(self, _: web.Request) -> web.Response:
+        outcome = "undrained" if self.draining else "not_draining"
+        self.draining = False
+        self.log.append("DELETE /drain")
+        return web.json_response({"node_id": "duet-decode-7f9c", "role": "decode", "outcome": outcome})
 
 
 @asynccontextmanager
@@ -73,6 +82,7 @@ async def cluster(kube: FakeKube, node: DrainingNode) -> AsyncIterator[tuple[Kub
     node_app = web.Application()
     node_app.router.add_post("/drain", node.post)
     node_app.router.add_get("/drain", node.get)
+    node_app.router.add_delete("/drain", node.delete)
     node_app.router.add_get("/health", node.health)
     async with serve(kube.app()) as api, serve(node_app) as node_url, aiohttp.ClientSession() as s:
         kube.node_urls = {"duet-decode-7f9c": node_url}
@@ -118,6 +128,7 @@ def test_scale_in_drains_the_victim_before_the_replica_count_drops() -> None:
             assert kinds == [("deployments/duet-decode/scale", True), ("pods/duet-decode-7f9c", None),
                              ("deployments/duet-decode/scale", False)]  # fmt: skip
             assert node.log[0] == "POST /drain" and node.log.count("GET /drain") >= 4
+            assert "DELETE /drain" not in node.log  # scaled in: the drain stands
             assert kube.drain_at_patch and all(s["idle"] for s in kube.drain_at_patch), kube.drain_at_patch
             assert kube.annotations["duet-decode-7f9c"][DELETION_COST] == "-2147483647"
 
@@ -137,6 +148,12 @@ def test_a_refused_patch_is_reported_not_raised() -> None:
             r = await act.scale_in(D, Victim("duet-decode-7f9c", url), 1)
             assert r.outcome == Outcome.REFUSED and "403" in r.detail and "cannot patch" in r.detail, r
             assert node.log == [] and kube.replicas["duet-decode"] == 2
+            # 409 on the real patch, after the drain: refused, and the drain undone
+            kube.refuse, kube.refuse_dry_run = 409, False
+            r = await act.scale_in(D, Victim("duet-decode-7f9c", url), 1)
+            assert r.outcome == Outcome.REFUSED and "409" in r.detail and "undrained" in r.detail, r
+            assert node.log[0] == "POST /drain" and node.log[-1] == "DELETE /drain" and not node.draining
+            assert kube.replicas["duet-decode"] == 2 and DELETION_COST not in kube.annotations["duet-decode-7f9c"]
             # a Deployment that does not exist is a failure, not a refusal
             r = await act.scale_out(PoolKey("decode", "m", "interactive"), 1)
             assert r.outcome == Outcome.FAILED and "404" in r.detail
@@ -186,11 +203,17 @@ def test_a_victim_that_stays_ready_is_not_scaled_in_past_a_not_ready_pod() -> No
     async def go() -> None:
         pods = [FakePod(VICTIM, "duet-decode"), FakePod("duet-decode-starting", "duet-decode", ready=False)]
         kube = FakeKube(replicas={"duet-decode": 2}, pods=pods)
-        async with cluster(kube, DrainingNode(0, ready_follows_drain=False)) as (act, url):
+        node = DrainingNode(0, ready_follows_drain=False)
+        async with cluster(kube, node) as (act, url):
             act.ready_wait_s = 1.0
             r = await act.scale_in(D, Victim(VICTIM, url), 1)
             assert r.outcome == Outcome.FAILED and "still reads Ready" in r.detail, r
             assert kube.replicas["duet-decode"] == 2 and kube.deleted == []
+            # not scaled in, so not left drained: the drain is undone (the victim serves again)
+            # and it is no longer ranked first for removal
+            assert node.log[-1] == "DELETE /drain" and not node.draining, node.log
+            assert "undrained: it serves again" in r.detail, r
+            assert DELETION_COST not in kube.annotations.get(VICTIM, {}), kube.annotations
 
     asyncio.run(go())
 
@@ -209,5 +232,29 @@ def test_a_pending_pod_is_removed_first_and_nothing_is_drained() -> None:
             assert (r.outcome, r.replicas) == (Outcome.DONE, 1) and "pending pod duet-decode-new" in r.detail, r
             assert kube.deleted == ["duet-decode-new"]
             assert "POST /drain" not in node.log, "the victim was drained for nothing"
+
+    asyncio.run(go())
+
+
+def test_a_drain_undone_while_it_runs_is_not_scaled_in() -> None:
+    """An operator's `duet drain --undo` during the scale-in's drain: the node serves again, so
+    the actuator must not go on to remove it when the deadline passes."""
+
+    async def go() -> None:
+        kube = FakeKube(replicas={"duet-decode": 2})
+        node = DrainingNode(busy_polls=10**6)  # never idle by itself
+
+        async def operator_undoes() -> None:
+            while node.log.count("GET /drain") < 2:
+                await asyncio.sleep(0.01)
+            node.draining = False  # what the node's DELETE /drain leaves
+
+        async with cluster(kube, node) as (act, url):
+            undo = asyncio.create_task(operator_undoes())
+            r = await act.scale_in(D, Victim(VICTIM, url), 1)
+            await undo
+            assert r.outcome == Outcome.REFUSED and "undone" in r.detail, r
+            assert kube.replicas["duet-decode"] == 2
+            assert [c for c in kube.calls if c[0] == "PATCH" and not c[2].get("dry_run")] == []
 
     asyncio.run(go())

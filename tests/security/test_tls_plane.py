@@ -109,7 +109,7 @@ def test_the_planners_drain_reaches_an_https_node(tls_node: tuple[Proc, str, Cer
     async def drain(session_of: PlaneSecurity | None) -> bool:
         session = session_of.client_session() if session_of is not None else aiohttp.ClientSession()
         async with session:
-            return await Drainer(session, poll_s=0.1, deadline_s=30).drain(url)
+            return (await Drainer(session, poll_s=0.1, deadline_s=30).drain(url)).drained
 
     with pytest.raises(aiohttp.ClientConnectorCertificateError):
         asyncio.run(drain(None))  # what the planner's bare session got
