@@ -9,7 +9,9 @@ record, prices at `input_usd_per_mtok`) → a tier admission slot → `Embedding
 route through the coordinator with `task: embed` (only `--task embed` nodes answer; etcd's
 view or the model's `static` list when no coordinator answers) and `POST /v1/embeddings` on
 that node, retried on another node when one fails (up to `[routing] max_attempts`) → settle →
-OpenAI's response (`float` lists, or `base64` of the little-endian float32 bytes).
+OpenAI's response (`float` lists, or `base64` of the little-endian float32 bytes). Traced as
+chat is: auth, tokenize and quota spans, and OTel's embeddings span `embeddings {model}` around
+the call to the nodes (gateway/genai_span.py).
 
 Invariants: the ledger settles exactly once (as serve.py's); usage counts the tokens the
 gateway measured, which are exactly the ids the node embedded; a node URL comes only from the
@@ -32,6 +34,7 @@ from aiohttp import web
 from gateway.auth import authenticate
 from gateway.backend import Accounting, Attempt, Backend, Reply
 from gateway.config import RoutingConfig, Tier
+from gateway.genai_span import client_span
 from gateway.ledger import Caller, Ledger, UsageStatus
 from gateway.measure import Measured
 from gateway.node_client import NodeClient, NodeFailure
@@ -53,12 +56,23 @@ from protocol.embeddings import (
 )
 from protocol.openai import APIError
 from protocol.route import RouteRequest
+from protocol.tracing import (
+    GEN_AI_DIMENSIONS,
+    GEN_AI_ENCODING_FORMATS,
+    GEN_AI_INPUT_TOKENS,
+    GEN_AI_OPERATION,
+    GEN_AI_PROVIDER,
+    GEN_AI_REQUEST_MODEL,
+    GEN_AI_RESPONSE_MODEL,
+)
 
 log = logging.getLogger("duet.gateway.embeddings")
 _DEC = msgspec.json.Decoder(EmbeddingRequest)
 _ENC = msgspec.json.Encoder()
 #: characters of text inputs above which tokenizing moves off the event loop
 _BIG_INPUT = 16_384
+#: OTel GenAI's operation name (and so the span's: `embeddings {model}`)
+EMBEDDINGS = "embeddings"
 
 
 def parse_embedding(raw: bytes) -> tuple[EmbeddingRequest, list[str] | list[list[int]]]:
@@ -225,19 +239,35 @@ async def _measured(state: GatewayState, caller: Caller, body: EmbeddingRequest,
     """The rest of `run`, counted in the team gate's in-flight requests."""
     backend = served.backend
     assert isinstance(backend, EmbeddingBackend)
-    ids = await measure_items(served, items)
-    n_tokens = sum(map(len, ids))
+    tr, name = state.tracing, served.config.name
+    tr.annotate({GEN_AI_OPERATION: EMBEDDINGS, GEN_AI_PROVIDER: "duet", GEN_AI_REQUEST_MODEL: body.model,
+                 "duet.request_id": caller.request_id, "duet.team": caller.team.id, "duet.tier": tier})  # fmt: skip
+    with tr.span("gateway.tokenize", {GEN_AI_REQUEST_MODEL: name}) as span:
+        ids = await measure_items(served, items)
+        n_tokens = sum(map(len, ids))
+        if span is not None:
+            span.set_attribute(GEN_AI_INPUT_TOKENS, n_tokens)
     req = Request(endpoint=Endpoint.EMBEDDING, model=body.model, messages=None, prompt=None, max_tokens=0,
                   sampling=Sampling(), n=1, stream=False, include_usage=False, service_tier=None,
                   user=body.user or None)  # fmt: skip
-    ledger = await Ledger.reserve(state, caller, req, tier, served, Measured([], n_tokens, 0))
+    with tr.span("gateway.quota.reserve", {"duet.team": caller.team.id}):
+        ledger = await Ledger.reserve(state, caller, req, tier, served, Measured([], n_tokens, 0))
     state.admission.teams.started(caller.team)
     ledger.attempt(served, n_tokens)
-    acc = Accounting(prompt_tokens=n_tokens, model_used=served.config.name)
+    acc = Accounting(prompt_tokens=n_tokens, model_used=name)
+    # OTel's embeddings span: the dimensions asked for (else the model's, when known) and the format
+    dims = body.dimensions or backend.embedding_size
+    asked = {GEN_AI_ENCODING_FORMATS: [body.encoding_format.value], **({GEN_AI_DIMENSIONS: dims} if dims else {})}
+
+    def usage() -> dict[str, str | int | list[str]] | None:  # what a node embedded (none reached: nothing)
+        return {GEN_AI_RESPONSE_MODEL: name, GEN_AI_INPUT_TOKENS: n_tokens, "duet.nodes": list(acc.nodes)} \
+            if acc.served else None  # fmt: skip
+
     try:
-        async with state.admission.slot(tier):
-            out = await backend.embed(caller.request_id, served, ids, body.dimensions, tier, acc)
-        acc.first_token_at = time.monotonic()
+        with client_span(tr, EMBEDDINGS, name, served.config.provider or "duet", asked, usage):
+            async with state.admission.slot(tier):
+                out = await backend.embed(caller.request_id, served, ids, body.dimensions, tier, acc)
+            acc.first_token_at = time.monotonic()
         await ledger.commit(UsageStatus.OK, acc)
     except APIError as e:
         ledger.submit(UsageStatus.SHED if isinstance(e, Shed) else UsageStatus.ERROR, acc)
@@ -247,6 +277,10 @@ async def _measured(state: GatewayState, caller: Caller, body: EmbeddingRequest,
         raise
     finally:
         ledger.submit(UsageStatus.ERROR, acc)  # a no-op once settled
+        if tr.enabled:
+            r = ledger.record
+            tr.annotate({GEN_AI_RESPONSE_MODEL: r.model_used, GEN_AI_INPUT_TOKENS: r.prompt_tokens, "duet.status": r.status,
+                         "duet.cost_usd": r.cost_usd, "duet.nodes": list(r.nodes)})  # fmt: skip
     headers = {**ledger.headers, "X-Request-Id": caller.request_id, "x-duet-tier": tier,
                "x-duet-model-used": served.config.name, "x-duet-cost-usd": f"{ledger.record.cost_usd:.8f}"}  # fmt: skip
     return render(out, body.encoding_format, served.config.name, n_tokens), headers
@@ -255,7 +289,8 @@ async def _measured(state: GatewayState, caller: Caller, body: EmbeddingRequest,
 async def handle(state: GatewayState, request: web.Request, request_id: str) -> web.Response:
     """The HTTP handler: authenticate, run, answer in OpenAI's shape."""
     t0 = time.monotonic()
-    key, team = await authenticate(state, request)
+    with state.tracing.span("gateway.auth"):
+        key, team = await authenticate(state, request)
     raw = await request.read()
     body, headers = await run(state, Caller(key, team, request_id, t0), raw,
                               tier_header=request.headers.get("x-duet-tier"))  # fmt: skip

@@ -26,7 +26,6 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import msgspec
@@ -37,6 +36,7 @@ from gateway.backend import Accounting, Attempt, MidStreamError, Reply
 from gateway.choice import Need
 from gateway.config import AUTO, TeamPolicy, Tier
 from gateway.features import features, refuse_missing
+from gateway.genai_span import client_span
 from gateway.ledger import Caller, Ledger, UsageStatus
 from gateway.measure import Measured, estimate_tokens, measure
 from gateway.providers.fallback import FallbackDecision, Reason
@@ -49,7 +49,6 @@ from gateway.tools.plan import ToolMode, ToolPlan
 from gateway.tools.reply import with_tool_calls
 from protocol.openai import APIError
 from protocol.tracing import (
-    ERROR_TYPE,
     GEN_AI_CHOICE_COUNT,
     GEN_AI_FINISH_REASONS,
     GEN_AI_INPUT_TOKENS,
@@ -60,7 +59,6 @@ from protocol.tracing import (
     GEN_AI_REQUEST_MODEL,
     GEN_AI_RESPONSE_ID,
     GEN_AI_RESPONSE_MODEL,
-    inference_span_name,
 )
 
 log = logging.getLogger("duet.gateway")
@@ -273,31 +271,21 @@ class _Tries:
             body = await relay_whole(self.ledger, reply, fmt, self.req.n)
         return Answer(200, body, {**headers, "x-duet-cost-usd": f"{self.ledger.record.cost_usd:.8f}"})
 
-    @contextlib.contextmanager
-    def _inference(self, served: ServedModel, acc: Accounting) -> Iterator[None]:
-        """The GenAI inference span of this attempt (OTel's GenAI conventions: `chat {model}`,
-        CLIENT, the model that answers and what it served; `error.type` when it failed — a
-        fallback's first model ends here with the trigger's code)."""
-        tr = self.state.tracing
-        op = "chat" if self.req.endpoint == Endpoint.CHAT else "text_completion"
+    def _inference(self, served: ServedModel, acc: Accounting) -> contextlib.AbstractContextManager[None]:
+        """The GenAI inference span of this attempt (gateway/genai_span.py: `chat {model}`, the
+        model that answers and what it served; a fallback's first model ends with the trigger's
+        code as its `error.type`)."""
         name = served.config.name
-        attrs = {GEN_AI_OPERATION: op, GEN_AI_PROVIDER: served.config.provider or "duet", GEN_AI_REQUEST_MODEL: name}
-        if self.req.n != 1:
-            attrs[GEN_AI_CHOICE_COUNT] = self.req.n
-        with tr.span(inference_span_name(op, name), attrs, kind="CLIENT") as span:
-            try:
-                yield
-            except APIError as e:
-                span.set_attribute(ERROR_TYPE, e.code or e.type)
-                raise
-            except BaseException as e:  # the client left (cancelled), or a bug: its class
-                span.set_attribute(ERROR_TYPE, type(e).__name__)
-                raise
-            finally:
-                if acc.served:  # what a node or provider served (a model nobody reached served nothing)
-                    span.set_attributes({GEN_AI_RESPONSE_MODEL: acc.model_used or name,
-                                         GEN_AI_INPUT_TOKENS: acc.prompt_tokens,
-                                         GEN_AI_OUTPUT_TOKENS: acc.total_completion_tokens})  # fmt: skip
+
+        def usage() -> dict[str, str | int] | None:
+            if not acc.served:  # what a node or provider served (a model nobody reached served nothing)
+                return None
+            return {GEN_AI_RESPONSE_MODEL: acc.model_used or name, GEN_AI_INPUT_TOKENS: acc.prompt_tokens,
+                    GEN_AI_OUTPUT_TOKENS: acc.total_completion_tokens}  # fmt: skip
+
+        return client_span(self.state.tracing, "chat" if self.req.endpoint == Endpoint.CHAT else "text_completion",
+                           name, served.config.provider or "duet",
+                           {GEN_AI_CHOICE_COUNT: self.req.n} if self.req.n != 1 else None, usage)  # fmt: skip
 
     def _fallback(self, e: APIError, served: ServedModel, origin: str, n_prompt: int) -> ServedModel:
         """The next model to try after `e`, or `e` raised again (no fallback)."""

@@ -54,6 +54,9 @@ GEN_AI_OUTPUT_TOKENS = "gen_ai.usage.output_tokens"
 GEN_AI_FINISH_REASONS = "gen_ai.response.finish_reasons"
 GEN_AI_RESPONSE_ID = "gen_ai.response.id"
 GEN_AI_CHOICE_COUNT = "gen_ai.request.choice.count"
+#: an embeddings span's: the vector size asked for, and the encodings
+GEN_AI_DIMENSIONS = "gen_ai.embeddings.dimension.count"
+GEN_AI_ENCODING_FORMATS = "gen_ai.request.encoding_formats"
 #: OTel's general attribute for the class of error an operation ended with (low cardinality)
 ERROR_TYPE = "error.type"
 #: OTel's general attributes for the peer and the HTTP status

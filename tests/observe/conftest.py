@@ -12,10 +12,11 @@ from __future__ import annotations
 import secrets
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import openai
 import pytest
 
 from coordinator.etcd_server import EtcdServer
@@ -70,3 +71,12 @@ def settle(what: str, cond, timeout: float = 15.0):  # type: ignore[no-untyped-d
     """wait_for, named for spans that arrive with the next export."""
     t0 = time.monotonic()
     return wait_for(cond, timeout, f"{what} ({time.monotonic() - t0:.1f} s)")
+
+
+@pytest.fixture
+async def closing() -> AsyncIterator[list[openai.AsyncOpenAI]]:
+    """Async openai clients closed before the test's loop ends (their connections, not at GC)."""
+    made: list[openai.AsyncOpenAI] = []
+    yield made
+    for c in made:
+        await c.close()

@@ -3,7 +3,9 @@ gateway under its supervisor), in headless Chromium: signed in with the admin ke
 wrote, the page lists every node with its role and the coordinator leader; a SIGKILLed node is
 restarted by the supervisor, and the page — left open, never reloaded — shows its restart count
 go from 0 to 1 and the node ready again (the live refresh, not a new page load). A node's row
-has its process's restarts too. A state file left by a `duet up` that was SIGKILLed (it could
+has its process's restarts too. The etcd table, before and after the restart, says what etcd
+itself reports (its JSON API, read directly): the endpoint, a recent read without an error
+while etcd is healthy, and the counts of node registrations and coordinator replicas. A state file left by a `duet up` that was SIGKILLed (it could
 not remove it) lists no process, as `duet status` ignores it: they are gone, not "running".
 
 One `duet up` on the tiny model (the up-tests' flags: --threads 1, 256 KV blocks), a short
@@ -13,12 +15,14 @@ restart backoff so the restart comes at once. Under CI=true a missing browser is
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +31,7 @@ from typing import Any
 import pytest
 
 from gateway.console.pages import _supervised
+from protocol.cluster import coordinators_prefix, nodes_prefix
 from tests.duet.test_up import start_up, wait_banner
 from tests.observe.test_console import browser, sign_in  # noqa: F401  (browser: a fixture)
 from tests.procs import Proc, free_port
@@ -43,7 +48,7 @@ for (const t of document.querySelectorAll('#live table')) {
 }
 return out;
 """
-NODES, PROCS, REPLICAS = "Nodes", "Processes supervised by duet up", "Coordinator replicas"
+NODES, PROCS, REPLICAS, ETCD = "Nodes", "Processes supervised by duet up", "Coordinator replicas", "etcd"
 
 
 @dataclass
@@ -51,9 +56,11 @@ class Up:
     proc: Proc
     home: Path
 
+    def state(self) -> dict[str, Any]:
+        return json.loads((self.home / "up" / "state.json").read_text())
+
     def child(self, name: str) -> dict[str, Any]:
-        state = json.loads((self.home / "up" / "state.json").read_text())
-        return next(c for c in state["children"] if c["name"] == name)
+        return next(c for c in self.state()["children"] if c["name"] == name)
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +101,43 @@ def rows_by(d: object, caption: str, key: str) -> dict[str, dict[str, str]]:
     return {r[key]: r for r in tables(d).get(caption, []) if key in r}
 
 
+def etcd_keys(url: str, prefix: str) -> dict[str, bytes]:
+    """The keys under `prefix` as etcd itself reports them: its v3 JSON API (`/v3/kv/range`),
+    not the project's client or the gateway's view, which are what the page is checked against."""
+    end = prefix[:-1] + chr(ord(prefix[-1]) + 1)  # the range [prefix, prefix's successor)
+    body = json.dumps({"key": base64.b64encode(prefix.encode()).decode(),
+                       "range_end": base64.b64encode(end.encode()).decode()}).encode()  # fmt: skip
+    req = urllib.request.Request(url + "/v3/kv/range", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=5) as r:
+        kvs = json.loads(r.read()).get("kvs", [])
+    return {base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", "")) for kv in kvs}
+
+
+def check_etcd_table(d: object, up: Up, node_ids: set[str]) -> None:
+    """The page's etcd table says what etcd says: its endpoint is the one `duet up` started, it
+    was read recently without an error while etcd reports itself healthy, and it counts the node
+    registrations and coordinator replicas etcd holds — `node_ids`, and each live replica."""
+    st = up.state()
+    url, cluster = st["etcd"], st["cluster"]
+    with urllib.request.urlopen(url + "/health", timeout=5) as r:
+        assert json.loads(r.read())["health"] == "true"
+    nodes = etcd_keys(url, nodes_prefix(cluster))
+    assert {json.loads(v)["node_id"] for v in nodes.values()} == node_ids, nodes
+    replicas = etcd_keys(url, coordinators_prefix(cluster))
+    assert len(replicas) == len(st["coordinators"]) == 1, replicas
+
+    def shown() -> list[dict[str, str]]:
+        return tables(d).get(ETCD, [])
+
+    want = {"Endpoint": url, "Registered nodes": str(len(nodes)), "Replicas": str(len(replicas))}
+    wait_for(lambda: [{k: r[k] for k in want} for r in shown()] == [want], 15,
+             f"the page's etcd table to read {want}")  # fmt: skip
+    [row] = shown()
+    # "read N s ago": the gateway reads etcd every 2 s; "last read failed" would be an error
+    assert row["State"].startswith("read ") and row["State"].endswith(" s ago") and "failed" not in row["State"], row
+    assert int(row["State"].split()[1]) < 10, row
+
+
 def test_cluster_page_of_duet_up_shows_a_killed_node_restarted_live(
     up: Up,
     browser: object,  # noqa: F811  (the fixture imported above)
@@ -117,6 +161,7 @@ def test_cluster_page_of_duet_up_shows_a_killed_node_restarted_live(
     assert [(r["Replica"], r["Leader"], r["Leader seen"]) for r in reps] == [
         ("coordinator-0", "yes", "coordinator-0")
     ]
+    check_etcd_table(d, up, {"prefill-0", "decode-0"})
 
     # the supervised processes, none restarted yet
     procs = rows_by(d, PROCS, "Process")
@@ -138,6 +183,7 @@ def test_cluster_page_of_duet_up_shows_a_killed_node_restarted_live(
 
     wait_for(shown, 30, "the open page to show decode-0 restarted once and ready")
     assert d.execute_script("return window.notReloaded === true")  # type: ignore[attr-defined]
+    check_etcd_table(d, up, {"prefill-0", "decode-0"})  # the restarted node registered again, once
     assert (
         nodes()["prefill-0"]["Restarts"]
         == rows_by(d, PROCS, "Process")["prefill-0"]["Restarts"]

@@ -18,7 +18,6 @@ directly: `state.tracing.ring`, as the console does.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -76,15 +75,6 @@ def one(spans: list[SpanRecord], name: str, parent: SpanRecord) -> SpanRecord:
     got = [s for s in spans if s.name == name and s.parent_id == parent.span_id]
     assert len(got) == 1, (name, [(s.name, s.parent_id) for s in spans])
     return got[0]
-
-
-@pytest.fixture
-async def closing() -> AsyncIterator[list[openai.AsyncOpenAI]]:
-    """Clients closed before the test's loop ends (their connections, not at GC)."""
-    made: list[openai.AsyncOpenAI] = []
-    yield made
-    for c in made:
-        await c.close()
 
 
 async def test_migration_span_in_the_gateways_ring(
