@@ -31,9 +31,14 @@ for up to 10 s (its lingering close): the body deadline may close it sooner, wit
 Invariants: a connection has at most one header and one body timer; both are cancelled when
 it is lost; more bytes never move a header deadline, and a body's only by the rate they pay.
 
-Known gap: bytes of the next request that arrive in the same read as the end of the previous
-one (headers or body) do not start its header deadline; its next byte does, and a client that
-sends nothing more is closed by aiohttp's idle timer once the previous answer is done.
+A request's first bytes may come in the same read as the end of the one before (a client that
+pipelines, or sends its next request early): aiohttp's parsers do not say whether they hold
+part of a request, so each read's last byte is fed to the parser on its own, after the rest.
+A read ends on a request's boundary exactly when that byte completes a request or its body;
+when it completes nothing outside a body, the read began the next request's headers and their
+deadline starts then. A parser paused by flow control (a body its handler has not read, a
+full queue of pipelined requests) keeps the rest of a read unparsed: the last byte is held
+here until it has parsed what it kept, then fed the same way.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 from aiohttp.streams import StreamReader
+from aiohttp.web_protocol import _ErrInfo
 
 from protocol.http_errors import AppRunner, OpenAIErrorHandler, _Server
 from protocol.openai import APIError
@@ -98,6 +104,7 @@ class DeadlineHandler(OpenAIErrorHandler):
         "_body_timer",
         "_deadlines",
         "_header_timer",
+        "_held",
         "_peer",
     )
 
@@ -111,6 +118,8 @@ class DeadlineHandler(OpenAIErrorHandler):
         self._body_since = 0.0
         self._body_bytes = 0
         self._body_timer: asyncio.TimerHandle | None = None
+        #: the last byte received, kept from a parser that has not parsed all it was given
+        self._held = b""
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -120,6 +129,38 @@ class DeadlineHandler(OpenAIErrorHandler):
 
     def data_received(self, data: bytes) -> None:
         if self._force_close or self._close:  # aiohttp ignores what comes now; so do the deadlines
+            super().data_received(data)
+            return
+        held, self._held = self._held, b""
+        if self._upgraded or self._payload_parser is not None:  # no HTTP parsing: no requests
+            self._feed(held + data)
+            return
+        if not data:  # flow control resumed: the parser first goes on with what it kept
+            self._feed(b"")
+            if self._stopped():
+                return
+        data = held + data
+        if not data:
+            return
+        if len(data) > 1:
+            self._feed(data[:-1])
+            if self._stopped():
+                return
+        if self._reading_paused or len(self._messages) >= self._max_msg_queue_size:
+            self._held = data[-1:]  # the parser stopped short of it: fed on its resume
+            return
+        self._feed(data[-1:])  # on its own: whether it ends a request or begins the next one
+
+    def _stopped(self) -> bool:
+        """The connection takes no more bytes: closed, closing, or its parser refused the
+        request (fed more, it would refuse again, a second answer)."""
+        if self.transport is None or self._force_close or self._close:
+            return True
+        return bool(self._messages) and isinstance(self._messages[-1][0], _ErrInfo)
+
+    def _feed(self, data: bytes) -> None:
+        """aiohttp's parsing of `data`, and the deadlines of what it began or completed."""
+        if self._force_close or self._close:
             super().data_received(data)
             return
         in_body = self._body is not None

@@ -165,6 +165,43 @@ def test_a_keep_alive_connections_next_request_has_a_header_deadline(gw: Proc) -
         c.close()
 
 
+def _pipelined(env: Env, framing: str) -> bytes:
+    """A whole request, its end `framing` as named, and the first bytes of the next one."""
+    if framing == "headers":
+        first = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    else:
+        body = json.dumps(
+            {"model": "gpt", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        ).encode()
+        if framing == "content-length":
+            first = _post_head(env, len(body)) + body
+        else:  # chunked: the body ends with the last chunk's CRLF
+            head = _post_head(env, 0).replace(b"Content-Length: 0", b"Transfer-Encoding: chunked")
+            first = head + b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n"
+    return first + b"GET /hea"
+
+
+@pytest.mark.parametrize("framing", ["headers", "content-length", "chunked"])
+def test_the_next_requests_first_bytes_in_the_same_read_start_its_header_deadline(
+    env: Env, framing: str
+) -> None:
+    """One write: a whole request (ending with its headers, a Content-Length body or a chunked
+    one) and the first bytes of the next; then nothing. Before, the next request's deadline
+    started only at a byte after those, so this connection waited for the idle timer
+    (`keepalive_timeout_s`, 600 s here) once its answer was written."""
+    c = _connect(env.gw)
+    try:
+        c.send(_pipelined(env, framing))
+        status, headers, body = c.response()
+        assert status == 200, (status, body)
+        assert headers.get("connection", "").lower() != "close", headers
+        assert_timed_out(
+            c, f"the request's headers did not arrive within {HEADER_S:g} s", CLOSE_WITHIN_S
+        )
+    finally:
+        c.close()
+
+
 def test_a_streamed_answer_and_an_upload_longer_than_the_deadlines_still_work(env: Env) -> None:
     """The deadlines are about reading from the client: a stream the provider holds open past
     them is answered to its end; an upload slower than the body grace but above the minimum
