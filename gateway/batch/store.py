@@ -12,7 +12,9 @@ Invariants:
   (`finish_request` checks it in the same statement), so a runner whose lease was taken over
   cannot write a second result.
 - Every state change is one transaction (`BEGIN IMMEDIATE`): several gateway processes may
-  share the database file.
+  share the database file. A deferred `BEGIN` would let a second claim read while the first is
+  between its read and its write; its write would then meet a stale snapshot and fail
+  (`database is locked`) — tests/security/test_batch_store_immediate.py.
 - Teams are isolated here, not in the handlers: every read a client can cause names its team.
 """
 
@@ -190,7 +192,7 @@ class SqliteBatchStore:
         self.path = Path(path)
         private_file(private_dir(self.path.parent) / self.path.name)
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves, so a claim takes the write
-        # lock before it reads and two processes can never claim the same row.
+        # lock before it reads: another process's claim waits, then reads what this one left.
         self._db = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None,
                                    check_same_thread=False)  # fmt: skip
         self._lock = threading.Lock()  # one connection, used by one thread at a time
