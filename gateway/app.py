@@ -36,6 +36,7 @@ from gateway.loop_lag import LoopLag
 from gateway.metrics import GatewayMetrics
 from gateway.node_client import NodeClient
 from gateway.provider_backend import ProviderBackend, make_backend
+from gateway.provider_slots import ProviderSlots
 from gateway.providers.metrics import register_provider_metrics
 from gateway.requests import Endpoint
 from gateway.routing import CoordinatorRouter, FailoverRouter, NodeLoad, Router, StaticRouter
@@ -253,9 +254,9 @@ def _embedding_size(directory: Path) -> int | None:
     return int(size) if size else None
 
 
-def _external_backend(m: ModelConfig, s: GatewayState) -> Backend:
+def _external_backend(m: ModelConfig, s: GatewayState, slots: ProviderSlots) -> Backend:
     assert s.session is not None
-    return make_backend(m, s.session)
+    return make_backend(m, s.session, slots)
 
 
 async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
@@ -287,6 +288,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     s.coordinator_urls = lambda: list(rc.coordinator) + [u for u in (view.coordinators if view else [])
                                                          if u not in rc.coordinator]  # fmt: skip
     cluster = ClusterBackend(nodes, router, load, rc, on_retry=lambda k: s.metrics.retries.labels(kind=k).inc())
+    slots = ProviderSlots(cfg.server.max_provider_calls, s.metrics)  # one bound for every external model
     embed_router = _router(s, load, view, NodeTask.EMBED) if any(m.kind == "embedding" for m in cfg.models.values()) \
         else None  # fmt: skip
     for name, m in cfg.models.items():
@@ -300,7 +302,7 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
             backend = embeddings.EmbeddingBackend(nodes, embed_router, rc, _embedding_size(directory))
             s.models[name] = ServedModel(m, backend, Tokenizer(directory), _max_model_len(m, directory))
         else:
-            s.models[name] = ServedModel(m, _external_backend(m, s), None, m.max_model_len or 1 << 20)
+            s.models[name] = ServedModel(m, _external_backend(m, s, slots), None, m.max_model_len or 1 << 20)
     s.choice = ModelChoice(cfg, s.models)
     cluster.tracing = s.tracing
     writer = s.writer.lifecycle()

@@ -6,6 +6,7 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     [server]
     port = 8000
     instance = "gateway-a"            # this gateway's own name (stable across restarts; unique)
+    max_provider_calls = 256          # calls to external providers at once, all teams (0: no bound)
     guide_compile_timeout_s = 5.0     # a constraint's grammar compiling longer is a 400 (2 threads
                                       # compile, off the event loop: docs/structured-outputs.md)
 
@@ -183,6 +184,9 @@ class ServerConfig:
     #: open connections from one client address at most; more are closed at once (0: no cap).
     #: Behind a load balancer or proxy every client shares its address: raise this there.
     max_connections_per_address: int = 1024
+    #: calls to external providers (all external models, all teams) running at once on this
+    #: gateway at most; one more is a 503 with Retry-After (gateway/provider_slots.py; 0: no bound)
+    max_provider_calls: int = 256
     #: sha256 hex of the admin key (or set $DUET_ADMIN_KEY to the key itself)
     admin_key_sha256: str | None = None
     #: seconds a found API key is trusted without asking the store again: a key revoked
@@ -547,6 +551,9 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
     if not isinstance(cfg.server.console_rpm, int) or isinstance(cfg.server.console_rpm, bool) \
             or cfg.server.console_rpm < 0:  # fmt: skip
         raise ConfigError(f"[server] console_rpm must be an integer >= 0, got {cfg.server.console_rpm!r}")
+    mp = cfg.server.max_provider_calls
+    if not isinstance(mp, int) or isinstance(mp, bool) or mp < 0:
+        raise ConfigError(f"[server] max_provider_calls must be an integer >= 0 (0: no bound), got {mp!r}")
     inst = cfg.server.instance
     if inst is not None and (not isinstance(inst, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", inst)):
         raise ConfigError(f"[server] instance must be 1-64 letters, digits, '_', '.', '-', got {inst!r}")

@@ -20,6 +20,9 @@ class GatewayMetrics:
                             ["tier", "reason"], registry=r)  # fmt: skip
         self.queue_depth = Gauge("duet:gateway_queue_depth", "Requests waiting for admission", ["tier"], registry=r)
         self.inflight = Gauge("duet:gateway_requests_running", "Requests admitted and running", registry=r)
+        # calls to external providers holding one of [server] max_provider_calls (gateway/provider_slots.py)
+        self.provider_calls = Gauge("duet:provider_calls_running", "Calls to external providers running",
+                                    registry=r)  # fmt: skip
         self.ttft = Histogram("duet:time_to_first_token_seconds", "Gateway time to first token",
                               ["model"], buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.e2e = Histogram("duet:e2e_request_latency_seconds", "Gateway request latency",

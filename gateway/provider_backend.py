@@ -27,6 +27,7 @@ provider that failed costs nothing.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -37,6 +38,7 @@ import msgspec
 
 from gateway.backend import Accounting, Attempt, Backend, MidStreamError, Piece, Reply
 from gateway.config import ModelConfig, Tier, provider_table
+from gateway.provider_slots import ProviderSlots
 from gateway.providers.base import Provider
 from gateway.providers.breaker import BreakerState
 from gateway.providers.config import ProviderConfig
@@ -103,9 +105,11 @@ def _client_view(e: ProviderError) -> tuple[int, str, str]:
 
 
 class ProviderBackend(Backend):
-    def __init__(self, model: ModelConfig, provider: Provider) -> None:
+    def __init__(self, model: ModelConfig, provider: Provider, slots: ProviderSlots) -> None:
         self.model = model
         self.provider = provider
+        #: the gateway's bound on provider calls, shared by every external model
+        self.slots = slots
 
     def usable_for(self, endpoint: Endpoint, n: int) -> bool:
         """Whether this model can take such a request at all (external APIs speak chat; Anthropic
@@ -150,6 +154,14 @@ class ProviderBackend(Backend):
 
     async def _stream(self, request: Request, attempt: Attempt, out: Accounting) -> AsyncIterator[Piece]:
         body = self._body(request, attempt)
+        # taken before the prompt is sent, held to the call's end (aclosing: a client that
+        # leaves ends the provider's stream, and gives the slot back, now, not at GC)
+        with self.slots.slot(self.model.name, attempt.tier):
+            async with contextlib.aclosing(self._call(request, body, out)) as pieces:
+                async for piece in pieces:
+                    yield piece
+
+    async def _call(self, request: Request, body: dict[str, Any], out: Accounting) -> AsyncIterator[Piece]:
         out.model_used = self.model.name
         # the provider counts; this estimate stands only if a stream breaks before its usage
         # chunk (a provider that answered nothing charges nothing: `nodes` stays empty)
@@ -260,11 +272,11 @@ def _split(total: int, per_sample: dict[int, int]) -> dict[int, int]:
     return out
 
 
-def make_backend(model: ModelConfig, session: aiohttp.ClientSession) -> ProviderBackend:
+def make_backend(model: ModelConfig, session: aiohttp.ClientSession, slots: ProviderSlots) -> ProviderBackend:
     from gateway.providers import build_provider
 
     cfg = ProviderConfig.from_dict(provider_table(model))
     if cfg.api_key_env and not cfg.api_key():
         log.warning("model %s: $%s is not set; its calls will fail (and fall back) until it is", model.name,
                     cfg.api_key_env)  # fmt: skip
-    return ProviderBackend(model, build_provider(cfg, session))
+    return ProviderBackend(model, build_provider(cfg, session), slots)

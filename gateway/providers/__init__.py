@@ -28,12 +28,12 @@ def build_provider(config: ProviderConfig | dict[str, Any], session: aiohttp.Cli
     return KINDS[config.kind](config, session, **kw)
 
 
-def make_backend(model: Any, session: aiohttp.ClientSession) -> Any:
+def make_backend(model: Any, session: aiohttp.ClientSession, slots: Any) -> Any:
     """The gateway `Backend` of a `kind = "external"` model (gateway/provider_backend.py);
     imported here lazily, as that module imports gateway.config, which imports this package."""
     from gateway.provider_backend import make_backend as make
 
-    return make(model, session)
+    return make(model, session, slots)
 
 
 def build_providers(tables: list[dict[str, Any]], session: aiohttp.ClientSession) -> dict[str, Provider]:
