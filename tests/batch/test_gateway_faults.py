@@ -5,6 +5,7 @@ SIGKILLed mid-batch (the batch still completes, every line answered 200)."""
 
 from __future__ import annotations
 
+import json
 import sqlite3
 import time
 from pathlib import Path
@@ -70,21 +71,27 @@ async def test_node_sigkill_mid_batch(tiny_llama: Path, tmp_path: Path) -> None:
         key = make_team(gw.url, "team-a")
         async with client(gw.url, key) as c:
             batch_id = await submit(c, lines)
-        await completed_at_least(gw.url, key, batch_id, 4)
+        # The victim is a node that has served lines: with a fast CPU and a tiny model the
+        # least-loaded router may give every early line to one node (in flight rarely reaches 2),
+        # and waiting for both to serve let the whole batch finish before the kill.
+        # (read from the store directly: `duet usage report` starts a process, a second or two in
+        # which the whole batch can end)
+        def served_nodes() -> set[str]:
+            with sqlite3.connect(f"file:{tmp_path / 'gateway.db'}?mode=ro", uri=True) as conn:
+                rows = conn.execute("SELECT nodes FROM usage").fetchall()
+            return {n for (nodes,) in rows for n in json.loads(nodes)}
 
-        def both_served() -> bool:  # the router may give the first lines all to one node
-            recs = usage_records(tmp_path / "gateway.db", "team-a")
-            return len({n for r in recs for n in r["nodes"].split()}) == 2
-
-        await until(both_served, 120, "both nodes to have served a batch line")
+        await until(lambda: bool(served_nodes()), 60, "a usage record of a served line")
+        served = served_nodes()
+        victim = b if b.url in served else a
         killed_at = time.time()
-        b.kill()
+        victim.kill()
         done = await wait_done(gw.url, key, batch_id, timeout=180)
         out = await file_lines(gw.url, key, done.output_file_id)
     # usage records (same host clock) tell what was served before the kill, and by which nodes
     before = [r for r in usage_records(tmp_path / "gateway.db", "team-a") if r["created_at"] < killed_at]
     served_before = {n for r in before for n in r["nodes"].split()}  # the report joins node lists with " "
-    assert len(served_before) == 2, f"both nodes must take lines before the kill: {served_before}"
+    assert victim.url in served_before, f"the killed node must have served lines before the kill: {served_before}"
     assert len(before) < 80, "the kill must come mid-batch"
     assert done.status == "completed" and done.request_counts.completed == 80 and done.error_file_id is None
     assert [o["custom_id"] for o in out] == [x["custom_id"] for x in lines]
