@@ -217,6 +217,8 @@ class Coordinator:
                 kv_cache_usage_perc=load.kv_cache_usage_perc,
                 queued_prefill_tokens=load.queued_prefill_tokens,
                 kv_blocks_free=load.kv_blocks_free, kv_blocks_total=load.kv_blocks_total,
+                ttft_p90_s=load.ttft_p90_s, ttft_samples=load.ttft_samples, itl_p90_s=load.itl_p90_s,
+                itl_samples=load.itl_samples,
             ),
             pending=PendingReport(seqs=p.seqs, prefill_tokens=p.prefill_tokens, blocks=p.blocks),
             indexed_blocks=self.index.node_block_count(v.node_id),

@@ -7,7 +7,10 @@ batches after their `since`, then new ones as they come, and a `LoadFrame` at le
 `LOAD_INTERVAL_S` (protocol/kv_events.py documents the wire format). Each load frame names the
 requests the engine took since the stream's previous one (`taken`, from a ring of the last
 `TAKEN_RING` ids; a new stream starts with the whole ring, so a reconnect loses no ack), and
-coordinators drop their pending reservations for those routes on it.
+coordinators drop their pending reservations for those routes on it. Load frames also carry
+the node's measured TTFT / ITL P90 over its recent window (`latency`: node/latency_window.py;
+TTFT on prefill and colocated nodes, ITL on decode and colocated ones — a decode leg's first
+token waits on a KV pull, which is not the client's TTFT).
 
 Invariants: seq numbers have no gaps; the snapshot is taken on the engine thread in the same
 call that drains pending events, under the same lock as the poller, so "snapshot at seq S"
@@ -23,12 +26,13 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import msgspec
 from aiohttp import web
 
+from node.metrics import NodeMetrics
 from protocol.kv_events import (
     CONTENT_TYPE,
     LOAD_INTERVAL_S,
@@ -49,8 +53,10 @@ TAKEN_RING = 1024
 
 class KVEventLog:
     def __init__(self, engine: Any, engine_id: str, block_size: int, recording: bool,
-                 ring_size: int = RING_SIZE) -> None:  # fmt: skip
+                 ring_size: int = RING_SIZE, latency: Callable[[], dict[str, float]] | None = None) -> None:  # fmt: skip
         self.engine = engine
+        #: the measured-latency fields of a load frame (LoadFrame's ttft_* / itl_* names)
+        self.latency = latency
         self.engine_id = engine_id
         self.block_size = block_size
         self.recording = recording
@@ -124,10 +130,26 @@ class KVEventLog:
                          kv_cache_usage_perc=float(stats.get("kv_cache_usage_perc", 0.0)),
                          queued_prefill_tokens=self.queued_prefill_tokens,
                          kv_blocks_free=int(stats.get("kv_blocks_free", 0)),
-                         kv_blocks_total=int(stats.get("kv_blocks_total", 0)))  # fmt: skip
+                         kv_blocks_total=int(stats.get("kv_blocks_total", 0)),
+                         **(self.latency() if self.latency is not None else {}))  # fmt: skip
 
 
 KV_EVENTS = web.AppKey("kv_events", KVEventLog)
+
+
+def measured_latency(metrics: NodeMetrics, role: str) -> Callable[[], dict[str, float]]:
+    """The load frame's measured figures for a node of `role`: TTFT where it makes first tokens
+    for clients (prefill, both), ITL where it decodes (decode, both)."""
+
+    def figures() -> dict[str, float]:
+        out: dict[str, float] = {"latency_window_s": metrics.recent_ttft.window_s}
+        if role in ("prefill", "both"):
+            out["ttft_p90_s"], out["ttft_samples"] = metrics.recent_ttft.p90()
+        if role in ("decode", "both"):
+            out["itl_p90_s"], out["itl_samples"] = metrics.recent_itl.p90()
+        return out
+
+    return figures
 
 
 def _since(request: web.Request) -> int:
@@ -188,7 +210,8 @@ def add_kv_event_routes(app: web.Application, state: Any) -> None:
     """Serve `/kv/events` and `/kv/snapshot` from `state.engine`; the poller starts with the app
     (register after the cleanup context that starts the engine)."""
     recording = bool(state.config.engine.record_kv_events)
-    kv = KVEventLog(state.engine, state.engine_id, state.config.engine.block_size, recording)
+    kv = KVEventLog(state.engine, state.engine_id, state.config.engine.block_size, recording,
+                    latency=measured_latency(state.metrics, state.config.role))  # fmt: skip
     app[KV_EVENTS] = kv
     app.router.add_get("/kv/events", _events)
     app.router.add_get("/kv/snapshot", _snapshot)

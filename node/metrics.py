@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from node.latency_window import RecentLatency
 from protocol.guide_compile import Verdict
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -80,6 +81,9 @@ class NodeMetrics:
         self.ttft = hist("duet:time_to_first_token_seconds", "Time to first token").labels(**self.labels)
         self.itl = hist("duet:inter_token_latency_seconds", "Time between tokens").labels(**self.labels)
         self.e2e = hist("duet:e2e_request_latency_seconds", "Request latency").labels(**self.labels)
+        # the same observations over the last 30 s, for the load frames the planner reads
+        self.recent_ttft = RecentLatency()
+        self.recent_itl = RecentLatency()
         self.registry.register(_EngineCollector(stats, self.labels))
         self._rejected = Counter("duet:num_requests_rejected", "Requests refused before running, by reason",
                                  [*names, "reason"], registry=self.registry)  # fmt: skip
@@ -89,6 +93,14 @@ class NodeMetrics:
                                        [*names, "verdict"], registry=self.registry)  # fmt: skip
         self._guide_compiling = Gauge("duet:guide_compiles_running", "Grammar compiles running on their threads",
                                       names, registry=self.registry).labels(**self.labels)  # fmt: skip
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+        self.recent_ttft.add(seconds)
+
+    def inter_token(self, seconds: float) -> None:
+        self.itl.observe(seconds)
+        self.recent_itl.add(seconds)
 
     def rejected(self, reason: str) -> None:
         """Count a refused request (queue_full, draining, engine_dead, body_too_large, ...)."""

@@ -74,9 +74,9 @@ class Responder:
         if out.new_token_ids:
             if self._last_token_time is None:
                 self._first_token_time = now
-                m.ttft.observe(now - self.arrival)
+                m.first_token(now - self.arrival)
             else:
-                m.itl.observe(now - self._last_token_time)
+                m.inter_token(now - self._last_token_time)
             self._last_token_time = now
         if out.finished:
             m.e2e.observe(now - self.arrival)

@@ -81,6 +81,9 @@ class PlannerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     margin: float = 0.3
     #: requests waiting for admission per decode node that mean the pool is full
     waiting_high: float = 1.0
+    #: load mode takes a pool's measured TTFT / ITL P90 (nodes' load frames) over its prediction
+    #: only from at least this many samples (first tokens / inter-token gaps) in the window
+    min_latency_samples: int = 20
     #: prefill chunk per step, and the context a decode sequence is assumed to have
     chunk_tokens: int = 512
     context_tokens: int = 512
@@ -99,6 +102,8 @@ class PlannerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("planner cooldowns and cold_start_s must be ≥ 0")
         if not 0 < self.kv_high <= 1 or not 0 <= self.margin < 1:
             raise ValueError("planner kv_high must be in (0, 1] and margin in [0, 1)")
+        if self.min_latency_samples < 1:
+            raise ValueError("planner min_latency_samples must be ≥ 1")
         if self.node_budget is not None and self.node_budget < 1:
             raise ValueError("planner node_budget must be ≥ 1")
         for name, (lo, hi) in self.bounds.items():

@@ -9,7 +9,10 @@ Rules, in order, per pool:
 2. an actuation still in flight, a node still in its cold start, or too few samples → hold;
 3. load mode: out when the pool, its load spread over its warm replicas, is predicted to miss
    its tier's SLO (TTFT for P, ITL / KV / admission queue for D); in when at N−1 every figure
-   stays under (1 − margin) × its bound (the survivors carry the leaver's load);
+   stays under (1 − margin) × its bound (the survivors carry the leaver's load). TTFT and ITL
+   are max(predicted, measured) where the nodes' measured P90 has `min_latency_samples` and its
+   window began after the pool's last step (reasons `ttft_measured` / `itl_measured` when the
+   measurement is what crossed the bound);
    throughput mode: towards the simulator's size for the forecast rate (planner/throughput.py);
 4. pacing: one step at a time; `cooldown_s` after any step on the pool, `reverse_cooldown_s`
    before a step the other way (hysteresis + these two keep a noisy load from flapping);
@@ -28,8 +31,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from planner.config import PlannerConfig, PlannerMode
-from planner.pools import PoolKey, PoolLoad
-from planner.predict import predict, violations
+from planner.pools import Measured, PoolKey, PoolLoad
+from planner.predict import counted, predict, violations, with_measured
 
 log = logging.getLogger("duet.planner")
 
@@ -43,6 +46,9 @@ class Direction(enum.StrEnum):
 class Reason(enum.StrEnum):
     TTFT = "ttft"
     ITL = "itl"
+    #: the nodes' measured P90 (above the prediction) misses the SLO
+    TTFT_MEASURED = "ttft_measured"
+    ITL_MEASURED = "itl_measured"
     KV_CACHE = "kv_cache"
     QUEUE = "queue"
     #: scale-in: the pool at N−1 still meets its SLO with margin
@@ -61,6 +67,7 @@ class Reason(enum.StrEnum):
 
 
 _PRIORITY = {"interactive": 0, "shared": 1, "batch": 2}
+_NO_MEASUREMENT = Measured()
 
 
 @dataclass(frozen=True)
@@ -140,12 +147,21 @@ class Planner:
         inputs.update(load={"waiting": round(avg.waiting, 2), "running": round(avg.running, 2),
                             "kv_sum": round(avg.kv_usage, 3), "queued_prefill_tokens": round(avg.queued_prefill_tokens)},
                       at_n=now_n.as_dict(), slo={"ttft_s": slo.ttft_s, "itl_s": slo.itl_s})  # fmt: skip
-        missed = violations(now_n, p.key.role, slo, cfg)
+        m = p.measured()
+        # a window that began before the pool's last step measured the old size: not counted
+        fresh = w.last_step_at is None or now - w.last_step_at >= m.window_s
+        use = counted(m, p.key.role, cfg.min_latency_samples) if fresh else []
+        if m.ttft_samples or m.itl_samples:
+            inputs["measured"] = {**m.as_dict(), "counted": use}
+        floor = m if use else _NO_MEASUREMENT
+        effective, raised = with_measured(now_n, floor, p.key.role, cfg.min_latency_samples)
+        missed = violations(effective, p.key.role, slo, cfg)
         if missed:
-            return Direction.OUT, Reason(missed[0]), inputs
+            return Direction.OUT, Reason(f"{missed[0]}_measured" if missed[0] in raised else missed[0]), inputs
         if p.warm > 1:
             less = predict(avg, p.warm - 1, cfg)
             inputs["at_n_minus_1"] = less.as_dict()
+            less, _ = with_measured(less, floor, p.key.role, cfg.min_latency_samples)
             if not violations(less, p.key.role, slo, cfg, scale=1 - cfg.margin):
                 return Direction.IN, Reason.HEADROOM, inputs
         return Direction.HOLD, Reason.STEADY, inputs

@@ -14,7 +14,10 @@ its rate as a share (documented in docs/operations.md).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from planner.pools import PoolKey
 
 
 @dataclass(frozen=True)
@@ -59,3 +62,35 @@ class RateMeter:
         prompt = sum(a[1] for a in self.arrivals)
         return Forecast(rate=rate, isl=prompt / n, osl=sum(a[2] for a in self.arrivals) / n,
                         prefix_hit=sum(a[3] for a in self.arrivals) / max(prompt, 1), observed_rate=n / w)  # fmt: skip
+
+
+def merge(fs: list[Forecast]) -> Forecast | None:
+    """Several meters' forecasts as one (rates add; ISL/OSL/hits weighted by observed rate)."""
+    fs = [f for f in fs if f.rate > 0 or f.observed_rate > 0]
+    if not fs:
+        return None
+    w = [max(f.observed_rate, 1e-9) for f in fs]
+    tw = sum(w)
+    return Forecast(rate=sum(f.rate for f in fs), observed_rate=sum(f.observed_rate for f in fs),
+                    isl=sum(f.isl * x for f, x in zip(fs, w, strict=True)) / tw,
+                    osl=sum(f.osl * x for f, x in zip(fs, w, strict=True)) / tw,
+                    prefix_hit=sum(f.prefix_hit * x for f, x in zip(fs, w, strict=True)) / tw)  # fmt: skip
+
+
+def pool_forecasts(meters: dict[tuple[str, str], RateMeter], pools: Iterable[PoolKey], now: float,
+                   lookahead_s: float) -> dict[tuple[str, str], Forecast]:  # fmt: skip
+    """The forecast per model × tier that has pools: a tier's own meter, and for `shared` every
+    tier of that model without a pool of its own (the shared pool serves them)."""
+    keys = list(pools)
+    out: dict[tuple[str, str], Forecast] = {}
+    for model, tier in {(k.model, k.tier) for k in keys}:
+        if tier == "shared":
+            own = {k.tier for k in keys if k.model == model}
+            fs = [m.forecast(now, lookahead_s) for (mdl, t), m in meters.items() if mdl == model and t not in own]
+        else:
+            m = meters.get((model, tier))
+            fs = [m.forecast(now, lookahead_s)] if m else []
+        f = merge([f for f in fs if f is not None])
+        if f is not None:
+            out[(model, tier)] = f
+    return out

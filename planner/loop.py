@@ -20,10 +20,11 @@ from typing import Any
 from planner.actuator import ActResult, Actuator, Outcome, Victim
 from planner.config import PlannerConfig, PlannerMode
 from planner.decide import Decision, Direction, Planner
-from planner.forecast import Forecast, RateMeter
+from planner.forecast import RateMeter, pool_forecasts
 from planner.history import DecisionLog
 from planner.metrics import PlannerMetrics
 from planner.pools import NodeSample, PoolKey, PoolLoad, group
+from planner.throughput import size_pools
 from protocol.planner import PlannerReport
 from protocol.route import RouteRequest
 
@@ -42,21 +43,11 @@ def samples(views: Any, now_mono: float, stale_s: float) -> list[NodeSample]:
             waiting=load.num_requests_waiting if load else 0, running=load.num_requests_running if load else 0,
             kv_usage=load.kv_cache_usage_perc if load else 0.0,
             queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
+            ttft_p90_s=load.ttft_p90_s if load else 0.0, ttft_samples=load.ttft_samples if load else 0,
+            itl_p90_s=load.itl_p90_s if load else 0.0, itl_samples=load.itl_samples if load else 0,
+            latency_window_s=load.latency_window_s if load else 0.0,
         ))  # fmt: skip
     return out
-
-
-def _merge(fs: list[Forecast]) -> Forecast | None:
-    fs = [f for f in fs if f.rate > 0 or f.observed_rate > 0]
-    if not fs:
-        return None
-    rate = sum(f.rate for f in fs)
-    obs = sum(f.observed_rate for f in fs)
-    w = [max(f.observed_rate, 1e-9) for f in fs]
-    tw = sum(w)
-    return Forecast(rate=rate, observed_rate=obs, isl=sum(f.isl * x for f, x in zip(fs, w, strict=True)) / tw,
-                    osl=sum(f.osl * x for f, x in zip(fs, w, strict=True)) / tw,
-                    prefix_hit=sum(f.prefix_hit * x for f, x in zip(fs, w, strict=True)) / tw)  # fmt: skip
 
 
 class PlannerLoop:
@@ -93,35 +84,10 @@ class PlannerLoop:
         meter.add(time.monotonic(), req.num_prompt_tokens, req.max_tokens, target.cached_tokens if target else 0)
 
     # -- throughput mode -----------------------------------------------------------------------
-    def _forecast(self, model: str, tier: str, tiers_with_pools: set[str]) -> Forecast | None:
-        now = time.monotonic()
-        look = self.cfg.cold_start_s
-        if tier == "shared":  # serves every tier without a pool of its own
-            fs = [m.forecast(now, look) for (mdl, t), m in self.meters.items()
-                  if mdl == model and t not in tiers_with_pools]  # fmt: skip
-        else:
-            m = self.meters.get((model, tier))
-            fs = [m.forecast(now, look)] if m else []
-        return _merge([f for f in fs if f is not None])
-
     async def _targets(self, pools: dict[PoolKey, PoolLoad]) -> dict[PoolKey, int]:
-        out: dict[PoolKey, int] = {}
-        by_group: dict[tuple[str, str], list[PoolKey]] = {}
-        for key in pools:
-            by_group.setdefault((key.model, key.tier), []).append(key)
-        for (model, tier), keys in by_group.items():
-            tiers = {k.tier for k in pools if k.model == model}
-            f = self._forecast(model, tier, tiers)
-            if f is None:
-                continue
-            colocated = all(k.role == "both" for k in keys)
-            bounds = {k.role: self.cfg.bounds_of(k) for k in keys}
-            sizes = await asyncio.to_thread(self.sizer.size, f, self.cfg.slo_of(keys[0]), tier, colocated, bounds)
-            log.debug("throughput forecast %s/%s %s → %s", model, tier, f.as_dict(), sizes)
-            for k in keys:
-                if k.role in sizes:
-                    out[k] = sizes[k.role]
-        return out
+        # the meters are read here, on the loop that feeds them; only the simulation is threaded
+        fc = pool_forecasts(self.meters, pools, time.monotonic(), self.cfg.cold_start_s)
+        return await asyncio.to_thread(size_pools, self.sizer, list(pools), fc, self.cfg)
 
     # -- the loop ------------------------------------------------------------------------------
     async def tick(self) -> list[Decision]:

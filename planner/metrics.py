@@ -6,10 +6,15 @@
   every tick a wanted step was held (cooldown, budget, at_bound, cold_start, actuating);
 - `duet:planner_actuations_total{actuator,direction,outcome}`: what the actuator did with them;
 - `duet:planner_predicted_ttft_seconds` / `..._itl_seconds{role,model,pool}`: load mode's
-  prediction at the current size (the input of the last decision).
+  prediction at the current size (the input of the last decision);
+- `duet:planner_measured_ttft_seconds` / `..._itl_seconds{role,model,pool}`: the pool's measured
+  P90 from its nodes' load frames, while it has the samples to count (the series is removed when
+  it has not: a stale figure must not read as a current one).
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
@@ -35,6 +40,12 @@ class PlannerMetrics:
                           _LABELS, registry=r)  # fmt: skip
         self.itl = Gauge("duet:planner_predicted_itl_seconds", "load mode's ITL prediction at the current size",
                          _LABELS, registry=r)  # fmt: skip
+        self.measured = {
+            "ttft": Gauge("duet:planner_measured_ttft_seconds", "the pool's measured TTFT P90 load mode counts",
+                          _LABELS, registry=r),
+            "itl": Gauge("duet:planner_measured_itl_seconds", "the pool's measured ITL P90 load mode counts",
+                         _LABELS, registry=r),
+        }  # fmt: skip
 
     def record(self, d: Decision) -> None:
         labels = d.pool.labels()
@@ -46,6 +57,14 @@ class PlannerMetrics:
         if isinstance(at_n, dict):
             self.ttft.labels(**labels).set(at_n["ttft_s"])
             self.itl.labels(**labels).set(at_n["itl_s"])
+        m = d.inputs.get("measured")
+        use = m.get("counted", []) if isinstance(m, dict) else []
+        for figure, gauge in self.measured.items():
+            if figure in use:
+                gauge.labels(**labels).set(m[f"{figure}_p90_s"])  # type: ignore[index]
+            else:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(*labels.values())
 
     def actuated(self, actuator: str, direction: Direction, outcome: str) -> None:
         self.actuations.labels(actuator=actuator, direction=str(direction), outcome=outcome).inc()

@@ -7,7 +7,12 @@ Invariants:
   its figures are left out (so are those of a node that does not report load: a broken event
   stream says nothing about capacity) (Dynamo #12430: a node loading weights and warming its kernels
   shows queues that say nothing about the pool's capacity), and the pool is marked `cold` so
-  the planner holds it until the step that added the node has landed.
+  the planner holds it until the step that added the node has landed;
+- a node's measured latency (its load frame's TTFT / ITL P90 over its last `latency_window_s`)
+  counts only once that whole window lies past its cold start (`now - started_at ≥ cold_start_s
+  + latency_window_s`): the first requests of a warming node are as slow as its queues are long.
+  The pool's measured P90 is the sample-weighted mean of its nodes' P90s (the router spreads the
+  load, so the nodes' distributions are alike; a pool-wide quantile would need the samples).
 """
 
 from __future__ import annotations
@@ -44,6 +49,12 @@ class NodeSample:
     queued_prefill_tokens: int = 0
     #: the node has reported load at all (a node with no frame yet is cold whatever its age)
     reporting: bool = True
+    #: measured over the node's last `latency_window_s` (0 samples: not measured)
+    ttft_p90_s: float = 0.0
+    ttft_samples: int = 0
+    itl_p90_s: float = 0.0
+    itl_samples: int = 0
+    latency_window_s: float = 0.0
 
 
 @dataclass
@@ -66,10 +77,38 @@ class PoolLoad:
     queued_prefill_tokens: float = 0.0
     #: active node ids, warm ones first, least loaded first (the scale-in victim is [0])
     candidates: list[str] = field(default_factory=list)
+    #: measured latency over the warm nodes whose window is past their cold start: sums of
+    #: P90 × samples (divide by the samples for the pool's figure), and the longest window
+    ttft_weighted: float = 0.0
+    ttft_samples: int = 0
+    itl_weighted: float = 0.0
+    itl_samples: int = 0
+    latency_window_s: float = 0.0
 
     @property
     def cold(self) -> bool:
         return self.starting > 0
+
+    def measured(self) -> Measured:
+        return Measured(ttft_p90_s=self.ttft_weighted / self.ttft_samples if self.ttft_samples else 0.0,
+                        ttft_samples=self.ttft_samples,
+                        itl_p90_s=self.itl_weighted / self.itl_samples if self.itl_samples else 0.0,
+                        itl_samples=self.itl_samples, window_s=self.latency_window_s)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A pool's measured TTFT / ITL P90 over its nodes' recent windows, with the sample counts."""
+
+    ttft_p90_s: float = 0.0
+    ttft_samples: int = 0
+    itl_p90_s: float = 0.0
+    itl_samples: int = 0
+    window_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {"ttft_p90_s": round(self.ttft_p90_s, 4), "ttft_samples": self.ttft_samples,
+                "itl_p90_s": round(self.itl_p90_s, 4), "itl_samples": self.itl_samples}  # fmt: skip
 
 
 def group(samples: list[NodeSample], now: float, cold_start_s: float) -> dict[PoolKey, PoolLoad]:
@@ -94,6 +133,12 @@ def group(samples: list[NodeSample], now: float, cold_start_s: float) -> dict[Po
         p.running += s.running
         p.kv_usage += s.kv_usage
         p.queued_prefill_tokens += s.queued_prefill_tokens
+        if now - s.started_at >= cold_start_s + s.latency_window_s:
+            p.ttft_weighted += s.ttft_p90_s * s.ttft_samples
+            p.ttft_samples += s.ttft_samples
+            p.itl_weighted += s.itl_p90_s * s.itl_samples
+            p.itl_samples += s.itl_samples
+            p.latency_window_s = max(p.latency_window_s, s.latency_window_s)
     for key, rows in ranked.items():  # a pool of draining nodes only has no candidates
         out[key].candidates = [r[3] for r in sorted(rows)]
     return out

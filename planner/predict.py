@@ -8,6 +8,11 @@ From the totals of a pool's warm nodes (planner/pools.py) and the node kind's st
 
 Scale-in asks the same question at n − 1 (Dynamo PR #9294: the survivors carry the leaver's
 load). The prediction is a model, not a measurement: its inputs are logged with every decision.
+Where the nodes measured the figure itself (their load frames' TTFT / ITL P90 over a recent
+window, with enough samples), the planner takes the larger of the two (`with_measured`): a step
+model fitted on another machine, or a load the model does not see (long prompts, preemptions),
+must not hide a pool that misses its SLO. At n − 1 the measured figure at n is a floor: fewer
+nodes never make the survivors faster.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from planner.config import PlannerConfig, StepCost, TierSLO
-from planner.pools import PoolLoad
+from planner.pools import Measured, PoolLoad
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,29 @@ def predict(load: PoolLoad, n: int, cfg: PlannerConfig) -> Prediction:
     ttft = (1 + q / chunk) * _step(cfg.step, min(chunk, q + 1), decoding, cfg.context_tokens)
     itl = _step(cfg.step, 0, r, cfg.context_tokens) if load.key.role != "prefill" else 0.0
     return Prediction(replicas=n, ttft_s=ttft, itl_s=itl, kv_usage=load.kv_usage / n, waiting=w)
+
+
+def with_measured(p: Prediction, m: Measured, role: str, min_samples: int) -> tuple[Prediction, list[str]]:
+    """`p` with TTFT (prefill, colocated) and ITL (decode, colocated) raised to the measured P90
+    where it has ≥ `min_samples` samples; and the figures the measurement raised."""
+    ttft, itl, raised = p.ttft_s, p.itl_s, []
+    if role in ("prefill", "both") and m.ttft_samples >= min_samples and m.ttft_p90_s > ttft:
+        ttft = m.ttft_p90_s
+        raised.append("ttft")
+    if role in ("decode", "both") and m.itl_samples >= min_samples and m.itl_p90_s > itl:
+        itl = m.itl_p90_s
+        raised.append("itl")
+    return Prediction(replicas=p.replicas, ttft_s=ttft, itl_s=itl, kv_usage=p.kv_usage, waiting=p.waiting), raised
+
+
+def counted(m: Measured, role: str, min_samples: int) -> list[str]:
+    """The measured figures of a `role` pool with enough samples to count."""
+    out = []
+    if role in ("prefill", "both") and m.ttft_samples >= min_samples:
+        out.append("ttft")
+    if role in ("decode", "both") and m.itl_samples >= min_samples:
+        out.append("itl")
+    return out
 
 
 def violations(p: Prediction, role: str, slo: TierSLO, cfg: PlannerConfig, scale: float = 1.0) -> list[str]:

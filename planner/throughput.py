@@ -17,8 +17,9 @@ import logging
 import math
 from functools import lru_cache
 
-from planner.config import TierSLO
+from planner.config import PlannerConfig, TierSLO
 from planner.forecast import Forecast
+from planner.pools import PoolKey
 
 log = logging.getLogger("duet.planner")
 
@@ -95,3 +96,26 @@ class SimSizer:
             assert best is not None
             ok, _, why, counts = best
         return tuple(counts.items())
+
+
+def size_pools(sizer: SimSizer, pools: list[PoolKey], forecasts: dict[tuple[str, str], Forecast],
+               cfg: PlannerConfig) -> dict[PoolKey, int]:  # fmt: skip
+    """Throughput mode's target size per pool (planner/decide.py `targets`): each model × tier
+    with a forecast sized together (P and D, or colocated), within the pools' bounds. Blocking
+    (the simulator): the live loop runs it in a worker thread."""
+    out: dict[PoolKey, int] = {}
+    by_group: dict[tuple[str, str], list[PoolKey]] = {}
+    for key in pools:
+        by_group.setdefault((key.model, key.tier), []).append(key)
+    for group_key, keys in by_group.items():
+        f = forecasts.get(group_key)
+        if f is None:
+            continue
+        colocated = all(k.role == "both" for k in keys)
+        bounds = {k.role: cfg.bounds_of(k) for k in keys}
+        sizes = sizer.size(f, cfg.slo_of(keys[0]), group_key[1], colocated, bounds)
+        log.debug("throughput forecast %s/%s %s → %s", *group_key, f.as_dict(), sizes)
+        for k in keys:
+            if k.role in sizes:
+                out[k] = sizes[k.role]
+    return out

@@ -11,6 +11,16 @@ are split evenly over the warm replicas the planner has at that moment, so the r
 loop: a scale-out spreads the same load thinner. A node the planner adds reports the header's
 `cold` figures (e.g. a huge queue) for its first `cold_s` seconds; a node it removes leaves at once (the
 drain itself is tested on real nodes, tests/planner/test_drain_e2e.py).
+
+Measured latency, as the nodes' load frames carry it: a pool's `ttft_p90_s` / `itl_p90_s` with
+`ttft_samples` / `itl_samples` — every warm node reports that P90 and its share of the samples,
+over the header's `latency_window_s` (default 30). Measured figures are replayed as recorded
+(open loop: a scale-out does not lower them), unlike the load figures.
+
+Throughput mode: a row's `rates` — `{"MODEL/TIER": {"rate": r, "isl": i, "osl": o,
+"prefix_hit": h}}` — is the request rate routed in the interval before `t`; the replay feeds the
+arrivals into the planner's rate meters on the virtual clock and sizes the pools with `sizer`
+(planner/throughput.py) as the live loop does.
 """
 
 from __future__ import annotations
@@ -20,8 +30,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from planner.config import PlannerMode
 from planner.decide import Decision, Direction, Planner
+from planner.forecast import RateMeter, pool_forecasts
 from planner.pools import NodeSample, PoolKey, group
+from planner.throughput import SimSizer, size_pools
 
 
 def parse_pool(name: str) -> PoolKey:
@@ -37,6 +50,9 @@ class Trace:
     #: how long a new node reports the `cold` figures (None: the planner's cold_start_s)
     cold_s: float | None
     ticks: list[tuple[float, dict[PoolKey, dict[str, float]]]]
+    #: throughput mode: per tick, {(model, tier): {"rate", "isl", "osl", "prefix_hit"}}
+    rates: list[dict[tuple[str, str], dict[str, float]]] = field(default_factory=list)
+    latency_window_s: float = 30.0
 
 
 def load_trace(path: Path) -> Trace:
@@ -44,7 +60,9 @@ def load_trace(path: Path) -> Trace:
     head, rows = lines[0], lines[1:]
     start = {parse_pool(k): int(v.get("replicas", 1)) for k, v in head["pools"].items()}
     ticks = [(float(r["t"]), {parse_pool(k): v for k, v in r["pools"].items()}) for r in rows]
-    return Trace(float(head.get("interval_s", 5)), start, head.get("cold", {}), head.get("cold_s"), ticks)
+    rates = [{tuple(k.split("/")): v for k, v in r.get("rates", {}).items()} for r in rows]
+    return Trace(float(head.get("interval_s", 5)), start, head.get("cold", {}), head.get("cold_s"), ticks,
+                 rates, float(head.get("latency_window_s", 30)))  # type: ignore[arg-type]
 
 
 @dataclass
@@ -53,11 +71,15 @@ class Replay:
 
     planner: Planner
     trace: Trace
+    #: throughput mode's simulator sizing (None: load mode only)
+    sizer: SimSizer | None = None
     nodes: dict[PoolKey, list[tuple[str, float]]] = field(default_factory=dict)
     decisions: list[tuple[float, Decision]] = field(default_factory=list)
     #: (t, pool, replicas) after every tick
     sizes: list[tuple[float, PoolKey, int]] = field(default_factory=list)
     _serial: int = 0
+    meters: dict[tuple[str, str], RateMeter] = field(default_factory=dict)
+    _owed: dict[tuple[str, str], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for pool, n in self.trace.start.items():
@@ -79,7 +101,12 @@ class Replay:
                     out.append(NodeSample(node_id, pool, started, waiting=round(figures.get("waiting", 0) / k),
                                           running=round(figures.get("running", 0) / k),
                                           kv_usage=figures.get("kv", 0) / k,
-                                          queued_prefill_tokens=round(figures.get("queued_prefill_tokens", 0) / k)))  # fmt: skip
+                                          queued_prefill_tokens=round(figures.get("queued_prefill_tokens", 0) / k),
+                                          ttft_p90_s=figures.get("ttft_p90_s", 0.0),
+                                          ttft_samples=round(figures.get("ttft_samples", 0) / k),
+                                          itl_p90_s=figures.get("itl_p90_s", 0.0),
+                                          itl_samples=round(figures.get("itl_samples", 0) / k),
+                                          latency_window_s=self.trace.latency_window_s))  # fmt: skip
                 else:
                     c = self.trace.cold
                     out.append(NodeSample(node_id, pool, started, waiting=int(c.get("waiting", 0)),
@@ -87,10 +114,28 @@ class Replay:
                                           queued_prefill_tokens=int(c.get("queued_prefill_tokens", 0))))  # fmt: skip
         return out
 
+    def _route(self, t: float, rates: dict[tuple[str, str], dict[str, float]]) -> None:
+        """The interval's arrivals, evenly spaced before `t`, into the rate meters."""
+        dt = self.trace.interval_s
+        for key, r in rates.items():
+            meter = self.meters.setdefault(key, RateMeter(self.planner.cfg.forecast_window_s))
+            owed = self._owed.get(key, 0.0) + r["rate"] * dt
+            n = int(owed)
+            self._owed[key] = owed - n
+            isl = round(r.get("isl", 0))
+            for i in range(n):
+                meter.add(t - dt + (i + 1) * dt / n, isl, round(r.get("osl", 0)), round(isl * r.get("prefix_hit", 0)))
+
     def run(self) -> Replay:
-        for t, figures in self.trace.ticks:
-            pools = group(self._samples(t, figures), t, self.planner.cfg.cold_start_s)
-            for d in self.planner.step(t, pools):
+        cfg = self.planner.cfg
+        for i, (t, figures) in enumerate(self.trace.ticks):
+            pools = group(self._samples(t, figures), t, cfg.cold_start_s)
+            targets = None
+            if cfg.mode == PlannerMode.THROUGHPUT and self.sizer is not None:
+                self._route(t, self.trace.rates[i] if i < len(self.trace.rates) else {})
+                targets = size_pools(self.sizer, list(pools), pool_forecasts(self.meters, pools, t, cfg.cold_start_s),
+                                     cfg)  # fmt: skip
+            for d in self.planner.step(t, pools, targets=targets):
                 self.decisions.append((t, d))
                 if d.direction == Direction.OUT:
                     self.nodes[d.pool].append(self._new(d.pool, t))

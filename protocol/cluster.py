@@ -106,6 +106,12 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     queued_prefill_tokens: int
     kv_blocks_free: int
     kv_blocks_total: int
+    #: the node's measured TTFT / ITL P90 over its recent window, with the sample counts (0
+    #: samples: not measured — an older node, or no request in the window)
+    ttft_p90_s: float = 0.0
+    ttft_samples: int = 0
+    itl_p90_s: float = 0.0
+    itl_samples: int = 0
 
 
 class PendingReport(msgspec.Struct, frozen=True, kw_only=True):

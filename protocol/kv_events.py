@@ -14,6 +14,11 @@ of msgpack encoding one `Frame` (a tagged union; the tag is the struct name). Co
   (their work is in this frame's counters, or was already done), so a coordinator drops its
   pending reservation for a route exactly when the node's load shows it. None: the node does
   not acknowledge (the simulator, older nodes); the reader falls back to a settle time.
+  Measured latency over the node's last `latency_window_s` (node/latency_window.py): the P90 of
+  its TTFT (prefill and colocated nodes: arrival to first token, queue + prefill) and of its
+  inter-token gaps (decode and colocated nodes), each with its sample count; the planner's load
+  mode weighs them against its prediction. Every one defaults to 0: an older node (or the
+  simulator) sends none, and 0 samples means "not measured".
 
 The stream starts after `since` (the reader has applied batches `≤ since`). A `since` older
 than the node's ring of recent batches, or newer than its last batch, answers 410 with an
@@ -69,6 +74,13 @@ class LoadFrame(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     kv_blocks_total: int
     #: X-Request-Ids the engine took since the previous load frame on this stream (see above)
     taken: list[str] | None = None
+    #: measured TTFT P90 (seconds) over the last `latency_window_s`, from `ttft_samples` requests
+    ttft_p90_s: float = 0.0
+    ttft_samples: int = 0
+    #: measured inter-token latency P90 (seconds) over the same window, from `itl_samples` gaps
+    itl_p90_s: float = 0.0
+    itl_samples: int = 0
+    latency_window_s: float = 0.0
 
 
 Frame = EventBatch | LoadFrame

@@ -37,6 +37,18 @@ class PoolFigures(msgspec.Struct, frozen=True, kw_only=True):
     queued_prefill_tokens: float
 
 
+class MeasuredLatency(msgspec.Struct, frozen=True, kw_only=True):
+    """The pool's measured TTFT / ITL P90 from its nodes' load frames (planner/pools.py::Measured)
+    and which of them counted (enough samples, window after the pool's last step)."""
+
+    ttft_p90_s: float = 0.0
+    ttft_samples: int = 0
+    itl_p90_s: float = 0.0
+    itl_samples: int = 0
+    #: "ttft" / "itl": the figures taken as max(predicted, measured)
+    counted: list[str] = []
+
+
 class SLOBounds(msgspec.Struct, frozen=True, kw_only=True):
     ttft_s: float
     itl_s: float
@@ -60,6 +72,8 @@ class DecisionInputs(msgspec.Struct, frozen=True, kw_only=True):
     load: PoolFigures | None = None
     at_n: Prediction | None = None
     at_n_minus_1: Prediction | None = None
+    #: load mode: what the nodes measured (absent: no samples)
+    measured: MeasuredLatency | None = None
     slo: SLOBounds | None = None
     #: the step a hold kept from happening ("out" / "in")
     blocked: str | None = None

@@ -58,6 +58,11 @@ def describe_inputs(i: DecisionInputs) -> str:
     if i.at_n is not None:
         slo = f" (SLO {_s(i.slo.ttft_s)} / {_s(i.slo.itl_s)})" if i.slo is not None else ""
         parts.append(f"predicted TTFT {_s(i.at_n.ttft_s)}, ITL {_s(i.at_n.itl_s)} at {i.at_n.n}{slo}")
+    if i.measured is not None:
+        m = i.measured
+        figs = [f"{name} P90 {_s(p90)} ({n} samples)" for name, p90, n in
+                (("TTFT", m.ttft_p90_s, m.ttft_samples), ("ITL", m.itl_p90_s, m.itl_samples)) if n]  # fmt: skip
+        parts.append(f"measured {', '.join(figs)}, {'counted: ' + '/'.join(m.counted) if m.counted else 'not counted'}")
     if i.at_n_minus_1 is not None:
         parts.append(f"at {i.at_n_minus_1.n}: TTFT {_s(i.at_n_minus_1.ttft_s)}, ITL {_s(i.at_n_minus_1.itl_s)}")
     if i.budget is not None:

@@ -10,6 +10,7 @@ import json
 import time
 from pathlib import Path
 
+import msgspec
 from prometheus_client import generate_latest
 
 from coordinator.nodes import NodeView
@@ -113,3 +114,38 @@ def test_throughput_mode_sizes_prefill_and_decode_from_the_routed_rate(tmp_path:
     assert p.direction == "out" and p.reason == "forecast" and p.desired == 2, p
     assert p.inputs["target"] > 1  # the simulator's size for 3 req/s: more than one P
     assert sizer.simulations >= 2
+
+
+def test_the_loop_reads_the_measured_latency_of_the_load_frames(tmp_path: Path) -> None:
+    """A light queue (predicted TTFT far under the SLO) but the node measured a 2.5 s TTFT P90
+    over 40 requests: the leader steps the pool out, on the measurement."""
+    clock = Clock()
+    old = clock.t - 3600
+    slow = msgspec.structs.replace(frame(100), ttft_p90_s=2.5, ttft_samples=40, latency_window_s=30.0)
+    c = coordinator_with({"p0": (info("p0", "prefill", old), slow)})
+    c.election.is_leader = True
+    loop = PlannerLoop(c, PlannerConfig(interval_s=5, window_s=10, cold_start_s=60), VirtualActuator(tmp_path / "d.json"),
+                       clock=clock)  # fmt: skip
+
+    texts = []
+
+    async def go() -> list:
+        steps = []
+        for _ in range(4):
+            refresh(c)
+            stepped = [d for d in await loop.tick() if d.direction != "hold"]
+            if stepped:
+                texts.append(generate_latest(c.metrics.registry).decode())
+            steps += stepped
+            await asyncio.gather(*loop.busy.values())
+            clock.t += 5
+        return steps
+
+    steps = asyncio.run(go())
+    assert [(d.direction, d.reason) for d in steps] == [("out", "ttft_measured")], steps
+    assert steps[0].inputs["at_n"]["ttft_s"] < 1.0 and steps[0].inputs["measured"]["ttft_p90_s"] == 2.5
+    out = next(e for e in loop.report().decisions if e.direction == "out")  # GET /planner's entry
+    assert out.inputs.measured is not None and out.inputs.measured.counted == ["ttft"]
+    assert 'duet:planner_measured_ttft_seconds{model="smollm2",pool="shared",role="prefill"} 2.5' in texts[0]
+    # the next ticks hold the pool for the started node's cold start: no figure counted, no series
+    assert "duet:planner_measured_ttft_seconds{" not in generate_latest(c.metrics.registry).decode()

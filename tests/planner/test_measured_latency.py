@@ -1,0 +1,169 @@
+"""Load mode with the nodes' measured latency (issue #27): the planner takes max(predicted,
+measured) for TTFT (prefill, colocated) and ITL (decode, colocated) once the measured window has
+`min_latency_samples`, names the measured figure in the reason, logs it with the decision, and
+leaves a node's cold start and a window older than the pool's last step out.
+
+A table of pools, each decided by the real Planner on a virtual clock; the node window itself
+(node/latency_window.py) is tested on its own clock at the end."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import pytest
+from prometheus_client import generate_latest
+
+from gateway.console.autoscaler import describe_inputs
+from node.latency_window import RecentLatency
+from planner.config import PlannerConfig, TierSLO
+from planner.decide import Decision, Direction, Planner, Reason
+from planner.history import inputs_of
+from planner.metrics import PlannerMetrics
+from planner.pools import NodeSample, group
+from planner.trace import parse_pool
+
+P = parse_pool("prefill/m/interactive")
+D = parse_pool("decode/m/interactive")
+C = parse_pool("both/m/interactive")
+OLD = -1e9  # started long before the trace: warm, its window long past its cold start
+
+
+def cfg(**kw: object) -> PlannerConfig:
+    base = dict(interval_s=5, window_s=20, cooldown_s=30, reverse_cooldown_s=90, cold_start_s=60, default_max=4,
+                slo={"interactive": TierSLO(ttft_s=1.0, itl_s=0.15)})
+    base.update(kw)
+    return PlannerConfig(**base)  # type: ignore[arg-type]
+
+
+def node(i: int, pool=P, started: float = OLD, **figures: float) -> NodeSample:
+    return NodeSample(f"{pool.role}-{i}", pool, started, latency_window_s=30.0, **figures)  # type: ignore[arg-type]
+
+
+def decide(nodes: list[NodeSample], planner: Planner | None = None, t0: float = 0.0) -> Decision:
+    """The first decision past the window's warm-up (span ≥ window / 2) for the nodes' pool."""
+    planner = planner or Planner(cfg())
+    pool = nodes[0].pool
+    for k in range(10):
+        t = t0 + 5 * k
+        d = next(d for d in planner.step(t, group(nodes, t, planner.cfg.cold_start_s)) if d.pool == pool)
+        if d.reason != Reason.NO_DATA:
+            return d
+    raise AssertionError("no decision")
+
+
+@dataclass
+class Row:
+    name: str
+    nodes: list[NodeSample]
+    direction: Direction
+    reason: Reason
+    counted: list[str] | None  # None: no measured figures in the inputs
+
+
+# a light prefill load: 200 queued tokens → predicted TTFT 0.12 s, far under the 1 s SLO
+LIGHT = {"queued_prefill_tokens": 200, "kv_usage": 0.1}
+ROWS = [
+    Row("predicted under, measured P90 over: out on the measurement",
+        [node(0, ttft_p90_s=1.8, ttft_samples=40, **LIGHT)], Direction.OUT, Reason.TTFT_MEASURED, ["ttft"]),
+    Row("the same with 19 samples: too few, ignored",
+        [node(0, ttft_p90_s=1.8, ttft_samples=19, **LIGHT)], Direction.HOLD, Reason.STEADY, []),
+    Row("samples summed over the pool's nodes: 2 × 12 count",
+        [node(0, ttft_p90_s=1.8, ttft_samples=12, **LIGHT), node(1, ttft_p90_s=1.6, ttft_samples=12, **LIGHT)],
+        Direction.OUT, Reason.TTFT_MEASURED, ["ttft"]),
+    Row("measured under the SLO: nothing to do", [node(0, ttft_p90_s=0.4, ttft_samples=40, **LIGHT)],
+        Direction.HOLD, Reason.STEADY, ["ttft"]),
+    Row("predicted over and above the measurement: the prediction's reason",
+        [node(0, queued_prefill_tokens=6000, ttft_p90_s=1.2, ttft_samples=40)], Direction.OUT, Reason.TTFT, ["ttft"]),
+    Row("a decode pool: its measured ITL P90 over the SLO",
+        [node(0, D, running=10, kv_usage=0.2, itl_p90_s=0.3, itl_samples=500)], Direction.OUT, Reason.ITL_MEASURED,
+        ["itl"]),
+    Row("a decode pool: a TTFT it does not own is not its figure",
+        [node(0, D, running=10, kv_usage=0.2, ttft_p90_s=5.0, ttft_samples=500)], Direction.HOLD, Reason.STEADY, []),
+    Row("a colocated pool: either figure",
+        [node(0, C, running=10, kv_usage=0.2, ttft_p90_s=0.2, ttft_samples=40, itl_p90_s=0.2, itl_samples=200)],
+        Direction.OUT, Reason.ITL_MEASURED, ["ttft", "itl"]),
+    Row("a node past its cold start whose window still holds cold-start requests: not counted",
+        [node(0, started=-70.0, ttft_p90_s=5.0, ttft_samples=40, **LIGHT)], Direction.HOLD, Reason.STEADY, None),
+    Row("three nodes, N−1 predicted with margin, but the measured P90 at N is over 0.7 × SLO: held",
+        [node(i, queued_prefill_tokens=200, ttft_p90_s=0.8, ttft_samples=40) for i in range(3)],
+        Direction.HOLD, Reason.STEADY, ["ttft"]),
+    Row("the same with the measured P90 under the margin: in",
+        [node(i, queued_prefill_tokens=200, ttft_p90_s=0.3, ttft_samples=40) for i in range(3)],
+        Direction.IN, Reason.HEADROOM, ["ttft"]),
+]
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
+def test_decision_with_measured_latency(row: Row) -> None:
+    d = decide(row.nodes)
+    assert (d.direction, d.reason) == (row.direction, row.reason), d.describe()
+    measured = d.inputs.get("measured")
+    if row.counted is None:
+        assert measured is None
+    else:
+        assert measured is not None and measured["counted"] == row.counted, d.inputs  # type: ignore[index]
+    # the prediction is logged beside the measurement, never replaced by it
+    assert d.inputs["at_n"]["ttft_s"] < 1.0 or row.reason == Reason.TTFT  # type: ignore[index]
+
+
+def test_the_decision_logs_and_exports_the_measured_figure() -> None:
+    metrics = PlannerMetrics()
+    d = decide([node(0, ttft_p90_s=1.8, ttft_samples=40, **LIGHT)], Planner(cfg(), metrics))
+    assert "'measured': {'ttft_p90_s': 1.8, 'ttft_samples': 40" in d.describe()
+    wire = inputs_of(d)  # GET /planner's typed inputs
+    assert wire.measured is not None and (wire.measured.ttft_p90_s, wire.measured.counted) == (1.8, ["ttft"])
+    assert "measured TTFT P90 1.80 s (40 samples), counted: ttft" in describe_inputs(wire)  # the console's line
+    text = generate_latest(metrics.registry).decode()
+    assert 'duet:planner_measured_ttft_seconds{model="m",pool="interactive",role="prefill"} 1.8' in text
+    # too few samples: the series goes (a stale figure must not read as current)
+    metrics2 = PlannerMetrics()
+    decide([node(0, ttft_p90_s=1.8, ttft_samples=5, **LIGHT)], Planner(cfg(), metrics2))
+    assert "duet:planner_measured_ttft_seconds{" not in generate_latest(metrics2.registry).decode()
+
+
+def test_min_latency_samples_is_configurable() -> None:
+    d = decide([node(0, ttft_p90_s=1.8, ttft_samples=5, **LIGHT)], Planner(cfg(min_latency_samples=5)))
+    assert d.reason == Reason.TTFT_MEASURED
+    with pytest.raises(ValueError, match="min_latency_samples"):
+        cfg(min_latency_samples=0)
+
+
+def test_a_window_that_began_before_the_last_step_is_not_counted() -> None:
+    """After a scale-out the nodes' 30-s windows still hold the old size's latency: the next
+    step waits until a whole window was measured at the new size, not only the cool-down."""
+    planner = Planner(cfg(cooldown_s=10, cold_start_s=0))
+    slow = [node(0, ttft_p90_s=1.8, ttft_samples=40, **LIGHT), node(1, ttft_p90_s=1.8, ttft_samples=40, **LIGHT)]
+    first = decide(slow, planner)
+    assert first.reason == Reason.TTFT_MEASURED
+    t_step = 10.0  # the first tick whose window spans half of window_s
+    seen: list[tuple[float, Reason, list[str]]] = []
+    for k in range(1, 12):
+        t = t_step + 5 * k
+        d = next(d for d in planner.step(t, group(slow, t, 0.0)) if d.pool == P)
+        seen.append((t, d.reason, d.inputs.get("measured", {}).get("counted")))  # type: ignore[union-attr]
+        if d.direction == Direction.OUT:
+            break
+    assert seen[-1][1] == Reason.TTFT_MEASURED and seen[-1][0] >= t_step + 30, seen
+    assert all(c == [] for _, r, c in seen[:-1] if r != Reason.NO_DATA), seen
+
+
+def test_older_frames_without_measured_fields_decide_as_before() -> None:
+    d = decide([replace(node(0, queued_prefill_tokens=6000), latency_window_s=0.0)])
+    assert d.reason == Reason.TTFT and "measured" not in d.inputs
+
+
+def test_recent_latency_window() -> None:
+    now = [100.0]
+    w = RecentLatency(window_s=30, max_samples=50, clock=lambda: now[0])
+    assert w.p90() == (0.0, 0)
+    for i in range(1, 11):  # 0.1 .. 1.0
+        w.add(i / 10)
+    assert w.p90() == (0.9, 10)
+    now[0] += 20
+    w.add(5.0)
+    assert w.p90() == (1.0, 11)  # nearest rank: ceil(9.9) = 10th of 11
+    now[0] += 15  # the first ten are 35 s old: out of the window
+    assert w.p90() == (5.0, 1)
+    for _ in range(80):
+        w.add(0.01)
+    assert w.p90() == (0.01, 50)  # only the newest max_samples are kept
