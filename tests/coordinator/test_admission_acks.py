@@ -39,6 +39,7 @@ from coordinator.policy import PolicyConfig
 from coordinator.service import CoordinatorConfig
 from node.engine_api import KVEventDrain
 from node.kv_events import KV_EVENTS, KVEventLog, add_kv_event_routes
+from node.metrics import NodeMetrics
 from protocol.cluster import NodeInfo, node_key
 from protocol.ports import free_port
 from tests.wait import until
@@ -118,7 +119,9 @@ async def cluster(etcd_url: str, policy: PolicyConfig) -> AsyncIterator[Cluster]
     engine = FakeEngine()
     node_port, coord_port = free_port(), free_port()
     state = SimpleNamespace(engine=engine, engine_id="engine-" + uuid.uuid4().hex[:8],
-                            config=SimpleNamespace(engine=SimpleNamespace(block_size=BLOCK, record_kv_events=True)))  # fmt: skip
+                            metrics=NodeMetrics(dict, MODEL, "decode"),  # the load frames' measured latency
+                            config=SimpleNamespace(role="decode",
+                                                   engine=SimpleNamespace(block_size=BLOCK, record_kv_events=True)))  # fmt: skip
     node_app = web.Application()
     add_kv_event_routes(node_app, state)
     node_id = "decode-fake"
