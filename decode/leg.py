@@ -5,7 +5,10 @@ Order (each step can fail with a defined answer, never a hang):
    PeerPolicy and, on a node with a cluster, the engine a registered prefill-capable node at
    that address (403 without any connection otherwise), the block count consistent with the
    prompt; a 400 from here on releases P's blocks (when the ids are the request's: P checks),
-   so a bad request does not pin them until the lease ends;
+   so a bad request does not pin them until the lease ends; a guided leg takes P's sampled
+   token (`first_token_id`) as its output's first, and the engine refuses it (400) unless the
+   grammar allows it after the tokens so far (a migrated leg's `resume` tokens), so D's matcher
+   continues from P's token; an unguided leg samples its first token itself;
 2. get the peer (cached metadata, or fetched from P; an engine id P does not run → 400; a
    transport address in P's metadata outside the allowed networks or off the named host →
    403, before the transport connects);
@@ -29,13 +32,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import replace
 
 from aiohttp import web
 
 from decode.pull import Pull, Puller, PullOutcome, Source, release_quietly
 from decode.remote_kv import PeerUnreachable, RemoteKV
 from kvtransfer import Peer
-from node.engine_api import EngineStream, KVHandoff
+from node.engine_api import EngineStream, KVHandoff, SamplingParams
 from node.legs import LegContext, Membership, Node, Prepared
 from protocol.kv_params import KVTransferParams
 from protocol.openai import APIError
@@ -113,6 +117,17 @@ def _check_shape(src: Source, p: KVTransferParams, prep: Prepared, block_size: i
         raise APIError(400, "remote_block_ids must be block numbers (0 <= id < 2**31)", param="kv_transfer_params")
 
 
+def _params(p: KVTransferParams, prep: Prepared) -> SamplingParams:
+    """Step 1c: the engine's params, with P's first token on a guided leg (the engine checks
+    the guide allows it: a 400 when it does not)."""
+    if p.first_token_id is None:
+        return prep.params
+    try:
+        return replace(prep.params, first_token=p.first_token_id)
+    except ValueError as e:
+        raise APIError(400, f"kv_transfer_params.first_token_id: {e}", param="kv_transfer_params") from None
+
+
 async def decode_leg(leg: LegContext) -> web.StreamResponse:
     rk = remote_kv(leg.node)
     p, prep = leg.prep.kv_params, leg.prep
@@ -123,9 +138,14 @@ async def decode_leg(leg: LegContext) -> web.StreamResponse:
     except APIError:
         await release_quietly(rk, src)
         raise
+    try:
+        params = _params(p, prep)
+    except APIError:
+        await release_quietly(rk, src)
+        raise
     peer, failure = await _connect(rk, src)
     try:
-        stream = await leg.start(prep.params, KVHandoff(remote_num_tokens=len(prep.prompt_ids)))
+        stream = await leg.start(params, KVHandoff(remote_num_tokens=len(prep.prompt_ids)))
     except BaseException:
         await release_quietly(rk, src)
         raise

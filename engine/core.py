@@ -5,6 +5,11 @@ thread, or the caller of the offline LLM). A step = expire holds → schedule �
 → sample → apply stop conditions → deltas. Logprobs (sampled tokens and prompt tokens) are
 computed only for the requests that ask, from the raw logits (engine/sampler.py).
 
+P/D: a guided decode leg's first output token is the one the prefill node sampled under the
+guide (`params.first_token`, checked against the grammar when the request is added). Its first
+sampling row is computed and drawn as any other (a seeded generator advances as on P), and P's
+token replaces the draw; logprobs score P's token under this node's raw logits.
+
 Faults are isolated per request: a forward pass that raises fails that step's requests (their
 blocks are freed, finish_reason "error") and a row that cannot be sampled fails its request
 alone; the engine keeps stepping. Only an error outside a request's work (the scheduler's own
@@ -168,10 +173,14 @@ class EngineCore:
             hold_seconds=hold_seconds,
             remote_num_tokens=remote_num_tokens,
         )
+        if params.first_token is not None and not 0 <= params.first_token < self.model_config.vocab_size:
+            raise RequestError(f"the prefill node's first token {params.first_token} is outside the vocabulary "
+                               f"[0, {self.model_config.vocab_size})")  # fmt: skip
         if params.guide is not None:  # compiled already when it came through AsyncEngine (off this thread)
             done = params.resume.output_tokens if params.resume is not None else 0
             try:
-                self.guides.attach(request_id, params.guide, ids[len(ids) - done :] if done else [])
+                self.guides.attach(request_id, params.guide, ids[len(ids) - done :] if done else [],
+                                   params.first_token)  # fmt: skip
             except GuideError as e:
                 raise RequestError(str(e)) from None
         try:
@@ -312,6 +321,10 @@ class EngineCore:
         adjusted, dead = self.guides.mask(adjusted, guided, copy=adjusted is logits)
         tokens, errors = self.sampler.sample_rows(adjusted, rows, [c.req.eos_token_ids for c in samplers])
         errors.update(dead)
+        for i, c in enumerate(samplers):  # P/D: a guided leg's first token is the one P sampled
+            first = c.req.params.first_token
+            if first is not None and not c.req.output_token_ids and i not in errors:
+                tokens[i] = first  # checked against the guide when added; this row's draw was made
         lps = self._logprobs(samplers, logits, tokens, errors)
         now = time.monotonic()
         for i, (c, tok) in enumerate(zip(samplers, tokens, strict=True)):

@@ -14,9 +14,11 @@ rows in the same batch are left alone. Each accepted token advances the
 request's matcher; when the grammar is complete (`is_stopped`) the request finishes with "stop".
 EOS is allowed by the mask only where the grammar may end, so a cut by max_tokens is "length".
 
-P/D: a prefill node masks the one token it samples; a decode node's matcher starts from the
-tokens sampled so far — on a migrated leg, the `resume` tokens at the end of the prompt
-(protocol/resume.py) — and masks the rest.
+P/D: a prefill node masks the one token it samples, and that token is the output's first (it
+reaches the decode node as `SamplingParams.first_token`). The decode node's matcher starts from
+the tokens sampled before it — on a migrated leg, the `resume` tokens at the end of the prompt
+(protocol/resume.py) — and `attach` refuses a first token the grammar does not allow there; the
+matcher then takes it when the engine emits it, and masks the rest.
 
 Invariants: a guided request always has a matcher until it finishes (`forget`); a matcher in
 error fails its own request only (`GuideError`); with llguidance missing, strict mode (CI)
@@ -138,13 +140,19 @@ class GuidedDecoding:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- per request (engine thread) ---------------------------------------------------------
-    def attach(self, request_id: str, guide: Guide, sampled: list[int]) -> None:
+    def attach(self, request_id: str, guide: Guide, sampled: list[int], first: int | None = None) -> None:
         """Give `request_id` a matcher advanced over the tokens it has sampled so far (a decode
-        node resuming a migrated leg); GuideError if those tokens leave the grammar."""
+        node resuming a migrated leg); GuideError if those tokens leave the grammar, or if
+        `first` (the prefill node's token, which this node emits next: engine/core.py) is not
+        one the grammar allows after them. `first` is only checked here: the matcher takes it
+        as it takes any emitted token (`advance`), so a grammar it completes ends the request."""
         m = self.compile(guide).deep_copy()
         if not all(m.consume_token(t) for t in sampled):
             raise GuideError(f"the tokens sampled so far do not satisfy the {guide.kind.value} guide: "
                              f"{m.get_error().strip()}")  # fmt: skip
+        if first is not None and (m.is_stopped() or m.validate_tokens([first]) != 1):
+            raise GuideError(f"the prefill node's first token {first} is not allowed by the {guide.kind.value} "
+                             "guide at this point of the output")  # fmt: skip
         self._matchers[request_id] = m
 
     def forget(self, request_id: str) -> None:

@@ -7,7 +7,8 @@ Failure answers, all under the same X-Request-Id:
   route again without D;
 - D fails after the first token → the stream migrates (`_migrate`): the prompt plus the tokens
   streamed go to another node, whose leg carries `Resume` (protocol/resume.py) and continues the
-  text where the client's stops; at most [routing] max_migrations times, within
+  text where the client's stops (a guided request's prefill leg carries it too: P's token is
+  the output's next, issue #24); at most [routing] max_migrations times, within
   migration_deadline_s, else `MidStreamError` (the API layer sends an SSE error event). The
   same for a whole (non-streamed) answer, which reads the same stream. With n > 1 every
   sample not finished migrates on its own (its own streamed ids, seed and limits), the others
@@ -79,6 +80,20 @@ def leg_request(request: Request, attempt: Attempt, **leg: object) -> NodeComple
         "repetition_penalty": s.repetition_penalty, "min_p": s.min_p, "logit_bias": s.logit_bias,
         "guide": attempt.guide, **leg}  # fmt: skip
     return NodeCompletionRequest(**fields)  # type: ignore[arg-type]
+
+
+def _p_leg(job: Attempt, trip: _Trip) -> dict[str, object]:
+    """The prefill leg's own fields. P makes one token. A guided request's is the output's
+    first (D emits it: prefill/leg.py), so P samples it as D would have: with the sample's own
+    seed and, on a migrated leg, `resume` (its grammar state, penalties and seeded draws after
+    the streamed tokens), which needs the request's max_tokens (a node counts the streamed
+    tokens in it; the prefill leg still makes one). An unguided P's token is not used."""
+    if job.guide is None:
+        return {"max_tokens": 1}
+    own: dict[str, object] = {"seed": trip.seed} if trip.index else {}
+    if trip.resume is None:
+        return {"max_tokens": 1, **own}
+    return {"max_tokens": job.max_tokens, "resume": trip.resume, **own}
 
 
 class ClusterBackend(Backend):
@@ -163,7 +178,7 @@ class ClusterBackend(Backend):
                 exclude=list(exclude), request_id=rid), attempt)  # fmt: skip
             tried: list[tuple[str, str]] = []
             try:
-                kv = await self._prefill(request, job, out, touched, route, tried)
+                kv = await self._prefill(request, job, out, touched, route, tried, trip)
             except NodeFailure as e:
                 assert route.prefill is not None
                 log.warning("%s: prefill on %s failed (%s); routing again without it", rid, route.prefill.node_id,
@@ -220,8 +235,9 @@ class ClusterBackend(Backend):
             return route
 
     async def _prefill(self, request: Request, job: Attempt, out: Accounting, touched: _Touched, route: RouteResponse,
-                       tried: list[tuple[str, str]]) -> KVTransferParams | None:  # fmt: skip
-        """The prefill leg on the route's P, if it names one: P's KV handle for D."""
+                       tried: list[tuple[str, str]], trip: _Trip) -> KVTransferParams | None:  # fmt: skip
+        """The prefill leg on the route's P, if it names one: P's KV handle for D (a guided
+        request's with the first token P sampled, which D continues from)."""
         p = route.prefill
         if p is None:
             return None
@@ -235,7 +251,7 @@ class ClusterBackend(Backend):
                                                  "duet.cached_tokens": p.cached_tokens}, kind="CLIENT") as span:  # fmt: skip
                 out.prompt_sent = True
                 answer = await self.nodes.prefill(p.url, rid, leg_request(  # logprobs come from D
-                    request, job, max_tokens=1, stream=False, logprobs=None, kv_transfer_params=_TO_DECODE))  # fmt: skip
+                    request, job, stream=False, logprobs=None, kv_transfer_params=_TO_DECODE, **_p_leg(job, trip)))  # fmt: skip
                 if span is not None and answer.usage is not None:
                     span.set_attribute(GEN_AI_INPUT_TOKENS, answer.usage.prompt_tokens)
             return answer.kv_transfer_params

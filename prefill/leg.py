@@ -4,7 +4,11 @@ Prefill leg: compute the prompt (reusing the prefix cache) with max_tokens=1 and
 engine hold its blocks for `lease_seconds` — the hold and its lease are one engine-side state,
 created atomically when the request finishes, so a client that disconnects at any moment
 cannot leak blocks: the engine frees them at the deadline, on `/kv/release`, or on `/abort`.
-Answer with vLLM-named `kv_transfer_params` telling a decode node where to pull them from.
+Answer with vLLM-named `kv_transfer_params` telling a decode node where to pull them from —
+and, for a guided request, the token P sampled under the guide's mask (`first_token_id`), which
+D emits as the output's first token and continues the grammar from (issue #24). On a migrated
+guided leg the request carries `resume`, so P's matcher, penalties and seeded draws start after
+the tokens already streamed, as D's do.
 `/kv/release` frees them (checking the block ids belong to the request) and says 404 when
 nothing was held.
 """
@@ -16,10 +20,10 @@ import logging
 import msgspec
 from aiohttp import web
 
-from node.engine_api import KVHandoff, RequestRefused
+from node.engine_api import KVHandoff, RequestRefused, SamplingParams
 from node.legs import LegContext, Node, prefill_request_id
 from protocol.kv_params import KVTransferParams
-from protocol.node_api import KVReleaseRequest
+from protocol.node_api import KVReleaseRequest, NodeCompletion
 from protocol.openai import APIError
 
 log = logging.getLogger("duet.prefill")
@@ -32,14 +36,14 @@ async def prefill_leg(leg: LegContext) -> web.StreamResponse:
     if node.transport is None:
         raise APIError(503, "this node has no KV transport; it cannot serve prefill legs")
     params = prep.params
-    params.max_tokens = 1  # P computes the prompt; the first real token comes from D
+    params.max_tokens = 1  # P computes the prompt and samples the first token (D uses a guided leg's)
     lease = node.config.lease_seconds
     result = await leg.collect(await leg.start(params, KVHandoff(hold_seconds=lease)))
     blocks = await node.engine.held_blocks(leg.engine_request_id)
     if not blocks:
         raise APIError(500, "prefill finished without holding its KV blocks", type_="internal_error")
     cfg = node.config
-    result.kv_transfer_params = KVTransferParams(
+    result.kv_transfer_params = KVTransferParams(first_token_id=_first_token(prep.params, result),
         do_remote_prefill=True, remote_engine_id=node.engine_id, remote_block_ids=list(blocks),
         remote_request_id=prep.request_id, remote_host=cfg.public_host, remote_port=cfg.port,
         remote_num_tokens=len(prep.prompt_ids), lease_seconds=lease,
@@ -49,6 +53,18 @@ async def prefill_leg(leg: LegContext) -> web.StreamResponse:
     node.tracing.defer(_hold_key(prep.request_id), "prefill.hold", {"duet.kv.blocks": len(blocks),
                                                                     "duet.lease_s": lease})  # fmt: skip
     return leg.answer(result)
+
+
+def _first_token(params: SamplingParams, result: NodeCompletion) -> int | None:
+    """The token this leg sampled, for D to continue from — a guided leg's only (issue #24: the
+    grammar's state must be the one P's token leads to). An unguided request's first token is
+    sampled again on D from the last prompt position, as before."""
+    if params.guide is None:
+        return None
+    ids = result.choices[0].token_ids if result.choices else None
+    if not ids:  # the leg ended without a token (an error finishes it before: see collect)
+        raise APIError(500, "the guided prefill leg sampled no token", type_="internal_error")
+    return ids[0]
 
 
 async def handle_release(state: Node, request: web.Request) -> web.Response:

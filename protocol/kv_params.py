@@ -3,6 +3,11 @@
 The names are vLLM's on purpose (DESIGN.md §1): the same gateway can drive vLLM workers.
 The prefill leg sends `{"do_remote_decode": true}`; P answers with the remote_* fields and
 `do_remote_prefill: true`, which the gateway passes unchanged to D.
+
+One field is duet's own: `first_token_id`, the token P sampled, on a guided leg only (issue
+#24: P samples the first token under the guide's mask and D continues from it). An unguided
+request's first token is D's to sample again from the recomputed last prompt position (the same
+token for greedy), so its handoff stays vLLM's.
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     remote_num_tokens: int | None = None
     #: Seconds P keeps the blocks before freeing them on its own.
     lease_seconds: float | None = None
+    #: duet's own: the first output token P sampled under the request's guide (guided legs only).
+    #: D checks it against its own matcher (400 when the grammar does not allow it) and emits it
+    #: as the output's first token instead of its own draw.
+    first_token_id: int | None = None
     # vLLM NixlConnector's own fields: a vLLM prefill answers with them and its decode leg needs
     # them back unchanged, so the typed handoff carries them (native nodes ignore them).
     tp_size: int | None = None

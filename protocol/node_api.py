@@ -30,8 +30,9 @@ class NodeCompletionRequest(CompletionRequest, kw_only=True, omit_defaults=True)
     #: it from the caller's team on both legs, and a node never matches a prefix across domains
     cache_salt: str | None = None
     resume: Resume | None = None
-    #: the constrained-decoding guide (protocol/structured.py): P masks the first token with
-    #: it, D resumes it from the tokens so far; None: unconstrained
+    #: the constrained-decoding guide (protocol/structured.py): P samples the first token under
+    #: it (sent to D as `kv_transfer_params.first_token_id`), D resumes it from the tokens so
+    #: far, P's included; None: unconstrained
     guide: Guide | None = None
 
 

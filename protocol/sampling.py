@@ -80,6 +80,11 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     #: constrained decoding (protocol/structured.py): the engine masks every token with it
     guide: Guide | None = None
+    #: P/D, a guided decode leg: the first output token, sampled under the guide by the prefill
+    #: node (`KVTransferParams.first_token_id`). The engine checks the guide allows it, then
+    #: emits it in place of its own first token (still making that draw, so a seeded generator
+    #: stays where P's was). None: the engine samples its first token itself
+    first_token: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,6 +112,11 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         self._check_penalties()
+        if self.first_token is not None:
+            if isinstance(self.first_token, bool) or not isinstance(self.first_token, int) or self.first_token < 0:
+                raise ValueError(f"first_token must be a token id >= 0, got {self.first_token!r}")
+            if self.guide is None:  # an unguided decode leg samples its first token itself
+                raise ValueError("first_token (the prefill node's sampled token) is taken only with a guide")
 
     def _check_penalties(self) -> None:
         for name in ("frequency_penalty", "presence_penalty"):

@@ -75,8 +75,9 @@ class GuideKind(enum.StrEnum):
 
 
 class Guide(msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True):
-    """The constraint of one leg: the prefill node masks the first token with it, the decode
-    node resumes it from the tokens sampled so far and masks the rest."""
+    """The constraint of one leg: the prefill node masks the first token with it (that token is
+    the output's first: D emits it), the decode node resumes it from the tokens sampled so far,
+    P's included, and masks the rest."""
 
     kind: GuideKind
     spec: str = ""

@@ -312,6 +312,8 @@ class VllmNodeEngine:
             raise RequestRefused("a vLLM node moves KV through kv_transfer_params, not the native P/D hooks")
         if params.resume is not None:  # its detokenizer cannot start from another node's state
             raise RequestRefused("a vLLM node cannot continue a migrated request (resume)")
+        if params.first_token is not None:  # vLLM's P/D is its own: its prefill's token never reaches here
+            raise RequestRefused("a vLLM node cannot take a native prefill node's first token (first_token_id)")
         if self.dead is not None:
             raise self.dead if isinstance(self.dead, EngineDead) else EngineDead(str(self.dead))
         # vLLM indexes the logits with logit_bias's ids unchecked: an id outside the vocabulary

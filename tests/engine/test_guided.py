@@ -3,7 +3,8 @@
 The whole schema corpus (bench/data/json_schemas.json) runs as one concurrent batch, mixed with
 unconstrained requests: every output is JSON valid against its schema (`jsonschema`), and the
 unconstrained rows are what they are alone (only guided rows are masked). Then: a max_tokens cut
-is "length", a migrated leg's matcher resumes from its streamed tokens, invalid guides are
+is "length", a migrated leg's matcher resumes from its streamed tokens (and, under P/D, takes
+P's first token after them, checked against the grammar), invalid guides are
 RequestErrors naming the fault, compilation happens off the engine thread and is cached in a
 bounded LRU.
 """
@@ -132,6 +133,25 @@ def test_a_migrated_leg_resumes_the_matcher(llm: LLM) -> None:
     with pytest.raises(RequestError, match="do not satisfy"):
         llm.engine.add_request("bad-resume", prompt + wrong,
                                SamplingParams(**p, resume=Resume(output_tokens=len(wrong), text_chars=5)))  # fmt: skip
+
+
+def test_a_migrated_pd_leg_takes_ps_first_token(llm: LLM) -> None:
+    """A migrated decode leg under P/D: the matcher resumes over the streamed tokens, then takes
+    P's token (`first_token`) as the leg's first. Seeded sampling: the leg still draws for that
+    row, so its generator goes on as the uninterrupted run's; a token the grammar does not allow
+    there (EOS inside an object) is refused."""
+    schema = CORPUS["nested_address"]
+    prompt = ask(llm, "nested_address")
+    p = dict(max_tokens=MAX_TOKENS, temperature=1.0, seed=5, guide=schema_guide(schema))
+    whole = llm.generate([prompt], SamplingParams(**p))[0]
+    k = 6
+    head = whole.token_ids[:k]
+    resume = Resume(output_tokens=k, text_chars=len(llm.tokenizer.decode(head)))
+    leg = llm.generate([prompt + head], SamplingParams(**p, resume=resume, first_token=whole.token_ids[k]))[0]
+    assert leg.token_ids == whole.token_ids[k:]
+    eos = min(llm.tokenizer.eos_token_ids)
+    with pytest.raises(RequestError, match=f"first token {eos} is not allowed"):
+        llm.engine.add_request("bad-first", prompt + head, SamplingParams(**p, resume=resume, first_token=eos))
 
 
 @pytest.mark.parametrize(("guide", "words"), [

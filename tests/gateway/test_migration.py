@@ -10,7 +10,8 @@ greedy output is exact), a real gateway, the official openai client.
 - n = 2, D killed mid-stream: each choice migrates on its own and equals its uninterrupted run
   (greedy, and seeded sampling: sample i continues seed + i);
 - P killed mid-transfer and then D killed mid-stream, in one request: still the same text;
-- a seeded sampled request continues its random sequence on the new node;
+- a seeded sampled request continues its random sequence on the new node; so does a guided
+  one under P/D, whose grammar state continues too (P samples the migrated leg's next token);
 - the migration limit or the migration deadline reached: a defined SSE error event
   (`migration_limit_reached`, `migration_deadline_exceeded`).
 
@@ -28,6 +29,7 @@ import openai
 import pytest
 
 from bench.pd_client import completion
+from protocol.guide_check import canonical_schema
 from protocol.tokenizer import Tokenizer
 from tests.gateway.faults import KillRelay
 from tests.gateway.helpers import MODEL, gateway_proc, make_team, metric, tiny_model
@@ -168,6 +170,30 @@ async def test_seeded_sampling_continues(tmp_path: Path, tiny_llama: Path, relay
             key = make_team(g.url, "m")
             assert await ask(g, key, True, **sampling) == want
             assert r.killed
+
+
+async def test_guided_pd_migration_continues_the_grammar_and_the_draws(tmp_path: Path, tiny_llama: Path,
+                                                                       relays: list[KillRelay]) -> None:  # fmt: skip
+    """A guided (JSON schema), seeded sampled request under P/D, D killed mid-stream: the
+    migrated leg's prefill carries `resume` too, so the token P samples for D (issue #24) comes
+    from the grammar state and the seeded draws after the streamed tokens — the text equals the
+    uninterrupted run. (Without it P starts the grammar and the draws afresh, and D either
+    refuses P's token or emits another one.)"""
+    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 400}}, "required": ["text"]}
+    sampling = {"temperature": 0.9, "seed": 99}
+    node_guide = {"kind": "json_schema", "spec": canonical_schema(schema)}
+    p, d1, d2 = (_node(role, tiny_llama, tmp_path) for role in ("prefill", "decode", "decode"))
+    with running(p, d1, d2):
+        want = await reference(d2, tiny_llama, guide=node_guide, **sampling)
+        assert want.startswith('{"text":"') and len(want) > 40
+        r = await kill_after(relays, d1, chunks=9)
+        g = gateway(tmp_path, tiny_llama, prefill=[p.url], decode=[r.url, d2.url])
+        with running(g):
+            key = make_team(g.url, "m")
+            pulled = metric(d2.url, "duet:kv_transfer_bytes_total")
+            assert await ask(g, key, True, extra_body={"ignore_eos": True, "guided_json": schema}, **sampling) == want
+            assert r.killed
+            assert metric(d2.url, "duet:kv_transfer_bytes_total") > pulled  # the migrated leg went P → D2
 
 
 async def test_migration_limit_is_an_sse_error(tmp_path: Path, tiny_llama: Path, relays: list[KillRelay]) -> None:
