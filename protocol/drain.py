@@ -40,7 +40,9 @@ class DrainStatus(msgspec.Struct, frozen=True, kw_only=True):
     held: int
     #: draining and nothing in flight nor held: safe to stop
     idle: bool
-    outcome: DrainOutcome
+    #: None from a node older than undrain (the field is new; readers go by `draining`/`idle`,
+    #: so a planner upgraded before its nodes still reads their answers during a rolling upgrade)
+    outcome: DrainOutcome | None = None
 
 
 class UndrainOutcome(enum.StrEnum):
