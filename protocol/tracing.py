@@ -124,6 +124,9 @@ class SpanRecord(msgspec.Struct, frozen=True, kw_only=True):
     end_ns: int
     error: bool
     attributes: dict[str, str | int | float | bool | list[str]]
+    #: OTel's span kind in lower case: "server" (a request this process answered), "client" (a
+    #: call it made: the model call `chat {model}`, `embeddings {model}`), "internal" (a step)
+    kind: str = "internal"
 
 
 class SpanRing:
@@ -158,7 +161,7 @@ class SpanRing:
             trace_id=f"{ctx.trace_id:032x}", span_id=f"{ctx.span_id:016x}",
             parent_id=f"{parent.span_id:016x}" if parent is not None else None, name=span.name,
             service=self._service, start_ns=span.start_time or 0, end_ns=span.end_time or 0,
-            error=span.status.status_code.name == "ERROR",
+            error=span.status.status_code.name == "ERROR", kind=span.kind.name.lower(),
             attributes={k: (list(v) if isinstance(v, tuple) else v) for k, v in (span.attributes or {}).items()},
         )  # fmt: skip
 

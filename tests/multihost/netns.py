@@ -85,8 +85,10 @@ def _kill_inside(ns: str) -> None:
 def lan(names: Sequence[str]) -> Iterator[Lan]:
     """Hosts `names` on one bridged /24 (see the module docstring); torn down on exit."""
     tag = f"{os.getpid() % 100000}{random.randrange(100):02d}"
-    # One /24 per run, drawn at random, so two runs on one machine do not share a route.
-    net = f"10.253.{random.randrange(1, 255)}"
+    # One /24 per LAN, drawn at random among those no interface of this machine uses, so two LANs
+    # at once (two test workers, or a module's LAN while a test makes its own) never share a route
+    used = subprocess.run(["ip", "-o", "-4", "addr"], capture_output=True, text=True).stdout
+    net = f"10.253.{random.choice([x for x in range(1, 255) if f' 10.253.{x}.' not in used])}"
     switch, root_dev = f"duet-{tag}-sw", f"duet{tag}"
     made: list[str] = []
     root_made = False

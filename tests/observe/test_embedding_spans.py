@@ -59,6 +59,7 @@ async def test_embeddings_span_served_and_failed(
             root, spans = await trace_of(state, raw.headers["x-request-id"])
             assert root.name == "POST /v1/embeddings" and root.attributes["gen_ai.operation.name"] == "embeddings"
             call = one(spans, "embeddings emb", root)
+            assert (root.kind, call.kind) == ("server", "client")  # OTel GenAI: the model call is CLIENT
             assert not call.error and "error.type" not in call.attributes
             assert {k: call.attributes[k] for k in (
                 "gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model", "gen_ai.response.model",
