@@ -88,10 +88,16 @@ async def _planner(request: web.Request) -> web.Response:
     return _json(report())
 
 
-async def _drain(request: web.Request) -> web.Response:
+def _node_id(request: web.Request) -> str:
+    """The `{node_id}` of a drain route, checked before it names an etcd key (400 otherwise)."""
     node_id = request.match_info["node_id"]
     if not _NODE_ID.match(node_id):
         raise APIError(400, f"invalid node id {node_id[:60]!r}", param="node_id")
+    return node_id
+
+
+async def _drain(request: web.Request) -> web.Response:
+    node_id = _node_id(request)
     c = request.app[COORDINATOR]
     try:
         info = await drain_node(c.store, c.config.cluster, node_id)
@@ -106,9 +112,7 @@ async def _drain(request: web.Request) -> web.Response:
 
 
 async def _undrain(request: web.Request) -> web.Response:
-    node_id = request.match_info["node_id"]
-    if not _NODE_ID.match(node_id):
-        raise APIError(400, f"invalid node id {node_id[:60]!r}", param="node_id")
+    node_id = _node_id(request)
     c = request.app[COORDINATOR]
     if c.session is None:
         raise APIError(503, "this coordinator replica is starting", type_="service_unavailable", retry_after_s=1)

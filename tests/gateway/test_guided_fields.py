@@ -67,6 +67,19 @@ async def _completion_streamed(client: openai.AsyncOpenAI, **kw: Any) -> tuple[s
     return text, finish
 
 
+def _assert_people(chat: Any, completion: Any, streamed: tuple[str, str | None]) -> None:
+    """A whole chat answer, a completion and a streamed chat each ended on their own ("stop") with
+    JSON valid against PERSON (the stream is batched differently, so not always token-equal to
+    the whole answer: valid too)."""
+    assert chat.choices[0].finish_reason == "stop", chat.choices[0]
+    jsonschema.validate(json.loads(chat.choices[0].message.content), PERSON)
+    assert completion.choices[0].finish_reason == "stop", completion.choices[0]
+    jsonschema.validate(json.loads(completion.choices[0].text), PERSON)
+    text, finish = streamed
+    assert finish == "stop", text
+    jsonschema.validate(json.loads(text), PERSON)
+
+
 async def test_guided_choice_answers_exactly_one_choice(env: Env) -> None:
     client = _client(env)
     choice = {"guided_choice": CHOICES}
@@ -112,14 +125,7 @@ async def test_structured_outputs_json_gives_schema_valid_json(env: Env) -> None
                                   extra_body={"structured_outputs": {"json": json.dumps(PERSON)}}),
         _chat_streamed(client, messages=ask, max_tokens=40, temperature=0,
                        extra_body={"structured_outputs": {"json": PERSON}}))  # fmt: skip
-    assert inline.choices[0].finish_reason == "stop", inline.choices[0]
-    jsonschema.validate(json.loads(inline.choices[0].message.content), PERSON)
-    assert as_text.choices[0].finish_reason == "stop", as_text.choices[0]
-    jsonschema.validate(json.loads(as_text.choices[0].text), PERSON)
-    text, finish = streamed
-    # streamed (batched differently, so not always token-equal to the whole answer): valid too
-    assert finish == "stop", text
-    jsonschema.validate(json.loads(text), PERSON)
+    _assert_people(inline, as_text, streamed)
 
 
 async def test_guided_json_gives_schema_valid_json(env: Env) -> None:
@@ -135,13 +141,7 @@ async def test_guided_json_gives_schema_valid_json(env: Env) -> None:
                                               "guided_decoding_backend": "xgrammar"}),
         _chat_streamed(client, messages=ask, max_tokens=40, temperature=1.0, seed=5,
                        extra_body={"guided_json": PERSON, "guided_decoding_backend": "guidance"}))  # fmt: skip
-    assert inline.choices[0].finish_reason == "stop", inline.choices[0]
-    jsonschema.validate(json.loads(inline.choices[0].message.content), PERSON)
-    assert as_text.choices[0].finish_reason == "stop", as_text.choices[0]
-    jsonschema.validate(json.loads(as_text.choices[0].text), PERSON)
-    text, finish = streamed
-    assert finish == "stop", text
-    jsonschema.validate(json.loads(text), PERSON)
+    _assert_people(inline, as_text, streamed)
 
 
 async def test_guided_decoding_backend_alone_changes_nothing(env: Env) -> None:
