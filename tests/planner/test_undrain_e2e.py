@@ -27,10 +27,8 @@ from typing import Any
 import aiohttp
 import pytest
 
-from coordinator.etcd_server import EtcdServer
-from protocol.cluster_secret import write_secret_file
 from tests.coordinator.conftest import http
-from tests.procs import Proc, duet_node, free_port, running
+from tests.procs import Proc, running, secured_plane
 from tests.wait import until, wait_for
 
 NODE_ARGS = ("--dtype", "float32", "--kv-blocks", "128", "--max-model-len", "512", "--transport", "tcp")
@@ -51,21 +49,13 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    tmp = tmp_path_factory.mktemp("undrain")
-    secret_file = tmp / "cluster.secret"
-    write_secret_file(secret_file, SECRET)
-    flag = ("--cluster-secret-file", str(secret_file))
-    with EtcdServer(tmp / "etcd") as etcd:
-        port = free_port()
-        # --local-prefill-tokens 8: a prompt of 64 tokens goes to a prefill node when one is routable
-        coord = Proc([sys.executable, "-m", "duet", "coordinator", "--etcd", etcd.url, "--port", str(port),
-                      "--local-prefill-tokens", "8", *flag], port, tmp / "coordinator.log")  # fmt: skip
+    # --local-prefill-tokens 8: a prompt of 64 tokens goes to a prefill node when one is routable
+    with secured_plane(tmp_path_factory.mktemp("undrain"), SECRET, "--local-prefill-tokens", "8") as plane:
         # a long hold lease: a prefill leg's KV stays held (the node busy) until the test ends it
-        p = duet_node("prefill", str(tiny_llama), tmp, *NODE_ARGS, "--etcd", etcd.url, "--node-id", P_ID,
-                      "--lease-seconds", "120", *flag)  # fmt: skip
-        d = duet_node("decode", str(tiny_llama), tmp, *NODE_ARGS, "--etcd", etcd.url, "--node-id", D_ID, *flag)
-        with running(coord, p, d):
-            c = Cluster(coord, p, d, etcd.url, tiny_llama.name, secret_file)
+        p = plane.node("prefill", tiny_llama, *NODE_ARGS, "--lease-seconds", "120", node_id=P_ID)
+        d = plane.node("decode", tiny_llama, *NODE_ARGS, node_id=D_ID)
+        with running(plane.coordinator, p, d):
+            c = Cluster(plane.coordinator, p, d, plane.etcd, tiny_llama.name, plane.secret_file)
             wait_for(lambda: _routed(c, P_ID, D_ID), 60, "the coordinator to route to both nodes")
             yield c
 

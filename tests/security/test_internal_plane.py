@@ -31,11 +31,9 @@ from typing import Any
 import openai
 import pytest
 
-from coordinator.etcd_server import EtcdServer
-from protocol.cluster_secret import write_secret_file
 from tests.coordinator.conftest import http
 from tests.gateway.helpers import ADMIN_KEY, gateway_proc, make_team
-from tests.procs import Proc, duet_node, free_port, running
+from tests.procs import Proc, running, secured_plane
 from tests.wait import wait_for
 
 MODEL = "tiny"
@@ -64,22 +62,16 @@ def metric_value(url: str, name: str, headers: dict[str, str] | None = None) -> 
 
 @pytest.fixture(scope="module")
 def plane(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Plane]:
-    tmp = tmp_path_factory.mktemp("internal-plane")
-    secret_file = tmp / "cluster.secret"
-    write_secret_file(secret_file, SECRET)
-    flag = ("--cluster-secret-file", str(secret_file))
-    with EtcdServer(tmp / "etcd") as etcd:
-        port = free_port()
-        coord = Proc([sys.executable, "-m", "duet", "coordinator", "--etcd", etcd.url, "--port", str(port),
-                      "--local-prefill-tokens", "8", *flag], port, tmp / "coordinator.log")  # fmt: skip
-        p = duet_node("prefill", str(tiny_llama), tmp, *NODE_ARGS, "--etcd", etcd.url, "--node-id", "prefill-0", *flag)
+    with secured_plane(tmp_path_factory.mktemp("internal-plane"), SECRET, "--local-prefill-tokens", "8") as sp:
+        coord = sp.coordinator
+        p = sp.node("prefill", tiny_llama, *NODE_ARGS, node_id="prefill-0")
         # --failure-policy fail: a pull whose metadata, read or release were refused fails the
         # request instead of hiding behind a local recompute
-        d = duet_node("decode", str(tiny_llama), tmp, *NODE_ARGS, "--etcd", etcd.url, "--node-id", "decode-0",
-                      "--protect-metrics", "--failure-policy", "fail", *flag)  # fmt: skip
+        d = sp.node("decode", tiny_llama, *NODE_ARGS, "--protect-metrics", "--failure-policy", "fail",
+                    node_id="decode-0")  # fmt: skip
         model = {"kind": "cluster", "tokenizer": str(tiny_llama), "served_name": tiny_llama.name}
-        g = gateway_proc(tmp, {MODEL: model}, routing={"coordinator": [coord.url]},
-                         args=("--protect-metrics", *flag))  # fmt: skip
+        g = gateway_proc(sp.tmp, {MODEL: model}, routing={"coordinator": [coord.url]},
+                         args=("--protect-metrics", *sp.flag))  # fmt: skip
         with running(coord, p, d, g):
 
             def ready() -> bool:
@@ -88,7 +80,7 @@ def plane(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
             # the coordinator's /kv/events streams to both nodes carry the secret, or no node is ready
             wait_for(ready, timeout=60, what="both nodes ready")
-            yield Plane(coord, p, d, g, make_team(g.url, "team-a"), tiny_llama.name, secret_file)
+            yield Plane(coord, p, d, g, make_team(g.url, "team-a"), tiny_llama.name, sp.secret_file)
 
 
 def _internal(plane: Plane) -> list[tuple[str, str, Any]]:

@@ -19,9 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.etcd_server import EtcdServer
-from protocol.cluster_secret import write_secret_file
-from tests.procs import TINY_NODE_ARGS, Proc, duet_node, free_port, running
+from tests.procs import TINY_NODE_ARGS, Proc, duet_node, running, secured_plane
 from tests.raw_http import RawConn, assert_timed_out
 
 SECRET = secrets.token_urlsafe(32)
@@ -34,17 +32,11 @@ WITHIN_S = 30.0
 def servers(
     tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Proc]]:
-    tmp = tmp_path_factory.mktemp("internal-deadlines")
-    secret_file = tmp / "cluster.secret"
-    write_secret_file(secret_file, SECRET)
-    flag = ("--cluster-secret-file", str(secret_file))
-    with EtcdServer(tmp / "etcd") as etcd:
-        port = free_port()
-        coord = Proc([sys.executable, "-m", "duet", "coordinator", "--etcd", etcd.url, "--port", str(port),
-                      *flag, *DEADLINES], port, tmp / "coordinator.log")  # fmt: skip
-        node = duet_node("both", str(tiny_llama), tmp, *TINY_NODE_ARGS, *flag, *DEADLINES)
-        with running(coord, node):
-            yield {"coordinator": coord, "node": node}
+    with secured_plane(tmp_path_factory.mktemp("internal-deadlines"), SECRET, *DEADLINES) as plane:
+        # a node of no etcd: only its listener is under test
+        node = duet_node("both", str(tiny_llama), plane.tmp, *TINY_NODE_ARGS, *plane.flag, *DEADLINES)
+        with running(plane.coordinator, node):
+            yield {"coordinator": plane.coordinator, "node": node}
 
 
 #: per server: an authenticated POST whose handler reads the body
