@@ -3,10 +3,12 @@
 Real etcd, a coordinator, a prefill and a decode node on the tiny model, all with a cluster
 secret. A drained node (by its own `POST /drain`, or by the coordinator's etcd rewrite) is
 undone — by `duet drain --undo`, by the coordinator's `DELETE /nodes/{id}/drain`, and by the
-Kubernetes actuator whose scale-in failed after the drain: its readiness is 200 again, etcd says
-`active`, and the coordinator's `/route` picks it again. A `POST /drain?wait=` still waiting
-answers `outcome: cancelled`. Without the secret the undo is 401 and changes nothing; a node
-that is stopping (SIGTERM's grace period) refuses with 409 `node_stopping`.
+Kubernetes and the local actuator whose scale-in failed after the drain: its readiness is 200
+again, etcd says `active`, and the coordinator's `/route` picks it again. The local actuator's
+`duet up` is a stand-in (DuetUpStandIn) on the control endpoint's wire types whose stop is
+refused, fails, drops its connection or finds nothing listening. A `POST /drain?wait=` still
+waiting answers `outcome: cancelled`. Without the secret the undo is 401 and changes nothing; a
+node that is stopping (SIGTERM's grace period) refuses with 409 `node_stopping`.
 
 Every assertion that the node serves again fails on the code before the undo existed (no
 `DELETE /drain`: 405, and the node stayed drained until it went away).
@@ -15,6 +17,7 @@ Every assertion that the node serves again fails on the code before the undo exi
 from __future__ import annotations
 
 import asyncio
+import enum
 import secrets
 import signal
 import subprocess
@@ -25,10 +28,19 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import msgspec
 import pytest
+from aiohttp import web
 
+from coordinator.drain import find_node
+from coordinator.etcd_store import EtcdStore
+from planner.actuator import ActResult, Outcome, Victim
+from planner.drain import Drainer
+from planner.local import ControlError, LocalActuator, NodeStopped
+from planner.pools import PoolKey
+from protocol.cluster import NodeStatus
 from tests.coordinator.conftest import http
-from tests.procs import Proc, running, secured_plane
+from tests.procs import Proc, free_port, running, secured_plane
 from tests.wait import until, wait_for
 
 NODE_ARGS = ("--dtype", "float32", "--kv-blocks", "128", "--max-model-len", "512", "--transport", "tcp")
@@ -171,10 +183,7 @@ def test_a_kubernetes_scale_in_that_fails_after_the_drain_leaves_the_node_servin
     serving nothing."""
     from kubernetes import client
 
-    from planner.actuator import Outcome, Victim
-    from planner.drain import Drainer
     from planner.kube import DELETION_COST, KubernetesActuator
-    from planner.pools import PoolKey
     from tests.planner.fake_kube import FakeKube, FakePod
     from tests.planner.test_kube_actuator import serve
 
@@ -197,6 +206,132 @@ def test_a_kubernetes_scale_in_that_fails_after_the_drain_leaves_the_node_servin
         assert DELETION_COST not in kube.annotations.get(D_ID, {}), kube.annotations
 
     asyncio.run(go())
+    assert _ready(d) == 200
+    wait_for(lambda: _status_in_coordinator(c, D_ID) == "active" and _routed(c, P_ID, D_ID), 10,
+             "the coordinator to route to D again")  # fmt: skip
+
+
+class StopAnswer(enum.StrEnum):
+    """How the stand-in for `duet up` fails the stop that follows the drain."""
+
+    #: 409 last_node (REFUSED): another node went between the dry run and the stop
+    REFUSED = "refused"
+    #: 503 busy: the supervisor did not retire the node within its wait
+    BUSY = "busy"
+    #: 500 with no ControlError body (a crash page)
+    ERROR = "error"
+    #: the connection closed with no answer: the endpoint's handler died (http.server does that)
+    DROPPED = "dropped"
+    #: duet up went away after the dry run: the stop's connection is refused
+    GONE = "gone"
+
+
+class DuetUpStandIn:
+    """`duet up`'s control endpoint (duet/up_autoscale.py::serve_control) as the local actuator
+    meets it, on its wire types (planner/local.py): the cluster secret required, the dry run
+    answered yes (NodeStopped), the stop itself failed as `answer` says. When the stop comes it
+    reads the victim's readiness, so the test sees the drain came first."""
+
+    def __init__(self, answer: StopAnswer, victim_url: str) -> None:
+        self.answer = answer
+        self.victim_url = victim_url
+        self.calls: list[str] = []
+        self.ready_at_stop: int | None = None
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+
+    @staticmethod
+    def _send(status: int, body: msgspec.Struct, close: bool = False) -> web.Response:
+        r = web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
+        if close:
+            r.force_close()
+        return r
+
+    async def stop(self, request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Authorization") != AUTH["Authorization"]:
+            return self._send(401, ControlError(message="duet up's control endpoint needs the cluster secret",
+                                                code="cluster_secret_required"))  # fmt: skip
+        node_id = request.match_info["node_id"]
+        if request.query.get("dry_run") == "1":
+            self.calls.append("dry_run")
+            gone = self.answer == StopAnswer.GONE
+            if gone:  # stop listening before answering: the next connection is refused for certain
+                assert self._site is not None
+                await self._site.stop()
+            return self._send(200, NodeStopped(node_id=node_id, exit_code=None, nodes=2), close=gone)
+        self.calls.append("stop")
+        async with aiohttp.ClientSession() as s, s.get(self.victim_url + "/health", params={"probe": "ready"}) as r:
+            self.ready_at_stop = r.status
+        if self.answer == StopAnswer.REFUSED:
+            return self._send(409, ControlError(message="the last node is not stopped", code="last_node"))
+        if self.answer == StopAnswer.BUSY:
+            return self._send(503, ControlError(message="the supervisor is busy (starting or stopping)", code="busy"))
+        if self.answer == StopAnswer.ERROR:
+            return web.Response(status=500, text="500 Internal Server Error")
+        assert self.answer == StopAnswer.DROPPED and request.transport is not None
+        request.transport.close()
+        return web.Response()  # never written: the connection is closed
+
+    async def __aenter__(self) -> str:
+        app = web.Application()
+        app.router.add_post("/nodes/{node_id}/stop", self.stop)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        port = free_port()
+        self._site = web.TCPSite(self._runner, "127.0.0.1", port)
+        await self._site.start()
+        return f"http://127.0.0.1:{port}"
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+
+#: per failed stop: the actuator's outcome and what its detail names
+STOP_FAILURES = {
+    StopAnswer.REFUSED: (Outcome.REFUSED, "duet up answered 409 last_node"),
+    StopAnswer.BUSY: (Outcome.FAILED, "duet up answered 503 busy"),
+    StopAnswer.ERROR: (Outcome.FAILED, "duet up answered 500: b'500 Internal Server Error'"),
+    StopAnswer.DROPPED: (Outcome.FAILED, "duet up's control endpoint: ServerDisconnectedError"),
+    StopAnswer.GONE: (Outcome.FAILED, "duet up's control endpoint: ClientConnectorError"),
+}
+
+
+async def _etcd_status(c: Cluster, node_id: str) -> str | None:
+    """The node's status in its etcd registration (what every coordinator replica reads)."""
+    store = EtcdStore(c.etcd)
+    try:
+        rec = await find_node(store, "default", node_id)
+    finally:
+        await store.close()
+    return None if rec is None else rec.info.status
+
+
+@pytest.mark.parametrize("answer", list(StopAnswer))
+def test_a_local_scale_in_whose_stop_fails_after_the_drain_leaves_the_node_serving(
+    cluster: Cluster, answer: StopAnswer
+) -> None:
+    """The local actuator (`duet up --autoscale`, planner/local.py) on a real node: the dry run
+    says yes, the drain finishes (D is idle), then duet up refuses or fails the stop, or cannot
+    be reached — and the actuator undoes its drain: D is `active` in etcd, Ready, and routed."""
+    c, d = cluster, cluster.decode
+    want, said = STOP_FAILURES[answer]
+
+    async def go() -> ActResult:
+        duet_up = DuetUpStandIn(answer, d.url)
+        async with duet_up as control, aiohttp.ClientSession(headers=AUTH) as s:
+            # the session carries the secret, as `duet coordinator`'s plane session does (planner/cli.py)
+            act = LocalActuator(control, Drainer(s, poll_s=0.1, deadline_s=30), s)
+            r = await act.scale_in(PoolKey("decode", c.model, "shared"), Victim(D_ID, d.url), 0)
+        assert duet_up.calls == (["dry_run"] if answer == StopAnswer.GONE else ["dry_run", "stop"]), duet_up.calls
+        if answer != StopAnswer.GONE:
+            assert duet_up.ready_at_stop == 503  # drained when the stop was asked
+        return r
+
+    r = asyncio.run(go())
+    assert r.outcome == want and said in r.detail, r
+    assert r.drained is True and f"{D_ID} undrained: it serves again" in r.detail, r
+    assert asyncio.run(_etcd_status(c, D_ID)) == NodeStatus.ACTIVE
     assert _ready(d) == 200
     wait_for(lambda: _status_in_coordinator(c, D_ID) == "active" and _routed(c, P_ID, D_ID), 10,
              "the coordinator to route to D again")  # fmt: skip
