@@ -23,7 +23,12 @@ Mapping (the shared names are in providers/anthropic_shapes.py):
 - usage: `input_tokens` is the prompt minus its cache reads (`cache_read_input_tokens`).
   A stream's `message_start` says 0 input tokens; `message_delta` carries the final counts.
 - `stop_reason`: OpenAI's `stop` is `end_turn` (the chat path does not say whether a stop
-  sequence or the end of the turn stopped it, so `stop_sequence` is not reported).
+  sequence or the end of the turn stopped it, so `stop_sequence` is not reported);
+- vLLM's extras (`guided_choice`, `guided_regex`, `guided_json`, `structured_outputs`,
+  `guided_decoding_backend`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`; sent
+  through `extra_body`) → the same chat fields, checked as chat checks them
+  (gateway/constraint.py): one constraint per request, so a structured-output extra with
+  `output_config.format` or a forced `tool_choice` (any or a named tool) is a 400 naming both.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ from gateway.chat_answer import (
     ToolStart,
     UsageSeen,
 )
+from gateway.constraint import Names, vllm_fields
 from gateway.ledger import Caller
 from gateway.providers.anthropic_shapes import (
     FINISH_REASONS,
@@ -86,6 +92,8 @@ from protocol.openai import APIError
 from protocol.structured import JSONSchemaFormat, ResponseFormat
 
 _ENC = msgspec.json.Encoder()
+#: how this API calls the constraints of its own, in a 400 about two constraints
+NAMES = Names(response_format="output_config.format", forced_tool="a forced tool_choice (any or a named tool)")
 
 
 async def handle(state: GatewayState, request: web.Request, request_id: str) -> web.StreamResponse:
@@ -134,6 +142,7 @@ def parse(raw: bytes) -> MessagesRequest:
     for k in ("model", "messages", "max_tokens"):
         if k not in top:
             raise APIError(400, f"{k}: Field required")
+    vllm_fields(top)  # vLLM's extras: a wrong type is chat's 400, in chat's words
     try:
         body = msgspec.convert(top, MessagesRequest)
     except msgspec.ValidationError as e:
@@ -233,6 +242,9 @@ def to_chat(body: MessagesRequest) -> chat.ChatBody:
             out.tool_choice = TOOL_CHOICES_BACK[str(kind)]  # type: ignore[assignment]
         if tc.disable_parallel_tool_use:
             out.parallel_tool_calls = False
+    chat.copy_extras(body, out)
+    out.top_k = body.top_k  # Anthropic's own field
+    chat.check_constraint(out, NAMES)
     return out
 
 

@@ -3,6 +3,7 @@
 Requests are typed down to the content blocks (tagged unions on `type`), so a malformed body is
 refused by the decoder with the path of what is wrong. Unknown fields inside blocks are ignored
 (clients add `cache_control`, `citations`); unknown top-level fields are checked by the handler.
+The request takes vLLM's extras too (`VllmExtras`, sent through `extra_body`), as chat does.
 Answers and stream events mirror Anthropic's shapes field for field, so the official
 `anthropic` client parses them.
 """
@@ -13,6 +14,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from gateway.chat_request import VllmExtras
 from protocol.sse import named_sse
 
 # -- requests -------------------------------------------------------------------------------
@@ -101,9 +103,10 @@ class Metadata(msgspec.Struct, kw_only=True):
     user_id: str | None = None
 
 
-class MessagesRequest(msgspec.Struct, kw_only=True):
+class MessagesRequest(VllmExtras, kw_only=True):
     """The body. temperature, top_p and top_k are the older API's (recent SDKs send them
-    through `extra_body`); they still steer the self-hosted and OpenAI-compatible models."""
+    through `extra_body`); they still steer the self-hosted and OpenAI-compatible models.
+    vLLM's extras (guided_choice, structured_outputs, min_p, …) are inherited: gateway/chat_request.py."""
 
     model: str
     messages: list[InputMessage]
@@ -112,6 +115,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     stop_sequences: list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
+    #: Anthropic's own (also one of vLLM's extras; Anthropic's range: a positive integer)
     top_k: int | None = None
     stream: bool = False
     tools: list[InputTool] | None = None

@@ -18,6 +18,12 @@ field (`guided_choice`, `structured_outputs.regex`, …): `Constraint.param`. Th
 is sent (gateway/provider_backend.py); `features.py` counts them as the feature
 `vllm_structured_outputs`, which external models lack unless their config lists it.
 
+The same checks serve `/v1/messages` and `/v1/responses`, which take vLLM's extras too (their
+request structs inherit `VllmFields` through chat_request.VllmExtras): their translators call
+`constraint` with the API's own `Names` first (`output_config.format` / `text.format` rather than
+`response_format`), so a 400 names the field the client sent; the chat path then checks the
+translated request again, and finds it sound.
+
 Invariant: `Constraint.guide` is None or well-formed (its grammar not yet compiled: `param` is
 what a refusal names); `field` names the request field it came from (None exactly when there is
 no guide and no forced tool choice).
@@ -58,6 +64,21 @@ _REFUSED = ("grammar", "structural_tag", "whitespace_pattern", "disable_addition
 _FORCED_TOOL = "tool_choice"
 
 
+@dataclass(frozen=True)
+class Names:
+    """What an API calls the constraints of its own, for the 400s that name them (chat's and the
+    completions form's are OpenAI's)."""
+
+    #: its structured-output field (Anthropic's `output_config.format`, Responses' `text.format`)
+    response_format: str = "response_format"
+    #: a forced tool choice, in the API's words
+    forced_tool: str = "a forced tool_choice (required or a named function)"
+
+
+#: OpenAI's names (chat, completions)
+OPENAI = Names()
+
+
 class VllmFields(msgspec.Struct, kw_only=True):
     """vLLM's extras as the client sent them (None: not sent)."""
 
@@ -88,11 +109,11 @@ class Constraint:
     param: str | None = None
 
 
-def constraint(data: dict[str, Any], rf: ResponseFormat | None, forced_tool: bool) -> Constraint:
-    """The request's constraint from its raw body `data` (for vLLM's fields), its parsed
-    `response_format` and whether its tool_choice is forced; 400 for two constraints, or one
-    malformed before any grammar work (the grammar engine's check is serve.run's, async)."""
-    vllm = _vllm_fields(data)
+def constraint(vllm: VllmFields, rf: ResponseFormat | None, forced_tool: bool, names: Names = OPENAI) -> Constraint:
+    """The request's constraint from vLLM's fields (`vllm_fields` of the raw body, or a request
+    struct that inherits them), its parsed `response_format` and whether its tool_choice is
+    forced; 400 for two constraints, or one malformed before any grammar work (the grammar
+    engine's check is serve.run's, async). `names`: how the API calls its own fields."""
     for name, why in _REFUSED_FIELDS.items():
         if getattr(vllm, name) is not None:
             raise APIError(400, f"{name} is not supported: {why}", param=name)
@@ -100,8 +121,9 @@ def constraint(data: dict[str, Any], rf: ResponseFormat | None, forced_tool: boo
                                        *((f, getattr(vllm, f) is not None) for f in _GUIDED),
                                        (_FORCED_TOOL, forced_tool)) if used]  # fmt: skip
     if len(sources) > 1:
-        raise APIError(400, f"{described(sources[0])} and {described(sources[1])} cannot be combined: each constrains "
-                            "the whole answer (send one)", param=sources[1])  # fmt: skip
+        second = names.response_format if sources[1] == "response_format" else sources[1]
+        raise APIError(400, f"{described(sources[0], names)} and {described(sources[1], names)} cannot be combined: "
+                            "each constrains the whole answer (send one)", param=second)  # fmt: skip
     if not sources:
         return Constraint()
     field = sources[0]
@@ -113,13 +135,22 @@ def constraint(data: dict[str, Any], rf: ResponseFormat | None, forced_tool: boo
     return Constraint(guide=_guide(so, param), field=field, structured_outputs=so, param=param)
 
 
-def described(source: str) -> str:
-    return (
-        "a forced tool_choice (required or a named function)" if source == _FORCED_TOOL else source
-    )
+def described(source: str, names: Names = OPENAI) -> str:
+    """A constraint's source (a `Constraint.field`) as the API's 400s name it."""
+    if source == _FORCED_TOOL:
+        return names.forced_tool
+    return names.response_format if source == "response_format" else source
 
 
-def _vllm_fields(data: dict[str, Any]) -> VllmFields:
+def refuse_min_tokens(field: str | None, min_tokens: int | None, names: Names = OPENAI) -> None:
+    """A finished grammar allows only EOS, which min_tokens forbids: the two cannot meet (400)."""
+    if field is not None and min_tokens:
+        raise APIError(400, f"min_tokens cannot be combined with {described(field, names)} (a finished constraint allows "
+                            "only the end of the answer)", param="min_tokens")  # fmt: skip
+
+
+def vllm_fields(data: dict[str, Any]) -> VllmFields:
+    """vLLM's fields of a raw request body, typed (400 naming the field whose type is wrong)."""
     sent = {k: data[k] for k in VLLM_FIELDS if data.get(k) is not None}
     if not sent:
         return VllmFields()

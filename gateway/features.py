@@ -53,7 +53,7 @@ def features(request: Request) -> frozenset[Feature]:
     if request.structured_outputs is not None:
         out.add(Feature.VLLM_STRUCTURED_OUTPUTS)
     s = request.sampling
-    if any(v is not None for v in (s.frequency_penalty, s.presence_penalty, s.repetition_penalty, s.min_p)):
+    if any(getattr(s, n) is not None for n in _PENALTIES):
         out.add(Feature.PENALTIES)
     if s.logit_bias:
         out.add(Feature.LOGIT_BIAS)
@@ -99,7 +99,13 @@ def refuse_missing(request: Request, model: ModelConfig) -> None:
 def _param(request: Request, feature: Feature) -> str:
     if feature is Feature.VLLM_STRUCTURED_OUTPUTS and request.constraint_field is not None:
         return request.constraint_field  # the one of vLLM's fields the client sent
+    if feature is Feature.PENALTIES:  # the first of them the client sent (min_p, say)
+        s = request.sampling
+        return next(n for n in _PENALTIES if getattr(s, n) is not None)
     return _PARAM[feature]
+
+
+_PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p")
 
 
 #: the request field an error about a feature names

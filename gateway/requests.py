@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from gateway.config import Tier
-from gateway.constraint import VLLM_FIELDS, constraint, described
+from gateway.constraint import VLLM_FIELDS, constraint, refuse_min_tokens, vllm_fields
 from gateway.tools.spec import Tools, check_tools, tool_turn
 from protocol.chat import ChatCompletionRequest
 from protocol.logprobs import MAX_TOP_LOGPROBS
@@ -246,8 +246,8 @@ def parse_chat(raw: bytes) -> Request:
     # the nodes speak the completions form: N top tokens besides the chosen one
     sampling, n = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-    c = constraint(data, body.response_format, forced_tool=tools.choice in ("required", "named"))
-    _guided_min_tokens(c.field, sampling)
+    c = constraint(vllm_fields(data), body.response_format, forced_tool=tools.choice in ("required", "named"))
+    refuse_min_tokens(c.field, sampling.min_tokens)
     return Request(endpoint=Endpoint.CHAT, model=body.model, messages=messages, prompt=None, max_tokens=max_tokens,
                    sampling=sampling, n=n, stream=bool(body.stream),
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
@@ -290,20 +290,13 @@ def parse_completion(raw: bytes) -> Request:
     sampling, n = _sampling(_Shim(body, n=data.get("n")), max_tokens, body.logprobs)
     rf = _convert({"response_format": data["response_format"]}, _Format).response_format \
         if data.get("response_format") is not None else None  # fmt: skip
-    c = constraint(data, rf, forced_tool=False)
-    _guided_min_tokens(c.field, sampling)
+    c = constraint(vllm_fields(data), rf, forced_tool=False)
+    refuse_min_tokens(c.field, sampling.min_tokens)
     return Request(endpoint=Endpoint.COMPLETION, model=body.model, messages=None, prompt=p, max_tokens=max_tokens,
                    sampling=sampling, n=n, stream=body.stream,
                    include_usage=bool(body.stream_options and body.stream_options.include_usage),
                    service_tier=body.service_tier, user=_user(body.user), response_format=rf, guide=c.guide,
                    structured_outputs=c.structured_outputs, constraint_field=c.field, guide_param=c.param)  # fmt: skip
-
-
-def _guided_min_tokens(field: str | None, sampling: Sampling) -> None:
-    """A finished grammar allows only EOS, which min_tokens forbids: the two cannot meet."""
-    if field is not None and sampling.min_tokens:
-        raise APIError(400, f"min_tokens cannot be combined with {described(field)} (a finished constraint allows only the "
-                            "end of the answer)", param="min_tokens")  # fmt: skip
 
 
 class _Format(msgspec.Struct):

@@ -11,8 +11,13 @@ response.completed — or response.incomplete when max_output_tokens cut the ans
 Mapping: `instructions` → a system message first; `input` items → chat messages (a
 `function_call` item joins the assistant turn before it as a tool call, a
 `function_call_output` item is a `tool` message); function tools → chat tools; `tool_choice`
-as is; `max_output_tokens` → max_tokens; `text.format` → response_format. Errors are OpenAI's
-error body (the shared middleware), a stream's failure an `error` event.
+as is; `max_output_tokens` → max_tokens; `text.format` → response_format; vLLM's extras
+(`guided_choice`, `guided_regex`, `guided_json`, `structured_outputs`, `guided_decoding_backend`,
+`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`; sent through `extra_body`)
+→ the same chat fields, checked as chat checks them (gateway/constraint.py): one constraint per
+request, so a structured-output extra with `text.format` json_object / json_schema or a forced
+`tool_choice` is a 400 naming both. Errors are OpenAI's error body (the shared middleware), a
+stream's failure an `error` event.
 
 Stateless: nothing is stored, so `previous_response_id` is refused with a 400 that says so
 (send the conversation in `input`), and `store` is answered as false.
@@ -39,6 +44,7 @@ from gateway.chat_answer import (
     ToolStart,
     UsageSeen,
 )
+from gateway.constraint import Names, vllm_fields
 from gateway.ledger import Caller
 from gateway.responses_wire import (
     FIELDS,
@@ -81,6 +87,8 @@ from protocol.openai import APIError
 from protocol.structured import JSONSchemaFormat, ResponseFormat
 
 _ENC = msgspec.json.Encoder()
+#: how this API calls the constraints of its own, in a 400 about two constraints
+NAMES = Names(response_format="text.format")
 
 
 async def handle(state: GatewayState, request: web.Request, request_id: str) -> web.StreamResponse:
@@ -112,6 +120,7 @@ def parse(raw: bytes) -> ResponsesRequest:
     for k in ("model", "input"):
         if k not in top:
             raise APIError(400, f"missing required field: {k}", param=k)
+    vllm_fields(top)  # vLLM's extras: a wrong type is chat's 400, in chat's words (param included)
     if isinstance(top["input"], list):  # an "easy" message item has no type
         top["input"] = [{**it, "type": "message"} if isinstance(it, dict) and "type" not in it and "role" in it
                         else it for it in top["input"]]  # fmt: skip
@@ -184,6 +193,8 @@ def to_chat(body: ResponsesRequest) -> chat.ChatBody:
             raise APIError(400, "text.format of type json_schema needs name and schema", param="text")
         out.response_format = ResponseFormat(type="json_schema", json_schema=JSONSchemaFormat(
             name=f.name, schema=f.schema, strict=f.strict, description=f.description))  # fmt: skip
+    chat.copy_extras(body, out)
+    chat.check_constraint(out, NAMES)
     return out
 
 

@@ -2,7 +2,8 @@
 
 Requests: `input` is a string or a list of items — messages (with or without `"type":
 "message"`; content a string or input_text / output_text / input_image parts), `function_call`
-and `function_call_output` — typed as tagged unions; function tools; tool_choice; `text.format`.
+and `function_call_output` — typed as tagged unions; function tools; tool_choice; `text.format`;
+and vLLM's extras (`VllmExtras`, sent through `extra_body`), as chat takes them.
 Answers: the `response` object with its `output` items (message with output_text parts,
 function_call), its usage, and the stream events that build it (each with its
 `sequence_number`). Field names and shapes are OpenAI's, so the official client parses them.
@@ -14,6 +15,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from gateway.chat_request import VllmExtras
 from protocol.sse import named_sse
 
 # -- requests -------------------------------------------------------------------------------
@@ -80,7 +82,10 @@ class TextConfig(msgspec.Struct, kw_only=True):
     format: TextFormat = msgspec.field(default_factory=TextFormat)
 
 
-class ResponsesRequest(msgspec.Struct, kw_only=True):
+class ResponsesRequest(VllmExtras, kw_only=True):
+    """The body; vLLM's extras (guided_choice, structured_outputs, top_k, min_p, …) are
+    inherited (gateway/chat_request.py)."""
+
     model: str
     input: str | list[InputItem]
     instructions: str | None = None
