@@ -34,6 +34,7 @@ Mapping (the shared names are in providers/anthropic_shapes.py):
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import msgspec
@@ -123,8 +124,13 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
 
 
 def error_response(e: APIError, request_id: str) -> web.Response:
-    """An APIError in Anthropic's error shape, with its status and headers (Retry-After, …)."""
-    body = ErrorBody(error=ErrorObject(type=error_type_of(e.status), message=e.message))
+    """An APIError in Anthropic's error shape, with its status and headers (Retry-After, …).
+    That shape has no `param`: the field a 400 names (the chat path's own checks, the grammar
+    engine's verdict on a `guided_regex`, …) leads the message unless the message names it (as a
+    word), as Anthropic's own `field: message` errors do."""
+    named = e.param is not None and re.search(rf"(?<!\w){re.escape(e.param)}(?!\w)", e.message) is not None
+    message = e.message if e.param is None or named else f"{e.param}: {e.message}"
+    body = ErrorBody(error=ErrorObject(type=error_type_of(e.status), message=message))
     return web.Response(status=e.status, body=_ENC.encode(body), content_type="application/json",
                         headers={**e.response_headers(), "X-Request-Id": request_id, "request-id": request_id})  # fmt: skip
 
