@@ -3,7 +3,12 @@ a real gateway process: `guided_json` / `guided_regex` / `guided_choice` / `stru
 fields, so an external model serves them only when its config lists the feature
 `vllm_structured_outputs` (an OpenAI-compatible vLLM server), which is then sent vLLM's
 `structured_outputs`; any other external model named outright is a 400 naming the field, and
-fallback chains and `model: "auto"` skip it (gateway/features.py).
+fallback chains and `model: "auto"` skip it (gateway/features.py). `/v1/messages` and
+`/v1/responses` take the same extras (the official `anthropic` client, and `responses.create`)
+and hand them to the chat path: the same provider gets the same `structured_outputs`, and the
+others refuse them the same way. An Anthropic model serves none of vLLM's structured outputs and
+no penalties (min_p, repetition_penalty: a 400 naming the field), while `top_k` is Anthropic's own
+and is sent on.
 
 Fakes only for the providers' APIs (tests/providers/fakes.py)."""
 
@@ -13,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 
@@ -36,6 +42,9 @@ class Env:
         return openai.OpenAI(
             base_url=self.gw.url + "/v1", api_key=key or self.key, max_retries=0, timeout=60
         )
+
+    def claude(self) -> anthropic.Anthropic:
+        return anthropic.Anthropic(base_url=self.gw.url, api_key=self.key, max_retries=0, timeout=60)
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +133,50 @@ def test_auto_only_picks_a_model_that_serves_them(env: Env) -> None:
                                                       extra_body={"structured_outputs": {"json_object": True}})  # fmt: skip
     assert raw.headers["x-duet-model-used"] == "vllm2"
     assert env.fakes["vllm2"].requests[-1]["structured_outputs"] == {"json_object": True}
+
+
+def _message(env: Env, model: str, extra: dict[str, Any]) -> anthropic.types.Message:
+    return env.claude().messages.create(model=model, max_tokens=8, messages=ASK, extra_body=extra)
+
+
+def _response(env: Env, model: str, extra: dict[str, Any]) -> Any:
+    return env.client().responses.create(model=model, input=ASK[0]["content"], max_output_tokens=8, extra_body=extra)
+
+
+def test_messages_and_responses_send_a_vllm_provider_structured_outputs(env: Env) -> None:
+    extra = {"guided_json": {"type": "integer"}, "guided_decoding_backend": "xgrammar", "min_p": 0.1}
+    for _ in (_message(env, "vllm", extra), _response(env, "vllm", {**extra, "structured_outputs": None})):
+        body = env.fakes["vllm"].requests[-1]
+        assert body["structured_outputs"] == {"json": {"type": "integer"}}, body
+        assert body["min_p"] == 0.1, body
+        assert not {"guided_json", "guided_decoding_backend"} & set(body)
+    r = _response(env, "vllm", {"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.output_text == "echo: Is the sky blue?"
+    assert env.fakes["vllm"].requests[-1]["structured_outputs"] == {"choice": ["yes", "no"]}
+
+
+@pytest.mark.parametrize(("model", "extra", "param", "lacks"), [
+    ("gpt", {"guided_choice": ["yes", "no"]}, "guided_choice", "vllm_structured_outputs"),
+    ("claude", {"structured_outputs": {"regex": "a+"}}, "structured_outputs", "vllm_structured_outputs"),
+    ("claude", {"guided_json": {"type": "integer"}}, "guided_json", "vllm_structured_outputs"),
+    ("claude", {"min_p": 0.1}, "min_p", "penalties"),
+    ("claude", {"repetition_penalty": 1.2}, "repetition_penalty", "penalties"),
+])  # fmt: skip
+def test_messages_and_responses_refuse_them_where_chat_does(env: Env, model: str, extra: dict[str, Any], param: str,
+                                                            lacks: str) -> None:  # fmt: skip
+    before = len(env.fakes[model].requests)
+    with pytest.raises(anthropic.BadRequestError) as a:
+        _message(env, model, extra)
+    assert a.value.body["error"]["message"].startswith(f"{param}: the model {model!r} does not support {lacks}")
+    with pytest.raises(openai.BadRequestError) as o:
+        _response(env, model, extra)
+    assert o.value.code == "unsupported_feature" and o.value.param == param and lacks in o.value.message
+    assert len(env.fakes[model].requests) == before  # refused before any provider call
+
+
+def test_an_anthropic_model_gets_top_k(env: Env) -> None:
+    """top_k is Anthropic's own: sent on, from either API (ignore_eos and min_tokens are
+    node-only sampling fields, dropped for every provider as on chat)."""
+    for _ in (_message(env, "claude", {"top_k": 3, "ignore_eos": True}), _response(env, "claude", {"top_k": 3})):
+        body = env.fakes["claude"].requests[-1]
+        assert body["top_k"] == 3 and "ignore_eos" not in body, body
