@@ -218,7 +218,7 @@ class Coordinator:
                 queued_prefill_tokens=load.queued_prefill_tokens,
                 kv_blocks_free=load.kv_blocks_free, kv_blocks_total=load.kv_blocks_total,
                 ttft_p90_s=load.ttft_p90_s, ttft_samples=load.ttft_samples, itl_p90_s=load.itl_p90_s,
-                itl_samples=load.itl_samples,
+                itl_samples=load.itl_samples, ttft_hist=load.ttft_hist, itl_hist=load.itl_hist,
             ),
             pending=PendingReport(seqs=p.seqs, prefill_tokens=p.prefill_tokens, blocks=p.blocks),
             indexed_blocks=self.index.node_block_count(v.node_id),

@@ -8,9 +8,9 @@ batches after their `since`, then new ones as they come, and a `LoadFrame` at le
 requests the engine took since the stream's previous one (`taken`, from a ring of the last
 `TAKEN_RING` ids; a new stream starts with the whole ring, so a reconnect loses no ack), and
 coordinators drop their pending reservations for those routes on it. Load frames also carry
-the node's measured TTFT / ITL P90 over its recent window (`latency`: node/latency_window.py;
-TTFT on prefill and colocated nodes, ITL on decode and colocated ones — a decode leg's first
-token waits on a KV pull, which is not the client's TTFT).
+the node's measured TTFT / ITL P90 over its recent window, with the window's histogram
+(`latency`: node/latency_window.py; TTFT on prefill and colocated nodes, ITL on decode and
+colocated ones — a decode leg's first token waits on a KV pull, which is not the client's TTFT).
 
 Invariants: seq numbers have no gaps; the snapshot is taken on the engine thread in the same
 call that drains pending events, under the same lock as the poller, so "snapshot at seq S"
@@ -53,7 +53,7 @@ TAKEN_RING = 1024
 
 class KVEventLog:
     def __init__(self, engine: Any, engine_id: str, block_size: int, recording: bool,
-                 ring_size: int = RING_SIZE, latency: Callable[[], dict[str, float]] | None = None) -> None:  # fmt: skip
+                 ring_size: int = RING_SIZE, latency: Callable[[], dict[str, object]] | None = None) -> None:  # fmt: skip
         self.engine = engine
         #: the measured-latency fields of a load frame (LoadFrame's ttft_* / itl_* names)
         self.latency = latency
@@ -137,16 +137,19 @@ class KVEventLog:
 KV_EVENTS = web.AppKey("kv_events", KVEventLog)
 
 
-def measured_latency(metrics: NodeMetrics, role: str) -> Callable[[], dict[str, float]]:
+def measured_latency(metrics: NodeMetrics, role: str) -> Callable[[], dict[str, object]]:
     """The load frame's measured figures for a node of `role`: TTFT where it makes first tokens
-    for clients (prefill, both), ITL where it decodes (decode, both)."""
+    for clients (prefill, both), ITL where it decodes (decode, both) — each a P90, its sample
+    count and the window's histogram (the planner merges the histograms over a pool)."""
 
-    def figures() -> dict[str, float]:
-        out: dict[str, float] = {"latency_window_s": metrics.recent_ttft.window_s}
+    def figures() -> dict[str, object]:
+        out: dict[str, object] = {"latency_window_s": metrics.recent_ttft.window_s}
         if role in ("prefill", "both"):
-            out["ttft_p90_s"], out["ttft_samples"] = metrics.recent_ttft.p90()
+            w = metrics.recent_ttft.window()
+            out.update(ttft_p90_s=w.p90_s, ttft_samples=w.samples, ttft_hist=w.hist)
         if role in ("decode", "both"):
-            out["itl_p90_s"], out["itl_samples"] = metrics.recent_itl.p90()
+            w = metrics.recent_itl.window()
+            out.update(itl_p90_s=w.p90_s, itl_samples=w.samples, itl_hist=w.hist)
         return out
 
     return figures

@@ -16,6 +16,8 @@ from typing import Literal
 
 import msgspec
 
+from protocol.latency_hist import LatencyHistogram
+
 Role = Literal["prefill", "decode", "both"]
 
 
@@ -112,6 +114,11 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     ttft_samples: int = 0
     itl_p90_s: float = 0.0
     itl_samples: int = 0
+    #: the same windows' distributions as the node sent them (protocol/latency_hist.py; None: an
+    #: older node), which the planner merges over a pool: its P90 on `GET /planner` is the
+    #: merged one, not a mean of these nodes' P90s
+    ttft_hist: LatencyHistogram | None = None
+    itl_hist: LatencyHistogram | None = None
 
 
 class PendingReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -18,7 +18,12 @@ of msgpack encoding one `Frame` (a tagged union; the tag is the struct name). Co
   its TTFT (prefill and colocated nodes: arrival to first token, queue + prefill) and of its
   inter-token gaps (decode and colocated nodes), each with its sample count; the planner's load
   mode weighs them against its prediction. Every one defaults to 0: an older node (or the
-  simulator) sends none, and 0 samples means "not measured".
+  simulator) sends none, and 0 samples means "not measured". With each P90 goes the window's
+  distribution, `ttft_hist` / `itl_hist` (protocol/latency_hist.py: counts over fixed
+  log-spaced buckets), which the planner merges over a pool's nodes for the pool's P90 (a mean
+  of the nodes' P90s is not a pool quantile). They default to None: an older node sends none
+  (the planner then weighs that node's own P90 by its samples), and an older reader ignores
+  them (msgspec skips fields a Struct does not know), so the change interoperates both ways.
 
 The stream starts after `since` (the reader has applied batches `≤ since`). A `since` older
 than the node's ring of recent batches, or newer than its last batch, answers 410 with an
@@ -29,6 +34,8 @@ OpenAI-shaped error: resync from the snapshot. `GET /kv/snapshot` answers `KVSna
 from __future__ import annotations
 
 import msgspec
+
+from protocol.latency_hist import LatencyHistogram
 
 CONTENT_TYPE = "application/vnd.duet.kv-events+msgpack"
 #: a load frame goes out at least this often (seconds)
@@ -81,6 +88,9 @@ class LoadFrame(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     itl_p90_s: float = 0.0
     itl_samples: int = 0
     latency_window_s: float = 0.0
+    #: the same windows' distributions (None: an older node; the planner falls back to the P90s)
+    ttft_hist: LatencyHistogram | None = None
+    itl_hist: LatencyHistogram | None = None
 
 
 Frame = EventBatch | LoadFrame

@@ -2,7 +2,7 @@
 load frames it streams to coordinators, its TTFT P90 (prefill and colocated nodes) and ITL P90
 (decode and colocated nodes) over its recent window with the sample counts; a real coordinator
 reads them (its `/cluster` load report shows what the planner's load mode gets: the same
-NodeView.load, tests/planner/test_loop.py decides on it).
+NodeView.load, tests/planner/test_loop.py decides on it), each with the window's histogram.
 
 Real etcd, a real coordinator, a colocated and a prefill node on the tiny model."""
 
@@ -13,7 +13,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from coordinator.etcd_server import EtcdServer
+from protocol.latency_hist import RELATIVE_ERROR, LatencyHistogram, MergedLatency
 from tests.coordinator.conftest import coordinator, get, http, node, node_id_of, wait_ready
 from tests.procs import running
 from tests.wait import wait_for
@@ -72,3 +75,12 @@ def test_load_frames_carry_the_measured_ttft_and_itl(tiny_llama: Path, tmp_path:
         # prefill: TTFT only (it makes first tokens, it does not decode)
         assert prefill["ttft_samples"] == REQUESTS and prefill["ttft_p90_s"] > 0
         assert (prefill["itl_samples"], prefill["itl_p90_s"]) == (0, 0.0), prefill
+        # each figure comes with the window's histogram, which the planner merges over a pool:
+        # one node's histogram reads its own P90 within the bucket resolution
+        for load, figure in ((colocated, "ttft"), (colocated, "itl"), (prefill, "ttft")):
+            hist = msgspec.convert(load[f"{figure}_hist"], LatencyHistogram)
+            merged = MergedLatency()
+            assert merged.add(hist) and merged.total == load[f"{figure}_samples"], load
+            p90 = load[f"{figure}_p90_s"]
+            assert abs(merged.quantile(0.9) - p90) <= RELATIVE_ERROR * p90, (figure, load)
+        assert prefill["itl_hist"] is None
