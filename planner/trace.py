@@ -14,8 +14,9 @@ drain itself is tested on real nodes, tests/planner/test_drain_e2e.py).
 
 Measured latency, as the nodes' load frames carry it: a pool's `ttft_p90_s` / `itl_p90_s` with
 `ttft_samples` / `itl_samples` — every warm node reports that P90 and its share of the samples,
-over the header's `latency_window_s` (default 30). Measured figures are replayed as recorded
-(open loop: a scale-out does not lower them), unlike the load figures.
+over the header's `latency_window_s` (default 30), without histograms (so the pool's figure is
+that P90, planner/pools.py). Measured figures are replayed as recorded (open loop: a scale-out
+does not lower them), unlike the load figures.
 
 Throughput mode: a row's `rates` — `{"MODEL/TIER": {"rate": r, "isl": i, "osl": o,
 "prefix_hit": h}}` — is the request rate routed in the interval before `t`; the replay feeds the

@@ -39,12 +39,19 @@ class PoolFigures(msgspec.Struct, frozen=True, kw_only=True):
 
 class MeasuredLatency(msgspec.Struct, frozen=True, kw_only=True):
     """The pool's measured TTFT / ITL P90 from its nodes' load frames (planner/pools.py::Measured)
-    and which of them counted (enough samples, window after the pool's last step)."""
+    and which of them counted (enough samples, window after the pool's last step).
+
+    A P90 is the pool's quantile: the P90 of the nodes' latency histograms merged (within 4.9 %
+    of the pooled samples' own, protocol/latency_hist.py). `*_merged_samples` of the samples
+    came in histograms; the rest are older nodes' own P90s, weighted by their samples (all of
+    them: the P90 is the sample-weighted mean of the nodes' P90s, as before histograms)."""
 
     ttft_p90_s: float = 0.0
     ttft_samples: int = 0
     itl_p90_s: float = 0.0
     itl_samples: int = 0
+    ttft_merged_samples: int = 0
+    itl_merged_samples: int = 0
     #: "ttft" / "itl": the figures taken as max(predicted, measured)
     counted: list[str] = []
 

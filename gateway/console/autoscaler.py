@@ -60,8 +60,10 @@ def describe_inputs(i: DecisionInputs) -> str:
         parts.append(f"predicted TTFT {_s(i.at_n.ttft_s)}, ITL {_s(i.at_n.itl_s)} at {i.at_n.n}{slo}")
     if i.measured is not None:
         m = i.measured
-        figs = [f"{name} P90 {_s(p90)} ({n} samples)" for name, p90, n in
-                (("TTFT", m.ttft_p90_s, m.ttft_samples), ("ITL", m.itl_p90_s, m.itl_samples)) if n]  # fmt: skip
+        # the pool's quantile of its nodes' histograms; older nodes' P90s are weighted in (say so)
+        figs = [f"{name} P90 {_s(p90)} ({n} samples{'' if merged in (0, n) else f', {n - merged} as node P90s'})"
+                for name, p90, n, merged in (("TTFT", m.ttft_p90_s, m.ttft_samples, m.ttft_merged_samples),
+                                             ("ITL", m.itl_p90_s, m.itl_samples, m.itl_merged_samples)) if n]  # fmt: skip
         parts.append(f"measured {', '.join(figs)}, {'counted: ' + '/'.join(m.counted) if m.counted else 'not counted'}")
     if i.at_n_minus_1 is not None:
         parts.append(f"at {i.at_n_minus_1.n}: TTFT {_s(i.at_n_minus_1.ttft_s)}, ITL {_s(i.at_n_minus_1.itl_s)}")
