@@ -53,7 +53,7 @@ class Layer:
 
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: ModelWeights, rope: Rope, device: torch.device,
-                 act_int8: bool = False) -> None:  # fmt: skip
+                 act_int8: bool = False, act_groups: dict[str, int] | None = None) -> None:  # fmt: skip
         self.cfg = cfg
         dtype = weights.embed.dtype
         usable = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
@@ -69,9 +69,12 @@ class LlamaModel:
         self.res32 = dtype == torch.bfloat16
         self.dtype = dtype
         a8 = act_int8  # W8A8 linears (engine/qlinear.py); the lm_head stays weight-only
+        grp = act_groups or {}  # inputs per activation scale, by linear (engine/quant.py::ACT_GROUPS)
         self.layers = [
-            Layer(lw.input_norm, make_linear(lw.qkv, lw.qkv_bias, a8), make_linear(lw.o, None, a8), lw.post_norm,
-                  make_linear(lw.gate_up, None, a8), make_linear(lw.down, None, a8), lw.q_norm, lw.k_norm)
+            Layer(lw.input_norm, make_linear(lw.qkv, lw.qkv_bias, a8, grp.get("qkv", 0)),
+                  make_linear(lw.o, None, a8, grp.get("o", 0)), lw.post_norm,
+                  make_linear(lw.gate_up, None, a8, grp.get("gate_up", 0)),
+                  make_linear(lw.down, None, a8, grp.get("down", 0)), lw.q_norm, lw.k_norm)
             for lw in weights.layers
         ]
         weights.layers = []  # prepacked copies replace the plain weights

@@ -13,7 +13,8 @@ dequantized copy of the matrix ever exists.
 With `act_int8` (the int8-w8a8 / int4-w4a8 schemes) the activations are quantized per token
 to int8 and the GEMM sums int8 products in int32 (`qlinear_w8a8`: AMX, VNNI or portable; torch:
 `w8a8_reference`, the same bits) over the weight's int8 form (`int8_for_gemm`), packed once into
-the kernels' blocked layout. int4-w4a8 keeps its packed int4 for one-row calls (single-stream
+the kernels' blocked layout; a linear in the scheme's `ACT_GROUPS` has one activation scale per
+group of inputs instead of one per token. int4-w4a8 keeps its packed int4 for one-row calls (single-stream
 decode reads half the bytes, weight-only), and uses the int8 form for batches and prefill.
 
 Invariant: the weight-only paths compute x @ dequantize(w)^T (+ bias) with fp32 accumulation on
@@ -69,7 +70,8 @@ def bf16_gemm_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor
 
 
 class QLinear:
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, act_int8: bool = False) -> None:
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, act_int8: bool = False,
+                 act_group: int = 0) -> None:  # fmt: skip
         self.weight = weight
         self.bias = bias
         self.out_features = weight.out_features
@@ -83,9 +85,11 @@ class QLinear:
         self._args = ((w.q.data_ptr(), w.scales.data_ptr()) if w.scheme == "int8"
                       else (w.q.data_ptr(), w.scales.data_ptr(), w.mins.data_ptr(), w.group))  # fmt: skip
         self.w8: QuantizedWeight | None = None
+        #: inputs per activation scale of the W8A8 GEMM (0: one scale per token; engine/quant.py::ACT_GROUPS)
+        self.act_group = act_group if act_int8 else 0
         if act_int8:
             self.w8 = int8_for_gemm(weight)
-            self._packed, self._wsum = pack_w8a8(self.w8.q.cpu())
+            self._packed, self._wsum = pack_w8a8(self.w8.q.cpu(), self.act_group)
             self._w8_args = (self._packed.data_ptr(), self.w8.scales.data_ptr(), self._wsum.data_ptr())
         #: one-row calls of int4-w4a8 keep the int4 weight-only GEMV
         self._gemv_weight_only = act_int8 and weight.scheme != "int8"
@@ -115,7 +119,7 @@ class QLinear:
         bias = 0 if self.bias is None else self.bias.data_ptr()
         if self.w8 is not None and not (m == 1 and self._gemv_weight_only):
             rc = self.lib.qlinear_w8a8(x.data_ptr(), x.stride(0), m, k, *self._w8_args, self.out_features, bias,
-                                       out.data_ptr(), out.stride(0), bf16, out_f32)  # fmt: skip
+                                       out.data_ptr(), out.stride(0), bf16, out_f32, self.act_group)  # fmt: skip
         elif bf16 and 0 < self.bf16_min_rows <= m:
             rc = self._bf16_gemm(x, m, k, bias, out, out_f32)
         elif self.weight.scheme == "int8":
@@ -139,7 +143,7 @@ class QLinear:
         n = self.out_features
         rows = x.reshape(-1, x.shape[-1]).shape[0]
         if self.w8 is not None and not (rows == 1 and self._gemv_weight_only):
-            return w8a8_reference(x, self.w8, self.bias, out_dtype)
+            return w8a8_reference(x, self.w8, self.bias, out_dtype, self.act_group)
         # CPU: fp32 math, one rounding (what the kernels do); CUDA: the activation dtype's GEMM.
         cdt = torch.float32 if x.device.type == "cpu" or out_dtype == torch.float32 else x.dtype
         xc = x.to(cdt)
@@ -153,8 +157,9 @@ class QLinear:
 
 
 def make_linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
-                act_int8: bool = False) -> Linear | QLinear:  # fmt: skip
-    """The layer for a plain (prepacked where possible) or a quantized weight (W8A8 with act_int8)."""
+                act_int8: bool = False, act_group: int = 0) -> Linear | QLinear:  # fmt: skip
+    """The layer for a plain (prepacked where possible) or a quantized weight (W8A8 with act_int8,
+    `act_group` inputs per activation scale)."""
     if isinstance(weight, QuantizedWeight):
-        return QLinear(weight, bias, act_int8)
+        return QLinear(weight, bias, act_int8, act_group)
     return Linear(weight, bias)

@@ -16,7 +16,7 @@ import torch
 from engine.attention import build_metadata
 from engine.model import LlamaModel
 from engine.model_config import ModelConfig
-from engine.quant import ACT_INT8
+from engine.quant import ACT_GROUPS, ACT_INT8
 from engine.request import Request
 from engine.rope import Rope
 from engine.scheduler import ScheduledChunk
@@ -67,7 +67,8 @@ class ModelRunner:
         self.quantization = quantization
         weights = load_weights(model_dir, cfg, dtype, device, quantization)
         rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_model_len, dtype, device)
-        self.model = LlamaModel(cfg, weights, rope, device, act_int8=quantization in ACT_INT8)
+        self.model = LlamaModel(cfg, weights, rope, device, act_int8=quantization in ACT_INT8,
+                                act_groups=ACT_GROUPS.get(quantization or ""))
         self.kv_layout = KVLayout(
             num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             block_size=block_size, dtype=_DTYPE_NAMES[dtype], num_blocks=num_blocks,

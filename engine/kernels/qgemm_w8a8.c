@@ -15,9 +15,19 @@
  * - AVX-512 VNNI (vpdpbusd: a broadcast activation quad times a weight quad), and AVX-512BW
  *   without VNNI (vpmaddwd on widened bytes): 8 activation rows per pass over a weight block;
  * - portable C.
- * vpdpbusd/tdpbusd multiply unsigned by signed bytes, so activations are stored as xq + 128 and
- * 128 * sum_k q[n, k] (wsum, precomputed) is subtracted. The epilogue dequantizes 16 outputs at
+ * vpdpbusd multiplies unsigned by signed bytes, so the VNNI and portable paths store activations
+ * as xq + 128 and subtract 128 * sum_k q[n, k] (wsum, precomputed); AMX's tdpbssd multiplies
+ * signed by signed, so its activations are stored as xq and nothing is subtracted. The epilogue dequantizes 16 outputs at
  * a time: ((float)(acc - 128 wsum) * sx) * sw, plus the bias, one rounding at the store.
+ *
+ * Activation groups (`group` > 0, a multiple of 64): each row's activations get one scale per
+ * `group` inputs instead of one per row, for a linear whose inputs hold outliers a per-token scale
+ * cannot share (SmolLM2's down projection, engine/quant.py::ACT_GROUPS). Each group's int32 sums
+ * are dequantized on their own and added in fp32, in group order: tot = sum_g (float)(acc_g -
+ * 128 wsum_g) * sx_g (tot starts at 0), out = tot * sw (+ bias). wsum is then [groups][n]. With
+ * one group this is the ungrouped formula bit for bit (0 + a == a), so one group takes the
+ * ungrouped epilogue. -ffp-contract=off (engine/kernels/__init__.py) keeps every product and sum
+ * rounded as torch's reference rounds it.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -35,8 +45,9 @@
 
 INLINE int64_t w8_pad64(int64_t k) { return (k + 63) & ~(int64_t)63; }
 
-/* Quantize activation row x (k elements) into u8 (xq + 128, padded to kp with 128); returns sx. */
-static float w8_quant_row(const void *x, int64_t k, int64_t kp, int bf16, uint8_t *dst) {
+/* Quantize k activations x into bytes dst: xq + off (off 128: unsigned, for vpdpbusd; 0: signed,
+ * for AMX's tdpbssd); returns sx = amax / 127. */
+static float w8_quant_span(const void *x, int64_t k, int bf16, int off, uint8_t *dst) {
     float amax = 0.f;
     int64_t i = 0;
 #if defined(__AVX512F__)
@@ -52,30 +63,40 @@ static float w8_quant_row(const void *x, int64_t k, int64_t kp, int bf16, uint8_
     i = 0;
 #if defined(__AVX512F__)
     const __m512 vinv = _mm512_set1_ps(inv);
-    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), off = _mm512_set1_epi32(128);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127), voff = _mm512_set1_epi32(off);
     for (; i + 16 <= k; i += 16) {
         __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, i, bf16), vinv)); /* round to nearest even */
-        q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), off);
+        q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), voff);
         _mm_storeu_si128((__m128i *)(dst + i), _mm512_cvtepi32_epi8(q));
     }
 #endif
     for (; i < k; i++) {
         float q = nearbyintf(load_elem(x, i, bf16) * inv);
         q = q < -127.f ? -127.f : (q > 127.f ? 127.f : q);
-        dst[i] = (uint8_t)((int)q + 128);
+        dst[i] = (uint8_t)((int)q + off);
     }
-    memset(dst + k, 128, (size_t)(kp - k));
     return amax / 127.0f;
 }
 
-/* Dequantize acc [cnt <= 16] (outputs n0 ..) of one activation row into out_row. */
+/* Quantize activation row x (k elements) into bytes xq + off (padded to kp with off, a zero):
+ * one scale per `g` inputs (g: a multiple of 64, or kp for one scale per row), written to
+ * sx[0 .. groups). */
+static void w8_quant_row(const void *x, int64_t k, int64_t kp, int64_t g, int bf16, int off, uint8_t *dst, float *sx) {
+    const int64_t esz = bf16 ? 2 : 4;
+    for (int64_t g0 = 0, j = 0; g0 < k; g0 += g, j++)
+        sx[j] = w8_quant_span((const char *)x + g0 * esz, (k - g0 < g ? k - g0 : g), bf16, off, dst + g0);
+    memset(dst + k, off, (size_t)(kp - k));
+}
+
+/* Dequantize acc [cnt <= 16] (outputs n0 ..) of one activation row into out_row. wsum NULL: the
+ * sums are of signed activations (AMX), no offset to take back. */
 INLINE void w8_epilogue(const int32_t *acc, int cnt, float sx, const float *scale, const int32_t *wsum,
                         const void *bias, int64_t n0, void *out_row, int bf16) {
     int i = 0;
 #if defined(__AVX512F__)
     if (cnt == 16) {
-        const __m512i a = _mm512_sub_epi32(_mm512_loadu_si512((const void *)acc),
-                                           _mm512_slli_epi32(_mm512_loadu_si512((const void *)(wsum + n0)), 7));
+        __m512i a = _mm512_loadu_si512((const void *)acc);
+        if (wsum) a = _mm512_sub_epi32(a, _mm512_slli_epi32(_mm512_loadu_si512((const void *)(wsum + n0)), 7));
         __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(sx)), _mm512_loadu_ps(scale + n0));
         if (bias) v = _mm512_add_ps(v, load16(bias, n0, bf16));
         store16(out_row, n0, v, bf16);
@@ -83,7 +104,41 @@ INLINE void w8_epilogue(const int32_t *acc, int cnt, float sx, const float *scal
     }
 #endif
     for (; i < cnt; i++) {
-        float v = ((float)(acc[i] - 128 * wsum[n0 + i]) * sx) * scale[n0 + i];
+        float v = ((float)(acc[i] - (wsum ? 128 * wsum[n0 + i] : 0)) * sx) * scale[n0 + i];
+        if (bias) v += load_elem(bias, n0 + i, bf16);
+        store_elem(out_row, n0 + i, v, bf16);
+    }
+}
+
+/* One activation group's sums of one row into its fp32 total: tot[i] += (float)(acc[i] - 128
+ * wsum_g[n0 + i]) * sx_g (cnt <= 16; wsum_g NULL: signed sums, as in w8_epilogue). */
+INLINE void w8_group_add(const int32_t *acc, int cnt, float sx, const int32_t *wsum_g, int64_t n0, float *tot) {
+    int i = 0;
+#if defined(__AVX512F__)
+    if (cnt == 16) {
+        __m512i a = _mm512_loadu_si512((const void *)acc);
+        if (wsum_g) a = _mm512_sub_epi32(a, _mm512_slli_epi32(_mm512_loadu_si512((const void *)(wsum_g + n0)), 7));
+        _mm512_storeu_ps(tot, _mm512_add_ps(_mm512_loadu_ps(tot), _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(sx))));
+        return;
+    }
+#endif
+    for (; i < cnt; i++) tot[i] += (float)(acc[i] - (wsum_g ? 128 * wsum_g[n0 + i] : 0)) * sx;
+}
+
+/* A grouped row's totals tot [cnt <= 16] times the weight scales (+ bias) into out_row. */
+INLINE void w8_group_store(const float *tot, int cnt, const float *scale, const void *bias, int64_t n0, void *out_row,
+                           int bf16) {
+    int i = 0;
+#if defined(__AVX512F__)
+    if (cnt == 16) {
+        __m512 v = _mm512_mul_ps(_mm512_loadu_ps(tot), _mm512_loadu_ps(scale + n0));
+        if (bias) v = _mm512_add_ps(v, load16(bias, n0, bf16));
+        store16(out_row, n0, v, bf16);
+        return;
+    }
+#endif
+    for (; i < cnt; i++) {
+        float v = tot[i] * scale[n0 + i];
         if (bias) v += load_elem(bias, n0 + i, bf16);
         store_elem(out_row, n0 + i, v, bf16);
     }
@@ -100,12 +155,13 @@ __attribute__((unused)) static inline __m512i w8_dot_bw(__m512i acc, __m512i x, 
 }
 #endif
 
-/* acc [mr][16] = integer dots of activation rows X [mr][kp] (u8) with the packed block wb. */
-static void w8_dots(const uint8_t *X, int mr, int64_t kp, const int8_t *wb, int32_t *acc) {
+/* acc [mr][16] = integer dots of activation rows X (u8, rows kp bytes apart) with the packed
+ * block wb, over the klen inputs (a multiple of 64) both start at. */
+static void w8_dots(const uint8_t *X, int mr, int64_t kp, int64_t klen, const int8_t *wb, int32_t *acc) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     __m512i a[W8_MR];
     for (int s = 0; s < W8_MR; s++) a[s] = _mm512_setzero_si512();
-    const int64_t quads = kp / 4;
+    const int64_t quads = klen / 4;
 #define W8_ROW(s)                                                                                   \
     if ((s) < mr) {                                                                                 \
         const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(X + (int64_t)(s) * kp + 4 * r));    \
@@ -144,7 +200,7 @@ static void w8_dots(const uint8_t *X, int mr, int64_t kp, const int8_t *wb, int3
     for (int s = 0; s < mr; s++)
         for (int n = 0; n < 16; n++) {
             int32_t sum = 0;
-            for (int64_t i = 0; i < kp; i++) sum += (int32_t)X[(int64_t)s * kp + i] * (int32_t)wb[(i >> 2) * 64 + n * 4 + (i & 3)];
+            for (int64_t i = 0; i < klen; i++) sum += (int32_t)X[(int64_t)s * kp + i] * (int32_t)wb[(i >> 2) * 64 + n * 4 + (i & 3)];
             acc[16 * s + n] = sum;
         }
 #endif
@@ -165,8 +221,10 @@ static int w8_amx_ok(void) {
     return state;
 }
 
-/* acc [m16][32]: activation rows [0, m16) (a multiple of 16) against the blocks wb0, wb0 + kp*16. */
-static void w8_amx_pair(const uint8_t *X, int m16, int64_t kp, const int8_t *wb0, int32_t *acc) {
+/* acc [m16][32]: activation rows [0, m16) (a multiple of 16, signed bytes) against the blocks
+ * wb0, wb0 + kp*16, over inputs [c0, c1) (multiples of 64). tdpbssd multiplies signed by signed,
+ * so the AMX path needs no +128 offset and no wsum correction. */
+static void w8_amx_pair(const uint8_t *X, int m16, int64_t kp, int64_t c0, int64_t c1, const int8_t *wb0, int32_t *acc) {
     const int8_t *wb1 = wb0 + kp * 16;
     for (int mi = 0; mi < m16; mi += 32) {
         const int two = mi + 16 < m16;
@@ -174,16 +232,16 @@ static void w8_amx_pair(const uint8_t *X, int m16, int64_t kp, const int8_t *wb0
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t c = 0; c < kp; c += 64) {
+        for (int64_t c = c0; c < c1; c += 64) {
             _tile_loadd(6, wb0 + c * 16, 64);
             _tile_loadd(7, wb1 + c * 16, 64);
             _tile_loadd(4, X + (int64_t)mi * kp + c, kp);
-            _tile_dpbusd(0, 4, 6);
-            _tile_dpbusd(1, 4, 7);
+            _tile_dpbssd(0, 4, 6);
+            _tile_dpbssd(1, 4, 7);
             if (two) {
                 _tile_loadd(5, X + (int64_t)(mi + 16) * kp + c, kp);
-                _tile_dpbusd(2, 5, 6);
-                _tile_dpbusd(3, 5, 7);
+                _tile_dpbssd(2, 5, 6);
+                _tile_dpbssd(3, 5, 7);
             }
         }
         _tile_stored(0, acc + (int64_t)mi * 32, 128);
@@ -198,14 +256,18 @@ static void w8_amx_pair(const uint8_t *X, int m16, int64_t kp, const int8_t *wb0
 
 /* out [m][os] = W8A8(x [m][xs], packed weights wp, scale [n]) + bias; x bf16 (bf16 != 0) or fp32;
  * out and bias in x's dtype, or out fp32 with out_f32. wp: see the file comment (n padded to 32,
- * k to 64); wsum[n] = sum_k q[n, k]. Returns 0, or -1 when out of memory. */
+ * k to 64); wsum[g][n] = sum over group g's inputs of q[n, k]. group: inputs per activation scale
+ * (0: one scale per row; else a multiple of 64). Returns 0, -1 when out of memory, -2 for a group
+ * that is not a multiple of 64. */
 int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8_t *wp, const float *scale,
                      const int32_t *wsum, int64_t n, const void *bias, void *out, int64_t os, int32_t bf16,
-                     int32_t out_f32) {
+                     int32_t out_f32, int32_t group) {
     const int64_t kp = w8_pad64(k), pairs = (n + 31) / 32, blk = kp * 16;
+    if (group < 0 || group % 64) return -2;
+    const int64_t g = group == 0 || group >= kp ? kp : group, groups = (k + g - 1) / g;
     const int mpad = (m + 15) & ~15;
     uint8_t *X = (uint8_t *)aligned_alloc(64, (size_t)(mpad * kp + 64));
-    float *sx = (float *)malloc(sizeof(float) * (size_t)m);
+    float *sx = (float *)malloc(sizeof(float) * (size_t)m * (size_t)groups);
     if (!X || !sx) {
         free(X);
         free(sx);
@@ -213,19 +275,24 @@ int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
     }
     const int obf16 = bf16 && !out_f32, esz = obf16 ? 2 : 4;
     const int64_t xsz = bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) if ((int64_t)m * k >= (1 << 16))
-    for (int r = 0; r < m; r++) sx[r] = w8_quant_row((const char *)x + r * xs * xsz, k, kp, bf16, X + (int64_t)r * kp);
-    memset(X + (int64_t)m * kp, 128, (size_t)((mpad - m) * kp));
     int amx = 0;
 #if defined(W8_AMX)
     amx = m >= 16 && w8_amx_ok();
 #endif
+    const int off = amx ? 0 : 128; /* AMX: signed activations (tdpbssd); VNNI: unsigned (vpdpbusd) */
+    const int32_t *ws = amx ? NULL : wsum;
+#pragma omp parallel for schedule(static) if ((int64_t)m * k >= (1 << 16))
+    for (int r = 0; r < m; r++)
+        w8_quant_row((const char *)x + r * xs * xsz, k, kp, g, bf16, off, X + (int64_t)r * kp, sx + r * groups);
+    memset(X + (int64_t)m * kp, off, (size_t)((mpad - m) * kp));
     int fail = 0;
 #pragma omp parallel if ((int64_t)m * n * k >= (1 << 15))
     {
-        /* AMX: [mpad][32] per pair of blocks; VNNI: [W8_MR][16] */
-        int32_t *acc = (int32_t *)aligned_alloc(64, sizeof(int32_t) * (size_t)(amx ? W8_AMX_MB * 32 : W8_MR * 16));
-        if (!acc) {
+        /* AMX: [mpad][32] per pair of blocks; VNNI: [W8_MR][16]; grouped: fp32 totals of the same shape */
+        const size_t tile = (size_t)(amx ? W8_AMX_MB * 32 : W8_MR * 16);
+        int32_t *acc = (int32_t *)aligned_alloc(64, sizeof(int32_t) * tile);
+        float *tot = groups > 1 ? (float *)aligned_alloc(64, sizeof(float) * tile) : NULL;
+        if (!acc || (groups > 1 && !tot)) {
 #pragma omp atomic write
             fail = 1;
         }
@@ -245,16 +312,32 @@ int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
             const int mb = mpad - m0 < pass ? mpad - m0 : pass;
 #pragma omp for schedule(static)
             for (int64_t p = 0; p < pairs; p++) {
-                if (!acc) continue;
+                if (!acc || (groups > 1 && !tot)) continue;
                 const int64_t n0 = 32 * p;
 #if defined(W8_AMX)
                 if (amx) {
-                    w8_amx_pair(X + (int64_t)m0 * kp, mb, kp, wp + 2 * p * blk, acc);
+                    if (groups > 1) {
+                        memset(tot, 0, sizeof(float) * (size_t)mb * 32);
+                        for (int64_t j = 0; j < groups; j++) {
+                            const int64_t c1 = (j + 1) * g < kp ? (j + 1) * g : kp;
+                            w8_amx_pair(X + (int64_t)m0 * kp, mb, kp, j * g, c1, wp + 2 * p * blk, acc);
+                            for (int s = 0; s < mb && m0 + s < m; s++)
+                                for (int h = 0; h < 2 && n0 + 16 * h < n; h++) {
+                                    const int cnt = (int)(n - n0 - 16 * h < 16 ? n - n0 - 16 * h : 16);
+                                    w8_group_add(acc + s * 32 + 16 * h, cnt, sx[(int64_t)(m0 + s) * groups + j],
+                                                 NULL, n0 + 16 * h, tot + s * 32 + 16 * h);
+                                }
+                        }
+                    } else
+                        w8_amx_pair(X + (int64_t)m0 * kp, mb, kp, 0, kp, wp + 2 * p * blk, acc);
                     for (int s = 0; s < mb && m0 + s < m; s++)
                         for (int h = 0; h < 2 && n0 + 16 * h < n; h++) {
                             const int cnt = (int)(n - n0 - 16 * h < 16 ? n - n0 - 16 * h : 16);
-                            w8_epilogue(acc + s * 32 + 16 * h, cnt, sx[m0 + s], scale, wsum, bias, n0 + 16 * h,
-                                        (char *)out + (int64_t)(m0 + s) * os * esz, obf16);
+                            char *row = (char *)out + (int64_t)(m0 + s) * os * esz;
+                            if (groups > 1)
+                                w8_group_store(tot + s * 32 + 16 * h, cnt, scale, bias, n0 + 16 * h, row, obf16);
+                            else
+                                w8_epilogue(acc + s * 32 + 16 * h, cnt, sx[m0 + s], scale, ws, bias, n0 + 16 * h, row, obf16);
                         }
                     continue;
                 }
@@ -262,12 +345,25 @@ int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
                 for (int h = 0; h < 2 && n0 + 16 * h < n; h++) {
                     const int64_t nb = n0 + 16 * h;
                     const int cnt = (int)(n - nb < 16 ? n - nb : 16);
+                    const int8_t *wb = wp + (2 * p + h) * blk;
                     for (int mi = 0; mi < m; mi += W8_MR) {
                         const int mr = m - mi < W8_MR ? m - mi : W8_MR;
-                        w8_dots(X + (int64_t)mi * kp, mr, kp, wp + (2 * p + h) * blk, acc);
+                        if (groups == 1) {
+                            w8_dots(X + (int64_t)mi * kp, mr, kp, kp, wb, acc);
+                            for (int s = 0; s < mr; s++)
+                                w8_epilogue(acc + 16 * s, cnt, sx[mi + s], scale, wsum, bias, nb,
+                                            (char *)out + (int64_t)(mi + s) * os * esz, obf16);
+                            continue;
+                        }
+                        memset(tot, 0, sizeof(float) * (size_t)mr * 16);
+                        for (int64_t j = 0; j < groups; j++) {
+                            const int64_t c0 = j * g, len = (c0 + g < kp ? g : kp - c0);
+                            w8_dots(X + (int64_t)mi * kp + c0, mr, kp, len, wb + c0 * 16, acc);
+                            for (int s = 0; s < mr; s++)
+                                w8_group_add(acc + 16 * s, cnt, sx[(int64_t)(mi + s) * groups + j], wsum + j * n, nb, tot + 16 * s);
+                        }
                         for (int s = 0; s < mr; s++)
-                            w8_epilogue(acc + 16 * s, cnt, sx[mi + s], scale, wsum, bias, nb,
-                                        (char *)out + (int64_t)(mi + s) * os * esz, obf16);
+                            w8_group_store(tot + 16 * s, cnt, scale, bias, nb, (char *)out + (int64_t)(mi + s) * os * esz, obf16);
                     }
                 }
             }
@@ -276,6 +372,7 @@ int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
         if (amx && acc) _tile_release();
 #endif
         free(acc);
+        free(tot);
     }
     free(X);
     free(sx);

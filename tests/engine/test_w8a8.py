@@ -1,6 +1,6 @@
 """W8A8 (issue 25): the int8 GEMM kernels against `w8a8_reference`, bit for bit — integer sums are
 exact, so the AMX, VNNI and portable paths, the decode and batched calls, and torch all agree —
-and the engine's greedy output under int8-w8a8 / int4-w4a8 equals the same model computed with
+activation groups (one scale per group of inputs: int8-w8a8's down) included — and the engine's greedy output under int8-w8a8 / int4-w4a8 equals the same model computed with
 the torch reference arithmetic (DUET_DISABLE_KERNELS), token for token."""
 
 from __future__ import annotations
@@ -45,6 +45,45 @@ def test_kernel_equals_reference_bitwise(n: int, k: int, dtype: torch.dtype) -> 
 
 
 @needs_kernels
+@pytest.mark.parametrize(("n", "k", "group"), [(576, 1536, 128), (960, 576, 128), (70, 200, 128), (37, 100, 64),
+                                               (96, 256, 256), (96, 256, 512)])  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_grouped_activation_scales_equal_the_reference_bitwise(n: int, k: int, group: int, dtype: torch.dtype) -> None:
+    """One activation scale per `group` inputs: each group's sums dequantized on their own and
+    added in fp32 in group order, on every path (GEMV, VNNI batches, AMX from 16 rows), a partial
+    last group included; a group of the whole row is the ungrouped arithmetic bit for bit."""
+    g = torch.Generator().manual_seed(n * k + group)
+    qw = quantize(torch.randn(n, k, generator=g) * 0.05, "int8")
+    lin = QLinear(qw, None, act_int8=True, act_group=group)
+    plain = QLinear(qw, None, act_int8=True)
+    for m in (1, 2, 7, 16, 40, 130):
+        x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+        x[:, min(k - 1, 70)] = 60.0  # an outlier in one group: the others keep their resolution
+        got = lin(x)
+        assert torch.equal(got, w8a8_reference(x, qw, group=group)), f"m={m}"
+        if group >= k:
+            assert torch.equal(got, plain(x)) and torch.equal(got, w8a8_reference(x, qw))
+        else:
+            # the groups away from the outlier are quantized finer: closer to full precision
+            exact = x.float() @ (qw.q.float() * qw.scales[:, None]).T
+            assert (got.float() - exact).abs().mean() < (plain(x).float() - exact).abs().mean()
+        for r in (0, m - 1):
+            assert torch.equal(lin(x[r : r + 1]), got[r : r + 1])
+        assert torch.equal(lin(x, torch.float32), w8a8_reference(x, qw, out_dtype=torch.float32, group=group))
+
+
+def test_an_activation_group_is_a_multiple_of_64() -> None:
+    qw = quantize(torch.randn(32, 256), "int8")
+    with pytest.raises(ValueError, match="multiple of 64"):
+        QLinear(qw, act_int8=True, act_group=100)
+    if lib is not None:  # the kernel refuses one too, whatever the caller
+        packed, wsum = pack_w8a8(qw.q)
+        x, out = torch.randn(2, 256), torch.empty(2, 32)
+        assert lib.qlinear_w8a8(x.data_ptr(), 256, 2, 256, packed.data_ptr(), qw.scales.data_ptr(), wsum.data_ptr(),
+                                32, None, out.data_ptr(), 32, 0, 0, 96) == -2  # fmt: skip
+
+
+@needs_kernels
 def test_int4_w4a8_uses_requantized_int8_for_batches_and_int4_for_one_row() -> None:
     g = torch.Generator().manual_seed(3)
     qw = quantize(torch.randn(96, 128, generator=g), "int4")
@@ -83,7 +122,7 @@ def test_other_builds_equal_reference(march: str, tmp_path: Path) -> None:
                     f"-I{kdir}", str(kdir / "qgemm_w8a8.c"), "-o", str(so), "-lm"], check=True)  # fmt: skip
     plib = ctypes.CDLL(str(so))
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-    plib.qlinear_w8a8.argtypes = [p, i64, i32, i32, p, p, p, i64, p, p, i64, i32, i32]
+    plib.qlinear_w8a8.argtypes = [p, i64, i32, i32, p, p, p, i64, p, p, i64, i32, i32, i32]
     n, k = 70, 200
     g = torch.Generator().manual_seed(7)
     qw = quantize(torch.randn(n, k, generator=g), "int8")
@@ -91,12 +130,16 @@ def test_other_builds_equal_reference(march: str, tmp_path: Path) -> None:
     if march != "x86-64-v2":
         flags = subprocess.run(["gcc", f"-march={march}", "-dM", "-E", "-"], input="", capture_output=True, text=True).stdout
         assert "__AVX512BW__" in flags
+    gpacked, gwsum = pack_w8a8(qw.q, 128)
     for m in (1, 7, 20):
         x = torch.randn(m, k, generator=g).bfloat16()
         out = torch.empty(m, n).bfloat16()
         rc = plib.qlinear_w8a8(x.data_ptr(), k, m, k, packed.data_ptr(), qw.scales.data_ptr(), wsum.data_ptr(), n, None,
-                               out.data_ptr(), n, 1, 0)  # fmt: skip
+                               out.data_ptr(), n, 1, 0, 0)  # fmt: skip
         assert rc == 0 and torch.equal(out, w8a8_reference(x, qw)), f"{march} m={m}"
+        rc = plib.qlinear_w8a8(x.data_ptr(), k, m, k, gpacked.data_ptr(), qw.scales.data_ptr(), gwsum.data_ptr(), n,
+                               None, out.data_ptr(), n, 1, 0, 128)  # fmt: skip
+        assert rc == 0 and torch.equal(out, w8a8_reference(x, qw, group=128)), f"{march} m={m} grouped"
 
 
 _GREEDY = """
