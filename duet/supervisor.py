@@ -260,7 +260,9 @@ class Supervisor:
 
     # -- children added and removed while running (autoscaling; any thread) -------------------
     def call(self, fn: Callable[[], object]) -> Future[object]:
-        """Run `fn` on the supervision thread (next tick, ≤ 0.5 s); its result in the future."""
+        """Run `fn` on the supervision thread (next tick, ≤ 0.5 s once nothing holds the thread
+        up); its result in the future. The caller may `cancel()` it while the thread has not
+        taken it yet: then `fn` never runs (a `False` from `cancel()` means it ran or runs)."""
         fut: Future[object] = Future()
         self._calls.put((fn, fut))
         return fut
@@ -288,6 +290,8 @@ class Supervisor:
                 fn, fut = self._calls.get_nowait()
             except queue.Empty:
                 return
+            if not fut.set_running_or_notify_cancel():  # cancelled by a caller that gave up
+                continue
             try:
                 fut.set_result(fn())
             except Exception as e:
@@ -411,11 +415,7 @@ class Supervisor:
                 return 0 if self.stopping.is_set() else 1
             self.ready.set()
             while not self.wait(0.5):  # supervision interval
-                self._run_calls()
-                for c in self.children:
-                    if self.stopping.is_set():
-                        break
-                    self._tick(c, time.monotonic())
+                self.supervise_once()
             return 0
         finally:
             self.say("stopping (Ctrl-C again to kill at once)" if self._signals else "stopping")
@@ -430,6 +430,15 @@ class Supervisor:
             self.say("stopped")
 
     # -- supervise ---------------------------------------------------------------------------
+    def supervise_once(self) -> None:
+        """One round of the supervision thread once everything is up: the calls other threads
+        handed over, then one look at every child."""
+        self._run_calls()
+        for c in self.children:
+            if self.stopping.is_set():
+                break
+            self._tick(c, time.monotonic())
+
     def _tick(self, c: Child, now: float) -> None:
         """One look at one child: notice its death or its health, start it when its backoff is over."""
         assert c.proc is not None

@@ -11,7 +11,10 @@ The two speak over `duet up`'s control endpoint on loopback (duet/up_autoscale.p
 scale_in asks with a dry run first (so a node is never drained that could then not be removed:
 duet up still starting, the last node), then drains (planner/drain.py) — only an idle node (or
 one past the drain deadline) is stopped. 503 (duet up starting or busy) is a failure the
-planner retries after its cool-down. A stop refused or failed after the drain undoes it (the
+planner retries after its cool-down; on a stop it means nothing was stopped and nothing will be
+(duet/up_autoscale.py cancels a stop its supervisor did not take in time, and waits for one it
+took), so undoing the drain cannot put back into routing a node that is then stopped. A stop
+refused or failed after the drain undoes it (the
 node's `DELETE /drain`): the node serves again rather than sit drained under supervision; a
 drain undone by someone else while it ran (`duet drain --undo`) is REFUSED, nothing stopped.
 """
