@@ -3,8 +3,10 @@ request, the token mask on the logits every step (issue #24, DESIGN §8).
 
 The grammar engine is llguidance (chosen by measurement: docs/structured-outputs.md). A guide
 (protocol/structured.py) becomes a grammar through protocol/guide_check.py::guide_grammar — the
-same mapping the gateway's tokenizer-free check uses — and is compiled here against the model's
-tokenizer into a prototype `LLMatcher`, cached by (kind, sha256 of the spec) in a bounded LRU.
+same mapping the gateway's tokenizer-free check uses, bounded numbers' fractions cut included
+(protocol/json_bounds.py) — and is compiled here against the model's tokenizer into a prototype
+`LLMatcher`, cached by (kind, sha256 of the spec) in a bounded LRU (the cut is a function of the
+spec, so the key stays right, and a decode node resumes the very grammar its prefill node used).
 `compile_async` runs that compilation in a small thread pool, so the engine thread only copies a
 prototype (`deep_copy`, microseconds) when the request is added.
 

@@ -12,6 +12,10 @@ logits with (engine/guided.py) — only without a tokenizer, so a guide the gate
 every node accepts (protocol/structured.py's invariant). llguidance imports no torch (xgrammar
 does), which is what lets the gateway run it.
 
+A schema is compiled as `protocol/json_bounds.py::bound_numbers` rewrites it: a number with
+bounds gets at most 10 digits after its point, so no answer runs on inside one (a pure function
+of the spec, so the caches keyed by the spec stay right).
+
 Canonical specs: a schema is its compact JSON (no spaces) with keys in the client's order — not
 sorted, because property order is the order the output is generated in (see canonical_schema);
 the same schema text hashes to the same compiled grammar on every node. Checks are cached per
@@ -30,6 +34,7 @@ import json
 import logging
 from typing import Any
 
+from protocol.json_bounds import bound_numbers
 from protocol.openai import APIError
 from protocol.structured import Guide, GuideKind, ResponseFormat
 
@@ -135,7 +140,9 @@ def guide_grammar(guide: Guide) -> str:
             if not isinstance(schema, dict | bool):
                 raise ValueError("a JSON schema must be an object or a boolean")
             _check_widths(schema)
-            return m.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+            # bounded numbers get a bounded fraction (protocol/json_bounds.py): here, so the
+            # gateway's check and every node compile the same grammar from the same spec
+            return m.grammar_from_json_schema(bound_numbers(schema), defaults=JSON_DEFAULTS)
         case GuideKind.REGEX:
             if not guide.spec:
                 raise ValueError("the regular expression is empty")
