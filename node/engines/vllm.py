@@ -39,6 +39,7 @@ from node.engine_api import Delta, EngineDead, KVEventDrain, KVHandoff, RequestR
 from node.engines.vllm_config import VllmEngineConfig
 from node.engines.vllm_events import VllmEventBridge
 from node.engines.vllm_stats import VllmStats, logger_factory
+from protocol.json_bounds import bounded_spec
 from protocol.kv_events import KVEvent
 from protocol.kv_layout import KVLayout
 from protocol.kv_params import KVTransferParams
@@ -98,8 +99,8 @@ def vllm_guide(guide: Guide | None) -> dict[str, Any]:
     match guide.kind:
         case GuideKind.JSON_OBJECT:
             fields: dict[str, Any] = {"json_object": True}
-        case GuideKind.JSON_SCHEMA:
-            fields = {"json": guide.spec}
+        case GuideKind.JSON_SCHEMA:  # bounded numbers cut as on the native engine (protocol/json_bounds.py)
+            fields = {"json": bounded_spec(guide.spec)}
         case GuideKind.REGEX:
             fields = {"regex": guide.spec}
         case GuideKind.CHOICE:
