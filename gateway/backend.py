@@ -65,6 +65,10 @@ class Piece:
     more: bool = False
     #: chat: tool-call deltas of this sample (gateway/tools/reply.py), in OpenAI's stream shape
     tool_calls: list[ToolCallDelta] | None = None
+    #: the completion tokens this piece delivers: its own, and those of earlier deltas that
+    #: showed nothing yet (a byte of an unfinished UTF-8 character, text a tool parser holds
+    #: back). A relay counts them sent when the piece's bytes are written (`Accounting.sent`).
+    tokens: int = 0
 
 
 @dataclass
@@ -87,10 +91,18 @@ class Accounting:
     leg_tokens: list[int] = field(default_factory=list)
     #: each sample's finish reason as relayed to the client (the trace's gen_ai.response.finish_reasons)
     finish_reasons: dict[int, str] = field(default_factory=dict)
+    #: per sample: the completion tokens of the pieces written to the client (`Piece.tokens`),
+    #: counted by the relay; what an answer that broke off bills (`bill_sent`)
+    sent: dict[int, int] = field(default_factory=dict)
 
     @property
     def total_completion_tokens(self) -> int:
         return sum(self.completion_tokens.values())
+
+    def bill_sent(self) -> None:
+        """The answer broke off: it bills the completion tokens its client was sent, not those
+        made but never delivered (a piece still held back, or a whole answer that became a 502)."""
+        self.completion_tokens = dict(self.sent)
 
     @property
     def served(self) -> bool:

@@ -23,7 +23,10 @@ blocks: only the last partial block is recomputed). A migrated sample's leg is `
 
 Usage: the prompt is billed once, with the cached tokens the answering leg of sample 0
 reported (a migrated leg's node reports them against the original prompt, as it does its
-prompt tokens); a leg that died never reported any.
+prompt tokens); a leg that died never reported any. Each piece carries the tokens whose output
+it delivers (`Piece.tokens`): a node delta with no text (an unfinished UTF-8 character) passes
+its tokens on to the sample's next piece, across a migration too (the new leg emits the text
+the dead one held back), so an answer that breaks off bills only what reached its client.
 """
 
 from __future__ import annotations
@@ -396,10 +399,15 @@ class ClusterBackend(Backend):
             if n and out.first_token_at is None:
                 out.first_token_at = time.monotonic()
             out.completion_tokens[i] = out.completion_tokens.get(i, 0) + n
+            unsent = n
             if trip is not None:
                 trip.add(c)
+                unsent, trip.unsent = trip.unsent + n, 0
             if c.text or c.finish_reason or c.logprobs:
-                pieces.append(Piece(index=i, text=c.text, finish_reason=c.finish_reason, logprobs=c.logprobs))
+                pieces.append(Piece(index=i, text=c.text, finish_reason=c.finish_reason, logprobs=c.logprobs,
+                                    tokens=unsent))  # fmt: skip
+            elif trip is not None:  # nothing to show yet: its tokens go with the next piece
+                trip.unsent = unsent
         if chunk.usage is not None:
             # A migrated leg reports its own new tokens, and the original prompt's tokens and
             # cached tokens (node/responder.py: the streamed ids it re-prefilled are neither):
@@ -441,6 +449,8 @@ class _Trip:
     failure: NodeFailure | None = None
     #: the current decode leg's span (None when tracing is off)
     span: Any = None
+    #: tokens streamed whose deltas showed nothing yet (no text): the next piece delivers them
+    unsent: int = 0
 
     def add(self, c: CompletionChoice) -> None:
         self.ids.extend(c.token_ids or ())

@@ -217,7 +217,8 @@ class ProviderBackend(Backend):
                     if not sent:
                         sent = True
                         out.nodes.append(f"provider:{self.provider.name}")
-                    yield Piece(index=i, text=text, finish_reason=finish, tool_calls=calls)
+                    yield Piece(index=i, text=text, finish_reason=finish, tool_calls=calls,
+                                tokens=1 if text or calls else 0)  # fmt: skip
         except ProviderError as e:
             if not sent:  # nothing reached the client: a plain failure, free to fall back
                 if e.kind == "stream_interrupted":

@@ -6,6 +6,11 @@ Invariants (both forms):
   body is returned — so a response a client saw whole always has its record;
 - a reply that breaks after its first piece (`MidStreamError`) is committed as
   `error_midstream`: a stream ends with an SSE error event and `[DONE]`, a whole answer is a 502;
+  it bills the completion tokens of the pieces written to the client (`Piece.tokens`, counted
+  in `Accounting.sent` as each write goes out), never tokens made but not delivered: those of
+  a piece still held back (a finishing chunk of n > 1, a delta that showed no text yet) or of
+  a whole answer (its client gets none of them). A reply that breaks before any piece went
+  out is a plain HTTP error, as one that fails before its first piece;
 - the reply is closed on every way out (`aclose` now, not at GC: the backend aborts its work on
   the nodes there).
 
@@ -20,7 +25,7 @@ from typing import Protocol
 
 from aiohttp import web
 
-from gateway.backend import MidStreamError, Piece, Reply
+from gateway.backend import Accounting, MidStreamError, Piece, Reply
 from gateway.ledger import Ledger, UsageStatus
 from gateway.responses import Formatter, usage
 from protocol.openai import APIError, CompletionLogprobs, Usage
@@ -77,6 +82,13 @@ class HttpEventStream:
         await self.response.write_eof(data)
 
 
+def _count_sent(acc: Accounting, pieces: list[Piece]) -> None:
+    """`pieces` were written to the client: their tokens are sent (and `pieces` is emptied)."""
+    for p in pieces:
+        acc.sent[p.index] = acc.sent.get(p.index, 0) + p.tokens
+    pieces.clear()
+
+
 def _usage(reply: Reply) -> Usage:
     a = reply.accounting
     return usage(a.prompt_tokens, a.total_completion_tokens, a.cached_tokens)
@@ -98,6 +110,7 @@ async def relay_whole(ledger: Ledger, reply: Reply, fmt: Formatter, n: int) -> o
             if p.finish_reason:
                 finish[p.index] = reply.accounting.finish_reasons[p.index] = p.finish_reason
     except MidStreamError as e:
+        reply.accounting.bill_sent()  # nothing was sent: a 502 carries none of the tokens
         await ledger.commit(UsageStatus.ERROR_MIDSTREAM, reply.accounting)
         raise APIError(502, f"the answer broke off: {e.message}", type_="upstream_error", code=e.code) from None
     finally:
@@ -110,25 +123,33 @@ async def relay_stream(ledger: Ledger, reply: Reply, fmt: Formatter, sink: Event
                        include_usage: bool) -> None:  # fmt: skip
     """The answer as SSE into `sink` (opened with `headers` at the first piece; errors before
     it are plain HTTP errors, raised)."""
-    ledger.streaming(reply.accounting)  # a dead gateway's booking bills what this sends
+    acc = reply.accounting
+    ledger.streaming(acc)  # a dead gateway's booking bills what this sends
     held: list[Piece] = []  # finishing chunks wait for the usage record's commit
     pending: list[bytes] = []  # chunks whose successor has already arrived: one write for all
+    unsent: list[Piece] = []  # the pieces of `pending`, counted sent once written
     try:
         async for p in reply:
             if not sink.opened:
                 await sink.open(headers)
             if p.finish_reason:
-                reply.accounting.finish_reasons[p.index] = p.finish_reason
+                acc.finish_reasons[p.index] = p.finish_reason
                 held.append(p)
                 continue
             pending.append(fmt.chunk(p))
+            unsent.append(p)
             if not p.more:
                 await sink.write(pending[0] if len(pending) == 1 else b"".join(pending))
                 pending.clear()
+                _count_sent(acc, unsent)
     except MidStreamError as e:
         await reply.aclose()
-        await ledger.commit(UsageStatus.ERROR_MIDSTREAM, reply.accounting)
+        _count_sent(acc, unsent)  # they leave with the error event, in the same send
+        acc.bill_sent()
+        await ledger.commit(UsageStatus.ERROR_MIDSTREAM, acc)
         log.warning("%s: mid-stream failure: %s", ledger.record.request_id, e.message)
+        if not sink.opened:  # no piece went out (the deltas read showed no text): a plain error
+            raise
         await sink.end(b"".join([*pending, error_event(e), DONE]))
         return
     except BaseException:

@@ -5,7 +5,9 @@ then function.arguments fragments). A choice that made a call and stopped finish
 `tool_calls`; one cut by max_tokens keeps `length`.
 
 The reply's accounting is the wrapped reply's own (the tokens are what the model made,
-whatever the parser shows of them); closing this reply closes it.
+whatever the parser shows of them); closing this reply closes it. The tokens of text the
+parser holds back go with the next piece it emits (`Piece.tokens`): an answer that breaks off
+before that piece does not bill them.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class _Choice:
         self.calls = 0
         #: a call after the first is dropped when parallel_tool_calls is false
         self._dropping = False
+        #: tokens of input pieces that produced no output yet (the parser holds their text)
+        self._unsent = 0
 
     def pieces(self, p: Piece) -> list[Piece]:
         events = self.parser.feed(p.text)
@@ -65,6 +69,9 @@ class _Choice:
         if p.finish_reason:
             reason = "tool_calls" if self.calls and p.finish_reason == "stop" else p.finish_reason
             out.append(Piece(index=self.index, text="", finish_reason=reason))
+        self._unsent += p.tokens
+        if out:  # the first piece out delivers every token held so far
+            out[0].tokens, self._unsent = self._unsent, 0
         return out
 
     def _event(self, e: Event, text: list[str], deltas: list[ToolCallDelta]) -> None:

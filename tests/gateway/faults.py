@@ -3,7 +3,7 @@ SIGKILLs that node at a chosen stage of a request:
 
 - `on_request`: when a completion request arrives, before the node sees it;
 - `after_response`: once the node has answered a prefill leg (before the decode node pulls);
-- `after_chunks`: after relaying `chunks` SSE events of a stream, or before the event that
+- `after_chunks`: after relaying exactly `chunks` SSE events of a stream, or before the event that
   finishes the answer if that comes first (always mid-stream).
 
 Everything else (abort, health, metrics) is relayed as is, so the gateway treats the relay as
@@ -92,6 +92,7 @@ class KillRelay:
                         sent += 1
                         if sent == self.chunks:
                             self._kill()
+                            break  # exactly `chunks`: not what the dead node's socket still held
             # the node is gone: cut the stream like a dead peer would (no [DONE])
             assert request.transport is not None
             request.transport.close()

@@ -120,3 +120,19 @@ async def test_parallel_false_keeps_the_first_call_and_choices_parse_apart() -> 
     assert [d.index for d in calls if d.id] == [0, 1]
     assert "".join(p.text for p in got if p.index == 1) == "plain text"
     assert {p.index: p.finish_reason for p in got if p.finish_reason} == {0: "tool_calls", 1: "stop"}
+
+
+async def test_tokens_of_held_text_go_with_the_next_piece_out() -> None:
+    """`Piece.tokens`: the tokens of text the parser holds back (a call being written) ride on
+    the first piece it emits after them, so a stream that breaks off first does not bill them;
+    every token is on exactly one piece out."""
+    plan = plan_for(check_tools(TOOLS, "auto", None), None, None)
+    out = 'Hi. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    texts = [out[i : i + 3] for i in range(0, len(out), 3)]
+    pieces = [Piece(index=0, text=t, tokens=1) for t in texts]
+    pieces[-1].finish_reason = "stop"
+    got = [p async for p in with_tool_calls(_reply(pieces), plan)]
+    assert sum(p.tokens for p in got) == len(pieces)
+    assert all(p.tokens == 0 for p in got if not p.text and not p.tool_calls and not p.finish_reason)
+    held = [p.tokens for p in got if p.tokens > 1]  # the call's name waited for its whole header
+    assert held, [(p.text, p.tool_calls, p.tokens) for p in got]
