@@ -14,8 +14,8 @@ client left after the prompt went out (then the prompt is paid); the metrics and
 the log line of a request are written once, after its answer's last bytes.
 
 In flight (reserved, not settled) a ledger is in `GatewayState.in_flight`, by reservation id:
-the heartbeat reads each streaming one's completion tokens there (`streamed_report`) and the
-store keeps them on the booking, so a booking whose gateway dies bills what its client was
+the heartbeat reads each streaming one's completion tokens sent there (`streamed_report`) and
+the store keeps them on the booking, so a booking whose gateway dies bills what its client was
 streamed (store/expiry.py). The request path pays one dict insert and one delete for it, never
 anything per token: the heartbeat reads the reply's own counters.
 """
@@ -223,13 +223,14 @@ class Ledger:
 
 
 def streamed_report(state: GatewayState) -> dict[str, int]:
-    """Reservation id → completion tokens streamed so far, for each in-flight ledger whose
+    """Reservation id → completion tokens its client was sent so far (`Accounting.sent`: not
+    those made but not written yet), for each in-flight ledger whose
     count grew since the store was last told (`Store.heartbeat`'s `streamed`); the caller marks
     them told with `streamed_reported` once the heartbeat committed."""
     out = {}
     for rid, ledger in state.in_flight.items():
         acc = ledger.streamed
-        if acc is not None and (n := acc.total_completion_tokens) > ledger.reported:
+        if acc is not None and (n := sum(acc.sent.values())) > ledger.reported:
             out[rid] = n
     return out
 

@@ -29,7 +29,8 @@ WORDS = ("one", " two", " three")
 
 
 class HeldBackend(Backend):
-    """Sends WORDS, then holds the answer until `release` is set."""
+    """Sends WORDS, makes one more token whose text is not out yet (a byte of an unfinished
+    character: no piece), then holds the answer until `release` is set."""
 
     def __init__(self) -> None:
         self.sent = asyncio.Event()
@@ -42,10 +43,11 @@ class HeldBackend(Backend):
         out.prompt_tokens, out.nodes = 11, ["provider:test"]
         for word in WORDS:
             out.completion_tokens[0] = out.completion_tokens.get(0, 0) + 1
-            yield Piece(index=0, text=word)
+            yield Piece(index=0, text=word, tokens=1)
+        out.completion_tokens[0] += 1  # made, not sent: the heartbeat does not report it
         self.sent.set()
         await self.release.wait()
-        yield Piece(index=0, text="", finish_reason="stop")
+        yield Piece(index=0, text="!", finish_reason="stop", tokens=1)
 
 
 async def _streamed(oai: openai.AsyncOpenAI) -> str:
@@ -81,11 +83,11 @@ async def test_in_flight_ledgers_and_the_streamed_report(tiny_llama: Path, tmp_p
             [rid] = state.in_flight  # reserved, not settled
             if ask is _streamed:
                 report = streamed_report(state)
-                assert report == {rid: len(WORDS)}
+                assert report == {rid: len(WORDS)}  # sent, not made
                 streamed_reported(state, report)
                 assert streamed_report(state) == {}  # nothing new since
             else:
                 assert streamed_report(state) == {}  # nothing reached the client yet
             backend.release.set()
-            assert await asyncio.wait_for(task, 30) == "".join(WORDS)
+            assert await asyncio.wait_for(task, 30) == "".join(WORDS) + "!"
             assert state.in_flight == {}  # settled: out of the registry
