@@ -47,8 +47,9 @@ class UsageCheck(msgspec.Struct, kw_only=True):
     billed_twice: dict[str, list[str]] = msgspec.field(default_factory=dict)
     #: records of requests the client got no full answer for, by status
     no_full_answer: dict[str, int] = msgspec.field(default_factory=dict)
-    #: completion tokens those records bill (a stream cut by an error event: what was
-    #: generated, which the client saw as chunks, not tokens)
+    #: completion tokens those records bill (a stream cut by an error event: the tokens of the
+    #: chunks written to the client, which it counts as chunks — equal unless one chunk carried
+    #: several tokens, e.g. the bytes of one multi-byte character; a whole answer's 502: none)
     no_full_answer_tokens: int = 0
     #: records with a chaos tag the client never sent
     unknown: int = 0
