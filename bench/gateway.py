@@ -32,6 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -71,8 +72,14 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--traced", action="store_true",
                    help="also a second gateway with OpenTelemetry tracing on (spans kept in its console ring, no "
                         "export), its requests interleaved with the others: tracing's cost, per request")
+    p.add_argument("--otlp", action="store_true",
+                   help="also a gateway with tracing on that exports every span over OTLP/HTTP (the SDK's batch "
+                        "exporter) to a local receiver (bench.otlp_sink, a process of its own): the cost of "
+                        "tracing as a deployment with Jaeger or Tempo pays it. Implies --traced")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.traced = args.traced or args.otlp
+    return args
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -115,13 +122,13 @@ async def _stream(s: aiohttp.ClientSession, url: str, body: dict[str, Any], head
 
 
 async def _overhead(node: str, gw: str, relay: str, key: str, ids: list[int],
-                    args: argparse.Namespace, traced: tuple[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
-    """`traced`: (url, key) of a gateway with tracing on, a fourth path."""
+                    args: argparse.Namespace, traced: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:  # fmt: skip
+    """`traced`: path name -> (url, key) of the gateways with tracing on, more paths."""
     paths = {"node": (node, {"prompt": ids}, {}),
              "gateway": (gw, {"model": "echo", "prompt": PROMPT}, {"Authorization": f"Bearer {key}"}),
              "bare_relay": (relay, {"prompt": ids}, {})}  # fmt: skip
-    if traced is not None:
-        paths["gateway_traced"] = (traced[0], {"model": "echo", "prompt": PROMPT}, {"Authorization": f"Bearer {traced[1]}"})
+    for name, (url, tkey) in (traced or {}).items():
+        paths[name] = (url, {"model": "echo", "prompt": PROMPT}, {"Authorization": f"Bearer {tkey}"})
     times: dict[str, dict[str, list[float]]] = {p: {"ttft": [], "latency": []} for p in paths}
     common = {"max_tokens": args.max_tokens, "stream": True, "temperature": 0}
     async with aiohttp.ClientSession() as s:
@@ -210,6 +217,21 @@ async def _concurrency(gw: str, key: str, args: argparse.Namespace) -> dict[str,
             "wall_s": round(wall, 3), "ttft": _summary(ttfts), "tokens_per_s": round(tokens / wall, 1)}  # fmt: skip
 
 
+def _otlp_settled(url: str, quiet_s: float = 6.0, timeout_s: float = 120.0) -> dict[str, int]:
+    """The OTLP receiver's count once it has stopped growing for `quiet_s` (the exporter sends
+    a batch at least every 5 s, so 6 s without a new span means the run's spans are all in and
+    their export is in the gateway's CPU)."""
+    deadline = time.monotonic() + timeout_s
+    last, since = -1, time.monotonic()
+    while True:
+        got = json.loads(urllib.request.urlopen(url + "/count", timeout=5).read())
+        if got["spans"] != last:
+            last, since = got["spans"], time.monotonic()
+        elif time.monotonic() - since >= quiet_s or time.monotonic() > deadline:
+            return {"spans": got["spans"], "exports": got["exports"], "bytes": got["bytes"]}
+        time.sleep(0.1)  # polling the receiver's count, not covering a race
+
+
 def _write_config(tmp: Path, port: int, fast: str, slow: str, tokenizer: str, streams: int,
                   connect_timeout: float, store: str = "") -> Path:  # fmt: skip
     cfg = tmp / "gateway.toml"
@@ -284,28 +306,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         gw = Proc([sys.executable, "-m", "duet", "gateway", "--config", str(cfg), "--log-level", "WARNING"], gport,
                   tmp / "gateway.log", env={"DUET_ADMIN_KEY": admin, "DUET_HOME": str(tmp)})  # fmt: skip
         procs = [node, slow, relay, gw]
-        if args.traced:  # the same gateway with tracing on, in a store of its own
-            (tmp / "traced").mkdir()
+        # the same gateway with tracing on, each in a store of its own: spans kept in the console's
+        # ring only ("gateway_traced"), and ring plus an OTLP exporter to a local receiver ("gateway_otlp")
+        variants: dict[str, Proc] = {}
+        sink = None
+        if args.otlp:
+            oport = free_port()
+            sink = Proc([sys.executable, "-m", "bench.otlp_sink", "--port", str(oport)], oport, tmp / "otlp.log")
+            procs.append(sink)
+        for name in ["gateway_traced"] * args.traced + ["gateway_otlp"] * args.otlp:
+            (tmp / name).mkdir()
             tport = free_port()
-            tcfg = _write_config(tmp / "traced", tport, node.url, slow.url, str(tok_dir), args.streams,
+            tcfg = _write_config(tmp / name, tport, node.url, slow.url, str(tok_dir), args.streams,
                                  args.connect_timeout)  # fmt: skip
-            procs.append(Proc([sys.executable, "-m", "duet", "gateway", "--config", str(tcfg), "--log-level",
-                               "WARNING"], tport, tmp / "gateway-traced.log",
-                              env={"DUET_ADMIN_KEY": admin, "DUET_HOME": str(tmp / "traced"), "DUET_TRACING": "1"}))  # fmt: skip
+            env = {"DUET_ADMIN_KEY": admin, "DUET_HOME": str(tmp / name), "DUET_TRACING": "1"}
+            if name == "gateway_otlp" and sink is not None:
+                # the SDK's batch exporter with its defaults (a batch every 5 s or 512 spans), as a
+                # deployment runs it
+                env["OTEL_EXPORTER_OTLP_ENDPOINT"] = sink.url
+            variants[name] = Proc([sys.executable, "-m", "duet", "gateway", "--config", str(tcfg), "--log-level",
+                                   "WARNING"], tport, tmp / f"{name}.log", env=env)  # fmt: skip
+            procs.append(variants[name])
         with running(*procs):
             _admin(gw.url, admin, "/admin/teams", {"id": "bench"})
             key = _admin(gw.url, admin, "/admin/keys", {"team_id": "bench"})["key"]
             measured = [("gateway", gw.proc), ("bare_relay", relay.proc)]
-            traced = None
-            if args.traced:
-                tgw = procs[-1]
+            traced: dict[str, tuple[str, str]] = {}
+            for name, tgw in variants.items():
                 _admin(tgw.url, admin, "/admin/teams", {"id": "bench"})
-                traced = (tgw.url, _admin(tgw.url, admin, "/admin/keys", {"team_id": "bench"})["key"])
-                measured.append(("gateway_traced", tgw.proc))
+                traced[name] = (tgw.url, _admin(tgw.url, admin, "/admin/keys", {"team_id": "bench"})["key"])
+                measured.append((name, tgw.proc))
             if not args.json:
                 print(f"overhead: {args.requests} sequential requests per path …", file=sys.stderr)
             cpu0 = {p: _cpu_s(proc.pid) for p, proc in measured}
             overhead = asyncio.run(_overhead(node.url, gw.url, relay.url, key, ids, args, traced))
+            if sink is not None:  # every span of the run received, so its export is in the CPU read below
+                overhead["otlp"] = _otlp_settled(sink.url)
             # CPU per request (every thread, user + system): what a core sustains, which the
             # machine's noise hardly moves — unlike a p99 on shared cores
             overhead["cpu_ms_per_request"] = {
@@ -342,11 +378,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {'':8s} requests over 1 ms slower than their path's median: {slow}")
     cpu = o["cpu_ms_per_request"]
     print(f"  CPU per request: gateway {cpu['gateway']} ms, bare relay {cpu['bare_relay']} ms")
-    if "gateway_traced" in cpu:
-        t = o["latency"]
-        print(f"  tracing on: CPU per request {cpu['gateway_traced']} ms ({cpu['gateway_traced'] / cpu['gateway']:.2f}x "
-              f"the untraced gateway's), latency overhead p50 {t['gateway_traced_overhead_p50_ms']} ms p99 "
-              f"{t['gateway_traced_overhead_p99_ms']} ms")  # fmt: skip
+    t = o["latency"]
+    for name, what in (("gateway_traced", "tracing on (ring only)"), ("gateway_otlp", "tracing on + OTLP export")):
+        if name in cpu:
+            print(f"  {what}: CPU per request {cpu[name]} ms ({cpu[name] / cpu['gateway']:.2f}x the untraced "
+                  f"gateway's), latency overhead p50 {t[f'{name}_overhead_p50_ms']} ms p99 "
+                  f"{t[f'{name}_overhead_p99_ms']} ms")  # fmt: skip
+    if "otlp" in o:
+        x = o["otlp"]
+        print(f"  OTLP receiver: {x['spans']} spans in {x['exports']} exports, {x['bytes']} bytes "
+              f"({x['spans'] / o['requests']:.1f} spans per request)")  # fmt: skip
     print(f"{c['streams']} concurrent streams: {c['completed']} completed, errors {c['errors']}, wall {c['wall_s']} s, "
           f"TTFT p50 {c['ttft']['p50_ms']} ms p99 {c['ttft']['p99_ms']} ms, {c['tokens_per_s']} tokens/s, gateway RSS "
           f"{c['gateway_memory']}")  # fmt: skip

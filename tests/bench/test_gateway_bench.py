@@ -50,3 +50,20 @@ def test_slow_share_counts_requests_over_their_own_median() -> None:
     assert slow_share(xs) == 0.03
     assert slow_share(xs, over_s=0.005) == 0.01
     assert slow_share([]) is None
+
+
+def test_gateway_bench_otlp_pays_for_its_export(tiny_llama: Path) -> None:
+    """--otlp: a third gateway exports its spans over OTLP/HTTP to the bench's receiver, which
+    decodes them (opentelemetry-proto) before the CPU is read. Each of the traced paths' requests
+    has its spans there; the ring-only gateway is still measured beside it."""
+    n = 4
+    proc = subprocess.run([sys.executable, "-m", "bench.gateway", "--json", "--tokenizer", str(tiny_llama),
+                           "--otlp", "--requests", str(n), "--streams", "3", "--stream-tokens", "2"],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    o = json.loads(proc.stdout)["overhead"]
+    assert set(o["cpu_ms_per_request"]) == {"gateway", "bare_relay", "gateway_traced", "gateway_otlp"}
+    for name in ("gateway_traced", "gateway_otlp"):
+        assert o["latency"][f"{name}_overhead_p50_ms"] is not None and o["latency"][name]["p50_ms"] > 0
+    # every request's server span and its children arrived: several spans per request, in real exports
+    assert o["otlp"]["spans"] >= 3 * n and o["otlp"]["exports"] >= 1 and o["otlp"]["bytes"] > 0
