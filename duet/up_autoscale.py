@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from planner.local import ControlError, NodeStarted, NodeStopped, ScaleOut
+from planner.local import ControlError, ControlReady, NodeStarted, NodeStopped, ScaleOut
 from protocol.cluster_secret import ClusterSecret
 
 T = TypeVar("T")
@@ -156,17 +156,38 @@ def serve_control(auto: Autoscale, secret: ClusterSecret) -> ThreadingHTTPServer
             self.end_headers()
             self.wfile.write(raw)
 
+        def _authorized(self) -> bool:
+            if secret.verify(self.headers.get("Authorization")):
+                return True
+            self._send(401, ControlError(message="duet up's control endpoint needs the cluster secret "
+                                                 "('Authorization: Bearer <secret>')", code="cluster_secret_required"))  # fmt: skip
+            return False
+
+        def _starting(self) -> bool:
+            if auto.sup is not None and auto.sup.ready.is_set():
+                return False
+            self._send(503, ControlError(message="duet up is still starting", code="starting"))
+            return True
+
+        def do_GET(self) -> None:
+            # `GET /ready`: the local actuator asks before its planner decides anything (a step
+            # decided while duet up still starts could only fail: 503 `starting`)
+            if not self._authorized():
+                return
+            if self.path.partition("?")[0].strip("/") != "ready":
+                self._send(404, ControlError(message=f"no route {self.path}", code="not_found"))
+            elif not self._starting():
+                self._send(200, ControlReady(max_nodes=auto.max_nodes))
+
         def do_POST(self) -> None:
-            if not secret.verify(self.headers.get("Authorization")):
-                self._send(401, ControlError(message="duet up's control endpoint needs the cluster secret "
-                                                     "('Authorization: Bearer <secret>')", code="cluster_secret_required"))  # fmt: skip
+            if not self._authorized():
                 return
             raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
             path, _, query = self.path.partition("?")
             parts = path.strip("/").split("/")
             try:
-                if auto.sup is None or not auto.sup.ready.is_set():
-                    self._send(503, ControlError(message="duet up is still starting", code="starting"))
+                if self._starting():
+                    pass
                 elif parts == ["nodes"]:
                     self._send(*auto.start(msgspec.json.decode(raw, type=ScaleOut)))
                 elif len(parts) == 3 and parts[0] == "nodes" and parts[2] == "stop":

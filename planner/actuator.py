@@ -8,6 +8,10 @@ An actuator is handed one step at a time by planner/loop.py and owns its whole e
   prefills and streams, wait until every held KV block was pulled or its lease ran out; past the
   drain deadline its streams migrate) and only then remove it.
 
+Before deciding, the planner asks `ready()`: an actuator that cannot act yet (the local one
+while `duet up` still starts its processes) says why, and the planner holds every pool until it
+can — a step decided then could only fail, and its cool-down would delay the real one.
+
 A refused step (the platform said no: 403, 409, a budget of its own) is an `Outcome`, never an
 exception: the loop records it in `duet:planner_actuations_total` and the planner tries again
 after its cool-down.
@@ -50,6 +54,11 @@ class ActResult:
 class Actuator(Protocol):
     #: "local" | "kubernetes" | "virtual" (the metrics' `actuator` label)
     name: str
+
+    async def ready(self) -> str | None:
+        """None when the actuator can act; else why not (`duet up` still starting): the planner
+        then decides nothing, rather than hand a step to an actuator that can only fail it."""
+        ...
 
     async def scale_out(self, pool: PoolKey, to: int) -> ActResult: ...
 

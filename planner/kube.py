@@ -162,6 +162,9 @@ class KubernetesActuator:
         return ActResult(outcome, detail)
 
     # -- Actuator ----------------------------------------------------------------------------
+    async def ready(self) -> str | None:
+        return None  # nothing of its own to wait for
+
     async def scale_out(self, pool: PoolKey, to: int) -> ActResult:
         name = self.deployment_of(pool)
         try:

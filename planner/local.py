@@ -48,6 +48,12 @@ class NodeStopped(msgspec.Struct, frozen=True, kw_only=True):
     nodes: int
 
 
+class ControlReady(msgspec.Struct, frozen=True, kw_only=True):
+    """`GET /ready` once duet up is up (before: 503 ControlError `starting`)."""
+
+    max_nodes: int
+
+
 class ControlError(msgspec.Struct, frozen=True, kw_only=True):
     message: str
     code: str
@@ -60,6 +66,23 @@ class LocalActuator:
         self.url = control_url.rstrip("/")
         self.drainer = drainer
         self.session = session
+        self._ready = False
+
+    async def ready(self) -> str | None:
+        """None once duet up can start and stop nodes (asked until it says so once: it never
+        goes back to starting); else why not. The planner decides nothing meanwhile: every step
+        would be answered 503 `starting` and recorded failed."""
+        if self._ready:
+            return None
+        try:
+            async with self.session.get(self.url + "/ready", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                status, raw = r.status, await r.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return f"duet up's control endpoint: {type(e).__name__}: {e}"
+        if status != 200:
+            return self._error(status, raw, "GET /ready").detail
+        self._ready = True
+        return None
 
     async def _post(self, path: str, body: object, timeout: float) -> tuple[int, bytes]:
         async with self.session.post(self.url + path, data=msgspec.json.encode(body),

@@ -3,6 +3,9 @@ nodes it sees (their registrations and last load frames), decide (planner/decide
 each step to the actuator — one actuation per pool at a time, in its own task (a drain can take
 minutes; other pools keep being planned meanwhile).
 
+While the actuator is not ready (`Actuator.ready()`: the local one until `duet up` is all
+up) the leader decides nothing: a step then would fail at once and cool its pool down.
+
 A follower does nothing but keep its rate meters warm (every replica routes, so every replica
 measures what it routes); on gaining leadership it starts deciding at the next tick. Losing it
 mid-actuation lets the step finish (a half-done drain is worse than a late one).
@@ -69,6 +72,8 @@ class PlannerLoop:
         self.results: list[tuple[Decision, ActResult]] = []
         #: the recent decisions `GET /planner` serves (planner/history.py)
         self.history = DecisionLog()
+        #: why the actuator cannot act yet (its `ready()`); None once it can
+        self.waiting: str | None = None
         coordinator.route_observers.append(self.on_route)
         coordinator.planner_report = self.report
 
@@ -76,7 +81,8 @@ class PlannerLoop:
         h = self.history
         return PlannerReport(replica_id=self.coordinator.replica_id, is_leader=self.coordinator.election.is_leader,
                              mode=str(self.cfg.mode), actuator=self.actuator.name, interval_s=self.cfg.interval_s,
-                             last_tick=h.last_tick, pools=list(h.pools.values()), decisions=h.newest(limit))  # fmt: skip
+                             last_tick=h.last_tick, pools=list(h.pools.values()), decisions=h.newest(limit),
+                             waiting=self.waiting)  # fmt: skip
 
     def on_route(self, req: RouteRequest, decision: Any) -> None:
         resp = decision.response
@@ -97,6 +103,15 @@ class PlannerLoop:
             return []
         for key in [k for k, t in self.busy.items() if t.done()]:
             del self.busy[key]
+        waiting = await self.actuator.ready()
+        if waiting is not None:  # a step now could only fail (and cool the pool down): decide nothing
+            if waiting != self.waiting:
+                log.info("planner waits for the %s actuator: %s", self.actuator.name, waiting)
+            self.waiting = waiting
+            return []
+        if self.waiting is not None:
+            log.info("planner: the %s actuator is ready; deciding", self.actuator.name)
+            self.waiting = None
         pools = group(samples(c.views.values(), time.monotonic(), c.config.policy.stale_load_s), self.clock(),
                       self.cfg.cold_start_s)  # fmt: skip
         self._add_pending(pools)

@@ -41,6 +41,9 @@ class VirtualActuator:
             return ActResult(Outcome.FAILED, f"cannot write {self.path}: {e}")
         return ActResult(Outcome.DONE, f"wrote {pool} = {to} to {self.path}", replicas=to)
 
+    async def ready(self) -> str | None:
+        return None  # nothing of its own to wait for
+
     async def scale_out(self, pool: PoolKey, to: int) -> ActResult:
         return self._write(pool, to, None)
 

@@ -132,3 +132,6 @@ class PlannerReport(msgspec.Struct, frozen=True, kw_only=True):
     pools: list[PoolState]
     #: newest first
     decisions: list[PlannerDecision]
+    #: why the leader decides nothing yet: its actuator cannot act (the local one while `duet up`
+    #: still starts); None once it can
+    waiting: str | None = None

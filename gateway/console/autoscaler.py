@@ -91,7 +91,9 @@ def render(report: PlannerReport, url: str) -> str:
     lead = "leads" if report.is_leader else "does not lead (only the leader decides)"
     intro = (f'<p class="autoscaler">Autoscaler: <strong>{esc(report.mode)}</strong> mode, '
              f"<strong>{esc(report.actuator)}</strong> actuator, every {report.interval_s:g} s; last decided "
-             f"{esc(last)} on {esc(report.replica_id)} ({esc(url)}), which {esc(lead)}.</p>")  # fmt: skip
+             f"{esc(last)} on {esc(report.replica_id)} ({esc(url)}), which {esc(lead)}."
+             + (f" It decides nothing until its actuator can act: {esc(report.waiting)}." if report.waiting else "")
+             + "</p>")  # fmt: skip
     pools = table("Autoscaler pools", ["Pool", "Replicas", "Wanted", "Last tick"],
                   [[f"{p.role}/{p.model}/{p.tier}", p.current, p.desired,
                     p.reason if p.direction == "hold" else f"{p.direction} ({p.reason})"]
