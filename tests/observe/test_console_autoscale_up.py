@@ -143,6 +143,22 @@ def step_in(report: dict[str, Any]) -> dict[str, Any] | None:
     return next((d for d in report["decisions"] if d["direction"] == "in"), None)
 
 
+def diagnosis(up: Up, decision: dict[str, Any] | None) -> str:
+    """What a failed run needs to be understood from CI's log alone: the planner's decision
+    whole (its outcome's detail carries the actuator's error), the coordinator's planner and
+    actuator lines, and duet up's own log (the supervisor's "stopping …", "busy" or "took it
+    late" lines)."""
+    logs = up.home / "logs"
+    planner_lines = [line for line in (logs / "coordinator.log").read_text(errors="replace").splitlines()
+                     if "duet.planner" in line]  # fmt: skip
+    up_log = up.proc.log()
+    return "\n".join([
+        f"decision: {json.dumps(decision, indent=1)}",
+        "coordinator's planner log:", *planner_lines[-20:],
+        "duet up's log (last 40 lines):", *up_log.splitlines()[-40:],
+    ])  # fmt: skip
+
+
 @pytest.fixture
 def up(tiny_llama: Path, tmp_path: Path) -> Iterator[Up]:
     (tmp_path / "planner.toml").write_text(PLANNER)
@@ -167,10 +183,13 @@ def test_the_cluster_page_shows_duet_ups_scale_in_as_the_planner_recorded_it(up:
         assert set(r["Node"] for r in shown[NODES]) == layout, shown[NODES]
 
     # the planner's step, done: the local actuator drained the node and duet up stopped it
-    done = wait_for(lambda: (d := step_in(planner(up))) is not None and d["outcome"] is not None and d, 60,
-                    "the planner to scale the idle prefill pool in")  # fmt: skip
+    try:
+        done = wait_for(lambda: (d := step_in(planner(up))) is not None and d["outcome"] is not None and d, 60,
+                        "the planner to scale the idle prefill pool in")  # fmt: skip
+    except AssertionError as e:
+        raise AssertionError(f"{e}\n{diagnosis(up, step_in(planner(up)))}") from None
     assert (done["role"], done["reason"], done["current"], done["desired"], done["outcome"]) == (
-        "prefill", "headroom", 2, 1, "done"), done  # fmt: skip
+        "prefill", "headroom", 2, 1, "done"), diagnosis(up, done)  # fmt: skip
     victim = done["victim"]
     assert victim in {"prefill-0", "prefill-1"}, done
     inputs = done["inputs"]
