@@ -5,7 +5,8 @@ gateway; on a loaded machine the gateway's start can outlast the planner's windo
 then judged the idle pool, decided a scale-in, and the local actuator's dry run was answered
 503 `starting`: the step was recorded `failed` and the pool cooled down, so the real step came
 a cool-down late. Now the planner asks the actuator first (`ready()`, duet up's `GET /ready`)
-and holds every pool until duet up is all up; then the step is taken and done.
+and holds every pool until duet up is all up, saying why on `GET /planner` and the console;
+then the step is taken and done.
 
 The real control endpoint, Autoscale and Supervisor (three plain processes as its nodes; the
 test's thread plays the supervision thread, as in tests/duet/test_up_autoscale_control.py), the
@@ -35,6 +36,7 @@ from prometheus_client import generate_latest
 from duet.supervisor import Child, Supervisor
 from duet.up_autoscale import Autoscale, serve_control
 from duet.up_config import UpConfig, layout_from_flags
+from gateway.console.autoscaler import render
 from planner.actuator import Outcome
 from planner.config import PlannerConfig
 from planner.drain import Drainer
@@ -149,6 +151,9 @@ def test_the_planner_steps_only_once_duet_up_is_up_and_the_step_is_done(up: UpSt
                 report = loop.report()
                 assert report.decisions == [] and report.last_tick is None, report
                 assert report.waiting is not None and "503 starting" in report.waiting, report.waiting
+                # the console's Cluster page says so (its autoscaler section renders the report)
+                assert ("It decides nothing until its actuator can act: GET /ready: duet up answered 503 starting: "
+                        "duet up is still starting.") in render(report, "http://coordinator"), render(report, "")  # fmt: skip
                 assert drained == [] and not loop.busy
 
                 # all up: the planner judges the pool from now on, and its step is carried out
@@ -165,6 +170,7 @@ def test_the_planner_steps_only_once_duet_up_is_up_and_the_step_is_done(up: UpSt
                 [result] = await asyncio.wait_for(asyncio.gather(*loop.busy.values()), WAIT_S)
                 assert result.outcome == Outcome.DONE, result
                 assert loop.report().waiting is None
+                assert "decides nothing" not in render(loop.report(), "http://coordinator")
                 assert drained == [steps[0].victim]
                 text = generate_latest(c.metrics.registry).decode()
                 assert 'duet:planner_actuations_total{actuator="local",direction="in",outcome="done"} 1.0' in text
