@@ -10,7 +10,9 @@ the planner has drained the node already; here it is SIGTERMed, waited for and t
 supervision (never restarted).
 
 The endpoint listens on loopback only, on a free port, and only `duet up`'s own coordinator is
-told its URL.
+told its URL. Until the supervisor is ready (every stage up) it answers 503 `starting`, and
+`GET /ready` says so: the planner asks it before deciding anything (the coordinator runs, and
+the planner with it, long before the gateway is up on a loaded machine).
 
 Every change goes through the supervision thread (`Supervisor.call`), which may be slow to take
 it (a tick stuck on a health check or a child's exit). The endpoint waits `call_timeout` (10 s)

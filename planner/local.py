@@ -6,7 +6,9 @@ The two speak over `duet up`'s control endpoint on loopback (duet/up_autoscale.p
   like the layout's nodes of that role; 409 when `--max-nodes` (bounded by the machine's CPUs)
   is reached;
 - `POST /nodes/{node_id}/stop` → NodeStopped{node_id, exit_code}: SIGTERM, wait for the exit,
-  and take it off supervision (a stopped node is not restarted); `?dry_run=1` only checks.
+  and take it off supervision (a stopped node is not restarted); `?dry_run=1` only checks;
+- `GET /ready` → ControlReady once duet up is all up, 503 `starting` before: `ready()` asks it
+  before the planner decides anything (planner/loop.py), until it said yes once.
 
 scale_in asks with a dry run first (so a node is never drained that could then not be removed:
 duet up still starting, the last node), then drains (planner/drain.py) — only an idle node (or
