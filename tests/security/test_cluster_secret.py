@@ -187,15 +187,17 @@ def test_duet_ups_control_endpoint_needs_the_secret() -> None:
 
     secret = ClusterSecret(secrets.token_urlsafe(32), "test")
     server = serve_control(types.SimpleNamespace(sup=None), secret)  # type: ignore[arg-type]
-    url = f"http://127.0.0.1:{server.server_address[1]}/nodes/decode-0/stop"
+    base = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        for headers, status, code in (({}, 401, "cluster_secret_required"),
-                                      ({"Authorization": "Bearer " + "x" * 43}, 401, "cluster_secret_required"),
-                                      (secret.headers, 503, "starting")):  # fmt: skip
-            req = urllib.request.Request(url, data=b"{}", method="POST", headers=headers)
-            with pytest.raises(urllib.error.HTTPError) as e:
-                urllib.request.urlopen(req, timeout=10)
-            assert e.value.code == status and json.loads(e.value.read())["code"] == code
+        # the stop, and the readiness the planner asks before deciding (GET /ready)
+        for method, path, data in (("POST", "/nodes/decode-0/stop", b"{}"), ("GET", "/ready", None)):
+            for headers, status, code in (({}, 401, "cluster_secret_required"),
+                                          ({"Authorization": "Bearer " + "x" * 43}, 401, "cluster_secret_required"),
+                                          (secret.headers, 503, "starting")):  # fmt: skip
+                req = urllib.request.Request(base + path, data=data, method=method, headers=headers)
+                with pytest.raises(urllib.error.HTTPError) as e:
+                    urllib.request.urlopen(req, timeout=10)
+                assert e.value.code == status and json.loads(e.value.read())["code"] == code, (method, path)
     finally:
         server.shutdown()
         server.server_close()
