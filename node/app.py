@@ -200,6 +200,10 @@ def make_app(state: NodeState) -> web.Application:
     app.router.add_get("/drain", bind(handle_get_drain))
     app.router.add_post("/drain", bind(handle_post_drain))
     app.router.add_delete("/drain", bind(handle_delete_drain))
+    from node.spans import handle_spans
+
+    # the console's request view: this node's recent spans of one trace (node/spans.py)
+    app.router.add_get("/spans", bind(handle_spans))
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     from node.kv_events import add_kv_event_routes  # /kv/events, /kv/snapshot

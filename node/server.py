@@ -62,12 +62,12 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
     roles = Roles()
     for reg in register:
         reg(roles)
-    from protocol.tracing import from_env, setup
+    from protocol.tracing import NODE_RING, from_env, setup
 
     guides = GuideChecker(cfg.guide_compile_timeout_s, cfg.guide_compile_threads, on_compile=metrics.guide_compiled,
                           running=metrics.guides_compiling)  # fmt: skip
     return NodeState(config=cfg, engine=engine, metrics=metrics, node_id=node_id, engine_id=engine_id,
-                     transport=transport, roles=roles, tracing=setup(f"duet-{cfg.role}", from_env()),
+                     transport=transport, roles=roles, tracing=setup(f"duet-{cfg.role}", from_env(NODE_RING)),
                      guides=guides)  # fmt: skip
 
 

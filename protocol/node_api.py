@@ -1,5 +1,8 @@
 """The contract between the gateway and the nodes' internal HTTP API (DESIGN §1, §4).
 
+`NodeSpans` is a node's answer to `GET /spans?trace_id=…`: its recent spans of one trace, for
+the console's request view (node/spans.py, gateway/console/node_spans.py).
+
 The legs of a request: `NodeCompletionRequest` is what the gateway (or any client of a node)
 POSTs to `/v1/completions`; a whole answer is a `NodeCompletion` (the prefill leg's carries
 P's `KVTransferParams` for D), a streamed one is `NodeCompletionChunk`s as SSE, ending with
@@ -18,6 +21,7 @@ from protocol.kv_params import KVTransferParams
 from protocol.openai import CompletionChoice, CompletionRequest, ErrorDetail, Usage
 from protocol.resume import Resume
 from protocol.structured import Guide
+from protocol.tracing import SpanRecord
 
 
 class NodeCompletionRequest(CompletionRequest, kw_only=True, omit_defaults=True):
@@ -79,3 +83,14 @@ class NodeHealth(msgspec.Struct, kw_only=True):
     engine_id: str
     model: str
     detail: str | None = None
+
+
+class NodeSpans(msgspec.Struct, kw_only=True):
+    """A node's recent spans of one trace (`GET /spans?trace_id=<32 hex>`), in start order."""
+
+    node_id: str
+    #: False: this node keeps no span ring (tracing is off on it), so `spans` is empty
+    kept: bool
+    spans: list[SpanRecord] = []
+    #: the trace had more spans on this node than one answer carries (MAX_TRACE_SPANS)
+    truncated: bool = False

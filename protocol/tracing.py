@@ -5,7 +5,9 @@ every hop (DESIGN §8).
 span site and imports nothing of OpenTelemetry; `setup(service, cfg)` builds an SDK
 `TracerProvider` of the process's own (never the global one, so several apps in one test
 process keep apart) that exports over OTLP/HTTP when an endpoint is configured, and keeps the
-last `ring_size` finished spans in memory (`SpanRing`, the console's request view) when asked.
+last `ring_size` finished spans in memory (`SpanRing`, the console's request view) when asked:
+the gateway keeps its own, and a node keeps its legs' for the console to ask for
+(`GET /spans?trace_id=…`, node/spans.py), so one request's timeline needs no collector.
 
 The hops: `trace_configs()` makes an aiohttp ClientSession inject `traceparent` from the
 current context into every request it sends (gateway → coordinator, gateway → P and D,
@@ -66,6 +68,11 @@ HTTP_STATUS = "http.response.status_code"
 TRUE = ("1", "true", "yes", "on")
 #: spans the gateway keeps for its console by default (about 20 spans a request)
 DEFAULT_RING = 20_000
+#: spans a node keeps for the console by default (4 to 6 a leg: the last few thousand legs)
+NODE_RING = 20_000
+#: spans of one trace one `GET /spans` answer carries at most (a request has about 10 on a
+#: node; a trace id that many requests share, from a client's own traceparent, is cut here)
+MAX_TRACE_SPANS = 1000
 #: deferred spans (started by one request, ended by another: P's hold) kept at most
 MAX_DEFERRED = 4096
 
@@ -79,7 +86,8 @@ class TracingConfig:
     #: and no export at all when that is unset
     endpoint: str | None = None
     #: finished spans kept in memory (0: none; None: the process's default — the gateway keeps
-    #: DEFAULT_RING for its console, the other processes none)
+    #: DEFAULT_RING for its console, a node NODE_RING for the console to ask for, the
+    #: coordinator none)
     ring_size: int | None = None
     #: share of new traces sampled (a request that arrives with a sampled traceparent is kept)
     sample_ratio: float = 1.0
@@ -100,6 +108,11 @@ def env_enabled(environ: Mapping[str, str] | None = None) -> bool | None:
     if env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
         return True
     return None
+
+
+def valid_trace_id(value: str) -> bool:
+    """A W3C trace id as the rings name it: 32 lower-case hex digits, not all zero."""
+    return len(value) == 32 and all(c in "0123456789abcdef" for c in value) and value != "0" * 32
 
 
 def from_env(ring_size: int = 0, base: TracingConfig | None = None) -> TracingConfig:
@@ -127,6 +140,15 @@ class SpanRecord(msgspec.Struct, frozen=True, kw_only=True):
     #: OTel's span kind in lower case: "server" (a request this process answered), "client" (a
     #: call it made: the model call `chat {model}`, `embeddings {model}`), "internal" (a step)
     kind: str = "internal"
+
+
+def _attr_value(v: object) -> str | int | float | bool | list[str]:
+    """An attribute as SpanRecord types it: OTel keeps a sequence as a tuple of str, int, float
+    or bool; the record's list is of str (what the console shows, and what the wire between a
+    node and the console's decoder validates)."""
+    if isinstance(v, (tuple, list)):
+        return [str(i) for i in v]
+    return v  # type: ignore[return-value]
 
 
 class SpanRing:
@@ -162,13 +184,16 @@ class SpanRing:
             parent_id=f"{parent.span_id:016x}" if parent is not None else None, name=span.name,
             service=self._service, start_ns=span.start_time or 0, end_ns=span.end_time or 0,
             error=span.status.status_code.name == "ERROR", kind=span.kind.name.lower(),
-            attributes={k: (list(v) if isinstance(v, tuple) else v) for k, v in (span.attributes or {}).items()},
+            attributes={k: _attr_value(v) for k, v in (span.attributes or {}).items()},
         )  # fmt: skip
 
-    def trace(self, trace_id: str) -> list[SpanRecord]:
+    def trace(self, trace_id: str, limit: int | None = None) -> list[SpanRecord]:
+        """The spans of one trace in start order; `limit`: the first that many (the newest
+        spans past it are left out)."""
         tid = int(trace_id, 16)
         got = [self._record(s) for s in list(self._spans) if s.context.trace_id == tid]
-        return sorted(got, key=lambda s: s.start_ns)
+        got.sort(key=lambda s: s.start_ns)
+        return got if limit is None else got[:limit]
 
     def roots(self) -> list[SpanRecord]:
         """The spans without a parent in this process, newest first."""
@@ -324,7 +349,7 @@ class Tracing:
         return [tc]
 
     def middleware(self, skip: tuple[str, ...] = ("/health", "/metrics", "/kv/events", "/kv/snapshot", "/console",
-                                                  "/cluster")) -> list[Any]:  # fmt: skip
+                                                  "/cluster", "/spans")) -> list[Any]:  # fmt: skip
         """[] when off; else an aiohttp middleware opening a SERVER span per request, child of
         the caller's traceparent. Probes, long-lived streams and what the console and `duet
         status` poll are not traced: they would crowd out the requests in the ring."""

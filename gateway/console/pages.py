@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from gateway.console import autoscaler, charts
+from gateway.console import autoscaler, charts, node_spans
 from gateway.console.api import ApiFailed, call
 from gateway.console.render import csrf_field, esc, fragment, notice, page, table
 from gateway.console.session import Session
@@ -483,23 +483,40 @@ async def trace(state: GatewayState, request: web.Request, s: Session) -> web.Re
     if root is None or (not s.admin and root.attributes.get("duet.team") != s.team_id):
         return page("Trace", "requests", notice(f"No trace of {rid} is held here (tracing off, or its spans "
                                                 "aged out of the gateway's ring).", "error"), s, 404)  # fmt: skip
-    spans = ring.trace(root.trace_id) if ring is not None else []
-    ids = {x.span_id: x for x in spans}
+    own = ring.trace(root.trace_id) if ring is not None else []
+    # the P and D legs' spans, from the nodes that served the request (node_spans.py)
+    fetched = await node_spans.fetch(state, root.trace_id, own)
+    process = {x.span_id: x.service for x in own}
+    node_of: dict[str, str] = {}  # a node's span → its node id
+    notes = []
+    for f in fetched:
+        for x in f.spans:
+            if x.span_id not in process:
+                process[x.span_id], node_of[x.span_id] = f"{f.node_id} ({x.service})", f.node_id
+        if f.outcome is node_spans.Fetched.UNAVAILABLE:
+            notes.append(notice(f"The spans of node {f.node_id} ({f.url}) are unavailable: {f.detail}. The timeline "
+                                "shows the rest.", "error"))  # fmt: skip
+        elif f.outcome is node_spans.Fetched.NOT_KEPT:
+            notes.append(notice(f"Node {f.node_id} keeps no spans (tracing is off on it)."))
+        elif f.detail:
+            notes.append(notice(f"Node {f.node_id}: {f.detail}."))
+    ordered = node_spans.tree([*own, *(x for f in fetched for x in f.spans)])
+    t0 = min(x.start_ns for x, _ in ordered)
 
-    def depth(x: Any) -> int:
-        d = 0
-        while x.parent_id in ids and d < 20:
-            x, d = ids[x.parent_id], d + 1
-        return d
+    def label(x: Any) -> str:  # a node's span names its node: P's and D's server spans share a name
+        return f"{x.name} · {node_of[x.span_id]}" if x.span_id in node_of else x.name
 
-    t0 = min(x.start_ns for x in spans)
-    bars = [(x.name, depth(x), (x.start_ns - t0) / 1e6, (x.end_ns - t0) / 1e6, x.error) for x in spans]
-    rows = [[esc(x.name), esc(f"{(x.end_ns - x.start_ns) / 1e6:.2f} ms"),
+    bars = [(label(x), d, (x.start_ns - t0) / 1e6, (x.end_ns - t0) / 1e6, x.error) for x, d in ordered]
+    rows = [[f'<span class="depth" data-depth="{d}">{esc(x.name)}</span>', esc(process[x.span_id]),
+             esc(f"{(x.end_ns - x.start_ns) / 1e6:.2f} ms"),
              "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(_attr(v))}</dd>" for k, v in sorted(x.attributes.items()))
              + "</dl>"]
-            for x in spans]  # fmt: skip
-    body = (f"<p>Trace <code>{esc(root.trace_id)}</code> of request <code>{esc(rid)}</code>, as this gateway "
-            "recorded it; the nodes' and the coordinator's own spans go to the OTLP collector.</p>"
+            for x, d in ordered]  # fmt: skip
+    asked = ", ".join(f.node_id for f in fetched)
+    body = (f"<p>Trace <code>{esc(root.trace_id)}</code> of request <code>{esc(rid)}</code>: this gateway's spans"
+            + (f", and those the nodes that served it hold ({esc(asked)})" if asked else "")
+            + ". The coordinator's spans of the same trace go to your OTLP collector.</p>"
+            + "".join(notes)
             + charts.timeline(f"Timeline of {rid}", bars)
-            + table("Spans", ["Span", "Duration", "Attributes"], rows, raw=True))  # fmt: skip
+            + table("Spans", ["Span", "Process", "Duration", "Attributes"], rows, raw=True))  # fmt: skip
     return page("Trace", "requests", body, s)
