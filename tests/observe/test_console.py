@@ -4,7 +4,7 @@ by Selenium) against the traced cluster of conftest.py (etcd, coordinator, P, D,
 In order, as an operator would: sign in with the admin key and see the nodes (live refresh);
 create a team and a key, use the key with the openai client, revoke it and see it refused;
 see that team's usage in the charts and tables, and the CSV equal to `duet usage report`;
-open a request's trace (the gateway's prefill and decode leg spans); see the autoscaler's
+open a request's trace (the gateway's prefill and decode leg spans, and the P and D nodes' own); see the autoscaler's
 decision on the Cluster page; the admin reads and cancels every team's batches. A team key's session sees
 its own team only (and the API refuses it the rest), and a POST without the CSRF token is
 refused. Screenshots go to $DUET_CONSOLE_SCREENSHOTS when set (docs/console.md's images).
@@ -325,12 +325,27 @@ def test_a_request_trace_shows_the_prefill_and_decode_legs(traced: Traced, brows
     shot(d, "requests")
     links[0].click()
     wait_for(lambda: "Timeline of" in text(d), 10, "the trace page")
-    names = [r.find_element("css selector", "td").text for r in css(d, "table tbody tr")]
+
+    def names() -> list[str]:
+        return [r.find_element("css selector", "td").text for r in css(d, "table tbody tr")]
+
+    def with_node_spans() -> bool:  # D records its leg's spans as it answers: a reload may be needed
+        if "decode.generate" in names():
+            return True
+        d.refresh()  # type: ignore[attr-defined]
+        return False
+
+    wait_for(with_node_spans, 15, "the decode node's spans on the trace page")
     for name in ("POST /v1/chat/completions", "gateway.auth", "gateway.quota.reserve", "gateway.route",
-                 "gateway.prefill_leg", "gateway.decode_leg", "gateway.usage.commit"):  # fmt: skip
-        assert name in names, names
+                 "gateway.prefill_leg", "gateway.decode_leg", "gateway.usage.commit",
+                 # the nodes' own spans, read from their rings (gateway/console/node_spans.py)
+                 "prefill.queue", "prefill.compute", "prefill.hold", "decode.reserve", "decode.kv_pull",
+                 "decode.first_token", "decode.generate"):  # fmt: skip
+        assert name in names(), names()
     svg = css(d, "svg[role='img']")[0].get_attribute("outerHTML")
     assert "gateway.prefill_leg" in svg and "gateway.decode_leg" in svg
+    assert "prefill.compute · prefill-0" in svg and "decode.kv_pull · decode-0" in svg
+    assert not low_contrast(d), low_contrast(d)  # WCAG AA, the nodes' rows included
     # a list attribute reads as its items, not a Python tuple's repr
     nodes = next(dd.text for dt, dd in zip(css(d, "dl dt"), css(d, "dl dd"), strict=True) if dt.text == "duet.nodes")
     assert nodes == "prefill-0, decode-0", nodes

@@ -168,3 +168,24 @@ def test_the_ring_lists_an_attributes_values_in_one_pass() -> None:
         pass
     assert ring.values("duet.request_id") == {f"req-{i}" for i in range(3, 10)}
     assert ring.values("no.such.attribute") == set()
+
+
+def test_a_rings_spans_cross_the_node_wire_with_any_attribute() -> None:
+    """A node's ring answers the console as NodeSpans (node/spans.py): a sequence attribute of
+    ints or bools (OTel allows them) must decode as the record's list of str, not fail the
+    node's whole answer; a trace's spans come in start order, capped by `limit`."""
+    import msgspec
+
+    from protocol.node_api import NodeSpans
+
+    on = setup("duet-prefill", TracingConfig(enabled=True, ring_size=8))
+    assert on.ring is not None
+    with on.span("leg", {"duet.kv.block_ids": [3, 4], "duet.flags": [True], "duet.names": ["a"]}), on.span("step"):
+        pass
+    tid = on.ring.roots()[0].trace_id
+    wire = msgspec.json.encode(NodeSpans(node_id="prefill-0", kept=True, spans=on.ring.trace(tid)))
+    got = msgspec.json.decode(wire, type=NodeSpans)
+    assert [s.name for s in got.spans] == ["leg", "step"]
+    assert got.spans[0].attributes == {"duet.kv.block_ids": ["3", "4"], "duet.flags": ["True"], "duet.names": ["a"]}
+    assert [s.name for s in on.ring.trace(tid, limit=1)] == ["leg"]
+    on.shutdown()
