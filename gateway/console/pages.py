@@ -4,7 +4,8 @@ Every read and change goes through the gateway's own API with the session's key
 (gateway/console/api.py), so a team key sees exactly what the API shows it — its own team —
 and the admin key everything. The cluster page reads the coordinator replicas' `GET /cluster`
 and the gateway's etcd view, like `duet status`, and the leader's `GET /planner`
-(gateway/console/autoscaler.py).
+(gateway/console/autoscaler.py). A request's trace page is the gateway's own spans of it with
+those of the nodes that served it, asked for as the page opens (gateway/console/node_spans.py).
 """
 
 from __future__ import annotations

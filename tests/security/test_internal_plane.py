@@ -91,7 +91,8 @@ def _internal(plane: Plane) -> list[tuple[str, str, Any]]:
         out += [("POST", node.url + "/v1/completions", leg), ("POST", node.url + "/v1/chat/completions", chat),
                 ("GET", node.url + "/v1/models", None), ("GET", node.url + "/kv/metadata", None),
                 ("POST", node.url + "/abort", {"request_id": "someone-elses"}),
-                ("GET", node.url + "/kv/snapshot", None), ("GET", node.url + "/kv/events?since=0", None)]  # fmt: skip
+                ("GET", node.url + "/kv/snapshot", None), ("GET", node.url + "/kv/events?since=0", None),
+                ("GET", node.url + "/spans?trace_id=" + "ab" * 16, None)]  # fmt: skip
     out += [("POST", plane.prefill.url + "/kv/release", {"request_id": "someone-elses"}),
             ("POST", plane.coordinator.url + "/route", {"model": plane.model, "block_hashes": [], "num_prompt_tokens": 4,
                                                         "max_tokens": 2}),
