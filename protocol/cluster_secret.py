@@ -1,7 +1,7 @@
 """The cluster secret: what proves a caller belongs to the cluster on the internal plane (DESIGN §8).
 
 Nodes, coordinators and gateways share one secret. Every internal HTTP endpoint (a node's legs,
-`/kv/*`, `/abort`; a coordinator's `/route`, `/cluster`, drain) requires
+`/kv/*`, `/abort`, `/spans`; a coordinator's `/route`, `/cluster`, drain) requires
 `Authorization: Bearer <secret>`; `/health` is the only open path, `/metrics` is open unless
 the process runs with `--protect-metrics`. The KV transport's handshake proves the same secret
 without sending it (an HMAC over both sides' nonces, kvtransfer/tcp_transport.py).
