@@ -42,8 +42,7 @@ def _backend_class(kind: str) -> type[Transport]:
 
 
 def _options_for(cls: type[Transport], options: dict[str, Any]) -> dict[str, Any]:
-    accepted = set(inspect.signature(cls.__init__).parameters) - {"self"}
-    unknown = sorted(set(options) - accepted)
+    unknown = sorted(set(options) - _accepted(cls))
     if unknown:
         raise TypeError(f"{cls.backend} backend does not take option(s) {', '.join(unknown)}")
     return options
@@ -53,20 +52,30 @@ def make_transport(kind: str = DEFAULT_BACKEND, *, engine_id: str, **options: An
     """A transport of backend `kind`; its pool still has to be registered.
 
     Common options: metrics, timeout, hugepages; nixl: progress_thread, poll_interval,
-    inline_max_bytes, ucx_params; ucx: host, port; tcp: host, port, advertise_host.
-    Options meant for another backend are dropped when nixl falls back to tcp.
+    inline_max_bytes, ucx_params; ucx: host, port; tcp: host, port, advertise_host, secret.
+    nixl also takes tcp's options, for its fallback: a node on nixl that falls back to tcp
+    listens where a tcp transport would and requires the cluster secret in its handshake (given
+    none, the fallback listened on loopback with an empty key: any local reader got the pool).
+    Options of one backend are dropped when the other is built.
     Raises FallbackRefused (strict mode) instead of that fallback.
     """
     cls = _backend_class(kind)
     if kind == "nixl":
+        tcp = _backend_class("tcp")
+        mine, theirs = _accepted(cls), _accepted(tcp)
+        unknown = sorted(set(options) - mine - theirs)
+        if unknown:
+            raise TypeError(f"nixl backend does not take option(s) {', '.join(unknown)}")
         try:
-            return cls(engine_id=engine_id, **_options_for(cls, options))
+            return cls(engine_id=engine_id, **{k: v for k, v in options.items() if k in mine})
         except BackendUnavailable as e:
             fallback(log, f"kvtransfer: NIXL unavailable ({e})", "the tcp backend")
-            tcp = _backend_class("tcp")
-            accepted = set(inspect.signature(tcp.__init__).parameters)
-            return tcp(engine_id=engine_id, **{k: v for k, v in options.items() if k in accepted})
+            return tcp(engine_id=engine_id, **{k: v for k, v in options.items() if k in theirs})
     return cls(engine_id=engine_id, **_options_for(cls, options))
+
+
+def _accepted(cls: type[Transport]) -> set[str]:
+    return set(inspect.signature(cls.__init__).parameters) - {"self", "engine_id"}
 
 
 def unavailable_reason(kind: str) -> str | None:

@@ -45,9 +45,10 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
     from kvtransfer import KVTransferMetrics, make_transport
 
     metrics = NodeMetrics(engine.stats, engine.model_name, cfg.role)
-    # The tcp backend (and nixl's fallback to it) listens beside the HTTP port.
+    # The tcp backend (and nixl's fallback to it) listens beside the HTTP port and requires the
+    # cluster secret in its handshake.
     listen = ({"host": cfg.host, "advertise_host": cfg.public_host, "secret": cfg.security.secret}
-              if cfg.transport == "tcp" else {})  # fmt: skip
+              if cfg.transport in ("tcp", "nixl") else {})  # fmt: skip
     if cfg.transport == "ucx":
         listen = {"host": cfg.host}
     transport = None

@@ -14,17 +14,23 @@ format as an attacker would.
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 import socket
+from pathlib import Path
 
+import aiohttp
 import numpy as np
 import pytest
 
-from kvtransfer import PeerError, make_transport, wire
-from protocol.cluster_secret import ClusterSecret
+from kvtransfer import PeerError, TransportMetadata, decode_metadata, make_transport, wire
+from protocol.cluster_secret import ClusterSecret, write_secret_file
 from tests.kvtransfer.pools import TEST_LAYOUT, HostPool, block_words
+from tests.procs import TINY_NODE_ARGS, Proc, duet_node, running
+from tests.test_ci_strict import _no_nixl
 
-A = ClusterSecret(secrets.token_urlsafe(32), "test A")
+A_VALUE = secrets.token_urlsafe(32)
+A = ClusterSecret(A_VALUE, "test A")
 B = ClusterSecret(secrets.token_urlsafe(32), "test B")
 
 
@@ -91,3 +97,45 @@ async def test_refused_handshakes_cannot_flood_the_log(caplog: pytest.LogCapture
         assert owner.refused_handshakes == 20
         lines = [r for r in caplog.records if "refused a KV reader" in r.getMessage()]
         assert len(lines) == 1, [r.getMessage() for r in lines]
+
+
+async def _node_metadata(node: Proc, secret: str) -> TransportMetadata:
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {secret}"}) as s, \
+               s.get(node.url + "/kv/metadata") as r:  # fmt: skip
+        assert r.status == 200, await r.text()
+        return decode_metadata(await r.read())
+
+
+async def _reads(md: TransportMetadata, secret: ClusterSecret | None) -> bool:
+    """Whether a tcp reader with `secret` reads block 0 of the node's pool."""
+    pool = HostPool(md.layout, 3)
+    async with make_transport("tcp", engine_id=f"D-{secrets.token_hex(4)}", secret=secret, timeout=10) as reader:
+        await reader.register_pool(pool.base, md.layout)
+        try:
+            peer = await reader.add_peer(md)
+            await reader.read(peer, [0], [0])
+        except PeerError:
+            return False
+        return True
+
+
+async def test_a_node_whose_nixl_falls_back_to_tcp_requires_the_secret(tiny_llama: Path, tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A node on the default `--transport nixl` whose NIXL cannot load serves its pool over tcp
+    (outside CI=true). That fallback was built without the node's secret: an empty key, so a
+    reader with no secret at all read the pool of a node that had one."""
+    monkeypatch.delenv("CI", raising=False)  # strict mode refuses the fallback; this test wants it
+    monkeypatch.delenv("DUET_STRICT", raising=False)
+    secret_file = tmp_path / "cluster.secret"
+    write_secret_file(secret_file, A_VALUE)
+    shim = _no_nixl(tmp_path)
+    path = os.pathsep.join(p for p in (shim, os.environ.get("PYTHONPATH")) if p)
+    node = duet_node("prefill", str(tiny_llama), tmp_path, *TINY_NODE_ARGS, "--cluster-secret-file",
+                     str(secret_file), env={"PYTHONPATH": path})  # fmt: skip
+    with running(node):
+        assert "falling back to the tcp backend" in node.log()
+        md = await _node_metadata(node, A_VALUE)
+        assert md.backend == "tcp"
+        assert not await _reads(md, None)
+        assert not await _reads(md, B)
+        assert await _reads(md, A)
