@@ -172,6 +172,9 @@ class Ledger:
         prompt_only = not served and acc is not None and acc.prompt_sent and status is UsageStatus.CLIENT_DISCONNECTED
         if acc is not None:
             r.prompt_tokens = acc.prompt_tokens or r.prompt_tokens
+            # Every completion token read from the node or provider: a client that left chose to
+            # stop and pays what was made for it, sent or not; an answer that broke off by the
+            # cluster's fault has already cut this down to what was sent (Accounting.bill_sent).
             r.completion_tokens = acc.total_completion_tokens
             r.cached_tokens = acc.cached_tokens
             r.nodes = list(acc.nodes)
