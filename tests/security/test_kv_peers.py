@@ -30,10 +30,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import msgspec
 import pytest
+from prometheus_client import CollectorRegistry
 
 from coordinator.etcd_server import EtcdServer
+from kvtransfer import (
+    KVTransferMetrics,
+    PeerError,
+    decode_metadata,
+    make_transport,
+    unavailable_reason,
+)
+from protocol.strict import strict_mode
 from tests.gateway.helpers import metric
+from tests.kvtransfer.pools import TEST_LAYOUT, HostPool, assert_blocks
+from tests.kvtransfer.procs import PeerProcess
 from tests.procs import Proc, duet_node, free_port, running
 from tests.security.hostile_prefill import ENGINE_ID
 from tests.wait import wait_for
@@ -152,3 +165,31 @@ def test_with_a_cluster_only_registered_prefill_nodes_are_pulled_from(tiny_llama
             # (a 503 until the node has listed the registrations once)
             status, body = wait_for(lambda: (r := decode_leg(d, port))[0] != 503 and r, what="a listed cluster")
             assert_refused_before_any_byte(d, status, body, transport, "not a registered prefill node")
+
+
+async def test_a_nixl_agent_must_be_the_engine_the_leg_named() -> None:
+    """NIXL's agent metadata is opaque (a UCX worker address and memory keys), so its transport
+    address cannot be checked against --allowed-peers; what is checked is who it is: the agent
+    a peer publishes must be named as the engine the leg named. A peer that answers for engine
+    "P-claimed" with the agent of "P-real" (its own, or one it copied) is refused before any
+    read, and the agent is forgotten: the real engine is then read from as usual.
+
+    Real parts: a NIXL owner process (tests/kvtransfer/peer.py) and a NIXL reader here."""
+    if (reason := unavailable_reason("nixl")) is not None:
+        (pytest.fail if strict_mode() else pytest.skip)(reason)  # CI must not pass on a skip
+    owner = PeerProcess("nixl", "P-real", 1)
+    pool = HostPool(TEST_LAYOUT, 2)
+    try:
+        async with aiohttp.ClientSession() as http, http.get(owner.url("/kv/metadata")) as r:
+            md = decode_metadata(await r.read())
+        async with make_transport("nixl", engine_id="D-nixl", timeout=10,
+                                  metrics=KVTransferMetrics(CollectorRegistry())) as reader:
+            await reader.register_pool(pool.base, TEST_LAYOUT)
+            with pytest.raises(PeerError, match="published a NIXL agent named 'P-real'"):
+                await reader.add_peer(msgspec.structs.replace(md, engine_id="P-claimed"))
+            assert reader.peers == {} and reader.metrics.bytes == 0
+            peer = await reader.add_peer(md)
+            await reader.read(peer, [3], [1], timeout=10)
+            assert_blocks(pool, [1], 1, [3])
+    finally:
+        owner.stop()
