@@ -16,12 +16,21 @@ loop, and `close()` resets it. Its UCX options (`ucx_options`, default
 On one host this backend's data goes over TCP loopback (see ucx_env.py): prefer nixl.
 A failed, timed-out or cancelled read aborts the endpoint, which cancels its posted
 receives, so no byte lands in local blocks afterwards; the peer is then re-added.
+
+Every endpoint opens with the tcp backend's mutual HMAC challenge-response over the cluster
+secret (kvtransfer/tcp_transport.py), as active messages and with this backend's own labels:
+the owner serves no read and takes no notification from a reader that did not prove the
+secret, and a reader takes no bytes from an owner that could not prove it. UCX itself
+authenticates nobody, so this is the only check on who reads a pool; the bytes still cross
+the network in clear (docs/security.md, "KV transports across machines"). Without a secret
+the key is empty: the same exchange, authenticating nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import importlib
 import itertools
 import logging
@@ -36,7 +45,10 @@ from kvtransfer.memory import PoolMemory
 from kvtransfer.metadata import Notification, TransportMetadata
 from kvtransfer.metrics import KVTransferMetrics
 from kvtransfer.regions import ReadPlan
+from kvtransfer.tcp_transport import NONCE_BYTES
 from kvtransfer.ucx_env import UCXX_DEFAULT_OPTIONS
+from protocol.cluster_secret import ClusterSecret, hmac_parts
+from protocol.log_throttle import ThrottledWarning
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +69,8 @@ def import_ucxx() -> ModuleType:
 #: thread create futures it cannot create, and the request is cancelled or the process
 #: aborts. Runs beyond this wait for a slot (FIFO, on both sides, in run order).
 MAX_INFLIGHT_REQUESTS = 32
+#: the handshake's MAC labels: not the tcp backend's, so a proof is never valid on the other
+_READER, _OWNER = b"duet-kv-ucx/reader", b"duet-kv-ucx/owner"
 
 
 def _tag(req_id: int, index: int) -> int:
@@ -84,8 +98,14 @@ class UcxTransport(Transport):
         host: str = "127.0.0.1",
         port: int = 0,
         ucx_options: dict[str, str] | None = None,
+        secret: ClusterSecret | None = None,
     ) -> None:
         super().__init__(engine_id=engine_id, metrics=metrics, timeout=timeout, hugepages=hugepages)
+        self._key = secret.key if secret is not None else b""
+        #: endpoints refused in the handshake (a reader without the cluster secret)
+        self.refused_handshakes = 0
+        #: anyone who reaches the listener can cause these: one line per 10 s, the rest counted
+        self._refused_log = ThrottledWarning(log)
         self._ucxx = import_ucxx()
         self._ucx_options = dict(UCXX_DEFAULT_OPTIONS if ucx_options is None else ucx_options)
         self._owns_context = False
@@ -137,6 +157,15 @@ class UcxTransport(Transport):
             self._handlers.add(task)
         self._server_eps.add(ep)
         try:
+            if not await self._owner_handshake(ep):
+                self.refused_handshakes += 1
+                self._refused_log.warning("refused a ucx KV reader: it did not prove the cluster secret")
+                # Said before the endpoint goes: UCX may not tell the reader of an abort before
+                # its own timeout, and a reader with the wrong secret should know at once.
+                with contextlib.suppress(Exception):
+                    refusal = wire.Reply(req_id=0, error="the reader did not prove the cluster secret")
+                    await asyncio.wait_for(ep.am_send(wire.encode(refusal)), self.timeout)
+                return
             await self._serve(ep)
         except asyncio.CancelledError:
             pass
@@ -148,6 +177,22 @@ class UcxTransport(Transport):
                 self._handlers.discard(task)
             with contextlib.suppress(Exception):
                 ep.abort()
+
+    async def _owner_handshake(self, ep: Any) -> bool:
+        """Challenge the reader; True once it proved the secret (and got the owner's proof)."""
+        nonce = os.urandom(NONCE_BYTES)
+        try:
+            await ep.am_send(wire.encode(wire.Challenge(nonce=nonce)))
+            hello = wire.decode(bytes(await asyncio.wait_for(ep.am_recv(), self.timeout)))
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # gone, silent past the timeout, or not our wire format
+            return False
+        if not isinstance(hello, wire.Hello) or len(hello.nonce) != NONCE_BYTES or not hmac.compare_digest(
+                hello.mac, hmac_parts(self._key, _READER, nonce, hello.nonce)):  # fmt: skip
+            return False
+        await ep.am_send(wire.encode(wire.Welcome(mac=hmac_parts(self._key, _OWNER, hello.nonce, nonce))))
+        return True
 
     async def _serve(self, ep: Any) -> None:
         pending: set[asyncio.Task[None]] = set()
@@ -199,9 +244,32 @@ class UcxTransport(Transport):
             raise PeerError(
                 f"cannot reach peer {metadata.engine_id!r} at {metadata.host}:{metadata.port}: {e}"
             ) from e
+        try:
+            await asyncio.wait_for(self._reader_handshake(ep, metadata.engine_id), self.timeout)
+        except BaseException as e:
+            with contextlib.suppress(Exception):
+                ep.abort()
+            if isinstance(e, Exception) and not isinstance(e, PeerError):
+                raise PeerError(f"handshake with peer {metadata.engine_id!r} at {metadata.host}:{metadata.port} "
+                                f"failed: {e!r}") from e  # fmt: skip
+            raise
         peer = UcxPeer(metadata, ep)
         peer.dispatcher = asyncio.get_running_loop().create_task(self._dispatch(peer))
         return peer
+
+    async def _reader_handshake(self, ep: Any, engine_id: str) -> None:
+        challenge = wire.decode(bytes(await ep.am_recv()))
+        if not isinstance(challenge, wire.Challenge) or len(challenge.nonce) != NONCE_BYTES:
+            raise PeerError(f"peer {engine_id!r} did not open the ucx handshake "
+                            "(it does not hold this cluster's secret, or is not a duet KV transport)")  # fmt: skip
+        nonce = os.urandom(NONCE_BYTES)
+        await ep.am_send(wire.encode(wire.Hello(nonce=nonce, mac=hmac_parts(self._key, _READER, challenge.nonce,
+                                                                             nonce))))  # fmt: skip
+        welcome = wire.decode(bytes(await ep.am_recv()))
+        if not isinstance(welcome, wire.Welcome) or not hmac.compare_digest(
+                welcome.mac, hmac_parts(self._key, _OWNER, nonce, challenge.nonce)):  # fmt: skip
+            raise PeerError(f"peer {engine_id!r} refused the ucx handshake or could not prove the cluster "
+                            "secret: the two nodes do not share one")  # fmt: skip
 
     async def _dispatch(self, peer: UcxPeer) -> None:
         """Route the owner's replies to the reads waiting for them."""

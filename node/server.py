@@ -50,7 +50,7 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
     listen = ({"host": cfg.host, "advertise_host": cfg.public_host, "secret": cfg.security.secret}
               if cfg.transport in ("tcp", "nixl") else {})  # fmt: skip
     if cfg.transport == "ucx":
-        listen = {"host": cfg.host}
+        listen = {"host": cfg.host, "secret": cfg.security.secret}
     transport = None
     if cfg.task == "embed":
         log.info("KV transport: none (an embedding node keeps no KV past a request)")

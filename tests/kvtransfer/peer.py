@@ -25,6 +25,7 @@ from aiohttp import web
 
 from kvtransfer import METADATA_CONTENT_TYPE, make_transport
 from kvtransfer.base import Transport
+from protocol.cluster_secret import ClusterSecret
 from tests.kvtransfer.pools import TEST_LAYOUT, HostPool
 
 TRANSPORT = web.AppKey("transport", Transport)
@@ -51,11 +52,13 @@ async def main(argv: list[str]) -> int:
     ap.add_argument("--engine-id", required=True)
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--layout", default="{}", help="JSON overrides of TEST_LAYOUT fields")
+    ap.add_argument("--secret", default=None, help="the cluster secret its handshake proves (tcp, ucx)")
     args = ap.parse_args(argv)
 
     layout = msgspec.structs.replace(TEST_LAYOUT, **json.loads(args.layout))
     pool = HostPool(layout, args.seed)
-    transport = make_transport(args.backend, engine_id=args.engine_id)
+    secret = {"secret": ClusterSecret(args.secret, "--secret")} if args.secret else {}
+    transport = make_transport(args.backend, engine_id=args.engine_id, **secret)
     await transport.register_pool(pool.base, layout, "cpu")
 
     app = web.Application()

@@ -20,7 +20,8 @@ START_TIMEOUT = 30.0
 
 class PeerProcess:
     def __init__(
-        self, backend: str, engine_id: str, seed: int, layout: dict[str, Any] | None = None
+        self, backend: str, engine_id: str, seed: int, layout: dict[str, Any] | None = None,
+        secret: str | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.seed = seed
@@ -32,6 +33,7 @@ class PeerProcess:
                 sys.executable, "-m", "tests.kvtransfer.peer",
                 "--backend", backend, "--engine-id", engine_id, "--seed", str(seed),
                 "--layout", json.dumps(layout or {}),
+                *(("--secret", secret) if secret else ()),
             ],
             cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
         )  # fmt: skip
