@@ -14,6 +14,8 @@ the official openai client.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import secrets
 import ssl
 import urllib.error
@@ -114,3 +116,61 @@ def test_the_planners_drain_reaches_an_https_node(tls_node: tuple[Proc, str, Cer
     with pytest.raises(aiohttp.ClientConnectorCertificateError):
         asyncio.run(drain(None))  # what the planner's bare session got
     assert asyncio.run(drain(security)) is True
+
+
+def test_a_whole_cluster_runs_over_https(tiny_llama: Path, tmp_path: Path) -> None:
+    """Every process of a P/D cluster serves https (the coordinator included) and trusts the
+    cluster's CA: nodes register https URLs in etcd, the coordinator reaches them for /kv/events,
+    the gateway routes through the coordinator, the decode node fetches the prefill node's
+    /kv/metadata and releases its blocks over https (and reads the KV over the tcp transport,
+    whose handshake proves the secret). Plain http reaches none of them."""
+    from tests.coordinator.conftest import http as plain_http
+    from tests.procs import secured_plane
+
+    certs = make_certs(tmp_path / "certs")
+    tls = ("--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key), "--tls-ca", str(certs.ca))
+    node_args = (*TINY_NODE_ARGS, "--transport", "tcp", *tls)
+    security = PlaneSecurity(secret=ClusterSecret(SECRET, "test"), tls_ca=str(certs.ca))
+
+    async def get(url: str) -> tuple[int, str]:
+        async with security.client_session() as s, s.get(url) as r:
+            return r.status, await r.text()
+
+    with secured_plane(tmp_path, SECRET, "--local-prefill-tokens", "8", *tls) as sp:
+        coord = sp.coordinator
+        p = sp.node("prefill", tiny_llama, *node_args, node_id="prefill-0")
+        d = sp.node("decode", tiny_llama, *node_args, "--failure-policy", "fail", node_id="decode-0")
+        urls = {proc: f"https://127.0.0.1:{proc.port}" for proc in (coord, p, d)}
+        model = {"kind": "cluster", "tokenizer": str(tiny_llama), "served_name": tiny_llama.name}
+        g = gateway_proc(sp.tmp, {"tiny": model}, routing={"coordinator": [urls[coord]]},
+                         args=(*sp.flag, "--tls-ca", str(certs.ca)))  # fmt: skip
+        try:
+            for proc, url in urls.items():
+                wait_for(lambda u=url, q=proc: _https_health(u, certs.ca) or q.proc.poll() is not None, timeout=180,
+                         what=f"{url} healthy over https")  # fmt: skip
+                assert proc.proc.poll() is None, proc.log()[-3000:]
+            g.wait_healthy(180)
+
+            def ready() -> bool:
+                status, text = asyncio.run(get(urls[coord] + "/cluster"))
+                if status != 200:
+                    return False
+                nodes = {n["node_id"]: n for n in json.loads(text)["nodes"]}
+                return all(nodes.get(n, {}).get("ready") for n in ("prefill-0", "decode-0"))
+
+            wait_for(ready, timeout=90, what="both nodes ready, seen by the https coordinator")
+            status, text = asyncio.run(get(urls[coord] + "/cluster"))
+            assert {n["url"] for n in json.loads(text)["nodes"]} == {urls[p], urls[d]}  # https registrations
+            key = make_team(g.url, "tls-cluster")
+            client = openai.OpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
+            r = client.completions.create(model="tiny", prompt="every hop over TLS " * 4, max_tokens=4, temperature=0)
+            assert r.usage is not None and r.usage.completion_tokens > 0
+            status, text = asyncio.run(get(urls[d] + "/metrics"))
+            moved = sum(float(v) for v in re.findall(r"^duet:kv_transfer_bytes_total(?:\{[^}]*\})? (\S+)$", text, re.M))
+            assert status == 200 and moved > 0  # the decode node pulled P's KV (its failure policy: fail)
+            for url in urls.values():
+                with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
+                    plain_http("GET", url.replace("https://", "http://") + "/health")
+        finally:
+            for proc in (g, d, p, coord):
+                proc.terminate()
