@@ -14,6 +14,7 @@ import stat
 from pathlib import Path
 
 import openai
+import pytest
 
 from tests.batch.gateway_procs import jsonl, lines_for
 from tests.gateway.helpers import MODEL, gateway_proc, make_team, tiny_model
@@ -46,3 +47,25 @@ async def test_stores_and_uploads_are_private(tiny_llama: Path, tmp_path: Path) 
     assert not bad, f"readable by others: {bad}"
     for p in store.parent.iterdir():  # the WAL and shared-memory files too
         assert _mode(p) & 0o077 == 0, (p, oct(_mode(p)))
+
+
+def test_written_and_replaced_files_are_fsynced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch file (an output, a result file rewritten) is fsynced before it is renamed into
+    place, and the directory after the rename, so neither its bytes nor its name are lost to a
+    crash. A crash cannot be staged here: os.fsync is observed (and still called) instead."""
+    from gateway.batch.files import FileStore
+
+    synced: list[str] = []
+    real = os.fsync
+
+    def observed(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    store = FileStore(tmp_path / "files")
+    monkeypatch.setattr(os, "fsync", observed)
+    for _ in range(2):  # the second write replaces the first file
+        store.write("file-abc123", [b'{"a": 1}\n'])
+        assert len(synced) == 2 and synced[0].endswith(".tmp") and synced[1] == str(store.directory), synced
+        synced.clear()
+    assert store.path("file-abc123").read_bytes() == b'{"a": 1}\n'
