@@ -46,6 +46,37 @@ QWEN_STYLE = """{%- if tools %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
 
+# A template in the style of Llama 3.1's JSON tool calling (written for this test): the tool
+# definitions, indented, in the first user turn with the `{"name", "parameters"}` instruction;
+# a past call as `<|python_tag|>` JSON; a tool result as an `ipython` turn.
+LLAMA_STYLE = """{{- bos_token }}
+{%- if not tools is defined %}{%- set tools = none %}{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+{%- set system_message = messages[0]['content'] | trim %}{%- set messages = messages[1:] %}
+{%- else %}{%- set system_message = '' %}{%- endif %}
+{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' }}
+{%- if tools is not none %}{{- 'Environment: ipython\\n\\n' }}{%- endif %}
+{{- system_message + '<|eot_id|>' }}
+{%- if tools is not none %}
+{%- set first_user = messages[0]['content'] | trim %}{%- set messages = messages[1:] %}
+{{- '<|start_header_id|>user<|end_header_id|>\\n\\n' }}
+{{- 'To call a function, answer {"name": function name, "parameters": its arguments as an object}.\\n\\n' }}
+{%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\\n\\n' }}{%- endfor %}
+{{- first_user + '<|eot_id|>' }}
+{%- endif %}
+{%- for message in messages %}
+{%- if message.role == 'tool' or message.role == 'ipython' %}
+{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}{{- {'output': message.content} | tojson }}{{- '<|eot_id|>' }}
+{%- elif 'tool_calls' in message %}
+{%- set call = message.tool_calls[0].function %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n<|python_tag|>{"name": "' + call.name + '", "parameters": ' }}
+{{- call.arguments | tojson }}{{- '}<|eom_id|>' }}
+{%- else %}
+{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content | trim + '<|eot_id|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"""
+
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
 BODY = {"model": "m", "tools": [WEATHER], "messages": [
@@ -74,6 +105,45 @@ def test_a_template_with_tools_renders_as_transformers_does(smollm2: Path) -> No
     assert json.dumps(WEATHER) in text  # the tool as the client sent it (no nulls added)
 
 
+def test_a_llama_style_template_renders_as_transformers_does_and_picks_llama_json(smollm2: Path) -> None:
+    """Llama 3.1's way: the template renders the tools (HF's oracle), the format is detected as
+    Llama 3.1 JSON, and that format's parser and forced-choice guide are the plan's."""
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.AutoTokenizer.from_pretrained(str(smollm2))
+    ours = Tokenizer(smollm2)
+    ours.chat_template = LLAMA_STYLE
+    req = parse_chat(json.dumps(BODY).encode())
+    assert req.messages is not None
+    plan = plan_for(req.tools, None, LLAMA_STYLE)
+    assert plan.fmt.name == "llama3_json"
+    text = render(ours, req.messages, plan)
+    hf_messages = json.loads(json.dumps(BODY["messages"]))
+    hf_messages[2]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    want = hf.apply_chat_template(hf_messages, tools=[WEATHER], chat_template=LLAMA_STYLE, tokenize=False,
+                                  add_generation_prompt=True)  # fmt: skip
+    assert text == want
+    assert json.dumps(WEATHER, indent=4) in text and "Weather in Paris?<|eot_id|>" in text
+    assert '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}<|eom_id|>' in text
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n{"output": "21 C, clear"}<|eot_id|>' in text
+    # what such a model answers is parsed as Llama 3.1 JSON, whole or streamed
+    parser = plan.parser()
+    events = parser.feed('<|python_tag|>{"name": "get_weather", ') + parser.feed('"parameters": {"city": "Rome"}}')
+    events += parser.finish()
+    assert [type(e).__name__ for e in events][:1] == ["CallStart"] and events[0].name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads("".join(e.text for e in events[1:])) == {"city": "Rome"}  # type: ignore[union-attr]
+    # required: the guide makes the model write Llama's {"name", "parameters"}
+    required = parse_chat(json.dumps({**BODY, "tool_choice": "required"}).encode())
+    guide = plan_for(required.tools, None, LLAMA_STYLE).guide
+    assert guide is not None and "parameters" in json.loads(guide.spec)["required"]
+    # tool_choice none: the template is called without tools (its plain system turn)
+    none = parse_chat(json.dumps({**BODY, "tool_choice": "none"}).encode())
+    assert none.messages is not None
+    plain = render(ours, none.messages, plan_for(none.tools, None, LLAMA_STYLE))
+    assert "Environment: ipython" not in plain and json.dumps(WEATHER, indent=4) not in plain
+    assert plain == hf.apply_chat_template(hf_messages, chat_template=LLAMA_STYLE, tokenize=False,
+                                           add_generation_prompt=True)  # fmt: skip
+
+
 def test_smollm2_gets_the_generic_hermes_prompt(smollm2: Path) -> None:
     tok = Tokenizer(smollm2)
     req = parse_chat(json.dumps(BODY).encode())
@@ -91,3 +161,4 @@ def test_smollm2_gets_the_generic_hermes_prompt(smollm2: Path) -> None:
     assert none.messages is not None
     plain = render(tok, none.messages, plan_for(none.tools, None, tok.chat_template))
     assert "# Tools" not in plain and "<tool_response>" in plain
+
