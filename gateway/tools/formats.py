@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
+
+import jinja2
+import jinja2.meta
+from jinja2.ext import loopcontrols
 
 from gateway.tools import hermes, llama3_json
 from gateway.tools.events import ToolParser
@@ -54,5 +59,20 @@ def tool_format(configured: str | None, template: str | None) -> ToolFormat:
 
 
 def template_has_tools(template: str | None) -> bool:
-    """Whether the chat template renders `tools` itself (HF's `apply_chat_template(tools=…)`)."""
-    return template is not None and "tools" in template
+    """Whether the chat template renders `tools` itself (HF's `apply_chat_template(tools=…)`):
+    it reads the `tools` variable. The word alone is not enough — a template whose text says
+    "tools" but never reads the variable would drop the tools the client sent."""
+    return template is not None and _reads_tools(template)
+
+
+@lru_cache(maxsize=64)
+def _reads_tools(template: str) -> bool:
+    try:
+        ast = _PARSER.parse(template)
+    except jinja2.TemplateSyntaxError:
+        return "tools" in template  # it will not render anyway; keep the plain reading
+    return "tools" in jinja2.meta.find_undeclared_variables(ast)
+
+
+#: parses only (nothing is rendered with it); HF's templates use loop controls
+_PARSER = jinja2.Environment(extensions=[loopcontrols])

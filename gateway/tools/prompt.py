@@ -1,7 +1,7 @@
 """A chat conversation with tools as the model's prompt text.
 
-A chat template that renders tools itself (Qwen2.5/3, Llama 3.1+, Hermes: it mentions
-`tools`) gets them as HF's `apply_chat_template(messages, tools=…)` does: the tool
+A chat template that renders tools itself (Qwen2.5/3, Llama 3.1+, Hermes: it reads the
+`tools` variable) gets them as HF's `apply_chat_template(messages, tools=…)` does: the tool
 definitions, assistant turns with `tool_calls` (arguments as objects, as HF templates expect),
 and `role: "tool"` turns. Any other template (SmolLM2's) gets duet's generic tool prompt in
 the model's tool format (docs/tools.md): the tool definitions in a system turn (appended to

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway.requests import parse_chat
+from gateway.tools.formats import template_has_tools
 from gateway.tools.plan import plan_for
 from gateway.tools.prompt import render
 from protocol.tokenizer import Tokenizer
@@ -162,3 +163,16 @@ def test_smollm2_gets_the_generic_hermes_prompt(smollm2: Path) -> None:
     plain = render(tok, none.messages, plan_for(none.tools, None, tok.chat_template))
     assert "# Tools" not in plain and "<tool_response>" in plain
 
+
+def test_a_template_that_only_mentions_tools_gets_the_generic_prompt(smollm2: Path) -> None:
+    """Only a template that reads the `tools` variable renders them; one whose text merely says
+    "tools" (a comment, a default system prompt) would drop them, so it gets the generic prompt."""
+    tok = Tokenizer(smollm2)
+    assert tok.chat_template is not None and not template_has_tools(tok.chat_template)
+    tok.chat_template = "{#- this template has no tools support #}\n" + tok.chat_template
+    req = parse_chat(json.dumps(BODY).encode())
+    assert req.messages is not None
+    text = render(tok, req.messages, plan_for(req.tools, None, tok.chat_template))
+    assert "# Tools" in text and json.dumps(WEATHER) in text  # the tools reach the model
+    assert template_has_tools(QWEN_STYLE) and template_has_tools(LLAMA_STYLE)
+    assert template_has_tools("{% if custom_tools is defined %}{% set tools = custom_tools %}{% endif %}{{ tools }}")
