@@ -203,6 +203,21 @@ async def test_json_object_and_schemas(gw: tuple[Proc, str, tuple[Proc, ...]]) -
     jsonschema.validate(json.loads(content), schemas[0])
 
 
+async def test_max_tokens_cutting_the_json_is_length(gw: tuple[Proc, str, tuple[Proc, ...]]) -> None:
+    """OpenAI's behaviour: a JSON answer cut by max_tokens is a prefix with finish_reason length."""
+    _, client = clients(gw)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
+    kw: dict[str, Any] = {"messages": [{"role": "user", "content": "Describe a person as JSON."}], "temperature": 0,
+                          "max_tokens": 3, "response_format": {"type": "json_schema",
+                                                               "json_schema": {"name": "p", "schema": schema}}}  # fmt: skip
+    *whole, (content, _, finish) = await asyncio.gather(
+        *(client.chat.completions.create(model=m, **kw) for m in MODELS), _streamed(client, model="smollm2", **kw))
+    for text, reason in [*((r.choices[0].message.content, r.choices[0].finish_reason) for r in whole), (content, finish)]:
+        assert reason == "length" and text.startswith("{"), (text, reason)
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(text)
+
+
 async def test_the_schema_corpus_on_both_layouts(gw: tuple[Proc, str, tuple[Proc, ...]]) -> None:
     corpus = Path(__file__).parents[2] / "bench" / "data" / "json_schemas.json"
     schemas: dict[str, Any] = json.loads(corpus.read_text())
@@ -237,6 +252,24 @@ async def test_penalties_reduce_a_greedy_repetition(gw: tuple[Proc, str, tuple[P
     assert count(plain) >= 8, plain.choices[0].text  # greedy SmolLM2 goes on repeating (12 times here)
     for r in (freq, pres, rep):
         assert count(r) < count(plain), (r.choices[0].text, plain.choices[0].text)
+
+
+async def test_min_p_applies_on_both_legs(gw: tuple[Proc, str, tuple[Proc, ...]]) -> None:
+    """min_p 1 keeps only the likeliest token, so at temperature 1 the answer is the greedy one:
+    on D's tokens (plain text) and on P's first token (a guided answer, which P samples)."""
+    _, client = clients(gw)
+    ask = [{"role": "user", "content": "Describe a person as JSON."}]
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+    kw: dict[str, Any] = {"model": "smollm2", "messages": ask, "max_tokens": 16}
+    # one at a time: bf16 greedy output may depend on the batch a request ran in
+    greedy = await client.chat.completions.create(**kw, temperature=0)
+    sampled = await client.chat.completions.create(**kw, temperature=1.0, seed=7, extra_body={"min_p": 1.0})
+    g_guided = await client.chat.completions.create(**kw, temperature=0, response_format=fmt)
+    s_guided = await client.chat.completions.create(**kw, temperature=1.0, seed=7, response_format=fmt,
+                                                    extra_body={"min_p": 1.0})  # fmt: skip
+    assert sampled.choices[0].message.content == greedy.choices[0].message.content
+    assert s_guided.choices[0].message.content == g_guided.choices[0].message.content
 
 
 async def test_logit_bias_bans_and_forces_a_token(gw: tuple[Proc, str, tuple[Proc, ...]], smollm2: Path) -> None:
