@@ -81,11 +81,29 @@ def test_text_equals_the_chat_endpoints(clients: Clients) -> None:
 def test_forced_tool_choice_gives_a_schema_valid_call(clients: Clients) -> None:
     ask = "What is the weather in Paris?"
     tool = {"name": "get_weather", "description": "The weather in a city", "input_schema": SCHEMA}
-    msg = clients.claude.messages.create(model="smollm2", max_tokens=48, tools=[tool], messages=[
-        {"role": "user", "content": ask}], tool_choice={"type": "tool", "name": "get_weather"})  # fmt: skip
+    kw: dict[str, Any] = {"model": "smollm2", "max_tokens": 48, "tools": [tool], "extra_body": {"temperature": 0},
+                          "messages": [{"role": "user", "content": ask}]}  # fmt: skip
+    msg = clients.claude.messages.create(**kw, tool_choice={"type": "tool", "name": "get_weather"})
     calls = [b for b in msg.content if b.type == "tool_use"]
     assert msg.stop_reason == "tool_use" and len(calls) == 1 and calls[0].name == "get_weather", msg
     jsonschema.validate(calls[0].input, SCHEMA)
+    # streamed: Anthropic's events, the arguments as input_json_delta, the same call
+    with clients.claude.messages.stream(**kw, tool_choice={"type": "any"}) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    kinds = [e.type for e in events]
+    assert kinds[0] == "message_start" and kinds[-2:] == ["message_delta", "message_stop"], kinds
+    assert any(e.type == "content_block_delta" and e.delta.type == "input_json_delta" for e in events)
+    streamed = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and len(streamed) == 1 and final.usage.output_tokens > 0, final
+    jsonschema.validate(streamed[0].input, SCHEMA)
+    # the tool's result goes back as a tool_result block and the conversation continues
+    kw["messages"] = [*kw["messages"], {"role": "assistant", "content": [b.model_dump() for b in msg.content]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": calls[0].id,
+                                                    "content": "21 C, clear"}]}]  # fmt: skip
+    after = clients.claude.messages.create(**kw, tool_choice={"type": "none"})
+    assert after.stop_reason in ("end_turn", "max_tokens") and after.content[0].type == "text", after
+    assert after.content[0].text
     fn = {"type": "function", "name": "get_weather", "description": "The weather in a city", "parameters": SCHEMA}
     r = clients.oai.responses.create(model="smollm2", input=ask, tools=[fn], max_output_tokens=48,
                                      tool_choice={"type": "function", "name": "get_weather"})  # fmt: skip
