@@ -87,12 +87,20 @@ def compile_times(eng: Any) -> dict[str, Any]:
 
 
 class _Timed:
-    """Wraps the engine's GuidedDecoding.mask/advance and sums their wall and thread CPU time."""
+    """Wraps the engine's GuidedDecoding.mask/advance and sums their wall and thread CPU time,
+    and counts the rows `mask` was given (guided rows: what a run masked, whatever the timing)."""
 
     def __init__(self, gd: Any) -> None:
-        self.gd, self.wall, self.cpu = gd, 0.0, 0.0
+        self.gd, self.wall, self.cpu, self.rows = gd, 0.0, 0.0, 0
         self._mask, self._advance = gd.mask, gd.advance
-        gd.mask, gd.advance = self._wrap(self._mask), self._wrap(self._advance)
+        gd.mask, gd.advance = self._wrap(self._counted(self._mask)), self._wrap(self._advance)
+
+    def _counted(self, mask: Any) -> Any:
+        def counted(logits: Any, rows: list[tuple[int, str]], *a: Any, **kw: Any) -> Any:
+            self.rows += len(rows)
+            return mask(logits, rows, *a, **kw)
+
+        return counted
 
     def _wrap(self, fn: Any) -> Any:
         def timed(*a: Any, **kw: Any) -> Any:
@@ -107,6 +115,7 @@ class _Timed:
 
     def reset(self) -> None:
         self.wall = self.cpu = 0.0
+        self.rows = 0
 
 
 def decode_run(eng: Any, prompts: list[list[int]], tokens: int, guide: Any, timer: _Timed) -> dict[str, Any]:
@@ -132,7 +141,7 @@ def decode_run(eng: Any, prompts: list[list[int]], tokens: int, guide: Any, time
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {"decode_tokens": n, "steps": steps, "decode_tokens_per_s": round(n / wall, 2),
             "step_ms": round(1e3 * wall / steps, 3), "cpu_ms_per_token": round(1e3 * cpu / n, 3),
-            "mask_ms_per_step": round(1e3 * timer.wall / steps, 4), "mask_share_of_step": round(timer.wall / wall, 4),
+            "masked_rows": timer.rows, "mask_ms_per_step": round(1e3 * timer.wall / steps, 4), "mask_share_of_step": round(timer.wall / wall, 4),
             "mask_cpu_share": round(timer.cpu / cpu, 4) if cpu > 0 else None}  # fmt: skip
 
 
