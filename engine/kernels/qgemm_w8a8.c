@@ -252,6 +252,97 @@ static void w8_amx_pair(const uint8_t *X, int m16, int64_t kp, int64_t c0, int64
         }
     }
 }
+
+/* One group's int32 sums of a chunk (buf [rows][32], tile-stored) into its fp32 totals tot
+ * [rows][32]: tot += (float)acc * sx[row, j], in group order (j = 0 starts from 0.f, so 0 + a is
+ * rounded as the reference rounds it). The last group's totals go straight out: tot * sw (+ bias),
+ * one rounding at the store. rows: the chunk's real rows (padding rows are never stored). */
+static void w8_amx_dequant(const int32_t *buf, int rows, const float *sx, int64_t groups, int64_t j, float *tot,
+                           int64_t n0, int64_t n, const float *scale, const void *bias, char *out, int64_t orow,
+                           int obf16) {
+    const int first = j == 0, last = j == groups - 1;
+#if defined(__AVX512F__)
+    if (n0 + 32 <= n) {
+        /* whole pair: two vectors per row, the row's group scale broadcast once */
+        const __m512 sw0 = _mm512_loadu_ps(scale + n0), sw1 = _mm512_loadu_ps(scale + n0 + 16);
+        __m512 b0 = _mm512_setzero_ps(), b1 = b0;
+        if (last && bias) b0 = load16(bias, n0, obf16), b1 = load16(bias, n0 + 16, obf16);
+        for (int s = 0; s < rows; s++) {
+            const __m512 vs = _mm512_set1_ps(sx[(int64_t)s * groups + j]);
+            const __m512 a0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)(buf + 32 * s))), vs);
+            const __m512 a1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *)(buf + 32 * s + 16))), vs);
+            const __m512 t0 = _mm512_add_ps(first ? _mm512_setzero_ps() : _mm512_load_ps(tot + 32 * s), a0);
+            const __m512 t1 = _mm512_add_ps(first ? _mm512_setzero_ps() : _mm512_load_ps(tot + 32 * s + 16), a1);
+            if (!last) {
+                _mm512_store_ps(tot + 32 * s, t0);
+                _mm512_store_ps(tot + 32 * s + 16, t1);
+                continue;
+            }
+            __m512 v0 = _mm512_mul_ps(t0, sw0), v1 = _mm512_mul_ps(t1, sw1);
+            if (bias) v0 = _mm512_add_ps(v0, b0), v1 = _mm512_add_ps(v1, b1);
+            char *row = out + (int64_t)s * orow;
+            store16(row, n0, v0, obf16);
+            store16(row, n0 + 16, v1, obf16);
+        }
+        return;
+    }
+#endif
+    /* a pair past n's end: the generic per-16 steps */
+    for (int s = 0; s < rows; s++)
+        for (int h = 0; h < 2 && n0 + 16 * h < n; h++) {
+            const int cnt = (int)(n - n0 - 16 * h < 16 ? n - n0 - 16 * h : 16);
+            float *t = tot + 32 * s + 16 * h;
+            if (first) memset(t, 0, sizeof(float) * 16);
+            w8_group_add(buf + 32 * s + 16 * h, cnt, sx[(int64_t)s * groups + j], NULL, n0 + 16 * h, t);
+            if (last) w8_group_store(t, cnt, scale, bias, n0 + 16 * h, out + (int64_t)s * orow, obf16);
+        }
+}
+
+/* Grouped AMX: activation rows [0, rows16) (16 or 32, signed bytes; `rows` of them real) against
+ * the pair of blocks wb0, wb0 + kp*16, one activation scale per g inputs (sx: [rows][groups]),
+ * into out. The group loop is innermost, so each group's 32x32 int32 block goes through L1 only
+ * (buf: two [32][32] halves, tot: [32][32] fp32), and group j's dequantization (AVX-512) is
+ * issued after group j+1's tdpbssd, so the two run side by side instead of one after the other
+ * (the sums and their fp32 order are the same as group by group). */
+static void w8_amx_grouped(const uint8_t *X, int rows16, int rows, int64_t kp, int64_t g, int64_t groups,
+                           const int8_t *wb0, const float *sx, int32_t *buf, float *tot, int64_t n0, int64_t n,
+                           const float *scale, const void *bias, char *out, int64_t orow, int obf16) {
+    const int8_t *wb1 = wb0 + kp * 16;
+    const int two = rows16 > 16;
+    for (int64_t j = 0; j <= groups; j++) {
+        int32_t *bj = buf + (j & 1) * 1024;
+        if (j < groups) {
+            const int64_t c0 = j * g, c1 = (j + 1) * g < kp ? (j + 1) * g : kp;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t c = c0; c < c1; c += 64) {
+                _tile_loadd(6, wb0 + c * 16, 64);
+                _tile_loadd(7, wb1 + c * 16, 64);
+                _tile_loadd(4, X + c, kp);
+                _tile_dpbssd(0, 4, 6);
+                _tile_dpbssd(1, 4, 7);
+                if (two) {
+                    _tile_loadd(5, X + 16 * kp + c, kp);
+                    _tile_dpbssd(2, 5, 6);
+                    _tile_dpbssd(3, 5, 7);
+                }
+            }
+        }
+        if (j > 0)
+            w8_amx_dequant(buf + ((j - 1) & 1) * 1024, rows, sx, groups, j - 1, tot, n0, n, scale, bias, out, orow,
+                           obf16);
+        if (j < groups) {
+            _tile_stored(0, bj, 128);
+            _tile_stored(1, bj + 16, 128);
+            if (two) {
+                _tile_stored(2, bj + 16 * 32, 128);
+                _tile_stored(3, bj + 16 * 32 + 16, 128);
+            }
+        }
+    }
+}
 #endif
 
 /* out [m][os] = W8A8(x [m][xs], packed weights wp, scale [n]) + bias; x bf16 (bf16 != 0) or fp32;
@@ -317,27 +408,20 @@ int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
 #if defined(W8_AMX)
                 if (amx) {
                     if (groups > 1) {
-                        memset(tot, 0, sizeof(float) * (size_t)mb * 32);
-                        for (int64_t j = 0; j < groups; j++) {
-                            const int64_t c1 = (j + 1) * g < kp ? (j + 1) * g : kp;
-                            w8_amx_pair(X + (int64_t)m0 * kp, mb, kp, j * g, c1, wp + 2 * p * blk, acc);
-                            for (int s = 0; s < mb && m0 + s < m; s++)
-                                for (int h = 0; h < 2 && n0 + 16 * h < n; h++) {
-                                    const int cnt = (int)(n - n0 - 16 * h < 16 ? n - n0 - 16 * h : 16);
-                                    w8_group_add(acc + s * 32 + 16 * h, cnt, sx[(int64_t)(m0 + s) * groups + j],
-                                                 NULL, n0 + 16 * h, tot + s * 32 + 16 * h);
-                                }
+                        for (int mi = 0; mi < mb && m0 + mi < m; mi += 32) {
+                            const int r16 = mb - mi < 32 ? mb - mi : 32, real = m - m0 - mi < r16 ? m - m0 - mi : r16;
+                            w8_amx_grouped(X + (int64_t)(m0 + mi) * kp, r16, real, kp, g, groups, wp + 2 * p * blk,
+                                           sx + (int64_t)(m0 + mi) * groups, acc, tot, n0, n, scale, bias,
+                                           (char *)out + (int64_t)(m0 + mi) * os * esz, os * esz, obf16);
                         }
-                    } else
-                        w8_amx_pair(X + (int64_t)m0 * kp, mb, kp, 0, kp, wp + 2 * p * blk, acc);
+                        continue;
+                    }
+                    w8_amx_pair(X + (int64_t)m0 * kp, mb, kp, 0, kp, wp + 2 * p * blk, acc);
                     for (int s = 0; s < mb && m0 + s < m; s++)
                         for (int h = 0; h < 2 && n0 + 16 * h < n; h++) {
                             const int cnt = (int)(n - n0 - 16 * h < 16 ? n - n0 - 16 * h : 16);
                             char *row = (char *)out + (int64_t)(m0 + s) * os * esz;
-                            if (groups > 1)
-                                w8_group_store(tot + s * 32 + 16 * h, cnt, scale, bias, n0 + 16 * h, row, obf16);
-                            else
-                                w8_epilogue(acc + s * 32 + 16 * h, cnt, sx[m0 + s], scale, ws, bias, n0 + 16 * h, row, obf16);
+                            w8_epilogue(acc + s * 32 + 16 * h, cnt, sx[m0 + s], scale, ws, bias, n0 + 16 * h, row, obf16);
                         }
                     continue;
                 }
