@@ -56,11 +56,14 @@ def test_grouped_activation_scales_equal_the_reference_bitwise(n: int, k: int, g
     qw = quantize(torch.randn(n, k, generator=g) * 0.05, "int8")
     lin = QLinear(qw, None, act_int8=True, act_group=group)
     plain = QLinear(qw, None, act_int8=True)
+    bias = torch.randn(n, generator=g).to(dtype)
+    biased = QLinear(qw, bias, act_int8=True, act_group=group)  # the last group's dequant adds it
     for m in (1, 2, 7, 16, 40, 130):
         x = (torch.randn(m, k, generator=g) * 3).to(dtype)
         x[:, min(k - 1, 70)] = 60.0  # an outlier in one group: the others keep their resolution
         got = lin(x)
         assert torch.equal(got, w8a8_reference(x, qw, group=group)), f"m={m}"
+        assert torch.equal(biased(x), w8a8_reference(x, qw, bias, group=group)), f"m={m} biased"
         if group >= k:
             assert torch.equal(got, plain(x)) and torch.equal(got, w8a8_reference(x, qw))
         else:
