@@ -50,8 +50,9 @@ ACT_INT8 = frozenset({"int8-w8a8", "int4-w4a8"})
 #: SmolLM2-135M, int8-w8a8's perplexity vs bf16 (bench.quality, stdlib / passage) is +1.15 % /
 #: +1.92 % with per-token scales for down, +0.52 % / +0.74 % with groups of 128, +0.87 % / +0.81 %
 #: with 256 (Intel Xeon with AMX, 2026-12-02). 128 keeps a margin under issue 25's +1 % bar; its
-#: price is down's GEMM (a quarter of the linear FLOPs): with AMX each group's int32 tiles are
-#: dequantized on their own, ~2x down's ungrouped time at 512 rows (256: ~1.5x; one row: ~1.25x).
+#: price is down's GEMM (a quarter of the linear FLOPs): each group's int32 sums are dequantized
+#: on their own; with AMX that overlaps the next group's tdpbssd, ~1.25x down's ungrouped time at
+#: 512 rows, ~1.4x at 32 (one row, VNNI: ~1.25x).
 ACT_GROUPS: dict[str, dict[str, int]] = {"int8-w8a8": {"down": 128}}
 #: what each weight format quantizes the lm_head to (see the module docstring)
 LM_HEAD_SCHEME = {"int8": "int8", "int4": "int8", "int4-g64": "int8"}

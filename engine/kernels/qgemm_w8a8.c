@@ -26,7 +26,9 @@
  * are dequantized on their own and added in fp32, in group order: tot = sum_g (float)(acc_g -
  * 128 wsum_g) * sx_g (tot starts at 0), out = tot * sw (+ bias). wsum is then [groups][n]. With
  * one group this is the ungrouped formula bit for bit (0 + a == a), so one group takes the
- * ungrouped epilogue. -ffp-contract=off (engine/kernels/__init__.py) keeps every product and sum
+ * ungrouped epilogue. On AMX the group loop is innermost per 32 rows x 32 outputs: a group's tiles
+ * go through a 4 KiB L1 buffer, and their dequantization runs beside the next group's tdpbssd
+ * (w8_amx_grouped). -ffp-contract=off (engine/kernels/__init__.py) keeps every product and sum
  * rounded as torch's reference rounds it.
  */
 #include <stdlib.h>
