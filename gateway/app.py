@@ -183,7 +183,8 @@ def make_app(config: GatewayConfig) -> web.Application:
                                                   running=metrics.guide_compiling.set))  # fmt: skip
     state = app[STATE]
     state.tracing = setup("duet-gateway", from_env(DEFAULT_RING, config.tracing))
-    state.tracing.install(app, after=_request_id)
+    # public endpoints: a client's traceparent is a link, never the parent (protocol/tracing.py)
+    state.tracing.install(app, after=_request_id, trust_parent=False)
     state.provider_metrics = register_provider_metrics(metrics.registry, lambda: [
         m.backend.provider for m in state.models.values() if isinstance(m.backend, ProviderBackend)])  # fmt: skip
     app.cleanup_ctx.append(_lifecycle)

@@ -349,14 +349,21 @@ class Tracing:
         return [tc]
 
     def middleware(self, skip: tuple[str, ...] = ("/health", "/metrics", "/kv/events", "/kv/snapshot", "/console",
-                                                  "/cluster", "/spans")) -> list[Any]:  # fmt: skip
-        """[] when off; else an aiohttp middleware opening a SERVER span per request, child of
-        the caller's traceparent. Probes, long-lived streams and what the console and `duet
-        status` poll are not traced: they would crowd out the requests in the ring."""
+                                                  "/cluster", "/spans"), trust_parent: bool = True) -> list[Any]:  # fmt: skip
+        """[] when off; else an aiohttp middleware opening a SERVER span per request. Probes,
+        long-lived streams and what the console and `duet status` poll are not traced: they
+        would crowd out the requests in the ring.
+
+        `trust_parent`: the span is a child of the caller's `traceparent` (the internal plane,
+        whose callers hold the cluster secret). False on a public endpoint: each request starts a
+        trace of its own and keeps the client's as a span link. A client naming another
+        request's trace id would otherwise put its spans into that trace, which the console
+        shows to the other request's team (and the nodes' spans of it with them)."""
         if self._tracer is None:
             return []
         from aiohttp import web
-        from opentelemetry.trace import SpanKind, Status, StatusCode
+        from opentelemetry import trace
+        from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
         tracer, propagator = self._tracer, self._propagator
 
@@ -368,7 +375,14 @@ class Tracing:
             route = request.match_info.route.resource
             name = f"{request.method} {route.canonical if route is not None else request.path}"
             ctx = propagator.extract(request.headers) if "traceparent" in request.headers else None
-            with tracer.start_as_current_span(name, context=ctx, kind=SpanKind.SERVER,
+            links = None
+            if ctx is not None and not trust_parent:
+                # a root of its own (an empty context, not None: None would mean "the current
+                # span"), linked to what the client said
+                client = trace.get_current_span(ctx).get_span_context()
+                links = [Link(client)] if client.is_valid else None
+                ctx = trace.set_span_in_context(trace.INVALID_SPAN)
+            with tracer.start_as_current_span(name, context=ctx, kind=SpanKind.SERVER, links=links,
                                               record_exception=False, set_status_on_exception=False) as span:  # fmt: skip
                 span.set_attribute("http.request.method", request.method)
                 span.set_attribute("url.path", request.path)
@@ -387,12 +401,12 @@ class Tracing:
 
         return [traced]
 
-    def install(self, app: web.Application, after: Any = None, at: int = 0) -> None:
+    def install(self, app: web.Application, after: Any = None, at: int = 0, trust_parent: bool = True) -> None:
         """Put `middleware()` into `app`'s chain right after `after` (else at `at`): a no-op when
-        off. Called once the app's own chain is built."""
+        off. Called once the app's own chain is built. `trust_parent`: see `middleware`."""
         if after is not None:
             at = app.middlewares.index(after) + 1
-        for m in reversed(self.middleware()):
+        for m in reversed(self.middleware(trust_parent=trust_parent)):
             app.middlewares.insert(at, m)
 
     def shutdown(self) -> None:
