@@ -161,6 +161,7 @@ def test_sign_in_and_see_the_nodes_live(traced: Traced, browser: object) -> None
     d, base = browser, traced.gateway.url
     d.get(base + "/console/cluster")  # type: ignore[attr-defined]
     assert "/console/login" in d.current_url  # type: ignore[attr-defined]  # nothing without a key
+    assert not low_contrast(d), low_contrast(d)  # WCAG AA on the sign-in page
     shot(d, "login")
     sign_in(d, base, ADMIN_KEY)
     assert d.current_url.endswith("/console/cluster")  # type: ignore[attr-defined]
@@ -322,6 +323,7 @@ def test_a_request_trace_shows_the_prefill_and_decode_legs(traced: Traced, brows
     d.get(base + "/console/requests")  # type: ignore[attr-defined]
     links = css(d, f"a[href='/console/requests/{rid}']")
     assert links, text(d)
+    assert not low_contrast(d), low_contrast(d)  # WCAG AA on the Requests page too
     shot(d, "requests")
     links[0].click()
     wait_for(lambda: "Timeline of" in text(d), 10, "the trace page")
@@ -402,6 +404,7 @@ def test_batches_show_progress_and_cancel(traced: Traced, browser: object) -> No
     rows = {r.text.split()[0]: r for r in css(d, "table tbody tr")}
     assert "completed" in rows[small].text and "2/2 (0 failed)" in rows[small].text
     assert rows[small].find_element("css selector", "progress").get_attribute("value") == "2"
+    assert not low_contrast(d), low_contrast(d)  # WCAG AA on the Batches page too
     shot(d, "batches")
     css(d, f"form[action='/console/batches/{big}/cancel'] button")[0].click()
     wait_for(lambda: f"Batch {big}: cancel" in text(d), 10, "the cancellation")
