@@ -12,6 +12,11 @@ thread never spins: when a step changed nothing (requests wait but none can be a
 pool pinned by held or reserved blocks) it sleeps until a command arrives or the next hold
 expires. If the thread dies, `on_dead` is called on the loop: the owner must restart the
 engine or exit, never stay half alive.
+
+The thread also times itself (`StepTiming`): wall and CPU seconds inside `EngineCore.step`, and
+the wall seconds between two steps while it had work (commands, publishing, waiting for the GIL
+the loop holds). Offline step profiles time the step alone; these say what a step costs inside
+a running node, and what the node adds between steps (`duet bench profile --overheads`).
 """
 
 from __future__ import annotations
@@ -84,6 +89,27 @@ class _EmbedJob:
         return sum(map(len, self.prompts))
 
 
+@dataclass
+class StepTiming:
+    """Accounts of the engine thread, written by it alone and published with the stats.
+
+    `gap_s` counts only gaps after a step that left work to do (the thread went straight back
+    to stepping), never idle sleeps: it is the time the node's own work put between steps."""
+
+    steps: int = 0
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    gap_s: float = 0.0
+    gaps: int = 0
+    #: perf_counter at the end of the last step, if that step left runnable work; else None
+    busy_since: float | None = None
+
+    def stats(self) -> dict[str, float]:
+        return {"engine_steps": self.steps, "engine_step_seconds": self.wall_s,
+                "engine_step_cpu_seconds": self.cpu_s, "engine_step_gap_seconds": self.gap_s,
+                "engine_step_gaps": self.gaps}  # fmt: skip
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
         self.core = core or EngineCore(config)
@@ -102,7 +128,8 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.dead: BaseException | None = None
         self._on_dead: Callable[[BaseException], None] | None = None
-        self._stats: dict[str, float] = self.core.stats()
+        self.timing = StepTiming()
+        self._stats: dict[str, float] = {**self.core.stats(), **self.timing.stats()}
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, on_dead: Callable[[BaseException], None] | None = None) -> None:
@@ -152,9 +179,19 @@ class AsyncEngine:
                     if cmd is None:
                         return
                     cmd()
+                tm = self.timing
+                t0, c0 = time.perf_counter(), time.thread_time()
+                if tm.busy_since is not None:
+                    tm.gap_s += t0 - tm.busy_since
+                    tm.gaps += 1
                 outputs, reserved = core.step()
+                t1 = time.perf_counter()
+                tm.steps += 1
+                tm.wall_s += t1 - t0
+                tm.cpu_s += time.thread_time() - c0
+                tm.busy_since = t1 if core.has_work() and core.progressed else None
                 # Published by reference from this thread only: readers see a whole snapshot.
-                self._stats = core.stats()
+                self._stats = {**core.stats(), **tm.stats()}
                 if outputs or reserved:
                     res = [(r.request_id, list(r.block_ids), r.num_cached_tokens // core.pool.block_size)
                            for r in reserved]  # fmt: skip

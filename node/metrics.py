@@ -36,6 +36,14 @@ _COUNTERS = {
     "duet:generation_tokens": ("generation_tokens", "Tokens generated"),
     "duet:num_preemptions": ("num_preemptions", "Requests preempted (recompute)"),
     "duet:num_requests_failed": ("num_requests_failed", "Requests the engine failed alone (finish_reason error)"),
+    # the engine thread's own accounts (engine/async_engine.py StepTiming): step time inside a
+    # running node, and the time the node's other work put between two steps
+    "duet:engine_steps": ("engine_steps", "Engine steps run"),
+    "duet:engine_step_seconds": ("engine_step_seconds", "Wall seconds inside engine steps"),
+    "duet:engine_step_cpu_seconds": ("engine_step_cpu_seconds", "CPU seconds of the engine thread inside steps"),
+    "duet:engine_step_gap_seconds": ("engine_step_gap_seconds",
+                                     "Wall seconds between a step that left work and the next step"),
+    "duet:engine_step_gaps": ("engine_step_gaps", "Gaps counted in duet:engine_step_gap_seconds"),
     # speculative decoding, vLLM's spec_decode_* counters (0 while speculation is off): the acceptance
     # rate is accepted / draft tokens, the mean acceptance length 1 + accepted / drafts
     "duet:spec_decode_num_drafts": ("spec_decode_num_drafts", "Speculative drafts verified"),

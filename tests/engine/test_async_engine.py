@@ -87,3 +87,23 @@ async def test_abort_before_reservation_cancels_it(engine: AsyncEngine) -> None:
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(waiting.reserved, 10)
     assert await engine.release("big0") and await engine.release("big1")
+
+
+async def test_step_timing_counts_steps_and_only_busy_gaps(engine: AsyncEngine) -> None:
+    """The engine thread's own accounts: every core step is timed, and the gaps it counts are
+    only those after a step that left work, never the idle wait before or after a request."""
+    await collect(engine, "warm", [5, 6, 7])
+    before = engine.stats()
+    assert await engine.call(lambda core: core.counters.steps) == before["engine_steps"]
+    await collect(engine, "timed", [8, 9, 10])
+    s = engine.stats()
+    steps = s["engine_steps"] - before["engine_steps"]
+    assert steps >= 8  # one step per token at least (8 tokens)
+    # the steps between the request's tokens left work: their gaps count; the idle wait before
+    # its first step does not (a step that changed nothing also waits, uncounted)
+    gaps = s["engine_step_gaps"] - before["engine_step_gaps"]
+    assert steps // 2 <= gaps <= steps - 1, (gaps, steps)
+    wall = s["engine_step_seconds"] - before["engine_step_seconds"]
+    cpu = s["engine_step_cpu_seconds"] - before["engine_step_cpu_seconds"]
+    assert wall > 0 and cpu > 0
+    assert s["engine_step_gap_seconds"] >= before["engine_step_gap_seconds"]
