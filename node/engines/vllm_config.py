@@ -11,6 +11,11 @@ Mapping of duet's node options onto vLLM (issue #14):
 - `--failure-policy` → `kv_transfer_config.kv_load_failure_policy` (same names).
 - `--lease-seconds` → the connector's `kv_lease_duration` (and `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`,
   the name older vLLM releases read), so P frees unpulled blocks when the lease ends.
+- `--vllm-nixl-progress-thread` → NIXL's progress thread in vLLM's agents, through duet's vLLM
+  plugin (node/engines/vllm_plugin.py): off by default on CPU decode nodes, where it spins a
+  core per node for nothing (a decode node only reads; its step progresses them). Prefill and
+  colocated nodes keep vLLM's default: with it off, a prefill node whose engine went idle hung
+  three concurrent guided prefill legs for 120 s (the vLLM stage, 2026-12-03).
 - `record_kv_events` → `kv_events_config` with a ZMQ publisher on a private ipc:// endpoint,
   read back by node.engines.vllm_events.
 - `--block-size` stays duet's hash block (the gateway's and coordinator's unit); vLLM's own block
@@ -108,6 +113,10 @@ class VllmEngineConfig:
     #: NIXL handshake (side channel) address this node advertises and its port
     nixl_host: str = "127.0.0.1"
     nixl_port: int = 5600
+    #: NIXL's progress thread in vLLM's agents: None = off on CPU decode nodes (it spins a core;
+    #: a decode node only reads, and its step progresses its own reads), vLLM's default (on)
+    #: elsewhere; node/engines/vllm_plugin.py applies it
+    nixl_progress_thread: bool | None = None
     #: publish KV events for the coordinator (GET /kv/events)
     record_kv_events: bool = False
     #: ZMQ endpoint of vLLM's KV event publisher (set by the adapter when recording)
@@ -158,6 +167,10 @@ class VllmEngineConfig:
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
         }
+        thread = self.nixl_progress_thread
+        if thread is None:  # a prefill node's blocks are read while its engine may be idle: keep it there
+            thread = not (self.on_cpu() and self.role == "decode")
+        env["DUET_VLLM_NIXL_PROGRESS_THREAD"] = "1" if thread else "0"
         if self.on_cpu():
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_memory_bytes(self.kv_memory) / GIB)))
             if self.threads:

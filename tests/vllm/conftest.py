@@ -61,19 +61,25 @@ def etcd_module(tmp_path_factory: pytest.TempPathFactory, need_vllm: None) -> It
 
 
 @pytest.fixture(scope="module")
-def vllm_pd(smollm2: Path, tmp_path_factory: pytest.TempPathFactory, etcd_module: str) -> Iterator[tuple[Proc, Proc]]:
-    """(P, D): both registered in etcd (`--etcd`, so they also publish KV events; the cluster
-    test routes through a coordinator to them), D with the default failure policy (recompute)."""
+def vllm_nodes(smollm2: Path, tmp_path_factory: pytest.TempPathFactory, etcd_module: str) -> Iterator[tuple[Proc, Proc, Proc]]:
+    """(P, D, D with `--failure-policy fail`), started together: three vLLM start-ups overlap
+    (one after the others took 73 s more in the vLLM stage). P and D register in etcd (`--etcd`,
+    so they also publish KV events; the cluster test routes through a coordinator to them); D
+    has the default failure policy (recompute). A CPU decode node idles without spinning
+    (node/engines/vllm_plugin.py), so the third costs the other tests nothing but memory."""
     tmp = tmp_path_factory.mktemp("vllm-nodes")
     p = vllm_node("prefill", smollm2, tmp, "--etcd", etcd_module, "--lease-seconds", "30")
     d = vllm_node("decode", smollm2, tmp, "--etcd", etcd_module)
-    with running(p, d, timeout=STARTUP_S):
-        yield p, d
+    d_fail = vllm_node("decode", smollm2, tmp, "--failure-policy", "fail")
+    with running(p, d, d_fail, timeout=STARTUP_S):
+        yield p, d, d_fail
 
 
 @pytest.fixture(scope="module")
-def vllm_d_fail(smollm2: Path, tmp_path_factory: pytest.TempPathFactory, need_vllm: None) -> Iterator[Proc]:
-    """A decode node with `--failure-policy fail`, started only by the test that needs it."""
-    d = vllm_node("decode", smollm2, tmp_path_factory.mktemp("vllm-d-fail"), "--failure-policy", "fail")
-    with running(d, timeout=STARTUP_S):
-        yield d
+def vllm_pd(vllm_nodes: tuple[Proc, Proc, Proc]) -> tuple[Proc, Proc]:
+    return vllm_nodes[0], vllm_nodes[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_d_fail(vllm_nodes: tuple[Proc, Proc, Proc]) -> Proc:
+    return vllm_nodes[2]

@@ -106,3 +106,46 @@ def test_vllm_roles_register_pass_through_legs() -> None:
     for reg in role_registrations("prefill"):
         reg(native)
     assert native.legs["do_remote_decode"].__module__ == "prefill.leg"
+
+
+def test_nixl_progress_thread_is_off_on_cpus_by_default(vllm_importable: None) -> None:
+    """vLLM's NIXL agents start NIXL's progress thread, which spins a core per node: off on CPU
+    decode nodes unless asked for, vLLM's default on prefill and colocated nodes and on GPUs, and
+    the operator's word wins either way."""
+    def env(*flags: str, device: str = "cpu", role: str = "decode") -> dict[str, str]:
+        args = parse("--engine", "vllm", "--model", "m", "--device", device, *flags)
+        return node_config(args, role).engine.environment()
+
+    assert env()["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "0"
+    assert env(role="prefill")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "1"
+    assert env(role="both")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "1"
+    assert env(device="cuda")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "1"
+    assert env("--vllm-nixl-progress-thread", "on")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "1"
+    assert env("--vllm-nixl-progress-thread", "off", device="cuda")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "0"
+    with pytest.raises(ValueError, match="only with --engine vllm"):
+        node_config(parse("--vllm-nixl-progress-thread", "off"), "both")
+
+
+def test_the_vllm_plugin_turns_nixls_progress_thread_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """node/engines/vllm_plugin.py, the entry point vLLM loads in each of its processes: with the
+    node's "0" a config built as vLLM builds it has no progress thread; an explicit choice stands;
+    unset (vLLM outside duet) changes nothing; loading twice wraps once."""
+    import importlib
+    from importlib.metadata import entry_points
+
+    from node.engines import vllm_plugin
+
+    api = pytest.importorskip("nixl._api")
+    assert any(ep.value == "node.engines.vllm_plugin:register" for ep in entry_points(group="vllm.general_plugins"))
+    monkeypatch.setattr(api, "nixl_agent_config", api.nixl_agent_config)  # restored after the test
+    original = api.nixl_agent_config
+    monkeypatch.delenv(vllm_plugin.ENV, raising=False)
+    vllm_plugin.register()
+    assert api.nixl_agent_config is original and original(num_threads=4).enable_pthread is True
+    monkeypatch.setenv(vllm_plugin.ENV, "0")
+    vllm_plugin.register()
+    vllm_plugin.register()
+    cfg = importlib.import_module("nixl._api").nixl_agent_config
+    assert cfg.__mro__[1] is original  # wrapped once
+    assert cfg(num_threads=4, capture_telemetry=True).enable_pthread is False
+    assert cfg(enable_prog_thread=True).enable_pthread is True
