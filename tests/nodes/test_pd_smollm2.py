@@ -1,4 +1,4 @@
-"""The real default model through real P and D processes: 16 greedy prompts of 16-900 tokens
+"""The real default model through real P and D processes: 8 greedy prompts of 16-900 tokens
 give the same tokens P → D, colocated, and offline, and P → D really pulled every prompt's KV
 over NIXL (tests/nodes/transfer_checks.py)."""
 
@@ -26,7 +26,8 @@ def _prompts(llm: LLM) -> list[list[int]]:
     rng = random.Random(7)
     words = "the of and to in is was for on that with as by at from his an were are which".split()
     out = []
-    for i, n in enumerate([16, 20, 33, 47, 64, 90, 128, 150, 200, 256, 320, 400, 512, 640, 777, 900]):
+    # one length per octave up to the context's end (16 would double the wall time: 126 s in CI)
+    for i, n in enumerate([16, 47, 90, 150, 256, 400, 640, 900]):
         if i % 2 == 0:  # chat prompts: the model answers sensibly
             text = " ".join(rng.choice(words) for _ in range(n))
             ids = tok.encode_chat([{"role": "user", "content": "Rewrite clearly: " + text}])
@@ -36,10 +37,10 @@ def _prompts(llm: LLM) -> list[list[int]]:
     return out
 
 
-async def test_16_prompts_pd_equals_offline_and_colocated(smollm2: Path, tmp_path: Path) -> None:
+async def test_8_prompts_pd_equals_offline_and_colocated(smollm2: Path, tmp_path: Path) -> None:
     llm = LLM(str(smollm2), dtype="float32", max_model_len=1024, kv_memory="256MiB")
     ps = _prompts(llm)
-    assert len(ps) == 16 and min(map(len, ps)) >= 16 and max(map(len, ps)) >= 890
+    assert len(ps) == 8 and min(map(len, ps)) >= 16 and max(map(len, ps)) >= 890
     expected = [o.token_ids for o in llm.generate(ps, SamplingParams(**GREEDY))]
     del llm
     with three_nodes(smollm2, tmp_path, *COMMON) as (p, d, both):
