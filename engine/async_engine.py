@@ -99,6 +99,10 @@ class StepTiming:
     steps: int = 0
     wall_s: float = 0.0
     cpu_s: float = 0.0
+    #: the same over steps that computed no prompt token (pure decode: what sets ITL)
+    decode_steps: int = 0
+    decode_wall_s: float = 0.0
+    decode_cpu_s: float = 0.0
     gap_s: float = 0.0
     gaps: int = 0
     #: perf_counter at the end of the last step, if that step left runnable work; else None
@@ -107,7 +111,9 @@ class StepTiming:
     def stats(self) -> dict[str, float]:
         return {"engine_steps": self.steps, "engine_step_seconds": self.wall_s,
                 "engine_step_cpu_seconds": self.cpu_s, "engine_step_gap_seconds": self.gap_s,
-                "engine_step_gaps": self.gaps}  # fmt: skip
+                "engine_step_gaps": self.gaps, "engine_decode_steps": self.decode_steps,
+                "engine_decode_step_seconds": self.decode_wall_s,
+                "engine_decode_step_cpu_seconds": self.decode_cpu_s}  # fmt: skip
 
 
 class AsyncEngine:
@@ -180,15 +186,20 @@ class AsyncEngine:
                         return
                     cmd()
                 tm = self.timing
+                prompt0 = core.counters.prompt_tokens_computed
                 t0, c0 = time.perf_counter(), time.thread_time()
                 if tm.busy_since is not None:
                     tm.gap_s += t0 - tm.busy_since
                     tm.gaps += 1
                 outputs, reserved = core.step()
-                t1 = time.perf_counter()
+                t1, c1 = time.perf_counter(), time.thread_time()
                 tm.steps += 1
                 tm.wall_s += t1 - t0
-                tm.cpu_s += time.thread_time() - c0
+                tm.cpu_s += c1 - c0
+                if outputs and core.counters.prompt_tokens_computed == prompt0:
+                    tm.decode_steps += 1
+                    tm.decode_wall_s += t1 - t0
+                    tm.decode_cpu_s += c1 - c0
                 tm.busy_since = t1 if core.has_work() and core.progressed else None
                 # Published by reference from this thread only: readers see a whole snapshot.
                 self._stats = {**core.stats(), **tm.stats()}

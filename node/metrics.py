@@ -44,6 +44,10 @@ _COUNTERS = {
     "duet:engine_step_gap_seconds": ("engine_step_gap_seconds",
                                      "Wall seconds between a step that left work and the next step"),
     "duet:engine_step_gaps": ("engine_step_gaps", "Gaps counted in duet:engine_step_gap_seconds"),
+    "duet:engine_decode_steps": ("engine_decode_steps", "Engine steps that computed no prompt token"),
+    "duet:engine_decode_step_seconds": ("engine_decode_step_seconds", "Wall seconds inside those steps"),
+    "duet:engine_decode_step_cpu_seconds": ("engine_decode_step_cpu_seconds",
+                                            "CPU seconds of the engine thread inside those steps"),
     # speculative decoding, vLLM's spec_decode_* counters (0 while speculation is off): the acceptance
     # rate is accepted / draft tokens, the mean acceptance length 1 + accepted / drafts
     "duet:spec_decode_num_drafts": ("spec_decode_num_drafts", "Speculative drafts verified"),

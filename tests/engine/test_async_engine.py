@@ -106,4 +106,7 @@ async def test_step_timing_counts_steps_and_only_busy_gaps(engine: AsyncEngine) 
     wall = s["engine_step_seconds"] - before["engine_step_seconds"]
     cpu = s["engine_step_cpu_seconds"] - before["engine_step_cpu_seconds"]
     assert wall > 0 and cpu > 0
+    # 7 of the 8 tokens come from steps that computed no prompt token
+    assert s["engine_decode_steps"] - before["engine_decode_steps"] == 7
+    assert 0 < s["engine_decode_step_seconds"] - before["engine_decode_step_seconds"] <= wall
     assert s["engine_step_gap_seconds"] >= before["engine_step_gap_seconds"]
