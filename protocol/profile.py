@@ -129,6 +129,12 @@ class Overheads(msgspec.Struct, frozen=True, kw_only=True):
     gateway_request_cpu_s: float = 0.0
     gateway_token_cpu_s: float = 0.0
     coordinator_request_cpu_s: float = 0.0
+    #: a pure decode step inside a running streaming node (the engine thread's own clock,
+    #: `duet:engine_decode_step_seconds`) over the step model's prediction for it at the same
+    #: contention: what the node's process adds to the step itself (its event loop holding the
+    #: GIL while it streams, the caches it shares). The simulator multiplies a colocated or decode
+    #: node's pure decode steps by it; 1.0 in profiles measured before it existed
+    decode_step_factor: float = 1.0
     provenance: Provenance = Provenance.MODELLED
 
     def scaled(self, factor: float) -> Overheads:

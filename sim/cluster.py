@@ -97,7 +97,8 @@ class SimCluster:
                 node = SimNode(nid, g.role, profile.step, num_blocks=profile.kv_blocks(), block_size=k.block_size,
                                max_num_seqs=layout.max_num_seqs or k.max_num_seqs,
                                max_num_batched_tokens=layout.max_num_batched_tokens or k.max_num_batched_tokens,
-                               on_events=self._on_events, token_s=0.0 if g.role == "prefill" else token_s)  # fmt: skip
+                               on_events=self._on_events, token_s=0.0 if g.role == "prefill" else token_s,
+                               decode_factor=1.0 if g.role == "prefill" else profile.overheads.decode_step_factor)  # fmt: skip
                 node.on_reserved = self._start_transfer
                 self.nodes[nid] = node
                 info = NodeInfo(node_id=nid, role=g.role, url=f"sim://{nid}", model=MODEL, engine_id=nid,

@@ -11,6 +11,8 @@ A node that streams (colocated or decode) also pays `token_s` per token the step
 event loop's work for that token (detokenize, SSE frame, write — the profile's measured
 `node_token_cpu_s` at the run's contention) shares the process's GIL and core with the engine
 thread, so the next step starts that much later. A prefill node answers once per request: 0.
+Its pure decode steps (no prompt token) also last `decode_factor` × the model's time: the
+profile's measured `decode_step_factor`, what the streaming process adds inside the step.
 
 Invariants: one step at a time per node; `busy_s` is the sum of step times; KV events are
 applied to the coordinator's index right after the step that produced them (the real
@@ -67,11 +69,13 @@ def features(chunks: list[ScheduledChunk]) -> StepFeatures:
 class SimNode:
     def __init__(self, node_id: str, role: str, step: StepModel, *, num_blocks: int, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool = True,
-                 on_events: Callable[[str, list], None] | None = None, token_s: float = 0.0) -> None:  # fmt: skip
+                 on_events: Callable[[str, list], None] | None = None, token_s: float = 0.0,
+                 decode_factor: float = 1.0) -> None:  # fmt: skip
         self.node_id = node_id
         self.role = role
         self.step_model = step
         self.token_s = token_s
+        self.decode_factor = decode_factor
         self.pool = BlockPool(num_blocks, block_size, record_events=on_events is not None)
         self.kv = KVCacheManager(self.pool, enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens, max_num_seqs, True), self.kv)
@@ -127,6 +131,8 @@ class SimNode:
                 continue
             f = features(out.chunks)
             dt = self.step_model.seconds(f)
+            if f.prefill_tokens == 0:
+                dt *= self.decode_factor
             if self.token_s:
                 dt += self.token_s * sum(1 for c in out.chunks if c.samples)
             t0 = loop.time()

@@ -14,6 +14,12 @@ accounts (sim/procstat.py), less each part's idle rate measured first. So:
   time the step thread sat blocked (GIL, engine calls from the loop) between two tokens — the
   node's streaming work beside the step (`node_token_cpu_s`, as CPU: the simulator × contention);
 - per request (A, less its one token): node loop, gateway, coordinator CPU;
+- the pure decode steps inside the node (its engine thread's own clock, read from the node's
+  `duet:engine_decode_step_*` counters around B): their wall time over the step model's
+  prediction for them is `decode_step_factor` (what the streaming process adds inside a step:
+  its loop holding the GIL, the caches it shares — the validation's TPOT was under-predicted by
+  it), and B's TPOT less that in-node step is the time between two steps (`node_token_cpu_s`).
+  Without the counters (a node older than them), the step thread's CPU stands in, as before;
 - the wall residual of A's TTFT: client TTFT − the step thread's CPU × contention (the step
   itself, at the contention its own threads ran at, procstat's stretch) — the part of
   TTFT outside the step, which `Overheads.request_s` (+ the first token's way back) models;
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -37,8 +44,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from protocol.cluster_secret import read_secret_file
 from protocol.ports import free_port
-from protocol.profile import Overheads, Profile, Provenance
+from protocol.profile import Overheads, Profile, Provenance, StepFeatures
 from sim import procstat
 from sim.contention import ContentionMeter
 
@@ -61,6 +69,34 @@ class ShapeRun:
     contention: float  # (run + wait) / run of the nodes' step threads over the shape
     meter: float  # sim/contention.py's reading over the shape, for comparison
     wall_s: float
+    #: wall seconds of one pure decode step inside the nodes (their counters), if they count it
+    decode_step_s: float | None = None
+    decode_steps: int = 0
+
+
+#: the node counters read around a shape (node/metrics.py, engine/async_engine.py StepTiming)
+_COUNTER = re.compile(r"^(duet:engine_decode_steps|duet:engine_decode_step_seconds)_total\{[^}]*\} (\S+)$", re.M)
+
+
+def node_counters(parts: dict[str, int], headers: dict[str, str]) -> dict[str, float]:
+    """The nodes' decode-step counters, summed (GET /metrics on each node, with the cluster
+    secret); {} when a node does not answer them (a node older than the counters)."""
+    import urllib.request
+
+    out: dict[str, float] = {}
+    for name, pid in parts.items():
+        if not name.startswith("node:"):
+            continue
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        port = argv[argv.index("--port") + 1]
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+        with urllib.request.urlopen(req, timeout=10) as r:
+            found = {k: float(v) for k, v in _COUNTER.findall(r.read().decode())}
+        if len(found) < 2:
+            return {}
+        for k, v in found.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
 
 
 def idle_rates(parts: dict[str, int], seconds: float = 5.0) -> dict[str, float]:
@@ -73,15 +109,23 @@ def idle_rates(parts: dict[str, int], seconds: float = 5.0) -> dict[str, float]:
     return {k: c.cpu_s / dt for k, c in d.parts().items()}
 
 
-def run_shape(parts: dict[str, int], idle: dict[str, float], serve: list[str], shape: Shape, seed: int) -> ShapeRun:
+def run_shape(parts: dict[str, int], idle: dict[str, float], serve: list[str], shape: Shape, seed: int,
+              headers: dict[str, str] | None = None) -> ShapeRun:  # fmt: skip
+    """One shape, one request at a time; with `headers` (the cluster secret's) the nodes' own
+    decode-step counters are read around it too."""
     warmup = 2
     cmd = [*serve, "--max-concurrency", "1", "--num-requests", str(shape.requests), "--warmup", str(warmup),
            "--input-len", str(shape.prompt_tokens), "--output-len", str(shape.output_tokens), "--ignore-eos",
            "--seed", str(seed), "--json", "--quiet"]  # fmt: skip
+    k0 = node_counters(parts, headers) if headers is not None else {}
     s0, t0 = procstat.snapshot(parts), time.perf_counter()
     with ContentionMeter() as meter:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     d, wall = procstat.snapshot(parts) - s0, time.perf_counter() - t0
+    k1 = node_counters(parts, headers) if k0 else {}
+    steps = int(k1.get("duet:engine_decode_steps", 0) - k0.get("duet:engine_decode_steps", 0)) if k1 else 0
+    decode_step = ((k1["duet:engine_decode_step_seconds"] - k0["duet:engine_decode_step_seconds"]) / steps
+                   if steps else None)  # fmt: skip
     if r.returncode != 0:
         raise RuntimeError(f"bench serve failed ({r.returncode}): {r.stderr[-2000:]}")
     m = json.loads(r.stdout)
@@ -92,7 +136,8 @@ def run_shape(parts: dict[str, int], idle: dict[str, float], serve: list[str], s
     parts_cpu = d.parts()
     cpu = {k: max(0.0, c.cpu_s - idle.get(k, 0.0) * wall) / n for k, c in parts_cpu.items()}
     return ShapeRun(cpu=cpu, ttft_ms=m["median_ttft_ms"], tpot_ms=m.get("median_tpot_ms"),
-                    contention=d.sum("/step").stretch, meter=meter.median, wall_s=wall)  # fmt: skip
+                    contention=d.sum("/step").stretch, meter=meter.median, wall_s=wall,
+                    decode_step_s=decode_step, decode_steps=steps)  # fmt: skip
 
 
 def _sum(cpu: dict[str, float], suffix: str) -> float:
@@ -107,9 +152,10 @@ class Measured:
 
 
 def derive(profile: Profile, a: ShapeRun, b: ShapeRun, tokens: int, pd: ShapeRun | None = None,
-           pd_transfer_s: float = 0.0) -> Measured:  # fmt: skip
-    """The profile's Overheads from shape A (1 token), B (1 + `tokens` tokens) and optionally the
-    disaggregated shape (its modelled KV transfer, wall seconds, is `pd_transfer_s`)."""
+           pd_transfer_s: float = 0.0, prompt: int = 32) -> Measured:  # fmt: skip
+    """The profile's Overheads from shape A (1 token), B (1 + `tokens` tokens of a `prompt`-token
+    prompt) and optionally the disaggregated shape (its modelled KV transfer, wall seconds, is
+    `pd_transfer_s`)."""
     ref = profile.contention or 1.0
     gw_tok = max(0.0, (b.cpu.get("gateway", 0.0) - a.cpu.get("gateway", 0.0)) / tokens)
     loop_tok = max(0.0, (_sum(b.cpu, "/loop") - _sum(a.cpu, "/loop")) / tokens)
@@ -120,7 +166,17 @@ def derive(profile: Profile, a: ShapeRun, b: ShapeRun, tokens: int, pd: ShapeRun
     # the stretch it ran at) is the time the step thread was blocked, not runnable, between
     # two tokens — the GIL and the engine calls it shares with the node's event loop
     step_tok = (_sum(b.cpu, "/step") - _sum(a.cpu, "/step")) / tokens
-    blocked = (b.tpot_ms or 0.0) / 1e3 - step_tok * b.contention
+    tpot = (b.tpot_ms or 0.0) / 1e3
+    factor, modelled = 1.0, None
+    if b.decode_step_s is not None:
+        # B's decode steps as the simulator would time them: the model at B's mean context, at
+        # B's contention (the model is stored at the profile's, `ref`)
+        ctx = round(prompt + (tokens + 1) / 2)
+        modelled = profile.step.seconds(StepFeatures(0, 1, ctx, 0)) * b.contention / ref
+        factor = b.decode_step_s / modelled if modelled > 0 else 1.0
+        blocked = tpot - b.decode_step_s  # between two steps: the rest of a token's time
+    else:
+        blocked = tpot - step_tok * b.contention
     node_tok = max(0.0, blocked / b.contention)  # as CPU: the simulator multiplies by contention
     c = a.contention
     # A's TTFT outside the step: the step thread's CPU (the prefill step) at its own stretch
@@ -135,11 +191,16 @@ def derive(profile: Profile, a: ShapeRun, b: ShapeRun, tokens: int, pd: ShapeRun
     ov = Overheads(request_s=max(0.0, request) * ref / c, pd_hop_s=max(0.0, pd_hop) * ref / (pd or a).contention,
                    stream_s=stream * ref / c, node_token_cpu_s=node_tok, node_request_cpu_s=node_req,
                    gateway_request_cpu_s=gw_req, gateway_token_cpu_s=gw_tok, coordinator_request_cpu_s=co_req,
-                   provenance=Provenance.MEASURED)  # fmt: skip
+                   decode_step_factor=factor, provenance=Provenance.MEASURED)  # fmt: skip
     notes = [f"overheads measured in a running cluster (sim/overheads.py), requests one at a time, idle CPU rates "
              f"subtracted: CPU per request gateway {gw_req * 1e3:.2f} ms, coordinator {co_req * 1e3:.2f} ms, node loop "
              f"{node_req * 1e3:.2f} ms; per streamed token node loop {loop_tok * 1e3:.2f} ms, gateway "
-             f"{gw_tok * 1e3:.2f} ms; the step thread blocked {blocked * 1e3:.1f} ms a token at contention "
+             f"{gw_tok * 1e3:.2f} ms; "
+             + ("" if modelled is None else
+                f"a pure decode step in the node {b.decode_step_s * 1e3:.2f} ms against the model's "
+                f"{modelled * 1e3:.2f} ms (→ decode_step_factor {factor:.3f}; step thread CPU "
+                f"{step_tok * 1e3:.2f} ms a token); ")
+             + f"between two steps {blocked * 1e3:.1f} ms a token at contention "
              f"{b.contention:.2f} (→ node_token_cpu_s); TTFT outside the step {residual * 1e3:.1f} ms at contention {c:.2f}"
              + ("" if pd is None else f"; P→D hop {pd_hop * 1e3:.1f} ms at contention {pd.contention:.2f}")]  # fmt: skip
     raw = {"colocated_1_token": asdict(a), "colocated_more_tokens": asdict(b), "tokens": tokens,
@@ -173,12 +234,13 @@ def measure(profile: Profile, model: str, log: Callable[[str], None], *, request
         proc, key, port = _up(model, ["--colocated", "1", "--threads", "1"], Path(tmp), log)
         try:
             parts = procstat.cluster(proc.pid)
+            headers = read_secret_file(Path(tmp) / "up" / "cluster.secret").headers
             idle = idle_rates(parts)
             log(f"overheads: parts {sorted(parts)}; idle CPU {_fmt(idle)} per s")
             a = run_shape(parts, idle, serve(port, key), Shape(prompt, 1, requests), 1)
             log(f"overheads: 1 token: TTFT {a.ttft_ms:.1f} ms, contention {a.contention:.2f} (meter {a.meter:.2f}), "
                 f"CPU {_fmt(a.cpu)}")  # fmt: skip
-            b = run_shape(parts, idle, serve(port, key), Shape(prompt, 1 + tokens, requests), 2)
+            b = run_shape(parts, idle, serve(port, key), Shape(prompt, 1 + tokens, requests), 2, headers)
             log(f"overheads: {1 + tokens} tokens: TPOT {b.tpot_ms or 0:.1f} ms, contention {b.contention:.2f} "
                 f"(meter {b.meter:.2f}), CPU {_fmt(b.cpu)}")  # fmt: skip
         finally:
@@ -197,7 +259,7 @@ def measure(profile: Profile, model: str, log: Callable[[str], None], *, request
                 _stop(proc)
         blocks = -(-pd_prompt // profile.kind.block_size)
         transfer = profile.transport.seconds(blocks * profile.kind.block_size * profile.kind.kv_bytes_per_token)
-    return derive(profile, a, b, tokens, p, transfer)
+    return derive(profile, a, b, tokens, p, transfer, prompt)
 
 
 def _fmt(cpu: dict[str, float]) -> str:
