@@ -18,21 +18,6 @@ if TYPE_CHECKING:
     from coordinator.etcd_server import EtcdServer
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist (the README's `-n 2`), each worker's torch gets its share of the cores:
-    torch's default is every core, so two workers ran 2 intra-op threads each on 2 cores, and a
-    thread whose partner was descheduled waited at every barrier. One in-process bf16 test took
-    85 s beside a busy core at 2 threads, 30 s at 1 (19 s alone). Tests that pin a thread
-    count (EngineConfig.threads, the node processes' --threads) still get theirs."""
-    import os
-
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1 and "PYTEST_XDIST_WORKER" in os.environ:
-        import torch
-
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
-
-
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """GQA (4 query heads, 2 KV heads), 2 layers, hidden 64."""
