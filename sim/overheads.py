@@ -87,7 +87,7 @@ def node_counters(parts: dict[str, int], headers: dict[str, str]) -> dict[str, f
     for name, pid in parts.items():
         if not name.startswith("node:"):
             continue
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        argv = procstat.cmdline(pid)
         port = argv[argv.index("--port") + 1]
         req = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
         with urllib.request.urlopen(req, timeout=10) as r:
