@@ -158,6 +158,11 @@ class Transport(abc.ABC):
         await self._register(mem)
         self._pool = mem
 
+    def expect_reads(self, seconds: float) -> None:
+        """Peers may read our blocks within `seconds` (a prefill node holding a lease). A backend
+        whose progress comes from the event loop stays responsive meanwhile; others ignore it."""
+        return None  # a hook, not an abstract method: most backends need nothing here
+
     def metadata(self) -> TransportMetadata:
         pool = self.pool
         return TransportMetadata(

@@ -12,7 +12,11 @@ Threading: the agent is created without NIXL's progress thread, which busy-polls
 core (its delay is fixed at 0) and would starve the engine on a CPU node. Instead the
 event loop makes progress: reads poll `check_xfer_state` with short sleeps, and a poller
 task calls `get_new_notifs` every `poll_interval` (which also answers peers' connection
-handshakes). All agent calls are serialised by one lock (the agent runs in NIXL's
+handshakes) while the transport is busy, and backs off to `idle_poll_interval` when it is not:
+500 wakeups a second cost an idle node ~6 % of a core, and every idle node on a shared machine
+pays it. Busy means: for `BUSY_WINDOW_S` after any agent call, a served `/kv/metadata` (a peer
+is about to connect and its handshake needs our progress) or a notification, and until the end
+of every `expect_reads()` window (a prefill node holding blocks for a lease). All agent calls are serialised by one lock (the agent runs in NIXL's
 no-locking mode); small calls run inline on the loop, a large `transfer()` — which on one
 host performs the whole kernel copy (UCX `cma`) before returning, with the GIL released —
 runs on a dedicated thread so the loop keeps serving.
@@ -31,6 +35,7 @@ import importlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any, TypeVar
@@ -52,6 +57,8 @@ T = TypeVar("T")
 #: ones on the agent thread. bench/kvtransfer.py --sweep-ucx: a thread hop cost ~0.2 ms on
 #: a loaded 2-core host, 5x a 1-block (360 KiB) copy, and nothing measurable at 256 blocks.
 DEFAULT_INLINE_MAX_BYTES = 8 * 1024 * 1024
+#: after any activity, how long the notification poller keeps its short interval
+BUSY_WINDOW_S = 1.0
 #: how long a timed-out read waits for its posting thread to stop writing local blocks
 _SETTLE_CAP_S = 5.0
 
@@ -92,12 +99,16 @@ class NixlTransport(Transport):
         hugepages: bool = True,
         progress_thread: bool = False,
         poll_interval: float = 0.002,
+        idle_poll_interval: float = 0.05,
         inline_max_bytes: int = DEFAULT_INLINE_MAX_BYTES,
         ucx_params: dict[str, str] | None = None,
     ) -> None:
         super().__init__(engine_id=engine_id, metrics=metrics, timeout=timeout, hugepages=hugepages)
         api = import_nixl()
         self._poll_interval = poll_interval
+        self._idle_poll_interval = max(idle_poll_interval, poll_interval)
+        #: monotonic time until which the poller keeps `poll_interval` (see the module docstring)
+        self._busy_until = time.monotonic() + BUSY_WINDOW_S
         self._inline_max_bytes = inline_max_bytes
         self._lock = threading.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-nixl")
@@ -124,8 +135,15 @@ class NixlTransport(Transport):
         with self._lock:
             return fn(*args)
 
+    def expect_reads(self, seconds: float) -> None:
+        self._busy(seconds)
+
+    def _busy(self, seconds: float = 0.0) -> None:
+        self._busy_until = max(self._busy_until, time.monotonic() + max(seconds, BUSY_WINDOW_S))
+
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
         """Run a (short) agent call inline when the agent is free, else on its thread."""
+        self._busy()
         if self._lock.acquire(blocking=False):
             try:
                 return fn(*args)
@@ -163,13 +181,18 @@ class NixlTransport(Transport):
         )
 
     def _metadata_fields(self) -> dict[str, Any]:
+        self._busy()  # served to a peer that is about to connect: answer its handshake promptly
         return {"agent_metadata": self._agent_md}
 
     async def _poll_notifications(self) -> None:
         # Also the owner's only source of UCX progress when the progress thread is off:
         # peers' connection handshakes are answered from here.
+        interval = self._poll_interval
         while True:
-            await asyncio.sleep(self._poll_interval)
+            await asyncio.sleep(interval)
+            # fast while busy; idle, the interval doubles up to idle_poll_interval
+            busy = time.monotonic() < self._busy_until
+            interval = self._poll_interval if busy else min(interval * 2, self._idle_poll_interval)
             if not self._lock.acquire(blocking=False):
                 continue  # a transfer holds the agent; it progresses the worker meanwhile
             try:
@@ -179,6 +202,9 @@ class NixlTransport(Transport):
                 continue
             finally:
                 self._lock.release()
+            if notifs:
+                self._busy()
+                interval = self._poll_interval
             for name, messages in notifs.items():
                 for m in messages:
                     self._deliver(Notification(engine_id=name, message=bytes(m)))

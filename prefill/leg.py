@@ -48,6 +48,7 @@ async def prefill_leg(leg: LegContext) -> web.StreamResponse:
         remote_request_id=prep.request_id, remote_host=cfg.public_host, remote_port=cfg.port,
         remote_num_tokens=len(prep.prompt_ids), lease_seconds=lease,
     )  # fmt: skip
+    node.transport.expect_reads(lease)  # D pulls within the lease: keep our UCX progress prompt
     log.info("prefilled %d tokens into %d blocks, held for %.0fs", len(prep.prompt_ids), len(blocks), lease)
     # from now until D's release (or the lease's end: `untracked`), in this leg's trace
     node.tracing.defer(_hold_key(prep.request_id), "prefill.hold", {"duet.kv.blocks": len(blocks),
