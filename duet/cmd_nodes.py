@@ -91,11 +91,12 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
                         "compilation_config='{\"mode\": 0}'. Repeat as needed")  # fmt: skip
     e.add_argument("--nixl-port", type=int, default=None,
                    help="--engine vllm: port of vLLM's NIXL handshake listener (default: --port + 1)")  # fmt: skip
-    e.add_argument("--vllm-nixl-progress-thread", choices=["auto", "on", "off"], default="auto",
-                   help="--engine vllm: NIXL's progress thread in vLLM's KV connector. It spins a whole core "
-                        "per node. auto (default): off on CPU decode nodes (they only read, and their steps "
-                        "progress the reads), on (vLLM's default) on prefill and colocated nodes and on "
-                        "GPUs. A prefill node needs it: its held blocks are read while its engine may idle")  # fmt: skip
+    e.add_argument("--vllm-nixl-progress-thread", choices=["auto", "on", "poll", "off"], default="auto",
+                   help="--engine vllm: NIXL's progress thread in vLLM's KV connector. on: vLLM's default, "
+                        "which spins a whole core per node; poll: the thread sleeps in poll() between UCX events "
+                        "(wakes at least every 1 ms); off: none. auto (default): off on CPU decode nodes (they "
+                        "only read, and their steps progress the reads), poll on CPU prefill and colocated nodes "
+                        "(their held blocks are read while their engine may idle), on on GPUs")  # fmt: skip
     e.add_argument("--max-waiting-requests", type=int, default=256,
                    help="backpressure: queued requests beyond which new ones get 503 + Retry-After")  # fmt: skip
     e.add_argument("--max-waiting-tokens", type=int, default=262144,
@@ -213,7 +214,7 @@ def vllm_engine_config(args: argparse.Namespace, role: str):
         enable_prefix_caching=not args.no_prefix_caching, kv_memory=args.kv_memory, threads=args.threads,
         lease_seconds=args.lease_seconds, failure_policy=args.failure_policy, nixl_host=host,
         nixl_port=args.nixl_port or default_nixl_port(args.port), record_kv_events=bool(args.etcd),
-        nixl_progress_thread={"auto": None, "on": True, "off": False}[args.vllm_nixl_progress_thread],
+        nixl_progress_thread=None if args.vllm_nixl_progress_thread == "auto" else args.vllm_nixl_progress_thread,
         extra_args=extra,
     )  # fmt: skip
 

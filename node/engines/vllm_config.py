@@ -12,10 +12,11 @@ Mapping of duet's node options onto vLLM (issue #14):
 - `--lease-seconds` → the connector's `kv_lease_duration` (and `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`,
   the name older vLLM releases read), so P frees unpulled blocks when the lease ends.
 - `--vllm-nixl-progress-thread` → NIXL's progress thread in vLLM's agents, through duet's vLLM
-  plugin (node/engines/vllm_plugin.py): off by default on CPU decode nodes, where it spins a
-  core per node for nothing (a decode node only reads; its step progresses them). Prefill and
-  colocated nodes keep vLLM's default: with it off, a prefill node whose engine went idle hung
-  three concurrent guided prefill legs for 120 s (the vLLM stage, 2026-12-03).
+  plugin (node/engines/vllm_plugin.py). vLLM's default thread spins a core per node. By default
+  on CPUs: off on decode nodes (a decode node only reads; its step progresses them), and on
+  prefill and colocated nodes a thread that sleeps in poll() between UCX events (`poll`): with no
+  thread, a prefill node whose engine went idle hung three concurrent guided prefill legs for
+  120 s (the vLLM stage, 2026-12-03). GPUs keep vLLM's default.
 - `record_kv_events` → `kv_events_config` with a ZMQ publisher on a private ipc:// endpoint,
   read back by node.engines.vllm_events.
 - `--block-size` stays duet's hash block (the gateway's and coordinator's unit); vLLM's own block
@@ -92,6 +93,11 @@ def kv_memory_bytes(spec: str | int) -> int:
     return int(value * mult)
 
 
+#: the longest a polling NIXL progress thread sleeps when no UCX event wakes it (NIXL rounds up
+#: to whole ms): its own workaround for event fds that fail to wake, so it bounds a stuck read
+NIXL_POLL_US = 1000
+
+
 @dataclass
 class VllmEngineConfig:
     model: str
@@ -113,10 +119,11 @@ class VllmEngineConfig:
     #: NIXL handshake (side channel) address this node advertises and its port
     nixl_host: str = "127.0.0.1"
     nixl_port: int = 5600
-    #: NIXL's progress thread in vLLM's agents: None = off on CPU decode nodes (it spins a core;
-    #: a decode node only reads, and its step progresses its own reads), vLLM's default (on)
-    #: elsewhere; node/engines/vllm_plugin.py applies it
-    nixl_progress_thread: bool | None = None
+    #: NIXL's progress thread in vLLM's agents, "on" (vLLM's: it spins), "poll" (sleeps in poll()
+    #: between UCX events, waking at least every NIXL_POLL_US) or "off"; None: off on CPU decode
+    #: nodes (they only read, and their steps progress their reads), poll on other CPU nodes, on
+    #: on GPUs. node/engines/vllm_plugin.py applies it
+    nixl_progress_thread: str | None = None
     #: publish KV events for the coordinator (GET /kv/events)
     record_kv_events: bool = False
     #: ZMQ endpoint of vLLM's KV event publisher (set by the adapter when recording)
@@ -168,9 +175,9 @@ class VllmEngineConfig:
             "TRANSFORMERS_OFFLINE": "1",
         }
         thread = self.nixl_progress_thread
-        if thread is None:  # a prefill node's blocks are read while its engine may be idle: keep it there
-            thread = not (self.on_cpu() and self.role == "decode")
-        env["DUET_VLLM_NIXL_PROGRESS_THREAD"] = "1" if thread else "0"
+        if thread is None:  # a prefill node's blocks are read while its engine may be idle: a thread there
+            thread = "on" if not self.on_cpu() else "off" if self.role == "decode" else "poll"
+        env["DUET_VLLM_NIXL_PROGRESS_THREAD"] = {"on": "1", "off": "0", "poll": f"poll:{NIXL_POLL_US}"}[thread]
         if self.on_cpu():
             env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_memory_bytes(self.kv_memory) / GIB)))
             if self.threads:

@@ -110,17 +110,19 @@ def test_vllm_roles_register_pass_through_legs() -> None:
 
 def test_nixl_progress_thread_is_off_on_cpus_by_default(vllm_importable: None) -> None:
     """vLLM's NIXL agents start NIXL's progress thread, which spins a core per node: off on CPU
-    decode nodes unless asked for, vLLM's default on prefill and colocated nodes and on GPUs, and
-    the operator's word wins either way."""
+    decode nodes unless asked for, polling on CPU prefill and colocated nodes, vLLM's default on
+    GPUs, and the operator's word wins either way."""
     def env(*flags: str, device: str = "cpu", role: str = "decode") -> dict[str, str]:
         args = parse("--engine", "vllm", "--model", "m", "--device", device, *flags)
         return node_config(args, role).engine.environment()
 
     assert env()["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "0"
-    assert env(role="prefill")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "1"
-    assert env(role="both")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "1"
+    assert env(role="prefill")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "poll:1000"
+    assert env(role="both")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "poll:1000"
     assert env(device="cuda")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "1"
+    assert env(device="cuda", role="prefill")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "1"
     assert env("--vllm-nixl-progress-thread", "on")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "1"
+    assert env("--vllm-nixl-progress-thread", "poll", device="cuda")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "poll:1000"
     assert env("--vllm-nixl-progress-thread", "off", device="cuda")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "0"
     with pytest.raises(ValueError, match="only with --engine vllm"):
         node_config(parse("--vllm-nixl-progress-thread", "off"), "both")
@@ -149,3 +151,32 @@ def test_the_vllm_plugin_turns_nixls_progress_thread_off(monkeypatch: pytest.Mon
     assert cfg.__mro__[1] is original  # wrapped once
     assert cfg(num_threads=4, capture_telemetry=True).enable_pthread is False
     assert cfg(enable_prog_thread=True).enable_pthread is True
+
+
+def test_the_vllm_plugin_makes_a_polling_progress_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the node's "poll:<µs>" every NIXL agent vLLM makes keeps its progress thread but gets
+    that delay instead of the 0 (a busy spin) nixl's Python API writes; a real agent with a UCX
+    backend starts that way; loading twice wraps once."""
+    import importlib
+
+    from node.engines import vllm_plugin
+
+    api = pytest.importorskip("nixl._api")
+    monkeypatch.setattr(api, "nixlBind", api.nixlBind)  # restored after the test
+    real = api.nixlBind
+    seen: list[tuple[bool, int]] = []
+    spy = real.nixlAgent
+
+    def recording(name, config):  # type: ignore[no-untyped-def]
+        seen.append((config.useProgThread, config.pthrDelay))
+        return spy(name, config)
+
+    monkeypatch.setattr(real, "nixlAgent", recording)
+    monkeypatch.setenv(vllm_plugin.ENV, "poll:1000")
+    vllm_plugin.register()
+    vllm_plugin.register()
+    bind = importlib.import_module("nixl._api").nixlBind
+    assert bind._real is real  # wrapped once
+    agent = api.nixl_agent("duet-poll-test", api.nixl_agent_config(backends=["UCX"]))
+    assert seen == [(True, 1000)]
+    assert "UCX" in agent.backends
