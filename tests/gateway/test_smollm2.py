@@ -15,7 +15,11 @@ from tests.gateway.helpers import gateway_proc, make_team, tiny_model
 from tests.procs import duet_node, running
 
 pytestmark = pytest.mark.smollm2
-COMMON = ("--kv-blocks", "256", "--max-model-len", "2048")
+# float32: this prompt's first token is a near-tie in bf16 ("The" vs "L", 0.08 apart in fp32 logits;
+# tests/engine/test_logits_fp32.py), and the P/D path computes the prompt's last positions in other
+# shapes than the decode node's own full prefill does (prefix-cache hits on P, D's recomputed tail),
+# so in bf16 either answer is the engine working as designed. This test is about the plumbing.
+COMMON = ("--kv-blocks", "256", "--max-model-len", "2048", "--dtype", "float32")
 
 
 async def test_smollm2_chat_through_gateway(smollm2: Path, tmp_path: Path) -> None:

@@ -63,8 +63,10 @@ class Cluster:
 def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # --local-prefill-tokens 8: a prompt of 64 tokens goes to a prefill node when one is routable
     with secured_plane(tmp_path_factory.mktemp("undrain"), SECRET, "--local-prefill-tokens", "8") as plane:
-        # a long hold lease: a prefill leg's KV stays held (the node busy) until the test ends it
-        p = plane.node("prefill", tiny_llama, *NODE_ARGS, "--lease-seconds", "120", node_id=P_ID)
+        # a long hold lease: a prefill leg's KV stays held (the node busy) until the module's last
+        # test, which kills P. 120 s ran out once under `-n 2` (the module took longer), so the
+        # lease is far longer than any module run; nothing waits for it to expire
+        p = plane.node("prefill", tiny_llama, *NODE_ARGS, "--lease-seconds", "1800", node_id=P_ID)
         d = plane.node("decode", tiny_llama, *NODE_ARGS, node_id=D_ID)
         with running(plane.coordinator, p, d):
             c = Cluster(plane.coordinator, p, d, plane.etcd, tiny_llama.name, plane.secret_file)
