@@ -67,6 +67,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--overheads-only", action="store_true",
                    help="measure only the overheads (--overheads, default pd) and update the profile at --out")
     p.add_argument("--overhead-requests", type=int, default=12, help="requests per overhead shape (default 12)")
+    p.add_argument("--corun", action=argparse.BooleanOptionalAction, default=True,
+                   help="time a prefill and a decode step beside a second, busy engine process of the same kind "
+                        "(the slowdown of nodes sharing one machine: sim/corun.py; default on)")  # fmt: skip
+    p.add_argument("--corun-only", action="store_true",
+                   help="measure only the co-run factors (the node kind of --model/--dtype/--threads/--quantization) "
+                        "and update the profile at --out")  # fmt: skip
     p.add_argument("--name", default=None, help="node kind name (default: model-dtype-quant-tN)")
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--refit", action="store_true", help="refit the samples of the profile at --out (no measurement)")
@@ -101,7 +107,8 @@ def _step(core, rec: _Recorder, samples: list[pf.StepSample]) -> None:  # type: 
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     if rec.chunks:
         f = features(rec.chunks)
-        samples.append(pf.StepSample(f.prefill_tokens, f.decode_seqs, f.context_tokens, f.attention, dt, cpu))
+        samples.append(pf.StepSample(f.prefill_tokens, f.decode_seqs, f.context_tokens, f.attention, dt, cpu,
+                                     f.cached_attention))  # fmt: skip
 
 
 def _measure(core, a: argparse.Namespace, log) -> list[pf.StepSample]:  # type: ignore[no-untyped-def]
@@ -165,6 +172,13 @@ def _measure(core, a: argparse.Namespace, log) -> list[pf.StepSample]:  # type: 
     return samples
 
 
+def _corun(core, a: argparse.Namespace, quant: str | None, log) -> pf.CoRun:  # type: ignore[no-untyped-def]
+    from sim import corun as cr
+
+    return cr.measure(core, model=str(core.config.model), dtype=a.dtype, threads=a.threads, quantization=quant,
+                      kv_memory=a.kv_memory, max_model_len=a.max_model_len, log=log)  # fmt: skip
+
+
 def _transport(backend: str, log) -> pf.Transport:  # type: ignore[no-untyped-def]
     if backend == "none":
         return pf.Transport(backend="none", bandwidth_bytes_per_s=1e12, latency_s=0.0, provenance=pf.Provenance.MODELLED)
@@ -204,6 +218,19 @@ def main(argv: list[str] | None = None) -> int:
     from protocol.models import DEFAULT_MODEL
 
     quant = None if a.quantization == "none" else a.quantization
+    if a.corun_only:
+        prof = pf.load(a.out)
+        core = EngineCore(EngineConfig(model=a.model or DEFAULT_MODEL, dtype=a.dtype, device="cpu", threads=a.threads,
+                                       kv_memory=a.kv_memory, max_model_len=a.max_model_len,
+                                       max_num_batched_tokens=prof.kind.max_num_batched_tokens,
+                                       enable_prefix_caching=False, quantization=quant))  # fmt: skip
+        if str(core.runner.kv_layout.dtype).replace("torch.", "") != prof.kind.dtype or quant != prof.kind.quantization:
+            raise SystemExit(f"--corun-only: {a.out} profiles {prof.kind.dtype}/{prof.kind.quantization}, "
+                             f"not {a.dtype}/{quant}")  # fmt: skip
+        prof.corun = _corun(core, a, quant, log)
+        pf.save(prof, Path(a.out))
+        print(json.dumps({"corun": msgspec.to_builtins(prof.corun)}))
+        return 0
     cfg = EngineConfig(model=a.model or DEFAULT_MODEL, dtype=a.dtype, device="cpu", threads=a.threads,
                        kv_memory=a.kv_memory, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
                        max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False,
@@ -214,11 +241,21 @@ def main(argv: list[str] | None = None) -> int:
     kv_per_token = layout.block_bytes // layout.block_size
     dtype = str(layout.dtype).replace("torch.", "")
     log(f"engine ready: {core.model_name} {dtype} quant={quant} threads={a.threads}, KV {kv_per_token} B/token")
+    from sim import speed
+
+    probe0 = speed.probe(core)
     samples = _measure(core, a, log)
+    probe1 = speed.probe(core)
+    # the machine's speed around the samples (a shared VM's host drifts; sim/speed.py)
+    probe = pf.SpeedProbe(prefill_cpu_s=(probe0.prefill_cpu_s + probe1.prefill_cpu_s) / 2,
+                          decode_cpu_s=(probe0.decode_cpu_s + probe1.decode_cpu_s) / 2, chunk=probe0.chunk)  # fmt: skip
+    log(f"speed probe: prefill {probe0.prefill_cpu_s * 1e3:.1f} / {probe1.prefill_cpu_s * 1e3:.1f} ms, decode "
+        f"{probe0.decode_cpu_s * 1e3:.1f} / {probe1.decode_cpu_s * 1e3:.1f} ms CPU (before / after the samples)")  # fmt: skip
     model, raw, ratio = fit_samples(samples, a.threads)
     log(f"fitted on {len(samples)} steps: MAPE {model.fit_mape:.1%} (held out {model.holdout_mape or 0:.1%}), "
         f"max {model.fit_max_ape:.1%}; on raw wall times: MAPE {raw.fit_mape:.1%}; contention {ratio:.2f}")  # fmt: skip
     transport = _transport(a.transport, log)
+    corun = _corun(core, a, quant, log) if a.corun and not a.quick else pf.CoRun()
     name = a.name or f"{core.model_name}-{dtype}-{quant or 'noquant'}-t{a.threads}"
     prof = pf.Profile(
         kind=pf.NodeKind(name=name, model=core.model_name, dtype=dtype, quantization=quant,
@@ -229,14 +266,15 @@ def main(argv: list[str] | None = None) -> int:
                          # the serving limit is a deployment choice (duet up: the model's own), not --max-model-len,
                          # which only bounds the prompts this profile times
                          max_model_len=core.model_config.max_position_embeddings),
-        step=model, transport=transport,
+        step=model, transport=transport, corun=corun, probe=probe,
         overheads=pf.Overheads(request_s=a.overhead_ms / 1e3, pd_hop_s=a.pd_hop_ms / 1e3, stream_s=0.0005,
                                provenance=pf.Provenance.MODELLED),
         samples=samples,
         notes=[f"step samples: wall clock and CPU time around EngineCore.step on {os.cpu_count()} CPUs; load average "
                f"{load0:.2f} before, {os.getloadavg()[0]:.2f} after",
                *fit_notes(raw, ratio),
-               "measured: step samples, the fit, KV bytes/token, the transport; modelled: per-request "
+               "measured: step samples, the fit, KV bytes/token, the transport"
+               + (", the co-run factors" if corun.provenance == pf.Provenance.MEASURED else "") + "; modelled: per-request "
                "overheads (--overhead-ms, --pd-hop-ms)"],
         measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), contention=ratio,
         host=platform.node(),
@@ -248,7 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps({"name": name, "samples": len(samples), "fit_mape": model.fit_mape,
                       "holdout_mape": model.holdout_mape, "step": msgspec.to_builtins(model),
                       "transport_gbps": transport.bandwidth_bytes_per_s / 1e9,
-                      "transport_latency_ms": transport.latency_s * 1e3}))  # fmt: skip
+                      "transport_latency_ms": transport.latency_s * 1e3,
+                      "corun": msgspec.to_builtins(corun)}))  # fmt: skip
     return 0
 
 
@@ -290,8 +329,9 @@ def _with_overheads(prof: pf.Profile, model: str | None, mode: str, requests: in
         model = str(resolve_model(model or DEFAULT_MODEL).directory)
     m = overheads.measure(prof, model, log, requests=requests, pd=mode == "pd")
     notes = [n for n in prof.notes if not n.startswith(("overheads measured", "measured: step samples"))]
-    what = "measured: step samples, the fit, KV bytes/token, the transport, per-request/per-token overheads" + (
-        "" if mode == "pd" else " (the P→D hop: the --pd-hop-ms default)")
+    what = ("measured: step samples, the fit, KV bytes/token, the transport, "
+            + ("the co-run factors, " if prof.corun.provenance == pf.Provenance.MEASURED else "")
+            + "per-request/per-token overheads" + ("" if mode == "pd" else " (the P→D hop: the --pd-hop-ms default)"))
     if mode != "pd":
         m = overheads.Measured(msgspec.structs.replace(m.overheads, pd_hop_s=prof.overheads.pd_hop_s), m.notes, m.raw)
     return msgspec.structs.replace(prof, overheads=m.overheads, notes=[*notes, *m.notes, what])

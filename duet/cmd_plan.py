@@ -70,11 +70,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     one.add_argument("--contention", type=float, default=None,
                      help="CPU node kinds: the contention the nodes ran at during the run (sim/procstat.py's "
                           "stretch of their step threads, as sim.validate records it); the profile is scaled from its own")  # fmt: skip
+    one.add_argument("--one-host", action="store_true",
+                     help="CPU node kinds: every node runs on this one machine (sim.validate's clusters); steps "
+                          "that overlap another node's are stretched by the profile's co-run factors")  # fmt: skip
     one.add_argument("--slo", default=None, help="ttft_p90=MS,e2e_p90=MS,itl_p99=MS,tpot_p50=MS")
     p.set_defaults(func=run)
 
 
-def parse_layout(spec: str, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None):
+def parse_layout(spec: str, max_num_seqs: int | None = None, max_num_batched_tokens: int | None = None,
+                 one_host: bool = False):  # fmt: skip
     from sim.cluster import Layout, NodeGroup
 
     roles = {"C": "both", "P": "prefill", "D": "decode"}
@@ -84,7 +88,7 @@ def parse_layout(spec: str, max_num_seqs: int | None = None, max_num_batched_tok
     groups = tuple(NodeGroup(roles[r.upper()], int(n)) for n, r in parts)
     if any(g.count < 1 for g in groups) or not any(g.role in ("both", "decode") for g in groups):
         raise ValueError(f"--layout {spec!r} has no node that decodes")
-    return Layout(groups, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    return Layout(groups, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, one_host=one_host)
 
 
 def parse_slo(spec: str | None):
@@ -123,7 +127,7 @@ def _one(a: argparse.Namespace) -> int:
     prof = pf.load(Path(a.profile[0]))
     if a.contention:
         prof = prof.at_contention(a.contention)
-    layout = parse_layout(a.layout, a.max_num_seqs, a.max_num_batched_tokens)
+    layout = parse_layout(a.layout, a.max_num_seqs, a.max_num_batched_tokens, a.one_host)
     if a.max_inflight:
         from dataclasses import replace
 

@@ -43,22 +43,26 @@ class StepShape:
     decode_seqs: int = 0
     context_tokens: int = 0
     attention: int = 0  # Σ n·(start+n) over prefill chunks
+    #: Σ n·start over prefill chunks: the pairs that read earlier chunks' KV from the paged pool
+    #: (the offline profile's sixth feature; this online model keeps the five above)
+    cached_attention: int = 0
 
     def row(self) -> tuple[float, float, float, float, float]:
         return (1.0, self.prefill_tokens, self.decode_seqs, self.context_tokens, self.attention)
 
 
 def shape_of(chunks: Iterable[ScheduledChunk]) -> StepShape:
-    prefill = decode = ctx = attn = 0
+    prefill = decode = ctx = attn = cached = 0
     for c in chunks:
         end = c.start + c.num_tokens
         ctx += end
         if c.start < c.req.num_prompt_tokens:  # prompt work (a chunk, or D's last-token recompute)
             prefill += c.num_tokens
             attn += c.num_tokens * end
+            cached += c.num_tokens * c.start
         else:
             decode += 1
-    return StepShape(prefill, decode, ctx, attn)
+    return StepShape(prefill, decode, ctx, attn, cached)
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,13 @@ comes from. `provenance` on the step model, the transport and the overheads says
 numbers were *measured* on a node, *fitted* to published points, or *modelled*.
 
 Step-time model (linear in five features of one engine step, seconds):
-    t = intercept + prefill·P + decode·D + context·C + attention·A
+    t = intercept + prefill·P + decode·D + context·C + attention·A + cached_attention·B
 P = prompt tokens computed in the step, D = sequences that sample a generated token, C = the
 total context (tokens in the KV) of every sequence in the step, A = Σ over prefill chunks of
-n·(start + n) (the quadratic part of prefill attention). Coefficients are ≥ 0.
+n·(start + n) (the quadratic part of prefill attention), B = Σ over prefill chunks of n·start
+(the part of it that reads KV of earlier chunks from the paged pool, which costs more per pair
+than the chunk's own: 2.7× in data/profiles' SmolLM2 bf16 samples). Coefficients are ≥ 0;
+profiles fitted before B existed have cached_attention = 0 and predict as they did.
 
 Time units: the step model and the `*_s` overheads are wall seconds at the profile's
 `contention` (1.0 or None: the node had its CPUs); the `*_cpu_s` overheads are CPU seconds,
@@ -54,6 +57,9 @@ class StepSample(msgspec.Struct, frozen=True, array_like=True):
     seconds: float
     #: CPU time of the step (every thread of the process): wall / cpu shows contention
     cpu_seconds: float = 0.0
+    #: Σ n·start over prefill chunks (0 in samples taken before it was recorded: the fit then
+    #: reads it as attention − prefill², exact for a step with one chunk)
+    cached_attention: int = 0
 
 
 class StepFeatures(msgspec.Struct, frozen=True, array_like=True):
@@ -61,6 +67,7 @@ class StepFeatures(msgspec.Struct, frozen=True, array_like=True):
     decode_seqs: int
     context_tokens: int
     attention: int
+    cached_attention: int = 0
 
 
 class StepModel(msgspec.Struct, frozen=True, kw_only=True):
@@ -70,6 +77,8 @@ class StepModel(msgspec.Struct, frozen=True, kw_only=True):
     context_s: float  # per context token of every sequence in the step
     attention_s: float  # per unit of Σ n·(start+n)
     provenance: Provenance
+    #: per unit of Σ n·start, on top of attention_s (0 in profiles fitted before it existed)
+    cached_attention_s: float = 0.0
     #: mean / max absolute percentage error of the model on its own samples (None: no samples)
     fit_mape: float | None = None
     fit_max_ape: float | None = None
@@ -83,14 +92,22 @@ class StepModel(msgspec.Struct, frozen=True, kw_only=True):
 
     def seconds(self, f: StepFeatures) -> float:
         return (self.intercept_s + self.prefill_s * f.prefill_tokens + self.decode_s * f.decode_seqs
-                + self.context_s * f.context_tokens + self.attention_s * f.attention)  # fmt: skip
+                + self.context_s * f.context_tokens + self.attention_s * f.attention
+                + self.cached_attention_s * f.cached_attention)  # fmt: skip
 
     def scaled(self, factor: float) -> StepModel:
         """Every coefficient × factor (a node kind that is uniformly faster or slower)."""
         return msgspec.structs.replace(
             self, intercept_s=self.intercept_s * factor, prefill_s=self.prefill_s * factor,
             decode_s=self.decode_s * factor, context_s=self.context_s * factor,
-            attention_s=self.attention_s * factor)  # fmt: skip
+            attention_s=self.attention_s * factor, cached_attention_s=self.cached_attention_s * factor)  # fmt: skip
+
+    def scaled_parts(self, prefill: float, rest: float) -> StepModel:
+        """The prompt-token terms (prefill, attention) × `prefill`, the others × `rest`."""
+        return msgspec.structs.replace(
+            self, intercept_s=self.intercept_s * rest, prefill_s=self.prefill_s * prefill,
+            decode_s=self.decode_s * rest, context_s=self.context_s * rest, attention_s=self.attention_s * prefill,
+            cached_attention_s=self.cached_attention_s * prefill)  # fmt: skip
 
 
 class Transport(msgspec.Struct, frozen=True, kw_only=True):
@@ -143,6 +160,48 @@ class Overheads(msgspec.Struct, frozen=True, kw_only=True):
                                        stream_s=self.stream_s * factor)  # fmt: skip
 
 
+class CoRunShape(msgspec.Struct, frozen=True, kw_only=True):
+    """One timed step shape: its CPU seconds alone and beside a busy neighbour (medians)."""
+
+    name: str
+    alone_cpu_s: float
+    beside_cpu_s: float
+
+
+class CoRun(msgspec.Struct, frozen=True, kw_only=True):
+    """What a step costs while another node of the same kind runs steps on the same machine.
+
+    Two single-threaded nodes on a 2-vCPU VM each have a core (no run-queue wait, so the
+    contention reading does not see it), but the vCPUs may be one physical core's two
+    hyperthreads, and they share the caches and the memory bus: each step's own CPU time grows.
+    `duet bench profile` times the same steps alone and beside a second engine process that
+    runs a busy mix (sim/corun.py); the factors are the ratios of the steps' CPU seconds (CPU,
+    not wall, so a run-queue wait is never counted twice). The simulator applies them only to
+    nodes that share one machine (`duet plan --one-host`, as sim.validate's clusters do): a
+    step's work progresses at 1/factor while another node of the machine is mid-step.
+    """
+
+    #: a step with prompt tokens in it, and a pure decode step
+    prefill_factor: float = 1.0
+    decode_factor: float = 1.0
+    #: the CPUs of the machine it was measured on
+    cpus: int = 0
+    shapes: list[CoRunShape] = []
+    provenance: Provenance = Provenance.MODELLED
+
+    def factor(self, prefill: bool) -> float:
+        return self.prefill_factor if prefill else self.decode_factor
+
+
+class SpeedProbe(msgspec.Struct, frozen=True, kw_only=True):
+    """The machine's speed when it was read (sim/speed.py): median CPU seconds of a prefill step
+    of `chunk` tokens and of a decode step of 8 sequences at 256 tokens of context."""
+
+    prefill_cpu_s: float
+    decode_cpu_s: float
+    chunk: int
+
+
 class NodeKind(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     model: str
@@ -165,6 +224,10 @@ class Profile(msgspec.Struct, kw_only=True):
     step: StepModel
     transport: Transport
     overheads: Overheads = Overheads()
+    #: steps beside another busy node of the same machine (1.0: not measured)
+    corun: CoRun = CoRun()
+    #: the machine's speed when the samples were taken (None: not read; sim/speed.py)
+    probe: SpeedProbe | None = None
     samples: list[StepSample] = []
     sources: list[Source] = []
     notes: list[str] = []
@@ -182,6 +245,15 @@ class Profile(msgspec.Struct, kw_only=True):
         k = factor / self.contention
         return msgspec.structs.replace(self, step=self.step.scaled(k), contention=factor,
                                        overheads=self.overheads.scaled(k))  # fmt: skip
+
+    def at_speed(self, now: SpeedProbe) -> Profile:
+        """This profile on the same machine running at the speed `now` read (sim/speed.py)
+        instead of the speed its own probe read; unchanged without a probe of its own."""
+        if self.probe is None or self.probe.chunk != now.chunk:
+            return self
+        k_prefill = now.prefill_cpu_s / self.probe.prefill_cpu_s
+        k_decode = now.decode_cpu_s / self.probe.decode_cpu_s
+        return msgspec.structs.replace(self, step=self.step.scaled_parts(k_prefill, k_decode), probe=now)
 
     def cpu_to_wall(self, cpu_s: float) -> float:
         """Wall seconds that `cpu_s` of CPU costs at this profile's contention."""

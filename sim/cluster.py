@@ -37,6 +37,7 @@ from protocol.openai import APIError
 from protocol.route import RouteRequest
 from protocol.sampling import Priority, SamplingParams
 from sim.early import EarlyStop
+from sim.host import SharedHost
 from sim.node import SimNode, apply_events
 from sim.profile import Profile
 from sim.stats import Collector, RequestResult
@@ -59,6 +60,9 @@ class Layout:
     max_num_batched_tokens: int | None = None
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     tiers: TierConfig = field(default_factory=TierConfig)
+    #: every node on one machine (a CPU cluster like sim.validate's): steps that overlap are
+    #: stretched by the profile's co-run factors (sim/host.py)
+    one_host: bool = False
 
     @property
     def num_nodes(self) -> int:
@@ -90,6 +94,7 @@ class SimCluster:
         self._tasks: set[asyncio.Task] = set()
         n = 0
         token_s = profile.cpu_to_wall(profile.overheads.node_token_cpu_s)
+        host = SharedHost(profile.corun) if layout.one_host and layout.num_nodes > 1 else None
         for g in layout.groups:
             for _ in range(g.count):
                 nid = f"{g.role[0]}{n}"
@@ -98,7 +103,8 @@ class SimCluster:
                                max_num_seqs=layout.max_num_seqs or k.max_num_seqs,
                                max_num_batched_tokens=layout.max_num_batched_tokens or k.max_num_batched_tokens,
                                on_events=self._on_events, token_s=0.0 if g.role == "prefill" else token_s,
-                               decode_factor=1.0 if g.role == "prefill" else profile.overheads.decode_step_factor)  # fmt: skip
+                               decode_factor=1.0 if g.role == "prefill" else profile.overheads.decode_step_factor,
+                               host=host)  # fmt: skip
                 node.on_reserved = self._start_transfer
                 self.nodes[nid] = node
                 info = NodeInfo(node_id=nid, role=g.role, url=f"sim://{nid}", model=MODEL, engine_id=nid,

@@ -13,6 +13,8 @@ event loop's work for that token (detokenize, SSE frame, write — the profile's
 thread, so the next step starts that much later. A prefill node answers once per request: 0.
 Its pure decode steps (no prompt token) also last `decode_factor` × the model's time: the
 profile's measured `decode_step_factor`, what the streaming process adds inside the step.
+Nodes that share one machine (`host`, sim/host.py) run their steps' work through it, so a step
+that overlaps another node's steps is stretched by the profile's co-run factor.
 
 Invariants: one step at a time per node; `busy_s` is the sum of step times; KV events are
 applied to the coordinator's index right after the step that produced them (the real
@@ -35,6 +37,7 @@ from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.step_model import shape_of
 from node.engines.native import _wire_event
 from protocol.kv_events import EventBatch, LoadFrame
+from sim.host import SharedHost
 from sim.profile import StepFeatures, StepModel
 
 #: the token every simulated sample yields (no stop token can match it: EOS is never set)
@@ -63,19 +66,20 @@ class NodeStats:
 def features(chunks: list[ScheduledChunk]) -> StepFeatures:
     """The step's shape, as the engine's own online step model reads it (one definition)."""
     s = shape_of(chunks)
-    return StepFeatures(s.prefill_tokens, s.decode_seqs, s.context_tokens, s.attention)
+    return StepFeatures(s.prefill_tokens, s.decode_seqs, s.context_tokens, s.attention, s.cached_attention)
 
 
 class SimNode:
     def __init__(self, node_id: str, role: str, step: StepModel, *, num_blocks: int, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool = True,
                  on_events: Callable[[str, list], None] | None = None, token_s: float = 0.0,
-                 decode_factor: float = 1.0) -> None:  # fmt: skip
+                 decode_factor: float = 1.0, host: SharedHost | None = None) -> None:  # fmt: skip
         self.node_id = node_id
         self.role = role
         self.step_model = step
         self.token_s = token_s
         self.decode_factor = decode_factor
+        self.host = host
         self.pool = BlockPool(num_blocks, block_size, record_events=on_events is not None)
         self.kv = KVCacheManager(self.pool, enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens, max_num_seqs, True), self.kv)
@@ -130,16 +134,23 @@ class SimNode:
                 await self._wake.wait()
                 continue
             f = features(out.chunks)
-            dt = self.step_model.seconds(f)
+            work = self.step_model.seconds(f)
             if f.prefill_tokens == 0:
-                dt *= self.decode_factor
-            if self.token_s:
-                dt += self.token_s * sum(1 for c in out.chunks if c.samples)
+                work *= self.decode_factor
+            # the event loop's per-token work: the node's own GIL and core, not the machine's
+            extra = self.token_s * sum(1 for c in out.chunks if c.samples) if self.token_s else 0.0
             t0 = loop.time()
             for c in out.chunks:
                 if c.req.first_scheduled_time is None:
                     c.req.first_scheduled_time = t0
-            await asyncio.sleep(dt)
+            if self.host is None:
+                dt = work + extra
+                await asyncio.sleep(dt)
+            else:
+                await self.host.step(work, prefill=f.prefill_tokens > 0)
+                if extra:
+                    await asyncio.sleep(extra)
+                dt = loop.time() - t0
             st = self.stats
             st.steps += 1
             st.busy_s += dt

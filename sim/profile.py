@@ -11,11 +11,14 @@ import numpy as np
 
 from engine.step_model import nnls
 from protocol.profile import (
+    CoRun,
+    CoRunShape,
     NodeKind,
     Overheads,
     Profile,
     Provenance,
     Source,
+    SpeedProbe,
     StepFeatures,
     StepModel,
     StepSample,
@@ -24,17 +27,23 @@ from protocol.profile import (
     save,
 )
 
-__all__ = ["FEATURES", "NodeKind", "Overheads", "Profile", "Provenance", "Source", "StepFeatures", "StepModel",
+__all__ = ["FEATURES", "CoRun", "CoRunShape", "NodeKind", "Overheads", "Profile", "Provenance", "Source", "SpeedProbe", "StepFeatures", "StepModel",
            "StepSample", "Transport", "fit", "load", "save"]  # fmt: skip
 
-FEATURES = ("intercept", "prefill", "decode", "context", "attention")
+FEATURES = ("intercept", "prefill", "decode", "context", "attention", "cached_attention")
 
 
 # -- fitting ----------------------------------------------------------------------------------
 def _matrix(samples: list[StepSample]) -> tuple[np.ndarray, np.ndarray]:
-    x = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.context_tokens, s.attention] for s in samples])
+    x = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.context_tokens, s.attention, _cached(s)] for s in samples])
     y = np.array([s.seconds for s in samples])
     return x, y
+
+
+def _cached(s: StepSample) -> int:
+    """Σ n·start of the sample; for samples recorded before it was, attention − prefill² (exact for
+    one chunk; with several it is a lower bound, and the recorded value is never below it)."""
+    return max(s.cached_attention, s.attention - s.prefill_tokens**2, 0)
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -63,7 +72,7 @@ def fit(samples: list[StepSample], provenance: Provenance = Provenance.MEASURED)
     ape = _ape(coef, x, y)
     return StepModel(
         intercept_s=float(coef[0]), prefill_s=float(coef[1]), decode_s=float(coef[2]),
-        context_s=float(coef[3]), attention_s=float(coef[4]), provenance=provenance,
+        context_s=float(coef[3]), attention_s=float(coef[4]), cached_attention_s=float(coef[5]), provenance=provenance,
         fit_mape=float(ape.mean()), fit_max_ape=float(ape.max()), holdout_mape=holdout,
         num_samples=len(samples), max_prefill_tokens=max(s.prefill_tokens for s in samples),
         max_decode_seqs=max(s.decode_seqs for s in samples),

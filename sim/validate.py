@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from protocol.ports import free_port
 from sim import procstat
 from sim import profile as pf
@@ -97,17 +99,21 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(30)
 
 
-def _commands(case: Case, out: Path, port: int, model: str | None) -> tuple[list[str], list[str]]:
+def _commands(case: Case, out: Path, port: int, model: str | None,
+              requests: int | None = None) -> tuple[list[str], list[str]]:  # fmt: skip
     result = out / case.name / "serve.json"
+    serve = list(case.serve)
+    if requests is not None:  # --requests: more requests a case, steadier percentiles
+        serve[serve.index("--num-requests") + 1] = str(requests)
     up_cmd = [sys.executable, "-m", "duet", "up", "--port", str(port), "--quiet", *case.up,
               *(("--model", model) if model else ())]  # fmt: skip
     serve_cmd = [sys.executable, "-m", "duet", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-                 "--result-file", str(result), "--quiet", "--json", *case.serve,
+                 "--result-file", str(result), "--quiet", "--json", *serve,
                  *(("--tokenizer", model) if model else ())]  # fmt: skip
     return up_cmd, serve_cmd
 
 
-def measure_group(cases: list[Case], out: Path, model: str | None) -> None:
+def measure_group(cases: list[Case], out: Path, model: str | None, requests: int | None = None) -> None:
     """Cases of one `duet up` layout on one cluster, one after the other (each its own seed, so
     no prompt of one is cached for the next): per case its result file and `load.json` — the
     load average before/after, the meter's median, and the nodes' step threads' stretch over
@@ -126,7 +132,8 @@ def measure_group(cases: list[Case], out: Path, model: str | None) -> None:
         parts = procstat.cluster(proc.pid)
         for case in cases:
             (out / case.name).mkdir(parents=True, exist_ok=True)
-            _, serve_cmd = _commands(case, out, port, model)
+            _, serve_cmd = _commands(case, out, port, model, requests)
+            probe0 = _probe(model)  # the cluster is idle: the machine's speed before the case
             _log(f"{case.name}: {' '.join(serve_cmd[1:])}")
             load0, s0 = os.getloadavg()[0], procstat.snapshot(parts)
             with ContentionMeter() as meter:
@@ -135,11 +142,40 @@ def measure_group(cases: list[Case], out: Path, model: str | None) -> None:
             if r.returncode != 0:
                 raise RuntimeError(f"bench serve failed: {r.stderr[-2000:]}")
             step = {k: c.stretch for k, c in d.parts().items() if k.endswith("/step")}
+            probe1 = _probe(model)
             (out / case.name / "load.json").write_text(json.dumps(
                 {"load_before": load0, "load_after": os.getloadavg()[0], "meter": meter.median,
-                 "stretch": d.sum("/step").stretch, "stretch_per_node": step}))  # fmt: skip
+                 "stretch": d.sum("/step").stretch, "stretch_per_node": step,
+                 "probe_before": msgspec.to_builtins(probe0), "probe_after": msgspec.to_builtins(probe1)}))  # fmt: skip
     finally:
         _stop(proc)
+
+
+_PROBE_CORE: list = []
+
+
+def _probe(model: str | None) -> pf.SpeedProbe:
+    """The machine's speed now (sim/speed.py), read by an engine of the validation's node kind
+    (bf16, one thread) kept in this process for every case."""
+    from sim import speed
+
+    if not _PROBE_CORE:
+        from engine.config import EngineConfig
+        from engine.core import EngineCore
+        from protocol.models import DEFAULT_MODEL
+
+        _PROBE_CORE.append(EngineCore(EngineConfig(model=model or DEFAULT_MODEL, dtype="bfloat16", device="cpu", threads=1,
+                                                   kv_memory="1GiB", max_model_len=2048, enable_prefix_caching=False)))  # fmt: skip
+    return speed.probe(_PROBE_CORE[0])
+
+
+def _speed(loads: dict | list) -> pf.SpeedProbe | None:
+    """The mean of the probes around a case (None for runs recorded before they existed)."""
+    if not isinstance(loads, dict) or "probe_before" not in loads:
+        return None
+    a, b = (msgspec.convert(loads[k], pf.SpeedProbe) for k in ("probe_before", "probe_after"))
+    return pf.SpeedProbe(prefill_cpu_s=(a.prefill_cpu_s + b.prefill_cpu_s) / 2,
+                         decode_cpu_s=(a.decode_cpu_s + b.decode_cpu_s) / 2, chunk=a.chunk)  # fmt: skip
 
 
 def _contention(loads: dict | list, mode: str) -> float:
@@ -148,7 +184,8 @@ def _contention(loads: dict | list, mode: str) -> float:
     return loads["meter" if mode == "meter" else "stretch"]
 
 
-def simulate_case(case: Case, out: Path, *, mode: str = "threads", profile: Path | None = None) -> dict:
+def simulate_case(case: Case, out: Path, *, mode: str = "threads", profile: Path | None = None,
+                  speed: bool = True) -> dict:  # fmt: skip
     """Simulate one measured case; `mode`: the contention the profile is scaled to — the nodes'
     step threads' stretch (`threads`, sim/procstat.py) or the meter's median (`meter`, the first
     validation's correction)."""
@@ -161,11 +198,15 @@ def simulate_case(case: Case, out: Path, *, mode: str = "threads", profile: Path
     contention = _contention(loads, mode)
     measured = json.loads(result.read_text())
     base = pf.load(profile or PROFILES / case.profile)
-    prof = base.at_contention(contention)
+    now = _speed(loads) if speed else None
+    prof = (base.at_speed(now) if now is not None else base).at_contention(contention)
+    k_speed = None
+    if now is not None and base.probe is not None and prof.probe is now:
+        k_speed = (now.prefill_cpu_s / base.probe.prefill_cpu_s, now.decode_cpu_s / base.probe.decode_cpu_s)
     from duet.cmd_plan import parse_layout
 
     t0 = time.perf_counter()
-    s, _ = simulate(prof, parse_layout(case.layout), wl.from_result_file(result))
+    s, _ = simulate(prof, parse_layout(case.layout, one_host=True), wl.from_result_file(result))
     sim_wall = time.perf_counter() - t0
     rows = []
     for label, mkey, skey in METRICS:
@@ -173,15 +214,16 @@ def simulate_case(case: Case, out: Path, *, mode: str = "threads", profile: Path
         p = s.output_throughput if skey is None else s.latency_ms.get(skey)
         ape = None if (m in (None, 0) or p is None) else abs(p - m) / abs(m)
         rows.append({"metric": label, "measured": m, "predicted": p, "ape": ape})
-    up_cmd, serve_cmd = _commands(case, out, 0, "MODEL")
+    up_cmd, serve_cmd = _commands(case, out, 0, "MODEL", measured.get("num_requests"))
     return {"case": case.name, "layout": case.layout, "profile": str(profile or case.profile), "rows": rows,
             "completed": measured.get("completed"), "failed": measured.get("failed"),
             "sim_completed": s.completed, "load_avg_before": load0, "loads": loads, "sim_wall_s": sim_wall,
             "contention_mode": mode, "contention_run": contention, "contention_profile": base.contention,
+            "speed_vs_profile": k_speed,
             "commands": {"up": "DUET_HOME=... duet up " + " ".join(up_cmd[6:]),
                          "serve": "duet bench serve " + " ".join(serve_cmd[6:]) + " --api-key KEY",
                          "simulate": f"duet plan --layout {case.layout} --profile data/profiles/{case.profile} "
-                                     f"--from-result {result} --contention {contention:.3f}"}}  # fmt: skip
+                                     f"--from-result {result} --contention {contention:.3f} --one-host"}}  # fmt: skip
 
 
 def table(results: list[dict]) -> str:
@@ -195,7 +237,9 @@ def table(results: list[dict]) -> str:
                 per[row["metric"]].append(row["ape"])
             cells.append(f"{_n(row['measured'])} / {_n(row['predicted'])} / "
                          f"{'-' if row['ape'] is None else format(row['ape'], '.0%')}")  # fmt: skip
-        lines.append(f"| {r['case']} (load {r['load_avg_before']:.1f}, contention {r.get('contention_run', float('nan')):.2f}) | "
+        k = r.get("speed_vs_profile")
+        speed = f", speed ×{k[0]:.2f}/{k[1]:.2f}" if k else ""
+        lines.append(f"| {r['case']} (load {r['load_avg_before']:.1f}, contention {r.get('contention_run', float('nan')):.2f}{speed}) | "
                      + " | ".join(cells) + " |")  # fmt: skip
     lines.append("| **MAPE** | " + " | ".join(f"{sum(v) / len(v):.0%} (max {max(v):.0%})" if v else "-"
                                              for v in per.values()) + " |")  # fmt: skip
@@ -219,10 +263,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="scale the profile to the nodes' step threads' stretch during the run (threads, default: "
                         "sim/procstat.py) or to the sleeping meter's reading (meter: the first validation's)")
     p.add_argument("--profile", default=None, help="simulate with this profile instead of each case's own")
+    p.add_argument("--speed", choices=["probe", "none"], default="probe",
+                   help="scale the profile to the machine's speed read around each case (probe, default: "
+                        "sim/speed.py; needs a profile with its own probe) or not (none)")  # fmt: skip
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests a case (default 20): more give steadier P90s and take longer")  # fmt: skip
     a = p.parse_args(argv)
     # SIGTERM (also what a background job gets instead of Ctrl-C) unwinds like Ctrl-C, so each
     # case's `finally` stops the cluster it started
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if a.requests is not None and a.requests < 5:
+        p.error("--requests must be at least 5 (a P90 of fewer is one request)")
     want = a.cases.split(",")
     unknown = set(want) - {c.name for c in CASES}
     if unknown:
@@ -240,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     if not a.simulate_only:
         for group in groups.values():
             try:
-                measure_group(group, out, a.model)
+                measure_group(group, out, a.model, a.requests)
             except Exception as e:  # one layout failing leaves the others to run; it is reported
                 _log(f"{'+'.join(c.name for c in group)}: FAILED: {e}")
                 failed.update({c.name: str(e)[-1000:] for c in group})
@@ -249,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if c.name in failed:
                 raise RuntimeError(failed[c.name])
-            results.append(simulate_case(c, out, mode=a.contention, profile=Path(a.profile) if a.profile else None))
+            results.append(simulate_case(c, out, mode=a.contention, profile=Path(a.profile) if a.profile else None,
+                                         speed=a.speed == "probe"))  # fmt: skip
         except Exception as e:
             _log(f"{c.name}: FAILED: {e}")
             results.append({"case": c.name, "error": str(e)[-1000:], "rows": []})

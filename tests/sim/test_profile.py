@@ -43,6 +43,34 @@ def test_fit_error_is_reported_and_coefficients_stay_non_negative() -> None:
     assert min(m.intercept_s, m.prefill_s, m.decode_s, m.context_s, m.attention_s) >= 0
 
 
+def _chunked(recorded: bool) -> list[pf.StepSample]:
+    """Prefill chunks of n tokens at start s: attention n·(s + n) costs 1e-9 a pair, and the n·s
+    pairs that read earlier chunks' KV 2e-9 more (the paged pool)."""
+    out = []
+    for n in (16, 64, 128, 256, 512):
+        for s in (0, 256, 512, 1024, 1536):
+            a, b = n * (s + n), n * s
+            t = 0.01 + 2e-5 * n + 1e-6 * (s + n) + 1e-9 * a + 2e-9 * b
+            out.append(pf.StepSample(n, 0, s + n, a, t, t, b if recorded else 0))
+    for d in (1, 8, 32):
+        out.append(pf.StepSample(0, d, d * 300, 0, 0.01 + 3e-4 * d + 1e-6 * d * 300))
+    return out
+
+
+@pytest.mark.parametrize("recorded", [True, False], ids=["recorded", "older-samples"])
+def test_attention_to_earlier_chunks_is_its_own_coefficient(recorded: bool) -> None:
+    # older samples have no n·start: one chunk per step, so the fit reads it as attention − prefill²
+    m = pf.fit(_chunked(recorded))
+    assert m.attention_s == pytest.approx(1e-9, rel=1e-3) and m.cached_attention_s == pytest.approx(2e-9, rel=1e-3)
+    assert m.fit_max_ape is not None and m.fit_max_ape < 1e-6
+    late = pf.StepFeatures(512, 0, 2048, 512 * 2048, 512 * 1536)
+    assert m.seconds(late) == pytest.approx(0.01 + 2e-5 * 512 + 1e-6 * 2048 + 1e-9 * 512 * 2048 + 2e-9 * 512 * 1536)
+    # a profile written before the feature existed predicts as it did
+    old = pf.StepModel(intercept_s=0.01, prefill_s=0, decode_s=0, context_s=0, attention_s=1e-9,
+                       provenance=pf.Provenance.MEASURED)  # fmt: skip
+    assert old.seconds(late) == pytest.approx(0.01 + 1e-9 * 512 * 2048)
+
+
 def test_too_few_samples_is_an_error() -> None:
     with pytest.raises(ValueError, match="cannot fit"):
         pf.fit(_samples(0)[:3])
