@@ -241,16 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_per_token = layout.block_bytes // layout.block_size
     dtype = str(layout.dtype).replace("torch.", "")
     log(f"engine ready: {core.model_name} {dtype} quant={quant} threads={a.threads}, KV {kv_per_token} B/token")
-    from sim import speed
-
-    probe0 = speed.probe(core)
     samples = _measure(core, a, log)
-    probe1 = speed.probe(core)
-    # the machine's speed around the samples (a shared VM's host drifts; sim/speed.py)
-    probe = pf.SpeedProbe(prefill_cpu_s=(probe0.prefill_cpu_s + probe1.prefill_cpu_s) / 2,
-                          decode_cpu_s=(probe0.decode_cpu_s + probe1.decode_cpu_s) / 2, chunk=probe0.chunk)  # fmt: skip
-    log(f"speed probe: prefill {probe0.prefill_cpu_s * 1e3:.1f} / {probe1.prefill_cpu_s * 1e3:.1f} ms, decode "
-        f"{probe0.decode_cpu_s * 1e3:.1f} / {probe1.decode_cpu_s * 1e3:.1f} ms CPU (before / after the samples)")  # fmt: skip
     model, raw, ratio = fit_samples(samples, a.threads)
     log(f"fitted on {len(samples)} steps: MAPE {model.fit_mape:.1%} (held out {model.holdout_mape or 0:.1%}), "
         f"max {model.fit_max_ape:.1%}; on raw wall times: MAPE {raw.fit_mape:.1%}; contention {ratio:.2f}")  # fmt: skip
@@ -266,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                          # the serving limit is a deployment choice (duet up: the model's own), not --max-model-len,
                          # which only bounds the prompts this profile times
                          max_model_len=core.model_config.max_position_embeddings),
-        step=model, transport=transport, corun=corun, probe=probe,
+        step=model, transport=transport, corun=corun,
         overheads=pf.Overheads(request_s=a.overhead_ms / 1e3, pd_hop_s=a.pd_hop_ms / 1e3, stream_s=0.0005,
                                provenance=pf.Provenance.MODELLED),
         samples=samples,

@@ -102,13 +102,6 @@ class StepModel(msgspec.Struct, frozen=True, kw_only=True):
             decode_s=self.decode_s * factor, context_s=self.context_s * factor,
             attention_s=self.attention_s * factor, cached_attention_s=self.cached_attention_s * factor)  # fmt: skip
 
-    def scaled_parts(self, prefill: float, rest: float) -> StepModel:
-        """The prompt-token terms (prefill, attention) × `prefill`, the others × `rest`."""
-        return msgspec.structs.replace(
-            self, intercept_s=self.intercept_s * rest, prefill_s=self.prefill_s * prefill,
-            decode_s=self.decode_s * rest, context_s=self.context_s * rest, attention_s=self.attention_s * prefill,
-            cached_attention_s=self.cached_attention_s * prefill)  # fmt: skip
-
 
 class Transport(msgspec.Struct, frozen=True, kw_only=True):
     backend: str
@@ -193,15 +186,6 @@ class CoRun(msgspec.Struct, frozen=True, kw_only=True):
         return self.prefill_factor if prefill else self.decode_factor
 
 
-class SpeedProbe(msgspec.Struct, frozen=True, kw_only=True):
-    """The machine's speed when it was read (sim/speed.py): median CPU seconds of a prefill step
-    of `chunk` tokens and of a decode step of 8 sequences at 256 tokens of context."""
-
-    prefill_cpu_s: float
-    decode_cpu_s: float
-    chunk: int
-
-
 class NodeKind(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     model: str
@@ -226,8 +210,6 @@ class Profile(msgspec.Struct, kw_only=True):
     overheads: Overheads = Overheads()
     #: steps beside another busy node of the same machine (1.0: not measured)
     corun: CoRun = CoRun()
-    #: the machine's speed when the samples were taken (None: not read; sim/speed.py)
-    probe: SpeedProbe | None = None
     samples: list[StepSample] = []
     sources: list[Source] = []
     notes: list[str] = []
@@ -245,15 +227,6 @@ class Profile(msgspec.Struct, kw_only=True):
         k = factor / self.contention
         return msgspec.structs.replace(self, step=self.step.scaled(k), contention=factor,
                                        overheads=self.overheads.scaled(k))  # fmt: skip
-
-    def at_speed(self, now: SpeedProbe) -> Profile:
-        """This profile on the same machine running at the speed `now` read (sim/speed.py)
-        instead of the speed its own probe read; unchanged without a probe of its own."""
-        if self.probe is None or self.probe.chunk != now.chunk:
-            return self
-        k_prefill = now.prefill_cpu_s / self.probe.prefill_cpu_s
-        k_decode = now.decode_cpu_s / self.probe.decode_cpu_s
-        return msgspec.structs.replace(self, step=self.step.scaled_parts(k_prefill, k_decode), probe=now)
 
     def cpu_to_wall(self, cpu_s: float) -> float:
         """Wall seconds that `cpu_s` of CPU costs at this profile's contention."""

@@ -3,12 +3,15 @@
 
 `measure()` takes the profiling process's own EngineCore and times two shapes — a prefill step
 of `max_num_batched_tokens` prompt tokens, and a pure decode step of 8 sequences at 256 tokens
-of context — first alone, then beside a neighbour (a second engine process of the same node
-kind, started here, that keeps 8 sequences decoding and adds a full prefill chunk every fourth
-step: a busy colocated node), then alone again. Each shape's factor is the median CPU seconds
-beside the neighbour over the mean of the two alone medians. CPU seconds, not wall: the
-neighbour must not be counted as a run-queue wait, which sim.validate's contention reading
-already covers; what is left is the slower instructions of a shared core, cache and memory bus.
+of context — in pairs: one step with the neighbour stopped (SIGSTOP), the next with it running
+(SIGCONT). The neighbour is a second engine process of the same node kind, started here, that
+keeps 8 sequences decoding and adds a full prefill chunk every fourth step (a busy colocated
+node). Pairs, not an "alone" block then a "beside" block: a shared VM's host drifts by ±25 %
+within a minute (measured: the same decode step took 50 ms of CPU at 09:58 and 66 ms at 10:29),
+far more than the effect measured, and the two steps of a pair are a second apart. Each shape's
+factor is the median of its pairs' ratios (not below 1.0). CPU seconds, not wall: the neighbour
+must not be counted as a run-queue wait, which sim.validate's contention reading already
+covers; what is left is the slower instructions of a shared core, cache and memory bus.
 
 Invariants: the neighbour is stopped before `measure` returns, whatever happens (SIGTERM, then
 SIGKILL); the core is left with no request.
@@ -18,16 +21,66 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 
 from protocol.profile import CoRun, CoRunShape, Provenance
-from sim.speed import DECODE_CTX, DECODE_SEQS, Driver, time_shapes
 
 READY = "corun-neighbour-ready"
+DECODE_SEQS, DECODE_CTX = 8, 256
+
+
+class Driver:
+    """Adds random-token requests to a core and times its steps by CPU clock."""
+
+    def __init__(self, core, seed: int) -> None:  # type: ignore[no-untyped-def]
+        self.core = core
+        self.rng = random.Random(seed)
+        self.n = 0
+
+    def add(self, prompt_len: int, max_tokens: int) -> None:
+        from engine.sampling_params import SamplingParams
+
+        self.n += 1
+        vocab = self.core.model_config.vocab_size
+        self.core.add_request(f"c{self.n}", [self.rng.randrange(3, vocab) for _ in range(prompt_len)],
+                              SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))  # fmt: skip
+
+    def cpu_step(self) -> float:
+        c0 = time.process_time()
+        self.core.step()
+        return time.process_time() - c0
+
+    def prefilling(self) -> bool:
+        s = self.core.scheduler
+        return bool(s.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in s.running)
+
+    def drain(self) -> None:
+        for rid in list(self.core.scheduler.requests):
+            self.core.abort(rid)
+        while self.core.has_work():
+            self.core.step()
+
+
+def time_shapes(d: Driver, chunk: int, reps: int) -> dict[str, float]:
+    """Median CPU seconds of a full prefill chunk and of a pure decode step."""
+    prefill = []
+    for _ in range(reps):
+        d.add(chunk, 1)
+        prefill.append(d.cpu_step())
+        d.drain()
+    for _ in range(DECODE_SEQS):
+        d.add(DECODE_CTX, 10_000)
+    while d.prefilling():
+        d.core.step()
+    decode = [d.cpu_step() for _ in range(reps)]
+    d.drain()
+    return {"prefill": statistics.median(prefill), "decode": statistics.median(decode)}
 
 
 def _config(model: str, dtype: str, threads: int, quantization: str | None, kv_memory: str,
@@ -40,16 +93,16 @@ def _config(model: str, dtype: str, threads: int, quantization: str | None, kv_m
 
 
 def measure(core, *, model: str, dtype: str, threads: int, quantization: str | None, kv_memory: str,
-            max_model_len: int, log: Callable[[str], None], reps: int = 7, timeout_s: float = 300.0) -> CoRun:  # type: ignore[no-untyped-def]  # fmt: skip
+            max_model_len: int, log: Callable[[str], None], reps: int = 9, timeout_s: float = 300.0) -> CoRun:  # type: ignore[no-untyped-def]  # fmt: skip
     chunk = core.config.max_num_batched_tokens
     d = Driver(core, seed=1)
     time_shapes(d, chunk, 2)  # warm
-    alone1 = time_shapes(d, chunk, reps)
     cmd = [sys.executable, "-m", "sim.corun", "--model", model, "--dtype", dtype, "--threads", str(threads),
            "--kv-memory", kv_memory, "--max-model-len", str(max_model_len), "--chunk", str(chunk),
            *(["--quantization", quantization] if quantization else [])]  # fmt: skip
-    log(f"co-run: timing steps beside a busy neighbour ({' '.join(cmd[1:])})")
+    log(f"co-run: timing steps alone and beside a busy neighbour, in pairs ({' '.join(cmd[1:])})")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    pairs: dict[str, list[tuple[float, float]]] = {"prefill": [], "decode": []}
     try:
         deadline = time.monotonic() + timeout_s
         assert proc.stdout is not None
@@ -60,20 +113,40 @@ def measure(core, *, model: str, dtype: str, threads: int, quantization: str | N
             if not line or time.monotonic() > deadline:
                 err = proc.stderr.read() if proc.poll() is not None and proc.stderr else ""
                 raise RuntimeError(f"the co-run neighbour did not start: {err.strip()[-800:]}")
-        beside = time_shapes(d, chunk, reps)
+
+        def pair(step: Callable[[], float]) -> tuple[float, float]:
+            os.killpg(proc.pid, signal.SIGSTOP)
+            try:
+                alone = step()
+            finally:
+                os.killpg(proc.pid, signal.SIGCONT)
+            return alone, step()
+
+        def prefill_step() -> float:
+            d.add(chunk, 1)
+            t = d.cpu_step()
+            d.drain()
+            return t
+
+        for _ in range(reps):
+            pairs["prefill"].append(pair(prefill_step))
+        for _ in range(DECODE_SEQS):
+            d.add(DECODE_CTX, 10_000)
+        while d.prefilling():
+            core.step()
+        for _ in range(reps):
+            pairs["decode"].append(pair(d.cpu_step))
+        d.drain()
     finally:
         _stop(proc)
-    alone2 = time_shapes(d, chunk, reps)
-    shapes = []
-    for name in ("prefill", "decode"):
-        alone = (alone1[name] + alone2[name]) / 2
-        shapes.append(CoRunShape(name=name, alone_cpu_s=alone, beside_cpu_s=beside[name]))
-    f = {s.name: max(1.0, s.beside_cpu_s / s.alone_cpu_s) for s in shapes}
-    log("co-run: " + ", ".join(f"{s.name} {s.alone_cpu_s * 1e3:.1f} → {s.beside_cpu_s * 1e3:.1f} ms CPU "
-                               f"(×{s.beside_cpu_s / s.alone_cpu_s:.2f}; alone before {alone1[s.name] * 1e3:.1f}, "
-                               f"after {alone2[s.name] * 1e3:.1f})" for s in shapes))  # fmt: skip
-    return CoRun(prefill_factor=f["prefill"], decode_factor=f["decode"], cpus=os.cpu_count() or 0, shapes=shapes,
-                 provenance=Provenance.MEASURED)  # fmt: skip
+        d.drain()
+    shapes = [CoRunShape(name=n, alone_cpu_s=statistics.median(a for a, _ in ps),
+                         beside_cpu_s=statistics.median(b for _, b in ps)) for n, ps in pairs.items()]  # fmt: skip
+    ratio = {n: statistics.median(b / a for a, b in ps) for n, ps in pairs.items()}
+    log("co-run: " + ", ".join(f"{s.name} {s.alone_cpu_s * 1e3:.1f} → {s.beside_cpu_s * 1e3:.1f} ms CPU (median "
+                               f"ratio of {reps} pairs ×{ratio[s.name]:.2f})" for s in shapes))  # fmt: skip
+    return CoRun(prefill_factor=max(1.0, ratio["prefill"]), decode_factor=max(1.0, ratio["decode"]),
+                 cpus=os.cpu_count() or 0, shapes=shapes, provenance=Provenance.MEASURED)  # fmt: skip
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -18,7 +18,6 @@ from protocol.profile import (
     Profile,
     Provenance,
     Source,
-    SpeedProbe,
     StepFeatures,
     StepModel,
     StepSample,
@@ -27,7 +26,7 @@ from protocol.profile import (
     save,
 )
 
-__all__ = ["FEATURES", "CoRun", "CoRunShape", "NodeKind", "Overheads", "Profile", "Provenance", "Source", "SpeedProbe", "StepFeatures", "StepModel",
+__all__ = ["FEATURES", "CoRun", "CoRunShape", "NodeKind", "Overheads", "Profile", "Provenance", "Source", "StepFeatures", "StepModel",
            "StepSample", "Transport", "fit", "load", "save"]  # fmt: skip
 
 FEATURES = ("intercept", "prefill", "decode", "context", "attention", "cached_attention")

@@ -26,8 +26,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import msgspec
-
 from protocol.ports import free_port
 from sim import procstat
 from sim import profile as pf
@@ -133,7 +131,6 @@ def measure_group(cases: list[Case], out: Path, model: str | None, requests: int
         for case in cases:
             (out / case.name).mkdir(parents=True, exist_ok=True)
             _, serve_cmd = _commands(case, out, port, model, requests)
-            probe0 = _probe(model)  # the cluster is idle: the machine's speed before the case
             _log(f"{case.name}: {' '.join(serve_cmd[1:])}")
             load0, s0 = os.getloadavg()[0], procstat.snapshot(parts)
             with ContentionMeter() as meter:
@@ -142,40 +139,11 @@ def measure_group(cases: list[Case], out: Path, model: str | None, requests: int
             if r.returncode != 0:
                 raise RuntimeError(f"bench serve failed: {r.stderr[-2000:]}")
             step = {k: c.stretch for k, c in d.parts().items() if k.endswith("/step")}
-            probe1 = _probe(model)
             (out / case.name / "load.json").write_text(json.dumps(
                 {"load_before": load0, "load_after": os.getloadavg()[0], "meter": meter.median,
-                 "stretch": d.sum("/step").stretch, "stretch_per_node": step,
-                 "probe_before": msgspec.to_builtins(probe0), "probe_after": msgspec.to_builtins(probe1)}))  # fmt: skip
+                 "stretch": d.sum("/step").stretch, "stretch_per_node": step}))  # fmt: skip
     finally:
         _stop(proc)
-
-
-_PROBE_CORE: list = []
-
-
-def _probe(model: str | None) -> pf.SpeedProbe:
-    """The machine's speed now (sim/speed.py), read by an engine of the validation's node kind
-    (bf16, one thread) kept in this process for every case."""
-    from sim import speed
-
-    if not _PROBE_CORE:
-        from engine.config import EngineConfig
-        from engine.core import EngineCore
-        from protocol.models import DEFAULT_MODEL
-
-        _PROBE_CORE.append(EngineCore(EngineConfig(model=model or DEFAULT_MODEL, dtype="bfloat16", device="cpu", threads=1,
-                                                   kv_memory="1GiB", max_model_len=2048, enable_prefix_caching=False)))  # fmt: skip
-    return speed.probe(_PROBE_CORE[0])
-
-
-def _speed(loads: dict | list) -> pf.SpeedProbe | None:
-    """The mean of the probes around a case (None for runs recorded before they existed)."""
-    if not isinstance(loads, dict) or "probe_before" not in loads:
-        return None
-    a, b = (msgspec.convert(loads[k], pf.SpeedProbe) for k in ("probe_before", "probe_after"))
-    return pf.SpeedProbe(prefill_cpu_s=(a.prefill_cpu_s + b.prefill_cpu_s) / 2,
-                         decode_cpu_s=(a.decode_cpu_s + b.decode_cpu_s) / 2, chunk=a.chunk)  # fmt: skip
 
 
 def _contention(loads: dict | list, mode: str) -> float:
@@ -184,8 +152,7 @@ def _contention(loads: dict | list, mode: str) -> float:
     return loads["meter" if mode == "meter" else "stretch"]
 
 
-def simulate_case(case: Case, out: Path, *, mode: str = "threads", profile: Path | None = None,
-                  speed: bool = True) -> dict:  # fmt: skip
+def simulate_case(case: Case, out: Path, *, mode: str = "threads", profile: Path | None = None) -> dict:
     """Simulate one measured case; `mode`: the contention the profile is scaled to — the nodes'
     step threads' stretch (`threads`, sim/procstat.py) or the meter's median (`meter`, the first
     validation's correction)."""
@@ -198,11 +165,7 @@ def simulate_case(case: Case, out: Path, *, mode: str = "threads", profile: Path
     contention = _contention(loads, mode)
     measured = json.loads(result.read_text())
     base = pf.load(profile or PROFILES / case.profile)
-    now = _speed(loads) if speed else None
-    prof = (base.at_speed(now) if now is not None else base).at_contention(contention)
-    k_speed = None
-    if now is not None and base.probe is not None and prof.probe is now:
-        k_speed = (now.prefill_cpu_s / base.probe.prefill_cpu_s, now.decode_cpu_s / base.probe.decode_cpu_s)
+    prof = base.at_contention(contention)
     from duet.cmd_plan import parse_layout
 
     t0 = time.perf_counter()
@@ -219,7 +182,6 @@ def simulate_case(case: Case, out: Path, *, mode: str = "threads", profile: Path
             "completed": measured.get("completed"), "failed": measured.get("failed"),
             "sim_completed": s.completed, "load_avg_before": load0, "loads": loads, "sim_wall_s": sim_wall,
             "contention_mode": mode, "contention_run": contention, "contention_profile": base.contention,
-            "speed_vs_profile": k_speed,
             "commands": {"up": "DUET_HOME=... duet up " + " ".join(up_cmd[6:]),
                          "serve": "duet bench serve " + " ".join(serve_cmd[6:]) + " --api-key KEY",
                          "simulate": f"duet plan --layout {case.layout} --profile data/profiles/{case.profile} "
@@ -237,9 +199,7 @@ def table(results: list[dict]) -> str:
                 per[row["metric"]].append(row["ape"])
             cells.append(f"{_n(row['measured'])} / {_n(row['predicted'])} / "
                          f"{'-' if row['ape'] is None else format(row['ape'], '.0%')}")  # fmt: skip
-        k = r.get("speed_vs_profile")
-        speed = f", speed ×{k[0]:.2f}/{k[1]:.2f}" if k else ""
-        lines.append(f"| {r['case']} (load {r['load_avg_before']:.1f}, contention {r.get('contention_run', float('nan')):.2f}{speed}) | "
+        lines.append(f"| {r['case']} (load {r['load_avg_before']:.1f}, contention {r.get('contention_run', float('nan')):.2f}) | "
                      + " | ".join(cells) + " |")  # fmt: skip
     lines.append("| **MAPE** | " + " | ".join(f"{sum(v) / len(v):.0%} (max {max(v):.0%})" if v else "-"
                                              for v in per.values()) + " |")  # fmt: skip
@@ -263,9 +223,6 @@ def main(argv: list[str] | None = None) -> int:
                    help="scale the profile to the nodes' step threads' stretch during the run (threads, default: "
                         "sim/procstat.py) or to the sleeping meter's reading (meter: the first validation's)")
     p.add_argument("--profile", default=None, help="simulate with this profile instead of each case's own")
-    p.add_argument("--speed", choices=["probe", "none"], default="probe",
-                   help="scale the profile to the machine's speed read around each case (probe, default: "
-                        "sim/speed.py; needs a profile with its own probe) or not (none)")  # fmt: skip
     p.add_argument("--requests", type=int, default=None,
                    help="requests a case (default 20): more give steadier P90s and take longer")  # fmt: skip
     a = p.parse_args(argv)
@@ -300,8 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if c.name in failed:
                 raise RuntimeError(failed[c.name])
-            results.append(simulate_case(c, out, mode=a.contention, profile=Path(a.profile) if a.profile else None,
-                                         speed=a.speed == "probe"))  # fmt: skip
+            results.append(simulate_case(c, out, mode=a.contention, profile=Path(a.profile) if a.profile else None))
         except Exception as e:
             _log(f"{c.name}: FAILED: {e}")
             results.append({"case": c.name, "error": str(e)[-1000:], "rows": []})
