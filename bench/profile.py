@@ -16,7 +16,10 @@ scattered reads of 1..64 blocks). Per-request and per-token overheads outside th
 are measured with --overheads in a running cluster (`duet up`, sim/overheads.py: the gateway's,
 coordinator's and node loop's own CPU clocks, and the TTFT left outside the step); without it
 they are the --overhead-ms / --pd-hop-ms defaults, marked modelled. --overheads-only measures them
-alone and updates the profile at --out.
+alone and updates the profile at --out. The co-run factors (--corun, on by default; --corun-only
+on an existing profile) time a prefill and a decode step in pairs beside a second, busy engine
+process of the same kind, stopped for one step and running for the next (sim/corun.py): what a
+step costs while another node runs on the same machine (`duet plan --one-host`).
 
 Wall-clock figures need a quiet machine: the load average is recorded in the profile.
 """
