@@ -32,7 +32,6 @@ import json
 import math
 import os
 import platform
-import random
 import statistics
 import subprocess
 import sys
@@ -115,42 +114,26 @@ def _step(core, rec: _Recorder, samples: list[pf.StepSample]) -> None:  # type: 
 
 
 def _measure(core, a: argparse.Namespace, log) -> list[pf.StepSample]:  # type: ignore[no-untyped-def]
-    from engine.sampling_params import SamplingParams
+    from sim.driver import Driver
 
     rec = _Recorder(core)
-    rng = random.Random(0)
-    vocab = core.model_config.vocab_size
+    d = Driver(core, seed=0)
     samples: list[pf.StepSample] = []
-    n = 0
-
-    def add(prompt_len: int, max_tokens: int) -> str:
-        nonlocal n
-        n += 1
-        rid = f"p{n}"
-        core.add_request(rid, [rng.randrange(3, vocab) for _ in range(prompt_len)],
-                         SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))  # fmt: skip
-        return rid
-
-    def drain() -> None:
-        for rid in list(core.scheduler.requests):
-            core.abort(rid)
-        while core.has_work():
-            core.step()
 
     # warm up (first steps allocate and compile)
-    add(64, 4)
+    d.add(64, 4)
     while core.has_work():
         core.step()
     prompts = [16, 64, 256, 512] if a.quick else [16, 32, 64, 128, 256, 384, 512]
     for plen in prompts:
         for _ in range(1 if a.quick else 2):
-            add(plen, 1)
+            d.add(plen, 1)
             while core.has_work():
                 _step(core, rec, samples)
     log(f"prefill: {len(samples)} steps")
     long = [1024] if a.quick else [1024, 2048]
     for plen in long:  # chunked: chunks at growing starts, so attention's quadratic part shows
-        add(min(plen, a.max_model_len - 8), 1)
+        d.add(min(plen, a.max_model_len - 8), 1)
         while core.has_work():
             _step(core, rec, samples)
     batches, contexts = _ints(a.decode_batches), _ints(a.contexts)
@@ -161,16 +144,16 @@ def _measure(core, a: argparse.Namespace, log) -> list[pf.StepSample]:  # type: 
             if b > a.max_num_seqs:
                 continue
             for _ in range(b):
-                add(ctx, 10_000)
+                d.add(ctx, 10_000)
             # prefill them (those steps are samples too: mixed prefill + decode)
-            while any(r.num_computed_tokens < r.num_prompt_tokens for r in core.scheduler.running) or core.scheduler.waiting:
+            while d.prefilling():
                 _step(core, rec, samples)
             for _ in range(a.reps):
                 _step(core, rec, samples)
             # a prefill chunk riding along a decode batch
-            add(min(256, a.max_num_batched_tokens), 1)
+            d.add(min(256, a.max_num_batched_tokens), 1)
             _step(core, rec, samples)
-            drain()
+            d.drain()
             log(f"decode batch {b} at context {ctx}: {len(samples)} steps so far")
     return samples
 
@@ -221,28 +204,25 @@ def main(argv: list[str] | None = None) -> int:
     from protocol.models import DEFAULT_MODEL
 
     quant = None if a.quantization == "none" else a.quantization
-    if a.corun_only:
-        prof = pf.load(a.out)
-        core = EngineCore(EngineConfig(model=a.model or DEFAULT_MODEL, dtype=a.dtype, device="cpu", threads=a.threads,
-                                       kv_memory=a.kv_memory, max_model_len=a.max_model_len,
-                                       max_num_batched_tokens=prof.kind.max_num_batched_tokens,
-                                       enable_prefix_caching=False, quantization=quant))  # fmt: skip
-        if str(core.runner.kv_layout.dtype).replace("torch.", "") != prof.kind.dtype or quant != prof.kind.quantization:
-            raise SystemExit(f"--corun-only: {a.out} profiles {prof.kind.dtype}/{prof.kind.quantization}, "
-                             f"not {a.dtype}/{quant}")  # fmt: skip
-        prof.corun = _corun(core, a, quant, log)
-        pf.save(prof, Path(a.out))
-        print(json.dumps({"corun": msgspec.to_builtins(prof.corun)}))
-        return 0
+    # --corun-only times the chunk the profile at --out was measured with
+    existing = pf.load(a.out) if a.corun_only else None
     cfg = EngineConfig(model=a.model or DEFAULT_MODEL, dtype=a.dtype, device="cpu", threads=a.threads,
                        kv_memory=a.kv_memory, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-                       max_num_batched_tokens=a.max_num_batched_tokens, enable_prefix_caching=False,
-                       quantization=quant, max_waiting_requests=4096)  # fmt: skip
+                       max_num_batched_tokens=existing.kind.max_num_batched_tokens if existing else a.max_num_batched_tokens,
+                       enable_prefix_caching=False, quantization=quant, max_waiting_requests=4096)  # fmt: skip
     load0 = os.getloadavg()[0]
     core = EngineCore(cfg)
     layout = core.runner.kv_layout
     kv_per_token = layout.block_bytes // layout.block_size
     dtype = str(layout.dtype).replace("torch.", "")
+    if existing is not None:
+        if dtype != existing.kind.dtype or quant != existing.kind.quantization:
+            raise SystemExit(f"--corun-only: {a.out} profiles {existing.kind.dtype}/{existing.kind.quantization}, "
+                             f"not {a.dtype}/{quant}")  # fmt: skip
+        existing.corun = _corun(core, a, quant, log)
+        pf.save(existing, Path(a.out))
+        print(json.dumps({"corun": msgspec.to_builtins(existing.corun)}))
+        return 0
     log(f"engine ready: {core.model_name} {dtype} quant={quant} threads={a.threads}, KV {kv_per_token} B/token")
     samples = _measure(core, a, log)
     model, raw, ratio = fit_samples(samples, a.threads)

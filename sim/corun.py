@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import signal
 import statistics
 import subprocess
@@ -30,57 +29,9 @@ import time
 from collections.abc import Callable
 
 from protocol.profile import CoRun, CoRunShape, Provenance
+from sim.driver import Driver
 
 READY = "corun-neighbour-ready"
-DECODE_SEQS, DECODE_CTX = 8, 256
-
-
-class Driver:
-    """Adds random-token requests to a core and times its steps by CPU clock."""
-
-    def __init__(self, core, seed: int) -> None:  # type: ignore[no-untyped-def]
-        self.core = core
-        self.rng = random.Random(seed)
-        self.n = 0
-
-    def add(self, prompt_len: int, max_tokens: int) -> None:
-        from engine.sampling_params import SamplingParams
-
-        self.n += 1
-        vocab = self.core.model_config.vocab_size
-        self.core.add_request(f"c{self.n}", [self.rng.randrange(3, vocab) for _ in range(prompt_len)],
-                              SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))  # fmt: skip
-
-    def cpu_step(self) -> float:
-        c0 = time.process_time()
-        self.core.step()
-        return time.process_time() - c0
-
-    def prefilling(self) -> bool:
-        s = self.core.scheduler
-        return bool(s.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in s.running)
-
-    def drain(self) -> None:
-        for rid in list(self.core.scheduler.requests):
-            self.core.abort(rid)
-        while self.core.has_work():
-            self.core.step()
-
-
-def time_shapes(d: Driver, chunk: int, reps: int) -> dict[str, float]:
-    """Median CPU seconds of a full prefill chunk and of a pure decode step."""
-    prefill = []
-    for _ in range(reps):
-        d.add(chunk, 1)
-        prefill.append(d.cpu_step())
-        d.drain()
-    for _ in range(DECODE_SEQS):
-        d.add(DECODE_CTX, 10_000)
-    while d.prefilling():
-        d.core.step()
-    decode = [d.cpu_step() for _ in range(reps)]
-    d.drain()
-    return {"prefill": statistics.median(prefill), "decode": statistics.median(decode)}
 
 
 def _config(model: str, dtype: str, threads: int, quantization: str | None, kv_memory: str,
@@ -96,7 +47,12 @@ def measure(core, *, model: str, dtype: str, threads: int, quantization: str | N
             max_model_len: int, log: Callable[[str], None], reps: int = 9, timeout_s: float = 300.0) -> CoRun:  # type: ignore[no-untyped-def]  # fmt: skip
     chunk = core.config.max_num_batched_tokens
     d = Driver(core, seed=1)
-    time_shapes(d, chunk, 2)  # warm
+    for _ in range(2):  # warm: the first steps of each shape allocate
+        d.prefill_step(chunk)
+    d.start_decoders()
+    for _ in range(2):
+        d.cpu_step()
+    d.drain()
     cmd = [sys.executable, "-m", "sim.corun", "--model", model, "--dtype", dtype, "--threads", str(threads),
            "--kv-memory", kv_memory, "--max-model-len", str(max_model_len), "--chunk", str(chunk),
            *(["--quantization", quantization] if quantization else [])]  # fmt: skip
@@ -122,18 +78,9 @@ def measure(core, *, model: str, dtype: str, threads: int, quantization: str | N
                 os.killpg(proc.pid, signal.SIGCONT)
             return alone, step()
 
-        def prefill_step() -> float:
-            d.add(chunk, 1)
-            t = d.cpu_step()
-            d.drain()
-            return t
-
         for _ in range(reps):
-            pairs["prefill"].append(pair(prefill_step))
-        for _ in range(DECODE_SEQS):
-            d.add(DECODE_CTX, 10_000)
-        while d.prefilling():
-            core.step()
+            pairs["prefill"].append(pair(lambda: d.prefill_step(chunk)))
+        d.start_decoders()
         for _ in range(reps):
             pairs["decode"].append(pair(d.cpu_step))
         d.drain()
@@ -167,10 +114,7 @@ def neighbour(a: argparse.Namespace) -> int:
     core = EngineCore(_config(a.model, a.dtype, a.threads, a.quantization, a.kv_memory, a.max_model_len, a.chunk))
     d = Driver(core, seed=2)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    for _ in range(DECODE_SEQS):
-        d.add(DECODE_CTX, 10_000)
-    while d.prefilling():
-        core.step()
+    d.start_decoders()
     print(READY, flush=True)
     steps = 0
     while True:
@@ -180,8 +124,7 @@ def neighbour(a: argparse.Namespace) -> int:
         steps += 1
         if steps % 400 == 0:  # the decoders' contexts stay near DECODE_CTX
             d.drain()
-            for _ in range(DECODE_SEQS):
-                d.add(DECODE_CTX, 10_000)
+            d.start_decoders()
 
 
 def main(argv: list[str] | None = None) -> int:

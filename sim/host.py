@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 
 from protocol.profile import CoRun
 
-#: remaining work below this is done (float noise of the rate updates)
-_EPS = 1e-12
+#: a step whose remaining work would take under this is done (float noise of the rate updates,
+#: the timer's resolution)
+_DONE_S = 1e-9
 
 
 @dataclass(eq=False)
@@ -81,8 +82,7 @@ class SharedHost:
         self._timer = None
         self._advance(loop.time())
         shared = len(self._running) > 1
-        # a step whose remaining work would take under a nanosecond is done (timer resolution)
-        finished = [st for st in self._running if st.remaining / st.rate(shared) <= max(_EPS, 1e-9)]
+        finished = [st for st in self._running if st.remaining / st.rate(shared) <= _DONE_S]
         for st in finished:
             self._running.remove(st)
             if not st.done.done():
