@@ -61,7 +61,8 @@ class LlamaModel:
         self.kernels = kernels_lib() if usable else None
         # fp32 stays on SDPA prefill and torch norms: the exact-parity reference path.
         self.fused = self.kernels is not None and dtype == torch.bfloat16
-        # The blocked prefill kernel is an AVX-512 BF16 one; without it prefill_attention runs the
+        # The blocked prefill kernel is an AVX-512 BF16 one (AMX tiles where the CPU has them:
+        # prefill_attention_amx.c); without it prefill_attention runs the
         # per-token scalar loop, slower than SDPA (1024-token bf16 prefill on an AVX2 Zen 3: 28.3
         # vs 26.1 s) and no closer to fp32 — SDPA's arithmetic is transformers' own.
         self.kernel_prefill = self.fused and "avx512_bf16" in cpu_flags()

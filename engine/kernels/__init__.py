@@ -10,7 +10,8 @@ passes on the torch path. DUET_DISABLE_KERNELS=1 is a deliberate choice and allo
 strict mode too; it is logged as such.
 
 Kernels (see each .c file): `paged_attention` (attention of any step token against the paged
-pool), `prefill_attention` (the same for prefill tokens, in query blocks) and `rope_store` (rotary embedding in place + K/V write to the pool), which take the
+pool), `prefill_attention` (the same for prefill tokens, in query blocks; on AMX CPUs its
+tile path `prefill_attention_amx`, which returns 1 where it does not apply) and `rope_store` (rotary embedding in place + K/V write to the pool), which take the
 step's shared arguments as a `Step` struct (step.h, mirrored in engine/kernel_step.py); and
 bf16 `rms_norm` / `add_rms_norm` / `silu_mul` and the fp32 residual stream's `res_norm_f32`
 (norm_act.c), `argmax_rows` (greedy
@@ -49,6 +50,7 @@ _REASSOC = ("-fassociative-math", "-fno-signed-zeros")
 _SOURCES = (
     ("paged_attention.c", _REASSOC),
     ("prefill_attention.c", _REASSOC),
+    ("prefill_attention_amx.c", _REASSOC),
     ("rope_store.c", ("-ffp-contract=off",)),
     ("norm_act.c", ("-ffp-contract=off",)),
     ("argmax.c", ()),
@@ -123,6 +125,8 @@ def kernels_lib() -> ctypes.CDLL | None:
     for fn in (lib.paged_attention, lib.prefill_attention):
         fn.argtypes = [p, i32, i32, i32, p, i64, p, i64]
         fn.restype = None
+    lib.prefill_attention_amx.argtypes = [p, i32, i32, i32, p, i64, p, i64]
+    lib.prefill_attention_amx.restype = i32
     lib.rope_store.argtypes = [p, i32, p, i64]
     lib.rope_store.restype = None
     f32 = ctypes.c_float

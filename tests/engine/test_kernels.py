@@ -119,3 +119,57 @@ def test_argmax_rows_matches_torch_first_maximum(dtype: torch.dtype) -> None:
     idx = torch.empty(7, dtype=torch.long)
     lib.argmax_rows(x.data_ptr(), x.stride(0), 7, 1000, int(dtype == torch.bfloat16), idx.data_ptr())
     assert idx.tolist() == x.argmax(dim=-1).tolist()
+
+
+def _long_prefill_step(dtype: torch.dtype, heads: int, kvh: int, dim: int, window: int | None):
+    """Decodes beside three prefill chunks that cross many 32-key steps: a fresh 100-token prompt, 70
+    tokens after a 203-token cached prefix, and a single token after 40 (a 1-row work item)."""
+    g = torch.Generator().manual_seed(7)
+    bs, nb = 16, 96
+    cache = torch.randn(nb, 1, 2, bs, kvh, dim, generator=g).to(dtype)
+    rope = Rope(dim, 10000.0, None, 2048, dtype, torch.device("cpu"))
+    blocks = list(range(nb))
+    random.Random(7).shuffle(blocks)
+    decodes = [(blocks[0:8], 77), (blocks[60:80], 250)]
+    prefills = [(blocks[8:16], 0, 100), (blocks[16:36], 203, 70), (blocks[36:40], 40, 1)]
+    md = build_metadata(bs, decodes, prefills, window, torch.device("cpu"))
+    qkv = torch.randn(md.num_tokens, (heads + 2 * kvh) * dim, generator=g).to(dtype)
+    step = KernelStep(cache, md.block_tables, md.token_row, md.ctx_lens, md.positions, md.slot_block,
+                      md.slot_offset, rope.cos, rope.sin, heads, md.max_ctx, window)  # fmt: skip
+    lib.rope_store(step.ptr, 0, qkv.data_ptr(), qkv.stride(0))
+    return cache, md, qkv, step
+
+
+@pytest.mark.parametrize("shape", ["smollm2", "gqa8-d128"])
+def test_amx_prefill_attention_matches_torch(shape: str) -> None:
+    """The AMX tile path (flash-style, 32 keys a step) against SDPA over the same pool: causal
+    inside a chunk, the whole cached prefix before it, partial key steps and 1..16-row blocks."""
+    from engine.cpu import cpu_flags
+
+    if not {"amx_bf16", "amx_tile"} <= cpu_flags():
+        pytest.skip("no AMX bf16 on this CPU (prefill_attention_amx returns 1 there; the AVX-512 path runs)")
+    heads, kvh, dim, window = SHAPES[shape]
+    cache, md, qkv, step = _long_prefill_step(torch.bfloat16, heads, kvh, dim, window)
+    nd, t = md.num_decode, md.num_tokens
+    out = torch.zeros((t - nd, heads * dim), dtype=torch.bfloat16)
+    rc = lib.prefill_attention_amx(step.ptr, 0, nd, t - nd, qkv.data_ptr(), qkv.stride(0), out.data_ptr(), heads * dim)
+    assert rc == 0, "the AMX path declined a bf16 step it supports"
+    want = paged_attention(qkv, heads, cache, 0, md, None, 0, kernel_prefill=False)[nd:]
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+    # the engine's entry point takes the same path
+    got = paged_attention(qkv, heads, cache, 0, md, lib, step.ptr, kernel_prefill=True)[nd:]
+    assert torch.equal(got, out)
+
+
+def test_amx_prefill_attention_declines_what_it_does_not_do() -> None:
+    """fp32, a sliding window and a head_dim that is not a multiple of 32 return 1 (the caller's
+    other paths run) on every CPU."""
+    for dtype, shape in ((torch.float32, "smollm2"), (torch.bfloat16, "mha-window"), (torch.bfloat16, "tiny")):
+        heads, kvh, dim, window = SHAPES[shape]
+        _cache, md, qkv, step = _long_prefill_step(dtype, heads, kvh, dim, window)
+        nd, t = md.num_decode, md.num_tokens
+        out = torch.zeros((t - nd, heads * dim), dtype=dtype)
+        rc = lib.prefill_attention_amx(step.ptr, 0, nd, t - nd, qkv.data_ptr(), qkv.stride(0), out.data_ptr(),
+                                       heads * dim)  # fmt: skip
+        assert rc == 1, (dtype, shape)
+        assert not out.any(), "a declined call wrote output"
