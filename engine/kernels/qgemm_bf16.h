@@ -115,6 +115,30 @@ INLINE void qb_store16(const float *acc, int cnt, int64_t n0, const float *scale
     }
 }
 
+/* A whole block's 32 outputs [n0, n0 + 32) of `rows` rows (acc [rows][32]) as bf16, each row one
+ * 64-byte store: qb_store16's arithmetic with the block's scales and bias loaded once; nt: the
+ * output is larger than L2, so the store is non-temporal (it skips reading in a line nobody will
+ * read before it is evicted; qgemm_w8a8.c measures the same choice). */
+static void qb_store_rows32(const float *acc, int rows, int64_t n0, const float *scale, const void *bias, char *out,
+                            int64_t orow, int nt) {
+    const __m512 s0 = scale ? _mm512_loadu_ps(scale + n0) : _mm512_set1_ps(1.0f);
+    const __m512 s1 = scale ? _mm512_loadu_ps(scale + n0 + 16) : s0;
+    __m512 b0 = _mm512_setzero_ps(), b1 = b0;
+    if (bias) {
+        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)bias + n0))), 16));
+        b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)bias + n0 + 16))), 16));
+    }
+    for (int s = 0; s < rows; s++) {
+        __m512 v0 = _mm512_loadu_ps(acc + 32 * s), v1 = _mm512_loadu_ps(acc + 32 * s + 16);
+        if (scale) v0 = _mm512_mul_ps(v0, s0), v1 = _mm512_mul_ps(v1, s1);
+        if (bias) v0 = _mm512_add_ps(v0, b0), v1 = _mm512_add_ps(v1, b1);
+        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
+        uint16_t *dst = (uint16_t *)(out + (int64_t)s * orow) + n0;
+        if (nt && ((uintptr_t)dst & 63) == 0) _mm512_stream_si512((void *)dst, both);
+        else _mm512_storeu_si512((void *)dst, both);
+    }
+}
+
 #if defined(QB_AMX)
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -213,6 +237,7 @@ static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, c
         }
     }
     const int par = (int64_t)m * n * k >= (1 << 15);
+    const int nt = (int64_t)m * n * esz > ((int64_t)2 << 20); /* non-temporal stores past L2 (qb_store_rows32) */
     int threads = 1;
 #if defined(_OPENMP)
     if (par) threads = omp_get_max_threads();
@@ -269,6 +294,10 @@ static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, c
 #endif
                         for (int mi = m0; mi < m1; mi += QB_MR)
                             qb_dp_tile(X + (int64_t)mi * kp, kp, p0, p1, acc + (mi - m0) * 32);
+                    if (nr1 == 16 && !out_f32) {
+                        qb_store_rows32(acc, m1 - m0, n0, scale, bias, (char *)out + (int64_t)m0 * os * esz, os * esz, nt);
+                        continue;
+                    }
                     for (int s = m0; s < m1; s++) {
                         char *row = (char *)out + (int64_t)s * os * esz;
                         qb_store16(acc + 32 * (s - m0), nr0, n0, scale, bias, row, out_f32);
@@ -280,6 +309,7 @@ static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, c
 #if defined(QB_AMX)
         if (isa == 2 && panel && acc) _tile_release();
 #endif
+        if (nt) _mm_sfence(); /* non-temporal stores are weakly ordered: visible before the caller reads */
         free(panel);
         free(acc);
     }

@@ -66,6 +66,23 @@ def test_bf16_path_matches_its_reference(scheme: str, n: int, k: int) -> None:
 
 
 @needs_path
+def test_an_output_larger_than_l2_matches_its_reference() -> None:
+    """400 x 3072 bf16 outputs (2.4 MiB) take the non-temporal 64-byte stores of whole blocks;
+    n = 3050 leaves a partial last block on the per-16 stores."""
+    g = torch.Generator().manual_seed(3)
+    for n in (3072, 3050):
+        qw = quantize(torch.randn(n, 576, generator=g) * 0.05, "int8")
+        bias = torch.randn(n, generator=g).bfloat16()
+        lin = QLinear(qw, bias)
+        x = torch.randn(400, 576, generator=g).bfloat16()
+        ref = bf16_gemm_reference(x, qw, bias, torch.float32)
+        for path in _paths():
+            out = torch.full((400, n), float("nan"), dtype=torch.bfloat16)
+            assert lin._bf16_gemm(x, 400, 576, bias.data_ptr(), out, 0, path) == 0
+            _within_ulp(out, ref)
+
+
+@needs_path
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_large_and_small_batches_agree_and_both_paths_run(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
     n, k = 576, 1536
