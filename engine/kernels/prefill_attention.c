@@ -3,7 +3,7 @@
  *
  * On CPUs with AMX bf16 the tile path (prefill_attention_amx.c) runs first and this one only
  * where it declines (measured on a Sapphire-Rapids-class Xeon, SmolLM2 512-token prefill, 2
- * threads: 30 layers' attention ~140 -> ~45 ms).
+ * threads: 30 layers' attention ~140 -> ~25-35 ms).
  *
  * Up to 12 rows, QB consecutive tokens of one sequence x the G query heads of one kv head,
  * score each 16-key tile together: the tile is transposed once into bf16 pairs (kt[p] = pair p

@@ -108,75 +108,144 @@ typedef struct {
     uint16_t *p; /* [QR][KS] bf16 weights */
 } Work;
 
-/* Rows [16 b, 16 b + 16) of chunk c, query head h (of kv head kh). */
+/* A row's scores may exceed the max its weights are taken against by up to TAU before the
+ * accumulator is rescaled (weights up to e^8 ~ 3e3: far inside fp32 and bf16's range). With the
+ * exact running max nearly every step rescales some row, which costs a round trip of the output
+ * tiles through memory; with the margin, a step rarely does. */
+#define TAU 8.0f
+
+/* O slice j (16 head dims) lives in tile 4 + j; tile numbers are immediates. */
+INLINE void o_load(int j, const float *p, int stride) {
+    switch (j) {
+    case 0: _tile_loadd(4, p, stride); break;
+    case 1: _tile_loadd(5, p, stride); break;
+    case 2: _tile_loadd(6, p, stride); break;
+    default: _tile_loadd(7, p, stride); break;
+    }
+}
+INLINE void o_store(int j, float *p, int stride) {
+    switch (j) {
+    case 0: _tile_stored(4, p, stride); break;
+    case 1: _tile_stored(5, p, stride); break;
+    case 2: _tile_stored(6, p, stride); break;
+    default: _tile_stored(7, p, stride); break;
+    }
+}
+INLINE void o_dp(int j) { /* O slice j += P (tile 0) x V slice (tile 1) */
+    switch (j) {
+    case 0: _tile_dpbf16ps(4, 0, 1); break;
+    case 1: _tile_dpbf16ps(5, 0, 1); break;
+    case 2: _tile_dpbf16ps(6, 0, 1); break;
+    default: _tile_dpbf16ps(7, 0, 1); break;
+    }
+}
+
+/* S of one 32-key step into tiles 2 (keys 0..15) and 3 (16..31): Q slices in tile 0, K in 1. */
+INLINE void scores_issue(const uint16_t *qb, const uint16_t *kstep, int D) {
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int d32 = 0; d32 < D / 32; d32++) {
+        _tile_loadd(0, qb + 32 * d32, 2 * D);
+        _tile_loadd(1, kstep + (int64_t)(2 * d32) * TILE_U16, 64);
+        _tile_dpbf16ps(2, 0, 1);
+        _tile_loadd(1, kstep + (int64_t)(2 * d32 + 1) * TILE_U16, 64);
+        _tile_dpbf16ps(3, 0, 1);
+    }
+}
+
+/* The online softmax of one step's scores (w->sc) into bf16 weights (w->p); alpha[r]: the factor
+ * row r's accumulator and sum take (1: none). Returns whether an accumulator already holding
+ * sums must be rescaled. */
+static int softmax_step(const Work *w, int j0, const int *nr, float *m, float *l, float *alpha, __m512 scale) {
+    int need = 0;
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (int r = 0; r < QR; r++) {
+        uint16_t *pr = w->p + r * KS;
+        const int valid = nr[r] - j0; /* keys of this step the row sees */
+        alpha[r] = 1.0f;
+        if (valid <= 0) { /* done (or a padding row): weight 0 for these keys */
+            _mm512_storeu_si512(pr, _mm512_setzero_si512());
+            continue;
+        }
+        const __mmask16 k0 = valid >= 16 ? 0xffff : (__mmask16)((1u << valid) - 1);
+        const __mmask16 k1 = valid >= 32 ? 0xffff : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
+        const __m512 x0 = _mm512_mask_mul_ps(ninf, k0, _mm512_loadu_ps(w->sc + r * KS), scale);
+        const __m512 x1 = _mm512_mask_mul_ps(ninf, k1, _mm512_loadu_ps(w->sc + r * KS + 16), scale);
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(x0, x1));
+        if (mx > m[r] + TAU) { /* -inf on the row's first step: its accumulator is still 0 */
+            if (m[r] != -INFINITY) alpha[r] = expf(m[r] - mx), need = 1;
+            else alpha[r] = 0.0f;
+            m[r] = mx;
+        }
+        const __m512 vm = _mm512_set1_ps(m[r]);
+        const __m256i h0 = cvt16_bf16(_mm512_maskz_mov_ps(k0, exp512(_mm512_sub_ps(x0, vm))));
+        const __m256i h1 = cvt16_bf16(_mm512_maskz_mov_ps(k1, exp512(_mm512_sub_ps(x1, vm))));
+        _mm256_storeu_si256((__m256i *)pr, h0);
+        _mm256_storeu_si256((__m256i *)(pr + 16), h1);
+        const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h0), 16)),
+                                         _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h1), 16)));
+        l[r] = l[r] * alpha[r] + _mm512_reduce_add_ps(sum);
+    }
+    return need;
+}
+
+/* Rows [16 b, 16 b + 16) of chunk c, query head h (of kv head kh). Software-pipelined: step
+ * st + 1's scores are issued on the tiles before step st's softmax runs on the vector units, so
+ * the two overlap. With head_dim 64 the output accumulator stays in tiles 4..7 for the whole key
+ * walk (it only goes through memory for a rescale); otherwise it lives in w->o and passes through
+ * tiles 4..7 four 16-dim slices at a time. */
 static void attend_rows(const Step *s, const Chunk *c, const uint16_t *buf, int b, int h, const void *q,
                         int64_t q_stride, void *out, int64_t out_stride, int first, const Work *w) {
-    const int D = s->head_dim, t0 = c->t0 + QR * b;
+    const int D = s->head_dim, t0 = c->t0 + QR * b, nsl = D / 16, in_tiles = nsl == 4;
     const int rows = c->len - QR * b < QR ? c->len - QR * b : QR;
     const int n = s->ctx_lens[t0 + rows - 1]; /* keys the last row sees */
-    const int64_t k_part = (int64_t)D * 32;
-    const uint16_t *kb = buf, *vb = buf + (int64_t)c->steps * k_part;
+    const int steps = (n + KS - 1) / KS;
+    const int64_t part = (int64_t)D * 32;
+    const uint16_t *kb = buf, *vb = buf + (int64_t)c->steps * part;
     for (int r = 0; r < QR; r++) {
         if (r < rows) memcpy(w->qb + r * D, (const uint16_t *)q + (int64_t)(t0 + r) * q_stride + (int64_t)h * D, 2 * D);
         else memset(w->qb + r * D, 0, 2 * D);
     }
     memset(w->o, 0, sizeof(float) * QR * D);
-    float m[QR], l[QR];
+    if (in_tiles)
+        for (int j = 0; j < 4; j++) o_load(j, w->o + 16 * j, 4 * D);
+    float m[QR], l[QR], alpha[QR];
     int nr[QR];
     for (int r = 0; r < QR; r++) m[r] = -INFINITY, l[r] = 0.0f, nr[r] = r < rows ? s->ctx_lens[t0 + r] : 0;
     const __m512 scale = _mm512_set1_ps(s->scale);
-    for (int st = 0; st * KS < n; st++) {
-        const int j0 = st * KS;
-        _tile_zero(2);
-        _tile_zero(3);
-        for (int d32 = 0; d32 < D / 32; d32++) {
-            _tile_loadd(0, w->qb + 32 * d32, 2 * D);
-            _tile_loadd(4, kb + (int64_t)st * k_part + (int64_t)(2 * d32) * TILE_U16, 64);
-            _tile_loadd(5, kb + (int64_t)st * k_part + (int64_t)(2 * d32 + 1) * TILE_U16, 64);
-            _tile_dpbf16ps(2, 0, 4);
-            _tile_dpbf16ps(3, 0, 5);
-        }
+    scores_issue(w->qb, kb, D);
+    for (int st = 0; st < steps; st++) {
         _tile_stored(2, w->sc, 4 * KS);
         _tile_stored(3, w->sc + 16, 4 * KS);
-        for (int r = 0; r < QR; r++) {
-            uint16_t *pr = w->p + r * KS;
-            const int valid = nr[r] - j0; /* keys of this step the row sees */
-            if (valid <= 0) { /* done (or a padding row): weight 0 for these keys */
-                _mm512_storeu_si512(pr, _mm512_setzero_si512());
-                continue;
-            }
-            const __mmask16 k0 = valid >= 16 ? 0xffff : (__mmask16)((1u << valid) - 1);
-            const __mmask16 k1 = valid >= 32 ? 0xffff : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
-            const __m512 ninf = _mm512_set1_ps(-INFINITY);
-            const __m512 x0 = _mm512_mask_mul_ps(ninf, k0, _mm512_loadu_ps(w->sc + r * KS), scale);
-            const __m512 x1 = _mm512_mask_mul_ps(ninf, k1, _mm512_loadu_ps(w->sc + r * KS + 16), scale);
-            const float mx = fmaxf(m[r], _mm512_reduce_max_ps(_mm512_max_ps(x0, x1)));
-            const __m512 vm = _mm512_set1_ps(mx);
-            const __m256i h0 = cvt16_bf16(_mm512_maskz_mov_ps(k0, exp512(_mm512_sub_ps(x0, vm))));
-            const __m256i h1 = cvt16_bf16(_mm512_maskz_mov_ps(k1, exp512(_mm512_sub_ps(x1, vm))));
-            _mm256_storeu_si256((__m256i *)pr, h0);
-            _mm256_storeu_si256((__m256i *)(pr + 16), h1);
-            const __m512 sum = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h0), 16)),
-                                             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h1), 16)));
-            if (mx != m[r]) { /* rescale what was summed against the old max (0 on the first step) */
-                const float alpha = expf(m[r] - mx);
-                l[r] *= alpha;
-                const __m512 va = _mm512_set1_ps(alpha);
+        if (st + 1 < steps) scores_issue(w->qb, kb + (int64_t)(st + 1) * part, D);
+        if (softmax_step(w, st * KS, nr, m, l, alpha, scale)) {
+            if (in_tiles)
+                for (int j = 0; j < 4; j++) o_store(j, w->o + 16 * j, 4 * D);
+            for (int r = 0; r < QR; r++) {
+                if (alpha[r] == 1.0f) continue;
+                const __m512 va = _mm512_set1_ps(alpha[r]);
                 float *orow = w->o + r * D;
                 for (int d = 0; d < D; d += 16) _mm512_storeu_ps(orow + d, _mm512_mul_ps(_mm512_loadu_ps(orow + d), va));
-                m[r] = mx;
             }
-            l[r] += _mm512_reduce_add_ps(sum);
+            if (in_tiles)
+                for (int j = 0; j < 4; j++) o_load(j, w->o + 16 * j, 4 * D);
         }
-        _tile_loadd(1, w->p, 2 * KS);
-        const uint16_t *vs = vb + (int64_t)st * k_part;
-        for (int e = 0; e < D / 16; e++) {
-            _tile_loadd(2, w->o + 16 * e, 4 * D);
-            _tile_loadd(4, vs + (int64_t)e * TILE_U16, 64);
-            _tile_dpbf16ps(2, 1, 4);
-            _tile_stored(2, w->o + 16 * e, 4 * D);
+        _tile_loadd(0, w->p, 2 * KS);
+        const uint16_t *vs = vb + (int64_t)st * part;
+        for (int e0 = 0; e0 < nsl; e0 += 4) {
+            const int cnt = nsl - e0 < 4 ? nsl - e0 : 4;
+            if (!in_tiles)
+                for (int j = 0; j < cnt; j++) o_load(j, w->o + 16 * (e0 + j), 4 * D);
+            for (int j = 0; j < cnt; j++) {
+                _tile_loadd(1, vs + (int64_t)(e0 + j) * TILE_U16, 64);
+                o_dp(j);
+            }
+            if (!in_tiles)
+                for (int j = 0; j < cnt; j++) o_store(j, w->o + 16 * (e0 + j), 4 * D);
         }
     }
+    if (in_tiles)
+        for (int j = 0; j < 4; j++) o_store(j, w->o + 16 * j, 4 * D);
     for (int r = 0; r < rows; r++) {
         const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
         uint16_t *orow = (uint16_t *)out + (int64_t)(t0 + r - first) * out_stride + (int64_t)h * D;

@@ -121,12 +121,16 @@ def test_argmax_rows_matches_torch_first_maximum(dtype: torch.dtype) -> None:
     assert idx.tolist() == x.argmax(dim=-1).tolist()
 
 
-def _long_prefill_step(dtype: torch.dtype, heads: int, kvh: int, dim: int, window: int | None):
+def _long_prefill_step(dtype: torch.dtype, heads: int, kvh: int, dim: int, window: int | None, spike: bool = False):
     """Decodes beside three prefill chunks that cross many 32-key steps: a fresh 100-token prompt, 70
-    tokens after a 203-token cached prefix, and a single token after 40 (a 1-row work item)."""
+    tokens after a 203-token cached prefix, and a single token after 40 (a 1-row work item).
+    `spike`: the keys of later blocks are 10x larger, so scores jump past a row's running max
+    after its first steps (the accumulator must be rescaled)."""
     g = torch.Generator().manual_seed(7)
     bs, nb = 16, 96
     cache = torch.randn(nb, 1, 2, bs, kvh, dim, generator=g).to(dtype)
+    if spike:
+        cache[torch.arange(nb) % 3 == 2, :, 0] *= 10
     rope = Rope(dim, 10000.0, None, 2048, dtype, torch.device("cpu"))
     blocks = list(range(nb))
     random.Random(7).shuffle(blocks)
@@ -140,16 +144,22 @@ def _long_prefill_step(dtype: torch.dtype, heads: int, kvh: int, dim: int, windo
     return cache, md, qkv, step
 
 
-@pytest.mark.parametrize("shape", ["smollm2", "gqa8-d128"])
-def test_amx_prefill_attention_matches_torch(shape: str) -> None:
+#: head_dim 64 keeps the output accumulator in tiles; 32, 96 and 128 pass it through memory in
+#: slices of 2, 4 + 2 and 4 + 4 tiles
+AMX_SHAPES = {**SHAPES, "d32": (4, 2, 32, None), "d96": (6, 2, 96, None)}
+
+
+@pytest.mark.parametrize("spike", [False, True], ids=["plain", "spiked-keys"])
+@pytest.mark.parametrize("shape", ["smollm2", "gqa8-d128", "d32", "d96"])
+def test_amx_prefill_attention_matches_torch(shape: str, spike: bool) -> None:
     """The AMX tile path (flash-style, 32 keys a step) against SDPA over the same pool: causal
     inside a chunk, the whole cached prefix before it, partial key steps and 1..16-row blocks."""
     from engine.cpu import cpu_flags
 
     if not {"amx_bf16", "amx_tile"} <= cpu_flags():
         pytest.skip("no AMX bf16 on this CPU (prefill_attention_amx returns 1 there; the AVX-512 path runs)")
-    heads, kvh, dim, window = SHAPES[shape]
-    cache, md, qkv, step = _long_prefill_step(torch.bfloat16, heads, kvh, dim, window)
+    heads, kvh, dim, window = AMX_SHAPES[shape]
+    cache, md, qkv, step = _long_prefill_step(torch.bfloat16, heads, kvh, dim, window, spike)
     nd, t = md.num_decode, md.num_tokens
     out = torch.zeros((t - nd, heads * dim), dtype=torch.bfloat16)
     rc = lib.prefill_attention_amx(step.ptr, 0, nd, t - nd, qkv.data_ptr(), qkv.stride(0), out.data_ptr(), heads * dim)
