@@ -9,8 +9,11 @@
  * path makes per query block, made once here), V as pairs of keys x 16 head dims. Then, for each
  * 32-key step: S = Q K^T in two 16x16 fp32 tiles (tdpbf16ps over 32-dim slices of the head);
  * per row, in AVX-512, the running max, the rescale of the output accumulator and the sum, and
- * p = exp(s - max) rounded to bf16; O += P V on tiles (the fp32 accumulator rows live in L1 and
- * are loaded into tiles, added to and stored back).
+ * p = exp(s - max) rounded to bf16; O += P V on tiles. The next step's S is issued before this
+ * step's softmax, so tiles and vector units work side by side; with head_dim 64 the fp32
+ * accumulator stays in four tiles for the whole walk (other sizes pass it through L1), and a row
+ * is rescaled only when its max grows by more than TAU (each rescale sends the tiles through
+ * memory).
  *
  * Invariants: as prefill_attention.c. Row (token at position P) sees keys [0, P] (causal within
  * the chunk, the whole cached prefix before it); masked and padding keys get weight exactly 0
