@@ -43,17 +43,26 @@ def _rate_spread(work: float, seconds: list[float]) -> dict[str, float]:
     return {"median": work / t["median"], "p10": work / t["p90"], "p90": work / t["p10"]}
 
 
+def prefill_once(eng, shape: ModelShape, prompt_len: int, rng: random.Random, rid: str) -> float:
+    """Seconds from a fresh random prompt in to its first token out (one prefill)."""
+    prompt = random_prompt(rng, prompt_len, shape.vocab)
+    t0 = time.perf_counter()
+    eng.add_request(rid, prompt, _greedy(1))
+    _drain(eng)
+    return time.perf_counter() - t0
+
+
 def prefill(eng, shape: ModelShape, prompt_len: int, repeats: int, rng: random.Random) -> dict[str, Any]:
     """`repeats` single-prompt prefills (after one warm-up), prompt in, first token out; the
     median, as for decode, with p10/p90."""
-    times = []
-    for r in range(repeats + 1):
-        prompt = random_prompt(rng, prompt_len, shape.vocab)
-        t0 = time.perf_counter()
-        eng.add_request(f"prefill-{r}", prompt, _greedy(1))
-        _drain(eng)
-        if r:
-            times.append(time.perf_counter() - t0)
+    prefill_once(eng, shape, prompt_len, rng, "prefill-0")
+    times = [prefill_once(eng, shape, prompt_len, rng, f"prefill-{r}") for r in range(1, repeats + 1)]
+    return prefill_result(shape, prompt_len, times)
+
+
+def prefill_result(shape: ModelShape, prompt_len: int, times: list[float]) -> dict[str, Any]:
+    """prefill()'s figures from the seconds of each timed prefill."""
+    repeats = len(times)
     t = spread(times)
     tps = _rate_spread(prompt_len, times)
     return {"prompt_tokens": prompt_len, "repeats": repeats, "seconds": t["median"],

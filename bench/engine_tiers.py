@@ -1,14 +1,15 @@
 """`python -m bench.engine_tiers`: the engine's quantization tiers on issue 25's three workloads,
 side by side, measured in one run on this machine.
 
-- W1: prefill of one 512-token prompt (prompt tokens/s, median of repeats after a warm-up);
+- W1: prefill of one 512-token prompt (prompt tokens/s, median of repeats after a warm-up); the
+  schemes' prefills are interleaved, one of each in turn, so the machine's drift moves them alike;
 - W2: single-stream decode of 128 tokens after a 256-token prompt (decode tokens/s: tokens after
   the first over the time from the first to the last);
 - W3: 32 prompts x 256 tokens -> 128 tokens each, submitted together (output tokens/s, prefill
   included).
 
 Each scheme gets its own in-process EngineCore (same activation dtype, KV pool, prompts from
-the same seed). Reported beside the figures: each scheme's ratio to bf16 ("none") in the same
+the same seed), all loaded at the start (W1 runs them in turn; W2 and W3 one scheme after another). Reported beside the figures: each scheme's ratio to bf16 ("none") in the same
 run, the issue's targets, the process CPU time of each workload, and the machine's load (other
 work on the machine skews wall-clock figures; ratios within one run are what to compare).
 Progress on stderr; a table, or one JSON object with --json, on stdout.
@@ -92,6 +93,32 @@ def _per_cpu_s(r: dict[str, Any], tokens: int) -> None:
     r["tokens_per_cpu_s"] = tokens / r["cpu_s"]
 
 
+def _w1_interleaved(engines: dict[str, Any], args: argparse.Namespace, progress) -> dict[str, dict[str, Any]]:
+    """W1 for every scheme, one prefill of each in turn per round (after one warm-up each), so
+    the machine's speed, which drifts by tens of percent over minutes on a shared VM, moves
+    every scheme alike and the ratios stay honest. Per scheme: engine_runs.prefill's figures plus
+    the CPU time of its timed prefills."""
+    shape = ModelShape.of(next(iter(engines.values())).model_config)
+    rngs = {s: random.Random(args.seed) for s in engines}
+    times: dict[str, list[float]] = {s: [] for s in engines}
+    cpu = dict.fromkeys(engines, 0.0)
+    for s, eng in engines.items():
+        engine_runs.prefill_once(eng, shape, args.prefill_len, rngs[s], "w1-warm")
+    for rep in range(args.prefill_reps):
+        for s, eng in engines.items():
+            c0 = time.process_time()
+            times[s].append(engine_runs.prefill_once(eng, shape, args.prefill_len, rngs[s], f"w1-{rep}"))
+            cpu[s] += time.process_time() - c0
+    out = {}
+    for s in engines:
+        r = out[s] = engine_runs.prefill_result(shape, args.prefill_len, times[s])
+        r["cpu_s"] = cpu[s]
+        _per_cpu_s(r, args.prefill_len * args.prefill_reps)
+        r["interleaved"] = True
+        progress(f"{s}: W1 prefill {r['tokens_per_s']:.0f} tokens/s (interleaved with the other schemes)")
+    return out
+
+
 def run(args: argparse.Namespace, progress) -> dict[str, Any]:
     import torch
 
@@ -100,16 +127,19 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
     work = [w.strip() for w in args.workloads.split(",") if w.strip()]
     result: dict[str, Any] = {"machine": machine_info(torch.get_num_threads()),
                               "config": {k: v for k, v in vars(args).items() if k != "json"}, "schemes": {}}  # fmt: skip
-    for scheme in [s.strip() for s in args.schemes.split(",") if s.strip()]:
+    schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+    engines = {}
+    for scheme in schemes:
         progress(f"{scheme}: loading")
-        eng = _engine(args, scheme)
+        engines[scheme] = _engine(args, scheme)
+    w1 = _w1_interleaved(engines, args, progress) if "W1" in work else {}
+    for scheme in schemes:
+        eng = engines.pop(scheme)
         shape = ModelShape.of(eng.model_config)
-        rng = random.Random(args.seed)
+        rng = random.Random(args.seed + 1)
         row: dict[str, Any] = {}
         if "W1" in work:
-            r = row["W1"] = _timed(engine_runs.prefill, eng, shape, args.prefill_len, args.prefill_reps, rng)
-            _per_cpu_s(r, args.prefill_len * (args.prefill_reps + 1))
-            progress(f"{scheme}: W1 prefill {r['tokens_per_s']:.0f} tokens/s")
+            row["W1"] = w1[scheme]
         if "W2" in work:
             single_stream(eng, shape, 32, 8, rng)  # warm-up
             r = row["W2"] = _timed(single_stream, eng, shape, args.w2_context, args.w2_tokens, rng)

@@ -1,0 +1,35 @@
+"""`bench.engine_tiers` on a tiny random model: W1's prefills of the schemes are interleaved (one
+of each in turn), so drift in the machine's speed moves every scheme alike; the figures and ratios
+come out in the JSON. A smoke test of the harness, not a measurement."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import engine_runs
+from bench.engine_tiers import main
+
+
+def test_w1_interleaves_the_schemes(tiny_llama: Path, capsys: pytest.CaptureFixture[str],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    calls: list[tuple[int, str]] = []
+    real = engine_runs.prefill_once
+
+    def spy(eng, shape, prompt_len, rng, rid):
+        calls.append((id(eng), rid))
+        return real(eng, shape, prompt_len, rng, rid)
+
+    monkeypatch.setattr(engine_runs, "prefill_once", spy)
+    assert main(["--model", str(tiny_llama), "--schemes", "none,int8", "--workloads", "W1", "--threads", "1",
+                 "--prefill-len", "32", "--prefill-reps", "3", "--json"]) == 0  # fmt: skip
+    r = json.loads(capsys.readouterr().out)
+    engines = list(dict.fromkeys(e for e, _ in calls))
+    assert len(engines) == 2
+    # a warm-up each, then rounds of one prefill per scheme
+    assert calls == [(engines[i % 2], "w1-warm" if i < 2 else f"w1-{i // 2 - 1}") for i in range(8)]
+    for scheme in ("none", "int8"):
+        w1 = r["schemes"][scheme]["W1"]
+        assert w1["interleaved"] and w1["repeats"] == 3 and w1["tokens_per_s"] > 0 and w1["cpu_s"] > 0
+    assert r["schemes"]["int8"]["W1"]["vs_bf16"] == pytest.approx(
+        r["schemes"]["int8"]["W1"]["tokens_per_s"] / r["schemes"]["none"]["W1"]["tokens_per_s"])
