@@ -58,31 +58,6 @@ INLINE float softmax_unnormalized(float *s, int n) {
 #endif
 
 #if defined(__AVX512BF16__)
-/* In place: r[c] becomes column c of the 16x16 dword matrix whose rows were r[0..16). */
-INLINE void transpose16(__m512i *r) {
-    __m512i t[16], u[16];
-    for (int k = 0; k < 8; k++) {
-        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
-        t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
-    }
-    for (int k = 0; k < 4; k++) {
-        u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
-        u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
-        u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
-        u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
-    }
-    /* u[4k + m], 128-bit lane L: rows 4k..4k+3 of column 4L + m */
-    for (int m = 0; m < 4; m++) {
-        const __m512i v0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44), v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
-        const __m512i w0 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
-        const __m512i w1 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
-        r[m] = _mm512_shuffle_i32x4(v0, w0, 0x88);
-        r[4 + m] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
-        r[8 + m] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-        r[12 + m] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
-    }
-}
-
 /* kt[p] (p < D/2) = the p-th bf16 pair of each of the 16 key rows kp[i]. */
 INLINE void transpose_tile(const char *const *kp, int D, __m512i *kt) {
     for (int c = 0; c < D / 32; c++) {

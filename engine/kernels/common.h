@@ -1,6 +1,7 @@
 /*
- * Helpers shared by the CPU kernels: bf16 <-> fp32, and AVX-512 building blocks (a fast exp,
- * a 16x16 transpose-reduce). Everything is static inline; each .c file includes this once.
+ * Helpers shared by the CPU kernels: bf16 <-> fp32, AVX-512 building blocks (a fast exp, a 16x16
+ * transpose-reduce), and the AMX tile permission and configuration. Everything is static (inline);
+ * each .c file includes this once.
  *
  * Invariants: bf16 stores round to nearest even (as torch does) and keep NaNs NaN; exp512 is
  * accurate to ~2 ulp for x <= 0 (softmax inputs after the max is subtracted).
@@ -12,11 +13,40 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AMX_TILE__)
 #include <immintrin.h>
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
+
+#if defined(__AMX_TILE__)
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Whether this process may use AMX tiles: Linux grants the tile state per process through
+ * arch_prctl (asked once per translation unit; every caller computes the same answer, so the
+ * race is harmless). */
+static inline int amx_permitted(void) {
+    static volatile int state = -1;
+    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+    return state;
+}
+
+/* This thread's tile configuration: all eight tiles 16 rows x 64 bytes (every AMX kernel here
+ * uses that shape; a smaller operand is zero-padded instead). */
+INLINE void amx_configure_16x64(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+    _tile_loadconfig(&cfg);
+}
+#endif
 
 INLINE float bf16_to_f32(uint16_t h) {
     union { uint32_t u; float f; } v = { .u = (uint32_t)h << 16 };
@@ -92,6 +122,32 @@ INLINE __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
+}
+
+/* In place: r[c] becomes column c of the 16x16 dword matrix whose rows were r[0..16) (the K tiles of
+ * attention, the bf16 GEMM's weight panels). */
+INLINE void transpose16(__m512i *r) {
+    __m512i t[16], u[16];
+    for (int k = 0; k < 8; k++) {
+        t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+        t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+    }
+    for (int k = 0; k < 4; k++) {
+        u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+        u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+        u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+    }
+    /* u[4k + m], 128-bit lane L: rows 4k..4k+3 of column 4L + m */
+    for (int m = 0; m < 4; m++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x44), v1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xEE);
+        const __m512i w0 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x44);
+        const __m512i w1 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xEE);
+        r[m] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+        r[4 + m] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+        r[8 + m] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+        r[12 + m] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+    }
 }
 
 /* out[i] = sum of the 16 lanes of v[i]: one vector of 16 dot products without 16 horizontal

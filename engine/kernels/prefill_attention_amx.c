@@ -33,26 +33,9 @@ int prefill_attention_amx(const Step *s, int32_t layer, int32_t first, int32_t c
                           int64_t q_stride, void *out, int64_t out_stride);
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #define QR 16 /* query rows per work item (one tile's rows) */
 #define KS 32 /* keys per softmax step (one P tile's columns) */
 #define TILE_U16 512 /* uint16 in one 16 x 64-byte tile */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} PaTileCfg;
-
-/* Whether this process may use AMX tiles (Linux grants the tile state per process; asked once,
- * every caller computes the same answer, so the race is harmless). */
-static int pa_amx_ok(void) {
-    static volatile int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return state;
-}
 
 typedef struct {
     int t0, len; /* the chunk's first token (step index) and its token count */
@@ -259,7 +242,7 @@ static void attend_rows(const Step *s, const Chunk *c, const uint16_t *buf, int 
 int prefill_attention_amx(const Step *s, int32_t layer, int32_t first, int32_t count, const void *q,
                           int64_t q_stride, void *out, int64_t out_stride) {
     const int D = s->head_dim, KVH = s->num_kv_heads, H = s->num_heads, G = H / KVH;
-    if (!s->bf16 || D % 32 != 0 || D > 256 || s->window != 0 || count <= 0 || !pa_amx_ok()) return 1;
+    if (!s->bf16 || D % 32 != 0 || D > 256 || s->window != 0 || count <= 0 || !amx_permitted()) return 1;
     /* chunks: runs of tokens of one sequence at consecutive positions */
     Chunk *ch = (Chunk *)malloc(sizeof(Chunk) * (size_t)count);
     if (!ch) return 1;
@@ -304,13 +287,7 @@ int prefill_attention_amx(const Step *s, int32_t layer, int32_t first, int32_t c
             const int kh = (int)(i % KVH);
             lay_out_keys(s, layer, s->token_row[c->t0], kh, c, buf + c->buf + kh * kv_buf_u16(c->steps, D));
         }
-        if (ok) {
-            PaTileCfg cfg;
-            memset(&cfg, 0, sizeof cfg);
-            cfg.palette = 1;
-            for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-            _tile_loadconfig(&cfg);
-        }
+        if (ok) amx_configure_16x64();
         /* Items in reverse: a chunk's last rows see the most keys (better balance). */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = items - 1; it >= 0; it--) {

@@ -36,8 +36,6 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define QB_BF16 1
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #define QB_AMX 1
 #endif
 #endif
@@ -47,10 +45,7 @@ INLINE int64_t qb_pad32(int64_t k) { return (k + 31) & ~(int64_t)31; }
 /* Which bf16 path this build and process can run: 2 AMX, 1 AVX-512 BF16, 0 none. */
 static int qb_isa(void) {
 #if defined(QB_AMX)
-    /* Linux grants the AMX tile state per process (asked once; every caller gets the same answer) */
-    static volatile int amx = -1;
-    if (amx < 0) amx = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return amx ? 2 : 1;
+    return amx_permitted() ? 2 : 1;
 #elif defined(QB_BF16)
     return 1;
 #else
@@ -64,33 +59,6 @@ static int qb_isa(void) {
  * (pairs of consecutive k as one uint32); rows nr .. 15 and k beyond the matrix are zero.
  */
 typedef void (*qb_dequant_fn)(const void *ctx, int64_t n0, int nr, uint32_t *panel, int64_t kp);
-
-/* r[i] = the 16 uint32 of row i → r[j] = element j of every row (a 16x16 transpose). */
-INLINE void qb_transpose16(__m512i *r) {
-    __m512i t[16];
-    for (int i = 0; i < 8; i++) {
-        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-    }
-    /* r[4 g + j], 128-bit lane L: column 4 L + j of rows 4 g .. 4 g + 3 */
-    for (int g = 0; g < 4; g++) {
-        r[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-        r[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-        r[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-        r[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-    }
-    /* then a 4x4 transpose of 128-bit lanes among r[j], r[4 + j], r[8 + j], r[12 + j] */
-    for (int j = 0; j < 4; j++) {
-        const __m512i a = r[j], b = r[4 + j], c = r[8 + j], d = r[12 + j];
-        const __m512i p = _mm512_shuffle_i32x4(a, b, 0x44), q = _mm512_shuffle_i32x4(c, d, 0x44);
-        const __m512i s = _mm512_shuffle_i32x4(a, b, 0xEE), u = _mm512_shuffle_i32x4(c, d, 0xEE);
-        t[j] = _mm512_shuffle_i32x4(p, q, 0x88);
-        t[4 + j] = _mm512_shuffle_i32x4(p, q, 0xDD);
-        t[8 + j] = _mm512_shuffle_i32x4(s, u, 0x88);
-        t[12 + j] = _mm512_shuffle_i32x4(s, u, 0xDD);
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
-}
 
 /* Two rows of 16 fp32 (k 0..15 and 16..31 of a chunk) as 32 bf16 = 16 pairs, in k order. */
 INLINE __m512i qb_pairs(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
@@ -140,11 +108,6 @@ static void qb_store_rows32(const float *acc, int rows, int64_t n0, const float 
 }
 
 #if defined(QB_AMX)
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} QbTileCfg;
 
 /* acc [32][32] (row stride 32) += X rows mi .. mi + 32 (or 16 when !two) times the two panel
  * halves over k in [k0, k1); acc is loaded first unless `fresh`. */
@@ -258,13 +221,7 @@ static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, c
             fail = 1;
         }
 #if defined(QB_AMX)
-        if (isa == 2 && panel && acc) {
-            QbTileCfg cfg;
-            memset(&cfg, 0, sizeof cfg);
-            cfg.palette = 1;
-            for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-            _tile_loadconfig(&cfg);
-        }
+        if (isa == 2 && panel && acc) amx_configure_16x64();
 #endif
 #pragma omp for schedule(static)
         for (int64_t sp = 0; sp < sps; sp++) {

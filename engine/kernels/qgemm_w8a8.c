@@ -38,8 +38,6 @@
 #include "common.h"
 
 #if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #define W8_AMX 1
 #endif
 
@@ -210,18 +208,27 @@ static void w8_dots(const uint8_t *X, int mr, int64_t kp, int64_t klen, const in
 }
 
 #if defined(W8_AMX)
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} TileCfg;
-
-/* Whether this process may use AMX tiles: Linux grants the tile state per process through
- * arch_prctl (asked once; every caller computes the same answer, so the race is harmless). */
-static int w8_amx_ok(void) {
-    static volatile int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return state;
+/* Tiles 0..3 = the int32 sums of activation rows [0, 16) (and [16, 32) when `two`; signed bytes,
+ * rows kp apart) against the weight blocks wb0 and wb1 (16 outputs each) over inputs [c0, c1)
+ * (multiples of 64). tdpbssd multiplies signed by signed: no +128 offset, no wsum correction. */
+INLINE void w8_amx_block(const uint8_t *X, int64_t kp, int64_t c0, int64_t c1, int two, const int8_t *wb0,
+                         const int8_t *wb1) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = c0; c < c1; c += 64) {
+        _tile_loadd(6, wb0 + c * 16, 64);
+        _tile_loadd(7, wb1 + c * 16, 64);
+        _tile_loadd(4, X + c, kp);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, X + 16 * kp + c, kp);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbssd(3, 5, 7);
+        }
+    }
 }
 
 /* The int32 sums of 32 outputs [n0, n0 + 32) for `rows` activation rows (buf [rows][32], tile-
@@ -278,24 +285,7 @@ static void w8_amx_rows(const uint8_t *X, int m16, int rows, int64_t kp, const i
     for (int i = 0; i <= blocks; i++) {
         const int mi = 32 * i, two = mi + 16 < m16;
         int32_t *bi = buf + (i & 1) * 1024;
-        if (i < blocks) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t c = 0; c < kp; c += 64) {
-                _tile_loadd(6, wb0 + c * 16, 64);
-                _tile_loadd(7, wb1 + c * 16, 64);
-                _tile_loadd(4, X + (int64_t)mi * kp + c, kp);
-                _tile_dpbssd(0, 4, 6);
-                _tile_dpbssd(1, 4, 7);
-                if (two) {
-                    _tile_loadd(5, X + (int64_t)(mi + 16) * kp + c, kp);
-                    _tile_dpbssd(2, 5, 6);
-                    _tile_dpbssd(3, 5, 7);
-                }
-            }
-        }
+        if (i < blocks) w8_amx_block(X + (int64_t)mi * kp, kp, 0, kp, two, wb0, wb1);
         if (i > 0) {
             const int pm = mi - 32, real = rows - pm < 32 ? rows - pm : 32;
             if (real > 0)
@@ -371,25 +361,7 @@ static void w8_amx_grouped(const uint8_t *X, int rows16, int rows, int64_t kp, i
     const int two = rows16 > 16;
     for (int64_t j = 0; j <= groups; j++) {
         int32_t *bj = buf + (j & 1) * 1024;
-        if (j < groups) {
-            const int64_t c0 = j * g, c1 = (j + 1) * g < kp ? (j + 1) * g : kp;
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-            for (int64_t c = c0; c < c1; c += 64) {
-                _tile_loadd(6, wb0 + c * 16, 64);
-                _tile_loadd(7, wb1 + c * 16, 64);
-                _tile_loadd(4, X + c, kp);
-                _tile_dpbssd(0, 4, 6);
-                _tile_dpbssd(1, 4, 7);
-                if (two) {
-                    _tile_loadd(5, X + 16 * kp + c, kp);
-                    _tile_dpbssd(2, 5, 6);
-                    _tile_dpbssd(3, 5, 7);
-                }
-            }
-        }
+        if (j < groups) w8_amx_block(X, kp, j * g, (j + 1) * g < kp ? (j + 1) * g : kp, two, wb0, wb1);
         if (j > 0)
             w8_amx_dequant(buf + ((j - 1) & 1) * 1024, rows, sx, groups, j - 1, tot, n0, n, scale, bias, out, orow,
                            obf16);
@@ -428,11 +400,12 @@ int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
     const int64_t xsz = bf16 ? 2 : 4;
     int amx = 0;
 #if defined(W8_AMX)
-    amx = m >= 16 && w8_amx_ok();
+    amx = m >= 16 && amx_permitted();
 #endif
     const int off = amx ? 0 : 128; /* AMX: signed activations (tdpbssd); VNNI: unsigned (vpdpbusd) */
     /* non-temporal output stores past L2's size (w8_amx_store_rows) */
     const int nt = (int64_t)m * n * esz > ((int64_t)2 << 20);
+    (void)nt; /* used by the AMX path only */
 #pragma omp parallel for schedule(static) if ((int64_t)m * k >= (1 << 16))
     for (int r = 0; r < m; r++)
         w8_quant_row((const char *)x + r * xs * xsz, k, kp, g, bf16, off, X + (int64_t)r * kp, sx + r * groups);
@@ -449,13 +422,7 @@ int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
             fail = 1;
         }
 #if defined(W8_AMX)
-        if (amx && acc) {
-            TileCfg cfg;
-            memset(&cfg, 0, sizeof cfg);
-            cfg.palette = 1;
-            for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-            _tile_loadconfig(&cfg);
-        }
+        if (amx && acc) amx_configure_16x64();
 #endif
         /* AMX: W8_AMX_MB activation rows per pass over the weights, so the pass's outputs stay in
          * L2 while they are written (a whole prefill's outputs of a wide layer would not) */

@@ -221,8 +221,8 @@ static void dequant_int4_bf16(const void *ctx, int64_t n0, int nr, uint32_t *pan
             r1[i] = qb_pairs(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 8), t1),
                              _mm512_permutexvar_ps(_mm512_srli_epi32(v, 12), t1));
         }
-        qb_transpose16(r0);
-        qb_transpose16(r1);
+        transpose16(r0);
+        transpose16(r1);
         for (int p = 0; p < 16; p++) {
             _mm512_store_si512((void *)(panel + (32 * s + p) * 16), r0[p]);
             _mm512_store_si512((void *)(panel + (32 * s + 16 + p) * 16), r1[p]);

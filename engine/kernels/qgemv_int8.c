@@ -119,7 +119,7 @@ static void dequant_int8_bf16(const void *ctx, int64_t n0, int nr, uint32_t *pan
             const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
             r[i] = qb_pairs(lo, hi);
         }
-        qb_transpose16(r);
+        transpose16(r);
         for (int p = 0; p < 16; p++) _mm512_store_si512((void *)(panel + (c / 2 + p) * 16), r[p]);
     }
 }
