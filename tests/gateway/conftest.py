@@ -19,9 +19,34 @@ def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     pgserver = pytest.importorskip("pgserver")
     srv = pgserver.get_server(tmp_path_factory.mktemp("pg"), cleanup_mode="stop")
     try:
-        yield srv.get_uri()
+        uri = srv.get_uri()
+        _wait_accepting(uri, timeout=60.0)
+        yield uri
     finally:
         srv.cleanup()
+
+
+def _wait_accepting(uri: str, timeout: float) -> None:
+    """Until the server takes a connection: pgserver can return before its socket accepts (a CI
+    run on a loaded machine got "connection refused" on the first connect)."""
+    import asyncio
+    import time
+
+    import asyncpg
+
+    async def probe() -> None:
+        con = await asyncpg.connect(uri, timeout=5)
+        await con.close()
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            asyncio.run(probe())
+            return
+        except (OSError, asyncpg.CannotConnectNowError) as e:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"PostgreSQL at {uri} did not accept a connection within {timeout:.0f} s: {e}") from e
+            time.sleep(0.2)  # a poll interval, not a wait for the race: the loop waits on the condition
 
 
 @pytest.fixture
