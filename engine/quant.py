@@ -55,8 +55,8 @@ ACT_INT8 = frozenset({"int8-w8a8", "int4-w4a8"})
 #: 512 rows, ~1.4x at 32 (one row, VNNI: ~1.25x).
 #: o (the attention output) joined on 2026-12-03: with the AMX prefill attention's rounding the
 #: down-only setting read +0.91 % / +0.56 % (the margin was rounding luck); down and o at 128:
-#: +0.73 % / +0.73 %, greedy sequences identical to bf16 0.44 (down only: 0.25); o is ~7 % of the
-#: linear FLOPs, so its grouped GEMM costs ~1-2 % of a prefill.
+#: +0.73-0.77 % / +0.73-0.78 % (two runs), greedy sequences identical to bf16 0.44 (down only:
+#: 0.25); o is ~7 % of the linear FLOPs, so its grouped GEMM costs ~1-2 % of a prefill.
 ACT_GROUPS: dict[str, dict[str, int]] = {"int8-w8a8": {"down": 128, "o": 128}}
 #: what each weight format quantizes the lm_head to (see the module docstring)
 LM_HEAD_SCHEME = {"int8": "int8", "int4": "int8", "int4-g64": "int8"}

@@ -41,6 +41,7 @@ typedef struct {
     int t0, len; /* the chunk's first token (step index) and its token count */
     int n; /* keys its last token sees */
     int steps; /* ceil(n / KS) */
+    int blocks; /* ceil(len / QR): its work items per query head */
     int64_t buf; /* offset of its kv head 0 buffer, in uint16 */
 } Chunk;
 
@@ -52,8 +53,8 @@ static const uint16_t zero_row[256] __attribute__((aligned(64)));
 
 static void lay_out_keys(const Step *s, int layer, int row, int kh, const Chunk *c, uint16_t *buf) {
     const int D = s->head_dim;
-    const int64_t k_part = (int64_t)D * 32, v_part = (int64_t)D * 32;
-    uint16_t *kb = buf, *vb = buf + (int64_t)c->steps * k_part;
+    const int64_t part = (int64_t)D * 32; /* uint16 of one step's K (or V) tiles */
+    uint16_t *kb = buf, *vb = buf + (int64_t)c->steps * part;
     RowIter ki, vi;
     rows_init(&ki, s, layer, row, kh, 0, 0);
     rows_init(&vi, s, layer, row, kh, 1, 0);
@@ -73,10 +74,10 @@ static void lay_out_keys(const Step *s, int layer, int row, int kh, const Chunk 
             __m512i kt[128] __attribute__((aligned(64)));
             transpose_tile(kp + 16 * half, D, kt);
             for (int d32 = 0; d32 < D / 32; d32++)
-                memcpy(kb + (int64_t)st * k_part + ((int64_t)d32 * 2 + half) * TILE_U16, kt + 16 * d32, 1024);
+                memcpy(kb + (int64_t)st * part + ((int64_t)d32 * 2 + half) * TILE_U16, kt + 16 * d32, 1024);
         }
         /* V: row r of slice e = (v[2r][16e + i], v[2r + 1][16e + i]) for i < 16: one B tile of P V. */
-        uint16_t *vs = vb + (int64_t)st * v_part;
+        uint16_t *vs = vb + (int64_t)st * part;
         for (int r = 0; r < KS / 2; r++)
             for (int d32 = 0; d32 < D / 32; d32++) {
                 const __m512i x = _mm512_loadu_si512((const uint16_t *)vp[2 * r] + 32 * d32);
@@ -253,15 +254,16 @@ int prefill_attention_amx(const Step *s, int32_t layer, int32_t first, int32_t c
             ch[nc - 1].len++;
             continue;
         }
-        ch[nc++] = (Chunk){t, 1, 0, 0, 0};
+        ch[nc++] = (Chunk){t, 1, 0, 0, 0, 0};
     }
     int64_t items = 0;
     for (int i = 0; i < nc; i++) {
         ch[i].n = s->ctx_lens[ch[i].t0 + ch[i].len - 1];
         ch[i].steps = (ch[i].n + KS - 1) / KS;
+        ch[i].blocks = (ch[i].len + QR - 1) / QR;
         ch[i].buf = total;
         total += KVH * kv_buf_u16(ch[i].steps, D);
-        items += (int64_t)((ch[i].len + QR - 1) / QR) * H;
+        items += (int64_t)ch[i].blocks * H;
     }
     uint16_t *buf = (uint16_t *)aligned_alloc(64, (size_t)total * 2 + 64);
     if (!buf) {
@@ -294,7 +296,7 @@ int prefill_attention_amx(const Step *s, int32_t layer, int32_t first, int32_t c
             if (!ok) continue;
             int64_t rest = it;
             int ci = 0;
-            while (rest >= (int64_t)((ch[ci].len + QR - 1) / QR) * H) rest -= (int64_t)((ch[ci].len + QR - 1) / QR) * H, ci++;
+            while (rest >= (int64_t)ch[ci].blocks * H) rest -= (int64_t)ch[ci].blocks * H, ci++;
             const int b = (int)(rest / H), h = (int)(rest % H), kh = h / G;
             attend_rows(s, ch + ci, buf + ch[ci].buf + kh * kv_buf_u16(ch[ci].steps, D), b, h, q, q_stride, out,
                         out_stride, first, &w);

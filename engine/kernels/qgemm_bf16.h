@@ -84,9 +84,8 @@ INLINE void qb_store16(const float *acc, int cnt, int64_t n0, const float *scale
 }
 
 /* A whole block's 32 outputs [n0, n0 + 32) of `rows` rows (acc [rows][32]) as bf16, each row one
- * 64-byte store: qb_store16's arithmetic with the block's scales and bias loaded once; nt: the
- * output is larger than L2, so the store is non-temporal (it skips reading in a line nobody will
- * read before it is evicted; qgemm_w8a8.c measures the same choice). */
+ * 64-byte store: qb_store16's arithmetic with the block's scales and bias loaded once;
+ * non-temporal with `nt` (common.h: NT_OUTPUT_BYTES). */
 static void qb_store_rows32(const float *acc, int rows, int64_t n0, const float *scale, const void *bias, char *out,
                             int64_t orow, int nt) {
     const __m512 s0 = scale ? _mm512_loadu_ps(scale + n0) : _mm512_set1_ps(1.0f);
@@ -100,10 +99,7 @@ static void qb_store_rows32(const float *acc, int rows, int64_t n0, const float 
         __m512 v0 = _mm512_loadu_ps(acc + 32 * s), v1 = _mm512_loadu_ps(acc + 32 * s + 16);
         if (scale) v0 = _mm512_mul_ps(v0, s0), v1 = _mm512_mul_ps(v1, s1);
         if (bias) v0 = _mm512_add_ps(v0, b0), v1 = _mm512_add_ps(v1, b1);
-        const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(v1, v0);
-        uint16_t *dst = (uint16_t *)(out + (int64_t)s * orow) + n0;
-        if (nt && ((uintptr_t)dst & 63) == 0) _mm512_stream_si512((void *)dst, both);
-        else _mm512_storeu_si512((void *)dst, both);
+        store64((uint16_t *)(out + (int64_t)s * orow) + n0, (__m512i)_mm512_cvtne2ps_pbh(v1, v0), nt);
     }
 }
 
@@ -200,7 +196,7 @@ static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, c
         }
     }
     const int par = (int64_t)m * n * k >= (1 << 15);
-    const int nt = (int64_t)m * n * esz > ((int64_t)2 << 20); /* non-temporal stores past L2 (qb_store_rows32) */
+    const int nt = (int64_t)m * n * esz > NT_OUTPUT_BYTES; /* qb_store_rows32 */
     int threads = 1;
 #if defined(_OPENMP)
     if (par) threads = omp_get_max_threads();

@@ -231,12 +231,20 @@ INLINE void w8_amx_block(const uint8_t *X, int64_t kp, int64_t c0, int64_t c1, i
     }
 }
 
+/* Tiles 0..3 (w8_amx_block's sums) into buf [32][32] (int32, rows 16..31 only when `two`). */
+INLINE void w8_amx_stash(int32_t *buf, int two) {
+    _tile_stored(0, buf, 128);
+    _tile_stored(1, buf + 16, 128);
+    if (two) {
+        _tile_stored(2, buf + 16 * 32, 128);
+        _tile_stored(3, buf + 16 * 32 + 16, 128);
+    }
+}
+
 /* The int32 sums of 32 outputs [n0, n0 + 32) for `rows` activation rows (buf [rows][32], tile-
  * stored) out as ((float)acc * sx[row]) * sw (+ bias): w8_epilogue's arithmetic, with the pair's
- * scales and bias loaded once and a whole pair's 32 bf16 outputs written as one 64-byte store.
- * nt: the output is larger than L2, so a cache line written now is evicted before anyone reads
- * it; a non-temporal store then skips reading the line in first (512 x 3072 bf16: ~1.5x the
- * speed of the whole GEMM, one thread; slower when the output fits in cache, hence the flag). */
+ * scales and bias loaded once and a whole pair's 32 bf16 outputs written as one 64-byte store,
+ * non-temporal with `nt` (common.h: NT_OUTPUT_BYTES). */
 static void w8_amx_store_rows(const int32_t *buf, int rows, const float *sx, int64_t n0, int64_t n, const float *scale,
                               const void *bias, char *out, int64_t orow, int obf16, int nt) {
 #if defined(__AVX512F__)
@@ -251,10 +259,7 @@ static void w8_amx_store_rows(const int32_t *buf, int rows, const float *sx, int
             if (bias) v0 = _mm512_add_ps(v0, b0), v1 = _mm512_add_ps(v1, b1);
             char *row = out + (int64_t)s * orow;
             if (obf16) {
-                const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(cvt16_bf16(v0)), cvt16_bf16(v1), 1);
-                uint16_t *dst = (uint16_t *)row + n0;
-                if (nt && ((uintptr_t)dst & 63) == 0) _mm512_stream_si512((void *)dst, both);
-                else _mm512_storeu_si512((void *)dst, both);
+                store64((uint16_t *)row + n0, _mm512_inserti64x4(_mm512_castsi256_si512(cvt16_bf16(v0)), cvt16_bf16(v1), 1), nt);
             } else {
                 store16(row, n0, v0, 0);
                 store16(row, n0 + 16, v1, 0);
@@ -284,7 +289,6 @@ static void w8_amx_rows(const uint8_t *X, int m16, int rows, int64_t kp, const i
     const int blocks = (m16 + 31) / 32;
     for (int i = 0; i <= blocks; i++) {
         const int mi = 32 * i, two = mi + 16 < m16;
-        int32_t *bi = buf + (i & 1) * 1024;
         if (i < blocks) w8_amx_block(X + (int64_t)mi * kp, kp, 0, kp, two, wb0, wb1);
         if (i > 0) {
             const int pm = mi - 32, real = rows - pm < 32 ? rows - pm : 32;
@@ -292,14 +296,7 @@ static void w8_amx_rows(const uint8_t *X, int m16, int rows, int64_t kp, const i
                 w8_amx_store_rows(buf + ((i - 1) & 1) * 1024, real, sx + pm, n0, n, scale, bias, out + (int64_t)pm * orow,
                                   orow, obf16, nt);
         }
-        if (i < blocks) {
-            _tile_stored(0, bi, 128);
-            _tile_stored(1, bi + 16, 128);
-            if (two) {
-                _tile_stored(2, bi + 16 * 32, 128);
-                _tile_stored(3, bi + 16 * 32 + 16, 128);
-            }
-        }
+        if (i < blocks) w8_amx_stash(buf + (i & 1) * 1024, two);
     }
 }
 
@@ -360,19 +357,11 @@ static void w8_amx_grouped(const uint8_t *X, int rows16, int rows, int64_t kp, i
     const int8_t *wb1 = wb0 + kp * 16;
     const int two = rows16 > 16;
     for (int64_t j = 0; j <= groups; j++) {
-        int32_t *bj = buf + (j & 1) * 1024;
         if (j < groups) w8_amx_block(X, kp, j * g, (j + 1) * g < kp ? (j + 1) * g : kp, two, wb0, wb1);
         if (j > 0)
             w8_amx_dequant(buf + ((j - 1) & 1) * 1024, rows, sx, groups, j - 1, tot, n0, n, scale, bias, out, orow,
                            obf16);
-        if (j < groups) {
-            _tile_stored(0, bj, 128);
-            _tile_stored(1, bj + 16, 128);
-            if (two) {
-                _tile_stored(2, bj + 16 * 32, 128);
-                _tile_stored(3, bj + 16 * 32 + 16, 128);
-            }
-        }
+        if (j < groups) w8_amx_stash(buf + (j & 1) * 1024, two);
     }
 }
 #endif
@@ -403,8 +392,7 @@ int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
     amx = m >= 16 && amx_permitted();
 #endif
     const int off = amx ? 0 : 128; /* AMX: signed activations (tdpbssd); VNNI: unsigned (vpdpbusd) */
-    /* non-temporal output stores past L2's size (w8_amx_store_rows) */
-    const int nt = (int64_t)m * n * esz > ((int64_t)2 << 20);
+    const int nt = (int64_t)m * n * esz > NT_OUTPUT_BYTES; /* w8_amx_store_rows */
     (void)nt; /* used by the AMX path only */
 #pragma omp parallel for schedule(static) if ((int64_t)m * k >= (1 << 16))
     for (int r = 0; r < m; r++)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 
 from tests.procs import TINY_NODE_ARGS as COMMON
+from tests.wait import wait_for
 
 __all__ = ["COMMON"]
 
@@ -30,7 +31,6 @@ def _wait_accepting(uri: str, timeout: float) -> None:
     """Until the server takes a connection: pgserver can return before its socket accepts (a CI
     run on a loaded machine got "connection refused" on the first connect)."""
     import asyncio
-    import time
 
     import asyncpg
 
@@ -38,15 +38,14 @@ def _wait_accepting(uri: str, timeout: float) -> None:
         con = await asyncpg.connect(uri, timeout=5)
         await con.close()
 
-    deadline = time.monotonic() + timeout
-    while True:
+    def accepts() -> bool:
         try:
             asyncio.run(probe())
-            return
-        except (OSError, asyncpg.CannotConnectNowError) as e:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"PostgreSQL at {uri} did not accept a connection within {timeout:.0f} s: {e}") from e
-            time.sleep(0.2)  # a poll interval, not a wait for the race: the loop waits on the condition
+        except (OSError, asyncpg.CannotConnectNowError):
+            return False
+        return True
+
+    wait_for(accepts, timeout, f"PostgreSQL at {uri} to accept a connection")
 
 
 @pytest.fixture
