@@ -4,7 +4,11 @@ side by side, measured in one run on this machine.
 - W1: prefill of one 512-token prompt (prompt tokens/s, median of repeats after a warm-up); the
   schemes' prefills are interleaved, one of each in turn, so the machine's drift moves them alike;
 - W2: single-stream decode of 128 tokens after a 256-token prompt (decode tokens/s: tokens after
-  the first over the time from the first to the last);
+  the first over the time from the first to the last), with its memory roofline: each token reads
+  every weight once, so the machine's streaming read bandwidth (measured in the same run, at the
+  same threads) over the bytes a step reads is a ceiling no kernel passes, and "of roofline" says
+  how close each scheme gets (an absolute tokens/s figure is a property of the host as much as of
+  the engine);
 - W3: 32 prompts x 256 tokens -> 128 tokens each, submitted together (output tokens/s, prefill
   included).
 
@@ -26,7 +30,7 @@ import time
 from typing import Any
 
 from bench import engine_runs
-from bench.flops import ModelShape, machine_info
+from bench.flops import ModelShape, machine_info, read_bandwidth_gbps
 from bench.workload import random_prompt
 
 SCHEMES = ("none", "int8", "int4", "int8-w8a8", "int4-w4a8")
@@ -78,6 +82,19 @@ def single_stream(eng, shape: ModelShape, context: int, tokens: int, rng: random
     eng.add_request("w2", random_prompt(rng, context, shape.vocab), engine_runs._greedy(tokens))
     engine_runs._drain(eng, on_token)
     return {"context": context, "tokens": tokens, "tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+
+
+def roofline(r: dict[str, Any], eng, shape: ModelShape, read_gbps: float) -> None:
+    """W2's memory roofline: single-stream decode reads every weight once per token (plus the
+    sequence's KV), so `read_gbps` over those bytes bounds its tokens/s on this machine whatever
+    the kernels do. Adds the bytes, the ceiling and the fraction of it reached."""
+    mean_ctx = r["context"] + r["tokens"] / 2
+    kv = mean_ctx * shape.layers * 2 * shape.kv_heads * shape.head_dim * eng.runner.kv_cache.element_size()
+    r["weight_bytes_per_token"] = eng.runner.model.decode_weight_bytes()
+    r["kv_bytes_per_token"] = int(kv)
+    r["read_gbps"] = read_gbps
+    r["roofline_tokens_per_s"] = read_gbps * 1e9 / (r["weight_bytes_per_token"] + kv)
+    r["of_roofline"] = r["tokens_per_s"] / r["roofline_tokens_per_s"]
 
 
 def _timed(fn, *a) -> dict[str, Any]:
@@ -133,6 +150,10 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
         progress(f"{scheme}: loading")
         engines[scheme] = _engine(args, scheme)
     w1 = _w1_interleaved(engines, args, progress) if "W1" in work else {}
+    if "W2" in work:  # the machine's streaming read bandwidth at these threads: W2's roofline
+        read_gbps = read_bandwidth_gbps()
+        result["machine"]["read_gbps"] = round(read_gbps, 2)
+        progress(f"memory read bandwidth {read_gbps:.1f} GB/s")
     for scheme in schemes:
         eng = engines.pop(scheme)
         shape = ModelShape.of(eng.model_config)
@@ -144,7 +165,9 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
             single_stream(eng, shape, 32, 8, rng)  # warm-up
             r = row["W2"] = _timed(single_stream, eng, shape, args.w2_context, args.w2_tokens, rng)
             _per_cpu_s(r, args.w2_tokens)
-            progress(f"{scheme}: W2 single stream {r['tokens_per_s']:.1f} tokens/s")
+            roofline(r, eng, shape, read_gbps)
+            progress(f"{scheme}: W2 single stream {r['tokens_per_s']:.1f} tokens/s "
+                     f"({r['of_roofline']:.0%} of the {r['roofline_tokens_per_s']:.0f} memory bandwidth allows)")
         if "W3" in work:
             r = row["W3"] = _timed(engine_runs.end_to_end, eng, shape, args.w3_batch, args.w3_input,
                                    args.w3_output, rng)  # fmt: skip
@@ -177,20 +200,24 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     work = [w for w in ("W1", "W2", "W3") if any(w in r for r in result["schemes"].values())]
     head = ["scheme", *[f"{w} tok/s" for w in work], *[f"{w} vs bf16" for w in work],
-            *[f"{w} tok/cpu-s" for w in work], *[f"{w} cpu vs bf16" for w in work]]  # fmt: skip
+            *[f"{w} tok/cpu-s" for w in work], *[f"{w} cpu vs bf16" for w in work],
+            *(["W2 MB/token", "W2 of roofline"] if "W2" in work else [])]  # fmt: skip
     rows = []
     for s, r in result["schemes"].items():
         rows.append([s, *[f"{r[w]['tokens_per_s']:.1f}" if w in r else "-" for w in work],
                      *[f"{r[w]['vs_bf16']:.2f}x" if w in r and "vs_bf16" in r[w] else "-" for w in work],
                      *[f"{r[w]['tokens_per_cpu_s']:.1f}" if w in r else "-" for w in work],
-                     *[f"{r[w]['vs_bf16_cpu']:.2f}x" if w in r and "vs_bf16_cpu" in r[w] else "-" for w in work]])  # fmt: skip
+                     *[f"{r[w]['vs_bf16_cpu']:.2f}x" if w in r and "vs_bf16_cpu" in r[w] else "-" for w in work],
+                     *([f"{(r['W2']['weight_bytes_per_token'] + r['W2']['kv_bytes_per_token']) / 1e6:.0f}",
+                        f"{r['W2']['of_roofline']:.0%}"] if "W2" in r else ["-", "-"] if "W2" in work else [])])  # fmt: skip
     widths = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(head)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(x, widths, strict=True)) for x in rows]
     for t in result["targets"]:
         lines.append(f"target {t['workload']} {t['scheme']} {t['what']}: {'met' if t['met'] else 'MISSED'}")
     m = result["machine"]
-    lines.append(f"{m['cpu']}, {m['threads']} threads, load average at the end {m.get('load_avg_1m_at_end')}")
+    bw = f", memory read {m['read_gbps']} GB/s (W2's roofline: that over MB/token)" if "read_gbps" in m else ""
+    lines.append(f"{m['cpu']}, {m['threads']} threads{bw}, load average at the end {m.get('load_avg_1m_at_end')}")
     return "\n".join(lines)
 
 

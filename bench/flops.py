@@ -87,6 +87,16 @@ def linear_peak_gflops(dtype: torch.dtype, n: int, repeats: int = 5) -> tuple[fl
         return 2 * n**3 / _best_seconds(lambda: lin(x), repeats) / 1e9, path
 
 
+def read_bandwidth_gbps(mib: int = 512, repeats: int = 5) -> float:
+    """Streaming read bandwidth from memory at torch's thread count: the best of a few sums over
+    an fp32 buffer far larger than any cache (a vectorised sum does ~1 add per 4 bytes, so the
+    memory, not the adds, bounds it). Single-stream decode of a small model reads every weight
+    once per token, so this over the bytes a step reads is that workload's tokens/s ceiling."""
+    buf = torch.ones(mib * 2**18, dtype=torch.float32)
+    with torch.inference_mode():
+        return buf.nbytes / _best_seconds(lambda: buf.sum(), repeats) / 1e9
+
+
 def machine_info(threads: int) -> dict[str, object]:
     from engine.cpu import cpu_flags, cpu_model
 

@@ -58,6 +58,8 @@ class Linear:
         self.bias = bias
         self.packed: torch.Tensor | None = None
         self.out_features = weight.shape[0]
+        #: what a one-row call reads (oneDNN's packed copy is opaque: its padding is not counted)
+        self.decode_bytes = weight.numel() * weight.element_size() + (0 if bias is None else bias.nbytes)
         if prepack and can_prepack(weight):
             self.packed = self._pack(weight, bias)
             if self.packed is not None:

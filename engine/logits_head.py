@@ -41,6 +41,8 @@ class LogitsHead:
         dev = weight.q.device if isinstance(weight, QuantizedWeight) else weight.device
         bf16 = self.weight is not None and self.weight.dtype == torch.bfloat16
         self.lib = kernels_lib() if (bf16 and dev.type == "cpu") else None
+        #: what one row of logits reads of the weight
+        self.decode_bytes = self.q.decode_bytes if self.q is not None else self.weight.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.q is not None:

@@ -87,6 +87,17 @@ class LlamaModel:
         self.hidden = (cfg.hidden_size,)
         self.inter = cfg.intermediate_size
 
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one single-stream decode step reads: every layer's linears and norms,
+        the final norm, the lm_head and one embedding row. A decode step of a model this small
+        is bound by memory bandwidth, so bandwidth / this is its tokens/s ceiling
+        (bench.engine_tiers' W2 roofline)."""
+        norms = [self.norm, *(t for L in self.layers for t in (L.input_norm, L.post_norm, L.q_norm, L.k_norm)
+                              if t is not None)]  # fmt: skip
+        linears = sum(f.decode_bytes for L in self.layers for f in (L.qkv, L.o, L.gate_up, L.down))
+        row = self.embed.shape[1] * self.embed.element_size()
+        return linears + sum(t.nbytes for t in norms) + self.lm_head.decode_bytes + row
+
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, final: bool = False) -> torch.Tensor:
         """RMSNorm(x) * weight in the engine dtype, or in fp32 for the final norm of an fp32
         residual stream (it feeds the fp32 logits head)."""

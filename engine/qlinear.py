@@ -95,6 +95,10 @@ class QLinear:
         self._gemv_weight_only = act_int8 and weight.scheme != "int8"
         #: bf16 batches of at least this many rows take the bf16 GEMM path (0: never, no such path)
         self.bf16_min_rows = BF16_GEMM_MIN_ROWS if self.lib is not None and self.lib.qgemm_bf16_isa() > 0 else 0
+        #: what a one-row call (single-stream decode) reads: the W8A8 packing, or the packed weight
+        one_row = ([self._packed, self.w8.scales, self._wsum] if self.w8 is not None and not self._gemv_weight_only
+                   else [t for t in (weight.q, weight.scales, weight.mins) if t is not None])  # fmt: skip
+        self.decode_bytes = sum(t.nbytes for t in one_row) + (0 if bias is None else bias.nbytes)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x @ W^T (+ bias), in x's dtype or in `out_dtype` (torch.float32 for the logits: the

@@ -33,3 +33,23 @@ def test_w1_interleaves_the_schemes(tiny_llama: Path, capsys: pytest.CaptureFixt
         assert w1["interleaved"] and w1["repeats"] == 3 and w1["tokens_per_s"] > 0 and w1["cpu_s"] > 0
     assert r["schemes"]["int8"]["W1"]["vs_bf16"] == pytest.approx(
         r["schemes"]["int8"]["W1"]["tokens_per_s"] / r["schemes"]["none"]["W1"]["tokens_per_s"])
+
+
+def test_w2_reports_its_memory_roofline(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """W2 carries the bytes a decode step reads, the read bandwidth measured in the same run and
+    the fraction of the ceiling they give that the scheme reached; the table prints it."""
+    assert main(["--model", str(tiny_llama), "--schemes", "none,int8", "--workloads", "W2", "--threads", "1",
+                 "--w2-context", "16", "--w2-tokens", "8", "--json"]) == 0  # fmt: skip
+    r = json.loads(capsys.readouterr().out)
+    assert r["machine"]["read_gbps"] > 0
+    none, int8 = r["schemes"]["none"]["W2"], r["schemes"]["int8"]["W2"]
+    assert int8["weight_bytes_per_token"] < none["weight_bytes_per_token"]
+    for w2 in (none, int8):
+        assert w2["kv_bytes_per_token"] > 0
+        ceiling = w2["read_gbps"] * 1e9 / (w2["weight_bytes_per_token"] + w2["kv_bytes_per_token"])
+        assert w2["roofline_tokens_per_s"] == pytest.approx(ceiling)
+        assert w2["of_roofline"] == pytest.approx(w2["tokens_per_s"] / ceiling)
+    assert main(["--model", str(tiny_llama), "--schemes", "none", "--workloads", "W2", "--threads", "1",
+                 "--w2-context", "16", "--w2-tokens", "8"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "W2 of roofline" in out and "memory read" in out
