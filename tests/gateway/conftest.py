@@ -3,8 +3,11 @@ node processes are tests/conftest.py's `pd_nodes`; COMMON is their arguments."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -15,16 +18,27 @@ __all__ = ["COMMON"]
 
 
 @pytest.fixture(scope="session")
-def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A real PostgreSQL server (pgserver ships the binaries) on a unix socket; its URI."""
+def postgres() -> Iterator[str]:
+    """A real PostgreSQL server (pgserver ships the binaries) on a unix socket; its URI.
+
+    Its data directory is not under pytest's basetemp: run as root, pgserver runs the server as
+    the user `pgserver` and opens the path's folders to it, but every pytest session that starts
+    on the machine resets /tmp/pytest-of-root to 0700 (pytest's own guard), after which the
+    server cannot reach its files and PANICs ("could not open file .../global/pg_control:
+    Permission denied"; every later connection is refused). Seen when a second pytest ran beside
+    the suite."""
     pgserver = pytest.importorskip("pgserver")
-    srv = pgserver.get_server(tmp_path_factory.mktemp("pg"), cleanup_mode="stop")
+    home = Path(tempfile.mkdtemp(prefix="duet-test-pg-"))
     try:
-        uri = srv.get_uri()
-        _wait_accepting(uri, timeout=60.0)
-        yield uri
+        srv = pgserver.get_server(home / "data", cleanup_mode="delete")
+        try:
+            uri = srv.get_uri()
+            _wait_accepting(uri, timeout=60.0)
+            yield uri
+        finally:
+            srv.cleanup()
     finally:
-        srv.cleanup()
+        shutil.rmtree(home, ignore_errors=True)
 
 
 def _wait_accepting(uri: str, timeout: float) -> None:
