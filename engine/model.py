@@ -17,7 +17,11 @@ GEMMs), and the final norm's output stays fp32 for the head: issue 25, a bf16 re
 moved "What is the capital of France?" onto "L'Étoile…" (logits of "L" and "The" within 0.06;
 fp32 and transformers' bf16 both say "The capital… Paris"). The logits are fp32 in every dtype
 (engine/logits_head.py).
-Without kernels, the same steps run as torch ops.
+Without kernels, the same steps run as torch ops. A pure-decode step of a quantized bf16 model
+(every linear a QLinear) runs the layer loop in one C call instead (engine/decode_plan.py,
+kernels/decode_layers.c: the same kernels in the same order, bitwise the same result), since a
+single-stream step of a small model is memory-bound and ~9 Python calls a layer are a fixed cost
+the GEMVs do not hide.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.cpu import cpu_flags
+from engine.decode_plan import DecodePlan
 from engine.kernel_step import KernelStep
 from engine.kernels import kernels_lib
 from engine.linear import Linear
@@ -86,6 +91,9 @@ class LlamaModel:
         self.eps = cfg.rms_norm_eps
         self.hidden = (cfg.hidden_size,)
         self.inter = cfg.intermediate_size
+        #: pure-decode steps of a quantized bf16 model run their layers in one C call (None: the
+        #: Python loop always; engine/decode_plan.py says when it applies)
+        self.decode_plan = DecodePlan.build(self.kernels, self.layers, dtype, cfg.hidden_size, self.inter, self.eps)
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one single-stream decode step reads: every layer's linears and norms,
@@ -184,6 +192,10 @@ class LlamaModel:
         if self.res32:
             h = h.float()
         x = self._norm(h, layers[0].input_norm)
+        plan = self.decode_plan if step is not None and self.res32 else None
+        if plan is not None and plan.applies(h.shape[0], md.num_decode):
+            plan.run(ptr, h, x)  # the loop below, in C: bitwise the same h
+            layers = []
         for i, layer in enumerate(layers):
             qkv = layer.qkv(x)
             if layer.q_norm is not None:

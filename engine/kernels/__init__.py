@@ -20,7 +20,9 @@ sampling, argmax.c), the weight-only quantized linears `qlinear_int8` / `qlinear
 batches `qlinear_int8_bf16` / `qlinear_int4_bf16` (AMX or AVX-512 BF16, `qgemm_bf16_isa`;
 qgemm_bf16.h), `logits_bf16` (the bf16 lm_head with
 fp32 output, logits_bf16.c) and `qlinear_w8a8` (int8 activations x int8 weights, int32 sums:
-AMX, AVX-512 VNNI or portable, qgemm_w8a8.c).
+AMX, AVX-512 VNNI or portable, qgemm_w8a8.c); `decode_layers` runs a quantized bf16 model's
+layers for a pure-decode step in one call, the same kernels in the same order (decode_layers.c,
+engine/decode_plan.py).
 """
 
 from __future__ import annotations
@@ -60,6 +62,7 @@ _SOURCES = (
     ("qgemv_int4.c", ("-ffp-contract=off",)),
     ("logits_bf16.c", ("-ffp-contract=off",)),
     ("qgemm_w8a8.c", ("-ffp-contract=off",)),
+    ("decode_layers.c", ("-ffp-contract=off",)),
 )
 
 
@@ -148,4 +151,6 @@ def kernels_lib() -> ctypes.CDLL | None:
     lib.qlinear_int4_bf16.argtypes = [p, i64, i32, i32, p, p, p, i32, i64, p, p, i64, i32, i32]
     lib.qlinear_int8_bf16.restype = lib.qlinear_int4_bf16.restype = lib.qgemm_bf16_isa.restype = i32
     lib.qgemm_bf16_isa.argtypes = []
+    lib.decode_layers.argtypes = [p, p, i32, p, p, i32, i32, i32, f32]
+    lib.decode_layers.restype = i32
     return lib

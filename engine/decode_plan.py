@@ -1,0 +1,116 @@
+"""DecodePlan: a quantized bf16 model's layers as `decode_layers` (engine/kernels/decode_layers.c)
+runs them, so a pure-decode step crosses from Python to C once instead of ~9 times a layer.
+
+Built once per model (ctypes mirrors of `DecLinear` / `DecLayer`); `run` is what
+`LlamaModel.hidden_states` calls for a step it applies to (`applies`). The C loop calls the same
+kernels as the Python loop, with the same arguments QLinear would pass, in the same order, so
+the step's result is bitwise the Python loop's (tests/engine/test_decode_layers.py).
+
+Invariant: the plan holds raw pointers into the layers' weight tensors; the model keeps those
+tensors (its QLinear objects own them) for as long as it keeps the plan.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from enum import IntEnum
+
+import torch
+
+from engine.qlinear import BF16_GEMM_MIN_ROWS, QLinear
+
+
+class DecKind(IntEnum):
+    """How decode_layers.c calls one linear (its DEC_* values)."""
+
+    INT8 = 1
+    INT4 = 2
+    W8A8 = 3
+    #: int4-w4a8: the int4 weight-only GEMV for one row, W8A8 for more (as QLinear does)
+    W4A8 = 4
+
+
+class DecLinear(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("k", ctypes.c_int32),
+        ("n", ctypes.c_int64),
+        ("q", ctypes.c_void_p),
+        ("scales", ctypes.c_void_p),
+        ("mins", ctypes.c_void_p),
+        ("group", ctypes.c_int32),
+        ("act_group", ctypes.c_int32),
+        ("wp", ctypes.c_void_p),
+        ("wscale", ctypes.c_void_p),
+        ("wsum", ctypes.c_void_p),
+        ("bias", ctypes.c_void_p),
+    ]
+
+
+class DecLayer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        ("qkv", DecLinear),
+        ("o", DecLinear),
+        ("gate_up", DecLinear),
+        ("down", DecLinear),
+    ]
+
+
+def _linear(f: QLinear) -> DecLinear:
+    w = f.weight
+    d = DecLinear(k=f.in_features, n=f.out_features, q=w.q.data_ptr(), scales=w.scales.data_ptr(),
+                  mins=0 if w.mins is None else w.mins.data_ptr(), group=w.group, act_group=f.act_group,
+                  bias=0 if f.bias is None else f.bias.data_ptr())  # fmt: skip
+    if f.w8 is not None:
+        d.kind = DecKind.W4A8 if f._gemv_weight_only else DecKind.W8A8
+        d.wp, d.wscale, d.wsum = f._w8_args
+    else:
+        d.kind = DecKind.INT8 if w.scheme == "int8" else DecKind.INT4
+    return d
+
+
+class DecodePlan:
+    def __init__(self, lib: ctypes.CDLL, layers: list, hidden: int, inter: int, eps: float) -> None:
+        self.lib = lib
+        self.layers = (DecLayer * len(layers))(*[
+            DecLayer(input_norm=L.input_norm.data_ptr(), post_norm=L.post_norm.data_ptr(), qkv=_linear(L.qkv),
+                     o=_linear(L.o), gate_up=_linear(L.gate_up), down=_linear(L.down))
+            for L in layers
+        ])  # fmt: skip
+        self.norms = [(L.input_norm, L.post_norm) for L in layers]  # kept: the plan points into them
+        self.hidden, self.inter, self.eps = hidden, inter, eps
+
+    @classmethod
+    def build(cls, lib: ctypes.CDLL | None, layers: list, dtype: torch.dtype, hidden: int, inter: int,
+              eps: float) -> DecodePlan | None:  # fmt: skip
+        """A plan when every layer qualifies (bf16; every linear a QLinear on the kernels, its
+        bias bf16; no q/k norms), else None (the Python loop runs)."""
+        if lib is None or dtype != torch.bfloat16 or not layers:
+            return None
+        for L in layers:
+            if L.q_norm is not None or L.k_norm is not None:
+                return None
+            for f in (L.qkv, L.o, L.gate_up, L.down):
+                if not isinstance(f, QLinear) or f.lib is None:
+                    return None
+                if f.bias is not None and f.bias.dtype != torch.bfloat16:
+                    return None
+            if L.input_norm.dtype != torch.bfloat16 or L.post_norm.dtype != torch.bfloat16:
+                return None
+        return cls(lib, layers, hidden, inter, eps)
+
+    @staticmethod
+    def applies(num_tokens: int, num_decode: int) -> bool:
+        """Every token of the step decodes, and few enough that each linear takes the kernel
+        QLinear picks below BF16_GEMM_MIN_ROWS (larger steps keep the Python loop)."""
+        return 0 < num_tokens == num_decode < BF16_GEMM_MIN_ROWS
+
+    def run(self, step_ptr: int, h: torch.Tensor, x: torch.Tensor) -> None:
+        """All layers: h (fp32 [m, hidden], in place) from x (bf16 [m, hidden], the first
+        layer's normed input; used as scratch)."""
+        rc = self.lib.decode_layers(step_ptr, self.layers, len(self.layers), h.data_ptr(), x.data_ptr(), h.shape[0],
+                                    self.hidden, self.inter, self.eps)  # fmt: skip
+        if rc != 0:
+            raise MemoryError(f"decode_layers failed ({rc}) for a {h.shape[0]}-token decode step")

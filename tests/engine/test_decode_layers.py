@@ -1,0 +1,76 @@
+"""decode_layers (engine/kernels/decode_layers.c, engine/decode_plan.py): a pure-decode step of
+a quantized bf16 model runs its layers in one C call. It must be bitwise the Python loop it
+replaces: every step's final hidden states are compared exactly, plan on against plan off, for
+each quantized scheme, one sequence and several at once (and qkv biases: the Qwen2 shape). The
+plan must also have run (a counter), so this cannot pass on the Python loop alone."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+
+SCHEMES = ["int8", "int4", "int8-w8a8", "int4-w4a8"]
+PROMPTS = [[5, 17, 42, 99, 7, 3], [11, 12, 13], [200, 201, 202, 203, 204, 205, 206, 207, 208]]
+
+
+def _hidden_per_step(llm: LLM, prompts: list[list[int]]) -> tuple[list[torch.Tensor], list[list[int]]]:
+    model = llm.engine.runner.model
+    seen: list[torch.Tensor] = []
+    real = model.hidden_states
+
+    def spy(*a, **k):
+        out = real(*a, **k)
+        seen.append(out.clone())
+        return out
+
+    model.hidden_states = spy
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    finally:
+        model.hidden_states = real
+    return seen, [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("batch", [1, 3])
+def test_plan_is_bitwise_the_python_loop(tiny_llama: Path, scheme: str, batch: int) -> None:
+    llm = LLM(str(tiny_llama), dtype="bfloat16", quantization=scheme, threads=1)
+    model = llm.engine.runner.model
+    plan = model.decode_plan
+    assert plan is not None, "a quantized bf16 model gets a decode plan"
+    runs = {"n": 0}
+    real_run = plan.run
+
+    def counted(*a):
+        runs["n"] += 1
+        return real_run(*a)
+
+    plan.run = counted
+    with_plan, tokens = _hidden_per_step(llm, PROMPTS[:batch])
+    assert runs["n"] >= 7  # every decode step after the prefill took the plan
+    model.decode_plan = None
+    without, tokens_py = _hidden_per_step(llm, PROMPTS[:batch])
+    assert tokens == tokens_py
+    assert len(with_plan) == len(without)
+    for a, b in zip(with_plan, without, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_qkv_bias_models_take_the_plan_bitwise(tiny_model: Path) -> None:
+    llm = LLM(str(tiny_model), dtype="bfloat16", quantization="int8", threads=1)
+    model = llm.engine.runner.model
+    assert model.decode_plan is not None
+    with_plan, tokens = _hidden_per_step(llm, PROMPTS)
+    model.decode_plan = None
+    without, tokens_py = _hidden_per_step(llm, PROMPTS)
+    assert tokens == tokens_py
+    assert all(torch.equal(a, b) for a, b in zip(with_plan, without, strict=True))
+
+
+def test_no_plan_where_it_does_not_apply(tiny_llama: Path) -> None:
+    """bf16 weights (oneDNN linears) and fp32 engines keep the Python loop."""
+    assert LLM(str(tiny_llama), dtype="bfloat16", threads=1).engine.runner.model.decode_plan is None
+    assert LLM(str(tiny_llama), dtype="float32", quantization="int8", threads=1).engine.runner.model.decode_plan is None
