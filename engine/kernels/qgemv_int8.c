@@ -45,9 +45,13 @@ static void gemv_int8(const float *x, int64_t k, const int8_t *q, int64_t n, con
 #define DUET_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
 #define DUET_I8_TAIL(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail, (p))))
             int64_t c = 0;
-            /* the next 4 rows follow these in memory: fetch them a line per chunk, so the weight
-             * stream is ahead of its use (rows are too short for the hardware prefetcher) */
-            const char *next = (const char *)q0 + 4 * k;
+            /* the rows 16 on follow these in memory: fetch them a line per chunk, so the weight
+             * stream is ahead of its use (rows are too short for the hardware prefetcher). 16
+             * rows ahead rather than the next 4: 13.1 -> 13.9 GB/s over SmolLM2's 120 int8
+             * matrices at 2 threads (4, 8, 12, 16, 24, 32 rows and an L2 hint tried, alternating
+             * builds in one process); without prefetching 7.6. A prefetch past the matrix's end
+             * is harmless (it never faults). */
+            const char *next = (const char *)q0 + 16 * k;
             for (; c + 16 <= k; c += 16) {
                 _mm_prefetch(next + 4 * c, _MM_HINT_T0);
                 const __m512 xv = _mm512_loadu_ps(x + c);
