@@ -13,7 +13,7 @@ side by side, measured in one run on this machine.
   included).
 
 Each scheme gets its own in-process EngineCore (same activation dtype, KV pool, prompts from
-the same seed), all loaded at the start (W1 runs them in turn; W2 and W3 one scheme after another). Reported beside the figures: each scheme's ratio to bf16 ("none") in the same
+the same seed), all loaded at the start (W1 and W2 run them in turn, round after round; W3 one scheme after another). Reported beside the figures: each scheme's ratio to bf16 ("none") in the same
 run, the issue's targets, the process CPU time of each workload, and the machine's load (other
 work on the machine skews wall-clock figures; ratios within one run are what to compare).
 Progress on stderr; a table, or one JSON object with --json, on stdout.
@@ -51,6 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefill-reps", type=int, default=5)
     p.add_argument("--w2-context", type=int, default=256)
     p.add_argument("--w2-tokens", type=int, default=128)
+    p.add_argument("--w2-reps", type=int, default=3, help="W2 rounds, one run of every scheme each (median)")
     p.add_argument("--w3-batch", type=int, default=32)
     p.add_argument("--w3-input", type=int, default=256)
     p.add_argument("--w3-output", type=int, default=128)
@@ -136,6 +137,38 @@ def _w1_interleaved(engines: dict[str, Any], args: argparse.Namespace, progress)
     return out
 
 
+def _w2_interleaved(engines: dict[str, Any], args: argparse.Namespace,
+                    progress) -> tuple[dict[str, dict[str, Any]], float]:  # fmt: skip
+    """W2 for every scheme, one single-stream decode of each in turn per round (after a short
+    warm-up each), for the same reason as W1: the ratios must not carry the machine's drift
+    between schemes. Per scheme: the median decode tokens/s of its rounds, their spread, the CPU
+    time of its timed runs and the memory roofline (bandwidth measured before the rounds)."""
+    shape = ModelShape.of(next(iter(engines.values())).model_config)
+    rngs = {s: random.Random(args.seed + 1) for s in engines}
+    rates: dict[str, list[float]] = {s: [] for s in engines}
+    cpu = dict.fromkeys(engines, 0.0)
+    for s, eng in engines.items():
+        single_stream(eng, shape, 32, 8, rngs[s])  # warm-up
+    read_gbps = read_bandwidth_gbps()
+    progress(f"memory read bandwidth {read_gbps:.1f} GB/s")
+    for _ in range(args.w2_reps):
+        for s, eng in engines.items():
+            c0 = time.process_time()
+            rates[s].append(single_stream(eng, shape, args.w2_context, args.w2_tokens, rngs[s])["tokens_per_s"])
+            cpu[s] += time.process_time() - c0
+    out = {}
+    for s, eng in engines.items():
+        ordered = sorted(rates[s])
+        r = out[s] = {"context": args.w2_context, "tokens": args.w2_tokens, "repeats": args.w2_reps,
+                      "tokens_per_s": ordered[len(ordered) // 2], "tokens_per_s_min": ordered[0],
+                      "tokens_per_s_max": ordered[-1], "cpu_s": cpu[s], "interleaved": True}  # fmt: skip
+        _per_cpu_s(r, args.w2_tokens * args.w2_reps)
+        roofline(r, eng, shape, read_gbps)
+        progress(f"{s}: W2 single stream {r['tokens_per_s']:.1f} tokens/s ({r['of_roofline']:.0%} of the "
+                 f"{r['roofline_tokens_per_s']:.0f} memory bandwidth allows; interleaved)")  # fmt: skip
+    return out, read_gbps
+
+
 def run(args: argparse.Namespace, progress) -> dict[str, Any]:
     import torch
 
@@ -150,10 +183,10 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
         progress(f"{scheme}: loading")
         engines[scheme] = _engine(args, scheme)
     w1 = _w1_interleaved(engines, args, progress) if "W1" in work else {}
-    if "W2" in work:  # the machine's streaming read bandwidth at these threads: W2's roofline
-        read_gbps = read_bandwidth_gbps()
+    w2 = {}
+    if "W2" in work:
+        w2, read_gbps = _w2_interleaved(engines, args, progress)
         result["machine"]["read_gbps"] = round(read_gbps, 2)
-        progress(f"memory read bandwidth {read_gbps:.1f} GB/s")
     for scheme in schemes:
         eng = engines.pop(scheme)
         shape = ModelShape.of(eng.model_config)
@@ -162,12 +195,7 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
         if "W1" in work:
             row["W1"] = w1[scheme]
         if "W2" in work:
-            single_stream(eng, shape, 32, 8, rng)  # warm-up
-            r = row["W2"] = _timed(single_stream, eng, shape, args.w2_context, args.w2_tokens, rng)
-            _per_cpu_s(r, args.w2_tokens)
-            roofline(r, eng, shape, read_gbps)
-            progress(f"{scheme}: W2 single stream {r['tokens_per_s']:.1f} tokens/s "
-                     f"({r['of_roofline']:.0%} of the {r['roofline_tokens_per_s']:.0f} memory bandwidth allows)")
+            row["W2"] = w2[scheme]
         if "W3" in work:
             r = row["W3"] = _timed(engine_runs.end_to_end, eng, shape, args.w3_batch, args.w3_input,
                                    args.w3_output, rng)  # fmt: skip

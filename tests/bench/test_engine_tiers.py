@@ -35,12 +35,29 @@ def test_w1_interleaves_the_schemes(tiny_llama: Path, capsys: pytest.CaptureFixt
         r["schemes"]["int8"]["W1"]["tokens_per_s"] / r["schemes"]["none"]["W1"]["tokens_per_s"])
 
 
-def test_w2_reports_its_memory_roofline(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """W2 carries the bytes a decode step reads, the read bandwidth measured in the same run and
-    the fraction of the ceiling they give that the scheme reached; the table prints it."""
+def test_w2_interleaves_and_reports_its_memory_roofline(tiny_llama: Path, capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """W2 runs one single stream of each scheme in turn per round (after a warm-up each), and
+    carries the bytes a decode step reads, the read bandwidth measured in the same run and the
+    fraction of the ceiling they give that the scheme reached; the table prints it."""
+    from bench import engine_tiers
+
+    calls: list[tuple[int, int]] = []
+    real = engine_tiers.single_stream
+
+    def spy(eng, shape, context, tokens, rng):
+        calls.append((id(eng), context))
+        return real(eng, shape, context, tokens, rng)
+
+    monkeypatch.setattr(engine_tiers, "single_stream", spy)
     assert main(["--model", str(tiny_llama), "--schemes", "none,int8", "--workloads", "W2", "--threads", "1",
-                 "--w2-context", "16", "--w2-tokens", "8", "--json"]) == 0  # fmt: skip
+                 "--w2-context", "16", "--w2-tokens", "8", "--w2-reps", "2", "--json"]) == 0  # fmt: skip
+    engines = list(dict.fromkeys(e for e, _ in calls))
+    assert len(engines) == 2
+    # warm-ups (32-token prompts) first, then rounds of one run per scheme
+    assert calls == [(engines[i % 2], 32 if i < 2 else 16) for i in range(6)]
     r = json.loads(capsys.readouterr().out)
+    assert r["schemes"]["int8"]["W2"]["interleaved"] and r["schemes"]["int8"]["W2"]["repeats"] == 2
     assert r["machine"]["read_gbps"] > 0
     none, int8 = r["schemes"]["none"]["W2"], r["schemes"]["int8"]["W2"]
     assert int8["weight_bytes_per_token"] < none["weight_bytes_per_token"]
