@@ -85,12 +85,12 @@ def single_stream(eng, shape: ModelShape, context: int, tokens: int, rng: random
     return {"context": context, "tokens": tokens, "tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
 
 
-def roofline(r: dict[str, Any], eng, shape: ModelShape, read_gbps: float) -> None:
+def roofline(r: dict[str, Any], eng, read_gbps: float) -> None:
     """W2's memory roofline: single-stream decode reads every weight once per token (plus the
     sequence's KV), so `read_gbps` over those bytes bounds its tokens/s on this machine whatever
     the kernels do. Adds the bytes, the ceiling and the fraction of it reached."""
-    mean_ctx = r["context"] + r["tokens"] / 2
-    kv = mean_ctx * shape.layers * 2 * shape.kv_heads * shape.head_dim * eng.runner.kv_cache.element_size()
+    layout = eng.runner.kv_layout  # KV bytes per token as bench.profile counts them
+    kv = (r["context"] + r["tokens"] / 2) * (layout.block_bytes // layout.block_size)
     r["weight_bytes_per_token"] = eng.runner.model.decode_weight_bytes()
     r["kv_bytes_per_token"] = int(kv)
     r["read_gbps"] = read_gbps
@@ -111,22 +111,33 @@ def _per_cpu_s(r: dict[str, Any], tokens: int) -> None:
     r["tokens_per_cpu_s"] = tokens / r["cpu_s"]
 
 
-def _w1_interleaved(engines: dict[str, Any], args: argparse.Namespace, progress) -> dict[str, dict[str, Any]]:
-    """W1 for every scheme, one prefill of each in turn per round (after one warm-up each), so
-    the machine's speed, which drifts by tens of percent over minutes on a shared VM, moves
-    every scheme alike and the ratios stay honest. Per scheme: engine_runs.prefill's figures plus
-    the CPU time of its timed prefills."""
-    shape = ModelShape.of(next(iter(engines.values())).model_config)
-    rngs = {s: random.Random(args.seed) for s in engines}
-    times: dict[str, list[float]] = {s: [] for s in engines}
+def _rounds(engines: dict[str, Any], reps: int, warm, once) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """`warm(scheme, eng)` once per scheme, then `reps` rounds of `once(scheme, eng, rep)`, one
+    scheme after another within a round, so the machine's speed, which drifts by tens of percent
+    over minutes on a shared VM, moves every scheme alike and the ratios stay honest. Returns
+    each scheme's values in order and the process CPU time of its timed calls."""
+    values: dict[str, list[float]] = {s: [] for s in engines}
     cpu = dict.fromkeys(engines, 0.0)
     for s, eng in engines.items():
-        engine_runs.prefill_once(eng, shape, args.prefill_len, rngs[s], "w1-warm")
-    for rep in range(args.prefill_reps):
+        warm(s, eng)
+    for rep in range(reps):
         for s, eng in engines.items():
             c0 = time.process_time()
-            times[s].append(engine_runs.prefill_once(eng, shape, args.prefill_len, rngs[s], f"w1-{rep}"))
+            values[s].append(once(s, eng, rep))
             cpu[s] += time.process_time() - c0
+    return values, cpu
+
+
+def _w1_interleaved(engines: dict[str, Any], args: argparse.Namespace, progress) -> dict[str, dict[str, Any]]:
+    """W1 for every scheme in rounds (`_rounds`, after one warm-up each). Per scheme:
+    engine_runs.prefill's figures plus the CPU time of its timed prefills."""
+    shape = ModelShape.of(next(iter(engines.values())).model_config)
+    rngs = {s: random.Random(args.seed) for s in engines}
+    times, cpu = _rounds(
+        engines, args.prefill_reps,
+        lambda s, eng: engine_runs.prefill_once(eng, shape, args.prefill_len, rngs[s], "w1-warm"),
+        lambda s, eng, rep: engine_runs.prefill_once(eng, shape, args.prefill_len, rngs[s], f"w1-{rep}"),
+    )  # fmt: skip
     out = {}
     for s in engines:
         r = out[s] = engine_runs.prefill_result(shape, args.prefill_len, times[s])
@@ -142,20 +153,16 @@ def _w2_interleaved(engines: dict[str, Any], args: argparse.Namespace,
     """W2 for every scheme, one single-stream decode of each in turn per round (after a short
     warm-up each), for the same reason as W1: the ratios must not carry the machine's drift
     between schemes. Per scheme: the median decode tokens/s of its rounds, their spread, the CPU
-    time of its timed runs and the memory roofline (bandwidth measured before the rounds)."""
+    time of its timed runs and the memory roofline (bandwidth measured just before)."""
     shape = ModelShape.of(next(iter(engines.values())).model_config)
     rngs = {s: random.Random(args.seed + 1) for s in engines}
-    rates: dict[str, list[float]] = {s: [] for s in engines}
-    cpu = dict.fromkeys(engines, 0.0)
-    for s, eng in engines.items():
-        single_stream(eng, shape, 32, 8, rngs[s])  # warm-up
     read_gbps = read_bandwidth_gbps()
     progress(f"memory read bandwidth {read_gbps:.1f} GB/s")
-    for _ in range(args.w2_reps):
-        for s, eng in engines.items():
-            c0 = time.process_time()
-            rates[s].append(single_stream(eng, shape, args.w2_context, args.w2_tokens, rngs[s])["tokens_per_s"])
-            cpu[s] += time.process_time() - c0
+    rates, cpu = _rounds(
+        engines, args.w2_reps,
+        lambda s, eng: single_stream(eng, shape, 32, 8, rngs[s]),
+        lambda s, eng, rep: single_stream(eng, shape, args.w2_context, args.w2_tokens, rngs[s])["tokens_per_s"],
+    )  # fmt: skip
     out = {}
     for s, eng in engines.items():
         ordered = sorted(rates[s])
@@ -163,7 +170,7 @@ def _w2_interleaved(engines: dict[str, Any], args: argparse.Namespace,
                       "tokens_per_s": ordered[len(ordered) // 2], "tokens_per_s_min": ordered[0],
                       "tokens_per_s_max": ordered[-1], "cpu_s": cpu[s], "interleaved": True}  # fmt: skip
         _per_cpu_s(r, args.w2_tokens * args.w2_reps)
-        roofline(r, eng, shape, read_gbps)
+        roofline(r, eng, read_gbps)
         progress(f"{s}: W2 single stream {r['tokens_per_s']:.1f} tokens/s ({r['of_roofline']:.0%} of the "
                  f"{r['roofline_tokens_per_s']:.0f} memory bandwidth allows; interleaved)")  # fmt: skip
     return out, read_gbps

@@ -6,8 +6,8 @@ Built once per model (ctypes mirrors of `DecLinear` / `DecLayer`); `run` is what
 kernels as the Python loop, with the same arguments QLinear would pass, in the same order, so
 the step's result is bitwise the Python loop's (tests/engine/test_decode_layers.py).
 
-Invariant: the plan holds raw pointers into the layers' weight tensors; the model keeps those
-tensors (its QLinear objects own them) for as long as it keeps the plan.
+Invariant: the plan holds raw pointers into the layers' weight and norm tensors; the model keeps
+those tensors (its Layer objects and their QLinears own them) for as long as it keeps the plan.
 """
 
 from __future__ import annotations
@@ -79,7 +79,6 @@ class DecodePlan:
                      o=_linear(L.o), gate_up=_linear(L.gate_up), down=_linear(L.down))
             for L in layers
         ])  # fmt: skip
-        self.norms = [(L.input_norm, L.post_norm) for L in layers]  # kept: the plan points into them
         self.hidden, self.inter, self.eps = hidden, inter, eps
 
     @classmethod

@@ -7,20 +7,26 @@ from pathlib import Path
 
 import pytest
 
-from bench import engine_runs
+from bench import engine_runs, engine_tiers
 from bench.engine_tiers import main
+
+
+def _calls(monkeypatch: pytest.MonkeyPatch, module, name: str, arg: int) -> list[tuple[int, object]]:
+    """Records (engine id, positional argument `arg`) of every call of module.name."""
+    calls: list[tuple[int, object]] = []
+    real = getattr(module, name)
+
+    def spy(eng, *a):
+        calls.append((id(eng), a[arg - 1]))
+        return real(eng, *a)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls
 
 
 def test_w1_interleaves_the_schemes(tiny_llama: Path, capsys: pytest.CaptureFixture[str],
                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    calls: list[tuple[int, str]] = []
-    real = engine_runs.prefill_once
-
-    def spy(eng, shape, prompt_len, rng, rid):
-        calls.append((id(eng), rid))
-        return real(eng, shape, prompt_len, rng, rid)
-
-    monkeypatch.setattr(engine_runs, "prefill_once", spy)
+    calls = _calls(monkeypatch, engine_runs, "prefill_once", 4)  # (eng, shape, prompt_len, rng, rid)
     assert main(["--model", str(tiny_llama), "--schemes", "none,int8", "--workloads", "W1", "--threads", "1",
                  "--prefill-len", "32", "--prefill-reps", "3", "--json"]) == 0  # fmt: skip
     r = json.loads(capsys.readouterr().out)
@@ -40,16 +46,7 @@ def test_w2_interleaves_and_reports_its_memory_roofline(tiny_llama: Path, capsys
     """W2 runs one single stream of each scheme in turn per round (after a warm-up each), and
     carries the bytes a decode step reads, the read bandwidth measured in the same run and the
     fraction of the ceiling they give that the scheme reached; the table prints it."""
-    from bench import engine_tiers
-
-    calls: list[tuple[int, int]] = []
-    real = engine_tiers.single_stream
-
-    def spy(eng, shape, context, tokens, rng):
-        calls.append((id(eng), context))
-        return real(eng, shape, context, tokens, rng)
-
-    monkeypatch.setattr(engine_tiers, "single_stream", spy)
+    calls = _calls(monkeypatch, engine_tiers, "single_stream", 2)  # (eng, shape, context, tokens, rng)
     assert main(["--model", str(tiny_llama), "--schemes", "none,int8", "--workloads", "W2", "--threads", "1",
                  "--w2-context", "16", "--w2-tokens", "8", "--w2-reps", "2", "--json"]) == 0  # fmt: skip
     engines = list(dict.fromkeys(e for e, _ in calls))

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from tests.procs import TINY_NODE_ARGS as COMMON
-from tests.wait import wait_for
 
 __all__ = ["COMMON"]
 
@@ -32,34 +31,11 @@ def postgres() -> Iterator[str]:
     try:
         srv = pgserver.get_server(home / "data", cleanup_mode="delete")
         try:
-            uri = srv.get_uri()
-            _wait_accepting(uri, timeout=60.0)
-            yield uri
+            yield srv.get_uri()  # started with `pg_ctl -w`: it accepts connections already
         finally:
             srv.cleanup()
     finally:
         shutil.rmtree(home, ignore_errors=True)
-
-
-def _wait_accepting(uri: str, timeout: float) -> None:
-    """Until the server takes a connection: pgserver can return before its socket accepts (a CI
-    run on a loaded machine got "connection refused" on the first connect)."""
-    import asyncio
-
-    import asyncpg
-
-    async def probe() -> None:
-        con = await asyncpg.connect(uri, timeout=5)
-        await con.close()
-
-    def accepts() -> bool:
-        try:
-            asyncio.run(probe())
-        except (OSError, asyncpg.CannotConnectNowError):
-            return False
-        return True
-
-    wait_for(accepts, timeout, f"PostgreSQL at {uri} to accept a connection")
 
 
 @pytest.fixture
