@@ -76,13 +76,14 @@ def gemm_peak_gflops(dtype: torch.dtype, n: int, repeats: int = 5) -> float:
 
 def linear_peak_gflops(dtype: torch.dtype, n: int, repeats: int = 5) -> tuple[float, str]:
     """An n x n weight through the engine's `Linear` (prepacked when the engine would prepack it)
-    applied to n rows; returns (GFLOP/s, the path taken: "onednn_prepacked" or "F.linear")."""
+    applied to n rows; returns (GFLOP/s, the path taken: "linear_bf16" (the project's AMX GEMM),
+    "onednn_prepacked" or "F.linear")."""
     from engine.linear import Linear
 
     weight = torch.randn(n, n).to(dtype)
     x = torch.randn(n, n).to(dtype)
     lin = Linear(weight)  # built as the engine builds its layers; called as its forward does
-    path = "onednn_prepacked" if lin.packed is not None else "F.linear"
+    path = "linear_bf16" if lin.panels is not None else "onednn_prepacked" if lin.packed is not None else "F.linear"
     with torch.inference_mode():
         return 2 * n**3 / _best_seconds(lambda: lin(x), repeats) / 1e9, path
 

@@ -71,7 +71,7 @@ def weight_bytes(eng) -> int:
         if isinstance(lin, QLinear):
             total += lin.weight.nbytes
         else:
-            t = lin.packed if getattr(lin, "packed", None) is not None else lin.weight
+            t = next(t for t in (getattr(lin, "panels", None), getattr(lin, "packed", None), lin.weight) if t is not None)
             total += t.numel() * t.element_size()
     return total
 

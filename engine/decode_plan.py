@@ -1,5 +1,7 @@
-"""DecodePlan: a quantized bf16 model's layers as `decode_layers` (engine/kernels/decode_layers.c)
-runs them, so a pure-decode step crosses from Python to C once instead of ~9 times a layer.
+"""DecodePlan: a bf16 model's layers as `decode_layers` (engine/kernels/decode_layers.c) runs them,
+so a pure-decode step crosses from Python to C once instead of ~9 times a layer. Its linears are
+quantized (QLinear on the kernels) or bf16 on linear_bf16.c (engine/linear.py's Linear with
+panels, on AMX CPUs).
 
 Built once per model (ctypes mirrors of `DecLinear` / `DecLayer`); `run` is what
 `LlamaModel.hidden_states` calls for a step it applies to (`applies`). The C loop calls the same
@@ -7,7 +9,7 @@ kernels as the Python loop, with the same arguments QLinear would pass, in the s
 the step's result is bitwise the Python loop's (tests/engine/test_decode_layers.py).
 
 Invariant: the plan holds raw pointers into the layers' weight and norm tensors; the model keeps
-those tensors (its Layer objects and their QLinears own them) for as long as it keeps the plan.
+those tensors (its Layer objects and their linears own them) for as long as it keeps the plan.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from enum import IntEnum
 
 import torch
 
+from engine.linear import Linear
 from engine.qlinear import BF16_GEMM_MIN_ROWS, QLinear
 
 
@@ -28,6 +31,8 @@ class DecKind(IntEnum):
     W8A8 = 3
     #: int4-w4a8: the int4 weight-only GEMV for one row, W8A8 for more (as QLinear does)
     W4A8 = 4
+    #: a bf16 weight in linear_bf16.c's panels
+    BF16 = 5
 
 
 class DecLinear(ctypes.Structure):
@@ -58,7 +63,10 @@ class DecLayer(ctypes.Structure):
     ]
 
 
-def _linear(f: QLinear) -> DecLinear:
+def _linear(f: QLinear | Linear) -> DecLinear:
+    if isinstance(f, Linear):
+        return DecLinear(kind=DecKind.BF16, k=f.in_features, n=f.out_features, q=f.panels.data_ptr(),
+                         bias=0 if f.bias is None else f.bias.data_ptr())  # fmt: skip
     w = f.weight
     d = DecLinear(k=f.in_features, n=f.out_features, q=w.q.data_ptr(), scales=w.scales.data_ptr(),
                   mins=0 if w.mins is None else w.mins.data_ptr(), group=w.group, act_group=f.act_group,
@@ -84,15 +92,18 @@ class DecodePlan:
     @classmethod
     def build(cls, lib: ctypes.CDLL | None, layers: list, dtype: torch.dtype, hidden: int, inter: int,
               eps: float) -> DecodePlan | None:  # fmt: skip
-        """A plan when every layer qualifies (bf16; every linear a QLinear on the kernels, its
-        bias bf16; no q/k norms), else None (the Python loop runs)."""
+        """A plan when every layer qualifies (bf16; every linear a QLinear on the kernels or a
+        Linear on linear_bf16.c, its bias bf16; no q/k norms), else None (the Python loop runs)."""
         if lib is None or dtype != torch.bfloat16 or not layers:
             return None
         for L in layers:
             if L.q_norm is not None or L.k_norm is not None:
                 return None
             for f in (L.qkv, L.o, L.gate_up, L.down):
-                if not isinstance(f, QLinear) or f.lib is None:
+                if isinstance(f, Linear):
+                    if f.panels is None:
+                        return None
+                elif not isinstance(f, QLinear) or f.lib is None:
                     return None
                 if f.bias is not None and f.bias.dtype != torch.bfloat16:
                     return None

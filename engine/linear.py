@@ -1,4 +1,14 @@
-"""Linear layers: oneDNN-prepacked weights for bf16 on the CPU, plain F.linear otherwise.
+"""Linear layers: bf16 on the project's own AMX GEMM where the CPU has AMX, oneDNN-prepacked
+weights for bf16 on other CPUs, plain F.linear otherwise.
+
+On AMX CPUs with the native kernels, a bf16 weight is packed once into the panel layout of
+engine/kernels/linear_bf16.c and every call, whatever its row count, runs that one kernel: a
+row's output is bitwise the same whether it is computed alone (single-stream decode), in a
+decode batch, in a speculative verification or in a prefill, which oneDNN, choosing its kernel by
+the row count, does not promise. It is also 1.3-2.4x oneDNN's prepacked call at 1-32 rows on
+SmolLM2's shapes (oneDNN pays ~20 us a call) and 0.8-1.2x at 512 (bench.engine_tiers measures
+the engine: W2 is single-stream decode). `DUET_BF16_LINEAR=onednn` keeps oneDNN there (an A/B
+switch for benchmarks, not a fallback).
 
 A prepacked weight is reordered once into oneDNN's blocked layout, which skips the per-call
 reorder F.linear pays: measured 2-3x faster at decode batch sizes (M=1: 70 vs 141 us for a
@@ -17,12 +27,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
 
 import torch
 import torch.nn.functional as F
 
 from engine.cpu import cpu_flags
+from engine.kernels import kernels_lib
 from protocol.strict import fallback
 
 log = logging.getLogger("duet.engine.linear")
@@ -52,15 +64,37 @@ def can_prepack(weight: torch.Tensor) -> bool:
             and cpu_can_prepack_bf16())  # fmt: skip
 
 
+def own_kernel_lib(weight: torch.Tensor):
+    """The kernel library when this bf16 CPU weight takes linear_bf16.c (an AMX CPU, the kernels
+    built, not switched off by DUET_BF16_LINEAR=onednn), else None."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
+        return None
+    if os.environ.get("DUET_BF16_LINEAR", "").lower() == "onednn" or "amx_bf16" not in cpu_flags():
+        return None
+    lib = kernels_lib()
+    return lib if lib is not None and lib.linear_bf16_isa() == 2 else None
+
+
 class Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True) -> None:
         self.weight: torch.Tensor | None = weight
         self.bias = bias
         self.packed: torch.Tensor | None = None
-        self.out_features = weight.shape[0]
+        #: linear_bf16.c's panels (int32 words) and the kernel library, on AMX CPUs
+        self.panels: torch.Tensor | None = None
+        self.lib = None
+        self.out_features, self.in_features = weight.shape[0], weight.shape[-1]
         #: what a one-row call reads (oneDNN's packed copy is opaque: its padding is not counted)
         self.decode_bytes = weight.numel() * weight.element_size() + (0 if bias is None else bias.nbytes)
-        if prepack and can_prepack(weight):
+        lib = own_kernel_lib(weight) if prepack else None
+        if lib is not None and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())):
+            w = weight.contiguous()
+            self.panels = torch.empty(lib.linear_bf16_packed_words(*w.shape), dtype=torch.int32)
+            if lib.linear_bf16_pack(w.data_ptr(), w.shape[0], w.shape[1], self.panels.data_ptr()) != 0:
+                raise RuntimeError("linear_bf16_pack failed on a CPU that reports AMX")
+            self.lib, self.weight = lib, None  # the panels replace the weight (the caller may still hold it)
+            self.decode_bytes = self.panels.nbytes + (0 if bias is None else bias.nbytes)
+        elif prepack and can_prepack(weight):
             self.packed = self._pack(weight, bias)
             if self.packed is not None:
                 self.weight = None  # the packed copy replaces it (the caller may still hold it)
@@ -79,6 +113,25 @@ class Linear:
         return packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            if x.dtype != torch.bfloat16:
+                raise TypeError(f"a bf16 linear layer got {x.dtype} input")
+            return self._own(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _own(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.stride(-1) != 1 or x2.stride(0) < self.in_features:
+            x2 = x2.contiguous()
+        m = x2.shape[0]
+        out = torch.empty((m, self.out_features), dtype=torch.bfloat16)
+        if m:
+            rc = self.lib.linear_bf16(x2.data_ptr(), x2.stride(0), m, self.in_features, self.panels.data_ptr(),
+                                      self.out_features, None if self.bias is None else self.bias.data_ptr(),
+                                      out.data_ptr(), self.out_features, 0, 0)  # fmt: skip
+            if rc != 0:
+                raise MemoryError(f"linear_bf16 failed ({rc}) for {m} rows of {self.in_features}")
+        return out.reshape(*lead, self.out_features)

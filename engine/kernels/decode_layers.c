@@ -1,5 +1,6 @@
 /*
- * The layers of a pure-decode step of a bf16 engine over quantized weights, in one call.
+ * The layers of a pure-decode step of a bf16 engine over quantized weights (or bf16 weights on
+ * linear_bf16.c), in one call.
  *
  * engine/model.py runs each layer as ~9 Python calls (qkv, rope_store, paged_attention, o, the
  * residual norm, gate_up, SiLU·up, down, the next residual norm), each converting its arguments
@@ -12,7 +13,8 @@
  * Scope (the caller, LlamaModel.hidden_states, checks it): every token of the step is a decode
  * token; fewer than BF16_GEMM_MIN_ROWS of them (so each linear takes the same kernel the Python
  * QLinear would: the GEMV/tile path, or W8A8); bf16 activations with the fp32 residual stream;
- * every linear quantized (int8/int4 weight-only or W8A8); no q/k norms.
+ * every linear quantized (int8/int4 weight-only or W8A8) or a bf16 weight in linear_bf16.c's
+ * panels (AMX CPUs); no q/k norms.
  *
  * In: h, the fp32 residual stream [m][hidden] (updated in place); x, bf16 [m][hidden], the first
  * layer's normed input. Out: h after the last layer (its down projection added, not normed).
@@ -23,15 +25,16 @@
 
 #include "step.h"
 
-enum { DEC_INT8 = 1, DEC_INT4 = 2, DEC_W8A8 = 3, DEC_W4A8 = 4 };
+enum { DEC_INT8 = 1, DEC_INT4 = 2, DEC_W8A8 = 3, DEC_W4A8 = 4, DEC_BF16 = 5 };
 
-/* One linear as QLinear calls it (engine/decode_plan.py builds these). DEC_W4A8 is int4-w4a8:
- * the int4 weight-only GEMV for one row (it reads half the bytes), W8A8 for more. */
+/* One linear as QLinear (or, DEC_BF16, engine/linear.py's Linear) calls it (engine/decode_plan.py
+ * builds these). DEC_W4A8 is int4-w4a8: the int4 weight-only GEMV for one row (it reads half the
+ * bytes), W8A8 for more. DEC_BF16: a bf16 weight in linear_bf16.c's panels (q). */
 typedef struct {
     int32_t kind;
     int32_t k;
     int64_t n;
-    const void *q;      /* weight-only: int8 [n][k] or packed int4 */
+    const void *q;      /* weight-only: int8 [n][k] or packed int4; bf16: the panels */
     const void *scales; /* int8: fp32 [n]; int4: fp16 d [n][k / group] */
     const void *mins;   /* int4: fp16 [n][k / group] */
     int32_t group;      /* int4: weights per scale */
@@ -56,6 +59,8 @@ int32_t qlinear_int4(const void *x, int64_t xs, int32_t m, int32_t k, const uint
 int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8_t *wp, const float *scale,
                      const int32_t *wsum, int64_t n, const void *bias, void *out, int64_t os, int32_t bf16,
                      int32_t out_f32, int32_t group);
+int32_t linear_bf16(const uint16_t *x, int64_t xs, int32_t m, int32_t k, const uint32_t *panels, int64_t n,
+                    const uint16_t *bias, void *out, int64_t os, int32_t out_f32, int32_t isa);
 void rope_store(const Step *s, int32_t layer, void *qkv, int64_t qkv_stride);
 void paged_attention(const Step *s, int32_t layer, int32_t first, int32_t count, const void *q, int64_t q_stride,
                      void *out, int64_t out_stride);
@@ -63,7 +68,8 @@ void res_norm_f32(float *h, const uint16_t *delta, const uint16_t *w, void *out,
                   int32_t out_f32);
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int32_t rows, int32_t n);
 
-/* out [m][L->n] (bf16, rows contiguous) = x [m][L->k] @ W^T + bias, as QLinear._kernel picks. */
+/* out [m][L->n] (bf16, rows contiguous) = x [m][L->k] @ W^T + bias, as QLinear._kernel (or
+ * Linear._own) picks. */
 static int32_t linear(const DecLinear *L, const uint16_t *x, int32_t m, uint16_t *out) {
     const int kind = L->kind == DEC_W4A8 ? (m == 1 ? DEC_INT4 : DEC_W8A8) : L->kind;
     switch (kind) {
@@ -74,6 +80,8 @@ static int32_t linear(const DecLinear *L, const uint16_t *x, int32_t m, uint16_t
     case DEC_W8A8:
         return qlinear_w8a8(x, L->k, m, L->k, L->wp, L->wscale, L->wsum, L->n, L->bias, out, L->n, 1, 0,
                             L->act_group);
+    case DEC_BF16:
+        return linear_bf16(x, L->k, m, L->k, L->q, L->n, L->bias, out, L->n, 0, 0);
     default:
         return -3;
     }

@@ -177,7 +177,11 @@ static void qb_dp_tile(const uint16_t *X, int64_t kp, const uint32_t *p0, const 
  * Driver: out [m][os] = x [m][xs] (bf16) @ dequant(W)^T (* scale) (+ bias, bf16), out bf16 or
  * fp32 (out_f32). isa: 2 AMX, 1 AVX-512 BF16 (must be <= qb_isa()). Each thread dequantizes a
  * super-panel of up to QB_SB blocks once, then runs the activations over it QB_MC rows at a
- * time. Returns 0, -1 when out of memory.
+ * time. With dequant NULL, ctx is the whole matrix already in panel form (linear_bf16.c: blocks
+ * of 32 rows, n rounded up to 32) and the super-panels are read where they lie. Every output
+ * element's sum runs over k in the same order whatever m is (AMX: QB_KB passes of tdpbf16ps;
+ * vdpbf16ps: one chain over the pairs), so a row's result does not depend on the rows beside
+ * it. Returns 0, -1 when out of memory.
  */
 static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, const void *ctx, qb_dequant_fn dequant,
                        const float *scale, const void *bias, void *out, int64_t os, int out_f32, int isa) {
@@ -210,20 +214,22 @@ static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, c
     int fail = 0;
 #pragma omp parallel if (par)
     {
-        uint32_t *panel = (uint32_t *)aligned_alloc(64, (size_t)(sb * bsz * 4));
+        uint32_t *panel = dequant ? (uint32_t *)aligned_alloc(64, (size_t)(sb * bsz * 4)) : NULL;
+        const int have_panel = panel || !dequant;
         float *acc = (float *)aligned_alloc(64, sizeof(float) * QB_MC * 32); /* [QB_MC][32] */
-        if (!panel || !acc) {
+        if (!have_panel || !acc) {
 #pragma omp atomic write
             fail = 1;
         }
 #if defined(QB_AMX)
-        if (isa == 2 && panel && acc) amx_configure_16x64();
+        if (isa == 2 && have_panel && acc) amx_configure_16x64();
 #endif
 #pragma omp for schedule(static)
         for (int64_t sp = 0; sp < sps; sp++) {
-            if (!panel || !acc) continue;
+            if (!have_panel || !acc) continue;
             const int64_t b0 = sp * sb, nb = blocks - b0 < sb ? blocks - b0 : sb;
-            for (int64_t b = 0; b < nb; b++) { /* two halves of 16 rows per block */
+            const uint32_t *sp_panel = dequant ? panel : (const uint32_t *)ctx + b0 * bsz;
+            for (int64_t b = 0; dequant && b < nb; b++) { /* two halves of 16 rows per block */
                 for (int h = 0; h < 2; h++) {
                     const int64_t r0 = 32 * (b0 + b) + 16 * h;
                     uint32_t *dst = panel + b * bsz + h * 8 * kp;
@@ -235,7 +241,7 @@ static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, c
                 const int m1 = m - m0 < QB_MC ? m : m0 + QB_MC;
                 for (int64_t b = 0; b < nb; b++) {
                     const int64_t n0 = 32 * (b0 + b);
-                    const uint32_t *p0 = panel + b * bsz, *p1 = p0 + 8 * kp;
+                    const uint32_t *p0 = sp_panel + b * bsz, *p1 = p0 + 8 * kp;
                     const int nr0 = (int)(n - n0 < 16 ? n - n0 : 16), nr1 = (int)(n - n0 - 16 < 16 ? n - n0 - 16 : 16);
 #if defined(QB_AMX)
                     if (isa == 2)
@@ -260,7 +266,7 @@ static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, c
             }
         }
 #if defined(QB_AMX)
-        if (isa == 2 && panel && acc) _tile_release();
+        if (isa == 2 && have_panel && acc) _tile_release();
 #endif
         if (nt) _mm_sfence(); /* non-temporal stores are weakly ordered: visible before the caller reads */
         free(panel);

@@ -27,7 +27,7 @@ def test_bench_engine_json(tiny_llama: Path, capsys: pytest.CaptureFixture[str])
     pk = r["gemm_peak_gflops"]
     # The peak is measured in the engine's dtype through the engine's own linear path.
     assert pk["dtype"] == "bfloat16" and pk["engine_linear"] > 0 and pk["matmul_size"] == 128
-    assert pk["engine_linear_path"] in ("onednn_prepacked", "F.linear")
+    assert pk["engine_linear_path"] in ("linear_bf16", "onednn_prepacked", "F.linear")
     assert pk["torch_mm"]["bfloat16"] > 0 and pk["torch_mm"]["float32"] > 0
     p = r["prefill"]
     assert p["prompt_tokens"] == 32 and p["repeats"] == 3 and _spread_ok(p, "tokens_per_s")

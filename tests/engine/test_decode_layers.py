@@ -1,5 +1,5 @@
 """decode_layers (engine/kernels/decode_layers.c, engine/decode_plan.py): a pure-decode step of
-a quantized bf16 model runs its layers in one C call. It must be bitwise the Python loop it
+a quantized bf16 model (or a bf16 model on linear_bf16.c, AMX CPUs) runs its layers in one C call. It must be bitwise the Python loop it
 replaces: every step's final hidden states are compared exactly, plan on against plan off, for
 each quantized scheme, one sequence and several at once (and qkv biases: the Qwen2 shape). The
 plan must also have run (a counter), so this cannot pass on the Python loop alone."""
@@ -9,10 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.kernels import kernels_lib
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
-SCHEMES = ["int8", "int4", "int8-w8a8", "int4-w4a8"]
+#: bf16 weights ("none") take the plan where their linears run linear_bf16.c (AMX CPUs)
+AMX = kernels_lib() is not None and kernels_lib().linear_bf16_isa() == 2
+SCHEMES = ["int8", "int4", "int8-w8a8", "int4-w4a8", *(["none"] if AMX else [])]
 PROMPTS = [[5, 17, 42, 99, 7, 3], [11, 12, 13], [200, 201, 202, 203, 204, 205, 206, 207, 208]]
 
 
@@ -37,10 +40,10 @@ def _hidden_per_step(llm: LLM, prompts: list[list[int]]) -> tuple[list[torch.Ten
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_plan_is_bitwise_the_python_loop(tiny_llama: Path, scheme: str, batch: int) -> None:
-    llm = LLM(str(tiny_llama), dtype="bfloat16", quantization=scheme, threads=1)
+    llm = LLM(str(tiny_llama), dtype="bfloat16", quantization=None if scheme == "none" else scheme, threads=1)
     model = llm.engine.runner.model
     plan = model.decode_plan
-    assert plan is not None, "a quantized bf16 model gets a decode plan"
+    assert plan is not None, "a quantized bf16 model (bf16 on AMX) gets a decode plan"
     runs = {"n": 0}
     real_run = plan.run
 
@@ -70,7 +73,8 @@ def test_qkv_bias_models_take_the_plan_bitwise(tiny_model: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(with_plan, without, strict=True))
 
 
-def test_no_plan_where_it_does_not_apply(tiny_llama: Path) -> None:
-    """bf16 weights (oneDNN linears) and fp32 engines keep the Python loop."""
+def test_no_plan_where_it_does_not_apply(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 weights on oneDNN's linears and fp32 engines keep the Python loop."""
+    monkeypatch.setenv("DUET_BF16_LINEAR", "onednn")
     assert LLM(str(tiny_llama), dtype="bfloat16", threads=1).engine.runner.model.decode_plan is None
     assert LLM(str(tiny_llama), dtype="float32", quantization="int8", threads=1).engine.runner.model.decode_plan is None

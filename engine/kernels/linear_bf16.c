@@ -1,0 +1,76 @@
+/*
+ * bf16 linear layers on the project's own GEMM: out = x @ W^T (+ bias), bf16 x and W, fp32
+ * accumulation, one rounding at the store (bf16, or fp32 with out_f32).
+ *
+ * W is packed once (linear_bf16_pack) into qgemm_bf16.h's panel layout: blocks of 32 rows (n
+ * rounded up to 32, the extra rows zero), each two 16-row halves of uint32 [kp / 2][16] with pair
+ * p (k = 2 p, 2 p + 1) of row r at [16 p + r] (k padded to 32 with zeros). qb_gemm reads the
+ * panels where they lie, for every m: AMX tdpbf16ps where the CPU has it, else vdpbf16ps.
+ *
+ * Why one path for every m: each output element's sum runs over k in an order fixed by k alone
+ * (AMX: QB_KB passes of 32-k tile products; vdpbf16ps: one chain over the pairs), so a row's
+ * result does not depend on the rows computed beside it. Single-stream decode, a decode batch,
+ * a speculative verification and a prefill compute a token's activations bitwise alike
+ * (tests/engine/test_linear_bf16.py). oneDNN's bf16 kernels, which this replaces where it
+ * applies (engine/linear.py), pick their blocking by m, and on AVX-512 BF16 CPUs their rows
+ * differ with m (stop 33: bf16 speculation was not greedy-identical on Zen 4 / Zen 5).
+ * Speed (SmolLM2's shapes, 2 threads, AMX; oneDNN's prepacked weights as the baseline):
+ * 1.3-2x at 1-32 rows, 0.8-1.3x at 512 (tests never time it; bench.engine_tiers measures it).
+ *
+ * Built only where the CPU has AVX-512 BF16 (linear_bf16_isa() says 0 elsewhere, and
+ * engine/linear.py keeps oneDNN's prepacked weights or F.linear there).
+ */
+#include "qgemm_bf16.h"
+
+/* The path linear_bf16 runs here: 2 AMX, 1 AVX-512 BF16, 0 none. */
+int32_t linear_bf16_isa(void) { return qb_isa(); }
+
+/* uint32 words of the packed form of an n x k matrix. */
+int64_t linear_bf16_packed_words(int64_t n, int32_t k) { return (n + 31) / 32 * 32 * (qb_pad32(k) / 2); }
+
+#if defined(QB_BF16)
+/* 16-row half b (rows 16 b .. 16 b + 15) of w [n][k]: 32 k of the 16 rows loaded as 16 vectors of
+ * pairs, one 16x16 transpose of uint32, 16 stores. */
+static void pack_half(const uint16_t *w, int64_t n, int64_t k, int64_t b, uint32_t *dst) {
+    for (int64_t c = 0; c < qb_pad32(k); c += 32) {
+        const __mmask32 mk = k - c >= 32 ? 0xffffffffu : (1u << (k - c)) - 1; /* k past the row: 0 */
+        __m512i r[16];
+        for (int i = 0; i < 16; i++) {
+            const int64_t row = 16 * b + i;
+            r[i] = row < n ? _mm512_maskz_loadu_epi16(mk, w + row * k + c) : _mm512_setzero_si512();
+        }
+        transpose16(r);
+        for (int p = 0; p < 16; p++) _mm512_storeu_si512((void *)(dst + (c / 2 + p) * 16), r[p]);
+    }
+}
+#endif
+
+/* Packs w bf16 [n][k] into out (linear_bf16_packed_words(n, k) words, 64-byte aligned). Returns
+ * 0, or -3 where this build has no AVX-512 BF16. */
+int32_t linear_bf16_pack(const uint16_t *w, int64_t n, int32_t k, uint32_t *out) {
+#if defined(QB_BF16)
+    const int64_t halves = (n + 31) / 32 * 2, words = 16 * (qb_pad32(k) / 2);
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < halves; b++) pack_half(w, n, k, b, out + b * words);
+    return 0;
+#else
+    (void)w, (void)n, (void)k, (void)out;
+    return -3;
+#endif
+}
+
+/* out [m][os] (bf16, or fp32 with out_f32) = x bf16 [m][xs] @ W^T + bias (bf16 [n] or NULL), W
+ * packed by linear_bf16_pack. isa: 0 the best available, else 1 / 2 (tests). Returns 0, -1 when
+ * out of memory, -3 when the path is not available in this build or process. */
+int32_t linear_bf16(const uint16_t *x, int64_t xs, int32_t m, int32_t k, const uint32_t *panels, int64_t n,
+                    const uint16_t *bias, void *out, int64_t os, int32_t out_f32, int32_t isa) {
+    const int have = qb_isa();
+    if (isa == 0) isa = have;
+    if (isa < 1 || isa > have) return -3;
+#if defined(QB_BF16)
+    return qb_gemm(x, xs, m, k, n, panels, NULL, NULL, bias, out, os, out_f32, isa);
+#else
+    (void)x, (void)xs, (void)m, (void)k, (void)panels, (void)n, (void)bias, (void)out, (void)os, (void)out_f32;
+    return -3;
+#endif
+}

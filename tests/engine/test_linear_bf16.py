@@ -1,0 +1,85 @@
+"""linear_bf16 (engine/kernels/linear_bf16.c) and engine/linear.py's Linear on it: bf16 linear
+layers on the project's own GEMM on AMX CPUs.
+
+- The kernel computes x @ W^T + bias with fp32 sums and one rounding (against an fp32 reference,
+  odd shapes included: n not a multiple of 32, k not of 32, k odd).
+- A row's output does not depend on the rows beside it: every row of a 300-row call equals the
+  row computed alone and in 5-row calls, bitwise, on each path the CPU has (AMX, AVX-512 BF16).
+- Linear takes it on AMX CPUs (panels replace the weight; decode_bytes counts the panels),
+  keeps oneDNN with DUET_BF16_LINEAR=onednn, and refuses an fp32 input with a clear error.
+Skipped where the CPU has no AVX-512 BF16 (the kernel is not built there; test_linear_isa.py
+covers those CPUs' paths).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import linear
+from engine.kernels import kernels_lib
+
+LIB = kernels_lib()
+ISA = 0 if LIB is None else int(LIB.linear_bf16_isa())
+pytestmark = pytest.mark.skipif(ISA == 0, reason="no AVX-512 BF16 on this CPU: linear_bf16 is not built")
+SHAPES = [(37, 70), (64, 576), (33, 31), (160, 1536)]
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    panels = torch.empty(LIB.linear_bf16_packed_words(*w.shape), dtype=torch.int32)
+    assert LIB.linear_bf16_pack(w.data_ptr(), w.shape[0], w.shape[1], panels.data_ptr()) == 0
+    return panels
+
+
+def _call(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None, isa: int,
+          out_f32: bool = True) -> torch.Tensor:  # fmt: skip
+    out = torch.empty(x.shape[0], n, dtype=torch.float32 if out_f32 else torch.bfloat16)
+    rc = LIB.linear_bf16(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], panels.data_ptr(), n,
+                         None if bias is None else bias.data_ptr(), out.data_ptr(), n, int(out_f32), isa)  # fmt: skip
+    assert rc == 0
+    return out
+
+
+@pytest.mark.parametrize("isa", [i for i in (1, 2) if i <= ISA])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_matches_fp32_and_rows_do_not_depend_on_their_batch(isa: int, shape: tuple[int, int]) -> None:
+    n, k = shape
+    g = torch.Generator().manual_seed(n * k)
+    w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
+    x = torch.randn(300, k, generator=g).bfloat16()
+    panels = _pack(w)
+    got = _call(x, panels, n, b, isa)
+    want = x.float() @ w.float().T + b.float()
+    # each product is exact in fp32; only the order of the fp32 sums differs from torch's
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4 * k**0.5)
+    alone = torch.cat([_call(x[i : i + 1], panels, n, b, isa) for i in range(x.shape[0])])
+    fives = torch.cat([_call(x[i : i + 5], panels, n, b, isa) for i in range(0, x.shape[0], 5)])
+    assert torch.equal(got, alone) and torch.equal(got, fives)
+    # the bf16 store is the fp32 result rounded once (nearest even), as torch rounds it
+    assert torch.equal(_call(x[:7], panels, n, b, isa, out_f32=False), got[:7].bfloat16())
+
+
+def test_a_path_the_cpu_lacks_is_refused() -> None:
+    w = torch.randn(32, 32).bfloat16()
+    out = torch.empty(1, 32, dtype=torch.float32)
+    x = torch.randn(1, 32).bfloat16()
+    assert LIB.linear_bf16(x.data_ptr(), 32, 1, 32, _pack(w).data_ptr(), 32, None, out.data_ptr(), 32, 1, 3) == -3
+
+
+@pytest.mark.skipif(ISA < 2, reason="Linear takes linear_bf16 on AMX CPUs only")
+def test_linear_takes_the_kernel_on_amx_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    g = torch.Generator().manual_seed(1)
+    w, b = torch.randn(100, 64, generator=g).bfloat16(), torch.randn(100, generator=g).bfloat16()
+    x = torch.randn(2, 3, 64, generator=g).bfloat16()
+    layer = linear.Linear(w, b)
+    assert layer.panels is not None and layer.weight is None and layer.packed is None
+    assert layer.decode_bytes == layer.panels.nbytes + b.nbytes  # 128 padded rows of k = 64
+    got = layer(x)
+    assert got.shape == (2, 3, 100) and got.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=2e-2)
+    assert torch.equal(layer(x[:, 1:2]), got[:, 1:2])  # a strided slice of the batch, alone
+    with pytest.raises(TypeError, match="float32"):
+        layer(x.float())
+    monkeypatch.setenv("DUET_BF16_LINEAR", "onednn")
+    assert linear.Linear(w, b).panels is None
