@@ -13,6 +13,9 @@
  * Both accumulate lane l over k = 32 c + 2 l, 2 l + 1 (vdpbf16ps pairs; with avx512f alone, the
  * same pair order with two FMAs) in chunk order, then reduce the 16 lanes with
  * transpose_reduce16. k's tail is zero-masked.
+ * The first activation pass over a block prefetches the same rows of the next block, a line per
+ * chunk: decode's 1-row logits of SmolLM2 (56 MB of bf16 weights) 3.7 -> 2.6 ms at 2 threads, AMX
+ * Xeon (the rows are too short for the hardware prefetcher; qgemv_int8.c does the same).
  */
 #include <stdlib.h>
 
@@ -57,6 +60,8 @@ static void block_rows(const uint16_t *x, int64_t xs, int m, int64_t k, const ui
             for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
             const int na = m - mi < 4 ? m - mi : 4;
             for (int64_t c = 0; c < k; c += 32) {
+                if (mi == 0) /* the same rows of the next block, a line each per chunk (as qgemv_int8.c) */
+                    for (int b = 0; b < 4; b++) _mm_prefetch((const char *)(wr[b] + LB_NB * k + c), _MM_HINT_T0);
                 const __m512i w0 = ld32(wr[0], c, k), w1 = ld32(wr[1], c, k);
                 const __m512i w2 = ld32(wr[2], c, k), w3 = ld32(wr[3], c, k);
                 for (int s = 0; s < na; s++) {
