@@ -112,15 +112,16 @@ class DecodePlan:
         return cls(lib, layers, hidden, inter, eps)
 
     @staticmethod
-    def applies(num_tokens: int, num_decode: int) -> bool:
-        """Every token of the step decodes, and few enough that each linear takes the kernel
-        QLinear picks below BF16_GEMM_MIN_ROWS (larger steps keep the Python loop)."""
-        return 0 < num_tokens == num_decode < BF16_GEMM_MIN_ROWS
+    def applies(num_tokens: int, num_decode: int, kernel_prefill: bool) -> bool:
+        """Few enough tokens that each linear takes the kernel QLinear picks below
+        BF16_GEMM_MIN_ROWS (larger steps keep the Python loop), all of them decode tokens or the
+        prefill ones on the attention kernel the Python loop would call (`kernel_prefill`)."""
+        return 0 < num_tokens < BF16_GEMM_MIN_ROWS and (num_tokens == num_decode or kernel_prefill)
 
-    def run(self, step_ptr: int, h: torch.Tensor, x: torch.Tensor) -> None:
+    def run(self, step_ptr: int, h: torch.Tensor, x: torch.Tensor, num_decode: int) -> None:
         """All layers: h (fp32 [m, hidden], in place) from x (bf16 [m, hidden], the first
-        layer's normed input; used as scratch)."""
+        layer's normed input; used as scratch); the step's first `num_decode` tokens decode."""
         rc = self.lib.decode_layers(step_ptr, self.layers, len(self.layers), h.data_ptr(), x.data_ptr(), h.shape[0],
-                                    self.hidden, self.inter, self.eps)  # fmt: skip
+                                    num_decode, self.hidden, self.inter, self.eps)  # fmt: skip
         if rc != 0:
-            raise MemoryError(f"decode_layers failed ({rc}) for a {h.shape[0]}-token decode step")
+            raise MemoryError(f"decode_layers failed ({rc}) for a {h.shape[0]}-token step")

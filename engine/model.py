@@ -193,8 +193,8 @@ class LlamaModel:
             h = h.float()
         x = self._norm(h, layers[0].input_norm)
         plan = self.decode_plan if step is not None and self.res32 else None
-        if plan is not None and plan.applies(h.shape[0], md.num_decode):
-            plan.run(ptr, h, x)  # the loop below, in C: bitwise the same h
+        if plan is not None and plan.applies(h.shape[0], md.num_decode, self.kernel_prefill):
+            plan.run(ptr, h, x, md.num_decode)  # the loop below, in C: bitwise the same h
             layers = []
         for i, layer in enumerate(layers):
             qkv = layer.qkv(x)

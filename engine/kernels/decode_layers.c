@@ -10,9 +10,11 @@
  * kernels, in the same order, on the same buffers' values, from C: the step's result is bitwise
  * the one of the Python loop (tests/engine/test_decode_layers.py), only without the round trips.
  *
- * Scope (the caller, LlamaModel.hidden_states, checks it): every token of the step is a decode
- * token; fewer than BF16_GEMM_MIN_ROWS of them (so each linear takes the same kernel the Python
- * QLinear would: the GEMV/tile path, or W8A8); bf16 activations with the fp32 residual stream;
+ * Scope (the caller, LlamaModel.hidden_states, checks it): fewer than BF16_GEMM_MIN_ROWS tokens in
+ * the step (so each linear takes the same kernel the Python QLinear would: the GEMV/tile path, or
+ * W8A8) — decode tokens, and prefill tokens too where the model runs prefill attention on the
+ * kernels (a speculative verification's k + 1 tokens, a draft's catch-up feed, a short prompt's
+ * chunk); bf16 activations with the fp32 residual stream;
  * every linear quantized (int8/int4 weight-only or W8A8) or a bf16 weight in linear_bf16.c's
  * panels (AMX CPUs); no q/k norms.
  *
@@ -64,6 +66,8 @@ int32_t linear_bf16(const uint16_t *x, int64_t xs, int32_t m, int32_t k, const u
 void rope_store(const Step *s, int32_t layer, void *qkv, int64_t qkv_stride);
 void paged_attention(const Step *s, int32_t layer, int32_t first, int32_t count, const void *q, int64_t q_stride,
                      void *out, int64_t out_stride);
+void prefill_attention(const Step *s, int32_t layer, int32_t first, int32_t count, const void *q, int64_t q_stride,
+                       void *out, int64_t out_stride);
 void res_norm_f32(float *h, const uint16_t *delta, const uint16_t *w, void *out, int32_t rows, int32_t n, float eps,
                   int32_t out_f32);
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int32_t rows, int32_t n);
@@ -88,7 +92,7 @@ static int32_t linear(const DecLinear *L, const uint16_t *x, int32_t m, uint16_t
 }
 
 int32_t decode_layers(const Step *s, const DecLayer *layers, int32_t num_layers, float *h, uint16_t *x, int32_t m,
-                      int32_t hidden, int32_t inter, float eps) {
+                      int32_t num_decode, int32_t hidden, int32_t inter, float eps) {
     const int64_t qkv_n = layers[0].qkv.n, attn_n = (int64_t)s->num_heads * s->head_dim;
     /* one allocation for the layer's intermediates (bf16), reused by every layer */
     uint16_t *qkv = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)m *
@@ -101,7 +105,9 @@ int32_t decode_layers(const Step *s, const DecLayer *layers, int32_t num_layers,
         const DecLayer *L = layers + i;
         if ((rc = linear(&L->qkv, x, m, qkv))) break;
         rope_store(s, i, qkv, qkv_n);
-        paged_attention(s, i, 0, m, qkv, qkv_n, attn, attn_n);
+        /* as engine/attention.py's paged_attention: decode tokens first, then the prefill chunks */
+        if (num_decode > 0) paged_attention(s, i, 0, num_decode, qkv, qkv_n, attn, attn_n);
+        if (m > num_decode) prefill_attention(s, i, num_decode, m - num_decode, qkv, qkv_n, attn + (int64_t)num_decode * attn_n, attn_n);
         if ((rc = linear(&L->o, attn, m, o))) break;
         res_norm_f32(h, o, L->post_norm, x, m, hidden, eps, 0);
         if ((rc = linear(&L->gate_up, x, m, gu))) break;

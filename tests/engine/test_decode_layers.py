@@ -19,7 +19,7 @@ SCHEMES = ["int8", "int4", "int8-w8a8", "int4-w4a8", *(["none"] if AMX else [])]
 PROMPTS = [[5, 17, 42, 99, 7, 3], [11, 12, 13], [200, 201, 202, 203, 204, 205, 206, 207, 208]]
 
 
-def _hidden_per_step(llm: LLM, prompts: list[list[int]]) -> tuple[list[torch.Tensor], list[list[int]]]:
+def _hidden_per_step(llm: LLM, prompts: list[list[int]], max_tokens: int = 8) -> tuple[list[torch.Tensor], list[list[int]]]:
     model = llm.engine.runner.model
     seen: list[torch.Tensor] = []
     real = model.hidden_states
@@ -31,7 +31,7 @@ def _hidden_per_step(llm: LLM, prompts: list[list[int]]) -> tuple[list[torch.Ten
 
     model.hidden_states = spy
     try:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
     finally:
         model.hidden_states = real
     return seen, [o.token_ids for o in outs]
@@ -78,3 +78,32 @@ def test_no_plan_where_it_does_not_apply(tiny_llama: Path, monkeypatch: pytest.M
     monkeypatch.setenv("DUET_BF16_LINEAR", "onednn")
     assert LLM(str(tiny_llama), dtype="bfloat16", threads=1).engine.runner.model.decode_plan is None
     assert LLM(str(tiny_llama), dtype="float32", quantization="int8", threads=1).engine.runner.model.decode_plan is None
+
+
+@pytest.mark.parametrize("scheme", ["int8", *(["none"] if AMX else [])])
+def test_steps_with_prefill_tokens_take_the_plan_bitwise(tiny_llama: Path, scheme: str) -> None:
+    """Steps of fewer than 16 tokens that hold prefill tokens (on the prefill attention kernel)
+    take the C loop too: prompts chunked 7 tokens a step, beside the other prompt's decode tokens
+    and against their own earlier chunks' KV (a draft model's catch-up feed is such a step).
+    Bitwise the Python loop; the plan must have run steps whose tokens were not all decode ones."""
+    llm = LLM(str(tiny_llama), dtype="bfloat16", quantization=None if scheme == "none" else scheme, threads=1,
+              max_num_batched_tokens=7, enable_prefix_caching=False)  # fmt: skip
+    model = llm.engine.runner.model
+    if not model.kernel_prefill:
+        pytest.skip("prefill attention is not on the kernels on this CPU (no avx512_bf16)")
+    plan = model.decode_plan
+    mixed = {"n": 0}
+    real_run = plan.run
+
+    def counted(step_ptr, h, x, num_decode):
+        mixed["n"] += 0 < num_decode < h.shape[0]  # decode and prefill tokens in one step
+        return real_run(step_ptr, h, x, num_decode)
+
+    plan.run = counted
+    with_plan, tokens = _hidden_per_step(llm, PROMPTS[1:] + [list(range(20, 41))], 12)
+    assert mixed["n"] >= 2
+    model.decode_plan = None
+    without, tokens_py = _hidden_per_step(llm, PROMPTS[1:] + [list(range(20, 41))], 12)
+    assert tokens == tokens_py
+    assert len(with_plan) == len(without)
+    assert all(torch.equal(a, b) for a, b in zip(with_plan, without, strict=True))
