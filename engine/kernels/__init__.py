@@ -144,7 +144,9 @@ def kernels_lib() -> ctypes.CDLL | None:
     lib.qlinear_int8.argtypes = [p, i64, i32, i32, p, p, i64, p, p, i64, i32, i32]
     lib.qlinear_int4.argtypes = [p, i64, i32, i32, p, p, p, i32, i64, p, p, i64, i32, i32]
     lib.logits_bf16.argtypes = [p, i64, i32, i32, p, i64, p, i64]
-    lib.logits_bf16.restype = None
+    lib.logits_bf16_path.argtypes = [p, i64, i32, i32, p, i64, p, i64, i32]
+    lib.logits_bf16_isa.argtypes = []
+    lib.logits_bf16.restype = lib.logits_bf16_path.restype = lib.logits_bf16_isa.restype = i32
     lib.qlinear_w8a8.argtypes = [p, i64, i32, i32, p, p, p, i64, p, p, i64, i32, i32, i32]
     lib.qlinear_w8a8.restype = i32
     lib.qlinear_int8.restype = lib.qlinear_int4.restype = i32

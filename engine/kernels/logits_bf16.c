@@ -6,18 +6,25 @@
  * logits. Every product of two bf16 values is exact in fp32, so with fp32 accumulation the only
  * rounding left is the accumulation's own.
  *
- * Two paths, bitwise equal (a sequence's logits do not depend on the batch it decodes in):
- * - m == 1 (decode): 16 weight rows per block, 4 at a time with their accumulators in registers.
- * - m > 1: the same blocks of 16 weight rows, every activation row against them with a 4x4
- *   register block, so the block is read from memory once per pass.
- * Both accumulate lane l over k = 32 c + 2 l, 2 l + 1 (vdpbf16ps pairs; with avx512f alone, the
- * same pair order with two FMAs) in chunk order, then reduce the 16 lanes with
- * transpose_reduce16. k's tail is zero-masked.
- * The first activation pass over a block prefetches the same rows of the next block, a line per
- * chunk: decode's 1-row logits of SmolLM2 (56 MB of bf16 weights) 3.7 -> 2.6 ms at 2 threads, AMX
- * Xeon (the rows are too short for the hardware prefetcher; qgemv_int8.c does the same).
+ * Paths (logits_bf16_isa; each computes a row's logits the same whatever m is, so a sequence's
+ * logits do not depend on the batch it decodes in or on a speculative verification's k + 1 rows):
+ * - AMX (2), where the CPU has amx_bf16: the weight rows are the A tiles, read where they lie (16
+ *   rows x 32 k), the activation rows the B tiles (packed once a call), C [16 weight rows][16
+ *   activation rows] stored transposed. Every m takes it: 32 rows (a decode batch of 16 in hi/lo
+ *   halves, engine/logits_head.py) 34.6 -> 4.0 ms on SmolLM2's 49,152 x 576 head at 2 threads,
+ *   6 rows 5.7 -> 2.0 ms; one row 1.5 -> 1.8 ms (the price of one path for every m). A block that
+ *   is not 32 whole rows of 32-k chunks is staged, zero-padded.
+ * - AVX-512 (1): 16 weight rows per block, 4 at a time with their accumulators in registers, every
+ *   activation row against them with a 4x4 register block; lane l accumulates k = 32 c + 2 l,
+ *   2 l + 1 (vdpbf16ps pairs; with avx512f alone, the same pair order with two FMAs) in chunk
+ *   order, then transpose_reduce16 sums the lanes. k's tail is zero-masked. The first activation
+ *   pass over a block prefetches the same rows of the next block, a line per chunk (1-row logits
+ *   3.7 -> 2.6 ms; the rows are too short for the hardware prefetcher).
+ * - portable C (0).
+ * The paths differ from each other only in the order of their fp32 sums.
  */
 #include <stdlib.h>
+#include <string.h>
 
 #include "common.h"
 
@@ -93,9 +100,134 @@ static void block_rows(const uint16_t *x, int64_t xs, int m, int64_t k, const ui
 #endif
 }
 
-/* out fp32 [m][os] = x bf16 [m][xs] @ w bf16 [n][k]^T. */
-void logits_bf16(const uint16_t *x, int64_t xs, int32_t m, int32_t k, const uint16_t *w, int64_t n, float *out,
-                 int64_t os) {
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BW__)
+#define LB_AMX 1
+/* Every 32-k chunk c of activation rows [16 g, 16 g + 16) as one AMX B tile (16 pairs x 16 rows,
+ * pair p of row j at [16 p + j]) at bt + (g * chunks + c) * 256; rows past m and k past the row
+ * are zero. */
+static void lb_pack_x(const uint16_t *x, int64_t xs, int m, int64_t k, int groups, int64_t chunks, uint32_t *bt) {
+    for (int g = 0; g < groups; g++)
+        for (int64_t c = 0; c < chunks; c++) {
+            const int64_t c0 = 32 * c;
+            const __mmask32 mk = k - c0 >= 32 ? 0xffffffffu : (1u << (k - c0)) - 1;
+            __m512i r[16];
+            for (int j = 0; j < 16; j++) {
+                const int row = 16 * g + j;
+                r[j] = row < m ? _mm512_maskz_loadu_epi16(mk, x + row * xs + c0) : _mm512_setzero_si512();
+            }
+            transpose16(r);
+            for (int p = 0; p < 16; p++) _mm512_storeu_si512((void *)(bt + (g * chunks + c) * 256 + 16 * p), r[p]);
+        }
+}
+
+/* Weight rows [n0, n0 + nr) (nr <= 32; w points at row n0, rows wstride elements apart, 32 rows
+ * and chunks * 32 k readable) against every activation row: two A tiles of 16 weight rows as they
+ * lie in memory, the B tiles of lb_pack_x, C = [16 weight rows][16 activation rows], stored
+ * transposed into out. */
+static void lb_amx_block(const uint16_t *w, int64_t wstride, int64_t chunks, const uint32_t *bt, int groups, int m,
+                         int64_t n0, int nr, float *out, int64_t os, int prefetch) {
+    float cbuf[4][256] __attribute__((aligned(64)));
+    for (int g = 0; g < groups; g += 2) {
+        const int two = g + 1 < groups;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < chunks; c++) {
+            if (prefetch && g == 0) /* the next block's 32 rows at this chunk, a line each */
+                for (int r = 0; r < 32; r++) _mm_prefetch((const char *)(w + (32 + r) * wstride + 32 * c), _MM_HINT_T0);
+            _tile_loadd(4, w + 32 * c, wstride * 2);
+            _tile_loadd(5, w + 16 * wstride + 32 * c, wstride * 2);
+            _tile_loadd(6, bt + (g * chunks + c) * 256, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 5, 6);
+            if (two) {
+                _tile_loadd(7, bt + ((g + 1) * chunks + c) * 256, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+        _tile_stored(0, cbuf[0], 64);
+        _tile_stored(1, cbuf[1], 64);
+        _tile_stored(2, cbuf[2], 64);
+        _tile_stored(3, cbuf[3], 64);
+        for (int t = 0; t < (two ? 4 : 2); t++) {
+            const int h = t & 1, gg = g + (t >> 1), rows = nr - 16 * h, acts = m - 16 * gg;
+            if (rows <= 0 || acts <= 0) continue;
+            __m512i r[16];
+            for (int i = 0; i < 16; i++) r[i] = _mm512_load_si512((const void *)(cbuf[t] + 16 * i));
+            transpose16(r); /* r[j]: activation row j's 16 outputs */
+            const __mmask16 mk = (__mmask16)(rows >= 16 ? 0xffff : (1u << rows) - 1);
+            for (int j = 0; j < 16 && j < acts; j++)
+                _mm512_mask_storeu_ps(out + (int64_t)(16 * gg + j) * os + n0 + 16 * h, mk, _mm512_castsi512_ps(r[j]));
+        }
+    }
+}
+
+/* The AMX path of logits_bf16 (every m: a row's logits do not depend on the rows beside it).
+ * Returns 0, -1 when out of memory. */
+static int lb_amx(const uint16_t *x, int64_t xs, int m, int64_t k, const uint16_t *w, int64_t n, float *out,
+                  int64_t os) {
+    const int groups = (m + 15) / 16;
+    const int64_t chunks = (k + 31) / 32, kp = 32 * chunks, blocks = (n + 31) / 32;
+    uint32_t *bt = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * 256 * (size_t)(groups * chunks));
+    if (!bt) return -1;
+    lb_pack_x(x, xs, m, k, groups, chunks, bt);
+    int fail = 0;
+#pragma omp parallel if ((int64_t)m * n * k >= (1 << 15))
+    {
+        /* a block that is not whole (k not a multiple of 32, or the last rows of w) is copied into
+         * a zero-padded buffer first: a tile load reads 32 rows of 64 bytes */
+        uint16_t *stage = (k % 32 || n % 32) ? (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * 32 * (size_t)kp) : NULL;
+        if ((k % 32 || n % 32) && !stage) {
+#pragma omp atomic write
+            fail = 1;
+        }
+        amx_configure_16x64();
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t n0 = 32 * b;
+            const int nr = (int)(n - n0 < 32 ? n - n0 : 32);
+            if (nr == 32 && k % 32 == 0) {
+                lb_amx_block(w + n0 * k, k, chunks, bt, groups, m, n0, nr, out, os, n0 + 64 <= n);
+            } else if (stage) {
+                memset(stage, 0, sizeof(uint16_t) * 32 * (size_t)kp);
+                for (int r = 0; r < nr; r++) memcpy(stage + r * kp, w + (n0 + r) * k, sizeof(uint16_t) * (size_t)k);
+                lb_amx_block(stage, kp, chunks, bt, groups, m, n0, nr, out, os, 0);
+            }
+        }
+        _tile_release();
+        free(stage);
+    }
+    free(bt);
+    return fail ? -1 : 0;
+}
+#endif
+
+/* Which path logits_bf16 runs here: 2 AMX, 1 the AVX-512 blocks, 0 portable C. */
+int32_t logits_bf16_isa(void) {
+#if defined(LB_AMX)
+    if (amx_permitted()) return 2;
+#endif
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* out fp32 [m][os] = x bf16 [m][xs] @ w bf16 [n][k]^T on path `isa` (logits_bf16_isa's values; 0:
+ * the best here). Returns 0, -1 when out of memory, -3 for a path this build or CPU lacks. Each
+ * path computes a row's logits the same whatever m is; the paths differ from each other in the
+ * order of their fp32 sums only. */
+int32_t logits_bf16_path(const uint16_t *x, int64_t xs, int32_t m, int32_t k, const uint16_t *w, int64_t n,
+                         float *out, int64_t os, int32_t isa) {
+    const int have = logits_bf16_isa();
+    if (isa == 0) isa = have;
+    if (isa > have || (have >= 1 && isa < 1)) return -3;
+#if defined(LB_AMX)
+    if (isa == 2) return lb_amx(x, xs, m, k, w, n, out, os);
+#endif
     const int64_t blocks = (n + LB_NB - 1) / LB_NB;
     /* activation rows per pass: their 4-row groups re-read one weight block from L1/L2 */
 #pragma omp parallel for schedule(static) if ((int64_t)m * n * k >= (1 << 15))
@@ -104,4 +236,11 @@ void logits_bf16(const uint16_t *x, int64_t xs, int32_t m, int32_t k, const uint
         const int nr = (int)(n - n0 < LB_NB ? n - n0 : LB_NB);
         block_rows(x, xs, m, k, w, n0, nr, out, os);
     }
+    return 0;
+}
+
+/* out fp32 [m][os] = x bf16 [m][xs] @ w bf16 [n][k]^T, on the best path here. Returns 0, -1 when out of memory. */
+int32_t logits_bf16(const uint16_t *x, int64_t xs, int32_t m, int32_t k, const uint16_t *w, int64_t n, float *out,
+                    int64_t os) {
+    return logits_bf16_path(x, xs, m, k, w, n, out, os, 0);
 }

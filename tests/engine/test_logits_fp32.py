@@ -49,6 +49,40 @@ def test_bf16_head_is_fp32_accurate_and_batch_invariant(n: int, k: int) -> None:
         assert torch.equal(head(x[r : r + 1]), got[r : r + 1])
 
 
+PATHS = [] if lib is None else [i for i in (1, 2) if i <= lib.logits_bf16_isa()]
+
+
+@needs_kernels
+@pytest.mark.parametrize("isa", PATHS)
+@pytest.mark.parametrize(("n", "k"), [(49152, 576), (37, 100), (1000, 64), (70, 33)])
+def test_each_kernel_path_is_fp32_accurate_and_batch_invariant(isa: int, n: int, k: int) -> None:
+    """Both paths the CPU has (2: AMX tiles over the weight rows as they lie, every m; 1: AVX-512
+    blocks), odd shapes included (AMX stages a block that is not 32 whole rows of 32-k chunks):
+    fp32-accurate, and a row's logits the same in a call of 1, 7 or 70 rows, bitwise."""
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    x = torch.randn(70, k, generator=g).bfloat16()
+
+    def call(rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], n)
+        rc = lib.logits_bf16_path(rows.data_ptr(), rows.stride(0), rows.shape[0], k, w.data_ptr(), n, out.data_ptr(),
+                                  n, isa)  # fmt: skip
+        assert rc == 0
+        return out
+
+    got = call(x)
+    tol = 1e-6 * k * (x.float().abs() @ w.float().abs().T)
+    assert ((got - _ref(x, w)).abs() <= tol).all()
+    assert torch.equal(torch.cat([call(x[i : i + 1]) for i in range(70)]), got)
+    assert torch.equal(torch.cat([call(x[i : i + 7]) for i in range(0, 70, 7)]), got)
+
+
+@needs_kernels
+def test_a_path_the_cpu_lacks_is_refused() -> None:
+    w, x, out = torch.zeros(32, 32).bfloat16(), torch.zeros(1, 32).bfloat16(), torch.empty(1, 32)
+    assert lib.logits_bf16_path(x.data_ptr(), 32, 1, 32, w.data_ptr(), 32, out.data_ptr(), 32, 3) == -3
+
+
 @needs_kernels
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quantized_head_stores_the_fp32_accumulator(scheme: str) -> None:
@@ -83,7 +117,7 @@ def test_portable_build_matches_reference(tmp_path: Path) -> None:
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
         plib.logits_bf16.argtypes = [p, i64, i32, i32, p, i64, p, i64]
         out = torch.empty(5, 70)
-        plib.logits_bf16(x.data_ptr(), 96, 5, 96, w.data_ptr(), 70, out.data_ptr(), 70)
+        assert plib.logits_bf16(x.data_ptr(), 96, 5, 96, w.data_ptr(), 70, out.data_ptr(), 70) == 0
         torch.testing.assert_close(out, _ref(x, w), rtol=1e-5, atol=1e-4)
 
 
