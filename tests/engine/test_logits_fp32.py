@@ -100,6 +100,23 @@ def test_quantized_head_stores_the_fp32_accumulator(scheme: str) -> None:
     assert not torch.equal(got, got.bfloat16().float())
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 20])
+def test_an_int8_head_is_fp32_accurate_from_fp32_input_at_any_batch(rows: int) -> None:
+    """bf16 engines feed the head fp32 hidden states; an int8 head takes the bf16 GEMM path over
+    their two bf16 halves from BF16_GEMM_MIN_ROWS rows on (the fp32 tile path below): both stay
+    within fp32 accumulation error of the fp64 reference, far below a bf16 rounding."""
+    g = torch.Generator().manual_seed(2)
+    qw = quantize(torch.randn(300, 128, generator=g), "int8")
+    x = torch.randn(rows, 128, generator=g)
+    from engine.quant import dequantize
+
+    got = LogitsHead(qw)(x)
+    ref = (x.double() @ dequantize(qw).double().T).float()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-4)
+    assert not torch.equal(got, got.bfloat16().float())
+
+
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
 def test_portable_build_matches_reference(tmp_path: Path) -> None:
     """The C path a CPU without AVX-512 compiles, and the avx512f path without bf16 dot products."""
