@@ -37,8 +37,16 @@ def test_one_trace_spans_gateway_coordinator_prefill_and_decode(traced: Traced) 
         return next((s for s in c.receiver.spans if s.attributes.get("duet.request_id") == rid), None)
 
     gw = wait_for(root, 15, "the gateway's request span")
-    names = {"duet-gateway": {"gateway.usage.commit", "gateway.decode_leg"}, "duet-coordinator": {"coordinator.decide"},
-             "duet-prefill": {"prefill.hold", "prefill.compute"}, "duet-decode": {"decode.generate", "decode.kv_pull"}}  # fmt: skip
+    # every span read below: each process exports in batches, so P's release server span (it ends
+    # after D's pull) can arrive after the rest (CI once took the snapshot without it)
+    names = {"duet-gateway": {"gateway.auth", "gateway.tokenize", "gateway.quota.reserve", f"chat {MODEL}",
+                              "gateway.usage.commit", "gateway.route", "gateway.prefill_leg", "gateway.decode_leg",
+                              "gateway.first_token"},
+             "duet-coordinator": {"POST /route", "coordinator.decide"},
+             "duet-prefill": {"POST /v1/completions", "prefill.queue", "prefill.compute", "prefill.hold",
+                              "POST /kv/release"},
+             "duet-decode": {"POST /v1/completions", "decode.reserve", "decode.kv_pull", "decode.first_token",
+                             "decode.generate"}}  # fmt: skip
     wait_for(lambda: all(n <= {s.name for s in c.receiver.trace(gw.trace_id) if s.service == svc}
                          for svc, n in names.items()), 15, "every process's spans")  # fmt: skip
     spans = c.receiver.trace(gw.trace_id)
