@@ -72,7 +72,7 @@ def own_kernel_lib(weight: torch.Tensor):
     if os.environ.get("DUET_BF16_LINEAR", "").lower() == "onednn" or "amx_bf16" not in cpu_flags():
         return None
     lib = kernels_lib()
-    return lib if lib is not None and lib.linear_bf16_isa() == 2 else None
+    return lib if lib is not None and lib.qgemm_bf16_isa() == 2 else None
 
 
 class Linear:
@@ -84,8 +84,6 @@ class Linear:
         self.panels: torch.Tensor | None = None
         self.lib = None
         self.out_features, self.in_features = weight.shape[0], weight.shape[-1]
-        #: what a one-row call reads (oneDNN's packed copy is opaque: its padding is not counted)
-        self.decode_bytes = weight.numel() * weight.element_size() + (0 if bias is None else bias.nbytes)
         lib = own_kernel_lib(weight) if prepack else None
         if lib is not None and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())):
             w = weight.contiguous()
@@ -93,11 +91,14 @@ class Linear:
             if lib.linear_bf16_pack(w.data_ptr(), w.shape[0], w.shape[1], self.panels.data_ptr()) != 0:
                 raise RuntimeError("linear_bf16_pack failed on a CPU that reports AMX")
             self.lib, self.weight = lib, None  # the panels replace the weight (the caller may still hold it)
-            self.decode_bytes = self.panels.nbytes + (0 if bias is None else bias.nbytes)
         elif prepack and can_prepack(weight):
             self.packed = self._pack(weight, bias)
             if self.packed is not None:
                 self.weight = None  # the packed copy replaces it (the caller may still hold it)
+        #: what a one-row call reads: the panels (their padding included), else the weight's bytes
+        #: (oneDNN's packed copy is opaque: its padding is not counted)
+        read = self.panels.nbytes if self.panels is not None else weight.numel() * weight.element_size()
+        self.decode_bytes = read + (0 if bias is None else bias.nbytes)
 
     def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         try:

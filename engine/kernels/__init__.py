@@ -154,12 +154,11 @@ def kernels_lib() -> ctypes.CDLL | None:
     lib.qlinear_int4_bf16.argtypes = [p, i64, i32, i32, p, p, p, i32, i64, p, p, i64, i32, i32]
     lib.qlinear_int8_bf16.restype = lib.qlinear_int4_bf16.restype = lib.qgemm_bf16_isa.restype = i32
     lib.qgemm_bf16_isa.argtypes = []
-    lib.linear_bf16_isa.argtypes = []
     lib.linear_bf16_packed_words.argtypes = [i64, i32]
     lib.linear_bf16_packed_words.restype = i64
     lib.linear_bf16_pack.argtypes = [p, i64, i32, p]
     lib.linear_bf16.argtypes = [p, i64, i32, i32, p, i64, p, p, i64, i32, i32]
-    lib.linear_bf16_isa.restype = lib.linear_bf16_pack.restype = lib.linear_bf16.restype = i32
+    lib.linear_bf16_pack.restype = lib.linear_bf16.restype = i32
     lib.decode_layers.argtypes = [p, p, i32, p, p, i32, i32, i32, i32, f32]
     lib.decode_layers.restype = i32
     return lib

@@ -156,6 +156,22 @@ INLINE void transpose16(__m512i *r) {
     }
 }
 
+#if defined(__AVX512BW__)
+/* Rows [0, 16) of src (rows `stride` elements apart; rows from `rows` on read as zero) as the VNNI
+ * pair layout of AMX / vdpbf16ps operands: for every 32-k chunk c (k padded to 32 with zeros),
+ * uint32 [16 pairs][16 rows] at dst + 256 c, pair p (k = 32 c + 2 p, + 1) of row r at [16 p + r].
+ * One 16x16 transpose of uint32 per chunk. */
+INLINE void pack_pairs16(const uint16_t *src, int64_t stride, int rows, int64_t k, uint32_t *dst) {
+    for (int64_t c0 = 0; c0 < k; c0 += 32) {
+        const __mmask32 mk = k - c0 >= 32 ? 0xffffffffu : (1u << (k - c0)) - 1; /* k past the row: 0 */
+        __m512i r[16];
+        for (int i = 0; i < 16; i++) r[i] = i < rows ? _mm512_maskz_loadu_epi16(mk, src + i * stride + c0) : _mm512_setzero_si512();
+        transpose16(r);
+        for (int p = 0; p < 16; p++) _mm512_storeu_si512((void *)(dst + 8 * c0 + 16 * p), r[p]);
+    }
+}
+#endif
+
 /* 64 bytes at dst (NT_OUTPUT_BYTES): non-temporal when `nt` and dst is 64-byte aligned, else a plain store. */
 INLINE void store64(void *dst, __m512i v, int nt) {
     if (nt && ((uintptr_t)dst & 63) == 0) _mm512_stream_si512(dst, v);

@@ -17,35 +17,16 @@
  * Speed (SmolLM2's shapes, 2 threads, AMX; oneDNN's prepacked weights as the baseline):
  * 1.3-2x at 1-32 rows, 0.8-1.3x at 512 (tests never time it; bench.engine_tiers measures it).
  *
- * Built only where the CPU has AVX-512 BF16 (linear_bf16_isa() says 0 elsewhere). engine/linear.py
+ * Built only where the CPU has AVX-512 BF16 (qgemm_bf16_isa() says 0 elsewhere). engine/linear.py
  * takes it on AMX CPUs only: the vdpbf16ps path (isa 1, kept for tests and for the int8/int4
  * bf16 GEMM) runs at 0.1-0.6x oneDNN's bf16 on an AMX Xeon, so CPUs without AMX keep oneDNN's
  * prepacked weights (or F.linear).
  */
 #include "qgemm_bf16.h"
 
-/* The path linear_bf16 runs here: 2 AMX, 1 AVX-512 BF16, 0 none. */
-int32_t linear_bf16_isa(void) { return qb_isa(); }
-
 /* uint32 words of the packed form of an n x k matrix. */
 int64_t linear_bf16_packed_words(int64_t n, int32_t k) { return (n + 31) / 32 * 32 * (qb_pad32(k) / 2); }
 
-#if defined(QB_BF16)
-/* 16-row half b (rows 16 b .. 16 b + 15) of w [n][k]: 32 k of the 16 rows loaded as 16 vectors of
- * pairs, one 16x16 transpose of uint32, 16 stores. */
-static void pack_half(const uint16_t *w, int64_t n, int64_t k, int64_t b, uint32_t *dst) {
-    for (int64_t c = 0; c < qb_pad32(k); c += 32) {
-        const __mmask32 mk = k - c >= 32 ? 0xffffffffu : (1u << (k - c)) - 1; /* k past the row: 0 */
-        __m512i r[16];
-        for (int i = 0; i < 16; i++) {
-            const int64_t row = 16 * b + i;
-            r[i] = row < n ? _mm512_maskz_loadu_epi16(mk, w + row * k + c) : _mm512_setzero_si512();
-        }
-        transpose16(r);
-        for (int p = 0; p < 16; p++) _mm512_storeu_si512((void *)(dst + (c / 2 + p) * 16), r[p]);
-    }
-}
-#endif
 
 /* Packs w bf16 [n][k] into out (linear_bf16_packed_words(n, k) words, 64-byte aligned). Returns
  * 0, or -3 where this build has no AVX-512 BF16. */
@@ -53,7 +34,8 @@ int32_t linear_bf16_pack(const uint16_t *w, int64_t n, int32_t k, uint32_t *out)
 #if defined(QB_BF16)
     const int64_t halves = (n + 31) / 32 * 2, words = 16 * (qb_pad32(k) / 2);
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < halves; b++) pack_half(w, n, k, b, out + b * words);
+    for (int64_t b = 0; b < halves; b++) /* half b: rows 16 b .. 16 b + 15 */
+        pack_pairs16(w + 16 * b * (int64_t)k, k, (int)(n - 16 * b < 0 ? 0 : n - 16 * b), k, out + b * words);
     return 0;
 #else
     (void)w, (void)n, (void)k, (void)out;

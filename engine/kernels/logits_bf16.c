@@ -102,27 +102,9 @@ static void block_rows(const uint16_t *x, int64_t xs, int m, int64_t k, const ui
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && defined(__AVX512BW__)
 #define LB_AMX 1
-/* Every 32-k chunk c of activation rows [16 g, 16 g + 16) as one AMX B tile (16 pairs x 16 rows,
- * pair p of row j at [16 p + j]) at bt + (g * chunks + c) * 256; rows past m and k past the row
- * are zero. */
-static void lb_pack_x(const uint16_t *x, int64_t xs, int m, int64_t k, int groups, int64_t chunks, uint32_t *bt) {
-    for (int g = 0; g < groups; g++)
-        for (int64_t c = 0; c < chunks; c++) {
-            const int64_t c0 = 32 * c;
-            const __mmask32 mk = k - c0 >= 32 ? 0xffffffffu : (1u << (k - c0)) - 1;
-            __m512i r[16];
-            for (int j = 0; j < 16; j++) {
-                const int row = 16 * g + j;
-                r[j] = row < m ? _mm512_maskz_loadu_epi16(mk, x + row * xs + c0) : _mm512_setzero_si512();
-            }
-            transpose16(r);
-            for (int p = 0; p < 16; p++) _mm512_storeu_si512((void *)(bt + (g * chunks + c) * 256 + 16 * p), r[p]);
-        }
-}
-
 /* Weight rows [n0, n0 + nr) (nr <= 32; w points at row n0, rows wstride elements apart, 32 rows
  * and chunks * 32 k readable) against every activation row: two A tiles of 16 weight rows as they
- * lie in memory, the B tiles of lb_pack_x, C = [16 weight rows][16 activation rows], stored
+ * lie in memory, the B tiles lb_amx packs (pack_pairs16), C = [16 weight rows][16 activation rows], stored
  * transposed into out. */
 static void lb_amx_block(const uint16_t *w, int64_t wstride, int64_t chunks, const uint32_t *bt, int groups, int m,
                          int64_t n0, int nr, float *out, int64_t os, int prefetch) {
@@ -172,7 +154,8 @@ static int lb_amx(const uint16_t *x, int64_t xs, int m, int64_t k, const uint16_
     const int64_t chunks = (k + 31) / 32, kp = 32 * chunks, blocks = (n + 31) / 32;
     uint32_t *bt = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * 256 * (size_t)(groups * chunks));
     if (!bt) return -1;
-    lb_pack_x(x, xs, m, k, groups, chunks, bt);
+    /* every 32-k chunk c of activation rows [16 g, 16 g + 16) as one B tile at bt + (g chunks + c) 256 */
+    for (int g = 0; g < groups; g++) pack_pairs16(x + 16 * g * xs, xs, m - 16 * g, k, bt + g * chunks * 256);
     int fail = 0;
 #pragma omp parallel if ((int64_t)m * n * k >= (1 << 15))
     {

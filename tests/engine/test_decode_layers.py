@@ -14,7 +14,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
 #: bf16 weights ("none") take the plan where their linears run linear_bf16.c (AMX CPUs)
-AMX = kernels_lib() is not None and kernels_lib().linear_bf16_isa() == 2
+AMX = kernels_lib() is not None and kernels_lib().qgemm_bf16_isa() == 2
 SCHEMES = ["int8", "int4", "int8-w8a8", "int4-w4a8", *(["none"] if AMX else [])]
 PROMPTS = [[5, 17, 42, 99, 7, 3], [11, 12, 13], [200, 201, 202, 203, 204, 205, 206, 207, 208]]
 

@@ -21,7 +21,7 @@ from engine import linear
 from engine.kernels import kernels_lib
 
 LIB = kernels_lib()
-ISA = 0 if LIB is None else int(LIB.linear_bf16_isa())
+ISA = 0 if LIB is None else int(LIB.qgemm_bf16_isa())
 pytestmark = pytest.mark.skipif(ISA == 0, reason="no AVX-512 BF16 on this CPU: linear_bf16 is not built")
 SHAPES = [(37, 70), (64, 576), (33, 31), (160, 1536)]
 
