@@ -1,7 +1,7 @@
 """DecodePlan: a bf16 model's layers as `decode_layers` (engine/kernels/decode_layers.c) runs them,
 so a pure-decode step crosses from Python to C once instead of ~9 times a layer. Its linears are
 quantized (QLinear on the kernels) or bf16 on linear_bf16.c (engine/linear.py's Linear with
-panels, on AMX CPUs).
+panels, on CPUs with AVX-512 BF16).
 
 Built once per model (ctypes mirrors of `DecLinear` / `DecLayer`); `run` is what
 `LlamaModel.hidden_states` calls for a step it applies to (`applies`). The C loop calls the same

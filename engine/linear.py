@@ -1,14 +1,18 @@
-"""Linear layers: bf16 on the project's own AMX GEMM where the CPU has AMX, oneDNN-prepacked
-weights for bf16 on other CPUs, plain F.linear otherwise.
+"""Linear layers: bf16 on the project's own GEMM where the CPU has AVX-512 BF16 (AMX or not),
+oneDNN-prepacked weights for bf16 on other CPUs that oneDNN's bf16 reorder supports, plain
+F.linear otherwise.
 
-On AMX CPUs with the native kernels, a bf16 weight is packed once into the panel layout of
-engine/kernels/linear_bf16.c and every call, whatever its row count, runs that one kernel: a
-row's output is bitwise the same whether it is computed alone (single-stream decode), in a
-decode batch, in a speculative verification or in a prefill, which oneDNN, choosing its kernel by
-the row count, does not promise. It is also 1.3-2.4x oneDNN's prepacked call at 1-32 rows on
-SmolLM2's shapes (oneDNN pays ~20 us a call) and 0.8-1.2x at 512 (bench.engine_tiers measures
-the engine: W2 is single-stream decode). `DUET_BF16_LINEAR=onednn` keeps oneDNN there (an A/B
-switch for benchmarks, not a fallback).
+On CPUs with AVX-512 BF16 and the native kernels, a bf16 weight is packed once into the panel
+layout of engine/kernels/linear_bf16.c and every call, whatever its row count, runs that one
+kernel (AMX tiles where the CPU has them, else vdpbf16ps): a row's output is bitwise the same
+whether it is computed alone (single-stream decode), in a decode batch, in a speculative
+verification or in a prefill, which oneDNN, choosing its kernel by the row count, does not
+promise (bf16 speculation was not greedy-identical on Zen 4/5 with oneDNN). Measured against
+oneDNN's prepacked call on SmolLM2's shapes, 2 threads: AMX Xeon 1.3-2.4x at 1-32 rows, 0.8-1.2x
+at 512; Zen 4 (vdpbf16ps) 1.2-2.7x at 1-8 rows, 0.8-1.4x at 16-128, 0.73-1.2x at 512 (the four
+linears of a 512-token prefill together 0.98-1.01x). bench.engine_tiers measures the engine (W2
+is single-stream decode). `DUET_BF16_LINEAR=onednn` keeps oneDNN there (an A/B switch for
+benchmarks, not a fallback).
 
 A prepacked weight is reordered once into oneDNN's blocked layout, which skips the per-call
 reorder F.linear pays: measured 2-3x faster at decode batch sizes (M=1: 70 vs 141 us for a
@@ -65,14 +69,16 @@ def can_prepack(weight: torch.Tensor) -> bool:
 
 
 def own_kernel_lib(weight: torch.Tensor):
-    """The kernel library when this bf16 CPU weight takes linear_bf16.c (an AMX CPU, the kernels
-    built, not switched off by DUET_BF16_LINEAR=onednn), else None."""
+    """The kernel library when this bf16 CPU weight takes linear_bf16.c (a CPU with AVX-512 BF16,
+    the kernels built with it, not switched off by DUET_BF16_LINEAR=onednn), else None."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
-    if os.environ.get("DUET_BF16_LINEAR", "").lower() == "onednn" or "amx_bf16" not in cpu_flags():
+    # the flag as well as the build's answer: the kernels are built with -march=native, so the two
+    # agree on a real CPU, and tests that stand in another CPU's flags see its choice
+    if os.environ.get("DUET_BF16_LINEAR", "").lower() == "onednn" or "avx512_bf16" not in cpu_flags():
         return None
     lib = kernels_lib()
-    return lib if lib is not None and lib.qgemm_bf16_isa() == 2 else None
+    return lib if lib is not None and lib.qgemm_bf16_isa() >= 1 else None
 
 
 class Linear:
@@ -80,7 +86,7 @@ class Linear:
         self.weight: torch.Tensor | None = weight
         self.bias = bias
         self.packed: torch.Tensor | None = None
-        #: linear_bf16.c's panels (int32 words) and the kernel library, on AMX CPUs
+        #: linear_bf16.c's panels (int32 words) and the kernel library, on AVX-512 BF16 CPUs
         self.panels: torch.Tensor | None = None
         self.lib = None
         self.out_features, self.in_features = weight.shape[0], weight.shape[-1]
@@ -89,7 +95,7 @@ class Linear:
             w = weight.contiguous()
             self.panels = torch.empty(lib.linear_bf16_packed_words(*w.shape), dtype=torch.int32)
             if lib.linear_bf16_pack(w.data_ptr(), w.shape[0], w.shape[1], self.panels.data_ptr()) != 0:
-                raise RuntimeError("linear_bf16_pack failed on a CPU that reports AMX")
+                raise RuntimeError("linear_bf16_pack failed in a build that has AVX-512 BF16")
             self.lib, self.weight = lib, None  # the panels replace the weight (the caller may still hold it)
         elif prepack and can_prepack(weight):
             self.packed = self._pack(weight, bias)

@@ -119,7 +119,7 @@ def test_linear_prepacking_failure_is_an_error_in_strict_mode(monkeypatch: pytes
     from protocol.strict import FallbackRefused
 
     w = torch.randn(64, 64).to(torch.bfloat16)
-    monkeypatch.setenv("DUET_BF16_LINEAR", "onednn")  # AMX CPUs take linear_bf16.c otherwise
+    monkeypatch.setenv("DUET_BF16_LINEAR", "onednn")  # AVX-512 BF16 CPUs take linear_bf16.c otherwise
     if not linear.can_prepack(w):
         pytest.skip("this torch/CPU does not prepack bf16 linears")
     real = F.linear

@@ -16,7 +16,7 @@
  * kernels (a speculative verification's k + 1 tokens, a draft's catch-up feed, a short prompt's
  * chunk); bf16 activations with the fp32 residual stream;
  * every linear quantized (int8/int4 weight-only or W8A8) or a bf16 weight in linear_bf16.c's
- * panels (AMX CPUs); no q/k norms.
+ * panels (CPUs with AVX-512 BF16); no q/k norms.
  *
  * In: h, the fp32 residual stream [m][hidden] (updated in place); x, bf16 [m][hidden], the first
  * layer's normed input. Out: h after the last layer (its down projection added, not normed).

@@ -13,7 +13,7 @@ from engine.kernels import kernels_lib
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 
-#: bf16 weights ("none") take the plan where their linears run linear_bf16.c (AMX CPUs)
+#: bf16 weights ("none") take the plan where their linears run linear_bf16.c (CPUs with AVX-512 BF16)
 AMX = kernels_lib() is not None and kernels_lib().qgemm_bf16_isa() == 2
 SCHEMES = ["int8", "int4", "int8-w8a8", "int4-w4a8", *(["none"] if AMX else [])]
 PROMPTS = [[5, 17, 42, 99, 7, 3], [11, 12, 13], [200, 201, 202, 203, 204, 205, 206, 207, 208]]
@@ -43,7 +43,7 @@ def test_plan_is_bitwise_the_python_loop(tiny_llama: Path, scheme: str, batch: i
     llm = LLM(str(tiny_llama), dtype="bfloat16", quantization=None if scheme == "none" else scheme, threads=1)
     model = llm.engine.runner.model
     plan = model.decode_plan
-    assert plan is not None, "a quantized bf16 model (bf16 on AMX) gets a decode plan"
+    assert plan is not None, "a quantized bf16 model (bf16 on AVX-512 BF16) gets a decode plan"
     runs = {"n": 0}
     real_run = plan.run
 

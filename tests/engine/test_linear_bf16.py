@@ -1,11 +1,11 @@
 """linear_bf16 (engine/kernels/linear_bf16.c) and engine/linear.py's Linear on it: bf16 linear
-layers on the project's own GEMM on AMX CPUs.
+layers on the project's own GEMM on CPUs with AVX-512 BF16 (AMX or not).
 
 - The kernel computes x @ W^T + bias with fp32 sums and one rounding (against an fp32 reference,
   odd shapes included: n not a multiple of 32, k not of 32, k odd).
 - A row's output does not depend on the rows beside it: every row of a 300-row call equals the
   row computed alone and in 5-row calls, bitwise, on each path the CPU has (AMX, AVX-512 BF16).
-- Linear takes it on AMX CPUs (panels replace the weight; decode_bytes counts the panels),
+- Linear takes it wherever it is built (panels replace the weight; decode_bytes counts the panels),
   keeps oneDNN with DUET_BF16_LINEAR=onednn, and refuses an fp32 input with a clear error.
 Skipped where the CPU has no AVX-512 BF16 (the kernel is not built there; test_linear_isa.py
 covers those CPUs' paths).
@@ -67,8 +67,7 @@ def test_a_path_the_cpu_lacks_is_refused() -> None:
     assert LIB.linear_bf16(x.data_ptr(), 32, 1, 32, _pack(w).data_ptr(), 32, None, out.data_ptr(), 32, 1, 3) == -3
 
 
-@pytest.mark.skipif(ISA < 2, reason="Linear takes linear_bf16 on AMX CPUs only")
-def test_linear_takes_the_kernel_on_amx_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_linear_takes_the_kernel_where_it_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(100, 64, generator=g).bfloat16(), torch.randn(100, generator=g).bfloat16()
     x = torch.randn(2, 3, 64, generator=g).bfloat16()
@@ -83,3 +82,18 @@ def test_linear_takes_the_kernel_on_amx_cpus(monkeypatch: pytest.MonkeyPatch) ->
         layer(x.float())
     monkeypatch.setenv("DUET_BF16_LINEAR", "onednn")
     assert linear.Linear(w, b).panels is None
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536)])
+def test_a_bf16_layers_rows_do_not_depend_on_their_batch(shape: tuple[int, int]) -> None:
+    """What speculative decoding's greedy identity rests on, through Linear as the engine builds
+    it on this CPU: a row computed alone (a decode step), among 6 (a verification of 5 drafts) and
+    among 40 (a batch) is bitwise the same. oneDNN's prepacked bf16 failed this on Zen 4 at k = 1536
+    (0.0625 apart), and bf16 self-speculation there was not greedy-identical."""
+    n, k = shape
+    g = torch.Generator().manual_seed(k)
+    layer = linear.Linear(torch.randn(n, k, generator=g).bfloat16())
+    x = torch.randn(40, k, generator=g).bfloat16()
+    full = layer(x)
+    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(40)]), full)
+    assert torch.equal(torch.cat([layer(x[i : i + 6]) for i in range(0, 36, 6)]), full[:36])
