@@ -9,8 +9,8 @@ whether it is computed alone (single-stream decode), in a decode batch, in a spe
 verification or in a prefill, which oneDNN, choosing its kernel by the row count, does not
 promise (bf16 speculation was not greedy-identical on Zen 4/5 with oneDNN). Measured against
 oneDNN's prepacked call on SmolLM2's shapes, 2 threads: AMX Xeon 1.3-2.4x at 1-32 rows, 0.8-1.2x
-at 512; Zen 4 (vdpbf16ps) 1.2-2.7x at 1-8 rows, 0.8-1.4x at 16-128, 0.73-1.2x at 512 (the four
-linears of a 512-token prefill together 0.98-1.01x). bench.engine_tiers measures the engine (W2
+at 512; Zen 4 (vdpbf16ps) 1.2-2.0x at one row, 0.9-2.7x at 2-8, 0.8-1.6x at 16-128, 0.7-1.2x at
+512 (a 512-token prefill's four linears together 0.98-1.01x). bench.engine_tiers measures the engine (W2
 is single-stream decode). `DUET_BF16_LINEAR=onednn` keeps oneDNN there (an A/B switch for
 benchmarks, not a fallback).
 

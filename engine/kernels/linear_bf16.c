@@ -18,8 +18,8 @@
  * 1.3-2x at 1-32 rows, 0.8-1.3x at 512 (tests never time it; bench.engine_tiers measures it).
  *
  * On CPUs with AVX-512 BF16 but no AMX (Zen 4/5) the vdpbf16ps path, against oneDNN's own
- * AVX-512 BF16 kernels: 1.2-2.7x at 1-8 rows, 0.8-1.4x at 16-128, a 512-token prefill's four
- * linears 0.98-1.01x together (Zen 4, 2 threads). On an AMX CPU the AMX path runs (the vdpbf16ps
+ * AVX-512 BF16 kernels: 1.2-2.0x at one row, 0.9-2.7x at 2-8, 0.8-1.6x at 16-128, a 512-token
+ * prefill's four linears 0.98-1.01x together (Zen 4, 2 threads). On an AMX CPU the AMX path runs (the vdpbf16ps
  * one is 0.1-0.6x oneDNN's AMX there).
  *
  * Built only where the CPU has AVX-512 BF16 (qgemm_bf16_isa() says 0 elsewhere, and engine/linear.py

@@ -147,7 +147,7 @@ static void qb_amx_tile(const uint16_t *X, int64_t kp, int two, const uint32_t *
 
 /* acc [rows][32] = X rows (rows <= QB_MR of them) against the two panel halves, with vdpbf16ps.
  * `rows` is a constant at every call (qb_dp_tile's switch), so a decode step's single row costs 2
- * vdpbf16ps a pair, not 16 (that made the path 1.2-2x oneDNN's at 1-8 rows on Zen 4). Each
+ * vdpbf16ps a pair, not 16 (1.6-2.4x faster at one row on Zen 4). Each
  * output's chain over the pairs runs in k order whatever `rows` is. */
 static inline __attribute__((always_inline)) void qb_dp_rows(const uint16_t *X, int64_t kp, const uint32_t *p0,
                                                                const uint32_t *p1, float *acc, const int rows) {
