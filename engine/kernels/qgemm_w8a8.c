@@ -208,6 +208,29 @@ static inline __attribute__((always_inline)) void w8_dots_mr(const uint8_t *X, c
 #endif
 }
 
+#if defined(__AVX512VNNI__)
+/* acc [mr][32] = w8_dots_mr of both blocks of a pair (wb0, wb1) in one pass: one broadcast
+ * activation quad feeds two vpdpbusd (2 mr accumulators). Integer sums: the same values. */
+static inline __attribute__((always_inline)) void w8_dots2_mr(const uint8_t *X, const int mr, int64_t kp, int64_t klen,
+                                                              const int8_t *wb0, const int8_t *wb1, int32_t *acc) {
+    __m512i a[W8_MR][2];
+    for (int s = 0; s < mr; s++) a[s][0] = a[s][1] = _mm512_setzero_si512();
+    for (int64_t r = 0; r < klen / 4; r++) {
+        const __m512i w0 = _mm512_loadu_si512((const void *)(wb0 + r * 64));
+        const __m512i w1 = _mm512_loadu_si512((const void *)(wb1 + r * 64));
+        for (int s = 0; s < mr; s++) {
+            const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(X + (int64_t)s * kp + 4 * r));
+            a[s][0] = _mm512_dpbusd_epi32(a[s][0], xb, w0);
+            a[s][1] = _mm512_dpbusd_epi32(a[s][1], xb, w1);
+        }
+    }
+    for (int s = 0; s < mr; s++) {
+        _mm512_storeu_si512((void *)(acc + 32 * s), a[s][0]);
+        _mm512_storeu_si512((void *)(acc + 32 * s + 16), a[s][1]);
+    }
+}
+#endif
+
 /* w8_dots_mr with the row count a constant per call, so the sums are registers (a runtime row count
  * indexing the array cost the grouped path 13-16 %; see w8_dots_groups). */
 static void w8_dots(const uint8_t *X, int mr, int64_t kp, int64_t klen, const int8_t *wb, int32_t *acc) {
@@ -473,7 +496,7 @@ int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
 #pragma omp parallel if ((int64_t)m * n * k >= (1 << 15))
     {
         /* AMX: [mpad][32] per pair of blocks; VNNI: [W8_MR][16]; grouped: fp32 totals of the same shape */
-        const size_t tile = (size_t)(amx ? W8_AMX_MB * 32 : W8_MR * 16);
+        const size_t tile = (size_t)(amx ? W8_AMX_MB * 32 : W8_MR * 32);
         int32_t *acc = (int32_t *)aligned_alloc(64, sizeof(int32_t) * tile);
         float *tot = groups > 1 ? (float *)aligned_alloc(64, sizeof(float) * tile) : NULL;
         if (!acc || (groups > 1 && !tot)) {
@@ -505,6 +528,31 @@ int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
                     }
                     w8_amx_rows(X + (int64_t)m0 * kp, mb, m - m0, kp, wp + 2 * p * blk, sx + m0, acc, n0, n, scale, bias,
                                 (char *)out + (int64_t)m0 * os * esz, os * esz, obf16, nt);
+                    continue;
+                }
+#endif
+#if defined(__AVX512VNNI__)
+                if (groups == 1 && n0 + 16 < n) { /* both blocks of the pair, full tiles in one pass */
+                    const int cnt1 = (int)(n - n0 - 16 < 16 ? n - n0 - 16 : 16);
+                    const int8_t *wb0 = wp + 2 * p * blk;
+                    for (int mi = 0; mi < m; mi += W8_MR) {
+                        const int mr = m - mi < W8_MR ? m - mi : W8_MR;
+                        if (mr == W8_MR) {
+                            w8_dots2_mr(X + (int64_t)mi * kp, W8_MR, kp, kp, wb0, wb0 + blk, acc);
+                            for (int s = 0; s < mr; s++) {
+                                char *row = (char *)out + (int64_t)(mi + s) * os * esz;
+                                w8_epilogue(acc + 32 * s, 16, sx[mi + s], scale, wsum, bias, n0, row, obf16);
+                                w8_epilogue(acc + 32 * s + 16, cnt1, sx[mi + s], scale, wsum, bias, n0 + 16, row, obf16);
+                            }
+                            continue;
+                        }
+                        for (int h = 0; h < 2; h++) {
+                            w8_dots(X + (int64_t)mi * kp, mr, kp, kp, wb0 + h * blk, acc);
+                            for (int s = 0; s < mr; s++)
+                                w8_epilogue(acc + 16 * s, h ? cnt1 : 16, sx[mi + s], scale, wsum, bias, n0 + 16 * h,
+                                            (char *)out + (int64_t)(mi + s) * os * esz, obf16);
+                        }
+                    }
                     continue;
                 }
 #endif
