@@ -39,6 +39,7 @@ from tests.wait import wait_for
 
 CHROMIUM, DRIVER = shutil.which("chromium") or "/usr/bin/chromium", shutil.which("chromedriver") or "/usr/bin/chromedriver"
 TEAM = "webteam"
+USAGE_TEAM = "usageteam"  # test_usage_charts_and_csv_equal_the_cli_report's own
 
 
 def _browser_missing() -> str | None:
@@ -276,23 +277,36 @@ def test_team_key_lifecycle_through_the_console(traced: Traced, browser: object)
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "refused"}], max_tokens=2)
 
 
-def _cli_report(traced: Traced, day: str, group_by: str) -> str:
+def _cli_report(traced: Traced, day: str, group_by: str, team: str) -> str:
     out = subprocess.run([sys.executable, "-m", "duet", "usage", "report", "--store", f"sqlite://{traced.tmp / 'gateway.db'}",
-                          "--start", day, "--end", day, "--team", TEAM, "--group-by", group_by, "--format", "csv"],
+                          "--start", day, "--end", day, "--team", team, "--group-by", group_by, "--format", "csv"],
                          capture_output=True, timeout=60, check=True)  # fmt: skip
     return out.stdout.decode()  # bytes: csv's \r\n line ends as they are
 
 
 def test_usage_charts_and_csv_equal_the_cli_report(traced: Traced, browser: object) -> None:
+    """Its own team and three requests (it once read the key lifecycle test's, and failed when
+    run alone or on another worker)."""
     d, base = browser, traced.gateway.url
-    sign_in(d, base, ADMIN_KEY)
+    key = make_team(base, USAGE_TEAM)
+    client = openai.OpenAI(base_url=base + "/v1", api_key=key, max_retries=0)
+    for i in range(3):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": f"usage test {i} " * 4}],
+                                       max_tokens=4, temperature=0)  # fmt: skip
     day = time.strftime("%Y-%m-%d", time.gmtime())
-    q = urllib.parse.urlencode({"start": day, "end": day, "team": TEAM})
+
+    def recorded() -> bool:
+        data = http(f"{base}/v1/usage?date={day}&team_id={USAGE_TEAM}", key=ADMIN_KEY)[2]["data"]
+        return bool(data) and data[0].get("requests") == 3
+
+    wait_for(recorded, 30, "the three usage records")
+    sign_in(d, base, ADMIN_KEY)
+    q = urllib.parse.urlencode({"start": day, "end": day, "team": USAGE_TEAM})
     d.get(f"{base}/console/usage?{q}")  # type: ignore[attr-defined]
     tables = {t.find_element("css selector", "caption").text: t for t in css(d, "table")}
     team_row = tables["Per team"].find_element("css selector", "tbody tr").text.split()
-    assert team_row[:2] == [TEAM, "3"], team_row  # the three requests of the key made in the console
-    body = http(f"{base}/v1/usage?date={day}&team_id={TEAM}", key=ADMIN_KEY)[2]
+    assert team_row[:2] == [USAGE_TEAM, "3"], team_row
+    body = http(f"{base}/v1/usage?date={day}&team_id={USAGE_TEAM}", key=ADMIN_KEY)[2]
     tokens = body["data"][0]["total_tokens"]
     desc = css(d, "svg[aria-label='Tokens per day'] desc")[0].get_attribute("textContent")
     assert desc == f"{day}: {tokens}", desc  # the chart draws the API's numbers
@@ -300,7 +314,7 @@ def test_usage_charts_and_csv_equal_the_cli_report(traced: Traced, browser: obje
     assert not low_contrast(d), low_contrast(d)  # WCAG AA, as the browser renders it
     shot(d, "usage")
     # the tier table's row is the report's tier row (TTFT percentiles included), as the page formats it
-    [tier] = csv.DictReader(io.StringIO(_cli_report(traced, day, "tier")))
+    [tier] = csv.DictReader(io.StringIO(_cli_report(traced, day, "tier", USAGE_TEAM)))
     cells = [c.text for c in tables["Per tier"].find_elements("css selector", "tbody td")]
     assert cells == [tier["tier"], tier["requests"], tier["prompt_tokens"], tier["completion_tokens"],
                      tier["cached_tokens"], f"{float(tier['cost_usd']):.6f}", ms_cell(float(tier["ttft_p50_s"])),
@@ -309,7 +323,7 @@ def test_usage_charts_and_csv_equal_the_cli_report(traced: Traced, browser: obje
     for group_by in ("record", "day", "tier", "model"):
         status, csv_bytes = get_raw(f"{base}/console/usage.csv?{q}&group_by={group_by}", cookie)
         assert status == 200
-        assert csv_bytes.decode() == _cli_report(traced, day, group_by), group_by
+        assert csv_bytes.decode() == _cli_report(traced, day, group_by, USAGE_TEAM), group_by
     assert csv_bytes.count(b"\n") == 2  # header + one model row
 
 
