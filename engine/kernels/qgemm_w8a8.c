@@ -156,14 +156,9 @@ __attribute__((unused)) static inline __m512i w8_dot_bw(__m512i acc, __m512i x, 
 }
 #endif
 
-/* acc [mr][16] = integer dots of activation rows X (u8, rows kp bytes apart) with the packed
- * block wb, over the klen inputs (a multiple of 64) both start at. */
-static inline __attribute__((always_inline)) void w8_dots_mr(const uint8_t *X, const int mr, int64_t kp, int64_t klen,
-                                                             const int8_t *wb, int32_t *acc) {
+/* One activation row s (< mr) of the VNNI loops at quad r: its broadcast quad times the weight quad
+ * w, into a[s] (w8_dots_mr, w8_dots_groups_mr). */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
-    __m512i a[W8_MR];
-    for (int s = 0; s < W8_MR; s++) a[s] = _mm512_setzero_si512();
-    const int64_t quads = klen / 4;
 #define W8_ROW(s)                                                                                   \
     if ((s) < mr) {                                                                                 \
         const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(X + (int64_t)(s) * kp + 4 * r));    \
@@ -174,6 +169,16 @@ static inline __attribute__((always_inline)) void w8_dots_mr(const uint8_t *X, c
 #else
 #define W8_DOT(acc, x, w) w8_dot_bw(acc, x, w)
 #endif
+#endif
+
+/* acc [mr][16] = integer dots of activation rows X (u8, rows kp bytes apart) with the packed
+ * block wb, over the klen inputs (a multiple of 64) both start at. */
+static inline __attribute__((always_inline)) void w8_dots_mr(const uint8_t *X, const int mr, int64_t kp, int64_t klen,
+                                                             const int8_t *wb, int32_t *acc) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    __m512i a[W8_MR];
+    for (int s = 0; s < W8_MR; s++) a[s] = _mm512_setzero_si512();
+    const int64_t quads = klen / 4;
     if (mr <= 2) {
         /* few rows: 4 chains per row (one per quad mod 4), or vpdpbusd's latency would bound the
          * loop; integer sums do not depend on how they are split */
@@ -195,8 +200,6 @@ static inline __attribute__((always_inline)) void w8_dots_mr(const uint8_t *X, c
             W8_ROW(0) W8_ROW(1) W8_ROW(2) W8_ROW(3) W8_ROW(4) W8_ROW(5) W8_ROW(6) W8_ROW(7)
         }
     }
-#undef W8_ROW
-#undef W8_DOT
     for (int s = 0; s < mr; s++) _mm512_storeu_si512((void *)(acc + 16 * s), a[s]);
 #else
     for (int s = 0; s < mr; s++)
@@ -263,22 +266,10 @@ static inline __attribute__((always_inline)) void w8_dots_groups_mr(const uint8_
         const int64_t q0 = j * g / 4, q1 = (j * g + g < kp ? j * g + g : kp) / 4;
         __m512i a[W8_MR];
         for (int s = 0; s < W8_MR; s++) a[s] = _mm512_setzero_si512();
-#if defined(__AVX512VNNI__)
-#define W8_DOT(acc, x, w) _mm512_dpbusd_epi32(acc, x, w)
-#else
-#define W8_DOT(acc, x, w) w8_dot_bw(acc, x, w)
-#endif
-#define W8_ROWG(s)                                                                                  \
-    if ((s) < mr) {                                                                                 \
-        const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(X + (int64_t)(s) * kp + 4 * r));    \
-        a[s] = W8_DOT(a[s], xb, w);                                                                 \
-    }
         for (int64_t r = q0; r < q1; r++) {
             const __m512i w = _mm512_loadu_si512((const void *)(wb + r * 64));
-            W8_ROWG(0) W8_ROWG(1) W8_ROWG(2) W8_ROWG(3) W8_ROWG(4) W8_ROWG(5) W8_ROWG(6) W8_ROWG(7)
+            W8_ROW(0) W8_ROW(1) W8_ROW(2) W8_ROW(3) W8_ROW(4) W8_ROW(5) W8_ROW(6) W8_ROW(7)
         }
-#undef W8_ROWG
-#undef W8_DOT
         const __m512i ws = _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mk, wsum + j * n + nb), 7);
         for (int s = 0; s < mr; s++)
             t[s] = _mm512_add_ps(t[s], _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(a[s], ws)),
