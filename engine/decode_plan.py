@@ -72,8 +72,8 @@ def _linear(f: QLinear | Linear) -> DecLinear:
                   mins=0 if w.mins is None else w.mins.data_ptr(), group=w.group, act_group=f.act_group,
                   bias=0 if f.bias is None else f.bias.data_ptr())  # fmt: skip
     if f.w8 is not None:
-        d.kind = DecKind.W4A8 if f._gemv_weight_only else DecKind.W8A8
-        d.wp, d.wscale, d.wsum = f._w8_args
+        d.kind = DecKind.W4A8 if f.gemv_weight_only else DecKind.W8A8
+        d.wp, d.wscale, d.wsum = f.w8_args
     else:
         d.kind = DecKind.INT8 if w.scheme == "int8" else DecKind.INT4
     return d

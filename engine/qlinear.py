@@ -90,13 +90,14 @@ class QLinear:
         if act_int8:
             self.w8 = int8_for_gemm(weight)
             self._packed, self._wsum = pack_w8a8(self.w8.q.cpu(), self.act_group)
-            self._w8_args = (self._packed.data_ptr(), self.w8.scales.data_ptr(), self._wsum.data_ptr())
+            #: the W8A8 kernel's weight arguments (packed int8, scales, wsum), as qlinear_w8a8 and decode_layers take them
+            self.w8_args = (self._packed.data_ptr(), self.w8.scales.data_ptr(), self._wsum.data_ptr())
         #: one-row calls of int4-w4a8 keep the int4 weight-only GEMV
-        self._gemv_weight_only = act_int8 and weight.scheme != "int8"
+        self.gemv_weight_only = act_int8 and weight.scheme != "int8"
         #: bf16 batches of at least this many rows take the bf16 GEMM path (0: never, no such path)
         self.bf16_min_rows = BF16_GEMM_MIN_ROWS if self.lib is not None and self.lib.qgemm_bf16_isa() > 0 else 0
         #: what a one-row call (single-stream decode) reads: the W8A8 packing, or the packed weight
-        one_row = ([self._packed, self.w8.scales, self._wsum] if self.w8 is not None and not self._gemv_weight_only
+        one_row = ([self._packed, self.w8.scales, self._wsum] if self.w8 is not None and not self.gemv_weight_only
                    else [t for t in (weight.q, weight.scales, weight.mins) if t is not None])  # fmt: skip
         self.decode_bytes = sum(t.nbytes for t in one_row) + (0 if bias is None else bias.nbytes)
 
@@ -121,8 +122,8 @@ class QLinear:
             return out
         bf16 = int(x.dtype == torch.bfloat16)
         bias = 0 if self.bias is None else self.bias.data_ptr()
-        if self.w8 is not None and not (m == 1 and self._gemv_weight_only):
-            rc = self.lib.qlinear_w8a8(x.data_ptr(), x.stride(0), m, k, *self._w8_args, self.out_features, bias,
+        if self.w8 is not None and not (m == 1 and self.gemv_weight_only):
+            rc = self.lib.qlinear_w8a8(x.data_ptr(), x.stride(0), m, k, *self.w8_args, self.out_features, bias,
                                        out.data_ptr(), out.stride(0), bf16, out_f32, self.act_group)  # fmt: skip
         elif bf16 and 0 < self.bf16_min_rows <= m:
             rc = self._bf16_gemm(x, m, k, bias, out, out_f32)
@@ -146,7 +147,7 @@ class QLinear:
     def _torch(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         n = self.out_features
         rows = x.reshape(-1, x.shape[-1]).shape[0]
-        if self.w8 is not None and not (rows == 1 and self._gemv_weight_only):
+        if self.w8 is not None and not (rows == 1 and self.gemv_weight_only):
             return w8a8_reference(x, self.w8, self.bias, out_dtype, self.act_group)
         # CPU: fp32 math, one rounding (what the kernels do); CUDA: the activation dtype's GEMM.
         cdt = torch.float32 if x.device.type == "cpu" or out_dtype == torch.float32 else x.dtype
