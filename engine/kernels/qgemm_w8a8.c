@@ -14,7 +14,8 @@
  *   whose OS grants the tile state (asked once at run time; otherwise the next path runs); each
  *   32 x 32 block's epilogue overlaps the next block's tile products (w8_amx_rows);
  * - AVX-512 VNNI (vpdpbusd: a broadcast activation quad times a weight quad), and AVX-512BW
- *   without VNNI (vpmaddwd on widened bytes): 8 activation rows per pass over a weight block;
+ *   without VNNI (vpmaddwd on widened bytes): 8 activation rows per pass over a weight block (with
+ *   VNNI, an ungrouped linear's full 8-row tiles take both blocks of a pair per pass);
  * - portable C.
  * vpdpbusd multiplies unsigned by signed bytes, so the VNNI and portable paths store activations
  * as xq + 128 and subtract 128 * sum_k q[n, k] (wsum, precomputed); AMX's tdpbssd multiplies
@@ -277,6 +278,7 @@ static inline __attribute__((always_inline)) void w8_dots_groups_mr(const uint8_
     }
     for (int s = 0; s < mr; s++) _mm512_storeu_ps(tot + 16 * s, t[s]);
 }
+
 /* w8_dots_groups_mr with the row count a constant (8, or the last tile's 3..7), so the sums and
  * totals are registers, not an array indexed at run time. */
 static void w8_dots_groups(const uint8_t *X, int mr, int64_t kp, int64_t g, int64_t groups, const int8_t *wb,
@@ -486,7 +488,8 @@ int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
     int fail = 0;
 #pragma omp parallel if ((int64_t)m * n * k >= (1 << 15))
     {
-        /* AMX: [mpad][32] per pair of blocks; VNNI: [W8_MR][16]; grouped: fp32 totals of the same shape */
+        /* AMX: [mpad][32] per pair of blocks; VNNI: [W8_MR][32] (a pair's two blocks, w8_dots2_mr) or
+         * [W8_MR][16]; grouped: fp32 totals of the same shape */
         const size_t tile = (size_t)(amx ? W8_AMX_MB * 32 : W8_MR * 32);
         int32_t *acc = (int32_t *)aligned_alloc(64, sizeof(int32_t) * tile);
         float *tot = groups > 1 ? (float *)aligned_alloc(64, sizeof(float) * tile) : NULL;
