@@ -73,7 +73,9 @@ def test_etcd_restart_nodes_reregister_and_routing_resumes(tiny_llama: Path, tmp
         etcd.restart(wipe=True)  # same port, no keys, no leases: the node must register again
         wait_for(lambda: nid in registered_ids(etcd.url), 30, "the node to register again")
         wait_for(lambda: http("POST", coord.url + "/route", short_route(model))[0] == 200, 30, "routing to resume")
-        assert metric(n.url, "duet:etcd_registered") == 1
+        # the node writes its key, then marks itself registered (node/registration.py: attach, then
+        # on_up): the key can be seen a moment before the gauge says 1
+        wait_for(lambda: metric(n.url, "duet:etcd_registered") == 1, 30, "the node to report etcd up")
         assert "etcd unreachable" in n.log()
         wait_for(lambda: get(coord.url + "/cluster")["is_leader"], 30, "the coordinator to lead again")
 
