@@ -61,6 +61,9 @@ DEFAULT_INLINE_MAX_BYTES = 8 * 1024 * 1024
 BUSY_WINDOW_S = 1.0
 #: how long a timed-out read waits for its posting thread to stop writing local blocks
 _SETTLE_CAP_S = 5.0
+#: tries at creating the agent's UCX backend, and the pause before the next (times the attempt)
+AGENT_START_ATTEMPTS = 3
+AGENT_RETRY_DELAY_S = 0.2
 
 
 def import_nixl() -> ModuleType:
@@ -74,6 +77,32 @@ def import_nixl() -> ModuleType:
         except ImportError as e:  # missing, or present but its native library fails to load
             errors.append(f"{name}: {e}")
     raise BackendUnavailable("NIXL is not importable (" + "; ".join(errors) + ")")
+
+
+def _start_agent(api: ModuleType, name: str, config: Any, ucx_params: dict[str, str]) -> Any:
+    """A NIXL agent called `name` with its UCX backend, trying `AGENT_START_ATTEMPTS` times.
+
+    Creating the UCX backend opens an endpoint of the agent to itself (NIXL's intra-agent
+    transfer setup), and on a crowded host that has failed once in a while ("UCX endpoint
+    create failed") where the next try succeeds. A retry of the same backend is not a
+    fallback; only when every attempt fails is NIXL unavailable (and strict mode refuses the
+    tcp fallback). The agent name doubles as our identity in peers' notification queues.
+    """
+    errors: list[str] = []
+    for attempt in range(1, AGENT_START_ATTEMPTS + 1):
+        agent = None
+        try:
+            agent = api.nixl_agent(name, config)
+            agent.create_backend("UCX", dict(ucx_params))
+            return agent
+        except Exception as e:
+            del agent  # the failed agent (and what its backend opened) goes before the next try
+            errors.append(f"attempt {attempt}: {e}")
+            if attempt < AGENT_START_ATTEMPTS:
+                log.warning("NIXL agent %s: UCX backend failed to start (%s); retrying", name, e)
+                time.sleep(AGENT_RETRY_DELAY_S * attempt)
+    raise BackendUnavailable("cannot start a NIXL agent with UCX after "
+                             f"{AGENT_START_ATTEMPTS} attempts: " + "; ".join(errors))  # fmt: skip
 
 
 def _mem_type(device: str) -> str:
@@ -114,12 +143,10 @@ class NixlTransport(Transport):
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-nixl")
         config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=[])
         try:
-            # The agent name doubles as our identity in peers' notification queues.
-            self._agent = api.nixl_agent(engine_id, config)
-            self._agent.create_backend("UCX", dict(ucx_params or {}))
-        except Exception as e:
+            self._agent = _start_agent(api, engine_id, config, dict(ucx_params or {}))
+        except BackendUnavailable:
             self._executor.shutdown(wait=False)
-            raise BackendUnavailable(f"cannot start a NIXL agent with UCX: {e}") from e
+            raise
         self._reg_descs: Any = None
         self._local_dlist: Any = None
         # Destination of add_peer()'s probe READ (one block); never part of the pool.
