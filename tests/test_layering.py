@@ -41,7 +41,7 @@ COMPONENT_BENCHMARKS = {
     "bench/quality.py": {"engine"}, "bench/quant_engine.py": {"engine"}, "bench/kvtransfer.py": {"kvtransfer"},
     "bench/route.py": {"coordinator"}, "bench/router.py": {"gateway"}, "bench/profile.py": {"engine", "sim"},
     "bench/engine_tiers.py": {"engine"}, "bench/spec_engine.py": {"engine"}, "bench/structured.py": {"engine"},
-    "bench/probes/linear_bf16_vs_onednn.py": {"engine"},
+    "bench/probes/linear_bf16_vs_onednn.py": {"engine"}, "bench/probes/decode_linears.py": {"engine"},
 }  # fmt: skip
 
 

@@ -16,7 +16,8 @@ step's shared arguments as a `Step` struct (step.h, mirrored in engine/kernel_st
 bf16 `rms_norm` / `add_rms_norm` / `silu_mul` and the fp32 residual stream's `res_norm_f32`
 (norm_act.c), `argmax_rows` (greedy
 sampling, argmax.c), the weight-only quantized linears `qlinear_int8` / `qlinear_int4`
-(qgemv_int8.c, qgemv_int4.c, shared parts in qgemm.h) and their bf16-GEMM forms for large
+(qgemv_int8.c, qgemv_int4.c, shared parts in qgemm.h; `qlinear_int4_path` says whether bf16
+activations take int4's vdpbf16ps path) and their bf16-GEMM forms for large
 batches `qlinear_int8_bf16` / `qlinear_int4_bf16` (AMX or AVX-512 BF16, `qgemm_bf16_isa`;
 qgemm_bf16.h), `logits_bf16` (the bf16 lm_head with
 fp32 output, logits_bf16.c) and `qlinear_w8a8` (int8 activations x int8 weights, int32 sums:
@@ -150,6 +151,8 @@ def kernels_lib() -> ctypes.CDLL | None:
     lib.qlinear_w8a8.argtypes = [p, i64, i32, i32, p, p, p, i64, p, p, i64, i32, i32, i32]
     lib.qlinear_w8a8.restype = i32
     lib.qlinear_int8.restype = lib.qlinear_int4.restype = i32
+    lib.qlinear_int4_path.argtypes = []
+    lib.qlinear_int4_path.restype = i32
     lib.qlinear_int8_bf16.argtypes = [p, i64, i32, i32, p, p, i64, p, p, i64, i32, i32]
     lib.qlinear_int4_bf16.argtypes = [p, i64, i32, i32, p, p, p, i32, i64, p, p, i64, i32, i32]
     lib.qlinear_int8_bf16.restype = lib.qlinear_int4_bf16.restype = lib.qgemm_bf16_isa.restype = i32

@@ -146,7 +146,7 @@ static void qb_amx_tile(const uint16_t *X, int64_t kp, int two, const uint32_t *
 #define QB_MR 8 /* activation rows per vdpbf16ps pass, at most */
 
 /* acc [rows][32] = X rows (rows <= QB_MR of them) against the two panel halves, with vdpbf16ps.
- * `rows` is a constant at every call (qb_dp_tile's switch), so a decode step's single row costs 2
+ * `rows` is a constant at every call (qb_dp_tile's CONST_ROWS_SWITCH), so a decode step's single row costs 2
  * vdpbf16ps a pair, not 16 (1.6-2.4x faster at one row on Zen 4). Each
  * output's chain over the pairs runs in k order whatever `rows` is. */
 static inline __attribute__((always_inline)) void qb_dp_rows(const uint16_t *X, int64_t kp, const uint32_t *p0,
@@ -169,16 +169,9 @@ static inline __attribute__((always_inline)) void qb_dp_rows(const uint16_t *X, 
 }
 
 static void qb_dp_tile(const uint16_t *X, int64_t kp, const uint32_t *p0, const uint32_t *p1, float *acc, int rows) {
-    switch (rows) {
-    case 1: qb_dp_rows(X, kp, p0, p1, acc, 1); break;
-    case 2: qb_dp_rows(X, kp, p0, p1, acc, 2); break;
-    case 3: qb_dp_rows(X, kp, p0, p1, acc, 3); break;
-    case 4: qb_dp_rows(X, kp, p0, p1, acc, 4); break;
-    case 5: qb_dp_rows(X, kp, p0, p1, acc, 5); break;
-    case 6: qb_dp_rows(X, kp, p0, p1, acc, 6); break;
-    case 7: qb_dp_rows(X, kp, p0, p1, acc, 7); break;
-    default: qb_dp_rows(X, kp, p0, p1, acc, QB_MR); break;
-    }
+#define QB_DP_ROWS(r) qb_dp_rows(X, kp, p0, p1, acc, r)
+    CONST_ROWS_SWITCH(rows, QB_MR, QB_DP_ROWS)
+#undef QB_DP_ROWS
 }
 
 /* Activation rows per pass over a super-panel: their bf16 copy and the pass's outputs stay in L2

@@ -157,12 +157,14 @@ __attribute__((unused)) static inline __m512i w8_dot_bw(__m512i acc, __m512i x, 
 }
 #endif
 
+/* Activation row s's quad r (its four u8 inputs 4r .. 4r + 3) in every int32 lane. */
+#define W8_BCAST(s) _mm512_set1_epi32(*(const int32_t *)(X + (int64_t)(s) * kp + 4 * r))
 /* One activation row s (< mr) of the VNNI loops at quad r: its broadcast quad times the weight quad
- * w, into a[s] (w8_dots_mr, w8_dots_groups_mr). */
+ * w, into a[s] (w8_dots_mr, w8_dots_groups_mr; w8_dots2_mr feeds one broadcast to two blocks). */
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define W8_ROW(s)                                                                                   \
     if ((s) < mr) {                                                                                 \
-        const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(X + (int64_t)(s) * kp + 4 * r));    \
+        const __m512i xb = W8_BCAST(s);                                                             \
         a[s] = W8_DOT(a[s], xb, w);                                                                 \
     }
 #if defined(__AVX512VNNI__)
@@ -223,7 +225,7 @@ static inline __attribute__((always_inline)) void w8_dots2_mr(const uint8_t *X, 
         const __m512i w0 = _mm512_loadu_si512((const void *)(wb0 + r * 64));
         const __m512i w1 = _mm512_loadu_si512((const void *)(wb1 + r * 64));
         for (int s = 0; s < mr; s++) {
-            const __m512i xb = _mm512_set1_epi32(*(const int32_t *)(X + (int64_t)s * kp + 4 * r));
+            const __m512i xb = W8_BCAST(s);
             a[s][0] = _mm512_dpbusd_epi32(a[s][0], xb, w0);
             a[s][1] = _mm512_dpbusd_epi32(a[s][1], xb, w1);
         }
@@ -238,16 +240,9 @@ static inline __attribute__((always_inline)) void w8_dots2_mr(const uint8_t *X, 
 /* w8_dots_mr with the row count a constant per call, so the sums are registers (a runtime row count
  * indexing the array cost the grouped path 13-16 %; see w8_dots_groups). */
 static void w8_dots(const uint8_t *X, int mr, int64_t kp, int64_t klen, const int8_t *wb, int32_t *acc) {
-    switch (mr) {
-    case 1: w8_dots_mr(X, 1, kp, klen, wb, acc); break;
-    case 2: w8_dots_mr(X, 2, kp, klen, wb, acc); break;
-    case 3: w8_dots_mr(X, 3, kp, klen, wb, acc); break;
-    case 4: w8_dots_mr(X, 4, kp, klen, wb, acc); break;
-    case 5: w8_dots_mr(X, 5, kp, klen, wb, acc); break;
-    case 6: w8_dots_mr(X, 6, kp, klen, wb, acc); break;
-    case 7: w8_dots_mr(X, 7, kp, klen, wb, acc); break;
-    default: w8_dots_mr(X, W8_MR, kp, klen, wb, acc); break;
-    }
+#define W8_DOTS_MR(r) w8_dots_mr(X, r, kp, klen, wb, acc)
+    CONST_ROWS_SWITCH(mr, W8_MR, W8_DOTS_MR)
+#undef W8_DOTS_MR
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -283,14 +278,10 @@ static inline __attribute__((always_inline)) void w8_dots_groups_mr(const uint8_
  * totals are registers, not an array indexed at run time. */
 static void w8_dots_groups(const uint8_t *X, int mr, int64_t kp, int64_t g, int64_t groups, const int8_t *wb,
                            const float *sx, const int32_t *wsum, int64_t n, int64_t nb, int cnt, float *tot) {
-    switch (mr) {
-    case 3: w8_dots_groups_mr(X, 3, kp, g, groups, wb, sx, wsum, n, nb, cnt, tot); break;
-    case 4: w8_dots_groups_mr(X, 4, kp, g, groups, wb, sx, wsum, n, nb, cnt, tot); break;
-    case 5: w8_dots_groups_mr(X, 5, kp, g, groups, wb, sx, wsum, n, nb, cnt, tot); break;
-    case 6: w8_dots_groups_mr(X, 6, kp, g, groups, wb, sx, wsum, n, nb, cnt, tot); break;
-    case 7: w8_dots_groups_mr(X, 7, kp, g, groups, wb, sx, wsum, n, nb, cnt, tot); break;
-    default: w8_dots_groups_mr(X, W8_MR, kp, g, groups, wb, sx, wsum, n, nb, cnt, tot); break;
-    }
+    if (mr < 3) __builtin_unreachable(); /* one or two rows take w8_dots' four-chain path */
+#define W8_DOTS_GROUPS_MR(r) w8_dots_groups_mr(X, r, kp, g, groups, wb, sx, wsum, n, nb, cnt, tot)
+    CONST_ROWS_SWITCH(mr, W8_MR, W8_DOTS_GROUPS_MR)
+#undef W8_DOTS_GROUPS_MR
 }
 #endif
 

@@ -10,6 +10,10 @@
  * (one rounding of d * q + m, as engine/quant.py defines it). Batched calls dequantize 16 rows
  * into a cached fp32 tile. Batches of bf16 activations large enough to amortize it take the bf16
  * GEMM path instead (qgemm_bf16.h: the same fma(d, q, m), rounded to bf16).
+ *
+ * Where the CPU has AVX-512 BF16, bf16 activations (every m below the bf16 GEMM's) take the
+ * vdpbf16ps path instead (int4_dp below: the group scales factored out of the dot, 8 vector
+ * operations per row and 64 weights against these 14); fp32 activations keep the tables.
  */
 #include "qgemm.h"
 #include "qgemm_bf16.h"
@@ -176,6 +180,192 @@ static void gemv_int4(const float *x, const Int4W *w, int64_t n, const void *bia
     }
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define I4_DP 1
+/*
+ * bf16 activations on CPUs with AVX-512 BF16 (every m): w = d q + m per group, so a row's dot is
+ *   sum_g d_g (sum_{i in g} x_i q_i) + sum_g m_g S_g,   S_g = sum_{i in g} x_i,
+ * and q (0..15) is exact in bf16, as is x: a nibble becomes its bf16 by vpermw from a 16-word
+ * table, and vdpbf16ps multiplies it with x (exact products, fp32 sums). A super-block of 64
+ * weights costs a row 8 vector operations (one broadcast load, a variable shift, a shift, two
+ * vpermw, two vdpbf16ps, two FMAs; g64: one FMA) where the fp32 table path above takes 14
+ * (zero-extension, two table FMAs, three shifts, four vpermps, four FMAs).
+ *
+ * Both m == 1 (nibbles decoded in registers) and m > 1 (decoded once per 4 weight rows into an L1
+ * buffer, then every activation row) run i4_dp_step on the same values in the same order, and
+ * finish 16 weight rows with i4_dp_finish: bitwise equal, so a sequence's tokens do not depend on
+ * its batch. These are not the fp32 table path's bits (the sums are factored differently); a CPU
+ * without AVX-512 BF16, or fp32 activations, keep that path.
+ */
+
+/* bf16 of 0..15, twice: vpermw reads five index bits, and the fifth is the next nibble's */
+static const uint16_t I4_BF16_NIBBLES[32] __attribute__((aligned(64))) = {
+    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
+    0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+    0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
+/* Super-block s of a packed row as bf16 q: *b01 = weights 0..31, *b23 = 32..63 (in k order). The
+ * 16 lanes are read twice into one register, the second copy shifted by 4, so one vpermw looks up
+ * nibbles 0 and 1 of every lane (weights i and 16 + i), and the same shifted by 8 nibbles 2 and 3. */
+INLINE void i4_dp_decode(const uint8_t *sb, __m512i cnt, __m512i tbl, __m512i *b01, __m512i *b23) {
+    const __m512i i01 = _mm512_srlv_epi16(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)sb)), cnt);
+    *b01 = _mm512_permutexvar_epi16(i01, tbl);
+    *b23 = _mm512_permutexvar_epi16(_mm512_srli_epi16(i01, 8), tbl);
+}
+
+/* t += d_g (x . q) over one super-block's group(s): g32, two groups (d0, d1); g64, one (d0). */
+INLINE __m512 i4_dp_step(__m512 t, __m512bh x01, __m512bh x23, __m512i b01, __m512i b23, float d0, float d1,
+                         int g32) {
+    const __m512 z = _mm512_setzero_ps();
+    if (g32) {
+        t = _mm512_fmadd_ps(_mm512_dpbf16_ps(z, x01, (__m512bh)b01), _mm512_set1_ps(d0), t);
+        return _mm512_fmadd_ps(_mm512_dpbf16_ps(z, x23, (__m512bh)b23), _mm512_set1_ps(d1), t);
+    }
+    return _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_dpbf16_ps(z, x01, (__m512bh)b01), x23, (__m512bh)b23),
+                           _mm512_set1_ps(d0), t);
+}
+
+/* S [m][ng]: each activation row's group sums (the m_g term's factor), on vdpbf16ps against ones
+ * (a scalar loop over every input cost a one-row call ~1 us of its ~10-40). */
+static float *i4_dp_group_sums(const uint16_t *x, int64_t xs, int m, int64_t k, int group) {
+    const int64_t ng = k / group;
+    float *S = (float *)malloc(sizeof(float) * (size_t)(m * ng + 1));
+    if (!S) return NULL;
+    const __m512bh ones = (__m512bh)_mm512_set1_epi16((short)0x3f80);
+    for (int a = 0; a < m; a++)
+        for (int64_t g = 0; g < ng; g++) {
+            const uint16_t *xg = x + a * xs + g * group;
+            __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512((const void *)xg), ones);
+            if (group == 64) s = _mm512_dpbf16_ps(s, (__m512bh)_mm512_loadu_si512((const void *)(xg + 32)), ones);
+            S[a * ng + g] = _mm512_reduce_add_ps(s);
+        }
+    return S;
+}
+
+/* Finish 16 weight rows of one activation row: each row's lanes plus its sum_g m_g S_g (as lanes),
+ * reduced, then the bias, stored. m [16][ng] fp32 (rows nr.. duplicates). */
+INLINE void i4_dp_finish(__m512 *t, const float *const *mr, const float *S, int64_t ng, int nr, void *out,
+                         int64_t out_row, int64_t n0, const void *bias, int bf16) {
+    for (int r = 0; r < QG_NB; r++) {
+        __m512 mv = _mm512_setzero_ps();
+        for (int64_t g = 0; g < ng; g += 16) {
+            const __mmask16 mk = (__mmask16)(ng - g >= 16 ? 0xffff : (1u << (ng - g)) - 1);
+            mv = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, mr[r] + g), _mm512_maskz_loadu_ps(mk, S + g), mv);
+        }
+        t[r] = _mm512_add_ps(t[r], mv);
+    }
+    qg_finish16(t, nr, out, out_row, n0, NULL, bias, bf16);
+}
+
+/* out [m][os] = x (bf16 [m][xs]) @ W^T + bias on the vdpbf16ps path above. Returns 0 or -1 (memory). */
+static int32_t int4_dp(const uint16_t *x, int64_t xs, int m, const Int4W *w, int64_t n, const void *bias, void *out,
+                       int64_t os, int bf16) {
+    const int64_t k = w->k, ng = k / w->group, blocks = (n + QG_NB - 1) / QG_NB, sbs = k / 64;
+    const int g32 = w->group == 32;
+    float *S = i4_dp_group_sums(x, xs, m, k, w->group);
+    if (!S) return -1;
+    int failed = 0;
+#pragma omp parallel if ((int64_t)m * n * k >= (1 << 15))
+    {
+        const __m512i tbl = _mm512_load_si512((const void *)I4_BF16_NIBBLES);
+        const __m512i cnt = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+        float *dm = (float *)malloc(sizeof(float) * 2 * QG_NB * ng);
+        /* m > 1: 4 weight rows' bf16 q (k words each) and every activation row's sums, in L1/L2 */
+        __m512i *buf = m > 1 ? (__m512i *)aligned_alloc(64, (size_t)(4 * k * 2)) : NULL;
+        __m512 *tacc = m > 1 ? (__m512 *)aligned_alloc(64, sizeof(__m512) * (size_t)(m * QG_NB)) : NULL;
+        const int ok = dm && (m == 1 || (buf && tacc));
+        /* every thread takes part in the loop (a worksharing construct); one without memory fails */
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            if (!ok) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            const int64_t n0 = b * QG_NB;
+            const int nr = (int)(n - n0 < QG_NB ? n - n0 : QG_NB);
+            const uint8_t *rows[QG_NB];
+            const float *dr[QG_NB], *mr[QG_NB];
+            for (int r = 0; r < QG_NB; r++) {
+                const int64_t row = n0 + (r < nr ? r : nr - 1);
+                rows[r] = w->q + row * (k / 2);
+                dr[r] = dm + 2 * (r < nr ? r : nr - 1) * ng;
+                mr[r] = dr[r] + ng;
+                if (r < nr) row_scales(w->d + row * ng, w->mins + row * ng, ng, dm + 2 * r * ng, dm + 2 * r * ng + ng);
+            }
+            if (m == 1) {
+                __m512 acc[QG_NB];
+                for (int r0 = 0; r0 < QG_NB; r0 += 4) {
+                    __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
+                    const char *next = (const char *)rows[r0] + 4 * k; /* 8 rows ahead, as gemv_int4 */
+                    for (int64_t s = 0; s < sbs; s++) {
+                        _mm_prefetch(next + 128 * s, _MM_HINT_T0);
+                        _mm_prefetch(next + 128 * s + 64, _MM_HINT_T0);
+                        const __m512bh x01 = (__m512bh)_mm512_loadu_si512((const void *)(x + 64 * s));
+                        const __m512bh x23 = (__m512bh)_mm512_loadu_si512((const void *)(x + 64 * s + 32));
+                        const int64_t g0 = g32 ? 2 * s : s, g1 = g32 ? 2 * s + 1 : s;
+                        __m512i b01, b23;
+#define I4_DP_ROW(t, r)                                                                     \
+    do {                                                                                    \
+        i4_dp_decode(rows[r] + 32 * s, cnt, tbl, &b01, &b23);                               \
+        t = i4_dp_step(t, x01, x23, b01, b23, dr[r][g0], dr[r][g1], g32);                   \
+    } while (0)
+                        I4_DP_ROW(t0, r0);
+                        I4_DP_ROW(t1, r0 + 1);
+                        I4_DP_ROW(t2, r0 + 2);
+                        I4_DP_ROW(t3, r0 + 3);
+#undef I4_DP_ROW
+                    }
+                    acc[r0] = t0, acc[r0 + 1] = t1, acc[r0 + 2] = t2, acc[r0 + 3] = t3;
+                }
+                i4_dp_finish(acc, mr, S, ng, nr, out, 0, n0, bias, bf16);
+                continue;
+            }
+            for (int r0 = 0; r0 < QG_NB; r0 += 4) {
+                /* decode 4 weight rows once: buf [row][s][b01, b23] */
+                for (int r = 0; r < 4; r++)
+                    for (int64_t s = 0; s < sbs; s++)
+                        i4_dp_decode(rows[r0 + r] + 32 * s, cnt, tbl, buf + (r * sbs + s) * 2, buf + (r * sbs + s) * 2 + 1);
+                for (int a = 0; a < m; a++) {
+                    const uint16_t *xa = x + a * xs;
+                    __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
+                    for (int64_t s = 0; s < sbs; s++) {
+                        const __m512bh x01 = (__m512bh)_mm512_loadu_si512((const void *)(xa + 64 * s));
+                        const __m512bh x23 = (__m512bh)_mm512_loadu_si512((const void *)(xa + 64 * s + 32));
+                        const int64_t g0 = g32 ? 2 * s : s, g1 = g32 ? 2 * s + 1 : s;
+                        const __m512i *q = buf + 2 * s;
+                        t0 = i4_dp_step(t0, x01, x23, q[0], q[1], dr[r0][g0], dr[r0][g1], g32);
+                        t1 = i4_dp_step(t1, x01, x23, q[2 * sbs], q[2 * sbs + 1], dr[r0 + 1][g0], dr[r0 + 1][g1], g32);
+                        t2 = i4_dp_step(t2, x01, x23, q[4 * sbs], q[4 * sbs + 1], dr[r0 + 2][g0], dr[r0 + 2][g1], g32);
+                        t3 = i4_dp_step(t3, x01, x23, q[6 * sbs], q[6 * sbs + 1], dr[r0 + 3][g0], dr[r0 + 3][g1], g32);
+                    }
+                    __m512 *ta = tacc + (int64_t)a * QG_NB + r0;
+                    ta[0] = t0, ta[1] = t1, ta[2] = t2, ta[3] = t3;
+                }
+            }
+            for (int a = 0; a < m; a++)
+                i4_dp_finish(tacc + (int64_t)a * QG_NB, mr, S + a * ng, ng, nr, out, (int64_t)a * os, n0, bias, bf16);
+        }
+        free(dm);
+        free(buf);
+        free(tacc);
+    }
+    free(S);
+    return failed ? -1 : 0;
+}
+#endif
+
+/* Which path bf16 activations take: 1 the vdpbf16ps path (built where the CPU has AVX-512 BF16),
+ * 0 the fp32 tables. */
+int32_t qlinear_int4_path(void) {
+#if defined(I4_DP)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* out [m][os] = x [m][xs] @ W^T + bias, W int4 as above; x bf16 (bf16 != 0) or fp32; out and bias
  * in x's dtype, or fp32 with out_f32. Returns 0, -1 when out of memory, -2 when k is not a
  * multiple of 64 or group not 32/64. */
@@ -183,10 +373,13 @@ int32_t qlinear_int4(const void *x, int64_t xs, int32_t m, int32_t k, const uint
                      const uint16_t *mins, int32_t group, int64_t n, const void *bias, void *out, int64_t os,
                      int32_t bf16, int32_t out_f32) {
     if (k % 64 || (group != 32 && group != 64)) return -2;
+    const Int4W w = {q, d, mins, k, group};
+#if defined(I4_DP)
+    if (bf16) return int4_dp((const uint16_t *)x, xs, m, &w, n, bias, out, os, !out_f32);
+#endif
     float *X = qg_x_f32(x, xs, m, k, bf16);
     if (!X) return -1;
     bf16 = bf16 && !out_f32;
-    const Int4W w = {q, d, mins, k, group};
     if (m == 1) gemv_int4(X, &w, n, bias, out, bf16);
     else qg_gemm(X, m, k, n, &w, dequant_int4, out, os, NULL, bias, bf16);
     free(X);
