@@ -47,6 +47,22 @@ INLINE void row_scales(const uint16_t *d16, const uint16_t *m16, int64_t ng, flo
 }
 #endif
 
+#if defined(__AVX512F__)
+/* A block of QG_NB weight rows from n0 (nr of them real; the rest repeat row n0 + nr - 1, computed
+ * and not stored): each row's packed bytes, and its d and m as fp32 in dm [QG_NB][2][ng]. */
+INLINE void block_rows_int4(const Int4W *w, int64_t n0, int nr, float *dm, const uint8_t **rows, const float **dr,
+                            const float **mr) {
+    const int64_t k = w->k, ng = k / w->group;
+    for (int r = 0; r < QG_NB; r++) {
+        const int64_t row = n0 + (r < nr ? r : nr - 1);
+        rows[r] = w->q + row * (k / 2);
+        dr[r] = dm + 2 * (r < nr ? r : nr - 1) * ng;
+        mr[r] = dr[r] + ng;
+        if (r < nr) row_scales(w->d + row * ng, w->mins + row * ng, ng, dm + 2 * r * ng, dm + 2 * r * ng + ng);
+    }
+}
+#endif
+
 __attribute__((unused)) static void dequant_int4_scalar(const void *ctx, int64_t n0, int nr, float *tile, int64_t kp) {
     const Int4W *w = (const Int4W *)ctx;
     const int64_t k = w->k, ng = k / w->group;
@@ -114,13 +130,7 @@ static void gemv_int4(const float *x, const Int4W *w, int64_t n, const void *bia
 #if defined(__AVX512F__)
             const uint8_t *rows[QG_NB];
             const float *dr[QG_NB], *mr[QG_NB];
-            for (int r = 0; r < QG_NB; r++) {
-                const int64_t row = n0 + (r < nr ? r : nr - 1);
-                rows[r] = w->q + row * (k / 2);
-                dr[r] = dm + 2 * r * ng;
-                mr[r] = dr[r] + ng;
-                if (r < nr) row_scales(w->d + row * ng, w->mins + row * ng, ng, dm + 2 * r * ng, dm + 2 * r * ng + ng);
-            }
+            block_rows_int4(w, n0, nr, dm, rows, dr, mr);
             __m512 acc[QG_NB];
             /* 4 rows at a time: their accumulators stay in registers and 4 independent FMA
              * chains hide the FMA latency; x (one row, fp32) is re-read from L1. */
@@ -287,13 +297,7 @@ static int32_t int4_dp(const uint16_t *x, int64_t xs, int m, const Int4W *w, int
             const int nr = (int)(n - n0 < QG_NB ? n - n0 : QG_NB);
             const uint8_t *rows[QG_NB];
             const float *dr[QG_NB], *mr[QG_NB];
-            for (int r = 0; r < QG_NB; r++) {
-                const int64_t row = n0 + (r < nr ? r : nr - 1);
-                rows[r] = w->q + row * (k / 2);
-                dr[r] = dm + 2 * (r < nr ? r : nr - 1) * ng;
-                mr[r] = dr[r] + ng;
-                if (r < nr) row_scales(w->d + row * ng, w->mins + row * ng, ng, dm + 2 * r * ng, dm + 2 * r * ng + ng);
-            }
+            block_rows_int4(w, n0, nr, dm, rows, dr, mr);
             if (m == 1) {
                 __m512 acc[QG_NB];
                 for (int r0 = 0; r0 < QG_NB; r0 += 4) {
