@@ -75,11 +75,17 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
                         "summaries, edits, RAG answers); draft-int4 (-int4-w4a8, -int8) drafts with the model's "
                         "own weights at int4 (a second, cheaper copy) and verifies with the full model; draft "
                         "uses --speculative-model as it is. Greedy output is unchanged, sampled output keeps "
-                        "its distribution; off by itself above 4 requests running or waiting")  # fmt: skip
+                        "its distribution; off by itself above --spec-max-batch requests running or "
+                        "waiting")  # fmt: skip
     e.add_argument("--speculative-model", default=None, metavar="MODEL",
                    help="a separate draft model (name or directory) for the draft methods; it must share the "
                         "model's tokenizer (default: the model itself, self-speculation)")  # fmt: skip
     e.add_argument("--num-speculative-tokens", type=int, default=5, help="most draft tokens per step (default 5)")
+    e.add_argument("--spec-max-batch", type=int, default=None, metavar="N",
+                   help="draft only while at most N requests run or wait (0: never). Default: 4 for ngram, 1 "
+                        "for the draft methods: on a CPU a batch already shares each weight read, and there "
+                        "a draft model's drafting and verifying cost more than they give from 2 requests "
+                        "on (docs/benchmarks.md)")  # fmt: skip
     e.add_argument("--engine", choices=["native", "vllm"], default="native",
                    help="engine behind the node API: native (this repo's paged-KV engine, starts in "
                         "seconds) or vllm (vLLM's AsyncLLM; P/D through vLLM's NixlConnector; needs "
@@ -183,6 +189,7 @@ def native_engine_config(args: argparse.Namespace):
         quantization=None if args.quantization == "none" else args.quantization,
         speculative=None if args.speculative == "none" else args.speculative,
         num_speculative_tokens=args.num_speculative_tokens, speculative_model=args.speculative_model,
+        spec_max_batch=args.spec_max_batch,
         itl_target_ms=args.itl_target_ms,
     )  # fmt: skip
 

@@ -63,8 +63,10 @@ class EngineConfig:
     spec_draft_kv_blocks: int | None = None
     #: most draft tokens per request and step (each request adapts its own k below this)
     num_speculative_tokens: int = 5
-    #: no drafts while more requests than this run or wait (larger batches are compute-bound)
-    spec_max_batch: int = 4
+    #: no drafts while more requests than this run or wait (larger batches are compute-bound);
+    #: None: the method's default (engine/spec_decode.py SPEC_MAX_BATCH: 4 for ngram, 1 for the
+    #: draft-model methods, whose drafting and verifying cost more than they give at 2 or more here)
+    spec_max_batch: int | None = None
     #: colocated nodes: size each step's prefill chunk so the predicted step (an online fit of
     #: step times, engine/step_model.py) stays within this inter-token latency; None: the fixed
     #: max_num_batched_tokens budget alone

@@ -39,7 +39,7 @@ from engine.runner import ModelRunner, PoolFactory, zeroed_pool
 from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from engine.spec_decode import Speculator, build_speculator
+from engine.spec_decode import Speculator, build_speculator, spec_max_batch
 from protocol.logprobs import TokenLogprob
 from protocol.models import resolve_model
 from protocol.tokenizer import Tokenizer
@@ -133,7 +133,7 @@ class EngineCore:
                                                self.max_model_len, self.sampler)  # fmt: skip
             self.scheduler.drafter = self.speculator.draft
             self.scheduler.prepare_drafts = self.speculator.prepare
-            self.scheduler.spec_max_batch = config.spec_max_batch
+            self.scheduler.spec_max_batch = spec_max_batch(config)
         self.embedder = Embedder(self.runner, self.pool, config.max_num_batched_tokens)
         self.counters = EngineCounters()
         self.progressed = False  # whether the last step changed anything
