@@ -12,7 +12,9 @@
  * Both accumulate lane l of row n over k = 16 c + l in chunk order, then reduce the 16 lanes
  * with transpose_reduce16 (a fixed tree per row), then apply scale, then bias.
  * (bf16 batches of engine/qlinear.py's BF16_GEMM_MIN_ROWS or more take the bf16 GEMM path of
- * qgemm_bf16.h instead, where the CPU has one: equal to these within bf16 tolerance.)
+ * qgemm_bf16.h instead, where the CPU has one: equal to these within bf16 tolerance. int4 with bf16
+ * activations below that takes qgemv_int4.c's vdpbf16ps path on such CPUs, whose one-row and
+ * batched calls are bitwise equal to each other in the same way.)
  *
  * x is first copied to fp32 rows padded with zeros to a multiple of 16, so every chunk is full;
  * the weights' padding is zero too (masked loads / zeroed tile).
