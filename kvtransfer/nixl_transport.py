@@ -80,7 +80,8 @@ def import_nixl() -> ModuleType:
 
 
 def _start_agent(api: ModuleType, name: str, config: Any, ucx_params: dict[str, str]) -> Any:
-    """A NIXL agent called `name` with its UCX backend, trying `AGENT_START_ATTEMPTS` times.
+    """A NIXL agent called `name` with its UCX backend (`ucx_params`, a copy the caller made),
+    trying `AGENT_START_ATTEMPTS` times.
 
     Creating the UCX backend opens an endpoint of the agent to itself (NIXL's intra-agent
     transfer setup), and on a crowded host that has failed once in a while ("UCX endpoint
@@ -93,7 +94,7 @@ def _start_agent(api: ModuleType, name: str, config: Any, ucx_params: dict[str, 
         agent = None
         try:
             agent = api.nixl_agent(name, config)
-            agent.create_backend("UCX", dict(ucx_params))
+            agent.create_backend("UCX", ucx_params)
             return agent
         except Exception as e:
             del agent  # the failed agent (and what its backend opened) goes before the next try

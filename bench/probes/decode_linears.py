@@ -30,17 +30,13 @@ LM_HEAD = (49152, 576)
 
 def _layer(w: torch.Tensor, scheme: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
     """A one-row callable of weight `w` in `scheme`, and the bytes one call reads."""
-    if scheme == "none":
-        return Linear(w.bfloat16()), w.numel() * 2
-    q = QLinear(quantize(w, scheme))
-    return q, q.decode_bytes
+    lin = Linear(w.bfloat16()) if scheme == "none" else QLinear(quantize(w, scheme))
+    return lin, lin.decode_bytes
 
 
 def _head(w: torch.Tensor, scheme: str) -> tuple[Callable[[torch.Tensor], torch.Tensor], int]:
     """The lm_head (fp32 logits) as the engine builds it: bf16, or LM_HEAD_SCHEME's int8."""
-    if scheme == "none":
-        return LogitsHead(w.bfloat16()), w.numel() * 2
-    head = LogitsHead(quantize(w, LM_HEAD_SCHEME[scheme]))
+    head = LogitsHead(w.bfloat16() if scheme == "none" else quantize(w, LM_HEAD_SCHEME[scheme]))
     return head, head.decode_bytes
 
 

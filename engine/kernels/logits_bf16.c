@@ -20,8 +20,7 @@
  *   order, then transpose_reduce16 sums the lanes. k's tail is zero-masked. The first activation
  *   pass over a block prefetches the same rows of the next block, a line per chunk (1-row logits
  *   3.7 -> 2.6 ms; the rows are too short for the hardware prefetcher). One or two activation rows
- *   (a decode step) run 16 or 8 weight rows at once instead (block_rows_few: the same sums). One activation row runs
- *   the block's 16 weight rows at once (the same sums; 1.3x on Zen 4).
+ *   (a decode step) run 16 or 8 weight rows at once instead (block_rows_few: the same sums).
  * - portable C (0).
  * The paths differ from each other only in the order of their fp32 sums.
  */

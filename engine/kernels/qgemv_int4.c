@@ -281,7 +281,7 @@ static int32_t int4_dp(const uint16_t *x, int64_t xs, int m, const Int4W *w, int
         const __m512i tbl = _mm512_load_si512((const void *)I4_BF16_NIBBLES);
         const __m512i cnt = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
         float *dm = (float *)malloc(sizeof(float) * 2 * QG_NB * ng);
-        /* m > 1: 4 weight rows' bf16 q (k words each) and every activation row's sums, in L1/L2 */
+        /* m > 1: 4 weight rows' bf16 q (k words each), and every activation row's accumulators */
         __m512i *buf = m > 1 ? (__m512i *)aligned_alloc(64, (size_t)(4 * k * 2)) : NULL;
         __m512 *tacc = m > 1 ? (__m512 *)aligned_alloc(64, sizeof(__m512) * (size_t)(m * QG_NB)) : NULL;
         const int ok = dm && (m == 1 || (buf && tacc));
