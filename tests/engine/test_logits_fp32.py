@@ -58,7 +58,8 @@ PATHS = [] if lib is None else [i for i in (1, 2) if i <= lib.logits_bf16_isa()]
 def test_each_kernel_path_is_fp32_accurate_and_batch_invariant(isa: int, n: int, k: int) -> None:
     """Both paths the CPU has (2: AMX tiles over the weight rows as they lie, every m; 1: AVX-512
     blocks), odd shapes included (AMX stages a block that is not 32 whole rows of 32-k chunks):
-    fp32-accurate, and a row's logits the same in a call of 1, 7 or 70 rows, bitwise."""
+    fp32-accurate, and a row's logits the same in a call of 1, 2, 5, 7 or 70 rows, bitwise (AVX-512:
+    1 and 2 rows take block_rows_few, more take groups of 4 rows with a tail of 1, 2 or 3)."""
     g = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=g).bfloat16()
     x = torch.randn(70, k, generator=g).bfloat16()
@@ -74,7 +75,8 @@ def test_each_kernel_path_is_fp32_accurate_and_batch_invariant(isa: int, n: int,
     tol = 1e-6 * k * (x.float().abs() @ w.float().abs().T)
     assert ((got - _ref(x, w)).abs() <= tol).all()
     assert torch.equal(torch.cat([call(x[i : i + 1]) for i in range(70)]), got)
-    assert torch.equal(torch.cat([call(x[i : i + 7]) for i in range(0, 70, 7)]), got)
+    for size in (2, 5, 7):
+        assert torch.equal(torch.cat([call(x[i : i + size]) for i in range(0, 70, size)]), got)
 
 
 @needs_kernels
