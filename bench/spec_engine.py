@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.flops import machine_info
-from engine.spec_decode import METHODS
+from engine.spec_decode import METHODS, NUM_SPECULATIVE_TOKENS
 
 PASSAGE = Path(__file__).parent / "data" / "passage_en.txt"
 #: misspellings put into the passage for the model to fix (correct -> wrong)
@@ -72,12 +72,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--speculative-model", default=None, help="a separate draft model (draft-model methods)")
     p.add_argument("--workload", default=None, choices=["edit", "chat"],
                    help="single-stream task (default: edit for ngram, chat for a draft model)")
-    p.add_argument("--k", type=int, default=5, help="num_speculative_tokens (default: %(default)s)")
+    p.add_argument("--k", type=int, default=None,
+                   help="num_speculative_tokens (default: the engine's for the method: 5 ngram, 8 a draft model)")
     p.add_argument("--batch", type=int, default=32, help="requests of the batch figure (0: skip)")
     p.add_argument("--repeats", type=int, default=3, help="single-stream runs per engine, alternating (default: %(default)s)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     args.workload = args.workload or ("edit" if args.method == "ngram" else "chat")
+    args.k = args.k if args.k is not None else NUM_SPECULATIVE_TOKENS[args.method]  # the engine's default
     return args
 
 

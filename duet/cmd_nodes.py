@@ -80,7 +80,10 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int) -> None:
     e.add_argument("--speculative-model", default=None, metavar="MODEL",
                    help="a separate draft model (name or directory) for the draft methods; it must share the "
                         "model's tokenizer (default: the model itself, self-speculation)")  # fmt: skip
-    e.add_argument("--num-speculative-tokens", type=int, default=5, help="most draft tokens per step (default 5)")
+    e.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="most draft tokens a request proposes per step; each request adapts its own k below "
+                        "this to its acceptance. Default: 5 for ngram, 8 for the draft methods (their int4 "
+                        "self-draft is accepted 94-100 %% of the time: docs/benchmarks.md)")  # fmt: skip
     e.add_argument("--spec-max-batch", type=int, default=None, metavar="N",
                    help="draft only while at most N requests run or wait (0: never). Default: 4 for ngram, 1 "
                         "for the draft methods: on a CPU a batch already shares each weight read, and there "

@@ -61,8 +61,10 @@ class EngineConfig:
     #: the draft model's own KV pool in blocks (None: room for spec_max_batch full-length sequences,
     #: at most the target's pool)
     spec_draft_kv_blocks: int | None = None
-    #: most draft tokens per request and step (each request adapts its own k below this)
-    num_speculative_tokens: int = 5
+    #: most draft tokens per request and step (each request adapts its own k below this); None:
+    #: the method's default (engine/spec_decode.py NUM_SPECULATIVE_TOKENS: 5 for ngram, 8 for the
+    #: draft-model methods, whose self-draft is accepted 94-100 % of the time here)
+    num_speculative_tokens: int | None = None
     #: no drafts while more requests than this run or wait (larger batches are compute-bound);
     #: None: the method's default (engine/spec_decode.py SPEC_MAX_BATCH: 4 for ngram, 1 for the
     #: draft-model methods, whose drafting and verifying cost more than they give at 2 or more here)

@@ -148,3 +148,17 @@ def test_the_draft_methods_draft_for_a_request_alone_by_default(tiny_llama: Path
     assert LLM(str(tiny_llama), speculative="draft-int4", spec_max_batch=3).engine.scheduler.spec_max_batch == 3
     with pytest.raises(ValueError, match="spec_max_batch must be 0"):
         LLM(str(tiny_llama), speculative="ngram", spec_max_batch=-1)
+
+
+def test_the_draft_methods_draft_8_tokens_at_most_by_default(tiny_llama: Path) -> None:
+    """num_speculative_tokens defaults by method (NUM_SPECULATIVE_TOKENS): 8 for a draft model
+    (its int4 self-draft is accepted 94-100 % of the time on SmolLM2; docs/benchmarks.md), 5 for
+    prompt lookup; a request's first draft is that long; an operator's value wins."""
+    spec = LLM(str(tiny_llama), dtype="bfloat16", speculative="draft-int4")
+    assert spec.engine.speculator.max_k == 8
+    spec.generate(_prompts(64)[:1], GREEDY)
+    stats = spec.engine.stats()
+    assert "spec_decode_num_accepted_tokens_per_pos.7" in stats  # a draft of 8 tokens was verified
+    assert "spec_decode_num_accepted_tokens_per_pos.8" not in stats
+    assert LLM(str(tiny_llama), speculative="ngram").engine.speculator.max_k == 5
+    assert LLM(str(tiny_llama), speculative="draft-int4", num_speculative_tokens=3).engine.speculator.max_k == 3
