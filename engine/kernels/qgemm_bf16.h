@@ -143,15 +143,21 @@ static void qb_amx_tile(const uint16_t *X, int64_t kp, int two, const uint32_t *
 }
 #endif
 
-#define QB_MR 8 /* activation rows per vdpbf16ps pass, at most */
+#define QB_MR 8 /* activation rows per vdpbf16ps pass */
+/* ... except the last pass of a call, which takes up to 10 (20 accumulators, the two panel vectors
+ * and the broadcast still fit the 32 registers): a 9-row call — a k = 8 speculative verification —
+ * was 8 rows and then a second pass over every panel for one row (SmolLM2's 30 layers of linears,
+ * 2 threads, Zen 4: 10.5 ms at 8 rows, 11.7 at 9). 10-row passes throughout measured slower for
+ * prefills (0.97x at 512 rows), so only the tail takes them. */
+#define QB_MR_TAIL 10
 
-/* acc [rows][32] = X rows (rows <= QB_MR of them) against the two panel halves, with vdpbf16ps.
- * `rows` is a constant at every call (qb_dp_tile's CONST_ROWS_SWITCH), so a decode step's single row costs 2
+/* acc [rows][32] = X rows against the two panel halves, with vdpbf16ps.
+ * `rows` (<= QB_MR_TAIL) is a constant at every call (qb_dp_tile's switch), so a decode step's single row costs 2
  * vdpbf16ps a pair, not 16 (1.6-2.4x faster at one row on Zen 4). Each
  * output's chain over the pairs runs in k order whatever `rows` is. */
 static inline __attribute__((always_inline)) void qb_dp_rows(const uint16_t *X, int64_t kp, const uint32_t *p0,
                                                                const uint32_t *p1, float *acc, const int rows) {
-    __m512 a[QB_MR][2];
+    __m512 a[QB_MR_TAIL][2];
     for (int r = 0; r < rows; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < kp / 2; p++) {
         const __m512bh b0 = (__m512bh)_mm512_load_si512((const void *)(p0 + 16 * p));
@@ -170,7 +176,11 @@ static inline __attribute__((always_inline)) void qb_dp_rows(const uint16_t *X, 
 
 static void qb_dp_tile(const uint16_t *X, int64_t kp, const uint32_t *p0, const uint32_t *p1, float *acc, int rows) {
 #define QB_DP_ROWS(r) qb_dp_rows(X, kp, p0, p1, acc, r)
-    CONST_ROWS_SWITCH(rows, QB_MR, QB_DP_ROWS)
+    switch (rows) { /* CONST_ROWS_SWITCH's reason; that macro stops at 7 */
+    case 9: QB_DP_ROWS(9); break;
+    case 10: QB_DP_ROWS(10); break;
+    default: CONST_ROWS_SWITCH(rows, QB_MR, QB_DP_ROWS)
+    }
 #undef QB_DP_ROWS
 }
 
@@ -264,8 +274,10 @@ static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, c
                         /* one chain over all of k: splitting k into L1-sized passes (as AMX does)
                          * measured 3-7 % slower on Zen 4 (the fp32 sums' reload costs more than the
                          * panel's L2 reads) */
-                        for (int mi = m0; mi < m1; mi += QB_MR)
-                            qb_dp_tile(X + (int64_t)mi * kp, kp, p0, p1, acc + (mi - m0) * 32, m1 - mi < QB_MR ? m1 - mi : QB_MR);
+                        for (int mi = m0, r; mi < m1; mi += r) {
+                            r = m1 - mi <= QB_MR_TAIL ? m1 - mi : QB_MR;
+                            qb_dp_tile(X + (int64_t)mi * kp, kp, p0, p1, acc + (mi - m0) * 32, r);
+                        }
                     if (nr1 == 16 && !out_f32) {
                         qb_store_rows32(acc, m1 - m0, n0, scale, bias, (char *)out + (int64_t)m0 * os * esz, os * esz, nt);
                         continue;
