@@ -15,9 +15,10 @@ the node's load shows the request:
   older rule: they stop counting at the first load report received `settle_s` after the
   decision, and at the latest after `max_age_s`.
 Free blocks seen by admission are the frame's minus the reservations not yet in it, so one
-request's blocks are never subtracted twice. (An acked frame's counters can be one engine step
-old — the engine publishes them after each step — so for that long a request is counted by
-neither: the error is on the side of admitting, which the node's own queue absorbs.)
+request's blocks are never subtracted twice. (The native engine republishes its counters when it
+takes a request, so the frame that acks it counts it; an engine that publishes only after each
+step — the vLLM node's — leaves a request counted by neither for up to a step: the error is on the
+side of admitting, which the node's own queue absorbs.)
 """
 
 from __future__ import annotations

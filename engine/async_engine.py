@@ -201,8 +201,7 @@ class AsyncEngine:
                     tm.decode_wall_s += t1 - t0
                     tm.decode_cpu_s += c1 - c0
                 tm.busy_since = t1 if core.has_work() and core.progressed else None
-                # Published by reference from this thread only: readers see a whole snapshot.
-                self._stats = {**core.stats(), **tm.stats()}
+                self._publish()
                 if outputs or reserved:
                     res = [(r.request_id, list(r.block_ids), r.num_cached_tokens // core.pool.block_size)
                            for r in reserved]  # fmt: skip
@@ -213,6 +212,11 @@ class AsyncEngine:
             self._call(self._fail_all, e)
             if self._on_dead is not None:
                 self._call(self._on_dead, e)
+
+    def _publish(self) -> None:
+        """Publish the counters stats() returns (engine thread only; by reference, so readers
+        see a whole snapshot)."""
+        self._stats = {**self.core.stats(), **self.timing.stats()}
 
     def _call(self, fn: Callable[..., None], *args: Any) -> None:
         assert self._loop is not None
@@ -293,11 +297,19 @@ class AsyncEngine:
         try:
             if params.guide is not None:  # compiled (or found cached) off the engine thread
                 await self._compile(params)
-            req: Request = await self._submit(
-                lambda: self.core.add_request(
-                    request_id, prompt, params, priority, hold_blocks, remote_num_tokens, hold_seconds
-                )
-            )
+
+            def add() -> Request:
+                added = self.core.add_request(request_id, prompt, params, priority, hold_blocks, remote_num_tokens,
+                                              hold_seconds)  # fmt: skip
+                # Republished before the caller learns the request was taken: a node acks a route in
+                # its next load frame (node/kv_events.py `took`), and the coordinator then stops
+                # counting its own reservation (coordinator/nodes.py). Counters as of the last step
+                # would miss the request for up to a step — 0.7-1.4 s for a long prompt's chunk on
+                # one CPU thread — and routing would send the next requests to a node that looked idle.
+                self._publish()
+                return added
+
+            req: Request = await self._submit(add)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -415,7 +427,7 @@ class AsyncEngine:
         return await self._submit(lambda: fn(self.core))
 
     def stats(self) -> dict[str, float]:
-        """The counters as of the last step (cheap, lock-free snapshot)."""
+        """The counters as of the last step or the last request added (cheap, lock-free snapshot)."""
         return self._stats
 
 

@@ -505,6 +505,9 @@ class EngineCore:
             "num_requests_waiting": self.scheduler.num_waiting,
             "num_requests_held": len(self.scheduler.held),
             "num_waiting_tokens": self.scheduler.num_waiting_tokens,
+            # prompt tokens still to prefill, running requests' remainders included (the
+            # coordinator's routing cost; node/engines/native.py `_drain` reports the same)
+            "queued_prefill_tokens": self.scheduler.queued_prefill_tokens(),
             "queue_full": float(self.queue_full()),
             "num_requests_rejected_queue_full": self.counters.requests_rejected_queue_full,
             "num_requests_failed": self.counters.requests_failed,

@@ -134,6 +134,11 @@ class Scheduler:
         """Prompt tokens of the requests not yet admitted (the queue's size in work)."""
         return sum(r.num_tokens for r in self.waiting) + sum(r.num_prompt_tokens for r in self.remote.values())
 
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to prefill: the waiting requests' and the running ones'
+        remainders (what the coordinator's routing counts as a node's queued prefill work)."""
+        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*self.waiting, *self.running))
+
     @property
     def num_running(self) -> int:
         return len(self.running)

@@ -128,7 +128,10 @@ class KVEventLog:
                          num_requests_waiting=int(stats.get("num_requests_waiting", 0)),
                          num_requests_running=int(stats.get("num_requests_running", 0)),
                          kv_cache_usage_perc=float(stats.get("kv_cache_usage_perc", 0.0)),
-                         queued_prefill_tokens=self.queued_prefill_tokens,
+                         # the engine's own snapshot when it has one (native: as of its last step
+                         # or added request, so a frame that acks a request counts its tokens);
+                         # else the last drain's (up to POLL_INTERVAL_S and a step old)
+                         queued_prefill_tokens=int(stats.get("queued_prefill_tokens", self.queued_prefill_tokens)),
                          kv_blocks_free=int(stats.get("kv_blocks_free", 0)),
                          kv_blocks_total=int(stats.get("kv_blocks_total", 0)),
                          **(self.latency() if self.latency is not None else {}))  # fmt: skip

@@ -113,7 +113,7 @@ class SimNode:
     # -- load, as the node reports it (node/kv_events.py + node/engines/native.py::_drain) -----
     def load_frame(self, now: float) -> LoadFrame:
         s = self.scheduler
-        queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*s.waiting, *s.running))
+        queued = s.queued_prefill_tokens()
         self.load_seq += 1
         self.stats.timeline.append((now, s.num_waiting, s.num_running, self.pool.usage))
         return LoadFrame(seq=self.load_seq, ts=now, num_requests_waiting=s.num_waiting,

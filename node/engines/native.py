@@ -167,13 +167,15 @@ class NativeNodeEngine:
         return drained
 
     def stats(self) -> dict[str, float]:
-        return self._engine.stats()
+        s = self._engine.stats()
+        if self._engine.queued_embed_tokens:  # counted as prefill work, as drain_kv_events does
+            s = {**s, "queued_prefill_tokens": s.get("queued_prefill_tokens", 0) + self._engine.queued_embed_tokens}
+        return s
 
 
 def _drain(core: EngineCore, snapshot: bool) -> KVEventDrain:
     """On the engine thread, between two steps."""
-    s = core.scheduler
-    queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*s.waiting, *s.running))
+    queued = core.scheduler.queued_prefill_tokens()
     return KVEventDrain(events=[_wire_event(e) for e in core.pool.drain_events()], queued_prefill_tokens=queued,
                         block_hashes=core.pool.cached_hashes() if snapshot else None)  # fmt: skip
 

@@ -3,6 +3,8 @@ names the batch it includes, a bounded ring, and wire frames that round-trip."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 
 import msgspec
@@ -65,4 +67,39 @@ async def test_batches_snapshot_and_ring(tiny_llama: Path) -> None:
         assert frames[-1].taken == ["r0"] and log.taken_since(1) == []
         assert all(isinstance(f, EventBatch) for f in frames[:-1])
     finally:
+        await engine.stop()
+
+
+async def test_the_frame_that_acks_a_request_counts_its_prompt_tokens(tiny_llama: Path) -> None:
+    """A load frame built once the node took a request (the frame that ends the coordinator's
+    reservation for it) counts its prompt tokens, though the engine is inside the step after it
+    and no drain has run since (the drain waits for the step: up to a second for a long chunk)."""
+    node_engine = NativeNodeEngine(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=16,
+                                                max_model_len=128, record_kv_events=True))  # fmt: skip
+    engine = node_engine.async_engine
+    engine.start()
+    gate, entered = threading.Event(), threading.Event()
+    real = engine.core.step
+
+    def held_step():
+        entered.set()
+        assert gate.wait(30)
+        return real()
+
+    try:
+        log = KVEventLog(node_engine, "e1", 16, recording=True)
+        await log.poll()
+        engine.core.step = held_step
+        stream = await engine.add_request("r0", list(range(3, 53)), ONE)
+        log.took("r0")
+        assert await asyncio.to_thread(entered.wait, 30)
+        frame = log.load(node_engine.stats(), log.seq, log.taken_since(0))
+        assert frame.taken == ["r0"]
+        assert frame.queued_prefill_tokens == 50 and frame.num_requests_waiting + frame.num_requests_running == 1
+        gate.set()
+        async for _ in stream:
+            pass
+    finally:
+        gate.set()
+        engine.core.step = real
         await engine.stop()

@@ -1,6 +1,7 @@
 """AsyncEngine: many coroutines on one engine thread, abort, errors, and the P/D hooks."""
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,35 @@ async def test_step_timing_counts_steps_and_only_busy_gaps(engine: AsyncEngine) 
     assert s["engine_decode_steps"] - before["engine_decode_steps"] == 7
     assert 0 < s["engine_decode_step_seconds"] - before["engine_decode_step_seconds"] <= wall
     assert s["engine_step_gap_seconds"] >= before["engine_step_gap_seconds"]
+
+
+async def test_a_request_counts_in_the_published_load_as_soon_as_it_is_taken(engine: AsyncEngine) -> None:
+    """stats() (what a node's load frames report) counts a request once add_request returns, even
+    while the step after it is still running: a node acks a route in its next frame and the
+    coordinator then drops its own reservation, so counters as of the last step would count the
+    request nowhere for a whole step (0.7-1.4 s for a long prompt's chunk on one CPU thread)."""
+    await collect(engine, "warm", [5, 6, 7])
+    gate = threading.Event()
+    entered = threading.Event()
+    real = engine.core.step
+
+    def held_step():  # the step after the add: held until the test has read the load
+        entered.set()
+        assert gate.wait(30)
+        return real()
+
+    engine.core.step = held_step
+    try:
+        stream = await engine.add_request("taken", list(range(3, 40)), GREEDY)
+        assert await asyncio.to_thread(entered.wait, 30)  # the engine is inside that step now
+        s = engine.stats()
+        assert s["num_requests_waiting"] + s["num_requests_running"] == 1
+        assert s["queued_prefill_tokens"] == 37
+    finally:
+        gate.set()
+        engine.core.step = real
+    toks = []
+    async for out in stream:
+        toks += out.new_token_ids
+    assert len(toks) == 8
+    assert engine.stats()["queued_prefill_tokens"] == 0
