@@ -45,8 +45,11 @@ class Case:
     serve: tuple[str, ...]
 
 
-#: 20 requests a case (the first validation sent 30): six cases, three cluster starts, < 10 min
-COMMON_SERVE = ("--num-requests", "20", "--ignore-eos")
+#: 40 requests a case: a P90 of 20 is the second-largest figure, so one request that meets a cold
+#: node or an unlucky overlap moved it by a quarter (round 8, 05 Dec, Zen 4: MAPE TTFT p50 / p90 /
+#: TPOT / tok/s 8 / 7 / 13 / 3 % at 20 against 4 / 8 / 5 / 2 % at 40 a few minutes later). Six
+#: cases, three cluster starts: ~7 min on 2 vCPUs.
+COMMON_SERVE = ("--num-requests", "40", "--ignore-eos")
 # One torch thread per node everywhere: on a shared 2-core machine a 2-thread node's OpenMP
 # threads spin while they wait for a core (CPU time then says nothing about the step's cost).
 ONE, PD, TWO = ("--colocated", "1", "--threads", "1"), ("--prefill", "1", "--decode", "1", "--threads", "1"), \
@@ -224,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
                         "sim/procstat.py) or to the sleeping meter's reading (meter: the first validation's)")
     p.add_argument("--profile", default=None, help="simulate with this profile instead of each case's own")
     p.add_argument("--requests", type=int, default=None,
-                   help="requests a case (default 20): more give steadier P90s and take longer")  # fmt: skip
+                   help="requests a case (default 40): more give steadier P90s and take longer")  # fmt: skip
     a = p.parse_args(argv)
     # SIGTERM (also what a background job gets instead of Ctrl-C) unwinds like Ctrl-C, so each
     # case's `finally` stops the cluster it started
