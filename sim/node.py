@@ -16,9 +16,10 @@ profile's measured `decode_step_factor`, what the streaming process adds inside 
 Nodes that share one machine (`host`, sim/host.py) run their steps' work through it, so a step
 that overlaps another node's steps is stretched by the profile's co-run factor.
 
-Invariants: one step at a time per node; `busy_s` is the sum of step times; KV events are
-applied to the coordinator's index right after the step that produced them (the real
-stream pushes them at once); a node with nothing schedulable sleeps until `wake()`.
+Invariants: one step at a time per node; `busy_s` is the sum of step times; KV events reach
+the coordinator's index when the real node's poller would carry them (sim/event_poll.py: at
+the step's end when a poll waited for it, else at the next poll, ≤ 0.1 s later); a node with
+nothing schedulable sleeps until `wake()`.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.step_model import shape_of
 from node.engines.native import _wire_event
 from protocol.kv_events import EventBatch, LoadFrame
+from sim.event_poll import EventPoll
 from sim.host import SharedHost
 from sim.profile import StepFeatures, StepModel
 
@@ -89,6 +91,7 @@ class SimNode:
         self.stats = NodeStats()
         self.load_seq = 0
         self._wake = asyncio.Event()
+        self._poll = EventPoll(self._flush_events, lambda: bool(self.pool.events))
 
     # -- requests ------------------------------------------------------------------------------
     def add(self, req: Request, on_token: Callable[[Request, float], None]) -> asyncio.Future[None]:
@@ -129,7 +132,7 @@ class SimNode:
             for req in out.reserved:
                 self.on_reserved(self, req)
             if not out.chunks:
-                self._flush_events()
+                self._poll.events_made(loop.time())  # a finish or release between steps
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -140,6 +143,7 @@ class SimNode:
             # the event loop's per-token work: the node's own GIL and core, not the machine's
             extra = self.token_s * sum(1 for c in out.chunks if c.samples) if self.token_s else 0.0
             t0 = loop.time()
+            self._poll.step_started(t0)
             for c in out.chunks:
                 if c.req.first_scheduled_time is None:
                     c.req.first_scheduled_time = t0
@@ -157,7 +161,7 @@ class SimNode:
             st.step_s.append(dt)
             st.prompt_tokens_computed += f.prefill_tokens
             self._apply(out.chunks, loop.time())
-            self._flush_events()
+            self._poll.step_ended(loop.time())
 
     def _apply(self, chunks: list[ScheduledChunk], now: float) -> None:
         for c in chunks:
