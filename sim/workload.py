@@ -97,12 +97,19 @@ def from_result_file(path: Path, seed: int = 0) -> Iterator[WorkItem]:
     nrng = np.random.default_rng(seed)
     prefixes = [_tokens(nrng, plen) for _ in range(groups)]
     tiers = r.get("tiers") or [None] * len(r["input_lens"])
+    # each prompt's group as the bench drew it (at random: which prompt is a group's first, and
+    # so a cold prefill, decides routing); a result from before the field: round robin
+    recorded = r.get("groups") or [None] * len(r["input_lens"])
     out_default = _max_tokens(cfg)
-    rows = sorted(zip(r["scheduled_times"], r["input_lens"], r["output_lens"], tiers, strict=True))
-    for i, (t, n_in, n_out, tier) in enumerate(rows):
+    rows = sorted(zip(r["scheduled_times"], r["input_lens"], r["output_lens"], tiers, recorded, strict=True),
+                  key=lambda row: row[0])  # fmt: skip
+    for i, (t, n_in, n_out, tier, group) in enumerate(rows):
         n_out = n_out or out_default  # a failed request reports 0: replay what it asked for
         body = _tokens(nrng, max(1, n_in - (plen if prefixes else 0)))
-        prompt = prefixes[i % len(prefixes)] + body if prefixes else body
+        if prefixes and group is not None and not 0 <= group < len(prefixes):
+            raise ValueError(f"{path}: request {i}'s prefix group {group} is not one of the {len(prefixes)} groups")
+        g = group if group is not None else i % len(prefixes) if prefixes else None
+        prompt = prefixes[g] + body if g is not None else body
         yield WorkItem(float(t), prompt, max(1, int(n_out)), tier or "interactive")
 
 

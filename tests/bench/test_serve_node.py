@@ -35,7 +35,10 @@ def test_bench_serve_against_a_duet_node(tiny_llama: Path, tmp_path: Path,
         # 8 requests over 2 shared 32-token prefixes (2 blocks each), 4 at a time: the later
         # ones find their prefix cached
         assert summary["prefix_cache_hits"] > 0 and r["total_cached_tokens"] > 0
+        # each request's group is in the result (a replay, sim/workload.py, shares prefixes as the run did)
+        assert len(r["groups"]) == 8 and set(r["groups"]) <= {0, 1}
         assert main(["--base-url", node.url, "--tokenizer", str(tiny_llama), "--input-len", "16",
                      "--output-len", "3", "--ignore-eos", "--num-requests", "3", "--json", "--quiet"]) == 0  # fmt: skip
         t = json.loads(capsys.readouterr().out)
         assert t["completed"] == 3 and t["output_lens"] == [3] * 3 and t["config"]["prompt_format"] == "text"
+        assert t["groups"] == [None] * 3

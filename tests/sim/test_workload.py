@@ -41,3 +41,30 @@ def test_mooncake_trace_reproduces_shared_blocks(tmp_path: Path) -> None:
     assert (a.t, b.t) == (0.0, 2.0)
     assert len(a.prompt) == 1000 and len(b.prompt) == 700
     assert a.prompt[:512] == b.prompt[:512] and a.prompt[512:700] != b.prompt[512:700]
+
+
+def test_a_result_file_replays_the_prefix_groups_the_run_drew(tmp_path: Path) -> None:
+    """`duet bench serve` draws each prompt's group at random, and which prompt comes first in its
+    group (a cold prefill) decides routing: the replay takes the recorded groups, not a round
+    robin (sim.validate's prefix case: requests 0, 1, 3, 6 were the groups' firsts for real; round
+    robin made them 0, 1, 2, 3)."""
+    f = tmp_path / "r.json"
+    groups = [2, 0, 2, 1, 0]
+    f.write_text(json.dumps({"config": {"output_len": "4", "prefix_groups": 3, "prefix_len": 32},
+                             "scheduled_times": [0.0, 0.1, 0.2, 0.3, 0.4], "input_lens": [40] * 5,
+                             "output_lens": [4] * 5, "groups": groups}))  # fmt: skip
+    items = list(wl.from_result_file(f))
+    assert all(len(x.prompt) == 40 for x in items)
+    prefix = [tuple(x.prompt[:32]) for x in items]
+    for i in range(5):
+        for j in range(5):
+            assert (prefix[i] == prefix[j]) == (groups[i] == groups[j]), (i, j)
+    # an older result (no groups): round robin over the configured groups, as before
+    f.write_text(json.dumps({"config": {"output_len": "4", "prefix_groups": 2, "prefix_len": 32},
+                             "scheduled_times": [0.0, 0.1, 0.2], "input_lens": [40] * 3, "output_lens": [4] * 3}))  # fmt: skip
+    a, b, c = wl.from_result_file(f)
+    assert a.prompt[:32] == c.prompt[:32] != b.prompt[:32]
+    f.write_text(json.dumps({"config": {"output_len": "4", "prefix_groups": 2, "prefix_len": 32},
+                             "scheduled_times": [0.0], "input_lens": [40], "output_lens": [4], "groups": [5]}))  # fmt: skip
+    with pytest.raises(ValueError, match="prefix group 5"):
+        list(wl.from_result_file(f))
