@@ -10,7 +10,9 @@ requests the engine took since the stream's previous one (`taken`, from a ring o
 coordinators drop their pending reservations for those routes on it. Load frames also carry
 the node's measured TTFT / ITL P90 over its recent window, with the window's histogram
 (`latency`: node/latency_window.py; TTFT on prefill and colocated nodes, ITL on decode and
-colocated ones — a decode leg's first token waits on a KV pull, which is not the client's TTFT).
+colocated ones — a decode leg's first token waits on a KV pull, which is not the client's TTFT),
+and the engine's busy fraction over the same window where it reports busy seconds
+(node/busy_window.py; the planner's n − 1 test for prefill pools).
 
 Invariants: seq numbers have no gaps; the snapshot is taken on the engine thread in the same
 call that drains pending events, under the same lock as the poller, so "snapshot at seq S"
@@ -32,6 +34,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from node.busy_window import BusyWindow
 from node.metrics import NodeMetrics
 from protocol.kv_events import (
     CONTENT_TYPE,
@@ -69,6 +72,7 @@ class KVEventLog:
         self._taken: collections.deque[str] = collections.deque(maxlen=TAKEN_RING)
         #: ids ever passed to took(): a stream's position in the `taken` ring
         self.taken_n = 0
+        self.busy = BusyWindow()
 
     # -- engine side -----------------------------------------------------------------------
     async def _pull(self, snapshot: bool) -> list[int] | None:
@@ -124,7 +128,13 @@ class KVEventLog:
             await asyncio.wait_for(self._new.wait(), max(timeout, 0.0))
 
     def load(self, stats: dict[str, float], seq: int, taken: list[str]) -> LoadFrame:
+        # the engine thread's time in steps and in the node's own work between steps that left
+        # work (engine/async_engine.py StepTiming); an engine without them (vLLM) reports none
+        busy_s = stats.get("engine_step_seconds")
+        if busy_s is not None:
+            busy_s += stats.get("engine_step_gap_seconds", 0.0)
         return LoadFrame(seq=seq, ts=time.time(), taken=taken,
+                         busy=self.busy.observe(float(busy_s)) if busy_s is not None else None,
                          num_requests_waiting=int(stats.get("num_requests_waiting", 0)),
                          num_requests_running=int(stats.get("num_requests_running", 0)),
                          kv_cache_usage_perc=float(stats.get("kv_cache_usage_perc", 0.0)),

@@ -81,6 +81,9 @@ class PlannerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     margin: float = 0.3
     #: requests waiting for admission per decode node that mean the pool is full
     waiting_high: float = 1.0
+    #: the busy fraction of a prefill node (load frames' `busy`) past which its prompts queue:
+    #: a prefill pool scales in only if n − 1 nodes would each stay under (1 − margin) × this
+    busy_high: float = 0.8
     #: load mode takes a pool's measured TTFT / ITL P90 (nodes' load frames) over its prediction
     #: only from at least this many samples (first tokens / inter-token gaps) in the window
     min_latency_samples: int = 20

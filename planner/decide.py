@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from planner.config import PlannerConfig, PlannerMode
 from planner.pools import Measured, PoolKey, PoolLoad
-from planner.predict import counted, predict, violations, with_measured
+from planner.predict import counted, predict, too_busy, violations, with_measured
 
 log = logging.getLogger("duet.planner")
 
@@ -88,23 +88,26 @@ class Decision:
 
 @dataclass
 class _Window:
-    """A pool's warm-load samples since its last step: (t, waiting, running, kv, queued tokens)."""
+    """A pool's warm-load samples since its last step: (t, waiting, running, kv, queued tokens,
+    busy sum or None)."""
 
-    samples: deque[tuple[float, float, float, float, float]] = field(default_factory=deque)
+    samples: deque[tuple[float, float, float, float, float, float | None]] = field(default_factory=deque)
     last_step_at: float | None = None
     last_direction: Direction | None = None
     last_hold: Reason | None = None
 
     def add(self, now: float, p: PoolLoad, window_s: float) -> None:
-        self.samples.append((now, p.waiting, p.running, p.kv_usage, p.queued_prefill_tokens))
+        self.samples.append((now, p.waiting, p.running, p.kv_usage, p.queued_prefill_tokens, p.busy))
         while self.samples and now - self.samples[0][0] > window_s:
             self.samples.popleft()
 
     def mean(self, p: PoolLoad) -> PoolLoad:
         n = len(self.samples)
+        busy = [s[5] for s in self.samples]
         return PoolLoad(p.key, replicas=p.replicas, warm=p.warm, waiting=sum(s[1] for s in self.samples) / n,
                         running=sum(s[2] for s in self.samples) / n, kv_usage=sum(s[3] for s in self.samples) / n,
-                        queued_prefill_tokens=sum(s[4] for s in self.samples) / n, candidates=p.candidates)  # fmt: skip
+                        queued_prefill_tokens=sum(s[4] for s in self.samples) / n, candidates=p.candidates,
+                        busy=None if None in busy else sum(busy) / n, busy_window_s=p.busy_window_s)  # type: ignore[arg-type]  # fmt: skip
 
     def span(self) -> float:
         return self.samples[-1][0] - self.samples[0][0] if self.samples else 0.0
@@ -144,9 +147,11 @@ class Planner:
         avg = w.mean(p)
         slo = cfg.slo_of(p.key)
         now_n = predict(avg, p.warm, cfg)
-        inputs.update(load={"waiting": round(avg.waiting, 2), "running": round(avg.running, 2),
-                            "kv_sum": round(avg.kv_usage, 3), "queued_prefill_tokens": round(avg.queued_prefill_tokens)},
-                      at_n=now_n.as_dict(), slo={"ttft_s": slo.ttft_s, "itl_s": slo.itl_s})  # fmt: skip
+        load: dict[str, float] = {"waiting": round(avg.waiting, 2), "running": round(avg.running, 2),
+                                  "kv_sum": round(avg.kv_usage, 3), "queued_prefill_tokens": round(avg.queued_prefill_tokens)}  # fmt: skip
+        if avg.busy is not None:
+            load["busy_sum"] = round(avg.busy, 3)
+        inputs.update(load=load, at_n=now_n.as_dict(), slo={"ttft_s": slo.ttft_s, "itl_s": slo.itl_s})
         m = p.measured()
         # a window that began before the pool's last step measured the old size: not counted
         fresh = w.last_step_at is None or now - w.last_step_at >= m.window_s
@@ -162,7 +167,10 @@ class Planner:
             less = predict(avg, p.warm - 1, cfg)
             inputs["at_n_minus_1"] = less.as_dict()
             less, _ = with_measured(less, floor, p.key.role, cfg.min_latency_samples)
-            if not violations(less, p.key.role, slo, cfg, scale=1 - cfg.margin):
+            # the survivors' busy fraction, from windows that saw the pool at its present size
+            busy_fresh = w.last_step_at is None or now - w.last_step_at >= avg.busy_window_s
+            if not violations(less, p.key.role, slo, cfg, scale=1 - cfg.margin) and \
+                    not too_busy(less, p.key.role, cfg, busy_fresh):
                 return Direction.IN, Reason.HEADROOM, inputs
         return Direction.HOLD, Reason.STEADY, inputs
 

@@ -50,6 +50,7 @@ def samples(views: Any, now_mono: float, stale_s: float) -> list[NodeSample]:
             itl_p90_s=load.itl_p90_s if load else 0.0, itl_samples=load.itl_samples if load else 0,
             latency_window_s=load.latency_window_s if load else 0.0,
             ttft_hist=load.ttft_hist if load else None, itl_hist=load.itl_hist if load else None,
+            busy=load.busy if load else None,
         ))  # fmt: skip
     return out
 

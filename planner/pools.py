@@ -64,6 +64,8 @@ class NodeSample:
     #: the windows' distributions (None: the frame has none, an older node)
     ttft_hist: LatencyHistogram | None = None
     itl_hist: LatencyHistogram | None = None
+    #: the engine's busy fraction over the node's recent window (None: not reported)
+    busy: float | None = None
 
 
 @dataclass
@@ -110,6 +112,11 @@ class PoolLoad:
     running: float = 0.0
     kv_usage: float = 0.0  # sum of fractions
     queued_prefill_tokens: float = 0.0
+    #: the warm nodes' busy fractions summed — the pool's work in node-seconds per second —
+    #: or None when any warm node does not report one (then n − 1 cannot be judged by it)
+    busy: float | None = None
+    #: the longest window those fractions were taken over (the nodes' `latency_window_s`)
+    busy_window_s: float = 0.0
     #: active node ids, warm ones first, least loaded first (the scale-in victim is [0])
     candidates: list[str] = field(default_factory=list)
     #: measured latency over the warm nodes whose window is past their cold start, and the
@@ -153,6 +160,7 @@ def group(samples: list[NodeSample], now: float, cold_start_s: float) -> dict[Po
     """Per pool: its replicas, and the totals of its warm nodes' figures."""
     out: dict[PoolKey, PoolLoad] = {}
     ranked: dict[PoolKey, list[tuple[int, float, float, str]]] = {}
+    unbusy: set[PoolKey] = set()  # pools with a warm node that reports no busy fraction
     for s in samples:
         p = out.setdefault(s.pool, PoolLoad(s.pool))
         if s.status == NodeStatus.DRAINING:
@@ -171,10 +179,17 @@ def group(samples: list[NodeSample], now: float, cold_start_s: float) -> dict[Po
         p.running += s.running
         p.kv_usage += s.kv_usage
         p.queued_prefill_tokens += s.queued_prefill_tokens
+        if s.busy is None:
+            unbusy.add(s.pool)
+        else:  # a node's figure, not trusted to be a fraction
+            p.busy = (p.busy or 0.0) + min(1.0, max(0.0, s.busy))
+            p.busy_window_s = max(p.busy_window_s, s.latency_window_s)
         if now - s.started_at >= cold_start_s + s.latency_window_s:
             p.ttft.add(s.ttft_p90_s, s.ttft_samples, s.ttft_hist)
             p.itl.add(s.itl_p90_s, s.itl_samples, s.itl_hist)
             p.latency_window_s = max(p.latency_window_s, s.latency_window_s)
     for key, rows in ranked.items():  # a pool of draining nodes only has no candidates
         out[key].candidates = [r[3] for r in sorted(rows)]
+    for key in unbusy:
+        out[key].busy = None
     return out

@@ -7,7 +7,11 @@ From the totals of a pool's warm nodes (planner/pools.py) and the node kind's st
 - KV use and admission waiting: the totals over n.
 
 Scale-in asks the same question at n − 1 (Dynamo PR #9294: the survivors carry the leaver's
-load). The prediction is a model, not a measurement: its inputs are logged with every decision.
+load). Queues alone cannot answer it near saturation: a prefill pool that keeps up shows empty
+queues at any utilisation, so for prefill pools the nodes' busy fractions (load frames' `busy`,
+node/busy_window.py) are spread over n − 1 as well, and each survivor must stay under
+(1 − margin) × `busy_high` (`too_busy`). The prediction is a model, not a measurement: its inputs
+are logged with every decision.
 Where the nodes measured the figure itself (their load frames' TTFT / ITL P90 over a recent
 window, with enough samples), the planner takes the larger of the two (`with_measured`): a step
 model fitted on another machine, or a load the model does not see (long prompts, preemptions),
@@ -17,7 +21,7 @@ nodes never make the survivors faster.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from planner.config import PlannerConfig, StepCost, TierSLO
 from planner.pools import Measured, PoolLoad
@@ -30,10 +34,15 @@ class Prediction:
     itl_s: float
     kv_usage: float
     waiting: float
+    #: each node's busy fraction (None: the pool's nodes do not all report it)
+    busy: float | None = None
 
     def as_dict(self) -> dict[str, float]:
-        return {"n": self.replicas, "ttft_s": round(self.ttft_s, 4), "itl_s": round(self.itl_s, 4),
-                "kv": round(self.kv_usage, 3), "waiting": round(self.waiting, 2)}  # fmt: skip
+        out = {"n": self.replicas, "ttft_s": round(self.ttft_s, 4), "itl_s": round(self.itl_s, 4),
+               "kv": round(self.kv_usage, 3), "waiting": round(self.waiting, 2)}  # fmt: skip
+        if self.busy is not None:
+            out["busy"] = round(self.busy, 3)
+        return out
 
 
 def _step(c: StepCost, prefill_tokens: float, seqs: float, context: float) -> float:
@@ -50,7 +59,8 @@ def predict(load: PoolLoad, n: int, cfg: PlannerConfig) -> Prediction:
     decoding = r if load.key.role != "prefill" else 0.0
     ttft = (1 + q / chunk) * _step(cfg.step, min(chunk, q + 1), decoding, cfg.context_tokens)
     itl = _step(cfg.step, 0, r, cfg.context_tokens) if load.key.role != "prefill" else 0.0
-    return Prediction(replicas=n, ttft_s=ttft, itl_s=itl, kv_usage=load.kv_usage / n, waiting=w)
+    return Prediction(replicas=n, ttft_s=ttft, itl_s=itl, kv_usage=load.kv_usage / n, waiting=w,
+                      busy=load.busy / n if load.busy is not None else None)  # fmt: skip
 
 
 def with_measured(p: Prediction, m: Measured, role: str, min_samples: int) -> tuple[Prediction, list[str]]:
@@ -63,7 +73,7 @@ def with_measured(p: Prediction, m: Measured, role: str, min_samples: int) -> tu
     if role in ("decode", "both") and m.itl_samples >= min_samples and m.itl_p90_s > itl:
         itl = m.itl_p90_s
         raised.append("itl")
-    return Prediction(replicas=p.replicas, ttft_s=ttft, itl_s=itl, kv_usage=p.kv_usage, waiting=p.waiting), raised
+    return replace(p, ttft_s=ttft, itl_s=itl), raised
 
 
 def counted(m: Measured, role: str, min_samples: int) -> list[str]:
@@ -89,3 +99,15 @@ def violations(p: Prediction, role: str, slo: TierSLO, cfg: PlannerConfig, scale
     if role in ("decode", "both") and p.waiting > cfg.waiting_high * scale:
         out.append("queue")
     return out
+
+
+def too_busy(p: Prediction, role: str, cfg: PlannerConfig, fresh: bool) -> bool:
+    """Scale-in test of a prefill pool at n − 1 (`p`): a survivor would be busier than
+    (1 − margin) × busy_high, or the busy fractions are not `fresh` (their window began before
+    the pool's last step: right after a scale-in they still average in the time when the
+    leaver carried its share). Decode and colocated nodes step whenever a sequence decodes, so
+    their busy fraction says nothing of spare capacity (batching absorbs more); pools whose
+    nodes do not report it are judged by their queues alone, as before."""
+    if role != "prefill" or p.busy is None:
+        return False
+    return not fresh or p.busy > cfg.busy_high * (1 - cfg.margin)

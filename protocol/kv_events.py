@@ -91,6 +91,10 @@ class LoadFrame(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     #: the same windows' distributions (None: an older node; the planner falls back to the P90s)
     ttft_hist: LatencyHistogram | None = None
     itl_hist: LatencyHistogram | None = None
+    #: share of the node's recent wall time (about `latency_window_s`) its engine spent in
+    #: forward passes, 0..1 (node/busy_window.py); None: not known yet, or an engine that does
+    #: not count it (vLLM), or an older node
+    busy: float | None = None
 
 
 Frame = EventBatch | LoadFrame

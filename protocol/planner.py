@@ -26,6 +26,8 @@ class Prediction(msgspec.Struct, frozen=True, kw_only=True):
     itl_s: float
     kv: float
     waiting: float
+    #: each node's busy fraction at n (prefill pools' scale-in test; None: not reported)
+    busy: float | None = None
 
 
 class PoolFigures(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,6 +37,8 @@ class PoolFigures(msgspec.Struct, frozen=True, kw_only=True):
     running: float
     kv_sum: float
     queued_prefill_tokens: float
+    #: the warm nodes' busy fractions summed (None: not every node reports one)
+    busy_sum: float | None = None
 
 
 class MeasuredLatency(msgspec.Struct, frozen=True, kw_only=True):

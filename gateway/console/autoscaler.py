@@ -54,7 +54,8 @@ def describe_inputs(i: DecisionInputs) -> str:
         parts.append(f"forecast wants {i.target}")
     if i.load is not None:
         parts.append(f"load {i.load.running:g} running, {i.load.waiting:g} waiting, "
-                     f"{i.load.queued_prefill_tokens:g} prompt tokens queued, KV {100 * i.load.kv_sum:.0f}%")  # fmt: skip
+                     f"{i.load.queued_prefill_tokens:g} prompt tokens queued, KV {100 * i.load.kv_sum:.0f}%"
+                     f"{'' if i.load.busy_sum is None else f', busy {i.load.busy_sum:.2f} nodes'}")  # fmt: skip
     if i.at_n is not None:
         slo = f" (SLO {_s(i.slo.ttft_s)} / {_s(i.slo.itl_s)})" if i.slo is not None else ""
         parts.append(f"predicted TTFT {_s(i.at_n.ttft_s)}, ITL {_s(i.at_n.itl_s)} at {i.at_n.n}{slo}")
@@ -66,7 +67,9 @@ def describe_inputs(i: DecisionInputs) -> str:
                                              ("ITL", m.itl_p90_s, m.itl_samples, m.itl_merged_samples)) if n]  # fmt: skip
         parts.append(f"measured {', '.join(figs)}, {'counted: ' + '/'.join(m.counted) if m.counted else 'not counted'}")
     if i.at_n_minus_1 is not None:
-        parts.append(f"at {i.at_n_minus_1.n}: TTFT {_s(i.at_n_minus_1.ttft_s)}, ITL {_s(i.at_n_minus_1.itl_s)}")
+        less = i.at_n_minus_1
+        busy = "" if less.busy is None else f", {100 * less.busy:.0f}% busy each"
+        parts.append(f"at {less.n}: TTFT {_s(less.ttft_s)}, ITL {_s(less.itl_s)}{busy}")
     if i.budget is not None:
         parts.append(f"node budget {i.budget.total}/{i.budget.limit}")
     if i.blocked:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from pathlib import Path
 
 import msgspec
 
 from engine import EngineConfig, SamplingParams
 from engine.async_engine import AsyncEngine
+from node.busy_window import BusyWindow
 from node.engines.native import NativeNodeEngine
 from node.kv_events import KVEventLog
 from protocol.kv_events import (
@@ -102,4 +104,40 @@ async def test_the_frame_that_acks_a_request_counts_its_prompt_tokens(tiny_llama
     finally:
         gate.set()
         engine.core.step = real
+        await engine.stop()
+
+
+async def test_load_frames_carry_the_engines_busy_fraction(tiny_llama: Path) -> None:
+    """The frame's `busy` is the engine thread's share of the recent wall time in steps (the
+    planner's n − 1 test for prefill pools): None until two frames span `min_span_s`, then
+    within 0..1 and above 0 once requests ran, measured from the engine's own step timing."""
+    node_engine = NativeNodeEngine(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=64,
+                                                max_model_len=128))  # fmt: skip
+    engine = node_engine.async_engine
+    engine.start()
+    try:
+        log = KVEventLog(node_engine, "e1", 16, recording=False)
+        log.busy = BusyWindow(min_span_s=0.0)
+
+        def busy_s(stats: dict[str, float]) -> float:
+            return stats["engine_step_seconds"] + stats["engine_step_gap_seconds"]
+
+        s1 = node_engine.stats()
+        a1 = time.monotonic()
+        assert log.load(s1, 0, []).busy is None  # one sample spans nothing
+        b1 = time.monotonic()
+        for i in range(8):
+            await run(engine, f"r{i}", list(range(3, 90)))
+        s2 = node_engine.stats()
+        a2 = time.monotonic()
+        frame = log.load(s2, 0, [])
+        b2 = time.monotonic()
+        worked = busy_s(s2) - busy_s(s1)
+        assert worked > 0 and frame.busy is not None
+        # the engine's step (and between-step) seconds over the time between the two frames
+        assert worked / (b2 - a1) - 1e-9 <= frame.busy <= min(1.0, worked / (a2 - b1)) + 1e-9
+        assert frame.busy > 0.0
+        wire = msgspec.msgpack.decode(msgspec.msgpack.encode(frame), type=LoadFrame)
+        assert wire.busy == frame.busy
+    finally:
         await engine.stop()
