@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from protocol.ports import free_port
-from sim import procstat
+from sim import per_request, procstat
 from sim import profile as pf
 from sim import workload as wl
 from sim.contention import ContentionMeter
@@ -172,8 +172,9 @@ def simulate_case(case: Case, out: Path, *, mode: str = "threads", profile: Path
     from duet.cmd_plan import parse_layout
 
     t0 = time.perf_counter()
-    s, _ = simulate(prof, parse_layout(case.layout, one_host=True), wl.from_result_file(result))
+    s, collector = simulate(prof, parse_layout(case.layout, one_host=True), wl.from_result_file(result))
     sim_wall = time.perf_counter() - t0
+    (out / case.name / "per_request.tsv").write_text(per_request.tsv(per_request.pair(measured, collector.results)))
     rows = []
     for label, mkey, skey in METRICS:
         m = measured.get(mkey)
@@ -228,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default=None, help="simulate with this profile instead of each case's own")
     p.add_argument("--requests", type=int, default=None,
                    help="requests a case (default 40): more give steadier P90s and take longer")  # fmt: skip
+    p.add_argument("--per-request", action="store_true",
+                   help="also print each case's requests, measured beside simulated (TTFT, TPOT, the simulated "
+                        "route; always written to OUT/CASE/per_request.tsv): where a percentile differs, why")  # fmt: skip
     a = p.parse_args(argv)
     # SIGTERM (also what a background job gets instead of Ctrl-C) unwinds like Ctrl-C, so each
     # case's `finally` stops the cluster it started
@@ -267,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / f"validation-{a.contention}.json").write_text(json.dumps(results, indent=1) + "\n")
     ok = [r for r in results if r["rows"]]
+    if a.per_request:
+        for r in ok:
+            print(f"# {r['case']}\n" + (out / r["case"] / "per_request.tsv").read_text(), flush=True)
     if ok:
         print(table(ok), flush=True)
     return 0 if all(r["rows"] for r in results) else 1
