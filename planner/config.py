@@ -105,6 +105,8 @@ class PlannerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("planner cooldowns and cold_start_s must be ≥ 0")
         if not 0 < self.kv_high <= 1 or not 0 <= self.margin < 1:
             raise ValueError("planner kv_high must be in (0, 1] and margin in [0, 1)")
+        if not 0 < self.busy_high <= 1:
+            raise ValueError("planner busy_high must be in (0, 1] (a node's share of its time in steps)")
         if self.min_latency_samples < 1:
             raise ValueError("planner min_latency_samples must be ≥ 1")
         if self.node_budget is not None and self.node_budget < 1:

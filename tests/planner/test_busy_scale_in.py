@@ -107,3 +107,9 @@ def test_the_console_line_names_the_busy_figures() -> None:
 
     line = describe_inputs(inputs_of(decide(nodes(3, busy=0.4))))
     assert "busy 1.20 nodes" in line and "at 2: " in line and "60% busy each" in line
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.5, 1.5])
+def test_busy_high_outside_0_1_is_refused(bad: float) -> None:
+    with pytest.raises(ValueError, match="busy_high"):
+        cfg(busy_high=bad)
