@@ -112,6 +112,11 @@ class _Window:
     def span(self) -> float:
         return self.samples[-1][0] - self.samples[0][0] if self.samples else 0.0
 
+    def since_step(self, now: float, window_s: float) -> bool:
+        """A node window of `window_s` ending now began after the pool's last step (it measured
+        the present size)."""
+        return self.last_step_at is None or now - self.last_step_at >= window_s
+
 
 class Planner:
     def __init__(self, cfg: PlannerConfig, metrics: object | None = None) -> None:
@@ -154,8 +159,7 @@ class Planner:
         inputs.update(load=load, at_n=now_n.as_dict(), slo={"ttft_s": slo.ttft_s, "itl_s": slo.itl_s})
         m = p.measured()
         # a window that began before the pool's last step measured the old size: not counted
-        fresh = w.last_step_at is None or now - w.last_step_at >= m.window_s
-        use = counted(m, p.key.role, cfg.min_latency_samples) if fresh else []
+        use = counted(m, p.key.role, cfg.min_latency_samples) if w.since_step(now, m.window_s) else []
         if m.ttft_samples or m.itl_samples:
             inputs["measured"] = {**m.as_dict(), "counted": use}
         floor = m if use else _NO_MEASUREMENT
@@ -168,9 +172,8 @@ class Planner:
             inputs["at_n_minus_1"] = less.as_dict()
             less, _ = with_measured(less, floor, p.key.role, cfg.min_latency_samples)
             # the survivors' busy fraction, from windows that saw the pool at its present size
-            busy_fresh = w.last_step_at is None or now - w.last_step_at >= avg.busy_window_s
             if not violations(less, p.key.role, slo, cfg, scale=1 - cfg.margin) and \
-                    not too_busy(less, p.key.role, cfg, busy_fresh):
+                    not too_busy(less, p.key.role, cfg, w.since_step(now, avg.busy_window_s)):
                 return Direction.IN, Reason.HEADROOM, inputs
         return Direction.HOLD, Reason.STEADY, inputs
 
