@@ -106,7 +106,7 @@ def from_result_file(path: Path, seed: int = 0) -> Iterator[WorkItem]:
     for i, (t, n_in, n_out, tier, group) in enumerate(rows):
         n_out = n_out or out_default  # a failed request reports 0: replay what it asked for
         body = _tokens(nrng, max(1, n_in - (plen if prefixes else 0)))
-        if prefixes and group is not None and not 0 <= group < len(prefixes):
+        if group is not None and not 0 <= group < len(prefixes):  # none at all: not a --prefix-groups run
             raise ValueError(f"{path}: request {i}'s prefix group {group} is not one of the {len(prefixes)} groups")
         g = group if group is not None else i % len(prefixes) if prefixes else None
         prompt = prefixes[g] + body if g is not None else body

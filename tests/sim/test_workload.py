@@ -68,3 +68,8 @@ def test_a_result_file_replays_the_prefix_groups_the_run_drew(tmp_path: Path) ->
                              "scheduled_times": [0.0], "input_lens": [40], "output_lens": [4], "groups": [5]}))  # fmt: skip
     with pytest.raises(ValueError, match="prefix group 5"):
         list(wl.from_result_file(f))
+    # groups recorded, but the run configured none: a malformed file, refused the same way
+    f.write_text(json.dumps({"config": {"output_len": "4", "prefix_groups": 0, "prefix_len": 0},
+                             "scheduled_times": [0.0], "input_lens": [40], "output_lens": [4], "groups": [0]}))  # fmt: skip
+    with pytest.raises(ValueError, match="prefix group 0 is not one of the 0 groups"):
+        list(wl.from_result_file(f))
