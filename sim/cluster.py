@@ -38,6 +38,7 @@ from protocol.route import RouteRequest
 from protocol.sampling import Priority, SamplingParams
 from sim.early import EarlyStop
 from sim.host import SharedHost
+from sim.jitter import StepJitter
 from sim.node import SimNode, apply_events
 from sim.profile import Profile
 from sim.stats import Collector, RequestResult
@@ -79,7 +80,9 @@ class Layout:
 
 
 class SimCluster:
-    def __init__(self, profile: Profile, layout: Layout) -> None:
+    def __init__(self, profile: Profile, layout: Layout, *, step_jitter: float = 0.0, seed: int = 0) -> None:
+        """`step_jitter`: sigma of each step's lognormal noise (sim/jitter.py; 0: none), per
+        node seeded from `seed` and the node's index."""
         self.profile = profile
         self.layout = layout
         k = profile.kind
@@ -104,7 +107,7 @@ class SimCluster:
                                max_num_batched_tokens=layout.max_num_batched_tokens or k.max_num_batched_tokens,
                                on_events=self._on_events, token_s=0.0 if g.role == "prefill" else token_s,
                                decode_factor=1.0 if g.role == "prefill" else profile.overheads.decode_step_factor,
-                               host=host)  # fmt: skip
+                               host=host, jitter=StepJitter(step_jitter, seed * 1000 + n) if step_jitter else None)  # fmt: skip
                 node.on_reserved = self._start_transfer
                 self.nodes[nid] = node
                 info = NodeInfo(node_id=nid, role=g.role, url=f"sim://{nid}", model=MODEL, engine_id=nid,

@@ -40,6 +40,7 @@ from node.engines.native import _wire_event
 from protocol.kv_events import EventBatch, LoadFrame
 from sim.event_poll import EventPoll
 from sim.host import SharedHost
+from sim.jitter import StepJitter
 from sim.profile import StepFeatures, StepModel
 
 #: the token every simulated sample yields (no stop token can match it: EOS is never set)
@@ -75,13 +76,15 @@ class SimNode:
     def __init__(self, node_id: str, role: str, step: StepModel, *, num_blocks: int, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool = True,
                  on_events: Callable[[str, list], None] | None = None, token_s: float = 0.0,
-                 decode_factor: float = 1.0, host: SharedHost | None = None) -> None:  # fmt: skip
+                 decode_factor: float = 1.0, host: SharedHost | None = None,
+                 jitter: StepJitter | None = None) -> None:  # fmt: skip
         self.node_id = node_id
         self.role = role
         self.step_model = step
         self.token_s = token_s
         self.decode_factor = decode_factor
         self.host = host
+        self.jitter = jitter
         self.pool = BlockPool(num_blocks, block_size, record_events=on_events is not None)
         self.kv = KVCacheManager(self.pool, enable_prefix_caching)
         self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens, max_num_seqs, True), self.kv)
@@ -140,6 +143,8 @@ class SimNode:
             work = self.step_model.seconds(f)
             if f.prefill_tokens == 0:
                 work *= self.decode_factor
+            if self.jitter is not None:  # sensitivity runs (sim/jitter.py)
+                work *= self.jitter.factor()
             # the event loop's per-token work: the node's own GIL and core, not the machine's
             extra = self.token_s * sum(1 for c in out.chunks if c.samples) if self.token_s else 0.0
             t0 = loop.time()
