@@ -7,7 +7,11 @@ bench profile`, scaled to the CPU contention a meter (sim/contention.py) measure
 machine during the run — the machine, not the system under test — and compare TTFT P50/P90, TPOT P50 and output throughput. Prints the table of
 predicted vs measured with the absolute percentage error of each figure and the MAPE per
 metric, and writes it as JSON (--out). Each case's commands are printed, so any row can be
-reproduced by hand.
+reproduced by hand. A case marked outside the bar (`Case.bar`: one whose measured figures the
+real system does not repeat run to run) is measured, simulated and shown under the MAPE row with
+its reason, and left out of the MAPE. `--jitter-runs N` re-simulates each case N times with
+seeded noise on every step (sim/jitter.py) and prints how far each figure moves: the figures
+the machine's noise decides.
 
 Every process a case starts is stopped at its end (SIGINT to `duet up`, which stops its
 children; SIGKILL to the group if it does not exit in time), even when the case fails.
@@ -43,18 +47,31 @@ class Case:
     layout: str
     profile: str  # file name under data/profiles
     serve: tuple[str, ...]
+    #: False for a case run and reported beside the table but left out of its MAPE: one whose
+    #: own measured figures do not repeat run to run (`outside` says why, in the table)
+    bar: bool = True
+    outside: str = ""
 
 
 #: 40 requests a case: a P90 of 20 is the second-largest figure, so one request that meets a cold
 #: node or an unlucky overlap moved it by a quarter (round 8, 05 Dec, Zen 4: MAPE TTFT p50 / p90 /
-#: TPOT / tok/s 8 / 7 / 13 / 3 % at 20 against 4 / 8 / 5 / 2 % at 40 a few minutes later). Six
-#: cases, three cluster starts: ~7 min on 2 vCPUs.
+#: TPOT / tok/s 8 / 7 / 13 / 3 % at 20 against 4 / 8 / 5 / 2 % at 40 a few minutes later). Seven
+#: cases, three cluster starts: ~9 min on 2 vCPUs.
 COMMON_SERVE = ("--num-requests", "40", "--ignore-eos")
 # One torch thread per node everywhere: on a shared 2-core machine a 2-thread node's OpenMP
 # threads spin while they wait for a core (CPU time then says nothing about the step's cost).
 ONE, PD, TWO = ("--colocated", "1", "--threads", "1"), ("--prefill", "1", "--decode", "1", "--threads", "1"), \
     ("--colocated", "2", "--threads", "1")
 T1 = "smollm2-135m-bf16-none-t1.json"
+#: Why 2C-r1-long is measured and shown but not averaged (round 8, 05 Dec). Arrivals outrun two
+#: one-thread nodes (TTFT grows from ~2 s to 8 s over its 40 requests), and a request's TPOT is
+#: bimodal: 25-70 ms when its node took no other prompt's 512-token chunk while it decoded,
+#: 300-800 ms when it did, and which node takes each prompt turns on timings a few hundred ms
+#: apart. Its measured TPOT p50 was 177, 245, 307, 460 and 310 ms in five runs of the same
+#: commands on a quiet machine: a figure the real system does not repeat to 15 % cannot be
+#: predicted to 15 %. Its TTFT and throughput are predicted to 2-9 %. The long-prompt case the
+#: MAPE takes is 2C-r0.4-long, the same prompts' distribution where the nodes keep up.
+OVERLOADED = "overloaded, its TPOT p50 does not repeat run to run (177-460 ms over five runs)"
 CASES = [
     Case("1C-r0.5", ONE, "1C", T1, ("--request-rate", "0.5", "--input-len", "256", "--output-len", "24", "--seed", "1", *COMMON_SERVE)),
     Case("1C-r1", ONE, "1C", T1, ("--request-rate", "1", "--input-len", "256", "--output-len", "24", "--seed", "2", *COMMON_SERVE)),
@@ -62,8 +79,10 @@ CASES = [
     Case("1P1D-r1-prefix", PD, "1P+1D", T1, ("--request-rate", "1", "--input-len", "128", "--prefix-groups", "4",
                                            "--prefix-len", "384", "--output-len", "24", "--seed", "4", *COMMON_SERVE)),
     Case("2C-r0.5", TWO, "2C", T1, ("--request-rate", "0.5", "--input-len", "256", "--output-len", "24", "--seed", "5", *COMMON_SERVE)),
+    Case("2C-r0.4-long", TWO, "2C", T1, ("--request-rate", "0.4", "--input-len", "lognormal:1024,0.4", "--output-len", "24",
+                                         "--seed", "7", *COMMON_SERVE)),
     Case("2C-r1-long", TWO, "2C", T1, ("--request-rate", "1", "--input-len", "lognormal:1024,0.4", "--output-len", "24",
-                                       "--seed", "6", *COMMON_SERVE)),
+                                       "--seed", "6", *COMMON_SERVE), bar=False, outside=OVERLOADED),
 ]  # fmt: skip
 
 METRICS = (("TTFT p50 ms", "median_ttft_ms", "p50_ttft"), ("TTFT p90 ms", "p90_ttft_ms", "p90_ttft"),
@@ -155,10 +174,17 @@ def _contention(loads: dict | list, mode: str) -> float:
     return loads["meter" if mode == "meter" else "stretch"]
 
 
-def simulate_case(case: Case, out: Path, *, mode: str = "threads", profile: Path | None = None) -> dict:
+def _predicted(s) -> dict[str, float | None]:
+    return {label: (s.output_throughput if skey is None else s.latency_ms.get(skey)) for label, _, skey in METRICS}
+
+
+def simulate_case(case: Case, out: Path, *, mode: str = "threads", profile: Path | None = None,
+                  jitter: float = 0.1, jitter_runs: int = 0) -> dict:  # fmt: skip
     """Simulate one measured case; `mode`: the contention the profile is scaled to — the nodes'
     step threads' stretch (`threads`, sim/procstat.py) or the meter's median (`meter`, the first
-    validation's correction)."""
+    validation's correction). `jitter_runs` > 0: the replay again that many times with seeded
+    lognormal noise of sigma `jitter` on every step (sim/jitter.py), and each figure's largest
+    deviation from the noiseless prediction — how much of it the machine's noise decides."""
     result = out / case.name / "serve.json"
     if not result.exists():
         raise RuntimeError(f"no measured result {result}: run the case first")
@@ -176,13 +202,23 @@ def simulate_case(case: Case, out: Path, *, mode: str = "threads", profile: Path
     sim_wall = time.perf_counter() - t0
     (out / case.name / "per_request.tsv").write_text(per_request.tsv(per_request.pair(measured, collector.results)))
     rows = []
-    for label, mkey, skey in METRICS:
+    pred = _predicted(s)
+    for label, mkey, _ in METRICS:
         m = measured.get(mkey)
-        p = s.output_throughput if skey is None else s.latency_ms.get(skey)
+        p = pred[label]
         ape = None if (m in (None, 0) or p is None) else abs(p - m) / abs(m)
         rows.append({"metric": label, "measured": m, "predicted": p, "ape": ape})
+    dev: dict[str, float | None] = {label: 0.0 for label in pred}
+    for seed in range(1, jitter_runs + 1):
+        sj, _ = simulate(prof, parse_layout(case.layout, one_host=True), wl.from_result_file(result),
+                         step_jitter=jitter, seed=seed)  # fmt: skip
+        for label, x in _predicted(sj).items():
+            p0, d = pred[label], dev[label]
+            dev[label] = None if (x is None or not p0 or d is None) else max(d, abs(x - p0) / abs(p0))
     up_cmd, serve_cmd = _commands(case, out, 0, "MODEL", measured.get("num_requests"))
     return {"case": case.name, "layout": case.layout, "profile": str(profile or case.profile), "rows": rows,
+            "bar": case.bar, "outside": case.outside,
+            "jitter": {"sigma": jitter, "runs": jitter_runs, "max_dev": dev} if jitter_runs else None,
             "completed": measured.get("completed"), "failed": measured.get("failed"),
             "sim_completed": s.completed, "load_avg_before": load0, "loads": loads, "sim_wall_s": sim_wall,
             "contention_mode": mode, "contention_run": contention, "contention_profile": base.contention,
@@ -193,20 +229,42 @@ def simulate_case(case: Case, out: Path, *, mode: str = "threads", profile: Path
 
 
 def table(results: list[dict]) -> str:
+    """The predicted-against-measured table; the MAPE row averages the cases in the bar, and the
+    cases outside it (`Case.bar` False) follow that row, each with the reason."""
     lines = [f"| case | {' | '.join(m[0] + ' (meas / pred / err)' for m in METRICS)} |",
              "|---|" + "---|" * len(METRICS)]  # fmt: skip
     per: dict[str, list[float]] = {m[0]: [] for m in METRICS}
+    outside: list[str] = []
     for r in results:
         cells = []
         for row in r["rows"]:
-            if row["ape"] is not None:
+            if row["ape"] is not None and r.get("bar", True):
                 per[row["metric"]].append(row["ape"])
             cells.append(f"{_n(row['measured'])} / {_n(row['predicted'])} / "
                          f"{'-' if row['ape'] is None else format(row['ape'], '.0%')}")  # fmt: skip
-        lines.append(f"| {r['case']} (load {r['load_avg_before']:.1f}, contention {r.get('contention_run', float('nan')):.2f}) | "
-                     + " | ".join(cells) + " |")  # fmt: skip
+        label = f"{r['case']} (load {r['load_avg_before']:.1f}, contention {r.get('contention_run', float('nan')):.2f})"
+        if r.get("bar", True):
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        else:
+            outside.append(f"| {label}, outside the MAPE: {r.get('outside', '')} | " + " | ".join(cells) + " |")
     lines.append("| **MAPE** | " + " | ".join(f"{sum(v) / len(v):.0%} (max {max(v):.0%})" if v else "-"
                                              for v in per.values()) + " |")  # fmt: skip
+    return "\n".join(lines + outside)
+
+
+def jitter_table(results: list[dict]) -> str:
+    """Each case's figures under step noise: the largest deviation from the noiseless
+    prediction over the noisy replays (`--jitter-runs`)."""
+    j = [r for r in results if r.get("jitter")]
+    if not j:
+        return ""
+    first = j[0]["jitter"]
+    lines = [f"Predicted figures under step noise (sigma {first['sigma']:.0%}, {first['runs']} seeded replays): "
+             "largest deviation from the noiseless prediction",
+             f"| case | {' | '.join(m[0] for m in METRICS)} |", "|---|" + "---|" * len(METRICS)]  # fmt: skip
+    for r in j:
+        cells = ["-" if v is None else f"{v:.0%}" for v in r["jitter"]["max_dev"].values()]
+        lines.append(f"| {r['case']}{'' if r.get('bar', True) else ' (outside the MAPE)'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -229,6 +287,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", default=None, help="simulate with this profile instead of each case's own")
     p.add_argument("--requests", type=int, default=None,
                    help="requests a case (default 40): more give steadier P90s and take longer")  # fmt: skip
+    p.add_argument("--jitter-runs", type=int, default=0,
+                   help="also re-simulate each case N times with seeded noise on every step's time and print "
+                        "how far each figure moves (sim/jitter.py): a figure the noise moves past the bar is "
+                        "one no run repeats either (default 0: off)")
+    p.add_argument("--jitter", type=float, default=0.1,
+                   help="sigma of the step noise, as a fraction of the step (default 0.1)")
     p.add_argument("--per-request", action="store_true",
                    help="also print each case's requests, measured beside simulated (TTFT, TPOT, the simulated "
                         "route; always written to OUT/CASE/per_request.tsv): where a percentile differs, why")  # fmt: skip
@@ -236,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (also what a background job gets instead of Ctrl-C) unwinds like Ctrl-C, so each
     # case's `finally` stops the cluster it started
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    if a.jitter_runs < 0 or not 0 <= a.jitter < 1:
+        p.error("--jitter-runs must be >= 0 and --jitter in [0, 1)")
     if a.requests is not None and a.requests < 5:
         p.error("--requests must be at least 5 (a P90 of fewer is one request)")
     want = a.cases.split(",")
@@ -264,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if c.name in failed:
                 raise RuntimeError(failed[c.name])
-            results.append(simulate_case(c, out, mode=a.contention, profile=Path(a.profile) if a.profile else None))
+            results.append(simulate_case(c, out, mode=a.contention, profile=Path(a.profile) if a.profile else None,
+                                         jitter=a.jitter, jitter_runs=a.jitter_runs))  # fmt: skip
         except Exception as e:
             _log(f"{c.name}: FAILED: {e}")
             results.append({"case": c.name, "error": str(e)[-1000:], "rows": []})
@@ -276,6 +343,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"# {r['case']}\n" + (out / r["case"] / "per_request.tsv").read_text(), flush=True)
     if ok:
         print(table(ok), flush=True)
+        if a.jitter_runs:
+            print("\n" + jitter_table(ok), flush=True)
     return 0 if all(r["rows"] for r in results) else 1
 
 
