@@ -115,7 +115,8 @@ async def run_load(session: aiohttp.ClientSession, cfg: ServeConfig, requests: I
                 break
         team, key, tier = mixer.draw()
         rec = RequestRecord(index=i, prompt_len=req.prompt_len, max_tokens=req.output_len,
-                            scheduled_s=planned, team=team, tier=tier, group=req.group)  # fmt: skip
+                            scheduled_s=planned, team=team, tier=tier, group=req.group,
+                            prefix_tokens=req.prefix_tokens)  # fmt: skip
         tasks.append(asyncio.create_task(one(rec, req, key)))
         await asyncio.sleep(0)  # let the new task start its send before the next one is planned
     await asyncio.gather(*tasks)

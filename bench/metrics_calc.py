@@ -164,8 +164,9 @@ def timeline(records: Sequence[RequestRecord], bucket_s: float = 1.0) -> list[di
 
 def per_request(records: Sequence[RequestRecord]) -> dict[str, list[Any]]:
     """vLLM's per-request arrays (seconds), plus duet's: send times, causes, team, tier, and the
-    shared-prefix group of each prompt (`--prefix-groups`; None without: a replay needs to know
-    which prompts share a prefix, sim/workload.py)."""
+    shared-prefix group of each prompt and how many of its tokens it shares with that prefix as
+    sent (`--prefix-groups`; None without: a replay needs to know which prompts share a prefix,
+    and how long it is once text prompts are tokenized, sim/workload.py)."""
     return {
         "input_lens": [r.usage_prompt_tokens or r.prompt_len for r in records],
         "output_lens": [r.output_tokens if r.ok else 0 for r in records],
@@ -180,4 +181,5 @@ def per_request(records: Sequence[RequestRecord]) -> dict[str, list[Any]]:
         "tiers": [r.tier for r in records],
         "cached_tokens": [r.cached_tokens for r in records],
         "groups": [r.group for r in records],
+        "prefix_tokens": [r.prefix_tokens for r in records],
     }

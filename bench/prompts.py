@@ -45,6 +45,29 @@ class PromptBuilder:
             n = len(self.tokenizer.encode(text, add_special_tokens=False))
         return text, n
 
+    def shared_prefix(self, prefix: list[int], prompt: str | list[int], rendered_prefix: list[int] | None = None) -> int:
+        """Tokens that `prompt` (as `render` made it) shares with `prefix` at its start, as the
+        server tokenizes them: the prefix a prefix cache can hit. Text does not round-trip random
+        ids, so a 384-id prefix can be ~400 tokens once its text is encoded again (and the
+        prompt's own tokens trimmed to keep its length). `rendered_prefix`: the prefix's text
+        encoded, if the caller keeps it (one encode per group instead of per prompt)."""
+        if isinstance(prompt, list):
+            ref, ids = prefix, prompt
+        else:
+            assert self.tokenizer is not None
+            ref = rendered_prefix if rendered_prefix is not None else self.encode_text(self.tokenizer.decode(prefix))
+            ids = self.encode_text(prompt)
+        n = 0
+        for a, b in zip(ref, ids, strict=False):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def encode_text(self, text: str) -> list[int]:
+        assert self.tokenizer is not None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
     def count(self, text: str) -> int:
         assert self.tokenizer is not None
         return len(self.tokenizer.encode(text, add_special_tokens=False))

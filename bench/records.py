@@ -35,6 +35,8 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     team: str | None = None
     tier: str | None = None
     group: int | None = None
+    #: tokens the prompt shares with its group's prefix, as sent (None: no group)
+    prefix_tokens: int | None = None
     sent_s: float = 0.0
     ok: bool = False
     cause: str | None = None

@@ -29,17 +29,24 @@ class BenchRequest(msgspec.Struct, frozen=True, kw_only=True):
     arrival_s: float | None = None
     #: shared-prefix group (synthetic with --prefix-groups)
     group: int | None = None
+    #: tokens this prompt shares with its group's prefix, as the server tokenizes it (None: no group)
+    prefix_tokens: int | None = None
 
 
 def synthetic(builder: PromptBuilder, input_len: LengthDist, output_len: LengthDist, seed: int,
               prefix_groups: int = 0, prefix_len: int = 0) -> Iterator[BenchRequest]:  # fmt: skip
     rng = random.Random(seed)
     prefixes = [builder.random_ids(rng, prefix_len) for _ in range(prefix_groups)]
+    # each prefix's text encoded again, once (text prompts; None for token-id prompts)
+    rendered = [builder.encode_text(builder.tokenizer.decode(p)) if builder.fmt == "text" else None
+                for p in prefixes]  # fmt: skip
     while True:
         group = rng.randrange(prefix_groups) if prefix_groups else None
         ids = (prefixes[group] if group is not None else []) + builder.random_ids(rng, input_len.sample(rng))
         prompt, n = builder.render(ids)
-        yield BenchRequest(prompt=prompt, prompt_len=n, output_len=output_len.sample(rng), group=group)
+        shared = None if group is None else builder.shared_prefix(prefixes[group], prompt, rendered[group])
+        yield BenchRequest(prompt=prompt, prompt_len=n, output_len=output_len.sample(rng), group=group,
+                           prefix_tokens=shared)  # fmt: skip
 
 
 def load_sharegpt(path: Path, builder: PromptBuilder, output_len: LengthDist | None,

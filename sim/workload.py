@@ -94,22 +94,28 @@ def from_result_file(path: Path, seed: int = 0) -> Iterator[WorkItem]:
         raise ValueError(f"{path}: not a `duet bench serve` result of one run (needs {', '.join(need)})")
     cfg = r.get("config") or {}
     groups, plen = int(cfg.get("prefix_groups") or 0), int(cfg.get("prefix_len") or 0)
+    n = len(r["input_lens"])
+    # how many tokens each prompt shares with its group's prefix as the server tokenized it: text
+    # prompts do not round-trip random ids, so a 384-id prefix was ~400 tokens (round 8, 05 Dec:
+    # replayed at 384, every prefix hit computed 16 tokens too many, +22 ms). Older results: plen.
+    shared = [plen if x is None else int(x) for x in (r.get("prefix_tokens") or [None] * n)]
     nrng = np.random.default_rng(seed)
-    prefixes = [_tokens(nrng, plen) for _ in range(groups)]
-    tiers = r.get("tiers") or [None] * len(r["input_lens"])
+    prefixes = [_tokens(nrng, max([plen, *shared])) for _ in range(groups)]
+    tiers = r.get("tiers") or [None] * n
     # each prompt's group as the bench drew it (at random: which prompt is a group's first, and
     # so a cold prefill, decides routing); a result from before the field: round robin
-    recorded = r.get("groups") or [None] * len(r["input_lens"])
+    recorded = r.get("groups") or [None] * n
     out_default = _max_tokens(cfg)
-    rows = sorted(zip(r["scheduled_times"], r["input_lens"], r["output_lens"], tiers, recorded, strict=True),
+    rows = sorted(zip(r["scheduled_times"], r["input_lens"], r["output_lens"], tiers, recorded, shared, strict=True),
                   key=lambda row: row[0])  # fmt: skip
-    for i, (t, n_in, n_out, tier, group) in enumerate(rows):
+    for i, (t, n_in, n_out, tier, group, k) in enumerate(rows):
         n_out = n_out or out_default  # a failed request reports 0: replay what it asked for
-        body = _tokens(nrng, max(1, n_in - (plen if prefixes else 0)))
         if group is not None and not 0 <= group < len(prefixes):  # none at all: not a --prefix-groups run
             raise ValueError(f"{path}: request {i}'s prefix group {group} is not one of the {len(prefixes)} groups")
         g = group if group is not None else i % len(prefixes) if prefixes else None
-        prompt = prefixes[g] + body if g is not None else body
+        k = min(k, n_in - 1) if g is not None else 0  # at least one token of its own
+        body = _tokens(nrng, max(1, n_in - k))
+        prompt = prefixes[g][:k] + body if g is not None else body
         yield WorkItem(float(t), prompt, max(1, int(n_out)), tier or "interactive")
 
 

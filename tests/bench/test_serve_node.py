@@ -37,8 +37,20 @@ def test_bench_serve_against_a_duet_node(tiny_llama: Path, tmp_path: Path,
         assert summary["prefix_cache_hits"] > 0 and r["total_cached_tokens"] > 0
         # each request's group is in the result (a replay, sim/workload.py, shares prefixes as the run did)
         assert len(r["groups"]) == 8 and set(r["groups"]) <= {0, 1}
+        assert r["prefix_tokens"] == [32] * 8  # token-id prompts: the prefix exactly
         assert main(["--base-url", node.url, "--tokenizer", str(tiny_llama), "--input-len", "16",
                      "--output-len", "3", "--ignore-eos", "--num-requests", "3", "--json", "--quiet"]) == 0  # fmt: skip
         t = json.loads(capsys.readouterr().out)
         assert t["completed"] == 3 and t["output_lens"] == [3] * 3 and t["config"]["prompt_format"] == "text"
-        assert t["groups"] == [None] * 3
+        assert t["groups"] == [None] * 3 and t["prefix_tokens"] == [None] * 3
+        # text prompts over shared prefixes: what each shares with its group's prefix once the
+        # text is tokenized again (the node's prefix cache hits its full blocks of that)
+        assert main(["--base-url", node.url, "--tokenizer", str(tiny_llama), "--input-len", "24", "--output-len", "2",
+                     "--ignore-eos", "--num-requests", "6", "--max-concurrency", "1", "--prefix-groups", "1",
+                     "--prefix-len", "48", "--json", "--quiet"]) == 0  # fmt: skip
+        x = json.loads(capsys.readouterr().out)
+        pairs = list(zip(x["prefix_tokens"], x["input_lens"], x["cached_tokens"], strict=True))
+        assert x["completed"] == 6 and all(isinstance(k, int) and 0 < k <= n for k, n, _ in pairs)
+        # the node's cache hits only full blocks of what a prompt shares with the prefix (the
+        # tiny model's tokenizer merges random ids' text heavily: k is often the whole prompt)
+        assert all(c <= min(k, n - 1) // 16 * 16 for k, n, c in pairs) and any(c > 0 for _, _, c in pairs)

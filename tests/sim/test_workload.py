@@ -73,3 +73,27 @@ def test_a_result_file_replays_the_prefix_groups_the_run_drew(tmp_path: Path) ->
                              "scheduled_times": [0.0], "input_lens": [40], "output_lens": [4], "groups": [0]}))  # fmt: skip
     with pytest.raises(ValueError, match="prefix group 0 is not one of the 0 groups"):
         list(wl.from_result_file(f))
+
+
+def test_a_result_file_replays_the_shared_prefix_as_the_server_tokenized_it(tmp_path: Path) -> None:
+    """Text prompts do not round-trip random ids: a 32-id prefix may be 35 tokens once encoded
+    again. The replay shares exactly the recorded tokens (the prefix cache hits that many), not the
+    configured prefix length; the prompt keeps its recorded length."""
+    f = tmp_path / "r.json"
+    f.write_text(json.dumps({"config": {"output_len": "4", "prefix_groups": 2, "prefix_len": 32},
+                             "scheduled_times": [0.0, 0.1, 0.2, 0.3], "input_lens": [40, 41, 40, 39],
+                             "output_lens": [4] * 4, "groups": [0, 0, 1, 0], "prefix_tokens": [35, 34, 31, 35]}))  # fmt: skip
+    a, b, c, d = wl.from_result_file(f)
+    assert [len(x.prompt) for x in (a, b, c, d)] == [40, 41, 40, 39]
+
+    def common(x: list[int], y: list[int]) -> int:
+        return next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y)))
+
+    assert common(a.prompt, d.prompt) == 35 and common(a.prompt, b.prompt) == 34
+    assert common(a.prompt, c.prompt) == 0  # another group
+    # an older result (no prefix_tokens): the configured length, as before
+    f.write_text(json.dumps({"config": {"output_len": "4", "prefix_groups": 1, "prefix_len": 32},
+                             "scheduled_times": [0.0, 0.1], "input_lens": [40, 40], "output_lens": [4] * 2,
+                             "groups": [0, 0]}))  # fmt: skip
+    a, b = wl.from_result_file(f)
+    assert common(a.prompt, b.prompt) == 32
