@@ -22,12 +22,17 @@ class Driver:
         self.rng = random.Random(seed)
         self.n = 0
 
-    def add(self, prompt_len: int, max_tokens: int) -> None:
+    def tokens(self, n: int) -> list[int]:
+        vocab = self.core.model_config.vocab_size
+        return [self.rng.randrange(3, vocab) for _ in range(n)]
+
+    def add(self, prompt_len: int, max_tokens: int, prefix: list[int] | None = None) -> None:
+        """A request of `prompt_len` fresh random tokens, after `prefix` if given (a prefix an
+        earlier request computed is then a prefix-cache hit, where the core caches prefixes)."""
         from engine.sampling_params import SamplingParams
 
         self.n += 1
-        vocab = self.core.model_config.vocab_size
-        self.core.add_request(f"c{self.n}", [self.rng.randrange(3, vocab) for _ in range(prompt_len)],
+        self.core.add_request(f"c{self.n}", (prefix or []) + self.tokens(prompt_len),
                               SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))  # fmt: skip
 
     def cpu_step(self) -> float:

@@ -1,5 +1,5 @@
 """`duet bench profile` on a tiny random Llama: the profile JSON loads with the simulator's
-schema, holds samples of every kind of step (prefill alone, decode batches, mixed), a fit with
+schema, holds samples of every kind of step (prefill alone, prefix-cache hits, decode batches, mixed), a fit with
 its errors, the KV geometry of the model, and drives a simulation."""
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ def test_profile_of_a_tiny_model(tiny_llama: Path, tmp_path: Path, capsys: pytes
     # Σ n·start, recorded: attention − prefill² for a step of one chunk, more for several (Σn² < P²)
     assert any(x.cached_attention > 0 and x.cached_attention == x.attention - x.prefill_tokens**2 for x in s)
     assert all(x.attention - x.prefill_tokens**2 <= x.cached_attention < x.attention for x in s if x.prefill_tokens)
+    # a prefix-cache hit: 16 new tokens atop a computed 8-block (128-token) prefix, alone in its step
+    assert any(x.prefill_tokens == 16 and x.cached_attention == 16 * 128 and not x.decode_seqs for x in s)
     m = prof.step
     assert m.provenance is pf.Provenance.MEASURED and m.num_samples == len(s)
     assert m.fit_mape is not None and m.holdout_mape is not None and m.fit_max_ape is not None
