@@ -17,6 +17,7 @@ from sim import validate
 from sim import workload as wl
 from sim.jitter import StepJitter
 from sim.run import simulate
+from tests.sim.helpers import write_serve_result
 
 PROFILE = validate.PROFILES / validate.T1
 
@@ -53,14 +54,8 @@ def test_a_simulation_with_noise_is_reproducible_and_differs_from_none() -> None
 
 
 def test_validate_prints_how_far_the_noise_moves_each_figure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    case = tmp_path / "2C-r0.5"
-    case.mkdir()
-    n = 12
-    (case / "serve.json").write_text(json.dumps({
-        "config": {"output_len": "16", "prefix_groups": 0, "prefix_len": 0}, "num_requests": n, "completed": n,
-        "failed": 0, "scheduled_times": [0.4 * i for i in range(n)], "input_lens": [300] * n, "output_lens": [16] * n,
-        "ttfts": [0.3] * n, "e2els": [0.6] * n, "cached_tokens": [0] * n, "groups": [None] * n,
-        "p50_ttft_ms": 300.0, "p90_ttft_ms": 300.0, "p50_tpot_ms": 20.0, "output_throughput": 30.0}))  # fmt: skip
+    write_serve_result(tmp_path / "2C-r0.5", 12, gap_s=0.4, input_len=300, output_len=16, ttft_s=0.3, e2el_s=0.6,
+                       p50_tpot_ms=20.0, output_throughput=30.0)  # fmt: skip
     assert validate.main(["--out", str(tmp_path), "--simulate-only", "--cases", "2C-r0.5", "--jitter-runs", "3",
                           "--jitter", "0.2"]) == 0  # fmt: skip
     out = capsys.readouterr().out

@@ -4,7 +4,6 @@ the whole path through `python -m sim.validate --simulate-only --per-request` on
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -12,6 +11,7 @@ import pytest
 from sim import validate
 from sim.per_request import pair, tsv
 from sim.stats import RequestResult
+from tests.sim.helpers import write_serve_result
 
 
 def _measured() -> dict:
@@ -52,13 +52,9 @@ def test_validate_writes_and_prints_each_cases_requests(tmp_path: Path, capsys: 
     """A measured case (a hand-written `duet bench serve` result in the validation layout)
     re-simulated with the shipped profile: the table has one row per request, in order."""
     case = tmp_path / "1C-r0.5"
-    case.mkdir()
     n = 6
-    (case / "serve.json").write_text(json.dumps({
-        "config": {"output_len": "8", "prefix_groups": 0, "prefix_len": 0}, "num_requests": n, "completed": n,
-        "failed": 0, "scheduled_times": [0.5 * i for i in range(n)], "input_lens": [64] * n, "output_lens": [8] * n,
-        "ttfts": [0.3] * n, "e2els": [0.5] * n, "cached_tokens": [0] * n, "groups": [None] * n,
-        "p50_ttft_ms": 300.0, "p90_ttft_ms": 300.0, "p50_tpot_ms": 28.6, "output_throughput": 16.0}))  # fmt: skip
+    write_serve_result(case, n, gap_s=0.5, input_len=64, output_len=8, ttft_s=0.3, e2el_s=0.5, p50_tpot_ms=28.6,
+                       output_throughput=16.0)  # fmt: skip
     assert validate.main(["--out", str(tmp_path), "--simulate-only", "--per-request", "--cases", "1C-r0.5"]) == 0
     out = capsys.readouterr().out
     rows = (case / "per_request.tsv").read_text().splitlines()
