@@ -98,7 +98,9 @@ def from_result_file(path: Path, seed: int = 0) -> Iterator[WorkItem]:
     # how many tokens each prompt shares with its group's prefix as the server tokenized it: text
     # prompts do not round-trip random ids, so a 384-id prefix was ~400 tokens (round 8, 05 Dec:
     # replayed at 384, every prefix hit computed 16 tokens too many, +22 ms). Older results: plen.
-    shared = [plen if x is None else int(x) for x in (r.get("prefix_tokens") or [None] * n)]
+    shared = [plen if x is None else x for x in (r.get("prefix_tokens") or [None] * n)]
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in shared):
+        raise ValueError(f"{path}: prefix_tokens must be whole numbers of tokens >= 0 (or null)")
     nrng = np.random.default_rng(seed)
     prefixes = [_tokens(nrng, max([plen, *shared])) for _ in range(groups)]
     tiers = r.get("tiers") or [None] * n

@@ -97,3 +97,9 @@ def test_a_result_file_replays_the_shared_prefix_as_the_server_tokenized_it(tmp_
                              "groups": [0, 0]}))  # fmt: skip
     a, b = wl.from_result_file(f)
     assert common(a.prompt, b.prompt) == 32
+    for bad in (-1, 3.5, "40"):
+        f.write_text(json.dumps({"config": {"output_len": "4", "prefix_groups": 1, "prefix_len": 32},
+                                 "scheduled_times": [0.0], "input_lens": [40], "output_lens": [4], "groups": [0],
+                                 "prefix_tokens": [bad]}))  # fmt: skip
+        with pytest.raises(ValueError, match="prefix_tokens must be whole numbers"):
+            list(wl.from_result_file(f))
