@@ -35,39 +35,42 @@ class PromptBuilder:
 
     def render(self, ids: list[int]) -> tuple[str | list[int], int]:
         """(prompt as sent, its length in tokens)."""
+        prompt, tokens = self.render_tokens(ids)
+        return prompt, len(tokens)
+
+    def render_tokens(self, ids: list[int]) -> tuple[str | list[int], list[int]]:
+        """(prompt as sent, its tokens as the server tokenizes it)."""
         if self.fmt == "tokens":
-            return list(ids), len(ids)
+            return list(ids), list(ids)
         assert self.tokenizer is not None
         text = self.tokenizer.decode(ids)
-        n = len(self.tokenizer.encode(text, add_special_tokens=False))
-        if n > len(ids):  # decoding merged into more tokens: trim back to the target once
-            text = self.tokenizer.decode(ids[: max(1, len(ids) - (n - len(ids)))])
-            n = len(self.tokenizer.encode(text, add_special_tokens=False))
-        return text, n
+        tokens = self.encode_text(text)
+        if len(tokens) > len(ids):  # decoding merged into more tokens: trim back to the target once
+            text = self.tokenizer.decode(ids[: max(1, len(ids) - (len(tokens) - len(ids)))])
+            tokens = self.encode_text(text)
+        return text, tokens
 
-    def shared_prefix(self, prefix: list[int], prompt: str | list[int], rendered_prefix: list[int] | None = None) -> int:
-        """Tokens that `prompt` (as `render` made it) shares with `prefix` at its start, as the
-        server tokenizes them: the prefix a prefix cache can hit. Text does not round-trip random
-        ids, so a 384-id prefix can be ~400 tokens once its text is encoded again (and the
-        prompt's own tokens trimmed to keep its length). `rendered_prefix`: the prefix's text
-        encoded, if the caller keeps it (one encode per group instead of per prompt)."""
-        if isinstance(prompt, list):
-            ref, ids = prefix, prompt
-        else:
-            assert self.tokenizer is not None
-            ref = rendered_prefix if rendered_prefix is not None else self.encode_text(self.tokenizer.decode(prefix))
-            ids = self.encode_text(prompt)
-        n = 0
-        for a, b in zip(ref, ids, strict=False):
-            if a != b:
-                break
-            n += 1
-        return n
+    def as_sent(self, ids: list[int]) -> list[int]:
+        """`ids` as the server tokenizes them once sent (untrimmed): text does not round-trip
+        random ids, so a 384-id prefix can be ~400 tokens once its text is encoded again."""
+        if self.fmt == "tokens":
+            return list(ids)
+        assert self.tokenizer is not None
+        return self.encode_text(self.tokenizer.decode(ids))
 
     def encode_text(self, text: str) -> list[int]:
         assert self.tokenizer is not None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def count(self, text: str) -> int:
-        assert self.tokenizer is not None
-        return len(self.tokenizer.encode(text, add_special_tokens=False))
+        return len(self.encode_text(text))
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens `a` and `b` share at their start: the prefix a prefix cache can hit."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 
 from bench.lengths import LengthDist
-from bench.prompts import PromptBuilder
+from bench.prompts import PromptBuilder, shared_prefix
 
 
 class BenchRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -37,15 +37,13 @@ def synthetic(builder: PromptBuilder, input_len: LengthDist, output_len: LengthD
               prefix_groups: int = 0, prefix_len: int = 0) -> Iterator[BenchRequest]:  # fmt: skip
     rng = random.Random(seed)
     prefixes = [builder.random_ids(rng, prefix_len) for _ in range(prefix_groups)]
-    # each prefix's text encoded again, once (text prompts; None for token-id prompts)
-    rendered = [builder.encode_text(builder.tokenizer.decode(p)) if builder.fmt == "text" else None
-                for p in prefixes]  # fmt: skip
+    sent = [builder.as_sent(p) for p in prefixes]  # each prefix as the server tokenizes it, once
     while True:
         group = rng.randrange(prefix_groups) if prefix_groups else None
         ids = (prefixes[group] if group is not None else []) + builder.random_ids(rng, input_len.sample(rng))
-        prompt, n = builder.render(ids)
-        shared = None if group is None else builder.shared_prefix(prefixes[group], prompt, rendered[group])
-        yield BenchRequest(prompt=prompt, prompt_len=n, output_len=output_len.sample(rng), group=group,
+        prompt, tokens = builder.render_tokens(ids)
+        shared = None if group is None else shared_prefix(sent[group], tokens)
+        yield BenchRequest(prompt=prompt, prompt_len=len(tokens), output_len=output_len.sample(rng), group=group,
                            prefix_tokens=shared)  # fmt: skip
 
 

@@ -199,8 +199,9 @@ def simulate_case(case: Case, out: Path, *, mode: str = "threads", profile: Path
     prof = base.at_contention(contention)
     from duet.cmd_plan import parse_layout
 
+    layout = parse_layout(case.layout, one_host=True)
     t0 = time.perf_counter()
-    s, collector = simulate(prof, parse_layout(case.layout, one_host=True), wl.from_result_file(result))
+    s, collector = simulate(prof, layout, wl.from_result_file(result))
     sim_wall = time.perf_counter() - t0
     (out / case.name / "per_request.tsv").write_text(per_request.tsv(per_request.pair(measured, collector.results)))
     rows = []
@@ -212,8 +213,7 @@ def simulate_case(case: Case, out: Path, *, mode: str = "threads", profile: Path
         rows.append({"metric": label, "measured": m, "predicted": p, "ape": ape})
     dev: dict[str, float | None] = {label: 0.0 for label in pred}
     for seed in range(1, jitter_runs + 1):
-        sj, _ = simulate(prof, parse_layout(case.layout, one_host=True), wl.from_result_file(result),
-                         step_jitter=jitter, seed=seed)  # fmt: skip
+        sj, _ = simulate(prof, layout, wl.from_result_file(result), step_jitter=jitter, seed=seed)
         for label, x in _predicted(sj).items():
             p0, d = pred[label], dev[label]
             dev[label] = None if (x is None or not p0 or d is None) else max(d, abs(x - p0) / abs(p0))
