@@ -36,29 +36,43 @@ INLINE float half_to_f32(uint16_t h) {
 }
 
 #if defined(__AVX512F__)
-/* d, m of groups [0, ng) of one row, as fp32. */
-INLINE void row_scales(const uint16_t *d16, const uint16_t *m16, int64_t ng, float *d, float *m) {
+/* ng fp16 scales of one row as fp32. */
+INLINE void row_f32(const uint16_t *src, int64_t ng, float *dst) {
     int64_t g = 0;
-    for (; g + 16 <= ng; g += 16) {
-        _mm512_storeu_ps(d + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(d16 + g))));
-        _mm512_storeu_ps(m + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(m16 + g))));
+    for (; g + 16 <= ng; g += 16) _mm512_storeu_ps(dst + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + g))));
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    /* the tail masked (SmolLM2's k = 576 leaves 2 of 18 groups; half_to_f32 on them, for every
+     * row of every such matrix, was a measurable share of the one-row kernel) */
+    if (g < ng) {
+        const __mmask16 mk = (__mmask16)((1u << (ng - g)) - 1);
+        _mm512_mask_storeu_ps(dst + g, mk, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, src + g)));
     }
-    for (; g < ng; g++) { d[g] = half_to_f32(d16[g]); m[g] = half_to_f32(m16[g]); }
+#else
+    for (; g < ng; g++) dst[g] = half_to_f32(src[g]);
+#endif
 }
 #endif
 
 #if defined(__AVX512F__)
 /* A block of QG_NB weight rows from n0 (nr of them real; the rest repeat row n0 + nr - 1, computed
- * and not stored): each row's packed bytes, and its d and m as fp32 in dm [QG_NB][2][ng]. */
+ * and not stored): each row's packed bytes, and its d as fp32 in dm [QG_NB][2][ng]; its m as fp32
+ * in dm's second half (mr != NULL), or (m16 != NULL) a pointer to its fp16 m, which the
+ * vdpbf16ps path reads once per row, in its finish: converting m into dm there and reading it
+ * back cost the one-row kernel ~7 % (A/B over SmolLM2's 120 int4 matrices). */
 INLINE void block_rows_int4(const Int4W *w, int64_t n0, int nr, float *dm, const uint8_t **rows, const float **dr,
-                            const float **mr) {
+                            const float **mr, const uint16_t **m16) {
     const int64_t k = w->k, ng = k / w->group;
     for (int r = 0; r < QG_NB; r++) {
-        const int64_t row = n0 + (r < nr ? r : nr - 1);
+        const int rr = r < nr ? r : nr - 1;
+        const int64_t row = n0 + rr;
         rows[r] = w->q + row * (k / 2);
-        dr[r] = dm + 2 * (r < nr ? r : nr - 1) * ng;
-        mr[r] = dr[r] + ng;
-        if (r < nr) row_scales(w->d + row * ng, w->mins + row * ng, ng, dm + 2 * r * ng, dm + 2 * r * ng + ng);
+        dr[r] = dm + 2 * rr * ng;
+        if (mr) mr[r] = dr[r] + ng;
+        if (m16) m16[r] = w->mins + row * ng;
+        if (r < nr) {
+            row_f32(w->d + row * ng, ng, dm + 2 * r * ng);
+            if (mr) row_f32(w->mins + row * ng, ng, dm + 2 * r * ng + ng);
+        }
     }
 }
 #endif
@@ -95,7 +109,8 @@ static void dequant_int4(const void *ctx, int64_t n0, int nr, float *tile, int64
     for (int r = 0; r < nr; r++) {
         const uint8_t *src = w->q + (n0 + r) * (k / 2);
         float *dst = tile + (int64_t)r * kp;
-        row_scales(w->d + (n0 + r) * ng, w->mins + (n0 + r) * ng, ng, d, m);
+        row_f32(w->d + (n0 + r) * ng, ng, d);
+        row_f32(w->mins + (n0 + r) * ng, ng, m);
         for (int64_t s = 0; s < k / 64; s++) {
             const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + 32 * s)));
             const int64_t g0 = g32 ? 2 * s : s, g1 = g32 ? 2 * s + 1 : s;
@@ -130,7 +145,7 @@ static void gemv_int4(const float *x, const Int4W *w, int64_t n, const void *bia
 #if defined(__AVX512F__)
             const uint8_t *rows[QG_NB];
             const float *dr[QG_NB], *mr[QG_NB];
-            block_rows_int4(w, n0, nr, dm, rows, dr, mr);
+            block_rows_int4(w, n0, nr, dm, rows, dr, mr, NULL);
             __m512 acc[QG_NB];
             /* 4 rows at a time: their accumulators stay in registers and 4 independent FMA
              * chains hide the FMA latency; x (one row, fp32) is re-read from L1. */
@@ -190,7 +205,7 @@ static void gemv_int4(const float *x, const Int4W *w, int64_t n, const void *bia
     }
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define I4_DP 1
 /*
  * bf16 activations on CPUs with AVX-512 BF16 (every m): w = d q + m per group, so a row's dot is
@@ -254,14 +269,15 @@ static float *i4_dp_group_sums(const uint16_t *x, int64_t xs, int m, int64_t k, 
 }
 
 /* Finish 16 weight rows of one activation row: each row's lanes plus its sum_g m_g S_g (as lanes),
- * reduced, then the bias, stored. m [16][ng] fp32 (rows nr.. duplicates). */
-INLINE void i4_dp_finish(__m512 *t, const float *const *mr, const float *S, int64_t ng, int nr, void *out,
+ * reduced, then the bias, stored. m16: each row's fp16 m [ng] (rows nr.. duplicates). */
+INLINE void i4_dp_finish(__m512 *t, const uint16_t *const *m16, const float *S, int64_t ng, int nr, void *out,
                          int64_t out_row, int64_t n0, const void *bias, int bf16) {
     for (int r = 0; r < QG_NB; r++) {
         __m512 mv = _mm512_setzero_ps();
         for (int64_t g = 0; g < ng; g += 16) {
             const __mmask16 mk = (__mmask16)(ng - g >= 16 ? 0xffff : (1u << (ng - g)) - 1);
-            mv = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, mr[r] + g), _mm512_maskz_loadu_ps(mk, S + g), mv);
+            const __m512 mg = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, m16[r] + g));
+            mv = _mm512_fmadd_ps(mg, _mm512_maskz_loadu_ps(mk, S + g), mv);
         }
         t[r] = _mm512_add_ps(t[r], mv);
     }
@@ -296,8 +312,9 @@ static int32_t int4_dp(const uint16_t *x, int64_t xs, int m, const Int4W *w, int
             const int64_t n0 = b * QG_NB;
             const int nr = (int)(n - n0 < QG_NB ? n - n0 : QG_NB);
             const uint8_t *rows[QG_NB];
-            const float *dr[QG_NB], *mr[QG_NB];
-            block_rows_int4(w, n0, nr, dm, rows, dr, mr);
+            const float *dr[QG_NB];
+            const uint16_t *m16[QG_NB];
+            block_rows_int4(w, n0, nr, dm, rows, dr, NULL, m16);
             if (m == 1) {
                 __m512 acc[QG_NB];
                 for (int r0 = 0; r0 < QG_NB; r0 += 4) {
@@ -323,7 +340,7 @@ static int32_t int4_dp(const uint16_t *x, int64_t xs, int m, const Int4W *w, int
                     }
                     acc[r0] = t0, acc[r0 + 1] = t1, acc[r0 + 2] = t2, acc[r0 + 3] = t3;
                 }
-                i4_dp_finish(acc, mr, S, ng, nr, out, 0, n0, bias, bf16);
+                i4_dp_finish(acc, m16, S, ng, nr, out, 0, n0, bias, bf16);
                 continue;
             }
             for (int r0 = 0; r0 < QG_NB; r0 += 4) {
@@ -349,7 +366,7 @@ static int32_t int4_dp(const uint16_t *x, int64_t xs, int m, const Int4W *w, int
                 }
             }
             for (int a = 0; a < m; a++)
-                i4_dp_finish(tacc + (int64_t)a * QG_NB, mr, S + a * ng, ng, nr, out, (int64_t)a * os, n0, bias, bf16);
+                i4_dp_finish(tacc + (int64_t)a * QG_NB, m16, S + a * ng, ng, nr, out, (int64_t)a * os, n0, bias, bf16);
         }
         free(dm);
         free(buf);
@@ -402,7 +419,7 @@ static void dequant_int4_bf16(const void *ctx, int64_t n0, int nr, uint32_t *pan
     float *d = ng <= 64 ? dm : (float *)malloc(sizeof(float) * 2 * 16 * ng);
     if (!d) return; /* unreachable in practice; the caller sees zeros */
     for (int i = 0; i < nr; i++)
-        row_scales(w->d + (n0 + i) * ng, w->mins + (n0 + i) * ng, ng, d + 2 * i * ng, d + 2 * i * ng + ng);
+        row_f32(w->d + (n0 + i) * ng, ng, d + 2 * i * ng), row_f32(w->mins + (n0 + i) * ng, ng, d + 2 * i * ng + ng);
     for (int64_t s = 0; s < k / 64; s++) {
         __m512i r0[16], r1[16];
         const int64_t g0 = g32 ? 2 * s : s, g1 = g32 ? 2 * s + 1 : s;
