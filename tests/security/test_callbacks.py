@@ -9,14 +9,22 @@ SMTP port. Now every wrapped IPv4 address must pass too, and a privileged port o
 
 `check_callback_url` is what the gateway runs when a batch is submitted (a 400 naming
 callback_url) and again before each delivery; the cases are checked on it directly, since the
-point is that nothing is ever contacted (no address here is dialled).
+point is that nothing is ever contacted (no address here is dialled), and then through a real
+`duet gateway` process: a tenant submitting such a callback gets the 400 (nothing is stored or
+dialled), and its next batch, without one, is accepted.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from gateway.batch.callback import CallbackURLError, check_callback_url
+from tests.gateway.helpers import gateway_proc, http, make_team
+from tests.gateway.test_providers_e2e import FakeServers, external
+from tests.procs import running
 
 WRAPPED_PRIVATE = [
     "http://[2002:7f00:1::1]:8080/hook",  # 6to4 of 127.0.0.1
@@ -48,3 +56,21 @@ async def test_web_and_unprivileged_ports_on_a_public_literal_pass() -> None:
 
 async def test_the_operator_may_allow_private_callbacks() -> None:
     await check_callback_url("http://[2002:7f00:1::1]:22/hook", allow_private=True)
+
+
+def test_a_tenant_submitting_a_wrapped_or_service_port_callback_gets_a_400(tmp_path: Path) -> None:
+    servers = FakeServers({"gpt": "openai"})
+    batch = {"data_dir": str(tmp_path / "batch"), "callback_secret": "cb-secret", "poll_s": 0.05}
+    gw = gateway_proc(tmp_path, {"gpt": external(servers.fakes["gpt"], {"in": 1.0, "out": 1.0}, 2)}, batch=batch)
+    line = {"model": "gpt", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    try:
+        with running(gw):
+            key = make_team(gw.url, "t")
+            for url in [*WRAPPED_PRIVATE, "http://[2002:808:808::1]:22/hook"]:
+                status, _, body = http(f"{gw.url}/v1/batch", "POST", {"requests": [line], "callback_url": url}, key=key)
+                assert status == 400 and body["error"]["param"] == "callback_url", (url, json.dumps(body))
+            # the refusals are the request's only: the same tenant's batch without a callback runs
+            status, _, body = http(f"{gw.url}/v1/batch", "POST", {"requests": [line]}, key=key)
+            assert status == 202, body
+    finally:
+        servers.close()
