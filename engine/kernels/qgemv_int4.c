@@ -207,6 +207,8 @@ static void gemv_int4(const float *x, const Int4W *w, int64_t n, const void *bia
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define I4_DP 1
+/* activation rows up to which the weights are decoded in registers, per call of i4_dp_rows */
+#define I4_REG_ROWS 4
 /*
  * bf16 activations on CPUs with AVX-512 BF16 (every m): w = d q + m per group, so a row's dot is
  *   sum_g d_g (sum_{i in g} x_i q_i) + sum_g m_g S_g,   S_g = sum_{i in g} x_i,
@@ -216,8 +218,8 @@ static void gemv_int4(const float *x, const Int4W *w, int64_t n, const void *bia
  * vpermw, two vdpbf16ps, two FMAs; g64: one FMA) where the fp32 table path above takes 14
  * (zero-extension, two table FMAs, three shifts, four vpermps, four FMAs).
  *
- * Both m == 1 (nibbles decoded in registers) and m > 1 (decoded once per 4 weight rows into an L1
- * buffer, then every activation row) run i4_dp_step on the same values in the same order, and
+ * Both m <= I4_REG_ROWS (nibbles decoded in registers, used by every activation row) and larger m
+ * (decoded once per 4 weight rows into an L1 buffer, then every activation row) run i4_dp_step on the same values in the same order, and
  * finish 16 weight rows with i4_dp_finish: bitwise equal, so a sequence's tokens do not depend on
  * its batch. These are not the fp32 table path's bits (the sums are factored differently); a CPU
  * without AVX-512 BF16, or fp32 activations, keep that path.
@@ -284,33 +286,56 @@ INLINE void i4_dp_finish(__m512 *t, const uint16_t *const *m16, const float *S, 
     qg_finish16(t, nr, out, out_row, n0, NULL, bias, bf16);
 }
 
-/* One activation row against a block's 16 weight rows (m == 1): 4 rows at a time, their
- * accumulators in registers. */
-INLINE void i4_dp_rows1(const uint16_t *x, const uint8_t *const *rows, const float *const *dr, int64_t sbs, int64_t k,
-                        __m512i cnt, __m512i tbl, __m512 *acc, const int g32) {
+/* M (1..4, a constant at each call) activation rows against a block's 16 weight rows, 4 weight
+ * rows at a time: each super-block of a weight row decoded once in registers and used for every
+ * activation row, all 4 x M accumulators in registers. acc [M][QG_NB]. For M > 1 this replaced the
+ * buffered path below (4 weight rows decoded into L1, then read back per activation row), which
+ * made two rows cost 1.65x one (a draft's two-token feed, an int4 decode batch of 2-4). */
+INLINE void i4_dp_rows(const uint16_t *x, int64_t xs, const int M, const uint8_t *const *rows,
+                       const float *const *dr, int64_t sbs, int64_t k, __m512i cnt, __m512i tbl, __m512 *acc,
+                       const int g32) {
     for (int r0 = 0; r0 < QG_NB; r0 += 4) {
-        __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
+        __m512 t[4][4];
+        for (int a = 0; a < M; a++)
+            for (int j = 0; j < 4; j++) t[a][j] = _mm512_setzero_ps();
         const char *next = (const char *)rows[r0] + 4 * k; /* 8 rows ahead, as gemv_int4 */
         for (int64_t s = 0; s < sbs; s++) {
             _mm_prefetch(next + 128 * s, _MM_HINT_T0);
             _mm_prefetch(next + 128 * s + 64, _MM_HINT_T0);
-            const __m512bh x01 = (__m512bh)_mm512_loadu_si512((const void *)(x + 64 * s));
-            const __m512bh x23 = (__m512bh)_mm512_loadu_si512((const void *)(x + 64 * s + 32));
+            __m512bh x01[4], x23[4];
+            for (int a = 0; a < M; a++) {
+                x01[a] = (__m512bh)_mm512_loadu_si512((const void *)(x + a * xs + 64 * s));
+                x23[a] = (__m512bh)_mm512_loadu_si512((const void *)(x + a * xs + 64 * s + 32));
+            }
             const int64_t g0 = g32 ? 2 * s : s, g1 = g32 ? 2 * s + 1 : s;
-            __m512i b01, b23;
-#define I4_DP_ROW(t, r)                                                                     \
-    do {                                                                                    \
-        i4_dp_decode(rows[r] + 32 * s, cnt, tbl, &b01, &b23);                               \
-        t = i4_dp_step(t, x01, x23, b01, b23, dr[r][g0], dr[r][g1], g32);                   \
-    } while (0)
-            I4_DP_ROW(t0, r0);
-            I4_DP_ROW(t1, r0 + 1);
-            I4_DP_ROW(t2, r0 + 2);
-            I4_DP_ROW(t3, r0 + 3);
-#undef I4_DP_ROW
+            for (int j = 0; j < 4; j++) {
+                __m512i b01, b23;
+                i4_dp_decode(rows[r0 + j] + 32 * s, cnt, tbl, &b01, &b23);
+                for (int a = 0; a < M; a++)
+                    t[a][j] = i4_dp_step(t[a][j], x01[a], x23[a], b01, b23, dr[r0 + j][g0], dr[r0 + j][g1], g32);
+            }
         }
-        acc[r0] = t0, acc[r0 + 1] = t1, acc[r0 + 2] = t2, acc[r0 + 3] = t3;
+        for (int a = 0; a < M; a++)
+            for (int j = 0; j < 4; j++) acc[a * QG_NB + r0 + j] = t[a][j];
     }
+}
+
+/* i4_dp_rows with M and g32 constants (each its own copy of the loop: as run-time values their
+ * tests sat in the inner loop, ~5 % of the one-row kernel). */
+static void i4_dp_rows_m(const uint16_t *x, int64_t xs, int m, const uint8_t *const *rows, const float *const *dr,
+                         int64_t sbs, int64_t k, __m512i cnt, __m512i tbl, __m512 *acc, int g32) {
+#define I4_ROWS(M)                                                                            \
+    do {                                                                                      \
+        if (g32) i4_dp_rows(x, xs, M, rows, dr, sbs, k, cnt, tbl, acc, 1);                     \
+        else i4_dp_rows(x, xs, M, rows, dr, sbs, k, cnt, tbl, acc, 0);                         \
+    } while (0)
+    switch (m) {
+    case 1: I4_ROWS(1); break;
+    case 2: I4_ROWS(2); break;
+    case 3: I4_ROWS(3); break;
+    default: I4_ROWS(4); break;
+    }
+#undef I4_ROWS
 }
 
 /* out [m][os] = x (bf16 [m][xs]) @ W^T + bias on the vdpbf16ps path above. Returns 0 or -1 (memory). */
@@ -326,10 +351,11 @@ static int32_t int4_dp(const uint16_t *x, int64_t xs, int m, const Int4W *w, int
         const __m512i tbl = _mm512_load_si512((const void *)I4_BF16_NIBBLES);
         const __m512i cnt = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
         float *dm = (float *)malloc(sizeof(float) * 2 * QG_NB * ng);
-        /* m > 1: 4 weight rows' bf16 q (k words each), and every activation row's accumulators */
-        __m512i *buf = m > 1 ? (__m512i *)aligned_alloc(64, (size_t)(4 * k * 2)) : NULL;
-        __m512 *tacc = m > 1 ? (__m512 *)aligned_alloc(64, sizeof(__m512) * (size_t)(m * QG_NB)) : NULL;
-        const int ok = dm && (m == 1 || (buf && tacc));
+        /* m > I4_REG_ROWS: 4 weight rows' bf16 q (k words each), and every activation row's accumulators */
+        const int buffered = m > I4_REG_ROWS;
+        __m512i *buf = buffered ? (__m512i *)aligned_alloc(64, (size_t)(4 * k * 2)) : NULL;
+        __m512 *tacc = buffered ? (__m512 *)aligned_alloc(64, sizeof(__m512) * (size_t)(m * QG_NB)) : NULL;
+        const int ok = dm && (!buffered || (buf && tacc));
         /* every thread takes part in the loop (a worksharing construct); one without memory fails */
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++) {
@@ -344,13 +370,11 @@ static int32_t int4_dp(const uint16_t *x, int64_t xs, int m, const Int4W *w, int
             const float *dr[QG_NB];
             const uint16_t *m16[QG_NB];
             block_rows_int4(w, n0, nr, dm, rows, dr, NULL, m16);
-            if (m == 1) {
-                __m512 acc[QG_NB];
-                /* g32 a constant in each copy of the loop: as a run-time flag its test and branch
-                 * sat in the inner loop (~3 % of the one-row kernel) */
-                if (g32) i4_dp_rows1(x, rows, dr, sbs, k, cnt, tbl, acc, 1);
-                else i4_dp_rows1(x, rows, dr, sbs, k, cnt, tbl, acc, 0);
-                i4_dp_finish(acc, m16, S, ng, nr, out, 0, n0, bias, bf16);
+            if (m <= I4_REG_ROWS) {
+                __m512 acc[I4_REG_ROWS * QG_NB];
+                i4_dp_rows_m(x, xs, m, rows, dr, sbs, k, cnt, tbl, acc, g32);
+                for (int a = 0; a < m; a++)
+                    i4_dp_finish(acc + a * QG_NB, m16, S + a * ng, ng, nr, out, (int64_t)a * os, n0, bias, bf16);
                 continue;
             }
             for (int r0 = 0; r0 < QG_NB; r0 += 4) {
