@@ -4,8 +4,10 @@ bf16, int8 and int4 weights side by side (issue 15), measured in one run on this
 Each scheme gets its own in-process EngineCore with the same activation dtype, KV pool and
 prompts; decode figures come from bench.engine_runs.steady_decode (median step time, prefill
 excluded). Also reported per scheme: bytes of linear weights read per decode step, model load
-time, and where a single-stream step spends its time (each linear kind, the rest of the forward
-pass, the rest of the step; wall time, best of three short passes).
+time, where a single-stream step spends its time (each linear kind, the rest of the forward
+pass, the rest of the step; wall time, best of three short passes), and the model's linears
+timed at `--linear-rows` activation rows with the weight-only tiers' panel dequantization
+(bench/linear_rows.py: where a quantized tier's batch and prefill time goes).
 Progress goes to stderr; a table, or one JSON object with --json, to stdout.
 """
 
@@ -21,6 +23,7 @@ from typing import Any
 
 from bench import engine_runs
 from bench.flops import ModelShape, machine_info
+from bench.linear_rows import time_linears
 
 SCHEMES = ("none", "int8", "int4")
 TARGETS = {"int4": 110.0, "int8": 85.0}  # single-stream tokens/s (issue 15, on a quiet machine)
@@ -38,6 +41,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=32, help="timed decode steps per figure (default 32)")
     p.add_argument("--batches", default="1,32", help="decode batch sizes (default 1,32)")
     p.add_argument("--no-profile", action="store_true", help="skip the time breakdown of a single-stream step")
+    p.add_argument("--linear-rows", default="1,32,512",
+                   help="time every linear layer at these activation rows (a decode step, a decode batch, a "
+                        "prefill chunk; '' to skip; default %(default)s)")  # fmt: skip
+    p.add_argument("--linear-reps", type=int, default=15, help="passes per --linear-rows figure (median; default 15)")
     p.add_argument("--profile-clock", choices=["wall", "cpu"], default="wall",
                    help="clock of the breakdown; cpu (this process's CPU time) is less disturbed by other "
                         "work on a busy machine, use it with --threads 1 (default: wall)")  # fmt: skip
@@ -156,6 +163,10 @@ def run(args: argparse.Namespace, progress: engine_runs.Progress) -> dict[str, A
             progress(f"{scheme}: profiling a single-stream step")
             clock = time.process_time if args.profile_clock == "cpu" else time.perf_counter
             row["profile"] = {"clock": args.profile_clock, **profile_step(eng, shape, rng, clock)}
+        linear_rows = [int(r) for r in args.linear_rows.split(",") if r.strip()]
+        if linear_rows:
+            progress(f"{scheme}: the linears at {linear_rows} rows")
+            row["linears"] = time_linears(eng, linear_rows, args.linear_reps, args.seed)
         result["schemes"][scheme] = row
         del eng
     base = result["schemes"].get("none")
@@ -178,7 +189,11 @@ def table(result: dict[str, Any]) -> str:
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     m = result["machine"]
-    lines.append(f"{m['cpu']}, {m['threads']} threads, load average {m.get('load_avg')}")
+    lines.append(f"{m['cpu']}, {m['threads']} threads, load average {m.get('load_avg_1m_at_start')} at the start")
+    for s, r in result["schemes"].items():
+        if "linears" in r:
+            lines.append(f"{s:>5} all linears, ms: " + ", ".join(
+                f"{k.removesuffix('_ms').replace('_', ' ')} {v:.2f}" for k, v in r["linears"].items() if v is not None))  # fmt: skip
     for s, r in result["schemes"].items():
         if "profile" in r:
             lines.append(f"{s:>5} single-stream step, ms: " + ", ".join(

@@ -51,7 +51,8 @@ def test_benches_print_json(tiny_llama: Path) -> None:
         assert "met" in row["target"]
 
     e = subprocess.run([sys.executable, "-m", "bench.quant_engine", "--model", str(tiny_llama), "--json",
-                        "--steps", "3", "--context", "16", "--batches", "1,4", "--threads", "1"],
+                        "--steps", "3", "--context", "16", "--batches", "1,4", "--threads", "1",
+                        "--linear-rows", "1,16", "--linear-reps", "2"],
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert e.returncode == 0, e.stderr
     res = json.loads(e.stdout)
@@ -63,3 +64,12 @@ def test_benches_print_json(tiny_llama: Path) -> None:
     for row in rows.values():
         assert row["decode_1"]["tokens_per_s"] > 0 and row["decode_4"]["batch"] == 4
         assert row["profile"]["linears_ms"] > 0
+        assert row["linears"]["rows_1_ms"] > 0 and row["linears"]["rows_16_ms"] > 0
+    # the dequantization figure exists exactly where a weight-only scheme takes the bf16 GEMM path
+    # (the engine's dtype here is the default for the CPU: bf16 where it has bf16 dot products)
+    assert rows["none"]["linears"]["panel_dequant_ms"] is None
+    from engine.qlinear import bf16_gemm_isa
+
+    bf16_path = bf16_gemm_isa() > 0 and res["config"]["dtype"] == "bfloat16"
+    for s in ("int8", "int4"):
+        assert (rows[s]["linears"]["panel_dequant_ms"] is not None) == bf16_path, rows[s]["linears"]
