@@ -135,13 +135,20 @@ def text(d: object) -> str:
 
 
 def stale(element: object) -> bool:
-    """True once `element`'s page is gone (the browser moved on to the next one)."""
-    from selenium.common.exceptions import StaleElementReferenceException
+    """True once `element`'s page is gone (the browser moved on to the next one). Asked while
+    the old document is being torn down, chromedriver may answer with an inspector error ("Node
+    with given id does not belong to the document") instead of a stale reference: the same fact,
+    seen mid-navigation (a CI run failed on it)."""
+    from selenium.common.exceptions import StaleElementReferenceException, WebDriverException
 
     try:
         element.is_enabled()  # type: ignore[attr-defined]
     except StaleElementReferenceException:
         return True
+    except WebDriverException as e:
+        if "does not belong to the document" in str(e):
+            return True
+        raise
     return False
 
 
