@@ -86,8 +86,8 @@ INLINE float probs_bf16(const float *p, int n, uint16_t *pb) {
  * (unpacklo/hi, which permutes dims within 128-bit lanes; undone at the store), weights are
  * the bf16 pair (p_j, p_j+1) broadcast. Up to 4 rows (p row r at pr[r], zero from its own
  * length to n, output at orow[r]) x 64 dims starting at d0; nc = 32-dim chunks (1 or 2). */
-INLINE void pv_pass_bf16_c(const char *const *rp, int64_t voff, int n, const uint16_t *const *pr,
-                           const float *inv, const int ng, int d0, const int nc, uint16_t *const *orow) {
+INLINE void pv_pass_bf16(const char *const *rp, int64_t voff, int n, const uint16_t *const *pr,
+                         const float *inv, int ng, int d0, int nc, uint16_t *const *orow) {
     __m512 acc[4][4];
     for (int g = 0; g < 4; g++)
         for (int c = 0; c < 4; c++) acc[g][c] = _mm512_setzero_ps();
@@ -121,25 +121,6 @@ INLINE void pv_pass_bf16_c(const char *const *rp, int64_t voff, int n, const uin
             store16(orow[g], o + 16, _mm512_mul_ps(_mm512_permutex2var_ps(x, hi, y), sc), 1);
         }
     }
-}
-
-/* pv_pass_bf16_c with ng (1..4) and nc (1..2) constants: as run-time values their tests sat in
- * the loop over keys (a copy of the loop each; prefill attention of a 512-token prompt, SmolLM2,
- * Zen 4: see prefill_attention.c). */
-INLINE void pv_pass_bf16(const char *const *rp, int64_t voff, int n, const uint16_t *const *pr, const float *inv,
-                         int ng, int d0, int nc, uint16_t *const *orow) {
-#define PV_NG(NG)                                                                   \
-    do {                                                                            \
-        if (nc == 2) pv_pass_bf16_c(rp, voff, n, pr, inv, NG, d0, 2, orow);         \
-        else pv_pass_bf16_c(rp, voff, n, pr, inv, NG, d0, 1, orow);                 \
-    } while (0)
-    switch (ng) {
-    case 1: PV_NG(1); break;
-    case 2: PV_NG(2); break;
-    case 3: PV_NG(3); break;
-    default: PV_NG(4); break;
-    }
-#undef PV_NG
 }
 #endif
 

@@ -28,31 +28,17 @@ int prefill_attention_amx(const Step *s, int32_t layer, int32_t first, int32_t c
                           int64_t q_stride, void *out, int64_t out_stride);
 
 #if defined(__AVX512BF16__)
-/* dst[r][0..16) = scale * q_r . k for the tile's 16 keys, for R <= MAXR rows (a constant at
- * each call: qk_rows). */
-INLINE void qk_rows_c(const __m512i *kt, const uint32_t *const *qr, const int R, int D, float scale,
-                      float *const *dst, int j0) {
+/* dst[r][0..16) = scale * q_r . k for the tile's 16 keys, for R <= MAXR rows. */
+INLINE void qk_rows(const __m512i *kt, const uint32_t *const *qr, int R, int D, float scale, float *const *dst, int j0) {
     __m512 acc[MAXR];
-    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < MAXR; r++) acc[r] = _mm512_setzero_ps();
     for (int p = 0; p < D / 2; p++) {
         const __m512bh k = (__m512bh)kt[p];
-        for (int r = 0; r < R; r++) acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)qr[r][p]), k);
+        for (int r = 0; r < MAXR; r++)
+            if (r < R) acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)qr[r][p]), k);
     }
     const __m512 vs = _mm512_set1_ps(scale);
     for (int r = 0; r < R; r++) _mm512_storeu_ps(dst[r] + j0, _mm512_mul_ps(acc[r], vs));
-}
-
-/* qk_rows_c with R a constant: as a run-time value its 12 tests (`r < R`) sat in the loop over
- * head-dim pairs, beside the 12 dot products they guard. */
-static void qk_rows(const __m512i *kt, const uint32_t *const *qr, int R, int D, float scale, float *const *dst,
-                    int j0) {
-    switch (R) {
-#define QK_R(n) \
-    case n: qk_rows_c(kt, qr, n, D, scale, dst, j0); break;
-        QK_R(1) QK_R(2) QK_R(3) QK_R(4) QK_R(5) QK_R(6) QK_R(7) QK_R(8) QK_R(9) QK_R(10) QK_R(11)
-#undef QK_R
-    default: qk_rows_c(kt, qr, MAXR, D, scale, dst, j0); break;
-    }
 }
 
 typedef struct {
