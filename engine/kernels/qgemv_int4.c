@@ -39,7 +39,8 @@ INLINE float half_to_f32(uint16_t h) {
 /* ng fp16 scales of one row as fp32. */
 INLINE void row_f32(const uint16_t *src, int64_t ng, float *dst) {
     int64_t g = 0;
-    for (; g + 16 <= ng; g += 16) _mm512_storeu_ps(dst + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + g))));
+    for (; g + 16 <= ng; g += 16)
+        _mm512_storeu_ps(dst + g, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(src + g))));
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
     /* the tail masked (SmolLM2's k = 576 leaves 2 of 18 groups; half_to_f32 on them, for every
      * row of every such matrix, was a measurable share of the one-row kernel) */
@@ -219,10 +220,11 @@ static void gemv_int4(const float *x, const Int4W *w, int64_t n, const void *bia
  * (zero-extension, two table FMAs, three shifts, four vpermps, four FMAs).
  *
  * Both m <= I4_REG_ROWS (nibbles decoded in registers, used by every activation row) and larger m
- * (decoded once per 4 weight rows into an L1 buffer, then every activation row) run i4_dp_step on the same values in the same order, and
- * finish 16 weight rows with i4_dp_finish: bitwise equal, so a sequence's tokens do not depend on
- * its batch. These are not the fp32 table path's bits (the sums are factored differently); a CPU
- * without AVX-512 BF16, or fp32 activations, keep that path.
+ * (decoded once per 4 weight rows into an L1 buffer, then every activation row) run i4_dp_step on
+ * the same values in the same order, and finish 16 weight rows with i4_dp_finish: bitwise equal,
+ * so a sequence's tokens do not depend on its batch. These are not the fp32 table path's bits
+ * (the sums are factored differently); a CPU without AVX-512 BF16, or fp32 activations, keep that
+ * path.
  */
 
 /* bf16 of 0..15, twice: vpermw reads five index bits, and the fifth is the next nibble's */
