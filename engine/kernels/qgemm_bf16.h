@@ -156,10 +156,15 @@ static void qb_amx_tile(const uint16_t *X, int64_t kp, int two, const uint32_t *
  * vdpbf16ps a pair, not 16 (1.6-2.4x faster at one row on Zen 4). Each
  * output's chain over the pairs runs in k order whatever `rows` is. */
 static inline __attribute__((always_inline)) void qb_dp_rows(const uint16_t *X, int64_t kp, const uint32_t *p0,
-                                                               const uint32_t *p1, float *acc, const int rows) {
+                                                               const uint32_t *p1, float *acc, const int rows,
+                                                               const uint32_t *pf) {
     __m512 a[QB_MR_TAIL][2];
     for (int r = 0; r < rows; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
     for (int64_t p = 0; p < kp / 2; p++) {
+        if (pf) {
+            _mm_prefetch((const char *)(pf + 16 * p), _MM_HINT_T1);
+            _mm_prefetch((const char *)(pf + 8 * kp + 16 * p), _MM_HINT_T1);
+        }
         const __m512bh b0 = (__m512bh)_mm512_load_si512((const void *)(p0 + 16 * p));
         const __m512bh b1 = (__m512bh)_mm512_load_si512((const void *)(p1 + 16 * p));
         for (int r = 0; r < rows; r++) {
@@ -174,13 +179,27 @@ static inline __attribute__((always_inline)) void qb_dp_rows(const uint16_t *X, 
     }
 }
 
-static void qb_dp_tile(const uint16_t *X, int64_t kp, const uint32_t *p0, const uint32_t *p1, float *acc, int rows) {
-#define QB_DP_ROWS(r) qb_dp_rows(X, kp, p0, p1, acc, r)
-    switch (rows) { /* CONST_ROWS_SWITCH's reason; that macro stops at 7 */
-    case 9: QB_DP_ROWS(9); break;
-    case 10: QB_DP_ROWS(10); break;
-    default: CONST_ROWS_SWITCH(rows, QB_MR, QB_DP_ROWS)
+static void qb_dp_tile(const uint16_t *X, int64_t kp, const uint32_t *p0, const uint32_t *p1, float *acc, int rows,
+                       const uint32_t *pf) {
+    /* pf is a constant NULL in the copies without prefetching: tested in the inner loop, it made
+     * 512-row prefills ~4 % slower */
+#define QB_DP_ROWS(r) qb_dp_rows(X, kp, p0, p1, acc, r, PF)
+#define QB_DP_SWITCH                                                                                \
+    switch (rows) { /* CONST_ROWS_SWITCH's reason; that macro stops at 7 */                       \
+    case 9: QB_DP_ROWS(9); break;                                                                   \
+    case 10: QB_DP_ROWS(10); break;                                                                 \
+    default: CONST_ROWS_SWITCH(rows, QB_MR, QB_DP_ROWS)                                             \
     }
+    if (pf) {
+#define PF pf
+        QB_DP_SWITCH
+#undef PF
+    } else {
+#define PF NULL
+        QB_DP_SWITCH
+#undef PF
+    }
+#undef QB_DP_SWITCH
 #undef QB_DP_ROWS
 }
 
@@ -192,6 +211,8 @@ static void qb_dp_tile(const uint16_t *X, int64_t kp, const uint32_t *p0, const 
 /* k per AMX pass: a block's 32 x QB_KB bf16 (16 KiB) stays in L1 while the pass's activation rows
  * run against it (their sums kept in acc between passes), so only the activations stream from L2 */
 #define QB_KB 256
+/* calls of fewer rows prefetch the next block of panels read in place (qb_gemm) */
+#define QB_PF_ROWS 64
 
 /*
  * Driver: out [m][os] = x [m][xs] (bf16) @ dequant(W)^T (* scale) (+ bias, bf16), out bf16 or
@@ -262,6 +283,11 @@ static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, c
                 for (int64_t b = 0; b < nb; b++) {
                     const int64_t n0 = 32 * (b0 + b);
                     const uint32_t *p0 = sp_panel + b * bsz, *p1 = p0 + 8 * kp;
+                    /* Read in place, a block's first pass brings the next one to L2: with few rows
+                     * the passes are too short to hide its misses (one process, SmolLM2's 120
+                     * linears, Zen 4, 2 threads: 0.94x the time at 1 row, 0.80x at 8, 0.93x at 32,
+                     * 0.99x at 64; at 128-512 it measured 1.03-1.08x, so not there) */
+                    const int pf_next = !dequant && m < QB_PF_ROWS && m0 == 0 && b0 + b + 1 < blocks;
                     const int nr0 = (int)(n - n0 < 16 ? n - n0 : 16), nr1 = (int)(n - n0 - 16 < 16 ? n - n0 - 16 : 16);
 #if defined(QB_AMX)
                     if (isa == 2)
@@ -276,7 +302,8 @@ static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, c
                          * panel's L2 reads) */
                         for (int mi = m0, r; mi < m1; mi += r) {
                             r = m1 - mi <= QB_MR_TAIL ? m1 - mi : QB_MR;
-                            qb_dp_tile(X + (int64_t)mi * kp, kp, p0, p1, acc + (mi - m0) * 32, r);
+                            qb_dp_tile(X + (int64_t)mi * kp, kp, p0, p1, acc + (mi - m0) * 32, r,
+                                       mi == m0 && pf_next ? p0 + bsz : NULL);
                         }
                     if (nr1 == 16 && !out_f32) {
                         qb_store_rows32(acc, m1 - m0, n0, scale, bias, (char *)out + (int64_t)m0 * os * esz, os * esz, nt);

@@ -24,6 +24,7 @@ typedef struct {
     const uint16_t *mins; /* fp16 [n][k / group] */
     int64_t k;
     int group;
+    int64_t n; /* rows: the bf16 dequant prefetches the next block's rows while they exist */
 } Int4W;
 
 INLINE float half_to_f32(uint16_t h) {
@@ -430,7 +431,7 @@ int32_t qlinear_int4(const void *x, int64_t xs, int32_t m, int32_t k, const uint
                      const uint16_t *mins, int32_t group, int64_t n, const void *bias, void *out, int64_t os,
                      int32_t bf16, int32_t out_f32) {
     if (k % 64 || (group != 32 && group != 64)) return -2;
-    const Int4W w = {q, d, mins, k, group};
+    const Int4W w = {q, d, mins, k, group, n};
 #if defined(I4_DP)
     if (bf16) return int4_dp((const uint16_t *)x, xs, m, &w, n, bias, out, os, !out_f32);
 #endif
@@ -464,6 +465,8 @@ static void dequant_int4_bf16(const void *ctx, int64_t n0, int nr, uint32_t *pan
                 r0[i] = r1[i] = _mm512_setzero_si512();
                 continue;
             }
+            if (s % 2 == 0 && n0 + 16 + i < w->n) /* the next block's row, a line per two super-blocks */
+                _mm_prefetch((const char *)(w->q + (n0 + 16 + i) * (k / 2) + 32 * s), _MM_HINT_T1);
             const float *di = d + 2 * i * ng, *mi = di + ng;
             const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w->q + (n0 + i) * (k / 2) + 32 * s)));
             const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(di[g0]), _mm512_set1_ps(mi[g0]));
@@ -494,7 +497,7 @@ int32_t qlinear_int4_bf16(const uint16_t *x, int64_t xs, int32_t m, int32_t k, c
     if (isa == 0) isa = have;
     if (isa < 1 || isa > have) return -3;
 #if defined(QB_BF16)
-    const Int4W w = {q, d, mins, k, group};
+    const Int4W w = {q, d, mins, k, group, n};
     return qb_gemm(x, xs, m, k, n, &w, dequant_int4_bf16, NULL, bias, out, os, out_f32, isa);
 #else
     (void)x, (void)xs, (void)m, (void)q, (void)d, (void)mins, (void)n, (void)bias, (void)out, (void)os, (void)out_f32;

@@ -14,6 +14,7 @@
 typedef struct {
     const int8_t *q;
     int64_t k;
+    int64_t n; /* rows of q: the bf16 dequant prefetches the next block's rows while they exist */
 } Int8W;
 
 static void dequant_int8(const void *ctx, int64_t n0, int nr, float *tile, int64_t kp) {
@@ -93,7 +94,7 @@ int32_t qlinear_int8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
     if (m == 1) {
         gemv_int8(X, k, q, n, scale, bias, out, bf16);
     } else {
-        const Int8W w = {q, k};
+        const Int8W w = {q, k, n};
         qg_gemm(X, m, k, n, &w, dequant_int8, out, os, scale, bias, bf16);
     }
     free(X);
@@ -118,6 +119,12 @@ static void dequant_int8_bf16(const void *ctx, int64_t n0, int nr, uint32_t *pan
                 r[i] = _mm512_setzero_si512();
                 continue;
             }
+            /* The next block's row, a line per two chunks, to L2: 16 rows of 32 bytes a chunk are
+             * too short a stream for the hardware prefetcher, and the loads stalled here
+             * (SmolLM2's 120 matrices at one row, 2 threads, Zen 4, one process: 13.9 -> 9.4 ms;
+             * to L1 it was 10.1, evicted by the panel's stores before use) */
+            if (c % 64 == 0 && n0 + 16 + i < w->n)
+                _mm_prefetch((const char *)(w->q + (n0 + 16 + i) * k + c), _MM_HINT_T1);
             const __m256i b = _mm256_maskz_loadu_epi8(mk, w->q + (n0 + i) * k + c);
             const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
             const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
@@ -138,7 +145,7 @@ int32_t qlinear_int8_bf16(const uint16_t *x, int64_t xs, int32_t m, int32_t k, c
     if (isa == 0) isa = have;
     if (isa < 1 || isa > have) return -3;
 #if defined(QB_BF16)
-    const Int8W w = {q, k};
+    const Int8W w = {q, k, n};
     return qb_gemm(x, xs, m, k, n, &w, dequant_int8_bf16, scale, bias, out, os, out_f32, isa);
 #else
     (void)x, (void)xs, (void)m, (void)k, (void)q, (void)scale, (void)n, (void)bias, (void)out, (void)os, (void)out_f32;
