@@ -43,6 +43,10 @@
 #endif
 
 #define W8_MR 8       /* activation rows per VNNI pass */
+/* Calls of fewer rows fetch the next pair of blocks to L2 during their first pass over a pair: a
+ * pass of 8 rows is too short to hide the misses of weights streamed from memory (qgemm_bf16.h's
+ * QB_PF_ROWS, measured the same way) */
+#define W8_PF_ROWS 64
 #define W8_AMX_MB 128 /* activation rows per AMX pass over the weights (a multiple of 32) */
 
 INLINE int64_t w8_pad64(int64_t k) { return (k + 63) & ~(int64_t)63; }
@@ -218,10 +222,15 @@ static inline __attribute__((always_inline)) void w8_dots_mr(const uint8_t *X, c
 /* acc [mr][32] = w8_dots_mr of both blocks of a pair (wb0, wb1) in one pass: one broadcast
  * activation quad feeds two vpdpbusd (2 mr accumulators). Integer sums: the same values. */
 static inline __attribute__((always_inline)) void w8_dots2_mr(const uint8_t *X, const int mr, int64_t kp, int64_t klen,
-                                                              const int8_t *wb0, const int8_t *wb1, int32_t *acc) {
+                                                              const int8_t *wb0, const int8_t *wb1, int32_t *acc,
+                                                              const int8_t *pf) {
     __m512i a[W8_MR][2];
     for (int s = 0; s < mr; s++) a[s][0] = a[s][1] = _mm512_setzero_si512();
     for (int64_t r = 0; r < klen / 4; r++) {
+        if (pf) { /* the next pair's two blocks (W8_PF_ROWS) */
+            _mm_prefetch((const char *)(pf + r * 64), _MM_HINT_T1);
+            _mm_prefetch((const char *)(pf + (wb1 - wb0) + r * 64), _MM_HINT_T1);
+        }
         const __m512i w0 = _mm512_loadu_si512((const void *)(wb0 + r * 64));
         const __m512i w1 = _mm512_loadu_si512((const void *)(wb1 + r * 64));
         for (int s = 0; s < mr; s++) {
@@ -234,6 +243,15 @@ static inline __attribute__((always_inline)) void w8_dots2_mr(const uint8_t *X, 
         _mm512_storeu_si512((void *)(acc + 32 * s), a[s][0]);
         _mm512_storeu_si512((void *)(acc + 32 * s + 16), a[s][1]);
     }
+}
+#endif
+
+#if defined(__AVX512VNNI__)
+/* w8_dots2_mr of 8 rows fetching the next pair (W8_PF_ROWS), out of line: inlined beside the
+ * other copy it made 512-row calls ~5 % slower, prefetching nothing */
+static __attribute__((noinline)) void w8_dots2_pf(const uint8_t *X, int64_t kp, const int8_t *wb0, int64_t blk,
+                                                  int32_t *acc) {
+    w8_dots2_mr(X, W8_MR, kp, kp, wb0, wb0 + blk, acc, wb0 + 2 * blk);
 }
 #endif
 
@@ -523,7 +541,10 @@ int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
                     for (int mi = 0; mi < m; mi += W8_MR) {
                         const int mr = m - mi < W8_MR ? m - mi : W8_MR;
                         if (mr == W8_MR) {
-                            w8_dots2_mr(X + (int64_t)mi * kp, W8_MR, kp, kp, wb0, wb0 + blk, acc);
+                            if (mi == 0 && m < W8_PF_ROWS && p + 1 < pairs)
+                                w8_dots2_pf(X, kp, wb0, blk, acc);
+                            else
+                                w8_dots2_mr(X + (int64_t)mi * kp, W8_MR, kp, kp, wb0, wb0 + blk, acc, NULL);
                             for (int s = 0; s < mr; s++) {
                                 char *row = (char *)out + (int64_t)(mi + s) * os * esz;
                                 w8_epilogue(acc + 32 * s, 16, sx[mi + s], scale, wsum, bias, n0, row, obf16);
