@@ -72,7 +72,9 @@ class _CompileError(Exception):
     """Why the kernels could not be built (shown to the operator, or raised in strict mode)."""
 
 
-def _compile() -> Path:
+def _compile(src: Path = _DIR) -> Path:
+    """The shared library built from the kernel sources in `src` (this package's, or another
+    revision's for bench/kernel_ab.py), compiled once per sources, flags and CPU."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise _CompileError("no C compiler found (set CC, or install gcc)")
@@ -80,7 +82,7 @@ def _compile() -> Path:
         raise _CompileError(f"the C compiler {cc!r} (from CC) is not an executable")
     h = hashlib.sha256(" ".join([cc, *_BASE_FLAGS, repr(_SOURCES), *sorted(cpu_flags())]).encode())
     for name in (*_HEADERS, *(src for src, _ in _SOURCES)):
-        h.update((_DIR / name).read_bytes())
+        h.update((src / name).read_bytes())
     out_dir = duet_home() / "kernels"
     target = out_dir / f"duet_kernels-{h.hexdigest()[:16]}.so"
     if target.is_file():
@@ -89,7 +91,7 @@ def _compile() -> Path:
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         objs = [str(Path(tmp) / (name + ".o")) for name, _ in _SOURCES]
         # The sources compile in parallel (about a second in all).
-        procs = [subprocess.Popen([cc, *_BASE_FLAGS, *flags, f"-I{_DIR}", "-c", str(_DIR / name), "-o", obj],
+        procs = [subprocess.Popen([cc, *_BASE_FLAGS, *flags, f"-I{src}", "-c", str(src / name), "-o", obj],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for (name, flags), obj in zip(_SOURCES, objs, strict=True)]  # fmt: skip
         errors = [_error(p) for p in procs]  # a list: wait for every compiler, not just the first failure
@@ -125,6 +127,33 @@ def kernels_lib() -> ctypes.CDLL | None:
     except _CompileError as e:
         fallback(log, f"the CPU kernels cannot be built ({e})", "the slower torch ops")
         return None
+    return _load(path)
+
+
+def build_library(src: Path, private_copy: bool = False) -> ctypes.CDLL:
+    """The kernels in `src` compiled and loaded beside this process's own (bench/kernel_ab.py).
+    `private_copy`: load from a copy in a fresh temporary directory, so that sources equal to the
+    loaded ones still give a second library rather than the same handle. Raises ValueError when
+    they do not build or lack a function this package calls."""
+    try:
+        path = _compile(src)
+    except _CompileError as e:
+        raise ValueError(f"the kernels in {src} do not build: {e}") from e
+    if private_copy:
+        copy = Path(tempfile.mkdtemp(prefix="duet-kernels-")) / path.name
+        shutil.copyfile(path, copy)
+        path = copy
+    try:
+        return _load(path)
+    except AttributeError as e:  # ctypes: a function this package declares is not in the library
+        raise ValueError(f"the kernels in {src} lack a function this checkout calls: {e}") from e
+    finally:
+        if private_copy:  # loaded (mapped) or not, the copy's file is not needed any more
+            shutil.rmtree(path.parent, ignore_errors=True)
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    """The library at `path` with every kernel's ctypes signature declared."""
     lib = ctypes.CDLL(str(path))
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
     for fn in (lib.paged_attention, lib.prefill_attention):

@@ -1,0 +1,199 @@
+"""`python -m bench.kernel_ab`: this checkout's CPU kernels against another revision's, in one
+process, on the engine's own linear layers.
+
+Why one process: on a shared 2-vCPU VM the same build's rates move 10-15 % from one minute to the
+next, so two benchmark runs taken minutes apart cannot tell a 5 % kernel change from the machine.
+Here both builds are loaded side by side (the other revision's `engine/kernels/` is taken with
+`git archive`, compiled with the same flags into a private copy), and every pass alternates them
+over the same inputs, flushing the caches before each, so drift moves both alike. The figure is
+the median pass time of each build and their ratio.
+
+One pass calls every layer's four linears (qkv, o, gate_up, down) at `rows` activation rows, as
+a step of that many tokens would (bench/linear_rows.py), once with each build's library in every
+linear (`.lib`); the weights are loaded and packed once, by this checkout. Beside the times, each
+row says whether the two builds' outputs are bitwise identical: a speed change that was meant to
+keep the arithmetic shows it did.
+
+`--base HEAD` with an unchanged tree compares the build with a copy of itself: the harness's own
+noise (ratios within ~2 % of 1 on a quiet machine).
+
+Limits: both builds are called through this checkout's ctypes signatures, so a revision whose
+kernel functions take other arguments cannot be compared (a missing function is reported).
+Progress on stderr; a table, or one JSON object with --json, on stdout. Exit code 2 when the
+revision cannot be read or built.
+
+Invariant: timing only; no figure here is compared against a bound in a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.flops import machine_info
+from bench.linear_rows import _FLUSH_BYTES, _in_features, _linears
+
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.kernel_ab", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap.add_argument("--base", default="HEAD", help="git revision whose engine/kernels/ is the baseline (default HEAD)")
+    ap.add_argument("--base-dir", type=Path, default=None,
+                    help="a directory of kernel sources as the baseline instead of a revision (e.g. a variant "
+                         "being tried)")  # fmt: skip
+    ap.add_argument("--model", default="smollm2-135m-instruct", help="model name or directory")
+    ap.add_argument("--schemes", default="none,int8,int4,int8-w8a8,int4-w4a8",
+                    help="comma-separated quantization schemes ('none': bf16)")  # fmt: skip
+    ap.add_argument("--rows", default="1,8,32,512", help="comma-separated activation row counts")
+    ap.add_argument("--reps", type=int, default=15, help="passes per build at each row count (median)")
+    ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: the engine's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
+    try:
+        args.row_list = [int(r) for r in args.rows.split(",") if r.strip()]
+    except ValueError:
+        ap.error(f"--rows: not a list of integers: {args.rows!r}")
+    if not args.row_list or min(args.row_list) < 1:
+        ap.error("--rows needs one or more positive integers")
+    return args
+
+
+def base_library(rev: str, tmp: Path):
+    """The kernels of `rev`, compiled from `git archive` into tmp and loaded from a private copy
+    (so HEAD against an unchanged tree still loads two libraries). Raises ValueError with the
+    reason when the revision cannot be read or its kernels cannot be built or lack a function."""
+    from engine.kernels import build_library
+
+    proc = subprocess.run(["git", "-C", str(_ROOT), "archive", "--format=tar", rev, "engine/kernels"],
+                          capture_output=True, timeout=120)  # fmt: skip
+    if proc.returncode != 0:
+        raise ValueError(f"git archive {rev!r} failed: {proc.stderr.decode(errors='replace').strip()[:300]}")
+    with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as tar:
+        tar.extractall(tmp, filter="data")
+    return build_library(tmp / "engine" / "kernels", private_copy=True)
+
+
+def _engine(model: str, scheme: str, threads: int | None):
+    from engine.config import EngineConfig
+    from engine.core import EngineCore
+
+    return EngineCore(EngineConfig(
+        model=model, dtype="bfloat16", device="cpu", threads=threads, max_num_seqs=8, max_num_batched_tokens=2048,
+        enable_prefix_caching=False, num_kv_blocks=80, max_model_len=1024,
+        quantization=None if scheme == "none" else scheme,
+    ))  # fmt: skip
+
+
+def compare(lins: list[Any], libs: tuple[Any, Any], rows: int, reps: int, seed: int) -> dict[str, Any]:
+    """Median ms of one pass over `lins` at `rows` rows with each library, alternating, and whether
+    their outputs are bitwise identical."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(rows, _in_features(lin), generator=g).to(torch.bfloat16) for lin in lins]
+
+    def one_pass(lib) -> list[Any]:
+        for lin in lins:
+            lin.lib = lib
+        return [lin(x) for lin, x in zip(lins, xs, strict=True)]
+
+    outs = [one_pass(lib) for lib in libs]  # also the warm-up: first-call allocations
+    identical = all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+    flush = torch.empty(_FLUSH_BYTES, dtype=torch.uint8)
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(reps):
+        for lib, t in zip(libs, times, strict=True):
+            for lin in lins:
+                lin.lib = lib
+            flush.add_(1)  # no weight left in the caches: a step reads the whole model
+            t0 = time.perf_counter()
+            for lin, x in zip(lins, xs, strict=True):
+                lin(x)
+            t.append(time.perf_counter() - t0)
+    a, b = (1e3 * statistics.median(t) for t in times)
+    return {"rows": rows, "base_ms": a, "this_ms": b, "ratio": b / a, "identical": identical}
+
+
+def run(args: argparse.Namespace, progress) -> dict[str, Any]:
+    from engine.kernels import kernels_lib
+
+    this = kernels_lib()
+    if this is None:
+        raise ValueError("this checkout's kernels are not available (no C compiler, or DUET_DISABLE_KERNELS)")
+    import torch
+
+    result: dict[str, Any] = {"machine": machine_info(args.threads or torch.get_num_threads()), "base": args.base,
+                              "schemes": {}}  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="duet-kernel-ab-") as tmp:
+        if args.base_dir is not None:
+            from engine.kernels import build_library
+
+            progress(f"building the kernels in {args.base_dir}")
+            if not args.base_dir.is_dir():
+                raise ValueError(f"--base-dir {args.base_dir}: not a directory")
+            base = build_library(args.base_dir, private_copy=True)
+            result["base"] = str(args.base_dir)
+        else:
+            progress(f"building the kernels of {args.base}")
+            base = base_library(args.base, Path(tmp))
+        for scheme in [s.strip() for s in args.schemes.split(",") if s.strip()]:
+            progress(f"{scheme}: loading")
+            eng = _engine(args.model, scheme, args.threads)
+            lins = _linears(eng)
+            rows = []
+            for r in args.row_list:
+                row = compare(lins, (base, this), r, args.reps, args.seed)
+                progress(f"{scheme}: {r} rows: base {row['base_ms']:.2f} ms, this {row['this_ms']:.2f} ms "
+                         f"({row['ratio']:.3f}x), outputs {'identical' if row['identical'] else 'DIFFER'}")  # fmt: skip
+                rows.append(row)
+            for lin in lins:
+                lin.lib = this
+            result["schemes"][scheme] = rows
+            del eng, lins
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [f"{'scheme':>10} {'rows':>5} {'base ms':>9} {'this ms':>9} {'this/base':>9}  outputs"]
+    for scheme, rows in result["schemes"].items():
+        for r in rows:
+            lines.append(f"{scheme:>10} {r['rows']:>5} {r['base_ms']:>9.2f} {r['this_ms']:>9.2f} {r['ratio']:>8.3f}x  "
+                         f"{'identical' if r['identical'] else 'differ'}")  # fmt: skip
+    m = result["machine"]
+    lines.append(f"base {result['base']}; {m.get('cpu')}, load average at the end {m.get('load_avg_1m_at_end')}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    def progress(msg: str) -> None:
+        print(f"[bench.kernel_ab {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+    try:
+        result = run(args, progress)
+    except ValueError as e:
+        print(f"bench.kernel_ab: {e}", file=sys.stderr)
+        return 2
+    result["machine"]["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    print(json.dumps(result, indent=1) if args.json else table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

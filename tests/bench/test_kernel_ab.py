@@ -1,0 +1,62 @@
+"""bench.kernel_ab: two kernel builds side by side in one process, on the engine's linears.
+
+Real builds, real engines (SmolLM2 from the local model store), no timing bound: what is checked
+is that both builds ran every row count and that the "outputs identical" column tells a build
+equal in arithmetic from one that is not.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bench import kernel_ab
+from engine.kernels import kernels_lib
+
+pytestmark = pytest.mark.skipif(kernels_lib() is None, reason="kernels unavailable (no C compiler)")
+
+_KERNELS = Path(kernel_ab.__file__).resolve().parent.parent / "engine" / "kernels"
+
+
+def _run(capsys, *argv: str) -> tuple[int, dict | None, str]:
+    rc = kernel_ab.main([*argv, "--schemes", "none,int8", "--rows", "1,16", "--reps", "2", "--json"])
+    out, err = capsys.readouterr()
+    return rc, (json.loads(out) if rc == 0 else None), err
+
+
+def test_this_checkout_against_a_copy_of_its_own_sources_is_identical(capsys) -> None:
+    rc, result, _ = _run(capsys, "--base-dir", str(_KERNELS))
+    assert rc == 0
+    assert set(result["schemes"]) == {"none", "int8"}
+    for rows in result["schemes"].values():
+        assert [r["rows"] for r in rows] == [1, 16]
+        for r in rows:
+            assert r["identical"] is True
+            assert r["base_ms"] > 0 and r["this_ms"] > 0
+
+
+@pytest.mark.skipif(kernels_lib() is None or kernels_lib().qgemm_bf16_isa() == 0,
+                    reason="no bf16 GEMM kernel on this CPU (bf16 linears run on oneDNN, not on the changed code)")
+def test_a_build_whose_arithmetic_differs_is_reported(tmp_path: Path, capsys) -> None:
+    """The baseline's bf16 linear adds 1 to every output: its rows must read as differing, and
+    the int8 scheme's (scaled outputs: the change skips them) as identical."""
+    src = tmp_path / "kernels"
+    shutil.copytree(_KERNELS, src, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    path = src / "qgemm_bf16.h"
+    text = path.read_text()
+    anchor = "        if (bias) v0 = _mm512_add_ps(v0, b0), v1 = _mm512_add_ps(v1, b1);"
+    assert anchor in text, "qb_store_rows32's bias line moved: update this test's anchor"
+    path.write_text(text.replace(anchor, anchor + "\n        if (!scale) v0 = _mm512_add_ps(v0, _mm512_set1_ps(1.0f));"))
+    rc, result, _ = _run(capsys, "--base-dir", str(src))
+    assert rc == 0
+    assert all(r["identical"] is False for r in result["schemes"]["none"] if r["rows"] >= 16)
+    assert all(r["identical"] is True for r in result["schemes"]["int8"])
+
+
+def test_an_unknown_revision_is_a_clear_error(capsys) -> None:
+    rc, result, err = _run(capsys, "--base", "no-such-revision-xyz")
+    assert rc == 2 and result is None
+    assert "no-such-revision-xyz" in err and "git archive" in err
