@@ -1,8 +1,9 @@
 """QLinear: a linear layer over a quantized matrix (engine/quant.py), weight-only or W8A8.
 
 On the CPU with the native kernels (bf16 or fp32 activations) it calls `qlinear_int8` /
-`qlinear_int4`, which read the packed weights directly (decode) or dequantize 16 rows at a time
-into a cached fp32 tile (small batches). bf16 batches of `BF16_GEMM_MIN_ROWS` rows or more
+`qlinear_int4`, which read the packed weights directly (decode; int8 also for batches of up to
+64 rows, each converted chunk shared by 8 activation rows) or dequantize 16 rows at a time into a
+cached fp32 tile (larger batches). bf16 batches of `BF16_GEMM_MIN_ROWS` rows or more
 (prefill, batched decode) take `qlinear_int8_bf16` / `qlinear_int4_bf16` instead where the CPU
 has AMX or AVX-512 BF16: weight panels dequantized to bf16 in cache and the bf16 GEMM of the
 bf16 model (engine/kernels/qgemm_bf16.h), so the cost is that GEMM plus one O(n k) dequant

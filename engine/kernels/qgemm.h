@@ -8,7 +8,9 @@
  * - m == 1 (decode GEMV): 16 weight rows at a time, each row's packed bytes read once and
  *   turned into fp32 in registers; never a dequantized copy of the matrix.
  * - m > 1 (batched decode, prefill): each thread dequantizes 16 rows into an fp32 tile in its
- *   cache, then a 4x4 register-blocked fp32 micro-kernel runs every activation row against it.
+ *   cache, then a 4x4 register-blocked fp32 micro-kernel runs every activation row against it
+ *   (int8 up to QG_ROWS_MAX rows: the GEMV's loop shared by 8 activation rows instead,
+ *   qgemv_int8.c's gemv_int8_rows).
  * Both accumulate lane l of row n over k = 16 c + l in chunk order, then reduce the 16 lanes
  * with transpose_reduce16 (a fixed tree per row), then apply scale, then bias.
  * (bf16 batches of engine/qlinear.py's BF16_GEMM_MIN_ROWS or more take the bf16 GEMM path of
