@@ -18,7 +18,8 @@ keep the arithmetic shows it did.
 noise (ratios within ~2 % of 1 on a quiet machine).
 
 Limits: both builds are called through this checkout's ctypes signatures, so a revision whose
-kernel functions take other arguments cannot be compared (a missing function is reported).
+kernel functions take other arguments cannot be compared; functions it lacks are left out (the
+linears call only the quantized and bf16 GEMM entry points).
 Progress on stderr; a table, or one JSON object with --json, on stdout. Exit code 2 when the
 revision cannot be read or built.
 

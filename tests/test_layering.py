@@ -38,7 +38,8 @@ REQUEST_PATH = [
 #: package; bench/profile.py also writes its profile in sim/'s schema, which the simulator reads)
 COMPONENT_BENCHMARKS = {
     "bench/engine.py": {"engine"}, "bench/engine_runs.py": {"engine"}, "bench/flops.py": {"engine"},
-    "bench/quality.py": {"engine"}, "bench/quant_engine.py": {"engine"}, "bench/linear_rows.py": {"engine"}, "bench/kvtransfer.py": {"kvtransfer"},
+    "bench/quality.py": {"engine"}, "bench/quant_engine.py": {"engine"}, "bench/linear_rows.py": {"engine"},
+    "bench/kernel_ab.py": {"engine"}, "bench/kvtransfer.py": {"kvtransfer"},
     "bench/route.py": {"coordinator"}, "bench/router.py": {"gateway"}, "bench/profile.py": {"engine", "sim"},
     "bench/engine_tiers.py": {"engine"}, "bench/spec_engine.py": {"engine"}, "bench/structured.py": {"engine"},
     "bench/probes/linear_bf16_vs_onednn.py": {"engine"}, "bench/probes/decode_linears.py": {"engine"},

@@ -60,3 +60,19 @@ def test_an_unknown_revision_is_a_clear_error(capsys) -> None:
     rc, result, err = _run(capsys, "--base", "no-such-revision-xyz")
     assert rc == 2 and result is None
     assert "no-such-revision-xyz" in err and "git archive" in err
+
+
+def test_an_older_build_lacking_a_function_still_loads(tmp_path: Path) -> None:
+    """A revision without one of today's exported functions (as an older one would be) loads,
+    without that function, instead of being refused; the others are declared."""
+    from engine.kernels import build_library
+
+    src = tmp_path / "kernels"
+    shutil.copytree(_KERNELS, src, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    path = src / "qgemv_int4.c"
+    text = path.read_text()
+    assert "int32_t qlinear_int4_path(void)" in text
+    path.write_text(text.replace("int32_t qlinear_int4_path(void)", "int32_t qlinear_int4_path_renamed(void)"))
+    lib = build_library(src, private_copy=True)
+    assert not hasattr(lib, "qlinear_int4_path")
+    assert lib.qgemm_bf16_isa() == kernels_lib().qgemm_bf16_isa()
