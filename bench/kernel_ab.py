@@ -9,8 +9,9 @@ over the same inputs, flushing the caches before each, so drift moves both alike
 the median pass time of each build and their ratio.
 
 One pass calls every layer's four linears (qkv, o, gate_up, down) at `rows` activation rows, as
-a step of that many tokens would (bench/linear_rows.py), once with each build's library in every
-linear (`.lib`); the weights are loaded and packed once, by this checkout. Beside the times, each
+a step of that many tokens would (bench/linear_rows.py), or with `--head` the lm_head on fp32 rows
+(the logits of `rows` sequences), once with each build's library (`.lib`); the weights are loaded
+and packed once, by this checkout. Beside the times, each
 row says whether the two builds' outputs are bitwise identical: a speed change that was meant to
 keep the arithmetic shows it did.
 
@@ -60,6 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--rows", default="1,8,32,512", help="comma-separated activation row counts")
     ap.add_argument("--reps", type=int, default=15, help="passes per build at each row count (median)")
     ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: the engine's)")
+    ap.add_argument("--head", action="store_true",
+                    help="time the lm_head (fp32 logits from the fp32 final-norm rows) instead of the linears")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args(argv)
@@ -100,17 +103,34 @@ def _engine(model: str, scheme: str, threads: int | None):
     ))  # fmt: skip
 
 
+def _use(lins: list[Any], lib) -> None:
+    """Points every layer at `lib`: a linear's own `.lib`, a quantized lm_head's QLinear's."""
+    for lin in lins:
+        if getattr(lin, "q", None) is not None:
+            lin.q.lib = lib
+        else:
+            lin.lib = lib
+
+
 def compare(lins: list[Any], libs: tuple[Any, Any], rows: int, reps: int, seed: int) -> dict[str, Any]:
     """Median ms of one pass over `lins` at `rows` rows with each library, alternating, and whether
-    their outputs are bitwise identical."""
+    their outputs are bitwise identical. The lm_head (a LogitsHead) gets fp32 rows, as the final
+    norm gives it; the linears bf16."""
     import torch
 
+    from engine.logits_head import LogitsHead
+
     g = torch.Generator().manual_seed(seed)
-    xs = [torch.randn(rows, _in_features(lin), generator=g).to(torch.bfloat16) for lin in lins]
+    def row(lin) -> Any:
+        if isinstance(lin, LogitsHead):
+            width = lin.q.in_features if lin.q is not None else lin.weight.shape[1]
+            return torch.randn(rows, width, generator=g)
+        return torch.randn(rows, _in_features(lin), generator=g).to(torch.bfloat16)
+
+    xs = [row(lin) for lin in lins]
 
     def one_pass(lib) -> list[Any]:
-        for lin in lins:
-            lin.lib = lib
+        _use(lins, lib)
         return [lin(x) for lin, x in zip(lins, xs, strict=True)]
 
     outs = [one_pass(lib) for lib in libs]  # also the warm-up: first-call allocations
@@ -119,8 +139,7 @@ def compare(lins: list[Any], libs: tuple[Any, Any], rows: int, reps: int, seed: 
     times: tuple[list[float], list[float]] = ([], [])
     for _ in range(reps):
         for lib, t in zip(libs, times, strict=True):
-            for lin in lins:
-                lin.lib = lib
+            _use(lins, lib)
             flush.add_(1)  # no weight left in the caches: a step reads the whole model
             t0 = time.perf_counter()
             for lin, x in zip(lins, xs, strict=True):
@@ -139,7 +158,7 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
     import torch
 
     result: dict[str, Any] = {"machine": machine_info(args.threads or torch.get_num_threads()), "base": args.base,
-                              "schemes": {}}  # fmt: skip
+                              "layers": "lm_head" if args.head else "linears", "schemes": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="duet-kernel-ab-") as tmp:
         if args.base_dir is not None:
             from engine.kernels import build_library
@@ -155,15 +174,14 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
         for scheme in [s.strip() for s in args.schemes.split(",") if s.strip()]:
             progress(f"{scheme}: loading")
             eng = _engine(args.model, scheme, args.threads)
-            lins = _linears(eng)
+            lins = [eng.runner.model.lm_head] if args.head else _linears(eng)
             rows = []
             for r in args.row_list:
                 row = compare(lins, (base, this), r, args.reps, args.seed)
                 progress(f"{scheme}: {r} rows: base {row['base_ms']:.2f} ms, this {row['this_ms']:.2f} ms "
                          f"({row['ratio']:.3f}x), outputs {'identical' if row['identical'] else 'DIFFER'}")  # fmt: skip
                 rows.append(row)
-            for lin in lins:
-                lin.lib = this
+            _use(lins, this)
             result["schemes"][scheme] = rows
             del eng, lins
     return result
@@ -176,7 +194,8 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"{scheme:>10} {r['rows']:>5} {r['base_ms']:>9.2f} {r['this_ms']:>9.2f} {r['ratio']:>8.3f}x  "
                          f"{'identical' if r['identical'] else 'differ'}")  # fmt: skip
     m = result["machine"]
-    lines.append(f"base {result['base']}; {m.get('cpu')}, load average at the end {m.get('load_avg_1m_at_end')}")
+    lines.append(f"{result['layers']}; base {result['base']}; {m.get('cpu')}, load average at the end "
+                 f"{m.get('load_avg_1m_at_end')}")
     return "\n".join(lines)
 
 

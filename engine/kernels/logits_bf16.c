@@ -18,8 +18,10 @@
  *   activation row against them with a 4x4 register block; lane l accumulates k = 32 c + 2 l,
  *   2 l + 1 (vdpbf16ps pairs; with avx512f alone, the same pair order with two FMAs) in chunk
  *   order, then transpose_reduce16 sums the lanes. k's tail is zero-masked. The first activation
- *   pass over a block prefetches the same rows of the next block, a line per chunk (1-row logits
- *   3.7 -> 2.6 ms; the rows are too short for the hardware prefetcher). One or two activation rows
+ *   pass over a block prefetches the same rows of the next block, a line per chunk, to L2 (1-row
+ *   logits 3.7 -> 2.6 ms; the rows are too short for the hardware prefetcher; to L2 rather than L1,
+ *   where the lines were evicted before use: 0.61-0.76x the time for the logits of 1-6 sequences,
+ *   0.86x at 16, 0.91x at 32, Zen 4, bench.kernel_ab --head). One or two activation rows
  *   (a decode step) run 16 or 8 weight rows at once instead (block_rows_few: the same sums); more
  *   rows go 4 at a time with their count a constant (block_rows_4_m: 1.2-1.3x at 3-6 rows, 1.6x at
  *   12 — a speculative verification's k + 1 = 6 rows in hi/lo halves — 2.1-2.3x at 32-64).
@@ -73,7 +75,7 @@ INLINE void block_rows_few_m(const uint16_t *x, int64_t xs, const int rows, int6
         for (int64_t c = 0; c < k; c += 32) {
             const __m512i x0 = ld32(x, c, k), x1 = rows > 1 ? ld32(x + xs, c, k) : x0;
             for (int b = 0; b < nb; b++) {
-                _mm_prefetch((const char *)(wr[b] + LB_NB * k + c), _MM_HINT_T0); /* the next block */
+                _mm_prefetch((const char *)(wr[b] + LB_NB * k + c), _MM_HINT_T1); /* the next block */
                 const __m512i wv = ld32(wr[b], c, k);
                 a[0][b] = dot_pairs(a[0][b], x0, wv);
                 if (rows > 1) a[1][b] = dot_pairs(a[1][b], x1, wv);
@@ -111,7 +113,7 @@ INLINE void block_rows_4_m(const uint16_t *const xr[4], const int na, int64_t k,
         for (int i = 0; i < 4 * na; i++) a[i] = _mm512_setzero_ps();
         for (int64_t c = 0; c < k; c += 32) {
             if (prefetch)
-                for (int b = 0; b < 4; b++) _mm_prefetch((const char *)(wr[b] + LB_NB * k + c), _MM_HINT_T0);
+                for (int b = 0; b < 4; b++) _mm_prefetch((const char *)(wr[b] + LB_NB * k + c), _MM_HINT_T1);
             const __m512i w0 = ld32(wr[0], c, k), w1 = ld32(wr[1], c, k);
             const __m512i w2 = ld32(wr[2], c, k), w3 = ld32(wr[3], c, k);
             for (int s = 0; s < na; s++) {

@@ -76,3 +76,13 @@ def test_an_older_build_lacking_a_function_still_loads(tmp_path: Path) -> None:
     lib = build_library(src, private_copy=True)
     assert not hasattr(lib, "qlinear_int4_path")
     assert lib.qgemm_bf16_isa() == kernels_lib().qgemm_bf16_isa()
+
+
+def test_head_times_the_lm_head_on_fp32_rows(capsys) -> None:
+    """--head: the logits of `rows` sequences (fp32 final-norm rows) through the bf16 lm_head and
+    the int8 one (a QLinear inside the LogitsHead), both builds, outputs compared."""
+    rc, result, _ = _run(capsys, "--base-dir", str(_KERNELS), "--head")
+    assert rc == 0 and result["layers"] == "lm_head"
+    for rows in result["schemes"].values():
+        assert [r["rows"] for r in rows] == [1, 16]
+        assert all(r["identical"] is True and r["base_ms"] > 0 for r in rows)
