@@ -284,9 +284,9 @@ static int32_t qb_gemm(const uint16_t *x, int64_t xs, int m, int k, int64_t n, c
                     const int64_t n0 = 32 * (b0 + b);
                     const uint32_t *p0 = sp_panel + b * bsz, *p1 = p0 + 8 * kp;
                     /* Read in place, a block's first pass brings the next one to L2: with few rows
-                     * the passes are too short to hide its misses (one process, SmolLM2's 120
-                     * linears, Zen 4, 2 threads: 0.94x the time at 1 row, 0.80x at 8, 0.93x at 32,
-                     * 0.99x at 64; at 128-512 it measured 1.03-1.08x, so not there) */
+                     * the passes are too short to hide its misses (bench.kernel_ab, SmolLM2's 120
+                     * linears, Zen 4, 2 threads: 0.98x the time at 1 row, 0.78x at 8, 0.90x at 32,
+                     * 1.00x at 64; more rows hide them, so not there) */
                     const int pf_next = !dequant && m < QB_PF_ROWS && m0 == 0 && b0 + b + 1 < blocks;
                     const int nr0 = (int)(n - n0 < 16 ? n - n0 : 16), nr1 = (int)(n - n0 - 16 < 16 ? n - n0 - 16 : 16);
 #if defined(QB_AMX)
