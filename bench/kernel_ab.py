@@ -16,7 +16,7 @@ row says whether the two builds' outputs are bitwise identical: a speed change t
 keep the arithmetic shows it did.
 
 `--base HEAD` with an unchanged tree compares the build with a copy of itself: the harness's own
-noise (ratios within ~2 % of 1 on a quiet machine).
+noise (ratios within ~2.5 % of 1 on a quiet machine).
 
 Limits: both builds are called through this checkout's ctypes signatures, so a revision whose
 kernel functions take other arguments cannot be compared; functions it lacks are left out (the
@@ -79,8 +79,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def base_library(rev: str, tmp: Path):
     """The kernels of `rev`, compiled from `git archive` into tmp and loaded from a private copy
-    (so HEAD against an unchanged tree still loads two libraries). Raises ValueError with the
-    reason when the revision cannot be read or its kernels cannot be built or lack a function."""
+    (so HEAD against an unchanged tree still loads two libraries; functions it lacks are left out).
+    Raises ValueError with the reason when the revision cannot be read or its kernels do not build."""
     from engine.kernels import build_library
 
     proc = subprocess.run(["git", "-C", str(_ROOT), "archive", "--format=tar", rev, "engine/kernels"],

@@ -35,6 +35,17 @@ static void dequant_int8(const void *ctx, int64_t n0, int nr, float *tile, int64
     }
 }
 
+#if defined(__AVX512F__)
+/* 16 weights of a row as fp32 (exact): a whole chunk, and k's tail with the bytes past k as 0.
+ * The GEMV and gemv_int8_rows convert through these, so their chains are the same operations. */
+INLINE __m512 i8_f32(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+INLINE __m512 i8_f32_tail(const int8_t *p, __mmask16 tail) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail, p)));
+}
+#endif
+
 static void gemv_int8(const float *x, int64_t k, const int8_t *q, int64_t n, const float *scale, const void *bias,
                       void *out, int bf16) {
     const int64_t blocks = (n + QG_NB - 1) / QG_NB;
@@ -51,8 +62,6 @@ static void gemv_int8(const float *x, int64_t k, const int8_t *q, int64_t n, con
         for (int r0 = 0; r0 < QG_NB; r0 += 4) {
             const int8_t *q0 = rows[r0], *q1 = rows[r0 + 1], *q2 = rows[r0 + 2], *q3 = rows[r0 + 3];
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-#define DUET_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
-#define DUET_I8_TAIL(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail, (p))))
             int64_t c = 0;
             /* the rows 16 on follow these in memory: fetch them a line per chunk, so the weight
              * stream is ahead of its use (rows are too short for the hardware prefetcher). 16
@@ -64,20 +73,18 @@ static void gemv_int8(const float *x, int64_t k, const int8_t *q, int64_t n, con
             for (; c + 16 <= k; c += 16) {
                 _mm_prefetch(next + 4 * c, _MM_HINT_T0);
                 const __m512 xv = _mm512_loadu_ps(x + c);
-                a0 = _mm512_fmadd_ps(xv, DUET_I8(q0 + c), a0);
-                a1 = _mm512_fmadd_ps(xv, DUET_I8(q1 + c), a1);
-                a2 = _mm512_fmadd_ps(xv, DUET_I8(q2 + c), a2);
-                a3 = _mm512_fmadd_ps(xv, DUET_I8(q3 + c), a3);
+                a0 = _mm512_fmadd_ps(xv, i8_f32(q0 + c), a0);
+                a1 = _mm512_fmadd_ps(xv, i8_f32(q1 + c), a1);
+                a2 = _mm512_fmadd_ps(xv, i8_f32(q2 + c), a2);
+                a3 = _mm512_fmadd_ps(xv, i8_f32(q3 + c), a3);
             }
             if (c < k) {
                 const __m512 xv = _mm512_loadu_ps(x + c);
-                a0 = _mm512_fmadd_ps(xv, DUET_I8_TAIL(q0 + c), a0);
-                a1 = _mm512_fmadd_ps(xv, DUET_I8_TAIL(q1 + c), a1);
-                a2 = _mm512_fmadd_ps(xv, DUET_I8_TAIL(q2 + c), a2);
-                a3 = _mm512_fmadd_ps(xv, DUET_I8_TAIL(q3 + c), a3);
+                a0 = _mm512_fmadd_ps(xv, i8_f32_tail(q0 + c, tail), a0);
+                a1 = _mm512_fmadd_ps(xv, i8_f32_tail(q1 + c, tail), a1);
+                a2 = _mm512_fmadd_ps(xv, i8_f32_tail(q2 + c, tail), a2);
+                a3 = _mm512_fmadd_ps(xv, i8_f32_tail(q3 + c, tail), a3);
             }
-#undef DUET_I8
-#undef DUET_I8_TAIL
             acc[r0] = a0, acc[r0 + 1] = a1, acc[r0 + 2] = a2, acc[r0 + 3] = a3;
         }
         qg_finish16(acc, nr, out, 0, n0, scale, bias, bf16);
@@ -97,6 +104,16 @@ static void gemv_int8(const float *x, int64_t k, const int8_t *q, int64_t n, con
 
 /* Activation rows [0, rows) (a constant at each call) against weight rows wr[0], wr[1]: the
  * GEMV's chain per (activation row, weight row), each weight chunk converted once for all rows. */
+/* a[s] += X row s's chunk c times the weight chunks w0, w1, for s < rows */
+static inline __attribute__((always_inline)) void i8_fma2(const float *X, int64_t kp, int64_t c, __m512 w0, __m512 w1,
+                                                          __m512 (*a)[2], const int rows) {
+    for (int s = 0; s < rows; s++) {
+        const __m512 xv = _mm512_loadu_ps(X + s * kp + c);
+        a[s][0] = _mm512_fmadd_ps(xv, w0, a[s][0]);
+        a[s][1] = _mm512_fmadd_ps(xv, w1, a[s][1]);
+    }
+}
+
 static inline __attribute__((always_inline)) void i8_rows2(const float *X, int64_t kp, int64_t k, const int8_t *q0,
                                                            const int8_t *q1, int pf, __m512 (*acc)[QG_NB], int j,
                                                            const int rows) {
@@ -112,23 +129,9 @@ static inline __attribute__((always_inline)) void i8_rows2(const float *X, int64
             _mm_prefetch((const char *)(q0 + QG_NB * k + c), _MM_HINT_T1);
             _mm_prefetch((const char *)(q1 + QG_NB * k + c), _MM_HINT_T1);
         }
-        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q0 + c))));
-        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q1 + c))));
-        for (int s = 0; s < rows; s++) {
-            const __m512 xv = _mm512_loadu_ps(X + s * kp + c);
-            a[s][0] = _mm512_fmadd_ps(xv, w0, a[s][0]);
-            a[s][1] = _mm512_fmadd_ps(xv, w1, a[s][1]);
-        }
+        i8_fma2(X, kp, c, i8_f32(q0 + c), i8_f32(q1 + c), a, rows);
     }
-    if (c < k) {
-        const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail, q0 + c)));
-        const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(tail, q1 + c)));
-        for (int s = 0; s < rows; s++) {
-            const __m512 xv = _mm512_loadu_ps(X + s * kp + c);
-            a[s][0] = _mm512_fmadd_ps(xv, w0, a[s][0]);
-            a[s][1] = _mm512_fmadd_ps(xv, w1, a[s][1]);
-        }
-    }
+    if (c < k) i8_fma2(X, kp, c, i8_f32_tail(q0 + c, tail), i8_f32_tail(q1 + c, tail), a, rows);
     for (int s = 0; s < rows; s++) acc[s][j] = a[s][0], acc[s][j + 1] = a[s][1];
 }
 
@@ -151,7 +154,8 @@ static void gemv_int8_rows(const float *X, int m, int64_t k, const int8_t *q, in
             const int mr = m - m0 < I8_MR ? m - m0 : I8_MR;
             __m512 acc[I8_MR][QG_NB];
             for (int j = 0; j < QG_NB; j += 2) {
-                const int8_t *q0 = q + (n0 + (j < nr ? j : nr - 1)) * k, *q1 = q + (n0 + (j + 1 < nr ? j + 1 : nr - 1)) * k;
+                const int8_t *q0 = q + (n0 + (j < nr ? j : nr - 1)) * k;
+                const int8_t *q1 = q + (n0 + (j + 1 < nr ? j + 1 : nr - 1)) * k;
 #define I8_ROWS(r) i8_rows2(X + (int64_t)m0 * kp, kp, k, q0, q1, m0 == 0, acc, j, r)
                 CONST_ROWS_SWITCH(mr, I8_MR, I8_ROWS)
 #undef I8_ROWS
