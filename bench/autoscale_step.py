@@ -49,15 +49,32 @@ def _read_cluster(coordinator: str, headers: dict[str, str]) -> list[dict[str, A
         return json.loads(r.read())["nodes"]
 
 
-def _sample(coordinator: str, headers: dict[str, str], t0: float, out: list[dict[str, Any]],
-            stop: threading.Event) -> None:  # fmt: skip
+def _sample(
+    coordinator: str,
+    headers: dict[str, str],
+    t0: float,
+    out: list[dict[str, Any]],
+    stop: threading.Event,
+) -> None:
     while not stop.wait(1.0):  # sampling interval
         try:
             nodes = _read_cluster(coordinator, headers)
-        except (OSError, ValueError, KeyError):  # a coordinator restarting: the next second's sample
+        except (
+            OSError,
+            ValueError,
+            KeyError,
+        ):  # a coordinator restarting: the next second's sample
             continue
-        row: dict[str, Any] = {"t": time.time() - t0, "prefill": 0, "decode": 0, "both": 0, "draining": 0,
-                               "waiting": 0, "running": 0, "queued_prefill_tokens": 0}  # fmt: skip
+        row: dict[str, Any] = {
+            "t": time.time() - t0,
+            "prefill": 0,
+            "decode": 0,
+            "both": 0,
+            "draining": 0,
+            "waiting": 0,
+            "running": 0,
+            "queued_prefill_tokens": 0,
+        }
         for n in nodes:
             if n["status"] == "draining":
                 row["draining"] += 1
@@ -69,10 +86,33 @@ def _sample(coordinator: str, headers: dict[str, str], t0: float, out: list[dict
         out.append(row)
 
 
-def _phase(args: argparse.Namespace, rate: float, duration: float, result: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "duet", "bench", "serve", "--base-url", args.base_url, "--api-key", args.api_key,
-           "--request-rate", str(rate), "--duration", str(duration), "--input-len", args.input_len,
-           "--output-len", args.output_len, "--result-file", str(result), "--quiet", "--seed", str(int(rate * 100))]  # fmt: skip
+def _phase(
+    args: argparse.Namespace, rate: float, duration: float, result: Path
+) -> subprocess.Popen[bytes]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "duet",
+        "bench",
+        "serve",
+        "--base-url",
+        args.base_url,
+        "--api-key",
+        args.api_key,
+        "--request-rate",
+        str(rate),
+        "--duration",
+        str(duration),
+        "--input-len",
+        args.input_len,
+        "--output-len",
+        args.output_len,
+        "--result-file",
+        str(result),
+        "--quiet",
+        "--seed",
+        str(int(rate * 100)),
+    ]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -90,14 +130,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:  # one read first: a refused or unreachable coordinator is the caller's to fix, not an empty plot
         _read_cluster(args.coordinator, headers)
     except urllib.error.HTTPError as e:
-        hint = " (it needs the cluster secret: set $DUET_CLUSTER_SECRET_FILE)" if e.code == 401 else ""
-        raise SystemExit(f"autoscale_step: {args.coordinator}/cluster answered HTTP {e.code}{hint}") from None
+        hint = (
+            " (it needs the cluster secret: set $DUET_CLUSTER_SECRET_FILE)" if e.code == 401 else ""
+        )
+        raise SystemExit(
+            f"autoscale_step: {args.coordinator}/cluster answered HTTP {e.code}{hint}"
+        ) from None
     except (OSError, ValueError, KeyError) as e:
         raise SystemExit(f"autoscale_step: cannot read {args.coordinator}/cluster: {e}") from None
     samples: list[dict[str, Any]] = []
     stop = threading.Event()
     t0 = time.time()
-    sampler = threading.Thread(target=_sample, args=(args.coordinator, headers, t0, samples, stop), daemon=True)
+    sampler = threading.Thread(
+        target=_sample, args=(args.coordinator, headers, t0, samples, stop), daemon=True
+    )
     sampler.start()
     tmp = Path(tempfile.mkdtemp(prefix="autoscale-step-"))
     procs, starts = [], []
@@ -107,7 +153,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(0.2)  # waiting for the phase's scheduled start
         starts.append(time.time() - t0)
         procs.append(_phase(args, rate, dur, tmp / f"phase{k}.json"))
-        print(f"autoscale_step: phase {k} at {starts[-1]:.0f} s: {rate:g} req/s for {dur:g} s", file=sys.stderr, flush=True)
+        print(
+            f"autoscale_step: phase {k} at {starts[-1]:.0f} s: {rate:g} req/s for {dur:g} s",
+            file=sys.stderr,
+            flush=True,
+        )
         at += dur
     for p in procs:
         p.wait()
@@ -119,8 +169,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for k, start in enumerate(starts):
         r = json.loads((tmp / f"phase{k}.json").read_text())
         failed = [e for e in r["errors"] if e]
-        per_phase.append({"rate": rates[k], "requests": len(r["errors"]), "failed": len(failed),
-                          "failures": sorted(set(failed))[:5]})  # fmt: skip
+        per_phase.append(
+            {
+                "rate": rates[k],
+                "requests": len(r["errors"]),
+                "failed": len(failed),
+                "failures": sorted(set(failed))[:5],
+            }
+        )
         for st, ttft, err in zip(r["start_times"], r["ttfts"], r["errors"], strict=True):
             requests.append({"t": start + st, "ttft_s": ttft, "failed": bool(err)})
     nodes = [s["prefill"] + s["decode"] + s["both"] for s in samples]
@@ -131,16 +187,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             changes += 1
         last_dir = d or last_dir
     step_t = starts[1]
-    base_nodes = next((n for s, n in zip(samples, nodes, strict=True) if s["t"] >= step_t), nodes[0] if nodes else 0)
-    first_out = next((s["t"] - step_t for s, n in zip(samples, nodes, strict=True) if s["t"] > step_t and n > base_nodes), None)
-    back = next((s["t"] - starts[2] for s, n in zip(samples, nodes, strict=True)
-                 if s["t"] > starts[2] and n <= base_nodes), None)  # fmt: skip
-    window = [r["ttft_s"] for r in requests if r["ttft_s"] is not None and r["t"] >= starts[2] - 60 and r["t"] < starts[2]]
-    summary = {"phases": per_phase, "phase_starts_s": starts, "scale_out_after_step_s": first_out,
-               "back_to_base_after_fall_s": back, "max_nodes_seen": max(nodes, default=0),
-               "node_count_direction_changes": changes, "failed_requests": sum(p["failed"] for p in per_phase),
-               "ttft_p90_last_60s_of_step_ms": None if _p90(window) is None else round(_p90(window) * 1e3),  # type: ignore[operator]
-               "samples": samples, "requests": requests}  # fmt: skip
+    base_nodes = next(
+        (n for s, n in zip(samples, nodes, strict=True) if s["t"] >= step_t),
+        nodes[0] if nodes else 0,
+    )
+    first_out = next(
+        (
+            s["t"] - step_t
+            for s, n in zip(samples, nodes, strict=True)
+            if s["t"] > step_t and n > base_nodes
+        ),
+        None,
+    )
+    back = next(
+        (
+            s["t"] - starts[2]
+            for s, n in zip(samples, nodes, strict=True)
+            if s["t"] > starts[2] and n <= base_nodes
+        ),
+        None,
+    )
+    window = [
+        r["ttft_s"]
+        for r in requests
+        if r["ttft_s"] is not None and r["t"] >= starts[2] - 60 and r["t"] < starts[2]
+    ]
+    summary = {
+        "phases": per_phase,
+        "phase_starts_s": starts,
+        "scale_out_after_step_s": first_out,
+        "back_to_base_after_fall_s": back,
+        "max_nodes_seen": max(nodes, default=0),
+        "node_count_direction_changes": changes,
+        "failed_requests": sum(p["failed"] for p in per_phase),
+        "ttft_p90_last_60s_of_step_ms": None if _p90(window) is None else round(_p90(window) * 1e3),  # type: ignore[operator]
+        "samples": samples,
+        "requests": requests,
+    }
     if args.plot:
         plot(summary, args.plot, args.slo_ttft_ms)
     return summary
@@ -158,15 +241,24 @@ def plot(s: dict[str, Any], path: str, slo_ms: float | None) -> None:
         ys = [x[role] for x in s["samples"]]
         if any(ys):
             ax[0].step(t, ys, where="post", label=f"{role} nodes")
-    ax[0].step(t, [x["draining"] for x in s["samples"]], where="post", label="draining", linestyle=":")
+    ax[0].step(
+        t, [x["draining"] for x in s["samples"]], where="post", label="draining", linestyle=":"
+    )
     ax[0].set_ylabel("nodes")
     ax[0].legend(loc="upper left")
     starts = s["phase_starts_s"]
     for k, p in enumerate(s["phases"]):
         end = starts[k + 1] if k + 1 < len(starts) else max(t, default=starts[k])
-        ax[1].hlines(p["rate"], starts[k], end, colors="k", label="offered req/s" if k == 0 else None)
+        ax[1].hlines(
+            p["rate"], starts[k], end, colors="k", label="offered req/s" if k == 0 else None
+        )
     ax1b = ax[1].twinx()
-    ax1b.plot(t, [x["waiting"] + x["running"] for x in s["samples"]], color="tab:orange", label="waiting + running")
+    ax1b.plot(
+        t,
+        [x["waiting"] + x["running"] for x in s["samples"]],
+        color="tab:orange",
+        label="waiting + running",
+    )
     ax[1].set_ylabel("request rate")
     ax1b.set_ylabel("requests on nodes")
     ax[1].legend(loc="upper left")
@@ -192,20 +284,29 @@ def plot(s: dict[str, Any], path: str, slo_ms: float | None) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.autoscale_step", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m bench.autoscale_step",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--base-url", required=True, help="the gateway")
-    p.add_argument("--coordinator", required=True, help="a coordinator replica (its /cluster is sampled)")
+    p.add_argument(
+        "--coordinator", required=True, help="a coordinator replica (its /cluster is sampled)"
+    )
     p.add_argument("--api-key", required=True)
     p.add_argument("--rate", type=float, default=0.5, help="base request rate (req/s)")
     p.add_argument("--factor", type=float, default=4.0, help="the step: this × the base rate")
-    p.add_argument("--phases", default="60,180,240", help="seconds at the base, at the step, at the base again")
+    p.add_argument(
+        "--phases", default="60,180,240", help="seconds at the base, at the step, at the base again"
+    )
     p.add_argument("--input-len", default="256")
     p.add_argument("--output-len", default="32")
     p.add_argument("--slo-ttft-ms", type=float, default=None)
     p.add_argument("--tail", type=float, default=10.0, help="seconds sampled after the last phase")
     p.add_argument("--plot", default=None, metavar="PNG")
-    p.add_argument("--out", default=None, metavar="JSON", help="the full result (samples, every request)")
+    p.add_argument(
+        "--out", default=None, metavar="JSON", help="the full result (samples, every request)"
+    )
     args = p.parse_args(argv)
     s = run(args)
     if args.out:

@@ -22,9 +22,12 @@ NODE = web.AppKey("node", str)
 
 async def relay(request: web.Request) -> web.StreamResponse:
     body = await request.read()
-    async with request.app[SESSION].post(request.app[NODE] + request.path, data=body,
-                                         headers={"Content-Type": "application/json"}) as r:  # fmt: skip
-        resp = web.StreamResponse(status=r.status, headers={"Content-Type": r.headers.get("Content-Type", "")})
+    async with request.app[SESSION].post(
+        request.app[NODE] + request.path, data=body, headers={"Content-Type": "application/json"}
+    ) as r:
+        resp = web.StreamResponse(
+            status=r.status, headers={"Content-Type": r.headers.get("Content-Type", "")}
+        )
         await resp.prepare(request)
         async for data in r.content.iter_any():
             await resp.write(data)
@@ -51,16 +54,26 @@ def make_app(node: str) -> web.Application:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.bare_relay", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m bench.bare_relay",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--node", required=True, help="the node every request goes to")
     args = p.parse_args(argv)
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    web.run_app(make_app(args.node), host=args.host, port=args.port, access_log=None, backlog=4096,
-                loop=uvloop.new_event_loop(), print=lambda *_: print("bare relay ready", flush=True))  # fmt: skip
+    web.run_app(
+        make_app(args.node),
+        host=args.host,
+        port=args.port,
+        access_log=None,
+        backlog=4096,
+        loop=uvloop.new_event_loop(),
+        print=lambda *_: print("bare relay ready", flush=True),
+    )
     return 0
 
 

@@ -40,22 +40,45 @@ _TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.batch_ttft", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--gateway", default=None, help="a running gateway's URL (default: start node + gateway)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.batch_ttft",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--gateway", default=None, help="a running gateway's URL (default: start node + gateway)"
+    )
     p.add_argument("--api-key", default=None, help="a team's key on --gateway")
-    p.add_argument("--model", default=None, help="model name on --gateway, or the model to serve "
-                   f"when starting one (default {DEFAULT_MODEL})")  # fmt: skip
+    p.add_argument(
+        "--model",
+        default=None,
+        help="model name on --gateway, or the model to serve "
+        f"when starting one (default {DEFAULT_MODEL})",
+    )
     p.add_argument("--interactive", type=int, default=20, help="interactive requests per phase")
     p.add_argument("--prompt-len", type=int, default=128, help="interactive prompt tokens")
     p.add_argument("--max-tokens", type=int, default=8, help="interactive completion tokens")
-    p.add_argument("--batch-streams", type=int, default=4,
-                   help="background requests at once (the started gateway's [batch] concurrency)")
-    p.add_argument("--batch-lines", type=int, default=2000, help="lines in the batch job (enough to outlast a phase)")
+    p.add_argument(
+        "--batch-streams",
+        type=int,
+        default=4,
+        help="background requests at once (the started gateway's [batch] concurrency)",
+    )
+    p.add_argument(
+        "--batch-lines",
+        type=int,
+        default=2000,
+        help="lines in the batch job (enough to outlast a phase)",
+    )
     p.add_argument("--batch-prompt-len", type=int, default=256)
     p.add_argument("--batch-max-tokens", type=int, default=64)
     p.add_argument("--dtype", default="auto", help="node dtype (when starting one)")
-    p.add_argument("--kv-blocks", type=int, default=None, help="node KV pool size in blocks (when starting one)")
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="node KV pool size in blocks (when starting one)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
     if a.gateway and not (a.api_key and a.model):
@@ -79,8 +102,14 @@ class _Gateway:
 
     async def ttft(self, prompt: list[int], max_tokens: int) -> float:
         """One streamed interactive completion; seconds to its first content chunk."""
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True, "stream": True}  # fmt: skip
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         t0 = time.perf_counter()
         first = None
         async with self.s.post(f"{self.url}/v1/completions", json=body, headers=self.h) as r:
@@ -88,15 +117,24 @@ class _Gateway:
                 raise RuntimeError(f"interactive request failed: {r.status} {await r.text()}")
             async for raw in r.content:
                 line = raw.strip()
-                if first is None and line.startswith(b"data: {") and json.loads(line[6:]).get("choices"):
+                if (
+                    first is None
+                    and line.startswith(b"data: {")
+                    and json.loads(line[6:]).get("choices")
+                ):
                     first = time.perf_counter() - t0
         if first is None:
             raise RuntimeError("interactive request streamed no content")
         return first
 
     async def whole(self, prompt: list[int], max_tokens: int) -> int:
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                "ignore_eos": True}  # fmt: skip
+        body = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
         async with self.s.post(f"{self.url}/v1/completions", json=body, headers=self.h) as r:
             data = await r.json()
             if r.status != 200:
@@ -122,22 +160,44 @@ async def _interactive(g: _Gateway, a: argparse.Namespace, name: str, seed: int)
 
 
 def _summary(ttfts: list[float], tokens: int, elapsed: float, loaded: bool) -> dict[str, Any]:
-    return {"ttft_p50_ms": statistics.median(ttfts) * 1e3, "ttft_p95_ms": _pct(ttfts, 0.95) * 1e3,
-            "ttft_mean_ms": statistics.fmean(ttfts) * 1e3, "requests": len(ttfts),
-            "background_tokens_per_s": tokens / elapsed if loaded else 0.0}  # fmt: skip
+    return {
+        "ttft_p50_ms": statistics.median(ttfts) * 1e3,
+        "ttft_p95_ms": _pct(ttfts, 0.95) * 1e3,
+        "ttft_mean_ms": statistics.fmean(ttfts) * 1e3,
+        "requests": len(ttfts),
+        "background_tokens_per_s": tokens / elapsed if loaded else 0.0,
+    }
 
 
 async def _batch_phase(g: _Gateway, a: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(2000)
-    lines = b"".join(json.dumps({"custom_id": f"bg-{i}", "method": "POST", "url": "/v1/completions", "body": {
-        "model": g.model, "prompt": _prompt(rng, a.batch_prompt_len), "max_tokens": a.batch_max_tokens,
-        "temperature": 0, "ignore_eos": True}}).encode() + b"\n" for i in range(a.batch_lines))  # fmt: skip
+    lines = b"".join(
+        json.dumps(
+            {
+                "custom_id": f"bg-{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {
+                    "model": g.model,
+                    "prompt": _prompt(rng, a.batch_prompt_len),
+                    "max_tokens": a.batch_max_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            }
+        ).encode()
+        + b"\n"
+        for i in range(a.batch_lines)
+    )
     form = aiohttp.FormData()
     form.add_field("purpose", "batch")
     form.add_field("file", lines, filename="bench.jsonl", content_type="application/jsonl")
     f = await g.call("POST", "/v1/files", data=form)
-    b = await g.call("POST", "/v1/batches", json={"input_file_id": f["id"], "endpoint": "/v1/completions",
-                                                  "completion_window": "24h"})  # fmt: skip
+    b = await g.call(
+        "POST",
+        "/v1/batches",
+        json={"input_file_id": f["id"], "endpoint": "/v1/completions", "completion_window": "24h"},
+    )
     bid = b["id"]
     try:
         while (b := await g.call("GET", f"/v1/batches/{bid}"))["request_counts"]["completed"] < 1:
@@ -184,21 +244,33 @@ async def _run(url: str, key: str, model: str, a: argparse.Namespace) -> dict[st
         await g.ttft(list(range(10, 10 + a.prompt_len)), 2)  # warm-up: kernel caches, connections
         t0 = time.perf_counter()
         idle = await _interactive(g, a, "idle", 1)
-        phases = {"idle": _summary(idle, 0, time.perf_counter() - t0, False),
-                  "batch": await _batch_phase(g, a), "no_priority": await _loop_phase(g, a)}  # fmt: skip
+        phases = {
+            "idle": _summary(idle, 0, time.perf_counter() - t0, False),
+            "batch": await _batch_phase(g, a),
+            "no_priority": await _loop_phase(g, a),
+        }
     base = phases["idle"]["ttft_p50_ms"]
     return {
-        "gateway": url, "model": model, "interactive": a.interactive, "batch_streams": a.batch_streams,
-        "prompt_len": a.prompt_len, "batch_prompt_len": a.batch_prompt_len,
-        "batch_max_tokens": a.batch_max_tokens, "phases": phases,
+        "gateway": url,
+        "model": model,
+        "interactive": a.interactive,
+        "batch_streams": a.batch_streams,
+        "prompt_len": a.prompt_len,
+        "batch_prompt_len": a.batch_prompt_len,
+        "batch_max_tokens": a.batch_max_tokens,
+        "phases": phases,
         "ttft_p50_ratio_batch_vs_idle": phases["batch"]["ttft_p50_ms"] / base,
         "ttft_p50_ratio_no_priority_vs_idle": phases["no_priority"]["ttft_p50_ms"] / base,
-    }  # fmt: skip
+    }
 
 
 def _admin(url: str, admin: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Authorization": f"Bearer {admin}", "Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        url + path,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {admin}", "Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())  # type: ignore[no-any-return]
 
@@ -206,7 +278,9 @@ def _admin(url: str, admin: str, path: str, body: dict[str, Any]) -> dict[str, A
 def _own_cluster(a: argparse.Namespace) -> dict[str, Any]:
     name = a.model or DEFAULT_MODEL
     model_dir = resolve_model(name).directory
-    extra = ["--dtype", a.dtype, "--max-model-len", "2048"] + (["--kv-blocks", str(a.kv_blocks)] if a.kv_blocks else [])
+    extra = ["--dtype", a.dtype, "--max-model-len", "2048"] + (
+        ["--kv-blocks", str(a.kv_blocks)] if a.kv_blocks else []
+    )
     with tempfile.TemporaryDirectory(prefix="duet-bench-batch-") as d:
         tmp = Path(d)
         node = duet_node("both", str(model_dir), tmp, *extra, threads=None)
@@ -215,7 +289,7 @@ def _own_cluster(a: argparse.Namespace) -> dict[str, Any]:
         cfg.write_text(f"""[server]
 port = {port}
 [store]
-url = "sqlite://{tmp / 'gateway.db'}"
+url = "sqlite://{tmp / "gateway.db"}"
 [batch]
 concurrency = {a.batch_streams}
 poll_s = 0.05
@@ -223,8 +297,21 @@ poll_s = 0.05
 tokenizer = {json.dumps(str(model_dir))}
 static = {{ both = [{json.dumps(node.url)}] }}
 """)
-        gw = Proc([sys.executable, "-m", "duet", "gateway", "--config", str(cfg), "--log-level", "WARNING"], port,
-                  tmp / "gateway.log", env={"DUET_ADMIN_KEY": admin, "DUET_HOME": str(tmp)})  # fmt: skip
+        gw = Proc(
+            [
+                sys.executable,
+                "-m",
+                "duet",
+                "gateway",
+                "--config",
+                str(cfg),
+                "--log-level",
+                "WARNING",
+            ],
+            port,
+            tmp / "gateway.log",
+            env={"DUET_ADMIN_KEY": admin, "DUET_HOME": str(tmp)},
+        )
         print(f"starting a node for {name} and a gateway ...", file=sys.stderr)
         with running(node, gw):
             _admin(gw.url, admin, "/admin/teams", {"id": "bench"})
@@ -240,8 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"{'phase':>12} | {'TTFT p50':>9} {'p95':>9} | {'bg tok/s':>9}")
     for name, ph in report["phases"].items():
-        print(f"{name:>12} | {ph['ttft_p50_ms']:7.1f}ms {ph['ttft_p95_ms']:7.1f}ms | "
-              f"{ph['background_tokens_per_s']:9.1f}")  # fmt: skip
+        print(
+            f"{name:>12} | {ph['ttft_p50_ms']:7.1f}ms {ph['ttft_p95_ms']:7.1f}ms | "
+            f"{ph['background_tokens_per_s']:9.1f}"
+        )
     return 0
 
 

@@ -49,50 +49,125 @@ from protocol.ports import free_port
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="duet bench chaos", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="duet bench chaos",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     t = p.add_argument_group("target (one of)")
-    t.add_argument("--url", default=None, help="gateway root of a running `duet up` (give its --home to kill processes)")
-    t.add_argument("--home", default=None, help="DUET_HOME of that `duet up` (default $DUET_HOME): its processes and dev key")
-    t.add_argument("--up-config", default=None, metavar="cluster.toml", help="start `duet up --config FILE` in a fresh home")
-    t.add_argument("--up-arg", action="append", default=[], metavar="FLAG",
-                   help="extra `duet up` flag when chaos starts it, repeatable (e.g. --up-arg=--model=/m/tiny)")
+    t.add_argument(
+        "--url",
+        default=None,
+        help="gateway root of a running `duet up` (give its --home to kill processes)",
+    )
+    t.add_argument(
+        "--home",
+        default=None,
+        help="DUET_HOME of that `duet up` (default $DUET_HOME): its processes and dev key",
+    )
+    t.add_argument(
+        "--up-config",
+        default=None,
+        metavar="cluster.toml",
+        help="start `duet up --config FILE` in a fresh home",
+    )
+    t.add_argument(
+        "--up-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra `duet up` flag when chaos starts it, repeatable (e.g. --up-arg=--model=/m/tiny)",
+    )
     t.add_argument("--api-key", default=None, help="bearer key (default: the home's dev key)")
-    t.add_argument("--model", default=None, help="model to ask (default: the first the gateway lists)")
+    t.add_argument(
+        "--model", default=None, help="model to ask (default: the first the gateway lists)"
+    )
     c = p.add_argument_group("chaos")
     c.add_argument("--duration", type=float, default=120.0, help="seconds of load (default 120)")
-    c.add_argument("--kill-every", type=float, default=30.0, help="seconds between kills; 0: no kills (default 30)")
-    c.add_argument("--kill", default=DEFAULT_KILL, metavar="KINDS",
-                   help=f"kinds of process to kill, comma-separated, of {','.join(KINDS)} (default: all; the "
-                        "gateways only while two or more run, as with `duet up --gateways 2`)")  # fmt: skip
-    c.add_argument("--kill-gateway", action="store_true", help="also kill the gateway (with one gateway: an outage)")
+    c.add_argument(
+        "--kill-every",
+        type=float,
+        default=30.0,
+        help="seconds between kills; 0: no kills (default 30)",
+    )
+    c.add_argument(
+        "--kill",
+        default=DEFAULT_KILL,
+        metavar="KINDS",
+        help=f"kinds of process to kill, comma-separated, of {','.join(KINDS)} (default: all; the "
+        "gateways only while two or more run, as with `duet up --gateways 2`)",
+    )
+    c.add_argument(
+        "--kill-gateway",
+        action="store_true",
+        help="also kill the gateway (with one gateway: an outage)",
+    )
     c.add_argument("--seed", type=int, default=0, help="random seed of the victims (default 0)")
     w = p.add_argument_group("load")
-    w.add_argument("--streams", type=int, default=4, help="interactive streaming clients (default 4)")
+    w.add_argument(
+        "--streams", type=int, default=4, help="interactive streaming clients (default 4)"
+    )
     w.add_argument("--plain", type=int, default=1, help="non-streamed clients (default 1)")
-    w.add_argument("--batch-lines", type=int, default=16, help="lines of the batch job (default 16; 0: none)")
+    w.add_argument(
+        "--batch-lines", type=int, default=16, help="lines of the batch job (default 16; 0: none)"
+    )
     w.add_argument("--max-tokens", type=int, default=32, help="max_tokens per request (default 32)")
-    w.add_argument("--strict-text", action="store_true",
-                   help="count a full answer whose greedy text differs from the reference as undefined (default: "
-                        "only counted; bf16 greedy is not batch-invariant)")  # fmt: skip
-    w.add_argument("--request-timeout", type=float, default=60.0, help="a request past this is a hang (default 60)")
-    w.add_argument("--settle", type=float, default=60.0,
-                   help="seconds after the load for killed processes to come back, held KV to be freed and the "
-                        "batch to end (default 60)")  # fmt: skip
+    w.add_argument(
+        "--strict-text",
+        action="store_true",
+        help="count a full answer whose greedy text differs from the reference as undefined (default: "
+        "only counted; bf16 greedy is not batch-invariant)",
+    )
+    w.add_argument(
+        "--request-timeout",
+        type=float,
+        default=60.0,
+        help="a request past this is a hang (default 60)",
+    )
+    w.add_argument(
+        "--settle",
+        type=float,
+        default=60.0,
+        help="seconds after the load for killed processes to come back, held KV to be freed and the "
+        "batch to end (default 60)",
+    )
     o = p.add_argument_group("output")
-    o.add_argument("--out", default="chaos-results", help="directory for chaos.json and chaos.png (default chaos-results)")
-    o.add_argument("--json", action="store_true", help="print the summary as JSON instead of a table")
-    o.add_argument("--startup-timeout", type=float, default=900.0, help="seconds for a started `duet up` to be ready")
+    o.add_argument(
+        "--out",
+        default="chaos-results",
+        help="directory for chaos.json and chaos.png (default chaos-results)",
+    )
+    o.add_argument(
+        "--json", action="store_true", help="print the summary as JSON instead of a table"
+    )
+    o.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=900.0,
+        help="seconds for a started `duet up` to be ready",
+    )
     a = p.parse_args(argv)
-    kinds = {k.strip() for k in a.kill.split(",") if k.strip()} | ({"gateway"} if a.kill_gateway else set())
+    kinds = {k.strip() for k in a.kill.split(",") if k.strip()} | (
+        {"gateway"} if a.kill_gateway else set()
+    )
     if unknown := kinds - set(KINDS):
         p.error(f"--kill: unknown kinds {sorted(unknown)} (known: {', '.join(KINDS)})")
     a.kinds = kinds
     a.gateways_when_several = a.kill == DEFAULT_KILL  # an explicit --kill list is taken as given
     if (a.url is None) == (a.up_config is None and not a.up_arg):
-        p.error("give --url (a running duet up) or --up-config/--up-arg (chaos starts one), not both or neither")
-    if a.duration <= 0 or a.kill_every < 0 or a.streams < 0 or a.plain < 0 or a.streams + a.plain == 0:
-        p.error("--duration must be > 0, --kill-every >= 0, and at least one stream or plain client")
+        p.error(
+            "give --url (a running duet up) or --up-config/--up-arg (chaos starts one), not both or neither"
+        )
+    if (
+        a.duration <= 0
+        or a.kill_every < 0
+        or a.streams < 0
+        or a.plain < 0
+        or a.streams + a.plain == 0
+    ):
+        p.error(
+            "--duration must be > 0, --kill-every >= 0, and at least one stream or plain client"
+        )
     return a
 
 
@@ -116,9 +191,23 @@ class StartedUp:
         self.log = out / "up.log"
         env = {**os.environ, "DUET_HOME": str(self.home)}
         self._log = self.log.open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "duet", "up", "--port", str(self.port), "--quiet",
-                                      *flags, *args.up_arg], stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "duet",
+                "up",
+                "--port",
+                str(self.port),
+                "--quiet",
+                *flags,
+                *args.up_arg,
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -158,12 +247,17 @@ def _get(url: str, key: str | None = None, timeout: float = 10.0) -> Any:
 def kv_held(state: dict[str, Any]) -> dict[str, int] | None:
     """Blocks in use per node (total − free), from any coordinator replica that answers."""
     secret = Path(state["home"]) / "up" / "cluster.secret" if state.get("home") else None
-    key = secret.read_text().strip() if secret is not None and secret.exists() else None  # duet up's
+    key = (
+        secret.read_text().strip() if secret is not None and secret.exists() else None
+    )  # duet up's
     for url in state.get("coordinators", []):
         with contextlib.suppress(urllib.error.URLError, OSError, ValueError, KeyError):
             nodes = _get(url + "/cluster", key)["nodes"]
-            return {n["node_id"]: n["load"]["kv_blocks_total"] - n["load"]["kv_blocks_free"]
-                    for n in nodes if n.get("load")}  # fmt: skip
+            return {
+                n["node_id"]: n["load"]["kv_blocks_total"] - n["load"]["kv_blocks_free"]
+                for n in nodes
+                if n.get("load")
+            }
     return None
 
 
@@ -176,13 +270,35 @@ def usage_since(url: str, key: str, start: float) -> dict[str, Any]:
     return {f: sum(r[f] for r in rows) for f in ("requests", "prompt_tokens", "completion_tokens")}
 
 
-async def _client(session: aiohttp.ClientSession, a: argparse.Namespace, url: str, key: str, model: str,
-                  kind: str, n: int, refs: dict[int, Any], t0: float, records: list[Record]) -> None:  # fmt: skip
+async def _client(
+    session: aiohttp.ClientSession,
+    a: argparse.Namespace,
+    url: str,
+    key: str,
+    model: str,
+    kind: str,
+    n: int,
+    refs: dict[int, Any],
+    t0: float,
+    records: list[Record],
+) -> None:
     i = n
     while time.monotonic() - t0 < a.duration:
         prompt = i % len(PROMPTS)
-        rec = await one_request(session, url, key, model, kind, prompt, a.max_tokens, refs[prompt], t0,
-                                a.request_timeout, a.strict_text, tag=f"chaos-{kind}-{n}-{i}")  # fmt: skip
+        rec = await one_request(
+            session,
+            url,
+            key,
+            model,
+            kind,
+            prompt,
+            a.max_tokens,
+            refs[prompt],
+            t0,
+            a.request_timeout,
+            a.strict_text,
+            tag=f"chaos-{kind}-{n}-{i}",
+        )
         records.append(rec)
         i += 1
         if rec.outcome != "full" and rec.end_s - rec.sent_s < 0.05:
@@ -192,20 +308,48 @@ async def _client(session: aiohttp.ClientSession, a: argparse.Namespace, url: st
 async def run(a: argparse.Namespace, url: str, key: str, home: Path | None) -> dict[str, Any]:
     state_file = home / "up" / "state.json" if home else None
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
-    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
+    async with aiohttp.ClientSession(
+        timeout=timeout, connector=aiohttp.TCPConnector(limit=0)
+    ) as session:
         model = a.model or (await _models(session, url, key))[0]
         _say(f"model {model}: greedy references of {len(PROMPTS)} prompts")
         refs = await references(session, url, key, model, a.max_tokens, a.request_timeout)
         start_wall, t0 = time.time(), time.monotonic()
         records: list[Record] = []
-        killer = Killer(state_file, a.kinds, a.kill_every if state_file else 0, a.seed, t0, _say,
-                        gateways_when_several=a.gateways_when_several) if state_file else None  # fmt: skip
-        _say(f"{a.duration:.0f} s of load: {a.streams} stream + {a.plain} plain clients, batch of {a.batch_lines}"
-             + (f"; SIGKILL every {a.kill_every:.0f} s among {sorted(a.kinds)}" if killer and a.kill_every else ""))
-        batch = asyncio.ensure_future(run_batch(session, url, key, model, a.batch_lines, a.max_tokens,
-                                                t0 + a.duration + a.settle))  # fmt: skip
-        clients = [_client(session, a, url, key, model, "stream", i, refs, t0, records) for i in range(a.streams)]
-        clients += [_client(session, a, url, key, model, "plain", i, refs, t0, records) for i in range(a.plain)]
+        killer = (
+            Killer(
+                state_file,
+                a.kinds,
+                a.kill_every if state_file else 0,
+                a.seed,
+                t0,
+                _say,
+                gateways_when_several=a.gateways_when_several,
+            )
+            if state_file
+            else None
+        )
+        _say(
+            f"{a.duration:.0f} s of load: {a.streams} stream + {a.plain} plain clients, batch of {a.batch_lines}"
+            + (
+                f"; SIGKILL every {a.kill_every:.0f} s among {sorted(a.kinds)}"
+                if killer and a.kill_every
+                else ""
+            )
+        )
+        batch = asyncio.ensure_future(
+            run_batch(
+                session, url, key, model, a.batch_lines, a.max_tokens, t0 + a.duration + a.settle
+            )
+        )
+        clients = [
+            _client(session, a, url, key, model, "stream", i, refs, t0, records)
+            for i in range(a.streams)
+        ]
+        clients += [
+            _client(session, a, url, key, model, "plain", i, refs, t0, records)
+            for i in range(a.plain)
+        ]
         await asyncio.gather(*clients, killer.run(a.duration) if killer else asyncio.sleep(0))
         _say(f"load over: {len(records)} requests; settling (killed processes, held KV, the batch)")
         if killer:
@@ -222,8 +366,16 @@ async def run(a: argparse.Namespace, url: str, key: str, home: Path | None) -> d
                 await asyncio.sleep(1.0)
         usage = await asyncio.to_thread(usage_since, url, key, start_wall)
         rows = await asyncio.to_thread(fetch_records, url, key, start_wall)
-    return summarise(records, killer.kills if killer else [], batch_res, held or {}, usage, a.duration,
-                     max(5.0, a.duration / 24), check(records, batch_res, rows))  # fmt: skip
+    return summarise(
+        records,
+        killer.kills if killer else [],
+        batch_res,
+        held or {},
+        usage,
+        a.duration,
+        max(5.0, a.duration / 24),
+        check(records, batch_res, rows),
+    )
 
 
 async def _models(session: aiohttp.ClientSession, url: str, key: str) -> list[str]:
@@ -243,11 +395,15 @@ def main(argv: list[str] | None = None) -> int:
             up.wait_ready(a.startup_timeout)
             home, url = up.home, f"http://127.0.0.1:{up.port}"
         else:
-            home = Path(a.home or os.environ.get("DUET_HOME") or Path.home() / ".cache" / "duet").expanduser()
+            home = Path(
+                a.home or os.environ.get("DUET_HOME") or Path.home() / ".cache" / "duet"
+            ).expanduser()
             url = a.url.rstrip("/")
             if not (home / "up" / "state.json").exists():
                 if a.kill_every:
-                    _say(f"no running duet up in {home}: nothing to kill (give --home, or --kill-every 0)")
+                    _say(
+                        f"no running duet up in {home}: nothing to kill (give --home, or --kill-every 0)"
+                    )
                     return 2
                 home = None  # type: ignore[assignment]
         key = a.api_key or (home and (home / "up" / "dev.key").read_text().strip())

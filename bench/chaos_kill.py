@@ -53,8 +53,16 @@ def read_children(state_file: Path) -> list[dict[str, Any]]:
 
 
 class Killer:
-    def __init__(self, state_file: Path, kinds: set[str], every_s: float, seed: int, t0: float,
-                 say: Callable[[str], None], gateways_when_several: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        state_file: Path,
+        kinds: set[str],
+        every_s: float,
+        seed: int,
+        t0: float,
+        say: Callable[[str], None],
+        gateways_when_several: bool = True,
+    ) -> None:
         """`gateways_when_several`: gateways are candidates too while two or more run (the
         default kinds; an explicit --kill list is taken as given)."""
         self.state_file = state_file
@@ -70,10 +78,16 @@ class Killer:
     def candidates(self) -> list[dict[str, Any]]:
         children = read_children(self.state_file)
         kinds = self.kinds
-        if self.gateways_when_several and sum(kind_of(c["name"]) == "gateway" for c in children) >= 2:
+        if (
+            self.gateways_when_several
+            and sum(kind_of(c["name"]) == "gateway" for c in children) >= 2
+        ):
             kinds = kinds | {"gateway"}
-        return [c for c in children
-                if c.get("state") == "running" and kind_of(c["name"]) in kinds and c.get("pid")]  # fmt: skip
+        return [
+            c
+            for c in children
+            if c.get("state") == "running" and kind_of(c["name"]) in kinds and c.get("pid")
+        ]
 
     async def run(self, until_s: float) -> None:
         """Kill every `every_s` seconds until `until_s` (seconds since t0)."""

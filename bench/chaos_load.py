@@ -91,9 +91,15 @@ class Reference(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: str | None
 
 
-def chat_body(model: str, prompt: int, max_tokens: int, stream: bool, tag: str | None = None) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": PROMPTS[prompt]}],
-                            "max_tokens": max_tokens, "temperature": 0}  # fmt: skip
+def chat_body(
+    model: str, prompt: int, max_tokens: int, stream: bool, tag: str | None = None
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": [{"role": "user", "content": PROMPTS[prompt]}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+    }
     if tag is not None:
         body["user"] = tag
     if stream:
@@ -106,24 +112,39 @@ def _error_answer(rec: Record, status: int, raw: bytes) -> Record:
     try:
         err = msgspec.json.decode(raw, type=ErrorBody).error
     except (msgspec.DecodeError, msgspec.ValidationError):
-        rec.outcome, rec.cause, rec.message = Outcome.UNDEFINED, f"http_{status}_not_openai", raw[:200].decode(errors="replace")
+        rec.outcome, rec.cause, rec.message = (
+            Outcome.UNDEFINED,
+            f"http_{status}_not_openai",
+            raw[:200].decode(errors="replace"),
+        )
         return rec
     rec.outcome, rec.cause, rec.message = Outcome.DEFINED_ERROR, f"http_{status}", err.message[:300]
     return rec
 
 
-def _judge(rec: Record, text: str, finish: str | None, ref: Reference | None, strict_text: bool) -> Record:
+def _judge(
+    rec: Record, text: str, finish: str | None, ref: Reference | None, strict_text: bool
+) -> Record:
     rec.outcome, rec.cause = Outcome.FULL, "ok"
     if ref is not None and (text, finish) != (ref.text, ref.finish_reason):
         rec.differs_from_reference = True
-        rec.message = f"got {text[:80]!r} ({finish}), reference {ref.text[:80]!r} ({ref.finish_reason})"
+        rec.message = (
+            f"got {text[:80]!r} ({finish}), reference {ref.text[:80]!r} ({ref.finish_reason})"
+        )
         if strict_text:
             rec.outcome, rec.cause = Outcome.UNDEFINED, "text_mismatch"
     return rec
 
 
-async def _stream(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict[str, Any],
-                  rec: Record, ref: Reference | None, strict_text: bool) -> Record:  # fmt: skip
+async def _stream(
+    session: aiohttp.ClientSession,
+    url: str,
+    headers: dict[str, str],
+    body: dict[str, Any],
+    rec: Record,
+    ref: Reference | None,
+    strict_text: bool,
+) -> Record:
     start = time.perf_counter()
     async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
         rec.request_id = r.headers.get("X-Request-Id", "")
@@ -161,10 +182,19 @@ async def _stream(session: aiohttp.ClientSession, url: str, headers: dict[str, s
         return _judge(rec, "".join(parts), finish, ref, strict_text)
 
 
-async def _plain(session: aiohttp.ClientSession, url: str, headers: dict[str, str], body: dict[str, Any],
-                 rec: Record, ref: Reference | None, strict_text: bool) -> Record:  # fmt: skip
+async def _plain(
+    session: aiohttp.ClientSession,
+    url: str,
+    headers: dict[str, str],
+    body: dict[str, Any],
+    rec: Record,
+    ref: Reference | None,
+    strict_text: bool,
+) -> Record:
     async with session.post(url + "/v1/chat/completions", json=body, headers=headers) as r:
-        rec.request_id = r.headers.get("X-Request-Id", "")  # before the body: a cut body is not sent again
+        rec.request_id = r.headers.get(
+            "X-Request-Id", ""
+        )  # before the body: a cut body is not sent again
         raw = await r.read()
         if r.status != 200:
             return _error_answer(rec, r.status, raw)
@@ -172,18 +202,35 @@ async def _plain(session: aiohttp.ClientSession, url: str, headers: dict[str, st
     answer = json.loads(raw)
     choice = answer["choices"][0]
     rec.tokens = int(answer["usage"]["completion_tokens"])
-    return _judge(rec, choice["message"]["content"] or "", choice.get("finish_reason"), ref, strict_text)
+    return _judge(
+        rec, choice["message"]["content"] or "", choice.get("finish_reason"), ref, strict_text
+    )
 
 
 #: errors that mean no answer came at all: the connection was refused, or reset or closed before
 #: the answer's status line (a SIGKILLed gateway's)
-_NO_ANSWER = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
-              ConnectionError)  # fmt: skip
+_NO_ANSWER = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    ConnectionError,
+)
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, key: str, model: str, kind: str, prompt: int,
-                      max_tokens: int, ref: Reference | None, t0: float, timeout: float,
-                      strict_text: bool = False, tag: str = "") -> Record:  # fmt: skip
+async def one_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    key: str,
+    model: str,
+    kind: str,
+    prompt: int,
+    max_tokens: int,
+    ref: Reference | None,
+    t0: float,
+    timeout: float,
+    strict_text: bool = False,
+    tag: str = "",
+) -> Record:
     rec = Record(kind=kind, prompt=prompt, sent_s=time.monotonic() - t0, tag=tag)
     headers = {"Authorization": f"Bearer {key}"}
     body = chat_body(model, prompt, max_tokens, stream=kind == "stream", tag=tag or None)
@@ -201,17 +248,30 @@ async def one_request(session: aiohttp.ClientSession, url: str, key: str, model:
                         raise  # a second failure, or the answer had begun: not sent again
                     rec.retried = True
     except TimeoutError:
-        rec.outcome, rec.cause, rec.message = Outcome.UNDEFINED, "timeout", f"no complete answer within {timeout:g} s"
+        rec.outcome, rec.cause, rec.message = (
+            Outcome.UNDEFINED,
+            "timeout",
+            f"no complete answer within {timeout:g} s",
+        )
     except (aiohttp.ClientError, ConnectionError) as e:
-        rec.outcome, rec.cause, rec.message = Outcome.UNDEFINED, "connection_error", f"{type(e).__name__}: {e}"[:300]
+        rec.outcome, rec.cause, rec.message = (
+            Outcome.UNDEFINED,
+            "connection_error",
+            f"{type(e).__name__}: {e}"[:300],
+        )
     except (ValueError, KeyError, TypeError, IndexError) as e:
-        rec.outcome, rec.cause, rec.message = Outcome.UNDEFINED, "bad_response", f"{type(e).__name__}: {e}"[:300]
+        rec.outcome, rec.cause, rec.message = (
+            Outcome.UNDEFINED,
+            "bad_response",
+            f"{type(e).__name__}: {e}"[:300],
+        )
     rec.end_s = time.monotonic() - t0
     return rec
 
 
-async def references(session: aiohttp.ClientSession, url: str, key: str, model: str, max_tokens: int,
-                     timeout: float) -> dict[int, Reference]:  # fmt: skip
+async def references(
+    session: aiohttp.ClientSession, url: str, key: str, model: str, max_tokens: int, timeout: float
+) -> dict[int, Reference]:
     """Each prompt's greedy answer on the whole cluster, before any kill (three tries each)."""
     refs: dict[int, Reference] = {}
     headers = {"Authorization": f"Bearer {key}"}
@@ -220,12 +280,18 @@ async def references(session: aiohttp.ClientSession, url: str, key: str, model: 
         for _ in range(3):
             try:
                 async with asyncio.timeout(timeout):
-                    async with session.post(url + "/v1/chat/completions", headers=headers,
-                                            json=chat_body(model, i, max_tokens, stream=False)) as r:  # fmt: skip
+                    async with session.post(
+                        url + "/v1/chat/completions",
+                        headers=headers,
+                        json=chat_body(model, i, max_tokens, stream=False),
+                    ) as r:
                         raw = await r.read()
                 if r.status == 200:
                     choice = json.loads(raw)["choices"][0]
-                    refs[i] = Reference(text=choice["message"]["content"] or "", finish_reason=choice.get("finish_reason"))
+                    refs[i] = Reference(
+                        text=choice["message"]["content"] or "",
+                        finish_reason=choice.get("finish_reason"),
+                    )
                     break
                 last = f"HTTP {r.status}: {raw[:200]!r}"
             except (TimeoutError, aiohttp.ClientError) as e:
@@ -255,8 +321,15 @@ class BatchResult(msgspec.Struct, kw_only=True):
         return self.status == "completed" and not self.duplicated and not self.missing
 
 
-async def run_batch(session: aiohttp.ClientSession, url: str, key: str, model: str, lines: int, max_tokens: int,
-                    deadline: float) -> BatchResult:  # fmt: skip
+async def run_batch(
+    session: aiohttp.ClientSession,
+    url: str,
+    key: str,
+    model: str,
+    lines: int,
+    max_tokens: int,
+    deadline: float,
+) -> BatchResult:
     """Submit one simple batch of `lines` requests and poll it (through the chaos: a failed poll
     is retried) until it ends or `deadline` (monotonic) passes."""
     res = BatchResult(lines=lines)
@@ -264,11 +337,18 @@ async def run_batch(session: aiohttp.ClientSession, url: str, key: str, model: s
         return res
     headers = {"Authorization": f"Bearer {key}"}
     ids = [f"chaos-{i}" for i in range(lines)]
-    reqs = [{"custom_id": cid, "body": chat_body(model, i % len(PROMPTS), max_tokens, stream=False, tag=cid)}
-            for i, cid in enumerate(ids)]  # fmt: skip
+    reqs = [
+        {
+            "custom_id": cid,
+            "body": chat_body(model, i % len(PROMPTS), max_tokens, stream=False, tag=cid),
+        }
+        for i, cid in enumerate(ids)
+    ]
     while res.batch_id is None and time.monotonic() < deadline:
         try:
-            async with session.post(url + "/v1/batch", json={"requests": reqs}, headers=headers) as r:
+            async with session.post(
+                url + "/v1/batch", json={"requests": reqs}, headers=headers
+            ) as r:
                 body = await r.json(content_type=None)
                 if r.status == 202:
                     res.batch_id, res.status = body["batch_id"], body["status"]

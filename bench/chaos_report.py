@@ -28,15 +28,28 @@ def timeline(records: list[Record], duration: float, bin_s: float) -> list[dict[
         lo, hi = b * bin_s, (b + 1) * bin_s
         rs = [r for r in records if lo <= r.sent_s < hi and r.kind != "batch"]
         ttfts = [r.ttft_s for r in rs if r.ttft_s is not None and r.outcome == Outcome.FULL]
-        out.append({"t": lo, "requests": len(rs), "full": sum(r.outcome == Outcome.FULL for r in rs),
-                    "answered": sum(r.outcome != Outcome.UNDEFINED for r in rs),
-                    "p99_ttft_s": float(np.percentile(ttfts, 99)) if ttfts else None})  # fmt: skip
+        out.append(
+            {
+                "t": lo,
+                "requests": len(rs),
+                "full": sum(r.outcome == Outcome.FULL for r in rs),
+                "answered": sum(r.outcome != Outcome.UNDEFINED for r in rs),
+                "p99_ttft_s": float(np.percentile(ttfts, 99)) if ttfts else None,
+            }
+        )
     return out
 
 
-def summarise(records: list[Record], kills: list[Kill], batch: BatchResult, kv_held: dict[str, int],
-              usage: dict[str, Any], duration: float, bin_s: float,
-              matched: UsageCheck | None = None) -> dict[str, Any]:  # fmt: skip
+def summarise(
+    records: list[Record],
+    kills: list[Kill],
+    batch: BatchResult,
+    kv_held: dict[str, int],
+    usage: dict[str, Any],
+    duration: float,
+    bin_s: float,
+    matched: UsageCheck | None = None,
+) -> dict[str, Any]:
     n = len(records)
     full = sum(r.outcome == Outcome.FULL for r in records)
     defined = sum(r.outcome == Outcome.DEFINED_ERROR for r in records)
@@ -46,41 +59,79 @@ def summarise(records: list[Record], kills: list[Kill], batch: BatchResult, kv_h
         if r.outcome != Outcome.FULL:
             causes[f"{r.outcome}:{r.cause}"] = causes.get(f"{r.outcome}:{r.cause}", 0) + 1
     ttfts = [r.ttft_s for r in records if r.ttft_s is not None and r.outcome == Outcome.FULL]
-    client = {"requests": sum(r.answered for r in records) + batch.lines * (batch.status == "completed"),
-              "completion_tokens": sum(r.tokens for r in records if r.answered) + batch.completion_tokens}  # fmt: skip
+    client = {
+        "requests": sum(r.answered for r in records) + batch.lines * (batch.status == "completed"),
+        "completion_tokens": sum(r.tokens for r in records if r.answered) + batch.completion_tokens,
+    }
     return {
         "duration_s": duration,
-        "requests": n, "full": full, "defined_error": defined, "undefined": len(undefined),
+        "requests": n,
+        "full": full,
+        "defined_error": defined,
+        "undefined": len(undefined),
         "answered_pct": 100.0 * (n - len(undefined)) / n if n else None,
         "differs_from_reference": sum(r.differs_from_reference for r in records),
         "full_pct": 100.0 * full / n if n else None,
-        "by_kind": {k: {"requests": sum(r.kind == k for r in records),
-                        "full": sum(r.kind == k and r.outcome == Outcome.FULL for r in records)}
-                    for k in sorted({r.kind for r in records})},
+        "by_kind": {
+            k: {
+                "requests": sum(r.kind == k for r in records),
+                "full": sum(r.kind == k and r.outcome == Outcome.FULL for r in records),
+            }
+            for k in sorted({r.kind for r in records})
+        },
         "causes": dict(sorted(causes.items(), key=lambda kv: -kv[1])),
         # every request that did not get its full answer (the first 50), with the tokens it got
-        "failures": [{"kind": r.kind, "sent_s": round(r.sent_s, 2), "end_s": round(r.end_s, 2), "outcome": str(r.outcome),
-                      "cause": r.cause, "tokens": r.tokens, "message": r.message}
-                     for r in records if r.outcome != Outcome.FULL][:50],
-        "differing_examples": [{"kind": r.kind, "sent_s": round(r.sent_s, 2), "message": r.message}
-                               for r in records if r.differs_from_reference][:5],
+        "failures": [
+            {
+                "kind": r.kind,
+                "sent_s": round(r.sent_s, 2),
+                "end_s": round(r.end_s, 2),
+                "outcome": str(r.outcome),
+                "cause": r.cause,
+                "tokens": r.tokens,
+                "message": r.message,
+            }
+            for r in records
+            if r.outcome != Outcome.FULL
+        ][:50],
+        "differing_examples": [
+            {"kind": r.kind, "sent_s": round(r.sent_s, 2), "message": r.message}
+            for r in records
+            if r.differs_from_reference
+        ][:5],
         "p50_ttft_s": float(np.percentile(ttfts, 50)) if ttfts else None,
         "p99_ttft_s": float(np.percentile(ttfts, 99)) if ttfts else None,
-        "kills": [{"name": k.name, "at_s": round(k.at_s, 1), "back_s": None if k.back_s is None else round(k.back_s, 1),
-                   "left_down": k.left_down} for k in kills],
+        "kills": [
+            {
+                "name": k.name,
+                "at_s": round(k.at_s, 1),
+                "back_s": None if k.back_s is None else round(k.back_s, 1),
+                "left_down": k.left_down,
+            }
+            for k in kills
+        ],
         "max_recovery_s": max((k.back_s for k in kills if k.back_s is not None), default=None),
         "not_back": [k.name for k in kills if k.back_s is None],
         "kv_blocks_held_after": kv_held,
         # the totals (the gateway's include records of answers the client never got: they need
         # not be equal) and the per-request match, which must be exact
-        "usage": {"gateway": usage, "client": client,
-                  "requests_match": matched.ok if matched is not None else usage.get("requests") == client["requests"],
-                  "completion_tokens_match": usage.get("completion_tokens") == client["completion_tokens"],
-                  "matched": msgspec.to_builtins(matched) if matched is not None else None},
+        "usage": {
+            "gateway": usage,
+            "client": client,
+            "requests_match": matched.ok
+            if matched is not None
+            else usage.get("requests") == client["requests"],
+            "completion_tokens_match": usage.get("completion_tokens")
+            == client["completion_tokens"],
+            "matched": msgspec.to_builtins(matched) if matched is not None else None,
+        },
         "retried": sum(r.retried for r in records),
-        "batch": {**{f: getattr(batch, f) for f in batch.__struct_fields__}, "exactly_once": batch.exactly_once},
+        "batch": {
+            **{f: getattr(batch, f) for f in batch.__struct_fields__},
+            "exactly_once": batch.exactly_once,
+        },
         "timeline": timeline(records, duration, bin_s),
-    }  # fmt: skip
+    }
 
 
 def _f(x: float | None, fmt: str = ".1f", unit: str = "") -> str:
@@ -95,49 +146,92 @@ def render(s: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    con = Console(width=None if sys.stdout.isatty() else 120)  # no terminal: do not squeeze the table
-    t = Table(title=f"duet bench chaos: {s['duration_s']:.0f} s, {len(s['kills'])} kill(s)", show_header=False)
+    con = Console(
+        width=None if sys.stdout.isatty() else 120
+    )  # no terminal: do not squeeze the table
+    t = Table(
+        title=f"duet bench chaos: {s['duration_s']:.0f} s, {len(s['kills'])} kill(s)",
+        show_header=False,
+    )
     t.add_column("what")
     t.add_column("value")
     t.add_row("requests (stream + plain)", str(s["requests"]))
-    t.add_row("answered: tokens or a defined error", f"{s['requests'] - s['undefined']} ({_f(s['answered_pct'], '.2f', ' %')})")
+    t.add_row(
+        "answered: tokens or a defined error",
+        f"{s['requests'] - s['undefined']} ({_f(s['answered_pct'], '.2f', ' %')})",
+    )
     t.add_row("  with their full tokens", f"{s['full']} ({_f(s['full_pct'], '.2f', ' %')})")
     t.add_row("  defined errors", str(s["defined_error"]))
     t.add_row("undefined (connection error, hang, cut stream)", str(s["undefined"]))
     for cause, n in s["causes"].items():
         t.add_row(f"  {cause}", str(n))
-    t.add_row("full answers whose greedy text differs from the reference", str(s["differs_from_reference"]))
-    t.add_row("TTFT p50 / p99 (streams, full answers)",
-              f"{_f(s['p50_ttft_s'] and s['p50_ttft_s'] * 1e3, '.0f')} / {_f(s['p99_ttft_s'] and s['p99_ttft_s'] * 1e3, '.0f')} ms")
+    t.add_row(
+        "full answers whose greedy text differs from the reference",
+        str(s["differs_from_reference"]),
+    )
+    t.add_row(
+        "TTFT p50 / p99 (streams, full answers)",
+        f"{_f(s['p50_ttft_s'] and s['p50_ttft_s'] * 1e3, '.0f')} / {_f(s['p99_ttft_s'] and s['p99_ttft_s'] * 1e3, '.0f')} ms",
+    )
     for k in s["kills"]:
-        back = "left down (crash loop)" if k["left_down"] else ("NOT back" if k["back_s"] is None else f"back after {k['back_s']:.1f} s")
+        back = (
+            "left down (crash loop)"
+            if k["left_down"]
+            else ("NOT back" if k["back_s"] is None else f"back after {k['back_s']:.1f} s")
+        )
         t.add_row(f"kill at {k['at_s']:.0f} s", f"{k['name']}: {back}")
     held = s["kv_blocks_held_after"]
-    t.add_row("KV blocks held after the load", ", ".join(f"{n}={b}" for n, b in held.items()) or "no node answered")
+    t.add_row(
+        "KV blocks held after the load",
+        ", ".join(f"{n}={b}" for n, b in held.items()) or "no node answered",
+    )
     t.add_row("retried once (connection refused or reset, no answer)", str(s.get("retried", 0)))
     u = s["usage"]
-    t.add_row("usage records: gateway / client's answers", f"{u['gateway'].get('requests')} / {u['client']['requests']}")
+    t.add_row(
+        "usage records: gateway / client's answers",
+        f"{u['gateway'].get('requests')} / {u['client']['requests']}",
+    )
     if (m := u.get("matched")) is not None:
         if m["error"]:
             t.add_row("  matched per request", f"[red]{m['error']}[/]")
         else:
             t.add_row("  records by status", _counts(m["records"]))
-            t.add_row("  full answers billed once with their tokens", f"{m['exact']} / {m['full_answers']}"
-                      + ("" if m["exact"] == m["full_answers"] else f"  [red]{m['mismatched']}[/]"))
-            t.add_row("  records of requests with no full answer", _counts(m["no_full_answer"])
-                      + (f" ({m['no_full_answer_tokens']} completion tokens)" if m["no_full_answer_tokens"] else ""))
-            t.add_row("  requests billed twice", str(len(m["billed_twice"]))
-                      + (f"  [red]{m['billed_twice']}[/]" if m["billed_twice"] else ""))
+            t.add_row(
+                "  full answers billed once with their tokens",
+                f"{m['exact']} / {m['full_answers']}"
+                + ("" if m["exact"] == m["full_answers"] else f"  [red]{m['mismatched']}[/]"),
+            )
+            t.add_row(
+                "  records of requests with no full answer",
+                _counts(m["no_full_answer"])
+                + (
+                    f" ({m['no_full_answer_tokens']} completion tokens)"
+                    if m["no_full_answer_tokens"]
+                    else ""
+                ),
+            )
+            t.add_row(
+                "  requests billed twice",
+                str(len(m["billed_twice"]))
+                + (f"  [red]{m['billed_twice']}[/]" if m["billed_twice"] else ""),
+            )
             if m["unknown"]:
                 t.add_row("  records of requests never sent", f"[red]{m['unknown']}[/]")
-    t.add_row("usage completion tokens: gateway / client",
-              f"{u['gateway'].get('completion_tokens')} / {u['client']['completion_tokens']}"
-              + ("" if u["completion_tokens_match"] else "  [red]differ[/]"))
+    t.add_row(
+        "usage completion tokens: gateway / client",
+        f"{u['gateway'].get('completion_tokens')} / {u['client']['completion_tokens']}"
+        + ("" if u["completion_tokens_match"] else "  [red]differ[/]"),
+    )
     b = s["batch"]
-    t.add_row("batch", f"{b['status']}: {b['done_once']}/{b['lines']} lines exactly once, {b['succeeded']} ok, "
-              f"{b['failed']} failed" + (f", duplicated {b['duplicated']}" if b["duplicated"] else "")
-              + (f", missing {len(b['missing'])}" if b["missing"] else "") + (f" ({b['message']})" if b["message"] else ""))
-    con.print(t)  # fmt: skip
+    t.add_row(
+        "batch",
+        f"{b['status']}: {b['done_once']}/{b['lines']} lines exactly once, {b['succeeded']} ok, "
+        f"{b['failed']} failed"
+        + (f", duplicated {b['duplicated']}" if b["duplicated"] else "")
+        + (f", missing {len(b['missing'])}" if b["missing"] else "")
+        + (f" ({b['message']})" if b["message"] else ""),
+    )
+    con.print(t)
 
 
 def plot(s: dict[str, Any], path: Path) -> Path:
@@ -163,11 +257,21 @@ def plot(s: dict[str, Any], path: Path) -> Path:
     for k in s["kills"]:
         for ax in (a1, a2):
             ax.axvline(k["at_s"], color="tab:red", ls="--", lw=1)
-        a1.annotate(k["name"], (k["at_s"], 100), rotation=90, fontsize=7, va="top", ha="right", color="tab:red")
+        a1.annotate(
+            k["name"],
+            (k["at_s"], 100),
+            rotation=90,
+            fontsize=7,
+            va="top",
+            ha="right",
+            color="tab:red",
+        )
     for ax in (a1, a2):
         ax.grid(alpha=0.3)
-    a1.set_title(f"chaos: availability and p99 TTFT per {x[1] - x[0] if len(x) > 1 else s['duration_s']:.0f} s "
-                 "(red: SIGKILL)")  # fmt: skip
+    a1.set_title(
+        f"chaos: availability and p99 TTFT per {x[1] - x[0] if len(x) > 1 else s['duration_s']:.0f} s "
+        "(red: SIGKILL)"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -59,14 +59,20 @@ class UsageCheck(msgspec.Struct, kw_only=True):
 
     @property
     def ok(self) -> bool:
-        return (not self.error and self.exact == self.full_answers and not self.billed_twice
-                and not self.unknown)  # fmt: skip
+        return (
+            not self.error
+            and self.exact == self.full_answers
+            and not self.billed_twice
+            and not self.unknown
+        )
 
 
 def fetch_records(url: str, key: str, start: float) -> list[dict[str, Any]] | str:
     """The team's usage records since `start` (unix seconds), or why they cannot be read."""
-    req = urllib.request.Request(f"{url}/v1/usage?group_by=record&start={start:.3f}",
-                                 headers={"Authorization": f"Bearer {key}"})  # fmt: skip
+    req = urllib.request.Request(
+        f"{url}/v1/usage?group_by=record&start={start:.3f}",
+        headers={"Authorization": f"Bearer {key}"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return json.loads(r.read())["data"]
@@ -80,7 +86,9 @@ def _billed(row: dict[str, Any]) -> bool:
     return bool(row.get("cost_usd")) or row.get("status") not in ("error", "shed")
 
 
-def check(records: list[Record], batch: BatchResult, rows: list[dict[str, Any]] | str) -> UsageCheck:
+def check(
+    records: list[Record], batch: BatchResult, rows: list[dict[str, Any]] | str
+) -> UsageCheck:
     """Match `rows` (the gateway's records) to the client's `records` and the batch's lines."""
     if isinstance(rows, str):
         return UsageCheck(error=rows)
@@ -92,7 +100,9 @@ def check(records: list[Record], batch: BatchResult, rows: list[dict[str, Any]] 
             by_tag.setdefault(tag, []).append(row)
             out.records[row["status"]] = out.records.get(row["status"], 0) + 1
     # what the client got, per tag: (X-Request-Id or "" for a batch line, completion tokens)
-    full: dict[str, tuple[str, int]] = {r.tag: (r.request_id, r.tokens) for r in records if r.outcome == Outcome.FULL}
+    full: dict[str, tuple[str, int]] = {
+        r.tag: (r.request_id, r.tokens) for r in records if r.outcome == Outcome.FULL
+    }
     full |= {cid: ("", n) for cid, n in batch.line_tokens.items()}
     sent = {r.tag for r in records} | {f"{TAG}{i}" for i in range(batch.lines)}
     out.full_answers = len(full)
@@ -112,7 +122,9 @@ def check(records: list[Record], batch: BatchResult, rows: list[dict[str, Any]] 
         if len(mine) == 1 and mine[0]["status"] == "ok" and mine[0]["completion_tokens"] == tokens:
             out.exact += 1
         elif len(out.mismatched) < 20:
-            out.mismatched[tag] = (f"{len(mine)} record(s) of {rid or 'the line'}: "
-                                   + ", ".join(f"{r['status']} {r['completion_tokens']} tokens" for r in mine)
-                                   + f"; the client got {tokens} tokens")  # fmt: skip
+            out.mismatched[tag] = (
+                f"{len(mine)} record(s) of {rid or 'the line'}: "
+                + ", ".join(f"{r['status']} {r['completion_tokens']} tokens" for r in mine)
+                + f"; the client got {tokens} tokens"
+            )
     return out

@@ -25,9 +25,12 @@ METRICS: tuple[tuple[str, str, str], ...] = (
     ("output_throughput", "output throughput (tok/s)", "higher"),
     ("total_token_throughput", "total throughput (tok/s)", "higher"),
     ("achieved_request_rate", "achieved send rate (req/s)", "higher"),
-    *((f"{stat}_{m}_ms", f"{stat} {m.upper()} (ms)", "lower")
-      for m in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "p99")),
-)  # fmt: skip
+    *(
+        (f"{stat}_{m}_ms", f"{stat} {m.upper()} (ms)", "lower")
+        for m in ("ttft", "tpot", "itl", "e2el")
+        for stat in ("mean", "median", "p99")
+    ),
+)
 
 
 def load(path: str) -> dict[str, Any]:
@@ -47,13 +50,17 @@ def rows(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(va, (int, float)) or not isinstance(vb, (int, float)):
             if va is None and vb is None:
                 continue
-            out.append({"metric": key, "label": label, "a": va, "b": vb, "ratio": None, "better": None})
+            out.append(
+                {"metric": key, "label": label, "a": va, "b": vb, "ratio": None, "better": None}
+            )
             continue
         ratio = vb / va if va else None
         verdict = None
         if va != vb:
             verdict = "b" if (vb > va) == (better == "higher") else "a"
-        out.append({"metric": key, "label": label, "a": va, "b": vb, "ratio": ratio, "better": verdict})
+        out.append(
+            {"metric": key, "label": label, "a": va, "b": vb, "ratio": ratio, "better": verdict}
+        )
     return out
 
 
@@ -65,7 +72,11 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     va = [str(v) for v in a["sweep"]["values"]]
     vb = [str(v) for v in b["sweep"]["values"]]
     runs = {v: rows(a["runs"][va.index(v)], b["runs"][vb.index(v)]) for v in va if v in vb}
-    return {"param": a["sweep"]["param"], "knee": {"a": a["knee"]["value"], "b": b["knee"]["value"]}, "runs": runs}
+    return {
+        "param": a["sweep"]["param"],
+        "knee": {"a": a["knee"]["value"], "b": b["knee"]["value"]},
+        "runs": runs,
+    }
 
 
 def _fmt(x: Any) -> str:
@@ -80,13 +91,22 @@ def _table(title: str, rs: list[dict[str, Any]], name_a: str, name_b: str) -> Ta
         t.add_column(c, justify="left" if c == "metric" else "right")
     for r in rs:
         better = {"a": name_a, "b": name_b}.get(r["better"] or "", "")
-        t.add_row(r["label"], _fmt(r["a"]), _fmt(r["b"]), "-" if r["ratio"] is None else f"{r['ratio']:.3f}x", better)
+        t.add_row(
+            r["label"],
+            _fmt(r["a"]),
+            _fmt(r["b"]),
+            "-" if r["ratio"] is None else f"{r['ratio']:.3f}x",
+            better,
+        )
     return t
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="duet bench compare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="duet bench compare",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("a", help="baseline result (A)")
     p.add_argument("b", help="result to compare with it (B)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
@@ -110,8 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for value, rs in result["runs"].items():
             console.print(_table(f"{result['param']}={value}", rs, name_a, name_b))
-        console.print(f"knee ({result['param']}): {name_a} {_fmt(result['knee']['a'])}, "
-                      f"{name_b} {_fmt(result['knee']['b'])}")  # fmt: skip
+        console.print(
+            f"knee ({result['param']}): {name_a} {_fmt(result['knee']['a'])}, "
+            f"{name_b} {_fmt(result['knee']['b'])}"
+        )
     return 0
 
 

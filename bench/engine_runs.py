@@ -52,11 +52,15 @@ def prefill_once(eng, shape: ModelShape, prompt_len: int, rng: random.Random, ri
     return time.perf_counter() - t0
 
 
-def prefill(eng, shape: ModelShape, prompt_len: int, repeats: int, rng: random.Random) -> dict[str, Any]:
+def prefill(
+    eng, shape: ModelShape, prompt_len: int, repeats: int, rng: random.Random
+) -> dict[str, Any]:
     """`repeats` single-prompt prefills (after one warm-up), prompt in, first token out; the
     median, as for decode, with p10/p90."""
     prefill_once(eng, shape, prompt_len, rng, "prefill-0")
-    times = [prefill_once(eng, shape, prompt_len, rng, f"prefill-{r}") for r in range(1, repeats + 1)]
+    times = [
+        prefill_once(eng, shape, prompt_len, rng, f"prefill-{r}") for r in range(1, repeats + 1)
+    ]
     return prefill_result(shape, prompt_len, times)
 
 
@@ -65,13 +69,23 @@ def prefill_result(shape: ModelShape, prompt_len: int, times: list[float]) -> di
     repeats = len(times)
     t = spread(times)
     tps = _rate_spread(prompt_len, times)
-    return {"prompt_tokens": prompt_len, "repeats": repeats, "seconds": t["median"],
-            "seconds_p10": t["p10"], "seconds_p90": t["p90"], "seconds_best": min(times),
-            "tokens_per_s": tps["median"], "tokens_per_s_p10": tps["p10"], "tokens_per_s_p90": tps["p90"],
-            "gflops": shape.prefill_flops(prompt_len) / t["median"] / 1e9}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_len,
+        "repeats": repeats,
+        "seconds": t["median"],
+        "seconds_p10": t["p10"],
+        "seconds_p90": t["p90"],
+        "seconds_best": min(times),
+        "tokens_per_s": tps["median"],
+        "tokens_per_s_p10": tps["p10"],
+        "tokens_per_s_p90": tps["p90"],
+        "gflops": shape.prefill_flops(prompt_len) / t["median"] / 1e9,
+    }
 
 
-def steady_decode(eng, shape: ModelShape, batch: int, ctx: int, steps: int, rng: random.Random) -> dict[str, Any]:
+def steady_decode(
+    eng, shape: ModelShape, batch: int, ctx: int, steps: int, rng: random.Random
+) -> dict[str, Any]:
     """`batch` sequences with `ctx`-token prompts all decoding; times `steps` pure decode steps
     (prefill excluded: timing starts once every sequence has its first token). tokens/s is
     batch / median step time; the mean over all steps is reported beside it."""
@@ -97,18 +111,25 @@ def steady_decode(eng, shape: ModelShape, batch: int, ctx: int, steps: int, rng:
     tps = _rate_spread(batch, times)
     total = sum(times)
     return {
-        "batch": batch, "context_tokens": [ctx_from + 1, ctx_from + steps], "steps": steps,
-        "tokens_per_s": tps["median"], "tokens_per_s_p10": tps["p10"], "tokens_per_s_p90": tps["p90"],
+        "batch": batch,
+        "context_tokens": [ctx_from + 1, ctx_from + steps],
+        "steps": steps,
+        "tokens_per_s": tps["median"],
+        "tokens_per_s_p10": tps["p10"],
+        "tokens_per_s_p90": tps["p90"],
         "tokens_per_s_mean": batch * steps / total,
-        "ms_per_step_median": 1e3 * t["median"], "ms_per_step_p10": 1e3 * t["p10"],
-        "ms_per_step_p90": 1e3 * t["p90"], "ms_per_step_mean": 1e3 * total / steps,
+        "ms_per_step_median": 1e3 * t["median"],
+        "ms_per_step_p10": 1e3 * t["p10"],
+        "ms_per_step_p90": 1e3 * t["p90"],
+        "ms_per_step_mean": 1e3 * total / steps,
         "ms_per_step_best": 1e3 * min(times),
         "gflops": shape.decode_flops(batch, ctx_from, steps) / (t["median"] * steps) / 1e9,
-    }  # fmt: skip
+    }
 
 
-def end_to_end(eng, shape: ModelShape, concurrency: int, input_len: int, output_len: int,
-               rng: random.Random) -> dict[str, Any]:  # fmt: skip
+def end_to_end(
+    eng, shape: ModelShape, concurrency: int, input_len: int, output_len: int, rng: random.Random
+) -> dict[str, Any]:
     """`concurrency` requests submitted together, run to completion (prefill included)."""
     ids = [f"e2e{concurrency}-{i}" for i in range(concurrency)]
     first: dict[str, float] = {}
@@ -126,23 +147,33 @@ def end_to_end(eng, shape: ModelShape, concurrency: int, input_len: int, output_
     wall = max(done.values()) - t0
     tpot = [(done[r] - first[r]) / (output_len - 1) for r in ids] if output_len > 1 else [0.0]
     return {
-        "concurrency": concurrency, "input_tokens": input_len, "output_tokens": output_len,
-        "seconds": wall, "output_tokens_per_s": concurrency * output_len / wall,
-        "ttft_s": summarize([first[r] - t0 for r in ids]), "tpot_s": summarize(tpot),
-    }  # fmt: skip
+        "concurrency": concurrency,
+        "input_tokens": input_len,
+        "output_tokens": output_len,
+        "seconds": wall,
+        "output_tokens_per_s": concurrency * output_len / wall,
+        "ttft_s": summarize([first[r] - t0 for r in ids]),
+        "tpot_s": summarize(tpot),
+    }
 
 
 def _online_result(items: list[WorkItem], first: list[float], done: list[float]) -> dict[str, Any]:
     start = items[0].arrival_s
     span = max(done) - start
     out = sum(w.output_len for w in items)
-    tpot = [(d - f) / (w.output_len - 1) for w, f, d in zip(items, first, done, strict=True) if w.output_len > 1]
+    tpot = [
+        (d - f) / (w.output_len - 1)
+        for w, f, d in zip(items, first, done, strict=True)
+        if w.output_len > 1
+    ]
     return {
-        "seconds": span, "output_tokens_per_s": out / span, "requests_per_s": len(items) / span,
+        "seconds": span,
+        "output_tokens_per_s": out / span,
+        "requests_per_s": len(items) / span,
         "ttft_s": summarize([f - w.arrival_s for w, f in zip(items, first, strict=True)]),
         "tpot_s": summarize(tpot),
         "e2e_latency_s": summarize([d - w.arrival_s for w, d in zip(items, done, strict=True)]),
-    }  # fmt: skip
+    }
 
 
 def online_engine(eng, items: list[WorkItem], progress: Progress) -> dict[str, Any]:
@@ -193,7 +224,9 @@ def _static_groups(items: list[WorkItem], batch: int, t0: float):
         yield group
 
 
-def online_engine_static(eng, items: list[WorkItem], batch: int, progress: Progress) -> dict[str, Any]:
+def online_engine_static(
+    eng, items: list[WorkItem], batch: int, progress: Progress
+) -> dict[str, Any]:
     """The ablation: the same engine, but admitted like transformers' static batches (a batch
     runs to its last request's end before the next is formed). Each request still stops at
     its own length and streams its own tokens; only continuous admission is taken away, so
@@ -216,11 +249,15 @@ def online_engine_static(eng, items: list[WorkItem], batch: int, progress: Progr
             index[f"static-{i}"] = i
             eng.add_request(f"static-{i}", w.prompt, _greedy(w.output_len))
         _drain(eng, on_token)
-    progress(f"engine with static batches served {len(items)} requests in {max(done) - items[0].arrival_s:.1f}s")
+    progress(
+        f"engine with static batches served {len(items)} requests in {max(done) - items[0].arrival_s:.1f}s"
+    )
     return _online_result(items, first, done)
 
 
-def online_transformers(model, items: list[WorkItem], batch: int, pad_id: int, progress: Progress) -> dict[str, Any]:
+def online_transformers(
+    model, items: list[WorkItem], batch: int, pad_id: int, progress: Progress
+) -> dict[str, Any]:
     """transformers `generate` with static batching: whenever idle, take up to `batch` arrived
     requests, left-pad them into one batch and generate until every row has its own requested
     length. A row stops at its own length (a per-row stopping criterion: it gets no extra
@@ -238,7 +275,9 @@ def online_transformers(model, items: list[WorkItem], batch: int, pad_id: int, p
             self.group, self.width = group, width
             self.lengths = torch.tensor([w.output_len for _, w in group])
 
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        def __call__(
+            self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any
+        ) -> torch.Tensor:
             now = time.perf_counter() - t0
             generated = input_ids.shape[1] - self.width
             stop = generated >= self.lengths
@@ -259,11 +298,21 @@ def online_transformers(model, items: list[WorkItem], batch: int, pad_id: int, p
             ids[r, width - len(w.prompt) :] = torch.tensor(w.prompt)
             mask[r, width - len(w.prompt) :] = 1
         with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, do_sample=False,
-                                 pad_token_id=pad_id, stopping_criteria=StoppingCriteriaList([PerRowLength(group, width)]))  # fmt: skip
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad_id,
+                stopping_criteria=StoppingCriteriaList([PerRowLength(group, width)]),
+            )
         if out.shape[1] - width != new or any(not done[i] for i, _ in group):
-            raise RuntimeError(f"transformers generated {out.shape[1] - width} steps for a batch whose longest "
-                               f"request asks for {new}: the baseline would not be the same work")  # fmt: skip
+            raise RuntimeError(
+                f"transformers generated {out.shape[1] - width} steps for a batch whose longest "
+                f"request asks for {new}: the baseline would not be the same work"
+            )
         end = time.perf_counter() - t0
-        progress(f"transformers: batch of {len(group)} (prompt width {width}, {new} steps) done at {end:.1f}s")
+        progress(
+            f"transformers: batch of {len(group)} (prompt width {width}, {new} steps) done at {end:.1f}s"
+        )
     return _online_result(items, first, done)

@@ -40,18 +40,33 @@ ABS_TARGETS = {("W2", "int8"): 150.0, ("W2", "int4"): 180.0, ("W1", "int8-w8a8")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.engine_tiers", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or directory (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation/KV dtype")
-    p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated (default: %(default)s)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.engine_tiers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="model name or directory (default: %(default)s)",
+    )
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="activation/KV dtype"
+    )
+    p.add_argument(
+        "--schemes", default=",".join(SCHEMES), help="comma-separated (default: %(default)s)"
+    )
     p.add_argument("--workloads", default="W1,W2,W3", help="comma-separated subset of W1,W2,W3")
-    p.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (default: all cores)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch/OpenMP threads (default: all cores)"
+    )
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--prefill-reps", type=int, default=5)
     p.add_argument("--w2-context", type=int, default=256)
     p.add_argument("--w2-tokens", type=int, default=128)
-    p.add_argument("--w2-reps", type=int, default=3, help="W2 rounds, one run of every scheme each (median)")
+    p.add_argument(
+        "--w2-reps", type=int, default=3, help="W2 rounds, one run of every scheme each (median)"
+    )
     p.add_argument("--w3-batch", type=int, default=32)
     p.add_argument("--w3-input", type=int, default=256)
     p.add_argument("--w3-output", type=int, default=128)
@@ -66,14 +81,25 @@ def _engine(args: argparse.Namespace, scheme: str):
 
     per_seq = (max(args.w3_input, args.w2_context) + max(args.w3_output, args.w2_tokens)) // 16 + 4
     blocks = max(args.w3_batch * per_seq, 2 * args.prefill_len // 16) + 16
-    return EngineCore(EngineConfig(
-        model=args.model, dtype=args.dtype, device="cpu", threads=args.threads, max_num_seqs=args.w3_batch,
-        max_num_batched_tokens=max(2048, args.prefill_len), enable_prefix_caching=False, num_kv_blocks=blocks,
-        max_model_len=1024, quantization=None if scheme == "none" else scheme,
-    ))  # fmt: skip
+    return EngineCore(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device="cpu",
+            threads=args.threads,
+            max_num_seqs=args.w3_batch,
+            max_num_batched_tokens=max(2048, args.prefill_len),
+            enable_prefix_caching=False,
+            num_kv_blocks=blocks,
+            max_model_len=1024,
+            quantization=None if scheme == "none" else scheme,
+        )
+    )
 
 
-def single_stream(eng, shape: ModelShape, context: int, tokens: int, rng: random.Random) -> dict[str, Any]:
+def single_stream(
+    eng, shape: ModelShape, context: int, tokens: int, rng: random.Random
+) -> dict[str, Any]:
     """One request: decode tokens/s from its first token to its last (prefill excluded)."""
     stamps: list[float] = []
 
@@ -82,7 +108,11 @@ def single_stream(eng, shape: ModelShape, context: int, tokens: int, rng: random
 
     eng.add_request("w2", random_prompt(rng, context, shape.vocab), engine_runs._greedy(tokens))
     engine_runs._drain(eng, on_token)
-    return {"context": context, "tokens": tokens, "tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0])}
+    return {
+        "context": context,
+        "tokens": tokens,
+        "tokens_per_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+    }
 
 
 def roofline(r: dict[str, Any], eng, read_gbps: float) -> None:
@@ -111,7 +141,9 @@ def _per_cpu_s(r: dict[str, Any], tokens: int) -> None:
     r["tokens_per_cpu_s"] = tokens / r["cpu_s"]
 
 
-def _rounds(engines: dict[str, Any], reps: int, warm, once) -> tuple[dict[str, list[float]], dict[str, float]]:
+def _rounds(
+    engines: dict[str, Any], reps: int, warm, once
+) -> tuple[dict[str, list[float]], dict[str, float]]:
     """`warm(scheme, eng)` once per scheme, then `reps` rounds of `once(scheme, eng, rep)`, one
     scheme after another within a round, so the machine's speed, which drifts by tens of percent
     over minutes on a shared VM, moves every scheme alike and the ratios stay honest. Returns
@@ -128,28 +160,36 @@ def _rounds(engines: dict[str, Any], reps: int, warm, once) -> tuple[dict[str, l
     return values, cpu
 
 
-def _w1_interleaved(engines: dict[str, Any], args: argparse.Namespace, progress) -> dict[str, dict[str, Any]]:
+def _w1_interleaved(
+    engines: dict[str, Any], args: argparse.Namespace, progress
+) -> dict[str, dict[str, Any]]:
     """W1 for every scheme in rounds (`_rounds`, after one warm-up each). Per scheme:
     engine_runs.prefill's figures plus the CPU time of its timed prefills."""
     shape = ModelShape.of(next(iter(engines.values())).model_config)
     rngs = {s: random.Random(args.seed) for s in engines}
     times, cpu = _rounds(
-        engines, args.prefill_reps,
+        engines,
+        args.prefill_reps,
         lambda s, eng: engine_runs.prefill_once(eng, shape, args.prefill_len, rngs[s], "w1-warm"),
-        lambda s, eng, rep: engine_runs.prefill_once(eng, shape, args.prefill_len, rngs[s], f"w1-{rep}"),
-    )  # fmt: skip
+        lambda s, eng, rep: engine_runs.prefill_once(
+            eng, shape, args.prefill_len, rngs[s], f"w1-{rep}"
+        ),
+    )
     out = {}
     for s in engines:
         r = out[s] = engine_runs.prefill_result(shape, args.prefill_len, times[s])
         r["cpu_s"] = cpu[s]
         _per_cpu_s(r, args.prefill_len * args.prefill_reps)
         r["interleaved"] = True
-        progress(f"{s}: W1 prefill {r['tokens_per_s']:.0f} tokens/s (interleaved with the other schemes)")
+        progress(
+            f"{s}: W1 prefill {r['tokens_per_s']:.0f} tokens/s (interleaved with the other schemes)"
+        )
     return out
 
 
-def _w2_interleaved(engines: dict[str, Any], args: argparse.Namespace,
-                    progress) -> tuple[dict[str, dict[str, Any]], float]:  # fmt: skip
+def _w2_interleaved(
+    engines: dict[str, Any], args: argparse.Namespace, progress
+) -> tuple[dict[str, dict[str, Any]], float]:
     """W2 for every scheme, one single-stream decode of each in turn per round (after a short
     warm-up each), for the same reason as W1: the ratios must not carry the machine's drift
     between schemes. Per scheme: the median decode tokens/s of its rounds, their spread, the CPU
@@ -159,20 +199,32 @@ def _w2_interleaved(engines: dict[str, Any], args: argparse.Namespace,
     read_gbps = read_bandwidth_gbps()
     progress(f"memory read bandwidth {read_gbps:.1f} GB/s")
     rates, cpu = _rounds(
-        engines, args.w2_reps,
+        engines,
+        args.w2_reps,
         lambda s, eng: single_stream(eng, shape, 32, 8, rngs[s]),
-        lambda s, eng, rep: single_stream(eng, shape, args.w2_context, args.w2_tokens, rngs[s])["tokens_per_s"],
-    )  # fmt: skip
+        lambda s, eng, rep: single_stream(eng, shape, args.w2_context, args.w2_tokens, rngs[s])[
+            "tokens_per_s"
+        ],
+    )
     out = {}
     for s, eng in engines.items():
         ordered = sorted(rates[s])
-        r = out[s] = {"context": args.w2_context, "tokens": args.w2_tokens, "repeats": args.w2_reps,
-                      "tokens_per_s": ordered[len(ordered) // 2], "tokens_per_s_min": ordered[0],
-                      "tokens_per_s_max": ordered[-1], "cpu_s": cpu[s], "interleaved": True}  # fmt: skip
+        r = out[s] = {
+            "context": args.w2_context,
+            "tokens": args.w2_tokens,
+            "repeats": args.w2_reps,
+            "tokens_per_s": ordered[len(ordered) // 2],
+            "tokens_per_s_min": ordered[0],
+            "tokens_per_s_max": ordered[-1],
+            "cpu_s": cpu[s],
+            "interleaved": True,
+        }
         _per_cpu_s(r, args.w2_tokens * args.w2_reps)
         roofline(r, eng, read_gbps)
-        progress(f"{s}: W2 single stream {r['tokens_per_s']:.1f} tokens/s ({r['of_roofline']:.0%} of the "
-                 f"{r['roofline_tokens_per_s']:.0f} memory bandwidth allows; interleaved)")  # fmt: skip
+        progress(
+            f"{s}: W2 single stream {r['tokens_per_s']:.1f} tokens/s ({r['of_roofline']:.0%} of the "
+            f"{r['roofline_tokens_per_s']:.0f} memory bandwidth allows; interleaved)"
+        )
     return out, read_gbps
 
 
@@ -182,8 +234,11 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     work = [w.strip() for w in args.workloads.split(",") if w.strip()]
-    result: dict[str, Any] = {"machine": machine_info(torch.get_num_threads()),
-                              "config": {k: v for k, v in vars(args).items() if k != "json"}, "schemes": {}}  # fmt: skip
+    result: dict[str, Any] = {
+        "machine": machine_info(torch.get_num_threads()),
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+        "schemes": {},
+    }
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     engines = {}
     for scheme in schemes:
@@ -204,8 +259,15 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
         if "W2" in work:
             row["W2"] = w2[scheme]
         if "W3" in work:
-            r = row["W3"] = _timed(engine_runs.end_to_end, eng, shape, args.w3_batch, args.w3_input,
-                                   args.w3_output, rng)  # fmt: skip
+            r = row["W3"] = _timed(
+                engine_runs.end_to_end,
+                eng,
+                shape,
+                args.w3_batch,
+                args.w3_input,
+                args.w3_output,
+                rng,
+            )
             r["tokens_per_s"] = r["output_tokens_per_s"]
             _per_cpu_s(r, args.w3_batch * args.w3_output)
             progress(f"{scheme}: W3 batch {r['tokens_per_s']:.0f} output tokens/s")
@@ -219,14 +281,34 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
                 r["vs_bf16"] = r["tokens_per_s"] / base[w]["tokens_per_s"]
                 r["vs_bf16_cpu"] = r["tokens_per_cpu_s"] / base[w]["tokens_per_cpu_s"]
                 if scheme != "none":
-                    targets.append({"workload": w, "scheme": scheme, "what": ">= bf16", "met": r["vs_bf16"] >= 1.0})
+                    targets.append(
+                        {
+                            "workload": w,
+                            "scheme": scheme,
+                            "what": ">= bf16",
+                            "met": r["vs_bf16"] >= 1.0,
+                        }
+                    )
             if (w, scheme) in RATIO_TARGETS and "vs_bf16" in r:
                 t = RATIO_TARGETS[(w, scheme)]
-                targets.append({"workload": w, "scheme": scheme, "what": f">= {t}x bf16", "met": r["vs_bf16"] >= t})
+                targets.append(
+                    {
+                        "workload": w,
+                        "scheme": scheme,
+                        "what": f">= {t}x bf16",
+                        "met": r["vs_bf16"] >= t,
+                    }
+                )
             if (w, scheme) in ABS_TARGETS:
                 t = ABS_TARGETS[(w, scheme)]
-                targets.append({"workload": w, "scheme": scheme, "what": f">= {t:.0f} tokens/s",
-                                "met": r["tokens_per_s"] >= t})  # fmt: skip
+                targets.append(
+                    {
+                        "workload": w,
+                        "scheme": scheme,
+                        "what": f">= {t:.0f} tokens/s",
+                        "met": r["tokens_per_s"] >= t,
+                    }
+                )
     result["targets"] = targets
     result["machine"]["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     return result
@@ -234,25 +316,54 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     work = [w for w in ("W1", "W2", "W3") if any(w in r for r in result["schemes"].values())]
-    head = ["scheme", *[f"{w} tok/s" for w in work], *[f"{w} vs bf16" for w in work],
-            *[f"{w} tok/cpu-s" for w in work], *[f"{w} cpu vs bf16" for w in work],
-            *(["W2 MB/token", "W2 of roofline"] if "W2" in work else [])]  # fmt: skip
+    head = [
+        "scheme",
+        *[f"{w} tok/s" for w in work],
+        *[f"{w} vs bf16" for w in work],
+        *[f"{w} tok/cpu-s" for w in work],
+        *[f"{w} cpu vs bf16" for w in work],
+        *(["W2 MB/token", "W2 of roofline"] if "W2" in work else []),
+    ]
     rows = []
     for s, r in result["schemes"].items():
-        rows.append([s, *[f"{r[w]['tokens_per_s']:.1f}" if w in r else "-" for w in work],
-                     *[f"{r[w]['vs_bf16']:.2f}x" if w in r and "vs_bf16" in r[w] else "-" for w in work],
-                     *[f"{r[w]['tokens_per_cpu_s']:.1f}" if w in r else "-" for w in work],
-                     *[f"{r[w]['vs_bf16_cpu']:.2f}x" if w in r and "vs_bf16_cpu" in r[w] else "-" for w in work],
-                     *([f"{(r['W2']['weight_bytes_per_token'] + r['W2']['kv_bytes_per_token']) / 1e6:.0f}",
-                        f"{r['W2']['of_roofline']:.0%}"] if "W2" in r else ["-", "-"] if "W2" in work else [])])  # fmt: skip
+        rows.append(
+            [
+                s,
+                *[f"{r[w]['tokens_per_s']:.1f}" if w in r else "-" for w in work],
+                *[f"{r[w]['vs_bf16']:.2f}x" if w in r and "vs_bf16" in r[w] else "-" for w in work],
+                *[f"{r[w]['tokens_per_cpu_s']:.1f}" if w in r else "-" for w in work],
+                *[
+                    f"{r[w]['vs_bf16_cpu']:.2f}x" if w in r and "vs_bf16_cpu" in r[w] else "-"
+                    for w in work
+                ],
+                *(
+                    [
+                        f"{(r['W2']['weight_bytes_per_token'] + r['W2']['kv_bytes_per_token']) / 1e6:.0f}",
+                        f"{r['W2']['of_roofline']:.0%}",
+                    ]
+                    if "W2" in r
+                    else ["-", "-"]
+                    if "W2" in work
+                    else []
+                ),
+            ]
+        )
     widths = [max(len(h), *(len(x[i]) for x in rows)) for i, h in enumerate(head)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(x, widths, strict=True)) for x in rows]
     for t in result["targets"]:
-        lines.append(f"target {t['workload']} {t['scheme']} {t['what']}: {'met' if t['met'] else 'MISSED'}")
+        lines.append(
+            f"target {t['workload']} {t['scheme']} {t['what']}: {'met' if t['met'] else 'MISSED'}"
+        )
     m = result["machine"]
-    bw = f", memory read {m['read_gbps']} GB/s (W2's roofline: that over MB/token)" if "read_gbps" in m else ""
-    lines.append(f"{m['cpu']}, {m['threads']} threads{bw}, load average at the end {m.get('load_avg_1m_at_end')}")
+    bw = (
+        f", memory read {m['read_gbps']} GB/s (W2's roofline: that over MB/token)"
+        if "read_gbps" in m
+        else ""
+    )
+    lines.append(
+        f"{m['cpu']}, {m['threads']} threads{bw}, load average at the end {m.get('load_avg_1m_at_end')}"
+    )
     return "\n".join(lines)
 
 
@@ -260,7 +371,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     def progress(msg: str) -> None:
-        print(f"[bench.engine_tiers {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+        print(
+            f"[bench.engine_tiers {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True
+        )
 
     result = run(args, progress)
     print(json.dumps(result, indent=2) if args.json else table(result))

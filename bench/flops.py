@@ -31,8 +31,15 @@ class ModelShape:
 
     @classmethod
     def of(cls, cfg) -> ModelShape:  # engine.model_config.ModelConfig
-        return cls(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                   cfg.intermediate_size, cfg.vocab_size)  # fmt: skip
+        return cls(
+            cfg.num_layers,
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            cfg.intermediate_size,
+            cfg.vocab_size,
+        )
 
     @property
     def layer_params(self) -> int:
@@ -43,7 +50,9 @@ class ModelShape:
     def flops(self, new_tokens: int, sampled: int, attended_pairs: int) -> float:
         """FLOPs of a step: `new_tokens` through every layer, `sampled` through the LM head,
         `attended_pairs` (query, key) pairs summed over the step's tokens, per layer."""
-        gemm = 2 * (self.layers * self.layer_params * new_tokens + self.hidden * self.vocab * sampled)
+        gemm = 2 * (
+            self.layers * self.layer_params * new_tokens + self.hidden * self.vocab * sampled
+        )
         attn = 4 * self.layers * self.heads * self.head_dim * attended_pairs
         return float(gemm + attn)
 
@@ -83,7 +92,13 @@ def linear_peak_gflops(dtype: torch.dtype, n: int, repeats: int = 5) -> tuple[fl
     weight = torch.randn(n, n).to(dtype)
     x = torch.randn(n, n).to(dtype)
     lin = Linear(weight)  # built as the engine builds its layers; called as its forward does
-    path = "linear_bf16" if lin.panels is not None else "onednn_prepacked" if lin.packed is not None else "F.linear"
+    path = (
+        "linear_bf16"
+        if lin.panels is not None
+        else "onednn_prepacked"
+        if lin.packed is not None
+        else "F.linear"
+    )
     with torch.inference_mode():
         return 2 * n**3 / _best_seconds(lambda: lin(x), repeats) / 1e9, path
 

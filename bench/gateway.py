@@ -51,31 +51,64 @@ SLOW_S = 0.001
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.gateway", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--tokenizer", default=DEFAULT_MODEL, help="model whose tokenizer the gateway uses")
-    p.add_argument("--requests", type=int, default=2000,
-                   help="sequential requests per path (overhead; a p99 needs thousands)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.gateway",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--tokenizer", default=DEFAULT_MODEL, help="model whose tokenizer the gateway uses"
+    )
+    p.add_argument(
+        "--requests",
+        type=int,
+        default=2000,
+        help="sequential requests per path (overhead; a p99 needs thousands)",
+    )
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per overhead request")
-    p.add_argument("--first-token-delay", type=float, default=0.0,
-                   help="seconds the overhead test's echo node waits before its first token, as an engine "
-                        "would (0, the default: the gateway's cost against a node that costs nothing)")
-    p.add_argument("--streams", type=int, default=10000, help="concurrent SSE streams through the gateway")
+    p.add_argument(
+        "--first-token-delay",
+        type=float,
+        default=0.0,
+        help="seconds the overhead test's echo node waits before its first token, as an engine "
+        "would (0, the default: the gateway's cost against a node that costs nothing)",
+    )
+    p.add_argument(
+        "--streams", type=int, default=10000, help="concurrent SSE streams through the gateway"
+    )
     p.add_argument("--stream-tokens", type=int, default=32)
-    p.add_argument("--token-delay", type=float, default=0.02,
-                   help="seconds between tokens at the echo node of the concurrency test")
-    p.add_argument("--connect-timeout", type=float, default=3.0,
-                   help="the gateway's [routing] connect_timeout_s to the nodes (3 s: its default)")
-    p.add_argument("--store", choices=("sqlite", "postgres"), default="sqlite",
-                   help="the gateway's store: SQLite (its default) or a PostgreSQL server started for the run "
-                        "(pgserver; the store of several gateways)")
-    p.add_argument("--traced", action="store_true",
-                   help="also a second gateway with OpenTelemetry tracing on (spans kept in its console ring, no "
-                        "export), its requests interleaved with the others: tracing's cost, per request")
-    p.add_argument("--otlp", action="store_true",
-                   help="also a gateway with tracing on that exports every span over OTLP/HTTP (the SDK's batch "
-                        "exporter) to a local receiver (bench.otlp_sink, a process of its own): the cost of "
-                        "tracing as a deployment with Jaeger or Tempo pays it. Implies --traced")
+    p.add_argument(
+        "--token-delay",
+        type=float,
+        default=0.02,
+        help="seconds between tokens at the echo node of the concurrency test",
+    )
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=3.0,
+        help="the gateway's [routing] connect_timeout_s to the nodes (3 s: its default)",
+    )
+    p.add_argument(
+        "--store",
+        choices=("sqlite", "postgres"),
+        default="sqlite",
+        help="the gateway's store: SQLite (its default) or a PostgreSQL server started for the run "
+        "(pgserver; the store of several gateways)",
+    )
+    p.add_argument(
+        "--traced",
+        action="store_true",
+        help="also a second gateway with OpenTelemetry tracing on (spans kept in its console ring, no "
+        "export), its requests interleaved with the others: tracing's cost, per request",
+    )
+    p.add_argument(
+        "--otlp",
+        action="store_true",
+        help="also a gateway with tracing on that exports every span over OTLP/HTTP (the SDK's batch "
+        "exporter) to a local receiver (bench.otlp_sink, a process of its own): the cost of "
+        "tracing as a deployment with Jaeger or Tempo pays it. Implies --traced",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
     args.traced = args.traced or args.otlp
@@ -105,7 +138,9 @@ def _ms(x: float | None) -> float | None:
     return None if x is None else round(x * 1e3, 3)
 
 
-async def _stream(s: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]) -> tuple[float, float, int]:
+async def _stream(
+    s: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> tuple[float, float, int]:
     """(ttft, latency, tokens) of one streamed completion; raises on an HTTP error."""
     t0 = time.perf_counter()
     ttft = None
@@ -121,21 +156,38 @@ async def _stream(s: aiohttp.ClientSession, url: str, body: dict[str, Any], head
     return ttft or 0.0, time.perf_counter() - t0, n
 
 
-async def _overhead(node: str, gw: str, relay: str, key: str, ids: list[int],
-                    args: argparse.Namespace, traced: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:  # fmt: skip
+async def _overhead(
+    node: str,
+    gw: str,
+    relay: str,
+    key: str,
+    ids: list[int],
+    args: argparse.Namespace,
+    traced: dict[str, tuple[str, str]] | None = None,
+) -> dict[str, Any]:
     """`traced`: path name -> (url, key) of the gateways with tracing on, more paths."""
-    paths = {"node": (node, {"prompt": ids}, {}),
-             "gateway": (gw, {"model": "echo", "prompt": PROMPT}, {"Authorization": f"Bearer {key}"}),
-             "bare_relay": (relay, {"prompt": ids}, {})}  # fmt: skip
+    paths = {
+        "node": (node, {"prompt": ids}, {}),
+        "gateway": (gw, {"model": "echo", "prompt": PROMPT}, {"Authorization": f"Bearer {key}"}),
+        "bare_relay": (relay, {"prompt": ids}, {}),
+    }
     for name, (url, tkey) in (traced or {}).items():
-        paths[name] = (url, {"model": "echo", "prompt": PROMPT}, {"Authorization": f"Bearer {tkey}"})
+        paths[name] = (
+            url,
+            {"model": "echo", "prompt": PROMPT},
+            {"Authorization": f"Bearer {tkey}"},
+        )
     times: dict[str, dict[str, list[float]]] = {p: {"ttft": [], "latency": []} for p in paths}
     common = {"max_tokens": args.max_tokens, "stream": True, "temperature": 0}
     async with aiohttp.ClientSession() as s:
         for i in range(args.requests):
             for name, (url, body, headers) in paths.items():
-                t, lat, _ = await _stream(s, url + "/v1/completions", {**body, **common},
-                                          {**headers, "X-Request-Id": f"bench-{i}"})  # fmt: skip
+                t, lat, _ = await _stream(
+                    s,
+                    url + "/v1/completions",
+                    {**body, **common},
+                    {**headers, "X-Request-Id": f"bench-{i}"},
+                )
                 times[name]["ttft"].append(t)
                 times[name]["latency"].append(lat)
     out: dict[str, Any] = {"requests": args.requests}
@@ -151,7 +203,9 @@ async def _overhead(node: str, gw: str, relay: str, key: str, ids: list[int],
             x[f"{prefix}_p50_ms"], x[f"{prefix}_p99_ms"] = paired["p50_ms"], paired["p99_ms"]
         out[metric] = x
     out["target_overhead_p99_ms"] = TARGET_P99_MS
-    out["meets_target"] = {m: (out[m]["overhead_p99_ms"] or 1e9) < TARGET_P99_MS for m in ("ttft", "latency")}
+    out["meets_target"] = {
+        m: (out[m]["overhead_p99_ms"] or 1e9) < TARGET_P99_MS for m in ("ttft", "latency")
+    }
     return out
 
 
@@ -190,7 +244,12 @@ async def _with_memory(pid: int, work: Any) -> tuple[Any, dict[str, float]]:
 
 
 async def _concurrency(gw: str, key: str, args: argparse.Namespace) -> dict[str, Any]:
-    body = {"model": "echo-slow", "prompt": PROMPT, "max_tokens": args.stream_tokens, "stream": True}
+    body = {
+        "model": "echo-slow",
+        "prompt": PROMPT,
+        "max_tokens": args.stream_tokens,
+        "stream": True,
+    }
     headers = {"Authorization": f"Bearer {key}"}
     errors: dict[str, int] = {}
     samples: dict[str, str] = {}  # one message per error kind
@@ -213,8 +272,15 @@ async def _concurrency(gw: str, key: str, args: argparse.Namespace) -> dict[str,
         t0 = time.perf_counter()
         await asyncio.gather(*[one() for _ in range(args.streams)])
         wall = time.perf_counter() - t0
-    return {"streams": args.streams, "completed": len(ttfts), "errors": errors, "error_samples": samples,
-            "wall_s": round(wall, 3), "ttft": _summary(ttfts), "tokens_per_s": round(tokens / wall, 1)}  # fmt: skip
+    return {
+        "streams": args.streams,
+        "completed": len(ttfts),
+        "errors": errors,
+        "error_samples": samples,
+        "wall_s": round(wall, 3),
+        "ttft": _summary(ttfts),
+        "tokens_per_s": round(tokens / wall, 1),
+    }
 
 
 def _otlp_settled(url: str, quiet_s: float = 6.0, timeout_s: float = 120.0) -> dict[str, int]:
@@ -232,8 +298,16 @@ def _otlp_settled(url: str, quiet_s: float = 6.0, timeout_s: float = 120.0) -> d
         time.sleep(0.1)  # polling the receiver's count, not covering a race
 
 
-def _write_config(tmp: Path, port: int, fast: str, slow: str, tokenizer: str, streams: int,
-                  connect_timeout: float, store: str = "") -> Path:  # fmt: skip
+def _write_config(
+    tmp: Path,
+    port: int,
+    fast: str,
+    slow: str,
+    tokenizer: str,
+    streams: int,
+    connect_timeout: float,
+    store: str = "",
+) -> Path:
     cfg = tmp / "gateway.toml"
     cfg.write_text(f"""
 [server]
@@ -277,8 +351,12 @@ def _postgres(tmp: Path) -> Iterator[str]:
 def _admin(url: str, admin: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
     import urllib.request
 
-    req = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Authorization": f"Bearer {admin}", "Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        url + path,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Authorization": f"Bearer {admin}", "Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=30) as r:
         return json.loads(r.read())  # type: ignore[no-any-return]
 
@@ -292,19 +370,59 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         tmp = Path(d)
         nport, sport, gport, rport = free_port(), free_port(), free_port(), free_port()
         # one echo node answers at once (overhead), the other spaces its tokens (streams overlap)
-        node = Proc([sys.executable, "-m", "bench.echo_node", "--port", str(nport), "--first-token-delay",
-                     str(args.first_token_delay)], nport, tmp / "echo.log")  # fmt: skip
-        slow = Proc([sys.executable, "-m", "bench.echo_node", "--port", str(sport), "--token-delay",
-                     str(args.token_delay)], sport, tmp / "echo-slow.log")  # fmt: skip
-        relay = Proc([sys.executable, "-m", "bench.bare_relay", "--port", str(rport), "--node", node.url], rport,
-                     tmp / "relay.log")  # fmt: skip
+        node = Proc(
+            [
+                sys.executable,
+                "-m",
+                "bench.echo_node",
+                "--port",
+                str(nport),
+                "--first-token-delay",
+                str(args.first_token_delay),
+            ],
+            nport,
+            tmp / "echo.log",
+        )
+        slow = Proc(
+            [
+                sys.executable,
+                "-m",
+                "bench.echo_node",
+                "--port",
+                str(sport),
+                "--token-delay",
+                str(args.token_delay),
+            ],
+            sport,
+            tmp / "echo-slow.log",
+        )
+        relay = Proc(
+            [sys.executable, "-m", "bench.bare_relay", "--port", str(rport), "--node", node.url],
+            rport,
+            tmp / "relay.log",
+        )
         admin = secrets.token_urlsafe(32)
         store = ""
         if args.store == "postgres":
             store = stack.enter_context(_postgres(tmp))
-        cfg = _write_config(tmp, gport, node.url, slow.url, str(tok_dir), args.streams, args.connect_timeout, store)
-        gw = Proc([sys.executable, "-m", "duet", "gateway", "--config", str(cfg), "--log-level", "WARNING"], gport,
-                  tmp / "gateway.log", env={"DUET_ADMIN_KEY": admin, "DUET_HOME": str(tmp)})  # fmt: skip
+        cfg = _write_config(
+            tmp, gport, node.url, slow.url, str(tok_dir), args.streams, args.connect_timeout, store
+        )
+        gw = Proc(
+            [
+                sys.executable,
+                "-m",
+                "duet",
+                "gateway",
+                "--config",
+                str(cfg),
+                "--log-level",
+                "WARNING",
+            ],
+            gport,
+            tmp / "gateway.log",
+            env={"DUET_ADMIN_KEY": admin, "DUET_HOME": str(tmp)},
+        )
         procs = [node, slow, relay, gw]
         # the same gateway with tracing on, each in a store of its own: spans kept in the console's
         # ring only ("gateway_traced"), and ring plus an OTLP exporter to a local receiver ("gateway_otlp")
@@ -312,20 +430,44 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sink = None
         if args.otlp:
             oport = free_port()
-            sink = Proc([sys.executable, "-m", "bench.otlp_sink", "--port", str(oport)], oport, tmp / "otlp.log")
+            sink = Proc(
+                [sys.executable, "-m", "bench.otlp_sink", "--port", str(oport)],
+                oport,
+                tmp / "otlp.log",
+            )
             procs.append(sink)
         for name in ["gateway_traced"] * args.traced + ["gateway_otlp"] * args.otlp:
             (tmp / name).mkdir()
             tport = free_port()
-            tcfg = _write_config(tmp / name, tport, node.url, slow.url, str(tok_dir), args.streams,
-                                 args.connect_timeout)  # fmt: skip
+            tcfg = _write_config(
+                tmp / name,
+                tport,
+                node.url,
+                slow.url,
+                str(tok_dir),
+                args.streams,
+                args.connect_timeout,
+            )
             env = {"DUET_ADMIN_KEY": admin, "DUET_HOME": str(tmp / name), "DUET_TRACING": "1"}
             if name == "gateway_otlp" and sink is not None:
                 # the SDK's batch exporter with its defaults (a batch every 5 s or 512 spans), as a
                 # deployment runs it
                 env["OTEL_EXPORTER_OTLP_ENDPOINT"] = sink.url
-            variants[name] = Proc([sys.executable, "-m", "duet", "gateway", "--config", str(tcfg), "--log-level",
-                                   "WARNING"], tport, tmp / f"{name}.log", env=env)  # fmt: skip
+            variants[name] = Proc(
+                [
+                    sys.executable,
+                    "-m",
+                    "duet",
+                    "gateway",
+                    "--config",
+                    str(tcfg),
+                    "--log-level",
+                    "WARNING",
+                ],
+                tport,
+                tmp / f"{name}.log",
+                env=env,
+            )
             procs.append(variants[name])
         with running(*procs):
             _admin(gw.url, admin, "/admin/teams", {"id": "bench"})
@@ -334,29 +476,45 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             traced: dict[str, tuple[str, str]] = {}
             for name, tgw in variants.items():
                 _admin(tgw.url, admin, "/admin/teams", {"id": "bench"})
-                traced[name] = (tgw.url, _admin(tgw.url, admin, "/admin/keys", {"team_id": "bench"})["key"])
+                traced[name] = (
+                    tgw.url,
+                    _admin(tgw.url, admin, "/admin/keys", {"team_id": "bench"})["key"],
+                )
                 measured.append((name, tgw.proc))
             if not args.json:
                 print(f"overhead: {args.requests} sequential requests per path …", file=sys.stderr)
             cpu0 = {p: _cpu_s(proc.pid) for p, proc in measured}
             overhead = asyncio.run(_overhead(node.url, gw.url, relay.url, key, ids, args, traced))
-            if sink is not None:  # every span of the run received, so its export is in the CPU read below
+            if (
+                sink is not None
+            ):  # every span of the run received, so its export is in the CPU read below
                 overhead["otlp"] = _otlp_settled(sink.url)
             # CPU per request (every thread, user + system): what a core sustains, which the
             # machine's noise hardly moves — unlike a p99 on shared cores
             overhead["cpu_ms_per_request"] = {
-                p: round((_cpu_s(proc.pid) - cpu0[p]) * 1000 / args.requests, 3) for p, proc in measured}
+                p: round((_cpu_s(proc.pid) - cpu0[p]) * 1000 / args.requests, 3)
+                for p, proc in measured
+            }
             if not args.json:
                 print(f"concurrency: {args.streams} streams at once …", file=sys.stderr)
             conc, mem = asyncio.run(_with_memory(gw.proc.pid, _concurrency(gw.url, key, args)))
-            mem["kib_per_stream"] = round((mem["rss_peak_mib"] - mem["rss_idle_mib"]) * 1024 / args.streams, 1)
+            mem["kib_per_stream"] = round(
+                (mem["rss_peak_mib"] - mem["rss_idle_mib"]) * 1024 / args.streams, 1
+            )
             conc["gateway_memory"] = mem
             if conc["errors"]:  # the gateway's side of the story: its last warnings
-                warnings = [ln for ln in gw.log().splitlines() if " WARNING " in ln or " ERROR " in ln]
+                warnings = [
+                    ln for ln in gw.log().splitlines() if " WARNING " in ln or " ERROR " in ln
+                ]
                 conc["gateway_warnings"] = warnings[:10]  # the first: the cause, not its echoes
-    return {"bench": "gateway", "cpus": len(os.sched_getaffinity(0)), "load_average_1m": round(os.getloadavg()[0], 2),
-            "overhead": overhead, "concurrency": conc,
-            "config": {k: v for k, v in vars(args).items() if k != "json"}}  # fmt: skip
+    return {
+        "bench": "gateway",
+        "cpus": len(os.sched_getaffinity(0)),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "overhead": overhead,
+        "concurrency": conc,
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -369,28 +527,39 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gateway overhead over {o['requests']} sequential streamed requests:")
     for name in ("ttft", "latency"):
         x = o[name]
-        print(f"  {name:8s} node p50 {x['node']['p50_ms']} ms p99 {x['node']['p99_ms']} ms | gateway p50 "
-              f"{x['gateway']['p50_ms']} ms p99 {x['gateway']['p99_ms']} ms | overhead p50 {x['overhead_p50_ms']} ms "
-              f"p99 {x['overhead_p99_ms']} ms (target < {TARGET_P99_MS} ms: "
-              f"{'met' if o['meets_target'][name] else 'NOT met'}) | a bare relay's overhead p50 "
-              f"{x['bare_relay_overhead_p50_ms']} ms p99 {x['bare_relay_overhead_p99_ms']} ms")  # fmt: skip
+        print(
+            f"  {name:8s} node p50 {x['node']['p50_ms']} ms p99 {x['node']['p99_ms']} ms | gateway p50 "
+            f"{x['gateway']['p50_ms']} ms p99 {x['gateway']['p99_ms']} ms | overhead p50 {x['overhead_p50_ms']} ms "
+            f"p99 {x['overhead_p99_ms']} ms (target < {TARGET_P99_MS} ms: "
+            f"{'met' if o['meets_target'][name] else 'NOT met'}) | a bare relay's overhead p50 "
+            f"{x['bare_relay_overhead_p50_ms']} ms p99 {x['bare_relay_overhead_p99_ms']} ms"
+        )
         slow = ", ".join(f"{p} {v:.2%}" for p, v in x["slow_share"].items())
         print(f"  {'':8s} requests over 1 ms slower than their path's median: {slow}")
     cpu = o["cpu_ms_per_request"]
     print(f"  CPU per request: gateway {cpu['gateway']} ms, bare relay {cpu['bare_relay']} ms")
     t = o["latency"]
-    for name, what in (("gateway_traced", "tracing on (ring only)"), ("gateway_otlp", "tracing on + OTLP export")):
+    for name, what in (
+        ("gateway_traced", "tracing on (ring only)"),
+        ("gateway_otlp", "tracing on + OTLP export"),
+    ):
         if name in cpu:
-            print(f"  {what}: CPU per request {cpu[name]} ms ({cpu[name] / cpu['gateway']:.2f}x the untraced "
-                  f"gateway's), latency overhead p50 {t[f'{name}_overhead_p50_ms']} ms p99 "
-                  f"{t[f'{name}_overhead_p99_ms']} ms")  # fmt: skip
+            print(
+                f"  {what}: CPU per request {cpu[name]} ms ({cpu[name] / cpu['gateway']:.2f}x the untraced "
+                f"gateway's), latency overhead p50 {t[f'{name}_overhead_p50_ms']} ms p99 "
+                f"{t[f'{name}_overhead_p99_ms']} ms"
+            )
     if "otlp" in o:
         x = o["otlp"]
-        print(f"  OTLP receiver: {x['spans']} spans in {x['exports']} exports, {x['bytes']} bytes "
-              f"({x['spans'] / o['requests']:.1f} spans per request)")  # fmt: skip
-    print(f"{c['streams']} concurrent streams: {c['completed']} completed, errors {c['errors']}, wall {c['wall_s']} s, "
-          f"TTFT p50 {c['ttft']['p50_ms']} ms p99 {c['ttft']['p99_ms']} ms, {c['tokens_per_s']} tokens/s, gateway RSS "
-          f"{c['gateway_memory']}")  # fmt: skip
+        print(
+            f"  OTLP receiver: {x['spans']} spans in {x['exports']} exports, {x['bytes']} bytes "
+            f"({x['spans'] / o['requests']:.1f} spans per request)"
+        )
+    print(
+        f"{c['streams']} concurrent streams: {c['completed']} completed, errors {c['errors']}, wall {c['wall_s']} s, "
+        f"TTFT p50 {c['ttft']['p50_ms']} ms p99 {c['ttft']['p99_ms']} ms, {c['tokens_per_s']} tokens/s, gateway RSS "
+        f"{c['gateway_memory']}"
+    )
     return 0
 
 

@@ -49,20 +49,41 @@ _ROOT = Path(__file__).resolve().parent.parent
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.kernel_ab", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--base", default="HEAD", help="git revision whose engine/kernels/ is the baseline (default HEAD)")
-    ap.add_argument("--base-dir", type=Path, default=None,
-                    help="a directory of kernel sources as the baseline instead of a revision (e.g. a variant "
-                         "being tried)")  # fmt: skip
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.kernel_ab",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--base",
+        default="HEAD",
+        help="git revision whose engine/kernels/ is the baseline (default HEAD)",
+    )
+    ap.add_argument(
+        "--base-dir",
+        type=Path,
+        default=None,
+        help="a directory of kernel sources as the baseline instead of a revision (e.g. a variant "
+        "being tried)",
+    )
     ap.add_argument("--model", default="smollm2-135m-instruct", help="model name or directory")
-    ap.add_argument("--schemes", default="none,int8,int4,int8-w8a8,int4-w4a8",
-                    help="comma-separated quantization schemes ('none': bf16)")  # fmt: skip
+    ap.add_argument(
+        "--schemes",
+        default="none,int8,int4,int8-w8a8,int4-w4a8",
+        help="comma-separated quantization schemes ('none': bf16)",
+    )
     ap.add_argument("--rows", default="1,8,32,512", help="comma-separated activation row counts")
-    ap.add_argument("--reps", type=int, default=15, help="passes per build at each row count (median)")
-    ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: the engine's)")
-    ap.add_argument("--head", action="store_true",
-                    help="time the lm_head (fp32 logits from the fp32 final-norm rows) instead of the linears")
+    ap.add_argument(
+        "--reps", type=int, default=15, help="passes per build at each row count (median)"
+    )
+    ap.add_argument(
+        "--threads", type=int, default=None, help="kernel threads (default: the engine's)"
+    )
+    ap.add_argument(
+        "--head",
+        action="store_true",
+        help="time the lm_head (fp32 logits from the fp32 final-norm rows) instead of the linears",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args(argv)
@@ -83,10 +104,15 @@ def base_library(rev: str, tmp: Path):
     Raises ValueError with the reason when the revision cannot be read or its kernels do not build."""
     from engine.kernels import build_library
 
-    proc = subprocess.run(["git", "-C", str(_ROOT), "archive", "--format=tar", rev, "engine/kernels"],
-                          capture_output=True, timeout=120)  # fmt: skip
+    proc = subprocess.run(
+        ["git", "-C", str(_ROOT), "archive", "--format=tar", rev, "engine/kernels"],
+        capture_output=True,
+        timeout=120,
+    )
     if proc.returncode != 0:
-        raise ValueError(f"git archive {rev!r} failed: {proc.stderr.decode(errors='replace').strip()[:300]}")
+        raise ValueError(
+            f"git archive {rev!r} failed: {proc.stderr.decode(errors='replace').strip()[:300]}"
+        )
     with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as tar:
         tar.extractall(tmp, filter="data")
     return build_library(tmp / "engine" / "kernels", private_copy=True)
@@ -96,11 +122,20 @@ def _engine(model: str, scheme: str, threads: int | None):
     from engine.config import EngineConfig
     from engine.core import EngineCore
 
-    return EngineCore(EngineConfig(
-        model=model, dtype="bfloat16", device="cpu", threads=threads, max_num_seqs=8, max_num_batched_tokens=2048,
-        enable_prefix_caching=False, num_kv_blocks=80, max_model_len=1024,
-        quantization=None if scheme == "none" else scheme,
-    ))  # fmt: skip
+    return EngineCore(
+        EngineConfig(
+            model=model,
+            dtype="bfloat16",
+            device="cpu",
+            threads=threads,
+            max_num_seqs=8,
+            max_num_batched_tokens=2048,
+            enable_prefix_caching=False,
+            num_kv_blocks=80,
+            max_model_len=1024,
+            quantization=None if scheme == "none" else scheme,
+        )
+    )
 
 
 def _use(lins: list[Any], lib) -> None:
@@ -112,7 +147,9 @@ def _use(lins: list[Any], lib) -> None:
             lin.lib = lib
 
 
-def compare(lins: list[Any], libs: tuple[Any, Any], rows: int, reps: int, seed: int) -> dict[str, Any]:
+def compare(
+    lins: list[Any], libs: tuple[Any, Any], rows: int, reps: int, seed: int
+) -> dict[str, Any]:
     """Median ms of one pass over `lins` at `rows` rows with each library, alternating, and whether
     their outputs are bitwise identical. The lm_head (a LogitsHead) gets fp32 rows, as the final
     norm gives it; the linears bf16."""
@@ -121,6 +158,7 @@ def compare(lins: list[Any], libs: tuple[Any, Any], rows: int, reps: int, seed: 
     from engine.logits_head import LogitsHead
 
     g = torch.Generator().manual_seed(seed)
+
     def row(lin) -> Any:
         if isinstance(lin, LogitsHead):
             width = lin.q.in_features if lin.q is not None else lin.weight.shape[1]
@@ -154,11 +192,17 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
 
     this = kernels_lib()
     if this is None:
-        raise ValueError("this checkout's kernels are not available (no C compiler, or DUET_DISABLE_KERNELS)")
+        raise ValueError(
+            "this checkout's kernels are not available (no C compiler, or DUET_DISABLE_KERNELS)"
+        )
     import torch
 
-    result: dict[str, Any] = {"machine": machine_info(args.threads or torch.get_num_threads()), "base": args.base,
-                              "layers": "lm_head" if args.head else "linears", "schemes": {}}  # fmt: skip
+    result: dict[str, Any] = {
+        "machine": machine_info(args.threads or torch.get_num_threads()),
+        "base": args.base,
+        "layers": "lm_head" if args.head else "linears",
+        "schemes": {},
+    }
     with tempfile.TemporaryDirectory(prefix="duet-kernel-ab-") as tmp:
         if args.base_dir is not None:
             from engine.kernels import build_library
@@ -178,8 +222,10 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
             rows = []
             for r in args.row_list:
                 row = compare(lins, (base, this), r, args.reps, args.seed)
-                progress(f"{scheme}: {r} rows: base {row['base_ms']:.2f} ms, this {row['this_ms']:.2f} ms "
-                         f"({row['ratio']:.3f}x), outputs {'identical' if row['identical'] else 'DIFFER'}")  # fmt: skip
+                progress(
+                    f"{scheme}: {r} rows: base {row['base_ms']:.2f} ms, this {row['this_ms']:.2f} ms "
+                    f"({row['ratio']:.3f}x), outputs {'identical' if row['identical'] else 'DIFFER'}"
+                )
                 rows.append(row)
             _use(lins, this)
             result["schemes"][scheme] = rows
@@ -191,11 +237,15 @@ def table(result: dict[str, Any]) -> str:
     lines = [f"{'scheme':>10} {'rows':>5} {'base ms':>9} {'this ms':>9} {'this/base':>9}  outputs"]
     for scheme, rows in result["schemes"].items():
         for r in rows:
-            lines.append(f"{scheme:>10} {r['rows']:>5} {r['base_ms']:>9.2f} {r['this_ms']:>9.2f} {r['ratio']:>8.3f}x  "
-                         f"{'identical' if r['identical'] else 'differ'}")  # fmt: skip
+            lines.append(
+                f"{scheme:>10} {r['rows']:>5} {r['base_ms']:>9.2f} {r['this_ms']:>9.2f} {r['ratio']:>8.3f}x  "
+                f"{'identical' if r['identical'] else 'differ'}"
+            )
     m = result["machine"]
-    lines.append(f"{result['layers']}; base {result['base']}; {m.get('cpu')}, load average at the end "
-                 f"{m.get('load_avg_1m_at_end')}")
+    lines.append(
+        f"{result['layers']}; base {result['base']}; {m.get('cpu')}, load average at the end "
+        f"{m.get('load_avg_1m_at_end')}"
+    )
     return "\n".join(lines)
 
 
@@ -210,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"bench.kernel_ab: {e}", file=sys.stderr)
         return 2
-    result["machine"]["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    result["machine"]["load_avg_1m_at_end"] = (
+        round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None
+    )
     print(json.dumps(result, indent=1) if args.json else table(result))
     return 0
 

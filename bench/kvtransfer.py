@@ -73,17 +73,29 @@ def _ints(text: str) -> list[int]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m bench.kvtransfer", description=DESCRIPTION,
+        prog="python -m bench.kvtransfer",
+        description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="Wall-clock figures need a quiet machine: check the load. UCX settings come from "
-               "the environment (UCX_TLS, ...) of this process, which the owner inherits.",
-    )  # fmt: skip
-    p.add_argument("--backends", default="available",
-                   help="comma-separated nixl,ucx,tcp, or 'available' (default: %(default)s)")  # fmt: skip
-    p.add_argument("--blocks", type=_ints, default=None,
-                   help="transfer sizes in blocks (default 1,16,64,256; quick 1,16)")  # fmt: skip
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions per size (default 30; quick 5)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed repetitions first (default 5; quick 2)")
+        "the environment (UCX_TLS, ...) of this process, which the owner inherits.",
+    )
+    p.add_argument(
+        "--backends",
+        default="available",
+        help="comma-separated nixl,ucx,tcp, or 'available' (default: %(default)s)",
+    )
+    p.add_argument(
+        "--blocks",
+        type=_ints,
+        default=None,
+        help="transfer sizes in blocks (default 1,16,64,256; quick 1,16)",
+    )
+    p.add_argument(
+        "--reps", type=int, default=None, help="timed repetitions per size (default 30; quick 5)"
+    )
+    p.add_argument(
+        "--warmup", type=int, default=None, help="untimed repetitions first (default 5; quick 2)"
+    )
     p.add_argument(
         "--memcpy-threads",
         type=int,
@@ -101,11 +113,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="NixlTransport option for both processes, e.g. progress_thread=1 (repeatable)",
     )
-    p.add_argument("--pool-blocks", type=int, default=None,
-                   help=f"blocks per pool (default {POOL_BLOCKS}; quick {QUICK_POOL_BLOCKS}); "
-                        "at least twice the largest transfer")  # fmt: skip
-    p.add_argument("--quick", action="store_true",
-                   help="1,16 blocks, 5 reps, small pools: a smoke test, not a measurement")  # fmt: skip
+    p.add_argument(
+        "--pool-blocks",
+        type=int,
+        default=None,
+        help=f"blocks per pool (default {POOL_BLOCKS}; quick {QUICK_POOL_BLOCKS}); "
+        "at least twice the largest transfer",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="1,16 blocks, 5 reps, small pools: a smoke test, not a measurement",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--seed", type=int, default=0, help="seed of the scattered block ids")
     # Internal: run as the owner ("P") process of one backend.
@@ -115,14 +134,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(a.backends.split(",")) - {"available", "nixl", "ucx", "tcp"}
     if unknown:
         p.error(f"unknown backend(s) {', '.join(sorted(unknown))}; choose from nixl, ucx, tcp")
-    preset = ({"blocks": [1, 16], "reps": 5, "warmup": 2, "pool_blocks": QUICK_POOL_BLOCKS} if a.quick else
-              {"blocks": [1, 16, 64, 256], "reps": 30, "warmup": 5, "pool_blocks": POOL_BLOCKS})  # fmt: skip
+    preset = (
+        {"blocks": [1, 16], "reps": 5, "warmup": 2, "pool_blocks": QUICK_POOL_BLOCKS}
+        if a.quick
+        else {"blocks": [1, 16, 64, 256], "reps": 30, "warmup": 5, "pool_blocks": POOL_BLOCKS}
+    )
     for k, v in preset.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     if a.reps < 1 or a.warmup < 0 or not a.blocks or min(a.blocks) < 1:
         p.error("--reps must be >= 1, --warmup >= 0 and every --blocks size >= 1")
-    need = MIN_POOL_BLOCKS if a.owner else max(2 * max(a.blocks), MIN_POOL_BLOCKS)  # the owner never reads
+    need = (
+        MIN_POOL_BLOCKS if a.owner else max(2 * max(a.blocks), MIN_POOL_BLOCKS)
+    )  # the owner never reads
     if a.pool_blocks < need:
         p.error(f"--pool-blocks {a.pool_blocks} is too small: these sizes need at least {need}")
     return a
@@ -184,8 +208,16 @@ async def _owner(backend: str, a: argparse.Namespace) -> int:
 
 
 def _start_owner(backend: str, a: argparse.Namespace) -> tuple[subprocess.Popen[bytes], bytes]:
-    cmd = [sys.executable, "-m", "bench.kvtransfer", "--owner", "--backend", backend,
-           "--pool-blocks", str(a.pool_blocks)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.kvtransfer",
+        "--owner",
+        "--backend",
+        backend,
+        "--pool-blocks",
+        str(a.pool_blocks),
+    ]
     cmd += ["--no-hugepages"] if a.no_hugepages else []
     for item in a.nixl_option:
         cmd += ["--nixl-option", item]
@@ -208,7 +240,9 @@ def _ms(xs: list[float]) -> dict[str, float]:
 class _Baselines:
     """Plain copies of one read's block pattern between two pools of this process."""
 
-    def __init__(self, src: Any, dst: Any, remote_ids: list[int], local_ids: list[int], contiguous_at: int) -> None:
+    def __init__(
+        self, src: Any, dst: Any, remote_ids: list[int], local_ids: list[int], contiguous_at: int
+    ) -> None:
         import torch
 
         from kvtransfer.regions import coalesce
@@ -224,7 +258,9 @@ class _Baselines:
     def runs_copy(self) -> None:
         """One copy_ per run of blocks consecutive on both sides (what NIXL merges too)."""
         for r in self.runs:
-            self.dst[r.local_start : r.local_start + r.count].copy_(self.src[r.remote_start : r.remote_start + r.count])
+            self.dst[r.local_start : r.local_start + r.count].copy_(
+                self.src[r.remote_start : r.remote_start + r.count]
+            )
 
     def index_copy(self) -> None:
         """A gather into a staging buffer, then a scatter: two passes, no Python loop."""
@@ -294,7 +330,9 @@ async def _bench_backend(backend: str, a: argparse.Namespace, log: Any) -> dict[
                     getattr(base, k)()
                     t3 = time.perf_counter()
                     if rep == 0 and k != "contiguous_copy" and not base.correct():
-                        raise RuntimeError(f"baseline {k} copied the wrong bytes for {count} blocks")
+                        raise RuntimeError(
+                            f"baseline {k} copied the wrong bytes for {count} blocks"
+                        )
                     if rep >= a.warmup:
                         times[k].append(t3 - t2)
                 if rep >= a.warmup:
@@ -341,10 +379,25 @@ def _sweep(a: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
     out = []
     for name, env, extra in UCX_SWEEP:
         log(f"sweep: nixl with {name}")
-        cmd = [sys.executable, "-m", "bench.kvtransfer", "--backends", "nixl", "--json",
-               "--blocks", ",".join(map(str, a.blocks)), "--reps", str(a.reps),
-               "--warmup", str(a.warmup), "--seed", str(a.seed), "--pool-blocks", str(a.pool_blocks),
-               *extra]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.kvtransfer",
+            "--backends",
+            "nixl",
+            "--json",
+            "--blocks",
+            ",".join(map(str, a.blocks)),
+            "--reps",
+            str(a.reps),
+            "--warmup",
+            str(a.warmup),
+            "--seed",
+            str(a.seed),
+            "--pool-blocks",
+            str(a.pool_blocks),
+            *extra,
+        ]
         r = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True)
         if r.returncode != 0:
             out.append(
@@ -358,8 +411,10 @@ def _sweep(a: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
 
 
 def _table(report: dict[str, Any]) -> str:
-    head = (f"{'backend':8s}{'blocks':>7s} {'pattern':11s}{'MB':>8s}{'latency ms':>12s}{'p10-p90':>16s}{'GB/s':>8s}"
-            f"{'memcpy GB/s':>13s} {'(method)':12s}{'contig GB/s':>12s}{'ratio':>7s}")  # fmt: skip
+    head = (
+        f"{'backend':8s}{'blocks':>7s} {'pattern':11s}{'MB':>8s}{'latency ms':>12s}{'p10-p90':>16s}{'GB/s':>8s}"
+        f"{'memcpy GB/s':>13s} {'(method)':12s}{'contig GB/s':>12s}{'ratio':>7s}"
+    )
     lines = [head, "-" * len(head)]
     for r in report["results"]:
         band = f"{r['latency_p10_ms']:.3f}-{r['latency_p90_ms']:.3f}"
@@ -417,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         "statistic": "median (p10/p90 beside latency)",
         "memcpy_threads": a.memcpy_threads,
         "memcpy": "fastest of runs_copy (one copy_ per run of blocks consecutive on both sides) and "
-                  "index_copy (index_select gather + index_copy_ scatter), same block pattern and threads; "
-                  "contiguous_copy: one copy_ of the same total bytes",
+        "index_copy (index_select gather + index_copy_ scatter), same block pattern and threads; "
+        "contiguous_copy: one copy_ of the same total bytes",
         "hugepages": not a.no_hugepages,
         "nixl_options": a.nixl_option,
         "cpus": os.cpu_count(),
@@ -432,8 +487,10 @@ def main(argv: list[str] | None = None) -> int:
         reason = unavailable_reason(backend)
         if reason is not None:
             if strict_mode():  # CI: a backend that cannot run is a failure, not a skipped row
-                raise FallbackRefused(f"kv transfer backend {backend} cannot run here ({reason}); "
-                                      "strict mode (CI/DUET_STRICT) refuses to skip it")  # fmt: skip
+                raise FallbackRefused(
+                    f"kv transfer backend {backend} cannot run here ({reason}); "
+                    "strict mode (CI/DUET_STRICT) refuses to skip it"
+                )
             report["skipped"][backend] = reason
             log(f"skipping {backend}: {reason}")
             continue

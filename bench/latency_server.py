@@ -56,9 +56,13 @@ class _State:
         self.log: list[dict[str, Any]] = []
         self.in_flight = 0
         self.registry = CollectorRegistry()
-        self.running = Gauge("duet:num_requests_running", "Requests streaming", registry=self.registry)
+        self.running = Gauge(
+            "duet:num_requests_running", "Requests streaming", registry=self.registry
+        )
         self.requests = Counter("duet:requests", "Requests received", registry=self.registry)
-        self.prompt_tokens = Counter("duet:prompt_tokens", "Prompt tokens received", registry=self.registry)
+        self.prompt_tokens = Counter(
+            "duet:prompt_tokens", "Prompt tokens received", registry=self.registry
+        )
 
 
 STATE = web.AppKey("state", _State)
@@ -109,20 +113,37 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
         if not isinstance(body, dict):
             raise ValueError("the body must be a JSON object")
         n_prompt = _prompt_tokens(body, chat)
-        max_tokens = body.get("max_completion_tokens" if chat and "max_completion_tokens" in body
-                              else "max_tokens") or 16  # fmt: skip
+        max_tokens = (
+            body.get(
+                "max_completion_tokens"
+                if chat and "max_completion_tokens" in body
+                else "max_tokens"
+            )
+            or 16
+        )
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError("max_tokens must be a positive integer")
     except ValueError as e:
         return _error(400, str(e))
-    st.log.append({"n": n, "t": time.time(), "path": request.path,
-                   "authorization": request.headers.get("Authorization"),
-                   "tier": request.headers.get("x-duet-tier"), "service_tier": body.get("service_tier"),
-                   "model": body.get("model"), "max_tokens": max_tokens, "prompt_tokens": n_prompt,
-                   "ignore_eos": body.get("ignore_eos")})  # fmt: skip
+    st.log.append(
+        {
+            "n": n,
+            "t": time.time(),
+            "path": request.path,
+            "authorization": request.headers.get("Authorization"),
+            "tier": request.headers.get("x-duet-tier"),
+            "service_tier": body.get("service_tier"),
+            "model": body.get("model"),
+            "max_tokens": max_tokens,
+            "prompt_tokens": n_prompt,
+            "ignore_eos": body.get("ignore_eos"),
+        }
+    )
     st.requests.inc()
     st.prompt_tokens.inc(n_prompt)
-    if cfg.api_keys and request.headers.get("Authorization", "") not in {f"Bearer {k}" for k in cfg.api_keys}:
+    if cfg.api_keys and request.headers.get("Authorization", "") not in {
+        f"Bearer {k}" for k in cfg.api_keys
+    }:
         return _error(401, "invalid API key", "authentication_error")
     if cfg.fail_every and n % cfg.fail_every == 0:
         return _error(cfg.fail_status, f"injected failure for request {n}", "server_error")
@@ -130,19 +151,34 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
         await asyncio.sleep(cfg.hang_s)
         return _error(504, "hung on purpose")
     n_out = cfg.output_len or max_tokens
-    ttft_ms = cfg.ttft_ms + cfg.ttft_ms_per_token * n_prompt + cfg.ttft_ms_per_running * st.in_flight
+    ttft_ms = (
+        cfg.ttft_ms + cfg.ttft_ms_per_token * n_prompt + cfg.ttft_ms_per_running * st.in_flight
+    )
     usage = cfg.usage and bool((body.get("stream_options") or {}).get("include_usage"))
     st.running.inc()
     st.in_flight += 1
     try:
         if not body.get("stream"):
-            await _sleep_until(arrived + (ttft_ms + cfg.itl_ms * (len(_chunks(cfg, n_out)) - 1)) / 1e3)
+            await _sleep_until(
+                arrived + (ttft_ms + cfg.itl_ms * (len(_chunks(cfg, n_out)) - 1)) / 1e3
+            )
             text = "".join(f" t{i}" for i in range(n_out))
-            choice = {"index": 0, "finish_reason": "length",
-                      **({"message": {"role": "assistant", "content": text}} if chat else {"text": text})}  # fmt: skip
-            return web.json_response({"id": f"cmpl-{n}", "model": cfg.model, "choices": [choice],
-                                      "usage": _usage(n_prompt, n_out)})  # fmt: skip
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            choice = {
+                "index": 0,
+                "finish_reason": "length",
+                **({"message": {"role": "assistant", "content": text}} if chat else {"text": text}),
+            }
+            return web.json_response(
+                {
+                    "id": f"cmpl-{n}",
+                    "model": cfg.model,
+                    "choices": [choice],
+                    "usage": _usage(n_prompt, n_out),
+                }
+            )
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
         await resp.prepare(request)
         async for piece in _stream(cfg, n, chat, arrived + ttft_ms / 1e3, n_prompt, n_out, usage):
             if piece is None:  # truncation: drop the connection without [DONE]
@@ -157,29 +193,54 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
         st.in_flight -= 1
 
 
-async def _stream(cfg: LatencyConfig, n: int, chat: bool, first: float, n_prompt: int,
-                  n_out: int, usage: bool) -> AsyncIterator[bytes | None]:  # fmt: skip
+async def _stream(
+    cfg: LatencyConfig, n: int, chat: bool, first: float, n_prompt: int, n_out: int, usage: bool
+) -> AsyncIterator[bytes | None]:
     obj = "chat.completion.chunk" if chat else "text_completion"
 
     def chunk(text: str | None, finish: str | None = None) -> bytes:
         if chat:
-            choice: dict[str, Any] = {"index": 0, "delta": {} if text is None else {"content": text},
-                                      "finish_reason": finish}  # fmt: skip
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": {} if text is None else {"content": text},
+                "finish_reason": finish,
+            }
         else:
             choice = {"index": 0, "text": text or "", "finish_reason": finish}
-        return _sse({"id": f"cmpl-{n}", "object": obj, "created": int(time.time()), "model": cfg.model,
-                     "choices": [choice]})  # fmt: skip
+        return _sse(
+            {
+                "id": f"cmpl-{n}",
+                "object": obj,
+                "created": int(time.time()),
+                "model": cfg.model,
+                "choices": [choice],
+            }
+        )
 
     if chat:  # OpenAI opens a chat stream with the role and empty content
-        yield _sse({"id": f"cmpl-{n}", "object": obj, "model": cfg.model,
-                    "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})  # fmt: skip
+        yield _sse(
+            {
+                "id": f"cmpl-{n}",
+                "object": obj,
+                "model": cfg.model,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+            }
+        )
     pieces = _chunks(cfg, n_out)
     done = 0
     for k, size in enumerate(pieces):
         await _sleep_until(first + k * cfg.itl_ms / 1e3)
         if k == 1 and cfg.sse_error_every and n % cfg.sse_error_every == 0:
-            yield _sse({"error": {"message": f"injected stream error for request {n}",
-                                  "type": "server_error", "param": None, "code": None}})  # fmt: skip
+            yield _sse(
+                {
+                    "error": {
+                        "message": f"injected stream error for request {n}",
+                        "type": "server_error",
+                        "param": None,
+                        "code": None,
+                    }
+                }
+            )
             return
         if k == len(pieces) // 2 and k > 0 and cfg.truncate_every and n % cfg.truncate_every == 0:
             yield None
@@ -188,8 +249,15 @@ async def _stream(cfg: LatencyConfig, n: int, chat: bool, first: float, n_prompt
         done += size
         yield chunk(text, "length" if k == len(pieces) - 1 else None)
     if usage:
-        yield _sse({"id": f"cmpl-{n}", "object": obj, "model": cfg.model, "choices": [],
-                    "usage": _usage(n_prompt, n_out)})  # fmt: skip
+        yield _sse(
+            {
+                "id": f"cmpl-{n}",
+                "object": obj,
+                "model": cfg.model,
+                "choices": [],
+                "usage": _usage(n_prompt, n_out),
+            }
+        )
     yield b"data: [DONE]\n\n"
 
 
@@ -210,7 +278,9 @@ def make_app(config: LatencyConfig) -> web.Application:
         return await _handle(request, chat=True)
 
     async def models(request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": config.model, "object": "model"}]})
+        return web.json_response(
+            {"object": "list", "data": [{"id": config.model, "object": "model"}]}
+        )
 
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
@@ -231,16 +301,23 @@ def make_app(config: LatencyConfig) -> web.Application:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.latency_server", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m bench.latency_server",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    for name, field in zip(LatencyConfig.__struct_fields__, msgspec.structs.fields(LatencyConfig), strict=True):
+    for name, field in zip(
+        LatencyConfig.__struct_fields__, msgspec.structs.fields(LatencyConfig), strict=True
+    ):
         flag = "--" + name.replace("_", "-")
         if name == "api_keys":
             p.add_argument(flag, default="", help="comma-separated keys to accept (default: any)")
         elif name == "usage":
-            p.add_argument("--no-usage", dest="usage", action="store_false", help="never send a usage chunk")
+            p.add_argument(
+                "--no-usage", dest="usage", action="store_false", help="never send a usage chunk"
+            )
         else:
             kind = {"model": str, "output_len": int}.get(name, type(field.default))
             p.add_argument(flag, type=kind, default=field.default, help=f"default: {field.default}")
@@ -248,7 +325,9 @@ def main(argv: list[str] | None = None) -> int:
     host, port = args.pop("host"), args.pop("port")
     args["api_keys"] = tuple(k for k in args["api_keys"].split(",") if k)
     # a short shutdown: hung requests (hang_every) must not hold SIGTERM up for a minute
-    web.run_app(make_app(LatencyConfig(**args)), host=host, port=port, print=None, shutdown_timeout=1.0)
+    web.run_app(
+        make_app(LatencyConfig(**args)), host=host, port=port, print=None, shutdown_timeout=1.0
+    )
     return 0
 
 

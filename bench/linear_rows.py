@@ -23,7 +23,11 @@ _FLUSH_BYTES = 64 << 20
 
 
 def _linears(eng) -> list[Any]:
-    return [getattr(layer, k) for layer in eng.runner.model.layers for k in ("qkv", "o", "gate_up", "down")]
+    return [
+        getattr(layer, k)
+        for layer in eng.runner.model.layers
+        for k in ("qkv", "o", "gate_up", "down")
+    ]
 
 
 def _in_features(lin) -> int:
@@ -64,7 +68,9 @@ def time_linears(eng, rows: list[int], reps: int, seed: int = 0) -> dict[str, An
                 lin(x)
 
         out[f"rows_{n}_ms"] = _median_ms(one_pass, reps)
-    gemm = [lin for lin in lins if isinstance(lin, QLinear) and lin.w8 is None and lin.bf16_min_rows > 0]
+    gemm = [
+        lin for lin in lins if isinstance(lin, QLinear) and lin.w8 is None and lin.bf16_min_rows > 0
+    ]
     if dtype != torch.bfloat16 or len(gemm) != len(lins):
         out["panel_dequant_ms"] = None
         return out

@@ -43,8 +43,9 @@ class RunOutcome(msgspec.Struct, kw_only=True):
 OnDone = Callable[[RequestRecord], None]
 
 
-async def warm_up(session: aiohttp.ClientSession, cfg: ServeConfig,
-                  requests: Iterator[BenchRequest]) -> tuple[int, int]:  # fmt: skip
+async def warm_up(
+    session: aiohttp.ClientSession, cfg: ServeConfig, requests: Iterator[BenchRequest]
+) -> tuple[int, int]:
     """Send cfg.warmup requests (at most --max-concurrency at once); returns (sent, failed)."""
     if cfg.warmup <= 0:
         return 0, 0
@@ -54,18 +55,33 @@ async def warm_up(session: aiohttp.ClientSession, cfg: ServeConfig,
 
     async def one(i: int, req: BenchRequest) -> RequestRecord:
         _, key, tier = mixer.draw()
-        rec = RequestRecord(index=i, prompt_len=req.prompt_len, max_tokens=req.output_len, scheduled_s=0.0)
+        rec = RequestRecord(
+            index=i, prompt_len=req.prompt_len, max_tokens=req.output_len, scheduled_s=0.0
+        )
         async with sem:
-            return await sse_client.send(session, cfg.url, payload.body(cfg, req, tier),
-                                         payload.headers(cfg, key, tier, f"bench-warmup-{run_id}-{i}"),
-                                         rec, cfg.request_timeout, time.perf_counter())  # fmt: skip
+            return await sse_client.send(
+                session,
+                cfg.url,
+                payload.body(cfg, req, tier),
+                payload.headers(cfg, key, tier, f"bench-warmup-{run_id}-{i}"),
+                rec,
+                cfg.request_timeout,
+                time.perf_counter(),
+            )
 
-    recs = await asyncio.gather(*(one(i, r) for i, r in enumerate(itertools.islice(requests, cfg.warmup))))
+    recs = await asyncio.gather(
+        *(one(i, r) for i, r in enumerate(itertools.islice(requests, cfg.warmup)))
+    )
     return len(recs), sum(not r.ok for r in recs)
 
 
-async def run_load(session: aiohttp.ClientSession, cfg: ServeConfig, requests: Iterator[BenchRequest],
-                   on_done: OnDone | None = None, stop: asyncio.Event | None = None) -> RunOutcome:  # fmt: skip
+async def run_load(
+    session: aiohttp.ClientSession,
+    cfg: ServeConfig,
+    requests: Iterator[BenchRequest],
+    on_done: OnDone | None = None,
+    stop: asyncio.Event | None = None,
+) -> RunOutcome:
     """Send the run; `stop` (Ctrl-C) ends the sending early, like the end of --duration."""
     stop = stop or asyncio.Event()
     mixer = Mixer(cfg, cfg.seed + 1)
@@ -78,7 +94,9 @@ async def run_load(session: aiohttp.ClientSession, cfg: ServeConfig, requests: I
     start = time.perf_counter()
 
     def over() -> bool:
-        return stop.is_set() or (cfg.duration_s is not None and time.perf_counter() - start >= cfg.duration_s)
+        return stop.is_set() or (
+            cfg.duration_s is not None and time.perf_counter() - start >= cfg.duration_s
+        )
 
     async def one(rec: RequestRecord, req: BenchRequest, key: str | None) -> RequestRecord | None:
         try:
@@ -87,9 +105,15 @@ async def run_load(session: aiohttp.ClientSession, cfg: ServeConfig, requests: I
             if over():
                 return None
             records.append(rec)
-            await sse_client.send(session, cfg.url, payload.body(cfg, req, rec.tier),
-                                  payload.headers(cfg, key, rec.tier, f"bench-{run_id}-{rec.index}"),
-                                  rec, cfg.request_timeout, start)  # fmt: skip
+            await sse_client.send(
+                session,
+                cfg.url,
+                payload.body(cfg, req, rec.tier),
+                payload.headers(cfg, key, rec.tier, f"bench-{run_id}-{rec.index}"),
+                rec,
+                cfg.request_timeout,
+                start,
+            )
         finally:
             if sem is not None:
                 sem.release()
@@ -114,11 +138,22 @@ async def run_load(session: aiohttp.ClientSession, cfg: ServeConfig, requests: I
                 sem.release()
                 break
         team, key, tier = mixer.draw()
-        rec = RequestRecord(index=i, prompt_len=req.prompt_len, max_tokens=req.output_len,
-                            scheduled_s=planned, team=team, tier=tier, group=req.group,
-                            prefix_tokens=req.prefix_tokens)  # fmt: skip
+        rec = RequestRecord(
+            index=i,
+            prompt_len=req.prompt_len,
+            max_tokens=req.output_len,
+            scheduled_s=planned,
+            team=team,
+            tier=tier,
+            group=req.group,
+            prefix_tokens=req.prefix_tokens,
+        )
         tasks.append(asyncio.create_task(one(rec, req, key)))
         await asyncio.sleep(0)  # let the new task start its send before the next one is planned
     await asyncio.gather(*tasks)
-    return RunOutcome(records=records, duration_s=time.perf_counter() - start, started_at=started_at,
-                      interrupted=stop.is_set())  # fmt: skip
+    return RunOutcome(
+        records=records,
+        duration_s=time.perf_counter() - start,
+        started_at=started_at,
+        interrupted=stop.is_set(),
+    )

@@ -29,7 +29,9 @@ from bench.records import RequestRecord
 LATENCIES = ("ttft", "tpot", "itl", "e2el")
 
 
-def stats(name: str, values_s: Sequence[float], percentiles: Iterable[float]) -> dict[str, float | None]:
+def stats(
+    name: str, values_s: Sequence[float], percentiles: Iterable[float]
+) -> dict[str, float | None]:
     """mean/median/std/p{P} of a sample in seconds, as `<stat>_<name>_ms` keys."""
     ms = np.asarray(values_s, dtype=float) * 1e3
     out: dict[str, float | None] = {}
@@ -61,13 +63,21 @@ def is_good(r: RequestRecord, slo_ttft_ms: float | None, slo_tpot_ms: float | No
     return not (slo_tpot_ms is not None and tpot is not None and tpot * 1e3 > slo_tpot_ms)
 
 
-def compute(records: Sequence[RequestRecord], duration_s: float, *, configured_rate: float,
-            percentiles: Sequence[float] = (50, 90, 99), slo_ttft_ms: float | None = None,
-            slo_tpot_ms: float | None = None) -> dict[str, Any]:  # fmt: skip
+def compute(
+    records: Sequence[RequestRecord],
+    duration_s: float,
+    *,
+    configured_rate: float,
+    percentiles: Sequence[float] = (50, 90, 99),
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+) -> dict[str, Any]:
     ok = [r for r in records if r.ok]
     dur = max(duration_s, 1e-9)
     out_tokens = sum(r.output_tokens for r in ok)
-    in_tokens = sum(r.usage_prompt_tokens if r.usage_prompt_tokens is not None else r.prompt_len for r in ok)
+    in_tokens = sum(
+        r.usage_prompt_tokens if r.usage_prompt_tokens is not None else r.prompt_len for r in ok
+    )
     has_slo = slo_ttft_ms is not None or slo_tpot_ms is not None
     good = sum(is_good(r, slo_ttft_ms, slo_tpot_ms) for r in ok) if has_slo else None
     sends = sorted(r.sent_s for r in records)
@@ -91,7 +101,9 @@ def compute(records: Sequence[RequestRecord], duration_s: float, *, configured_r
         "mean_send_lag_ms": float(np.mean(lag)) * 1e3 if lag else None,
         "max_send_lag_ms": max(lag) * 1e3 if lag else None,
         "max_concurrent_requests": max_in_flight(records),
-        "max_output_tokens_per_s": max((p["output_tokens_per_s"] for p in timeline(records)), default=None),
+        "max_output_tokens_per_s": max(
+            (p["output_tokens_per_s"] for p in timeline(records)), default=None
+        ),
         "usage_reported": sum(r.usage_tokens for r in ok),
         "total_cached_tokens": sum(r.cached_tokens or 0 for r in ok),
     }
@@ -103,8 +115,10 @@ def compute(records: Sequence[RequestRecord], duration_s: float, *, configured_r
 
 def max_in_flight(records: Sequence[RequestRecord]) -> int:
     """Most requests open at once (send to end), from the records' own intervals."""
-    edges = sorted([(r.sent_s, 1) for r in records] + [(r.sent_s + r.e2el_s, -1) for r in records],
-                   key=lambda e: (e[0], e[1]))  # an end before a start at the same instant
+    edges = sorted(
+        [(r.sent_s, 1) for r in records] + [(r.sent_s + r.e2el_s, -1) for r in records],
+        key=lambda e: (e[0], e[1]),
+    )  # an end before a start at the same instant
     most = cur = 0
     for _, d in edges:
         cur += d
@@ -112,8 +126,13 @@ def max_in_flight(records: Sequence[RequestRecord]) -> int:
     return most
 
 
-def breakdown(records: Sequence[RequestRecord], attr: str, percentiles: Sequence[float],
-              slo_ttft_ms: float | None, slo_tpot_ms: float | None) -> dict[str, dict[str, Any]]:  # fmt: skip
+def breakdown(
+    records: Sequence[RequestRecord],
+    attr: str,
+    percentiles: Sequence[float],
+    slo_ttft_ms: float | None,
+    slo_tpot_ms: float | None,
+) -> dict[str, dict[str, Any]]:
     """Per team or per tier: counts, failures, TTFT/TPOT stats and good requests."""
     groups: dict[str, list[RequestRecord]] = {}
     for r in records:
@@ -124,9 +143,13 @@ def breakdown(records: Sequence[RequestRecord], attr: str, percentiles: Sequence
     for name, recs in sorted(groups.items()):
         ok = [r for r in recs if r.ok]
         s = samples(recs)
-        row: dict[str, Any] = {"num_requests": len(recs), "completed": len(ok), "failed": len(recs) - len(ok),
-                               "failures": dict(Counter(r.cause for r in recs if not r.ok)),
-                               "output_tokens": sum(r.output_tokens for r in ok)}  # fmt: skip
+        row: dict[str, Any] = {
+            "num_requests": len(recs),
+            "completed": len(ok),
+            "failed": len(recs) - len(ok),
+            "failures": dict(Counter(r.cause for r in recs if not r.ok)),
+            "output_tokens": sum(r.output_tokens for r in ok),
+        }
         row.update(stats("ttft", s["ttft"], percentiles))
         row.update(stats("tpot", s["tpot"], percentiles))
         if slo_ttft_ms is not None or slo_tpot_ms is not None:
@@ -158,8 +181,14 @@ def timeline(records: Sequence[RequestRecord], bucket_s: float = 1.0) -> list[di
     if not tokens and not done:
         return []
     last = max([*tokens, *done])
-    return [{"t": k * bucket_s, "output_tokens_per_s": tokens[k] / bucket_s,
-             "completed_per_s": done[k] / bucket_s} for k in range(last + 1)]  # fmt: skip
+    return [
+        {
+            "t": k * bucket_s,
+            "output_tokens_per_s": tokens[k] / bucket_s,
+            "completed_per_s": done[k] / bucket_s,
+        }
+        for k in range(last + 1)
+    ]
 
 
 def per_request(records: Sequence[RequestRecord]) -> dict[str, list[Any]]:

@@ -19,7 +19,9 @@ def parse_team(spec: str) -> Team:
     left, sep, key = spec.partition("=")
     name, _, weight = left.partition(":")
     if not sep or not name or not key:
-        raise ValueError(f"cannot read --team {spec!r}: use NAME[:WEIGHT]=KEY or NAME[:WEIGHT]=env:VAR")
+        raise ValueError(
+            f"cannot read --team {spec!r}: use NAME[:WEIGHT]=KEY or NAME[:WEIGHT]=env:VAR"
+        )
     if key.startswith("env:"):
         var = key[4:]
         key = os.environ.get(var, "")
@@ -61,5 +63,7 @@ class Mixer:
         else:
             key = self._default_key
         if self._tiers:
-            tier = self._rng.choices([n for n, _ in self._tiers], weights=[w for _, w in self._tiers])[0]
+            tier = self._rng.choices(
+                [n for n, _ in self._tiers], weights=[w for _, w in self._tiers]
+            )[0]
         return team, key, tier

@@ -54,7 +54,9 @@ def serve(port: int) -> None:
     sink = _Sink()
 
     class Handler(BaseHTTPRequestHandler):
-        def _answer(self, status: int, body: bytes = b"", ctype: str = "application/x-protobuf") -> None:
+        def _answer(
+            self, status: int, body: bytes = b"", ctype: str = "application/x-protobuf"
+        ) -> None:
             self.send_response(status)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(body)))
@@ -80,15 +82,20 @@ def serve(port: int) -> None:
                 return self._answer(404)
             self._answer(200, msgspec.json.encode(sink.count()), "application/json")
 
-        def log_message(self, *args: object) -> None:  # one line per export would drown the bench's log
+        def log_message(
+            self, *args: object
+        ) -> None:  # one line per export would drown the bench's log
             pass
 
     ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.otlp_sink", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m bench.otlp_sink",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--port", type=int, required=True, help="port on 127.0.0.1")
     serve(p.parse_args(argv).port)
     return 0

@@ -65,10 +65,15 @@ async def read_sse(resp: aiohttp.ClientResponse, result: Result, t0: float) -> R
     return result
 
 
-async def completion(session: aiohttp.ClientSession, url: str, prompt: list[int] | str,
-                     params: dict[str, Any], request_id: str | None = None,
-                     kv_transfer_params: dict[str, Any] | None = None,
-                     t0: float | None = None) -> Result:  # fmt: skip
+async def completion(
+    session: aiohttp.ClientSession,
+    url: str,
+    prompt: list[int] | str,
+    params: dict[str, Any],
+    request_id: str | None = None,
+    kv_transfer_params: dict[str, Any] | None = None,
+    t0: float | None = None,
+) -> Result:
     """A streamed completion on one node (colocated, or the decode leg when given params)."""
     rid = request_id or f"cmpl-{uuid.uuid4().hex}"
     t0 = time.perf_counter() if t0 is None else t0
@@ -86,21 +91,38 @@ async def completion(session: aiohttp.ClientSession, url: str, prompt: list[int]
     return result
 
 
-async def prefill_leg(session: aiohttp.ClientSession, url: str, prompt: list[int] | str,
-                      params: dict[str, Any], request_id: str) -> dict[str, Any]:  # fmt: skip
+async def prefill_leg(
+    session: aiohttp.ClientSession,
+    url: str,
+    prompt: list[int] | str,
+    params: dict[str, Any],
+    request_id: str,
+) -> dict[str, Any]:
     """The prefill leg; returns the node's JSON (with kv_transfer_params) or raises."""
-    body = {"prompt": prompt, **params, "max_tokens": 1, "stream": False,
-            "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
-    async with session.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": request_id}) as r:
+    body = {
+        "prompt": prompt,
+        **params,
+        "max_tokens": 1,
+        "stream": False,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
+    async with session.post(
+        f"{url}/v1/completions", json=body, headers={"X-Request-Id": request_id}
+    ) as r:
         data = await r.json()
         if r.status != 200:
             raise RuntimeError(f"prefill leg failed with {r.status}: {data}")
         return data
 
 
-async def disaggregated(session: aiohttp.ClientSession, p_url: str, d_url: str,
-                        prompt: list[int] | str, params: dict[str, Any],
-                        request_id: str | None = None) -> Result:  # fmt: skip
+async def disaggregated(
+    session: aiohttp.ClientSession,
+    p_url: str,
+    d_url: str,
+    prompt: list[int] | str,
+    params: dict[str, Any],
+    request_id: str | None = None,
+) -> Result:
     rid = request_id or f"cmpl-{uuid.uuid4().hex}"
     t0 = time.perf_counter()
     pre = await prefill_leg(session, p_url, prompt, params, rid)

@@ -47,34 +47,89 @@ MIXES = ("long-prompt",)
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.pd --mix long-prompt", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--mix", choices=MIXES, default="long-prompt", help="the workload (default long-prompt)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.pd --mix long-prompt",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--mix", choices=MIXES, default="long-prompt", help="the workload (default long-prompt)"
+    )
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--cpus", default=None, help="cores of the colocated node (default: all this process may use)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads of the node (default: one per core)")
-    p.add_argument("--itl-target-ms", type=float, default=100.0, help="the target mode's --itl-target-ms (default 100)")
-    p.add_argument("--budget", type=int, default=512, help="--max-num-batched-tokens of both modes (default 512)")
-    p.add_argument("--streams", type=int, default=None, help="concurrent decode streams (default 4; quick 2)")
-    p.add_argument("--decode-tokens", type=int, default=None, help="tokens per decode request (default 64; quick 16)")
-    p.add_argument("--long-len", type=int, default=None, help="long prompt length in tokens (default 1536; quick 256)")
-    p.add_argument("--long-count", type=int, default=None, help="long prompts per mode and round (default 6; quick 2)")
-    p.add_argument("--long-gap", type=float, default=1.0, help="seconds between a long prompt's answer and the next")
-    p.add_argument("--rounds", type=int, default=1, help="node starts per mode, alternating (default 1)")
+    p.add_argument(
+        "--cpus",
+        default=None,
+        help="cores of the colocated node (default: all this process may use)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads of the node (default: one per core)",
+    )
+    p.add_argument(
+        "--itl-target-ms",
+        type=float,
+        default=100.0,
+        help="the target mode's --itl-target-ms (default 100)",
+    )
+    p.add_argument(
+        "--budget",
+        type=int,
+        default=512,
+        help="--max-num-batched-tokens of both modes (default 512)",
+    )
+    p.add_argument(
+        "--streams", type=int, default=None, help="concurrent decode streams (default 4; quick 2)"
+    )
+    p.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=None,
+        help="tokens per decode request (default 64; quick 16)",
+    )
+    p.add_argument(
+        "--long-len",
+        type=int,
+        default=None,
+        help="long prompt length in tokens (default 1536; quick 256)",
+    )
+    p.add_argument(
+        "--long-count",
+        type=int,
+        default=None,
+        help="long prompts per mode and round (default 6; quick 2)",
+    )
+    p.add_argument(
+        "--long-gap",
+        type=float,
+        default=1.0,
+        help="seconds between a long prompt's answer and the next",
+    )
+    p.add_argument(
+        "--rounds", type=int, default=1, help="node starts per mode, alternating (default 1)"
+    )
     p.add_argument("--kv-memory", default="512MiB", help="KV pool of the node (default 512MiB)")
-    p.add_argument("--quick", action="store_true", help="small sizes: a smoke test, not a measurement")
+    p.add_argument(
+        "--quick", action="store_true", help="small sizes: a smoke test, not a measurement"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     a = p.parse_args(argv)
-    preset = ({"streams": 2, "decode_tokens": 16, "long_len": 256, "long_count": 2} if a.quick else
-              {"streams": 4, "decode_tokens": 64, "long_len": 1536, "long_count": 6})  # fmt: skip
+    preset = (
+        {"streams": 2, "decode_tokens": 16, "long_len": 256, "long_count": 2}
+        if a.quick
+        else {"streams": 4, "decode_tokens": 64, "long_len": 1536, "long_count": 6}
+    )
     for k, v in preset.items():
         if getattr(a, k) is None:
             setattr(a, k, v)
     if a.threads is not None and a.threads < 1:
         p.error("--threads must be >= 1")
     if min(a.streams, a.long_count, a.rounds) < 1 or a.decode_tokens < 2 or a.long_len < 2:
-        p.error("--streams, --long-count and --rounds must be >= 1; --decode-tokens and --long-len >= 2")
+        p.error(
+            "--streams, --long-count and --rounds must be >= 1; --decode-tokens and --long-len >= 2"
+        )
     if not a.itl_target_ms > 0 or a.long_gap < 0:
         p.error("--itl-target-ms must be positive and --long-gap >= 0")
     return a
@@ -108,7 +163,9 @@ def _prompt(rng: random.Random, vocab: int, n: int) -> list[int]:
     return [rng.randrange(100, vocab - 1) for _ in range(n)]
 
 
-async def _mix(node: Proc, a: argparse.Namespace, vocab: int, headers: dict[str, str], seed: int) -> Window:
+async def _mix(
+    node: Proc, a: argparse.Namespace, vocab: int, headers: dict[str, str], seed: int
+) -> Window:
     rng = random.Random(seed)
     decode_params = {"max_tokens": a.decode_tokens, "temperature": 0, "ignore_eos": True}
     long_params = {"max_tokens": 2, "temperature": 0, "ignore_eos": True}
@@ -132,17 +189,23 @@ async def _mix(node: Proc, a: argparse.Namespace, vocab: int, headers: dict[str,
 
         async def stream() -> None:
             while not stop.is_set():
-                done.append(await call(_prompt(short, vocab, short.randrange(16, 64)), decode_params))
+                done.append(
+                    await call(_prompt(short, vocab, short.randrange(16, 64)), decode_params)
+                )
 
         streams = [asyncio.create_task(stream()) for _ in range(a.streams)]
-        await asyncio.sleep(0.5 + a.long_gap)  # the decode batch is running before the first long prompt
+        await asyncio.sleep(
+            0.5 + a.long_gap
+        )  # the decode batch is running before the first long prompt
         load0, cpu0, t0 = os.getloadavg()[0], proc_cpu_seconds(node.proc.pid), time.perf_counter()
         for i, p in enumerate(prompts):
             if i:
                 await asyncio.sleep(a.long_gap)
             r = await call(p, long_params)
             out.long_ttft.append(r.ttft)  # type: ignore[arg-type]
-            print(f"  long prompt {i + 1}/{len(prompts)}: TTFT {r.ttft * 1e3:.0f} ms", file=sys.stderr)  # type: ignore[operator]
+            print(
+                f"  long prompt {i + 1}/{len(prompts)}: TTFT {r.ttft * 1e3:.0f} ms", file=sys.stderr
+            )  # type: ignore[operator]
         t1, cpu1 = time.perf_counter(), proc_cpu_seconds(node.proc.pid)
         stop.set()
         await asyncio.gather(*streams)
@@ -151,7 +214,9 @@ async def _mix(node: Proc, a: argparse.Namespace, vocab: int, headers: dict[str,
         out.decode_tokens += sum(1 for t in r.token_times if t0 <= t <= t1)
     out.node_cpu_s, out.wall_s, out.load = cpu1 - cpu0, t1 - t0, (load0, os.getloadavg()[0])
     if not out.itl:
-        raise RuntimeError("no inter-token gap fell inside the window: the decode streams produced nothing")
+        raise RuntimeError(
+            "no inter-token gap fell inside the window: the decode streams produced nothing"
+        )
     return out
 
 
@@ -162,14 +227,22 @@ def summary(ws: list[Window], cpus: int = 1) -> dict[str, Any]:
     ttft = [x for w in ws for x in w.long_ttft]
     cpu, wall = sum(w.node_cpu_s for w in ws), sum(w.wall_s for w in ws)
     return {
-        "itl_ms": {"p50": percentile(itl, 0.5) * 1e3, "p90": percentile(itl, 0.9) * 1e3,
-                   "p99": percentile(itl, 0.99) * 1e3, "max": max(itl) * 1e3, "n": len(itl)},
+        "itl_ms": {
+            "p50": percentile(itl, 0.5) * 1e3,
+            "p90": percentile(itl, 0.9) * 1e3,
+            "p99": percentile(itl, 0.99) * 1e3,
+            "max": max(itl) * 1e3,
+            "n": len(itl),
+        },
         "long_ttft_ms": {k: (v * 1e3 if k != "n" else v) for k, v in spread(ttft).items()},
-        "node_cpu_s": cpu, "wall_s": wall, "node_cpu_share": cpu / wall, "node_cpu_of_its_cores": cpu / wall / cpus,
+        "node_cpu_s": cpu,
+        "wall_s": wall,
+        "node_cpu_share": cpu / wall,
+        "node_cpu_of_its_cores": cpu / wall / cpus,
         "decode_tokens": sum(w.decode_tokens for w in ws),
         "node_cpu_ms_per_decode_token": cpu / max(1, sum(w.decode_tokens for w in ws)) * 1e3,
         "load_avg_1m": [list(w.load) for w in ws],
-    }  # fmt: skip
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,28 +259,56 @@ def main(argv: list[str] | None = None) -> int:
         secret = logs / "cluster.secret"
         write_secret_file(secret, secrets.token_urlsafe(32))
         headers = read_secret_file(secret).headers
-        common = ("--dtype", a.dtype, "--max-model-len", str(a.long_len + 128), "--kv-memory", a.kv_memory,
-                  "--max-num-batched-tokens", str(a.budget), "--cpus", cpus, "--cluster-secret-file", str(secret))  # fmt: skip
+        common = (
+            "--dtype",
+            a.dtype,
+            "--max-model-len",
+            str(a.long_len + 128),
+            "--kv-memory",
+            a.kv_memory,
+            "--max-num-batched-tokens",
+            str(a.budget),
+            "--cpus",
+            cpus,
+            "--cluster-secret-file",
+            str(secret),
+        )
         for rnd in range(a.rounds):
             for mode, extra in modes.items():
-                print(f"round {rnd + 1}/{a.rounds}, {mode}: colocated node on cpus {cpus}", file=sys.stderr)
+                print(
+                    f"round {rnd + 1}/{a.rounds}, {mode}: colocated node on cpus {cpus}",
+                    file=sys.stderr,
+                )
                 node = duet_node("both", a.model, logs, *common, *extra, threads=threads)
                 with running(node):
                     results[mode].append(asyncio.run(_mix(node, a, vocab, headers, seed=rnd)))
     fixed, target = summary(results["fixed"], cores), summary(results["itl_target"], cores)
     report: dict[str, Any] = {
-        "mix": a.mix, "model": ref.name, "dtype": a.dtype, "cpus": cpus, "threads": threads, "budget": a.budget,
-        "itl_target_ms": a.itl_target_ms, "streams": a.streams, "decode_tokens": a.decode_tokens,
-        "long_len": a.long_len, "long_count": a.long_count, "long_gap_s": a.long_gap, "rounds": a.rounds,
-        "quick": a.quick, "fixed": fixed, "itl_target": target,
+        "mix": a.mix,
+        "model": ref.name,
+        "dtype": a.dtype,
+        "cpus": cpus,
+        "threads": threads,
+        "budget": a.budget,
+        "itl_target_ms": a.itl_target_ms,
+        "streams": a.streams,
+        "decode_tokens": a.decode_tokens,
+        "long_len": a.long_len,
+        "long_count": a.long_count,
+        "long_gap_s": a.long_gap,
+        "rounds": a.rounds,
+        "quick": a.quick,
+        "fixed": fixed,
+        "itl_target": target,
         "ratios_target_over_fixed": {
             "itl_p99": target["itl_ms"]["p99"] / fixed["itl_ms"]["p99"],
             "itl_p50": target["itl_ms"]["p50"] / fixed["itl_ms"]["p50"],
             "long_ttft_median": target["long_ttft_ms"]["median"] / fixed["long_ttft_ms"]["median"],
-            "node_cpu_ms_per_decode_token": (target["node_cpu_ms_per_decode_token"]
-                                             / fixed["node_cpu_ms_per_decode_token"]),
+            "node_cpu_ms_per_decode_token": (
+                target["node_cpu_ms_per_decode_token"] / fixed["node_cpu_ms_per_decode_token"]
+            ),
         },
-    }  # fmt: skip
+    }
     if a.json:
         print(json.dumps(report, indent=2))
     else:
@@ -216,20 +317,31 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _table(rep: dict[str, Any]) -> None:
-    print(f"model {rep['model']}  cpus {rep['cpus']} ({rep['threads']} threads)  {rep['streams']} decode streams, {rep['long_count']} × "
-          f"{rep['long_len']}-token prompts per round, {rep['rounds']} round(s)")  # fmt: skip
-    print(f"{'mode':>18} | {'ITL p50':>7} {'p90':>7} {'p99':>7} {'max':>7} | {'long TTFT':>9} {'p90':>7} | "
-          f"{'node CPU s':>10} {'wall s':>7} {'of cores':>8} {'CPU ms/tok':>10} | load 1m")  # fmt: skip
-    for name, key in (("fixed budget", "fixed"), (f"itl-target {rep['itl_target_ms']:g} ms", "itl_target")):
+    print(
+        f"model {rep['model']}  cpus {rep['cpus']} ({rep['threads']} threads)  {rep['streams']} decode streams, {rep['long_count']} × "
+        f"{rep['long_len']}-token prompts per round, {rep['rounds']} round(s)"
+    )
+    print(
+        f"{'mode':>18} | {'ITL p50':>7} {'p90':>7} {'p99':>7} {'max':>7} | {'long TTFT':>9} {'p90':>7} | "
+        f"{'node CPU s':>10} {'wall s':>7} {'of cores':>8} {'CPU ms/tok':>10} | load 1m"
+    )
+    for name, key in (
+        ("fixed budget", "fixed"),
+        (f"itl-target {rep['itl_target_ms']:g} ms", "itl_target"),
+    ):
         r = rep[key]
         i, t = r["itl_ms"], r["long_ttft_ms"]
         loads = ", ".join(f"{a:.1f}→{b:.1f}" for a, b in r["load_avg_1m"])
-        print(f"{name:>18} | {i['p50']:7.1f} {i['p90']:7.1f} {i['p99']:7.1f} {i['max']:7.1f} | {t['median']:9.1f} "
-              f"{t['p90']:7.1f} | {r['node_cpu_s']:10.1f} {r['wall_s']:7.1f} {r['node_cpu_of_its_cores']:8.2f} "
-              f"{r['node_cpu_ms_per_decode_token']:10.1f} | {loads}")  # fmt: skip
+        print(
+            f"{name:>18} | {i['p50']:7.1f} {i['p90']:7.1f} {i['p99']:7.1f} {i['max']:7.1f} | {t['median']:9.1f} "
+            f"{t['p90']:7.1f} | {r['node_cpu_s']:10.1f} {r['wall_s']:7.1f} {r['node_cpu_of_its_cores']:8.2f} "
+            f"{r['node_cpu_ms_per_decode_token']:10.1f} | {loads}"
+        )
     q = rep["ratios_target_over_fixed"]
-    print(f"target / fixed: ITL p99 {q['itl_p99']:.2f}, ITL p50 {q['itl_p50']:.2f}, long TTFT {q['long_ttft_median']:.2f}, "
-          f"node CPU per decode token {q['node_cpu_ms_per_decode_token']:.2f}  (ms; ITL over the long prompts' window)")  # fmt: skip
+    print(
+        f"target / fixed: ITL p99 {q['itl_p99']:.2f}, ITL p50 {q['itl_p50']:.2f}, long TTFT {q['long_ttft_median']:.2f}, "
+        f"node CPU per decode token {q['node_cpu_ms_per_decode_token']:.2f}  (ms; ITL over the long prompts' window)"
+    )
 
 
 if __name__ == "__main__":

@@ -37,7 +37,11 @@ def _runs_cdfs(runs: list[tuple[str, dict[str, Any]]], out: Path) -> list[Path]:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for label, r in runs:
             vals = r[key]
-            ms = [v * 1e3 for v in vals if v is not None] if key == "ttfts" else [g * 1e3 for xs in vals for g in xs]
+            ms = (
+                [v * 1e3 for v in vals if v is not None]
+                if key == "ttfts"
+                else [g * 1e3 for xs in vals for g in xs]
+            )
             _cdf(ax, ms, label)
         ax.set_xlabel(f"{title} (ms)")
         ax.set_ylabel("fraction of samples")
@@ -52,8 +56,12 @@ def _runs_cdfs(runs: list[tuple[str, dict[str, Any]]], out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, r in runs:
         tl = r["throughput_timeline"]
-        ax.step([p["t"] for p in tl], [p["output_tokens_per_s"] for p in tl], where="post",
-                label=f"{label} tok/s".strip())  # fmt: skip
+        ax.step(
+            [p["t"] for p in tl],
+            [p["output_tokens_per_s"] for p in tl],
+            where="post",
+            label=f"{label} tok/s".strip(),
+        )
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("output tokens / s")
     ax.set_title("throughput over time")
@@ -74,12 +82,19 @@ def plot_run(result: dict[str, Any], out: Path) -> list[Path]:
 def plot_sweep(sweep: dict[str, Any], out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     param = sweep["sweep"]["param"]
-    runs = [(f"{param}={v}", r) for v, r in zip(sweep["sweep"]["values"], sweep["runs"], strict=True)]
+    runs = [
+        (f"{param}={v}", r) for v, r in zip(sweep["sweep"]["values"], sweep["runs"], strict=True)
+    ]
     paths = _runs_cdfs(runs, out)
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     x = [r["request_throughput"] for _, r in runs]
-    for key, style in (("p50_ttft_ms", "o-"), ("p99_ttft_ms", "s-"), ("p50_tpot_ms", "o--"), ("p99_tpot_ms", "s--")):
+    for key, style in (
+        ("p50_ttft_ms", "o-"),
+        ("p99_ttft_ms", "s-"),
+        ("p50_tpot_ms", "o--"),
+        ("p99_tpot_ms", "s--"),
+    ):
         y = [r.get(key) for _, r in runs]
         if any(v is not None for v in y):
             ax.plot(x, [np.nan if v is None else v for v in y], style, label=key.replace("_ms", ""))
@@ -87,7 +102,9 @@ def plot_sweep(sweep: dict[str, Any], out: Path) -> list[Path]:
     for k in ("ttft", "tpot"):
         if cfg.get(f"slo_{k}_ms") is not None:
             ax.axhline(cfg[f"slo_{k}_ms"], linestyle=":", color="grey")
-            ax.annotate(f"{k.upper()} SLO", (0, cfg[f"slo_{k}_ms"]), xycoords=("axes fraction", "data"))
+            ax.annotate(
+                f"{k.upper()} SLO", (0, cfg[f"slo_{k}_ms"]), xycoords=("axes fraction", "data")
+            )
     ax.set_xlabel("achieved request throughput (req/s)")
     ax.set_ylabel("latency (ms)")
     ax.set_yscale("log")

@@ -20,16 +20,21 @@ from protocol.ports import free_port
 
 
 class Proc:
-    def __init__(self, args: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, args: list[str], port: int, log: Path, env: dict[str, str] | None = None
+    ) -> None:
         self.args = args
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log
         self._log = log.open("wb")
         self.proc = subprocess.Popen(
-            args, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+            args,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
             start_new_session=True,
-        )  # fmt: skip
+        )
 
     def log(self) -> str:
         if not self._log.closed:
@@ -40,7 +45,9 @@ class Proc:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.args} exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+                raise RuntimeError(
+                    f"{self.args} exited with {self.proc.returncode}:\n{self.log()[-3000:]}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -78,10 +85,29 @@ def running(*procs: Proc, timeout: float = 180.0) -> Iterator[tuple[Proc, ...]]:
             p.terminate()
 
 
-def duet_node(role: str, model: str, log_dir: Path, *extra: str, port: int | None = None,
-              threads: int | None = 1, env: dict[str, str] | None = None) -> Proc:  # fmt: skip
+def duet_node(
+    role: str,
+    model: str,
+    log_dir: Path,
+    *extra: str,
+    port: int | None = None,
+    threads: int | None = 1,
+    env: dict[str, str] | None = None,
+) -> Proc:
     """A `duet node --role ROLE` process on a free loopback port."""
     port = port or free_port()
-    args = [sys.executable, "-m", "duet", "node", "--role", role, "--model", str(model),
-            "--port", str(port), *(["--threads", str(threads)] if threads else []), *extra]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "duet",
+        "node",
+        "--role",
+        role,
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        *(["--threads", str(threads)] if threads else []),
+        *extra,
+    ]
     return Proc(args, port, log_dir / f"{role}-{port}.log", env=env)

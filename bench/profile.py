@@ -46,39 +46,83 @@ DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="duet bench profile", description=DESCRIPTION,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--model", default=None, help="model name or directory (default: duet's default model)")
+    p = argparse.ArgumentParser(
+        prog="duet bench profile",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model", default=None, help="model name or directory (default: duet's default model)"
+    )
     p.add_argument("--dtype", default="auto", help="auto, bfloat16 or float32")
     p.add_argument("--quantization", choices=["none", "int8", "int4", "int4-g64"], default="none")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--kv-memory", default="1GiB", help="KV pool size of the profiled node kind (default 1GiB)")
+    p.add_argument(
+        "--kv-memory", default="1GiB", help="KV pool size of the profiled node kind (default 1GiB)"
+    )
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--decode-batches", default="1,4,16,32,64", help="decode batch sizes to time")
-    p.add_argument("--contexts", default="128,512,1024", help="context lengths of the decode batches")
-    p.add_argument("--reps", type=int, default=3, help="timed decode steps per (batch, context) (default 3)")
-    p.add_argument("--transport", default="nixl", help="KV transport to measure: nixl, ucx, tcp, or none")
-    p.add_argument("--overhead-ms", type=float, default=2.0,
-                   help="per-request time outside the forward pass (gateway + route + leg HTTP), ms")  # fmt: skip
-    p.add_argument("--pd-hop-ms", type=float, default=3.0, help="extra time of a disaggregated request's P→D hop, ms")
-    p.add_argument("--overheads", choices=["none", "colocated", "pd"], default="none",
-                   help="measure per-request/per-token overheads in a running cluster (duet up): colocated, "
-                        "or colocated + 1P1D for the P→D hop (default none: the --overhead-ms defaults)")  # fmt: skip
-    p.add_argument("--overheads-only", action="store_true",
-                   help="measure only the overheads (--overheads, default pd) and update the profile at --out")
-    p.add_argument("--overhead-requests", type=int, default=12, help="requests per overhead shape (default 12)")
-    p.add_argument("--corun", action=argparse.BooleanOptionalAction, default=True,
-                   help="time a prefill and a decode step beside a second, busy engine process of the same kind "
-                        "(the slowdown of nodes sharing one machine: sim/corun.py; default on)")  # fmt: skip
-    p.add_argument("--corun-only", action="store_true",
-                   help="measure only the co-run factors (the node kind of --model/--dtype/--threads/--quantization) "
-                        "and update the profile at --out")  # fmt: skip
+    p.add_argument(
+        "--contexts", default="128,512,1024", help="context lengths of the decode batches"
+    )
+    p.add_argument(
+        "--reps", type=int, default=3, help="timed decode steps per (batch, context) (default 3)"
+    )
+    p.add_argument(
+        "--transport", default="nixl", help="KV transport to measure: nixl, ucx, tcp, or none"
+    )
+    p.add_argument(
+        "--overhead-ms",
+        type=float,
+        default=2.0,
+        help="per-request time outside the forward pass (gateway + route + leg HTTP), ms",
+    )
+    p.add_argument(
+        "--pd-hop-ms",
+        type=float,
+        default=3.0,
+        help="extra time of a disaggregated request's P→D hop, ms",
+    )
+    p.add_argument(
+        "--overheads",
+        choices=["none", "colocated", "pd"],
+        default="none",
+        help="measure per-request/per-token overheads in a running cluster (duet up): colocated, "
+        "or colocated + 1P1D for the P→D hop (default none: the --overhead-ms defaults)",
+    )
+    p.add_argument(
+        "--overheads-only",
+        action="store_true",
+        help="measure only the overheads (--overheads, default pd) and update the profile at --out",
+    )
+    p.add_argument(
+        "--overhead-requests", type=int, default=12, help="requests per overhead shape (default 12)"
+    )
+    p.add_argument(
+        "--corun",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time a prefill and a decode step beside a second, busy engine process of the same kind "
+        "(the slowdown of nodes sharing one machine: sim/corun.py; default on)",
+    )
+    p.add_argument(
+        "--corun-only",
+        action="store_true",
+        help="measure only the co-run factors (the node kind of --model/--dtype/--threads/--quantization) "
+        "and update the profile at --out",
+    )
     p.add_argument("--name", default=None, help="node kind name (default: model-dtype-quant-tN)")
     p.add_argument("--out", required=True, help="profile JSON to write")
-    p.add_argument("--refit", action="store_true", help="refit the samples of the profile at --out (no measurement)")
-    p.add_argument("--quick", action="store_true", help="a few points only: a smoke test, not a measurement")
+    p.add_argument(
+        "--refit",
+        action="store_true",
+        help="refit the samples of the profile at --out (no measurement)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="a few points only: a smoke test, not a measurement"
+    )
     return p.parse_args(argv)
 
 
@@ -109,8 +153,17 @@ def _step(core, rec: _Recorder, samples: list[pf.StepSample]) -> None:  # type: 
     dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     if rec.chunks:
         f = features(rec.chunks)
-        samples.append(pf.StepSample(f.prefill_tokens, f.decode_seqs, f.context_tokens, f.attention, dt, cpu,
-                                     f.cached_attention))  # fmt: skip
+        samples.append(
+            pf.StepSample(
+                f.prefill_tokens,
+                f.decode_seqs,
+                f.context_tokens,
+                f.attention,
+                dt,
+                cpu,
+                f.cached_attention,
+            )
+        )
 
 
 def _measure(core, a: argparse.Namespace, log) -> list[pf.StepSample]:  # type: ignore[no-untyped-def]
@@ -141,7 +194,11 @@ def _measure(core, a: argparse.Namespace, log) -> list[pf.StepSample]:  # type: 
     # > 0 only in 512-token chunk continuations and extrapolated this shape (well, it turned out:
     # 190 ms modelled against 186 measured for 128 tokens atop 384, round 8, 05 Dec).
     block = core.pool.block_size
-    hits = [(8, 16), (16, 64)] if a.quick else [(p, n) for p in (8, 24, 48) for n in (16, 64, 128, 256)]
+    hits = (
+        [(8, 16), (16, 64)]
+        if a.quick
+        else [(p, n) for p in (8, 24, 48) for n in (16, 64, 128, 256)]
+    )
     for blocks, suffix in hits:
         prefix = d.tokens(blocks * block)
         if len(prefix) + max(suffix, block) > a.max_model_len - 8:
@@ -178,16 +235,46 @@ def _measure(core, a: argparse.Namespace, log) -> list[pf.StepSample]:  # type: 
 def _corun(core, a: argparse.Namespace, quant: str | None, log) -> pf.CoRun:  # type: ignore[no-untyped-def]
     from sim import corun as cr
 
-    return cr.measure(core, model=str(core.config.model), dtype=a.dtype, threads=a.threads, quantization=quant,
-                      kv_memory=a.kv_memory, max_model_len=a.max_model_len, log=log)  # fmt: skip
+    return cr.measure(
+        core,
+        model=str(core.config.model),
+        dtype=a.dtype,
+        threads=a.threads,
+        quantization=quant,
+        kv_memory=a.kv_memory,
+        max_model_len=a.max_model_len,
+        log=log,
+    )
 
 
 def _transport(backend: str, log) -> pf.Transport:  # type: ignore[no-untyped-def]
     if backend == "none":
-        return pf.Transport(backend="none", bandwidth_bytes_per_s=1e12, latency_s=0.0, provenance=pf.Provenance.MODELLED)
+        return pf.Transport(
+            backend="none",
+            bandwidth_bytes_per_s=1e12,
+            latency_s=0.0,
+            provenance=pf.Provenance.MODELLED,
+        )
     log(f"measuring the {backend} transport (bench.kvtransfer)")
-    out = subprocess.run([sys.executable, "-m", "bench.kvtransfer", "--backends", backend, "--blocks", "1,16,64",
-                          "--reps", "10", "--warmup", "3", "--json"], capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.kvtransfer",
+            "--backends",
+            backend,
+            "--blocks",
+            "1,16,64",
+            "--reps",
+            "10",
+            "--warmup",
+            "3",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if out.returncode != 0:
         raise RuntimeError(f"bench.kvtransfer failed: {out.stderr.strip()[-500:]}")
     rows = [r for r in json.loads(out.stdout)["results"] if r.get("pattern") == "scattered"]
@@ -196,21 +283,38 @@ def _transport(backend: str, log) -> pf.Transport:  # type: ignore[no-untyped-de
     x = np.array([[1.0, r["bytes"]] for r in rows])
     y = np.array([r["latency_ms"] / 1e3 for r in rows])
     (lat, per_byte), *_ = np.linalg.lstsq(x, y, rcond=None)
-    return pf.Transport(backend=backend, bandwidth_bytes_per_s=float(1.0 / max(per_byte, 1e-15)), latency_s=float(max(lat, 0.0)),
-                        provenance=pf.Provenance.MEASURED, sizes_bytes=[r["bytes"] for r in rows])  # fmt: skip
+    return pf.Transport(
+        backend=backend,
+        bandwidth_bytes_per_s=float(1.0 / max(per_byte, 1e-15)),
+        latency_s=float(max(lat, 0.0)),
+        provenance=pf.Provenance.MEASURED,
+        sizes_bytes=[r["bytes"] for r in rows],
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.overheads_only:
-        prof = update_overheads(Path(a.out), a.model, "pd" if a.overheads == "none" else a.overheads,
-                                a.overhead_requests)  # fmt: skip
+        prof = update_overheads(
+            Path(a.out),
+            a.model,
+            "pd" if a.overheads == "none" else a.overheads,
+            a.overhead_requests,
+        )
         print(json.dumps({"overheads": msgspec.to_builtins(prof.overheads), "notes": prof.notes}))
         return 0
     if a.refit:
         prof = refit(Path(a.out), a.threads)
-        print(json.dumps({"fit_mape": prof.step.fit_mape, "holdout_mape": prof.step.holdout_mape,
-                          "step": msgspec.to_builtins(prof.step), "notes": prof.notes}))  # fmt: skip
+        print(
+            json.dumps(
+                {
+                    "fit_mape": prof.step.fit_mape,
+                    "holdout_mape": prof.step.holdout_mape,
+                    "step": msgspec.to_builtins(prof.step),
+                    "notes": prof.notes,
+                }
+            )
+        )
         return 0
 
     def log(msg: str) -> None:
@@ -223,10 +327,21 @@ def main(argv: list[str] | None = None) -> int:
     quant = None if a.quantization == "none" else a.quantization
     # --corun-only times the chunk the profile at --out was measured with
     existing = pf.load(a.out) if a.corun_only else None
-    cfg = EngineConfig(model=a.model or DEFAULT_MODEL, dtype=a.dtype, device="cpu", threads=a.threads,
-                       kv_memory=a.kv_memory, max_model_len=a.max_model_len, max_num_seqs=a.max_num_seqs,
-                       max_num_batched_tokens=existing.kind.max_num_batched_tokens if existing else a.max_num_batched_tokens,
-                       enable_prefix_caching=True, quantization=quant, max_waiting_requests=4096)  # fmt: skip
+    cfg = EngineConfig(
+        model=a.model or DEFAULT_MODEL,
+        dtype=a.dtype,
+        device="cpu",
+        threads=a.threads,
+        kv_memory=a.kv_memory,
+        max_model_len=a.max_model_len,
+        max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=existing.kind.max_num_batched_tokens
+        if existing
+        else a.max_num_batched_tokens,
+        enable_prefix_caching=True,
+        quantization=quant,
+        max_waiting_requests=4096,
+    )
     load0 = os.getloadavg()[0]
     core = EngineCore(cfg)
     layout = core.runner.kv_layout
@@ -234,55 +349,90 @@ def main(argv: list[str] | None = None) -> int:
     dtype = str(layout.dtype).replace("torch.", "")
     if existing is not None:
         if dtype != existing.kind.dtype or quant != existing.kind.quantization:
-            raise SystemExit(f"--corun-only: {a.out} profiles {existing.kind.dtype}/{existing.kind.quantization}, "
-                             f"not {a.dtype}/{quant}")  # fmt: skip
+            raise SystemExit(
+                f"--corun-only: {a.out} profiles {existing.kind.dtype}/{existing.kind.quantization}, "
+                f"not {a.dtype}/{quant}"
+            )
         existing.corun = _corun(core, a, quant, log)
         pf.save(existing, Path(a.out))
         print(json.dumps({"corun": msgspec.to_builtins(existing.corun)}))
         return 0
-    log(f"engine ready: {core.model_name} {dtype} quant={quant} threads={a.threads}, KV {kv_per_token} B/token")
+    log(
+        f"engine ready: {core.model_name} {dtype} quant={quant} threads={a.threads}, KV {kv_per_token} B/token"
+    )
     samples = _measure(core, a, log)
     model, raw, ratio = fit_samples(samples, a.threads)
-    log(f"fitted on {len(samples)} steps: MAPE {model.fit_mape:.1%} (held out {model.holdout_mape or 0:.1%}), "
-        f"max {model.fit_max_ape:.1%}; on raw wall times: MAPE {raw.fit_mape:.1%}; contention {ratio:.2f}")  # fmt: skip
+    log(
+        f"fitted on {len(samples)} steps: MAPE {model.fit_mape:.1%} (held out {model.holdout_mape or 0:.1%}), "
+        f"max {model.fit_max_ape:.1%}; on raw wall times: MAPE {raw.fit_mape:.1%}; contention {ratio:.2f}"
+    )
     transport = _transport(a.transport, log)
     corun = _corun(core, a, quant, log) if a.corun and not a.quick else pf.CoRun()
     name = a.name or f"{core.model_name}-{dtype}-{quant or 'noquant'}-t{a.threads}"
     prof = pf.Profile(
-        kind=pf.NodeKind(name=name, model=core.model_name, dtype=dtype, quantization=quant,
-                         device=f"cpu ({a.threads} threads, {platform.processor() or platform.machine()})",
-                         engine="native", block_size=layout.block_size, kv_bytes_per_token=kv_per_token,
-                         kv_capacity_tokens=core.pool.num_blocks * layout.block_size, max_num_seqs=a.max_num_seqs,
-                         max_num_batched_tokens=a.max_num_batched_tokens,
-                         # the serving limit is a deployment choice (duet up: the model's own), not --max-model-len,
-                         # which only bounds the prompts this profile times
-                         max_model_len=core.model_config.max_position_embeddings),
-        step=model, transport=transport, corun=corun,
-        overheads=pf.Overheads(request_s=a.overhead_ms / 1e3, pd_hop_s=a.pd_hop_ms / 1e3, stream_s=0.0005,
-                               provenance=pf.Provenance.MODELLED),
+        kind=pf.NodeKind(
+            name=name,
+            model=core.model_name,
+            dtype=dtype,
+            quantization=quant,
+            device=f"cpu ({a.threads} threads, {platform.processor() or platform.machine()})",
+            engine="native",
+            block_size=layout.block_size,
+            kv_bytes_per_token=kv_per_token,
+            kv_capacity_tokens=core.pool.num_blocks * layout.block_size,
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            # the serving limit is a deployment choice (duet up: the model's own), not --max-model-len,
+            # which only bounds the prompts this profile times
+            max_model_len=core.model_config.max_position_embeddings,
+        ),
+        step=model,
+        transport=transport,
+        corun=corun,
+        overheads=pf.Overheads(
+            request_s=a.overhead_ms / 1e3,
+            pd_hop_s=a.pd_hop_ms / 1e3,
+            stream_s=0.0005,
+            provenance=pf.Provenance.MODELLED,
+        ),
         samples=samples,
-        notes=[f"step samples: wall clock and CPU time around EngineCore.step on {os.cpu_count()} CPUs; load average "
-               f"{load0:.2f} before, {os.getloadavg()[0]:.2f} after",
-               *fit_notes(raw, ratio),
-               "measured: step samples, the fit, KV bytes/token, the transport"
-               + (", the co-run factors" if corun.provenance == pf.Provenance.MEASURED else "") + "; modelled: per-request "
-               "overheads (--overhead-ms, --pd-hop-ms)"],
-        measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), contention=ratio,
+        notes=[
+            f"step samples: wall clock and CPU time around EngineCore.step on {os.cpu_count()} CPUs; load average "
+            f"{load0:.2f} before, {os.getloadavg()[0]:.2f} after",
+            *fit_notes(raw, ratio),
+            "measured: step samples, the fit, KV bytes/token, the transport"
+            + (", the co-run factors" if corun.provenance == pf.Provenance.MEASURED else "")
+            + "; modelled: per-request "
+            "overheads (--overhead-ms, --pd-hop-ms)",
+        ],
+        measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        contention=ratio,
         host=platform.node(),
-    )  # fmt: skip
+    )
     if a.overheads != "none":
         prof = _with_overheads(prof, a.model, a.overheads, a.overhead_requests, log)
     pf.save(prof, Path(a.out))
     log(f"wrote {a.out}")
-    print(json.dumps({"name": name, "samples": len(samples), "fit_mape": model.fit_mape,
-                      "holdout_mape": model.holdout_mape, "step": msgspec.to_builtins(model),
-                      "transport_gbps": transport.bandwidth_bytes_per_s / 1e9,
-                      "transport_latency_ms": transport.latency_s * 1e3,
-                      "corun": msgspec.to_builtins(corun)}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "name": name,
+                "samples": len(samples),
+                "fit_mape": model.fit_mape,
+                "holdout_mape": model.holdout_mape,
+                "step": msgspec.to_builtins(model),
+                "transport_gbps": transport.bandwidth_bytes_per_s / 1e9,
+                "transport_latency_ms": transport.latency_s * 1e3,
+                "corun": msgspec.to_builtins(corun),
+            }
+        )
+    )
     return 0
 
 
-def fit_samples(samples: list[pf.StepSample], threads: int) -> tuple[pf.StepModel, pf.StepModel, float]:
+def fit_samples(
+    samples: list[pf.StepSample], threads: int
+) -> tuple[pf.StepModel, pf.StepModel, float]:
     """(the model, the model of the raw wall times, the contention ratio). On a shared machine
     a step's wall time is its CPU time stretched by whatever else runs — noise that swamps the
     features. The model is therefore fitted to each step's CPU time / threads × the *median*
@@ -297,9 +447,11 @@ def fit_samples(samples: list[pf.StepSample], threads: int) -> tuple[pf.StepMode
 
 
 def fit_notes(raw: pf.StepModel, ratio: float) -> list[str]:
-    return [f"step model: fitted to CPU time / threads × the median contention {ratio:.2f} (wall × threads / CPU; "
-            "1.0 = the step had its CPUs to itself); the same fit on raw wall times has MAPE "
-            f"{raw.fit_mape:.1%} (held out {raw.holdout_mape or 0:.1%}) — the machine's noise"]  # fmt: skip
+    return [
+        f"step model: fitted to CPU time / threads × the median contention {ratio:.2f} (wall × threads / CPU; "
+        "1.0 = the step had its CPUs to itself); the same fit on raw wall times has MAPE "
+        f"{raw.fit_mape:.1%} (held out {raw.holdout_mape or 0:.1%}) — the machine's noise"
+    ]
 
 
 def refit(path: Path, threads: int) -> pf.Profile:
@@ -312,24 +464,34 @@ def refit(path: Path, threads: int) -> pf.Profile:
     return prof
 
 
-def _with_overheads(prof: pf.Profile, model: str | None, mode: str, requests: int, log) -> pf.Profile:  # type: ignore[no-untyped-def]
+def _with_overheads(
+    prof: pf.Profile, model: str | None, mode: str, requests: int, log
+) -> pf.Profile:  # type: ignore[no-untyped-def]
     from protocol.models import DEFAULT_MODEL, resolve_model
     from sim import overheads
 
     if model is None or not Path(model).is_dir():
         model = str(resolve_model(model or DEFAULT_MODEL).directory)
     m = overheads.measure(prof, model, log, requests=requests, pd=mode == "pd")
-    notes = [n for n in prof.notes if not n.startswith(("overheads measured", "measured: step samples"))]
-    what = ("measured: step samples, the fit, KV bytes/token, the transport, "
-            + ("the co-run factors, " if prof.corun.provenance == pf.Provenance.MEASURED else "")
-            + "per-request/per-token overheads" + ("" if mode == "pd" else " (the P→D hop: the --pd-hop-ms default)"))
+    notes = [
+        n for n in prof.notes if not n.startswith(("overheads measured", "measured: step samples"))
+    ]
+    what = (
+        "measured: step samples, the fit, KV bytes/token, the transport, "
+        + ("the co-run factors, " if prof.corun.provenance == pf.Provenance.MEASURED else "")
+        + "per-request/per-token overheads"
+        + ("" if mode == "pd" else " (the P→D hop: the --pd-hop-ms default)")
+    )
     if mode != "pd":
-        m = overheads.Measured(msgspec.structs.replace(m.overheads, pd_hop_s=prof.overheads.pd_hop_s), m.notes, m.raw)
+        m = overheads.Measured(
+            msgspec.structs.replace(m.overheads, pd_hop_s=prof.overheads.pd_hop_s), m.notes, m.raw
+        )
     return msgspec.structs.replace(prof, overheads=m.overheads, notes=[*notes, *m.notes, what])
 
 
 def update_overheads(path: Path, model: str | None, mode: str, requests: int) -> pf.Profile:
     """Measure the overheads of the profile at `path` and write them into it (samples stay)."""
+
     def log(msg: str) -> None:
         print(f"[bench.profile {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 

@@ -14,7 +14,9 @@ from bench.records import RequestRecord
 
 
 class RunProgress:
-    def __init__(self, label: str, total: int | None, duration_s: float | None, quiet: bool) -> None:
+    def __init__(
+        self, label: str, total: int | None, duration_s: float | None, quiet: bool
+    ) -> None:
         self.label = label
         self.total = total
         self.duration_s = duration_s
@@ -29,14 +31,21 @@ class RunProgress:
     def __enter__(self) -> RunProgress:
         self._start = time.perf_counter()
         if not self.quiet and sys.stderr.isatty():
-            self._rich = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                  TimeElapsedColumn(), TextColumn("{task.fields[status]}"),
-                                  console=Console(stderr=True))  # fmt: skip
+            self._rich = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[status]}"),
+                console=Console(stderr=True),
+            )
             self._rich.start()
             self._task = self._rich.add_task(self.label, total=self.total, status="")
         return self
 
-    def __exit__(self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
         if self._rich is not None:
             self._rich.stop()
         elif not self.quiet and self._printed != self.ok + self.failed:
@@ -65,5 +74,9 @@ class RunProgress:
     def _line(self) -> None:
         self._printed = self.ok + self.failed
         of = f"/{self.total}" if self.total else ""
-        print(f"{self.label}: {self.ok + self.failed}{of} done ({self.failed} failed), "
-              f"{time.perf_counter() - self._start:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"{self.label}: {self.ok + self.failed}{of} done ({self.failed} failed), "
+            f"{time.perf_counter() - self._start:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )

@@ -18,7 +18,9 @@ from protocol.tokenizer import Tokenizer
 
 
 class PromptBuilder:
-    def __init__(self, fmt: str, tokenizer: Tokenizer | None = None, vocab_size: int | None = None) -> None:
+    def __init__(
+        self, fmt: str, tokenizer: Tokenizer | None = None, vocab_size: int | None = None
+    ) -> None:
         if fmt == "text" and tokenizer is None:
             raise ValueError("text prompts need a tokenizer")
         self.fmt = fmt

@@ -33,11 +33,41 @@ from typing import Any
 
 #: prose-heavy stdlib module docstrings, in this order
 CORPUS_MODULES = (
-    "argparse", "csv", "json", "socket", "subprocess", "tempfile", "timeit", "unittest", "urllib.request",
-    "uuid", "pydoc", "doctest", "ftplib", "smtplib", "difflib", "os", "inspect", "random", "sqlite3",
-    "wave", "turtle", "getopt", "optparse", "trace", "itertools", "collections", "typing",
-)  # fmt: skip
-TARGETS = {"int8": 0.01, "int4": 0.06, "int4-g64": 0.06, "int8-w8a8": 0.01, "int4-w4a8": 0.06}  # max increase
+    "argparse",
+    "csv",
+    "json",
+    "socket",
+    "subprocess",
+    "tempfile",
+    "timeit",
+    "unittest",
+    "urllib.request",
+    "uuid",
+    "pydoc",
+    "doctest",
+    "ftplib",
+    "smtplib",
+    "difflib",
+    "os",
+    "inspect",
+    "random",
+    "sqlite3",
+    "wave",
+    "turtle",
+    "getopt",
+    "optparse",
+    "trace",
+    "itertools",
+    "collections",
+    "typing",
+)
+TARGETS = {
+    "int8": 0.01,
+    "int4": 0.06,
+    "int4-g64": 0.06,
+    "int8-w8a8": 0.01,
+    "int4-w4a8": 0.06,
+}  # max increase
 PASSAGE = Path(__file__).parent / "data" / "passage_en.txt"
 
 
@@ -51,18 +81,45 @@ def corpus_text() -> str:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.quality", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or directory (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="activation dtype of every run, and the weights' dtype of the baseline (default: %(default)s)")  # fmt: skip
-    p.add_argument("--schemes", default="int8,int4,int4-g64,int8-w8a8,int4-w4a8", help="comma-separated schemes to compare (default: %(default)s)")
-    p.add_argument("--tokens", type=int, default=4096, help="corpus tokens scored (default: %(default)s)")
-    p.add_argument("--window", type=int, default=512, help="tokens per scoring window (default: %(default)s)")
-    p.add_argument("--prompts", type=int, default=64, help="greedy-agreement prompts (default: %(default)s)")
-    p.add_argument("--prompt-len", type=int, default=48, help="tokens per prompt (default: %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (default: all cores)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.quality",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="model name or directory (default: %(default)s)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="activation dtype of every run, and the weights' dtype of the baseline (default: %(default)s)",
+    )
+    p.add_argument(
+        "--schemes",
+        default="int8,int4,int4-g64,int8-w8a8,int4-w4a8",
+        help="comma-separated schemes to compare (default: %(default)s)",
+    )
+    p.add_argument(
+        "--tokens", type=int, default=4096, help="corpus tokens scored (default: %(default)s)"
+    )
+    p.add_argument(
+        "--window", type=int, default=512, help="tokens per scoring window (default: %(default)s)"
+    )
+    p.add_argument(
+        "--prompts", type=int, default=64, help="greedy-agreement prompts (default: %(default)s)"
+    )
+    p.add_argument(
+        "--prompt-len", type=int, default=48, help="tokens per prompt (default: %(default)s)"
+    )
+    p.add_argument(
+        "--max-tokens", type=int, default=32, help="greedy tokens per prompt (default: %(default)s)"
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch/OpenMP threads (default: all cores)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return p.parse_args(argv)
 
@@ -70,10 +127,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _llm(args: argparse.Namespace, scheme: str | None):
     from engine import LLM
 
-    return LLM(args.model, dtype=args.dtype, device="cpu", quantization=scheme, threads=args.threads,
-               max_model_len=max(args.window, args.prompt_len + args.max_tokens) + 16,
-               num_kv_blocks=max(args.window // 16 + 2, args.prompts * ((args.prompt_len + args.max_tokens) // 16 + 2)),
-               max_num_seqs=args.prompts, enable_prefix_caching=False)  # fmt: skip
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        device="cpu",
+        quantization=scheme,
+        threads=args.threads,
+        max_model_len=max(args.window, args.prompt_len + args.max_tokens) + 16,
+        num_kv_blocks=max(
+            args.window // 16 + 2, args.prompts * ((args.prompt_len + args.max_tokens) // 16 + 2)
+        ),
+        max_num_seqs=args.prompts,
+        enable_prefix_caching=False,
+    )
 
 
 def perplexity(llm, ids: list[int], window: int) -> dict[str, Any]:
@@ -89,8 +155,16 @@ def perplexity(llm, ids: list[int], window: int) -> dict[str, Any]:
         chunk = ids[start : start + window]
         if len(chunk) < 2:
             break
-        md = build_metadata(runner.block_size, [], [(blocks, 0, len(chunk))], runner.cfg.sliding_window, runner.device)
-        logits = runner.model.forward(torch.tensor(chunk), runner.kv_cache, md, torch.arange(len(chunk)))
+        md = build_metadata(
+            runner.block_size,
+            [],
+            [(blocks, 0, len(chunk))],
+            runner.cfg.sliding_window,
+            runner.device,
+        )
+        logits = runner.model.forward(
+            torch.tensor(chunk), runner.kv_cache, md, torch.arange(len(chunk))
+        )
         logp = torch.log_softmax(logits[:-1].float(), dim=-1)
         target = torch.tensor(chunk[1:])
         nll -= logp.gather(1, target[:, None]).sum().item()
@@ -101,16 +175,23 @@ def perplexity(llm, ids: list[int], window: int) -> dict[str, Any]:
 def greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     from engine import SamplingParams
 
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+    outs = llm.generate(
+        prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    )
     return [o.token_ids for o in outs]
 
 
 def agreement(ref: list[list[int]], got: list[list[int]]) -> dict[str, float]:
-    prefix = [next((i for i, (a, b) in enumerate(zip(r, g, strict=True)) if a != b), len(r)) for r, g in zip(ref, got, strict=True)]
+    prefix = [
+        next((i for i, (a, b) in enumerate(zip(r, g, strict=True)) if a != b), len(r))
+        for r, g in zip(ref, got, strict=True)
+    ]
     n = len(ref)
-    return {"first_token": sum(r[0] == g[0] for r, g in zip(ref, got, strict=True)) / n,
-            "tokens_before_divergence": sum(prefix) / sum(len(r) for r in ref),
-            "identical_sequences": sum(p == len(r) for p, r in zip(prefix, ref, strict=True)) / n}  # fmt: skip
+    return {
+        "first_token": sum(r[0] == g[0] for r, g in zip(ref, got, strict=True)) / n,
+        "tokens_before_divergence": sum(prefix) / sum(len(r) for r in ref),
+        "identical_sequences": sum(p == len(r) for p, r in zip(prefix, ref, strict=True)) / n,
+    }
 
 
 def run(args: argparse.Namespace, progress) -> dict[str, Any]:
@@ -121,16 +202,29 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
     text = corpus_text()
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     result: dict[str, Any] = {
-        "config": {"model": args.model, "dtype": args.dtype, "window": args.window, "prompts": args.prompts,
-                   "prompt_len": args.prompt_len, "max_tokens": args.max_tokens},
-        "corpus": {"source": "module docstrings of Python's standard library", "modules": list(CORPUS_MODULES),
-                   "python": platform.python_version(), "chars": len(text),
-                   "sha256": hashlib.sha256(text.encode()).hexdigest()},
+        "config": {
+            "model": args.model,
+            "dtype": args.dtype,
+            "window": args.window,
+            "prompts": args.prompts,
+            "prompt_len": args.prompt_len,
+            "max_tokens": args.max_tokens,
+        },
+        "corpus": {
+            "source": "module docstrings of Python's standard library",
+            "modules": list(CORPUS_MODULES),
+            "python": platform.python_version(),
+            "chars": len(text),
+            "sha256": hashlib.sha256(text.encode()).hexdigest(),
+        },
         "schemes": {},
-    }  # fmt: skip
+    }
     passage = PASSAGE.read_text()
-    result["passage"] = {"source": str(PASSAGE.relative_to(Path(__file__).parent.parent)), "chars": len(passage),
-                         "sha256": hashlib.sha256(passage.encode()).hexdigest()}  # fmt: skip
+    result["passage"] = {
+        "source": str(PASSAGE.relative_to(Path(__file__).parent.parent)),
+        "chars": len(passage),
+        "sha256": hashlib.sha256(passage.encode()).hexdigest(),
+    }
     ref_tokens: list[list[int]] | None = None
     ids: list[int] = []
     passage_ids: list[int] = []
@@ -173,19 +267,32 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"{'scheme':>9}  {'perplexity':>10}  {'vs base':>8}  {'passage':>8}  {'vs base':>8}  {'first tok':>9}  "
-             f"{'agree':>6}  {'same seq':>8}  target"]  # fmt: skip
+    lines = [
+        f"{'scheme':>9}  {'perplexity':>10}  {'vs base':>8}  {'passage':>8}  {'vs base':>8}  {'first tok':>9}  "
+        f"{'agree':>6}  {'same seq':>8}  target"
+    ]
     for name, r in result["schemes"].items():
         a = r.get("greedy_agreement")
-        agree = (f"{a['first_token']:>9.3f}  {a['tokens_before_divergence']:>6.3f}  {a['identical_sequences']:>8.3f}"
-                 if a else f"{'-':>9}  {'-':>6}  {'-':>8}")  # fmt: skip
-        target = "" if "target" not in r else f"<= +{100 * r['target']['max_increase']:.0f}%: " + (
-            "met" if r["target"]["met"] else "MISSED")
+        agree = (
+            f"{a['first_token']:>9.3f}  {a['tokens_before_divergence']:>6.3f}  {a['identical_sequences']:>8.3f}"
+            if a
+            else f"{'-':>9}  {'-':>6}  {'-':>8}"
+        )
+        target = (
+            ""
+            if "target" not in r
+            else f"<= +{100 * r['target']['max_increase']:.0f}%: "
+            + ("met" if r["target"]["met"] else "MISSED")
+        )
         pp = r["passage"]
-        lines.append(f"{name:>9}  {r['perplexity']:>10.4f}  {100 * r['perplexity_vs_baseline']:>+7.2f}%  "
-                     f"{pp['perplexity']:>8.3f}  {100 * pp['perplexity_vs_baseline']:>+7.2f}%  {agree}  {target}")  # fmt: skip
+        lines.append(
+            f"{name:>9}  {r['perplexity']:>10.4f}  {100 * r['perplexity_vs_baseline']:>+7.2f}%  "
+            f"{pp['perplexity']:>8.3f}  {100 * pp['perplexity_vs_baseline']:>+7.2f}%  {agree}  {target}"
+        )
     c = result["corpus"]
-    lines.append(f"corpus: {c['tokens']} tokens of {c['source']} (Python {c['python']}, sha256 {c['sha256'][:12]})")
+    lines.append(
+        f"corpus: {c['tokens']} tokens of {c['source']} (Python {c['python']}, sha256 {c['sha256'][:12]})"
+    )
     return "\n".join(lines)
 
 

@@ -30,24 +30,57 @@ TARGETS = {"int4": 110.0, "int8": 85.0}  # single-stream tokens/s (issue 15, on 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.quant_engine", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--model", default="smollm2-135m-instruct", help="model name or directory (default: %(default)s)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
-                   help="activation/KV dtype for every scheme; 'none' means weights in this dtype too")  # fmt: skip
-    p.add_argument("--schemes", default=",".join(SCHEMES), help="comma-separated: none,int8,int4,int4-g64")
-    p.add_argument("--threads", type=int, default=None, help="torch/OpenMP threads (default: all cores)")
-    p.add_argument("--context", type=int, default=256, help="prompt tokens before decoding (default 256)")
-    p.add_argument("--steps", type=int, default=32, help="timed decode steps per figure (default 32)")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.quant_engine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help="model name or directory (default: %(default)s)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="activation/KV dtype for every scheme; 'none' means weights in this dtype too",
+    )
+    p.add_argument(
+        "--schemes", default=",".join(SCHEMES), help="comma-separated: none,int8,int4,int4-g64"
+    )
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch/OpenMP threads (default: all cores)"
+    )
+    p.add_argument(
+        "--context", type=int, default=256, help="prompt tokens before decoding (default 256)"
+    )
+    p.add_argument(
+        "--steps", type=int, default=32, help="timed decode steps per figure (default 32)"
+    )
     p.add_argument("--batches", default="1,32", help="decode batch sizes (default 1,32)")
-    p.add_argument("--no-profile", action="store_true", help="skip the time breakdown of a single-stream step")
-    p.add_argument("--linear-rows", default="1,32,512",
-                   help="time every linear layer at these activation rows (a decode step, a decode batch, a "
-                        "prefill chunk; '' to skip; default %(default)s)")  # fmt: skip
-    p.add_argument("--linear-reps", type=int, default=15, help="passes per --linear-rows figure (median; default 15)")
-    p.add_argument("--profile-clock", choices=["wall", "cpu"], default="wall",
-                   help="clock of the breakdown; cpu (this process's CPU time) is less disturbed by other "
-                        "work on a busy machine, use it with --threads 1 (default: wall)")  # fmt: skip
+    p.add_argument(
+        "--no-profile", action="store_true", help="skip the time breakdown of a single-stream step"
+    )
+    p.add_argument(
+        "--linear-rows",
+        default="1,32,512",
+        help="time every linear layer at these activation rows (a decode step, a decode batch, a "
+        "prefill chunk; '' to skip; default %(default)s)",
+    )
+    p.add_argument(
+        "--linear-reps",
+        type=int,
+        default=15,
+        help="passes per --linear-rows figure (median; default 15)",
+    )
+    p.add_argument(
+        "--profile-clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="clock of the breakdown; cpu (this process's CPU time) is less disturbed by other "
+        "work on a busy machine, use it with --threads 1 (default: wall)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -59,11 +92,20 @@ def _engine(args: argparse.Namespace, scheme: str, batch: int):
 
     max_len = 1024
     blocks = batch * ((args.context + 2 * args.steps + 80) // 16 + 2) + 8
-    return EngineCore(EngineConfig(
-        model=args.model, dtype=args.dtype, device="cpu", threads=args.threads, max_num_seqs=batch,
-        max_num_batched_tokens=2048, enable_prefix_caching=False, num_kv_blocks=max(blocks, max_len // 16 + 1),
-        max_model_len=max_len, quantization=None if scheme == "none" else scheme,
-    ))  # fmt: skip
+    return EngineCore(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device="cpu",
+            threads=args.threads,
+            max_num_seqs=batch,
+            max_num_batched_tokens=2048,
+            enable_prefix_caching=False,
+            num_kv_blocks=max(blocks, max_len // 16 + 1),
+            max_model_len=max_len,
+            quantization=None if scheme == "none" else scheme,
+        )
+    )
 
 
 def weight_bytes(eng) -> int:
@@ -71,14 +113,20 @@ def weight_bytes(eng) -> int:
     from engine.qlinear import QLinear
 
     model = eng.runner.model
-    lins = [lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    lins = [
+        lin for layer in model.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ]
     head = model.lm_head.q or model.lm_head
     total = 0
     for lin in [*lins, head]:
         if isinstance(lin, QLinear):
             total += lin.weight.nbytes
         else:
-            t = next(t for t in (getattr(lin, "panels", None), getattr(lin, "packed", None), lin.weight) if t is not None)
+            t = next(
+                t
+                for t in (getattr(lin, "panels", None), getattr(lin, "packed", None), lin.weight)
+                if t is not None
+            )
             total += t.numel() * t.element_size()
     return total
 
@@ -86,7 +134,9 @@ def weight_bytes(eng) -> int:
 class _Timed:
     """Wraps a layer; adds its wall time to `totals[bucket]`."""
 
-    def __init__(self, inner, bucket: str, totals: dict[str, float], clock: Callable[[], float]) -> None:
+    def __init__(
+        self, inner, bucket: str, totals: dict[str, float], clock: Callable[[], float]
+    ) -> None:
         self.inner, self.bucket, self.totals, self.clock = inner, bucket, totals, clock
 
     def __call__(self, *args):
@@ -96,8 +146,13 @@ class _Timed:
         return out
 
 
-def profile_step(eng, shape: ModelShape, rng: random.Random, clock: Callable[[], float] = time.perf_counter,
-                 steps: int = 16) -> dict[str, float]:  # fmt: skip
+def profile_step(
+    eng,
+    shape: ModelShape,
+    rng: random.Random,
+    clock: Callable[[], float] = time.perf_counter,
+    steps: int = 16,
+) -> dict[str, float]:
     """Where a single-stream decode step spends its time (ms per step, best of 3 passes): the
     linear layers by kind, the rest of the forward pass (attention, norms, rope, embedding), and
     the rest of the step (scheduling, sampling, detokenizing). `clock` may be CPU time, which a
@@ -110,7 +165,11 @@ def profile_step(eng, shape: ModelShape, rng: random.Random, clock: Callable[[],
         eng.step()
     eng.step()
     kinds = ("qkv", "o", "gate_up", "down")
-    saved = ([{k: getattr(layer, k) for k in kinds} for layer in model.layers], model.lm_head, model.forward)
+    saved = (
+        [{k: getattr(layer, k) for k in kinds} for layer in model.layers],
+        model.lm_head,
+        model.forward,
+    )
     best: dict[str, float] = {}
     try:
         for _ in range(3):
@@ -135,9 +194,14 @@ def profile_step(eng, shape: ModelShape, rng: random.Random, clock: Callable[[],
     eng.abort("prof")
     ms = {k: 1e3 * v / steps for k, v in best.items()}
     linears = sum(ms[k] for k in (*kinds, "lm_head"))
-    return {"step_ms": ms["step"], "forward_ms": ms["forward"], "linears_ms": linears,
-            **{f"{k}_ms": ms[k] for k in (*kinds, "lm_head")},
-            "other_forward_ms": ms["forward"] - linears, "outside_forward_ms": ms["step"] - ms["forward"]}  # fmt: skip
+    return {
+        "step_ms": ms["step"],
+        "forward_ms": ms["forward"],
+        "linears_ms": linears,
+        **{f"{k}_ms": ms[k] for k in (*kinds, "lm_head")},
+        "other_forward_ms": ms["forward"] - linears,
+        "outside_forward_ms": ms["step"] - ms["forward"],
+    }
 
 
 def run(args: argparse.Namespace, progress: engine_runs.Progress) -> dict[str, Any]:
@@ -146,19 +210,32 @@ def run(args: argparse.Namespace, progress: engine_runs.Progress) -> dict[str, A
     if args.threads:
         torch.set_num_threads(args.threads)
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
-    result: dict[str, Any] = {"machine": machine_info(torch.get_num_threads()),
-                              "config": {"model": args.model, "dtype": args.dtype, "context": args.context,
-                                         "steps": args.steps, "batches": batches}, "schemes": {}}  # fmt: skip
+    result: dict[str, Any] = {
+        "machine": machine_info(torch.get_num_threads()),
+        "config": {
+            "model": args.model,
+            "dtype": args.dtype,
+            "context": args.context,
+            "steps": args.steps,
+            "batches": batches,
+        },
+        "schemes": {},
+    }
     for scheme in [s.strip() for s in args.schemes.split(",") if s.strip()]:
         progress(f"{scheme}: loading")
         t0 = time.perf_counter()
         eng = _engine(args, scheme, max(batches))
-        row: dict[str, Any] = {"load_s": time.perf_counter() - t0, "weight_bytes": weight_bytes(eng)}
+        row: dict[str, Any] = {
+            "load_s": time.perf_counter() - t0,
+            "weight_bytes": weight_bytes(eng),
+        }
         shape = ModelShape.of(eng.model_config)
         rng = random.Random(args.seed)
         for b in batches:
             progress(f"{scheme}: decode with {b} sequence(s)")
-            row[f"decode_{b}"] = engine_runs.steady_decode(eng, shape, b, args.context, args.steps, rng)
+            row[f"decode_{b}"] = engine_runs.steady_decode(
+                eng, shape, b, args.context, args.steps, rng
+            )
         if not args.no_profile:
             progress(f"{scheme}: profiling a single-stream step")
             clock = time.process_time if args.profile_clock == "cpu" else time.perf_counter
@@ -172,32 +249,58 @@ def run(args: argparse.Namespace, progress: engine_runs.Progress) -> dict[str, A
     base = result["schemes"].get("none")
     for scheme, row in result["schemes"].items():
         if base is not None:
-            row["speedup_vs_none"] = {f"decode_{b}": row[f"decode_{b}"]["tokens_per_s"] / base[f"decode_{b}"]["tokens_per_s"]
-                                      for b in batches}  # fmt: skip
+            row["speedup_vs_none"] = {
+                f"decode_{b}": row[f"decode_{b}"]["tokens_per_s"]
+                / base[f"decode_{b}"]["tokens_per_s"]
+                for b in batches
+            }
         if scheme in TARGETS and 1 in batches:
-            row["target_single_stream"] = {"tokens_per_s": TARGETS[scheme],
-                                           "met": row["decode_1"]["tokens_per_s"] >= TARGETS[scheme]}  # fmt: skip
+            row["target_single_stream"] = {
+                "tokens_per_s": TARGETS[scheme],
+                "met": row["decode_1"]["tokens_per_s"] >= TARGETS[scheme],
+            }
     return result
 
 
 def table(result: dict[str, Any]) -> str:
     batches = result["config"]["batches"]
     head = ["scheme", "weights MiB", *[f"decode x{b} tok/s" for b in batches], "load s"]
-    rows = [[s, f"{r['weight_bytes'] / 2**20:.1f}", *[f"{r[f'decode_{b}']['tokens_per_s']:.1f}" for b in batches],
-             f"{r['load_s']:.1f}"] for s, r in result["schemes"].items()]  # fmt: skip
+    rows = [
+        [
+            s,
+            f"{r['weight_bytes'] / 2**20:.1f}",
+            *[f"{r[f'decode_{b}']['tokens_per_s']:.1f}" for b in batches],
+            f"{r['load_s']:.1f}",
+        ]
+        for s, r in result["schemes"].items()
+    ]
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths, strict=True))]
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     m = result["machine"]
-    lines.append(f"{m['cpu']}, {m['threads']} threads, load average {m.get('load_avg_1m_at_start')} at the start")
+    lines.append(
+        f"{m['cpu']}, {m['threads']} threads, load average {m.get('load_avg_1m_at_start')} at the start"
+    )
     for s, r in result["schemes"].items():
         if "linears" in r:
-            lines.append(f"{s:>5} all linears, ms: " + ", ".join(
-                f"{k.removesuffix('_ms').replace('_', ' ')} {v:.2f}" for k, v in r["linears"].items() if v is not None))  # fmt: skip
+            lines.append(
+                f"{s:>5} all linears, ms: "
+                + ", ".join(
+                    f"{k.removesuffix('_ms').replace('_', ' ')} {v:.2f}"
+                    for k, v in r["linears"].items()
+                    if v is not None
+                )
+            )
     for s, r in result["schemes"].items():
         if "profile" in r:
-            lines.append(f"{s:>5} single-stream step, ms: " + ", ".join(
-                f"{k.removesuffix('_ms')} {v:.2f}" for k, v in r["profile"].items() if k != "clock"))  # fmt: skip
+            lines.append(
+                f"{s:>5} single-stream step, ms: "
+                + ", ".join(
+                    f"{k.removesuffix('_ms')} {v:.2f}"
+                    for k, v in r["profile"].items()
+                    if k != "clock"
+                )
+            )
     return "\n".join(lines)
 
 
@@ -205,7 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     def progress(msg: str) -> None:
-        print(f"[bench.quant_engine {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+        print(
+            f"[bench.quant_engine {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True
+        )
 
     result = run(args, progress)
     print(json.dumps(result, indent=2) if args.json else table(result))

@@ -16,15 +16,17 @@ from types import MappingProxyType
 import msgspec
 
 #: failure causes other than `http_<status>`
-CAUSES = MappingProxyType({
-    "timeout": "no complete answer within --request-timeout",
-    "connection_error": "could not connect, or the connection dropped before a response",
-    "sse_error": "the stream carried an error event",
-    "incomplete_stream": "the stream ended (or the connection dropped) before [DONE]",
-    "no_output": "the stream finished without a single content token",
-    "bad_response": "the answer was not OpenAI-shaped SSE",
-    "client_error": "the request could not be sent (see the message)",
-})
+CAUSES = MappingProxyType(
+    {
+        "timeout": "no complete answer within --request-timeout",
+        "connection_error": "could not connect, or the connection dropped before a response",
+        "sse_error": "the stream carried an error event",
+        "incomplete_stream": "the stream ended (or the connection dropped) before [DONE]",
+        "no_output": "the stream finished without a single content token",
+        "bad_response": "the answer was not OpenAI-shaped SSE",
+        "client_error": "the request could not be sent (see the message)",
+    }
+)
 
 
 class RequestRecord(msgspec.Struct, kw_only=True):

@@ -30,17 +30,26 @@ MODEL = "bench-model"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.route", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m bench.route",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--nodes", type=int, default=64, help="nodes in the synthetic cluster")
-    p.add_argument("--blocks", type=int, default=100_000, help="distinct cached blocks in the index")
+    p.add_argument(
+        "--blocks", type=int, default=100_000, help="distinct cached blocks in the index"
+    )
     p.add_argument("--prompt-blocks", type=int, default=1000, help="blocks per routed prompt")
     p.add_argument("--decisions", type=int, default=5000, help="in-process decisions to time")
-    p.add_argument("--http-decisions", type=int, default=2000, help="decisions to time over HTTP (0: skip)")
+    p.add_argument(
+        "--http-decisions", type=int, default=2000, help="decisions to time over HTTP (0: skip)"
+    )
     p.add_argument("--concurrency", type=int, default=8, help="HTTP clients in flight")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)  # child: serve on this port
+    p.add_argument(
+        "--serve", type=int, default=None, help=argparse.SUPPRESS
+    )  # child: serve on this port
     a = p.parse_args(argv)
     if a.nodes < 2 or a.blocks < a.prompt_blocks or a.prompt_blocks < 1:
         p.error("need ≥ 2 nodes and blocks ≥ prompt-blocks ≥ 1")
@@ -58,26 +67,47 @@ def build(a: argparse.Namespace) -> tuple[Any, list[list[int]]]:
 
     rng = random.Random(a.seed)
     # Never started: the store is only constructed (aetcd connects lazily), no etcd is needed.
-    cfg = CoordinatorConfig(etcd="http://127.0.0.1:9", index_max_blocks=max(a.blocks, 1),
-                            policy=PolicyConfig(stale_load_s=1e9, pending_max_age_s=1.0))  # fmt: skip
+    cfg = CoordinatorConfig(
+        etcd="http://127.0.0.1:9",
+        index_max_blocks=max(a.blocks, 1),
+        policy=PolicyConfig(stale_load_s=1e9, pending_max_age_s=1.0),
+    )
     c = Coordinator(cfg, EtcdStore(cfg.etcd))
     now = time.monotonic()
     capacity = 10**7  # pending decisions must not fill the synthetic pools during the run
     ids = []
     for i in range(a.nodes):
         role = "prefill" if i % 2 == 0 else "decode"
-        info = NodeInfo(node_id=f"{role}-{i:03d}", role=role, url=f"http://10.0.{i // 256}.{i % 256}:8000",
-                        model=MODEL, engine_id=f"e{i}", block_size=16, kv_layout_hash="L",
-                        kv_capacity_blocks=capacity, max_model_len=a.prompt_blocks * 16 + 4096,
-                        started_at=0.0)  # fmt: skip
+        info = NodeInfo(
+            node_id=f"{role}-{i:03d}",
+            role=role,
+            url=f"http://10.0.{i // 256}.{i % 256}:8000",
+            model=MODEL,
+            engine_id=f"e{i}",
+            block_size=16,
+            kv_layout_hash="L",
+            kv_capacity_blocks=capacity,
+            max_model_len=a.prompt_blocks * 16 + 4096,
+            started_at=0.0,
+        )
         v = NodeView(info=info, connected=True, load_at=now)
         free = rng.randint(capacity // 2, capacity)
-        v.load = LoadFrame(seq=0, ts=0.0, num_requests_waiting=rng.randint(0, 4), num_requests_running=rng.randint(0, 32),
-                           kv_cache_usage_perc=1 - free / capacity, queued_prefill_tokens=rng.randint(0, 4000),
-                           kv_blocks_free=free, kv_blocks_total=capacity)  # fmt: skip
+        v.load = LoadFrame(
+            seq=0,
+            ts=0.0,
+            num_requests_waiting=rng.randint(0, 4),
+            num_requests_running=rng.randint(0, 32),
+            kv_cache_usage_perc=1 - free / capacity,
+            queued_prefill_tokens=rng.randint(0, 4000),
+            kv_blocks_free=free,
+            kv_blocks_total=capacity,
+        )
         c.views[info.node_id] = v
         ids.append(info.node_id)
-    families = [[rng.getrandbits(64) for _ in range(a.prompt_blocks)] for _ in range(a.blocks // a.prompt_blocks)]
+    families = [
+        [rng.getrandbits(64) for _ in range(a.prompt_blocks)]
+        for _ in range(a.blocks // a.prompt_blocks)
+    ]
     for fam in families:
         holders = rng.sample(ids, min(4, len(ids)))
         c.index.store(holders[0], fam)  # every block is cached somewhere: the index holds them all
@@ -94,16 +124,25 @@ def build(a: argparse.Namespace) -> tuple[Any, list[list[int]]]:
 def _stats(lat_s: list[float], wall_s: float) -> dict[str, Any]:
     lat = sorted(lat_s)
     q = statistics.quantiles(lat, n=100, method="inclusive")
-    return {"decisions": len(lat), "decisions_per_s": round(len(lat) / wall_s, 1),
-            "p50_ms": round(q[49] * 1e3, 4), "p99_ms": round(q[98] * 1e3, 4),
-            "mean_ms": round(statistics.fmean(lat) * 1e3, 4), "max_ms": round(lat[-1] * 1e3, 4)}  # fmt: skip
+    return {
+        "decisions": len(lat),
+        "decisions_per_s": round(len(lat) / wall_s, 1),
+        "p50_ms": round(q[49] * 1e3, 4),
+        "p99_ms": round(q[98] * 1e3, 4),
+        "mean_ms": round(statistics.fmean(lat) * 1e3, 4),
+        "max_ms": round(lat[-1] * 1e3, 4),
+    }
 
 
 def in_process(c: Any, prompts: list[list[int]], n: int, prompt_blocks: int) -> dict[str, Any]:
     from protocol.route import RouteRequest
 
-    reqs = [RouteRequest(model=MODEL, block_hashes=p, num_prompt_tokens=prompt_blocks * 16 + 5, max_tokens=256)
-            for p in prompts]  # fmt: skip
+    reqs = [
+        RouteRequest(
+            model=MODEL, block_hashes=p, num_prompt_tokens=prompt_blocks * 16 + 5, max_tokens=256
+        )
+        for p in prompts
+    ]
     for r in reqs[:50]:  # warm-up
         c.route(r)
     lat, cpu, outcomes = [], [], {}
@@ -177,16 +216,40 @@ def over_http(a: argparse.Namespace, prompts: list[list[int]]) -> dict[str, Any]
     from bench.procs import free_port
 
     port = free_port()
-    argv = [sys.executable, "-m", "bench.route", "--serve", str(port), "--nodes", str(a.nodes), "--blocks",
-            str(a.blocks), "--prompt-blocks", str(a.prompt_blocks), "--seed", str(a.seed)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "bench.route",
+        "--serve",
+        str(port),
+        "--nodes",
+        str(a.nodes),
+        "--blocks",
+        str(a.blocks),
+        "--prompt-blocks",
+        str(a.prompt_blocks),
+        "--seed",
+        str(a.seed),
+    ]
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None
         if child.stdout.readline().strip() != "ready":
             raise RuntimeError("the bench coordinator did not start")
-        bodies = [json.dumps({"model": MODEL, "block_hashes": p, "num_prompt_tokens": a.prompt_blocks * 16 + 5,
-                              "max_tokens": 256}).encode() for p in prompts]  # fmt: skip
-        return asyncio.run(_http_load(f"http://127.0.0.1:{port}/route", bodies, a.http_decisions, a.concurrency))
+        bodies = [
+            json.dumps(
+                {
+                    "model": MODEL,
+                    "block_hashes": p,
+                    "num_prompt_tokens": a.prompt_blocks * 16 + 5,
+                    "max_tokens": 256,
+                }
+            ).encode()
+            for p in prompts
+        ]
+        return asyncio.run(
+            _http_load(f"http://127.0.0.1:{port}/route", bodies, a.http_decisions, a.concurrency)
+        )
     finally:
         child.terminate()
         child.wait(10)
@@ -196,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.serve is not None:
         return serve(a)
+
     def log(msg: str) -> None:  # progress on stderr, results on stdout
         print(msg, file=sys.stderr, flush=True)
 
@@ -203,9 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     c, prompts = build(a)
     log(f"routing {a.decisions:,} prompts of {a.prompt_blocks} blocks in-process ...")
     result: dict[str, Any] = {
-        "config": {"nodes": a.nodes, "index_blocks": len(c.index), "prompt_blocks": a.prompt_blocks, "seed": a.seed},
+        "config": {
+            "nodes": a.nodes,
+            "index_blocks": len(c.index),
+            "prompt_blocks": a.prompt_blocks,
+            "seed": a.seed,
+        },
         "in_process": in_process(c, prompts, a.decisions, a.prompt_blocks),
-    }  # fmt: skip
+    }
     if a.http_decisions:
         log(f"routing {a.http_decisions:,} prompts over HTTP with {a.concurrency} clients ...")
         result["http"] = over_http(a, prompts)
@@ -219,9 +288,13 @@ def main(argv: list[str] | None = None) -> int:
     for k in ("in_process", "http"):
         if k in result:
             r = result[k]
-            print(f"{k:12} {r['decisions_per_s']:>12,.0f} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f} {r['max_ms']:>9.3f}")
-    print(f"in-process outcomes: {result['in_process']['outcomes']}  (target p99 < 1 ms: "
-          f"{'met' if result['meets_target'] else 'NOT met'})")  # fmt: skip
+            print(
+                f"{k:12} {r['decisions_per_s']:>12,.0f} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f} {r['max_ms']:>9.3f}"
+            )
+    print(
+        f"in-process outcomes: {result['in_process']['outcomes']}  (target p99 < 1 ms: "
+        f"{'met' if result['meets_target'] else 'NOT met'})"
+    )
     return 0
 
 

@@ -105,8 +105,13 @@ def _loopback(url: str) -> bool:
 
 
 class Scraper:
-    def __init__(self, session: aiohttp.ClientSession, urls: tuple[str, ...], interval: float,
-                 secret: ClusterSecret | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        urls: tuple[str, ...],
+        interval: float,
+        secret: ClusterSecret | None = None,
+    ) -> None:
         """`secret`: the one to send to every URL (default: `scrape_secret()`'s, when there are URLs)."""
         self._session = session
         self._urls = [metrics_url(u) for u in urls]
@@ -115,8 +120,10 @@ class Scraper:
         if secret is None and self._urls:
             secret, local_only = scrape_secret()
         #: each URL's headers: the secret, or none
-        self._headers = {u: secret.headers if secret is not None and (not local_only or _loopback(u)) else {}
-                         for u in self._urls}  # fmt: skip
+        self._headers = {
+            u: secret.headers if secret is not None and (not local_only or _loopback(u)) else {}
+            for u in self._urls
+        }
         self.scrapes: dict[str, list[dict[str, Any]]] = {u: [] for u in self._urls}
 
     async def snapshot(self, phase: str) -> None:
@@ -126,12 +133,18 @@ class Scraper:
         entry: dict[str, Any] = {"phase": phase, "t": time.time()}
         try:
             timeout = aiohttp.ClientTimeout(total=max(2.0, self._interval))
-            async with self._session.get(url, timeout=timeout, allow_redirects=False,
-                                         headers=self._headers[url]) as r:  # fmt: skip
+            async with self._session.get(
+                url, timeout=timeout, allow_redirects=False, headers=self._headers[url]
+            ) as r:
                 if r.status == 401:
-                    raise ValueError("HTTP 401: a --protect-metrics endpoint " + (
-                        "refused the cluster secret sent" if self._headers[url] else
-                        "needs the cluster secret ($DUET_CLUSTER_SECRET_FILE)"))  # fmt: skip
+                    raise ValueError(
+                        "HTTP 401: a --protect-metrics endpoint "
+                        + (
+                            "refused the cluster secret sent"
+                            if self._headers[url]
+                            else "needs the cluster secret ($DUET_CLUSTER_SECRET_FILE)"
+                        )
+                    )
                 if r.status != 200:
                     raise ValueError(f"HTTP {r.status}")
                 entry["samples"] = parse(await r.text())

@@ -60,8 +60,12 @@ def make_workload(cfg: ServeConfig) -> Workload:
     if cfg.dataset == "trace":
         trace = load_trace(Path(cfg.dataset_path or ""))
         fixed_out = int(cfg.output_len.a) if out_len and out_len.kind == "fixed" else None
-        return lambda seed: replay(trace, builder, cfg.trace_block_size, cfg.trace_time_scale, seed, fixed_out)
-    return lambda seed: synthetic(builder, cfg.input_len, cfg.output_len, seed, cfg.prefix_groups, cfg.prefix_len)
+        return lambda seed: replay(
+            trace, builder, cfg.trace_block_size, cfg.trace_time_scale, seed, fixed_out
+        )
+    return lambda seed: synthetic(
+        builder, cfg.input_len, cfg.output_len, seed, cfg.prefix_groups, cfg.prefix_len
+    )
 
 
 async def discover_model(session: aiohttp.ClientSession, cfg: ServeConfig) -> str | None:
@@ -70,8 +74,12 @@ async def discover_model(session: aiohttp.ClientSession, cfg: ServeConfig) -> st
         key = cfg.api_key or (cfg.teams[0].key if cfg.teams else None)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         timeout = aiohttp.ClientTimeout(total=10)
-        async with session.get(cfg.base_url.rstrip("/") + "/v1/models", headers=headers, timeout=timeout,
-                               allow_redirects=False) as r:  # fmt: skip
+        async with session.get(
+            cfg.base_url.rstrip("/") + "/v1/models",
+            headers=headers,
+            timeout=timeout,
+            allow_redirects=False,
+        ) as r:
             if r.status != 200:
                 return None
             data = (await r.json()).get("data") or []
@@ -80,10 +88,18 @@ async def discover_model(session: aiohttp.ClientSession, cfg: ServeConfig) -> st
         return None
 
 
-async def run_once(session: aiohttp.ClientSession, cfg: ServeConfig, workload: Workload, quiet: bool,
-                   stop: asyncio.Event, warmup: bool = True) -> dict[str, Any]:  # fmt: skip
+async def run_once(
+    session: aiohttp.ClientSession,
+    cfg: ServeConfig,
+    workload: Workload,
+    quiet: bool,
+    stop: asyncio.Event,
+    warmup: bool = True,
+) -> dict[str, Any]:
     requests = workload(cfg.seed)
-    if cfg.num_requests is not None:  # built before the clock starts: no tokenizer work between sends
+    if (
+        cfg.num_requests is not None
+    ):  # built before the clock starts: no tokenizer work between sends
         requests = iter(list(itertools.islice(requests, cfg.num_requests)))
     sent, failed = await warm_up(session, cfg, workload(cfg.seed + 100)) if warmup else (0, 0)
     scraper = Scraper(session, cfg.scrape_urls, cfg.scrape_interval)
@@ -106,18 +122,23 @@ def _sweep_configs(cfg: ServeConfig) -> list[ServeConfig]:
     return out
 
 
-async def run_all(cfg: ServeConfig, workload: Workload, quiet: bool) -> tuple[ServeConfig, dict[str, Any]]:
+async def run_all(
+    cfg: ServeConfig, workload: Workload, quiet: bool
+) -> tuple[ServeConfig, dict[str, Any]]:
     # limit=0: the connection pool must never cap concurrency below what the run asks for
     connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector, read_bufsize=1 << 20,
-                                     timeout=aiohttp.ClientTimeout(total=None)) as session:  # fmt: skip
+    async with aiohttp.ClientSession(
+        connector=connector, read_bufsize=1 << 20, timeout=aiohttp.ClientTimeout(total=None)
+    ) as session:
         if cfg.model is None:
             model = await discover_model(session, cfg)
             if model is not None:
                 cfg = msgspec.structs.replace(cfg, model=model)
             elif not quiet:
-                print("note: no --model and no /v1/models on the server: requests carry no model",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    "note: no --model and no /v1/models on the server: requests carry no model",
+                    file=sys.stderr,
+                )
         stop = _stop_on_ctrl_c(quiet)
         if cfg.sweep is None:
             return cfg, await run_once(session, cfg, workload, quiet, stop)
@@ -140,8 +161,11 @@ def _stop_on_ctrl_c(quiet: bool) -> asyncio.Event:
         stop.set()
         loop.remove_signal_handler(signal.SIGINT)
         if not quiet:
-            print("\nstopping: no new requests; waiting for those in flight (Ctrl-C again to abort)",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                "\nstopping: no new requests; waiting for those in flight (Ctrl-C again to abort)",
+                file=sys.stderr,
+                flush=True,
+            )
 
     with contextlib.suppress(NotImplementedError, RuntimeError):  # no signals off the main thread
         loop.add_signal_handler(signal.SIGINT, first)
@@ -171,7 +195,11 @@ def main(argv: list[str] | None = None) -> int:
                 report.print_run(run, console)
             report.print_sweep(result, console)
     if args.plot:
-        written = plots.plot_run(result, Path(args.plot)) if cfg.sweep is None else plots.plot_sweep(result, Path(args.plot))
+        written = (
+            plots.plot_run(result, Path(args.plot))
+            if cfg.sweep is None
+            else plots.plot_sweep(result, Path(args.plot))
+        )
         if not args.quiet:
             print("plots: " + ", ".join(str(p) for p in written), file=sys.stderr)
     runs = result["runs"] if cfg.sweep is not None else [result]

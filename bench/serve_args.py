@@ -39,59 +39,139 @@ examples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    causes = "\n".join(f"  {k:18} {v}" for k, v in {"http_<status>": "the server answered with this HTTP status",
-                                                     **CAUSES}.items())  # fmt: skip
-    p = argparse.ArgumentParser(prog="duet bench serve", description=DESCRIPTION,
-                                epilog=f"failure causes (counted, never fatal):\n{causes}\n\n"
-                                       "Ctrl-C once stops sending and reports what finished; twice aborts.",
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    causes = "\n".join(
+        f"  {k:18} {v}"
+        for k, v in {"http_<status>": "the server answered with this HTTP status", **CAUSES}.items()
+    )
+    p = argparse.ArgumentParser(
+        prog="duet bench serve",
+        description=DESCRIPTION,
+        epilog=f"failure causes (counted, never fatal):\n{causes}\n\n"
+        "Ctrl-C once stops sending and reports what finished; twice aborts.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     s = p.add_argument_group("server")
     s.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     s.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
-    s.add_argument("--model", default=None, help="model name sent in each request (default: the first "
-                   "from the server's /v1/models, or none if it has no such route)")  # fmt: skip
+    s.add_argument(
+        "--model",
+        default=None,
+        help="model name sent in each request (default: the first "
+        "from the server's /v1/models, or none if it has no such route)",
+    )
     s.add_argument("--api-key", default=None, help="bearer key (default: $OPENAI_API_KEY)")
-    s.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request, stream included (default 300)")
+    s.add_argument(
+        "--request-timeout",
+        type=float,
+        default=300.0,
+        help="seconds per request, stream included (default 300)",
+    )
     w = p.add_argument_group("workload")
-    w.add_argument("--dataset", choices=DATASETS, default="synthetic",
-                   help="synthetic (default), sharegpt (JSON file) or trace (Mooncake-style JSONL)")
+    w.add_argument(
+        "--dataset",
+        choices=DATASETS,
+        default="synthetic",
+        help="synthetic (default), sharegpt (JSON file) or trace (Mooncake-style JSONL)",
+    )
     w.add_argument("--dataset-path", default=None, help="the ShareGPT JSON or trace JSONL file")
-    w.add_argument("--tokenizer", default=None, help="model name, model directory or tokenizer.json directory that builds "
-                   "and measures prompts (default for text prompts: smollm2-135m-instruct)")  # fmt: skip
-    w.add_argument("--prompt-format", choices=["text", "tokens"], default="text",
-                   help="send prompts as text (any server) or token ids (/v1/completions on duet/vLLM)")
-    w.add_argument("--vocab-size", type=int, default=None, help="token-id prompts without a tokenizer")
-    w.add_argument("--input-len", default="128", help=f"prompt tokens per request: {LEN_HELP} (default 128)")
-    w.add_argument("--output-len", default=None, help=f"max_tokens per request: {LEN_HELP} (default 128; "
-                   "for sharegpt/trace it overrides the file's lengths)")  # fmt: skip
+    w.add_argument(
+        "--tokenizer",
+        default=None,
+        help="model name, model directory or tokenizer.json directory that builds "
+        "and measures prompts (default for text prompts: smollm2-135m-instruct)",
+    )
+    w.add_argument(
+        "--prompt-format",
+        choices=["text", "tokens"],
+        default="text",
+        help="send prompts as text (any server) or token ids (/v1/completions on duet/vLLM)",
+    )
+    w.add_argument(
+        "--vocab-size", type=int, default=None, help="token-id prompts without a tokenizer"
+    )
+    w.add_argument(
+        "--input-len", default="128", help=f"prompt tokens per request: {LEN_HELP} (default 128)"
+    )
+    w.add_argument(
+        "--output-len",
+        default=None,
+        help=f"max_tokens per request: {LEN_HELP} (default 128; "
+        "for sharegpt/trace it overrides the file's lengths)",
+    )
     w.add_argument("--prefix-groups", type=int, default=0, help="number of shared prompt prefixes")
-    w.add_argument("--prefix-len", type=int, default=0, help="tokens in each shared prefix (before --input-len)")
-    w.add_argument("--trace-block-size", type=int, default=512, help="tokens per trace hash id (Mooncake: 512)")
-    w.add_argument("--trace-time-scale", type=float, default=1.0, help="multiply trace gaps (0.5 = twice as fast)")
-    w.add_argument("--team", action="append", default=[], metavar="NAME[:W]=KEY",
-                   help="a team with its API key (KEY or env:VAR) and weight; repeat for a mix")
+    w.add_argument(
+        "--prefix-len",
+        type=int,
+        default=0,
+        help="tokens in each shared prefix (before --input-len)",
+    )
+    w.add_argument(
+        "--trace-block-size", type=int, default=512, help="tokens per trace hash id (Mooncake: 512)"
+    )
+    w.add_argument(
+        "--trace-time-scale",
+        type=float,
+        default=1.0,
+        help="multiply trace gaps (0.5 = twice as fast)",
+    )
+    w.add_argument(
+        "--team",
+        action="append",
+        default=[],
+        metavar="NAME[:W]=KEY",
+        help="a team with its API key (KEY or env:VAR) and weight; repeat for a mix",
+    )
     w.add_argument("--tier-mix", default="", help="e.g. interactive:3,batch:1")
-    w.add_argument("--tier-via", choices=["header", "body", "both"], default="header",
-                   help="send the tier as the x-duet-tier header, the service_tier field, or both")
-    w.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM/duet extension)")
+    w.add_argument(
+        "--tier-via",
+        choices=["header", "body", "both"],
+        default="header",
+        help="send the tier as the x-duet-tier header, the service_tier field, or both",
+    )
+    w.add_argument(
+        "--ignore-eos", action="store_true", help="ask for exactly max_tokens (vLLM/duet extension)"
+    )
     w.add_argument("--temperature", type=float, default=None)
     w.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
     lo = p.add_argument_group("load")
-    lo.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson by default; inf "
-                    "(default) sends all at t=0")  # fmt: skip
-    lo.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
+    lo.add_argument(
+        "--request-rate",
+        type=float,
+        default=math.inf,
+        help="requests/s, Poisson by default; inf (default) sends all at t=0",
+    )
+    lo.add_argument(
+        "--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)"
+    )
     lo.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most")
-    lo.add_argument("--num-requests", type=int, default=None, help="requests to send (default 100 without --duration)")
+    lo.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests to send (default 100 without --duration)",
+    )
     lo.add_argument("--duration", type=float, default=None, help="seconds to keep sending")
-    lo.add_argument("--warmup", type=int, default=0, help="requests sent first and left out of the results")
+    lo.add_argument(
+        "--warmup", type=int, default=0, help="requests sent first and left out of the results"
+    )
     lo.add_argument("--seed", type=int, default=0)
-    lo.add_argument("--sweep", default=None, help="request-rate=1,2,4 or max-concurrency=1,4,16: one run each")
+    lo.add_argument(
+        "--sweep", default=None, help="request-rate=1,2,4 or max-concurrency=1,4,16: one run each"
+    )
     o = p.add_argument_group("measurement and output")
     o.add_argument("--slo", default=None, help="goodput SLOs in ms, e.g. ttft=500,tpot=50")
-    o.add_argument("--percentiles", default="50,90,99", help="percentiles to report (default 50,90,99)")
-    o.add_argument("--scrape-metrics", default="", metavar="URL[,URL]", help="Prometheus endpoints to scrape")
-    o.add_argument("--scrape-interval", type=float, default=5.0, help="seconds between scrapes during the run")
-    o.add_argument("--json", action="store_true", help="print the result as one JSON object on stdout")
+    o.add_argument(
+        "--percentiles", default="50,90,99", help="percentiles to report (default 50,90,99)"
+    )
+    o.add_argument(
+        "--scrape-metrics", default="", metavar="URL[,URL]", help="Prometheus endpoints to scrape"
+    )
+    o.add_argument(
+        "--scrape-interval", type=float, default=5.0, help="seconds between scrapes during the run"
+    )
+    o.add_argument(
+        "--json", action="store_true", help="print the result as one JSON object on stdout"
+    )
     o.add_argument("--result-file", default=None, help="also write the JSON result to this file")
     o.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots to DIR")
     o.add_argument("--label", default=None, help="name of this run in tables, plots and compare")
@@ -114,7 +194,9 @@ def parse_slo(spec: str | None) -> tuple[float | None, float | None]:
             if found[k] <= 0:
                 raise ValueError
         except ValueError:
-            raise ValueError(f"cannot read --slo {spec!r}: use ttft=MS,tpot=MS (positive numbers)") from None
+            raise ValueError(
+                f"cannot read --slo {spec!r}: use ttft=MS,tpot=MS (positive numbers)"
+            ) from None
     return found.get("ttft"), found.get("tpot")
 
 
@@ -131,25 +213,50 @@ def to_config(a: argparse.Namespace) -> ServeConfig:
     try:
         pcts = tuple(float(x) for x in a.percentiles.split(",") if x.strip())
     except ValueError:
-        raise ValueError(f"cannot read --percentiles {a.percentiles!r}: use e.g. 50,90,99") from None
+        raise ValueError(
+            f"cannot read --percentiles {a.percentiles!r}: use e.g. 50,90,99"
+        ) from None
     num = a.num_requests
     if num is None and a.duration is None:
         num = 100
-    return check(ServeConfig(
-        base_url=a.base_url, endpoint=a.endpoint, model=a.model,
-        api_key=a.api_key or os.environ.get("OPENAI_API_KEY") or None,
-        dataset=a.dataset, dataset_path=a.dataset_path, tokenizer=a.tokenizer,
-        prompt_format=a.prompt_format, vocab_size=a.vocab_size,
-        input_len=parse_length(a.input_len), output_len=parse_length(a.output_len or "128"),
-        output_len_set=a.output_len is not None,
-        prefix_groups=a.prefix_groups, prefix_len=a.prefix_len,
-        trace_block_size=a.trace_block_size, trace_time_scale=a.trace_time_scale,
-        teams=tuple(parse_team(t) for t in a.team), tier_mix=parse_weights(a.tier_mix, "--tier-mix"),
-        tier_via=a.tier_via, ignore_eos=a.ignore_eos, temperature=a.temperature, extra_body=extra,
-        request_rate=a.request_rate, burstiness=a.burstiness, max_concurrency=a.max_concurrency,
-        num_requests=num, duration_s=a.duration, warmup=a.warmup, seed=a.seed,
-        request_timeout=a.request_timeout, sweep=parse_sweep(a.sweep) if a.sweep else None,
-        slo_ttft_ms=slo_ttft, slo_tpot_ms=slo_tpot, percentiles=pcts,
-        scrape_urls=tuple(u.strip() for u in a.scrape_metrics.split(",") if u.strip()),
-        scrape_interval=a.scrape_interval, label=a.label,
-    ))  # fmt: skip
+    return check(
+        ServeConfig(
+            base_url=a.base_url,
+            endpoint=a.endpoint,
+            model=a.model,
+            api_key=a.api_key or os.environ.get("OPENAI_API_KEY") or None,
+            dataset=a.dataset,
+            dataset_path=a.dataset_path,
+            tokenizer=a.tokenizer,
+            prompt_format=a.prompt_format,
+            vocab_size=a.vocab_size,
+            input_len=parse_length(a.input_len),
+            output_len=parse_length(a.output_len or "128"),
+            output_len_set=a.output_len is not None,
+            prefix_groups=a.prefix_groups,
+            prefix_len=a.prefix_len,
+            trace_block_size=a.trace_block_size,
+            trace_time_scale=a.trace_time_scale,
+            teams=tuple(parse_team(t) for t in a.team),
+            tier_mix=parse_weights(a.tier_mix, "--tier-mix"),
+            tier_via=a.tier_via,
+            ignore_eos=a.ignore_eos,
+            temperature=a.temperature,
+            extra_body=extra,
+            request_rate=a.request_rate,
+            burstiness=a.burstiness,
+            max_concurrency=a.max_concurrency,
+            num_requests=num,
+            duration_s=a.duration,
+            warmup=a.warmup,
+            seed=a.seed,
+            request_timeout=a.request_timeout,
+            sweep=parse_sweep(a.sweep) if a.sweep else None,
+            slo_ttft_ms=slo_ttft,
+            slo_tpot_ms=slo_tpot,
+            percentiles=pcts,
+            scrape_urls=tuple(u.strip() for u in a.scrape_metrics.split(",") if u.strip()),
+            scrape_interval=a.scrape_interval,
+            label=a.label,
+        )
+    )

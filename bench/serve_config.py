@@ -107,18 +107,31 @@ def check(cfg: ServeConfig) -> ServeConfig:
     if cfg.prompt_format == "tokens" and cfg.dataset == "sharegpt":
         raise ValueError("ShareGPT prompts are text: use --prompt-format text")
     if cfg.prompt_format == "tokens" and not cfg.tokenizer and not cfg.vocab_size:
-        raise ValueError("token-id prompts need --tokenizer MODEL (for its vocabulary) or --vocab-size N")
+        raise ValueError(
+            "token-id prompts need --tokenizer MODEL (for its vocabulary) or --vocab-size N"
+        )
     if cfg.num_requests is None and cfg.duration_s is None:
         raise ValueError("give --num-requests or --duration (a run must end by itself)")
     if cfg.num_requests is not None and cfg.num_requests < 1:
         raise ValueError("--num-requests must be at least 1")
     if cfg.duration_s is not None and cfg.duration_s <= 0:
         raise ValueError("--duration must be positive")
-    rates = cfg.sweep.values if cfg.sweep and cfg.sweep.param == "request-rate" else (cfg.request_rate,)
-    closed = cfg.max_concurrency is not None or (cfg.sweep is not None and cfg.sweep.param == "max-concurrency")
-    if cfg.num_requests is None and not closed and cfg.dataset != "trace" and any(map(math.isinf, rates)):
-        raise ValueError("--duration with an infinite --request-rate needs --max-concurrency or "
-                         "--num-requests (otherwise it would send without limit at t=0)")  # fmt: skip
+    rates = (
+        cfg.sweep.values if cfg.sweep and cfg.sweep.param == "request-rate" else (cfg.request_rate,)
+    )
+    closed = cfg.max_concurrency is not None or (
+        cfg.sweep is not None and cfg.sweep.param == "max-concurrency"
+    )
+    if (
+        cfg.num_requests is None
+        and not closed
+        and cfg.dataset != "trace"
+        and any(map(math.isinf, rates))
+    ):
+        raise ValueError(
+            "--duration with an infinite --request-rate needs --max-concurrency or "
+            "--num-requests (otherwise it would send without limit at t=0)"
+        )
     if cfg.request_rate <= 0 or cfg.burstiness <= 0:
         raise ValueError("--request-rate and --burstiness must be positive")
     if cfg.max_concurrency is not None and cfg.max_concurrency < 1:
@@ -134,13 +147,17 @@ def check(cfg: ServeConfig) -> ServeConfig:
     if cfg.trace_block_size < 1 or cfg.trace_time_scale <= 0:
         raise ValueError("--trace-block-size and --trace-time-scale must be positive")
     if cfg.dataset == "trace" and not math.isinf(cfg.request_rate):
-        raise ValueError("a trace is replayed at its own timestamps: drop --request-rate "
-                         "(use --trace-time-scale to speed it up or slow it down)")  # fmt: skip
+        raise ValueError(
+            "a trace is replayed at its own timestamps: drop --request-rate "
+            "(use --trace-time-scale to speed it up or slow it down)"
+        )
     if cfg.sweep and cfg.dataset == "trace" and cfg.sweep.param == "request-rate":
         raise ValueError("a trace sets its own send times: sweep max-concurrency instead")
     for t, w in cfg.tier_mix:
         if t not in TIERS or w <= 0:
-            raise ValueError(f"--tier-mix takes {'/'.join(TIERS)} with positive weights, got {t}:{w:g}")
+            raise ValueError(
+                f"--tier-mix takes {'/'.join(TIERS)} with positive weights, got {t}:{w:g}"
+            )
     for team in cfg.teams:
         if team.weight <= 0 or not team.key:
             raise ValueError(f"team {team.name!r} needs a key and a positive weight")

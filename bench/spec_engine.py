@@ -36,8 +36,15 @@ from engine.spec_decode import METHODS, NUM_SPECULATIVE_TOKENS
 
 PASSAGE = Path(__file__).parent / "data" / "passage_en.txt"
 #: misspellings put into the passage for the model to fix (correct -> wrong)
-TYPOS = {"morning": "mornig", "quay": "quey", "auction": "auktion", "winter": "wintre", "school": "scool",
-         "change": "chnage", "families": "familys"}  # fmt: skip
+TYPOS = {
+    "morning": "mornig",
+    "quay": "quey",
+    "auction": "auktion",
+    "winter": "wintre",
+    "school": "scool",
+    "change": "chnage",
+    "families": "familys",
+}
 
 
 def edit_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -47,13 +54,17 @@ def edit_prompts(tokenizer, n: int) -> list[list[int]]:
         text = paras[i % len(paras)]
         for right, wrong in TYPOS.items():
             text = text.replace(right, wrong)
-        msg = f"Correct the spelling mistakes in this text and write it out again in full:\n\n{text}"
+        msg = (
+            f"Correct the spelling mistakes in this text and write it out again in full:\n\n{text}"
+        )
         out.append(tokenizer.encode_chat([{"role": "user", "content": msg}]))
     return out
 
 
-CHAT = ("Write a detailed story about a lighthouse keeper who finds a message in a bottle one winter "
-        "morning, and what she does next.")
+CHAT = (
+    "Write a detailed story about a lighthouse keeper who finds a message in a bottle one winter "
+    "morning, and what she does next."
+)
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
@@ -61,25 +72,54 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.spec_engine", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m bench.spec_engine",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    p.add_argument("--quantization", default=None, help="engine quantization scheme (default: none)")
+    p.add_argument(
+        "--quantization", default=None, help="engine quantization scheme (default: none)"
+    )
     p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--tokens", type=int, default=128, help="output tokens per request (default: %(default)s)")
-    p.add_argument("--method", default="ngram", choices=METHODS, help="speculative method (default: %(default)s)")
-    p.add_argument("--speculative-model", default=None, help="a separate draft model (draft-model methods)")
-    p.add_argument("--workload", default=None, choices=["edit", "chat"],
-                   help="single-stream task (default: edit for ngram, chat for a draft model)")
-    p.add_argument("--k", type=int, default=None,
-                   help="num_speculative_tokens (default: the engine's for the method: 5 ngram, 8 a draft model)")
+    p.add_argument(
+        "--tokens", type=int, default=128, help="output tokens per request (default: %(default)s)"
+    )
+    p.add_argument(
+        "--method",
+        default="ngram",
+        choices=METHODS,
+        help="speculative method (default: %(default)s)",
+    )
+    p.add_argument(
+        "--speculative-model", default=None, help="a separate draft model (draft-model methods)"
+    )
+    p.add_argument(
+        "--workload",
+        default=None,
+        choices=["edit", "chat"],
+        help="single-stream task (default: edit for ngram, chat for a draft model)",
+    )
+    p.add_argument(
+        "--k",
+        type=int,
+        default=None,
+        help="num_speculative_tokens (default: the engine's for the method: 5 ngram, 8 a draft model)",
+    )
     p.add_argument("--batch", type=int, default=32, help="requests of the batch figure (0: skip)")
-    p.add_argument("--repeats", type=int, default=3, help="single-stream runs per engine, alternating (default: %(default)s)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="single-stream runs per engine, alternating (default: %(default)s)",
+    )
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     args.workload = args.workload or ("edit" if args.method == "ngram" else "chat")
-    args.k = args.k if args.k is not None else NUM_SPECULATIVE_TOKENS[args.method]  # the engine's default
+    args.k = (
+        args.k if args.k is not None else NUM_SPECULATIVE_TOKENS[args.method]
+    )  # the engine's default
     return args
 
 
@@ -87,12 +127,22 @@ def _engine(args: argparse.Namespace, spec: bool):
     from engine.config import EngineConfig
     from engine.core import EngineCore
 
-    return EngineCore(EngineConfig(
-        model=args.model, dtype=args.dtype, device="cpu", threads=args.threads, quantization=args.quantization,
-        max_model_len=1024, num_kv_blocks=max(args.batch, 1) * (1024 // 16) + 16, max_num_seqs=max(args.batch, 1),
-        enable_prefix_caching=False, speculative=args.method if spec else None, num_speculative_tokens=args.k,
-        speculative_model=args.speculative_model if spec else None,
-    ))  # fmt: skip
+    return EngineCore(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device="cpu",
+            threads=args.threads,
+            quantization=args.quantization,
+            max_model_len=1024,
+            num_kv_blocks=max(args.batch, 1) * (1024 // 16) + 16,
+            max_num_seqs=max(args.batch, 1),
+            enable_prefix_caching=False,
+            speculative=args.method if spec else None,
+            num_speculative_tokens=args.k,
+            speculative_model=args.speculative_model if spec else None,
+        )
+    )
 
 
 def _run(eng, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
@@ -122,11 +172,20 @@ def _run(eng, prompts: list[list[int]], tokens: int) -> dict[str, Any]:
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     n_out = sum(len(out[r]) for r in ids)
     decode_s = max(last.values()) - max(first.values())
-    return {"requests": len(ids), "output_tokens": n_out, "seconds": wall, "output_tokens_per_s": n_out / wall,
-            "decode_tokens_per_s": (n_out - len(ids)) / decode_s if decode_s > 0 else None,
-            "decode_cpu_ms_per_token": 1e3 * (time.process_time() - (cpu_first or c0)) / max(1, n_out - len(ids)),
-            "decode_tokens_per_cpu_s": max(1, n_out - len(ids)) / max(1e-9, time.process_time() - (cpu_first or c0)),
-            "cpu_s": cpu, "token_ids": [out[r] for r in ids]}  # fmt: skip
+    return {
+        "requests": len(ids),
+        "output_tokens": n_out,
+        "seconds": wall,
+        "output_tokens_per_s": n_out / wall,
+        "decode_tokens_per_s": (n_out - len(ids)) / decode_s if decode_s > 0 else None,
+        "decode_cpu_ms_per_token": 1e3
+        * (time.process_time() - (cpu_first or c0))
+        / max(1, n_out - len(ids)),
+        "decode_tokens_per_cpu_s": max(1, n_out - len(ids))
+        / max(1e-9, time.process_time() - (cpu_first or c0)),
+        "cpu_s": cpu,
+        "token_ids": [out[r] for r in ids],
+    }
 
 
 def run(args: argparse.Namespace, progress) -> dict[str, Any]:
@@ -134,8 +193,10 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    result: dict[str, Any] = {"machine": machine_info(torch.get_num_threads()),
-                              "config": {k: v for k, v in vars(args).items() if k != "json"}}  # fmt: skip
+    result: dict[str, Any] = {
+        "machine": machine_info(torch.get_num_threads()),
+        "config": {k: v for k, v in vars(args).items() if k != "json"},
+    }
     # Both engines live side by side and their single-stream runs alternate (off, on, on, off,
     # ...): on a shared machine the load drifts, and a ratio of medians taken in turns moves less.
     names = ["off", args.method]
@@ -154,34 +215,51 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
         for name in names if rep % 2 == 0 else names[::-1]:
             r = _run(engines[name], single, args.tokens)
             runs[name].append(r)
-            progress(f"speculation {name}: single stream {r['decode_tokens_per_s']:.1f} decode tokens/s, "
-                     f"{r['decode_cpu_ms_per_token']:.1f} CPU ms/token")  # fmt: skip
+            progress(
+                f"speculation {name}: single stream {r['decode_tokens_per_s']:.1f} decode tokens/s, "
+                f"{r['decode_cpu_ms_per_token']:.1f} CPU ms/token"
+            )
     for name in names:
         rs = sorted(runs[name], key=lambda r: r["decode_cpu_ms_per_token"])
         r = dict(rs[len(rs) // 2])  # the median run
-        r["repeats_decode_tokens_per_cpu_s"] = [round(x["decode_tokens_per_cpu_s"], 2) for x in runs[name]]
+        r["repeats_decode_tokens_per_cpu_s"] = [
+            round(x["decode_tokens_per_cpu_s"], 2) for x in runs[name]
+        ]
         r["all_identical"] = all(x["token_ids"] == runs["off"][0]["token_ids"] for x in runs[name])
         result[name] = {"single": r}
     st = engines[args.method].stats()
-    result[args.method]["single"]["spec"] = {k: st[k] - base.get(k, 0) if "num" in k else st[k]
-                                             for k in st if k.startswith("spec_decode") and "per_pos" not in k}  # fmt: skip
+    result[args.method]["single"]["spec"] = {
+        k: st[k] - base.get(k, 0) if "num" in k else st[k]
+        for k in st
+        if k.startswith("spec_decode") and "per_pos" not in k
+    }
     if args.batch:
         for name in names:
             b = _run(engines[name], prompts, args.tokens)
             b.pop("token_ids")
             result[name]["batch"] = b
-            progress(f"speculation {name}: batch of {args.batch}: {b['output_tokens_per_s']:.1f} output tokens/s, "
-                     f"{b['output_tokens'] / b['cpu_s']:.1f} per CPU-second")  # fmt: skip
+            progress(
+                f"speculation {name}: batch of {args.batch}: {b['output_tokens_per_s']:.1f} output tokens/s, "
+                f"{b['output_tokens'] / b['cpu_s']:.1f} per CPU-second"
+            )
     del engines
     off, on = result["off"], result[args.method]
     result["greedy_identical"] = off["single"]["all_identical"] and on["single"]["all_identical"]
-    result["single_speedup"] = on["single"]["decode_tokens_per_s"] / off["single"]["decode_tokens_per_s"]
-    result["single_speedup_cpu"] = off["single"]["decode_cpu_ms_per_token"] / on["single"]["decode_cpu_ms_per_token"]
+    result["single_speedup"] = (
+        on["single"]["decode_tokens_per_s"] / off["single"]["decode_tokens_per_s"]
+    )
+    result["single_speedup_cpu"] = (
+        off["single"]["decode_cpu_ms_per_token"] / on["single"]["decode_cpu_ms_per_token"]
+    )
     if args.batch:
-        result["batch_ratio"] = on["batch"]["output_tokens_per_s"] / off["batch"]["output_tokens_per_s"]
+        result["batch_ratio"] = (
+            on["batch"]["output_tokens_per_s"] / off["batch"]["output_tokens_per_s"]
+        )
         result["batch_ratio_cpu"] = off["batch"]["cpu_s"] / on["batch"]["cpu_s"]
     for row in (off, on):
-        row["single"]["token_ids"] = row["single"]["token_ids"][0][:16]  # a sample, not the whole list
+        row["single"]["token_ids"] = row["single"]["token_ids"][0][
+            :16
+        ]  # a sample, not the whole list
     result["machine"]["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     return result
 
@@ -198,15 +276,21 @@ def main(argv: list[str] | None = None) -> int:
     else:
         s = result[args.method]["single"].get("spec", {})
         off, on = result["off"]["single"], result[args.method]["single"]
-        print(f"{args.method}, {args.workload} workload, {args.tokens} tokens: decode tokens per CPU-second "
-              f"{off['decode_tokens_per_cpu_s']:.1f} off, {on['decode_tokens_per_cpu_s']:.1f} on (medians of "
-              f"{off['repeats_decode_tokens_per_cpu_s']} and {on['repeats_decode_tokens_per_cpu_s']})")
-        print(f"single stream: x{result['single_speedup']:.2f} decode tokens/s (CPU x{result['single_speedup_cpu']:.2f}), "
-              f"greedy identical: {result['greedy_identical']}, acceptance rate "
-              f"{s.get('spec_decode_acceptance_rate', 0):.2f}, mean acceptance length "
-              f"{s.get('spec_decode_mean_acceptance_length', 0):.2f}")  # fmt: skip
+        print(
+            f"{args.method}, {args.workload} workload, {args.tokens} tokens: decode tokens per CPU-second "
+            f"{off['decode_tokens_per_cpu_s']:.1f} off, {on['decode_tokens_per_cpu_s']:.1f} on (medians of "
+            f"{off['repeats_decode_tokens_per_cpu_s']} and {on['repeats_decode_tokens_per_cpu_s']})"
+        )
+        print(
+            f"single stream: x{result['single_speedup']:.2f} decode tokens/s (CPU x{result['single_speedup_cpu']:.2f}), "
+            f"greedy identical: {result['greedy_identical']}, acceptance rate "
+            f"{s.get('spec_decode_acceptance_rate', 0):.2f}, mean acceptance length "
+            f"{s.get('spec_decode_mean_acceptance_length', 0):.2f}"
+        )
         if "batch_ratio" in result:
-            print(f"batch of {args.batch}: x{result['batch_ratio']:.3f} output tokens/s (CPU x{result['batch_ratio_cpu']:.3f})")
+            print(
+                f"batch of {args.batch}: x{result['batch_ratio']:.3f} output tokens/s (CPU x{result['batch_ratio_cpu']:.3f})"
+            )
     return 0 if result["greedy_identical"] else 1
 
 

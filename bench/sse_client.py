@@ -26,9 +26,15 @@ _MAX_ERROR_BODY = 4096
 END_TIMEOUT_S = 1.0
 
 
-async def send(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
-               headers: dict[str, str], rec: RequestRecord, timeout: float,
-               run_start: float) -> RequestRecord:  # fmt: skip
+async def send(
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: dict[str, Any],
+    headers: dict[str, str],
+    rec: RequestRecord,
+    timeout: float,
+    run_start: float,
+) -> RequestRecord:
     start = time.perf_counter()
     rec.sent_s = start - run_start
     end: float | None = None
@@ -40,7 +46,9 @@ async def send(session: aiohttp.ClientSession, url: str, payload: dict[str, Any]
         rec.fail("connection_error", str(e))
     except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
         # a drop after the first chunk cut a stream short; before it, the server never answered
-        rec.fail("incomplete_stream" if rec.chunk_s else "connection_error", str(e) or type(e).__name__)
+        rec.fail(
+            "incomplete_stream" if rec.chunk_s else "connection_error", str(e) or type(e).__name__
+        )
     except (ValueError, TypeError, KeyError, AttributeError) as e:  # JSON and shape errors
         rec.fail("bad_response", f"{type(e).__name__}: {e}")
     except aiohttp.ClientError as e:
@@ -51,8 +59,14 @@ async def send(session: aiohttp.ClientSession, url: str, payload: dict[str, Any]
     return rec
 
 
-async def _exchange(session: aiohttp.ClientSession, url: str, payload: dict[str, Any],
-                    headers: dict[str, str], rec: RequestRecord, start: float) -> float | None:  # fmt: skip
+async def _exchange(
+    session: aiohttp.ClientSession,
+    url: str,
+    payload: dict[str, Any],
+    headers: dict[str, str],
+    rec: RequestRecord,
+    start: float,
+) -> float | None:
     """Fills `rec`; returns when `[DONE]` arrived (the request's end), if it did."""
     end = None
     async with session.post(url, json=payload, headers=headers, allow_redirects=False) as resp:
@@ -60,7 +74,9 @@ async def _exchange(session: aiohttp.ClientSession, url: str, payload: dict[str,
             rec.fail(f"http_{resp.status}", await _error_message(resp))
             return None
         if resp.content_type != "text/event-stream":
-            raise ValueError(f"expected an SSE stream (text/event-stream), got {resp.content_type or 'no type'}")
+            raise ValueError(
+                f"expected an SSE stream (text/event-stream), got {resp.content_type or 'no type'}"
+            )
         done = False
         async for event, data in sse_events(resp.content):
             if data == "[DONE]":
@@ -77,7 +93,9 @@ async def _exchange(session: aiohttp.ClientSession, url: str, payload: dict[str,
                 raise ValueError(f"an SSE data line is not a JSON object: {data[:100]}")
             _take_chunk(chunk, rec, time.perf_counter() - start)
     if not done:
-        rec.fail("incomplete_stream", f"stream ended after {len(rec.chunk_s)} chunks without [DONE]")
+        rec.fail(
+            "incomplete_stream", f"stream ended after {len(rec.chunk_s)} chunks without [DONE]"
+        )
     elif not rec.chunk_s:
         rec.fail("no_output", "the stream finished without a content token")
     else:

@@ -26,7 +26,12 @@ def percentile(xs: Sequence[float], q: float) -> float:
 
 def spread(xs: Sequence[float]) -> dict[str, float]:
     """median, p10, p90 (and n) of a non-empty sample."""
-    return {"median": statistics.median(xs), "p10": percentile(xs, 0.1), "p90": percentile(xs, 0.9), "n": len(xs)}
+    return {
+        "median": statistics.median(xs),
+        "p10": percentile(xs, 0.1),
+        "p90": percentile(xs, 0.9),
+        "n": len(xs),
+    }
 
 
 def paired(a: Sequence[float], b: Sequence[float]) -> dict[str, float]:

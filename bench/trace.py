@@ -52,8 +52,14 @@ def load_trace(path: Path) -> list[TraceEntry]:
     return sorted(entries, key=lambda e: e.timestamp)
 
 
-def replay(entries: list[TraceEntry], builder: PromptBuilder, block_size: int, time_scale: float,
-           seed: int, output_len_override: int | None = None) -> Iterator[BenchRequest]:  # fmt: skip
+def replay(
+    entries: list[TraceEntry],
+    builder: PromptBuilder,
+    block_size: int,
+    time_scale: float,
+    seed: int,
+    output_len_override: int | None = None,
+) -> Iterator[BenchRequest]:
     t0 = entries[0].timestamp
     blocks: dict[int, list[int]] = {}
     rng = random.Random(seed)
@@ -68,5 +74,9 @@ def replay(entries: list[TraceEntry], builder: PromptBuilder, block_size: int, t
         ids = ids[: e.input_length]
         ids.extend(builder.random_ids(rng, e.input_length - len(ids)))
         prompt, n = builder.render(ids)
-        yield BenchRequest(prompt=prompt, prompt_len=n, output_len=output_len_override or e.output_length,
-                           arrival_s=(e.timestamp - t0) / 1e3 * time_scale)  # fmt: skip
+        yield BenchRequest(
+            prompt=prompt,
+            prompt_len=n,
+            output_len=output_len_override or e.output_length,
+            arrival_s=(e.timestamp - t0) / 1e3 * time_scale,
+        )

@@ -33,22 +33,36 @@ class BenchRequest(msgspec.Struct, frozen=True, kw_only=True):
     prefix_tokens: int | None = None
 
 
-def synthetic(builder: PromptBuilder, input_len: LengthDist, output_len: LengthDist, seed: int,
-              prefix_groups: int = 0, prefix_len: int = 0) -> Iterator[BenchRequest]:  # fmt: skip
+def synthetic(
+    builder: PromptBuilder,
+    input_len: LengthDist,
+    output_len: LengthDist,
+    seed: int,
+    prefix_groups: int = 0,
+    prefix_len: int = 0,
+) -> Iterator[BenchRequest]:
     rng = random.Random(seed)
     prefixes = [builder.random_ids(rng, prefix_len) for _ in range(prefix_groups)]
     sent = [builder.as_sent(p) for p in prefixes]  # each prefix as the server tokenizes it, once
     while True:
         group = rng.randrange(prefix_groups) if prefix_groups else None
-        ids = (prefixes[group] if group is not None else []) + builder.random_ids(rng, input_len.sample(rng))
+        ids = (prefixes[group] if group is not None else []) + builder.random_ids(
+            rng, input_len.sample(rng)
+        )
         prompt, tokens = builder.render_tokens(ids)
         shared = None if group is None else shared_prefix(sent[group], tokens)
-        yield BenchRequest(prompt=prompt, prompt_len=len(tokens), output_len=output_len.sample(rng), group=group,
-                           prefix_tokens=shared)  # fmt: skip
+        yield BenchRequest(
+            prompt=prompt,
+            prompt_len=len(tokens),
+            output_len=output_len.sample(rng),
+            group=group,
+            prefix_tokens=shared,
+        )
 
 
-def load_sharegpt(path: Path, builder: PromptBuilder, output_len: LengthDist | None,
-                  max_prompt_len: int = 1024) -> list[tuple[str, int, int | None]]:  # fmt: skip
+def load_sharegpt(
+    path: Path, builder: PromptBuilder, output_len: LengthDist | None, max_prompt_len: int = 1024
+) -> list[tuple[str, int, int | None]]:
     """(prompt, prompt tokens, reply tokens or None) for each usable conversation; vLLM's
     filters: prompt and reply of at least 4 tokens, prompt at most `max_prompt_len`."""
     try:
@@ -59,10 +73,16 @@ def load_sharegpt(path: Path, builder: PromptBuilder, output_len: LengthDist | N
         raise ValueError(f"{path}: a ShareGPT file is a JSON list of conversations")
     out: list[tuple[str, int, int | None]] = []
     for entry in data:
-        turns = entry.get("conversations") or entry.get("conversation") if isinstance(entry, dict) else None
+        turns = (
+            entry.get("conversations") or entry.get("conversation")
+            if isinstance(entry, dict)
+            else None
+        )
         if not isinstance(turns, list) or len(turns) < 2:
             continue
-        texts = [t.get("value", t.get("content")) if isinstance(t, dict) else None for t in turns[:2]]
+        texts = [
+            t.get("value", t.get("content")) if isinstance(t, dict) else None for t in turns[:2]
+        ]
         if not all(isinstance(t, str) for t in texts):
             continue
         prompt, reply = texts
@@ -72,13 +92,16 @@ def load_sharegpt(path: Path, builder: PromptBuilder, output_len: LengthDist | N
             continue
         out.append((prompt, n_in, n_out))
     if not out:
-        raise ValueError(f"{path}: no usable conversation (need a human turn and a reply, "
-                         f"4..{max_prompt_len} prompt tokens)")  # fmt: skip
+        raise ValueError(
+            f"{path}: no usable conversation (need a human turn and a reply, "
+            f"4..{max_prompt_len} prompt tokens)"
+        )
     return out
 
 
-def sharegpt(entries: list[tuple[str, int, int | None]], output_len: LengthDist | None,
-             seed: int) -> Iterator[BenchRequest]:  # fmt: skip
+def sharegpt(
+    entries: list[tuple[str, int, int | None]], output_len: LengthDist | None, seed: int
+) -> Iterator[BenchRequest]:
     """Conversations in a seeded random order, reshuffled on every pass (for --duration)."""
     rng = random.Random(seed)
     order = list(range(len(entries)))

@@ -45,8 +45,12 @@ _NODE_ID = re.compile(r"^[A-Za-z0-9._:-]{1,200}$")
 
 
 def _json(body: object, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json",
-                        headers=headers)  # fmt: skip
+    return web.Response(
+        status=status,
+        body=msgspec.json.encode(body),
+        content_type="application/json",
+        headers=headers,
+    )
 
 
 _route_decoder = msgspec.json.Decoder(RouteRequest)
@@ -54,23 +58,35 @@ _route_decoder = msgspec.json.Decoder(RouteRequest)
 
 async def _route(request: web.Request) -> web.Response:
     if request.content_type not in ("application/json", "application/octet-stream", ""):
-        raise APIError(415, f"send JSON (Content-Type: application/json), not {request.content_type}")
+        raise APIError(
+            415, f"send JSON (Content-Type: application/json), not {request.content_type}"
+        )
     try:
         req = _route_decoder.decode(await request.read())
     except msgspec.ValidationError as e:
         raise APIError(400, f"invalid route request: {e}") from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"route request is not valid JSON: {e}") from None
-    with request.app[TRACING].span("coordinator.decide", {GEN_AI_REQUEST_MODEL: req.model,
-                                                          "duet.prompt_tokens": req.num_prompt_tokens,
-                                                          "duet.tier": req.tier}) as span:  # fmt: skip
+    with request.app[TRACING].span(
+        "coordinator.decide",
+        {
+            GEN_AI_REQUEST_MODEL: req.model,
+            "duet.prompt_tokens": req.num_prompt_tokens,
+            "duet.tier": req.tier,
+        },
+    ) as span:
         decision = request.app[COORDINATOR].route(req)
         if span is not None:
             r = decision.response
-            span.set_attributes({"duet.route.reason": r.reason, "duet.route.outcome": str(decision.outcome.value),
-                                 "duet.decode.node_id": r.decode.node_id,
-                                 "duet.prefill.node_id": r.prefill.node_id if r.prefill is not None else "",
-                                 "duet.cached_tokens": r.decode.cached_tokens})  # fmt: skip
+            span.set_attributes(
+                {
+                    "duet.route.reason": r.reason,
+                    "duet.route.outcome": str(decision.outcome.value),
+                    "duet.decode.node_id": r.decode.node_id,
+                    "duet.prefill.node_id": r.prefill.node_id if r.prefill is not None else "",
+                    "duet.cached_tokens": r.decode.cached_tokens,
+                }
+            )
     if req.request_id:
         log.debug("route %s → %s", req.request_id, decision.response.reason)
     return _json(decision.response)
@@ -83,8 +99,11 @@ async def _cluster(request: web.Request) -> web.Response:
 async def _planner(request: web.Request) -> web.Response:
     report = request.app[COORDINATOR].planner_report
     if report is None:
-        raise APIError(404, "this coordinator replica runs no planner (start it with --planner load|throughput)",
-                       code="planner_off")  # fmt: skip
+        raise APIError(
+            404,
+            "this coordinator replica runs no planner (start it with --planner load|throughput)",
+            code="planner_off",
+        )
     return _json(report())
 
 
@@ -102,11 +121,19 @@ async def _drain(request: web.Request) -> web.Response:
     try:
         info = await drain_node(c.store, c.config.cluster, node_id)
     except NodeNotFound:
-        raise APIError(404, f"no node {node_id!r} is registered in cluster {c.config.cluster!r}",
-                       param="node_id", code="node_not_found") from None  # fmt: skip
+        raise APIError(
+            404,
+            f"no node {node_id!r} is registered in cluster {c.config.cluster!r}",
+            param="node_id",
+            code="node_not_found",
+        ) from None
     except StoreError as e:
-        raise APIError(503, f"cannot reach etcd to drain {node_id}: {e}", type_="service_unavailable",
-                       retry_after_s=1) from None  # fmt: skip
+        raise APIError(
+            503,
+            f"cannot reach etcd to drain {node_id}: {e}",
+            type_="service_unavailable",
+            retry_after_s=1,
+        ) from None
     log.info("node %s set to draining (requested through %s)", node_id, c.replica_id)
     return _json({"node_id": info.node_id, "status": info.status})
 
@@ -115,29 +142,59 @@ async def _undrain(request: web.Request) -> web.Response:
     node_id = _node_id(request)
     c = request.app[COORDINATOR]
     if c.session is None:
-        raise APIError(503, "this coordinator replica is starting", type_="service_unavailable", retry_after_s=1)
+        raise APIError(
+            503,
+            "this coordinator replica is starting",
+            type_="service_unavailable",
+            retry_after_s=1,
+        )
     try:
         status, body, info = await undrain_node(c.store, c.config.cluster, node_id, c.session)
     except NodeNotFound:
-        raise APIError(404, f"no node {node_id!r} is registered in cluster {c.config.cluster!r}",
-                       param="node_id", code="node_not_found") from None  # fmt: skip
+        raise APIError(
+            404,
+            f"no node {node_id!r} is registered in cluster {c.config.cluster!r}",
+            param="node_id",
+            code="node_not_found",
+        ) from None
     except StoreError as e:
-        raise APIError(503, f"cannot reach etcd to find {node_id}: {e}", type_="service_unavailable",
-                       retry_after_s=1) from None  # fmt: skip
+        raise APIError(
+            503,
+            f"cannot reach etcd to find {node_id}: {e}",
+            type_="service_unavailable",
+            retry_after_s=1,
+        ) from None
     except (aiohttp.ClientError, TimeoutError) as e:
-        raise APIError(502, f"cannot reach node {node_id} to undo its drain: {type(e).__name__}: {e}",
-                       type_="service_unavailable", code="node_unreachable") from None  # fmt: skip
+        raise APIError(
+            502,
+            f"cannot reach node {node_id} to undo its drain: {type(e).__name__}: {e}",
+            type_="service_unavailable",
+            code="node_unreachable",
+        ) from None
     if status not in (200, 409, 503):  # 401: this replica's secret is not the node's
-        raise APIError(502, f"node {node_id} at {info.url} answered {status} to DELETE /drain: {body[:200]!r}",
-                       type_="service_unavailable", code="node_error")  # fmt: skip
-    log.info("undo of %s's drain (requested through %s): node answered %d", node_id, c.replica_id, status)
+        raise APIError(
+            502,
+            f"node {node_id} at {info.url} answered {status} to DELETE /drain: {body[:200]!r}",
+            type_="service_unavailable",
+            code="node_error",
+        )
+    log.info(
+        "undo of %s's drain (requested through %s): node answered %d", node_id, c.replica_id, status
+    )
     return web.Response(status=status, body=body, content_type="application/json")
 
 
 async def _health(request: web.Request) -> web.Response:
     c = request.app[COORDINATOR]
-    return _json({"status": "ok", "replica_id": c.replica_id, "is_leader": c.election.is_leader,
-                  "etcd_connected": c.etcd_connected, "nodes": len(c.views)})  # fmt: skip
+    return _json(
+        {
+            "status": "ok",
+            "replica_id": c.replica_id,
+            "is_leader": c.election.is_leader,
+            "etcd_connected": c.etcd_connected,
+            "nodes": len(c.views),
+        }
+    )
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -145,8 +202,13 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def make_app(config: CoordinatorConfig, store: Store | None = None, *, coordinator: Coordinator | None = None,
-             background: Sequence[Callable[[Coordinator], Awaitable[None]]] = ()) -> web.Application:  # fmt: skip
+def make_app(
+    config: CoordinatorConfig,
+    store: Store | None = None,
+    *,
+    coordinator: Coordinator | None = None,
+    background: Sequence[Callable[[Coordinator], Awaitable[None]]] = (),
+) -> web.Application:
     """The coordinator app; `store` defaults to an EtcdStore on `config.etcd`.
 
     With `coordinator`, the app serves that (already populated) state and starts nothing
@@ -163,7 +225,10 @@ def make_app(config: CoordinatorConfig, store: Store | None = None, *, coordinat
 
     async def lifecycle(_: web.Application) -> AsyncIterator[None]:
         await coordinator.start()
-        tasks = [asyncio.create_task(run(coordinator), name="coordinator-background") for run in background]
+        tasks = [
+            asyncio.create_task(run(coordinator), name="coordinator-background")
+            for run in background
+        ]
         yield
         for t in tasks:
             t.cancel()

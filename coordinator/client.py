@@ -55,8 +55,14 @@ class RouteError(APIError):
     """A replica's final error answer (a 4xx, or 503 no_capacity), as its status and body."""
 
     def __init__(self, err: APIError, retry_after_s: float | None = None) -> None:
-        super().__init__(err.status, err.message, type_=err.type, param=err.param, code=err.code,
-                         retry_after_s=retry_after_s)  # fmt: skip
+        super().__init__(
+            err.status,
+            err.message,
+            type_=err.type,
+            param=err.param,
+            code=err.code,
+            retry_after_s=retry_after_s,
+        )
 
 
 class CoordinatorUnavailable(Exception):
@@ -71,8 +77,13 @@ def _retry_after(value: str | None) -> float | None:
 
 
 class RouteClient:
-    def __init__(self, urls: Sequence[str] | Callable[[], Sequence[str]], session: aiohttp.ClientSession,
-                 timeout: float = 2.0, auth: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        urls: Sequence[str] | Callable[[], Sequence[str]],
+        session: aiohttp.ClientSession,
+        timeout: float = 2.0,
+        auth: dict[str, str] | None = None,
+    ) -> None:
         if not callable(urls) and not urls:
             raise ValueError("RouteClient needs at least one coordinator URL")
         fixed = None if callable(urls) else [u.rstrip("/") for u in urls]
@@ -108,7 +119,9 @@ class RouteClient:
         failures: list[str] = []
         for url in urls:
             try:
-                async with self.session.post(url + "/route", data=body, timeout=self.timeout, headers=headers) as r:
+                async with self.session.post(
+                    url + "/route", data=body, timeout=self.timeout, headers=headers
+                ) as r:
                     data = await r.read()
                     if r.status == 200:
                         resp = self._decoder.decode(data)

@@ -89,8 +89,11 @@ class ClusterView:
     async def nodes(self) -> tuple[tuple[NodeRecord, ...], int]:
         """Every readable node registration (by node id), and the revision they were read at."""
         kvs, revision = await self.store.get_prefix(nodes_prefix(self.cluster))
-        records = [NodeRecord(kv.key, info, kv.mod_revision, kv.lease) for kv in kvs
-                   if (info := decode_node(kv.key, kv.value)) is not None]  # fmt: skip
+        records = [
+            NodeRecord(kv.key, info, kv.mod_revision, kv.lease)
+            for kv in kvs
+            if (info := decode_node(kv.key, kv.value)) is not None
+        ]
         return tuple(sorted(records, key=lambda r: r.info.node_id)), revision
 
     async def replicas(self) -> list[str]:
@@ -105,4 +108,6 @@ class ClusterView:
 
     async def read(self) -> ClusterSnapshot:
         records, revision = await self.nodes()
-        return ClusterSnapshot(records=records, coordinators=await self.replicas(), revision=revision)
+        return ClusterSnapshot(
+            records=records, coordinators=await self.replicas(), revision=revision
+        )

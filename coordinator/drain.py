@@ -39,19 +39,27 @@ async def drain_node(store: Store, cluster: str, node_id: str) -> NodeInfo:
         if found.info.status == NodeStatus.DRAINING:
             return found.info
         new = msgspec.structs.replace(found.info, status=NodeStatus.DRAINING)
-        if await store.replace(found.key, msgspec.json.encode(new), found.mod_revision, found.lease):
+        if await store.replace(
+            found.key, msgspec.json.encode(new), found.mod_revision, found.lease
+        ):
             return new
     raise StoreError(f"registration of {node_id} kept changing; drain not written")
 
 
-async def undrain_node(store: Store, cluster: str, node_id: str, session: aiohttp.ClientSession,
-                       headers: dict[str, str] | None = None) -> tuple[int, bytes, NodeInfo]:  # fmt: skip
+async def undrain_node(
+    store: Store,
+    cluster: str,
+    node_id: str,
+    session: aiohttp.ClientSession,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, bytes, NodeInfo]:
     """Ask `node_id` to undo its drain: the node's answer (status, JSON body: UndrainStatus, or
     the error) and its registration. Raises NodeNotFound, StoreError, and aiohttp.ClientError or
     TimeoutError when the node cannot be reached."""
     found = await find_node(store, cluster, node_id)
     if found is None:
         raise NodeNotFound(node_id)
-    async with session.delete(found.info.url + "/drain", headers=headers,
-                              timeout=aiohttp.ClientTimeout(total=15)) as r:  # fmt: skip
+    async with session.delete(
+        found.info.url + "/drain", headers=headers, timeout=aiohttp.ClientTimeout(total=15)
+    ) as r:
         return r.status, await r.read(), found.info

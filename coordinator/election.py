@@ -72,7 +72,9 @@ class Election(LeaseHolder):
                 # Our own key under a lease we lost track of (etcd was briefly unreachable):
                 # move it to the new lease instead of following ourselves until it expires.
                 if kv.value.decode(errors="replace") == self.replica_id:
-                    won = await self.store.replace(self.key, self.replica_id.encode(), kv.mod_revision, self.lease)
+                    won = await self.store.replace(
+                        self.key, self.replica_id.encode(), kv.mod_revision, self.lease
+                    )
             if won:
                 self.is_leader, self.leader = True, self.replica_id
                 log.info("elected leader of the coordinators")

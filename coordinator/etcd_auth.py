@@ -25,8 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ENV = {"ca": "DUET_ETCD_CA", "cert": "DUET_ETCD_CERT", "key": "DUET_ETCD_KEY", "user": "DUET_ETCD_USER",
-       "password": "DUET_ETCD_PASSWORD", "password_file": "DUET_ETCD_PASSWORD_FILE"}  # fmt: skip
+ENV = {
+    "ca": "DUET_ETCD_CA",
+    "cert": "DUET_ETCD_CERT",
+    "key": "DUET_ETCD_KEY",
+    "user": "DUET_ETCD_USER",
+    "password": "DUET_ETCD_PASSWORD",
+    "password_file": "DUET_ETCD_PASSWORD_FILE",
+}
 
 
 @dataclass(frozen=True)
@@ -39,9 +45,13 @@ class EtcdAuth:
 
     def __post_init__(self) -> None:
         if bool(self.cert) != bool(self.key):
-            raise ValueError("an etcd client certificate needs its key (--etcd-cert and --etcd-key go together)")
+            raise ValueError(
+                "an etcd client certificate needs its key (--etcd-cert and --etcd-key go together)"
+            )
         if bool(self.user) != bool(self.password):
-            raise ValueError("an etcd user needs a password ($DUET_ETCD_PASSWORD or $DUET_ETCD_PASSWORD_FILE)")
+            raise ValueError(
+                "an etcd user needs a password ($DUET_ETCD_PASSWORD or $DUET_ETCD_PASSWORD_FILE)"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EtcdAuth:
@@ -52,8 +62,13 @@ class EtcdAuth:
                 password = Path(env[ENV["password_file"]]).read_text().strip() or None
             except OSError as e:
                 raise ValueError(f"cannot read ${ENV['password_file']}: {e}") from None
-        return cls(ca=env.get(ENV["ca"]) or None, cert=env.get(ENV["cert"]) or None,
-                   key=env.get(ENV["key"]) or None, user=env.get(ENV["user"]) or None, password=password)  # fmt: skip
+        return cls(
+            ca=env.get(ENV["ca"]) or None,
+            cert=env.get(ENV["cert"]) or None,
+            key=env.get(ENV["key"]) or None,
+            user=env.get(ENV["user"]) or None,
+            password=password,
+        )
 
     def tls(self, https: bool) -> bool:
         return https or bool(self.ca or self.cert)
@@ -70,17 +85,35 @@ class EtcdAuth:
             except OSError as e:
                 raise ValueError(f"cannot read the etcd {what} {path!r}: {e.strerror}") from None
 
-        return grpc.ssl_channel_credentials(root_certificates=read(self.ca, "CA"),
-                                            private_key=read(self.key, "client key"),
-                                            certificate_chain=read(self.cert, "client certificate"))  # fmt: skip
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.ca, "CA"),
+            private_key=read(self.key, "client key"),
+            certificate_chain=read(self.cert, "client certificate"),
+        )
 
 
 def add_etcd_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
-    p.add_argument("--etcd-ca", default=None, metavar="PEM", help="CA of etcd's certificate (TLS; $DUET_ETCD_CA)")
-    p.add_argument("--etcd-cert", default=None, metavar="PEM", help="client certificate for etcd ($DUET_ETCD_CERT)")
-    p.add_argument("--etcd-key", default=None, metavar="PEM", help="its private key ($DUET_ETCD_KEY)")
-    p.add_argument("--etcd-user", default=None, metavar="NAME",
-                   help="etcd user; the password comes from $DUET_ETCD_PASSWORD or $DUET_ETCD_PASSWORD_FILE")
+    p.add_argument(
+        "--etcd-ca",
+        default=None,
+        metavar="PEM",
+        help="CA of etcd's certificate (TLS; $DUET_ETCD_CA)",
+    )
+    p.add_argument(
+        "--etcd-cert",
+        default=None,
+        metavar="PEM",
+        help="client certificate for etcd ($DUET_ETCD_CERT)",
+    )
+    p.add_argument(
+        "--etcd-key", default=None, metavar="PEM", help="its private key ($DUET_ETCD_KEY)"
+    )
+    p.add_argument(
+        "--etcd-user",
+        default=None,
+        metavar="NAME",
+        help="etcd user; the password comes from $DUET_ETCD_PASSWORD or $DUET_ETCD_PASSWORD_FILE",
+    )
 
 
 def apply_etcd_args(args: argparse.Namespace) -> None:

@@ -37,8 +37,13 @@ def etcd_binary() -> str:
 
 
 class EtcdServer:
-    def __init__(self, data_dir: str | Path | None = None, host: str = "127.0.0.1",
-                 port: int | None = None, log_path: str | Path | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        data_dir: str | Path | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_path: str | Path | None = None,
+    ) -> None:
         self.host = host
         self.port = port or free_port(host)
         self.peer_port = free_port(host)
@@ -59,16 +64,33 @@ class EtcdServer:
         """The etcd command line: the one place it is written (`duet up` runs it as a
         supervised child, `start()` as a plain process)."""
         client, peer = self.url, f"http://{self.host}:{self.peer_port}"
-        return [etcd_binary(), "--name", "duet", "--data-dir", str(self.data_dir / "member-data"),
-                "--listen-client-urls", client, "--advertise-client-urls", client,
-                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                "--initial-cluster", f"duet={peer}", "--log-level", "warn"]  # fmt: skip
+        return [
+            etcd_binary(),
+            "--name",
+            "duet",
+            "--data-dir",
+            str(self.data_dir / "member-data"),
+            "--listen-client-urls",
+            client,
+            "--advertise-client-urls",
+            client,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"duet={peer}",
+            "--log-level",
+            "warn",
+        ]
 
     def start(self, timeout: float = 30.0) -> EtcdServer:
         args = self.command()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         log.close()
         self.wait_healthy(timeout)
         return self
@@ -85,7 +107,9 @@ class EtcdServer:
             except (urllib.error.URLError, ConnectionError, TimeoutError, ValueError):
                 pass
             time.sleep(0.1)  # readiness-probe interval
-        raise TimeoutError(f"etcd not healthy on {self.url} after {timeout}s:\n{self.log()[-2000:]}")
+        raise TimeoutError(
+            f"etcd not healthy on {self.url} after {timeout}s:\n{self.log()[-2000:]}"
+        )
 
     def log(self) -> str:
         try:

@@ -20,7 +20,9 @@ from coordinator.store import KeyValue, StoreError, WatchEvent, parse_etcd_url
 
 
 def _kv(kv: Any) -> KeyValue:
-    return KeyValue(key=kv.key.decode(), value=kv.value, lease=kv.lease, mod_revision=kv.mod_revision)
+    return KeyValue(
+        key=kv.key.decode(), value=kv.value, lease=kv.lease, mod_revision=kv.mod_revision
+    )
 
 
 class EtcdStore:
@@ -31,9 +33,13 @@ class EtcdStore:
         self.timeout = timeout
         # gRPC's default reconnect backoff grows to 2 minutes; a restarted etcd must be found
         # again within a lease TTL, so retry at least every second.
-        options = {"grpc.initial_reconnect_backoff_ms": 200, "grpc.min_reconnect_backoff_ms": 200,
-                   "grpc.max_reconnect_backoff_ms": 1000, "grpc.keepalive_time_ms": 5000,
-                   "grpc.keepalive_timeout_ms": 3000}  # fmt: skip
+        options = {
+            "grpc.initial_reconnect_backoff_ms": 200,
+            "grpc.min_reconnect_backoff_ms": 200,
+            "grpc.max_reconnect_backoff_ms": 1000,
+            "grpc.keepalive_time_ms": 5000,
+            "grpc.keepalive_timeout_ms": 3000,
+        }
         self._client = make_client(host, port, url.startswith("https://"), timeout, options, auth)
 
     async def _call(self, coro: Any) -> Any:
@@ -60,16 +66,24 @@ class EtcdStore:
 
     async def create(self, key: str, value: bytes, lease: int = 0) -> bool:
         t = self._client.transactions
-        ok, _ = await self._call(self._client.transaction(
-            compare=[t.create(key.encode()) == 0],
-            success=[t.put(key.encode(), value, lease=lease or None)], failure=[]))  # fmt: skip
+        ok, _ = await self._call(
+            self._client.transaction(
+                compare=[t.create(key.encode()) == 0],
+                success=[t.put(key.encode(), value, lease=lease or None)],
+                failure=[],
+            )
+        )
         return bool(ok)
 
     async def replace(self, key: str, value: bytes, mod_revision: int, lease: int = 0) -> bool:
         t = self._client.transactions
-        ok, _ = await self._call(self._client.transaction(
-            compare=[t.mod(key.encode()) == mod_revision],
-            success=[t.put(key.encode(), value, lease=lease or None)], failure=[]))  # fmt: skip
+        ok, _ = await self._call(
+            self._client.transaction(
+                compare=[t.mod(key.encode()) == mod_revision],
+                success=[t.put(key.encode(), value, lease=lease or None)],
+                failure=[],
+            )
+        )
         return bool(ok)
 
     async def delete(self, key: str) -> bool:
@@ -77,7 +91,9 @@ class EtcdStore:
         return bool(r and r.deleted)
 
     async def watch_prefix(self, prefix: str, start_revision: int) -> AsyncIterator[WatchEvent]:
-        watch = await self._call(self._client.watch_prefix(prefix.encode(), start_revision=start_revision))
+        watch = await self._call(
+            self._client.watch_prefix(prefix.encode(), start_revision=start_revision)
+        )
         try:
             it = aiter(watch)
             while True:
@@ -90,8 +106,12 @@ class EtcdStore:
                 except Exception as e:  # the watcher delivers raw gRPC errors too
                     raise StoreError(f"etcd {self.url}: watch broke: {e!r}") from e
                 kind = "put" if ev.kind == "PUT" else "delete"
-                yield WatchEvent(kind=kind, key=ev.kv.key.decode(), value=ev.kv.value if kind == "put" else b"",
-                                 mod_revision=int(ev.kv.mod_revision))  # fmt: skip
+                yield WatchEvent(
+                    kind=kind,
+                    key=ev.kv.key.decode(),
+                    value=ev.kv.value if kind == "put" else b"",
+                    mod_revision=int(ev.kv.mod_revision),
+                )
         finally:
             # A broken watcher cannot be cancelled; it is gone anyway.
             with contextlib.suppress(Exception):

@@ -35,30 +35,46 @@ class TlsClient(aetcd.Client):
         try:
             self._is_connecting = True
             target = f"{self._host}:{self._port}"
-            self.channel = rpc.secure_channel(target, self._credentials, options=self._options.items())
+            self.channel = rpc.secure_channel(
+                target, self._credentials, options=self._options.items()
+            )
             if self._username is not None and self._password is not None:
                 self.auth_stub = rpc.AuthStub(self.channel)
                 resp = await self.auth_stub.Authenticate(
-                    rpc.AuthenticateRequest(name=self._username, password=self._password), timeout=self._timeout)
+                    rpc.AuthenticateRequest(name=self._username, password=self._password),
+                    timeout=self._timeout,
+                )
                 self.metadata = (("token", resp.token),)
             self.kvstub = rpc.KVStub(self.channel)
             self.clusterstub = rpc.ClusterStub(self.channel)
             self.leasestub = rpc.LeaseStub(self.channel)
             self.maintenancestub = rpc.MaintenanceStub(self.channel)
-            self._watcher = watcher.Watcher(rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata)
+            self._watcher = watcher.Watcher(
+                rpc.WatchStub(self.channel), timeout=self._timeout, metadata=self.metadata
+            )
             self._connected.set()
         finally:
             self._is_connecting = False
 
 
-def make_client(host: str, port: int, https: bool, timeout: float, options: dict[str, Any],
-                auth: EtcdAuth | None = None) -> aetcd.Client:  # fmt: skip
+def make_client(
+    host: str,
+    port: int,
+    https: bool,
+    timeout: float,
+    options: dict[str, Any],
+    auth: EtcdAuth | None = None,
+) -> aetcd.Client:
     """The aetcd client for one etcd endpoint with this process's TLS and auth settings."""
     auth = auth if auth is not None else EtcdAuth.from_env()
-    kw: dict[str, Any] = {"host": host, "port": port, "timeout": timeout, "options": options,
-                          "username": auth.user, "password": auth.password}  # fmt: skip
+    kw: dict[str, Any] = {
+        "host": host,
+        "port": port,
+        "timeout": timeout,
+        "options": options,
+        "username": auth.user,
+        "password": auth.password,
+    }
     if auth.tls(https):
         return TlsClient(credentials=auth.credentials(), **kw)
     return aetcd.Client(**kw)
-
-

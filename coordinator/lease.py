@@ -76,7 +76,9 @@ class LeaseHolder:
                 return
             if time.monotonic() >= next_refresh:
                 if await self.store.keepalive(self.lease) <= 0:
-                    log.warning("etcd lease of %s is gone (etcd restarted empty?); joining again", self.what)
+                    log.warning(
+                        "etcd lease of %s is gone (etcd restarted empty?); joining again", self.what
+                    )
                     return
                 next_refresh = time.monotonic() + self.ttl / 3
             await asyncio.sleep(min(self.tick_s, max(0.0, next_refresh - time.monotonic())))
@@ -86,7 +88,9 @@ class LeaseHolder:
         watchers = await self.attach()
         self._backoff = _BACKOFF_MIN_S
         self.on_up()
-        tasks = [asyncio.create_task(w) for w in watchers] + [asyncio.create_task(self._keepalive())]
+        tasks = [asyncio.create_task(w) for w in watchers] + [
+            asyncio.create_task(self._keepalive())
+        ]
         try:
             done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:

@@ -30,11 +30,16 @@ class _ClusterCollector(Collector):
         g = GaugeMetricFamily("duet:prefix_index_max_blocks", "Memory bound of the prefix index")
         g.add_metric([], s["index_max_blocks"])
         yield g
-        g = GaugeMetricFamily("duet:prefix_index_evictions", "Index entries dropped by the memory bound")
+        g = GaugeMetricFamily(
+            "duet:prefix_index_evictions", "Index entries dropped by the memory bound"
+        )
         g.add_metric([], s["index_evictions"])
         yield g
-        g = GaugeMetricFamily("duet:coordinator_nodes", "Registered nodes by role and status",
-                              labels=["role", "status"])  # fmt: skip
+        g = GaugeMetricFamily(
+            "duet:coordinator_nodes",
+            "Registered nodes by role and status",
+            labels=["role", "status"],
+        )
         for (role, status), n in s["nodes"].items():
             g.add_metric([role, status], n)
         yield g
@@ -49,15 +54,30 @@ class _ClusterCollector(Collector):
 class CoordinatorMetrics:
     def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self.registry = CollectorRegistry()
-        self.decisions = Counter("duet:route_decisions", "Routing decisions by outcome", ["outcome"],
-                                 registry=self.registry)  # fmt: skip
-        self.route_latency = Histogram("duet:route_latency_seconds", "Time to decide one /route",
-                                       buckets=_ROUTE_BUCKETS, registry=self.registry)  # fmt: skip
-        self.event_lag = Histogram("duet:kv_event_lag_seconds",
-                                   "Node drain of a KV event batch → applied to the index (clock skew applies)",
-                                   buckets=_LAG_BUCKETS, registry=self.registry)  # fmt: skip
-        self.resyncs = Counter("duet:kv_event_resyncs", "Index resyncs from a node snapshot, by reason",
-                               ["reason"], registry=self.registry)  # fmt: skip
+        self.decisions = Counter(
+            "duet:route_decisions",
+            "Routing decisions by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.route_latency = Histogram(
+            "duet:route_latency_seconds",
+            "Time to decide one /route",
+            buckets=_ROUTE_BUCKETS,
+            registry=self.registry,
+        )
+        self.event_lag = Histogram(
+            "duet:kv_event_lag_seconds",
+            "Node drain of a KV event batch → applied to the index (clock skew applies)",
+            buckets=_LAG_BUCKETS,
+            registry=self.registry,
+        )
+        self.resyncs = Counter(
+            "duet:kv_event_resyncs",
+            "Index resyncs from a node snapshot, by reason",
+            ["reason"],
+            registry=self.registry,
+        )
         self.registry.register(_ClusterCollector(snapshot))
 
 

@@ -77,18 +77,34 @@ class NodeView:
         """Routable: its stream is up and its load report is fresh."""
         return self.connected and self.load is not None and now - self.load_at <= stale_s
 
-    def add_pending(self, now: float, seqs: int, prefill_tokens: int, blocks: int, ticket: str | None = None) -> None:
+    def add_pending(
+        self, now: float, seqs: int, prefill_tokens: int, blocks: int, ticket: str | None = None
+    ) -> None:
         t = self._totals
-        t.seqs, t.prefill_tokens, t.blocks = t.seqs + seqs, t.prefill_tokens + prefill_tokens, t.blocks + blocks
+        t.seqs, t.prefill_tokens, t.blocks = (
+            t.seqs + seqs,
+            t.prefill_tokens + prefill_tokens,
+            t.blocks + blocks,
+        )
         old = self.pending.get(ticket) if ticket is not None else None
         if old is not None:  # routed again (its first target failed): one request, one reservation
-            old.seqs, old.prefill_tokens, old.blocks = old.seqs + seqs, old.prefill_tokens + prefill_tokens, old.blocks + blocks
+            old.seqs, old.prefill_tokens, old.blocks = (
+                old.seqs + seqs,
+                old.prefill_tokens + prefill_tokens,
+                old.blocks + blocks,
+            )
             return
-        self.pending[next(_untagged) if ticket is None else ticket] = Pending(now, seqs, prefill_tokens, blocks, ticket)
+        self.pending[next(_untagged) if ticket is None else ticket] = Pending(
+            now, seqs, prefill_tokens, blocks, ticket
+        )
 
     def _drop(self, key: str | int) -> None:
         p, t = self.pending.pop(key), self._totals
-        t.seqs, t.prefill_tokens, t.blocks = t.seqs - p.seqs, t.prefill_tokens - p.prefill_tokens, t.blocks - p.blocks
+        t.seqs, t.prefill_tokens, t.blocks = (
+            t.seqs - p.seqs,
+            t.prefill_tokens - p.prefill_tokens,
+            t.blocks - p.blocks,
+        )
 
     def on_load(self, frame: LoadFrame, now: float, settle_s: float) -> None:
         self.load, self.load_at = frame, now

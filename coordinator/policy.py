@@ -130,15 +130,25 @@ def validate(req: RouteRequest) -> None:
     if not req.model:
         raise APIError(400, "'model' must be a non-empty string", param="model")
     if req.num_prompt_tokens < 1:
-        raise APIError(400, f"'num_prompt_tokens' must be ≥ 1, got {req.num_prompt_tokens}", param="num_prompt_tokens")
+        raise APIError(
+            400,
+            f"'num_prompt_tokens' must be ≥ 1, got {req.num_prompt_tokens}",
+            param="num_prompt_tokens",
+        )
     if req.max_tokens < 1:
         raise APIError(400, f"'max_tokens' must be ≥ 1, got {req.max_tokens}", param="max_tokens")
     if len(req.block_hashes) > req.num_prompt_tokens:
-        raise APIError(400, f"{len(req.block_hashes)} block hashes for a prompt of {req.num_prompt_tokens} "
-                       "tokens: a hash covers a full block of tokens", param="block_hashes")  # fmt: skip
+        raise APIError(
+            400,
+            f"{len(req.block_hashes)} block hashes for a prompt of {req.num_prompt_tokens} "
+            "tokens: a hash covers a full block of tokens",
+            param="block_hashes",
+        )
     if req.block_hashes and (min(req.block_hashes) < 0 or max(req.block_hashes) >= 2**64):
         bad = next(h for h in req.block_hashes if not 0 <= h < 2**64)
-        raise APIError(400, f"block hash {bad} is not an unsigned 64-bit integer", param="block_hashes")
+        raise APIError(
+            400, f"block hash {bad} is not an unsigned 64-bit integer", param="block_hashes"
+        )
 
 
 def _pools(tier: str) -> list[str]:
@@ -162,7 +172,9 @@ class Router:
     def _prefill_cost(self, n: NodeView, uncached: int, pend: PendingTotals) -> float:
         w = self.config.weights
         assert n.load is not None
-        return w.prefill_token * uncached + w.queued_prefill_token * (n.load.queued_prefill_tokens + pend.prefill_tokens)
+        return w.prefill_token * uncached + w.queued_prefill_token * (
+            n.load.queued_prefill_tokens + pend.prefill_tokens
+        )
 
     def _decode_cost(self, n: NodeView, pend: PendingTotals) -> float:
         w, load = self.config.weights, n.load
@@ -172,7 +184,9 @@ class Router:
         seqs = load.num_requests_running + load.num_requests_waiting + pend.seqs
         return w.decode_seq * seqs + w.kv_usage * usage
 
-    def route(self, req: RouteRequest, nodes: Iterable[NodeView], index: PrefixIndex, now: float) -> Decision:
+    def route(
+        self, req: RouteRequest, nodes: Iterable[NodeView], index: PrefixIndex, now: float
+    ) -> Decision:
         validate(req)
         usable = self._usable(req, nodes, now)
         pools = _pools(req.tier)
@@ -182,8 +196,14 @@ class Router:
         ds = self._admitted(r, usable, pools)
         ps_all = _by_pool([n for n in usable if n.info.role in ("prefill", "both")], pools)
         # Prefill costs do not depend on D: compute them once, cheapest first.
-        p_ranked = sorted((self._prefill_cost(n, r.n_prompt - r.cached[n.node_id], r.pend[n.node_id]), n.node_id, n)
-                          for n in ps_all)  # fmt: skip
+        p_ranked = sorted(
+            (
+                self._prefill_cost(n, r.n_prompt - r.cached[n.node_id], r.pend[n.node_id]),
+                n.node_id,
+                n,
+            )
+            for n in ps_all
+        )
         p_cost_of = {node_id: cost for cost, node_id, _ in p_ranked}
         best: _Plan | None = None
         for d in ds:
@@ -206,7 +226,9 @@ class Router:
         usable: list[NodeView] = []
         for n in nodes:
             info = n.info
-            if info.model != model or info.task != task:  # never one task's work on the other's node
+            if (
+                info.model != model or info.task != task
+            ):  # never one task's work on the other's node
                 continue
             n_serving += 1
             bs = min(bs, info.block_size)
@@ -214,49 +236,97 @@ class Router:
             if need_len > info.max_model_len:
                 continue
             fits += 1
-            if info.status == NodeStatus.ACTIVE and n.node_id not in excluded and n.ready(now, stale):
+            if (
+                info.status == NodeStatus.ACTIVE
+                and n.node_id not in excluded
+                and n.ready(now, stale)
+            ):
                 usable.append(n)
         if not n_serving:
             what = "embeddings of model" if task == NodeTask.EMBED else "model"
-            raise APIError(404, f"no node serves {what} {req.model!r}", type_="invalid_request_error",
-                           param="model", code="model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"no node serves {what} {req.model!r}",
+                type_="invalid_request_error",
+                param="model",
+                code="model_not_found",
+            )
         if len(req.block_hashes) * bs > req.num_prompt_tokens:
-            raise APIError(400, f"{len(req.block_hashes)} block hashes of {bs} tokens do not fit in a prompt "
-                           f"of {req.num_prompt_tokens} tokens (hash full blocks only)", param="block_hashes")  # fmt: skip
+            raise APIError(
+                400,
+                f"{len(req.block_hashes)} block hashes of {bs} tokens do not fit in a prompt "
+                f"of {req.num_prompt_tokens} tokens (hash full blocks only)",
+                param="block_hashes",
+            )
         if not fits and task == NodeTask.EMBED:
-            raise APIError(400, f"an input of {req.num_prompt_tokens} tokens exceeds the context of every embed node "
-                           f"serving {req.model!r} ({longest})", param="input", code="context_length_exceeded")  # fmt: skip
+            raise APIError(
+                400,
+                f"an input of {req.num_prompt_tokens} tokens exceeds the context of every embed node "
+                f"serving {req.model!r} ({longest})",
+                param="input",
+                code="context_length_exceeded",
+            )
         if not fits:
-            raise APIError(400, f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) "
-                           f"exceeds the context of every node serving {req.model!r} ({longest})",
-                           param="max_tokens", code="context_length_exceeded")  # fmt: skip
+            raise APIError(
+                400,
+                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) "
+                f"exceeds the context of every node serving {req.model!r} ({longest})",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
         if not usable:
-            raise APIError(503, f"no node serving {req.model!r} can take new work now "
-                           f"({fits} registered, none active, reachable and not excluded)",
-                           type_="service_unavailable", code="no_capacity", retry_after_s=1)  # fmt: skip
+            raise APIError(
+                503,
+                f"no node serving {req.model!r} can take new work now "
+                f"({fits} registered, none active, reachable and not excluded)",
+                type_="service_unavailable",
+                code="no_capacity",
+                retry_after_s=1,
+            )
         return usable
 
-    def _embed(self, req: RouteRequest, usable: list[NodeView], pools: list[str], now: float) -> Decision:
+    def _embed(
+        self, req: RouteRequest, usable: list[NodeView], pools: list[str], now: float
+    ) -> Decision:
         """An embedding request: the embed node of the first pool with any whose queued prompt
         tokens (its load's plus pending decisions') are fewest; ties to the lower node id."""
         n_prompt = req.num_prompt_tokens
-        ranked = sorted((self._prefill_cost(n, n_prompt, n.pending_totals(now, self.config.pending_max_age_s)),
-                         n.node_id, n) for n in _by_pool(usable, pools))  # fmt: skip
+        ranked = sorted(
+            (
+                self._prefill_cost(
+                    n, n_prompt, n.pending_totals(now, self.config.pending_max_age_s)
+                ),
+                n.node_id,
+                n,
+            )
+            for n in _by_pool(usable, pools)
+        )
         cost, node_id, n = ranked[0]
         target = RouteTarget(node_id=node_id, url=n.info.url)
         reason = f"{RouteOutcome.EMBED}: {node_id} (pool {n.info.pool}) cost {cost:.0f} among {len(ranked)} embed node(s)"
-        return Decision(response=RouteResponse(prefill=None, decode=target, reason=reason), outcome=RouteOutcome.EMBED,
-                        pending={node_id: (0, n_prompt, 0)})  # fmt: skip
+        return Decision(
+            response=RouteResponse(prefill=None, decode=target, reason=reason),
+            outcome=RouteOutcome.EMBED,
+            pending={node_id: (0, n_prompt, 0)},
+        )
 
-    def _facts(self, req: RouteRequest, usable: list[NodeView], index: PrefixIndex, now: float) -> _Facts:
+    def _facts(
+        self, req: RouteRequest, usable: list[NodeView], index: PrefixIndex, now: float
+    ) -> _Facts:
         matches = index.match(req.block_hashes, [n.node_id for n in usable])
         n_prompt = req.num_prompt_tokens
         return _Facts(
-            req=req, n_prompt=n_prompt, need_len=n_prompt + req.max_tokens, matches=matches,
+            req=req,
+            n_prompt=n_prompt,
+            need_len=n_prompt + req.max_tokens,
+            matches=matches,
             pend={n.node_id: n.pending_totals(now, self.config.pending_max_age_s) for n in usable},
             # The last prompt token is always computed (DESIGN §3), so at most n_prompt - 1 cached.
-            cached={n.node_id: min(matches.get(n.node_id, 0) * n.info.block_size, n_prompt - 1) for n in usable},
-        )  # fmt: skip
+            cached={
+                n.node_id: min(matches.get(n.node_id, 0) * n.info.block_size, n_prompt - 1)
+                for n in usable
+            },
+        )
 
     def _admitted(self, r: _Facts, usable: list[NodeView], pools: list[str]) -> list[NodeView]:
         """D admission: decode-capable nodes with free KV blocks for the prompt and max_tokens,
@@ -276,12 +346,22 @@ class Router:
         ds = _by_pool(admitted, pools)
         if not ds:
             why = "; ".join(refused) if refused else "no decode-capable node is usable"
-            raise APIError(503, f"no decode node for {r.req.model!r} in pools {pools} has room: {why}",
-                           type_="service_unavailable", code="no_capacity", retry_after_s=1)  # fmt: skip
+            raise APIError(
+                503,
+                f"no decode node for {r.req.model!r} in pools {pools} has room: {why}",
+                type_="service_unavailable",
+                code="no_capacity",
+                retry_after_s=1,
+            )
         return ds
 
-    def _plan(self, r: _Facts, d: NodeView, p_ranked: list[tuple[float, str, NodeView]],
-              p_cost_of: dict[str, float]) -> _Plan:  # fmt: skip
+    def _plan(
+        self,
+        r: _Facts,
+        d: NodeView,
+        p_ranked: list[tuple[float, str, NodeView]],
+        p_cost_of: dict[str, float],
+    ) -> _Plan:
         """The cheapest plan with `d` as the decode node: local prefill, or the cheapest P of
         D's KV layout. The reason text is built for the winner only: `why` holds its template's
         arguments."""
@@ -294,7 +374,9 @@ class Router:
             outcome = RouteOutcome.LOCAL_SHORT if short else RouteOutcome.LOCAL_CACHED
             return _Plan(d_cost + local_cost, d, None, outcome, (uncached_d,))
         layout = d.info.kv_layout_hash
-        found = next((t for t in p_ranked if kv_layouts_match(t[2].info.kv_layout_hash, layout)), None)
+        found = next(
+            (t for t in p_ranked if kv_layouts_match(t[2].info.kv_layout_hash, layout)), None
+        )
         if found is None:
             return _Plan(d_cost + local_cost, d, None, RouteOutcome.LOCAL_NO_PREFILL, ())
         p_cost, _, p_best = found
@@ -305,7 +387,13 @@ class Router:
         if p_best is d:
             return _Plan(d_cost + local_cost, d, None, RouteOutcome.LOCAL_PREFILL_IS_D, ())
         if p_queued >= cfg.prefill_saturation_tokens and d_queued < cfg.prefill_saturation_tokens:
-            return _Plan(d_cost + local_cost, d, None, RouteOutcome.LOCAL_P_SATURATED, (p_best.node_id, p_queued))
+            return _Plan(
+                d_cost + local_cost,
+                d,
+                None,
+                RouteOutcome.LOCAL_P_SATURATED,
+                (p_best.node_id, p_queued),
+            )
         why = (p_best.node_id, p_cost, n_prompt - r.cached[p_best.node_id])
         return _Plan(d_cost + p_cost, d, p_best, RouteOutcome.DISAGGREGATED, why)
 
@@ -317,16 +405,24 @@ class Router:
             pending[d.node_id] = (1, n_prompt - cached[d.node_id], d_blocks)
         else:
             pending[d.node_id] = (1, 0, d_blocks)
-            pending[p.node_id] = (0, n_prompt - cached[p.node_id], _cdiv(n_prompt, p.info.block_size))
+            pending[p.node_id] = (
+                0,
+                n_prompt - cached[p.node_id],
+                _cdiv(n_prompt, p.info.block_size),
+            )
         load = d.load
         assert load is not None
         why = _WHY[outcome].format(*best.why, threshold=self.config.local_prefill_tokens)
-        reason = (f"{outcome}: {why}; D {d.node_id} (pool {d.info.pool}, running {load.num_requests_running}, "
-                  f"waiting {load.num_requests_waiting}, kv {load.kv_cache_usage_perc:.2f}, "
-                  f"{cached[d.node_id]} cached) total cost {best.total:.0f} among {n_candidates} decode candidate(s)")  # fmt: skip
+        reason = (
+            f"{outcome}: {why}; D {d.node_id} (pool {d.info.pool}, running {load.num_requests_running}, "
+            f"waiting {load.num_requests_waiting}, kv {load.kv_cache_usage_perc:.2f}, "
+            f"{cached[d.node_id]} cached) total cost {best.total:.0f} among {n_candidates} decode candidate(s)"
+        )
         resp = RouteResponse(
-            prefill=None if p is None else RouteTarget(node_id=p.node_id, url=p.info.url, cached_tokens=cached[p.node_id]),
+            prefill=None
+            if p is None
+            else RouteTarget(node_id=p.node_id, url=p.info.url, cached_tokens=cached[p.node_id]),
             decode=RouteTarget(node_id=d.node_id, url=d.info.url, cached_tokens=cached[d.node_id]),
             reason=reason,
-        )  # fmt: skip
+        )
         return Decision(response=resp, outcome=outcome, pending=pending)

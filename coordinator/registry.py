@@ -22,9 +22,16 @@ log = logging.getLogger("duet.coordinator")
 
 
 class Registry:
-    def __init__(self, store: Store, cluster: str, *, on_sync: Callable[[dict[str, NodeInfo]], None],
-                 on_put: Callable[[NodeInfo], None], on_delete: Callable[[str], None],
-                 on_connected: Callable[[bool], None] = lambda ok: None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: Store,
+        cluster: str,
+        *,
+        on_sync: Callable[[dict[str, NodeInfo]], None],
+        on_put: Callable[[NodeInfo], None],
+        on_delete: Callable[[str], None],
+        on_connected: Callable[[bool], None] = lambda ok: None,
+    ) -> None:
         self.store = store
         self.view = ClusterView(store, cluster)
         self.prefix = nodes_prefix(cluster)
@@ -60,7 +67,11 @@ class Registry:
             except StoreError as e:
                 self.on_connected(False)
                 if not down:
-                    log.warning("etcd: %s; keeping the last known %d node key(s), retrying", e, len(self._keys))
+                    log.warning(
+                        "etcd: %s; keeping the last known %d node key(s), retrying",
+                        e,
+                        len(self._keys),
+                    )
                 down = True
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)

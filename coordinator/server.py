@@ -26,7 +26,9 @@ log = logging.getLogger("duet.coordinator")
 SHUTDOWN_GRACE_S = 15.0
 
 
-async def serve(cfg: CoordinatorConfig, background: Sequence[Callable[[Coordinator], Awaitable[None]]] = ()) -> int:
+async def serve(
+    cfg: CoordinatorConfig, background: Sequence[Callable[[Coordinator], Awaitable[None]]] = ()
+) -> int:
     from protocol.cluster_secret import SecretError
 
     try:
@@ -37,7 +39,9 @@ async def serve(cfg: CoordinatorConfig, background: Sequence[Callable[[Coordinat
     app = make_app(cfg, background=background)
     # HTTP parser errors answered in the same error body as /route's own (protocol.http_errors);
     # deadlines for reading each request's headers and body (protocol.read_deadlines).
-    runner = DeadlineAppRunner(app, deadlines=cfg.deadlines, handler_cancellation=True, access_log=None)
+    runner = DeadlineAppRunner(
+        app, deadlines=cfg.deadlines, handler_cancellation=True, access_log=None
+    )
     await runner.setup()
     site = web.TCPSite(runner, cfg.host, cfg.port, ssl_context=cfg.security.server_ssl())
     try:
@@ -50,8 +54,11 @@ async def serve(cfg: CoordinatorConfig, background: Sequence[Callable[[Coordinat
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"duet coordinator ready on {cfg.security.own_scheme}://{cfg.host}:{cfg.port} replica_id={cfg.resolved_replica_id} "
-          f"cluster={cfg.cluster} etcd={cfg.etcd}", flush=True)  # fmt: skip
+    print(
+        f"duet coordinator ready on {cfg.security.own_scheme}://{cfg.host}:{cfg.port} replica_id={cfg.resolved_replica_id} "
+        f"cluster={cfg.cluster} etcd={cfg.etcd}",
+        flush=True,
+    )
     await stop.wait()
     log.info("shutting down")
     # Shutdown must end even if a dependency hangs (an unreachable etcd): exit anyway after a
@@ -66,11 +73,15 @@ async def serve(cfg: CoordinatorConfig, background: Sequence[Callable[[Coordinat
 
 
 def _force_exit() -> None:
-    log.warning("shutdown did not finish within %.0f s (etcd unreachable?); exiting anyway", SHUTDOWN_GRACE_S)
+    log.warning(
+        "shutdown did not finish within %.0f s (etcd unreachable?); exiting anyway",
+        SHUTDOWN_GRACE_S,
+    )
     logging.shutdown()
     os._exit(0)
 
 
-def run_coordinator(cfg: CoordinatorConfig,
-                    background: Sequence[Callable[[Coordinator], Awaitable[None]]] = ()) -> int:  # fmt: skip
+def run_coordinator(
+    cfg: CoordinatorConfig, background: Sequence[Callable[[Coordinator], Awaitable[None]]] = ()
+) -> int:
     return asyncio.run(serve(cfg, background))

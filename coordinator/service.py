@@ -95,8 +95,14 @@ class Coordinator:
         self.etcd_connected = False
         self.metrics = CoordinatorMetrics(self._metric_snapshot)
         self.election = Election(store, config.cluster, self.replica_id, config.url, config.ttl)
-        self.registry = Registry(store, config.cluster, on_sync=self._on_sync, on_put=self._on_put,
-                                 on_delete=self._on_delete, on_connected=self._on_connected)  # fmt: skip
+        self.registry = Registry(
+            store,
+            config.cluster,
+            on_sync=self._on_sync,
+            on_put=self._on_put,
+            on_delete=self._on_delete,
+            on_connected=self._on_connected,
+        )
         self.session: aiohttp.ClientSession | None = None
         #: told of every routing decision (the planner's rate meters); must not raise or block
         self.route_observers: list[Callable[[RouteRequest, Decision], None]] = []
@@ -107,8 +113,10 @@ class Coordinator:
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         self.session = self.config.security.client_session()  # nodes' /kv/events, with the secret
-        self._background = [asyncio.create_task(self.registry.run(), name="registry"),
-                            asyncio.create_task(self.election.run(), name="election")]  # fmt: skip
+        self._background = [
+            asyncio.create_task(self.registry.run(), name="registry"),
+            asyncio.create_task(self.election.run(), name="election"),
+        ]
 
     async def stop(self) -> None:
         for t in [*self._background, *self._tasks.values()]:
@@ -140,17 +148,36 @@ class Coordinator:
             view.info = info
             return
         if view is not None:
-            log.info("node %s restarted (engine %s → %s)", info.node_id, view.info.engine_id, info.engine_id)
+            log.info(
+                "node %s restarted (engine %s → %s)",
+                info.node_id,
+                view.info.engine_id,
+                info.engine_id,
+            )
             self._on_delete(info.node_id)
-        log.info("node %s joined: %s %s at %s (pool %s, %s)", info.node_id, info.role, info.model, info.url,
-                 info.pool, info.status)  # fmt: skip
+        log.info(
+            "node %s joined: %s %s at %s (pool %s, %s)",
+            info.node_id,
+            info.role,
+            info.model,
+            info.url,
+            info.pool,
+            info.status,
+        )
         view = NodeView(info=info)
         self.views[info.node_id] = view
         if self.session is not None:
-            sub = Subscriber(view, self.session, self.index, settle_s=self.config.policy.pending_settle_s,
-                             on_resync=lambda reason: self.metrics.resyncs.labels(reason).inc(),
-                             on_lag=self.metrics.event_lag.observe)  # fmt: skip
-            self._tasks[info.node_id] = asyncio.create_task(sub.run(), name=f"kv-events-{info.node_id}")
+            sub = Subscriber(
+                view,
+                self.session,
+                self.index,
+                settle_s=self.config.policy.pending_settle_s,
+                on_resync=lambda reason: self.metrics.resyncs.labels(reason).inc(),
+                on_lag=self.metrics.event_lag.observe,
+            )
+            self._tasks[info.node_id] = asyncio.create_task(
+                sub.run(), name=f"kv-events-{info.node_id}"
+            )
 
     def _on_delete(self, node_id: str) -> None:
         view = self.views.pop(node_id, None)
@@ -197,30 +224,53 @@ class Coordinator:
         now = time.monotonic()
         cfg = self.config.policy
         return ClusterReport(
-            cluster=self.config.cluster, replica_id=self.replica_id,
-            leader=self.election.leader, is_leader=self.election.is_leader,
+            cluster=self.config.cluster,
+            replica_id=self.replica_id,
+            leader=self.election.leader,
+            is_leader=self.election.is_leader,
             etcd_connected=self.etcd_connected,
-            index_blocks=len(self.index), index_max_blocks=self.index.max_blocks,
-            nodes=[self._node_report(v, now, cfg) for v in sorted(self.views.values(), key=lambda v: v.node_id)],
-        )  # fmt: skip
+            index_blocks=len(self.index),
+            index_max_blocks=self.index.max_blocks,
+            nodes=[
+                self._node_report(v, now, cfg)
+                for v in sorted(self.views.values(), key=lambda v: v.node_id)
+            ],
+        )
 
     def _node_report(self, v: NodeView, now: float, cfg: PolicyConfig) -> ClusterNode:
         p = v.pending_totals(now, cfg.pending_max_age_s)
         load = v.load
         return ClusterNode(
-            node_id=v.node_id, role=v.info.role, url=v.info.url, model=v.info.model,
-            pool=v.info.pool, status=v.info.status, engine_id=v.info.engine_id,
-            ready=v.ready(now, cfg.stale_load_s), connected=v.connected,
+            node_id=v.node_id,
+            role=v.info.role,
+            url=v.info.url,
+            model=v.info.model,
+            pool=v.info.pool,
+            status=v.info.status,
+            engine_id=v.info.engine_id,
+            ready=v.ready(now, cfg.stale_load_s),
+            connected=v.connected,
             load_age_s=None if load is None else round(now - v.load_at, 3),
-            load=None if load is None else LoadReport(
-                waiting=load.num_requests_waiting, running=load.num_requests_running,
+            load=None
+            if load is None
+            else LoadReport(
+                waiting=load.num_requests_waiting,
+                running=load.num_requests_running,
                 kv_cache_usage_perc=load.kv_cache_usage_perc,
                 queued_prefill_tokens=load.queued_prefill_tokens,
-                kv_blocks_free=load.kv_blocks_free, kv_blocks_total=load.kv_blocks_total,
-                ttft_p90_s=load.ttft_p90_s, ttft_samples=load.ttft_samples, itl_p90_s=load.itl_p90_s,
-                itl_samples=load.itl_samples, ttft_hist=load.ttft_hist, itl_hist=load.itl_hist,
+                kv_blocks_free=load.kv_blocks_free,
+                kv_blocks_total=load.kv_blocks_total,
+                ttft_p90_s=load.ttft_p90_s,
+                ttft_samples=load.ttft_samples,
+                itl_p90_s=load.itl_p90_s,
+                itl_samples=load.itl_samples,
+                ttft_hist=load.ttft_hist,
+                itl_hist=load.itl_hist,
             ),
             pending=PendingReport(seqs=p.seqs, prefill_tokens=p.prefill_tokens, blocks=p.blocks),
             indexed_blocks=self.index.node_block_count(v.node_id),
-            event_seq=v.seq, resyncs=v.resyncs, event_lag_s=round(v.last_event_lag_s, 4), task=v.info.task,
-        )  # fmt: skip
+            event_seq=v.seq,
+            resyncs=v.resyncs,
+            event_lag_s=round(v.last_event_lag_s, 4),
+            task=v.info.task,
+        )

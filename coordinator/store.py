@@ -82,7 +82,9 @@ def parse_etcd_url(url: str) -> tuple[str, int]:
     """'http://10.0.0.2:2379' (https: TLS) or '10.0.0.2:2379' or '10.0.0.2' → (host, port)."""
     parts = urlsplit(url if "://" in url else f"http://{url}")
     if parts.scheme not in ("http", "https", "") or not parts.hostname:
-        raise ValueError(f"cannot read etcd URL {url!r} (expected http://HOST:PORT or https://HOST:PORT)")
+        raise ValueError(
+            f"cannot read etcd URL {url!r} (expected http://HOST:PORT or https://HOST:PORT)"
+        )
     try:
         port = parts.port or 2379
     except ValueError:

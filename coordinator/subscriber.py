@@ -51,10 +51,17 @@ def apply_batch(index: PrefixIndex, node_id: str, batch: EventBatch) -> None:
 
 
 class Subscriber:
-    def __init__(self, view: NodeView, session: aiohttp.ClientSession, index: PrefixIndex, *,
-                 settle_s: float, read_timeout: float = 5.0,
-                 on_resync: Callable[[str], None] = lambda reason: None,
-                 on_lag: Callable[[float], None] = lambda lag: None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        view: NodeView,
+        session: aiohttp.ClientSession,
+        index: PrefixIndex,
+        *,
+        settle_s: float,
+        read_timeout: float = 5.0,
+        on_resync: Callable[[str], None] = lambda reason: None,
+        on_lag: Callable[[float], None] = lambda lag: None,
+    ) -> None:
         self.view = view
         self.session = session
         self.index = index
@@ -69,7 +76,9 @@ class Subscriber:
         timeout = aiohttp.ClientTimeout(total=30, sock_connect=3)
         async with self.session.get(url, timeout=timeout) as r:
             if r.status != 200:
-                raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=(await r.text())[:300])
+                raise aiohttp.ClientResponseError(
+                    r.request_info, (), status=r.status, message=(await r.text())[:300]
+                )
             snap = self._snapshot_decoder.decode(await r.read())
         self.index.replace_node(self.view.node_id, snap.block_hashes)
         self.view.seq, self.view.engine_id = snap.seq, snap.engine_id
@@ -83,7 +92,9 @@ class Subscriber:
             if r.status == 410:
                 raise Resync("since_outside_ring")
             if r.status != 200:
-                raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=(await r.text())[:300])
+                raise aiohttp.ClientResponseError(
+                    r.request_info, (), status=r.status, message=(await r.text())[:300]
+                )
             if r.headers.get("X-Duet-Engine-Id") != v.engine_id:
                 raise Resync("engine_changed")
             dec = FrameDecoder()
@@ -129,7 +140,12 @@ class Subscriber:
                 v.connected = False
                 reason = "reconnect"
                 if not failing:
-                    log.warning("node %s (%s): KV event stream failed: %r; retrying", v.node_id, v.info.url, e)
+                    log.warning(
+                        "node %s (%s): KV event stream failed: %r; retrying",
+                        v.node_id,
+                        v.info.url,
+                        e,
+                    )
                 failing = True
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)

@@ -14,8 +14,15 @@ async def _start(node: Node) -> None:
     if node.transport is None or node.session is None:
         return
     policy = PeerPolicy(node.config.peer_networks())
-    node.role_state.put(RemoteKV(node.transport, node.session, node.config.transfer_timeout, policy,
-                                 node.config.security.scheme))  # fmt: skip
+    node.role_state.put(
+        RemoteKV(
+            node.transport,
+            node.session,
+            node.config.transfer_timeout,
+            policy,
+            node.config.security.scheme,
+        )
+    )
 
 
 def register(roles: Roles) -> None:

@@ -58,36 +58,69 @@ def remote_kv(node: Node) -> RemoteKV:
 async def _source(rk: RemoteKV, p: KVTransferParams, members: Membership | None) -> Source:
     """Step 1a: the fields a contact needs, the policy's word on the address, and with a
     cluster, the engine is a registered prefill-capable node at that address."""
-    missing = [f for f in ("remote_engine_id", "remote_block_ids", "remote_request_id", "remote_host",
-                           "remote_port") if getattr(p, f) is None]  # fmt: skip
+    missing = [
+        f
+        for f in (
+            "remote_engine_id",
+            "remote_block_ids",
+            "remote_request_id",
+            "remote_host",
+            "remote_port",
+        )
+        if getattr(p, f) is None
+    ]
     if missing:
-        raise APIError(400, f"kv_transfer_params lacks {', '.join(missing)}", param="kv_transfer_params")
-    assert p.remote_engine_id is not None and p.remote_host is not None and p.remote_port is not None
+        raise APIError(
+            400, f"kv_transfer_params lacks {', '.join(missing)}", param="kv_transfer_params"
+        )
+    assert (
+        p.remote_engine_id is not None and p.remote_host is not None and p.remote_port is not None
+    )
     assert p.remote_request_id is not None and p.remote_block_ids is not None
     if not all(isinstance(b, int) for b in p.remote_block_ids):
         raise APIError(400, "remote_block_ids must be block numbers", param="kv_transfer_params")
     if not p.remote_engine_id or not p.remote_request_id:
-        raise APIError(400, "remote_engine_id and remote_request_id must be non-empty", param="kv_transfer_params")
+        raise APIError(
+            400,
+            "remote_engine_id and remote_request_id must be non-empty",
+            param="kv_transfer_params",
+        )
     if not 0 < p.remote_port < 65536:
-        raise APIError(400, f"remote_port {p.remote_port} is not a TCP port", param="kv_transfer_params")
+        raise APIError(
+            400, f"remote_port {p.remote_port} is not a TCP port", param="kv_transfer_params"
+        )
     addrs = await rk.policy.resolve(p.remote_host)
     if not addrs:
-        raise APIError(400, f"remote_host {p.remote_host!r} does not resolve", param="kv_transfer_params")
+        raise APIError(
+            400, f"remote_host {p.remote_host!r} does not resolve", param="kv_transfer_params"
+        )
     # Every address the name resolves to must be allowed; the one used must fit the engine's pin.
     reasons = [rk.policy.network_reason(a) for a in addrs[1:]]
     reasons.insert(0, rk.policy.allowed(addrs[0], p.remote_port, p.remote_engine_id))
     bad = next((r for r in reasons if r is not None), None)
     if bad is not None:
         status = 400 if "is at" in bad else 403
-        raise APIError(status, f"refusing to contact the prefill node: {bad}", param="kv_transfer_params",
-                       code="peer_not_allowed")  # fmt: skip
+        raise APIError(
+            status,
+            f"refusing to contact the prefill node: {bad}",
+            param="kv_transfer_params",
+            code="peer_not_allowed",
+        )
     if members is not None:
         await _registered(rk, members, p.remote_engine_id, addrs, p.remote_port)
-    return Source(p.remote_engine_id, addrs[0], p.remote_port, p.remote_request_id,
-                  [b for b in p.remote_block_ids if isinstance(b, int)], tuple(addrs))  # fmt: skip
+    return Source(
+        p.remote_engine_id,
+        addrs[0],
+        p.remote_port,
+        p.remote_request_id,
+        [b for b in p.remote_block_ids if isinstance(b, int)],
+        tuple(addrs),
+    )
 
 
-async def _registered(rk: RemoteKV, members: Membership, engine_id: str, addrs: list[str], port: int) -> None:
+async def _registered(
+    rk: RemoteKV, members: Membership, engine_id: str, addrs: list[str], port: int
+) -> None:
     """With a cluster, only its registered prefill-capable nodes are pulled from, at the address
     they registered (node.members)."""
     if not members.listed:
@@ -96,25 +129,42 @@ async def _registered(rk: RemoteKV, members: Membership, engine_id: str, addrs: 
     if where is None:
         reason = f"engine {engine_id!r} is not a registered prefill node of this cluster"
     elif where[1] != port or not set(await rk.policy.resolve(where[0])) & set(addrs):
-        reason = f"engine {engine_id!r} is registered at {where[0]}:{where[1]}, not {addrs[0]}:{port}"
+        reason = (
+            f"engine {engine_id!r} is registered at {where[0]}:{where[1]}, not {addrs[0]}:{port}"
+        )
     else:
         return
-    raise APIError(403, f"refusing to contact the prefill node: {reason}", param="kv_transfer_params",
-                   code="peer_not_allowed")  # fmt: skip
+    raise APIError(
+        403,
+        f"refusing to contact the prefill node: {reason}",
+        param="kv_transfer_params",
+        code="peer_not_allowed",
+    )
 
 
 def _check_shape(src: Source, p: KVTransferParams, prep: Prepared, block_size: int) -> None:
     """Step 1b: the blocks match the prompt."""
     n = len(prep.prompt_ids)
     if p.remote_num_tokens is not None and p.remote_num_tokens != n:
-        raise APIError(400, f"the remote KV covers {p.remote_num_tokens} tokens but the prompt has {n}",
-                       param="kv_transfer_params")  # fmt: skip
+        raise APIError(
+            400,
+            f"the remote KV covers {p.remote_num_tokens} tokens but the prompt has {n}",
+            param="kv_transfer_params",
+        )
     need = -(-n // block_size)
     if len(src.block_ids) != need:
-        raise APIError(400, f"remote_block_ids has {len(src.block_ids)} blocks but a {n}-token "
-                            f"prompt needs {need} (block size {block_size})", param="kv_transfer_params")  # fmt: skip
+        raise APIError(
+            400,
+            f"remote_block_ids has {len(src.block_ids)} blocks but a {n}-token "
+            f"prompt needs {need} (block size {block_size})",
+            param="kv_transfer_params",
+        )
     if any(not 0 <= b < 2**31 for b in src.block_ids):
-        raise APIError(400, "remote_block_ids must be block numbers (0 <= id < 2**31)", param="kv_transfer_params")
+        raise APIError(
+            400,
+            "remote_block_ids must be block numbers (0 <= id < 2**31)",
+            param="kv_transfer_params",
+        )
 
 
 def _params(p: KVTransferParams, prep: Prepared) -> SamplingParams:
@@ -125,7 +175,9 @@ def _params(p: KVTransferParams, prep: Prepared) -> SamplingParams:
     try:
         return replace(prep.params, first_token=p.first_token_id)
     except ValueError as e:
-        raise APIError(400, f"kv_transfer_params.first_token_id: {e}", param="kv_transfer_params") from None
+        raise APIError(
+            400, f"kv_transfer_params.first_token_id: {e}", param="kv_transfer_params"
+        ) from None
 
 
 async def decode_leg(leg: LegContext) -> web.StreamResponse:
@@ -168,28 +220,44 @@ async def _connect(rk: RemoteKV, src: Source) -> tuple[Peer | None, Pull | None]
     remote_blocks = peer.layout.num_blocks
     if any(b >= remote_blocks for b in src.block_ids):
         await release_quietly(rk, src)
-        raise APIError(400, f"remote_block_ids {src.block_ids} fall outside the prefill "
-                            f"node's pool of {remote_blocks} blocks", param="kv_transfer_params")  # fmt: skip
+        raise APIError(
+            400,
+            f"remote_block_ids {src.block_ids} fall outside the prefill "
+            f"node's pool of {remote_blocks} blocks",
+            param="kv_transfer_params",
+        )
     return peer, None
 
 
-async def _answer(leg: LegContext, src: Source, pull: Pull, stream: EngineStream) -> web.StreamResponse:
+async def _answer(
+    leg: LegContext, src: Source, pull: Pull, stream: EngineStream
+) -> web.StreamResponse:
     cfg = leg.node.config
     match pull.outcome:
         case PullOutcome.OK:
             return await leg.respond(stream)
         case PullOutcome.RESERVE_TIMEOUT:  # the puller aborted the engine request already
             leg.node.metrics.rejected("reserve_timeout")
-            raise _Unavailable(f"this node could not reserve KV blocks within {cfg.reserve_timeout:g} s; "
-                               "retry later or on another node")  # fmt: skip
+            raise _Unavailable(
+                f"this node could not reserve KV blocks within {cfg.reserve_timeout:g} s; "
+                "retry later or on another node"
+            )
         case PullOutcome.NOT_THEIRS:  # the client's kv_transfer_params were wrong: its error
             await leg.abort()
-            raise APIError(400, f"remote_block_ids {src.block_ids} do not belong to request "
-                                f"{src.request_id!r} on the prefill node", param="kv_transfer_params")  # fmt: skip
+            raise APIError(
+                400,
+                f"remote_block_ids {src.block_ids} do not belong to request "
+                f"{src.request_id!r} on the prefill node",
+                param="kv_transfer_params",
+            )
         case _ if cfg.failure_policy == "fail":
             await leg.abort()
-            err = APIError(502, f"KV transfer from the prefill node failed: {pull.detail}",
-                           type_="kv_transfer_error", code="kv_transfer_failed")  # fmt: skip
+            err = APIError(
+                502,
+                f"KV transfer from the prefill node failed: {pull.detail}",
+                type_="kv_transfer_error",
+                code="kv_transfer_failed",
+            )
             if not leg.prep.body.stream:
                 raise err
             return await leg.stream_error(err)

@@ -75,8 +75,10 @@ class PeerPolicy:
             if (reason := self.network_reason(a)) is not None:
                 raise PeerRefused(f"its KV transport address: {reason}")
             if a not in named:
-                raise PeerRefused(f"its KV transport address {a} is not the host it was named by "
-                                  f"({', '.join(named)})")  # fmt: skip
+                raise PeerRefused(
+                    f"its KV transport address {a} is not the host it was named by "
+                    f"({', '.join(named)})"
+                )
         return addrs[0]
 
     def pin(self, engine_id: str, host: str, port: int) -> None:
@@ -100,8 +102,9 @@ class PeerPolicy:
             return []
         loop = asyncio.get_running_loop()
         try:
-            infos = await asyncio.wait_for(loop.getaddrinfo(host, None, type=socket.SOCK_STREAM),
-                                           _RESOLVE_TIMEOUT_S)  # fmt: skip
+            infos = await asyncio.wait_for(
+                loop.getaddrinfo(host, None, type=socket.SOCK_STREAM), _RESOLVE_TIMEOUT_S
+            )
         except (OSError, TimeoutError, UnicodeError):
             return []
         return sorted({str(info[4][0]) for info in infos})

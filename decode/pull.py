@@ -52,7 +52,9 @@ class Pull:
 
 OK = Pull(PullOutcome.OK)
 RESERVE_TIMEOUT = Pull(PullOutcome.RESERVE_TIMEOUT, "no KV blocks could be reserved in time")
-NOT_THEIRS = Pull(PullOutcome.NOT_THEIRS, "the prefill node says these blocks do not belong to the request")
+NOT_THEIRS = Pull(
+    PullOutcome.NOT_THEIRS, "the prefill node says these blocks do not belong to the request"
+)
 ABORTED = Pull(PullOutcome.ABORTED, "the request was aborted before its blocks were reserved")
 
 
@@ -76,9 +78,13 @@ def released(status: int) -> Pull:
     if status == 400:
         return NOT_THEIRS
     if status == 404:
-        return Pull(PullOutcome.LEASE_EXPIRED, "the prefill node's lease ran out before the pull finished")
+        return Pull(
+            PullOutcome.LEASE_EXPIRED, "the prefill node's lease ran out before the pull finished"
+        )
     if status == 0:
-        return Pull(PullOutcome.PEER_UNREACHABLE, "the prefill node could not be reached to release")
+        return Pull(
+            PullOutcome.PEER_UNREACHABLE, "the prefill node could not be reached to release"
+        )
     return Pull(PullOutcome.READ_FAILED, f"the prefill node answered {status} to the release")
 
 
@@ -100,22 +106,39 @@ class Puller:
             with tr.span("decode.reserve") as span:
                 local = await self._reserve()
                 if span is not None:
-                    span.set_attribute("duet.kv.outcome", local.outcome.value if isinstance(local, Pull) else "ok")
+                    span.set_attribute(
+                        "duet.kv.outcome", local.outcome.value if isinstance(local, Pull) else "ok"
+                    )
             if isinstance(local, Pull):
                 return local
             t_reserved = time.monotonic()
             self.leg.timing["queue_s"] = t_reserved - self.leg.prep.arrival
             moved = max(0, len(local) - self.stream.num_cached_blocks) if failure is None else 0
-            with tr.span("decode.kv_pull", {"duet.kv.transport": node.transport.backend if node.transport else "none",
-                                            "duet.kv.source": self.src.engine_id}) as span:  # fmt: skip
+            with tr.span(
+                "decode.kv_pull",
+                {
+                    "duet.kv.transport": node.transport.backend if node.transport else "none",
+                    "duet.kv.source": self.src.engine_id,
+                },
+            ) as span:
                 pull = failure or await self._read(peer, local)
                 if span is not None:
                     ok = pull.outcome is PullOutcome.OK
-                    span.set_attributes({"duet.kv.outcome": pull.outcome.value, "duet.kv.blocks": moved if ok else 0,
-                                         "duet.kv.bytes": moved * node.engine.kv_layout.block_bytes if ok else 0,
-                                         "duet.kv.cached_blocks": self.stream.num_cached_blocks})  # fmt: skip
+                    span.set_attributes(
+                        {
+                            "duet.kv.outcome": pull.outcome.value,
+                            "duet.kv.blocks": moved if ok else 0,
+                            "duet.kv.bytes": moved * node.engine.kv_layout.block_bytes if ok else 0,
+                            "duet.kv.cached_blocks": self.stream.num_cached_blocks,
+                        }
+                    )
                     if not ok:  # the fallback D takes: prefill here (recompute) or an error (fail)
-                        span.set_attributes({"duet.kv.fallback": node.config.failure_policy, "duet.kv.detail": pull.detail})
+                        span.set_attributes(
+                            {
+                                "duet.kv.fallback": node.config.failure_policy,
+                                "duet.kv.detail": pull.detail,
+                            }
+                        )
             self.leg.timing["transfer_s"] = time.monotonic() - t_reserved
             self._log(pull, len(local), t_reserved)
             return pull
@@ -143,7 +166,9 @@ class Puller:
         assert node.transport is not None and peer is not None
         try:
             if k < len(local):
-                await node.transport.read(peer, src.block_ids[k:], local[k:], timeout=node.config.transfer_timeout)
+                await node.transport.read(
+                    peer, src.block_ids[k:], local[k:], timeout=node.config.transfer_timeout
+                )
         except Exception as e:
             self.settled = getattr(e, "settled", None)
             self.rk.forget(src.engine_id)
@@ -153,10 +178,15 @@ class Puller:
 
     def _log(self, pull: Pull, n_local: int, t_reserved: float) -> None:
         if pull.outcome is not PullOutcome.OK:
-            log.warning("KV pull failed (%s); policy %s", pull.detail, self.leg.node.config.failure_policy)
+            log.warning(
+                "KV pull failed (%s); policy %s", pull.detail, self.leg.node.config.failure_policy
+            )
         else:
-            log.info("pulled %d blocks in %.1f ms", n_local - self.stream.num_cached_blocks,
-                     (time.monotonic() - t_reserved) * 1e3)  # fmt: skip
+            log.info(
+                "pulled %d blocks in %.1f ms",
+                n_local - self.stream.num_cached_blocks,
+                (time.monotonic() - t_reserved) * 1e3,
+            )
 
     async def _end(self, ok: bool) -> None:
         engine, erid = self.leg.node.engine, self.leg.engine_request_id

@@ -39,8 +39,14 @@ class PeerUnreachable(Exception):
 
 
 class RemoteKV:
-    def __init__(self, transport: Transport, session: aiohttp.ClientSession, timeout: float,
-                 policy: PeerPolicy, scheme: str = "http") -> None:  # fmt: skip
+    def __init__(
+        self,
+        transport: Transport,
+        session: aiohttp.ClientSession,
+        timeout: float,
+        policy: PeerPolicy,
+        scheme: str = "http",
+    ) -> None:
         self.transport = transport
         #: http, or https when the plane runs TLS; the session carries the cluster secret
         self.scheme = scheme
@@ -56,7 +62,9 @@ class RemoteKV:
         addresses of the host the leg named), where the peer's transport must be too."""
         fut = self._peers.get(engine_id)
         if fut is None:
-            fut = self._peers[engine_id] = asyncio.ensure_future(self._connect(engine_id, host, port, named))
+            fut = self._peers[engine_id] = asyncio.ensure_future(
+                self._connect(engine_id, host, port, named)
+            )
             while len(self._peers) > MAX_CACHED_PEERS:
                 self._peers.popitem(last=False)
         else:
@@ -73,21 +81,31 @@ class RemoteKV:
 
         url = f"{self.scheme}://{_netloc(host, port)}/kv/metadata"
         try:
-            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=self.timeout)) as r:
+            async with self.session.get(
+                url, timeout=aiohttp.ClientTimeout(total=self.timeout)
+            ) as r:
                 if r.status != 200:
                     raise PeerUnreachable(f"{url} answered {r.status}")
                 meta = decode_metadata(await r.content.read(1 << 20))
         except (aiohttp.ClientError, TimeoutError, OSError, TransferError) as e:
             raise PeerUnreachable(f"cannot fetch KV metadata from {host}:{port}: {e}") from e
         if meta.engine_id != engine_id:
-            raise APIError(400, f"unknown remote_engine_id {engine_id!r}: {host}:{port} runs engine "
-                                f"{meta.engine_id!r}", param="kv_transfer_params")  # fmt: skip
+            raise APIError(
+                400,
+                f"unknown remote_engine_id {engine_id!r}: {host}:{port} runs engine "
+                f"{meta.engine_id!r}",
+                param="kv_transfer_params",
+            )
         if meta.host:  # tcp, ucx: the peer's own word on where its pool is, checked
             try:
                 addr = await self.policy.transport_address(meta.host, named or (host,))
             except PeerRefused as e:
-                raise APIError(403, f"refusing to read KV from engine {engine_id!r} at {host}:{port}: {e}",
-                               param="kv_transfer_params", code="peer_not_allowed") from None  # fmt: skip
+                raise APIError(
+                    403,
+                    f"refusing to read KV from engine {engine_id!r} at {host}:{port}: {e}",
+                    param="kv_transfer_params",
+                    code="peer_not_allowed",
+                ) from None
             meta = msgspec.structs.replace(meta, host=addr)
         self.policy.pin(engine_id, host, port)
         try:
@@ -100,17 +118,20 @@ class RemoteKV:
     def forget(self, engine_id: str) -> None:
         self._peers.pop(engine_id, None)
 
-    async def release(self, host: str, port: int, request_id: str, block_ids: list[int] | None) -> int:
+    async def release(
+        self, host: str, port: int, request_id: str, block_ids: list[int] | None
+    ) -> int:
         """Tell the prefill node it may free the blocks; returns its HTTP status (0: unreachable)."""
         url = f"{self.scheme}://{_netloc(host, port)}/kv/release"
         try:
             body = msgspec.json.encode(KVReleaseRequest(request_id=request_id, block_ids=block_ids))
-            async with self.session.post(url, data=body, headers=_JSON, timeout=aiohttp.ClientTimeout(total=5)) as r:
+            async with self.session.post(
+                url, data=body, headers=_JSON, timeout=aiohttp.ClientTimeout(total=5)
+            ) as r:
                 return r.status
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             log.warning("could not release %s on %s:%d: %s", request_id, host, port, e)
             return 0
-
 
     def unquarantine_later(self, engine: NodeEngine, erid: str, settled: Awaitable[Any]) -> None:
         """Free the blocks a failed transfer may still write into once the transport says it is over."""

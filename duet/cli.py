@@ -62,16 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
     cmd_plan.add_parser(sub)
     for name in TRACED:  # one flag for every process kind (read in main)
         sub.choices[name].add_argument(
-            "--trace", action="store_true",
+            "--trace",
+            action="store_true",
             help="OpenTelemetry tracing on (as DUET_TRACING=1): spans go to $OTEL_EXPORTER_OTLP_ENDPOINT when set"
-                 + (", in every process it starts" if name == "up" else ""))  # fmt: skip
+            + (", in every process it starts" if name == "up" else ""),
+        )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "trace", False):  # protocol/tracing.py reads it; `duet up`'s children inherit it
+    if getattr(
+        args, "trace", False
+    ):  # protocol/tracing.py reads it; `duet up`'s children inherit it
         os.environ["DUET_TRACING"] = "1"
     try:
         return int(args.func(args) or 0)

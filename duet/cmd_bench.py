@@ -23,7 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Run a benchmark; arguments after the name go to it "
         "(e.g. `duet bench serve --base-url URL`). See `duet bench NAME --help`.",
     )
-    p.add_argument("name", choices=sorted(BENCHES), help="; ".join(f"{k}: {v}" for k, v in BENCHES.items()))
+    p.add_argument(
+        "name", choices=sorted(BENCHES), help="; ".join(f"{k}: {v}" for k, v in BENCHES.items())
+    )
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the benchmark")
     p.set_defaults(func=_run)
 

@@ -31,26 +31,44 @@ Models, prices, limits and the store are set in gateway.toml (see gateway/config
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
-    g = sub.add_parser("gateway", help="OpenAI-compatible gateway: keys, teams, quotas, tiers, routing",
-                       description=GATEWAY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    g = sub.add_parser(
+        "gateway",
+        help="OpenAI-compatible gateway: keys, teams, quotas, tiers, routing",
+        description=GATEWAY_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     g.add_argument("--config", required=True, help="gateway.toml")
-    g.add_argument("--host", default=None, help="address to listen on (default: [server] host, 127.0.0.1)")
+    g.add_argument(
+        "--host", default=None, help="address to listen on (default: [server] host, 127.0.0.1)"
+    )
     g.add_argument("--port", type=int, default=None, help="port (default: [server] port, 8000)")
-    g.add_argument("--coordinator", default=None, help="coordinator replica URLs, comma-separated (all of them)")
+    g.add_argument(
+        "--coordinator",
+        default=None,
+        help="coordinator replica URLs, comma-separated (all of them)",
+    )
     g.add_argument("--etcd", default=None, help="etcd endpoint to find coordinators and nodes from")
     add_etcd_arguments(g)
-    g.add_argument("--store", default=None, help="sqlite:///PATH or postgresql://... (overrides [store] url)")
+    g.add_argument(
+        "--store", default=None, help="sqlite:///PATH or postgresql://... (overrides [store] url)"
+    )
     g.add_argument("--log-level", default="INFO")
     add_gateway_security_arguments(g)
     g.set_defaults(func=_gateway)
 
-    t = sub.add_parser("teams", help="create, list and delete gateway teams (in the gateway's store)")
+    t = sub.add_parser(
+        "teams", help="create, list and delete gateway teams (in the gateway's store)"
+    )
     tsub = t.add_subparsers(dest="action", required=True, metavar="ACTION")
     tc = tsub.add_parser("create", help="create a team with its limits")
     tc.add_argument("team")
-    for name, kind, what in (("rpm", int, "requests per minute"), ("tpm", int, "tokens per minute"),
-                             ("max-concurrent", int, "requests in flight at once"),
-                             ("daily-budget", float, "USD per UTC day"), ("monthly-budget", float, "USD per month")):  # fmt: skip
+    for name, kind, what in (
+        ("rpm", int, "requests per minute"),
+        ("tpm", int, "tokens per minute"),
+        ("max-concurrent", int, "requests in flight at once"),
+        ("daily-budget", float, "USD per UTC day"),
+        ("monthly-budget", float, "USD per month"),
+    ):
         tc.add_argument(f"--{name}", type=kind, default=None, help=f"limit: {what} (default: none)")
     tc.add_argument("--default-tier", choices=["interactive", "batch"], default="interactive")
     tl = tsub.add_parser("list", help="list teams")
@@ -65,7 +83,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     kc = ksub.add_parser("create", help="create a key for a team; the secret is printed once")
     kc.add_argument("--team", required=True)
     kc.add_argument("--name", default="")
-    kc.add_argument("--create-team", action="store_true", help="create the team (no limits) if missing")
+    kc.add_argument(
+        "--create-team", action="store_true", help="create the team (no limits) if missing"
+    )
     kl = ksub.add_parser("list", help="list keys (never their secrets)")
     kl.add_argument("--team", default=None)
     kr = ksub.add_parser("revoke", help="revoke a key by id")
@@ -76,14 +96,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
     u = sub.add_parser("usage", help="usage reports from the gateway's store")
     usub = u.add_subparsers(dest="action", required=True, metavar="ACTION")
-    ur = usub.add_parser("report", help="usage records or totals for a day or a range, as CSV or JSON")
+    ur = usub.add_parser(
+        "report", help="usage records or totals for a day or a range, as CSV or JSON"
+    )
     ur.add_argument("--date", default=None, help="YYYY-MM-DD (default: today, UTC)")
     ur.add_argument("--start", default=None, help="YYYY-MM-DD or unix seconds")
     ur.add_argument("--end", default=None, help="YYYY-MM-DD (inclusive) or unix seconds")
     ur.add_argument("--team", default=None, help="one team (default: all)")
-    ur.add_argument("--group-by", choices=[*GROUP_BY, "record"], default="record",
-                    help="totals per model/day/team/tier/user (the requests' OpenAI `user` field), each with "
-                         "its TTFT P50/P90, or every usage record")  # fmt: skip
+    ur.add_argument(
+        "--group-by",
+        choices=[*GROUP_BY, "record"],
+        default="record",
+        help="totals per model/day/team/tier/user (the requests' OpenAI `user` field), each with "
+        "its TTFT P50/P90, or every usage record",
+    )
     ur.add_argument("--format", choices=["csv", "json"], default="csv")
     _store_args(ur)
     ur.set_defaults(func=_usage)
@@ -91,8 +117,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def _store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="gateway.toml (its [store] url)")
-    p.add_argument("--store", default=None, help="sqlite:///PATH or postgresql://... (default: the config's, "
-                   "else sqlite under $DUET_HOME)")  # fmt: skip
+    p.add_argument(
+        "--store",
+        default=None,
+        help="sqlite:///PATH or postgresql://... (default: the config's, "
+        "else sqlite under $DUET_HOME)",
+    )
 
 
 def _store_url(args: argparse.Namespace) -> str:
@@ -119,14 +149,23 @@ def _config(args: argparse.Namespace):  # -> GatewayConfig
         apply_etcd_args(args)
     except (ConfigError, ValueError) as e:
         raise UsageError(str(e)) from None
-    server = dataclasses.replace(cfg.server, **{k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None})
+    server = dataclasses.replace(
+        cfg.server, **{k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None}
+    )
     routing: RoutingConfig = cfg.routing
     if args.coordinator:
-        routing = dataclasses.replace(routing, coordinator=tuple(u.strip() for u in args.coordinator.split(",") if u.strip()))
+        routing = dataclasses.replace(
+            routing, coordinator=tuple(u.strip() for u in args.coordinator.split(",") if u.strip())
+        )
     if args.etcd:
         routing = dataclasses.replace(routing, etcd=args.etcd)
-    cfg = dataclasses.replace(cfg, server=server, routing=routing, store_url=args.store or cfg.store_url,
-                              security=plane_security(args))  # fmt: skip
+    cfg = dataclasses.replace(
+        cfg,
+        server=server,
+        routing=routing,
+        store_url=args.store or cfg.store_url,
+        security=plane_security(args),
+    )
     from gateway.store import open_store
 
     try:
@@ -138,12 +177,16 @@ def _config(args: argparse.Namespace):  # -> GatewayConfig
             try:
                 import gateway.providers  # noqa: F401  (another issue adds it)
             except ImportError:
-                raise UsageError(f"model {m.name!r} is external, but this gateway has no providers package") from None
+                raise UsageError(
+                    f"model {m.name!r} is external, but this gateway has no providers package"
+                ) from None
         if m.kind == "cluster":
             resolve_model(m.tokenizer)  # an unknown model is a one-line error before we listen
             if m.static is None and not routing.coordinator and not routing.etcd:
-                raise UsageError(f"model {m.name!r} has no static node list, and neither --coordinator nor "
-                                 "--etcd is given: nothing could serve it")  # fmt: skip
+                raise UsageError(
+                    f"model {m.name!r} has no static node list, and neither --coordinator nor "
+                    "--etcd is given: nothing could serve it"
+                )
     return cfg
 
 
@@ -180,9 +223,17 @@ def _teams(args: argparse.Namespace) -> int:
 
     async def run(store: Any) -> int:
         if args.action == "create":
-            team = validate_team(TeamCreate(id=args.team, rpm=args.rpm, tpm=args.tpm, max_concurrent=args.max_concurrent,
-                                            daily_budget_usd=args.daily_budget, monthly_budget_usd=args.monthly_budget,
-                                            default_tier=args.default_tier))  # fmt: skip
+            team = validate_team(
+                TeamCreate(
+                    id=args.team,
+                    rpm=args.rpm,
+                    tpm=args.tpm,
+                    max_concurrent=args.max_concurrent,
+                    daily_budget_usd=args.daily_budget,
+                    monthly_budget_usd=args.monthly_budget,
+                    default_tier=args.default_tier,
+                )
+            )
             _print(await store.create_team(team))
         elif args.action == "list":
             _print(await store.list_teams())
@@ -207,7 +258,10 @@ def _keys(args: argparse.Namespace) -> int:
                 await store.create_team(Team(id=args.team))
             key, secret, digest = new_key(args.team, args.name)
             await store.create_key(key, digest)
-            print(f"key id {key.id} for team {args.team} (the secret is shown only now):", file=sys.stderr)
+            print(
+                f"key id {key.id} for team {args.team} (the secret is shown only now):",
+                file=sys.stderr,
+            )
             print(secret)
         elif args.action == "list":
             _print(await store.list_keys(args.team))

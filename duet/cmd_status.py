@@ -32,13 +32,27 @@ if TYPE_CHECKING:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", help="show the cluster: nodes, roles, load, KV use, leader",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--coordinator", default=None, metavar="URL[,URL]",
-                   help="coordinator replica(s) to ask (default: the running `duet up`'s)")  # fmt: skip
-    p.add_argument("--etcd", default=None, metavar="URL",
-                   help="etcd to list registered nodes and replicas from (default: the running `duet up`'s)")
-    p.add_argument("--cluster", default="default", help="cluster name in etcd (with --etcd; default 'default')")
+    p = sub.add_parser(
+        "status",
+        help="show the cluster: nodes, roles, load, KV use, leader",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--coordinator",
+        default=None,
+        metavar="URL[,URL]",
+        help="coordinator replica(s) to ask (default: the running `duet up`'s)",
+    )
+    p.add_argument(
+        "--etcd",
+        default=None,
+        metavar="URL",
+        help="etcd to list registered nodes and replicas from (default: the running `duet up`'s)",
+    )
+    p.add_argument(
+        "--cluster", default="default", help="cluster name in etcd (with --etcd; default 'default')"
+    )
     add_etcd_arguments(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     add_client_arguments(p)
@@ -49,7 +63,9 @@ def _get(url: str, auth: PlaneSecurity | None = None) -> Any:
     """GET a JSON answer; `auth` adds the cluster secret and the cluster's CA (coordinators)."""
     headers, ctx = (auth.headers, auth.client_ssl()) if auth is not None else ({}, True)
     context = ctx if not isinstance(ctx, bool) else None
-    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=3, context=context) as r:
+    with urllib.request.urlopen(
+        urllib.request.Request(url, headers=headers), timeout=3, context=context
+    ) as r:
         return json.loads(r.read())
 
 
@@ -84,26 +100,41 @@ def registered(etcd: str, cluster: str) -> ClusterSnapshot | str:
         return f"etcd {etcd}: {e}"
 
 
-def collect(coordinators: list[str], state: dict[str, Any] | None,
-            members: ClusterSnapshot | str | None = None, auth: PlaneSecurity | None = None) -> dict[str, Any]:  # fmt: skip
+def collect(
+    coordinators: list[str],
+    state: dict[str, Any] | None,
+    members: ClusterSnapshot | str | None = None,
+    auth: PlaneSecurity | None = None,
+) -> dict[str, Any]:
     out: dict[str, Any] = {"cluster": None, "coordinator": None, "errors": []}
     if isinstance(members, str):
         out["etcd_error"] = members
     elif members is not None:  # the replicas alive in etcd first, then any other one given
-        coordinators = members.coordinators + [u for u in coordinators if u not in members.coordinators]
-        out["registered"] = {"coordinators": members.coordinators, "nodes": msgspec.to_builtins(members.nodes)}
+        coordinators = members.coordinators + [
+            u for u in coordinators if u not in members.coordinators
+        ]
+        out["registered"] = {
+            "coordinators": members.coordinators,
+            "nodes": msgspec.to_builtins(members.nodes),
+        }
     for url in coordinators:
         try:
             out["cluster"], out["coordinator"] = _get(url + "/cluster", auth), url
             break
         except urllib.error.HTTPError as e:
-            hint = (": it needs the cluster secret (--cluster-secret-file, or $DUET_CLUSTER_SECRET_FILE)"
-                    if e.code == 401 else "")  # fmt: skip
+            hint = (
+                ": it needs the cluster secret (--cluster-secret-file, or $DUET_CLUSTER_SECRET_FILE)"
+                if e.code == 401
+                else ""
+            )
             out["errors"].append(f"{url}: HTTP {e.code} {e.reason}{hint}")
         except (urllib.error.URLError, OSError, ValueError) as e:
             out["errors"].append(f"{url}: {getattr(e, 'reason', e)}")
     if state is not None:
-        out["up"] = {**state, "children": [{**c, "alive": _alive(c.get("pid"))} for c in state.get("children", [])]}
+        out["up"] = {
+            **state,
+            "children": [{**c, "alive": _alive(c.get("pid"))} for c in state.get("children", [])],
+        }
         try:
             out["gateway"] = _get(state["gateway"] + "/health")
         except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
@@ -130,30 +161,59 @@ def render(info: dict[str, Any]) -> None:
     con = Console(width=None if sys.stdout.isatty() else 200)  # no terminal: do not squeeze columns
     up = info.get("up")
     if up:
-        con.print(f"[bold]duet up[/] pid {up['pid']} ({'ready' if up.get('ready') else 'starting'}) "
-                  f"home {up['home']} (logs in logs/)  gateway {up['gateway']}: {info.get('gateway', {}).get('status')}")  # fmt: skip
+        con.print(
+            f"[bold]duet up[/] pid {up['pid']} ({'ready' if up.get('ready') else 'starting'}) "
+            f"home {up['home']} (logs in logs/)  gateway {up['gateway']}: {info.get('gateway', {}).get('status')}"
+        )
         from duet.up_status import process_table
 
         if info.get("gateways"):
-            con.print("gateways on the shared port: " + ", ".join(f"{u} {st}" for u, st in info["gateways"].items()))
+            con.print(
+                "gateways on the shared port: "
+                + ", ".join(f"{u} {st}" for u, st in info["gateways"].items())
+            )
         con.print(process_table(up["children"]))
     cl = info["cluster"]
     if cl is None:
         con.print(f"[red]no coordinator answered[/]: {'; '.join(info['errors']) or 'none given'}")
         _render_registered(con, info.get("registered"), info.get("etcd_error"))
         return
-    con.print(f"[bold]cluster[/] {cl['cluster']}  leader {cl['leader']}  (asked {cl['replica_id']} at "
-              f"{info['coordinator']}; etcd {'connected' if cl['etcd_connected'] else '[red]disconnected[/]'})  "
-              f"prefix index {cl['index_blocks']} blocks")  # fmt: skip
-    t = Table("node", "role", "pool", "status", "ready", "waiting", "running", "KV use", "KV free",
-              "queued prefill", "cached blocks", "url")  # fmt: skip
+    con.print(
+        f"[bold]cluster[/] {cl['cluster']}  leader {cl['leader']}  (asked {cl['replica_id']} at "
+        f"{info['coordinator']}; etcd {'connected' if cl['etcd_connected'] else '[red]disconnected[/]'})  "
+        f"prefix index {cl['index_blocks']} blocks"
+    )
+    t = Table(
+        "node",
+        "role",
+        "pool",
+        "status",
+        "ready",
+        "waiting",
+        "running",
+        "KV use",
+        "KV free",
+        "queued prefill",
+        "cached blocks",
+        "url",
+    )
     for n in cl["nodes"]:
         ld = n.get("load") or {}
         role = "embed" if n.get("task") == "embed" else n["role"]  # an embed node's role is "both"
-        t.add_row(n["node_id"], role, n["pool"], n["status"], "yes" if n["ready"] else "[red]no[/]",
-                  str(ld.get("waiting", "-")), str(ld.get("running", "-")), _pct(ld.get("kv_cache_usage_perc")),
-                  f"{ld.get('kv_blocks_free', '-')}/{ld.get('kv_blocks_total', '-')}",
-                  str(ld.get("queued_prefill_tokens", "-")), str(n["indexed_blocks"]), n["url"])  # fmt: skip
+        t.add_row(
+            n["node_id"],
+            role,
+            n["pool"],
+            n["status"],
+            "yes" if n["ready"] else "[red]no[/]",
+            str(ld.get("waiting", "-")),
+            str(ld.get("running", "-")),
+            _pct(ld.get("kv_cache_usage_perc")),
+            f"{ld.get('kv_blocks_free', '-')}/{ld.get('kv_blocks_total', '-')}",
+            str(ld.get("queued_prefill_tokens", "-")),
+            str(n["indexed_blocks"]),
+            n["url"],
+        )
     con.print(t)
 
 
@@ -165,11 +225,19 @@ def _render_registered(con: Any, reg: dict[str, Any] | None, error: str | None) 
         con.print(f"[red]cannot list the cluster from etcd[/]: {error}")
     if not reg:
         return
-    con.print(f"[bold]registered in etcd[/]: coordinators {', '.join(reg['coordinators']) or 'none'}")
+    con.print(
+        f"[bold]registered in etcd[/]: coordinators {', '.join(reg['coordinators']) or 'none'}"
+    )
     t = Table("node", "role", "model", "pool", "status", "url")
     for n in reg["nodes"]:
-        t.add_row(n["node_id"], "embed" if n.get("task") == "embed" else n["role"], n["model"], n["pool"], n["status"],
-                  n["url"])  # fmt: skip
+        t.add_row(
+            n["node_id"],
+            "embed" if n.get("task") == "embed" else n["role"],
+            n["model"],
+            n["pool"],
+            n["status"],
+            n["url"],
+        )
     con.print(t)
 
 
@@ -192,12 +260,18 @@ def _run(args: argparse.Namespace) -> int:
         home = UpHome.current()
         state = home.read_state()
         if state is None or not _alive(state.get("pid")):
-            raise UsageError(f"no `duet up` is running with DUET_HOME={home.root}; "
-                             "give --coordinator URL or --etcd URL for another cluster")  # fmt: skip
+            raise UsageError(
+                f"no `duet up` is running with DUET_HOME={home.root}; "
+                "give --coordinator URL or --etcd URL for another cluster"
+            )
         coords = state["coordinators"]
     etcd = args.etcd or (state or {}).get("etcd")
     cluster = args.cluster if args.etcd or state is None else state.get("cluster", args.cluster)
-    if args.cluster_secret_file is None and state is not None and not os.environ.get("DUET_CLUSTER_SECRET_FILE"):
+    if (
+        args.cluster_secret_file is None
+        and state is not None
+        and not os.environ.get("DUET_CLUSTER_SECRET_FILE")
+    ):
         default = UpHome.current().cluster_secret_file  # the running `duet up`'s
         args.cluster_secret_file = str(default) if default.exists() else None
     info = collect(coords, state, registered(etcd, cluster) if etcd else None, plane_security(args))

@@ -47,53 +47,133 @@ from protocol.ports import free_port
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="start a whole duet cluster on this machine (API on :8000; see --help)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--config", default=None, metavar="cluster.toml",
-                   help="layout file (see duet/up_config.py); flags below set its defaults")
-    p.add_argument("--model", default=None, help=f"registry name, .gguf file or HF directory (default {DEFAULT_MODEL})")
+    p = sub.add_parser(
+        "up",
+        help="start a whole duet cluster on this machine (API on :8000; see --help)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        metavar="cluster.toml",
+        help="layout file (see duet/up_config.py); flags below set its defaults",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"registry name, .gguf file or HF directory (default {DEFAULT_MODEL})",
+    )
     p.add_argument("--host", default=None, help="gateway address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="gateway port (default 8000)")
-    p.add_argument("--gateways", type=int, default=1, metavar="N",
-                   help="gateway processes sharing --port (SO_REUSEPORT: the kernel spreads connections; one "
-                        "that dies is restarted while the others serve) and one store (default 1)")  # fmt: skip
-    p.add_argument("--routing", choices=["coordinator", "static"], default=None,
-                   help="how the gateway picks nodes: coordinator (default; prefix- and load-aware) or "
-                        "static (least-loaded, blind to prefixes: a baseline for benchmarks)")  # fmt: skip
+    p.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gateway processes sharing --port (SO_REUSEPORT: the kernel spreads connections; one "
+        "that dies is restarted while the others serve) and one store (default 1)",
+    )
+    p.add_argument(
+        "--routing",
+        choices=["coordinator", "static"],
+        default=None,
+        help="how the gateway picks nodes: coordinator (default; prefix- and load-aware) or "
+        "static (least-loaded, blind to prefixes: a baseline for benchmarks)",
+    )
     lay = p.add_argument_group("layout (without --config)")
-    lay.add_argument("--prefill", type=int, default=None, metavar="N", help="prefill nodes (default 1)")
-    lay.add_argument("--decode", type=int, default=None, metavar="M", help="decode nodes (default 1)")
-    lay.add_argument("--colocated", type=int, nargs="?", const=1, default=None, metavar="N",
-                     help="N nodes that prefill and decode themselves (no disaggregation)")
+    lay.add_argument(
+        "--prefill", type=int, default=None, metavar="N", help="prefill nodes (default 1)"
+    )
+    lay.add_argument(
+        "--decode", type=int, default=None, metavar="M", help="decode nodes (default 1)"
+    )
+    lay.add_argument(
+        "--colocated",
+        type=int,
+        nargs="?",
+        const=1,
+        default=None,
+        metavar="N",
+        help="N nodes that prefill and decode themselves (no disaggregation)",
+    )
     lay.add_argument("--pd", action="store_true", help=argparse.SUPPRESS)  # before the gateway: P+D
-    lay.add_argument("--embed", default=None, metavar="MODEL",
-                     help="also start an embedding node (`duet node --task embed`, pooling last) for MODEL, served "
-                          "on POST /v1/embeddings as MODEL's name (NAME-embed when the generation nodes serve "
-                          "the same model); see docs/embeddings.md")  # fmt: skip
+    lay.add_argument(
+        "--embed",
+        default=None,
+        metavar="MODEL",
+        help="also start an embedding node (`duet node --task embed`, pooling last) for MODEL, served "
+        "on POST /v1/embeddings as MODEL's name (NAME-embed when the generation nodes serve "
+        "the same model); see docs/embeddings.md",
+    )
     n = p.add_argument_group("every node")
-    n.add_argument("--threads", type=int, default=None, help="torch threads per node (default: its CPU share)")
+    n.add_argument(
+        "--threads", type=int, default=None, help="torch threads per node (default: its CPU share)"
+    )
     n.add_argument("--kv-memory", default="1GiB", help="KV pool per node (default 1GiB)")
-    n.add_argument("--kv-blocks", type=int, default=None, help="KV pool per node in blocks (overrides --kv-memory)")
+    n.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        help="KV pool per node in blocks (overrides --kv-memory)",
+    )
     n.add_argument("--dtype", default="auto", help="auto (default), bfloat16 or float32")
-    n.add_argument("--transport", default="nixl", choices=["nixl", "ucx", "tcp"], help="KV transport (default nixl)")
-    n.add_argument("--node-arg", action="append", default=[], metavar="FLAG",
-                   help="extra `duet node` flag, repeatable (e.g. --node-arg=--max-num-seqs=64)")
+    n.add_argument(
+        "--transport",
+        default="nixl",
+        choices=["nixl", "ucx", "tcp"],
+        help="KV transport (default nixl)",
+    )
+    n.add_argument(
+        "--node-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra `duet node` flag, repeatable (e.g. --node-arg=--max-num-seqs=64)",
+    )
     p.add_argument("--cluster", default=None, help="cluster name in etcd (default 'default')")
     p.add_argument("--quiet", action="store_true", help="no merged log tail on the terminal")
-    p.add_argument("--startup-timeout", type=float, default=600.0, help="seconds every stage may take to be healthy (default 600)")
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        help="seconds every stage may take to be healthy (default 600)",
+    )
     a = p.add_argument_group("autoscaling (the planner in the coordinator starts and drains nodes)")
-    a.add_argument("--autoscale", action="store_true",
-                   help="size the P and D pools to the load: min 1 / max per role within --max-nodes; a node is "
-                        "drained (prefills, streams, held KV) before it is stopped")  # fmt: skip
-    a.add_argument("--max-nodes", type=int, default=None, metavar="N",
-                   help="with --autoscale: most nodes at once (default: this machine's CPUs)")
-    a.add_argument("--planner-config", default=None, metavar="planner.toml",
-                   help="with --autoscale: SLOs, pacing and bounds (planner/config.py) instead of the defaults")
+    a.add_argument(
+        "--autoscale",
+        action="store_true",
+        help="size the P and D pools to the load: min 1 / max per role within --max-nodes; a node is "
+        "drained (prefills, streams, held KV) before it is stopped",
+    )
+    a.add_argument(
+        "--max-nodes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --autoscale: most nodes at once (default: this machine's CPUs)",
+    )
+    a.add_argument(
+        "--planner-config",
+        default=None,
+        metavar="planner.toml",
+        help="with --autoscale: SLOs, pacing and bounds (planner/config.py) instead of the defaults",
+    )
     r = p.add_argument_group("restarts (a [restart] table in cluster.toml sets all of them)")
-    r.add_argument("--max-restarts", type=int, default=None, metavar="N",
-                   help="failures in a row after which a process stays down (default 5; 0: never restart)")
-    r.add_argument("--restart-backoff", type=float, default=None, metavar="S",
-                   help="first delay before a restart, doubled per failure in a row up to 30 s (default 1)")  # fmt: skip
+    r.add_argument(
+        "--max-restarts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="failures in a row after which a process stays down (default 5; 0: never restart)",
+    )
+    r.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=None,
+        metavar="S",
+        help="first delay before a restart, doubled per failure in a row up to 30 s (default 1)",
+    )
     p.set_defaults(func=_run)
 
 
@@ -105,8 +185,10 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             s.bind((host, port))
         except OSError as e:
-            raise UsageError(f"cannot listen on {host}:{port} ({e.strerror}): is another duet up or server "
-                             "running there? Pick another with --port") from None  # fmt: skip
+            raise UsageError(
+                f"cannot listen on {host}:{port} ({e.strerror}): is another duet up or server "
+                "running there? Pick another with --port"
+            ) from None
 
 
 def build_config(args: argparse.Namespace):  # -> UpConfig
@@ -123,13 +205,24 @@ def build_config(args: argparse.Namespace):  # -> UpConfig
 
     try:
         if args.pd:
-            print("duet up: --pd is no longer needed: the default layout is 1 prefill + 1 decode node "
-                  "behind the gateway (see --prefill/--decode/--colocated)", file=sys.stderr)  # fmt: skip
-        base = UpConfig(kv_memory=args.kv_memory, kv_blocks=args.kv_blocks, dtype=args.dtype,
-                        transport=args.transport, node_args=tuple(args.node_arg), threads=args.threads)  # fmt: skip
+            print(
+                "duet up: --pd is no longer needed: the default layout is 1 prefill + 1 decode node "
+                "behind the gateway (see --prefill/--decode/--colocated)",
+                file=sys.stderr,
+            )
+        base = UpConfig(
+            kv_memory=args.kv_memory,
+            kv_blocks=args.kv_blocks,
+            dtype=args.dtype,
+            transport=args.transport,
+            node_args=tuple(args.node_arg),
+            threads=args.threads,
+        )
         if args.config:
             if args.prefill is not None or args.decode is not None or args.colocated is not None:
-                raise UpConfigError("give the layout in cluster.toml or with --prefill/--decode/--colocated, not both")
+                raise UpConfigError(
+                    "give the layout in cluster.toml or with --prefill/--decode/--colocated, not both"
+                )
             cfg = load_cluster_toml(args.config, base)
         else:
             cfg = replace(base, nodes=layout_from_flags(args.prefill, args.decode, args.colocated))
@@ -141,10 +234,26 @@ def build_config(args: argparse.Namespace):  # -> UpConfig
         if args.restart_backoff is not None:
             restart = replace(restart, backoff_s=args.restart_backoff)
         gw = cfg.gateway
-        cfg = replace(cfg, restart=restart, model=args.model or cfg.model, cluster=args.cluster or cfg.cluster,
-                      gateway=GatewaySection(**{**gw.__dict__, **{k: v for k, v in (("host", args.host),
-                                                                                     ("port", args.port),
-                                                                                     ("routing", args.routing)) if v is not None}}))  # fmt: skip
+        cfg = replace(
+            cfg,
+            restart=restart,
+            model=args.model or cfg.model,
+            cluster=args.cluster or cfg.cluster,
+            gateway=GatewaySection(
+                **{
+                    **gw.__dict__,
+                    **{
+                        k: v
+                        for k, v in (
+                            ("host", args.host),
+                            ("port", args.port),
+                            ("routing", args.routing),
+                        )
+                        if v is not None
+                    },
+                }
+            ),
+        )
         return validate(cfg)
     except UpConfigError as e:
         raise UsageError(str(e)) from None
@@ -177,9 +286,17 @@ def _toml(v: Any) -> str:
     return repr(v)
 
 
-def gateway_toml(cfg, store_url: str, admin_sha256: str, coordinators: list[str], served: dict[str, str],
-                 nodes: list[tuple[str, str, str]], etcd: str | None = None,
-                 instance_port: int | None = None, instance: str = "gateway") -> str:  # fmt: skip
+def gateway_toml(
+    cfg,
+    store_url: str,
+    admin_sha256: str,
+    coordinators: list[str],
+    served: dict[str, str],
+    nodes: list[tuple[str, str, str]],
+    etcd: str | None = None,
+    instance_port: int | None = None,
+    instance: str = "gateway",
+) -> str:
     """`nodes`: (model, role, url) of every node, for static routing. `etcd`: where the gateway
     also reads the cluster, so it routes on its own (etcd's node view) while no coordinator
     replica answers — every one restarting at once — instead of failing every request.
@@ -189,29 +306,57 @@ def gateway_toml(cfg, store_url: str, admin_sha256: str, coordinators: list[str]
     gateway reclaims its dead life's reservations as it starts."""
     gw = cfg.gateway
     static = gw.routing == "static"
-    lines = ["# written by `duet up` on every start: edit cluster.toml or the flags instead", "[server]",
-             f"host = {_toml(gw.host)}", f"port = {gw.port}", f"admin_key_sha256 = {_toml(admin_sha256)}",
-             f"instance = {_toml(instance)}",
-             *(["reuse_port = true", f"instance_port = {instance_port}"] if instance_port is not None else []),
-             "[store]", f"url = {_toml(store_url)}",
-             "[routing]", f"coordinator = {_toml([] if static else coordinators)}", f"cluster = {_toml(cfg.cluster)}"]  # fmt: skip
+    lines = [
+        "# written by `duet up` on every start: edit cluster.toml or the flags instead",
+        "[server]",
+        f"host = {_toml(gw.host)}",
+        f"port = {gw.port}",
+        f"admin_key_sha256 = {_toml(admin_sha256)}",
+        f"instance = {_toml(instance)}",
+        *(
+            ["reuse_port = true", f"instance_port = {instance_port}"]
+            if instance_port is not None
+            else []
+        ),
+        "[store]",
+        f"url = {_toml(store_url)}",
+        "[routing]",
+        f"coordinator = {_toml([] if static else coordinators)}",
+        f"cluster = {_toml(cfg.cluster)}",
+    ]
     if etcd and not static:
         lines.append(f"etcd = {_toml(etcd)}")
     generation = set(cfg.generation_models())
     for model, name in served.items():
         if model not in generation:
             continue
-        lines += [f"[models.{json.dumps(name)}]", 'kind = "cluster"', f"tokenizer = {_toml(model)}",
-                  f"input_usd_per_mtok = {gw.input_usd_per_mtok!r}", f"output_usd_per_mtok = {gw.output_usd_per_mtok!r}"]  # fmt: skip
+        lines += [
+            f"[models.{json.dumps(name)}]",
+            'kind = "cluster"',
+            f"tokenizer = {_toml(model)}",
+            f"input_usd_per_mtok = {gw.input_usd_per_mtok!r}",
+            f"output_usd_per_mtok = {gw.output_usd_per_mtok!r}",
+        ]
         if static:
-            urls = {r: [u for m, role, u in nodes if m == model and role == r] for r in ("prefill", "decode", "both")}
-            lines.append("static = { " + ", ".join(f"{r} = {_toml(u)}" for r, u in urls.items() if u) + " }")
+            urls = {
+                r: [u for m, role, u in nodes if m == model and role == r]
+                for r in ("prefill", "decode", "both")
+            }
+            lines.append(
+                "static = { " + ", ".join(f"{r} = {_toml(u)}" for r, u in urls.items() if u) + " }"
+            )
     for model in cfg.embedding_models():
-        lines += [f"[models.{json.dumps(embedding_name(cfg, served, model))}]", 'kind = "embedding"',
-                  f"tokenizer = {_toml(model)}", f"served_name = {_toml(served[model])}",
-                  f"input_usd_per_mtok = {gw.input_usd_per_mtok!r}"]  # fmt: skip
+        lines += [
+            f"[models.{json.dumps(embedding_name(cfg, served, model))}]",
+            'kind = "embedding"',
+            f"tokenizer = {_toml(model)}",
+            f"served_name = {_toml(served[model])}",
+            f"input_usd_per_mtok = {gw.input_usd_per_mtok!r}",
+        ]
         if static:
-            lines.append(f"static = {{ both = {_toml([u for m, role, u in nodes if m == model and role == 'embed'])} }}")
+            lines.append(
+                f"static = {{ both = {_toml([u for m, role, u in nodes if m == model and role == 'embed'])} }}"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -221,11 +366,17 @@ def embedding_name(cfg, served: dict[str, str], model: str) -> str:
     return served[model] + ("-embed" if model in cfg.generation_models() else "")
 
 
-def _node_children(cfg, home, etcd_url: str, log, autoscale: int = 0):  # -> list[(Child, (model, role))]
+def _node_children(
+    cfg, home, etcd_url: str, log, autoscale: int = 0
+):  # -> list[(Child, (model, role))]
     from duet.up_config import cpu_list, plan_cpus
 
     flat = [(g, i) for g in cfg.nodes for i in range(g.count)]
-    avail = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    avail = (
+        sorted(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else list(range(os.cpu_count() or 1))
+    )
     # autoscaled nodes come and go: none is pinned, each gets an even share of the machine at its maximum
     plan = [None] * len(flat) if autoscale else plan_cpus(len(flat), avail)
     if autoscale:
@@ -238,12 +389,18 @@ def _node_children(cfg, home, etcd_url: str, log, autoscale: int = 0):  # -> lis
         k = counters[g.role] = counters.get(g.role, -1) + 1
         pinned = g.cpus or (cpu_list(cpus) if cpus else None)
         threads = g.threads or cfg_threads(cfg, cpus, len(flat), len(avail))
-        children.append((node_child(cfg, home, etcd_url, g, f"{g.role}-{k}", threads, pinned),
-                         (g.model or cfg.model, g.role)))  # fmt: skip
+        children.append(
+            (
+                node_child(cfg, home, etcd_url, g, f"{g.role}-{k}", threads, pinned),
+                (g.model or cfg.model, g.role),
+            )
+        )
     return children
 
 
-def node_child(cfg, home, etcd_url: str, g, name: str, threads: int, pinned: str | None = None):  # -> Child
+def node_child(
+    cfg, home, etcd_url: str, g, name: str, threads: int, pinned: str | None = None
+):  # -> Child
     """The supervised `duet node` process of group `g` named `name` on a free port (also how
     `duet up --autoscale` adds one, duet/up_autoscale.py)."""
     from duet.supervisor import Child
@@ -251,12 +408,40 @@ def node_child(cfg, home, etcd_url: str, g, name: str, threads: int, pinned: str
     port = free_port()
     # an embedding node has no P/D role: `--task embed` (node/embed.py)
     role = ["both", "--task", "embed", "--pooling", g.pooling] if g.role == "embed" else [g.role]
-    args = [sys.executable, "-m", "duet", "node", "--role", *role, "--model", g.model or cfg.model,
-            "--host", "127.0.0.1", "--port", str(port), "--node-id", name, "--etcd", etcd_url,
-            "--cluster", cfg.cluster, "--pool", g.pool, "--dtype", cfg.dtype, "--transport", cfg.transport,
-            "--threads", str(threads)]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "duet",
+        "node",
+        "--role",
+        *role,
+        "--model",
+        g.model or cfg.model,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--node-id",
+        name,
+        "--etcd",
+        etcd_url,
+        "--cluster",
+        cfg.cluster,
+        "--pool",
+        g.pool,
+        "--dtype",
+        cfg.dtype,
+        "--transport",
+        cfg.transport,
+        "--threads",
+        str(threads),
+    ]
     kv_blocks = g.kv_blocks if g.kv_blocks is not None else (None if g.kv_memory else cfg.kv_blocks)
-    args += ["--kv-blocks", str(kv_blocks)] if kv_blocks else ["--kv-memory", g.kv_memory or cfg.kv_memory]
+    args += (
+        ["--kv-blocks", str(kv_blocks)]
+        if kv_blocks
+        else ["--kv-memory", g.kv_memory or cfg.kv_memory]
+    )
     if pinned:
         args += ["--cpus", pinned]
     # the cluster secret (duet/up_home.py::cluster_secret) exists before any child starts
@@ -282,20 +467,38 @@ def _autoscale_bounds(args: argparse.Namespace, cfg, log) -> tuple[bool, int]:
             raise UsageError("--max-nodes and --planner-config need --autoscale")
         return False, 0
     if cfg.gateway.routing == "static":
-        raise UsageError("--autoscale needs coordinator routing: static routing lists the nodes once, at start")
-    n_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        raise UsageError(
+            "--autoscale needs coordinator routing: static routing lists the nodes once, at start"
+        )
+    n_cpus = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     start = sum(g.count for g in cfg.nodes)
     max_nodes = args.max_nodes if args.max_nodes is not None else max(n_cpus, start)
     if max_nodes < start:
-        raise UsageError(f"--max-nodes {max_nodes} is less than the {start} nodes the layout starts with")
+        raise UsageError(
+            f"--max-nodes {max_nodes} is less than the {start} nodes the layout starts with"
+        )
     if max_nodes > n_cpus:
-        log(f"--max-nodes {max_nodes} is more than this machine's {n_cpus} CPUs: nodes will share CPUs")
+        log(
+            f"--max-nodes {max_nodes} is more than this machine's {n_cpus} CPUs: nodes will share CPUs"
+        )
     return True, max_nodes
 
 
-def _gateway_children(n: int, cfg, home, admin_sha256: str, coord_urls: list[str], served: dict[str, str],
-                      node_urls: list[tuple[str, str, str]], etcd_url: str, gw_url: str, secret_args: list[str],
-                      env: dict[str, str]) -> list:  # fmt: skip  # -> list[Child]
+def _gateway_children(
+    n: int,
+    cfg,
+    home,
+    admin_sha256: str,
+    coord_urls: list[str],
+    served: dict[str, str],
+    node_urls: list[tuple[str, str, str]],
+    etcd_url: str,
+    gw_url: str,
+    secret_args: list[str],
+    env: dict[str, str],
+) -> list:  # -> list[Child]
     """The supervised gateway process(es). One: `gateway` on --port, as always. N > 1:
     `gateway-0` .. `gateway-{N-1}`, every one on --port with SO_REUSEPORT (the kernel spreads
     the connections; a dead one's listener leaves with it, so new connections go to the others
@@ -306,18 +509,53 @@ def _gateway_children(n: int, cfg, home, admin_sha256: str, coord_urls: list[str
     from duet.supervisor import Child
 
     if n == 1:
-        home.gateway_toml.write_text(gateway_toml(cfg, home.store_url, admin_sha256, coord_urls, served, node_urls,
-                                                    etcd=etcd_url))  # fmt: skip
-        return [Child("gateway", [sys.executable, "-m", "duet", "gateway", "--config", str(home.gateway_toml),
-                                  *secret_args], home.logs / "gateway.log", gw_url + "/health", env=env)]  # fmt: skip
+        home.gateway_toml.write_text(
+            gateway_toml(
+                cfg, home.store_url, admin_sha256, coord_urls, served, node_urls, etcd=etcd_url
+            )
+        )
+        return [
+            Child(
+                "gateway",
+                [
+                    sys.executable,
+                    "-m",
+                    "duet",
+                    "gateway",
+                    "--config",
+                    str(home.gateway_toml),
+                    *secret_args,
+                ],
+                home.logs / "gateway.log",
+                gw_url + "/health",
+                env=env,
+            )
+        ]
     out = []
     for i in range(n):
         port, toml = free_port(), home.gateway_toml.with_name(f"gateway-{i}.toml")
-        toml.write_text(gateway_toml(cfg, home.store_url, admin_sha256, coord_urls, served, node_urls, etcd=etcd_url,
-                                     instance_port=port, instance=f"gateway-{i}"))  # fmt: skip
-        out.append(Child(f"gateway-{i}", [sys.executable, "-m", "duet", "gateway", "--config", str(toml),
-                                          *secret_args],
-                         home.logs / f"gateway-{i}.log", f"http://127.0.0.1:{port}/health", env=env))  # fmt: skip
+        toml.write_text(
+            gateway_toml(
+                cfg,
+                home.store_url,
+                admin_sha256,
+                coord_urls,
+                served,
+                node_urls,
+                etcd=etcd_url,
+                instance_port=port,
+                instance=f"gateway-{i}",
+            )
+        )
+        out.append(
+            Child(
+                f"gateway-{i}",
+                [sys.executable, "-m", "duet", "gateway", "--config", str(toml), *secret_args],
+                home.logs / f"gateway-{i}.log",
+                f"http://127.0.0.1:{port}/health",
+                env=env,
+            )
+        )
     return out
 
 
@@ -328,32 +566,51 @@ def _check_gateways(n: int) -> None:
         raise UsageError(f"--gateways must be at least 1, got {n}")
     if n > 1 and (not sys.platform.startswith("linux") or not hasattr(socket, "SO_REUSEPORT")):
         # elsewhere SO_REUSEPORT does not spread connections (BSD/macOS: the last listener gets them)
-        raise UsageError("--gateways N > 1 needs Linux (SO_REUSEPORT spreads connections over the gateways); "
-                         "run one gateway per host behind a load balancer instead (docs/operations.md)")  # fmt: skip
+        raise UsageError(
+            "--gateways N > 1 needs Linux (SO_REUSEPORT spreads connections over the gateways); "
+            "run one gateway per host behind a load balancer instead (docs/operations.md)"
+        )
 
 
 def _get_json(url: str, timeout: float = 2.0, headers: dict[str, str] | None = None) -> Any:
-    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as r:
+    with urllib.request.urlopen(
+        urllib.request.Request(url, headers=headers or {}), timeout=timeout
+    ) as r:
         return json.loads(r.read())
 
 
 def _banner(url: str, model: str, key: str, created: bool, home, layout: str) -> str:
-    curl = (f"curl {url}/chat/completions \\\n  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
-            f"  -d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Say hello\"}}], "
-            f"\"max_tokens\": 32}}'")  # fmt: skip
-    py = ("python - <<'EOF'\nfrom openai import OpenAI\n"
-          f"client = OpenAI(base_url={url!r}, api_key={key!r})\n"
-          f"r = client.chat.completions.create(model={model!r}, "
-          "messages=[{'role': 'user', 'content': 'Say hello'}], max_tokens=32)\n"
-          "print(r.choices[0].message.content)\nEOF")  # fmt: skip
-    return "\n".join([
-        "", f"duet is up: {layout}",
-        f"  API      {url}", f"  model    {model}",
-        f"  API key  {key}   (team 'dev'; {'created now, ' if created else ''}kept in {home.dev_key_file})",
-        f"  admin    key in {home.admin_key_file} (for /admin/teams, /admin/keys)",
-        f"  logs     {home.logs}/", "  status   duet status     stop: Ctrl-C", "",
-        "# try it (curl):", curl, "", "# or with the openai client:", py, "",
-    ])  # fmt: skip
+    curl = (
+        f"curl {url}/chat/completions \\\n  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
+        f'  -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Say hello"}}], '
+        f'"max_tokens": 32}}\''
+    )
+    py = (
+        "python - <<'EOF'\nfrom openai import OpenAI\n"
+        f"client = OpenAI(base_url={url!r}, api_key={key!r})\n"
+        f"r = client.chat.completions.create(model={model!r}, "
+        "messages=[{'role': 'user', 'content': 'Say hello'}], max_tokens=32)\n"
+        "print(r.choices[0].message.content)\nEOF"
+    )
+    return "\n".join(
+        [
+            "",
+            f"duet is up: {layout}",
+            f"  API      {url}",
+            f"  model    {model}",
+            f"  API key  {key}   (team 'dev'; {'created now, ' if created else ''}kept in {home.dev_key_file})",
+            f"  admin    key in {home.admin_key_file} (for /admin/teams, /admin/keys)",
+            f"  logs     {home.logs}/",
+            "  status   duet status     stop: Ctrl-C",
+            "",
+            "# try it (curl):",
+            curl,
+            "",
+            "# or with the openai client:",
+            py,
+            "",
+        ]
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -370,8 +627,10 @@ def _run(args: argparse.Namespace) -> int:
     lock = home.lock()
     if lock is None:
         st = home.read_state() or {}
-        raise UsageError(f"another duet up (pid {st.get('pid', '?')}) is running with DUET_HOME={home.root}: "
-                         "stop it first, or set DUET_HOME to another directory")  # fmt: skip
+        raise UsageError(
+            f"another duet up (pid {st.get('pid', '?')}) is running with DUET_HOME={home.root}: "
+            "stop it first, or set DUET_HOME to another directory"
+        )
     _check_port_free(cfg.gateway.host, cfg.gateway.port)
     served = {m: _ensure_model(m) for m in cfg.models()}
     if None in served.values():
@@ -399,42 +658,102 @@ def _run(args: argparse.Namespace) -> int:
     if autoscale:
         from duet.up_autoscale import Autoscale, planner_toml, serve_control
 
-        n_cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        auto = Autoscale(cfg, home, etcd_url, max_nodes, cfg.threads or max(1, n_cpus // max_nodes), 2, served)
+        n_cpus = (
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else (os.cpu_count() or 1)
+        )
+        auto = Autoscale(
+            cfg, home, etcd_url, max_nodes, cfg.threads or max(1, n_cpus // max_nodes), 2, served
+        )
         control = serve_control(auto, read_secret_file(secret_file))
         planner_file = home.root / "planner.toml"
         planner_file.write_text(planner_toml([g.role for g in cfg.nodes], max_nodes))
-        planner_args = ["--planner", "load", "--actuator", "local", "--node-budget", str(max_nodes),
-                        "--local-control", f"http://127.0.0.1:{control.server_address[1]}",
-                        "--planner-config", args.planner_config or str(planner_file)]  # fmt: skip
-        log(f"autoscaling: 1 to {max_nodes - len({g.role for g in cfg.nodes}) + 1} nodes per role, "
-            f"{max_nodes} at most (planner config {args.planner_config or planner_file})")
+        planner_args = [
+            "--planner",
+            "load",
+            "--actuator",
+            "local",
+            "--node-budget",
+            str(max_nodes),
+            "--local-control",
+            f"http://127.0.0.1:{control.server_address[1]}",
+            "--planner-config",
+            args.planner_config or str(planner_file),
+        ]
+        log(
+            f"autoscaling: 1 to {max_nodes - len({g.role for g in cfg.nodes}) + 1} nodes per role, "
+            f"{max_nodes} at most (planner config {args.planner_config or planner_file})"
+        )
     for i in range(cfg.coordinator.replicas):
         port = free_port()
         coord_urls.append(f"http://127.0.0.1:{port}")
-        coords.append(Child(f"coordinator-{i}" if cfg.coordinator.replicas > 1 else "coordinator",
-                            [sys.executable, "-m", "duet", "coordinator", "--etcd", etcd_url, "--cluster", cfg.cluster,
-                             "--host", "127.0.0.1", "--port", str(port), "--replica-id", f"coordinator-{i}",
-                             *secret_args, *planner_args, *cfg.coordinator.args],
-                            home.logs / (f"coordinator-{i}.log" if cfg.coordinator.replicas > 1 else "coordinator.log"),
-                            coord_urls[-1] + "/health",
-                            # Orphaned, it would resign in an etcd that is going down with it, and
-                            # resigning has no time limit: it holds no state worth a clean exit.
-                            death_signal=signal.SIGKILL))  # fmt: skip
+        coords.append(
+            Child(
+                f"coordinator-{i}" if cfg.coordinator.replicas > 1 else "coordinator",
+                [
+                    sys.executable,
+                    "-m",
+                    "duet",
+                    "coordinator",
+                    "--etcd",
+                    etcd_url,
+                    "--cluster",
+                    cfg.cluster,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--replica-id",
+                    f"coordinator-{i}",
+                    *secret_args,
+                    *planner_args,
+                    *cfg.coordinator.args,
+                ],
+                home.logs
+                / (f"coordinator-{i}.log" if cfg.coordinator.replicas > 1 else "coordinator.log"),
+                coord_urls[-1] + "/health",
+                # Orphaned, it would resign in an etcd that is going down with it, and
+                # resigning has no time limit: it holds no state worth a clean exit.
+                death_signal=signal.SIGKILL,
+            )
+        )
     nodes = _node_children(cfg, home, etcd_url, log, max_nodes if autoscale else 0)
     node_urls = [(m, role, c.health_url.removesuffix("/health")) for c, (m, role) in nodes]  # type: ignore[union-attr]
     nodes = [c for c, _ in nodes]
     gw_host = "127.0.0.1" if cfg.gateway.host in ("0.0.0.0", "::", "") else cfg.gateway.host
     gw_url = f"http://{gw_host}:{cfg.gateway.port}"
-    env = {k: v for k, v in os.environ.items() if k != "DUET_ADMIN_KEY"}  # the admin key is the file's
-    gateways = _gateway_children(args.gateways, cfg, home, hash_secret(admin), coord_urls, served, node_urls,
-                                 etcd_url, gw_url, secret_args, env)  # fmt: skip
+    env = {
+        k: v for k, v in os.environ.items() if k != "DUET_ADMIN_KEY"
+    }  # the admin key is the file's
+    gateways = _gateway_children(
+        args.gateways,
+        cfg,
+        home,
+        hash_secret(admin),
+        coord_urls,
+        served,
+        node_urls,
+        etcd_url,
+        gw_url,
+        secret_args,
+        env,
+    )
     stages = [[etcd], coords, nodes, gateways]
 
-    state: dict[str, Any] = {"pid": os.getpid(), "started_at": time.time(), "ready": False, "home": str(home.root),
-                             "gateway": gw_url, "coordinators": coord_urls, "etcd": etcd_url, "cluster": cfg.cluster,
-                             "models": sorted(served.values()), "children": [],
-                             "gateways": [c.health_url.removesuffix("/health") for c in gateways]}  # type: ignore[union-attr]  # fmt: skip
+    state: dict[str, Any] = {
+        "pid": os.getpid(),
+        "started_at": time.time(),
+        "ready": False,
+        "home": str(home.root),
+        "gateway": gw_url,
+        "coordinators": coord_urls,
+        "etcd": etcd_url,
+        "cluster": cfg.cluster,
+        "models": sorted(served.values()),
+        "children": [],
+        "gateways": [c.health_url.removesuffix("/health") for c in gateways],
+    }  # type: ignore[union-attr]
 
     def changed(sup: Supervisor) -> None:
         """Every child started so far, with its supervision state, for `duet status`."""
@@ -458,7 +777,9 @@ def _run(args: argparse.Namespace) -> int:
                 return False
             waited += 0.2
         else:
-            sup.say(f"the coordinator does not see {sorted(node_ids - seen)} ready after {args.startup_timeout:.0f}s")
+            sup.say(
+                f"the coordinator does not see {sorted(node_ids - seen)} ready after {args.startup_timeout:.0f}s"
+            )
             return False
         state["ready"] = True
         home.write_state(state)
@@ -466,14 +787,24 @@ def _run(args: argparse.Namespace) -> int:
         print(_banner(gw_url + "/v1", model, key, created, home, cfg.describe()), flush=True)
         down = [c for c in sup.children if c.state != ChildState.RUNNING]
         for c in down:  # its first start failed: restarted like any crash (`duet status` shows it)
-            sup.say(f"{c.name} is not up ({c.state}; last: {c.last_cause}); the others serve meanwhile")
-        sup.say(f"all up{' but ' + ', '.join(c.name for c in down) if down else ''}; Ctrl-C stops everything; "
-                f"a process that dies is restarted (at most {cfg.restart.max_restarts} failures in a row)")
+            sup.say(
+                f"{c.name} is not up ({c.state}; last: {c.last_cause}); the others serve meanwhile"
+            )
+        sup.say(
+            f"all up{' but ' + ', '.join(c.name for c in down) if down else ''}; Ctrl-C stops everything; "
+            f"a process that dies is restarted (at most {cfg.restart.max_restarts} failures in a row)"
+        )
         return True
 
     log(f"DUET_HOME={home.root}: {cfg.describe()} node(s), serving {', '.join(served.values())}")
-    sup = Supervisor(stages, startup_timeout=args.startup_timeout, tail=not args.quiet, on_ready=ready,
-                     on_change=changed, restart=cfg.restart)  # fmt: skip
+    sup = Supervisor(
+        stages,
+        startup_timeout=args.startup_timeout,
+        tail=not args.quiet,
+        on_ready=ready,
+        on_change=changed,
+        restart=cfg.restart,
+    )
     if auto is not None:
         auto.sup = sup
     try:
@@ -483,4 +814,3 @@ def _run(args: argparse.Namespace) -> int:
             control.shutdown()
         home.clear_state()
         lock.close()
-

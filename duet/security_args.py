@@ -17,42 +17,76 @@ one (0600, $DUET_HOME/up/cluster.secret) and passes it to every process it start
 
 
 def add_secret_argument(g: argparse._ArgumentGroup | argparse.ArgumentParser) -> None:
-    g.add_argument("--cluster-secret-file", default=None, metavar="PATH",
-                   help="file holding the cluster secret (mode 0600, ≥ 32 bytes); default: "
-                        "$DUET_CLUSTER_SECRET_FILE, else the secret itself in $DUET_CLUSTER_SECRET")  # fmt: skip
+    g.add_argument(
+        "--cluster-secret-file",
+        default=None,
+        metavar="PATH",
+        help="file holding the cluster secret (mode 0600, ≥ 32 bytes); default: "
+        "$DUET_CLUSTER_SECRET_FILE, else the secret itself in $DUET_CLUSTER_SECRET",
+    )
 
 
 def add_client_arguments(p: argparse.ArgumentParser) -> None:
     """What an operator command that calls the internal plane needs."""
     g = p.add_argument_group("cluster security")
     add_secret_argument(g)
-    g.add_argument("--tls-ca", default=None, metavar="PEM", help="CA that signs the cluster's certificates (https)")
+    g.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
+        help="CA that signs the cluster's certificates (https)",
+    )
 
 
 def add_server_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("cluster security", SECURITY_HELP)
     add_secret_argument(g)
-    g.add_argument("--insecure", action="store_true",
-                   help="start without a cluster secret although listening on a non-loopback address "
-                        "(anyone who reaches it can use the internal API)")  # fmt: skip
-    g.add_argument("--protect-metrics", action="store_true",
-                   help="GET /metrics needs the cluster secret too (default: open; /health always is)")
-    g.add_argument("--tls-cert", default=None, metavar="PEM", help="serve https with this certificate (chain)")
+    g.add_argument(
+        "--insecure",
+        action="store_true",
+        help="start without a cluster secret although listening on a non-loopback address "
+        "(anyone who reaches it can use the internal API)",
+    )
+    g.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="GET /metrics needs the cluster secret too (default: open; /health always is)",
+    )
+    g.add_argument(
+        "--tls-cert", default=None, metavar="PEM", help="serve https with this certificate (chain)"
+    )
     g.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
-    g.add_argument("--tls-ca", default=None, metavar="PEM",
-                   help="CA that signs the other processes' certificates (trusted with the system's CAs)")
+    g.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
+        help="CA that signs the other processes' certificates (trusted with the system's CAs)",
+    )
     add_deadline_arguments(p)
 
 
 def add_deadline_arguments(p: argparse.ArgumentParser) -> None:
     """A node's and a coordinator's read deadlines (protocol/read_deadlines.py); the gateway's
     are `[server]` settings of its config file."""
-    g = p.add_argument_group("slow clients", "Deadlines for reading a request (slowloris): a connection past "
-                             "one is answered 408 and closed.")  # fmt: skip
-    g.add_argument("--header-timeout-s", type=float, default=30.0, metavar="S",
-                   help="a request's headers must be complete this long after its first byte (0: off)")
-    g.add_argument("--body-timeout-s", type=float, default=30.0, metavar="S",
-                   help="a request's body gets this long, plus 1 s per 4096 bytes received (0: off)")  # fmt: skip
+    g = p.add_argument_group(
+        "slow clients",
+        "Deadlines for reading a request (slowloris): a connection past "
+        "one is answered 408 and closed.",
+    )
+    g.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="a request's headers must be complete this long after its first byte (0: off)",
+    )
+    g.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="a request's body gets this long, plus 1 s per 4096 bytes received (0: off)",
+    )
 
 
 def read_deadlines(args: argparse.Namespace):
@@ -69,15 +103,27 @@ def read_deadlines(args: argparse.Namespace):
 
 def add_gateway_security_arguments(p: argparse.ArgumentParser) -> None:
     """The gateway's: it sends the secret to nodes and coordinators; its own API has API keys."""
-    g = p.add_argument_group("cluster security", "The cluster secret the gateway sends to nodes and coordinators "
-                             "(its own API is guarded by API keys).")  # fmt: skip
+    g = p.add_argument_group(
+        "cluster security",
+        "The cluster secret the gateway sends to nodes and coordinators "
+        "(its own API is guarded by API keys).",
+    )
     add_secret_argument(g)
-    g.add_argument("--protect-metrics", action="store_true",
-                   help="GET /metrics needs the cluster secret or the admin key (default: open)")
-    g.add_argument("--tls-cert", default=None, metavar="PEM", help="serve https with this certificate (chain)")
+    g.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="GET /metrics needs the cluster secret or the admin key (default: open)",
+    )
+    g.add_argument(
+        "--tls-cert", default=None, metavar="PEM", help="serve https with this certificate (chain)"
+    )
     g.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
-    g.add_argument("--tls-ca", default=None, metavar="PEM",
-                   help="CA that signs the nodes' and coordinators' certificates (trusted with the system's CAs)")
+    g.add_argument(
+        "--tls-ca",
+        default=None,
+        metavar="PEM",
+        help="CA that signs the nodes' and coordinators' certificates (trusted with the system's CAs)",
+    )
 
 
 def plane_security(args: argparse.Namespace):
@@ -87,10 +133,14 @@ def plane_security(args: argparse.Namespace):
     from protocol.plane import PlaneSecurity
 
     try:
-        sec = PlaneSecurity(secret=load_secret(getattr(args, "cluster_secret_file", None)),
-                            protect_metrics=getattr(args, "protect_metrics", False),
-                            insecure=getattr(args, "insecure", False), tls_cert=getattr(args, "tls_cert", None),
-                            tls_key=getattr(args, "tls_key", None), tls_ca=getattr(args, "tls_ca", None))  # fmt: skip
+        sec = PlaneSecurity(
+            secret=load_secret(getattr(args, "cluster_secret_file", None)),
+            protect_metrics=getattr(args, "protect_metrics", False),
+            insecure=getattr(args, "insecure", False),
+            tls_cert=getattr(args, "tls_cert", None),
+            tls_key=getattr(args, "tls_key", None),
+            tls_ca=getattr(args, "tls_ca", None),
+        )
         sec.server_ssl()  # a bad certificate is the operator's error now, not at the first request
         sec.client_ssl()
     except SecretError as e:

@@ -138,11 +138,18 @@ class Child:
 
     def status(self) -> dict[str, object]:
         """What `duet status` shows of this child (JSON-ready)."""
-        return {"name": self.name, "pid": self.pid, "log": str(self.log_path),
-                "url": self.health_url.rsplit("/health", 1)[0] if self.health_url else None,
-                "state": str(self.state), "restarts": self.restarts, "failures_in_a_row": self.failures,
-                "last_exit": self.last_exit, "last_cause": self.last_cause,
-                "next_start": self.next_start_wall if self.state == ChildState.BACKOFF else None}  # fmt: skip
+        return {
+            "name": self.name,
+            "pid": self.pid,
+            "log": str(self.log_path),
+            "url": self.health_url.rsplit("/health", 1)[0] if self.health_url else None,
+            "state": str(self.state),
+            "restarts": self.restarts,
+            "failures_in_a_row": self.failures,
+            "last_exit": self.last_exit,
+            "last_cause": self.last_cause,
+            "next_start": self.next_start_wall if self.state == ChildState.BACKOFF else None,
+        }
 
 
 def _pdeathsig_hook(sig: int) -> Callable[[], None] | None:
@@ -213,12 +220,18 @@ class _Tail(threading.Thread):
 
 
 class Supervisor:
-    def __init__(self, stages: list[list[Child]], *, startup_timeout: float = 600.0,
-                 stop_timeout: float = 45.0, tail: bool = True,
-                 on_ready: Callable[[Supervisor], bool] | None = None,
-                 on_started: Callable[[Child], None] | None = None,
-                 on_change: Callable[[Supervisor], None] | None = None,
-                 restart: RestartPolicy = RestartPolicy()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        stages: list[list[Child]],
+        *,
+        startup_timeout: float = 600.0,
+        stop_timeout: float = 45.0,
+        tail: bool = True,
+        on_ready: Callable[[Supervisor], bool] | None = None,
+        on_started: Callable[[Child], None] | None = None,
+        on_change: Callable[[Supervisor], None] | None = None,
+        restart: RestartPolicy = RestartPolicy(),
+    ) -> None:
         self.stages = stages
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
@@ -235,11 +248,15 @@ class Supervisor:
         colour = sys.stderr.isatty() and not os.environ.get("NO_COLOR")
         width = max((len(c.name) for stage in stages for c in stage), default=8)
         self._tail = _Tail(sys.stderr, colour, self._tail_stop, width) if tail else None
-        self._preexec = {sig: _pdeathsig_hook(sig) for sig in {c.death_signal for c in self.children}}
+        self._preexec = {
+            sig: _pdeathsig_hook(sig) for sig in {c.death_signal for c in self.children}
+        }
         #: set once every stage is up and `on_ready` agreed: children may be added or retired
         self.ready = threading.Event()
         #: work other threads hand to the supervision thread (add or retire a child)
-        self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[tuple[Callable[[], object], Future[object]]] = (
+            queue.SimpleQueue()
+        )
 
     @property
     def children(self) -> list[Child]:
@@ -305,7 +322,11 @@ class Supervisor:
                 self._kill_group(c)
             return
         self._kill_group(c)
-        c.last_exit, c.last_cause, c.state = c.proc.returncode, "stopped by scale-in", ChildState.STOPPED
+        c.last_exit, c.last_cause, c.state = (
+            c.proc.returncode,
+            "stopped by scale-in",
+            ChildState.STOPPED,
+        )
         for stage in self.stages:
             if c in stage:
                 stage.remove(c)
@@ -324,10 +345,21 @@ class Supervisor:
         c.log_path.parent.mkdir(parents=True, exist_ok=True)
         with c.log_path.open("ab") as log:
             offset = log.tell()
-            c.proc = subprocess.Popen(c.args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                      env=c.env,
-                                      start_new_session=True, preexec_fn=self._preexec[c.death_signal])  # fmt: skip
-        c.state, c.started_at, c.healthy_at, c.reaped = ChildState.STARTING, time.monotonic(), None, False
+            c.proc = subprocess.Popen(
+                c.args,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=c.env,
+                start_new_session=True,
+                preexec_fn=self._preexec[c.death_signal],
+            )
+        c.state, c.started_at, c.healthy_at, c.reaped = (
+            ChildState.STARTING,
+            time.monotonic(),
+            None,
+            False,
+        )
         c.probe = None  # a probe of the previous life says nothing about this one
         if self._tail is not None:
             self._tail.follow(c.name, c.log_path, offset)
@@ -346,7 +378,13 @@ class Supervisor:
         try:
             with urllib.request.urlopen(c.health_url, timeout=2) as r:
                 return r.status == 200
-        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, OSError):
+        except (
+            urllib.error.URLError,
+            http.client.HTTPException,
+            ConnectionError,
+            TimeoutError,
+            OSError,
+        ):
             return False
 
     @staticmethod
@@ -358,7 +396,13 @@ class Supervisor:
                 return True
         except urllib.error.HTTPError:
             return True
-        except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, OSError):
+        except (
+            urllib.error.URLError,
+            http.client.HTTPException,
+            ConnectionError,
+            TimeoutError,
+            OSError,
+        ):
             return False
 
     def _start_stage(self, stage: list[Child]) -> bool:
@@ -395,8 +439,10 @@ class Supervisor:
         names = ", ".join(c.name for c in stage)
         self.say(f"{names} could not start ({why}); everything after them needs them: stopping")
         for c in stage:
-            self.say(f"{c.name}: {c.failures} failure(s) in a row, last: {c.last_cause or c.state}; "
-                     f"last lines of {c.log_path}:")  # fmt: skip
+            self.say(
+                f"{c.name}: {c.failures} failure(s) in a row, last: {c.last_cause or c.state}; "
+                f"last lines of {c.log_path}:"
+            )
             with contextlib.suppress(OSError):
                 for line in c.log_path.read_text(errors="replace").splitlines()[-15:]:
                     print(f"  {c.name} | {line}", file=sys.stderr, flush=True)
@@ -452,16 +498,27 @@ class Supervisor:
             elif c.state == ChildState.STARTING:
                 if self._healthy(c):
                     c.state, c.healthy_at, c.last_alive = ChildState.RUNNING, now, now
-                    self.say(f"{c.name} is up again (pid {c.pid}, restart {c.restarts})" if c.restarts
-                             else f"{c.name} is up (pid {c.pid})")  # fmt: skip
+                    self.say(
+                        f"{c.name} is up again (pid {c.pid}, restart {c.restarts})"
+                        if c.restarts
+                        else f"{c.name} is up (pid {c.pid})"
+                    )
                     self._changed()
                 elif now - c.started_at > (limit := self._startup_limit(c)):
                     self._kill_group(c)
                     self._failed(c, f"not healthy {limit:.0f} s after its start", now)
             elif self._hung(c, now):
                 self._kill_group(c)
-                self._failed(c, f"not answering its health check for {self.restart.liveness_timeout_s:.0f} s", now)
-            elif c.failures and c.healthy_at is not None and now - c.healthy_at >= self.restart.stable_s:
+                self._failed(
+                    c,
+                    f"not answering its health check for {self.restart.liveness_timeout_s:.0f} s",
+                    now,
+                )
+            elif (
+                c.failures
+                and c.healthy_at is not None
+                and now - c.healthy_at >= self.restart.stable_s
+            ):
                 c.failures = 0  # a stable life: the next death starts a new run of failures
                 self._changed()
         elif c.state == ChildState.BACKOFF and now >= c.next_start:
@@ -497,15 +554,19 @@ class Supervisor:
         c.failures += 1
         if c.failures > self.restart.max_restarts:
             c.state = ChildState.FAILED
-            self.say(f"{c.name} {cause}: {c.failures} failures in a row, over the limit of "
-                     f"{self.restart.max_restarts} restarts; leaving it down (the rest keep serving)")  # fmt: skip
+            self.say(
+                f"{c.name} {cause}: {c.failures} failures in a row, over the limit of "
+                f"{self.restart.max_restarts} restarts; leaving it down (the rest keep serving)"
+            )
         else:
             delay = self.restart.delay(c.failures)
             c.state, c.next_start = ChildState.BACKOFF, now + delay
             c.next_start_wall = time.time() + delay
-            self.say(f"{c.name} {cause}; restarting it in {delay:.1f} s "
-                     f"({c.failures} failure(s) in a row; left down after {self.restart.max_restarts + 1}); "
-                     f"see {c.log_path}")  # fmt: skip
+            self.say(
+                f"{c.name} {cause}; restarting it in {delay:.1f} s "
+                f"({c.failures} failure(s) in a row; left down after {self.restart.max_restarts + 1}); "
+                f"see {c.log_path}"
+            )
         self._last_words(c)
         self._changed()
 
@@ -530,7 +591,11 @@ class Supervisor:
             for c in live:
                 assert c.proc is not None
                 waited = 0.0
-                while c.proc.poll() is None and waited < self.stop_timeout and not self._force.is_set():
+                while (
+                    c.proc.poll() is None
+                    and waited < self.stop_timeout
+                    and not self._force.is_set()
+                ):
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         c.proc.wait(0.2)
                     waited += 0.2

@@ -46,8 +46,13 @@ T = TypeVar("T")
 def planner_toml(roles: list[str], max_nodes: int, extra_pools: int = 0) -> str:
     """The planner config `duet up --autoscale` hands its coordinator: min 1 / max per role."""
     per_role = max(1, max_nodes - (len(roles) - 1) - extra_pools)
-    lines = ["# written by `duet up --autoscale` on every start", "[planner]", 'mode = "load"',
-             f"node_budget = {max_nodes}", "[planner.bounds]"]  # fmt: skip
+    lines = [
+        "# written by `duet up --autoscale` on every start",
+        "[planner]",
+        'mode = "load"',
+        f"node_budget = {max_nodes}",
+        "[planner.bounds]",
+    ]
     lines += [f'"{r}" = [1, {per_role}]' for r in sorted(set(roles))]
     return "\n".join(lines) + "\n"
 
@@ -60,8 +65,17 @@ class SupervisorBusy(Exception):
 class Autoscale:
     """Starts and stops autoscaled nodes on the supervisor (`sup` is set once it exists)."""
 
-    def __init__(self, cfg: Any, home: Any, etcd_url: str, max_nodes: int, threads: int, stage: int,
-                 served: dict[str, str], call_timeout: float = 10.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: Any,
+        home: Any,
+        etcd_url: str,
+        max_nodes: int,
+        threads: int,
+        stage: int,
+        served: dict[str, str],
+        call_timeout: float = 10.0,
+    ) -> None:
         self.cfg, self.home, self.etcd_url, self.served = cfg, home, etcd_url, served
         self.max_nodes, self.threads, self.stage = max_nodes, threads, stage
         #: how long a request waits for the supervision thread to take its call before it is
@@ -85,23 +99,33 @@ class Autoscale:
             if fut.cancel():
                 raise SupervisorBusy(what) from None
         # taken late, but taken: it is carried out, so the answer must say so, not "busy"
-        self.sup.say(f"{what}: the supervisor took it after more than {self.call_timeout:g} s; waiting for it")
+        self.sup.say(
+            f"{what}: the supervisor took it after more than {self.call_timeout:g} s; waiting for it"
+        )
         return fut.result()  # type: ignore[no-any-return]
 
     def start(self, req: ScaleOut) -> tuple[int, msgspec.Struct]:
         from duet.cmd_up import node_child
 
-        groups = [g for g in self.cfg.nodes if g.role == req.role
-                  and self.served.get(g.model or self.cfg.model, g.model or self.cfg.model) == req.model]  # fmt: skip
+        groups = [
+            g
+            for g in self.cfg.nodes
+            if g.role == req.role
+            and self.served.get(g.model or self.cfg.model, g.model or self.cfg.model) == req.model
+        ]
         groups = [g for g in groups if g.pool == req.pool] or groups
         if not groups:
-            return 404, ControlError(message=f"no {req.role} node of {req.model} (pool {req.pool}) in this layout",
-                                     code="no_such_pool")  # fmt: skip
+            return 404, ControlError(
+                message=f"no {req.role} node of {req.model} (pool {req.pool}) in this layout",
+                code="no_such_pool",
+            )
         with self._lock:
             live = len(self._on_supervisor(self._nodes, f"count nodes for a new {req.role} node"))
             if live >= self.max_nodes:
-                return 409, ControlError(message=f"{live} nodes running: --max-nodes {self.max_nodes} reached",
-                                         code="max_nodes")  # fmt: skip
+                return 409, ControlError(
+                    message=f"{live} nodes running: --max-nodes {self.max_nodes} reached",
+                    code="max_nodes",
+                )
             self._serial += 1
             name = f"{req.role}-{self._serial}"
             child = node_child(self.cfg, self.home, self.etcd_url, groups[0], name, self.threads)
@@ -121,9 +145,19 @@ class Autoscale:
             nodes = self._nodes()
             child = next((c for c in nodes if c.name == node_id), None)
             if child is None:
-                return 404, ControlError(message=f"no node {node_id!r} under supervision", code="node_not_found"), None
+                return (
+                    404,
+                    ControlError(
+                        message=f"no node {node_id!r} under supervision", code="node_not_found"
+                    ),
+                    None,
+                )
             if len(nodes) <= 1:
-                return 409, ControlError(message="the last node is not stopped", code="last_node"), None
+                return (
+                    409,
+                    ControlError(message="the last node is not stopped", code="last_node"),
+                    None,
+                )
             if dry_run:
                 return 200, NodeStopped(node_id=node_id, exit_code=None, nodes=len(nodes)), None
             self.sup.retire(child)
@@ -161,8 +195,14 @@ def serve_control(auto: Autoscale, secret: ClusterSecret) -> ThreadingHTTPServer
         def _authorized(self) -> bool:
             if secret.verify(self.headers.get("Authorization")):
                 return True
-            self._send(401, ControlError(message="duet up's control endpoint needs the cluster secret "
-                                                 "('Authorization: Bearer <secret>')", code="cluster_secret_required"))  # fmt: skip
+            self._send(
+                401,
+                ControlError(
+                    message="duet up's control endpoint needs the cluster secret "
+                    "('Authorization: Bearer <secret>')",
+                    code="cluster_secret_required",
+                ),
+            )
             return False
 
         def _starting(self) -> bool:
@@ -199,9 +239,14 @@ def serve_control(auto: Autoscale, secret: ClusterSecret) -> ThreadingHTTPServer
             except (msgspec.DecodeError, msgspec.ValidationError, json.JSONDecodeError) as e:
                 self._send(400, ControlError(message=f"bad request: {e}", code="bad_request"))
             except SupervisorBusy as e:  # cancelled: nothing was done, nothing will be
-                self._send(503, ControlError(message=f"the supervisor is busy (starting or stopping): {e} was not "
-                                                     f"taken within {auto.call_timeout:g} s and is called off",
-                                             code="busy"))  # fmt: skip
+                self._send(
+                    503,
+                    ControlError(
+                        message=f"the supervisor is busy (starting or stopping): {e} was not "
+                        f"taken within {auto.call_timeout:g} s and is called off",
+                        code="busy",
+                    ),
+                )
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True

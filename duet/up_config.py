@@ -128,19 +128,33 @@ class UpConfig:
         return sorted({g.model or self.model for g in self.nodes if g.role == "embed"})
 
     def describe(self) -> str:
-        label = {"prefill": "prefill", "decode": "decode", "both": "colocated", "embed": "embedding"}
-        return ", ".join(f"{g.count} {label[g.role]}" + (f" ({g.model})" if g.model else "") for g in self.nodes)
+        label = {
+            "prefill": "prefill",
+            "decode": "decode",
+            "both": "colocated",
+            "embed": "embedding",
+        }
+        return ", ".join(
+            f"{g.count} {label[g.role]}" + (f" ({g.model})" if g.model else "") for g in self.nodes
+        )
 
 
-def layout_from_flags(prefill: int | None, decode: int | None, colocated: int | None) -> tuple[NodeGroup, ...]:
+def layout_from_flags(
+    prefill: int | None, decode: int | None, colocated: int | None
+) -> tuple[NodeGroup, ...]:
     """`--colocated [N]` alone, or `--prefill N --decode M` (each defaults to 1)."""
     if colocated is not None:
         if prefill is not None or decode is not None:
-            raise UpConfigError("--colocated runs prefill and decode in the same nodes: "
-                                "do not combine it with --prefill/--decode")  # fmt: skip
+            raise UpConfigError(
+                "--colocated runs prefill and decode in the same nodes: "
+                "do not combine it with --prefill/--decode"
+            )
         return (NodeGroup(role="both", count=colocated),)
     groups = []
-    for role, n in (("prefill", 1 if prefill is None else prefill), ("decode", 1 if decode is None else decode)):
+    for role, n in (
+        ("prefill", 1 if prefill is None else prefill),
+        ("decode", 1 if decode is None else decode),
+    ):
         if n < 0:
             raise UpConfigError(f"--{role} must be >= 0")
         if n:
@@ -149,25 +163,40 @@ def layout_from_flags(prefill: int | None, decode: int | None, colocated: int | 
 
 
 def _table(cls: type, where: str, data: Any) -> Any:
-    return from_table(cls, data, where, UpConfigError, item=str)  # arguments are strings on a command line
+    return from_table(
+        cls, data, where, UpConfigError, item=str
+    )  # arguments are strings on a command line
 
 
 def parse_cluster_toml(data: dict[str, Any], base: UpConfig) -> UpConfig:
     known = {"model", "cluster", "gateway", "coordinator", "nodes", "restart"}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise UpConfigError(f"unknown keys: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
-    cfg = replace(base, model=str(data.get("model", base.model)), cluster=str(data.get("cluster", base.cluster)))
+        raise UpConfigError(
+            f"unknown keys: {', '.join(unknown)} (known: {', '.join(sorted(known))})"
+        )
+    cfg = replace(
+        base,
+        model=str(data.get("model", base.model)),
+        cluster=str(data.get("cluster", base.cluster)),
+    )
     if "gateway" in data:
         cfg = replace(cfg, gateway=_table(GatewaySection, "[gateway]", data["gateway"]))
     if "coordinator" in data:
-        cfg = replace(cfg, coordinator=_table(CoordinatorSection, "[coordinator]", data["coordinator"]))
+        cfg = replace(
+            cfg, coordinator=_table(CoordinatorSection, "[coordinator]", data["coordinator"])
+        )
     if "restart" in data:
         cfg = replace(cfg, restart=_table(RestartPolicy, "[restart]", data["restart"]))
     if "nodes" in data:
         if not isinstance(data["nodes"], list):
             raise UpConfigError("`nodes` must be an array of tables: [[nodes]]")
-        cfg = replace(cfg, nodes=tuple(_table(NodeGroup, f"[[nodes]] #{i + 1}", n) for i, n in enumerate(data["nodes"])))
+        cfg = replace(
+            cfg,
+            nodes=tuple(
+                _table(NodeGroup, f"[[nodes]] #{i + 1}", n) for i, n in enumerate(data["nodes"])
+            ),
+        )
     return validate(cfg)
 
 
@@ -198,23 +227,40 @@ def validate(cfg: UpConfig) -> UpConfig:
         if g.threads is not None and g.threads < 1:
             raise UpConfigError("threads must be >= 1")
         if g.pooling not in POOLINGS or (g.pooling != "last" and g.role != "embed"):
-            raise UpConfigError(f"pooling is last or mean, and only for role = \"embed\" groups; got {g.pooling!r}")
+            raise UpConfigError(
+                f'pooling is last or mean, and only for role = "embed" groups; got {g.pooling!r}'
+            )
     for model in cfg.generation_models():
-        if not any(g.role in ("decode", "both") and (g.model or cfg.model) == model for g in cfg.nodes):
-            raise UpConfigError(f"model {model!r} has no decode or colocated node: nothing would answer it")
+        if not any(
+            g.role in ("decode", "both") and (g.model or cfg.model) == model for g in cfg.nodes
+        ):
+            raise UpConfigError(
+                f"model {model!r} has no decode or colocated node: nothing would answer it"
+            )
     if not 1 <= cfg.gateway.port <= 65535:
         raise UpConfigError(f"gateway port {cfg.gateway.port} is not a TCP port")
     if cfg.gateway.routing not in ("coordinator", "static"):
-        raise UpConfigError(f"[gateway] routing must be 'coordinator' or 'static', got {cfg.gateway.routing!r}")
+        raise UpConfigError(
+            f"[gateway] routing must be 'coordinator' or 'static', got {cfg.gateway.routing!r}"
+        )
     if cfg.coordinator.replicas < 1:
         raise UpConfigError("[coordinator] replicas must be >= 1")
     r = cfg.restart
-    for name in ("max_restarts", "backoff_s", "backoff_max_s", "stable_s", "startup_timeout_s", "liveness_timeout_s"):
+    for name in (
+        "max_restarts",
+        "backoff_s",
+        "backoff_max_s",
+        "stable_s",
+        "startup_timeout_s",
+        "liveness_timeout_s",
+    ):
         v = getattr(r, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
             raise UpConfigError(f"[restart] {name} must be a number >= 0, got {v!r}")
     if not isinstance(r.max_restarts, int):
-        raise UpConfigError(f"[restart] max_restarts must be a whole number, got {r.max_restarts!r}")
+        raise UpConfigError(
+            f"[restart] max_restarts must be a whole number, got {r.max_restarts!r}"
+        )
     return cfg
 
 

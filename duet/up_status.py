@@ -14,7 +14,13 @@ from typing import Any
 
 from duet.supervisor import exit_cause
 
-_STYLE = {"running": "green", "starting": "yellow", "backoff": "yellow", "failed": "bold red", "stopped": "dim"}
+_STYLE = {
+    "running": "green",
+    "starting": "yellow",
+    "backoff": "yellow",
+    "failed": "bold red",
+    "stopped": "dim",
+}
 
 
 def state_cell(c: dict[str, Any], now: float) -> str:
@@ -36,14 +42,23 @@ def last_exit_cell(c: dict[str, Any]) -> str:
     return "-" if c.get("last_exit") is None else exit_cause(c["last_exit"])
 
 
-def process_table(children: list[dict[str, Any]], now: float | None = None) -> Any:  # -> rich.table.Table
+def process_table(
+    children: list[dict[str, Any]], now: float | None = None
+) -> Any:  # -> rich.table.Table
     from rich.table import Table
 
     now = time.time() if now is None else now
     t = Table("process", "state", "pid", "restarts", "failures in a row", "last exit", "url")
     for c in children:
-        t.add_row(c["name"], state_cell(c, now), str(c.get("pid") or "-"), str(c.get("restarts", 0)),
-                  str(c.get("failures_in_a_row", 0)), last_exit_cell(c), c.get("url") or "")  # fmt: skip
+        t.add_row(
+            c["name"],
+            state_cell(c, now),
+            str(c.get("pid") or "-"),
+            str(c.get("restarts", 0)),
+            str(c.get("failures_in_a_row", 0)),
+            last_exit_cell(c),
+            c.get("url") or "",
+        )
     return t
 
 

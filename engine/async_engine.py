@@ -109,11 +109,16 @@ class StepTiming:
     busy_since: float | None = None
 
     def stats(self) -> dict[str, float]:
-        return {"engine_steps": self.steps, "engine_step_seconds": self.wall_s,
-                "engine_step_cpu_seconds": self.cpu_s, "engine_step_gap_seconds": self.gap_s,
-                "engine_step_gaps": self.gaps, "engine_decode_steps": self.decode_steps,
-                "engine_decode_step_seconds": self.decode_wall_s,
-                "engine_decode_step_cpu_seconds": self.decode_cpu_s}  # fmt: skip
+        return {
+            "engine_steps": self.steps,
+            "engine_step_seconds": self.wall_s,
+            "engine_step_cpu_seconds": self.cpu_s,
+            "engine_step_gap_seconds": self.gap_s,
+            "engine_step_gaps": self.gaps,
+            "engine_decode_steps": self.decode_steps,
+            "engine_decode_step_seconds": self.decode_wall_s,
+            "engine_decode_step_cpu_seconds": self.decode_cpu_s,
+        }
 
 
 class AsyncEngine:
@@ -203,8 +208,14 @@ class AsyncEngine:
                 tm.busy_since = t1 if core.has_work() and core.progressed else None
                 self._publish()
                 if outputs or reserved:
-                    res = [(r.request_id, list(r.block_ids), r.num_cached_tokens // core.pool.block_size)
-                           for r in reserved]  # fmt: skip
+                    res = [
+                        (
+                            r.request_id,
+                            list(r.block_ids),
+                            r.num_cached_tokens // core.pool.block_size,
+                        )
+                        for r in reserved
+                    ]
                     self._call(self._deliver, outputs, res)
         except BaseException as e:  # the thread must not die silently
             log.exception("engine thread failed")
@@ -224,7 +235,9 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(fn, *args)
 
     # -- event loop side -------------------------------------------------------------------
-    def _deliver(self, outputs: list[RequestOutput], reserved: list[tuple[str, list[int], int]]) -> None:
+    def _deliver(
+        self, outputs: list[RequestOutput], reserved: list[tuple[str, list[int], int]]
+    ) -> None:
         for rid, blocks, cached in reserved:
             s = self._streams.get(rid)
             if s is not None and s.reserved is not None and not s.reserved.done():
@@ -299,8 +312,15 @@ class AsyncEngine:
                 await self._compile(params)
 
             def add() -> Request:
-                added = self.core.add_request(request_id, prompt, params, priority, hold_blocks, remote_num_tokens,
-                                              hold_seconds)  # fmt: skip
+                added = self.core.add_request(
+                    request_id,
+                    prompt,
+                    params,
+                    priority,
+                    hold_blocks,
+                    remote_num_tokens,
+                    hold_seconds,
+                )
                 # Republished before the caller learns the request was taken: a node acks a route in
                 # its next load frame (node/kv_events.py `took`), and the coordinator then stops
                 # counting its own reservation (coordinator/nodes.py). Counters as of the last step
@@ -365,7 +385,9 @@ class AsyncEngine:
     async def release_quarantine(self, request_id: str) -> int:
         return await self._submit(lambda: self.core.release_quarantine(request_id))
 
-    async def embed(self, prompts: list[list[int]], pooling: Pooling, dimensions: int | None = None) -> list[bytes]:
+    async def embed(
+        self, prompts: list[list[int]], pooling: Pooling, dimensions: int | None = None
+    ) -> list[bytes]:
         """Embeddings of token-id prompts (EngineCore.embed): each vector's float32 bytes, in
         order. Batched across callers: every job queued while a forward runs goes into the
         next forwards together (`_run_embeds`); a job that fails fails alone."""
@@ -376,7 +398,9 @@ class AsyncEngine:
         self._pending.add(fut)
         fut.add_done_callback(self._pending.discard)
         self._embed_tokens_in += sum(map(len, prompts))
-        self._embed_jobs.append(_EmbedJob(prompts, pooling, dimensions, fut, loop, self._embed_answered))
+        self._embed_jobs.append(
+            _EmbedJob(prompts, pooling, dimensions, fut, loop, self._embed_answered)
+        )
         self._commands.put(self._run_embeds)
         return await fut
 
@@ -411,7 +435,9 @@ class AsyncEngine:
                 if len(group) == 1:
                     _answer(group[0], e)
                     continue
-                for j in group:  # after a failure only: each job on its own, so the culprit fails alone
+                for (
+                    j
+                ) in group:  # after a failure only: each job on its own, so the culprit fails alone
                     try:
                         _answer(j, self.core.embed(j.prompts, pooling, dims))
                     except Exception as e1:

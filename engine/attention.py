@@ -143,12 +143,20 @@ def _decode_torch(q: torch.Tensor, cache: torch.Tensor, md: AttentionMetadata) -
     blocks = md.block_tables[:b]
     kc = _gather(cache, 0, blocks).transpose(1, 2)
     vc = _gather(cache, 1, blocks).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q[:b].unsqueeze(2), kc, vc, attn_mask=md.decode_mask, enable_gqa=True)
+    o = F.scaled_dot_product_attention(
+        q[:b].unsqueeze(2), kc, vc, attn_mask=md.decode_mask, enable_gqa=True
+    )
     return o.reshape(b, heads * dim)
 
 
-def _prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                   md: AttentionMetadata, p: PrefillChunk) -> torch.Tensor:  # fmt: skip
+def _prefill_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    md: AttentionMetadata,
+    p: PrefillChunk,
+) -> torch.Tensor:
     heads, dim = q.shape[1], q.shape[2]
     sl = slice(p.q_start, p.q_start + p.q_len)
     qs = q[sl].transpose(0, 1)
@@ -160,7 +168,9 @@ def _prefill_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: tor
         ks = _gather(cache, 0, blocks)[:ctx].transpose(0, 1)
         vs = _gather(cache, 1, blocks)[:ctx].transpose(0, 1)
     mask = md.chunk_mask(p)
-    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    o = F.scaled_dot_product_attention(
+        qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+    )
     return o.transpose(0, 1).reshape(p.q_len, heads * dim)
 
 
@@ -183,11 +193,21 @@ def paged_attention(
     if lib is not None:
         nd = md.num_decode
         if nd:
-            lib.paged_attention(step_ptr, layer, 0, nd, qkv.data_ptr(), qkv.stride(0), out.data_ptr(), heads * dim)
+            lib.paged_attention(
+                step_ptr, layer, 0, nd, qkv.data_ptr(), qkv.stride(0), out.data_ptr(), heads * dim
+            )
         n_kernel = nd
         if kernel_prefill and t > nd:
-            lib.prefill_attention(step_ptr, layer, nd, t - nd, qkv.data_ptr(), qkv.stride(0),
-                                  out[nd:].data_ptr(), heads * dim)  # fmt: skip
+            lib.prefill_attention(
+                step_ptr,
+                layer,
+                nd,
+                t - nd,
+                qkv.data_ptr(),
+                qkv.stride(0),
+                out[nd:].data_ptr(),
+                heads * dim,
+            )
             n_kernel = t
     if n_kernel == t:
         return out

@@ -121,7 +121,9 @@ class BlockPool:
             if r == 0:
                 self._free[b] = None
 
-    def cache(self, block_id: int, block_hash: int, parent: int | None, token_ids: list[int]) -> None:
+    def cache(
+        self, block_id: int, block_hash: int, parent: int | None, token_ids: list[int]
+    ) -> None:
         """Register a full block under its hash (a duplicate of an already cached hash is left
         uncached: the first copy keeps serving hits)."""
         if self._hash[block_id] is not None or block_hash in self._cached:
@@ -129,8 +131,12 @@ class BlockPool:
         self._hash[block_id] = block_hash
         self._cached[block_hash] = block_id
         if self.record_events:
-            stored = BlockStored(block_hashes=[block_hash], parent_block_hash=parent,
-                                 token_ids=token_ids, block_size=self.block_size)  # fmt: skip
+            stored = BlockStored(
+                block_hashes=[block_hash],
+                parent_block_hash=parent,
+                token_ids=token_ids,
+                block_size=self.block_size,
+            )
             self.events.append(stored)
 
     def reset_cache(self) -> bool:

@@ -81,8 +81,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         if device.type == "cuda" or cpu_has_fast_bf16():
             return torch.bfloat16
         return torch.float32
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}  # fmt: skip
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if name not in table:
         raise ValueError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
     return table[name]
@@ -118,19 +124,44 @@ class EngineCore:
                 f"sequence of max_model_len={self.max_model_len} tokens: give it more KV memory "
                 f"or blocks, or lower max_model_len"
             )
-        self.runner = ModelRunner(self.model_dir, mc, self.dtype, self.device, num_blocks, bs,
-                                  self.max_model_len, pool_factory, config.quantization)  # fmt: skip
+        self.runner = ModelRunner(
+            self.model_dir,
+            mc,
+            self.dtype,
+            self.device,
+            num_blocks,
+            bs,
+            self.max_model_len,
+            pool_factory,
+            config.quantization,
+        )
         self.pool = BlockPool(num_blocks, bs, record_events=config.record_kv_events)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching, config.hash_seed)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill,
-                            None if config.itl_target_ms is None else config.itl_target_ms / 1e3), self.kv)  # fmt: skip
+            SchedulerConfig(
+                config.max_num_batched_tokens,
+                config.max_num_seqs,
+                config.enable_chunked_prefill,
+                None if config.itl_target_ms is None else config.itl_target_ms / 1e3,
+            ),
+            self.kv,
+        )
         self.sampler = Sampler(config.seed)
-        self.guides = GuidedDecoding(self.model_dir / "tokenizer.json", mc.vocab_size, self.tokenizer.eos_token_ids)
+        self.guides = GuidedDecoding(
+            self.model_dir / "tokenizer.json", mc.vocab_size, self.tokenizer.eos_token_ids
+        )
         self.speculator: Speculator | None = None
         if config.speculative:
-            self.speculator = build_speculator(config, self.model_dir, mc, self.dtype, self.device, num_blocks,
-                                               self.max_model_len, self.sampler)  # fmt: skip
+            self.speculator = build_speculator(
+                config,
+                self.model_dir,
+                mc,
+                self.dtype,
+                self.device,
+                num_blocks,
+                self.max_model_len,
+                self.sampler,
+            )
             self.scheduler.drafter = self.speculator.draft
             self.scheduler.prepare_drafts = self.speculator.prepare
             self.scheduler.spec_max_batch = spec_max_batch(config)
@@ -138,9 +169,15 @@ class EngineCore:
         self.counters = EngineCounters()
         self.progressed = False  # whether the last step changed anything
         self._text: dict[str, TextState] = {}
-        log.info("engine ready: model=%s dtype=%s device=%s kv_blocks=%d (%.0f MiB, %d tokens)",
-                 self.model_name, self.runner.kv_layout.dtype, self.device, num_blocks,
-                 num_blocks * block_bytes / 2**20, num_blocks * bs)  # fmt: skip
+        log.info(
+            "engine ready: model=%s dtype=%s device=%s kv_blocks=%d (%.0f MiB, %d tokens)",
+            self.model_name,
+            self.runner.kv_layout.dtype,
+            self.device,
+            num_blocks,
+            num_blocks * block_bytes / 2**20,
+            num_blocks * bs,
+        )
 
     # -- requests --------------------------------------------------------------------------
     def add_request(
@@ -156,12 +193,20 @@ class EngineCore:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(ids)
         if remote_num_tokens and params.prompt_logprobs is not None:
-            raise RequestError("prompt_logprobs cannot be computed for a prompt whose KV comes from a prefill node")
+            raise RequestError(
+                "prompt_logprobs cannot be computed for a prompt whose KV comes from a prefill node"
+            )
         if remote_num_tokens and not 0 < remote_num_tokens <= len(ids):
-            raise RequestError(f"remote KV covers {remote_num_tokens} tokens of a {len(ids)}-token prompt")
-        bad = next((t for t in params.logit_bias if not 0 <= t < self.model_config.vocab_size), None)
+            raise RequestError(
+                f"remote KV covers {remote_num_tokens} tokens of a {len(ids)}-token prompt"
+            )
+        bad = next(
+            (t for t in params.logit_bias if not 0 <= t < self.model_config.vocab_size), None
+        )
         if bad is not None:
-            raise RequestError(f"logit_bias names token id {bad}, outside the vocabulary [0, {self.model_config.vocab_size})")
+            raise RequestError(
+                f"logit_bias names token id {bad}, outside the vocabulary [0, {self.model_config.vocab_size})"
+            )
         self._check_queue(len(ids))
         req = Request(
             request_id=request_id,
@@ -173,14 +218,25 @@ class EngineCore:
             hold_seconds=hold_seconds,
             remote_num_tokens=remote_num_tokens,
         )
-        if params.first_token is not None and not 0 <= params.first_token < self.model_config.vocab_size:
-            raise RequestError(f"the prefill node's first token {params.first_token} is outside the vocabulary "
-                               f"[0, {self.model_config.vocab_size})")  # fmt: skip
-        if params.guide is not None:  # compiled already when it came through AsyncEngine (off this thread)
+        if (
+            params.first_token is not None
+            and not 0 <= params.first_token < self.model_config.vocab_size
+        ):
+            raise RequestError(
+                f"the prefill node's first token {params.first_token} is outside the vocabulary "
+                f"[0, {self.model_config.vocab_size})"
+            )
+        if (
+            params.guide is not None
+        ):  # compiled already when it came through AsyncEngine (off this thread)
             done = params.resume.output_tokens if params.resume is not None else 0
             try:
-                self.guides.attach(request_id, params.guide, ids[len(ids) - done :] if done else [],
-                                   params.first_token)  # fmt: skip
+                self.guides.attach(
+                    request_id,
+                    params.guide,
+                    ids[len(ids) - done :] if done else [],
+                    params.first_token,
+                )
             except GuideError as e:
                 raise RequestError(str(e)) from None
         try:
@@ -190,7 +246,9 @@ class EngineCore:
             raise RequestError(str(e)) from None
         text = (self.tokenizer, ids, params.stop, params.skip_special_tokens)
         # a migrated request continues the text the client already has (protocol/resume.py)
-        self._text[request_id] = TextState(*text) if params.resume is None else TextState.resumed(*text, params.resume)
+        self._text[request_id] = (
+            TextState(*text) if params.resume is None else TextState.resumed(*text, params.resume)
+        )
         return req
 
     def queue_full(self, extra_tokens: int = 1) -> bool:
@@ -199,15 +257,20 @@ class EngineCore:
         s, c = self.scheduler, self.config
         if not s.num_waiting:
             return False
-        return s.num_waiting >= c.max_waiting_requests or s.num_waiting_tokens + extra_tokens > c.max_waiting_tokens
+        return (
+            s.num_waiting >= c.max_waiting_requests
+            or s.num_waiting_tokens + extra_tokens > c.max_waiting_tokens
+        )
 
     def _check_queue(self, num_tokens: int) -> None:
         if self.queue_full(num_tokens):
             self.counters.requests_rejected_queue_full += 1
             s = self.scheduler
-            raise EngineOverloaded(f"the engine queue is full ({s.num_waiting} requests, {s.num_waiting_tokens} "
-                                   f"prompt tokens waiting; limits {self.config.max_waiting_requests} requests, "
-                                   f"{self.config.max_waiting_tokens} tokens)")  # fmt: skip
+            raise EngineOverloaded(
+                f"the engine queue is full ({s.num_waiting} requests, {s.num_waiting_tokens} "
+                f"prompt tokens waiting; limits {self.config.max_waiting_requests} requests, "
+                f"{self.config.max_waiting_tokens} tokens)"
+            )
 
     def validate_prompt(self, ids: list[int]) -> None:
         if not ids:
@@ -222,24 +285,32 @@ class EngineCore:
             bad = next(t for t in ids if not 0 <= t < vocab)
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})")
 
-    def embed(self, prompts: list[list[int]], pooling: Pooling, dimensions: int | None = None) -> torch.Tensor:
+    def embed(
+        self, prompts: list[list[int]], pooling: Pooling, dimensions: int | None = None
+    ) -> torch.Tensor:
         """[B, d] fp32 L2-normalized embeddings of token-id prompts (engine/embed.py); d is
         `dimensions` or the hidden size. RequestError for a prompt the model cannot take, or for
         a `dimensions` outside 1..hidden size; EngineOverloaded when generation holds the pool."""
         size = self.model_config.hidden_size
         if dimensions is not None and not 1 <= dimensions <= size:
-            raise RequestError(f"dimensions must be between 1 and {size} (this model's embedding size), "
-                               f"got {dimensions}")  # fmt: skip
+            raise RequestError(
+                f"dimensions must be between 1 and {size} (this model's embedding size), "
+                f"got {dimensions}"
+            )
         vocab = self.model_config.vocab_size
         for i, ids in enumerate(prompts):
             if not ids:
                 raise RequestError(f"input {i} is empty")
             if len(ids) > self.max_model_len:
-                raise RequestError(f"input {i} is {len(ids)} tokens, but this model's context is "
-                                   f"{self.max_model_len} tokens")  # fmt: skip
+                raise RequestError(
+                    f"input {i} is {len(ids)} tokens, but this model's context is "
+                    f"{self.max_model_len} tokens"
+                )
             if min(ids) < 0 or max(ids) >= vocab:
                 bad = next(t for t in ids if not 0 <= t < vocab)
-                raise RequestError(f"input {i}: token id {bad} is outside the vocabulary [0, {vocab})")
+                raise RequestError(
+                    f"input {i}: token id {bad} is outside the vocabulary [0, {vocab})"
+                )
         try:
             pooled = self.embedder.embed(prompts, pooling)
         except EmbedCapacityError as e:
@@ -285,24 +356,33 @@ class EngineCore:
         try:
             samplers, logits, prompt_rows = self.runner.execute(sched.chunks)
         except Exception as e:  # this step's requests fail; everyone else goes on
-            log.exception("forward pass failed: failing the %d request(s) of this step", len(sched.chunks))
+            log.exception(
+                "forward pass failed: failing the %d request(s) of this step", len(sched.chunks)
+            )
             for c in sched.chunks:
-                outputs.append(self.fail(c.req, f"the forward pass failed: {type(e).__name__}: {e}"))
+                outputs.append(
+                    self.fail(c.req, f"the forward pass failed: {type(e).__name__}: {e}")
+                )
             return outputs, sched.reserved
         self.counters.steps += 1
         for c in sched.chunks:
             req = c.req
             if req.num_computed_tokens < req.num_prompt_tokens:
-                self.counters.prompt_tokens_computed += min(c.num_tokens, req.num_prompt_tokens - c.start)
-            req.num_computed_tokens = c.start + c.num_tokens - len(c.draft)  # drafts count once accepted
+                self.counters.prompt_tokens_computed += min(
+                    c.num_tokens, req.num_prompt_tokens - c.start
+                )
+            req.num_computed_tokens = (
+                c.start + c.num_tokens - len(c.draft)
+            )  # drafts count once accepted
             self.kv.cache_computed_blocks(req)
         if any(c.draft for c in samplers):
             return self._spec_outputs(samplers, logits, prompt_rows, outputs), sched.reserved
         outputs.extend(self._sample_and_append(samplers, logits, prompt_rows))
         return outputs, sched.reserved
 
-    def _sample_and_append(self, samplers: list[ScheduledChunk], logits: torch.Tensor,
-                           prompt_rows: list) -> list[RequestOutput]:  # fmt: skip
+    def _sample_and_append(
+        self, samplers: list[ScheduledChunk], logits: torch.Tensor, prompt_rows: list
+    ) -> list[RequestOutput]:
         """One token per chunk from its row of `logits` (prompt logprobs first), appended."""
         outputs: list[RequestOutput] = []
         rows = [
@@ -317,9 +397,15 @@ class EngineCore:
             return outputs
         # penalties, then the guides' masks, on a copy: logprobs below score the raw logits
         adjusted = penalize(logits, [c.req for c in samplers])
-        guided = [(i, c.req.request_id) for i, c in enumerate(samplers) if self.guides.guided(c.req.request_id)]
+        guided = [
+            (i, c.req.request_id)
+            for i, c in enumerate(samplers)
+            if self.guides.guided(c.req.request_id)
+        ]
         adjusted, dead = self.guides.mask(adjusted, guided, copy=adjusted is logits)
-        tokens, errors = self.sampler.sample_rows(adjusted, rows, [c.req.eos_token_ids for c in samplers])
+        tokens, errors = self.sampler.sample_rows(
+            adjusted, rows, [c.req.eos_token_ids for c in samplers]
+        )
         errors.update(dead)
         for i, c in enumerate(samplers):  # P/D: a guided leg's first token is the one P sampled
             first = c.req.params.first_token
@@ -335,8 +421,13 @@ class EngineCore:
                 outputs.append(self._append_token(c.req, tok, now, lps.get(i)))
         return outputs
 
-    def _spec_outputs(self, samplers: list[ScheduledChunk], logits: torch.Tensor, prompt_rows: list,
-                      outputs: list[RequestOutput]) -> list[RequestOutput]:  # fmt: skip
+    def _spec_outputs(
+        self,
+        samplers: list[ScheduledChunk],
+        logits: torch.Tensor,
+        prompt_rows: list,
+        outputs: list[RequestOutput],
+    ) -> list[RequestOutput]:
         """A step with speculative chunks: plain chunks sample their one row as usual; each
         speculative chunk verifies its draft, emits the accepted tokens and one more in one
         delta, and gives back the KV slots of the rejected ones."""
@@ -362,9 +453,15 @@ class EngineCore:
                 emitted = self.speculator.verify(c, rows)  # type: ignore[union-attr]
                 n_top = req.params.logprobs
                 # from the raw rows, as one-token steps score them (the same rows, bit for bit)
-                lps = token_logprobs(rows[: len(emitted)], emitted, [n_top] * len(emitted)) if n_top is not None else None
+                lps = (
+                    token_logprobs(rows[: len(emitted)], emitted, [n_top] * len(emitted))
+                    if n_top is not None
+                    else None
+                )
             except Exception as e:  # this request fails alone
-                outputs.append(self.fail(req, f"speculative verification failed: {type(e).__name__}: {e}"))
+                outputs.append(
+                    self.fail(req, f"speculative verification failed: {type(e).__name__}: {e}")
+                )
                 continue
             out: RequestOutput | None = None
             for j, tok in enumerate(emitted):
@@ -385,14 +482,25 @@ class EngineCore:
                 self.kv.trim(req, req.num_tokens)
         return outputs
 
-    def _logprobs(self, samplers: list[ScheduledChunk], logits: torch.Tensor, tokens: list[int],
-                  errors: dict[int, str]) -> dict[int, TokenLogprob]:  # fmt: skip
+    def _logprobs(
+        self,
+        samplers: list[ScheduledChunk],
+        logits: torch.Tensor,
+        tokens: list[int],
+        errors: dict[int, str],
+    ) -> dict[int, TokenLogprob]:
         """{row: the sampled token's logprob record} for the rows whose request asked."""
-        want = [i for i, c in enumerate(samplers) if c.req.params.logprobs is not None and i not in errors]
+        want = [
+            i
+            for i, c in enumerate(samplers)
+            if c.req.params.logprobs is not None and i not in errors
+        ]
         if not want:  # the common case: no extra work on the step's path
             return {}
         nums = [samplers[i].req.params.logprobs or 0 for i in want]
-        return dict(zip(want, token_logprobs(logits[want], [tokens[i] for i in want], nums), strict=True))
+        return dict(
+            zip(want, token_logprobs(logits[want], [tokens[i] for i in want], nums), strict=True)
+        )
 
     def fail(self, req: Request, message: str) -> RequestOutput:
         """Finish `req` with finish_reason "error" (its blocks are freed, never held)."""
@@ -402,7 +510,9 @@ class EngineCore:
         self._finish(req, "error", None, out)
         return out
 
-    def _append_token(self, req: Request, tok: int, now: float, lp: TokenLogprob | None = None) -> RequestOutput:
+    def _append_token(
+        self, req: Request, tok: int, now: float, lp: TokenLogprob | None = None
+    ) -> RequestOutput:
         if req.first_token_time is None:
             req.first_token_time = now
         req.output_token_ids.append(tok)
@@ -415,7 +525,9 @@ class EngineCore:
         reason: str | None = None
         stop_reason: str | int | None = None
         n_out = len(req.output_token_ids)
-        if n_out >= p.min_tokens and (tok in req.eos_token_ids or tok in p.stop_token_ids or complete):
+        if n_out >= p.min_tokens and (
+            tok in req.eos_token_ids or tok in p.stop_token_ids or complete
+        ):
             reason, stop_reason = "stop", (tok if tok in p.stop_token_ids else None)
         elif n_out >= p.max_tokens or req.num_tokens >= self.max_model_len:
             reason = "length"
@@ -431,7 +543,9 @@ class EngineCore:
             self._finish(req, reason, stop_reason, out)
         return out
 
-    def _finish(self, req: Request, reason: str, stop_reason: str | int | None, out: RequestOutput) -> None:
+    def _finish(
+        self, req: Request, reason: str, stop_reason: str | int | None, out: RequestOutput
+    ) -> None:
         self.scheduler.finish(req, reason, stop_reason)
         self._text.pop(req.request_id, None)
         self.sampler.forget(req.request_id)
@@ -524,4 +638,3 @@ class EngineCore:
             "steps": self.counters.steps,
             **(self.speculator.counters.stats() if self.speculator is not None else {}),
         }
-

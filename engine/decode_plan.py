@@ -65,12 +65,24 @@ class DecLayer(ctypes.Structure):
 
 def _linear(f: QLinear | Linear) -> DecLinear:
     if isinstance(f, Linear):
-        return DecLinear(kind=DecKind.BF16, k=f.in_features, n=f.out_features, q=f.panels.data_ptr(),
-                         bias=0 if f.bias is None else f.bias.data_ptr())  # fmt: skip
+        return DecLinear(
+            kind=DecKind.BF16,
+            k=f.in_features,
+            n=f.out_features,
+            q=f.panels.data_ptr(),
+            bias=0 if f.bias is None else f.bias.data_ptr(),
+        )
     w = f.weight
-    d = DecLinear(k=f.in_features, n=f.out_features, q=w.q.data_ptr(), scales=w.scales.data_ptr(),
-                  mins=0 if w.mins is None else w.mins.data_ptr(), group=w.group, act_group=f.act_group,
-                  bias=0 if f.bias is None else f.bias.data_ptr())  # fmt: skip
+    d = DecLinear(
+        k=f.in_features,
+        n=f.out_features,
+        q=w.q.data_ptr(),
+        scales=w.scales.data_ptr(),
+        mins=0 if w.mins is None else w.mins.data_ptr(),
+        group=w.group,
+        act_group=f.act_group,
+        bias=0 if f.bias is None else f.bias.data_ptr(),
+    )
     if f.w8 is not None:
         d.kind = DecKind.W4A8 if f.gemv_weight_only else DecKind.W8A8
         d.wp, d.wscale, d.wsum = f.w8_args
@@ -82,16 +94,31 @@ def _linear(f: QLinear | Linear) -> DecLinear:
 class DecodePlan:
     def __init__(self, lib: ctypes.CDLL, layers: list, hidden: int, inter: int, eps: float) -> None:
         self.lib = lib
-        self.layers = (DecLayer * len(layers))(*[
-            DecLayer(input_norm=L.input_norm.data_ptr(), post_norm=L.post_norm.data_ptr(), qkv=_linear(L.qkv),
-                     o=_linear(L.o), gate_up=_linear(L.gate_up), down=_linear(L.down))
-            for L in layers
-        ])  # fmt: skip
+        self.layers = (DecLayer * len(layers))(
+            *[
+                DecLayer(
+                    input_norm=L.input_norm.data_ptr(),
+                    post_norm=L.post_norm.data_ptr(),
+                    qkv=_linear(L.qkv),
+                    o=_linear(L.o),
+                    gate_up=_linear(L.gate_up),
+                    down=_linear(L.down),
+                )
+                for L in layers
+            ]
+        )
         self.hidden, self.inter, self.eps = hidden, inter, eps
 
     @classmethod
-    def build(cls, lib: ctypes.CDLL | None, layers: list, dtype: torch.dtype, hidden: int, inter: int,
-              eps: float) -> DecodePlan | None:  # fmt: skip
+    def build(
+        cls,
+        lib: ctypes.CDLL | None,
+        layers: list,
+        dtype: torch.dtype,
+        hidden: int,
+        inter: int,
+        eps: float,
+    ) -> DecodePlan | None:
         """A plan when every layer qualifies (bf16; every linear a QLinear on the kernels or a
         Linear on linear_bf16.c, its bias bf16; no q/k norms), else None (the Python loop runs)."""
         if lib is None or dtype != torch.bfloat16 or not layers:
@@ -121,7 +148,17 @@ class DecodePlan:
     def run(self, step_ptr: int, h: torch.Tensor, x: torch.Tensor, num_decode: int) -> None:
         """All layers: h (fp32 [m, hidden], in place) from x (bf16 [m, hidden], the first
         layer's normed input; used as scratch); the step's first `num_decode` tokens decode."""
-        rc = self.lib.decode_layers(step_ptr, self.layers, len(self.layers), h.data_ptr(), x.data_ptr(), h.shape[0],
-                                    num_decode, self.hidden, self.inter, self.eps)  # fmt: skip
+        rc = self.lib.decode_layers(
+            step_ptr,
+            self.layers,
+            len(self.layers),
+            h.data_ptr(),
+            x.data_ptr(),
+            h.shape[0],
+            num_decode,
+            self.hidden,
+            self.inter,
+            self.eps,
+        )
         if rc != 0:
             raise MemoryError(f"decode_layers failed ({rc}) for a {h.shape[0]}-token step")

@@ -48,8 +48,10 @@ def pool_hidden(hidden: torch.Tensor, lengths: Sequence[int], pooling: Pooling) 
     if pooling is Pooling.LAST:
         ends = torch.tensor(lengths, device=hidden.device).cumsum(0) - 1
         return hidden[ends].float()
-    seg = torch.repeat_interleave(torch.arange(len(lengths), device=hidden.device),
-                                  torch.tensor(lengths, device=hidden.device))  # fmt: skip
+    seg = torch.repeat_interleave(
+        torch.arange(len(lengths), device=hidden.device),
+        torch.tensor(lengths, device=hidden.device),
+    )
     sums = torch.zeros((len(lengths), hidden.shape[1]), dtype=torch.float32, device=hidden.device)
     sums.index_add_(0, seg, hidden.float())
     return sums / torch.tensor(lengths, dtype=torch.float32, device=hidden.device)[:, None]
@@ -90,21 +92,32 @@ class Embedder:
     def _forward(self, batch: list[Sequence[int]], pooling: Pooling) -> torch.Tensor:
         bs = self.runner.block_size
         need = [cdiv(len(ids), bs) for ids in batch]
-        if sum(need) > self.pool.num_free and len(batch) > 1:  # smaller forwards fit where one does not
+        if (
+            sum(need) > self.pool.num_free and len(batch) > 1
+        ):  # smaller forwards fit where one does not
             half = len(batch) // 2
-            return torch.cat([self._forward(batch[:half], pooling), self._forward(batch[half:], pooling)])
+            return torch.cat(
+                [self._forward(batch[:half], pooling), self._forward(batch[half:], pooling)]
+            )
         try:
             blocks = self.pool.allocate(sum(need))
         except NoFreeBlocksError as e:
-            raise EmbedCapacityError(f"no room in the KV pool for a {len(batch[0])}-token prompt now ({e})") from None
+            raise EmbedCapacityError(
+                f"no room in the KV pool for a {len(batch[0])}-token prompt now ({e})"
+            ) from None
         try:
             tables, at = [], 0
             for n in need:
                 tables.append(blocks[at : at + n])
                 at += n
             dev = self.runner.device
-            md = build_metadata(bs, [], [(t, 0, len(ids)) for t, ids in zip(tables, batch, strict=True)],
-                                self.runner.cfg.sliding_window, dev)  # fmt: skip
+            md = build_metadata(
+                bs,
+                [],
+                [(t, 0, len(ids)) for t, ids in zip(tables, batch, strict=True)],
+                self.runner.cfg.sliding_window,
+                dev,
+            )
             ids = torch.tensor([t for p in batch for t in p], dtype=torch.long, device=dev)
             lengths = [len(p) for p in batch]
             rows = None

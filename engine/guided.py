@@ -61,8 +61,11 @@ def _import_llguidance() -> Any | None:
     try:  # not llguidance.torch: its import decorates with torch.compile, which loads dynamo (~3 s)
         import llguidance
     except ImportError as e:
-        fallback(log, f"the grammar engine llguidance cannot be imported ({e})",
-                 "refusing every request with a guide (structured outputs)")  # fmt: skip
+        fallback(
+            log,
+            f"the grammar engine llguidance cannot be imported ({e})",
+            "refusing every request with a guide (structured outputs)",
+        )
         return None
     return llguidance
 
@@ -76,8 +79,13 @@ class GuidedDecoding:
 
     `compile`/`compile_async` may run on any thread; everything else runs on the engine thread."""
 
-    def __init__(self, tokenizer_file: Path, vocab_size: int, eos_token_ids: frozenset[int],
-                 cache_size: int = CACHE_SIZE) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokenizer_file: Path,
+        vocab_size: int,
+        eos_token_ids: frozenset[int],
+        cache_size: int = CACHE_SIZE,
+    ) -> None:
         self._lib = _import_llguidance()
         self._tokenizer_file = tokenizer_file
         self.vocab_size = vocab_size
@@ -98,14 +106,18 @@ class GuidedDecoding:
             if self._tokenizer is None:
                 assert self._lib is not None
                 text = self._tokenizer_file.read_text()
-                self._tokenizer = self._lib.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self._eos)
+                self._tokenizer = self._lib.LLTokenizer(
+                    text, n_vocab=self.vocab_size, eos_token=self._eos
+                )
             return self._tokenizer
 
     def compile(self, guide: Guide) -> Any:
         """The guide's prototype matcher (cached); raises GuideError with the engine's words."""
         if self._lib is None:
-            raise GuideError("structured outputs are not available on this node: the grammar engine "
-                             "llguidance cannot be imported")  # fmt: skip
+            raise GuideError(
+                "structured outputs are not available on this node: the grammar engine "
+                "llguidance cannot be imported"
+            )
         key = _key(guide)
         with self._lock:
             hit = self._cache.get(key)
@@ -133,7 +145,9 @@ class GuidedDecoding:
         """`compile` on the compile pool (the async engine awaits it before adding)."""
         with self._lock:
             if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="duet-grammar")
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    COMPILE_THREADS, thread_name_prefix="duet-grammar"
+                )
             pool = self._pool
         return pool.submit(self.compile, guide)
 
@@ -142,7 +156,9 @@ class GuidedDecoding:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
     # -- per request (engine thread) ---------------------------------------------------------
-    def attach(self, request_id: str, guide: Guide, sampled: list[int], first: int | None = None) -> None:
+    def attach(
+        self, request_id: str, guide: Guide, sampled: list[int], first: int | None = None
+    ) -> None:
         """Give `request_id` a matcher advanced over the tokens it has sampled so far (a decode
         node resuming a migrated leg); GuideError if those tokens leave the grammar, or if
         `first` (the prefill node's token, which this node emits next: engine/core.py) is not
@@ -150,11 +166,15 @@ class GuidedDecoding:
         as it takes any emitted token (`advance`), so a grammar it completes ends the request."""
         m = self.compile(guide).deep_copy()
         if not all(m.consume_token(t) for t in sampled):
-            raise GuideError(f"the tokens sampled so far do not satisfy the {guide.kind.value} guide: "
-                             f"{m.get_error().strip()}")  # fmt: skip
+            raise GuideError(
+                f"the tokens sampled so far do not satisfy the {guide.kind.value} guide: "
+                f"{m.get_error().strip()}"
+            )
         if first is not None and (m.is_stopped() or m.validate_tokens([first]) != 1):
-            raise GuideError(f"the prefill node's first token {first} is not allowed by the {guide.kind.value} "
-                             "guide at this point of the output")  # fmt: skip
+            raise GuideError(
+                f"the prefill node's first token {first} is not allowed by the {guide.kind.value} "
+                "guide at this point of the output"
+            )
         self._matchers[request_id] = m
 
     def forget(self, request_id: str) -> None:
@@ -163,8 +183,9 @@ class GuidedDecoding:
     def guided(self, request_id: str) -> bool:
         return request_id in self._matchers
 
-    def mask(self, logits: torch.Tensor, rows: list[tuple[int, str]],
-             copy: bool = True) -> tuple[torch.Tensor, dict[int, str]]:  # fmt: skip
+    def mask(
+        self, logits: torch.Tensor, rows: list[tuple[int, str]], copy: bool = True
+    ) -> tuple[torch.Tensor, dict[int, str]]:
         """`logits` [S, V] with each (row, request id) in `rows` masked to its grammar's allowed
         next tokens (-inf elsewhere) — on a float32 CPU copy unless `copy` is False (the caller
         owns `logits`, a float32 CPU tensor) — and {row: why} for rows no token may follow
@@ -176,7 +197,9 @@ class GuidedDecoding:
         if not rows:
             return logits, {}
         words = (self.vocab_size + 31) // 32
-        bitmask = np.empty((len(rows), words), dtype=np.int32)  # C-contiguous: row i at i * 4 * words
+        bitmask = np.empty(
+            (len(rows), words), dtype=np.int32
+        )  # C-contiguous: row i at i * 4 * words
         matchers = [self._matchers[rid] for _, rid in rows]
         # Filled here, row by row, not by llguidance's parallel LLExecutor: measured for 32 rows
         # of a JSON schema, 0.56 ms serial against 9-25 ms wall through the executor (its
@@ -184,7 +207,10 @@ class GuidedDecoding:
         for i, m in enumerate(matchers):
             m.unsafe_compute_mask_ptr(bitmask.ctypes.data + i * words * 4, words * 4)
         # bit i of word w allows token 32 w + i: little-endian bytes, each unpacked low bit first
-        banned = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]] == 0
+        banned = (
+            np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[1]]
+            == 0
+        )
         if copy or logits.dtype != torch.float32 or logits.device.type != "cpu":
             x = torch.from_numpy(logits.detach().float().cpu().numpy().copy())
         else:
@@ -196,8 +222,11 @@ class GuidedDecoding:
         else:
             for j, (r, _) in enumerate(rows):
                 np.copyto(xn[r], -np.inf, where=banned[j])
-        dead = {r: f"no token satisfies the guide: {m.get_error().strip() or 'the grammar allows nothing here'}"
-                for (r, _), m, b in zip(rows, matchers, banned.all(axis=1).tolist(), strict=True) if b}  # fmt: skip
+        dead = {
+            r: f"no token satisfies the guide: {m.get_error().strip() or 'the grammar allows nothing here'}"
+            for (r, _), m, b in zip(rows, matchers, banned.all(axis=1).tolist(), strict=True)
+            if b
+        }
         return x, dead
 
     def advance(self, request_id: str, token: int) -> bool:

@@ -56,13 +56,39 @@ class KernelStep:
         max_ctx: int,
         window: int | None,
     ) -> None:
-        self._keep = (kv_cache, block_tables, token_row, ctx_lens, positions, slot_block, slot_offset, cos, sin)
+        self._keep = (
+            kv_cache,
+            block_tables,
+            token_row,
+            ctx_lens,
+            positions,
+            slot_block,
+            slot_offset,
+            cos,
+            sin,
+        )
         _, _, _, bs, kvh, dim = kv_cache.shape
         self.struct = StepStruct(
-            kv_cache.data_ptr(), kv_cache.stride(1), kv_cache.stride(0),
-            block_tables.data_ptr(), block_tables.shape[1], token_row.data_ptr(), ctx_lens.data_ptr(),
-            positions.data_ptr(), slot_block.data_ptr(), slot_offset.data_ptr(),
-            cos.data_ptr(), sin.data_ptr(), positions.shape[0], num_heads, kvh, dim, bs,
-            window or 0, max_ctx, int(kv_cache.dtype == torch.bfloat16), dim**-0.5,
-        )  # fmt: skip
+            kv_cache.data_ptr(),
+            kv_cache.stride(1),
+            kv_cache.stride(0),
+            block_tables.data_ptr(),
+            block_tables.shape[1],
+            token_row.data_ptr(),
+            ctx_lens.data_ptr(),
+            positions.data_ptr(),
+            slot_block.data_ptr(),
+            slot_offset.data_ptr(),
+            cos.data_ptr(),
+            sin.data_ptr(),
+            positions.shape[0],
+            num_heads,
+            kvh,
+            dim,
+            bs,
+            window or 0,
+            max_ctx,
+            int(kv_cache.dtype == torch.bfloat16),
+            dim**-0.5,
+        )
         self.ptr = ctypes.addressof(self.struct)

@@ -72,8 +72,14 @@ class KVCacheManager:
         return hit
 
     def can_allocate(self, req: Request, num_new_tokens: int, cached: list[int]) -> bool:
-        needed = cdiv(req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens,
-                      self.block_size) - len(req.block_ids) - len(cached)  # fmt: skip
+        needed = (
+            cdiv(
+                req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens,
+                self.block_size,
+            )
+            - len(req.block_ids)
+            - len(cached)
+        )
         # Hits on free blocks take those blocks out of the free list.
         reclaimed = sum(1 for b in cached if self.pool.ref_count(b) == 0)
         return needed <= self.pool.num_free - reclaimed
@@ -93,7 +99,9 @@ class KVCacheManager:
     def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
         """Ensure blocks for `num_computed_tokens + num_new_tokens` tokens; False if the pool
         cannot (nothing changes then)."""
-        needed = cdiv(req.num_computed_tokens + num_new_tokens, self.block_size) - len(req.block_ids)
+        needed = cdiv(req.num_computed_tokens + num_new_tokens, self.block_size) - len(
+            req.block_ids
+        )
         if needed <= 0:
             return True
         if needed > self.pool.num_free:

@@ -57,15 +57,21 @@ def cpu_can_prepack_bf16() -> bool:
     flags = cpu_flags()
     if any(need <= flags for need in _BF16_REORDER_ISA):
         return True
-    log.info("bf16 linear layers use F.linear: oneDNN's bf16 weight prepacking needs AVX-512 BW/VL/DQ or "
-             "AVX-NE-CONVERT, which this CPU lacks")  # fmt: skip
+    log.info(
+        "bf16 linear layers use F.linear: oneDNN's bf16 weight prepacking needs AVX-512 BW/VL/DQ or "
+        "AVX-NE-CONVERT, which this CPU lacks"
+    )
     return False
 
 
 def can_prepack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and cpu_can_prepack_bf16())  # fmt: skip
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and cpu_can_prepack_bf16()
+    )
 
 
 def own_kernel_lib(weight: torch.Tensor):
@@ -75,14 +81,19 @@ def own_kernel_lib(weight: torch.Tensor):
         return None
     # the flag as well as the build's answer: the kernels are built with -march=native, so the two
     # agree on a real CPU, and tests that stand in another CPU's flags see its choice
-    if os.environ.get("DUET_BF16_LINEAR", "").lower() == "onednn" or "avx512_bf16" not in cpu_flags():
+    if (
+        os.environ.get("DUET_BF16_LINEAR", "").lower() == "onednn"
+        or "avx512_bf16" not in cpu_flags()
+    ):
         return None
     lib = kernels_lib()
     return lib if lib is not None and lib.qgemm_bf16_isa() >= 1 else None
 
 
 class Linear:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True
+    ) -> None:
         self.weight: torch.Tensor | None = weight
         self.bias = bias
         self.packed: torch.Tensor | None = None
@@ -91,31 +102,47 @@ class Linear:
         self.lib = None
         self.out_features, self.in_features = weight.shape[0], weight.shape[-1]
         lib = own_kernel_lib(weight) if prepack else None
-        if lib is not None and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())):
+        if lib is not None and (
+            bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
+        ):
             w = weight.contiguous()
             self.panels = torch.empty(lib.linear_bf16_packed_words(*w.shape), dtype=torch.int32)
-            if lib.linear_bf16_pack(w.data_ptr(), w.shape[0], w.shape[1], self.panels.data_ptr()) != 0:
+            if (
+                lib.linear_bf16_pack(w.data_ptr(), w.shape[0], w.shape[1], self.panels.data_ptr())
+                != 0
+            ):
                 raise RuntimeError("linear_bf16_pack failed in a build that has AVX-512 BF16")
-            self.lib, self.weight = lib, None  # the panels replace the weight (the caller may still hold it)
+            self.lib, self.weight = (
+                lib,
+                None,
+            )  # the panels replace the weight (the caller may still hold it)
         elif prepack and can_prepack(weight):
             self.packed = self._pack(weight, bias)
             if self.packed is not None:
                 self.weight = None  # the packed copy replaces it (the caller may still hold it)
         #: what a one-row call reads: the panels (their padding included), else the weight's bytes
         #: (oneDNN's packed copy is opaque: its padding is not counted)
-        read = self.panels.nbytes if self.panels is not None else weight.numel() * weight.element_size()
+        read = (
+            self.panels.nbytes
+            if self.panels is not None
+            else weight.numel() * weight.element_size()
+        )
         self.decode_bytes = read + (0 if bias is None else bias.nbytes)
 
     def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight, batch_size=32)
-            x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+            x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(
+                weight.dtype
+            )
             got = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
             want = F.linear(x, weight, bias)
             if not torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2):
                 raise RuntimeError("prepacked linear disagrees with F.linear")
         except RuntimeError as e:
-            fallback(log, f"oneDNN weight prepacking failed ({e})", "F.linear")  # raises in strict mode
+            fallback(
+                log, f"oneDNN weight prepacking failed ({e})", "F.linear"
+            )  # raises in strict mode
             return None
         return packed
 
@@ -136,9 +163,19 @@ class Linear:
         m = x2.shape[0]
         out = torch.empty((m, self.out_features), dtype=torch.bfloat16)
         if m:
-            rc = self.lib.linear_bf16(x2.data_ptr(), x2.stride(0), m, self.in_features, self.panels.data_ptr(),
-                                      self.out_features, None if self.bias is None else self.bias.data_ptr(),
-                                      out.data_ptr(), self.out_features, 0, 0)  # fmt: skip
+            rc = self.lib.linear_bf16(
+                x2.data_ptr(),
+                x2.stride(0),
+                m,
+                self.in_features,
+                self.panels.data_ptr(),
+                self.out_features,
+                None if self.bias is None else self.bias.data_ptr(),
+                out.data_ptr(),
+                self.out_features,
+                0,
+                0,
+            )
             if rc != 0:
                 raise MemoryError(f"linear_bf16 failed ({rc}) for {m} rows of {self.in_features}")
         return out.reshape(*lead, self.out_features)

@@ -58,12 +58,16 @@ class LLM:
             raise ValueError(f"{len(ps)} SamplingParams for {len(plist)} prompts")
         # Distinct guides compile together on the compile pool (the core then finds them cached).
         guides = {p.guide for p in ps if p.guide is not None}
-        concurrent.futures.wait([self.engine.guides.compile_async(g) for g in guides])  # errors: at add_request
+        concurrent.futures.wait(
+            [self.engine.guides.compile_async(g) for g in guides]
+        )  # errors: at add_request
         results: dict[str, CompletionOutput] = {}
         order = []
         for prompt, p in zip(plist, ps, strict=True):
             rid = f"llm-{next(self._ids)}"
-            req = self.engine.add_request(rid, prompt if isinstance(prompt, str) else list(prompt), p, priority)
+            req = self.engine.add_request(
+                rid, prompt if isinstance(prompt, str) else list(prompt), p, priority
+            )
             results[rid] = CompletionOutput(rid, req.prompt_token_ids)
             order.append(rid)
         pending = set(order)
@@ -83,8 +87,12 @@ class LLM:
                     pending.discard(o.request_id)
         return [results[rid] for rid in order]
 
-    def embed(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]], pooling: str = "last",
-              dimensions: int | None = None) -> list[list[float]]:  # fmt: skip
+    def embed(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        pooling: str = "last",
+        dimensions: int | None = None,
+    ) -> list[list[float]]:
         """L2-normalized embeddings of `prompts` (strings or token-id lists; engine/embed.py), in
         input order: `pooling` "last" (the last token's final hidden state) or "mean"."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):

@@ -50,7 +50,9 @@ class LogitsHead:
     def __init__(self, weight: torch.Tensor | QuantizedWeight) -> None:
         self.q = QLinear(weight) if isinstance(weight, QuantizedWeight) else None
         self.weight = None if self.q is not None else weight.contiguous()
-        self.out_features = weight.out_features if isinstance(weight, QuantizedWeight) else weight.shape[0]
+        self.out_features = (
+            weight.out_features if isinstance(weight, QuantizedWeight) else weight.shape[0]
+        )
         dev = weight.q.device if isinstance(weight, QuantizedWeight) else weight.device
         bf16 = self.weight is not None and self.weight.dtype == torch.bfloat16
         self.lib = kernels_lib() if (bf16 and dev.type == "cpu") else None
@@ -60,8 +62,12 @@ class LogitsHead:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.q is not None:
             q = self.q
-            if (x.dtype == torch.float32 and q.w8 is None and q.weight.scheme == "int8"
-                    and 0 < q.bf16_min_rows <= x.shape[0]):  # fmt: skip
+            if (
+                x.dtype == torch.float32
+                and q.w8 is None
+                and q.weight.scheme == "int8"
+                and 0 < q.bf16_min_rows <= x.shape[0]
+            ):
                 # a batch: the bf16 GEMM path (AMX / AVX-512 BF16; int8 q is exact in bf16) over
                 # fp32 x's two bf16 halves, as below, instead of the fp32 tile path (32 rows of
                 # SmolLM2's int8 head: 10.6 -> 5.0 ms at 2 threads, AMX). Not for int4, whose bf16
@@ -79,8 +85,16 @@ class LogitsHead:
                 x = x.contiguous()
             out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
             if m:
-                rc = self.lib.logits_bf16(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], w.data_ptr(),
-                                          self.out_features, out.data_ptr(), out.stride(0))  # fmt: skip
+                rc = self.lib.logits_bf16(
+                    x.data_ptr(),
+                    x.stride(0),
+                    x.shape[0],
+                    x.shape[1],
+                    w.data_ptr(),
+                    self.out_features,
+                    out.data_ptr(),
+                    out.stride(0),
+                )
                 if rc != 0:
                     raise MemoryError(f"logits_bf16 failed ({rc}) for {x.shape[0]} rows")
             return out if out.shape[0] == m else _joined(out, m)

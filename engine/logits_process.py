@@ -28,7 +28,9 @@ from engine.request import Request
 def output_so_far(req: Request) -> list[int]:
     """The request's output tokens, a migrated leg's already-streamed ones first."""
     r = req.params.resume
-    done = req.prompt_token_ids[len(req.prompt_token_ids) - r.output_tokens :] if r is not None else []
+    done = (
+        req.prompt_token_ids[len(req.prompt_token_ids) - r.output_tokens :] if r is not None else []
+    )
     return done + req.output_token_ids
 
 
@@ -37,12 +39,16 @@ def penalize_row(x: np.ndarray, req: Request) -> None:
     involved are touched (numpy, single-threaded: no whole-vocabulary pass per row)."""
     p = req.params
     if p.logit_bias:  # dict keys: each id once
-        x[np.fromiter(p.logit_bias, dtype=np.int64)] += np.fromiter(p.logit_bias.values(), dtype=np.float32)
+        x[np.fromiter(p.logit_bias, dtype=np.int64)] += np.fromiter(
+            p.logit_bias.values(), dtype=np.float32
+        )
     out = output_so_far(req)
     if p.repetition_penalty != 1.0:
         seen = np.unique(np.asarray(req.prompt_token_ids + out, dtype=np.int64))
         v = x[seen]
-        x[seen] = np.where(v > 0, v / np.float32(p.repetition_penalty), v * np.float32(p.repetition_penalty))
+        x[seen] = np.where(
+            v > 0, v / np.float32(p.repetition_penalty), v * np.float32(p.repetition_penalty)
+        )
     if (p.frequency_penalty or p.presence_penalty) and out:
         ids, counts = np.unique(np.asarray(out, dtype=np.int64), return_counts=True)
         x[ids] -= (counts * p.frequency_penalty + p.presence_penalty).astype(np.float32)

@@ -57,12 +57,23 @@ class Layer:
 
 
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: ModelWeights, rope: Rope, device: torch.device,
-                 act_int8: bool = False, act_groups: dict[str, int] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: ModelWeights,
+        rope: Rope,
+        device: torch.device,
+        act_int8: bool = False,
+        act_groups: dict[str, int] | None = None,
+    ) -> None:
         self.cfg = cfg
         dtype = weights.embed.dtype
-        usable = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
-                  and cfg.head_dim % 2 == 0 and cfg.num_heads // cfg.num_kv_heads <= 64)  # fmt: skip
+        usable = (
+            device.type == "cpu"
+            and dtype in (torch.float32, torch.bfloat16)
+            and cfg.head_dim % 2 == 0
+            and cfg.num_heads // cfg.num_kv_heads <= 64
+        )
         self.kernels = kernels_lib() if usable else None
         # fp32 stays on SDPA prefill and torch norms: the exact-parity reference path.
         self.fused = self.kernels is not None and dtype == torch.bfloat16
@@ -75,12 +86,20 @@ class LlamaModel:
         self.res32 = dtype == torch.bfloat16
         self.dtype = dtype
         a8 = act_int8  # W8A8 linears (engine/qlinear.py); the lm_head stays weight-only
-        grp = act_groups or {}  # inputs per activation scale, by linear (engine/quant.py::ACT_GROUPS)
+        grp = (
+            act_groups or {}
+        )  # inputs per activation scale, by linear (engine/quant.py::ACT_GROUPS)
         self.layers = [
-            Layer(lw.input_norm, make_linear(lw.qkv, lw.qkv_bias, a8, grp.get("qkv", 0)),
-                  make_linear(lw.o, None, a8, grp.get("o", 0)), lw.post_norm,
-                  make_linear(lw.gate_up, None, a8, grp.get("gate_up", 0)),
-                  make_linear(lw.down, None, a8, grp.get("down", 0)), lw.q_norm, lw.k_norm)
+            Layer(
+                lw.input_norm,
+                make_linear(lw.qkv, lw.qkv_bias, a8, grp.get("qkv", 0)),
+                make_linear(lw.o, None, a8, grp.get("o", 0)),
+                lw.post_norm,
+                make_linear(lw.gate_up, None, a8, grp.get("gate_up", 0)),
+                make_linear(lw.down, None, a8, grp.get("down", 0)),
+                lw.q_norm,
+                lw.k_norm,
+            )
             for lw in weights.layers
         ]
         weights.layers = []  # prepacked copies replace the plain weights
@@ -93,15 +112,24 @@ class LlamaModel:
         self.inter = cfg.intermediate_size
         #: pure-decode steps of a quantized bf16 model run their layers in one C call (None: the
         #: Python loop always; engine/decode_plan.py says when it applies)
-        self.decode_plan = DecodePlan.build(self.kernels, self.layers, dtype, cfg.hidden_size, self.inter, self.eps)
+        self.decode_plan = DecodePlan.build(
+            self.kernels, self.layers, dtype, cfg.hidden_size, self.inter, self.eps
+        )
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one single-stream decode step reads: every layer's linears and norms,
         the final norm, the lm_head and one embedding row. A decode step of a model this small
         is bound by memory bandwidth, so bandwidth / this is its tokens/s ceiling
         (bench.engine_tiers' W2 roofline)."""
-        norms = [self.norm, *(t for L in self.layers for t in (L.input_norm, L.post_norm, L.q_norm, L.k_norm)
-                              if t is not None)]  # fmt: skip
+        norms = [
+            self.norm,
+            *(
+                t
+                for L in self.layers
+                for t in (L.input_norm, L.post_norm, L.q_norm, L.k_norm)
+                if t is not None
+            ),
+        ]
         linears = sum(f.decode_bytes for L in self.layers for f in (L.qkv, L.o, L.gate_up, L.down))
         row = self.embed.shape[1] * self.embed.element_size()
         return linears + sum(t.nbytes for t in norms) + self.lm_head.decode_bytes + row
@@ -113,7 +141,9 @@ class LlamaModel:
             return self._res_norm(x, None, weight, final)
         if self.fused:
             out = torch.empty_like(x)
-            self.kernels.rms_norm_bf16(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], self.eps)
+            self.kernels.rms_norm_bf16(
+                x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], self.eps
+            )
             return out
         return F.rms_norm(x, self.hidden, weight, self.eps)
 
@@ -123,19 +153,36 @@ class LlamaModel:
             return self._res_norm(h, delta, weight, False)
         if self.fused:
             out = torch.empty_like(h)
-            self.kernels.add_rms_norm_bf16(h.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
-                                           h.shape[0], h.shape[1], self.eps)  # fmt: skip
+            self.kernels.add_rms_norm_bf16(
+                h.data_ptr(),
+                delta.data_ptr(),
+                weight.data_ptr(),
+                out.data_ptr(),
+                h.shape[0],
+                h.shape[1],
+                self.eps,
+            )
             return out
         h += delta
         return F.rms_norm(h, self.hidden, weight, self.eps)
 
-    def _res_norm(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, final: bool) -> torch.Tensor:
+    def _res_norm(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, final: bool
+    ) -> torch.Tensor:
         """The fp32 residual stream h (+= delta, in place), normed: (h * inv_rms) * weight, rounded
         once to the engine dtype (fp32 when `final`)."""
         out = torch.empty(h.shape, dtype=torch.float32 if final else self.dtype)
         if self.fused:
-            self.kernels.res_norm_f32(h.data_ptr(), 0 if delta is None else delta.data_ptr(), weight.data_ptr(),
-                                      out.data_ptr(), h.shape[0], h.shape[1], self.eps, int(final))  # fmt: skip
+            self.kernels.res_norm_f32(
+                h.data_ptr(),
+                0 if delta is None else delta.data_ptr(),
+                weight.data_ptr(),
+                out.data_ptr(),
+                h.shape[0],
+                h.shape[1],
+                self.eps,
+                int(final),
+            )
             return out
         if delta is not None:
             h += delta
@@ -155,7 +202,9 @@ class LlamaModel:
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused:
             out = torch.empty((gate_up.shape[0], self.inter), dtype=gate_up.dtype)
-            self.kernels.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], self.inter)
+            self.kernels.silu_mul_bf16(
+                gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], self.inter
+            )
             return out
         return F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
 
@@ -171,8 +220,13 @@ class LlamaModel:
         return self.lm_head(x)  # fp32 logits in every dtype (engine/logits_head.py)
 
     @torch.inference_mode()
-    def hidden_states(self, input_ids: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata,
-                      rows: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,
+        kv_cache: torch.Tensor,
+        md: AttentionMetadata,
+        rows: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """The final hidden states (after the final norm) of `rows` of the step (None: every
         token): what the logits head reads, and what embeddings pool (engine/embed.py); fp32 in
         fp32 and bf16 engines."""
@@ -181,9 +235,20 @@ class LlamaModel:
         step = None
         cos = sin = None
         if lib is not None:
-            step = KernelStep(kv_cache, md.block_tables, md.token_row, md.ctx_lens, md.positions,
-                              md.slot_block, md.slot_offset, self.rope.cos, self.rope.sin,
-                              self.cfg.num_heads, md.max_ctx, md.sliding_window)  # fmt: skip
+            step = KernelStep(
+                kv_cache,
+                md.block_tables,
+                md.token_row,
+                md.ctx_lens,
+                md.positions,
+                md.slot_block,
+                md.slot_offset,
+                self.rope.cos,
+                self.rope.sin,
+                self.cfg.num_heads,
+                md.max_ctx,
+                md.sliding_window,
+            )
             ptr = step.ptr
         else:
             cos, sin = self.rope.tables(md.positions)

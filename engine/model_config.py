@@ -49,10 +49,20 @@ class ModelConfig:
         # transformers 5 folds rope settings into rope_parameters; 4.x has rope_theta/rope_scaling.
         rope = cfg.get("rope_parameters") or {}
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        if scaling is not None and scaling.get("rope_type", scaling.get("type")) not in ("default", "linear", "llama3"):
+        scaling = cfg.get("rope_scaling") or (
+            rope if rope.get("rope_type", "default") != "default" else None
+        )
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) not in (
+            "default",
+            "linear",
+            "llama3",
+        ):
             raise ValueError(f"unsupported rope scaling {scaling}")
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", model_type == "mistral") else None
+        window = (
+            cfg.get("sliding_window")
+            if cfg.get("use_sliding_window", model_type == "mistral")
+            else None
+        )
         return cls(
             model_type=model_type,
             vocab_size=cfg["vocab_size"],

@@ -22,8 +22,13 @@ __all__ = ["RequestOutput", "TextState"]
 
 
 class TextState:
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
-                 skip_special_tokens: bool) -> None:  # fmt: skip
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool,
+    ) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self._stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
@@ -31,8 +36,14 @@ class TextState:
         self._emitted = 0
 
     @classmethod
-    def resumed(cls, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], skip_special_tokens: bool,
-                resume: Resume) -> TextState:  # fmt: skip
+    def resumed(
+        cls,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        stop: list[str],
+        skip_special_tokens: bool,
+        resume: Resume,
+    ) -> TextState:
         """The state after the last `resume.output_tokens` of `prompt_ids` were generated and
         `resume.text_chars` characters of their text were emitted: the same calls the first node
         made, so the detokenizer's window and the stop strings' hold-back continue exactly."""
@@ -62,7 +73,11 @@ class TextState:
                 self.text = self.text[:best]
         else:
             self.text += delta
-        end = len(self.text) if (last or matched is not None) else max(self._emitted, len(self.text) - self._hold)
+        end = (
+            len(self.text)
+            if (last or matched is not None)
+            else max(self._emitted, len(self.text) - self._hold)
+        )
         out = self.text[self._emitted : end]
         self._emitted = end
         return out, matched

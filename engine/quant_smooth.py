@@ -72,7 +72,9 @@ class _Recorder:
 
 
 @torch.inference_mode()
-def activation_ranges(model_dir: Path, cfg: ModelConfig, text: str | None = None) -> list[dict[str, torch.Tensor]]:
+def activation_ranges(
+    model_dir: Path, cfg: ModelConfig, text: str | None = None
+) -> list[dict[str, torch.Tensor]]:
     """Per layer, per linear ("qkv", "o", "gate_up", "down"): amax over calibration tokens of each
     input channel, from the unquantized model in fp32."""
     from engine.attention import build_metadata
@@ -85,7 +87,12 @@ def activation_ranges(model_dir: Path, cfg: ModelConfig, text: str | None = None
     ids = Tokenizer(model_dir).encode(text if text is not None else CALIBRATION.read_text())
     weights = load_weights(Path(model_dir), cfg, torch.float32, dev, quantization=None)
     window = min(WINDOW, len(ids))
-    model = LlamaModel(cfg, weights, Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, window, torch.float32, dev), dev)
+    model = LlamaModel(
+        cfg,
+        weights,
+        Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, window, torch.float32, dev),
+        dev,
+    )
     skip = list(range(SKIP))
     recs = []
     for layer in model.layers:
@@ -94,7 +101,9 @@ def activation_ranges(model_dir: Path, cfg: ModelConfig, text: str | None = None
             setattr(layer, p, r)
     bs = 16
     blocks = list(range(-(-window // bs)))
-    kv = torch.zeros((len(blocks), cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim), dtype=torch.float32)
+    kv = torch.zeros(
+        (len(blocks), cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim), dtype=torch.float32
+    )
     for start in range(0, len(ids), window):
         chunk = ids[start : start + window]
         if len(chunk) <= SKIP:
@@ -109,15 +118,28 @@ def _scales(a: torch.Tensor, w: torch.Tensor, alpha: float) -> torch.Tensor:
     return (a.pow(alpha) / w.pow(1 - alpha)).clamp(min=1e-5)
 
 
-def smooth_raw(raw: dict[str, torch.Tensor], cfg: ModelConfig, ranges: list[dict[str, torch.Tensor]], root: str,
-               alpha: float = ALPHA, parts: frozenset[str] = SMOOTHED) -> None:  # fmt: skip
+def smooth_raw(
+    raw: dict[str, torch.Tensor],
+    cfg: ModelConfig,
+    ranges: list[dict[str, torch.Tensor]],
+    root: str,
+    alpha: float = ALPHA,
+    parts: frozenset[str] = SMOOTHED,
+) -> None:
     """Smooth the raw checkpoint tensors of `parts` in place (fp32 from here on); see the module docstring."""
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     group = nh // nkv
-    names = {"in_norm": "input_layernorm.weight", "post_norm": "post_attention_layernorm.weight",
-             "q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
-             "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
-             "down": "mlp.down_proj.weight"}  # fmt: skip
+    names = {
+        "in_norm": "input_layernorm.weight",
+        "post_norm": "post_attention_layernorm.weight",
+        "q": "self_attn.q_proj.weight",
+        "k": "self_attn.k_proj.weight",
+        "v": "self_attn.v_proj.weight",
+        "o": "self_attn.o_proj.weight",
+        "gate": "mlp.gate_proj.weight",
+        "up": "mlp.up_proj.weight",
+        "down": "mlp.down_proj.weight",
+    }
     for i, r in enumerate(ranges):
         p = f"{root}layers.{i}."
         f = {k: raw[p + n].float() for k, n in names.items()}
@@ -149,10 +171,16 @@ def smooth_raw(raw: dict[str, torch.Tensor], cfg: ModelConfig, ranges: list[dict
             raw[p + n] = f[k]
 
 
-def smooth_checkpoint(raw: dict[str, torch.Tensor], model_dir: Path, cfg: ModelConfig, root: str) -> None:
+def smooth_checkpoint(
+    raw: dict[str, torch.Tensor], model_dir: Path, cfg: ModelConfig, root: str
+) -> None:
     """Calibrate the model at `model_dir` and smooth `raw` (its tensors) in place."""
     t0 = time.monotonic()
     ranges = activation_ranges(model_dir, cfg)
     smooth_raw(raw, cfg, ranges, root)
-    log.info("W8A8 smoothing: calibrated on %s and smoothed %d layers in %.1f s", CALIBRATION.name, len(ranges),
-             time.monotonic() - t0)  # fmt: skip
+    log.info(
+        "W8A8 smoothing: calibrated on %s and smoothed %d layers in %.1f s",
+        CALIBRATION.name,
+        len(ranges),
+        time.monotonic() - t0,
+    )

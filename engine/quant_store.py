@@ -37,7 +37,10 @@ def cache_path(model_dir: Path, scheme: str) -> Path:
 
 
 def _source_signature(model_dir: Path) -> list[list]:
-    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(Path(model_dir).glob("*.safetensors"))]
+    return [
+        [f.name, f.stat().st_size, f.stat().st_mtime_ns]
+        for f in sorted(Path(model_dir).glob("*.safetensors"))
+    ]
 
 
 def load_quantized(model_dir: Path, scheme: str) -> dict[str, QuantizedWeight] | None:
@@ -54,16 +57,24 @@ def load_quantized(model_dir: Path, scheme: str) -> dict[str, QuantizedWeight] |
                 log.warning("ignoring %s: written by another format version or scheme", path)
                 return None
             if info.get("source") != _source_signature(model_dir):
-                log.warning("ignoring %s: the model's weights changed since it was written "
-                            "(run `duet models pull --quantize %s --force`)", path, scheme)  # fmt: skip
+                log.warning(
+                    "ignoring %s: the model's weights changed since it was written "
+                    "(run `duet models pull --quantize %s --force`)",
+                    path,
+                    scheme,
+                )
                 return None
             out = {}
             for name, m in info["matrices"].items():
                 out[name] = QuantizedWeight(
-                    scheme=m["scheme"], out_features=m["out"], in_features=m["in"], q=f.get_tensor(f"{name}.q"),
+                    scheme=m["scheme"],
+                    out_features=m["out"],
+                    in_features=m["in"],
+                    q=f.get_tensor(f"{name}.q"),
                     scales=f.get_tensor(f"{name}.scales"),
-                    mins=f.get_tensor(f"{name}.mins") if m["scheme"] == "int4" else None, group=m["group"],
-                )  # fmt: skip
+                    mins=f.get_tensor(f"{name}.mins") if m["scheme"] == "int4" else None,
+                    group=m["group"],
+                )
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         log.warning("ignoring unreadable quantized cache %s: %s", path, e)
         return None
@@ -78,8 +89,14 @@ def write_quantized(model_dir: Path, scheme: str) -> Path:
     scheme = WEIGHT_FORMAT[check_scheme(scheme)]
     path = cache_path(model_dir, scheme)
     source = _source_signature(model_dir)
-    w = load_weights(Path(model_dir), ModelConfig.from_dir(Path(model_dir)), torch.float32, torch.device("cpu"),
-                     quantization=scheme, use_cache=False)  # fmt: skip
+    w = load_weights(
+        Path(model_dir),
+        ModelConfig.from_dir(Path(model_dir)),
+        torch.float32,
+        torch.device("cpu"),
+        quantization=scheme,
+        use_cache=False,
+    )
     mats: dict[str, QuantizedWeight] = {"lm_head": w.lm_head}  # type: ignore[dict-item]
     for i, lw in enumerate(w.layers):
         for part in ("qkv", "o", "gate_up", "down"):
@@ -90,8 +107,17 @@ def write_quantized(model_dir: Path, scheme: str) -> Path:
         tensors[f"{name}.scales"] = qw.scales
         if qw.mins is not None:
             tensors[f"{name}.mins"] = qw.mins
-        info[name] = {"scheme": qw.scheme, "out": qw.out_features, "in": qw.in_features, "group": qw.group}
-    meta = {"duet": json.dumps({"version": FORMAT_VERSION, "scheme": scheme, "source": source, "matrices": info})}
+        info[name] = {
+            "scheme": qw.scheme,
+            "out": qw.out_features,
+            "in": qw.in_features,
+            "group": qw.group,
+        }
+    meta = {
+        "duet": json.dumps(
+            {"version": FORMAT_VERSION, "scheme": scheme, "source": source, "matrices": info}
+        )
+    }
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)

@@ -77,7 +77,10 @@ class Request:
     def needs_prompt_logprobs(self) -> bool:
         """Prompt logprobs were asked for and some prompt positions lack them (such a request
         skips the prefix cache: a cached block has no logits)."""
-        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def sort_key(self) -> tuple[int, float]:

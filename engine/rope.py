@@ -35,8 +35,15 @@ def inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> tor
 
 
 class Rope:
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None,
-                 max_positions: int, dtype: torch.dtype, device: torch.device) -> None:  # fmt: skip
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        max_positions: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         f = inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.int64).float()
         emb = torch.outer(t, f)
@@ -55,9 +62,17 @@ class Rope:
         rotated = torch.cat([-x2, x1], dim=-1)
         return x * cos + rotated * sin
 
-    def store_torch(self, qkv: torch.Tensor, heads: int, kv_cache: torch.Tensor, layer: int,
-                    slot_block: torch.Tensor, slot_offset: torch.Tensor,
-                    cos: torch.Tensor, sin: torch.Tensor) -> None:  # fmt: skip
+    def store_torch(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        kv_cache: torch.Tensor,
+        layer: int,
+        slot_block: torch.Tensor,
+        slot_offset: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> None:
         """Torch twin of the `rope_store` kernel: rotate q and k of the fused qkv activations
         [T, (H + 2 KVH) * D] in place and write k, v into their pool slots."""
         t = qkv.shape[0]

@@ -42,8 +42,14 @@ PoolFactory = Callable[[KVLayout, str], torch.Tensor]
 
 
 def zeroed_pool(layout: KVLayout, device: str) -> torch.Tensor:
-    shape = (layout.num_blocks, layout.num_layers, 2, layout.block_size, layout.num_kv_heads,
-             layout.head_dim)  # fmt: skip
+    shape = (
+        layout.num_blocks,
+        layout.num_layers,
+        2,
+        layout.block_size,
+        layout.num_kv_heads,
+        layout.head_dim,
+    )
     return torch.zeros(shape, dtype=getattr(torch, layout.dtype), device=device)
 
 
@@ -67,20 +73,34 @@ class ModelRunner:
         self.quantization = quantization
         weights = load_weights(model_dir, cfg, dtype, device, quantization)
         rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_model_len, dtype, device)
-        self.model = LlamaModel(cfg, weights, rope, device, act_int8=quantization in ACT_INT8,
-                                act_groups=ACT_GROUPS.get(quantization or ""))
+        self.model = LlamaModel(
+            cfg,
+            weights,
+            rope,
+            device,
+            act_int8=quantization in ACT_INT8,
+            act_groups=ACT_GROUPS.get(quantization or ""),
+        )
         self.kv_layout = KVLayout(
-            num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-            block_size=block_size, dtype=_DTYPE_NAMES[dtype], num_blocks=num_blocks,
+            num_layers=cfg.num_layers,
+            num_kv_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim,
+            block_size=block_size,
+            dtype=_DTYPE_NAMES[dtype],
+            num_blocks=num_blocks,
             weights=quantization or "",
-        )  # fmt: skip
+        )
         self.kv_cache = pool_factory(self.kv_layout, str(device))
         expected = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
         if tuple(self.kv_cache.shape) != expected or self.kv_cache.dtype != dtype:
-            raise ValueError(f"KV pool factory returned {tuple(self.kv_cache.shape)} "
-                             f"{self.kv_cache.dtype}, expected {expected} {dtype}")  # fmt: skip
+            raise ValueError(
+                f"KV pool factory returned {tuple(self.kv_cache.shape)} "
+                f"{self.kv_cache.dtype}, expected {expected} {dtype}"
+            )
 
-    def execute(self, chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], torch.Tensor, list[PromptRows]]:
+    def execute(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[list[ScheduledChunk], torch.Tensor, list[PromptRows]]:
         """Run one step. Returns the chunks that sample, in order, their logits [S, V] (1 + the
         draft's length rows per chunk, in chunk order), and
         the prompt-logprob rows: for each chunk whose request wants prompt logprobs, the

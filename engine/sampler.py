@@ -89,7 +89,9 @@ class Sampler:
         logits = logits.cpu()
         if eos_ids is not None:
             masked = [r for r, (_, _, allowed) in enumerate(rows) if not allowed and eos_ids[r]]
-            if masked:  # min_tokens not reached yet; a copy: the forward pass's logits are read-only
+            if (
+                masked
+            ):  # min_tokens not reached yet; a copy: the forward pass's logits are read-only
                 logits = logits.clone()
             for r in masked:
                 logits[r, list(eos_ids[r])] = float("-inf")
@@ -107,8 +109,14 @@ class Sampler:
                     errors[r], out[r] = f"sampling failed: {type(e).__name__}: {e}", -1
         return out, errors
 
-    def _draw(self, logits: torch.Tensor, rows: list[tuple[str, SamplingParams, bool]], sampled: list[int],
-              out: list[int], errors: dict[int, str]) -> None:  # fmt: skip
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        rows: list[tuple[str, SamplingParams, bool]],
+        sampled: list[int],
+        out: list[int],
+        errors: dict[int, str],
+    ) -> None:
         params = [rows[r][1] for r in sampled]
         probs = processed_probs(logits[sampled], params)
         finite = torch.isfinite(probs).all(dim=-1).tolist()
@@ -126,11 +134,21 @@ class Sampler:
 
     def _argmax(self, logits: torch.Tensor) -> list[int]:
         lib = self._lib
-        if lib is None or logits.dtype not in (torch.float32, torch.bfloat16) or logits.stride(1) != 1:
+        if (
+            lib is None
+            or logits.dtype not in (torch.float32, torch.bfloat16)
+            or logits.stride(1) != 1
+        ):
             return logits.argmax(dim=-1).tolist()
         idx = torch.empty(logits.shape[0], dtype=torch.long)
-        lib.argmax_rows(logits.data_ptr(), logits.stride(0), logits.shape[0], logits.shape[1],
-                        int(logits.dtype == torch.bfloat16), idx.data_ptr())  # fmt: skip
+        lib.argmax_rows(
+            logits.data_ptr(),
+            logits.stride(0),
+            logits.shape[0],
+            logits.shape[1],
+            int(logits.dtype == torch.bfloat16),
+            idx.data_ptr(),
+        )
         return idx.tolist()
 
 
@@ -153,7 +171,9 @@ def apply_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(probs < floor, float("-inf"))
 
 
-def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprob]:
+def token_logprobs(
+    logits: torch.Tensor, token_ids: list[int], num_top: list[int]
+) -> list[TokenLogprob]:
     """Row r: the logprob of `token_ids[r]` and the `num_top[r]` most likely tokens, from the
     log-softmax of the raw logits in fp32 (the model's distribution before temperature, top-k,
     top-p and min_tokens' EOS mask: vLLM's default `logprobs_mode`, so a value does not
@@ -161,12 +181,18 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int
     if not token_ids:
         return []
     lp = torch.log_softmax(logits.float(), dim=-1)
-    chosen = lp.gather(1, torch.tensor(token_ids, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    chosen = (
+        lp.gather(1, torch.tensor(token_ids, device=lp.device).unsqueeze(1)).squeeze(1).tolist()
+    )
     k = min(max(num_top), lp.shape[-1])
-    top_v, top_i = (lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long()))
+    top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
     top_v, top_i = top_v.tolist(), top_i.tolist()
     return [
-        TokenLogprob(token_id=t, logprob=chosen[r], top=list(zip(top_i[r][: num_top[r]], top_v[r][: num_top[r]], strict=True)))
+        TokenLogprob(
+            token_id=t,
+            logprob=chosen[r],
+            top=list(zip(top_i[r][: num_top[r]], top_v[r][: num_top[r]], strict=True)),
+        )
         for r, t in enumerate(token_ids)
     ]
 

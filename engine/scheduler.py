@@ -60,7 +60,9 @@ class SchedulerConfig:
             if not self.itl_target_s > 0:
                 raise ValueError(f"the ITL target must be positive (got {self.itl_target_s} s)")
             if not self.enable_chunked_prefill:
-                raise ValueError("an ITL target needs chunked prefill (it sizes the prefill chunks)")
+                raise ValueError(
+                    "an ITL target needs chunked prefill (it sizes the prefill chunks)"
+                )
             if self.min_prefill_chunk < 1:
                 raise ValueError("min_prefill_chunk must be at least 1")
 
@@ -132,12 +134,17 @@ class Scheduler:
     @property
     def num_waiting_tokens(self) -> int:
         """Prompt tokens of the requests not yet admitted (the queue's size in work)."""
-        return sum(r.num_tokens for r in self.waiting) + sum(r.num_prompt_tokens for r in self.remote.values())
+        return sum(r.num_tokens for r in self.waiting) + sum(
+            r.num_prompt_tokens for r in self.remote.values()
+        )
 
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens still to prefill: the waiting requests' and the running ones'
         remainders (what the coordinator's routing counts as a node's queued prefill work)."""
-        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*self.waiting, *self.running))
+        return sum(
+            max(0, r.num_prompt_tokens - r.num_computed_tokens)
+            for r in (*self.waiting, *self.running)
+        )
 
     @property
     def num_running(self) -> int:
@@ -157,7 +164,9 @@ class Scheduler:
 
     def _admission_blocked(self, req: Request) -> bool:
         need = self.kv.find_cached_prefix(req)
-        return len(self.running) >= self.config.max_num_seqs or not self.kv.can_allocate(req, 1, need)
+        return len(self.running) >= self.config.max_num_seqs or not self.kv.can_allocate(
+            req, 1, need
+        )
 
     def _priority_preempt(self, out: SchedulerOutput) -> None:
         """Make room for the best waiting request when it outranks running ones."""
@@ -181,10 +190,19 @@ class Scheduler:
         prefill_left = self.last_prefill_budget = self._prefill_budget(budget)
         # the batch counts the requests queued behind the decoding ones: at the start of a big
         # batch only a few decode while the rest prefill, and drafting then would only cost
-        drafting = (self.drafter is not None and self._num_decoding() > 0
-                    and len(self.running) + len(self.waiting) <= self.spec_max_batch)  # fmt: skip
+        drafting = (
+            self.drafter is not None
+            and self._num_decoding() > 0
+            and len(self.running) + len(self.waiting) <= self.spec_max_batch
+        )
         if drafting and self.prepare_drafts is not None:
-            self.prepare_drafts([r for r in self.running if r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1])
+            self.prepare_drafts(
+                [
+                    r
+                    for r in self.running
+                    if r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1
+                ]
+            )
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -198,11 +216,16 @@ class Scheduler:
             if drafting and n == 1 and req.output_token_ids and budget > 1:
                 draft = self.drafter(req, budget - 1)  # type: ignore[misc]
                 if draft and self.kv.allocate_slots(req, 1 + len(draft)):
-                    out.chunks.append(ScheduledChunk(req, req.num_computed_tokens, 1 + len(draft), draft))
+                    out.chunks.append(
+                        ScheduledChunk(req, req.num_computed_tokens, 1 + len(draft), draft)
+                    )
                     budget -= 1 + len(draft)
                     i += 1
                     continue
-            if not self.config.enable_chunked_prefill and n < req.num_tokens - req.num_computed_tokens:
+            if (
+                not self.config.enable_chunked_prefill
+                and n < req.num_tokens - req.num_computed_tokens
+            ):
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, n):
@@ -232,19 +255,31 @@ class Scheduler:
             return budget
         decoding = [r for r in self.running if not _prompt_work(r)]
         context = sum(r.num_computed_tokens + 1 for r in decoding)
-        first = next((r for r in self.running if _prompt_work(r)), self.waiting[0] if self.waiting else None)
+        first = next(
+            (r for r in self.running if _prompt_work(r)), self.waiting[0] if self.waiting else None
+        )
         start = first.num_computed_tokens if first is not None else 0
-        fit = self.step_model.max_prefill(len(decoding), context, start, self.config.itl_target_s, budget)
+        fit = self.step_model.max_prefill(
+            len(decoding), context, start, self.config.itl_target_s, budget
+        )
         return max(fit, min(self.config.min_prefill_chunk, budget))
 
     def observe_step(self, seconds: float) -> None:
         """The engine's measured wall time of the step scheduled last (fits the step model)."""
         shape, self._last_shape = self._last_shape, None
-        if self.step_model is not None and shape is not None and (shape.prefill_tokens or shape.decode_seqs):
+        if (
+            self.step_model is not None
+            and shape is not None
+            and (shape.prefill_tokens or shape.decode_seqs)
+        ):
             self.step_model.observe(shape, seconds)
 
     def _num_decoding(self) -> int:
-        return sum(1 for r in self.running if r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1)
+        return sum(
+            1
+            for r in self.running
+            if r.output_token_ids and r.num_tokens - r.num_computed_tokens == 1
+        )
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, prefill_left: int) -> int:
         full_budget = self.config.max_num_batched_tokens
@@ -350,7 +385,11 @@ class Scheduler:
     def expire_holds(self, now: float) -> list[str]:
         """Free every hold whose lease ran out; returns their request ids. A hold the event loop
         claimed just before its deadline is left to the release command already on its way."""
-        due = [rid for rid, r in self.held.items() if r.hold_expiry is not None and r.hold_expiry <= now]
+        due = [
+            rid
+            for rid, r in self.held.items()
+            if r.hold_expiry is not None and r.hold_expiry <= now
+        ]
         gone = []
         for rid in due:
             if self.ledger.expire(rid):
@@ -361,7 +400,9 @@ class Scheduler:
         return gone
 
     def next_hold_expiry(self) -> float | None:
-        return min((r.hold_expiry for r in self.held.values() if r.hold_expiry is not None), default=None)
+        return min(
+            (r.hold_expiry for r in self.held.values() if r.hold_expiry is not None), default=None
+        )
 
 
 def _prompt_work(req: Request) -> bool:

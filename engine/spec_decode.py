@@ -44,8 +44,12 @@ from protocol.models import resolve_model
 log = logging.getLogger("duet.engine.spec")
 
 #: draft-model methods and the draft's quantization (None: the target's own weight format)
-DRAFT_METHODS: dict[str, str | None] = {"draft-int4": "int4", "draft-int4-w4a8": "int4-w4a8",
-                                        "draft-int8": "int8", "draft": None}  # fmt: skip
+DRAFT_METHODS: dict[str, str | None] = {
+    "draft-int4": "int4",
+    "draft-int4-w4a8": "int4-w4a8",
+    "draft-int8": "int8",
+    "draft": None,
+}
 #: what --speculative accepts
 METHODS = ("ngram", *DRAFT_METHODS)
 #: Default `spec_max_batch` per method: the most requests running or waiting with which a step still
@@ -71,7 +75,9 @@ def spec_max_batch(config: EngineConfig) -> int:
     if config.spec_max_batch is None:
         return SPEC_MAX_BATCH.get(config.speculative or "", 1)
     if config.spec_max_batch < 0:
-        raise ValueError(f"spec_max_batch must be 0 (never draft) or more, not {config.spec_max_batch}")
+        raise ValueError(
+            f"spec_max_batch must be 0 (never draft) or more, not {config.spec_max_batch}"
+        )
     return config.spec_max_batch
 
 
@@ -105,20 +111,36 @@ class SpecCounters:
             "spec_decode_num_draft_tokens": tokens,
             "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
             "spec_decode_acceptance_rate": self.num_accepted_tokens / tokens if tokens else 0.0,
-            "spec_decode_mean_acceptance_length": 1 + self.num_accepted_tokens / drafts if drafts else 0.0,
-            **{f"spec_decode_num_accepted_tokens_per_pos.{i}": n for i, n in enumerate(self.accepted_per_pos)},
+            "spec_decode_mean_acceptance_length": 1 + self.num_accepted_tokens / drafts
+            if drafts
+            else 0.0,
+            **{
+                f"spec_decode_num_accepted_tokens_per_pos.{i}": n
+                for i, n in enumerate(self.accepted_per_pos)
+            },
         }
 
 
 class Speculator:
-    def __init__(self, method: str, max_k: int, max_model_len: int, sampler: Sampler,
-                 model: DraftModel | None = None, vocab_size: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        method: str,
+        max_k: int,
+        max_model_len: int,
+        sampler: Sampler,
+        model: DraftModel | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
         if method not in METHODS:
-            raise ValueError(f"unknown speculative method {method!r}; use one of {', '.join(METHODS)}")
+            raise ValueError(
+                f"unknown speculative method {method!r}; use one of {', '.join(METHODS)}"
+            )
         if max_k < 1:
             raise ValueError("num_speculative_tokens must be at least 1")
         if (method in DRAFT_METHODS) != (model is not None):
-            raise ValueError(f"speculative method {method!r} {'needs' if model is None else 'takes no'} draft model")
+            raise ValueError(
+                f"speculative method {method!r} {'needs' if model is None else 'takes no'} draft model"
+            )
         self.max_k = max_k
         self.max_model_len = max_model_len
         self.sampler = sampler
@@ -140,7 +162,12 @@ class Speculator:
         st = self._state.get(req.request_id)
         if st is None:
             st = self._state[req.request_id] = SpecState(self.max_k)
-        return min(st.k, budget, p.max_tokens - len(req.output_token_ids) - 1, self.max_model_len - req.num_tokens - 1)
+        return min(
+            st.k,
+            budget,
+            p.max_tokens - len(req.output_token_ids) - 1,
+            self.max_model_len - req.num_tokens - 1,
+        )
 
     def prepare(self, decoding: list[Request]) -> None:
         """The scheduler's hook before a drafting step: a draft model drafts for all of
@@ -183,7 +210,9 @@ class Speculator:
             emitted = verify_greedy(draft, self.sampler.argmax(rows))
         else:
             q = d.q if d is not None and d.tokens == draft else None
-            emitted = verify_sampled(draft, rows, req.params, self.sampler.generator(req.request_id, req.params), q)
+            emitted = verify_sampled(
+                draft, rows, req.params, self.sampler.generator(req.request_id, req.params), q
+            )
         accepted = len(emitted) - 1
         self.counters.record(len(draft), accepted)
         st = self._state.get(req.request_id)
@@ -198,8 +227,16 @@ class Speculator:
             self.model.forget(request_id)
 
 
-def build_speculator(config: EngineConfig, model_dir: Path, target: ModelConfig, dtype: torch.dtype,
-                     device: torch.device, num_blocks: int, max_model_len: int, sampler: Sampler) -> Speculator:  # fmt: skip
+def build_speculator(
+    config: EngineConfig,
+    model_dir: Path,
+    target: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_blocks: int,
+    max_model_len: int,
+    sampler: Sampler,
+) -> Speculator:
     """The engine's Speculator for `config.speculative`, with its draft model when the method
     needs one (the target's own weights, or `config.speculative_model` if given)."""
     method = config.speculative or ""
@@ -213,16 +250,40 @@ def build_speculator(config: EngineConfig, model_dir: Path, target: ModelConfig,
             check_same_tokenizer(model_dir, draft_dir)
             cfg = ModelConfig.from_dir(draft_dir)
             if cfg.max_position_embeddings < max_model_len:
-                raise ValueError(f"the speculative model's context ({cfg.max_position_embeddings} positions) is "
-                                 f"shorter than max_model_len={max_model_len}")  # fmt: skip
+                raise ValueError(
+                    f"the speculative model's context ({cfg.max_position_embeddings} positions) is "
+                    f"shorter than max_model_len={max_model_len}"
+                )
         quant = DRAFT_METHODS[method] if method != "draft" else config.quantization
         bs = config.block_size
         blocks = config.spec_draft_kv_blocks or min(
-            num_blocks, max(1, spec_max_batch(config)) * -(-(max_model_len + num_speculative_tokens(config)) // bs))
+            num_blocks,
+            max(1, spec_max_batch(config))
+            * -(-(max_model_len + num_speculative_tokens(config)) // bs),
+        )
         # the draft's catch-up prefill runs outside the step's token budget: a quarter of it
-        model = DraftModel(draft_dir, cfg, dtype, device, quant, blocks, bs, max_model_len,
-                           max(1, config.max_num_batched_tokens // 4), config.seed)  # fmt: skip
-        log.info("speculative draft: %s at %s, %d KV blocks of its own", draft_dir.name, quant or "full precision", blocks)
+        model = DraftModel(
+            draft_dir,
+            cfg,
+            dtype,
+            device,
+            quant,
+            blocks,
+            bs,
+            max_model_len,
+            max(1, config.max_num_batched_tokens // 4),
+            config.seed,
+        )
+        log.info(
+            "speculative draft: %s at %s, %d KV blocks of its own",
+            draft_dir.name,
+            quant or "full precision",
+            blocks,
+        )
     elif config.speculative_model:
-        raise ValueError(f"speculative_model is for the draft-model methods ({', '.join(DRAFT_METHODS)}), not {method!r}")
-    return Speculator(method, num_speculative_tokens(config), max_model_len, sampler, model, target.vocab_size)
+        raise ValueError(
+            f"speculative_model is for the draft-model methods ({', '.join(DRAFT_METHODS)}), not {method!r}"
+        )
+    return Speculator(
+        method, num_speculative_tokens(config), max_model_len, sampler, model, target.vocab_size
+    )

@@ -56,8 +56,12 @@ class DraftTokenizerMismatch(ValueError):
 
 def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
     """Raise DraftTokenizerMismatch unless both tokenizers map every token to the same id."""
-    a = RustTokenizer.from_file(str(Path(target_dir) / "tokenizer.json")).get_vocab(with_added_tokens=True)
-    b = RustTokenizer.from_file(str(Path(draft_dir) / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    a = RustTokenizer.from_file(str(Path(target_dir) / "tokenizer.json")).get_vocab(
+        with_added_tokens=True
+    )
+    b = RustTokenizer.from_file(str(Path(draft_dir) / "tokenizer.json")).get_vocab(
+        with_added_tokens=True
+    )
     if a == b:
         return
     diff = next((t for t in sorted(a.keys() | b.keys()) if a.get(t) != b.get(t)), None)
@@ -85,11 +89,29 @@ class Draft:
 
 
 class DraftModel:
-    def __init__(self, model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 quantization: str | None, num_blocks: int, block_size: int, max_model_len: int,
-                 chunk_tokens: int, seed: int = 0) -> None:  # fmt: skip
-        self.runner = ModelRunner(model_dir, cfg, dtype, device, num_blocks, block_size, max_model_len,
-                                  quantization=quantization)  # fmt: skip
+    def __init__(
+        self,
+        model_dir: Path,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        quantization: str | None,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        chunk_tokens: int,
+        seed: int = 0,
+    ) -> None:
+        self.runner = ModelRunner(
+            model_dir,
+            cfg,
+            dtype,
+            device,
+            num_blocks,
+            block_size,
+            max_model_len,
+            quantization=quantization,
+        )
         self.pool = BlockPool(num_blocks, block_size)
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
@@ -173,10 +195,18 @@ class DraftModel:
                 break
             rows = self._forward([(seq, [chains[req.request_id][-1]]) for req, seq, _ in live])
             self._pick(live, list(rows), chains, qs)
-        return {rid: Draft(toks, torch.stack(qs[rid]) if qs[rid] else None) for rid, toks in chains.items()}
+        return {
+            rid: Draft(toks, torch.stack(qs[rid]) if qs[rid] else None)
+            for rid, toks in chains.items()
+        }
 
-    def _pick(self, live: list[tuple[Request, DraftSeq, int]], rows: list[torch.Tensor],
-              chains: dict[str, list[int]], qs: dict[str, list[torch.Tensor]]) -> None:  # fmt: skip
+    def _pick(
+        self,
+        live: list[tuple[Request, DraftSeq, int]],
+        rows: list[torch.Tensor],
+        chains: dict[str, list[int]],
+        qs: dict[str, list[torch.Tensor]],
+    ) -> None:
         for (req, seq, _), row in zip(live, rows, strict=True):
             p = req.params
             if p.greedy:
@@ -208,5 +238,9 @@ class DraftModel:
         r = self.runner
         md = build_metadata(self.block_size, decodes, prefills, r.cfg.sliding_window, r.device)
         self.forward_passes += 1
-        return r.model.forward(torch.tensor(ids, dtype=torch.long, device=r.device), r.kv_cache, md,
-                               torch.tensor(last, dtype=torch.long, device=r.device))  # fmt: skip
+        return r.model.forward(
+            torch.tensor(ids, dtype=torch.long, device=r.device),
+            r.kv_cache,
+            md,
+            torch.tensor(last, dtype=torch.long, device=r.device),
+        )

@@ -31,8 +31,13 @@ def verify_greedy(draft: list[int], targets: list[int]) -> list[int]:
     return [*draft[:a], targets[a]]
 
 
-def verify_sampled(draft: list[int], rows: torch.Tensor, params: SamplingParams,
-                   gen: torch.Generator, q: torch.Tensor | None = None) -> list[int]:  # fmt: skip
+def verify_sampled(
+    draft: list[int],
+    rows: torch.Tensor,
+    params: SamplingParams,
+    gen: torch.Generator,
+    q: torch.Tensor | None = None,
+) -> list[int]:
     """q: [len(draft), V] the draft's distributions over the target's vocabulary (None: point
     masses on the draft tokens)."""
     probs = processed_probs(rows, [params] * rows.shape[0])
@@ -49,7 +54,9 @@ def verify_sampled(draft: list[int], rows: torch.Tensor, params: SamplingParams,
             residual[d] = 0.0
         else:
             residual = (p - q[i]).clamp_(min=0.0)
-        if residual.sum() <= 0:  # p <= q everywhere means p == q: then u * q(d) < p(d) always, unreachable
+        if (
+            residual.sum() <= 0
+        ):  # p <= q everywhere means p == q: then u * q(d) < p(d) always, unreachable
             out.append(d)
             return out
         out.append(int(torch.multinomial(residual, 1, generator=gen).item()))

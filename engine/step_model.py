@@ -74,26 +74,45 @@ class Coefficients:
     attention_s: float  # per unit of Σ n·(start+n)
 
     def seconds(self, s: StepShape) -> float:
-        return (self.intercept_s + self.prefill_s * s.prefill_tokens + self.decode_s * s.decode_seqs
-                + self.context_s * s.context_tokens + self.attention_s * s.attention)  # fmt: skip
+        return (
+            self.intercept_s
+            + self.prefill_s * s.prefill_tokens
+            + self.decode_s * s.decode_seqs
+            + self.context_s * s.context_tokens
+            + self.attention_s * s.attention
+        )
 
 
 #: warm start: a ~100M-parameter model on one CPU core (SmolLM2-135M bf16 on this project's CI
 #: class of machine, data/profiles/ scaled to an unloaded core). Slower than most nodes, so the
 #: first chunks err small; the fit moves off it within a few steps that carry prefill.
-DEFAULT_PRIOR = Coefficients(intercept_s=0.03, prefill_s=5e-4, decode_s=5e-4, context_s=5e-6, attention_s=1e-6)
+DEFAULT_PRIOR = Coefficients(
+    intercept_s=0.03, prefill_s=5e-4, decode_s=5e-4, context_s=5e-6, attention_s=1e-6
+)
 
 #: the prior's pseudo-steps: decode batches at a few contexts, prefill chunks at a few starts, mixed
 _PRIOR_SHAPES = (
-    StepShape(0, 1, 128), StepShape(0, 8, 8 * 512), StepShape(0, 32, 32 * 1024),
-    StepShape(64, 0, 64, 64 * 64), StepShape(512, 0, 512, 512 * 512), StepShape(256, 0, 2048, 256 * 2048),
+    StepShape(0, 1, 128),
+    StepShape(0, 8, 8 * 512),
+    StepShape(0, 32, 32 * 1024),
+    StepShape(64, 0, 64, 64 * 64),
+    StepShape(512, 0, 512, 512 * 512),
+    StepShape(256, 0, 2048, 256 * 2048),
     StepShape(128, 8, 8 * 512 + 1024, 128 * 1024),
-)  # fmt: skip
+)
 
 
 class OnlineStepModel:
-    def __init__(self, prior: Coefficients = DEFAULT_PRIOR, *, window: int = 256, refit_every: int = 8,
-                 prior_weight: float = 0.1, margin_quantile: float = 0.9, max_margin: float = 2.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        prior: Coefficients = DEFAULT_PRIOR,
+        *,
+        window: int = 256,
+        refit_every: int = 8,
+        prior_weight: float = 0.1,
+        margin_quantile: float = 0.9,
+        max_margin: float = 2.0,
+    ) -> None:
         if window < 8 or refit_every < 1:
             raise ValueError("window must be ≥ 8 steps and refit_every ≥ 1")
         self.prior = prior
@@ -136,7 +155,9 @@ class OnlineStepModel:
     def predict(self, shape: StepShape) -> float:
         return self.coef.seconds(shape)
 
-    def max_prefill(self, decode_seqs: int, decode_context: int, start: int, target_s: float, cap: int) -> int:
+    def max_prefill(
+        self, decode_seqs: int, decode_context: int, start: int, target_s: float, cap: int
+    ) -> int:
         """The most prompt tokens (≤ cap) one chunk starting at position `start` may add to a step
         that decodes `decode_seqs` sequences of `decode_context` total context, with the
         predicted step × margin ≤ target_s. Solves a·P² + b·P + base ≤ budget (a, b ≥ 0)."""

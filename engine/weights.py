@@ -57,8 +57,14 @@ class ModelWeights:
     lm_head: Matrix
 
 
-def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 quantization: str | None = None, use_cache: bool = True) -> ModelWeights:  # fmt: skip
+def load_weights(
+    model_dir: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantization: str | None = None,
+    use_cache: bool = True,
+) -> ModelWeights:
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
@@ -74,7 +80,9 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
         # int8-w8a8 quantizes its weight format's matrices after smoothing them
         # (engine/quant_smooth.py), so the weight-only cache does not hold them
         quantization = WEIGHT_FORMAT[check_scheme(quantization)]
-        cached = (load_quantized(model_dir, quantization) if use_cache and not smooth else None) or {}
+        cached = (
+            load_quantized(model_dir, quantization) if use_cache and not smooth else None
+        ) or {}
 
     def take(name: str) -> torch.Tensor:
         try:
@@ -95,13 +103,20 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
             return cached[name].to(device)
         w = torch.cat([take(p) for p in parts])
         if scheme.startswith("int4") and w.shape[1] % 64:
-            log.warning("%s: in_features %d is not a multiple of 64; int8 instead of %s", name, w.shape[1], scheme)
+            log.warning(
+                "%s: in_features %d is not a multiple of 64; int8 instead of %s",
+                name,
+                w.shape[1],
+                scheme,
+            )
             scheme = "int8"
         return quantize(w, scheme).to(device)
 
     # A base-model checkpoint (Qwen3-Embedding saved as Qwen3Model) names its weights without
     # the causal LM's "model." prefix, and has no lm_head (tied to the embedding below).
-    root = "" if "model.embed_tokens.weight" not in raw and "embed_tokens.weight" in raw else "model."
+    root = (
+        "" if "model.embed_tokens.weight" not in raw and "embed_tokens.weight" in raw else "model."
+    )
     if smooth:
         from engine.quant_smooth import smooth_checkpoint
 
@@ -119,7 +134,9 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
                 qkv_bias=bias,
                 o=matrix(p + "o", [p + "self_attn.o_proj.weight"]),
                 post_norm=put(take(p + "post_attention_layernorm.weight")),
-                gate_up=matrix(p + "gate_up", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                gate_up=matrix(
+                    p + "gate_up", [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]
+                ),
                 down=matrix(p + "down", [p + "mlp.down_proj.weight"]),
                 q_norm=put(take(p + "self_attn.q_norm.weight")) if cfg.qk_norm else None,
                 k_norm=put(take(p + "self_attn.k_norm.weight")) if cfg.qk_norm else None,
@@ -136,7 +153,13 @@ def load_weights(model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: 
             raw["lm_head.weight"] = embed_src
         lm_head = matrix("lm_head", ["lm_head.weight"], LM_HEAD_SCHEME[quantization])
         mats = [lm_head, *(m for lw in layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down))]
-        log.info("weights quantized to %s: %.1f MiB of linear weights, %s in %.1f s", quantization,
-                 sum(m.nbytes for m in mats if isinstance(m, QuantizedWeight)) / 2**20,
-                 "read from the cache" if cached else "quantized at load", time.monotonic() - t0)  # fmt: skip
-    return ModelWeights(embed=embed, layers=layers, norm=put(take(f"{root}norm.weight")), lm_head=lm_head)
+        log.info(
+            "weights quantized to %s: %.1f MiB of linear weights, %s in %.1f s",
+            quantization,
+            sum(m.nbytes for m in mats if isinstance(m, QuantizedWeight)) / 2**20,
+            "read from the cache" if cached else "quantized at load",
+            time.monotonic() - t0,
+        )
+    return ModelWeights(
+        embed=embed, layers=layers, norm=put(take(f"{root}norm.weight")), lm_head=lm_head
+    )

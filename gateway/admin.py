@@ -87,7 +87,9 @@ async def _body(request: web.Request, cls: type) -> Any:
 
 def validate_team(t: TeamCreate) -> Team:
     if not _TEAM_ID.match(t.id):
-        raise APIError(400, "team id: 1-64 characters of letters, digits, '_', '.', '-'", param="id")
+        raise APIError(
+            400, "team id: 1-64 characters of letters, digits, '_', '.', '-'", param="id"
+        )
     for f in ("rpm", "tpm", "max_concurrent", "daily_budget_usd", "monthly_budget_usd"):
         v = getattr(t, f)
         if v is not None and v < 0:
@@ -147,7 +149,9 @@ async def create_key(state: GatewayState, request: web.Request) -> web.Response:
 
 async def list_keys(state: GatewayState, request: web.Request) -> web.Response:
     require_admin(state, request)
-    return _json({"object": "list", "data": await state.store.list_keys(request.query.get("team_id"))})
+    return _json(
+        {"object": "list", "data": await state.store.list_keys(request.query.get("team_id"))}
+    )
 
 
 async def revoke_key(state: GatewayState, request: web.Request) -> web.Response:
@@ -173,11 +177,15 @@ def parse_time(value: str, param: str) -> float:
     else:  # nan, inf and times past year 9999 are no time a store can compare with
         if math.isfinite(t) and abs(t) < 2.5e11:
             return t
-        raise APIError(400, f"{param} must be a date (YYYY-MM-DD) or unix seconds, got {value!r}", param=param)
+        raise APIError(
+            400, f"{param} must be a date (YYYY-MM-DD) or unix seconds, got {value!r}", param=param
+        )
     try:
         return float(calendar.timegm(time.strptime(value, "%Y-%m-%d")))
     except ValueError:
-        raise APIError(400, f"{param} must be a date (YYYY-MM-DD) or unix seconds, got {value!r}", param=param) from None
+        raise APIError(
+            400, f"{param} must be a date (YYYY-MM-DD) or unix seconds, got {value!r}", param=param
+        ) from None
 
 
 def time_range(q: Any) -> tuple[float, float]:
@@ -234,34 +242,65 @@ async def usage(state: GatewayState, request: web.Request) -> web.Response:
     team = await admin_or_team(state, request)
     if team is not None:
         if team_id is not None and team_id != team.id:
-            raise APIError(403, "this key may only read its own team's usage", type_="permission_error",
-                           code="forbidden", param="team_id")  # fmt: skip
+            raise APIError(
+                403,
+                "this key may only read its own team's usage",
+                type_="permission_error",
+                code="forbidden",
+                param="team_id",
+            )
         team_id = team.id
     group_by = q.get("group_by")
     if group_by is not None and group_by not in (*GROUP_BY, "record"):
-        raise APIError(400, f"group_by must be one of {', '.join(map(repr, (*GROUP_BY, 'record')))}", param="group_by")
+        raise APIError(
+            400,
+            f"group_by must be one of {', '.join(map(repr, (*GROUP_BY, 'record')))}",
+            param="group_by",
+        )
     start, end = time_range(q)
-    if "outliers" in q:  # the failed and the slowest tenth, newest first (the console's Requests page)
+    if (
+        "outliers" in q
+    ):  # the failed and the slowest tenth, newest first (the console's Requests page)
         if group_by != "record" or q["outliers"] not in ("true", "1"):
             raise APIError(400, "outliers=true goes with group_by=record", param="outliers")
         limit = _limit(q, OUTLIERS_MAX)
         rows = record_rows(await state.store.usage_outliers(team_id, start, end, limit))
     elif "after" in q and not (group_by == "record" and "limit" in q):
         raise APIError(400, "after goes with group_by=record and limit", param="after")
-    elif group_by == "record" and "limit" in q:  # one page (the console's CSV export reads them in turn)
+    elif (
+        group_by == "record" and "limit" in q
+    ):  # one page (the console's CSV export reads them in turn)
         limit = _limit(q, RECORDS_PAGE_MAX)
-        page = await state.store.usage_records(team_id, start, end, _cursor(q.get("after")), limit + 1)
+        page = await state.store.usage_records(
+            team_id, start, end, _cursor(q.get("after")), limit + 1
+        )
         more = len(page) > limit
         page = page[:limit]
-        return _json({"object": "list", "team_id": team_id, "start": start, "end": end, "group_by": group_by,
-                      "data": record_rows(page),
-                      "next": f"{page[-1].created_at!r}/{page[-1].request_id}" if more else None})  # fmt: skip
+        return _json(
+            {
+                "object": "list",
+                "team_id": team_id,
+                "start": start,
+                "end": end,
+                "group_by": group_by,
+                "data": record_rows(page),
+                "next": f"{page[-1].created_at!r}/{page[-1].request_id}" if more else None,
+            }
+        )
     elif group_by == "record":  # every request's record, as `duet usage report` lists them
         rows = record_rows(await state.store.usage_records(team_id, start, end))
     else:
         rows = await state.store.usage(team_id, start, end, group_by)
-    return _json({"object": "list", "team_id": team_id, "start": start, "end": end, "group_by": group_by,
-                  "data": rows})  # fmt: skip
+    return _json(
+        {
+            "object": "list",
+            "team_id": team_id,
+            "start": start,
+            "end": end,
+            "group_by": group_by,
+            "data": rows,
+        }
+    )
 
 
 # --- batches of every team ----------------------------------------------------------------------
@@ -281,7 +320,9 @@ class TeamBatchList(msgspec.Struct, frozen=True, kw_only=True):
 
 def _batch_store(request: web.Request) -> tuple[BatchStore, Any]:
     if batch_wiring.RUNNER not in request.app:
-        raise APIError(404, "this gateway runs no batch tier ([batch] enabled = false)", code="batch_tier_off")
+        raise APIError(
+            404, "this gateway runs no batch tier ([batch] enabled = false)", code="batch_tier_off"
+        )
     runner = request.app[batch_wiring.RUNNER]
     return runner.store, runner.wake
 

@@ -94,7 +94,9 @@ from protocol.structured import JSONSchemaFormat, ResponseFormat
 
 _ENC = msgspec.json.Encoder()
 #: how this API calls the constraints of its own, in a 400 about two constraints
-NAMES = Names(response_format="output_config.format", forced_tool="a forced tool_choice (any or a named tool)")
+NAMES = Names(
+    response_format="output_config.format", forced_tool="a forced tool_choice (any or a named tool)"
+)
 
 
 async def handle(state: GatewayState, request: web.Request, request_id: str) -> web.StreamResponse:
@@ -104,19 +106,36 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
     try:
         key = request.headers.get("x-api-key")
         if key is None and "Authorization" not in request.headers:
-            raise APIError(401, "missing API key: send `x-api-key: <key>` or `Authorization: Bearer <key>`",
-                           type_="authentication_error", code="missing_api_key")  # fmt: skip
-        api_key, team = await authenticate(state, request, key.strip() if key is not None else bearer(request))
+            raise APIError(
+                401,
+                "missing API key: send `x-api-key: <key>` or `Authorization: Bearer <key>`",
+                type_="authentication_error",
+                code="missing_api_key",
+            )
+        api_key, team = await authenticate(
+            state, request, key.strip() if key is not None else bearer(request)
+        )
         try:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             limit = state.config.server.max_body_bytes
-            raise APIError(413, f"the request body is larger than this gateway accepts ({limit} bytes)") from None
+            raise APIError(
+                413, f"the request body is larger than this gateway accepts ({limit} bytes)"
+            ) from None
         body = parse(raw)
         msg_id = "msg_" + request_id.removeprefix("req-")
-        call = Translated(request, MessageStream(msg_id, body.model) if body.stream else None, {"request-id": request_id})
-        return await call.run(state, Caller(api_key, team, request_id, t0), to_chat(body), body.model,
-                              lambda answer, model: to_message(answer, msg_id, model))  # fmt: skip
+        call = Translated(
+            request,
+            MessageStream(msg_id, body.model) if body.stream else None,
+            {"request-id": request_id},
+        )
+        return await call.run(
+            state,
+            Caller(api_key, team, request_id, t0),
+            to_chat(body),
+            body.model,
+            lambda answer, model: to_message(answer, msg_id, model),
+        )
     except APIError as e:
         if call is not None and call.opened:
             raise  # the stream's own error event went out already (relay.py)
@@ -128,11 +147,18 @@ def error_response(e: APIError, request_id: str) -> web.Response:
     That shape has no `param`: the field a 400 names (the chat path's own checks, the grammar
     engine's verdict on a `guided_regex`, …) leads the message unless the message names it (as a
     word), as Anthropic's own `field: message` errors do."""
-    named = e.param is not None and re.search(rf"(?<!\w){re.escape(e.param)}(?!\w)", e.message) is not None
+    named = (
+        e.param is not None
+        and re.search(rf"(?<!\w){re.escape(e.param)}(?!\w)", e.message) is not None
+    )
     message = e.message if e.param is None or named else f"{e.param}: {e.message}"
     body = ErrorBody(error=ErrorObject(type=error_type_of(e.status), message=message))
-    return web.Response(status=e.status, body=_ENC.encode(body), content_type="application/json",
-                        headers={**e.response_headers(), "X-Request-Id": request_id, "request-id": request_id})  # fmt: skip
+    return web.Response(
+        status=e.status,
+        body=_ENC.encode(body),
+        content_type="application/json",
+        headers={**e.response_headers(), "X-Request-Id": request_id, "request-id": request_id},
+    )
 
 
 def _neutral(v: object) -> bool:
@@ -144,7 +170,10 @@ def parse(raw: bytes) -> MessagesRequest:
     top = json_object(raw)
     extra = unknown_fields(top, FIELDS, _neutral)
     if extra:
-        raise APIError(400, f"{field_names(extra)}: Extra inputs are not permitted (not supported by this gateway)")
+        raise APIError(
+            400,
+            f"{field_names(extra)}: Extra inputs are not permitted (not supported by this gateway)",
+        )
     for k in ("model", "messages", "max_tokens"):
         if k not in top:
             raise APIError(400, f"{k}: Field required")
@@ -206,11 +235,17 @@ def _turn(role: str, content: str | list, out: list[chat.Message]) -> None:  # t
             results += 1
             if role != "user":
                 raise APIError(400, "tool_result blocks belong in a user turn")
-            out.append(chat.Message(role="tool", tool_call_id=b.tool_use_id, content=_result_text(b)))
+            out.append(
+                chat.Message(role="tool", tool_call_id=b.tool_use_id, content=_result_text(b))
+            )
         elif isinstance(b, ToolUseBlock):
             if role != "assistant":
                 raise APIError(400, "tool_use blocks belong in an assistant turn")
-            calls.append(chat.ToolCall(id=b.id, function=chat.FunctionCall(name=b.name, arguments=json.dumps(b.input))))
+            calls.append(
+                chat.ToolCall(
+                    id=b.id, function=chat.FunctionCall(name=b.name, arguments=json.dumps(b.input))
+                )
+            )
         else:
             parts.append(b)
     if parts or not (calls or results):
@@ -222,28 +257,47 @@ def _turn(role: str, content: str | list, out: list[chat.Message]) -> None:  # t
 def to_chat(body: MessagesRequest) -> chat.ChatBody:
     messages: list[chat.Message] = []
     if body.system is not None:
-        system = body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
+        system = (
+            body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
+        )
         if system:
             messages.append(chat.Message(role="system", content=system))
     for m in body.messages:
         _turn(m.role, m.content, messages)
-    out = chat.ChatBody(model=body.model, messages=messages, max_tokens=body.max_tokens, temperature=body.temperature,
-                        top_p=body.top_p, top_k=body.top_k, stop=body.stop_sequences or None,
-                        user=body.metadata.user_id if body.metadata else None)  # fmt: skip
+    out = chat.ChatBody(
+        model=body.model,
+        messages=messages,
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        stop=body.stop_sequences or None,
+        user=body.metadata.user_id if body.metadata else None,
+    )
     if body.stream:
         out.stream, out.stream_options = True, chat.StreamOptions(include_usage=True)
     if body.tools:
-        out.tools = [chat.ToolDef(type="function", function=chat.FunctionDef(name=t.name, description=t.description,
-                                                      parameters=t.input_schema)) for t in body.tools]  # fmt: skip
+        out.tools = [
+            chat.ToolDef(
+                type="function",
+                function=chat.FunctionDef(
+                    name=t.name, description=t.description, parameters=t.input_schema
+                ),
+            )
+            for t in body.tools
+        ]
     fmt = body.output_config.format if body.output_config is not None else None
     if fmt is not None:
-        out.response_format = ResponseFormat(type="json_schema", json_schema=JSONSchemaFormat(name="output",
-                                                                                              schema=fmt.schema))  # fmt: skip
+        out.response_format = ResponseFormat(
+            type="json_schema", json_schema=JSONSchemaFormat(name="output", schema=fmt.schema)
+        )
     tc = body.tool_choice
     if tc is not None:
         kind = type(tc).__struct_config__.tag
         if kind == "tool":
-            out.tool_choice = chat.NamedToolChoice(type="function", function=chat.NamedFunction(name=tc.name))  # type: ignore[union-attr]
+            out.tool_choice = chat.NamedToolChoice(
+                type="function", function=chat.NamedFunction(name=tc.name)
+            )  # type: ignore[union-attr]
         else:
             out.tool_choice = TOOL_CHOICES_BACK[str(kind)]  # type: ignore[assignment]
         if tc.disable_parallel_tool_use:
@@ -259,7 +313,9 @@ def to_chat(body: MessagesRequest) -> chat.ChatBody:
 
 def _usage(u: TokenCounts) -> Usage:
     fresh, cached = input_tokens(u.prompt_tokens, u.cached_tokens)
-    return Usage(input_tokens=fresh, output_tokens=u.completion_tokens, cache_read_input_tokens=cached)
+    return Usage(
+        input_tokens=fresh, output_tokens=u.completion_tokens, cache_read_input_tokens=cached
+    )
 
 
 def _input(arguments: str) -> dict[str, object] | None:
@@ -322,18 +378,32 @@ class MessageStream:
                 break
             if not self._started and not isinstance(ev, Failed):
                 self._started = True
-                out.append(MessageStart(message=Message(id=self.msg_id, model=self.model, content=[],
-                                                        usage=Usage(input_tokens=0, output_tokens=0))))  # fmt: skip
+                out.append(
+                    MessageStart(
+                        message=Message(
+                            id=self.msg_id,
+                            model=self.model,
+                            content=[],
+                            usage=Usage(input_tokens=0, output_tokens=0),
+                        )
+                    )
+                )
             if isinstance(ev, Text):
                 if not self._text_open:
                     self._open(TextOut(text=""), out)
                     self._text_open = True
                 out.append(BlockDelta(index=self._block or 0, delta=TextDelta(text=ev.text)))
             elif isinstance(ev, ToolStart):
-                self._tool_block[ev.index] = self._open(ToolUseOut(id=ev.id, name=ev.name, input={}), out)
+                self._tool_block[ev.index] = self._open(
+                    ToolUseOut(id=ev.id, name=ev.name, input={}), out
+                )
             elif isinstance(ev, ToolArgs):
-                out.append(BlockDelta(index=self._tool_block.get(ev.index, self._block or 0),
-                                      delta=InputJsonDelta(partial_json=ev.delta)))  # fmt: skip
+                out.append(
+                    BlockDelta(
+                        index=self._tool_block.get(ev.index, self._block or 0),
+                        delta=InputJsonDelta(partial_json=ev.delta),
+                    )
+                )
             elif isinstance(ev, Finish):
                 self._close(out)
                 self._stop = FINISH_REASONS.get(ev.reason, "end_turn")
@@ -342,9 +412,15 @@ class MessageStream:
             elif isinstance(ev, Failed):
                 self._failed = True
                 status = ev.error.code if isinstance(ev.error.code, int) else 500
-                out.append(ErrorBody(error=ErrorObject(type=error_type_of(status), message=ev.error.message)))
+                out.append(
+                    ErrorBody(
+                        error=ErrorObject(type=error_type_of(status), message=ev.error.message)
+                    )
+                )
             elif isinstance(ev, Done):
                 self._close(out)
-                out.append(MessageDelta(delta=StopInfo(stop_reason=self._stop), usage=_usage(self._usage)))
+                out.append(
+                    MessageDelta(delta=StopInfo(stop_reason=self._stop), usage=_usage(self._usage))
+                )
                 out.append(MessageStop())
         return b"".join(sse(e) for e in out)

@@ -220,7 +220,16 @@ class Ping(msgspec.Struct, kw_only=True, tag="ping", tag_field="type"):
     pass
 
 
-StreamEvent = MessageStart | BlockStart | BlockDelta | BlockStop | MessageDelta | MessageStop | Ping | ErrorBody
+StreamEvent = (
+    MessageStart
+    | BlockStart
+    | BlockDelta
+    | BlockStop
+    | MessageDelta
+    | MessageStop
+    | Ping
+    | ErrorBody
+)
 
 
 def sse(event: StreamEvent) -> bytes:

@@ -74,8 +74,11 @@ def _translate(request: web.Request, e: BaseException) -> APIError | None:
         return APIError(e.status, str(e), code="conflict" if e.status == 409 else "not_found")
     if isinstance(e, web.HTTPRequestEntityTooLarge):
         limit = request.app[STATE].config.server.max_body_bytes
-        return APIError(413, f"the request body is larger than this gateway accepts ({limit} bytes)",
-                        code="request_too_large")  # fmt: skip
+        return APIError(
+            413,
+            f"the request body is larger than this gateway accepts ({limit} bytes)",
+            code="request_too_large",
+        )
     return None
 
 
@@ -111,28 +114,52 @@ async def _embeddings(request: web.Request) -> web.StreamResponse:
 async def _models(request: web.Request) -> web.Response:
     s = request.app[STATE]
     await admin_or_team(s, request)
-    data = [{"id": name, "object": "model", "created": 0, "owned_by": "external" if m.config.kind == "external" else "duet",
-             "max_model_len": m.max_model_len, "capability_rank": m.config.capability_rank,
-             "tiers": list(m.config.tiers), "fallback": list(m.config.fallback)}
-            for name, m in sorted(s.models.items())]  # fmt: skip
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "external" if m.config.kind == "external" else "duet",
+            "max_model_len": m.max_model_len,
+            "capability_rank": m.config.capability_rank,
+            "tiers": list(m.config.tiers),
+            "fallback": list(m.config.fallback),
+        }
+        for name, m in sorted(s.models.items())
+    ]
     if s.choice is not None and s.choice.router is not None:
-        data.append({"id": AUTO, "object": "model", "created": 0, "owned_by": "duet",
-                     "candidates": sorted(s.choice.auto_catalog)})  # fmt: skip
-    return web.Response(body=_ENC.encode({"object": "list", "data": data}), content_type="application/json")
+        data.append(
+            {
+                "id": AUTO,
+                "object": "model",
+                "created": 0,
+                "owned_by": "duet",
+                "candidates": sorted(s.choice.auto_catalog),
+            }
+        )
+    return web.Response(
+        body=_ENC.encode({"object": "list", "data": data}), content_type="application/json"
+    )
 
 
 async def _health(request: web.Request) -> web.Response:
     s = request.app[STATE]
-    body = {"status": "ok", "models": sorted(s.models), "running": s.admission.running,
-            "waiting": {t: s.admission.depth(t) for t in ("interactive", "batch")}}  # fmt: skip
+    body = {
+        "status": "ok",
+        "models": sorted(s.models),
+        "running": s.admission.running,
+        "waiting": {t: s.admission.depth(t) for t in ("interactive", "batch")},
+    }
     if batch_wiring.RUNNER in request.app:
         body["batch"] = batch_wiring.health(request.app[batch_wiring.RUNNER])
     return web.json_response(body)
 
 
 async def _metrics(request: web.Request) -> web.Response:
-    return web.Response(body=generate_latest(request.app[STATE].metrics.registry),
-                        headers={"Content-Type": CONTENT_TYPE_LATEST})  # fmt: skip
+    return web.Response(
+        body=generate_latest(request.app[STATE].metrics.registry),
+        headers={"Content-Type": CONTENT_TYPE_LATEST},
+    )
 
 
 def _metrics_reader(config: GatewayConfig) -> Callable[[web.Request], bool]:
@@ -163,30 +190,52 @@ def make_app(config: GatewayConfig) -> web.Application:
     errors = error_middleware(log, _translate, lambda r: r.get(_RID))
     admin_key = config.admin_key
     if admin_key is not None and len(admin_key) < MIN_ADMIN_KEY:
-        raise ConfigError(f"$DUET_ADMIN_KEY is {len(admin_key)} characters; an admin key needs at least {MIN_ADMIN_KEY} "
-                          "(generate one: python -c 'import secrets; print(secrets.token_urlsafe(32))')")  # fmt: skip
+        raise ConfigError(
+            f"$DUET_ADMIN_KEY is {len(admin_key)} characters; an admin key needs at least {MIN_ADMIN_KEY} "
+            "(generate one: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+        )
     # --protect-metrics: /metrics needs the cluster secret or the admin key (the rest of the
     # gateway's API has its own keys).
-    if config.security.protect_metrics and config.security.secret is None and not (
-            admin_key or config.server.admin_key_sha256):  # fmt: skip
-        raise ConfigError("--protect-metrics needs a cluster secret or an admin key: nothing could read /metrics")
+    if (
+        config.security.protect_metrics
+        and config.security.secret is None
+        and not (admin_key or config.server.admin_key_sha256)
+    ):
+        raise ConfigError(
+            "--protect-metrics needs a cluster secret or an admin key: nothing could read /metrics"
+        )
     guard = [metrics_middleware(_metrics_reader(config))] if config.security.protect_metrics else []
-    app = web.Application(middlewares=[*guard, _request_id, errors], client_max_size=config.server.max_body_bytes)
+    app = web.Application(
+        middlewares=[*guard, _request_id, errors], client_max_size=config.server.max_body_bytes
+    )
     metrics = GatewayMetrics()
     store = open_store(config.store_url)
-    app[STATE] = GatewayState(config=config, store=store, metrics=metrics,
-                              writer=UsageWriter(store, metrics, config.quotas.usage_batch),
-                              admission=Admission(config.tiers, metrics),
-                              keys=KeyCache(store, config.server.key_cache_ttl_s),
-                              guides=GuideChecker(config.server.guide_compile_timeout_s, config.server.guide_compile_threads,
-                                                  on_compile=lambda v: metrics.guide_compiles.labels(verdict=v.value).inc(),
-                                                  running=metrics.guide_compiling.set))  # fmt: skip
+    app[STATE] = GatewayState(
+        config=config,
+        store=store,
+        metrics=metrics,
+        writer=UsageWriter(store, metrics, config.quotas.usage_batch),
+        admission=Admission(config.tiers, metrics),
+        keys=KeyCache(store, config.server.key_cache_ttl_s),
+        guides=GuideChecker(
+            config.server.guide_compile_timeout_s,
+            config.server.guide_compile_threads,
+            on_compile=lambda v: metrics.guide_compiles.labels(verdict=v.value).inc(),
+            running=metrics.guide_compiling.set,
+        ),
+    )
     state = app[STATE]
     state.tracing = setup("duet-gateway", from_env(DEFAULT_RING, config.tracing))
     # public endpoints: a client's traceparent is a link, never the parent (protocol/tracing.py)
     state.tracing.install(app, after=_request_id, trust_parent=False)
-    state.provider_metrics = register_provider_metrics(metrics.registry, lambda: [
-        m.backend.provider for m in state.models.values() if isinstance(m.backend, ProviderBackend)])  # fmt: skip
+    state.provider_metrics = register_provider_metrics(
+        metrics.registry,
+        lambda: [
+            m.backend.provider
+            for m in state.models.values()
+            if isinstance(m.backend, ProviderBackend)
+        ],
+    )
     app.cleanup_ctx.append(_lifecycle)
     if config.batch.enabled:  # after _lifecycle: the runner needs the models and the session
         batch_wiring.install(app, STATE)
@@ -217,17 +266,25 @@ def make_app(config: GatewayConfig) -> web.Application:
 def _max_model_len(m: ModelConfig, directory: Path) -> int:
     if m.max_model_len:
         return m.max_model_len
-    cfg = json.loads((directory / "config.json").read_text()) if (directory / "config.json").is_file() else {}
+    cfg = (
+        json.loads((directory / "config.json").read_text())
+        if (directory / "config.json").is_file()
+        else {}
+    )
     return int(cfg.get("max_position_embeddings") or 4096)
 
 
-def _router(s: GatewayState, load: NodeLoad, view: EtcdView | None, task: NodeTask = NodeTask.GENERATE) -> Router:
+def _router(
+    s: GatewayState, load: NodeLoad, view: EtcdView | None, task: NodeTask = NodeTask.GENERATE
+) -> Router:
     """Coordinator replicas (configured, plus those registered in etcd) first; the static
     node lists (configured, else etcd's view) of the task's nodes when no replica answers, or
     when there is none."""
     cfg = s.config
-    static = StaticRouter(lambda name: _static_nodes(cfg, name, task) or (view.pool(name, task) if view else None),
-                          load)  # fmt: skip
+    static = StaticRouter(
+        lambda name: _static_nodes(cfg, name, task) or (view.pool(name, task) if view else None),
+        load,
+    )
     configured = list(cfg.routing.coordinator)
     if not configured and view is None:
         return static
@@ -236,13 +293,23 @@ def _router(s: GatewayState, load: NodeLoad, view: EtcdView | None, task: NodeTa
     def replicas() -> list[str]:
         return configured + [u for u in (view.coordinators if view else []) if u not in configured]
 
-    coord = CoordinatorRouter(s.session, replicas, cfg.routing.route_timeout_s, cfg.security.headers)
-    return FailoverRouter(coord, static, lambda reason: s.metrics.route_fallback.labels(reason=reason).inc())
+    coord = CoordinatorRouter(
+        s.session, replicas, cfg.routing.route_timeout_s, cfg.security.headers
+    )
+    return FailoverRouter(
+        coord, static, lambda reason: s.metrics.route_fallback.labels(reason=reason).inc()
+    )
 
 
-def _static_nodes(cfg: GatewayConfig, cluster_name: str, task: NodeTask = NodeTask.GENERATE) -> StaticNodes | None:
+def _static_nodes(
+    cfg: GatewayConfig, cluster_name: str, task: NodeTask = NodeTask.GENERATE
+) -> StaticNodes | None:
     for m in cfg.models.values():
-        if m.cluster_name == cluster_name and m.static is not None and (m.kind == "embedding") == (task == NodeTask.EMBED):
+        if (
+            m.cluster_name == cluster_name
+            and m.static is not None
+            and (m.kind == "embedding") == (task == NodeTask.EMBED)
+        ):
             return m.static
     return None
 
@@ -268,13 +335,22 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
         s.gateway_id = f"{cfg.server.instance}/{uuid.uuid4().hex[:16]}"
         n = await s.store.reclaim_previous(cfg.server.instance, s.gateway_id)
         if n:
-            log.warning("reclaimed %d reservations of this gateway's previous life (%s; billed at their prompt and "
-                        "what they had streamed)", n, cfg.server.instance)  # fmt: skip
+            log.warning(
+                "reclaimed %d reservations of this gateway's previous life (%s; billed at their prompt and "
+                "what they had streamed)",
+                n,
+                cfg.server.instance,
+            )
     # One session for nodes, coordinators and providers: it carries no cluster secret (NodeClient
     # and the route client add it per request); it trusts --tls-ca besides the system's CAs.
-    s.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
-        limit=0, limit_per_host=cfg.routing.max_connections_per_node, ssl=cfg.security.client_ssl()),
-        trace_configs=s.tracing.trace_configs())  # fmt: skip
+    s.session = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(
+            limit=0,
+            limit_per_host=cfg.routing.max_connections_per_node,
+            ssl=cfg.security.client_ssl(),
+        ),
+        trace_configs=s.tracing.trace_configs(),
+    )
     load = NodeLoad()
     rc = cfg.routing
     view = EtcdView(rc.etcd, rc.cluster) if rc.etcd else None
@@ -282,28 +358,51 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     if view_life is not None:
         await view_life.__anext__()
     lag = LoopLag()
-    nodes = NodeClient(s.session, rc.connect_timeout_s, rc.prefill_timeout_s, rc.read_timeout_s, lag,
-                       auth=cfg.security.headers)  # fmt: skip
+    nodes = NodeClient(
+        s.session,
+        rc.connect_timeout_s,
+        rc.prefill_timeout_s,
+        rc.read_timeout_s,
+        lag,
+        auth=cfg.security.headers,
+    )
     router = _router(s, load, view)
     s.etcd_view = view
-    s.coordinator_urls = lambda: list(rc.coordinator) + [u for u in (view.coordinators if view else [])
-                                                         if u not in rc.coordinator]  # fmt: skip
-    cluster = ClusterBackend(nodes, router, load, rc, on_retry=lambda k: s.metrics.retries.labels(kind=k).inc())
-    slots = ProviderSlots(cfg.server.max_provider_calls, s.metrics)  # one bound for every external model
-    embed_router = _router(s, load, view, NodeTask.EMBED) if any(m.kind == "embedding" for m in cfg.models.values()) \
-        else None  # fmt: skip
+    s.coordinator_urls = lambda: (
+        list(rc.coordinator)
+        + [u for u in (view.coordinators if view else []) if u not in rc.coordinator]
+    )
+    cluster = ClusterBackend(
+        nodes, router, load, rc, on_retry=lambda k: s.metrics.retries.labels(kind=k).inc()
+    )
+    slots = ProviderSlots(
+        cfg.server.max_provider_calls, s.metrics
+    )  # one bound for every external model
+    embed_router = (
+        _router(s, load, view, NodeTask.EMBED)
+        if any(m.kind == "embedding" for m in cfg.models.values())
+        else None
+    )
     for name, m in cfg.models.items():
         if m.kind == "cluster":
             assert m.tokenizer is not None
             directory = resolve_model(m.tokenizer).directory
-            s.models[name] = ServedModel(m, cluster, Tokenizer(directory), _max_model_len(m, directory))
+            s.models[name] = ServedModel(
+                m, cluster, Tokenizer(directory), _max_model_len(m, directory)
+            )
         elif m.kind == "embedding":
             assert m.tokenizer is not None and embed_router is not None
             directory = resolve_model(m.tokenizer).directory
-            backend = embeddings.EmbeddingBackend(nodes, embed_router, rc, _embedding_size(directory))
-            s.models[name] = ServedModel(m, backend, Tokenizer(directory), _max_model_len(m, directory))
+            backend = embeddings.EmbeddingBackend(
+                nodes, embed_router, rc, _embedding_size(directory)
+            )
+            s.models[name] = ServedModel(
+                m, backend, Tokenizer(directory), _max_model_len(m, directory)
+            )
         else:
-            s.models[name] = ServedModel(m, _external_backend(m, s, slots), None, m.max_model_len or 1 << 20)
+            s.models[name] = ServedModel(
+                m, _external_backend(m, s, slots), None, m.max_model_len or 1 << 20
+            )
     s.choice = ModelChoice(cfg, s.models)
     cluster.tracing = s.tracing
     writer = s.writer.lifecycle()
@@ -349,8 +448,11 @@ async def _sweep(s: GatewayState) -> None:
             streamed_reported(s, report)
             n = await s.store.reclaim(DEAD_AFTER_HEARTBEATS * q.heartbeat_s)
             if n:
-                log.warning("reclaimed %d reservations of a gateway that stopped (billed at their prompt and "
-                            "what they had streamed)", n)  # fmt: skip
+                log.warning(
+                    "reclaimed %d reservations of a gateway that stopped (billed at their prompt and "
+                    "what they had streamed)",
+                    n,
+                )
             n = await s.store.expire_reservations()
             if n:
                 log.warning("expired %d stale quota reservations", n)

@@ -24,8 +24,12 @@ def bearer(request: web.Request) -> str:
     h = request.headers.get("Authorization", "")
     scheme, _, token = h.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise APIError(401, "missing API key: send `Authorization: Bearer <key>`",
-                       type_="authentication_error", code="missing_api_key")  # fmt: skip
+        raise APIError(
+            401,
+            "missing API key: send `Authorization: Bearer <key>`",
+            type_="authentication_error",
+            code="missing_api_key",
+        )
     return token.strip()
 
 
@@ -42,7 +46,9 @@ class AdminGuard:
     MAX_ADDRESSES = 10_000
 
     def __init__(self) -> None:
-        self._failures: collections.OrderedDict[str, collections.deque[float]] = collections.OrderedDict()
+        self._failures: collections.OrderedDict[str, collections.deque[float]] = (
+            collections.OrderedDict()
+        )
 
     def check(self, address: str, now: float | None = None) -> None:
         """429 while `address` has used up its failures."""
@@ -51,9 +57,13 @@ class AdminGuard:
         while q and q[0] <= now - self.WINDOW_S:
             q.popleft()
         if q is not None and len(q) >= self.MAX_FAILURES:
-            raise APIError(429, "too many failed admin authentications from this address; retry later",
-                           type_="rate_limit_error", code="admin_auth_rate_limited",
-                           retry_after_s=q[0] + self.WINDOW_S - now)  # fmt: skip
+            raise APIError(
+                429,
+                "too many failed admin authentications from this address; retry later",
+                type_="rate_limit_error",
+                code="admin_auth_rate_limited",
+                retry_after_s=q[0] + self.WINDOW_S - now,
+            )
 
     def failed(self, address: str, now: float | None = None) -> None:
         q = self._failures.setdefault(address, collections.deque())
@@ -76,8 +86,12 @@ def require_admin(state: GatewayState, request: web.Request) -> None:
     state.admin_guard.check(address)
     if not is_admin(state, bearer(request)):
         state.admin_guard.failed(address)
-        raise APIError(401, "this endpoint needs the admin key", type_="authentication_error",
-                       code="invalid_api_key")  # fmt: skip
+        raise APIError(
+            401,
+            "this endpoint needs the admin key",
+            type_="authentication_error",
+            code="invalid_api_key",
+        )
 
 
 async def admin_or_team(state: GatewayState, request: web.Request) -> Team | None:
@@ -96,11 +110,17 @@ async def admin_or_team(state: GatewayState, request: web.Request) -> Team | Non
         raise
 
 
-async def authenticate(state: GatewayState, request: web.Request, token: str | None = None) -> tuple[ApiKey, Team]:
+async def authenticate(
+    state: GatewayState, request: web.Request, token: str | None = None
+) -> tuple[ApiKey, Team]:
     """The key's (key, team); `token`: the key as the caller sent it (default: the bearer token;
     Anthropic's clients send `x-api-key`)."""
     found = await state.keys.lookup(hash_secret(bearer(request) if token is None else token))
     if found is None:
-        raise APIError(401, "invalid API key (unknown or revoked)", type_="authentication_error",
-                       code="invalid_api_key")  # fmt: skip
+        raise APIError(
+            401,
+            "invalid API key (unknown or revoked)",
+            type_="authentication_error",
+            code="invalid_api_key",
+        )
     return found

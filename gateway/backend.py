@@ -114,7 +114,9 @@ class Reply:
     """One attempt's answer: iterate it for the pieces; `accounting` is the reply's own record
     of what was served. `aclose()` ends it now (not at GC): a backend aborts its work there."""
 
-    def __init__(self, pieces: Callable[[Accounting], AsyncIterator[Piece]], prompt_tokens: int = 0) -> None:
+    def __init__(
+        self, pieces: Callable[[Accounting], AsyncIterator[Piece]], prompt_tokens: int = 0
+    ) -> None:
         self.accounting = Accounting(prompt_tokens=prompt_tokens)
         self._it = pieces(self.accounting)
 

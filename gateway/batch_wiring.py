@@ -92,16 +92,26 @@ def batch_config(cfg: GatewayConfig) -> BatchConfig:
     # host:port is unique among live gateways and the same after a restart, so a restarted
     # gateway takes its own claims back at once instead of waiting for their leases.
     worker = b.worker_id or f"{socket.gethostname()}:{cfg.server.port}"
-    return BatchConfig(data_dir=data_dir(cfg), models=frozenset(cfg.models), concurrency=b.concurrency,
-                       lease_s=b.lease_s, poll_s=b.poll_s, max_attempts=b.max_attempts,
-                       retry_base_s=b.retry_base_s, max_requests=b.max_requests,
-                       max_file_bytes=b.max_file_bytes,
-                       callback_secret=b.callback_secret or os.environ.get("DUET_BATCH_CALLBACK_SECRET"),
-                       callback_secrets=dict(b.callback_secrets), max_line_bytes=b.max_line_bytes,
-                       max_open_batches=b.max_open_batches, max_team_bytes=b.max_team_bytes,
-                       max_priority=PRIORITIES[cfg.teams.get("*", TeamPolicy()).batch_priority],
-                       max_priorities={t: PRIORITIES[p.batch_priority] for t, p in cfg.teams.items() if t != "*"},
-                       allow_private_callbacks=b.allow_private_callbacks, worker_id=worker)  # fmt: skip
+    return BatchConfig(
+        data_dir=data_dir(cfg),
+        models=frozenset(cfg.models),
+        concurrency=b.concurrency,
+        lease_s=b.lease_s,
+        poll_s=b.poll_s,
+        max_attempts=b.max_attempts,
+        retry_base_s=b.retry_base_s,
+        max_requests=b.max_requests,
+        max_file_bytes=b.max_file_bytes,
+        callback_secret=b.callback_secret or os.environ.get("DUET_BATCH_CALLBACK_SECRET"),
+        callback_secrets=dict(b.callback_secrets),
+        max_line_bytes=b.max_line_bytes,
+        max_open_batches=b.max_open_batches,
+        max_team_bytes=b.max_team_bytes,
+        max_priority=PRIORITIES[cfg.teams.get("*", TeamPolicy()).batch_priority],
+        max_priorities={t: PRIORITIES[p.batch_priority] for t, p in cfg.teams.items() if t != "*"},
+        allow_private_callbacks=b.allow_private_callbacks,
+        worker_id=worker,
+    )
 
 
 class GatewayExecutor:
@@ -111,23 +121,46 @@ class GatewayExecutor:
         self.state = state
         self.price_factor = 1.0 - discount
 
-    async def __call__(self, team_id: str, endpoint: str, body: dict[str, Any], *,
-                       tier: str = "batch", request_id: str) -> tuple[int, dict[str, Any]]:  # fmt: skip
+    async def __call__(
+        self,
+        team_id: str,
+        endpoint: str,
+        body: dict[str, Any],
+        *,
+        tier: str = "batch",
+        request_id: str,
+    ) -> tuple[int, dict[str, Any]]:
         team = await self.state.store.get_team(team_id)
         if team is None:
-            err = APIError(403, f"team {team_id!r} no longer exists", type_="permission_error", code="team_deleted")
+            err = APIError(
+                403,
+                f"team {team_id!r} no longer exists",
+                type_="permission_error",
+                code="team_deleted",
+            )
             return err.status, msgspec.to_builtins(err.body())
         # idempotent: the runner reruns a line under the same id when its gateway died between
         # billing it and recording its result — billed once (store/base.py UsageRecord.idempotent)
-        caller = Caller(ApiKey(id="batch", team_id=team_id, name="batch"), team, request_id, time.monotonic(),
-                        self.price_factor, idempotent=True)  # fmt: skip
+        caller = Caller(
+            ApiKey(id="batch", team_id=team_id, name="batch"),
+            team,
+            request_id,
+            time.monotonic(),
+            self.price_factor,
+            idempotent=True,
+        )
         try:
-            answer = await serve.run(self.state, caller, _ENC.encode(body), _ENDPOINTS[endpoint], tier_header=tier)
+            answer = await serve.run(
+                self.state, caller, _ENC.encode(body), _ENDPOINTS[endpoint], tier_header=tier
+            )
         except RateLimited as e:
             if e.type == "insufficient_quota":
                 return e.status, msgspec.to_builtins(e.body())
             raise Defer(e.retry_after_s or 1.0, e.message) from None
-        except (Shed, TeamLimited) as e:  # TeamLimited: the team's own limits, on this gateway's count
+        except (
+            Shed,
+            TeamLimited,
+        ) as e:  # TeamLimited: the team's own limits, on this gateway's count
             raise Defer(e.retry_after_s or 1.0, e.message) from None
         except APIError as e:
             return e.status, msgspec.to_builtins(e.body())
@@ -136,8 +169,12 @@ class GatewayExecutor:
 
 def health(runner: BatchRunner) -> dict[str, Any]:
     """The batch tier's part of GET /health."""
-    return {"worker_id": runner.worker_id, "running": runner.running, "concurrency": runner.concurrency,
-            "paused": not runner.may_run()}  # fmt: skip
+    return {
+        "worker_id": runner.worker_id,
+        "running": runner.running,
+        "concurrency": runner.concurrency,
+        "paused": not runner.may_run(),
+    }
 
 
 def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
@@ -165,12 +202,20 @@ def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
 
     async def lifecycle(_: web.Application) -> AsyncIterator[None]:
         if shared_store(cfg) and not cfg.batch.data_dir:
-            log.warning("batches are in the shared PostgreSQL store, but their file contents in this "
-                        "host's %s: set [batch] data_dir to a directory every gateway mounts, or a "
-                        "batch uploaded through another gateway cannot be read here", bc.files_dir)  # fmt: skip
+            log.warning(
+                "batches are in the shared PostgreSQL store, but their file contents in this "
+                "host's %s: set [batch] data_dir to a directory every gateway mounts, or a "
+                "batch uploaded through another gateway cannot be read here",
+                bc.files_dir,
+            )
         await runner.start()
-        log.info("batch tier: store %s, worker %s, concurrency %d, discount %g", getattr(store, "path", "?"), bc.worker_id,
-                 bc.concurrency, cfg.batch.discount)  # fmt: skip
+        log.info(
+            "batch tier: store %s, worker %s, concurrency %d, discount %g",
+            getattr(store, "path", "?"),
+            bc.worker_id,
+            bc.concurrency,
+            cfg.batch.discount,
+        )
         try:
             yield
         finally:

@@ -91,7 +91,9 @@ def _counts(u: _Usage | None) -> TokenCounts:
     if u is None:
         return TokenCounts()
     cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details is not None else 0
-    return TokenCounts(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=cached)
+    return TokenCounts(
+        prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=cached
+    )
 
 
 class ChatAnswer(msgspec.Struct, kw_only=True):
@@ -109,11 +111,21 @@ def read_completion(body: object) -> ChatAnswer:
     b = _BODY.decode(body if isinstance(body, bytes) else _ENC.encode(body))
     c = b.choices[0] if b.choices else _Choice()
     m = c.message or _Message()
-    calls = [ToolCall(id=t.id or f"call_{i}", name=(t.function.name if t.function else None) or "",
-                      arguments=(t.function.arguments if t.function else None) or "{}")
-             for i, t in enumerate(m.tool_calls or [])]  # fmt: skip
-    return ChatAnswer(id=b.id, text=m.content or "", tool_calls=calls, finish_reason=c.finish_reason,
-                      usage=_counts(b.usage))  # fmt: skip
+    calls = [
+        ToolCall(
+            id=t.id or f"call_{i}",
+            name=(t.function.name if t.function else None) or "",
+            arguments=(t.function.arguments if t.function else None) or "{}",
+        )
+        for i, t in enumerate(m.tool_calls or [])
+    ]
+    return ChatAnswer(
+        id=b.id,
+        text=m.content or "",
+        tool_calls=calls,
+        finish_reason=c.finish_reason,
+        usage=_counts(b.usage),
+    )
 
 
 # -- streams --------------------------------------------------------------------------------
@@ -210,7 +222,9 @@ class Renderer(Protocol):
 class TranslatingSink:
     """An `EventSink` for `serve.run`: reads the chat stream, writes `renderer`'s translation."""
 
-    def __init__(self, inner: EventSink, renderer: Renderer, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, inner: EventSink, renderer: Renderer, headers: dict[str, str] | None = None
+    ) -> None:
         self.inner = inner
         self.renderer = renderer
         self.headers = headers or {}

@@ -87,9 +87,26 @@ class ChatBody(VllmExtras, kw_only=True, omit_defaults=True):
     service_tier: str | None = None
 
 
-__all__ = ["EXTRAS", "ChatBody", "FunctionCall", "FunctionDef", "ImagePart", "ImageURL", "Message", "NamedFunction",
-           "NamedToolChoice", "StreamOptions", "TextPart", "ToolCall", "ToolDef", "VllmExtras", "append",
-           "check_constraint", "copy_extras", "encode"]
+__all__ = [
+    "EXTRAS",
+    "ChatBody",
+    "FunctionCall",
+    "FunctionDef",
+    "ImagePart",
+    "ImageURL",
+    "Message",
+    "NamedFunction",
+    "NamedToolChoice",
+    "StreamOptions",
+    "TextPart",
+    "ToolCall",
+    "ToolDef",
+    "VllmExtras",
+    "append",
+    "check_constraint",
+    "copy_extras",
+    "encode",
+]
 _ENC = msgspec.json.Encoder()
 
 
@@ -102,7 +119,13 @@ def append(messages: list[Message], m: Message) -> None:
     (the Responses API gives every call an item of its own; OpenAI wants one assistant message
     holding the text and all its calls)."""
     last = messages[-1] if messages else None
-    if last is not None and last.role == "assistant" and m.role == "assistant" and m.tool_calls and m.content is None:
+    if (
+        last is not None
+        and last.role == "assistant"
+        and m.role == "assistant"
+        and m.tool_calls
+        and m.content is None
+    ):
         last.tool_calls = [*(last.tool_calls or []), *m.tool_calls]
     else:
         messages.append(m)

@@ -34,9 +34,15 @@ if TYPE_CHECKING:
 
 def _entry(s: ServedModel) -> ModelEntry:
     c = s.config
-    return ModelEntry(name=c.name, capability_rank=c.capability_rank, context_length=s.max_model_len, tiers=c.tiers,
-                      input_price_per_m=c.input_usd_per_mtok, output_price_per_m=c.output_usd_per_mtok,
-                      paid=c.kind == "external")  # fmt: skip
+    return ModelEntry(
+        name=c.name,
+        capability_rank=c.capability_rank,
+        context_length=s.max_model_len,
+        tiers=c.tiers,
+        input_price_per_m=c.input_usd_per_mtok,
+        output_price_per_m=c.output_usd_per_mtok,
+        paid=c.kind == "external",
+    )
 
 
 @dataclass(frozen=True)
@@ -60,28 +66,47 @@ class ModelChoice:
         self.config = config
         self.models = models
         self.catalog = {name: _entry(s) for name, s in models.items()}
-        self.chains = FallbackChains({n: s.config.fallback for n, s in models.items() if s.config.fallback},
-                                     self.catalog)  # fmt: skip
+        self.chains = FallbackChains(
+            {n: s.config.fallback for n, s in models.items() if s.config.fallback}, self.catalog
+        )
         self.router: AutoRouter | None = None
         self.auto_catalog: dict[str, ModelEntry] = {}
         if config.auto is not None:
             self.router = AutoRouter(rank_for=config.auto.rank_for)
             # embedding models answer no chat: never an auto candidate
-            names = config.auto.models or tuple(n for n, s in models.items() if s.config.kind != "embedding")
+            names = config.auto.models or tuple(
+                n for n, s in models.items() if s.config.kind != "embedding"
+            )
             self.auto_catalog = {n: self.catalog[n] for n in names}
 
-    def available(self, name: str, endpoint: Endpoint, n: int, needs: frozenset[Feature] = frozenset()) -> bool:
+    def available(
+        self, name: str, endpoint: Endpoint, n: int, needs: frozenset[Feature] = frozenset()
+    ) -> bool:
         s = self.models.get(name)
-        return s is not None and s.backend.available() and s.backend.usable_for(endpoint, n) and \
-            needs <= model_features(s.config)  # fmt: skip
+        return (
+            s is not None
+            and s.backend.available()
+            and s.backend.usable_for(endpoint, n)
+            and needs <= model_features(s.config)
+        )
 
     def auto(self, messages: list[dict[str, str]], need: Need) -> AutoChoice:
         assert self.router is not None
         p = need.policy
-        ap = AutoPolicy(pin=dict(p.auto_pin), forbid=frozenset(p.forbid), allow_paid_for_batch=p.allow_paid_for_batch)
-        return self.router.route(messages, self.auto_catalog, tier=need.tier, policy=ap,
-                                 prompt_tokens=need.prompt_tokens, max_tokens=need.max_tokens,
-                                 available=lambda m: self.available(m, need.endpoint, need.n, need.features))  # fmt: skip
+        ap = AutoPolicy(
+            pin=dict(p.auto_pin),
+            forbid=frozenset(p.forbid),
+            allow_paid_for_batch=p.allow_paid_for_batch,
+        )
+        return self.router.route(
+            messages,
+            self.auto_catalog,
+            tier=need.tier,
+            policy=ap,
+            prompt_tokens=need.prompt_tokens,
+            max_tokens=need.max_tokens,
+            available=lambda m: self.available(m, need.endpoint, need.n, need.features),
+        )
 
     @staticmethod
     def trigger(err: APIError, served: ServedModel, tier: Tier) -> Reason | None:
@@ -94,9 +119,17 @@ class ModelChoice:
     def next(self, origin: str, reason: Reason, need: Need, tried: list[str]) -> FallbackDecision:
         if origin not in self.chains.chains:
             return FallbackDecision(from_model=origin, to_model=None, reason=reason)
-        tp = TeamFallbackPolicy(allow_paid_for_batch=need.policy.allow_paid_for_batch,
-                                forbidden_models=frozenset(need.policy.forbid))  # fmt: skip
-        return self.chains.next(origin, reason, tier=need.tier, policy=tp, prompt_tokens=need.prompt_tokens,
-                                max_tokens=need.max_tokens, tried=tried,
-                                available=lambda m: self.available(m, need.endpoint, need.n, need.features))  # fmt: skip
-
+        tp = TeamFallbackPolicy(
+            allow_paid_for_batch=need.policy.allow_paid_for_batch,
+            forbidden_models=frozenset(need.policy.forbid),
+        )
+        return self.chains.next(
+            origin,
+            reason,
+            tier=need.tier,
+            policy=tp,
+            prompt_tokens=need.prompt_tokens,
+            max_tokens=need.max_tokens,
+            tried=tried,
+            available=lambda m: self.available(m, need.endpoint, need.n, need.features),
+        )

@@ -75,13 +75,26 @@ def leg_request(request: Request, attempt: Attempt, **leg: object) -> NodeComple
     the caller's cache domain, and the leg's own fields (stream, max_tokens, seed, kv params)."""
     s = request.sampling
     fields: dict[str, object] = {
-        "prompt": attempt.prompt_ids, "max_tokens": attempt.max_tokens, "priority": attempt.tier,
-        "temperature": s.temperature, "top_p": s.top_p, "seed": s.seed, "top_k": s.top_k,
-        "ignore_eos": bool(s.ignore_eos), "min_tokens": s.min_tokens or 0, "stop": list(s.stop) or None,
-        "logprobs": s.logprobs, "cache_salt": attempt.cache_domain or None,
-        "frequency_penalty": s.frequency_penalty, "presence_penalty": s.presence_penalty,
-        "repetition_penalty": s.repetition_penalty, "min_p": s.min_p, "logit_bias": s.logit_bias,
-        "guide": attempt.guide, **leg}  # fmt: skip
+        "prompt": attempt.prompt_ids,
+        "max_tokens": attempt.max_tokens,
+        "priority": attempt.tier,
+        "temperature": s.temperature,
+        "top_p": s.top_p,
+        "seed": s.seed,
+        "top_k": s.top_k,
+        "ignore_eos": bool(s.ignore_eos),
+        "min_tokens": s.min_tokens or 0,
+        "stop": list(s.stop) or None,
+        "logprobs": s.logprobs,
+        "cache_salt": attempt.cache_domain or None,
+        "frequency_penalty": s.frequency_penalty,
+        "presence_penalty": s.presence_penalty,
+        "repetition_penalty": s.repetition_penalty,
+        "min_p": s.min_p,
+        "logit_bias": s.logit_bias,
+        "guide": attempt.guide,
+        **leg,
+    }
     return NodeCompletionRequest(**fields)  # type: ignore[arg-type]
 
 
@@ -102,8 +115,15 @@ def _p_leg(job: Attempt, trip: _Trip) -> dict[str, object]:
 class ClusterBackend(Backend):
     uses_tier_queues = True
 
-    def __init__(self, nodes: NodeClient, router: Router, load: NodeLoad, cfg: RoutingConfig,
-                 on_retry: Callable[[str], None] = lambda _: None, tracing: Tracing | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        nodes: NodeClient,
+        router: Router,
+        load: NodeLoad,
+        cfg: RoutingConfig,
+        on_retry: Callable[[str], None] = lambda _: None,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.nodes = nodes
         self.tracing = tracing or Tracing.off()
         self.router = router
@@ -121,9 +141,13 @@ class ClusterBackend(Backend):
         return Reason.NO_HEALTHY_NODES if (err.status, err.code) in _NO_NODES else None
 
     def open(self, request: Request, attempt: Attempt) -> Reply:
-        return Reply(lambda acc: self._stream(request, attempt, acc), prompt_tokens=len(attempt.prompt_ids))
+        return Reply(
+            lambda acc: self._stream(request, attempt, acc), prompt_tokens=len(attempt.prompt_ids)
+        )
 
-    async def _stream(self, request: Request, attempt: Attempt, out: Accounting) -> AsyncIterator[Piece]:
+    async def _stream(
+        self, request: Request, attempt: Attempt, out: Accounting
+    ) -> AsyncIterator[Piece]:
         touched = _Touched()
         complete = False
         try:
@@ -148,7 +172,9 @@ class ClusterBackend(Backend):
     async def _abort(self, items: set[tuple[str, str]]) -> None:
         await asyncio.gather(*(self.nodes.abort(url, rid) for url, rid in items))
 
-    async def _run(self, request: Request, job: Attempt, out: Accounting, touched: _Touched) -> AsyncIterator[Piece]:
+    async def _run(
+        self, request: Request, job: Attempt, out: Accounting, touched: _Touched
+    ) -> AsyncIterator[Piece]:
         out.model_used = job.model.name
         trip = _Trip(t0=time.monotonic())
         leg = await self._open_leg(request, job, out, touched, trip)
@@ -164,28 +190,43 @@ class ClusterBackend(Backend):
                 return
             leg = await self._migrate(request, job, out, touched, trip, trip.failure)
 
-    async def _open_leg(self, request: Request, job: Attempt, out: Accounting, touched: _Touched,
-                        trip: _Trip) -> _Started:  # fmt: skip
+    async def _open_leg(
+        self, request: Request, job: Attempt, out: Accounting, touched: _Touched, trip: _Trip
+    ) -> _Started:
         """Route, prefill on P (unless the route says D), start the decode leg on D up to its
         first token: retried on other nodes up to max_attempts. A migrated leg's decode
         request carries `trip.resume`."""
         rid = job.request_id
-        hashes = block_hashes(job.prompt_ids, job.model.block_size, parent=domain_root(job.cache_domain))
+        hashes = block_hashes(
+            job.prompt_ids, job.model.block_size, parent=domain_root(job.cache_domain)
+        )
         exclude, failures = trip.exclude, []
         for attempt in range(self.cfg.max_attempts):
             if attempt:
                 self._on_retry("route")
-            route = await self._route(RouteRequest(
-                model=job.model.cluster_name, block_hashes=hashes, num_prompt_tokens=len(job.prompt_ids),
-                max_tokens=job.max_tokens, tier=job.tier,
-                exclude=list(exclude), request_id=rid), attempt)  # fmt: skip
+            route = await self._route(
+                RouteRequest(
+                    model=job.model.cluster_name,
+                    block_hashes=hashes,
+                    num_prompt_tokens=len(job.prompt_ids),
+                    max_tokens=job.max_tokens,
+                    tier=job.tier,
+                    exclude=list(exclude),
+                    request_id=rid,
+                ),
+                attempt,
+            )
             tried: list[tuple[str, str]] = []
             try:
                 kv = await self._prefill(request, job, out, touched, route, tried, trip)
             except NodeFailure as e:
                 assert route.prefill is not None
-                log.warning("%s: prefill on %s failed (%s); routing again without it", rid, route.prefill.node_id,
-                            e.reason)  # fmt: skip
+                log.warning(
+                    "%s: prefill on %s failed (%s); routing again without it",
+                    rid,
+                    route.prefill.node_id,
+                    e.reason,
+                )
                 failures.append(str(e))
                 exclude.append(route.prefill.node_id)
                 await self._abort(set(tried))
@@ -194,11 +235,25 @@ class ClusterBackend(Backend):
             touched.items.add((d.url, rid))
             tried.append((d.url, rid))
             own_seed = {"seed": trip.seed} if trip.index else {}  # sample i > 0 draws from seed + i
-            first = _Sample(self, d.url, rid, trip.index, leg_request(request, job, stream=True, kv_transfer_params=kv,
-                                                                      resume=trip.resume, **own_seed))  # fmt: skip
+            first = _Sample(
+                self,
+                d.url,
+                rid,
+                trip.index,
+                leg_request(
+                    request, job, stream=True, kv_transfer_params=kv, resume=trip.resume, **own_seed
+                ),
+            )
             tr = self.tracing
-            span = tr.start("gateway.decode_leg", {"duet.node_id": d.node_id, SERVER_ADDRESS: d.url,
-                                                   "duet.cached_tokens": d.cached_tokens}, kind="CLIENT")  # fmt: skip
+            span = tr.start(
+                "gateway.decode_leg",
+                {
+                    "duet.node_id": d.node_id,
+                    SERVER_ADDRESS: d.url,
+                    "duet.cached_tokens": d.cached_tokens,
+                },
+                kind="CLIENT",
+            )
             t_start = time.time_ns()
             try:
                 out.prompt_sent = True
@@ -206,8 +261,12 @@ class ClusterBackend(Backend):
                     head = await first.start()
             except NodeFailure as e:
                 tr.end(span, error=e.reason)
-                log.warning("%s: decode on %s failed before its first token (%s); routing again without it",
-                            rid, d.node_id, e.reason)  # fmt: skip
+                log.warning(
+                    "%s: decode on %s failed before its first token (%s); routing again without it",
+                    rid,
+                    d.node_id,
+                    e.reason,
+                )
                 failures.append(str(e))
                 exclude.append(d.node_id)
                 await self._abort(set(tried))
@@ -221,24 +280,45 @@ class ClusterBackend(Backend):
             out.nodes.append(d.node_id)
             trip.node_id, trip.leg, trip.span = d.node_id, (d.url, rid), span
             return d.url, first, head
-        raise APIError(503, f"the request failed on every node tried ({self.cfg.max_attempts} attempts): "
-                            + "; ".join(failures), type_="service_unavailable", code="upstream_unavailable")  # fmt: skip
+        raise APIError(
+            503,
+            f"the request failed on every node tried ({self.cfg.max_attempts} attempts): "
+            + "; ".join(failures),
+            type_="service_unavailable",
+            code="upstream_unavailable",
+        )
 
     async def _route(self, req: RouteRequest, attempt: int) -> RouteResponse:
         """The router's placement, in a span that says where and why."""
         tr = self.tracing
-        with tr.span("gateway.route", {"duet.attempt": attempt, "duet.exclude": list(req.exclude)}) as span:
+        with tr.span(
+            "gateway.route", {"duet.attempt": attempt, "duet.exclude": list(req.exclude)}
+        ) as span:
             route = await self.router.route(req)
             if span is not None:
                 p = route.prefill
-                span.set_attributes({"duet.route.reason": route.reason, "duet.decode.node_id": route.decode.node_id,
-                                     "duet.prefill.node_id": p.node_id if p is not None else "",
-                                     "duet.cached_tokens": max(route.decode.cached_tokens,
-                                                               p.cached_tokens if p is not None else 0)})  # fmt: skip
+                span.set_attributes(
+                    {
+                        "duet.route.reason": route.reason,
+                        "duet.decode.node_id": route.decode.node_id,
+                        "duet.prefill.node_id": p.node_id if p is not None else "",
+                        "duet.cached_tokens": max(
+                            route.decode.cached_tokens, p.cached_tokens if p is not None else 0
+                        ),
+                    }
+                )
             return route
 
-    async def _prefill(self, request: Request, job: Attempt, out: Accounting, touched: _Touched, route: RouteResponse,
-                       tried: list[tuple[str, str]], trip: _Trip) -> KVTransferParams | None:  # fmt: skip
+    async def _prefill(
+        self,
+        request: Request,
+        job: Attempt,
+        out: Accounting,
+        touched: _Touched,
+        route: RouteResponse,
+        tried: list[tuple[str, str]],
+        trip: _Trip,
+    ) -> KVTransferParams | None:
         """The prefill leg on the route's P, if it names one: P's KV handle for D (a guided
         request's with the first token P sampled, which D continues from)."""
         p = route.prefill
@@ -250,11 +330,28 @@ class ClusterBackend(Backend):
         self.load.acquire(p.url)
         tr = self.tracing
         try:
-            with tr.span("gateway.prefill_leg", {"duet.node_id": p.node_id, SERVER_ADDRESS: p.url,
-                                                 "duet.cached_tokens": p.cached_tokens}, kind="CLIENT") as span:  # fmt: skip
+            with tr.span(
+                "gateway.prefill_leg",
+                {
+                    "duet.node_id": p.node_id,
+                    SERVER_ADDRESS: p.url,
+                    "duet.cached_tokens": p.cached_tokens,
+                },
+                kind="CLIENT",
+            ) as span:
                 out.prompt_sent = True
-                answer = await self.nodes.prefill(p.url, rid, leg_request(  # logprobs come from D
-                    request, job, stream=False, logprobs=None, kv_transfer_params=_TO_DECODE, **_p_leg(job, trip)))  # fmt: skip
+                answer = await self.nodes.prefill(
+                    p.url,
+                    rid,
+                    leg_request(  # logprobs come from D
+                        request,
+                        job,
+                        stream=False,
+                        logprobs=None,
+                        kv_transfer_params=_TO_DECODE,
+                        **_p_leg(job, trip),
+                    ),
+                )
                 if span is not None and answer.usage is not None:
                     span.set_attribute(GEN_AI_INPUT_TOKENS, answer.usage.prompt_tokens)
             return answer.kv_transfer_params
@@ -283,12 +380,22 @@ class ClusterBackend(Backend):
         finally:
             await it.aclose()  # now, not at GC: frees the node's load count and connection
             out.leg_tokens.append(len(trip.ids) - trip.base)
-            self.tracing.end(trip.span, {GEN_AI_OUTPUT_TOKENS: len(trip.ids) - trip.base},
-                             error=trip.failure.reason if trip.failure is not None else None)  # fmt: skip
+            self.tracing.end(
+                trip.span,
+                {GEN_AI_OUTPUT_TOKENS: len(trip.ids) - trip.base},
+                error=trip.failure.reason if trip.failure is not None else None,
+            )
             trip.span = None
 
-    async def _migrate(self, request: Request, job: Attempt, out: Accounting, touched: _Touched, trip: _Trip,
-                       failure: NodeFailure) -> _Started:  # fmt: skip
+    async def _migrate(
+        self,
+        request: Request,
+        job: Attempt,
+        out: Accounting,
+        touched: _Touched,
+        trip: _Trip,
+        failure: NodeFailure,
+    ) -> _Started:
         """Stream migration: the decode node died after tokens went out. The prompt plus the
         tokens streamed go to another node (routed like any request, the dead node excluded:
         prefix cache and P/D as usual) under the request id `<id>.m<N>`, with `Resume` telling
@@ -296,35 +403,73 @@ class ClusterBackend(Backend):
         max_migrations and migration_deadline_s (past them: MidStreamError)."""
         n = trip.migrations + 1
         if n > self.cfg.max_migrations:
-            raise MidStreamError(502, f"the decode node failed mid-stream ({failure}) and the stream was migrated "
-                                      f"{trip.migrations} times already ([routing] max_migrations)",
-                                 type_="upstream_error", code="migration_limit_reached")  # fmt: skip
+            raise MidStreamError(
+                502,
+                f"the decode node failed mid-stream ({failure}) and the stream was migrated "
+                f"{trip.migrations} times already ([routing] max_migrations)",
+                type_="upstream_error",
+                code="migration_limit_reached",
+            )
         if time.monotonic() - trip.t0 > self.cfg.migration_deadline_s:
-            raise MidStreamError(502, f"the decode node failed mid-stream ({failure}) past the request's migration "
-                                      f"deadline ([routing] migration_deadline_s = {self.cfg.migration_deadline_s})",
-                                 type_="upstream_error", code="migration_deadline_exceeded")  # fmt: skip
-        log.warning("%s: decode on %s failed mid-stream after %d tokens (%s); migrating the stream (%d of at most %d)",
-                    job.request_id, trip.node_id, len(trip.ids), failure.reason, n, self.cfg.max_migrations)  # fmt: skip
+            raise MidStreamError(
+                502,
+                f"the decode node failed mid-stream ({failure}) past the request's migration "
+                f"deadline ([routing] migration_deadline_s = {self.cfg.migration_deadline_s})",
+                type_="upstream_error",
+                code="migration_deadline_exceeded",
+            )
+        log.warning(
+            "%s: decode on %s failed mid-stream after %d tokens (%s); migrating the stream (%d of at most %d)",
+            job.request_id,
+            trip.node_id,
+            len(trip.ids),
+            failure.reason,
+            n,
+            self.cfg.max_migrations,
+        )
         self._on_retry("migration")
         self._abort_later({trip.leg})  # a node that only stalled must not go on decoding for nobody
         trip.migrations = n
         out.migrations += 1  # every sample's migrations
         trip.exclude.append(trip.node_id)
         trip.base = len(trip.ids)
-        trip.resume = Resume(output_tokens=len(trip.ids), text_chars=trip.chars, migration=n) if trip.ids else None
-        leg_job = replace(job, request_id=f"{job.request_id}.m{n}", prompt_ids=job.prompt_ids + trip.ids)
+        trip.resume = (
+            Resume(output_tokens=len(trip.ids), text_chars=trip.chars, migration=n)
+            if trip.ids
+            else None
+        )
+        leg_job = replace(
+            job, request_id=f"{job.request_id}.m{n}", prompt_ids=job.prompt_ids + trip.ids
+        )
         try:
-            with self.tracing.span("gateway.migration", {"duet.migration": n, "duet.failed_node_id": trip.node_id,
-                                                         "duet.reason": failure.reason,
-                                                         "duet.streamed_tokens": len(trip.ids)}):  # fmt: skip
+            with self.tracing.span(
+                "gateway.migration",
+                {
+                    "duet.migration": n,
+                    "duet.failed_node_id": trip.node_id,
+                    "duet.reason": failure.reason,
+                    "duet.streamed_tokens": len(trip.ids),
+                },
+            ):
                 return await self._open_leg(request, leg_job, out, touched, trip)
         except APIError as e:
-            raise MidStreamError(502, f"the decode node failed mid-stream ({failure}) and no node could continue "
-                                      f"the stream: {e.message}", type_="upstream_error",
-                                 code="upstream_failed_midstream") from None  # fmt: skip
+            raise MidStreamError(
+                502,
+                f"the decode node failed mid-stream ({failure}) and no node could continue "
+                f"the stream: {e.message}",
+                type_="upstream_error",
+                code="upstream_failed_midstream",
+            ) from None
 
-    async def _samples(self, request: Request, job: Attempt, out: Accounting, touched: _Touched,
-                       started: _Started, trip0: _Trip) -> AsyncIterator[Piece]:  # fmt: skip
+    async def _samples(
+        self,
+        request: Request,
+        job: Attempt,
+        out: Accounting,
+        touched: _Touched,
+        started: _Started,
+        trip0: _Trip,
+    ) -> AsyncIterator[Piece]:
         """n > 1: sample 0's stream and samples 1..n-1 on the same node, interleaved. A sample
         whose node fails before its last token migrates alone (`_migrate`, with its own trip),
         in a task of its own; the others' pieces go on meanwhile."""
@@ -336,12 +481,26 @@ class ClusterBackend(Backend):
             srid = f"{job.request_id}.{i}"
             touched.items.add((d_url, srid))
             # distinct samples, still reproducible
-            trip = _Trip(t0=trip0.t0, index=i, seed=None if seed is None else seed + i, node_id=trip0.node_id,
-                         leg=(d_url, srid), exclude=list(trip0.exclude))  # fmt: skip
+            trip = _Trip(
+                t0=trip0.t0,
+                index=i,
+                seed=None if seed is None else seed + i,
+                node_id=trip0.node_id,
+                leg=(d_url, srid),
+                exclude=list(trip0.exclude),
+            )
             trips.append(trip)
-            samples.append(_Sample(self, d_url, srid, i, leg_request(request, job, stream=True, seed=trip.seed)))
-        queue: asyncio.Queue[tuple[int, NodeCompletionChunk | BaseException | None]] = asyncio.Queue()
-        tasks = [asyncio.ensure_future(s.pump(queue, head if s is first else None)) for s in samples]
+            samples.append(
+                _Sample(
+                    self, d_url, srid, i, leg_request(request, job, stream=True, seed=trip.seed)
+                )
+            )
+        queue: asyncio.Queue[tuple[int, NodeCompletionChunk | BaseException | None]] = (
+            asyncio.Queue()
+        )
+        tasks = [
+            asyncio.ensure_future(s.pump(queue, head if s is first else None)) for s in samples
+        ]
         try:
             running = len(samples)
             while running:
@@ -354,8 +513,11 @@ class ClusterBackend(Backend):
                 if isinstance(item, NodeFailure):  # every piece before it went out: trip is whole
                     self._leg_done(out, trip, item)
                     job_i = job if i == 0 else replace(job, request_id=f"{job.request_id}.{i}")
-                    tasks.append(asyncio.ensure_future(self._migrate_sample(request, job_i, out, touched, trip, item,
-                                                                            queue)))  # fmt: skip
+                    tasks.append(
+                        asyncio.ensure_future(
+                            self._migrate_sample(request, job_i, out, touched, trip, item, queue)
+                        )
+                    )
                     continue
                 if isinstance(item, BaseException):
                     raise _midstream(item)
@@ -366,7 +528,11 @@ class ClusterBackend(Backend):
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             for trip in trips:  # legs still open: the request ended early
-                self.tracing.end(trip.span, {GEN_AI_OUTPUT_TOKENS: len(trip.ids) - trip.base}, error="ended early")
+                self.tracing.end(
+                    trip.span,
+                    {GEN_AI_OUTPUT_TOKENS: len(trip.ids) - trip.base},
+                    error="ended early",
+                )
                 trip.span = None
 
     def _leg_done(self, out: Accounting, trip: _Trip, failure: NodeFailure | None = None) -> None:
@@ -374,13 +540,23 @@ class ClusterBackend(Backend):
         span (a leg `_open_leg` opened: sample 0's first, any sample's migrated ones) with them."""
         if trip.index == 0:  # the record's leg_tokens are sample 0's
             out.leg_tokens.append(len(trip.ids) - trip.base)
-        self.tracing.end(trip.span, {GEN_AI_OUTPUT_TOKENS: len(trip.ids) - trip.base},
-                         error=failure.reason if failure is not None else None)  # fmt: skip
+        self.tracing.end(
+            trip.span,
+            {GEN_AI_OUTPUT_TOKENS: len(trip.ids) - trip.base},
+            error=failure.reason if failure is not None else None,
+        )
         trip.span = None
 
-    async def _migrate_sample(self, request: Request, job: Attempt, out: Accounting, touched: _Touched, trip: _Trip,
-                              failure: NodeFailure,
-                              queue: asyncio.Queue[tuple[int, NodeCompletionChunk | BaseException | None]]) -> None:  # fmt: skip
+    async def _migrate_sample(
+        self,
+        request: Request,
+        job: Attempt,
+        out: Accounting,
+        touched: _Touched,
+        trip: _Trip,
+        failure: NodeFailure,
+        queue: asyncio.Queue[tuple[int, NodeCompletionChunk | BaseException | None]],
+    ) -> None:
         """One sample of n > 1 moves to another node; its pieces join the queue from there."""
         try:
             _, sample, head = await self._migrate(request, job, out, touched, trip, failure)
@@ -391,7 +567,9 @@ class ClusterBackend(Backend):
             return
         await sample.pump(queue, head)
 
-    def _pieces(self, i: int, chunk: NodeCompletionChunk, out: Accounting, trip: _Trip | None = None) -> list[Piece]:
+    def _pieces(
+        self, i: int, chunk: NodeCompletionChunk, out: Accounting, trip: _Trip | None = None
+    ) -> list[Piece]:
         """The chunk's pieces; its tokens counted (and, for a migratable stream, remembered)."""
         pieces = []
         for c in chunk.choices:
@@ -404,8 +582,15 @@ class ClusterBackend(Backend):
                 trip.add(c)
                 unsent, trip.unsent = trip.unsent + n, 0
             if c.text or c.finish_reason or c.logprobs:
-                pieces.append(Piece(index=i, text=c.text, finish_reason=c.finish_reason, logprobs=c.logprobs,
-                                    tokens=unsent))  # fmt: skip
+                pieces.append(
+                    Piece(
+                        index=i,
+                        text=c.text,
+                        finish_reason=c.finish_reason,
+                        logprobs=c.logprobs,
+                        tokens=unsent,
+                    )
+                )
             elif trip is not None:  # nothing to show yet: its tokens go with the next piece
                 trip.unsent = unsent
         if chunk.usage is not None:
@@ -417,7 +602,9 @@ class ClusterBackend(Backend):
             out.completion_tokens[i] = base + chunk.usage.completion_tokens
             if i == 0:
                 out.prompt_tokens = chunk.usage.prompt_tokens
-                out.cached_tokens = (chunk.usage.prompt_tokens_details or {}).get("cached_tokens", 0)
+                out.cached_tokens = (chunk.usage.prompt_tokens_details or {}).get(
+                    "cached_tokens", 0
+                )
         return pieces
 
 
@@ -461,8 +648,14 @@ class _Trip:
 class _Sample:
     """One node stream (one sample) on one node, with its load counted while it runs."""
 
-    def __init__(self, backend: ClusterBackend, url: str, request_id: str, index: int,
-                 body: NodeCompletionRequest) -> None:  # fmt: skip
+    def __init__(
+        self,
+        backend: ClusterBackend,
+        url: str,
+        request_id: str,
+        index: int,
+        body: NodeCompletionRequest,
+    ) -> None:
         self.backend = backend
         self.url = url
         self.request_id = request_id
@@ -493,7 +686,9 @@ class _Sample:
             self._close_count()
             raise
 
-    async def chunks(self, head: tuple[NodeCompletionChunk, bool] | None) -> AsyncIterator[tuple[NodeCompletionChunk, bool]]:
+    async def chunks(
+        self, head: tuple[NodeCompletionChunk, bool] | None
+    ) -> AsyncIterator[tuple[NodeCompletionChunk, bool]]:
         """`head` (what start() read), then the rest of the stream; the node's load is
         released and the stream closed however this ends."""
         try:
@@ -509,8 +704,11 @@ class _Sample:
             if aclose is not None:
                 await aclose()
 
-    async def pump(self, queue: asyncio.Queue[tuple[int, NodeCompletionChunk | BaseException | None]],
-                   head: tuple[NodeCompletionChunk, bool] | None) -> None:  # fmt: skip
+    async def pump(
+        self,
+        queue: asyncio.Queue[tuple[int, NodeCompletionChunk | BaseException | None]],
+        head: tuple[NodeCompletionChunk, bool] | None,
+    ) -> None:
         try:
             async for chunk, _ in self.chunks(head):
                 await queue.put((self.index, chunk))
@@ -524,5 +722,9 @@ class _Sample:
 def _midstream(e: BaseException) -> MidStreamError:
     if isinstance(e, APIError):
         return MidStreamError(e.status, e.message, e.type, e.param, e.code)
-    return MidStreamError(502, f"the decode node failed mid-stream: {e}", type_="upstream_error",
-                          code="upstream_failed_midstream")  # fmt: skip
+    return MidStreamError(
+        502,
+        f"the decode node failed mid-stream: {e}",
+        type_="upstream_error",
+        code="upstream_failed_midstream",
+    )

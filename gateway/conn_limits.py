@@ -48,8 +48,11 @@ class _LimitedHandler(DeadlineHandler):
         address = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
         gate = self._gate
         if gate.per_address and gate.open.get(address, 0) >= gate.per_address:
-            gate.refused.warning("refused a connection from %s: %d open already (server.max_connections_per_address)",
-                                 address, gate.open[address])  # fmt: skip
+            gate.refused.warning(
+                "refused a connection from %s: %d open already (server.max_connections_per_address)",
+                address,
+                gate.open[address],
+            )
             transport.close()
             return
         gate.open[address] = gate.open.get(address, 0) + 1
@@ -84,8 +87,14 @@ class LimitedAppRunner(DeadlineAppRunner):
     __slots__ = ("_gate",)
     server_class = _LimitedServer
 
-    def __init__(self, app: web.Application, *, max_connections_per_address: int, deadlines: ReadDeadlines,
-                 **kwargs: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        app: web.Application,
+        *,
+        max_connections_per_address: int,
+        deadlines: ReadDeadlines,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(app, deadlines=deadlines, **kwargs)
         self._gate = _Gate(max_connections_per_address)
 

@@ -50,10 +50,10 @@ _GUIDED = ("guided_json", "guided_regex", "guided_choice", "structured_outputs")
 #: vLLM's older request fields duet does not serve: refused by name (400), never ignored
 _REFUSED_FIELDS = {
     "guided_grammar": "duet serves JSON schemas, regular expressions and choices, not grammars: send guided_json, "
-                      "guided_regex or guided_choice (or structured_outputs with json, regex or choice); a grammar "
-                      "that is regular can be sent as guided_regex",
+    "guided_regex or guided_choice (or structured_outputs with json, regex or choice); a grammar "
+    "that is regular can be sent as guided_regex",
     "guided_whitespace_pattern": "duet's JSON output is always compact (no whitespace between tokens)",
-}  # fmt: skip
+}
 #: vLLM's structured-output request fields the gateway takes (on both endpoints): the guided
 #: ones, the refused ones (so that their 400 says why) and the inert guided_decoding_backend
 VLLM_FIELDS = (*_GUIDED, *_REFUSED_FIELDS, "guided_decoding_backend")
@@ -109,7 +109,9 @@ class Constraint:
     param: str | None = None
 
 
-def constraint(vllm: VllmFields, rf: ResponseFormat | None, forced_tool: bool, names: Names = OPENAI) -> Constraint:
+def constraint(
+    vllm: VllmFields, rf: ResponseFormat | None, forced_tool: bool, names: Names = OPENAI
+) -> Constraint:
     """The request's constraint from vLLM's fields (`vllm_fields` of the raw body, or a request
     struct that inherits them), its parsed `response_format` and whether its tool_choice is
     forced; 400 for two constraints, or one malformed before any grammar work (the grammar
@@ -117,13 +119,23 @@ def constraint(vllm: VllmFields, rf: ResponseFormat | None, forced_tool: bool, n
     for name, why in _REFUSED_FIELDS.items():
         if getattr(vllm, name) is not None:
             raise APIError(400, f"{name} is not supported: {why}", param=name)
-    sources = [name for name, used in (("response_format", rf is not None and rf.type != "text"),
-                                       *((f, getattr(vllm, f) is not None) for f in _GUIDED),
-                                       (_FORCED_TOOL, forced_tool)) if used]  # fmt: skip
+    sources = [
+        name
+        for name, used in (
+            ("response_format", rf is not None and rf.type != "text"),
+            *((f, getattr(vllm, f) is not None) for f in _GUIDED),
+            (_FORCED_TOOL, forced_tool),
+        )
+        if used
+    ]
     if len(sources) > 1:
         second = names.response_format if sources[1] == "response_format" else sources[1]
-        raise APIError(400, f"{described(sources[0], names)} and {described(sources[1], names)} cannot be combined: "
-                            "each constrains the whole answer (send one)", param=second)  # fmt: skip
+        raise APIError(
+            400,
+            f"{described(sources[0], names)} and {described(sources[1], names)} cannot be combined: "
+            "each constrains the whole answer (send one)",
+            param=second,
+        )
     if not sources:
         return Constraint()
     field = sources[0]
@@ -145,8 +157,12 @@ def described(source: str, names: Names = OPENAI) -> str:
 def refuse_min_tokens(field: str | None, min_tokens: int | None, names: Names = OPENAI) -> None:
     """A finished grammar allows only EOS, which min_tokens forbids: the two cannot meet (400)."""
     if field is not None and min_tokens:
-        raise APIError(400, f"min_tokens cannot be combined with {described(field, names)} (a finished constraint allows "
-                            "only the end of the answer)", param="min_tokens")  # fmt: skip
+        raise APIError(
+            400,
+            f"min_tokens cannot be combined with {described(field, names)} (a finished constraint allows "
+            "only the end of the answer)",
+            param="min_tokens",
+        )
 
 
 def vllm_fields(data: dict[str, Any]) -> VllmFields:
@@ -165,8 +181,11 @@ def _response_format(rf: ResponseFormat | None) -> Guide | None:
     """The guide response_format asks for (its grammar is checked by serve.run)."""
     assert rf is not None
     if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema is None):
-        raise APIError(400, "response_format of type json_schema needs json_schema.schema",
-                       param="response_format.json_schema")  # fmt: skip
+        raise APIError(
+            400,
+            "response_format of type json_schema needs json_schema.schema",
+            param="response_format.json_schema",
+        )
     return guide_from_response_format(rf)
 
 
@@ -183,13 +202,20 @@ def _normalized(vllm: VllmFields, field: str) -> tuple[StructuredOutputs, str]:
     assert so is not None
     for name in _REFUSED:
         if getattr(so, name) not in (None, False):
-            raise APIError(400, f"structured_outputs.{name} is not supported (duet serves json, regex, choice and "
-                                "json_object)", param=f"structured_outputs.{name}")  # fmt: skip
+            raise APIError(
+                400,
+                f"structured_outputs.{name} is not supported (duet serves json, regex, choice and "
+                "json_object)",
+                param=f"structured_outputs.{name}",
+            )
     kinds = [k for k in _KINDS if getattr(so, k) not in (None, False)]
     if len(kinds) != 1:
         got = f"got {', '.join(kinds)}" if kinds else "got none"
-        raise APIError(400, f"structured_outputs takes exactly one of {', '.join(_KINDS)}; {got}",
-                       param="structured_outputs")  # fmt: skip
+        raise APIError(
+            400,
+            f"structured_outputs takes exactly one of {', '.join(_KINDS)}; {got}",
+            param="structured_outputs",
+        )
     kind, param = kinds[0], f"structured_outputs.{kinds[0]}"
     if kind == "json":
         return StructuredOutputs(json=_schema(so.json, param)), param

@@ -81,7 +81,11 @@ def parse_embedding(raw: bytes) -> tuple[EmbeddingRequest, list[str] | list[list
         body = _DEC.decode(raw)
     except msgspec.ValidationError as e:
         msg = str(e)
-        param = msg.rsplit("`$.", 1)[1].rstrip("`").split("[")[0].split(".")[0] if "`$." in msg else None
+        param = (
+            msg.rsplit("`$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
+            if "`$." in msg
+            else None
+        )
         raise APIError(400, f"invalid request: {msg}", param=param) from None
     except (msgspec.DecodeError, RecursionError) as e:
         raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
@@ -94,21 +98,33 @@ def parse_embedding(raw: bytes) -> tuple[EmbeddingRequest, list[str] | list[list
     elif all(isinstance(x, str) for x in inp) or all(isinstance(x, list) for x in inp):
         items = list(inp)  # type: ignore[arg-type]
     else:
-        raise APIError(400, "input must be a string, an array of strings, an array of token ids or an array of "
-                            "token-id arrays (not a mix)", param="input")  # fmt: skip
+        raise APIError(
+            400,
+            "input must be a string, an array of strings, an array of token ids or an array of "
+            "token-id arrays (not a mix)",
+            param="input",
+        )
     if not items:
         raise APIError(400, "input must not be empty", param="input")
     if len(items) > MAX_EMBEDDING_INPUTS:
-        raise APIError(400, f"input holds {len(items)} items; at most {MAX_EMBEDDING_INPUTS} per request",
-                       param="input")  # fmt: skip
+        raise APIError(
+            400,
+            f"input holds {len(items)} items; at most {MAX_EMBEDDING_INPUTS} per request",
+            param="input",
+        )
     for i, item in enumerate(items):
         if not item:
             raise APIError(400, f"input[{i}] is empty", param="input")
     if body.dimensions is not None and body.dimensions < 1:
-        raise APIError(400, f"dimensions must be at least 1, got {body.dimensions}", param="dimensions")
+        raise APIError(
+            400, f"dimensions must be at least 1, got {body.dimensions}", param="dimensions"
+        )
     if body.user is not None and len(body.user) > MAX_USER:
-        raise APIError(400, f"user must be a string of at most {MAX_USER} characters, got {len(body.user)}",
-                       param="user")  # fmt: skip
+        raise APIError(
+            400,
+            f"user must be a string of at most {MAX_USER} characters, got {len(body.user)}",
+            param="user",
+        )
     return body, items
 
 
@@ -120,8 +136,11 @@ def _token_ids(served: ServedModel, items: list[str] | list[list[int]]) -> list[
     for i, ids in enumerate(items):
         bad = [t for t in ids if not 0 <= t < tok.vocab_size]  # type: ignore[union-attr]
         if bad:
-            raise APIError(400, f"input[{i}]: token ids out of the vocabulary (size {tok.vocab_size}): {bad[:5]}",
-                           param="input")  # fmt: skip
+            raise APIError(
+                400,
+                f"input[{i}]: token ids out of the vocabulary (size {tok.vocab_size}): {bad[:5]}",
+                param="input",
+            )
     return items  # type: ignore[return-value]
 
 
@@ -132,8 +151,13 @@ async def measure_items(served: ServedModel, items: list[str] | list[list[int]])
     limit = served.max_model_len
     for i, x in enumerate(ids):
         if len(x) > limit:
-            raise APIError(400, f"input[{i}] is {len(x)} tokens; this model's maximum context length is {limit} "
-                                "tokens", param="input", code="context_length_exceeded")  # fmt: skip
+            raise APIError(
+                400,
+                f"input[{i}] is {len(x)} tokens; this model's maximum context length is {limit} "
+                "tokens",
+                param="input",
+                code="context_length_exceeded",
+            )
         if not x:
             raise APIError(400, f"input[{i}] has no tokens", param="input")
     return ids
@@ -145,7 +169,9 @@ class EmbeddingBackend(Backend):
 
     uses_tier_queues = True
 
-    def __init__(self, nodes: NodeClient, router: Router, cfg: RoutingConfig, embedding_size: int | None) -> None:
+    def __init__(
+        self, nodes: NodeClient, router: Router, cfg: RoutingConfig, embedding_size: int | None
+    ) -> None:
         self.nodes = nodes
         self.router = router
         self.cfg = cfg
@@ -155,37 +181,72 @@ class EmbeddingBackend(Backend):
         return endpoint == Endpoint.EMBEDDING
 
     def open(self, request: Request, attempt: Attempt) -> Reply:
-        raise APIError(400, f"{attempt.model.name!r} is an embedding model: use POST /v1/embeddings", param="model",
-                       code="wrong_model_kind")  # fmt: skip
+        raise APIError(
+            400,
+            f"{attempt.model.name!r} is an embedding model: use POST /v1/embeddings",
+            param="model",
+            code="wrong_model_kind",
+        )
 
     def fallback_reason(self, err: APIError, tier: Tier) -> Reason | None:
         return None  # an embedding model has no fallback chain (gateway/config.py)
 
-    async def embed(self, request_id: str, served: ServedModel, ids: list[list[int]], dimensions: int | None,
-                    tier: Tier, acc: Accounting) -> NodeEmbeddingResponse:  # fmt: skip
+    async def embed(
+        self,
+        request_id: str,
+        served: ServedModel,
+        ids: list[list[int]],
+        dimensions: int | None,
+        tier: Tier,
+        acc: Accounting,
+    ) -> NodeEmbeddingResponse:
         exclude: list[str] = []
         failures: list[str] = []
         body = NodeEmbeddingRequest(inputs=ids, dimensions=dimensions)
         for _ in range(max(1, self.cfg.max_attempts)):
-            route = await self.router.route(RouteRequest(
-                model=served.config.cluster_name, block_hashes=[], num_prompt_tokens=max(map(len, ids)), max_tokens=1,
-                tier=tier, exclude=exclude, request_id=request_id, task=NodeTask.EMBED))  # fmt: skip
+            route = await self.router.route(
+                RouteRequest(
+                    model=served.config.cluster_name,
+                    block_hashes=[],
+                    num_prompt_tokens=max(map(len, ids)),
+                    max_tokens=1,
+                    tier=tier,
+                    exclude=exclude,
+                    request_id=request_id,
+                    task=NodeTask.EMBED,
+                )
+            )
             node = route.decode
             acc.prompt_sent = True
             try:
                 out = await self.nodes.embed(node.url, request_id, body)
             except NodeFailure as e:
-                log.warning("%s: embed node %s failed (%s); trying another", request_id, node.node_id, e.reason)
+                log.warning(
+                    "%s: embed node %s failed (%s); trying another",
+                    request_id,
+                    node.node_id,
+                    e.reason,
+                )
                 failures.append(f"{node.node_id}: {e.reason}")
                 exclude.append(node.node_id)
                 continue
             acc.nodes.append(node.node_id)
             if len(out.vectors) != len(ids) or any(len(v) != 4 * out.dim for v in out.vectors):
-                raise APIError(502, f"embed node {node.node_id} answered {len(out.vectors)} vectors for {len(ids)} "
-                                    "inputs", type_="server_error", code="bad_upstream")  # fmt: skip
+                raise APIError(
+                    502,
+                    f"embed node {node.node_id} answered {len(out.vectors)} vectors for {len(ids)} "
+                    "inputs",
+                    type_="server_error",
+                    code="bad_upstream",
+                )
             return out
-        raise APIError(503, f"every embed node tried failed: {'; '.join(failures)}", type_="service_unavailable",
-                       code="upstream_unavailable", retry_after_s=1)  # fmt: skip
+        raise APIError(
+            503,
+            f"every embed node tried failed: {'; '.join(failures)}",
+            type_="service_unavailable",
+            code="upstream_unavailable",
+            retry_after_s=1,
+        )
 
 
 def _floats(le: bytes) -> list[float]:
@@ -195,30 +256,51 @@ def _floats(le: bytes) -> list[float]:
     return a.tolist()
 
 
-def render(out: NodeEmbeddingResponse, fmt: EncodingFormat, model: str, n_tokens: int) -> EmbeddingResponse:
+def render(
+    out: NodeEmbeddingResponse, fmt: EncodingFormat, model: str, n_tokens: int
+) -> EmbeddingResponse:
     enc: Callable[[bytes], list[float] | str] = (
-        _floats if fmt == EncodingFormat.FLOAT else (lambda b: base64.b64encode(b).decode("ascii")))  # fmt: skip
-    return EmbeddingResponse(data=[EmbeddingData(index=i, embedding=enc(v)) for i, v in enumerate(out.vectors)],
-                             model=model, usage=EmbeddingUsage(prompt_tokens=n_tokens, total_tokens=n_tokens))  # fmt: skip
+        _floats if fmt == EncodingFormat.FLOAT else (lambda b: base64.b64encode(b).decode("ascii"))
+    )
+    return EmbeddingResponse(
+        data=[EmbeddingData(index=i, embedding=enc(v)) for i, v in enumerate(out.vectors)],
+        model=model,
+        usage=EmbeddingUsage(prompt_tokens=n_tokens, total_tokens=n_tokens),
+    )
 
 
 def _model(state: GatewayState, caller: Caller, name: str) -> ServedModel:
     served = state.models.get(name)
     if served is None:
         names = sorted(n for n, m in state.models.items() if m.config.kind == "embedding")
-        raise APIError(404, f"the model {name!r} does not exist (embedding models: {', '.join(names) or 'none'})",
-                       param="model", code="model_not_found")  # fmt: skip
+        raise APIError(
+            404,
+            f"the model {name!r} does not exist (embedding models: {', '.join(names) or 'none'})",
+            param="model",
+            code="model_not_found",
+        )
     if name in state.config.team_policy(caller.team.id).forbid:
-        raise APIError(403, f"team {caller.team.id!r} may not use model {name!r}", type_="permission_error",
-                       param="model", code="model_forbidden")  # fmt: skip
+        raise APIError(
+            403,
+            f"team {caller.team.id!r} may not use model {name!r}",
+            type_="permission_error",
+            param="model",
+            code="model_forbidden",
+        )
     if served.config.kind != "embedding" or not isinstance(served.backend, EmbeddingBackend):
-        raise APIError(400, f"{name!r} is a text generation model; /v1/embeddings needs a model of kind "
-                            "\"embedding\"", param="model", code="wrong_model_kind")  # fmt: skip
+        raise APIError(
+            400,
+            f"{name!r} is a text generation model; /v1/embeddings needs a model of kind "
+            '"embedding"',
+            param="model",
+            code="wrong_model_kind",
+        )
     return served
 
 
-async def run(state: GatewayState, caller: Caller, raw: bytes, *, tier_header: str | None = None) -> tuple[
-        EmbeddingResponse, dict[str, str]]:  # fmt: skip
+async def run(
+    state: GatewayState, caller: Caller, raw: bytes, *, tier_header: str | None = None
+) -> tuple[EmbeddingResponse, dict[str, str]]:
     """One embeddings request of an authenticated caller: the response and its headers."""
     body, items = parse_embedding(raw)
     served = _model(state, caller, body.model)
@@ -226,30 +308,59 @@ async def run(state: GatewayState, caller: Caller, raw: bytes, *, tier_header: s
     assert isinstance(backend, EmbeddingBackend)
     size = backend.embedding_size
     if size is not None and body.dimensions is not None and body.dimensions > size:
-        raise APIError(400, f"dimensions must be at most {size} for {body.model!r}, got {body.dimensions}",
-                       param="dimensions")  # fmt: skip
+        raise APIError(
+            400,
+            f"dimensions must be at most {size} for {body.model!r}, got {body.dimensions}",
+            param="dimensions",
+        )
     tier = team_tier(tier_header, None, caller.team, state.config.team_policy(caller.team.id))
-    state.admission.check_team(caller.team, state.config.quotas.default_max_concurrent)  # before tokenizing
+    state.admission.check_team(
+        caller.team, state.config.quotas.default_max_concurrent
+    )  # before tokenizing
     with state.admission.teams.running(caller.team.id):
         return await _measured(state, caller, body, served, items, tier)
 
 
-async def _measured(state: GatewayState, caller: Caller, body: EmbeddingRequest, served: ServedModel,
-                    items: list[str] | list[list[int]], tier: Tier) -> tuple[EmbeddingResponse, dict[str, str]]:  # fmt: skip
+async def _measured(
+    state: GatewayState,
+    caller: Caller,
+    body: EmbeddingRequest,
+    served: ServedModel,
+    items: list[str] | list[list[int]],
+    tier: Tier,
+) -> tuple[EmbeddingResponse, dict[str, str]]:
     """The rest of `run`, counted in the team gate's in-flight requests."""
     backend = served.backend
     assert isinstance(backend, EmbeddingBackend)
     tr, name = state.tracing, served.config.name
-    tr.annotate({GEN_AI_OPERATION: EMBEDDINGS, GEN_AI_PROVIDER: "duet", GEN_AI_REQUEST_MODEL: body.model,
-                 "duet.request_id": caller.request_id, "duet.team": caller.team.id, "duet.tier": tier})  # fmt: skip
+    tr.annotate(
+        {
+            GEN_AI_OPERATION: EMBEDDINGS,
+            GEN_AI_PROVIDER: "duet",
+            GEN_AI_REQUEST_MODEL: body.model,
+            "duet.request_id": caller.request_id,
+            "duet.team": caller.team.id,
+            "duet.tier": tier,
+        }
+    )
     with tr.span("gateway.tokenize", {GEN_AI_REQUEST_MODEL: name}) as span:
         ids = await measure_items(served, items)
         n_tokens = sum(map(len, ids))
         if span is not None:
             span.set_attribute(GEN_AI_INPUT_TOKENS, n_tokens)
-    req = Request(endpoint=Endpoint.EMBEDDING, model=body.model, messages=None, prompt=None, max_tokens=0,
-                  sampling=Sampling(), n=1, stream=False, include_usage=False, service_tier=None,
-                  user=body.user or None)  # fmt: skip
+    req = Request(
+        endpoint=Endpoint.EMBEDDING,
+        model=body.model,
+        messages=None,
+        prompt=None,
+        max_tokens=0,
+        sampling=Sampling(),
+        n=1,
+        stream=False,
+        include_usage=False,
+        service_tier=None,
+        user=body.user or None,
+    )
     with tr.span("gateway.quota.reserve", {"duet.team": caller.team.id}):
         ledger = await Ledger.reserve(state, caller, req, tier, served, Measured([], n_tokens, 0))
     state.admission.teams.started(caller.team)
@@ -257,16 +368,30 @@ async def _measured(state: GatewayState, caller: Caller, body: EmbeddingRequest,
     acc = Accounting(prompt_tokens=n_tokens, model_used=name)
     # OTel's embeddings span: the dimensions asked for (else the model's, when known) and the format
     dims = body.dimensions or backend.embedding_size
-    asked = {GEN_AI_ENCODING_FORMATS: [body.encoding_format.value], **({GEN_AI_DIMENSIONS: dims} if dims else {})}
+    asked = {
+        GEN_AI_ENCODING_FORMATS: [body.encoding_format.value],
+        **({GEN_AI_DIMENSIONS: dims} if dims else {}),
+    }
 
-    def usage() -> dict[str, str | int | list[str]] | None:  # what a node embedded (none reached: nothing)
-        return {GEN_AI_RESPONSE_MODEL: name, GEN_AI_INPUT_TOKENS: n_tokens, "duet.nodes": list(acc.nodes)} \
-            if acc.served else None  # fmt: skip
+    def usage() -> (
+        dict[str, str | int | list[str]] | None
+    ):  # what a node embedded (none reached: nothing)
+        return (
+            {
+                GEN_AI_RESPONSE_MODEL: name,
+                GEN_AI_INPUT_TOKENS: n_tokens,
+                "duet.nodes": list(acc.nodes),
+            }
+            if acc.served
+            else None
+        )
 
     try:
         with client_span(tr, EMBEDDINGS, name, served.config.provider or "duet", asked, usage):
             async with state.admission.slot(tier):
-                out = await backend.embed(caller.request_id, served, ids, body.dimensions, tier, acc)
+                out = await backend.embed(
+                    caller.request_id, served, ids, body.dimensions, tier, acc
+                )
             acc.first_token_at = time.monotonic()
         await ledger.commit(UsageStatus.OK, acc)
     except APIError as e:
@@ -279,10 +404,22 @@ async def _measured(state: GatewayState, caller: Caller, body: EmbeddingRequest,
         ledger.submit(UsageStatus.ERROR, acc)  # a no-op once settled
         if tr.enabled:
             r = ledger.record
-            tr.annotate({GEN_AI_RESPONSE_MODEL: r.model_used, GEN_AI_INPUT_TOKENS: r.prompt_tokens, "duet.status": r.status,
-                         "duet.cost_usd": r.cost_usd, "duet.nodes": list(r.nodes)})  # fmt: skip
-    headers = {**ledger.headers, "X-Request-Id": caller.request_id, "x-duet-tier": tier,
-               "x-duet-model-used": served.config.name, "x-duet-cost-usd": f"{ledger.record.cost_usd:.8f}"}  # fmt: skip
+            tr.annotate(
+                {
+                    GEN_AI_RESPONSE_MODEL: r.model_used,
+                    GEN_AI_INPUT_TOKENS: r.prompt_tokens,
+                    "duet.status": r.status,
+                    "duet.cost_usd": r.cost_usd,
+                    "duet.nodes": list(r.nodes),
+                }
+            )
+    headers = {
+        **ledger.headers,
+        "X-Request-Id": caller.request_id,
+        "x-duet-tier": tier,
+        "x-duet-model-used": served.config.name,
+        "x-duet-cost-usd": f"{ledger.record.cost_usd:.8f}",
+    }
     return render(out, body.encoding_format, served.config.name, n_tokens), headers
 
 
@@ -292,6 +429,10 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
     with state.tracing.span("gateway.auth"):
         key, team = await authenticate(state, request)
     raw = await request.read()
-    body, headers = await run(state, Caller(key, team, request_id, t0), raw,
-                              tier_header=request.headers.get("x-duet-tier"))  # fmt: skip
+    body, headers = await run(
+        state,
+        Caller(key, team, request_id, t0),
+        raw,
+        tier_header=request.headers.get("x-duet-tier"),
+    )
     return web.Response(body=_ENC.encode(body), content_type="application/json", headers=headers)

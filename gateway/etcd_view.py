@@ -26,7 +26,9 @@ from protocol.cluster import NodeInfo, NodeStatus, NodeTask
 log = logging.getLogger("duet.gateway.etcd")
 
 
-def pools_from(infos: Iterable[NodeInfo], task: NodeTask = NodeTask.GENERATE) -> dict[str, StaticNodes]:
+def pools_from(
+    infos: Iterable[NodeInfo], task: NodeTask = NodeTask.GENERATE
+) -> dict[str, StaticNodes]:
     """Model → its active nodes of `task` by role, with each node's KV layout hash, so the static
     router pairs P and D by the coordinator's rule (protocol.cluster.kv_layouts_match). Embed
     nodes register as `both`: a pool of them is routed as colocated nodes."""
@@ -35,14 +37,25 @@ def pools_from(infos: Iterable[NodeInfo], task: NodeTask = NodeTask.GENERATE) ->
     for info in infos:
         if info.status != NodeStatus.ACTIVE or info.task != task:
             continue
-        pools.setdefault(info.model, {"prefill": [], "decode": [], "both": []})[info.role].append(info.url)
+        pools.setdefault(info.model, {"prefill": [], "decode": [], "both": []})[info.role].append(
+            info.url
+        )
         layouts.setdefault(info.model, {})[info.url] = info.kv_layout_hash
-    return {m: StaticNodes(prefill=tuple(sorted(p["prefill"])), decode=tuple(sorted(p["decode"])),
-                           both=tuple(sorted(p["both"])), kv_layouts=layouts[m]) for m, p in pools.items()}  # fmt: skip
+    return {
+        m: StaticNodes(
+            prefill=tuple(sorted(p["prefill"])),
+            decode=tuple(sorted(p["decode"])),
+            both=tuple(sorted(p["both"])),
+            kv_layouts=layouts[m],
+        )
+        for m, p in pools.items()
+    }
 
 
 class EtcdView:
-    def __init__(self, endpoint: str, cluster: str, interval_s: float = 2.0, store: Store | None = None) -> None:
+    def __init__(
+        self, endpoint: str, cluster: str, interval_s: float = 2.0, store: Store | None = None
+    ) -> None:
         #: the store is the view's own unless given (then the caller closes it)
         self._owned = store is None
         self.store: Store = store if store is not None else EtcdStore(endpoint)
@@ -94,7 +107,9 @@ class EtcdView:
         try:
             await asyncio.wait_for(self.loaded.wait(), first_load_timeout_s)
         except TimeoutError:
-            log.warning("no cluster view from etcd after %.0fs; starting without it", first_load_timeout_s)
+            log.warning(
+                "no cluster view from etcd after %.0fs; starting without it", first_load_timeout_s
+            )
         yield
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)

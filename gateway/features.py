@@ -83,7 +83,9 @@ def parse_features(value: object, where: str) -> tuple[str, ...]:
         raise ValueError(f"{where} features must be a list of: {', '.join(Feature)}")
     bad = [v for v in value if v not in Feature.__members__.values()]
     if bad:
-        raise ValueError(f"{where} features: unknown {', '.join(map(repr, bad))} (known: {', '.join(Feature)})")
+        raise ValueError(
+            f"{where} features: unknown {', '.join(map(repr, bad))} (known: {', '.join(Feature)})"
+        )
     return tuple(value)
 
 
@@ -91,9 +93,13 @@ def refuse_missing(request: Request, model: ModelConfig) -> None:
     """400 naming what `model` cannot serve of `request` (before any work is done)."""
     missing = sorted(features(request) - model_features(model))
     if missing:
-        raise APIError(400, f"the model {model.name!r} does not support {', '.join(missing)} "
-                            f"(its [models.{model.name}] features list what it serves)",
-                       param=_param(request, missing[0]), code="unsupported_feature")  # fmt: skip
+        raise APIError(
+            400,
+            f"the model {model.name!r} does not support {', '.join(missing)} "
+            f"(its [models.{model.name}] features list what it serves)",
+            param=_param(request, missing[0]),
+            code="unsupported_feature",
+        )
 
 
 def _param(request: Request, feature: Feature) -> str:
@@ -109,6 +115,10 @@ _PENALTIES = ("frequency_penalty", "presence_penalty", "repetition_penalty", "mi
 
 
 #: the request field an error about a feature names
-_PARAM = {Feature.TOOLS: "tools", Feature.STRUCTURED_OUTPUTS: "response_format",
-          Feature.VLLM_STRUCTURED_OUTPUTS: "structured_outputs",
-          Feature.PENALTIES: "frequency_penalty", Feature.LOGIT_BIAS: "logit_bias"}  # fmt: skip
+_PARAM = {
+    Feature.TOOLS: "tools",
+    Feature.STRUCTURED_OUTPUTS: "response_format",
+    Feature.VLLM_STRUCTURED_OUTPUTS: "structured_outputs",
+    Feature.PENALTIES: "frequency_penalty",
+    Feature.LOGIT_BIAS: "logit_bias",
+}

@@ -29,13 +29,24 @@ from protocol.tracing import (
 
 
 @contextlib.contextmanager
-def client_span(tracing: Tracing, operation: str, model: str, provider: str, attributes: Attrs | None = None,
-                served: Callable[[], Attrs | None] = lambda: None) -> Iterator[None]:  # fmt: skip
+def client_span(
+    tracing: Tracing,
+    operation: str,
+    model: str,
+    provider: str,
+    attributes: Attrs | None = None,
+    served: Callable[[], Attrs | None] = lambda: None,
+) -> Iterator[None]:
     """The span around one call to `model`; a no-op when tracing is off."""
     if not tracing.enabled:
         yield
         return
-    attrs = {GEN_AI_OPERATION: operation, GEN_AI_PROVIDER: provider, GEN_AI_REQUEST_MODEL: model, **(attributes or {})}
+    attrs = {
+        GEN_AI_OPERATION: operation,
+        GEN_AI_PROVIDER: provider,
+        GEN_AI_REQUEST_MODEL: model,
+        **(attributes or {}),
+    }
     with tracing.span(inference_span_name(operation, model), attrs, kind="CLIENT") as span:
         try:
             yield

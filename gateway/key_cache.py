@@ -27,8 +27,13 @@ Found = tuple[ApiKey, Team]
 
 
 class KeyCache:
-    def __init__(self, store: Store, ttl_s: float, max_entries: int = 10_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: Store,
+        ttl_s: float,
+        max_entries: int = 10_000,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.store = store
         self.ttl_s = ttl_s
         self.max_entries = max_entries

@@ -33,6 +33,11 @@ def same_secret(secret: str, expected_sha256: str) -> bool:
 def new_key(team_id: str, name: str = "") -> tuple[ApiKey, str, str]:
     """(key row, the secret to show once, its hash to store)."""
     secret = new_secret()
-    key = ApiKey(id=f"key_{uuid.uuid4().hex[:16]}", team_id=team_id, name=name,
-                 prefix=secret[: len(PREFIX) + 4], created_at=time.time())  # fmt: skip
+    key = ApiKey(
+        id=f"key_{uuid.uuid4().hex[:16]}",
+        team_id=team_id,
+        name=name,
+        prefix=secret[: len(PREFIX) + 4],
+        created_at=time.time(),
+    )
     return key, secret, hash_secret(secret)

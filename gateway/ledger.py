@@ -63,9 +63,15 @@ class UsageStatus(StrEnum):
 class RateLimited(APIError):
     def __init__(self, refusal: Refusal) -> None:
         code = "budget_exceeded" if refusal.kind.endswith("budget") else "rate_limit_exceeded"
-        super().__init__(429, refusal.message, type_="rate_limit_error" if code == "rate_limit_exceeded"
-                         else "insufficient_quota", code=code, param=refusal.kind,
-                         retry_after_s=max(1, math.ceil(refusal.retry_after_s)), headers=rate_headers(refusal.rate))  # fmt: skip
+        super().__init__(
+            429,
+            refusal.message,
+            type_="rate_limit_error" if code == "rate_limit_exceeded" else "insufficient_quota",
+            code=code,
+            param=refusal.kind,
+            retry_after_s=max(1, math.ceil(refusal.retry_after_s)),
+            headers=rate_headers(refusal.rate),
+        )
 
 
 def _reset(s: float) -> str:
@@ -75,13 +81,21 @@ def _reset(s: float) -> str:
 def rate_headers(r: RateState) -> dict[str, str]:
     h = {}
     if r.limit_requests is not None:
-        h.update({"x-ratelimit-limit-requests": str(r.limit_requests),
-                  "x-ratelimit-remaining-requests": str(max(0, r.remaining_requests or 0)),
-                  "x-ratelimit-reset-requests": _reset(r.reset_requests_s)})  # fmt: skip
+        h.update(
+            {
+                "x-ratelimit-limit-requests": str(r.limit_requests),
+                "x-ratelimit-remaining-requests": str(max(0, r.remaining_requests or 0)),
+                "x-ratelimit-reset-requests": _reset(r.reset_requests_s),
+            }
+        )
     if r.limit_tokens is not None:
-        h.update({"x-ratelimit-limit-tokens": str(r.limit_tokens),
-                  "x-ratelimit-remaining-tokens": str(max(0, r.remaining_tokens or 0)),
-                  "x-ratelimit-reset-tokens": _reset(r.reset_tokens_s)})  # fmt: skip
+        h.update(
+            {
+                "x-ratelimit-limit-tokens": str(r.limit_tokens),
+                "x-ratelimit-remaining-tokens": str(max(0, r.remaining_tokens or 0)),
+                "x-ratelimit-reset-tokens": _reset(r.reset_tokens_s),
+            }
+        )
     return h
 
 
@@ -102,12 +116,22 @@ class Caller:
 def _worst_case(state: GatewayState, model: str, prompt: int, completion: int) -> float:
     """The reservation's cost: the dearest model the request may end on (its fallback chain)."""
     names = [model, *(state.choice.chains.chains.get(model, ()) if state.choice else ())]
-    return max(worst_case_usd(state.models[n].config, prompt, completion) for n in names if n in state.models)
+    return max(
+        worst_case_usd(state.models[n].config, prompt, completion)
+        for n in names
+        if n in state.models
+    )
 
 
 class Ledger:
-    def __init__(self, state: GatewayState, caller: Caller, reservation_id: str, record: UsageRecord,
-                 rate: RateState) -> None:  # fmt: skip
+    def __init__(
+        self,
+        state: GatewayState,
+        caller: Caller,
+        reservation_id: str,
+        record: UsageRecord,
+        rate: RateState,
+    ) -> None:
         self.state = state
         self.caller = caller
         self.reservation_id = reservation_id
@@ -123,32 +147,61 @@ class Ledger:
         self.reported = 0
 
     @classmethod
-    async def reserve(cls, state: GatewayState, caller: Caller, req: Request, tier: Tier, served: ServedModel,
-                      size: Measured) -> Ledger:  # fmt: skip
+    async def reserve(
+        cls,
+        state: GatewayState,
+        caller: Caller,
+        req: Request,
+        tier: Tier,
+        served: ServedModel,
+        size: Measured,
+    ) -> Ledger:
         """Book the request's worst case (its prompt plus `n` full completions, at the dearest
         model of its chain) or raise RateLimited."""
         team, n_prompt, max_tokens = caller.team, size.n_prompt, size.max_tokens
         # what the booking bills if this gateway dies before settling it: the prompt, and what was
         # streamed by the last heartbeat at this model's completion price
-        booked = Booked(model=served.config.name, tier=tier, endpoint=req.endpoint.value, prompt_tokens=n_prompt,
-                        prompt_cost_usd=cost_usd(served.config, n_prompt, 0) * caller.price_factor,
-                        completion_usd_per_mtok=served.config.output_usd_per_mtok * caller.price_factor,
-                        idempotent=caller.idempotent, user=req.user)  # fmt: skip
-        reserve = ReserveRequest(team_id=team.id, key_id=caller.key.id, request_id=caller.request_id,
-                                 tokens=n_prompt + req.n * max_tokens,
-                                 cost_usd=_worst_case(state, served.config.name, n_prompt, req.n * max_tokens)
-                                 * caller.price_factor, ttl_s=state.config.quotas.reservation_ttl_s,
-                                 gateway_id=state.gateway_id, booked=booked,
-                                 default_max_concurrent=state.config.quotas.default_max_concurrent)  # fmt: skip
+        booked = Booked(
+            model=served.config.name,
+            tier=tier,
+            endpoint=req.endpoint.value,
+            prompt_tokens=n_prompt,
+            prompt_cost_usd=cost_usd(served.config, n_prompt, 0) * caller.price_factor,
+            completion_usd_per_mtok=served.config.output_usd_per_mtok * caller.price_factor,
+            idempotent=caller.idempotent,
+            user=req.user,
+        )
+        reserve = ReserveRequest(
+            team_id=team.id,
+            key_id=caller.key.id,
+            request_id=caller.request_id,
+            tokens=n_prompt + req.n * max_tokens,
+            cost_usd=_worst_case(state, served.config.name, n_prompt, req.n * max_tokens)
+            * caller.price_factor,
+            ttl_s=state.config.quotas.reservation_ttl_s,
+            gateway_id=state.gateway_id,
+            booked=booked,
+            default_max_concurrent=state.config.quotas.default_max_concurrent,
+        )
         res = await state.store.reserve(reserve)
         if isinstance(res, Refusal):
             state.metrics.rejections.labels(team=team.id, kind=res.kind).inc()
-            log.info("%s: team %s refused (%s): %s", caller.request_id, team.id, res.kind, res.message)
+            log.info(
+                "%s: team %s refused (%s): %s", caller.request_id, team.id, res.kind, res.message
+            )
             raise RateLimited(res)
-        record = UsageRecord(request_id=caller.request_id, team_id=team.id, key_id=caller.key.id,
-                             model_requested=req.model, model_used=served.config.name, tier=tier,
-                             status=UsageStatus.ERROR.value, prompt_tokens=len(size.ids), endpoint=req.endpoint.value,
-                             user=req.user)  # fmt: skip
+        record = UsageRecord(
+            request_id=caller.request_id,
+            team_id=team.id,
+            key_id=caller.key.id,
+            model_requested=req.model,
+            model_used=served.config.name,
+            tier=tier,
+            status=UsageStatus.ERROR.value,
+            prompt_tokens=len(size.ids),
+            endpoint=req.endpoint.value,
+            user=req.user,
+        )
         ledger = cls(state, caller, res.id, record, res.rate)
         state.in_flight[res.id] = ledger  # until it settles (`_settlement`)
         return ledger
@@ -169,7 +222,12 @@ class Ledger:
         served = acc is not None and acc.served
         # A client that leaves once its prompt went out still pays for the prompt: a node or a
         # provider is computing it (else leaving before the first token would be free compute).
-        prompt_only = not served and acc is not None and acc.prompt_sent and status is UsageStatus.CLIENT_DISCONNECTED
+        prompt_only = (
+            not served
+            and acc is not None
+            and acc.prompt_sent
+            and status is UsageStatus.CLIENT_DISCONNECTED
+        )
         if acc is not None:
             r.prompt_tokens = acc.prompt_tokens or r.prompt_tokens
             # Every completion token read from the node or provider: a client that left chose to
@@ -182,14 +240,26 @@ class Ledger:
             r.model_used = acc.model_used or r.model_used
         # A request no node served (refused by a node, shed, every try failed) costs nothing.
         model = self._served.config if self._served is not None else None
-        r.cost_usd = cost_usd(model, r.prompt_tokens, r.completion_tokens, r.cached_tokens) \
-            * self.caller.price_factor if (served or prompt_only) and model is not None else 0.0  # fmt: skip
-        r.ttft_s = (acc.first_token_at - self.caller.t0) if acc is not None and acc.first_token_at is not None else None
+        r.cost_usd = (
+            cost_usd(model, r.prompt_tokens, r.completion_tokens, r.cached_tokens)
+            * self.caller.price_factor
+            if (served or prompt_only) and model is not None
+            else 0.0
+        )
+        r.ttft_s = (
+            (acc.first_token_at - self.caller.t0)
+            if acc is not None and acc.first_token_at is not None
+            else None
+        )
         r.latency_s = time.monotonic() - self.caller.t0
         r.created_at = time.time()
         self.settled = True
-        return Settlement(self.reservation_id, r, window_tokens=None if served or prompt_only else 0,
-                          idempotent=self.caller.idempotent)  # fmt: skip
+        return Settlement(
+            self.reservation_id,
+            r,
+            window_tokens=None if served or prompt_only else 0,
+            idempotent=self.caller.idempotent,
+        )
 
     async def commit(self, status: UsageStatus, acc: Accounting | None) -> None:
         """Settle and wait until the record is in the store (before the answer's last bytes)."""
@@ -211,15 +281,32 @@ class Ledger:
 
     def _observe(self) -> None:
         r, m = self.record, self.state.metrics
-        log.info("%s team=%s model=%s used=%s tier=%s status=%s prompt=%d cached=%d completion=%d cost=$%.6f ttft=%s "
-                 "latency=%.3fs nodes=%s", r.request_id, r.team_id, r.model_requested, r.model_used, r.tier, r.status,
-                 r.prompt_tokens, r.cached_tokens, r.completion_tokens, r.cost_usd,
-                 f"{r.ttft_s:.3f}s" if r.ttft_s is not None else "-", r.latency_s, ",".join(r.nodes) or "-")  # fmt: skip
-        m.requests.labels(team=r.team_id, model=r.model_requested, tier=r.tier, status=r.status).inc()
+        log.info(
+            "%s team=%s model=%s used=%s tier=%s status=%s prompt=%d cached=%d completion=%d cost=$%.6f ttft=%s "
+            "latency=%.3fs nodes=%s",
+            r.request_id,
+            r.team_id,
+            r.model_requested,
+            r.model_used,
+            r.tier,
+            r.status,
+            r.prompt_tokens,
+            r.cached_tokens,
+            r.completion_tokens,
+            r.cost_usd,
+            f"{r.ttft_s:.3f}s" if r.ttft_s is not None else "-",
+            r.latency_s,
+            ",".join(r.nodes) or "-",
+        )
+        m.requests.labels(
+            team=r.team_id, model=r.model_requested, tier=r.tier, status=r.status
+        ).inc()
         # spend and tokens go to the model that served (a fallback is paid at its prices)
         m.spend.labels(team=r.team_id, model=r.model_used).inc(r.cost_usd)
         m.tokens.labels(team=r.team_id, model=r.model_used, kind="prompt").inc(r.prompt_tokens)
-        m.tokens.labels(team=r.team_id, model=r.model_used, kind="completion").inc(r.completion_tokens)
+        m.tokens.labels(team=r.team_id, model=r.model_used, kind="completion").inc(
+            r.completion_tokens
+        )
         m.e2e.labels(model=r.model_requested).observe(r.latency_s)
         if r.ttft_s is not None:
             m.ttft.labels(model=r.model_requested).observe(r.ttft_s)

@@ -41,7 +41,11 @@ class Measured:
 
 def tool_plan(served: ServedModel, req: Request) -> ToolPlan | None:
     """The request's tools on a self-hosted model (None: no tools, or the provider's model)."""
-    if served.tokenizer is None or req.messages is None or (req.tools.choice == "none" and not req.has_tool_turns):
+    if (
+        served.tokenizer is None
+        or req.messages is None
+        or (req.tools.choice == "none" and not req.has_tool_turns)
+    ):
         return None
     return plan_for(req.tools, served.config.tool_parser, served.tokenizer.chat_template)
 
@@ -57,8 +61,11 @@ def check_logit_bias(tok: Tokenizer, req: Request) -> None:
     """logit_bias names token ids of this model's vocabulary."""
     bad = [k for k in req.sampling.logit_bias or () if int(k) >= tok.vocab_size]
     if bad:
-        raise APIError(400, f"logit_bias names token ids out of the vocabulary (size {tok.vocab_size}): {bad[:5]}",
-                       param="logit_bias")  # fmt: skip
+        raise APIError(
+            400,
+            f"logit_bias names token ids out of the vocabulary (size {tok.vocab_size}): {bad[:5]}",
+            param="logit_bias",
+        )
 
 
 async def prompt_ids(served: ServedModel, req: Request, plan: ToolPlan | None = None) -> list[int]:
@@ -78,8 +85,11 @@ async def prompt_ids(served: ServedModel, req: Request, plan: ToolPlan | None = 
             ids = list(req.prompt or [])
             bad = [t for t in ids if not 0 <= t < tok.vocab_size]
             if bad:
-                raise APIError(400, f"prompt token ids out of the vocabulary (size {tok.vocab_size}): {bad[:5]}",
-                               param="prompt")  # fmt: skip
+                raise APIError(
+                    400,
+                    f"prompt token ids out of the vocabulary (size {tok.vocab_size}): {bad[:5]}",
+                    param="prompt",
+                )
             return ids
         return await asyncio.to_thread(enc) if size > _BIG_PROMPT else enc()
     except ChatTemplateError as e:
@@ -133,9 +143,13 @@ def context_check(served: ServedModel, n_prompt: int, max_tokens: int | None) ->
     if max_tokens is None:
         max_tokens = min(served.config.default_max_tokens, limit - n_prompt)
     if n_prompt + max(max_tokens, 1) > limit:
-        raise APIError(400, f"this model's maximum context length is {limit} tokens, but {n_prompt + max_tokens} "
-                            f"were requested ({n_prompt} in the prompt, {max_tokens} for the completion)",
-                       param="messages" if max_tokens <= 0 else "max_tokens", code="context_length_exceeded")  # fmt: skip
+        raise APIError(
+            400,
+            f"this model's maximum context length is {limit} tokens, but {n_prompt + max_tokens} "
+            f"were requested ({n_prompt} in the prompt, {max_tokens} for the completion)",
+            param="messages" if max_tokens <= 0 else "max_tokens",
+            code="context_length_exceeded",
+        )
     return max_tokens
 
 
@@ -149,6 +163,15 @@ async def measure(served: ServedModel, req: Request, guides: GuideChecker) -> Me
     # an external model: its provider counts; reserve on an upper bound of what it can bill
     limit = served.max_model_len  # required in the config for an external model: its context
     if req.max_tokens is not None and req.max_tokens >= limit:  # at least one prompt token besides
-        raise APIError(400, f"max_tokens must be less than this model's context length ({limit} tokens), got "
-                            f"{req.max_tokens}", param="max_tokens", code="context_length_exceeded")  # fmt: skip
-    return Measured(ids, token_upper_bound(req), req.max_tokens or min(served.config.default_max_tokens, limit - 1))
+        raise APIError(
+            400,
+            f"max_tokens must be less than this model's context length ({limit} tokens), got "
+            f"{req.max_tokens}",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
+    return Measured(
+        ids,
+        token_upper_bound(req),
+        req.max_tokens or min(served.config.default_max_tokens, limit - 1),
+    )

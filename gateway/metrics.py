@@ -4,37 +4,91 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                    10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 
 class GatewayMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.spend = Counter("duet:spend_usd", "Spend in USD", ["team", "model"], registry=r)
-        self.requests = Counter("duet:gateway_requests", "Requests finished",
-                                ["team", "model", "tier", "status"], registry=r)  # fmt: skip
-        self.rejections = Counter("duet:ratelimit_rejections", "Requests refused by a quota",
-                                  ["team", "kind"], registry=r)  # fmt: skip
-        self.shed = Counter("duet:gateway_shed", "Requests shed by tier admission (503)",
-                            ["tier", "reason"], registry=r)  # fmt: skip
-        self.queue_depth = Gauge("duet:gateway_queue_depth", "Requests waiting for admission", ["tier"], registry=r)
-        self.inflight = Gauge("duet:gateway_requests_running", "Requests admitted and running", registry=r)
+        self.requests = Counter(
+            "duet:gateway_requests",
+            "Requests finished",
+            ["team", "model", "tier", "status"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "duet:ratelimit_rejections", "Requests refused by a quota", ["team", "kind"], registry=r
+        )
+        self.shed = Counter(
+            "duet:gateway_shed",
+            "Requests shed by tier admission (503)",
+            ["tier", "reason"],
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "duet:gateway_queue_depth", "Requests waiting for admission", ["tier"], registry=r
+        )
+        self.inflight = Gauge(
+            "duet:gateway_requests_running", "Requests admitted and running", registry=r
+        )
         # calls to external providers holding one of [server] max_provider_calls (gateway/provider_slots.py)
-        self.provider_calls = Gauge("duet:provider_calls_running", "Calls to external providers running",
-                                    registry=r)  # fmt: skip
-        self.ttft = Histogram("duet:time_to_first_token_seconds", "Gateway time to first token",
-                              ["model"], buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.e2e = Histogram("duet:e2e_request_latency_seconds", "Gateway request latency",
-                             ["model"], buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
-        self.tokens = Counter("duet:gateway_tokens", "Tokens served", ["team", "model", "kind"], registry=r)
-        self.retries = Counter("duet:gateway_retries", "Legs retried on another node", ["kind"], registry=r)
-        self.route_fallback = Counter("duet:route_fallback", "Requests routed without a coordinator",
-                                      ["reason"], registry=r)  # fmt: skip
-        self.usage_batches = Counter("duet:usage_write_batches", "Usage-record transactions", registry=r)
+        self.provider_calls = Gauge(
+            "duet:provider_calls_running", "Calls to external providers running", registry=r
+        )
+        self.ttft = Histogram(
+            "duet:time_to_first_token_seconds",
+            "Gateway time to first token",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "duet:e2e_request_latency_seconds",
+            "Gateway request latency",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens = Counter(
+            "duet:gateway_tokens", "Tokens served", ["team", "model", "kind"], registry=r
+        )
+        self.retries = Counter(
+            "duet:gateway_retries", "Legs retried on another node", ["kind"], registry=r
+        )
+        self.route_fallback = Counter(
+            "duet:route_fallback", "Requests routed without a coordinator", ["reason"], registry=r
+        )
+        self.usage_batches = Counter(
+            "duet:usage_write_batches", "Usage-record transactions", registry=r
+        )
         # grammar compiles of structured-output constraints (protocol/guide_compile.py): one per
         # distinct guide (a resent one is answered from the cache), by verdict
-        self.guide_compiles = Counter("duet:guide_compiles", "Grammar compiles of request constraints, by verdict",
-                                      ["verdict"], registry=r)  # fmt: skip
-        self.guide_compiling = Gauge("duet:guide_compiles_running", "Grammar compiles running on their threads",
-                                     registry=r)  # fmt: skip
+        self.guide_compiles = Counter(
+            "duet:guide_compiles",
+            "Grammar compiles of request constraints, by verdict",
+            ["verdict"],
+            registry=r,
+        )
+        self.guide_compiling = Gauge(
+            "duet:guide_compiles_running", "Grammar compiles running on their threads", registry=r
+        )

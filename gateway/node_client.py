@@ -48,8 +48,11 @@ def _unreachable(url: str, e: BaseException, leg: str = "") -> Exception:
     failure: then the request is shed like any other overload (503 + Retry-After; the batch
     tier defers it) and no node is blamed."""
     if _local_exhaustion(e):
-        return Shed("the gateway has no file descriptor left for another connection to a node; retry shortly "
-                    "(operators: raise `ulimit -n` or lower [tiers] max_inflight)", 1.0)  # fmt: skip
+        return Shed(
+            "the gateway has no file descriptor left for another connection to a node; retry shortly "
+            "(operators: raise `ulimit -n` or lower [tiers] max_inflight)",
+            1.0,
+        )
     return NodeFailure(url, f"{leg}{type(e).__name__}: {e}")
 
 
@@ -72,9 +75,15 @@ _NETWORK_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError)
 
 
 class NodeClient:
-    def __init__(self, session: aiohttp.ClientSession, connect_timeout_s: float, prefill_timeout_s: float,
-                 read_timeout_s: float, lag: LoopLag | None = None,
-                 auth: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        connect_timeout_s: float,
+        prefill_timeout_s: float,
+        read_timeout_s: float,
+        lag: LoopLag | None = None,
+        auth: dict[str, str] | None = None,
+    ) -> None:
         self.session = session
         #: the cluster secret's header (protocol/plane.py), on every request to a node and only
         #: there: the session is shared with the providers, which must never see it
@@ -86,9 +95,15 @@ class NodeClient:
         self._stall_logged = 0.0
         # sock_connect: the TCP connect itself; `connect` in aiohttp also counts the wait for a
         # free connection of the per-node pool, which is bounded by the leg's own timeout
-        self._prefill_timeout = aiohttp.ClientTimeout(total=prefill_timeout_s, sock_connect=connect_timeout_s)
-        self._stream_timeout = aiohttp.ClientTimeout(total=None, connect=max(connect_timeout_s, read_timeout_s),
-                                                     sock_connect=connect_timeout_s, sock_read=read_timeout_s)  # fmt: skip
+        self._prefill_timeout = aiohttp.ClientTimeout(
+            total=prefill_timeout_s, sock_connect=connect_timeout_s
+        )
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=max(connect_timeout_s, read_timeout_s),
+            sock_connect=connect_timeout_s,
+            sock_read=read_timeout_s,
+        )
         self._abort_timeout = aiohttp.ClientTimeout(total=max(2.0, connect_timeout_s))
         self.drain_timeout_s = DRAIN_TIMEOUT_S
         #: streams past [DONE] whose body's end is still being read (their connections go back
@@ -99,15 +114,24 @@ class NodeClient:
     def draining(self) -> int:
         return len(self._draining)
 
-    async def prefill(self, url: str, request_id: str, body: NodeCompletionRequest) -> NodeCompletion:
+    async def prefill(
+        self, url: str, request_id: str, body: NodeCompletionRequest
+    ) -> NodeCompletion:
         """The prefill leg; its answer carries `kv_transfer_params` for the decode node."""
         out = await self._whole(url, "/v1/completions", request_id, body, _WHOLE, "prefill leg")
         if out.kv_transfer_params is None or not out.kv_transfer_params.do_remote_prefill:
             raise NodeFailure(url, "prefill leg answered without kv_transfer_params")
         return out
 
-    async def _whole(self, url: str, path: str, request_id: str, body: msgspec.Struct,
-                     decoder: msgspec.json.Decoder[_T], what: str) -> _T:  # fmt: skip
+    async def _whole(
+        self,
+        url: str,
+        path: str,
+        request_id: str,
+        body: msgspec.Struct,
+        decoder: msgspec.json.Decoder[_T],
+        what: str,
+    ) -> _T:
         """One whole (unstreamed) answer under the prefill leg's timeout: a network error, a 5xx
         or a 429 is the node's failure (NodeFailure), another non-200 the request's (APIError)."""
         try:
@@ -124,8 +148,9 @@ class NodeClient:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise NodeFailure(url, f"{what}: unreadable answer: {e}") from None
 
-    async def stream(self, url: str, request_id: str,
-                     body: NodeCompletionRequest) -> AsyncIterator[tuple[NodeCompletionChunk, bool]]:  # fmt: skip
+    async def stream(
+        self, url: str, request_id: str, body: NodeCompletionRequest
+    ) -> AsyncIterator[tuple[NodeCompletionChunk, bool]]:
         """A streamed completion as `(chunk, more)`: `more` says the next chunk has already
         arrived (same network read), so a relay may hold this one and send both at once.
         Raises NodeFailure on any failure, APIError on a node's 4xx."""
@@ -171,8 +196,14 @@ class NodeClient:
             else:
                 resp.release()  # at the body's end: back to the pool; else (cut short) closed
 
-    async def _post(self, url: str, request_id: str, body: NodeCompletionRequest | NodeEmbeddingRequest,
-                    timeout: aiohttp.ClientTimeout, path: str = "/v1/completions") -> aiohttp.ClientResponse:  # fmt: skip
+    async def _post(
+        self,
+        url: str,
+        request_id: str,
+        body: NodeCompletionRequest | NodeEmbeddingRequest,
+        timeout: aiohttp.ClientTimeout,
+        path: str = "/v1/completions",
+    ) -> aiohttp.ClientResponse:
         """POST `path` (a leg's by default) with the cluster secret: every call to a node goes
         through here. A connect that timed out while this process's own event loop
         stood still for half the connect timeout or more is tried once more: the timeout was
@@ -181,8 +212,12 @@ class NodeClient:
         for attempt in (0, 1):
             t0 = time.monotonic()
             try:
-                return await self.session.post(f"{url}{path}", data=data, headers=_headers(request_id, body, self._auth),
-                                               timeout=timeout)  # fmt: skip
+                return await self.session.post(
+                    f"{url}{path}",
+                    data=data,
+                    headers=_headers(request_id, body, self._auth),
+                    timeout=timeout,
+                )
             except aiohttp.ConnectionTimeoutError:
                 stalled = self._lag.stalled_since(t0) if self._lag is not None else 0.0
                 if attempt or stalled < OWN_STALL_SHARE * self._connect_timeout_s:
@@ -190,10 +225,14 @@ class NodeClient:
                 self.own_stall_retries += 1
                 if t0 - self._stall_logged > 10:
                     self._stall_logged = t0
-                    log.warning("the gateway's event loop stood still %.1f s, so connects to nodes timed out on "
-                                "its side (%s: retrying; %d so far); a burst larger than one process takes at once "
-                                "does this — more gateway processes, or a lower [tiers] max_inflight, avoid it",
-                                stalled, url, self.own_stall_retries)  # fmt: skip
+                    log.warning(
+                        "the gateway's event loop stood still %.1f s, so connects to nodes timed out on "
+                        "its side (%s: retrying; %d so far); a burst larger than one process takes at once "
+                        "does this — more gateway processes, or a lower [tiers] max_inflight, avoid it",
+                        stalled,
+                        url,
+                        self.own_stall_retries,
+                    )
         raise AssertionError("unreachable")
 
     def _drain(self, resp: aiohttp.ClientResponse) -> None:
@@ -204,6 +243,7 @@ class NodeClient:
         reuse one in the middle of a body), and the next request would pay a new TCP connection
         on its way to the first token — 4 in 10 requests did against a node that sent the two
         in separate writes."""
+
         async def finish() -> None:
             try:
                 ended = await read_to_end(resp, self.drain_timeout_s)
@@ -226,7 +266,9 @@ class NodeClient:
             task.cancel()
         await asyncio.gather(*self._draining, return_exceptions=True)
 
-    async def embed(self, url: str, request_id: str, body: NodeEmbeddingRequest) -> NodeEmbeddingResponse:
+    async def embed(
+        self, url: str, request_id: str, body: NodeEmbeddingRequest
+    ) -> NodeEmbeddingResponse:
         """`POST /v1/embeddings` on an embed node (protocol/embeddings.py), under the prefill
         leg's timeout (both are one prefill). NodeFailure / APIError as the legs."""
         return await self._whole(url, "/v1/embeddings", request_id, body, _EMBEDDED, "embeddings")
@@ -234,16 +276,25 @@ class NodeClient:
     async def abort(self, url: str, request_id: str) -> None:
         """Best effort: the node frees whatever it holds for the request (quietly on failure)."""
         with contextlib.suppress(*_NETWORK_ERRORS):
-            async with self.session.post(f"{url}/abort", data=_ENC.encode(AbortRequest(request_id=request_id)),
-                                         headers=_headers(request_id, None, self._auth), timeout=self._abort_timeout) as r:  # fmt: skip
+            async with self.session.post(
+                f"{url}/abort",
+                data=_ENC.encode(AbortRequest(request_id=request_id)),
+                headers=_headers(request_id, None, self._auth),
+                timeout=self._abort_timeout,
+            ) as r:
                 await r.read()
                 log.info("aborted %s on %s: %s", request_id, url, r.status)
 
 
-def _headers(request_id: str, body: NodeCompletionRequest | NodeEmbeddingRequest | None = None,
-             auth: dict[str, str] | None = None) -> dict[str, str]:  # fmt: skip
+def _headers(
+    request_id: str,
+    body: NodeCompletionRequest | NodeEmbeddingRequest | None = None,
+    auth: dict[str, str] | None = None,
+) -> dict[str, str]:
     h = {"X-Request-Id": request_id, "Content-Type": "application/json", **(auth or {})}
-    if isinstance(body, NodeCompletionRequest) and body.resume is not None:  # a migrated leg says so to logs and proxies
+    if (
+        isinstance(body, NodeCompletionRequest) and body.resume is not None
+    ):  # a migrated leg says so to logs and proxies
         h["X-Duet-Migration"] = str(body.resume.migration)
     return h
 

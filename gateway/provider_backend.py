@@ -51,8 +51,17 @@ from protocol.tools import ToolCallDelta
 
 log = logging.getLogger("duet.gateway.providers")
 #: the sampling fields the providers' chat APIs understand (node-only ones like ignore_eos are dropped)
-_SAMPLING = ("temperature", "top_p", "seed", "top_k", "frequency_penalty", "presence_penalty", "repetition_penalty",
-             "min_p", "logit_bias")  # fmt: skip
+_SAMPLING = (
+    "temperature",
+    "top_p",
+    "seed",
+    "top_k",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
+)
 
 
 class ProviderFailure(APIError):
@@ -60,10 +69,17 @@ class ProviderFailure(APIError):
 
     def __init__(self, model: str, err: ProviderError) -> None:
         status, type_, code = _client_view(err)
-        super().__init__(status, f"model {model!r}: {tenant_message(err)}", type_=type_, code=code,
-                         retry_after_s=err.retry_after)  # fmt: skip
+        super().__init__(
+            status,
+            f"model {model!r}: {tenant_message(err)}",
+            type_=type_,
+            code=code,
+            retry_after_s=err.retry_after,
+        )
         self.error = err
-        log.warning("model %r: provider %r failed (%r): %r", model, err.provider, err.kind, err.message)
+        log.warning(
+            "model %r: provider %r failed (%r): %r", model, err.provider, err.kind, err.message
+        )
 
 
 def tenant_message(e: ProviderError) -> str:
@@ -124,12 +140,21 @@ class ProviderBackend(Backend):
 
     def _body(self, request: Request, attempt: Attempt) -> dict[str, Any]:
         if request.endpoint != Endpoint.CHAT or request.messages is None:
-            raise APIError(400, f"model {self.model.name!r} is an external chat model: use /v1/chat/completions",
-                           param="model", code="unsupported_endpoint")  # fmt: skip
+            raise APIError(
+                400,
+                f"model {self.model.name!r} is an external chat model: use /v1/chat/completions",
+                param="model",
+                code="unsupported_endpoint",
+            )
         s = request.sampling
         if s.logprobs is not None:  # not every provider has them: refused for all, by name
-            raise APIError(400, f"model {self.model.name!r} is an external model: logprobs are served by duet's "
-                                "own models only", param="logprobs", code="unsupported_by_model")  # fmt: skip
+            raise APIError(
+                400,
+                f"model {self.model.name!r} is an external model: logprobs are served by duet's "
+                "own models only",
+                param="logprobs",
+                code="unsupported_by_model",
+            )
         body: dict[str, Any] = {"messages": request.messages, "max_tokens": attempt.max_tokens}
         body.update({k: getattr(s, k) for k in _SAMPLING if getattr(s, k) is not None})
         if s.stop:
@@ -139,7 +164,9 @@ class ProviderBackend(Backend):
         t = request.tools
         if t.defs:
             body["tools"] = [_unset_dropped(d) for d in t.defs]
-            body["tool_choice"] = {"type": "function", "function": {"name": t.named}} if t.named else t.choice
+            body["tool_choice"] = (
+                {"type": "function", "function": {"name": t.named}} if t.named else t.choice
+            )
             if not t.parallel:
                 body["parallel_tool_calls"] = False
         if request.response_format is not None:
@@ -152,7 +179,9 @@ class ProviderBackend(Backend):
     def open(self, request: Request, attempt: Attempt) -> Reply:
         return Reply(lambda acc: self._stream(request, attempt, acc))
 
-    async def _stream(self, request: Request, attempt: Attempt, out: Accounting) -> AsyncIterator[Piece]:
+    async def _stream(
+        self, request: Request, attempt: Attempt, out: Accounting
+    ) -> AsyncIterator[Piece]:
         body = self._body(request, attempt)
         # taken before the prompt is sent, held to the call's end (aclosing: a client that
         # leaves ends the provider's stream, and gives the slot back, now, not at GC)
@@ -161,7 +190,9 @@ class ProviderBackend(Backend):
                 async for piece in pieces:
                     yield piece
 
-    async def _call(self, request: Request, body: dict[str, Any], out: Accounting) -> AsyncIterator[Piece]:
+    async def _call(
+        self, request: Request, body: dict[str, Any], out: Accounting
+    ) -> AsyncIterator[Piece]:
         out.model_used = self.model.name
         # the provider counts; this estimate stands only if a stream breaks before its usage
         # chunk (a provider that answered nothing charges nothing: `nodes` stays empty)
@@ -183,8 +214,14 @@ class ProviderBackend(Backend):
                     calls = _calls(msg.get("tool_calls"), whole=True)
                 except ProviderError as e:
                     raise ProviderFailure(self.model.name, e) from None
-                pieces.append(Piece(index=i, text=str(msg.get("content") or ""),
-                                    finish_reason=c.get("finish_reason") or "stop", tool_calls=calls))  # fmt: skip
+                pieces.append(
+                    Piece(
+                        index=i,
+                        text=str(msg.get("content") or ""),
+                        finish_reason=c.get("finish_reason") or "stop",
+                        tool_calls=calls,
+                    )
+                )
             self._answered(out, result.usage)
             out.first_token_at = time.monotonic()
             for p in pieces:
@@ -201,7 +238,9 @@ class ProviderBackend(Backend):
                     usage = TokenUsage.from_openai(chunk["usage"])
                     if usage is not None:
                         self._answered(out, usage)
-                        out.completion_tokens = _split(usage.completion_tokens, out.completion_tokens)
+                        out.completion_tokens = _split(
+                            usage.completion_tokens, out.completion_tokens
+                        )
                     continue
                 for c in chunk.get("choices") or []:
                     delta = c.get("delta") or {}
@@ -211,23 +250,39 @@ class ProviderBackend(Backend):
                         continue
                     i = c.get("index", 0)
                     if text or calls:
-                        out.completion_tokens[i] = out.completion_tokens.get(i, 0) + 1  # refined by usage
+                        out.completion_tokens[i] = (
+                            out.completion_tokens.get(i, 0) + 1
+                        )  # refined by usage
                         if out.first_token_at is None:
                             out.first_token_at = time.monotonic()
                     if not sent:
                         sent = True
                         out.nodes.append(f"provider:{self.provider.name}")
-                    yield Piece(index=i, text=text, finish_reason=finish, tool_calls=calls,
-                                tokens=1 if text or calls else 0)  # fmt: skip
+                    yield Piece(
+                        index=i,
+                        text=text,
+                        finish_reason=finish,
+                        tool_calls=calls,
+                        tokens=1 if text or calls else 0,
+                    )
         except ProviderError as e:
             if not sent:  # nothing reached the client: a plain failure, free to fall back
                 if e.kind == "stream_interrupted":
                     e = ProviderError(e.status, e.message, kind="connect", provider=e.provider)
                 raise ProviderFailure(self.model.name, e) from None
-            log.warning("model %r: provider %r failed mid-stream (%r): %r", self.model.name, e.provider, e.kind,
-                        e.message)  # fmt: skip
-            raise MidStreamError(502, f"model {self.model.name!r}: {tenant_message(e)}", type_="upstream_error",
-                                 code="upstream_failed_midstream") from None  # fmt: skip
+            log.warning(
+                "model %r: provider %r failed mid-stream (%r): %r",
+                self.model.name,
+                e.provider,
+                e.kind,
+                e.message,
+            )
+            raise MidStreamError(
+                502,
+                f"model {self.model.name!r}: {tenant_message(e)}",
+                type_="upstream_error",
+                code="upstream_failed_midstream",
+            ) from None
         finally:
             await it.aclose()  # type: ignore[attr-defined]
 
@@ -242,8 +297,11 @@ def _unset_dropped(obj: msgspec.Struct) -> dict[str, Any]:
     """A request struct as the client sent it: fields it left unset (None) are not sent (a
     provider may refuse `"description": null`); what a field holds — a JSON Schema, whose
     nulls mean something — is passed as it is."""
-    return {f: _unset_dropped(v) if isinstance(v, msgspec.Struct) else msgspec.to_builtins(v)
-            for f in obj.__struct_fields__ if (v := getattr(obj, f)) is not None}  # fmt: skip
+    return {
+        f: _unset_dropped(v) if isinstance(v, msgspec.Struct) else msgspec.to_builtins(v)
+        for f in obj.__struct_fields__
+        if (v := getattr(obj, f)) is not None
+    }
 
 
 def _calls(raw: Any, whole: bool) -> list[ToolCallDelta] | None:
@@ -252,12 +310,17 @@ def _calls(raw: Any, whole: bool) -> list[ToolCallDelta] | None:
     if not isinstance(raw, list) or not raw:
         return None
     if whole:
-        raw = [{"index": i, "id": c.get("id"), "type": "function", "function": c.get("function")}
-               for i, c in enumerate(raw) if isinstance(c, dict)]  # fmt: skip
+        raw = [
+            {"index": i, "id": c.get("id"), "type": "function", "function": c.get("function")}
+            for i, c in enumerate(raw)
+            if isinstance(c, dict)
+        ]
     try:
         return msgspec.convert(raw, list[ToolCallDelta])
     except msgspec.ValidationError as e:
-        raise ProviderError(502, f"the provider's tool calls are malformed: {e}", kind="invalid_response") from None
+        raise ProviderError(
+            502, f"the provider's tool calls are malformed: {e}", kind="invalid_response"
+        ) from None
 
 
 def _split(total: int, per_sample: dict[int, int]) -> dict[int, int]:
@@ -273,11 +336,16 @@ def _split(total: int, per_sample: dict[int, int]) -> dict[int, int]:
     return out
 
 
-def make_backend(model: ModelConfig, session: aiohttp.ClientSession, slots: ProviderSlots) -> ProviderBackend:
+def make_backend(
+    model: ModelConfig, session: aiohttp.ClientSession, slots: ProviderSlots
+) -> ProviderBackend:
     from gateway.providers import build_provider
 
     cfg = ProviderConfig.from_dict(provider_table(model))
     if cfg.api_key_env and not cfg.api_key():
-        log.warning("model %s: $%s is not set; its calls will fail (and fall back) until it is", model.name,
-                    cfg.api_key_env)  # fmt: skip
+        log.warning(
+            "model %s: $%s is not set; its calls will fail (and fall back) until it is",
+            model.name,
+            cfg.api_key_env,
+        )
     return ProviderBackend(model, build_provider(cfg, session), slots)

@@ -36,8 +36,11 @@ class ProviderSlots:
         """Hold one of the slots for a call to `model`'s provider, or raise `Shed` (503)."""
         if self.limit and self.running >= self.limit:
             self._metrics.shed.labels(tier=tier, reason="provider_calls").inc()
-            raise Shed(f"model {model!r}: this gateway runs {self.limit} calls to external providers at once "
-                       "(its [server] max_provider_calls); retry shortly", RETRY_AFTER_S)  # fmt: skip
+            raise Shed(
+                f"model {model!r}: this gateway runs {self.limit} calls to external providers at once "
+                "(its [server] max_provider_calls); retry shortly",
+                RETRY_AFTER_S,
+            )
         self.running += 1
         self._metrics.provider_calls.inc()
         try:

@@ -112,15 +112,23 @@ async def relay_whole(ledger: Ledger, reply: Reply, fmt: Formatter, n: int) -> o
     except MidStreamError as e:
         reply.accounting.bill_sent()  # nothing was sent: a 502 carries none of the tokens
         await ledger.commit(UsageStatus.ERROR_MIDSTREAM, reply.accounting)
-        raise APIError(502, f"the answer broke off: {e.message}", type_="upstream_error", code=e.code) from None
+        raise APIError(
+            502, f"the answer broke off: {e.message}", type_="upstream_error", code=e.code
+        ) from None
     finally:
         await reply.aclose()
     await ledger.commit(UsageStatus.OK, reply.accounting)
     return fmt.body(texts, finish, _usage(reply), logprobs or None, calls or None)
 
 
-async def relay_stream(ledger: Ledger, reply: Reply, fmt: Formatter, sink: EventSink, headers: dict[str, str],
-                       include_usage: bool) -> None:  # fmt: skip
+async def relay_stream(
+    ledger: Ledger,
+    reply: Reply,
+    fmt: Formatter,
+    sink: EventSink,
+    headers: dict[str, str],
+    include_usage: bool,
+) -> None:
     """The answer as SSE into `sink` (opened with `headers` at the first piece; errors before
     it are plain HTTP errors, raised)."""
     acc = reply.accounting

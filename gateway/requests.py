@@ -30,12 +30,38 @@ MAX_STOP = 4
 #: the `user` field is stored in every usage record; longer than this it is not a user id
 MAX_USER = 256
 MAX_MESSAGES = 2048  # OpenAI's bound on a chat request's messages
-COMMON = {"model", "max_tokens", "temperature", "top_p", "seed", "stop", "n", "stream",
-          "stream_options", "user", "service_tier", "top_k", "min_tokens", "ignore_eos",
-          "frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "logit_bias",
-          "response_format", *VLLM_FIELDS}  # fmt: skip
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-                        "parallel_tool_calls"}  # fmt: skip
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "user",
+    "service_tier",
+    "top_k",
+    "min_tokens",
+    "ignore_eos",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
+    "response_format",
+    *VLLM_FIELDS,
+}
+CHAT_FIELDS = COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"}
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 #: OpenAI's bound on logit_bias entries, and on each bias
@@ -120,7 +146,10 @@ def _neutral(v: Any) -> bool:
 def _decode_json(raw: bytes) -> dict[str, Any]:
     try:
         data = _DECODE.decode(raw)
-    except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: JSON nested past the parser's depth
+    except (
+        msgspec.DecodeError,
+        RecursionError,
+    ) as e:  # RecursionError: JSON nested past the parser's depth
         raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object", code="invalid_json")
@@ -133,8 +162,13 @@ def _refuse_unsupported(data: dict[str, Any], allowed: set[str]) -> None:
         # the names are the client's: any that is not a plain name is quoted (repr), so a name
         # cannot forge a line in the log
         names = ", ".join(k if k.isidentifier() else repr(k) for k in bad)
-        raise APIError(400, f"unsupported field{'s' if len(bad) > 1 else ''}: {names} "
-                            "(duet serves text generation only)", param=bad[0], code="unsupported_field")  # fmt: skip
+        raise APIError(
+            400,
+            f"unsupported field{'s' if len(bad) > 1 else ''}: {names} "
+            "(duet serves text generation only)",
+            param=bad[0],
+            code="unsupported_field",
+        )
 
 
 def _convert(data: dict[str, Any], cls: type) -> Any:
@@ -142,7 +176,11 @@ def _convert(data: dict[str, Any], cls: type) -> Any:
         return msgspec.convert(data, cls)
     except msgspec.ValidationError as e:
         msg = str(e)
-        param = msg.rsplit("`$.", 1)[1].rstrip("`").split("[")[0].split(".")[0] if "`$." in msg else None
+        param = (
+            msg.rsplit("`$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
+            if "`$." in msg
+            else None
+        )
         raise APIError(400, f"invalid request: {msg}", param=param) from None
 
 
@@ -150,7 +188,9 @@ def _sampling(body: Any, max_tokens: int | None, logprobs: int | None) -> tuple[
     if max_tokens is not None and max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
     if body.temperature is not None and not 0 <= body.temperature <= 2:
-        raise APIError(400, f"temperature must be between 0 and 2, got {body.temperature}", param="temperature")
+        raise APIError(
+            400, f"temperature must be between 0 and 2, got {body.temperature}", param="temperature"
+        )
     if body.top_p is not None and not 0 < body.top_p <= 1:
         raise APIError(400, f"top_p must be in (0, 1], got {body.top_p}", param="top_p")
     n = 1 if body.n is None else body.n
@@ -164,13 +204,25 @@ def _sampling(body: Any, max_tokens: int | None, logprobs: int | None) -> tuple[
     if len(stop) > MAX_STOP or any(not s for s in stop):
         raise APIError(400, f"stop takes up to {MAX_STOP} non-empty strings", param="stop")
     if body.stream_options is not None and not body.stream:
-        raise APIError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        raise APIError(
+            400, "stream_options is only allowed when stream is true", param="stream_options"
+        )
     _check_penalties(body)
-    return Sampling(temperature=body.temperature, top_p=body.top_p, seed=body.seed, top_k=body.top_k,
-                    min_tokens=body.min_tokens, ignore_eos=body.ignore_eos, stop=tuple(stop),
-                    logprobs=logprobs, frequency_penalty=body.frequency_penalty,
-                    presence_penalty=body.presence_penalty, repetition_penalty=body.repetition_penalty,
-                    min_p=body.min_p, logit_bias=_logit_bias(body.logit_bias)), n  # fmt: skip
+    return Sampling(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        top_k=body.top_k,
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+        stop=tuple(stop),
+        logprobs=logprobs,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        repetition_penalty=body.repetition_penalty,
+        min_p=body.min_p,
+        logit_bias=_logit_bias(body.logit_bias),
+    ), n
 
 
 def _check_penalties(body: Any) -> None:
@@ -179,8 +231,11 @@ def _check_penalties(body: Any) -> None:
         if v is not None and not -2 <= v <= 2:
             raise APIError(400, f"{name} must be between -2 and 2, got {v}", param=name)
     if body.repetition_penalty is not None and not body.repetition_penalty > 0:
-        raise APIError(400, f"repetition_penalty must be greater than 0, got {body.repetition_penalty}",
-                       param="repetition_penalty")  # fmt: skip
+        raise APIError(
+            400,
+            f"repetition_penalty must be greater than 0, got {body.repetition_penalty}",
+            param="repetition_penalty",
+        )
     if body.min_p is not None and not 0 <= body.min_p <= 1:
         raise APIError(400, f"min_p must be between 0 and 1, got {body.min_p}", param="min_p")
 
@@ -191,15 +246,25 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
     if not bias:
         return None
     if len(bias) > MAX_LOGIT_BIAS:
-        raise APIError(400, f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", param="logit_bias")
+        raise APIError(
+            400,
+            f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
+            param="logit_bias",
+        )
     out: dict[str, float] = {}
     for k, v in bias.items():
         if not k.isdecimal() or not k.isascii():
-            raise APIError(400, f"logit_bias keys must be token ids (non-negative integers as strings), got {k!r}",
-                           param="logit_bias")  # fmt: skip
+            raise APIError(
+                400,
+                f"logit_bias keys must be token ids (non-negative integers as strings), got {k!r}",
+                param="logit_bias",
+            )
         if not -MAX_BIAS <= v <= MAX_BIAS:
-            raise APIError(400, f"logit_bias values must be between -100 and 100, got {v} for token {k}",
-                           param="logit_bias")  # fmt: skip
+            raise APIError(
+                400,
+                f"logit_bias values must be between -100 and 100, got {v} for token {k}",
+                param="logit_bias",
+            )
         out[str(int(k))] = float(v)
     return out
 
@@ -214,31 +279,50 @@ def parse_chat(raw: bytes) -> Request:
     if not body.messages:
         raise APIError(400, "messages must not be empty", param="messages")
     if len(body.messages) > MAX_MESSAGES:  # before any template or tokenizer work on them
-        raise APIError(400, f"messages holds at most {MAX_MESSAGES} messages, got {len(body.messages)}",
-                       param="messages")  # fmt: skip
+        raise APIError(
+            400,
+            f"messages holds at most {MAX_MESSAGES} messages, got {len(body.messages)}",
+            param="messages",
+        )
     messages = []
     for i, m in enumerate(body.messages):
         if m.role not in CHAT_ROLES:
-            raise APIError(400, f"messages[{i}]: role {m.role!r} is not supported (use system, developer, user, "
-                                "assistant or tool)", param=f"messages[{i}].role")  # fmt: skip
+            raise APIError(
+                400,
+                f"messages[{i}]: role {m.role!r} is not supported (use system, developer, user, "
+                "assistant or tool)",
+                param=f"messages[{i}].role",
+            )
         content = m.content
         if isinstance(content, list):
             texts = []
             for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise APIError(400, f"messages[{i}]: content part of type {kind!r} is not supported "
-                                        "(only text)", param=f"messages[{i}].content")  # fmt: skip
+                    raise APIError(
+                        400,
+                        f"messages[{i}]: content part of type {kind!r} is not supported "
+                        "(only text)",
+                        param=f"messages[{i}].content",
+                    )
                 texts.append(part["text"])
             content = "".join(texts)
         if m.tool_calls or m.role == "tool" or m.tool_call_id is not None:
             messages.append(tool_turn(i, m, content))
             continue
         if content is None:
-            raise APIError(400, f"messages[{i}]: content is required", param=f"messages[{i}].content")
+            raise APIError(
+                400, f"messages[{i}]: content is required", param=f"messages[{i}].content"
+            )
         role = "system" if m.role == "developer" else m.role
         messages.append({"role": role, "content": content})
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -246,14 +330,30 @@ def parse_chat(raw: bytes) -> Request:
     # the nodes speak the completions form: N top tokens besides the chosen one
     sampling, n = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-    c = constraint(vllm_fields(data), body.response_format, forced_tool=tools.choice in ("required", "named"))
+    c = constraint(
+        vllm_fields(data), body.response_format, forced_tool=tools.choice in ("required", "named")
+    )
     refuse_min_tokens(c.field, sampling.min_tokens)
-    return Request(endpoint=Endpoint.CHAT, model=body.model, messages=messages, prompt=None, max_tokens=max_tokens,
-                   sampling=sampling, n=n, stream=bool(body.stream),
-                   include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                   service_tier=body.service_tier, user=_user(body.user), response_format=body.response_format,
-                   guide=c.guide, structured_outputs=c.structured_outputs, constraint_field=c.field, guide_param=c.param,
-                   tools=tools, has_tool_turns=any("tool_calls" in m or m["role"] == "tool" for m in messages))  # fmt: skip
+    return Request(
+        endpoint=Endpoint.CHAT,
+        model=body.model,
+        messages=messages,
+        prompt=None,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        n=n,
+        stream=bool(body.stream),
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        service_tier=body.service_tier,
+        user=_user(body.user),
+        response_format=body.response_format,
+        guide=c.guide,
+        structured_outputs=c.structured_outputs,
+        constraint_field=c.field,
+        guide_param=c.param,
+        tools=tools,
+        has_tool_turns=any("tool_calls" in m or m["role"] == "tool" for m in messages),
+    )
 
 
 def parse_completion(raw: bytes) -> Request:
@@ -288,15 +388,31 @@ def parse_completion(raw: bytes) -> Request:
     if body.logprobs is not None:
         _check_top("logprobs", body.logprobs)
     sampling, n = _sampling(_Shim(body, n=data.get("n")), max_tokens, body.logprobs)
-    rf = _convert({"response_format": data["response_format"]}, _Format).response_format \
-        if data.get("response_format") is not None else None  # fmt: skip
+    rf = (
+        _convert({"response_format": data["response_format"]}, _Format).response_format
+        if data.get("response_format") is not None
+        else None
+    )
     c = constraint(vllm_fields(data), rf, forced_tool=False)
     refuse_min_tokens(c.field, sampling.min_tokens)
-    return Request(endpoint=Endpoint.COMPLETION, model=body.model, messages=None, prompt=p, max_tokens=max_tokens,
-                   sampling=sampling, n=n, stream=body.stream,
-                   include_usage=bool(body.stream_options and body.stream_options.include_usage),
-                   service_tier=body.service_tier, user=_user(body.user), response_format=rf, guide=c.guide,
-                   structured_outputs=c.structured_outputs, constraint_field=c.field, guide_param=c.param)  # fmt: skip
+    return Request(
+        endpoint=Endpoint.COMPLETION,
+        model=body.model,
+        messages=None,
+        prompt=p,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        n=n,
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        service_tier=body.service_tier,
+        user=_user(body.user),
+        response_format=rf,
+        guide=c.guide,
+        structured_outputs=c.structured_outputs,
+        constraint_field=c.field,
+        guide_param=c.param,
+    )
 
 
 class _Format(msgspec.Struct):
@@ -321,7 +437,11 @@ class _Shim:
 def _user(user: str | None) -> str | None:
     """The end user the caller names (msgspec already refused a non-string); "" names nobody."""
     if user is not None and len(user) > MAX_USER:
-        raise APIError(400, f"user must be a string of at most {MAX_USER} characters, got {len(user)}", param="user")
+        raise APIError(
+            400,
+            f"user must be a string of at most {MAX_USER} characters, got {len(user)}",
+            param="user",
+        )
     return user or None
 
 
@@ -334,7 +454,12 @@ def _is_token(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-TIER_ALIASES = {"interactive": "interactive", "batch": "batch", "priority": "interactive", "flex": "batch"}
+TIER_ALIASES = {
+    "interactive": "interactive",
+    "batch": "batch",
+    "priority": "interactive",
+    "flex": "batch",
+}
 
 
 def resolve_tier(header: str | None, service_tier: str | None, default: Tier) -> Tier:
@@ -342,11 +467,19 @@ def resolve_tier(header: str | None, service_tier: str | None, default: Tier) ->
     (duet's names or OpenAI's), else the team's default."""
     if header is not None:
         if header not in ("interactive", "batch"):
-            raise APIError(400, f"x-duet-tier must be 'interactive' or 'batch', got {header!r}", param="x-duet-tier")
+            raise APIError(
+                400,
+                f"x-duet-tier must be 'interactive' or 'batch', got {header!r}",
+                param="x-duet-tier",
+            )
         return header  # type: ignore[return-value]
     if service_tier is None or service_tier in ("auto", "default"):
         return default
     if service_tier not in TIER_ALIASES:
-        raise APIError(400, f"service_tier must be one of auto, default, interactive, batch, priority, flex; "
-                            f"got {service_tier!r}", param="service_tier")  # fmt: skip
+        raise APIError(
+            400,
+            f"service_tier must be one of auto, default, interactive, batch, priority, flex; "
+            f"got {service_tier!r}",
+            param="service_tier",
+        )
     return TIER_ALIASES[service_tier]  # type: ignore[return-value]

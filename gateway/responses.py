@@ -43,9 +43,15 @@ class CompletionResponse(msgspec.Struct, kw_only=True):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+
+
 def usage(prompt: int, completion: int, cached: int) -> Usage:
-    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                 prompt_tokens_details={"cached_tokens": cached})  # fmt: skip
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details={"cached_tokens": cached},
+    )
 
 
 class Formatter:
@@ -65,34 +71,98 @@ class Formatter:
             if p.index not in self._started:  # OpenAI opens each choice with the role
                 self._started.add(p.index)
                 delta = ChatDelta(role="assistant", content=content, tool_calls=p.tool_calls)
-            return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model,
-                                           service_tier=self.tier, choices=[ChatChunkChoice(
-                                               index=p.index, delta=delta, finish_reason=p.finish_reason,
-                                               logprobs=_chat(p.logprobs))]))  # fmt: skip
-        return sse(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[
-            CompletionChoice(index=p.index, text=p.text, finish_reason=p.finish_reason, logprobs=p.logprobs)]))  # fmt: skip
+            return sse(
+                ChatCompletionChunk(
+                    id=self.id,
+                    created=self.created,
+                    model=self.model,
+                    service_tier=self.tier,
+                    choices=[
+                        ChatChunkChoice(
+                            index=p.index,
+                            delta=delta,
+                            finish_reason=p.finish_reason,
+                            logprobs=_chat(p.logprobs),
+                        )
+                    ],
+                )
+            )
+        return sse(
+            CompletionResponse(
+                id=self.id,
+                created=self.created,
+                model=self.model,
+                choices=[
+                    CompletionChoice(
+                        index=p.index,
+                        text=p.text,
+                        finish_reason=p.finish_reason,
+                        logprobs=p.logprobs,
+                    )
+                ],
+            )
+        )
 
     def usage_chunk(self, u: Usage) -> bytes:
         if self.endpoint == "chat":
-            return sse(ChatCompletionChunk(id=self.id, created=self.created, model=self.model, choices=[],
-                                           usage=u, service_tier=self.tier))  # fmt: skip
-        return sse(CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[], usage=u))
+            return sse(
+                ChatCompletionChunk(
+                    id=self.id,
+                    created=self.created,
+                    model=self.model,
+                    choices=[],
+                    usage=u,
+                    service_tier=self.tier,
+                )
+            )
+        return sse(
+            CompletionResponse(
+                id=self.id, created=self.created, model=self.model, choices=[], usage=u
+            )
+        )
 
-    def body(self, texts: dict[int, list[str]], finish: dict[int, str | None], u: Usage,
-             logprobs: dict[int, list[CompletionLogprobs]] | None = None,
-             calls: dict[int, list[ToolCallDelta]] | None = None) -> ChatCompletion | CompletionResponse:  # fmt: skip
+    def body(
+        self,
+        texts: dict[int, list[str]],
+        finish: dict[int, str | None],
+        u: Usage,
+        logprobs: dict[int, list[CompletionLogprobs]] | None = None,
+        calls: dict[int, list[ToolCallDelta]] | None = None,
+    ) -> ChatCompletion | CompletionResponse:
         idx = sorted(texts)
         lps = {i: merge_logprobs(parts) for i, parts in (logprobs or {}).items()}
         if self.endpoint == "chat":
-            return ChatCompletion(id=self.id, created=self.created, model=self.model, usage=u,
-                                              service_tier=self.tier, choices=[ChatChoice(
-                                                  index=i, message=_message("".join(texts[i]), (calls or {}).get(i)),
-                                                  finish_reason=finish.get(i), logprobs=_chat(lps.get(i)))
-                                                  for i in idx])  # fmt: skip
-        return CompletionResponse(id=self.id, created=self.created, model=self.model, usage=u,
-                                              choices=[CompletionChoice(index=i, text="".join(texts[i]),
-                                                                        finish_reason=finish.get(i), logprobs=lps.get(i))
-                                                       for i in idx])  # fmt: skip
+            return ChatCompletion(
+                id=self.id,
+                created=self.created,
+                model=self.model,
+                usage=u,
+                service_tier=self.tier,
+                choices=[
+                    ChatChoice(
+                        index=i,
+                        message=_message("".join(texts[i]), (calls or {}).get(i)),
+                        finish_reason=finish.get(i),
+                        logprobs=_chat(lps.get(i)),
+                    )
+                    for i in idx
+                ],
+            )
+        return CompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            usage=u,
+            choices=[
+                CompletionChoice(
+                    index=i,
+                    text="".join(texts[i]),
+                    finish_reason=finish.get(i),
+                    logprobs=lps.get(i),
+                )
+                for i in idx
+            ],
+        )
 
 
 def _chat(lp: CompletionLogprobs | None) -> ChatLogprobs | None:

@@ -97,8 +97,13 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
     body = parse(await request.read())
     rid = request_id.removeprefix("req-")
     call = Translated(request, ResponseStream(rid, body) if body.stream else None)
-    return await call.run(state, Caller(key, team, request_id, t0), to_chat(body), body.model,
-                          lambda answer, model: to_response(answer, rid, body, model))  # fmt: skip
+    return await call.run(
+        state,
+        Caller(key, team, request_id, t0),
+        to_chat(body),
+        body.model,
+        lambda answer, model: to_response(answer, rid, body, model),
+    )
 
 
 def _neutral(v: object) -> bool:
@@ -108,31 +113,55 @@ def _neutral(v: object) -> bool:
 def parse(raw: bytes) -> ResponsesRequest:
     top = json_object(raw, code="invalid_json")
     if top.get("previous_response_id") is not None:
-        raise APIError(400, "previous_response_id is not supported: this gateway stores no responses (send the "
-                            "whole conversation in `input`)", param="previous_response_id",
-                       code="unsupported_field")  # fmt: skip
+        raise APIError(
+            400,
+            "previous_response_id is not supported: this gateway stores no responses (send the "
+            "whole conversation in `input`)",
+            param="previous_response_id",
+            code="unsupported_field",
+        )
     if top.get("background"):
-        raise APIError(400, "background responses are not supported", param="background", code="unsupported_field")
+        raise APIError(
+            400,
+            "background responses are not supported",
+            param="background",
+            code="unsupported_field",
+        )
     extra = unknown_fields(top, FIELDS | {"background"}, _neutral)
     if extra:
-        raise APIError(400, f"unsupported field{'s' if len(extra) > 1 else ''}: {field_names(extra)}",
-                       param=extra[0], code="unsupported_field")  # fmt: skip
+        raise APIError(
+            400,
+            f"unsupported field{'s' if len(extra) > 1 else ''}: {field_names(extra)}",
+            param=extra[0],
+            code="unsupported_field",
+        )
     for k in ("model", "input"):
         if k not in top:
             raise APIError(400, f"missing required field: {k}", param=k)
     vllm_fields(top)  # vLLM's extras: a wrong type is chat's 400, in chat's words (param included)
     if isinstance(top["input"], list):  # an "easy" message item has no type
-        top["input"] = [{**it, "type": "message"} if isinstance(it, dict) and "type" not in it and "role" in it
-                        else it for it in top["input"]]  # fmt: skip
+        top["input"] = [
+            {**it, "type": "message"}
+            if isinstance(it, dict) and "type" not in it and "role" in it
+            else it
+            for it in top["input"]
+        ]
     try:
         body = msgspec.convert(top, ResponsesRequest)
     except msgspec.ValidationError as e:
         msg = str(e)
-        param = msg.rsplit("`$.", 1)[1].rstrip("`").split("[")[0].split(".")[0] if "`$." in msg else None
+        param = (
+            msg.rsplit("`$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
+            if "`$." in msg
+            else None
+        )
         raise APIError(400, f"invalid request: {msg}", param=param) from None
     if body.max_output_tokens is not None and body.max_output_tokens < 1:
-        raise APIError(400, f"max_output_tokens must be at least 1, got {body.max_output_tokens}",
-                       param="max_output_tokens")  # fmt: skip
+        raise APIError(
+            400,
+            f"max_output_tokens must be at least 1, got {body.max_output_tokens}",
+            param="max_output_tokens",
+        )
     if not body.input:
         raise APIError(400, "input must not be empty", param="input")
     return body
@@ -141,7 +170,9 @@ def parse(raw: bytes) -> ResponsesRequest:
 # -- Responses request → OpenAI chat request ------------------------------------------------
 
 
-def _content(parts: str | list[InputText | OutputText | InputImage]) -> str | list[chat.TextPart | chat.ImagePart]:
+def _content(
+    parts: str | list[InputText | OutputText | InputImage],
+) -> str | list[chat.TextPart | chat.ImagePart]:
     if isinstance(parts, str):
         return parts
     if all(not isinstance(p, InputImage) for p in parts):
@@ -150,7 +181,9 @@ def _content(parts: str | list[InputText | OutputText | InputImage]) -> str | li
     for p in parts:
         if isinstance(p, InputImage):
             if p.image_url is None:
-                raise APIError(400, "input_image needs an image_url (files are not stored here)", param="input")
+                raise APIError(
+                    400, "input_image needs an image_url (files are not stored here)", param="input"
+                )
             out.append(chat.ImagePart(image_url=chat.ImageURL(url=p.image_url)))
         else:
             out.append(chat.TextPart(text=p.text))
@@ -161,28 +194,50 @@ def to_chat(body: ResponsesRequest) -> chat.ChatBody:
     messages: list[chat.Message] = []
     if body.instructions:
         messages.append(chat.Message(role="system", content=body.instructions))
-    items = [MessageItem(role="user", content=body.input)] if isinstance(body.input, str) else body.input
+    items = (
+        [MessageItem(role="user", content=body.input)]
+        if isinstance(body.input, str)
+        else body.input
+    )
     for it in items:
         if isinstance(it, MessageItem):
             role = "system" if it.role == "developer" else it.role
             chat.append(messages, chat.Message(role=role, content=_content(it.content)))
         elif isinstance(it, FunctionCallItem):
-            call = chat.ToolCall(id=it.call_id, function=chat.FunctionCall(name=it.name, arguments=it.arguments))
+            call = chat.ToolCall(
+                id=it.call_id, function=chat.FunctionCall(name=it.name, arguments=it.arguments)
+            )
             chat.append(messages, chat.Message(role="assistant", tool_calls=[call]))
         elif isinstance(it, FunctionCallOutputItem):
             out = it.output if isinstance(it.output, str) else _content(it.output)  # type: ignore[arg-type]
             messages.append(chat.Message(role="tool", tool_call_id=it.call_id, content=out))
-    out = chat.ChatBody(model=body.model, messages=messages, max_tokens=body.max_output_tokens,
-                        temperature=body.temperature, top_p=body.top_p, user=body.user,
-                        service_tier=body.service_tier, parallel_tool_calls=body.parallel_tool_calls)  # fmt: skip
+    out = chat.ChatBody(
+        model=body.model,
+        messages=messages,
+        max_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        user=body.user,
+        service_tier=body.service_tier,
+        parallel_tool_calls=body.parallel_tool_calls,
+    )
     if body.stream:
         out.stream, out.stream_options = True, chat.StreamOptions(include_usage=True)
     if body.tools:
-        out.tools = [chat.ToolDef(type="function", function=chat.FunctionDef(name=t.name, description=t.description, parameters=t.parameters,
-                                                      strict=t.strict)) for t in body.tools]  # fmt: skip
+        out.tools = [
+            chat.ToolDef(
+                type="function",
+                function=chat.FunctionDef(
+                    name=t.name, description=t.description, parameters=t.parameters, strict=t.strict
+                ),
+            )
+            for t in body.tools
+        ]
     tc = body.tool_choice
     if isinstance(tc, NamedFunction):
-        out.tool_choice = chat.NamedToolChoice(type="function", function=chat.NamedFunction(name=tc.name))
+        out.tool_choice = chat.NamedToolChoice(
+            type="function", function=chat.NamedFunction(name=tc.name)
+        )
     elif tc is not None:
         out.tool_choice = tc
     f = body.text.format if body.text is not None else None
@@ -190,9 +245,15 @@ def to_chat(body: ResponsesRequest) -> chat.ChatBody:
         out.response_format = ResponseFormat(type="json_object")
     elif f is not None and f.type == "json_schema":
         if not f.name or f.schema is None:
-            raise APIError(400, "text.format of type json_schema needs name and schema", param="text")
-        out.response_format = ResponseFormat(type="json_schema", json_schema=JSONSchemaFormat(
-            name=f.name, schema=f.schema, strict=f.strict, description=f.description))  # fmt: skip
+            raise APIError(
+                400, "text.format of type json_schema needs name and schema", param="text"
+            )
+        out.response_format = ResponseFormat(
+            type="json_schema",
+            json_schema=JSONSchemaFormat(
+                name=f.name, schema=f.schema, strict=f.strict, description=f.description
+            ),
+        )
     chat.copy_extras(body, out)
     chat.check_constraint(out, NAMES)
     return out
@@ -202,18 +263,34 @@ def to_chat(body: ResponsesRequest) -> chat.ChatBody:
 
 
 def _usage(u: TokenCounts) -> ResponseUsage:
-    return ResponseUsage(input_tokens=u.prompt_tokens, input_tokens_details=InputDetails(cached_tokens=u.cached_tokens),
-                         output_tokens=u.completion_tokens, total_tokens=u.prompt_tokens + u.completion_tokens)  # fmt: skip
+    return ResponseUsage(
+        input_tokens=u.prompt_tokens,
+        input_tokens_details=InputDetails(cached_tokens=u.cached_tokens),
+        output_tokens=u.completion_tokens,
+        total_tokens=u.prompt_tokens + u.completion_tokens,
+    )
 
 
 def _shell(rid: str, body: ResponsesRequest, model: str, created: int) -> Response:
     """The response object as the request shapes it (status, output and usage filled later)."""
-    return Response(id=f"resp_{rid}", created_at=created, status="in_progress", instructions=body.instructions,
-                    max_output_tokens=body.max_output_tokens, model=model, output=[],
-                    parallel_tool_calls=body.parallel_tool_calls is not False, temperature=body.temperature,
-                    top_p=body.top_p, tool_choice=body.tool_choice or "auto", tools=list(body.tools or []),
-                    text=body.text or TextConfig(), truncation=body.truncation or "disabled",
-                    metadata=body.metadata or {}, user=body.user)  # fmt: skip
+    return Response(
+        id=f"resp_{rid}",
+        created_at=created,
+        status="in_progress",
+        instructions=body.instructions,
+        max_output_tokens=body.max_output_tokens,
+        model=model,
+        output=[],
+        parallel_tool_calls=body.parallel_tool_calls is not False,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        tool_choice=body.tool_choice or "auto",
+        tools=list(body.tools or []),
+        text=body.text or TextConfig(),
+        truncation=body.truncation or "disabled",
+        metadata=body.metadata or {},
+        user=body.user,
+    )
 
 
 def _finish(r: Response, finish: str | None, usage: TokenCounts) -> None:
@@ -230,10 +307,19 @@ def to_response(a: ChatAnswer, rid: str, body: ResponsesRequest, model: str) -> 
     r = _shell(rid, body, model, int(time.time()))
     done = "incomplete" if a.finish_reason == "length" else "completed"
     if a.text:
-        r.output.append(OutputMessage(id=f"msg_{rid}", status=done, content=[OutputTextPart(text=a.text)]))
+        r.output.append(
+            OutputMessage(id=f"msg_{rid}", status=done, content=[OutputTextPart(text=a.text)])
+        )
     for i, c in enumerate(a.tool_calls):
-        r.output.append(OutputFunctionCall(id=f"fc_{rid}_{i}", call_id=c.id, name=c.name, arguments=c.arguments,
-                                           status="completed"))  # fmt: skip
+        r.output.append(
+            OutputFunctionCall(
+                id=f"fc_{rid}_{i}",
+                call_id=c.id,
+                name=c.name,
+                arguments=c.arguments,
+                status="completed",
+            )
+        )
     _finish(r, a.finish_reason, a.usage)
     return r
 
@@ -267,12 +353,34 @@ class ResponseStream:
         status = "incomplete" if self._finish == "length" else "completed"
         if isinstance(item, OutputMessage):
             part = item.content[0]
-            out.append(TextDone(sequence_number=self._n(), item_id=item.id, output_index=i, content_index=0,
-                                text=part.text))  # fmt: skip
-            out.append(PartDone(sequence_number=self._n(), item_id=item.id, output_index=i, content_index=0, part=part))
+            out.append(
+                TextDone(
+                    sequence_number=self._n(),
+                    item_id=item.id,
+                    output_index=i,
+                    content_index=0,
+                    text=part.text,
+                )
+            )
+            out.append(
+                PartDone(
+                    sequence_number=self._n(),
+                    item_id=item.id,
+                    output_index=i,
+                    content_index=0,
+                    part=part,
+                )
+            )
         else:
-            out.append(ArgsDone(sequence_number=self._n(), item_id=item.id, output_index=i, name=item.name,
-                                arguments=item.arguments))  # fmt: skip
+            out.append(
+                ArgsDone(
+                    sequence_number=self._n(),
+                    item_id=item.id,
+                    output_index=i,
+                    name=item.name,
+                    arguments=item.arguments,
+                )
+            )
         item.status = status
         out.append(ItemDone(sequence_number=self._n(), output_index=i, item=item))
 
@@ -300,22 +408,48 @@ class ResponseStream:
                     item = OutputMessage(id=f"msg_{self.rid}_{n}", status="in_progress", content=[])
                     i = self._add(item, out)
                     item.content.append(OutputTextPart(text=""))
-                    out.append(PartAdded(sequence_number=self._n(), item_id=item.id, output_index=i, content_index=0,
-                                         part=OutputTextPart(text="")))  # fmt: skip
+                    out.append(
+                        PartAdded(
+                            sequence_number=self._n(),
+                            item_id=item.id,
+                            output_index=i,
+                            content_index=0,
+                            part=OutputTextPart(text=""),
+                        )
+                    )
                 part = item.content[0]
                 part.text += ev.text
-                out.append(TextDelta(sequence_number=self._n(), item_id=item.id, output_index=self._open_at,
-                                     content_index=0, delta=ev.text))  # fmt: skip
+                out.append(
+                    TextDelta(
+                        sequence_number=self._n(),
+                        item_id=item.id,
+                        output_index=self._open_at,
+                        content_index=0,
+                        delta=ev.text,
+                    )
+                )
             elif isinstance(ev, ToolStart):
-                fc = OutputFunctionCall(id=f"fc_{self.rid}_{ev.index}", call_id=ev.id, name=ev.name, arguments="",
-                                        status="in_progress")  # fmt: skip
+                fc = OutputFunctionCall(
+                    id=f"fc_{self.rid}_{ev.index}",
+                    call_id=ev.id,
+                    name=ev.name,
+                    arguments="",
+                    status="in_progress",
+                )
                 self._tool_item[ev.index] = self._add(fc, out)
             elif isinstance(ev, ToolArgs):
                 i = self._tool_item.get(ev.index)
                 item = self.response.output[i] if i is not None else None
                 if isinstance(item, OutputFunctionCall):
                     item.arguments += ev.delta
-                    out.append(ArgsDelta(sequence_number=self._n(), item_id=item.id, output_index=i, delta=ev.delta))  # type: ignore[arg-type]
+                    out.append(
+                        ArgsDelta(
+                            sequence_number=self._n(),
+                            item_id=item.id,
+                            output_index=i,
+                            delta=ev.delta,
+                        )
+                    )  # type: ignore[arg-type]
             elif isinstance(ev, Finish):
                 self._finish = ev.reason
                 self._close(out)
@@ -324,7 +458,9 @@ class ResponseStream:
             elif isinstance(ev, Failed):
                 self._failed = True
                 code = ev.error.code if isinstance(ev.error.code, str) else None
-                out.append(StreamError(sequence_number=self._n(), message=ev.error.message, code=code))
+                out.append(
+                    StreamError(sequence_number=self._n(), message=ev.error.message, code=code)
+                )
             elif isinstance(ev, Done):
                 self._close(out)
                 _finish(self.response, self._finish, self._usage)

@@ -48,7 +48,9 @@ class FunctionCallItem(msgspec.Struct, kw_only=True, tag="function_call", tag_fi
     id: str | None = None
 
 
-class FunctionCallOutputItem(msgspec.Struct, kw_only=True, tag="function_call_output", tag_field="type"):
+class FunctionCallOutputItem(
+    msgspec.Struct, kw_only=True, tag="function_call_output", tag_field="type"
+):
     call_id: str
     output: str | list[InputText | InputImage]
 
@@ -56,7 +58,9 @@ class FunctionCallOutputItem(msgspec.Struct, kw_only=True, tag="function_call_ou
 InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem
 
 
-class FunctionTool(msgspec.Struct, kw_only=True, tag="function", tag_field="type", omit_defaults=True):
+class FunctionTool(
+    msgspec.Struct, kw_only=True, tag="function", tag_field="type", omit_defaults=True
+):
     name: str
     #: the function's JSON Schema, as the client wrote it
     parameters: dict[str, Any] | None = None
@@ -249,14 +253,18 @@ class TextDone(msgspec.Struct, kw_only=True, tag="response.output_text.done", ta
     logprobs: list[Any] = []
 
 
-class ArgsDelta(msgspec.Struct, kw_only=True, tag="response.function_call_arguments.delta", tag_field="type"):
+class ArgsDelta(
+    msgspec.Struct, kw_only=True, tag="response.function_call_arguments.delta", tag_field="type"
+):
     sequence_number: int
     item_id: str
     output_index: int
     delta: str
 
 
-class ArgsDone(msgspec.Struct, kw_only=True, tag="response.function_call_arguments.done", tag_field="type"):
+class ArgsDone(
+    msgspec.Struct, kw_only=True, tag="response.function_call_arguments.done", tag_field="type"
+):
     sequence_number: int
     item_id: str
     output_index: int
@@ -271,8 +279,21 @@ class StreamError(msgspec.Struct, kw_only=True, tag="error", tag_field="type"):
     param: str | None = None
 
 
-StreamEvent = (Created | InProgress | Completed | Incomplete | ItemAdded | ItemDone | PartAdded | PartDone | TextDelta
-               | TextDone | ArgsDelta | ArgsDone | StreamError)  # fmt: skip
+StreamEvent = (
+    Created
+    | InProgress
+    | Completed
+    | Incomplete
+    | ItemAdded
+    | ItemDone
+    | PartAdded
+    | PartDone
+    | TextDelta
+    | TextDone
+    | ArgsDelta
+    | ArgsDone
+    | StreamError
+)
 
 
 def sse(event: StreamEvent) -> bytes:

@@ -74,24 +74,36 @@ class StaticRouter(Router):
     async def route(self, req: RouteRequest) -> RouteResponse:
         nodes = self._pools(req.model)
         if nodes is None:
-            raise APIError(404, f"no nodes serve model {req.model!r}", code="model_not_found", param="model")
+            raise APIError(
+                404, f"no nodes serve model {req.model!r}", code="model_not_found", param="model"
+            )
         exclude = set(req.exclude)
         d = self._least(nodes.decode, exclude)
         if d is None:  # no decode node left: a colocated node does both legs
             both = self._least(nodes.both, exclude)
             if both is None:
-                raise APIError(503, f"no healthy node is left for model {req.model!r}",
-                               type_="service_unavailable", code="no_capacity")  # fmt: skip
-            return RouteResponse(prefill=None, decode=RouteTarget(node_id=both, url=both), reason="static: colocated")
+                raise APIError(
+                    503,
+                    f"no healthy node is left for model {req.model!r}",
+                    type_="service_unavailable",
+                    code="no_capacity",
+                )
+            return RouteResponse(
+                prefill=None, decode=RouteTarget(node_id=both, url=both), reason="static: colocated"
+            )
         # D first, then only a P whose KV blocks D can read (the coordinator's rule): a P of
         # another layout would prefill for nothing, D refusing its blocks.
         layout = nodes.kv_layouts.get(d)
-        matching = tuple(u for u in nodes.prefill if kv_layouts_match(nodes.kv_layouts.get(u), layout))
+        matching = tuple(
+            u for u in nodes.prefill if kv_layouts_match(nodes.kv_layouts.get(u), layout)
+        )
         p = self._least(matching, exclude)
         if p is not None:
             reason = "static: least-loaded pair"
         elif self._least(nodes.prefill, exclude) is not None:
-            reason = f"static: no prefill node with the KV layout of {d} ({layout}), prefill on decode"
+            reason = (
+                f"static: no prefill node with the KV layout of {d} ({layout}), prefill on decode"
+            )
         else:
             reason = "static: no prefill node left, prefill on decode"
         prefill = RouteTarget(node_id=p, url=p) if p is not None else None
@@ -102,8 +114,13 @@ class CoordinatorRouter(Router):
     """The coordinator replicas through coordinator/client.py::RouteClient (its rule says which
     answer is final); its errors in the gateway's terms."""
 
-    def __init__(self, session: aiohttp.ClientSession, urls: Callable[[], list[str]], timeout_s: float,
-                 auth: dict[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        urls: Callable[[], list[str]],
+        timeout_s: float,
+        auth: dict[str, str] | None = None,
+    ) -> None:
         self._client = RouteClient(urls, session, timeout_s, auth)
 
     async def route(self, req: RouteRequest) -> RouteResponse:
@@ -116,7 +133,9 @@ class CoordinatorRouter(Router):
 
 
 class FailoverRouter(Router):
-    def __init__(self, primary: Router, fallback: Router, on_fallback: Callable[[str], None]) -> None:
+    def __init__(
+        self, primary: Router, fallback: Router, on_fallback: Callable[[str], None]
+    ) -> None:
         self.primary = primary
         self.fallback = fallback
         self._on_fallback = on_fallback
@@ -125,7 +144,11 @@ class FailoverRouter(Router):
         try:
             return await self.primary.route(req)
         except NoRouterAnswer as e:
-            log.warning("no coordinator answered (%s): routing %s from the gateway's own view", e, req.request_id)
+            log.warning(
+                "no coordinator answered (%s): routing %s from the gateway's own view",
+                e,
+                req.request_id,
+            )
             self._on_fallback("no_coordinator")
             return await self.fallback.route(req)
 
@@ -134,7 +157,13 @@ def _api_error(e: RouteError) -> APIError:
     """The cluster's final answer for the client: its 404/503 as they are; any other 4xx means
     the gateway asked wrongly (its bug, or its cluster secret), not the client."""
     if e.status not in (404, 503):
-        return APIError(500, f"the coordinator refused the route request: {e.message}", type_="internal_error")
-    return APIError(e.status, e.message, type_="service_unavailable" if e.status == 503 else "invalid_request_error",
-                    code=e.code or ("no_capacity" if e.status == 503 else "model_not_found"),
-                    retry_after_s=e.retry_after_s)  # fmt: skip
+        return APIError(
+            500, f"the coordinator refused the route request: {e.message}", type_="internal_error"
+        )
+    return APIError(
+        e.status,
+        e.message,
+        type_="service_unavailable" if e.status == 503 else "invalid_request_error",
+        code=e.code or ("no_capacity" if e.status == 503 else "model_not_found"),
+        retry_after_s=e.retry_after_s,
+    )

@@ -46,9 +46,14 @@ def _raise_fd_limit(max_inflight: int) -> None:
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if short:
-        log.warning("this process may open %d files; [tiers] max_inflight = %d needs about %d (two sockets per "
-                    "request): requests past the limit are shed with 503. Raise `ulimit -n` or lower "
-                    "max_inflight.", hard, max_inflight, need)  # fmt: skip
+        log.warning(
+            "this process may open %d files; [tiers] max_inflight = %d needs about %d (two sockets per "
+            "request): requests past the limit are shed with 503. Raise `ulimit -n` or lower "
+            "max_inflight.",
+            hard,
+            max_inflight,
+            need,
+        )
 
 
 async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
@@ -56,8 +61,10 @@ async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
     if cfg.security.secret is None and any(m.kind == "cluster" for m in cfg.models.values()):
         # The gateway's own API has its keys; it is the nodes and coordinators that need the
         # secret, and this gateway cannot reach them once they require it.
-        log.warning("no cluster secret (--cluster-secret-file, $DUET_CLUSTER_SECRET_FILE or $DUET_CLUSTER_SECRET): "
-                    "nodes and coordinators that require one will answer this gateway 401")  # fmt: skip
+        log.warning(
+            "no cluster secret (--cluster-secret-file, $DUET_CLUSTER_SECRET_FILE or $DUET_CLUSTER_SECRET): "
+            "nodes and coordinators that require one will answer this gateway 401"
+        )
     try:
         app = make_app(cfg)
     except ConfigError as e:
@@ -70,21 +77,32 @@ async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
     # max_header_bytes, a malformed request line) is answered in OpenAI's error body too.
     # LimitedAppRunner: connections per client address; deadlines for each request's headers
     # and body (protocol/read_deadlines.py).
-    runner = LimitedAppRunner(app, handler_cancellation=True, access_log=None,
-                              max_line_size=srv.max_header_bytes, max_field_size=srv.max_header_bytes,
-                              shutdown_timeout=grace_s, keepalive_timeout=srv.keepalive_timeout_s,
-                              max_connections_per_address=srv.max_connections_per_address,
-                              deadlines=srv.read_deadlines())  # fmt: skip
+    runner = LimitedAppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=None,
+        max_line_size=srv.max_header_bytes,
+        max_field_size=srv.max_header_bytes,
+        shutdown_timeout=grace_s,
+        keepalive_timeout=srv.keepalive_timeout_s,
+        max_connections_per_address=srv.max_connections_per_address,
+        deadlines=srv.read_deadlines(),
+    )
     try:
         await runner.setup()  # opens the store, loads tokenizers
     except Exception as e:  # an unreachable database, a broken tokenizer: one line, not a traceback
-        print(f"duet gateway: cannot start (store {cfg.store_url}): {type(e).__name__}: {e}", file=sys.stderr)
+        print(
+            f"duet gateway: cannot start (store {cfg.store_url}): {type(e).__name__}: {e}",
+            file=sys.stderr,
+        )
         await runner.cleanup()
         return 1
     ssl = cfg.security.server_ssl()
     # reuse_port: N gateways share the public port (duet up --gateways N); the kernel gives each
     # new connection to one of them, and a dead one's share to the survivors at once
-    site = web.TCPSite(runner, srv.host, srv.port, backlog=4096, ssl_context=ssl, reuse_port=srv.reuse_port or None)
+    site = web.TCPSite(
+        runner, srv.host, srv.port, backlog=4096, ssl_context=ssl, reuse_port=srv.reuse_port or None
+    )
     await site.start()
     if srv.instance_port is not None:  # this process alone: for its supervisor's health check
         await web.TCPSite(runner, "127.0.0.1", srv.instance_port, ssl_context=ssl).start()
@@ -92,8 +110,11 @@ async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"duet gateway ready on {'https' if cfg.security.tls_cert else 'http'}://{srv.host}:{srv.port} models={','.join(sorted(cfg.models))} "
-          f"store={cfg.store_url}", flush=True)  # fmt: skip
+    print(
+        f"duet gateway ready on {'https' if cfg.security.tls_cert else 'http'}://{srv.host}:{srv.port} models={','.join(sorted(cfg.models))} "
+        f"store={cfg.store_url}",
+        flush=True,
+    )
     await stop.wait()
     await runner.cleanup()
     return 0
@@ -106,5 +127,8 @@ def run_gateway(cfg: GatewayConfig) -> int:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             return runner.run(serve(cfg))
     except OSError as e:
-        print(f"duet gateway: cannot listen on {cfg.server.host}:{cfg.server.port}: {e}", file=sys.stderr)
+        print(
+            f"duet gateway: cannot listen on {cfg.server.host}:{cfg.server.port}: {e}",
+            file=sys.stderr,
+        )
         return 1

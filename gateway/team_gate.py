@@ -27,8 +27,15 @@ class TeamLimited(APIError):
 
 
 def _refuse(kind: str, message: str, retry_after_s: float, headers: dict[str, str]) -> TeamLimited:
-    return TeamLimited(429, message, type_="rate_limit_error", code="rate_limit_exceeded", param=kind,
-                       retry_after_s=max(1, math.ceil(retry_after_s)), headers=headers)  # fmt: skip
+    return TeamLimited(
+        429,
+        message,
+        type_="rate_limit_error",
+        code="rate_limit_exceeded",
+        param=kind,
+        retry_after_s=max(1, math.ceil(retry_after_s)),
+        headers=headers,
+    )
 
 
 class TeamGate:
@@ -39,20 +46,34 @@ class TeamGate:
 
     def check(self, team: Team, default_max_concurrent: int) -> None:
         """Raise the 429 the store would give, when this gateway alone already fills a limit."""
-        limit = team.max_concurrent if team.max_concurrent is not None else (default_max_concurrent or None)
+        limit = (
+            team.max_concurrent
+            if team.max_concurrent is not None
+            else (default_max_concurrent or None)
+        )
         active = self._active.get(team.id, 0)
         if limit is not None and active >= limit:
-            raise _refuse("concurrency", f"team {team.id!r} already has {active} requests in flight "
-                                         f"(limit {limit})", 1.0, {})  # fmt: skip
+            raise _refuse(
+                "concurrency",
+                f"team {team.id!r} already has {active} requests in flight (limit {limit})",
+                1.0,
+                {},
+            )
         if team.rpm is not None and (q := self._starts.get(team.id)):
             now = self.clock()
             while q and q[0] <= now - WINDOW_S:
                 q.popleft()
             if len(q) >= team.rpm:
                 reset = q[0] + WINDOW_S - now
-                raise _refuse("requests", f"rate limit reached for team {team.id!r}: {team.rpm} requests per "
-                                          "minute", reset, {"x-ratelimit-limit-requests": str(team.rpm),
-                                                            "x-ratelimit-remaining-requests": "0"})  # fmt: skip
+                raise _refuse(
+                    "requests",
+                    f"rate limit reached for team {team.id!r}: {team.rpm} requests per minute",
+                    reset,
+                    {
+                        "x-ratelimit-limit-requests": str(team.rpm),
+                        "x-ratelimit-remaining-requests": "0",
+                    },
+                )
 
     def started(self, team: Team) -> None:
         """A request of the team was admitted by the store (it counts in the store's window)."""

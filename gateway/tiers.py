@@ -27,9 +27,14 @@ def granted_tier(asked: Tier, policy: TeamPolicy, team_id: str) -> Tier:
     """The tier is the operator's grant (`[teams.X] interactive`), not the client's choice: a
     team kept to batch that asks for interactive (header or `service_tier`) gets a 403."""
     if asked == "interactive" and not policy.interactive:
-        raise APIError(403, f"team {team_id!r} may not use the interactive tier; send batch requests "
-                            "(x-duet-tier: batch, or the Batch API)", type_="permission_error",
-                       param="x-duet-tier", code="tier_not_allowed")  # fmt: skip
+        raise APIError(
+            403,
+            f"team {team_id!r} may not use the interactive tier; send batch requests "
+            "(x-duet-tier: batch, or the Batch API)",
+            type_="permission_error",
+            param="x-duet-tier",
+            code="tier_not_allowed",
+        )
     return asked
 
 
@@ -43,7 +48,13 @@ def team_tier(header: str | None, service_tier: str | None, team: Team, policy: 
 
 class Shed(APIError):
     def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(503, message, type_="service_unavailable", code="overloaded", retry_after_s=retry_after_s)
+        super().__init__(
+            503,
+            message,
+            type_="service_unavailable",
+            code="overloaded",
+            retry_after_s=retry_after_s,
+        )
 
 
 class Admission:
@@ -53,7 +64,10 @@ class Admission:
         self.running = 0
         #: per-team limits on this gateway's own counts, checked before tokenizing
         self.teams = TeamGate()
-        self._waiting: dict[str, deque[asyncio.Future[None]]] = {"interactive": deque(), "batch": deque()}
+        self._waiting: dict[str, deque[asyncio.Future[None]]] = {
+            "interactive": deque(),
+            "batch": deque(),
+        }
         self._limits = {"interactive": cfg.interactive_queue, "batch": cfg.batch_queue}
         self._waits = {"interactive": cfg.interactive_max_wait_s, "batch": cfg.batch_max_wait_s}
 
@@ -90,12 +104,17 @@ class Admission:
         q = self._waiting[tier]
         if tier == "batch" and self._waiting["interactive"]:
             self.metrics.shed.labels(tier=tier, reason="saturated").inc()
-            raise Shed("the cluster is saturated with interactive traffic; batch requests are shed "
-                       "first — retry later", self._waits[tier])  # fmt: skip
+            raise Shed(
+                "the cluster is saturated with interactive traffic; batch requests are shed "
+                "first — retry later",
+                self._waits[tier],
+            )
         if len(q) >= self._limits[tier]:
             self.metrics.shed.labels(tier=tier, reason="queue_full").inc()
-            raise Shed(f"the {tier} admission queue is full ({self._limits[tier]} waiting); retry later",
-                       self._waits[tier])  # fmt: skip
+            raise Shed(
+                f"the {tier} admission queue is full ({self._limits[tier]} waiting); retry later",
+                self._waits[tier],
+            )
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         q.append(fut)
         self._gauge(tier)
@@ -113,8 +132,10 @@ class Admission:
             if not isinstance(e, TimeoutError):
                 raise
             self.metrics.shed.labels(tier=tier, reason="timeout").inc()
-            raise Shed(f"no capacity freed within {wait:g}s for this {tier} request; "
-                       "retry later", self._waits[tier]) from None  # fmt: skip
+            raise Shed(
+                f"no capacity freed within {wait:g}s for this {tier} request; retry later",
+                self._waits[tier],
+            ) from None
         self._gauge(tier)
 
     def _release(self) -> None:

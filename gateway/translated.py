@@ -31,6 +31,7 @@ from protocol.openai import APIError
 
 _ENC = msgspec.json.Encoder()
 
+
 def json_object(raw: bytes, code: str | None = None) -> dict[str, Any]:
     """The body as a JSON object, or a 400 (with the API's error `code` for a malformed body)."""
     try:
@@ -42,7 +43,9 @@ def json_object(raw: bytes, code: str | None = None) -> dict[str, Any]:
     return top
 
 
-def unknown_fields(top: dict[str, Any], known: Collection[str], neutral: Callable[[object], bool]) -> list[str]:
+def unknown_fields(
+    top: dict[str, Any], known: Collection[str], neutral: Callable[[object], bool]
+) -> list[str]:
     """The top-level fields this gateway does not serve, sorted — but not one sent with a value
     that asks for nothing (`neutral`: null, false, empty…), which clients add by default."""
     return sorted(k for k, v in top.items() if k not in known and not neutral(v))
@@ -60,26 +63,47 @@ Whole = Callable[[ChatAnswer, str], msgspec.Struct]
 class Translated:
     """One translated request on the chat path (`renderer` None: the client wants no stream)."""
 
-    def __init__(self, request: web.Request, renderer: Renderer | None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, request: web.Request, renderer: Renderer | None, headers: dict[str, str] | None = None
+    ) -> None:
         self.request = request
         #: headers the API adds to its answer, streamed or whole
         self.headers = headers or {}
-        self.sink = TranslatingSink(HttpEventStream(request), renderer, self.headers) if renderer is not None else None
+        self.sink = (
+            TranslatingSink(HttpEventStream(request), renderer, self.headers)
+            if renderer is not None
+            else None
+        )
 
     @property
     def opened(self) -> bool:
         """The stream's headers went out: the answer has begun."""
         return self.sink is not None and self.sink.opened
 
-    async def run(self, state: GatewayState, caller: Caller, body: chat.ChatBody, model: str,
-                  whole: Whole) -> web.StreamResponse:  # fmt: skip
+    async def run(
+        self, state: GatewayState, caller: Caller, body: chat.ChatBody, model: str, whole: Whole
+    ) -> web.StreamResponse:
         """Run `body` on the chat path; `model` names the answer when no `x-duet-model-used` does."""
-        answer = await serve.run(state, caller, chat.encode(body), Endpoint.CHAT,
-                                 tier_header=self.request.headers.get("x-duet-tier"), sink=self.sink)  # fmt: skip
+        answer = await serve.run(
+            state,
+            caller,
+            chat.encode(body),
+            Endpoint.CHAT,
+            tier_header=self.request.headers.get("x-duet-tier"),
+            sink=self.sink,
+        )
         if answer.body is None:
             sink = self.sink
-            assert sink is not None and isinstance(sink.inner, HttpEventStream) and sink.inner.response is not None
+            assert (
+                sink is not None
+                and isinstance(sink.inner, HttpEventStream)
+                and sink.inner.response is not None
+            )
             return sink.inner.response
         out = whole(read_completion(answer.body), answer.headers.get("x-duet-model-used", model))
-        return web.Response(status=answer.status, body=_ENC.encode(out), content_type="application/json",
-                            headers={**answer.headers, **self.headers})  # fmt: skip
+        return web.Response(
+            status=answer.status,
+            body=_ENC.encode(out),
+            content_type="application/json",
+            headers={**answer.headers, **self.headers},
+        )

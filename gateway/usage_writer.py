@@ -71,8 +71,11 @@ class UsageWriter:
         try:
             await asyncio.wait_for(asyncio.shield(fut), COMMIT_WAIT_S)
         except TimeoutError:
-            log.error("the store has not taken a usage record for %.0f s; answering anyway (it stays queued "
-                      "and is written once the store is back)", COMMIT_WAIT_S)  # fmt: skip
+            log.error(
+                "the store has not taken a usage record for %.0f s; answering anyway (it stays queued "
+                "and is written once the store is back)",
+                COMMIT_WAIT_S,
+            )
 
     async def _write_now(self, batch: list[Settlement]) -> None:
         self._writing = True
@@ -91,7 +94,9 @@ class UsageWriter:
             await self._write(batch)
             self._current = []
 
-    async def _write(self, batch: list[tuple[Settlement, asyncio.Future[None]]], give_up_at: float | None = None) -> None:
+    async def _write(
+        self, batch: list[tuple[Settlement, asyncio.Future[None]]], give_up_at: float | None = None
+    ) -> None:
         """Write `batch`, retrying until the store takes it (or `give_up_at`, at shutdown)."""
         delay = RETRY_S
         loop = asyncio.get_running_loop()
@@ -102,9 +107,13 @@ class UsageWriter:
             except Exception:
                 if give_up_at is not None and loop.time() + delay > give_up_at:
                     for s, _ in batch:  # the operator's copy: every figure of every record
-                        log.error("usage record NOT written (the store refused it at shutdown): %r", s)
+                        log.error(
+                            "usage record NOT written (the store refused it at shutdown): %r", s
+                        )
                     return
-                log.exception("writing %d usage records failed; retrying in %.1f s", len(batch), delay)
+                log.exception(
+                    "writing %d usage records failed; retrying in %.1f s", len(batch), delay
+                )
                 await asyncio.sleep(delay)
                 delay = min(2 * delay, MAX_RETRY_S)
         for _, fut in batch:

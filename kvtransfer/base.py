@@ -208,10 +208,16 @@ class Transport(abc.ABC):
             return await self._add_peer_locked(md, lock, timeout)
         finally:
             # Locks only live while someone connects: the dict stays as small as the traffic.
-            if not lock.locked() and not lock._waiters and self._peer_locks.get(md.engine_id) is lock:
+            if (
+                not lock.locked()
+                and not lock._waiters
+                and self._peer_locks.get(md.engine_id) is lock
+            ):
                 del self._peer_locks[md.engine_id]
 
-    async def _add_peer_locked(self, md: TransportMetadata, lock: asyncio.Lock, timeout: float | None) -> Peer:
+    async def _add_peer_locked(
+        self, md: TransportMetadata, lock: asyncio.Lock, timeout: float | None
+    ) -> Peer:
         async with lock:
             cached = self._peers.get(md.engine_id)
             if cached is not None and cached.metadata == md:
@@ -234,8 +240,11 @@ class Transport(abc.ABC):
             self._peers[md.engine_id] = peer
             while len(self._peers) > MAX_PEERS:
                 oldest = next(iter(self._peers.values()))
-                log.info("more than %d peers: disconnecting the least recently used, %r", MAX_PEERS,
-                         oldest.engine_id)  # fmt: skip
+                log.info(
+                    "more than %d peers: disconnecting the least recently used, %r",
+                    MAX_PEERS,
+                    oldest.engine_id,
+                )
                 await self._drop(oldest)
             return peer
 
@@ -361,8 +370,11 @@ class Transport(abc.ABC):
             self._notifications.get_nowait()
             self.notifications_dropped += 1
             if self.notifications_dropped in (1, 10, 100) or self.notifications_dropped % 1000 == 0:
-                log.warning("notification queue full (%d): dropped %d so far", MAX_QUEUED_NOTIFICATIONS,
-                            self.notifications_dropped)  # fmt: skip
+                log.warning(
+                    "notification queue full (%d): dropped %d so far",
+                    MAX_QUEUED_NOTIFICATIONS,
+                    self.notifications_dropped,
+                )
         self._notifications.put_nowait(notification)
 
     async def next_notification(self, timeout: float | None = None) -> Notification:

@@ -16,9 +16,24 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 # From one small block on one host (~50 µs) to a long prompt over a slow network.
 SECONDS_BUCKETS = (
-    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
-    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-)  # fmt: skip
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 
 
 class KVTransferMetrics:

@@ -102,8 +102,10 @@ def _start_agent(api: ModuleType, name: str, config: Any, ucx_params: dict[str, 
             if attempt < AGENT_START_ATTEMPTS:
                 log.warning("NIXL agent %s: UCX backend failed to start (%s); retrying", name, e)
                 time.sleep(AGENT_RETRY_DELAY_S * attempt)
-    raise BackendUnavailable("cannot start a NIXL agent with UCX after "
-                             f"{AGENT_START_ATTEMPTS} attempts: " + "; ".join(errors))  # fmt: skip
+    raise BackendUnavailable(
+        "cannot start a NIXL agent with UCX after "
+        f"{AGENT_START_ATTEMPTS} attempts: " + "; ".join(errors)
+    )
 
 
 def _mem_type(device: str) -> str:
@@ -339,9 +341,13 @@ class NixlTransport(Transport):
                 # hosts posting returns at once. Only a thread stuck past the cap is abandoned
                 # (its handle is then released when it returns).
                 with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), _SETTLE_CAP_S)
+                    await asyncio.wait_for(
+                        asyncio.shield(asyncio.wrap_future(future)), _SETTLE_CAP_S
+                    )
                 if not future.done():
-                    log.warning("a timed-out NIXL read is still copying after %.0f s", _SETTLE_CAP_S)
+                    log.warning(
+                        "a timed-out NIXL read is still copying after %.0f s", _SETTLE_CAP_S
+                    )
                     # The caller quarantines the blocks until the copy is over.
                     self._late_write(plan, asyncio.ensure_future(self._settle_posting(future)))
                 else:

@@ -160,10 +160,17 @@ class TcpTransport(Transport):
         nonce = os.urandom(NONCE_BYTES)
         await loop.sock_sendall(conn, wire.frame(wire.Challenge(nonce=nonce)))
         hello = await asyncio.wait_for(_recv_message(loop, conn), self.timeout)
-        if not isinstance(hello, wire.Hello) or len(hello.nonce) != NONCE_BYTES or not hmac.compare_digest(
-                hello.mac, hmac_parts(self._key, _READER, nonce, hello.nonce)):  # fmt: skip
+        if (
+            not isinstance(hello, wire.Hello)
+            or len(hello.nonce) != NONCE_BYTES
+            or not hmac.compare_digest(
+                hello.mac, hmac_parts(self._key, _READER, nonce, hello.nonce)
+            )
+        ):
             return False
-        await loop.sock_sendall(conn, wire.frame(wire.Welcome(mac=hmac_parts(self._key, _OWNER, hello.nonce, nonce))))
+        await loop.sock_sendall(
+            conn, wire.frame(wire.Welcome(mac=hmac_parts(self._key, _OWNER, hello.nonce, nonce)))
+        )
         return True
 
     async def _serve(self, conn: socket.socket) -> None:
@@ -173,8 +180,10 @@ class TcpTransport(Transport):
         try:
             if not await self._owner_handshake(conn):
                 self.refused_handshakes += 1
-                self._refused_log.warning("refused a KV reader from %s: it did not prove the cluster secret",
-                                          _peer_name(conn))  # fmt: skip
+                self._refused_log.warning(
+                    "refused a KV reader from %s: it did not prove the cluster secret",
+                    _peer_name(conn),
+                )
                 return
             while True:
                 msg = await _recv_message(loop, conn)
@@ -223,7 +232,9 @@ class TcpTransport(Transport):
         except BaseException as e:
             sock.close()
             if isinstance(e, (OSError, TimeoutError, ValueError)):
-                raise PeerError(f"handshake with peer {md.engine_id!r} at {md.host}:{md.port} failed: {e!r}") from e
+                raise PeerError(
+                    f"handshake with peer {md.engine_id!r} at {md.host}:{md.port} failed: {e!r}"
+                ) from e
             raise
         return sock
 
@@ -231,16 +242,21 @@ class TcpTransport(Transport):
         loop = asyncio.get_running_loop()
         challenge = await _recv_message(loop, sock)
         if not isinstance(challenge, wire.Challenge) or len(challenge.nonce) != NONCE_BYTES:
-            raise PeerError(f"peer {engine_id!r} did not open the tcp handshake "
-                            "(it does not hold this cluster's secret, or is not a duet KV transport)")  # fmt: skip
+            raise PeerError(
+                f"peer {engine_id!r} did not open the tcp handshake "
+                "(it does not hold this cluster's secret, or is not a duet KV transport)"
+            )
         nonce = os.urandom(NONCE_BYTES)
         mac = hmac_parts(self._key, _READER, challenge.nonce, nonce)
         await loop.sock_sendall(sock, wire.frame(wire.Hello(nonce=nonce, mac=mac)))
         welcome = await _recv_message(loop, sock)
         if not isinstance(welcome, wire.Welcome) or not hmac.compare_digest(
-                welcome.mac, hmac_parts(self._key, _OWNER, nonce, challenge.nonce)):  # fmt: skip
-            raise PeerError(f"peer {engine_id!r} refused the tcp handshake or could not prove the cluster "
-                            "secret: the two nodes do not share one")  # fmt: skip
+            welcome.mac, hmac_parts(self._key, _OWNER, nonce, challenge.nonce)
+        ):
+            raise PeerError(
+                f"peer {engine_id!r} refused the tcp handshake or could not prove the cluster "
+                "secret: the two nodes do not share one"
+            )
 
     async def _connect(self, metadata: TransportMetadata) -> Peer:
         if not metadata.host or not metadata.port:

@@ -159,11 +159,15 @@ class UcxTransport(Transport):
         try:
             if not await self._owner_handshake(ep):
                 self.refused_handshakes += 1
-                self._refused_log.warning("refused a ucx KV reader: it did not prove the cluster secret")
+                self._refused_log.warning(
+                    "refused a ucx KV reader: it did not prove the cluster secret"
+                )
                 # Said before the endpoint goes: UCX may not tell the reader of an abort before
                 # its own timeout, and a reader with the wrong secret should know at once.
                 with contextlib.suppress(Exception):
-                    refusal = wire.Reply(req_id=0, error="the reader did not prove the cluster secret")
+                    refusal = wire.Reply(
+                        req_id=0, error="the reader did not prove the cluster secret"
+                    )
                     await asyncio.wait_for(ep.am_send(wire.encode(refusal)), self.timeout)
                 return
             await self._serve(ep)
@@ -188,10 +192,17 @@ class UcxTransport(Transport):
             raise
         except Exception:  # gone, silent past the timeout, or not our wire format
             return False
-        if not isinstance(hello, wire.Hello) or len(hello.nonce) != NONCE_BYTES or not hmac.compare_digest(
-                hello.mac, hmac_parts(self._key, _READER, nonce, hello.nonce)):  # fmt: skip
+        if (
+            not isinstance(hello, wire.Hello)
+            or len(hello.nonce) != NONCE_BYTES
+            or not hmac.compare_digest(
+                hello.mac, hmac_parts(self._key, _READER, nonce, hello.nonce)
+            )
+        ):
             return False
-        await ep.am_send(wire.encode(wire.Welcome(mac=hmac_parts(self._key, _OWNER, hello.nonce, nonce))))
+        await ep.am_send(
+            wire.encode(wire.Welcome(mac=hmac_parts(self._key, _OWNER, hello.nonce, nonce)))
+        )
         return True
 
     async def _serve(self, ep: Any) -> None:
@@ -250,8 +261,10 @@ class UcxTransport(Transport):
             with contextlib.suppress(Exception):
                 ep.abort()
             if isinstance(e, Exception) and not isinstance(e, PeerError):
-                raise PeerError(f"handshake with peer {metadata.engine_id!r} at {metadata.host}:{metadata.port} "
-                                f"failed: {e!r}") from e  # fmt: skip
+                raise PeerError(
+                    f"handshake with peer {metadata.engine_id!r} at {metadata.host}:{metadata.port} "
+                    f"failed: {e!r}"
+                ) from e
             raise
         peer = UcxPeer(metadata, ep)
         peer.dispatcher = asyncio.get_running_loop().create_task(self._dispatch(peer))
@@ -260,16 +273,24 @@ class UcxTransport(Transport):
     async def _reader_handshake(self, ep: Any, engine_id: str) -> None:
         challenge = wire.decode(bytes(await ep.am_recv()))
         if not isinstance(challenge, wire.Challenge) or len(challenge.nonce) != NONCE_BYTES:
-            raise PeerError(f"peer {engine_id!r} did not open the ucx handshake "
-                            "(it does not hold this cluster's secret, or is not a duet KV transport)")  # fmt: skip
+            raise PeerError(
+                f"peer {engine_id!r} did not open the ucx handshake "
+                "(it does not hold this cluster's secret, or is not a duet KV transport)"
+            )
         nonce = os.urandom(NONCE_BYTES)
-        await ep.am_send(wire.encode(wire.Hello(nonce=nonce, mac=hmac_parts(self._key, _READER, challenge.nonce,
-                                                                             nonce))))  # fmt: skip
+        await ep.am_send(
+            wire.encode(
+                wire.Hello(nonce=nonce, mac=hmac_parts(self._key, _READER, challenge.nonce, nonce))
+            )
+        )
         welcome = wire.decode(bytes(await ep.am_recv()))
         if not isinstance(welcome, wire.Welcome) or not hmac.compare_digest(
-                welcome.mac, hmac_parts(self._key, _OWNER, nonce, challenge.nonce)):  # fmt: skip
-            raise PeerError(f"peer {engine_id!r} refused the ucx handshake or could not prove the cluster "
-                            "secret: the two nodes do not share one")  # fmt: skip
+            welcome.mac, hmac_parts(self._key, _OWNER, nonce, challenge.nonce)
+        ):
+            raise PeerError(
+                f"peer {engine_id!r} refused the ucx handshake or could not prove the cluster "
+                "secret: the two nodes do not share one"
+            )
 
     async def _dispatch(self, peer: UcxPeer) -> None:
         """Route the owner's replies to the reads waiting for them."""

@@ -33,7 +33,9 @@ class Reply(msgspec.Struct, frozen=True, kw_only=True, tag="reply", array_like=T
     nbytes: int = 0
 
 
-class Challenge(msgspec.Struct, frozen=True, kw_only=True, tag="challenge", array_like=True, gc=False):
+class Challenge(
+    msgspec.Struct, frozen=True, kw_only=True, tag="challenge", array_like=True, gc=False
+):
     """tcp handshake, owner → reader, first on every connection: the owner's fresh nonce."""
 
     nonce: bytes

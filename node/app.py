@@ -68,11 +68,18 @@ async def _draining(request: web.Request, handler: Handler) -> web.StreamRespons
     state = request.app[STATE]
     if state.draining and request.method == "POST" and request.path in _WORK_PATHS:
         state.metrics.rejected("draining")
-        raise APIError(503, "this node is shutting down; retry on another node",
-                       type_="service_unavailable", code="draining")  # fmt: skip
+        raise APIError(
+            503,
+            "this node is shutting down; retry on another node",
+            type_="service_unavailable",
+            code="draining",
+        )
     if state.config.task == "embed" and request.path in _COMPLETION_PATHS:
-        raise APIError(400, "this node serves embeddings only (--task embed): POST /v1/embeddings",
-                       code="wrong_task")  # fmt: skip
+        raise APIError(
+            400,
+            "this node serves embeddings only (--task embed): POST /v1/embeddings",
+            code="wrong_task",
+        )
     return await handler(request)
 
 
@@ -81,17 +88,25 @@ def _translate(request: web.Request, e: BaseException) -> APIError | None:
     state = request.app[STATE]
     if isinstance(e, EngineOverloaded):
         state.metrics.rejected("queue_full")
-        return APIError(503, f"this node is overloaded: {e}; retry later or on another node",
-                        type_="service_unavailable", code="overloaded", retry_after_s=e.retry_after)  # fmt: skip
+        return APIError(
+            503,
+            f"this node is overloaded: {e}; retry later or on another node",
+            type_="service_unavailable",
+            code="overloaded",
+            retry_after_s=e.retry_after,
+        )
     if isinstance(e, EngineDead):
         state.metrics.rejected("engine_dead")
         return engine_dead(e)
     if isinstance(e, web.HTTPRequestEntityTooLarge):
         state.metrics.rejected("body_too_large")
         limit = request.app._client_max_size  # the limit aiohttp enforced
-        return APIError(413, f"the request body is too large ({e.text or ''}); a prompt within this model's "
-                             f"context of {state.engine.max_model_len} tokens needs at most {limit} bytes",
-                        code="request_too_large")  # fmt: skip
+        return APIError(
+            413,
+            f"the request body is too large ({e.text or ''}); a prompt within this model's "
+            f"context of {state.engine.max_model_len} tokens needs at most {limit} bytes",
+            code="request_too_large",
+        )
     return None
 
 
@@ -110,9 +125,15 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 async def _models(request: web.Request) -> web.Response:
     """OpenAI's model list: the one model this node serves (routers discover it here)."""
     s = request.app[STATE]
-    model = {"id": s.engine.model_name, "object": "model", "created": int(s.started_at), "owned_by": "duet",
-             "max_model_len": s.engine.max_model_len, "role": s.config.role,
-             "quantization": s.engine.kv_layout.weights or None}  # fmt: skip
+    model = {
+        "id": s.engine.model_name,
+        "object": "model",
+        "created": int(s.started_at),
+        "owned_by": "duet",
+        "max_model_len": s.engine.max_model_len,
+        "role": s.config.role,
+        "quantization": s.engine.kv_layout.weights or None,
+    }
     return web.json_response({"object": "list", "data": [model]})
 
 
@@ -133,10 +154,19 @@ async def _health(request: web.Request) -> web.Response:
         status, detail = "failed", f"engine failed: {s.engine.dead!r}"
     elif s.draining or (probe == "ready" and s.drain_requested):
         status = "draining"
-    body = NodeHealth(status=status, role=s.config.role, node_id=s.node_id, engine_id=s.engine_id,
-                      model=s.engine.model_name, detail=detail)  # fmt: skip
-    return web.Response(status=200 if status == "ok" else 503, body=msgspec.json.encode(body),
-                        content_type="application/json")  # fmt: skip
+    body = NodeHealth(
+        status=status,
+        role=s.config.role,
+        node_id=s.node_id,
+        engine_id=s.engine_id,
+        model=s.engine.model_name,
+        detail=detail,
+    )
+    return web.Response(
+        status=200 if status == "ok" else 503,
+        body=msgspec.json.encode(body),
+        content_type="application/json",
+    )
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -176,7 +206,9 @@ def make_app(state: NodeState) -> web.Application:
     limit = max_body_bytes(state.engine.max_model_len)
     if state.config.task == "embed":
         limit = max(limit, EMBED_MAX_BODY)
-    app = web.Application(middlewares=[*auth, _request_id, errors, _draining], client_max_size=limit)
+    app = web.Application(
+        middlewares=[*auth, _request_id, errors, _draining], client_max_size=limit
+    )
     app[STATE] = state
     app.cleanup_ctx.append(_lifecycle)
     state.tracing.install(app, after=_request_id)

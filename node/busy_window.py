@@ -29,8 +29,12 @@ MIN_SPAN_S = 2.0
 
 
 class BusyWindow:
-    def __init__(self, window_s: float = WINDOW_S, min_span_s: float = MIN_SPAN_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        window_s: float = WINDOW_S,
+        min_span_s: float = MIN_SPAN_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.window_s = window_s
         self.min_span_s = min_span_s
         self.clock = clock

@@ -67,20 +67,32 @@ def parse_chat(raw: bytes) -> NodeChatRequest:
         raise APIError(400, "messages must not be empty", param="messages")
     for i, m in enumerate(body.messages):
         if m.role not in _ROLES:
-            raise APIError(400, f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {m.role!r}",
-                           param="messages")  # fmt: skip
-        if isinstance(m.content, list) and any(p.type != "text" or p.text is None for p in m.content):
-            raise APIError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            raise APIError(
+                400,
+                f"messages[{i}].role must be one of {', '.join(_ROLES)}, got {m.role!r}",
+                param="messages",
+            )
+        if isinstance(m.content, list) and any(
+            p.type != "text" or p.text is None for p in m.content
+        ):
+            raise APIError(
+                400, f"messages[{i}].content: only text parts are supported", param="messages"
+            )
     if body.tools:
         raise APIError(400, "tools are not supported", param="tools")
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise APIError(400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {body.top_logprobs}",
-                           param="top_logprobs")  # fmt: skip
+            raise APIError(
+                400,
+                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {body.top_logprobs}",
+                param="top_logprobs",
+            )
     if body.max_tokens is not None and body.max_completion_tokens is not None:
-        raise APIError(400, "give max_tokens or max_completion_tokens, not both", param="max_tokens")
+        raise APIError(
+            400, "give max_tokens or max_completion_tokens, not both", param="max_tokens"
+        )
     return body
 
 
@@ -99,10 +111,16 @@ def template(tokenizer: Tokenizer, body: NodeChatRequest) -> list[int]:
 
 def as_completion(body: NodeChatRequest, prompt_ids: list[int]) -> NodeCompletionRequest:
     """The completion request the chat request means (its prompt already templated)."""
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
     shared = {name: getattr(body, name) for name in SamplingFields.__struct_fields__}
-    return NodeCompletionRequest(prompt=prompt_ids, max_tokens=16 if max_tokens is None else max_tokens,
-                             logprobs=(body.top_logprobs or 0) if body.logprobs else None, **shared)  # fmt: skip
+    return NodeCompletionRequest(
+        prompt=prompt_ids,
+        max_tokens=16 if max_tokens is None else max_tokens,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+        **shared,
+    )
 
 
 class NodeChatMessageOut(msgspec.Struct, kw_only=True):
@@ -134,12 +152,23 @@ class NodeChatCompletion(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 def chat_response(result: NodeCompletion) -> NodeChatCompletion:
     c = result.choices[0]
-    choice = NodeChatChoice(index=0, message=NodeChatMessageOut(role="assistant", content=c.text),
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
-                            logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs))  # fmt: skip
-    return NodeChatCompletion(id=result.id, object="chat.completion", created=result.created, model=result.model, choices=[choice],
-                              usage=result.usage, kv_transfer_params=result.kv_transfer_params,
-                              timing=result.timing)  # fmt: skip
+    choice = NodeChatChoice(
+        index=0,
+        message=NodeChatMessageOut(role="assistant", content=c.text),
+        finish_reason=c.finish_reason,
+        stop_reason=c.stop_reason,
+        logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs),
+    )
+    return NodeChatCompletion(
+        id=result.id,
+        object="chat.completion",
+        created=result.created,
+        model=result.model,
+        choices=[choice],
+        usage=result.usage,
+        kv_transfer_params=result.kv_transfer_params,
+        timing=result.timing,
+    )
 
 
 class NodeChatChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -162,17 +191,41 @@ class ChatChunker:
         self.created = int(time.time())
         self._first = True
 
-    def chunks(self, out: Delta, usage: Usage | None, timing: dict[str, float] | None,
-               logprobs: CompletionLogprobs | None = None) -> list[NodeChatChunk]:  # fmt: skip
+    def chunks(
+        self,
+        out: Delta,
+        usage: Usage | None,
+        timing: dict[str, float] | None,
+        logprobs: CompletionLogprobs | None = None,
+    ) -> list[NodeChatChunk]:
         delta = ChatDelta(role="assistant" if self._first else None, content=out.new_text)
         self._first = False
         lp = None if logprobs is None else chat_logprobs(logprobs)
-        made = [NodeChatChunk(id=self.request_id, object="chat.completion.chunk", created=self.created, model=self.model,
-                              choices=[ChatChunkChoice(index=0, delta=delta, finish_reason=out.finish_reason,
-                                                       logprobs=lp)])]  # fmt: skip
+        made = [
+            NodeChatChunk(
+                id=self.request_id,
+                object="chat.completion.chunk",
+                created=self.created,
+                model=self.model,
+                choices=[
+                    ChatChunkChoice(
+                        index=0, delta=delta, finish_reason=out.finish_reason, logprobs=lp
+                    )
+                ],
+            )
+        ]
         if out.finished and self.include_usage:
-            made.append(NodeChatChunk(id=self.request_id, object="chat.completion.chunk", created=self.created, model=self.model, choices=[],
-                                      usage=usage, timing=timing))  # fmt: skip
+            made.append(
+                NodeChatChunk(
+                    id=self.request_id,
+                    object="chat.completion.chunk",
+                    created=self.created,
+                    model=self.model,
+                    choices=[],
+                    usage=usage,
+                    timing=timing,
+                )
+            )
         elif out.finished:
             made[0].timing = timing
         return made

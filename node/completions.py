@@ -55,7 +55,8 @@ def sampling_params(body: NodeCompletionRequest, max_tokens: int | None = None) 
             stop=body.stop_list(),
             stop_token_ids=list(body.stop_token_ids or []),
             ignore_eos=body.ignore_eos,
-            min_tokens=body.min_tokens - min(done, max(body.min_tokens, 0)),  # a negative one stays refused
+            min_tokens=body.min_tokens
+            - min(done, max(body.min_tokens, 0)),  # a negative one stays refused
             skip_special_tokens=body.skip_special_tokens,
             logprobs=body.logprobs,
             prompt_logprobs=body.prompt_logprobs,
@@ -65,7 +66,9 @@ def sampling_params(body: NodeCompletionRequest, max_tokens: int | None = None) 
             presence_penalty=body.presence_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             min_p=body.min_p or 0.0,
-            logit_bias={int(t): b for t, b in (body.logit_bias or {}).items()},  # keys checked by validate()
+            logit_bias={
+                int(t): b for t, b in (body.logit_bias or {}).items()
+            },  # keys checked by validate()
             guide=body.guide,
         )
     except ValueError as e:
@@ -78,11 +81,19 @@ def check_resume(body: NodeCompletionRequest, num_ids: int) -> None:
     if r is None:
         return
     if not 0 < r.output_tokens < num_ids or r.text_chars < 0 or r.migration < 1:
-        raise APIError(400, f"resume must name 0 < output_tokens < the prompt's {num_ids} tokens, text_chars >= 0 "
-                            f"and migration >= 1, got {r}", param="resume")  # fmt: skip
+        raise APIError(
+            400,
+            f"resume must name 0 < output_tokens < the prompt's {num_ids} tokens, text_chars >= 0 "
+            f"and migration >= 1, got {r}",
+            param="resume",
+        )
     if r.output_tokens >= (body.max_tokens or 16):
-        raise APIError(400, f"resume.output_tokens ({r.output_tokens}) leaves nothing of max_tokens "
-                            f"({body.max_tokens}) to generate", param="resume")  # fmt: skip
+        raise APIError(
+            400,
+            f"resume.output_tokens ({r.output_tokens}) leaves nothing of max_tokens "
+            f"({body.max_tokens}) to generate",
+            param="resume",
+        )
     if body.prompt_logprobs is not None:
         raise APIError(400, "prompt_logprobs cannot be asked on a migrated leg", param="resume")
 
@@ -90,8 +101,11 @@ def check_resume(body: NodeCompletionRequest, num_ids: int) -> None:
 def check_transfer_params(body: NodeCompletionRequest) -> None:
     kv = body.kv_transfer_params
     if kv is not None and kv.do_remote_decode and kv.do_remote_prefill:
-        raise APIError(400, "kv_transfer_params cannot ask for both do_remote_decode and do_remote_prefill",
-                       param="kv_transfer_params")  # fmt: skip
+        raise APIError(
+            400,
+            "kv_transfer_params cannot ask for both do_remote_decode and do_remote_prefill",
+            param="kv_transfer_params",
+        )
 
 
 async def prepare(state: NodeState, raw: bytes) -> Prepared:
@@ -99,12 +113,17 @@ async def prepare(state: NodeState, raw: bytes) -> Prepared:
     return await prepare_body(state, parse_body(raw), arrival)
 
 
-async def prepare_body(state: NodeState, body: NodeCompletionRequest, arrival: float,
-                       chat: bool = False) -> Prepared:  # fmt: skip
+async def prepare_body(
+    state: NodeState, body: NodeCompletionRequest, arrival: float, chat: bool = False
+) -> Prepared:
     engine = state.engine
     if body.model and body.model != engine.model_name:
-        raise APIError(404, f"model {body.model!r} is not served here (this node serves "
-                            f"{engine.model_name!r})", code="model_not_found", param="model")  # fmt: skip
+        raise APIError(
+            404,
+            f"model {body.model!r} is not served here (this node serves {engine.model_name!r})",
+            code="model_not_found",
+            param="model",
+        )
     check_transfer_params(body)
     prompt = body.single_prompt()
     if isinstance(prompt, str):
@@ -118,13 +137,24 @@ async def prepare_body(state: NodeState, body: NodeCompletionRequest, arrival: f
     await state.guides.check(body.guide, param="guide")
     params = sampling_params(body)
     if len(ids) + params.max_tokens > engine.max_model_len:
-        raise APIError(400, f"this model's maximum context length is {engine.max_model_len} tokens, "
-                            f"but {len(ids) + params.max_tokens} were requested ({len(ids)} in the "
-                            f"prompt, {params.max_tokens} for the completion)",
-                       param="max_tokens", code="context_length_exceeded")  # fmt: skip
+        raise APIError(
+            400,
+            f"this model's maximum context length is {engine.max_model_len} tokens, "
+            f"but {len(ids) + params.max_tokens} were requested ({len(ids)} in the "
+            f"prompt, {params.max_tokens} for the completion)",
+            param="max_tokens",
+            code="context_length_exceeded",
+        )
     priority = Priority.BATCH if body.priority == "batch" else Priority.INTERACTIVE
-    return Prepared(request_id=REQUEST_ID.get(), body=body, prompt_ids=ids, params=params, priority=priority,
-                    arrival=arrival, chat=chat)  # fmt: skip
+    return Prepared(
+        request_id=REQUEST_ID.get(),
+        body=body,
+        prompt_ids=ids,
+        params=params,
+        priority=priority,
+        arrival=arrival,
+        chat=chat,
+    )
 
 
 async def handle_completions(state: NodeState, request: web.Request) -> web.StreamResponse:
@@ -148,8 +178,11 @@ async def dispatch(state: NodeState, request: web.Request, prep: Prepared) -> we
     trigger = leg_trigger(prep.kv_params)
     handler = local_leg if trigger is None else state.roles.legs.get(trigger)
     if handler is None:
-        raise APIError(400, f"this node ({state.roles.describe()}) does not serve {trigger} legs",
-                       param="kv_transfer_params")  # fmt: skip
+        raise APIError(
+            400,
+            f"this node ({state.roles.describe()}) does not serve {trigger} legs",
+            param="kv_transfer_params",
+        )
     erid = prefill_request_id(prep.request_id) if trigger == PREFILL_TRIGGER else prep.request_id
     state.enter(erid)
     leg = Leg(state, request, prep, erid)

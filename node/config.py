@@ -92,7 +92,9 @@ class NodeConfig:
         if self.pooling not in POOLINGS:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if self.task == "embed" and self.role != "both":
-            raise ValueError("an embedding node has no prefill/decode role: start it with `duet node --task embed`")
+            raise ValueError(
+                "an embedding node has no prefill/decode role: start it with `duet node --task embed`"
+            )
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.failure_policy not in FAILURE_POLICIES:
@@ -101,9 +103,13 @@ class NodeConfig:
             raise ValueError("lease, transfer and reserve timeouts must be positive")
         parse_networks(self.allowed_peers)
         if not 0 < self.guide_compile_timeout_s <= 600:
-            raise ValueError(f"guide compile timeout must be in (0, 600] seconds, got {self.guide_compile_timeout_s}")
+            raise ValueError(
+                f"guide compile timeout must be in (0, 600] seconds, got {self.guide_compile_timeout_s}"
+            )
         if not 1 <= self.guide_compile_threads <= 64:
-            raise ValueError(f"guide compile threads must be in [1, 64], got {self.guide_compile_threads}")
+            raise ValueError(
+                f"guide compile threads must be in [1, 64], got {self.guide_compile_threads}"
+            )
 
     def peer_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
         """The networks a decode leg may contact (`--allowed-peers`)."""

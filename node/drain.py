@@ -49,9 +49,18 @@ def drain_status(state) -> DrainStatus:  # state: node.state.NodeState
     published = state.drain_published_at
     settled = published is not None and time.monotonic() - published >= SETTLE_S
     idle = draining and settled and state.inflight == 0 and held == 0
-    outcome = DrainOutcome.IDLE if idle else DrainOutcome.DRAINING if draining else DrainOutcome.ACTIVE
-    return DrainStatus(node_id=state.node_id, role=state.config.role, draining=draining, inflight=state.inflight,
-                       held=held, idle=idle, outcome=outcome)  # fmt: skip
+    outcome = (
+        DrainOutcome.IDLE if idle else DrainOutcome.DRAINING if draining else DrainOutcome.ACTIVE
+    )
+    return DrainStatus(
+        node_id=state.node_id,
+        role=state.config.role,
+        draining=draining,
+        inflight=state.inflight,
+        held=held,
+        idle=idle,
+        outcome=outcome,
+    )
 
 
 def stopping(state) -> bool:
@@ -79,7 +88,9 @@ async def handle_post_drain(state, request: web.Request) -> web.Response:
     try:
         wait = float(raw)
     except ValueError:
-        raise APIError(400, f"wait must be a number of seconds, not {raw[:40]!r}", param="wait") from None
+        raise APIError(
+            400, f"wait must be a number of seconds, not {raw[:40]!r}", param="wait"
+        ) from None
     if not 0 <= wait <= MAX_WAIT_S:
         raise APIError(400, f"wait must be between 0 and {MAX_WAIT_S:g} seconds", param="wait")
     state.drain_requested = True
@@ -89,30 +100,49 @@ async def handle_post_drain(state, request: web.Request) -> web.Response:
     while not status.idle and time.monotonic() < deadline:
         await asyncio.sleep(0.25)  # the registration tick; holds end on the engine thread
         if state.drain_epoch != epoch:  # undone while we waited: this drain is over, not done
-            return _answer(msgspec.structs.replace(drain_status(state), outcome=DrainOutcome.CANCELLED))
+            return _answer(
+                msgspec.structs.replace(drain_status(state), outcome=DrainOutcome.CANCELLED)
+            )
         status = drain_status(state)
     return _answer(status)
 
 
 def _node_stopping(state, why: str) -> APIError:
-    return APIError(409, f"node {state.node_id} is stopping ({why}): its drain cannot be undone; start another "
-                         "node instead", code="node_stopping")  # fmt: skip
+    return APIError(
+        409,
+        f"node {state.node_id} is stopping ({why}): its drain cannot be undone; start another "
+        "node instead",
+        code="node_stopping",
+    )
 
 
 async def handle_delete_drain(state, request: web.Request) -> web.Response:
     if stopping(state):
         raise _node_stopping(state, "SIGTERM's grace period")
     if not state.drain_requested:
-        return _answer(UndrainStatus(node_id=state.node_id, role=state.config.role, outcome=UndrainOutcome.NOT_DRAINING))
+        return _answer(
+            UndrainStatus(
+                node_id=state.node_id, role=state.config.role, outcome=UndrainOutcome.NOT_DRAINING
+            )
+        )
     if state.undrain_registered is None:  # no etcd: no router to tell but the gateway's static list
         end_drain(state)
     else:
         try:
             undone = await state.undrain_registered()
         except StoreError as e:
-            raise APIError(503, f"cannot write node {state.node_id}'s status to etcd ({e}); it stays drained",
-                           type_="service_unavailable", code="etcd_unavailable", retry_after_s=1) from None  # fmt: skip
+            raise APIError(
+                503,
+                f"cannot write node {state.node_id}'s status to etcd ({e}); it stays drained",
+                type_="service_unavailable",
+                code="etcd_unavailable",
+                retry_after_s=1,
+            ) from None
         if not undone:
             raise _node_stopping(state, "drained and exiting, or SIGTERM's grace period")
     log.info("drain undone (DELETE /drain): routed again")
-    return _answer(UndrainStatus(node_id=state.node_id, role=state.config.role, outcome=UndrainOutcome.UNDRAINED))
+    return _answer(
+        UndrainStatus(
+            node_id=state.node_id, role=state.config.role, outcome=UndrainOutcome.UNDRAINED
+        )
+    )

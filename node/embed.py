@@ -42,16 +42,21 @@ def register(roles: Roles) -> None:
 
 async def _check_engine(node: Node) -> None:
     if not isinstance(node.engine, EmbeddingEngine):
-        raise RuntimeError(f"the {node.config.engine_kind} engine does not serve embeddings (--task embed needs "
-                           "--engine native)")  # fmt: skip
+        raise RuntimeError(
+            f"the {node.config.engine_kind} engine does not serve embeddings (--task embed needs "
+            "--engine native)"
+        )
 
 
 async def handle_embeddings(node: NodeState, request: web.Request) -> web.StreamResponse:
     t0 = time.monotonic()
     body = decode_request(_DEC, await request.read())
     if not body.inputs or len(body.inputs) > MAX_EMBEDDING_INPUTS:
-        raise APIError(400, f"inputs must hold 1 to {MAX_EMBEDDING_INPUTS} token-id lists, got {len(body.inputs)}",
-                       param="inputs")  # fmt: skip
+        raise APIError(
+            400,
+            f"inputs must hold 1 to {MAX_EMBEDDING_INPUTS} token-id lists, got {len(body.inputs)}",
+            param="inputs",
+        )
     engine = node.engine
     assert isinstance(engine, EmbeddingEngine)
     rid = f"embed:{REQUEST_ID.get()}"
@@ -59,11 +64,16 @@ async def handle_embeddings(node: NodeState, request: web.Request) -> web.Stream
     try:
         vectors = await engine.embed(body.inputs, node.config.pooling, body.dimensions)
     except RequestRefused as e:
-        raise APIError(400, str(e), param="dimensions" if "dimensions" in str(e) else "input") from None
+        raise APIError(
+            400, str(e), param="dimensions" if "dimensions" in str(e) else "input"
+        ) from None
     finally:
         node.leave(rid)
     node.metrics.e2e.observe(time.monotonic() - t0)
-    out = NodeEmbeddingResponse(model=node.engine.model_name, dim=body.dimensions or engine.embedding_size,
-                                vectors=[le_float32(v) for v in vectors],
-                                prompt_tokens=sum(map(len, body.inputs)))  # fmt: skip
+    out = NodeEmbeddingResponse(
+        model=node.engine.model_name,
+        dim=body.dimensions or engine.embedding_size,
+        vectors=[le_float32(v) for v in vectors],
+        prompt_tokens=sum(map(len, body.inputs)),
+    )
     return web.Response(body=_ENC.encode(out), content_type="application/json")

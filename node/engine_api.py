@@ -37,8 +37,19 @@ from protocol.outputs import RequestOutput
 from protocol.sampling import Priority, SamplingParams
 from protocol.tokenizer import Tokenizer
 
-__all__ = ["Delta", "EmbeddingEngine", "EngineDead", "EngineOverloaded", "EngineStream", "KVEventDrain", "KVHandoff",
-           "NodeEngine", "Priority", "RequestRefused", "SamplingParams"]  # fmt: skip
+__all__ = [
+    "Delta",
+    "EmbeddingEngine",
+    "EngineDead",
+    "EngineOverloaded",
+    "EngineStream",
+    "KVEventDrain",
+    "KVHandoff",
+    "NodeEngine",
+    "Priority",
+    "RequestRefused",
+    "SamplingParams",
+]
 
 
 class RequestRefused(ValueError):
@@ -119,15 +130,22 @@ class NodeEngine(Protocol):
 
     async def stop(self) -> None: ...
 
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: Priority = Priority.INTERACTIVE,
-                          handoff: KVHandoff | None = None) -> EngineStream: ...  # fmt: skip
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: Priority = Priority.INTERACTIVE,
+        handoff: KVHandoff | None = None,
+    ) -> EngineStream: ...
 
     async def abort(self, request_id: str) -> bool: ...
 
     async def held_blocks(self, request_id: str) -> list[int] | None: ...
 
-    async def release_held(self, request_id: str, block_ids: list[int] | None = None) -> int | None: ...
+    async def release_held(
+        self, request_id: str, block_ids: list[int] | None = None
+    ) -> int | None: ...
 
     async def kv_ready(self, request_id: str, ok: bool, quarantine: bool = False) -> bool: ...
 
@@ -151,6 +169,8 @@ class EmbeddingEngine(Protocol):
     #: components of a full vector (the model's hidden size)
     embedding_size: int
 
-    async def embed(self, prompts: list[list[int]], pooling: str, dimensions: int | None = None) -> list[bytes]:
+    async def embed(
+        self, prompts: list[list[int]], pooling: str, dimensions: int | None = None
+    ) -> list[bytes]:
         """One vector per prompt, in order: `dimensions` (None: all) little-endian float32."""
         ...

@@ -55,8 +55,15 @@ TAKEN_RING = 1024
 
 
 class KVEventLog:
-    def __init__(self, engine: Any, engine_id: str, block_size: int, recording: bool,
-                 ring_size: int = RING_SIZE, latency: Callable[[], dict[str, object]] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: Any,
+        engine_id: str,
+        block_size: int,
+        recording: bool,
+        ring_size: int = RING_SIZE,
+        latency: Callable[[], dict[str, object]] | None = None,
+    ) -> None:
         self.engine = engine
         #: the measured-latency fields of a load frame (LoadFrame's ttft_* / itl_* names)
         self.latency = latency
@@ -92,8 +99,9 @@ class KVEventLog:
     async def snapshot(self) -> KVSnapshot:
         hashes = await self._pull(snapshot=True)
         assert hashes is not None
-        return KVSnapshot(engine_id=self.engine_id, block_size=self.block_size, seq=self.seq,
-                          block_hashes=hashes)  # fmt: skip
+        return KVSnapshot(
+            engine_id=self.engine_id, block_size=self.block_size, seq=self.seq, block_hashes=hashes
+        )
 
     def took(self, request_id: str) -> None:
         """The engine took (queued, or refused) the request `request_id`: called on the loop once
@@ -133,18 +141,24 @@ class KVEventLog:
         busy_s = stats.get("engine_step_seconds")
         if busy_s is not None:
             busy_s += stats.get("engine_step_gap_seconds", 0.0)
-        return LoadFrame(seq=seq, ts=time.time(), taken=taken,
-                         busy=self.busy.observe(float(busy_s)) if busy_s is not None else None,
-                         num_requests_waiting=int(stats.get("num_requests_waiting", 0)),
-                         num_requests_running=int(stats.get("num_requests_running", 0)),
-                         kv_cache_usage_perc=float(stats.get("kv_cache_usage_perc", 0.0)),
-                         # the engine's own snapshot when it has one (native: as of its last step
-                         # or added request, so a frame that acks a request counts its tokens);
-                         # else the last drain's (up to POLL_INTERVAL_S and a step old)
-                         queued_prefill_tokens=int(stats.get("queued_prefill_tokens", self.queued_prefill_tokens)),
-                         kv_blocks_free=int(stats.get("kv_blocks_free", 0)),
-                         kv_blocks_total=int(stats.get("kv_blocks_total", 0)),
-                         **(self.latency() if self.latency is not None else {}))  # fmt: skip
+        return LoadFrame(
+            seq=seq,
+            ts=time.time(),
+            taken=taken,
+            busy=self.busy.observe(float(busy_s)) if busy_s is not None else None,
+            num_requests_waiting=int(stats.get("num_requests_waiting", 0)),
+            num_requests_running=int(stats.get("num_requests_running", 0)),
+            kv_cache_usage_perc=float(stats.get("kv_cache_usage_perc", 0.0)),
+            # the engine's own snapshot when it has one (native: as of its last step
+            # or added request, so a frame that acks a request counts its tokens);
+            # else the last drain's (up to POLL_INTERVAL_S and a step old)
+            queued_prefill_tokens=int(
+                stats.get("queued_prefill_tokens", self.queued_prefill_tokens)
+            ),
+            kv_blocks_free=int(stats.get("kv_blocks_free", 0)),
+            kv_blocks_total=int(stats.get("kv_blocks_total", 0)),
+            **(self.latency() if self.latency is not None else {}),
+        )
 
 
 KV_EVENTS = web.AppKey("kv_events", KVEventLog)
@@ -171,12 +185,18 @@ def measured_latency(metrics: NodeMetrics, role: str) -> Callable[[], dict[str, 
 def _since(request: web.Request) -> int:
     raw = request.query.get("since")
     if raw is None:
-        raise APIError(400, "query parameter 'since' is required (the last event batch seq you "
-                       "applied; 0 after a snapshot at seq 0)", param="since")  # fmt: skip
+        raise APIError(
+            400,
+            "query parameter 'since' is required (the last event batch seq you "
+            "applied; 0 after a snapshot at seq 0)",
+            param="since",
+        )
     try:
         since = int(raw)
     except ValueError:
-        raise APIError(400, f"'since' must be a non-negative integer, got {raw[:40]!r}", param="since") from None
+        raise APIError(
+            400, f"'since' must be a non-negative integer, got {raw[:40]!r}", param="since"
+        ) from None
     if since < 0:
         raise APIError(400, f"'since' must be a non-negative integer, got {since}", param="since")
     return since
@@ -186,15 +206,24 @@ async def _events(request: web.Request) -> web.StreamResponse:
     kv = request.app[KV_EVENTS]
     since = _since(request)
     if not kv.recording:
-        raise APIError(409, "this node does not record KV events (it records them when it runs "
-                       "with --etcd)", code="kv_events_disabled")  # fmt: skip
+        raise APIError(
+            409,
+            "this node does not record KV events (it records them when it runs with --etcd)",
+            code="kv_events_disabled",
+        )
     if kv.engine.dead is not None:  # a failed engine must stop being routed to
         raise APIError(503, f"engine failed: {kv.engine.dead!r}", type_="service_unavailable")
     if kv.after(since) is None:
-        raise APIError(410, f"since={since} is outside this node's event log (last seq {kv.seq}, "
-                       f"{len(kv._ring)} batches kept): resync from GET /kv/snapshot",
-                       param="since", code="resync_required")  # fmt: skip
-    resp = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE, "X-Duet-Engine-Id": kv.engine_id})
+        raise APIError(
+            410,
+            f"since={since} is outside this node's event log (last seq {kv.seq}, "
+            f"{len(kv._ring)} batches kept): resync from GET /kv/snapshot",
+            param="since",
+            code="resync_required",
+        )
+    resp = web.StreamResponse(
+        headers={"Content-Type": CONTENT_TYPE, "X-Duet-Engine-Id": kv.engine_id}
+    )
     await resp.prepare(request)
     enc = msgspec.msgpack.Encoder()
     pos, last_load = since, 0.0
@@ -202,7 +231,9 @@ async def _events(request: web.Request) -> web.StreamResponse:
     while not kv.closed and kv.engine.dead is None:
         batches = kv.after(pos)
         if batches is None:  # this reader fell behind the ring: close, it reconnects and resyncs
-            log.warning("KV event reader %s fell behind the event log; closing its stream", request.remote)
+            log.warning(
+                "KV event reader %s fell behind the event log; closing its stream", request.remote
+            )
             break
         for b in batches:
             await resp.write(encode_frame(enc, b))
@@ -226,8 +257,13 @@ def add_kv_event_routes(app: web.Application, state: Any) -> None:
     """Serve `/kv/events` and `/kv/snapshot` from `state.engine`; the poller starts with the app
     (register after the cleanup context that starts the engine)."""
     recording = bool(state.config.engine.record_kv_events)
-    kv = KVEventLog(state.engine, state.engine_id, state.config.engine.block_size, recording,
-                    latency=measured_latency(state.metrics, state.config.role))  # fmt: skip
+    kv = KVEventLog(
+        state.engine,
+        state.engine_id,
+        state.config.engine.block_size,
+        recording,
+        latency=measured_latency(state.metrics, state.config.role),
+    )
     app[KV_EVENTS] = kv
     app.router.add_get("/kv/events", _events)
     app.router.add_get("/kv/snapshot", _snapshot)

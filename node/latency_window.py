@@ -40,8 +40,12 @@ class RecentLatency:
     """(monotonic time, seconds, bucket) samples of one latency over the last `window_s` (the
     bucket is computed once per sample, not once per frame)."""
 
-    def __init__(self, window_s: float = WINDOW_S, max_samples: int = MAX_SAMPLES,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        window_s: float = WINDOW_S,
+        max_samples: int = MAX_SAMPLES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.window_s = window_s
         self.clock = clock
         self._samples: deque[tuple[float, float, int]] = deque(maxlen=max_samples)
@@ -67,4 +71,6 @@ class RecentLatency:
         if n == 0:
             return Window(0.0, 0, LatencyHistogram())
         values = sorted(s for _, s, _ in self._samples)
-        return Window(values[nearest_rank(0.9, n) - 1], n, histogram_of(b for _, _, b in self._samples))
+        return Window(
+            values[nearest_rank(0.9, n) - 1], n, histogram_of(b for _, _, b in self._samples)
+        )

@@ -28,13 +28,17 @@ _ENC = msgspec.json.Encoder()
 
 
 class Leg:
-    def __init__(self, state: NodeState, request: web.Request, prep: Prepared, engine_request_id: str) -> None:
+    def __init__(
+        self, state: NodeState, request: web.Request, prep: Prepared, engine_request_id: str
+    ) -> None:
         self.node = state
         self.request = request
         self.prep = prep
         self.engine_request_id = engine_request_id
         resumed = prep.body.resume.output_tokens if prep.body.resume is not None else 0
-        self._responder = Responder(state, prep.request_id, engine_request_id, prep.arrival, resumed)
+        self._responder = Responder(
+            state, prep.request_id, engine_request_id, prep.arrival, resumed
+        )
 
     @property
     def timing(self) -> dict[str, float]:
@@ -44,8 +48,9 @@ class Leg:
         """Queue the request in the engine; a request the engine refuses is the client's 400
         (EngineOverloaded and EngineDead propagate: the app answers 503)."""
         try:
-            return await self.node.engine.add_request(self.engine_request_id, self.prep.prompt_ids, params,
-                                                      self.prep.priority, handoff)  # fmt: skip
+            return await self.node.engine.add_request(
+                self.engine_request_id, self.prep.prompt_ids, params, self.prep.priority, handoff
+            )
         except RequestRefused as e:
             raise APIError(400, str(e)) from None
         finally:  # taken or refused, the node's next load frame is its answer to the route
@@ -59,7 +64,9 @@ class Leg:
             chunker = None
             if prep.chat:
                 opts = prep.body.stream_options
-                chunker = ChatChunker(prep.request_id, model, include_usage=opts is None or opts.include_usage)
+                chunker = ChatChunker(
+                    prep.request_id, model, include_usage=opts is None or opts.include_usage
+                )
             return await self._responder.stream(self.request, stream, model, chunker)
         return self.answer(await self.collect(stream))
 
@@ -68,8 +75,11 @@ class Leg:
 
     def answer(self, result: NodeCompletion) -> web.Response:
         body = chat_response(result) if self.prep.chat else result
-        return web.Response(body=_ENC.encode(body), content_type="application/json",
-                            headers={"X-Request-Id": self.prep.request_id})  # fmt: skip
+        return web.Response(
+            body=_ENC.encode(body),
+            content_type="application/json",
+            headers={"X-Request-Id": self.prep.request_id},
+        )
 
     async def stream_error(self, err: APIError) -> web.StreamResponse:
         resp = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": self.prep.request_id})

@@ -16,8 +16,9 @@ from __future__ import annotations
 from protocol.tracing import GEN_AI_INPUT_TOKENS, Tracing, mono_to_unix_ns
 
 
-def record_leg(tracing: Tracing, kind: str | None, timing: dict[str, float], arrival: float,
-               prompt_tokens: int) -> None:  # fmt: skip
+def record_leg(
+    tracing: Tracing, kind: str | None, timing: dict[str, float], arrival: float, prompt_tokens: int
+) -> None:
     """`kind`: the leg's trigger (prefill | decode) or None for a local leg."""
     if not tracing.enabled or "total_s" not in timing:
         return

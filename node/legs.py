@@ -56,7 +56,9 @@ def leg_trigger(kv: KVTransferParams | None) -> str | None:
     the request is prepared)."""
     if kv is None:
         return None
-    return PREFILL_TRIGGER if kv.do_remote_decode else DECODE_TRIGGER if kv.do_remote_prefill else None
+    return (
+        PREFILL_TRIGGER if kv.do_remote_decode else DECODE_TRIGGER if kv.do_remote_prefill else None
+    )
 
 
 @dataclass

@@ -45,9 +45,12 @@ class CompletionRenderer:
         for t in tokens:
             offsets.append(self._offset)
             self._offset += len(t)
-        return CompletionLogprobs(tokens=tokens, token_logprobs=[r.logprob for r in records],
-                                  top_logprobs=[_top(self._tokenizer, r) for r in records],
-                                  text_offset=offsets)  # fmt: skip
+        return CompletionLogprobs(
+            tokens=tokens,
+            token_logprobs=[r.logprob for r in records],
+            top_logprobs=[_top(self._tokenizer, r) for r in records],
+            text_offset=offsets,
+        )
 
 
 PromptLogprobs = list[dict[str, PromptLogprob] | None]
@@ -59,7 +62,11 @@ def prompt_logprobs(tokenizer: Tokenizer, records: list[TokenLogprob | None]) ->
         if r is None:
             out.append(None)
             continue
-        entry = {str(r.token_id): PromptLogprob(logprob=r.logprob, decoded_token=_tok(tokenizer, r.token_id))}
+        entry = {
+            str(r.token_id): PromptLogprob(
+                logprob=r.logprob, decoded_token=_tok(tokenizer, r.token_id)
+            )
+        }
         for t, lp in r.top:
             entry.setdefault(str(t), PromptLogprob(logprob=lp, decoded_token=_tok(tokenizer, t)))
         out.append(entry)

@@ -75,7 +75,11 @@ class ClusterMembers:
         except ValueError:
             host = port = None
         if not host or not port:
-            log.warning("ignoring the registration of %r: no host and port in its url %r", info.node_id, info.url)
+            log.warning(
+                "ignoring the registration of %r: no host and port in its url %r",
+                info.node_id,
+                info.url,
+            )
             return
         self._nodes[info.node_id] = (info.engine_id, host, port)
 
@@ -94,7 +98,9 @@ def members_ctx(state: Any) -> Callable[[web.Application], AsyncIterator[None]]:
         cfg = state.config
         store = EtcdStore(cfg.etcd)
         members = ClusterMembers()
-        registry = Registry(store, cfg.cluster, on_sync=members.sync, on_put=members.put, on_delete=members.delete)
+        registry = Registry(
+            store, cfg.cluster, on_sync=members.sync, on_put=members.put, on_delete=members.delete
+        )
         state.members = members
         task = asyncio.create_task(registry.run(), name="cluster-members")
         yield

@@ -16,43 +16,95 @@ from prometheus_client.registry import Collector
 from node.latency_window import RecentLatency
 from protocol.guide_compile import Verdict
 
-_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
-                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 
 _GAUGES = {
     "duet:num_requests_running": ("num_requests_running", "Requests being computed"),
-    "duet:num_requests_waiting": ("num_requests_waiting", "Requests queued (incl. waiting for remote KV)"),
-    "duet:num_requests_held": ("num_requests_held", "Finished prefills holding blocks for a transfer"),
+    "duet:num_requests_waiting": (
+        "num_requests_waiting",
+        "Requests queued (incl. waiting for remote KV)",
+    ),
+    "duet:num_requests_held": (
+        "num_requests_held",
+        "Finished prefills holding blocks for a transfer",
+    ),
     "duet:kv_cache_usage_perc": ("kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)"),
     "duet:num_waiting_tokens": ("num_waiting_tokens", "Prompt tokens of the requests waiting"),
-    "duet:engine_queue_full": ("queue_full", "1 while the engine's waiting queue refuses new requests"),
-    "duet:kv_blocks_quarantined": ("kv_blocks_quarantined",
-                                   "KV blocks set aside until a failed transfer is known stopped"),
+    "duet:engine_queue_full": (
+        "queue_full",
+        "1 while the engine's waiting queue refuses new requests",
+    ),
+    "duet:kv_blocks_quarantined": (
+        "kv_blocks_quarantined",
+        "KV blocks set aside until a failed transfer is known stopped",
+    ),
 }
 _COUNTERS = {
-    "duet:prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache"),
+    "duet:prefix_cache_queries": (
+        "prefix_cache_queries",
+        "Prompt tokens looked up in the prefix cache",
+    ),
     "duet:prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served from the prefix cache"),
     "duet:prompt_tokens": ("prompt_tokens_computed", "Prompt tokens computed"),
     "duet:generation_tokens": ("generation_tokens", "Tokens generated"),
     "duet:num_preemptions": ("num_preemptions", "Requests preempted (recompute)"),
-    "duet:num_requests_failed": ("num_requests_failed", "Requests the engine failed alone (finish_reason error)"),
+    "duet:num_requests_failed": (
+        "num_requests_failed",
+        "Requests the engine failed alone (finish_reason error)",
+    ),
     # the engine thread's own accounts (engine/async_engine.py StepTiming): step time inside a
     # running node, and the time the node's other work put between two steps
     "duet:engine_steps": ("engine_steps", "Engine steps run"),
     "duet:engine_step_seconds": ("engine_step_seconds", "Wall seconds inside engine steps"),
-    "duet:engine_step_cpu_seconds": ("engine_step_cpu_seconds", "CPU seconds of the engine thread inside steps"),
-    "duet:engine_step_gap_seconds": ("engine_step_gap_seconds",
-                                     "Wall seconds between a step that left work and the next step"),
+    "duet:engine_step_cpu_seconds": (
+        "engine_step_cpu_seconds",
+        "CPU seconds of the engine thread inside steps",
+    ),
+    "duet:engine_step_gap_seconds": (
+        "engine_step_gap_seconds",
+        "Wall seconds between a step that left work and the next step",
+    ),
     "duet:engine_step_gaps": ("engine_step_gaps", "Gaps counted in duet:engine_step_gap_seconds"),
-    "duet:engine_decode_steps": ("engine_decode_steps", "Engine steps that computed no prompt token"),
-    "duet:engine_decode_step_seconds": ("engine_decode_step_seconds", "Wall seconds inside those steps"),
-    "duet:engine_decode_step_cpu_seconds": ("engine_decode_step_cpu_seconds",
-                                            "CPU seconds of the engine thread inside those steps"),
+    "duet:engine_decode_steps": (
+        "engine_decode_steps",
+        "Engine steps that computed no prompt token",
+    ),
+    "duet:engine_decode_step_seconds": (
+        "engine_decode_step_seconds",
+        "Wall seconds inside those steps",
+    ),
+    "duet:engine_decode_step_cpu_seconds": (
+        "engine_decode_step_cpu_seconds",
+        "CPU seconds of the engine thread inside those steps",
+    ),
     # speculative decoding, vLLM's spec_decode_* counters (0 while speculation is off): the acceptance
     # rate is accepted / draft tokens, the mean acceptance length 1 + accepted / drafts
     "duet:spec_decode_num_drafts": ("spec_decode_num_drafts", "Speculative drafts verified"),
     "duet:spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed"),
-    "duet:spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+    "duet:spec_decode_num_accepted_tokens": (
+        "spec_decode_num_accepted_tokens",
+        "Draft tokens accepted",
+    ),
 }
 #: the engine stats key prefix of the accepted tokens per draft position (`...per_pos.<position>`)
 _PER_POS = "spec_decode_num_accepted_tokens_per_pos."
@@ -74,9 +126,14 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=names)
             c.add_metric(values, float(s.get(key, 0)))
             yield c
-        pos = CounterMetricFamily("duet:spec_decode_num_accepted_tokens_per_pos",
-                                  "Draft tokens accepted, by their position in the draft", labels=[*names, "position"])  # fmt: skip
-        for key in sorted((k for k in s if k.startswith(_PER_POS)), key=lambda k: int(k[len(_PER_POS) :])):
+        pos = CounterMetricFamily(
+            "duet:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted, by their position in the draft",
+            labels=[*names, "position"],
+        )
+        for key in sorted(
+            (k for k in s if k.startswith(_PER_POS)), key=lambda k: int(k[len(_PER_POS) :])
+        ):
             pos.add_metric([*values, key[len(_PER_POS) :]], float(s[key]))
         yield pos
 
@@ -90,21 +147,37 @@ class NodeMetrics:
         def hist(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, names, buckets=_LATENCY_BUCKETS, registry=self.registry)
 
-        self.ttft = hist("duet:time_to_first_token_seconds", "Time to first token").labels(**self.labels)
-        self.itl = hist("duet:inter_token_latency_seconds", "Time between tokens").labels(**self.labels)
+        self.ttft = hist("duet:time_to_first_token_seconds", "Time to first token").labels(
+            **self.labels
+        )
+        self.itl = hist("duet:inter_token_latency_seconds", "Time between tokens").labels(
+            **self.labels
+        )
         self.e2e = hist("duet:e2e_request_latency_seconds", "Request latency").labels(**self.labels)
         # the same observations over the last 30 s, for the load frames the planner reads
         self.recent_ttft = RecentLatency()
         self.recent_itl = RecentLatency()
         self.registry.register(_EngineCollector(stats, self.labels))
-        self._rejected = Counter("duet:num_requests_rejected", "Requests refused before running, by reason",
-                                 [*names, "reason"], registry=self.registry)  # fmt: skip
+        self._rejected = Counter(
+            "duet:num_requests_rejected",
+            "Requests refused before running, by reason",
+            [*names, "reason"],
+            registry=self.registry,
+        )
         # the grammar checks of request guides (protocol/guide_compile.py), as the gateway counts
         # them: one compile per distinct guide (a resent one is answered from the cache)
-        self._guide_compiles = Counter("duet:guide_compiles", "Grammar compiles of request guides, by verdict",
-                                       [*names, "verdict"], registry=self.registry)  # fmt: skip
-        self._guide_compiling = Gauge("duet:guide_compiles_running", "Grammar compiles running on their threads",
-                                      names, registry=self.registry).labels(**self.labels)  # fmt: skip
+        self._guide_compiles = Counter(
+            "duet:guide_compiles",
+            "Grammar compiles of request guides, by verdict",
+            [*names, "verdict"],
+            registry=self.registry,
+        )
+        self._guide_compiling = Gauge(
+            "duet:guide_compiles_running",
+            "Grammar compiles running on their threads",
+            names,
+            registry=self.registry,
+        ).labels(**self.labels)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

@@ -69,8 +69,15 @@ class DrainHooks:
 
 
 class Registration(LeaseHolder):
-    def __init__(self, store: Store, info: NodeInfo, cluster: str, ttl: int, drain: DrainHooks,
-                 registry: Any = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: Store,
+        info: NodeInfo,
+        cluster: str,
+        ttl: int,
+        drain: DrainHooks,
+        registry: Any = None,
+    ) -> None:
         self.key = node_key(cluster, info.role, info.node_id)
         super().__init__(store, ttl, self.key, tick_s=_WATCH_TICK_S)
         self.info = info
@@ -91,13 +98,22 @@ class Registration(LeaseHolder):
         self._published = NodeStatus.ACTIVE
         self._outage_since: float | None = None
         self._encoder = msgspec.json.Encoder()
-        self._g_registered = Gauge("duet:etcd_registered", "1 while this node's etcd registration is alive",
-                                   registry=registry)  # fmt: skip
-        self._g_draining = Gauge("duet:node_draining", "1 once this node was asked to drain", registry=registry)
+        self._g_registered = Gauge(
+            "duet:etcd_registered",
+            "1 while this node's etcd registration is alive",
+            registry=registry,
+        )
+        self._g_draining = Gauge(
+            "duet:node_draining", "1 once this node was asked to drain", registry=registry
+        )
 
     @property
     def status(self) -> NodeStatus:
-        return NodeStatus.DRAINING if self.drain_requested or self.shutting_down() else NodeStatus.ACTIVE
+        return (
+            NodeStatus.DRAINING
+            if self.drain_requested or self.shutting_down()
+            else NodeStatus.ACTIVE
+        )
 
     def _set_registered(self, ok: bool) -> None:
         self.registered = ok
@@ -110,7 +126,9 @@ class Registration(LeaseHolder):
     async def _write(self, status: NodeStatus) -> None:
         self._published = status
         info = msgspec.structs.replace(self.info, status=status)
-        self._own_rev = max(self._own_rev, await self.store.put(self.key, self._encoder.encode(info), self.lease))
+        self._own_rev = max(
+            self._own_rev, await self.store.put(self.key, self._encoder.encode(info), self.lease)
+        )
         if status == NodeStatus.DRAINING:
             self.drain_published()
 
@@ -122,9 +140,13 @@ class Registration(LeaseHolder):
             if self.exiting or self.shutting_down():
                 return False
             if not self.registered or not self.lease:
-                raise StoreError(f"{self.key} is not registered in etcd right now (etcd unreachable?)")
+                raise StoreError(
+                    f"{self.key} is not registered in etcd right now (etcd unreachable?)"
+                )
             await self._write(NodeStatus.ACTIVE)
-            if self.exiting or self.shutting_down():  # stopped while we wrote: tick republishes draining
+            if (
+                self.exiting or self.shutting_down()
+            ):  # stopped while we wrote: tick republishes draining
                 return False
             self.drain_requested = False
             self._g_draining.set(0)
@@ -137,8 +159,11 @@ class Registration(LeaseHolder):
             self.drain_requested = True
             self.drain_started()
             self._g_draining.set(1)
-            log.info("drain requested (%s): no new routes; finishing in-flight work%s", why,
-                     ", then exiting" if self.exit_when_drained else "")  # fmt: skip
+            log.info(
+                "drain requested (%s): no new routes; finishing in-flight work%s",
+                why,
+                ", then exiting" if self.exit_when_drained else "",
+            )
 
     def _drained(self) -> bool:
         return self.drain_requested and self.exit_when_drained and not self.is_busy()
@@ -160,17 +185,29 @@ class Registration(LeaseHolder):
     def on_up(self) -> None:
         self._set_registered(True)
         if self._outage_since is not None:
-            log.info("etcd reachable again after %.1fs; registered as %s", time.monotonic() - self._outage_since, self.key)
+            log.info(
+                "etcd reachable again after %.1fs; registered as %s",
+                time.monotonic() - self._outage_since,
+                self.key,
+            )
         else:
-            log.info("registered in etcd as %s (lease TTL %ds, pool %s)", self.key, self.ttl, self.info.pool)
+            log.info(
+                "registered in etcd as %s (lease TTL %ds, pool %s)",
+                self.key,
+                self.ttl,
+                self.info.pool,
+            )
         self._outage_since = None
 
     def on_down(self, error: Exception) -> None:
         self._set_registered(False)
         if self._outage_since is None and isinstance(error, StoreError):
             self._outage_since = time.monotonic()
-            log.warning("etcd unreachable (%s): still serving in-flight and direct requests; "
-                        "retrying registration", error)  # fmt: skip
+            log.warning(
+                "etcd unreachable (%s): still serving in-flight and direct requests; "
+                "retrying registration",
+                error,
+            )
 
     def finished(self) -> bool:
         return self._drained()
@@ -180,7 +217,9 @@ class Registration(LeaseHolder):
             if ev.key != self.key:  # a prefix watch also sees keys that merely start with ours
                 continue
             if ev.kind == "delete":
-                log.warning("registration %s was deleted (lease expired?); registering again", self.key)
+                log.warning(
+                    "registration %s was deleted (lease expired?); registering again", self.key
+                )
                 return
             if ev.mod_revision and ev.mod_revision <= self._own_rev:
                 continue  # superseded by our own later write (an undrain must not be drained again)
@@ -216,12 +255,22 @@ def node_info(state: Any, pool: str) -> NodeInfo:
     cfg = state.config
     eng = state.engine
     stats = eng.stats()
-    return NodeInfo(node_id=state.node_id, role=cfg.role, url=f"{cfg.security.own_scheme}://{cfg.public_host}:{cfg.port}",
-                    model=eng.model_name, engine_id=state.engine_id, engine_kind=cfg.engine_kind,
-                    block_size=eng.kv_layout.block_size, kv_layout_hash=eng.kv_layout.compat_hash,
-                    kv_capacity_blocks=int(stats.get("kv_blocks_total", eng.kv_layout.num_blocks)),
-                    max_model_len=eng.max_model_len, pool=pool, started_at=state.started_at,
-                    quantization=eng.kv_layout.weights or None, task=NodeTask(cfg.task))  # fmt: skip
+    return NodeInfo(
+        node_id=state.node_id,
+        role=cfg.role,
+        url=f"{cfg.security.own_scheme}://{cfg.public_host}:{cfg.port}",
+        model=eng.model_name,
+        engine_id=state.engine_id,
+        engine_kind=cfg.engine_kind,
+        block_size=eng.kv_layout.block_size,
+        kv_layout_hash=eng.kv_layout.compat_hash,
+        kv_capacity_blocks=int(stats.get("kv_blocks_total", eng.kv_layout.num_blocks)),
+        max_model_len=eng.max_model_len,
+        pool=pool,
+        started_at=state.started_at,
+        quantization=eng.kv_layout.weights or None,
+        task=NodeTask(cfg.task),
+    )
 
 
 def registration_ctx(state: Any) -> Callable[[web.Application], AsyncIterator[None]]:
@@ -246,11 +295,24 @@ def registration_ctx(state: Any) -> Callable[[web.Application], AsyncIterator[No
             if state.drain_published_at is None:
                 state.drain_published_at = time.monotonic()
 
-        drain = DrainHooks(is_busy=busy, shutting_down=lambda: state.draining or state.shutdown.is_set(),
-                           exit_when_drained=cfg.exit_when_drained, requested=lambda: state.drain_requested,
-                           on_drain=started, on_published=published, on_undrain=lambda: end_drain(state))  # fmt: skip
+        drain = DrainHooks(
+            is_busy=busy,
+            shutting_down=lambda: state.draining or state.shutdown.is_set(),
+            exit_when_drained=cfg.exit_when_drained,
+            requested=lambda: state.drain_requested,
+            on_drain=started,
+            on_published=published,
+            on_undrain=lambda: end_drain(state),
+        )
         state.drain_via_etcd = True
-        reg = Registration(store, node_info(state, cfg.pool), cfg.cluster, ttl, drain, registry=state.metrics.registry)
+        reg = Registration(
+            store,
+            node_info(state, cfg.pool),
+            cfg.cluster,
+            ttl,
+            drain,
+            registry=state.metrics.registry,
+        )
         state.undrain_registered = reg.undrain
         task = asyncio.create_task(reg.run(), name="etcd-registration")
         yield

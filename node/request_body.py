@@ -21,7 +21,9 @@ def decode_request(decoder: msgspec.json.Decoder[T], raw: bytes) -> T:
         return decoder.decode(raw)
     except msgspec.ValidationError as e:  # a subclass of DecodeError: first
         if _KV_PATH in str(e):
-            raise APIError(400, f"invalid kv_transfer_params: {e}", param="kv_transfer_params") from None
+            raise APIError(
+                400, f"invalid kv_transfer_params: {e}", param="kv_transfer_params"
+            ) from None
         raise APIError(400, f"malformed request body: {e}") from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"malformed request body: {e}") from None

@@ -20,7 +20,9 @@ def setup_logging(level: str = "INFO", name: str = "duet") -> None:
     handler = logging.StreamHandler()
     handler.addFilter(RequestIdFilter())
     handler.setFormatter(
-        logging.Formatter(f"%(asctime)s %(levelname)s {name} [%(request_id)s] %(name)s: %(message)s")
+        logging.Formatter(
+            f"%(asctime)s %(levelname)s {name} [%(request_id)s] %(name)s: %(message)s"
+        )
     )
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -30,20 +30,36 @@ from protocol.openai import APIError, CompletionChoice, CompletionLogprobs, Usag
 from protocol.sse import SSE_HEADERS, end_stream, error_event, sse
 
 log = logging.getLogger("duet.node")
+
+
 def request_failed(out: Delta) -> APIError:
     """The engine failed this one request (its other requests go on)."""
-    return APIError(500, f"the engine failed this request: {out.error}", type_="engine_error",
-                    code="request_failed")  # fmt: skip
+    return APIError(
+        500,
+        f"the engine failed this request: {out.error}",
+        type_="engine_error",
+        code="request_failed",
+    )
 
 
 def engine_dead(e: BaseException) -> APIError:
-    return APIError(503, f"the engine failed; this node is restarting: {e}", type_="service_unavailable",
-                    code="engine_dead")  # fmt: skip
+    return APIError(
+        503,
+        f"the engine failed; this node is restarting: {e}",
+        type_="service_unavailable",
+        code="engine_dead",
+    )
 
 
 class Responder:
-    def __init__(self, state: NodeState, request_id: str, engine_request_id: str, arrival: float,
-                 resumed: int = 0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        state: NodeState,
+        request_id: str,
+        engine_request_id: str,
+        arrival: float,
+        resumed: int = 0,
+    ) -> None:
         self.state = state
         self.resumed = resumed
         self.request_id = request_id
@@ -66,7 +82,11 @@ class Responder:
         return None if out.logprobs is None else self._logprobs.render(out.logprobs)
 
     def prompt_logprobs(self, out: Delta) -> PromptLogprobs | None:
-        return None if out.prompt_logprobs is None else prompt_logprobs(self.state.engine.tokenizer, out.prompt_logprobs)
+        return (
+            None
+            if out.prompt_logprobs is None
+            else prompt_logprobs(self.state.engine.tokenizer, out.prompt_logprobs)
+        )
 
     def _observe(self, out: Delta) -> None:
         now = time.monotonic()
@@ -93,8 +113,13 @@ class Responder:
             t["queue_s"] = _delta(out.arrival_time, out.first_scheduled_time)
             t["prefill_s"] = max(0.0, ttft - t["queue_s"])
 
-    async def stream(self, request: web.Request, stream: EngineStream, model: str,
-                     chunker: ChatChunker | None = None) -> web.StreamResponse:  # fmt: skip
+    async def stream(
+        self,
+        request: web.Request,
+        stream: EngineStream,
+        model: str,
+        chunker: ChatChunker | None = None,
+    ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": self.request_id})
         done = False
         try:
@@ -109,8 +134,13 @@ class Responder:
                 await self.abort()
         return resp
 
-    async def _relay(self, resp: web.StreamResponse, stream: EngineStream, model: str,
-                     chunker: ChatChunker | None) -> bool:  # fmt: skip
+    async def _relay(
+        self,
+        resp: web.StreamResponse,
+        stream: EngineStream,
+        model: str,
+        chunker: ChatChunker | None,
+    ) -> bool:
         async for out in stream:
             self._observe(out)
             if out.finish_reason == "abort" and self.state.draining:
@@ -118,24 +148,47 @@ class Responder:
                 # scale-in, or an operator's stop) with this stream unfinished: an error event, not
                 # a normal end, so the gateway migrates the stream to another node (the client's
                 # answer goes on) instead of ending it with finish_reason "abort".
-                await end_stream(resp, error_event(APIError(
-                    503, "this node stopped before the answer ended (drain deadline or shutdown); continue elsewhere",
-                    type_="service_unavailable", code="node_stopping")))  # fmt: skip
+                await end_stream(
+                    resp,
+                    error_event(
+                        APIError(
+                            503,
+                            "this node stopped before the answer ended (drain deadline or shutdown); continue elsewhere",
+                            type_="service_unavailable",
+                            code="node_stopping",
+                        )
+                    ),
+                )
                 return True
             if out.error is not None:
-                log.warning("request %s failed in the engine: %s", self.engine_request_id, out.error)
+                log.warning(
+                    "request %s failed in the engine: %s", self.engine_request_id, out.error
+                )
                 await end_stream(resp, error_event(request_failed(out)))
                 return True
             if chunker is not None:
                 final = self._usage(out)
                 timing = self.timing if out.finished else None
-                for c in chunker.chunks(out, final if out.finished else None, timing, self.logprobs(out)):
+                for c in chunker.chunks(
+                    out, final if out.finished else None, timing, self.logprobs(out)
+                ):
                     await resp.write(sse(c))
                 continue
-            chunk = NodeCompletionChunk(id=self.request_id, created=self._created, model=model, choices=[
-                CompletionChoice(text=out.new_text, finish_reason=out.finish_reason,
-                                 stop_reason=out.stop_reason, token_ids=out.new_token_ids,
-                                 logprobs=self.logprobs(out), prompt_logprobs=self.prompt_logprobs(out))])  # fmt: skip
+            chunk = NodeCompletionChunk(
+                id=self.request_id,
+                created=self._created,
+                model=model,
+                choices=[
+                    CompletionChoice(
+                        text=out.new_text,
+                        finish_reason=out.finish_reason,
+                        stop_reason=out.stop_reason,
+                        token_ids=out.new_token_ids,
+                        logprobs=self.logprobs(out),
+                        prompt_logprobs=self.prompt_logprobs(out),
+                    )
+                ],
+            )
             if out.finished:
                 chunk.usage = self._usage(out)
                 chunk.timing = self.timing
@@ -173,14 +226,23 @@ class Responder:
             log.warning("request %s failed in the engine: %s", self.engine_request_id, final.error)
             raise request_failed(final)
         return NodeCompletion(
-            id=self.request_id, created=self._created, model=model,
-            choices=[CompletionChoice(text="".join(text), finish_reason=final.finish_reason,
-                                      stop_reason=final.stop_reason, token_ids=tokens,
-                                      logprobs=None if records is None else self._logprobs.render(records),
-                                      prompt_logprobs=prompt)],
+            id=self.request_id,
+            created=self._created,
+            model=model,
+            choices=[
+                CompletionChoice(
+                    text="".join(text),
+                    finish_reason=final.finish_reason,
+                    stop_reason=final.stop_reason,
+                    token_ids=tokens,
+                    logprobs=None if records is None else self._logprobs.render(records),
+                    prompt_logprobs=prompt,
+                )
+            ],
             usage=self._usage(final),
-            timing=self.timing, kv_transfer_params=final.kv_transfer_params,
-        )  # fmt: skip
+            timing=self.timing,
+            kv_transfer_params=final.kv_transfer_params,
+        )
 
     async def abort(self) -> None:
         log.info("aborting %s (client gone or answer failed)", self.engine_request_id)

@@ -47,8 +47,11 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
     metrics = NodeMetrics(engine.stats, engine.model_name, cfg.role)
     # The tcp backend (and nixl's fallback to it) listens beside the HTTP port and requires the
     # cluster secret in its handshake.
-    listen = ({"host": cfg.host, "advertise_host": cfg.public_host, "secret": cfg.security.secret}
-              if cfg.transport in ("tcp", "nixl") else {})  # fmt: skip
+    listen = (
+        {"host": cfg.host, "advertise_host": cfg.public_host, "secret": cfg.security.secret}
+        if cfg.transport in ("tcp", "nixl")
+        else {}
+    )
     if cfg.transport == "ucx":
         listen = {"host": cfg.host, "secret": cfg.security.secret}
     transport = None
@@ -57,19 +60,36 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
     elif getattr(engine, "handles_kv_transfer", False):
         log.info("KV transport: the %s engine's own", cfg.engine_kind)
     else:
-        transport = make_transport(cfg.transport, engine_id=engine_id, timeout=cfg.transfer_timeout,
-                                   metrics=KVTransferMetrics(metrics.registry), **listen)  # fmt: skip
+        transport = make_transport(
+            cfg.transport,
+            engine_id=engine_id,
+            timeout=cfg.transfer_timeout,
+            metrics=KVTransferMetrics(metrics.registry),
+            **listen,
+        )
         log.info("KV transport: %s", transport.backend)
     roles = Roles()
     for reg in register:
         reg(roles)
     from protocol.tracing import NODE_RING, from_env, setup
 
-    guides = GuideChecker(cfg.guide_compile_timeout_s, cfg.guide_compile_threads, on_compile=metrics.guide_compiled,
-                          running=metrics.guides_compiling)  # fmt: skip
-    return NodeState(config=cfg, engine=engine, metrics=metrics, node_id=node_id, engine_id=engine_id,
-                     transport=transport, roles=roles, tracing=setup(f"duet-{cfg.role}", from_env(NODE_RING)),
-                     guides=guides)  # fmt: skip
+    guides = GuideChecker(
+        cfg.guide_compile_timeout_s,
+        cfg.guide_compile_threads,
+        on_compile=metrics.guide_compiled,
+        running=metrics.guides_compiling,
+    )
+    return NodeState(
+        config=cfg,
+        engine=engine,
+        metrics=metrics,
+        node_id=node_id,
+        engine_id=engine_id,
+        transport=transport,
+        roles=roles,
+        tracing=setup(f"duet-{cfg.role}", from_env(NODE_RING)),
+        guides=guides,
+    )
 
 
 #: A gateway opens up to `[routing] max_connections_per_node` (1024) connections to a node at
@@ -84,19 +104,30 @@ async def serve(state: NodeState) -> int:
     app = make_app(state)
     # HTTP parser errors answered in OpenAI's error body too (protocol.http_errors); deadlines for
     # reading each request's headers and body (protocol.read_deadlines).
-    runner = DeadlineAppRunner(app, deadlines=cfg.deadlines, handler_cancellation=True, access_log=None)
+    runner = DeadlineAppRunner(
+        app, deadlines=cfg.deadlines, handler_cancellation=True, access_log=None
+    )
     await runner.setup()
-    site = web.TCPSite(runner, cfg.host, cfg.port, backlog=LISTEN_BACKLOG, ssl_context=cfg.security.server_ssl())
+    site = web.TCPSite(
+        runner, cfg.host, cfg.port, backlog=LISTEN_BACKLOG, ssl_context=cfg.security.server_ssl()
+    )
     await site.start()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.shutdown.set)
-    print(f"duet {cfg.role if cfg.task == 'generate' else 'embed'} node ready on {cfg.security.own_scheme}://{cfg.host}:{cfg.port} node_id={state.node_id} "
-          f"engine_id={state.engine_id} model={state.engine.model_name}", flush=True)  # fmt: skip
+    print(
+        f"duet {cfg.role if cfg.task == 'generate' else 'embed'} node ready on {cfg.security.own_scheme}://{cfg.host}:{cfg.port} node_id={state.node_id} "
+        f"engine_id={state.engine_id} model={state.engine.model_name}",
+        flush=True,
+    )
     await state.shutdown.wait()
     state.draining = True
     if state.engine.dead is None:
-        log.info("shutting down: draining %d in-flight request(s), grace %.0fs", state.inflight, cfg.grace_period)
+        log.info(
+            "shutting down: draining %d in-flight request(s), grace %.0fs",
+            state.inflight,
+            cfg.grace_period,
+        )
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(_quiet(state), cfg.grace_period)
         for erid in list(state.active):

@@ -25,13 +25,21 @@ from protocol.tracing import MAX_TRACE_SPANS, valid_trace_id
 async def handle_spans(state: NodeState, request: web.Request) -> web.Response:
     trace_id = request.query.get("trace_id", "")
     if not valid_trace_id(trace_id):
-        raise APIError(400, f"trace_id must be a W3C trace id (32 lower-case hex digits, not all zero), not "
-                            f"{trace_id[:40]!r}", param="trace_id")  # fmt: skip
+        raise APIError(
+            400,
+            f"trace_id must be a W3C trace id (32 lower-case hex digits, not all zero), not "
+            f"{trace_id[:40]!r}",
+            param="trace_id",
+        )
     ring = state.tracing.ring
     if ring is None:
         body = NodeSpans(node_id=state.node_id, kept=False)
     else:
         spans = ring.trace(trace_id, limit=MAX_TRACE_SPANS + 1)
-        body = NodeSpans(node_id=state.node_id, kept=True, spans=spans[:MAX_TRACE_SPANS],
-                         truncated=len(spans) > MAX_TRACE_SPANS)  # fmt: skip
+        body = NodeSpans(
+            node_id=state.node_id,
+            kept=True,
+            spans=spans[:MAX_TRACE_SPANS],
+            truncated=len(spans) > MAX_TRACE_SPANS,
+        )
     return web.Response(body=msgspec.json.encode(body), content_type="application/json")

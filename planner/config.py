@@ -43,8 +43,11 @@ class TierSLO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 
 def _default_slos() -> dict[str, TierSLO]:
-    return {"interactive": TierSLO(ttft_s=1.0, itl_s=0.15), "shared": TierSLO(ttft_s=1.0, itl_s=0.15),
-            "batch": TierSLO(ttft_s=30.0, itl_s=1.0)}  # fmt: skip
+    return {
+        "interactive": TierSLO(ttft_s=1.0, itl_s=0.15),
+        "shared": TierSLO(ttft_s=1.0, itl_s=0.15),
+        "batch": TierSLO(ttft_s=30.0, itl_s=1.0),
+    }
 
 
 class StepCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -106,7 +109,9 @@ class PlannerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         if not 0 < self.kv_high <= 1 or not 0 <= self.margin < 1:
             raise ValueError("planner kv_high must be in (0, 1] and margin in [0, 1)")
         if not 0 < self.busy_high <= 1:
-            raise ValueError("planner busy_high must be in (0, 1] (a node's share of its time in steps)")
+            raise ValueError(
+                "planner busy_high must be in (0, 1] (a node's share of its time in steps)"
+            )
         if self.min_latency_samples < 1:
             raise ValueError("planner min_latency_samples must be ≥ 1")
         if self.node_budget is not None and self.node_budget < 1:
@@ -144,6 +149,10 @@ def load_config(path: str | Path | None, **overrides: object) -> PlannerConfig:
         raise ValueError(f"planner config{f' {path}' if path else ''}: {e}") from None
     if cfg.profile:
         st = load_profile(Path(cfg.profile)).step
-        cfg.step = StepCost(intercept_s=st.intercept_s, prefill_s=st.prefill_s, decode_s=st.decode_s,
-                            context_s=st.context_s)  # fmt: skip
+        cfg.step = StepCost(
+            intercept_s=st.intercept_s,
+            prefill_s=st.prefill_s,
+            decode_s=st.decode_s,
+            context_s=st.context_s,
+        )
     return cfg

@@ -82,8 +82,10 @@ class Decision:
     inputs: dict[str, object] = field(default_factory=dict)
 
     def describe(self) -> str:
-        return (f"planner {self.direction} {self.pool}: {self.current} → {self.desired} ({self.reason})"
-                f"{f' draining {self.victim}' if self.victim else ''}; inputs {self.inputs}")  # fmt: skip
+        return (
+            f"planner {self.direction} {self.pool}: {self.current} → {self.desired} ({self.reason})"
+            f"{f' draining {self.victim}' if self.victim else ''}; inputs {self.inputs}"
+        )
 
 
 @dataclass
@@ -91,23 +93,35 @@ class _Window:
     """A pool's warm-load samples since its last step: (t, waiting, running, kv, queued tokens,
     busy sum or None)."""
 
-    samples: deque[tuple[float, float, float, float, float, float | None]] = field(default_factory=deque)
+    samples: deque[tuple[float, float, float, float, float, float | None]] = field(
+        default_factory=deque
+    )
     last_step_at: float | None = None
     last_direction: Direction | None = None
     last_hold: Reason | None = None
 
     def add(self, now: float, p: PoolLoad, window_s: float) -> None:
-        self.samples.append((now, p.waiting, p.running, p.kv_usage, p.queued_prefill_tokens, p.busy))
+        self.samples.append(
+            (now, p.waiting, p.running, p.kv_usage, p.queued_prefill_tokens, p.busy)
+        )
         while self.samples and now - self.samples[0][0] > window_s:
             self.samples.popleft()
 
     def mean(self, p: PoolLoad) -> PoolLoad:
         n = len(self.samples)
         busy = [s[5] for s in self.samples]
-        return PoolLoad(p.key, replicas=p.replicas, warm=p.warm, waiting=sum(s[1] for s in self.samples) / n,
-                        running=sum(s[2] for s in self.samples) / n, kv_usage=sum(s[3] for s in self.samples) / n,
-                        queued_prefill_tokens=sum(s[4] for s in self.samples) / n, candidates=p.candidates,
-                        busy=None if None in busy else sum(busy) / n, busy_window_s=p.busy_window_s)  # type: ignore[arg-type]  # fmt: skip
+        return PoolLoad(
+            p.key,
+            replicas=p.replicas,
+            warm=p.warm,
+            waiting=sum(s[1] for s in self.samples) / n,
+            running=sum(s[2] for s in self.samples) / n,
+            kv_usage=sum(s[3] for s in self.samples) / n,
+            queued_prefill_tokens=sum(s[4] for s in self.samples) / n,
+            candidates=p.candidates,
+            busy=None if None in busy else sum(busy) / n,
+            busy_window_s=p.busy_window_s,
+        )  # type: ignore[arg-type]
 
     def span(self) -> float:
         return self.samples[-1][0] - self.samples[0][0] if self.samples else 0.0
@@ -124,8 +138,14 @@ class Planner:
         self.metrics = metrics  # planner.metrics.PlannerMetrics (duck-typed: `record(decision)`)
         self.windows: dict[PoolKey, _Window] = {}
 
-    def _wanted(self, p: PoolLoad, w: _Window, now: float, targets: dict[PoolKey, int] | None,
-                busy: set[PoolKey]) -> tuple[Direction, Reason, dict[str, object]]:  # fmt: skip
+    def _wanted(
+        self,
+        p: PoolLoad,
+        w: _Window,
+        now: float,
+        targets: dict[PoolKey, int] | None,
+        busy: set[PoolKey],
+    ) -> tuple[Direction, Reason, dict[str, object]]:
         cfg = self.cfg
         lo, hi = cfg.bounds_of(p.key)
         inputs: dict[str, object] = {"replicas": p.replicas, "warm": p.warm, "bounds": [lo, hi]}
@@ -152,33 +172,52 @@ class Planner:
         avg = w.mean(p)
         slo = cfg.slo_of(p.key)
         now_n = predict(avg, p.warm, cfg)
-        load: dict[str, float] = {"waiting": round(avg.waiting, 2), "running": round(avg.running, 2),
-                                  "kv_sum": round(avg.kv_usage, 3), "queued_prefill_tokens": round(avg.queued_prefill_tokens)}  # fmt: skip
+        load: dict[str, float] = {
+            "waiting": round(avg.waiting, 2),
+            "running": round(avg.running, 2),
+            "kv_sum": round(avg.kv_usage, 3),
+            "queued_prefill_tokens": round(avg.queued_prefill_tokens),
+        }
         if avg.busy is not None:
             load["busy_sum"] = round(avg.busy, 3)
-        inputs.update(load=load, at_n=now_n.as_dict(), slo={"ttft_s": slo.ttft_s, "itl_s": slo.itl_s})
+        inputs.update(
+            load=load, at_n=now_n.as_dict(), slo={"ttft_s": slo.ttft_s, "itl_s": slo.itl_s}
+        )
         m = p.measured()
         # a window that began before the pool's last step measured the old size: not counted
-        use = counted(m, p.key.role, cfg.min_latency_samples) if w.since_step(now, m.window_s) else []
+        use = (
+            counted(m, p.key.role, cfg.min_latency_samples) if w.since_step(now, m.window_s) else []
+        )
         if m.ttft_samples or m.itl_samples:
             inputs["measured"] = {**m.as_dict(), "counted": use}
         floor = m if use else _NO_MEASUREMENT
         effective, raised = with_measured(now_n, floor, p.key.role, cfg.min_latency_samples)
         missed = violations(effective, p.key.role, slo, cfg)
         if missed:
-            return Direction.OUT, Reason(f"{missed[0]}_measured" if missed[0] in raised else missed[0]), inputs
+            return (
+                Direction.OUT,
+                Reason(f"{missed[0]}_measured" if missed[0] in raised else missed[0]),
+                inputs,
+            )
         if p.warm > 1:
             less = predict(avg, p.warm - 1, cfg)
             inputs["at_n_minus_1"] = less.as_dict()
             less, _ = with_measured(less, floor, p.key.role, cfg.min_latency_samples)
             # the survivors' busy fraction, from windows that saw the pool at its present size
-            if not violations(less, p.key.role, slo, cfg, scale=1 - cfg.margin) and \
-                    not too_busy(less, p.key.role, cfg, w.since_step(now, avg.busy_window_s)):
+            if not violations(less, p.key.role, slo, cfg, scale=1 - cfg.margin) and not too_busy(
+                less, p.key.role, cfg, w.since_step(now, avg.busy_window_s)
+            ):
                 return Direction.IN, Reason.HEADROOM, inputs
         return Direction.HOLD, Reason.STEADY, inputs
 
-    def step(self, now: float, pools: dict[PoolKey, PoolLoad], *, targets: dict[PoolKey, int] | None = None,
-             busy: set[PoolKey] | frozenset[PoolKey] = frozenset()) -> list[Decision]:  # fmt: skip
+    def step(
+        self,
+        now: float,
+        pools: dict[PoolKey, PoolLoad],
+        *,
+        targets: dict[PoolKey, int] | None = None,
+        busy: set[PoolKey] | frozenset[PoolKey] = frozenset(),
+    ) -> list[Decision]:
         """One tick: record the pools' figures, decide per pool, apply pacing and the budget.
         `targets` (throughput mode): the size per pool the forecast asks for. `busy`: pools with
         an actuation in flight."""
@@ -202,7 +241,9 @@ class Planner:
                 since = now - w.last_step_at
                 # bounds skip the reverse cool-down (a pool over its max goes down at once), not
                 # the plain one: a step that failed is retried at that pace, not every tick
-                reverse = not forced and direction != w.last_direction and since < cfg.reverse_cooldown_s
+                reverse = (
+                    not forced and direction != w.last_direction and since < cfg.reverse_cooldown_s
+                )
                 if since < cfg.cooldown_s or reverse:
                     inputs["blocked"] = str(direction)
                     direction, reason = Direction.HOLD, Reason.COOLDOWN
@@ -211,9 +252,14 @@ class Planner:
         # Draining nodes still hold their machines: a pool that just stepped in must not let
         # another step out onto the victim's machine before it is stopped.
         total = sum(p.replicas + p.draining for p in pools.values())
-        order = sorted(range(len(wanted)), key=lambda i: (wanted[i][1] != Direction.OUT,
-                                                          _PRIORITY.get(wanted[i][0].key.tier, 1),
-                                                          wanted[i][2] not in (Reason.BELOW_MIN,)))  # fmt: skip
+        order = sorted(
+            range(len(wanted)),
+            key=lambda i: (
+                wanted[i][1] != Direction.OUT,
+                _PRIORITY.get(wanted[i][0].key.tier, 1),
+                wanted[i][2] not in (Reason.BELOW_MIN,),
+            ),
+        )
         decisions: dict[int, Decision] = {}
         for i in order:
             p, direction, reason, inputs = wanted[i]
@@ -227,10 +273,18 @@ class Planner:
             decisions[i] = self._decide(now, p, direction, reason, inputs)
         return [decisions[i] for i in range(len(wanted))]
 
-    def _decide(self, now: float, p: PoolLoad, direction: Direction, reason: Reason,
-                inputs: dict[str, object]) -> Decision:  # fmt: skip
+    def _decide(
+        self,
+        now: float,
+        p: PoolLoad,
+        direction: Direction,
+        reason: Reason,
+        inputs: dict[str, object],
+    ) -> Decision:
         w = self.windows[p.key]
-        desired = p.replicas + (1 if direction == Direction.OUT else -1 if direction == Direction.IN else 0)
+        desired = p.replicas + (
+            1 if direction == Direction.OUT else -1 if direction == Direction.IN else 0
+        )
         if direction == Direction.HOLD and inputs.get("blocked"):
             desired = p.replicas + (1 if inputs["blocked"] == "out" else -1)
         victim = p.candidates[0] if direction == Direction.IN and p.candidates else None
@@ -239,7 +293,9 @@ class Planner:
             w.last_step_at, w.last_direction = now, direction
             w.samples.clear()  # the step changes what the figures mean
             log.info("%s", d.describe())
-        elif reason == Reason.BUDGET and w.last_hold != Reason.BUDGET:  # once per run of budget holds
+        elif (
+            reason == Reason.BUDGET and w.last_hold != Reason.BUDGET
+        ):  # once per run of budget holds
             log.info("%s", d.describe())
         w.last_hold = reason if direction == Direction.HOLD else None
         if self.metrics is not None:

@@ -58,8 +58,14 @@ class DrainEnd(enum.StrEnum):
 
 
 class Drainer:
-    def __init__(self, session: aiohttp.ClientSession, *, auth: Mapping[str, str] | None = None, poll_s: float = 0.5,
-                 deadline_s: float = 120.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        *,
+        auth: Mapping[str, str] | None = None,
+        poll_s: float = 0.5,
+        deadline_s: float = 120.0,
+    ) -> None:
         self.session = session
         #: the cluster secret's header (protocol/cluster_secret.py): a node's /drain requires it
         self.headers = dict(auth or {})
@@ -67,8 +73,9 @@ class Drainer:
         self.deadline_s = deadline_s
 
     async def _call(self, method: str, url: str) -> bytes:
-        async with self.session.request(method, url + "/drain", headers=self.headers,
-                                        timeout=aiohttp.ClientTimeout(total=10)) as r:  # fmt: skip
+        async with self.session.request(
+            method, url + "/drain", headers=self.headers, timeout=aiohttp.ClientTimeout(total=10)
+        ) as r:
             body = await r.read()
             if r.status != 200:
                 raise DrainError(f"{method} {url}/drain answered {r.status}: {body[:200]!r}")
@@ -79,11 +86,22 @@ class Drainer:
         deadline passed."""
         t0 = time.monotonic()
         status = _decode.decode(await self._call("POST", url))
-        log.info("draining %s (%s): %d in flight, %d KV holds", status.node_id, status.role, status.inflight, status.held)
+        log.info(
+            "draining %s (%s): %d in flight, %d KV holds",
+            status.node_id,
+            status.role,
+            status.inflight,
+            status.held,
+        )
         while not status.idle:
             if time.monotonic() - t0 > self.deadline_s:
-                log.warning("%s not drained after %.0f s (%d in flight, %d holds): stopping it; its streams migrate",
-                            status.node_id, self.deadline_s, status.inflight, status.held)  # fmt: skip
+                log.warning(
+                    "%s not drained after %.0f s (%d in flight, %d holds): stopping it; its streams migrate",
+                    status.node_id,
+                    self.deadline_s,
+                    status.inflight,
+                    status.held,
+                )
                 return DrainEnd.DEADLINE
             await asyncio.sleep(self.poll_s)
             try:
@@ -92,8 +110,10 @@ class Drainer:
                 log.info("%s stopped answering while draining: it exited on its own", url)
                 return DrainEnd.EXITED
             if not status.draining:
-                log.warning("%s: its drain was undone while the planner waited: it serves again, not stopped",
-                            status.node_id)  # fmt: skip
+                log.warning(
+                    "%s: its drain was undone while the planner waited: it serves again, not stopped",
+                    status.node_id,
+                )
                 return DrainEnd.CANCELLED
         log.info("%s drained in %.1f s", status.node_id, time.monotonic() - t0)
         return DrainEnd.IDLE
@@ -111,6 +131,8 @@ class Drainer:
         try:
             await self.undrain(url)
         except (DrainError, aiohttp.ClientError, OSError, TimeoutError, msgspec.DecodeError) as e:
-            log.warning("%s: its drain could not be undone after the failed scale-in: %s", node_id, e)
+            log.warning(
+                "%s: its drain could not be undone after the failed scale-in: %s", node_id, e
+            )
             return f"{node_id}'s drain could not be undone ({e}): it stays drained, no routes"
         return f"{node_id} undrained: it serves again"

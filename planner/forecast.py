@@ -29,8 +29,13 @@ class Forecast:
     observed_rate: float  # requests/s over the window
 
     def as_dict(self) -> dict[str, float]:
-        return {"rate": round(self.rate, 3), "observed_rate": round(self.observed_rate, 3),
-                "isl": round(self.isl, 1), "osl": round(self.osl, 1), "prefix_hit": round(self.prefix_hit, 3)}  # fmt: skip
+        return {
+            "rate": round(self.rate, 3),
+            "observed_rate": round(self.observed_rate, 3),
+            "isl": round(self.isl, 1),
+            "osl": round(self.osl, 1),
+            "prefix_hit": round(self.prefix_hit, 3),
+        }
 
 
 class RateMeter:
@@ -60,8 +65,13 @@ class RateMeter:
         rate = max(second, second + trend * lookahead_s)
         n = len(self.arrivals)
         prompt = sum(a[1] for a in self.arrivals)
-        return Forecast(rate=rate, isl=prompt / n, osl=sum(a[2] for a in self.arrivals) / n,
-                        prefix_hit=sum(a[3] for a in self.arrivals) / max(prompt, 1), observed_rate=n / w)  # fmt: skip
+        return Forecast(
+            rate=rate,
+            isl=prompt / n,
+            osl=sum(a[2] for a in self.arrivals) / n,
+            prefix_hit=sum(a[3] for a in self.arrivals) / max(prompt, 1),
+            observed_rate=n / w,
+        )
 
 
 def merge(fs: list[Forecast]) -> Forecast | None:
@@ -71,14 +81,21 @@ def merge(fs: list[Forecast]) -> Forecast | None:
         return None
     w = [max(f.observed_rate, 1e-9) for f in fs]
     tw = sum(w)
-    return Forecast(rate=sum(f.rate for f in fs), observed_rate=sum(f.observed_rate for f in fs),
-                    isl=sum(f.isl * x for f, x in zip(fs, w, strict=True)) / tw,
-                    osl=sum(f.osl * x for f, x in zip(fs, w, strict=True)) / tw,
-                    prefix_hit=sum(f.prefix_hit * x for f, x in zip(fs, w, strict=True)) / tw)  # fmt: skip
+    return Forecast(
+        rate=sum(f.rate for f in fs),
+        observed_rate=sum(f.observed_rate for f in fs),
+        isl=sum(f.isl * x for f, x in zip(fs, w, strict=True)) / tw,
+        osl=sum(f.osl * x for f, x in zip(fs, w, strict=True)) / tw,
+        prefix_hit=sum(f.prefix_hit * x for f, x in zip(fs, w, strict=True)) / tw,
+    )
 
 
-def pool_forecasts(meters: dict[tuple[str, str], RateMeter], pools: Iterable[PoolKey], now: float,
-                   lookahead_s: float) -> dict[tuple[str, str], Forecast]:  # fmt: skip
+def pool_forecasts(
+    meters: dict[tuple[str, str], RateMeter],
+    pools: Iterable[PoolKey],
+    now: float,
+    lookahead_s: float,
+) -> dict[tuple[str, str], Forecast]:
     """The forecast per model × tier that has pools: a tier's own meter, and for `shared` every
     tier of that model without a pool of its own (the shared pool serves them)."""
     keys = list(pools)
@@ -86,7 +103,11 @@ def pool_forecasts(meters: dict[tuple[str, str], RateMeter], pools: Iterable[Poo
     for model, tier in {(k.model, k.tier) for k in keys}:
         if tier == "shared":
             own = {k.tier for k in keys if k.model == model}
-            fs = [m.forecast(now, lookahead_s) for (mdl, t), m in meters.items() if mdl == model and t not in own]
+            fs = [
+                m.forecast(now, lookahead_s)
+                for (mdl, t), m in meters.items()
+                if mdl == model and t not in own
+            ]
         else:
             m = meters.get((model, tier))
             fs = [m.forecast(now, lookahead_s)] if m else []

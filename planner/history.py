@@ -22,15 +22,23 @@ from protocol.planner import DecisionInputs, PlannerDecision, PoolState
 
 log = logging.getLogger("duet.planner")
 #: holds worth an entry: a step was wanted (or the planner could not look) and did not happen
-KEPT_HOLDS = frozenset({Reason.COOLDOWN, Reason.BUDGET, Reason.AT_BOUND, Reason.COLD_START, Reason.ACTUATING})
+KEPT_HOLDS = frozenset(
+    {Reason.COOLDOWN, Reason.BUDGET, Reason.AT_BOUND, Reason.COLD_START, Reason.ACTUATING}
+)
 
 
 def inputs_of(d: Decision) -> DecisionInputs:
     """The decision's figures, typed; a figure the wire does not know is left out (logged once)."""
     try:
         return msgspec.convert(d.inputs, DecisionInputs)
-    except msgspec.ValidationError as e:  # a planner change the wire has not followed: keep the step
-        log.warning("planner decision inputs do not fit protocol.planner.DecisionInputs (%s): %s", e, d.inputs)
+    except (
+        msgspec.ValidationError
+    ) as e:  # a planner change the wire has not followed: keep the step
+        log.warning(
+            "planner decision inputs do not fit protocol.planner.DecisionInputs (%s): %s",
+            e,
+            d.inputs,
+        )
         return DecisionInputs(replicas=d.current)
 
 
@@ -46,9 +54,18 @@ class DecisionLog:
 
     def tick(self, at: float, decisions: list[Decision]) -> None:
         self.last_tick = at
-        self.pools = {d.pool: PoolState(role=d.pool.role, model=d.pool.model, tier=d.pool.tier, current=d.current,
-                                        desired=d.desired, direction=str(d.direction), reason=str(d.reason))
-                      for d in decisions}  # fmt: skip
+        self.pools = {
+            d.pool: PoolState(
+                role=d.pool.role,
+                model=d.pool.model,
+                tier=d.pool.tier,
+                current=d.current,
+                desired=d.desired,
+                direction=str(d.direction),
+                reason=str(d.reason),
+            )
+            for d in decisions
+        }
         for d in decisions:
             self.add(at, d)
 
@@ -61,9 +78,19 @@ class DecisionLog:
             return None
         self._last[d.pool] = key
         self._seq += 1
-        e = PlannerDecision(seq=self._seq, at=at, role=d.pool.role, model=d.pool.model, tier=d.pool.tier,
-                            direction=str(d.direction), reason=str(d.reason), current=d.current, desired=d.desired,
-                            victim=d.victim, inputs=inputs_of(d))  # fmt: skip
+        e = PlannerDecision(
+            seq=self._seq,
+            at=at,
+            role=d.pool.role,
+            model=d.pool.model,
+            tier=d.pool.tier,
+            direction=str(d.direction),
+            reason=str(d.reason),
+            current=d.current,
+            desired=d.desired,
+            victim=d.victim,
+            inputs=inputs_of(d),
+        )
         self.entries.append(e)
         return e
 
@@ -72,9 +99,15 @@ class DecisionLog:
         the pool's newest step without an outcome."""
         for i in range(len(self.entries) - 1, -1, -1):
             e = self.entries[i]
-            if (e.role, e.model, e.tier) == (pool.role, pool.model, pool.tier) and e.direction != Direction.HOLD:
+            if (e.role, e.model, e.tier) == (
+                pool.role,
+                pool.model,
+                pool.tier,
+            ) and e.direction != Direction.HOLD:
                 if e.outcome is None:
-                    self.entries[i] = msgspec.structs.replace(e, outcome=str(r.outcome), detail=r.detail)
+                    self.entries[i] = msgspec.structs.replace(
+                        e, outcome=str(r.outcome), detail=r.detail
+                    )
                 return
 
     def newest(self, limit: int | None = None) -> list[PlannerDecision]:

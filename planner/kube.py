@@ -58,7 +58,11 @@ class PodState:
     @staticmethod
     def of(pod: Any) -> PodState:  # a kubernetes.client.V1Pod
         status = pod.status
-        ready = any(c.type == "Ready" and c.status == "True" for c in (status.conditions or [])) if status else False
+        ready = (
+            any(c.type == "Ready" and c.status == "True" for c in (status.conditions or []))
+            if status
+            else False
+        )
         running = bool(status and status.phase == "Running")
         scheduled = bool(pod.spec and pod.spec.node_name)
         return PodState(pod.metadata.name, pending=not (running and scheduled), ready=ready)
@@ -73,8 +77,16 @@ def default_deployment(pool: PoolKey) -> str:
 class KubernetesActuator:
     name = "kubernetes"
 
-    def __init__(self, namespace: str, drainer: Drainer, *, deployments: dict[str, str] | None = None,
-                 api_client: Any = None, ready_wait_s: float = 30.0, poll_s: float = 1.0) -> None:  # fmt: skip
+    def __init__(
+        self,
+        namespace: str,
+        drainer: Drainer,
+        *,
+        deployments: dict[str, str] | None = None,
+        api_client: Any = None,
+        ready_wait_s: float = 30.0,
+        poll_s: float = 1.0,
+    ) -> None:
         from kubernetes import client, config
 
         if api_client is None:
@@ -94,7 +106,11 @@ class KubernetesActuator:
         self.poll_s = poll_s
 
     def deployment_of(self, pool: PoolKey) -> str:
-        for name in (f"{pool.role}/{pool.model}/{pool.tier}", f"{pool.role}/{pool.tier}", pool.role):
+        for name in (
+            f"{pool.role}/{pool.model}/{pool.tier}",
+            f"{pool.role}/{pool.tier}",
+            pool.role,
+        ):
             if name in self.deployments:
                 return self.deployments[name]
         return default_deployment(pool)
@@ -105,21 +121,27 @@ class KubernetesActuator:
 
     async def _scale(self, name: str) -> tuple[int, str]:
         """The Deployment's replica count and its pods' label selector (the Scale's status)."""
-        scale = await asyncio.to_thread(self.apps.read_namespaced_deployment_scale, name, self.namespace)
+        scale = await asyncio.to_thread(
+            self.apps.read_namespaced_deployment_scale, name, self.namespace
+        )
         return int(scale.spec.replicas or 0), str((scale.status and scale.status.selector) or "")
 
     async def _pods(self, selector: str) -> list[PodState]:
         """The Deployment's pods not already being deleted (none when the selector is unknown)."""
         if not selector:
             return []
-        pods = await asyncio.to_thread(self.core.list_namespaced_pod, self.namespace, label_selector=selector)
+        pods = await asyncio.to_thread(
+            self.core.list_namespaced_pod, self.namespace, label_selector=selector
+        )
         return [PodState.of(p) for p in pods.items if not p.metadata.deletion_timestamp]
 
     async def _not_ready(self, pod: str) -> bool:
         """Wait until `pod` reads not Ready (its readiness probe saw the drain); False on timeout."""
         deadline = time.monotonic() + self.ready_wait_s
         while True:
-            state = PodState.of(await asyncio.to_thread(self.core.read_namespaced_pod, pod, self.namespace))
+            state = PodState.of(
+                await asyncio.to_thread(self.core.read_namespaced_pod, pod, self.namespace)
+            )
             if not state.ready:
                 return True
             if time.monotonic() >= deadline:
@@ -127,16 +149,23 @@ class KubernetesActuator:
             await asyncio.sleep(self.poll_s)  # kubelet probes every few seconds; nothing to wait on
 
     async def _patch(self, name: str, to: int, dry_run: bool = False) -> int:
-        scale = await asyncio.to_thread(self.apps.patch_namespaced_deployment_scale, name, self.namespace,
-                                        {"spec": {"replicas": to}}, dry_run="All" if dry_run else None,
-                                        _content_type=MERGE_PATCH)  # fmt: skip
+        scale = await asyncio.to_thread(
+            self.apps.patch_namespaced_deployment_scale,
+            name,
+            self.namespace,
+            {"spec": {"replicas": to}},
+            dry_run="All" if dry_run else None,
+            _content_type=MERGE_PATCH,
+        )
         return int(scale.spec.replicas or 0)
 
     async def _mark_victim(self, pod: str, mark: bool = True) -> None:
         """Put the victim first in the ReplicaSet's ranking (`mark`), or take that off (a merge
         patch's null deletes the annotation)."""
         body = {"metadata": {"annotations": {DELETION_COST: "-2147483647" if mark else None}}}
-        await asyncio.to_thread(self.core.patch_namespaced_pod, pod, self.namespace, body, _content_type=MERGE_PATCH)
+        await asyncio.to_thread(
+            self.core.patch_namespaced_pod, pod, self.namespace, body, _content_type=MERGE_PATCH
+        )
 
     async def _undo(self, victim: Victim, marked: bool) -> str:
         """The scale-in failed after the drain: the victim serves again (and is no longer ranked
@@ -155,7 +184,9 @@ class KubernetesActuator:
 
         if isinstance(e, ApiException):
             outcome = Outcome.REFUSED if e.status in (403, 409, 422) else Outcome.FAILED
-            detail = f"{what}: the API server answered {e.status} {e.reason}: {(e.body or '')[:300]}"
+            detail = (
+                f"{what}: the API server answered {e.status} {e.reason}: {(e.body or '')[:300]}"
+            )
         else:
             outcome, detail = Outcome.FAILED, f"{what}: {type(e).__name__}: {e}"
         log.warning("kubernetes actuator: %s", detail)
@@ -192,20 +223,38 @@ class KubernetesActuator:
             pending = [p.name for p in others if p.pending]
             if pending:  # the ReplicaSet removes that one whatever the victim's deletion cost
                 got = await self._patch(name, to)
-                log.info("kubernetes: %s/%s scaled to %d replicas by a pending pod (%s); nothing drained",
-                         self.namespace, name, got, pending[0])  # fmt: skip
-                return ActResult(Outcome.DONE, f"{name} → {got}: the ReplicaSet removes pending pod {pending[0]} "
-                                               "first (it serves nothing); no node drained", replicas=got)  # fmt: skip
+                log.info(
+                    "kubernetes: %s/%s scaled to %d replicas by a pending pod (%s); nothing drained",
+                    self.namespace,
+                    name,
+                    got,
+                    pending[0],
+                )
+                return ActResult(
+                    Outcome.DONE,
+                    f"{name} → {got}: the ReplicaSet removes pending pod {pending[0]} "
+                    "first (it serves nothing); no node drained",
+                    replicas=got,
+                )
         except Exception as e:
             return self._refusal(e, f"scale {self.namespace}/{name} to {to}")
         try:
             end = await self.drainer.drain(victim.url)
-        except (DrainError, OSError, TimeoutError) as e:  # a drain asked, then its poll failed: undo it
+        except (
+            DrainError,
+            OSError,
+            TimeoutError,
+        ) as e:  # a drain asked, then its poll failed: undo it
             undone = await self._undo(victim, marked=False)
-            return ActResult(Outcome.FAILED, f"drain of {victim.node_id} failed, left running: {e}; {undone}")
+            return ActResult(
+                Outcome.FAILED, f"drain of {victim.node_id} failed, left running: {e}; {undone}"
+            )
         if end == DrainEnd.CANCELLED:
-            return ActResult(Outcome.REFUSED, f"the drain of {victim.node_id} was undone while it ran "
-                                              "(duet drain --undo): it serves again; not scaled in")  # fmt: skip
+            return ActResult(
+                Outcome.REFUSED,
+                f"the drain of {victim.node_id} was undone while it ran "
+                "(duet drain --undo): it serves again; not scaled in",
+            )
         drained, marked = end.drained, False
         try:
             await self._mark_victim(victim.node_id)
@@ -213,16 +262,28 @@ class KubernetesActuator:
             unready = [p.name for p in others if not p.ready]
             if unready and not await self._not_ready(victim.node_id):
                 undone = await self._undo(victim, marked)
-                detail = (f"{victim.node_id} still reads Ready {self.ready_wait_s:g}s after its drain, and the "
-                          f"ReplicaSet would remove not-ready {unready[0]} before it: not scaled in; {undone}")  # fmt: skip
+                detail = (
+                    f"{victim.node_id} still reads Ready {self.ready_wait_s:g}s after its drain, and the "
+                    f"ReplicaSet would remove not-ready {unready[0]} before it: not scaled in; {undone}"
+                )
                 log.warning("kubernetes actuator: %s", detail)
                 return ActResult(Outcome.FAILED, detail, drained=drained)
             got = await self._patch(name, to)
         except Exception as e:
-            r = self._refusal(e, f"scale {self.namespace}/{name} to {to} after draining {victim.node_id}")
-            return ActResult(r.outcome, f"{r.detail}; {await self._undo(victim, marked)}", drained=drained)
-        log.info("kubernetes: %s/%s scaled to %d replicas; removed %s (%s)", self.namespace, name, got,
-                 victim.node_id, "drained" if drained else "drain deadline passed: its streams migrate")  # fmt: skip
+            r = self._refusal(
+                e, f"scale {self.namespace}/{name} to {to} after draining {victim.node_id}"
+            )
+            return ActResult(
+                r.outcome, f"{r.detail}; {await self._undo(victim, marked)}", drained=drained
+            )
+        log.info(
+            "kubernetes: %s/%s scaled to %d replicas; removed %s (%s)",
+            self.namespace,
+            name,
+            got,
+            victim.node_id,
+            "drained" if drained else "drain deadline passed: its streams migrate",
+        )
         return ActResult(Outcome.DONE, f"{name} → {got}", replicas=got, drained=drained)
 
     async def close(self) -> None:

@@ -77,7 +77,9 @@ class LocalActuator:
         if self._ready:
             return None
         try:
-            async with self.session.get(self.url + "/ready", timeout=aiohttp.ClientTimeout(total=10)) as r:
+            async with self.session.get(
+                self.url + "/ready", timeout=aiohttp.ClientTimeout(total=10)
+            ) as r:
                 status, raw = r.status, await r.read()
         except (aiohttp.ClientError, TimeoutError) as e:
             return f"duet up's control endpoint: {type(e).__name__}: {e}"
@@ -87,9 +89,12 @@ class LocalActuator:
         return None
 
     async def _post(self, path: str, body: object, timeout: float) -> tuple[int, bytes]:
-        async with self.session.post(self.url + path, data=msgspec.json.encode(body),
-                                     headers={"Content-Type": "application/json"},
-                                     timeout=aiohttp.ClientTimeout(total=timeout)) as r:  # fmt: skip
+        async with self.session.post(
+            self.url + path,
+            data=msgspec.json.encode(body),
+            headers={"Content-Type": "application/json"},
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        ) as r:
             return r.status, await r.read()
 
     @staticmethod
@@ -103,7 +108,9 @@ class LocalActuator:
 
     async def scale_out(self, pool: PoolKey, to: int) -> ActResult:
         try:
-            status, raw = await self._post("/nodes", ScaleOut(role=pool.role, model=pool.model, pool=pool.tier), 60)
+            status, raw = await self._post(
+                "/nodes", ScaleOut(role=pool.role, model=pool.model, pool=pool.tier), 60
+            )
         except (aiohttp.ClientError, TimeoutError) as e:
             return ActResult(Outcome.FAILED, f"duet up's control endpoint: {type(e).__name__}: {e}")
         if status != 200:
@@ -120,28 +127,47 @@ class LocalActuator:
             return self._error(status, raw, f"stop {victim.node_id} (asked before draining it)")
         try:
             end = await self.drainer.drain(victim.url)
-        except (DrainError, aiohttp.ClientError, TimeoutError) as e:  # a drain asked, then its poll failed
+        except (
+            DrainError,
+            aiohttp.ClientError,
+            TimeoutError,
+        ) as e:  # a drain asked, then its poll failed
             undone = await self.drainer.undo_after_failure(victim.url, victim.node_id)
-            return ActResult(Outcome.FAILED, f"drain of {victim.node_id} failed, left running: {e}; {undone}")
+            return ActResult(
+                Outcome.FAILED, f"drain of {victim.node_id} failed, left running: {e}; {undone}"
+            )
         if end == DrainEnd.CANCELLED:
-            return ActResult(Outcome.REFUSED, f"the drain of {victim.node_id} was undone while it ran "
-                                              "(duet drain --undo): it serves again; not stopped")  # fmt: skip
+            return ActResult(
+                Outcome.REFUSED,
+                f"the drain of {victim.node_id} was undone while it ran "
+                "(duet drain --undo): it serves again; not stopped",
+            )
         drained = end.drained
         try:
             status, raw = await self._post(f"/nodes/{victim.node_id}/stop", {}, 120)
         except (aiohttp.ClientError, TimeoutError) as e:
             undone = await self.drainer.undo_after_failure(victim.url, victim.node_id)
-            return ActResult(Outcome.FAILED, f"duet up's control endpoint: {type(e).__name__}: {e}; {undone}",
-                             drained=drained)  # fmt: skip
+            return ActResult(
+                Outcome.FAILED,
+                f"duet up's control endpoint: {type(e).__name__}: {e}; {undone}",
+                drained=drained,
+            )
         if status != 200:
             r = self._error(status, raw, f"stop {victim.node_id}")
             if status != 404:  # 404: no longer under supervision — nothing left to undo
-                r = ActResult(r.outcome, f"{r.detail}; {await self.drainer.undo_after_failure(victim.url, victim.node_id)}")
+                r = ActResult(
+                    r.outcome,
+                    f"{r.detail}; {await self.drainer.undo_after_failure(victim.url, victim.node_id)}",
+                )
             return ActResult(r.outcome, r.detail, drained=drained)
         stopped = msgspec.json.decode(raw, type=NodeStopped)
-        return ActResult(Outcome.DONE, f"stopped {victim.node_id} (exit {stopped.exit_code}, "
-                                       f"{'drained' if drained else 'drain deadline passed'})",
-                         replicas=to, drained=drained)  # fmt: skip
+        return ActResult(
+            Outcome.DONE,
+            f"stopped {victim.node_id} (exit {stopped.exit_code}, "
+            f"{'drained' if drained else 'drain deadline passed'})",
+            replicas=to,
+            drained=drained,
+        )
 
     async def close(self) -> None:
         return None

@@ -40,24 +40,40 @@ def samples(views: Any, now_mono: float, stale_s: float) -> list[NodeSample]:
     for v in views:
         info, load = v.info, v.load
         fresh = load is not None and v.connected and now_mono - v.load_at <= stale_s
-        out.append(NodeSample(
-            node_id=info.node_id, pool=PoolKey(info.role, info.model, info.pool), started_at=info.started_at,
-            status=info.status, reporting=fresh,
-            waiting=load.num_requests_waiting if load else 0, running=load.num_requests_running if load else 0,
-            kv_usage=load.kv_cache_usage_perc if load else 0.0,
-            queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
-            ttft_p90_s=load.ttft_p90_s if load else 0.0, ttft_samples=load.ttft_samples if load else 0,
-            itl_p90_s=load.itl_p90_s if load else 0.0, itl_samples=load.itl_samples if load else 0,
-            latency_window_s=load.latency_window_s if load else 0.0,
-            ttft_hist=load.ttft_hist if load else None, itl_hist=load.itl_hist if load else None,
-            busy=load.busy if load else None,
-        ))  # fmt: skip
+        out.append(
+            NodeSample(
+                node_id=info.node_id,
+                pool=PoolKey(info.role, info.model, info.pool),
+                started_at=info.started_at,
+                status=info.status,
+                reporting=fresh,
+                waiting=load.num_requests_waiting if load else 0,
+                running=load.num_requests_running if load else 0,
+                kv_usage=load.kv_cache_usage_perc if load else 0.0,
+                queued_prefill_tokens=load.queued_prefill_tokens if load else 0,
+                ttft_p90_s=load.ttft_p90_s if load else 0.0,
+                ttft_samples=load.ttft_samples if load else 0,
+                itl_p90_s=load.itl_p90_s if load else 0.0,
+                itl_samples=load.itl_samples if load else 0,
+                latency_window_s=load.latency_window_s if load else 0.0,
+                ttft_hist=load.ttft_hist if load else None,
+                itl_hist=load.itl_hist if load else None,
+                busy=load.busy if load else None,
+            )
+        )
     return out
 
 
 class PlannerLoop:
-    def __init__(self, coordinator: Any, cfg: PlannerConfig, actuator: Actuator, *,
-                 sizer: Any = None, clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+    def __init__(
+        self,
+        coordinator: Any,
+        cfg: PlannerConfig,
+        actuator: Actuator,
+        *,
+        sizer: Any = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.coordinator = coordinator
         self.cfg = cfg
         self.actuator = actuator
@@ -80,16 +96,28 @@ class PlannerLoop:
 
     def report(self, limit: int | None = None) -> PlannerReport:
         h = self.history
-        return PlannerReport(replica_id=self.coordinator.replica_id, is_leader=self.coordinator.election.is_leader,
-                             mode=str(self.cfg.mode), actuator=self.actuator.name, interval_s=self.cfg.interval_s,
-                             last_tick=h.last_tick, pools=list(h.pools.values()), decisions=h.newest(limit),
-                             waiting=self.waiting)  # fmt: skip
+        return PlannerReport(
+            replica_id=self.coordinator.replica_id,
+            is_leader=self.coordinator.election.is_leader,
+            mode=str(self.cfg.mode),
+            actuator=self.actuator.name,
+            interval_s=self.cfg.interval_s,
+            last_tick=h.last_tick,
+            pools=list(h.pools.values()),
+            decisions=h.newest(limit),
+            waiting=self.waiting,
+        )
 
     def on_route(self, req: RouteRequest, decision: Any) -> None:
         resp = decision.response
         target = resp.prefill or resp.decode
         meter = self.meters.setdefault((req.model, req.tier), RateMeter(self.cfg.forecast_window_s))
-        meter.add(time.monotonic(), req.num_prompt_tokens, req.max_tokens, target.cached_tokens if target else 0)
+        meter.add(
+            time.monotonic(),
+            req.num_prompt_tokens,
+            req.max_tokens,
+            target.cached_tokens if target else 0,
+        )
 
     # -- throughput mode -----------------------------------------------------------------------
     async def _targets(self, pools: dict[PoolKey, PoolLoad]) -> dict[PoolKey, int]:
@@ -105,7 +133,9 @@ class PlannerLoop:
         for key in [k for k, t in self.busy.items() if t.done()]:
             del self.busy[key]
         waiting = await self.actuator.ready()
-        if waiting is not None:  # a step now could only fail (and cool the pool down): decide nothing
+        if (
+            waiting is not None
+        ):  # a step now could only fail (and cool the pool down): decide nothing
             if waiting != self.waiting:
                 log.info("planner waits for the %s actuator: %s", self.actuator.name, waiting)
             self.waiting = waiting
@@ -113,8 +143,11 @@ class PlannerLoop:
         if self.waiting is not None:
             log.info("planner: the %s actuator is ready; deciding", self.actuator.name)
             self.waiting = None
-        pools = group(samples(c.views.values(), time.monotonic(), c.config.policy.stale_load_s), self.clock(),
-                      self.cfg.cold_start_s)  # fmt: skip
+        pools = group(
+            samples(c.views.values(), time.monotonic(), c.config.policy.stale_load_s),
+            self.clock(),
+            self.cfg.cold_start_s,
+        )
         self._add_pending(pools)
         targets = None
         if self.cfg.mode == PlannerMode.THROUGHPUT and self.sizer is not None:
@@ -136,8 +169,11 @@ class PlannerLoop:
             seen = p.replicas if p is not None else 0
             if seen >= reach or now > until:
                 if seen < reach:
-                    log.warning("%s: the node started for it has not registered after %.0f s; no longer waiting",
-                                key, self.cfg.pending_timeout_s)  # fmt: skip
+                    log.warning(
+                        "%s: the node started for it has not registered after %.0f s; no longer waiting",
+                        key,
+                        self.cfg.pending_timeout_s,
+                    )
                 del self.pending[key]
                 continue
             if p is None:
@@ -154,7 +190,9 @@ class PlannerLoop:
                 if view is None:
                     r = ActResult(Outcome.FAILED, f"{d.victim} left before it could be drained")
                 else:
-                    r = await self.actuator.scale_in(d.pool, Victim(d.victim or "", view.info.url), d.desired)
+                    r = await self.actuator.scale_in(
+                        d.pool, Victim(d.victim or "", view.info.url), d.desired
+                    )
         except Exception as e:  # an actuator bug must not end the planner
             log.exception("actuator %s failed on %s", self.actuator.name, d.describe())
             r = ActResult(Outcome.FAILED, f"{type(e).__name__}: {e}")
@@ -162,15 +200,27 @@ class PlannerLoop:
             self.pending[d.pool] = (d.desired, time.monotonic() + self.cfg.pending_timeout_s)
         self.metrics.actuated(self.actuator.name, d.direction, str(r.outcome))
         (log.info if r.outcome == Outcome.DONE else log.warning)(
-            "actuator %s: %s %s → %s: %s", self.actuator.name, d.direction, d.pool, r.outcome, r.detail)
+            "actuator %s: %s %s → %s: %s",
+            self.actuator.name,
+            d.direction,
+            d.pool,
+            r.outcome,
+            r.detail,
+        )
         self.results.append((d, r))
         self.history.acted(d.pool, r)
         return r
 
     async def run(self) -> None:
-        log.info("planner on (%s mode, %s actuator, every %.0f s, cooldown %.0f s, cold start %.0f s, budget %s)",
-                 self.cfg.mode, self.actuator.name, self.cfg.interval_s, self.cfg.cooldown_s, self.cfg.cold_start_s,
-                 self.cfg.node_budget)  # fmt: skip
+        log.info(
+            "planner on (%s mode, %s actuator, every %.0f s, cooldown %.0f s, cold start %.0f s, budget %s)",
+            self.cfg.mode,
+            self.actuator.name,
+            self.cfg.interval_s,
+            self.cfg.cooldown_s,
+            self.cfg.cold_start_s,
+            self.cfg.node_budget,
+        )
         try:
             while True:
                 try:

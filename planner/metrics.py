@@ -22,30 +22,69 @@ from planner.decide import Decision, Direction, Reason
 
 _LABELS = ("role", "model", "pool")
 #: holds worth counting: a step was wanted (or the planner could not look) and did not happen
-_COUNTED_HOLDS = {Reason.COOLDOWN, Reason.BUDGET, Reason.AT_BOUND, Reason.COLD_START, Reason.ACTUATING}
+_COUNTED_HOLDS = {
+    Reason.COOLDOWN,
+    Reason.BUDGET,
+    Reason.AT_BOUND,
+    Reason.COLD_START,
+    Reason.ACTUATING,
+}
 
 
 class PlannerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = registry if registry is not None else CollectorRegistry()
         self.registry = r
-        self.desired = Gauge("duet:planner_desired_replicas", "replicas the planner wants per pool", _LABELS, registry=r)
-        self.current = Gauge("duet:planner_current_replicas", "active replicas per pool as the planner saw them",
-                             _LABELS, registry=r)  # fmt: skip
-        self.decisions = Counter("duet:planner_decisions", "planner steps and blocked steps by direction and reason",
-                                 (*_LABELS, "direction", "reason"), registry=r)  # fmt: skip
-        self.actuations = Counter("duet:planner_actuations", "actuator results by direction and outcome",
-                                  ("actuator", "direction", "outcome"), registry=r)  # fmt: skip
-        self.ttft = Gauge("duet:planner_predicted_ttft_seconds", "load mode's TTFT prediction at the current size",
-                          _LABELS, registry=r)  # fmt: skip
-        self.itl = Gauge("duet:planner_predicted_itl_seconds", "load mode's ITL prediction at the current size",
-                         _LABELS, registry=r)  # fmt: skip
+        self.desired = Gauge(
+            "duet:planner_desired_replicas",
+            "replicas the planner wants per pool",
+            _LABELS,
+            registry=r,
+        )
+        self.current = Gauge(
+            "duet:planner_current_replicas",
+            "active replicas per pool as the planner saw them",
+            _LABELS,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "duet:planner_decisions",
+            "planner steps and blocked steps by direction and reason",
+            (*_LABELS, "direction", "reason"),
+            registry=r,
+        )
+        self.actuations = Counter(
+            "duet:planner_actuations",
+            "actuator results by direction and outcome",
+            ("actuator", "direction", "outcome"),
+            registry=r,
+        )
+        self.ttft = Gauge(
+            "duet:planner_predicted_ttft_seconds",
+            "load mode's TTFT prediction at the current size",
+            _LABELS,
+            registry=r,
+        )
+        self.itl = Gauge(
+            "duet:planner_predicted_itl_seconds",
+            "load mode's ITL prediction at the current size",
+            _LABELS,
+            registry=r,
+        )
         self.measured = {
-            "ttft": Gauge("duet:planner_measured_ttft_seconds", "the pool's measured TTFT P90 load mode counts",
-                          _LABELS, registry=r),
-            "itl": Gauge("duet:planner_measured_itl_seconds", "the pool's measured ITL P90 load mode counts",
-                         _LABELS, registry=r),
-        }  # fmt: skip
+            "ttft": Gauge(
+                "duet:planner_measured_ttft_seconds",
+                "the pool's measured TTFT P90 load mode counts",
+                _LABELS,
+                registry=r,
+            ),
+            "itl": Gauge(
+                "duet:planner_measured_itl_seconds",
+                "the pool's measured ITL P90 load mode counts",
+                _LABELS,
+                registry=r,
+            ),
+        }
 
     def record(self, d: Decision) -> None:
         labels = d.pool.labels()

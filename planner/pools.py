@@ -130,10 +130,15 @@ class PoolLoad:
         return self.starting > 0
 
     def measured(self) -> Measured:
-        return Measured(ttft_p90_s=self.ttft.p90(), ttft_samples=self.ttft.samples,
-                        ttft_merged_samples=self.ttft.merged.total, itl_p90_s=self.itl.p90(),
-                        itl_samples=self.itl.samples, itl_merged_samples=self.itl.merged.total,
-                        window_s=self.latency_window_s)  # fmt: skip
+        return Measured(
+            ttft_p90_s=self.ttft.p90(),
+            ttft_samples=self.ttft.samples,
+            ttft_merged_samples=self.ttft.merged.total,
+            itl_p90_s=self.itl.p90(),
+            itl_samples=self.itl.samples,
+            itl_merged_samples=self.itl.merged.total,
+            window_s=self.latency_window_s,
+        )
 
 
 @dataclass(frozen=True)
@@ -150,10 +155,14 @@ class Measured:
     itl_merged_samples: int = 0
 
     def as_dict(self) -> dict[str, float]:
-        return {"ttft_p90_s": round(self.ttft_p90_s, 4), "ttft_samples": self.ttft_samples,
-                "itl_p90_s": round(self.itl_p90_s, 4), "itl_samples": self.itl_samples,
-                "ttft_merged_samples": self.ttft_merged_samples,
-                "itl_merged_samples": self.itl_merged_samples}  # fmt: skip
+        return {
+            "ttft_p90_s": round(self.ttft_p90_s, 4),
+            "ttft_samples": self.ttft_samples,
+            "itl_p90_s": round(self.itl_p90_s, 4),
+            "itl_samples": self.itl_samples,
+            "ttft_merged_samples": self.ttft_merged_samples,
+            "itl_merged_samples": self.itl_merged_samples,
+        }
 
 
 def group(samples: list[NodeSample], now: float, cold_start_s: float) -> dict[PoolKey, PoolLoad]:

@@ -38,15 +38,25 @@ class Prediction:
     busy: float | None = None
 
     def as_dict(self) -> dict[str, float]:
-        out = {"n": self.replicas, "ttft_s": round(self.ttft_s, 4), "itl_s": round(self.itl_s, 4),
-               "kv": round(self.kv_usage, 3), "waiting": round(self.waiting, 2)}  # fmt: skip
+        out = {
+            "n": self.replicas,
+            "ttft_s": round(self.ttft_s, 4),
+            "itl_s": round(self.itl_s, 4),
+            "kv": round(self.kv_usage, 3),
+            "waiting": round(self.waiting, 2),
+        }
         if self.busy is not None:
             out["busy"] = round(self.busy, 3)
         return out
 
 
 def _step(c: StepCost, prefill_tokens: float, seqs: float, context: float) -> float:
-    return c.intercept_s + c.prefill_s * prefill_tokens + c.decode_s * seqs + c.context_s * seqs * context
+    return (
+        c.intercept_s
+        + c.prefill_s * prefill_tokens
+        + c.decode_s * seqs
+        + c.context_s * seqs * context
+    )
 
 
 def predict(load: PoolLoad, n: int, cfg: PlannerConfig) -> Prediction:
@@ -59,11 +69,19 @@ def predict(load: PoolLoad, n: int, cfg: PlannerConfig) -> Prediction:
     decoding = r if load.key.role != "prefill" else 0.0
     ttft = (1 + q / chunk) * _step(cfg.step, min(chunk, q + 1), decoding, cfg.context_tokens)
     itl = _step(cfg.step, 0, r, cfg.context_tokens) if load.key.role != "prefill" else 0.0
-    return Prediction(replicas=n, ttft_s=ttft, itl_s=itl, kv_usage=load.kv_usage / n, waiting=w,
-                      busy=load.busy / n if load.busy is not None else None)  # fmt: skip
+    return Prediction(
+        replicas=n,
+        ttft_s=ttft,
+        itl_s=itl,
+        kv_usage=load.kv_usage / n,
+        waiting=w,
+        busy=load.busy / n if load.busy is not None else None,
+    )
 
 
-def with_measured(p: Prediction, m: Measured, role: str, min_samples: int) -> tuple[Prediction, list[str]]:
+def with_measured(
+    p: Prediction, m: Measured, role: str, min_samples: int
+) -> tuple[Prediction, list[str]]:
     """`p` with TTFT (prefill, colocated) and ITL (decode, colocated) raised to the measured P90
     where it has ≥ `min_samples` samples; and the figures the measurement raised."""
     ttft, itl, raised = p.ttft_s, p.itl_s, []
@@ -86,7 +104,9 @@ def counted(m: Measured, role: str, min_samples: int) -> list[str]:
     return out
 
 
-def violations(p: Prediction, role: str, slo: TierSLO, cfg: PlannerConfig, scale: float = 1.0) -> list[str]:
+def violations(
+    p: Prediction, role: str, slo: TierSLO, cfg: PlannerConfig, scale: float = 1.0
+) -> list[str]:
     """The bounds `p` exceeds, each bound × `scale` (1: the SLO; 1 − margin: the scale-in test).
     Named after the planner's reasons (planner/decide.py Reason)."""
     out = []

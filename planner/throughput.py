@@ -42,14 +42,30 @@ class SimSizer:
         self.simulations = 0
         self._size = lru_cache(maxsize=256)(self._search)
 
-    def size(self, f: Forecast, slo: TierSLO, tier: str, colocated: bool,
-             bounds: dict[str, tuple[int, int]]) -> dict[str, int]:  # fmt: skip
+    def size(
+        self,
+        f: Forecast,
+        slo: TierSLO,
+        tier: str,
+        colocated: bool,
+        bounds: dict[str, tuple[int, int]],
+    ) -> dict[str, int]:
         """{"prefill": p, "decode": d} (or {"both": n}) for forecast `f`."""
         key = (_round(f.rate * self.headroom), _round(f.isl), _round(f.osl), round(f.prefix_hit, 1))
-        return dict(self._size(key, slo.ttft_s, slo.itl_s, tier, colocated, tuple(sorted(bounds.items()))))
+        return dict(
+            self._size(key, slo.ttft_s, slo.itl_s, tier, colocated, tuple(sorted(bounds.items())))
+        )
 
-    def _probe(self, counts: dict[str, int], rate: float, isl: float, osl: float, hit: float, slo: TierSLO,
-               tier: str) -> tuple[bool, float, list[str]]:  # fmt: skip
+    def _probe(
+        self,
+        counts: dict[str, int],
+        rate: float,
+        isl: float,
+        osl: float,
+        hit: float,
+        slo: TierSLO,
+        tier: str,
+    ) -> tuple[bool, float, list[str]]:
         """(meets the SLO, worst ratio of a latency figure to its bound, violations)."""
         from sim.cluster import Layout, NodeGroup
         from sim.run import simulate
@@ -59,20 +75,40 @@ class SimSizer:
         self.simulations += 1
         duration = max(20.0, self.sim_requests / max(rate, 1e-3))
         prefix = round(isl * hit)
-        w = Synthetic(rate=rate, duration_s=duration, input_len=str(max(1, round(isl) - prefix)),
-                      output_len=str(max(1, round(osl))), prefix_groups=1 if prefix else 0, prefix_len=prefix,
-                      tier_mix=(("batch" if tier == "batch" else "interactive", 1.0),))  # fmt: skip
+        w = Synthetic(
+            rate=rate,
+            duration_s=duration,
+            input_len=str(max(1, round(isl) - prefix)),
+            output_len=str(max(1, round(osl))),
+            prefix_groups=1 if prefix else 0,
+            prefix_len=prefix,
+            tier_mix=(("batch" if tier == "batch" else "interactive", 1.0),),
+        )
         layout = Layout(tuple(NodeGroup(role, n) for role, n in counts.items() if n > 0))
-        s, _ = simulate(self.profile, layout, synthetic(w), slo=SLO(ttft_p90_ms=slo.ttft_s * 1e3,
-                        itl_p99_ms=slo.itl_s * 1e3), warmup_s=duration * 0.2)  # fmt: skip
+        s, _ = simulate(
+            self.profile,
+            layout,
+            synthetic(w),
+            slo=SLO(ttft_p90_ms=slo.ttft_s * 1e3, itl_p99_ms=slo.itl_s * 1e3),
+            warmup_s=duration * 0.2,
+        )
         lat = s.latency_ms
-        worst = max((lat.get("p90_ttft") or math.inf) / (slo.ttft_s * 1e3),
-                    (lat.get("p99_itl") or 0.0) / (slo.itl_s * 1e3),
-                    100 * sum(s.failures.values()) / max(s.requests, 1))  # 1 % failed: at the bound  # fmt: skip
+        worst = max(
+            (lat.get("p90_ttft") or math.inf) / (slo.ttft_s * 1e3),
+            (lat.get("p99_itl") or 0.0) / (slo.itl_s * 1e3),
+            100 * sum(s.failures.values()) / max(s.requests, 1),
+        )  # 1 % failed: at the bound
         return bool(s.meets_slo), worst, s.violations
 
-    def _search(self, key: tuple[float, float, float, float], ttft_s: float, itl_s: float, tier: str,
-                colocated: bool, bounds: tuple[tuple[str, tuple[int, int]], ...]) -> tuple[tuple[str, int], ...]:  # fmt: skip
+    def _search(
+        self,
+        key: tuple[float, float, float, float],
+        ttft_s: float,
+        itl_s: float,
+        tier: str,
+        colocated: bool,
+        bounds: tuple[tuple[str, tuple[int, int]], ...],
+    ) -> tuple[tuple[str, int], ...]:
         rate, isl, osl, hit = key
         b = dict(bounds)
         roles = ("both",) if colocated else ("prefill", "decode")
@@ -84,8 +120,13 @@ class SimSizer:
         while not ok:
             growable = [r for r in roles if counts[r] < b.get(r, (1, 1))[1]]
             if not growable:
-                log.info("throughput sizing: %s at %.2f req/s misses the SLO even at the pools' maxima %s (%s)",
-                         tier, rate, counts, "; ".join(why))  # fmt: skip
+                log.info(
+                    "throughput sizing: %s at %.2f req/s misses the SLO even at the pools' maxima %s (%s)",
+                    tier,
+                    rate,
+                    counts,
+                    "; ".join(why),
+                )
                 break
             best: tuple[bool, float, list[str], dict[str, int]] | None = None
             for r in growable:
@@ -98,8 +139,12 @@ class SimSizer:
         return tuple(counts.items())
 
 
-def size_pools(sizer: SimSizer, pools: list[PoolKey], forecasts: dict[tuple[str, str], Forecast],
-               cfg: PlannerConfig) -> dict[PoolKey, int]:  # fmt: skip
+def size_pools(
+    sizer: SimSizer,
+    pools: list[PoolKey],
+    forecasts: dict[tuple[str, str], Forecast],
+    cfg: PlannerConfig,
+) -> dict[PoolKey, int]:
     """Throughput mode's target size per pool (planner/decide.py `targets`): each model × tier
     with a forecast sized together (P and D, or colocated), within the pools' bounds. Blocking
     (the simulator): the live loop runs it in a worker thread."""

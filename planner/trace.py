@@ -62,8 +62,15 @@ def load_trace(path: Path) -> Trace:
     start = {parse_pool(k): int(v.get("replicas", 1)) for k, v in head["pools"].items()}
     ticks = [(float(r["t"]), {parse_pool(k): v for k, v in r["pools"].items()}) for r in rows]
     rates = [{tuple(k.split("/")): v for k, v in r.get("rates", {}).items()} for r in rows]
-    return Trace(float(head.get("interval_s", 5)), start, head.get("cold", {}), head.get("cold_s"), ticks,
-                 rates, float(head.get("latency_window_s", 30)))  # type: ignore[arg-type]
+    return Trace(
+        float(head.get("interval_s", 5)),
+        start,
+        head.get("cold", {}),
+        head.get("cold_s"),
+        ticks,
+        rates,
+        float(head.get("latency_window_s", 30)),
+    )  # type: ignore[arg-type]
 
 
 @dataclass
@@ -99,20 +106,37 @@ class Replay:
             for node_id, started in nodes:
                 if (node_id, started) in warm:
                     k = len(warm)
-                    out.append(NodeSample(node_id, pool, started, waiting=round(figures.get("waiting", 0) / k),
-                                          running=round(figures.get("running", 0) / k),
-                                          kv_usage=figures.get("kv", 0) / k,
-                                          queued_prefill_tokens=round(figures.get("queued_prefill_tokens", 0) / k),
-                                          ttft_p90_s=figures.get("ttft_p90_s", 0.0),
-                                          ttft_samples=round(figures.get("ttft_samples", 0) / k),
-                                          itl_p90_s=figures.get("itl_p90_s", 0.0),
-                                          itl_samples=round(figures.get("itl_samples", 0) / k),
-                                          latency_window_s=self.trace.latency_window_s))  # fmt: skip
+                    out.append(
+                        NodeSample(
+                            node_id,
+                            pool,
+                            started,
+                            waiting=round(figures.get("waiting", 0) / k),
+                            running=round(figures.get("running", 0) / k),
+                            kv_usage=figures.get("kv", 0) / k,
+                            queued_prefill_tokens=round(
+                                figures.get("queued_prefill_tokens", 0) / k
+                            ),
+                            ttft_p90_s=figures.get("ttft_p90_s", 0.0),
+                            ttft_samples=round(figures.get("ttft_samples", 0) / k),
+                            itl_p90_s=figures.get("itl_p90_s", 0.0),
+                            itl_samples=round(figures.get("itl_samples", 0) / k),
+                            latency_window_s=self.trace.latency_window_s,
+                        )
+                    )
                 else:
                     c = self.trace.cold
-                    out.append(NodeSample(node_id, pool, started, waiting=int(c.get("waiting", 0)),
-                                          running=int(c.get("running", 0)), kv_usage=c.get("kv", 0.0),
-                                          queued_prefill_tokens=int(c.get("queued_prefill_tokens", 0))))  # fmt: skip
+                    out.append(
+                        NodeSample(
+                            node_id,
+                            pool,
+                            started,
+                            waiting=int(c.get("waiting", 0)),
+                            running=int(c.get("running", 0)),
+                            kv_usage=c.get("kv", 0.0),
+                            queued_prefill_tokens=int(c.get("queued_prefill_tokens", 0)),
+                        )
+                    )
         return out
 
     def _route(self, t: float, rates: dict[tuple[str, str], dict[str, float]]) -> None:
@@ -125,7 +149,12 @@ class Replay:
             self._owed[key] = owed - n
             isl = round(r.get("isl", 0))
             for i in range(n):
-                meter.add(t - dt + (i + 1) * dt / n, isl, round(r.get("osl", 0)), round(isl * r.get("prefix_hit", 0)))
+                meter.add(
+                    t - dt + (i + 1) * dt / n,
+                    isl,
+                    round(r.get("osl", 0)),
+                    round(isl * r.get("prefix_hit", 0)),
+                )
 
     def run(self) -> Replay:
         cfg = self.planner.cfg
@@ -134,8 +163,12 @@ class Replay:
             targets = None
             if cfg.mode == PlannerMode.THROUGHPUT and self.sizer is not None:
                 self._route(t, self.trace.rates[i] if i < len(self.trace.rates) else {})
-                targets = size_pools(self.sizer, list(pools), pool_forecasts(self.meters, pools, t, cfg.cold_start_s),
-                                     cfg)  # fmt: skip
+                targets = size_pools(
+                    self.sizer,
+                    list(pools),
+                    pool_forecasts(self.meters, pools, t, cfg.cold_start_s),
+                    cfg,
+                )
             for d in self.planner.step(t, pools, targets=targets):
                 self.decisions.append((t, d))
                 if d.direction == Direction.OUT:
@@ -147,8 +180,11 @@ class Replay:
         return self
 
     def steps(self, pool: PoolKey | None = None) -> list[tuple[float, Decision]]:
-        return [(t, d) for t, d in self.decisions
-                if d.direction != Direction.HOLD and (pool is None or d.pool == pool)]  # fmt: skip
+        return [
+            (t, d)
+            for t, d in self.decisions
+            if d.direction != Direction.HOLD and (pool is None or d.pool == pool)
+        ]
 
     def direction_changes(self, pool: PoolKey) -> int:
         dirs = [d.direction for _, d in self.steps(pool)]

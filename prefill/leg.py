@@ -36,23 +36,41 @@ async def prefill_leg(leg: LegContext) -> web.StreamResponse:
     if node.transport is None:
         raise APIError(503, "this node has no KV transport; it cannot serve prefill legs")
     params = prep.params
-    params.max_tokens = 1  # P computes the prompt and samples the first token (D uses a guided leg's)
+    params.max_tokens = (
+        1  # P computes the prompt and samples the first token (D uses a guided leg's)
+    )
     lease = node.config.lease_seconds
     result = await leg.collect(await leg.start(params, KVHandoff(hold_seconds=lease)))
     blocks = await node.engine.held_blocks(leg.engine_request_id)
     if not blocks:
-        raise APIError(500, "prefill finished without holding its KV blocks", type_="internal_error")
+        raise APIError(
+            500, "prefill finished without holding its KV blocks", type_="internal_error"
+        )
     cfg = node.config
-    result.kv_transfer_params = KVTransferParams(first_token_id=_first_token(prep.params, result),
-        do_remote_prefill=True, remote_engine_id=node.engine_id, remote_block_ids=list(blocks),
-        remote_request_id=prep.request_id, remote_host=cfg.public_host, remote_port=cfg.port,
-        remote_num_tokens=len(prep.prompt_ids), lease_seconds=lease,
-    )  # fmt: skip
+    result.kv_transfer_params = KVTransferParams(
+        first_token_id=_first_token(prep.params, result),
+        do_remote_prefill=True,
+        remote_engine_id=node.engine_id,
+        remote_block_ids=list(blocks),
+        remote_request_id=prep.request_id,
+        remote_host=cfg.public_host,
+        remote_port=cfg.port,
+        remote_num_tokens=len(prep.prompt_ids),
+        lease_seconds=lease,
+    )
     node.transport.expect_reads(lease)  # D pulls within the lease: keep our UCX progress prompt
-    log.info("prefilled %d tokens into %d blocks, held for %.0fs", len(prep.prompt_ids), len(blocks), lease)
+    log.info(
+        "prefilled %d tokens into %d blocks, held for %.0fs",
+        len(prep.prompt_ids),
+        len(blocks),
+        lease,
+    )
     # from now until D's release (or the lease's end: `untracked`), in this leg's trace
-    node.tracing.defer(_hold_key(prep.request_id), "prefill.hold", {"duet.kv.blocks": len(blocks),
-                                                                    "duet.lease_s": lease})  # fmt: skip
+    node.tracing.defer(
+        _hold_key(prep.request_id),
+        "prefill.hold",
+        {"duet.kv.blocks": len(blocks), "duet.lease_s": lease},
+    )
     return leg.answer(result)
 
 
@@ -76,12 +94,21 @@ async def handle_release(state: Node, request: web.Request) -> web.Response:
     try:
         n = await state.engine.release_held(prefill_request_id(body.request_id), body.block_ids)
     except RequestRefused:
-        raise APIError(400, f"block ids {body.block_ids} do not belong to request {body.request_id!r}",
-                       param="block_ids") from None  # fmt: skip
-    state.tracing.finish(_hold_key(body.request_id), {"duet.outcome": "released" if n is not None else "not_held"})
+        raise APIError(
+            400,
+            f"block ids {body.block_ids} do not belong to request {body.request_id!r}",
+            param="block_ids",
+        ) from None
+    state.tracing.finish(
+        _hold_key(body.request_id), {"duet.outcome": "released" if n is not None else "not_held"}
+    )
     if n is None:
-        raise APIError(404, f"no blocks are held for request {body.request_id!r} (released, "
-                            "lease expired, or never prefilled here)", code="not_held")  # fmt: skip
+        raise APIError(
+            404,
+            f"no blocks are held for request {body.request_id!r} (released, "
+            "lease expired, or never prefilled here)",
+            code="not_held",
+        )
     return web.json_response({"released": n})
 
 
@@ -93,4 +120,3 @@ async def abort_held(state: Node, request_id: str) -> bool:
 
 def _hold_key(request_id: str) -> str:
     return f"hold:{request_id}"
-

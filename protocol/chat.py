@@ -137,9 +137,17 @@ def _lp(logprob: float | None) -> float:
 
 def chat_logprobs(lp: CompletionLogprobs) -> ChatLogprobs:
     """A completions logprobs object in chat's shape (tops most likely first, as sent)."""
-    return ChatLogprobs(content=[
-        ChatTokenLogprob(token=tok, logprob=_lp(v), bytes=list(tok.encode("utf-8")),
-                     top_logprobs=[TopLogprob(token=t, logprob=_lp(w), bytes=list(t.encode("utf-8")))
-                                   for t, w in (top or {}).items()])
-        for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True)
-    ])  # fmt: skip
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=tok,
+                logprob=_lp(v),
+                bytes=list(tok.encode("utf-8")),
+                top_logprobs=[
+                    TopLogprob(token=t, logprob=_lp(w), bytes=list(t.encode("utf-8")))
+                    for t, w in (top or {}).items()
+                ],
+            )
+            for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True)
+        ]
+    )

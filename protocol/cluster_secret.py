@@ -66,12 +66,16 @@ class ClusterSecret:
     def __init__(self, value: str, source: str) -> None:
         value = value.strip()
         if len(value.encode()) < MIN_SECRET_BYTES:
-            raise SecretError(f"the cluster secret from {source} is {len(value.encode())} bytes; it needs at least "
-                              f"{MIN_SECRET_BYTES} (generate one: python -c 'import secrets; "
-                              "print(secrets.token_urlsafe(32))')")  # fmt: skip
+            raise SecretError(
+                f"the cluster secret from {source} is {len(value.encode())} bytes; it needs at least "
+                f"{MIN_SECRET_BYTES} (generate one: python -c 'import secrets; "
+                "print(secrets.token_urlsafe(32))')"
+            )
         if not value.isascii() or not value.isprintable() or any(c.isspace() for c in value):
-            raise SecretError(f"the cluster secret from {source} must be printable ASCII without spaces "
-                              "(it travels in an HTTP header)")  # fmt: skip
+            raise SecretError(
+                f"the cluster secret from {source} must be printable ASCII without spaces "
+                "(it travels in an HTTP header)"
+            )
         self._key = value.encode()
         self._bearer = f"Bearer {value}".encode()
         #: where it was read (a path or an environment variable), for messages; never the value
@@ -116,8 +120,10 @@ def read_secret_file(path: str | Path) -> ClusterSecret:
     if not stat.S_ISREG(st.st_mode):
         raise SecretError(f"the cluster secret file {str(p)!r} is not a regular file")
     if st.st_mode & 0o077:
-        raise SecretError(f"the cluster secret file {str(p)!r} is accessible by group or others "
-                          f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {p}")  # fmt: skip
+        raise SecretError(
+            f"the cluster secret file {str(p)!r} is accessible by group or others "
+            f"(mode {stat.S_IMODE(st.st_mode):04o}); run: chmod 600 {p}"
+        )
     try:
         text = p.read_text()
     except (OSError, UnicodeDecodeError) as e:
@@ -125,7 +131,9 @@ def read_secret_file(path: str | Path) -> ClusterSecret:
     return ClusterSecret(text, str(p))
 
 
-def load_secret(file: str | None = None, env: Mapping[str, str] | None = None) -> ClusterSecret | None:
+def load_secret(
+    file: str | None = None, env: Mapping[str, str] | None = None
+) -> ClusterSecret | None:
     """The configured secret (`file`, else $DUET_CLUSTER_SECRET_FILE, else $DUET_CLUSTER_SECRET),
     or None when none is configured. Raises SecretError for one that is configured but unusable."""
     env = os.environ if env is None else env
@@ -160,7 +168,9 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def require_secret_policy(secret: ClusterSecret | None, hosts: Iterable[str], insecure: bool, what: str) -> None:
+def require_secret_policy(
+    secret: ClusterSecret | None, hosts: Iterable[str], insecure: bool, what: str
+) -> None:
     """The start-up rule without a secret: loopback → a loud warning; else SecretError unless
     `insecure` (the operator's explicit choice, warned about too)."""
     if secret is not None:
@@ -168,29 +178,46 @@ def require_secret_policy(secret: ClusterSecret | None, hosts: Iterable[str], in
     hosts = list(hosts)
     exposed = [h for h in hosts if not is_loopback(h)]
     if exposed and not insecure:
-        raise SecretError(f"{what} listens on {', '.join(exposed)} without a cluster secret: anyone who reaches "
-                          f"that address could use its internal API. Set --cluster-secret-file (or "
-                          f"${ENV_SECRET_FILE} / ${ENV_SECRET}), or pass --insecure to run unauthenticated "
-                          "on purpose")  # fmt: skip
+        raise SecretError(
+            f"{what} listens on {', '.join(exposed)} without a cluster secret: anyone who reaches "
+            f"that address could use its internal API. Set --cluster-secret-file (or "
+            f"${ENV_SECRET_FILE} / ${ENV_SECRET}), or pass --insecure to run unauthenticated "
+            "on purpose"
+        )
     banner = "!" * 78
-    log.warning("%s\n%s runs WITHOUT a cluster secret on %s: its internal API (completion legs, /kv/*, "
-                "/route, drain) is open to any process that reaches it. Fine for a dev cluster on one "
-                "machine; set --cluster-secret-file (duet up does) for anything else.\n%s",
-                banner, what, ", ".join(hosts), banner)  # fmt: skip
+    log.warning(
+        "%s\n%s runs WITHOUT a cluster secret on %s: its internal API (completion legs, /kv/*, "
+        "/route, drain) is open to any process that reaches it. Fine for a dev cluster on one "
+        "machine; set --cluster-secret-file (duet up does) for anything else.\n%s",
+        banner,
+        what,
+        ", ".join(hosts),
+        banner,
+    )
 
 
 def _unauthorized(request: web.Request) -> web.Response:
-    err = APIError(401, "this is an internal endpoint of a duet cluster: send the cluster secret as "
-                        "'Authorization: Bearer <secret>'", type_="authentication_error",
-                   code="cluster_secret_required")  # fmt: skip
+    err = APIError(
+        401,
+        "this is an internal endpoint of a duet cluster: send the cluster secret as "
+        "'Authorization: Bearer <secret>'",
+        type_="authentication_error",
+        code="cluster_secret_required",
+    )
     headers = {"WWW-Authenticate": 'Bearer realm="duet-cluster"'}
     if rid := request.headers.get("X-Request-Id"):
         headers["X-Request-Id"] = rid[:200]
-    return web.Response(status=401, body=_ENC.encode(err.body()), content_type="application/json", headers=headers)
+    return web.Response(
+        status=401, body=_ENC.encode(err.body()), content_type="application/json", headers=headers
+    )
 
 
-def auth_middleware(secret: ClusterSecret, *, protect_metrics: bool = False,
-                    extra_check: Callable[[web.Request], bool] | None = None) -> Handler:  # fmt: skip
+def auth_middleware(
+    secret: ClusterSecret,
+    *,
+    protect_metrics: bool = False,
+    extra_check: Callable[[web.Request], bool] | None = None,
+) -> Handler:
     """The middleware of an internal app: 401 before any handler runs (nothing read, nothing
     done) unless the request carries `secret`, or its path is open. `extra_check` may accept a
     request another way (the gateway's admin key on /metrics)."""
@@ -205,7 +232,12 @@ def auth_middleware(secret: ClusterSecret, *, protect_metrics: bool = False,
             return await handler(request)
         if extra_check is not None and extra_check(request):
             return await handler(request)
-        refused.warning("refused %s %r from %s: no valid cluster secret", request.method, path[:200], request.remote)
+        refused.warning(
+            "refused %s %r from %s: no valid cluster secret",
+            request.method,
+            path[:200],
+            request.remote,
+        )
         return _unauthorized(request)
 
     return cluster_auth  # type: ignore[return-value]

@@ -19,7 +19,10 @@ _WINDOW = 6  # tokens of left context kept when decoding a delta
 
 class IncrementalDetokenizer:
     def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int] | None = None,
+        skip_special_tokens: bool = True,
     ) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens

@@ -65,7 +65,9 @@ def _llguidance() -> Any:
     try:
         import llguidance
     except ImportError as e:  # pragma: no cover - installed with duet
-        raise GrammarEngineMissing(f"the grammar engine llguidance cannot be imported: {e}") from None
+        raise GrammarEngineMissing(
+            f"the grammar engine llguidance cannot be imported: {e}"
+        ) from None
     return llguidance
 
 
@@ -85,7 +87,9 @@ def guide_from_response_format(rf: ResponseFormat | None) -> Guide | None:
         return Guide(kind=GuideKind.JSON_OBJECT)
     js = rf.json_schema
     if js is None:
-        raise APIError(400, "response_format of type json_schema needs a json_schema object", param=_PARAM)
+        raise APIError(
+            400, "response_format of type json_schema needs a json_schema object", param=_PARAM
+        )
     if js.schema is None:
         raise APIError(400, "response_format.json_schema needs a schema", param=_PARAM)
     return Guide(kind=GuideKind.JSON_SCHEMA, spec=canonical_schema(js.schema))
@@ -111,8 +115,10 @@ def check_choices(choices: object) -> list[str]:
 def choice_guide(choices: list[str]) -> Guide:
     """A choice guide in canonical form (a compact JSON list, in the client's order);
     ValueError as `check_choices`."""
-    return Guide(kind=GuideKind.CHOICE, spec=json.dumps(check_choices(choices), separators=(",", ":"),
-                                                        ensure_ascii=False))  # fmt: skip
+    return Guide(
+        kind=GuideKind.CHOICE,
+        spec=json.dumps(check_choices(choices), separators=(",", ":"), ensure_ascii=False),
+    )
 
 
 def _choices(spec: str) -> list[str]:
@@ -127,7 +133,9 @@ def guide_grammar(guide: Guide) -> str:
     """The llguidance grammar (its JSON text) that enforces `guide`; raises ValueError for a
     spec that is not even well-formed (not JSON, too long, an empty choice list)."""
     if len(guide.spec) > MAX_SPEC_CHARS:
-        raise ValueError(f"the {guide.kind.value} spec is {len(guide.spec)} characters; at most {MAX_SPEC_CHARS}")
+        raise ValueError(
+            f"the {guide.kind.value} spec is {len(guide.spec)} characters; at most {MAX_SPEC_CHARS}"
+        )
     m = _llguidance().LLMatcher
     match guide.kind:
         case GuideKind.JSON_OBJECT:
@@ -147,8 +155,10 @@ def guide_grammar(guide: Guide) -> str:
             if not guide.spec:
                 raise ValueError("the regular expression is empty")
             if len(guide.spec) > MAX_REGEX_CHARS:
-                raise ValueError(f"the regular expression is {len(guide.spec)} characters long; "
-                                 f"at most {MAX_REGEX_CHARS}")  # fmt: skip
+                raise ValueError(
+                    f"the regular expression is {len(guide.spec)} characters long; "
+                    f"at most {MAX_REGEX_CHARS}"
+                )
             return m.grammar_from_regex(guide.spec)
         case GuideKind.CHOICE:
             alts = " | ".join(json.dumps(c, ensure_ascii=False) for c in _choices(guide.spec))
@@ -165,8 +175,10 @@ def _check_widths(schema: object) -> None:
         if isinstance(node, dict):
             props = node.get("properties")
             if isinstance(props, dict) and len(props) > MAX_OBJECT_PROPERTIES:
-                raise ValueError(f"an object of the schema declares {len(props)} properties; at most "
-                                 f"{MAX_OBJECT_PROPERTIES}")  # fmt: skip
+                raise ValueError(
+                    f"an object of the schema declares {len(props)} properties; at most "
+                    f"{MAX_OBJECT_PROPERTIES}"
+                )
             stack.extend(node.values())
         elif isinstance(node, list):
             stack.extend(node)
@@ -212,5 +224,9 @@ def check_guide(guide: Guide | None, param: str = _PARAM) -> None:
 
 
 #: what a refused guide is called in a 400 (its `param` names the request field)
-WHAT = {GuideKind.JSON_OBJECT: "JSON object guide", GuideKind.JSON_SCHEMA: "JSON schema",
-         GuideKind.REGEX: "regular expression", GuideKind.CHOICE: "list of choices"}  # fmt: skip
+WHAT = {
+    GuideKind.JSON_OBJECT: "JSON object guide",
+    GuideKind.JSON_SCHEMA: "JSON schema",
+    GuideKind.REGEX: "regular expression",
+    GuideKind.CHOICE: "list of choices",
+}

@@ -88,9 +88,15 @@ class GuideChecker:
     compile that ends (a timed-out one when its thread ends too), `running(n)` whenever the number
     of compiles running on threads changes: the gateway counts them in its metrics."""
 
-    def __init__(self, timeout_s: float = TIMEOUT_S, threads: int = THREADS, cache_size: int = CACHE_SIZE,
-                 max_waiting: int = MAX_WAITING, on_compile: Callable[[Verdict], None] | None = None,
-                 running: Callable[[int], None] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        timeout_s: float = TIMEOUT_S,
+        threads: int = THREADS,
+        cache_size: int = CACHE_SIZE,
+        max_waiting: int = MAX_WAITING,
+        on_compile: Callable[[Verdict], None] | None = None,
+        running: Callable[[int], None] | None = None,
+    ) -> None:
         if timeout_s <= 0 or threads < 1 or cache_size < 1 or max_waiting < 0:
             raise ValueError("timeout_s must be > 0, threads and cache_size >= 1, max_waiting >= 0")
         self.timeout_s, self.threads, self.max_waiting = timeout_s, threads, max_waiting
@@ -124,9 +130,15 @@ class GuideChecker:
             try:  # shielded: a client leaving does not cancel the others' wait
                 outcome = await asyncio.shield(task)
             except _Busy as e:
-                raise APIError(503, f"the grammar engine is busy compiling other requests' {param} ({e}); "
-                                    "try again", type_="service_unavailable", param=param, code="overloaded",
-                               retry_after_s=1.0) from None  # fmt: skip
+                raise APIError(
+                    503,
+                    f"the grammar engine is busy compiling other requests' {param} ({e}); "
+                    "try again",
+                    type_="service_unavailable",
+                    param=param,
+                    code="overloaded",
+                    retry_after_s=1.0,
+                ) from None
         _raise_for(outcome, guide, param, self.timeout_s)
 
     async def _compile(self, k: Key, guide: Guide) -> Outcome:
@@ -151,9 +163,13 @@ class GuideChecker:
             outcome = await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
         except TimeoutError:
             outcome = Outcome(Verdict.TOO_COMPLEX)
-            log.warning("a %s guide (%d characters) is still compiling after %g s: refused as too complex (its "
-                        "thread stays busy until llguidance returns)", guide.kind.value, len(guide.spec),
-                        self.timeout_s)  # fmt: skip
+            log.warning(
+                "a %s guide (%d characters) is still compiling after %g s: refused as too complex (its "
+                "thread stays busy until llguidance returns)",
+                guide.kind.value,
+                len(guide.spec),
+                self.timeout_s,
+            )
         if outcome.verdict != Verdict.UNAVAILABLE:
             self._remember(k, outcome)
         return outcome
@@ -168,8 +184,13 @@ class GuideChecker:
         verdict = Verdict.INVALID if fut.cancelled() or fut.exception() else fut.result().verdict
         if dt > self.timeout_s:
             verdict = Verdict.TOO_COMPLEX
-        log.info("guide compiled: kind=%s, %d characters, %s in %.3f s", guide.kind.value, len(guide.spec),
-                 verdict.value, dt)  # fmt: skip
+        log.info(
+            "guide compiled: kind=%s, %d characters, %s in %.3f s",
+            guide.kind.value,
+            len(guide.spec),
+            verdict.value,
+            dt,
+        )
         self._on_compile(verdict)
 
     def _set_running(self, d: int) -> None:
@@ -203,9 +224,13 @@ def _raise_for(outcome: Outcome, guide: Guide, param: str, timeout_s: float) -> 
         case Verdict.UNAVAILABLE:
             raise APIError(400, f"structured outputs are not available: {outcome.why}", param=param)
         case Verdict.TOO_COMPLEX:
-            raise APIError(400, f"the {WHAT[guide.kind]} in {param} is too complex to compile within {timeout_s:g} s "
-                                "(simplify it: fewer optional properties, alternatives or counted repetitions)",
-                           param=param, code="guide_too_complex")  # fmt: skip
+            raise APIError(
+                400,
+                f"the {WHAT[guide.kind]} in {param} is too complex to compile within {timeout_s:g} s "
+                "(simplify it: fewer optional properties, alternatives or counted repetitions)",
+                param=param,
+                code="guide_too_complex",
+            )
         case Verdict.INVALID:
             raise APIError(
                 400, f"unsupported or invalid {WHAT[guide.kind]}: {outcome.why}", param=param

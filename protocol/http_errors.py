@@ -64,11 +64,14 @@ def error_response(err: APIError, request_id: str | None = None) -> web.Response
     h = err.response_headers()
     if request_id is not None:
         h = {**h, "X-Request-Id": request_id}
-    return web.Response(status=err.status, body=_ENC.encode(err.body()), content_type="application/json", headers=h)
+    return web.Response(
+        status=err.status, body=_ENC.encode(err.body()), content_type="application/json", headers=h
+    )
 
 
-def error_middleware(logger: logging.Logger, translate: Translate | None = None,
-                     request_id: RequestId | None = None) -> Callable[..., Awaitable[web.StreamResponse]]:  # fmt: skip
+def error_middleware(
+    logger: logging.Logger, translate: Translate | None = None, request_id: RequestId | None = None
+) -> Callable[..., Awaitable[web.StreamResponse]]:
     """The error middleware of one app (see the module's docstring)."""
 
     def _known(request: web.Request, e: BaseException) -> APIError | None:
@@ -83,8 +86,11 @@ def error_middleware(logger: logging.Logger, translate: Translate | None = None,
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            err = _known(request, e) or APIError(e.status, f"{request.method} {request.path}: {e.reason}",
-                                                 code=_HTTP_CODES.get(e.status, "http_error"))  # fmt: skip
+            err = _known(request, e) or APIError(
+                e.status,
+                f"{request.method} {request.path}: {e.reason}",
+                code=_HTTP_CODES.get(e.status, "http_error"),
+            )
         except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
             raise
         except Exception as e:
@@ -94,11 +100,19 @@ def error_middleware(logger: logging.Logger, translate: Translate | None = None,
                 known = APIError(500, f"internal error: {type(e).__name__}", type_="internal_error")
             err = known
         # The message may quote the client (a path, a name): one log line whatever it holds.
-        logger.log(logging.WARNING if err.status >= 500 else logging.INFO, "%s %r → %d: %s", request.method,
-                   request.path, err.status, _one_line(err.message))  # fmt: skip
+        logger.log(
+            logging.WARNING if err.status >= 500 else logging.INFO,
+            "%s %r → %d: %s",
+            request.method,
+            request.path,
+            err.status,
+            _one_line(err.message),
+        )
         return error_response(err, request_id(request) if request_id is not None else None)
 
     return errors
+
+
 #: how much of aiohttp's own description a message quotes (it can repeat the client's bytes)
 _DETAIL_CHARS = 200
 #: aiohttp's words for the one refusal that has no exception class of its own
@@ -113,11 +127,18 @@ def parser_error(status: int, exc: BaseException | None, max_headers: int) -> AP
         return APIError(status, f"internal error: {what}", type_="internal_error")
     if isinstance(exc, LineTooLong):
         # args: (the start of the line, the limit it broke, its size)
-        return APIError(status, f"the request line or a header field is longer than this server accepts "
-                                f"({exc.args[1]} bytes)", code="header_too_large")  # fmt: skip
+        return APIError(
+            status,
+            f"the request line or a header field is longer than this server accepts "
+            f"({exc.args[1]} bytes)",
+            code="header_too_large",
+        )
     if isinstance(exc, HttpProcessingError) and exc.message == _TOO_MANY_HEADERS:
-        return APIError(status, f"the request has more header fields than this server accepts ({max_headers})",
-                        code="too_many_headers")  # fmt: skip
+        return APIError(
+            status,
+            f"the request has more header fields than this server accepts ({max_headers})",
+            code="too_many_headers",
+        )
     raw = exc.message if isinstance(exc, HttpProcessingError) else str(exc or "")
     # The C parser's messages span lines, the last a caret under the offending byte: one line.
     detail = " ".join(ln.strip() for ln in raw.splitlines() if ln.strip(" ^"))[:_DETAIL_CHARS]
@@ -135,8 +156,13 @@ class OpenAIErrorHandler(RequestHandler):
 
     __slots__ = ()
 
-    def handle_error(self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:  # fmt: skip
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
         if request.writer.output_size > 0 or status >= 500:
             # A broken stream (aiohttp raises ConnectionError) or a handler's crash: aiohttp's
             # logging with the traceback is what an operator needs; only the body is ours.
@@ -145,10 +171,18 @@ class OpenAIErrorHandler(RequestHandler):
         if status < 500:
             # The client's fault: one line, not aiohttp's traceback. Non-HTTP bytes on a first
             # request (scanners, TLS on the plain port) are noise, as aiohttp also judges.
-            level = logging.DEBUG if isinstance(exc, BadHttpMethod) and self._request_count == 1 else logging.INFO
+            level = (
+                logging.DEBUG
+                if isinstance(exc, BadHttpMethod) and self._request_count == 1
+                else logging.INFO
+            )
             log.log(level, "refused a request from %s: %d %s", request.remote, status, err.message)
-        resp = web.Response(status=status, body=msgspec.json.encode(err.body()), content_type="application/json",
-                            headers={"Connection": "close"})  # fmt: skip
+        resp = web.Response(
+            status=status,
+            body=msgspec.json.encode(err.body()),
+            content_type="application/json",
+            headers={"Connection": "close"},
+        )
         resp.force_close()
         return resp
 
@@ -170,6 +204,10 @@ class AppRunner(web.AppRunner):
         # BaseRunner's hook for building the server: aiohttp's own (which starts the app)
         # re-made as a _Server with the same handler, request factory and protocol kwargs.
         base = await super()._make_server()
-        return _Server(base.request_handler, request_factory=base.request_factory,
-                       handler_cancellation=base.handler_cancellation, loop=asyncio.get_running_loop(),
-                       **base._kwargs)  # fmt: skip
+        return _Server(
+            base.request_handler,
+            request_factory=base.request_factory,
+            handler_cancellation=base.handler_cancellation,
+            loop=asyncio.get_running_loop(),
+            **base._kwargs,
+        )

@@ -60,8 +60,15 @@ MIN_WIDTH = 1e-8
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 #: keywords whose value is a map of subschemas, one subschema, or a list of them
 _SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
-_SCHEMA_ONE = ("items", "additionalProperties", "additionalItems", "unevaluatedItems",
-               "unevaluatedProperties", "contains", "propertyNames")  # fmt: skip
+_SCHEMA_ONE = (
+    "items",
+    "additionalProperties",
+    "additionalItems",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "contains",
+    "propertyNames",
+)
 _SCHEMA_LISTS = ("anyOf", "oneOf", "prefixItems", "items")
 #: keywords that intersect schemas wherever they appear
 _INTERSECT = ("allOf", "not", "if", "then", "else", "dependentSchemas")
@@ -71,8 +78,23 @@ _MERGING = ("$ref", "anyOf", "oneOf")
 #: left as it is rather than have its grammar depend on the stack left to the compiling thread
 MAX_DEPTH = 64
 #: siblings that constrain nothing
-_ANNOTATIONS = frozenset({"$schema", "$id", "$anchor", "$comment", "$defs", "definitions", "title", "description",
-                          "default", "examples", "deprecated", "readOnly", "writeOnly"})  # fmt: skip
+_ANNOTATIONS = frozenset(
+    {
+        "$schema",
+        "$id",
+        "$anchor",
+        "$comment",
+        "$defs",
+        "definitions",
+        "title",
+        "description",
+        "default",
+        "examples",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+    }
+)
 
 
 @functools.cache
@@ -102,7 +124,11 @@ def bounded_spec(spec: str) -> str:
     that takes the schema's text (vLLM's structured outputs); `spec` itself if nothing changes."""
     schema = json.loads(spec)
     bounded = bound_numbers(schema)
-    return spec if bounded is schema else json.dumps(bounded, separators=(",", ":"), ensure_ascii=False)
+    return (
+        spec
+        if bounded is schema
+        else json.dumps(bounded, separators=(",", ":"), ensure_ascii=False)
+    )
 
 
 def _subschemas(node: dict[str, Any]) -> list[Any]:

@@ -39,7 +39,14 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def block_bytes(self) -> int:
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * self.itemsize
+        return (
+            self.num_layers
+            * 2
+            * self.block_size
+            * self.num_kv_heads
+            * self.head_dim
+            * self.itemsize
+        )
 
     @property
     def pool_bytes(self) -> int:

@@ -43,7 +43,9 @@ class LatencyHistogram(msgspec.Struct, frozen=True, kw_only=True):
 
     scheme: int = SCHEME
     first: int = 0
-    counts: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=N_BUCKETS)] = []
+    counts: Annotated[
+        list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=N_BUCKETS)
+    ] = []
 
     @property
     def total(self) -> int:

@@ -15,8 +15,12 @@ from collections.abc import Callable
 
 
 class ThrottledWarning:
-    def __init__(self, log: logging.Logger, every_s: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+    def __init__(
+        self,
+        log: logging.Logger,
+        every_s: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.log = log
         self.every_s = every_s
         self.clock = clock

@@ -14,7 +14,9 @@ import msgspec
 MAX_TOP_LOGPROBS = 20
 
 
-class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True, gc=False):
+class TokenLogprob(
+    msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True, gc=False
+):
     token_id: int
     logprob: float
     #: (token id, logprob) of the most likely tokens at this position, most likely first

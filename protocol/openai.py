@@ -24,9 +24,17 @@ Prompt = str | list[Any]
 class APIError(Exception):
     """An error with an HTTP status and OpenAI's error body."""
 
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, *, retry_after_s: float | None = None,
-                 headers: Mapping[str, str] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        *,
+        retry_after_s: float | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -45,7 +53,11 @@ class APIError(Exception):
         return {**self.headers, "Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
     def body(self) -> ErrorBody:
-        return ErrorBody(error=ErrorDetail(message=self.message, type=self.type, param=self.param, code=self.code))
+        return ErrorBody(
+            error=ErrorDetail(
+                message=self.message, type=self.type, param=self.param, code=self.code
+            )
+        )
 
 
 class ErrorDetail(msgspec.Struct, kw_only=True):
@@ -82,7 +94,9 @@ def parse_error(status: int, raw: bytes) -> APIError:
     if e is None:
         return APIError(status, raw.decode(errors="replace")[:500])
     code = None if e.code is None else str(e.code)
-    return APIError(status, str(e.message), type_=e.type or "invalid_request_error", param=e.param, code=code)
+    return APIError(
+        status, str(e.message), type_=e.type or "invalid_request_error", param=e.param, code=code
+    )
 
 
 T = TypeVar("T")
@@ -135,8 +149,13 @@ class SamplingFields(msgspec.Struct, kw_only=True):
         """400s naming the field for penalties, logit_bias and min_p out of range (the chat
         form and the completion form share this; token ids are checked against the model's
         vocabulary on the node)."""
-        check_penalty_fields(self.frequency_penalty, self.presence_penalty, self.repetition_penalty,
-                             self.min_p, self.logit_bias)  # fmt: skip
+        check_penalty_fields(
+            self.frequency_penalty,
+            self.presence_penalty,
+            self.repetition_penalty,
+            self.min_p,
+            self.logit_bias,
+        )
 
 
 #: OpenAI's limits: frequency/presence penalties in [-2, 2], logit_bias values in [-100, 100]
@@ -146,30 +165,51 @@ LOGIT_BIAS_RANGE = 100.0
 MAX_LOGIT_BIAS = 300
 
 
-def check_penalty_fields(frequency_penalty: float | None, presence_penalty: float | None,
-                         repetition_penalty: float | None, min_p: float | None,
-                         logit_bias: dict[str, float] | None) -> None:  # fmt: skip
+def check_penalty_fields(
+    frequency_penalty: float | None,
+    presence_penalty: float | None,
+    repetition_penalty: float | None,
+    min_p: float | None,
+    logit_bias: dict[str, float] | None,
+) -> None:
     """Raise APIError(400, param=the field) for a penalty, min_p or logit_bias out of range."""
-    for name, v in (("frequency_penalty", frequency_penalty), ("presence_penalty", presence_penalty)):
+    for name, v in (
+        ("frequency_penalty", frequency_penalty),
+        ("presence_penalty", presence_penalty),
+    ):
         if v is not None and not (math.isfinite(v) and -PENALTY_RANGE <= v <= PENALTY_RANGE):
             raise APIError(400, f"{name} must be between -2 and 2, got {v}", param=name)
-    if repetition_penalty is not None and not (math.isfinite(repetition_penalty) and repetition_penalty > 0):
-        raise APIError(400, f"repetition_penalty must be a number > 0, got {repetition_penalty}",
-                       param="repetition_penalty")  # fmt: skip
+    if repetition_penalty is not None and not (
+        math.isfinite(repetition_penalty) and repetition_penalty > 0
+    ):
+        raise APIError(
+            400,
+            f"repetition_penalty must be a number > 0, got {repetition_penalty}",
+            param="repetition_penalty",
+        )
     if min_p is not None and not (math.isfinite(min_p) and 0 <= min_p <= 1):
         raise APIError(400, f"min_p must be in [0, 1], got {min_p}", param="min_p")
     if logit_bias is None:
         return
     if len(logit_bias) > MAX_LOGIT_BIAS:
-        raise APIError(400, f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(logit_bias)}",
-                       param="logit_bias")  # fmt: skip
+        raise APIError(
+            400,
+            f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(logit_bias)}",
+            param="logit_bias",
+        )
     for key, v in logit_bias.items():
         if not (key.isascii() and key.isdigit()):
-            raise APIError(400, f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
-                           param="logit_bias")  # fmt: skip
+            raise APIError(
+                400,
+                f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                param="logit_bias",
+            )
         if not (math.isfinite(v) and -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE):
-            raise APIError(400, f"logit_bias values must be between -100 and 100, got {v} for token {key}",
-                           param="logit_bias")  # fmt: skip
+            raise APIError(
+                400,
+                f"logit_bias values must be between -100 and 100, got {v} for token {key}",
+                param="logit_bias",
+            )
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -191,9 +231,13 @@ class CompletionRequest(SamplingFields, kw_only=True):
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
             if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
-                raise APIError(400, f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {n}", param=name)
+                raise APIError(
+                    400, f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {n}", param=name
+                )
         if self.max_tokens is not None and self.max_tokens < 1:
-            raise APIError(400, f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens")
+            raise APIError(
+                400, f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens"
+            )
         if self.temperature is not None and not 0 <= self.temperature <= 2:
             raise APIError(400, "temperature must be between 0 and 2", param="temperature")
         if self.top_p is not None and not 0 < self.top_p <= 1:
@@ -205,8 +249,11 @@ class CompletionRequest(SamplingFields, kw_only=True):
                 raise APIError(400, "only one prompt per request is supported", param="prompt")
             p = p[0]
             if not isinstance(p, str) and not (isinstance(p, list) and all(map(_is_token, p))):
-                raise APIError(400, "prompt must be a string, a list of token ids, or a list "
-                                    "holding one of those", param="prompt")  # fmt: skip
+                raise APIError(
+                    400,
+                    "prompt must be a string, a list of token ids, or a list holding one of those",
+                    param="prompt",
+                )
         elif isinstance(p, list) and not all(map(_is_token, p)):
             raise APIError(400, "prompt token ids must be integers", param="prompt")
         if not p:
@@ -246,10 +293,12 @@ class CompletionLogprobs(msgspec.Struct, kw_only=True):
 
 def merge_logprobs(parts: list[CompletionLogprobs]) -> CompletionLogprobs:
     """The streamed parts of one answer's logprobs as one object (offsets already run on)."""
-    return CompletionLogprobs(tokens=[t for p in parts for t in p.tokens],
-                              token_logprobs=[v for p in parts for v in p.token_logprobs],
-                              top_logprobs=[d for p in parts for d in p.top_logprobs],
-                              text_offset=[o for p in parts for o in p.text_offset])  # fmt: skip
+    return CompletionLogprobs(
+        tokens=[t for p in parts for t in p.tokens],
+        token_logprobs=[v for p in parts for v in p.token_logprobs],
+        top_logprobs=[d for p in parts for d in p.top_logprobs],
+        text_offset=[o for p in parts for o in p.text_offset],
+    )
 
 
 class PromptLogprob(msgspec.Struct, kw_only=True):

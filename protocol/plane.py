@@ -69,15 +69,21 @@ class PlaneSecurity:
     def check_start(self, hosts: Iterable[str], what: str) -> None:
         """Refuse (SecretError) or warn about a start without a secret (cluster_secret's rule)."""
         if self.protect_metrics and self.secret is None:
-            raise SecretError("--protect-metrics needs a cluster secret (--cluster-secret-file): "
-                              "without one nothing could read /metrics")  # fmt: skip
+            raise SecretError(
+                "--protect-metrics needs a cluster secret (--cluster-secret-file): "
+                "without one nothing could read /metrics"
+            )
         require_secret_policy(self.secret, hosts, self.insecure, what)
 
     def middlewares(self, extra_check: Callable[[web.Request], bool] | None = None) -> list:
         """The server's auth middleware (outermost), or none without a secret."""
         if self.secret is None:
             return []
-        return [auth_middleware(self.secret, protect_metrics=self.protect_metrics, extra_check=extra_check)]
+        return [
+            auth_middleware(
+                self.secret, protect_metrics=self.protect_metrics, extra_check=extra_check
+            )
+        ]
 
     def server_ssl(self) -> ssl.SSLContext | None:
         if not self.tls_cert:
@@ -86,7 +92,9 @@ class PlaneSecurity:
         try:
             ctx.load_cert_chain(self.tls_cert, self.tls_key)
         except (OSError, ssl.SSLError) as e:
-            raise SecretError(f"cannot load --tls-cert {self.tls_cert!r} / --tls-key: {e}") from None
+            raise SecretError(
+                f"cannot load --tls-cert {self.tls_cert!r} / --tls-key: {e}"
+            ) from None
         return ctx
 
     def client_ssl(self) -> ssl.SSLContext | bool:
@@ -100,10 +108,14 @@ class PlaneSecurity:
             raise SecretError(f"cannot load --tls-ca {self.tls_ca!r}: {e}") from None
         return ctx
 
-    def client_session(self, trace_configs: list[aiohttp.TraceConfig] | None = None,
-                       **connector: object) -> aiohttp.ClientSession:  # fmt: skip
+    def client_session(
+        self, trace_configs: list[aiohttp.TraceConfig] | None = None, **connector: object
+    ) -> aiohttp.ClientSession:
         """A session for the internal plane only: every request carries the secret. (Never for a
         session that also reaches third parties: the gateway adds `headers` per request.)
         `trace_configs`: protocol/tracing.py's, so the session's requests carry `traceparent`."""
-        return aiohttp.ClientSession(headers=self.headers, trace_configs=trace_configs,
-                                     connector=aiohttp.TCPConnector(ssl=self.client_ssl(), **connector))  # type: ignore[arg-type]  # fmt: skip
+        return aiohttp.ClientSession(
+            headers=self.headers,
+            trace_configs=trace_configs,
+            connector=aiohttp.TCPConnector(ssl=self.client_ssl(), **connector),
+        )  # type: ignore[arg-type]

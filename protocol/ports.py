@@ -65,7 +65,9 @@ def free_port(host: str = "127.0.0.1", rng: random.Random | None = None) -> int:
     was handed within CLAIM_TTL_S (see the module docstring). `rng`: the draws (tests)."""
     lo, hi = _ephemeral_range()
     pool = range(10_000, lo) if lo - 10_000 >= 1000 else range(hi + 1, 65_536)
-    rng = rng or random.Random()  # seeded afresh: processes forked from one parent draw different ports
+    rng = (
+        rng or random.Random()
+    )  # seeded afresh: processes forked from one parent draw different ports
     for _ in range(500):
         port = rng.choice(pool)
         if port in _HANDED:

@@ -91,16 +91,26 @@ class StepModel(msgspec.Struct, frozen=True, kw_only=True):
     max_context_tokens: int = 0
 
     def seconds(self, f: StepFeatures) -> float:
-        return (self.intercept_s + self.prefill_s * f.prefill_tokens + self.decode_s * f.decode_seqs
-                + self.context_s * f.context_tokens + self.attention_s * f.attention
-                + self.cached_attention_s * f.cached_attention)  # fmt: skip
+        return (
+            self.intercept_s
+            + self.prefill_s * f.prefill_tokens
+            + self.decode_s * f.decode_seqs
+            + self.context_s * f.context_tokens
+            + self.attention_s * f.attention
+            + self.cached_attention_s * f.cached_attention
+        )
 
     def scaled(self, factor: float) -> StepModel:
         """Every coefficient × factor (a node kind that is uniformly faster or slower)."""
         return msgspec.structs.replace(
-            self, intercept_s=self.intercept_s * factor, prefill_s=self.prefill_s * factor,
-            decode_s=self.decode_s * factor, context_s=self.context_s * factor,
-            attention_s=self.attention_s * factor, cached_attention_s=self.cached_attention_s * factor)  # fmt: skip
+            self,
+            intercept_s=self.intercept_s * factor,
+            prefill_s=self.prefill_s * factor,
+            decode_s=self.decode_s * factor,
+            context_s=self.context_s * factor,
+            attention_s=self.attention_s * factor,
+            cached_attention_s=self.cached_attention_s * factor,
+        )
 
 
 class Transport(msgspec.Struct, frozen=True, kw_only=True):
@@ -149,8 +159,12 @@ class Overheads(msgspec.Struct, frozen=True, kw_only=True):
 
     def scaled(self, factor: float) -> Overheads:
         """The wall figures × factor (CPU figures are machine-independent: they stay)."""
-        return msgspec.structs.replace(self, request_s=self.request_s * factor, pd_hop_s=self.pd_hop_s * factor,
-                                       stream_s=self.stream_s * factor)  # fmt: skip
+        return msgspec.structs.replace(
+            self,
+            request_s=self.request_s * factor,
+            pd_hop_s=self.pd_hop_s * factor,
+            stream_s=self.stream_s * factor,
+        )
 
 
 class CoRunShape(msgspec.Struct, frozen=True, kw_only=True):
@@ -225,8 +239,9 @@ class Profile(msgspec.Struct, kw_only=True):
         if self.contention is None or not factor > 0:
             return self
         k = factor / self.contention
-        return msgspec.structs.replace(self, step=self.step.scaled(k), contention=factor,
-                                       overheads=self.overheads.scaled(k))  # fmt: skip
+        return msgspec.structs.replace(
+            self, step=self.step.scaled(k), contention=factor, overheads=self.overheads.scaled(k)
+        )
 
     def cpu_to_wall(self, cpu_s: float) -> float:
         """Wall seconds that `cpu_s` of CPU costs at this profile's contention."""

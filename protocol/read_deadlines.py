@@ -89,8 +89,10 @@ class ReadDeadlines:
 def _timeout_answer(message: str) -> bytes:
     """A whole HTTP/1.1 408 answer in OpenAI's error body, closing the connection."""
     body = msgspec.json.encode(APIError(408, message, code="request_timeout").body())
-    head = (f"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-            "Connection: close\r\n\r\n")  # fmt: skip
+    head = (
+        f"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -208,8 +210,10 @@ class DeadlineHandler(OpenAIErrorHandler):
         if self._current_request is not None:  # an answer is being written: the next request waits
             self._await_headers()
             return
-        self._expire(f"the request's headers did not arrive within {self._deadlines.header_timeout_s:g} s",
-                     answer=True)  # fmt: skip
+        self._expire(
+            f"the request's headers did not arrive within {self._deadlines.header_timeout_s:g} s",
+            answer=True,
+        )
 
     # -- body ---------------------------------------------------------------------------------
 
@@ -248,9 +252,11 @@ class DeadlineHandler(OpenAIErrorHandler):
         # answered without reading the whole body (a 401) has had its say — aiohttp is only
         # draining the rest (lingering) — and a second answer would be one to no request.
         request = self._current_request
-        self._expire(f"the request body arrived slower than {d.body_min_rate_bytes_s} bytes/s (after "
-                     f"{d.body_timeout_s:g} s; {self._body_bytes} bytes in {now - self._body_since:.0f} s)",
-                     answer=request is not None and request.writer.output_size == 0)  # fmt: skip
+        self._expire(
+            f"the request body arrived slower than {d.body_min_rate_bytes_s} bytes/s (after "
+            f"{d.body_timeout_s:g} s; {self._body_bytes} bytes in {now - self._body_since:.0f} s)",
+            answer=request is not None and request.writer.output_size == 0,
+        )
 
     # -- both ---------------------------------------------------------------------------------
 
@@ -286,8 +292,12 @@ class DeadlineAppRunner(AppRunner):
 
     async def _make_server(self) -> web.Server:
         base = await super()._make_server()
-        server = self.server_class(base.request_handler, request_factory=base.request_factory,
-                                   handler_cancellation=base.handler_cancellation, loop=asyncio.get_running_loop(),
-                                   **base._kwargs)  # fmt: skip
+        server = self.server_class(
+            base.request_handler,
+            request_factory=base.request_factory,
+            handler_cancellation=base.handler_cancellation,
+            loop=asyncio.get_running_loop(),
+            **base._kwargs,
+        )
         server.deadlines = self._deadlines
         return server

@@ -96,7 +96,9 @@ class SamplingParams:
         if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not -1 <= self.top_k < 2**31:
-            raise ValueError(f"top_k must be -1, 0 or a positive count below 2**31, got {self.top_k}")
+            raise ValueError(
+                f"top_k must be -1, 0 or a positive count below 2**31, got {self.top_k}"
+            )
         if self.max_tokens >= 2**31:
             raise ValueError(f"max_tokens must be below 2**31, got {self.max_tokens}")
         if self.min_tokens < 0:
@@ -105,18 +107,28 @@ class SamplingParams:
             raise ValueError(f"seed must fit in 64 bits, got {self.seed}")
         for name in ("logprobs", "prompt_logprobs"):
             n = getattr(self, name)
-            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS):
-                raise ValueError(f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {n!r}")
+            if n is not None and (
+                isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_TOP_LOGPROBS
+            ):
+                raise ValueError(
+                    f"{name} must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {n!r}"
+                )
         if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT:
             raise ValueError(f"cache_salt must be 1 to {MAX_CACHE_SALT} characters")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         self._check_penalties()
         if self.first_token is not None:
-            if isinstance(self.first_token, bool) or not isinstance(self.first_token, int) or self.first_token < 0:
+            if (
+                isinstance(self.first_token, bool)
+                or not isinstance(self.first_token, int)
+                or self.first_token < 0
+            ):
                 raise ValueError(f"first_token must be a token id >= 0, got {self.first_token!r}")
             if self.guide is None:  # an unguided decode leg samples its first token itself
-                raise ValueError("first_token (the prefill node's sampled token) is taken only with a guide")
+                raise ValueError(
+                    "first_token (the prefill node's sampled token) is taken only with a guide"
+                )
 
     def _check_penalties(self) -> None:
         for name in ("frequency_penalty", "presence_penalty"):
@@ -124,11 +136,15 @@ class SamplingParams:
             if not math.isfinite(v) or not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {v}")
         if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+            )
         if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+            raise ValueError(
+                f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"
+            )
         for t, v in self.logit_bias.items():
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {t!r}")
@@ -141,8 +157,12 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         """Whether any penalty or bias changes the logits before sampling."""
-        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)  # fmt: skip
+        return bool(
+            self.frequency_penalty
+            or self.presence_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
 
     @property
     def greedy(self) -> bool:

@@ -24,7 +24,11 @@ from protocol.openai import APIError
 
 _ENC = msgspec.json.Encoder()
 DONE = b"data: [DONE]\n\n"
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
 #: an SSE line longer than this is a broken stream
 MAX_LINE = 16 * 2**20
 

@@ -35,13 +35,17 @@ def strict_mode(env: Mapping[str, str] | None = None) -> bool:
 
 
 def _why(env: Mapping[str, str]) -> str:
-    return "CI=" + env["CI"] if _truthy(env.get("CI")) else "DUET_STRICT=" + env.get("DUET_STRICT", "")
+    return (
+        "CI=" + env["CI"] if _truthy(env.get("CI")) else "DUET_STRICT=" + env.get("DUET_STRICT", "")
+    )
 
 
 def fallback(log: logging.Logger, broken: str, instead: str) -> None:
     """Call where `broken` is about to be replaced by `instead`: in strict mode raise
     FallbackRefused naming both; otherwise log exactly one warning and return."""
     if strict_mode():
-        raise FallbackRefused(f"{broken}; strict mode ({_why(os.environ)}) refuses to fall back to {instead}. "
-                              "Fix the cause, or unset CI/DUET_STRICT to accept the fallback.")  # fmt: skip
+        raise FallbackRefused(
+            f"{broken}; strict mode ({_why(os.environ)}) refuses to fall back to {instead}. "
+            "Fix the cause, or unset CI/DUET_STRICT to accept the fallback."
+        )
     log.warning("%s; falling back to %s", broken, instead)

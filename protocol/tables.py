@@ -16,8 +16,13 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def from_table(cls: type[T], data: Any, where: str, error: type[Exception],
-               item: Callable[[Any], Any] = lambda x: x) -> T:  # fmt: skip
+def from_table(
+    cls: type[T],
+    data: Any,
+    where: str,
+    error: type[Exception],
+    item: Callable[[Any], Any] = lambda x: x,
+) -> T:
     """`cls(**data)`; `where` names the table in errors (e.g. "[server]"), `item` converts each
     array element."""
     if not isinstance(data, dict):
@@ -25,7 +30,9 @@ def from_table(cls: type[T], data: Any, where: str, error: type[Exception],
     names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
     unknown = sorted(set(data) - names)
     if unknown:
-        raise error(f"{where} has unknown keys: {', '.join(unknown)} (known: {', '.join(sorted(names))})")
+        raise error(
+            f"{where} has unknown keys: {', '.join(unknown)} (known: {', '.join(sorted(names))})"
+        )
     data = {k: tuple(item(x) for x in v) if isinstance(v, list) else v for k, v in data.items()}
     try:
         return cls(**data)

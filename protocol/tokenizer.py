@@ -66,7 +66,10 @@ class Tokenizer:
             template_file.read_text() if template_file.is_file() else cfg.get("chat_template")
         )
         eos: set[int] = set()
-        if self.eos_token is not None and (tid := self._tok.token_to_id(self.eos_token)) is not None:
+        if (
+            self.eos_token is not None
+            and (tid := self._tok.token_to_id(self.eos_token)) is not None
+        ):
             eos.add(tid)
         for name in ("generation_config.json", "config.json"):
             eos.update(_ids(_read_json(model_dir / name).get("eos_token_id")))
@@ -121,6 +124,8 @@ class Tokenizer:
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
-    def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self, messages: Sequence[Message], add_generation_prompt: bool = True
+    ) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         return self.encode(text, add_special_tokens=False)

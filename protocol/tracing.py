@@ -120,9 +120,12 @@ def from_env(ring_size: int = 0, base: TracingConfig | None = None) -> TracingCo
     base = base or TracingConfig()
     on = env_enabled()
     enabled = base.enabled if on is None else on
-    return TracingConfig(enabled=enabled, endpoint=base.endpoint,
-                         ring_size=ring_size if base.ring_size is None else base.ring_size,
-                         sample_ratio=base.sample_ratio)  # fmt: skip
+    return TracingConfig(
+        enabled=enabled,
+        endpoint=base.endpoint,
+        ring_size=ring_size if base.ring_size is None else base.ring_size,
+        sample_ratio=base.sample_ratio,
+    )
 
 
 class SpanRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -180,12 +183,17 @@ class SpanRing:
     def _record(self, span: ReadableSpan) -> SpanRecord:
         ctx, parent = span.context, span.parent
         return SpanRecord(
-            trace_id=f"{ctx.trace_id:032x}", span_id=f"{ctx.span_id:016x}",
-            parent_id=f"{parent.span_id:016x}" if parent is not None else None, name=span.name,
-            service=self._service, start_ns=span.start_time or 0, end_ns=span.end_time or 0,
-            error=span.status.status_code.name == "ERROR", kind=span.kind.name.lower(),
+            trace_id=f"{ctx.trace_id:032x}",
+            span_id=f"{ctx.span_id:016x}",
+            parent_id=f"{parent.span_id:016x}" if parent is not None else None,
+            name=span.name,
+            service=self._service,
+            start_ns=span.start_time or 0,
+            end_ns=span.end_time or 0,
+            error=span.status.status_code.name == "ERROR",
+            kind=span.kind.name.lower(),
             attributes={k: _attr_value(v) for k, v in (span.attributes or {}).items()},
-        )  # fmt: skip
+        )
 
     def trace(self, trace_id: str, limit: int | None = None) -> list[SpanRecord]:
         """The spans of one trace in start order; `limit`: the first that many (the newest
@@ -212,10 +220,21 @@ class SpanRing:
     def values(self, attribute: str) -> set[object]:
         """Every value `attribute` has in the ring, in one pass (a page asking "is this request
         traced?" for 100 rows scanned the whole ring 100 times)."""
-        return {s.attributes[attribute] for s in list(self._spans) if s.attributes and attribute in s.attributes}
+        return {
+            s.attributes[attribute]
+            for s in list(self._spans)
+            if s.attributes and attribute in s.attributes
+        }
 
     def find(self, attribute: str, value: object) -> SpanRecord | None:
-        s = next((s for s in reversed(list(self._spans)) if s.attributes and s.attributes.get(attribute) == value), None)
+        s = next(
+            (
+                s
+                for s in reversed(list(self._spans))
+                if s.attributes and s.attributes.get(attribute) == value
+            ),
+            None,
+        )
         return self._record(s) if s is not None else None
 
 
@@ -225,7 +244,9 @@ _NOOP = contextlib.nullcontext()
 class Tracing:
     """A process's tracer. Every method is cheap and does nothing when tracing is off."""
 
-    def __init__(self, provider: TracerProvider | None = None, ring: SpanRing | None = None) -> None:
+    def __init__(
+        self, provider: TracerProvider | None = None, ring: SpanRing | None = None
+    ) -> None:
         self.enabled = provider is not None
         self.provider = provider
         self.ring = ring
@@ -250,8 +271,15 @@ class Tracing:
 
         return self._tracer.start_as_current_span(name, kind=SpanKind[kind], attributes=attributes)
 
-    def start(self, name: str, attributes: Attrs | None = None, *, kind: str = "INTERNAL",
-              parent: Span | None = None, start_ns: int | None = None) -> Span | None:  # fmt: skip
+    def start(
+        self,
+        name: str,
+        attributes: Attrs | None = None,
+        *,
+        kind: str = "INTERNAL",
+        parent: Span | None = None,
+        start_ns: int | None = None,
+    ) -> Span | None:
         """A span the caller ends with `end` (child of `parent`, else of the current span)."""
         if self._tracer is None:
             return None
@@ -259,12 +287,17 @@ class Tracing:
         from opentelemetry.trace import SpanKind
 
         ctx = trace.set_span_in_context(parent) if parent is not None else None
-        return self._tracer.start_span(name, context=ctx, kind=SpanKind[kind], attributes=attributes,
-                                       start_time=start_ns)  # fmt: skip
+        return self._tracer.start_span(
+            name, context=ctx, kind=SpanKind[kind], attributes=attributes, start_time=start_ns
+        )
 
     @staticmethod
-    def end(span: Span | None, attributes: Attrs | None = None, error: str | None = None,
-            end_ns: int | None = None) -> None:  # fmt: skip
+    def end(
+        span: Span | None,
+        attributes: Attrs | None = None,
+        error: str | None = None,
+        end_ns: int | None = None,
+    ) -> None:
         if span is None:
             return
         if attributes:
@@ -284,8 +317,14 @@ class Tracing:
 
         return trace.use_span(span, end_on_exit=False)
 
-    def record(self, name: str, start_ns: int, end_ns: int, attributes: Attrs | None = None,
-               parent: Span | None = None) -> None:  # fmt: skip
+    def record(
+        self,
+        name: str,
+        start_ns: int,
+        end_ns: int,
+        attributes: Attrs | None = None,
+        parent: Span | None = None,
+    ) -> None:
         """A span measured already (child of `parent`, else of the current span)."""
         if self._tracer is None:
             return
@@ -348,8 +387,19 @@ class Tracing:
         tc.on_request_start.append(inject)
         return [tc]
 
-    def middleware(self, skip: tuple[str, ...] = ("/health", "/metrics", "/kv/events", "/kv/snapshot", "/console",
-                                                  "/cluster", "/spans"), trust_parent: bool = True) -> list[Any]:  # fmt: skip
+    def middleware(
+        self,
+        skip: tuple[str, ...] = (
+            "/health",
+            "/metrics",
+            "/kv/events",
+            "/kv/snapshot",
+            "/console",
+            "/cluster",
+            "/spans",
+        ),
+        trust_parent: bool = True,
+    ) -> list[Any]:
         """[] when off; else an aiohttp middleware opening a SERVER span per request. Probes,
         long-lived streams and what the console and `duet status` poll are not traced: they
         would crowd out the requests in the ring.
@@ -368,8 +418,9 @@ class Tracing:
         tracer, propagator = self._tracer, self._propagator
 
         @web.middleware
-        async def traced(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) \
-                -> web.StreamResponse:  # fmt: skip
+        async def traced(
+            request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+        ) -> web.StreamResponse:
             if request.path.startswith(skip):
                 return await handler(request)
             route = request.match_info.route.resource
@@ -382,8 +433,14 @@ class Tracing:
                 client = trace.get_current_span(ctx).get_span_context()
                 links = [Link(client)] if client.is_valid else None
                 ctx = trace.set_span_in_context(trace.INVALID_SPAN)
-            with tracer.start_as_current_span(name, context=ctx, kind=SpanKind.SERVER, links=links,
-                                              record_exception=False, set_status_on_exception=False) as span:  # fmt: skip
+            with tracer.start_as_current_span(
+                name,
+                context=ctx,
+                kind=SpanKind.SERVER,
+                links=links,
+                record_exception=False,
+                set_status_on_exception=False,
+            ) as span:
                 span.set_attribute("http.request.method", request.method)
                 span.set_attribute("url.path", request.path)
                 try:
@@ -401,7 +458,9 @@ class Tracing:
 
         return [traced]
 
-    def install(self, app: web.Application, after: Any = None, at: int = 0, trust_parent: bool = True) -> None:
+    def install(
+        self, app: web.Application, after: Any = None, at: int = 0, trust_parent: bool = True
+    ) -> None:
         """Put `middleware()` into `app`'s chain right after `after` (else at `at`): a no-op when
         off. Called once the app's own chain is built. `trust_parent`: see `middleware`."""
         if after is not None:
@@ -428,20 +487,31 @@ def setup(service: str, cfg: TracingConfig) -> Tracing:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
         from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
     except ImportError as e:
-        raise RuntimeError(f"tracing is on but OpenTelemetry is not installed ({e}): pip install 'duet[tracing]'") \
-            from None  # fmt: skip
-    provider = TracerProvider(resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or service}),
-                              sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)))  # fmt: skip
+        raise RuntimeError(
+            f"tracing is on but OpenTelemetry is not installed ({e}): pip install 'duet[tracing]'"
+        ) from None
+    provider = TracerProvider(
+        resource=Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME") or service}),
+        sampler=ParentBased(TraceIdRatioBased(cfg.sample_ratio)),
+    )
     ring = None
     if cfg.ring_size:
         ring = SpanRing(cfg.ring_size, service)
         provider.add_span_processor(ring)  # type: ignore[arg-type]
     endpoint = cfg.endpoint
     env = os.environ
-    if endpoint or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"):
+    if (
+        endpoint
+        or env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+        or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    ):
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        exporter = OTLPSpanExporter(endpoint=f"{endpoint.rstrip('/')}/v1/traces") if endpoint else OTLPSpanExporter()
+        exporter = (
+            OTLPSpanExporter(endpoint=f"{endpoint.rstrip('/')}/v1/traces")
+            if endpoint
+            else OTLPSpanExporter()
+        )
         provider.add_span_processor(BatchSpanProcessor(exporter))
     return Tracing(provider, ring)
 

@@ -70,7 +70,10 @@ class Layout:
         return sum(g.count for g in self.groups)
 
     def label(self) -> str:
-        parts = [f"{g.count}{ {'both': 'C', 'prefill': 'P', 'decode': 'D'}[g.role] }" for g in self.groups]
+        parts = [
+            f"{g.count}{ {'both': 'C', 'prefill': 'P', 'decode': 'D'}[g.role] }"
+            for g in self.groups
+        ]
         extra = []
         if self.max_num_seqs:
             extra.append(f"seqs={self.max_num_seqs}")
@@ -80,7 +83,9 @@ class Layout:
 
 
 class SimCluster:
-    def __init__(self, profile: Profile, layout: Layout, *, step_jitter: float = 0.0, seed: int = 0) -> None:
+    def __init__(
+        self, profile: Profile, layout: Layout, *, step_jitter: float = 0.0, seed: int = 0
+    ) -> None:
         """`step_jitter`: sigma of each step's lognormal noise (sim/jitter.py; 0: none), per
         node seeded from `seed` and the node's index."""
         self.profile = profile
@@ -102,17 +107,38 @@ class SimCluster:
             for _ in range(g.count):
                 nid = f"{g.role[0]}{n}"
                 n += 1
-                node = SimNode(nid, g.role, profile.step, num_blocks=profile.kv_blocks(), block_size=k.block_size,
-                               max_num_seqs=layout.max_num_seqs or k.max_num_seqs,
-                               max_num_batched_tokens=layout.max_num_batched_tokens or k.max_num_batched_tokens,
-                               on_events=self._on_events, token_s=0.0 if g.role == "prefill" else token_s,
-                               decode_factor=1.0 if g.role == "prefill" else profile.overheads.decode_step_factor,
-                               host=host, jitter=StepJitter(step_jitter, seed * 1000 + n) if step_jitter else None)  # fmt: skip
+                node = SimNode(
+                    nid,
+                    g.role,
+                    profile.step,
+                    num_blocks=profile.kv_blocks(),
+                    block_size=k.block_size,
+                    max_num_seqs=layout.max_num_seqs or k.max_num_seqs,
+                    max_num_batched_tokens=layout.max_num_batched_tokens
+                    or k.max_num_batched_tokens,
+                    on_events=self._on_events,
+                    token_s=0.0 if g.role == "prefill" else token_s,
+                    decode_factor=1.0
+                    if g.role == "prefill"
+                    else profile.overheads.decode_step_factor,
+                    host=host,
+                    jitter=StepJitter(step_jitter, seed * 1000 + n) if step_jitter else None,
+                )
                 node.on_reserved = self._start_transfer
                 self.nodes[nid] = node
-                info = NodeInfo(node_id=nid, role=g.role, url=f"sim://{nid}", model=MODEL, engine_id=nid,
-                                block_size=k.block_size, kv_layout_hash="sim", kv_capacity_blocks=profile.kv_blocks(),
-                                max_model_len=k.max_model_len, pool=g.pool, started_at=0.0)  # fmt: skip
+                info = NodeInfo(
+                    node_id=nid,
+                    role=g.role,
+                    url=f"sim://{nid}",
+                    model=MODEL,
+                    engine_id=nid,
+                    block_size=k.block_size,
+                    kv_layout_hash="sim",
+                    kv_capacity_blocks=profile.kv_blocks(),
+                    max_model_len=k.max_model_len,
+                    pool=g.pool,
+                    started_at=0.0,
+                )
                 self.views[nid] = NodeView(info=info, connected=True)
         #: D request id -> (P node, P request id): whose blocks a transfer reads
         self._sources: dict[str, tuple[SimNode, str]] = {}
@@ -133,8 +159,13 @@ class SimCluster:
         waiting = sum(n.scheduler.num_waiting for n in self.nodes.values())
         running = sum(n.scheduler.num_running for n in self.nodes.values())
         kv = sum(n.pool.usage for n in self.nodes.values()) / len(self.nodes)
-        self.collector.sample(now, self.admission.depth("interactive") + self.admission.depth("batch"),
-                              waiting, running, kv)  # fmt: skip
+        self.collector.sample(
+            now,
+            self.admission.depth("interactive") + self.admission.depth("batch"),
+            waiting,
+            running,
+            kv,
+        )
 
     async def _load_ticker(self) -> None:
         loop = asyncio.get_running_loop()
@@ -143,11 +174,19 @@ class SimCluster:
             await asyncio.sleep(LOAD_INTERVAL_S)
 
     def route(self, item: WorkItem, now: float):  # -> coordinator.policy.Decision
-        req = RouteRequest(model=MODEL, block_hashes=block_hashes(item.prompt, self.block_size),
-                           num_prompt_tokens=len(item.prompt), max_tokens=item.max_tokens,
-                           tier=item.tier)  # fmt: skip
+        req = RouteRequest(
+            model=MODEL,
+            block_hashes=block_hashes(item.prompt, self.block_size),
+            num_prompt_tokens=len(item.prompt),
+            max_tokens=item.max_tokens,
+            tier=item.tier,
+        )
         decision = self.router.route(req, self.views.values(), self.index, now)
-        for node_id, (seqs, tokens, blocks) in decision.pending.items():  # as CoordinatorService.route
+        for node_id, (
+            seqs,
+            tokens,
+            blocks,
+        ) in decision.pending.items():  # as CoordinatorService.route
             self.views[node_id].add_pending(now, seqs, tokens, blocks)
         return decision
 
@@ -200,13 +239,25 @@ class SimCluster:
                     res.path = "disaggregated"
                     p = self.nodes[decision.response.prefill.node_id]
                     p_rid = rid + "/p"
-                    preq = Request(p_rid, item.prompt, SamplingParams(max_tokens=1, ignore_eos=True),
-                                   priority=prio, arrival_time=loop.time(), hold_blocks=True)  # fmt: skip
+                    preq = Request(
+                        p_rid,
+                        item.prompt,
+                        SamplingParams(max_tokens=1, ignore_eos=True),
+                        priority=prio,
+                        arrival_time=loop.time(),
+                        hold_blocks=True,
+                    )
                     await p.add(preq, lambda r, t: None)
                     await asyncio.sleep(ov.pd_hop_s)
                     self._sources[rid] = (p, p_rid)
-                    req = Request(rid, item.prompt, params, priority=prio, arrival_time=loop.time(),
-                                  remote_num_tokens=len(item.prompt))  # fmt: skip
+                    req = Request(
+                        rid,
+                        item.prompt,
+                        params,
+                        priority=prio,
+                        arrival_time=loop.time(),
+                        remote_num_tokens=len(item.prompt),
+                    )
                     await d.add(req, on_token)
                 res.cached_tokens = req.num_cached_tokens
         except Shed:

@@ -34,17 +34,45 @@ from sim.driver import Driver
 READY = "corun-neighbour-ready"
 
 
-def _config(model: str, dtype: str, threads: int, quantization: str | None, kv_memory: str,
-            max_model_len: int, max_num_batched_tokens: int):  # -> EngineConfig  # fmt: skip
+def _config(
+    model: str,
+    dtype: str,
+    threads: int,
+    quantization: str | None,
+    kv_memory: str,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+):  # -> EngineConfig
     from engine.config import EngineConfig
 
-    return EngineConfig(model=model, dtype=dtype, device="cpu", threads=threads, kv_memory=kv_memory,
-                        max_model_len=max_model_len, max_num_seqs=64, max_num_batched_tokens=max_num_batched_tokens,
-                        enable_prefix_caching=False, quantization=quantization, max_waiting_requests=4096)  # fmt: skip
+    return EngineConfig(
+        model=model,
+        dtype=dtype,
+        device="cpu",
+        threads=threads,
+        kv_memory=kv_memory,
+        max_model_len=max_model_len,
+        max_num_seqs=64,
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=False,
+        quantization=quantization,
+        max_waiting_requests=4096,
+    )
 
 
-def measure(core, *, model: str, dtype: str, threads: int, quantization: str | None, kv_memory: str,
-            max_model_len: int, log: Callable[[str], None], reps: int = 9, timeout_s: float = 300.0) -> CoRun:  # type: ignore[no-untyped-def]  # fmt: skip
+def measure(
+    core,
+    *,
+    model: str,
+    dtype: str,
+    threads: int,
+    quantization: str | None,
+    kv_memory: str,
+    max_model_len: int,
+    log: Callable[[str], None],
+    reps: int = 9,
+    timeout_s: float = 300.0,
+) -> CoRun:  # type: ignore[no-untyped-def]
     chunk = core.config.max_num_batched_tokens
     d = Driver(core, seed=1)
     for _ in range(2):  # warm: the first steps of each shape allocate
@@ -53,11 +81,28 @@ def measure(core, *, model: str, dtype: str, threads: int, quantization: str | N
     for _ in range(2):
         d.cpu_step()
     d.drain()
-    cmd = [sys.executable, "-m", "sim.corun", "--model", model, "--dtype", dtype, "--threads", str(threads),
-           "--kv-memory", kv_memory, "--max-model-len", str(max_model_len), "--chunk", str(chunk),
-           *(["--quantization", quantization] if quantization else [])]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "sim.corun",
+        "--model",
+        model,
+        "--dtype",
+        dtype,
+        "--threads",
+        str(threads),
+        "--kv-memory",
+        kv_memory,
+        "--max-model-len",
+        str(max_model_len),
+        "--chunk",
+        str(chunk),
+        *(["--quantization", quantization] if quantization else []),
+    ]
     log(f"co-run: timing steps alone and beside a busy neighbour, in pairs ({' '.join(cmd[1:])})")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     pairs: dict[str, list[tuple[float, float]]] = {"prefill": [], "decode": []}
     try:
         deadline = time.monotonic() + timeout_s
@@ -87,13 +132,30 @@ def measure(core, *, model: str, dtype: str, threads: int, quantization: str | N
     finally:
         _stop(proc)
         d.drain()
-    shapes = [CoRunShape(name=n, alone_cpu_s=statistics.median(a for a, _ in ps),
-                         beside_cpu_s=statistics.median(b for _, b in ps)) for n, ps in pairs.items()]  # fmt: skip
+    shapes = [
+        CoRunShape(
+            name=n,
+            alone_cpu_s=statistics.median(a for a, _ in ps),
+            beside_cpu_s=statistics.median(b for _, b in ps),
+        )
+        for n, ps in pairs.items()
+    ]
     ratio = {n: statistics.median(b / a for a, b in ps) for n, ps in pairs.items()}
-    log("co-run: " + ", ".join(f"{s.name} {s.alone_cpu_s * 1e3:.1f} → {s.beside_cpu_s * 1e3:.1f} ms CPU (median "
-                               f"ratio of {reps} pairs ×{ratio[s.name]:.2f})" for s in shapes))  # fmt: skip
-    return CoRun(prefill_factor=max(1.0, ratio["prefill"]), decode_factor=max(1.0, ratio["decode"]),
-                 cpus=os.cpu_count() or 0, shapes=shapes, provenance=Provenance.MEASURED)  # fmt: skip
+    log(
+        "co-run: "
+        + ", ".join(
+            f"{s.name} {s.alone_cpu_s * 1e3:.1f} → {s.beside_cpu_s * 1e3:.1f} ms CPU (median "
+            f"ratio of {reps} pairs ×{ratio[s.name]:.2f})"
+            for s in shapes
+        )
+    )
+    return CoRun(
+        prefill_factor=max(1.0, ratio["prefill"]),
+        decode_factor=max(1.0, ratio["decode"]),
+        cpus=os.cpu_count() or 0,
+        shapes=shapes,
+        provenance=Provenance.MEASURED,
+    )
 
 
 def _stop(proc: subprocess.Popen) -> None:
@@ -111,7 +173,9 @@ def neighbour(a: argparse.Namespace) -> int:
     """A busy node: 8 sequences decoding, a full prefill chunk riding along every fourth step."""
     from engine.core import EngineCore
 
-    core = EngineCore(_config(a.model, a.dtype, a.threads, a.quantization, a.kv_memory, a.max_model_len, a.chunk))
+    core = EngineCore(
+        _config(a.model, a.dtype, a.threads, a.quantization, a.kv_memory, a.max_model_len, a.chunk)
+    )
     d = Driver(core, seed=2)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     d.start_decoders()
@@ -128,8 +192,11 @@ def neighbour(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sim.corun", description="the busy neighbour of `duet bench "
-                                "profile`'s co-run measurement (runs until SIGTERM)")  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m sim.corun",
+        description="the busy neighbour of `duet bench "
+        "profile`'s co-run measurement (runs until SIGTERM)",
+    )
     p.add_argument("--model", required=True)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--threads", type=int, default=1)

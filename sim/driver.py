@@ -32,8 +32,11 @@ class Driver:
         from engine.sampling_params import SamplingParams
 
         self.n += 1
-        self.core.add_request(f"c{self.n}", (prefix or []) + self.tokens(prompt_len),
-                              SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0))  # fmt: skip
+        self.core.add_request(
+            f"c{self.n}",
+            (prefix or []) + self.tokens(prompt_len),
+            SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0),
+        )
 
     def cpu_step(self) -> float:
         c0 = time.process_time()
@@ -42,7 +45,9 @@ class Driver:
 
     def prefilling(self) -> bool:
         s = self.core.scheduler
-        return bool(s.waiting) or any(r.num_computed_tokens < r.num_prompt_tokens for r in s.running)
+        return bool(s.waiting) or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in s.running
+        )
 
     def drain(self) -> None:
         for rid in list(self.core.scheduler.requests):

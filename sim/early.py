@@ -26,8 +26,11 @@ class EarlyStop:
     def __init__(self, slo: SLO, measured: int, warmup_s: float) -> None:
         self.warmup_s = warmup_s
         self.bounds: list[tuple[str, float, int]] = []  # (what, bound s, count that proves a miss)
-        for what, bound, q in (("ttft", slo.ttft_p90_ms, 0.9), ("ttft", slo.ttft_p99_ms, 0.99),
-                               ("e2e", slo.e2e_p90_ms, 0.9)):  # fmt: skip
+        for what, bound, q in (
+            ("ttft", slo.ttft_p90_ms, 0.9),
+            ("ttft", slo.ttft_p99_ms, 0.99),
+            ("e2e", slo.e2e_p90_ms, 0.9),
+        ):
             if bound is not None:
                 self.bounds.append((what, bound / 1e3, needed(measured, q)))
         self.over = {"ttft": [0] * len(self.bounds), "e2e": [0] * len(self.bounds)}

@@ -31,8 +31,12 @@ from node.kv_events import POLL_INTERVAL_S
 
 
 class EventPoll:
-    def __init__(self, flush: Callable[[], None], pending: Callable[[], bool],
-                 interval_s: float = POLL_INTERVAL_S) -> None:  # fmt: skip
+    def __init__(
+        self,
+        flush: Callable[[], None],
+        pending: Callable[[], bool],
+        interval_s: float = POLL_INTERVAL_S,
+    ) -> None:
         self.interval_s = interval_s
         self._flush = flush
         self._pending = pending

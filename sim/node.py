@@ -69,15 +69,29 @@ class NodeStats:
 def features(chunks: list[ScheduledChunk]) -> StepFeatures:
     """The step's shape, as the engine's own online step model reads it (one definition)."""
     s = shape_of(chunks)
-    return StepFeatures(s.prefill_tokens, s.decode_seqs, s.context_tokens, s.attention, s.cached_attention)
+    return StepFeatures(
+        s.prefill_tokens, s.decode_seqs, s.context_tokens, s.attention, s.cached_attention
+    )
 
 
 class SimNode:
-    def __init__(self, node_id: str, role: str, step: StepModel, *, num_blocks: int, block_size: int,
-                 max_num_seqs: int, max_num_batched_tokens: int, enable_prefix_caching: bool = True,
-                 on_events: Callable[[str, list], None] | None = None, token_s: float = 0.0,
-                 decode_factor: float = 1.0, host: SharedHost | None = None,
-                 jitter: StepJitter | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        node_id: str,
+        role: str,
+        step: StepModel,
+        *,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_prefix_caching: bool = True,
+        on_events: Callable[[str, list], None] | None = None,
+        token_s: float = 0.0,
+        decode_factor: float = 1.0,
+        host: SharedHost | None = None,
+        jitter: StepJitter | None = None,
+    ) -> None:
         self.node_id = node_id
         self.role = role
         self.step_model = step
@@ -87,7 +101,9 @@ class SimNode:
         self.jitter = jitter
         self.pool = BlockPool(num_blocks, block_size, record_events=on_events is not None)
         self.kv = KVCacheManager(self.pool, enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens, max_num_seqs, True), self.kv)
+        self.scheduler = Scheduler(
+            SchedulerConfig(max_num_batched_tokens, max_num_seqs, True), self.kv
+        )
         self.on_events = on_events
         self.on_reserved: Callable[[SimNode, Request], None] = lambda node, req: None
         self.tracked: dict[str, Tracked] = {}
@@ -122,10 +138,16 @@ class SimNode:
         queued = s.queued_prefill_tokens()
         self.load_seq += 1
         self.stats.timeline.append((now, s.num_waiting, s.num_running, self.pool.usage))
-        return LoadFrame(seq=self.load_seq, ts=now, num_requests_waiting=s.num_waiting,
-                         num_requests_running=s.num_running, kv_cache_usage_perc=self.pool.usage,
-                         queued_prefill_tokens=queued, kv_blocks_free=self.pool.num_free,
-                         kv_blocks_total=self.pool.num_blocks)  # fmt: skip
+        return LoadFrame(
+            seq=self.load_seq,
+            ts=now,
+            num_requests_waiting=s.num_waiting,
+            num_requests_running=s.num_running,
+            kv_cache_usage_perc=self.pool.usage,
+            queued_prefill_tokens=queued,
+            kv_blocks_free=self.pool.num_free,
+            kv_blocks_total=self.pool.num_blocks,
+        )
 
     # -- the step loop -------------------------------------------------------------------------
     async def run(self) -> None:
@@ -196,4 +218,6 @@ class SimNode:
 def apply_events(index: PrefixIndex, node_id: str, seq: int, now: float, events: list) -> None:
     """Engine events → the wire structs (the native adapter's own conversion) → the
     coordinator subscriber's `apply_batch`: the index sees exactly what a real stream brings."""
-    apply_batch(index, node_id, EventBatch(seq=seq, ts=now, events=[_wire_event(e) for e in events]))
+    apply_batch(
+        index, node_id, EventBatch(seq=seq, ts=now, events=[_wire_event(e) for e in events])
+    )

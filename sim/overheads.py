@@ -75,7 +75,9 @@ class ShapeRun:
 
 
 #: the node counters read around a shape (node/metrics.py, engine/async_engine.py StepTiming)
-_COUNTER = re.compile(r"^(duet:engine_decode_steps|duet:engine_decode_step_seconds)_total\{[^}]*\} (\S+)$", re.M)
+_COUNTER = re.compile(
+    r"^(duet:engine_decode_steps|duet:engine_decode_step_seconds)_total\{[^}]*\} (\S+)$", re.M
+)
 
 
 def node_counters(parts: dict[str, int], headers: dict[str, str]) -> dict[str, float]:
@@ -109,35 +111,72 @@ def idle_rates(parts: dict[str, int], seconds: float = 5.0) -> dict[str, float]:
     return {k: c.cpu_s / dt for k, c in d.parts().items()}
 
 
-def run_shape(parts: dict[str, int], idle: dict[str, float], serve: list[str], shape: Shape, seed: int,
-              headers: dict[str, str] | None = None) -> ShapeRun:  # fmt: skip
+def run_shape(
+    parts: dict[str, int],
+    idle: dict[str, float],
+    serve: list[str],
+    shape: Shape,
+    seed: int,
+    headers: dict[str, str] | None = None,
+) -> ShapeRun:
     """One shape, one request at a time; with `headers` (the cluster secret's) the nodes' own
     decode-step counters are read around it too."""
     warmup = 2
-    cmd = [*serve, "--max-concurrency", "1", "--num-requests", str(shape.requests), "--warmup", str(warmup),
-           "--input-len", str(shape.prompt_tokens), "--output-len", str(shape.output_tokens), "--ignore-eos",
-           "--seed", str(seed), "--json", "--quiet"]  # fmt: skip
+    cmd = [
+        *serve,
+        "--max-concurrency",
+        "1",
+        "--num-requests",
+        str(shape.requests),
+        "--warmup",
+        str(warmup),
+        "--input-len",
+        str(shape.prompt_tokens),
+        "--output-len",
+        str(shape.output_tokens),
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--json",
+        "--quiet",
+    ]
     k0 = node_counters(parts, headers) if headers is not None else {}
     s0, t0 = procstat.snapshot(parts), time.perf_counter()
     with ContentionMeter() as meter:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     d, wall = procstat.snapshot(parts) - s0, time.perf_counter() - t0
     k1 = node_counters(parts, headers) if k0 else {}
-    steps = int(k1.get("duet:engine_decode_steps", 0) - k0.get("duet:engine_decode_steps", 0)) if k1 else 0
-    decode_step = ((k1["duet:engine_decode_step_seconds"] - k0["duet:engine_decode_step_seconds"]) / steps
-                   if steps else None)  # fmt: skip
+    steps = (
+        int(k1.get("duet:engine_decode_steps", 0) - k0.get("duet:engine_decode_steps", 0))
+        if k1
+        else 0
+    )
+    decode_step = (
+        (k1["duet:engine_decode_step_seconds"] - k0["duet:engine_decode_step_seconds"]) / steps
+        if steps
+        else None
+    )
     if r.returncode != 0:
         raise RuntimeError(f"bench serve failed ({r.returncode}): {r.stderr[-2000:]}")
     m = json.loads(r.stdout)
     if m["completed"] < shape.requests:
-        raise RuntimeError(f"{shape.requests - m['completed']} of {shape.requests} requests failed: {m['failures']}")
+        raise RuntimeError(
+            f"{shape.requests - m['completed']} of {shape.requests} requests failed: {m['failures']}"
+        )
     # the warm-up requests ran between the two readings too: divide by all of them
     n = shape.requests + warmup
     parts_cpu = d.parts()
     cpu = {k: max(0.0, c.cpu_s - idle.get(k, 0.0) * wall) / n for k, c in parts_cpu.items()}
-    return ShapeRun(cpu=cpu, ttft_ms=m["median_ttft_ms"], tpot_ms=m.get("median_tpot_ms"),
-                    contention=d.sum("/step").stretch, meter=meter.median, wall_s=wall,
-                    decode_step_s=decode_step, decode_steps=steps)  # fmt: skip
+    return ShapeRun(
+        cpu=cpu,
+        ttft_ms=m["median_ttft_ms"],
+        tpot_ms=m.get("median_tpot_ms"),
+        contention=d.sum("/step").stretch,
+        meter=meter.median,
+        wall_s=wall,
+        decode_step_s=decode_step,
+        decode_steps=steps,
+    )
 
 
 def _sum(cpu: dict[str, float], suffix: str) -> float:
@@ -151,8 +190,15 @@ class Measured:
     raw: dict[str, object]
 
 
-def derive(profile: Profile, a: ShapeRun, b: ShapeRun, tokens: int, pd: ShapeRun | None = None,
-           pd_transfer_s: float = 0.0, prompt: int = 32) -> Measured:  # fmt: skip
+def derive(
+    profile: Profile,
+    a: ShapeRun,
+    b: ShapeRun,
+    tokens: int,
+    pd: ShapeRun | None = None,
+    pd_transfer_s: float = 0.0,
+    prompt: int = 32,
+) -> Measured:
     """The profile's Overheads from shape A (1 token), B (1 + `tokens` tokens of a `prompt`-token
     prompt) and optionally the disaggregated shape (its modelled KV transfer, wall seconds, is
     `pd_transfer_s`)."""
@@ -188,47 +234,106 @@ def derive(profile: Profile, a: ShapeRun, b: ShapeRun, tokens: int, pd: ShapeRun
         pd_residual = pd.ttft_ms / 1e3 - _sum(pd.cpu, "/step") * pd.contention - pd_transfer_s
         # less the colocated residual at the pd run's contention: the same gateway and node work
         pd_hop = pd_residual - residual * pd.contention / c
-    ov = Overheads(request_s=max(0.0, request) * ref / c, pd_hop_s=max(0.0, pd_hop) * ref / (pd or a).contention,
-                   stream_s=stream * ref / c, node_token_cpu_s=node_tok, node_request_cpu_s=node_req,
-                   gateway_request_cpu_s=gw_req, gateway_token_cpu_s=gw_tok, coordinator_request_cpu_s=co_req,
-                   decode_step_factor=factor, provenance=Provenance.MEASURED)  # fmt: skip
-    notes = [f"overheads measured in a running cluster (sim/overheads.py), requests one at a time, idle CPU rates "
-             f"subtracted: CPU per request gateway {gw_req * 1e3:.2f} ms, coordinator {co_req * 1e3:.2f} ms, node loop "
-             f"{node_req * 1e3:.2f} ms; per streamed token node loop {loop_tok * 1e3:.2f} ms, gateway "
-             f"{gw_tok * 1e3:.2f} ms; "
-             + ("" if modelled is None else
-                f"a pure decode step in the node {b.decode_step_s * 1e3:.2f} ms against the model's "
-                f"{modelled * 1e3:.2f} ms (→ decode_step_factor {factor:.3f}; step thread CPU "
-                f"{step_tok * 1e3:.2f} ms a token); ")
-             + f"between two steps {blocked * 1e3:.1f} ms a token at contention "
-             f"{b.contention:.2f} (→ node_token_cpu_s); TTFT outside the step {residual * 1e3:.1f} ms at contention {c:.2f}"
-             + ("" if pd is None else f"; P→D hop {pd_hop * 1e3:.1f} ms at contention {pd.contention:.2f}")]  # fmt: skip
-    raw = {"colocated_1_token": asdict(a), "colocated_more_tokens": asdict(b), "tokens": tokens,
-           "pd": None if pd is None else asdict(pd)}
+    ov = Overheads(
+        request_s=max(0.0, request) * ref / c,
+        pd_hop_s=max(0.0, pd_hop) * ref / (pd or a).contention,
+        stream_s=stream * ref / c,
+        node_token_cpu_s=node_tok,
+        node_request_cpu_s=node_req,
+        gateway_request_cpu_s=gw_req,
+        gateway_token_cpu_s=gw_tok,
+        coordinator_request_cpu_s=co_req,
+        decode_step_factor=factor,
+        provenance=Provenance.MEASURED,
+    )
+    notes = [
+        f"overheads measured in a running cluster (sim/overheads.py), requests one at a time, idle CPU rates "
+        f"subtracted: CPU per request gateway {gw_req * 1e3:.2f} ms, coordinator {co_req * 1e3:.2f} ms, node loop "
+        f"{node_req * 1e3:.2f} ms; per streamed token node loop {loop_tok * 1e3:.2f} ms, gateway "
+        f"{gw_tok * 1e3:.2f} ms; "
+        + (
+            ""
+            if modelled is None
+            else f"a pure decode step in the node {b.decode_step_s * 1e3:.2f} ms against the model's "
+            f"{modelled * 1e3:.2f} ms (→ decode_step_factor {factor:.3f}; step thread CPU "
+            f"{step_tok * 1e3:.2f} ms a token); "
+        )
+        + f"between two steps {blocked * 1e3:.1f} ms a token at contention "
+        f"{b.contention:.2f} (→ node_token_cpu_s); TTFT outside the step {residual * 1e3:.1f} ms at contention {c:.2f}"
+        + (
+            ""
+            if pd is None
+            else f"; P→D hop {pd_hop * 1e3:.1f} ms at contention {pd.contention:.2f}"
+        )
+    ]
+    raw = {
+        "colocated_1_token": asdict(a),
+        "colocated_more_tokens": asdict(b),
+        "tokens": tokens,
+        "pd": None if pd is None else asdict(pd),
+    }
     return Measured(ov, notes, raw)
 
 
-def _up(model: str, up_args: list[str], home: Path, log: Callable[[str], None]) -> tuple[subprocess.Popen, str, int]:
+def _up(
+    model: str, up_args: list[str], home: Path, log: Callable[[str], None]
+) -> tuple[subprocess.Popen, str, int]:
     from sim.validate import _wait_up
 
     port = free_port()
-    cmd = [sys.executable, "-m", "duet", "up", "--port", str(port), "--quiet", "--model", model, *up_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "duet",
+        "up",
+        "--port",
+        str(port),
+        "--quiet",
+        "--model",
+        model,
+        *up_args,
+    ]
     log(f"overheads: DUET_HOME={home} duet up {' '.join(cmd[4:])}")
     out = (home / "up.log").open("w")
-    proc = subprocess.Popen(cmd, env={**os.environ, "DUET_HOME": str(home)}, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        cmd,
+        env={**os.environ, "DUET_HOME": str(home)},
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     out.close()
     return proc, _wait_up(proc, home / "up.log", 600), port
 
 
-def measure(profile: Profile, model: str, log: Callable[[str], None], *, requests: int = 12, tokens: int = 16,
-            prompt: int = 32, pd: bool = True, pd_prompt: int = 384) -> Measured:  # fmt: skip
+def measure(
+    profile: Profile,
+    model: str,
+    log: Callable[[str], None],
+    *,
+    requests: int = 12,
+    tokens: int = 16,
+    prompt: int = 32,
+    pd: bool = True,
+    pd_prompt: int = 384,
+) -> Measured:
     """Run the shapes on real clusters (colocated, then 1P+1D when `pd`) and derive the overheads."""
     from sim.validate import _stop
 
     def serve(port: int, key: str) -> list[str]:
-        return [sys.executable, "-m", "duet", "bench", "serve", "--base-url", f"http://127.0.0.1:{port}",
-                "--api-key", key, "--tokenizer", model]  # fmt: skip
+        return [
+            sys.executable,
+            "-m",
+            "duet",
+            "bench",
+            "serve",
+            "--base-url",
+            f"http://127.0.0.1:{port}",
+            "--api-key",
+            key,
+            "--tokenizer",
+            model,
+        ]
 
     with tempfile.TemporaryDirectory(prefix="duet-overheads-") as tmp:
         proc, key, port = _up(model, ["--colocated", "1", "--threads", "1"], Path(tmp), log)
@@ -238,27 +343,41 @@ def measure(profile: Profile, model: str, log: Callable[[str], None], *, request
             idle = idle_rates(parts)
             log(f"overheads: parts {sorted(parts)}; idle CPU {_fmt(idle)} per s")
             a = run_shape(parts, idle, serve(port, key), Shape(prompt, 1, requests), 1)
-            log(f"overheads: 1 token: TTFT {a.ttft_ms:.1f} ms, contention {a.contention:.2f} (meter {a.meter:.2f}), "
-                f"CPU {_fmt(a.cpu)}")  # fmt: skip
-            b = run_shape(parts, idle, serve(port, key), Shape(prompt, 1 + tokens, requests), 2, headers)
-            log(f"overheads: {1 + tokens} tokens: TPOT {b.tpot_ms or 0:.1f} ms, contention {b.contention:.2f} "
-                f"(meter {b.meter:.2f}), CPU {_fmt(b.cpu)}")  # fmt: skip
+            log(
+                f"overheads: 1 token: TTFT {a.ttft_ms:.1f} ms, contention {a.contention:.2f} (meter {a.meter:.2f}), "
+                f"CPU {_fmt(a.cpu)}"
+            )
+            b = run_shape(
+                parts, idle, serve(port, key), Shape(prompt, 1 + tokens, requests), 2, headers
+            )
+            log(
+                f"overheads: {1 + tokens} tokens: TPOT {b.tpot_ms or 0:.1f} ms, contention {b.contention:.2f} "
+                f"(meter {b.meter:.2f}), CPU {_fmt(b.cpu)}"
+            )
         finally:
             _stop(proc)
     p = None
     transfer = 0.0
     if pd:
         with tempfile.TemporaryDirectory(prefix="duet-overheads-") as tmp:
-            proc, key, port = _up(model, ["--prefill", "1", "--decode", "1", "--threads", "1"], Path(tmp), log)
+            proc, key, port = _up(
+                model, ["--prefill", "1", "--decode", "1", "--threads", "1"], Path(tmp), log
+            )
             try:
                 parts = procstat.cluster(proc.pid)
-                p = run_shape(parts, idle_rates(parts), serve(port, key), Shape(pd_prompt, 1, requests), 3)
-                log(f"overheads: 1P+1D, {pd_prompt}-token prompt: TTFT {p.ttft_ms:.1f} ms, contention "
-                    f"{p.contention:.2f}, CPU {_fmt(p.cpu)}")  # fmt: skip
+                p = run_shape(
+                    parts, idle_rates(parts), serve(port, key), Shape(pd_prompt, 1, requests), 3
+                )
+                log(
+                    f"overheads: 1P+1D, {pd_prompt}-token prompt: TTFT {p.ttft_ms:.1f} ms, contention "
+                    f"{p.contention:.2f}, CPU {_fmt(p.cpu)}"
+                )
             finally:
                 _stop(proc)
         blocks = -(-pd_prompt // profile.kind.block_size)
-        transfer = profile.transport.seconds(blocks * profile.kind.block_size * profile.kind.kv_bytes_per_token)
+        transfer = profile.transport.seconds(
+            blocks * profile.kind.block_size * profile.kind.kv_bytes_per_token
+        )
     return derive(profile, a, b, tokens, p, transfer, prompt)
 
 

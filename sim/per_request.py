@@ -43,7 +43,9 @@ def pair(measured: dict, simulated: list[RequestResult]) -> list[RequestPair]:
     (a Collector's results from replaying it). Raises ValueError when the counts differ."""
     n = len(measured["scheduled_times"])
     if len(simulated) != n:
-        raise ValueError(f"the run has {n} requests, the simulation {len(simulated)}: not a replay of it")
+        raise ValueError(
+            f"the run has {n} requests, the simulation {len(simulated)}: not a replay of it"
+        )
     order = sorted(range(n), key=lambda i: measured["scheduled_times"][i])
     sims = sorted(simulated, key=lambda r: r.arrival)
     t0 = min(measured["scheduled_times"]) if n else 0.0
@@ -52,14 +54,29 @@ def pair(measured: dict, simulated: list[RequestResult]) -> list[RequestPair]:
     rows = []
     for k, (i, s) in enumerate(zip(order, sims, strict=True)):
         ttft, e2e, out = measured["ttfts"][i], measured["e2els"][i], measured["output_lens"][i]
-        m_tpot = (e2e - ttft) / (out - 1) if ttft is not None and e2e is not None and out > 1 else None
+        m_tpot = (
+            (e2e - ttft) / (out - 1) if ttft is not None and e2e is not None and out > 1 else None
+        )
         s_ttft = s.first_token - s.arrival if s.first_token is not None else None
-        s_tpot = ((s.last_token - s.first_token) / (s.output_tokens - 1)
-                  if s.first_token is not None and s.last_token is not None and s.output_tokens > 1 else None)  # fmt: skip
-        rows.append(RequestPair(index=k, t=measured["scheduled_times"][i] - t0, prompt_tokens=measured["input_lens"][i],
-                                group=groups[i], measured_ttft_ms=_ms(ttft), simulated_ttft_ms=_ms(s_ttft),
-                                measured_tpot_ms=_ms(m_tpot), simulated_tpot_ms=_ms(s_tpot),
-                                measured_cached_tokens=cached[i], simulated_path=s.path))  # fmt: skip
+        s_tpot = (
+            (s.last_token - s.first_token) / (s.output_tokens - 1)
+            if s.first_token is not None and s.last_token is not None and s.output_tokens > 1
+            else None
+        )
+        rows.append(
+            RequestPair(
+                index=k,
+                t=measured["scheduled_times"][i] - t0,
+                prompt_tokens=measured["input_lens"][i],
+                group=groups[i],
+                measured_ttft_ms=_ms(ttft),
+                simulated_ttft_ms=_ms(s_ttft),
+                measured_tpot_ms=_ms(m_tpot),
+                simulated_tpot_ms=_ms(s_tpot),
+                measured_cached_tokens=cached[i],
+                simulated_path=s.path,
+            )
+        )
     return rows
 
 
@@ -68,11 +85,26 @@ def _f(x: float | int | None, fmt: str = ".0f") -> str:
 
 
 def tsv(rows: list[RequestPair]) -> str:
-    head = ("i\tt_s\tprompt\tgroup\tttft_ms_measured\tttft_ms_simulated\ttpot_ms_measured\ttpot_ms_simulated\t"
-            "cached_measured\tpath_simulated")  # fmt: skip
+    head = (
+        "i\tt_s\tprompt\tgroup\tttft_ms_measured\tttft_ms_simulated\ttpot_ms_measured\ttpot_ms_simulated\t"
+        "cached_measured\tpath_simulated"
+    )
     lines = [head]
     for r in rows:
-        lines.append("\t".join([str(r.index), _f(r.t, ".2f"), str(r.prompt_tokens), _f(r.group),
-                                _f(r.measured_ttft_ms), _f(r.simulated_ttft_ms), _f(r.measured_tpot_ms),
-                                _f(r.simulated_tpot_ms), _f(r.measured_cached_tokens), r.simulated_path or "-"]))  # fmt: skip
+        lines.append(
+            "\t".join(
+                [
+                    str(r.index),
+                    _f(r.t, ".2f"),
+                    str(r.prompt_tokens),
+                    _f(r.group),
+                    _f(r.measured_ttft_ms),
+                    _f(r.simulated_ttft_ms),
+                    _f(r.measured_tpot_ms),
+                    _f(r.simulated_tpot_ms),
+                    _f(r.measured_cached_tokens),
+                    r.simulated_path or "-",
+                ]
+            )
+        )
     return "\n".join(lines) + "\n"

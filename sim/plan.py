@@ -61,12 +61,21 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
         return (h + (24 - h) * self.offpeak_load_fraction) / 24
 
     def slo(self) -> SLO:
-        return SLO(ttft_p90_ms=self.ttft_p90_ms, e2e_p90_ms=self.e2e_p90_ms, itl_p99_ms=self.itl_p99_ms)
+        return SLO(
+            ttft_p90_ms=self.ttft_p90_ms, e2e_p90_ms=self.e2e_p90_ms, itl_p99_ms=self.itl_p99_ms
+        )
 
     def workload(self, rate: float, duration_s: float, seed: int = 0) -> Synthetic:
-        return Synthetic(rate=rate, duration_s=duration_s, input_len=self.input_len, output_len=self.output_len,
-                         prefix_groups=self.teams if self.system_prompt_tokens else 0,
-                         prefix_len=self.system_prompt_tokens, teams=self.teams, seed=seed)  # fmt: skip
+        return Synthetic(
+            rate=rate,
+            duration_s=duration_s,
+            input_len=self.input_len,
+            output_len=self.output_len,
+            prefix_groups=self.teams if self.system_prompt_tokens else 0,
+            prefix_len=self.system_prompt_tokens,
+            teams=self.teams,
+            seed=seed,
+        )
 
     def mean_tokens(self) -> tuple[float, float]:
         return self.workload(1.0, 1.0).mean_tokens()
@@ -83,7 +92,7 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
             f"otherwise → a static fleet sized for the peak runs at {self.day_utilisation:.0%} of its capacity on average",
             f"SLOs: TTFT P90 ≤ {self.ttft_p90_ms} ms, E2E P90 ≤ {self.e2e_p90_ms} ms, ITL P99 ≤ {self.itl_p99_ms} ms, "
             "≤ 1 % of requests refused",
-        ]  # fmt: skip
+        ]
 
 
 def load_scenario(path: Path) -> Scenario:
@@ -107,8 +116,11 @@ class Variant:
         return sum(g.count for g in self.groups)
 
     def layout(self, cells: int = 1) -> Layout:
-        return Layout(tuple(NodeGroup(g.role, g.count * cells, g.pool) for g in self.groups),
-                      max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens)  # fmt: skip
+        return Layout(
+            tuple(NodeGroup(g.role, g.count * cells, g.pool) for g in self.groups),
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
 
     def label(self) -> str:
         return self.layout().label()
@@ -123,8 +135,14 @@ def variants(profile: Profile, quick: bool = False) -> list[Variant]:
         Variant("P:D 1:2", (NodeGroup("prefill", 1), NodeGroup("decode", 2))),
     ]
     if not quick:
-        out += [Variant("colocated", (NodeGroup("both", 2),), max_num_batched_tokens=max(64, k.max_num_batched_tokens // 2)),
-                Variant("P:D 2:1", (NodeGroup("prefill", 2), NodeGroup("decode", 1)))]  # fmt: skip
+        out += [
+            Variant(
+                "colocated",
+                (NodeGroup("both", 2),),
+                max_num_batched_tokens=max(64, k.max_num_batched_tokens // 2),
+            ),
+            Variant("P:D 2:1", (NodeGroup("prefill", 2), NodeGroup("decode", 1))),
+        ]
     return out
 
 
@@ -157,11 +175,20 @@ class SearchConfig:
 
 def _probe(profile: Profile, v: Variant, sc: Scenario, rate: float, cfg: SearchConfig) -> Summary:
     w = sc.workload(rate, cfg.warmup_s + cfg.measure_s, cfg.seed)
-    s, _ = simulate(profile, v.layout(), synthetic(w), slo=sc.slo(), warmup_s=cfg.warmup_s, stop_early=cfg.stop_early)
+    s, _ = simulate(
+        profile,
+        v.layout(),
+        synthetic(w),
+        slo=sc.slo(),
+        warmup_s=cfg.warmup_s,
+        stop_early=cfg.stop_early,
+    )
     return s
 
 
-def capacity(profile: Profile, v: Variant, sc: Scenario, cfg: SearchConfig, guess: float) -> Capacity:
+def capacity(
+    profile: Profile, v: Variant, sc: Scenario, cfg: SearchConfig, guess: float
+) -> Capacity:
     """Bisection on the cell's request rate between a rate that meets the SLOs and one that
     does not (the bracket grows from `guess` until it holds both)."""
     cap = Capacity(v, 0.0, None)
@@ -208,7 +235,9 @@ def guess_rate(profile: Profile, v: Variant, sc: Scenario) -> float:
     i, o = sc.mean_tokens()
     st = profile.step
     batch = 32
-    t = st.seconds(StepFeatures(int(batch * i / o), batch, int(batch * (i + o / 2)), int(batch * i / o * 512)))
+    t = st.seconds(
+        StepFeatures(int(batch * i / o), batch, int(batch * (i + o / 2)), int(batch * i / o * 512))
+    )
     tokens_per_s = batch / t  # output tokens/s of one node kept busy
     return max(0.05, 0.5 * tokens_per_s * v.nodes / o)
 
@@ -217,8 +246,15 @@ def _capacity_job(args: tuple) -> Capacity:
     return capacity(*args)
 
 
-def search(profile: Profile, sc: Scenario, cfg: SearchConfig, *, quick: bool = False, jobs: int = 1,
-           progress=None) -> list[Capacity]:  # fmt: skip
+def search(
+    profile: Profile,
+    sc: Scenario,
+    cfg: SearchConfig,
+    *,
+    quick: bool = False,
+    jobs: int = 1,
+    progress=None,
+) -> list[Capacity]:
     vs = variants(profile, quick)
     work = [(profile, v, sc, cfg, guess_rate(profile, v, sc)) for v in vs]
     out: list[Capacity] = []
@@ -254,7 +290,9 @@ class Fleet:
         return self.usd_per_hour / (utilisation * self.fleet_rate * 3600 * tokens_per_request) * 1e6
 
 
-def fleets(profile: Profile, caps: list[Capacity], peak_rate: float, usd_per_gpu_hour: float) -> list[Fleet]:
+def fleets(
+    profile: Profile, caps: list[Capacity], peak_rate: float, usd_per_gpu_hour: float
+) -> list[Fleet]:
     out = []
     gpus_per_node = max(profile.kind.gpus, 1)
     for c in caps:
@@ -265,8 +303,20 @@ def fleets(profile: Profile, caps: list[Capacity], peak_rate: float, usd_per_gpu
             cells = math.ceil(peak_rate / rate)
             nodes = cells * c.variant.nodes
             gpus = nodes * gpus_per_node
-            out.append(Fleet(profile.kind.name, c.variant.label(), cells, nodes, gpus, rate, peak_rate,
-                             gpus * usd_per_gpu_hour, s, factor))  # fmt: skip
+            out.append(
+                Fleet(
+                    profile.kind.name,
+                    c.variant.label(),
+                    cells,
+                    nodes,
+                    gpus,
+                    rate,
+                    peak_rate,
+                    gpus * usd_per_gpu_hour,
+                    s,
+                    factor,
+                )
+            )
     return out
 
 

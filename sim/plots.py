@@ -19,8 +19,18 @@ def pareto(points: list[Fleet], front: list[Fleet], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 5))
     for name in sorted({f.profile for f in points}):
         mine = [f for f in points if f.profile == name and f.summary.meets_slo]
-        ax.scatter([f.usd_per_hour for f in mine], [f.summary.latency_ms["p90_ttft"] for f in mine], label=name, alpha=0.6)
-    ax.plot([f.usd_per_hour for f in front], [f.summary.latency_ms["p90_ttft"] for f in front], "k--", label="Pareto front")
+        ax.scatter(
+            [f.usd_per_hour for f in mine],
+            [f.summary.latency_ms["p90_ttft"] for f in mine],
+            label=name,
+            alpha=0.6,
+        )
+    ax.plot(
+        [f.usd_per_hour for f in front],
+        [f.summary.latency_ms["p90_ttft"] for f in front],
+        "k--",
+        label="Pareto front",
+    )
     for f in front:
         ax.annotate(f.variant, (f.usd_per_hour, f.summary.latency_ms["p90_ttft"]), fontsize=7)
     ax.set_xlabel("fleet cost at the peak ($/hour)")
@@ -33,8 +43,13 @@ def pareto(points: list[Fleet], front: list[Fleet], path: Path) -> Path:
     return path
 
 
-def cost_vs_utilisation(fleets: list[tuple[str, Fleet]], prices: list[CommercialPrice], tokens: tuple[float, float],
-                        required_saving: float, path: Path) -> Path:  # fmt: skip
+def cost_vs_utilisation(
+    fleets: list[tuple[str, Fleet]],
+    prices: list[CommercialPrice],
+    tokens: tuple[float, float],
+    required_saving: float,
+    path: Path,
+) -> Path:
     i, o = tokens
     us = [u / 100 for u in range(5, 101)]
     fig, ax = plt.subplots(figsize=(8, 5))
@@ -43,7 +58,13 @@ def cost_vs_utilisation(fleets: list[tuple[str, Fleet]], prices: list[Commercial
     for p in prices:
         blended = p.cost(i, o) / (i + o) * 1e6
         ax.axhline(blended * (1 - required_saving), ls=":", lw=1, color="gray")
-        ax.text(101, blended * (1 - required_saving), f"{p.model} −{required_saving:.0%}", fontsize=7, va="center")
+        ax.text(
+            101,
+            blended * (1 - required_saving),
+            f"{p.model} −{required_saving:.0%}",
+            fontsize=7,
+            va="center",
+        )
     ax.set_yscale("log")
     ax.set_xlabel("mean load as % of the fleet's SLO capacity")
     ax.set_ylabel("$ per 1M tokens (input + output)")

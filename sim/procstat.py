@@ -101,7 +101,9 @@ class Snapshot:
     pids: dict[str, int] = field(default_factory=dict)
 
     def __sub__(self, before: Snapshot) -> Snapshot:
-        return Snapshot({k: c - before.threads.get(k, Clock()) for k, c in self.threads.items()}, self.pids)
+        return Snapshot(
+            {k: c - before.threads.get(k, Clock()) for k, c in self.threads.items()}, self.pids
+        )
 
     def parts(self) -> dict[str, Clock]:
         """Per part: `gateway`, `coordinator` (all threads), and per node `node:X/loop` (the main

@@ -26,15 +26,35 @@ from protocol.profile import (
     save,
 )
 
-__all__ = ["FEATURES", "CoRun", "CoRunShape", "NodeKind", "Overheads", "Profile", "Provenance", "Source", "StepFeatures", "StepModel",
-           "StepSample", "Transport", "fit", "load", "save"]  # fmt: skip
+__all__ = [
+    "FEATURES",
+    "CoRun",
+    "CoRunShape",
+    "NodeKind",
+    "Overheads",
+    "Profile",
+    "Provenance",
+    "Source",
+    "StepFeatures",
+    "StepModel",
+    "StepSample",
+    "Transport",
+    "fit",
+    "load",
+    "save",
+]
 
 FEATURES = ("intercept", "prefill", "decode", "context", "attention", "cached_attention")
 
 
 # -- fitting ----------------------------------------------------------------------------------
 def _matrix(samples: list[StepSample]) -> tuple[np.ndarray, np.ndarray]:
-    x = np.array([[1.0, s.prefill_tokens, s.decode_seqs, s.context_tokens, s.attention, _cached(s)] for s in samples])
+    x = np.array(
+        [
+            [1.0, s.prefill_tokens, s.decode_seqs, s.context_tokens, s.attention, _cached(s)]
+            for s in samples
+        ]
+    )
     y = np.array([s.seconds for s in samples])
     return x, y
 
@@ -70,10 +90,18 @@ def fit(samples: list[StepSample], provenance: Provenance = Provenance.MEASURED)
     coef = _nnls(x, y)
     ape = _ape(coef, x, y)
     return StepModel(
-        intercept_s=float(coef[0]), prefill_s=float(coef[1]), decode_s=float(coef[2]),
-        context_s=float(coef[3]), attention_s=float(coef[4]), cached_attention_s=float(coef[5]), provenance=provenance,
-        fit_mape=float(ape.mean()), fit_max_ape=float(ape.max()), holdout_mape=holdout,
-        num_samples=len(samples), max_prefill_tokens=max(s.prefill_tokens for s in samples),
+        intercept_s=float(coef[0]),
+        prefill_s=float(coef[1]),
+        decode_s=float(coef[2]),
+        context_s=float(coef[3]),
+        attention_s=float(coef[4]),
+        cached_attention_s=float(coef[5]),
+        provenance=provenance,
+        fit_mape=float(ape.mean()),
+        fit_max_ape=float(ape.max()),
+        holdout_mape=holdout,
+        num_samples=len(samples),
+        max_prefill_tokens=max(s.prefill_tokens for s in samples),
         max_decode_seqs=max(s.decode_seqs for s in samples),
         max_context_tokens=max(s.context_tokens for s in samples),
-    )  # fmt: skip
+    )

@@ -69,11 +69,12 @@ def coefficients(m: Model, g: Gpu, tp: int, eta_mem: float, eta_flop: float) -> 
     per_tok = 2 * m.params / tp / fl
     return pf.StepModel(
         intercept_s=m.params * m.weight_bytes_per_param / tp / bw,
-        prefill_s=per_tok, decode_s=per_tok,
+        prefill_s=per_tok,
+        decode_s=per_tok,
         context_s=m.kv_bytes_per_token / tp / bw,
         attention_s=4 * m.layers * m.heads * m.head_dim / tp / fl,
         provenance=pf.Provenance.FITTED,
-    )  # fmt: skip
+    )
 
 
 def fit_efficiencies(m: Model, g: Gpu, tp: int) -> tuple[float, float]:
@@ -99,7 +100,9 @@ def _chunks(n: int, size: int) -> list[tuple[int, int]]:
     return [(s, min(size, n - s)) for s in range(0, n, size)]
 
 
-def kv_capacity_tokens(m: Model, g: Gpu, tp: int, mem_util: float = 0.9, activations: float = 4e9) -> int:
+def kv_capacity_tokens(
+    m: Model, g: Gpu, tp: int, mem_util: float = 0.9, activations: float = 4e9
+) -> int:
     free = g.hbm_bytes * tp * mem_util - m.params * m.weight_bytes_per_param - activations * tp
     return int(free // m.kv_bytes_per_token)
 
@@ -125,16 +128,35 @@ def make_profile(g: Gpu, tp: int = 2, price_note: str = "") -> pf.Profile:
     sat = saturated_throughput(step, batch, 1000, 1000) / tp
     published = {"H100 SXM 80GB": 2209.0, "H200 SXM 141GB": 2587.0}[g.name]
     sources = [
-        pf.Source(what="Llama-3(.3)-70B shape", value="80 layers, 64 heads, 8 KV heads, head_dim 128, 70.6e9 params",
-                  url=LLAMA_URL),
-        pf.Source(what=f"{g.name} HBM", value=f"{g.hbm_bytes / 1e9:.0f} GB at {g.hbm_bw / 1e12:.2f} TB/s", url=g.url),
-        pf.Source(what=f"{g.name} FP8 dense", value=f"{g.fp8_flops / 1e12:.0f} TFLOPS (half the sparse figure)", url=g.url),
-        pf.Source(what="batch-1 ITL, fit point", value="18.58 ms (2× H100 80G, fp8, TP2, 5000 in / 500 out, concurrency 1)",
-                  url=NIM_URL, note="NIM 1.8.0, Llama-3.3-70B-Instruct"),
+        pf.Source(
+            what="Llama-3(.3)-70B shape",
+            value="80 layers, 64 heads, 8 KV heads, head_dim 128, 70.6e9 params",
+            url=LLAMA_URL,
+        ),
+        pf.Source(
+            what=f"{g.name} HBM",
+            value=f"{g.hbm_bytes / 1e9:.0f} GB at {g.hbm_bw / 1e12:.2f} TB/s",
+            url=g.url,
+        ),
+        pf.Source(
+            what=f"{g.name} FP8 dense",
+            value=f"{g.fp8_flops / 1e12:.0f} TFLOPS (half the sparse figure)",
+            url=g.url,
+        ),
+        pf.Source(
+            what="batch-1 ITL, fit point",
+            value="18.58 ms (2× H100 80G, fp8, TP2, 5000 in / 500 out, concurrency 1)",
+            url=NIM_URL,
+            note="NIM 1.8.0, Llama-3.3-70B-Instruct",
+        ),
         pf.Source(what="batch-1 TTFT, fit point", value="406.77 ms (same run)", url=NIM_URL),
-        pf.Source(what="saturated output throughput, check", value=f"{published:,.0f} tok/s/GPU at TP2, 1000/1000",
-                  url=TRT_URL, note="TensorRT-LLM perf overview, Llama-3.3-70B FP8, as quoted in duet issue #26; not re-read here"),
-    ]  # fmt: skip
+        pf.Source(
+            what="saturated output throughput, check",
+            value=f"{published:,.0f} tok/s/GPU at TP2, 1000/1000",
+            url=TRT_URL,
+            note="TensorRT-LLM perf overview, Llama-3.3-70B FP8, as quoted in duet issue #26; not re-read here",
+        ),
+    ]
     notes = [
         f"fitted efficiencies (on H100): η_mem {eta_m:.3f}, η_flop {eta_f:.3f}",
         f"KV capacity: {cap:,} tokens (90% of {tp}× {g.hbm_bytes / 1e9:.0f} GB, minus FP8 weights and 4 GB/GPU "
@@ -143,18 +165,42 @@ def make_profile(g: Gpu, tp: int = 2, price_note: str = "") -> pf.Profile:
         f"published (TensorRT-LLM) — {sat / published - 1:+.0%}: the fit points come from NIM, whose kernels the "
         "TRT-LLM table outruns at large batch; the model is conservative at saturation",
         "measured here: nothing (no GPU on this machine); fitted: η_mem, η_flop (H100); modelled: the roofline form, "
-        + ("the H200 coefficients (H100 efficiencies, H200 bandwidth)" if g is not H100 else "KV capacity"),
+        + (
+            "the H200 coefficients (H100 efficiencies, H200 bandwidth)"
+            if g is not H100
+            else "KV capacity"
+        ),
         "transport: NVLink/RDMA between nodes modelled at 25 GB/s (one 200 Gb/s NIC) + 1 ms; not measured",
-    ]  # fmt: skip
-    kind = pf.NodeKind(name=f"llama-3-70b-fp8-{g.name.split()[0].lower()}-tp{tp}", model=m.name, dtype="fp8",
-                       quantization="fp8", device=f"{tp}× {g.name} (TP{tp})", engine="vllm/trt-llm class",
-                       gpus=tp, block_size=16, kv_bytes_per_token=m.kv_bytes_per_token, kv_capacity_tokens=cap,
-                       max_num_seqs=max_seqs, max_num_batched_tokens=2048, max_model_len=8192)  # fmt: skip
-    transport = pf.Transport(backend="rdma (modelled)", bandwidth_bytes_per_s=25e9, latency_s=1e-3,
-                             provenance=pf.Provenance.MODELLED)  # fmt: skip
-    return pf.Profile(kind=kind, step=step, transport=transport,
-                      overheads=pf.Overheads(request_s=0.005, pd_hop_s=0.003, stream_s=0.001),
-                      sources=sources, notes=notes + ([price_note] if price_note else []))  # fmt: skip
+    ]
+    kind = pf.NodeKind(
+        name=f"llama-3-70b-fp8-{g.name.split()[0].lower()}-tp{tp}",
+        model=m.name,
+        dtype="fp8",
+        quantization="fp8",
+        device=f"{tp}× {g.name} (TP{tp})",
+        engine="vllm/trt-llm class",
+        gpus=tp,
+        block_size=16,
+        kv_bytes_per_token=m.kv_bytes_per_token,
+        kv_capacity_tokens=cap,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=2048,
+        max_model_len=8192,
+    )
+    transport = pf.Transport(
+        backend="rdma (modelled)",
+        bandwidth_bytes_per_s=25e9,
+        latency_s=1e-3,
+        provenance=pf.Provenance.MODELLED,
+    )
+    return pf.Profile(
+        kind=kind,
+        step=step,
+        transport=transport,
+        overheads=pf.Overheads(request_s=0.005, pd_hop_s=0.003, stream_s=0.001),
+        sources=sources,
+        notes=notes + ([price_note] if price_note else []),
+    )
 
 
 def msgspec_replace(x: pf.StepModel, **kw: object) -> pf.StepModel:
@@ -164,7 +210,9 @@ def msgspec_replace(x: pf.StepModel, **kw: object) -> pf.StepModel:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m sim.roofline", description="write the published-figure GPU profiles")
+    p = argparse.ArgumentParser(
+        prog="python -m sim.roofline", description="write the published-figure GPU profiles"
+    )
     p.add_argument("--out", default="data/profiles", help="directory (default data/profiles)")
     a = p.parse_args(argv)
     for g in (H100, H200):

@@ -123,8 +123,13 @@ def _pcts(name: str, xs: list[float] | np.ndarray, out: dict[str, float | None])
     out[f"mean_{name}"] = float(a.mean()) if a.size else None
 
 
-def summarize(c: Collector, *, slo: SLO | None = None, warmup_s: float = 0.0,
-              node_price_per_hour: float | None = None) -> Summary:  # fmt: skip
+def summarize(
+    c: Collector,
+    *,
+    slo: SLO | None = None,
+    warmup_s: float = 0.0,
+    node_price_per_hour: float | None = None,
+) -> Summary:
     measured = [r for r in c.results if r.arrival >= warmup_s]
     ok = [r for r in measured if r.failure is None and r.first_token is not None]
     fails = Counter(r.failure for r in measured if r.failure is not None)
@@ -132,7 +137,9 @@ def summarize(c: Collector, *, slo: SLO | None = None, warmup_s: float = 0.0,
     end = max((r.last_token or r.arrival for r in measured), default=start)
     window = max(end - start, 1e-9)
     ttft = [r.first_token - r.arrival for r in ok]  # type: ignore[operator]
-    tpot = [(r.last_token - r.first_token) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]  # type: ignore[operator]
+    tpot = [
+        (r.last_token - r.first_token) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1
+    ]  # type: ignore[operator]
     e2e = [r.last_token - r.arrival for r in ok]  # type: ignore[operator]
     lat: dict[str, float | None] = {}
     _pcts("ttft", ttft, lat)
@@ -144,11 +151,23 @@ def summarize(c: Collector, *, slo: SLO | None = None, warmup_s: float = 0.0,
     good = meets = None
     violations: list[str] = []
     if slo is not None:
-        good = sum(slo.per_request((r.first_token - r.arrival) * 1e3,  # type: ignore[operator]
-                                   (r.last_token - r.first_token) / (r.output_tokens - 1) * 1e3 if r.output_tokens > 1 else None,  # type: ignore[operator]
-                                   (r.last_token - r.arrival) * 1e3) for r in ok)  # type: ignore[operator]  # fmt: skip
-        for key, bound in (("p90_ttft", slo.ttft_p90_ms), ("p99_ttft", slo.ttft_p99_ms), ("p50_tpot", slo.tpot_p50_ms),
-                           ("p99_itl", slo.itl_p99_ms), ("p90_e2e", slo.e2e_p90_ms)):  # fmt: skip
+        good = sum(
+            slo.per_request(
+                (r.first_token - r.arrival) * 1e3,  # type: ignore[operator]
+                (r.last_token - r.first_token) / (r.output_tokens - 1) * 1e3
+                if r.output_tokens > 1
+                else None,  # type: ignore[operator]
+                (r.last_token - r.arrival) * 1e3,
+            )
+            for r in ok
+        )  # type: ignore[operator]
+        for key, bound in (
+            ("p90_ttft", slo.ttft_p90_ms),
+            ("p99_ttft", slo.ttft_p99_ms),
+            ("p50_tpot", slo.tpot_p50_ms),
+            ("p99_itl", slo.itl_p99_ms),
+            ("p90_e2e", slo.e2e_p90_ms),
+        ):
             v = lat.get(key)
             if bound is not None and (v is None or v > bound):
                 violations.append(f"{key} {v if v is None else round(v)} ms > {bound:g} ms")
@@ -156,7 +175,9 @@ def summarize(c: Collector, *, slo: SLO | None = None, warmup_s: float = 0.0,
             violations.append(c.stopped)
         failed = sum(fails.values()) / max(len(measured), 1)
         if failed > slo.max_failed:
-            violations.append(f"{failed:.1%} of requests failed ({dict(fails)}) > {slo.max_failed:.0%}")
+            violations.append(
+                f"{failed:.1%} of requests failed ({dict(fails)}) > {slo.max_failed:.0%}"
+            )
         meets = not violations
     util: dict[str, list[float]] = {}
     sim_end = max(c.end, 1e-9)
@@ -169,18 +190,33 @@ def summarize(c: Collector, *, slo: SLO | None = None, warmup_s: float = 0.0,
     node_hours = len(c.nodes) * window / 3600
     cost_h = None if node_price_per_hour is None else node_price_per_hour * len(c.nodes)
     s = Summary(
-        requests=len(measured), completed=len(ok), failures=dict(fails), window_s=window,
-        output_throughput=out_tok / window, input_throughput=in_tok / window, request_throughput=len(ok) / window,
-        latency_ms=lat, goodput=None if good is None else good / window,
-        good_fraction=None if good is None else good / max(len(measured), 1), meets_slo=meets, violations=violations,
+        requests=len(measured),
+        completed=len(ok),
+        failures=dict(fails),
+        window_s=window,
+        output_throughput=out_tok / window,
+        input_throughput=in_tok / window,
+        request_throughput=len(ok) / window,
+        latency_ms=lat,
+        goodput=None if good is None else good / window,
+        good_fraction=None if good is None else good / max(len(measured), 1),
+        meets_slo=meets,
+        violations=violations,
         utilisation={k: float(np.mean(v)) for k, v in util.items()},
-        queue={"gateway_mean": float(gw.mean()), "gateway_max": float(gw.max()), "nodes_mean": float(nq.mean()),
-               "nodes_p99": float(np.percentile(nq, 99)), "nodes_max": float(nq.max())},
+        queue={
+            "gateway_mean": float(gw.mean()),
+            "gateway_max": float(gw.max()),
+            "nodes_mean": float(nq.mean()),
+            "nodes_p99": float(np.percentile(nq, 99)),
+            "nodes_max": float(nq.max()),
+        },
         kv_usage={"mean": float(kv.mean()), "max": float(kv.max())},
         paths=dict(Counter(r.path for r in ok)),
         cached_token_fraction=sum(r.cached_tokens for r in ok) / max(in_tok, 1),
-        transfer_gb=c.transfer_bytes / 1e9, node_hours=node_hours, cost_per_hour=cost_h,
-    )  # fmt: skip
+        transfer_gb=c.transfer_bytes / 1e9,
+        node_hours=node_hours,
+        cost_per_hour=cost_h,
+    )
     if cost_h is not None and out_tok:
         s.usd_per_m_output = cost_h * window / 3600 / out_tok * 1e6
         s.usd_per_m_total = cost_h * window / 3600 / (out_tok + in_tok) * 1e6
@@ -189,6 +225,10 @@ def summarize(c: Collector, *, slo: SLO | None = None, warmup_s: float = 0.0,
 
 def timeline(c: Collector) -> dict[str, list[float]]:
     """Queue depth and KV use over time (one point a second), for plots and the JSON."""
-    return {"t": [s[0] for s in c.samples], "gateway_queue": [s[1] for s in c.samples],
-            "node_waiting": [s[2] for s in c.samples], "node_running": [s[3] for s in c.samples],
-            "kv_usage": [s[4] for s in c.samples]}  # fmt: skip
+    return {
+        "t": [s[0] for s in c.samples],
+        "gateway_queue": [s[1] for s in c.samples],
+        "node_waiting": [s[2] for s in c.samples],
+        "node_running": [s[3] for s in c.samples],
+        "kv_usage": [s[4] for s in c.samples],
+    }

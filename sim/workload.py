@@ -75,12 +75,16 @@ def synthetic(w: Synthetic) -> Iterator[WorkItem]:
     prefixes = [_tokens(nrng, w.prefix_len) for _ in range(w.prefix_groups)]
     tiers, weights = zip(*w.tier_mix, strict=True)
     for i, t in enumerate(send_offsets(w.rate, w.burstiness, rng)):
-        if (w.num_requests is not None and i >= w.num_requests) or (w.num_requests is None and t > w.duration_s):
+        if (w.num_requests is not None and i >= w.num_requests) or (
+            w.num_requests is None and t > w.duration_s
+        ):
             return
         prompt = _tokens(nrng, in_d.sample(rng))
         if prefixes:
             prompt = prefixes[i % len(prefixes)] + prompt
-        yield WorkItem(t, prompt, out_d.sample(rng), rng.choices(tiers, weights)[0], f"team{i % w.teams}")
+        yield WorkItem(
+            t, prompt, out_d.sample(rng), rng.choices(tiers, weights)[0], f"team{i % w.teams}"
+        )
 
 
 def from_result_file(path: Path, seed: int = 0) -> Iterator[WorkItem]:
@@ -91,7 +95,9 @@ def from_result_file(path: Path, seed: int = 0) -> Iterator[WorkItem]:
         raise ValueError(f"cannot read bench result {path}: {e}") from None
     need = ("scheduled_times", "input_lens", "output_lens")
     if not all(k in r for k in need):
-        raise ValueError(f"{path}: not a `duet bench serve` result of one run (needs {', '.join(need)})")
+        raise ValueError(
+            f"{path}: not a `duet bench serve` result of one run (needs {', '.join(need)})"
+        )
     cfg = r.get("config") or {}
     groups, plen = int(cfg.get("prefix_groups") or 0), int(cfg.get("prefix_len") or 0)
     n = len(r["input_lens"])
@@ -108,12 +114,26 @@ def from_result_file(path: Path, seed: int = 0) -> Iterator[WorkItem]:
     # so a cold prefill, decides routing); a result from before the field: round robin
     recorded = r.get("groups") or [None] * n
     out_default = _max_tokens(cfg)
-    rows = sorted(zip(r["scheduled_times"], r["input_lens"], r["output_lens"], tiers, recorded, shared, strict=True),
-                  key=lambda row: row[0])  # fmt: skip
+    rows = sorted(
+        zip(
+            r["scheduled_times"],
+            r["input_lens"],
+            r["output_lens"],
+            tiers,
+            recorded,
+            shared,
+            strict=True,
+        ),
+        key=lambda row: row[0],
+    )
     for i, (t, n_in, n_out, tier, group, k) in enumerate(rows):
         n_out = n_out or out_default  # a failed request reports 0: replay what it asked for
-        if group is not None and not 0 <= group < len(prefixes):  # none at all: not a --prefix-groups run
-            raise ValueError(f"{path}: request {i}'s prefix group {group} is not one of the {len(prefixes)} groups")
+        if group is not None and not 0 <= group < len(
+            prefixes
+        ):  # none at all: not a --prefix-groups run
+            raise ValueError(
+                f"{path}: request {i}'s prefix group {group} is not one of the {len(prefixes)} groups"
+            )
         g = group if group is not None else i % len(prefixes) if prefixes else None
         k = min(k, n_in - 1) if g is not None else 0  # at least one token of its own
         body = _tokens(nrng, max(1, n_in - k))
@@ -129,7 +149,9 @@ def _max_tokens(cfg: dict) -> int:
         return 128
 
 
-def mooncake(path: Path, block_size: int = 512, time_scale: float = 1.0, seed: int = 0) -> Iterator[WorkItem]:
+def mooncake(
+    path: Path, block_size: int = 512, time_scale: float = 1.0, seed: int = 0
+) -> Iterator[WorkItem]:
     entries = load_trace(Path(path))
     t0 = entries[0].timestamp
     blocks: dict[int, list[int]] = {}
@@ -141,6 +163,10 @@ def mooncake(path: Path, block_size: int = 512, time_scale: float = 1.0, seed: i
             prompt.extend(blocks[h])
         prompt = prompt[: e.input_length]
         if len(prompt) < e.input_length:
-            prompt.extend(_tokens(np.random.default_rng((seed, -1, int(e.timestamp * 1000), e.input_length)),
-                                  e.input_length - len(prompt)))  # fmt: skip
+            prompt.extend(
+                _tokens(
+                    np.random.default_rng((seed, -1, int(e.timestamp * 1000), e.input_length)),
+                    e.input_length - len(prompt),
+                )
+            )
         yield WorkItem((e.timestamp - t0) / 1000.0 * time_scale, prompt, e.output_length)

@@ -34,8 +34,9 @@ TINY_SHAPES = {
 @pytest.fixture(scope="session", params=sorted(TINY_SHAPES))
 def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tiny random models in several shapes: GQA, MHA with tied embeddings, Qwen2 (qkv bias)."""
-    return make_tiny_llama(tmp_path_factory.mktemp(f"tiny-{request.param}"), seed=1,
-                           **TINY_SHAPES[request.param])  # fmt: skip
+    return make_tiny_llama(
+        tmp_path_factory.mktemp(f"tiny-{request.param}"), seed=1, **TINY_SHAPES[request.param]
+    )
 
 
 @pytest.fixture(scope="session")
@@ -57,11 +58,17 @@ def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
 
 
 @pytest.fixture(scope="module")
-def pd_nodes(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc, Proc]]:
+def pd_nodes(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Proc, Proc, Proc]]:
     """Node processes shared by a test module: one prefill (KV held 30 s), one decode, one
     colocated node on the tiny model (fp32, one thread each); stopped at the end, pass or fail."""
-    with three_nodes(tiny_llama, tmp_path_factory.mktemp("nodes"), *TINY_NODE_ARGS,
-                     prefill_args=("--lease-seconds", "30")) as nodes:  # fmt: skip
+    with three_nodes(
+        tiny_llama,
+        tmp_path_factory.mktemp("nodes"),
+        *TINY_NODE_ARGS,
+        prefill_args=("--lease-seconds", "30"),
+    ) as nodes:
         yield nodes
 
 

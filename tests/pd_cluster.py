@@ -28,8 +28,13 @@ LOCAL_PREFILL_TOKENS = 8
 
 def cluster_model(model_dir: Path) -> dict[str, Any]:
     """The gateway's config entry for the cluster's model (priced, so usage records a cost)."""
-    return {"kind": "cluster", "tokenizer": str(model_dir), "served_name": model_dir.name,
-            "input_usd_per_mtok": 1.0, "output_usd_per_mtok": 2.0}  # fmt: skip
+    return {
+        "kind": "cluster",
+        "tokenizer": str(model_dir),
+        "served_name": model_dir.name,
+        "input_usd_per_mtok": 1.0,
+        "output_usd_per_mtok": 2.0,
+    }
 
 
 @dataclass(kw_only=True)
@@ -47,7 +52,9 @@ class PDCluster:
     secret: str = ""
 
     def client(self, key: str | None = None) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key=key or self.key, max_retries=0)
+        return openai.OpenAI(
+            base_url=self.gateway.url + "/v1", api_key=key or self.key, max_retries=0
+        )
 
     def cluster(self) -> dict[str, Any]:
         """The coordinator's `GET /cluster`."""

@@ -21,16 +21,25 @@ from bench.procs import Proc, duet_node, free_port, running
 from coordinator.etcd_server import EtcdServer
 from protocol.cluster_secret import write_secret_file
 
-__all__ = ["TINY_NODE_ARGS", "Proc", "SecuredPlane", "duet_node", "free_port", "running", "secured_plane",
-           "three_nodes"]  # fmt: skip
+__all__ = [
+    "TINY_NODE_ARGS",
+    "Proc",
+    "SecuredPlane",
+    "duet_node",
+    "free_port",
+    "running",
+    "secured_plane",
+    "three_nodes",
+]
 
 #: a node on the tiny model: fp32, a small KV pool, a short context
 TINY_NODE_ARGS = ("--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024")
 
 
 @contextmanager
-def three_nodes(model: str | Path, tmp: Path, *args: str,
-                prefill_args: tuple[str, ...] = ()) -> Iterator[tuple[Proc, Proc, Proc]]:  # fmt: skip
+def three_nodes(
+    model: str | Path, tmp: Path, *args: str, prefill_args: tuple[str, ...] = ()
+) -> Iterator[tuple[Proc, Proc, Proc]]:
     """A prefill, a decode and a colocated node of `model`, running until the block ends."""
     p = duet_node("prefill", model, tmp, *args, *prefill_args)
     d = duet_node("decode", model, tmp, *args)
@@ -75,8 +84,22 @@ def secured_plane(tmp: Path, secret: str, *coordinator_args: str) -> Iterator[Se
     flag = ("--cluster-secret-file", str(secret_file))
     with EtcdServer(tmp / "etcd") as etcd:
         port = free_port()
-        coord = Proc([sys.executable, "-m", "duet", "coordinator", "--etcd", etcd.url, "--port", str(port),
-                      *coordinator_args, *flag], port, tmp / "coordinator.log")  # fmt: skip
+        coord = Proc(
+            [
+                sys.executable,
+                "-m",
+                "duet",
+                "coordinator",
+                "--etcd",
+                etcd.url,
+                "--port",
+                str(port),
+                *coordinator_args,
+                *flag,
+            ],
+            port,
+            tmp / "coordinator.log",
+        )
         try:
             yield SecuredPlane(tmp, etcd.url, secret, secret_file, coord)
         finally:

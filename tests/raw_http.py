@@ -16,12 +16,25 @@ from tests.wait import wait_for
 _LONG = 20_000
 #: (name, bytes sent, OpenAI error code, words in the message; "{limit}" is the server's limit)
 PARSER_CASES = [
-    ("over-long header", b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * _LONG + b"\r\n\r\n",
-     "header_too_large", "longer than this server accepts ({limit} bytes)"),
-    ("over-long request line", b"GET /" + b"a" * _LONG + b" HTTP/1.1\r\nHost: x\r\n\r\n",
-     "header_too_large", "longer than this server accepts ({limit} bytes)"),
-    ("garbage request line", b"\x00\x01 this is not HTTP\r\n\r\n", "bad_request", "malformed request line"),
-]  # fmt: skip
+    (
+        "over-long header",
+        b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * _LONG + b"\r\n\r\n",
+        "header_too_large",
+        "longer than this server accepts ({limit} bytes)",
+    ),
+    (
+        "over-long request line",
+        b"GET /" + b"a" * _LONG + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+        "header_too_large",
+        "longer than this server accepts ({limit} bytes)",
+    ),
+    (
+        "garbage request line",
+        b"\x00\x01 this is not HTTP\r\n\r\n",
+        "bad_request",
+        "malformed request line",
+    ),
+]
 
 
 def exchange(port: int, data: bytes, timeout: float = 30.0) -> tuple[int, dict[str, str], bytes]:
@@ -40,8 +53,9 @@ def exchange(port: int, data: bytes, timeout: float = 30.0) -> tuple[int, dict[s
     return int(status_line.split()[1]), headers, body
 
 
-def assert_openai_error(status: int, headers: dict[str, str], body: bytes, want_status: int,
-                        code: str, words: str) -> dict[str, Any]:  # fmt: skip
+def assert_openai_error(
+    status: int, headers: dict[str, str], body: bytes, want_status: int, code: str, words: str
+) -> dict[str, Any]:
     """The response is OpenAI's error body with `want_status`, `code` and `words` in the message."""
     assert status == want_status, (status, headers, body[:300])
     assert headers.get("content-type", "").startswith("application/json"), (headers, body[:300])

@@ -46,8 +46,21 @@ def _node(role: str, model: Path, tmp: Path, **env: str) -> Proc:
     if "PYTHONPATH" in env and os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] += os.pathsep + os.environ["PYTHONPATH"]
     port = free_port()
-    args = [sys.executable, "-m", "duet", "node", "--role", role, "--model", str(model),
-            "--port", str(port), "--threads", "1", *NODE]  # fmt: skip
+    args = [
+        sys.executable,
+        "-m",
+        "duet",
+        "node",
+        "--role",
+        role,
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        "--threads",
+        "1",
+        *NODE,
+    ]
     return Proc(args, port, tmp / f"{role}-{port}.log", env=env)
 
 
@@ -63,20 +76,35 @@ def _serves(node: Proc) -> bool:
 
 
 def test_strict_mode_reads_ci_and_duet_strict() -> None:
-    assert strict_mode({"CI": "true"}) and strict_mode({"CI": "1"}) and strict_mode({"DUET_STRICT": "yes"})
-    assert not strict_mode({}) and not strict_mode({"CI": "false"}) and not strict_mode({"DUET_STRICT": "0"})
+    assert (
+        strict_mode({"CI": "true"})
+        and strict_mode({"CI": "1"})
+        and strict_mode({"DUET_STRICT": "yes"})
+    )
+    assert (
+        not strict_mode({})
+        and not strict_mode({"CI": "false"})
+        and not strict_mode({"DUET_STRICT": "0"})
+    )
 
 
 def _kernels(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
-            "from engine.kernels import kernels_lib\nprint('kernels', kernels_lib() is not None)")  # fmt: skip
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    code = (
+        "import logging; logging.basicConfig(level=logging.INFO)\n"
+        "from engine.kernels import kernels_lib\nprint('kernels', kernels_lib() is not None)"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_kernel_compile_failure_is_a_warning_outside_ci(tmp_path: Path) -> None:
     r = _kernels(dict(os.environ, CC=_failing_cc(tmp_path), DUET_HOME=str(tmp_path)))
     assert r.returncode == 0 and "kernels False" in r.stdout
-    assert "injected compile failure" in r.stderr and "falling back to the slower torch ops" in r.stderr
+    assert (
+        "injected compile failure" in r.stderr
+        and "falling back to the slower torch ops" in r.stderr
+    )
 
 
 def test_disabling_kernels_on_purpose_is_allowed_under_ci_and_logged(tmp_path: Path) -> None:
@@ -86,11 +114,17 @@ def test_disabling_kernels_on_purpose_is_allowed_under_ci_and_logged(tmp_path: P
 
 
 def test_kernel_compile_failure_fails_the_node_under_ci(tiny_llama: Path, tmp_path: Path) -> None:
-    node = _node("both", tiny_llama, tmp_path, CI="true", CC=_failing_cc(tmp_path), DUET_HOME=str(tmp_path))
+    node = _node(
+        "both", tiny_llama, tmp_path, CI="true", CC=_failing_cc(tmp_path), DUET_HOME=str(tmp_path)
+    )
     assert not _serves(node), "the node served on the torch fallback under CI=true"
     assert node.proc.returncode != 0
     log = node.log()
-    assert "FallbackRefused" in log and "injected compile failure" in log and "strict mode (CI=true)" in log
+    assert (
+        "FallbackRefused" in log
+        and "injected compile failure" in log
+        and "strict mode (CI=true)" in log
+    )
 
 
 def test_nixl_import_failure_fails_the_node_under_ci(tiny_llama: Path, tmp_path: Path) -> None:
@@ -109,7 +143,9 @@ def test_nixl_import_failure_falls_back_to_tcp_outside_ci(tiny_llama: Path, tmp_
     assert "KV transport: tcp" in log
 
 
-def test_linear_prepacking_failure_is_an_error_in_strict_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_linear_prepacking_failure_is_an_error_in_strict_mode(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A oneDNN prepack that fails its self-check falls back to F.linear with a warning in
     production, and is an error under CI=true (it would hide a broken fast path)."""
     import torch
@@ -119,11 +155,15 @@ def test_linear_prepacking_failure_is_an_error_in_strict_mode(monkeypatch: pytes
     from protocol.strict import FallbackRefused
 
     w = torch.randn(64, 64).to(torch.bfloat16)
-    monkeypatch.setenv("DUET_BF16_LINEAR", "onednn")  # AVX-512 BF16 CPUs take linear_bf16.c otherwise
+    monkeypatch.setenv(
+        "DUET_BF16_LINEAR", "onednn"
+    )  # AVX-512 BF16 CPUs take linear_bf16.c otherwise
     if not linear.can_prepack(w):
         pytest.skip("this torch/CPU does not prepack bf16 linears")
     real = F.linear
-    monkeypatch.setattr(F, "linear", lambda x, w, b=None: real(x, w, b) + 1)  # the self-check disagrees
+    monkeypatch.setattr(
+        F, "linear", lambda x, w, b=None: real(x, w, b) + 1
+    )  # the self-check disagrees
     monkeypatch.delenv("DUET_STRICT", raising=False)
     monkeypatch.setenv("CI", "false")
     assert linear.Linear(w).packed is None  # fell back

@@ -25,25 +25,52 @@ ROOT = Path(__file__).resolve().parents[1]
 #: modules a request crosses, gateway → coordinator client → node legs (their public
 #: functions are the seams the rule guards)
 REQUEST_PATH = [
-    "gateway/serve.py", "gateway/requests.py", "gateway/measure.py", "gateway/ledger.py", "gateway/backend.py",
-    "gateway/cluster.py", "gateway/node_client.py", "gateway/relay.py", "gateway/responses.py",
-    "gateway/provider_backend.py", "gateway/routing.py", "gateway/choice.py", "coordinator/client.py",
-    "node/completions.py", "node/legs.py", "node/responder.py", "node/chat.py",
+    "gateway/serve.py",
+    "gateway/requests.py",
+    "gateway/measure.py",
+    "gateway/ledger.py",
+    "gateway/backend.py",
+    "gateway/cluster.py",
+    "gateway/node_client.py",
+    "gateway/relay.py",
+    "gateway/responses.py",
+    "gateway/provider_backend.py",
+    "gateway/routing.py",
+    "gateway/choice.py",
+    "coordinator/client.py",
+    "node/completions.py",
+    "node/legs.py",
+    "node/responder.py",
+    "node/chat.py",
     *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "prefill").glob("*.py")),
     *sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "decode").glob("*.py")),
-    "protocol/node_api.py", "protocol/kv_params.py", "protocol/openai.py", "protocol/route.py", "protocol/sse.py",
-]  # fmt: skip
+    "protocol/node_api.py",
+    "protocol/kv_params.py",
+    "protocol/openai.py",
+    "protocol/route.py",
+    "protocol/sse.py",
+]
 
 #: bench modules that measure one package by importing it (name → what it may import: that
 #: package; bench/profile.py also writes its profile in sim/'s schema, which the simulator reads)
 COMPONENT_BENCHMARKS = {
-    "bench/engine.py": {"engine"}, "bench/engine_runs.py": {"engine"}, "bench/flops.py": {"engine"},
-    "bench/quality.py": {"engine"}, "bench/quant_engine.py": {"engine"}, "bench/linear_rows.py": {"engine"},
-    "bench/kernel_ab.py": {"engine"}, "bench/kvtransfer.py": {"kvtransfer"},
-    "bench/route.py": {"coordinator"}, "bench/router.py": {"gateway"}, "bench/profile.py": {"engine", "sim"},
-    "bench/engine_tiers.py": {"engine"}, "bench/spec_engine.py": {"engine"}, "bench/structured.py": {"engine"},
-    "bench/probes/linear_bf16_vs_onednn.py": {"engine"}, "bench/probes/decode_linears.py": {"engine"},
-}  # fmt: skip
+    "bench/engine.py": {"engine"},
+    "bench/engine_runs.py": {"engine"},
+    "bench/flops.py": {"engine"},
+    "bench/quality.py": {"engine"},
+    "bench/quant_engine.py": {"engine"},
+    "bench/linear_rows.py": {"engine"},
+    "bench/kernel_ab.py": {"engine"},
+    "bench/kvtransfer.py": {"kvtransfer"},
+    "bench/route.py": {"coordinator"},
+    "bench/router.py": {"gateway"},
+    "bench/profile.py": {"engine", "sim"},
+    "bench/engine_tiers.py": {"engine"},
+    "bench/spec_engine.py": {"engine"},
+    "bench/structured.py": {"engine"},
+    "bench/probes/linear_bf16_vs_onednn.py": {"engine"},
+    "bench/probes/decode_linears.py": {"engine"},
+}
 
 
 def py_files(package: str) -> list[Path]:
@@ -64,7 +91,9 @@ def test_roles_reach_node_only_through_its_role_api() -> None:
     for role in ("prefill", "decode"):
         for f in py_files(role):
             bad = {m for m in imports(f) if top(m) == "node" and m not in allowed}
-            assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)} (only {sorted(allowed)} of node/)"
+            assert not bad, (
+                f"{f.relative_to(ROOT)} imports {sorted(bad)} (only {sorted(allowed)} of node/)"
+            )
 
 
 def _any_dict(annotation: ast.expr | None) -> bool:
@@ -76,22 +105,38 @@ def test_no_public_function_on_the_request_path_speaks_dict_any() -> None:
     for rel in REQUEST_PATH:
         tree = ast.parse((ROOT / rel).read_text())
         for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.name.startswith("_"):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.name.startswith(
+                "_"
+            ):
                 continue
             args = [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]
             if _any_dict(node.returns) or any(_any_dict(a.annotation) for a in args):
                 offenders.append(f"{rel}:{node.lineno} {node.name}")
-    assert not offenders, "public functions taking or returning dict[str, Any]: " + ", ".join(offenders)
+    assert not offenders, "public functions taking or returning dict[str, Any]: " + ", ".join(
+        offenders
+    )
 
 
 def test_bench_talks_http_except_the_component_benchmarks() -> None:
-    ours = {"engine", "kvtransfer", "coordinator", "gateway", "node", "prefill", "decode", "duet", "sim"}
+    ours = {
+        "engine",
+        "kvtransfer",
+        "coordinator",
+        "gateway",
+        "node",
+        "prefill",
+        "decode",
+        "duet",
+        "sim",
+    }
     for f in py_files("bench"):
         rel = f.relative_to(ROOT).as_posix()
         used = {top(m) for m in imports(f)} & ours
         allowed = COMPONENT_BENCHMARKS.get(rel, set())
-        assert used <= allowed, f"{rel} imports {sorted(used - allowed)} (bench/ talks HTTP; component " \
-                                f"benchmarks are listed in COMPONENT_BENCHMARKS)"  # fmt: skip
+        assert used <= allowed, (
+            f"{rel} imports {sorted(used - allowed)} (bench/ talks HTTP; component "
+            f"benchmarks are listed in COMPONENT_BENCHMARKS)"
+        )
 
 
 def test_the_lists_name_real_files() -> None:

@@ -20,7 +20,9 @@ from typing import Any
 POLL_S = 0.02
 
 
-async def until(cond: Callable[[], Any | Awaitable[Any]], timeout: float = 30.0, what: str = "condition") -> Any:
+async def until(
+    cond: Callable[[], Any | Awaitable[Any]], timeout: float = 30.0, what: str = "condition"
+) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         value = cond()

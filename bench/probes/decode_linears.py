@@ -62,12 +62,20 @@ def _on(fn: object, lib: ctypes.CDLL) -> object:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--schemes", default="none,int8,int4", help="comma-separated: none (bf16), int8, int4")
+    p.add_argument(
+        "--schemes", default="none,int8,int4", help="comma-separated: none (bf16), int8, int4"
+    )
     p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--against", metavar="OLD.so", help="also run each quantized scheme on another build of the "
-                   "kernels (a $DUET_HOME/kernels/duet_kernels-*.so of another revision), steps alternating")  # fmt: skip
+    p.add_argument(
+        "--against",
+        metavar="OLD.so",
+        help="also run each quantized scheme on another build of the "
+        "kernels (a $DUET_HOME/kernels/duet_kernels-*.so of another revision), steps alternating",
+    )
     args = p.parse_args()
     other = _other_lib(args.against) if args.against else None
     torch.set_num_threads(args.threads)
@@ -75,18 +83,25 @@ def main() -> None:
     for scheme in args.schemes.split(","):
         kinds: dict[str, list[tuple[Callable[[torch.Tensor], torch.Tensor], int, int]]] = {}
         for name, (n, k) in SHAPES.items():
-            kinds[name] = [(*_layer(torch.randn(n, k, generator=g) * 0.05, scheme), k) for _ in range(LAYERS)]
+            kinds[name] = [
+                (*_layer(torch.randn(n, k, generator=g) * 0.05, scheme), k) for _ in range(LAYERS)
+            ]
         kinds["lm_head"] = [(*_head(torch.randn(*LM_HEAD, generator=g) * 0.05, scheme), LM_HEAD[1])]
         xs = {k: torch.randn(1, k, generator=g).bfloat16() for k in {576, 1536}}
         # one step in a decode step's order (layer by layer, then the lm_head): the ~95-270 MB it
         # reads do not fit in L3, as in a real step; each call timed, the best of `rounds` steps kept
-        order = [(name, *kinds[name][i]) for i in range(LAYERS) for name in SHAPES] + [("lm_head", *kinds["lm_head"][0])]
+        order = [(name, *kinds[name][i]) for i in range(LAYERS) for name in SHAPES] + [
+            ("lm_head", *kinds["lm_head"][0])
+        ]
         runs = {scheme: order}
         if other is not None and scheme != "none":
             runs[f"{scheme}@old"] = [(name, _on(fn, other), b, k) for name, fn, b, k in order]
         best: dict[str, dict[str, float]] = {}
         for _ in range(args.rounds + 1):
-            for label, steps in runs.items():  # alternating: both see the same moments of the machine
+            for (
+                label,
+                steps,
+            ) in runs.items():  # alternating: both see the same moments of the machine
                 spent = dict.fromkeys(kinds, 0.0)
                 for name, fn, _, k in steps:
                     t = time.perf_counter()
@@ -97,12 +112,19 @@ def main() -> None:
         for label, spent in best.items():
             for name, layers in kinds.items():
                 t, nbytes = spent[name], sum(b for _, b, _ in layers)
-                print(f"{label:9s} {name:8s} {t * 1e3:7.3f} ms/step  {nbytes / 1e6:7.2f} MB  {nbytes / t / 1e9:6.2f} GB/s",
-                      flush=True)  # fmt: skip
-            total_t, total_b = sum(spent.values()), sum(b for layers in kinds.values() for _, b, _ in layers)
-            print(f"{label:9s} {'all':8s} {total_t * 1e3:7.3f} ms/step  {total_b / 1e6:7.2f} MB  "
-                  f"{total_b / total_t / 1e9:6.2f} GB/s  -> at most {1 / total_t:6.1f} tokens/s from the linears alone",
-                  flush=True)  # fmt: skip
+                print(
+                    f"{label:9s} {name:8s} {t * 1e3:7.3f} ms/step  {nbytes / 1e6:7.2f} MB  {nbytes / t / 1e9:6.2f} GB/s",
+                    flush=True,
+                )
+            total_t, total_b = (
+                sum(spent.values()),
+                sum(b for layers in kinds.values() for _, b, _ in layers),
+            )
+            print(
+                f"{label:9s} {'all':8s} {total_t * 1e3:7.3f} ms/step  {total_b / 1e6:7.2f} MB  "
+                f"{total_b / total_t / 1e9:6.2f} GB/s  -> at most {1 / total_t:6.1f} tokens/s from the linears alone",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -38,9 +38,13 @@ def _onednn_all(x: torch.Tensor, packed: list[torch.Tensor]) -> list[torch.Tenso
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--isa", type=int, default=0, help="linear_bf16's path: 0 best, 1 vdpbf16ps, 2 AMX")
+    p.add_argument(
+        "--isa", type=int, default=0, help="linear_bf16's path: 0 best, 1 vdpbf16ps, 2 AMX"
+    )
     args = p.parse_args()
     lib = kernels_lib()
     if lib is None or lib.qgemm_bf16_isa() < 1:
@@ -56,7 +60,19 @@ def main() -> None:
 
     def own(x: torch.Tensor, panels: torch.Tensor, n: int, k: int) -> torch.Tensor:
         out = torch.empty((x.shape[0], n), dtype=torch.bfloat16)
-        rc = lib.linear_bf16(x.data_ptr(), k, x.shape[0], k, panels.data_ptr(), n, None, out.data_ptr(), n, 0, args.isa)
+        rc = lib.linear_bf16(
+            x.data_ptr(),
+            k,
+            x.shape[0],
+            k,
+            panels.data_ptr(),
+            n,
+            None,
+            out.data_ptr(),
+            n,
+            0,
+            args.isa,
+        )
         if rc != 0:
             raise SystemExit(f"linear_bf16 failed ({rc})")
         return out
@@ -69,12 +85,22 @@ def main() -> None:
             x = torch.randn(m, k, generator=g).bfloat16()
             reps = max(1, 2000 // m) // COPIES + 1
             onednn = _best(functools.partial(_onednn_all, x, packed), reps) / COPIES
-            mine = _best(functools.partial(lambda x, ps, n, k: [own(x, pn, n, k) for pn in ps], x, panels, n, k),
-                         reps) / COPIES  # fmt: skip
+            mine = (
+                _best(
+                    functools.partial(
+                        lambda x, ps, n, k: [own(x, pn, n, k) for pn in ps], x, panels, n, k
+                    ),
+                    reps,
+                )
+                / COPIES
+            )
             ref = torch.ops.mkldnn._linear_pointwise(x, packed[0], None, "none", [], "")
             diff = (own(x, panels[0], n, k).float() - ref.float()).abs().max().item()
-            print(f"{name:8s} m={m:4d} onednn {onednn * 1e6:9.1f} us  linear_bf16 {mine * 1e6:9.1f} us  "
-                  f"onednn/own {onednn / mine:5.2f}  max diff {diff:.3g}", flush=True)  # fmt: skip
+            print(
+                f"{name:8s} m={m:4d} onednn {onednn * 1e6:9.1f} us  linear_bf16 {mine * 1e6:9.1f} us  "
+                f"onednn/own {onednn / mine:5.2f}  max diff {diff:.3g}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ from bench.flops import ModelShape
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--schemes", default="none,int8,int8-w8a8")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=6)
@@ -41,7 +43,9 @@ def main() -> None:
             seconds[s] += prefill_once(eng, shape, 512, rng, f"r{rep}")
             profiles[s].disable()
     for s in schemes:
-        print(f"==== {s}: {seconds[s] / args.reps * 1000:.1f} ms a prefill (totals below are over {args.reps})")
+        print(
+            f"==== {s}: {seconds[s] / args.reps * 1000:.1f} ms a prefill (totals below are over {args.reps})"
+        )
         buf = io.StringIO()
         pstats.Stats(profiles[s], stream=buf).sort_stats("tottime").print_stats(args.top)
         print(buf.getvalue())

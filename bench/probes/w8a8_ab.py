@@ -18,7 +18,9 @@ from bench.engine_tiers import _engine, parse_args
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("old", help="path of the other build's kernel library")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rows", default="512,64,8,1")
@@ -28,7 +30,10 @@ def main() -> None:
     layer = eng.runner.model.layers[3]
     new = layer.qkv.lib
     old = ctypes.CDLL(args.old)
-    old.qlinear_w8a8.argtypes, old.qlinear_w8a8.restype = new.qlinear_w8a8.argtypes, new.qlinear_w8a8.restype
+    old.qlinear_w8a8.argtypes, old.qlinear_w8a8.restype = (
+        new.qlinear_w8a8.argtypes,
+        new.qlinear_w8a8.restype,
+    )
     g = torch.Generator().manual_seed(0)
     for name in ("qkv", "o", "gate_up", "down"):
         f = getattr(layer, name)
@@ -36,11 +41,29 @@ def main() -> None:
             x = torch.randn(m, f.in_features, generator=g).bfloat16()
             outs: dict[str, torch.Tensor] = {}
 
-            def run(lib: ctypes.CDLL, key: str, x: torch.Tensor = x, f: object = f, m: int = m,
-                    outs: dict[str, torch.Tensor] = outs) -> None:  # fmt: skip
+            def run(
+                lib: ctypes.CDLL,
+                key: str,
+                x: torch.Tensor = x,
+                f: object = f,
+                m: int = m,
+                outs: dict[str, torch.Tensor] = outs,
+            ) -> None:
                 out = torch.empty((m, f.out_features), dtype=torch.bfloat16)
-                rc = lib.qlinear_w8a8(x.data_ptr(), x.stride(0), m, f.in_features, *f.w8_args, f.out_features, 0,
-                                      out.data_ptr(), out.stride(0), 1, 0, f.act_group)  # fmt: skip
+                rc = lib.qlinear_w8a8(
+                    x.data_ptr(),
+                    x.stride(0),
+                    m,
+                    f.in_features,
+                    *f.w8_args,
+                    f.out_features,
+                    0,
+                    out.data_ptr(),
+                    out.stride(0),
+                    1,
+                    0,
+                    f.act_group,
+                )
                 if rc != 0:
                     raise SystemExit(f"qlinear_w8a8 failed ({rc})")
                 outs[key] = out
@@ -53,9 +76,11 @@ def main() -> None:
                     for _ in range(reps):
                         run(lib, key)
                     best[key] = min(best[key], (time.perf_counter() - t) / reps)
-            print(f"{name:8s} m={m:4d} old {best['old'] * 1e6:8.1f} us  new {best['new'] * 1e6:8.1f} us  "
-                  f"old/new {best['old'] / best['new']:.3f}  equal {torch.equal(outs['old'], outs['new'])}",
-                  flush=True)  # fmt: skip
+            print(
+                f"{name:8s} m={m:4d} old {best['old'] * 1e6:8.1f} us  new {best['new'] * 1e6:8.1f} us  "
+                f"old/new {best['old'] / best['new']:.3f}  equal {torch.equal(outs['old'], outs['new'])}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

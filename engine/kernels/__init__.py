@@ -91,15 +91,29 @@ def _compile(src: Path = _DIR) -> Path:
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
         objs = [str(Path(tmp) / (name + ".o")) for name, _ in _SOURCES]
         # The sources compile in parallel (about a second in all).
-        procs = [subprocess.Popen([cc, *_BASE_FLAGS, *flags, f"-I{src}", "-c", str(src / name), "-o", obj],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for (name, flags), obj in zip(_SOURCES, objs, strict=True)]  # fmt: skip
-        errors = [_error(p) for p in procs]  # a list: wait for every compiler, not just the first failure
+        procs = [
+            subprocess.Popen(
+                [cc, *_BASE_FLAGS, *flags, f"-I{src}", "-c", str(src / name), "-o", obj],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for (name, flags), obj in zip(_SOURCES, objs, strict=True)
+        ]
+        errors = [
+            _error(p) for p in procs
+        ]  # a list: wait for every compiler, not just the first failure
         if any(errors):
             raise _CompileError(next(e for e in errors if e))
         so = Path(tmp) / "lib.so"
-        err = _error(subprocess.Popen([cc, "-shared", "-fopenmp", *objs, "-o", str(so), "-lm"],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))  # fmt: skip
+        err = _error(
+            subprocess.Popen(
+                [cc, "-shared", "-fopenmp", *objs, "-o", str(so), "-lm"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
         if err:
             raise _CompileError(err)
         os.replace(so, target)
@@ -118,7 +132,9 @@ def _error(proc: subprocess.Popen) -> str | None:
 def kernels_lib() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (torch fallback; FallbackRefused in strict mode)."""
     if os.environ.get("DUET_DISABLE_KERNELS"):
-        log.info("DUET_DISABLE_KERNELS is set: CPU kernels disabled on purpose, the engine uses torch ops")
+        log.info(
+            "DUET_DISABLE_KERNELS is set: CPU kernels disabled on purpose, the engine uses torch ops"
+        )
         return None
     import torch  # noqa: F401 - load torch's libgomp first so the kernels bind to it
 
@@ -152,7 +168,16 @@ def build_library(src: Path, private_copy: bool = False) -> ctypes.CDLL:
 
 
 _P, _I32, _I64, _F32 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_float
-_STEP = [_P, _I32, _I32, _I32, _P, _I64, _P, _I64]  # (Step *, layer, first, count, q, q_stride, out, out_stride)
+_STEP = [
+    _P,
+    _I32,
+    _I32,
+    _I32,
+    _P,
+    _I64,
+    _P,
+    _I64,
+]  # (Step *, layer, first, count, q, q_stride, out, out_stride)
 #: every exported kernel: (argument types, return type)
 _SIGNATURES: dict[str, tuple[list, object]] = {
     "paged_attention": (_STEP, None),
@@ -165,14 +190,23 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "res_norm_f32": ([_P, _P, _P, _P, _I32, _I32, _F32, _I32], None),
     "argmax_rows": ([_P, _I64, _I32, _I32, _I32, _P], None),
     "qlinear_int8": ([_P, _I64, _I32, _I32, _P, _P, _I64, _P, _P, _I64, _I32, _I32], _I32),
-    "qlinear_int4": ([_P, _I64, _I32, _I32, _P, _P, _P, _I32, _I64, _P, _P, _I64, _I32, _I32], _I32),
+    "qlinear_int4": (
+        [_P, _I64, _I32, _I32, _P, _P, _P, _I32, _I64, _P, _P, _I64, _I32, _I32],
+        _I32,
+    ),
     "qlinear_int4_path": ([], _I32),
     "logits_bf16": ([_P, _I64, _I32, _I32, _P, _I64, _P, _I64], _I32),
     "logits_bf16_path": ([_P, _I64, _I32, _I32, _P, _I64, _P, _I64, _I32], _I32),
     "logits_bf16_isa": ([], _I32),
-    "qlinear_w8a8": ([_P, _I64, _I32, _I32, _P, _P, _P, _I64, _P, _P, _I64, _I32, _I32, _I32], _I32),
+    "qlinear_w8a8": (
+        [_P, _I64, _I32, _I32, _P, _P, _P, _I64, _P, _P, _I64, _I32, _I32, _I32],
+        _I32,
+    ),
     "qlinear_int8_bf16": ([_P, _I64, _I32, _I32, _P, _P, _I64, _P, _P, _I64, _I32, _I32], _I32),
-    "qlinear_int4_bf16": ([_P, _I64, _I32, _I32, _P, _P, _P, _I32, _I64, _P, _P, _I64, _I32, _I32], _I32),
+    "qlinear_int4_bf16": (
+        [_P, _I64, _I32, _I32, _P, _P, _P, _I32, _I64, _P, _P, _I64, _I32, _I32],
+        _I32,
+    ),
     "qgemm_bf16_isa": ([], _I32),
     "linear_bf16_packed_words": ([_I64, _I32], _I64),
     "linear_bf16_pack": ([_P, _I64, _I32, _P], _I32),

@@ -92,8 +92,10 @@ def check_url_syntax(url: str) -> tuple[str, int]:
 
 def check_port(port: int, allow_private: bool) -> None:
     if not port_allowed(port, allow_private):
-        raise CallbackURLError(f"callback_url port {port} is a privileged service port; use 80, 443 or a port "
-                               "from 1024 up")  # fmt: skip
+        raise CallbackURLError(
+            f"callback_url port {port} is a privileged service port; use 80, 443 or a port "
+            "from 1024 up"
+        )
 
 
 async def resolve_checked(host: str, port: int, allow_private: bool) -> list[str]:
@@ -103,12 +105,16 @@ async def resolve_checked(host: str, port: int, allow_private: bool) -> list[str
     try:
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        raise CallbackURLError(f"callback_url host {host!r} does not resolve: {e.strerror}") from None
+        raise CallbackURLError(
+            f"callback_url host {host!r} does not resolve: {e.strerror}"
+        ) from None
     addrs = sorted({str(info[4][0]) for info in infos})
     bad = [a for a in addrs if not address_allowed(a, allow_private)]
     if bad or not addrs:
-        raise CallbackURLError(f"callback_url host {host!r} resolves to a loopback, private or "
-                               f"reserved address ({', '.join(bad)}), which is not allowed")  # fmt: skip
+        raise CallbackURLError(
+            f"callback_url host {host!r} resolves to a loopback, private or "
+            f"reserved address ({', '.join(bad)}), which is not allowed"
+        )
     return addrs
 
 
@@ -125,12 +131,15 @@ class GuardedResolver(AbstractResolver):
         self._inner = DefaultResolver()
         self._allow_private = allow_private
 
-    async def resolve(self, host: str, port: int = 0,
-                      family: socket.AddressFamily = socket.AF_INET) -> list[ResolveResult]:  # fmt: skip
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
         results = await self._inner.resolve(host, port, family)
         bad = [r["host"] for r in results if not address_allowed(r["host"], self._allow_private)]
         if bad:
-            raise OSError(f"callback host {host!r} resolves to a forbidden address ({', '.join(bad)})")
+            raise OSError(
+                f"callback host {host!r} resolves to a forbidden address ({', '.join(bad)})"
+            )
         return results
 
     async def close(self) -> None:
@@ -143,8 +152,9 @@ def sign(secret: str, body: bytes, timestamp: int | None = None) -> str:
     return f"t={t},v1={mac}"
 
 
-def verify_signature(secret: str, header: str, body: bytes, tolerance_s: float = 300.0,
-                     now: float | None = None) -> bool:  # fmt: skip
+def verify_signature(
+    secret: str, header: str, body: bytes, tolerance_s: float = 300.0, now: float | None = None
+) -> bool:
     """The receiver's check: a v1 HMAC that matches, on a timestamp within `tolerance_s`."""
     fields: dict[str, list[str]] = {}
     for part in header.split(","):
@@ -178,8 +188,9 @@ class CallbackSender:
         except CallbackURLError as e:
             return False, str(e)
         if self._session is None:
-            connector = aiohttp.TCPConnector(resolver=GuardedResolver(self._allow_private),
-                                             use_dns_cache=False)  # fmt: skip
+            connector = aiohttp.TCPConnector(
+                resolver=GuardedResolver(self._allow_private), use_dns_cache=False
+            )
             self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
         headers: dict[str, Any] = {
             "Content-Type": "application/json",
@@ -188,7 +199,9 @@ class CallbackSender:
             "User-Agent": "duet-batch-callback/1",
         }
         try:
-            async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as r:
+            async with self._session.post(
+                url, data=body, headers=headers, allow_redirects=False
+            ) as r:
                 await r.read()
                 return 200 <= r.status < 300, f"HTTP {r.status}"
         except (TimeoutError, aiohttp.ClientError, OSError) as e:

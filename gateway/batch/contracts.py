@@ -19,8 +19,15 @@ class Executor(Protocol):
     routing at batch priority) and returns (HTTP status, JSON response body). Raising means the
     request could not be run (e.g. no node reachable) and is retried like a 503."""
 
-    async def __call__(self, team_id: str, endpoint: str, body: dict[str, Any], *,
-                       tier: str = "batch", request_id: str) -> tuple[int, dict[str, Any]]: ...  # fmt: skip
+    async def __call__(
+        self,
+        team_id: str,
+        endpoint: str,
+        body: dict[str, Any],
+        *,
+        tier: str = "batch",
+        request_id: str,
+    ) -> tuple[int, dict[str, Any]]: ...
 
 
 class Defer(Exception):

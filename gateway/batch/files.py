@@ -30,7 +30,9 @@ class InvalidFile(ValueError):
 
     def __init__(self, errors: list[BatchError]) -> None:
         self.errors = errors
-        shown = "; ".join(f"line {e.line}: {e.message}" if e.line else e.message for e in errors[:10])
+        shown = "; ".join(
+            f"line {e.line}: {e.message}" if e.line else e.message for e in errors[:10]
+        )
         more = f" (and {len(errors) - 10} more)" if len(errors) > 10 else ""
         super().__init__(f"{len(errors)} invalid line(s): {shown}{more}")
 
@@ -63,8 +65,9 @@ def parse_lines(lines: Iterable[bytes], config: BatchConfig) -> list[tuple[int, 
     return out
 
 
-def parse_lines_collect(lines: Iterable[bytes],
-                        config: BatchConfig) -> tuple[list[tuple[int, InputLine]], list[BatchError]]:  # fmt: skip
+def parse_lines_collect(
+    lines: Iterable[bytes], config: BatchConfig
+) -> tuple[list[tuple[int, InputLine]], list[BatchError]]:
     """parse_lines, returning the good lines and the errors instead of raising."""
     out: list[tuple[int, InputLine]] = []
     errors: list[BatchError] = []
@@ -90,19 +93,32 @@ def parse_lines_collect(lines: Iterable[bytes],
             bad(n, "invalid_json_line", f"malformed JSON: {e}")
             continue
         if not line.custom_id or len(line.custom_id) > MAX_CUSTOM_ID:
-            bad(n, "invalid_custom_id", f"custom_id must be 1 to {MAX_CUSTOM_ID} characters", "custom_id")
+            bad(
+                n,
+                "invalid_custom_id",
+                f"custom_id must be 1 to {MAX_CUSTOM_ID} characters",
+                "custom_id",
+            )
             continue
         if line.custom_id in seen:
-            bad(n, "duplicate_custom_id", f"custom_id {line.custom_id!r} already used on line "
-                                          f"{seen[line.custom_id]}", "custom_id")  # fmt: skip
+            bad(
+                n,
+                "duplicate_custom_id",
+                f"custom_id {line.custom_id!r} already used on line {seen[line.custom_id]}",
+                "custom_id",
+            )
             continue
         seen[line.custom_id] = n
         if line.method != "POST":
             bad(n, "invalid_method", f"method must be POST, got {line.method!r}", "method")
             continue
         if line.url not in config.endpoints:
-            bad(n, "invalid_url", f"url {line.url!r} is not a batch endpoint (one of "
-                                  f"{', '.join(config.endpoints)})", "url")  # fmt: skip
+            bad(
+                n,
+                "invalid_url",
+                f"url {line.url!r} is not a batch endpoint (one of {', '.join(config.endpoints)})",
+                "url",
+            )
             continue
         if (msg := _check_body(line.url, line.body)) is not None:
             bad(n, "invalid_body", msg, "body")
@@ -116,18 +132,31 @@ def parse_lines_collect(lines: Iterable[bytes],
     return out, errors
 
 
-def check_for_batch(lines: list[tuple[int, InputLine]], endpoint: str,
-                    config: BatchConfig) -> list[BatchError]:  # fmt: skip
+def check_for_batch(
+    lines: list[tuple[int, InputLine]], endpoint: str, config: BatchConfig
+) -> list[BatchError]:
     """What makes a valid file unfit for this batch: a line for another endpoint, a model not
     served."""
     errors: list[BatchError] = []
     for n, line in lines:
         if line.url != endpoint:
-            errors.append(BatchError(code="mismatched_endpoint", line=n, param="url", message=(
-                f"url {line.url!r} differs from the batch's endpoint {endpoint!r}")))  # fmt: skip
+            errors.append(
+                BatchError(
+                    code="mismatched_endpoint",
+                    line=n,
+                    param="url",
+                    message=(f"url {line.url!r} differs from the batch's endpoint {endpoint!r}"),
+                )
+            )
         elif config.models is not None and line.body["model"] not in config.models:
-            errors.append(BatchError(code="model_not_found", line=n, param="body.model", message=(
-                f"model {line.body['model']!r} is not served here")))  # fmt: skip
+            errors.append(
+                BatchError(
+                    code="model_not_found",
+                    line=n,
+                    param="body.model",
+                    message=(f"model {line.body['model']!r} is not served here"),
+                )
+            )
         if len(errors) >= MAX_REPORTED_ERRORS:
             break
     return errors

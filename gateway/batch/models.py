@@ -12,9 +12,15 @@ from typing import Any, Literal
 import msgspec
 
 BatchStatus = Literal[
-    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling",
+    "validating",
+    "failed",
+    "in_progress",
+    "finalizing",
+    "completed",
+    "expired",
+    "cancelling",
     "cancelled",
-]  # fmt: skip
+]
 #: statuses after which nothing about the batch changes (except its callback delivery)
 TERMINAL = frozenset({"failed", "completed", "expired", "cancelled"})
 FilePurpose = Literal["batch", "batch_output"]

@@ -89,7 +89,9 @@ class PostgresBatchStore:
         if self._pool is None:
             async with self._opening:
                 if self._pool is None:
-                    pool = await asyncpg.create_pool(self.dsn, min_size=1, max_size=self.max_connections)
+                    pool = await asyncpg.create_pool(
+                        self.dsn, min_size=1, max_size=self.max_connections
+                    )
                     async with pool.acquire() as con, con.transaction():
                         await con.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK)
                         # DDL only when missing: CREATE INDEX IF NOT EXISTS still takes a SHARE
@@ -116,33 +118,53 @@ class PostgresBatchStore:
             await _insert_file(con, row)
 
     async def get_file(self, team_id: str, file_id: str) -> FileRow | None:
-        r = await (await self._p()).fetchrow(f"SELECT {FILE_COLS} FROM batch_files WHERE id=$1 AND team_id=$2 "
-                                             f"AND NOT deleted AND {LIVE}", file_id, team_id, time.time())  # fmt: skip
+        r = await (await self._p()).fetchrow(
+            f"SELECT {FILE_COLS} FROM batch_files WHERE id=$1 AND team_id=$2 "
+            f"AND NOT deleted AND {LIVE}",
+            file_id,
+            team_id,
+            time.time(),
+        )
         return FileRow(*r) if r else None
 
-    async def list_files(self, team_id: str, purpose: str | None, after: str | None,
-                         limit: int) -> tuple[list[FileRow], bool]:  # fmt: skip
+    async def list_files(
+        self, team_id: str, purpose: str | None, after: str | None, limit: int
+    ) -> tuple[list[FileRow], bool]:
         async with (await self._p()).acquire() as con:
             cursor = await _cursor(con, "batch_files", team_id, after)
-            found = await con.fetch(f"SELECT {FILE_COLS} FROM batch_files WHERE team_id=$1 AND NOT deleted "
-                                   "AND seq<$2 AND ($3::text IS NULL OR purpose=$3) AND (expires_at IS NULL OR "
-                                   "expires_at > $5) ORDER BY seq DESC LIMIT $4",
-                                   team_id, cursor, purpose, limit + 1, time.time())  # fmt: skip
+            found = await con.fetch(
+                f"SELECT {FILE_COLS} FROM batch_files WHERE team_id=$1 AND NOT deleted "
+                "AND seq<$2 AND ($3::text IS NULL OR purpose=$3) AND (expires_at IS NULL OR "
+                "expires_at > $5) ORDER BY seq DESC LIMIT $4",
+                team_id,
+                cursor,
+                purpose,
+                limit + 1,
+                time.time(),
+            )
         return [FileRow(*r) for r in found[:limit]], len(found) > limit
 
     async def delete_file(self, team_id: str, file_id: str) -> bool:
-        tag = await (await self._p()).execute("UPDATE batch_files SET deleted=TRUE WHERE id=$1 AND team_id=$2 "
-                                              "AND NOT deleted", file_id, team_id)  # fmt: skip
+        tag = await (await self._p()).execute(
+            "UPDATE batch_files SET deleted=TRUE WHERE id=$1 AND team_id=$2 AND NOT deleted",
+            file_id,
+            team_id,
+        )
         return _count(tag) == 1
 
     async def purge_expired_files(self, now: float, limit: int = 100) -> list[str]:
         rows = await (await self._p()).fetch(
             "UPDATE batch_files SET deleted=TRUE WHERE id IN (SELECT id FROM batch_files WHERE NOT deleted AND "
-            "expires_at IS NOT NULL AND expires_at<=$1 LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING id", now, limit)  # fmt: skip
+            "expires_at IS NOT NULL AND expires_at<=$1 LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING id",
+            now,
+            limit,
+        )
         return [r["id"] for r in rows]
 
     # ---- batches ----
-    async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest], max_open: int | None = None) -> None:
+    async def create_batch(
+        self, row: BatchRow, requests: Sequence[NewRequest], max_open: int | None = None
+    ) -> None:
         async with (await self._p()).acquire() as con, con.transaction():
             if max_open is not None and row.status in OPEN:
                 await _lock_team(con, row.team_id)  # held from this read to the commit
@@ -150,36 +172,63 @@ class PostgresBatchStore:
                 if held >= max_open:
                     raise TeamLimit("open_batches", held)
             await con.execute(rows.insert_batch_sql(_marks), *rows.batch_values(row, len(requests)))
-            await con.copy_records_to_table("batch_requests", columns=list(REQUEST_INSERT_COLS),
-                                            records=rows.request_values(row.id, requests))  # fmt: skip
+            await con.copy_records_to_table(
+                "batch_requests",
+                columns=list(REQUEST_INSERT_COLS),
+                records=rows.request_values(row.id, requests),
+            )
             if rows.callback_starts_at_creation(row):
-                await con.execute("UPDATE batches SET callback_state='pending', callback_next_at=$1 WHERE id=$2",
-                                  row.created_at, row.id)  # fmt: skip
+                await con.execute(
+                    "UPDATE batches SET callback_state='pending', callback_next_at=$1 WHERE id=$2",
+                    row.created_at,
+                    row.id,
+                )
 
     async def get_batch(self, team_id: str | None, batch_id: str) -> BatchRow | None:
         async with (await self._p()).acquire() as con:
-            r = await con.fetchrow(f"SELECT {BATCH_COLS} FROM batches WHERE id=$1 AND ($2::text IS NULL OR "
-                                   "team_id=$2)", batch_id, team_id)  # fmt: skip
+            r = await con.fetchrow(
+                f"SELECT {BATCH_COLS} FROM batches WHERE id=$1 AND ($2::text IS NULL OR "
+                "team_id=$2)",
+                batch_id,
+                team_id,
+            )
             return await _batch_row(con, r) if r else None
 
-    async def list_batches(self, team_id: str, after: str | None, limit: int) -> tuple[list[BatchRow], bool]:
+    async def list_batches(
+        self, team_id: str, after: str | None, limit: int
+    ) -> tuple[list[BatchRow], bool]:
         async with (await self._p()).acquire() as con:
             cursor = await _cursor(con, "batches", team_id, after)
-            found = await con.fetch(f"SELECT {BATCH_COLS} FROM batches WHERE team_id=$1 AND seq<$2 "
-                                   "ORDER BY seq DESC LIMIT $3", team_id, cursor, limit + 1)  # fmt: skip
+            found = await con.fetch(
+                f"SELECT {BATCH_COLS} FROM batches WHERE team_id=$1 AND seq<$2 "
+                "ORDER BY seq DESC LIMIT $3",
+                team_id,
+                cursor,
+                limit + 1,
+            )
             return [await _batch_row(con, r) for r in found[:limit]], len(found) > limit
 
     async def cancel_batch(self, team_id: str, batch_id: str, now: float) -> BatchRow | None:
         async with (await self._p()).acquire() as con, con.transaction():
-            status = await con.fetchval("SELECT status FROM batches WHERE id=$1 AND team_id=$2 FOR UPDATE",
-                                        batch_id, team_id)  # fmt: skip
+            status = await con.fetchval(
+                "SELECT status FROM batches WHERE id=$1 AND team_id=$2 FOR UPDATE",
+                batch_id,
+                team_id,
+            )
             if status is None:
                 return None
             if status in ("validating", "in_progress"):
-                await con.execute("UPDATE batches SET status='cancelling', cancelling_at=$1 WHERE id=$2", now, batch_id)
+                await con.execute(
+                    "UPDATE batches SET status='cancelling', cancelling_at=$1 WHERE id=$2",
+                    now,
+                    batch_id,
+                )
                 # Not-yet-started work is dropped now; running requests finish and are kept.
-                await con.execute("UPDATE batch_requests SET state='cancelled' WHERE batch_id=$1 AND "
-                                  "state='pending'", batch_id)  # fmt: skip
+                await con.execute(
+                    "UPDATE batch_requests SET state='cancelled' WHERE batch_id=$1 AND "
+                    "state='pending'",
+                    batch_id,
+                )
             elif status != "cancelling":
                 raise Conflict(f"a batch that is {status} cannot be cancelled")
             r = await con.fetchrow(f"SELECT {BATCH_COLS} FROM batches WHERE id=$1", batch_id)
@@ -188,12 +237,21 @@ class PostgresBatchStore:
     # ---- runner ----
     async def release_claims(self, worker: str) -> int:
         async with (await self._p()).acquire() as con, con.transaction():
-            n = _count(await con.execute("UPDATE batch_requests SET state='pending', claimed_by=NULL, "
-                                         "lease_until=NULL WHERE state='running' AND claimed_by=$1", worker))  # fmt: skip
-            await con.execute("UPDATE batches SET claimed_by=NULL, lease_until=NULL WHERE claimed_by=$1", worker)
+            n = _count(
+                await con.execute(
+                    "UPDATE batch_requests SET state='pending', claimed_by=NULL, "
+                    "lease_until=NULL WHERE state='running' AND claimed_by=$1",
+                    worker,
+                )
+            )
+            await con.execute(
+                "UPDATE batches SET claimed_by=NULL, lease_until=NULL WHERE claimed_by=$1", worker
+            )
             return n
 
-    async def claim_requests(self, worker: str, n: int, lease_s: float, now: float) -> list[Claimed]:
+    async def claim_requests(
+        self, worker: str, n: int, lease_s: float, now: float
+    ) -> list[Claimed]:
         found = await (await self._p()).fetch(
             # Round-robin over teams (`turn`: a line's rank in its team's own queue after the lines
             # the team already has running), so one team's huge batch cannot starve another's;
@@ -220,66 +278,122 @@ class PostgresBatchStore:
             "started_at=$1, request_id=COALESCE(r.request_id, 'batch-' || replace(gen_random_uuid()::text, '-', '')) "
             "FROM c, batches b WHERE r.batch_id=c.batch_id AND r.custom_id=c.custom_id "
             f"AND b.id=r.batch_id RETURNING {CLAIM_COLS}, b.priority, b.seq",
-            now, n, worker, now + lease_s,
-        )  # fmt: skip
-        found = sorted(found, key=lambda r: (-r["priority"], r["seq"], r["line"]))  # runner order: oldest first
+            now,
+            n,
+            worker,
+            now + lease_s,
+        )
+        found = sorted(
+            found, key=lambda r: (-r["priority"], r["seq"], r["line"])
+        )  # runner order: oldest first
         return [rows.claimed(r, attempts=r["attempts"]) for r in found]
 
-    async def renew_leases(self, worker: str, keys: Sequence[tuple[str, str]], until: float) -> None:
+    async def renew_leases(
+        self, worker: str, keys: Sequence[tuple[str, str]], until: float
+    ) -> None:
         async with (await self._p()).acquire() as con:
-            await con.executemany("UPDATE batch_requests SET lease_until=$1 WHERE batch_id=$2 AND custom_id=$3 "
-                                  "AND state='running' AND claimed_by=$4",
-                                  [(until, b, c, worker) for b, c in keys])  # fmt: skip
+            await con.executemany(
+                "UPDATE batch_requests SET lease_until=$1 WHERE batch_id=$2 AND custom_id=$3 "
+                "AND state='running' AND claimed_by=$4",
+                [(until, b, c, worker) for b, c in keys],
+            )
 
-    async def finish_request(self, worker: str, batch_id: str, custom_id: str, *, ok: bool,
-                             status_code: int | None, request_id: str | None,
-                             response: dict[str, Any] | None, error: dict[str, Any] | None,
-                             now: float) -> bool:  # fmt: skip
+    async def finish_request(
+        self,
+        worker: str,
+        batch_id: str,
+        custom_id: str,
+        *,
+        ok: bool,
+        status_code: int | None,
+        request_id: str | None,
+        response: dict[str, Any] | None,
+        error: dict[str, Any] | None,
+        now: float,
+    ) -> bool:
         tag = await (await self._p()).execute(
             "UPDATE batch_requests SET state=$1, status_code=$2, request_id=$3, response=$4, error=$5, "
             "finished_at=$6, claimed_by=NULL, lease_until=NULL WHERE batch_id=$7 AND custom_id=$8 AND "
             "state='running' AND claimed_by=$9",
-            "succeeded" if ok else "failed", status_code, request_id, rows.dumps(response), rows.dumps(error), now,
-            batch_id, custom_id, worker,
-        )  # fmt: skip
+            "succeeded" if ok else "failed",
+            status_code,
+            request_id,
+            rows.dumps(response),
+            rows.dumps(error),
+            now,
+            batch_id,
+            custom_id,
+            worker,
+        )
         return _count(tag) == 1
 
-    async def retry_request(self, worker: str, batch_id: str, custom_id: str, not_before: float,
-                            error: dict[str, Any], *, spent: bool = True) -> bool:  # fmt: skip
+    async def retry_request(
+        self,
+        worker: str,
+        batch_id: str,
+        custom_id: str,
+        not_before: float,
+        error: dict[str, Any],
+        *,
+        spent: bool = True,
+    ) -> bool:
         tag = await (await self._p()).execute(
             "UPDATE batch_requests SET state='pending', not_before=$1, error=$2, claimed_by=NULL, "
             "lease_until=NULL, request_id=NULL, attempts=attempts-$3 WHERE batch_id=$4 AND custom_id=$5 AND state='running' "
             "AND claimed_by=$6",
-            not_before, rows.dumps(error), 0 if spent else 1, batch_id, custom_id, worker,
-        )  # fmt: skip
+            not_before,
+            rows.dumps(error),
+            0 if spent else 1,
+            batch_id,
+            custom_id,
+            worker,
+        )
         return _count(tag) == 1
 
     async def claim_finalizable(self, worker: str, lease_s: float, now: float) -> list[str]:
         async with (await self._p()).acquire() as con, con.transaction():
-            ids = [r[0] for r in await con.fetch(
-                "SELECT b.id FROM batches b WHERE b.status IN ('in_progress','finalizing','cancelling') "
-                "AND (b.lease_until IS NULL OR b.lease_until<$1) "
-                "AND NOT EXISTS (SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND "
-                "  r.state='running' AND r.lease_until>=$1) "
-                "AND (b.status='cancelling' OR b.expires_at<=$1 OR NOT EXISTS ("
-                "  SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND r.state IN ('pending','running'))) "
-                "FOR UPDATE OF b SKIP LOCKED", now)]  # fmt: skip
+            ids = [
+                r[0]
+                for r in await con.fetch(
+                    "SELECT b.id FROM batches b WHERE b.status IN ('in_progress','finalizing','cancelling') "
+                    "AND (b.lease_until IS NULL OR b.lease_until<$1) "
+                    "AND NOT EXISTS (SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND "
+                    "  r.state='running' AND r.lease_until>=$1) "
+                    "AND (b.status='cancelling' OR b.expires_at<=$1 OR NOT EXISTS ("
+                    "  SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND r.state IN ('pending','running'))) "
+                    "FOR UPDATE OF b SKIP LOCKED",
+                    now,
+                )
+            ]
             for bid in ids:
                 await con.execute(
                     "UPDATE batches SET claimed_by=$1, lease_until=$2, finalizing_at=CASE WHEN "
                     "status='in_progress' AND expires_at>$3 THEN $3 ELSE finalizing_at END, "
                     "status=CASE WHEN status='in_progress' AND expires_at>$3 THEN 'finalizing' ELSE status END "
-                    "WHERE id=$4", worker, now + lease_s, now, bid)  # fmt: skip
+                    "WHERE id=$4",
+                    worker,
+                    now + lease_s,
+                    now,
+                    bid,
+                )
             return ids
 
     async def results(self, batch_id: str) -> list[ResultRow]:
-        found = await (await self._p()).fetch(f"SELECT {RESULT_COLS} FROM batch_requests WHERE batch_id=$1 "
-                                              "ORDER BY line", batch_id)  # fmt: skip
+        found = await (await self._p()).fetch(
+            f"SELECT {RESULT_COLS} FROM batch_requests WHERE batch_id=$1 ORDER BY line", batch_id
+        )
         return [rows.result_row(r) for r in found]
 
-    async def finish_batch(self, worker: str, batch_id: str, status: str, files: Sequence[FileRow],
-                           output_file_id: str | None, error_file_id: str | None,
-                           now: float) -> bool:  # fmt: skip
+    async def finish_batch(
+        self,
+        worker: str,
+        batch_id: str,
+        status: str,
+        files: Sequence[FileRow],
+        output_file_id: str | None,
+        error_file_id: str | None,
+        now: float,
+    ) -> bool:
         rows.check_final(status)
         async with (await self._p()).acquire() as con, con.transaction():
             tag = await con.execute(
@@ -287,48 +401,82 @@ class PostgresBatchStore:
                 "claimed_by=NULL, lease_until=NULL, callback_state=CASE WHEN callback_url IS NULL THEN NULL "
                 "ELSE 'pending' END, callback_next_at=$2 WHERE id=$5 AND claimed_by=$6 AND "
                 "status IN ('in_progress','finalizing','cancelling')",
-                status, now, output_file_id, error_file_id, batch_id, worker,
-            )  # fmt: skip
+                status,
+                now,
+                output_file_id,
+                error_file_id,
+                batch_id,
+                worker,
+            )
             if _count(tag) != 1:
                 return False
             # Requests that never ran now say why, so counts and files agree after the end.
-            await con.execute("UPDATE batch_requests SET state=$1, claimed_by=NULL, lease_until=NULL "
-                              "WHERE batch_id=$2 AND state IN ('pending','running','cancelled')",
-                              rows.leftover_state(status), batch_id)  # fmt: skip
+            await con.execute(
+                "UPDATE batch_requests SET state=$1, claimed_by=NULL, lease_until=NULL "
+                "WHERE batch_id=$2 AND state IN ('pending','running','cancelled')",
+                rows.leftover_state(status),
+                batch_id,
+            )
             for f in files:
                 await _insert_file(con, f)
             return True
 
     async def claim_callbacks(self, worker: str, lease_s: float, now: float) -> list[BatchRow]:
         async with (await self._p()).acquire() as con, con.transaction():
-            found = await con.fetch(f"SELECT {BATCH_COLS} FROM batches WHERE callback_state='pending' AND "
-                                    "callback_next_at<=$1 AND (lease_until IS NULL OR lease_until<$1) "
-                                    "FOR UPDATE SKIP LOCKED", now)  # fmt: skip
+            found = await con.fetch(
+                f"SELECT {BATCH_COLS} FROM batches WHERE callback_state='pending' AND "
+                "callback_next_at<=$1 AND (lease_until IS NULL OR lease_until<$1) "
+                "FOR UPDATE SKIP LOCKED",
+                now,
+            )
             for r in found:
-                await con.execute("UPDATE batches SET claimed_by=$1, lease_until=$2, "
-                                  "callback_attempts=callback_attempts+1 WHERE id=$3", worker, now + lease_s, r[0])  # fmt: skip
+                await con.execute(
+                    "UPDATE batches SET claimed_by=$1, lease_until=$2, "
+                    "callback_attempts=callback_attempts+1 WHERE id=$3",
+                    worker,
+                    now + lease_s,
+                    r[0],
+                )
             return [await _batch_row(con, r) for r in found]
 
-    async def callback_result(self, worker: str, batch_id: str, *, delivered: bool,
-                              next_at: float | None, error: str | None) -> None:  # fmt: skip
+    async def callback_result(
+        self,
+        worker: str,
+        batch_id: str,
+        *,
+        delivered: bool,
+        next_at: float | None,
+        error: str | None,
+    ) -> None:
         state = rows.callback_state(delivered, next_at)
         await (await self._p()).execute(
             "UPDATE batches SET callback_state=$1, callback_next_at=$2, callback_error=$3, claimed_by=NULL, "
-            "lease_until=NULL WHERE id=$4 AND claimed_by=$5", state, next_at, error, batch_id, worker)  # fmt: skip
+            "lease_until=NULL WHERE id=$4 AND claimed_by=$5",
+            state,
+            next_at,
+            error,
+            batch_id,
+            worker,
+        )
 
     async def mean_request_seconds(self, since: float) -> float | None:
         return await (await self._p()).fetchval(  # type: ignore[no-any-return]
             "SELECT AVG(finished_at - started_at) FROM batch_requests WHERE state='succeeded' AND "
-            "finished_at>=$1", since)  # fmt: skip
+            "finished_at>=$1",
+            since,
+        )
 
     async def team_holdings(self, team_id: str) -> tuple[int, int]:
         async with (await self._p()).acquire() as con:
             return await _team_bytes(con, team_id), await _open_batches(con, team_id)
 
     async def pending_requests(self) -> int:
-        return int(await (await self._p()).fetchval(
-            "SELECT COUNT(*) FROM batch_requests r JOIN batches b ON b.id=r.batch_id "
-            "WHERE b.status='in_progress' AND r.state IN ('pending','running')"))  # fmt: skip
+        return int(
+            await (await self._p()).fetchval(
+                "SELECT COUNT(*) FROM batch_requests r JOIN batches b ON b.id=r.batch_id "
+                "WHERE b.status='in_progress' AND r.state IN ('pending','running')"
+            )
+        )
 
 
 def _count(tag: str) -> int:
@@ -343,13 +491,24 @@ async def _lock_team(con: Any, team_id: str) -> None:
 
 
 async def _team_bytes(con: Any, team_id: str) -> int:
-    return int(await con.fetchval("SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=$1 AND NOT "
-                                  "deleted AND (expires_at IS NULL OR expires_at > $2)", team_id, time.time()))  # fmt: skip
+    return int(
+        await con.fetchval(
+            "SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=$1 AND NOT "
+            "deleted AND (expires_at IS NULL OR expires_at > $2)",
+            team_id,
+            time.time(),
+        )
+    )
 
 
 async def _open_batches(con: Any, team_id: str) -> int:
-    return int(await con.fetchval("SELECT COUNT(*) FROM batches WHERE team_id=$1 AND status = ANY($2::text[])",
-                                  team_id, list(OPEN)))  # fmt: skip
+    return int(
+        await con.fetchval(
+            "SELECT COUNT(*) FROM batches WHERE team_id=$1 AND status = ANY($2::text[])",
+            team_id,
+            list(OPEN),
+        )
+    )
 
 
 async def _insert_file(con: Any, f: FileRow) -> None:
@@ -359,13 +518,18 @@ async def _insert_file(con: Any, f: FileRow) -> None:
 async def _cursor(con: Any, table: str, team_id: str, after: str | None) -> int:
     """The seq to list below; an unknown `after` (or another team's) lists from the top."""
     if after is not None:
-        seq = await con.fetchval(f"SELECT seq FROM {table} WHERE id=$1 AND team_id=$2", after, team_id)
+        seq = await con.fetchval(
+            f"SELECT seq FROM {table} WHERE id=$1 AND team_id=$2", after, team_id
+        )
         if seq is not None:
             return int(seq)
     return 2**62
 
 
 async def _batch_row(con: Any, r: Sequence[Any]) -> BatchRow:
-    counts = dict(await con.fetch("SELECT state, COUNT(*) FROM batch_requests WHERE batch_id=$1 GROUP BY state",
-                                  r[0]))  # fmt: skip
+    counts = dict(
+        await con.fetch(
+            "SELECT state, COUNT(*) FROM batch_requests WHERE batch_id=$1 GROUP BY state", r[0]
+        )
+    )
     return rows.batch_row(r, counts)

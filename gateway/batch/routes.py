@@ -42,8 +42,14 @@ UPLOAD_CHUNK = 1 << 20
 
 
 def file_object(row: FileRow) -> FileObject:
-    return FileObject(id=row.id, bytes=row.bytes, created_at=int(row.created_at), filename=row.filename,
-                      purpose=row.purpose, expires_at=None if row.expires_at is None else int(row.expires_at))  # fmt: skip
+    return FileObject(
+        id=row.id,
+        bytes=row.bytes,
+        created_at=int(row.created_at),
+        filename=row.filename,
+        purpose=row.purpose,
+        expires_at=None if row.expires_at is None else int(row.expires_at),
+    )
 
 
 #: OpenAI's bounds on a file's `expires_after[seconds]` (one hour to 30 days)
@@ -56,15 +62,25 @@ def expires_after(anchor: str | None, seconds: str | None) -> float | None:
     if anchor is None and seconds is None:
         return None
     if anchor != "created_at":
-        raise APIError(400, f"expires_after[anchor] must be 'created_at', got {anchor!r}", param="expires_after")
+        raise APIError(
+            400,
+            f"expires_after[anchor] must be 'created_at', got {anchor!r}",
+            param="expires_after",
+        )
     try:
         n = int(seconds or "")
     except ValueError:
-        raise APIError(400, f"expires_after[seconds] must be an integer, got {seconds!r}",
-                       param="expires_after") from None  # fmt: skip
+        raise APIError(
+            400,
+            f"expires_after[seconds] must be an integer, got {seconds!r}",
+            param="expires_after",
+        ) from None
     if not EXPIRES_MIN_S <= n <= EXPIRES_MAX_S:
-        raise APIError(400, f"expires_after[seconds] must be between {EXPIRES_MIN_S} and {EXPIRES_MAX_S}, got {n}",
-                       param="expires_after")  # fmt: skip
+        raise APIError(
+            400,
+            f"expires_after[seconds] must be between {EXPIRES_MIN_S} and {EXPIRES_MAX_S}, got {n}",
+            param="expires_after",
+        )
     return float(n)
 
 
@@ -84,8 +100,9 @@ def not_found(kind: str, id_: str) -> APIError:
 
 
 class _Routes:
-    def __init__(self, store: BatchStore, authenticate: Authenticate, config: BatchConfig,
-                 wake: Any) -> None:  # fmt: skip
+    def __init__(
+        self, store: BatchStore, authenticate: Authenticate, config: BatchConfig, wake: Any
+    ) -> None:
         self.store = store
         self.auth = authenticate
         self.config = config
@@ -96,7 +113,9 @@ class _Routes:
     async def upload(self, request: web.Request) -> web.Response:
         team = await team_of(request, self.auth)
         if not request.content_type.startswith("multipart/"):
-            raise APIError(400, "upload a file as multipart/form-data with fields 'file' and 'purpose'")
+            raise APIError(
+                400, "upload a file as multipart/form-data with fields 'file' and 'purpose'"
+            )
         reader = await request.multipart()
         purpose: str | None = None
         expiry: dict[str, str] = {}
@@ -108,23 +127,32 @@ class _Routes:
                 if part.name == "purpose":
                     purpose = (await part.read(decode=True)).decode(errors="replace")[:64]  # type: ignore[union-attr]
                 elif part.name in ("expires_after[anchor]", "expires_after[seconds]"):
-                    expiry[part.name[14:-1]] = (await part.read(decode=True)).decode(errors="replace")[:64]  # type: ignore[union-attr]
+                    expiry[part.name[14:-1]] = (await part.read(decode=True)).decode(
+                        errors="replace"
+                    )[:64]  # type: ignore[union-attr]
                 elif part.name == "file":
                     if temp is not None:
                         raise APIError(400, "upload one file per request", param="file")
                     # Echoed in headers and listings: keep it printable and short.
                     filename = re.sub(r"[^\w.\- ]", "_", part.filename or filename)[:255]  # type: ignore[union-attr]
-                    temp, size = await self._save_part(part, await storage_left(self.store, self.config, team))
+                    temp, size = await self._save_part(
+                        part, await storage_left(self.store, self.config, team)
+                    )
             if purpose != "batch":
                 raise APIError(400, f"purpose must be 'batch' (got {purpose!r})", param="purpose")
             ttl = expires_after(expiry.get("anchor"), expiry.get("seconds"))
             if temp is None:
                 raise APIError(400, "the upload has no 'file' field", param="file")
             try:
-                await asyncio.to_thread(lambda: parse_lines(bounded_lines(temp, self.config.max_line_bytes),
-                                                            self.config))  # fmt: skip
+                await asyncio.to_thread(
+                    lambda: parse_lines(
+                        bounded_lines(temp, self.config.max_line_bytes), self.config
+                    )
+                )
             except InvalidFile as e:
-                raise APIError(400, f"invalid batch file: {e}", param="file", code="invalid_file") from None
+                raise APIError(
+                    400, f"invalid batch file: {e}", param="file", code="invalid_file"
+                ) from None
             fid = new_file_id()
             self.files.commit(temp, fid)
             temp = None
@@ -132,8 +160,15 @@ class _Routes:
             if temp is not None:
                 temp.unlink(missing_ok=True)
         now = time.time()
-        row = FileRow(id=fid, team_id=team, purpose="batch", filename=filename, bytes=size, created_at=now,
-                      expires_at=None if ttl is None else now + ttl)  # fmt: skip
+        row = FileRow(
+            id=fid,
+            team_id=team,
+            purpose="batch",
+            filename=filename,
+            bytes=size,
+            created_at=now,
+            expires_at=None if ttl is None else now + ttl,
+        )
         try:
             await self.store.insert_file(row, max_team_bytes=self.config.max_team_bytes)
         except TeamLimit as e:  # uploads racing this one filled the team's storage meanwhile
@@ -152,14 +187,24 @@ class _Routes:
                     size += len(chunk)
                     if size > cap:
                         if cap < self.config.max_file_bytes:
-                            raise APIError(413, "this file would take the team's stored files past its limit of "
-                                                f"{self.config.max_team_bytes} bytes; delete files first",
-                                           param="file", code="team_storage_full")  # fmt: skip
-                        raise APIError(413, f"a batch file is at most {self.config.max_file_bytes} "
-                                            "bytes", param="file", code="file_too_large")  # fmt: skip
+                            raise APIError(
+                                413,
+                                "this file would take the team's stored files past its limit of "
+                                f"{self.config.max_team_bytes} bytes; delete files first",
+                                param="file",
+                                code="team_storage_full",
+                            )
+                        raise APIError(
+                            413,
+                            f"a batch file is at most {self.config.max_file_bytes} bytes",
+                            param="file",
+                            code="file_too_large",
+                        )
                     f.write(chunk)
                 f.flush()
-                await asyncio.to_thread(os.fsync, f.fileno())  # the upload survives a crash once answered
+                await asyncio.to_thread(
+                    os.fsync, f.fileno()
+                )  # the upload survives a crash once answered
         except BaseException:
             temp.unlink(missing_ok=True)
             raise
@@ -176,11 +221,18 @@ class _Routes:
     async def list_files(self, request: web.Request) -> web.Response:
         team = await team_of(request, self.auth)
         limit = page_limit(request, 100)
-        rows, more = await self.store.list_files(team, request.query.get("purpose"),
-                                                 request.query.get("after"), limit)  # fmt: skip
+        rows, more = await self.store.list_files(
+            team, request.query.get("purpose"), request.query.get("after"), limit
+        )
         data = [file_object(r) for r in rows]
-        return json_response(ListPage(data=data, first_id=data[0].id if data else None,
-                                      last_id=data[-1].id if data else None, has_more=more))  # fmt: skip
+        return json_response(
+            ListPage(
+                data=data,
+                first_id=data[0].id if data else None,
+                last_id=data[-1].id if data else None,
+                has_more=more,
+            )
+        )
 
     async def file_content(self, request: web.Request) -> web.StreamResponse:
         team = await team_of(request, self.auth)
@@ -188,9 +240,13 @@ class _Routes:
         row = await self.store.get_file(team, fid)
         if row is None or not self.files.path(fid).is_file():
             raise not_found("File", fid)
-        return web.FileResponse(self.files.path(fid), headers={
-            "Content-Type": "application/jsonl",
-            "Content-Disposition": f'attachment; filename="{row.filename}"'})  # fmt: skip
+        return web.FileResponse(
+            self.files.path(fid),
+            headers={
+                "Content-Type": "application/jsonl",
+                "Content-Disposition": f'attachment; filename="{row.filename}"',
+            },
+        )
 
     async def delete_file(self, request: web.Request) -> web.Response:
         team = await team_of(request, self.auth)
@@ -210,11 +266,20 @@ class _Routes:
         if f is None:
             raise not_found("File", body.input_file_id)
         if f.purpose != "batch":
-            raise APIError(400, f"file {f.id!r} has purpose {f.purpose!r}, not 'batch'",
-                           param="input_file_id")  # fmt: skip
-        row = await submit_batch(self.store, self.files, self.config, team_id=team, kind="openai",
-                                 endpoint=body.endpoint, input_file_id=f.id,
-                                 window=body.completion_window, metadata=body.metadata)  # fmt: skip
+            raise APIError(
+                400, f"file {f.id!r} has purpose {f.purpose!r}, not 'batch'", param="input_file_id"
+            )
+        row = await submit_batch(
+            self.store,
+            self.files,
+            self.config,
+            team_id=team,
+            kind="openai",
+            endpoint=body.endpoint,
+            input_file_id=f.id,
+            window=body.completion_window,
+            metadata=body.metadata,
+        )
         self.wake()
         return json_response(batch_object(row))
 
@@ -228,10 +293,18 @@ class _Routes:
 
     async def list_batches(self, request: web.Request) -> web.Response:
         team = await team_of(request, self.auth)
-        rows, more = await self.store.list_batches(team, request.query.get("after"), page_limit(request))
+        rows, more = await self.store.list_batches(
+            team, request.query.get("after"), page_limit(request)
+        )
         data = [batch_object(r) for r in rows]
-        return json_response(ListPage(data=data, first_id=data[0].id if data else None,
-                                      last_id=data[-1].id if data else None, has_more=more))  # fmt: skip
+        return json_response(
+            ListPage(
+                data=data,
+                first_id=data[0].id if data else None,
+                last_id=data[-1].id if data else None,
+                has_more=more,
+            )
+        )
 
     async def cancel_batch(self, request: web.Request) -> web.Response:
         team = await team_of(request, self.auth)
@@ -246,9 +319,14 @@ class _Routes:
         return json_response(batch_object(row))
 
 
-def make_batch_routes(app_or_router: web.Application | web.UrlDispatcher, *, store: BatchStore,
-                      authenticate: Authenticate, config: BatchConfig,
-                      wake: Any = None) -> None:  # fmt: skip
+def make_batch_routes(
+    app_or_router: web.Application | web.UrlDispatcher,
+    *,
+    store: BatchStore,
+    authenticate: Authenticate,
+    config: BatchConfig,
+    wake: Any = None,
+) -> None:
     """Add the batch tier's routes. `wake` (e.g. `BatchRunner.wake`) makes a runner in the same
     process look at a new or cancelled batch at once instead of at its next poll."""
     router = app_or_router.router if isinstance(app_or_router, web.Application) else app_or_router

@@ -110,10 +110,14 @@ BATCH_COLS = (
     "callback_url, callback_state, callback_attempts"
 )
 FILE_COLS = "id, team_id, purpose, filename, bytes, created_at, expires_at"
-_BATCH_INSERT_COLS = ("id, team_id, kind, endpoint, input_file_id, completion_window, status, priority, "
-                      "metadata, errors, total, created_at, in_progress_at, expires_at, failed_at, callback_url")  # fmt: skip
+_BATCH_INSERT_COLS = (
+    "id, team_id, kind, endpoint, input_file_id, completion_window, status, priority, "
+    "metadata, errors, total, created_at, in_progress_at, expires_at, failed_at, callback_url"
+)
 #: the columns of a claimed request, in `claimed`'s order (`r.` the request, `b.` its batch)
-CLAIM_COLS = "r.batch_id, r.custom_id, r.line, r.body, r.attempts, b.team_id, b.endpoint, r.request_id"
+CLAIM_COLS = (
+    "r.batch_id, r.custom_id, r.line, r.body, r.attempts, b.team_id, b.endpoint, r.request_id"
+)
 RESULT_COLS = "custom_id, line, state, status_code, request_id, response, error"
 REQUEST_INSERT_COLS = ("batch_id", "custom_id", "line", "body")
 
@@ -140,16 +144,33 @@ def loads(text: str | None) -> Any:
 
 def batch_values(row: BatchRow, total: int) -> tuple[Any, ...]:
     """A new batch's values in `insert_batch_sql`'s column order."""
-    return (row.id, row.team_id, row.kind, row.endpoint, row.input_file_id, row.completion_window,
-            row.status, row.priority, dumps(row.metadata), dumps(row.errors), total, row.created_at,
-            row.in_progress_at, row.expires_at, row.failed_at, row.callback_url)  # fmt: skip
+    return (
+        row.id,
+        row.team_id,
+        row.kind,
+        row.endpoint,
+        row.input_file_id,
+        row.completion_window,
+        row.status,
+        row.priority,
+        dumps(row.metadata),
+        dumps(row.errors),
+        total,
+        row.created_at,
+        row.in_progress_at,
+        row.expires_at,
+        row.failed_at,
+        row.callback_url,
+    )
 
 
 def file_values(f: FileRow) -> tuple[Any, ...]:
     return (f.id, f.team_id, f.purpose, f.filename, f.bytes, f.created_at, f.expires_at)
 
 
-def request_values(batch_id: str, requests: Sequence[NewRequest]) -> list[tuple[str, str, int, str]]:
+def request_values(
+    batch_id: str, requests: Sequence[NewRequest]
+) -> list[tuple[str, str, int, str]]:
     """A new batch's request rows in REQUEST_INSERT_COLS order."""
     return [(batch_id, r.custom_id, r.line, json.dumps(r.body)) for r in requests]
 
@@ -176,22 +197,52 @@ def callback_state(delivered: bool, next_at: float | None) -> str:
 # -- rows back into records ------------------------------------------------------------------
 def batch_row(r: Sequence[Any], counts: Mapping[str, int]) -> BatchRow:
     """A BATCH_COLS row and its requests' counts by state."""
-    rc = RequestCounts(total=r[10], completed=counts.get("succeeded", 0), failed=counts.get("failed", 0))
+    rc = RequestCounts(
+        total=r[10], completed=counts.get("succeeded", 0), failed=counts.get("failed", 0)
+    )
     return BatchRow(
-        id=r[0], team_id=r[1], kind=r[2], endpoint=r[3], input_file_id=r[4], completion_window=r[5],
-        status=r[6], priority=r[7], metadata=loads(r[8]), errors=loads(r[9]), total=r[10],
-        output_file_id=r[11], error_file_id=r[12], created_at=r[13], in_progress_at=r[14],
-        expires_at=r[15], finalizing_at=r[16], completed_at=r[17], failed_at=r[18],
-        expired_at=r[19], cancelling_at=r[20], cancelled_at=r[21], callback_url=r[22],
-        callback_state=r[23], callback_attempts=r[24], counts=rc,
-    )  # fmt: skip
+        id=r[0],
+        team_id=r[1],
+        kind=r[2],
+        endpoint=r[3],
+        input_file_id=r[4],
+        completion_window=r[5],
+        status=r[6],
+        priority=r[7],
+        metadata=loads(r[8]),
+        errors=loads(r[9]),
+        total=r[10],
+        output_file_id=r[11],
+        error_file_id=r[12],
+        created_at=r[13],
+        in_progress_at=r[14],
+        expires_at=r[15],
+        finalizing_at=r[16],
+        completed_at=r[17],
+        failed_at=r[18],
+        expired_at=r[19],
+        cancelling_at=r[20],
+        cancelled_at=r[21],
+        callback_url=r[22],
+        callback_state=r[23],
+        callback_attempts=r[24],
+        counts=rc,
+    )
 
 
 def claimed(r: Sequence[Any], attempts: int, request_id: str | None = None) -> Claimed:
     """A CLAIM_COLS row; `attempts` counts this claim (the stores read it before or after
     their update); `request_id`: the one the claim wrote when the row had none."""
-    return Claimed(batch_id=r[0], custom_id=r[1], line=r[2], body=json.loads(r[3]), attempts=attempts,
-                   team_id=r[5], endpoint=r[6], request_id=r[7] or request_id or "")  # fmt: skip
+    return Claimed(
+        batch_id=r[0],
+        custom_id=r[1],
+        line=r[2],
+        body=json.loads(r[3]),
+        attempts=attempts,
+        team_id=r[5],
+        endpoint=r[6],
+        request_id=r[7] or request_id or "",
+    )
 
 
 def new_request_id() -> str:

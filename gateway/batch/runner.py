@@ -57,18 +57,25 @@ def output_line(batch_id: str, r: ResultRow) -> OutputLine:
     # A stable id: finalizing twice (after a crash) writes the same lines.
     rid = "batch_req_" + hashlib.sha256(f"{batch_id}\0{r.custom_id}".encode()).hexdigest()[:32]
     if r.state in ("succeeded", "failed") and r.status_code is not None and r.response is not None:
-        resp = OutputResponse(status_code=r.status_code, request_id=r.request_id or "", body=r.response)
+        resp = OutputResponse(
+            status_code=r.status_code, request_id=r.request_id or "", body=r.response
+        )
         return OutputLine(id=rid, custom_id=r.custom_id, response=resp, error=None)
     if r.state == "expired":
-        err = OutputError(code="batch_expired", message="the batch's completion window ended "
-                                                        "before this request ran")  # fmt: skip
+        err = OutputError(
+            code="batch_expired",
+            message="the batch's completion window ended before this request ran",
+        )
     elif r.state == "cancelled":
-        err = OutputError(code="batch_cancelled", message="the batch was cancelled before this "
-                                                          "request ran")  # fmt: skip
+        err = OutputError(
+            code="batch_cancelled", message="the batch was cancelled before this request ran"
+        )
     else:
         e = r.error or {}
-        err = OutputError(code=str(e.get("code", "request_failed")),
-                          message=str(e.get("message", "the request failed")))  # fmt: skip
+        err = OutputError(
+            code=str(e.get("code", "request_failed")),
+            message=str(e.get("message", "the request failed")),
+        )
     return OutputLine(id=rid, custom_id=r.custom_id, response=None, error=err)
 
 
@@ -77,8 +84,15 @@ FILE_SWEEP_S = 60.0
 
 
 class BatchRunner:
-    def __init__(self, store: BatchStore, executor: Executor, config: BatchConfig, *,
-                 may_run: MayRun | None = None, clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+    def __init__(
+        self,
+        store: BatchStore,
+        executor: Executor,
+        config: BatchConfig,
+        *,
+        may_run: MayRun | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.store = store
         self.executor = executor
         self.config = config
@@ -94,15 +108,19 @@ class BatchRunner:
         self._last_renew = 0.0
         self._last_sweep = 0.0
         self._claiming = False
-        self._sender = CallbackSender(allow_private=config.allow_private_callbacks,
-                                      timeout_s=config.callback_timeout_s)  # fmt: skip
+        self._sender = CallbackSender(
+            allow_private=config.allow_private_callbacks, timeout_s=config.callback_timeout_s
+        )
 
     # ---- lifecycle ----
     async def start(self) -> None:
         n = await self.store.release_claims(self.worker_id)
         if n:
-            log.info("batch runner %s: resumed %d request(s) left running by a previous process",
-                     self.worker_id, n)  # fmt: skip
+            log.info(
+                "batch runner %s: resumed %d request(s) left running by a previous process",
+                self.worker_id,
+                n,
+            )
         self._loop_task = asyncio.create_task(self._loop(), name="batch-runner")
 
     async def stop(self) -> None:
@@ -153,8 +171,12 @@ class BatchRunner:
             await self.sweep_expired_files(now)
         if self._inflight and now - self._last_renew >= self.config.lease_s / 3:
             self._last_renew = now
-            await self.store.renew_leases(self.worker_id, list(self._inflight), now + self.config.lease_s)
-        for batch_id in await self.store.claim_finalizable(self.worker_id, self.config.lease_s, now):
+            await self.store.renew_leases(
+                self.worker_id, list(self._inflight), now + self.config.lease_s
+            )
+        for batch_id in await self.store.claim_finalizable(
+            self.worker_id, self.config.lease_s, now
+        ):
             await self._finalize(batch_id)
         for row in await self.store.claim_callbacks(self.worker_id, self.config.lease_s, now):
             self._spawn_callback(row)
@@ -162,7 +184,9 @@ class BatchRunner:
         if free > 0 and self.may_run():
             self._claiming = True
             try:
-                claimed = await self.store.claim_requests(self.worker_id, free, self.config.lease_s, now)
+                claimed = await self.store.claim_requests(
+                    self.worker_id, free, self.config.lease_s, now
+                )
                 for c in claimed:
                     self._inflight[(c.batch_id, c.custom_id)] = asyncio.create_task(self._run(c))
             finally:
@@ -190,7 +214,9 @@ class BatchRunner:
         except asyncio.CancelledError:
             raise
         except Exception:  # the store failed: the claim lapses and the request runs again
-            log.exception("batch %s request %s: could not record its result", c.batch_id, c.custom_id)
+            log.exception(
+                "batch %s request %s: could not record its result", c.batch_id, c.custom_id
+            )
         finally:
             self._inflight.pop((c.batch_id, c.custom_id), None)
             self.wake()
@@ -198,15 +224,21 @@ class BatchRunner:
     async def _run_once(self, c: Claimed, request_id: str) -> None:
         """Run one claimed request and checkpoint its result (or schedule its retry)."""
         try:
-            status, body = await self.executor(c.team_id, c.endpoint, c.body, tier="batch",
-                                               request_id=request_id)  # fmt: skip
+            status, body = await self.executor(
+                c.team_id, c.endpoint, c.body, tier="batch", request_id=request_id
+            )
             error: dict[str, Any] | None = None
         except asyncio.CancelledError:
             raise
         except Defer as d:  # never ran: later, and the attempt is not spent
-            await self.store.retry_request(self.worker_id, c.batch_id, c.custom_id,
-                                           self.clock() + max(d.after_s, self.config.retry_base_s),
-                                           {"code": "deferred", "message": d.reason}, spent=False)  # fmt: skip
+            await self.store.retry_request(
+                self.worker_id,
+                c.batch_id,
+                c.custom_id,
+                self.clock() + max(d.after_s, self.config.retry_base_s),
+                {"code": "deferred", "message": d.reason},
+                spent=False,
+            )
             return
         except Exception as e:  # the executor could not reach anything: retry like a 503
             status, body = 503, {}
@@ -214,15 +246,25 @@ class BatchRunner:
         retryable = status in RETRYABLE_STATUS and not is_final(status, body)
         now = self.clock()
         if retryable and c.attempts < self.config.max_attempts:
-            await self.store.retry_request(self.worker_id, c.batch_id, c.custom_id,
-                                           now + self.config.backoff(c.attempts),
-                                           error or {"code": "retryable_status", "status": status})  # fmt: skip
+            await self.store.retry_request(
+                self.worker_id,
+                c.batch_id,
+                c.custom_id,
+                now + self.config.backoff(c.attempts),
+                error or {"code": "retryable_status", "status": status},
+            )
             return
         await self.store.finish_request(
-            self.worker_id, c.batch_id, c.custom_id, ok=200 <= status < 300,
-            status_code=None if error else status, request_id=request_id,
-            response=None if error else body, error=error, now=now,
-        )  # fmt: skip
+            self.worker_id,
+            c.batch_id,
+            c.custom_id,
+            ok=200 <= status < 300,
+            status_code=None if error else status,
+            request_id=request_id,
+            response=None if error else body,
+            error=error,
+            now=now,
+        )
 
     # ---- the end of a batch ----
     async def _finalize(self, batch_id: str) -> None:
@@ -236,15 +278,21 @@ class BatchRunner:
             status = "cancelled"
         elif unfinished:
             status = "expired"
-            results = [r if r.state in ("succeeded", "failed", "cancelled") else
-                       ResultRow(r.custom_id, r.line, "expired", None, None, None, None)
-                       for r in results]  # fmt: skip
+            results = [
+                r
+                if r.state in ("succeeded", "failed", "cancelled")
+                else ResultRow(r.custom_id, r.line, "expired", None, None, None, None)
+                for r in results
+            ]
         else:
             status = "completed"
         if status == "cancelled":
-            results = [r if r.state in ("succeeded", "failed") else
-                       ResultRow(r.custom_id, r.line, "cancelled", None, None, None, None)
-                       for r in results]  # fmt: skip
+            results = [
+                r
+                if r.state in ("succeeded", "failed")
+                else ResultRow(r.custom_id, r.line, "cancelled", None, None, None, None)
+                for r in results
+            ]
         good = [output_line(batch_id, r) for r in results if r.state == "succeeded"]
         bad = [output_line(batch_id, r) for r in results if r.state != "succeeded"]
         files: list[FileRow] = []
@@ -253,12 +301,23 @@ class BatchRunner:
             if not lines:
                 continue
             fid = new_file_id()
-            size = await asyncio.to_thread(self.files.write, fid, (_ENC.encode(x) + b"\n" for x in lines))
-            files.append(FileRow(id=fid, team_id=row.team_id, purpose="batch_output",
-                                 filename=f"{batch_id}_{kind}.jsonl", bytes=size, created_at=now))  # fmt: skip
+            size = await asyncio.to_thread(
+                self.files.write, fid, (_ENC.encode(x) + b"\n" for x in lines)
+            )
+            files.append(
+                FileRow(
+                    id=fid,
+                    team_id=row.team_id,
+                    purpose="batch_output",
+                    filename=f"{batch_id}_{kind}.jsonl",
+                    bytes=size,
+                    created_at=now,
+                )
+            )
             ids[kind] = fid
-        if not await self.store.finish_batch(self.worker_id, batch_id, status, files,
-                                             ids["output"], ids["error"], now):  # fmt: skip
+        if not await self.store.finish_batch(
+            self.worker_id, batch_id, status, files, ids["output"], ids["error"], now
+        ):
             for f in files:  # another runner finished it after our claim lapsed
                 self.files.delete(f.id)
             return
@@ -275,21 +334,33 @@ class BatchRunner:
         secret = self.config.callback_secret_for(row.team_id)
         assert row.callback_url is not None
         if secret is None:
-            await self.store.callback_result(self.worker_id, row.id, delivered=False, next_at=None,
-                                             error="no callback secret configured")  # fmt: skip
+            await self.store.callback_result(
+                self.worker_id,
+                row.id,
+                delivered=False,
+                next_at=None,
+                error="no callback secret configured",
+            )
             return
         payload = CallbackPayload(
-            type=f"batch.{row.status}", batch_id=row.id, status=row.status,
-            request_counts=RequestCounts(total=row.counts.total, completed=row.counts.completed,
-                                         failed=row.counts.failed),
-            output_file_id=row.output_file_id, error_file_id=row.error_file_id, metadata=row.metadata,
-        )  # fmt: skip
-        ok, detail = await self._sender.send(row.callback_url, secret, _ENC.encode(payload),
-                                             f"{row.id}:{row.status}")  # fmt: skip
+            type=f"batch.{row.status}",
+            batch_id=row.id,
+            status=row.status,
+            request_counts=RequestCounts(
+                total=row.counts.total, completed=row.counts.completed, failed=row.counts.failed
+            ),
+            output_file_id=row.output_file_id,
+            error_file_id=row.error_file_id,
+            metadata=row.metadata,
+        )
+        ok, detail = await self._sender.send(
+            row.callback_url, secret, _ENC.encode(payload), f"{row.id}:{row.status}"
+        )
         next_at = None
         if not ok:
             if attempt < self.config.callback_max_attempts:
                 next_at = self.clock() + self.config.callback_backoff(attempt)
             log.warning("callback for batch %s failed (attempt %d): %s", row.id, attempt, detail)
-        await self.store.callback_result(self.worker_id, row.id, delivered=ok, next_at=next_at,
-                                         error=None if ok else detail)  # fmt: skip
+        await self.store.callback_result(
+            self.worker_id, row.id, delivered=ok, next_at=next_at, error=None if ok else detail
+        )

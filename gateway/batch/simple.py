@@ -63,7 +63,9 @@ def to_jsonl(requests: list[Any]) -> tuple[list[bytes], list[BatchError]]:
     errors: list[BatchError] = []
     for n, item in enumerate(requests, start=1):
         if not isinstance(item, dict):
-            errors.append(BatchError(code="invalid_request", line=n, message="a request must be an object"))
+            errors.append(
+                BatchError(code="invalid_request", line=n, message="a request must be an object")
+            )
             lines.append(b"")
             continue
         if "body" in item:
@@ -75,10 +77,15 @@ def to_jsonl(requests: list[Any]) -> tuple[list[bytes], list[BatchError]]:
                 continue
         else:
             req = SimpleRequest(body=item)
-        url = req.url or ("/v1/completions" if "prompt" in req.body and "messages" not in req.body
-                          else "/v1/chat/completions")  # fmt: skip
+        url = req.url or (
+            "/v1/completions"
+            if "prompt" in req.body and "messages" not in req.body
+            else "/v1/chat/completions"
+        )
         custom_id = req.custom_id if req.custom_id is not None else f"request-{n}"
-        lines.append(_ENC.encode({"custom_id": custom_id, "method": "POST", "url": url, "body": req.body}))
+        lines.append(
+            _ENC.encode({"custom_id": custom_id, "method": "POST", "url": url, "body": req.body})
+        )
     return lines, errors
 
 
@@ -90,8 +97,14 @@ async def estimate_completion(store: BatchStore, config: BatchConfig, n: int, no
     return now + (queued + n) * mean / max(config.concurrency, 1)
 
 
-def add_simple_routes(router: web.UrlDispatcher, *, store: BatchStore, authenticate: Authenticate,
-                      config: BatchConfig, wake: Any) -> None:  # fmt: skip
+def add_simple_routes(
+    router: web.UrlDispatcher,
+    *,
+    store: BatchStore,
+    authenticate: Authenticate,
+    config: BatchConfig,
+    wake: Any,
+) -> None:
     files = FileStore(config.files_dir)
 
     async def create(request: web.Request) -> web.Response:
@@ -100,15 +113,21 @@ def add_simple_routes(router: web.UrlDispatcher, *, store: BatchStore, authentic
         if not body.requests:
             raise APIError(400, "requests is empty", param="requests")
         if len(body.requests) > config.max_requests:
-            raise APIError(400, f"a batch holds at most {config.max_requests} requests", param="requests")
+            raise APIError(
+                400, f"a batch holds at most {config.max_requests} requests", param="requests"
+            )
         window = window_seconds(config, body.completion_window)
         if body.callback_url is not None:
             if config.callback_secret_for(team) is None:
-                raise APIError(400, "callbacks are not configured on this gateway", param="callback_url")
+                raise APIError(
+                    400, "callbacks are not configured on this gateway", param="callback_url"
+                )
             try:
                 await check_callback_url(body.callback_url, config.allow_private_callbacks)
             except CallbackURLError as e:
-                raise APIError(400, str(e), param="callback_url", code="invalid_callback_url") from None
+                raise APIError(
+                    400, str(e), param="callback_url", code="invalid_callback_url"
+                ) from None
         lines, errors = to_jsonl(body.requests)
         parsed, more = parse_lines_collect(lines, config)
         errors += more
@@ -119,29 +138,53 @@ def add_simple_routes(router: web.UrlDispatcher, *, store: BatchStore, authentic
             raise APIError(400, str(InvalidFile(errors)), param="requests", code="invalid_batch")
         data = b"\n".join(lines) + b"\n"
         if len(data) > config.max_file_bytes:
-            raise APIError(413, f"a batch is at most {config.max_file_bytes} bytes", param="requests")
+            raise APIError(
+                413, f"a batch is at most {config.max_file_bytes} bytes", param="requests"
+            )
         if len(data) > await storage_left(store, config, team):
-            raise APIError(413, f"this batch would take the team's stored files past its limit of "
-                                f"{config.max_team_bytes} bytes; delete files first", param="requests",
-                           code="team_storage_full")  # fmt: skip
+            raise APIError(
+                413,
+                f"this batch would take the team's stored files past its limit of "
+                f"{config.max_team_bytes} bytes; delete files first",
+                param="requests",
+                code="team_storage_full",
+            )
         check_priority(config, team, PRIORITIES[body.priority])
         await check_open_batches(store, config, team)  # before its file is stored
         fid = new_file_id()
         await asyncio.to_thread(files.write, fid, [data])
         now = time.time()
         try:  # the store holds both bounds against requests racing the checks above
-            await store.insert_file(FileRow(id=fid, team_id=team, purpose="batch", filename="batch.jsonl",
-                                            bytes=len(data), created_at=now), max_team_bytes=config.max_team_bytes)  # fmt: skip
+            await store.insert_file(
+                FileRow(
+                    id=fid,
+                    team_id=team,
+                    purpose="batch",
+                    filename="batch.jsonl",
+                    bytes=len(data),
+                    created_at=now,
+                ),
+                max_team_bytes=config.max_team_bytes,
+            )
         except TeamLimit as e:
             with contextlib.suppress(OSError):
                 files.delete(fid)
             raise limit_error(config, team, e, param="requests") from None
         try:
-            row = await submit_batch(store, files, config, team_id=team, kind="simple",
-                                     endpoint=parsed[0][1].url, input_file_id=fid,
-                                     window=body.completion_window, metadata=body.metadata,
-                                     callback_url=body.callback_url,
-                                     priority=PRIORITIES[body.priority], refuse_invalid=True)  # fmt: skip
+            row = await submit_batch(
+                store,
+                files,
+                config,
+                team_id=team,
+                kind="simple",
+                endpoint=parsed[0][1].url,
+                input_file_id=fid,
+                window=body.completion_window,
+                metadata=body.metadata,
+                callback_url=body.callback_url,
+                priority=PRIORITIES[body.priority],
+                refuse_invalid=True,
+            )
         except APIError:  # no batch: its file goes too, so it holds none of the team's storage
             await store.delete_file(team, fid)
             with contextlib.suppress(OSError):
@@ -149,8 +192,10 @@ def add_simple_routes(router: web.UrlDispatcher, *, store: BatchStore, authentic
             raise
         wake()
         est = min(await estimate_completion(store, config, len(parsed), now), now + window)
-        return json_response(SimpleBatchCreated(batch_id=row.id, status=row.status,
-                                                estimated_completion=int(est)), status=202)  # fmt: skip
+        return json_response(
+            SimpleBatchCreated(batch_id=row.id, status=row.status, estimated_completion=int(est)),
+            status=202,
+        )
 
     async def status(request: web.Request) -> web.Response:
         team = await team_of(request, authenticate)
@@ -171,11 +216,19 @@ async def simple_status(store: BatchStore, config: BatchConfig, row: BatchRow) -
         results = [output_line(row.id, r) for r in await store.results(row.id)]
     else:
         left = row.counts.total - row.counts.completed - row.counts.failed
-        est = min(await estimate_completion(store, config, 0, time.time()) if left else time.time(),
-                  row.expires_at)  # fmt: skip
+        est = min(
+            await estimate_completion(store, config, 0, time.time()) if left else time.time(),
+            row.expires_at,
+        )
     obj = batch_object(row)
-    return SimpleBatchStatus(batch_id=row.id, status=row.status, created_at=obj.created_at,
-                             estimated_completion=None if est is None else int(est),
-                             request_counts=row.counts, output_file_id=row.output_file_id,
-                             error_file_id=row.error_file_id, errors=obj.errors,
-                             results=results)  # fmt: skip
+    return SimpleBatchStatus(
+        batch_id=row.id,
+        status=row.status,
+        created_at=obj.created_at,
+        estimated_completion=None if est is None else int(est),
+        request_counts=row.counts,
+        output_file_id=row.output_file_id,
+        error_file_id=row.error_file_id,
+        errors=obj.errors,
+        results=results,
+    )

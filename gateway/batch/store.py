@@ -138,40 +138,83 @@ class BatchStore(Protocol):
     async def insert_file(self, row: FileRow, max_team_bytes: int | None = None) -> None:
         """Store a file's row; with `max_team_bytes`, raise TeamLimit (nothing written) if the
         team's live files would then hold more."""
+
     async def get_file(self, team_id: str, file_id: str) -> FileRow | None: ...
-    async def list_files(self, team_id: str, purpose: str | None, after: str | None,
-                         limit: int) -> tuple[list[FileRow], bool]: ...  # fmt: skip
+    async def list_files(
+        self, team_id: str, purpose: str | None, after: str | None, limit: int
+    ) -> tuple[list[FileRow], bool]: ...
     async def delete_file(self, team_id: str, file_id: str) -> bool: ...
     async def purge_expired_files(self, now: float, limit: int = 100) -> list[str]:
         """Mark up to `limit` files expired by `now` deleted and return their ids (their contents
         on disk are the caller's to remove): an expired file no longer counts in its team's
         storage, so its bytes must not stay on disk either."""
-    async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest], max_open: int | None = None) -> None:
+
+    async def create_batch(
+        self, row: BatchRow, requests: Sequence[NewRequest], max_open: int | None = None
+    ) -> None:
         """Write a batch and its requests; with `max_open`, raise TeamLimit (nothing written)
         if an open batch would make the team's open batches more than `max_open`."""
+
     async def get_batch(self, team_id: str | None, batch_id: str) -> BatchRow | None: ...
-    async def list_batches(self, team_id: str, after: str | None,
-                           limit: int) -> tuple[list[BatchRow], bool]: ...  # fmt: skip
+    async def list_batches(
+        self, team_id: str, after: str | None, limit: int
+    ) -> tuple[list[BatchRow], bool]: ...
     async def cancel_batch(self, team_id: str, batch_id: str, now: float) -> BatchRow | None: ...
     async def release_claims(self, worker: str) -> int: ...
-    async def claim_requests(self, worker: str, n: int, lease_s: float, now: float) -> list[Claimed]: ...
-    async def renew_leases(self, worker: str, keys: Sequence[tuple[str, str]], until: float) -> None: ...
-    async def finish_request(self, worker: str, batch_id: str, custom_id: str, *, ok: bool,
-                             status_code: int | None, request_id: str | None,
-                             response: dict[str, Any] | None, error: dict[str, Any] | None,
-                             now: float) -> bool: ...  # fmt: skip
-    async def retry_request(self, worker: str, batch_id: str, custom_id: str, not_before: float,
-                            error: dict[str, Any], *, spent: bool = True) -> bool:
+    async def claim_requests(
+        self, worker: str, n: int, lease_s: float, now: float
+    ) -> list[Claimed]: ...
+    async def renew_leases(
+        self, worker: str, keys: Sequence[tuple[str, str]], until: float
+    ) -> None: ...
+    async def finish_request(
+        self,
+        worker: str,
+        batch_id: str,
+        custom_id: str,
+        *,
+        ok: bool,
+        status_code: int | None,
+        request_id: str | None,
+        response: dict[str, Any] | None,
+        error: dict[str, Any] | None,
+        now: float,
+    ) -> bool: ...
+    async def retry_request(
+        self,
+        worker: str,
+        batch_id: str,
+        custom_id: str,
+        not_before: float,
+        error: dict[str, Any],
+        *,
+        spent: bool = True,
+    ) -> bool:
         """Back to pending until `not_before`; `spent=False` gives the claim's attempt back
-        (the request never ran: a quota window or load shedding deferred it)."""  # fmt: skip
+        (the request never ran: a quota window or load shedding deferred it)."""
+
     async def claim_finalizable(self, worker: str, lease_s: float, now: float) -> list[str]: ...
     async def results(self, batch_id: str) -> list[ResultRow]: ...
-    async def finish_batch(self, worker: str, batch_id: str, status: str, files: Sequence[FileRow],
-                           output_file_id: str | None, error_file_id: str | None,
-                           now: float) -> bool: ...  # fmt: skip
+    async def finish_batch(
+        self,
+        worker: str,
+        batch_id: str,
+        status: str,
+        files: Sequence[FileRow],
+        output_file_id: str | None,
+        error_file_id: str | None,
+        now: float,
+    ) -> bool: ...
     async def claim_callbacks(self, worker: str, lease_s: float, now: float) -> list[BatchRow]: ...
-    async def callback_result(self, worker: str, batch_id: str, *, delivered: bool,
-                              next_at: float | None, error: str | None) -> None: ...  # fmt: skip
+    async def callback_result(
+        self,
+        worker: str,
+        batch_id: str,
+        *,
+        delivered: bool,
+        next_at: float | None,
+        error: str | None,
+    ) -> None: ...
     async def mean_request_seconds(self, since: float) -> float | None: ...
     async def pending_requests(self) -> int: ...
     async def team_holdings(self, team_id: str) -> tuple[int, int]:
@@ -193,8 +236,9 @@ class SqliteBatchStore:
         private_file(private_dir(self.path.parent) / self.path.name)
         # isolation_level=None: we issue BEGIN IMMEDIATE ourselves, so a claim takes the write
         # lock before it reads: another process's claim waits, then reads what this one left.
-        self._db = sqlite3.connect(str(self.path), timeout=30.0, isolation_level=None,
-                                   check_same_thread=False)  # fmt: skip
+        self._db = sqlite3.connect(
+            str(self.path), timeout=30.0, isolation_level=None, check_same_thread=False
+        )
         self._lock = threading.Lock()  # one connection, used by one thread at a time
         self._db.execute("PRAGMA journal_mode=WAL")
         # NORMAL in WAL mode loses nothing when a process is killed; only an OS crash may drop
@@ -202,7 +246,9 @@ class SqliteBatchStore:
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(SCHEMA)
         if "expires_at" not in {r[1] for r in self._db.execute("PRAGMA table_info(batch_files)")}:
-            self._db.execute("ALTER TABLE batch_files ADD COLUMN expires_at REAL")  # a store made before it
+            self._db.execute(
+                "ALTER TABLE batch_files ADD COLUMN expires_at REAL"
+            )  # a store made before it
 
     def close(self) -> None:
         with self._lock:
@@ -240,14 +286,18 @@ class SqliteBatchStore:
 
     async def get_file(self, team_id: str, file_id: str) -> FileRow | None:
         def q(db: sqlite3.Connection) -> FileRow | None:
-            r = db.execute(f"SELECT {FILE_COLS} FROM batch_files WHERE id=? AND team_id=? "
-                           f"AND deleted=0 AND {LIVE}", (file_id, team_id, time.time())).fetchone()  # fmt: skip
+            r = db.execute(
+                f"SELECT {FILE_COLS} FROM batch_files WHERE id=? AND team_id=? "
+                f"AND deleted=0 AND {LIVE}",
+                (file_id, team_id, time.time()),
+            ).fetchone()
             return FileRow(*r) if r else None
 
         return await self._read(q)
 
-    async def list_files(self, team_id: str, purpose: str | None, after: str | None,
-                         limit: int) -> tuple[list[FileRow], bool]:  # fmt: skip
+    async def list_files(
+        self, team_id: str, purpose: str | None, after: str | None, limit: int
+    ) -> tuple[list[FileRow], bool]:
         def q(db: sqlite3.Connection) -> tuple[list[FileRow], bool]:
             cursor = _cursor(db, "batch_files", team_id, after)
             found = db.execute(
@@ -261,66 +311,97 @@ class SqliteBatchStore:
 
     async def delete_file(self, team_id: str, file_id: str) -> bool:
         def q(db: sqlite3.Connection) -> bool:
-            return db.execute("UPDATE batch_files SET deleted=1 WHERE id=? AND team_id=? AND deleted=0",
-                              (file_id, team_id)).rowcount == 1  # fmt: skip
+            return (
+                db.execute(
+                    "UPDATE batch_files SET deleted=1 WHERE id=? AND team_id=? AND deleted=0",
+                    (file_id, team_id),
+                ).rowcount
+                == 1
+            )
 
         return await self._read(q)
 
     async def purge_expired_files(self, now: float, limit: int = 100) -> list[str]:
         def q(db: sqlite3.Connection) -> list[str]:
-            ids = [r[0] for r in db.execute("SELECT id FROM batch_files WHERE deleted=0 AND expires_at IS NOT NULL "
-                                            "AND expires_at<=? LIMIT ?", (now, limit))]  # fmt: skip
+            ids = [
+                r[0]
+                for r in db.execute(
+                    "SELECT id FROM batch_files WHERE deleted=0 AND expires_at IS NOT NULL "
+                    "AND expires_at<=? LIMIT ?",
+                    (now, limit),
+                )
+            ]
             db.executemany("UPDATE batch_files SET deleted=1 WHERE id=?", [(i,) for i in ids])
             return ids
 
-        return await self._tx(q)  # the write lock from the read on: two gateways never purge one file twice
+        return await self._tx(
+            q
+        )  # the write lock from the read on: two gateways never purge one file twice
 
     # ---- batches ----
-    async def create_batch(self, row: BatchRow, requests: Sequence[NewRequest], max_open: int | None = None) -> None:
+    async def create_batch(
+        self, row: BatchRow, requests: Sequence[NewRequest], max_open: int | None = None
+    ) -> None:
         def q(db: sqlite3.Connection) -> None:
             if max_open is not None and row.status in OPEN:  # under the write lock, like the insert
                 held = _open_batches(db, row.team_id)
                 if held >= max_open:
                     raise TeamLimit("open_batches", held)
             db.execute(rows.insert_batch_sql(_marks), rows.batch_values(row, len(requests)))
-            db.executemany(f"INSERT INTO batch_requests ({', '.join(REQUEST_INSERT_COLS)}) VALUES (?,?,?,?)",
-                           rows.request_values(row.id, requests))  # fmt: skip
+            db.executemany(
+                f"INSERT INTO batch_requests ({', '.join(REQUEST_INSERT_COLS)}) VALUES (?,?,?,?)",
+                rows.request_values(row.id, requests),
+            )
             if rows.callback_starts_at_creation(row):
-                db.execute("UPDATE batches SET callback_state='pending', callback_next_at=? "
-                           "WHERE id=?", (row.created_at, row.id))  # fmt: skip
+                db.execute(
+                    "UPDATE batches SET callback_state='pending', callback_next_at=? WHERE id=?",
+                    (row.created_at, row.id),
+                )
 
         await self._tx(q)
 
     async def get_batch(self, team_id: str | None, batch_id: str) -> BatchRow | None:
         def q(db: sqlite3.Connection) -> BatchRow | None:
-            r = db.execute(f"SELECT {BATCH_COLS} FROM batches WHERE id=? AND (? IS NULL OR team_id=?)",
-                           (batch_id, team_id, team_id)).fetchone()  # fmt: skip
+            r = db.execute(
+                f"SELECT {BATCH_COLS} FROM batches WHERE id=? AND (? IS NULL OR team_id=?)",
+                (batch_id, team_id, team_id),
+            ).fetchone()
             return _batch_row(db, r) if r else None
 
         return await self._read(q)
 
-    async def list_batches(self, team_id: str, after: str | None,
-                           limit: int) -> tuple[list[BatchRow], bool]:  # fmt: skip
+    async def list_batches(
+        self, team_id: str, after: str | None, limit: int
+    ) -> tuple[list[BatchRow], bool]:
         def q(db: sqlite3.Connection) -> tuple[list[BatchRow], bool]:
             cursor = _cursor(db, "batches", team_id, after)
-            found = db.execute(f"SELECT {BATCH_COLS} FROM batches WHERE team_id=? AND seq<? "
-                              "ORDER BY seq DESC LIMIT ?", (team_id, cursor, limit + 1)).fetchall()  # fmt: skip
+            found = db.execute(
+                f"SELECT {BATCH_COLS} FROM batches WHERE team_id=? AND seq<? "
+                "ORDER BY seq DESC LIMIT ?",
+                (team_id, cursor, limit + 1),
+            ).fetchall()
             return [_batch_row(db, r) for r in found[:limit]], len(found) > limit
 
         return await self._read(q)
 
     async def cancel_batch(self, team_id: str, batch_id: str, now: float) -> BatchRow | None:
         def q(db: sqlite3.Connection) -> BatchRow | None:
-            r = db.execute("SELECT status FROM batches WHERE id=? AND team_id=?",
-                           (batch_id, team_id)).fetchone()  # fmt: skip
+            r = db.execute(
+                "SELECT status FROM batches WHERE id=? AND team_id=?", (batch_id, team_id)
+            ).fetchone()
             if r is None:
                 return None
             if r[0] in ("validating", "in_progress"):
-                db.execute("UPDATE batches SET status='cancelling', cancelling_at=? WHERE id=?",
-                           (now, batch_id))  # fmt: skip
+                db.execute(
+                    "UPDATE batches SET status='cancelling', cancelling_at=? WHERE id=?",
+                    (now, batch_id),
+                )
                 # Not-yet-started work is dropped now; running requests finish and are kept.
-                db.execute("UPDATE batch_requests SET state='cancelled' WHERE batch_id=? AND "
-                           "state='pending'", (batch_id,))  # fmt: skip
+                db.execute(
+                    "UPDATE batch_requests SET state='cancelled' WHERE batch_id=? AND "
+                    "state='pending'",
+                    (batch_id,),
+                )
             elif r[0] != "cancelling":
                 raise Conflict(f"a batch that is {r[0]} cannot be cancelled")
             row = db.execute(f"SELECT {BATCH_COLS} FROM batches WHERE id=?", (batch_id,)).fetchone()
@@ -334,16 +415,21 @@ class SqliteBatchStore:
         previous process with its id is gone."""
 
         def q(db: sqlite3.Connection) -> int:
-            n = db.execute("UPDATE batch_requests SET state='pending', claimed_by=NULL, "
-                           "lease_until=NULL WHERE state='running' AND claimed_by=?",
-                           (worker,)).rowcount  # fmt: skip
-            db.execute("UPDATE batches SET claimed_by=NULL, lease_until=NULL WHERE claimed_by=?",
-                       (worker,))  # fmt: skip
+            n = db.execute(
+                "UPDATE batch_requests SET state='pending', claimed_by=NULL, "
+                "lease_until=NULL WHERE state='running' AND claimed_by=?",
+                (worker,),
+            ).rowcount
+            db.execute(
+                "UPDATE batches SET claimed_by=NULL, lease_until=NULL WHERE claimed_by=?", (worker,)
+            )
             return n
 
         return await self._read(q)
 
-    async def claim_requests(self, worker: str, n: int, lease_s: float, now: float) -> list[Claimed]:
+    async def claim_requests(
+        self, worker: str, n: int, lease_s: float, now: float
+    ) -> list[Claimed]:
         def q(db: sqlite3.Connection) -> list[Claimed]:
             # Round-robin over teams (`turn`: a line's rank in its team's own queue after the
             # lines the team already has running), so one team's 50,000-line batch cannot
@@ -368,50 +454,90 @@ class SqliteBatchStore:
                 "JOIN batches b ON b.id = r.batch_id "
                 "ORDER BY r.prio DESC, r.turn, r.served, r.bseq, r.line LIMIT ?",
                 (now, now, now, now, n),
-            ).fetchall()  # fmt: skip
+            ).fetchall()
             out = []
             for r in found:
-                rid = r[7] or rows.new_request_id()  # a rerun keeps its key (rows.Claimed.request_id)
-                db.execute("UPDATE batch_requests SET state='running', claimed_by=?, lease_until=?, "
-                           "attempts=attempts+1, started_at=?, request_id=? WHERE batch_id=? AND custom_id=?",
-                           (worker, now + lease_s, now, rid, r[0], r[1]))  # fmt: skip
+                rid = (
+                    r[7] or rows.new_request_id()
+                )  # a rerun keeps its key (rows.Claimed.request_id)
+                db.execute(
+                    "UPDATE batch_requests SET state='running', claimed_by=?, lease_until=?, "
+                    "attempts=attempts+1, started_at=?, request_id=? WHERE batch_id=? AND custom_id=?",
+                    (worker, now + lease_s, now, rid, r[0], r[1]),
+                )
                 out.append(rows.claimed(r, attempts=r[4] + 1, request_id=rid))
             return out
 
         return await self._tx(q)
 
-    async def renew_leases(self, worker: str, keys: Sequence[tuple[str, str]], until: float) -> None:
+    async def renew_leases(
+        self, worker: str, keys: Sequence[tuple[str, str]], until: float
+    ) -> None:
         def q(db: sqlite3.Connection) -> None:
-            db.executemany("UPDATE batch_requests SET lease_until=? WHERE batch_id=? AND custom_id=? "
-                           "AND state='running' AND claimed_by=?",
-                           ((until, b, c, worker) for b, c in keys))  # fmt: skip
+            db.executemany(
+                "UPDATE batch_requests SET lease_until=? WHERE batch_id=? AND custom_id=? "
+                "AND state='running' AND claimed_by=?",
+                ((until, b, c, worker) for b, c in keys),
+            )
 
         await self._tx(q)
 
-    async def finish_request(self, worker: str, batch_id: str, custom_id: str, *, ok: bool,
-                             status_code: int | None, request_id: str | None,
-                             response: dict[str, Any] | None, error: dict[str, Any] | None,
-                             now: float) -> bool:  # fmt: skip
+    async def finish_request(
+        self,
+        worker: str,
+        batch_id: str,
+        custom_id: str,
+        *,
+        ok: bool,
+        status_code: int | None,
+        request_id: str | None,
+        response: dict[str, Any] | None,
+        error: dict[str, Any] | None,
+        now: float,
+    ) -> bool:
         def q(db: sqlite3.Connection) -> bool:
-            return db.execute(
-                "UPDATE batch_requests SET state=?, status_code=?, request_id=?, response=?, "
-                "error=?, finished_at=?, claimed_by=NULL, lease_until=NULL "
-                "WHERE batch_id=? AND custom_id=? AND state='running' AND claimed_by=?",
-                ("succeeded" if ok else "failed", status_code, request_id, rows.dumps(response),
-                 rows.dumps(error), now, batch_id, custom_id, worker),
-            ).rowcount == 1  # fmt: skip
+            return (
+                db.execute(
+                    "UPDATE batch_requests SET state=?, status_code=?, request_id=?, response=?, "
+                    "error=?, finished_at=?, claimed_by=NULL, lease_until=NULL "
+                    "WHERE batch_id=? AND custom_id=? AND state='running' AND claimed_by=?",
+                    (
+                        "succeeded" if ok else "failed",
+                        status_code,
+                        request_id,
+                        rows.dumps(response),
+                        rows.dumps(error),
+                        now,
+                        batch_id,
+                        custom_id,
+                        worker,
+                    ),
+                ).rowcount
+                == 1
+            )
 
         return await self._tx(q)
 
-    async def retry_request(self, worker: str, batch_id: str, custom_id: str, not_before: float,
-                            error: dict[str, Any], *, spent: bool = True) -> bool:  # fmt: skip
+    async def retry_request(
+        self,
+        worker: str,
+        batch_id: str,
+        custom_id: str,
+        not_before: float,
+        error: dict[str, Any],
+        *,
+        spent: bool = True,
+    ) -> bool:
         def q(db: sqlite3.Connection) -> bool:
-            return db.execute(
-                "UPDATE batch_requests SET state='pending', not_before=?, error=?, claimed_by=NULL, "
-                "lease_until=NULL, request_id=NULL, attempts=attempts-? WHERE batch_id=? AND custom_id=? AND "
-                "state='running' AND claimed_by=?",
-                (not_before, rows.dumps(error), 0 if spent else 1, batch_id, custom_id, worker),
-            ).rowcount == 1  # fmt: skip
+            return (
+                db.execute(
+                    "UPDATE batch_requests SET state='pending', not_before=?, error=?, claimed_by=NULL, "
+                    "lease_until=NULL, request_id=NULL, attempts=attempts-? WHERE batch_id=? AND custom_id=? AND "
+                    "state='running' AND claimed_by=?",
+                    (not_before, rows.dumps(error), 0 if spent else 1, batch_id, custom_id, worker),
+                ).rowcount
+                == 1
+            )
 
         return await self._tx(q)
 
@@ -420,36 +546,50 @@ class SqliteBatchStore:
         live claim on them or their requests; claimed for `lease_s` by `worker`."""
 
         def q(db: sqlite3.Connection) -> list[str]:
-            ids = [r[0] for r in db.execute(
-                "SELECT b.id FROM batches b WHERE b.status IN ('in_progress','finalizing','cancelling') "
-                "AND (b.lease_until IS NULL OR b.lease_until<?) "
-                "AND NOT EXISTS (SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND "
-                "  r.state='running' AND r.lease_until>=?) "
-                "AND (b.status='cancelling' OR b.expires_at<=? OR NOT EXISTS ("
-                "  SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND r.state IN ('pending','running')))",
-                (now, now, now),
-            ).fetchall()]  # fmt: skip
+            ids = [
+                r[0]
+                for r in db.execute(
+                    "SELECT b.id FROM batches b WHERE b.status IN ('in_progress','finalizing','cancelling') "
+                    "AND (b.lease_until IS NULL OR b.lease_until<?) "
+                    "AND NOT EXISTS (SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND "
+                    "  r.state='running' AND r.lease_until>=?) "
+                    "AND (b.status='cancelling' OR b.expires_at<=? OR NOT EXISTS ("
+                    "  SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND r.state IN ('pending','running')))",
+                    (now, now, now),
+                ).fetchall()
+            ]
             for bid in ids:
-                db.execute("UPDATE batches SET claimed_by=?, lease_until=?, finalizing_at=CASE WHEN "
-                           "status='in_progress' AND expires_at>? THEN ? ELSE finalizing_at END, "
-                           "status=CASE WHEN status='in_progress' AND expires_at>? THEN 'finalizing' "
-                           "ELSE status END WHERE id=?",
-                           (worker, now + lease_s, now, now, now, bid))  # fmt: skip
+                db.execute(
+                    "UPDATE batches SET claimed_by=?, lease_until=?, finalizing_at=CASE WHEN "
+                    "status='in_progress' AND expires_at>? THEN ? ELSE finalizing_at END, "
+                    "status=CASE WHEN status='in_progress' AND expires_at>? THEN 'finalizing' "
+                    "ELSE status END WHERE id=?",
+                    (worker, now + lease_s, now, now, now, bid),
+                )
             return ids
 
         return await self._tx(q)
 
     async def results(self, batch_id: str) -> list[ResultRow]:
         def q(db: sqlite3.Connection) -> list[ResultRow]:
-            found = db.execute(f"SELECT {RESULT_COLS} FROM batch_requests WHERE batch_id=? ORDER BY line",
-                               (batch_id,)).fetchall()  # fmt: skip
+            found = db.execute(
+                f"SELECT {RESULT_COLS} FROM batch_requests WHERE batch_id=? ORDER BY line",
+                (batch_id,),
+            ).fetchall()
             return [rows.result_row(r) for r in found]
 
         return await self._tx(q)
 
-    async def finish_batch(self, worker: str, batch_id: str, status: str, files: Sequence[FileRow],
-                           output_file_id: str | None, error_file_id: str | None,
-                           now: float) -> bool:  # fmt: skip
+    async def finish_batch(
+        self,
+        worker: str,
+        batch_id: str,
+        status: str,
+        files: Sequence[FileRow],
+        output_file_id: str | None,
+        error_file_id: str | None,
+        now: float,
+    ) -> bool:
         rows.check_final(status)
 
         def q(db: sqlite3.Connection) -> bool:
@@ -459,13 +599,15 @@ class SqliteBatchStore:
                 "THEN NULL ELSE 'pending' END, callback_next_at=? "
                 "WHERE id=? AND claimed_by=? AND status IN ('in_progress','finalizing','cancelling')",
                 (status, now, output_file_id, error_file_id, now, batch_id, worker),
-            ).rowcount  # fmt: skip
+            ).rowcount
             if n != 1:
                 return False
             # Requests that never ran now say why, so counts and files agree after the end.
-            db.execute("UPDATE batch_requests SET state=?, claimed_by=NULL, lease_until=NULL "
-                       "WHERE batch_id=? AND state IN ('pending','running','cancelled')",
-                       (rows.leftover_state(status), batch_id))  # fmt: skip
+            db.execute(
+                "UPDATE batch_requests SET state=?, claimed_by=NULL, lease_until=NULL "
+                "WHERE batch_id=? AND state IN ('pending','running','cancelled')",
+                (rows.leftover_state(status), batch_id),
+            )
             for f in files:
                 _insert_file(db, f)
             return True
@@ -474,32 +616,48 @@ class SqliteBatchStore:
 
     async def claim_callbacks(self, worker: str, lease_s: float, now: float) -> list[BatchRow]:
         def q(db: sqlite3.Connection) -> list[BatchRow]:
-            found = db.execute(f"SELECT {BATCH_COLS} FROM batches WHERE callback_state='pending' "
-                               "AND callback_next_at<=? AND (lease_until IS NULL OR lease_until<?)",
-                               (now, now)).fetchall()  # fmt: skip
+            found = db.execute(
+                f"SELECT {BATCH_COLS} FROM batches WHERE callback_state='pending' "
+                "AND callback_next_at<=? AND (lease_until IS NULL OR lease_until<?)",
+                (now, now),
+            ).fetchall()
             for r in found:
-                db.execute("UPDATE batches SET claimed_by=?, lease_until=?, "
-                           "callback_attempts=callback_attempts+1 WHERE id=?",
-                           (worker, now + lease_s, r[0]))  # fmt: skip
+                db.execute(
+                    "UPDATE batches SET claimed_by=?, lease_until=?, "
+                    "callback_attempts=callback_attempts+1 WHERE id=?",
+                    (worker, now + lease_s, r[0]),
+                )
             return [_batch_row(db, r) for r in found]
 
         return await self._tx(q)
 
-    async def callback_result(self, worker: str, batch_id: str, *, delivered: bool,
-                              next_at: float | None, error: str | None) -> None:  # fmt: skip
+    async def callback_result(
+        self,
+        worker: str,
+        batch_id: str,
+        *,
+        delivered: bool,
+        next_at: float | None,
+        error: str | None,
+    ) -> None:
         state = rows.callback_state(delivered, next_at)
 
         def q(db: sqlite3.Connection) -> None:
-            db.execute("UPDATE batches SET callback_state=?, callback_next_at=?, callback_error=?, "
-                       "claimed_by=NULL, lease_until=NULL WHERE id=? AND claimed_by=?",
-                       (state, next_at, error, batch_id, worker))  # fmt: skip
+            db.execute(
+                "UPDATE batches SET callback_state=?, callback_next_at=?, callback_error=?, "
+                "claimed_by=NULL, lease_until=NULL WHERE id=? AND claimed_by=?",
+                (state, next_at, error, batch_id, worker),
+            )
 
         await self._tx(q)
 
     async def mean_request_seconds(self, since: float) -> float | None:
         def q(db: sqlite3.Connection) -> float | None:
-            r = db.execute("SELECT AVG(finished_at - started_at) FROM batch_requests "
-                           "WHERE state='succeeded' AND finished_at>=?", (since,)).fetchone()  # fmt: skip
+            r = db.execute(
+                "SELECT AVG(finished_at - started_at) FROM batch_requests "
+                "WHERE state='succeeded' AND finished_at>=?",
+                (since,),
+            ).fetchone()
             return r[0]
 
         return await self._tx(q)
@@ -509,21 +667,31 @@ class SqliteBatchStore:
 
     async def pending_requests(self) -> int:
         def q(db: sqlite3.Connection) -> int:
-            return db.execute("SELECT COUNT(*) FROM batch_requests r JOIN batches b ON b.id=r.batch_id "
-                              "WHERE b.status='in_progress' AND r.state IN ('pending','running')"
-                              ).fetchone()[0]  # fmt: skip
+            return db.execute(
+                "SELECT COUNT(*) FROM batch_requests r JOIN batches b ON b.id=r.batch_id "
+                "WHERE b.status='in_progress' AND r.state IN ('pending','running')"
+            ).fetchone()[0]
 
         return await self._tx(q)
 
 
 def _team_bytes(db: sqlite3.Connection, team_id: str) -> int:
-    return int(db.execute(f"SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=? AND NOT deleted "
-                          f"AND {LIVE}", (team_id, time.time())).fetchone()[0])  # fmt: skip
+    return int(
+        db.execute(
+            f"SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=? AND NOT deleted "
+            f"AND {LIVE}",
+            (team_id, time.time()),
+        ).fetchone()[0]
+    )
 
 
 def _open_batches(db: sqlite3.Connection, team_id: str) -> int:
-    return int(db.execute(f"SELECT COUNT(*) FROM batches WHERE team_id=? AND status IN ({_marks(len(OPEN))})",
-                          (team_id, *OPEN)).fetchone()[0])  # fmt: skip
+    return int(
+        db.execute(
+            f"SELECT COUNT(*) FROM batches WHERE team_id=? AND status IN ({_marks(len(OPEN))})",
+            (team_id, *OPEN),
+        ).fetchone()[0]
+    )
 
 
 def _insert_file(db: sqlite3.Connection, f: FileRow) -> None:
@@ -533,13 +701,18 @@ def _insert_file(db: sqlite3.Connection, f: FileRow) -> None:
 def _cursor(db: sqlite3.Connection, table: str, team_id: str, after: str | None) -> int:
     """The seq to list below; an unknown `after` (or another team's) lists from the top."""
     if after is not None:
-        r = db.execute(f"SELECT seq FROM {table} WHERE id=? AND team_id=?", (after, team_id)).fetchone()
+        r = db.execute(
+            f"SELECT seq FROM {table} WHERE id=? AND team_id=?", (after, team_id)
+        ).fetchone()
         if r:
             return int(r[0])
     return 2**62
 
 
 def _batch_row(db: sqlite3.Connection, r: Sequence[Any]) -> BatchRow:
-    counts = dict(db.execute("SELECT state, COUNT(*) FROM batch_requests WHERE batch_id=? "
-                             "GROUP BY state", (r[0],)).fetchall())  # fmt: skip
+    counts = dict(
+        db.execute(
+            "SELECT state, COUNT(*) FROM batch_requests WHERE batch_id=? GROUP BY state", (r[0],)
+        ).fetchall()
+    )
     return rows.batch_row(r, counts)

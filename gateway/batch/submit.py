@@ -30,7 +30,9 @@ PRIORITY_NAMES = {v: k for k, v in PRIORITIES.items()}
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
+    return web.Response(
+        body=msgspec.json.encode(obj), status=status, content_type="application/json"
+    )
 
 
 def api_handler(fn: Handler) -> Handler:
@@ -53,8 +55,9 @@ async def team_of(request: web.Request, authenticate: Authenticate) -> str:
     if inspect.isawaitable(team):
         team = await team
     if not isinstance(team, str) or not team:
-        raise APIError(401, "invalid or missing API key", type_="authentication_error",
-                       code="invalid_api_key")  # fmt: skip
+        raise APIError(
+            401, "invalid or missing API key", type_="authentication_error", code="invalid_api_key"
+        )
     return team
 
 
@@ -74,33 +77,53 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
         raise APIError(400, f"metadata holds at most {MAX_METADATA_PAIRS} pairs", param="metadata")
     for k, v in metadata.items():
         if len(k) > 64 or len(v) > 512:
-            raise APIError(400, "metadata keys are at most 64 characters and values at most 512",
-                           param="metadata")  # fmt: skip
+            raise APIError(
+                400,
+                "metadata keys are at most 64 characters and values at most 512",
+                param="metadata",
+            )
 
 
 def check_priority(config: BatchConfig, team_id: str, priority: int) -> None:
     """A batch's priority is the operator's grant (`[teams.X] batch_priority`), not the client's."""
     if priority > config.max_priority_for(team_id):
-        raise APIError(403, f"team {team_id!r} may not submit batches at this priority (its highest is "
-                            f"{PRIORITY_NAMES.get(config.max_priority_for(team_id), '?')!r})",
-                       type_="permission_error", param="priority", code="priority_not_allowed")  # fmt: skip
+        raise APIError(
+            403,
+            f"team {team_id!r} may not submit batches at this priority (its highest is "
+            f"{PRIORITY_NAMES.get(config.max_priority_for(team_id), '?')!r})",
+            type_="permission_error",
+            param="priority",
+            code="priority_not_allowed",
+        )
 
 
 def too_many_open(config: BatchConfig, team_id: str, held: int) -> APIError:
-    return APIError(429, f"team {team_id!r} already has {held} batches not yet ended (limit "
-                         f"{config.max_open_batches}); wait for one to end or cancel one",
-                    type_="rate_limit_error", code="too_many_open_batches")  # fmt: skip
+    return APIError(
+        429,
+        f"team {team_id!r} already has {held} batches not yet ended (limit "
+        f"{config.max_open_batches}); wait for one to end or cancel one",
+        type_="rate_limit_error",
+        code="too_many_open_batches",
+    )
 
 
 def storage_full(config: BatchConfig, team_id: str, held: int, param: str = "file") -> APIError:
-    return APIError(413, f"team {team_id!r} stores {held} bytes of files; this one would take it past its "
-                         f"limit of {config.max_team_bytes} bytes; delete files first", param=param,
-                    code="team_storage_full")  # fmt: skip
+    return APIError(
+        413,
+        f"team {team_id!r} stores {held} bytes of files; this one would take it past its "
+        f"limit of {config.max_team_bytes} bytes; delete files first",
+        param=param,
+        code="team_storage_full",
+    )
 
 
 def limit_error(config: BatchConfig, team_id: str, e: TeamLimit, param: str = "file") -> APIError:
     """The answer to a bound the store found reached in its own transaction (store.TeamLimit)."""
-    return storage_full(config, team_id, e.held, param) if e.kind == "bytes" else too_many_open(config, team_id, e.held)
+    return (
+        storage_full(config, team_id, e.held, param)
+        if e.kind == "bytes"
+        else too_many_open(config, team_id, e.held)
+    )
 
 
 async def check_open_batches(store: BatchStore, config: BatchConfig, team_id: str) -> None:
@@ -117,16 +140,23 @@ async def storage_left(store: BatchStore, config: BatchConfig, team_id: str) -> 
     held, _ = await store.team_holdings(team_id)
     left = config.max_team_bytes - held
     if left <= 0:
-        raise APIError(413, f"team {team_id!r} stores {held} bytes of files, its limit is "
-                            f"{config.max_team_bytes}; delete files first", param="file",
-                       code="team_storage_full")  # fmt: skip
+        raise APIError(
+            413,
+            f"team {team_id!r} stores {held} bytes of files, its limit is "
+            f"{config.max_team_bytes}; delete files first",
+            param="file",
+            code="team_storage_full",
+        )
     return min(config.max_file_bytes, left)
 
 
 def window_seconds(config: BatchConfig, window: str) -> float:
     if window not in config.completion_windows:
-        raise APIError(400, f"completion_window must be one of {', '.join(config.completion_windows)}",
-                       param="completion_window")  # fmt: skip
+        raise APIError(
+            400,
+            f"completion_window must be one of {', '.join(config.completion_windows)}",
+            param="completion_window",
+        )
     return config.completion_windows[window]
 
 
@@ -134,14 +164,27 @@ def _errors_json(errors: list[BatchError]) -> list[dict[str, Any]]:
     return [msgspec.to_builtins(e) for e in errors]
 
 
-async def submit_batch(store: BatchStore, files: FileStore, config: BatchConfig, *, team_id: str,
-                       kind: str, endpoint: str, input_file_id: str, window: str,
-                       metadata: dict[str, str] | None, callback_url: str | None = None,
-                       priority: int = 1, refuse_invalid: bool = False) -> BatchRow:  # fmt: skip
+async def submit_batch(
+    store: BatchStore,
+    files: FileStore,
+    config: BatchConfig,
+    *,
+    team_id: str,
+    kind: str,
+    endpoint: str,
+    input_file_id: str,
+    window: str,
+    metadata: dict[str, str] | None,
+    callback_url: str | None = None,
+    priority: int = 1,
+    refuse_invalid: bool = False,
+) -> BatchRow:
     """Create a batch from a stored input file. Lines unfit for this batch make a `failed`
     batch listing them (OpenAI's behaviour), or a 400 when `refuse_invalid`."""
     if endpoint not in config.endpoints:
-        raise APIError(400, f"endpoint must be one of {', '.join(config.endpoints)}", param="endpoint")
+        raise APIError(
+            400, f"endpoint must be one of {', '.join(config.endpoints)}", param="endpoint"
+        )
     seconds = window_seconds(config, window)
     check_metadata(metadata)
     check_priority(config, team_id, priority)
@@ -159,17 +202,36 @@ async def submit_batch(store: BatchStore, files: FileStore, config: BatchConfig,
         raise APIError(400, str(InvalidFile(errors)), param="requests", code="invalid_batch")
     now = time.time()
     row = BatchRow(
-        id=f"batch_{uuid.uuid4().hex}", team_id=team_id, kind=kind, endpoint=endpoint,
-        input_file_id=input_file_id, completion_window=window,
-        status="failed" if errors else "in_progress", priority=priority, metadata=metadata,
-        errors=_errors_json(errors) if errors else None, total=0 if errors else len(lines),
-        output_file_id=None, error_file_id=None, created_at=now,
-        in_progress_at=None if errors else now, expires_at=now + seconds, finalizing_at=None,
-        completed_at=None, failed_at=now if errors else None, expired_at=None, cancelling_at=None,
-        cancelled_at=None, callback_url=callback_url, callback_state=None, callback_attempts=0,
+        id=f"batch_{uuid.uuid4().hex}",
+        team_id=team_id,
+        kind=kind,
+        endpoint=endpoint,
+        input_file_id=input_file_id,
+        completion_window=window,
+        status="failed" if errors else "in_progress",
+        priority=priority,
+        metadata=metadata,
+        errors=_errors_json(errors) if errors else None,
+        total=0 if errors else len(lines),
+        output_file_id=None,
+        error_file_id=None,
+        created_at=now,
+        in_progress_at=None if errors else now,
+        expires_at=now + seconds,
+        finalizing_at=None,
+        completed_at=None,
+        failed_at=now if errors else None,
+        expired_at=None,
+        cancelling_at=None,
+        cancelled_at=None,
+        callback_url=callback_url,
+        callback_state=None,
+        callback_attempts=0,
         counts=RequestCounts(total=0 if errors else len(lines)),
-    )  # fmt: skip
-    reqs = [] if errors else [NewRequest(line=n, custom_id=x.custom_id, body=x.body) for n, x in lines]
+    )
+    reqs = (
+        [] if errors else [NewRequest(line=n, custom_id=x.custom_id, body=x.body) for n, x in lines]
+    )
     try:
         await store.create_batch(row, reqs, max_open=config.max_open_batches)
     except TeamLimit as e:  # batches created since the early check took the last places
@@ -182,14 +244,33 @@ def _ts(x: float | None) -> int | None:
 
 
 def batch_object(row: BatchRow) -> Batch:
-    times = {k: _ts(getattr(row, k)) for k in ("in_progress_at", "expires_at", "finalizing_at", "completed_at",
-                                    "failed_at", "expired_at", "cancelling_at", "cancelled_at")}  # fmt: skip
+    times = {
+        k: _ts(getattr(row, k))
+        for k in (
+            "in_progress_at",
+            "expires_at",
+            "finalizing_at",
+            "completed_at",
+            "failed_at",
+            "expired_at",
+            "cancelling_at",
+            "cancelled_at",
+        )
+    }
     errors = None
     if row.errors:
         errors = BatchErrors(data=[msgspec.convert(e, BatchError) for e in row.errors])
     return Batch(
-        id=row.id, endpoint=row.endpoint, errors=errors, input_file_id=row.input_file_id,
-        completion_window=row.completion_window, status=row.status,  # type: ignore[arg-type]
-        output_file_id=row.output_file_id, error_file_id=row.error_file_id,
-        created_at=int(row.created_at), request_counts=row.counts, metadata=row.metadata, **times,
-    )  # fmt: skip
+        id=row.id,
+        endpoint=row.endpoint,
+        errors=errors,
+        input_file_id=row.input_file_id,
+        completion_window=row.completion_window,
+        status=row.status,  # type: ignore[arg-type]
+        output_file_id=row.output_file_id,
+        error_file_id=row.error_file_id,
+        created_at=int(row.created_at),
+        request_counts=row.counts,
+        metadata=row.metadata,
+        **times,
+    )

@@ -55,9 +55,17 @@ def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
         wait = limit.admit(s, n)
         if wait is None:
             return None
-        resp = page("Too many requests", active, notice(f"Too many requests: this session may make {n} a minute "
-                                                        f"(the API's limit for its key). Retry in {wait:.0f} s.",
-                                                        "error"), s, 429)  # fmt: skip
+        resp = page(
+            "Too many requests",
+            active,
+            notice(
+                f"Too many requests: this session may make {n} a minute "
+                f"(the API's limit for its key). Retry in {wait:.0f} s.",
+                "error",
+            ),
+            s,
+            429,
+        )
         resp.headers["Retry-After"] = f"{wait:.0f}"
         return resp
 
@@ -69,10 +77,17 @@ def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
         if e.status == 401:  # the key was revoked or the admin key changed: sign in again
             sessions.drop(s.sid)
             return _redirect("/console/login?expired=1")
-        return page("Error", active, notice(f"The API refused: {e.message} (HTTP {e.status})", "error"), s,
-                    e.status if 400 <= e.status < 600 else 502)  # fmt: skip
+        return page(
+            "Error",
+            active,
+            notice(f"The API refused: {e.message} (HTTP {e.status})", "error"),
+            s,
+            e.status if 400 <= e.status < 600 else 502,
+        )
 
-    def view(fn: View, active: str, admin: bool = False) -> Callable[[web.Request], Awaitable[web.Response]]:
+    def view(
+        fn: View, active: str, admin: bool = False
+    ) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def h(request: web.Request) -> web.Response:
             state, sessions, s = session_of(request)
             if s is None:
@@ -80,7 +95,9 @@ def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
             if (refused := await too_many(state, s, active)) is not None:
                 return refused
             if admin and not s.admin:
-                return page("Admin only", active, notice("This page needs the admin key.", "error"), s, 403)
+                return page(
+                    "Admin only", active, notice("This page needs the admin key.", "error"), s, 403
+                )
             try:
                 return await fn(state, request, s)
             except ApiFailed as e:
@@ -88,7 +105,9 @@ def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
 
         return h
 
-    def action(fn: Action, active: str, admin: bool = False) -> Callable[[web.Request], Awaitable[web.Response]]:
+    def action(
+        fn: Action, active: str, admin: bool = False
+    ) -> Callable[[web.Request], Awaitable[web.Response]]:
         async def h(request: web.Request) -> web.Response:
             state, sessions, s = session_of(request)
             if s is None:
@@ -98,10 +117,21 @@ def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
             form = await request.post()
             token = request.headers.get("X-CSRF-Token") or form.get("csrf")
             if not same(token if isinstance(token, str) else None, s.csrf):
-                return page("Refused", active, notice("Refused: the form's CSRF token is missing or wrong. Reload "
-                                                      "the page and try again.", "error"), s, 403)  # fmt: skip
+                return page(
+                    "Refused",
+                    active,
+                    notice(
+                        "Refused: the form's CSRF token is missing or wrong. Reload "
+                        "the page and try again.",
+                        "error",
+                    ),
+                    s,
+                    403,
+                )
             if admin and not s.admin:
-                return page("Admin only", active, notice("This needs the admin key.", "error"), s, 403)
+                return page(
+                    "Admin only", active, notice("This needs the admin key.", "error"), s, 403
+                )
             try:
                 return await fn(state, request, s, form)
             except ApiFailed as e:
@@ -146,11 +176,13 @@ def _index(session_of: Lookup) -> Callable[[web.Request], Awaitable[web.Response
 
 
 def _login_page(token: str, message: str = "", status: int = 200) -> web.Response:
-    body = (message + '<form method="post" action="/console/login" class="card login">'
-            f'<input type="hidden" name="csrf" value="{esc(token)}">'
-            '<label for="key">API key (the admin key, or a team key)</label>'
-            '<input id="key" name="key" type="password" required autocomplete="off" autofocus>'
-            '<button type="submit">Sign in</button></form>')  # fmt: skip
+    body = (
+        message + '<form method="post" action="/console/login" class="card login">'
+        f'<input type="hidden" name="csrf" value="{esc(token)}">'
+        '<label for="key">API key (the admin key, or a team key)</label>'
+        '<input id="key" name="key" type="password" required autocomplete="off" autofocus>'
+        '<button type="submit">Sign in</button></form>'
+    )
     return page("Sign in", "", body, None, status)
 
 
@@ -175,8 +207,14 @@ def _login(session_of: Lookup) -> Callable[[web.Request], Awaitable[web.Response
         token = form.get("csrf")
         cookie = request.cookies.get(LOGIN_COOKIE)
         if cookie is None or not same(token if isinstance(token, str) else None, cookie):
-            return _login_page(cookie or "", notice("Refused: the sign-in form's CSRF token is missing or wrong; "
-                                                    "reload the page.", "error"), 403)  # fmt: skip
+            return _login_page(
+                cookie or "",
+                notice(
+                    "Refused: the sign-in form's CSRF token is missing or wrong; reload the page.",
+                    "error",
+                ),
+                403,
+            )
         address = request.remote or ""
         try:
             state.admin_guard.check(address)  # the admin API's limit on failed sign-ins per address
@@ -185,11 +223,15 @@ def _login(session_of: Lookup) -> Callable[[web.Request], Awaitable[web.Response
         key = str(form.get("key") or "").strip()
         probe = Session(sid="", key=key, team_id=None, csrf="", expires=time.time() + 10)
         try:  # the API says who the key is: the admin key reads every team, a team key its own
-            who = await call(state, request, probe, "GET", "/v1/usage", query={"date": "1970-01-01"})
+            who = await call(
+                state, request, probe, "GET", "/v1/usage", query={"date": "1970-01-01"}
+            )
         except ApiFailed as e:
             if e.status == 401:
                 state.admin_guard.failed(address)
-                return _login_page(cookie, notice("That key is not valid (unknown or revoked).", "error"), 401)
+                return _login_page(
+                    cookie, notice("That key is not valid (unknown or revoked).", "error"), 401
+                )
             return _login_page(cookie, notice(f"Cannot sign in now: {e.message}", "error"), 503)
         s = sessions.new(key, who.get("team_id"))
         resp = _redirect(_home(s))
@@ -214,5 +256,8 @@ async def _static(request: web.Request) -> web.StreamResponse:
     p = _FILES.get(request.match_info["name"])
     if p is None:
         raise web.HTTPNotFound()
-    return web.Response(body=p.read_bytes(), content_type=_TYPES[p.suffix],
-                        headers={"Cache-Control": "max-age=300", "X-Content-Type-Options": "nosniff"})  # fmt: skip
+    return web.Response(
+        body=p.read_bytes(),
+        content_type=_TYPES[p.suffix],
+        headers={"Cache-Control": "max-age=300", "X-Content-Type-Options": "nosniff"},
+    )

@@ -39,23 +39,40 @@ def own_url(request: web.Request) -> tuple[str, bool]:
     return (f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"), tls
 
 
-async def call(state: GatewayState, request: web.Request, session: Session, method: str, path: str, *,
-               query: dict[str, str] | None = None, body: Any = None) -> Any:  # fmt: skip
+async def call(
+    state: GatewayState,
+    request: web.Request,
+    session: Session,
+    method: str,
+    path: str,
+    *,
+    query: dict[str, str] | None = None,
+    body: Any = None,
+) -> Any:
     """The API's JSON answer, or ApiFailed with its status and message."""
     assert state.session is not None
     base, tls = own_url(request)
     # over TLS, to this very socket by its address: its certificate names the gateway's host,
     # not the address, and the peer is this process (no verification to gain)
-    async with state.session.request(method, base + path, params=query, timeout=_TIMEOUT, ssl=not tls,
-                                     data=None if body is None else json.dumps(body),
-                                     headers={"Authorization": f"Bearer {session.key}",
-                                              "Content-Type": "application/json"}) as r:  # fmt: skip
+    async with state.session.request(
+        method,
+        base + path,
+        params=query,
+        timeout=_TIMEOUT,
+        ssl=not tls,
+        data=None if body is None else json.dumps(body),
+        headers={"Authorization": f"Bearer {session.key}", "Content-Type": "application/json"},
+    ) as r:
         raw = await r.read()
     try:
         data = json.loads(raw) if raw else None
     except ValueError:
         data = None
     if r.status >= 400:
-        msg = data["error"]["message"] if isinstance(data, dict) and isinstance(data.get("error"), dict) else raw[:200].decode(errors="replace")
+        msg = (
+            data["error"]["message"]
+            if isinstance(data, dict) and isinstance(data.get("error"), dict)
+            else raw[:200].decode(errors="replace")
+        )
         raise ApiFailed(r.status, msg)
     return data

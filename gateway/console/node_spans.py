@@ -61,7 +61,12 @@ def served_by(spans: Iterable[SpanRecord]) -> dict[str, str]:
     out: dict[str, str] = {}
     for x in sorted(spans, key=lambda x: x.start_ns):
         url, node_id = x.attributes.get(SERVER_ADDRESS), x.attributes.get("duet.node_id")
-        if x.name in LEG_SPANS and isinstance(url, str) and isinstance(node_id, str) and url not in out:
+        if (
+            x.name in LEG_SPANS
+            and isinstance(url, str)
+            and isinstance(node_id, str)
+            and url not in out
+        ):
             out[url] = node_id
     return dict(list(out.items())[:MAX_NODES])
 
@@ -78,29 +83,52 @@ async def _read_capped(r: aiohttp.ClientResponse) -> bytes:
 async def _one(state: GatewayState, trace_id: str, url: str, node_id: str) -> NodeSpansResult:
     assert state.session is not None
     try:
-        async with state.session.get(f"{url.rstrip('/')}/spans", params={"trace_id": trace_id},
-                                     headers=state.config.security.headers,
-                                     timeout=aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S)) as r:  # fmt: skip
+        async with state.session.get(
+            f"{url.rstrip('/')}/spans",
+            params={"trace_id": trace_id},
+            headers=state.config.security.headers,
+            timeout=aiohttp.ClientTimeout(total=FETCH_TIMEOUT_S),
+        ) as r:
             if r.status != 200:
-                return NodeSpansResult(node_id, url, Fetched.UNAVAILABLE, detail=f"it answered HTTP {r.status}")
+                return NodeSpansResult(
+                    node_id, url, Fetched.UNAVAILABLE, detail=f"it answered HTTP {r.status}"
+                )
             got = msgspec.json.decode(await _read_capped(r), type=NodeSpans)
     except TimeoutError:
-        return NodeSpansResult(node_id, url, Fetched.UNAVAILABLE, detail=f"no answer within {FETCH_TIMEOUT_S:.0f} s")
-    except (aiohttp.ClientError, OSError, ValueError, msgspec.DecodeError) as e:  # ValidationError is a DecodeError
-        return NodeSpansResult(node_id, url, Fetched.UNAVAILABLE, detail=f"{type(e).__name__}: {e}"[:200])
+        return NodeSpansResult(
+            node_id, url, Fetched.UNAVAILABLE, detail=f"no answer within {FETCH_TIMEOUT_S:.0f} s"
+        )
+    except (
+        aiohttp.ClientError,
+        OSError,
+        ValueError,
+        msgspec.DecodeError,
+    ) as e:  # ValidationError is a DecodeError
+        return NodeSpansResult(
+            node_id, url, Fetched.UNAVAILABLE, detail=f"{type(e).__name__}: {e}"[:200]
+        )
     if not got.kept:
         return NodeSpansResult(node_id, url, Fetched.NOT_KEPT)
     spans = [x for x in got.spans if x.trace_id == trace_id]
-    return NodeSpansResult(node_id, url, Fetched.OK, spans,
-                           detail="more spans than one answer carries; the first are shown" if got.truncated else "")  # fmt: skip
+    return NodeSpansResult(
+        node_id,
+        url,
+        Fetched.OK,
+        spans,
+        detail="more spans than one answer carries; the first are shown" if got.truncated else "",
+    )
 
 
-async def fetch(state: GatewayState, trace_id: str, spans: Sequence[SpanRecord]) -> list[NodeSpansResult]:
+async def fetch(
+    state: GatewayState, trace_id: str, spans: Sequence[SpanRecord]
+) -> list[NodeSpansResult]:
     """The spans of `trace_id` held by each node the gateway's `spans` (that trace's) called."""
     nodes = served_by(spans)
     if not nodes or state.session is None:
         return []
-    return list(await asyncio.gather(*(_one(state, trace_id, url, nid) for url, nid in nodes.items())))
+    return list(
+        await asyncio.gather(*(_one(state, trace_id, url, nid) for url, nid in nodes.items()))
+    )
 
 
 def tree(spans: Sequence[SpanRecord]) -> list[tuple[SpanRecord, int]]:

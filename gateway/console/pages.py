@@ -44,7 +44,9 @@ async def _replica(state: GatewayState, url: str) -> dict[str, Any] | str:
     assert state.session is not None
     try:
         # the coordinator's internal API: the cluster secret, as the route client sends it
-        async with state.session.get(url + "/cluster", timeout=_TIMEOUT, headers=state.config.security.headers) as r:
+        async with state.session.get(
+            url + "/cluster", timeout=_TIMEOUT, headers=state.config.security.headers
+        ) as r:
             if r.status != 200:
                 return f"HTTP {r.status}"
             return await r.json()
@@ -100,44 +102,127 @@ async def cluster_tables(state: GatewayState) -> str:
         for n in first.get("nodes", []):
             info = infos.get(n["node_id"])
             load = n.get("load") or {}
-            health = "ready" if n.get("ready") else ("connected" if n.get("connected") else "unreachable")
-            rows.append([n["node_id"], n["role"], n.get("pool", ""), info.engine_kind if info else "-",
-                         (info.quantization or "none") if info else "-", f"{n['status']}, {health}",
-                         restarts.get(n["node_id"], "-"),
-                         f"{load.get('running', '-')} running, {load.get('waiting', '-')} waiting",
-                         f"{100 * load['kv_cache_usage_perc']:.1f}%" if "kv_cache_usage_perc" in load else "-",
-                         n.get("indexed_blocks", 0), _ago(info.started_at) if info else "-", n.get("resyncs", 0)])  # fmt: skip
+            health = (
+                "ready"
+                if n.get("ready")
+                else ("connected" if n.get("connected") else "unreachable")
+            )
+            rows.append(
+                [
+                    n["node_id"],
+                    n["role"],
+                    n.get("pool", ""),
+                    info.engine_kind if info else "-",
+                    (info.quantization or "none") if info else "-",
+                    f"{n['status']}, {health}",
+                    restarts.get(n["node_id"], "-"),
+                    f"{load.get('running', '-')} running, {load.get('waiting', '-')} waiting",
+                    f"{100 * load['kv_cache_usage_perc']:.1f}%"
+                    if "kv_cache_usage_perc" in load
+                    else "-",
+                    n.get("indexed_blocks", 0),
+                    _ago(info.started_at) if info else "-",
+                    n.get("resyncs", 0),
+                ]
+            )
     else:
         for i in infos.values():
-            rows.append([i.node_id, i.role, i.pool, i.engine_kind, i.quantization or "none", f"{i.status} (etcd only)",
-                         restarts.get(i.node_id, "-"), "-", "-", "-", _ago(i.started_at), "-"])  # fmt: skip
+            rows.append(
+                [
+                    i.node_id,
+                    i.role,
+                    i.pool,
+                    i.engine_kind,
+                    i.quantization or "none",
+                    f"{i.status} (etcd only)",
+                    restarts.get(i.node_id, "-"),
+                    "-",
+                    "-",
+                    "-",
+                    _ago(i.started_at),
+                    "-",
+                ]
+            )
     # What a screen reader hears when it changes (the page's status region, console.js): the
     # node count and each health's share, not the tables, which are replaced every 3 s.
     healths = Counter(str(r[5]) for r in rows)
-    summary = f"{len(rows)} node{'s' * (len(rows) != 1)}" + (": " + ", ".join(
-        f"{n} {h}" for h, n in sorted(healths.items())) if healths else "")  # fmt: skip
-    out = [f'<p class="summary" data-summary="{esc(summary)}">{esc(summary)}</p>',
-           table("Nodes", ["Node", "Role", "Pool", "Engine", "Quantization", "Health", "Restarts", "Load", "KV use",
-                           "Cached blocks", "Up for", "Resyncs"], rows)]  # fmt: skip
+    summary = f"{len(rows)} node{'s' * (len(rows) != 1)}" + (
+        ": " + ", ".join(f"{n} {h}" for h, n in sorted(healths.items())) if healths else ""
+    )
+    out = [
+        f'<p class="summary" data-summary="{esc(summary)}">{esc(summary)}</p>',
+        table(
+            "Nodes",
+            [
+                "Node",
+                "Role",
+                "Pool",
+                "Engine",
+                "Quantization",
+                "Health",
+                "Restarts",
+                "Load",
+                "KV use",
+                "Cached blocks",
+                "Up for",
+                "Resyncs",
+            ],
+            rows,
+        ),
+    ]
     reps = []
     for url, r in zip(urls, reports, strict=True):
         if isinstance(r, dict):
-            reps.append([url, r["replica_id"], "yes" if r["is_leader"] else "no", r.get("leader") or "unknown",
-                         "connected" if r["etcd_connected"] else "disconnected",
-                         f"{r['index_blocks']} / {r['index_max_blocks']}"])  # fmt: skip
+            reps.append(
+                [
+                    url,
+                    r["replica_id"],
+                    "yes" if r["is_leader"] else "no",
+                    r.get("leader") or "unknown",
+                    "connected" if r["etcd_connected"] else "disconnected",
+                    f"{r['index_blocks']} / {r['index_max_blocks']}",
+                ]
+            )
         else:
             reps.append([url, "-", "-", "-", "-", f"unreachable: {r}"])
-    out.append(table("Coordinator replicas", ["URL", "Replica", "Leader", "Leader seen", "etcd", "Prefix index"], reps))
+    out.append(
+        table(
+            "Coordinator replicas",
+            ["URL", "Replica", "Leader", "Leader seen", "etcd", "Prefix index"],
+            reps,
+        )
+    )
     out.append(await autoscaler.section(state, urls, reports))
     if view is not None:
-        state_text = f"read {_ago(view.read_at)} ago" + (f"; last read failed: {view.error}" if view.error else "")
-        out.append(table("etcd", ["Endpoint", "State", "Registered nodes", "Replicas"],
-                         [[view.endpoint, state_text, len(view.infos), len(view.coordinators)]]))  # fmt: skip
+        state_text = f"read {_ago(view.read_at)} ago" + (
+            f"; last read failed: {view.error}" if view.error else ""
+        )
+        out.append(
+            table(
+                "etcd",
+                ["Endpoint", "State", "Registered nodes", "Replicas"],
+                [[view.endpoint, state_text, len(view.infos), len(view.coordinators)]],
+            )
+        )
     if sup:
-        out.append(table("Processes supervised by duet up", ["Process", "State", "PID", "Restarts"],
-                         [[c.get("name"), c.get("state") or ("running" if c.get("alive") else "down"), c.get("pid"),
-                           c.get("restarts", 0)] for c in sup]))  # fmt: skip
-    out.append(f'<p class="muted">Updated {time.strftime("%H:%M:%S", time.gmtime())} UTC; refreshes every 3 s.</p>')
+        out.append(
+            table(
+                "Processes supervised by duet up",
+                ["Process", "State", "PID", "Restarts"],
+                [
+                    [
+                        c.get("name"),
+                        c.get("state") or ("running" if c.get("alive") else "down"),
+                        c.get("pid"),
+                        c.get("restarts", 0),
+                    ]
+                    for c in sup
+                ],
+            )
+        )
+    out.append(
+        f'<p class="muted">Updated {time.strftime("%H:%M:%S", time.gmtime())} UTC; refreshes every 3 s.</p>'
+    )
     return "".join(out)
 
 
@@ -147,13 +232,23 @@ async def cluster(state: GatewayState, request: web.Request, s: Session) -> web.
         return fragment(body)
     # The tables are not a live region (re-announced whole every 3 s); the status line says what
     # changed in the node summary.
-    return page("Cluster", "cluster", '<p id="live-status" class="visually-hidden" role="status" aria-live="polite">'
-                                      f'</p><div id="live" data-refresh="/console/cluster?fragment=1">{body}</div>', s)  # fmt: skip
+    return page(
+        "Cluster",
+        "cluster",
+        '<p id="live-status" class="visually-hidden" role="status" aria-live="polite">'
+        f'</p><div id="live" data-refresh="/console/cluster?fragment=1">{body}</div>',
+        s,
+    )
 
 
 # --- teams and keys ---------------------------------------------------------------------------
-LIMITS = (("rpm", "Requests per minute"), ("tpm", "Tokens per minute"), ("max_concurrent", "Concurrent requests"),
-          ("daily_budget_usd", "Daily budget (USD)"), ("monthly_budget_usd", "Monthly budget (USD)"))  # fmt: skip
+LIMITS = (
+    ("rpm", "Requests per minute"),
+    ("tpm", "Tokens per minute"),
+    ("max_concurrent", "Concurrent requests"),
+    ("daily_budget_usd", "Daily budget (USD)"),
+    ("monthly_budget_usd", "Monthly budget (USD)"),
+)
 
 
 def _limit_fields(keep: bool = False) -> str:
@@ -161,48 +256,94 @@ def _limit_fields(keep: bool = False) -> str:
     (its tier select offers 'unchanged' first)."""
     unchanged = '<option value="">unchanged</option>' if keep else ""
     mode = "" if keep else ' inputmode="decimal"'  # `none` must be typable on a phone's keyboard
-    return ("".join(f'<label>{esc(label)} <input name="{k}"{mode} autocomplete="off"></label>'
-                    for k, label in LIMITS)
-            + f'<label>Default tier <select name="default_tier">{unchanged}<option>interactive</option>'
-            "<option>batch</option></select></label>")  # fmt: skip
+    return (
+        "".join(
+            f'<label>{esc(label)} <input name="{k}"{mode} autocomplete="off"></label>'
+            for k, label in LIMITS
+        )
+        + f'<label>Default tier <select name="default_tier">{unchanged}<option>interactive</option>'
+        "<option>batch</option></select></label>"
+    )
 
 
 def _team_forms(s: Session, options: str) -> str:
-    create = (f'<form method="post" action="/console/teams" class="card"><h2>Create a team</h2>{csrf_field(s)}'
-              f'<label>Team id <input name="id" required pattern="[A-Za-z0-9][A-Za-z0-9_.\\-]{{0,63}}" '
-              f'autocomplete="off"></label>{_limit_fields()}<button type="submit">Create team</button></form>')  # fmt: skip
-    limits = (f'<form method="post" action="/console/teams/limits" class="card"><h2>Set a team\'s limits</h2>'
-              f'{csrf_field(s)}<label>Team <select name="id" required>{options}</select></label>'
-              f'<p class="muted">A field left empty keeps its limit; <code>none</code> removes it.</p>'
-              f'{_limit_fields(keep=True)}'
-              f'<button type="submit">Set limits</button></form>')  # fmt: skip
+    create = (
+        f'<form method="post" action="/console/teams" class="card"><h2>Create a team</h2>{csrf_field(s)}'
+        f'<label>Team id <input name="id" required pattern="[A-Za-z0-9][A-Za-z0-9_.\\-]{{0,63}}" '
+        f'autocomplete="off"></label>{_limit_fields()}<button type="submit">Create team</button></form>'
+    )
+    limits = (
+        f'<form method="post" action="/console/teams/limits" class="card"><h2>Set a team\'s limits</h2>'
+        f'{csrf_field(s)}<label>Team <select name="id" required>{options}</select></label>'
+        f'<p class="muted">A field left empty keeps its limit; <code>none</code> removes it.</p>'
+        f"{_limit_fields(keep=True)}"
+        f'<button type="submit">Set limits</button></form>'
+    )
     return create + limits
 
 
-async def teams(state: GatewayState, request: web.Request, s: Session, shown: str = "") -> web.Response:
+async def teams(
+    state: GatewayState, request: web.Request, s: Session, shown: str = ""
+) -> web.Response:
     if not s.admin:
-        return page("Teams and keys", "teams", notice(f"You are signed in with a key of team {s.team_id}. Teams and "
-                                                      "keys are managed with the admin key.") + shown, s)  # fmt: skip
+        return page(
+            "Teams and keys",
+            "teams",
+            notice(
+                f"You are signed in with a key of team {s.team_id}. Teams and "
+                "keys are managed with the admin key."
+            )
+            + shown,
+            s,
+        )
     team_list = (await call(state, request, s, "GET", "/admin/teams"))["data"]
     keys = (await call(state, request, s, "GET", "/admin/keys"))["data"]
-    t_rows = [[esc(t["id"]), *(esc("-" if t.get(k) is None else t[k]) for k, _ in LIMITS), esc(t["default_tier"])]
-              for t in team_list]  # fmt: skip
+    t_rows = [
+        [
+            esc(t["id"]),
+            *(esc("-" if t.get(k) is None else t[k]) for k, _ in LIMITS),
+            esc(t["default_tier"]),
+        ]
+        for t in team_list
+    ]
     k_rows = []
     for k in keys:
         revoked = k.get("revoked_at")
-        action = "revoked" if revoked else (
-            f'<form method="post" action="/console/keys/{esc(k["id"])}/revoke" class="inline">{csrf_field(s)}'
-            f'<button type="submit" aria-label="Revoke key {esc(k["id"])}">Revoke</button></form>')  # fmt: skip
-        k_rows.append([esc(k["id"]), esc(k["team_id"]), esc(k.get("name") or ""), esc(_ago(k.get("created_at"))),
-                       action])  # fmt: skip
+        action = (
+            "revoked"
+            if revoked
+            else (
+                f'<form method="post" action="/console/keys/{esc(k["id"])}/revoke" class="inline">{csrf_field(s)}'
+                f'<button type="submit" aria-label="Revoke key {esc(k["id"])}">Revoke</button></form>'
+            )
+        )
+        k_rows.append(
+            [
+                esc(k["id"]),
+                esc(k["team_id"]),
+                esc(k.get("name") or ""),
+                esc(_ago(k.get("created_at"))),
+                action,
+            ]
+        )
     options = "".join(f"<option>{esc(t['id'])}</option>" for t in team_list)
-    key_form = (f'<form method="post" action="/console/keys" class="card"><h2>Create a key</h2>{csrf_field(s)}'
-                f'<label>Team <select name="team_id" required>{options}</select></label>'
-                f'<label>Name <input name="name" autocomplete="off"></label>'
-                f'<button type="submit">Create key</button></form>')  # fmt: skip
-    body = (shown + table("Teams", ["Team", *(label for _, label in LIMITS), "Default tier"], t_rows, raw=True)
-            + table("Keys", ["Key id", "Team", "Name", "Created", "Action"], k_rows, raw=True)
-            + '<div class="forms">' + _team_forms(s, options) + key_form + "</div>")  # fmt: skip
+    key_form = (
+        f'<form method="post" action="/console/keys" class="card"><h2>Create a key</h2>{csrf_field(s)}'
+        f'<label>Team <select name="team_id" required>{options}</select></label>'
+        f'<label>Name <input name="name" autocomplete="off"></label>'
+        f'<button type="submit">Create key</button></form>'
+    )
+    body = (
+        shown
+        + table(
+            "Teams", ["Team", *(label for _, label in LIMITS), "Default tier"], t_rows, raw=True
+        )
+        + table("Keys", ["Key id", "Team", "Name", "Created", "Action"], k_rows, raw=True)
+        + '<div class="forms">'
+        + _team_forms(s, options)
+        + key_form
+        + "</div>"
+    )
     return page("Teams and keys", "teams", body, s)
 
 
@@ -217,8 +358,13 @@ def _number(form: Any, name: str) -> float | int | None:
     return int(v) if v.is_integer() and name in ("rpm", "tpm", "max_concurrent") else v
 
 
-async def create_team(state: GatewayState, request: web.Request, s: Session, form: Any) -> web.Response:
-    body: dict[str, Any] = {"id": (form.get("id") or "").strip(), "default_tier": form.get("default_tier") or "interactive"}
+async def create_team(
+    state: GatewayState, request: web.Request, s: Session, form: Any
+) -> web.Response:
+    body: dict[str, Any] = {
+        "id": (form.get("id") or "").strip(),
+        "default_tier": form.get("default_tier") or "interactive",
+    }
     for k, _ in LIMITS:
         v = _number(form, k)
         if v is not None:
@@ -227,7 +373,9 @@ async def create_team(state: GatewayState, request: web.Request, s: Session, for
     return await teams(state, request, s, notice(f"Team {t['id']} created."))
 
 
-async def set_limits(state: GatewayState, request: web.Request, s: Session, form: Any) -> web.Response:
+async def set_limits(
+    state: GatewayState, request: web.Request, s: Session, form: Any
+) -> web.Response:
     """PUT sets every limit, so the form starts from the team's current ones: a field left
     empty keeps its limit, `none` removes it (an empty field that cleared a budget would take a
     team's spending cap off while its admin changed only the request rate)."""
@@ -241,17 +389,29 @@ async def set_limits(state: GatewayState, request: web.Request, s: Session, form
     return await teams(state, request, s, notice(f"Limits of team {t['id']} set."))
 
 
-async def create_key(state: GatewayState, request: web.Request, s: Session, form: Any) -> web.Response:
-    k = await call(state, request, s, "POST", "/admin/keys",
-                   body={"team_id": form.get("team_id") or "", "name": form.get("name") or ""})  # fmt: skip
-    shown = (f'<div class="card secret" role="status"><h2>New key for team {esc(k["team_id"])}</h2>'
-             f"<p>Copy it now: it is shown this once and never again.</p>"
-             f'<label>Key <input id="new-key" readonly value="{esc(k["key"])}" size="60"></label>'
-             f'<p>Key id <code id="new-key-id">{esc(k["id"])}</code></p></div>')  # fmt: skip
+async def create_key(
+    state: GatewayState, request: web.Request, s: Session, form: Any
+) -> web.Response:
+    k = await call(
+        state,
+        request,
+        s,
+        "POST",
+        "/admin/keys",
+        body={"team_id": form.get("team_id") or "", "name": form.get("name") or ""},
+    )
+    shown = (
+        f'<div class="card secret" role="status"><h2>New key for team {esc(k["team_id"])}</h2>'
+        f"<p>Copy it now: it is shown this once and never again.</p>"
+        f'<label>Key <input id="new-key" readonly value="{esc(k["key"])}" size="60"></label>'
+        f'<p>Key id <code id="new-key-id">{esc(k["id"])}</code></p></div>'
+    )
     return await teams(state, request, s, shown)
 
 
-async def revoke_key(state: GatewayState, request: web.Request, s: Session, form: Any) -> web.Response:
+async def revoke_key(
+    state: GatewayState, request: web.Request, s: Session, form: Any
+) -> web.Response:
     kid = request.match_info["id"]
     await call(state, request, s, "DELETE", f"/admin/keys/{kid}")
     return await teams(state, request, s, notice(f"Key {kid} revoked."))
@@ -289,39 +449,79 @@ async def usage(state: GatewayState, request: web.Request, s: Session) -> web.Re
     report --group-by …` prints — so the page's work is bounded by the number of groups, never
     by the records of the range."""
     start, end = _range(request)
-    get = lambda g: call(state, request, s, "GET", "/v1/usage", query=_query(s, request, start, end, g))  # noqa: E731
-    by_day, by_team, by_model, by_tier = await asyncio.gather(get("day"), get("team"), get("model"), get("tier"))
+
+    def get(g: str):
+        return call(state, request, s, "GET", "/v1/usage", query=_query(s, request, start, end, g))
+
+    by_day, by_team, by_model, by_tier = await asyncio.gather(
+        get("day"), get("team"), get("model"), get("tier")
+    )
     days = [r["date"] for r in by_day["data"]]
     team_sel = ""
     if s.admin:
-        team_sel = (f'<label>Team <input name="team" value="{esc(request.query.get("team") or "")}" '
-                    f'placeholder="all teams" autocomplete="off"></label>')  # fmt: skip
-    form = (f'<form method="get" action="/console/usage" class="range"><label>From <input type="date" name="start" '
-            f'value="{esc(start)}"></label><label>To <input type="date" name="end" value="{esc(end)}"></label>{team_sel}'
-            f'<button type="submit">Show</button></form>')  # fmt: skip
-    qs = "&".join(f"{k}={esc(v)}" for k, v in _query(s, request, start, end, "").items() if k != "group_by")
-    csv_links = " ".join(f'<a href="/console/usage.csv?{qs}&amp;group_by={g}" download>{g}</a>' for g in CSV_GROUPS)
-    charts_html = (charts.bars("Tokens per day", days, [r["total_tokens"] for r in by_day["data"]])
-                   + charts.bars("Spend per day (USD)", days, [r["cost_usd"] for r in by_day["data"]], " USD")
-                   + charts.bars("Requests per day", days, [r["requests"] for r in by_day["data"]])
-                   + charts.lines("Time to first token (ms)", days,
-                                  {"P50": [_ms(r["ttft_p50_s"]) for r in by_day["data"]],
-                                   "P90": [_ms(r["ttft_p90_s"]) for r in by_day["data"]]},
-                                  " ms"))  # fmt: skip
+        team_sel = (
+            f'<label>Team <input name="team" value="{esc(request.query.get("team") or "")}" '
+            f'placeholder="all teams" autocomplete="off"></label>'
+        )
+    form = (
+        f'<form method="get" action="/console/usage" class="range"><label>From <input type="date" name="start" '
+        f'value="{esc(start)}"></label><label>To <input type="date" name="end" value="{esc(end)}"></label>{team_sel}'
+        f'<button type="submit">Show</button></form>'
+    )
+    qs = "&".join(
+        f"{k}={esc(v)}" for k, v in _query(s, request, start, end, "").items() if k != "group_by"
+    )
+    csv_links = " ".join(
+        f'<a href="/console/usage.csv?{qs}&amp;group_by={g}" download>{g}</a>' for g in CSV_GROUPS
+    )
+    charts_html = (
+        charts.bars("Tokens per day", days, [r["total_tokens"] for r in by_day["data"]])
+        + charts.bars("Spend per day (USD)", days, [r["cost_usd"] for r in by_day["data"]], " USD")
+        + charts.bars("Requests per day", days, [r["requests"] for r in by_day["data"]])
+        + charts.lines(
+            "Time to first token (ms)",
+            days,
+            {
+                "P50": [_ms(r["ttft_p50_s"]) for r in by_day["data"]],
+                "P90": [_ms(r["ttft_p90_s"]) for r in by_day["data"]],
+            },
+            " ms",
+        )
+    )
 
     def rows(data: list[dict[str, Any]], key: str) -> list[list[Any]]:
-        return [[r[key] if r[key] is not None else "-", r["requests"], r["prompt_tokens"], r["completion_tokens"],
-                 r["cached_tokens"], f"{r['cost_usd']:.6f}", ms_cell(r["ttft_p50_s"]), ms_cell(r["ttft_p90_s"])]
-                for r in data]  # fmt: skip
+        return [
+            [
+                r[key] if r[key] is not None else "-",
+                r["requests"],
+                r["prompt_tokens"],
+                r["completion_tokens"],
+                r["cached_tokens"],
+                f"{r['cost_usd']:.6f}",
+                ms_cell(r["ttft_p50_s"]),
+                ms_cell(r["ttft_p90_s"]),
+            ]
+            for r in data
+        ]
 
-    head = ["Requests", "Prompt tokens", "Completion tokens", "Cached tokens", "Cost (USD)", "TTFT P50 (ms)",
-            "TTFT P90 (ms)"]  # fmt: skip
-    body = (form + f'<p class="csv">CSV export (as <code>duet usage report</code>): {csv_links}</p>'
-            + f'<div class="charts">{charts_html}</div>'
-            + table("Per day", ["Day", *head], rows(by_day["data"], "date"))
-            + table("Per team", ["Team", *head], rows(by_team["data"], "team_id"))
-            + table("Per model", ["Model", *head], rows(by_model["data"], "model"))
-            + table("Per tier", ["Tier", *head], rows(by_tier["data"], "tier")))  # fmt: skip
+    head = [
+        "Requests",
+        "Prompt tokens",
+        "Completion tokens",
+        "Cached tokens",
+        "Cost (USD)",
+        "TTFT P50 (ms)",
+        "TTFT P90 (ms)",
+    ]
+    body = (
+        form
+        + f'<p class="csv">CSV export (as <code>duet usage report</code>): {csv_links}</p>'
+        + f'<div class="charts">{charts_html}</div>'
+        + table("Per day", ["Day", *head], rows(by_day["data"], "date"))
+        + table("Per team", ["Team", *head], rows(by_team["data"], "team_id"))
+        + table("Per model", ["Model", *head], rows(by_model["data"], "model"))
+        + table("Per tier", ["Tier", *head], rows(by_tier["data"], "tier"))
+    )
     return page("Usage and spend", "usage", body, s)
 
 
@@ -346,14 +546,20 @@ async def usage_csv(state: GatewayState, request: web.Request, s: Session) -> we
     if group_by not in CSV_GROUPS:
         raise ApiFailed(400, f"group_by is one of {', '.join(CSV_GROUPS)}")
     query = _query(s, request, start, end, group_by)
-    headers = {"Content-Disposition": f'attachment; filename="usage-{start}-{end}-{group_by}.csv"',
-               "Cache-Control": "no-store"}  # fmt: skip
+    headers = {
+        "Content-Disposition": f'attachment; filename="usage-{start}-{end}-{group_by}.csv"',
+        "Cache-Control": "no-store",
+    }
     if group_by != "record":  # one row per group
         data = await call(state, request, s, "GET", "/v1/usage", query=query)
-        return web.Response(text=usage_csv_text(data["data"]), content_type="text/csv", headers=headers)
+        return web.Response(
+            text=usage_csv_text(data["data"]), content_type="text/csv", headers=headers
+        )
     # every record of the range: read a page at a time and written as it comes, so the
     # gateway holds one page however long the range (the bytes are the report's all the same)
-    page = await call(state, request, s, "GET", "/v1/usage", query={**query, "limit": str(CSV_PAGE)})
+    page = await call(
+        state, request, s, "GET", "/v1/usage", query={**query, "limit": str(CSV_PAGE)}
+    )
     resp = web.StreamResponse(headers={**headers, "Content-Type": "text/csv; charset=utf-8"})
     await resp.prepare(request)
     fields: list[str] | None = None
@@ -370,9 +576,17 @@ async def usage_csv(state: GatewayState, request: web.Request, s: Session) -> we
         if not page.get("next"):
             break
         try:
-            page = await call(state, request, s, "GET", "/v1/usage",
-                              query={**query, "limit": str(CSV_PAGE), "after": page["next"]})  # fmt: skip
-        except ApiFailed:  # the status is sent already: cut the download short (the client sees it fail)
+            page = await call(
+                state,
+                request,
+                s,
+                "GET",
+                "/v1/usage",
+                query={**query, "limit": str(CSV_PAGE), "after": page["next"]},
+            )
+        except (
+            ApiFailed
+        ):  # the status is sent already: cut the download short (the client sees it fail)
             resp.force_close()
             if request.transport is not None:
                 request.transport.close()
@@ -389,38 +603,76 @@ def _batch_row(s: Session, b: dict[str, Any], team: str | None) -> list[Any]:
     c = b.get("request_counts") or {}
     total, done, failed = c.get("total", 0), c.get("completed", 0), c.get("failed", 0)
     errors = b.get("errors") or {}
-    err = "; ".join(str(e.get("message")) for e in (errors.get("data") or [])[:3]) if isinstance(errors, dict) else ""
-    bar = (f'<progress max="{max(total, 1)}" value="{done + failed}" aria-label="progress of {esc(b["id"])}">'
-           f"</progress> {done + failed}/{total} ({failed} failed)")  # fmt: skip
+    err = (
+        "; ".join(str(e.get("message")) for e in (errors.get("data") or [])[:3])
+        if isinstance(errors, dict)
+        else ""
+    )
+    bar = (
+        f'<progress max="{max(total, 1)}" value="{done + failed}" aria-label="progress of {esc(b["id"])}">'
+        f"</progress> {done + failed}/{total} ({failed} failed)"
+    )
     action = ""
     if b["status"] in CANCELLABLE:
         label = f"Cancel batch {b['id']}" + (f" of team {team}" if team else "")
-        action = (f'<form method="post" action="/console/batches/{esc(b["id"])}/cancel" class="inline">'
-                  f'{csrf_field(s)}<button type="submit" aria-label="{esc(label)}">Cancel</button></form>')  # fmt: skip
-    cells = [esc(b["id"]), esc(b["status"]), esc(_ago(b.get("created_at"))), bar, esc(err or "-"), action]
+        action = (
+            f'<form method="post" action="/console/batches/{esc(b["id"])}/cancel" class="inline">'
+            f'{csrf_field(s)}<button type="submit" aria-label="{esc(label)}">Cancel</button></form>'
+        )
+    cells = [
+        esc(b["id"]),
+        esc(b["status"]),
+        esc(_ago(b.get("created_at"))),
+        bar,
+        esc(err or "-"),
+        action,
+    ]
     return [cells[0], esc(team), *cells[1:]] if team is not None else cells
 
 
-async def batches(state: GatewayState, request: web.Request, s: Session, shown: str = "") -> web.Response:
+async def batches(
+    state: GatewayState, request: web.Request, s: Session, shown: str = ""
+) -> web.Response:
     head = ["Batch", "Status", "Created", "Progress", "Errors", "Action"]
     if s.admin:  # every team's batches (GET /admin/batches), or one team's
         team = (request.query.get("team") or "").strip()
-        listed = await call(state, request, s, "GET", "/admin/batches",
-                            query={"limit": "100", **({"team_id": team} if team else {})})  # fmt: skip
+        listed = await call(
+            state,
+            request,
+            s,
+            "GET",
+            "/admin/batches",
+            query={"limit": "100", **({"team_id": team} if team else {})},
+        )
         rows = [_batch_row(s, x["batch"], x["team_id"]) for x in listed["data"]]
-        form = (f'<form method="get" action="/console/batches" class="range"><label>Team <input name="team" '
-                f'value="{esc(team)}" placeholder="all teams" autocomplete="off"></label>'
-                f'<button type="submit">Show</button></form>')  # fmt: skip
+        form = (
+            f'<form method="get" action="/console/batches" class="range"><label>Team <input name="team" '
+            f'value="{esc(team)}" placeholder="all teams" autocomplete="off"></label>'
+            f'<button type="submit">Show</button></form>'
+        )
         more = '<p class="muted">Showing the newest 100.</p>' if listed.get("has_more") else ""
-        return page("Batches", "batches", shown + form + table(
-            "Batches of every team" if not team else f"Batches of team {team}", [head[0], "Team", *head[1:]], rows,
-            raw=True) + more, s)  # fmt: skip
+        return page(
+            "Batches",
+            "batches",
+            shown
+            + form
+            + table(
+                "Batches of every team" if not team else f"Batches of team {team}",
+                [head[0], "Team", *head[1:]],
+                rows,
+                raw=True,
+            )
+            + more,
+            s,
+        )
     data = (await call(state, request, s, "GET", "/v1/batches", query={"limit": "100"}))["data"]
     rows = [_batch_row(s, b, None) for b in data]
     return page("Batches", "batches", shown + table("Batches", head, rows, raw=True), s)
 
 
-async def cancel_batch(state: GatewayState, request: web.Request, s: Session, form: Any) -> web.Response:
+async def cancel_batch(
+    state: GatewayState, request: web.Request, s: Session, form: Any
+) -> web.Response:
     bid = request.match_info["id"]
     # the admin cancels any team's batch; a team key its own (another team's answers 404)
     path = f"/admin/batches/{bid}/cancel" if s.admin else f"/v1/batches/{bid}/cancel"
@@ -434,8 +686,21 @@ async def requests(state: GatewayState, request: web.Request, s: Session) -> web
     # the store picks them (the failed and the slowest tenth, newest first, at most 100): a
     # day of records never leaves the database for this page
     since = time.strftime("%Y-%m-%d", time.gmtime(time.time() - DAY))
-    picked = (await call(state, request, s, "GET", "/v1/usage", query={
-        "start": since, "group_by": "record", "outliers": "true", "limit": str(REQUESTS_SHOWN)}))["data"]  # fmt: skip
+    picked = (
+        await call(
+            state,
+            request,
+            s,
+            "GET",
+            "/v1/usage",
+            query={
+                "start": since,
+                "group_by": "record",
+                "outliers": "true",
+                "limit": str(REQUESTS_SHOWN),
+            },
+        )
+    )["data"]
     ring = state.tracing.ring
     traced_ids = ring.values("duet.request_id") if ring is not None else set()
     rows = []
@@ -444,29 +709,77 @@ async def requests(state: GatewayState, request: web.Request, s: Session) -> web
         traced = rid in traced_ids
         link = f'<a href="/console/requests/{esc(rid)}">{esc(rid)}</a>' if traced else esc(rid)
         why = "failed" if r["status"] != "ok" else "slow"
-        rows.append([esc(time.strftime("%H:%M:%S", time.gmtime(r["created_at"]))), link, esc(r["team_id"]),
-                     esc(r["model_used"]), esc(r["status"]), esc(why),
-                     esc("-" if r.get("ttft_s") is None else f"{r['ttft_s'] * 1000:.1f} ms"),
-                     esc(f"{r['latency_s'] * 1000:.1f} ms"), esc(r["completion_tokens"])])  # fmt: skip
+        rows.append(
+            [
+                esc(time.strftime("%H:%M:%S", time.gmtime(r["created_at"]))),
+                link,
+                esc(r["team_id"]),
+                esc(r["model_used"]),
+                esc(r["status"]),
+                esc(why),
+                esc("-" if r.get("ttft_s") is None else f"{r['ttft_s'] * 1000:.1f} ms"),
+                esc(f"{r['latency_s'] * 1000:.1f} ms"),
+                esc(r["completion_tokens"]),
+            ]
+        )
     recent = []
     for x in ring.requests(200) if ring is not None else []:
         if s.admin or x.attributes.get("duet.team") == s.team_id:
             a, rid = x.attributes, str(x.attributes["duet.request_id"])
-            recent.append([esc(time.strftime("%H:%M:%S", time.gmtime(x.start_ns / 1e9))),
-                           f'<a href="/console/requests/{esc(rid)}">{esc(rid)}</a>', esc(a.get("duet.team")),
-                           esc(a.get("gen_ai.request.model")), esc(a.get("duet.status")),
-                           esc(f"{(x.end_ns - x.start_ns) / 1e6:.1f} ms"), esc(a.get("gen_ai.usage.output_tokens"))])  # fmt: skip
+            recent.append(
+                [
+                    esc(time.strftime("%H:%M:%S", time.gmtime(x.start_ns / 1e9))),
+                    f'<a href="/console/requests/{esc(rid)}">{esc(rid)}</a>',
+                    esc(a.get("duet.team")),
+                    esc(a.get("gen_ai.request.model")),
+                    esc(a.get("duet.status")),
+                    esc(f"{(x.end_ns - x.start_ns) / 1e6:.1f} ms"),
+                    esc(a.get("gen_ai.usage.output_tokens")),
+                ]
+            )
         if len(recent) >= 20:
             break
-    head = notice("Tracing is off on this gateway: start it with --trace (or [tracing] enabled) to open a "
-                  "request's trace.") if ring is None else ""  # fmt: skip
-    intro = ('<p>The last 24 hours\' failed requests and the slowest tenth. A request id links to its trace '
-             "while the gateway still holds its spans.</p>")  # fmt: skip
-    return page("Requests", "requests", head + intro + table(
-        "Slow or failed requests", ["Time (UTC)", "Request", "Team", "Model", "Status", "Why", "TTFT", "Latency",
-                                    "Tokens out"], rows, raw=True)
-        + table("Recent traced requests", ["Time (UTC)", "Request", "Team", "Model", "Status", "Latency", "Tokens out"],
-                recent, raw=True), s)  # fmt: skip
+    head = (
+        notice(
+            "Tracing is off on this gateway: start it with --trace (or [tracing] enabled) to open a "
+            "request's trace."
+        )
+        if ring is None
+        else ""
+    )
+    intro = (
+        "<p>The last 24 hours' failed requests and the slowest tenth. A request id links to its trace "
+        "while the gateway still holds its spans.</p>"
+    )
+    return page(
+        "Requests",
+        "requests",
+        head
+        + intro
+        + table(
+            "Slow or failed requests",
+            [
+                "Time (UTC)",
+                "Request",
+                "Team",
+                "Model",
+                "Status",
+                "Why",
+                "TTFT",
+                "Latency",
+                "Tokens out",
+            ],
+            rows,
+            raw=True,
+        )
+        + table(
+            "Recent traced requests",
+            ["Time (UTC)", "Request", "Team", "Model", "Status", "Latency", "Tokens out"],
+            recent,
+            raw=True,
+        ),
+        s,
+    )
 
 
 def _attr(v: object) -> str:
@@ -482,8 +795,17 @@ async def trace(state: GatewayState, request: web.Request, s: Session) -> web.Re
     ring = state.tracing.ring
     root = ring.find("duet.request_id", rid) if ring is not None else None
     if root is None or (not s.admin and root.attributes.get("duet.team") != s.team_id):
-        return page("Trace", "requests", notice(f"No trace of {rid} is held here (tracing off, or its spans "
-                                                "aged out of the gateway's ring).", "error"), s, 404)  # fmt: skip
+        return page(
+            "Trace",
+            "requests",
+            notice(
+                f"No trace of {rid} is held here (tracing off, or its spans "
+                "aged out of the gateway's ring).",
+                "error",
+            ),
+            s,
+            404,
+        )
     own = ring.trace(root.trace_id) if ring is not None else []
     # the P and D legs' spans, from the nodes that served the request (node_spans.py)
     fetched = await node_spans.fetch(state, root.trace_id, own)
@@ -495,8 +817,13 @@ async def trace(state: GatewayState, request: web.Request, s: Session) -> web.Re
             if x.span_id not in process:
                 process[x.span_id], node_of[x.span_id] = f"{f.node_id} ({x.service})", f.node_id
         if f.outcome is node_spans.Fetched.UNAVAILABLE:
-            notes.append(notice(f"The spans of node {f.node_id} ({f.url}) are unavailable: {f.detail}. The timeline "
-                                "shows the rest.", "error"))  # fmt: skip
+            notes.append(
+                notice(
+                    f"The spans of node {f.node_id} ({f.url}) are unavailable: {f.detail}. The timeline "
+                    "shows the rest.",
+                    "error",
+                )
+            )
         elif f.outcome is node_spans.Fetched.NOT_KEPT:
             notes.append(notice(f"Node {f.node_id} keeps no spans (tracing is off on it)."))
         elif f.detail:
@@ -507,17 +834,30 @@ async def trace(state: GatewayState, request: web.Request, s: Session) -> web.Re
     def label(x: Any) -> str:  # a node's span names its node: P's and D's server spans share a name
         return f"{x.name} · {node_of[x.span_id]}" if x.span_id in node_of else x.name
 
-    bars = [(label(x), d, (x.start_ns - t0) / 1e6, (x.end_ns - t0) / 1e6, x.error) for x, d in ordered]
-    rows = [[f'<span class="depth" data-depth="{d}">{esc(x.name)}</span>', esc(process[x.span_id]),
-             esc(f"{(x.end_ns - x.start_ns) / 1e6:.2f} ms"),
-             "<dl>" + "".join(f"<dt>{esc(k)}</dt><dd>{esc(_attr(v))}</dd>" for k, v in sorted(x.attributes.items()))
-             + "</dl>"]
-            for x, d in ordered]  # fmt: skip
+    bars = [
+        (label(x), d, (x.start_ns - t0) / 1e6, (x.end_ns - t0) / 1e6, x.error) for x, d in ordered
+    ]
+    rows = [
+        [
+            f'<span class="depth" data-depth="{d}">{esc(x.name)}</span>',
+            esc(process[x.span_id]),
+            esc(f"{(x.end_ns - x.start_ns) / 1e6:.2f} ms"),
+            "<dl>"
+            + "".join(
+                f"<dt>{esc(k)}</dt><dd>{esc(_attr(v))}</dd>"
+                for k, v in sorted(x.attributes.items())
+            )
+            + "</dl>",
+        ]
+        for x, d in ordered
+    ]
     asked = ", ".join(f.node_id for f in fetched)
-    body = (f"<p>Trace <code>{esc(root.trace_id)}</code> of request <code>{esc(rid)}</code>: this gateway's spans"
-            + (f", and those the nodes that served it hold ({esc(asked)})" if asked else "")
-            + ". The coordinator's spans of the same trace go to your OTLP collector.</p>"
-            + "".join(notes)
-            + charts.timeline(f"Timeline of {rid}", bars)
-            + table("Spans", ["Span", "Process", "Duration", "Attributes"], rows, raw=True))  # fmt: skip
+    body = (
+        f"<p>Trace <code>{esc(root.trace_id)}</code> of request <code>{esc(rid)}</code>: this gateway's spans"
+        + (f", and those the nodes that served it hold ({esc(asked)})" if asked else "")
+        + ". The coordinator's spans of the same trace go to your OTLP collector.</p>"
+        + "".join(notes)
+        + charts.timeline(f"Timeline of {rid}", bars)
+        + table("Spans", ["Span", "Process", "Duration", "Attributes"], rows, raw=True)
+    )
     return page("Trace", "requests", body, s)

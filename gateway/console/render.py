@@ -14,12 +14,24 @@ from aiohttp import web
 
 from gateway.console.session import Session
 
-CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
-       "form-action 'self'; frame-ancestors 'none'; base-uri 'none'")  # fmt: skip
-HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "X-Frame-Options": "DENY",
-           "Referrer-Policy": "no-referrer", "Cache-Control": "no-store"}  # fmt: skip
-NAV = (("cluster", "Cluster", True), ("teams", "Teams and keys", False), ("usage", "Usage and spend", False),
-       ("batches", "Batches", False), ("requests", "Requests", False))  # fmt: skip
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-store",
+}
+NAV = (
+    ("cluster", "Cluster", True),
+    ("teams", "Teams and keys", False),
+    ("usage", "Usage and spend", False),
+    ("batches", "Batches", False),
+    ("requests", "Requests", False),
+)
 
 
 def esc(x: object) -> str:
@@ -30,8 +42,14 @@ def csrf_field(session: Session) -> str:
     return f'<input type="hidden" name="csrf" value="{esc(session.csrf)}">'
 
 
-def table(caption: str, head: Sequence[str], rows: Iterable[Sequence[str]], *, raw: bool = False,
-          body_id: str | None = None) -> str:  # fmt: skip
+def table(
+    caption: str,
+    head: Sequence[str],
+    rows: Iterable[Sequence[str]],
+    *,
+    raw: bool = False,
+    body_id: str | None = None,
+) -> str:
     """`rows` are escaped unless `raw` (cells the caller built from escaped parts)."""
     cell = (lambda x: str(x)) if raw else esc
     body = "".join("<tr>" + "".join(f"<td>{cell(c)}</td>" for c in r) + "</tr>" for r in rows)
@@ -47,25 +65,33 @@ def notice(text: str, kind: str = "info") -> str:
     return f'<p class="notice {kind}" role="{role}">{esc(text)}</p>'
 
 
-def page(title: str, active: str, body: str, session: Session | None, status: int = 200) -> web.Response:
+def page(
+    title: str, active: str, body: str, session: Session | None, status: int = 200
+) -> web.Response:
     nav, who = "", ""
     if session is not None:
         items = "".join(
             f'<li><a href="/console/{k}"{" aria-current=page" if k == active else ""}>{esc(label)}</a></li>'
-            for k, label, admin_only in NAV if session.admin or not admin_only)  # fmt: skip
+            for k, label, admin_only in NAV
+            if session.admin or not admin_only
+        )
         nav = f'<nav aria-label="Console pages"><ul>{items}</ul></nav>'
         who = "admin" if session.admin else f"team {session.team_id}"
-        who = (f'<form class="signout" method="post" action="/console/logout">{csrf_field(session)}'
-               f'<span>Signed in as <strong>{esc(who)}</strong></span> <button type="submit">Sign out</button></form>')  # fmt: skip
+        who = (
+            f'<form class="signout" method="post" action="/console/logout">{csrf_field(session)}'
+            f'<span>Signed in as <strong>{esc(who)}</strong></span> <button type="submit">Sign out</button></form>'
+        )
     meta = f'<meta name="csrf-token" content="{esc(session.csrf)}">' if session is not None else ""
-    doc = (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
-           f'<meta name="viewport" content="width=device-width, initial-scale=1">{meta}'
-           f"<title>{esc(title)} · duet console</title>"
-           f'<link rel="stylesheet" href="/console/static/console.css">'
-           f'<script src="/console/static/console.js" defer></script></head><body>'
-           f'<a class="skip" href="#main">Skip to content</a>'
-           f'<header><span class="brand">duet</span>{nav}{who}</header>'
-           f'<main id="main" tabindex="-1"><h1>{esc(title)}</h1>{body}</main></body></html>')  # fmt: skip
+    doc = (
+        f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
+        f'<meta name="viewport" content="width=device-width, initial-scale=1">{meta}'
+        f"<title>{esc(title)} · duet console</title>"
+        f'<link rel="stylesheet" href="/console/static/console.css">'
+        f'<script src="/console/static/console.js" defer></script></head><body>'
+        f'<a class="skip" href="#main">Skip to content</a>'
+        f'<header><span class="brand">duet</span>{nav}{who}</header>'
+        f'<main id="main" tabindex="-1"><h1>{esc(title)}</h1>{body}</main></body></html>'
+    )
     return web.Response(status=status, text=doc, content_type="text/html", headers=HEADERS)
 
 

@@ -51,8 +51,13 @@ class Sessions:
         self._by_id: OrderedDict[str, Session] = OrderedDict()
 
     def new(self, key: str, team_id: str | None) -> Session:
-        s = Session(sid=secrets.token_urlsafe(32), key=key, team_id=team_id, csrf=secrets.token_urlsafe(32),
-                    expires=time.time() + TTL_S)  # fmt: skip
+        s = Session(
+            sid=secrets.token_urlsafe(32),
+            key=key,
+            team_id=team_id,
+            csrf=secrets.token_urlsafe(32),
+            expires=time.time() + TTL_S,
+        )
         self._by_id[s.sid] = s
         while len(self._by_id) > MAX_SESSIONS:
             self._by_id.popitem(last=False)
@@ -74,6 +79,15 @@ def same(a: str | None, b: str) -> bool:
     return a is not None and hmac.compare_digest(a.encode(), b.encode())
 
 
-def set_cookie(resp: web.StreamResponse, request: web.Request, name: str, value: str, max_age: float) -> None:
-    resp.set_cookie(name, value, max_age=int(max_age), path="/console", httponly=True, samesite="Strict",
-                    secure=request.secure)  # fmt: skip
+def set_cookie(
+    resp: web.StreamResponse, request: web.Request, name: str, value: str, max_age: float
+) -> None:
+    resp.set_cookie(
+        name,
+        value,
+        max_age=int(max_age),
+        path="/console",
+        httponly=True,
+        samesite="Strict",
+        secure=request.secure,
+    )

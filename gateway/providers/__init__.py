@@ -20,8 +20,9 @@ from gateway.providers.openai_compat import OpenAIProvider
 KINDS: dict[str, type[Provider]] = {"openai": OpenAIProvider, "anthropic": AnthropicProvider}
 
 
-def build_provider(config: ProviderConfig | dict[str, Any], session: aiohttp.ClientSession,
-                   **kw: Any) -> Provider:  # fmt: skip
+def build_provider(
+    config: ProviderConfig | dict[str, Any], session: aiohttp.ClientSession, **kw: Any
+) -> Provider:
     """A provider for one `[[providers]]` table; `kw` (clock, sleep, rng) is for tests."""
     if isinstance(config, dict):
         config = ProviderConfig.from_dict(config)
@@ -36,7 +37,9 @@ def make_backend(model: Any, session: aiohttp.ClientSession, slots: Any) -> Any:
     return make(model, session, slots)
 
 
-def build_providers(tables: list[dict[str, Any]], session: aiohttp.ClientSession) -> dict[str, Provider]:
+def build_providers(
+    tables: list[dict[str, Any]], session: aiohttp.ClientSession
+) -> dict[str, Provider]:
     """All `[[providers]]` of a config, by name; ConfigError on a bad table or a name used twice."""
     out: dict[str, Provider] = {}
     for t in tables:
@@ -48,8 +51,22 @@ def build_providers(tables: list[dict[str, Any]], session: aiohttp.ClientSession
 
 
 __all__ = [
-    "KINDS", "AnthropicProvider", "BreakerState", "ChatResult", "CircuitBreaker", "ConfigError",
-    "ModelEntry", "OpenAIProvider", "Provider", "ProviderConfig", "ProviderError", "ProviderMetrics",
-    "TokenUsage", "build_provider", "build_providers", "cost_usd", "make_backend",
+    "KINDS",
+    "AnthropicProvider",
+    "BreakerState",
+    "ChatResult",
+    "CircuitBreaker",
+    "ConfigError",
+    "ModelEntry",
+    "OpenAIProvider",
+    "Provider",
+    "ProviderConfig",
+    "ProviderError",
+    "ProviderMetrics",
+    "TokenUsage",
+    "build_provider",
+    "build_providers",
+    "cost_usd",
+    "make_backend",
     "register_provider_metrics",
 ]

@@ -29,8 +29,9 @@ class AnthropicProvider(Provider):
         return {"anthropic-version": self.config.anthropic_version}
 
     def _payload(self, body: dict[str, Any], stream: bool) -> dict[str, Any]:
-        return to_anthropic({**body, "stream": stream}, self.config.upstream_model,
-                            self.config.default_max_tokens)
+        return to_anthropic(
+            {**body, "stream": stream}, self.config.upstream_model, self.config.default_max_tokens
+        )
 
     def _completion(self, data: Any, body: dict[str, Any]) -> tuple[dict[str, Any], TokenUsage]:
         return from_anthropic(data)

@@ -41,9 +41,16 @@ TOOL_CHOICES = {"auto": "auto", "none": "none", "required": "any"}
 TOOL_CHOICES_BACK = {v: k for k, v in TOOL_CHOICES.items()}
 
 #: Anthropic's error types and their HTTP statuses (docs: "HTTP errors")
-ERROR_STATUS = {"invalid_request_error": 400, "authentication_error": 401, "permission_error": 403,
-                "not_found_error": 404, "request_too_large": 413, "rate_limit_error": 429,
-                "api_error": 500, "overloaded_error": 529}  # fmt: skip
+ERROR_STATUS = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "request_too_large": 413,
+    "rate_limit_error": 429,
+    "api_error": 500,
+    "overloaded_error": 529,
+}
 _TYPE_OF_STATUS = {v: k for k, v in ERROR_STATUS.items()}
 
 
@@ -69,8 +76,11 @@ def anthropic_usage(u: Any) -> TokenUsage:
         return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
 
     read, write = n("cache_read_input_tokens"), n("cache_creation_input_tokens")
-    return TokenUsage(prompt_tokens=n("input_tokens") + read + write,
-                      completion_tokens=n("output_tokens"), cached_tokens=read)  # fmt: skip
+    return TokenUsage(
+        prompt_tokens=n("input_tokens") + read + write,
+        completion_tokens=n("output_tokens"),
+        cached_tokens=read,
+    )
 
 
 def input_tokens(prompt_tokens: int, cached_tokens: int) -> tuple[int, int]:

@@ -82,10 +82,15 @@ class StreamTranslator(Protocol):
 class Provider(abc.ABC):
     kind: ClassVar[str]
 
-    def __init__(self, config: ProviderConfig, session: aiohttp.ClientSession, *,
-                 clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                 rng: random.Random | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config: ProviderConfig,
+        session: aiohttp.ClientSession,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+        rng: random.Random | None = None,
+    ) -> None:
         self.config = config
         self.session = session
         self.breaker = CircuitBreaker(config.breaker, clock)
@@ -139,7 +144,9 @@ class Provider(abc.ABC):
                 response, usage = await self._unary(payload, body)
             except BaseException as e:
                 err = self._classify(e)
-                if err is None:  # cancelled (client gone) or a bug here: says nothing of the provider
+                if (
+                    err is None
+                ):  # cancelled (client gone) or a bug here: says nothing of the provider
                     self.breaker.record_neutral()
                     raise
                 self._settle(err)
@@ -151,10 +158,17 @@ class Provider(abc.ABC):
                 continue
             self.breaker.record_success()
             response["usage"] = usage.openai()
-            return ChatResult(response=response, usage=usage, cost_usd=self.cost(usage),
-                              model=self.name, attempts=attempt)  # fmt: skip
+            return ChatResult(
+                response=response,
+                usage=usage,
+                cost_usd=self.cost(usage),
+                model=self.name,
+                attempts=attempt,
+            )
 
-    async def _unary(self, payload: dict[str, Any], body: dict[str, Any]) -> tuple[dict[str, Any], TokenUsage]:
+    async def _unary(
+        self, payload: dict[str, Any], body: dict[str, Any]
+    ) -> tuple[dict[str, Any], TokenUsage]:
         deadline = asyncio.get_running_loop().time() + self.config.timeouts.first_byte_s
         async with await self._send(payload, deadline) as resp:
             async with asyncio.timeout(self.config.timeouts.idle_s):
@@ -162,8 +176,9 @@ class Provider(abc.ABC):
         try:
             data = msgspec.json.decode(raw)
         except msgspec.DecodeError:
-            raise ProviderError(502, "the provider's answer is not JSON", retryable=True,
-                                kind="invalid_response") from None  # fmt: skip
+            raise ProviderError(
+                502, "the provider's answer is not JSON", retryable=True, kind="invalid_response"
+            ) from None
         return self._completion(data, body)
 
     async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -185,14 +200,22 @@ class Provider(abc.ABC):
                     try:
                         ev, data = await anext(events)
                     except StopAsyncIteration:
-                        raise ProviderError(502, "the provider closed the stream before its first "
-                                                 "chunk", retryable=True, kind="connect") from None  # fmt: skip
+                        raise ProviderError(
+                            502,
+                            "the provider closed the stream before its first chunk",
+                            retryable=True,
+                            kind="connect",
+                        ) from None
                     pending = translator.feed(ev, data)
                     if translator.done and not pending:
                         pending = translator.finish()
                         if not pending:
-                            raise ProviderError(502, "the provider's stream ended with no chunk",
-                                                retryable=True, kind="invalid_response")  # fmt: skip
+                            raise ProviderError(
+                                502,
+                                "the provider's stream ended with no chunk",
+                                retryable=True,
+                                kind="invalid_response",
+                            )
             except BaseException as e:
                 if resp is not None:
                     resp.close()
@@ -228,9 +251,14 @@ class Provider(abc.ABC):
             cause = e if isinstance(e, ProviderError) else _transport_error(e)
             self.breaker.record_failure()
             settled = True
-            raise ProviderError(cause.status, f"stream interrupted: {cause.message}",
-                                retryable=False, kind="stream_interrupted", provider=self.name,
-                                error_type=cause.error_type) from e  # fmt: skip
+            raise ProviderError(
+                cause.status,
+                f"stream interrupted: {cause.message}",
+                retryable=False,
+                kind="stream_interrupted",
+                provider=self.name,
+                error_type=cause.error_type,
+            ) from e
         finally:
             if not settled:
                 self.breaker.record_neutral()  # the caller stopped reading
@@ -242,24 +270,41 @@ class Provider(abc.ABC):
         if not self.breaker.allow():
             if last is not None:
                 raise last  # a retry the breaker now refuses: the real error says more
-            raise ProviderError(503, f"provider {self.name!r} is unavailable (circuit breaker open)",
-                                kind="breaker_open", retry_after=self.breaker.retry_after(),
-                                provider=self.name)  # fmt: skip
+            raise ProviderError(
+                503,
+                f"provider {self.name!r} is unavailable (circuit breaker open)",
+                kind="breaker_open",
+                retry_after=self.breaker.retry_after(),
+                provider=self.name,
+            )
 
     async def _send(self, payload: dict[str, Any], deadline: float) -> Any:
-        headers = {"content-type": "application/json", **self._extra_headers(), **self.config.headers}
+        headers = {
+            "content-type": "application/json",
+            **self._extra_headers(),
+            **self.config.headers,
+        }
         if self.config.api_key_env:
             key = self.config.api_key()
             if not key:
-                raise ProviderError(503, f"provider {self.name!r}: environment variable "
-                                         f"{self.config.api_key_env} is not set", kind="invalid_request")  # fmt: skip
+                raise ProviderError(
+                    503,
+                    f"provider {self.name!r}: environment variable "
+                    f"{self.config.api_key_env} is not set",
+                    kind="invalid_request",
+                )
             headers.update(self._auth_headers(key))
         t = self.config.timeouts
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s)
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(max(0.0, deadline - loop.time())):
-            resp = await self.session.post(self._url(), data=msgspec.json.encode(payload),
-                                           headers=headers, timeout=timeout, allow_redirects=False)  # fmt: skip
+            resp = await self.session.post(
+                self._url(),
+                data=msgspec.json.encode(payload),
+                headers=headers,
+                timeout=timeout,
+                allow_redirects=False,
+            )
         if resp.status != 200:
             try:
                 async with asyncio.timeout(t.idle_s):
@@ -295,9 +340,15 @@ class Provider(abc.ABC):
 
 def _transport_error(e: BaseException) -> ProviderError:
     if isinstance(e, TimeoutError):  # aiohttp's timeouts subclass it too
-        return ProviderError(504, "timed out waiting for the provider", retryable=True, kind="timeout")
-    return ProviderError(502, f"connection to the provider failed: {type(e).__name__}: {e}",
-                         retryable=True, kind="connect")  # fmt: skip
+        return ProviderError(
+            504, "timed out waiting for the provider", retryable=True, kind="timeout"
+        )
+    return ProviderError(
+        502,
+        f"connection to the provider failed: {type(e).__name__}: {e}",
+        retryable=True,
+        kind="connect",
+    )
 
 
 async def _read(resp: aiohttp.ClientResponse, limit: int, truncate: bool = False) -> bytes:
@@ -307,8 +358,12 @@ async def _read(resp: aiohttp.ClientResponse, limit: int, truncate: bool = False
         if len(buf) > limit:
             if truncate:
                 return bytes(buf[:limit])
-            raise ProviderError(502, f"the provider's answer is larger than {limit} bytes",
-                                retryable=False, kind="invalid_response")  # fmt: skip
+            raise ProviderError(
+                502,
+                f"the provider's answer is larger than {limit} bytes",
+                retryable=False,
+                kind="invalid_response",
+            )
     return bytes(buf)
 
 

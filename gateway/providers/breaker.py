@@ -42,7 +42,10 @@ class CircuitBreaker:
 
     @property
     def state(self) -> BreakerState:
-        if self._state is BreakerState.OPEN and self._clock() - self._opened_at >= self.config.cooldown_s:
+        if (
+            self._state is BreakerState.OPEN
+            and self._clock() - self._opened_at >= self.config.cooldown_s
+        ):
             self._state = BreakerState.HALF_OPEN
             self._successes = 0
             self._probes = 0

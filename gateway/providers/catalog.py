@@ -26,12 +26,20 @@ class ModelEntry(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_provider(cls, c: ProviderConfig) -> ModelEntry:
-        return cls(name=c.name, capability_rank=c.capability_rank, context_length=c.context_length,
-                   tiers=c.tiers, input_price_per_m=c.input_price_per_m,
-                   output_price_per_m=c.output_price_per_m, paid=True)  # fmt: skip
+        return cls(
+            name=c.name,
+            capability_rank=c.capability_rank,
+            context_length=c.context_length,
+            tiers=c.tiers,
+            input_price_per_m=c.input_price_per_m,
+            output_price_per_m=c.output_price_per_m,
+            paid=True,
+        )
 
     def expected_cost(self, prompt_tokens: int, completion_tokens: int) -> float:
-        return (prompt_tokens * self.input_price_per_m + completion_tokens * self.output_price_per_m) / 1e6
+        return (
+            prompt_tokens * self.input_price_per_m + completion_tokens * self.output_price_per_m
+        ) / 1e6
 
     def fits(self, prompt_tokens: int, max_tokens: int | None) -> bool:
         return prompt_tokens + (max_tokens or 0) <= self.context_length

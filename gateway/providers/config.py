@@ -139,7 +139,9 @@ class ProviderConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
         if not self.base_url.startswith(("http://", "https://")):
             raise bad("base_url", f"must be an http(s) URL, got {self.base_url!r}")
         if self.api_key_env is not None and not _ENV_NAME.match(self.api_key_env):
-            raise bad("api_key_env", f"must be an environment variable name, got {self.api_key_env!r}")
+            raise bad(
+                "api_key_env", f"must be an environment variable name, got {self.api_key_env!r}"
+            )
         for f in ("input_price_per_m", "output_price_per_m"):
             if getattr(self, f) < 0:
                 raise bad(f, "must not be negative")

@@ -23,9 +23,12 @@ class TokenUsage(msgspec.Struct, frozen=True, kw_only=True):
 
     def openai(self) -> dict[str, object]:
         """OpenAI's `usage` object."""
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}  # fmt: skip
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
 
     @classmethod
     def from_openai(cls, usage: object) -> TokenUsage | None:
@@ -44,13 +47,20 @@ def _count(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
-def cost_usd(usage: TokenUsage, input_price_per_m: float, output_price_per_m: float,
-             cached_price_per_m: float | None = None) -> float:  # fmt: skip
+def cost_usd(
+    usage: TokenUsage,
+    input_price_per_m: float,
+    output_price_per_m: float,
+    cached_price_per_m: float | None = None,
+) -> float:
     """USD for `usage` at the given per-1M-token prices."""
     cached_price = input_price_per_m if cached_price_per_m is None else cached_price_per_m
     uncached = usage.prompt_tokens - usage.cached_tokens
-    return (uncached * input_price_per_m + usage.cached_tokens * cached_price
-            + usage.completion_tokens * output_price_per_m) / 1_000_000  # fmt: skip
+    return (
+        uncached * input_price_per_m
+        + usage.cached_tokens * cached_price
+        + usage.completion_tokens * output_price_per_m
+    ) / 1_000_000
 
 
 def estimate_tokens(text: str) -> int:

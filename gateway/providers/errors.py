@@ -13,22 +13,30 @@ from __future__ import annotations
 from typing import Literal
 
 ErrorKind = Literal[
-    "http",                # the provider answered with an error status
-    "connect",             # no connection, or it dropped before the first chunk
-    "timeout",             # connect / first byte / idle timeout
-    "breaker_open",        # not sent: the provider's circuit breaker is open
+    "http",  # the provider answered with an error status
+    "connect",  # no connection, or it dropped before the first chunk
+    "timeout",  # connect / first byte / idle timeout
+    "breaker_open",  # not sent: the provider's circuit breaker is open
     "stream_interrupted",  # failed after chunks were already yielded; never retried
-    "invalid_response",    # the provider answered 200 with something we cannot read
-    "invalid_request",     # the request cannot be expressed in this provider's API
+    "invalid_response",  # the provider answered 200 with something we cannot read
+    "invalid_request",  # the request cannot be expressed in this provider's API
 ]
 
 RETRYABLE_STATUSES = frozenset({408, 409, 429, 500, 502, 503, 504, 529})
 
 
 class ProviderError(Exception):
-    def __init__(self, status: int, message: str, *, retryable: bool = False,
-                 retry_after: float | None = None, kind: ErrorKind = "http",
-                 provider: str | None = None, error_type: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        retryable: bool = False,
+        retry_after: float | None = None,
+        kind: ErrorKind = "http",
+        provider: str | None = None,
+        error_type: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -40,8 +48,10 @@ class ProviderError(Exception):
         self.error_type = error_type
 
     def __repr__(self) -> str:
-        return (f"ProviderError(status={self.status}, kind={self.kind!r}, retryable={self.retryable}, "
-                f"retry_after={self.retry_after}, provider={self.provider!r}, message={self.message!r})")  # fmt: skip
+        return (
+            f"ProviderError(status={self.status}, kind={self.kind!r}, retryable={self.retryable}, "
+            f"retry_after={self.retry_after}, provider={self.provider!r}, message={self.message!r})"
+        )
 
     def openai_body(self) -> dict[str, dict[str, str | None]]:
         """OpenAI's error body, for the gateway to hand to its client."""
@@ -51,7 +61,14 @@ class ProviderError(Exception):
         return {"error": {"message": self.message, "type": type_, "param": None, "code": self.kind}}
 
 
-def http_error(status: int, message: str, *, retry_after: float | None = None,
-               error_type: str | None = None) -> ProviderError:  # fmt: skip
-    return ProviderError(status, message, retryable=status in RETRYABLE_STATUSES or status >= 500,
-                         retry_after=retry_after, kind="http", error_type=error_type)  # fmt: skip
+def http_error(
+    status: int, message: str, *, retry_after: float | None = None, error_type: str | None = None
+) -> ProviderError:
+    return ProviderError(
+        status,
+        message,
+        retryable=status in RETRYABLE_STATUSES or status >= 500,
+        retry_after=retry_after,
+        kind="http",
+        error_type=error_type,
+    )

@@ -79,7 +79,9 @@ class FallbackDecision(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class FallbackChains:
-    def __init__(self, chains: Mapping[str, Iterable[str]], catalog: Mapping[str, ModelEntry]) -> None:
+    def __init__(
+        self, chains: Mapping[str, Iterable[str]], catalog: Mapping[str, ModelEntry]
+    ) -> None:
         """`chains`: model → the models to try after it, in order (`gateway.toml`'s
         `[fallbacks] smollm2 = ["gpt-4o-mini"]`); refused if it names an unknown model, the
         model itself, or a model twice."""
@@ -96,9 +98,18 @@ class FallbackChains:
                 raise ValueError(f"fallback chain of {model!r} repeats a model: {list(chain)}")
             self.chains[model] = chain
 
-    def next(self, origin: str, reason: Reason, *, tier: Tier, policy: TeamFallbackPolicy,
-             prompt_tokens: int, max_tokens: int | None, tried: Iterable[str] = (),
-             available: Callable[[str], bool] = lambda _: True) -> FallbackDecision:  # fmt: skip
+    def next(
+        self,
+        origin: str,
+        reason: Reason,
+        *,
+        tier: Tier,
+        policy: TeamFallbackPolicy,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        tried: Iterable[str] = (),
+        available: Callable[[str], bool] = lambda _: True,
+    ) -> FallbackDecision:
         tried = {origin, *tried}
         skipped: list[tuple[str, str]] = []
         for name in self.chains.get(origin, ()):
@@ -117,6 +128,10 @@ class FallbackChains:
             elif not available(name):
                 why = "unavailable"
             if why is None:
-                return FallbackDecision(from_model=origin, to_model=name, reason=reason, skipped=tuple(skipped))
+                return FallbackDecision(
+                    from_model=origin, to_model=name, reason=reason, skipped=tuple(skipped)
+                )
             skipped.append((name, why))
-        return FallbackDecision(from_model=origin, to_model=None, reason=reason, skipped=tuple(skipped))
+        return FallbackDecision(
+            from_model=origin, to_model=None, reason=reason, skipped=tuple(skipped)
+        )

@@ -23,29 +23,36 @@ class _BreakerCollector(Collector):
         self._providers = providers
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        g = GaugeMetricFamily("duet:provider_breaker_state",
-                              "Circuit breaker state per provider: 0 closed, 1 half-open, 2 open",
-                              labels=["provider"])  # fmt: skip
+        g = GaugeMetricFamily(
+            "duet:provider_breaker_state",
+            "Circuit breaker state per provider: 0 closed, 1 half-open, 2 open",
+            labels=["provider"],
+        )
         for p in self._providers():
             g.add_metric([p.name], float(p.breaker.state))
         yield g
 
 
 class ProviderMetrics:
-    def __init__(self, registry: CollectorRegistry,
-                 providers: Callable[[], Iterable[Provider]]) -> None:  # fmt: skip
+    def __init__(
+        self, registry: CollectorRegistry, providers: Callable[[], Iterable[Provider]]
+    ) -> None:
         """`providers` is called at each scrape, so a config reload that replaces providers
         needs no re-registration."""
         registry.register(_BreakerCollector(providers))
-        self.fallback_total = Counter("duet:fallback_total",
-                                      "Requests served by a fallback model, by the model asked for, "
-                                      "the model used and the trigger",
-                                      ["from", "to", "reason"], registry=registry)  # fmt: skip
+        self.fallback_total = Counter(
+            "duet:fallback_total",
+            "Requests served by a fallback model, by the model asked for, "
+            "the model used and the trigger",
+            ["from", "to", "reason"],
+            registry=registry,
+        )
 
     def count_fallback(self, from_model: str, to_model: str | None, reason: str) -> None:
         self.fallback_total.labels(from_model, to_model or "none", reason).inc()
 
 
-def register_provider_metrics(registry: CollectorRegistry,
-                              providers: Callable[[], Iterable[Provider]]) -> ProviderMetrics:  # fmt: skip
+def register_provider_metrics(
+    registry: CollectorRegistry, providers: Callable[[], Iterable[Provider]]
+) -> ProviderMetrics:
     return ProviderMetrics(registry, providers)

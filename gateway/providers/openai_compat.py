@@ -24,18 +24,41 @@ from protocol.openai import read_error
 log = logging.getLogger(__name__)
 
 #: the chat request fields an OpenAI-compatible API understands
-FORWARDED = frozenset({
-    "messages", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "max_tokens",
-    "max_completion_tokens", "n", "presence_penalty", "response_format", "seed", "stop",
-    "temperature", "top_p", "tools", "tool_choice", "parallel_tool_calls", "user",
-    "reasoning_effort", "modalities", "prediction", "service_tier", "metadata", "store",
-    # vLLM's sampling extensions, which OpenAI-compatible servers of open models take (OpenAI
-    # itself refuses them: a 400 the client sees, never a silent drop)
-    "repetition_penalty", "min_p",
-    # vLLM's structured outputs (>= 0.10.2): only in a body for a model whose config lists the
-    # feature vllm_structured_outputs (gateway/features.py), i.e. a vLLM server
-    "structured_outputs",
-})
+FORWARDED = frozenset(
+    {
+        "messages",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "top_logprobs",
+        "max_tokens",
+        "max_completion_tokens",
+        "n",
+        "presence_penalty",
+        "response_format",
+        "seed",
+        "stop",
+        "temperature",
+        "top_p",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "user",
+        "reasoning_effort",
+        "modalities",
+        "prediction",
+        "service_tier",
+        "metadata",
+        "store",
+        # vLLM's sampling extensions, which OpenAI-compatible servers of open models take (OpenAI
+        # itself refuses them: a 400 the client sees, never a silent drop)
+        "repetition_penalty",
+        "min_p",
+        # vLLM's structured outputs (>= 0.10.2): only in a body for a model whose config lists the
+        # feature vllm_structured_outputs (gateway/features.py), i.e. a vLLM server
+        "structured_outputs",
+    }
+)
 
 
 class OpenAIProvider(Provider):
@@ -57,12 +80,19 @@ class OpenAIProvider(Provider):
 
     def _completion(self, data: Any, body: dict[str, Any]) -> tuple[dict[str, Any], TokenUsage]:
         if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
-            raise ProviderError(502, "the provider's answer is not a chat.completion",
-                                retryable=True, kind="invalid_response")  # fmt: skip
+            raise ProviderError(
+                502,
+                "the provider's answer is not a chat.completion",
+                retryable=True,
+                kind="invalid_response",
+            )
         usage = TokenUsage.from_openai(data.get("usage"))
         if usage is None:
-            text = "".join(str((c.get("message") or {}).get("content") or "")
-                           for c in data["choices"] if isinstance(c, dict))  # fmt: skip
+            text = "".join(
+                str((c.get("message") or {}).get("content") or "")
+                for c in data["choices"]
+                if isinstance(c, dict)
+            )
             usage = _estimate(body, text)
         return data, usage
 
@@ -75,9 +105,17 @@ class OpenAIProvider(Provider):
 
 def openai_error(status: int, headers: Mapping[str, str], data: bytes) -> ProviderError:
     err = read_error(data)
-    msg = (err.message if err is not None else "") or data[:200].decode("utf-8", "replace") or f"HTTP {status}"
-    return http_error(status, msg, retry_after=parse_retry_after(headers),
-                      error_type=err.type if err is not None and err.type else None)  # fmt: skip
+    msg = (
+        (err.message if err is not None else "")
+        or data[:200].decode("utf-8", "replace")
+        or f"HTTP {status}"
+    )
+    return http_error(
+        status,
+        msg,
+        retry_after=parse_retry_after(headers),
+        error_type=err.type if err is not None and err.type else None,
+    )
 
 
 def _prompt_text(body: Mapping[str, Any]) -> str:
@@ -87,14 +125,23 @@ def _prompt_text(body: Mapping[str, Any]) -> str:
         if isinstance(c, str):
             out.append(c)
         elif isinstance(c, list):
-            out.extend(p.get("text", "") for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+            out.extend(
+                p.get("text", "")
+                for p in c
+                if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
     return "\n".join(out)
 
 
 def _estimate(body: Mapping[str, Any], completion: str) -> TokenUsage:
-    log.warning("provider sent no usage; token counts estimated from the text (~4 characters a token)")
-    return TokenUsage(prompt_tokens=estimate_tokens(_prompt_text(body)),
-                      completion_tokens=estimate_tokens(completion), estimated=True)  # fmt: skip
+    log.warning(
+        "provider sent no usage; token counts estimated from the text (~4 characters a token)"
+    )
+    return TokenUsage(
+        prompt_tokens=estimate_tokens(_prompt_text(body)),
+        completion_tokens=estimate_tokens(completion),
+        estimated=True,
+    )
 
 
 class OpenAIStreamTranslator:
@@ -118,16 +165,24 @@ class OpenAIStreamTranslator:
         try:
             chunk = json.loads(data)
         except ValueError:
-            raise ProviderError(502, "unreadable chunk from the provider", retryable=True,
-                                kind="invalid_response") from None  # fmt: skip
+            raise ProviderError(
+                502, "unreadable chunk from the provider", retryable=True, kind="invalid_response"
+            ) from None
         if isinstance(chunk, dict) and isinstance(chunk.get("error"), dict):
             err = chunk["error"]
             status = err.get("code") if isinstance(err.get("code"), int) else 500
-            raise http_error(status, str(err.get("message", "provider error")),
-                             error_type=str(err.get("type")) if err.get("type") else None)  # fmt: skip
+            raise http_error(
+                status,
+                str(err.get("message", "provider error")),
+                error_type=str(err.get("type")) if err.get("type") else None,
+            )
         if not isinstance(chunk, dict) or not isinstance(chunk.get("choices"), list):
-            raise ProviderError(502, "a chunk without choices from the provider", retryable=True,
-                                kind="invalid_response")  # fmt: skip
+            raise ProviderError(
+                502,
+                "a chunk without choices from the provider",
+                retryable=True,
+                kind="invalid_response",
+            )
         self._last = chunk
         if chunk.get("usage") is not None:
             self._usage = TokenUsage.from_openai(chunk["usage"])
@@ -139,10 +194,19 @@ class OpenAIStreamTranslator:
 
     def finish(self) -> list[dict[str, Any]]:
         if not self.done:
-            raise ProviderError(502, "the stream ended before [DONE]", retryable=True, kind="connect")
+            raise ProviderError(
+                502, "the stream ended before [DONE]", retryable=True, kind="connect"
+            )
         if self._usage is not None:
             return []
         self._usage = _estimate(self._body, "".join(self._text))
-        return [{"id": self._last.get("id", ""), "object": "chat.completion.chunk",
-                 "created": self._last.get("created", int(time.time())),
-                 "model": self._last.get("model", ""), "choices": [], "usage": self._usage.openai()}]  # fmt: skip
+        return [
+            {
+                "id": self._last.get("id", ""),
+                "object": "chat.completion.chunk",
+                "created": self._last.get("created", int(time.time())),
+                "model": self._last.get("model", ""),
+                "choices": [],
+                "usage": self._usage.openai(),
+            }
+        ]

@@ -19,7 +19,9 @@ from gateway.providers.config import RetryConfig
 from gateway.providers.errors import ProviderError
 
 
-def parse_retry_after(headers: Mapping[str, str], now: Callable[[], float] = time.time) -> float | None:
+def parse_retry_after(
+    headers: Mapping[str, str], now: Callable[[], float] = time.time
+) -> float | None:
     """Seconds to wait from `retry-after-ms` (OpenAI), or `Retry-After` as seconds or an
     HTTP-date; None when absent or unreadable. Never negative."""
     ms = headers.get("retry-after-ms")

@@ -19,8 +19,9 @@ from gateway.providers.errors import ProviderError
 MAX_LINE = 8 << 20
 
 
-async def sse_events(content: aiohttp.StreamReader, first_deadline: float, idle_s: float,
-                     max_line: int = MAX_LINE) -> AsyncIterator[tuple[str | None, str]]:  # fmt: skip
+async def sse_events(
+    content: aiohttp.StreamReader, first_deadline: float, idle_s: float, max_line: int = MAX_LINE
+) -> AsyncIterator[tuple[str | None, str]]:
     loop = asyncio.get_running_loop()
     buf = b""
     event: str | None = None
@@ -37,11 +38,15 @@ async def sse_events(content: aiohttp.StreamReader, first_deadline: float, idle_
             nl = buf.find(b"\n")
             if nl < 0:
                 if len(buf) > max_line:
-                    raise ProviderError(502, f"an SSE line longer than {max_line} bytes",
-                                        retryable=True, kind="invalid_response")  # fmt: skip
+                    raise ProviderError(
+                        502,
+                        f"an SSE line longer than {max_line} bytes",
+                        retryable=True,
+                        kind="invalid_response",
+                    )
                 break
             line = buf[:nl].rstrip(b"\r").decode("utf-8", errors="replace")
-            buf = buf[nl + 1:]
+            buf = buf[nl + 1 :]
             if not line:
                 if data or event is not None:
                     seen_event = True

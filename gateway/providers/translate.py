@@ -36,9 +36,24 @@ from gateway.providers.resilience import parse_retry_after
 from protocol.openai import read_error
 
 #: OpenAI chat fields that change the sampling only; Anthropic has no equivalent, so dropped
-_DROPPED = frozenset({"seed", "frequency_penalty", "presence_penalty", "logit_bias", "store",
-                      "metadata", "service_tier", "stream_options", "reasoning_effort",
-                      "modalities", "prediction", "top_logprobs", "model", "messages"})  # fmt: skip
+_DROPPED = frozenset(
+    {
+        "seed",
+        "frequency_penalty",
+        "presence_penalty",
+        "logit_bias",
+        "store",
+        "metadata",
+        "service_tier",
+        "stream_options",
+        "reasoning_effort",
+        "modalities",
+        "prediction",
+        "top_logprobs",
+        "model",
+        "messages",
+    }
+)
 
 
 def _bad(message: str) -> ProviderError:
@@ -78,7 +93,11 @@ def to_anthropic(body: Mapping[str, Any], model: str, default_max_tokens: int) -
             tid = m.get("tool_call_id")
             if not isinstance(tid, str) or not tid:
                 raise _bad(f"messages[{i}].tool_call_id is required for a tool message")
-            block = {"type": "tool_result", "tool_use_id": tid, "content": _text_only(m.get("content"), i)}
+            block = {
+                "type": "tool_result",
+                "tool_use_id": tid,
+                "content": _text_only(m.get("content"), i),
+            }
             _append(turns, "user", [block])
         else:
             raise _bad(f"messages[{i}].role {role!r} is not supported")
@@ -145,7 +164,9 @@ def _text_only(content: Any, i: int) -> str:
     if isinstance(content, list):
         parts = []
         for p in content:
-            if not (isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)):
+            if not (
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            ):
                 raise _bad(f"messages[{i}].content: only text parts are allowed here")
             parts.append(p["text"])
         return "".join(parts)
@@ -178,7 +199,12 @@ def _image(spec: Any, i: int) -> dict[str, Any]:
     if url.startswith("data:"):
         head, _, data = url.partition(",")
         media = head[5:].removesuffix(";base64")
-        if not head.endswith(";base64") or media not in ("image/jpeg", "image/png", "image/gif", "image/webp"):
+        if not head.endswith(";base64") or media not in (
+            "image/jpeg",
+            "image/png",
+            "image/gif",
+            "image/webp",
+        ):
             raise _bad(f"messages[{i}]: images must be base64 jpeg, png, gif or webp data URLs")
         try:
             base64.b64decode(data, validate=True)
@@ -197,7 +223,11 @@ def _assistant_blocks(m: dict[str, Any], i: int) -> list[dict[str, Any]]:
         blocks.append({"type": "text", "text": text})
     for j, call in enumerate(m.get("tool_calls") or []):
         fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(call.get("id"), str):
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(call.get("id"), str)
+        ):
             raise _bad(f"messages[{i}].tool_calls[{j}] needs an id and a function name")
         try:
             args = json.loads(fn.get("arguments") or "{}")
@@ -216,8 +246,10 @@ def _tool(t: Any, i: int) -> dict[str, Any]:
     fn = t.get("function") if isinstance(t, dict) and t.get("type") == "function" else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
         raise _bad(f"tools[{i}] must be a function tool with a name")
-    out: dict[str, Any] = {"name": fn["name"],
-                           "input_schema": fn.get("parameters") or {"type": "object", "properties": {}}}  # fmt: skip
+    out: dict[str, Any] = {
+        "name": fn["name"],
+        "input_schema": fn.get("parameters") or {"type": "object", "properties": {}},
+    }
     if fn.get("description"):
         out["description"] = fn["description"]
     return out
@@ -228,7 +260,11 @@ def _tool_choice(tc: Any, parallel: Any) -> dict[str, Any] | None:
         out = None
     elif isinstance(tc, str) and tc in TOOL_CHOICES:
         out = {"type": TOOL_CHOICES[tc]}
-    elif isinstance(tc, dict) and isinstance(tc.get("function"), dict) and isinstance(tc["function"].get("name"), str):
+    elif (
+        isinstance(tc, dict)
+        and isinstance(tc.get("function"), dict)
+        and isinstance(tc["function"].get("name"), str)
+    ):
         out = {"type": "tool", "name": tc["function"]["name"]}
     else:
         raise _bad("tool_choice must be 'auto', 'none', 'required' or a named function")
@@ -241,9 +277,17 @@ def _tool_choice(tc: Any, parallel: Any) -> dict[str, Any] | None:
 
 
 def from_anthropic(msg: Any) -> tuple[dict[str, Any], TokenUsage]:
-    if not isinstance(msg, dict) or msg.get("type") != "message" or not isinstance(msg.get("content"), list):
-        raise ProviderError(502, "the provider's answer is not an Anthropic message",
-                            retryable=True, kind="invalid_response")  # fmt: skip
+    if (
+        not isinstance(msg, dict)
+        or msg.get("type") != "message"
+        or not isinstance(msg.get("content"), list)
+    ):
+        raise ProviderError(
+            502,
+            "the provider's answer is not an Anthropic message",
+            retryable=True,
+            kind="invalid_response",
+        )
     text: list[str] = []
     calls: list[dict[str, Any]] = []
     for b in msg["content"]:
@@ -252,10 +296,21 @@ def from_anthropic(msg: Any) -> tuple[dict[str, Any], TokenUsage]:
         if b.get("type") == "text":
             text.append(str(b.get("text", "")))
         elif b.get("type") == "tool_use":
-            calls.append({"id": b.get("id"), "type": "function",
-                          "function": {"name": b.get("name"), "arguments": json.dumps(b.get("input", {}))}})  # fmt: skip
-    message: dict[str, Any] = {"role": "assistant", "content": "".join(text) if text or not calls else None,
-                               "refusal": None}  # fmt: skip
+            calls.append(
+                {
+                    "id": b.get("id"),
+                    "type": "function",
+                    "function": {
+                        "name": b.get("name"),
+                        "arguments": json.dumps(b.get("input", {})),
+                    },
+                }
+            )
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": "".join(text) if text or not calls else None,
+        "refusal": None,
+    }
     if calls:
         message["tool_calls"] = calls
     usage = anthropic_usage(msg.get("usage"))
@@ -264,8 +319,14 @@ def from_anthropic(msg: Any) -> tuple[dict[str, Any], TokenUsage]:
         "object": "chat.completion",
         "created": int(time.time()),
         "model": msg.get("model", ""),
-        "choices": [{"index": 0, "message": message, "logprobs": None,
-                     "finish_reason": STOP_REASONS.get(msg.get("stop_reason") or "", "stop")}],
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": STOP_REASONS.get(msg.get("stop_reason") or "", "stop"),
+            }
+        ],
         "usage": usage.openai(),
     }
     return completion, usage
@@ -290,22 +351,35 @@ class AnthropicStreamTranslator:
         if not self._started:
             return None
         p = self._prompt
-        return TokenUsage(prompt_tokens=p.prompt_tokens, completion_tokens=self._output,
-                          cached_tokens=p.cached_tokens)  # fmt: skip
+        return TokenUsage(
+            prompt_tokens=p.prompt_tokens,
+            completion_tokens=self._output,
+            cached_tokens=p.cached_tokens,
+        )
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {"id": self._id, "object": "chat.completion.chunk", "created": self._created,
-                "model": self._model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
+        return {
+            "id": self._id,
+            "object": "chat.completion.chunk",
+            "created": self._created,
+            "model": self._model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
 
     def feed(self, event: str | None, data: str) -> list[dict[str, Any]]:
         try:
             d = json.loads(data)
         except ValueError:
-            raise ProviderError(502, f"unreadable {event or 'SSE'} event from the provider",
-                                retryable=True, kind="invalid_response") from None  # fmt: skip
+            raise ProviderError(
+                502,
+                f"unreadable {event or 'SSE'} event from the provider",
+                retryable=True,
+                kind="invalid_response",
+            ) from None
         if not isinstance(d, dict):
-            raise ProviderError(502, "an SSE event that is not an object", retryable=True, kind="invalid_response")
+            raise ProviderError(
+                502, "an SSE event that is not an object", retryable=True, kind="invalid_response"
+            )
         kind = d.get("type", event)
         if kind == "error":
             err = d.get("error") if isinstance(d.get("error"), dict) else {}
@@ -322,14 +396,30 @@ class AnthropicStreamTranslator:
         if not self._started:
             if kind == "ping":
                 return []
-            raise ProviderError(502, f"stream event {kind!r} before message_start", retryable=True,
-                                kind="invalid_response")  # fmt: skip
+            raise ProviderError(
+                502,
+                f"stream event {kind!r} before message_start",
+                retryable=True,
+                kind="invalid_response",
+            )
         if kind == "content_block_start":
             b = d.get("content_block") if isinstance(d.get("content_block"), dict) else {}
             if b.get("type") == "tool_use":
                 ti = self._tool_index[d.get("index", 0)] = len(self._tool_index)
-                return [self._chunk({"tool_calls": [{"index": ti, "id": b.get("id"), "type": "function",
-                                                     "function": {"name": b.get("name"), "arguments": ""}}]})]  # fmt: skip
+                return [
+                    self._chunk(
+                        {
+                            "tool_calls": [
+                                {
+                                    "index": ti,
+                                    "id": b.get("id"),
+                                    "type": "function",
+                                    "function": {"name": b.get("name"), "arguments": ""},
+                                }
+                            ]
+                        }
+                    )
+                ]
             if b.get("type") == "text" and b.get("text"):
                 return [self._chunk({"content": b["text"]})]
             return []
@@ -339,14 +429,27 @@ class AnthropicStreamTranslator:
                 return [self._chunk({"content": str(delta.get("text", ""))})]
             if delta.get("type") == "input_json_delta":
                 ti = self._tool_index.get(d.get("index", 0), 0)
-                return [self._chunk({"tool_calls": [{"index": ti, "function": {"arguments": str(delta.get("partial_json", ""))}}]})]
+                return [
+                    self._chunk(
+                        {
+                            "tool_calls": [
+                                {
+                                    "index": ti,
+                                    "function": {"arguments": str(delta.get("partial_json", ""))},
+                                }
+                            ]
+                        }
+                    )
+                ]
             return []  # thinking / signature deltas have no OpenAI chunk
         if kind == "message_delta":
             delta = d.get("delta") if isinstance(d.get("delta"), dict) else {}
             u = d.get("usage") if isinstance(d.get("usage"), dict) else {}
             if isinstance(u.get("output_tokens"), int):
                 self._output = u["output_tokens"]  # cumulative, per Anthropic's docs
-            if isinstance(u.get("input_tokens"), int):  # newer API versions repeat the final input counts
+            if isinstance(
+                u.get("input_tokens"), int
+            ):  # newer API versions repeat the final input counts
                 self._prompt = anthropic_usage({**u, "output_tokens": 0})
             self._finish = STOP_REASONS.get(delta.get("stop_reason") or "", "stop")
             return [self._chunk({}, self._finish)]
@@ -357,22 +460,45 @@ class AnthropicStreamTranslator:
 
     def finish(self) -> list[dict[str, Any]]:
         if not self.done:
-            raise ProviderError(502, "the stream ended before message_stop", retryable=True, kind="connect")
+            raise ProviderError(
+                502, "the stream ended before message_stop", retryable=True, kind="connect"
+            )
         usage = self.usage
         assert usage is not None  # done implies started
-        return [{"id": self._id, "object": "chat.completion.chunk", "created": self._created,
-                 "model": self._model, "choices": [], "usage": usage.openai()}]  # fmt: skip
+        return [
+            {
+                "id": self._id,
+                "object": "chat.completion.chunk",
+                "created": self._created,
+                "model": self._model,
+                "choices": [],
+                "usage": usage.openai(),
+            }
+        ]
 
 
 # -- errors ---------------------------------------------------------------------------------
 
-def _error_from(etype: Any, message: str, status: int | None, retry_after: float | None = None) -> ProviderError:
+
+def _error_from(
+    etype: Any, message: str, status: int | None, retry_after: float | None = None
+) -> ProviderError:
     status = status or status_of(etype)
-    return http_error(status, f"anthropic: {message}", retry_after=retry_after,
-                      error_type=str(etype) if etype else None)  # fmt: skip
+    return http_error(
+        status,
+        f"anthropic: {message}",
+        retry_after=retry_after,
+        error_type=str(etype) if etype else None,
+    )
 
 
 def anthropic_error(status: int, headers: Mapping[str, str], data: bytes) -> ProviderError:
     err = read_error(data)
-    msg = (err.message if err is not None else "") or data[:200].decode("utf-8", "replace") or f"HTTP {status}"
-    return _error_from(err.type if err is not None else None, msg, status, parse_retry_after(headers))
+    msg = (
+        (err.message if err is not None else "")
+        or data[:200].decode("utf-8", "replace")
+        or f"HTTP {status}"
+    )
+    return _error_from(
+        err.type if err is not None else None, msg, status, parse_retry_after(headers)
+    )

@@ -158,7 +158,11 @@ class Settlement:
     @property
     def tokens(self) -> int:
         r = self.record
-        return r.prompt_tokens + r.completion_tokens if self.window_tokens is None else self.window_tokens
+        return (
+            r.prompt_tokens + r.completion_tokens
+            if self.window_tokens is None
+            else self.window_tokens
+        )
 
 
 class Store(ABC):
@@ -219,8 +223,13 @@ class Store(ABC):
         one's booked prompt and streamed tokens with an `expired` usage record."""
 
     @abstractmethod
-    async def heartbeat(self, gateway_id: str, ttl_s: float, now: float | None = None,
-                        streamed: Mapping[str, int] | None = None) -> None:  # fmt: skip
+    async def heartbeat(
+        self,
+        gateway_id: str,
+        ttl_s: float,
+        now: float | None = None,
+        streamed: Mapping[str, int] | None = None,
+    ) -> None:
         """Gateway `gateway_id` is alive: its heartbeat row is now, and every booking it holds
         expires `ttl_s` from now at the earliest (a request outliving the TTL still counts).
         `streamed`: reservation id → completion tokens its stream has sent so far, kept on the
@@ -233,7 +242,9 @@ class Store(ABC):
         `dead_after_s` — a killed gateway's, its own previous life's included — and forget them."""
 
     @abstractmethod
-    async def reclaim_previous(self, instance: str, gateway_id: str, now: float | None = None) -> int:
+    async def reclaim_previous(
+        self, instance: str, gateway_id: str, now: float | None = None
+    ) -> int:
         """Expire (and bill) every booking of an earlier life of gateway `instance` — ids
         `instance/…` other than `gateway_id`, the starting life's own — and forget those lives:
         a restarted gateway frees its team slots as it starts, not 2.5 heartbeats later."""
@@ -244,21 +255,30 @@ class Store(ABC):
 
     # usage
     @abstractmethod
-    async def usage(self, team_id: str | None, start: float, end: float,
-                    group_by: str | None) -> list[dict[str, Any]]:  # fmt: skip
+    async def usage(
+        self, team_id: str | None, start: float, end: float, group_by: str | None
+    ) -> list[dict[str, Any]]:
         """Totals: one row (group_by None) or one row per group, ordered by it, nulls first; each
         with its requests, tokens, cost and TTFT percentiles, all computed by the database
         (usage_totals.py), so the answer's size is the number of groups, not of records."""
 
     @abstractmethod
-    async def usage_records(self, team_id: str | None, start: float, end: float,
-                            after: tuple[float, str] | None = None, limit: int | None = None) -> list[UsageRecord]:  # fmt: skip
+    async def usage_records(
+        self,
+        team_id: str | None,
+        start: float,
+        end: float,
+        after: tuple[float, str] | None = None,
+        limit: int | None = None,
+    ) -> list[UsageRecord]:
         """The range's records in (created_at, request_id) order; `after` (a record's
         (created_at, request_id)) and `limit`: one page of them, the next one starting after
         the last record of this one."""
 
     @abstractmethod
-    async def usage_outliers(self, team_id: str | None, start: float, end: float, limit: int) -> list[UsageRecord]:
+    async def usage_outliers(
+        self, team_id: str | None, start: float, end: float, limit: int
+    ) -> list[UsageRecord]:
         """The range's failed requests and its slowest tenth (usage_totals.outliers_sql), newest
         first, at most `limit`: found by the database, so only they leave it."""
 

@@ -35,15 +35,26 @@ def booked_from(raw: str | None) -> Booked | None:
         return None  # a row this version cannot read bills nothing rather than failing the sweep
 
 
-def expired_record(team_id: str, key_id: str, request_id: str, b: Booked | None, now: float,
-                   streamed: int = 0) -> UsageRecord | None:  # fmt: skip
+def expired_record(
+    team_id: str, key_id: str, request_id: str, b: Booked | None, now: float, streamed: int = 0
+) -> UsageRecord | None:
     """The usage record of an expired booking that had streamed `streamed` completion tokens
     (as of its gateway's last heartbeat); None: it booked nothing to bill."""
     if b is None:
         return None
     streamed = max(streamed or 0, 0)
-    return UsageRecord(request_id=request_id, team_id=team_id, key_id=key_id, model_requested=b.model,
-                       model_used=b.model, tier=b.tier, status=EXPIRED, prompt_tokens=b.prompt_tokens,
-                       completion_tokens=streamed,
-                       cost_usd=b.prompt_cost_usd + streamed * b.completion_usd_per_mtok / 1e6,
-                       endpoint=b.endpoint, created_at=now, user=b.user)  # fmt: skip
+    return UsageRecord(
+        request_id=request_id,
+        team_id=team_id,
+        key_id=key_id,
+        model_requested=b.model,
+        model_used=b.model,
+        tier=b.tier,
+        status=EXPIRED,
+        prompt_tokens=b.prompt_tokens,
+        completion_tokens=streamed,
+        cost_usd=b.prompt_cost_usd + streamed * b.completion_usd_per_mtok / 1e6,
+        endpoint=b.endpoint,
+        created_at=now,
+        user=b.user,
+    )

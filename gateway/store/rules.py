@@ -55,8 +55,9 @@ def window_start(now: float) -> int:
     return int(now - WINDOW_S)
 
 
-def decide(team: Team, c: Counters, req: ReserveRequest,
-           window_rows: list[tuple[float, int]] | None = None) -> Refusal | RateState:  # fmt: skip
+def decide(
+    team: Team, c: Counters, req: ReserveRequest, window_rows: list[tuple[float, int]] | None = None
+) -> Refusal | RateState:
     """`window_rows`: (time the bucket leaves the window − 60 s, tokens), oldest first.
 
     On each request's path to its first token: no work for a limit the team does not have."""
@@ -66,24 +67,46 @@ def decide(team: Team, c: Counters, req: ReserveRequest,
     left_tokens = None if team.tpm is None else max(0, team.tpm - c.window_tokens)
 
     def rate(reset_tokens: float = reset) -> RateState:  # as of before this request
-        return RateState(limit_requests=team.rpm, limit_tokens=team.tpm, remaining_requests=left_requests,
-                         remaining_tokens=left_tokens, reset_requests_s=reset, reset_tokens_s=reset_tokens)  # fmt: skip
+        return RateState(
+            limit_requests=team.rpm,
+            limit_tokens=team.tpm,
+            remaining_requests=left_requests,
+            remaining_tokens=left_tokens,
+            reset_requests_s=reset,
+            reset_tokens_s=reset_tokens,
+        )
 
-    concurrent = team.max_concurrent if team.max_concurrent is not None else (req.default_max_concurrent or None)
+    concurrent = (
+        team.max_concurrent
+        if team.max_concurrent is not None
+        else (req.default_max_concurrent or None)
+    )
     if concurrent is not None and c.active >= concurrent:
-        return Refusal("concurrency", f"team {team.id!r} already has {c.active} requests in flight "
-                       f"(limit {concurrent})", 1.0, rate())  # fmt: skip
+        return Refusal(
+            "concurrency",
+            f"team {team.id!r} already has {c.active} requests in flight (limit {concurrent})",
+            1.0,
+            rate(),
+        )
     if team.rpm is not None and c.window_requests >= team.rpm:
-        return Refusal("requests", f"rate limit reached for team {team.id!r}: {team.rpm} requests per minute",
-                       reset, rate())  # fmt: skip
+        return Refusal(
+            "requests",
+            f"rate limit reached for team {team.id!r}: {team.rpm} requests per minute",
+            reset,
+            rate(),
+        )
     if team.tpm is not None and c.window_tokens + req.tokens > team.tpm:
         wait = _tokens_free_in(window_rows or [], now, c.window_tokens + req.tokens - team.tpm)
         if req.tokens > team.tpm:
-            msg = (f"this request needs up to {req.tokens} tokens (prompt + max_tokens), more than team "
-                   f"{team.id!r}'s limit of {team.tpm} tokens per minute")  # fmt: skip
+            msg = (
+                f"this request needs up to {req.tokens} tokens (prompt + max_tokens), more than team "
+                f"{team.id!r}'s limit of {team.tpm} tokens per minute"
+            )
         else:
-            msg = (f"rate limit reached for team {team.id!r}: {team.tpm} tokens per minute, "
-                   f"{max(0, team.tpm - c.window_tokens)} left, this request needs up to {req.tokens}")  # fmt: skip
+            msg = (
+                f"rate limit reached for team {team.id!r}: {team.tpm} tokens per minute, "
+                f"{max(0, team.tpm - c.window_tokens)} left, this request needs up to {req.tokens}"
+            )
         return Refusal("tokens", msg, wait, rate(wait))
     for kind, budget, spent, reset_at in (
         ("daily_budget", team.daily_budget_usd, c.spent_day, seconds_to_next_day),
@@ -93,14 +116,23 @@ def decide(team: Team, c: Counters, req: ReserveRequest,
             continue
         committed = spent + c.active_cost
         if committed + req.cost_usd > budget:
-            return Refusal(kind, f"team {team.id!r} would exceed its {kind.replace('_', ' ')} of ${budget:g} "  # type: ignore[arg-type]
-                           f"(${committed:.6f} spent or reserved, this request may cost up to "
-                           f"${req.cost_usd:.6f})", reset_at(now), rate())  # fmt: skip
+            return Refusal(
+                kind,
+                f"team {team.id!r} would exceed its {kind.replace('_', ' ')} of ${budget:g} "  # type: ignore[arg-type]
+                f"(${committed:.6f} spent or reserved, this request may cost up to "
+                f"${req.cost_usd:.6f})",
+                reset_at(now),
+                rate(),
+            )
     # admitted: the headers count this request in
-    return RateState(limit_requests=team.rpm, limit_tokens=team.tpm,
-                     remaining_requests=None if left_requests is None else left_requests - 1,
-                     remaining_tokens=None if left_tokens is None else left_tokens - req.tokens,
-                     reset_requests_s=reset, reset_tokens_s=reset)  # fmt: skip
+    return RateState(
+        limit_requests=team.rpm,
+        limit_tokens=team.tpm,
+        remaining_requests=None if left_requests is None else left_requests - 1,
+        remaining_tokens=None if left_tokens is None else left_tokens - req.tokens,
+        reset_requests_s=reset,
+        reset_tokens_s=reset,
+    )
 
 
 def _tokens_free_in(rows: list[tuple[float, int]], now: float, need: int) -> float:

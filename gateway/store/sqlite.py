@@ -76,24 +76,59 @@ CREATE TABLE IF NOT EXISTS usage_keys (
     billed_at REAL NOT NULL);
 """
 #: columns later versions added to existing tables: (table, column, type)
-ADDED_COLUMNS = [("usage", "user", "TEXT"), ("reservations", "gateway_id", "TEXT"), ("reservations", "booked", "TEXT"),
-                 ("usage", "migrations", "INTEGER"), ("usage", "leg_tokens", "TEXT"),
-                 ("reservations", "streamed_tokens", "INTEGER NOT NULL DEFAULT 0")]  # fmt: skip
+ADDED_COLUMNS = [
+    ("usage", "user", "TEXT"),
+    ("reservations", "gateway_id", "TEXT"),
+    ("reservations", "booked", "TEXT"),
+    ("usage", "migrations", "INTEGER"),
+    ("usage", "leg_tokens", "TEXT"),
+    ("reservations", "streamed_tokens", "INTEGER NOT NULL DEFAULT 0"),
+]
 
-_TEAM_COLS = "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, created_at"
+_TEAM_COLS = (
+    "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, created_at"
+)
 _KEY_COLS = "id, team_id, name, prefix, created_at, revoked_at"
-_USAGE_COLS = ("request_id", "team_id", "key_id", "model_requested", "model_used", "tier", "status",
-               "endpoint", "prompt_tokens", "completion_tokens", "cached_tokens", "cost_usd", "ttft_s",
-               "latency_s", "nodes", "created_at", "user", "migrations", "leg_tokens")  # fmt: skip
+_USAGE_COLS = (
+    "request_id",
+    "team_id",
+    "key_id",
+    "model_requested",
+    "model_used",
+    "tier",
+    "status",
+    "endpoint",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "cost_usd",
+    "ttft_s",
+    "latency_s",
+    "nodes",
+    "created_at",
+    "user",
+    "migrations",
+    "leg_tokens",
+)
 
 
 def _team(row: tuple[Any, ...]) -> Team:
-    return Team(id=row[0], rpm=row[1], tpm=row[2], max_concurrent=row[3], daily_budget_usd=row[4],
-                monthly_budget_usd=row[5], default_tier=row[6], created_at=row[7])  # fmt: skip
+    return Team(
+        id=row[0],
+        rpm=row[1],
+        tpm=row[2],
+        max_concurrent=row[3],
+        daily_budget_usd=row[4],
+        monthly_budget_usd=row[5],
+        default_tier=row[6],
+        created_at=row[7],
+    )
 
 
 def _key(row: tuple[Any, ...]) -> ApiKey:
-    return ApiKey(id=row[0], team_id=row[1], name=row[2], prefix=row[3], created_at=row[4], revoked_at=row[5])
+    return ApiKey(
+        id=row[0], team_id=row[1], name=row[2], prefix=row[3], created_at=row[4], revoked_at=row[5]
+    )
 
 
 def _record(row: tuple[Any, ...]) -> UsageRecord:
@@ -134,9 +169,19 @@ class SqliteStore(Store):
 
         def q(db: sqlite3.Connection) -> Team:
             try:
-                db.execute(f"INSERT INTO teams ({_TEAM_COLS}) VALUES (?,?,?,?,?,?,?,?)",
-                           (t.id, t.rpm, t.tpm, t.max_concurrent, t.daily_budget_usd,
-                            t.monthly_budget_usd, t.default_tier, t.created_at))  # fmt: skip
+                db.execute(
+                    f"INSERT INTO teams ({_TEAM_COLS}) VALUES (?,?,?,?,?,?,?,?)",
+                    (
+                        t.id,
+                        t.rpm,
+                        t.tpm,
+                        t.max_concurrent,
+                        t.daily_budget_usd,
+                        t.monthly_budget_usd,
+                        t.default_tier,
+                        t.created_at,
+                    ),
+                )
             except sqlite3.IntegrityError:
                 raise StoreError(409, f"team {t.id!r} already exists") from None
             return t
@@ -146,22 +191,40 @@ class SqliteStore(Store):
     async def update_team(self, team: Team) -> Team | None:
         def q(db: sqlite3.Connection) -> Team | None:
             with _tx(db):
-                n = db.execute("UPDATE teams SET rpm=?, tpm=?, max_concurrent=?, daily_budget_usd=?, "
-                               "monthly_budget_usd=?, default_tier=? WHERE id=?",
-                               (team.rpm, team.tpm, team.max_concurrent, team.daily_budget_usd,
-                                team.monthly_budget_usd, team.default_tier, team.id)).rowcount  # fmt: skip
-                row = db.execute(f"SELECT {_TEAM_COLS} FROM teams WHERE id=?", (team.id,)).fetchone() if n else None
+                n = db.execute(
+                    "UPDATE teams SET rpm=?, tpm=?, max_concurrent=?, daily_budget_usd=?, "
+                    "monthly_budget_usd=?, default_tier=? WHERE id=?",
+                    (
+                        team.rpm,
+                        team.tpm,
+                        team.max_concurrent,
+                        team.daily_budget_usd,
+                        team.monthly_budget_usd,
+                        team.default_tier,
+                        team.id,
+                    ),
+                ).rowcount
+                row = (
+                    db.execute(f"SELECT {_TEAM_COLS} FROM teams WHERE id=?", (team.id,)).fetchone()
+                    if n
+                    else None
+                )
             return _team(row) if row else None
 
         return await self._run(q)
 
     async def get_team(self, team_id: str) -> Team | None:
-        row = await self._run(lambda db: db.execute(f"SELECT {_TEAM_COLS} FROM teams WHERE id=?",
-                                                    (team_id,)).fetchone())  # fmt: skip
+        row = await self._run(
+            lambda db: db.execute(
+                f"SELECT {_TEAM_COLS} FROM teams WHERE id=?", (team_id,)
+            ).fetchone()
+        )
         return _team(row) if row else None
 
     async def list_teams(self) -> list[Team]:
-        rows = await self._run(lambda db: db.execute(f"SELECT {_TEAM_COLS} FROM teams ORDER BY id").fetchall())
+        rows = await self._run(
+            lambda db: db.execute(f"SELECT {_TEAM_COLS} FROM teams ORDER BY id").fetchall()
+        )
         return [_team(r) for r in rows]
 
     async def delete_team(self, team_id: str) -> bool:
@@ -170,8 +233,10 @@ class SqliteStore(Store):
                 n = db.execute("DELETE FROM teams WHERE id=?", (team_id,)).rowcount
                 for table in ("team_state", "rate_buckets", "reservations"):
                     db.execute(f"DELETE FROM {table} WHERE team_id=?", (team_id,))
-                db.execute("UPDATE api_keys SET revoked_at=? WHERE team_id=? AND revoked_at IS NULL",
-                           (time.time(), team_id))  # fmt: skip
+                db.execute(
+                    "UPDATE api_keys SET revoked_at=? WHERE team_id=? AND revoked_at IS NULL",
+                    (time.time(), team_id),
+                )
             return n > 0
 
         return await self._run(q)
@@ -181,28 +246,47 @@ class SqliteStore(Store):
             with _tx(db):
                 if db.execute("SELECT 1 FROM teams WHERE id=?", (key.team_id,)).fetchone() is None:
                     raise StoreError(404, f"no team {key.team_id!r}")
-                db.execute(f"INSERT INTO api_keys ({_KEY_COLS}, secret_hash) VALUES (?,?,?,?,?,?,?)",
-                           (key.id, key.team_id, key.name, key.prefix, key.created_at, None, secret_hash))  # fmt: skip
+                db.execute(
+                    f"INSERT INTO api_keys ({_KEY_COLS}, secret_hash) VALUES (?,?,?,?,?,?,?)",
+                    (key.id, key.team_id, key.name, key.prefix, key.created_at, None, secret_hash),
+                )
             return key
 
         return await self._run(q)
 
     async def key_by_hash(self, secret_hash: str) -> tuple[ApiKey, Team] | None:
-        cols = ", ".join(f"k.{c.strip()}" for c in _KEY_COLS.split(",")) + ", " + \
-            ", ".join(f"t.{c.strip()}" for c in _TEAM_COLS.split(","))  # fmt: skip
-        row = await self._conns.fast(lambda db: db.execute(
-            f"SELECT {cols} FROM api_keys k JOIN teams t ON t.id = k.team_id "
-            "WHERE k.secret_hash=? AND k.revoked_at IS NULL", (secret_hash,)).fetchone())  # fmt: skip
+        cols = (
+            ", ".join(f"k.{c.strip()}" for c in _KEY_COLS.split(","))
+            + ", "
+            + ", ".join(f"t.{c.strip()}" for c in _TEAM_COLS.split(","))
+        )
+        row = await self._conns.fast(
+            lambda db: db.execute(
+                f"SELECT {cols} FROM api_keys k JOIN teams t ON t.id = k.team_id "
+                "WHERE k.secret_hash=? AND k.revoked_at IS NULL",
+                (secret_hash,),
+            ).fetchone()
+        )
         return (_key(row[:6]), _team(row[6:])) if row else None
 
     async def list_keys(self, team_id: str | None = None) -> list[ApiKey]:
-        sql = f"SELECT {_KEY_COLS} FROM api_keys" + (" WHERE team_id=?" if team_id else "") + " ORDER BY created_at"
+        sql = (
+            f"SELECT {_KEY_COLS} FROM api_keys"
+            + (" WHERE team_id=?" if team_id else "")
+            + " ORDER BY created_at"
+        )
         rows = await self._run(lambda db: db.execute(sql, (team_id,) if team_id else ()).fetchall())
         return [_key(r) for r in rows]
 
     async def revoke_key(self, key_id: str) -> bool:
-        n = await self._run(lambda db: db.execute(
-            "UPDATE api_keys SET revoked_at=? WHERE id=? AND revoked_at IS NULL", (time.time(), key_id)).rowcount)  # fmt: skip
+        n = await self._run(
+            lambda db: (
+                db.execute(
+                    "UPDATE api_keys SET revoked_at=? WHERE id=? AND revoked_at IS NULL",
+                    (time.time(), key_id),
+                ).rowcount
+            )
+        )
         return n > 0
 
     # --- quotas ---------------------------------------------------------------------------
@@ -230,20 +314,33 @@ class SqliteStore(Store):
 
         return await self._run(q)
 
-    async def heartbeat(self, gateway_id: str, ttl_s: float, now: float | None = None,
-                        streamed: Mapping[str, int] | None = None) -> None:  # fmt: skip
+    async def heartbeat(
+        self,
+        gateway_id: str,
+        ttl_s: float,
+        now: float | None = None,
+        streamed: Mapping[str, int] | None = None,
+    ) -> None:
         t = time.time() if now is None else now
         counts = [(n, rid, gateway_id) for rid, n in (streamed or {}).items()]
 
         def q(db: sqlite3.Connection) -> None:
             with _tx(db):
-                db.execute("INSERT INTO gateways (id, heartbeat_at) VALUES (?, ?) ON CONFLICT (id) DO UPDATE "
-                           "SET heartbeat_at = excluded.heartbeat_at", (gateway_id, t))  # fmt: skip
-                db.execute("UPDATE reservations SET expires_at = ? WHERE gateway_id = ? AND expires_at < ?",
-                           (t + ttl_s, gateway_id, t + ttl_s))  # fmt: skip
+                db.execute(
+                    "INSERT INTO gateways (id, heartbeat_at) VALUES (?, ?) ON CONFLICT (id) DO UPDATE "
+                    "SET heartbeat_at = excluded.heartbeat_at",
+                    (gateway_id, t),
+                )
+                db.execute(
+                    "UPDATE reservations SET expires_at = ? WHERE gateway_id = ? AND expires_at < ?",
+                    (t + ttl_s, gateway_id, t + ttl_s),
+                )
                 # by primary key; max(): a late report never lowers what an earlier one said
-                db.executemany("UPDATE reservations SET streamed_tokens = max(streamed_tokens, ?) "
-                               "WHERE id = ? AND gateway_id = ?", counts)  # fmt: skip
+                db.executemany(
+                    "UPDATE reservations SET streamed_tokens = max(streamed_tokens, ?) "
+                    "WHERE id = ? AND gateway_id = ?",
+                    counts,
+                )
 
         await self._run(q)
 
@@ -252,22 +349,36 @@ class SqliteStore(Store):
 
         def q(db: sqlite3.Connection) -> int:
             with _tx(db):
-                dead = [r[0] for r in db.execute("DELETE FROM gateways WHERE heartbeat_at < ? RETURNING id",
-                                                 (t - dead_after_s,)).fetchall()]  # fmt: skip
+                dead = [
+                    r[0]
+                    for r in db.execute(
+                        "DELETE FROM gateways WHERE heartbeat_at < ? RETURNING id",
+                        (t - dead_after_s,),
+                    ).fetchall()
+                ]
                 return sum(_expire(db, "gateway_id = ?", (g,), t) for g in dead)
 
         return await self._run(q)
 
-    async def reclaim_previous(self, instance: str, gateway_id: str, now: float | None = None) -> int:
+    async def reclaim_previous(
+        self, instance: str, gateway_id: str, now: float | None = None
+    ) -> int:
         t = time.time() if now is None else now
         prefix = instance + "/"
 
         def q(db: sqlite3.Connection) -> int:
             with _tx(db):
                 # substr, not LIKE: an instance name's '_' would be a wildcard
-                db.execute("DELETE FROM gateways WHERE substr(id, 1, ?) = ? AND id != ?",
-                           (len(prefix), prefix, gateway_id))  # fmt: skip
-                return _expire(db, "substr(gateway_id, 1, ?) = ? AND gateway_id != ?", (len(prefix), prefix, gateway_id), t)
+                db.execute(
+                    "DELETE FROM gateways WHERE substr(id, 1, ?) = ? AND id != ?",
+                    (len(prefix), prefix, gateway_id),
+                )
+                return _expire(
+                    db,
+                    "substr(gateway_id, 1, ?) = ? AND gateway_id != ?",
+                    (len(prefix), prefix, gateway_id),
+                    t,
+                )
 
         return await self._run(q)
 
@@ -276,18 +387,31 @@ class SqliteStore(Store):
 
     # --- usage ----------------------------------------------------------------------------
 
-    async def usage(self, team_id: str | None, start: float, end: float,
-                    group_by: str | None) -> list[dict[str, Any]]:  # fmt: skip
-        keys = {None: [], "model": [("model_requested", "model")], "day": [("date(created_at, 'unixepoch')", "date")],
-                "team": [("team_id", "team_id")], "tier": [("tier", "tier")], "user": [("user", "user")]}[group_by]  # fmt: skip
+    async def usage(
+        self, team_id: str | None, start: float, end: float, group_by: str | None
+    ) -> list[dict[str, Any]]:
+        keys = {
+            None: [],
+            "model": [("model_requested", "model")],
+            "day": [("date(created_at, 'unixepoch')", "date")],
+            "team": [("team_id", "team_id")],
+            "tier": [("tier", "tier")],
+            "user": [("user", "user")],
+        }[group_by]
         where = "created_at >= ? AND created_at < ?" + (" AND team_id = ?" if team_id else "")
         args: tuple[Any, ...] = (start, end, team_id) if team_id else (start, end)
         sql = totals_sql(keys, where, "min", "")  # SQLite orders NULL first
         rows = await self._run(lambda db: db.execute(sql, args).fetchall())
         return [totals_row([name for _, name in keys], r) for r in rows]
 
-    async def usage_records(self, team_id: str | None, start: float, end: float,
-                            after: tuple[float, str] | None = None, limit: int | None = None) -> list[UsageRecord]:  # fmt: skip
+    async def usage_records(
+        self,
+        team_id: str | None,
+        start: float,
+        end: float,
+        after: tuple[float, str] | None = None,
+        limit: int | None = None,
+    ) -> list[UsageRecord]:
         where = "created_at >= ? AND created_at < ?" + (" AND team_id = ?" if team_id else "")
         args: tuple[Any, ...] = (start, end, team_id) if team_id else (start, end)
         if after is not None:
@@ -299,7 +423,9 @@ class SqliteStore(Store):
         rows = await self._run(lambda db: db.execute(sql, args).fetchall())
         return [_record(r) for r in rows]
 
-    async def usage_outliers(self, team_id: str | None, start: float, end: float, limit: int) -> list[UsageRecord]:
+    async def usage_outliers(
+        self, team_id: str | None, start: float, end: float, limit: int
+    ) -> list[UsageRecord]:
         where = "created_at >= ? AND created_at < ?" + (" AND team_id = ?" if team_id else "")
         args: tuple[Any, ...] = (start, end, team_id) if team_id else (start, end)
         sql = outliers_sql(", ".join(f"usage.{c}" for c in _USAGE_COLS), where, "min", "?")
@@ -307,7 +433,9 @@ class SqliteStore(Store):
         return [_record(r) for r in rows]
 
 
-_INSERT_USAGE = f"INSERT INTO usage ({', '.join(_USAGE_COLS)}) VALUES ({', '.join('?' * len(_USAGE_COLS))})"
+_INSERT_USAGE = (
+    f"INSERT INTO usage ({', '.join(_USAGE_COLS)}) VALUES ({', '.join('?' * len(_USAGE_COLS))})"
+)
 _NODES = _USAGE_COLS.index("nodes")
 _LEG_TOKENS = _USAGE_COLS.index("leg_tokens")
 
@@ -385,54 +513,95 @@ def _reserve(db: sqlite3.Connection, req: ReserveRequest) -> Reservation | Refus
             raise StoreError(403, f"team {req.team_id!r} no longer exists")
         team = _team(row[:8])
         active, active_cost, n_requests, n_tokens, oldest, spent_day, spent_month = row[8:15]
-        c = Counters(active=active or 0, active_cost=active_cost or 0.0, window_requests=n_requests,
-                     window_tokens=n_tokens, window_oldest=float(oldest + 1) if oldest is not None else None,
-                     spent_day=spent_day or 0.0, spent_month=spent_month or 0.0)  # fmt: skip
+        c = Counters(
+            active=active or 0,
+            active_cost=active_cost or 0.0,
+            window_requests=n_requests,
+            window_tokens=n_tokens,
+            window_oldest=float(oldest + 1) if oldest is not None else None,
+            spent_day=spent_day or 0.0,
+            spent_month=spent_month or 0.0,
+        )
         verdict = decide(team, c, req)
-        if isinstance(verdict, Refusal) and verdict.kind == "tokens":  # its Retry-After needs the buckets
-            buckets = db.execute("SELECT second, tokens FROM rate_buckets WHERE team_id=? AND second>=? "
-                                 "ORDER BY second", (team.id, window_start(now))).fetchall()  # fmt: skip
+        if (
+            isinstance(verdict, Refusal) and verdict.kind == "tokens"
+        ):  # its Retry-After needs the buckets
+            buckets = db.execute(
+                "SELECT second, tokens FROM rate_buckets WHERE team_id=? AND second>=? "
+                "ORDER BY second",
+                (team.id, window_start(now)),
+            ).fetchall()
             verdict = decide(team, c, req, [(float(b[0] + 1), b[1]) for b in buckets])
         if isinstance(verdict, Refusal):
             return verdict
         rid = f"rsv-{uuid.uuid4().hex}"
-        db.execute("INSERT INTO reservations (id, team_id, key_id, request_id, created_at, expires_at, tokens, "
-                   "cost_usd, gateway_id, booked) VALUES (?,?,?,?,?,?,?,?,?,?)",
-                   (rid, team.id, req.key_id, req.request_id, now, now + req.ttl_s, req.tokens, req.cost_usd,
-                    req.gateway_id or None, booked_json(req.booked)))  # fmt: skip
-        db.execute("INSERT INTO team_state (team_id, active, active_cost_usd) VALUES (?, 1, ?) ON CONFLICT (team_id) "
-                   "DO UPDATE SET active = active + 1, active_cost_usd = active_cost_usd + excluded.active_cost_usd",
-                   (team.id, req.cost_usd))  # fmt: skip
+        db.execute(
+            "INSERT INTO reservations (id, team_id, key_id, request_id, created_at, expires_at, tokens, "
+            "cost_usd, gateway_id, booked) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (
+                rid,
+                team.id,
+                req.key_id,
+                req.request_id,
+                now,
+                now + req.ttl_s,
+                req.tokens,
+                req.cost_usd,
+                req.gateway_id or None,
+                booked_json(req.booked),
+            ),
+        )
+        db.execute(
+            "INSERT INTO team_state (team_id, active, active_cost_usd) VALUES (?, 1, ?) ON CONFLICT (team_id) "
+            "DO UPDATE SET active = active + 1, active_cost_usd = active_cost_usd + excluded.active_cost_usd",
+            (team.id, req.cost_usd),
+        )
         _bucket(db, team.id, int(now), 1, req.tokens)
         return Reservation(rid, verdict)
 
 
 def _bucket(db: sqlite3.Connection, team_id: str, second: int, requests: int, tokens: int) -> None:
-    db.execute("INSERT INTO rate_buckets (team_id, second, requests, tokens) VALUES (?,?,?,?) ON CONFLICT "
-               "(team_id, second) DO UPDATE SET requests = requests + excluded.requests, tokens = tokens + excluded.tokens",
-               (team_id, second, requests, tokens))  # fmt: skip
+    db.execute(
+        "INSERT INTO rate_buckets (team_id, second, requests, tokens) VALUES (?,?,?,?) ON CONFLICT "
+        "(team_id, second) DO UPDATE SET requests = requests + excluded.requests, tokens = tokens + excluded.tokens",
+        (team_id, second, requests, tokens),
+    )
 
 
 def _unbook(db: sqlite3.Connection, team_id: str, cost: float) -> None:
     """Take a booking whose row the caller deleted out of the in-flight counters (its window
     tokens are the caller's)."""
-    db.execute("UPDATE team_state SET active = active - 1, active_cost_usd = CASE WHEN active <= 1 THEN 0 "
-               "ELSE active_cost_usd - ? END WHERE team_id=?", (cost, team_id))  # fmt: skip
+    db.execute(
+        "UPDATE team_state SET active = active - 1, active_cost_usd = CASE WHEN active <= 1 THEN 0 "
+        "ELSE active_cost_usd - ? END WHERE team_id=?",
+        (cost, team_id),
+    )
 
 
-def _expire(db: sqlite3.Connection, where: str, args: tuple[Any, ...], now: float | None = None) -> int:
+def _expire(
+    db: sqlite3.Connection, where: str, args: tuple[Any, ...], now: float | None = None
+) -> int:
     """Bookings whose gateway never settled them stop counting: in flight and in the window;
     each bills its booked prompt and the tokens it had streamed as of its gateway's last
     heartbeat (an `expired` usage record, the day's and month's spend)."""
     now = time.time() if now is None else now
-    rows = db.execute(f"DELETE FROM reservations WHERE {where} RETURNING team_id, key_id, request_id, created_at, "
-                      "tokens, cost_usd, booked, streamed_tokens", args).fetchall()  # fmt: skip
+    rows = db.execute(
+        f"DELETE FROM reservations WHERE {where} RETURNING team_id, key_id, request_id, created_at, "
+        "tokens, cost_usd, booked, streamed_tokens",
+        args,
+    ).fetchall()
     for team_id, key_id, request_id, created, tokens, cost, booked, streamed in rows:
         _unbook(db, team_id, cost)
         b = booked_from(booked)
         record = expired_record(team_id, key_id, request_id, b, now, streamed)
         # the window keeps what was billed, as a settled request's does (prompt + completion)
-        _bucket(db, team_id, int(created), 0, (record.prompt_tokens + record.completion_tokens if record else 0) - tokens)
+        _bucket(
+            db,
+            team_id,
+            int(created),
+            0,
+            (record.prompt_tokens + record.completion_tokens if record else 0) - tokens,
+        )
         if record is not None and b is not None:
             _write_usage(db, record, now, once=b.idempotent)
     return len(rows)
@@ -443,9 +612,11 @@ def _write_usage(db: sqlite3.Connection, r: UsageRecord, now: float, once: bool 
     if once and not _take_key(db, r, now):
         return
     if r.cost_usd > 0:  # the day's and the month's spend, in one statement
-        db.execute("INSERT INTO spend (team_id, period, cost_usd) VALUES (?1,?2,?4), (?1,?3,?4) "
-                   "ON CONFLICT (team_id, period) DO UPDATE SET cost_usd = cost_usd + excluded.cost_usd",
-                   (r.team_id, day_period(now), month_period(now), r.cost_usd))  # fmt: skip
+        db.execute(
+            "INSERT INTO spend (team_id, period, cost_usd) VALUES (?1,?2,?4), (?1,?3,?4) "
+            "ON CONFLICT (team_id, period) DO UPDATE SET cost_usd = cost_usd + excluded.cost_usd",
+            (r.team_id, day_period(now), month_period(now), r.cost_usd),
+        )
     values = [getattr(r, c) for c in _USAGE_COLS]
     values[_NODES] = json.dumps(r.nodes)
     values[_LEG_TOKENS] = json.dumps(r.leg_tokens)
@@ -456,22 +627,30 @@ def _take_key(db: sqlite3.Connection, r: UsageRecord, now: float) -> bool:
     """`r`'s key is billed once (base.Settlement.idempotent): True to write `r` — its key is
     new, or `r` replaces the key's earlier record (that record and its spend are taken back
     here, under the write lock the caller's transaction holds)."""
-    old = db.execute("SELECT team_id, cost_usd, created_at, billed_at FROM usage_keys WHERE request_id=?",
-                     (r.request_id,)).fetchone()  # fmt: skip
+    old = db.execute(
+        "SELECT team_id, cost_usd, created_at, billed_at FROM usage_keys WHERE request_id=?",
+        (r.request_id,),
+    ).fetchone()
     if old is not None and r.status == EXPIRED:  # a dead run's booking: the key is billed already
         return False
     if old is not None:
         team_id, cost, created, billed = old
         # (team_id, created_at) is the usage table's index: no scan for the old record
-        db.execute("DELETE FROM usage WHERE team_id=? AND created_at=? AND request_id=?",
-                   (team_id, created, r.request_id))  # fmt: skip
+        db.execute(
+            "DELETE FROM usage WHERE team_id=? AND created_at=? AND request_id=?",
+            (team_id, created, r.request_id),
+        )
         if cost > 0:
-            db.execute("UPDATE spend SET cost_usd = cost_usd - ? WHERE team_id=? AND period IN (?, ?)",
-                       (cost, team_id, day_period(billed), month_period(billed)))  # fmt: skip
-    db.execute("INSERT INTO usage_keys (request_id, team_id, cost_usd, created_at, billed_at) VALUES (?,?,?,?,?) "
-               "ON CONFLICT (request_id) DO UPDATE SET team_id=excluded.team_id, cost_usd=excluded.cost_usd, "
-               "created_at=excluded.created_at, billed_at=excluded.billed_at",
-               (r.request_id, r.team_id, r.cost_usd, r.created_at, now))  # fmt: skip
+            db.execute(
+                "UPDATE spend SET cost_usd = cost_usd - ? WHERE team_id=? AND period IN (?, ?)",
+                (cost, team_id, day_period(billed), month_period(billed)),
+            )
+    db.execute(
+        "INSERT INTO usage_keys (request_id, team_id, cost_usd, created_at, billed_at) VALUES (?,?,?,?,?) "
+        "ON CONFLICT (request_id) DO UPDATE SET team_id=excluded.team_id, cost_usd=excluded.cost_usd, "
+        "created_at=excluded.created_at, billed_at=excluded.billed_at",
+        (r.request_id, r.team_id, r.cost_usd, r.created_at, now),
+    )
     return True
 
 
@@ -479,8 +658,10 @@ def _settle_booking(db: sqlite3.Connection, s: Settlement, now: float) -> None:
     """The booking's worst case becomes the request's real tokens, in the second it was booked."""
     row = None
     if s.reservation_id is not None:
-        row = db.execute("DELETE FROM reservations WHERE id=? RETURNING team_id, created_at, tokens, cost_usd",
-                         (s.reservation_id,)).fetchone()  # fmt: skip
+        row = db.execute(
+            "DELETE FROM reservations WHERE id=? RETURNING team_id, created_at, tokens, cost_usd",
+            (s.reservation_id,),
+        ).fetchone()
     if row is None:  # nothing booked, or it expired meanwhile: the real tokens count from now
         if s.tokens:
             _bucket(db, s.record.team_id, int(now), 0, s.tokens)

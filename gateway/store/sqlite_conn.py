@@ -49,7 +49,9 @@ RESTART_WAIT_MS = 50
 
 
 def connect(path: Path, busy_timeout_ms: int, set_wal: bool) -> sqlite3.Connection:
-    db = sqlite3.connect(path, isolation_level=None, timeout=busy_timeout_ms / 1000, check_same_thread=False)
+    db = sqlite3.connect(
+        path, isolation_level=None, timeout=busy_timeout_ms / 1000, check_same_thread=False
+    )
     if set_wal:  # persistent in the file: the worker sets it once, waiting for locks as it may
         db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
@@ -85,7 +87,10 @@ class Connections:
             private_file(private_dir(self.path.parent) / self.path.name)
             db = connect(self.path, 30_000, set_wal=True)
             init(db)
-            for suffix in ("-wal", "-shm"):  # SQLite gives them the database's mode; an old file's too
+            for suffix in (
+                "-wal",
+                "-shm",
+            ):  # SQLite gives them the database's mode; an old file's too
                 side = self.path.with_name(self.path.name + suffix)
                 if side.exists():
                     private_file(side)

@@ -34,15 +34,27 @@ def totals_sql(keys: list[tuple[str, str]], where: str, least: str, nulls_first:
     )  # the expressions: a window cannot name its SELECT's aliases
     # row_number over the group's records that have a TTFT (the IS NULL partition keeps the
     # others apart), count over the group: the rank of each TTFT and how many there are
-    window = (f"row_number() OVER (PARTITION BY {part + ', ' if part else ''}ttft_s IS NULL ORDER BY ttft_s) AS rn, "
-              f"count(ttft_s) OVER ({'PARTITION BY ' + part if part else ''}) AS nt")  # fmt: skip
-    pct = [f"max(CASE WHEN ttft_s IS NOT NULL AND rn = {least}(nt, nt * {tenths} / 10 + 1) THEN ttft_s END) AS {name}"
-           for name, tenths in PERCENTILES]  # fmt: skip
-    outer = [*(f'g{i} AS "{name}"' for i, (_, name) in enumerate(keys)), "count(*) AS n",
-             "coalesce(sum(prompt_tokens), 0) AS p", "coalesce(sum(completion_tokens), 0) AS c",
-             "coalesce(sum(cached_tokens), 0) AS k", "coalesce(sum(cost_usd), 0) AS cost", *pct]  # fmt: skip
-    sql = (f"SELECT {', '.join(outer)} FROM (SELECT {', '.join([*inner, 'prompt_tokens', 'completion_tokens'])}, "
-           f"cached_tokens, cost_usd, ttft_s, {window} FROM usage WHERE {where}) AS u")  # fmt: skip
+    window = (
+        f"row_number() OVER (PARTITION BY {part + ', ' if part else ''}ttft_s IS NULL ORDER BY ttft_s) AS rn, "
+        f"count(ttft_s) OVER ({'PARTITION BY ' + part if part else ''}) AS nt"
+    )
+    pct = [
+        f"max(CASE WHEN ttft_s IS NOT NULL AND rn = {least}(nt, nt * {tenths} / 10 + 1) THEN ttft_s END) AS {name}"
+        for name, tenths in PERCENTILES
+    ]
+    outer = [
+        *(f'g{i} AS "{name}"' for i, (_, name) in enumerate(keys)),
+        "count(*) AS n",
+        "coalesce(sum(prompt_tokens), 0) AS p",
+        "coalesce(sum(completion_tokens), 0) AS c",
+        "coalesce(sum(cached_tokens), 0) AS k",
+        "coalesce(sum(cost_usd), 0) AS cost",
+        *pct,
+    ]
+    sql = (
+        f"SELECT {', '.join(outer)} FROM (SELECT {', '.join([*inner, 'prompt_tokens', 'completion_tokens'])}, "
+        f"cached_tokens, cost_usd, ttft_s, {window} FROM usage WHERE {where}) AS u"
+    )
     if groups:
         sql += (
             f" GROUP BY {', '.join(groups)} ORDER BY {', '.join(g + nulls_first for g in groups)}"
@@ -56,8 +68,14 @@ def totals_row(names: list[str], row: Any) -> dict[str, Any]:
     n, p, c, cached, cost, *pcts = (
         row[i] for i in range(len(names), len(names) + 5 + len(PERCENTILES))
     )
-    d.update(requests=n, prompt_tokens=int(p), completion_tokens=int(c), cached_tokens=int(cached),
-             total_tokens=int(p + c), cost_usd=round(float(cost), 10))  # fmt: skip
+    d.update(
+        requests=n,
+        prompt_tokens=int(p),
+        completion_tokens=int(c),
+        cached_tokens=int(cached),
+        total_tokens=int(p + c),
+        cost_usd=round(float(cost), 10),
+    )
     d.update({name: v for (name, _), v in zip(PERCENTILES, pcts, strict=True)})
     return d
 
@@ -70,9 +88,11 @@ def outliers_sql(columns: str, where: str, least: str, limit: str) -> str:
     """The statement for the outliers of the records matching `where` (which the statement uses
     twice: a positional-parameter database passes its arguments twice), `columns` of each,
     `limit` the placeholder of the row limit."""
-    return (f"WITH r AS (SELECT latency_s, row_number() OVER (ORDER BY latency_s) AS rn, count(*) OVER () AS n "
-            f"FROM usage WHERE {where}), "
-            f"cut AS (SELECT max(CASE WHEN n >= {OUTLIER_MIN_RECORDS} AND rn = {least}(n, n * 9 / 10 + 1) "
-            f"THEN latency_s END) AS p90 FROM r) "
-            f"SELECT {columns} FROM usage, cut WHERE {where} AND (status != 'ok' OR latency_s >= cut.p90) "
-            f"ORDER BY created_at DESC LIMIT {limit}")  # fmt: skip
+    return (
+        f"WITH r AS (SELECT latency_s, row_number() OVER (ORDER BY latency_s) AS rn, count(*) OVER () AS n "
+        f"FROM usage WHERE {where}), "
+        f"cut AS (SELECT max(CASE WHEN n >= {OUTLIER_MIN_RECORDS} AND rn = {least}(n, n * 9 / 10 + 1) "
+        f"THEN latency_s END) AS p90 FROM r) "
+        f"SELECT {columns} FROM usage, cut WHERE {where} AND (status != 'ok' OR latency_s >= cut.p90) "
+        f"ORDER BY created_at DESC LIMIT {limit}"
+    )

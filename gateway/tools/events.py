@@ -54,7 +54,11 @@ def new_call_id() -> str:
 def call_events(obj: Any, names: Collection[str], args_key: str) -> list[Event] | None:
     """A decoded call `{"name": ..., <args_key>: {...}}` as events, or None when it is not a
     call of one of `names` with an object of arguments (a JSON text of one is accepted too)."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or obj["name"] not in names:
+    if (
+        not isinstance(obj, dict)
+        or not isinstance(obj.get("name"), str)
+        or obj["name"] not in names
+    ):
         return None
     args = obj.get(args_key, obj.get("arguments", obj.get("parameters", {})))
     if isinstance(args, str):

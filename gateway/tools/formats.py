@@ -35,12 +35,25 @@ class ToolFormat:
 
 
 FORMATS = {
-    hermes.NAME: ToolFormat(hermes.NAME, hermes.HermesParser, hermes.system_prompt, hermes.call_text,
-                            hermes.result_text, hermes.call_schema, hermes.ARGS_KEY),
-    llama3_json.NAME: ToolFormat(llama3_json.NAME, llama3_json.Llama3JsonParser, llama3_json.system_prompt,
-                                 llama3_json.call_text, llama3_json.result_text, llama3_json.call_schema,
-                                 llama3_json.ARGS_KEY),
-}  # fmt: skip
+    hermes.NAME: ToolFormat(
+        hermes.NAME,
+        hermes.HermesParser,
+        hermes.system_prompt,
+        hermes.call_text,
+        hermes.result_text,
+        hermes.call_schema,
+        hermes.ARGS_KEY,
+    ),
+    llama3_json.NAME: ToolFormat(
+        llama3_json.NAME,
+        llama3_json.Llama3JsonParser,
+        llama3_json.system_prompt,
+        llama3_json.call_text,
+        llama3_json.result_text,
+        llama3_json.call_schema,
+        llama3_json.ARGS_KEY,
+    ),
+}
 TOOL_PARSERS = tuple(FORMATS)
 
 

@@ -49,7 +49,10 @@ class HermesParser:
                 at = self._buf.find(OPEN)
                 if at < 0:
                     keep = _held_prefix(self._buf, OPEN)
-                    emit, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep :]
+                    emit, self._buf = (
+                        self._buf[: len(self._buf) - keep],
+                        self._buf[len(self._buf) - keep :],
+                    )
                     if emit:
                         out.append(Text(emit))
                     return out
@@ -59,7 +62,11 @@ class HermesParser:
             end = self._buf.find(CLOSE)
             if end < 0:
                 return out
-            block, self._buf, self._in_call = self._buf[: end + len(CLOSE)], self._buf[end + len(CLOSE) :], False
+            block, self._buf, self._in_call = (
+                self._buf[: end + len(CLOSE)],
+                self._buf[end + len(CLOSE) :],
+                False,
+            )
             out += self._block(block)
 
     def finish(self) -> list[Event]:
@@ -75,17 +82,22 @@ class HermesParser:
 
 def system_prompt(tool_json: Sequence[str]) -> str:
     """duet's generic tool prompt in this format (Qwen2.5's wording; docs/tools.md)."""
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
-            + "\n".join(tool_json) + "\n</tools>\n\nFor each function call, return a json object with function "
-            "name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')  # fmt: skip
+    return (
+        "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        + "\n".join(tool_json)
+        + "\n</tools>\n\nFor each function call, return a json object with function "
+        "name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+    )
 
 
 def call_text(calls: Sequence[ToolCall]) -> str:
     """An assistant turn's calls, as the model would have written them."""
-    return "\n".join(f'{OPEN}\n{{"name": {json.dumps(c.function.name)}, "arguments": {_args(c)}}}\n{CLOSE}'
-                     for c in calls)  # fmt: skip
+    return "\n".join(
+        f'{OPEN}\n{{"name": {json.dumps(c.function.name)}, "arguments": {_args(c)}}}\n{CLOSE}'
+        for c in calls
+    )
 
 
 def result_text(content: str) -> str:
@@ -94,10 +106,18 @@ def result_text(content: str) -> str:
 
 def call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
     """The JSON of one call of `name` (tool_choice = required's guide)."""
-    return {"type": "object", "properties": {"name": {"enum": [name]}, ARGS_KEY: parameters},
-            "required": ["name", ARGS_KEY], "additionalProperties": False}  # fmt: skip
+    return {
+        "type": "object",
+        "properties": {"name": {"enum": [name]}, ARGS_KEY: parameters},
+        "required": ["name", ARGS_KEY],
+        "additionalProperties": False,
+    }
 
 
 def _args(c: ToolCall) -> str:
     parsed = decode_json(c.function.arguments)
-    return json.dumps(parsed, ensure_ascii=False) if parsed is not None else json.dumps(c.function.arguments)
+    return (
+        json.dumps(parsed, ensure_ascii=False)
+        if parsed is not None
+        else json.dumps(c.function.arguments)
+    )

@@ -68,15 +68,19 @@ def _parts(body: str) -> list[str]:
 
 def system_prompt(tool_json: Sequence[str]) -> str:
     """duet's generic tool prompt in this format (Meta's JSON tool-calling wording)."""
-    return ("Given the following functions, please respond with a JSON for a function call with its proper "
-            "arguments that best answers the given prompt.\n\n"
-            'Respond in the format {"name": function name, "parameters": dictionary of argument name and its '
-            "value}. Do not use variables. If no function fits, answer in plain text.\n\n"
-            + "\n\n".join(tool_json))  # fmt: skip
+    return (
+        "Given the following functions, please respond with a JSON for a function call with its proper "
+        "arguments that best answers the given prompt.\n\n"
+        'Respond in the format {"name": function name, "parameters": dictionary of argument name and its '
+        "value}. Do not use variables. If no function fits, answer in plain text.\n\n"
+        + "\n\n".join(tool_json)
+    )
 
 
 def call_text(calls: Sequence[ToolCall]) -> str:
-    return "; ".join(f'{{"name": {json.dumps(c.function.name)}, "parameters": {_args(c)}}}' for c in calls)
+    return "; ".join(
+        f'{{"name": {json.dumps(c.function.name)}, "parameters": {_args(c)}}}' for c in calls
+    )
 
 
 def result_text(content: str) -> str:
@@ -84,10 +88,18 @@ def result_text(content: str) -> str:
 
 
 def call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"enum": [name]}, ARGS_KEY: parameters},
-            "required": ["name", ARGS_KEY], "additionalProperties": False}  # fmt: skip
+    return {
+        "type": "object",
+        "properties": {"name": {"enum": [name]}, ARGS_KEY: parameters},
+        "required": ["name", ARGS_KEY],
+        "additionalProperties": False,
+    }
 
 
 def _args(c: ToolCall) -> str:
     parsed = decode_json(c.function.arguments)
-    return json.dumps(parsed, ensure_ascii=False) if parsed is not None else json.dumps(c.function.arguments)
+    return (
+        json.dumps(parsed, ensure_ascii=False)
+        if parsed is not None
+        else json.dumps(c.function.arguments)
+    )

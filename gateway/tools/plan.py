@@ -110,4 +110,6 @@ class _Required:
 
     def finish(self) -> list[Event]:
         raw, self._buf = self._buf, ""
-        return call_events(decode_json(raw), self.names, self.args_key) or ([Text(raw)] if raw else [])
+        return call_events(decode_json(raw), self.names, self.args_key) or (
+            [Text(raw)] if raw else []
+        )

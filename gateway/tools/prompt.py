@@ -37,9 +37,17 @@ def render(tok: Tokenizer, messages: Sequence[dict[str, Any]], plan: ToolPlan) -
 def _hf_turn(m: dict[str, Any]) -> dict[str, Any]:
     if "tool_calls" not in m:
         return m
-    calls = [{"type": "function", "id": c["id"],
-              "function": {"name": c["function"]["name"], "arguments": _args(c["function"]["arguments"])}}
-             for c in m["tool_calls"]]  # fmt: skip
+    calls = [
+        {
+            "type": "function",
+            "id": c["id"],
+            "function": {
+                "name": c["function"]["name"],
+                "arguments": _args(c["function"]["arguments"]),
+            },
+        }
+        for c in m["tool_calls"]
+    ]
     return {**m, "tool_calls": calls}
 
 
@@ -48,7 +56,9 @@ def _args(text: str) -> Any:
     return parsed if parsed is not None else text
 
 
-def _generic(messages: Sequence[dict[str, Any]], tools: list[Any], fmt: ToolFormat) -> list[dict[str, str]]:
+def _generic(
+    messages: Sequence[dict[str, Any]], tools: list[Any], fmt: ToolFormat
+) -> list[dict[str, str]]:
     out: list[dict[str, str]] = []
     for m in messages:
         if m["role"] == "tool":
@@ -56,7 +66,12 @@ def _generic(messages: Sequence[dict[str, Any]], tools: list[Any], fmt: ToolForm
         elif "tool_calls" in m:
             calls = [msgspec.convert(c, ToolCall) for c in m["tool_calls"]]
             text = fmt.call_text(calls)
-            out.append({"role": "assistant", "content": f"{m['content']}\n{text}" if m["content"] else text})
+            out.append(
+                {
+                    "role": "assistant",
+                    "content": f"{m['content']}\n{text}" if m["content"] else text,
+                }
+            )
         else:
             out.append({"role": m["role"], "content": m["content"]})
     if tools:

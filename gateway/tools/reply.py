@@ -82,7 +82,15 @@ class _Choice:
             if self._dropping:
                 return
             self.calls += 1
-            deltas.append(ToolCallDelta(index=self.calls - 1, id=new_call_id(), type="function",
-                                        function=FunctionCallDelta(name=e.name, arguments="")))  # fmt: skip
+            deltas.append(
+                ToolCallDelta(
+                    index=self.calls - 1,
+                    id=new_call_id(),
+                    type="function",
+                    function=FunctionCallDelta(name=e.name, arguments=""),
+                )
+            )
         elif isinstance(e, CallArgs) and not self._dropping:
-            deltas.append(ToolCallDelta(index=self.calls - 1, function=FunctionCallDelta(arguments=e.text)))
+            deltas.append(
+                ToolCallDelta(index=self.calls - 1, function=FunctionCallDelta(arguments=e.text))
+            )

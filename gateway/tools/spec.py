@@ -51,36 +51,59 @@ class Tools:
         raise KeyError(name)
 
 
-def check_tools(tools: list[ToolDef] | None, choice: ToolChoice | None, parallel: bool | None) -> Tools:
+def check_tools(
+    tools: list[ToolDef] | None, choice: ToolChoice | None, parallel: bool | None
+) -> Tools:
     if not tools:
         if choice not in (None, "none"):
-            raise APIError(400, "tool_choice is only allowed when tools are specified", param="tool_choice")
+            raise APIError(
+                400, "tool_choice is only allowed when tools are specified", param="tool_choice"
+            )
         if parallel is not None:
-            raise APIError(400, "parallel_tool_calls is only allowed when tools are specified",
-                           param="parallel_tool_calls")  # fmt: skip
+            raise APIError(
+                400,
+                "parallel_tool_calls is only allowed when tools are specified",
+                param="parallel_tool_calls",
+            )
         return Tools()
     if len(tools) > MAX_TOOLS:
-        raise APIError(400, f"tools takes at most {MAX_TOOLS} functions, got {len(tools)}", param="tools")
+        raise APIError(
+            400, f"tools takes at most {MAX_TOOLS} functions, got {len(tools)}", param="tools"
+        )
     seen: set[str] = set()
     for i, t in enumerate(tools):
         if t.type != "function":
-            raise APIError(400, f"tools[{i}].type must be 'function', got {t.type!r}", param=f"tools[{i}].type")
+            raise APIError(
+                400, f"tools[{i}].type must be 'function', got {t.type!r}", param=f"tools[{i}].type"
+            )
         name = t.function.name
         if not _NAME.match(name):
-            raise APIError(400, f"tools[{i}].function.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {name!r}",
-                           param=f"tools[{i}].function.name")  # fmt: skip
+            raise APIError(
+                400,
+                f"tools[{i}].function.name must match ^[a-zA-Z0-9_-]{{1,64}}$, got {name!r}",
+                param=f"tools[{i}].function.name",
+            )
         if name in seen:
-            raise APIError(400, f"tools[{i}]: the function name {name!r} is given twice", param=f"tools[{i}]")
+            raise APIError(
+                400, f"tools[{i}]: the function name {name!r} is given twice", param=f"tools[{i}]"
+            )
         seen.add(name)
         p = t.function.parameters
         if p is not None and p.get("type", "object") != "object":
-            raise APIError(400, f"tools[{i}].function.parameters must be a JSON Schema of type 'object'",
-                           param=f"tools[{i}].function.parameters")  # fmt: skip
+            raise APIError(
+                400,
+                f"tools[{i}].function.parameters must be a JSON Schema of type 'object'",
+                param=f"tools[{i}].function.parameters",
+            )
     named = None
     if isinstance(choice, NamedToolChoice):
         if choice.type != "function" or choice.function.name not in seen:
-            raise APIError(400, f"tool_choice names the function {choice.function.name!r}, which is not among "
-                                f"the tools ({', '.join(sorted(seen))})", param="tool_choice")  # fmt: skip
+            raise APIError(
+                400,
+                f"tool_choice names the function {choice.function.name!r}, which is not among "
+                f"the tools ({', '.join(sorted(seen))})",
+                param="tool_choice",
+            )
         named = choice.function.name
     mode = "named" if named else (choice or "auto")
     return Tools(tuple(tools), str(mode), named, parallel is not False)
@@ -90,18 +113,37 @@ def tool_turn(i: int, m: ChatMessage, content: str | None) -> dict[str, Any]:
     """A message with its tool fields, checked, in OpenAI's form (content a string)."""
     if m.role == "tool":
         if not m.tool_call_id:
-            raise APIError(400, f"messages[{i}]: a 'tool' message needs tool_call_id", param=f"messages[{i}].tool_call_id")
+            raise APIError(
+                400,
+                f"messages[{i}]: a 'tool' message needs tool_call_id",
+                param=f"messages[{i}].tool_call_id",
+            )
         if content is None:
-            raise APIError(400, f"messages[{i}]: content is required", param=f"messages[{i}].content")
+            raise APIError(
+                400, f"messages[{i}]: content is required", param=f"messages[{i}].content"
+            )
         return {"role": "tool", "tool_call_id": m.tool_call_id, "content": content}
     if m.tool_call_id is not None:
-        raise APIError(400, f"messages[{i}]: tool_call_id belongs on a 'tool' message",
-                       param=f"messages[{i}].tool_call_id")  # fmt: skip
+        raise APIError(
+            400,
+            f"messages[{i}]: tool_call_id belongs on a 'tool' message",
+            param=f"messages[{i}].tool_call_id",
+        )
     if m.role != "assistant":
-        raise APIError(400, f"messages[{i}]: tool_calls belong on an 'assistant' message",
-                       param=f"messages[{i}].tool_calls")  # fmt: skip
+        raise APIError(
+            400,
+            f"messages[{i}]: tool_calls belong on an 'assistant' message",
+            param=f"messages[{i}].tool_calls",
+        )
     for j, c in enumerate(m.tool_calls or ()):
         if c.type != "function":
-            raise APIError(400, f"messages[{i}].tool_calls[{j}].type must be 'function'",
-                           param=f"messages[{i}].tool_calls")  # fmt: skip
-    return {"role": "assistant", "content": content or "", "tool_calls": msgspec.to_builtins(m.tool_calls)}
+            raise APIError(
+                400,
+                f"messages[{i}].tool_calls[{j}].type must be 'function'",
+                param=f"messages[{i}].tool_calls",
+            )
+    return {
+        "role": "assistant",
+        "content": content or "",
+        "tool_calls": msgspec.to_builtins(m.tool_calls),
+    }

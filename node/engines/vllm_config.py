@@ -65,8 +65,10 @@ def parse_vllm_args(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
         if not key.isidentifier():
             raise ValueError(f"--vllm-arg {item!r}: {key!r} is not an engine argument name")
         if key in RESERVED_ARGS:
-            raise ValueError(f"--vllm-arg {key}: duet sets this itself (use --model, --failure-policy, "
-                             "--lease-seconds, --etcd)")  # fmt: skip
+            raise ValueError(
+                f"--vllm-arg {key}: duet sets this itself (use --model, --failure-policy, "
+                "--lease-seconds, --etcd)"
+            )
         try:
             value: Any = json.loads(raw)
         except ValueError:
@@ -80,8 +82,17 @@ def kv_memory_bytes(spec: str | int) -> int:
     if isinstance(spec, int):
         return spec
     text = spec.strip()
-    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": GIB, "TIB": 1 << 40, "KB": 10**3, "MB": 10**6,
-             "GB": 10**9, "TB": 10**12, "B": 1}  # fmt: skip
+    units = {
+        "KIB": 1 << 10,
+        "MIB": 1 << 20,
+        "GIB": GIB,
+        "TIB": 1 << 40,
+        "KB": 10**3,
+        "MB": 10**6,
+        "GB": 10**9,
+        "TB": 10**12,
+        "B": 1,
+    }
     unit = next((u for u in units if text.upper().endswith(u)), None)
     number, mult = (text[: -len(unit)].strip(), units[unit]) if unit else (text, 1)
     try:
@@ -134,7 +145,9 @@ class VllmEngineConfig:
 
     def __post_init__(self) -> None:
         if self.failure_policy not in ("recompute", "fail"):
-            raise ValueError(f"failure policy must be recompute or fail, got {self.failure_policy!r}")
+            raise ValueError(
+                f"failure policy must be recompute or fail, got {self.failure_policy!r}"
+            )
         if self.block_size < 1:
             raise ValueError(f"block size must be positive, got {self.block_size}")
         if not 0 < self.nixl_port < 65536:
@@ -160,7 +173,9 @@ class VllmEngineConfig:
             while self.on_cpu() and vbs % CPU_BLOCK_MULTIPLE:
                 vbs += self.block_size
         if not isinstance(vbs, int) or vbs < 1 or vbs % self.block_size:
-            raise ValueError(f"--vllm-arg block_size={vbs!r} must be a multiple of --block-size {self.block_size}")
+            raise ValueError(
+                f"--vllm-arg block_size={vbs!r} must be a multiple of --block-size {self.block_size}"
+            )
         return vbs
 
     def environment(self) -> dict[str, str]:
@@ -175,11 +190,19 @@ class VllmEngineConfig:
             "TRANSFORMERS_OFFLINE": "1",
         }
         thread = self.nixl_progress_thread
-        if thread is None:  # a prefill node's blocks are read while its engine may be idle: a thread there
+        if (
+            thread is None
+        ):  # a prefill node's blocks are read while its engine may be idle: a thread there
             thread = "on" if not self.on_cpu() else "off" if self.role == "decode" else "poll"
-        env["DUET_VLLM_NIXL_PROGRESS_THREAD"] = {"on": "1", "off": "0", "poll": f"poll:{NIXL_POLL_US}"}[thread]
+        env["DUET_VLLM_NIXL_PROGRESS_THREAD"] = {
+            "on": "1",
+            "off": "0",
+            "poll": f"poll:{NIXL_POLL_US}",
+        }[thread]
         if self.on_cpu():
-            env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_memory_bytes(self.kv_memory) / GIB)))
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(
+                max(1, math.ceil(kv_memory_bytes(self.kv_memory) / GIB))
+            )
             if self.threads:
                 # vLLM binds one OpenMP thread per core by default; a shared machine wants fewer.
                 env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
@@ -200,7 +223,9 @@ class VllmEngineConfig:
                 "kv_role": KV_ROLE,
                 "kv_buffer_device": "cpu" if self.on_cpu() else "cuda",
                 "kv_load_failure_policy": self.failure_policy,
-                "kv_connector_extra_config": {"kv_lease_duration": max(1, math.ceil(self.lease_seconds))},
+                "kv_connector_extra_config": {
+                    "kv_lease_duration": max(1, math.ceil(self.lease_seconds))
+                },
             },
             "structured_outputs_config": dict(STRUCTURED_OUTPUTS),
         }
@@ -213,8 +238,12 @@ class VllmEngineConfig:
         if self.record_kv_events:
             if not self.kv_events_endpoint:
                 raise ValueError("record_kv_events needs kv_events_endpoint")
-            kw["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
-                                      "endpoint": self.kv_events_endpoint, "topic": "kv"}  # fmt: skip
+            kw["kv_events_config"] = {
+                "enable_kv_cache_events": True,
+                "publisher": "zmq",
+                "endpoint": self.kv_events_endpoint,
+                "topic": "kv",
+            }
         kw.update({k: v for k, v in self.extra_args.items() if k != "block_size"})
         return kw
 

@@ -118,7 +118,12 @@ class HashTranslator:
         n = len(ev.block_hashes)
         if vbs % bs or len(ev.token_ids) != n * vbs or n == 0:
             self.dropped += 1
-            log.debug("dropping a KV event with %d hashes, %d tokens, block size %d", n, len(ev.token_ids), vbs)
+            log.debug(
+                "dropping a KV event with %d hashes, %d tokens, block size %d",
+                n,
+                len(ev.token_ids),
+                vbs,
+            )
             return None
         if ev.parent_block_hash is None:
             parent, duet_parent = domain_root(ev.cache_salt(), self.seed), None
@@ -136,8 +141,12 @@ class HashTranslator:
                 mine.append(parent)
             self._map[v] = mine
             hashes.extend(mine)
-        return BlockStored(block_hashes=hashes, parent_block_hash=duet_parent, token_ids=list(ev.token_ids),
-                           block_size=bs)  # fmt: skip
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=duet_parent,
+            token_ids=list(ev.token_ids),
+            block_size=bs,
+        )
 
 
 _DECODER = msgspec.msgpack.Decoder(VBatch)
@@ -153,7 +162,9 @@ class VllmEventBridge:
     `async for events in bridge` yields one list of duet events per vLLM batch (possibly empty
     when everything in it was dropped). Close with `close()`."""
 
-    def __init__(self, endpoint: str, block_size: int, seed: int = DEFAULT_HASH_SEED, topic: str = "kv") -> None:
+    def __init__(
+        self, endpoint: str, block_size: int, seed: int = DEFAULT_HASH_SEED, topic: str = "kv"
+    ) -> None:
         import zmq
         import zmq.asyncio
 
@@ -173,13 +184,19 @@ class VllmEventBridge:
         while True:
             frames = await self._sock.recv_multipart()
             if len(frames) != 3:
-                log.warning("ignoring a KV event message of %d frames from %s", len(frames), self.endpoint)
+                log.warning(
+                    "ignoring a KV event message of %d frames from %s", len(frames), self.endpoint
+                )
                 continue
             _, seq_bytes, payload = frames
             seq = int.from_bytes(seq_bytes, "big", signed=True)
             out: list[KVEvent] = []
             if self._last_seq is not None and seq != self._last_seq + 1:
-                log.warning("vLLM KV events %d..%d were lost: announcing a cleared cache", self._last_seq + 1, seq - 1)
+                log.warning(
+                    "vLLM KV events %d..%d were lost: announcing a cleared cache",
+                    self._last_seq + 1,
+                    seq - 1,
+                )
                 out.extend(self.translator.reset())
             self._last_seq = seq
             try:

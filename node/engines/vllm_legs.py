@@ -75,12 +75,20 @@ async def prefill_leg(leg: LegContext) -> web.StreamResponse:
         raise APIError(400, "a prefill leg (do_remote_decode) cannot stream", param="stream")
     extra = set(msgspec.to_builtins(prep.kv_params or KVTransferParams())) - {"do_remote_decode"}
     if extra:
-        raise APIError(400, f"a prefill leg takes only do_remote_decode, not {sorted(extra)}", param=_PARAM)
+        raise APIError(
+            400, f"a prefill leg takes only do_remote_decode, not {sorted(extra)}", param=_PARAM
+        )
     prep.params.max_tokens = 1  # P computes the prompt; the first real token comes from D
-    stream = await leg.start(prep.params, KVHandoff(kv_transfer_params=KVTransferParams(do_remote_decode=True)))
+    stream = await leg.start(
+        prep.params, KVHandoff(kv_transfer_params=KVTransferParams(do_remote_decode=True))
+    )
     result = await leg.collect(stream)
     if result.kv_transfer_params is None or not result.kv_transfer_params.do_remote_prefill:
-        raise APIError(500, "the engine finished the prefill without handing its KV over", type_="internal_error")
+        raise APIError(
+            500,
+            "the engine finished the prefill without handing its KV over",
+            type_="internal_error",
+        )
     log.info("prefilled %d tokens for a remote decode", len(prep.prompt_ids))
     return leg.answer(result)
 
@@ -93,8 +101,10 @@ async def _resolve(host: str) -> list[str]:
         if not host or len(host) > 253:
             raise APIError(400, "remote_host is empty or too long", param=_PARAM) from None
     try:
-        infos = await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM),
-                                       _RESOLVE_TIMEOUT_S)  # fmt: skip
+        infos = await asyncio.wait_for(
+            asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM),
+            _RESOLVE_TIMEOUT_S,
+        )
     except (OSError, TimeoutError, UnicodeError):
         raise APIError(400, f"remote_host {host!r} does not resolve", param=_PARAM) from None
     return sorted({str(i[4][0]) for i in infos})
@@ -108,17 +118,29 @@ async def _allowed_address(node: Node, host: str) -> str:
     addrs = await _resolve(host)
     bad = [a for a in addrs if not any(ipaddress.ip_address(a) in n for n in networks)]
     if bad or not addrs:
-        raise APIError(403, f"remote_host {host} is outside this node's allowed peer networks",
-                       code="peer_not_allowed", param=_PARAM)  # fmt: skip
+        raise APIError(
+            403,
+            f"remote_host {host} is outside this node's allowed peer networks",
+            code="peer_not_allowed",
+            param=_PARAM,
+        )
     members = node.members
     if members is not None:
         if not members.listed:
-            raise APIError(503, "this node has not read the cluster's registrations yet; retry shortly",
-                           type_="service_unavailable", code="overloaded")  # fmt: skip
+            raise APIError(
+                503,
+                "this node has not read the cluster's registrations yet; retry shortly",
+                type_="service_unavailable",
+                code="overloaded",
+            )
         registered = {a for h in members.kv_hosts() for a in await _resolve_quietly(h)}
         if addrs[0] not in registered:
-            raise APIError(403, f"remote_host {host} is no registered prefill node of this cluster",
-                           code="peer_not_allowed", param=_PARAM)  # fmt: skip
+            raise APIError(
+                403,
+                f"remote_host {host} is no registered prefill node of this cluster",
+                code="peer_not_allowed",
+                param=_PARAM,
+            )
     return addrs[0]
 
 
@@ -141,16 +163,24 @@ def _remote_params(kv: KVTransferParams | None, num_prompt_tokens: int) -> VllmR
         raise APIError(400, f"invalid kv_transfer_params: {e}", param=_PARAM) from None
     ids = p.remote_block_ids
     if not (all(isinstance(b, int) for b in ids) or all(isinstance(b, list) for b in ids)):
-        raise APIError(400, "remote_block_ids must be block ids or lists of block ids, not a mix", param=_PARAM)
+        raise APIError(
+            400, "remote_block_ids must be block ids or lists of block ids, not a mix", param=_PARAM
+        )
     if any(b < 0 for b in _flat(ids)):
         raise APIError(400, "remote_block_ids must be non-negative", param=_PARAM)
     if not 0 < p.remote_port < 65536:
         raise APIError(400, f"remote_port {p.remote_port} is not a TCP port", param=_PARAM)
     if not p.remote_engine_id or not p.remote_request_id:
-        raise APIError(400, "remote_engine_id and remote_request_id must be non-empty", param=_PARAM)
+        raise APIError(
+            400, "remote_engine_id and remote_request_id must be non-empty", param=_PARAM
+        )
     if p.remote_num_tokens is not None and not 0 <= p.remote_num_tokens <= num_prompt_tokens:
-        raise APIError(400, f"remote_num_tokens {p.remote_num_tokens} exceeds the prompt's "
-                            f"{num_prompt_tokens} tokens", param=_PARAM)  # fmt: skip
+        raise APIError(
+            400,
+            f"remote_num_tokens {p.remote_num_tokens} exceeds the prompt's "
+            f"{num_prompt_tokens} tokens",
+            param=_PARAM,
+        )
     return p
 
 
@@ -160,7 +190,9 @@ async def decode_leg(leg: LegContext) -> web.StreamResponse:
     address = await _allowed_address(leg.node, p.remote_host)
     # vLLM's fields only, the address the policy allowed in place of the name; duet's lease
     # is not vLLM's
-    kv = msgspec.convert({**msgspec.to_builtins(p), "remote_host": address, "lease_seconds": None}, KVTransferParams)
+    kv = msgspec.convert(
+        {**msgspec.to_builtins(p), "remote_host": address, "lease_seconds": None}, KVTransferParams
+    )
     return await leg.respond(await leg.start(leg.prep.params, KVHandoff(kv_transfer_params=kv)))
 
 

@@ -86,5 +86,8 @@ def _polling_progress_thread(api: Any, delay_us: int) -> None:
     if getattr(api.nixlBind, "_duet_polling", False):
         return
     api.nixlBind = _PollingBindings(api.nixlBind, max(1, delay_us))
-    log.info("NIXL agents in this vLLM process poll for progress every %d µs at most, not in a spin (%s)",
-             delay_us, ENV)  # fmt: skip
+    log.info(
+        "NIXL agents in this vLLM process poll for progress every %d µs at most, not in a spin (%s)",
+        delay_us,
+        ENV,
+    )

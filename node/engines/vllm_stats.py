@@ -23,11 +23,20 @@ from typing import Any
 class VllmStats:
     def __init__(self) -> None:
         self.values: dict[str, float] = {
-            "num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0,
-            "prefix_cache_queries": 0, "prefix_cache_hits": 0, "prompt_tokens_computed": 0,
-            "generation_tokens": 0, "num_preemptions": 0, "num_requests_failed": 0,
-            "kv_blocks_total": 0, "kv_blocks_free": 0, "num_requests_held": 0, "queue_full": 0,
-        }  # fmt: skip
+            "num_requests_running": 0,
+            "num_requests_waiting": 0,
+            "kv_cache_usage_perc": 0.0,
+            "prefix_cache_queries": 0,
+            "prefix_cache_hits": 0,
+            "prompt_tokens_computed": 0,
+            "generation_tokens": 0,
+            "num_preemptions": 0,
+            "num_requests_failed": 0,
+            "kv_blocks_total": 0,
+            "kv_blocks_free": 0,
+            "num_requests_held": 0,
+            "queue_full": 0,
+        }
 
     def set_capacity(self, blocks: int) -> None:
         self.values["kv_blocks_total"] = blocks
@@ -39,7 +48,9 @@ class VllmStats:
             v["num_requests_running"] = scheduler.num_running_reqs
             v["num_requests_waiting"] = scheduler.num_waiting_reqs
             v["kv_cache_usage_perc"] = float(scheduler.kv_cache_usage)
-            v["kv_blocks_free"] = round(v["kv_blocks_total"] * (1.0 - float(scheduler.kv_cache_usage)))
+            v["kv_blocks_free"] = round(
+                v["kv_blocks_total"] * (1.0 - float(scheduler.kv_cache_usage))
+            )
             pc = scheduler.prefix_cache_stats
             if pc is not None:
                 v["prefix_cache_queries"] += pc.queries
@@ -48,8 +59,11 @@ class VllmStats:
             v["generation_tokens"] += iteration.num_generation_tokens
             v["prompt_tokens_computed"] += getattr(iteration.prompt_token_stats, "computed", 0)
             v["num_preemptions"] += iteration.num_preempted_reqs
-            v["num_requests_failed"] += sum(1 for f in iteration.finished_requests
-                                            if str(getattr(f, "finish_reason", "")).lower().endswith("error"))  # fmt: skip
+            v["num_requests_failed"] += sum(
+                1
+                for f in iteration.finished_requests
+                if str(getattr(f, "finish_reason", "")).lower().endswith("error")
+            )
 
     def snapshot(self) -> dict[str, float]:
         return dict(self.values)
@@ -63,8 +77,13 @@ def logger_factory(stats: VllmStats) -> Any:
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
             pass  # the adapter sets the capacity (in duet's blocks) once vLLM has sized its pool
 
-        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
-                   engine_idx: int = 0) -> None:  # fmt: skip
+        def record(
+            self,
+            scheduler_stats: Any,
+            iteration_stats: Any,
+            mm_cache_stats: Any = None,
+            engine_idx: int = 0,
+        ) -> None:
             stats.record(scheduler_stats, iteration_stats)
 
         def log_engine_initialized(self) -> None:

@@ -27,8 +27,13 @@ def authenticate(request: web.Request) -> str:
     return KEYS[key]
 
 
-def make_app(config: BatchConfig, *, node_url: str | None = None, model_dir: Path | None = None,
-             may_run: Callable[[], bool] | None = None) -> web.Application:  # fmt: skip
+def make_app(
+    config: BatchConfig,
+    *,
+    node_url: str | None = None,
+    model_dir: Path | None = None,
+    may_run: Callable[[], bool] | None = None,
+) -> web.Application:
     """Without a node, only the routes run (validation tests); with one, the runner too."""
     app = web.Application()
     store = SqliteBatchStore(Path(config.data_dir) / "batch.sqlite3")
@@ -56,6 +61,11 @@ def make_app(config: BatchConfig, *, node_url: str | None = None, model_dir: Pat
 
     app.cleanup_ctx.append(ctx)
     app.router.add_get("/health", health)
-    make_batch_routes(app, store=store, authenticate=authenticate, config=config,
-                      wake=runner.wake if runner else None)  # fmt: skip
+    make_batch_routes(
+        app,
+        store=store,
+        authenticate=authenticate,
+        config=config,
+        wake=runner.wake if runner else None,
+    )
     return app

@@ -37,10 +37,17 @@ def chat_lines(n: int, model: str, max_tokens: int = 8, **extra: Any) -> list[di
     out = []
     for i in range(n):
         content = f"{WORDS[i % len(WORDS)]} {WORDS[(i * 7 + 3) % len(WORDS)]} {i}"
-        body = {"model": model, "messages": [{"role": "user", "content": content}],
-                "max_tokens": max_tokens, "temperature": 0, "user": f"req-{i}", **extra}  # fmt: skip
-        out.append({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-                    "body": body})  # fmt: skip
+        body = {
+            "model": model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "user": f"req-{i}",
+            **extra,
+        }
+        out.append(
+            {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        )
     return out
 
 

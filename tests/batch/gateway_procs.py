@@ -23,35 +23,67 @@ INPUT_PRICE, OUTPUT_PRICE = 1.0, 2.0
 NODE_ARGS = ("--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024")
 
 
-def batch_gateway(tmp: Path, tokenizer: Path, nodes: list[str], port: int | None = None,
-                  store: Path | str | None = None, **batch: Any) -> Proc:  # fmt: skip
+def batch_gateway(
+    tmp: Path,
+    tokenizer: Path,
+    nodes: list[str],
+    port: int | None = None,
+    store: Path | str | None = None,
+    **batch: Any,
+) -> Proc:
     """`store`: the gateway store (default tmp/gateway.db; a postgresql:// URL for a shared one)."""
-    settings = {"concurrency": 8, "discount": DISCOUNT, "lease_s": 3.0, "poll_s": 0.05, "retry_base_s": 0.2,
-                **batch}  # fmt: skip
-    return gateway_proc(tmp, {MODEL: tiny_model(tokenizer, both=nodes)}, port=port,
-                        store=store or tmp / "gateway.db", batch=settings)  # fmt: skip
+    settings = {
+        "concurrency": 8,
+        "discount": DISCOUNT,
+        "lease_s": 3.0,
+        "poll_s": 0.05,
+        "retry_base_s": 0.2,
+        **batch,
+    }
+    return gateway_proc(
+        tmp,
+        {MODEL: tiny_model(tokenizer, both=nodes)},
+        port=port,
+        store=store or tmp / "gateway.db",
+        batch=settings,
+    )
 
 
 def lines_for(n: int, max_tokens: int = 4, **extra: Any) -> list[dict[str, Any]]:
     """n distinct short greedy chat requests for the gateway's model."""
     out = []
     for i in range(n):
-        body = {"model": MODEL, "messages": [{"role": "user", "content": f"line {i} says {i * 37 % 101}"}],
-                "max_tokens": max_tokens, "temperature": 0, **extra}  # fmt: skip
-        out.append({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"line {i} says {i * 37 % 101}"}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            **extra,
+        }
+        out.append(
+            {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        )
     return out
 
 
 async def submit(c: openai.AsyncOpenAI, lines: list[dict[str, Any]]) -> str:
     f = await c.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch")
-    b = await c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+    b = await c.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     return b.id
 
 
 async def wait_done(url: str, key: str, batch_id: str, timeout: float = 300) -> Any:
     async with client(url, key) as c:
+
         async def done() -> bool:
-            return (await c.batches.retrieve(batch_id)).status in ("completed", "failed", "expired", "cancelled")
+            return (await c.batches.retrieve(batch_id)).status in (
+                "completed",
+                "failed",
+                "expired",
+                "cancelled",
+            )
 
         await until(done, timeout=timeout, what=f"batch {batch_id} done")
         return await c.batches.retrieve(batch_id)
@@ -67,6 +99,7 @@ async def file_lines(url: str, key: str, file_id: str | None) -> list[dict[str, 
 
 async def completed_at_least(url: str, key: str, batch_id: str, n: int) -> None:
     async with client(url, key) as c:
+
         async def enough() -> bool:
             return (await c.batches.retrieve(batch_id)).request_counts.completed >= n
 
@@ -74,9 +107,25 @@ async def completed_at_least(url: str, key: str, batch_id: str, n: int) -> None:
 
 
 def usage_records(store: Path, team: str) -> list[dict[str, Any]]:
-    out = subprocess.run([sys.executable, "-m", "duet", "usage", "report", "--store", f"sqlite://{store}",
-                          "--team", team, "--format", "json"], capture_output=True, text=True, timeout=60,
-                         check=True)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "duet",
+            "usage",
+            "report",
+            "--store",
+            f"sqlite://{store}",
+            "--team",
+            team,
+            "--format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 

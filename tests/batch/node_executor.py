@@ -17,8 +17,17 @@ import aiohttp
 
 from protocol.tokenizer import Tokenizer
 
-_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "ignore_eos",
-             "min_tokens", "stop_token_ids")  # fmt: skip
+_SAMPLING = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+)
 
 
 class NodeExecutor:
@@ -29,8 +38,15 @@ class NodeExecutor:
         self.calls: list[tuple[str, str]] = []  # (team, request id) of every call
         self.calls_by_user: list[str] = []  # body["user"] of every call that reached the node
 
-    async def __call__(self, team_id: str, endpoint: str, body: dict[str, Any], *,
-                       tier: str = "batch", request_id: str) -> tuple[int, dict[str, Any]]:  # fmt: skip
+    async def __call__(
+        self,
+        team_id: str,
+        endpoint: str,
+        body: dict[str, Any],
+        *,
+        tier: str = "batch",
+        request_id: str,
+    ) -> tuple[int, dict[str, Any]]:
         self.calls.append((team_id, request_id))
         if endpoint == "/v1/chat/completions":
             node_body = {k: body[k] for k in _SAMPLING if k in body}
@@ -39,8 +55,9 @@ class NodeExecutor:
         else:
             node_body = {k: v for k, v in body.items() if k != "user"}
         node_body["priority"] = tier
-        async with self.session.post(f"{self.node_url}/v1/completions", json=node_body,
-                                     headers={"X-Request-Id": request_id}) as r:  # fmt: skip
+        async with self.session.post(
+            f"{self.node_url}/v1/completions", json=node_body, headers={"X-Request-Id": request_id}
+        ) as r:
             data = await r.json()
         if "user" in body:  # the tests tag each request; this counts runs that reached the node
             self.calls_by_user.append(body["user"])
@@ -48,9 +65,16 @@ class NodeExecutor:
             return r.status, data
         choice = data["choices"][0]
         return 200, {
-            "id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
+            "id": f"chatcmpl-{request_id}",
+            "object": "chat.completion",
+            "created": int(time.time()),
             "model": data["model"],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": choice["text"]},
-                         "finish_reason": choice["finish_reason"]}],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": choice["text"]},
+                    "finish_reason": choice["finish_reason"],
+                }
+            ],
             "usage": data.get("usage"),
-        }  # fmt: skip
+        }

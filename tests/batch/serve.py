@@ -22,10 +22,20 @@ def main() -> None:
     ap.add_argument("--lease-s", type=float, default=5.0)
     ap.add_argument("--poll-s", type=float, default=0.1)
     a = ap.parse_args()
-    config = BatchConfig(data_dir=a.data_dir, worker_id=a.worker_id, concurrency=a.concurrency,
-                         lease_s=a.lease_s, poll_s=a.poll_s, retry_base_s=0.1)  # fmt: skip
-    web.run_app(make_app(config, node_url=a.node_url, model_dir=a.model_dir), host="127.0.0.1",
-                port=a.port, print=None)  # fmt: skip
+    config = BatchConfig(
+        data_dir=a.data_dir,
+        worker_id=a.worker_id,
+        concurrency=a.concurrency,
+        lease_s=a.lease_s,
+        poll_s=a.poll_s,
+        retry_base_s=0.1,
+    )
+    web.run_app(
+        make_app(config, node_url=a.node_url, model_dir=a.model_dir),
+        host="127.0.0.1",
+        port=a.port,
+        print=None,
+    )
 
 
 if __name__ == "__main__":

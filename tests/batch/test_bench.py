@@ -13,14 +13,39 @@ from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, tiny_mod
 from tests.procs import Proc, running
 
 
-def test_batch_ttft_report(node: Proc, tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    gw = gateway_proc(tmp_path, {MODEL: tiny_model(tiny_llama, both=[node.url])},
-                      batch={"concurrency": 2, "poll_s": 0.05})  # fmt: skip
+def test_batch_ttft_report(
+    node: Proc, tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gw = gateway_proc(
+        tmp_path,
+        {MODEL: tiny_model(tiny_llama, both=[node.url])},
+        batch={"concurrency": 2, "poll_s": 0.05},
+    )
     with running(gw):
         key = make_team(gw.url, "bench")
-        rc = batch_ttft.main(["--gateway", gw.url, "--api-key", key, "--model", MODEL, "--interactive", "3",
-                              "--prompt-len", "16", "--batch-streams", "2", "--batch-lines", "300",
-                              "--batch-prompt-len", "32", "--batch-max-tokens", "8", "--json"])  # fmt: skip
+        rc = batch_ttft.main(
+            [
+                "--gateway",
+                gw.url,
+                "--api-key",
+                key,
+                "--model",
+                MODEL,
+                "--interactive",
+                "3",
+                "--prompt-len",
+                "16",
+                "--batch-streams",
+                "2",
+                "--batch-lines",
+                "300",
+                "--batch-prompt-len",
+                "32",
+                "--batch-max-tokens",
+                "8",
+                "--json",
+            ]
+        )
         assert rc == 0
         report = json.loads(capsys.readouterr().out)
         # the background batch ran through the gateway and was cancelled at the end of its phase
@@ -33,4 +58,6 @@ def test_batch_ttft_report(node: Proc, tiny_llama: Path, tmp_path: Path, capsys:
         assert 0 < ph["ttft_p50_ms"] <= ph["ttft_p95_ms"]
         assert (ph["background_tokens_per_s"] > 0) == (name != "idle")
     idle = report["phases"]["idle"]["ttft_p50_ms"]
-    assert report["ttft_p50_ratio_batch_vs_idle"] == pytest.approx(report["phases"]["batch"]["ttft_p50_ms"] / idle)
+    assert report["ttft_p50_ratio_batch_vs_idle"] == pytest.approx(
+        report["phases"]["batch"]["ttft_p50_ms"] / idle
+    )

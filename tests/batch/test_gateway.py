@@ -35,17 +35,25 @@ from tests.procs import Proc, duet_node, running
 
 
 @pytest.fixture(scope="module")
-def nodes(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
+def nodes(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Proc, Proc]]:
     tmp = tmp_path_factory.mktemp("nodes")
-    a, b = duet_node("both", tiny_llama, tmp, *NODE_ARGS), duet_node("both", tiny_llama, tmp, *NODE_ARGS)
+    a, b = (
+        duet_node("both", tiny_llama, tmp, *NODE_ARGS),
+        duet_node("both", tiny_llama, tmp, *NODE_ARGS),
+    )
     with running(a, b):
         yield a, b
 
 
-async def one_by_one(url: str, key: str, lines: list[dict[str, Any]], parallel: int = 8) -> dict[str, Any]:
+async def one_by_one(
+    url: str, key: str, lines: list[dict[str, Any]], parallel: int = 8
+) -> dict[str, Any]:
     """Each line's body as its own interactive request through the gateway."""
     sem = asyncio.Semaphore(parallel)
     async with client(url, key) as c:
+
         async def one(line: dict[str, Any]) -> tuple[str, Any]:
             async with sem:
                 return line["custom_id"], await c.chat.completions.create(**line["body"])
@@ -53,7 +61,9 @@ async def one_by_one(url: str, key: str, lines: list[dict[str, Any]], parallel: 
         return dict(await asyncio.gather(*(one(x) for x in lines)))
 
 
-async def test_500_line_batch_through_gateway(nodes: tuple[Proc, Proc], tiny_llama: Path, tmp_path: Path) -> None:
+async def test_500_line_batch_through_gateway(
+    nodes: tuple[Proc, Proc], tiny_llama: Path, tmp_path: Path
+) -> None:
     gw = batch_gateway(tmp_path, tiny_llama, [n.url for n in nodes])
     lines = lines_for(500)
     with running(gw):
@@ -73,10 +83,16 @@ async def test_500_line_batch_through_gateway(nodes: tuple[Proc, Proc], tiny_lla
             with pytest.raises(openai.AuthenticationError):
                 await bad.batches.retrieve(batch_id)
         health = json.loads(urllib.request.urlopen(gw.url + "/health", timeout=5).read())
-        assert health["batch"]["concurrency"] == 8 and health["batch"]["worker_id"].endswith(f":{gw.port}")
+        assert health["batch"]["concurrency"] == 8 and health["batch"]["worker_id"].endswith(
+            f":{gw.port}"
+        )
         b = await wait_done(gw.url, key_a, batch_id)
         assert b.status == "completed", b
-        assert b.request_counts.completed == 500 and b.request_counts.failed == 0 and b.error_file_id is None
+        assert (
+            b.request_counts.completed == 500
+            and b.request_counts.failed == 0
+            and b.error_file_id is None
+        )
         out = await file_lines(gw.url, key_a, b.output_file_id)
         assert [o["custom_id"] for o in out] == [x["custom_id"] for x in lines]
         direct = await one_by_one(gw.url, key_a, lines)
@@ -96,14 +112,19 @@ async def test_500_line_batch_through_gateway(nodes: tuple[Proc, Proc], tiny_lla
     assert {r["request_id"] for r in batch} == {o["response"]["request_id"] for o in out}
     for r in batch:
         assert r["status"] == "ok" and r["completion_tokens"] > 0
-        assert r["cost_usd"] == pytest.approx(full_price(r["prompt_tokens"], r["completion_tokens"]) * (1 - DISCOUNT))
+        assert r["cost_usd"] == pytest.approx(
+            full_price(r["prompt_tokens"], r["completion_tokens"]) * (1 - DISCOUNT)
+        )
     for r in inter:
-        assert r["cost_usd"] == pytest.approx(full_price(r["prompt_tokens"], r["completion_tokens"]))
+        assert r["cost_usd"] == pytest.approx(
+            full_price(r["prompt_tokens"], r["completion_tokens"])
+        )
     assert not usage_records(tmp_path / "gateway.db", "team-b")
 
 
-async def test_quota_window_defers_lines_and_spent_budget_fails_them(nodes: tuple[Proc, Proc], tiny_llama: Path,
-                                                                      tmp_path: Path) -> None:  # fmt: skip
+async def test_quota_window_defers_lines_and_spent_budget_fails_them(
+    nodes: tuple[Proc, Proc], tiny_llama: Path, tmp_path: Path
+) -> None:
     gw = batch_gateway(tmp_path, tiny_llama, [n.url for n in nodes], concurrency=6, max_attempts=2)
     with running(gw):
         # One request at a time for this team, six runner slots: most claims are refused by the
@@ -115,25 +136,44 @@ async def test_quota_window_defers_lines_and_spent_budget_fails_them(nodes: tupl
         async with client(gw.url, broke) as c:
             broke_id = await submit(c, lines_for(5))
         # the simple form, same team, same quota: plain OpenAI bodies in, results inline
-        status, _, simple = http(f"{gw.url}/v1/batch", "POST", {"requests": [x["body"] for x in lines_for(3, user="simple")],
-                                                                 "priority": "low"}, key=narrow)  # fmt: skip
+        status, _, simple = http(
+            f"{gw.url}/v1/batch",
+            "POST",
+            {"requests": [x["body"] for x in lines_for(3, user="simple")], "priority": "low"},
+            key=narrow,
+        )
         assert status == 202, simple
         b = await wait_done(gw.url, narrow, narrow_id)
-        assert b.status == "completed" and b.request_counts.completed == 20 and b.request_counts.failed == 0
+        assert (
+            b.status == "completed"
+            and b.request_counts.completed == 20
+            and b.request_counts.failed == 0
+        )
         assert len(await file_lines(gw.url, narrow, b.output_file_id)) == 20
         b = await wait_done(gw.url, narrow, simple["batch_id"])
         _, _, done = http(f"{gw.url}/v1/batch/{simple['batch_id']}", key=narrow)
-        assert done["status"] == "completed" and [r["response"]["status_code"] for r in done["results"]] == [200] * 3
+        assert (
+            done["status"] == "completed"
+            and [r["response"]["status_code"] for r in done["results"]] == [200] * 3
+        )
         assert http(f"{gw.url}/v1/batch/{simple['batch_id']}", key=broke)[0] == 404
         b = await wait_done(gw.url, broke, broke_id)
         assert b.status == "completed" and b.request_counts.failed == 5 and b.output_file_id is None
         errors = await file_lines(gw.url, broke, b.error_file_id)
         metrics = urllib.request.urlopen(gw.url + "/metrics", timeout=5).read().decode()
     # the quota did refuse the narrow team's lines (so the deferral above was exercised) ...
-    refused = re.search(r'^duet:ratelimit_rejections_total\{kind="concurrency",team="narrow"\} (\S+)$', metrics, re.M)
+    refused = re.search(
+        r'^duet:ratelimit_rejections_total\{kind="concurrency",team="narrow"\} (\S+)$',
+        metrics,
+        re.M,
+    )
     assert refused and float(refused.group(1)) > 0, metrics
     # ... and each spent-budget line was tried once: its 429 is final
-    spent = re.search(r'^duet:ratelimit_rejections_total\{kind="daily_budget",team="broke"\} (\S+)$', metrics, re.M)
+    spent = re.search(
+        r'^duet:ratelimit_rejections_total\{kind="daily_budget",team="broke"\} (\S+)$',
+        metrics,
+        re.M,
+    )
     assert spent and float(spent.group(1)) == 5
     assert len(errors) == 5
     for e in errors:

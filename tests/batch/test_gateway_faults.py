@@ -28,8 +28,11 @@ from tests.wait import until
 
 def succeeded(db: Path, batch_id: str) -> dict[str, tuple[str, str]]:
     with sqlite3.connect(f"file:{db}?mode=ro", uri=True) as conn:
-        rows = conn.execute("SELECT custom_id, request_id, response FROM batch_requests WHERE batch_id=? "
-                            "AND state='succeeded'", (batch_id,)).fetchall()  # fmt: skip
+        rows = conn.execute(
+            "SELECT custom_id, request_id, response FROM batch_requests WHERE batch_id=? "
+            "AND state='succeeded'",
+            (batch_id,),
+        ).fetchall()
     return {c: (rid, resp) for c, rid, resp in rows}
 
 
@@ -51,26 +54,36 @@ async def test_gateway_sigkill_mid_batch_then_restart(tiny_llama: Path, tmp_path
             b = await wait_done(second.url, key, batch_id, timeout=180)
             out = await file_lines(second.url, key, b.output_file_id)
     assert b.status == "completed" and b.request_counts.completed == 40 and b.error_file_id is None
-    assert [o["custom_id"] for o in out] == [x["custom_id"] for x in lines]  # exactly one each, in order
+    assert [o["custom_id"] for o in out] == [
+        x["custom_id"] for x in lines
+    ]  # exactly one each, in order
     assert all(o["response"]["status_code"] == 200 for o in out)
     after = succeeded(tmp_path / "batch" / "batch.sqlite3", batch_id)
     for custom_id, row in before.items():  # checkpointed results were not run again
         assert after[custom_id] == row
     # every output line was served, and accounted, by a gateway at the batch tier
-    ok = {r["request_id"]: r for r in usage_records(tmp_path / "gateway.db", "team-a") if r["status"] == "ok"}
+    ok = {
+        r["request_id"]: r
+        for r in usage_records(tmp_path / "gateway.db", "team-a")
+        if r["status"] == "ok"
+    }
     for o in out:
         r = ok[o["response"]["request_id"]]
         assert r["tier"] == "batch" and r["completion_tokens"] == 48
 
 
 async def test_node_sigkill_mid_batch(tiny_llama: Path, tmp_path: Path) -> None:
-    a, b = duet_node("both", tiny_llama, tmp_path, *NODE_ARGS), duet_node("both", tiny_llama, tmp_path, *NODE_ARGS)
+    a, b = (
+        duet_node("both", tiny_llama, tmp_path, *NODE_ARGS),
+        duet_node("both", tiny_llama, tmp_path, *NODE_ARGS),
+    )
     lines = lines_for(80, max_tokens=48, ignore_eos=True)
     gw = batch_gateway(tmp_path, tiny_llama, [a.url, b.url], concurrency=4)
     with running(a, b, gw):
         key = make_team(gw.url, "team-a")
         async with client(gw.url, key) as c:
             batch_id = await submit(c, lines)
+
         # The victim is a node that has served lines: with a fast CPU and a tiny model the
         # least-loaded router may give every early line to one node (in flight rarely reaches 2),
         # and waiting for both to serve let the whole batch finish before the kill.
@@ -89,11 +102,21 @@ async def test_node_sigkill_mid_batch(tiny_llama: Path, tmp_path: Path) -> None:
         done = await wait_done(gw.url, key, batch_id, timeout=180)
         out = await file_lines(gw.url, key, done.output_file_id)
     # usage records (same host clock) tell what was served before the kill, and by which nodes
-    before = [r for r in usage_records(tmp_path / "gateway.db", "team-a") if r["created_at"] < killed_at]
-    served_before = {n for r in before for n in r["nodes"].split()}  # the report joins node lists with " "
-    assert victim.url in served_before, f"the killed node must have served lines before the kill: {served_before}"
+    before = [
+        r for r in usage_records(tmp_path / "gateway.db", "team-a") if r["created_at"] < killed_at
+    ]
+    served_before = {
+        n for r in before for n in r["nodes"].split()
+    }  # the report joins node lists with " "
+    assert victim.url in served_before, (
+        f"the killed node must have served lines before the kill: {served_before}"
+    )
     assert len(before) < 80, "the kill must come mid-batch"
-    assert done.status == "completed" and done.request_counts.completed == 80 and done.error_file_id is None
+    assert (
+        done.status == "completed"
+        and done.request_counts.completed == 80
+        and done.error_file_id is None
+    )
     assert [o["custom_id"] for o in out] == [x["custom_id"] for x in lines]
     assert all(o["response"]["status_code"] == 200 for o in out)
     assert all(o["response"]["body"]["usage"]["completion_tokens"] == 48 for o in out)

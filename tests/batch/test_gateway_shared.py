@@ -21,8 +21,9 @@ from tests.gateway.helpers import make_team
 from tests.procs import duet_node, running
 
 
-async def test_two_gateways_share_batches_through_postgres(tiny_llama: Path, tmp_path: Path,
-                                                           postgres_db: str) -> None:  # fmt: skip
+async def test_two_gateways_share_batches_through_postgres(
+    tiny_llama: Path, tmp_path: Path, postgres_db: str
+) -> None:
     node = duet_node("both", tiny_llama, tmp_path, *NODE_ARGS)
     shared = {"store": postgres_db, "data_dir": str(tmp_path / "shared-batch"), "concurrency": 2}
     g1 = batch_gateway(tmp_path, tiny_llama, [node.url], **shared)

@@ -12,8 +12,13 @@ from gateway.config import parse_config
 
 
 async def test_may_run_follows_the_interactive_queue(tmp_path: Path) -> None:
-    cfg = parse_config({"models": {"m": {"tokenizer": "x", "static": {"both": ["http://127.0.0.1:9"]}}},
-                        "store": {"url": f"sqlite://{tmp_path}/gateway.db"}, "tiers": {"max_inflight": 1}})  # fmt: skip
+    cfg = parse_config(
+        {
+            "models": {"m": {"tokenizer": "x", "static": {"both": ["http://127.0.0.1:9"]}}},
+            "store": {"url": f"sqlite://{tmp_path}/gateway.db"},
+            "tiers": {"max_inflight": 1},
+        }
+    )
     app = make_app(cfg)
     may_run, admission = app[RUNNER].may_run, app[STATE].admission
     assert may_run()

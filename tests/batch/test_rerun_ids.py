@@ -30,27 +30,43 @@ async def _positive(read: Callable[[], Awaitable[float]]) -> bool:
     return await read() > 0
 
 
-async def test_a_rerun_under_the_same_id_while_the_first_run_is_on_the_node(tiny_llama: Path, tmp_path: Path) -> None:
+async def test_a_rerun_under_the_same_id_while_the_first_run_is_on_the_node(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
     node = duet_node("both", str(tiny_llama), tmp_path, *TINY_NODE_ARGS)
     with running(node):
-        cfg = parse_config({"store": {"url": f"sqlite://{tmp_path / 'g.db'}"},
-                            "models": {"tiny": {"tokenizer": str(tiny_llama), "static": {"both": [node.url]}}}})  # fmt: skip
+        cfg = parse_config(
+            {
+                "store": {"url": f"sqlite://{tmp_path / 'g.db'}"},
+                "models": {"tiny": {"tokenizer": str(tiny_llama), "static": {"both": [node.url]}}},
+            }
+        )
         app = make_app(cfg)
         async with TestClient(TestServer(app)):
             state = app[STATE]
             await state.store.create_team(Team(id="t"))
             run = GatewayExecutor(state, discount=0.5)
             long = {"model": "tiny", "prompt": "a long one", "max_tokens": 600, "ignore_eos": True}
-            first = asyncio.ensure_future(run("t", "/v1/completions", long, request_id="req-line-7"))
+            first = asyncio.ensure_future(
+                run("t", "/v1/completions", long, request_id="req-line-7")
+            )
             # metrics read off the loop: the node's answer must not wait on this loop
-            running_on_node = lambda: asyncio.to_thread(metric, node.url, "duet:num_requests_running")  # noqa: E731
-            await until(lambda: _positive(running_on_node), 60, "the first run decoding on the node")
+            running_on_node = lambda: asyncio.to_thread(  # noqa: E731
+                metric, node.url, "duet:num_requests_running"
+            )
+            await until(
+                lambda: _positive(running_on_node), 60, "the first run decoding on the node"
+            )
             # the first run is still decoding on the node when the rerun arrives under its id
-            status, body = await run("t", "/v1/completions", {**long, "max_tokens": 4}, request_id="req-line-7")
+            status, body = await run(
+                "t", "/v1/completions", {**long, "max_tokens": 4}, request_id="req-line-7"
+            )
             assert status == 200, body
             assert body["id"] == "cmpl-line-7"  # the answer keeps the line's id
             assert not first.done()  # it really overlapped
             status1, _ = await asyncio.wait_for(first, 120)
             assert status1 == 200
             records = await state.store.usage_records("t", 0, 2e9)
-            assert [r.request_id for r in records] == ["req-line-7"]  # billed once, under the line's id
+            assert [r.request_id for r in records] == [
+                "req-line-7"
+            ]  # billed once, under the line's id

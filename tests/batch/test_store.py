@@ -28,20 +28,43 @@ def open_store(request: pytest.FixtureRequest) -> Callable[[Path], Any]:
 
 def batch(id_: str, now: float, window: float = 100.0) -> BatchRow:
     return BatchRow(
-        id=id_, team_id="t", kind="openai", endpoint="/v1/completions", input_file_id="file-x",
-        completion_window="24h", status="in_progress", priority=1, metadata=None, errors=None,
-        total=0, output_file_id=None, error_file_id=None, created_at=now, in_progress_at=now,
-        expires_at=now + window, finalizing_at=None, completed_at=None, failed_at=None,
-        expired_at=None, cancelling_at=None, cancelled_at=None, callback_url=None,
-        callback_state=None, callback_attempts=0, counts=RequestCounts(),
-    )  # fmt: skip
+        id=id_,
+        team_id="t",
+        kind="openai",
+        endpoint="/v1/completions",
+        input_file_id="file-x",
+        completion_window="24h",
+        status="in_progress",
+        priority=1,
+        metadata=None,
+        errors=None,
+        total=0,
+        output_file_id=None,
+        error_file_id=None,
+        created_at=now,
+        in_progress_at=now,
+        expires_at=now + window,
+        finalizing_at=None,
+        completed_at=None,
+        failed_at=None,
+        expired_at=None,
+        cancelling_at=None,
+        cancelled_at=None,
+        callback_url=None,
+        callback_state=None,
+        callback_attempts=0,
+        counts=RequestCounts(),
+    )
 
 
 async def test_leases_and_claims(tmp_path: Path, open_store: Any) -> None:
     a = open_store(tmp_path / "db.sqlite3")
     b = open_store(tmp_path / "db.sqlite3")  # a second gateway on the same file
     try:
-        reqs = [NewRequest(line=i + 1, custom_id=f"c{i}", body={"model": "m", "prompt": "x"}) for i in range(3)]
+        reqs = [
+            NewRequest(line=i + 1, custom_id=f"c{i}", body={"model": "m", "prompt": "x"})
+            for i in range(3)
+        ]
         await a.create_batch(batch("batch_1", 0.0), reqs)
         got = await a.claim_requests("A", 2, lease_s=10, now=1.0)
         assert [c.custom_id for c in got] == ["c0", "c1"] and got[0].attempts == 1
@@ -54,7 +77,13 @@ async def test_leases_and_claims(tmp_path: Path, open_store: Any) -> None:
         taken = await b.claim_requests("B", 5, lease_s=10, now=12.0)
         assert [(c.custom_id, c.attempts) for c in taken] == [("c1", 2)]
         # A, late, cannot write c1; B can, exactly once.
-        kw = {"status_code": 200, "request_id": "r", "response": {"x": 1}, "error": None, "now": 13.0}
+        kw = {
+            "status_code": 200,
+            "request_id": "r",
+            "response": {"x": 1},
+            "error": None,
+            "now": 13.0,
+        }
         assert not await a.finish_request("A", "batch_1", "c1", ok=True, **kw)
         assert await b.finish_request("B", "batch_1", "c1", ok=True, **kw)
         assert not await b.finish_request("B", "batch_1", "c1", ok=True, **kw)
@@ -76,18 +105,23 @@ async def test_leases_and_claims(tmp_path: Path, open_store: Any) -> None:
         b.close()
 
 
-async def test_retry_waits_for_its_backoff_and_expiry_stops_claims(tmp_path: Path, open_store: Any) -> None:
+async def test_retry_waits_for_its_backoff_and_expiry_stops_claims(
+    tmp_path: Path, open_store: Any
+) -> None:
     s = open_store(tmp_path / "db.sqlite3")
     try:
-        await s.create_batch(batch("batch_1", 0.0, window=50.0),
-                             [NewRequest(line=1, custom_id="c", body={})])  # fmt: skip
+        await s.create_batch(
+            batch("batch_1", 0.0, window=50.0), [NewRequest(line=1, custom_id="c", body={})]
+        )
         [c] = await s.claim_requests("A", 1, lease_s=10, now=1.0)
         assert await s.retry_request("A", "batch_1", "c", not_before=20.0, error={"code": "x"})
         assert await s.claim_requests("A", 1, lease_s=10, now=19.0) == []
         [c] = await s.claim_requests("A", 1, lease_s=10, now=20.0)
         assert c.attempts == 2
         # A deferred request never ran: its attempt is given back.
-        assert await s.retry_request("A", "batch_1", "c", not_before=20.5, error={"code": "deferred"}, spent=False)
+        assert await s.retry_request(
+            "A", "batch_1", "c", not_before=20.5, error={"code": "deferred"}, spent=False
+        )
         [c] = await s.claim_requests("A", 1, lease_s=10, now=20.5)
         assert c.attempts == 2
         assert await s.retry_request("A", "batch_1", "c", not_before=21.0, error={"code": "x"})

@@ -25,19 +25,52 @@ count = 2
 def test_chaos_on_a_started_duet_up(tiny_llama: Path, tmp_path: Path) -> None:
     (tmp_path / "cluster.toml").write_text(CLUSTER)
     out = tmp_path / "out"
-    r = subprocess.run([sys.executable, "-m", "duet", "bench", "chaos", "--up-config", str(tmp_path / "cluster.toml"),
-                        f"--up-arg=--model={tiny_llama}", "--up-arg=--kv-blocks=256", "--up-arg=--dtype=float32",
-                        "--up-arg=--threads=1", "--kill", "prefill,decode,coordinator,etcd",
-                        "--duration", "24", "--kill-every", "7", "--streams", "2", "--plain", "1",
-                        "--batch-lines", "6", "--max-tokens", "8", "--settle", "60", "--out", str(out), "--json"],
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "duet",
+            "bench",
+            "chaos",
+            "--up-config",
+            str(tmp_path / "cluster.toml"),
+            f"--up-arg=--model={tiny_llama}",
+            "--up-arg=--kv-blocks=256",
+            "--up-arg=--dtype=float32",
+            "--up-arg=--threads=1",
+            "--kill",
+            "prefill,decode,coordinator,etcd",
+            "--duration",
+            "24",
+            "--kill-every",
+            "7",
+            "--streams",
+            "2",
+            "--plain",
+            "1",
+            "--batch-lines",
+            "6",
+            "--max-tokens",
+            "8",
+            "--settle",
+            "60",
+            "--out",
+            str(out),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-4000:]
     s = json.loads(r.stdout)
     assert s == json.loads((out / "chaos.json").read_text())
     assert (out / "chaos.png").stat().st_size > 10_000 and (out / "logs" / "gateway.log").exists()
     assert len(s["kills"]) == 3 and s["not_back"] == [], s["kills"]
     assert s["requests"] > 0 and s["undefined"] == 0, s["causes"]
-    assert s["kv_blocks_held_after"] and not any(s["kv_blocks_held_after"].values()), s["kv_blocks_held_after"]
+    assert s["kv_blocks_held_after"] and not any(s["kv_blocks_held_after"].values()), s[
+        "kv_blocks_held_after"
+    ]
     assert s["batch"]["exactly_once"] and s["batch"]["done_once"] == 6, s["batch"]
     assert s["usage"]["requests_match"], s["usage"]
     assert len(s["timeline"]) >= 4 and sum(b["requests"] for b in s["timeline"]) == s["requests"]
@@ -45,12 +78,22 @@ def test_chaos_on_a_started_duet_up(tiny_llama: Path, tmp_path: Path) -> None:
 
 
 def test_chaos_refuses_bad_flags() -> None:
-    for flags, msg in [([], "give --url"), (["--url", "http://x", "--up-config", "c.toml"], "not both"),
-                       (["--url", "http://x", "--kill", "gpu"], "unknown kinds"),
-                       (["--url", "http://x", "--streams", "0", "--plain", "0"], "at least one")]:  # fmt: skip
-        r = subprocess.run([sys.executable, "-m", "duet", "bench", "chaos", *flags], capture_output=True, text=True,
-                           timeout=60)  # fmt: skip
-        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
+    for flags, msg in [
+        ([], "give --url"),
+        (["--url", "http://x", "--up-config", "c.toml"], "not both"),
+        (["--url", "http://x", "--kill", "gpu"], "unknown kinds"),
+        (["--url", "http://x", "--streams", "0", "--plain", "0"], "at least one"),
+    ]:
+        r = subprocess.run(
+            [sys.executable, "-m", "duet", "bench", "chaos", *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (
+            flags,
+            r.stderr,
+        )
 
 
 def test_gateways_are_victims_only_while_another_keeps_the_port(tmp_path: Path) -> None:
@@ -65,7 +108,9 @@ def test_gateways_are_victims_only_while_another_keeps_the_port(tmp_path: Path) 
 
     def names(gateways: int, **kw: bool) -> set[str]:
         children = [{"name": "decode-0", "state": "running", "pid": 10}]
-        children += [{"name": f"gateway-{i}", "state": "running", "pid": 20 + i} for i in range(gateways)]
+        children += [
+            {"name": f"gateway-{i}", "state": "running", "pid": 20 + i} for i in range(gateways)
+        ]
         state.write_text(json.dumps({"children": children}))
         killer = Killer(state, {"decode"}, 30, 0, 0.0, lambda _m: None, **kw)
         return {c["name"] for c in killer.candidates()}

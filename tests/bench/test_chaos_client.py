@@ -20,9 +20,19 @@ from bench.chaos_load import BatchResult, Outcome, Record, one_request
 from bench.chaos_usage import check
 from protocol.ports import free_port
 
-ANSWER = {"id": "c", "object": "chat.completion", "model": "m",
-          "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi there"}, "finish_reason": "stop"}],
-          "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}  # fmt: skip
+ANSWER = {
+    "id": "c",
+    "object": "chat.completion",
+    "model": "m",
+    "choices": [
+        {
+            "index": 0,
+            "message": {"role": "assistant", "content": "hi there"},
+            "finish_reason": "stop",
+        }
+    ],
+    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+}
 
 
 def _reset(request: web.Request) -> None:
@@ -46,7 +56,9 @@ async def gateway(resets: int, cut_stream: bool = False) -> AsyncIterator[tuple[
             await asyncio.sleep(1)
             return web.Response()
         if body.get("stream"):
-            r = web.StreamResponse(headers={"Content-Type": "text/event-stream", "X-Request-Id": f"req-{len(seen)}"})
+            r = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "X-Request-Id": f"req-{len(seen)}"}
+            )
             await r.prepare(request)
             chunk = {"choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]}
             await r.write(f"data: {json.dumps(chunk)}\n\n".encode())
@@ -79,11 +91,18 @@ def test_a_reset_before_the_answer_is_sent_again_once_with_its_tag() -> None:
     async def main() -> None:
         async with gateway(resets=1) as (url, seen):
             rec = await _ask(url, "plain")
-            assert rec.outcome == Outcome.FULL and rec.retried and rec.tokens == 2 and rec.request_id == "req-2"
+            assert (
+                rec.outcome == Outcome.FULL
+                and rec.retried
+                and rec.tokens == 2
+                and rec.request_id == "req-2"
+            )
             assert [b["user"] for b in seen] == ["chaos-plain-0-7"] * 2  # the same tag on the retry
         async with gateway(resets=2) as (url, seen):  # once only: a second reset is the answer
             rec = await _ask(url, "stream")
-            assert rec.outcome == Outcome.UNDEFINED and rec.cause == "connection_error" and rec.retried
+            assert (
+                rec.outcome == Outcome.UNDEFINED and rec.cause == "connection_error" and rec.retried
+            )
             assert len(seen) == 2
 
     asyncio.run(main())
@@ -100,26 +119,52 @@ def test_a_stream_cut_after_its_first_bytes_is_not_sent_again() -> None:
 
 
 def _rec(tag: str, rid: str, outcome: Outcome, tokens: int, retried: bool = False) -> Record:
-    return Record(kind="plain", prompt=0, sent_s=0.0, tag=tag, request_id=rid, outcome=outcome, tokens=tokens,
-                  answered=bool(rid), retried=retried)  # fmt: skip
+    return Record(
+        kind="plain",
+        prompt=0,
+        sent_s=0.0,
+        tag=tag,
+        request_id=rid,
+        outcome=outcome,
+        tokens=tokens,
+        answered=bool(rid),
+        retried=retried,
+    )
 
 
 def _row(tag: str | None, rid: str, status: str, completion: int, cost: float = 0.0) -> dict:
-    return {"user": tag, "request_id": rid, "status": status, "completion_tokens": completion, "prompt_tokens": 9,
-            "cost_usd": cost}  # fmt: skip
+    return {
+        "user": tag,
+        "request_id": rid,
+        "status": status,
+        "completion_tokens": completion,
+        "prompt_tokens": 9,
+        "cost_usd": cost,
+    }
 
 
 def test_the_usage_check_matches_records_to_requests_one_by_one() -> None:
     records = [
         _rec("chaos-a", "req-1", Outcome.FULL, 8),
-        _rec("chaos-b", "req-2", Outcome.FULL, 8, retried=True),  # its first attempt died with a gateway
-        _rec("chaos-c", "", Outcome.UNDEFINED, 0),  # the answer died with its gateway, record written
+        _rec(
+            "chaos-b", "req-2", Outcome.FULL, 8, retried=True
+        ),  # its first attempt died with a gateway
+        _rec(
+            "chaos-c", "", Outcome.UNDEFINED, 0
+        ),  # the answer died with its gateway, record written
         _rec("chaos-d", "req-4", Outcome.UNDEFINED, 3),  # a stream cut mid-way: the booking expired
     ]
-    batch = BatchResult(lines=1, status="completed", succeeded=1, completion_tokens=8, line_tokens={"chaos-0": 8})
-    rows = [_row("chaos-a", "req-1", "ok", 8), _row("chaos-b", "req-2", "ok", 8), _row("chaos-c", "req-3", "ok", 8),
-            _row("chaos-d", "req-4", "expired", 0), _row("chaos-0", "batch-1", "ok", 8),
-            _row(None, "req-ref", "ok", 8)]  # fmt: skip
+    batch = BatchResult(
+        lines=1, status="completed", succeeded=1, completion_tokens=8, line_tokens={"chaos-0": 8}
+    )
+    rows = [
+        _row("chaos-a", "req-1", "ok", 8),
+        _row("chaos-b", "req-2", "ok", 8),
+        _row("chaos-c", "req-3", "ok", 8),
+        _row("chaos-d", "req-4", "expired", 0),
+        _row("chaos-0", "batch-1", "ok", 8),
+        _row(None, "req-ref", "ok", 8),
+    ]
     # The totals differ both ways (6 records vs 4 answered + 1 line; 40 tokens vs 27) though
     # every answer was billed once: only the per-request match can say so.
     c = check(records, batch, rows)
@@ -130,8 +175,15 @@ def test_the_usage_check_matches_records_to_requests_one_by_one() -> None:
     c = check(records, batch, [*rows, _row("chaos-b", "req-x", "expired", 0, cost=0.001)])
     assert not c.ok and c.billed_twice == {"chaos-b": ["ok", "expired"]}
     # an answer billed with other tokens, a record written twice, a record of no request sent
-    bad = [_row("chaos-a", "req-1", "ok", 7), _row("chaos-b", "req-2", "ok", 8), _row("chaos-b", "req-2", "ok", 8),
-           _row("chaos-0", "batch-1", "ok", 8), _row("chaos-zz", "req-9", "ok", 1)]  # fmt: skip
+    bad = [
+        _row("chaos-a", "req-1", "ok", 7),
+        _row("chaos-b", "req-2", "ok", 8),
+        _row("chaos-b", "req-2", "ok", 8),
+        _row("chaos-0", "batch-1", "ok", 8),
+        _row("chaos-zz", "req-9", "ok", 1),
+    ]
     c = check(records, batch, bad)
-    assert not c.ok and set(c.mismatched) == {"chaos-a", "chaos-b"} and c.unknown == 1 and c.exact == 1, c
+    assert (
+        not c.ok and set(c.mismatched) == {"chaos-a", "chaos-b"} and c.unknown == 1 and c.exact == 1
+    ), c
     assert check(records, batch, "usage records not readable: refused").error

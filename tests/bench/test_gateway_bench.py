@@ -10,15 +10,35 @@ from bench.gateway import slow_share
 
 
 def test_gateway_bench_prints_json(tiny_llama: Path) -> None:
-    proc = subprocess.run([sys.executable, "-m", "bench.gateway", "--json", "--tokenizer", str(tiny_llama),
-                           "--requests", "5", "--streams", "30", "--stream-tokens", "4", "--token-delay", "0.01"],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.gateway",
+            "--json",
+            "--tokenizer",
+            str(tiny_llama),
+            "--requests",
+            "5",
+            "--streams",
+            "30",
+            "--stream-tokens",
+            "4",
+            "--token-delay",
+            "0.01",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert out["bench"] == "gateway" and out["overhead"]["requests"] == 5
     for name in ("ttft", "latency"):
         x = out["overhead"][name]
-        assert x["node"]["p50_ms"] > 0 and x["gateway"]["p50_ms"] > 0 and x["bare_relay"]["p50_ms"] > 0
+        assert (
+            x["node"]["p50_ms"] > 0 and x["gateway"]["p50_ms"] > 0 and x["bare_relay"]["p50_ms"] > 0
+        )
         assert "overhead_p99_ms" in x and "bare_relay_overhead_p99_ms" in x
         assert isinstance(out["overhead"]["meets_target"][name], bool)
         assert set(x["slow_share"]) == {"node", "gateway", "bare_relay"}
@@ -35,14 +55,37 @@ def test_gateway_bench_prints_json(tiny_llama: Path) -> None:
 def test_gateway_bench_on_postgres(tiny_llama: Path) -> None:
     """--store postgres: the same run with the gateway on a PostgreSQL server (pgserver) the
     bench starts and stops; --first-token-delay makes the echo node wait before its first token."""
-    proc = subprocess.run([sys.executable, "-m", "bench.gateway", "--json", "--tokenizer", str(tiny_llama),
-                           "--store", "postgres", "--requests", "3", "--first-token-delay", "0.01",
-                           "--streams", "5", "--stream-tokens", "2"], capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.gateway",
+            "--json",
+            "--tokenizer",
+            str(tiny_llama),
+            "--store",
+            "postgres",
+            "--requests",
+            "3",
+            "--first-token-delay",
+            "0.01",
+            "--streams",
+            "5",
+            "--stream-tokens",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout)
     assert out["config"]["store"] == "postgres" and out["concurrency"]["completed"] == 5
     # the echo node's wait is in both paths' time to first token
-    assert out["overhead"]["ttft"]["node"]["p50_ms"] >= 10 and out["overhead"]["ttft"]["gateway"]["p50_ms"] >= 10
+    assert (
+        out["overhead"]["ttft"]["node"]["p50_ms"] >= 10
+        and out["overhead"]["ttft"]["gateway"]["p50_ms"] >= 10
+    )
 
 
 def test_slow_share_counts_requests_over_their_own_median() -> None:
@@ -57,13 +100,37 @@ def test_gateway_bench_otlp_pays_for_its_export(tiny_llama: Path) -> None:
     decodes them (opentelemetry-proto) before the CPU is read. Each of the traced paths' requests
     has its spans there; the ring-only gateway is still measured beside it."""
     n = 4
-    proc = subprocess.run([sys.executable, "-m", "bench.gateway", "--json", "--tokenizer", str(tiny_llama),
-                           "--otlp", "--requests", str(n), "--streams", "3", "--stream-tokens", "2"],
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.gateway",
+            "--json",
+            "--tokenizer",
+            str(tiny_llama),
+            "--otlp",
+            "--requests",
+            str(n),
+            "--streams",
+            "3",
+            "--stream-tokens",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     o = json.loads(proc.stdout)["overhead"]
-    assert set(o["cpu_ms_per_request"]) == {"gateway", "bare_relay", "gateway_traced", "gateway_otlp"}
+    assert set(o["cpu_ms_per_request"]) == {
+        "gateway",
+        "bare_relay",
+        "gateway_traced",
+        "gateway_otlp",
+    }
     for name in ("gateway_traced", "gateway_otlp"):
-        assert o["latency"][f"{name}_overhead_p50_ms"] is not None and o["latency"][name]["p50_ms"] > 0
+        assert (
+            o["latency"][f"{name}_overhead_p50_ms"] is not None and o["latency"][name]["p50_ms"] > 0
+        )
     # every request's server span and its children arrived: several spans per request, in real exports
     assert o["otlp"]["spans"] >= 3 * n and o["otlp"]["exports"] >= 1 and o["otlp"]["bytes"] > 0

@@ -22,7 +22,9 @@ _KERNELS = Path(kernel_ab.__file__).resolve().parent.parent / "engine" / "kernel
 
 
 def _run(capsys, *argv: str) -> tuple[int, dict | None, str]:
-    rc = kernel_ab.main([*argv, "--schemes", "none,int8", "--rows", "1,16", "--reps", "2", "--json"])
+    rc = kernel_ab.main(
+        [*argv, "--schemes", "none,int8", "--rows", "1,16", "--reps", "2", "--json"]
+    )
     out, err = capsys.readouterr()
     return rc, (json.loads(out) if rc == 0 else None), err
 
@@ -38,8 +40,10 @@ def test_this_checkout_against_a_copy_of_its_own_sources_is_identical(capsys) ->
             assert r["base_ms"] > 0 and r["this_ms"] > 0
 
 
-@pytest.mark.skipif(kernels_lib() is None or kernels_lib().qgemm_bf16_isa() == 0,
-                    reason="no bf16 GEMM kernel on this CPU (bf16 linears run on oneDNN, not on the changed code)")
+@pytest.mark.skipif(
+    kernels_lib() is None or kernels_lib().qgemm_bf16_isa() == 0,
+    reason="no bf16 GEMM kernel on this CPU (bf16 linears run on oneDNN, not on the changed code)",
+)
 def test_a_build_whose_arithmetic_differs_is_reported(tmp_path: Path, capsys) -> None:
     """The baseline's bf16 linear adds 1 to every output: its rows must read as differing, and
     the int8 scheme's (scaled outputs: the change skips them) as identical."""
@@ -49,7 +53,11 @@ def test_a_build_whose_arithmetic_differs_is_reported(tmp_path: Path, capsys) ->
     text = path.read_text()
     anchor = "        if (bias) v0 = _mm512_add_ps(v0, b0), v1 = _mm512_add_ps(v1, b1);"
     assert anchor in text, "qb_store_rows32's bias line moved: update this test's anchor"
-    path.write_text(text.replace(anchor, anchor + "\n        if (!scale) v0 = _mm512_add_ps(v0, _mm512_set1_ps(1.0f));"))
+    path.write_text(
+        text.replace(
+            anchor, anchor + "\n        if (!scale) v0 = _mm512_add_ps(v0, _mm512_set1_ps(1.0f));"
+        )
+    )
     rc, result, _ = _run(capsys, "--base-dir", str(src))
     assert rc == 0
     assert all(r["identical"] is False for r in result["schemes"]["none"] if r["rows"] >= 16)
@@ -72,7 +80,9 @@ def test_an_older_build_lacking_a_function_still_loads(tmp_path: Path) -> None:
     path = src / "qgemv_int4.c"
     text = path.read_text()
     assert "int32_t qlinear_int4_path(void)" in text
-    path.write_text(text.replace("int32_t qlinear_int4_path(void)", "int32_t qlinear_int4_path_renamed(void)"))
+    path.write_text(
+        text.replace("int32_t qlinear_int4_path(void)", "int32_t qlinear_int4_path_renamed(void)")
+    )
     lib = build_library(src, private_copy=True)
     assert not hasattr(lib, "qlinear_int4_path")
     assert lib.qgemm_bf16_isa() == kernels_lib().qgemm_bf16_isa()

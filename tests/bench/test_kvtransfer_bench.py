@@ -16,7 +16,11 @@ def test_bench_kvtransfer_quick_json(capsys: pytest.CaptureFixture[str]) -> None
     block_bytes = r["layout"]["block_bytes"]
     assert block_bytes == 30 * 2 * 16 * 3 * 64 * 2  # SmolLM2's bf16 KV block
     rows = r["results"]
-    assert [(x["blocks"], x["pattern"]) for x in rows] == [(1, "scattered"), (16, "scattered"), (64, "contiguous")]
+    assert [(x["blocks"], x["pattern"]) for x in rows] == [
+        (1, "scattered"),
+        (16, "scattered"),
+        (64, "contiguous"),
+    ]
     for x in rows:
         assert x["backend"] == "nixl" and x["bytes"] == x["blocks"] * block_bytes
         assert 0 < x["latency_p10_ms"] <= x["latency_ms"] <= x["latency_p90_ms"]

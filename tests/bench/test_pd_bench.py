@@ -10,11 +10,18 @@ from bench.pd import MissingFigure, check_pulls, disaggregated_row, main, paired
 from bench.pd_client import Result
 
 
-def _pd(rid: str, ttft: float, parts: tuple[float, float, float, float, float], latency: float) -> Result:
+def _pd(
+    rid: str, ttft: float, parts: tuple[float, float, float, float, float], latency: float
+) -> Result:
     p_queue, p_prefill, d_queue, transfer, first_decode = parts
-    return Result(rid, token_ids=[1, 2, 3], ttft=ttft, latency=latency,
-                  prefill_timing={"queue_s": p_queue, "prefill_s": p_prefill},
-                  timing={"queue_s": d_queue, "transfer_s": transfer, "first_decode_s": first_decode})  # fmt: skip
+    return Result(
+        rid,
+        token_ids=[1, 2, 3],
+        ttft=ttft,
+        latency=latency,
+        prefill_timing={"queue_s": p_queue, "prefill_s": p_prefill},
+        timing={"queue_s": d_queue, "transfer_s": transfer, "first_decode_s": first_decode},
+    )
 
 
 def test_other_is_a_median_of_per_request_differences() -> None:
@@ -59,10 +66,15 @@ def test_ttft_ratio_pairs_the_same_prompt() -> None:
 def test_a_run_on_the_wrong_transport_or_a_recompute_fails() -> None:
     good = "INFO duet [-] duet.node: KV transport: nixl\n"
     assert "KV transport: nixl" in check_pulls(good, "nixl", {"prefill": good, "decode": good})
-    tcp = "WARNING ...; falling back to the tcp backend\nINFO duet [-] duet.node: KV transport: tcp\n"
+    tcp = (
+        "WARNING ...; falling back to the tcp backend\nINFO duet [-] duet.node: KV transport: tcp\n"
+    )
     with pytest.raises(RuntimeError, match="prefill node runs transport"):
         check_pulls(good, "nixl", {"prefill": tcp, "decode": good})
-    recomputed = good + "WARNING duet [x] duet.decode: KV pull failed (TransferTimeout: ...); policy recompute\n"
+    recomputed = (
+        good
+        + "WARNING duet [x] duet.decode: KV pull failed (TransferTimeout: ...); policy recompute\n"
+    )
     with pytest.raises(RuntimeError, match="recomputed instead of pulling"):
         check_pulls(recomputed, "nixl", {"prefill": good, "decode": recomputed})
 
@@ -74,7 +86,15 @@ def test_bench_pd_quick_json(tiny_llama: Path, capsys: pytest.CaptureFixture[str
     assert set(r["lengths"]) == {"32", "64"}
     for row in r["lengths"].values():
         d, c = row["disaggregated"], row["colocated"]
-        assert set(d) == {"ttft", "p_queue", "p_prefill", "transfer", "d_first_decode", "other", "tpot"}
+        assert set(d) == {
+            "ttft",
+            "p_queue",
+            "p_prefill",
+            "transfer",
+            "d_first_decode",
+            "other",
+            "tpot",
+        }
         assert set(c) == {"ttft", "queue", "prefill", "tpot"}
         for fig in [*d.values(), *c.values()]:
             assert fig["p10"] <= fig["median"] <= fig["p90"]

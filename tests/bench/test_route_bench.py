@@ -9,8 +9,21 @@ from bench.route import main
 
 
 def test_bench_route_json(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["--nodes", "6", "--blocks", "400", "--prompt-blocks", "40", "--decisions", "200",
-            "--http-decisions", "60", "--concurrency", "3", "--json"]  # fmt: skip
+    args = [
+        "--nodes",
+        "6",
+        "--blocks",
+        "400",
+        "--prompt-blocks",
+        "40",
+        "--decisions",
+        "200",
+        "--http-decisions",
+        "60",
+        "--concurrency",
+        "3",
+        "--json",
+    ]
     assert main(args) == 0
     captured = capsys.readouterr()
     r = json.loads(captured.out)

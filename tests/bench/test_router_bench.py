@@ -26,8 +26,14 @@ def test_bench_router_json(capsys) -> None:  # type: ignore[no-untyped-def]
 
 def test_bench_router_cli_table_and_bad_args() -> None:
     root = Path(__file__).parents[2]
-    out = subprocess.run([sys.executable, "-m", "bench.router"], capture_output=True, text=True, cwd=root)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.router"], capture_output=True, text=True, cwd=root
+    )
     assert out.returncode == 0 and "confusion" in out.stdout and "accuracy" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "bench.router", "--completion-tokens", "simple=1"],
-                         capture_output=True, text=True, cwd=root)  # fmt: skip
+    bad = subprocess.run(
+        [sys.executable, "-m", "bench.router", "--completion-tokens", "simple=1"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+    )
     assert bad.returncode != 0 and "completion-tokens" in bad.stderr

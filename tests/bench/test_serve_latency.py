@@ -32,8 +32,11 @@ def latency_server(tmp_path: Path) -> Iterator[Any]:
 
     def start(*flags: str) -> Proc:
         port = free_port()
-        p = Proc([sys.executable, "-m", "bench.latency_server", "--port", str(port), *flags], port,
-                 tmp_path / f"latency-{port}.log")  # fmt: skip
+        p = Proc(
+            [sys.executable, "-m", "bench.latency_server", "--port", str(port), *flags],
+            port,
+            tmp_path / f"latency-{port}.log",
+        )
         procs.append(p)
         p.wait_healthy(60)
         return p
@@ -60,17 +63,54 @@ def within(measured: float, expected: float, tol: float = TOL_MS) -> bool:
     return expected - 0.5 <= measured <= expected + tol
 
 
-def test_percentiles_goodput_and_output_files(latency_server: Any, tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_percentiles_goodput_and_output_files(
+    latency_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     srv = latency_server("--ttft-ms", "100", "--ttft-ms-per-token", "2", "--itl-ms", "20")
     result_file, plot_dir = tmp_path / "run.json", tmp_path / "plots"
-    r = bench_json(capsys, "--base-url", srv.url, "--prompt-format", "tokens", "--vocab-size", "1000",
-                   "--input-len", "uniform:10,90", "--output-len", "8", "--num-requests", "24",
-                   "--slo", "ttft=200,tpot=40", "--result-file", str(result_file), "--plot", str(plot_dir))  # fmt: skip
-    for key in ("request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
-                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
-                "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p99_e2el_ms", "input_lens", "output_lens",
-                "ttfts", "itls", "config", "duration", "completed"):  # fmt: skip
+    r = bench_json(
+        capsys,
+        "--base-url",
+        srv.url,
+        "--prompt-format",
+        "tokens",
+        "--vocab-size",
+        "1000",
+        "--input-len",
+        "uniform:10,90",
+        "--output-len",
+        "8",
+        "--num-requests",
+        "24",
+        "--slo",
+        "ttft=200,tpot=40",
+        "--result-file",
+        str(result_file),
+        "--plot",
+        str(plot_dir),
+    )
+    for key in (
+        "request_throughput",
+        "request_goodput",
+        "output_throughput",
+        "total_token_throughput",
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "mean_tpot_ms",
+        "p99_tpot_ms",
+        "mean_itl_ms",
+        "p99_itl_ms",
+        "mean_e2el_ms",
+        "p99_e2el_ms",
+        "input_lens",
+        "output_lens",
+        "ttfts",
+        "itls",
+        "config",
+        "duration",
+        "completed",
+    ):
         assert key in r, key
     assert r["completed"] == 24 and r["failed"] == 0 and r["usage_reported"] == 24
     assert r["output_lens"] == [8] * 24 and r["total_output_tokens"] == 8 * 24
@@ -100,39 +140,113 @@ def test_percentiles_goodput_and_output_files(latency_server: Any, tmp_path: Pat
         assert (plot_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_failures_are_counted_by_cause_and_never_stop_the_run(latency_server: Any, tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
-    srv = latency_server("--ttft-ms", "20", "--itl-ms", "5", "--fail-every", "5", "--hang-every", "11",
-                         "--sse-error-every", "7", "--truncate-every", "9")  # fmt: skip
+def test_failures_are_counted_by_cause_and_never_stop_the_run(
+    latency_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    srv = latency_server(
+        "--ttft-ms",
+        "20",
+        "--itl-ms",
+        "5",
+        "--fail-every",
+        "5",
+        "--hang-every",
+        "11",
+        "--sse-error-every",
+        "7",
+        "--truncate-every",
+        "9",
+    )
     out_file = tmp_path / "r.json"
-    assert main(["--base-url", srv.url, "--prompt-format", "tokens", "--vocab-size", "500", "--input-len", "8",
-                 "--output-len", "6", "--num-requests", "22", "--request-timeout", "2", "--quiet",
-                 "--result-file", str(out_file)]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "--base-url",
+                srv.url,
+                "--prompt-format",
+                "tokens",
+                "--vocab-size",
+                "500",
+                "--input-len",
+                "8",
+                "--output-len",
+                "6",
+                "--num-requests",
+                "22",
+                "--request-timeout",
+                "2",
+                "--quiet",
+                "--result-file",
+                str(out_file),
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     # arrivals 1..22: HTTP 500 on 5,10,15,20; hang on 11,22; SSE error on 7,14,21; cut on 9,18
     assert "11 / 11" in table and "http_500 4" in table and "timeout 2" in table
     r = json.loads(out_file.read_text())
     assert r["failures"] == {"http_500": 4, "incomplete_stream": 2, "sse_error": 3, "timeout": 2}
-    assert sorted(c for c in r["causes"] if c) == sorted(["http_500"] * 4 + ["incomplete_stream"] * 2
-                                                         + ["sse_error"] * 3 + ["timeout"] * 2)  # fmt: skip
+    assert sorted(c for c in r["causes"] if c) == sorted(
+        ["http_500"] * 4 + ["incomplete_stream"] * 2 + ["sse_error"] * 3 + ["timeout"] * 2
+    )
     assert all(e for e, c in zip(r["errors"], r["causes"], strict=True) if c)
     assert stats(srv)["arrivals"] == 22
     # nothing listening: every request fails, the run still ends and reports, exit status 1
-    dead = bench_json(capsys, "--base-url", f"http://127.0.0.1:{free_port()}", "--model", "m",
-                      "--prompt-format", "tokens", "--vocab-size", "500", "--num-requests", "3", rc=1)  # fmt: skip
+    dead = bench_json(
+        capsys,
+        "--base-url",
+        f"http://127.0.0.1:{free_port()}",
+        "--model",
+        "m",
+        "--prompt-format",
+        "tokens",
+        "--vocab-size",
+        "500",
+        "--num-requests",
+        "3",
+        rc=1,
+    )
     assert dead["failures"] == {"connection_error": 3} and dead["p99_ttft_ms"] is None
 
 
-def test_trace_replay_follows_the_timestamps(latency_server: Any, tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_trace_replay_follows_the_timestamps(
+    latency_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     srv = latency_server("--ttft-ms", "5", "--itl-ms", "1")
     stamps = [0, 700, 200, 1000, 250]  # ms, out of order on purpose
     trace = tmp_path / "trace.jsonl"
-    trace.write_text("".join(json.dumps({"timestamp": 5000 + t, "input_length": 20 + i, "output_length": 3,
-                                         "hash_ids": [1, 2 + i]}) + "\n" for i, t in enumerate(stamps)))  # fmt: skip
-    r = bench_json(capsys, "--base-url", srv.url, "--dataset", "trace", "--dataset-path", str(trace),
-                   "--trace-block-size", "16", "--prompt-format", "tokens", "--vocab-size", "500",
-                   "--warmup", "2")  # fmt: skip
+    trace.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "timestamp": 5000 + t,
+                    "input_length": 20 + i,
+                    "output_length": 3,
+                    "hash_ids": [1, 2 + i],
+                }
+            )
+            + "\n"
+            for i, t in enumerate(stamps)
+        )
+    )
+    r = bench_json(
+        capsys,
+        "--base-url",
+        srv.url,
+        "--dataset",
+        "trace",
+        "--dataset-path",
+        str(trace),
+        "--trace-block-size",
+        "16",
+        "--prompt-format",
+        "tokens",
+        "--vocab-size",
+        "500",
+        "--warmup",
+        "2",
+    )
     planned = sorted(t / 1e3 for t in stamps)
     assert r["num_prompts"] == 5 and r["completed"] == 5 and r["warmup"] == {"sent": 2, "failed": 0}
     assert r["scheduled_times"] == pytest.approx(planned)
@@ -144,15 +258,45 @@ def test_trace_replay_follows_the_timestamps(latency_server: Any, tmp_path: Path
     assert r["input_lens"] == [20, 22, 24, 21, 23]  # by timestamp: 0, 200, 250, 700, 1000
 
 
-def test_chat_teams_tiers_and_metrics_scrapes(latency_server: Any, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch,
-                                              capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_chat_teams_tiers_and_metrics_scrapes(
+    latency_server: Any,
+    tiny_llama: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     srv = latency_server("--ttft-ms", "30", "--itl-ms", "10", "--api-keys", "key-a,key-b")
     monkeypatch.setenv("BENCH_KEY_B", "key-b")
-    r = bench_json(capsys, "--base-url", srv.url, "--endpoint", "/v1/chat/completions", "--tokenizer",
-                   str(tiny_llama), "--input-len", "12", "--output-len", "4", "--num-requests", "16",
-                   "--request-rate", "40", "--seed", "3", "--team", "a:3=key-a", "--team", "b=env:BENCH_KEY_B",
-                   "--tier-mix", "interactive:1,batch:1", "--tier-via", "both", "--scrape-metrics", srv.url,
-                   "--scrape-interval", "0.1")  # fmt: skip
+    r = bench_json(
+        capsys,
+        "--base-url",
+        srv.url,
+        "--endpoint",
+        "/v1/chat/completions",
+        "--tokenizer",
+        str(tiny_llama),
+        "--input-len",
+        "12",
+        "--output-len",
+        "4",
+        "--num-requests",
+        "16",
+        "--request-rate",
+        "40",
+        "--seed",
+        "3",
+        "--team",
+        "a:3=key-a",
+        "--team",
+        "b=env:BENCH_KEY_B",
+        "--tier-mix",
+        "interactive:1,batch:1",
+        "--tier-via",
+        "both",
+        "--scrape-metrics",
+        srv.url,
+        "--scrape-interval",
+        "0.1",
+    )
     assert r["completed"] == 16 and r["backend"] == "openai-chat"
     assert set(r["by_team"]) == {"a", "b"} and set(r["by_tier"]) == {"interactive", "batch"}
     assert sum(t["completed"] for t in r["by_team"].values()) == 16
@@ -160,28 +304,59 @@ def test_chat_teams_tiers_and_metrics_scrapes(latency_server: Any, tiny_llama: P
     seen = stats(srv)["requests"]
     teams = dict(zip(range(16), r["teams"], strict=True))
     assert {e["authorization"] for e in seen} <= {"Bearer key-a", "Bearer key-b"}
-    assert sum(e["authorization"] == "Bearer key-a" for e in seen) == list(teams.values()).count("a")
-    assert all(e["tier"] == e["service_tier"] and e["tier"] in ("interactive", "batch") for e in seen)
+    assert sum(e["authorization"] == "Bearer key-a" for e in seen) == list(teams.values()).count(
+        "a"
+    )
+    assert all(
+        e["tier"] == e["service_tier"] and e["tier"] in ("interactive", "batch") for e in seen
+    )
     assert all(e["path"] == "/v1/chat/completions" and e["model"] == "latency-model" for e in seen)
     scrape = r["scrapes"][srv.url + "/metrics"]
     phases = [s["phase"] for s in scrape["scrapes"]]
-    assert phases[0] == "before" and phases[-1] == "after" and scrape["summary"]["failed_scrapes"] == 0
+    assert (
+        phases[0] == "before" and phases[-1] == "after" and scrape["summary"]["failed_scrapes"] == 0
+    )
     after = scrape["scrapes"][-1]["samples"]
-    assert after["duet:requests_total"] - scrape["scrapes"][0]["samples"]["duet:requests_total"] == 16
+    assert (
+        after["duet:requests_total"] - scrape["scrapes"][0]["samples"]["duet:requests_total"] == 16
+    )
 
 
-def test_sweep_finds_the_knee_and_compare_reads_results(latency_server: Any, tmp_path: Path,
-                                                        capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_sweep_finds_the_knee_and_compare_reads_results(
+    latency_server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     # TTFT grows by 100 ms per request already in flight: concurrency 1 → 50 ms, 4 → ≤ 350 ms,
     # 16 → up to 1,550 ms; with an 800 ms SLO on the p99 (of 16 requests: about the slowest) the
     # knee is 4. The margins are hundreds of ms each way: at 20 + 30 ms per request and a 200 ms
     # SLO, one request of concurrency 4 stalled 90+ ms on a loaded CI machine and moved the knee.
     srv = latency_server("--ttft-ms", "50", "--ttft-ms-per-running", "100", "--itl-ms", "1")
-    args = ["--base-url", srv.url, "--prompt-format", "tokens", "--vocab-size", "500", "--input-len", "8",
-            "--output-len", "2", "--num-requests", "16", "--slo", "ttft=800"]  # fmt: skip
+    args = [
+        "--base-url",
+        srv.url,
+        "--prompt-format",
+        "tokens",
+        "--vocab-size",
+        "500",
+        "--input-len",
+        "8",
+        "--output-len",
+        "2",
+        "--num-requests",
+        "16",
+        "--slo",
+        "ttft=800",
+    ]
     sweep_file = tmp_path / "sweep.json"
-    s = bench_json(capsys, *args, "--sweep", "max-concurrency=1,4,16", "--plot", str(tmp_path / "p"),
-                   "--result-file", str(sweep_file))  # fmt: skip
+    s = bench_json(
+        capsys,
+        *args,
+        "--sweep",
+        "max-concurrency=1,4,16",
+        "--plot",
+        str(tmp_path / "p"),
+        "--result-file",
+        str(sweep_file),
+    )
     assert s["sweep"] == {"param": "max-concurrency", "values": [1.0, 4.0, 16.0]}
     assert [run["config"]["max_concurrency"] for run in s["runs"]] == [1, 4, 16]
     assert s["meets_slo"] == [True, True, False] and s["knee"]["value"] == 4.0
@@ -197,30 +372,70 @@ def test_sweep_finds_the_knee_and_compare_reads_results(latency_server: Any, tmp
     assert "p99 TTFT (ms)" in out and "B/A" in out
     assert compare_main([str(a), str(b), "--json"]) == 0
     rows = {x["metric"]: x for x in json.loads(capsys.readouterr().out)["rows"]}
-    assert rows["p99_ttft_ms"]["ratio"] == pytest.approx(s["runs"][2]["p99_ttft_ms"] / s["runs"][0]["p99_ttft_ms"])
+    assert rows["p99_ttft_ms"]["ratio"] == pytest.approx(
+        s["runs"][2]["p99_ttft_ms"] / s["runs"][0]["p99_ttft_ms"]
+    )
     assert compare_main([str(sweep_file), str(sweep_file), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["knee"] == {"a": 4.0, "b": 4.0}
     assert compare_main([str(a), str(sweep_file)]) == 2
 
 
-def test_duration_bounds_a_closed_loop_run(latency_server: Any, capsys: pytest.CaptureFixture[str]) -> None:
+def test_duration_bounds_a_closed_loop_run(
+    latency_server: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
     srv = latency_server("--ttft-ms", "40", "--itl-ms", "1", "--output-len", "1")
-    r = bench_json(capsys, "--base-url", srv.url, "--prompt-format", "tokens", "--vocab-size", "500",
-                   "--input-len", "4", "--duration", "1", "--max-concurrency", "2")  # fmt: skip
+    r = bench_json(
+        capsys,
+        "--base-url",
+        srv.url,
+        "--prompt-format",
+        "tokens",
+        "--vocab-size",
+        "500",
+        "--input-len",
+        "4",
+        "--duration",
+        "1",
+        "--max-concurrency",
+        "2",
+    )
     assert r["num_prompts"] >= 4 and r["failed"] == 0
     assert max(r["start_times"]) < 1.0 and r["config"]["duration_s"] == 1.0
     assert r["mean_tpot_ms"] is None  # one-token outputs have no TPOT
     assert stats(srv)["arrivals"] == r["num_prompts"]
 
 
-def test_ctrl_c_stops_sending_and_reports_what_finished(latency_server: Any, tmp_path: Path) -> None:
+def test_ctrl_c_stops_sending_and_reports_what_finished(
+    latency_server: Any, tmp_path: Path
+) -> None:
     srv = latency_server("--ttft-ms", "30", "--itl-ms", "5")
     out = tmp_path / "out.json"
     with out.open("wb") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "bench.serve", "--base-url", srv.url, "--prompt-format",
-                                 "tokens", "--vocab-size", "500", "--input-len", "4", "--output-len", "4",
-                                 "--duration", "120", "--max-concurrency", "2", "--json", "--quiet"],
-                                stdout=f, stderr=subprocess.PIPE)  # fmt: skip
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.serve",
+                "--base-url",
+                srv.url,
+                "--prompt-format",
+                "tokens",
+                "--vocab-size",
+                "500",
+                "--input-len",
+                "4",
+                "--output-len",
+                "4",
+                "--duration",
+                "120",
+                "--max-concurrency",
+                "2",
+                "--json",
+                "--quiet",
+            ],
+            stdout=f,
+            stderr=subprocess.PIPE,
+        )
         try:
             deadline = time.monotonic() + 60
             while stats(srv)["arrivals"] < 6:
@@ -237,23 +452,53 @@ def test_ctrl_c_stops_sending_and_reports_what_finished(latency_server: Any, tmp
     assert stats(srv)["arrivals"] == r["num_prompts"]  # nothing sent after the stop
 
 
-def test_sharegpt_prompts_and_reply_lengths(latency_server: Any, tiny_llama: Path, tmp_path: Path,
-                                            capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+def test_sharegpt_prompts_and_reply_lengths(
+    latency_server: Any, tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from protocol.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny_llama)
-    convs = [("The quick brown fox jumps over the lazy dog.", "Paris is the capital of France, and Berlin too."),
-             ("def main():\n    return 42\n", "The quick brown fox jumps over the lazy dog twice."),
-             ("Paris is the capital of France.", "Ünïcödé text, emojis and more text here.")]  # fmt: skip
-    data = [{"id": str(i), "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
-            for i, (q, a) in enumerate(convs)]  # fmt: skip
-    data += [{"id": "short", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
-             {"id": "no-reply", "conversations": [{"from": "human", "value": "a long enough question here"}]}]  # fmt: skip
+    convs = [
+        (
+            "The quick brown fox jumps over the lazy dog.",
+            "Paris is the capital of France, and Berlin too.",
+        ),
+        ("def main():\n    return 42\n", "The quick brown fox jumps over the lazy dog twice."),
+        ("Paris is the capital of France.", "Ünïcödé text, emojis and more text here."),
+    ]
+    data = [
+        {
+            "id": str(i),
+            "conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}],
+        }
+        for i, (q, a) in enumerate(convs)
+    ]
+    data += [
+        {
+            "id": "short",
+            "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}],
+        },
+        {
+            "id": "no-reply",
+            "conversations": [{"from": "human", "value": "a long enough question here"}],
+        },
+    ]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(data))
     srv = latency_server("--ttft-ms", "5", "--itl-ms", "1")
-    r = bench_json(capsys, "--base-url", srv.url, "--dataset", "sharegpt", "--dataset-path", str(path),
-                   "--tokenizer", str(tiny_llama), "--num-requests", "6")  # fmt: skip
+    r = bench_json(
+        capsys,
+        "--base-url",
+        srv.url,
+        "--dataset",
+        "sharegpt",
+        "--dataset-path",
+        str(path),
+        "--tokenizer",
+        str(tiny_llama),
+        "--num-requests",
+        "6",
+    )
     assert r["completed"] == 6
     n_out = {len(tok.encode(a, add_special_tokens=False)) for _, a in convs}
     seen = stats(srv)["requests"]
@@ -264,6 +509,19 @@ def test_sharegpt_prompts_and_reply_lengths(latency_server: Any, tiny_llama: Pat
     assert sorted(r["input_lens"]) == sorted(e["prompt_tokens"] for e in seen)
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(data[3:]))
-    assert main(["--base-url", srv.url, "--dataset", "sharegpt", "--dataset-path", str(bad),
-                 "--tokenizer", str(tiny_llama)]) == 2  # fmt: skip
+    assert (
+        main(
+            [
+                "--base-url",
+                srv.url,
+                "--dataset",
+                "sharegpt",
+                "--dataset-path",
+                str(bad),
+                "--tokenizer",
+                str(tiny_llama),
+            ]
+        )
+        == 2
+    )
     assert "no usable conversation" in capsys.readouterr().err

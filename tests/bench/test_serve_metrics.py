@@ -22,10 +22,28 @@ from bench.sweep import knee, parse_sweep
 from bench.trace import load_trace, replay
 
 
-def rec(i: int, ttft: float, chunks: list[float], e2el: float, *, tokens: int | None = None,
-        cause: str | None = None, team: str | None = None) -> RequestRecord:  # fmt: skip
-    r = RequestRecord(index=i, prompt_len=10, max_tokens=8, scheduled_s=0.1 * i, sent_s=0.1 * i + 0.01,
-                      team=team, ttft_s=ttft, chunk_s=chunks, chunk_tokens=[1] * len(chunks), e2el_s=e2el)  # fmt: skip
+def rec(
+    i: int,
+    ttft: float,
+    chunks: list[float],
+    e2el: float,
+    *,
+    tokens: int | None = None,
+    cause: str | None = None,
+    team: str | None = None,
+) -> RequestRecord:
+    r = RequestRecord(
+        index=i,
+        prompt_len=10,
+        max_tokens=8,
+        scheduled_s=0.1 * i,
+        sent_s=0.1 * i + 0.01,
+        team=team,
+        ttft_s=ttft,
+        chunk_s=chunks,
+        chunk_tokens=[1] * len(chunks),
+        e2el_s=e2el,
+    )
     if cause:
         r.fail(cause, "boom")
     else:
@@ -85,17 +103,26 @@ def test_goodput_counts_requests_meeting_every_slo() -> None:
 
 
 def test_empty_and_all_failed_runs_report_nulls_not_crashes() -> None:
-    m = metrics_calc.compute([rec(0, 0, [], 1.0, cause="connection_error")], 1.0, configured_rate=1.0)
+    m = metrics_calc.compute(
+        [rec(0, 0, [], 1.0, cause="connection_error")], 1.0, configured_rate=1.0
+    )
     assert m["completed"] == 0 and m["p99_ttft_ms"] is None and m["mean_itl_ms"] is None
     assert metrics_calc.timeline([]) == []
 
 
 def test_breakdown_by_team_and_per_request_arrays() -> None:
-    recs = [rec(0, 0.1, [0.1, 0.2], 0.2, team="a"), rec(1, 0.3, [0.3], 0.3, team="b"),
-            rec(2, 0, [], 1, cause="http_401", team="b")]  # fmt: skip
+    recs = [
+        rec(0, 0.1, [0.1, 0.2], 0.2, team="a"),
+        rec(1, 0.3, [0.3], 0.3, team="b"),
+        rec(2, 0, [], 1, cause="http_401", team="b"),
+    ]
     by = metrics_calc.breakdown(recs, "team", (50, 99), 150, None)
     assert by["a"]["completed"] == 1 and by["a"]["good_requests"] == 1
-    assert by["b"]["failed"] == 1 and by["b"]["failures"] == {"http_401": 1} and by["b"]["good_requests"] == 0
+    assert (
+        by["b"]["failed"] == 1
+        and by["b"]["failures"] == {"http_401": 1}
+        and by["b"]["good_requests"] == 0
+    )
     arr = metrics_calc.per_request(recs)
     assert arr["ttfts"] == [0.1, 0.3, None] and arr["causes"] == [None, None, "http_401"]
     assert arr["itls"][0] == pytest.approx([0.1]) and arr["output_lens"] == [2, 1, 0]
@@ -131,8 +158,12 @@ def test_arrivals_poisson_mean_gap_and_infinite_rate() -> None:
     assert ts[-1] / len(ts) == pytest.approx(0.1, rel=0.05)
     gaps = np.diff(ts)
     assert np.std(gaps) / np.mean(gaps) == pytest.approx(1.0, rel=0.1)  # exponential: CV 1
-    bursty = np.diff([t for t, _ in zip(send_offsets(10.0, 0.25, random.Random(0)), range(4000), strict=False)])
-    assert np.std(bursty) / np.mean(bursty) == pytest.approx(2.0, rel=0.15)  # gamma(k): CV 1/sqrt(k)
+    bursty = np.diff(
+        [t for t, _ in zip(send_offsets(10.0, 0.25, random.Random(0)), range(4000), strict=False)]
+    )
+    assert np.std(bursty) / np.mean(bursty) == pytest.approx(
+        2.0, rel=0.15
+    )  # gamma(k): CV 1/sqrt(k)
     inf = send_offsets(math.inf, 1.0, random.Random(0))
     assert [next(inf) for _ in range(3)] == [0.0, 0.0, 0.0]
 
@@ -151,13 +182,19 @@ def test_length_specs() -> None:
 
 def test_trace_replay_reuses_blocks_for_equal_hash_ids(tmp_path: Path) -> None:
     f = tmp_path / "t.jsonl"
-    f.write_text('{"timestamp": 1000, "input_length": 40, "output_length": 5, "hash_ids": [1, 2, 3]}\n'
-                 '{"timestamp": 1500, "input_length": 30, "output_length": 7, "hash_ids": [1, 2, 9]}\n'
-                 '\n{"timestamp": 1200, "input_length": 10, "output_length": 3}\n')  # fmt: skip
+    f.write_text(
+        '{"timestamp": 1000, "input_length": 40, "output_length": 5, "hash_ids": [1, 2, 3]}\n'
+        '{"timestamp": 1500, "input_length": 30, "output_length": 7, "hash_ids": [1, 2, 9]}\n'
+        '\n{"timestamp": 1200, "input_length": 10, "output_length": 3}\n'
+    )
     builder = PromptBuilder("tokens", vocab_size=1000)
     reqs = list(replay(load_trace(f), builder, 16, 0.5, seed=0))
     assert [r.arrival_s for r in reqs] == [0.0, 0.1, 0.25]  # sorted, (t - t0) ms × 0.5
-    assert [r.output_len for r in reqs] == [5, 3, 7] and [r.prompt_len for r in reqs] == [40, 10, 30]
+    assert [r.output_len for r in reqs] == [5, 3, 7] and [r.prompt_len for r in reqs] == [
+        40,
+        10,
+        30,
+    ]
     a, b, c = reqs[0].prompt, reqs[1].prompt, reqs[2].prompt
     assert c == a[:30]  # hash ids 1, 2 shared: the same 30 tokens
     assert b != a[:10]
@@ -171,7 +208,14 @@ def test_config_refuses_incoherent_flags() -> None:
     p = build_parser()
     base = ["--base-url", "http://127.0.0.1:1"]
     cases = {
-        ("--endpoint", "/v1/chat/completions", "--prompt-format", "tokens", "--vocab-size", "9"): "chat",
+        (
+            "--endpoint",
+            "/v1/chat/completions",
+            "--prompt-format",
+            "tokens",
+            "--vocab-size",
+            "9",
+        ): "chat",
         ("--prompt-format", "tokens"): "vocab",
         ("--duration", "5"): "max-concurrency",
         ("--duration", "5", "--sweep", "request-rate=1,inf"): "max-concurrency",
@@ -186,23 +230,58 @@ def test_config_refuses_incoherent_flags() -> None:
             to_config(p.parse_args([*base, *extra]))
     with pytest.raises(ValueError, match="http"):
         to_config(p.parse_args(["--base-url", "127.0.0.1:8000"]))
-    cfg = to_config(p.parse_args([*base, "--prompt-format", "tokens", "--vocab-size", "50", "--api-key", "sk-x",
-                                  "--team", "a:2=sk-secret"]))  # fmt: skip
+    cfg = to_config(
+        p.parse_args(
+            [
+                *base,
+                "--prompt-format",
+                "tokens",
+                "--vocab-size",
+                "50",
+                "--api-key",
+                "sk-x",
+                "--team",
+                "a:2=sk-secret",
+            ]
+        )
+    )
     assert cfg.num_requests == 100  # the default bound
     pub = cfg.public()
     assert "sk-x" not in str(pub) and "sk-secret" not in str(pub) and pub["request_rate"] == "inf"
-    for bounded in (["--duration", "5", "--request-rate", "3"], ["--duration", "5", "--sweep", "request-rate=1,2"],
-                    ["--duration", "5", "--sweep", "max-concurrency=1,2"]):  # fmt: skip
-        assert to_config(p.parse_args([*base, "--vocab-size", "9", "--prompt-format", "tokens", *bounded]))
+    for bounded in (
+        ["--duration", "5", "--request-rate", "3"],
+        ["--duration", "5", "--sweep", "request-rate=1,2"],
+        ["--duration", "5", "--sweep", "max-concurrency=1,2"],
+    ):
+        assert to_config(
+            p.parse_args([*base, "--vocab-size", "9", "--prompt-format", "tokens", *bounded])
+        )
     assert parse_slo("ttft=500,tpot=50") == (500.0, 50.0) and parse_slo("ttft:200") == (200.0, None)
 
 
 def test_compare_ratios_and_verdicts() -> None:
-    a = {"completed": 10, "failed": 0, "request_throughput": 2.0, "p99_ttft_ms": 100.0, "request_goodput": None}
-    b = {"completed": 10, "failed": 1, "request_throughput": 3.0, "p99_ttft_ms": 50.0, "request_goodput": None}
+    a = {
+        "completed": 10,
+        "failed": 0,
+        "request_throughput": 2.0,
+        "p99_ttft_ms": 100.0,
+        "request_goodput": None,
+    }
+    b = {
+        "completed": 10,
+        "failed": 1,
+        "request_throughput": 3.0,
+        "p99_ttft_ms": 50.0,
+        "request_goodput": None,
+    }
     rows = {r["metric"]: r for r in compare(a, b)["rows"]}
-    assert rows["request_throughput"]["ratio"] == pytest.approx(1.5) and rows["request_throughput"]["better"] == "b"
-    assert rows["p99_ttft_ms"]["ratio"] == pytest.approx(0.5) and rows["p99_ttft_ms"]["better"] == "b"
+    assert (
+        rows["request_throughput"]["ratio"] == pytest.approx(1.5)
+        and rows["request_throughput"]["better"] == "b"
+    )
+    assert (
+        rows["p99_ttft_ms"]["ratio"] == pytest.approx(0.5) and rows["p99_ttft_ms"]["better"] == "b"
+    )
     assert rows["failed"]["better"] == "a" and rows["completed"]["better"] is None
     assert "request_goodput" not in rows
     with pytest.raises(ValueError, match="sweep"):
@@ -214,8 +293,14 @@ def test_prefix_groups_share_their_prefix() -> None:
     from bench.workloads import synthetic
 
     builder = PromptBuilder("tokens", vocab_size=5000)
-    reqs = [r for r, _ in zip(synthetic(builder, LengthDist(a=8), LengthDist(a=4), 1, prefix_groups=3,
-                                        prefix_len=20), range(60), strict=False)]  # fmt: skip
+    reqs = [
+        r
+        for r, _ in zip(
+            synthetic(builder, LengthDist(a=8), LengthDist(a=4), 1, prefix_groups=3, prefix_len=20),
+            range(60),
+            strict=False,
+        )
+    ]
     by_group: dict[int, set[tuple[int, ...]]] = {}
     for r in reqs:
         assert r.group is not None and r.prompt_len == 28 and r.output_len == 4
@@ -225,7 +310,9 @@ def test_prefix_groups_share_their_prefix() -> None:
     assert len({tuple(r.prompt[20:]) for r in reqs}) == 60  # unique suffixes
 
 
-def test_duet_cli_dispatches_serve_and_compare(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_duet_cli_dispatches_serve_and_compare(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from duet.cli import main as duet
 
     assert duet(["bench", "compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]) == 2
@@ -233,8 +320,23 @@ def test_duet_cli_dispatches_serve_and_compare(tmp_path: Path, capsys: pytest.Ca
     (tmp_path / "x.json").write_text('{"not": "a result"}')
     assert duet(["bench", "compare", str(tmp_path / "x.json"), str(tmp_path / "x.json")]) == 2
     assert "not a `duet bench serve --json` result" in capsys.readouterr().err
-    assert duet(["bench", "serve", "--base-url", "http://127.0.0.1:1", "--endpoint", "/v1/chat/completions",
-                 "--prompt-format", "tokens", "--vocab-size", "10"]) == 2  # fmt: skip
+    assert (
+        duet(
+            [
+                "bench",
+                "serve",
+                "--base-url",
+                "http://127.0.0.1:1",
+                "--endpoint",
+                "/v1/chat/completions",
+                "--prompt-format",
+                "tokens",
+                "--vocab-size",
+                "10",
+            ]
+        )
+        == 2
+    )
     assert "chat" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         duet(["bench", "serve", "--help"])

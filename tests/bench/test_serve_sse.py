@@ -20,18 +20,32 @@ from bench.sse_client import send
 from tests.procs import free_port
 
 Server = Callable[..., Awaitable[TestServer]]
-BODY = {"prompt": [5, 6, 7], "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+BODY = {
+    "prompt": [5, 6, 7],
+    "max_tokens": 4,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
 
 
-async def one(server: TestServer, body: dict[str, Any] = BODY, path: str = "/v1/completions",
-              timeout: float = 10.0, headers: dict[str, str] | None = None) -> RequestRecord:  # fmt: skip
+async def one(
+    server: TestServer,
+    body: dict[str, Any] = BODY,
+    path: str = "/v1/completions",
+    timeout: float = 10.0,
+    headers: dict[str, str] | None = None,
+) -> RequestRecord:
     rec = RequestRecord(index=0, prompt_len=3, max_tokens=4, scheduled_s=0.0)
     async with aiohttp.ClientSession() as s:
-        return await send(s, str(server.make_url(path)), body, headers or {}, rec, timeout, time.perf_counter())
+        return await send(
+            s, str(server.make_url(path)), body, headers or {}, rec, timeout, time.perf_counter()
+        )
 
 
 async def test_good_stream_timing_and_usage(aiohttp_server: Server) -> None:
-    server = await aiohttp_server(make_app(LatencyConfig(ttft_ms=60, itl_ms=25, tokens_per_chunk=2, output_len=5)))
+    server = await aiohttp_server(
+        make_app(LatencyConfig(ttft_ms=60, itl_ms=25, tokens_per_chunk=2, output_len=5))
+    )
     r = await one(server)
     assert r.ok and r.cause is None
     assert r.output_tokens == 5 and r.usage_tokens and r.usage_prompt_tokens == 3
@@ -39,7 +53,9 @@ async def test_good_stream_timing_and_usage(aiohttp_server: Server) -> None:
     assert r.ttft_s is not None and r.ttft_s >= 0.060 and r.ttft_s == r.chunk_s[0]
     # chunk k leaves the server at arrival + 60 ms + k x 25 ms (absolute deadlines), so it
     # reaches the client no earlier; individual gaps are not bounded (a late chunk shortens the next)
-    assert all(t >= 0.060 + 0.025 * k for k, t in enumerate(r.chunk_s)) and r.e2el_s >= r.chunk_s[-1]
+    assert (
+        all(t >= 0.060 + 0.025 * k for k, t in enumerate(r.chunk_s)) and r.e2el_s >= r.chunk_s[-1]
+    )
     assert len(r.itl_s) == 2 and r.itl_s[0] == r.chunk_s[1] - r.chunk_s[0]
     assert r.tpot_s == pytest.approx((r.e2el_s - r.ttft_s) / 4)
 
@@ -52,19 +68,32 @@ async def test_without_usage_tokens_are_counted_from_the_stream(aiohttp_server: 
 
 async def test_chat_stream_ignores_the_empty_role_chunk(aiohttp_server: Server) -> None:
     server = await aiohttp_server(make_app(LatencyConfig(ttft_ms=40, itl_ms=1)))
-    body = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+    body = {
+        "messages": [{"role": "user", "content": "hi there"}],
+        "max_tokens": 3,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     r = await one(server, body, "/v1/chat/completions")
-    assert r.ok and r.output_tokens == 3 and len(r.chunk_s) == 3 and r.ttft_s is not None and r.ttft_s >= 0.040
+    assert (
+        r.ok
+        and r.output_tokens == 3
+        and len(r.chunk_s) == 3
+        and r.ttft_s is not None
+        and r.ttft_s >= 0.040
+    )
 
 
-@pytest.mark.parametrize(("config", "cause"), [
-    (LatencyConfig(fail_every=1, fail_status=503), "http_503"),
-    (LatencyConfig(api_keys=("k",)), "http_401"),
-    (LatencyConfig(sse_error_every=1, ttft_ms=1, itl_ms=1), "sse_error"),
-    (LatencyConfig(truncate_every=1, ttft_ms=1, itl_ms=1), "incomplete_stream"),
-    (LatencyConfig(hang_every=1, hang_s=30), "timeout"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("config", "cause"),
+    [
+        (LatencyConfig(fail_every=1, fail_status=503), "http_503"),
+        (LatencyConfig(api_keys=("k",)), "http_401"),
+        (LatencyConfig(sse_error_every=1, ttft_ms=1, itl_ms=1), "sse_error"),
+        (LatencyConfig(truncate_every=1, ttft_ms=1, itl_ms=1), "incomplete_stream"),
+        (LatencyConfig(hang_every=1, hang_s=30), "timeout"),
+    ],
+)
 async def test_failure_causes(aiohttp_server: Server, config: LatencyConfig, cause: str) -> None:
     server = await aiohttp_server(make_app(config))
     r = await one(server, timeout=0.5)
@@ -76,7 +105,15 @@ async def test_failure_causes(aiohttp_server: Server, config: LatencyConfig, cau
 async def test_connection_refused_is_a_connection_error() -> None:
     rec = RequestRecord(index=0, prompt_len=1, max_tokens=1, scheduled_s=0.0)
     async with aiohttp.ClientSession() as s:
-        r = await send(s, f"http://127.0.0.1:{free_port()}/v1/completions", BODY, {}, rec, 5.0, time.perf_counter())
+        r = await send(
+            s,
+            f"http://127.0.0.1:{free_port()}/v1/completions",
+            BODY,
+            {},
+            rec,
+            5.0,
+            time.perf_counter(),
+        )
     assert r.cause == "connection_error"
 
 
@@ -124,7 +161,9 @@ def _late_end_app(peers: list[object], end_after_s: float | None) -> web.Applica
         await resp.write(b'data: {"choices": [{"index": 0, "text": " a"}]}\n\ndata: [DONE]\n\n')
         if end_after_s is None:
             await asyncio.Event().wait()  # a broken server: the body never ends
-        await asyncio.sleep(end_after_s)  # the server's behaviour under test, not a wait for the client
+        await asyncio.sleep(
+            end_after_s
+        )  # the server's behaviour under test, not a wait for the client
         await resp.write_eof()
         return resp
 
@@ -141,7 +180,9 @@ async def test_a_body_ending_after_done_keeps_the_connection(aiohttp_server: Ser
     async with aiohttp.ClientSession() as s:
         for _ in range(3):
             rec = RequestRecord(index=0, prompt_len=3, max_tokens=4, scheduled_s=0.0)
-            r = await send(s, str(server.make_url("/v1/completions")), BODY, {}, rec, 10.0, time.perf_counter())
+            r = await send(
+                s, str(server.make_url("/v1/completions")), BODY, {}, rec, 10.0, time.perf_counter()
+            )
             assert r.ok and r.output_tokens == 1
     assert len(peers) == 3 and len(set(peers)) == 1, peers  # before: three connections
 

@@ -10,8 +10,24 @@ from bench.structured import main
 
 
 def test_bench_structured_json(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--model", str(tiny_llama), "--json", "--threads", "1", "--tokens", "4", "--batches", "1,2",
-                 "--repeats", "1"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "--model",
+                str(tiny_llama),
+                "--json",
+                "--threads",
+                "1",
+                "--tokens",
+                "4",
+                "--batches",
+                "1,2",
+                "--repeats",
+                "1",
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     r = json.loads(captured.out)
     assert "compiling the corpus" in captured.err  # progress goes to stderr

@@ -14,25 +14,55 @@ from typing import Any, TypeVar
 from tests.procs import Proc, duet_node, free_port
 from tests.wait import wait_for
 
-NODE_ARGS = ("--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024", "--transport", "tcp")
+NODE_ARGS = (
+    "--dtype",
+    "float32",
+    "--kv-blocks",
+    "256",
+    "--max-model-len",
+    "1024",
+    "--transport",
+    "tcp",
+)
 T = TypeVar("T")
 
 
 def node(role: str, model: Path, tmp: Path, etcd_url: str, *extra: str) -> Proc:
-    return duet_node(role, str(model), tmp, *NODE_ARGS, "--etcd", etcd_url, "--lease-seconds", "2", *extra)
+    return duet_node(
+        role, str(model), tmp, *NODE_ARGS, "--etcd", etcd_url, "--lease-seconds", "2", *extra
+    )
 
 
 def coordinator(tmp: Path, etcd_url: str, *extra: str) -> Proc:
     port = free_port()
-    args = [sys.executable, "-m", "duet", "coordinator", "--etcd", etcd_url, "--port", str(port), *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "duet",
+        "coordinator",
+        "--etcd",
+        etcd_url,
+        "--port",
+        str(port),
+        *extra,
+    ]
     return Proc(args, port, tmp / f"coordinator-{port}.log")
 
 
-def http(method: str, url: str, body: Any = None, raw: bytes | None = None,
-         headers: dict[str, str] | None = None) -> tuple[int, Any]:  # fmt: skip
+def http(
+    method: str,
+    url: str,
+    body: Any = None,
+    raw: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, Any]:
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})  # fmt: skip
+    req = urllib.request.Request(
+        url,
+        data=data,
+        method=method,
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             text = r.read()
@@ -60,8 +90,13 @@ def wait_ready(coord_url: str, node_ids: list[str], timeout: float = 60.0) -> No
 
     def ok() -> bool:
         nodes = {n["node_id"]: n for n in get(coord_url + "/cluster")["nodes"]}
-        return all(i in nodes and nodes[i]["ready"] and nodes[i]["pending"]["seqs"] == 0
-                   and nodes[i]["pending"]["prefill_tokens"] == 0 for i in node_ids)  # fmt: skip
+        return all(
+            i in nodes
+            and nodes[i]["ready"]
+            and nodes[i]["pending"]["seqs"] == 0
+            and nodes[i]["pending"]["prefill_tokens"] == 0
+            for i in node_ids
+        )
 
     wait_for(ok, timeout, f"nodes {node_ids} ready in the coordinator")
 

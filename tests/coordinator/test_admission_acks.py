@@ -63,11 +63,18 @@ class FakeEngine:
         self.usage = 0.0
 
     async def drain_kv_events(self, snapshot: bool = False) -> KVEventDrain:
-        return KVEventDrain(events=[], queued_prefill_tokens=0, block_hashes=[] if snapshot else None)
+        return KVEventDrain(
+            events=[], queued_prefill_tokens=0, block_hashes=[] if snapshot else None
+        )
 
     def stats(self) -> dict[str, float]:
-        return {"num_requests_waiting": 0, "num_requests_running": self.running, "kv_cache_usage_perc": self.usage,
-                "kv_blocks_free": self.free, "kv_blocks_total": BLOCKS}  # fmt: skip
+        return {
+            "num_requests_waiting": 0,
+            "num_requests_running": self.running,
+            "kv_cache_usage_perc": self.usage,
+            "kv_blocks_free": self.free,
+            "kv_blocks_total": BLOCKS,
+        }
 
 
 @dataclass
@@ -96,13 +103,22 @@ class Cluster:
 
         async def seen() -> dict[str, Any] | None:
             n = await self.node_report()
-            return n if n["load"] is not None and n["load"]["kv_cache_usage_perc"] == self.marker else None
+            return (
+                n
+                if n["load"] is not None and n["load"]["kv_cache_usage_perc"] == self.marker
+                else None
+            )
 
         return await until(seen, 20, f"a load frame with marker {self.marker} at the coordinator")
 
     async def route(self, rid: str) -> tuple[int, dict[str, Any]]:
-        body = {"model": MODEL, "block_hashes": [], "num_prompt_tokens": PROMPT, "max_tokens": MAX_TOKENS,
-                "request_id": rid}  # fmt: skip
+        body = {
+            "model": MODEL,
+            "block_hashes": [],
+            "num_prompt_tokens": PROMPT,
+            "max_tokens": MAX_TOKENS,
+            "request_id": rid,
+        }
         async with self.session.post(self.coord_url + "/route", json=body) as r:
             return r.status, await r.json()
 
@@ -118,16 +134,29 @@ async def _serve(app: web.Application, port: int) -> web.AppRunner:
 async def cluster(etcd_url: str, policy: PolicyConfig) -> AsyncIterator[Cluster]:
     engine = FakeEngine()
     node_port, coord_port = free_port(), free_port()
-    state = SimpleNamespace(engine=engine, engine_id="engine-" + uuid.uuid4().hex[:8],
-                            metrics=NodeMetrics(dict, MODEL, "decode"),  # the load frames' measured latency
-                            config=SimpleNamespace(role="decode",
-                                                   engine=SimpleNamespace(block_size=BLOCK, record_kv_events=True)))  # fmt: skip
+    state = SimpleNamespace(
+        engine=engine,
+        engine_id="engine-" + uuid.uuid4().hex[:8],
+        metrics=NodeMetrics(dict, MODEL, "decode"),  # the load frames' measured latency
+        config=SimpleNamespace(
+            role="decode", engine=SimpleNamespace(block_size=BLOCK, record_kv_events=True)
+        ),
+    )
     node_app = web.Application()
     add_kv_event_routes(node_app, state)
     node_id = "decode-fake"
-    info = NodeInfo(node_id=node_id, role="decode", url=f"http://127.0.0.1:{node_port}", model=MODEL,
-                    engine_id=state.engine_id, block_size=BLOCK, kv_layout_hash="fake", kv_capacity_blocks=BLOCKS,
-                    max_model_len=2048, started_at=time.time())  # fmt: skip
+    info = NodeInfo(
+        node_id=node_id,
+        role="decode",
+        url=f"http://127.0.0.1:{node_port}",
+        model=MODEL,
+        engine_id=state.engine_id,
+        block_size=BLOCK,
+        kv_layout_hash="fake",
+        kv_capacity_blocks=BLOCKS,
+        max_model_len=2048,
+        started_at=time.time(),
+    )
     store = EtcdStore(etcd_url)
     cfg = CoordinatorConfig(etcd=etcd_url, port=coord_port, policy=policy)
     runners: list[web.AppRunner] = []
@@ -197,4 +226,3 @@ async def test_a_reservation_outlives_frames_that_do_not_show_its_request(etcd: 
         assert n["pending"]["blocks"] == 2 * NEED and n["pending"]["seqs"] == 2
         status, body = await c.route("req-4")
         assert status == 200, body
-

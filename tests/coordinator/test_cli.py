@@ -7,13 +7,21 @@ import sys
 
 
 def duet(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "duet", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "duet", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_help_explains_the_commands() -> None:
     out = duet("coordinator", "--help")
     assert out.returncode == 0
-    for flag in ("--etcd", "--cluster", "--index-max-blocks", "--local-prefill-tokens", "POST /route"):
+    for flag in (
+        "--etcd",
+        "--cluster",
+        "--index-max-blocks",
+        "--local-prefill-tokens",
+        "POST /route",
+    ):
         assert flag in out.stdout
     out = duet("drain", "--help")
     assert out.returncode == 0 and "--exit-when-drained" in out.stdout and "--wait" in out.stdout
@@ -21,9 +29,11 @@ def test_help_explains_the_commands() -> None:
 
 
 def test_bad_values_are_usage_errors() -> None:
-    for args, text in ((("--index-max-blocks", "0"), "index-max-blocks"),
-                       (("--etcd", "ftp://x:1"), "etcd URL"),
-                       (("--etcd", "http://h:notaport"), "port")):  # fmt: skip
+    for args, text in (
+        (("--index-max-blocks", "0"), "index-max-blocks"),
+        (("--etcd", "ftp://x:1"), "etcd URL"),
+        (("--etcd", "http://h:notaport"), "port"),
+    ):
         out = duet("coordinator", *args)
         assert out.returncode == 2, out.stderr
         assert out.stderr.startswith("duet coordinator: error:") and text in out.stderr

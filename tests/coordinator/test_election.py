@@ -16,7 +16,9 @@ from tests.wait import until
 async def test_single_leader_and_takeover_of_own_key(etcd: EtcdServer) -> None:
     ttl = 20
     stores = [EtcdStore(etcd.url) for _ in range(2)]
-    a, b = (Election(s, "c", name, f"http://{name}", ttl) for s, name in zip(stores, "ab", strict=True))
+    a, b = (
+        Election(s, "c", name, f"http://{name}", ttl) for s, name in zip(stores, "ab", strict=True)
+    )
     tasks = [asyncio.create_task(a.run())]
     try:
         await until(lambda: a.is_leader, 30, "a to lead")

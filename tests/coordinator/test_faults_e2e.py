@@ -51,8 +51,9 @@ def registered_ids(etcd_url: str) -> set[str]:
     return asyncio.run(ids())
 
 
-def test_etcd_restart_nodes_reregister_and_routing_resumes(tiny_llama: Path, tmp_path: Path,
-                                                           etcd: EtcdServer) -> None:  # fmt: skip
+def test_etcd_restart_nodes_reregister_and_routing_resumes(
+    tiny_llama: Path, tmp_path: Path, etcd: EtcdServer
+) -> None:
     n = node("both", tiny_llama, tmp_path, etcd.url)
     coord = coordinator(tmp_path, etcd.url)
     with running(n, coord):
@@ -64,38 +65,79 @@ def test_etcd_restart_nodes_reregister_and_routing_resumes(tiny_llama: Path, tmp
         etcd.stop()
         # The node notices, says so in its metrics, and keeps serving; the coordinator keeps
         # routing on its last view.
-        wait_for(lambda: metric(n.url, "duet:etcd_registered") == 0, 30, "the node to report etcd down")
-        status, body = http("POST", n.url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2})
+        wait_for(
+            lambda: metric(n.url, "duet:etcd_registered") == 0, 30, "the node to report etcd down"
+        )
+        status, body = http(
+            "POST", n.url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 2}
+        )
         assert status == 200, body
         assert http("POST", coord.url + "/route", short_route(model))[0] == 200
-        wait_for(lambda: not get(coord.url + "/cluster")["etcd_connected"], 30, "the coordinator to see etcd down")
+        wait_for(
+            lambda: not get(coord.url + "/cluster")["etcd_connected"],
+            30,
+            "the coordinator to see etcd down",
+        )
 
         etcd.restart(wipe=True)  # same port, no keys, no leases: the node must register again
         wait_for(lambda: nid in registered_ids(etcd.url), 30, "the node to register again")
-        wait_for(lambda: http("POST", coord.url + "/route", short_route(model))[0] == 200, 30, "routing to resume")
+        wait_for(
+            lambda: http("POST", coord.url + "/route", short_route(model))[0] == 200,
+            30,
+            "routing to resume",
+        )
         # the node writes its key, then marks itself registered (node/registration.py: attach, then
         # on_up): the key can be seen a moment before the gauge says 1
-        wait_for(lambda: metric(n.url, "duet:etcd_registered") == 1, 30, "the node to report etcd up")
+        wait_for(
+            lambda: metric(n.url, "duet:etcd_registered") == 1, 30, "the node to report etcd up"
+        )
         assert "etcd unreachable" in n.log()
-        wait_for(lambda: get(coord.url + "/cluster")["is_leader"], 30, "the coordinator to lead again")
+        wait_for(
+            lambda: get(coord.url + "/cluster")["is_leader"], 30, "the coordinator to lead again"
+        )
 
 
 BAD_ROUTES: list[tuple[bytes, dict[str, str], int, str]] = [
     (b"{not json", {}, 400, "not valid JSON"),
     (b"[]", {}, 400, "invalid route request"),
     (json.dumps({"model": "m"}).encode(), {}, 400, "missing required field"),
-    (json.dumps({"model": "m", "block_hashes": ["x"], "num_prompt_tokens": 5, "max_tokens": 1}).encode(), {}, 400,
-     "block_hashes"),
-    (json.dumps({"model": "m", "block_hashes": [], "num_prompt_tokens": 5, "max_tokens": 1, "tier": "gold"}).encode(),
-     {}, 400, "tier"),
-    (json.dumps({"model": "m", "block_hashes": [2**70], "num_prompt_tokens": 5, "max_tokens": 1}).encode(), {}, 400,
-     ""),
+    (
+        json.dumps(
+            {"model": "m", "block_hashes": ["x"], "num_prompt_tokens": 5, "max_tokens": 1}
+        ).encode(),
+        {},
+        400,
+        "block_hashes",
+    ),
+    (
+        json.dumps(
+            {
+                "model": "m",
+                "block_hashes": [],
+                "num_prompt_tokens": 5,
+                "max_tokens": 1,
+                "tier": "gold",
+            }
+        ).encode(),
+        {},
+        400,
+        "tier",
+    ),
+    (
+        json.dumps(
+            {"model": "m", "block_hashes": [2**70], "num_prompt_tokens": 5, "max_tokens": 1}
+        ).encode(),
+        {},
+        400,
+        "",
+    ),
     (b"{}", {"Content-Type": "text/plain"}, 415, "application/json"),
-]  # fmt: skip
+]
 
 
-def test_replica_failover_leader_election_and_bad_input(tiny_llama: Path, tmp_path: Path,
-                                                        etcd: EtcdServer) -> None:  # fmt: skip
+def test_replica_failover_leader_election_and_bad_input(
+    tiny_llama: Path, tmp_path: Path, etcd: EtcdServer
+) -> None:
     ttl = 5
     n = node("both", tiny_llama, tmp_path, etcd.url)
     c1 = coordinator(tmp_path, etcd.url, "--ttl", str(ttl), "--replica-id", "c1")
@@ -114,7 +156,10 @@ def test_replica_failover_leader_election_and_bad_input(tiny_llama: Path, tmp_pa
         for raw, headers, status, text in BAD_ROUTES:
             got, body = http("POST", lead.url + "/route", raw=raw, headers=headers)
             assert got == status, (raw, body)
-            assert set(body["error"]) == {"message", "type", "param", "code"} and text in body["error"]["message"]
+            assert (
+                set(body["error"]) == {"message", "type", "param", "code"}
+                and text in body["error"]["message"]
+            )
         for path, status in (("/nodes/nope/drain", 404), ("/nodes/bad%20id/drain", 400)):
             assert http("POST", lead.url + path)[0] == status
         assert http("GET", lead.url + "/nope")[0] == 404
@@ -130,7 +175,11 @@ def test_replica_failover_leader_election_and_bad_input(tiny_llama: Path, tmp_pa
                 req = RouteRequest(model=model, block_hashes=[], num_prompt_tokens=20, max_tokens=4)
                 resp = await client.route(req)
                 try:
-                    await client.route(RouteRequest(model="nope", block_hashes=[], num_prompt_tokens=20, max_tokens=4))
+                    await client.route(
+                        RouteRequest(
+                            model="nope", block_hashes=[], num_prompt_tokens=20, max_tokens=4
+                        )
+                    )
                 except RouteError as e:  # an answer, not a failure: no failover
                     assert e.status == 404 and e.code == "model_not_found"
                 return resp.decode.node_id
@@ -149,7 +198,9 @@ def test_replica_failover_leader_election_and_bad_input(tiny_llama: Path, tmp_pa
         lead.proc.send_signal(signal.SIGKILL)
         assert asyncio.run(route_via_client()) == nid  # fails over to the other replica
         # Within the lease TTL (plus etcd's expiry tick and the watch round trip).
-        wait_for(lambda: get(follow.url + "/cluster")["is_leader"], ttl + 1.5, "the follower to lead")
+        wait_for(
+            lambda: get(follow.url + "/cluster")["is_leader"], ttl + 1.5, "the follower to lead"
+        )
         assert time.monotonic() - t0 <= ttl + 1.5
         assert metric(follow.url, "duet:coordinator_is_leader") == 1
 
@@ -180,8 +231,11 @@ def test_drain(tiny_llama: Path, tmp_path: Path, etcd: EtcdServer) -> None:
 
         def stream() -> None:
             body = {"prompt": [5, 6, 7], "max_tokens": 1000, "ignore_eos": True, "stream": True}
-            req = urllib.request.Request(a.url + "/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+            req = urllib.request.Request(
+                a.url + "/v1/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
             with urllib.request.urlopen(req, timeout=120) as r:
                 lines = []
                 for line in r:
@@ -192,8 +246,23 @@ def test_drain(tiny_llama: Path, tmp_path: Path, etcd: EtcdServer) -> None:
         t = threading.Thread(target=stream)
         t.start()
         assert first_chunk.wait(60)
-        drain = subprocess.run([sys.executable, "-m", "duet", "drain", aid, "--etcd", etcd.url, "--wait",
-                                "--timeout", "120"], capture_output=True, text=True, timeout=180)  # fmt: skip
+        drain = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "duet",
+                "drain",
+                aid,
+                "--etcd",
+                etcd.url,
+                "--wait",
+                "--timeout",
+                "120",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         t.join(60)
         assert drain.returncode == 0, drain.stderr
         assert f"{aid}: draining" in drain.stdout and f"{aid}: left the cluster" in drain.stdout
@@ -202,5 +271,11 @@ def test_drain(tiny_llama: Path, tmp_path: Path, etcd: EtcdServer) -> None:
         wait_for(lambda: cluster_node(coord.url, aid) is None, 30, "A to leave")
         status, body = http("POST", coord.url + "/route", short_route(model))
         assert status == 503 and body["error"]["code"] == "no_capacity"
-        assert subprocess.run([sys.executable, "-m", "duet", "drain", "nope", "--etcd", etcd.url],
-                              capture_output=True, text=True).returncode == 1  # fmt: skip
+        assert (
+            subprocess.run(
+                [sys.executable, "-m", "duet", "drain", "nope", "--etcd", etcd.url],
+                capture_output=True,
+                text=True,
+            ).returncode
+            == 1
+        )

@@ -61,7 +61,9 @@ class Model:
                 k += 1
             if k:
                 out[n] = k
-        for h in reversed(hs[: max(out.values(), default=0)]):  # the matched prefix, first block last
+        for h in reversed(
+            hs[: max(out.values(), default=0)]
+        ):  # the matched prefix, first block last
             self.entries.move_to_end(h)
         return out
 

@@ -34,8 +34,15 @@ async def run(engine: AsyncEngine, rid: str, prompt: list[int]) -> None:
 
 async def test_batches_snapshot_and_ring(tiny_llama: Path) -> None:
     # 8 blocks of 16 tokens: the third 48-token prompt evicts the first one's blocks.
-    node_engine = NativeNodeEngine(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=8,
-                                                max_model_len=128, record_kv_events=True))  # fmt: skip
+    node_engine = NativeNodeEngine(
+        EngineConfig(
+            model=str(tiny_llama),
+            dtype="float32",
+            num_kv_blocks=8,
+            max_model_len=128,
+            record_kv_events=True,
+        )
+    )
     engine = node_engine.async_engine
     engine.start()
     try:
@@ -76,8 +83,15 @@ async def test_the_frame_that_acks_a_request_counts_its_prompt_tokens(tiny_llama
     """A load frame built once the node took a request (the frame that ends the coordinator's
     reservation for it) counts its prompt tokens, though the engine is inside the step after it
     and no drain has run since (the drain waits for the step: up to a second for a long chunk)."""
-    node_engine = NativeNodeEngine(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=16,
-                                                max_model_len=128, record_kv_events=True))  # fmt: skip
+    node_engine = NativeNodeEngine(
+        EngineConfig(
+            model=str(tiny_llama),
+            dtype="float32",
+            num_kv_blocks=16,
+            max_model_len=128,
+            record_kv_events=True,
+        )
+    )
     engine = node_engine.async_engine
     engine.start()
     gate, entered = threading.Event(), threading.Event()
@@ -97,7 +111,10 @@ async def test_the_frame_that_acks_a_request_counts_its_prompt_tokens(tiny_llama
         assert await asyncio.to_thread(entered.wait, 30)
         frame = log.load(node_engine.stats(), log.seq, log.taken_since(0))
         assert frame.taken == ["r0"]
-        assert frame.queued_prefill_tokens == 50 and frame.num_requests_waiting + frame.num_requests_running == 1
+        assert (
+            frame.queued_prefill_tokens == 50
+            and frame.num_requests_waiting + frame.num_requests_running == 1
+        )
         gate.set()
         async for _ in stream:
             pass
@@ -111,8 +128,9 @@ async def test_load_frames_carry_the_engines_busy_fraction(tiny_llama: Path) -> 
     """The frame's `busy` is the engine thread's share of the recent wall time in steps (the
     planner's n − 1 test for prefill pools): None until two frames span `min_span_s`, then
     within 0..1 and above 0 once requests ran, measured from the engine's own step timing."""
-    node_engine = NativeNodeEngine(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=64,
-                                                max_model_len=128))  # fmt: skip
+    node_engine = NativeNodeEngine(
+        EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=64, max_model_len=128)
+    )
     engine = node_engine.async_engine
     engine.start()
     try:

@@ -23,7 +23,9 @@ def embed_view(node_id: str, **kw) -> NodeView:
 
 
 def embed_req(n: int, **kw) -> RouteRequest:
-    return RouteRequest(model="m", block_hashes=[], num_prompt_tokens=n, max_tokens=1, task=NodeTask.EMBED, **kw)
+    return RouteRequest(
+        model="m", block_hashes=[], num_prompt_tokens=n, max_tokens=1, task=NodeTask.EMBED, **kw
+    )
 
 
 def test_embed_goes_to_the_least_loaded_embed_node_only() -> None:
@@ -41,11 +43,22 @@ def test_generation_never_reaches_an_embed_node() -> None:
     router = Router(PolicyConfig())
     nodes = [embed_view("e1"), view("g1", "both", queued=10_000, running=50)]
     for _ in range(3):
-        assert router.route(RouteRequest(model="m", block_hashes=[], num_prompt_tokens=10, max_tokens=4), nodes,
-                            PrefixIndex(), NOW).response.decode.node_id == "g1"  # fmt: skip
+        assert (
+            router.route(
+                RouteRequest(model="m", block_hashes=[], num_prompt_tokens=10, max_tokens=4),
+                nodes,
+                PrefixIndex(),
+                NOW,
+            ).response.decode.node_id
+            == "g1"
+        )
     with pytest.raises(APIError) as e:  # only embed nodes serve the model: none generates
-        router.route(RouteRequest(model="m", block_hashes=[], num_prompt_tokens=10, max_tokens=4), [embed_view("e1")],
-                     PrefixIndex(), NOW)  # fmt: skip
+        router.route(
+            RouteRequest(model="m", block_hashes=[], num_prompt_tokens=10, max_tokens=4),
+            [embed_view("e1")],
+            PrefixIndex(),
+            NOW,
+        )
     assert e.value.status == 404 and e.value.code == "model_not_found"
     with pytest.raises(APIError) as e:
         router.route(embed_req(10), [view("g1", "both")], PrefixIndex(), NOW)
@@ -63,4 +76,7 @@ def test_embed_context_needs_no_room_for_a_token() -> None:
 def test_old_records_decode_as_generation_nodes() -> None:
     raw = msgspec.json.encode(view("g1", "both").info)
     assert b"task" not in raw or msgspec.json.decode(raw, type=NodeInfo).task == NodeTask.GENERATE
-    assert msgspec.json.decode(raw.replace(b',"task":"generate"', b""), type=NodeInfo).task == NodeTask.GENERATE
+    assert (
+        msgspec.json.decode(raw.replace(b',"task":"generate"', b""), type=NodeInfo).task
+        == NodeTask.GENERATE
+    )

@@ -40,14 +40,22 @@ class LossyProxy:
     async def snapshot(self, request: web.Request) -> web.Response:
         self.snapshots += 1
         async with self.session.get(self.target + "/kv/snapshot") as r:
-            return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+            return web.Response(
+                body=await r.read(), status=r.status, content_type="application/json"
+            )
 
     async def events(self, request: web.Request) -> web.StreamResponse:
         async with self.session.get(self.target + "/kv/events", params=request.query) as r:
             if r.status != 200:
-                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
-            resp = web.StreamResponse(headers={"Content-Type": CONTENT_TYPE,
-                                               "X-Duet-Engine-Id": r.headers["X-Duet-Engine-Id"]})  # fmt: skip
+                return web.Response(
+                    body=await r.read(), status=r.status, content_type="application/json"
+                )
+            resp = web.StreamResponse(
+                headers={
+                    "Content-Type": CONTENT_TYPE,
+                    "X-Duet-Engine-Id": r.headers["X-Duet-Engine-Id"],
+                }
+            )
             await resp.prepare(request)
             dec, enc = FrameDecoder(), msgspec.msgpack.Encoder()
             async for chunk in r.content.iter_any():
@@ -88,16 +96,24 @@ async def scenario(etcd_url: str, node_url: str) -> None:
         fake = msgspec.structs.replace(info, url=f"http://127.0.0.1:{pport}")
         await store.put(node_key("gap", info.role, info.node_id), msgspec.json.encode(fake))
 
-        app = make_app(CoordinatorConfig(etcd=etcd_url, cluster="gap", port=free_port(), replica_id="t"))
+        app = make_app(
+            CoordinatorConfig(etcd=etcd_url, cluster="gap", port=free_port(), replica_id="t")
+        )
         runner = web.AppRunner(app)
         await runner.setup()
         await web.TCPSite(runner, "127.0.0.1", app[COORDINATOR].config.port).start()
         coord = app[COORDINATOR]
         try:
-            await wait(lambda: info.node_id in coord.views and coord.views[info.node_id].connected, 30, "subscription")
+            await wait(
+                lambda: info.node_id in coord.views and coord.views[info.node_id].connected,
+                30,
+                "subscription",
+            )
 
             async def complete(prompt: list[int]) -> None:
-                async with session.post(node_url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}) as r:
+                async with session.post(
+                    node_url + "/v1/completions", json={"prompt": prompt, "max_tokens": 1}
+                ) as r:
                     assert r.status == 200, await r.text()
 
             async def node_cache() -> set[int]:
@@ -107,7 +123,11 @@ async def scenario(etcd_url: str, node_url: str) -> None:
             await complete([(i * 7) % 380 + 1 for i in range(160)])
             real = await node_cache()
             assert len(real) == 10
-            await wait(lambda: coord.index.node_blocks(info.node_id) == real, 30, "the first blocks in the index")
+            await wait(
+                lambda: coord.index.node_blocks(info.node_id) == real,
+                30,
+                "the first blocks in the index",
+            )
             assert proxy.snapshots == 1
 
             proxy.drop_next_batch = True
@@ -116,7 +136,11 @@ async def scenario(etcd_url: str, node_url: str) -> None:
             real = await node_cache()
             assert len(real) == 16
             await wait(lambda: proxy.snapshots == 2, 30, "a resync from the snapshot")
-            await wait(lambda: coord.index.node_blocks(info.node_id) == real, 30, "the index to equal the cache")
+            await wait(
+                lambda: coord.index.node_blocks(info.node_id) == real,
+                30,
+                "the index to equal the cache",
+            )
             assert coord.metrics.resyncs.labels("gap")._value.get() == 1
             assert coord.views[info.node_id].seq == proxy.dropped[0]
         finally:
@@ -125,7 +149,9 @@ async def scenario(etcd_url: str, node_url: str) -> None:
             await store.close()
 
 
-def test_forced_gap_resyncs_from_snapshot(tiny_llama: Path, tmp_path: Path, etcd: EtcdServer) -> None:
+def test_forced_gap_resyncs_from_snapshot(
+    tiny_llama: Path, tmp_path: Path, etcd: EtcdServer
+) -> None:
     n = node("both", tiny_llama, tmp_path, etcd.url)
     with running(n):
         asyncio.run(scenario(etcd.url, n.url))

@@ -19,22 +19,35 @@ REQ = RouteRequest(model="m", block_hashes=[], num_prompt_tokens=4, max_tokens=2
 OK = RouteResponse(prefill=None, decode=RouteTarget(node_id="d", url="http://d"), reason="test")
 
 
-@pytest.mark.parametrize(("status", "code", "want"), [
-    (200, None, Verdict.ANSWER),
-    (400, None, Verdict.FINAL_ERROR), (401, None, Verdict.FINAL_ERROR),
-    (404, "model_not_found", Verdict.FINAL_ERROR), (415, None, Verdict.FINAL_ERROR),
-    (503, "no_capacity", Verdict.FINAL_ERROR),
-    (503, None, Verdict.TRY_NEXT), (500, None, Verdict.TRY_NEXT), (502, "no_capacity", Verdict.TRY_NEXT),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("status", "code", "want"),
+    [
+        (200, None, Verdict.ANSWER),
+        (400, None, Verdict.FINAL_ERROR),
+        (401, None, Verdict.FINAL_ERROR),
+        (404, "model_not_found", Verdict.FINAL_ERROR),
+        (415, None, Verdict.FINAL_ERROR),
+        (503, "no_capacity", Verdict.FINAL_ERROR),
+        (503, None, Verdict.TRY_NEXT),
+        (500, None, Verdict.TRY_NEXT),
+        (502, "no_capacity", Verdict.TRY_NEXT),
+    ],
+)
 def test_the_one_rule(status: int, code: str | None, want: Verdict) -> None:
     assert verdict(status, code) is want
 
 
-async def _server(status: int, body: object, seen: list[str], name: str) -> tuple[web.AppRunner, str]:
+async def _server(
+    status: int, body: object, seen: list[str], name: str
+) -> tuple[web.AppRunner, str]:
     async def route(request: web.Request) -> web.Response:
         seen.append(name)
-        return web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json",
-                            headers={"Retry-After": "2"} if status == 503 else {})  # fmt: skip
+        return web.Response(
+            status=status,
+            body=msgspec.json.encode(body),
+            content_type="application/json",
+            headers={"Retry-After": "2"} if status == 503 else {},
+        )
 
     app = web.Application()
     app.router.add_post("/route", route)
@@ -51,7 +64,9 @@ async def session() -> AsyncIterator[aiohttp.ClientSession]:
         yield s
 
 
-async def test_moves_on_from_a_sick_replica_stops_at_an_answer(session: aiohttp.ClientSession) -> None:
+async def test_moves_on_from_a_sick_replica_stops_at_an_answer(
+    session: aiohttp.ClientSession,
+) -> None:
     seen: list[str] = []
     full = APIError(503, "full", type_="service_unavailable", code="no_capacity").body()
     sick_r, sick = await _server(503, APIError(503, "starting").body(), seen, "sick")

@@ -30,11 +30,18 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def route_body(toks: list[int], max_tokens: int = 8) -> dict:
-    return {"model": "tiny-llama", "block_hashes": block_hashes(toks, 16), "num_prompt_tokens": len(toks),
-            "max_tokens": max_tokens, "request_id": "test"}  # fmt: skip
+    return {
+        "model": "tiny-llama",
+        "block_hashes": block_hashes(toks, 16),
+        "num_prompt_tokens": len(toks),
+        "max_tokens": max_tokens,
+        "request_id": "test",
+    }
 
 
-def test_prefix_affinity_local_prefill_and_sigkill(tiny_llama: Path, tmp_path: Path, etcd: EtcdServer) -> None:
+def test_prefix_affinity_local_prefill_and_sigkill(
+    tiny_llama: Path, tmp_path: Path, etcd: EtcdServer
+) -> None:
     p1 = node("prefill", tiny_llama, tmp_path, etcd.url)
     p2 = node("prefill", tiny_llama, tmp_path, etcd.url)
     d1 = node("decode", tiny_llama, tmp_path, etcd.url)
@@ -59,11 +66,18 @@ def test_prefix_affinity_local_prefill_and_sigkill(tiny_llama: Path, tmp_path: P
         first = route(prefix + tokens(3, 100))
         assert first["prefill"] is not None and first["prefill"]["cached_tokens"] == 0
         holder = first["prefill"]["node_id"]
-        leg = {"prompt": prefix + tokens(3, 100), "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        leg = {
+            "prompt": prefix + tokens(3, 100),
+            "max_tokens": 1,
+            "kv_transfer_params": {"do_remote_decode": True},
+        }
         status, body = http("POST", procs[holder].url + "/v1/completions", leg)
         assert status == 200, body
-        wait_for(lambda: (cluster_node(coord.url, holder) or {}).get("indexed_blocks", 0) >= 38, 30,
-                 "the first prompt's blocks in the index")  # fmt: skip
+        wait_for(
+            lambda: (cluster_node(coord.url, holder) or {}).get("indexed_blocks", 0) >= 38,
+            30,
+            "the first prompt's blocks in the index",
+        )
         wait_ready(coord.url, list(procs))
 
         # The second prompt shares the 512-token prefix: same prefill node, and it reuses it.
@@ -72,8 +86,9 @@ def test_prefix_affinity_local_prefill_and_sigkill(tiny_llama: Path, tmp_path: P
         assert second["prefill"]["node_id"] == holder, second["reason"]
         assert second["prefill"]["cached_tokens"] == 512
         hits = metric(procs[holder].url, "duet:prefix_cache_hits_total")
-        status, body = http("POST", procs[holder].url + "/v1/completions",
-                            {**leg, "prompt": second_toks})  # fmt: skip
+        status, body = http(
+            "POST", procs[holder].url + "/v1/completions", {**leg, "prompt": second_toks}
+        )
         assert status == 200, body
         assert metric(procs[holder].url, "duet:prefix_cache_hits_total") - hits >= 512
 
@@ -81,24 +96,38 @@ def test_prefix_affinity_local_prefill_and_sigkill(tiny_llama: Path, tmp_path: P
         cached = tokens(5, 300)
         status, body = http("POST", d1.url + "/v1/completions", {"prompt": cached, "max_tokens": 1})
         assert status == 200, body
-        wait_for(lambda: (cluster_node(coord.url, node_id_of(d1)) or {}).get("indexed_blocks", 0) >= 18, 30,
-                 "the decode node's blocks in the index")  # fmt: skip
+        wait_for(
+            lambda: (cluster_node(coord.url, node_id_of(d1)) or {}).get("indexed_blocks", 0) >= 18,
+            30,
+            "the decode node's blocks in the index",
+        )
         wait_ready(coord.url, list(procs))
         local = route(cached)
-        assert local["prefill"] is None and local["reason"].startswith("local_cached"), local["reason"]
+        assert local["prefill"] is None and local["reason"].startswith("local_cached"), local[
+            "reason"
+        ]
         assert local["decode"]["cached_tokens"] == 288
 
         # SIGKILL the holder: it leaves routing and the index within 2 × TTL.
         blocks_before = get(coord.url + "/cluster")["index_blocks"]
         t0 = time.monotonic()
         procs[holder].proc.send_signal(signal.SIGKILL)
-        wait_for(lambda: cluster_node(coord.url, holder) is None, 2 * NODE_TTL_S, "the killed node to leave")
+        wait_for(
+            lambda: cluster_node(coord.url, holder) is None,
+            2 * NODE_TTL_S,
+            "the killed node to leave",
+        )
         assert time.monotonic() - t0 <= 2 * NODE_TTL_S
         assert get(coord.url + "/cluster")["index_blocks"] <= blocks_before - 38
         after = route(second_toks)
-        assert after["prefill"]["node_id"] not in (holder, None) and after["prefill"]["cached_tokens"] == 0
+        assert (
+            after["prefill"]["node_id"] not in (holder, None)
+            and after["prefill"]["cached_tokens"] == 0
+        )
         assert metric(coord.url, 'duet:route_decisions_total{outcome="disaggregated"}') >= 3
         assert metric(coord.url, 'duet:route_decisions_total{outcome="local_short"}') == 1
-        status, _ = http("POST", coord.url + "/route", {**route_body(tokens(6, 20)), "model": "nope"})
+        status, _ = http(
+            "POST", coord.url + "/route", {**route_body(tokens(6, 20)), "model": "nope"}
+        )
         assert status == 404
         assert metric(coord.url, 'duet:route_decisions_total{outcome="model_not_found"}') == 1

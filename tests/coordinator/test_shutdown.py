@@ -21,7 +21,9 @@ def test_sigterm_with_etcd_gone_exits(etcd: EtcdServer, tmp_path: Path) -> None:
         try:
             rc = c.proc.wait(60)  # a hang is the defect; 60 s is far above the resign bound
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"coordinator still running 60 s after SIGTERM:\n{c.log()[-2000:]}") from None
+            raise AssertionError(
+                f"coordinator still running 60 s after SIGTERM:\n{c.log()[-2000:]}"
+            ) from None
         assert rc == 0, c.log()[-2000:]
     finally:
         c.kill()

@@ -20,10 +20,21 @@ from protocol.ports import free_port
 
 
 def _info(node_id: str, role: str, status: NodeStatus = NodeStatus.ACTIVE) -> bytes:
-    return msgspec.json.encode(NodeInfo(node_id=node_id, role=role, url=f"http://{node_id}:1", model="m",  # type: ignore[arg-type]
-                                        engine_id=node_id, block_size=16, kv_layout_hash="h",
-                                        kv_capacity_blocks=8, max_model_len=64, status=status,
-                                        started_at=time.time()))  # fmt: skip
+    return msgspec.json.encode(
+        NodeInfo(
+            node_id=node_id,
+            role=role,
+            url=f"http://{node_id}:1",
+            model="m",  # type: ignore[arg-type]
+            engine_id=node_id,
+            block_size=16,
+            kv_layout_hash="h",
+            kv_capacity_blocks=8,
+            max_model_len=64,
+            status=status,
+            started_at=time.time(),
+        )
+    )
 
 
 async def _register(url: str, dead_replica: str) -> None:
@@ -34,8 +45,12 @@ async def _register(url: str, dead_replica: str) -> None:
         await store.put(node_key("c", "prefill", "bad"), b"{not json")
         await store.put(coordinators_prefix("c") + "r1", dead_replica.encode())
         snap = await ClusterView(store, "c").read()
-        assert [n.node_id for n in snap.nodes] == ["d1", "p1"] and snap.coordinators == [dead_replica]
-        assert [n.node_id for n in snap.active()] == ["p1"] and snap.nodes[0].status is NodeStatus.DRAINING
+        assert [n.node_id for n in snap.nodes] == ["d1", "p1"] and snap.coordinators == [
+            dead_replica
+        ]
+        assert [n.node_id for n in snap.active()] == ["p1"] and snap.nodes[
+            0
+        ].status is NodeStatus.DRAINING
     finally:
         await store.close()
 
@@ -43,17 +58,36 @@ async def _register(url: str, dead_replica: str) -> None:
 def test_status_lists_etcd_when_no_coordinator_answers(etcd: EtcdServer) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     asyncio.run(_register(etcd.url, dead))
-    out = subprocess.run([sys.executable, "-m", "duet", "status", "--etcd", etcd.url, "--cluster", "c", "--json"],
-                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "duet", "status", "--etcd", etcd.url, "--cluster", "c", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 1, out.stderr
     info = json.loads(out.stdout)
-    assert info["cluster"] is None and info["errors"][0].startswith(dead)  # the replica from etcd was asked
+    assert info["cluster"] is None and info["errors"][0].startswith(
+        dead
+    )  # the replica from etcd was asked
     reg = info["registered"]
     assert reg["coordinators"] == [dead]
-    assert [(n["node_id"], n["status"]) for n in reg["nodes"]] == [("d1", "draining"), ("p1", "active")]
-    table = subprocess.run([sys.executable, "-m", "duet", "status", "--etcd", etcd.url, "--cluster", "c"],
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
-    assert "registered in etcd" in table.stdout and "p1" in table.stdout and "draining" in table.stdout
-    bad = subprocess.run([sys.executable, "-m", "duet", "status", "--etcd", "ftp://x"], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+    assert [(n["node_id"], n["status"]) for n in reg["nodes"]] == [
+        ("d1", "draining"),
+        ("p1", "active"),
+    ]
+    table = subprocess.run(
+        [sys.executable, "-m", "duet", "status", "--etcd", etcd.url, "--cluster", "c"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        "registered in etcd" in table.stdout and "p1" in table.stdout and "draining" in table.stdout
+    )
+    bad = subprocess.run(
+        [sys.executable, "-m", "duet", "status", "--etcd", "ftp://x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "etcd URL" in bad.stderr

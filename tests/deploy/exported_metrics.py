@@ -31,7 +31,9 @@ _SUFFIXES = {
     "gaugehistogram": ("_bucket", "_gsum", "_gcount"),
     "unknown": ("",),
 }
-_DECLARED = re.compile(r"""(?:Counter|Gauge|Histogram|Summary|Info|Enum|\w+MetricFamily)\(\s*\n?\s*"(duet:[a-z0-9_:]+)\"""")
+_DECLARED = re.compile(
+    r"""(?:Counter|Gauge|Histogram|Summary|Info|Enum|\w+MetricFamily)\(\s*\n?\s*"(duet:[a-z0-9_:]+)\""""
+)
 #: node/metrics.py's tables of engine gauges and counters: `"duet:name": ("stat key", "doc")`
 _TABLE_ENTRY = re.compile(r"""^\s*"(duet:[a-z0-9_:]+)":\s*\(""", re.M)
 
@@ -48,14 +50,30 @@ def _registries() -> list[CollectorRegistry]:
 
     gateway = GatewayMetrics()
     register_provider_metrics(gateway.registry, lambda: [])
-    snapshot = {"index_blocks": 0, "index_max_blocks": 1, "index_evictions": 0, "nodes": {},
-                "is_leader": False, "etcd_connected": True}  # fmt: skip
+    snapshot = {
+        "index_blocks": 0,
+        "index_max_blocks": 1,
+        "index_evictions": 0,
+        "nodes": {},
+        "is_leader": False,
+        "etcd_connected": True,
+    }
     coordinator = CoordinatorMetrics(lambda: snapshot)
     PlannerMetrics(coordinator.registry)
     node = NodeMetrics(lambda: {}, "model", "prefill")
     KVTransferMetrics(node.registry)
-    info = NodeInfo(node_id="n", role="prefill", url="http://127.0.0.1:1", model="m", engine_id="e", block_size=16,
-                    kv_layout_hash="h", kv_capacity_blocks=1, max_model_len=1, started_at=0.0)  # fmt: skip
+    info = NodeInfo(
+        node_id="n",
+        role="prefill",
+        url="http://127.0.0.1:1",
+        model="m",
+        engine_id="e",
+        block_size=16,
+        kv_layout_hash="h",
+        kv_capacity_blocks=1,
+        max_model_len=1,
+        started_at=0.0,
+    )
     hooks = DrainHooks(is_busy=lambda: False, shutting_down=lambda: False)
     Registration(None, info, "c", 10, hooks, registry=node.registry)  # type: ignore[arg-type]  # no I/O before attach
     return [gateway.registry, coordinator.registry, node.registry]
@@ -80,7 +98,9 @@ def declared_in_source() -> dict[str, Path]:
     for package in SERVICE_PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
             text = path.read_text()
-            names = _DECLARED.findall(text) + (_TABLE_ENTRY.findall(text) if path.name == "metrics.py" else [])
+            names = _DECLARED.findall(text) + (
+                _TABLE_ENTRY.findall(text) if path.name == "metrics.py" else []
+            )
             for name in names:
                 found.setdefault(name, path)
     return found

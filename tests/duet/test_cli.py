@@ -9,12 +9,31 @@ import pytest
 
 from protocol.models import DEFAULT_MODEL
 
-SUBCOMMANDS = ["models", "prefill", "decode", "node", "coordinator", "drain", "gateway", "teams", "keys", "usage", "up", "bench"]
+SUBCOMMANDS = [
+    "models",
+    "prefill",
+    "decode",
+    "node",
+    "coordinator",
+    "drain",
+    "gateway",
+    "teams",
+    "keys",
+    "usage",
+    "up",
+    "bench",
+]
 
 
-def _duet(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def _duet(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "duet", *args], capture_output=True, text=True, env=env, timeout=timeout
+        [sys.executable, "-m", "duet", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
     )
 
 
@@ -41,11 +60,20 @@ def test_pull_again_is_a_noop_and_list_shows_model(smollm2: Path) -> None:
 
 def test_pull_offline_fails_cleanly(tmp_path: Path) -> None:
     # No index and no local wheel directory: exactly what an offline machine sees.
-    env = {**os.environ, "DUET_HOME": str(tmp_path), "PIP_NO_INDEX": "1",
-           "PIP_CONFIG_FILE": os.devnull, "PIP_FIND_LINKS": ""}  # fmt: skip
+    env = {
+        **os.environ,
+        "DUET_HOME": str(tmp_path),
+        "PIP_NO_INDEX": "1",
+        "PIP_CONFIG_FILE": os.devnull,
+        "PIP_FIND_LINKS": "",
+    }
     proc = _duet("models", "pull", env=env)
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1].startswith("duet models pull: error: could not download")
+    assert (
+        proc.stderr.strip()
+        .splitlines()[-1]
+        .startswith("duet models pull: error: could not download")
+    )
     assert not (tmp_path / "models" / DEFAULT_MODEL).exists()
     assert list((tmp_path / "models").iterdir()) == []  # no temp dir left behind
 

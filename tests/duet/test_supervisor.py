@@ -57,26 +57,51 @@ def test_backoff_startup_timeout_and_crash_loop_on_plain_processes(tmp_path: Pat
         except (FileNotFoundError, ValueError):
             return {}
 
-    sup = subprocess.Popen([sys.executable, "-c", RUNNER, str(tmp_path), str(web_port), str(flaky_port)],
-                           stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    sup = subprocess.Popen(
+        [sys.executable, "-c", RUNNER, str(tmp_path), str(web_port), str(flaky_port)],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
-        wait_for(lambda: child("web").get("state") == "running" and child("flaky").get("state") == "running", 60,
-                 "both children up")  # fmt: skip
+        wait_for(
+            lambda: (
+                child("web").get("state") == "running" and child("flaky").get("state") == "running"
+            ),
+            60,
+            "both children up",
+        )
         web_pid, first = child("web")["pid"], child("flaky")["pid"]
         os.kill(first, signal.SIGKILL)
         # Restarted after 0.5 s, then 1 s: each later life hangs and is killed at the 2 s timeout.
-        gone = wait_for(lambda: child("flaky").get("state") == "failed" and child("flaky"), 60, "flaky left down")
-        assert gone["restarts"] == 2 and gone["failures_in_a_row"] == 3 and gone["last_exit"] == -signal.SIGKILL
+        gone = wait_for(
+            lambda: child("flaky").get("state") == "failed" and child("flaky"),
+            60,
+            "flaky left down",
+        )
+        assert (
+            gone["restarts"] == 2
+            and gone["failures_in_a_row"] == 3
+            and gone["last_exit"] == -signal.SIGKILL
+        )
         assert gone["last_cause"] == "not healthy 2 s after its start"
         assert child("web")["pid"] == web_pid and child("web")["restarts"] == 0
         with urllib.request.urlopen(f"http://127.0.0.1:{web_port}/", timeout=5) as r:
             assert r.status == 200  # the sibling serves on
-        assert not alive(gone["pid"]) and not group_alive(gone["pid"])  # the hung life was killed, group and all
+        assert not alive(gone["pid"]) and not group_alive(
+            gone["pid"]
+        )  # the hung life was killed, group and all
         # A running child that hangs (SIGSTOP) is killed once it has not answered for 3 s, and restarted.
         os.kill(web_pid, signal.SIGSTOP)
-        back = wait_for(lambda: (c := child("web")).get("state") == "running" and c["restarts"] == 1 and c, 60,
-                        "the hung web child restarted")  # fmt: skip
-        assert back["last_cause"] == "not answering its health check for 3 s" and back["pid"] != web_pid
+        back = wait_for(
+            lambda: (c := child("web")).get("state") == "running" and c["restarts"] == 1 and c,
+            60,
+            "the hung web child restarted",
+        )
+        assert (
+            back["last_cause"] == "not answering its health check for 3 s"
+            and back["pid"] != web_pid
+        )
         assert not alive(web_pid)
         web_pid = back["pid"]
         with urllib.request.urlopen(f"http://127.0.0.1:{web_port}/", timeout=5) as r:
@@ -85,8 +110,14 @@ def test_backoff_startup_timeout_and_crash_loop_on_plain_processes(tmp_path: Pat
         assert sup.wait(60) == 0
         err = sup.stderr.read()
         assert "flaky killed by SIGKILL after" in err and "restarting it in 0.5 s" in err, err
-        assert "restarting it in 1.0 s" in err and "leaving it down (the rest keep serving)" in err, err
-        assert not alive(web_pid) and child("web")["state"] == "stopped" and child("flaky")["state"] == "failed"
+        assert (
+            "restarting it in 1.0 s" in err and "leaving it down (the rest keep serving)" in err
+        ), err
+        assert (
+            not alive(web_pid)
+            and child("web")["state"] == "stopped"
+            and child("flaky")["state"] == "failed"
+        )
     finally:
         if sup.poll() is None:
             os.killpg(sup.pid, signal.SIGKILL)
@@ -122,8 +153,12 @@ FIRST_START = textwrap.dedent("""
 
 def _first_start(tmp: Path, mode: str) -> tuple[subprocess.Popen[str], list[int]]:
     ports = [free_port() for _ in range(3)]
-    return subprocess.Popen([sys.executable, "-c", FIRST_START, str(tmp), mode, *map(str, ports)],
-                            stderr=subprocess.PIPE, text=True, start_new_session=True), ports  # fmt: skip
+    return subprocess.Popen(
+        [sys.executable, "-c", FIRST_START, str(tmp), mode, *map(str, ports)],
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ), ports
 
 
 def test_a_child_whose_first_start_fails_is_restarted_while_the_rest_serve(tmp_path: Path) -> None:
@@ -140,7 +175,9 @@ def test_a_child_whose_first_start_fails_is_restarted_while_the_rest_serve(tmp_p
         # The stage is through once `web` is up and `late` has failed once: `web` serves while
         # `late` is restarted with the backoff, each failure counted, as after any crash.
         wait_for(lambda: child("web").get("state") == "running", 60, "web up")
-        failing = wait_for(lambda: (c := child("late")).get("restarts", 0) >= 2 and c, 60, "late restarted twice")
+        failing = wait_for(
+            lambda: (c := child("late")).get("restarts", 0) >= 2 and c, 60, "late restarted twice"
+        )
         assert failing["failures_in_a_row"] >= 2 and failing["last_exit"] == 3, failing
         assert failing["last_cause"].startswith("exited with code 3 after"), failing
         with urllib.request.urlopen(f"http://127.0.0.1:{web_port}/", timeout=5) as r:
@@ -163,7 +200,9 @@ def test_a_child_whose_first_start_fails_is_restarted_while_the_rest_serve(tmp_p
             sup.wait(10)
 
 
-def test_a_stage_that_can_never_start_stops_everything_naming_it_and_its_log(tmp_path: Path) -> None:
+def test_a_stage_that_can_never_start_stops_everything_naming_it_and_its_log(
+    tmp_path: Path,
+) -> None:
     sup, (base_port, _, _) = _first_start(tmp_path, "never")
     try:
         # base fails 3 times (2 restarts, 0.2 s then 0.4 s apart), then the start-up ends with an error
@@ -172,7 +211,9 @@ def test_a_stage_that_can_never_start_stops_everything_naming_it_and_its_log(tmp
         assert "base could not start (over the limit of failures in a row)" in err, err
         assert "base: 3 failure(s) in a row, last: exited with code 4 after" in err, err
         assert f"base | cannot listen on port {base_port}" in err, err  # its log's last lines
-        assert "starting web" not in err and "starting late" not in err, err  # nothing after it started
+        assert "starting web" not in err and "starting late" not in err, (
+            err
+        )  # nothing after it started
     finally:
         if sup.poll() is None:
             os.killpg(sup.pid, signal.SIGKILL)

@@ -23,7 +23,18 @@ UP_FLAGS = ("--kv-blocks", "256", "--dtype", "float32", "--threads", "1", "--qui
 
 
 def start_up(home: Path, model: Path, port: int, log: Path, *extra: str) -> Proc:
-    args = [sys.executable, "-m", "duet", "up", "--model", str(model), "--port", str(port), *UP_FLAGS, *extra]
+    args = [
+        sys.executable,
+        "-m",
+        "duet",
+        "up",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        *UP_FLAGS,
+        *extra,
+    ]
     return Proc(args, port, log, env={"DUET_HOME": str(home)})
 
 
@@ -77,7 +88,9 @@ def stop_and_check_nothing_left(up: Proc, home: Path, sig: int) -> None:
     assert "duet up: stopped" in up.log()
 
 
-def test_up_fresh_home_openai_restart_keeps_usage_and_sigint_leaves_nothing(tiny_llama: Path, tmp_path: Path) -> None:
+def test_up_fresh_home_openai_restart_keeps_usage_and_sigint_leaves_nothing(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
     home = tmp_path / "home"
     port = free_port()
     up = start_up(home, tiny_llama, port, tmp_path / "up1.log")
@@ -86,33 +99,76 @@ def test_up_fresh_home_openai_restart_keeps_usage_and_sigint_leaves_nothing(tiny
         assert (home / "up" / "dev.key").read_text().strip() == key
         for f in ("dev.key", "admin.key"):
             assert stat.S_IMODE((home / "up" / f).stat().st_mode) == 0o600
-        assert {p.name for p in (home / "logs").iterdir()} >= {"etcd.log", "coordinator.log", "prefill-0.log",
-                                                               "decode-0.log", "gateway.log"}  # fmt: skip
+        assert {p.name for p in (home / "logs").iterdir()} >= {
+            "etcd.log",
+            "coordinator.log",
+            "prefill-0.log",
+            "decode-0.log",
+            "gateway.log",
+        }
         client = openai.OpenAI(base_url=up.url + "/v1", api_key=key, max_retries=0)
-        r = client.chat.completions.create(model=tiny_llama.name, messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=5, temperature=0)  # fmt: skip
+        r = client.chat.completions.create(
+            model=tiny_llama.name,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=5,
+            temperature=0,
+        )
         assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
         # The snippets work exactly as printed.
         bindir = str(Path(sys.executable).parent)
         env = {**os.environ, "PATH": bindir + os.pathsep + os.environ["PATH"]}
-        curl = subprocess.run(["bash", "-c", block(up.log(), "curl ", "")], capture_output=True, text=True,
-                              timeout=60, env=env)  # fmt: skip
+        curl = subprocess.run(
+            ["bash", "-c", block(up.log(), "curl ", "")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
         body = json.loads(curl.stdout.splitlines()[0] if curl.stdout else "{}")
-        assert curl.returncode == 0 and body["usage"]["completion_tokens"] >= 1, (curl.stdout, curl.stderr)
-        py = subprocess.run(["bash", "-c", block(up.log(), "python - <<'EOF'", "EOF")], capture_output=True,
-                            text=True, timeout=60, env=env)  # fmt: skip
+        assert curl.returncode == 0 and body["usage"]["completion_tokens"] >= 1, (
+            curl.stdout,
+            curl.stderr,
+        )
+        py = subprocess.run(
+            ["bash", "-c", block(up.log(), "python - <<'EOF'", "EOF")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
         assert py.returncode == 0 and py.stdout.strip(), py.stderr
-        status = subprocess.run([sys.executable, "-m", "duet", "status", "--json"], capture_output=True, text=True,
-                                timeout=60, env={**os.environ, "DUET_HOME": str(home)})  # fmt: skip
+        status = subprocess.run(
+            [sys.executable, "-m", "duet", "status", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "DUET_HOME": str(home)},
+        )
         assert status.returncode == 0, status.stderr
         info = json.loads(status.stdout)
-        assert {(n["node_id"], n["role"]) for n in info["cluster"]["nodes"]} == {("prefill-0", "prefill"),
-                                                                                   ("decode-0", "decode")}
+        assert {(n["node_id"], n["role"]) for n in info["cluster"]["nodes"]} == {
+            ("prefill-0", "prefill"),
+            ("decode-0", "decode"),
+        }
         assert info["cluster"]["leader"] == "coordinator-0" and info["gateway"]["status"] == "ok"
         # One duet up per DUET_HOME.
-        second = subprocess.run([sys.executable, "-m", "duet", "up", "--model", str(tiny_llama), "--port",
-                                 str(free_port()), "--quiet"], capture_output=True, text=True, timeout=60,
-                                env={**os.environ, "DUET_HOME": str(home)})  # fmt: skip
+        second = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "duet",
+                "up",
+                "--model",
+                str(tiny_llama),
+                "--port",
+                str(free_port()),
+                "--quiet",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "DUET_HOME": str(home)},
+        )
         assert second.returncode == 2 and "another duet up" in second.stderr
         stop_and_check_nothing_left(up, home, signal.SIGTERM)
     finally:
@@ -125,8 +181,12 @@ def test_up_fresh_home_openai_restart_keeps_usage_and_sigint_leaves_nothing(tiny
         assert "created now" not in up.log()
         client = openai.OpenAI(base_url=up.url + "/v1", api_key=key, max_retries=0)
         before = client.get("/usage", cast_to=object)["data"]
-        assert len(before) == 1 and before[0]["requests"] == 3 and before[0]["completion_tokens"] >= 5
-        client.completions.create(model=tiny_llama.name, prompt="again", max_tokens=3, temperature=0)
+        assert (
+            len(before) == 1 and before[0]["requests"] == 3 and before[0]["completion_tokens"] >= 5
+        )
+        client.completions.create(
+            model=tiny_llama.name, prompt="again", max_tokens=3, temperature=0
+        )
         after = client.get("/usage", cast_to=object)["data"]
         assert after[0]["requests"] == 4
         stop_and_check_nothing_left(up, home, signal.SIGINT)
@@ -145,26 +205,51 @@ def test_up_refuses_bad_layouts_with_one_line(tmp_path: Path) -> None:
     }
     bad.write_text('[[nodez]]\nrole = "prefill"\n')
     for flags, msg in cases.items():
-        r = subprocess.run([sys.executable, "-m", "duet", "up", "--port", str(free_port()), *flags],
-                           capture_output=True, text=True, timeout=60, env=env)  # fmt: skip
-        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (flags, r.stderr)
-    r = subprocess.run([sys.executable, "-m", "duet", "status"], capture_output=True, text=True, timeout=60, env=env)
+        r = subprocess.run(
+            [sys.executable, "-m", "duet", "up", "--port", str(free_port()), *flags],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+        assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, (
+            flags,
+            r.stderr,
+        )
+    r = subprocess.run(
+        [sys.executable, "-m", "duet", "status"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
     assert r.returncode == 2 and "no `duet up` is running" in r.stderr
 
 
 def test_cluster_toml_layout_and_cpu_plan() -> None:
     from duet.up_config import UpConfig, UpConfigError, parse_cluster_toml, plan_cpus
 
-    cfg = parse_cluster_toml({"model": "m", "gateway": {"port": 9000}, "coordinator": {"replicas": 2},
-                              "nodes": [{"role": "prefill", "count": 2, "pool": "batch", "args": ["--x", "1"]},
-                                        {"role": "decode", "model": "m"}]}, UpConfig())  # fmt: skip
+    cfg = parse_cluster_toml(
+        {
+            "model": "m",
+            "gateway": {"port": 9000},
+            "coordinator": {"replicas": 2},
+            "nodes": [
+                {"role": "prefill", "count": 2, "pool": "batch", "args": ["--x", "1"]},
+                {"role": "decode", "model": "m"},
+            ],
+        },
+        UpConfig(),
+    )
     assert cfg.gateway.port == 9000 and cfg.coordinator.replicas == 2 and cfg.models() == ["m"]
     assert cfg.nodes[0].count == 2 and cfg.nodes[0].args == ("--x", "1")
     assert cfg.describe() == "2 prefill, 1 decode (m)"
-    for bad, msg in [({"nodes": [{"role": "prefill"}]}, "no decode"),
-                     ({"nodes": [{"role": "both", "count": 0}]}, "count >= 1"),
-                     ({"nodes": [{"role": "both", "pool": "gold"}]}, "pool"),
-                     ({"gateway": {"prot": 1}}, "unknown keys: prot")]:  # fmt: skip
+    for bad, msg in [
+        ({"nodes": [{"role": "prefill"}]}, "no decode"),
+        ({"nodes": [{"role": "both", "count": 0}]}, "count >= 1"),
+        ({"nodes": [{"role": "both", "pool": "gold"}]}, "pool"),
+        ({"gateway": {"prot": 1}}, "unknown keys: prot"),
+    ]:
         with pytest.raises(UpConfigError, match=msg):
             parse_cluster_toml(bad, UpConfig())
     assert plan_cpus(2, [0, 1]) == [[0], [1]]
@@ -181,38 +266,64 @@ def test_gateway_toml_routes_through_the_coordinator_or_statically() -> None:
     from gateway.config import parse_config
 
     cfg = UpConfig(model="/m/tiny")
-    nodes = [("/m/tiny", "prefill", "http://127.0.0.1:1"), ("/m/tiny", "decode", "http://127.0.0.1:2")]
-    text = gateway_toml(cfg, "sqlite:///x.db", "ab" * 32, ["http://127.0.0.1:9"], {"/m/tiny": "tiny"}, nodes)
+    nodes = [
+        ("/m/tiny", "prefill", "http://127.0.0.1:1"),
+        ("/m/tiny", "decode", "http://127.0.0.1:2"),
+    ]
+    text = gateway_toml(
+        cfg, "sqlite:///x.db", "ab" * 32, ["http://127.0.0.1:9"], {"/m/tiny": "tiny"}, nodes
+    )
     gw = parse_config(tomllib.loads(text))
     assert gw.routing.coordinator == ("http://127.0.0.1:9",) and gw.models["tiny"].static is None
     assert gw.models["tiny"].tokenizer == "/m/tiny" and gw.server.admin_key_sha256 == "ab" * 32
     static = replace(cfg, gateway=GatewaySection(routing="static"))
-    gw = parse_config(tomllib.loads(gateway_toml(static, "sqlite:///x.db", "ab" * 32, ["http://127.0.0.1:9"],
-                                                 {"/m/tiny": "tiny"}, nodes)))  # fmt: skip
-    assert gw.routing.coordinator == () and gw.models["tiny"].static.prefill == ("http://127.0.0.1:1",)
+    gw = parse_config(
+        tomllib.loads(
+            gateway_toml(
+                static,
+                "sqlite:///x.db",
+                "ab" * 32,
+                ["http://127.0.0.1:9"],
+                {"/m/tiny": "tiny"},
+                nodes,
+            )
+        )
+    )
+    assert gw.routing.coordinator == () and gw.models["tiny"].static.prefill == (
+        "http://127.0.0.1:1",
+    )
     assert gw.models["tiny"].static.decode == ("http://127.0.0.1:2",)
 
 
 def test_help_names_up_and_status() -> None:
-    r = subprocess.run([sys.executable, "-m", "duet", "--help"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "duet", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert "    up" in r.stdout and "    status" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "duet", "up", "--help"], capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "duet", "up", "--help"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 0 and "--colocated" in r.stdout and "$DUET_HOME/logs" in r.stdout
 
 
-def test_up_config_layout_and_a_killed_up_leaves_no_orphans(tiny_llama: Path, tmp_path: Path) -> None:
+def test_up_config_layout_and_a_killed_up_leaves_no_orphans(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
     """SIGKILL gives the supervisor no chance to clean up: its children go by themselves."""
     home = tmp_path / "home"
     layout = tmp_path / "cluster.toml"  # a --config layout: one colocated node in the batch pool
-    layout.write_text('[coordinator]\nargs = ["--stale-load-s", "3"]\n[[nodes]]\nrole = "both"\npool = "batch"\n')
+    layout.write_text(
+        '[coordinator]\nargs = ["--stale-load-s", "3"]\n[[nodes]]\nrole = "both"\npool = "batch"\n'
+    )
     up = start_up(home, tiny_llama, free_port(), tmp_path / "up.log", "--config", str(layout))
     try:
         key = wait_banner(up)
         assert "duet is up: 1 colocated" in up.log()
         client = openai.OpenAI(base_url=up.url + "/v1", api_key=key, max_retries=0)
         # The node is in the batch pool: batch requests reach it, interactive ones find no node there.
-        r = client.completions.create(model=tiny_llama.name, prompt="x", max_tokens=2,
-                                      extra_headers={"x-duet-tier": "batch"})  # fmt: skip
+        r = client.completions.create(
+            model=tiny_llama.name, prompt="x", max_tokens=2, extra_headers={"x-duet-tier": "batch"}
+        )
         assert r.usage.completion_tokens == 2
         with pytest.raises(openai.InternalServerError, match="no decode node"):
             client.completions.create(model=tiny_llama.name, prompt="x", max_tokens=2)
@@ -225,8 +336,13 @@ def test_up_config_layout_and_a_killed_up_leaves_no_orphans(tiny_llama: Path, tm
             assert time.monotonic() < deadline, [p for p in pids if alive(p)]
             time.sleep(0.1)  # waiting for the children's own shutdown
         # The next start on the same home is not blocked by the dead one's lock or state.
-        status = subprocess.run([sys.executable, "-m", "duet", "status"], capture_output=True, text=True,
-                                timeout=60, env={**os.environ, "DUET_HOME": str(home)})  # fmt: skip
+        status = subprocess.run(
+            [sys.executable, "-m", "duet", "status"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "DUET_HOME": str(home)},
+        )
         assert status.returncode == 2 and "no `duet up` is running" in status.stderr
     finally:
         up.kill()

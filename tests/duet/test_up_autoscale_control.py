@@ -61,7 +61,11 @@ class StderrBlockingSupervisor(Supervisor):
             self.changed.notify_all()
 
     def say(self, msg: str) -> None:
-        if self.block_retire.is_set() and msg.startswith("stopping ") and msg.endswith("(scale-in)"):
+        if (
+            self.block_retire.is_set()
+            and msg.startswith("stopping ")
+            and msg.endswith("(scale-in)")
+        ):
             with self.changed:
                 self.stuck = True
                 self.changed.notify_all()
@@ -75,7 +79,9 @@ class StderrBlockingSupervisor(Supervisor):
         if self.block_retire.is_set():
             fut.add_done_callback(lambda _: self._notify())
             with self.changed:
-                assert self.changed.wait_for(lambda: fut.done() or self.stuck, WAIT_S), "the call was never taken"
+                assert self.changed.wait_for(lambda: fut.done() or self.stuck, WAIT_S), (
+                    "the call was never taken"
+                )
         return fut
 
 
@@ -90,8 +96,12 @@ class UpStandIn:
     free: threading.Event  # set: the supervision thread runs (the test's stand-in for run's loop)
 
     def stop(self, node_id: str) -> tuple[int, dict]:
-        req = urllib.request.Request(f"{self.url}/nodes/{node_id}/stop", data=b"{}", method="POST",
-                                     headers={**SECRET.headers, "Content-Type": "application/json"})  # fmt: skip
+        req = urllib.request.Request(
+            f"{self.url}/nodes/{node_id}/stop",
+            data=b"{}",
+            method="POST",
+            headers={**SECRET.headers, "Content-Type": "application/json"},
+        )
         try:
             with urllib.request.urlopen(req, timeout=WAIT_S * 3) as r:
                 return r.status, json.loads(r.read())
@@ -102,13 +112,19 @@ class UpStandIn:
 @pytest.fixture
 def up(tmp_path: Path) -> Iterator[UpStandIn]:
     sup = StderrBlockingSupervisor([[]])
-    nodes = {name: Child(name, [sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / f"{name}.log")
-             for name in ("prefill-0", "decode-0")}  # fmt: skip
+    nodes = {
+        name: Child(
+            name, [sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / f"{name}.log"
+        )
+        for name in ("prefill-0", "decode-0")
+    }
     for c in nodes.values():  # no supervision thread yet: the test's thread is it
         sup.add(0, c)
     sup.ready.set()
     cfg = UpConfig(nodes=layout_from_flags(1, 1, None))
-    auto = Autoscale(cfg, tmp_path, "http://127.0.0.1:1", max_nodes=2, threads=1, stage=0, served={})
+    auto = Autoscale(
+        cfg, tmp_path, "http://127.0.0.1:1", max_nodes=2, threads=1, stage=0, served={}
+    )
     auto.call_timeout = CALL_TIMEOUT_S  # 10 s in duet up
     auto.sup = sup
     server = serve_control(auto, SECRET)
@@ -147,7 +163,9 @@ def test_a_stop_the_supervisor_did_not_take_in_time_is_called_off(up: UpStandIn)
     ran = threading.Event()
     up.sup.call(ran.set)  # queued after the stop: once it ran, the stop's turn has passed
     assert ran.wait(WAIT_S), "the supervision thread never took a call"
-    assert not d.retiring and d.proc is not None and d.proc.poll() is None, "a stop answered 503 stopped the node"
+    assert not d.retiring and d.proc is not None and d.proc.poll() is None, (
+        "a stop answered 503 stopped the node"
+    )
     assert d in up.sup.stages[0] and not d.retired.is_set()
     assert not any(line.startswith("stopping decode-0") for line in up.sup.lines), up.sup.lines
     # and a stop the thread takes in time does stop it (the wait as long as the thread may need)
@@ -175,13 +193,16 @@ def test_a_stop_the_supervisor_took_late_is_answered_as_done(up: UpStandIn) -> N
     # for the stop; only then is the supervisor's stderr let go
     with up.sup.changed:
         assert up.sup.changed.wait_for(
-            lambda: answer or any("took it after more than" in line for line in up.sup.lines), WAIT_S * 3
+            lambda: answer or any("took it after more than" in line for line in up.sup.lines),
+            WAIT_S * 3,
         ), "the endpoint neither answered nor waited for the stop"
     up.sup.unblock.set()
     asker.join(WAIT_S * 3)
     assert answer, "no answer from the control endpoint"
     status, body = answer[0]
     assert d.proc is not None and d.proc.wait(WAIT_S) is not None  # SIGTERMed: it stops either way
-    assert status == 200, f"the stop was carried out but answered {status} {body}: the actuator undoes the drain"
+    assert status == 200, (
+        f"the stop was carried out but answered {status} {body}: the actuator undoes the drain"
+    )
     assert body == {"node_id": "decode-0", "exit_code": d.proc.returncode, "nodes": 1}, body
     assert d.retired.is_set() and d not in up.sup.stages[0]

@@ -16,32 +16,53 @@ from gateway.config import parse_config
 
 
 def _toml(cfg: UpConfig, served: dict[str, str], nodes: list[tuple[str, str, str]]):
-    return parse_config(tomllib.loads(gateway_toml(cfg, "sqlite:///x.db", "ab" * 32, ["http://127.0.0.1:9"], served,
-                                                   nodes)))  # fmt: skip
+    return parse_config(
+        tomllib.loads(
+            gateway_toml(cfg, "sqlite:///x.db", "ab" * 32, ["http://127.0.0.1:9"], served, nodes)
+        )
+    )
 
 
 def test_embed_group_beside_generation_of_the_same_model() -> None:
-    cfg = parse_cluster_toml({"model": "/m/tiny", "nodes": [{"role": "both"}, {"role": "embed", "pooling": "mean"}]},
-                             UpConfig())  # fmt: skip
-    assert cfg.generation_models() == cfg.embedding_models() == ["/m/tiny"] and "1 embedding" in cfg.describe()
+    cfg = parse_cluster_toml(
+        {"model": "/m/tiny", "nodes": [{"role": "both"}, {"role": "embed", "pooling": "mean"}]},
+        UpConfig(),
+    )
+    assert (
+        cfg.generation_models() == cfg.embedding_models() == ["/m/tiny"]
+        and "1 embedding" in cfg.describe()
+    )
     nodes = [("/m/tiny", "both", "http://127.0.0.1:1"), ("/m/tiny", "embed", "http://127.0.0.1:2")]
     gw = _toml(cfg, {"/m/tiny": "tiny"}, nodes)
     assert gw.models["tiny"].kind == "cluster" and gw.models["tiny-embed"].kind == "embedding"
-    assert gw.models["tiny-embed"].cluster_name == "tiny" and gw.models["tiny-embed"].tokenizer == "/m/tiny"
-    static = _toml(replace(cfg, gateway=GatewaySection(routing="static")), {"/m/tiny": "tiny"}, nodes)
+    assert (
+        gw.models["tiny-embed"].cluster_name == "tiny"
+        and gw.models["tiny-embed"].tokenizer == "/m/tiny"
+    )
+    static = _toml(
+        replace(cfg, gateway=GatewaySection(routing="static")), {"/m/tiny": "tiny"}, nodes
+    )
     assert static.models["tiny-embed"].static.both == ("http://127.0.0.1:2",)
     assert static.models["tiny"].static.both == ("http://127.0.0.1:1",)
 
 
 def test_embedding_only_model_keeps_its_name_and_needs_no_decode_node() -> None:
-    cfg = parse_cluster_toml({"model": "/m/tiny", "nodes": [{"role": "both"}, {"role": "embed", "model": "/m/qe"}]},
-                             UpConfig())  # fmt: skip
+    cfg = parse_cluster_toml(
+        {"model": "/m/tiny", "nodes": [{"role": "both"}, {"role": "embed", "model": "/m/qe"}]},
+        UpConfig(),
+    )
     gw = _toml(cfg, {"/m/tiny": "tiny", "/m/qe": "qe"}, [])
-    assert gw.models["qe"].kind == "embedding" and "qe-embed" not in gw.models and gw.models["tiny"].kind == "cluster"
+    assert (
+        gw.models["qe"].kind == "embedding"
+        and "qe-embed" not in gw.models
+        and gw.models["tiny"].kind == "cluster"
+    )
     with pytest.raises(UpConfigError, match="pooling"):
         parse_cluster_toml({"nodes": [{"role": "both", "pooling": "mean"}]}, UpConfig())
     with pytest.raises(UpConfigError, match="pooling"):
-        parse_cluster_toml({"nodes": [{"role": "both"}, {"role": "embed", "pooling": "max"}]}, UpConfig())
+        parse_cluster_toml(
+            {"nodes": [{"role": "both"}, {"role": "embed", "pooling": "max"}]}, UpConfig()
+        )
 
 
 def test_embed_flag_adds_one_embed_group() -> None:
@@ -49,4 +70,6 @@ def test_embed_flag_adds_one_embed_group() -> None:
     add_parser(p.add_subparsers())
     cfg = build_config(p.parse_args(["up", "--colocated", "--embed", "smollm2-135m-instruct"]))
     assert cfg.nodes[-1] == NodeGroup(role="embed", model="smollm2-135m-instruct")
-    assert build_config(p.parse_args(["up"])).embedding_models() == []  # the default layout is unchanged
+    assert (
+        build_config(p.parse_args(["up"])).embedding_models() == []
+    )  # the default layout is unchanged

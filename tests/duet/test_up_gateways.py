@@ -46,7 +46,9 @@ class Load:
         self.failed: list[str] = []
         #: a retry waits for this (the killed gateway's sockets closed), as an SDK's backoff does
         self.may_retry: Callable[[], bool] = lambda: True
-        self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(CLIENTS)]
+        self.threads = [
+            threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(CLIENTS)
+        ]
 
     def __enter__(self) -> Load:
         for t in self.threads:
@@ -65,15 +67,20 @@ class Load:
     def _run(self, i: int) -> None:
         # no keep-alive: each request is a new connection, which the kernel gives to either gateway
         http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=60)
-        client = openai.OpenAI(base_url=self.url + "/v1", api_key=self.key, max_retries=0, http_client=http)
+        client = openai.OpenAI(
+            base_url=self.url + "/v1", api_key=self.key, max_retries=0, http_client=http
+        )
         k = 0
         while not self.stop.is_set():
             k += 1
             for attempt in range(3):
                 try:
                     raw = client.chat.completions.with_raw_response.create(
-                        model=self.model, max_tokens=4, temperature=0,
-                        messages=[{"role": "user", "content": f"client {i} request {k}"}])  # fmt: skip
+                        model=self.model,
+                        max_tokens=4,
+                        temperature=0,
+                        messages=[{"role": "user", "content": f"client {i} request {k}"}],
+                    )
                     assert raw.parse().usage.completion_tokens == 4
                     with self.lock:
                         self.answered.append(raw.headers["x-request-id"])
@@ -107,28 +114,62 @@ def exited(pid: int) -> bool:
 def usage_records(home: Path) -> list[dict[str, Any]]:
     """Every usage record in the cluster's store, read through the CLI (what an operator runs)."""
     db = home / "gateway.db"  # duet/up_home.py::UpHome.store_url
-    out = subprocess.run([sys.executable, "-m", "duet", "usage", "report", "--store", f"sqlite://{db}",
-                          "--format", "json"], capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "duet",
+            "usage",
+            "report",
+            "--store",
+            f"sqlite://{db}",
+            "--format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return json.loads(out.stdout)
 
 
 def test_two_gateways_one_port_survive_a_killed_gateway(tiny_llama: Path, tmp_path: Path) -> None:
     home = tmp_path / "home"
-    up = start_up(home, tiny_llama, free_port(), tmp_path / "up.log", "--colocated", "--gateways", "2",
-                  "--restart-backoff", "0.2")  # fmt: skip
+    up = start_up(
+        home,
+        tiny_llama,
+        free_port(),
+        tmp_path / "up.log",
+        "--colocated",
+        "--gateways",
+        "2",
+        "--restart-backoff",
+        "0.2",
+    )
     try:
         key = wait_banner(up)
         state = json.loads((home / "up" / "state.json").read_text())
         gws = {c["name"]: c for c in state["children"] if c["name"].startswith("gateway")}
-        assert set(gws) == {"gateway-0", "gateway-1"} and gws["gateway-0"]["url"] != gws["gateway-1"]["url"]
-        assert state["gateway"] == up.url and state["gateways"] == [gws["gateway-0"]["url"], gws["gateway-1"]["url"]]
+        assert (
+            set(gws) == {"gateway-0", "gateway-1"}
+            and gws["gateway-0"]["url"] != gws["gateway-1"]["url"]
+        )
+        assert state["gateway"] == up.url and state["gateways"] == [
+            gws["gateway-0"]["url"],
+            gws["gateway-1"]["url"],
+        ]
 
         def served(name: str) -> float:
             return metric(gws[name]["url"], "duet:gateway_requests_total")
 
         with Load(up.url, key, tiny_llama.name) as load:
             # the kernel spreads the connections: both gateways answer on the public port
-            wait_for(lambda: served("gateway-0") > 0 and served("gateway-1") > 0, 60, "both gateways to serve")
+            wait_for(
+                lambda: served("gateway-0") > 0 and served("gateway-1") > 0,
+                60,
+                "both gateways to serve",
+            )
             killed = gws["gateway-0"]["pid"]
             load.may_retry = lambda: exited(killed)
             os.kill(killed, signal.SIGKILL)
@@ -136,9 +177,16 @@ def test_two_gateways_one_port_survive_a_killed_gateway(tiny_llama: Path, tmp_pa
             wait_for(lambda: load.count() >= before + 5, 60, "requests answered by the survivor")
 
             def back() -> bool:
-                c = next(c for c in json.loads((home / "up" / "state.json").read_text())["children"]
-                         if c["name"] == "gateway-0")  # fmt: skip
-                return c["state"] == "running" and c["restarts"] == 1 and c["pid"] != gws["gateway-0"]["pid"]
+                c = next(
+                    c
+                    for c in json.loads((home / "up" / "state.json").read_text())["children"]
+                    if c["name"] == "gateway-0"
+                )
+                return (
+                    c["state"] == "running"
+                    and c["restarts"] == 1
+                    and c["pid"] != gws["gateway-0"]["pid"]
+                )
 
             wait_for(back, 60, "gateway-0 to be restarted")
             # the restarted one is back in the port's group: it takes connections again
@@ -147,13 +195,21 @@ def test_two_gateways_one_port_survive_a_killed_gateway(tiny_llama: Path, tmp_pa
         assert load.count() > before + 5
         print(f"answered {load.count()}, retries {load.retried}")
 
-        status = subprocess.run([sys.executable, "-m", "duet", "status", "--json"], capture_output=True, text=True,
-                                timeout=60, env={**os.environ, "DUET_HOME": str(home)})  # fmt: skip
+        status = subprocess.run(
+            [sys.executable, "-m", "duet", "status", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "DUET_HOME": str(home)},
+        )
         assert status.returncode == 0, status.stderr
         info = json.loads(status.stdout)
         assert info["gateways"] == {gws["gateway-0"]["url"]: "ok", gws["gateway-1"]["url"]: "ok"}
         shown = {c["name"]: c for c in info["up"]["children"]}
-        assert shown["gateway-0"]["restarts"] == 1 and shown["gateway-0"]["last_exit"] == -signal.SIGKILL
+        assert (
+            shown["gateway-0"]["restarts"] == 1
+            and shown["gateway-0"]["last_exit"] == -signal.SIGKILL
+        )
         assert shown["gateway-1"]["restarts"] == 0 and shown["gateway-1"]["state"] == "running"
 
         # Usage: every answered request has exactly one record, `ok`; a request whose answer the
@@ -164,7 +220,9 @@ def test_two_gateways_one_port_survive_a_killed_gateway(tiny_llama: Path, tmp_pa
         by_id: dict[str, int] = {}
         for rid in (r["request_id"] for r in records):
             by_id[rid] = by_id.get(rid, 0) + 1
-        assert all(by_id.get(rid) == 1 for rid in load.answered), [rid for rid in load.answered if by_id.get(rid) != 1]
+        assert all(by_id.get(rid) == 1 for rid in load.answered), [
+            rid for rid in load.answered if by_id.get(rid) != 1
+        ]
         assert set(load.answered) <= set(ok)
         assert len(load.answered) <= len(ok) <= len(load.answered) + load.retried
         stop_and_check_nothing_left(up, home, signal.SIGINT)
@@ -173,6 +231,11 @@ def test_two_gateways_one_port_survive_a_killed_gateway(tiny_llama: Path, tmp_pa
 
 
 def test_gateways_must_be_at_least_one(tmp_path: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "duet", "up", "--gateways", "0", "--quiet"], capture_output=True,
-                       text=True, timeout=60, env={**os.environ, "DUET_HOME": str(tmp_path)})  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "duet", "up", "--gateways", "0", "--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "DUET_HOME": str(tmp_path)},
+    )
     assert r.returncode == 2 and "--gateways must be at least 1, got 0" in r.stderr, r.stderr

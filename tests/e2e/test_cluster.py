@@ -33,10 +33,20 @@ from tests.procs import TINY_NODE_ARGS, Proc, duet_node, free_port, running
 @dataclass(kw_only=True)
 class Cluster(PDCluster):
     def node(self, role: str, node_id: str) -> Proc:
-        return duet_node(role, str(self.model_dir), self.tmp, *TINY_NODE_ARGS, "--etcd", self.etcd.url,
-                         "--node-id", node_id)  # fmt: skip
+        return duet_node(
+            role,
+            str(self.model_dir),
+            self.tmp,
+            *TINY_NODE_ARGS,
+            "--etcd",
+            self.etcd.url,
+            "--node-id",
+            node_id,
+        )
 
-    def wait_for(self, what: str, cond: Callable[[dict[str, Any]], bool], timeout: float = 60.0) -> None:
+    def wait_for(
+        self, what: str, cond: Callable[[dict[str, Any]], bool], timeout: float = 60.0
+    ) -> None:
         deadline = time.monotonic() + timeout
         while not cond(self.cluster()):
             assert time.monotonic() < deadline, f"{what}: {self.cluster()}"
@@ -52,23 +62,68 @@ def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     tmp = tmp_path_factory.mktemp("e2e")
     with EtcdServer(tmp / "etcd") as etcd:
         port = free_port()
-        coord = Proc([sys.executable, "-m", "duet", "coordinator", "--etcd", etcd.url, "--port", str(port),
-                      "--local-prefill-tokens", str(LOCAL_PREFILL_TOKENS)], port, tmp / "coordinator.log")  # fmt: skip
+        coord = Proc(
+            [
+                sys.executable,
+                "-m",
+                "duet",
+                "coordinator",
+                "--etcd",
+                etcd.url,
+                "--port",
+                str(port),
+                "--local-prefill-tokens",
+                str(LOCAL_PREFILL_TOKENS),
+            ],
+            port,
+            tmp / "coordinator.log",
+        )
         # "prefill-b": the test of prefix routing later adds "prefill-a", which wins ties.
-        p = duet_node("prefill", str(tiny_llama), tmp, *TINY_NODE_ARGS, "--etcd", etcd.url, "--node-id", "prefill-b")
-        d = duet_node("decode", str(tiny_llama), tmp, *TINY_NODE_ARGS, "--etcd", etcd.url, "--node-id", "decode-0")
-        g = gateway_proc(tmp, {MODEL: cluster_model(tiny_llama)}, routing={"coordinator": [coord.url]})
+        p = duet_node(
+            "prefill",
+            str(tiny_llama),
+            tmp,
+            *TINY_NODE_ARGS,
+            "--etcd",
+            etcd.url,
+            "--node-id",
+            "prefill-b",
+        )
+        d = duet_node(
+            "decode",
+            str(tiny_llama),
+            tmp,
+            *TINY_NODE_ARGS,
+            "--etcd",
+            etcd.url,
+            "--node-id",
+            "decode-0",
+        )
+        g = gateway_proc(
+            tmp, {MODEL: cluster_model(tiny_llama)}, routing={"coordinator": [coord.url]}
+        )
         with running(coord, p, d, g):
-            c = Cluster(etcd=etcd, coordinator=coord, prefill=p, decode=d, gateway=g, key=make_team(g.url, "e2e"),
-                        model_dir=tiny_llama, tmp=tmp)  # fmt: skip
+            c = Cluster(
+                etcd=etcd,
+                coordinator=coord,
+                prefill=p,
+                decode=d,
+                gateway=g,
+                key=make_team(g.url, "e2e"),
+                model_dir=tiny_llama,
+                tmp=tmp,
+            )
             c.wait_for("both nodes ready", _ready({"prefill-b", "decode-0"}))
             yield c
 
 
 def node_completion(node: Proc, ids: list[int], max_tokens: int) -> dict[str, Any]:
-    req = urllib.request.Request(node.url + "/v1/completions", method="POST",
-                                 data=json.dumps({"prompt": ids, "max_tokens": max_tokens, "temperature": 0}).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        node.url + "/v1/completions",
+        method="POST",
+        data=json.dumps({"prompt": ids, "max_tokens": max_tokens, "temperature": 0}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())
 
@@ -79,21 +134,32 @@ def disaggregated(c: Cluster) -> float:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
-def test_greedy_output_through_the_cluster_equals_the_node_own(cluster: Cluster, endpoint: str, stream: bool) -> None:
+def test_greedy_output_through_the_cluster_equals_the_node_own(
+    cluster: Cluster, endpoint: str, stream: bool
+) -> None:
     c, tok = cluster, Tokenizer(cluster.model_dir)
-    text = f"{endpoint} {'streamed' if stream else 'plain'}: the quick brown fox jumps over the lazy dog " * 3
+    text = (
+        f"{endpoint} {'streamed' if stream else 'plain'}: the quick brown fox jumps over the lazy dog "
+        * 3
+    )
     before, pulled = disaggregated(c), metric(c.decode.url, "duet:kv_transfer_bytes_total")
     client = c.client()
     if endpoint == "chat":
         messages = [{"role": "user", "content": text}]
         ids = tok.encode_chat(messages)
-        r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
-                                           stream=stream)  # fmt: skip
-        got = ("".join(ch.choices[0].delta.content or "" for ch in r if ch.choices) if stream
-               else r.choices[0].message.content)  # fmt: skip
+        r = client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=stream
+        )
+        got = (
+            "".join(ch.choices[0].delta.content or "" for ch in r if ch.choices)
+            if stream
+            else r.choices[0].message.content
+        )
     else:
         ids = tok.encode(text)
-        r = client.completions.create(model=MODEL, prompt=text, max_tokens=12, temperature=0, stream=stream)
+        r = client.completions.create(
+            model=MODEL, prompt=text, max_tokens=12, temperature=0, stream=stream
+        )
         got = "".join(ch.choices[0].text for ch in r if ch.choices) if stream else r.choices[0].text
     assert len(ids) >= LOCAL_PREFILL_TOKENS
     assert disaggregated(c) == before + 1
@@ -105,22 +171,36 @@ def test_greedy_output_through_the_cluster_equals_the_node_own(cluster: Cluster,
 
 def test_shared_prefix_pair_goes_to_the_prefill_node_holding_it(cluster: Cluster) -> None:
     c = cluster
-    prefix = "You are a careful assistant. Context: " + "the cluster keeps KV caches of shared prompts. " * 8
+    prefix = (
+        "You are a careful assistant. Context: "
+        + "the cluster keeps KV caches of shared prompts. " * 8
+    )
     client = c.client()
-    first = client.completions.create(model=MODEL, prompt=prefix + "Question one: what is cached where?",
-                                      max_tokens=2, temperature=0)  # fmt: skip
+    first = client.completions.create(
+        model=MODEL,
+        prompt=prefix + "Question one: what is cached where?",
+        max_tokens=2,
+        temperature=0,
+    )
     n_prefix_blocks = len(Tokenizer(c.model_dir).encode(prefix)) // 16
     assert n_prefix_blocks >= 4 and first.usage.completion_tokens >= 1
-    c.wait_for("prefill-b's blocks indexed",
-               lambda cl: any(n["node_id"] == "prefill-b" and n["indexed_blocks"] >= n_prefix_blocks
-                              for n in cl["nodes"]))  # fmt: skip
+    c.wait_for(
+        "prefill-b's blocks indexed",
+        lambda cl: any(
+            n["node_id"] == "prefill-b" and n["indexed_blocks"] >= n_prefix_blocks
+            for n in cl["nodes"]
+        ),
+    )
     # A second, empty prefill node whose id wins every tie: only the prefix can send work elsewhere.
     with running(c.node("prefill", "prefill-a")) as (pa,):
         c.wait_for("prefill-a ready", _ready({"prefill-a"}))
         hits, routed = metric(c.prefill.url, "duet:prefix_cache_hits_total"), disaggregated(c)
         second = client.completions.create(
-            model=MODEL, prompt=prefix + "Question two, a different one: and how is it found again later?",
-            max_tokens=2, temperature=0)  # fmt: skip
+            model=MODEL,
+            prompt=prefix + "Question two, a different one: and how is it found again later?",
+            max_tokens=2,
+            temperature=0,
+        )
         assert second.usage.completion_tokens >= 1
         assert disaggregated(c) == routed + 1
         assert metric(c.prefill.url, "duet:prefix_cache_hits_total") - hits >= n_prefix_blocks * 16

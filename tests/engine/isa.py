@@ -18,18 +18,34 @@ from engine.cpu import cpu_flags
 
 #: gcc's predefined macro → the /proc/cpuinfo flag a CPU needs for it
 _MACROS = {
-    "__AVX__": "avx", "__AVX2__": "avx2", "__FMA__": "fma", "__F16C__": "f16c", "__BMI2__": "bmi2",
-    "__AVX512F__": "avx512f", "__AVX512BW__": "avx512bw", "__AVX512VL__": "avx512vl", "__AVX512DQ__": "avx512dq",
-    "__AVX512VNNI__": "avx512_vnni", "__AVX512BF16__": "avx512_bf16", "__AVXVNNI__": "avx_vnni",
-    "__AMX_TILE__": "amx_tile", "__AMX_INT8__": "amx_int8", "__AMX_BF16__": "amx_bf16",
-}  # fmt: skip
+    "__AVX__": "avx",
+    "__AVX2__": "avx2",
+    "__FMA__": "fma",
+    "__F16C__": "f16c",
+    "__BMI2__": "bmi2",
+    "__AVX512F__": "avx512f",
+    "__AVX512BW__": "avx512bw",
+    "__AVX512VL__": "avx512vl",
+    "__AVX512DQ__": "avx512dq",
+    "__AVX512VNNI__": "avx512_vnni",
+    "__AVX512BF16__": "avx512_bf16",
+    "__AVXVNNI__": "avx_vnni",
+    "__AMX_TILE__": "amx_tile",
+    "__AMX_INT8__": "amx_int8",
+    "__AMX_BF16__": "amx_bf16",
+}
 
 
 @functools.cache
 def needs(march: str) -> frozenset[str]:
     """The CPU flags a `-march=march` build may use (of those the kernels care about)."""
-    out = subprocess.run(["gcc", f"-march={march}", "-dM", "-E", "-"], input="", capture_output=True, text=True,
-                         check=True).stdout  # fmt: skip
+    out = subprocess.run(
+        ["gcc", f"-march={march}", "-dM", "-E", "-"],
+        input="",
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     defined = {line.split()[1] for line in out.splitlines() if line.startswith("#define ")}
     return frozenset(flag for macro, flag in _MACROS.items() if macro in defined)
 
@@ -37,5 +53,7 @@ def needs(march: str) -> frozenset[str]:
 def skip_unless_runs_here(march: str) -> None:
     missing = needs(march) - cpu_flags()
     if missing:
-        pytest.skip(f"this CPU cannot run a -march={march} build (no {', '.join(sorted(missing))}); "
-                    "that it compiles is checked by test_kernel_isa.py")  # fmt: skip
+        pytest.skip(
+            f"this CPU cannot run a -march={march} build (no {', '.join(sorted(missing))}); "
+            "that it compiles is checked by test_kernel_isa.py"
+        )

@@ -15,12 +15,19 @@ def hf_model(model_dir: Path):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def hf_greedy(model_dir: Path, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = False) -> list[int]:
+def hf_greedy(
+    model_dir: Path, prompt: list[int], max_new_tokens: int, stop_at_eos: bool = False
+) -> list[int]:
     model = hf_model(model_dir)
     kwargs = {} if stop_at_eos else {"min_new_tokens": max_new_tokens, "eos_token_id": None}
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=0, **kwargs)  # fmt: skip
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **kwargs,
+        )
     return out[0, len(prompt) :].tolist()
 
 

@@ -21,7 +21,9 @@ async def engine(tiny_llama: Path):
     await e.stop()
 
 
-async def collect(e: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> list[int]:
+async def collect(
+    e: AsyncEngine, rid: str, prompt: list[int], params: SamplingParams = GREEDY
+) -> list[int]:
     stream = await e.add_request(rid, prompt, params)
     toks: list[int] = []
     async for out in stream:
@@ -61,7 +63,9 @@ async def test_abort_frees_blocks(engine: AsyncEngine) -> None:
 
 async def test_hold_release_and_remote_reserve(engine: AsyncEngine) -> None:
     # Prefill-node side: a held request keeps its blocks after finishing.
-    s = await engine.add_request("p", list(range(3, 40)), SamplingParams(max_tokens=1), hold_blocks=True)
+    s = await engine.add_request(
+        "p", list(range(3, 40)), SamplingParams(max_tokens=1), hold_blocks=True
+    )
     final = [o async for o in s][-1]
     assert final.finished and len(final.held_block_ids) == 3
     assert await engine.call(lambda core: core.held_blocks("p")) == final.held_block_ids
@@ -80,7 +84,9 @@ async def test_hold_release_and_remote_reserve(engine: AsyncEngine) -> None:
 async def test_abort_before_reservation_cancels_it(engine: AsyncEngine) -> None:
     # Two held prefills pin 126 of the 128 blocks, so a 20-block remote request must wait.
     for i in range(2):
-        s = await engine.add_request(f"big{i}", [10 + i] * 1000, SamplingParams(max_tokens=1), hold_blocks=True)
+        s = await engine.add_request(
+            f"big{i}", [10 + i] * 1000, SamplingParams(max_tokens=1), hold_blocks=True
+        )
         [o async for o in s]
     waiting = await engine.add_request("remote", [5] * 320, GREEDY, remote_num_tokens=320)
     assert waiting.reserved is not None and not waiting.reserved.done()
@@ -113,7 +119,9 @@ async def test_step_timing_counts_steps_and_only_busy_gaps(engine: AsyncEngine) 
     assert s["engine_step_gap_seconds"] >= before["engine_step_gap_seconds"]
 
 
-async def test_a_request_counts_in_the_published_load_as_soon_as_it_is_taken(engine: AsyncEngine) -> None:
+async def test_a_request_counts_in_the_published_load_as_soon_as_it_is_taken(
+    engine: AsyncEngine,
+) -> None:
     """stats() (what a node's load frames report) counts a request once add_request returns, even
     while the step after it is still running: a node acks a route in its next frame and the
     coordinator then drops its own reservation, so counters as of the last step would count the

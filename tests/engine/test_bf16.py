@@ -16,8 +16,13 @@ def _hf_bf16_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             pad_token_id=0)  # fmt: skip
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=0,
+        )
     return out[0, len(prompt) :].tolist()
 
 
@@ -31,6 +36,8 @@ def test_bf16_greedy_tracks_transformers_bf16(tiny_llama: Path) -> None:
     for p, o in zip(ps, outs, strict=True):
         ref = _hf_bf16_greedy(tiny_llama, p, n)
         first += o.token_ids[0] == ref[0]
-        agreed += next((i for i, (a, b) in enumerate(zip(o.token_ids, ref, strict=True)) if a != b), n)
+        agreed += next(
+            (i for i, (a, b) in enumerate(zip(o.token_ids, ref, strict=True)) if a != b), n
+        )
     assert first >= len(ps) - 1, f"first tokens agree for only {first}/{len(ps)} prompts"
     assert agreed >= 0.6 * n * len(ps), f"only {agreed}/{n * len(ps)} tokens before divergence"

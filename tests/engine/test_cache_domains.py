@@ -16,7 +16,9 @@ PROMPT = list(range(100, 113))  # 3 full blocks and one token
 
 
 def cached_blocks(kv: KVCacheManager, rid: str, salt: str | None) -> int:
-    return len(kv.find_cached_prefix(Request(rid, PROMPT, SamplingParams(max_tokens=4, cache_salt=salt))))
+    return len(
+        kv.find_cached_prefix(Request(rid, PROMPT, SamplingParams(max_tokens=4, cache_salt=salt)))
+    )
 
 
 def test_an_identical_prompt_hits_only_in_its_own_domain() -> None:

@@ -35,7 +35,9 @@ def test_greedy_matches_transformers(tiny_model: Path, engine_kwargs: dict[str, 
         assert o.token_ids == hf_greedy(tiny_model, p, 24), f"prompt length {len(p)}"
         assert o.finish_reason == "length"
     if "num_kv_blocks" in engine_kwargs:
-        assert llm.engine.scheduler.num_preemptions > 0, "the small pool should have forced preemption"
+        assert llm.engine.scheduler.num_preemptions > 0, (
+            "the small pool should have forced preemption"
+        )
 
 
 def test_same_tokens_alone_and_in_a_batch_of_32(tiny_llama: Path) -> None:

@@ -12,16 +12,27 @@ from engine.core import EngineCore
 
 
 def _model(tiny_llama: Path, scheme: str):
-    core = EngineCore(EngineConfig(model=str(tiny_llama), dtype="bfloat16", device="cpu", threads=1,
-                                   quantization=None if scheme == "none" else scheme))  # fmt: skip
+    core = EngineCore(
+        EngineConfig(
+            model=str(tiny_llama),
+            dtype="bfloat16",
+            device="cpu",
+            threads=1,
+            quantization=None if scheme == "none" else scheme,
+        )
+    )
     return core.runner.model, ModelShape.of(core.model_config)
 
 
 def _linears(s: ModelShape) -> list[tuple[int, int]]:
     """(out, in) of every linear a decode step runs, the lm_head last."""
     q_kv = (s.heads + 2 * s.kv_heads) * s.head_dim
-    layer = [(q_kv, s.hidden), (s.hidden, s.heads * s.head_dim), (2 * s.intermediate, s.hidden),
-             (s.hidden, s.intermediate)]  # fmt: skip
+    layer = [
+        (q_kv, s.hidden),
+        (s.hidden, s.heads * s.head_dim),
+        (2 * s.intermediate, s.hidden),
+        (s.hidden, s.intermediate),
+    ]
     return layer * s.layers + [(s.vocab, s.hidden)]
 
 
@@ -41,7 +52,9 @@ def test_bf16_int8_and_int4_bytes_follow_their_storage(tiny_llama: Path) -> None
     for scheme, cost in per_scheme.items():
         model, shape = _model(tiny_llama, scheme)
         mats = _linears(shape)
-        want = sum(cost(n, k, i == len(mats) - 1) for i, (n, k) in enumerate(mats)) + _norms_and_row(model)
+        want = sum(
+            cost(n, k, i == len(mats) - 1) for i, (n, k) in enumerate(mats)
+        ) + _norms_and_row(model)
         got[scheme] = model.decode_weight_bytes()
         assert got[scheme] == want, scheme
     assert got["int4"] < got["int8"] < got["none"]
@@ -52,7 +65,9 @@ def test_w8a8_counts_its_packed_int8_weights(tiny_llama: Path) -> None:
     sums), not the weight-only matrix: at least int8's bytes, within its padding."""
     int8, _ = _model(tiny_llama, "int8")
     w8a8, _ = _model(tiny_llama, "int8-w8a8")
-    assert int8.decode_weight_bytes() <= w8a8.decode_weight_bytes() <= 1.5 * int8.decode_weight_bytes()
+    assert (
+        int8.decode_weight_bytes() <= w8a8.decode_weight_bytes() <= 1.5 * int8.decode_weight_bytes()
+    )
 
 
 def test_read_bandwidth_is_a_positive_rate() -> None:

@@ -19,7 +19,9 @@ SCHEMES = ["int8", "int4", "int8-w8a8", "int4-w4a8", *(["none"] if AMX else [])]
 PROMPTS = [[5, 17, 42, 99, 7, 3], [11, 12, 13], [200, 201, 202, 203, 204, 205, 206, 207, 208]]
 
 
-def _hidden_per_step(llm: LLM, prompts: list[list[int]], max_tokens: int = 8) -> tuple[list[torch.Tensor], list[list[int]]]:
+def _hidden_per_step(
+    llm: LLM, prompts: list[list[int]], max_tokens: int = 8
+) -> tuple[list[torch.Tensor], list[list[int]]]:
     model = llm.engine.runner.model
     seen: list[torch.Tensor] = []
     real = model.hidden_states
@@ -31,7 +33,9 @@ def _hidden_per_step(llm: LLM, prompts: list[list[int]], max_tokens: int = 8) ->
 
     model.hidden_states = spy
     try:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))
+        outs = llm.generate(
+            prompts, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        )
     finally:
         model.hidden_states = real
     return seen, [o.token_ids for o in outs]
@@ -40,7 +44,12 @@ def _hidden_per_step(llm: LLM, prompts: list[list[int]], max_tokens: int = 8) ->
 @pytest.mark.parametrize("scheme", SCHEMES)
 @pytest.mark.parametrize("batch", [1, 3])
 def test_plan_is_bitwise_the_python_loop(tiny_llama: Path, scheme: str, batch: int) -> None:
-    llm = LLM(str(tiny_llama), dtype="bfloat16", quantization=None if scheme == "none" else scheme, threads=1)
+    llm = LLM(
+        str(tiny_llama),
+        dtype="bfloat16",
+        quantization=None if scheme == "none" else scheme,
+        threads=1,
+    )
     model = llm.engine.runner.model
     plan = model.decode_plan
     assert plan is not None, "a quantized bf16 model (bf16 on AVX-512 BF16) gets a decode plan"
@@ -77,7 +86,12 @@ def test_no_plan_where_it_does_not_apply(tiny_llama: Path, monkeypatch: pytest.M
     """bf16 weights on oneDNN's linears and fp32 engines keep the Python loop."""
     monkeypatch.setenv("DUET_BF16_LINEAR", "onednn")
     assert LLM(str(tiny_llama), dtype="bfloat16", threads=1).engine.runner.model.decode_plan is None
-    assert LLM(str(tiny_llama), dtype="float32", quantization="int8", threads=1).engine.runner.model.decode_plan is None
+    assert (
+        LLM(
+            str(tiny_llama), dtype="float32", quantization="int8", threads=1
+        ).engine.runner.model.decode_plan
+        is None
+    )
 
 
 @pytest.mark.parametrize("scheme", ["int8", *(["none"] if AMX else [])])
@@ -86,8 +100,14 @@ def test_steps_with_prefill_tokens_take_the_plan_bitwise(tiny_llama: Path, schem
     take the C loop too: prompts chunked 7 tokens a step, beside the other prompt's decode tokens
     and against their own earlier chunks' KV (a draft model's catch-up feed is such a step).
     Bitwise the Python loop; the plan must have run steps whose tokens were not all decode ones."""
-    llm = LLM(str(tiny_llama), dtype="bfloat16", quantization=None if scheme == "none" else scheme, threads=1,
-              max_num_batched_tokens=7, enable_prefix_caching=False)  # fmt: skip
+    llm = LLM(
+        str(tiny_llama),
+        dtype="bfloat16",
+        quantization=None if scheme == "none" else scheme,
+        threads=1,
+        max_num_batched_tokens=7,
+        enable_prefix_caching=False,
+    )
     model = llm.engine.runner.model
     if not model.kernel_prefill:
         pytest.skip("prefill attention is not on the kernels on this CPU (no avx512_bf16)")

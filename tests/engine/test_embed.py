@@ -19,7 +19,9 @@ TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "Embeddings map text to vectors.",
     "A",
-    " ".join(f"Sentence {i} about retrieval augmented generation." for i in range(40)),  # ~400 tokens
+    " ".join(
+        f"Sentence {i} about retrieval augmented generation." for i in range(40)
+    ),  # ~400 tokens
 ]
 
 
@@ -36,7 +38,13 @@ def _hf_pooled(model_dir: Path, ids: list[int], pooling: str) -> torch.Tensor:
 @pytest.mark.parametrize("pooling", ["last", "mean"])
 def test_smollm2_matches_transformers(smollm2: Path, pooling: str) -> None:
     # a small token budget: the four prompts run in several forwards (~400 tokens alone)
-    llm = LLM(str(smollm2), dtype="float32", max_model_len=2048, max_num_batched_tokens=128, num_kv_blocks=160)
+    llm = LLM(
+        str(smollm2),
+        dtype="float32",
+        max_model_len=2048,
+        max_num_batched_tokens=128,
+        num_kv_blocks=160,
+    )
     ids = [llm.tokenizer.encode(t) for t in TEXTS]
     assert max(map(len, ids)) > 128 and min(map(len, ids)) <= 2
     free = llm.engine.pool.num_free
@@ -44,7 +52,9 @@ def test_smollm2_matches_transformers(smollm2: Path, pooling: str) -> None:
     assert vecs.shape == (len(TEXTS), llm.engine.model_config.hidden_size)
     for i, p in enumerate(ids):
         ref = _hf_pooled(smollm2, p, pooling)
-        assert torch.allclose(vecs[i], ref, atol=2e-4), f"{pooling} input {i}: max diff {(vecs[i] - ref).abs().max()}"
+        assert torch.allclose(vecs[i], ref, atol=2e-4), (
+            f"{pooling} input {i}: max diff {(vecs[i] - ref).abs().max()}"
+        )
     assert torch.allclose(vecs.norm(dim=1), torch.ones(len(TEXTS)), atol=1e-5)
     assert llm.engine.pool.num_free == free and not llm.engine.pool.cached_hashes()  # nothing kept
     # one prompt alone gives what it gave in the batch (no leak between packed prompts)

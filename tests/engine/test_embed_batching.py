@@ -20,7 +20,11 @@ from engine.embed import Pooling
 
 @pytest.fixture
 async def engine(tiny_llama: Path):
-    e = AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=256))
+    e = AsyncEngine(
+        EngineConfig(
+            model=str(tiny_llama), dtype="float32", num_kv_blocks=128, max_num_batched_tokens=256
+        )
+    )
     e.start()
     yield e
     await e.stop()
@@ -51,7 +55,9 @@ async def test_queued_jobs_share_forwards_and_each_gets_its_rows(engine: AsyncEn
     alone = [_rows(await engine.embed([p], Pooling.MEAN))[0] for p in prompts]
     before = engine.core.embedder.forwards
     queued, got = await _while_busy(engine, [engine.embed([p], Pooling.MEAN) for p in prompts])
-    assert queued == sum(map(len, prompts))  # what the node's load frames report as queued prompt tokens
+    assert queued == sum(
+        map(len, prompts)
+    )  # what the node's load frames report as queued prompt tokens
     assert engine.core.embedder.forwards - before == 1  # ten requests, one forward
     for want, blobs in zip(alone, got, strict=True):
         assert torch.allclose(_rows(blobs)[0], want, atol=1e-5)
@@ -59,11 +65,17 @@ async def test_queued_jobs_share_forwards_and_each_gets_its_rows(engine: AsyncEn
 
 async def test_a_bad_job_fails_alone(engine: AsyncEngine) -> None:
     vocab = engine.core.model_config.vocab_size
-    jobs = [engine.embed([[1, 2, 3]], Pooling.LAST), engine.embed([[vocab + 5]], Pooling.LAST),
-            engine.embed([[4, 5]], Pooling.LAST, 8)]  # fmt: skip
+    jobs = [
+        engine.embed([[1, 2, 3]], Pooling.LAST),
+        engine.embed([[vocab + 5]], Pooling.LAST),
+        engine.embed([[4, 5]], Pooling.LAST, 8),
+    ]
     _, (ok, bad, cut) = await _while_busy(engine, jobs)
     assert isinstance(bad, RequestError) and "vocabulary" in str(bad)
-    assert _rows(ok).shape == (1, engine.core.model_config.hidden_size) and _rows(cut).shape == (1, 8)
+    assert _rows(ok).shape == (1, engine.core.model_config.hidden_size) and _rows(cut).shape == (
+        1,
+        8,
+    )
 
 
 async def test_embedding_beside_generation(engine: AsyncEngine) -> None:

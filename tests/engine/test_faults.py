@@ -27,7 +27,9 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 def make_engine(tiny_llama: Path, **kw) -> AsyncEngine:
-    return AsyncEngine(EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=128, **kw))
+    return AsyncEngine(
+        EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=128, **kw)
+    )
 
 
 @pytest.fixture
@@ -49,6 +51,7 @@ async def num_free(e: AsyncEngine) -> int:
 
 # -- defect 1: one request must not kill the engine -------------------------------------------
 
+
 def test_tiny_temperature_is_greedy() -> None:
     for t in (1e-45, 1e-30, 1e-6):
         assert SamplingParams(temperature=t).greedy
@@ -60,9 +63,13 @@ def test_tiny_temperature_is_greedy() -> None:
         SamplingParams(seed=2**70)
 
 
-async def test_tiny_temperature_request_completes_and_engine_lives(engine: AsyncEngine, tiny_llama: Path) -> None:
+async def test_tiny_temperature_request_completes_and_engine_lives(
+    engine: AsyncEngine, tiny_llama: Path
+) -> None:
     prompt = [5, 6, 7, 8]
-    outs = await collect(engine, "tiny-t", prompt, SamplingParams(max_tokens=8, temperature=1e-45, ignore_eos=True))
+    outs = await collect(
+        engine, "tiny-t", prompt, SamplingParams(max_tokens=8, temperature=1e-45, ignore_eos=True)
+    )
     want = LLM(str(tiny_llama), dtype="float32").generate([prompt], GREEDY)[0].token_ids
     assert [t for o in outs for t in o.new_token_ids] == want
     assert outs[-1].finish_reason == "length" and engine.dead is None
@@ -72,7 +79,9 @@ def test_sampler_fails_only_the_bad_row() -> None:
     logits = torch.randn(3, 50)
     logits[1] = math.nan  # a row whose probabilities are not finite
     p = SamplingParams(temperature=0.7, seed=1)
-    tokens, errors = Sampler().sample_rows(logits, [("a", p, True), ("b", p, True), ("c", GREEDY, True)])
+    tokens, errors = Sampler().sample_rows(
+        logits, [("a", p, True), ("b", p, True), ("c", GREEDY, True)]
+    )
     assert set(errors) == {1} and "not finite" in errors[1]
     assert 0 <= tokens[0] < 50 and tokens[2] == int(logits[2].argmax())
 
@@ -123,6 +132,7 @@ async def test_engine_death_is_reported_not_hidden(tiny_llama: Path) -> None:
 
 # -- defect 2: holds are atomic with their lease ----------------------------------------------
 
+
 async def test_hold_expires_on_the_engine_thread(engine: AsyncEngine) -> None:
     outs = await collect_held(engine, "p", 0.3)
     assert len(outs[-1].held_block_ids) == 3 and await num_free(engine) == 125
@@ -141,12 +151,18 @@ async def test_abort_frees_held_blocks(engine: AsyncEngine) -> None:
 
 
 async def collect_held(e: AsyncEngine, rid: str, seconds: float | None):
-    stream = await e.add_request(rid, list(range(3, 40)), SamplingParams(max_tokens=1), hold_blocks=True,
-                                 hold_seconds=seconds)  # fmt: skip
+    stream = await e.add_request(
+        rid,
+        list(range(3, 40)),
+        SamplingParams(max_tokens=1),
+        hold_blocks=True,
+        hold_seconds=seconds,
+    )
     return [o async for o in stream]
 
 
 # -- defect 3: a stuck queue does not spin the engine thread ----------------------------------
+
 
 def thread_cpu_seconds(tid: int) -> float:
     fields = Path(f"/proc/self/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -156,10 +172,14 @@ def thread_cpu_seconds(tid: int) -> float:
 async def test_stuck_queue_does_not_spin(engine: AsyncEngine) -> None:
     # Two held prefills pin 126 of the 128 blocks: a 20-block request waits, unadmissible.
     for i in range(2):
-        s = await engine.add_request(f"big{i}", [10 + i] * 1000, SamplingParams(max_tokens=1), hold_blocks=True)
+        s = await engine.add_request(
+            f"big{i}", [10 + i] * 1000, SamplingParams(max_tokens=1), hold_blocks=True
+        )
         [o async for o in s]
     stuck = await engine.add_request("stuck", [5] * 320, GREEDY)
-    await until(lambda: asyncio.sleep(0, engine.stats()["num_requests_waiting"] == 1), what="waiting")
+    await until(
+        lambda: asyncio.sleep(0, engine.stats()["num_requests_waiting"] == 1), what="waiting"
+    )
     tid = engine.thread_id
     assert tid is not None
     cpu0, wall0 = thread_cpu_seconds(tid), time.monotonic()
@@ -174,17 +194,22 @@ async def test_stuck_queue_does_not_spin(engine: AsyncEngine) -> None:
 
 # -- defect 6: the waiting queue is bounded ---------------------------------------------------
 
+
 async def test_full_queue_refuses_with_overload(tiny_llama: Path) -> None:
     e = make_engine(tiny_llama, max_waiting_requests=2, max_waiting_tokens=100_000)
     e.start()
     try:
         for i in range(2):  # pin the pool so the queue cannot drain
-            s = await e.add_request(f"big{i}", [10 + i] * 1000, SamplingParams(max_tokens=1), hold_blocks=True)
+            s = await e.add_request(
+                f"big{i}", [10 + i] * 1000, SamplingParams(max_tokens=1), hold_blocks=True
+            )
             [o async for o in s]
         waiting = [await e.add_request(f"w{i}", [5] * 320, GREEDY) for i in range(2)]
         with pytest.raises(EngineOverloaded, match="queue is full"):
             await e.add_request("w2", [5] * 20, GREEDY)
-        await e.call(lambda core: None)  # a command: the stats snapshot is fresh after the next step
+        await e.call(
+            lambda core: None
+        )  # a command: the stats snapshot is fresh after the next step
         st = await e.call(lambda core: core.stats())
         assert st["queue_full"] == 1 and st["num_requests_rejected_queue_full"] == 1
         assert await e.abort("w0") and await e.abort("w1")
@@ -192,7 +217,9 @@ async def test_full_queue_refuses_with_overload(tiny_llama: Path) -> None:
             assert [o async for o in w][-1].finish_reason == "abort"
         # Room again: requests are accepted.
         assert await e.release("big0") and await e.release("big1")
-        assert [o async for o in await e.add_request("w3", [5] * 20, GREEDY)][-1].finish_reason == "length"
+        assert [o async for o in await e.add_request("w3", [5] * 20, GREEDY)][
+            -1
+        ].finish_reason == "length"
     finally:
         await e.stop()
 
@@ -202,7 +229,9 @@ async def test_queue_bounded_by_tokens(tiny_llama: Path) -> None:
     e.start()
     try:
         for i in range(2):
-            s = await e.add_request(f"big{i}", [10 + i] * 1000, SamplingParams(max_tokens=1), hold_blocks=True)
+            s = await e.add_request(
+                f"big{i}", [10 + i] * 1000, SamplingParams(max_tokens=1), hold_blocks=True
+            )
             [o async for o in s]
         await e.add_request("w0", [5] * 320, GREEDY)
         with pytest.raises(EngineOverloaded, match="tokens"):
@@ -213,6 +242,7 @@ async def test_queue_bounded_by_tokens(tiny_llama: Path) -> None:
 
 
 # -- defect 5: blocks a failed transfer may still write are never reused ----------------------
+
 
 def remote_req(rid: str, n: int, base: int = 3) -> Request:
     r = Request(request_id=rid, prompt_token_ids=[base + i for i in range(n)], params=GREEDY)
@@ -268,6 +298,7 @@ def test_a_row_that_breaks_the_batch_fails_alone() -> None:
 
 # -- a release answers without waiting for the engine thread's current step --------------------
 
+
 async def test_release_answers_while_a_step_runs(engine: AsyncEngine) -> None:
     """D's pull is confirmed by P's release; it must not wait for P's forward pass (on a busy
     prefill node that is the length of a prefill chunk, and it lands in D's time to first token)."""
@@ -310,7 +341,9 @@ def test_claimed_hold_is_not_expired_and_expired_hold_is_not_claimed() -> None:
 def test_scheduler_expiry_skips_a_claimed_hold() -> None:
     pool = BlockPool(16, 4)
     sched = Scheduler(SchedulerConfig(), KVCacheManager(pool))
-    req = Request("p", list(range(3, 12)), SamplingParams(max_tokens=1), hold_blocks=True, hold_seconds=1.0)
+    req = Request(
+        "p", list(range(3, 12)), SamplingParams(max_tokens=1), hold_blocks=True, hold_seconds=1.0
+    )
     sched.add(req)
     out = sched.schedule()
     assert out.chunks
@@ -322,7 +355,9 @@ def test_scheduler_expiry_skips_a_claimed_hold() -> None:
     assert sched.release("p") and pool.num_free == 16
 
 
-async def test_command_queued_when_the_engine_dies_fails_instead_of_hanging(tiny_llama: Path) -> None:
+async def test_command_queued_when_the_engine_dies_fails_instead_of_hanging(
+    tiny_llama: Path,
+) -> None:
     """A command submitted while the fatal step runs is never executed; its caller must get
     EngineDeadError, not wait forever (a request arriving at that moment hung the node's handler)."""
     import threading
@@ -337,7 +372,9 @@ async def test_command_queued_when_the_engine_dies_fails_instead_of_hanging(tiny
         raise RuntimeError("scheduler state corrupted")
 
     try:
-        stream = await e.add_request("a", [5, 6, 7], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        stream = await e.add_request(
+            "a", [5, 6, 7], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+        )
         e.core.scheduler.schedule = dying_schedule  # type: ignore[method-assign]
         await asyncio.to_thread(in_step.wait, 10)
         queued = asyncio.ensure_future(e.call(lambda core: core.pool.num_free))

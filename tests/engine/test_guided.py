@@ -29,7 +29,9 @@ from protocol.structured import Guide, GuideKind
 
 pytestmark = pytest.mark.smollm2
 
-CORPUS: dict[str, dict] = json.loads((Path(__file__).resolve().parents[2] / "bench/data/json_schemas.json").read_text())
+CORPUS: dict[str, dict] = json.loads(
+    (Path(__file__).resolve().parents[2] / "bench/data/json_schemas.json").read_text()
+)
 MAX_TOKENS = 128
 
 
@@ -39,21 +41,34 @@ def schema_guide(schema: dict) -> Guide:
 
 def ask(llm: LLM, name: str) -> list[int]:
     words = name.replace("_", " ")
-    return llm.tokenizer.encode_chat([{"role": "user", "content": f"Give me an example {words} as JSON."}])
+    return llm.tokenizer.encode_chat(
+        [{"role": "user", "content": f"Give me an example {words} as JSON."}]
+    )
 
 
 @pytest.fixture(scope="module")
 def llm(smollm2: Path) -> LLM:
-    return LLM(str(smollm2), dtype="float32", max_model_len=1024, max_num_batched_tokens=1024, max_num_seqs=64)
+    return LLM(
+        str(smollm2),
+        dtype="float32",
+        max_model_len=1024,
+        max_num_batched_tokens=1024,
+        max_num_seqs=64,
+    )
 
 
 @pytest.fixture(scope="module")
 def corpus_run(llm: LLM) -> tuple[list, list, list]:
     """The corpus (greedy) plus three unconstrained prompts, all in one batch."""
-    free = [llm.tokenizer.encode_chat([{"role": "user", "content": q}])
-            for q in ("What is the capital of France?", "Write a haiku.", "Count to five.")]  # fmt: skip
+    free = [
+        llm.tokenizer.encode_chat([{"role": "user", "content": q}])
+        for q in ("What is the capital of France?", "Write a haiku.", "Count to five.")
+    ]
     guided = [ask(llm, n) for n in CORPUS]
-    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, guide=schema_guide(s)) for s in CORPUS.values()]
+    params = [
+        SamplingParams(max_tokens=MAX_TOKENS, temperature=0, guide=schema_guide(s))
+        for s in CORPUS.values()
+    ]
     plain = SamplingParams(max_tokens=24, temperature=0)
     outs = llm.generate(guided + free, params + [plain] * len(free))
     return outs[: len(guided)], outs[len(guided) :], free
@@ -82,18 +97,26 @@ def test_unconstrained_rows_in_the_batch_are_untouched(llm: LLM, corpus_run: tup
 
 def test_sampled_rows_are_valid_too(llm: LLM) -> None:
     names = list(CORPUS)[::6]
-    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=i, guide=schema_guide(CORPUS[n]))
-              for i, n in enumerate(names)]  # fmt: skip
+    params = [
+        SamplingParams(
+            max_tokens=MAX_TOKENS, temperature=1.0, seed=i, guide=schema_guide(CORPUS[n])
+        )
+        for i, n in enumerate(names)
+    ]
     for n, o in zip(names, llm.generate([ask(llm, n) for n in names], params), strict=True):
-        if o.finish_reason == "stop":  # a sampled string may run into max_tokens: then it is "length"
+        if (
+            o.finish_reason == "stop"
+        ):  # a sampled string may run into max_tokens: then it is "length"
             jsonschema.validate(json.loads(o.text), CORPUS[n])
         else:
             assert o.finish_reason == "length" and len(o.token_ids) == MAX_TOKENS
 
 
 def test_max_tokens_cutting_the_json_is_length(llm: LLM) -> None:
-    o = llm.generate([ask(llm, "person")], SamplingParams(max_tokens=3, temperature=0,
-                                                          guide=schema_guide(CORPUS["person"])))[0]  # fmt: skip
+    o = llm.generate(
+        [ask(llm, "person")],
+        SamplingParams(max_tokens=3, temperature=0, guide=schema_guide(CORPUS["person"])),
+    )[0]
     assert o.finish_reason == "length" and len(o.token_ids) == 3
     assert o.text.startswith("{")
     with pytest.raises(json.JSONDecodeError):
@@ -102,11 +125,22 @@ def test_max_tokens_cutting_the_json_is_length(llm: LLM) -> None:
 
 def test_json_object_regex_and_choice(llm: LLM) -> None:
     prompt = ask(llm, "anything")
-    obj, rx, choice = llm.generate([prompt] * 3, [
-        SamplingParams(max_tokens=64, temperature=0, guide=Guide(kind=GuideKind.JSON_OBJECT)),
-        SamplingParams(max_tokens=16, temperature=0, guide=Guide(kind=GuideKind.REGEX, spec="[0-9]{3}-[a-z]{2}")),
-        SamplingParams(max_tokens=16, temperature=0, guide=Guide(kind=GuideKind.CHOICE, spec='["red", "blue"]')),
-    ])  # fmt: skip
+    obj, rx, choice = llm.generate(
+        [prompt] * 3,
+        [
+            SamplingParams(max_tokens=64, temperature=0, guide=Guide(kind=GuideKind.JSON_OBJECT)),
+            SamplingParams(
+                max_tokens=16,
+                temperature=0,
+                guide=Guide(kind=GuideKind.REGEX, spec="[0-9]{3}-[a-z]{2}"),
+            ),
+            SamplingParams(
+                max_tokens=16,
+                temperature=0,
+                guide=Guide(kind=GuideKind.CHOICE, spec='["red", "blue"]'),
+            ),
+        ],
+    )
     if obj.finish_reason == "stop":
         assert isinstance(json.loads(obj.text), dict)
     else:  # an open object may run long: still a prefix of one
@@ -125,14 +159,19 @@ def test_a_migrated_leg_resumes_the_matcher(llm: LLM) -> None:
     k = 5
     head = whole.token_ids[:k]
     text_chars = len(llm.tokenizer.decode(head))
-    resumed = llm.generate([prompt + head], SamplingParams(**p, resume=Resume(output_tokens=k, text_chars=text_chars)))[0]
+    resumed = llm.generate(
+        [prompt + head], SamplingParams(**p, resume=Resume(output_tokens=k, text_chars=text_chars))
+    )[0]
     assert head + resumed.token_ids == whole.token_ids
     jsonschema.validate(json.loads(whole.text[:text_chars] + resumed.text), schema)
     # tokens the grammar never allows cannot be resumed from
     wrong = llm.tokenizer.encode("hello", add_special_tokens=False)
     with pytest.raises(RequestError, match="do not satisfy"):
-        llm.engine.add_request("bad-resume", prompt + wrong,
-                               SamplingParams(**p, resume=Resume(output_tokens=len(wrong), text_chars=5)))  # fmt: skip
+        llm.engine.add_request(
+            "bad-resume",
+            prompt + wrong,
+            SamplingParams(**p, resume=Resume(output_tokens=len(wrong), text_chars=5)),
+        )
 
 
 def test_a_migrated_pd_leg_takes_ps_first_token(llm: LLM) -> None:
@@ -147,34 +186,56 @@ def test_a_migrated_pd_leg_takes_ps_first_token(llm: LLM) -> None:
     k = 6
     head = whole.token_ids[:k]
     resume = Resume(output_tokens=k, text_chars=len(llm.tokenizer.decode(head)))
-    leg = llm.generate([prompt + head], SamplingParams(**p, resume=resume, first_token=whole.token_ids[k]))[0]
+    leg = llm.generate(
+        [prompt + head], SamplingParams(**p, resume=resume, first_token=whole.token_ids[k])
+    )[0]
     assert leg.token_ids == whole.token_ids[k:]
     eos = min(llm.tokenizer.eos_token_ids)
     with pytest.raises(RequestError, match=f"first token {eos} is not allowed"):
-        llm.engine.add_request("bad-first", prompt + head, SamplingParams(**p, resume=resume, first_token=eos))
+        llm.engine.add_request(
+            "bad-first", prompt + head, SamplingParams(**p, resume=resume, first_token=eos)
+        )
 
 
-@pytest.mark.parametrize(("guide", "words"), [
-    (Guide(kind=GuideKind.JSON_SCHEMA, spec='{"type": "foo"}'), "Invalid type"),
-    (Guide(kind=GuideKind.REGEX, spec="(ab"), "unclosed group"),
-    (Guide(kind=GuideKind.CHOICE, spec="[]"), "list of choices is empty"),
-])  # fmt: skip
-def test_invalid_guides_are_refused_with_the_engines_words(llm: LLM, guide: Guide, words: str) -> None:
+@pytest.mark.parametrize(
+    ("guide", "words"),
+    [
+        (Guide(kind=GuideKind.JSON_SCHEMA, spec='{"type": "foo"}'), "Invalid type"),
+        (Guide(kind=GuideKind.REGEX, spec="(ab"), "unclosed group"),
+        (Guide(kind=GuideKind.CHOICE, spec="[]"), "list of choices is empty"),
+    ],
+)
+def test_invalid_guides_are_refused_with_the_engines_words(
+    llm: LLM, guide: Guide, words: str
+) -> None:
     with pytest.raises(RequestError, match=words):
         llm.engine.add_request(f"bad-{guide.kind}", [1, 2, 3], SamplingParams(guide=guide))
 
 
 def test_compiles_off_the_engine_thread_once(smollm2: Path, llm: LLM) -> None:
     """AsyncEngine compiles on the pool; the engine thread's attach then hits the cache."""
+
     async def run() -> tuple[int, int, str]:
-        eng = AsyncEngine(EngineConfig(model=str(smollm2), dtype="float32", max_model_len=512), core=llm.engine)
+        eng = AsyncEngine(
+            EngineConfig(model=str(smollm2), dtype="float32", max_model_len=512), core=llm.engine
+        )
         eng.start()
         try:
-            g = schema_guide({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-                              "additionalProperties": False})  # fmt: skip
+            g = schema_guide(
+                {
+                    "type": "object",
+                    "properties": {"ok": {"type": "boolean"}},
+                    "required": ["ok"],
+                    "additionalProperties": False,
+                }
+            )
             before = (llm.engine.guides.compiled, llm.engine.guides.hits)
             text = ""
-            async for d in await eng.add_request("async-guided", ask(llm, "flag"), SamplingParams(max_tokens=16, temperature=0, guide=g)):
+            async for d in await eng.add_request(
+                "async-guided",
+                ask(llm, "flag"),
+                SamplingParams(max_tokens=16, temperature=0, guide=g),
+            ):
                 text += d.new_text
             return llm.engine.guides.compiled - before[0], llm.engine.guides.hits - before[1], text
         finally:

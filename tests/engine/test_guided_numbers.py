@@ -16,9 +16,15 @@ from protocol.guide_check import canonical_schema
 from protocol.json_bounds import FRACTION_DIGITS
 from protocol.structured import Guide, GuideKind
 
-CORPUS = json.loads((Path(__file__).resolve().parents[2] / "bench/data/json_schemas.json").read_text())
-COORDS = {"type": "object", "additionalProperties": False, "required": ["lat"],
-          "properties": {"lat": {"type": "number", "minimum": -90, "maximum": 90}}}  # fmt: skip
+CORPUS = json.loads(
+    (Path(__file__).resolve().parents[2] / "bench/data/json_schemas.json").read_text()
+)
+COORDS = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["lat"],
+    "properties": {"lat": {"type": "number", "minimum": -90, "maximum": 90}},
+}
 
 
 @pytest.fixture
@@ -36,7 +42,9 @@ def matcher(gd: GuidedDecoding, schema: dict, text: str) -> Any:
     return m
 
 
-def digits_taken(gd: GuidedDecoding, schema: dict, head: str, digit: str = "9", most: int = 300) -> int:
+def digits_taken(
+    gd: GuidedDecoding, schema: dict, head: str, digit: str = "9", most: int = 300
+) -> int:
     """How many `digit`s the matcher takes after `head` before it refuses one (up to `most`)."""
     m = matcher(gd, schema, head)
     [tok] = gd._llg_tokenizer().tokenize_str(digit)
@@ -49,7 +57,9 @@ def digits_taken(gd: GuidedDecoding, schema: dict, head: str, digit: str = "9", 
 
 def completes(gd: GuidedDecoding, schema: dict, text: str) -> bool:
     m = gd.compile(Guide(kind=GuideKind.JSON_SCHEMA, spec=canonical_schema(schema))).deep_copy()
-    return all(m.consume_token(t) for t in gd._llg_tokenizer().tokenize_str(text)) and m.is_accepting()
+    return (
+        all(m.consume_token(t) for t in gd._llg_tokenizer().tokenize_str(text)) and m.is_accepting()
+    )
 
 
 def test_a_bounded_numbers_fraction_stops_at_ten_digits(gd: GuidedDecoding) -> None:

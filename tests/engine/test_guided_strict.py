@@ -15,18 +15,22 @@ from protocol.structured import Guide, GuideKind
 
 @pytest.fixture
 def no_llguidance(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "llguidance", None)  # `import llguidance` now raises ImportError
+    monkeypatch.setitem(
+        sys.modules, "llguidance", None
+    )  # `import llguidance` now raises ImportError
 
 
-def test_strict_mode_refuses_to_start_without_llguidance(no_llguidance: None, monkeypatch: pytest.MonkeyPatch,
-                                                         tiny_llama: Path) -> None:  # fmt: skip
+def test_strict_mode_refuses_to_start_without_llguidance(
+    no_llguidance: None, monkeypatch: pytest.MonkeyPatch, tiny_llama: Path
+) -> None:
     monkeypatch.setenv("CI", "true")
     with pytest.raises(FallbackRefused, match="llguidance"):
         GuidedDecoding(tiny_llama / "tokenizer.json", 512, frozenset({2}))
 
 
-def test_elsewhere_guided_requests_are_refused(no_llguidance: None, monkeypatch: pytest.MonkeyPatch,
-                                               tiny_llama: Path) -> None:  # fmt: skip
+def test_elsewhere_guided_requests_are_refused(
+    no_llguidance: None, monkeypatch: pytest.MonkeyPatch, tiny_llama: Path
+) -> None:
     monkeypatch.delenv("CI", raising=False)
     monkeypatch.delenv("DUET_STRICT", raising=False)
     gd = GuidedDecoding(tiny_llama / "tokenizer.json", 512, frozenset({2}))
@@ -56,12 +60,26 @@ def test_speculation_is_off_for_guided_and_penalised_requests(tiny_llama: Path) 
     from engine import LLM, SamplingParams
 
     llm = LLM(str(tiny_llama), dtype="float32", speculative="ngram", num_speculative_tokens=4)
-    prompt = [11, 22, 33, 44, 55]  # greedy, the tiny model repeats itself here: n-grams to draft from
-    guided, penalised = llm.generate([prompt] * 2, [
-        SamplingParams(max_tokens=8, temperature=0, guide=Guide(kind=GuideKind.REGEX, spec="[a-z]{8}")),
-        SamplingParams(max_tokens=80, temperature=0, ignore_eos=True, frequency_penalty=0.5)])  # fmt: skip
+    prompt = [
+        11,
+        22,
+        33,
+        44,
+        55,
+    ]  # greedy, the tiny model repeats itself here: n-grams to draft from
+    guided, penalised = llm.generate(
+        [prompt] * 2,
+        [
+            SamplingParams(
+                max_tokens=8, temperature=0, guide=Guide(kind=GuideKind.REGEX, spec="[a-z]{8}")
+            ),
+            SamplingParams(max_tokens=80, temperature=0, ignore_eos=True, frequency_penalty=0.5),
+        ],
+    )
     assert llm.engine.stats()["spec_decode_num_drafts"] == 0
     assert len(guided.text) == 8 and guided.text.isalpha() and guided.text.islower()
     assert len(penalised.token_ids) == 80
     plain = llm.generate([prompt], SamplingParams(max_tokens=80, temperature=0, ignore_eos=True))[0]
-    assert plain.token_ids and llm.engine.stats()["spec_decode_num_drafts"] > 0  # the engine does speculate
+    assert (
+        plain.token_ids and llm.engine.stats()["spec_decode_num_drafts"] > 0
+    )  # the engine does speculate

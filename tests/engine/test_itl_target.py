@@ -23,7 +23,9 @@ from engine.scheduler import Scheduler, SchedulerConfig
 from engine.step_model import DEFAULT_PRIOR, Coefficients, OnlineStepModel, StepShape, shape_of
 
 #: the "machine" of the virtual clock: unlike the prior in every coefficient
-TRUE = Coefficients(intercept_s=0.008, prefill_s=2e-4, decode_s=1.2e-3, context_s=1e-6, attention_s=3e-8)
+TRUE = Coefficients(
+    intercept_s=0.008, prefill_s=2e-4, decode_s=1.2e-3, context_s=1e-6, attention_s=3e-8
+)
 TARGET = 0.1
 
 
@@ -31,7 +33,11 @@ def random_shapes(n: int, seed: int = 0) -> list[StepShape]:
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        d, p, start = rng.randrange(0, 64), rng.choice([0, 0, rng.randrange(1, 512)]), rng.randrange(0, 2048)
+        d, p, start = (
+            rng.randrange(0, 64),
+            rng.choice([0, 0, rng.randrange(1, 512)]),
+            rng.randrange(0, 2048),
+        )
         if d == 0 and p == 0:
             d = 1
         ctx = sum(rng.randrange(16, 1024) for _ in range(d)) + (start + p if p else 0)
@@ -75,7 +81,12 @@ def test_the_prior_holds_directions_the_recent_steps_do_not_cover() -> None:
 
 def test_max_prefill_is_the_largest_chunk_within_the_target() -> None:
     m = trained()
-    for decodes, ctx, start in [(0, 0, 0), (8, 8 * 500, 0), (32, 32 * 900, 1024), (40, 40 * 600, 2000)]:
+    for decodes, ctx, start in [
+        (0, 0, 0),
+        (8, 8 * 500, 0),
+        (32, 32 * 900, 1024),
+        (40, 40 * 600, 2000),
+    ]:
         p = m.max_prefill(decodes, ctx, start, TARGET, cap=4096)
         fits, over = (StepShape(n, decodes, ctx + start + n, n * (start + n)) for n in (p, p + 1))
         assert 0 < p < 4096
@@ -85,7 +96,9 @@ def test_max_prefill_is_the_largest_chunk_within_the_target() -> None:
 
 
 def make(budget: int = 512, target: float | None = TARGET, blocks: int = 4096) -> Scheduler:
-    return Scheduler(SchedulerConfig(budget, 256, True, target), KVCacheManager(BlockPool(blocks, 16)))
+    return Scheduler(
+        SchedulerConfig(budget, 256, True, target), KVCacheManager(BlockPool(blocks, 16))
+    )
 
 
 def step(s: Scheduler) -> tuple[dict[str, int], StepShape, float, float]:
@@ -134,7 +147,9 @@ def test_chunks_shrink_as_the_decode_batch_grows_and_steps_stay_within_the_targe
             got, _, seconds, planned = step(s)
             assert sum(1 for k in got if k.startswith("d")) == batch, "every decode runs every step"
             assert planned <= TARGET
-            assert seconds <= TARGET * 1.02, f"batch {batch}: a {got['long']}-token chunk took {seconds:.3f} s"
+            assert seconds <= TARGET * 1.02, (
+                f"batch {batch}: a {got['long']}-token chunk took {seconds:.3f} s"
+            )
             chunks.append(got["long"])
         first_chunks.append(chunks[0])
         # later chunks start further in: attention's quadratic part makes them no larger

@@ -34,10 +34,21 @@ def test_every_kernel_source_compiles_at(march: str, tmp_path: Path) -> None:
     assert f"-march={march}" in flags, "engine/kernels no longer builds with -march=native"
     failures = []
     for name, extra in kernels._SOURCES:
-        proc = subprocess.run([cc, *flags, *extra, "-Werror=implicit-function-declaration",
-                               f"-I{kernels._DIR}", "-c", str(kernels._DIR / name),
-                               "-o", str(tmp_path / f"{name}.o")],
-                              capture_output=True, text=True)  # fmt: skip
+        proc = subprocess.run(
+            [
+                cc,
+                *flags,
+                *extra,
+                "-Werror=implicit-function-declaration",
+                f"-I{kernels._DIR}",
+                "-c",
+                str(kernels._DIR / name),
+                "-o",
+                str(tmp_path / f"{name}.o"),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if proc.returncode != 0:
             failures.append(f"{name}: {proc.stderr.strip()[:400]}")
     assert not failures, f"-march={march}:\n" + "\n".join(failures)

@@ -19,7 +19,9 @@ from engine.kernels import kernels_lib
 from engine.rope import Rope
 
 lib = kernels_lib()
-pytestmark = pytest.mark.skipif(lib is None, reason="kernels unavailable (no C compiler, or DUET_DISABLE_KERNELS)")
+pytestmark = pytest.mark.skipif(
+    lib is None, reason="kernels unavailable (no C compiler, or DUET_DISABLE_KERNELS)"
+)
 
 SHAPES = {  # heads, kv heads, head_dim, sliding window
     "smollm2": (9, 3, 64, None),
@@ -50,8 +52,20 @@ def test_rope_store_and_attention_match_torch(dtype: torch.dtype, shape: str) ->
     heads, kvh, dim, window = SHAPES[shape]
     cache, rope, md, qkv = _step(dtype, heads, kvh, dim, window)
     c_k, c_t, q_k, q_t = cache.clone(), cache.clone(), qkv.clone(), qkv.clone()
-    step = KernelStep(c_k, md.block_tables, md.token_row, md.ctx_lens, md.positions, md.slot_block,
-                      md.slot_offset, rope.cos, rope.sin, heads, md.max_ctx, window)  # fmt: skip
+    step = KernelStep(
+        c_k,
+        md.block_tables,
+        md.token_row,
+        md.ctx_lens,
+        md.positions,
+        md.slot_block,
+        md.slot_offset,
+        rope.cos,
+        rope.sin,
+        heads,
+        md.max_ctx,
+        window,
+    )
     lib.rope_store(step.ptr, 1, q_k.data_ptr(), q_k.stride(0))
     out_k = paged_attention(q_k, heads, c_k, 1, md, lib, step.ptr, kernel_prefill=True)
     cos, sin = rope.tables(md.positions)
@@ -67,8 +81,20 @@ def test_fp32_decode_kernel_with_sdpa_prefill_matches_torch() -> None:
     """The fp32 engine path: kernel for decodes, SDPA for prefill chunks."""
     heads, kvh, dim, window = SHAPES["smollm2"]
     cache, rope, md, qkv = _step(torch.float32, heads, kvh, dim, window, seed=1)
-    step = KernelStep(cache, md.block_tables, md.token_row, md.ctx_lens, md.positions, md.slot_block,
-                      md.slot_offset, rope.cos, rope.sin, heads, md.max_ctx, window)  # fmt: skip
+    step = KernelStep(
+        cache,
+        md.block_tables,
+        md.token_row,
+        md.ctx_lens,
+        md.positions,
+        md.slot_block,
+        md.slot_offset,
+        rope.cos,
+        rope.sin,
+        heads,
+        md.max_ctx,
+        window,
+    )
     lib.rope_store(step.ptr, 0, qkv.data_ptr(), qkv.stride(0))
     mixed = paged_attention(qkv, heads, cache, 0, md, lib, step.ptr, kernel_prefill=False)
     torch_only = paged_attention(qkv, heads, cache, 0, md, None, 0, kernel_prefill=False)
@@ -117,11 +143,15 @@ def test_argmax_rows_matches_torch_first_maximum(dtype: torch.dtype) -> None:
     x[3, 999] = 50.0  # the max in the scalar tail
     x[4, 5] = float("nan")  # torch treats NaN as the maximum
     idx = torch.empty(7, dtype=torch.long)
-    lib.argmax_rows(x.data_ptr(), x.stride(0), 7, 1000, int(dtype == torch.bfloat16), idx.data_ptr())
+    lib.argmax_rows(
+        x.data_ptr(), x.stride(0), 7, 1000, int(dtype == torch.bfloat16), idx.data_ptr()
+    )
     assert idx.tolist() == x.argmax(dim=-1).tolist()
 
 
-def _long_prefill_step(dtype: torch.dtype, heads: int, kvh: int, dim: int, window: int | None, spike: bool = False):
+def _long_prefill_step(
+    dtype: torch.dtype, heads: int, kvh: int, dim: int, window: int | None, spike: bool = False
+):
     """Decodes beside three prefill chunks that cross many 32-key steps: a fresh 100-token prompt, 70
     tokens after a 203-token cached prefix, and a single token after 40 (a 1-row work item).
     `spike`: the keys of later blocks are 10x larger, so scores jump past a row's running max
@@ -138,8 +168,20 @@ def _long_prefill_step(dtype: torch.dtype, heads: int, kvh: int, dim: int, windo
     prefills = [(blocks[8:16], 0, 100), (blocks[16:36], 203, 70), (blocks[36:40], 40, 1)]
     md = build_metadata(bs, decodes, prefills, window, torch.device("cpu"))
     qkv = torch.randn(md.num_tokens, (heads + 2 * kvh) * dim, generator=g).to(dtype)
-    step = KernelStep(cache, md.block_tables, md.token_row, md.ctx_lens, md.positions, md.slot_block,
-                      md.slot_offset, rope.cos, rope.sin, heads, md.max_ctx, window)  # fmt: skip
+    step = KernelStep(
+        cache,
+        md.block_tables,
+        md.token_row,
+        md.ctx_lens,
+        md.positions,
+        md.slot_block,
+        md.slot_offset,
+        rope.cos,
+        rope.sin,
+        heads,
+        md.max_ctx,
+        window,
+    )
     lib.rope_store(step.ptr, 0, qkv.data_ptr(), qkv.stride(0))
     return cache, md, qkv, step
 
@@ -157,12 +199,16 @@ def test_amx_prefill_attention_matches_torch(shape: str, spike: bool) -> None:
     from engine.cpu import cpu_flags
 
     if not {"amx_bf16", "amx_tile"} <= cpu_flags():
-        pytest.skip("no AMX bf16 on this CPU (prefill_attention_amx returns 1 there; the AVX-512 path runs)")
+        pytest.skip(
+            "no AMX bf16 on this CPU (prefill_attention_amx returns 1 there; the AVX-512 path runs)"
+        )
     heads, kvh, dim, window = AMX_SHAPES[shape]
     cache, md, qkv, step = _long_prefill_step(torch.bfloat16, heads, kvh, dim, window, spike)
     nd, t = md.num_decode, md.num_tokens
     out = torch.zeros((t - nd, heads * dim), dtype=torch.bfloat16)
-    rc = lib.prefill_attention_amx(step.ptr, 0, nd, t - nd, qkv.data_ptr(), qkv.stride(0), out.data_ptr(), heads * dim)
+    rc = lib.prefill_attention_amx(
+        step.ptr, 0, nd, t - nd, qkv.data_ptr(), qkv.stride(0), out.data_ptr(), heads * dim
+    )
     assert rc == 0, "the AMX path declined a bf16 step it supports"
     want = paged_attention(qkv, heads, cache, 0, md, None, 0, kernel_prefill=False)[nd:]
     torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
@@ -174,12 +220,17 @@ def test_amx_prefill_attention_matches_torch(shape: str, spike: bool) -> None:
 def test_amx_prefill_attention_declines_what_it_does_not_do() -> None:
     """fp32, a sliding window and a head_dim that is not a multiple of 32 return 1 (the caller's
     other paths run) on every CPU."""
-    for dtype, shape in ((torch.float32, "smollm2"), (torch.bfloat16, "mha-window"), (torch.bfloat16, "tiny")):
+    for dtype, shape in (
+        (torch.float32, "smollm2"),
+        (torch.bfloat16, "mha-window"),
+        (torch.bfloat16, "tiny"),
+    ):
         heads, kvh, dim, window = SHAPES[shape]
         _cache, md, qkv, step = _long_prefill_step(dtype, heads, kvh, dim, window)
         nd, t = md.num_decode, md.num_tokens
         out = torch.zeros((t - nd, heads * dim), dtype=dtype)
-        rc = lib.prefill_attention_amx(step.ptr, 0, nd, t - nd, qkv.data_ptr(), qkv.stride(0), out.data_ptr(),
-                                       heads * dim)  # fmt: skip
+        rc = lib.prefill_attention_amx(
+            step.ptr, 0, nd, t - nd, qkv.data_ptr(), qkv.stride(0), out.data_ptr(), heads * dim
+        )
         assert rc == 1, (dtype, shape)
         assert not out.any(), "a declined call wrote output"

@@ -22,7 +22,9 @@ from engine.kernels import kernels_lib
 
 LIB = kernels_lib()
 ISA = 0 if LIB is None else int(LIB.qgemm_bf16_isa())
-pytestmark = pytest.mark.skipif(ISA == 0, reason="no AVX-512 BF16 on this CPU: linear_bf16 is not built")
+pytestmark = pytest.mark.skipif(
+    ISA == 0, reason="no AVX-512 BF16 on this CPU: linear_bf16 is not built"
+)
 SHAPES = [(37, 70), (64, 576), (33, 31), (160, 1536)]
 
 
@@ -32,18 +34,37 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return panels
 
 
-def _call(x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None, isa: int,
-          out_f32: bool = True) -> torch.Tensor:  # fmt: skip
+def _call(
+    x: torch.Tensor,
+    panels: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None,
+    isa: int,
+    out_f32: bool = True,
+) -> torch.Tensor:
     out = torch.empty(x.shape[0], n, dtype=torch.float32 if out_f32 else torch.bfloat16)
-    rc = LIB.linear_bf16(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], panels.data_ptr(), n,
-                         None if bias is None else bias.data_ptr(), out.data_ptr(), n, int(out_f32), isa)  # fmt: skip
+    rc = LIB.linear_bf16(
+        x.data_ptr(),
+        x.stride(0),
+        x.shape[0],
+        x.shape[1],
+        panels.data_ptr(),
+        n,
+        None if bias is None else bias.data_ptr(),
+        out.data_ptr(),
+        n,
+        int(out_f32),
+        isa,
+    )
     assert rc == 0
     return out
 
 
 @pytest.mark.parametrize("isa", [i for i in (1, 2) if i <= ISA])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_kernel_matches_fp32_and_rows_do_not_depend_on_their_batch(isa: int, shape: tuple[int, int]) -> None:
+def test_kernel_matches_fp32_and_rows_do_not_depend_on_their_batch(
+    isa: int, shape: tuple[int, int]
+) -> None:
     n, k = shape
     g = torch.Generator().manual_seed(n * k)
     w, b = torch.randn(n, k, generator=g).bfloat16(), torch.randn(n, generator=g).bfloat16()
@@ -57,7 +78,12 @@ def test_kernel_matches_fp32_and_rows_do_not_depend_on_their_batch(isa: int, sha
     assert torch.equal(got, alone)
     # 9, 10 and 17 rows end on one 9- or 10-row pass (QB_MR_TAIL), 5 on a short one
     for size in (5, 9, 10, 17):
-        assert torch.equal(got, torch.cat([_call(x[i : i + size], panels, n, b, isa) for i in range(0, x.shape[0], size)]))
+        assert torch.equal(
+            got,
+            torch.cat(
+                [_call(x[i : i + size], panels, n, b, isa) for i in range(0, x.shape[0], size)]
+            ),
+        )
     # the bf16 store is the fp32 result rounded once (nearest even), as torch rounds it
     assert torch.equal(_call(x[:7], panels, n, b, isa, out_f32=False), got[:7].bfloat16())
 
@@ -66,7 +92,12 @@ def test_a_path_the_cpu_lacks_is_refused() -> None:
     w = torch.randn(32, 32).bfloat16()
     out = torch.empty(1, 32, dtype=torch.float32)
     x = torch.randn(1, 32).bfloat16()
-    assert LIB.linear_bf16(x.data_ptr(), 32, 1, 32, _pack(w).data_ptr(), 32, None, out.data_ptr(), 32, 1, 3) == -3
+    assert (
+        LIB.linear_bf16(
+            x.data_ptr(), 32, 1, 32, _pack(w).data_ptr(), 32, None, out.data_ptr(), 32, 1, 3
+        )
+        == -3
+    )
 
 
 def test_linear_takes_the_kernel_where_it_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -78,7 +109,9 @@ def test_linear_takes_the_kernel_where_it_is_built(monkeypatch: pytest.MonkeyPat
     assert layer.decode_bytes == layer.panels.nbytes + b.nbytes  # 128 padded rows of k = 64
     got = layer(x)
     assert got.shape == (2, 3, 100) and got.dtype == torch.bfloat16
-    assert torch.allclose(got.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=2e-2)
+    assert torch.allclose(
+        got.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=2e-2
+    )
     assert torch.equal(layer(x[:, 1:2]), got[:, 1:2])  # a strided slice of the batch, alone
     with pytest.raises(TypeError, match="float32"):
         layer(x.float())

@@ -52,8 +52,9 @@ def test_a_cpu_with_the_isa_still_prepacks() -> None:
     linear.cpu_can_prepack_bf16.cache_clear()
 
 
-def test_bf16_prefill_attention_uses_the_kernel_only_with_avx512_bf16(tiny_llama: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_bf16_prefill_attention_uses_the_kernel_only_with_avx512_bf16(
+    tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The blocked prefill kernel is AVX-512 BF16 code; elsewhere prefill_attention is a scalar
     loop, slower than SDPA and (on a Zen 3) 95 against 118 greedy tokens of agreement with fp32
     in test_logits_fp32's comparison: there SDPA prefills, the decode kernel still decodes."""

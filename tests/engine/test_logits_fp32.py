@@ -25,7 +25,9 @@ from tests.engine.isa import needs
 from tests.procs import duet_node, running
 
 lib = kernels_lib()
-needs_kernels = pytest.mark.skipif(lib is None, reason="kernels unavailable (no C compiler, or DUET_DISABLE_KERNELS)")
+needs_kernels = pytest.mark.skipif(
+    lib is None, reason="kernels unavailable (no C compiler, or DUET_DISABLE_KERNELS)"
+)
 
 
 def _ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -66,8 +68,17 @@ def test_each_kernel_path_is_fp32_accurate_and_batch_invariant(isa: int, n: int,
 
     def call(rows: torch.Tensor) -> torch.Tensor:
         out = torch.empty(rows.shape[0], n)
-        rc = lib.logits_bf16_path(rows.data_ptr(), rows.stride(0), rows.shape[0], k, w.data_ptr(), n, out.data_ptr(),
-                                  n, isa)  # fmt: skip
+        rc = lib.logits_bf16_path(
+            rows.data_ptr(),
+            rows.stride(0),
+            rows.shape[0],
+            k,
+            w.data_ptr(),
+            n,
+            out.data_ptr(),
+            n,
+            isa,
+        )
         assert rc == 0
         return out
 
@@ -82,7 +93,9 @@ def test_each_kernel_path_is_fp32_accurate_and_batch_invariant(isa: int, n: int,
 @needs_kernels
 def test_a_path_the_cpu_lacks_is_refused() -> None:
     w, x, out = torch.zeros(32, 32).bfloat16(), torch.zeros(1, 32).bfloat16(), torch.empty(1, 32)
-    assert lib.logits_bf16_path(x.data_ptr(), 32, 1, 32, w.data_ptr(), 32, out.data_ptr(), 32, 3) == -3
+    assert (
+        lib.logits_bf16_path(x.data_ptr(), 32, 1, 32, w.data_ptr(), 32, out.data_ptr(), 32, 3) == -3
+    )
 
 
 @needs_kernels
@@ -130,8 +143,23 @@ def test_portable_build_matches_reference(tmp_path: Path) -> None:
         if needs(march) - cpu_flags():
             continue  # this CPU cannot run it (SIGILL); test_kernel_isa.py checks that it compiles
         so = tmp_path / f"{march}.so"
-        subprocess.run(["gcc", "-O2", f"-march={march}", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off",
-                        f"-I{kdir}", str(kdir / "logits_bf16.c"), "-o", str(so), "-lm"], check=True)  # fmt: skip
+        subprocess.run(
+            [
+                "gcc",
+                "-O2",
+                f"-march={march}",
+                "-fopenmp",
+                "-fPIC",
+                "-shared",
+                "-ffp-contract=off",
+                f"-I{kdir}",
+                str(kdir / "logits_bf16.c"),
+                "-o",
+                str(so),
+                "-lm",
+            ],
+            check=True,
+        )
         plib = ctypes.CDLL(str(so))
         p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
         plib.logits_bf16.argtypes = [p, i64, i32, i32, p, i64, p, i64]
@@ -155,7 +183,9 @@ def test_fp32_residual_norm_kernel(rows: int) -> None:
     for out_f32 in (0, 1):
         hh = h.clone()
         out = torch.empty(rows, n, dtype=torch.float32 if out_f32 else torch.bfloat16)
-        lib.res_norm_f32(hh.data_ptr(), delta.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, 1e-5, out_f32)
+        lib.res_norm_f32(
+            hh.data_ptr(), delta.data_ptr(), w.data_ptr(), out.data_ptr(), rows, n, 1e-5, out_f32
+        )
         assert torch.equal(hh, want_h)
         if out_f32:
             torch.testing.assert_close(out.double(), want, rtol=2e-6, atol=1e-6)
@@ -165,8 +195,12 @@ def test_fp32_residual_norm_kernel(rows: int) -> None:
     hh = h.clone()
     lib.res_norm_f32(hh.data_ptr(), None, w.data_ptr(), out.data_ptr(), rows, n, 1e-5, 1)
     assert torch.equal(hh, h)
-    torch.testing.assert_close(out.double(), torch.nn.functional.rms_norm(h.double(), (n,), w.double(), 1e-5),
-                               rtol=2e-6, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(
+        out.double(),
+        torch.nn.functional.rms_norm(h.double(), (n,), w.double(), 1e-5),
+        rtol=2e-6,
+        atol=1e-6,
+    )
 
 
 @needs_kernels
@@ -178,7 +212,7 @@ def test_fp32_input_meets_a_bf16_head_as_two_halves() -> None:
     x = torch.randn(5, 576, generator=g)
     head = LogitsHead(w)
     got = head(x)
-    ref = (x.double() @ w.double().T)
+    ref = x.double() @ w.double().T
     assert got.dtype == torch.float32
     assert ((got.double() - ref).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T)).all()
     assert not torch.allclose(head(x.bfloat16()), got, rtol=0, atol=1e-6)  # the lo half matters
@@ -200,8 +234,10 @@ CHATS = [
 
 def _agreement(ref: list[list[int]], got: list[list[int]]) -> int:
     """Tokens generated before the first divergence, summed over the prompts."""
-    return sum(next((i for i, (a, b) in enumerate(zip(r, o, strict=True)) if a != b), len(r))
-               for r, o in zip(ref, got, strict=True))  # fmt: skip
+    return sum(
+        next((i for i, (a, b) in enumerate(zip(r, o, strict=True)) if a != b), len(r))
+        for r, o in zip(ref, got, strict=True)
+    )
 
 
 @pytest.fixture
@@ -239,12 +275,20 @@ def test_bf16_greedy_agrees_with_fp32_at_least_as_often_as_transformers_bf16(smo
     theirs = []
     with torch.inference_mode():
         for p in prompts:
-            out = model.generate(torch.tensor([p]), max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)  # fmt: skip
+            out = model.generate(
+                torch.tensor([p]),
+                max_new_tokens=n_new,
+                min_new_tokens=n_new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
             theirs.append(out[0, len(p) :].tolist())
     ours_agree, theirs_agree = _agreement(ref, ours), _agreement(ref, theirs)
-    print(f"tokens before divergence from fp32 greedy: engine bf16 {ours_agree}, transformers bf16 {theirs_agree} "
-          f"of {n_new * len(prompts)}")  # fmt: skip
+    print(
+        f"tokens before divergence from fp32 greedy: engine bf16 {ours_agree}, transformers bf16 {theirs_agree} "
+        f"of {n_new * len(prompts)}"
+    )
     assert ours_agree >= theirs_agree
 
 
@@ -281,13 +325,30 @@ def test_paris_through_a_bf16_node_chat_endpoint(smollm2: Path, tmp_path: Path) 
     import json
     import urllib.request
 
-    node = duet_node("both", str(smollm2), tmp_path, "--dtype", "bfloat16", "--kv-blocks", "64", "--max-model-len",
-                     "512", threads=None)  # fmt: skip
+    node = duet_node(
+        "both",
+        str(smollm2),
+        tmp_path,
+        "--dtype",
+        "bfloat16",
+        "--kv-blocks",
+        "64",
+        "--max-model-len",
+        "512",
+        threads=None,
+    )
     with running(node):
-        body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": PARIS}],
-                "temperature": 0, "max_tokens": 12}  # fmt: skip
-        req = urllib.request.Request(node.url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        body = {
+            "model": "smollm2-135m-instruct",
+            "messages": [{"role": "user", "content": PARIS}],
+            "temperature": 0,
+            "max_tokens": 12,
+        }
+        req = urllib.request.Request(
+            node.url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=120) as r:
             text = json.loads(r.read())["choices"][0]["message"]["content"]
     assert "Paris" in text, text

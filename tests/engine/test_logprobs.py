@@ -35,7 +35,9 @@ def _check(record: TokenLogprob, row: torch.Tensor, token: int, k: int) -> None:
     assert [v for _, v in record.top] == sorted((v for _, v in record.top), reverse=True)
 
 
-def _check_sampled(model: Path, prompt: list[int], tokens: list[int], lps: list[TokenLogprob] | None, k: int) -> None:
+def _check_sampled(
+    model: Path, prompt: list[int], tokens: list[int], lps: list[TokenLogprob] | None, k: int
+) -> None:
     assert lps is not None and len(lps) == len(tokens)
     ref = hf_log_softmax(model, prompt + tokens)
     for i, (tok, rec) in enumerate(zip(tokens, lps, strict=True)):
@@ -51,12 +53,16 @@ def llm(tiny_llama: Path) -> LLM:
     "params",
     [
         SamplingParams(max_tokens=10, temperature=0, logprobs=3, ignore_eos=True),
-        SamplingParams(max_tokens=10, temperature=0.7, top_k=20, top_p=0.9, seed=7, logprobs=2, ignore_eos=True),
+        SamplingParams(
+            max_tokens=10, temperature=0.7, top_k=20, top_p=0.9, seed=7, logprobs=2, ignore_eos=True
+        ),
         SamplingParams(max_tokens=10, temperature=1.3, seed=8, logprobs=0, ignore_eos=True),
     ],
     ids=["greedy", "seeded-topk-topp", "seeded-no-top"],
 )
-def test_sampled_token_logprobs_match_transformers(llm: LLM, tiny_llama: Path, params: SamplingParams) -> None:
+def test_sampled_token_logprobs_match_transformers(
+    llm: LLM, tiny_llama: Path, params: SamplingParams
+) -> None:
     prompt = _prompt(13)
     out = llm.generate([prompt], params)[0]
     _check_sampled(tiny_llama, prompt, out.token_ids, out.logprobs, params.logprobs or 0)
@@ -83,14 +89,23 @@ def test_logprobs_do_not_depend_on_the_batch(llm: LLM, tiny_llama: Path) -> None
     [
         {"max_num_batched_tokens": 512},
         {"max_num_batched_tokens": 7},  # chunked prefill: each chunk scores its own positions
-        {"num_kv_blocks": 12, "block_size": 4, "max_num_batched_tokens": 64, "max_model_len": 48},  # preemption
+        {
+            "num_kv_blocks": 12,
+            "block_size": 4,
+            "max_num_batched_tokens": 64,
+            "max_model_len": 48,
+        },  # preemption
     ],
     ids=["whole", "chunked", "preempting"],
 )
-def test_prompt_logprobs_match_transformers(tiny_llama: Path, engine_kwargs: dict[str, int]) -> None:
+def test_prompt_logprobs_match_transformers(
+    tiny_llama: Path, engine_kwargs: dict[str, int]
+) -> None:
     llm = LLM(str(tiny_llama), dtype="float32", **engine_kwargs)
     prompts = [_prompt(n, seed=n) for n in (1, 2, 9, 18, 19, 30)]
-    params = SamplingParams(max_tokens=16, temperature=0, prompt_logprobs=2, logprobs=1, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=16, temperature=0, prompt_logprobs=2, logprobs=1, ignore_eos=True
+    )
     outs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outs, strict=True):
         assert out.prompt_logprobs is not None and len(out.prompt_logprobs) == len(prompt)
@@ -102,7 +117,9 @@ def test_prompt_logprobs_match_transformers(tiny_llama: Path, engine_kwargs: dic
             _check(rec, ref[p - 1], prompt[p], 2)
         _check_sampled(tiny_llama, prompt, out.token_ids, out.logprobs, 1)
     if "num_kv_blocks" in engine_kwargs:
-        assert llm.engine.scheduler.num_preemptions > 0, "the small pool should have forced preemption"
+        assert llm.engine.scheduler.num_preemptions > 0, (
+            "the small pool should have forced preemption"
+        )
 
 
 def test_prompt_logprobs_skip_the_prefix_cache(tiny_llama: Path) -> None:
@@ -116,7 +133,9 @@ def test_prompt_logprobs_skip_the_prefix_cache(tiny_llama: Path) -> None:
     assert after["prompt_tokens_computed"] - before["prompt_tokens_computed"] == len(prompt)
     ref = hf_log_softmax(tiny_llama, prompt)
     got = [r.logprob for r in out.prompt_logprobs[1:]]  # type: ignore[index]
-    assert torch.allclose(torch.tensor(got), ref[torch.arange(24), torch.tensor(prompt[1:])], atol=TOL)
+    assert torch.allclose(
+        torch.tensor(got), ref[torch.arange(24), torch.tensor(prompt[1:])], atol=TOL
+    )
     assert all(r.top == [] for r in out.prompt_logprobs[1:])  # type: ignore[index,union-attr]
 
 
@@ -129,4 +148,6 @@ def test_out_of_range_counts_are_refused(field: str, value: object) -> None:
 
 def test_prompt_logprobs_refused_with_remote_kv(llm: LLM) -> None:
     with pytest.raises(RequestError, match="prompt_logprobs"):
-        llm.engine.add_request("r-remote", _prompt(20), SamplingParams(prompt_logprobs=1), remote_num_tokens=16)
+        llm.engine.add_request(
+            "r-remote", _prompt(20), SamplingParams(prompt_logprobs=1), remote_num_tokens=16
+        )

@@ -64,7 +64,9 @@ def test_logit_bias_adds_to_the_logit() -> None:
 
 def test_all_together_in_vllms_order_and_only_on_their_rows() -> None:
     x = torch.cat([logits(3), logits(4)])
-    p = SamplingParams(logit_bias={5: 1.5}, repetition_penalty=0.8, frequency_penalty=0.5, presence_penalty=0.25)
+    p = SamplingParams(
+        logit_bias={5: 1.5}, repetition_penalty=0.8, frequency_penalty=0.5, presence_penalty=0.25
+    )
     got = penalize(x, [req(p), req(SamplingParams())])
     ref = x[0].clone()
     ref[5] += 1.5
@@ -94,14 +96,25 @@ def test_min_p_is_vllms_after_temperature() -> None:
     z = x[0] / 0.7
     p = torch.softmax(z, dim=-1)
     ref = torch.softmax(z.masked_fill(p < 0.1 * p.max(), float("-inf")), dim=-1)
-    assert torch.allclose(got[0], ref, atol=1e-7) and (got[0] == 0).sum() == (p < 0.1 * p.max()).sum() > 0
+    assert (
+        torch.allclose(got[0], ref, atol=1e-7)
+        and (got[0] == 0).sum() == (p < 0.1 * p.max()).sum() > 0
+    )
 
 
-@pytest.mark.parametrize(("field", "value"), [
-    ("frequency_penalty", 2.5), ("presence_penalty", -2.01), ("repetition_penalty", 0.0),
-    ("min_p", 1.5), ("logit_bias", {"12": 101.0}), ("logit_bias", {"x": 1.0}),
-    ("logit_bias", {str(i): 1.0 for i in range(301)}), ("frequency_penalty", float("nan")),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("frequency_penalty", 2.5),
+        ("presence_penalty", -2.01),
+        ("repetition_penalty", 0.0),
+        ("min_p", 1.5),
+        ("logit_bias", {"12": 101.0}),
+        ("logit_bias", {"x": 1.0}),
+        ("logit_bias", {str(i): 1.0 for i in range(301)}),
+        ("frequency_penalty", float("nan")),
+    ],
+)
 def test_out_of_range_fields_are_400s_naming_the_field(field: str, value: object) -> None:
     body = CompletionRequest(prompt="hi", **{field: value})  # type: ignore[arg-type]
     with pytest.raises(APIError) as e:
@@ -109,10 +122,17 @@ def test_out_of_range_fields_are_400s_naming_the_field(field: str, value: object
     assert e.value.status == 400 and e.value.param == field
 
 
-@pytest.mark.parametrize("kw", [
-    {"frequency_penalty": 3.0}, {"presence_penalty": -3.0}, {"repetition_penalty": -1.0},
-    {"min_p": -0.1}, {"logit_bias": {1: 200.0}}, {"logit_bias": {-1: 1.0}},
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"frequency_penalty": 3.0},
+        {"presence_penalty": -3.0},
+        {"repetition_penalty": -1.0},
+        {"min_p": -0.1},
+        {"logit_bias": {1: 200.0}},
+        {"logit_bias": {-1: 1.0}},
+    ],
+)
 def test_sampling_params_refuse_out_of_range(kw: dict) -> None:
     with pytest.raises(ValueError, match=next(iter(kw))):
         SamplingParams(**kw)
@@ -133,10 +153,18 @@ def repeats(tokens: list[int]) -> int:
 
 def test_penalties_reduce_a_greedy_repetition(llm: LLM) -> None:
     prompt = [11, 22, 33, 44, 55]
-    plain, freq, pres, rep = llm.generate([prompt] * 4, [
-        SamplingParams(**GREEDY), SamplingParams(**GREEDY, frequency_penalty=2.0),
-        SamplingParams(**GREEDY, presence_penalty=2.0), SamplingParams(**GREEDY, repetition_penalty=2.0)])  # fmt: skip
-    assert repeats(plain.token_ids) > 10, "the tiny model must repeat itself for this test to mean anything"
+    plain, freq, pres, rep = llm.generate(
+        [prompt] * 4,
+        [
+            SamplingParams(**GREEDY),
+            SamplingParams(**GREEDY, frequency_penalty=2.0),
+            SamplingParams(**GREEDY, presence_penalty=2.0),
+            SamplingParams(**GREEDY, repetition_penalty=2.0),
+        ],
+    )
+    assert repeats(plain.token_ids) > 10, (
+        "the tiny model must repeat itself for this test to mean anything"
+    )
     for o in (freq, pres, rep):  # measured: 18 repeats of 80 tokens plain, none with each penalty
         assert repeats(o.token_ids) < repeats(plain.token_ids) // 2
 
@@ -145,9 +173,16 @@ def test_logit_bias_bans_and_forces_a_token(llm: LLM) -> None:
     prompt = [11, 22, 33, 44, 55]
     plain = llm.generate([prompt], SamplingParams(**GREEDY))[0]
     top = Counter(plain.token_ids).most_common(1)[0][0]
-    banned, forced, sampled = llm.generate([prompt] * 3, [
-        SamplingParams(**GREEDY, logit_bias={top: -100.0}), SamplingParams(**GREEDY, logit_bias={42: 100.0}),
-        SamplingParams(max_tokens=80, temperature=1.0, seed=3, ignore_eos=True, logit_bias={top: -100.0})])  # fmt: skip
+    banned, forced, sampled = llm.generate(
+        [prompt] * 3,
+        [
+            SamplingParams(**GREEDY, logit_bias={top: -100.0}),
+            SamplingParams(**GREEDY, logit_bias={42: 100.0}),
+            SamplingParams(
+                max_tokens=80, temperature=1.0, seed=3, ignore_eos=True, logit_bias={top: -100.0}
+            ),
+        ],
+    )
     assert top not in banned.token_ids and top not in sampled.token_ids
     assert forced.token_ids == [42] * 80
 

@@ -26,17 +26,28 @@ from tests.engine.isa import skip_unless_runs_here
 
 lib = kernels_lib()
 isa = bf16_gemm_isa()
-needs_path = pytest.mark.skipif(isa == 0, reason="no bf16 GEMM path here (no kernels, or no AMX / AVX-512 BF16)")
+needs_path = pytest.mark.skipif(
+    isa == 0, reason="no bf16 GEMM path here (no kernels, or no AMX / AVX-512 BF16)"
+)
 #: (scheme, out, in): SmolLM2's qkv / down, rows and k not multiples of 16 / 32, int4 groups of 64
-CASES = [("int8", 960, 576), ("int8", 576, 1536), ("int8", 100, 200), ("int8", 37, 40),
-         ("int4", 960, 576), ("int4", 70, 128), ("int4-g64", 100, 192)]  # fmt: skip
+CASES = [
+    ("int8", 960, 576),
+    ("int8", 576, 1536),
+    ("int8", 100, 200),
+    ("int8", 37, 40),
+    ("int4", 960, 576),
+    ("int4", 70, 128),
+    ("int4-g64", 100, 192),
+]
 
 
 def _within_ulp(got: torch.Tensor, ref: torch.Tensor) -> None:
     """One bf16 rounding of the fp32 result, plus fp32 order noise at a rounding boundary."""
     ulp = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-3)
     err = (got.float() - ref).abs()
-    assert (err <= ulp).all(), f"max error {err.max()} (at |ref| {ref.flatten()[err.argmax()].abs()})"
+    assert (err <= ulp).all(), (
+        f"max error {err.max()} (at |ref| {ref.flatten()[err.argmax()].abs()})"
+    )
 
 
 def _paths() -> list[int]:
@@ -62,7 +73,9 @@ def test_bf16_path_matches_its_reference(scheme: str, n: int, k: int) -> None:
             if bias is None:  # the fp32 logits form (out_f32)
                 out32 = torch.empty(m, n)
                 assert lin._bf16_gemm(x, m, k, 0, out32, 1) == 0
-                torch.testing.assert_close(out32, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+                torch.testing.assert_close(
+                    out32, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item()
+                )
 
 
 @needs_path
@@ -84,7 +97,9 @@ def test_an_output_larger_than_l2_matches_its_reference() -> None:
 
 @needs_path
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_large_and_small_batches_agree_and_both_paths_run(scheme: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_large_and_small_batches_agree_and_both_paths_run(
+    scheme: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     n, k = 576, 1536
     g = torch.Generator().manual_seed(1)
     qw = quantize(torch.randn(n, k, generator=g) * 0.05, scheme)
@@ -94,16 +109,24 @@ def test_large_and_small_batches_agree_and_both_paths_run(scheme: str, monkeypat
     x = torch.randn(m, k, generator=g).bfloat16()
     calls: list[int] = []
     real = QLinear._bf16_gemm
-    monkeypatch.setattr(QLinear, "_bf16_gemm", lambda self, *a: calls.append(a[1]) or real(self, *a))
+    monkeypatch.setattr(
+        QLinear, "_bf16_gemm", lambda self, *a: calls.append(a[1]) or real(self, *a)
+    )
     large = lin(x)  # the bf16 GEMM path
     assert calls == [m]
-    small = torch.cat([lin(x[i : i + m - 1]) for i in range(0, m, m - 1)])  # the fp32 path (m - 1, then 1 row)
+    small = torch.cat(
+        [lin(x[i : i + m - 1]) for i in range(0, m, m - 1)]
+    )  # the fp32 path (m - 1, then 1 row)
     assert calls == [m]
     one = torch.cat([lin(x[i : i + 1]) for i in range(m)])
     assert torch.equal(small, one)  # below the threshold: bitwise the single-stream result
     ref = large.float().abs().max().item()
-    assert (large.float() - small.float()).abs().max().item() <= 2e-2 * ref  # int4: its weights rounded to bf16
-    if scheme == "int8":  # q exact in bf16: only the order of the fp32 sums and the one rounding differ
+    assert (
+        large.float() - small.float()
+    ).abs().max().item() <= 2e-2 * ref  # int4: its weights rounded to bf16
+    if (
+        scheme == "int8"
+    ):  # q exact in bf16: only the order of the fp32 sums and the one rounding differ
         _within_ulp(large, bf16_gemm_reference(x, qw, lin.bias, torch.float32))
         _within_ulp(small, bf16_gemm_reference(x, qw, lin.bias, torch.float32))
 
@@ -114,7 +137,9 @@ def test_fp32_activations_keep_the_fp32_path() -> None:
     qw = quantize(torch.randn(64, 128), "int8")
     lin = QLinear(qw)
     x = torch.randn(32, 128)
-    torch.testing.assert_close(lin(x), torch.cat([lin(x[i : i + 1]) for i in range(32)]), rtol=0, atol=0)
+    torch.testing.assert_close(
+        lin(x), torch.cat([lin(x[i : i + 1]) for i in range(32)]), rtol=0, atol=0
+    )
 
 
 #: -march → the path that build runs on a CPU with every feature it was built for
@@ -130,8 +155,24 @@ def test_other_builds(march: str, tmp_path: Path) -> None:
     skip_unless_runs_here(march)
     kdir = Path(engine.kernels.__file__).parent
     so = tmp_path / f"{march}.so"
-    subprocess.run(["gcc", "-O2", f"-march={march}", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", f"-I{kdir}",
-                    str(kdir / "qgemv_int8.c"), str(kdir / "qgemv_int4.c"), "-o", str(so), "-lm"], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            "gcc",
+            "-O2",
+            f"-march={march}",
+            "-fopenmp",
+            "-fPIC",
+            "-shared",
+            "-ffp-contract=off",
+            f"-I{kdir}",
+            str(kdir / "qgemv_int8.c"),
+            str(kdir / "qgemv_int4.c"),
+            "-o",
+            str(so),
+            "-lm",
+        ],
+        check=True,
+    )
     plib = ctypes.CDLL(str(so))
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
     plib.qlinear_int8_bf16.argtypes = [p, i64, i32, i32, p, p, i64, p, p, i64, i32, i32]
@@ -148,8 +189,11 @@ def test_other_builds(march: str, tmp_path: Path) -> None:
         out = torch.empty(m, n, dtype=torch.bfloat16)
         head = (x.data_ptr(), k, m, k, qw.q.data_ptr(), qw.scales.data_ptr())
         tail = (n, None, out.data_ptr(), n, 0, 0)
-        rc = (plib.qlinear_int8_bf16(*head, *tail) if scheme == "int8"
-              else plib.qlinear_int4_bf16(*head, qw.mins.data_ptr(), qw.group, *tail))  # fmt: skip
+        rc = (
+            plib.qlinear_int8_bf16(*head, *tail)
+            if scheme == "int8"
+            else plib.qlinear_int4_bf16(*head, qw.mins.data_ptr(), qw.group, *tail)
+        )
         if have == 0:
             assert rc == -3
         else:
@@ -157,14 +201,31 @@ def test_other_builds(march: str, tmp_path: Path) -> None:
             _within_ulp(out, bf16_gemm_reference(x, qw, None, torch.float32))
 
 
-TOPICS = ["the capital of France", "how a bicycle works", "photosynthesis", "the moon landing", "prime numbers",
-          "the water cycle", "how to bake bread", "why the sky is blue", "the French revolution", "volcanoes",
-          "black holes", "the internet", "honey bees", "the Roman empire", "electric cars", "chess openings"]  # fmt: skip
+TOPICS = [
+    "the capital of France",
+    "how a bicycle works",
+    "photosynthesis",
+    "the moon landing",
+    "prime numbers",
+    "the water cycle",
+    "how to bake bread",
+    "why the sky is blue",
+    "the French revolution",
+    "volcanoes",
+    "black holes",
+    "the internet",
+    "honey bees",
+    "the Roman empire",
+    "electric cars",
+    "chess openings",
+]
 
 
 @pytest.mark.smollm2
 @needs_path
-def test_engine_greedy_is_stable_against_the_fp32_path(smollm2: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_greedy_is_stable_against_the_fp32_path(
+    smollm2: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """SmolLM2 in bf16 with int8 weights: 16 prompts at once (prefill and every decode step at
     >= 16 rows, on the bf16 GEMM path) against the same engine with that path off (the fp32
     tile path every batch took before). q is exact in bf16, so only the order of fp32 sums
@@ -179,17 +240,25 @@ def test_engine_greedy_is_stable_against_the_fp32_path(smollm2: Path, monkeypatc
     real = QLinear._bf16_gemm
     monkeypatch.setattr(QLinear, "_bf16_gemm", lambda self, *a: rows.append(a[1]) or real(self, *a))
     llm = LLM(str(smollm2), dtype="bfloat16", quantization="int8", max_model_len=256)
-    prompts = [llm.tokenizer.encode_chat([{"role": "user", "content": f"Explain {t} in two sentences."}])
-               for t in TOPICS]  # fmt: skip
+    prompts = [
+        llm.tokenizer.encode_chat([{"role": "user", "content": f"Explain {t} in two sentences."}])
+        for t in TOPICS
+    ]
     new = [o.token_ids for o in llm.generate(prompts, params)]
     del llm
-    assert rows and min(rows) >= BF16_GEMM_MIN_ROWS and max(rows) > 100  # decode steps and prefill took it
+    assert (
+        rows and min(rows) >= BF16_GEMM_MIN_ROWS and max(rows) > 100
+    )  # decode steps and prefill took it
     monkeypatch.setattr(engine.qlinear, "BF16_GEMM_MIN_ROWS", 1 << 30)
     rows.clear()
     llm = LLM(str(smollm2), dtype="bfloat16", quantization="int8", max_model_len=256)
     old = [o.token_ids for o in llm.generate(prompts, params)]
     assert not rows
-    agree = sum(next((i for i, (a, b) in enumerate(zip(o, n, strict=True)) if a != b), n_new)
-                for o, n in zip(old, new, strict=True))  # fmt: skip
-    print(f"tokens before divergence, bf16 GEMM path vs fp32 path: {agree} of {n_new * len(prompts)}")
+    agree = sum(
+        next((i for i, (a, b) in enumerate(zip(o, n, strict=True)) if a != b), n_new)
+        for o, n in zip(old, new, strict=True)
+    )
+    print(
+        f"tokens before divergence, bf16 GEMM path vs fp32 path: {agree} of {n_new * len(prompts)}"
+    )
     assert agree >= 0.8 * n_new * len(prompts)  # 173 of 192 measured

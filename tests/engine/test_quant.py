@@ -28,15 +28,21 @@ def dequantized_model(src: Path, scheme: str, out: Path) -> Path:
     """A transformers-loadable copy of `src` whose linear weights are the dequantized `scheme`
     weights the engine computes with (lm_head untied: the embedding itself stays exact)."""
     cfg = ModelConfig.from_dir(src)
-    w = load_weights(src, cfg, torch.float32, torch.device("cpu"), quantization=scheme, use_cache=False)
+    w = load_weights(
+        src, cfg, torch.float32, torch.device("cpu"), quantization=scheme, use_cache=False
+    )
     state = load_file(str(src / "model.safetensors"))
     hd, nh, kvh = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
     for i, lw in enumerate(w.layers):
         p = f"model.layers.{i}."
         q, k, v = dequantize(lw.qkv).split([nh * hd, kvh * hd, kvh * hd])
-        state |= {p + "self_attn.q_proj.weight": q, p + "self_attn.k_proj.weight": k,
-                  p + "self_attn.v_proj.weight": v, p + "self_attn.o_proj.weight": dequantize(lw.o),
-                  p + "mlp.down_proj.weight": dequantize(lw.down)}  # fmt: skip
+        state |= {
+            p + "self_attn.q_proj.weight": q,
+            p + "self_attn.k_proj.weight": k,
+            p + "self_attn.v_proj.weight": v,
+            p + "self_attn.o_proj.weight": dequantize(lw.o),
+            p + "mlp.down_proj.weight": dequantize(lw.down),
+        }
         gate, up = dequantize(lw.gate_up).chunk(2)
         state |= {p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up}
     assert isinstance(w.lm_head, QuantizedWeight)
@@ -50,7 +56,9 @@ def dequantized_model(src: Path, scheme: str, out: Path) -> Path:
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_greedy_matches_transformers_on_dequantized_weights(tiny_model: Path, scheme: str, tmp_path: Path) -> None:
+def test_greedy_matches_transformers_on_dequantized_weights(
+    tiny_model: Path, scheme: str, tmp_path: Path
+) -> None:
     _greedy_matches(tiny_model, scheme, tmp_path)
 
 
@@ -60,7 +68,13 @@ def test_int4_groups_of_64_match_transformers(tiny_llama: Path, tmp_path: Path) 
 
 def _greedy_matches(tiny_model: Path, scheme: str, tmp_path: Path) -> None:
     ref_dir = dequantized_model(tiny_model, scheme, tmp_path / "dequantized")
-    llm = LLM(str(tiny_model), dtype="float32", quantization=scheme, max_num_batched_tokens=64, block_size=16)
+    llm = LLM(
+        str(tiny_model),
+        dtype="float32",
+        quantization=scheme,
+        max_num_batched_tokens=64,
+        block_size=16,
+    )
     lin = llm.engine.runner.model.layers[0].qkv
     assert lin.weight.scheme == ("int8" if scheme == "int8" else "int4")
     ps = prompts(380, [1, 16, 17, 53], seed=21)
@@ -83,13 +97,19 @@ def test_bf16_activations_with_int4_weights(tiny_llama: Path) -> None:
     assert all(len(o.token_ids) == 24 for o in outs)
 
 
-def test_cache_is_written_used_and_invalidated(tiny_llama: Path, tmp_path: Path, monkeypatch) -> None:
+def test_cache_is_written_used_and_invalidated(
+    tiny_llama: Path, tmp_path: Path, monkeypatch
+) -> None:
     model = tmp_path / "m"
     shutil.copytree(tiny_llama, model)
     path = write_quantized(model, "int4")
     assert path == cache_path(model, "int4") and path.is_file()
     cached = load_quantized(model, "int4")
-    assert cached is not None and set(cached) >= {"lm_head", "model.layers.0.qkv", "model.layers.1.down"}
+    assert cached is not None and set(cached) >= {
+        "lm_head",
+        "model.layers.0.qkv",
+        "model.layers.1.down",
+    }
     ps = prompts(380, [9, 33], seed=4)
     fresh = LLM(str(model), dtype="float32", quantization="int4").generate(ps, GREEDY)
 
@@ -107,7 +127,10 @@ def test_cache_is_written_used_and_invalidated(tiny_llama: Path, tmp_path: Path,
     os.utime(model / "model.safetensors", ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
     assert load_quantized(model, "int4") is None
     monkeypatch.undo()
-    assert LLM(str(model), dtype="float32", quantization="int4").generate(ps, GREEDY)[0].token_ids == fresh[0].token_ids
+    assert (
+        LLM(str(model), dtype="float32", quantization="int4").generate(ps, GREEDY)[0].token_ids
+        == fresh[0].token_ids
+    )
 
 
 def test_unknown_scheme_is_a_clear_error(tiny_llama: Path) -> None:

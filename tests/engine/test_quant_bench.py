@@ -34,13 +34,39 @@ def test_perplexity_equals_transformers(tiny_llama: Path) -> None:
 def test_agreement_counts() -> None:
     ref = [[1, 2, 3, 4], [5, 6, 7, 8]]
     got = [[1, 2, 9, 4], [5, 6, 7, 8]]
-    assert agreement(ref, got) == {"first_token": 1.0, "tokens_before_divergence": 6 / 8, "identical_sequences": 0.5}
+    assert agreement(ref, got) == {
+        "first_token": 1.0,
+        "tokens_before_divergence": 6 / 8,
+        "identical_sequences": 0.5,
+    }
 
 
 def test_benches_print_json(tiny_llama: Path) -> None:
-    q = subprocess.run([sys.executable, "-m", "bench.quality", "--model", str(tiny_llama), "--json", "--tokens", "200",
-                        "--window", "64", "--prompts", "4", "--prompt-len", "8", "--max-tokens", "4",
-                        "--schemes", "int8,int4"], capture_output=True, text=True, timeout=600)  # fmt: skip
+    q = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.quality",
+            "--model",
+            str(tiny_llama),
+            "--json",
+            "--tokens",
+            "200",
+            "--window",
+            "64",
+            "--prompts",
+            "4",
+            "--prompt-len",
+            "8",
+            "--max-tokens",
+            "4",
+            "--schemes",
+            "int8,int4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert q.returncode == 0, q.stderr
     res = json.loads(q.stdout)
     assert set(res["schemes"]) == {"bf16", "int8", "int4"}
@@ -50,10 +76,31 @@ def test_benches_print_json(tiny_llama: Path) -> None:
         assert row["perplexity"] > 1 and 0 <= row["greedy_agreement"]["first_token"] <= 1
         assert "met" in row["target"]
 
-    e = subprocess.run([sys.executable, "-m", "bench.quant_engine", "--model", str(tiny_llama), "--json",
-                        "--steps", "3", "--context", "16", "--batches", "1,4", "--threads", "1",
-                        "--linear-rows", "1,16", "--linear-reps", "2"],
-                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    e = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.quant_engine",
+            "--model",
+            str(tiny_llama),
+            "--json",
+            "--steps",
+            "3",
+            "--context",
+            "16",
+            "--batches",
+            "1,4",
+            "--threads",
+            "1",
+            "--linear-rows",
+            "1,16",
+            "--linear-reps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert e.returncode == 0, e.stderr
     res = json.loads(e.stdout)
     rows = res["schemes"]

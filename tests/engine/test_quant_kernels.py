@@ -26,7 +26,9 @@ from engine.qlinear import QLinear, bf16_gemm_reference
 from engine.quant import dequantize, pack_int4, quantize, unpack_int4
 
 lib = kernels_lib()
-needs_kernels = pytest.mark.skipif(lib is None, reason="kernels unavailable (no C compiler, or DUET_DISABLE_KERNELS)")
+needs_kernels = pytest.mark.skipif(
+    lib is None, reason="kernels unavailable (no C compiler, or DUET_DISABLE_KERNELS)"
+)
 
 SHAPES = {  # (out, in): tiny, SmolLM2's qkv / down / gate_up, rows not a multiple of 16
     "int8": [(37, 64), (960, 576), (576, 1536), (100, 136)],
@@ -41,7 +43,9 @@ def _check(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4 * ref.abs().max().item())
     else:  # one bf16 rounding of the fp32 result (plus fp32 order noise at a rounding boundary)
         ulp = torch.finfo(torch.bfloat16).eps * ref.abs().clamp_min(1e-3)
-        assert ((got.float() - ref).abs() <= ulp).all(), f"max error {(got.float() - ref).abs().max()}"
+        assert ((got.float() - ref).abs() <= ulp).all(), (
+            f"max error {(got.float() - ref).abs().max()}"
+        )
 
 
 def test_int4_packing_roundtrips() -> None:
@@ -60,7 +64,11 @@ def test_quantization_error_is_bounded() -> None:
         assert q4.group == group
         g = w.reshape(-1, group)
         lo, hi = g.amin(1, keepdim=True), g.amax(1, keepdim=True)
-        plain = (torch.round((g - lo) / ((hi - lo) / 15)).clamp(0, 15) * ((hi - lo) / 15) + lo - g).pow(2).sum()
+        plain = (
+            (torch.round((g - lo) / ((hi - lo) / 15)).clamp(0, 15) * ((hi - lo) / 15) + lo - g)
+            .pow(2)
+            .sum()
+        )
         err = (dequantize(q4) - w).pow(2).sum()
         # the fitted scales beat plain min/max (Q4_1) rounding by a margin on Gaussian weights
         assert err < 0.95 * plain, (err, plain)
@@ -97,7 +105,9 @@ def test_kernel_matches_torch_reference(scheme: str, n: int, k: int, dtype: torc
             if dtype == torch.bfloat16 and 0 < lin.bf16_min_rows <= m:
                 _check(got, bf16_gemm_reference(x, qw, bias, torch.float32), dtype)
             else:
-                _check(got, F.linear(x.float(), ref_w, None if bias is None else bias.float()), dtype)
+                _check(
+                    got, F.linear(x.float(), ref_w, None if bias is None else bias.float()), dtype
+                )
         # decode path (m = 1) and batched paths agree bitwise: int4's vdpbf16ps path decodes the
         # weights in registers for up to 4 rows and through an L1 buffer for more; int8 shares
         # each converted chunk among 8 activation rows up to 64 (9: a second pass of one row)
@@ -154,8 +164,24 @@ def test_portable_build_matches_reference(scheme: str, tmp_path: Path) -> None:
     """The C fallback a CPU without AVX-512 compiles (built here for x86-64-v2)."""
     kdir = Path(engine.kernels.__file__).parent
     so = tmp_path / "portable.so"
-    subprocess.run(["gcc", "-O2", "-march=x86-64-v2", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off", f"-I{kdir}",
-                    str(kdir / "qgemv_int8.c"), str(kdir / "qgemv_int4.c"), "-o", str(so), "-lm"], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            "gcc",
+            "-O2",
+            "-march=x86-64-v2",
+            "-fopenmp",
+            "-fPIC",
+            "-shared",
+            "-ffp-contract=off",
+            f"-I{kdir}",
+            str(kdir / "qgemv_int8.c"),
+            str(kdir / "qgemv_int4.c"),
+            "-o",
+            str(so),
+            "-lm",
+        ],
+        check=True,
+    )
     plib = ctypes.CDLL(str(so))
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
     plib.qlinear_int8.argtypes = [p, i64, i32, i32, p, p, i64, p, p, i64, i32, i32]
@@ -172,7 +198,13 @@ def test_portable_build_matches_reference(scheme: str, tmp_path: Path) -> None:
             if qw.scheme == "int8":
                 rc = plib.qlinear_int8(*common, qw.q.data_ptr(), qw.scales.data_ptr(), *tail)
             else:
-                rc = plib.qlinear_int4(*common, qw.q.data_ptr(), qw.scales.data_ptr(), qw.mins.data_ptr(), qw.group,
-                                       *tail)  # fmt: skip
+                rc = plib.qlinear_int4(
+                    *common,
+                    qw.q.data_ptr(),
+                    qw.scales.data_ptr(),
+                    qw.mins.data_ptr(),
+                    qw.group,
+                    *tail,
+                )
             assert rc == 0
             _check(out, F.linear(x.float(), dequantize(qw), bias.float()), dtype)

@@ -16,8 +16,9 @@ from protocol.models import DEFAULT_MODEL
 
 def _duet(*args: str, home: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "DUET_HOME": str(home)}
-    return subprocess.run([sys.executable, "-m", "duet", *args], capture_output=True, text=True, env=env,
-                          timeout=600)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "duet", *args], capture_output=True, text=True, env=env, timeout=600
+    )
 
 
 @pytest.mark.smollm2

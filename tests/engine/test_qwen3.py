@@ -20,9 +20,21 @@ def _tiny_qwen3(out: Path, base: bool) -> Path:
 
     out.mkdir(parents=True, exist_ok=True)
     _write_tokenizer(out, 384)
-    cfg = Qwen3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                      intermediate_size=128, vocab_size=384, max_position_embeddings=512, rms_norm_eps=1e-6,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)  # fmt: skip
+    cfg = Qwen3Config(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        intermediate_size=128,
+        vocab_size=384,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     torch.manual_seed(3)
     model = Qwen3ForCausalLM(cfg).float()
     with torch.no_grad():  # wide logit gaps (no argmax ties), norms away from 1
@@ -53,8 +65,14 @@ def test_greedy_matches_transformers(qwen3: Path) -> None:
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
     for p, o in zip(PROMPTS, outs, strict=True):
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, min_new_tokens=12,
-                              eos_token_id=None, pad_token_id=0)[0, len(p) :].tolist()  # fmt: skip
+            ref = hf.generate(
+                torch.tensor([p]),
+                max_new_tokens=12,
+                do_sample=False,
+                min_new_tokens=12,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
         assert o.token_ids == ref
 
 
@@ -70,6 +88,8 @@ def test_base_checkpoint_embeds_like_transformers(qwen3_base: Path, dtype: str) 
         with torch.inference_mode():
             ref = F.normalize(hf(torch.tensor([p])).last_hidden_state[0, -1].float(), dim=0)
         if dtype == "float32":
-            assert torch.allclose(got[i], ref, atol=1e-5), f"prompt {i}: {(got[i] - ref).abs().max()}"
+            assert torch.allclose(got[i], ref, atol=1e-5), (
+                f"prompt {i}: {(got[i] - ref).abs().max()}"
+            )
         else:
             assert float(got[i] @ ref) > 0.99

@@ -43,8 +43,10 @@ def test_resumed_text_continues_exactly(tiny_llama: Path, stop: list[str]) -> No
     for k in range(1, len(whole)):  # the first node streamed k tokens and `sent` characters
         sent = "".join(whole[:k])
         held += whole[k - 1] == ""
-        state = TextState.resumed(tok, prompt + out[:k], stop, True, Resume(output_tokens=k, text_chars=len(sent)))
-        rest, _ = _run(state, out[k:len(whole)])
+        state = TextState.resumed(
+            tok, prompt + out[:k], stop, True, Resume(output_tokens=k, text_chars=len(sent))
+        )
+        rest, _ = _run(state, out[k : len(whole)])
         assert sent + "".join(rest) == want, k
     assert held, "the text holds nothing back at any seam: the test proves less than it says"
 
@@ -56,9 +58,13 @@ def test_seeded_sampler_continues_after_the_skip() -> None:
     first = Sampler()
     want = [first.sample(logits[i : i + 1], [("r", params, True)])[0] for i in range(12)]
     k = 5
-    resumed = SamplingParams(temperature=0.9, seed=99, max_tokens=7, resume=Resume(output_tokens=k, text_chars=0))
+    resumed = SamplingParams(
+        temperature=0.9, seed=99, max_tokens=7, resume=Resume(output_tokens=k, text_chars=0)
+    )
     second = Sampler()
     got = [second.sample(logits[i : i + 1], [("r.m1", resumed, True)])[0] for i in range(k, 12)]
     assert got == want[k:]
     fresh = Sampler()  # without the skip the sequence starts over: the test can fail
-    assert [fresh.sample(logits[i : i + 1], [("x", params, True)])[0] for i in range(k, 12)] != want[k:]
+    assert [
+        fresh.sample(logits[i : i + 1], [("x", params, True)])[0] for i in range(k, 12)
+    ] != want[k:]

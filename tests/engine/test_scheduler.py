@@ -10,13 +10,19 @@ from engine.scheduler import Scheduler, SchedulerConfig
 BS = 4
 
 
-def make(num_blocks: int = 32, budget: int = 16, max_seqs: int = 8, chunked: bool = True) -> Scheduler:
+def make(
+    num_blocks: int = 32, budget: int = 16, max_seqs: int = 8, chunked: bool = True
+) -> Scheduler:
     kv = KVCacheManager(BlockPool(num_blocks, BS))
     return Scheduler(SchedulerConfig(budget, max_seqs, chunked), kv)
 
 
-def req(rid: str, n: int, prio: Priority = Priority.INTERACTIVE, t: float = 0.0, base: int = 0) -> Request:
-    return Request(rid, [base + i for i in range(n)], SamplingParams(max_tokens=100), prio, arrival_time=t)
+def req(
+    rid: str, n: int, prio: Priority = Priority.INTERACTIVE, t: float = 0.0, base: int = 0
+) -> Request:
+    return Request(
+        rid, [base + i for i in range(n)], SamplingParams(max_tokens=100), prio, arrival_time=t
+    )
 
 
 def run_step(s: Scheduler) -> dict[str, int]:

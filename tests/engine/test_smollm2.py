@@ -28,9 +28,13 @@ def llm(smollm2: Path) -> LLM:
 def _prompts(llm: LLM) -> list[list[int]]:
     tok = llm.tokenizer
     ps = [tok.encode_chat([{"role": "user", "content": t}]) for t in TOPICS]
-    essay = " ".join(f"Paragraph {i}: the history of computing includes many inventions." for i in range(60))
+    essay = " ".join(
+        f"Paragraph {i}: the history of computing includes many inventions." for i in range(60)
+    )
     ps.append(tok.encode_chat([{"role": "user", "content": "Summarize: " + essay}]))  # ~750 tokens
-    long_doc = " ".join(f"Item {i} costs {i * 3} dollars and weighs {i % 7} kilograms." for i in range(70))
+    long_doc = " ".join(
+        f"Item {i} costs {i * 3} dollars and weighs {i % 7} kilograms." for i in range(70)
+    )
     ps.append(tok.encode(long_doc)[:1000])  # a raw 1,000-token prompt
     return ps
 
@@ -40,7 +44,9 @@ def test_greedy_matches_transformers_on_8_prompts(llm: LLM, smollm2: Path) -> No
     assert len(ps) == 8 and max(map(len, ps)) == 1000 and min(map(len, ps)) < 60
     outs = llm.generate(ps, SamplingParams(max_tokens=32, temperature=0))
     for p, o in zip(ps, outs, strict=True):
-        assert o.token_ids == hf_greedy(smollm2, p, 32, stop_at_eos=True), f"prompt of {len(p)} tokens"
+        assert o.token_ids == hf_greedy(smollm2, p, 32, stop_at_eos=True), (
+            f"prompt of {len(p)} tokens"
+        )
 
 
 def test_paris(llm: LLM) -> None:

@@ -72,7 +72,9 @@ def _repetitive_prompts(vocab: int) -> list[list[int]]:
     return [base * 3, base[:5] * 4 + [9, 10], [11, 12, 13] * 6, list(range(3, 40))]
 
 
-@pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 7}], ids=["plain", "chunked"])
+@pytest.mark.parametrize(
+    "engine_kwargs", [{}, {"max_num_batched_tokens": 7}], ids=["plain", "chunked"]
+)
 def test_greedy_identical_and_kv_rolled_back(tiny_llama: Path, engine_kwargs: dict) -> None:
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     base = LLM(str(tiny_llama), **engine_kwargs)
@@ -85,7 +87,9 @@ def test_greedy_identical_and_kv_rolled_back(tiny_llama: Path, engine_kwargs: di
     assert got == ref
     st = eng.stats()
     assert st["spec_decode_num_drafts"] > 0 and st["spec_decode_num_accepted_tokens"] > 0, st
-    assert st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]  # some rejected: rollback ran
+    assert (
+        st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
+    )  # some rejected: rollback ran
     assert eng.pool.num_free == free0  # every slot, drafted or not, went back
 
 

@@ -31,9 +31,15 @@ def _prompts(vocab: int) -> list[list[int]]:
 def _check_against_plain(model: Path, prompts: list[list[int]], **spec_kwargs) -> dict[str, float]:
     """Generate with and without speculation (same settings); outputs must be equal, and every
     block of both pools must be back. Returns the speculative engine's stats."""
-    common = {k: spec_kwargs.pop(k) for k in ("max_num_batched_tokens", "block_size") if k in spec_kwargs}
-    spec_kwargs.setdefault("spec_max_batch", 4)  # the batch drafts together (the draft methods' default is 1)
-    ref = [o.token_ids for o in LLM(str(model), dtype="bfloat16", **common).generate(prompts, GREEDY)]
+    common = {
+        k: spec_kwargs.pop(k) for k in ("max_num_batched_tokens", "block_size") if k in spec_kwargs
+    }
+    spec_kwargs.setdefault(
+        "spec_max_batch", 4
+    )  # the batch drafts together (the draft methods' default is 1)
+    ref = [
+        o.token_ids for o in LLM(str(model), dtype="bfloat16", **common).generate(prompts, GREEDY)
+    ]
     spec = LLM(str(model), dtype="bfloat16", num_speculative_tokens=4, **common, **spec_kwargs)
     eng = spec.engine
     draft_pool = eng.speculator.model.pool  # type: ignore[union-attr]
@@ -44,12 +50,16 @@ def _check_against_plain(model: Path, prompts: list[list[int]], **spec_kwargs) -
     return eng.stats()
 
 
-@pytest.mark.parametrize("engine_kwargs", [{}, {"max_num_batched_tokens": 7}], ids=["plain", "chunked"])
+@pytest.mark.parametrize(
+    "engine_kwargs", [{}, {"max_num_batched_tokens": 7}], ids=["plain", "chunked"]
+)
 def test_int4_self_draft_is_greedy_identical(tiny_llama: Path, engine_kwargs: dict) -> None:
     prompts = _prompts(384)
     st = _check_against_plain(tiny_llama, prompts, speculative="draft-int4", **engine_kwargs)
     assert st["spec_decode_num_drafts"] > 0 and st["spec_decode_num_accepted_tokens"] > 0, st
-    assert st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]  # rejections: rollback ran
+    assert (
+        st["spec_decode_num_accepted_tokens"] < st["spec_decode_num_draft_tokens"]
+    )  # rejections: rollback ran
 
 
 def test_full_precision_self_draft_is_accepted_in_full(tiny_llama: Path) -> None:
@@ -60,7 +70,9 @@ def test_full_precision_self_draft_is_accepted_in_full(tiny_llama: Path) -> None
 
 def test_separate_draft_model(tiny_llama: Path, tmp_path: Path) -> None:
     other = make_tiny_llama(tmp_path / "draft", seed=5, num_layers=1)
-    st = _check_against_plain(tiny_llama, _prompts(384), speculative="draft", speculative_model=str(other))
+    st = _check_against_plain(
+        tiny_llama, _prompts(384), speculative="draft", speculative_model=str(other)
+    )
     assert st["spec_decode_num_drafts"] > 0
 
 
@@ -75,7 +87,9 @@ def test_a_draft_model_of_another_tokenizer_is_refused(tiny_llama: Path, tmp_pat
 def test_a_full_draft_pool_decodes_plainly(tiny_llama: Path) -> None:
     """Two 4-token blocks of draft KV: the long prompts cannot be drafted for, the short one can."""
     prompts = [*_prompts(384)[:2], [5, 6]]
-    st = _check_against_plain(tiny_llama, prompts, speculative="draft-int4", block_size=4, spec_draft_kv_blocks=2)
+    st = _check_against_plain(
+        tiny_llama, prompts, speculative="draft-int4", block_size=4, spec_draft_kv_blocks=2
+    )
     assert st["spec_decode_num_drafts"] > 0
 
 
@@ -86,7 +100,9 @@ def test_sampled_verification_against_a_draft_distribution() -> None:
     rows = torch.randn(2, 6, generator=g) * 1.5
     params = SamplingParams(temperature=0.9, max_tokens=8)
     p = processed_probs(rows, [params] * 2)
-    q = torch.softmax(rows[:1] + torch.randn(1, 6, generator=g), dim=-1)  # a draft near p, not equal
+    q = torch.softmax(
+        rows[:1] + torch.randn(1, 6, generator=g), dim=-1
+    )  # a draft near p, not equal
     n = 1500
     first = torch.zeros(6)
     stood = 0
@@ -107,7 +123,9 @@ def test_sampled_requests_with_a_draft_are_reproducible(tiny_llama: Path) -> Non
     params = SamplingParams(max_tokens=16, temperature=0.8, seed=7, ignore_eos=True)
     spec = LLM(str(tiny_llama), dtype="bfloat16", speculative="draft-int4", spec_max_batch=4)
     a = [o.token_ids for o in spec.generate(_prompts(384), params)]
-    b = [o.token_ids for o in spec.generate(_prompts(384), params)]  # same engine: the draft's draws too
+    b = [
+        o.token_ids for o in spec.generate(_prompts(384), params)
+    ]  # same engine: the draft's draws too
     assert a == b and all(len(x) == 16 for x in a)
     assert spec.engine.stats()["spec_decode_num_drafts"] > 0
 
@@ -116,15 +134,25 @@ def test_drafts_with_logprobs_and_before_min_tokens(tiny_llama: Path) -> None:
     """Requests with logprobs and min_tokens draft too: the tokens and their logprobs are the
     plain engine's, and EOS (which these prompts' greedy answers reach within a few tokens) does
     not end them before min_tokens."""
-    prompts = [[293, 215, 19, 208, 362, 293, 217, 342, 366, 26, 87, 231], [277, 309, 216, 249, 201, 314, 303, 122,
-               13, 339, 3, 382, 96], [214, 255, 238, 228, 63]]  # fmt: skip
+    prompts = [
+        [293, 215, 19, 208, 362, 293, 217, 342, 366, 26, 87, 231],
+        [277, 309, 216, 249, 201, 314, 303, 122, 13, 339, 3, 382, 96],
+        [214, 255, 238, 228, 63],
+    ]
     plain = LLM(str(tiny_llama), dtype="bfloat16")
     free = plain.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
-    assert any(len(o.token_ids) < 8 and o.finish_reason == "stop" for o in free)  # EOS would come early
+    assert any(
+        len(o.token_ids) < 8 and o.finish_reason == "stop" for o in free
+    )  # EOS would come early
     params = SamplingParams(max_tokens=16, temperature=0, min_tokens=8, logprobs=2)
     ref = plain.generate(prompts, params)
-    spec = LLM(str(tiny_llama), dtype="bfloat16", speculative="draft-int4", num_speculative_tokens=4,
-               spec_max_batch=4)  # fmt: skip
+    spec = LLM(
+        str(tiny_llama),
+        dtype="bfloat16",
+        speculative="draft-int4",
+        num_speculative_tokens=4,
+        spec_max_batch=4,
+    )
     got = spec.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in ref]
     assert [o.logprobs for o in got] == [o.logprobs for o in ref]
@@ -145,7 +173,12 @@ def test_the_draft_methods_draft_for_a_request_alone_by_default(tiny_llama: Path
     spec.generate(two[:1], GREEDY)
     assert spec.engine.stats()["spec_decode_num_drafts"] > 0
     assert LLM(str(tiny_llama), speculative="ngram").engine.scheduler.spec_max_batch == 4
-    assert LLM(str(tiny_llama), speculative="draft-int4", spec_max_batch=3).engine.scheduler.spec_max_batch == 3
+    assert (
+        LLM(
+            str(tiny_llama), speculative="draft-int4", spec_max_batch=3
+        ).engine.scheduler.spec_max_batch
+        == 3
+    )
     with pytest.raises(ValueError, match="spec_max_batch must be 0"):
         LLM(str(tiny_llama), speculative="ngram", spec_max_batch=-1)
 
@@ -161,4 +194,9 @@ def test_the_draft_methods_draft_8_tokens_at_most_by_default(tiny_llama: Path) -
     assert "spec_decode_num_accepted_tokens_per_pos.7" in stats  # a draft of 8 tokens was verified
     assert "spec_decode_num_accepted_tokens_per_pos.8" not in stats
     assert LLM(str(tiny_llama), speculative="ngram").engine.speculator.max_k == 5
-    assert LLM(str(tiny_llama), speculative="draft-int4", num_speculative_tokens=3).engine.speculator.max_k == 3
+    assert (
+        LLM(
+            str(tiny_llama), speculative="draft-int4", num_speculative_tokens=3
+        ).engine.speculator.max_k
+        == 3
+    )

@@ -22,7 +22,9 @@ from engine.quant import int8_for_gemm, pack_w8a8, quantize, w8a8_reference
 from tests.engine.isa import skip_unless_runs_here
 
 lib = kernels_lib()
-needs_kernels = pytest.mark.skipif(lib is None, reason="kernels unavailable (no C compiler, or DUET_DISABLE_KERNELS)")
+needs_kernels = pytest.mark.skipif(
+    lib is None, reason="kernels unavailable (no C compiler, or DUET_DISABLE_KERNELS)"
+)
 
 SHAPES = [(960, 576), (576, 1536), (37, 100), (3072, 576)]
 
@@ -47,10 +49,21 @@ def test_kernel_equals_reference_bitwise(n: int, k: int, dtype: torch.dtype) -> 
 
 
 @needs_kernels
-@pytest.mark.parametrize(("n", "k", "group"), [(576, 1536, 128), (960, 576, 128), (70, 200, 128), (37, 100, 64),
-                                               (96, 256, 256), (96, 256, 512)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("n", "k", "group"),
+    [
+        (576, 1536, 128),
+        (960, 576, 128),
+        (70, 200, 128),
+        (37, 100, 64),
+        (96, 256, 256),
+        (96, 256, 512),
+    ],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_grouped_activation_scales_equal_the_reference_bitwise(n: int, k: int, group: int, dtype: torch.dtype) -> None:
+def test_grouped_activation_scales_equal_the_reference_bitwise(
+    n: int, k: int, group: int, dtype: torch.dtype
+) -> None:
     """One activation scale per `group` inputs: each group's sums dequantized on their own and
     added in fp32 in group order, on every path (GEMV, VNNI batches, AMX from 16 rows), a partial
     last group included; a group of the whole row is the ungrouped arithmetic bit for bit."""
@@ -74,7 +87,9 @@ def test_grouped_activation_scales_equal_the_reference_bitwise(n: int, k: int, g
             assert (got.float() - exact).abs().mean() < (plain(x).float() - exact).abs().mean()
         for r in (0, m - 1):
             assert torch.equal(lin(x[r : r + 1]), got[r : r + 1])
-        assert torch.equal(lin(x, torch.float32), w8a8_reference(x, qw, out_dtype=torch.float32, group=group))
+        assert torch.equal(
+            lin(x, torch.float32), w8a8_reference(x, qw, out_dtype=torch.float32, group=group)
+        )
 
 
 def test_an_activation_group_is_a_multiple_of_64() -> None:
@@ -84,8 +99,25 @@ def test_an_activation_group_is_a_multiple_of_64() -> None:
     if lib is not None:  # the kernel refuses one too, whatever the caller
         packed, wsum = pack_w8a8(qw.q)
         x, out = torch.randn(2, 256), torch.empty(2, 32)
-        assert lib.qlinear_w8a8(x.data_ptr(), 256, 2, 256, packed.data_ptr(), qw.scales.data_ptr(), wsum.data_ptr(),
-                                32, None, out.data_ptr(), 32, 0, 0, 96) == -2  # fmt: skip
+        assert (
+            lib.qlinear_w8a8(
+                x.data_ptr(),
+                256,
+                2,
+                256,
+                packed.data_ptr(),
+                qw.scales.data_ptr(),
+                wsum.data_ptr(),
+                32,
+                None,
+                out.data_ptr(),
+                32,
+                0,
+                0,
+                96,
+            )
+            == -2
+        )
 
 
 @needs_kernels
@@ -105,7 +137,9 @@ def test_zero_rows_and_fp32_logits_out() -> None:
     assert torch.equal(lin(x), torch.zeros(3, 40).bfloat16())
     x = torch.randn(3, 64).bfloat16()
     out = lin(x, torch.float32)
-    assert out.dtype == torch.float32 and torch.equal(out, w8a8_reference(x, qw, out_dtype=torch.float32))
+    assert out.dtype == torch.float32 and torch.equal(
+        out, w8a8_reference(x, qw, out_dtype=torch.float32)
+    )
 
 
 def test_packed_layout() -> None:
@@ -113,7 +147,9 @@ def test_packed_layout() -> None:
     packed, wsum = pack_w8a8(q)
     assert packed.numel() == 32 * 128 and torch.equal(wsum, q.int().sum(1))
     blocks = packed.reshape(2, 32, 16, 4)  # [block][quad][row][4]
-    assert blocks[1, 3, 2, 1] == q[18, 13] and blocks[0, 18, 0, :].abs().sum() == 0  # k >= 70 is zero
+    assert (
+        blocks[1, 3, 2, 1] == q[18, 13] and blocks[0, 18, 0, :].abs().sum() == 0
+    )  # k >= 70 is zero
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")
@@ -123,8 +159,23 @@ def test_other_builds_equal_reference(march: str, tmp_path: Path) -> None:
     skip_unless_runs_here(march)
     kdir = Path(engine.kernels.__file__).parent
     so = tmp_path / f"{march}.so"
-    subprocess.run(["gcc", "-O2", f"-march={march}", "-fopenmp", "-fPIC", "-shared", "-ffp-contract=off",
-                    f"-I{kdir}", str(kdir / "qgemm_w8a8.c"), "-o", str(so), "-lm"], check=True)  # fmt: skip
+    subprocess.run(
+        [
+            "gcc",
+            "-O2",
+            f"-march={march}",
+            "-fopenmp",
+            "-fPIC",
+            "-shared",
+            "-ffp-contract=off",
+            f"-I{kdir}",
+            str(kdir / "qgemm_w8a8.c"),
+            "-o",
+            str(so),
+            "-lm",
+        ],
+        check=True,
+    )
     plib = ctypes.CDLL(str(so))
     p, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
     plib.qlinear_w8a8.argtypes = [p, i64, i32, i32, p, p, p, i64, p, p, i64, i32, i32, i32]
@@ -133,18 +184,50 @@ def test_other_builds_equal_reference(march: str, tmp_path: Path) -> None:
     qw = quantize(torch.randn(n, k, generator=g), "int8")
     packed, wsum = pack_w8a8(qw.q)
     if march != "x86-64-v2":
-        flags = subprocess.run(["gcc", f"-march={march}", "-dM", "-E", "-"], input="", capture_output=True, text=True).stdout
+        flags = subprocess.run(
+            ["gcc", f"-march={march}", "-dM", "-E", "-"], input="", capture_output=True, text=True
+        ).stdout
         assert "__AVX512BW__" in flags
     gpacked, gwsum = pack_w8a8(qw.q, 128)
     for m in (1, 7, 20):
         x = torch.randn(m, k, generator=g).bfloat16()
         out = torch.empty(m, n).bfloat16()
-        rc = plib.qlinear_w8a8(x.data_ptr(), k, m, k, packed.data_ptr(), qw.scales.data_ptr(), wsum.data_ptr(), n, None,
-                               out.data_ptr(), n, 1, 0, 0)  # fmt: skip
+        rc = plib.qlinear_w8a8(
+            x.data_ptr(),
+            k,
+            m,
+            k,
+            packed.data_ptr(),
+            qw.scales.data_ptr(),
+            wsum.data_ptr(),
+            n,
+            None,
+            out.data_ptr(),
+            n,
+            1,
+            0,
+            0,
+        )
         assert rc == 0 and torch.equal(out, w8a8_reference(x, qw)), f"{march} m={m}"
-        rc = plib.qlinear_w8a8(x.data_ptr(), k, m, k, gpacked.data_ptr(), qw.scales.data_ptr(), gwsum.data_ptr(), n,
-                               None, out.data_ptr(), n, 1, 0, 128)  # fmt: skip
-        assert rc == 0 and torch.equal(out, w8a8_reference(x, qw, group=128)), f"{march} m={m} grouped"
+        rc = plib.qlinear_w8a8(
+            x.data_ptr(),
+            k,
+            m,
+            k,
+            gpacked.data_ptr(),
+            qw.scales.data_ptr(),
+            gwsum.data_ptr(),
+            n,
+            None,
+            out.data_ptr(),
+            n,
+            1,
+            0,
+            128,
+        )
+        assert rc == 0 and torch.equal(out, w8a8_reference(x, qw, group=128)), (
+            f"{march} m={m} grouped"
+        )
 
 
 _GREEDY = """
@@ -163,8 +246,14 @@ def _greedy(model: Path, scheme: str, dtype: str, kernels: bool) -> list[list[in
     env.pop("DUET_DISABLE_KERNELS", None)
     if not kernels:
         env["DUET_DISABLE_KERNELS"] = "1"
-    out = subprocess.run([sys.executable, "-c", _GREEDY, str(model), scheme, dtype], env=env, check=True,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _GREEDY, str(model), scheme, dtype],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     import json
 
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -197,16 +286,31 @@ def test_smoothing_is_an_exact_reparametrization(tiny_llama: Path) -> None:
     smooth_raw(new, cfg, ranges, "model.", parts=frozenset(PARTS))
     d, group = cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
     kv_of = torch.tensor([(h // group) * d + i for h in range(cfg.num_heads) for i in range(d)])
+
     def same(a: torch.Tensor, b: torch.Tensor) -> None:
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
-        for x, norm in (("self_attn.q_proj", "input_layernorm"), ("mlp.gate_proj", "post_attention_layernorm")):
-            same(new[p + x + ".weight"] * new[p + norm + ".weight"], raw[p + x + ".weight"] * raw[p + norm + ".weight"])
-        v, o, down, up, n1, n2 = (p + n for n in ("self_attn.v_proj.weight", "self_attn.o_proj.weight",
-                                                  "mlp.down_proj.weight", "mlp.up_proj.weight",
-                                                  "input_layernorm.weight", "post_attention_layernorm.weight"))  # fmt: skip
+        for x, norm in (
+            ("self_attn.q_proj", "input_layernorm"),
+            ("mlp.gate_proj", "post_attention_layernorm"),
+        ):
+            same(
+                new[p + x + ".weight"] * new[p + norm + ".weight"],
+                raw[p + x + ".weight"] * raw[p + norm + ".weight"],
+            )
+        v, o, down, up, n1, n2 = (
+            p + n
+            for n in (
+                "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight",
+                "mlp.down_proj.weight",
+                "mlp.up_proj.weight",
+                "input_layernorm.weight",
+                "post_attention_layernorm.weight",
+            )
+        )
         # each q head reads its kv head's v rows; v's and up's columns carry their input norm's scale
         same(new[o] @ (new[v][kv_of] * new[n1]), raw[o] @ (raw[v][kv_of] * raw[n1]))
         assert not torch.equal(new[o], raw[o])  # something did move
@@ -233,4 +337,6 @@ def test_int4_w4a8_keeps_the_int4_weights_unsmoothed(tiny_llama: Path) -> None:
         assert torch.equal(a.input_norm, b.input_norm) and torch.equal(a.post_norm, b.post_norm)
     smoothed = load_weights(tiny_llama, cfg, torch.float32, cpu, "int8-w8a8", use_cache=False)
     int8 = load_weights(tiny_llama, cfg, torch.float32, cpu, "int8", use_cache=False)
-    assert not torch.equal(smoothed.layers[0].input_norm, int8.layers[0].input_norm)  # int8-w8a8 is smoothed
+    assert not torch.equal(
+        smoothed.layers[0].input_norm, int8.layers[0].input_norm
+    )  # int8-w8a8 is smoothed

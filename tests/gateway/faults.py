@@ -62,20 +62,30 @@ class KillRelay:
         completion = request.path == "/v1/completions"
         if completion and self.mode == "on_request":
             self._kill()
-        headers = {k: v for k, v in request.headers.items() if k.lower() in ("x-request-id", "content-type")}
+        headers = {
+            k: v
+            for k, v in request.headers.items()
+            if k.lower() in ("x-request-id", "content-type")
+        }
         try:
-            upstream = await self._session.request(request.method, self.node.url + request.path_qs, data=body,
-                                                   headers=headers)  # fmt: skip
+            upstream = await self._session.request(
+                request.method, self.node.url + request.path_qs, data=body, headers=headers
+            )
         except aiohttp.ClientError:
             return web.Response(status=502, text="node unreachable")
         async with upstream:
-            if not (completion and self.mode == "after_chunks" and upstream.status == 200
-                    and upstream.headers.get("Content-Type", "").startswith("text/event-stream")):  # fmt: skip
+            if not (
+                completion
+                and self.mode == "after_chunks"
+                and upstream.status == 200
+                and upstream.headers.get("Content-Type", "").startswith("text/event-stream")
+            ):
                 data = await upstream.read()
                 if completion and self.mode == "after_response" and b"do_remote_prefill" in data:
                     self._kill()
-                return web.Response(status=upstream.status, body=data,
-                                    content_type=upstream.content_type)  # fmt: skip
+                return web.Response(
+                    status=upstream.status, body=data, content_type=upstream.content_type
+                )
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
             sent = 0

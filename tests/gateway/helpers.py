@@ -42,16 +42,34 @@ def write_config(path: Path, models: dict[str, dict[str, Any]], **sections: dict
     return path
 
 
-def tiny_model(tokenizer: Path, prefill: list[str] = (), decode: list[str] = (), both: list[str] = (),
-               **extra: Any) -> dict[str, Any]:  # fmt: skip
-    static = {k: list(v) for k, v in (("prefill", prefill), ("decode", decode), ("both", both)) if v}
-    return {"kind": "cluster", "tokenizer": str(tokenizer), "input_usd_per_mtok": 1.0,
-            "output_usd_per_mtok": 2.0, "static": static, **extra}  # fmt: skip
+def tiny_model(
+    tokenizer: Path,
+    prefill: list[str] = (),
+    decode: list[str] = (),
+    both: list[str] = (),
+    **extra: Any,
+) -> dict[str, Any]:
+    static = {
+        k: list(v) for k, v in (("prefill", prefill), ("decode", decode), ("both", both)) if v
+    }
+    return {
+        "kind": "cluster",
+        "tokenizer": str(tokenizer),
+        "input_usd_per_mtok": 1.0,
+        "output_usd_per_mtok": 2.0,
+        "static": static,
+        **extra,
+    }
 
 
-def gateway_proc(tmp: Path, models: dict[str, dict[str, Any]], port: int | None = None,
-                 store: Path | str | None = None, args: tuple[str, ...] = (),
-                 **sections: dict[str, Any]) -> Proc:  # fmt: skip
+def gateway_proc(
+    tmp: Path,
+    models: dict[str, dict[str, Any]],
+    port: int | None = None,
+    store: Path | str | None = None,
+    args: tuple[str, ...] = (),
+    **sections: dict[str, Any],
+) -> Proc:
     """`store`: an SQLite file (default tmp/gateway.db) or a postgresql:// URL; `args`: more
     `duet gateway` flags."""
     port = port or free_port()
@@ -59,12 +77,28 @@ def gateway_proc(tmp: Path, models: dict[str, dict[str, Any]], port: int | None 
     server = {**sections.pop("server", {}), "port": port}
     sections = {"server": server, "store": {"url": url}, **sections}
     cfg = write_config(tmp / f"gateway-{port}.toml", models, **sections)
-    cmd = [sys.executable, "-m", "duet", "gateway", "--config", str(cfg), "--log-level", "INFO", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "duet",
+        "gateway",
+        "--config",
+        str(cfg),
+        "--log-level",
+        "INFO",
+        *args,
+    ]
     return Proc(cmd, port, tmp / f"gateway-{port}.log", env={"DUET_ADMIN_KEY": ADMIN_KEY})
 
 
-def http(url: str, method: str = "GET", body: Any = None, key: str | None = ADMIN_KEY,
-         headers: dict[str, str] | None = None, raw: bytes | None = None) -> tuple[int, dict[str, str], Any]:  # fmt: skip
+def http(
+    url: str,
+    method: str = "GET",
+    body: Any = None,
+    key: str | None = ADMIN_KEY,
+    headers: dict[str, str] | None = None,
+    raw: bytes | None = None,
+) -> tuple[int, dict[str, str], Any]:
     data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
     h = {"Content-Type": "application/json", **(headers or {})}
     if key:
@@ -98,4 +132,6 @@ def metric(url: str, name: str) -> float:
     import re
 
     text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M))
+    return sum(
+        float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
+    )

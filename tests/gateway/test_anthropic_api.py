@@ -23,8 +23,15 @@ from tests.gateway.test_providers_e2e import CLAUDE, GPT, FakeServers, external,
 from tests.procs import Proc, duet_node, running
 from tests.providers.fakes import API_KEY, FakeProvider, Fault
 
-WEATHER = {"name": "get_weather", "description": "The weather in a city",
-           "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}  # fmt: skip
+WEATHER = {
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "input_schema": {
+        "type": "object",
+        "properties": {"query": {"type": "string"}},
+        "required": ["query"],
+    },
+}
 
 
 @dataclass
@@ -35,10 +42,14 @@ class Env:
     key: str
 
     def client(self, key: str | None = None) -> anthropic.Anthropic:
-        return anthropic.Anthropic(base_url=self.gw.url, api_key=key or self.key, max_retries=0, timeout=60)
+        return anthropic.Anthropic(
+            base_url=self.gw.url, api_key=key or self.key, max_retries=0, timeout=60
+        )
 
 
-def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, node: bool = True) -> Iterator[Env]:
+def cluster(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, node: bool = True
+) -> Iterator[Env]:
     """A gateway with external models on three fake providers (`gpt` falls back to `claude`,
     then `gpt2`; `auto` picks between `claude` and `gpt`, team `pinned` pins simple prompts to
     `claude`) and, with `node`, the tiny Llama on a real node. Also test_responses_api.py's and
@@ -50,12 +61,19 @@ def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, node: bo
         proc = duet_node("both", tiny_llama, tmp, *COMMON) if node else None
         with running(*([proc] if proc else [])), pytest.MonkeyPatch.context() as mp:
             mp.setenv("FAKE_PROVIDER_KEY", API_KEY)
-            models = {"gpt": external(f["gpt"], GPT, 2, fallback=["claude", "gpt2"]), "gpt2": external(f["gpt2"], GPT, 2),
-                      "claude": external(f["claude"], CLAUDE, 3)}  # fmt: skip
+            models = {
+                "gpt": external(f["gpt"], GPT, 2, fallback=["claude", "gpt2"]),
+                "gpt2": external(f["gpt2"], GPT, 2),
+                "claude": external(f["claude"], CLAUDE, 3),
+            }
             if proc is not None:
                 models["tiny"] = tiny_model(tiny_llama, both=[proc.url])
-            gw = gateway_proc(tmp, models, auto={"models": ["claude", "gpt"]},
-                              **{"teams.pinned": {"auto_pin": {"simple": "claude"}}})  # fmt: skip
+            gw = gateway_proc(
+                tmp,
+                models,
+                auto={"models": ["claude", "gpt"]},
+                **{"teams.pinned": {"auto_pin": {"simple": "claude"}}},
+            )
             with running(gw):
                 yield Env(gw, f, tmp / "gateway.db", make_team(gw.url, "main"))
     finally:
@@ -70,8 +88,12 @@ def env(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 @pytest.mark.parametrize("model", ["gpt", "claude", "tiny"])
 def test_text_whole_and_streamed(env: Env, model: str) -> None:
     c = env.client()
-    kw: dict[str, Any] = {"model": model, "max_tokens": 8, "system": "Be brief.",
-                          "messages": [{"role": "user", "content": "hello there"}]}  # fmt: skip
+    kw: dict[str, Any] = {
+        "model": model,
+        "max_tokens": 8,
+        "system": "Be brief.",
+        "messages": [{"role": "user", "content": "hello there"}],
+    }
     raw = c.messages.with_raw_response.create(**kw)
     msg = raw.parse()
     assert msg.type == "message" and msg.role == "assistant" and msg.model == model
@@ -87,7 +109,11 @@ def test_text_whole_and_streamed(env: Env, model: str) -> None:
         types = [e.type for e in stream]
         final = stream.get_final_message()
     assert types[0] == "message_start" and types[-1] == "message_stop"
-    assert "content_block_start" in types and "content_block_stop" in types and "message_delta" in types
+    assert (
+        "content_block_start" in types
+        and "content_block_stop" in types
+        and "message_delta" in types
+    )
     assert final.content[0].text == msg.content[0].text or model == "tiny"
     assert final.usage.output_tokens == msg.usage.output_tokens or model == "tiny"
     # the second call of the same prompt may read the self-hosted prefix cache: the sum is equal
@@ -96,46 +122,87 @@ def test_text_whole_and_streamed(env: Env, model: str) -> None:
 
 def test_bad_key_is_an_anthropic_401(env: Env) -> None:
     with pytest.raises(anthropic.AuthenticationError) as e:
-        env.client("sk-duet-nope").messages.create(model="gpt", max_tokens=4,
-                                                   messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+        env.client("sk-duet-nope").messages.create(
+            model="gpt", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+        )
     assert e.value.status_code == 401
-    assert e.value.body == {"type": "error", "error": {"type": "authentication_error", "message": e.value.body["error"]["message"]}}
+    assert e.value.body == {
+        "type": "error",
+        "error": {"type": "authentication_error", "message": e.value.body["error"]["message"]},
+    }
 
 
 def test_bearer_key_works_too(env: Env) -> None:
-    status, _, body = http(env.gw.url + "/v1/messages", "POST", key=env.key,
-                           body={"model": "gpt", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    status, _, body = http(
+        env.gw.url + "/v1/messages",
+        "POST",
+        key=env.key,
+        body={"model": "gpt", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert status == 200, body
     assert body["type"] == "message" and body["content"][0]["text"] == "echo: hi"
 
 
-@pytest.mark.parametrize("body, says", [
-    ({"model": "gpt", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
-    ({"model": "gpt", "max_tokens": 4, "messages": [{"role": "robot", "content": "hi"}]}, "role"),
-    ({"model": "gpt", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "temperature": 1.5},
-     "temperature"),
-    ({"model": "gpt", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], "thinking": {"type": "enabled"}},
-     "thinking"),
-    ({"model": "nope", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}, "nope"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        ({"model": "gpt", "messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+        (
+            {"model": "gpt", "max_tokens": 4, "messages": [{"role": "robot", "content": "hi"}]},
+            "role",
+        ),
+        (
+            {
+                "model": "gpt",
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+                "temperature": 1.5,
+            },
+            "temperature",
+        ),
+        (
+            {
+                "model": "gpt",
+                "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hi"}],
+                "thinking": {"type": "enabled"},
+            },
+            "thinking",
+        ),
+        (
+            {"model": "nope", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+            "nope",
+        ),
+    ],
+)
 def test_bad_bodies_are_anthropic_errors(env: Env, body: dict[str, Any], says: str) -> None:
-    status, headers, got = http(env.gw.url + "/v1/messages", "POST", body=body, key=None,
-                                headers={"x-api-key": env.key})  # fmt: skip
+    status, headers, got = http(
+        env.gw.url + "/v1/messages", "POST", body=body, key=None, headers={"x-api-key": env.key}
+    )
     assert status == (404 if says == "nope" else 400), got
     assert got["type"] == "error" and says in got["error"]["message"]
-    assert got["error"]["type"] == ("not_found_error" if says == "nope" else "invalid_request_error")
+    assert got["error"]["type"] == (
+        "not_found_error" if says == "nope" else "invalid_request_error"
+    )
     assert headers.get("request-id", "").startswith("req-")
 
 
 def test_malformed_json_is_an_anthropic_400(env: Env) -> None:
     status, _, got = http(env.gw.url + "/v1/messages", "POST", raw=b"{not json", key=env.key)
-    assert status == 400 and got["type"] == "error" and got["error"]["type"] == "invalid_request_error"
+    assert (
+        status == 400 and got["type"] == "error" and got["error"]["type"] == "invalid_request_error"
+    )
     assert got["error"]["message"].startswith("malformed JSON body")
 
 
 def _tool_turns(model: str) -> dict[str, Any]:
-    return {"model": model, "max_tokens": 64, "tools": [WEATHER], "tool_choice": {"type": "any"},
-            "messages": [{"role": "user", "content": "weather in Paris"}]}  # fmt: skip
+    return {
+        "model": model,
+        "max_tokens": 64,
+        "tools": [WEATHER],
+        "tool_choice": {"type": "any"},
+        "messages": [{"role": "user", "content": "weather in Paris"}],
+    }
 
 
 @pytest.mark.parametrize("model", ["gpt", "claude"])
@@ -156,7 +223,9 @@ def test_tools_whole_streamed_and_continued(env: Env, model: str) -> None:
         assert sent["tools"][0]["function"]["parameters"] == WEATHER["input_schema"]
         assert sent["tool_choice"] == "required"
     else:  # the Anthropic provider got Anthropic's tools back
-        assert sent["tools"][0]["input_schema"] == WEATHER["input_schema"] and sent["tool_choice"] == {"type": "any"}
+        assert sent["tools"][0]["input_schema"] == WEATHER["input_schema"] and sent[
+            "tool_choice"
+        ] == {"type": "any"}
     rec = record(env, raw.headers["x-request-id"])
     assert rec["model_used"] == model and rec["completion_tokens"] == 7 and rec["cost_usd"] > 0
 
@@ -168,36 +237,57 @@ def test_tools_whole_streamed_and_continued(env: Env, model: str) -> None:
     assert final.stop_reason == "tool_use" and final.content[1].input == call.input
     assert final.usage.output_tokens == 7
 
-    kw["messages"] = [*kw["messages"], {"role": "assistant", "content": [b.model_dump() for b in msg.content]},
-                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
-                                                    "content": "sunny, 21 C"}]}]  # fmt: skip
+    kw["messages"] = [
+        *kw["messages"],
+        {"role": "assistant", "content": [b.model_dump() for b in msg.content]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "sunny, 21 C"}],
+        },
+    ]
     kw["tool_choice"] = {"type": "auto"}
     after = c.messages.create(**kw)
     assert after.stop_reason == "end_turn" and after.content[0].type == "text"
     sent = fake.requests[-1]
     if model == "gpt":
-        assert sent["messages"][-1] == {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}
+        assert sent["messages"][-1] == {
+            "role": "tool",
+            "tool_call_id": call.id,
+            "content": "sunny, 21 C",
+        }
         assert sent["messages"][-2]["tool_calls"][0]["id"] == call.id
     else:
-        assert sent["messages"][-1]["content"][0] == {"type": "tool_result", "tool_use_id": call.id,
-                                                      "content": "sunny, 21 C"}  # fmt: skip
+        assert sent["messages"][-1]["content"][0] == {
+            "type": "tool_result",
+            "tool_use_id": call.id,
+            "content": "sunny, 21 C",
+        }
         assert sent["messages"][-2]["content"][-1]["type"] == "tool_use"
 
 
 def test_output_config_format_is_response_format(env: Env) -> None:
     schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-    env.client().messages.create(model="gpt", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
-                                 output_config={"format": {"type": "json_schema", "schema": schema}})  # fmt: skip
+    env.client().messages.create(
+        model="gpt",
+        max_tokens=8,
+        messages=[{"role": "user", "content": "hi"}],
+        output_config={"format": {"type": "json_schema", "schema": schema}},
+    )
     sent = env.fakes["gpt"].requests[-1]
-    assert sent["response_format"] == {"type": "json_schema", "json_schema": {"name": "output", "schema": schema}}
+    assert sent["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema},
+    }
 
 
 def test_a_stream_cut_mid_answer_ends_with_an_error_event(env: Env) -> None:
     env.fakes["gpt"].faults.append(Fault.drop_after(3))
     got: list[str] = []
     ask = [{"role": "user", "content": "one two three four five"}]
-    with pytest.raises(anthropic.APIStatusError) as e, \
-            env.client().messages.stream(model="gpt", max_tokens=16, messages=ask) as s:  # fmt: skip
+    with (
+        pytest.raises(anthropic.APIStatusError) as e,
+        env.client().messages.stream(model="gpt", max_tokens=16, messages=ask) as s,
+    ):
         got.extend(ev.type for ev in s)
     assert got[0] == "message_start" and "message_stop" not in got
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "api_error"

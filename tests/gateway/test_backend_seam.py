@@ -40,30 +40,50 @@ class ScriptedBackend(Backend):
 
 
 async def test_external_model_through_the_api(tiny_llama: Path, tmp_path: Path) -> None:
-    cfg = parse_config({"store": {"url": f"sqlite://{tmp_path / 'g.db'}"},
-                        "models": {"tiny": {"tokenizer": str(tiny_llama), "static": {"both": ["http://127.0.0.1:9"]}}}})  # fmt: skip
+    cfg = parse_config(
+        {
+            "store": {"url": f"sqlite://{tmp_path / 'g.db'}"},
+            "models": {
+                "tiny": {"tokenizer": str(tiny_llama), "static": {"both": ["http://127.0.0.1:9"]}}
+            },
+        }
+    )
     app = make_app(cfg)
     backend = ScriptedBackend()
     async with TestClient(TestServer(app)) as client:
         state = app[STATE]
-        ext = ModelConfig(name="ext", kind="external", input_usd_per_mtok=1.0, output_usd_per_mtok=3.0)
+        ext = ModelConfig(
+            name="ext", kind="external", input_usd_per_mtok=1.0, output_usd_per_mtok=3.0
+        )
         state.models["ext"] = ServedModel(ext, backend, None, 1 << 20)
         await state.store.create_team(Team(id="t", tpm=10_000))
         key, secret, digest = new_key("t")
         await state.store.create_key(key, digest)
-        oai = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=secret, max_retries=0)
-        r = await oai.chat.completions.create(model="ext", messages=[{"role": "user", "content": "hi " * 30}], n=2,
-                                              max_tokens=5)  # fmt: skip
+        oai = openai.AsyncOpenAI(
+            base_url=str(client.make_url("/v1")), api_key=secret, max_retries=0
+        )
+        r = await oai.chat.completions.create(
+            model="ext", messages=[{"role": "user", "content": "hi " * 30}], n=2, max_tokens=5
+        )
         assert [c.message.content for c in r.choices] == ["hello there"] * 2
         assert r.usage.prompt_tokens == 11 and r.usage.completion_tokens == 4
         req, job = backend.jobs[0]
-        assert req.endpoint == "chat" and job.prompt_ids == [] and req.messages == [{"role": "user", "content": "hi " * 30}]
+        assert (
+            req.endpoint == "chat"
+            and job.prompt_ids == []
+            and req.messages == [{"role": "user", "content": "hi " * 30}]
+        )
         assert job.max_tokens == 5 and req.n == 2 and job.tier == "interactive"
         r2 = await oai.completions.create(model="ext", prompt="complete me", max_tokens=3)
         assert r2.choices[0].text == "hello there" and backend.jobs[1][0].prompt == "complete me"
         rows = await state.store.usage_records("t", 0, 1e12)
         x = rows[0]
-        assert (x.model_requested, x.model_used, x.prompt_tokens, x.completion_tokens, x.nodes) == \
-            ("ext", "provider-model-v2", 11, 4, ["provider:test"])  # fmt: skip
+        assert (x.model_requested, x.model_used, x.prompt_tokens, x.completion_tokens, x.nodes) == (
+            "ext",
+            "provider-model-v2",
+            11,
+            4,
+            ["provider:test"],
+        )
         assert rows[0].cost_usd == (11 * 1.0 + 4 * 3.0) / 1e6
         assert dataclasses.asdict(rows[1])["status"] == "ok"

@@ -17,7 +17,9 @@ from gateway.store.sqlite import SqliteStore
 
 
 def duet(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "duet", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "duet", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_teams_keys_usage_report(tmp_path: Path) -> None:
@@ -25,7 +27,9 @@ def test_teams_keys_usage_report(tmp_path: Path) -> None:
     r = duet("teams", "create", "ml", "--tpm", "1000", "--daily-budget", "5", "--store", store)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["tpm"] == 1000
-    assert duet("teams", "create", "ml", "--store", store).returncode == 2  # exists: one line, exit 2
+    assert (
+        duet("teams", "create", "ml", "--store", store).returncode == 2
+    )  # exists: one line, exit 2
     r = duet("keys", "create", "--team", "ml", "--name", "ci", "--store", store)
     assert r.returncode == 0, r.stderr
     secret = r.stdout.strip()
@@ -41,35 +45,107 @@ def test_teams_keys_usage_report(tmp_path: Path) -> None:
         found = await s.key_by_hash(hash_secret(secret))
         assert found is not None
         for rid, user, cost in (("req-1", "u-1", 0.004), ("req-2", None, 0.002)):
-            res = await s.reserve(ReserveRequest(team_id="ml", key_id=found[0].id, request_id=rid, tokens=10,
-                                                 cost_usd=0.01, ttl_s=60))  # fmt: skip
+            res = await s.reserve(
+                ReserveRequest(
+                    team_id="ml",
+                    key_id=found[0].id,
+                    request_id=rid,
+                    tokens=10,
+                    cost_usd=0.01,
+                    ttl_s=60,
+                )
+            )
             assert isinstance(res, Reservation)
-            await s.settle([Settlement(res.id, UsageRecord(request_id=rid, team_id="ml", key_id=found[0].id,
-                                                           model_requested="m", model_used="m", tier="batch",
-                                                           status="ok", prompt_tokens=6, completion_tokens=3,
-                                                           cost_usd=cost, user=user))])  # fmt: skip
+            await s.settle(
+                [
+                    Settlement(
+                        res.id,
+                        UsageRecord(
+                            request_id=rid,
+                            team_id="ml",
+                            key_id=found[0].id,
+                            model_requested="m",
+                            model_used="m",
+                            tier="batch",
+                            status="ok",
+                            prompt_tokens=6,
+                            completion_tokens=3,
+                            cost_usd=cost,
+                            user=user,
+                        ),
+                    )
+                ]
+            )
         await s.close()
 
     asyncio.run(settle())
     rows = list(csv.DictReader(io.StringIO(duet("usage", "report", "--store", store).stdout)))
-    assert [(r["request_id"], r["status"], r["prompt_tokens"], r["tier"], r["user"]) for r in rows] == [
-        ("req-1", "ok", "6", "batch", "u-1"), ("req-2", "ok", "6", "batch", "")]  # fmt: skip
+    assert [
+        (r["request_id"], r["status"], r["prompt_tokens"], r["tier"], r["user"]) for r in rows
+    ] == [("req-1", "ok", "6", "batch", "u-1"), ("req-2", "ok", "6", "batch", "")]
     recs = json.loads(duet("usage", "report", "--store", store, "--format", "json").stdout)
     assert [r["user"] for r in recs] == ["u-1", None]
-    totals = json.loads(duet("usage", "report", "--store", store, "--group-by", "model", "--format", "json").stdout)
-    assert totals == [{"model": "m", "requests": 2, "prompt_tokens": 12, "completion_tokens": 6, "cached_tokens": 0,
-                       "total_tokens": 18, "cost_usd": 0.006, "ttft_p50_s": None, "ttft_p90_s": None}]  # fmt: skip
-    per_user = json.loads(duet("usage", "report", "--store", store, "--group-by", "user", "--format", "json").stdout)
+    totals = json.loads(
+        duet("usage", "report", "--store", store, "--group-by", "model", "--format", "json").stdout
+    )
+    assert totals == [
+        {
+            "model": "m",
+            "requests": 2,
+            "prompt_tokens": 12,
+            "completion_tokens": 6,
+            "cached_tokens": 0,
+            "total_tokens": 18,
+            "cost_usd": 0.006,
+            "ttft_p50_s": None,
+            "ttft_p90_s": None,
+        }
+    ]
+    per_user = json.loads(
+        duet("usage", "report", "--store", store, "--group-by", "user", "--format", "json").stdout
+    )
     none = {"ttft_p50_s": None, "ttft_p90_s": None}  # no request had a first token
-    assert per_user == [{"user": None, "requests": 1, "prompt_tokens": 6, "completion_tokens": 3, "cached_tokens": 0,
-                         "total_tokens": 9, "cost_usd": 0.002, **none},
-                        {"user": "u-1", "requests": 1, "prompt_tokens": 6, "completion_tokens": 3, "cached_tokens": 0,
-                         "total_tokens": 9, "cost_usd": 0.004, **none}]  # fmt: skip
-    rows = list(csv.DictReader(io.StringIO(duet("usage", "report", "--store", store, "--group-by", "user").stdout)))
+    assert per_user == [
+        {
+            "user": None,
+            "requests": 1,
+            "prompt_tokens": 6,
+            "completion_tokens": 3,
+            "cached_tokens": 0,
+            "total_tokens": 9,
+            "cost_usd": 0.002,
+            **none,
+        },
+        {
+            "user": "u-1",
+            "requests": 1,
+            "prompt_tokens": 6,
+            "completion_tokens": 3,
+            "cached_tokens": 0,
+            "total_tokens": 9,
+            "cost_usd": 0.004,
+            **none,
+        },
+    ]
+    rows = list(
+        csv.DictReader(
+            io.StringIO(duet("usage", "report", "--store", store, "--group-by", "user").stdout)
+        )
+    )
     assert [(r["user"], r["requests"]) for r in rows] == [("", "1"), ("u-1", "1")]
-    assert json.loads(duet("usage", "report", "--store", store, "--date", "2001-01-01", "--format", "json").stdout) == []
+    assert (
+        json.loads(
+            duet(
+                "usage", "report", "--store", store, "--date", "2001-01-01", "--format", "json"
+            ).stdout
+        )
+        == []
+    )
     r = duet("keys", "revoke", listed[0]["id"], "--store", store)
-    assert r.returncode == 0 and duet("keys", "revoke", listed[0]["id"], "--store", store).returncode == 2
+    assert (
+        r.returncode == 0
+        and duet("keys", "revoke", listed[0]["id"], "--store", store).returncode == 2
+    )
 
 
 def test_gateway_config_errors_are_one_line(tmp_path: Path) -> None:

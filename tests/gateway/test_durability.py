@@ -25,9 +25,14 @@ async def _worker(url: str, key: str, seen: list[dict], stop: asyncio.Event, i: 
     while not stop.is_set():
         k += 1
         try:
-            stream = await client.completions.create(model=MODEL, prompt=f"worker {i} request {k}", stream=True,
-                                                     max_tokens=4 + (i * 7 + k) % 20, temperature=0,
-                                                     stream_options={"include_usage": True})  # fmt: skip
+            stream = await client.completions.create(
+                model=MODEL,
+                prompt=f"worker {i} request {k}",
+                stream=True,
+                max_tokens=4 + (i * 7 + k) % 20,
+                temperature=0,
+                stream_options={"include_usage": True},
+            )
             chunk_id, usage = None, None
             async for chunk in stream:
                 chunk_id = chunk.id
@@ -36,34 +41,74 @@ async def _worker(url: str, key: str, seen: list[dict], stop: asyncio.Event, i: 
             return  # the gateway is gone
         # the stream ended with [DONE]: this client saw a complete response
         assert usage is not None
-        seen.append({"id": chunk_id, "prompt": usage.prompt_tokens, "completion": usage.completion_tokens})
+        seen.append(
+            {"id": chunk_id, "prompt": usage.prompt_tokens, "completion": usage.completion_tokens}
+        )
 
 
 async def test_sigkill_under_load_loses_no_seen_usage(tiny_llama: Path, tmp_path: Path) -> None:
-    both = duet_node("both", tiny_llama, tmp_path, "--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024")
+    both = duet_node(
+        "both",
+        tiny_llama,
+        tmp_path,
+        "--dtype",
+        "float32",
+        "--kv-blocks",
+        "256",
+        "--max-model-len",
+        "1024",
+    )
     store = tmp_path / "gateway.db"
     g1 = gateway_proc(tmp_path, {MODEL: tiny_model(tiny_llama, both=[both.url])}, store=store)
     with running(both, g1):
         key = make_team(g1.url, "load")
         seen: list[dict] = []  # type: ignore[type-arg]
         stop = asyncio.Event()
-        workers = [asyncio.ensure_future(_worker(g1.url, key, seen, stop, i)) for i in range(WORKERS)]
-        await until(lambda: len(seen) >= 40 or all(w.done() for w in workers), 300, "40 complete responses")
+        workers = [
+            asyncio.ensure_future(_worker(g1.url, key, seen, stop, i)) for i in range(WORKERS)
+        ]
+        await until(
+            lambda: len(seen) >= 40 or all(w.done() for w in workers), 300, "40 complete responses"
+        )
         assert len(seen) >= 40, "every worker stopped before the kill"
         g1.kill()  # SIGKILL, mid-load
         stop.set()
         await asyncio.gather(*workers)
-        g2 = gateway_proc(tmp_path, {MODEL: tiny_model(tiny_llama, both=[both.url])}, port=g1.port, store=store)
+        g2 = gateway_proc(
+            tmp_path, {MODEL: tiny_model(tiny_llama, both=[both.url])}, port=g1.port, store=store
+        )
         with running(g2):
-            out = subprocess.run([sys.executable, "-m", "duet", "usage", "report", "--store", f"sqlite://{store}",
-                                  "--team", "load", "--format", "json"], capture_output=True, text=True,
-                                 timeout=60, check=True)  # fmt: skip
+            out = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "duet",
+                    "usage",
+                    "report",
+                    "--store",
+                    f"sqlite://{store}",
+                    "--team",
+                    "load",
+                    "--format",
+                    "json",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
     records = {r["request_id"].removeprefix("req-"): r for r in json.loads(out.stdout)}
     for s in seen:
         r = records.get(s["id"].removeprefix("cmpl-"))
         assert r is not None, f"{s['id']} was seen complete by its client but has no usage record"
-        assert (r["status"], r["prompt_tokens"], r["completion_tokens"]) == ("ok", s["prompt"], s["completion"])
+        assert (r["status"], r["prompt_tokens"], r["completion_tokens"]) == (
+            "ok",
+            s["prompt"],
+            s["completion"],
+        )
     seen_ids = {s["id"].removeprefix("cmpl-") for s in seen}
-    assert sum(r["completion_tokens"] for k, r in records.items() if k in seen_ids) == sum(s["completion"] for s in seen)
+    assert sum(r["completion_tokens"] for k, r in records.items() if k in seen_ids) == sum(
+        s["completion"] for s in seen
+    )
     unseen = [r for k, r in records.items() if k not in seen_ids]
     assert len(unseen) <= WORKERS  # at most the requests in flight when the gateway died

@@ -41,7 +41,16 @@ EMBED, GEN = "smol-embed", "smol"
 PRICE = 0.5  # USD per million prompt tokens
 MAX_LEN = 512
 #: 256 blocks: 2,048 one-token inputs (a block each) run in 8 forwards of 256
-EMBED_ARGS = ("--task", "embed", "--dtype", "float32", "--kv-blocks", "256", "--max-model-len", str(MAX_LEN))
+EMBED_ARGS = (
+    "--task",
+    "embed",
+    "--dtype",
+    "float32",
+    "--kv-blocks",
+    "256",
+    "--max-model-len",
+    str(MAX_LEN),
+)
 GEN_ARGS = ("--dtype", "float32", "--kv-blocks", "128", "--max-model-len", "1024")
 
 
@@ -68,17 +77,42 @@ def cluster(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     tmp = tmp_path_factory.mktemp("embeddings")
     with EtcdServer(tmp / "etcd") as etcd:
         port = free_port()
-        coord = Proc([sys.executable, "-m", "duet", "coordinator", "--etcd", etcd.url, "--port", str(port)], port,
-                     tmp / "coordinator.log")  # fmt: skip
-        e = duet_node("both", str(smollm2), tmp, *EMBED_ARGS, "--etcd", etcd.url, "--node-id", "embed-0")
-        g = duet_node("both", str(smollm2), tmp, *GEN_ARGS, "--etcd", etcd.url, "--node-id", "gen-0")
+        coord = Proc(
+            [sys.executable, "-m", "duet", "coordinator", "--etcd", etcd.url, "--port", str(port)],
+            port,
+            tmp / "coordinator.log",
+        )
+        e = duet_node(
+            "both", str(smollm2), tmp, *EMBED_ARGS, "--etcd", etcd.url, "--node-id", "embed-0"
+        )
+        g = duet_node(
+            "both", str(smollm2), tmp, *GEN_ARGS, "--etcd", etcd.url, "--node-id", "gen-0"
+        )
         common = {"tokenizer": str(smollm2), "served_name": smollm2.name}
-        models = {EMBED: {"kind": "embedding", "input_usd_per_mtok": PRICE, "max_model_len": MAX_LEN, **common},
-                  GEN: {"kind": "cluster", "input_usd_per_mtok": 1.0, "output_usd_per_mtok": 2.0, **common}}  # fmt: skip
+        models = {
+            EMBED: {
+                "kind": "embedding",
+                "input_usd_per_mtok": PRICE,
+                "max_model_len": MAX_LEN,
+                **common,
+            },
+            GEN: {
+                "kind": "cluster",
+                "input_usd_per_mtok": 1.0,
+                "output_usd_per_mtok": 2.0,
+                **common,
+            },
+        }
         gw = gateway_proc(tmp, models, routing={"coordinator": [coord.url]})
         with running(coord, e, g, gw):
-            wait_for(lambda: all(n["ready"] for n in _coordinator_nodes(coord.url).values())
-                     and len(_coordinator_nodes(coord.url)) == 2, 60, "both nodes ready")  # fmt: skip
+            wait_for(
+                lambda: (
+                    all(n["ready"] for n in _coordinator_nodes(coord.url).values())
+                    and len(_coordinator_nodes(coord.url)) == 2
+                ),
+                60,
+                "both nodes ready",
+            )
             nodes = _coordinator_nodes(coord.url)
             assert nodes["embed-0"]["task"] == "embed" and nodes["gen-0"]["task"] == "generate"
             yield Cluster(e, g, gw, make_team(gw.url, "rag"), smollm2, tmp / "gateway.db")
@@ -86,18 +120,26 @@ def cluster(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 def _hf_last(model_dir: Path, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        h = hf_model(model_dir)(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0, -1]
+        h = hf_model(model_dir)(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][
+            0, -1
+        ]
     return F.normalize(h.float(), dim=0)
 
 
-TEXTS = ["The cat sat on the mat.", "Quantum chromodynamics describes the strong force.",
-         "The cat sat on the mat.", "Bonjour tout le monde"]  # fmt: skip
+TEXTS = [
+    "The cat sat on the mat.",
+    "Quantum chromodynamics describes the strong force.",
+    "The cat sat on the mat.",
+    "Bonjour tout le monde",
+]
 
 
 def test_vectors_float_base64_tokens_and_usage(cluster: Cluster) -> None:
     c, tok = cluster.client(), Tokenizer(cluster.model_dir)
-    gen_before, embed_before = (metric(cluster.gen.url, "duet:prompt_tokens_total"),
-                                metric(cluster.embed.url, "duet:prompt_tokens_total"))  # fmt: skip
+    gen_before, embed_before = (
+        metric(cluster.gen.url, "duet:prompt_tokens_total"),
+        metric(cluster.embed.url, "duet:prompt_tokens_total"),
+    )
     r = c.embeddings.create(model=EMBED, input=TEXTS, user="alice")  # the client asks for base64
     assert r.object == "list" and r.model == EMBED and [d.index for d in r.data] == [0, 1, 2, 3]
     vecs = torch.tensor([d.embedding for d in r.data])
@@ -113,7 +155,9 @@ def test_vectors_float_base64_tokens_and_usage(cluster: Cluster) -> None:
     # token-id inputs: one array, and an array of arrays
     ids = [tok.encode(t) for t in TEXTS[:2]]
     one = c.embeddings.create(model=EMBED, input=ids[0], encoding_format="float")
-    assert len(one.data) == 1 and torch.allclose(torch.tensor(one.data[0].embedding), vecs[0], atol=1e-5)
+    assert len(one.data) == 1 and torch.allclose(
+        torch.tensor(one.data[0].embedding), vecs[0], atol=1e-5
+    )
     two = c.embeddings.create(model=EMBED, input=ids, encoding_format="float")
     assert torch.allclose(torch.tensor([d.embedding for d in two.data]), vecs[:2], atol=1e-5)
     assert two.usage.prompt_tokens == len(ids[0]) + len(ids[1])
@@ -135,9 +179,20 @@ def test_usage_record_and_billing(cluster: Cluster) -> None:
     assert raw.parse().usage.prompt_tokens == 2 * n
     assert float(raw.headers["x-duet-cost-usd"]) == pytest.approx(2 * n * PRICE / 1e6)
     with sqlite3.connect(cluster.db) as db:
-        row = db.execute("SELECT endpoint, status, model_used, prompt_tokens, completion_tokens, cost_usd, user, nodes "
-                         "FROM usage WHERE request_id = ?", (rid,)).fetchone()  # fmt: skip
-    assert row[:7] == ("embedding", "ok", EMBED, 2 * n, 0, pytest.approx(2 * n * PRICE / 1e6), "bob")
+        row = db.execute(
+            "SELECT endpoint, status, model_used, prompt_tokens, completion_tokens, cost_usd, user, nodes "
+            "FROM usage WHERE request_id = ?",
+            (rid,),
+        ).fetchone()
+    assert row[:7] == (
+        "embedding",
+        "ok",
+        EMBED,
+        2 * n,
+        0,
+        pytest.approx(2 * n * PRICE / 1e6),
+        "bob",
+    )
     assert "embed-0" in row[7]
 
 
@@ -156,9 +211,15 @@ def test_concurrent_requests_are_each_answered_right(cluster: Cluster) -> None:
     texts = [f"document number {i} is about topic {i % 3}" for i in range(12)]
 
     async def go() -> tuple[list, list]:
-        alone = [(await c.embeddings.create(model=EMBED, input=t, encoding_format="float")).data[0].embedding
-                 for t in texts[:3]]  # fmt: skip
-        rs = await asyncio.gather(*(c.embeddings.create(model=EMBED, input=t, encoding_format="float") for t in texts))
+        alone = [
+            (await c.embeddings.create(model=EMBED, input=t, encoding_format="float"))
+            .data[0]
+            .embedding
+            for t in texts[:3]
+        ]
+        rs = await asyncio.gather(
+            *(c.embeddings.create(model=EMBED, input=t, encoding_format="float") for t in texts)
+        )
         return alone, [r.data[0].embedding for r in rs]
 
     alone, together = asyncio.run(go())
@@ -167,20 +228,35 @@ def test_concurrent_requests_are_each_answered_right(cluster: Cluster) -> None:
     assert len({tuple(v[:8]) for v in together}) == len(texts)  # all different
 
 
-@pytest.mark.parametrize(("kwargs", "param", "what"), [
-    ({"input": ["x"] * 2049}, "input", "at most 2048"),
-    ({"input": []}, "input", "must not be empty"),
-    ({"input": ""}, "input", "is empty"),
-    ({"input": ["a", 5]}, "input", "not a mix"),
-    ({"input": [[1, 2], []]}, "input", "input[1] is empty"),
-    ({"input": [[1, 10**9]]}, "input", "out of the vocabulary"),
-    ({"input": "x", "dimensions": 577}, "dimensions", "at most 576"),
-    ({"input": "x", "dimensions": 0}, "dimensions", "at least 1"),
-    ({"input": "x", "encoding_format": "hex"}, "encoding_format", "hex"),
-    ({"input": "x", "user": "u" * 300}, "user", "256"),
-    ({"input": "word " * (MAX_LEN + 10)}, "input", "maximum context length"),
-], ids=["2049", "empty-list", "empty-string", "mixed", "empty-tokens", "vocab", "dims-high", "dims-zero", "format",
-        "user", "context"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("kwargs", "param", "what"),
+    [
+        ({"input": ["x"] * 2049}, "input", "at most 2048"),
+        ({"input": []}, "input", "must not be empty"),
+        ({"input": ""}, "input", "is empty"),
+        ({"input": ["a", 5]}, "input", "not a mix"),
+        ({"input": [[1, 2], []]}, "input", "input[1] is empty"),
+        ({"input": [[1, 10**9]]}, "input", "out of the vocabulary"),
+        ({"input": "x", "dimensions": 577}, "dimensions", "at most 576"),
+        ({"input": "x", "dimensions": 0}, "dimensions", "at least 1"),
+        ({"input": "x", "encoding_format": "hex"}, "encoding_format", "hex"),
+        ({"input": "x", "user": "u" * 300}, "user", "256"),
+        ({"input": "word " * (MAX_LEN + 10)}, "input", "maximum context length"),
+    ],
+    ids=[
+        "2049",
+        "empty-list",
+        "empty-string",
+        "mixed",
+        "empty-tokens",
+        "vocab",
+        "dims-high",
+        "dims-zero",
+        "format",
+        "user",
+        "context",
+    ],
+)
 def test_refusals(cluster: Cluster, kwargs: dict, param: str, what: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         cluster.client().embeddings.create(model=EMBED, **kwargs)
@@ -192,15 +268,21 @@ def test_wrong_kind_of_model_both_ways_and_the_task_split(cluster: Cluster) -> N
     with pytest.raises(openai.BadRequestError, match="text generation model"):
         c.embeddings.create(model=GEN, input="x")
     with pytest.raises(openai.BadRequestError, match="embedding model"):
-        c.chat.completions.create(model=EMBED, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        c.chat.completions.create(
+            model=EMBED, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
     with pytest.raises(openai.BadRequestError, match="embedding model"):
         c.completions.create(model=EMBED, prompt="hi", max_tokens=2)
     with pytest.raises(openai.NotFoundError):
         c.embeddings.create(model="nope", input="x")
     # a completion on the generation model runs on the generation node, never on the embed node
-    embed_before, gen_before = (metric(cluster.embed.url, "duet:prompt_tokens_total"),
-                                metric(cluster.gen.url, "duet:prompt_tokens_total"))  # fmt: skip
-    r = c.completions.create(model=GEN, prompt="The capital of France is", max_tokens=2, temperature=0)
+    embed_before, gen_before = (
+        metric(cluster.embed.url, "duet:prompt_tokens_total"),
+        metric(cluster.gen.url, "duet:prompt_tokens_total"),
+    )
+    r = c.completions.create(
+        model=GEN, prompt="The capital of France is", max_tokens=2, temperature=0
+    )
     assert r.usage.completion_tokens >= 1
     assert metric(cluster.embed.url, "duet:prompt_tokens_total") == embed_before
     assert metric(cluster.gen.url, "duet:prompt_tokens_total") > gen_before
@@ -213,11 +295,18 @@ def test_nodes_refuse_the_other_task(cluster: Cluster) -> None:
     has no embeddings route (404)."""
     from tests.gateway.helpers import http
 
-    status, _, body = http(cluster.embed.url + "/v1/completions", "POST", {"prompt": [1, 2], "max_tokens": 2},
-                           key=None)  # fmt: skip
+    status, _, body = http(
+        cluster.embed.url + "/v1/completions", "POST", {"prompt": [1, 2], "max_tokens": 2}, key=None
+    )
     assert status == 400 and body["error"]["code"] == "wrong_task"
-    status, _, body = http(cluster.gen.url + "/v1/embeddings", "POST", {"inputs": [[1, 2]]}, key=None)
+    status, _, body = http(
+        cluster.gen.url + "/v1/embeddings", "POST", {"inputs": [[1, 2]]}, key=None
+    )
     assert status == 404
-    status, _, body = http(cluster.embed.url + "/v1/embeddings", "POST", {"inputs": [[1, 2]], "dimensions": 9999},
-                           key=None)  # fmt: skip
+    status, _, body = http(
+        cluster.embed.url + "/v1/embeddings",
+        "POST",
+        {"inputs": [[1, 2]], "dimensions": 9999},
+        key=None,
+    )
     assert status == 400 and "between 1 and 576" in body["error"]["message"]

@@ -52,8 +52,12 @@ async def reference(node: Proc, tiny_llama: Path) -> str:
 
 
 def nothing_held(*nodes: Proc) -> bool:
-    return all(metric(n.url, "duet:num_requests_held") == 0 and metric(n.url, "duet:num_requests_running") == 0
-               and metric(n.url, "duet:kv_cache_usage_perc") == 0 for n in nodes)  # fmt: skip
+    return all(
+        metric(n.url, "duet:num_requests_held") == 0
+        and metric(n.url, "duet:num_requests_running") == 0
+        and metric(n.url, "duet:kv_cache_usage_perc") == 0
+        for n in nodes
+    )
 
 
 def gw_started(tmp: Path, tiny_llama: Path, **static: list[str]) -> Proc:
@@ -65,12 +69,18 @@ def client(g: Proc, key: str) -> openai.AsyncOpenAI:
 
 
 async def ask(g: Proc, key: str) -> str:
-    r = await client(g, key).completions.create(model=MODEL, prompt=PROMPT, extra_body={"ignore_eos": True}, **GREEDY)
+    r = await client(g, key).completions.create(
+        model=MODEL, prompt=PROMPT, extra_body={"ignore_eos": True}, **GREEDY
+    )
     return r.choices[0].text
 
 
 async def test_prefill_dead_before_leg(tmp: Path, tiny_llama: Path) -> None:
-    p1, p2, d = _node("prefill", tiny_llama, tmp), _node("prefill", tiny_llama, tmp), _node("decode", tiny_llama, tmp)
+    p1, p2, d = (
+        _node("prefill", tiny_llama, tmp),
+        _node("prefill", tiny_llama, tmp),
+        _node("decode", tiny_llama, tmp),
+    )
     with running(p1, p2, d):
         want = await reference(d, tiny_llama)
         p1.kill()
@@ -86,7 +96,9 @@ async def test_prefill_dead_before_leg(tmp: Path, tiny_llama: Path) -> None:
             await until(lambda: nothing_held(d), what="D to hold nothing")
 
 
-async def test_prefill_killed_after_leg(tmp: Path, tiny_llama: Path, relays: list[KillRelay]) -> None:
+async def test_prefill_killed_after_leg(
+    tmp: Path, tiny_llama: Path, relays: list[KillRelay]
+) -> None:
     p, d = _node("prefill", tiny_llama, tmp), _node("decode", tiny_llama, tmp)
     with running(p, d):
         want = await reference(d, tiny_llama)
@@ -99,8 +111,14 @@ async def test_prefill_killed_after_leg(tmp: Path, tiny_llama: Path, relays: lis
             await until(lambda: nothing_held(d), what="D to hold nothing")
 
 
-async def test_decode_killed_before_first_token(tmp: Path, tiny_llama: Path, relays: list[KillRelay]) -> None:
-    p, d1, d2 = _node("prefill", tiny_llama, tmp), _node("decode", tiny_llama, tmp), _node("decode", tiny_llama, tmp)
+async def test_decode_killed_before_first_token(
+    tmp: Path, tiny_llama: Path, relays: list[KillRelay]
+) -> None:
+    p, d1, d2 = (
+        _node("prefill", tiny_llama, tmp),
+        _node("decode", tiny_llama, tmp),
+        _node("decode", tiny_llama, tmp),
+    )
     with running(p, d1, d2):
         want = await reference(d2, tiny_llama)
         r = await relay(relays, d1, "on_request")
@@ -115,22 +133,32 @@ async def test_decode_killed_before_first_token(tmp: Path, tiny_llama: Path, rel
             assert records[0]["requests"] == 1
 
 
-async def test_decode_killed_mid_stream(tmp: Path, tiny_llama: Path, relays: list[KillRelay]) -> None:
+async def test_decode_killed_mid_stream(
+    tmp: Path, tiny_llama: Path, relays: list[KillRelay]
+) -> None:
     p, d = _node("prefill", tiny_llama, tmp), _node("decode", tiny_llama, tmp)
     with running(p, d):
         r = await relay(relays, d, "after_chunks", chunks=3)
         g = gw_started(tmp, tiny_llama, prefill=[p.url], decode=[r.url])
         with running(g):
             key = make_team(g.url, "f")
-            stream = await client(g, key).completions.create(model=MODEL, prompt=PROMPT, stream=True, max_tokens=200,
-                                                             temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+            stream = await client(g, key).completions.create(
+                model=MODEL,
+                prompt=PROMPT,
+                stream=True,
+                max_tokens=200,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             got = []
             with pytest.raises(openai.APIError, match="mid-stream"):
                 async for chunk in stream:
                     got.append(chunk.choices[0].text)
             assert got and r.killed
             await until(lambda: nothing_held(p), what="P to hold nothing")
-            await until(lambda: metric(g.url, "duet:gateway_requests_total") >= 1, what="the record")
+            await until(
+                lambda: metric(g.url, "duet:gateway_requests_total") >= 1, what="the record"
+            )
             rows = _records(g, key)
             assert [x["status"] for x in rows] == ["error_midstream"]
             assert 1 <= rows[0]["completion_tokens"] < 200
@@ -142,10 +170,18 @@ async def test_client_disconnect_aborts_on_nodes(tmp: Path, tiny_llama: Path) ->
         g = gw_started(tmp, tiny_llama, prefill=[p.url], decode=[d.url])
         with running(g):
             key = make_team(g.url, "f")
-            body = {"model": MODEL, "prompt": PROMPT, "stream": True, "max_tokens": 800, "temperature": 0,
-                    "ignore_eos": True}  # fmt: skip
+            body = {
+                "model": MODEL,
+                "prompt": PROMPT,
+                "stream": True,
+                "max_tokens": 800,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
             async with aiohttp.ClientSession() as s:
-                resp = await s.post(g.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+                resp = await s.post(
+                    g.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+                )
                 assert resp.status == 200, await resp.text()
                 async for line in resp.content:
                     if line.startswith(b"data: "):
@@ -170,6 +206,21 @@ def _records(g: Proc, key: str) -> list[dict]:  # type: ignore[type-arg]
     import sys
 
     db = Path(g.args[g.args.index("--config") + 1]).parent / "gateway.db"
-    out = subprocess.run([sys.executable, "-m", "duet", "usage", "report", "--store", f"sqlite://{db}",
-                          "--format", "json"], capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "duet",
+            "usage",
+            "report",
+            "--store",
+            f"sqlite://{db}",
+            "--format",
+            "json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     return json.loads(out.stdout)

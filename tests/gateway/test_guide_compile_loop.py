@@ -34,8 +34,11 @@ Gw = tuple[Proc, str]
 def gw(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gw]:
     tmp = tmp_path_factory.mktemp("gw-guides")
     nowhere = f"http://127.0.0.1:{free_port()}"  # no node: nothing here reaches one
-    g = gateway_proc(tmp, {MODEL: tiny_model(tiny_llama, both=[nowhere])},
-                     server={"guide_compile_timeout_s": TIMEOUT_S, "guide_compile_threads": 1})  # fmt: skip
+    g = gateway_proc(
+        tmp,
+        {MODEL: tiny_model(tiny_llama, both=[nowhere])},
+        server={"guide_compile_timeout_s": TIMEOUT_S, "guide_compile_threads": 1},
+    )
     with running(g):
         yield g, make_team(g.url, "guides")
 
@@ -97,8 +100,10 @@ def test_a_too_complex_constraint_is_a_400_naming_its_field(gw: Gw) -> None:
     )
     idle(g)
     tool = {"type": "function", "function": {"name": "f", "parameters": slow_schema()}}
-    assert_too_complex(chat(key, g, tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}),
-                       "tools")  # fmt: skip
+    assert_too_complex(
+        chat(key, g, tools=[tool], tool_choice={"type": "function", "function": {"name": "f"}}),
+        "tools",
+    )
     idle(g)
     # wider than the bounds admit: refused on its size, before the time limit is needed
     wide = {"type": "object", "properties": {str(i): {} for i in range(1001)}}

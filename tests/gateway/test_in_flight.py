@@ -51,7 +51,9 @@ class HeldBackend(Backend):
 
 
 async def _streamed(oai: openai.AsyncOpenAI) -> str:
-    chunks = await oai.chat.completions.create(model="ext", messages=MESSAGES, max_tokens=8, stream=True)
+    chunks = await oai.chat.completions.create(
+        model="ext", messages=MESSAGES, max_tokens=8, stream=True
+    )
     return "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
 
 
@@ -65,16 +67,27 @@ MESSAGES = [{"role": "user", "content": "hi"}]
 
 async def test_in_flight_ledgers_and_the_streamed_report(tiny_llama: Path, tmp_path: Path) -> None:
     # a heartbeat every 5 minutes: the app's own sweep must not report between our looks
-    cfg = parse_config({"store": {"url": f"sqlite://{tmp_path / 'g.db'}"}, "quotas": {"heartbeat_s": 300},
-                        "models": {"tiny": {"tokenizer": str(tiny_llama), "static": {"both": ["http://127.0.0.1:9"]}}}})  # fmt: skip
+    cfg = parse_config(
+        {
+            "store": {"url": f"sqlite://{tmp_path / 'g.db'}"},
+            "quotas": {"heartbeat_s": 300},
+            "models": {
+                "tiny": {"tokenizer": str(tiny_llama), "static": {"both": ["http://127.0.0.1:9"]}}
+            },
+        }
+    )
     app = make_app(cfg)
     async with TestClient(TestServer(app)) as client:
         state = app[STATE]
-        ext = ModelConfig(name="ext", kind="external", input_usd_per_mtok=1.0, output_usd_per_mtok=3.0)
+        ext = ModelConfig(
+            name="ext", kind="external", input_usd_per_mtok=1.0, output_usd_per_mtok=3.0
+        )
         await state.store.create_team(Team(id="t"))
         key, secret, digest = new_key("t")
         await state.store.create_key(key, digest)
-        oai = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=secret, max_retries=0)
+        oai = openai.AsyncOpenAI(
+            base_url=str(client.make_url("/v1")), api_key=secret, max_retries=0
+        )
         for ask in (_streamed, _whole):
             backend = HeldBackend()
             state.models["ext"] = ServedModel(ext, backend, None, 1 << 20)

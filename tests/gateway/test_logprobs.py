@@ -24,10 +24,14 @@ TOL = 1e-5  # the same engine; the prefix cache's reuse changes the fp32 arithme
 
 
 @pytest.fixture(scope="module")
-def gw(pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, str]]:
+def gw(
+    pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Proc, str]]:
     p, d, both = pd_nodes
-    models = {MODEL: tiny_model(tiny_llama, prefill=[p.url], decode=[d.url]),
-              "tiny-colocated": tiny_model(tiny_llama, both=[both.url])}  # fmt: skip
+    models = {
+        MODEL: tiny_model(tiny_llama, prefill=[p.url], decode=[d.url]),
+        "tiny-colocated": tiny_model(tiny_llama, both=[both.url]),
+    }
     g = gateway_proc(tmp_path_factory.mktemp("gw-lp"), models)
     with running(g):
         yield g, make_team(g.url, "lp")
@@ -35,19 +39,24 @@ def gw(pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path, tmp_path_factory: py
 
 async def node_logprobs(node: Proc, ids: list[int], n: int) -> dict[str, Any]:
     """The node's own completions logprobs object for these token ids (greedy)."""
-    async with aiohttp.ClientSession() as s, s.post(node.url + "/v1/completions",
-                                                    json={"prompt": ids, **GREEDY, "logprobs": n}) as r:  # fmt: skip
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(node.url + "/v1/completions", json={"prompt": ids, **GREEDY, "logprobs": n}) as r,
+    ):
         assert r.status == 200, await r.text()
         return (await r.json())["choices"][0]["logprobs"]
 
 
 def _close(a: list[float | None], b: list[float]) -> bool:
-    return len(a) == len(b) and all(x is not None and abs(x - y) < TOL for x, y in zip(a, b, strict=True))
+    return len(a) == len(b) and all(
+        x is not None and abs(x - y) < TOL for x, y in zip(a, b, strict=True)
+    )
 
 
 @pytest.mark.parametrize("model", [MODEL, "tiny-colocated"])
-async def test_completions_logprobs(gw: tuple[Proc, str], pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path,
-                                    model: str) -> None:  # fmt: skip
+async def test_completions_logprobs(
+    gw: tuple[Proc, str], pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path, model: str
+) -> None:
     g, key = gw
     ref = await node_logprobs(pd_nodes[2], Tokenizer(tiny_llama).encode(PROMPT), 2)
     client = openai.OpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
@@ -55,26 +64,39 @@ async def test_completions_logprobs(gw: tuple[Proc, str], pd_nodes: tuple[Proc, 
     lp = r.choices[0].logprobs
     assert lp is not None and lp.tokens == ref["tokens"] and lp.text_offset == ref["text_offset"]
     assert _close(lp.token_logprobs or [], ref["token_logprobs"])
-    assert lp.top_logprobs is not None and [list(t or {}) for t in lp.top_logprobs] == [list(t) for t in ref["top_logprobs"]]
+    assert lp.top_logprobs is not None and [list(t or {}) for t in lp.top_logprobs] == [
+        list(t) for t in ref["top_logprobs"]
+    ]
     for got, want in zip(lp.top_logprobs, ref["top_logprobs"], strict=True):
         assert got is not None and _close(list(got.values()), list(want.values()))
     tokens, values = [], []
-    for c in client.completions.create(model=model, prompt=PROMPT, logprobs=2, stream=True, **GREEDY):
+    for c in client.completions.create(
+        model=model, prompt=PROMPT, logprobs=2, stream=True, **GREEDY
+    ):
         for ch in c.choices:
             if ch.logprobs is not None:
                 tokens += ch.logprobs.tokens or []
                 values += ch.logprobs.token_logprobs or []
     assert tokens == ref["tokens"] and _close(values, ref["token_logprobs"])
-    assert client.completions.create(model=model, prompt=PROMPT, **GREEDY).choices[0].logprobs is None
+    assert (
+        client.completions.create(model=model, prompt=PROMPT, **GREEDY).choices[0].logprobs is None
+    )
 
 
 @pytest.mark.parametrize("model", [MODEL, "tiny-colocated"])
-async def test_chat_logprobs(gw: tuple[Proc, str], pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path,
-                             model: str) -> None:  # fmt: skip
+async def test_chat_logprobs(
+    gw: tuple[Proc, str], pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path, model: str
+) -> None:
     g, key = gw
     ref = await node_logprobs(pd_nodes[2], Tokenizer(tiny_llama).encode_chat(MESSAGES), 2)
     client = openai.OpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
-    kw: dict[str, Any] = {"model": model, "messages": MESSAGES, "logprobs": True, "top_logprobs": 2, **GREEDY}
+    kw: dict[str, Any] = {
+        "model": model,
+        "messages": MESSAGES,
+        "logprobs": True,
+        "top_logprobs": 2,
+        **GREEDY,
+    }
     r = client.chat.completions.create(**kw)
     content = r.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and [e.token for e in content] == ref["tokens"]
@@ -83,26 +105,45 @@ async def test_chat_logprobs(gw: tuple[Proc, str], pd_nodes: tuple[Proc, Proc, P
         assert e.bytes == list(e.token.encode())
         assert [t.token for t in e.top_logprobs] == list(want)
         assert _close([t.logprob for t in e.top_logprobs], list(want.values()))
-    streamed = [e for c in client.chat.completions.create(**kw, stream=True)
-                for ch in c.choices if ch.logprobs is not None for e in ch.logprobs.content or []]  # fmt: skip
+    streamed = [
+        e
+        for c in client.chat.completions.create(**kw, stream=True)
+        for ch in c.choices
+        if ch.logprobs is not None
+        for e in ch.logprobs.content or []
+    ]
     assert [e.token for e in streamed] == ref["tokens"]
     assert _close([e.logprob for e in streamed], ref["token_logprobs"])
     plain = client.chat.completions.create(model=model, messages=MESSAGES, **GREEDY)  # type: ignore[arg-type]
     assert plain.choices[0].logprobs is None
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, "logprobs"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": -1}, "logprobs"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": 21},
-     "top_logprobs"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "logprobs": 3}, "logprobs"),
-])  # fmt: skip
-def test_bad_logprobs_get_400(gw: tuple[Proc, str], path: str, body: dict[str, Any], param: str) -> None:
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": -1}, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": MESSAGES, "logprobs": True, "top_logprobs": 21},
+            "top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": MESSAGES, "top_logprobs": 2},
+            "top_logprobs",
+        ),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "logprobs": 3}, "logprobs"),
+    ],
+)
+def test_bad_logprobs_get_400(
+    gw: tuple[Proc, str], path: str, body: dict[str, Any], param: str
+) -> None:
     g, key = gw
     status, _, answer = http(g.url + path, "POST", {**body, "max_tokens": 2}, key=key)
     assert status == 400, answer
     assert answer["error"]["param"] == param, answer
-    status, _, answer = http(g.url + "/v1/completions", "POST", {"model": MODEL, "prompt": "x", "max_tokens": 2}, key=key)
+    status, _, answer = http(
+        g.url + "/v1/completions", "POST", {"model": MODEL, "prompt": "x", "max_tokens": 2}, key=key
+    )
     assert status == 200, answer

@@ -30,7 +30,9 @@ def _node() -> web.Application:
         await request.read()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        await resp.write_eof(b'data: {"choices": [{"text": "hi", "token_ids": [1]}]}\n\ndata: [DONE]\n\n')
+        await resp.write_eof(
+            b'data: {"choices": [{"text": "hi", "token_ids": [1]}]}\n\ndata: [DONE]\n\n'
+        )
         return resp
 
     app = web.Application()
@@ -83,8 +85,10 @@ def test_a_connect_timed_out_by_our_own_stall_is_retried() -> None:
         try:
             async with aiohttp.ClientSession(trace_configs=[trace]) as s:
                 nc = NodeClient(s, CONNECT_TIMEOUT_S, 5.0, 5.0, lag)
-                texts = [c.choices[0].text async for c, _ in nc.stream(f"http://127.0.0.1:{port}", "r1",
-                                                                         _BODY)]  # fmt: skip
+                texts = [
+                    c.choices[0].text
+                    async for c, _ in nc.stream(f"http://127.0.0.1:{port}", "r1", _BODY)
+                ]
                 assert texts == ["hi"]
                 return nc.own_stall_retries
         finally:

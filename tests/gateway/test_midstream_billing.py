@@ -40,8 +40,10 @@ async def deltas(node: Proc, tiny_llama: Path) -> list[tuple[int, str]]:
     """The uninterrupted run straight from the node: (tokens, text) of each SSE delta."""
     ids = Tokenizer(tiny_llama).encode(PROMPT)
     out = []
-    async with aiohttp.ClientSession() as s, s.post(node.url + "/v1/completions",
-                                                    json={"prompt": ids, "stream": True, **GREEDY}) as r:  # fmt: skip
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(node.url + "/v1/completions", json={"prompt": ids, "stream": True, **GREEDY}) as r,
+    ):
         assert r.status == 200
         async for line in r.content:
             if line.startswith(b"data: ") and line[6:].strip() != b"[DONE]":
@@ -82,8 +84,9 @@ async def one_record(g: Proc, key: str) -> dict[str, object]:
     return rows[0]
 
 
-async def test_a_cut_stream_bills_what_the_client_received(tmp_path: Path, tiny_llama: Path,
-                                                          relays: list[KillRelay]) -> None:  # fmt: skip
+async def test_a_cut_stream_bills_what_the_client_received(
+    tmp_path: Path, tiny_llama: Path, relays: list[KillRelay]
+) -> None:
     """The only decode node dies mid-stream (no node to migrate to): the record bills the
     tokens whose text the client received, not the token the gateway read but never sent."""
     d = _node("decode", tiny_llama, tmp_path)
@@ -96,8 +99,14 @@ async def test_a_cut_stream_bills_what_the_client_received(tmp_path: Path, tiny_
         with running(g):
             key = make_team(g.url, "b")
             c = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
-            stream = await c.completions.create(model=MODEL, prompt=PROMPT, stream=True, max_tokens=MAX, temperature=0,
-                                                extra_body={"ignore_eos": True})  # fmt: skip
+            stream = await c.completions.create(
+                model=MODEL,
+                prompt=PROMPT,
+                stream=True,
+                max_tokens=MAX,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
             text = ""
             with pytest.raises(openai.APIError, match="mid-stream"):
                 async for chunk in stream:
@@ -111,8 +120,9 @@ async def test_a_cut_stream_bills_what_the_client_received(tmp_path: Path, tiny_
             assert sum(row["leg_tokens"]) == cut  # what the node made, for the operator
 
 
-async def test_a_cut_whole_answer_bills_no_completion_tokens(tmp_path: Path, tiny_llama: Path,
-                                                            relays: list[KillRelay]) -> None:  # fmt: skip
+async def test_a_cut_whole_answer_bills_no_completion_tokens(
+    tmp_path: Path, tiny_llama: Path, relays: list[KillRelay]
+) -> None:
     """The same cut under a whole (non-streamed) answer: the client gets a 502 and none of the
     tokens, so the record bills none (its prompt, computed, is still paid)."""
     d = _node("decode", tiny_llama, tmp_path)
@@ -124,16 +134,22 @@ async def test_a_cut_whole_answer_bills_no_completion_tokens(tmp_path: Path, tin
             key = make_team(g.url, "b")
             c = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
             with pytest.raises(openai.APIStatusError, match="broke off") as e:
-                await c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX, temperature=0,
-                                           extra_body={"ignore_eos": True})  # fmt: skip
+                await c.completions.create(
+                    model=MODEL,
+                    prompt=PROMPT,
+                    max_tokens=MAX,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
             assert e.value.status_code == 502 and r.killed
             row = await one_record(g, key)
             assert row["status"] == "error_midstream" and row["completion_tokens"] == 0, row
             assert sum(row["leg_tokens"]) == 6 and row["prompt_tokens"] > 0 and row["cost_usd"] > 0
 
 
-async def test_a_stream_cut_before_any_text_is_a_502_billing_no_completion(tmp_path: Path, tiny_llama: Path,
-                                                                        relays: list[KillRelay]) -> None:  # fmt: skip
+async def test_a_stream_cut_before_any_text_is_a_502_billing_no_completion(
+    tmp_path: Path, tiny_llama: Path, relays: list[KillRelay]
+) -> None:
     """The node dies after one delta that showed no text: the client was sent nothing, so the
     answer is a plain 502 (not an SSE stream that never opened) and bills no completion tokens."""
     d = _node("decode", tiny_llama, tmp_path)
@@ -147,8 +163,14 @@ async def test_a_stream_cut_before_any_text_is_a_502_billing_no_completion(tmp_p
             key = make_team(g.url, "b")
             c = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
             with pytest.raises(openai.APIStatusError, match="mid-stream") as e:
-                stream = await c.completions.create(model=MODEL, prompt=PROMPT, stream=True, max_tokens=MAX,
-                                                    temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+                stream = await c.completions.create(
+                    model=MODEL,
+                    prompt=PROMPT,
+                    stream=True,
+                    max_tokens=MAX,
+                    temperature=0,
+                    extra_body={"ignore_eos": True},
+                )
                 async for _ in stream:
                     pass
             assert e.value.status_code == 502 and r.killed

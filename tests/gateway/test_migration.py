@@ -51,13 +51,19 @@ async def reference(node: Proc, tiny_llama: Path, **sampling: Any) -> str:
     """The uninterrupted run, straight from a node."""
     ids = Tokenizer(tiny_llama).encode(PROMPT)
     async with aiohttp.ClientSession() as s:
-        r = await completion(s, node.url, ids, {"max_tokens": MAX, "temperature": 0, "ignore_eos": True, **sampling})
+        r = await completion(
+            s, node.url, ids, {"max_tokens": MAX, "temperature": 0, "ignore_eos": True, **sampling}
+        )
     assert r.error is None
     return r.text
 
 
-def gateway(tmp: Path, tiny_llama: Path, routing: dict[str, Any] | None = None, **static: list[str]) -> Proc:
-    return gateway_proc(tmp, {MODEL: tiny_model(tiny_llama, **static)}, **({"routing": routing} if routing else {}))
+def gateway(
+    tmp: Path, tiny_llama: Path, routing: dict[str, Any] | None = None, **static: list[str]
+) -> Proc:
+    return gateway_proc(
+        tmp, {MODEL: tiny_model(tiny_llama, **static)}, **({"routing": routing} if routing else {})
+    )
 
 
 async def ask(g: Proc, key: str, stream: bool, **sampling: Any) -> str:
@@ -67,8 +73,14 @@ async def ask(g: Proc, key: str, stream: bool, **sampling: Any) -> str:
 async def ask_n(g: Proc, key: str, stream: bool, **sampling: Any) -> list[str]:
     """Each choice's text, by index."""
     c = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
-    args = {"model": MODEL, "prompt": PROMPT, "max_tokens": MAX, "temperature": 0, "extra_body": {"ignore_eos": True},
-            **sampling}  # fmt: skip
+    args = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "max_tokens": MAX,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+        **sampling,
+    }
     texts = [""] * sampling.get("n", 1)
     if not stream:
         for choice in (await c.completions.create(**args)).choices:
@@ -97,8 +109,9 @@ def check_record(row: dict[str, Any], nodes: list[str], tiny_llama: Path) -> Non
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streamed", "whole"])
-async def test_decode_killed_mid_stream_migrates(tmp_path: Path, tiny_llama: Path, relays: list[KillRelay],
-                                                 stream: bool) -> None:  # fmt: skip
+async def test_decode_killed_mid_stream_migrates(
+    tmp_path: Path, tiny_llama: Path, relays: list[KillRelay], stream: bool
+) -> None:
     d1, d2 = _node("decode", tiny_llama, tmp_path), _node("decode", tiny_llama, tmp_path)
     with running(d1, d2):
         # in team m's prefix-cache domain (gateway/config.py::cache_domain): D2 keeps it cached
@@ -115,12 +128,17 @@ async def test_decode_killed_mid_stream_migrates(tmp_path: Path, tiny_llama: Pat
             # D2 ran the reference: the new leg finds the prompt (and the streamed ids) in its
             # prefix cache, and the record counts those hits up to the prompt (billed once)
             new_hits = metric(d2.url, "duet:prefix_cache_hits_total") - hits
-            assert new_hits > 0 and row["cached_tokens"] == min(new_hits, row["prompt_tokens"]), (new_hits, row)
+            assert new_hits > 0 and row["cached_tokens"] == min(new_hits, row["prompt_tokens"]), (
+                new_hits,
+                row,
+            )
             assert metric(g.url, "duet:gateway_retries_total") >= 1
             await until(lambda: nothing_held(d2), what="D2 to hold nothing")
 
 
-async def test_pd_migration_pulls_the_kv_again(tmp_path: Path, tiny_llama: Path, relays: list[KillRelay]) -> None:
+async def test_pd_migration_pulls_the_kv_again(
+    tmp_path: Path, tiny_llama: Path, relays: list[KillRelay]
+) -> None:
     """Under P/D the migrated leg is a P/D request too: P prefills prompt + streamed tokens, D2
     pulls them."""
     p, d1, d2 = (_node(role, tiny_llama, tmp_path) for role in ("prefill", "decode", "decode"))
@@ -133,13 +151,16 @@ async def test_pd_migration_pulls_the_kv_again(tmp_path: Path, tiny_llama: Path,
             pulled = metric(d2.url, "duet:kv_transfer_bytes_total")
             assert await ask(g, key, True) == want
             assert r.killed
-            assert metric(d2.url, "duet:kv_transfer_bytes_total") > pulled  # the migration's KV moved P → D2
+            assert (
+                metric(d2.url, "duet:kv_transfer_bytes_total") > pulled
+            )  # the migration's KV moved P → D2
             check_record(await one_record(g, key), [p.url, r.url, p.url, d2.url], tiny_llama)
             await until(lambda: nothing_held(p, d2), what="P and D2 to hold nothing")
 
 
-async def test_prefill_killed_mid_transfer_then_decode_mid_stream(tmp_path: Path, tiny_llama: Path,
-                                                                   relays: list[KillRelay]) -> None:  # fmt: skip
+async def test_prefill_killed_mid_transfer_then_decode_mid_stream(
+    tmp_path: Path, tiny_llama: Path, relays: list[KillRelay]
+) -> None:
     """P dies once its prefill leg answered (D1's pull fails: D1 recomputes), then D1 dies
     mid-stream: the migration finds no P and prefills on D2. One answer, exact."""
     p, d1, d2 = (_node(role, tiny_llama, tmp_path) for role in ("prefill", "decode", "decode"))
@@ -157,7 +178,9 @@ async def test_prefill_killed_mid_transfer_then_decode_mid_stream(tmp_path: Path
             await until(lambda: nothing_held(d2), what="D2 to hold nothing")
 
 
-async def test_seeded_sampling_continues(tmp_path: Path, tiny_llama: Path, relays: list[KillRelay]) -> None:
+async def test_seeded_sampling_continues(
+    tmp_path: Path, tiny_llama: Path, relays: list[KillRelay]
+) -> None:
     """A seeded sampled request: the new node skips the draws of the streamed tokens, so the
     random sequence goes on where it was."""
     sampling = {"temperature": 0.9, "seed": 1234}
@@ -172,14 +195,19 @@ async def test_seeded_sampling_continues(tmp_path: Path, tiny_llama: Path, relay
             assert r.killed
 
 
-async def test_guided_pd_migration_continues_the_grammar_and_the_draws(tmp_path: Path, tiny_llama: Path,
-                                                                       relays: list[KillRelay]) -> None:  # fmt: skip
+async def test_guided_pd_migration_continues_the_grammar_and_the_draws(
+    tmp_path: Path, tiny_llama: Path, relays: list[KillRelay]
+) -> None:
     """A guided (JSON schema), seeded sampled request under P/D, D killed mid-stream: the
     migrated leg's prefill carries `resume` too, so the token P samples for D (issue #24) comes
     from the grammar state and the seeded draws after the streamed tokens — the text equals the
     uninterrupted run. (Without it P starts the grammar and the draws afresh, and D either
     refuses P's token or emits another one.)"""
-    schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 400}}, "required": ["text"]}
+    schema = {
+        "type": "object",
+        "properties": {"text": {"type": "string", "minLength": 400}},
+        "required": ["text"],
+    }
     sampling = {"temperature": 0.9, "seed": 99}
     node_guide = {"kind": "json_schema", "spec": canonical_schema(schema)}
     p, d1, d2 = (_node(role, tiny_llama, tmp_path) for role in ("prefill", "decode", "decode"))
@@ -191,12 +219,21 @@ async def test_guided_pd_migration_continues_the_grammar_and_the_draws(tmp_path:
         with running(g):
             key = make_team(g.url, "m")
             pulled = metric(d2.url, "duet:kv_transfer_bytes_total")
-            assert await ask(g, key, True, extra_body={"ignore_eos": True, "guided_json": schema}, **sampling) == want
+            assert (
+                await ask(
+                    g, key, True, extra_body={"ignore_eos": True, "guided_json": schema}, **sampling
+                )
+                == want
+            )
             assert r.killed
-            assert metric(d2.url, "duet:kv_transfer_bytes_total") > pulled  # the migrated leg went P → D2
+            assert (
+                metric(d2.url, "duet:kv_transfer_bytes_total") > pulled
+            )  # the migrated leg went P → D2
 
 
-async def test_migration_limit_is_an_sse_error(tmp_path: Path, tiny_llama: Path, relays: list[KillRelay]) -> None:
+async def test_migration_limit_is_an_sse_error(
+    tmp_path: Path, tiny_llama: Path, relays: list[KillRelay]
+) -> None:
     """max_migrations = 1 and both decode nodes die mid-stream: the client gets the text so far,
     then a defined error event and [DONE]; the record says error_midstream with both legs."""
     d1, d2 = _node("decode", tiny_llama, tmp_path), _node("decode", tiny_llama, tmp_path)
@@ -215,12 +252,16 @@ async def test_migration_limit_is_an_sse_error(tmp_path: Path, tiny_llama: Path,
             assert sum(row["leg_tokens"]) == row["completion_tokens"] < MAX
 
 
-async def test_migration_deadline_is_an_sse_error(tmp_path: Path, tiny_llama: Path, relays: list[KillRelay]) -> None:
+async def test_migration_deadline_is_an_sse_error(
+    tmp_path: Path, tiny_llama: Path, relays: list[KillRelay]
+) -> None:
     """Past [routing] migration_deadline_s no migration starts: the error event says why."""
     d1, d2 = _node("decode", tiny_llama, tmp_path), _node("decode", tiny_llama, tmp_path)
     with running(d1, d2):
         r = await kill_after(relays, d1, chunks=4)
-        g = gateway(tmp_path, tiny_llama, routing={"migration_deadline_s": 0.001}, decode=[r.url, d2.url])
+        g = gateway(
+            tmp_path, tiny_llama, routing={"migration_deadline_s": 0.001}, decode=[r.url, d2.url]
+        )
         with running(g):
             key = make_team(g.url, "m")
             assert await ask_until_error(g, key, "migration_deadline_exceeded")
@@ -232,9 +273,20 @@ async def test_migration_deadline_is_an_sse_error(tmp_path: Path, tiny_llama: Pa
 async def ask_until_error(g: Proc, key: str, code: str) -> str:
     """A greedy stream that ends with an SSE error event of `code`, then [DONE]: the text before."""
     events = []
-    body = {"model": MODEL, "prompt": PROMPT, "stream": True, "max_tokens": MAX, "temperature": 0, "ignore_eos": True}
-    async with aiohttp.ClientSession() as s, s.post(g.url + "/v1/completions", json=body,
-                                                    headers={"Authorization": f"Bearer {key}"}) as resp:  # fmt: skip
+    body = {
+        "model": MODEL,
+        "prompt": PROMPT,
+        "stream": True,
+        "max_tokens": MAX,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            g.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+        ) as resp,
+    ):
         assert resp.status == 200
         async for line in resp.content:
             if line.startswith(b"data: "):
@@ -245,9 +297,12 @@ async def ask_until_error(g: Proc, key: str, code: str) -> str:
     return "".join(json.loads(e)["choices"][0]["text"] for e in events[:-2])
 
 
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 77}], ids=["greedy", "seeded"])
-async def test_every_choice_of_n_migrates(tmp_path: Path, tiny_llama: Path, relays: list[KillRelay],
-                                          sampling: dict[str, Any]) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "sampling", [{}, {"temperature": 0.9, "seed": 77}], ids=["greedy", "seeded"]
+)
+async def test_every_choice_of_n_migrates(
+    tmp_path: Path, tiny_llama: Path, relays: list[KillRelay], sampling: dict[str, Any]
+) -> None:
     """n = 2: both samples stream from D1 (sample 1 as a local leg after sample 0's first
     token); D1 dies mid-stream and each sample moves to D2 on its own, with its own streamed ids
     (and seed + i): each choice equals its uninterrupted run."""
@@ -264,8 +319,16 @@ async def test_every_choice_of_n_migrates(tmp_path: Path, tiny_llama: Path, rela
             assert await ask_n(g, key, True, n=2, **sampling) == want
             assert r.killed
             row = await one_record(g, key)
-            assert row["status"] == "ok" and row["completion_tokens"] == 2 * MAX and row["migrations"] == 2
+            assert (
+                row["status"] == "ok"
+                and row["completion_tokens"] == 2 * MAX
+                and row["migrations"] == 2
+            )
             nodes = row["nodes"].split()
             assert nodes[0] == r.url and nodes[1:] == [d2.url, d2.url], nodes
-            assert len(row["leg_tokens"]) == 2 and all(row["leg_tokens"]) and sum(row["leg_tokens"]) == MAX
+            assert (
+                len(row["leg_tokens"]) == 2
+                and all(row["leg_tokens"])
+                and sum(row["leg_tokens"]) == MAX
+            )
             await until(lambda: nothing_held(d2), what="D2 to hold nothing")

@@ -9,8 +9,11 @@ import gateway
 
 
 def test_gateway_imports_without_torch_or_engine() -> None:
-    names = ["gateway", *(m.name for m in pkgutil.walk_packages(gateway.__path__, prefix="gateway.")),
-             "duet.cmd_gateway"]  # fmt: skip
+    names = [
+        "gateway",
+        *(m.name for m in pkgutil.walk_packages(gateway.__path__, prefix="gateway.")),
+        "duet.cmd_gateway",
+    ]
     assert "gateway.app" in names and "gateway.store.sqlite" in names
     code = (
         "import importlib, sys\n"

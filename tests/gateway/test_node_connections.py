@@ -22,26 +22,37 @@ from tests.procs import Proc, free_port, running
 
 def _echo(tmp: Path, delay: float) -> Proc:
     port = free_port()
-    return Proc([sys.executable, "-m", "bench.echo_node", "--port", str(port), "--token-delay", str(delay)], port,
-                tmp / f"echo-{port}.log")  # fmt: skip
+    return Proc(
+        [sys.executable, "-m", "bench.echo_node", "--port", str(port), "--token-delay", str(delay)],
+        port,
+        tmp / f"echo-{port}.log",
+    )
 
 
 def _open_max(node: Proc) -> int:
     text = urllib.request.urlopen(node.url + "/metrics", timeout=5).read().decode()
-    return int(next(ln.split()[1] for ln in text.splitlines() if ln.startswith("echo_streams_open_max ")))
+    return int(
+        next(ln.split()[1] for ln in text.splitlines() if ln.startswith("echo_streams_open_max "))
+    )
 
 
-async def test_requests_beyond_the_bound_wait_for_a_connection(tmp_path: Path, tiny_llama: Path) -> None:
+async def test_requests_beyond_the_bound_wait_for_a_connection(
+    tmp_path: Path, tiny_llama: Path
+) -> None:
     node = _echo(tmp_path, 0.05)  # 8 tokens, 50 ms apart: streams overlap
     model = {"kind": "cluster", "tokenizer": str(tiny_llama), "static": {"both": [node.url]}}
     # connect_timeout_s far below the wait for a free connection: the wait must not count as one
-    g = gateway_proc(tmp_path, {MODEL: model}, routing={"max_connections_per_node": 2, "connect_timeout_s": 0.2})
+    g = gateway_proc(
+        tmp_path, {MODEL: model}, routing={"max_connections_per_node": 2, "connect_timeout_s": 0.2}
+    )
     with running(node, g):
         key = make_team(g.url, "t")
         body = {"model": MODEL, "prompt": "wait your turn", "max_tokens": 8, "stream": True}
 
         async def one(s: aiohttp.ClientSession) -> int:
-            async with s.post(g.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+            async with s.post(
+                g.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}
+            ) as r:
                 data = await r.read()
                 assert r.status == 200, data
                 return data.count(b'"text"')
@@ -56,8 +67,15 @@ def test_out_of_descriptors_is_the_gateways_overload_not_the_nodes_failure() -> 
     key = ConnectionKey("127.0.0.1", 1, False, True, None, None, None, None)
     emfile = aiohttp.ClientConnectorError(key, OSError(errno.EMFILE, "Too many open files"))
     refused = aiohttp.ClientConnectorError(key, OSError(errno.ECONNREFUSED, "Connection refused"))
-    assert _local_exhaustion(emfile) and _local_exhaustion(OSError(errno.ENFILE, "file table overflow"))
+    assert _local_exhaustion(emfile) and _local_exhaustion(
+        OSError(errno.ENFILE, "file table overflow")
+    )
     assert not _local_exhaustion(refused) and not _local_exhaustion(TimeoutError())
     shed = _unreachable("http://n", emfile)
-    assert isinstance(shed, Shed) and shed.status == 503 and shed.code == "overloaded" and shed.retry_after_s > 0
+    assert (
+        isinstance(shed, Shed)
+        and shed.status == 503
+        and shed.code == "overloaded"
+        and shed.retry_after_s > 0
+    )
     assert isinstance(_unreachable("http://n", refused), NodeFailure)

@@ -24,7 +24,11 @@ from tests.wait import until
 
 
 def _event(i: int) -> bytes:
-    return b"data: " + json.dumps({"choices": [{"index": 0, "text": f" t{i}", "token_ids": [i]}]}).encode() + b"\n\n"
+    return (
+        b"data: "
+        + json.dumps({"choices": [{"index": 0, "text": f" t{i}", "token_ids": [i]}]}).encode()
+        + b"\n\n"
+    )
 
 
 def _server(writes: list[bytes], gate: asyncio.Event | None = None) -> web.Application:
@@ -50,15 +54,19 @@ async def _read(aiohttp_server, app: web.Application, on_chunk=None) -> list[tup
     async with aiohttp.ClientSession() as s:
         nc = NodeClient(s, 5.0, 5.0, 5.0)
         out = []
-        async for chunk, more in nc.stream(str(server.make_url("")).rstrip("/"), "r1", NodeCompletionRequest(prompt=[1])):
+        async for chunk, more in nc.stream(
+            str(server.make_url("")).rstrip("/"), "r1", NodeCompletionRequest(prompt=[1])
+        ):
             out.append((chunk.choices[0].text, more))
             if on_chunk is not None:
                 on_chunk(len(out))
         return out
 
 
-@given(st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=8),
-       st.lists(st.integers(min_value=0, max_value=2000), max_size=12))
+@given(
+    st.lists(st.integers(min_value=0, max_value=10**6), min_size=1, max_size=8),
+    st.lists(st.integers(min_value=0, max_value=2000), max_size=12),
+)
 def test_any_split_of_a_stream_gives_the_same_payloads(ids: list[int], cuts: list[int]) -> None:
     stream = b"".join(_event(i) for i in ids) + b"data: [DONE]\n\n"
     bounds = sorted({min(c, len(stream)) for c in cuts} | {0, len(stream)})
@@ -86,7 +94,9 @@ async def test_the_client_relays_in_order_and_marks_bursts(aiohttp_server) -> No
     writes = [_event(0) + _event(1) + _event(2), b"data: [DONE]\n\n"]
     gate = asyncio.Event()
     # [DONE] waits until the client has read the burst: it cannot ride in the burst's read
-    out = await _read(aiohttp_server, _server(writes, gate), on_chunk=lambda n: n == 3 and gate.set())
+    out = await _read(
+        aiohttp_server, _server(writes, gate), on_chunk=lambda n: n == 3 and gate.set()
+    )
     assert out == [(" t0", True), (" t1", True), (" t2", False)]
 
 
@@ -101,7 +111,9 @@ async def test_an_error_event_fails(aiohttp_server) -> None:  # type: ignore[no-
         await _read(aiohttp_server, _server([_event(0), err, b"data: [DONE]\n\n"]))
 
 
-async def test_the_client_refuses_an_endless_line(aiohttp_server, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+async def test_the_client_refuses_an_endless_line(
+    aiohttp_server, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(sse, "MAX_LINE", 4096)
     with pytest.raises(NodeFailure, match="SSE line over 4096 bytes"):
         # the line's end never comes (its write waits for a gate nobody opens)
@@ -141,7 +153,10 @@ async def test_a_body_ending_after_done_keeps_its_connection(aiohttp_server) -> 
     async with aiohttp.ClientSession() as s:
         nc = NodeClient(s, 5.0, 5.0, 5.0)
         for _ in range(3):
-            texts = [c.choices[0].text async for c, _ in nc.stream(url, "r1", NodeCompletionRequest(prompt=[1]))]
+            texts = [
+                c.choices[0].text
+                async for c, _ in nc.stream(url, "r1", NodeCompletionRequest(prompt=[1]))
+            ]
             assert texts == [" t0"]  # the stream is over for the caller before the body ends
             assert nc.draining == 1
             end.set()  # now the body's end arrives, in a later read than [DONE]
@@ -155,10 +170,16 @@ async def test_a_body_that_never_ends_loses_its_connection(aiohttp_server) -> No
     async with aiohttp.ClientSession() as s:
         nc = NodeClient(s, 5.0, 5.0, 5.0)
         nc.drain_timeout_s = 0.05
-        assert [c.choices[0].text async for c, _ in nc.stream(url, "r1", NodeCompletionRequest(prompt=[1]))] == [" t0"]
+        assert [
+            c.choices[0].text
+            async for c, _ in nc.stream(url, "r1", NodeCompletionRequest(prompt=[1]))
+        ] == [" t0"]
         await until(lambda: nc.draining == 0)  # gave up: the connection was closed, not pooled
         end.set()
-        assert [c.choices[0].text async for c, _ in nc.stream(url, "r2", NodeCompletionRequest(prompt=[1]))] == [" t0"]
+        assert [
+            c.choices[0].text
+            async for c, _ in nc.stream(url, "r2", NodeCompletionRequest(prompt=[1]))
+        ] == [" t0"]
         assert len(set(peers)) == 2  # the second request needed a new connection
         await nc.close()  # at shutdown: a drain still going is stopped
         assert nc.draining == 0

@@ -15,8 +15,11 @@ MAX_HEADER = 8192
 
 def test_parser_errors_in_openai_shape_then_serves(tiny_llama: Path, tmp_path: Path) -> None:
     # No node is needed: nothing here reaches one (the static node's port is closed).
-    g = gateway_proc(tmp_path, {MODEL: tiny_model(tiny_llama, both=[f"http://127.0.0.1:{free_port()}"])},
-                     server={"max_header_bytes": MAX_HEADER})  # fmt: skip
+    g = gateway_proc(
+        tmp_path,
+        {MODEL: tiny_model(tiny_llama, both=[f"http://127.0.0.1:{free_port()}"])},
+        server={"max_header_bytes": MAX_HEADER},
+    )
     with running(g):
         assert_parser_errors_in_openai_shape(g.port, MAX_HEADER)
         status, _, body = http(g.url + "/v1/models")

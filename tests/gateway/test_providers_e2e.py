@@ -39,8 +39,10 @@ from tests.wait import wait_for
 
 GPT = {"in": 5.0, "out": 10.0}
 CLAUDE = {"in": 20.0, "out": 40.0}
-HARD = ("Prove that there are infinitely many primes, and derive the density bound rigorously using induction; "
-        "then design a distributed, fault-tolerant sieve and analyze its consistency tradeoffs.")  # fmt: skip
+HARD = (
+    "Prove that there are infinitely many primes, and derive the density bound rigorously using induction; "
+    "then design a distributed, fault-tolerant sieve and analyze its consistency tradeoffs."
+)
 
 
 class FakeServers:
@@ -53,7 +55,9 @@ class FakeServers:
         self.fakes: dict[str, FakeProvider] = {}
         self._runners: list[web.AppRunner] = []
         for name, wire in wires.items():
-            self.fakes[name] = asyncio.run_coroutine_threadsafe(self._start(wire), self.loop).result(30)
+            self.fakes[name] = asyncio.run_coroutine_threadsafe(
+                self._start(wire), self.loop
+            ).result(30)
 
     async def _start(self, wire: str) -> FakeProvider:
         fake = FakeProvider(wire)  # its asyncio.Event belongs to this loop
@@ -78,11 +82,22 @@ class FakeServers:
         self.loop.close()
 
 
-def external(fake: FakeProvider, prices: dict[str, float], rank: int, **extra: Any) -> dict[str, Any]:
-    return {"kind": "external", "provider": fake.wire, "base_url": fake.url, "api_key_env": "FAKE_PROVIDER_KEY",
-            "upstream_model": f"{fake.wire}-upstream", "input_usd_per_mtok": prices["in"],
-            "output_usd_per_mtok": prices["out"], "max_model_len": 8192, "capability_rank": rank,
-            "retry": {"max_attempts": 1}, **extra}  # fmt: skip
+def external(
+    fake: FakeProvider, prices: dict[str, float], rank: int, **extra: Any
+) -> dict[str, Any]:
+    return {
+        "kind": "external",
+        "provider": fake.wire,
+        "base_url": fake.url,
+        "api_key_env": "FAKE_PROVIDER_KEY",
+        "upstream_model": f"{fake.wire}-upstream",
+        "input_usd_per_mtok": prices["in"],
+        "output_usd_per_mtok": prices["out"],
+        "max_model_len": 8192,
+        "capability_rank": rank,
+        "retry": {"max_attempts": 1},
+        **extra,
+    }
 
 
 @dataclass
@@ -94,7 +109,9 @@ class Env:
     key: str
 
     def client(self, key: str | None = None) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.gw.url + "/v1", api_key=key or self.key, max_retries=0, timeout=60)
+        return openai.OpenAI(
+            base_url=self.gw.url + "/v1", api_key=key or self.key, max_retries=0, timeout=60
+        )
 
 
 @pytest.fixture(scope="module")
@@ -107,18 +124,29 @@ def env(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         with running(node), pytest.MonkeyPatch.context() as mp:
             mp.setenv("FAKE_PROVIDER_KEY", API_KEY)
             models = {
-                "tiny": tiny_model(tiny_llama, both=[node.url], capability_rank=1, fallback=["gpt"]),
-                "dead": tiny_model(tiny_llama, both=[f"http://127.0.0.1:{free_port()}"], fallback=["gpt"]),
+                "tiny": tiny_model(
+                    tiny_llama, both=[node.url], capability_rank=1, fallback=["gpt"]
+                ),
+                "dead": tiny_model(
+                    tiny_llama, both=[f"http://127.0.0.1:{free_port()}"], fallback=["gpt"]
+                ),
                 "gpt": external(f["gpt"], GPT, 2),
-                "flaky": external(f["flaky"], GPT, 2, fallback=["claude"],
-                                  breaker={"failure_threshold": 2, "cooldown_s": 4.0}),
+                "flaky": external(
+                    f["flaky"],
+                    GPT,
+                    2,
+                    fallback=["claude"],
+                    breaker={"failure_threshold": 2, "cooldown_s": 4.0},
+                ),
                 "claude": external(f["claude"], CLAUDE, 3, tiers=["interactive"]),
-            }  # fmt: skip
-            sections = {"tiers": {"max_inflight": 1, "interactive_fallback_wait_s": 0.3},
-                        "auto": {"models": ["tiny", "gpt", "claude"]},
-                        "teams.pinned": {"auto_pin": {"simple": "claude"}},
-                        "teams.paidbatch": {"allow_paid_for_batch": True},
-                        "teams.nogpt": {"forbid": ["gpt"]}}  # fmt: skip
+            }
+            sections = {
+                "tiers": {"max_inflight": 1, "interactive_fallback_wait_s": 0.3},
+                "auto": {"models": ["tiny", "gpt", "claude"]},
+                "teams.pinned": {"auto_pin": {"simple": "claude"}},
+                "teams.paidbatch": {"allow_paid_for_batch": True},
+                "teams.nogpt": {"forbid": ["gpt"]},
+            }
             gw = gateway_proc(tmp, models, **sections)
             with running(gw):
                 yield Env(gw, node, f, tmp / "gateway.db", make_team(gw.url, "main"))
@@ -135,7 +163,9 @@ def samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
 
 
 def sample(url: str, name: str, **labels: str) -> float:
-    return sum(v for lbl, v in samples(url, name) if all(lbl.get(k) == x for k, x in labels.items()))
+    return sum(
+        v for lbl, v in samples(url, name) if all(lbl.get(k) == x for k, x in labels.items())
+    )
 
 
 def fallbacks(env: Env, frm: str, to: str, reason: str) -> float:
@@ -148,8 +178,24 @@ def breaker(env: Env, provider: str) -> float:
 
 def record(env: Env, request_id: str) -> dict[str, Any]:
     """The usage record of one request, read with the operator's report command."""
-    out = subprocess.run([sys.executable, "-m", "duet", "usage", "report", "--group-by", "record", "--format",
-                          "json", "--store", f"sqlite://{env.db}"], capture_output=True, text=True, check=True)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "duet",
+            "usage",
+            "report",
+            "--group-by",
+            "record",
+            "--format",
+            "json",
+            "--store",
+            f"sqlite://{env.db}",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     rows = [r for r in json.loads(out.stdout) if r["request_id"] == request_id]
     assert len(rows) == 1, out.stdout[-2000:]
     return rows[0]
@@ -157,8 +203,12 @@ def record(env: Env, request_id: str) -> dict[str, Any]:
 
 def chat(client: openai.OpenAI, model: str, text: str, **kw: Any) -> Any:
     """A chat call through `with_raw_response`: (headers, parsed completion)."""
-    raw = client.chat.completions.with_raw_response.create(model=model, messages=[{"role": "user", "content": text}],
-                                                           max_tokens=kw.pop("max_tokens", 16), **kw)  # fmt: skip
+    raw = client.chat.completions.with_raw_response.create(
+        model=model,
+        messages=[{"role": "user", "content": text}],
+        max_tokens=kw.pop("max_tokens", 16),
+        **kw,
+    )
     return raw.headers, raw.parse()
 
 
@@ -183,13 +233,21 @@ def test_external_model_is_charged_at_its_prices(env: Env) -> None:
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (3, 4)
     assert float(h["x-duet-cost-usd"]) == pytest.approx(cost(GPT, r.usage))
     assert env.fakes["gpt"].requests[-1]["model"] == "openai-upstream"
-    stream = client.chat.completions.create(model="claude", messages=[{"role": "user", "content": "one two"}],
-                                            max_tokens=16, stream=True, stream_options={"include_usage": True})  # fmt: skip
+    stream = client.chat.completions.create(
+        model="claude",
+        messages=[{"role": "user", "content": "one two"}],
+        max_tokens=16,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     parts, usage = [], None
     for c in stream:
         parts += [ch.delta.content or "" for ch in c.choices]
         usage = c.usage or usage
-    assert "".join(parts) == "echo: one two" and (usage.prompt_tokens, usage.completion_tokens) == (2, 3)
+    assert "".join(parts) == "echo: one two" and (usage.prompt_tokens, usage.completion_tokens) == (
+        2,
+        3,
+    )
     status, _, body = http(f"{env.gw.url}/v1/usage?group_by=model", key=key)
     assert status == 200, body
     rows = {row["model"]: row for row in body["data"]}
@@ -216,8 +274,12 @@ def test_batch_does_not_fall_back_to_a_paid_model_unless_allowed(env: Env) -> No
         chat(env.client(), "dead", "batch job", extra_headers={"x-duet-tier": "batch"})
     assert e.value.status_code == 503 and len(env.fakes["gpt"].requests) == seen
     assert fallbacks(env, "dead", "none", "no_healthy_nodes") == before + 1
-    h, r = chat(env.client(make_team(env.gw.url, "paidbatch")), "dead", "batch job",
-                extra_headers={"x-duet-tier": "batch"})  # fmt: skip
+    h, r = chat(
+        env.client(make_team(env.gw.url, "paidbatch")),
+        "dead",
+        "batch job",
+        extra_headers={"x-duet-tier": "batch"},
+    )
     assert h["x-duet-model-used"] == "gpt" and h["x-duet-tier"] == "batch"
     assert r.choices[0].message.content == "echo: batch job"
 
@@ -229,15 +291,21 @@ def test_provider_5xx_breaker_opens_half_opens_and_closes(env: Env) -> None:
     answered = []
     for i in range(2):  # each 5xx (no retry configured) moves the request to claude
         h, r = chat(client, "flaky", f"try {i}")
-        assert h["x-duet-model-used"] == "claude" and r.choices[0].message.content == f"echo: try {i}"
+        assert (
+            h["x-duet-model-used"] == "claude" and r.choices[0].message.content == f"echo: try {i}"
+        )
         answered.append((h["x-request-id"], r.usage))
     # open after failure_threshold = 2 (the checks up to the probe fit in the 4 s cool-down)
     assert breaker(env, "flaky") == 2
     assert fallbacks(env, "flaky", "claude", "provider_5xx") == 2
     # open: not contacted at all, straight to the fallback (streamed, Anthropic translated)
     seen = len(flaky.requests)
-    stream = client.chat.completions.create(model="flaky", messages=[{"role": "user", "content": "while open"}],
-                                            max_tokens=16, stream=True)  # fmt: skip
+    stream = client.chat.completions.create(
+        model="flaky",
+        messages=[{"role": "user", "content": "while open"}],
+        max_tokens=16,
+        stream=True,
+    )
     assert "".join(ch.delta.content or "" for c in stream for ch in c.choices) == "echo: while open"
     assert len(flaky.requests) == seen and len(claude.requests) >= 3
     assert fallbacks(env, "flaky", "claude", "breaker_open") == 1
@@ -257,7 +325,11 @@ def test_provider_429_falls_back_before_the_stream_starts(env: Env) -> None:
     before = fallbacks(env, "flaky", "claude", "provider_429")
     env.fakes["flaky"].faults.append(Fault.http(429, retry_after=90))
     raw = env.client().chat.completions.with_raw_response.create(
-        model="flaky", messages=[{"role": "user", "content": "slow down"}], max_tokens=16, stream=True)
+        model="flaky",
+        messages=[{"role": "user", "content": "slow down"}],
+        max_tokens=16,
+        stream=True,
+    )
     assert raw.headers["x-duet-model-used"] == "claude"
     chunks = list(raw.parse())
     assert "".join(ch.delta.content or "" for c in chunks for ch in c.choices) == "echo: slow down"
@@ -270,9 +342,15 @@ def test_provider_429_falls_back_before_the_stream_starts(env: Env) -> None:
 def test_stream_cut_mid_answer_is_an_error_event_not_a_retry(env: Env) -> None:
     gpt = env.fakes["gpt"]
     seen = len(gpt.requests)
-    gpt.faults.append(Fault.drop_after(3))  # the role chunk and two words, then the connection is cut
+    gpt.faults.append(
+        Fault.drop_after(3)
+    )  # the role chunk and two words, then the connection is cut
     stream = env.client().chat.completions.with_raw_response.create(
-        model="gpt", messages=[{"role": "user", "content": "alpha beta gamma delta"}], max_tokens=16, stream=True)
+        model="gpt",
+        messages=[{"role": "user", "content": "alpha beta gamma delta"}],
+        max_tokens=16,
+        stream=True,
+    )
     rid = stream.headers["x-request-id"]
     parts: list[str] = []
     with pytest.raises(openai.APIError) as e:
@@ -283,7 +361,9 @@ def test_stream_cut_mid_answer_is_an_error_event_not_a_retry(env: Env) -> None:
     assert len(gpt.requests) == seen + 1
     rec = record(env, rid)
     assert (rec["model_used"], rec["status"]) == ("gpt", "error_midstream")
-    assert rec["completion_tokens"] == 2 and rec["prompt_tokens"] > 0 and rec["cost_usd"] > 0  # what it streamed
+    assert (
+        rec["completion_tokens"] == 2 and rec["prompt_tokens"] > 0 and rec["cost_usd"] > 0
+    )  # what it streamed
 
 
 def test_auto_routes_simple_and_hard_prompts_to_different_models(env: Env) -> None:
@@ -291,7 +371,11 @@ def test_auto_routes_simple_and_hard_prompts_to_different_models(env: Env) -> No
     h, r = chat(client, "auto", "hi")
     assert (h["x-duet-model-used"], h["x-duet-auto-label"], r.model) == ("tiny", "simple", "tiny")
     h2, r2 = chat(client, "auto", HARD)
-    assert (h2["x-duet-model-used"], h2["x-duet-auto-label"], r2.model) == ("claude", "hard", "claude")
+    assert (h2["x-duet-model-used"], h2["x-duet-auto-label"], r2.model) == (
+        "claude",
+        "hard",
+        "claude",
+    )
     assert r2.choices[0].message.content.startswith("echo: Prove that")
     rec = record(env, h2["x-request-id"])
     assert (rec["model_requested"], rec["model_used"]) == ("auto", "claude")
@@ -312,13 +396,22 @@ def test_saturated_pool_falls_back(env: Env) -> None:
     try:
         with ThreadPoolExecutor(1) as pool:
             held = pool.submit(chat, env.client(), "tiny", "hold the slot", max_tokens=4)
-            wait_for(lambda: http(env.gw.url + "/health", key=None)[2]["running"] == 1, what="the slot taken")
+            wait_for(
+                lambda: http(env.gw.url + "/health", key=None)[2]["running"] == 1,
+                what="the slot taken",
+            )
             h, r = chat(env.client(), "tiny", "need an answer now")
-            assert h["x-duet-model-used"] == "gpt" and r.choices[0].message.content == "echo: need an answer now"
+            assert (
+                h["x-duet-model-used"] == "gpt"
+                and r.choices[0].message.content == "echo: need an answer now"
+            )
             assert fallbacks(env, "tiny", "gpt", "saturated") == before + 1
             rec = record(env, h["x-request-id"])
-            assert (rec["model_requested"], rec["model_used"], rec["cost_usd"]) == \
-                ("tiny", "gpt", pytest.approx(cost(GPT, r.usage)))  # fmt: skip
+            assert (rec["model_requested"], rec["model_used"], rec["cost_usd"]) == (
+                "tiny",
+                "gpt",
+                pytest.approx(cost(GPT, r.usage)),
+            )
             os.killpg(pgid, signal.SIGCONT)
             h0, _ = held.result(120)
             assert h0["x-duet-model-used"] == "tiny"  # the held request was served by its own model
@@ -333,10 +426,17 @@ def test_logprobs_on_an_external_model_are_refused_by_name(env: Env) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         chat(env.client(), "gpt", "hello", logprobs=True, top_logprobs=2)
     err = e.value.body
-    assert isinstance(err, dict) and err.get("param") == "logprobs" and err.get("code") == "unsupported_by_model", err
+    assert (
+        isinstance(err, dict)
+        and err.get("param") == "logprobs"
+        and err.get("code") == "unsupported_by_model"
+    ), err
     assert len(env.fakes["gpt"].requests) == before
     _, r = chat(env.client(), "tiny", "hello", logprobs=True, top_logprobs=2, max_tokens=3)
-    assert r.choices[0].logprobs is not None and len(r.choices[0].logprobs.content) == r.usage.completion_tokens
+    assert (
+        r.choices[0].logprobs is not None
+        and len(r.choices[0].logprobs.content) == r.usage.completion_tokens
+    )
 
 
 def test_max_tokens_past_an_external_models_context_is_a_400(env: Env) -> None:

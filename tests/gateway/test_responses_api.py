@@ -21,8 +21,16 @@ from tests.gateway.helpers import http
 from tests.gateway.test_anthropic_api import Env, cluster
 from tests.gateway.test_providers_e2e import record
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "The weather in a city",
-           "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "The weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"query": {"type": "string"}},
+        "required": ["query"],
+    },
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +45,12 @@ def client(env: Env) -> openai.OpenAI:
 @pytest.mark.parametrize("model", ["gpt", "claude", "tiny"])
 def test_text_whole_and_streamed(env: Env, model: str) -> None:
     c = client(env)
-    kw: dict[str, Any] = {"model": model, "input": "hello there", "instructions": "Be brief.", "max_output_tokens": 8}
+    kw: dict[str, Any] = {
+        "model": model,
+        "input": "hello there",
+        "instructions": "Be brief.",
+        "max_output_tokens": 8,
+    }
     raw = c.responses.with_raw_response.create(**kw)
     r = raw.parse()
     assert r.object == "response" and r.model == model and r.id.startswith("resp_")
@@ -66,8 +79,13 @@ def test_text_whole_and_streamed(env: Env, model: str) -> None:
 @pytest.mark.parametrize("model", ["gpt", "claude"])
 def test_function_call_whole_streamed_and_continued(env: Env, model: str) -> None:
     c = client(env)
-    kw: dict[str, Any] = {"model": model, "input": [{"role": "user", "content": "weather in Paris"}],
-                          "tools": [WEATHER], "tool_choice": "required", "max_output_tokens": 64}  # fmt: skip
+    kw: dict[str, Any] = {
+        "model": model,
+        "input": [{"role": "user", "content": "weather in Paris"}],
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "max_output_tokens": 64,
+    }
     raw = c.responses.with_raw_response.create(**kw)
     r = raw.parse()
     calls = [o for o in r.output if o.type == "function_call"]
@@ -79,19 +97,37 @@ def test_function_call_whole_streamed_and_continued(env: Env, model: str) -> Non
     with c.responses.stream(**kw) as stream:
         types = [e.type for e in stream]
         final = stream.get_final_response()
-    assert "response.function_call_arguments.delta" in types and "response.function_call_arguments.done" in types
+    assert (
+        "response.function_call_arguments.delta" in types
+        and "response.function_call_arguments.done" in types
+    )
     assert types[-1] == "response.completed"
     fc = next(o for o in final.output if o.type == "function_call")
     assert fc.arguments == calls[0].arguments and fc.call_id
 
-    follow = c.responses.create(model=model, tools=[WEATHER], max_output_tokens=64, input=[
-        *kw["input"], {"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
-                       "arguments": calls[0].arguments},
-        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"}])  # fmt: skip
+    follow = c.responses.create(
+        model=model,
+        tools=[WEATHER],
+        max_output_tokens=64,
+        input=[
+            *kw["input"],
+            {
+                "type": "function_call",
+                "call_id": calls[0].call_id,
+                "name": "get_weather",
+                "arguments": calls[0].arguments,
+            },
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"},
+        ],
+    )
     assert follow.status == "completed" and follow.output_text.startswith("echo: ")
     sent = env.fakes[model].requests[-1]
     if model == "gpt":
-        assert sent["messages"][-1] == {"role": "tool", "tool_call_id": calls[0].call_id, "content": "sunny, 21 C"}
+        assert sent["messages"][-1] == {
+            "role": "tool",
+            "tool_call_id": calls[0].call_id,
+            "content": "sunny, 21 C",
+        }
     else:
         assert sent["messages"][-1]["content"][0]["type"] == "tool_result"
 
@@ -99,20 +135,27 @@ def test_function_call_whole_streamed_and_continued(env: Env, model: str) -> Non
 def test_previous_response_id_is_refused_clearly(env: Env) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         client(env).responses.create(model="gpt", input="hi", previous_response_id="resp_123")
-    assert "stores no responses" in e.value.message and e.value.body["param"] == "previous_response_id"
+    assert (
+        "stores no responses" in e.value.message and e.value.body["param"] == "previous_response_id"
+    )
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"model": "gpt"}, "input"),
-    ({"model": "gpt", "input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
-    ({"model": "gpt", "input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
-    ({"model": "gpt", "input": [{"type": "item_reference", "id": "x"}]}, "input"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"model": "gpt"}, "input"),
+        ({"model": "gpt", "input": "hi", "max_output_tokens": 0}, "max_output_tokens"),
+        ({"model": "gpt", "input": "hi", "reasoning": {"effort": "high"}}, "reasoning"),
+        ({"model": "gpt", "input": [{"type": "item_reference", "id": "x"}]}, "input"),
+    ],
+)
 def test_bad_bodies_are_openai_400s(env: Env, body: dict[str, Any], param: str) -> None:
     status, _, got = http(env.gw.url + "/v1/responses", "POST", body=body, key=env.key)
     assert status == 400 and got["error"]["param"] == param, got
 
 
 def test_bad_key_is_401(env: Env) -> None:
-    status, _, got = http(env.gw.url + "/v1/responses", "POST", body={"model": "gpt", "input": "hi"}, key="sk-duet-no")
+    status, _, got = http(
+        env.gw.url + "/v1/responses", "POST", body={"model": "gpt", "input": "hi"}, key="sk-duet-no"
+    )
     assert status == 401 and got["error"]["type"] == "authentication_error"

@@ -26,19 +26,29 @@ async def test_smollm2_chat_through_gateway(smollm2: Path, tmp_path: Path) -> No
     p = duet_node("prefill", smollm2, tmp_path, *COMMON, threads=None)
     d = duet_node("decode", smollm2, tmp_path, *COMMON, threads=None)
     g = gateway_proc(tmp_path, {"smollm2": tiny_model(smollm2, prefill=[p.url], decode=[d.url])})
-    messages = [{"role": "system", "content": "You are a concise assistant."},
-                {"role": "user", "content": "What is the capital of France?"}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": "You are a concise assistant."},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
     with running(p, d, g):
         key = make_team(g.url, "smol")
         client = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
-        r = await client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)
+        r = await client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=24, temperature=0
+        )
         ids = Tokenizer(smollm2).encode_chat(messages)
         async with aiohttp.ClientSession() as s:
             direct = await completion(s, d.url, ids, {"max_tokens": 24, "temperature": 0})
         assert direct.error is None
         assert r.choices[0].message.content == direct.text
         assert "Paris" in r.choices[0].message.content
-        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(direct.token_ids)
-        stream = await client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24,
-                                                      temperature=0, stream=True)  # fmt: skip
-        assert "".join([c.choices[0].delta.content or "" async for c in stream if c.choices]) == direct.text
+        assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == len(
+            direct.token_ids
+        )
+        stream = await client.chat.completions.create(
+            model="smollm2", messages=messages, max_tokens=24, temperature=0, stream=True
+        )
+        assert (
+            "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            == direct.text
+        )

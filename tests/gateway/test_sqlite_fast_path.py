@@ -19,7 +19,9 @@ from gateway.store.sqlite import SqliteStore
 
 
 def _req(i: int) -> ReserveRequest:
-    return ReserveRequest(team_id="t", key_id="k", request_id=f"r{i}", tokens=10, cost_usd=0.0, ttl_s=600)
+    return ReserveRequest(
+        team_id="t", key_id="k", request_id=f"r{i}", tokens=10, cost_usd=0.0, ttl_s=600
+    )
 
 
 async def _store(path: Path) -> SqliteStore:
@@ -29,10 +31,14 @@ async def _store(path: Path) -> SqliteStore:
     return s
 
 
-async def test_a_held_write_lock_sends_the_reservation_to_the_worker_and_the_loop_runs_on(tmp_path: Path) -> None:
+async def test_a_held_write_lock_sends_the_reservation_to_the_worker_and_the_loop_runs_on(
+    tmp_path: Path,
+) -> None:
     db_path = tmp_path / "g.db"
     s = await _store(db_path)
-    other = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False)  # another process's writer
+    other = sqlite3.connect(
+        db_path, isolation_level=None, check_same_thread=False
+    )  # another process's writer
     other.execute("BEGIN IMMEDIATE")
     ticks = 0
     longest_gap = 0.0
@@ -55,7 +61,9 @@ async def test_a_held_write_lock_sends_the_reservation_to_the_worker_and_the_loo
         assert ticks >= 20 and not reserve.done()
         # A loop waiting on the lock stalls for the whole busy timeout (30 s): far beyond this
         # bound, which only a stall can reach — it measures no speed.
-        assert longest_gap < 5.0, f"the event loop stalled {longest_gap:.1f}s waiting for the write lock"
+        assert longest_gap < 5.0, (
+            f"the event loop stalled {longest_gap:.1f}s waiting for the write lock"
+        )
         assert s._conns.busy_fallbacks == 1
         other.execute("COMMIT")
         assert isinstance(await asyncio.wait_for(reserve, 30), Reservation)
@@ -68,7 +76,9 @@ async def test_a_held_write_lock_sends_the_reservation_to_the_worker_and_the_loo
     await s.close()
 
 
-async def test_the_worker_checkpoints_what_the_loop_wrote(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_worker_checkpoints_what_the_loop_wrote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(sqlite_conn, "CHECKPOINT_EVERY", 50)
     db_path = tmp_path / "g.db"
     s = await _store(db_path)
@@ -92,8 +102,9 @@ async def test_the_worker_checkpoints_what_the_loop_wrote(tmp_path: Path, monkey
     await s.close()
 
 
-async def test_the_wal_stays_bounded_while_the_loop_never_stops_writing(tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+async def test_the_wal_stays_bounded_while_the_loop_never_stops_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A checkpoint that runs while the loop goes on writing never catches up with the WAL, and
     SQLite reuses a WAL only once a checkpoint has caught up: with PASSIVE checkpoints alone the
     WAL grew without bound under steady traffic (150 MB after 6,000 writes). Each checkpoint ends
@@ -107,7 +118,9 @@ async def test_the_wal_stays_bounded_while_the_loop_never_stops_writing(tmp_path
         assert isinstance(await s.reserve(_req(i)), Reservation)
         if i == 45:
             one_cycle = wal.stat().st_size  # what one cycle's writes take in the WAL
-        await asyncio.sleep(0)  # the loop turns (the checkpoint's completion is seen) but never idles
+        await asyncio.sleep(
+            0
+        )  # the loop turns (the checkpoint's completion is seen) but never idles
     deadline = time.monotonic() + 30
     while s._conns._checkpoint is not None and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
@@ -116,8 +129,9 @@ async def test_the_wal_stays_bounded_while_the_loop_never_stops_writing(tmp_path
     await s.close()
 
 
-async def test_a_checkpoint_that_falls_behind_holds_the_loops_writes_back(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+async def test_a_checkpoint_that_falls_behind_holds_the_loops_writes_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The WAL bound must not depend on how fast the worker thread is scheduled: on a starved
     machine a checkpoint took as long as several cycles of the loop's writes (the WAL reached
     5.5 cycles' worth in CI). A checkpoint held here on the worker: the loop writes one more
@@ -167,7 +181,9 @@ async def test_calls_from_another_thread_use_the_worker(tmp_path: Path) -> None:
     await s.close()
 
 
-async def test_a_busy_failure_inside_a_transaction_is_rolled_back_before_the_retry(tmp_path: Path) -> None:
+async def test_a_busy_failure_inside_a_transaction_is_rolled_back_before_the_retry(
+    tmp_path: Path,
+) -> None:
     """Busy after BEGIN (a COMMIT refused): the loop's transaction is ended, the worker runs the
     call again from the start, and the loop's connection is clean for the next call."""
     s = await _store(tmp_path / "g.db")
@@ -175,7 +191,9 @@ async def test_a_busy_failure_inside_a_transaction_is_rolled_back_before_the_ret
 
     def fn(db: sqlite3.Connection) -> int:
         db.execute("BEGIN IMMEDIATE")
-        db.execute("INSERT INTO teams (id, default_tier, created_at) VALUES ('x', 'interactive', 0)")
+        db.execute(
+            "INSERT INTO teams (id, default_tier, created_at) VALUES ('x', 'interactive', 0)"
+        )
         if not tries:
             tries.append("loop")
             raise sqlite3.OperationalError("database is locked")  # as a refused COMMIT would
@@ -200,8 +218,19 @@ async def test_settle_now_writes_at_once_or_not_at_all(tmp_path: Path) -> None:
     s = await _store(db_path)
 
     def settlement(rid: str) -> Settlement:
-        return Settlement(None, UsageRecord(request_id=rid, team_id="t", key_id="k", model_requested="m",
-                                            model_used="m", tier="interactive", status="ok", prompt_tokens=3))  # fmt: skip
+        return Settlement(
+            None,
+            UsageRecord(
+                request_id=rid,
+                team_id="t",
+                key_id="k",
+                model_requested="m",
+                model_used="m",
+                tier="interactive",
+                status="ok",
+                prompt_tokens=3,
+            ),
+        )
 
     assert s.settle_now([settlement("a")])
     assert [r.request_id for r in await s.usage_records("t", 0, 1e12)] == ["a"]

@@ -40,16 +40,38 @@ async def _store(url: str) -> Store:
     return s
 
 
-def _req(team: str, tokens: int = 10, cost: float = 0.0, now: float | None = None, ttl: float = 600) -> ReserveRequest:
+def _req(
+    team: str, tokens: int = 10, cost: float = 0.0, now: float | None = None, ttl: float = 600
+) -> ReserveRequest:
     kw = {"now": now} if now is not None else {}
-    return ReserveRequest(team_id=team, key_id="k", request_id="r", tokens=tokens, cost_usd=cost, ttl_s=ttl, **kw)
+    return ReserveRequest(
+        team_id=team, key_id="k", request_id="r", tokens=tokens, cost_usd=cost, ttl_s=ttl, **kw
+    )
 
 
-def _settle(res: Reservation, team: str, tokens: int, cost: float, user: str | None = None,
-            request_id: str = "r") -> Settlement:  # fmt: skip
-    return Settlement(res.id, UsageRecord(request_id=request_id, team_id=team, key_id="k", model_requested="m",
-                                          model_used="m", tier="interactive", status="ok", prompt_tokens=tokens,
-                                          cost_usd=cost, user=user))  # fmt: skip
+def _settle(
+    res: Reservation,
+    team: str,
+    tokens: int,
+    cost: float,
+    user: str | None = None,
+    request_id: str = "r",
+) -> Settlement:
+    return Settlement(
+        res.id,
+        UsageRecord(
+            request_id=request_id,
+            team_id=team,
+            key_id="k",
+            model_requested="m",
+            model_used="m",
+            tier="interactive",
+            status="ok",
+            prompt_tokens=tokens,
+            cost_usd=cost,
+            user=user,
+        ),
+    )
 
 
 async def test_keys_are_stored_as_hashes(url: str) -> None:
@@ -69,7 +91,12 @@ async def test_update_team_sets_limits_and_keeps_the_rest(url: str) -> None:
     s = await _store(url)
     t = await s.create_team(Team(id="t", rpm=5, daily_budget_usd=1.0))
     got = await s.update_team(Team(id="t", tpm=100, default_tier="batch"))
-    assert got is not None and (got.rpm, got.tpm, got.daily_budget_usd, got.default_tier) == (None, 100, None, "batch")
+    assert got is not None and (got.rpm, got.tpm, got.daily_budget_usd, got.default_tier) == (
+        None,
+        100,
+        None,
+        "batch",
+    )
     assert got.created_at == t.created_at and await s.get_team("t") == got
     assert await s.update_team(Team(id="nobody", rpm=1)) is None
     await s.close()
@@ -91,7 +118,9 @@ async def test_stale_reservations_expire(url: str) -> None:
     s = await _store(url)
     await s.create_team(Team(id="t", max_concurrent=1, daily_budget_usd=1.0))
     t0 = 1_000_000.0
-    assert isinstance(await s.reserve(_req("t", cost=0.9, now=t0, ttl=30)), Reservation)  # its gateway "dies"
+    assert isinstance(
+        await s.reserve(_req("t", cost=0.9, now=t0, ttl=30)), Reservation
+    )  # its gateway "dies"
     refused = await s.reserve(_req("t", cost=0.2, now=t0 + 10))
     assert isinstance(refused, Refusal) and refused.kind == "concurrency"
     # past its TTL the dead booking no longer holds the slot or the budget
@@ -135,7 +164,9 @@ async def test_two_connections_share_one_limit(url: str) -> None:
     """Two stores on one database (as two gateway processes would be) never admit more than the limit."""
     a, b = await _store(url), await _store(url)
     await a.create_team(Team(id="t", tpm=1000))
-    results = await asyncio.gather(*[(a if i % 2 else b).reserve(_req("t", tokens=30)) for i in range(100)])
+    results = await asyncio.gather(
+        *[(a if i % 2 else b).reserve(_req("t", tokens=30)) for i in range(100)]
+    )
     admitted = [r for r in results if isinstance(r, Reservation)]
     assert len(admitted) == 1000 // 30
     await a.close()
@@ -144,7 +175,9 @@ async def test_two_connections_share_one_limit(url: str) -> None:
 
 def test_next_month() -> None:
     assert seconds_to_next_month(1796000000.0) == 1796083200 - 1796000000  # 2026-11-30 → 2026-12-01
-    assert seconds_to_next_month(1796083200.0 + 31 * 86400 - 1) == 1  # 2026-12-31 23:59:59 → 2027-01-01
+    assert (
+        seconds_to_next_month(1796083200.0 + 31 * 86400 - 1) == 1
+    )  # 2026-12-31 23:59:59 → 2027-01-01
 
 
 @pytest.mark.parametrize("group_by", [None, "model", "day", "team", "user"])
@@ -155,13 +188,20 @@ async def test_usage_grouping(url: str, group_by: str | None) -> None:
     assert isinstance(res, Reservation)
     await s.settle([_settle(res, "t", 7, 0.25)])
     rows = await s.usage("t", 0, 1e12, group_by)
-    assert len(rows) == 1 and rows[0]["requests"] == 1 and rows[0]["prompt_tokens"] == 7 and rows[0]["cost_usd"] == 0.25
+    assert (
+        len(rows) == 1
+        and rows[0]["requests"] == 1
+        and rows[0]["prompt_tokens"] == 7
+        and rows[0]["cost_usd"] == 0.25
+    )
     other = await s.usage("other", 0, 1e12, group_by)
     assert other == [] if group_by else other[0]["requests"] == 0
     await s.close()
 
 
-async def _settled(s: Store, team: str, tokens: int, cost: float, user: str | None, request_id: str) -> None:
+async def _settled(
+    s: Store, team: str, tokens: int, cost: float, user: str | None, request_id: str
+) -> None:
     res = await s.reserve(_req(team))
     assert isinstance(res, Reservation)
     await s.settle([_settle(res, team, tokens, cost, user, request_id)])
@@ -171,17 +211,25 @@ async def test_user_round_trips_and_groups(url: str) -> None:
     s = await _store(url)
     for team in ("t", "u"):
         await s.create_team(Team(id=team))
-    odd = "o'brien \"ü\" 🙂 " + "x" * 240  # quotes, non-ASCII, 256 characters: stored as given
+    odd = 'o\'brien "ü" 🙂 ' + "x" * 240  # quotes, non-ASCII, 256 characters: stored as given
     await _settled(s, "t", 5, 0.5, "alice", "r1")
     await _settled(s, "t", 7, 0.25, "alice", "r2")
     await _settled(s, "t", 11, 0.125, odd, "r3")
     await _settled(s, "t", 13, 0.0, None, "r4")
     await _settled(s, "u", 17, 1.0, "alice", "r5")  # another team's alice
     recs = await s.usage_records("t", 0, 1e12)
-    assert [(r.request_id, r.user) for r in recs] == [("r1", "alice"), ("r2", "alice"), ("r3", odd), ("r4", None)]
+    assert [(r.request_id, r.user) for r in recs] == [
+        ("r1", "alice"),
+        ("r2", "alice"),
+        ("r3", odd),
+        ("r4", None),
+    ]
     rows = await s.usage("t", 0, 1e12, "user")
     assert [(r["user"], r["requests"], r["prompt_tokens"], r["cost_usd"]) for r in rows] == [
-        (None, 1, 13, 0.0), ("alice", 2, 12, 0.75), (odd, 1, 11, 0.125)]  # fmt: skip
+        (None, 1, 13, 0.0),
+        ("alice", 2, 12, 0.75),
+        (odd, 1, 11, 0.125),
+    ]
     everyone = await s.usage(None, 0, 1e12, "user")
     assert [(r["user"], r["requests"]) for r in everyone] == [(None, 1), ("alice", 3), (odd, 1)]
     await s.close()
@@ -213,13 +261,20 @@ async def test_old_sqlite_file_gains_the_user_column(tmp_path: Path) -> None:
     await asyncio.gather(a.open(), b.open())
     await b.close()
     with sqlite3.connect(path) as db:
-        assert [r[1] for r in db.execute("PRAGMA table_info(usage)")][-3:] == ["user", "migrations", "leg_tokens"]
+        assert [r[1] for r in db.execute("PRAGMA table_info(usage)")][-3:] == [
+            "user",
+            "migrations",
+            "leg_tokens",
+        ]
     [old] = await a.usage_records(None, 0, 1e12)
     assert (old.request_id, old.user, old.nodes, old.prompt_tokens) == ("old-1", None, ["n1"], 3)
     assert (old.migrations, old.leg_tokens) == (0, [])  # a record from before stream migration
     await a.create_team(Team(id="t"))
     await _settled(a, "t", 5, 0.25, "alice", "new-1")
-    assert [(r["user"], r["requests"]) for r in await a.usage("t", 0, 1e12, "user")] == [(None, 1), ("alice", 1)]
+    assert [(r["user"], r["requests"]) for r in await a.usage("t", 0, 1e12, "user")] == [
+        (None, 1),
+        ("alice", 1),
+    ]
     await a.close()
     again = await _store(f"sqlite://{path}")  # already migrated: opens as is
     assert [r.user for r in await again.usage_records("t", 0, 1e12)] == [None, "alice"]
@@ -236,22 +291,37 @@ async def test_old_postgres_database_gains_the_user_column(postgres_db: str) -> 
         for column in ('"user"', "migrations", "leg_tokens"):
             await con.execute(f"ALTER TABLE usage DROP COLUMN {column}")
         await con.execute("ALTER TABLE reservations DROP COLUMN streamed_tokens")
-        await con.execute("INSERT INTO usage (request_id, team_id, key_id, model_requested, model_used, tier, status, "
-                          "endpoint, prompt_tokens, completion_tokens, cached_tokens, cost_usd, ttft_s, latency_s, "
-                          "nodes, created_at) VALUES ('old-1', 't', 'k', 'm', 'm', 'interactive', 'ok', 'chat', 3, 4, "
-                          "0, 0.5, 0.1, 0.2, '[\"n1\"]', 1000.0)")  # fmt: skip
+        await con.execute(
+            "INSERT INTO usage (request_id, team_id, key_id, model_requested, model_used, tier, status, "
+            "endpoint, prompt_tokens, completion_tokens, cached_tokens, cost_usd, ttft_s, latency_s, "
+            "nodes, created_at) VALUES ('old-1', 't', 'k', 'm', 'm', 'interactive', 'ok', 'chat', 3, 4, "
+            "0, 0.5, 0.1, 0.2, '[\"n1\"]', 1000.0)"
+        )
         s = await _store(postgres_db)
         [old] = await s.usage_records(None, 0, 1e12)
-        assert (old.request_id, old.user, old.nodes, old.migrations, old.leg_tokens) == ("old-1", None, ["n1"], 0, [])
+        assert (old.request_id, old.user, old.nodes, old.migrations, old.leg_tokens) == (
+            "old-1",
+            None,
+            ["n1"],
+            0,
+            [],
+        )
         await s.create_team(Team(id="t"))
         await _settled(s, "t", 5, 0.25, "alice", "new-1")
         assert [r.user for r in await s.usage_records("t", 0, 1e12)] == [None, "alice"]
-        assert await con.fetchval("SELECT count(*) FROM information_schema.columns WHERE table_name = "
-                                  "'reservations' AND column_name = 'streamed_tokens'") == 1  # fmt: skip
+        assert (
+            await con.fetchval(
+                "SELECT count(*) FROM information_schema.columns WHERE table_name = "
+                "'reservations' AND column_name = 'streamed_tokens'"
+            )
+            == 1
+        )
         # Up to date, a gateway's open takes no lock on usage (ALTER TABLE would wait for every
         # reader and writer of it: the deadlock the schema-only-when-missing rule avoids).
         async with con.transaction():
-            await con.execute("LOCK TABLE usage IN ROW EXCLUSIVE MODE")  # as a settling gateway holds it
+            await con.execute(
+                "LOCK TABLE usage IN ROW EXCLUSIVE MODE"
+            )  # as a settling gateway holds it
             late = await asyncio.wait_for(_store(postgres_db), timeout=30)
         await late.close()
         await s.close()
@@ -260,7 +330,9 @@ async def test_old_postgres_database_gains_the_user_column(postgres_db: str) -> 
 
 
 def _booked(tokens: int = 100, cost: float = 0.25) -> Booked:
-    return Booked(model="m", tier="interactive", endpoint="chat", prompt_tokens=tokens, prompt_cost_usd=cost)
+    return Booked(
+        model="m", tier="interactive", endpoint="chat", prompt_tokens=tokens, prompt_cost_usd=cost
+    )
 
 
 async def test_a_live_gateways_heartbeat_keeps_its_reservations(url: str) -> None:
@@ -268,8 +340,19 @@ async def test_a_live_gateways_heartbeat_keeps_its_reservations(url: str) -> Non
     s = await _store(url)
     await s.create_team(Team(id="t", max_concurrent=1))
     t0 = 2_000_000.0
-    res = await s.reserve(ReserveRequest(team_id="t", key_id="k", request_id="r", tokens=10, cost_usd=0.5,
-                                         ttl_s=30, now=t0, gateway_id="gw-a", booked=_booked()))  # fmt: skip
+    res = await s.reserve(
+        ReserveRequest(
+            team_id="t",
+            key_id="k",
+            request_id="r",
+            tokens=10,
+            cost_usd=0.5,
+            ttl_s=30,
+            now=t0,
+            gateway_id="gw-a",
+            booked=_booked(),
+        )
+    )
     assert isinstance(res, Reservation)
     await s.heartbeat("gw-a", 30, now=t0 + 25)  # renewed to t0 + 55
     assert await s.expire_reservations(now=t0 + 40) == 0
@@ -284,19 +367,32 @@ async def test_a_dead_gateways_reservations_are_reclaimed_and_billed(url: str) -
     await s.create_team(Team(id="t", max_concurrent=1, daily_budget_usd=1.0))
     t0 = time.time()
     await s.heartbeat("gw-dead", 900, now=t0)
-    res = await s.reserve(ReserveRequest(team_id="t", key_id="k", request_id="req-killed", tokens=10,
-                                         cost_usd=0.5, ttl_s=900, now=t0, gateway_id="gw-dead", booked=_booked()))  # fmt: skip
+    res = await s.reserve(
+        ReserveRequest(
+            team_id="t",
+            key_id="k",
+            request_id="req-killed",
+            tokens=10,
+            cost_usd=0.5,
+            ttl_s=900,
+            now=t0,
+            gateway_id="gw-dead",
+            booked=_booked(),
+        )
+    )
     assert isinstance(res, Reservation)
     await s.heartbeat("gw-live", 900, now=t0 + 12)
     assert await s.reclaim(12.5, now=t0 + 12) == 0  # not dead yet
     assert await s.reclaim(12.5, now=t0 + 13) == 1
     assert isinstance(await s.reserve(_req("t", now=t0 + 13)), Reservation)
     records = await s.usage_records("t", t0 - 1, t0 + 100)
-    assert [(r.request_id, r.status, r.prompt_tokens, r.cost_usd) for r in records] == \
-        [("req-killed", "expired", 100, 0.25)]  # fmt: skip
+    assert [(r.request_id, r.status, r.prompt_tokens, r.cost_usd) for r in records] == [
+        ("req-killed", "expired", 100, 0.25)
+    ]
     spent = await s.reserve(_req("t", cost=0.8, now=t0 + 14))  # 0.25 spent + 0.8 > 1.0
-    assert (isinstance(spent, Refusal) and spent.kind == "concurrency") or \
-        (isinstance(spent, Refusal) and spent.kind == "daily_budget")  # fmt: skip
+    assert (isinstance(spent, Refusal) and spent.kind == "concurrency") or (
+        isinstance(spent, Refusal) and spent.kind == "daily_budget"
+    )
     await s.close()
 
 
@@ -311,8 +407,19 @@ async def test_a_restarted_gateway_reclaims_its_previous_life_at_once(url: str) 
     t0 = time.time()
 
     async def book(team: str, gateway: str, rid: str) -> None:
-        res = await s.reserve(ReserveRequest(team_id=team, key_id="k", request_id=rid, tokens=10, cost_usd=0.5,
-                                             ttl_s=900, now=t0, gateway_id=gateway, booked=_booked()))  # fmt: skip
+        res = await s.reserve(
+            ReserveRequest(
+                team_id=team,
+                key_id="k",
+                request_id=rid,
+                tokens=10,
+                cost_usd=0.5,
+                ttl_s=900,
+                now=t0,
+                gateway_id=gateway,
+                booked=_booked(),
+            )
+        )
         assert isinstance(res, Reservation)
 
     for gw in ("gw_0/dead", "gw_0-1/live", "gwx0/live"):
@@ -321,9 +428,17 @@ async def test_a_restarted_gateway_reclaims_its_previous_life_at_once(url: str) 
     await book("u", "gw_0-1/live", "req-other")
     await book("v", "gwx0/live", "req-lookalike")  # 'gw_0' as a LIKE pattern would match 'gwx0'
     assert await s.reclaim_previous("gw_0", "gw_0/new", now=t0 + 1) == 1
-    assert isinstance(await s.reserve(_req("t", now=t0 + 1)), Reservation)  # the slot is free at once
-    assert [(r.request_id, r.status) for r in await s.usage_records("t", t0 - 1, t0 + 100)] == [("req-dead", "expired")]
-    assert await s.usage_records("u", t0 - 1, t0 + 100) == [] == await s.usage_records("v", t0 - 1, t0 + 100)
+    assert isinstance(
+        await s.reserve(_req("t", now=t0 + 1)), Reservation
+    )  # the slot is free at once
+    assert [(r.request_id, r.status) for r in await s.usage_records("t", t0 - 1, t0 + 100)] == [
+        ("req-dead", "expired")
+    ]
+    assert (
+        await s.usage_records("u", t0 - 1, t0 + 100)
+        == []
+        == await s.usage_records("v", t0 - 1, t0 + 100)
+    )
     assert await s.reclaim_previous("gw_0", "gw_0/new", now=t0 + 2) == 0
     await s.close()
 
@@ -333,12 +448,24 @@ async def test_an_expired_reservation_bills_its_prompt(url: str) -> None:
     await s.create_team(Team(id="t"))
     t0 = time.time()
     booked = dataclasses.replace(_booked(40, 0.1), user="end-user-7")
-    await s.reserve(ReserveRequest(team_id="t", key_id="k", request_id="req-lapsed", tokens=10, cost_usd=0.5,
-                                   ttl_s=5, now=t0, booked=booked))  # fmt: skip
+    await s.reserve(
+        ReserveRequest(
+            team_id="t",
+            key_id="k",
+            request_id="req-lapsed",
+            tokens=10,
+            cost_usd=0.5,
+            ttl_s=5,
+            now=t0,
+            booked=booked,
+        )
+    )
     assert await s.expire_reservations(now=t0 + 6) == 1
     records = await s.usage_records("t", t0 - 1, t0 + 100)
     # the request's `user` stays on its record (spend per end user; bench/chaos_usage.py matches by it)
-    assert [(r.status, r.prompt_tokens, r.cost_usd, r.user) for r in records] == [("expired", 40, 0.1, "end-user-7")]
+    assert [(r.status, r.prompt_tokens, r.cost_usd, r.user) for r in records] == [
+        ("expired", 40, 0.1, "end-user-7")
+    ]
     await s.close()
 
 
@@ -351,26 +478,63 @@ async def test_a_dead_gateways_streams_bill_what_they_had_sent(url: str) -> None
     await s.create_team(Team(id="t", tpm=1000))
     await s.create_team(Team(id="u"))
     t0 = time.time()
-    booked = dataclasses.replace(_booked(100, 0.25), completion_usd_per_mtok=10_000.0)  # 0.01 a token
+    booked = dataclasses.replace(
+        _booked(100, 0.25), completion_usd_per_mtok=10_000.0
+    )  # 0.01 a token
     await s.heartbeat("gw-dead", 900, now=t0)
     await s.heartbeat("gw-live", 900, now=t0)
-    dead = await s.reserve(ReserveRequest(team_id="t", key_id="k", request_id="req-stream", tokens=900, cost_usd=5.0,
-                                          ttl_s=900, now=t0, gateway_id="gw-dead", booked=booked))  # fmt: skip
-    live = await s.reserve(ReserveRequest(team_id="u", key_id="k", request_id="req-live", tokens=900, cost_usd=5.0,
-                                          ttl_s=900, now=t0, gateway_id="gw-live", booked=booked))  # fmt: skip
+    dead = await s.reserve(
+        ReserveRequest(
+            team_id="t",
+            key_id="k",
+            request_id="req-stream",
+            tokens=900,
+            cost_usd=5.0,
+            ttl_s=900,
+            now=t0,
+            gateway_id="gw-dead",
+            booked=booked,
+        )
+    )
+    live = await s.reserve(
+        ReserveRequest(
+            team_id="u",
+            key_id="k",
+            request_id="req-live",
+            tokens=900,
+            cost_usd=5.0,
+            ttl_s=900,
+            now=t0,
+            gateway_id="gw-live",
+            booked=booked,
+        )
+    )
     assert isinstance(dead, Reservation) and isinstance(live, Reservation)
-    await s.heartbeat("gw-dead", 900, now=t0 + 1, streamed={dead.id: 7, live.id: 50})  # live's is not its own
+    await s.heartbeat(
+        "gw-dead", 900, now=t0 + 1, streamed={dead.id: 7, live.id: 50}
+    )  # live's is not its own
     await s.heartbeat("gw-dead", 900, now=t0 + 2, streamed={dead.id: 5})  # late and lower: 7 stays
     await s.heartbeat("gw-live", 900, now=t0 + 14)
     assert await s.reclaim(12.5, now=t0 + 15) == 1
     [rec] = await s.usage_records("t", t0 - 1, t0 + 100)
-    assert (rec.request_id, rec.status, rec.prompt_tokens, rec.completion_tokens) == ("req-stream", "expired", 100, 7)
+    assert (rec.request_id, rec.status, rec.prompt_tokens, rec.completion_tokens) == (
+        "req-stream",
+        "expired",
+        100,
+        7,
+    )
     assert rec.cost_usd == pytest.approx(0.25 + 7 * 0.01)
     # the window keeps what was billed (prompt + streamed), not the 900 booked
     ok = await s.reserve(_req("t", tokens=1, now=t0 + 15))
-    assert isinstance(ok, Reservation) and ok.rate.remaining_tokens == 1000 - 107 - 1  # (this request's 1 too)
-    assert [r.completion_tokens for r in await s.usage_records("u", t0 - 1, t0 + 100)] == []  # live: in flight
-    assert await s.reclaim(1, now=t0 + 100) == 1  # gw-live dies too: its booking streamed nothing it reported
+    assert (
+        isinstance(ok, Reservation) and ok.rate.remaining_tokens == 1000 - 107 - 1
+    )  # (this request's 1 too)
+    assert [
+        r.completion_tokens for r in await s.usage_records("u", t0 - 1, t0 + 100)
+    ] == []  # live: in flight
+    assert (
+        await s.reclaim(1, now=t0 + 100) == 1
+    )  # gw-live dies too: its booking streamed nothing it reported
     [other] = await s.usage_records("u", t0 - 1, t0 + 200)
     assert (other.completion_tokens, other.cost_usd) == (0, 0.25)
     await s.close()
@@ -387,8 +551,13 @@ async def test_an_expired_booking_of_an_older_version_bills_its_prompt(tmp_path:
     s = await _store(f"sqlite://{path}")
     assert await s.reclaim(10, now=OLD_T0 + 60) == 1
     [rec] = await s.usage_records("t", 0, 1e12)
-    assert (rec.request_id, rec.status, rec.prompt_tokens, rec.completion_tokens, rec.cost_usd) == \
-        ("req-old", "expired", 40, 0, 0.1)  # fmt: skip
+    assert (rec.request_id, rec.status, rec.prompt_tokens, rec.completion_tokens, rec.cost_usd) == (
+        "req-old",
+        "expired",
+        40,
+        0,
+        0.1,
+    )
     await s.close()
     with sqlite3.connect(path) as db:
         assert "streamed_tokens" in [r[1] for r in db.execute("PRAGMA table_info(reservations)")]

@@ -18,12 +18,22 @@ from tests.wait import until
 
 
 def admission(**kw: object) -> Admission:
-    cfg = TierConfig(**{"max_inflight": 1, "interactive_queue": 2, "batch_queue": 1, "interactive_max_wait_s": 5.0,
-                        "batch_max_wait_s": 5.0, **kw})  # type: ignore[arg-type]  # fmt: skip
+    cfg = TierConfig(
+        **{
+            "max_inflight": 1,
+            "interactive_queue": 2,
+            "batch_queue": 1,
+            "interactive_max_wait_s": 5.0,
+            "batch_max_wait_s": 5.0,
+            **kw,
+        }
+    )  # type: ignore[arg-type]
     return Admission(cfg, GatewayMetrics())
 
 
-async def _hold(a: Admission, tier: str, order: list[str], name: str, release: asyncio.Event) -> None:
+async def _hold(
+    a: Admission, tier: str, order: list[str], name: str, release: asyncio.Event
+) -> None:
     async with a.slot(tier):
         order.append(name)
         await release.wait()
@@ -63,7 +73,9 @@ async def test_full_queue_and_max_wait() -> None:
     release = asyncio.Event()
     holder = asyncio.ensure_future(_hold(a, "interactive", [], "h", release))
     await until(lambda: a.running == 1)
-    waiters = [asyncio.ensure_future(_hold(a, "interactive", [], f"w{i}", release)) for i in range(2)]
+    waiters = [
+        asyncio.ensure_future(_hold(a, "interactive", [], f"w{i}", release)) for i in range(2)
+    ]
     await until(lambda: a.depth("interactive") == 2)
     with pytest.raises(Shed, match="queue is full"):
         async with a.slot("interactive"):
@@ -96,23 +108,57 @@ async def test_cancelled_waiter_leaks_nothing() -> None:
 async def test_saturated_gateway_sheds_batch_first(tiny_llama: Path, tmp_path: Path) -> None:
     """Through a real gateway (one slot): while an interactive request waits, a batch request is
     refused at once with 503 + Retry-After; the waiting interactive one is served."""
-    both = duet_node("both", tiny_llama, tmp_path, "--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024")
-    g = gateway_proc(tmp_path, {MODEL: tiny_model(tiny_llama, both=[both.url])},
-                     tiers={"max_inflight": 1, "interactive_max_wait_s": 120})  # fmt: skip
+    both = duet_node(
+        "both",
+        tiny_llama,
+        tmp_path,
+        "--dtype",
+        "float32",
+        "--kv-blocks",
+        "256",
+        "--max-model-len",
+        "1024",
+    )
+    g = gateway_proc(
+        tmp_path,
+        {MODEL: tiny_model(tiny_llama, both=[both.url])},
+        tiers={"max_inflight": 1, "interactive_max_wait_s": 120},
+    )
     with running(both, g):
         key = make_team(g.url, "t")
         auth = {"Authorization": f"Bearer {key}"}
-        long = {"model": MODEL, "prompt": "hold the slot", "max_tokens": 600, "ignore_eos": True, "stream": True}
+        long = {
+            "model": MODEL,
+            "prompt": "hold the slot",
+            "max_tokens": 600,
+            "ignore_eos": True,
+            "stream": True,
+        }
         async with aiohttp.ClientSession() as s:
             holder = await s.post(g.url + "/v1/completions", json=long, headers=auth)
             assert holder.status == 200
-            waiting = asyncio.ensure_future(s.post(g.url + "/v1/completions", headers=auth,
-                                                   json={"model": MODEL, "prompt": "next", "max_tokens": 2}))  # fmt: skip
-            await until(lambda: http(g.url + "/health", key=None)[2]["waiting"]["interactive"] == 1, timeout=60)
-            async with s.post(g.url + "/v1/completions", headers={**auth, "x-duet-tier": "batch"},
-                              json={"model": MODEL, "prompt": "batch", "max_tokens": 2}) as r:  # fmt: skip
+            waiting = asyncio.ensure_future(
+                s.post(
+                    g.url + "/v1/completions",
+                    headers=auth,
+                    json={"model": MODEL, "prompt": "next", "max_tokens": 2},
+                )
+            )
+            await until(
+                lambda: http(g.url + "/health", key=None)[2]["waiting"]["interactive"] == 1,
+                timeout=60,
+            )
+            async with s.post(
+                g.url + "/v1/completions",
+                headers={**auth, "x-duet-tier": "batch"},
+                json={"model": MODEL, "prompt": "batch", "max_tokens": 2},
+            ) as r:
                 err = await r.json()
-                assert r.status == 503 and err["error"]["code"] == "overloaded" and int(r.headers["Retry-After"]) >= 1
+                assert (
+                    r.status == 503
+                    and err["error"]["code"] == "overloaded"
+                    and int(r.headers["Retry-After"]) >= 1
+                )
             assert metric(g.url, "duet:gateway_queue_depth") == 1
             async for _ in holder.content:
                 pass

@@ -18,38 +18,71 @@ NAMES = ("get_weather", "search")
 
 # (model output, expected: list of ("text", str) | ("call", name, arguments as a dict))
 HERMES = [
-    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
-     [("call", "get_weather", {"city": "Paris", "unit": "celsius"})]),
-    ('Let me check.\n<tool_call>\n{"name": "search", "arguments": {"q": "duet"}}\n</tool_call>\n'
-     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
-     [("text", "Let me check.\n"), ("call", "search", {"q": "duet"}), ("text", "\n"),
-      ("call", "get_weather", {"city": "Oslo"})]),
+    (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+        [("call", "get_weather", {"city": "Paris", "unit": "celsius"})],
+    ),
+    (
+        'Let me check.\n<tool_call>\n{"name": "search", "arguments": {"q": "duet"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+        [
+            ("text", "Let me check.\n"),
+            ("call", "search", {"q": "duet"}),
+            ("text", "\n"),
+            ("call", "get_weather", {"city": "Oslo"}),
+        ],
+    ),
     # cut by max_tokens inside the block: text, never half JSON
-    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
-     [("text", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')]),
+    (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
+        [("text", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par')],
+    ),
     # the model stopped before the closing tag, the call whole: a call
-    ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n',
-     [("call", "get_weather", {"city": "Rome"})]),
+    (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n',
+        [("call", "get_weather", {"city": "Rome"})],
+    ),
     # a function nobody offered
-    ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
-     [("text", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>')]),
+    (
+        '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+        [("text", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>')],
+    ),
     # arguments as a JSON string (some fine-tunes write that)
-    ('<tool_call>{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}</tool_call>', [("call", "search", {"q": "x"})]),
+    (
+        '<tool_call>{"name": "search", "arguments": "{\\"q\\": \\"x\\"}"}</tool_call>',
+        [("call", "search", {"q": "x"})],
+    ),
     ("The weather is fine. <tool", [("text", "The weather is fine. <tool")]),
     ("a < b and <tool_cal is not a tag", [("text", "a < b and <tool_cal is not a tag")]),
-    ('<tool_call>{"name": "search", "arguments": [1]}</tool_call>',
-     [("text", '<tool_call>{"name": "search", "arguments": [1]}</tool_call>')]),
+    (
+        '<tool_call>{"name": "search", "arguments": [1]}</tool_call>',
+        [("text", '<tool_call>{"name": "search", "arguments": [1]}</tool_call>')],
+    ),
 ]
 
 LLAMA = [
-    ('{"name": "get_weather", "parameters": {"city": "Paris"}}', [("call", "get_weather", {"city": "Paris"})]),
-    ('<|python_tag|>{"name": "search", "parameters": {"q": "duet"}}', [("call", "search", {"q": "duet"})]),
-    ('{"name": "search", "parameters": {"q": "a"}}; {"name": "get_weather", "parameters": {"city": "b"}}',
-     [("call", "search", {"q": "a"}), ("call", "get_weather", {"city": "b"})]),
-    ('  {"name": "get_weather", "parameters": {"city": "Pa', [("text", '  {"name": "get_weather", "parameters": {"city": "Pa')]),
+    (
+        '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        [("call", "get_weather", {"city": "Paris"})],
+    ),
+    (
+        '<|python_tag|>{"name": "search", "parameters": {"q": "duet"}}',
+        [("call", "search", {"q": "duet"})],
+    ),
+    (
+        '{"name": "search", "parameters": {"q": "a"}}; {"name": "get_weather", "parameters": {"city": "b"}}',
+        [("call", "search", {"q": "a"}), ("call", "get_weather", {"city": "b"})],
+    ),
+    (
+        '  {"name": "get_weather", "parameters": {"city": "Pa',
+        [("text", '  {"name": "get_weather", "parameters": {"city": "Pa')],
+    ),
     ("Paris is sunny today.", [("text", "Paris is sunny today.")]),
     ('{"answer": 42}', [("text", '{"answer": 42}')]),
-    ('{"name": "search", "parameters": {"q": "a"}}; not json', [("text", '{"name": "search", "parameters": {"q": "a"}}; not json')]),
+    (
+        '{"name": "search", "parameters": {"q": "a"}}; not json',
+        [("text", '{"name": "search", "parameters": {"q": "a"}}; not json')],
+    ),
 ]
 
 
@@ -67,7 +100,11 @@ def _collapse(events: list[Event]) -> list[tuple[object, ...]]:
         else:
             assert isinstance(e, CallArgs) and out and out[-1][0] == "call"
             out[-1] = ("call", out[-1][1], str(out[-1][2]) + e.text)
-    return [(k, n, json.loads(a)) if k == "call" else (k, n) for k, n, *rest in out for a in (rest or [None])]
+    return [
+        (k, n, json.loads(a)) if k == "call" else (k, n)
+        for k, n, *rest in out
+        for a in (rest or [None])
+    ]
 
 
 def _run(parser: ToolParser, pieces: list[str]) -> list[tuple[object, ...]]:
@@ -97,8 +134,13 @@ def test_text_streams_without_waiting_for_the_end() -> None:
 
 
 def test_format_from_the_template_or_the_config() -> None:
-    assert detect(None).name == "hermes"  # SmolLM2: no tools in its template → the generic prompt, Hermes
-    assert detect("{% if tools %}<tool_call>{{ tool | tojson }}</tool_call>{% endif %}").name == "hermes"
+    assert (
+        detect(None).name == "hermes"
+    )  # SmolLM2: no tools in its template → the generic prompt, Hermes
+    assert (
+        detect("{% if tools %}<tool_call>{{ tool | tojson }}</tool_call>{% endif %}").name
+        == "hermes"
+    )
     assert detect("{{- '<|python_tag|>' }}{% for t in tools %}{% endfor %}").name == "llama3_json"
     assert tool_format("llama3_json", "<tool_call>").name == "llama3_json"
     assert set(FORMATS) == {"hermes", "llama3_json"}

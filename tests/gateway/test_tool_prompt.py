@@ -78,15 +78,35 @@ LLAMA_STYLE = """{{- bos_token }}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"""
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
-                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}  # fmt: skip
-BODY = {"model": "m", "tools": [WEATHER], "messages": [
-    {"role": "system", "content": "Be brief."},
-    {"role": "user", "content": "Weather in Paris?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-    {"role": "tool", "tool_call_id": "call_1", "content": "21 C, clear"},
-    {"role": "user", "content": "And tomorrow?"}]}  # fmt: skip
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+BODY = {
+    "model": "m",
+    "tools": [WEATHER],
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 C, clear"},
+        {"role": "user", "content": "And tomorrow?"},
+    ],
+}
 
 
 def test_a_template_with_tools_renders_as_transformers_does(smollm2: Path) -> None:
@@ -98,15 +118,26 @@ def test_a_template_with_tools_renders_as_transformers_does(smollm2: Path) -> No
     assert req.messages is not None
     text = render(ours, req.messages, plan_for(req.tools, None, QWEN_STYLE))
     hf_messages = json.loads(json.dumps(BODY["messages"]))
-    hf_messages[2]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}  # HF templates take objects
-    want = hf.apply_chat_template(hf_messages, tools=[WEATHER], chat_template=QWEN_STYLE, tokenize=False,
-                                  add_generation_prompt=True)  # fmt: skip
+    hf_messages[2]["tool_calls"][0]["function"]["arguments"] = {
+        "city": "Paris"
+    }  # HF templates take objects
+    want = hf.apply_chat_template(
+        hf_messages,
+        tools=[WEATHER],
+        chat_template=QWEN_STYLE,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert text == want
-    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    )
     assert json.dumps(WEATHER) in text  # the tool as the client sent it (no nulls added)
 
 
-def test_a_llama_style_template_renders_as_transformers_does_and_picks_llama_json(smollm2: Path) -> None:
+def test_a_llama_style_template_renders_as_transformers_does_and_picks_llama_json(
+    smollm2: Path,
+) -> None:
     """Llama 3.1's way: the template renders the tools (HF's oracle), the format is detected as
     Llama 3.1 JSON, and that format's parser and forced-choice guide are the plan's."""
     transformers = pytest.importorskip("transformers")
@@ -120,17 +151,30 @@ def test_a_llama_style_template_renders_as_transformers_does_and_picks_llama_jso
     text = render(ours, req.messages, plan)
     hf_messages = json.loads(json.dumps(BODY["messages"]))
     hf_messages[2]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
-    want = hf.apply_chat_template(hf_messages, tools=[WEATHER], chat_template=LLAMA_STYLE, tokenize=False,
-                                  add_generation_prompt=True)  # fmt: skip
+    want = hf.apply_chat_template(
+        hf_messages,
+        tools=[WEATHER],
+        chat_template=LLAMA_STYLE,
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert text == want
     assert json.dumps(WEATHER, indent=4) in text and "Weather in Paris?<|eot_id|>" in text
-    assert '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}<|eom_id|>' in text
-    assert '<|start_header_id|>ipython<|end_header_id|>\n\n{"output": "21 C, clear"}<|eot_id|>' in text
+    assert (
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}<|eom_id|>' in text
+    )
+    assert (
+        '<|start_header_id|>ipython<|end_header_id|>\n\n{"output": "21 C, clear"}<|eot_id|>' in text
+    )
     # what such a model answers is parsed as Llama 3.1 JSON, whole or streamed
     parser = plan.parser()
-    events = parser.feed('<|python_tag|>{"name": "get_weather", ') + parser.feed('"parameters": {"city": "Rome"}}')
+    events = parser.feed('<|python_tag|>{"name": "get_weather", ') + parser.feed(
+        '"parameters": {"city": "Rome"}}'
+    )
     events += parser.finish()
-    assert [type(e).__name__ for e in events][:1] == ["CallStart"] and events[0].name == "get_weather"  # type: ignore[union-attr]
+    assert [type(e).__name__ for e in events][:1] == ["CallStart"] and events[
+        0
+    ].name == "get_weather"  # type: ignore[union-attr]
     assert json.loads("".join(e.text for e in events[1:])) == {"city": "Rome"}  # type: ignore[union-attr]
     # required: the guide makes the model write Llama's {"name", "parameters"}
     required = parse_chat(json.dumps({**BODY, "tool_choice": "required"}).encode())
@@ -141,8 +185,9 @@ def test_a_llama_style_template_renders_as_transformers_does_and_picks_llama_jso
     assert none.messages is not None
     plain = render(ours, none.messages, plan_for(none.tools, None, LLAMA_STYLE))
     assert "Environment: ipython" not in plain and json.dumps(WEATHER, indent=4) not in plain
-    assert plain == hf.apply_chat_template(hf_messages, chat_template=LLAMA_STYLE, tokenize=False,
-                                           add_generation_prompt=True)  # fmt: skip
+    assert plain == hf.apply_chat_template(
+        hf_messages, chat_template=LLAMA_STYLE, tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_smollm2_gets_the_generic_hermes_prompt(smollm2: Path) -> None:
@@ -151,10 +196,15 @@ def test_smollm2_gets_the_generic_hermes_prompt(smollm2: Path) -> None:
     assert req.messages is not None
     text = render(tok, req.messages, plan_for(req.tools, None, tok.chat_template))
     system = text.split("<|im_end|>")[0]
-    assert system.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n") and json.dumps(WEATHER) in system
+    assert (
+        system.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
+        and json.dumps(WEATHER) in system
+    )
     assert "<tool_call>" in system  # how to call
-    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-            "</tool_call><|im_end|>") in text  # fmt: skip
+    assert (
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        "</tool_call><|im_end|>"
+    ) in text
     assert "<|im_start|>user\n<tool_response>\n21 C, clear\n</tool_response><|im_end|>" in text
     assert text.endswith("<|im_start|>user\nAnd tomorrow?<|im_end|>\n<|im_start|>assistant\n")
     # tool_choice none: no tools in the prompt, the past call still rendered
@@ -175,4 +225,6 @@ def test_a_template_that_only_mentions_tools_gets_the_generic_prompt(smollm2: Pa
     text = render(tok, req.messages, plan_for(req.tools, None, tok.chat_template))
     assert "# Tools" in text and json.dumps(WEATHER) in text  # the tools reach the model
     assert template_has_tools(QWEN_STYLE) and template_has_tools(LLAMA_STYLE)
-    assert template_has_tools("{% if custom_tools is defined %}{% set tools = custom_tools %}{% endif %}{{ tools }}")
+    assert template_has_tools(
+        "{% if custom_tools is defined %}{% set tools = custom_tools %}{% endif %}{{ tools }}"
+    )

@@ -47,12 +47,25 @@ def synthetic(n: int, seed: int = 7) -> list[UsageRecord]:
             if rnd.random() < 0.2
             else rnd.uniform(0.01, 2)
         )
-        out.append(UsageRecord(request_id=f"r{i}", team_id=rnd.choice(TEAMS), key_id="k", model_requested=rnd.choice(MODELS),
-                               model_used="x", tier=rnd.choice(TIERS), status="error" if rnd.random() < 0.1 else "ok",
-                               prompt_tokens=rnd.randint(1, 900),
-                               completion_tokens=rnd.randint(0, 300), cached_tokens=rnd.randint(0, 64),
-                               cost_usd=rnd.randint(0, 4096) / 1024, ttft_s=ttft, latency_s=rnd.choice((1.0, 2.5, rnd.uniform(0.05, 5))),
-                               created_at=DAY0 + rnd.uniform(0, 3 * 86400), user=rnd.choice(USERS)))  # fmt: skip
+        out.append(
+            UsageRecord(
+                request_id=f"r{i}",
+                team_id=rnd.choice(TEAMS),
+                key_id="k",
+                model_requested=rnd.choice(MODELS),
+                model_used="x",
+                tier=rnd.choice(TIERS),
+                status="error" if rnd.random() < 0.1 else "ok",
+                prompt_tokens=rnd.randint(1, 900),
+                completion_tokens=rnd.randint(0, 300),
+                cached_tokens=rnd.randint(0, 64),
+                cost_usd=rnd.randint(0, 4096) / 1024,
+                ttft_s=ttft,
+                latency_s=rnd.choice((1.0, 2.5, rnd.uniform(0.05, 5))),
+                created_at=DAY0 + rnd.uniform(0, 3 * 86400),
+                user=rnd.choice(USERS),
+            )
+        )
     return out
 
 
@@ -62,9 +75,13 @@ def nearest_rank(xs: list[float], tenths: int) -> float | None:
     return xs[min(len(xs), len(xs) * tenths // 10 + 1) - 1] if xs else None
 
 
-GROUP = {"day": ("date", lambda r: time.strftime("%Y-%m-%d", time.gmtime(r.created_at))),
-         "team": ("team_id", lambda r: r.team_id), "model": ("model", lambda r: r.model_requested),
-         "tier": ("tier", lambda r: r.tier), "user": ("user", lambda r: r.user)}  # fmt: skip
+GROUP = {
+    "day": ("date", lambda r: time.strftime("%Y-%m-%d", time.gmtime(r.created_at))),
+    "team": ("team_id", lambda r: r.team_id),
+    "model": ("model", lambda r: r.model_requested),
+    "tier": ("tier", lambda r: r.tier),
+    "user": ("user", lambda r: r.user),
+}
 
 
 def reference(
@@ -82,10 +99,19 @@ def reference(
         rs = groups[k]
         ttfts = [r.ttft_s for r in rs if r.ttft_s is not None]
         p, c = sum(r.prompt_tokens for r in rs), sum(r.completion_tokens for r in rs)
-        rows.append({**({name: k} if group_by else {}), "requests": len(rs), "prompt_tokens": p,
-                     "completion_tokens": c, "cached_tokens": sum(r.cached_tokens for r in rs), "total_tokens": p + c,
-                     "cost_usd": round(sum(r.cost_usd for r in rs), 10), "ttft_p50_s": nearest_rank(ttfts, 5),
-                     "ttft_p90_s": nearest_rank(ttfts, 9)})  # fmt: skip
+        rows.append(
+            {
+                **({name: k} if group_by else {}),
+                "requests": len(rs),
+                "prompt_tokens": p,
+                "completion_tokens": c,
+                "cached_tokens": sum(r.cached_tokens for r in rs),
+                "total_tokens": p + c,
+                "cost_usd": round(sum(r.cost_usd for r in rs), 10),
+                "ttft_p50_s": nearest_rank(ttfts, 5),
+                "ttft_p90_s": nearest_rank(ttfts, 9),
+            }
+        )
     return rows
 
 
@@ -118,11 +144,33 @@ async def test_percentile_ranks_at_small_counts(url: str) -> None:
     s = open_store(url)
     await s.open()
     try:
-        records = [UsageRecord(request_id=f"r{n}-{i}", team_id=f"t{n}", key_id="k", model_requested="m", model_used="m",
-                               tier="interactive", status="ok", ttft_s=(i + 1) / 100, created_at=DAY0 + i)
-                   for n in range(1, 12) for i in range(n)]  # fmt: skip
-        records.append(UsageRecord(request_id="none", team_id="t0", key_id="k", model_requested="m", model_used="m",
-                                   tier="interactive", status="error", created_at=DAY0))  # fmt: skip
+        records = [
+            UsageRecord(
+                request_id=f"r{n}-{i}",
+                team_id=f"t{n}",
+                key_id="k",
+                model_requested="m",
+                model_used="m",
+                tier="interactive",
+                status="ok",
+                ttft_s=(i + 1) / 100,
+                created_at=DAY0 + i,
+            )
+            for n in range(1, 12)
+            for i in range(n)
+        ]
+        records.append(
+            UsageRecord(
+                request_id="none",
+                team_id="t0",
+                key_id="k",
+                model_requested="m",
+                model_used="m",
+                tier="interactive",
+                status="error",
+                created_at=DAY0,
+            )
+        )
         await fill(s, records)
         rows = {r["team_id"]: r for r in await s.usage(None, DAY0, DAY0 + 86400, "team")}
         assert (rows["t0"]["ttft_p50_s"], rows["t0"]["ttft_p90_s"]) == (None, None)

@@ -38,8 +38,19 @@ class FlakyStore(SqliteStore):
 
 
 def _settlement(i: int) -> Settlement:
-    return Settlement(None, UsageRecord(request_id=f"r{i}", team_id="t", key_id="k", model_requested="m",
-                                        model_used="m", tier="interactive", status="ok", prompt_tokens=3))  # fmt: skip
+    return Settlement(
+        None,
+        UsageRecord(
+            request_id=f"r{i}",
+            team_id="t",
+            key_id="k",
+            model_requested="m",
+            model_used="m",
+            tier="interactive",
+            status="ok",
+            prompt_tokens=3,
+        ),
+    )
 
 
 async def _records(store: SqliteStore) -> list[str]:
@@ -82,8 +93,9 @@ async def test_a_stop_flushes_the_batch_being_retried(tmp_path: Path) -> None:
     await store.close()
 
 
-async def test_what_the_store_still_refuses_at_shutdown_is_logged(tmp_path: Path, caplog: pytest.LogCaptureFixture,
-                                                                   monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+async def test_what_the_store_still_refuses_at_shutdown_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(usage_writer, "FLUSH_S", 0.1, raising=False)
     store = FlakyStore(tmp_path / "g.db", failures=10_000)
     await store.open()

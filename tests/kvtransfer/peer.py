@@ -52,7 +52,9 @@ async def main(argv: list[str]) -> int:
     ap.add_argument("--engine-id", required=True)
     ap.add_argument("--seed", type=int, required=True)
     ap.add_argument("--layout", default="{}", help="JSON overrides of TEST_LAYOUT fields")
-    ap.add_argument("--secret", default=None, help="the cluster secret its handshake proves (tcp, ucx)")
+    ap.add_argument(
+        "--secret", default=None, help="the cluster secret its handshake proves (tcp, ucx)"
+    )
     args = ap.parse_args(argv)
 
     layout = msgspec.structs.replace(TEST_LAYOUT, **json.loads(args.layout))

@@ -20,7 +20,11 @@ START_TIMEOUT = 30.0
 
 class PeerProcess:
     def __init__(
-        self, backend: str, engine_id: str, seed: int, layout: dict[str, Any] | None = None,
+        self,
+        backend: str,
+        engine_id: str,
+        seed: int,
+        layout: dict[str, Any] | None = None,
         secret: str | None = None,
     ) -> None:
         self.engine_id = engine_id
@@ -30,13 +34,25 @@ class PeerProcess:
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         self.proc = subprocess.Popen(
             [
-                sys.executable, "-m", "tests.kvtransfer.peer",
-                "--backend", backend, "--engine-id", engine_id, "--seed", str(seed),
-                "--layout", json.dumps(layout or {}),
+                sys.executable,
+                "-m",
+                "tests.kvtransfer.peer",
+                "--backend",
+                backend,
+                "--engine-id",
+                engine_id,
+                "--seed",
+                str(seed),
+                "--layout",
+                json.dumps(layout or {}),
                 *(("--secret", secret) if secret else ()),
             ],
-            cwd=REPO, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-        )  # fmt: skip
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+        )
         self.port = self._wait_ready()
         # Keep draining stdout so a chatty library can never block the peer on a full pipe.
         threading.Thread(target=self._drain, daemon=True).start()

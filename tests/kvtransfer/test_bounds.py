@@ -21,10 +21,15 @@ async def test_notification_queue_is_bounded() -> None:
             t._deliver(Notification(engine_id="P", message=str(i).encode()))
         got = t.drain_notifications()
     assert len(got) == base.MAX_QUEUED_NOTIFICATIONS and t.notifications_dropped == 10
-    assert got[0].message == b"10" and got[-1].message == str(base.MAX_QUEUED_NOTIFICATIONS + 9).encode()
+    assert (
+        got[0].message == b"10"
+        and got[-1].message == str(base.MAX_QUEUED_NOTIFICATIONS + 9).encode()
+    )
 
 
-async def test_peers_are_lru_bounded_and_locks_do_not_accumulate(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_peers_are_lru_bounded_and_locks_do_not_accumulate(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(base, "MAX_PEERS", 2)
     owners = [make_transport("tcp", engine_id=f"P{i}") for i in range(3)]
     pools = [HostPool(TEST_LAYOUT, i) for i in range(4)]
@@ -45,7 +50,10 @@ async def test_peers_are_lru_bounded_and_locks_do_not_accumulate(monkeypatch: py
 
 async def test_a_late_write_surfaces_as_settled(monkeypatch: pytest.MonkeyPatch) -> None:
     owner_pool, reader_pool = HostPool(TEST_LAYOUT, 1), HostPool(TEST_LAYOUT, 2)
-    async with make_transport("tcp", engine_id="P") as owner, make_transport("tcp", engine_id="D") as reader:
+    async with (
+        make_transport("tcp", engine_id="P") as owner,
+        make_transport("tcp", engine_id="D") as reader,
+    ):
         await owner.register_pool(owner_pool.base, TEST_LAYOUT)
         await reader.register_pool(reader_pool.base, TEST_LAYOUT)
         peer = await reader.add_peer(owner.metadata())

@@ -54,10 +54,14 @@ async def _polls_in(t: nt.NixlTransport, seconds: float) -> int:
 async def _until_idle(t: nt.NixlTransport) -> None:
     while time.monotonic() < t._busy_until:
         await asyncio.sleep(0.05)
-    await asyncio.sleep(0.5)  # the interval has doubled up to its cap by now (2 ms → 50 ms in 5 polls)
+    await asyncio.sleep(
+        0.5
+    )  # the interval has doubled up to its cap by now (2 ms → 50 ms in 5 polls)
 
 
-async def test_idle_poller_backs_off_and_wakes_on_metadata_and_leases(transport: nt.NixlTransport) -> None:
+async def test_idle_poller_backs_off_and_wakes_on_metadata_and_leases(
+    transport: nt.NixlTransport,
+) -> None:
     await _until_idle(transport)
     idle = await _polls_in(transport, 1.0)
     assert idle <= 1.0 / 0.05 + 5, idle  # at most one poll per idle interval (was 2 ms: ~500)

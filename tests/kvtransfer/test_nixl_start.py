@@ -36,6 +36,7 @@ def _failing_first(api: ModuleType, failures: int) -> tuple[SimpleNamespace, lis
         agent = api.nixl_agent(name, config)
         made.append(name)
         if len(made) <= failures:
+
             def create_backend(*_: Any) -> None:
                 raise RuntimeError("NIXL_ERR_BACKEND: UCX endpoint create failed (injected)")
 
@@ -45,7 +46,9 @@ def _failing_first(api: ModuleType, failures: int) -> tuple[SimpleNamespace, lis
     return SimpleNamespace(nixl_agent=nixl_agent, nixl_agent_config=api.nixl_agent_config), made
 
 
-async def test_a_backend_that_fails_once_is_started_again(api: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_backend_that_fails_once_is_started_again(
+    api: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
     flaky, made = _failing_first(api, 1)
     monkeypatch.setattr(nt, "import_nixl", lambda: flaky)
     monkeypatch.setattr(nt, "AGENT_RETRY_DELAY_S", 0.01)

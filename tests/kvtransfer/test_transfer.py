@@ -46,7 +46,9 @@ SLACK = 1.5
 def backend(request: pytest.FixtureRequest) -> str:
     reason = unavailable_reason(request.param)
     if reason is not None:  # in CI (strict mode) a backend that cannot run is a failure, not a skip
-        (pytest.fail if strict_mode() else pytest.skip)(f"{request.param} backend not usable here: {reason}")
+        (pytest.fail if strict_mode() else pytest.skip)(
+            f"{request.param} backend not usable here: {reason}"
+        )
     return request.param
 
 
@@ -119,9 +121,12 @@ async def connect(reader: Transport, http: aiohttp.ClientSession, p: PeerProcess
 
 
 async def test_read_three_blocks_byte_identical(
-    reader: Transport, pool: HostPool, owner: PeerProcess, http: aiohttp.ClientSession,
+    reader: Transport,
+    pool: HostPool,
+    owner: PeerProcess,
+    http: aiohttp.ClientSession,
     registry: CollectorRegistry,
-) -> None:  # fmt: skip
+) -> None:
     peer = await connect(reader, http, owner)
     assert peer.engine_id == owner.engine_id
     await reader.read(peer, [3, 7, 9], [1, 2, 5], timeout=10)
@@ -149,9 +154,12 @@ async def test_read_256_non_contiguous_blocks(
 
 
 async def test_two_peers_read_concurrently_into_one_pool(
-    reader: Transport, pool: HostPool, owner: PeerProcess, http: aiohttp.ClientSession,
+    reader: Transport,
+    pool: HostPool,
+    owner: PeerProcess,
+    http: aiohttp.ClientSession,
     spawn: Callable[..., PeerProcess],
-) -> None:  # fmt: skip
+) -> None:
     other = spawn("P-other", 3)
     a, b = await asyncio.gather(connect(reader, http, owner), connect(reader, http, other))
     # Interleaved destinations: any mix-up between the two streams lands in a neighbour.
@@ -208,9 +216,11 @@ async def test_out_of_range_and_malformed_ids_refused_before_transfer(
 
 
 async def test_layout_mismatch_refused_naming_each_difference(
-    reader: Transport, pool: HostPool, http: aiohttp.ClientSession,
+    reader: Transport,
+    pool: HostPool,
+    http: aiohttp.ClientSession,
     spawn: Callable[..., PeerProcess],
-) -> None:  # fmt: skip
+) -> None:
     odd = spawn("P-odd", 5, {"num_kv_heads": 4, "dtype": "float32", "num_blocks": 100})
     md = await fetch_metadata(http, odd)
     with pytest.raises(LayoutMismatch) as e:
@@ -271,9 +281,12 @@ async def test_killed_peer_raises_within_timeout(
 
 
 async def test_stopped_peer_never_hangs_a_read(
-    backend: str, reader: Transport, pool: HostPool, http: aiohttp.ClientSession,
+    backend: str,
+    reader: Transport,
+    pool: HostPool,
+    http: aiohttp.ClientSession,
     spawn: Callable[..., PeerProcess],
-) -> None:  # fmt: skip
+) -> None:
     frozen = spawn("P-frozen", 11)
     peer = await connect(reader, http, frozen)
     frozen.proc.send_signal(signal.SIGSTOP)

@@ -170,12 +170,17 @@ def test_nixl_falls_back_to_tcp_with_one_log_line(
 
 
 @pytest.mark.parametrize("env", [{"CI": "true"}, {"DUET_STRICT": "1"}])
-def test_strict_mode_refuses_the_nixl_to_tcp_fallback(monkeypatch: pytest.MonkeyPatch, env: dict) -> None:
+def test_strict_mode_refuses_the_nixl_to_tcp_fallback(
+    monkeypatch: pytest.MonkeyPatch, env: dict
+) -> None:
     monkeypatch.delenv("CI", raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     _nixl_missing(monkeypatch)
-    with pytest.raises(FallbackRefused, match=r"NIXL unavailable .*No module named 'x'.*refuses to fall back to the tcp"):
+    with pytest.raises(
+        FallbackRefused,
+        match=r"NIXL unavailable .*No module named 'x'.*refuses to fall back to the tcp",
+    ):
         make_transport("nixl", engine_id="x")
     # Asking for tcp is a choice, not a fallback: allowed in strict mode.
     assert make_transport("tcp", engine_id="y").backend == "tcp"

@@ -103,7 +103,20 @@ def lan(names: Sequence[str]) -> Iterator[Lan]:
             _ip("netns", "add", ns)
             made.append(ns)
             port = f"p{i}"
-            _ip("-n", ns, "link", "add", HOST_DEV, "type", "veth", "peer", "name", port, "netns", switch)
+            _ip(
+                "-n",
+                ns,
+                "link",
+                "add",
+                HOST_DEV,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                port,
+                "netns",
+                switch,
+            )
             _ip("-n", switch, "link", "set", port, "master", "br0", "up")
             ip = f"{net}.{i + 2}"
             _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", HOST_DEV)

@@ -76,7 +76,9 @@ def lan() -> Iterator[netns.Lan]:
         yield lan
 
 
-def _in(host: netns.Host, args: list[str], port: int, log: Path, env: dict[str, str] | None = None) -> Proc:
+def _in(
+    host: netns.Host, args: list[str], port: int, log: Path, env: dict[str, str] | None = None
+) -> Proc:
     p = Proc(host.exec(args), port, log, env)
     p.url = f"http://{host.ip}:{port}"  # reached over the bridge, not the test's own loopback
     return p
@@ -96,7 +98,9 @@ class Cluster:
 
     def get(self, url: str) -> Any:
         """An internal endpoint, called the way cluster members call it (with the cluster secret)."""
-        req = urllib.request.Request(url, headers={"Authorization": "Bearer " + self.secret_file.read_text()})
+        req = urllib.request.Request(
+            url, headers={"Authorization": "Bearer " + self.secret_file.read_text()}
+        )
         with urllib.request.urlopen(req, timeout=5) as r:
             return r.read()
 
@@ -105,7 +109,9 @@ class Cluster:
 
 
 @pytest.fixture(scope="module")
-def cluster(lan: netns.Lan, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(
+    lan: netns.Lan, tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Cluster]:
     tmp = tmp_path_factory.mktemp("three-hosts")
     secret_file = tmp / "cluster-secret"
     secret_file.write_text(secrets.token_hex(32))
@@ -117,27 +123,86 @@ def cluster(lan: netns.Lan, tiny_llama: Path, tmp_path_factory: pytest.TempPathF
     etcd_cmd.host, etcd_cmd.peer_port = a.ip, ETCD_PORT + 1
     etcd_url = etcd_cmd.url
     etcd = _in(a, etcd_cmd.command(), ETCD_PORT, tmp / "etcd.log")
-    coord = _in(a, [sys.executable, "-m", "duet", "coordinator", "--etcd", etcd_url, "--host", a.ip,
-                    "--port", str(COORD_PORT), "--local-prefill-tokens", "8"], COORD_PORT, tmp / "coordinator.log", env)  # fmt: skip
+    coord = _in(
+        a,
+        [
+            sys.executable,
+            "-m",
+            "duet",
+            "coordinator",
+            "--etcd",
+            etcd_url,
+            "--host",
+            a.ip,
+            "--port",
+            str(COORD_PORT),
+            "--local-prefill-tokens",
+            "8",
+        ],
+        COORD_PORT,
+        tmp / "coordinator.log",
+        env,
+    )
 
     def node(host: netns.Host, role: str, port: int) -> Proc:
         # On every address, as in a pod: the preStop hook reaches it on 127.0.0.1, peers on host.ip.
-        args = [sys.executable, "-m", "duet", "node", "--role", role, "--model", str(tiny_llama), "--threads", "1",
-                "--host", "0.0.0.0", "--advertise-host", host.ip, "--port", str(port), "--etcd", etcd_url,
-                "--node-id", f"{role}-{host.name}", *TINY_NODE_ARGS]  # fmt: skip
+        args = [
+            sys.executable,
+            "-m",
+            "duet",
+            "node",
+            "--role",
+            role,
+            "--model",
+            str(tiny_llama),
+            "--threads",
+            "1",
+            "--host",
+            "0.0.0.0",
+            "--advertise-host",
+            host.ip,
+            "--port",
+            str(port),
+            "--etcd",
+            etcd_url,
+            "--node-id",
+            f"{role}-{host.name}",
+            *TINY_NODE_ARGS,
+        ]
         return _in(host, args, port, tmp / f"{role}.log", {**UCX_ENV, **env})
 
     p, d = node(b, "prefill", PREFILL_PORT), node(c, "decode", DECODE_PORT)
-    model = {"kind": "cluster", "tokenizer": str(tiny_llama), "served_name": tiny_llama.name,
-             "input_usd_per_mtok": 1.0, "output_usd_per_mtok": 2.0}  # fmt: skip
-    cfg = write_config(tmp / "gateway.toml", {MODEL: model}, server={"host": a.ip, "port": GATEWAY_PORT},
-                       store={"url": f"sqlite://{tmp / 'gateway.db'}"}, routing={"coordinator": [coord.url]})  # fmt: skip
-    g = _in(a, [sys.executable, "-m", "duet", "gateway", "--config", str(cfg)], GATEWAY_PORT, tmp / "gateway.log",
-            {"DUET_ADMIN_KEY": ADMIN_KEY, **env})  # fmt: skip
+    model = {
+        "kind": "cluster",
+        "tokenizer": str(tiny_llama),
+        "served_name": tiny_llama.name,
+        "input_usd_per_mtok": 1.0,
+        "output_usd_per_mtok": 2.0,
+    }
+    cfg = write_config(
+        tmp / "gateway.toml",
+        {MODEL: model},
+        server={"host": a.ip, "port": GATEWAY_PORT},
+        store={"url": f"sqlite://{tmp / 'gateway.db'}"},
+        routing={"coordinator": [coord.url]},
+    )
+    g = _in(
+        a,
+        [sys.executable, "-m", "duet", "gateway", "--config", str(cfg)],
+        GATEWAY_PORT,
+        tmp / "gateway.log",
+        {"DUET_ADMIN_KEY": ADMIN_KEY, **env},
+    )
     with running(etcd, coord, p, d, g):
         c = Cluster(lan, coord, p, d, g, make_team(g.url, "netns"), etcd_url, secret_file)
-        wait_for(lambda: {"prefill-b", "decode-c"} <= {n["node_id"] for n in c.cluster()["nodes"] if n["ready"]},
-                 60, "both nodes registered and ready at the coordinator")  # fmt: skip
+        wait_for(
+            lambda: (
+                {"prefill-b", "decode-c"}
+                <= {n["node_id"] for n in c.cluster()["nodes"] if n["ready"]}
+            ),
+            60,
+            "both nodes registered and ready at the coordinator",
+        )
         yield c
 
 
@@ -147,14 +212,22 @@ def _backend(c: Cluster, node: Proc) -> str:
 
 def _completion(c: Cluster, node: Proc, ids: list[int], max_tokens: int) -> str:
     body = json.dumps({"prompt": ids, "max_tokens": max_tokens, "temperature": 0}).encode()
-    req = urllib.request.Request(node.url + "/v1/completions", data=body, method="POST",
-                                 headers={"Content-Type": "application/json",
-                                          "Authorization": "Bearer " + c.secret_file.read_text()})  # fmt: skip
+    req = urllib.request.Request(
+        node.url + "/v1/completions",
+        data=body,
+        method="POST",
+        headers={
+            "Content-Type": "application/json",
+            "Authorization": "Bearer " + c.secret_file.read_text(),
+        },
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.loads(r.read())["choices"][0]["text"]
 
 
-def test_a_completion_crosses_three_hosts_with_kv_over_nixl(cluster: Cluster, tiny_llama: Path) -> None:
+def test_a_completion_crosses_three_hosts_with_kv_over_nixl(
+    cluster: Cluster, tiny_llama: Path
+) -> None:
     c, host_c = cluster, cluster.lan.hosts["c"]
     assert _backend(c, c.prefill) == "nixl" and _backend(c, c.decode) == "nixl"
     routed = metric(c.coordinator.url, 'duet:route_decisions_total{outcome="disaggregated"}')
@@ -166,11 +239,20 @@ def test_a_completion_crosses_three_hosts_with_kv_over_nixl(cluster: Cluster, ti
 
     kv_bytes = metric(c.decode.url, "duet:kv_transfer_bytes_total") - pulled
     rx_delta, lo_delta = host_c.rx_bytes() - rx, host_c.rx_bytes("lo") - lo
-    assert metric(c.coordinator.url, 'duet:route_decisions_total{outcome="disaggregated"}') == routed + 1
+    assert (
+        metric(c.coordinator.url, 'duet:route_decisions_total{outcome="disaggregated"}')
+        == routed + 1
+    )
     ids = Tokenizer(tiny_llama).encode(PROMPT)
-    assert kv_bytes > 0 and len(ids) >= 16 * 20, f"the decode node pulled {kv_bytes} B for {len(ids)} tokens"
-    assert rx_delta >= kv_bytes, f"host C's veth received {rx_delta} B, less than the {kv_bytes} B of KV pulled"
-    assert lo_delta < kv_bytes, f"host C's loopback carried {lo_delta} B: the KV did not cross hosts"
+    assert kv_bytes > 0 and len(ids) >= 16 * 20, (
+        f"the decode node pulled {kv_bytes} B for {len(ids)} tokens"
+    )
+    assert rx_delta >= kv_bytes, (
+        f"host C's veth received {rx_delta} B, less than the {kv_bytes} B of KV pulled"
+    )
+    assert lo_delta < kv_bytes, (
+        f"host C's loopback carried {lo_delta} B: the KV did not cross hosts"
+    )
     assert got.choices[0].text and got.choices[0].text == _completion(c, c.decode, ids, 8)
 
 
@@ -181,16 +263,30 @@ def test_the_prestop_hook_drains_the_prefill_node(cluster: Cluster) -> None:
     assert pod["containers"][0]["ports"][0]["containerPort"] == PREFILL_PORT
     hook = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
     # The container's environment as the manifest sets it (POD_NAME is the node id there too).
-    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", "POD_NAME": "prefill-b",
-           "DUET_ETCD": c.etcd_url, "DUET_CLUSTER": "default", "DUET_CLUSTER_SECRET_FILE": str(c.secret_file)}  # fmt: skip
-    r = subprocess.run(host_b.exec(["env", *(f"{k}={v}" for k, v in env.items()), *hook]),
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    env = {
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "POD_NAME": "prefill-b",
+        "DUET_ETCD": c.etcd_url,
+        "DUET_CLUSTER": "default",
+        "DUET_CLUSTER_SECRET_FILE": str(c.secret_file),
+    }
+    r = subprocess.run(
+        host_b.exec(["env", *(f"{k}={v}" for k, v in env.items()), *hook]),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     # The node's endpoint answered (the fallback would have printed the python error first).
     assert r.returncode == 0 and not r.stderr, r.stderr
     status = json.loads(c.get(c.prefill.url + "/drain"))
     assert status["draining"] and status["idle"], status
-    wait_for(lambda: any(n["node_id"] == "prefill-b" and n["status"] == "draining" for n in c.cluster()["nodes"]),
-             30, "the coordinator on host A sees prefill-b draining")  # fmt: skip
+    wait_for(
+        lambda: any(
+            n["node_id"] == "prefill-b" and n["status"] == "draining" for n in c.cluster()["nodes"]
+        ),
+        30,
+        "the coordinator on host A sees prefill-b draining",
+    )
 
 
 def test_the_lan_is_torn_down_when_its_block_fails() -> None:
@@ -201,4 +297,9 @@ def test_the_lan_is_torn_down_when_its_block_fails() -> None:
         raise RuntimeError("boom")
     assert sleeper.wait(10) == -9  # killed by the teardown, not left running in a deleted namespace
     assert ns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout.count(lan.client_ip) == 0
+    assert (
+        subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout.count(
+            lan.client_ip
+        )
+        == 0
+    )

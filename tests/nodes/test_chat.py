@@ -17,14 +17,20 @@ from protocol.openai import SamplingFields
 from tests.nodes.transfer_checks import PullCheck
 from tests.procs import Proc
 
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Name three colours and one animal, please."}]  # fmt: skip
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name three colours and one animal, please."},
+]
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
 async def _chat_stream(s: aiohttp.ClientSession, url: str, body: dict) -> tuple[str, list[dict]]:
     chunks: list[dict] = []
-    async with s.post(url + "/v1/chat/completions", json={**body, "stream": True}, headers={"X-Request-Id": body["_rid"]}) as r:
+    async with s.post(
+        url + "/v1/chat/completions",
+        json={**body, "stream": True},
+        headers={"X-Request-Id": body["_rid"]},
+    ) as r:
         assert r.status == 200, await r.text()
         assert r.headers["Content-Type"].startswith("text/event-stream")
         async for raw in r.content:
@@ -43,8 +49,11 @@ async def test_two_leg_chat_equals_colocated(pd_nodes: tuple[Proc, Proc, Proc]) 
         body = {"messages": MESSAGES, **GREEDY, "_rid": rid}
         send = {k: v for k, v in body.items() if k != "_rid"}
         # Prefill leg, exactly as vLLM's P/D proxy sends it.
-        async with s.post(p.url + "/v1/chat/completions", headers={"X-Request-Id": rid},
-                          json={**send, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}) as r:  # fmt: skip
+        async with s.post(
+            p.url + "/v1/chat/completions",
+            headers={"X-Request-Id": rid},
+            json={**send, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}},
+        ) as r:
             assert r.status == 200, await r.text()
             pre = await r.json()
         assert pre["object"] == "chat.completion"
@@ -68,31 +77,51 @@ def test_openai_client_against_a_node(pd_nodes: tuple[Proc, Proc, Proc]) -> None
     client = openai.OpenAI(base_url=both.url + "/v1", api_key="unused")
     models = client.models.list()
     assert [m.id for m in models.data] and models.data[0].id
-    out = client.chat.completions.create(model=models.data[0].id, messages=MESSAGES, max_tokens=8,
-                                         temperature=0)  # fmt: skip
-    assert out.choices[0].message.role == "assistant" and out.usage and out.usage.completion_tokens >= 1
-    stream = client.chat.completions.create(model=models.data[0].id, messages=MESSAGES, max_tokens=8,
-                                            temperature=0, stream=True)  # fmt: skip
+    out = client.chat.completions.create(
+        model=models.data[0].id, messages=MESSAGES, max_tokens=8, temperature=0
+    )
+    assert (
+        out.choices[0].message.role == "assistant"
+        and out.usage
+        and out.usage.completion_tokens >= 1
+    )
+    stream = client.chat.completions.create(
+        model=models.data[0].id, messages=MESSAGES, max_tokens=8, temperature=0, stream=True
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert streamed == out.choices[0].message.content
 
 
-@pytest.mark.parametrize("body, status", [
-    ({"messages": []}, 400),
-    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, 400),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400),
-    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400),
-    ({"messages": [{"role": "user", "content": "hi"}], "model": "not-this-one"}, 404),
-    ({"messages": "hi"}, 400),
-])  # fmt: skip
-async def test_bad_chat_bodies_get_4xx(pd_nodes: tuple[Proc, Proc, Proc], body: dict, status: int) -> None:
+@pytest.mark.parametrize(
+    "body, status",
+    [
+        ({"messages": []}, 400),
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, 400),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+                ]
+            },
+            400,
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}, 400),
+        ({"messages": [{"role": "user", "content": "hi"}], "model": "not-this-one"}, 404),
+        ({"messages": "hi"}, 400),
+    ],
+)
+async def test_bad_chat_bodies_get_4xx(
+    pd_nodes: tuple[Proc, Proc, Proc], body: dict, status: int
+) -> None:
     _, _, both = pd_nodes
     async with aiohttp.ClientSession() as s:
         async with s.post(both.url + "/v1/chat/completions", json=body) as r:
             assert r.status == status, await r.text()
             assert (await r.json())["error"]["message"]
-        async with s.post(both.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}) as r:
+        async with s.post(
+            both.url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2}
+        ) as r:
             assert r.status == 200
 
 
@@ -100,17 +129,44 @@ def test_a_chat_request_means_the_completion_with_every_shared_field() -> None:
     """node/chat.py::as_completion carries every field the two forms share (SamplingFields),
     the chat form's own ones mapped: max_completion_tokens → max_tokens, logprobs +
     top_logprobs → logprobs."""
-    shared = {"model": "m", "temperature": 0.5, "top_p": 0.9, "top_k": 7, "seed": 11, "stop": ["x"],
-              "stop_token_ids": [3], "ignore_eos": True, "min_tokens": 2, "skip_special_tokens": False,
-              "stream": True, "stream_options": {"include_usage": False}, "n": 1, "priority": "batch",
-              "kv_transfer_params": {"do_remote_decode": True}, "user": "u-1", "frequency_penalty": 0.5,
-              "presence_penalty": -0.5, "repetition_penalty": 1.25, "min_p": 0.05, "logit_bias": {"7": -100.0}}  # fmt: skip
-    assert set(shared) == set(SamplingFields.__struct_fields__)  # a new shared field gets a value here
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5, "logprobs": True,
-            "top_logprobs": 3, **shared}  # fmt: skip
+    shared = {
+        "model": "m",
+        "temperature": 0.5,
+        "top_p": 0.9,
+        "top_k": 7,
+        "seed": 11,
+        "stop": ["x"],
+        "stop_token_ids": [3],
+        "ignore_eos": True,
+        "min_tokens": 2,
+        "skip_special_tokens": False,
+        "stream": True,
+        "stream_options": {"include_usage": False},
+        "n": 1,
+        "priority": "batch",
+        "kv_transfer_params": {"do_remote_decode": True},
+        "user": "u-1",
+        "frequency_penalty": 0.5,
+        "presence_penalty": -0.5,
+        "repetition_penalty": 1.25,
+        "min_p": 0.05,
+        "logit_bias": {"7": -100.0},
+    }
+    assert set(shared) == set(
+        SamplingFields.__struct_fields__
+    )  # a new shared field gets a value here
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 5,
+        "logprobs": True,
+        "top_logprobs": 3,
+        **shared,
+    }
     c = as_completion(parse_chat(json.dumps(body).encode()), [1, 2])
     got = {name: getattr(c, name) for name in shared}
-    got["stream_options"] = {"include_usage": c.stream_options.include_usage} if c.stream_options else None
+    got["stream_options"] = (
+        {"include_usage": c.stream_options.include_usage} if c.stream_options else None
+    )
     got["kv_transfer_params"] = msgspec.to_builtins(c.kv_transfer_params)  # typed: KVTransferParams
     assert got == shared
     assert (c.prompt, c.max_tokens, c.logprobs) == ([1, 2], 5, 3)

@@ -23,8 +23,12 @@ from tests.wait import until
 
 
 async def test_engine_death_answers_503_and_stops_the_node(tiny_llama: Path) -> None:
-    cfg = NodeConfig(role="both", port=free_port(), transport="tcp",
-                     engine=EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=64))  # fmt: skip
+    cfg = NodeConfig(
+        role="both",
+        port=free_port(),
+        transport="tcp",
+        engine=EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=64),
+    )
     state = build_state(cfg, [prefill.register, decode.register])
     async with TestClient(TestServer(make_app(state))) as client:
         body = {"prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "temperature": 0}

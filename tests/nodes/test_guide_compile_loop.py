@@ -33,14 +33,32 @@ TIMEOUT_S = 0.2
 
 
 @pytest.fixture(scope="module")
-def nodes(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Proc]]:
+def nodes(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Proc, Proc]]:
     """A node with room for the slow guide (60 s), and one whose limit it breaks (0.2 s); one
     compile thread each."""
     tmp = tmp_path_factory.mktemp("node-guides")
-    roomy = duet_node("both", tiny_llama, tmp, *TINY_NODE_ARGS, "--guide-compile-threads", "1",
-                      "--guide-compile-timeout-s", "60")  # fmt: skip
-    strict = duet_node("both", tiny_llama, tmp, *TINY_NODE_ARGS, "--guide-compile-threads", "1",
-                       "--guide-compile-timeout-s", str(TIMEOUT_S))  # fmt: skip
+    roomy = duet_node(
+        "both",
+        tiny_llama,
+        tmp,
+        *TINY_NODE_ARGS,
+        "--guide-compile-threads",
+        "1",
+        "--guide-compile-timeout-s",
+        "60",
+    )
+    strict = duet_node(
+        "both",
+        tiny_llama,
+        tmp,
+        *TINY_NODE_ARGS,
+        "--guide-compile-threads",
+        "1",
+        "--guide-compile-timeout-s",
+        str(TIMEOUT_S),
+    )
     with running(roomy, strict):
         yield roomy, strict
 
@@ -94,8 +112,14 @@ def test_a_guide_past_the_nodes_time_limit_is_a_400_remembered(nodes: tuple[Proc
     assert metric(node.url, RUNNING) == 0 and metric(node.url, COMPILES) == n
 
 
-@pytest.mark.parametrize(("field", "value"), [("guide_compile_threads", 0), ("guide_compile_timeout_s", 0.0),
-                                              ("guide_compile_timeout_s", 601.0)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("guide_compile_threads", 0),
+        ("guide_compile_timeout_s", 0.0),
+        ("guide_compile_timeout_s", 601.0),
+    ],
+)
 def test_the_compile_bounds_are_checked(field: str, value: float) -> None:
     with pytest.raises(ValueError, match="guide compile"):
         NodeConfig(**{field: value})

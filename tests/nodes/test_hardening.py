@@ -40,13 +40,20 @@ def expected(tiny_llama: Path, prompt: list[int], **params: Any) -> list[int]:
 
 # -- the table ---------------------------------------------------------------------------------
 
+
 def cmpl(**fields: Any) -> dict[str, Any]:
     return {"prompt": [5, 6, 7], "max_tokens": 2, **fields}
 
 
 def ktp(**fields: Any) -> dict[str, Any]:
-    base = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [0],
-            "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 9}  # fmt: skip
+    base = {
+        "do_remote_prefill": True,
+        "remote_engine_id": "e",
+        "remote_block_ids": [0],
+        "remote_request_id": "r",
+        "remote_host": "127.0.0.1",
+        "remote_port": 9,
+    }
     return cmpl(kv_transfer_params={**base, **fields})
 
 
@@ -97,17 +104,47 @@ HOSTILE: list[tuple[str, str, Any, int]] = [
     ("both", "/v1/completions", cmpl(prompt=[5] * 1100), 400),
     ("both", "/v1/completions", cmpl(kv_transfer_params=[1, 2]), 400),
     ("both", "/v1/completions", cmpl(kv_transfer_params={"do_remote_prefill": "yes"}), 400),
-    ("both", "/v1/completions", cmpl(kv_transfer_params={"do_remote_prefill": True, "do_remote_decode": True}), 400),
-    ("both", "/v1/completions", cmpl(kv_transfer_params={"do_remote_decode": True}, stream=True), 400),
+    (
+        "both",
+        "/v1/completions",
+        cmpl(kv_transfer_params={"do_remote_prefill": True, "do_remote_decode": True}),
+        400,
+    ),
+    (
+        "both",
+        "/v1/completions",
+        cmpl(kv_transfer_params={"do_remote_decode": True}, stream=True),
+        400,
+    ),
     # a migrated leg's continuation point (protocol/resume.py) must lie inside its prompt
-    ("both", "/v1/completions", cmpl(resume={"output_tokens": 3, "text_chars": 0}), 400),  # the whole prompt
+    (
+        "both",
+        "/v1/completions",
+        cmpl(resume={"output_tokens": 3, "text_chars": 0}),
+        400,
+    ),  # the whole prompt
     ("both", "/v1/completions", cmpl(resume={"output_tokens": 0, "text_chars": 0}), 400),
     ("both", "/v1/completions", cmpl(resume={"output_tokens": 1, "text_chars": -1}), 400),
-    ("both", "/v1/completions", cmpl(resume={"output_tokens": 2, "text_chars": 0}, max_tokens=2), 400),
-    ("both", "/v1/completions", cmpl(resume={"output_tokens": 1, "text_chars": 0, "migration": 0}), 400),
+    (
+        "both",
+        "/v1/completions",
+        cmpl(resume={"output_tokens": 2, "text_chars": 0}, max_tokens=2),
+        400,
+    ),
+    (
+        "both",
+        "/v1/completions",
+        cmpl(resume={"output_tokens": 1, "text_chars": 0, "migration": 0}),
+        400,
+    ),
     ("both", "/v1/completions", cmpl(resume={"output_tokens": "1", "text_chars": 0}), 400),
     ("both", "/v1/completions", cmpl(resume={"output_tokens": 1}), 400),
-    ("both", "/v1/completions", cmpl(resume={"output_tokens": 1, "text_chars": 0}, prompt_logprobs=1), 400),
+    (
+        "both",
+        "/v1/completions",
+        cmpl(resume={"output_tokens": 1, "text_chars": 0}, prompt_logprobs=1),
+        400,
+    ),
     ("prefill", "/v1/completions", ktp(), 400),  # a prefill node runs no decode legs
     ("decode", "/v1/completions", cmpl(kv_transfer_params={"do_remote_decode": True}), 400),
     ("decode", "/v1/completions", cmpl(kv_transfer_params={"do_remote_prefill": True}), 400),
@@ -158,11 +195,16 @@ async def test_hostile_input_gets_4xx_and_the_nodes_keep_serving(
     async with aiohttp.ClientSession() as s:
         for i, (name, path, body, want) in enumerate(HOSTILE):
             raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-            async with s.post(nodes[name].url + path, data=raw, headers={"Content-Type": "application/json",
-                                                                        "X-Request-Id": f"hostile-{i}"}) as r:  # fmt: skip
+            async with s.post(
+                nodes[name].url + path,
+                data=raw,
+                headers={"Content-Type": "application/json", "X-Request-Id": f"hostile-{i}"},
+            ) as r:
                 text = await r.text()
                 if r.status != want:
-                    failures.append(f"#{i} {name} {path} {raw[:80]!r}: {r.status} (want {want}) {text[:200]}")
+                    failures.append(
+                        f"#{i} {name} {path} {raw[:80]!r}: {r.status} (want {want}) {text[:200]}"
+                    )
                 else:
                     err = json.loads(text)["error"]  # OpenAI's error body
                     assert set(err) == {"message", "type", "param", "code"} and err["message"], text
@@ -178,17 +220,25 @@ async def test_hostile_input_gets_4xx_and_the_nodes_keep_serving(
         r = await disaggregated(s, p.url, d.url, [4] * 40, GREEDY)
         assert r.error is None and r.token_ids == expected(tiny_llama, [4] * 40)
     for name, node in nodes.items():
-        await until(lambda n=node, k=name: metric(n, "duet:kv_cache_usage_perc") == idle[k], 10, f"{name} idle")
+        await until(
+            lambda n=node, k=name: metric(n, "duet:kv_cache_usage_perc") == idle[k],
+            10,
+            f"{name} idle",
+        )
 
 
-async def test_tiny_temperature_does_not_kill_the_node(pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path) -> None:
+async def test_tiny_temperature_does_not_kill_the_node(
+    pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path
+) -> None:
     _, _, both = pd_nodes
     prompt = [5, 6, 7, 8]
     async with aiohttp.ClientSession() as s:
         want = expected(tiny_llama, prompt)
         r = await completion(s, both.url, prompt, {**GREEDY, "temperature": 1e-45})  # streamed
         assert r.error is None and r.token_ids == want
-        async with s.post(both.url + "/v1/completions", json={"prompt": prompt, **GREEDY, "temperature": 1e-45}) as j:
+        async with s.post(
+            both.url + "/v1/completions", json={"prompt": prompt, **GREEDY, "temperature": 1e-45}
+        ) as j:
             assert j.status == 200 and (await j.json())["choices"][0]["token_ids"] == want
         async with s.get(both.url + "/health") as h:
             assert h.status == 200
@@ -225,8 +275,11 @@ async def test_abort_frees_a_held_prefill(pd_nodes: tuple[Proc, Proc, Proc]) -> 
 
 # -- trusted addresses ---------------------------------------------------------------------------
 
+
 @pytest.fixture
-async def release_proxy(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, int, list[str]]]:
+async def release_proxy(
+    request: pytest.FixtureRequest,
+) -> AsyncIterator[tuple[str, int, list[str]]]:
     """A proxy in front of a prefill node: forwards GET /kv/metadata, answers /kv/release with
     the status given (the fault under test) and records what reached it."""
     target: dict[str, Any] = {}
@@ -281,11 +334,19 @@ async def test_release_not_200_is_a_failed_pull_and_addresses_are_pinned(
             # and nothing is sent there.
             pre2 = await prefill_leg(s, p.url, prompt, GREEDY, "stale-2")
             r = await completion(s, d.url, prompt, GREEDY, "stale-2", pre2["kv_transfer_params"])
-            assert r.error is not None and r.error["status"] == 400 and "is at 127.0.0.1:" in r.error["message"]
+            assert (
+                r.error is not None
+                and r.error["status"] == 400
+                and "is at 127.0.0.1:" in r.error["message"]
+            )
             # Both prefills still hold their blocks on P: the only release went to the proxy.
             assert metric(p, "duet:num_requests_held") == 2
             # An address outside --allowed-peers (loopback, but not 127.0.0.1): 403, no contact.
-            other = {**pre2["kv_transfer_params"], "remote_host": "127.0.0.2", "remote_engine_id": "x"}
+            other = {
+                **pre2["kv_transfer_params"],
+                "remote_host": "127.0.0.2",
+                "remote_engine_id": "x",
+            }
             r = await completion(s, d.url, prompt, GREEDY, "stale-2", other)
             assert r.error is not None and r.error["status"] == 403
             assert "allowed peer networks" in r.error["message"]
@@ -294,17 +355,35 @@ async def test_release_not_200_is_a_failed_pull_and_addresses_are_pinned(
 
 # -- backpressure ------------------------------------------------------------------------------
 
+
 async def test_full_node_answers_503_with_retry_after(tiny_llama: Path, tmp_path: Path) -> None:
-    node = duet_node("prefill", tiny_llama, tmp_path, "--dtype", "float32", "--kv-blocks", "64",
-                     "--max-model-len", "512", "--lease-seconds", "120", "--max-waiting-requests", "1")  # fmt: skip
+    node = duet_node(
+        "prefill",
+        tiny_llama,
+        tmp_path,
+        "--dtype",
+        "float32",
+        "--kv-blocks",
+        "64",
+        "--max-model-len",
+        "512",
+        "--lease-seconds",
+        "120",
+        "--max-waiting-requests",
+        "1",
+    )
     with running(node):
         idle = metric(node, "duet:kv_cache_usage_perc")
         async with aiohttp.ClientSession() as s:
             for i in range(2):  # two held prefills pin the whole pool (2 x 32 blocks)
                 await prefill_leg(s, node.url, [20 + i] * 500, GREEDY, f"pin-{i}")
             waiting = asyncio.ensure_future(completion(s, node.url, [5] * 300, GREEDY))
-            await until(lambda: metric(node, "duet:num_requests_waiting") == 1, 20, "a waiting request")
-            async with s.post(node.url + "/v1/completions", json={"prompt": [6] * 10, **GREEDY}) as r:
+            await until(
+                lambda: metric(node, "duet:num_requests_waiting") == 1, 20, "a waiting request"
+            )
+            async with s.post(
+                node.url + "/v1/completions", json={"prompt": [6] * 10, **GREEDY}
+            ) as r:
                 assert r.status == 503 and r.headers["Retry-After"] == "1"
                 assert (await r.json())["error"]["code"] == "overloaded"
             assert metric(node, "duet:engine_queue_full") == 1
@@ -320,27 +399,50 @@ async def test_full_node_answers_503_with_retry_after(tiny_llama: Path, tmp_path
 
 
 async def test_reservation_timeout_is_503_not_a_hang(tiny_llama: Path, tmp_path: Path) -> None:
-    node = duet_node("both", tiny_llama, tmp_path, "--dtype", "float32", "--kv-blocks", "65",
-                     "--max-model-len", "512", "--lease-seconds", "120", "--reserve-timeout", "1")  # fmt: skip
+    node = duet_node(
+        "both",
+        tiny_llama,
+        tmp_path,
+        "--dtype",
+        "float32",
+        "--kv-blocks",
+        "65",
+        "--max-model-len",
+        "512",
+        "--lease-seconds",
+        "120",
+        "--reserve-timeout",
+        "1",
+    )
     with running(node):
         idle = metric(node, "duet:kv_cache_usage_perc")
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
             small = await prefill_leg(s, node.url, [30] * 16, GREEDY, "small")  # 1 block
             for i in range(2):  # then 2 x 32 blocks: the pool is pinned
                 await prefill_leg(s, node.url, [20 + i] * 500, GREEDY, f"pin-{i}")
-            body = {"prompt": [30] * 16, **GREEDY, "kv_transfer_params": small["kv_transfer_params"]}
-            async with s.post(node.url + "/v1/completions", json=body, headers={"X-Request-Id": "d-1"}) as r:
+            body = {
+                "prompt": [30] * 16,
+                **GREEDY,
+                "kv_transfer_params": small["kv_transfer_params"],
+            }
+            async with s.post(
+                node.url + "/v1/completions", json=body, headers={"X-Request-Id": "d-1"}
+            ) as r:
                 assert r.status == 503 and r.headers["Retry-After"] == "1"
                 assert "reserve KV blocks" in (await r.json())["error"]["message"]
             # The waiting request was dropped (stats are a snapshot of the engine's next step).
-            await until(lambda: metric(node, "duet:num_requests_waiting") == 0, 10, "no waiting request")
+            await until(
+                lambda: metric(node, "duet:num_requests_waiting") == 0, 10, "no waiting request"
+            )
             for rid in ("small", "pin-0", "pin-1"):
                 async with s.post(node.url + "/abort", json={"request_id": rid}) as a:
                     assert a.status == 200
         await until(lambda: metric(node, "duet:kv_cache_usage_perc") == idle, 10, "idle")
 
 
-def test_nodes_listen_with_a_backlog_for_a_gateways_burst(pd_nodes: tuple[Proc, Proc, Proc]) -> None:
+def test_nodes_listen_with_a_backlog_for_a_gateways_burst(
+    pd_nodes: tuple[Proc, Proc, Proc],
+) -> None:
     """A cold gateway pool opens up to 1024 connections to a node at once: the accept queue
     must hold them (`ss` shows a listener's backlog as Send-Q), or SYNs wait out a retransmit."""
     import shutil
@@ -352,6 +454,7 @@ def test_nodes_listen_with_a_backlog_for_a_gateways_burst(pd_nodes: tuple[Proc, 
         pytest.skip("no `ss` on this machine")
     cap = int(Path("/proc/sys/net/core/somaxconn").read_text())
     for node in pd_nodes:
-        out = subprocess.run(["ss", "-ltnH", f"sport = :{node.port}"], capture_output=True, text=True,
-                             check=True).stdout.split()  # fmt: skip
+        out = subprocess.run(
+            ["ss", "-ltnH", f"sport = :{node.port}"], capture_output=True, text=True, check=True
+        ).stdout.split()
         assert int(out[2]) == min(LISTEN_BACKLOG, cap), out

@@ -54,14 +54,28 @@ def _close(a: float | None, b: float) -> bool:
 
 def test_completions_logprobs_through_the_openai_client(node: Proc, llm: LLM) -> None:
     tk = llm.tokenizer
-    ref = llm.generate([PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2))[0]
+    ref = llm.generate(
+        [PROMPT], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2)
+    )[0]
     assert ref.logprobs is not None
     client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
     model = client.models.list().data[0].id
-    out = client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
-                                    extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     lp = out.choices[0].logprobs
-    assert lp is not None and lp.tokens is not None and lp.token_logprobs and lp.top_logprobs and lp.text_offset
+    assert (
+        lp is not None
+        and lp.tokens is not None
+        and lp.token_logprobs
+        and lp.top_logprobs
+        and lp.text_offset
+    )
     assert lp.tokens == [_tok(tk, r.token_id) for r in ref.logprobs]
     assert all(_close(a, r.logprob) for a, r in zip(lp.token_logprobs, ref.logprobs, strict=True))
     for got, r in zip(lp.top_logprobs, ref.logprobs, strict=True):
@@ -71,8 +85,15 @@ def test_completions_logprobs_through_the_openai_client(node: Proc, llm: LLM) ->
     assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
     # Streamed: the chunks' parts add up to the same object, offsets continuing across chunks.
     tokens, values, offsets = [], [], []
-    for c in client.completions.create(model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2,
-                                       stream=True, extra_body={"ignore_eos": True}):  # fmt: skip
+    for c in client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        logprobs=2,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    ):
         part = c.choices[0].logprobs
         assert part is not None
         tokens += part.tokens or []
@@ -114,12 +135,21 @@ async def test_prompt_logprobs_on_the_node(node: Proc, llm: LLM) -> None:
 def test_chat_logprobs_through_the_openai_client(node: Proc, llm: LLM) -> None:
     tk = llm.tokenizer
     ids = tk.encode_chat(MESSAGES)
-    ref = llm.generate([ids], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2))[0]
+    ref = llm.generate(
+        [ids], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=2)
+    )[0]
     assert ref.logprobs is not None
     client = openai.OpenAI(base_url=node.url + "/v1", api_key="unused")
     model = client.models.list().data[0].id
-    kw = {"model": model, "messages": MESSAGES, "max_tokens": 5, "temperature": 0, "logprobs": True,
-          "top_logprobs": 2, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    kw = {
+        "model": model,
+        "messages": MESSAGES,
+        "max_tokens": 5,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "extra_body": {"ignore_eos": True},
+    }
     out = client.chat.completions.create(**kw)  # type: ignore[call-overload]
     content = out.choices[0].logprobs.content
     assert content is not None and len(content) == len(ref.logprobs)
@@ -129,24 +159,34 @@ def test_chat_logprobs_through_the_openai_client(node: Proc, llm: LLM) -> None:
         want = _expected_top(tk, r)
         assert [t.token for t in e.top_logprobs] == list(want)
         assert all(_close(t.logprob, want[t.token]) for t in e.top_logprobs)
-    streamed = [e for c in client.chat.completions.create(**kw, stream=True)  # type: ignore[call-overload]
-                if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content or []]  # fmt: skip
+    streamed = [
+        e
+        for c in client.chat.completions.create(**kw, stream=True)  # type: ignore[call-overload]
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content or []
+    ]
     assert [e.token for e in streamed] == [e.token for e in content]
     assert all(_close(a.logprob, b.logprob) for a, b in zip(streamed, content, strict=True))
     plain = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2)  # type: ignore[arg-type]
     assert plain.choices[0].logprobs is None
 
 
-@pytest.mark.parametrize("path, body", [
-    ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}),
-    ("/v1/completions", {"prompt": PROMPT, "logprobs": -1}),
-    ("/v1/completions", {"prompt": PROMPT, "logprobs": True}),
-    ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 99}),
-    ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}),
-    ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        ("/v1/completions", {"prompt": PROMPT, "logprobs": 21}),
+        ("/v1/completions", {"prompt": PROMPT, "logprobs": -1}),
+        ("/v1/completions", {"prompt": PROMPT, "logprobs": True}),
+        ("/v1/completions", {"prompt": PROMPT, "prompt_logprobs": 99}),
+        ("/v1/chat/completions", {"messages": MESSAGES, "top_logprobs": 2}),
+        ("/v1/chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}),
+    ],
+)
 async def test_bad_logprob_counts_get_400(node: Proc, path: str, body: dict) -> None:
-    async with aiohttp.ClientSession() as s, s.post(node.url + path, json={**body, "max_tokens": 2}) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(node.url + path, json={**body, "max_tokens": 2}) as r,
+    ):
         assert r.status == 400, await r.text()
         err = (await r.json())["error"]
         assert "logprobs" in err["message"] or "logprobs" in (err["param"] or "")

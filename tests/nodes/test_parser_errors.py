@@ -21,9 +21,12 @@ def test_parser_errors_in_openai_shape_then_serves(tiny_llama: Path, tmp_path: P
     node = duet_node("both", tiny_llama, tmp_path, *COMMON)
     with running(node):
         assert_parser_errors_in_openai_shape(node.port, AIOHTTP_LIMIT)
-        req = urllib.request.Request(node.url + "/v1/completions", method="POST",
-                                     data=json.dumps({"prompt": [5, 6, 7], "max_tokens": 2}).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        req = urllib.request.Request(
+            node.url + "/v1/completions",
+            method="POST",
+            data=json.dumps({"prompt": [5, 6, 7], "max_tokens": 2}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=60) as r:
             body = json.loads(r.read())
         assert r.status == 200 and body["usage"]["completion_tokens"] == 2, body

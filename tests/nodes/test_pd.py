@@ -33,7 +33,9 @@ def prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 380) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
 
 
-async def test_pd_equals_offline_and_colocated(pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path) -> None:
+async def test_pd_equals_offline_and_colocated(
+    pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path
+) -> None:
     p, d, both = pd_nodes
     ps = prompts(8, 1, 200, seed=1) + [[5] * 16, [6] * 17]
     llm = LLM(str(tiny_llama), dtype="float32", max_model_len=1024)
@@ -58,7 +60,9 @@ async def test_pd_equals_offline_and_colocated(pd_nodes: tuple[Proc, Proc, Proc]
     assert metric(d, "duet:prefix_cache_queries_total") > 0
 
 
-async def test_32_concurrent_disaggregated(pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path) -> None:
+async def test_32_concurrent_disaggregated(
+    pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path
+) -> None:
     p, d, _ = pd_nodes
     ps = prompts(32, 10, 120, seed=2)
     llm = LLM(str(tiny_llama), dtype="float32", max_model_len=1024)
@@ -71,25 +75,35 @@ async def test_32_concurrent_disaggregated(pd_nodes: tuple[Proc, Proc, Proc], ti
     check.verify(list(results), ps)
 
 
-async def test_min_tokens_request_does_not_kill_the_engine(pd_nodes: tuple[Proc, Proc, Proc]) -> None:
+async def test_min_tokens_request_does_not_kill_the_engine(
+    pd_nodes: tuple[Proc, Proc, Proc],
+) -> None:
     """min_tokens masks EOS in the sampler; that once wrote into the forward pass's read-only
     logits, so one such request killed the engine and every later request got a 500."""
     _, _, both = pd_nodes
     async with aiohttp.ClientSession() as s:
-        r = await completion(s, both.url, [5, 6, 7], {"max_tokens": 6, "min_tokens": 4, "temperature": 0})
+        r = await completion(
+            s, both.url, [5, 6, 7], {"max_tokens": 6, "min_tokens": 4, "temperature": 0}
+        )
         after = await completion(s, both.url, [5, 6, 7], {"max_tokens": 3, "temperature": 0})
     assert r.error is None and len(r.token_ids) >= 4, r.error
     assert after.error is None and len(after.token_ids) >= 1, after.error
 
 
-async def test_a_pull_hidden_by_recompute_fails_the_transfer_check(tiny_llama: Path, tmp_path: Path) -> None:
+async def test_a_pull_hidden_by_recompute_fails_the_transfer_check(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
     """Why the P/D tests check more than tokens: a pull that cannot finish (a timeout no read
     meets) is recomputed on D, and the tokens are still right."""
     common = ("--dtype", "float32", "--kv-blocks", "64")
     p = duet_node("prefill", tiny_llama, tmp_path, *common)
     d = duet_node("decode", tiny_llama, tmp_path, *common, "--transfer-timeout", "1e-9")
     prompt = prompts(1, 60, 61, seed=5)[0]
-    expected = LLM(str(tiny_llama), dtype="float32").generate([prompt], SamplingParams(**GREEDY))[0].token_ids
+    expected = (
+        LLM(str(tiny_llama), dtype="float32")
+        .generate([prompt], SamplingParams(**GREEDY))[0]
+        .token_ids
+    )
     with running(p, d):
         check = PullCheck(p, d, "nixl")
         async with aiohttp.ClientSession() as s:
@@ -106,29 +120,39 @@ async def test_bad_input_gets_4xx_and_nodes_keep_serving(pd_nodes: tuple[Proc, P
             async with s.post(node.url + "/v1/completions", data=b"{not json") as r:
                 assert r.status == 400 and "malformed" in (await r.json())["error"]["message"]
             async with s.post(node.url + "/v1/completions", json={"prompt": [5] * 1100}) as r:
-                assert r.status == 400 and "maximum context length" in (await r.json())["error"]["message"]
+                assert (
+                    r.status == 400
+                    and "maximum context length" in (await r.json())["error"]["message"]
+                )
         pre = await prefill_leg(s, p.url, [7] * 40, GREEDY, "bad-input-1")
         ktp = pre["kv_transfer_params"]
         wrong_engine = {**ktp, "remote_engine_id": "no-such-engine"}
-        async with s.post(d.url + "/v1/completions",
-                          json={"prompt": [7] * 40, **GREEDY, "kv_transfer_params": wrong_engine}) as r:  # fmt: skip
+        async with s.post(
+            d.url + "/v1/completions",
+            json={"prompt": [7] * 40, **GREEDY, "kv_transfer_params": wrong_engine},
+        ) as r:
             body = await r.json()
             assert r.status == 400 and "unknown remote_engine_id" in body["error"]["message"]
         wrong_count = {**ktp, "remote_block_ids": ktp["remote_block_ids"][:1]}
-        async with s.post(d.url + "/v1/completions",
-                          json={"prompt": [7] * 40, **GREEDY, "kv_transfer_params": wrong_count}) as r:  # fmt: skip
+        async with s.post(
+            d.url + "/v1/completions",
+            json={"prompt": [7] * 40, **GREEDY, "kv_transfer_params": wrong_count},
+        ) as r:
             assert r.status == 400 and "needs 3" in (await r.json())["error"]["message"]
         # Block ids of another request: D refuses (P's release check says they are not its).
         other = await prefill_leg(s, p.url, [3] * 40, GREEDY, "bad-input-2")
         swapped = {**ktp, "remote_block_ids": other["kv_transfer_params"]["remote_block_ids"]}
-        async with s.post(d.url + "/v1/completions",
-                          json={"prompt": [7] * 40, **GREEDY, "kv_transfer_params": swapped}) as r:  # fmt: skip
+        async with s.post(
+            d.url + "/v1/completions",
+            json={"prompt": [7] * 40, **GREEDY, "kv_transfer_params": swapped},
+        ) as r:
             assert r.status == 400 and "do not belong" in (await r.json())["error"]["message"]
         async with s.post(p.url + "/kv/release", json={"request_id": "bad-input-2"}) as r:
             assert r.status == 200
         # Block ids that do not belong to the request, on P's release endpoint.
-        async with s.post(p.url + "/kv/release",
-                          json={"request_id": "bad-input-1", "block_ids": [0, 1, 999]}) as r:  # fmt: skip
+        async with s.post(
+            p.url + "/kv/release", json={"request_id": "bad-input-1", "block_ids": [0, 1, 999]}
+        ) as r:
             assert r.status == 400 and "do not belong" in (await r.json())["error"]["message"]
         async with s.post(p.url + "/kv/release", json={"request_id": "never-seen"}) as r:
             assert r.status == 404
@@ -139,12 +163,18 @@ async def test_bad_input_gets_4xx_and_nodes_keep_serving(pd_nodes: tuple[Proc, P
         assert ok.error is None and len(ok.token_ids) == 12
 
 
-async def test_lease_expiry_frees_prefill_blocks_and_decode_recomputes(tiny_llama: Path, tmp_path: Path) -> None:
+async def test_lease_expiry_frees_prefill_blocks_and_decode_recomputes(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
     common = ("--dtype", "float32", "--kv-blocks", "64")
     p = duet_node("prefill", tiny_llama, tmp_path, *common, "--lease-seconds", "1")
     d = duet_node("decode", tiny_llama, tmp_path, *common)
     prompt = [8] * 100
-    expected = LLM(str(tiny_llama), dtype="float32").generate([prompt], SamplingParams(**GREEDY))[0].token_ids
+    expected = (
+        LLM(str(tiny_llama), dtype="float32")
+        .generate([prompt], SamplingParams(**GREEDY))[0]
+        .token_ids
+    )
     with running(p, d):
         idle = metric(p, "duet:kv_cache_usage_perc")
         async with aiohttp.ClientSession() as s:
@@ -164,8 +194,14 @@ async def test_abort_mid_stream_frees_decode_blocks(pd_nodes: tuple[Proc, Proc, 
     idle = metric(d, "duet:kv_cache_usage_perc")
     async with aiohttp.ClientSession() as s:
         pre = await prefill_leg(s, p.url, [11] * 60, GREEDY, "abort-1")
-        body = {"prompt": [11] * 60, "max_tokens": 900, "temperature": 0, "ignore_eos": True,
-                "stream": True, "kv_transfer_params": pre["kv_transfer_params"]}  # fmt: skip
+        body = {
+            "prompt": [11] * 60,
+            "max_tokens": 900,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "kv_transfer_params": pre["kv_transfer_params"],
+        }
         r = await s.post(d.url + "/v1/completions", json=body, headers={"X-Request-Id": "abort-1"})
         chunks = 0
         async for line in r.content:
@@ -181,13 +217,27 @@ async def test_abort_mid_stream_frees_decode_blocks(pd_nodes: tuple[Proc, Proc, 
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-async def test_prefill_node_killed_before_pull(tiny_llama: Path, tmp_path: Path, policy: str) -> None:
+async def test_prefill_node_killed_before_pull(
+    tiny_llama: Path, tmp_path: Path, policy: str
+) -> None:
     common = ("--dtype", "float32", "--kv-blocks", "128")
     p = duet_node("prefill", tiny_llama, tmp_path, *common)
-    d = duet_node("decode", tiny_llama, tmp_path, *common, "--failure-policy", policy,
-                  "--transfer-timeout", "5")  # fmt: skip
+    d = duet_node(
+        "decode",
+        tiny_llama,
+        tmp_path,
+        *common,
+        "--failure-policy",
+        policy,
+        "--transfer-timeout",
+        "5",
+    )
     prompt = prompts(1, 50, 51, seed=4)[0]
-    expected = LLM(str(tiny_llama), dtype="float32").generate([prompt], SamplingParams(**GREEDY))[0].token_ids
+    expected = (
+        LLM(str(tiny_llama), dtype="float32")
+        .generate([prompt], SamplingParams(**GREEDY))[0]
+        .token_ids
+    )
     with running(p, d):
         async with aiohttp.ClientSession() as s:
             pre = await prefill_leg(s, p.url, prompt, GREEDY, "killed-1")
@@ -203,14 +253,20 @@ async def test_sigterm_drains_and_exits_zero(tiny_llama: Path, tmp_path: Path) -
     node = duet_node("both", tiny_llama, tmp_path, "--dtype", "float32", "--grace-period", "20")
     with running(node):
         async with aiohttp.ClientSession() as s:
-            task = asyncio.ensure_future(completion(s, node.url, [5, 6, 7], {**GREEDY, "max_tokens": 900}))
+            task = asyncio.ensure_future(
+                completion(s, node.url, [5, 6, 7], {**GREEDY, "max_tokens": 900})
+            )
             await until(lambda: metric(node, "duet:num_requests_running") == 1, 20, "request start")
             import signal
 
             node.proc.send_signal(signal.SIGTERM)
+
             async def refused() -> bool:
                 async with s.post(node.url + "/v1/completions", json={"prompt": [5]}) as r:
-                    return r.status == 503 and "shutting down" in (await r.json())["error"]["message"]
+                    return (
+                        r.status == 503 and "shutting down" in (await r.json())["error"]["message"]
+                    )
+
             assert await refused()
             result = await task
         assert result.error is None and len(result.token_ids) == 900  # the in-flight one finished

@@ -17,7 +17,9 @@ from tests.procs import three_nodes
 COMMON = ("--dtype", "bfloat16", "--kv-blocks", "256", "--max-model-len", "1024")
 
 
-async def test_pd_bf16_equals_colocated_and_moves_bf16_blocks(tiny_llama: Path, tmp_path: Path) -> None:
+async def test_pd_bf16_equals_colocated_and_moves_bf16_blocks(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
     ps = prompts(10, 1, 300, seed=11) + [[5] * 16, [6] * 33]
     with three_nodes(tiny_llama, tmp_path, *COMMON) as (p, d, both):
         check = PullCheck(p, d, "nixl")
@@ -33,4 +35,6 @@ async def test_pd_bf16_equals_colocated_and_moves_bf16_blocks(tiny_llama: Path, 
     for x, r, c in zip(ps, pd, co, strict=True):
         assert r.error is None and c.error is None, (r.error, c.error)
         assert len(r.token_ids) == GREEDY["max_tokens"]
-        assert r.token_ids == c.token_ids, f"bf16 P→D differs from colocated for a {len(x)}-token prompt"
+        assert r.token_ids == c.token_ids, (
+            f"bf16 P→D differs from colocated for a {len(x)}-token prompt"
+        )

@@ -37,9 +37,14 @@ def guide(kind: GuideKind, spec: str = "") -> dict[str, Any]:
     return msgspec.to_builtins(Guide(kind=kind, spec=spec))
 
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"]}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+}
 GUIDES = {
     "json_object": guide(GuideKind.JSON_OBJECT),
     "json_schema": guide(GuideKind.JSON_SCHEMA, json.dumps(SCHEMA, separators=(",", ":"))),
@@ -83,19 +88,27 @@ async def test_d_starts_with_ps_token_not_its_own_draw(pd_nodes, ids: list[int])
         for seed in range(1, 9):
             params = {"max_tokens": 24, "temperature": 1.5, "guide": g}
             pre = await prefill_leg(s, p.url, ids, {**params, "seed": seed}, rid := _rid())
-            r = await completion(s, d.url, ids, {**params, "seed": 1000 + seed}, rid, pre["kv_transfer_params"])
+            r = await completion(
+                s, d.url, ids, {**params, "seed": 1000 + seed}, rid, pre["kv_transfer_params"]
+            )
             assert r.error is None, r.error
             firsts.append((pre["choices"][0]["token_ids"][0], r.token_ids[0]))
     assert all(a == b for a, b in firsts), firsts
     assert len({a for a, _ in firsts}) > 1  # the seeds draw different first tokens: P's were used
 
 
-async def test_a_first_token_changed_on_the_way_is_the_one_emitted(pd_nodes, tiny_llama, ids: list[int]) -> None:
+async def test_a_first_token_changed_on_the_way_is_the_one_emitted(
+    pd_nodes, tiny_llama, ids: list[int]
+) -> None:
     p, d, _ = pd_nodes
     tok = Tokenizer(tiny_llama)
     firsts = [tok.encode(c)[0] for c in CHOICES]
     assert len(set(firsts)) == len(CHOICES)
-    params = {"max_tokens": 8, "temperature": 0, "guide": guide(GuideKind.CHOICE, json.dumps(CHOICES))}
+    params = {
+        "max_tokens": 8,
+        "temperature": 0,
+        "guide": guide(GuideKind.CHOICE, json.dumps(CHOICES)),
+    }
     async with aiohttp.ClientSession() as s:
         pre = await prefill_leg(s, p.url, ids, params, rid := _rid())
         kv = pre["kv_transfer_params"]
@@ -116,30 +129,60 @@ async def test_seeded_sampled_p_to_d_equals_colocated(pd_nodes, ids: list[int]) 
     assert got.token_ids == want.token_ids
 
 
-async def test_a_first_token_the_grammar_refuses_is_a_400(pd_nodes, tiny_llama, ids: list[int]) -> None:
+async def test_a_first_token_the_grammar_refuses_is_a_400(
+    pd_nodes, tiny_llama, ids: list[int]
+) -> None:
     p, d, _ = pd_nodes
     bad = Tokenizer(tiny_llama).encode("zebra")[0]
-    params = {"max_tokens": 8, "temperature": 0, "guide": guide(GuideKind.CHOICE, json.dumps(CHOICES))}
+    params = {
+        "max_tokens": 8,
+        "temperature": 0,
+        "guide": guide(GuideKind.CHOICE, json.dumps(CHOICES)),
+    }
     async with aiohttp.ClientSession() as s:
         pre = await prefill_leg(s, p.url, ids, params, rid := _rid())
-        r = await completion(s, d.url, ids, params, rid, {**pre["kv_transfer_params"], "first_token_id": bad})
+        r = await completion(
+            s, d.url, ids, params, rid, {**pre["kv_transfer_params"], "first_token_id": bad}
+        )
         assert r.error is not None and r.error["status"] == 400, r.error
         assert f"first token {bad} is not allowed by the choice guide" in r.error["message"]
-        await until(lambda: metric(p.url, "duet:num_requests_held") == 0, what="P to release the refused leg's blocks")
+        await until(
+            lambda: metric(p.url, "duet:num_requests_held") == 0,
+            what="P to release the refused leg's blocks",
+        )
         pre = await prefill_leg(s, p.url, ids, params, rid := _rid())
-        r = await completion(s, d.url, ids, params, rid, {**pre["kv_transfer_params"], "first_token_id": 10**6})
-        assert r.error is not None and r.error["status"] == 400 and "outside the vocabulary" in r.error["message"]
+        r = await completion(
+            s, d.url, ids, params, rid, {**pre["kv_transfer_params"], "first_token_id": 10**6}
+        )
+        assert (
+            r.error is not None
+            and r.error["status"] == 400
+            and "outside the vocabulary" in r.error["message"]
+        )
         unguided = {"max_tokens": 4, "temperature": 0}
         pre = await prefill_leg(s, p.url, ids, unguided, rid := _rid())
         assert "first_token_id" not in pre["kv_transfer_params"]  # an unguided D samples its own
-        r = await completion(s, d.url, ids, unguided, rid, {**pre["kv_transfer_params"], "first_token_id": 5})
-        assert r.error is not None and r.error["status"] == 400 and "only with a guide" in r.error["message"]
-    await until(lambda: metric(p.url, "duet:num_requests_held") == 0, what="P to release every refused leg's blocks")
+        r = await completion(
+            s, d.url, ids, unguided, rid, {**pre["kv_transfer_params"], "first_token_id": 5}
+        )
+        assert (
+            r.error is not None
+            and r.error["status"] == 400
+            and "only with a guide" in r.error["message"]
+        )
+    await until(
+        lambda: metric(p.url, "duet:num_requests_held") == 0,
+        what="P to release every refused leg's blocks",
+    )
 
 
 async def test_a_choice_ps_token_completes_ends_on_d(pd_nodes, ids: list[int]) -> None:
     p, d, both = pd_nodes
-    params = {"max_tokens": 8, "temperature": 0, "guide": guide(GuideKind.CHOICE, json.dumps(["x", "y"]))}
+    params = {
+        "max_tokens": 8,
+        "temperature": 0,
+        "guide": guide(GuideKind.CHOICE, json.dumps(["x", "y"])),
+    }
     async with aiohttp.ClientSession() as s:
         want = await completion(s, both.url, ids, params)
         got = await disaggregated(s, p.url, d.url, ids, params)
@@ -152,4 +195,3 @@ async def _release(s: aiohttp.ClientSession, url: str, pre: dict[str, Any]) -> N
     kv = pre["kv_transfer_params"]
     async with s.post(f"{url}/kv/release", json={"request_id": kv["remote_request_id"]}) as r:
         assert r.status == 200
-

@@ -64,10 +64,21 @@ async def test_corpus_schemas_p_to_d_give_valid_json(pd, tok) -> None:
     check = PullCheck(p, d, "nixl")
     prompts = [chat(tok, f"Give me an example {n.replace('_', ' ')} as JSON.") for n in SCHEMAS]
     async with aiohttp.ClientSession() as s:
-        results = await asyncio.gather(*[
-            disaggregated(s, p.url, d.url, x, {"max_tokens": 128, "temperature": 0, "guide": guide(schema)})
-            for x, schema in zip(prompts, SCHEMAS.values(), strict=True)])  # fmt: skip
-    check.verify(list(results), prompts)  # every prompt's KV came over NIXL: no recompute hid a fault
+        results = await asyncio.gather(
+            *[
+                disaggregated(
+                    s,
+                    p.url,
+                    d.url,
+                    x,
+                    {"max_tokens": 128, "temperature": 0, "guide": guide(schema)},
+                )
+                for x, schema in zip(prompts, SCHEMAS.values(), strict=True)
+            ]
+        )
+    check.verify(
+        list(results), prompts
+    )  # every prompt's KV came over NIXL: no recompute hid a fault
     bad = []
     for (name, schema), r in zip(SCHEMAS.items(), results, strict=True):
         assert r.error is None, (name, r.error)
@@ -81,13 +92,24 @@ async def test_corpus_schemas_p_to_d_give_valid_json(pd, tok) -> None:
 async def test_the_first_token_is_masked_and_biased_on_p(pd, tok) -> None:
     p, _ = pd
     prompt = chat(tok, "Say hello to the world in one sentence.")
-    obj = {"type": "object", "properties": {"greeting": {"type": "string", "maxLength": 20}}, "required": ["greeting"]}
+    obj = {
+        "type": "object",
+        "properties": {"greeting": {"type": "string", "maxLength": 20}},
+        "required": ["greeting"],
+    }
     async with aiohttp.ClientSession() as s:
         plain = await prefill_leg(s, p.url, prompt, {"temperature": 0}, f"p-{uuid.uuid4().hex}")
-        masked = await prefill_leg(s, p.url, prompt, {"temperature": 0, "guide": guide(obj)}, f"p-{uuid.uuid4().hex}")
+        masked = await prefill_leg(
+            s, p.url, prompt, {"temperature": 0, "guide": guide(obj)}, f"p-{uuid.uuid4().hex}"
+        )
         first = plain["choices"][0]["token_ids"][0]
-        banned = await prefill_leg(s, p.url, prompt, {"temperature": 0, "logit_bias": {str(first): -100}},
-                                   f"p-{uuid.uuid4().hex}")  # fmt: skip
+        banned = await prefill_leg(
+            s,
+            p.url,
+            prompt,
+            {"temperature": 0, "logit_bias": {str(first): -100}},
+            f"p-{uuid.uuid4().hex}",
+        )
     assert not plain["choices"][0]["text"].startswith("{")
     assert masked["choices"][0]["text"].startswith("{")  # the only way the object can begin
     assert banned["choices"][0]["token_ids"][0] != first

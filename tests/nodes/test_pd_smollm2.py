@@ -55,7 +55,10 @@ async def test_8_prompts_pd_equals_offline_and_colocated(smollm2: Path, tmp_path
         # blocks D may already hold: 30 layers x K,V x 16 tokens x 3 KV heads x 64 x 4 bytes.
         moved = check.verify(list(pd), ps)
     assert check.layout.block_bytes == 30 * 2 * 16 * 3 * 64 * 4
-    assert moved >= sum(-(-len(x) // 16) - check.shared_blocks(x, ps) for x in ps) * check.layout.block_bytes
+    assert (
+        moved
+        >= sum(-(-len(x) // 16) - check.shared_blocks(x, ps) for x in ps) * check.layout.block_bytes
+    )
     for x, r, c, e in zip(ps, pd, co, expected, strict=True):
         assert r.error is None and c.error is None
         assert r.token_ids == e, f"P→D differs from LLM.generate for a {len(x)}-token prompt"

@@ -12,12 +12,26 @@ def policy(spec: str = DEFAULT_ALLOWED_PEERS, **kw: int) -> PeerPolicy:
     return PeerPolicy(parse_networks(spec), **kw)
 
 
-@pytest.mark.parametrize(("host", "ok"), [
-    ("127.0.0.1", True), ("127.8.9.10", True), ("::1", True), ("10.1.2.3", True), ("172.20.0.1", True),
-    ("192.168.1.5", True), ("fd00::5", True),
-    ("169.254.169.254", False), ("8.8.8.8", False), ("172.32.0.1", False), ("2001:db8::1", False),
-    ("fe80::1", False), ("0.0.0.0", False), ("localhost", False), ("", False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("host", "ok"),
+    [
+        ("127.0.0.1", True),
+        ("127.8.9.10", True),
+        ("::1", True),
+        ("10.1.2.3", True),
+        ("172.20.0.1", True),
+        ("192.168.1.5", True),
+        ("fd00::5", True),
+        ("169.254.169.254", False),
+        ("8.8.8.8", False),
+        ("172.32.0.1", False),
+        ("2001:db8::1", False),
+        ("fe80::1", False),
+        ("0.0.0.0", False),
+        ("localhost", False),
+        ("", False),
+    ],
+)
 def test_default_networks(host: str, ok: bool) -> None:
     assert (policy().allowed(host, 8100, "e") is None) is ok
 
@@ -76,13 +90,27 @@ def test_cluster_members_are_the_registered_prefill_capable_nodes() -> None:
     from protocol.cluster import NodeInfo
 
     def info(node_id: str, role: str, url: str) -> NodeInfo:
-        return NodeInfo(node_id=node_id, role=role, url=url, model="m", engine_id=f"e-{node_id}",  # type: ignore[arg-type]
-                        block_size=16, kv_layout_hash="h", kv_capacity_blocks=1, max_model_len=1,
-                        started_at=0.0)  # fmt: skip
+        return NodeInfo(
+            node_id=node_id,
+            role=role,
+            url=url,
+            model="m",
+            engine_id=f"e-{node_id}",  # type: ignore[arg-type]
+            block_size=16,
+            kv_layout_hash="h",
+            kv_capacity_blocks=1,
+            max_model_len=1,
+            started_at=0.0,
+        )
 
     m = ClusterMembers()
     assert not m.listed and m.kv_source("e-p") is None
-    m.sync({"p": info("p", "prefill", "http://10.0.0.5:8200"), "d": info("d", "decode", "http://10.0.0.6:8300")})
+    m.sync(
+        {
+            "p": info("p", "prefill", "http://10.0.0.5:8200"),
+            "d": info("d", "decode", "http://10.0.0.6:8300"),
+        }
+    )
     assert m.listed and m.kv_source("e-p") == ("10.0.0.5", 8200)
     assert m.kv_source("e-d") is None  # a decode node serves no KV
     m.put(info("b", "both", "http://[fd00::7]:8400"))

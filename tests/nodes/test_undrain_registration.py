@@ -20,17 +20,31 @@ from node.registration import DrainHooks, Registration
 from protocol.cluster import NodeInfo, NodeStatus
 from tests.wait import until
 
-INFO = NodeInfo(node_id="n1", role="decode", url="http://127.0.0.1:9", model="m", engine_id="e1", block_size=16,
-                kv_layout_hash="h", kv_capacity_blocks=64, max_model_len=256, started_at=0.0)  # fmt: skip
+INFO = NodeInfo(
+    node_id="n1",
+    role="decode",
+    url="http://127.0.0.1:9",
+    model="m",
+    engine_id="e1",
+    block_size=16,
+    kv_layout_hash="h",
+    kv_capacity_blocks=64,
+    max_model_len=256,
+    started_at=0.0,
+)
 
 
 def test_an_undrain_is_not_undone_by_the_drain_events_it_superseded(etcd: EtcdServer) -> None:
     async def go() -> None:
         store = EtcdStore(etcd.url)
         node = {"requested": False, "stopping": False}
-        hooks = DrainHooks(is_busy=lambda: False, shutting_down=lambda: node["stopping"],
-                           requested=lambda: node["requested"], on_drain=lambda: node.update(requested=True),
-                           on_undrain=lambda: node.update(requested=False))  # fmt: skip
+        hooks = DrainHooks(
+            is_busy=lambda: False,
+            shutting_down=lambda: node["stopping"],
+            requested=lambda: node["requested"],
+            on_drain=lambda: node.update(requested=True),
+            on_undrain=lambda: node.update(requested=False),
+        )
         reg = Registration(store, INFO, "t", 10, hooks, registry=CollectorRegistry())
         try:
             # one registration session by hand (LeaseHolder._session), its watcher run below
@@ -42,7 +56,9 @@ def test_an_undrain_is_not_undone_by_the_drain_events_it_superseded(etcd: EtcdSe
 
             await drain_node(store, "t", "n1")  # `duet drain`
             watch = asyncio.create_task(reg._watch_own_key(start))
-            await until(lambda: reg.drain_requested and node["requested"], 5, "the node to see its drain")
+            await until(
+                lambda: reg.drain_requested and node["requested"], 5, "the node to see its drain"
+            )
             await reg.tick()  # publishes `draining` itself (its own write)
             watch.cancel()
             assert await reg.undrain()
@@ -55,7 +71,9 @@ def test_an_undrain_is_not_undone_by_the_drain_events_it_superseded(etcd: EtcdSe
             replay = asyncio.create_task(reg._watch_own_key(start))
             await store.delete(reg.key)
             await asyncio.wait_for(replay, 10)
-            assert not reg.drain_requested and not node["requested"], "a superseded drain event drained it again"
+            assert not reg.drain_requested and not node["requested"], (
+                "a superseded drain event drained it again"
+            )
             await reg.tick()
             assert reg.status == NodeStatus.ACTIVE
 

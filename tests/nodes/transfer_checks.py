@@ -90,10 +90,15 @@ class PullCheck:
         for r, x in zip(results, prompts, strict=True):
             assert r.usage is not None, f"{r.request_id}: no usage"
             cached = r.usage["prompt_tokens_details"]["cached_tokens"]
-            assert cached % bs == 0 and cached // bs <= self.shared_blocks(x, prompts), (r.request_id, cached)
+            assert cached % bs == 0 and cached // bs <= self.shared_blocks(x, prompts), (
+                r.request_id,
+                cached,
+            )
             got = pulled_blocks(log, r.request_id)
             want = self.blocks_for(len(x)) - cached // bs
-            assert got == want, f"{r.request_id}: pulled {got} blocks for a {len(x)}-token prompt, {cached} cached"
+            assert got == want, (
+                f"{r.request_id}: pulled {got} blocks for a {len(x)}-token prompt, {cached} cached"
+            )
             blocks += got
         moved = metric_sum(self.d, "duet:kv_transfer_bytes_total") - self.bytes0
         assert moved == blocks * self.layout.block_bytes, (moved, blocks, self.layout.block_bytes)

@@ -42,27 +42,89 @@ def traced(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         # the SDK's batch processor exports every 100 ms here (5 s by default); the internal
         # plane behind a cluster secret, as in production (the traceparent travels beside it)
         secret = secrets.token_urlsafe(32)
-        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url, "OTEL_BSP_SCHEDULE_DELAY": "100",
-               "DUET_CLUSTER_SECRET": secret}  # fmt: skip
+        env = {
+            "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.url,
+            "OTEL_BSP_SCHEDULE_DELAY": "100",
+            "DUET_CLUSTER_SECRET": secret,
+        }
         port = free_port()
-        (tmp / "planner.toml").write_text('interval_s = 1\n[bounds]\nprefill = [2, 3]\n')
-        coord = Proc([sys.executable, "-m", "duet", "coordinator", "--etcd", etcd.url, "--port", str(port),
-                      "--local-prefill-tokens", str(LOCAL_PREFILL_TOKENS), "--planner", "load", "--planner-config",
-                      str(tmp / "planner.toml"), "--actuator", "virtual", "--decision-file", str(tmp / "decision.json")],
-                     port, tmp / "coordinator.log", env=env)  # fmt: skip
-        p = duet_node("prefill", str(tiny_llama), tmp, *TINY_NODE_ARGS, "--etcd", etcd.url, "--node-id", "prefill-0", env=env)
-        d = duet_node("decode", str(tiny_llama), tmp, *TINY_NODE_ARGS, "--etcd", etcd.url, "--node-id", "decode-0", env=env)
+        (tmp / "planner.toml").write_text("interval_s = 1\n[bounds]\nprefill = [2, 3]\n")
+        coord = Proc(
+            [
+                sys.executable,
+                "-m",
+                "duet",
+                "coordinator",
+                "--etcd",
+                etcd.url,
+                "--port",
+                str(port),
+                "--local-prefill-tokens",
+                str(LOCAL_PREFILL_TOKENS),
+                "--planner",
+                "load",
+                "--planner-config",
+                str(tmp / "planner.toml"),
+                "--actuator",
+                "virtual",
+                "--decision-file",
+                str(tmp / "decision.json"),
+            ],
+            port,
+            tmp / "coordinator.log",
+            env=env,
+        )
+        p = duet_node(
+            "prefill",
+            str(tiny_llama),
+            tmp,
+            *TINY_NODE_ARGS,
+            "--etcd",
+            etcd.url,
+            "--node-id",
+            "prefill-0",
+            env=env,
+        )
+        d = duet_node(
+            "decode",
+            str(tiny_llama),
+            tmp,
+            *TINY_NODE_ARGS,
+            "--etcd",
+            etcd.url,
+            "--node-id",
+            "decode-0",
+            env=env,
+        )
         model = cluster_model(tiny_llama)
         gport = free_port()
-        cfg = write_config(tmp / "gateway.toml", {MODEL: model}, server={"port": gport},
-                           store={"url": f"sqlite://{tmp / 'gateway.db'}"},
-                           routing={"coordinator": [coord.url], "etcd": etcd.url},
-                           batch={"concurrency": 1, "poll_s": 0.1})  # one line at a time: a batch to cancel  # fmt: skip
-        g = Proc([sys.executable, "-m", "duet", "gateway", "--config", str(cfg)], gport, tmp / "gateway.log",
-                 env={"DUET_ADMIN_KEY": ADMIN_KEY, **env})  # fmt: skip
+        cfg = write_config(
+            tmp / "gateway.toml",
+            {MODEL: model},
+            server={"port": gport},
+            store={"url": f"sqlite://{tmp / 'gateway.db'}"},
+            routing={"coordinator": [coord.url], "etcd": etcd.url},
+            batch={"concurrency": 1, "poll_s": 0.1},
+        )  # one line at a time: a batch to cancel
+        g = Proc(
+            [sys.executable, "-m", "duet", "gateway", "--config", str(cfg)],
+            gport,
+            tmp / "gateway.log",
+            env={"DUET_ADMIN_KEY": ADMIN_KEY, **env},
+        )
         with running(coord, p, d, g):
-            t = Traced(receiver=receiver, etcd=etcd, coordinator=coord, prefill=p, decode=d, gateway=g,
-                       key=make_team(g.url, "observe"), model_dir=tiny_llama, tmp=tmp, secret=secret)  # fmt: skip
+            t = Traced(
+                receiver=receiver,
+                etcd=etcd,
+                coordinator=coord,
+                prefill=p,
+                decode=d,
+                gateway=g,
+                key=make_team(g.url, "observe"),
+                model_dir=tiny_llama,
+                tmp=tmp,
+                secret=secret,
+            )
             wait_for(lambda: {"prefill-0", "decode-0"} <= t.ready_nodes(), 60, "both nodes ready")
             yield t
 

@@ -65,13 +65,25 @@ class Receiver:
     def _add(self, req: ExportTraceServiceRequest) -> None:
         got = []
         for rs in req.resource_spans:
-            service = next((a.value.string_value for a in rs.resource.attributes if a.key == "service.name"), "")
+            service = next(
+                (a.value.string_value for a in rs.resource.attributes if a.key == "service.name"),
+                "",
+            )
             for ss in rs.scope_spans:
                 for s in ss.spans:
-                    got.append(Span(service=service, name=s.name, trace_id=s.trace_id.hex(), span_id=s.span_id.hex(),
-                                    parent_id=s.parent_span_id.hex() or None, kind=s.kind, start_ns=s.start_time_unix_nano,
-                                    end_ns=s.end_time_unix_nano,
-                                    attributes={a.key: _value(a.value) for a in s.attributes}))  # fmt: skip
+                    got.append(
+                        Span(
+                            service=service,
+                            name=s.name,
+                            trace_id=s.trace_id.hex(),
+                            span_id=s.span_id.hex(),
+                            parent_id=s.parent_span_id.hex() or None,
+                            kind=s.kind,
+                            start_ns=s.start_time_unix_nano,
+                            end_ns=s.end_time_unix_nano,
+                            attributes={a.key: _value(a.value) for a in s.attributes},
+                        )
+                    )
         with self._lock:
             self.spans.extend(got)
 

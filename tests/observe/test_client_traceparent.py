@@ -35,26 +35,37 @@ async def _key(state: GatewayState, team: str) -> str:
 
 
 async def test_a_clients_traceparent_cannot_join_another_teams_trace(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, closing: list[openai.AsyncOpenAI],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    closing: list[openai.AsyncOpenAI],
     fake_openai: FakeProvider,  # noqa: F811
 ) -> None:
     monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
     app = app_for(tmp_path, {"gpt": external(fake_openai, GPT, 2)})
     async with TestClient(TestServer(app)) as client:
         state = app[STATE]
-        a, b = [openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=await _key(state, t),
-                                   max_retries=0) for t in ("team-a", "team-b")]  # fmt: skip
+        a, b = [
+            openai.AsyncOpenAI(
+                base_url=str(client.make_url("/v1")), api_key=await _key(state, t), max_retries=0
+            )
+            for t in ("team-a", "team-b")
+        ]
         closing.extend([a, b])
         msg = [{"role": "user", "content": "hello"}]
-        raw_a = await a.chat.completions.with_raw_response.create(model="gpt", messages=msg, max_tokens=8)
+        raw_a = await a.chat.completions.with_raw_response.create(
+            model="gpt", messages=msg, max_tokens=8
+        )
         root_a, before = await trace_of(state, raw_a.headers["x-request-id"])
         # team B names team A's trace (and A's root span) in a well-formed, sampled traceparent
         parent = f"00-{root_a.trace_id}-{root_a.span_id}-01"
         raw_b = await b.chat.completions.with_raw_response.create(
-            model="gpt", messages=msg, max_tokens=8, extra_headers={"traceparent": parent})
+            model="gpt", messages=msg, max_tokens=8, extra_headers={"traceparent": parent}
+        )
         root_b, spans_b = await trace_of(state, raw_b.headers["x-request-id"])
         assert root_b.trace_id != root_a.trace_id and root_b.parent_id is None
         assert len(spans_b) > 1  # B's request is traced whole, in a trace of its own
         after = state.tracing.ring.trace(root_a.trace_id)  # type: ignore[union-attr]
         assert sorted(s.span_id for s in after) == sorted(s.span_id for s in before)
-        assert all(s.attributes.get("duet.request_id") != raw_b.headers["x-request-id"] for s in after)
+        assert all(
+            s.attributes.get("duet.request_id") != raw_b.headers["x-request-id"] for s in after
+        )

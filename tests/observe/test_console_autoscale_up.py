@@ -112,12 +112,16 @@ class Console:
 
     def __init__(self, base: str, key: str) -> None:
         self.base = base
-        self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+        self.opener = urllib.request.build_opener(
+            urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar())
+        )
         with self.opener.open(base + "/console/login", timeout=10) as r:
             token = re.search(r'name="csrf" value="([^"]+)"', r.read().decode())
         assert token
         form = urllib.parse.urlencode({"csrf": token.group(1), "key": key}).encode()
-        with self.opener.open(base + "/console/login", data=form, timeout=10) as r:  # 303 → the Cluster page
+        with self.opener.open(
+            base + "/console/login", data=form, timeout=10
+        ) as r:  # 303 → the Cluster page
             assert r.url.endswith("/console/cluster"), r.url
 
     def get(self, path: str) -> str:
@@ -149,21 +153,41 @@ def diagnosis(up: Up, decision: dict[str, Any] | None) -> str:
     actuator lines, and duet up's own log (the supervisor's "stopping …", "busy" or "took it
     late" lines)."""
     logs = up.home / "logs"
-    planner_lines = [line for line in (logs / "coordinator.log").read_text(errors="replace").splitlines()
-                     if "duet.planner" in line]  # fmt: skip
+    planner_lines = [
+        line
+        for line in (logs / "coordinator.log").read_text(errors="replace").splitlines()
+        if "duet.planner" in line
+    ]
     up_log = up.proc.log()
-    return "\n".join([
-        f"decision: {json.dumps(decision, indent=1)}",
-        "coordinator's planner log:", *planner_lines[-20:],
-        "duet up's log (last 40 lines):", *up_log.splitlines()[-40:],
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"decision: {json.dumps(decision, indent=1)}",
+            "coordinator's planner log:",
+            *planner_lines[-20:],
+            "duet up's log (last 40 lines):",
+            *up_log.splitlines()[-40:],
+        ]
+    )
 
 
 @pytest.fixture
 def up(tiny_llama: Path, tmp_path: Path) -> Iterator[Up]:
     (tmp_path / "planner.toml").write_text(PLANNER)
-    p = start_up(tmp_path / "home", tiny_llama, free_port(), tmp_path / "up.log", "--prefill", "2", "--decode", "1",
-                 "--autoscale", "--max-nodes", "3", "--planner-config", str(tmp_path / "planner.toml"))  # fmt: skip
+    p = start_up(
+        tmp_path / "home",
+        tiny_llama,
+        free_port(),
+        tmp_path / "up.log",
+        "--prefill",
+        "2",
+        "--decode",
+        "1",
+        "--autoscale",
+        "--max-nodes",
+        "3",
+        "--planner-config",
+        str(tmp_path / "planner.toml"),
+    )
     u = Up(p, tmp_path / "home")
     try:
         wait_banner(p)
@@ -184,12 +208,20 @@ def test_the_cluster_page_shows_duet_ups_scale_in_as_the_planner_recorded_it(up:
 
     # the planner's step, done: the local actuator drained the node and duet up stopped it
     try:
-        done = wait_for(lambda: (d := step_in(planner(up))) is not None and d["outcome"] is not None and d, 60,
-                        "the planner to scale the idle prefill pool in")  # fmt: skip
+        done = wait_for(
+            lambda: (d := step_in(planner(up))) is not None and d["outcome"] is not None and d,
+            60,
+            "the planner to scale the idle prefill pool in",
+        )
     except AssertionError as e:
         raise AssertionError(f"{e}\n{diagnosis(up, step_in(planner(up)))}") from None
     assert (done["role"], done["reason"], done["current"], done["desired"], done["outcome"]) == (
-        "prefill", "headroom", 2, 1, "done"), diagnosis(up, done)  # fmt: skip
+        "prefill",
+        "headroom",
+        2,
+        1,
+        "done",
+    ), diagnosis(up, done)
     victim = done["victim"]
     assert victim in {"prefill-0", "prefill-1"}, done
     inputs = done["inputs"]
@@ -200,10 +232,15 @@ def test_the_cluster_page_shows_duet_ups_scale_in_as_the_planner_recorded_it(up:
 
     # the page shows that decision as the planner recorded it
     def row() -> dict[str, str] | None:
-        return next((r for r in console.cluster().get(DECISIONS, []) if r["Step"] == "scale in"), None)
+        return next(
+            (r for r in console.cluster().get(DECISIONS, []) if r["Step"] == "scale in"), None
+        )
 
-    r = wait_for(lambda: (r := row()) is not None and r["Outcome"].startswith("done") and r, 15,
-                 "the page to show the finished scale-in")  # fmt: skip
+    r = wait_for(
+        lambda: (r := row()) is not None and r["Outcome"].startswith("done") and r,
+        15,
+        "the page to show the finished scale-in",
+    )
     assert r == {
         "Time (UTC)": time.strftime("%H:%M:%S", time.gmtime(done["at"])),
         "Pool": pool,
@@ -215,7 +252,13 @@ def test_the_cluster_page_shows_duet_ups_scale_in_as_the_planner_recorded_it(up:
         "Inputs": describe_inputs(msgspec.convert(inputs, DecisionInputs)),
     }, (r, done)
     # the inputs read as the figures themselves, not only as the formatter renders them
-    for part in ("2 replicas (2 warm)", "bounds 1–2", "load 0 running, 0 waiting", "(SLO 2.00 s / 500 ms)", "at 1: TTFT"):
+    for part in (
+        "2 replicas (2 warm)",
+        "bounds 1–2",
+        "load 0 running, 0 waiting",
+        "(SLO 2.00 s / 500 ms)",
+        "at 1: TTFT",
+    ):
         assert part in r["Inputs"], r["Inputs"]
     # only one step was taken, and the page lists no other
     assert [d for d in planner(up)["decisions"] if d["direction"] != "hold"] == [done]
@@ -229,7 +272,9 @@ def test_the_cluster_page_shows_duet_ups_scale_in_as_the_planner_recorded_it(up:
     wait_for(lambda: nodes() == layout - {victim}, 15, f"the node table without {victim}")
     t = console.cluster()
     assert sum(x["Role"] == "prefill" for x in t[NODES]) == done["desired"], t[NODES]
-    assert [(x["Pool"], x["Replicas"]) for x in t[POOLS] if x["Pool"] == pool] == [(pool, "1")], t[POOLS]
+    assert [(x["Pool"], x["Replicas"]) for x in t[POOLS] if x["Pool"] == pool] == [(pool, "1")], t[
+        POOLS
+    ]
     assert victim not in {x["Process"] for x in t[PROCS]}, t[PROCS]
     # the full page (not only its live-refresh fragment) carries the same decision, and says
     # who decided: duet up's coordinator, leading, with the local actuator
@@ -237,5 +282,7 @@ def test_the_cluster_page_shows_duet_ups_scale_in_as_the_planner_recorded_it(up:
     page = tables(html)
     intro = re.sub(r"<[^>]+>", "", html.split('<p class="autoscaler">', 1)[1].split("</p>", 1)[0])
     assert intro.startswith("Autoscaler: load mode, local actuator, every 0.5 s;"), intro
-    assert intro.endswith(f"on coordinator-0 ({up.state()['coordinators'][0]}), which leads."), intro
+    assert intro.endswith(f"on coordinator-0 ({up.state()['coordinators'][0]}), which leads."), (
+        intro
+    )
     assert [x for x in page[DECISIONS] if x["Step"] == "scale in"] == [r], page[DECISIONS]

@@ -48,7 +48,12 @@ for (const t of document.querySelectorAll('#live table')) {
 }
 return out;
 """
-NODES, PROCS, REPLICAS, ETCD = "Nodes", "Processes supervised by duet up", "Coordinator replicas", "etcd"
+NODES, PROCS, REPLICAS, ETCD = (
+    "Nodes",
+    "Processes supervised by duet up",
+    "Coordinator replicas",
+    "etcd",
+)
 
 
 @dataclass
@@ -105,12 +110,20 @@ def etcd_keys(url: str, prefix: str) -> dict[str, bytes]:
     """The keys under `prefix` as etcd itself reports them: its v3 JSON API (`/v3/kv/range`),
     not the project's client or the gateway's view, which are what the page is checked against."""
     end = prefix[:-1] + chr(ord(prefix[-1]) + 1)  # the range [prefix, prefix's successor)
-    body = json.dumps({"key": base64.b64encode(prefix.encode()).decode(),
-                       "range_end": base64.b64encode(end.encode()).decode()}).encode()  # fmt: skip
-    req = urllib.request.Request(url + "/v3/kv/range", data=body, headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {
+            "key": base64.b64encode(prefix.encode()).decode(),
+            "range_end": base64.b64encode(end.encode()).decode(),
+        }
+    ).encode()
+    req = urllib.request.Request(
+        url + "/v3/kv/range", data=body, headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=5) as r:
         kvs = json.loads(r.read()).get("kvs", [])
-    return {base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", "")) for kv in kvs}
+    return {
+        base64.b64decode(kv["key"]).decode(): base64.b64decode(kv.get("value", "")) for kv in kvs
+    }
 
 
 def check_etcd_table(d: object, up: Up, node_ids: set[str]) -> None:
@@ -130,11 +143,18 @@ def check_etcd_table(d: object, up: Up, node_ids: set[str]) -> None:
         return tables(d).get(ETCD, [])
 
     want = {"Endpoint": url, "Registered nodes": str(len(nodes)), "Replicas": str(len(replicas))}
-    wait_for(lambda: [{k: r[k] for k in want} for r in shown()] == [want], 15,
-             f"the page's etcd table to read {want}")  # fmt: skip
+    wait_for(
+        lambda: [{k: r[k] for k in want} for r in shown()] == [want],
+        15,
+        f"the page's etcd table to read {want}",
+    )
     [row] = shown()
     # "read N s ago": the gateway reads etcd every 2 s; "last read failed" would be an error
-    assert row["State"].startswith("read ") and row["State"].endswith(" s ago") and "failed" not in row["State"], row
+    assert (
+        row["State"].startswith("read ")
+        and row["State"].endswith(" s ago")
+        and "failed" not in row["State"]
+    ), row
     assert int(row["State"].split()[1]) < 10, row
 
 
@@ -150,8 +170,13 @@ def test_cluster_page_of_duet_up_shows_a_killed_node_restarted_live(
     def nodes() -> dict[str, dict[str, str]]:
         return rows_by(d, NODES, "Node")
 
-    wait_for(lambda: all("ready" in nodes().get(n, {}).get("Health", "") for n in ("prefill-0", "decode-0")), 15,
-             "both nodes ready on the page")  # fmt: skip
+    wait_for(
+        lambda: all(
+            "ready" in nodes().get(n, {}).get("Health", "") for n in ("prefill-0", "decode-0")
+        ),
+        15,
+        "both nodes ready on the page",
+    )
     n = nodes()
     assert {k: (r["Role"], r["Restarts"]) for k, r in n.items()} == {
         "prefill-0": ("prefill", "0"),
@@ -173,13 +198,19 @@ def test_cluster_page_of_duet_up_shows_a_killed_node_restarted_live(
     # the page stays open: a mark in its window that a reload would wipe
     d.execute_script("window.notReloaded = true")  # type: ignore[attr-defined]
     os.kill(before["pid"], signal.SIGKILL)
-    after = wait_for(lambda: (c := up.child("decode-0"))["state"] == "running" and c["restarts"] == 1 and c, 120,
-                     "the supervisor to restart decode-0")  # fmt: skip
+    after = wait_for(
+        lambda: (c := up.child("decode-0"))["state"] == "running" and c["restarts"] == 1 and c,
+        120,
+        "the supervisor to restart decode-0",
+    )
 
     def shown() -> bool:
         p, nd = rows_by(d, PROCS, "Process").get("decode-0", {}), nodes().get("decode-0", {})
-        return ((p.get("State"), p.get("PID"), p.get("Restarts")) == ("running", str(after["pid"]), "1")
-                and "ready" in nd.get("Health", "") and nd.get("Restarts") == "1")  # fmt: skip
+        return (
+            (p.get("State"), p.get("PID"), p.get("Restarts")) == ("running", str(after["pid"]), "1")
+            and "ready" in nd.get("Health", "")
+            and nd.get("Restarts") == "1"
+        )
 
     wait_for(shown, 30, "the open page to show decode-0 restarted once and ready")
     assert d.execute_script("return window.notReloaded === true")  # type: ignore[attr-defined]

@@ -83,17 +83,46 @@ class Tables(HTMLParser):
 
 
 def report(db: Path, group_by: str, fmt: str = "json") -> Any:
-    out = subprocess.run([sys.executable, "-m", "duet", "usage", "report", "--store", f"sqlite://{db}", "--start", START,
-                          "--end", END, "--group-by", group_by, "--format", fmt], capture_output=True, timeout=60,
-                         check=True)  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "duet",
+            "usage",
+            "report",
+            "--store",
+            f"sqlite://{db}",
+            "--start",
+            START,
+            "--end",
+            END,
+            "--group-by",
+            group_by,
+            "--format",
+            fmt,
+        ],
+        capture_output=True,
+        timeout=60,
+        check=True,
+    )
     return json.loads(out.stdout) if fmt == "json" else out.stdout.decode()
 
 
 def cells(rows: list[dict[str, Any]], key: str) -> list[list[str]]:
     """Report rows as the page's tables show them."""
-    return [[str(r[key]) if r[key] is not None else "-", str(r["requests"]), str(r["prompt_tokens"]),
-             str(r["completion_tokens"]), str(r["cached_tokens"]), f"{r['cost_usd']:.6f}", ms_cell(r["ttft_p50_s"]),
-             ms_cell(r["ttft_p90_s"])] for r in rows]  # fmt: skip
+    return [
+        [
+            str(r[key]) if r[key] is not None else "-",
+            str(r["requests"]),
+            str(r["prompt_tokens"]),
+            str(r["completion_tokens"]),
+            str(r["cached_tokens"]),
+            f"{r['cost_usd']:.6f}",
+            ms_cell(r["ttft_p50_s"]),
+            ms_cell(r["ttft_p90_s"]),
+        ]
+        for r in rows
+    ]
 
 
 def desc(svg: str) -> str:
@@ -114,9 +143,15 @@ async def sign_in(client: TestClient) -> None:
 
 
 def console_app(tiny_llama: Path, db: Path) -> web.Application:
-    cfg = parse_config({"store": {"url": f"sqlite://{db}"},
-                        "server": {"admin_key_sha256": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()},
-                        "models": {"tiny": {"tokenizer": str(tiny_llama), "static": {"both": ["http://127.0.0.1:9"]}}}})  # fmt: skip
+    cfg = parse_config(
+        {
+            "store": {"url": f"sqlite://{db}"},
+            "server": {"admin_key_sha256": hashlib.sha256(ADMIN_KEY.encode()).hexdigest()},
+            "models": {
+                "tiny": {"tokenizer": str(tiny_llama), "static": {"both": ["http://127.0.0.1:9"]}}
+            },
+        }
+    )
     return make_app(cfg)
 
 
@@ -159,16 +194,31 @@ async def test_usage_page_reads_groups_not_records_and_equals_the_report(
         assert fetched == {"records": 0, "rows": 3 + 3 + 3 + 2}, fetched
         page = Tables()
         page.feed(html)
-        for caption, group_by, key in (("Per day", "day", "date"), ("Per team", "team", "team_id"),
-                                       ("Per model", "model", "model"), ("Per tier", "tier", "tier")):  # fmt: skip
+        for caption, group_by, key in (
+            ("Per day", "day", "date"),
+            ("Per team", "team", "team_id"),
+            ("Per model", "model", "model"),
+            ("Per tier", "tier", "tier"),
+        ):
             assert page.tables[caption] == cells(report(db, group_by), key), caption
         days = report(db, "day")  # the charts draw the report's rows (their descriptions say so)
         labels = [d["date"] for d in days]
-        assert page.descs["Time to first token (ms)"] == desc(charts.lines(
-            "", labels, {"P50": [d["ttft_p50_s"] * 1000 for d in days], "P90": [d["ttft_p90_s"] * 1000 for d in days]},
-            " ms"))  # fmt: skip
-        for title, field, unit in (("Tokens per day", "total_tokens", ""), ("Spend per day (USD)", "cost_usd", " USD"),
-                                   ("Requests per day", "requests", "")):  # fmt: skip
+        assert page.descs["Time to first token (ms)"] == desc(
+            charts.lines(
+                "",
+                labels,
+                {
+                    "P50": [d["ttft_p50_s"] * 1000 for d in days],
+                    "P90": [d["ttft_p90_s"] * 1000 for d in days],
+                },
+                " ms",
+            )
+        )
+        for title, field, unit in (
+            ("Tokens per day", "total_tokens", ""),
+            ("Spend per day (USD)", "cost_usd", " USD"),
+            ("Requests per day", "requests", ""),
+        ):
             assert page.descs[title] == desc(
                 charts.bars("", labels, [d[field] for d in days], unit)
             ), title
@@ -184,10 +234,14 @@ async def test_usage_page_reads_groups_not_records_and_equals_the_report(
         assert r.status == 200 and (await r.read()).decode() == report(db, "record", "csv")
         assert record_pages == [701, 701, 701, 701, 200], record_pages
         admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
-        for query, param in (("group_by=record&limit=0", "limit"), ("group_by=record&limit=10001", "limit"),
-                             ("group_by=record&after=1.0/r1", "after"), ("group_by=day&limit=5&after=1.0/r1", "after"),
-                             ("group_by=record&limit=5&after=nan/r1", "after"),
-                             ("group_by=record&limit=5&after=1.0", "after")):  # fmt: skip
+        for query, param in (
+            ("group_by=record&limit=0", "limit"),
+            ("group_by=record&limit=10001", "limit"),
+            ("group_by=record&after=1.0/r1", "after"),
+            ("group_by=day&limit=5&after=1.0/r1", "after"),
+            ("group_by=record&limit=5&after=nan/r1", "after"),
+            ("group_by=record&limit=5&after=1.0", "after"),
+        ):
             r = await client.get(f"/v1/usage?start={START}&end={END}&{query}", headers=admin)
             assert r.status == 400 and (await r.json())["error"]["param"] == param, query
         async with ClientSession() as anonymous:  # and nothing without a session
@@ -203,8 +257,10 @@ async def test_requests_page_reads_only_the_outliers(tiny_llama: Path, tmp_path:
     app = console_app(tiny_llama, tmp_path / "g.db")
     now = time.time()
     # the synthetic three days, squeezed into the last 20 hours
-    records = [dataclasses.replace(r, created_at=now - 72000 + (r.created_at - DAY0) / (3 * 86400) * 72000)
-               for r in synthetic(3000)]  # fmt: skip
+    records = [
+        dataclasses.replace(r, created_at=now - 72000 + (r.created_at - DAY0) / (3 * 86400) * 72000)
+        for r in synthetic(3000)
+    ]
     async with TestClient(TestServer(app)) as client:
         store = app[STATE].store
         await fill(store, records)
@@ -235,14 +291,19 @@ async def test_requests_page_reads_only_the_outliers(tiny_llama: Path, tmp_path:
         assert [row[5] for row in rows] == ["failed" if x.status != "ok" else "slow" for x in want]
         # the API it reads: outliers go with group_by=record, limit in [1, 1000], one team's own
         admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
-        for query, param in (("outliers=true", "outliers"), ("group_by=record&outliers=yes", "outliers"),
-                             ("group_by=record&outliers=true&limit=0", "limit"),
-                             ("group_by=record&outliers=true&limit=1001", "limit"),
-                             ("group_by=record&outliers=true&limit=x", "limit")):  # fmt: skip
+        for query, param in (
+            ("outliers=true", "outliers"),
+            ("group_by=record&outliers=yes", "outliers"),
+            ("group_by=record&outliers=true&limit=0", "limit"),
+            ("group_by=record&outliers=true&limit=1001", "limit"),
+            ("group_by=record&outliers=true&limit=x", "limit"),
+        ):
             r = await client.get(f"/v1/usage?start={int(now) - 86400}&{query}", headers=admin)
             assert r.status == 400 and (await r.json())["error"]["param"] == param, query
-        r = await client.get(f"/v1/usage?start={int(now) - 86400}&group_by=record&outliers=true&limit=1000&team_id=b",
-                             headers=admin)  # fmt: skip
+        r = await client.get(
+            f"/v1/usage?start={int(now) - 86400}&group_by=record&outliers=true&limit=1000&team_id=b",
+            headers=admin,
+        )
         assert [x["request_id"] for x in (await r.json())["data"]] == [
             x.request_id for x in outliers(records, "b", 1000)
         ]

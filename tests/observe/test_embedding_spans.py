@@ -33,8 +33,13 @@ TEXTS = ["The cat sat on the mat.", "a second, rather longer input to embed"]
 
 
 def embedding_model(tokenizer: Path, url: str) -> dict[str, object]:
-    return {"kind": "embedding", "tokenizer": str(tokenizer), "input_usd_per_mtok": 0.5, "max_model_len": 1024,
-            "static": {"both": [url]}}  # fmt: skip
+    return {
+        "kind": "embedding",
+        "tokenizer": str(tokenizer),
+        "input_usd_per_mtok": 0.5,
+        "max_model_len": 1024,
+        "static": {"both": [url]},
+    }
 
 
 async def test_embeddings_span_served_and_failed(
@@ -42,43 +47,80 @@ async def test_embeddings_span_served_and_failed(
 ) -> None:
     node = duet_node("both", tiny_llama, tmp_path, *TINY_NODE_ARGS, "--task", "embed")
     with running(node):
-        models = {"emb": embedding_model(tiny_llama, node.url),
-                  "down": embedding_model(tiny_llama, f"http://127.0.0.1:{free_port()}")}  # fmt: skip
+        models = {
+            "emb": embedding_model(tiny_llama, node.url),
+            "down": embedding_model(tiny_llama, f"http://127.0.0.1:{free_port()}"),
+        }
         app = app_for(tmp_path, models)
         async with TestClient(TestServer(app)) as client:
             state = app[STATE]
-            c = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key=await team_key(state), max_retries=0)
+            c = openai.AsyncOpenAI(
+                base_url=str(client.make_url("/v1")), api_key=await team_key(state), max_retries=0
+            )
             closing.append(c)
 
-            raw = await c.embeddings.with_raw_response.create(model="emb", input=TEXTS, encoding_format="float",
-                                                              dimensions=16)  # fmt: skip
+            raw = await c.embeddings.with_raw_response.create(
+                model="emb", input=TEXTS, encoding_format="float", dimensions=16
+            )
             answer = raw.parse()
             assert len(answer.data) == 2 and len(answer.data[0].embedding) == 16
             n = sum(len(Tokenizer(tiny_llama).encode(t)) for t in TEXTS)
             assert answer.usage.prompt_tokens == n
             root, spans = await trace_of(state, raw.headers["x-request-id"])
-            assert root.name == "POST /v1/embeddings" and root.attributes["gen_ai.operation.name"] == "embeddings"
+            assert (
+                root.name == "POST /v1/embeddings"
+                and root.attributes["gen_ai.operation.name"] == "embeddings"
+            )
             call = one(spans, "embeddings emb", root)
-            assert (root.kind, call.kind) == ("server", "client")  # OTel GenAI: the model call is CLIENT
+            assert (root.kind, call.kind) == (
+                "server",
+                "client",
+            )  # OTel GenAI: the model call is CLIENT
             assert not call.error and "error.type" not in call.attributes
-            assert {k: call.attributes[k] for k in (
-                "gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model", "gen_ai.response.model",
-                "gen_ai.usage.input_tokens", "gen_ai.embeddings.dimension.count",
-                "gen_ai.request.encoding_formats")} == {
-                "gen_ai.operation.name": "embeddings", "gen_ai.provider.name": "duet", "gen_ai.request.model": "emb",
-                "gen_ai.response.model": "emb", "gen_ai.usage.input_tokens": n,
-                "gen_ai.embeddings.dimension.count": 16, "gen_ai.request.encoding_formats": ["float"]}  # fmt: skip
-            assert "gen_ai.usage.output_tokens" not in call.attributes  # an embedding has no output tokens
-            assert call.attributes["duet.nodes"] and root.attributes["duet.nodes"] == call.attributes["duet.nodes"]
+            assert {
+                k: call.attributes[k]
+                for k in (
+                    "gen_ai.operation.name",
+                    "gen_ai.provider.name",
+                    "gen_ai.request.model",
+                    "gen_ai.response.model",
+                    "gen_ai.usage.input_tokens",
+                    "gen_ai.embeddings.dimension.count",
+                    "gen_ai.request.encoding_formats",
+                )
+            } == {
+                "gen_ai.operation.name": "embeddings",
+                "gen_ai.provider.name": "duet",
+                "gen_ai.request.model": "emb",
+                "gen_ai.response.model": "emb",
+                "gen_ai.usage.input_tokens": n,
+                "gen_ai.embeddings.dimension.count": 16,
+                "gen_ai.request.encoding_formats": ["float"],
+            }
+            assert (
+                "gen_ai.usage.output_tokens" not in call.attributes
+            )  # an embedding has no output tokens
+            assert (
+                call.attributes["duet.nodes"]
+                and root.attributes["duet.nodes"] == call.attributes["duet.nodes"]
+            )
             tokenize = one(spans, "gateway.tokenize", root)
-            assert tokenize.attributes["gen_ai.usage.input_tokens"] == n and tokenize.end_ns <= call.start_ns
+            assert (
+                tokenize.attributes["gen_ai.usage.input_tokens"] == n
+                and tokenize.end_ns <= call.start_ns
+            )
             one(spans, "gateway.quota.reserve", root)
             assert one(spans, "gateway.usage.commit", root).start_ns >= call.end_ns
-            assert root.attributes["gen_ai.usage.input_tokens"] == n and root.attributes["duet.status"] == "ok"
+            assert (
+                root.attributes["gen_ai.usage.input_tokens"] == n
+                and root.attributes["duet.status"] == "ok"
+            )
             # the console's Requests page lists the request (it reads the ring's request spans)
             assert state.tracing.ring is not None
-            assert any(s.attributes.get("duet.request_id") == raw.headers["x-request-id"]
-                       for s in state.tracing.ring.requests())  # fmt: skip
+            assert any(
+                s.attributes.get("duet.request_id") == raw.headers["x-request-id"]
+                for s in state.tracing.ring.requests()
+            )
 
             with pytest.raises(openai.APIStatusError) as e:
                 await c.embeddings.with_raw_response.create(model="down", input="nobody home")
@@ -87,7 +129,11 @@ async def test_embeddings_span_served_and_failed(
             assert e.value.body["code"] == "no_capacity", e.value.body
             root, spans = await trace_of(state, e.value.response.headers["x-request-id"])
             failed = one(spans, "embeddings down", root)
-            assert failed.error and failed.attributes["error.type"] == "no_capacity", failed.attributes
+            assert failed.error and failed.attributes["error.type"] == "no_capacity", (
+                failed.attributes
+            )
             assert failed.attributes["gen_ai.operation.name"] == "embeddings"
-            assert "gen_ai.usage.input_tokens" not in failed.attributes  # no node served it: no usage
+            assert (
+                "gen_ai.usage.input_tokens" not in failed.attributes
+            )  # no node served it: no usage
             assert root.attributes["duet.status"] == "error"

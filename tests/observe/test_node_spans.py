@@ -47,12 +47,16 @@ class Console:
 
     def __init__(self, base: str, key: str) -> None:
         self.base = base
-        self.opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+        self.opener = urllib.request.build_opener(
+            urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar())
+        )
         form = self.get("/console/login")[1]
         token = re.search(r'name="csrf" value="([^"]+)"', form)
         assert token, form
         data = urllib.parse.urlencode({"csrf": token.group(1), "key": key}).encode()
-        with self.opener.open(urllib.request.Request(base + "/console/login", data=data), timeout=30) as r:
+        with self.opener.open(
+            urllib.request.Request(base + "/console/login", data=data), timeout=30
+        ) as r:
             assert "/console/login" not in r.url, r.url  # signed in: redirected to a page
 
     def get(self, path: str) -> tuple[int, str]:
@@ -71,13 +75,18 @@ class Row:
     attributes: str
 
 
-_ROW = re.compile(r'<tr><td><span class="depth" data-depth="(\d+)">(.*?)</span></td><td>(.*?)</td><td>.*?</td>'
-                  r"<td>(.*?)</td></tr>")  # fmt: skip
+_ROW = re.compile(
+    r'<tr><td><span class="depth" data-depth="(\d+)">(.*?)</span></td><td>(.*?)</td><td>.*?</td>'
+    r"<td>(.*?)</td></tr>"
+)
 
 
 def rows(page: str) -> list[Row]:
     """The Spans table's rows, in the page's (tree) order."""
-    return [Row(html.unescape(m[2]), html.unescape(m[3]), int(m[1]), html.unescape(m[4])) for m in _ROW.finditer(page)]
+    return [
+        Row(html.unescape(m[2]), html.unescape(m[3]), int(m[1]), html.unescape(m[4]))
+        for m in _ROW.finditer(page)
+    ]
 
 
 def parent(table: list[Row], row: Row) -> Row | None:
@@ -96,7 +105,8 @@ def request(c: PDCluster) -> str:
     """One disaggregated request: a prompt D has not seen (a cached one is prefilled on D)."""
     prompt = f"{secrets.token_hex(8)} {PROMPT}"
     raw = c.client().chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=5, temperature=0)  # fmt: skip
+        model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=5, temperature=0
+    )
     return raw.headers["x-request-id"]
 
 
@@ -112,8 +122,15 @@ def trace_page(console: Console, rid: str, *names: str) -> str:
     return wait_for(ready, 15, f"the trace page of {rid} with {names}")
 
 
-NODE_SPANS = ("prefill.queue", "prefill.compute", "prefill.hold", "decode.reserve", "decode.kv_pull",
-              "decode.first_token", "decode.generate")  # fmt: skip
+NODE_SPANS = (
+    "prefill.queue",
+    "prefill.compute",
+    "prefill.hold",
+    "decode.reserve",
+    "decode.kv_pull",
+    "decode.first_token",
+    "decode.generate",
+)
 
 
 def test_the_trace_page_shows_the_prefill_and_decode_nodes_spans(traced: Traced) -> None:
@@ -150,7 +167,9 @@ def test_the_trace_page_shows_the_prefill_and_decode_nodes_spans(traced: Traced)
 def _spans(url: str, query: str, secret: str | None) -> tuple[int, dict]:  # type: ignore[type-arg]
     headers = {"Authorization": f"Bearer {secret}"} if secret is not None else {}
     try:
-        with urllib.request.urlopen(urllib.request.Request(f"{url}/spans{query}", headers=headers), timeout=10) as r:
+        with urllib.request.urlopen(
+            urllib.request.Request(f"{url}/spans{query}", headers=headers), timeout=10
+        ) as r:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"{}")
@@ -168,18 +187,30 @@ def test_a_nodes_spans_endpoint_needs_the_secret_and_a_trace_id(traced: Traced) 
     assert _spans(p, f"?trace_id={tid}", None)[0] == 401
     assert _spans(p, f"?trace_id={tid}", secrets.token_urlsafe(32))[0] == 401
     # a trace id is 32 lower-case hex digits, not all zero
-    for bad in ("", "?trace_id=", "?trace_id=xyz", f"?trace_id={tid[:-1]}", f"?trace_id={tid.upper()}",
-                f"?trace_id={'0' * 32}", f"?trace_id={tid}00", "?trace_id=" + "g" * 32):  # fmt: skip
+    for bad in (
+        "",
+        "?trace_id=",
+        "?trace_id=xyz",
+        f"?trace_id={tid[:-1]}",
+        f"?trace_id={tid.upper()}",
+        f"?trace_id={'0' * 32}",
+        f"?trace_id={tid}00",
+        "?trace_id=" + "g" * 32,
+    ):
         status, body = _spans(p, bad, traced.secret)
         assert status == 400 and body["error"]["param"] == "trace_id", (bad, status, body)
     # only that trace's spans; a trace it does not hold is an empty answer
     status, body = _spans(p, f"?trace_id={tid}", traced.secret)
     assert status == 200 and body["node_id"] == "prefill-0" and body["kept"] is True
     assert {s["trace_id"] for s in body["spans"]} == {tid}
-    assert {"prefill.queue", "prefill.compute", "prefill.hold"} <= {s["name"] for s in body["spans"]}
+    assert {"prefill.queue", "prefill.compute", "prefill.hold"} <= {
+        s["name"] for s in body["spans"]
+    }
     other = secrets.token_hex(16)
-    assert _spans(p, f"?trace_id={other}", traced.secret) == (200, {"node_id": "prefill-0", "kept": True,
-                                                                    "spans": [], "truncated": False})  # fmt: skip
+    assert _spans(p, f"?trace_id={other}", traced.secret) == (
+        200,
+        {"node_id": "prefill-0", "kept": True, "spans": [], "truncated": False},
+    )
     # reading the ring adds nothing to it (the endpoint is not traced)
     assert _spans(p, f"?trace_id={tid}", traced.secret)[1]["spans"] == body["spans"]
 
@@ -204,22 +235,71 @@ def lone(tiny_llama: Path, tmp_path: Path) -> Iterator[PDCluster]:
     env = {"DUET_TRACING": "1", "DUET_CLUSTER_SECRET": secret}
     with EtcdServer(tmp_path / "etcd") as etcd:
         port = free_port()
-        coord = Proc([sys.executable, "-m", "duet", "coordinator", "--etcd", etcd.url, "--port", str(port),
-                      "--local-prefill-tokens", str(LOCAL_PREFILL_TOKENS)], port, tmp_path / "coordinator.log",
-                     env=env)  # fmt: skip
-        p = duet_node("prefill", str(tiny_llama), tmp_path, *TINY_NODE_ARGS, "--etcd", etcd.url, "--node-id",
-                      "prefill-0", env=env)  # fmt: skip
-        d = duet_node("decode", str(tiny_llama), tmp_path, *TINY_NODE_ARGS, "--etcd", etcd.url, "--node-id",
-                      "decode-0", env=env)  # fmt: skip
+        coord = Proc(
+            [
+                sys.executable,
+                "-m",
+                "duet",
+                "coordinator",
+                "--etcd",
+                etcd.url,
+                "--port",
+                str(port),
+                "--local-prefill-tokens",
+                str(LOCAL_PREFILL_TOKENS),
+            ],
+            port,
+            tmp_path / "coordinator.log",
+            env=env,
+        )
+        p = duet_node(
+            "prefill",
+            str(tiny_llama),
+            tmp_path,
+            *TINY_NODE_ARGS,
+            "--etcd",
+            etcd.url,
+            "--node-id",
+            "prefill-0",
+            env=env,
+        )
+        d = duet_node(
+            "decode",
+            str(tiny_llama),
+            tmp_path,
+            *TINY_NODE_ARGS,
+            "--etcd",
+            etcd.url,
+            "--node-id",
+            "decode-0",
+            env=env,
+        )
         gport = free_port()
-        cfg = write_config(tmp_path / "gateway.toml", {MODEL: cluster_model(tiny_llama)}, server={"port": gport},
-                           store={"url": f"sqlite://{tmp_path / 'gateway.db'}"},
-                           routing={"coordinator": [coord.url], "etcd": etcd.url})  # fmt: skip
-        g = Proc([sys.executable, "-m", "duet", "gateway", "--config", str(cfg)], gport, tmp_path / "gateway.log",
-                 env={"DUET_ADMIN_KEY": ADMIN_KEY, **env})  # fmt: skip
+        cfg = write_config(
+            tmp_path / "gateway.toml",
+            {MODEL: cluster_model(tiny_llama)},
+            server={"port": gport},
+            store={"url": f"sqlite://{tmp_path / 'gateway.db'}"},
+            routing={"coordinator": [coord.url], "etcd": etcd.url},
+        )
+        g = Proc(
+            [sys.executable, "-m", "duet", "gateway", "--config", str(cfg)],
+            gport,
+            tmp_path / "gateway.log",
+            env={"DUET_ADMIN_KEY": ADMIN_KEY, **env},
+        )
         with running(coord, p, d, g):
-            c = PDCluster(etcd=etcd, coordinator=coord, prefill=p, decode=d, gateway=g, key=make_team(g.url, "lone"),
-                          model_dir=tiny_llama, tmp=tmp_path, secret=secret)  # fmt: skip
+            c = PDCluster(
+                etcd=etcd,
+                coordinator=coord,
+                prefill=p,
+                decode=d,
+                gateway=g,
+                key=make_team(g.url, "lone"),
+                model_dir=tiny_llama,
+                tmp=tmp_path,
+                secret=secret,
+            )
             wait_for(lambda: {"prefill-0", "decode-0"} <= c.ready_nodes(), 60, "both nodes ready")
             try:
                 yield c
@@ -236,10 +316,15 @@ def test_a_silent_or_dead_node_leaves_the_trace_page_rendering(lone: PDCluster) 
     os.killpg(lone.decode.proc.pid, signal.SIGSTOP)
     status, page = console.get(f"/console/requests/{rid}")
     assert status == 200, page
-    assert re.search(r"The spans of node decode-0 \(http://127\.0\.0\.1:\d+\) are unavailable: no answer within",
-                     html.unescape(page)), page  # fmt: skip
+    assert re.search(
+        r"The spans of node decode-0 \(http://127\.0\.0\.1:\d+\) are unavailable: no answer within",
+        html.unescape(page),
+    ), page
     names = {(r.name, r.process.split(" ")[0]) for r in rows(page)}
-    assert ("gateway.decode_leg", "duet-gateway") in names and ("prefill.compute", "prefill-0") in names
+    assert ("gateway.decode_leg", "duet-gateway") in names and (
+        "prefill.compute",
+        "prefill-0",
+    ) in names
     assert not any(n.startswith("decode.") for n, _ in names), names
     os.killpg(lone.decode.proc.pid, signal.SIGCONT)
     # P gone: its address refuses; the page still shows the gateway's and D's spans

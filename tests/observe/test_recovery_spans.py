@@ -138,8 +138,12 @@ async def test_fallback_span_in_the_gateways_ring(
     await web.TCPSite(runner, "127.0.0.1", port).start()
     fake.url = f"http://127.0.0.1:{port}/v1"
     try:
-        models = {"dead": tiny_model(tiny_llama, both=[f"http://127.0.0.1:{free_port()}"], fallback=["gpt"]),
-                  "gpt": external(fake, GPT, 2)}  # fmt: skip
+        models = {
+            "dead": tiny_model(
+                tiny_llama, both=[f"http://127.0.0.1:{free_port()}"], fallback=["gpt"]
+            ),
+            "gpt": external(fake, GPT, 2),
+        }
         app = app_for(tmp_path, models)
         async with TestClient(TestServer(app)) as client:
             state = app[STATE]
@@ -166,16 +170,30 @@ async def test_fallback_span_in_the_gateways_ring(
             # no node was reached: it served nothing, so it reports no usage
             assert "gen_ai.usage.input_tokens" not in dead.attributes
             assert {k: v for k, v in fallback.attributes.items() if k != "duet.error"} == {
-                "duet.fallback.from": "dead", "duet.fallback.to": "gpt", "duet.fallback.reason": "no_healthy_nodes"}  # fmt: skip
+                "duet.fallback.from": "dead",
+                "duet.fallback.to": "gpt",
+                "duet.fallback.reason": "no_healthy_nodes",
+            }
             assert fallback.attributes[
                 "duet.error"
             ]  # the first model's error message, for the operator
             assert not gpt.error
-            assert {k: gpt.attributes[k] for k in ("gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model",
-                                                   "gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens")} == {
-                "gen_ai.operation.name": "chat", "gen_ai.provider.name": "openai", "gen_ai.request.model": "gpt",
+            assert {
+                k: gpt.attributes[k]
+                for k in (
+                    "gen_ai.operation.name",
+                    "gen_ai.provider.name",
+                    "gen_ai.request.model",
+                    "gen_ai.usage.input_tokens",
+                    "gen_ai.usage.output_tokens",
+                )
+            } == {
+                "gen_ai.operation.name": "chat",
+                "gen_ai.provider.name": "openai",
+                "gen_ai.request.model": "gpt",
                 "gen_ai.usage.input_tokens": answer.usage.prompt_tokens,
-                "gen_ai.usage.output_tokens": answer.usage.completion_tokens}  # fmt: skip
+                "gen_ai.usage.output_tokens": answer.usage.completion_tokens,
+            }
             assert dead.end_ns <= fallback.start_ns <= gpt.start_ns
             assert root.attributes["gen_ai.response.model"] == "gpt"
     finally:

@@ -28,27 +28,60 @@ def test_one_trace_spans_gateway_coordinator_prefill_and_decode(traced: Traced) 
     c = traced
     pulled = metric(c.decode.url, "duet:kv_transfer_bytes_total")
     raw = c.client().chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=6, temperature=0, stream=False)
+        model=MODEL,
+        messages=[{"role": "user", "content": PROMPT}],
+        max_tokens=6,
+        temperature=0,
+        stream=False,
+    )
     rid, answer = raw.headers["x-request-id"], raw.parse()
     moved = metric(c.decode.url, "duet:kv_transfer_bytes_total") - pulled
     assert moved > 0  # really disaggregated
 
     def root() -> Span | None:
-        return next((s for s in c.receiver.spans if s.attributes.get("duet.request_id") == rid), None)
+        return next(
+            (s for s in c.receiver.spans if s.attributes.get("duet.request_id") == rid), None
+        )
 
     gw = wait_for(root, 15, "the gateway's request span")
     # every span read below: each process exports in batches, so P's release server span (it ends
     # after D's pull) can arrive after the rest (CI once took the snapshot without it)
-    names = {"duet-gateway": {"gateway.auth", "gateway.tokenize", "gateway.quota.reserve", f"chat {MODEL}",
-                              "gateway.usage.commit", "gateway.route", "gateway.prefill_leg", "gateway.decode_leg",
-                              "gateway.first_token"},
-             "duet-coordinator": {"POST /route", "coordinator.decide"},
-             "duet-prefill": {"POST /v1/completions", "prefill.queue", "prefill.compute", "prefill.hold",
-                              "POST /kv/release"},
-             "duet-decode": {"POST /v1/completions", "decode.reserve", "decode.kv_pull", "decode.first_token",
-                             "decode.generate"}}  # fmt: skip
-    wait_for(lambda: all(n <= {s.name for s in c.receiver.trace(gw.trace_id) if s.service == svc}
-                         for svc, n in names.items()), 15, "every process's spans")  # fmt: skip
+    names = {
+        "duet-gateway": {
+            "gateway.auth",
+            "gateway.tokenize",
+            "gateway.quota.reserve",
+            f"chat {MODEL}",
+            "gateway.usage.commit",
+            "gateway.route",
+            "gateway.prefill_leg",
+            "gateway.decode_leg",
+            "gateway.first_token",
+        },
+        "duet-coordinator": {"POST /route", "coordinator.decide"},
+        "duet-prefill": {
+            "POST /v1/completions",
+            "prefill.queue",
+            "prefill.compute",
+            "prefill.hold",
+            "POST /kv/release",
+        },
+        "duet-decode": {
+            "POST /v1/completions",
+            "decode.reserve",
+            "decode.kv_pull",
+            "decode.first_token",
+            "decode.generate",
+        },
+    }
+    wait_for(
+        lambda: all(
+            n <= {s.name for s in c.receiver.trace(gw.trace_id) if s.service == svc}
+            for svc, n in names.items()
+        ),
+        15,
+        "every process's spans",
+    )
     spans = c.receiver.trace(gw.trace_id)
     by_id = {s.span_id: s for s in spans}
     assert gw.parent_id is None and gw.name == "POST /v1/chat/completions"
@@ -58,7 +91,9 @@ def test_one_trace_spans_gateway_coordinator_prefill_and_decode(traced: Traced) 
     assert gw.attributes["gen_ai.usage.input_tokens"] == answer.usage.prompt_tokens
     assert gw.attributes["gen_ai.usage.output_tokens"] == answer.usage.completion_tokens > 0
     assert gw.attributes["gen_ai.request.max_tokens"] == 6
-    assert list(gw.attributes["gen_ai.response.finish_reasons"]) == [answer.choices[0].finish_reason]
+    assert list(gw.attributes["gen_ai.response.finish_reasons"]) == [
+        answer.choices[0].finish_reason
+    ]
     assert gw.attributes["gen_ai.response.id"] == answer.id
     assert gw.attributes["duet.nodes"] == ["prefill-0", "decode-0"]
 
@@ -73,17 +108,31 @@ def test_one_trace_spans_gateway_coordinator_prefill_and_decode(traced: Traced) 
 
     for name in ("gateway.auth", "gateway.tokenize", "gateway.quota.reserve"):
         child(name, "duet-gateway", gw)
-    assert _one(spans, "gateway.tokenize", "duet-gateway").attributes["gen_ai.usage.input_tokens"] \
-        == answer.usage.prompt_tokens  # fmt: skip
+    assert (
+        _one(spans, "gateway.tokenize", "duet-gateway").attributes["gen_ai.usage.input_tokens"]
+        == answer.usage.prompt_tokens
+    )
     # the call to the model, named as OTel's GenAI conventions say: `{operation} {model}`, CLIENT
     relay = child(f"chat {MODEL}", "duet-gateway", gw)
     assert relay.kind == 3  # SPAN_KIND_CLIENT in OTLP
-    assert {k: relay.attributes[k] for k in ("gen_ai.operation.name", "gen_ai.provider.name", "gen_ai.request.model",
-                                             "gen_ai.response.model", "gen_ai.usage.input_tokens",
-                                             "gen_ai.usage.output_tokens")} == {
-        "gen_ai.operation.name": "chat", "gen_ai.provider.name": "duet", "gen_ai.request.model": MODEL,
-        "gen_ai.response.model": MODEL, "gen_ai.usage.input_tokens": answer.usage.prompt_tokens,
-        "gen_ai.usage.output_tokens": answer.usage.completion_tokens}  # fmt: skip
+    assert {
+        k: relay.attributes[k]
+        for k in (
+            "gen_ai.operation.name",
+            "gen_ai.provider.name",
+            "gen_ai.request.model",
+            "gen_ai.response.model",
+            "gen_ai.usage.input_tokens",
+            "gen_ai.usage.output_tokens",
+        )
+    } == {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "duet",
+        "gen_ai.request.model": MODEL,
+        "gen_ai.response.model": MODEL,
+        "gen_ai.usage.input_tokens": answer.usage.prompt_tokens,
+        "gen_ai.usage.output_tokens": answer.usage.completion_tokens,
+    }
     child("gateway.usage.commit", "duet-gateway", relay)
     # gateway → coordinator: the decision and its reason
     route = child("gateway.route", "duet-gateway", relay)
@@ -114,7 +163,9 @@ def test_one_trace_spans_gateway_coordinator_prefill_and_decode(traced: Traced) 
     assert pull.attributes["duet.kv.outcome"] == "ok"
     assert pull.attributes["duet.kv.bytes"] == moved
     assert pull.attributes["duet.kv.transport"] in ("nixl", "tcp", "ucx")
-    release = _one(spans, "POST /kv/release", "duet-prefill")  # D → P carries the pull's traceparent
+    release = _one(
+        spans, "POST /kv/release", "duet-prefill"
+    )  # D → P carries the pull's traceparent
     assert release.parent_id == pull.span_id
     first = child("decode.first_token", "duet-decode", d_server)
     gen = child("decode.generate", "duet-decode", d_server)
@@ -127,7 +178,10 @@ def test_off_by_default_and_on_by_env() -> None:
     assert env_enabled({}) is None
     assert env_enabled({"DUET_TRACING": "1"}) is True
     assert env_enabled({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318"}) is True
-    assert env_enabled({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318", "OTEL_SDK_DISABLED": "true"}) is False
+    assert (
+        env_enabled({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://x:4318", "OTEL_SDK_DISABLED": "true"})
+        is False
+    )
     off = setup("t", TracingConfig())
     assert not off.enabled and off.trace_configs() == [] and off.middleware() == []
     with off.span("x") as s:
@@ -146,12 +200,21 @@ def test_gateway_tracing_section_is_parsed_and_checked() -> None:
 
     from gateway.config import ConfigError, parse_config
 
-    models = {"m": {"kind": "cluster", "tokenizer": "x", "static": {"both": ["http://127.0.0.1:1"]}}}
-    cfg = parse_config({"models": models, "tracing": {"enabled": True, "endpoint": "http://otel:4318", "ring_size": 10}})
+    models = {
+        "m": {"kind": "cluster", "tokenizer": "x", "static": {"both": ["http://127.0.0.1:1"]}}
+    }
+    cfg = parse_config(
+        {
+            "models": models,
+            "tracing": {"enabled": True, "endpoint": "http://otel:4318", "ring_size": 10},
+        }
+    )
     assert cfg.tracing == TracingConfig(enabled=True, endpoint="http://otel:4318", ring_size=10)
     assert parse_config({"models": models}).tracing.enabled is False
     # the gateway keeps a ring by default; ring_size = 0 turns it off
-    assert from_env(DEFAULT_RING, parse_config({"models": models}).tracing).ring_size == DEFAULT_RING
+    assert (
+        from_env(DEFAULT_RING, parse_config({"models": models}).tracing).ring_size == DEFAULT_RING
+    )
     assert from_env(DEFAULT_RING, TracingConfig(enabled=True, ring_size=0)).ring_size == 0
     with pytest.raises(ConfigError, match=r"\[tracing\] has unknown keys: enable"):
         parse_config({"models": models, "tracing": {"enable": True}})
@@ -170,7 +233,9 @@ def test_the_ring_lists_an_attributes_values_in_one_pass() -> None:
     provider.add_span_processor(ring)
     tracer = provider.get_tracer("test")
     for i in range(10):  # 10 spans into a ring of 8: the first two are gone
-        with tracer.start_as_current_span("POST /v1/chat/completions", attributes={"duet.request_id": f"req-{i}"}):
+        with tracer.start_as_current_span(
+            "POST /v1/chat/completions", attributes={"duet.request_id": f"req-{i}"}
+        ):
             pass
     with tracer.start_as_current_span("GET /health"):
         pass
@@ -188,12 +253,19 @@ def test_a_rings_spans_cross_the_node_wire_with_any_attribute() -> None:
 
     on = setup("duet-prefill", TracingConfig(enabled=True, ring_size=8))
     assert on.ring is not None
-    with on.span("leg", {"duet.kv.block_ids": [3, 4], "duet.flags": [True], "duet.names": ["a"]}), on.span("step"):
+    with (
+        on.span("leg", {"duet.kv.block_ids": [3, 4], "duet.flags": [True], "duet.names": ["a"]}),
+        on.span("step"),
+    ):
         pass
     tid = on.ring.roots()[0].trace_id
     wire = msgspec.json.encode(NodeSpans(node_id="prefill-0", kept=True, spans=on.ring.trace(tid)))
     got = msgspec.json.decode(wire, type=NodeSpans)
     assert [s.name for s in got.spans] == ["leg", "step"]
-    assert got.spans[0].attributes == {"duet.kv.block_ids": ["3", "4"], "duet.flags": ["True"], "duet.names": ["a"]}
+    assert got.spans[0].attributes == {
+        "duet.kv.block_ids": ["3", "4"],
+        "duet.flags": ["True"],
+        "duet.names": ["a"],
+    }
     assert [s.name for s in on.ring.trace(tid, limit=1)] == ["leg"]
     on.shutdown()

@@ -92,19 +92,29 @@ class FakeKube:
 
     async def _v1pod(self, pod: FakePod) -> V1Pod:
         ready = await self._ready(pod)
-        return V1Pod(api_version="v1", kind="Pod",
-                     metadata=V1ObjectMeta(name=pod.name, namespace=self.namespace, labels={"app": pod.deployment},
-                                           annotations=self.annotations.get(pod.name)),
-                     spec=V1PodSpec(containers=[], node_name="node-a" if pod.scheduled else None),
-                     status=V1PodStatus(phase=pod.phase,
-                                        conditions=[V1PodCondition(type="Ready", status=str(ready))]))  # fmt: skip
+        return V1Pod(
+            api_version="v1",
+            kind="Pod",
+            metadata=V1ObjectMeta(
+                name=pod.name,
+                namespace=self.namespace,
+                labels={"app": pod.deployment},
+                annotations=self.annotations.get(pod.name),
+            ),
+            spec=V1PodSpec(containers=[], node_name="node-a" if pod.scheduled else None),
+            status=V1PodStatus(
+                phase=pod.phase, conditions=[V1PodCondition(type="Ready", status=str(ready))]
+            ),
+        )
 
     async def _remove(self, name: str, n: int) -> None:
         """Delete `n` pods of Deployment `name` as the ReplicaSet controller ranks them."""
         ranked = []
         for pod in [p for p in self.pods if p.deployment == name]:
             cost = int(self.annotations.get(pod.name, {}).get(DELETION_COST, "0"))
-            ranked.append(((pod.scheduled, pod.phase == "Running", await self._ready(pod), cost), pod))
+            ranked.append(
+                ((pod.scheduled, pod.phase == "Running", await self._ready(pod), cost), pod)
+            )
         for _, pod in sorted(ranked, key=lambda r: r[0])[:n]:
             self.pods.remove(pod)
             self.deleted.append(pod.name)
@@ -113,9 +123,14 @@ class FakeKube:
         selector = request.query.get("labelSelector", "")
         self.calls.append(("GET", "pods", {"labelSelector": selector}))
         want = dict(kv.split("=", 1) for kv in selector.split(",") if kv)
-        pods = [await self._v1pod(p) for p in self.pods if want.items() <= {"app": p.deployment}.items()]
-        return web.json_response(ApiClient().sanitize_for_serialization(V1PodList(api_version="v1", kind="PodList",
-                                                                                  items=pods)))  # fmt: skip
+        pods = [
+            await self._v1pod(p) for p in self.pods if want.items() <= {"app": p.deployment}.items()
+        ]
+        return web.json_response(
+            ApiClient().sanitize_for_serialization(
+                V1PodList(api_version="v1", kind="PodList", items=pods)
+            )
+        )
 
     async def get_pod(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
@@ -127,15 +142,28 @@ class FakeKube:
 
     def _scale(self, name: str) -> dict:
         n = self.replicas[name]
-        s = V1Scale(api_version="autoscaling/v1", kind="Scale",
-                    metadata=V1ObjectMeta(name=name, namespace=self.namespace, resource_version=str(len(self.calls))),
-                    spec=V1ScaleSpec(replicas=n), status=V1ScaleStatus(replicas=n, selector=f"app={name}"))  # fmt: skip
+        s = V1Scale(
+            api_version="autoscaling/v1",
+            kind="Scale",
+            metadata=V1ObjectMeta(
+                name=name, namespace=self.namespace, resource_version=str(len(self.calls))
+            ),
+            spec=V1ScaleSpec(replicas=n),
+            status=V1ScaleStatus(replicas=n, selector=f"app={name}"),
+        )
         return ApiClient().sanitize_for_serialization(s)
 
     @staticmethod
     def _status(code: int, reason: str, message: str) -> web.Response:
-        body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
-                "reason": reason, "code": code}  # fmt: skip
+        body = {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "metadata": {},
+            "status": "Failure",
+            "message": message,
+            "reason": reason,
+            "code": code,
+        }
         return web.json_response(body, status=code)
 
     async def get_scale(self, request: web.Request) -> web.Response:
@@ -148,23 +176,37 @@ class FakeKube:
     async def patch_scale(self, request: web.Request) -> web.Response:
         ns, name = request.match_info["ns"], request.match_info["name"]
         if request.content_type != MERGE_PATCH:
-            return self._status(415, "UnsupportedMediaType", f"the body of the request was in an unknown format - "
-                                                              f"accepted media types include: {MERGE_PATCH}")  # fmt: skip
+            return self._status(
+                415,
+                "UnsupportedMediaType",
+                f"the body of the request was in an unknown format - "
+                f"accepted media types include: {MERGE_PATCH}",
+            )
         body = await request.json()
         dry = request.query.get("dryRun") == "All"
         self.calls.append(("PATCH", f"deployments/{name}/scale", {"body": body, "dry_run": dry}))
         if ns != self.namespace or name not in self.replicas:
             return self._status(404, "NotFound", f'deployments.apps "{name}" not found')
-        merged = V1Scale.from_dict({**self._scale(name), "spec": {**self._scale(name)["spec"], **body.get("spec", {})}})
+        merged = V1Scale.from_dict(
+            {**self._scale(name), "spec": {**self._scale(name)["spec"], **body.get("spec", {})}}
+        )
         assert merged is not None and merged.spec is not None
         if self.refuse is not None and (not dry or self.refuse_dry_run):
             if self.refuse == 403:
-                return self._status(403, "Forbidden", f'deployments.apps "{name}" is forbidden: User '
-                                    '"system:serviceaccount:duet:planner" cannot patch resource '
-                                    '"deployments/scale" in API group "apps"')  # fmt: skip
-            return self._status(409, "Conflict", f'Operation cannot be fulfilled on deployments.apps "{name}": '
-                                                 "the object has been modified; please apply your changes to "
-                                                 "the latest version and try again")  # fmt: skip
+                return self._status(
+                    403,
+                    "Forbidden",
+                    f'deployments.apps "{name}" is forbidden: User '
+                    '"system:serviceaccount:duet:planner" cannot patch resource '
+                    '"deployments/scale" in API group "apps"',
+                )
+            return self._status(
+                409,
+                "Conflict",
+                f'Operation cannot be fulfilled on deployments.apps "{name}": '
+                "the object has been modified; please apply your changes to "
+                "the latest version and try again",
+            )
         if not dry:
             if merged.spec.replicas is not None and merged.spec.replicas < self.replicas[name]:
                 async with aiohttp.ClientSession() as s:
@@ -173,7 +215,9 @@ class FakeKube:
                             self.drain_at_patch.append({"pod": pod, **(await r.json())})
                 await self._remove(name, self.replicas[name] - int(merged.spec.replicas or 0))
             self.replicas[name] = int(merged.spec.replicas or 0)
-        return web.json_response(self._scale(name) if not dry else {**self._scale(name), "spec": merged.spec.to_dict()})
+        return web.json_response(
+            self._scale(name) if not dry else {**self._scale(name), "spec": merged.spec.to_dict()}
+        )
 
     async def patch_pod(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
@@ -187,8 +231,11 @@ class FakeKube:
                 ann.pop(key, None)
             else:
                 ann[key] = value
-        pod = V1Pod(api_version="v1", kind="Pod",
-                    metadata=V1ObjectMeta(name=name, namespace=self.namespace, annotations=ann))  # fmt: skip
+        pod = V1Pod(
+            api_version="v1",
+            kind="Pod",
+            metadata=V1ObjectMeta(name=name, namespace=self.namespace, annotations=ann),
+        )
         return web.json_response(ApiClient().sanitize_for_serialization(pod))
 
     def app(self) -> web.Application:

@@ -18,9 +18,19 @@ D = parse_pool("decode/smollm2-135m/interactive")
 
 
 def _planner(budget: int, decode_min: int = 1) -> Planner:
-    return Planner(PlannerConfig(interval_s=5, window_s=20, cooldown_s=30, reverse_cooldown_s=90, cold_start_s=60,
-                                 default_max=4, node_budget=budget, bounds={"prefill": (1, 4), "decode": (decode_min, 4)},
-                                 slo={"interactive": TierSLO(ttft_s=1.0, itl_s=0.15)}))  # fmt: skip
+    return Planner(
+        PlannerConfig(
+            interval_s=5,
+            window_s=20,
+            cooldown_s=30,
+            reverse_cooldown_s=90,
+            cold_start_s=60,
+            default_max=4,
+            node_budget=budget,
+            bounds={"prefill": (1, 4), "decode": (decode_min, 4)},
+            slo={"interactive": TierSLO(ttft_s=1.0, itl_s=0.15)},
+        )
+    )
 
 
 def _nodes(now: float, *, victim_left: bool) -> list[NodeSample]:
@@ -49,7 +59,10 @@ def test_a_draining_node_still_counts_against_the_budget() -> None:
 
 def test_a_pool_whose_only_node_drains_is_below_its_min() -> None:
     now = 1000.0
-    nodes = [NodeSample("p0", P, now - 600, status=NodeStatus.DRAINING), NodeSample("d0", D, now - 600)]
+    nodes = [
+        NodeSample("p0", P, now - 600, status=NodeStatus.DRAINING),
+        NodeSample("d0", D, now - 600),
+    ]
     pools = group(nodes, now, 60)
     assert (pools[P].replicas, pools[P].draining, pools[P].candidates) == (0, 1, [])
     by_pool = {d.pool: d for d in _planner(budget=4).step(now, pools)}

@@ -23,22 +23,36 @@ OLD = -1e9  # started long before: warm
 
 
 def cfg(**kw: object) -> PlannerConfig:
-    base = dict(interval_s=5, window_s=20, cooldown_s=10, reverse_cooldown_s=90, cold_start_s=0, default_max=4,
-                slo={"interactive": TierSLO(ttft_s=2.0, itl_s=0.5)})
+    base = dict(
+        interval_s=5,
+        window_s=20,
+        cooldown_s=10,
+        reverse_cooldown_s=90,
+        cold_start_s=0,
+        default_max=4,
+        slo={"interactive": TierSLO(ttft_s=2.0, itl_s=0.5)},
+    )
     base.update(kw)
     return PlannerConfig(**base)  # type: ignore[arg-type]
 
 
 def nodes(n: int, pool: PoolKey = P, **figures: object) -> list[NodeSample]:
     """n warm nodes with empty queues (a pool that keeps up) and `figures`."""
-    return [NodeSample(f"{pool.role}-{i}", pool, OLD, latency_window_s=30.0, **figures) for i in range(n)]  # type: ignore[arg-type]
+    return [
+        NodeSample(f"{pool.role}-{i}", pool, OLD, latency_window_s=30.0, **figures)
+        for i in range(n)
+    ]  # type: ignore[arg-type]
 
 
 def decide(samples: list[NodeSample], planner: Planner | None = None, t0: float = 0.0) -> Decision:
     planner = planner or Planner(cfg())
     for k in range(10):
         t = t0 + 5 * k
-        d = next(d for d in planner.step(t, group(samples, t, planner.cfg.cold_start_s)) if d.pool == samples[0].pool)
+        d = next(
+            d
+            for d in planner.step(t, group(samples, t, planner.cfg.cold_start_s))
+            if d.pool == samples[0].pool
+        )
         if d.reason != Reason.NO_DATA:
             return d
     raise AssertionError("no decision")
@@ -67,7 +81,9 @@ def test_busy_high_is_the_operators_bound(busy_high: float, direction: Direction
 
 def test_a_pool_with_a_node_that_reports_no_busy_fraction_is_judged_by_its_queues() -> None:
     samples = nodes(3, busy=0.4)
-    samples[1] = NodeSample("prefill-1", P, OLD, latency_window_s=30.0)  # an older node, or a vLLM one
+    samples[1] = NodeSample(
+        "prefill-1", P, OLD, latency_window_s=30.0
+    )  # an older node, or a vLLM one
     d = decide(samples)
     assert d.direction == Direction.IN and "busy_sum" not in d.inputs["load"]  # type: ignore[operator]
 

@@ -12,26 +12,34 @@ from planner.pools import PoolKey
 
 def test_file_flags_and_bounds(tmp_path: Path) -> None:
     f = tmp_path / "planner.toml"
-    f.write_text('[planner]\nmode = "load"\ncooldown_s = 10\n[planner.bounds]\nprefill = [1, 2]\n'
-                 '"decode/batch" = [0, 1]\n"decode/m/interactive" = [2, 5]\n[planner.slo.batch]\nttft_s = 20\nitl_s = 2\n')  # fmt: skip
+    f.write_text(
+        '[planner]\nmode = "load"\ncooldown_s = 10\n[planner.bounds]\nprefill = [1, 2]\n'
+        '"decode/batch" = [0, 1]\n"decode/m/interactive" = [2, 5]\n[planner.slo.batch]\nttft_s = 20\nitl_s = 2\n'
+    )
     cfg = load_config(f, mode="throughput", node_budget=7)
     assert (cfg.mode, cfg.cooldown_s, cfg.node_budget) == (PlannerMode.THROUGHPUT, 10, 7)
     assert cfg.bounds_of(PoolKey("prefill", "m", "shared")) == (1, 2)
     assert cfg.bounds_of(PoolKey("decode", "m", "batch")) == (0, 1)
     assert cfg.bounds_of(PoolKey("decode", "m", "interactive")) == (2, 5)
-    assert cfg.bounds_of(PoolKey("decode", "other", "interactive")) == (cfg.default_min, cfg.default_max)
+    assert cfg.bounds_of(PoolKey("decode", "other", "interactive")) == (
+        cfg.default_min,
+        cfg.default_max,
+    )
     assert cfg.slo_of(PoolKey("decode", "m", "batch")).ttft_s == 20
     assert cfg.slo_of(PoolKey("decode", "m", "interactive")).ttft_s == 1.0  # the default
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    ("[planner]\nmodee = 'load'\n", "unknown field `modee`"),
-    ("[planner]\ninterval_s = 0\n", "interval_s and window_s must be > 0"),
-    ("[planner]\n[planner.bounds]\nprefill = [3, 1]\n", "need 0 ≤ min ≤ max"),
-    ("[planner]\nkv_high = 1.5\n", "kv_high must be in (0, 1]"),
-    ("[planner]\nmode = 'guess'\n", "Invalid enum value 'guess'"),
-    ("[planner\n", "planner.toml"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[planner]\nmodee = 'load'\n", "unknown field `modee`"),
+        ("[planner]\ninterval_s = 0\n", "interval_s and window_s must be > 0"),
+        ("[planner]\n[planner.bounds]\nprefill = [3, 1]\n", "need 0 ≤ min ≤ max"),
+        ("[planner]\nkv_high = 1.5\n", "kv_high must be in (0, 1]"),
+        ("[planner]\nmode = 'guess'\n", "Invalid enum value 'guess'"),
+        ("[planner\n", "planner.toml"),
+    ],
+)
 def test_bad_config_is_a_clear_error(tmp_path: Path, text: str, message: str) -> None:
     f = tmp_path / "planner.toml"
     f.write_text(text)
@@ -46,7 +54,8 @@ def test_missing_file() -> None:
 
 
 def test_a_planner_without_a_profile_warns_that_it_predicts_with_cpu_step_costs(
-        caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Load mode's TTFT/ITL predictions come from the step cost; the default one is SmolLM2 on one
     CPU thread. A GPU deployment that gives no profile must be told at start."""
     import argparse
@@ -63,5 +72,7 @@ def test_a_planner_without_a_profile_warns_that_it_predicts_with_cpu_step_costs(
     assert any("no node profile" in r.getMessage() for r in caplog.records), caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="duet.planner"):
-        from_args(p.parse_args(["--planner", "load", "--planner-profile", str(profile)]), PlaneSecurity())
+        from_args(
+            p.parse_args(["--planner", "load", "--planner-profile", str(profile)]), PlaneSecurity()
+        )
     assert not any("no node profile" in r.getMessage() for r in caplog.records), caplog.text

@@ -24,7 +24,9 @@ def replay(name: str, **kw: object) -> Replay:
 
 def one_step_out(r: Replay, reason: Reason) -> None:
     steps = r.steps(D)
-    assert [(d.direction, d.reason, d.desired) for _, d in steps] == [(Direction.OUT, reason, 2)], steps
+    assert [(d.direction, d.reason, d.desired) for _, d in steps] == [(Direction.OUT, reason, 2)], (
+        steps
+    )
     t = steps[0][0]
     assert 60 <= t <= 60 + 30, t  # the load rose at 60 s: within the window's half + a tick
     assert r.sizes[-1][2] == 2  # two carry it: no second step once the new node is warm
@@ -55,7 +57,9 @@ def test_decode_scales_out_on_kv_use() -> None:
 def test_decode_scales_in_when_the_survivors_meet_the_slo_with_margin() -> None:
     r = replay("decode_scale_in.jsonl")
     steps = r.steps(D)
-    assert [(d.direction, d.reason, d.desired) for _, d in steps] == [(Direction.IN, Reason.HEADROOM, 2)], steps
+    assert [(d.direction, d.reason, d.desired) for _, d in steps] == [
+        (Direction.IN, Reason.HEADROOM, 2)
+    ], steps
     d = steps[0][1]
     assert d.victim is not None
     assert d.inputs["at_n_minus_1"]["itl_s"] <= 0.7 * 0.15  # type: ignore[index]
@@ -68,8 +72,16 @@ def test_decode_scales_in_when_the_survivors_meet_the_slo_with_margin() -> None:
 
 def test_throughput_mode_scales_out_on_a_recorded_rate_rise() -> None:
     # the SLO test_loop.py sizes on: a single-thread CPU profile's decode steps cannot meet 0.15 s
-    planner = Planner(cfg(mode=PlannerMode.THROUGHPUT, forecast_window_s=60, cold_start_s=30, cooldown_s=30,
-                          reverse_cooldown_s=90, slo={"interactive": TierSLO(ttft_s=2.0, itl_s=0.5)}))  # fmt: skip
+    planner = Planner(
+        cfg(
+            mode=PlannerMode.THROUGHPUT,
+            forecast_window_s=60,
+            cold_start_s=30,
+            cooldown_s=30,
+            reverse_cooldown_s=90,
+            slo={"interactive": TierSLO(ttft_s=2.0, itl_s=0.5)},
+        )
+    )
     sizer = SimSizer(str(PROFILE), headroom=1.0, sim_requests=60)
     r = Replay(planner, load_trace(TRACES / "throughput_step.jsonl"), sizer=sizer).run()
     steps = r.steps()
@@ -80,7 +92,9 @@ def test_throughput_mode_scales_out_on_a_recorded_rate_rise() -> None:
     assert (d.direction, d.reason) == (Direction.OUT, Reason.FORECAST)
     assert d.inputs["target"] > d.current  # type: ignore[operator]
     assert d.pool == P  # 256-token prompts at 3 req/s: prefill is what one CPU thread cannot carry
-    assert [n for _, pool, n in r.sizes if pool == P][-1] >= 2  # and it stays out while the rate does
+    assert [n for _, pool, n in r.sizes if pool == P][
+        -1
+    ] >= 2  # and it stays out while the rate does
     assert sizer.simulations >= 2, sizer.simulations
     # a forecast, not the load figures: the pools' load was flat (zero) all along
     assert all(d.inputs.get("at_n") is None for _, d in r.decisions)

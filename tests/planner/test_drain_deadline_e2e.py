@@ -32,8 +32,14 @@ async def test_a_stream_past_the_drain_deadline_migrates(tmp_path: Path, tiny_ll
         with running(g):
             key = make_team(g.url, "m")
             client = openai.AsyncOpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
-            stream = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=MAX, temperature=0,
-                                                     stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+            stream = await client.completions.create(
+                model=MODEL,
+                prompt=PROMPT,
+                max_tokens=MAX,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             text, stopped = [], None
             async with aiohttp.ClientSession() as s:
                 async for chunk in stream:
@@ -53,4 +59,6 @@ async def test_a_stream_past_the_drain_deadline_migrates(tmp_path: Path, tiny_ll
             row = await one_record(g, key)
             assert row["migrations"] == 1 and sum(row["leg_tokens"]) == MAX, row
             other = d2 if stopped is d1 else d1
-            await until(lambda: other.proc.poll() is None, what="the other decode node still serving")
+            await until(
+                lambda: other.proc.poll() is None, what="the other decode node still serving"
+            )

@@ -62,7 +62,9 @@ async def _scenario(p_url: str, d_url: str, etcd_url: str, p_id: str) -> dict[st
             assert r.status == 200 and (await r.json())["status"] == "ok"
         store = EtcdStore(etcd_url)
         try:
-            rec = await until(lambda: _draining_in_etcd(store, p_id), 10, "P's registration to say draining")
+            rec = await until(
+                lambda: _draining_in_etcd(store, p_id), 10, "P's registration to say draining"
+            )
             assert rec.info.status == NodeStatus.DRAINING
         finally:
             await store.close()
@@ -112,9 +114,12 @@ async def _draining_in_etcd(store: EtcdStore, node_id: str):
     return rec if rec is not None and rec.info.status == NodeStatus.DRAINING else None
 
 
-def test_a_prefill_node_holding_unpulled_kv_is_scaled_in_safely(tiny_llama: Path, tmp_path: Path,
-                                                                etcd: EtcdServer) -> None:  # fmt: skip
-    p = node("prefill", tiny_llama, tmp_path, etcd.url, "--exit-when-drained", "--lease-seconds", "120")
+def test_a_prefill_node_holding_unpulled_kv_is_scaled_in_safely(
+    tiny_llama: Path, tmp_path: Path, etcd: EtcdServer
+) -> None:
+    p = node(
+        "prefill", tiny_llama, tmp_path, etcd.url, "--exit-when-drained", "--lease-seconds", "120"
+    )
     p2 = node("prefill", tiny_llama, tmp_path, etcd.url, "--lease-seconds", "120")
     d = node("decode", tiny_llama, tmp_path, etcd.url)
     with running(p, p2, d):

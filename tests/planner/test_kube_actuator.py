@@ -39,14 +39,25 @@ class DrainingNode:
 
     async def health(self, request: web.Request) -> web.Response:
         """Readiness as node/app.py answers it: 503 once drained (unless told to stay Ready)."""
-        drained = self.draining and self.ready_follows_drain and request.query.get("probe") == "ready"
-        return web.json_response({"status": "draining" if drained else "ok"}, status=503 if drained else 200)
+        drained = (
+            self.draining and self.ready_follows_drain and request.query.get("probe") == "ready"
+        )
+        return web.json_response(
+            {"status": "draining" if drained else "ok"}, status=503 if drained else 200
+        )
 
     def _status(self) -> dict:
         idle = self.draining and self.busy_polls <= 0
         outcome = "idle" if idle else "draining" if self.draining else "active"
-        return {"node_id": "duet-decode-7f9c", "role": "decode", "draining": self.draining,
-                "inflight": 0 if idle else 1, "held": 0, "idle": idle, "outcome": outcome}  # fmt: skip
+        return {
+            "node_id": "duet-decode-7f9c",
+            "role": "decode",
+            "draining": self.draining,
+            "inflight": 0 if idle else 1,
+            "held": 0,
+            "idle": idle,
+            "outcome": outcome,
+        }
 
     async def post(self, _: web.Request) -> web.Response:
         self.draining = True
@@ -62,7 +73,9 @@ class DrainingNode:
         outcome = "undrained" if self.draining else "not_draining"
         self.draining = False
         self.log.append("DELETE /drain")
-        return web.json_response({"node_id": "duet-decode-7f9c", "role": "decode", "outcome": outcome})
+        return web.json_response(
+            {"node_id": "duet-decode-7f9c", "role": "decode", "outcome": outcome}
+        )
 
 
 @asynccontextmanager
@@ -78,7 +91,9 @@ async def serve(app: web.Application) -> AsyncIterator[str]:
 
 
 @asynccontextmanager
-async def cluster(kube: FakeKube, node: DrainingNode) -> AsyncIterator[tuple[KubernetesActuator, str]]:
+async def cluster(
+    kube: FakeKube, node: DrainingNode
+) -> AsyncIterator[tuple[KubernetesActuator, str]]:
     node_app = web.Application()
     node_app.router.add_post("/drain", node.post)
     node_app.router.add_get("/drain", node.get)
@@ -87,8 +102,13 @@ async def cluster(kube: FakeKube, node: DrainingNode) -> AsyncIterator[tuple[Kub
     async with serve(kube.app()) as api, serve(node_app) as node_url, aiohttp.ClientSession() as s:
         kube.node_urls = {"duet-decode-7f9c": node_url}
         conf = client.Configuration(host=api)
-        act = KubernetesActuator("duet", Drainer(s, poll_s=0.05, deadline_s=10), api_client=client.ApiClient(conf),
-                                 ready_wait_s=5, poll_s=0.05)  # fmt: skip
+        act = KubernetesActuator(
+            "duet",
+            Drainer(s, poll_s=0.05, deadline_s=10),
+            api_client=client.ApiClient(conf),
+            ready_wait_s=5,
+            poll_s=0.05,
+        )
         try:
             yield act, node_url
         finally:
@@ -103,7 +123,13 @@ def test_scale_out_patches_the_scale_subresource() -> None:
             assert (r.outcome, r.replicas) == (Outcome.DONE, 2), r
             assert kube.replicas == {"duet-decode": 2, "duet-prefill-batch": 1}
             patch = [c for c in kube.calls if c[0] == "PATCH"]
-            assert patch == [("PATCH", "deployments/duet-decode/scale", {"body": {"spec": {"replicas": 2}}, "dry_run": False})]
+            assert patch == [
+                (
+                    "PATCH",
+                    "deployments/duet-decode/scale",
+                    {"body": {"spec": {"replicas": 2}}, "dry_run": False},
+                )
+            ]
             # the batch P pool is its own Deployment
             assert (await act.scale_out(P_BATCH, 2)).replicas == 2
             assert kube.replicas["duet-prefill-batch"] == 2
@@ -125,11 +151,16 @@ def test_scale_in_drains_the_victim_before_the_replica_count_drops() -> None:
             assert kube.replicas["duet-decode"] == 2
             # order: dry run, drain asked, polled until idle, victim marked, then the real patch
             kinds = [(c[1], c[2].get("dry_run")) for c in kube.calls if c[0] == "PATCH"]
-            assert kinds == [("deployments/duet-decode/scale", True), ("pods/duet-decode-7f9c", None),
-                             ("deployments/duet-decode/scale", False)]  # fmt: skip
+            assert kinds == [
+                ("deployments/duet-decode/scale", True),
+                ("pods/duet-decode-7f9c", None),
+                ("deployments/duet-decode/scale", False),
+            ]
             assert node.log[0] == "POST /drain" and node.log.count("GET /drain") >= 4
             assert "DELETE /drain" not in node.log  # scaled in: the drain stands
-            assert kube.drain_at_patch and all(s["idle"] for s in kube.drain_at_patch), kube.drain_at_patch
+            assert kube.drain_at_patch and all(s["idle"] for s in kube.drain_at_patch), (
+                kube.drain_at_patch
+            )
             assert kube.annotations["duet-decode-7f9c"][DELETION_COST] == "-2147483647"
 
     asyncio.run(go())
@@ -146,14 +177,23 @@ def test_a_refused_patch_is_reported_not_raised() -> None:
             # 403 on the dry run: refused before the node is drained for nothing
             kube.refuse, kube.refuse_dry_run = 403, True
             r = await act.scale_in(D, Victim("duet-decode-7f9c", url), 1)
-            assert r.outcome == Outcome.REFUSED and "403" in r.detail and "cannot patch" in r.detail, r
+            assert (
+                r.outcome == Outcome.REFUSED and "403" in r.detail and "cannot patch" in r.detail
+            ), r
             assert node.log == [] and kube.replicas["duet-decode"] == 2
             # 409 on the real patch, after the drain: refused, and the drain undone
             kube.refuse, kube.refuse_dry_run = 409, False
             r = await act.scale_in(D, Victim("duet-decode-7f9c", url), 1)
             assert r.outcome == Outcome.REFUSED and "409" in r.detail and "undrained" in r.detail, r
-            assert node.log[0] == "POST /drain" and node.log[-1] == "DELETE /drain" and not node.draining
-            assert kube.replicas["duet-decode"] == 2 and DELETION_COST not in kube.annotations["duet-decode-7f9c"]
+            assert (
+                node.log[0] == "POST /drain"
+                and node.log[-1] == "DELETE /drain"
+                and not node.draining
+            )
+            assert (
+                kube.replicas["duet-decode"] == 2
+                and DELETION_COST not in kube.annotations["duet-decode-7f9c"]
+            )
             # a Deployment that does not exist is a failure, not a refusal
             r = await act.scale_out(PoolKey("decode", "m", "interactive"), 1)
             assert r.outcome == Outcome.FAILED and "404" in r.detail
@@ -172,8 +212,12 @@ def test_scale_in_removes_only_the_drained_victim() -> None:
             r = await act.scale_in(D, Victim("duet-decode-7f9c", url), 1)
             assert (r.outcome, r.replicas, r.drained) == (Outcome.DONE, 2, True), r
             assert kube.replicas["duet-decode"] == 2
-            patches = [c[2]["body"] for c in kube.calls if c[0] == "PATCH" and c[1].endswith("/scale")]
-            assert patches == [{"spec": {"replicas": 2}}] * 2, patches  # the dry run, then the patch
+            patches = [
+                c[2]["body"] for c in kube.calls if c[0] == "PATCH" and c[1].endswith("/scale")
+            ]
+            assert patches == [{"spec": {"replicas": 2}}] * 2, (
+                patches
+            )  # the dry run, then the patch
 
     asyncio.run(go())
 
@@ -188,8 +232,11 @@ def test_a_not_ready_pod_does_not_go_in_the_drained_victims_place() -> None:
     serving nothing. The patch waits until the victim reads not Ready, then the victim goes."""
 
     async def go() -> None:
-        pods = [FakePod(VICTIM, "duet-decode"), FakePod("duet-decode-ready", "duet-decode"),
-                FakePod("duet-decode-starting", "duet-decode", ready=False)]  # fmt: skip
+        pods = [
+            FakePod(VICTIM, "duet-decode"),
+            FakePod("duet-decode-ready", "duet-decode"),
+            FakePod("duet-decode-starting", "duet-decode", ready=False),
+        ]
         kube = FakeKube(replicas={"duet-decode": 3}, pods=pods)
         async with cluster(kube, DrainingNode(0)) as (act, url):
             r = await act.scale_in(D, Victim(VICTIM, url), 2)
@@ -201,7 +248,10 @@ def test_a_not_ready_pod_does_not_go_in_the_drained_victims_place() -> None:
 
 def test_a_victim_that_stays_ready_is_not_scaled_in_past_a_not_ready_pod() -> None:
     async def go() -> None:
-        pods = [FakePod(VICTIM, "duet-decode"), FakePod("duet-decode-starting", "duet-decode", ready=False)]
+        pods = [
+            FakePod(VICTIM, "duet-decode"),
+            FakePod("duet-decode-starting", "duet-decode", ready=False),
+        ]
         kube = FakeKube(replicas={"duet-decode": 2}, pods=pods)
         node = DrainingNode(0, ready_follows_drain=False)
         async with cluster(kube, node) as (act, url):
@@ -223,13 +273,20 @@ def test_a_pending_pod_is_removed_first_and_nothing_is_drained() -> None:
     the victim as well would leave it drained and serving nothing."""
 
     async def go() -> None:
-        pods = [FakePod(VICTIM, "duet-decode"), FakePod("duet-decode-new", "duet-decode", phase="Pending",
-                                                        ready=False, scheduled=False)]  # fmt: skip
+        pods = [
+            FakePod(VICTIM, "duet-decode"),
+            FakePod(
+                "duet-decode-new", "duet-decode", phase="Pending", ready=False, scheduled=False
+            ),
+        ]
         kube = FakeKube(replicas={"duet-decode": 2}, pods=pods)
         node = DrainingNode(0)
         async with cluster(kube, node) as (act, url):
             r = await act.scale_in(D, Victim(VICTIM, url), 1)
-            assert (r.outcome, r.replicas) == (Outcome.DONE, 1) and "pending pod duet-decode-new" in r.detail, r
+            assert (r.outcome, r.replicas) == (
+                Outcome.DONE,
+                1,
+            ) and "pending pod duet-decode-new" in r.detail, r
             assert kube.deleted == ["duet-decode-new"]
             assert "POST /drain" not in node.log, "the victim was drained for nothing"
 

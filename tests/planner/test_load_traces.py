@@ -19,8 +19,18 @@ PB = parse_pool("prefill/smollm2-135m/batch")
 
 
 def cfg(**kw: object) -> PlannerConfig:
-    base = dict(interval_s=5, window_s=20, cooldown_s=30, reverse_cooldown_s=90, cold_start_s=60, default_max=3,
-                slo={"interactive": TierSLO(ttft_s=1.0, itl_s=0.15), "batch": TierSLO(ttft_s=30.0, itl_s=1.0)})
+    base = dict(
+        interval_s=5,
+        window_s=20,
+        cooldown_s=30,
+        reverse_cooldown_s=90,
+        cold_start_s=60,
+        default_max=3,
+        slo={
+            "interactive": TierSLO(ttft_s=1.0, itl_s=0.15),
+            "batch": TierSLO(ttft_s=30.0, itl_s=1.0),
+        },
+    )
     base.update(kw)
     return PlannerConfig(**base)  # type: ignore[arg-type]
 
@@ -55,7 +65,9 @@ def test_cold_start_figures_are_ignored() -> None:
 def test_scale_in_predicts_the_load_on_the_survivors() -> None:
     r = replay("scale_in.jsonl")
     steps = r.steps(P)
-    assert [(d.direction, d.reason, d.desired) for _, d in steps] == [(Direction.IN, Reason.HEADROOM, 2)]
+    assert [(d.direction, d.reason, d.desired) for _, d in steps] == [
+        (Direction.IN, Reason.HEADROOM, 2)
+    ]
     d = steps[0][1]
     assert d.victim is not None
     # at N−1 = 2 each survivor carries 900 queued tokens: under 0.7 × the SLO
@@ -78,8 +90,14 @@ def test_the_node_budget_caps_every_pool_together_interactive_first() -> None:
     assert r.steps(PB) == []
     assert any(d.pool == PB and d.reason == Reason.BUDGET for _, d in r.decisions)
     text = generate_latest(metrics.registry).decode()
-    assert 'duet:planner_decisions_total{direction="hold",model="smollm2-135m",pool="batch",reason="budget",role="prefill"}' in text
-    assert 'duet:planner_desired_replicas{model="smollm2-135m",pool="batch",role="prefill"} 2.0' in text
+    assert (
+        'duet:planner_decisions_total{direction="hold",model="smollm2-135m",pool="batch",reason="budget",role="prefill"}'
+        in text
+    )
+    assert (
+        'duet:planner_desired_replicas{model="smollm2-135m",pool="batch",role="prefill"} 2.0'
+        in text
+    )
     # without a budget both pools grow
     free = replay("budget.jsonl")
     assert free.steps(PB)

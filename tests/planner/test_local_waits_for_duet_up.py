@@ -65,12 +65,23 @@ class UpStandIn:
 @pytest.fixture
 def up(tmp_path: Path) -> Iterator[UpStandIn]:
     sup = Supervisor([[]], tail=False, stop_timeout=WAIT_S)
-    nodes = {name: Child(name, [sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / f"{name}.log")
-             for name in NODES}  # fmt: skip
+    nodes = {
+        name: Child(
+            name, [sys.executable, "-c", "import time; time.sleep(600)"], tmp_path / f"{name}.log"
+        )
+        for name in NODES
+    }
     for c in nodes.values():  # no supervision thread yet: the test's thread is it
         sup.add(0, c)
-    auto = Autoscale(UpConfig(nodes=layout_from_flags(2, 1, None)), tmp_path, "http://127.0.0.1:1", max_nodes=3,
-                     threads=1, stage=0, served={})  # fmt: skip
+    auto = Autoscale(
+        UpConfig(nodes=layout_from_flags(2, 1, None)),
+        tmp_path,
+        "http://127.0.0.1:1",
+        max_nodes=3,
+        threads=1,
+        stage=0,
+        served={},
+    )
     auto.sup = sup
     server = serve_control(auto, SECRET)
     done = threading.Event()
@@ -106,8 +117,14 @@ async def drain_stand_in() -> tuple[web.AppRunner, str, list[str]]:
         node_id = request.match_info["node"]
         if request.method == "POST":
             drained.append(node_id)
-        status = DrainStatus(node_id=node_id, role="prefill", draining=node_id in drained, inflight=0, held=0,
-                             idle=node_id in drained)  # fmt: skip
+        status = DrainStatus(
+            node_id=node_id,
+            role="prefill",
+            draining=node_id in drained,
+            inflight=0,
+            held=0,
+            idle=node_id in drained,
+        )
         return web.Response(body=msgspec.json.encode(status), content_type="application/json")
 
     app = web.Application()
@@ -123,20 +140,33 @@ async def drain_stand_in() -> tuple[web.AppRunner, str, list[str]]:
 def test_the_planner_steps_only_once_duet_up_is_up_and_the_step_is_done(up: UpStandIn) -> None:
     clock = Clock()
     old = clock.t - 3600
-    cfg = PlannerConfig(interval_s=5, window_s=10, cooldown_s=30, cold_start_s=60,
-                        bounds={"prefill": (1, 2), "decode": (1, 1)})  # fmt: skip
+    cfg = PlannerConfig(
+        interval_s=5,
+        window_s=10,
+        cooldown_s=30,
+        cold_start_s=60,
+        bounds={"prefill": (1, 2), "decode": (1, 1)},
+    )
 
     async def go() -> None:
         runner, base, drained = await drain_stand_in()
         try:
             async with aiohttp.ClientSession(headers=SECRET.headers) as session:
-                c = coordinator_with({"prefill-0": (info("prefill-0", "prefill", old), frame(0)),
-                                      "prefill-1": (info("prefill-1", "prefill", old), frame(0)),
-                                      "decode-0": (info("decode-0", "decode", old), frame(0))})  # fmt: skip
+                c = coordinator_with(
+                    {
+                        "prefill-0": (info("prefill-0", "prefill", old), frame(0)),
+                        "prefill-1": (info("prefill-1", "prefill", old), frame(0)),
+                        "decode-0": (info("decode-0", "decode", old), frame(0)),
+                    }
+                )
                 for node_id in ("prefill-0", "prefill-1"):
-                    c.views[node_id].info = msgspec.structs.replace(c.views[node_id].info, url=f"{base}/{node_id}")
+                    c.views[node_id].info = msgspec.structs.replace(
+                        c.views[node_id].info, url=f"{base}/{node_id}"
+                    )
                 c.election.is_leader = True
-                actuator = LocalActuator(up.url, Drainer(session, auth=SECRET.headers, poll_s=0.05), session)
+                actuator = LocalActuator(
+                    up.url, Drainer(session, auth=SECRET.headers, poll_s=0.05), session
+                )
                 loop = PlannerLoop(c, cfg, actuator, clock=clock)
 
                 # duet up still starts: ticks well past the window, and the idle pool is not judged
@@ -150,10 +180,14 @@ def test_the_planner_steps_only_once_duet_up_is_up_and_the_step_is_done(up: UpSt
                 assert early == [], [(d, r) for d, r in loop.results]
                 report = loop.report()
                 assert report.decisions == [] and report.last_tick is None, report
-                assert report.waiting is not None and "503 starting" in report.waiting, report.waiting
+                assert report.waiting is not None and "503 starting" in report.waiting, (
+                    report.waiting
+                )
                 # the console's Cluster page says so (its autoscaler section renders the report)
-                assert ("It decides nothing until its actuator can act: GET /ready: duet up answered 503 starting: "
-                        "duet up is still starting.") in render(report, "http://coordinator"), render(report, "")  # fmt: skip
+                assert (
+                    "It decides nothing until its actuator can act: GET /ready: duet up answered 503 starting: "
+                    "duet up is still starting."
+                ) in render(report, "http://coordinator"), render(report, "")
                 assert drained == [] and not loop.busy
 
                 # all up: the planner judges the pool from now on, and its step is carried out
@@ -166,22 +200,29 @@ def test_the_planner_steps_only_once_duet_up_is_up_and_the_step_is_done(up: UpSt
                         break
                     clock.t += 5
                 assert [(str(d.pool), d.direction, d.reason, d.desired) for d in steps] == [
-                    ("prefill/smollm2/shared", "in", "headroom", 1)], steps  # fmt: skip
+                    ("prefill/smollm2/shared", "in", "headroom", 1)
+                ], steps
                 [result] = await asyncio.wait_for(asyncio.gather(*loop.busy.values()), WAIT_S)
                 assert result.outcome == Outcome.DONE, result
                 assert loop.report().waiting is None
                 assert "decides nothing" not in render(loop.report(), "http://coordinator")
                 assert drained == [steps[0].victim]
                 text = generate_latest(c.metrics.registry).decode()
-                assert 'duet:planner_actuations_total{actuator="local",direction="in",outcome="done"} 1.0' in text
+                assert (
+                    'duet:planner_actuations_total{actuator="local",direction="in",outcome="done"} 1.0'
+                    in text
+                )
                 assert 'outcome="failed"' not in text
         finally:
             await runner.cleanup()
 
     asyncio.run(go())
     # duet up stopped the drained node and took it off supervision
-    [victim] = [n for n in ("prefill-0", "prefill-1") if up.nodes[n].retired.is_set()
-                or up.nodes[n].retiring]  # fmt: skip
+    [victim] = [
+        n
+        for n in ("prefill-0", "prefill-1")
+        if up.nodes[n].retired.is_set() or up.nodes[n].retiring
+    ]
     assert up.nodes[victim].retired.wait(WAIT_S)
     assert victim not in {c.name for c in up.sup.stages[0]}
     assert all(up.nodes[n].proc.poll() is None for n in NODES if n != victim)  # type: ignore[union-attr]

@@ -27,14 +27,31 @@ PROFILE = Path(__file__).resolve().parents[2] / "data/profiles/smollm2-135m-bf16
 
 
 def info(node_id: str, role: str, started: float) -> NodeInfo:
-    return NodeInfo(node_id=node_id, role=role, url=f"http://127.0.0.1:1/{node_id}", model="smollm2",  # type: ignore[arg-type]
-                    engine_id=node_id + "-e", block_size=16, kv_layout_hash="h", kv_capacity_blocks=1000,
-                    max_model_len=2048, started_at=started)  # fmt: skip
+    return NodeInfo(
+        node_id=node_id,
+        role=role,
+        url=f"http://127.0.0.1:1/{node_id}",
+        model="smollm2",  # type: ignore[arg-type]
+        engine_id=node_id + "-e",
+        block_size=16,
+        kv_layout_hash="h",
+        kv_capacity_blocks=1000,
+        max_model_len=2048,
+        started_at=started,
+    )
 
 
 def frame(queued: int, running: int = 0) -> LoadFrame:
-    return LoadFrame(seq=1, ts=0.0, num_requests_waiting=0, num_requests_running=running, kv_cache_usage_perc=0.1,
-                     queued_prefill_tokens=queued, kv_blocks_free=900, kv_blocks_total=1000)  # fmt: skip
+    return LoadFrame(
+        seq=1,
+        ts=0.0,
+        num_requests_waiting=0,
+        num_requests_running=running,
+        kv_cache_usage_perc=0.1,
+        queued_prefill_tokens=queued,
+        kv_blocks_free=900,
+        kv_blocks_total=1000,
+    )
 
 
 class Clock:
@@ -62,7 +79,12 @@ def refresh(c: Coordinator) -> None:
 def test_the_loop_acts_only_while_leading_and_writes_the_decision(tmp_path: Path) -> None:
     clock = Clock()
     old = clock.t - 3600
-    c = coordinator_with({"p0": (info("p0", "prefill", old), frame(6000)), "d0": (info("d0", "decode", old), frame(0, 2))})
+    c = coordinator_with(
+        {
+            "p0": (info("p0", "prefill", old), frame(6000)),
+            "d0": (info("d0", "decode", old), frame(0, 2)),
+        }
+    )
     cfg = PlannerConfig(interval_s=5, window_s=10, cooldown_s=30, cold_start_s=60)
     out = tmp_path / "decision.json"
     loop = PlannerLoop(c, cfg, VirtualActuator(out), clock=clock)
@@ -80,25 +102,40 @@ def test_the_loop_acts_only_while_leading_and_writes_the_decision(tmp_path: Path
             await asyncio.gather(*loop.busy.values())
             clock.t += 5
         assert [(str(d.pool), d.direction, d.reason, d.desired) for d in acted] == [
-            ("prefill/smollm2/shared", "out", "ttft", 2)]  # fmt: skip
+            ("prefill/smollm2/shared", "out", "ttft", 2)
+        ]
         # the started node has not registered yet: it counts as a cold replica, no second step
         assert after and all((d.current, d.reason) == (2, "cold_start") for d in after), after
 
     asyncio.run(go())
     written = json.loads(out.read_text())["pools"]
-    assert written["prefill/smollm2/shared"]["replicas"] == 2 and "decode/smollm2/shared" not in written
+    assert (
+        written["prefill/smollm2/shared"]["replicas"] == 2
+        and "decode/smollm2/shared" not in written
+    )
     text = generate_latest(c.metrics.registry).decode()
     assert 'duet:planner_desired_replicas{model="smollm2",pool="shared",role="prefill"} 2.0' in text
-    assert 'duet:planner_actuations_total{actuator="virtual",direction="out",outcome="done"} 1.0' in text
+    assert (
+        'duet:planner_actuations_total{actuator="virtual",direction="out",outcome="done"} 1.0'
+        in text
+    )
     assert 'duet:planner_current_replicas{model="smollm2",pool="shared",role="decode"} 1.0' in text
 
 
 def test_throughput_mode_sizes_prefill_and_decode_from_the_routed_rate(tmp_path: Path) -> None:
     clock = Clock()
     old = clock.t - 3600
-    c = coordinator_with({"p0": (info("p0", "prefill", old), frame(0)), "d0": (info("d0", "decode", old), frame(0))})
-    cfg = PlannerConfig(mode=PlannerMode.THROUGHPUT, cooldown_s=0, reverse_cooldown_s=0,
-                        slo={"interactive": TierSLO(ttft_s=2.0, itl_s=0.5)}, forecast_window_s=60, cold_start_s=0)  # fmt: skip
+    c = coordinator_with(
+        {"p0": (info("p0", "prefill", old), frame(0)), "d0": (info("d0", "decode", old), frame(0))}
+    )
+    cfg = PlannerConfig(
+        mode=PlannerMode.THROUGHPUT,
+        cooldown_s=0,
+        reverse_cooldown_s=0,
+        slo={"interactive": TierSLO(ttft_s=2.0, itl_s=0.5)},
+        forecast_window_s=60,
+        cold_start_s=0,
+    )
     sizer = SimSizer(str(PROFILE), headroom=1.0, sim_requests=60)
     loop = PlannerLoop(c, cfg, VirtualActuator(tmp_path / "d.json"), sizer=sizer, clock=clock)
     c.election.is_leader = True
@@ -122,11 +159,17 @@ def test_the_loop_reads_the_measured_latency_of_the_load_frames(tmp_path: Path) 
     over 40 requests: the leader steps the pool out, on the measurement."""
     clock = Clock()
     old = clock.t - 3600
-    slow = msgspec.structs.replace(frame(100), ttft_p90_s=2.5, ttft_samples=40, latency_window_s=30.0)
+    slow = msgspec.structs.replace(
+        frame(100), ttft_p90_s=2.5, ttft_samples=40, latency_window_s=30.0
+    )
     c = coordinator_with({"p0": (info("p0", "prefill", old), slow)})
     c.election.is_leader = True
-    loop = PlannerLoop(c, PlannerConfig(interval_s=5, window_s=10, cold_start_s=60), VirtualActuator(tmp_path / "d.json"),
-                       clock=clock)  # fmt: skip
+    loop = PlannerLoop(
+        c,
+        PlannerConfig(interval_s=5, window_s=10, cold_start_s=60),
+        VirtualActuator(tmp_path / "d.json"),
+        clock=clock,
+    )
 
     texts = []
 
@@ -144,10 +187,15 @@ def test_the_loop_reads_the_measured_latency_of_the_load_frames(tmp_path: Path) 
 
     steps = asyncio.run(go())
     assert [(d.direction, d.reason) for d in steps] == [("out", "ttft_measured")], steps
-    assert steps[0].inputs["at_n"]["ttft_s"] < 1.0 and steps[0].inputs["measured"]["ttft_p90_s"] == 2.5
+    assert (
+        steps[0].inputs["at_n"]["ttft_s"] < 1.0 and steps[0].inputs["measured"]["ttft_p90_s"] == 2.5
+    )
     out = next(e for e in loop.report().decisions if e.direction == "out")  # GET /planner's entry
     assert out.inputs.measured is not None and out.inputs.measured.counted == ["ttft"]
-    assert 'duet:planner_measured_ttft_seconds{model="smollm2",pool="shared",role="prefill"} 2.5' in texts[0]
+    assert (
+        'duet:planner_measured_ttft_seconds{model="smollm2",pool="shared",role="prefill"} 2.5'
+        in texts[0]
+    )
     # the next ticks hold the pool for the started node's cold start: no figure counted, no series
     assert "duet:planner_measured_ttft_seconds{" not in generate_latest(c.metrics.registry).decode()
 
@@ -161,13 +209,23 @@ def test_the_loop_merges_the_nodes_latency_histograms(tmp_path: Path) -> None:
 
     def measured(p90: float, n: int) -> LoadFrame:
         hist = histogram_of([bucket(p90)] * n)
-        return msgspec.structs.replace(frame(100), ttft_p90_s=p90, ttft_samples=n, ttft_hist=hist, latency_window_s=30.0)
+        return msgspec.structs.replace(
+            frame(100), ttft_p90_s=p90, ttft_samples=n, ttft_hist=hist, latency_window_s=30.0
+        )
 
-    c = coordinator_with({"p0": (info("p0", "prefill", old), measured(0.05, 800)),
-                          "p1": (info("p1", "prefill", old), measured(2.0, 200))})  # fmt: skip
+    c = coordinator_with(
+        {
+            "p0": (info("p0", "prefill", old), measured(0.05, 800)),
+            "p1": (info("p1", "prefill", old), measured(2.0, 200)),
+        }
+    )
     c.election.is_leader = True
-    loop = PlannerLoop(c, PlannerConfig(interval_s=5, window_s=10, cold_start_s=60), VirtualActuator(tmp_path / "d.json"),
-                       clock=clock)  # fmt: skip
+    loop = PlannerLoop(
+        c,
+        PlannerConfig(interval_s=5, window_s=10, cold_start_s=60),
+        VirtualActuator(tmp_path / "d.json"),
+        clock=clock,
+    )
 
     async def go() -> list:
         steps = []

@@ -35,8 +35,15 @@ OLD = -1e9  # started long before the trace: warm, its window long past its cold
 
 
 def cfg(**kw: object) -> PlannerConfig:
-    base = dict(interval_s=5, window_s=20, cooldown_s=30, reverse_cooldown_s=90, cold_start_s=60, default_max=4,
-                slo={"interactive": TierSLO(ttft_s=1.0, itl_s=0.15)})
+    base = dict(
+        interval_s=5,
+        window_s=20,
+        cooldown_s=30,
+        reverse_cooldown_s=90,
+        cold_start_s=60,
+        default_max=4,
+        slo={"interactive": TierSLO(ttft_s=1.0, itl_s=0.15)},
+    )
     base.update(kw)
     return PlannerConfig(**base)  # type: ignore[arg-type]
 
@@ -51,7 +58,9 @@ def decide(nodes: list[NodeSample], planner: Planner | None = None, t0: float = 
     pool = nodes[0].pool
     for k in range(10):
         t = t0 + 5 * k
-        d = next(d for d in planner.step(t, group(nodes, t, planner.cfg.cold_start_s)) if d.pool == pool)
+        d = next(
+            d for d in planner.step(t, group(nodes, t, planner.cfg.cold_start_s)) if d.pool == pool
+        )
         if d.reason != Reason.NO_DATA:
             return d
     raise AssertionError("no decision")
@@ -69,33 +78,97 @@ class Row:
 # a light prefill load: 200 queued tokens → predicted TTFT 0.12 s, far under the 1 s SLO
 LIGHT = {"queued_prefill_tokens": 200, "kv_usage": 0.1}
 ROWS = [
-    Row("predicted under, measured P90 over: out on the measurement",
-        [node(0, ttft_p90_s=1.8, ttft_samples=40, **LIGHT)], Direction.OUT, Reason.TTFT_MEASURED, ["ttft"]),
-    Row("the same with 19 samples: too few, ignored",
-        [node(0, ttft_p90_s=1.8, ttft_samples=19, **LIGHT)], Direction.HOLD, Reason.STEADY, []),
-    Row("samples summed over the pool's nodes: 2 × 12 count",
-        [node(0, ttft_p90_s=1.8, ttft_samples=12, **LIGHT), node(1, ttft_p90_s=1.6, ttft_samples=12, **LIGHT)],
-        Direction.OUT, Reason.TTFT_MEASURED, ["ttft"]),
-    Row("measured under the SLO: nothing to do", [node(0, ttft_p90_s=0.4, ttft_samples=40, **LIGHT)],
-        Direction.HOLD, Reason.STEADY, ["ttft"]),
-    Row("predicted over and above the measurement: the prediction's reason",
-        [node(0, queued_prefill_tokens=6000, ttft_p90_s=1.2, ttft_samples=40)], Direction.OUT, Reason.TTFT, ["ttft"]),
-    Row("a decode pool: its measured ITL P90 over the SLO",
-        [node(0, D, running=10, kv_usage=0.2, itl_p90_s=0.3, itl_samples=500)], Direction.OUT, Reason.ITL_MEASURED,
-        ["itl"]),
-    Row("a decode pool: a TTFT it does not own is not its figure",
-        [node(0, D, running=10, kv_usage=0.2, ttft_p90_s=5.0, ttft_samples=500)], Direction.HOLD, Reason.STEADY, []),
-    Row("a colocated pool: either figure",
-        [node(0, C, running=10, kv_usage=0.2, ttft_p90_s=0.2, ttft_samples=40, itl_p90_s=0.2, itl_samples=200)],
-        Direction.OUT, Reason.ITL_MEASURED, ["ttft", "itl"]),
-    Row("a node past its cold start whose window still holds cold-start requests: not counted",
-        [node(0, started=-70.0, ttft_p90_s=5.0, ttft_samples=40, **LIGHT)], Direction.HOLD, Reason.STEADY, None),
-    Row("three nodes, N−1 predicted with margin, but the measured P90 at N is over 0.7 × SLO: held",
+    Row(
+        "predicted under, measured P90 over: out on the measurement",
+        [node(0, ttft_p90_s=1.8, ttft_samples=40, **LIGHT)],
+        Direction.OUT,
+        Reason.TTFT_MEASURED,
+        ["ttft"],
+    ),
+    Row(
+        "the same with 19 samples: too few, ignored",
+        [node(0, ttft_p90_s=1.8, ttft_samples=19, **LIGHT)],
+        Direction.HOLD,
+        Reason.STEADY,
+        [],
+    ),
+    Row(
+        "samples summed over the pool's nodes: 2 × 12 count",
+        [
+            node(0, ttft_p90_s=1.8, ttft_samples=12, **LIGHT),
+            node(1, ttft_p90_s=1.6, ttft_samples=12, **LIGHT),
+        ],
+        Direction.OUT,
+        Reason.TTFT_MEASURED,
+        ["ttft"],
+    ),
+    Row(
+        "measured under the SLO: nothing to do",
+        [node(0, ttft_p90_s=0.4, ttft_samples=40, **LIGHT)],
+        Direction.HOLD,
+        Reason.STEADY,
+        ["ttft"],
+    ),
+    Row(
+        "predicted over and above the measurement: the prediction's reason",
+        [node(0, queued_prefill_tokens=6000, ttft_p90_s=1.2, ttft_samples=40)],
+        Direction.OUT,
+        Reason.TTFT,
+        ["ttft"],
+    ),
+    Row(
+        "a decode pool: its measured ITL P90 over the SLO",
+        [node(0, D, running=10, kv_usage=0.2, itl_p90_s=0.3, itl_samples=500)],
+        Direction.OUT,
+        Reason.ITL_MEASURED,
+        ["itl"],
+    ),
+    Row(
+        "a decode pool: a TTFT it does not own is not its figure",
+        [node(0, D, running=10, kv_usage=0.2, ttft_p90_s=5.0, ttft_samples=500)],
+        Direction.HOLD,
+        Reason.STEADY,
+        [],
+    ),
+    Row(
+        "a colocated pool: either figure",
+        [
+            node(
+                0,
+                C,
+                running=10,
+                kv_usage=0.2,
+                ttft_p90_s=0.2,
+                ttft_samples=40,
+                itl_p90_s=0.2,
+                itl_samples=200,
+            )
+        ],
+        Direction.OUT,
+        Reason.ITL_MEASURED,
+        ["ttft", "itl"],
+    ),
+    Row(
+        "a node past its cold start whose window still holds cold-start requests: not counted",
+        [node(0, started=-70.0, ttft_p90_s=5.0, ttft_samples=40, **LIGHT)],
+        Direction.HOLD,
+        Reason.STEADY,
+        None,
+    ),
+    Row(
+        "three nodes, N−1 predicted with margin, but the measured P90 at N is over 0.7 × SLO: held",
         [node(i, queued_prefill_tokens=200, ttft_p90_s=0.8, ttft_samples=40) for i in range(3)],
-        Direction.HOLD, Reason.STEADY, ["ttft"]),
-    Row("the same with the measured P90 under the margin: in",
+        Direction.HOLD,
+        Reason.STEADY,
+        ["ttft"],
+    ),
+    Row(
+        "the same with the measured P90 under the margin: in",
         [node(i, queued_prefill_tokens=200, ttft_p90_s=0.3, ttft_samples=40) for i in range(3)],
-        Direction.IN, Reason.HEADROOM, ["ttft"]),
+        Direction.IN,
+        Reason.HEADROOM,
+        ["ttft"],
+    ),
 ]
 
 
@@ -117,10 +190,18 @@ def test_the_decision_logs_and_exports_the_measured_figure() -> None:
     d = decide([node(0, ttft_p90_s=1.8, ttft_samples=40, **LIGHT)], Planner(cfg(), metrics))
     assert "'measured': {'ttft_p90_s': 1.8, 'ttft_samples': 40" in d.describe()
     wire = inputs_of(d)  # GET /planner's typed inputs
-    assert wire.measured is not None and (wire.measured.ttft_p90_s, wire.measured.counted) == (1.8, ["ttft"])
-    assert "measured TTFT P90 1.80 s (40 samples), counted: ttft" in describe_inputs(wire)  # the console's line
+    assert wire.measured is not None and (wire.measured.ttft_p90_s, wire.measured.counted) == (
+        1.8,
+        ["ttft"],
+    )
+    assert "measured TTFT P90 1.80 s (40 samples), counted: ttft" in describe_inputs(
+        wire
+    )  # the console's line
     text = generate_latest(metrics.registry).decode()
-    assert 'duet:planner_measured_ttft_seconds{model="m",pool="interactive",role="prefill"} 1.8' in text
+    assert (
+        'duet:planner_measured_ttft_seconds{model="m",pool="interactive",role="prefill"} 1.8'
+        in text
+    )
     # too few samples: the series goes (a stale figure must not read as current)
     metrics2 = PlannerMetrics()
     decide([node(0, ttft_p90_s=1.8, ttft_samples=5, **LIGHT)], Planner(cfg(), metrics2))
@@ -128,7 +209,9 @@ def test_the_decision_logs_and_exports_the_measured_figure() -> None:
 
 
 def test_min_latency_samples_is_configurable() -> None:
-    d = decide([node(0, ttft_p90_s=1.8, ttft_samples=5, **LIGHT)], Planner(cfg(min_latency_samples=5)))
+    d = decide(
+        [node(0, ttft_p90_s=1.8, ttft_samples=5, **LIGHT)], Planner(cfg(min_latency_samples=5))
+    )
     assert d.reason == Reason.TTFT_MEASURED
     with pytest.raises(ValueError, match="min_latency_samples"):
         cfg(min_latency_samples=0)
@@ -138,7 +221,10 @@ def test_a_window_that_began_before_the_last_step_is_not_counted() -> None:
     """After a scale-out the nodes' 30-s windows still hold the old size's latency: the next
     step waits until a whole window was measured at the new size, not only the cool-down."""
     planner = Planner(cfg(cooldown_s=10, cold_start_s=0))
-    slow = [node(0, ttft_p90_s=1.8, ttft_samples=40, **LIGHT), node(1, ttft_p90_s=1.8, ttft_samples=40, **LIGHT)]
+    slow = [
+        node(0, ttft_p90_s=1.8, ttft_samples=40, **LIGHT),
+        node(1, ttft_p90_s=1.8, ttft_samples=40, **LIGHT),
+    ]
     first = decide(slow, planner)
     assert first.reason == Reason.TTFT_MEASURED
     t_step = 10.0  # the first tick whose window spans half of window_s
@@ -187,7 +273,9 @@ def window(samples: list[float]) -> Window:
 def ttft_node(i: int, samples: list[float], pool=P, **figures: float) -> NodeSample:
     """A node whose load frame carries its TTFT window: P90, count and histogram."""
     w = window(samples)
-    return replace(node(i, pool, **figures), ttft_p90_s=w.p90_s, ttft_samples=w.samples, ttft_hist=w.hist)
+    return replace(
+        node(i, pool, **figures), ttft_p90_s=w.p90_s, ttft_samples=w.samples, ttft_hist=w.hist
+    )
 
 
 def exact_p90(samples: list[float]) -> float:
@@ -210,16 +298,31 @@ class Split:
 SPLITS = [
     # 1,000 requests, 20 % of them 2 s on node B: the pool's P90 is 2 s (the 900th is B's), the
     # mean of the P90s (0.8 × 0.05 + 0.2 × 2 = 0.44 s) would even step the pool in
-    Split("a slow node with a fifth of the samples holds the pool's tail",
-          [0.05] * 800, [2.0] * 200, Direction.OUT, Reason.TTFT_MEASURED),
+    Split(
+        "a slow node with a fifth of the samples holds the pool's tail",
+        [0.05] * 800,
+        [2.0] * 200,
+        Direction.OUT,
+        Reason.TTFT_MEASURED,
+    ),
     # 5 % at 20 s: 95 % of the pool's requests take 50 ms, so its P90 meets the SLO; the mean of
     # the P90s (0.95 × 0.05 + 0.05 × 20 = 1.05 s) would step it out
-    Split("a slow node with a twentieth of the samples is under the pool's P90",
-          [0.05] * 950, [20.0] * 50, Direction.IN, Reason.HEADROOM),
+    Split(
+        "a slow node with a twentieth of the samples is under the pool's P90",
+        [0.05] * 950,
+        [20.0] * 50,
+        Direction.IN,
+        Reason.HEADROOM,
+    ),
     # the issue's example: 900 at 50 ms and 100 at 2 s put the 900th (the P90) at 50 ms
-    Split("900 at 50 ms and 100 at 2 s: the 900th is 50 ms", [0.05] * 900, [2.0] * 100, Direction.IN,
-          Reason.HEADROOM),
-]  # fmt: skip
+    Split(
+        "900 at 50 ms and 100 at 2 s: the 900th is 50 ms",
+        [0.05] * 900,
+        [2.0] * 100,
+        Direction.IN,
+        Reason.HEADROOM,
+    ),
+]
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=[s.name for s in SPLITS])
@@ -229,7 +332,11 @@ def test_the_pool_p90_is_the_merged_distribution_not_a_mean_of_p90s(split: Split
     pooled = exact_p90(split.a + split.b)
     mean_of_p90s = (exact_p90(split.a) * len(split.a) + exact_p90(split.b) * len(split.b)) / 1000
     assert (m.ttft_samples, m.ttft_merged_samples) == (1000, 1000)
-    assert close(m.ttft_p90_s, pooled) and not close(m.ttft_p90_s, mean_of_p90s), (m, pooled, mean_of_p90s)
+    assert close(m.ttft_p90_s, pooled) and not close(m.ttft_p90_s, mean_of_p90s), (
+        m,
+        pooled,
+        mean_of_p90s,
+    )
     d = decide(nodes)
     assert (d.direction, d.reason) == (split.direction, split.reason), d.describe()
     assert d.inputs["measured"]["ttft_merged_samples"] == 1000  # type: ignore[index]
@@ -241,8 +348,10 @@ def test_the_merged_p90_is_within_the_bucket_resolution_of_the_pooled_samples(se
     1..2,000 samples): the pool's P90 is within RELATIVE_ERROR (√1.1 − 1 ≈ 4.9 %) of the exact
     nearest-rank P90 of all the nodes' samples together."""
     rng = random.Random(seed)
-    shapes = [(math.log(10 ** rng.uniform(-3, 1.3)), rng.uniform(0.05, 1.5), rng.randint(1, 2000))
-              for _ in range(rng.randint(1, 4))]  # (log median, sigma, samples) per node  # fmt: skip
+    shapes = [
+        (math.log(10 ** rng.uniform(-3, 1.3)), rng.uniform(0.05, 1.5), rng.randint(1, 2000))
+        for _ in range(rng.randint(1, 4))
+    ]  # (log median, sigma, samples) per node
     windows = [[rng.lognormvariate(mu, sigma) for _ in range(n)] for mu, sigma, n in shapes]
     m = group([ttft_node(i, w) for i, w in enumerate(windows)], 0.0, 60.0)[P].measured()
     pooled = [x for w in windows for x in w]
@@ -264,12 +373,22 @@ def test_an_older_node_without_a_histogram_is_weighted_in_by_its_p90() -> None:
     assert m.ttft_p90_s == pytest.approx((merged_a * 800 + 2.0 * 200) / 1000)
     # GET /planner and the console say how much of the figure is older nodes' P90s
     wire = inputs_of(decide([replace(a, **LIGHT), replace(b, **LIGHT)]))  # type: ignore[arg-type]
-    assert wire.measured is not None and (wire.measured.ttft_samples, wire.measured.ttft_merged_samples) == (1000, 800)
+    assert wire.measured is not None and (
+        wire.measured.ttft_samples,
+        wire.measured.ttft_merged_samples,
+    ) == (1000, 800)
     assert "(1000 samples, 200 as node P90s)" in describe_inputs(wire)
     newer = replace(b, ttft_hist=LatencyHistogram(scheme=2, first=0, counts=[200]))
     assert group([a, newer], 0.0, 60.0)[P].measured() == m
-    old = group([node(0, ttft_p90_s=1.8, ttft_samples=12), node(1, ttft_p90_s=1.6, ttft_samples=36)], 0.0, 60.0)
-    assert (old[P].measured().ttft_p90_s, old[P].measured().ttft_merged_samples) == (pytest.approx(1.65), 0)
+    old = group(
+        [node(0, ttft_p90_s=1.8, ttft_samples=12), node(1, ttft_p90_s=1.6, ttft_samples=36)],
+        0.0,
+        60.0,
+    )
+    assert (old[P].measured().ttft_p90_s, old[P].measured().ttft_merged_samples) == (
+        pytest.approx(1.65),
+        0,
+    )
 
 
 def test_the_histograms_keep_the_cold_start_and_min_samples_rules() -> None:
@@ -278,7 +397,11 @@ def test_the_histograms_keep_the_cold_start_and_min_samples_rules() -> None:
     assert group([ttft_node(0, slow, started=-70.0)], 0.0, 60.0)[P].measured().ttft_samples == 0
     # 19 samples in histograms are as few as 19 P90 samples
     d = decide([ttft_node(0, [2.0] * 19, **LIGHT)])
-    assert (d.direction, d.reason, d.inputs["measured"]["counted"]) == (Direction.HOLD, Reason.STEADY, [])  # type: ignore[index]
+    assert (d.direction, d.reason, d.inputs["measured"]["counted"]) == (
+        Direction.HOLD,
+        Reason.STEADY,
+        [],
+    )  # type: ignore[index]
     # an empty window (no request lately) adds nothing
     assert group([ttft_node(0, [])], 0.0, 60.0)[P].measured().ttft_samples == 0
 
@@ -286,5 +409,7 @@ def test_the_histograms_keep_the_cold_start_and_min_samples_rules() -> None:
 def test_recent_latency_window_histogram() -> None:
     w = window([0.05] * 9 + [2.0])
     assert (w.p90_s, w.samples, w.hist.total) == (0.05, 10, 10)
-    assert w.hist.counts[0] == 9 and w.hist.counts[-1] == 1 and sum(1 for c in w.hist.counts if c) == 2
+    assert (
+        w.hist.counts[0] == 9 and w.hist.counts[-1] == 1 and sum(1 for c in w.hist.counts if c) == 2
+    )
     assert window([]).hist.counts == []

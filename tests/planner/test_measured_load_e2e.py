@@ -27,9 +27,19 @@ MAX_TOKENS = 4
 
 def _stream(url: str, prompt: list[int]) -> int:
     """A streamed completion; the number of chunks that carried tokens."""
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "stream": True, "ignore_eos": True, "temperature": 0}
-    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    body = {
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     chunks = 0
     with urllib.request.urlopen(req, timeout=60) as r:
         for line in r:
@@ -43,7 +53,9 @@ def _load(coord_url: str, node_id: str) -> dict[str, Any]:
     return (nodes.get(node_id) or {}).get("load") or {}
 
 
-def test_load_frames_carry_the_measured_ttft_and_itl(tiny_llama: Path, tmp_path: Path, etcd: EtcdServer) -> None:
+def test_load_frames_carry_the_measured_ttft_and_itl(
+    tiny_llama: Path, tmp_path: Path, etcd: EtcdServer
+) -> None:
     both = node("both", tiny_llama, tmp_path, etcd.url)
     pre = node("prefill", tiny_llama, tmp_path, etcd.url)
     coord = coordinator(tmp_path, etcd.url)
@@ -53,11 +65,20 @@ def test_load_frames_carry_the_measured_ttft_and_itl(tiny_llama: Path, tmp_path:
         # nothing served yet: measured, but no samples
         assert _load(coord.url, ids["both"])["ttft_samples"] == 0
 
-        token_chunks = sum(_stream(both.url, [(7 + i * 13 + k) % 380 + 1 for k in range(24)]) for i in range(REQUESTS))
+        token_chunks = sum(
+            _stream(both.url, [(7 + i * 13 + k) % 380 + 1 for k in range(24)])
+            for i in range(REQUESTS)
+        )
         for i in range(REQUESTS):  # prefill legs: one token each, the KV held for a decode node
-            status, out = http("POST", pre.url + "/v1/completions", {
-                "prompt": [(11 + i * 17 + k) % 380 + 1 for k in range(24)], "max_tokens": 1,
-                "kv_transfer_params": {"do_remote_decode": True}})  # fmt: skip
+            status, out = http(
+                "POST",
+                pre.url + "/v1/completions",
+                {
+                    "prompt": [(11 + i * 17 + k) % 380 + 1 for k in range(24)],
+                    "max_tokens": 1,
+                    "kv_transfer_params": {"do_remote_decode": True},
+                },
+            )
             assert status == 200, out
 
         def measured(key: str, ttfts: int, gaps: int = 0) -> dict[str, Any] | None:
@@ -65,11 +86,21 @@ def test_load_frames_carry_the_measured_ttft_and_itl(tiny_llama: Path, tmp_path:
             # coordinator may hold it a moment, e.g. across a reconnect of its event stream)
             # has every TTFT and not yet every gap; a node that lost gaps never gets here.
             load = _load(coord.url, ids[key])
-            return load if load.get("ttft_samples", 0) >= ttfts and load.get("itl_samples", 0) >= gaps else None
+            return (
+                load
+                if load.get("ttft_samples", 0) >= ttfts and load.get("itl_samples", 0) >= gaps
+                else None
+            )
 
         gaps = token_chunks - REQUESTS
-        colocated = wait_for(lambda: measured("both", REQUESTS, gaps), 30, "the colocated node's frame with its TTFTs and gaps")
-        prefill = wait_for(lambda: measured("prefill", REQUESTS), 30, "the prefill node's frame with its TTFTs")
+        colocated = wait_for(
+            lambda: measured("both", REQUESTS, gaps),
+            30,
+            "the colocated node's frame with its TTFTs and gaps",
+        )
+        prefill = wait_for(
+            lambda: measured("prefill", REQUESTS), 30, "the prefill node's frame with its TTFTs"
+        )
 
         # colocated: one TTFT per request, one gap per later token chunk (the same observations
         # as its histograms), P90s that are real durations

@@ -43,7 +43,16 @@ from tests.coordinator.conftest import http
 from tests.procs import Proc, free_port, running, secured_plane
 from tests.wait import until, wait_for
 
-NODE_ARGS = ("--dtype", "float32", "--kv-blocks", "128", "--max-model-len", "512", "--transport", "tcp")
+NODE_ARGS = (
+    "--dtype",
+    "float32",
+    "--kv-blocks",
+    "128",
+    "--max-model-len",
+    "512",
+    "--transport",
+    "tcp",
+)
 SECRET = secrets.token_urlsafe(32)
 AUTH = {"Authorization": f"Bearer {SECRET}"}
 P_ID, D_ID = "prefill-0", "decode-0"
@@ -62,7 +71,9 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     # --local-prefill-tokens 8: a prompt of 64 tokens goes to a prefill node when one is routable
-    with secured_plane(tmp_path_factory.mktemp("undrain"), SECRET, "--local-prefill-tokens", "8") as plane:
+    with secured_plane(
+        tmp_path_factory.mktemp("undrain"), SECRET, "--local-prefill-tokens", "8"
+    ) as plane:
         # a long hold lease: a prefill leg's KV stays held (the node busy) until the module's last
         # test, which kills P. 120 s ran out once under `-n 2` (the module took longer), so the
         # lease is far longer than any module run; nothing waits for it to expire
@@ -82,7 +93,11 @@ def _route(c: Cluster) -> tuple[int, Any]:
 def _routed(c: Cluster, prefill: str | None, decode: str) -> bool:
     """The coordinator's answer for a 64-token prompt names these nodes."""
     status, r = _route(c)
-    return status == 200 and (r["prefill"] or {}).get("node_id") == prefill and r["decode"]["node_id"] == decode
+    return (
+        status == 200
+        and (r["prefill"] or {}).get("node_id") == prefill
+        and r["decode"]["node_id"] == decode
+    )
 
 
 def _status_in_coordinator(c: Cluster, node_id: str) -> str | None:
@@ -96,14 +111,21 @@ def _ready(node: Proc) -> int:
 
 
 def _undo_cli(c: Cluster, node_id: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "duet", "drain", "--undo", node_id, "--etcd", c.etcd, *extra],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "duet", "drain", "--undo", node_id, "--etcd", c.etcd, *extra],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 async def _hold_kv(s: aiohttp.ClientSession, p_url: str) -> dict[str, Any]:
     """A prefill leg whose KV no decode node pulls: P stays busy (held = 1) while draining."""
-    leg = {"prompt": [(7 + i * 31) % 380 + 1 for i in range(64)], "max_tokens": 1,
-           "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    leg = {
+        "prompt": [(7 + i * 31) % 380 + 1 for i in range(64)],
+        "max_tokens": 1,
+        "kv_transfer_params": {"do_remote_decode": True},
+    }
     async with s.post(p_url + "/v1/completions", json=leg) as r:
         assert r.status == 200, await r.text()
         return (await r.json())["kv_transfer_params"]
@@ -115,13 +137,18 @@ def test_duet_drain_undo_puts_a_draining_prefill_node_back_into_routing(cluster:
     async def go() -> dict[str, Any]:
         async with aiohttp.ClientSession(headers=AUTH) as s:
             await _hold_kv(s, p.url)
+
             # a drain call waiting for completion (a preStop hook's): P cannot go idle (KV held)
             async def drain_and_wait() -> tuple[int, dict[str, Any]]:
                 async with s.post(p.url + "/drain", params={"wait": "60"}) as r:
                     return r.status, await r.json()
 
             waiter = asyncio.create_task(drain_and_wait())
-            await until(lambda: _status_in_coordinator(c, P_ID) == "draining", 10, "P draining in the coordinator")
+            await until(
+                lambda: _status_in_coordinator(c, P_ID) == "draining",
+                10,
+                "P draining in the coordinator",
+            )
             assert _ready(p) == 503
             assert _routed(c, None, D_ID), _route(c)  # no route to P: the prompt is prefilled on D
 
@@ -132,7 +159,9 @@ def test_duet_drain_undo_puts_a_draining_prefill_node_back_into_routing(cluster:
             assert _undo_cli(c, P_ID).returncode == 1  # the CLI without the secret: refused
             assert _ready(p) == 503 and not waiter.done()
 
-            out = await asyncio.to_thread(_undo_cli, c, P_ID, "--cluster-secret-file", str(c.secret_file))
+            out = await asyncio.to_thread(
+                _undo_cli, c, P_ID, "--cluster-secret-file", str(c.secret_file)
+            )
             assert out.returncode == 0, out.stderr
             assert f"{P_ID}: undrained: routed again" in out.stdout, out.stdout
             # the waiting drain call answers at once: its drain was called off
@@ -141,7 +170,9 @@ def test_duet_drain_undo_puts_a_draining_prefill_node_back_into_routing(cluster:
             return answer
 
     answer = asyncio.run(go())
-    assert answer["outcome"] == "cancelled" and answer["draining"] is False and not answer["idle"], answer
+    assert (
+        answer["outcome"] == "cancelled" and answer["draining"] is False and not answer["idle"]
+    ), answer
     assert _ready(p) == 200
     status, now = http("GET", p.url + "/drain", headers=AUTH)
     assert status == 200 and now["outcome"] == "active" and now["held"] == 1, now
@@ -149,7 +180,10 @@ def test_duet_drain_undo_puts_a_draining_prefill_node_back_into_routing(cluster:
     wait_for(lambda: _routed(c, P_ID, D_ID), 10, "the coordinator to route a prefill to P again")
     # undo is idempotent
     out = _undo_cli(c, P_ID, "--cluster-secret-file", str(c.secret_file))
-    assert out.returncode == 0 and f"{P_ID}: was not draining" in out.stdout, (out.stdout, out.stderr)
+    assert out.returncode == 0 and f"{P_ID}: was not draining" in out.stdout, (
+        out.stdout,
+        out.stderr,
+    )
 
 
 def test_the_coordinators_undo_reverses_its_own_etcd_drain(cluster: Cluster) -> None:
@@ -163,10 +197,14 @@ def test_the_coordinators_undo_reverses_its_own_etcd_drain(cluster: Cluster) -> 
     wait_for(lambda: _ready(d) == 503, 10, "D to read its drain from etcd")
     wait_for(lambda: _route(c)[0] == 503, 10, "no route: the only decode node is drained")
 
-    status, body = http("DELETE", url, headers={"Authorization": "Bearer " + secrets.token_urlsafe(32)})
+    status, body = http(
+        "DELETE", url, headers={"Authorization": "Bearer " + secrets.token_urlsafe(32)}
+    )
     assert status == 401 and _ready(d) == 503, body
     status, body = http("DELETE", url, headers=AUTH)
-    assert status == 200 and body == {"node_id": D_ID, "role": "decode", "outcome": "undrained"}, body
+    assert status == 200 and body == {"node_id": D_ID, "role": "decode", "outcome": "undrained"}, (
+        body
+    )
     assert _ready(d) == 200
     wait_for(lambda: _routed(c, P_ID, D_ID), 10, "the coordinator to route to D again")
     status, body = http("DELETE", url, headers=AUTH)
@@ -174,11 +212,17 @@ def test_the_coordinators_undo_reverses_its_own_etcd_drain(cluster: Cluster) -> 
     status, body = http("DELETE", c.coordinator.url + "/nodes/no-such-node/drain", headers=AUTH)
     assert status == 404 and body["error"]["code"] == "node_not_found", body
     # still routed a while later: no stale `draining` event drained it again
-    wait_for(lambda: _status_in_coordinator(c, D_ID) == "active" and _routed(c, P_ID, D_ID), 5, "D routed")
+    wait_for(
+        lambda: _status_in_coordinator(c, D_ID) == "active" and _routed(c, P_ID, D_ID),
+        5,
+        "D routed",
+    )
     assert _ready(d) == 200
 
 
-def test_a_kubernetes_scale_in_that_fails_after_the_drain_leaves_the_node_serving(cluster: Cluster) -> None:
+def test_a_kubernetes_scale_in_that_fails_after_the_drain_leaves_the_node_serving(
+    cluster: Cluster,
+) -> None:
     """The FAILED-after-drain case of planner/kube.py on a real node: another pod is not Ready
     and the drained victim never reads not Ready (its kubelet does not probe within
     ready_wait_s), so the Deployment is not patched — and the victim is undrained, not left
@@ -192,12 +236,19 @@ def test_a_kubernetes_scale_in_that_fails_after_the_drain_leaves_the_node_servin
     c, d = cluster, cluster.decode
 
     async def go() -> None:
-        pods = [FakePod(D_ID, "duet-decode"), FakePod("duet-decode-starting", "duet-decode", ready=False)]
+        pods = [
+            FakePod(D_ID, "duet-decode"),
+            FakePod("duet-decode-starting", "duet-decode", ready=False),
+        ]
         kube = FakeKube(replicas={"duet-decode": 2}, pods=pods, kubelet_period_s=3600)
         async with serve(kube.app()) as api, aiohttp.ClientSession() as s:
-            act = KubernetesActuator("duet", Drainer(s, auth=AUTH, poll_s=0.1, deadline_s=30),
-                                     api_client=client.ApiClient(client.Configuration(host=api)),
-                                     ready_wait_s=0.5, poll_s=0.1)  # fmt: skip
+            act = KubernetesActuator(
+                "duet",
+                Drainer(s, auth=AUTH, poll_s=0.1, deadline_s=30),
+                api_client=client.ApiClient(client.Configuration(host=api)),
+                ready_wait_s=0.5,
+                poll_s=0.1,
+            )
             try:
                 r = await act.scale_in(PoolKey("decode", c.model, "shared"), Victim(D_ID, d.url), 1)
             finally:
@@ -209,8 +260,11 @@ def test_a_kubernetes_scale_in_that_fails_after_the_drain_leaves_the_node_servin
 
     asyncio.run(go())
     assert _ready(d) == 200
-    wait_for(lambda: _status_in_coordinator(c, D_ID) == "active" and _routed(c, P_ID, D_ID), 10,
-             "the coordinator to route to D again")  # fmt: skip
+    wait_for(
+        lambda: _status_in_coordinator(c, D_ID) == "active" and _routed(c, P_ID, D_ID),
+        10,
+        "the coordinator to route to D again",
+    )
 
 
 class StopAnswer(enum.StrEnum):
@@ -244,15 +298,22 @@ class DuetUpStandIn:
 
     @staticmethod
     def _send(status: int, body: msgspec.Struct, close: bool = False) -> web.Response:
-        r = web.Response(status=status, body=msgspec.json.encode(body), content_type="application/json")
+        r = web.Response(
+            status=status, body=msgspec.json.encode(body), content_type="application/json"
+        )
         if close:
             r.force_close()
         return r
 
     async def stop(self, request: web.Request) -> web.StreamResponse:
         if request.headers.get("Authorization") != AUTH["Authorization"]:
-            return self._send(401, ControlError(message="duet up's control endpoint needs the cluster secret",
-                                                code="cluster_secret_required"))  # fmt: skip
+            return self._send(
+                401,
+                ControlError(
+                    message="duet up's control endpoint needs the cluster secret",
+                    code="cluster_secret_required",
+                ),
+            )
         node_id = request.match_info["node_id"]
         if request.query.get("dry_run") == "1":
             self.calls.append("dry_run")
@@ -260,14 +321,24 @@ class DuetUpStandIn:
             if gone:  # stop listening before answering: the next connection is refused for certain
                 assert self._site is not None
                 await self._site.stop()
-            return self._send(200, NodeStopped(node_id=node_id, exit_code=None, nodes=2), close=gone)
+            return self._send(
+                200, NodeStopped(node_id=node_id, exit_code=None, nodes=2), close=gone
+            )
         self.calls.append("stop")
-        async with aiohttp.ClientSession() as s, s.get(self.victim_url + "/health", params={"probe": "ready"}) as r:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.get(self.victim_url + "/health", params={"probe": "ready"}) as r,
+        ):
             self.ready_at_stop = r.status
         if self.answer == StopAnswer.REFUSED:
-            return self._send(409, ControlError(message="the last node is not stopped", code="last_node"))
+            return self._send(
+                409, ControlError(message="the last node is not stopped", code="last_node")
+            )
         if self.answer == StopAnswer.BUSY:
-            return self._send(503, ControlError(message="the supervisor is busy (starting or stopping)", code="busy"))
+            return self._send(
+                503,
+                ControlError(message="the supervisor is busy (starting or stopping)", code="busy"),
+            )
         if self.answer == StopAnswer.ERROR:
             return web.Response(status=500, text="500 Internal Server Error")
         assert self.answer == StopAnswer.DROPPED and request.transport is not None
@@ -325,7 +396,9 @@ def test_a_local_scale_in_whose_stop_fails_after_the_drain_leaves_the_node_servi
             # the session carries the secret, as `duet coordinator`'s plane session does (planner/cli.py)
             act = LocalActuator(control, Drainer(s, poll_s=0.1, deadline_s=30), s)
             r = await act.scale_in(PoolKey("decode", c.model, "shared"), Victim(D_ID, d.url), 0)
-        assert duet_up.calls == (["dry_run"] if answer == StopAnswer.GONE else ["dry_run", "stop"]), duet_up.calls
+        assert duet_up.calls == (
+            ["dry_run"] if answer == StopAnswer.GONE else ["dry_run", "stop"]
+        ), duet_up.calls
         if answer != StopAnswer.GONE:
             assert duet_up.ready_at_stop == 503  # drained when the stop was asked
         return r
@@ -335,8 +408,11 @@ def test_a_local_scale_in_whose_stop_fails_after_the_drain_leaves_the_node_servi
     assert r.drained is True and f"{D_ID} undrained: it serves again" in r.detail, r
     assert asyncio.run(_etcd_status(c, D_ID)) == NodeStatus.ACTIVE
     assert _ready(d) == 200
-    wait_for(lambda: _status_in_coordinator(c, D_ID) == "active" and _routed(c, P_ID, D_ID), 10,
-             "the coordinator to route to D again")  # fmt: skip
+    wait_for(
+        lambda: _status_in_coordinator(c, D_ID) == "active" and _routed(c, P_ID, D_ID),
+        10,
+        "the coordinator to route to D again",
+    )
 
 
 def test_a_node_that_is_stopping_refuses_the_undo(cluster: Cluster) -> None:

@@ -33,7 +33,9 @@ cold_start_s = 2
 """
 
 
-def test_autoscale_adds_a_node_and_drains_one_without_a_failed_request(tiny_llama: Path, tmp_path: Path) -> None:
+def test_autoscale_adds_a_node_and_drains_one_without_a_failed_request(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
     home = tmp_path / "home"
     cfg = tmp_path / "planner.toml"
     cfg.write_text(PLANNER)
@@ -42,8 +44,23 @@ def test_autoscale_adds_a_node_and_drains_one_without_a_failed_request(tiny_llam
     # blocks < 2)"): the coordinator then held a route's reservation for a settle time, counting
     # requests already in (or done from) the node's load frames twice. Reservations now end on
     # the frame that acknowledges the request (tests/coordinator/test_admission_acks.py).
-    up = start_up(home, tiny_llama, free_port(), tmp_path / "up.log", "--prefill", "2", "--decode", "1",
-                  "--autoscale", "--max-nodes", "4", "--planner-config", str(cfg), "--kv-blocks", "2048")  # fmt: skip
+    up = start_up(
+        home,
+        tiny_llama,
+        free_port(),
+        tmp_path / "up.log",
+        "--prefill",
+        "2",
+        "--decode",
+        "1",
+        "--autoscale",
+        "--max-nodes",
+        "4",
+        "--planner-config",
+        str(cfg),
+        "--kv-blocks",
+        "2048",
+    )
     try:
         key = wait_banner(up)
         client = openai.OpenAI(base_url=up.url + "/v1", api_key=key, max_retries=0)
@@ -54,7 +71,9 @@ def test_autoscale_adds_a_node_and_drains_one_without_a_failed_request(tiny_llam
             prompt = "tell me about disaggregated serving " * 20  # long enough for a P/D leg
             while not stop.is_set():
                 try:
-                    r = client.completions.create(model=tiny_llama.name, prompt=prompt, max_tokens=8, temperature=0)
+                    r = client.completions.create(
+                        model=tiny_llama.name, prompt=prompt, max_tokens=8, temperature=0
+                    )
                     results.append(r.choices[0].finish_reason)
                 except openai.APIError as e:
                     results.append(f"error: {e}")
@@ -63,8 +82,11 @@ def test_autoscale_adds_a_node_and_drains_one_without_a_failed_request(tiny_llam
         for w in workers:
             w.start()
         try:
-            wait_for(lambda: "no longer supervised" in up.log() and "decode-4 is up" in up.log(), 120,
-                     "a prefill node stopped by scale-in and a decode node added")  # fmt: skip
+            wait_for(
+                lambda: "no longer supervised" in up.log() and "decode-4 is up" in up.log(),
+                120,
+                "a prefill node stopped by scale-in and a decode node added",
+            )
             n = len(results)
             wait_for(lambda: len(results) >= n + 6, 60, "requests after the steps")
         finally:
@@ -74,12 +96,20 @@ def test_autoscale_adds_a_node_and_drains_one_without_a_failed_request(tiny_llam
         errors = [r for r in results if r.startswith("error")]
         assert not errors and len(results) >= 6, (errors[:3], len(results))
         log = up.log()
-        assert "(scale-in)" in log and "stopped (exited with code 0); no longer supervised" in log, log[-3000:]
+        assert (
+            "(scale-in)" in log and "stopped (exited with code 0); no longer supervised" in log
+        ), log[-3000:]
         coord = (home / "logs" / "coordinator.log").read_text()
         assert "drained in" in coord and "actuator local: in prefill" in coord, coord[-3000:]
         state = json.loads((home / "up" / "state.json").read_text())
-        names = sorted(c["name"] for c in state["children"] if c["name"].startswith(("prefill", "decode")))
-        assert len(names) == 3 and "decode-4" in names and sum(n.startswith("prefill") for n in names) == 1, names
+        names = sorted(
+            c["name"] for c in state["children"] if c["name"].startswith(("prefill", "decode"))
+        )
+        assert (
+            len(names) == 3
+            and "decode-4" in names
+            and sum(n.startswith("prefill") for n in names) == 1
+        ), names
         up.proc.send_signal(signal.SIGTERM)
         assert up.proc.wait(120) == 0, up.log()[-3000:]
     finally:

@@ -18,4 +18,6 @@ def test_an_answer_without_outcome_decodes_and_keeps_idle() -> None:
 def test_a_new_answer_round_trips_its_outcome() -> None:
     s = msgspec.json.decode(OLD, type=DrainStatus)
     new = msgspec.structs.replace(s, outcome=DrainOutcome.IDLE)
-    assert msgspec.json.decode(msgspec.json.encode(new), type=DrainStatus).outcome is DrainOutcome.IDLE
+    assert (
+        msgspec.json.decode(msgspec.json.encode(new), type=DrainStatus).outcome is DrainOutcome.IDLE
+    )

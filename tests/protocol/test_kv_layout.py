@@ -5,7 +5,9 @@ from protocol.kv_layout import KVLayout
 
 
 def _layout(**kw: object) -> KVLayout:
-    base = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16", num_blocks=100)
+    base = dict(
+        num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="bfloat16", num_blocks=100
+    )
     base.update(kw)
     return KVLayout(**base)  # type: ignore[arg-type]
 

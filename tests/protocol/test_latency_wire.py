@@ -43,9 +43,22 @@ class OldLoadFrame(msgspec.Struct, frozen=True, kw_only=True, tag="LoadFrame"):
     latency_window_s: float = 0.0
 
 
-BASE = dict(seq=3, ts=1.5, num_requests_waiting=1, num_requests_running=2, kv_cache_usage_perc=0.25,
-            queued_prefill_tokens=64, kv_blocks_free=90, kv_blocks_total=100, taken=["r1"], ttft_p90_s=0.4,
-            ttft_samples=3, itl_p90_s=0.02, itl_samples=5, latency_window_s=30.0)  # fmt: skip
+BASE = dict(
+    seq=3,
+    ts=1.5,
+    num_requests_waiting=1,
+    num_requests_running=2,
+    kv_cache_usage_perc=0.25,
+    queued_prefill_tokens=64,
+    kv_blocks_free=90,
+    kv_blocks_total=100,
+    taken=["r1"],
+    ttft_p90_s=0.4,
+    ttft_samples=3,
+    itl_p90_s=0.02,
+    itl_samples=5,
+    latency_window_s=30.0,
+)
 HIST = histogram_of(bucket(x) for x in (0.1, 0.2, 0.4))
 
 
@@ -53,7 +66,12 @@ def test_an_older_nodes_frame_decodes_without_histograms() -> None:
     wire = encode_frame(msgspec.msgpack.Encoder(), OldLoadFrame(**BASE))  # type: ignore[arg-type]
     [frame] = FrameDecoder().feed(wire)
     assert isinstance(frame, LoadFrame)
-    assert (frame.ttft_p90_s, frame.ttft_samples, frame.ttft_hist, frame.itl_hist) == (0.4, 3, None, None)
+    assert (frame.ttft_p90_s, frame.ttft_samples, frame.ttft_hist, frame.itl_hist) == (
+        0.4,
+        3,
+        None,
+        None,
+    )
 
 
 def test_a_new_frame_decodes_in_an_older_reader() -> None:
@@ -64,19 +82,28 @@ def test_a_new_frame_decodes_in_an_older_reader() -> None:
     assert frame == OldLoadFrame(**BASE)  # type: ignore[arg-type]
     # and in a new one, the histograms as sent
     [back] = FrameDecoder().feed(wire)
-    assert isinstance(back, LoadFrame) and (back.ttft_hist, back.itl_hist) == (HIST, LatencyHistogram())
+    assert isinstance(back, LoadFrame) and (back.ttft_hist, back.itl_hist) == (
+        HIST,
+        LatencyHistogram(),
+    )
 
 
 def test_a_histogram_with_negative_or_too_many_counts_is_refused() -> None:
     enc = msgspec.msgpack.Encoder()
-    for bad in (LatencyHistogram(first=0, counts=[3, -1]), LatencyHistogram(first=0, counts=[1] * 1000)):
+    for bad in (
+        LatencyHistogram(first=0, counts=[3, -1]),
+        LatencyHistogram(first=0, counts=[1] * 1000),
+    ):
         wire = encode_frame(enc, LoadFrame(**BASE, ttft_hist=bad))  # type: ignore[arg-type]
         with pytest.raises(msgspec.ValidationError):
             FrameDecoder().feed(wire)
 
 
 def test_a_histogram_of_an_unknown_scheme_decodes_and_is_not_merged() -> None:
-    wire = encode_frame(msgspec.msgpack.Encoder(), LoadFrame(**BASE, ttft_hist=LatencyHistogram(scheme=9, counts=[3])))  # type: ignore[arg-type]
+    wire = encode_frame(
+        msgspec.msgpack.Encoder(),
+        LoadFrame(**BASE, ttft_hist=LatencyHistogram(scheme=9, counts=[3])),
+    )  # type: ignore[arg-type]
     [frame] = FrameDecoder().feed(wire)
     assert isinstance(frame, LoadFrame) and frame.ttft_hist is not None
     m = MergedLatency()

@@ -17,7 +17,9 @@ def test_registry_name_not_pulled(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
         resolve_model(DEFAULT_MODEL)
 
 
-def test_directory_and_gguf(tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_directory_and_gguf(
+    tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("DUET_HOME", str(tmp_path / "home"))
     ref = resolve_model(str(tiny_llama))
     assert ref.directory == tiny_llama and not ref.needs_conversion

@@ -39,8 +39,14 @@ class _Draws(random.Random):
 
 def test_a_port_another_process_was_handed_is_not_handed_again() -> None:
     # another process is handed a port and has not bound it yet (it has exited: the port is free)
-    other = int(subprocess.run([sys.executable, "-c", "from protocol.ports import free_port; print(free_port())"],
-                               capture_output=True, text=True, check=True).stdout)  # fmt: skip
+    other = int(
+        subprocess.run(
+            [sys.executable, "-c", "from protocol.ports import free_port; print(free_port())"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    )
     with socket.socket() as s:
         s.bind(("127.0.0.1", other))  # free now
     got = free_port(rng=_Draws(other, 3))  # this process draws that port first, three times

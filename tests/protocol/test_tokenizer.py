@@ -29,7 +29,11 @@ def test_chat_matches_transformers(smollm2: Path, messages: list[dict[str, str]]
     ours = Tokenizer(smollm2)
     ref = AutoTokenizer.from_pretrained(smollm2)
     expected = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    expected = (
+        expected["input_ids"]
+        if isinstance(expected, dict) or hasattr(expected, "keys")
+        else expected
+    )
     assert ours.encode_chat(messages) == list(expected)
     assert ours.eos_token_ids == {2}
 

@@ -69,16 +69,24 @@ def api_key(monkeypatch: pytest.MonkeyPatch) -> str:
 
 
 @pytest.fixture
-def make_provider(session: aiohttp.ClientSession, sleeps: Sleeps, api_key: str) -> Callable[..., Provider]:
+def make_provider(
+    session: aiohttp.ClientSession, sleeps: Sleeps, api_key: str
+) -> Callable[..., Provider]:
     def make(fake: FakeProvider, **overrides: Any) -> Provider:
         cfg: dict[str, Any] = {
-            "name": f"fake-{fake.wire}", "kind": fake.wire, "base_url": fake.url,
-            "api_key_env": "FAKE_PROVIDER_KEY", "model": f"{fake.wire}-upstream-model",
-            "input_price_per_m": 2.0, "output_price_per_m": 10.0, "context_length": 8192,
-            "capability_rank": 3, "tiers": ["interactive", "batch"],
+            "name": f"fake-{fake.wire}",
+            "kind": fake.wire,
+            "base_url": fake.url,
+            "api_key_env": "FAKE_PROVIDER_KEY",
+            "model": f"{fake.wire}-upstream-model",
+            "input_price_per_m": 2.0,
+            "output_price_per_m": 10.0,
+            "context_length": 8192,
+            "capability_rank": 3,
+            "tiers": ["interactive", "batch"],
             "retry": {"max_attempts": 3, "base_delay_s": 0.01, "max_delay_s": 0.1},
             "timeouts": {"connect_s": 2.0, "first_byte_s": 5.0, "idle_s": 5.0},
-        }  # fmt: skip
+        }
         clock = overrides.pop("clock", None)
         for k, v in overrides.items():
             cfg[k] = {**cfg[k], **v} if isinstance(v, dict) and isinstance(cfg.get(k), dict) else v

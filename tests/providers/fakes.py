@@ -40,7 +40,9 @@ class Fault:
 
     @classmethod
     def http(cls, status: int, retry_after: float | str | None = None) -> Fault:
-        return cls("status", status=status, retry_after=None if retry_after is None else str(retry_after))
+        return cls(
+            "status", status=status, retry_after=None if retry_after is None else str(retry_after)
+        )
 
     @classmethod
     def drop(cls) -> Fault:
@@ -69,7 +71,9 @@ def _last_user_text(messages: list[dict[str, Any]]) -> str:
             c = m.get("content")
             if isinstance(c, str):
                 return c
-            return " ".join(p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text")
+            return " ".join(
+                p.get("text", "") for p in c if isinstance(p, dict) and p.get("type") == "text"
+            )
     return ""
 
 
@@ -80,14 +84,20 @@ def _words(messages: list[dict[str, Any]], system: str = "") -> int:
         if isinstance(c, str):
             n += len(c.split())
         elif isinstance(c, list):
-            n += sum(len(str(p.get("text", p.get("content", ""))).split()) for p in c if isinstance(p, dict))
+            n += sum(
+                len(str(p.get("text", p.get("content", ""))).split())
+                for p in c
+                if isinstance(p, dict)
+            )
     return n
 
 
 @dataclass
 class FakeProvider:
     wire: str  # "openai" | "anthropic"
-    reply: Callable[[dict[str, Any]], str] = lambda body: "echo: " + _last_user_text(body["messages"])
+    reply: Callable[[dict[str, Any]], str] = lambda body: (
+        "echo: " + _last_user_text(body["messages"])
+    )
     #: what the fake bills for a prompt (OpenAI wire): words by default; a test of money
     #: sets a tokenizer's figure (one token per CJK character, several per emoji)
     prompt_tokens: Callable[[list[dict[str, Any]]], int] = _words
@@ -118,9 +128,13 @@ class FakeProvider:
         except ValueError:
             body = None
         self.requests.append(body if isinstance(body, dict) else {})
-        return body if isinstance(body, dict) else None, (self.faults.popleft() if self.faults else None)
+        return body if isinstance(body, dict) else None, (
+            self.faults.popleft() if self.faults else None
+        )
 
-    async def _pre_answer(self, request: web.Request, fault: Fault | None) -> web.StreamResponse | None:
+    async def _pre_answer(
+        self, request: web.Request, fault: Fault | None
+    ) -> web.StreamResponse | None:
         if fault is None:
             return None
         if fault.kind == "status":
@@ -135,11 +149,19 @@ class FakeProvider:
             return self._error(503, "released")
         return None
 
-    async def _stream(self, request: web.Request, events: list[bytes], fault: Fault | None) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+    async def _stream(
+        self, request: web.Request, events: list[bytes], fault: Fault | None
+    ) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={"content-type": "text/event-stream", "cache-control": "no-cache"}
+        )
         await resp.prepare(request)
         for i, ev in enumerate(events):
-            if fault is not None and fault.kind in ("stall", "drop_after", "error_event") and i == fault.after:
+            if (
+                fault is not None
+                and fault.kind in ("stall", "drop_after", "error_event")
+                and i == fault.after
+            ):
                 if fault.kind == "stall":
                     await self.released.wait()
                 elif fault.kind == "drop_after":
@@ -154,21 +176,35 @@ class FakeProvider:
         await resp.write_eof()
         return resp
 
-    def _error(self, status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    def _error(
+        self, status: int, message: str, headers: dict[str, str] | None = None
+    ) -> web.Response:
         if self.wire == "openai":
-            kind = {400: "invalid_request_error", 401: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")  # fmt: skip
+            kind = {
+                400: "invalid_request_error",
+                401: "invalid_request_error",
+                429: "rate_limit_error",
+            }.get(status, "server_error")
             body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
         else:
-            kind = {400: "invalid_request_error", 401: "authentication_error", 429: "rate_limit_error",
-                    529: "overloaded_error"}.get(status, "api_error")  # fmt: skip
+            kind = {
+                400: "invalid_request_error",
+                401: "authentication_error",
+                429: "rate_limit_error",
+                529: "overloaded_error",
+            }.get(status, "api_error")
             body = {"type": "error", "error": {"type": kind, "message": message}}
         return web.json_response(body, status=status, headers=headers)
 
     def _error_event(self) -> bytes:
         if self.wire == "openai":
-            return b'data: {"error": {"message": "injected stream error", "type": "server_error"}}\n\n'
-        return (b'event: error\ndata: {"type": "error", "error": {"type": "overloaded_error", '
-                b'"message": "injected overload"}}\n\n')  # fmt: skip
+            return (
+                b'data: {"error": {"message": "injected stream error", "type": "server_error"}}\n\n'
+            )
+        return (
+            b'event: error\ndata: {"type": "error", "error": {"type": "overloaded_error", '
+            b'"message": "injected overload"}}\n\n'
+        )
 
     # -- OpenAI chat completions ------------------------------------------------------------
 
@@ -176,7 +212,12 @@ class FakeProvider:
         body, fault = await self._begin(request)
         if request.headers.get("authorization") != f"Bearer {API_KEY}":
             return self._error(401, "Incorrect API key provided")
-        if body is None or not isinstance(body.get("messages"), list) or not body["messages"] or not body.get("model"):
+        if (
+            body is None
+            or not isinstance(body.get("messages"), list)
+            or not body["messages"]
+            or not body.get("model")
+        ):
             return self._error(400, "model and messages are required")
         early = await self._pre_answer(request, fault)
         if early is not None:
@@ -192,47 +233,108 @@ class FakeProvider:
         text_parts = [w if i == 0 else " " + w for i, w in enumerate(words)]
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex[:12]}", int(time.time()), body["model"]
         billed = self.prompt_tokens(body["messages"]) + self.request_tokens(body)
-        usage = {"prompt_tokens": billed, "completion_tokens": len(words), "total_tokens": billed + len(words),
-                 "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+        usage = {
+            "prompt_tokens": billed,
+            "completion_tokens": len(words),
+            "total_tokens": billed + len(words),
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
         if not body.get("stream"):
-            return web.json_response({
-                "id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(text_parts),
-                                                     "refusal": None},
-                             "logprobs": None, "finish_reason": finish}],
-                "usage": usage, "system_fingerprint": "fp_fake",
-            })  # fmt: skip
+            return web.json_response(
+                {
+                    "id": rid,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {
+                                "role": "assistant",
+                                "content": "".join(text_parts),
+                                "refusal": None,
+                            },
+                            "logprobs": None,
+                            "finish_reason": finish,
+                        }
+                    ],
+                    "usage": usage,
+                    "system_fingerprint": "fp_fake",
+                }
+            )
 
-        deltas = [({"role": "assistant", "content": ""}, None), *(({"content": p}, None) for p in text_parts),
-                  ({}, finish)]  # fmt: skip
+        deltas = [
+            ({"role": "assistant", "content": ""}, None),
+            *(({"content": p}, None) for p in text_parts),
+            ({}, finish),
+        ]
         return await self._stream(request, _openai_events(body, rid, created, deltas, usage), fault)
 
-    async def _openai_tool(self, request: web.Request, body: dict[str, Any], fault: Fault | None,
-                           tool: str) -> web.StreamResponse:  # fmt: skip
+    async def _openai_tool(
+        self, request: web.Request, body: dict[str, Any], fault: Fault | None, tool: str
+    ) -> web.StreamResponse:
         """Answers, as the Anthropic fake does, with "Let me check." and a call of `tool`, its
         arguments echoing the last user text (7 completion tokens)."""
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex[:12]}", int(time.time()), body["model"]
         args = json.dumps({"query": _last_user_text(body["messages"])})
         call_id = f"call_{uuid.uuid4().hex[:12]}"
         billed = self.prompt_tokens(body["messages"]) + self.request_tokens(body)
-        usage = {"prompt_tokens": billed, "completion_tokens": 7, "total_tokens": billed + 7,
-                 "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
+        usage = {
+            "prompt_tokens": billed,
+            "completion_tokens": 7,
+            "total_tokens": billed + 7,
+            "prompt_tokens_details": {"cached_tokens": 0},
+        }
         if not body.get("stream"):
-            return web.json_response({
-                "id": rid, "object": "chat.completion", "created": created, "model": model,
-                "choices": [{"index": 0, "logprobs": None, "finish_reason": "tool_calls",
-                             "message": {"role": "assistant", "content": "Let me check.", "refusal": None,
-                                         "tool_calls": [{"id": call_id, "type": "function",
-                                                         "function": {"name": tool, "arguments": args}}]}}],
-                "usage": usage,
-            })  # fmt: skip
+            return web.json_response(
+                {
+                    "id": rid,
+                    "object": "chat.completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "logprobs": None,
+                            "finish_reason": "tool_calls",
+                            "message": {
+                                "role": "assistant",
+                                "content": "Let me check.",
+                                "refusal": None,
+                                "tool_calls": [
+                                    {
+                                        "id": call_id,
+                                        "type": "function",
+                                        "function": {"name": tool, "arguments": args},
+                                    }
+                                ],
+                            },
+                        }
+                    ],
+                    "usage": usage,
+                }
+            )
 
-        deltas = [({"role": "assistant", "content": ""}, None), ({"content": "Let me check."}, None),
-                  ({"tool_calls": [{"index": 0, "id": call_id, "type": "function",
-                                    "function": {"name": tool, "arguments": ""}}]}, None),
-                  ({"tool_calls": [{"index": 0, "function": {"arguments": args[:5]}}]}, None),
-                  ({"tool_calls": [{"index": 0, "function": {"arguments": args[5:]}}]}, None),
-                  ({}, "tool_calls")]  # fmt: skip
+        deltas = [
+            ({"role": "assistant", "content": ""}, None),
+            ({"content": "Let me check."}, None),
+            (
+                {
+                    "tool_calls": [
+                        {
+                            "index": 0,
+                            "id": call_id,
+                            "type": "function",
+                            "function": {"name": tool, "arguments": ""},
+                        }
+                    ]
+                },
+                None,
+            ),
+            ({"tool_calls": [{"index": 0, "function": {"arguments": args[:5]}}]}, None),
+            ({"tool_calls": [{"index": 0, "function": {"arguments": args[5:]}}]}, None),
+            ({}, "tool_calls"),
+        ]
         return await self._stream(request, _openai_events(body, rid, created, deltas, usage), fault)
 
     # -- Anthropic Messages -----------------------------------------------------------------
@@ -240,7 +342,10 @@ class FakeProvider:
     async def _anthropic(self, request: web.Request) -> web.StreamResponse:
         body, fault = await self._begin(request)
         # the Messages API takes the key as x-api-key or (as recent SDKs send it) a Bearer token
-        if API_KEY not in (request.headers.get("x-api-key"), request.headers.get("authorization", "").removeprefix("Bearer ")):
+        if API_KEY not in (
+            request.headers.get("x-api-key"),
+            request.headers.get("authorization", "").removeprefix("Bearer "),
+        ):
             return self._error(401, "invalid x-api-key")
         if not request.headers.get("anthropic-version"):
             return self._error(400, "anthropic-version header is required")
@@ -252,10 +357,18 @@ class FakeProvider:
         if early is not None:
             return early
         msg_id, model = f"msg_{uuid.uuid4().hex[:20]}", body["model"]
-        prompt = _words(body["messages"], body.get("system", "") if isinstance(body.get("system"), str) else "")
-        tool = (body.get("tools") or [None])[0] if body["messages"][-1]["role"] == "user" and \
-            (body.get("tool_choice") or {}).get("type") != "none" else None  # fmt: skip
-        if tool is not None and not any(b.get("type") == "tool_result" for b in _blocks(body["messages"][-1])):
+        prompt = _words(
+            body["messages"], body.get("system", "") if isinstance(body.get("system"), str) else ""
+        )
+        tool = (
+            (body.get("tools") or [None])[0]
+            if body["messages"][-1]["role"] == "user"
+            and (body.get("tool_choice") or {}).get("type") != "none"
+            else None
+        )
+        if tool is not None and not any(
+            b.get("type") == "tool_result" for b in _blocks(body["messages"][-1])
+        ):
             return await self._anthropic_tool(request, body, fault, msg_id, model, prompt, tool)
         words = self.reply(_as_openai(body)).split()
         stop = "end_turn"
@@ -263,70 +376,205 @@ class FakeProvider:
             words, stop = words[: body["max_tokens"]], "max_tokens"
         parts = [w if i == 0 else " " + w for i, w in enumerate(words)]
         if not body.get("stream"):
-            return web.json_response({
-                "id": msg_id, "type": "message", "role": "assistant", "model": model,
-                "content": [{"type": "text", "text": "".join(parts)}],
-                "stop_reason": stop, "stop_sequence": None,
-                "usage": {"input_tokens": prompt, "output_tokens": len(words),
-                          "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
-            })  # fmt: skip
+            return web.json_response(
+                {
+                    "id": msg_id,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": model,
+                    "content": [{"type": "text", "text": "".join(parts)}],
+                    "stop_reason": stop,
+                    "stop_sequence": None,
+                    "usage": {
+                        "input_tokens": prompt,
+                        "output_tokens": len(words),
+                        "cache_creation_input_tokens": 0,
+                        "cache_read_input_tokens": 0,
+                    },
+                }
+            )
         events = [
-            _sse("message_start", {"type": "message_start", "message": {
-                "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
-                "stop_reason": None, "stop_sequence": None,
-                "usage": {"input_tokens": prompt, "output_tokens": 1}}}),
-            _sse("content_block_start", {"type": "content_block_start", "index": 0,
-                                         "content_block": {"type": "text", "text": ""}}),
+            _sse(
+                "message_start",
+                {
+                    "type": "message_start",
+                    "message": {
+                        "id": msg_id,
+                        "type": "message",
+                        "role": "assistant",
+                        "model": model,
+                        "content": [],
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": {"input_tokens": prompt, "output_tokens": 1},
+                    },
+                },
+            ),
+            _sse(
+                "content_block_start",
+                {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {"type": "text", "text": ""},
+                },
+            ),
             _sse("ping", {"type": "ping"}),
-        ]  # fmt: skip
-        events += [_sse("content_block_delta", {"type": "content_block_delta", "index": 0,
-                                                "delta": {"type": "text_delta", "text": p}}) for p in parts]  # fmt: skip
+        ]
+        events += [
+            _sse(
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": 0,
+                    "delta": {"type": "text_delta", "text": p},
+                },
+            )
+            for p in parts
+        ]
         events += [
             _sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
-            _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
-                                   "usage": {"output_tokens": len(words)}}),
+            _sse(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop, "stop_sequence": None},
+                    "usage": {"output_tokens": len(words)},
+                },
+            ),
             _sse("message_stop", {"type": "message_stop"}),
-        ]  # fmt: skip
+        ]
         return await self._stream(request, events, fault)
 
-    async def _anthropic_tool(self, request: web.Request, body: dict[str, Any], fault: Fault | None,
-                              msg_id: str, model: str, prompt: int, tool: dict[str, Any]) -> web.StreamResponse:  # fmt: skip
+    async def _anthropic_tool(
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        fault: Fault | None,
+        msg_id: str,
+        model: str,
+        prompt: int,
+        tool: dict[str, Any],
+    ) -> web.StreamResponse:
         """Answers with a text block and a call of the first tool, its input echoing the prompt."""
         tool_input = {"query": _last_user_text(_as_openai(body)["messages"])}
         tu_id = f"toolu_{uuid.uuid4().hex[:12]}"
         if not body.get("stream"):
-            return web.json_response({
-                "id": msg_id, "type": "message", "role": "assistant", "model": model,
-                "content": [{"type": "text", "text": "Let me check."},
-                            {"type": "tool_use", "id": tu_id, "name": tool["name"], "input": tool_input}],
-                "stop_reason": "tool_use", "stop_sequence": None,
-                "usage": {"input_tokens": prompt, "output_tokens": 7},
-            })  # fmt: skip
+            return web.json_response(
+                {
+                    "id": msg_id,
+                    "type": "message",
+                    "role": "assistant",
+                    "model": model,
+                    "content": [
+                        {"type": "text", "text": "Let me check."},
+                        {
+                            "type": "tool_use",
+                            "id": tu_id,
+                            "name": tool["name"],
+                            "input": tool_input,
+                        },
+                    ],
+                    "stop_reason": "tool_use",
+                    "stop_sequence": None,
+                    "usage": {"input_tokens": prompt, "output_tokens": 7},
+                }
+            )
         raw = json.dumps(tool_input)
         events = [
-            _sse("message_start", {"type": "message_start", "message": {
-                "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
-                "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": prompt, "output_tokens": 1}}}),
-            _sse("content_block_start", {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-            _sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Let me check."}}),
+            _sse(
+                "message_start",
+                {
+                    "type": "message_start",
+                    "message": {
+                        "id": msg_id,
+                        "type": "message",
+                        "role": "assistant",
+                        "model": model,
+                        "content": [],
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": {"input_tokens": prompt, "output_tokens": 1},
+                    },
+                },
+            ),
+            _sse(
+                "content_block_start",
+                {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {"type": "text", "text": ""},
+                },
+            ),
+            _sse(
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": 0,
+                    "delta": {"type": "text_delta", "text": "Let me check."},
+                },
+            ),
             _sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
-            _sse("content_block_start", {"type": "content_block_start", "index": 1,
-                                         "content_block": {"type": "tool_use", "id": tu_id, "name": tool["name"], "input": {}}}),
-            _sse("content_block_delta", {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": raw[:5]}}),
-            _sse("content_block_delta", {"type": "content_block_delta", "index": 1, "delta": {"type": "input_json_delta", "partial_json": raw[5:]}}),
+            _sse(
+                "content_block_start",
+                {
+                    "type": "content_block_start",
+                    "index": 1,
+                    "content_block": {
+                        "type": "tool_use",
+                        "id": tu_id,
+                        "name": tool["name"],
+                        "input": {},
+                    },
+                },
+            ),
+            _sse(
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": 1,
+                    "delta": {"type": "input_json_delta", "partial_json": raw[:5]},
+                },
+            ),
+            _sse(
+                "content_block_delta",
+                {
+                    "type": "content_block_delta",
+                    "index": 1,
+                    "delta": {"type": "input_json_delta", "partial_json": raw[5:]},
+                },
+            ),
             _sse("content_block_stop", {"type": "content_block_stop", "index": 1}),
-            _sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None},
-                                   "usage": {"output_tokens": 7}}),
+            _sse(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+                    "usage": {"output_tokens": 7},
+                },
+            ),
             _sse("message_stop", {"type": "message_stop"}),
-        ]  # fmt: skip
+        ]
         return await self._stream(request, events, fault)
 
 
-def _openai_events(body: dict[str, Any], rid: str, created: int, deltas: list[tuple[dict[str, Any], str | None]],
-                   usage: dict[str, Any]) -> list[bytes]:  # fmt: skip
+def _openai_events(
+    body: dict[str, Any],
+    rid: str,
+    created: int,
+    deltas: list[tuple[dict[str, Any], str | None]],
+    usage: dict[str, Any],
+) -> list[bytes]:
     """An OpenAI chat stream: a chunk per (delta, finish_reason), the usage chunk when asked, [DONE]."""
-    head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": body["model"]}
-    chunks = [{**head, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": f}]} for d, f in deltas]
+    head = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": body["model"],
+    }
+    chunks = [
+        {**head, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": f}]}
+        for d, f in deltas
+    ]
     if (body.get("stream_options") or {}).get("include_usage"):
         chunks.append({**head, "choices": [], "usage": usage})
     return [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks] + [b"data: [DONE]\n\n"]
@@ -357,8 +605,13 @@ def _as_openai(body: dict[str, Any]) -> dict[str, Any]:
     msgs = []
     for m in body["messages"]:
         c = m["content"]
-        text = c if isinstance(c, str) else " ".join(
-            str(b.get("text") or b.get("content") or "") for b in c if isinstance(b, dict))  # fmt: skip
+        text = (
+            c
+            if isinstance(c, str)
+            else " ".join(
+                str(b.get("text") or b.get("content") or "") for b in c if isinstance(b, dict)
+            )
+        )
         msgs.append({"role": m["role"], "content": text})
     return {**body, "messages": msgs}
 
@@ -382,14 +635,32 @@ def _anthropic_problem(body: dict[str, Any] | None) -> str | None:
         if i and msgs[i - 1].get("role") == m.get("role"):
             return f"messages.{i}: roles must alternate between 'user' and 'assistant'"
         c = m.get("content")
-        if not isinstance(c, str) and not (isinstance(c, list) and all(
-                isinstance(b, dict) and b.get("type") in ("text", "image", "tool_use", "tool_result") for b in c)):  # fmt: skip
+        if not isinstance(c, str) and not (
+            isinstance(c, list)
+            and all(
+                isinstance(b, dict)
+                and b.get("type") in ("text", "image", "tool_use", "tool_result")
+                for b in c
+            )
+        ):
             return f"messages.{i}.content: invalid content"
     if msgs[0].get("role") != "user":
         return "messages: first message must use the user role"
     if "temperature" in body and not 0 <= body["temperature"] <= 1:
         return "temperature: must be between 0 and 1"
-    for k in set(body) - {"model", "max_tokens", "messages", "system", "temperature", "top_p", "top_k",
-                          "stop_sequences", "stream", "metadata", "tools", "tool_choice"}:  # fmt: skip
+    for k in set(body) - {
+        "model",
+        "max_tokens",
+        "messages",
+        "system",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stop_sequences",
+        "stream",
+        "metadata",
+        "tools",
+        "tool_choice",
+    }:
         return f"{k}: Extra inputs are not permitted"
     return None

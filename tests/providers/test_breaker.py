@@ -30,7 +30,9 @@ class Clock:
 
 def test_breaker_cycle() -> None:
     clock = Clock()
-    b = CircuitBreaker(BreakerConfig(failure_threshold=3, cooldown_s=30, success_threshold=2), clock)
+    b = CircuitBreaker(
+        BreakerConfig(failure_threshold=3, cooldown_s=30, success_threshold=2), clock
+    )
     for _ in range(2):
         assert b.allow()
         b.record_failure()
@@ -72,11 +74,16 @@ def test_abandoned_probe_frees_its_slot() -> None:
     assert b.allow()
 
 
-async def test_provider_breaker_opens_refuses_and_recovers(fake_openai: FakeProvider,
-                                                           make_provider: Callable[..., Provider]) -> None:  # fmt: skip
+async def test_provider_breaker_opens_refuses_and_recovers(
+    fake_openai: FakeProvider, make_provider: Callable[..., Provider]
+) -> None:
     clock = Clock()
-    p = make_provider(fake_openai, clock=clock, retry={"max_attempts": 1},
-                      breaker={"failure_threshold": 2, "cooldown_s": 60})  # fmt: skip
+    p = make_provider(
+        fake_openai,
+        clock=clock,
+        retry={"max_attempts": 1},
+        breaker={"failure_threshold": 2, "cooldown_s": 60},
+    )
     registry = CollectorRegistry()
     register_provider_metrics(registry, lambda: [p])
     body = {"messages": [{"role": "user", "content": "hi"}]}
@@ -98,10 +105,16 @@ async def test_provider_breaker_opens_refuses_and_recovers(fake_openai: FakeProv
     assert b'duet:provider_breaker_state{provider="fake-openai"} 0.0' in generate_latest(registry)
 
 
-async def test_stream_abandoned_by_client_in_half_open_releases_probe(fake_openai: FakeProvider,
-                                                                      make_provider: Callable[..., Provider]) -> None:  # fmt: skip
+async def test_stream_abandoned_by_client_in_half_open_releases_probe(
+    fake_openai: FakeProvider, make_provider: Callable[..., Provider]
+) -> None:
     clock = Clock()
-    p = make_provider(fake_openai, clock=clock, retry={"max_attempts": 1}, breaker={"failure_threshold": 1, "cooldown_s": 5})
+    p = make_provider(
+        fake_openai,
+        clock=clock,
+        retry={"max_attempts": 1},
+        breaker={"failure_threshold": 1, "cooldown_s": 5},
+    )
     fake_openai.faults.append(Fault.http(503))
     with pytest.raises(ProviderError):
         await p.chat({"messages": [{"role": "user", "content": "hi"}]})
@@ -112,12 +125,18 @@ async def test_stream_abandoned_by_client_in_half_open_releases_probe(fake_opena
     assert p.breaker.state is BreakerState.HALF_OPEN and p.breaker.allow()
 
 
-async def test_cancelled_calls_in_half_open_release_their_probe(fake_openai: FakeProvider,
-                                                                 make_provider: Callable[..., Provider]) -> None:  # fmt: skip
+async def test_cancelled_calls_in_half_open_release_their_probe(
+    fake_openai: FakeProvider, make_provider: Callable[..., Provider]
+) -> None:
     import asyncio
 
     clock = Clock()
-    p = make_provider(fake_openai, clock=clock, retry={"max_attempts": 1}, breaker={"failure_threshold": 1, "cooldown_s": 5})
+    p = make_provider(
+        fake_openai,
+        clock=clock,
+        retry={"max_attempts": 1},
+        breaker={"failure_threshold": 1, "cooldown_s": 5},
+    )
     fake_openai.faults.append(Fault.http(503))
     with pytest.raises(ProviderError):
         await p.chat({"messages": [{"role": "user", "content": "hi"}]})
@@ -138,8 +157,9 @@ async def test_cancelled_calls_in_half_open_release_their_probe(fake_openai: Fak
         p.breaker.record_neutral()
 
 
-async def test_retry_refused_by_the_breaker_raises_the_real_error(fake_openai: FakeProvider,
-                                                                  make_provider: Callable[..., Provider]) -> None:  # fmt: skip
+async def test_retry_refused_by_the_breaker_raises_the_real_error(
+    fake_openai: FakeProvider, make_provider: Callable[..., Provider]
+) -> None:
     p = make_provider(fake_openai, retry={"max_attempts": 3}, breaker={"failure_threshold": 1})
     fake_openai.faults.append(Fault.http(502))
     with pytest.raises(ProviderError) as e:

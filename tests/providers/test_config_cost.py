@@ -6,9 +6,16 @@ import pytest
 
 from gateway.providers import ConfigError, ProviderConfig, TokenUsage, cost_usd
 
-BASE = {"name": "gpt-4o-mini", "kind": "openai", "base_url": "https://api.openai.com/v1",
-        "api_key_env": "OPENAI_API_KEY", "input_price_per_m": 0.15, "output_price_per_m": 0.6,
-        "context_length": 128000, "capability_rank": 2}  # fmt: skip
+BASE = {
+    "name": "gpt-4o-mini",
+    "kind": "openai",
+    "base_url": "https://api.openai.com/v1",
+    "api_key_env": "OPENAI_API_KEY",
+    "input_price_per_m": 0.15,
+    "output_price_per_m": 0.6,
+    "context_length": 128000,
+    "capability_rank": 2,
+}
 
 
 def test_defaults_and_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -19,13 +26,24 @@ def test_defaults_and_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert c.api_key() == "k1"
 
 
-@pytest.mark.parametrize("patch, field", [
-    ({"kind": "cohere"}, "kind"), ({"base_url": "ftp://x"}, "base_url"), ({"api_key_env": "sk-123"}, "api_key_env"),
-    ({"input_price_per_m": -1}, "input_price_per_m"), ({"context_length": 0}, "context_length"),
-    ({"tiers": []}, "tiers"), ({"tiers": ["gold"]}, "tiers"), ({"name": "auto"}, "name"),
-    ({"retry": {"max_attempts": 0}}, "retry"), ({"breaker": {"cooldown": 3}}, "cooldown"),
-    ({"timeouts": {"idle_s": 0}}, "timeouts"), ({"prices": 1}, "prices"), ({"capability_rank": "high"}, "capability_rank"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "patch, field",
+    [
+        ({"kind": "cohere"}, "kind"),
+        ({"base_url": "ftp://x"}, "base_url"),
+        ({"api_key_env": "sk-123"}, "api_key_env"),
+        ({"input_price_per_m": -1}, "input_price_per_m"),
+        ({"context_length": 0}, "context_length"),
+        ({"tiers": []}, "tiers"),
+        ({"tiers": ["gold"]}, "tiers"),
+        ({"name": "auto"}, "name"),
+        ({"retry": {"max_attempts": 0}}, "retry"),
+        ({"breaker": {"cooldown": 3}}, "cooldown"),
+        ({"timeouts": {"idle_s": 0}}, "timeouts"),
+        ({"prices": 1}, "prices"),
+        ({"capability_rank": "high"}, "capability_rank"),
+    ],
+)
 def test_bad_config_names_the_field(patch: dict, field: str) -> None:
     with pytest.raises(ConfigError, match=field) as e:
         ProviderConfig.from_dict({**BASE, **patch})
@@ -35,9 +53,19 @@ def test_bad_config_names_the_field(patch: dict, field: str) -> None:
 def test_cost_uses_the_provider_prices() -> None:
     u = TokenUsage(prompt_tokens=1_000_000, completion_tokens=500_000, cached_tokens=200_000)
     assert cost_usd(u, 0.15, 0.6) == pytest.approx(0.15 + 0.3)
-    assert cost_usd(u, 3.0, 15.0, cached_price_per_m=0.3) == pytest.approx(0.8 * 3 + 0.2 * 0.3 + 7.5)
-    assert TokenUsage.from_openai({"prompt_tokens": 5, "completion_tokens": 2,
-                                   "prompt_tokens_details": {"cached_tokens": 9}}).cached_tokens == 0  # fmt: skip
+    assert cost_usd(u, 3.0, 15.0, cached_price_per_m=0.3) == pytest.approx(
+        0.8 * 3 + 0.2 * 0.3 + 7.5
+    )
+    assert (
+        TokenUsage.from_openai(
+            {
+                "prompt_tokens": 5,
+                "completion_tokens": 2,
+                "prompt_tokens_details": {"cached_tokens": 9},
+            }
+        ).cached_tokens
+        == 0
+    )
     assert TokenUsage.from_openai({"prompt_tokens": -1, "completion_tokens": 2}) is None
 
 

@@ -13,9 +13,15 @@ from gateway.providers import Provider, ProviderError
 from tests.providers.conftest import Sleeps
 from tests.providers.fakes import FakeProvider, Fault
 
-BODY = {"model": "ignored", "messages": [{"role": "system", "content": "be nice"},
-                                         {"role": "user", "content": "tell me three things"}],
-        "max_tokens": 50, "priority": "batch"}  # fmt: skip
+BODY = {
+    "model": "ignored",
+    "messages": [
+        {"role": "system", "content": "be nice"},
+        {"role": "user", "content": "tell me three things"},
+    ],
+    "max_tokens": 50,
+    "priority": "batch",
+}
 REPLY = "echo: tell me three things"
 
 
@@ -27,7 +33,9 @@ def text_of(chunks: list[dict[str, Any]]) -> str:
     return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
 
 
-async def test_chat_returns_completion_usage_and_cost(fake_openai: FakeProvider, make_provider: Callable[..., Provider]) -> None:
+async def test_chat_returns_completion_usage_and_cost(
+    fake_openai: FakeProvider, make_provider: Callable[..., Provider]
+) -> None:
     p = make_provider(fake_openai)
     r = await p.chat(BODY)
     oat.ChatCompletion.model_validate(r.response)
@@ -40,7 +48,9 @@ async def test_chat_returns_completion_usage_and_cost(fake_openai: FakeProvider,
     assert fake_openai.headers[0]["Authorization"] == "Bearer sk-fake-test-key"
 
 
-async def test_stream_yields_openai_chunks_with_usage_last(fake_openai: FakeProvider, make_provider: Callable[..., Provider]) -> None:
+async def test_stream_yields_openai_chunks_with_usage_last(
+    fake_openai: FakeProvider, make_provider: Callable[..., Provider]
+) -> None:
     chunks = await collect(make_provider(fake_openai), BODY)
     for c in chunks:
         oat.ChatCompletionChunk.model_validate(c)
@@ -49,14 +59,18 @@ async def test_stream_yields_openai_chunks_with_usage_last(fake_openai: FakeProv
     assert fake_openai.requests[0]["stream_options"] == {"include_usage": True}
 
 
-async def test_429_retry_honours_retry_after(fake_openai: FakeProvider, make_provider: Callable[..., Provider], sleeps: Sleeps) -> None:
+async def test_429_retry_honours_retry_after(
+    fake_openai: FakeProvider, make_provider: Callable[..., Provider], sleeps: Sleeps
+) -> None:
     fake_openai.faults.append(Fault.http(429, retry_after=2))
     r = await make_provider(fake_openai).chat(BODY)
     assert r.attempts == 2 and len(fake_openai.requests) == 2
     assert sleeps.delays[0] >= 2.0
 
 
-async def test_retry_after_too_long_is_not_waited_for(fake_openai: FakeProvider, make_provider: Callable[..., Provider], sleeps: Sleeps) -> None:
+async def test_retry_after_too_long_is_not_waited_for(
+    fake_openai: FakeProvider, make_provider: Callable[..., Provider], sleeps: Sleeps
+) -> None:
     fake_openai.faults.append(Fault.http(429, retry_after=120))
     with pytest.raises(ProviderError) as e:
         await make_provider(fake_openai).chat(BODY)
@@ -64,9 +78,14 @@ async def test_retry_after_too_long_is_not_waited_for(fake_openai: FakeProvider,
     assert len(fake_openai.requests) == 1
 
 
-async def test_5xx_retried_with_growing_backoff_then_raised(fake_openai: FakeProvider, make_provider: Callable[..., Provider], sleeps: Sleeps) -> None:
+async def test_5xx_retried_with_growing_backoff_then_raised(
+    fake_openai: FakeProvider, make_provider: Callable[..., Provider], sleeps: Sleeps
+) -> None:
     fake_openai.faults.extend([Fault.http(503)] * 4)
-    p = make_provider(fake_openai, retry={"max_attempts": 4, "base_delay_s": 0.5, "max_delay_s": 10, "jitter": 0.1})
+    p = make_provider(
+        fake_openai,
+        retry={"max_attempts": 4, "base_delay_s": 0.5, "max_delay_s": 10, "jitter": 0.1},
+    )
     with pytest.raises(ProviderError) as e:
         await p.chat(BODY)
     assert e.value.status == 503 and e.value.retryable and e.value.provider == "fake-openai"
@@ -75,14 +94,18 @@ async def test_5xx_retried_with_growing_backoff_then_raised(fake_openai: FakePro
         assert base * 0.9 <= d <= base * 1.1
 
 
-async def test_400_is_not_retried(fake_openai: FakeProvider, make_provider: Callable[..., Provider]) -> None:
+async def test_400_is_not_retried(
+    fake_openai: FakeProvider, make_provider: Callable[..., Provider]
+) -> None:
     fake_openai.faults.append(Fault.http(400))
     with pytest.raises(ProviderError) as e:
         await make_provider(fake_openai).chat(BODY)
     assert e.value.status == 400 and not e.value.retryable and len(fake_openai.requests) == 1
 
 
-async def test_connection_drop_before_answer_is_retried(fake_openai: FakeProvider, make_provider: Callable[..., Provider]) -> None:
+async def test_connection_drop_before_answer_is_retried(
+    fake_openai: FakeProvider, make_provider: Callable[..., Provider]
+) -> None:
     fake_openai.faults.extend([Fault.drop(), Fault.drop()])
     r = await make_provider(fake_openai).chat(BODY)
     assert r.attempts == 3 and r.response["choices"][0]["message"]["content"] == REPLY
@@ -99,7 +122,9 @@ async def test_connect_refused_is_a_retryable_502(make_provider: Callable[..., P
     assert (e.value.status, e.value.kind, e.value.retryable) == (502, "connect", True)
 
 
-async def test_first_byte_timeout(fake_openai: FakeProvider, make_provider: Callable[..., Provider]) -> None:
+async def test_first_byte_timeout(
+    fake_openai: FakeProvider, make_provider: Callable[..., Provider]
+) -> None:
     p = make_provider(fake_openai, retry={"max_attempts": 1}, timeouts={"first_byte_s": 0.3})
     fake_openai.faults.append(Fault.hang())
     with pytest.raises(ProviderError) as e:
@@ -111,7 +136,9 @@ async def test_first_byte_timeout(fake_openai: FakeProvider, make_provider: Call
     assert e.value.kind == "timeout"
 
 
-async def test_stream_cut_after_tokens_is_not_retried(fake_openai: FakeProvider, make_provider: Callable[..., Provider]) -> None:
+async def test_stream_cut_after_tokens_is_not_retried(
+    fake_openai: FakeProvider, make_provider: Callable[..., Provider]
+) -> None:
     fake_openai.faults.append(Fault.drop_after(3))
     got: list[dict[str, Any]] = []
     with pytest.raises(ProviderError) as e:
@@ -122,7 +149,9 @@ async def test_stream_cut_after_tokens_is_not_retried(fake_openai: FakeProvider,
     assert text_of(got) == "echo: tell"  # role chunk + two words, each once
 
 
-async def test_idle_timeout_mid_stream(fake_openai: FakeProvider, make_provider: Callable[..., Provider]) -> None:
+async def test_idle_timeout_mid_stream(
+    fake_openai: FakeProvider, make_provider: Callable[..., Provider]
+) -> None:
     fake_openai.faults.append(Fault.stall_after(2))
     got: list[dict[str, Any]] = []
     with pytest.raises(ProviderError) as e:
@@ -132,29 +161,38 @@ async def test_idle_timeout_mid_stream(fake_openai: FakeProvider, make_provider:
     assert text_of(got) == "echo:" and len(fake_openai.requests) == 1
 
 
-async def test_failure_before_first_chunk_is_retried_without_duplicates(fake_openai: FakeProvider, make_provider: Callable[..., Provider]) -> None:
+async def test_failure_before_first_chunk_is_retried_without_duplicates(
+    fake_openai: FakeProvider, make_provider: Callable[..., Provider]
+) -> None:
     fake_openai.faults.extend([Fault.drop_after(0), Fault.http(502)])
     chunks = await collect(make_provider(fake_openai), BODY)
     assert text_of(chunks) == REPLY and len(fake_openai.requests) == 3
     assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("role")) == 1
 
 
-async def test_in_stream_error_event(fake_openai: FakeProvider, make_provider: Callable[..., Provider]) -> None:
+async def test_in_stream_error_event(
+    fake_openai: FakeProvider, make_provider: Callable[..., Provider]
+) -> None:
     fake_openai.faults.append(Fault.error_event(2))
     with pytest.raises(ProviderError) as e:
         await collect(make_provider(fake_openai), BODY)
     assert e.value.kind == "stream_interrupted" and "injected stream error" in e.value.message
 
 
-async def test_missing_key_env_fails_without_calling(fake_openai: FakeProvider, make_provider: Callable[..., Provider],
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+async def test_missing_key_env_fails_without_calling(
+    fake_openai: FakeProvider,
+    make_provider: Callable[..., Provider],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.delenv("FAKE_PROVIDER_KEY")
     with pytest.raises(ProviderError, match="FAKE_PROVIDER_KEY is not set") as e:
         await make_provider(fake_openai).chat(BODY)
     assert fake_openai.requests == [] and "sk-" not in e.value.message
 
 
-async def test_missing_usage_is_estimated_not_free(fake_openai: FakeProvider, make_provider: Callable[..., Provider]) -> None:
+async def test_missing_usage_is_estimated_not_free(
+    fake_openai: FakeProvider, make_provider: Callable[..., Provider]
+) -> None:
     body = {**BODY}
     p = make_provider(fake_openai)
     # a provider that ignores include_usage: strip the option on the way in

@@ -27,7 +27,9 @@ def raw_app(pieces: list[bytes]) -> web.Application:
     return app
 
 
-async def read(aiohttp_client: Callable, pieces: list[bytes], max_line: int = 1 << 20) -> list[tuple[str | None, str]]:  # type: ignore[type-arg]
+async def read(
+    aiohttp_client: Callable, pieces: list[bytes], max_line: int = 1 << 20
+) -> list[tuple[str | None, str]]:  # type: ignore[type-arg]
     client = await aiohttp_client(raw_app(pieces))
     resp = await client.get("/")
     loop = asyncio.get_running_loop()
@@ -35,10 +37,18 @@ async def read(aiohttp_client: Callable, pieces: list[bytes], max_line: int = 1 
 
 
 async def test_line_ends_multiline_comments_and_splits(aiohttp_client: Callable) -> None:  # type: ignore[type-arg]
-    got = await read(aiohttp_client, [
-        b": keep-alive\r\n\r\n", b"event: a\r\ndata: one\r\n", b"data: two\r\n\r\n",
-        b"data: {\"x\"", b": 1}\n\n", b"event: b\ndata:no-space\n\n", b"data: partial-without-blank-line",
-    ])  # fmt: skip
+    got = await read(
+        aiohttp_client,
+        [
+            b": keep-alive\r\n\r\n",
+            b"event: a\r\ndata: one\r\n",
+            b"data: two\r\n\r\n",
+            b'data: {"x"',
+            b": 1}\n\n",
+            b"event: b\ndata:no-space\n\n",
+            b"data: partial-without-blank-line",
+        ],
+    )
     assert got == [("a", "one\ntwo"), (None, '{"x": 1}'), ("b", "no-space")]
 
 
@@ -46,4 +56,3 @@ async def test_overlong_line_is_refused(aiohttp_client: Callable) -> None:  # ty
     with pytest.raises(ProviderError) as e:
         await read(aiohttp_client, [b"data: " + b"x" * 5000], max_line=1000)
     assert e.value.kind == "invalid_response"
-

@@ -10,39 +10,90 @@ from gateway.providers.translate import AnthropicStreamTranslator, from_anthropi
 
 def test_images_merging_and_tool_choice() -> None:
     png = "data:image/png;base64,iVBORw0KGgo="
-    out = to_anthropic({"messages": [
-        {"role": "developer", "content": "rule one"}, {"role": "system", "content": [{"type": "text", "text": "rule two"}]},
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": png}},
-                                     {"type": "image_url", "image_url": {"url": "https://img.example/x.jpg"}}]},
-        {"role": "user", "content": "what is this?"},
-    ], "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
-        "parallel_tool_calls": False, "max_tokens": 5}, "m", 100)  # fmt: skip
+    out = to_anthropic(
+        {
+            "messages": [
+                {"role": "developer", "content": "rule one"},
+                {"role": "system", "content": [{"type": "text", "text": "rule two"}]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": png}},
+                        {"type": "image_url", "image_url": {"url": "https://img.example/x.jpg"}},
+                    ],
+                },
+                {"role": "user", "content": "what is this?"},
+            ],
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "max_tokens": 5,
+        },
+        "m",
+        100,
+    )
     assert out["system"] == "rule one\n\nrule two" and out["max_tokens"] == 5
     assert len(out["messages"]) == 1  # consecutive user turns merged
     blocks = out["messages"][0]["content"]
-    assert blocks[0]["source"] == {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+    assert blocks[0]["source"] == {
+        "type": "base64",
+        "media_type": "image/png",
+        "data": "iVBORw0KGgo=",
+    }
     assert blocks[1]["source"] == {"type": "url", "url": "https://img.example/x.jpg"}
     assert out["tools"] == [{"name": "f", "input_schema": {"type": "object", "properties": {}}}]
     assert out["tool_choice"] == {"type": "any", "disable_parallel_tool_use": True}
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://10.0.0.1/x.png"}}]}],
-    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}]}],
-    [{"role": "tool", "content": "x"}],
-    [{"role": "assistant", "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{oops"}}]}],
-    [{"role": "wizard", "content": "x"}],
-    "not a list",
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [
+            {
+                "role": "user",
+                "content": [{"type": "image_url", "image_url": {"url": "http://10.0.0.1/x.png"}}],
+            }
+        ],
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}
+                ],
+            }
+        ],
+        [{"role": "tool", "content": "x"}],
+        [
+            {
+                "role": "assistant",
+                "tool_calls": [{"id": "1", "function": {"name": "f", "arguments": "{oops"}}],
+            }
+        ],
+        [{"role": "wizard", "content": "x"}],
+        "not a list",
+    ],
+)
 def test_bad_requests_are_400(messages: object) -> None:
     with pytest.raises(ProviderError) as e:
         to_anthropic({"messages": messages}, "m", 10)
     assert e.value.status == 400
 
 
-@pytest.mark.parametrize("field", [{"max_tokens": 0}, {"max_tokens": "9"}, {"temperature": "hot"},
-                                   {"temperature": 2.5}, {"top_p": True}, {"top_k": 0}, {"stop": [""]},
-                                   {"stop": 5}, {"tools": {"f": 1}}, {"tool_choice": "sometimes"}])  # fmt: skip
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"max_tokens": 0},
+        {"max_tokens": "9"},
+        {"temperature": "hot"},
+        {"temperature": 2.5},
+        {"top_p": True},
+        {"top_k": 0},
+        {"stop": [""]},
+        {"stop": 5},
+        {"tools": {"f": 1}},
+        {"tool_choice": "sometimes"},
+    ],
+)
 def test_bad_fields_are_400(field: dict) -> None:
     with pytest.raises(ProviderError) as e:
         to_anthropic({"messages": [{"role": "user", "content": "x"}], **field}, "m", 10)
@@ -50,10 +101,21 @@ def test_bad_fields_are_400(field: dict) -> None:
 
 
 def test_cache_tokens_and_stop_reasons() -> None:
-    resp, usage = from_anthropic({"type": "message", "id": "msg_1", "model": "c", "stop_reason": "refusal",
-                                  "content": [{"type": "text", "text": "no"}],
-                                  "usage": {"input_tokens": 10, "output_tokens": 1, "cache_read_input_tokens": 30,
-                                            "cache_creation_input_tokens": 5}})  # fmt: skip
+    resp, usage = from_anthropic(
+        {
+            "type": "message",
+            "id": "msg_1",
+            "model": "c",
+            "stop_reason": "refusal",
+            "content": [{"type": "text", "text": "no"}],
+            "usage": {
+                "input_tokens": 10,
+                "output_tokens": 1,
+                "cache_read_input_tokens": 30,
+                "cache_creation_input_tokens": 5,
+            },
+        }
+    )
     assert (usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens) == (45, 30, 1)
     assert resp["choices"][0]["finish_reason"] == "content_filter"
     with pytest.raises(ProviderError) as e:
@@ -65,8 +127,14 @@ def test_stream_without_message_start_or_stop_is_refused() -> None:
     t = AnthropicStreamTranslator()
     assert t.feed("ping", '{"type": "ping"}') == []
     with pytest.raises(ProviderError):
-        t.feed("content_block_delta", '{"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "x"}}')
+        t.feed(
+            "content_block_delta",
+            '{"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "x"}}',
+        )
     t = AnthropicStreamTranslator()
-    t.feed("message_start", '{"type": "message_start", "message": {"id": "m", "model": "c", "usage": {"input_tokens": 3}}}')
+    t.feed(
+        "message_start",
+        '{"type": "message_start", "message": {"id": "m", "model": "c", "usage": {"input_tokens": 3}}}',
+    )
     with pytest.raises(ProviderError, match="message_stop"):
         t.finish()

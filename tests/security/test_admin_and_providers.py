@@ -32,20 +32,26 @@ from tests.providers.fakes import API_KEY, Fault
 
 
 @pytest.fixture(scope="module")
-def env(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, FakeServers]]:
+def env(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Proc, FakeServers]]:
     tmp = tmp_path_factory.mktemp("admin")
     servers = FakeServers({"gpt": "openai"})
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("FAKE_PROVIDER_KEY", API_KEY)
-            gw = gateway_proc(tmp, {"gpt": external(servers.fakes["gpt"], {"in": 1.0, "out": 2.0}, 2)})
+            gw = gateway_proc(
+                tmp, {"gpt": external(servers.fakes["gpt"], {"in": 1.0, "out": 2.0}, 2)}
+            )
             with running(gw):
                 yield gw, servers
     finally:
         servers.close()
 
 
-def _admin_get(port: int, key: str, source: str, path: str = "/admin/teams") -> tuple[int, dict[str, str]]:
+def _admin_get(
+    port: int, key: str, source: str, path: str = "/admin/teams"
+) -> tuple[int, dict[str, str]]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30, source_address=(source, 0))
     try:
         conn.request("GET", path, headers={"Authorization": f"Bearer {key}"})
@@ -58,10 +64,19 @@ def _admin_get(port: int, key: str, source: str, path: str = "/admin/teams") -> 
 
 def test_a_short_admin_key_is_refused_at_start(tiny_llama: Path, tmp_path: Path) -> None:
     port = free_port()
-    cfg = write_config(tmp_path / "g.toml", {"tiny": tiny_model(tiny_llama, both=["http://127.0.0.1:9"])},
-                       server={"port": port}, store={"url": f"sqlite://{tmp_path / 'g.db'}"})  # fmt: skip
-    out = subprocess.run([sys.executable, "-m", "duet", "gateway", "--config", str(cfg)], capture_output=True,
-                         text=True, timeout=120, env={**_env(), "DUET_ADMIN_KEY": "short-admin-key"})  # fmt: skip
+    cfg = write_config(
+        tmp_path / "g.toml",
+        {"tiny": tiny_model(tiny_llama, both=["http://127.0.0.1:9"])},
+        server={"port": port},
+        store={"url": f"sqlite://{tmp_path / 'g.db'}"},
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "duet", "gateway", "--config", str(cfg)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**_env(), "DUET_ADMIN_KEY": "short-admin-key"},
+    )
     assert out.returncode == 2 and "at least 32" in out.stderr, (out.returncode, out.stderr[-2000:])
 
 
@@ -89,7 +104,9 @@ def test_provider_error_text_does_not_reach_the_tenant(env: tuple[Proc, FakeServ
     for status in (500, 400, 429):
         servers.loop.call_soon_threadsafe(gpt.faults.append, Fault.http(status))
         with pytest.raises(openai.APIStatusError) as e:
-            client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+            client.chat.completions.create(
+                model="gpt", messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
         text = json.dumps(e.value.body)
         assert "injected" not in text, text  # the fake's own words
         assert f"HTTP {status}" in text or "rate limiting" in text, text
@@ -98,7 +115,9 @@ def test_provider_error_text_does_not_reach_the_tenant(env: tuple[Proc, FakeServ
 
 
 @pytest.mark.parametrize("path", ["/v1/models", "/v1/usage"])
-def test_guesses_on_endpoints_any_key_reads_count_too(env: tuple[Proc, FakeServers], path: str) -> None:
+def test_guesses_on_endpoints_any_key_reads_count_too(
+    env: tuple[Proc, FakeServers], path: str
+) -> None:
     """/v1/models and /v1/usage take the admin key or a team key: a token that is neither counts
     as a failed admin attempt there too. They compared the admin key with no limit, so guessing
     it went on at line rate beside the limited /admin endpoints."""

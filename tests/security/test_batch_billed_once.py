@@ -52,7 +52,11 @@ DAY = 86400.0
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    return f"sqlite://{tmp_path / 'gw.db'}" if request.param == "sqlite" else request.getfixturevalue("postgres_db")
+    return (
+        f"sqlite://{tmp_path / 'gw.db'}"
+        if request.param == "sqlite"
+        else request.getfixturevalue("postgres_db")
+    )
 
 
 @pytest.fixture
@@ -67,27 +71,60 @@ async def store(store_url: str) -> Any:
 
 
 def _record(rid: str, cost: float, status: str = "ok") -> UsageRecord:
-    return UsageRecord(request_id=rid, team_id="t", key_id="batch", model_requested="m", model_used="m",
-                       tier="batch", status=status, prompt_tokens=10, completion_tokens=5, cost_usd=cost)  # fmt: skip
+    return UsageRecord(
+        request_id=rid,
+        team_id="t",
+        key_id="batch",
+        model_requested="m",
+        model_used="m",
+        tier="batch",
+        status=status,
+        prompt_tokens=10,
+        completion_tokens=5,
+        cost_usd=cost,
+    )
 
 
 async def _book(s: Store, rid: str, gateway: str = "gw-a") -> str:
-    booked = Booked(model="m", tier="batch", endpoint="chat", prompt_tokens=10, prompt_cost_usd=0.1, idempotent=True)
-    res = await s.reserve(ReserveRequest(team_id="t", key_id="batch", request_id=rid, tokens=15, cost_usd=0.2,
-                                         ttl_s=60, gateway_id=gateway, booked=booked))  # fmt: skip
+    booked = Booked(
+        model="m",
+        tier="batch",
+        endpoint="chat",
+        prompt_tokens=10,
+        prompt_cost_usd=0.1,
+        idempotent=True,
+    )
+    res = await s.reserve(
+        ReserveRequest(
+            team_id="t",
+            key_id="batch",
+            request_id=rid,
+            tokens=15,
+            cost_usd=0.2,
+            ttl_s=60,
+            gateway_id=gateway,
+            booked=booked,
+        )
+    )
     assert isinstance(res, Reservation), res
     return res.id
 
 
 async def _billed(s: Store) -> list[tuple[str, str, float]]:
     now = time.time()
-    return [(r.request_id, r.status, r.cost_usd) for r in await s.usage_records("t", now - DAY, now + DAY)]
+    return [
+        (r.request_id, r.status, r.cost_usd)
+        for r in await s.usage_records("t", now - DAY, now + DAY)
+    ]
 
 
 async def _room(s: Store, cost: float) -> bool:
     """Whether the team's $1 day still has room for `cost` (its spend, as reservations see it)."""
-    res = await s.reserve(ReserveRequest(team_id="t", key_id="k", request_id="probe", tokens=1, cost_usd=cost,
-                                         ttl_s=60))  # fmt: skip
+    res = await s.reserve(
+        ReserveRequest(
+            team_id="t", key_id="k", request_id="probe", tokens=1, cost_usd=cost, ttl_s=60
+        )
+    )
     if isinstance(res, Reservation):
         await s.settle([Settlement(res.id, _record("probe", 0.0), window_tokens=0)])
         return True
@@ -104,14 +141,18 @@ async def test_a_rerun_replaces_the_first_runs_record(store: Store) -> None:
     assert await _room(store, 0.35)  # spent 0.6, not 1.1
     assert not await _room(store, 0.45)
     # Requests without a key are not touched by it.
-    await store.settle([Settlement(None, _record("req-x", 0.01)), Settlement(None, _record("req-x", 0.01))])
+    await store.settle(
+        [Settlement(None, _record("req-x", 0.01)), Settlement(None, _record("req-x", 0.01))]
+    )
     assert [b for b in await _billed(store) if b[0] == "req-x"] == [("req-x", "ok", 0.01)] * 2
 
 
 async def test_a_dead_runs_booking_is_billed_until_the_rerun_settles(store: Store) -> None:
     await _book(store, "batch-line-2", gateway="gw-dead")
     await store.heartbeat("gw-dead", 60, now=time.time() - 100)
-    assert await store.reclaim(dead_after_s=10) == 1  # its prompt is billed: the run may have computed it
+    assert (
+        await store.reclaim(dead_after_s=10) == 1
+    )  # its prompt is billed: the run may have computed it
     assert await _billed(store) == [("batch-line-2", "expired", 0.1)]
     rerun = await _book(store, "batch-line-2")
     await store.settle([Settlement(rerun, _record("batch-line-2", 0.3), idempotent=True)])
@@ -129,20 +170,32 @@ async def test_an_expired_booking_never_replaces_the_reruns_record(store: Store)
     assert await _room(store, 0.65) and not await _room(store, 0.75)
 
 
-async def test_runs_settled_together_or_at_once_leave_one_record(store: Store, store_url: str) -> None:
+async def test_runs_settled_together_or_at_once_leave_one_record(
+    store: Store, store_url: str
+) -> None:
     # both runs in one usage batch (one transaction)
-    await store.settle([Settlement(None, _record("batch-line-4", 0.2), idempotent=True),
-                        Settlement(None, _record("batch-line-4", 0.3), idempotent=True)])  # fmt: skip
+    await store.settle(
+        [
+            Settlement(None, _record("batch-line-4", 0.2), idempotent=True),
+            Settlement(None, _record("batch-line-4", 0.3), idempotent=True),
+        ]
+    )
     assert await _billed(store) == [("batch-line-4", "ok", 0.3)]
     # two gateways settling the same key at once
     other = open_store(store_url)
     await other.open()
     try:
-        await asyncio.gather(*(s.settle([Settlement(None, _record("batch-line-5", 0.1), idempotent=True)])
-                               for s in (store, other, store, other)))  # fmt: skip
+        await asyncio.gather(
+            *(
+                s.settle([Settlement(None, _record("batch-line-5", 0.1), idempotent=True)])
+                for s in (store, other, store, other)
+            )
+        )
     finally:
         await other.close()
-    assert [b for b in await _billed(store) if b[0] == "batch-line-5"] == [("batch-line-5", "ok", 0.1)]
+    assert [b for b in await _billed(store) if b[0] == "batch-line-5"] == [
+        ("batch-line-5", "ok", 0.1)
+    ]
     assert await _room(store, 0.55) and not await _room(store, 0.65)  # spent 0.3 + 0.1
 
 
@@ -199,9 +252,12 @@ class BatchLock:
         """The killed gateway's sessions end (PostgreSQL drops a dead client's at its next
         read; here at once, so its blocked write never commits), then the lock goes."""
         if self.pg:
+
             async def release() -> None:
-                await self._con.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
-                                        "datname = current_database() AND pid <> pg_backend_pid()")  # fmt: skip
+                await self._con.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE "
+                    "datname = current_database() AND pid <> pg_backend_pid()"
+                )
                 await self._con.execute("ROLLBACK")
                 await self._con.close()
 
@@ -225,34 +281,61 @@ def _line_state(lock: BatchLock, batch_id: str) -> str:
         async def q() -> str:
             con = await asyncpg.connect(lock.store_url)
             try:
-                return await con.fetchval("SELECT state FROM batch_requests WHERE batch_id=$1", batch_id)
+                return await con.fetchval(
+                    "SELECT state FROM batch_requests WHERE batch_id=$1", batch_id
+                )
             finally:
                 await con.close()
 
         return asyncio.run(q())
     with sqlite3.connect(f"file:{lock.batch_db}?mode=ro", uri=True) as conn:
-        return conn.execute("SELECT state FROM batch_requests WHERE batch_id=?", (batch_id,)).fetchone()[0]
+        return conn.execute(
+            "SELECT state FROM batch_requests WHERE batch_id=?", (batch_id,)
+        ).fetchone()[0]
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 def test_a_gateway_killed_between_billing_and_result_bills_once(
-        fake: tuple[FakeServers, Gate], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        request: pytest.FixtureRequest, backend: str) -> None:  # fmt: skip
+    fake: tuple[FakeServers, Gate],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+    backend: str,
+) -> None:
     servers, gate = fake
     monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
-    store_url = request.getfixturevalue("postgres_db") if backend == "postgres" else f"sqlite://{tmp_path}/gateway.db"
+    store_url = (
+        request.getfixturevalue("postgres_db")
+        if backend == "postgres"
+        else f"sqlite://{tmp_path}/gateway.db"
+    )
     models = {"gpt": external(servers.fakes["gpt"], {"in": 10.0, "out": 20.0}, 2)}
-    batch = {"data_dir": str(tmp_path / "batch"), "concurrency": 1, "lease_s": 3.0, "poll_s": 0.05,
-             "discount": 0.5}  # fmt: skip
+    batch = {
+        "data_dir": str(tmp_path / "batch"),
+        "concurrency": 1,
+        "lease_s": 3.0,
+        "poll_s": 0.05,
+        "discount": 0.5,
+    }
     first = gateway_proc(tmp_path, models, store=store_url, batch=batch)
     lock = BatchLock(store_url, tmp_path / "batch" / "batch.sqlite3")
-    line = {"custom_id": "only", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "gpt", "messages": [{"role": "user", "content": "bill me once"}], "max_tokens": 8}}
+    line = {
+        "custom_id": "only",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": "gpt",
+            "messages": [{"role": "user", "content": "bill me once"}],
+            "max_tokens": 8,
+        },
+    }
     with running(first):
         key = make_team(first.url, "once")
         c = openai.OpenAI(base_url=first.url + "/v1", api_key=key, max_retries=0, timeout=60)
         f = c.files.create(file=("in.jsonl", jsonl([line])), purpose="batch")
-        b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        b = c.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
         gpt = servers.fakes["gpt"]
         wait_for(lambda: len(gpt.requests) == 1, 60, "the line to reach the provider")
         lock.take()
@@ -262,11 +345,17 @@ def test_a_gateway_killed_between_billing_and_result_bills_once(
             first.kill()  # SIGKILL between the usage record and the line's result
         finally:
             lock.release_after_death()
-    assert _line_state(lock, b.id) == "running", "the result must not have been written for this test to mean anything"
-    second = gateway_proc(tmp_path, models, port=first.port, store=store_url, batch=batch)  # same worker id
+    assert _line_state(lock, b.id) == "running", (
+        "the result must not have been written for this test to mean anything"
+    )
+    second = gateway_proc(
+        tmp_path, models, port=first.port, store=store_url, batch=batch
+    )  # same worker id
     with running(second):
         c = openai.OpenAI(base_url=second.url + "/v1", api_key=key, max_retries=0, timeout=60)
-        wait_for(lambda: c.batches.retrieve(b.id).status == "completed", 120, "the batch to complete")
+        wait_for(
+            lambda: c.batches.retrieve(b.id).status == "completed", 120, "the batch to complete"
+        )
         done = c.batches.retrieve(b.id)
         out = [x for x in c.files.content(done.output_file_id).text.splitlines() if x.strip()]
         records = _usage(second.url, key)
@@ -277,4 +366,5 @@ def test_a_gateway_killed_between_billing_and_result_bills_once(
     assert json.loads(out[0])["response"]["request_id"] == records[0]["request_id"]
     r = records[0]
     assert r["completion_tokens"] == 3 and r["cost_usd"] == pytest.approx(
-        (r["prompt_tokens"] * 10.0 + 3 * 20.0) / 1e6 * 0.5), r  # at the batch discount
+        (r["prompt_tokens"] * 10.0 + 3 * 20.0) / 1e6 * 0.5
+    ), r  # at the batch discount

@@ -34,16 +34,24 @@ from tests.wait import wait_for
 
 
 def _lines(n: int) -> list[NewRequest]:
-    return [NewRequest(line=i + 1, custom_id=f"c{i}", body={"model": "m", "prompt": "x"}) for i in range(n)]
+    return [
+        NewRequest(line=i + 1, custom_id=f"c{i}", body={"model": "m", "prompt": "x"})
+        for i in range(n)
+    ]
 
 
 @pytest.mark.parametrize("claim", [4, 1])
-async def test_a_huge_batch_cannot_starve_another_team(tmp_path: Path, open_store: Any,  # noqa: F811
-                                                       claim: int) -> None:  # fmt: skip
+async def test_a_huge_batch_cannot_starve_another_team(
+    tmp_path: Path,
+    open_store: Any,  # noqa: F811
+    claim: int,
+) -> None:
     s = open_store(tmp_path / "db.sqlite3")
     other = open_store(tmp_path / "db.sqlite3")  # a second gateway on the same store
     try:
-        await s.create_batch(dataclasses.replace(batch("batch_huge", 0.0), team_id="a"), _lines(500))
+        await s.create_batch(
+            dataclasses.replace(batch("batch_huge", 0.0), team_id="a"), _lines(500)
+        )
         await s.create_batch(dataclasses.replace(batch("batch_a2", 0.5), team_id="a"), _lines(3))
         await s.create_batch(dataclasses.replace(batch("batch_small", 1.0), team_id="b"), _lines(2))
         got = await s.claim_requests("A", claim, lease_s=60, now=2.0)
@@ -54,7 +62,10 @@ async def test_a_huge_batch_cannot_starve_another_team(tmp_path: Path, open_stor
         assert teams.count("a") == len(got) - teams.count("b")
         # Within a team: its oldest batch first, in line order.
         mine = [(c.batch_id, c.line) for c in got if c.team_id == "a"]
-        assert mine == sorted(mine, key=lambda x: (x[0] != "batch_huge", x[1])) and mine[0] == ("batch_huge", 1)
+        assert mine == sorted(mine, key=lambda x: (x[0] != "batch_huge", x[1])) and mine[0] == (
+            "batch_huge",
+            1,
+        )
         assert len({(c.batch_id, c.custom_id) for c in got}) == len(got)  # nothing claimed twice
     finally:
         s.close()
@@ -62,8 +73,9 @@ async def test_a_huge_batch_cannot_starve_another_team(tmp_path: Path, open_stor
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
-def test_lines_claimed_one_after_another_alternate_between_teams(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                                 request: pytest.FixtureRequest, backend: str) -> None:  # fmt: skip
+def test_lines_claimed_one_after_another_alternate_between_teams(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, backend: str
+) -> None:
     servers = FakeServers({"gpt": "openai"})
     gpt = servers.fakes["gpt"]
     held = threading.Event()  # the first line waits at the provider until team b has submitted
@@ -76,30 +88,59 @@ def test_lines_claimed_one_after_another_alternate_between_teams(tmp_path: Path,
     gpt.reply = reply
     monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
     store = request.getfixturevalue("postgres_db") if backend == "postgres" else None
-    batch_cfg = {"data_dir": str(tmp_path / "batch"), "concurrency": 1, "lease_s": 30.0, "poll_s": 0.05}
-    gw = gateway_proc(tmp_path, {"gpt": external(gpt, {"in": 1.0, "out": 1.0}, 2)}, store=store, batch=batch_cfg)
+    batch_cfg = {
+        "data_dir": str(tmp_path / "batch"),
+        "concurrency": 1,
+        "lease_s": 30.0,
+        "poll_s": 0.05,
+    }
+    gw = gateway_proc(
+        tmp_path, {"gpt": external(gpt, {"in": 1.0, "out": 1.0}, 2)}, store=store, batch=batch_cfg
+    )
 
     def lines(team: str, n: int) -> bytes:
-        return jsonl([{"custom_id": f"{team}{i}", "method": "POST", "url": "/v1/chat/completions",
-                       "body": {"model": "gpt", "messages": [{"role": "user", "content": f"{team}{i}"}],
-                                "max_tokens": 4}} for i in range(n)])  # fmt: skip
+        return jsonl(
+            [
+                {
+                    "custom_id": f"{team}{i}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {
+                        "model": "gpt",
+                        "messages": [{"role": "user", "content": f"{team}{i}"}],
+                        "max_tokens": 4,
+                    },
+                }
+                for i in range(n)
+            ]
+        )
 
     try:
         with running(gw):
-            teams = {t: openai.OpenAI(base_url=gw.url + "/v1", api_key=make_team(gw.url, t), max_retries=0, timeout=60)
-                     for t in ("a", "b")}  # fmt: skip
+            teams = {
+                t: openai.OpenAI(
+                    base_url=gw.url + "/v1", api_key=make_team(gw.url, t), max_retries=0, timeout=60
+                )
+                for t in ("a", "b")
+            }
             ids = {}
             for team, n in (("a", 12), ("b", 2)):
                 c = teams[team]
                 f = c.files.create(file=(f"{team}.jsonl", lines(team, n)), purpose="batch")
-                ids[team] = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                             completion_window="24h").id  # fmt: skip
+                ids[team] = c.batches.create(
+                    input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+                ).id
                 if team == "a":
-                    wait_for(lambda: len(gpt.requests) == 1, 60, "team a's first line at the provider")
+                    wait_for(
+                        lambda: len(gpt.requests) == 1, 60, "team a's first line at the provider"
+                    )
             held.set()
             for team, c in teams.items():
-                wait_for(lambda c=c, team=team: c.batches.retrieve(ids[team]).status == "completed", 120,
-                         f"team {team}'s batch to complete")  # fmt: skip
+                wait_for(
+                    lambda c=c, team=team: c.batches.retrieve(ids[team]).status == "completed",
+                    120,
+                    f"team {team}'s batch to complete",
+                )
     finally:
         held.set()
         servers.close()

@@ -59,8 +59,14 @@ class Racer:
             # too, or cannot read before this one commits. (sqlite3 drops what a trace
             # callback raises: a wait that timed out is kept for the test to report.)
             try:
-                wait_for(lambda: other.read.is_set() or (other.began.is_set() and write_locked(self.store.path)),
-                         WITHIN_S, f"{other.name} to read, or to wait for {self.name}'s lock")  # fmt: skip
+                wait_for(
+                    lambda: (
+                        other.read.is_set()
+                        or (other.began.is_set() and write_locked(self.store.path))
+                    ),
+                    WITHIN_S,
+                    f"{other.name} to read, or to wait for {self.name}'s lock",
+                )
             except AssertionError as e:
                 self.error = e
 

@@ -39,7 +39,9 @@ NODE_ARGS = ("--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "102
 #: every prompt here is disaggregated unless the decode node has it cached
 LOCAL_PREFILL_TOKENS = 8
 #: team A's secret: several full blocks
-SECRET = "Quarterly forecast, confidential: revenue grows 4.2 percent, margin holds at 31 percent. " * 4
+SECRET = (
+    "Quarterly forecast, confidential: revenue grows 4.2 percent, margin holds at 31 percent. " * 4
+)
 
 
 @dataclass
@@ -50,11 +52,15 @@ class Tenants:
     model_dir: Path
 
     def client(self, team: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.gateway.url + "/v1", api_key=self.keys[team], max_retries=0)
+        return openai.OpenAI(
+            base_url=self.gateway.url + "/v1", api_key=self.keys[team], max_retries=0
+        )
 
     def cached(self, team: str, prompt: str) -> tuple[int, int]:
         """(cached_tokens, prompt_tokens) of one greedy completion of `prompt` by `team`."""
-        r = self.client(team).completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+        r = self.client(team).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=2, temperature=0
+        )
         assert r.usage is not None and r.usage.prompt_tokens_details is not None
         return r.usage.prompt_tokens_details.cached_tokens or 0, r.usage.prompt_tokens
 
@@ -73,12 +79,42 @@ def tenants(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     tmp = tmp_path_factory.mktemp("cache-domains")
     with EtcdServer(tmp / "etcd") as etcd:
         port = free_port()
-        coord = Proc([sys.executable, "-m", "duet", "coordinator", "--etcd", etcd.url, "--port", str(port),
-                      "--local-prefill-tokens", str(LOCAL_PREFILL_TOKENS)], port, tmp / "coordinator.log")  # fmt: skip
-        p = duet_node("prefill", str(tiny_llama), tmp, *NODE_ARGS, "--etcd", etcd.url, "--node-id", "prefill-0")
-        d = duet_node("decode", str(tiny_llama), tmp, *NODE_ARGS, "--etcd", etcd.url, "--node-id", "decode-0")
-        model = {"kind": "cluster", "tokenizer": str(tiny_llama), "served_name": tiny_llama.name,
-                 "input_usd_per_mtok": 1.0, "output_usd_per_mtok": 2.0}  # fmt: skip
+        coord = Proc(
+            [
+                sys.executable,
+                "-m",
+                "duet",
+                "coordinator",
+                "--etcd",
+                etcd.url,
+                "--port",
+                str(port),
+                "--local-prefill-tokens",
+                str(LOCAL_PREFILL_TOKENS),
+            ],
+            port,
+            tmp / "coordinator.log",
+        )
+        p = duet_node(
+            "prefill",
+            str(tiny_llama),
+            tmp,
+            *NODE_ARGS,
+            "--etcd",
+            etcd.url,
+            "--node-id",
+            "prefill-0",
+        )
+        d = duet_node(
+            "decode", str(tiny_llama), tmp, *NODE_ARGS, "--etcd", etcd.url, "--node-id", "decode-0"
+        )
+        model = {
+            "kind": "cluster",
+            "tokenizer": str(tiny_llama),
+            "served_name": tiny_llama.name,
+            "input_usd_per_mtok": 1.0,
+            "output_usd_per_mtok": 2.0,
+        }
         groups = {f"teams.{t}": {"cache_group": "shared-prompts"} for t in ("carol", "dave")}
         g = gateway_proc(tmp, {MODEL: model}, routing={"coordinator": [coord.url]}, **groups)
         with running(coord, p, d, g):
@@ -100,7 +136,9 @@ def test_a_team_cannot_read_another_teams_prompt_off_cached_tokens(tenants: Tena
 
 
 def test_teams_of_one_cache_group_share_on_purpose(tenants: Tenants) -> None:
-    system = "You are the support assistant of the shared help desk. Answer briefly and politely. " * 4
+    system = (
+        "You are the support assistant of the shared help desk. Answer briefly and politely. " * 4
+    )
     first, n = tenants.cached("carol", system + "Carol asks: where is my parcel?")
     assert first == 0 and n >= 4 * 16
     shared, _ = tenants.cached("dave", system + "Dave asks: how do I reset my password?")
@@ -109,7 +147,9 @@ def test_teams_of_one_cache_group_share_on_purpose(tenants: Tenants) -> None:
     assert tenants.cached("alice", system + "Alice asks: what is the weather?")[0] == 0
 
 
-def test_the_coordinator_index_holds_the_salted_hashes_the_gateway_routes_with(tenants: Tenants) -> None:
+def test_the_coordinator_index_holds_the_salted_hashes_the_gateway_routes_with(
+    tenants: Tenants,
+) -> None:
     """The nodes' KV events carry the same salted hashes as the gateway's route request, so
     routing still finds a team's own prefixes — and only in its own domain."""
     prompt = "Routing keeps each team's prefixes apart, and still finds them for the team. " * 4
@@ -118,16 +158,28 @@ def test_the_coordinator_index_holds_the_salted_hashes_the_gateway_routes_with(t
 
     def cached_on_the_index(domain: str | None) -> int:
         hashes = block_hashes(ids, 16, parent=domain_root(domain))
-        body = {"model": tenants.model_dir.name, "block_hashes": hashes, "num_prompt_tokens": len(ids),
-                "max_tokens": 2}  # fmt: skip
-        req = urllib.request.Request(tenants.coordinator.url + "/route", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+        body = {
+            "model": tenants.model_dir.name,
+            "block_hashes": hashes,
+            "num_prompt_tokens": len(ids),
+            "max_tokens": 2,
+        }
+        req = urllib.request.Request(
+            tenants.coordinator.url + "/route",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(req, timeout=10) as r:
             route = json.loads(r.read())
-        return max(route["decode"]["cached_tokens"], (route.get("prefill") or {}).get("cached_tokens", 0))
+        return max(
+            route["decode"]["cached_tokens"], (route.get("prefill") or {}).get("cached_tokens", 0)
+        )
 
     # the node's KV events reach the index asynchronously
-    wait_for(lambda: cached_on_the_index("team:alice") >= 16 * 4, what="alice's blocks on the coordinator's index")
+    wait_for(
+        lambda: cached_on_the_index("team:alice") >= 16 * 4,
+        what="alice's blocks on the coordinator's index",
+    )
     assert cached_on_the_index("team:bob") == 0
     assert cached_on_the_index(None) == 0
 
@@ -136,6 +188,7 @@ def test_a_client_cannot_choose_its_cache_domain(tenants: Tenants) -> None:
     """The domain is the gateway's to set: a `cache_salt` from the client (vLLM's public API
     takes one) would let team B name team A's domain."""
     with pytest.raises(openai.BadRequestError) as e:
-        tenants.client("bob").completions.create(model=MODEL, prompt=SECRET, max_tokens=1,
-                                                 extra_body={"cache_salt": "team:alice"})  # fmt: skip
+        tenants.client("bob").completions.create(
+            model=MODEL, prompt=SECRET, max_tokens=1, extra_body={"cache_salt": "team:alice"}
+        )
     assert e.value.code == "unsupported_field"

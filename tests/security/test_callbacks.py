@@ -61,14 +61,21 @@ async def test_the_operator_may_allow_private_callbacks() -> None:
 def test_a_tenant_submitting_a_wrapped_or_service_port_callback_gets_a_400(tmp_path: Path) -> None:
     servers = FakeServers({"gpt": "openai"})
     batch = {"data_dir": str(tmp_path / "batch"), "callback_secret": "cb-secret", "poll_s": 0.05}
-    gw = gateway_proc(tmp_path, {"gpt": external(servers.fakes["gpt"], {"in": 1.0, "out": 1.0}, 2)}, batch=batch)
+    gw = gateway_proc(
+        tmp_path, {"gpt": external(servers.fakes["gpt"], {"in": 1.0, "out": 1.0}, 2)}, batch=batch
+    )
     line = {"model": "gpt", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     try:
         with running(gw):
             key = make_team(gw.url, "t")
             for url in [*WRAPPED_PRIVATE, "http://[2002:808:808::1]:22/hook"]:
-                status, _, body = http(f"{gw.url}/v1/batch", "POST", {"requests": [line], "callback_url": url}, key=key)
-                assert status == 400 and body["error"]["param"] == "callback_url", (url, json.dumps(body))
+                status, _, body = http(
+                    f"{gw.url}/v1/batch", "POST", {"requests": [line], "callback_url": url}, key=key
+                )
+                assert status == 400 and body["error"]["param"] == "callback_url", (
+                    url,
+                    json.dumps(body),
+                )
             # the refusals are the request's only: the same tenant's batch without a callback runs
             status, _, body = http(f"{gw.url}/v1/batch", "POST", {"requests": [line]}, key=key)
             assert status == 202, body

@@ -86,35 +86,57 @@ def test_a_configured_but_missing_file_is_an_error_not_an_open_start(tmp_path: P
 def test_verification_needs_the_exact_bearer_value() -> None:
     s = ClusterSecret(GOOD, "test")
     assert s.verify(f"Bearer {GOOD}")
-    for wrong in (None, "", GOOD, f"Bearer {GOOD}x", f"Bearer {GOOD[:-1]}", f"bearer{GOOD}", "Bearer é"):
+    for wrong in (
+        None,
+        "",
+        GOOD,
+        f"Bearer {GOOD}x",
+        f"Bearer {GOOD[:-1]}",
+        f"bearer{GOOD}",
+        "Bearer é",
+    ):
         assert not s.verify(wrong)
 
 
-def test_without_a_secret_loopback_warns_and_other_addresses_need_insecure(caplog: pytest.LogCaptureFixture) -> None:
+def test_without_a_secret_loopback_warns_and_other_addresses_need_insecure(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     with caplog.at_level(logging.WARNING, "duet.security"):
         PlaneSecurity().check_start(["127.0.0.1"], "a node")
     assert "WITHOUT a cluster secret" in caplog.text
     for host in ("0.0.0.0", "10.1.2.3", "::"):
         with pytest.raises(SecretError, match="--insecure"):
             PlaneSecurity().check_start([host], "a node")
-    PlaneSecurity(insecure=True).check_start(["0.0.0.0"], "a node")  # the operator's explicit choice
+    PlaneSecurity(insecure=True).check_start(
+        ["0.0.0.0"], "a node"
+    )  # the operator's explicit choice
     PlaneSecurity(secret=ClusterSecret(GOOD, "t")).check_start(["0.0.0.0"], "a node")
     with pytest.raises(SecretError, match="--protect-metrics"):
         PlaneSecurity(protect_metrics=True).check_start(["127.0.0.1"], "a node")
 
 
-@pytest.mark.parametrize("command", [["node", "--role", "decode"], ["coordinator", "--etcd", "http://127.0.0.1:9"]])
-def test_a_process_on_a_network_address_without_a_secret_refuses_to_start(command: list[str], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "command", [["node", "--role", "decode"], ["coordinator", "--etcd", "http://127.0.0.1:9"]]
+)
+def test_a_process_on_a_network_address_without_a_secret_refuses_to_start(
+    command: list[str], tmp_path: Path
+) -> None:
     env = {k: v for k, v in os.environ.items() if k not in (ENV_SECRET, ENV_SECRET_FILE)}
-    r = subprocess.run([sys.executable, "-m", "duet", *command, "--host", "0.0.0.0", "--port", "9"],
-                       capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "duet", *command, "--host", "0.0.0.0", "--port", "9"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert "without a cluster secret" in r.stderr and "--insecure" in r.stderr
 
 
 def test_help_says_how_to_run_without_a_secret() -> None:
-    out = subprocess.run([sys.executable, "-m", "duet", "node", "--help"], capture_output=True, text=True,
-                         timeout=60).stdout  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "duet", "node", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
     out = " ".join(out.split())  # argparse wraps lines
     assert "--insecure" in out and "--cluster-secret-file" in out and "refuses to start" in out
 
@@ -132,11 +154,14 @@ def test_duet_up_generates_a_private_secret_and_keeps_it(tmp_path: Path) -> None
     assert path.stat().st_mode & 0o777 == 0o600
 
 
-async def test_refusals_cannot_flood_the_log(aiohttp_server: Any, caplog: pytest.LogCaptureFixture) -> None:
+async def test_refusals_cannot_flood_the_log(
+    aiohttp_server: Any, caplog: pytest.LogCaptureFixture
+) -> None:
     """A stranger who reaches an internal port can send refused requests at will; each used to
     log its own warning (a disk filled, the lines that matter buried). Now one line per 10 s at
     most, the next saying how many were held back. Real HTTP to the middleware every internal
     app runs (protocol/cluster_secret.py::auth_middleware)."""
+
     async def metadata(_: web.Request) -> web.Response:
         return web.json_response({})
 
@@ -154,13 +179,18 @@ async def test_refusals_cannot_flood_the_log(aiohttp_server: Any, caplog: pytest
                 assert r.status == 200
     elapsed = time.monotonic() - t0
     lines = [r.getMessage() for r in caplog.records if "no valid cluster secret" in r.getMessage()]
-    assert 1 <= len(lines) <= 1 + math.ceil(elapsed / 10), (len(lines), elapsed)  # the old code: 200
+    assert 1 <= len(lines) <= 1 + math.ceil(elapsed / 10), (
+        len(lines),
+        elapsed,
+    )  # the old code: 200
     assert "'/kv/metadata'" in lines[0]  # the path quoted (a client's words cannot forge a line)
 
 
 def test_a_throttled_warning_counts_what_it_held_back(caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
-    w = ThrottledWarning(logging.getLogger("duet.test.throttle"), every_s=10.0, clock=lambda: now[0])
+    w = ThrottledWarning(
+        logging.getLogger("duet.test.throttle"), every_s=10.0, clock=lambda: now[0]
+    )
     with caplog.at_level(logging.WARNING, logger="duet.test.throttle"):
         assert w.warning("refused %s", "a")
         for t in (1.0, 2.0, 9.9):
@@ -171,7 +201,10 @@ def test_a_throttled_warning_counts_what_it_held_back(caplog: pytest.LogCaptureF
         now[0] = 30.0
         assert w.warning("refused %s", "d")
     assert [r.getMessage() for r in caplog.records] == [
-        "refused a", "refused c (and 3 more like it in the 12 s before, not logged one by one)", "refused d"]
+        "refused a",
+        "refused c (and 3 more like it in the 12 s before, not logged one by one)",
+        "refused d",
+    ]
 
 
 def test_duet_ups_control_endpoint_needs_the_secret() -> None:
@@ -190,14 +223,22 @@ def test_duet_ups_control_endpoint_needs_the_secret() -> None:
     base = f"http://127.0.0.1:{server.server_address[1]}"
     try:
         # the stop, and the readiness the planner asks before deciding (GET /ready)
-        for method, path, data in (("POST", "/nodes/decode-0/stop", b"{}"), ("GET", "/ready", None)):
-            for headers, status, code in (({}, 401, "cluster_secret_required"),
-                                          ({"Authorization": "Bearer " + "x" * 43}, 401, "cluster_secret_required"),
-                                          (secret.headers, 503, "starting")):  # fmt: skip
+        for method, path, data in (
+            ("POST", "/nodes/decode-0/stop", b"{}"),
+            ("GET", "/ready", None),
+        ):
+            for headers, status, code in (
+                ({}, 401, "cluster_secret_required"),
+                ({"Authorization": "Bearer " + "x" * 43}, 401, "cluster_secret_required"),
+                (secret.headers, 503, "starting"),
+            ):
                 req = urllib.request.Request(base + path, data=data, method=method, headers=headers)
                 with pytest.raises(urllib.error.HTTPError) as e:
                     urllib.request.urlopen(req, timeout=10)
-                assert e.value.code == status and json.loads(e.value.read())["code"] == code, (method, path)
+                assert e.value.code == status and json.loads(e.value.read())["code"] == code, (
+                    method,
+                    path,
+                )
     finally:
         server.shutdown()
         server.server_close()

@@ -56,10 +56,16 @@ def env(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     try:
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("FAKE_PROVIDER_KEY", API_KEY)
-            server = {"max_connections_per_address": CAP, "header_timeout_s": HEADER_S, "body_timeout_s": BODY_S,
-                      "keepalive_timeout_s": KEEPALIVE_S}  # fmt: skip
-            models = {MODEL: tiny_model(tiny_llama, both=["http://127.0.0.1:9"]),
-                      "gpt": external(fake.fakes["gpt"], {"in": 1.0, "out": 2.0}, 2)}  # fmt: skip
+            server = {
+                "max_connections_per_address": CAP,
+                "header_timeout_s": HEADER_S,
+                "body_timeout_s": BODY_S,
+                "keepalive_timeout_s": KEEPALIVE_S,
+            }
+            models = {
+                MODEL: tiny_model(tiny_llama, both=["http://127.0.0.1:9"]),
+                "gpt": external(fake.fakes["gpt"], {"in": 1.0, "out": 2.0}, 2),
+            }
             g = gateway_proc(tmp, models, server=server, batch={"data_dir": str(tmp / "batch")})
             with running(g):
                 yield Env(g, make_team(g.url, "slow"), fake)
@@ -118,8 +124,10 @@ def test_refused_connections_cannot_flood_the_log(gw: Proc) -> None:
 def _post_head(
     env: Env, length: int, path: str = "/v1/chat/completions", ctype: str = "application/json"
 ) -> bytes:
-    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {env.key}\r\nContent-Type: {ctype}\r\n"
-            f"Content-Length: {length}\r\n\r\n").encode()  # fmt: skip
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {env.key}\r\nContent-Type: {ctype}\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
 
 
 def test_a_trickled_body_is_cut(env: Env) -> None:
@@ -211,8 +219,12 @@ def test_a_streamed_answer_and_an_upload_longer_than_the_deadlines_still_work(en
     # two events (the role, "echo:"), then silence until released
     env.fake.loop.call_soon_threadsafe(gpt.faults.append, Fault.stall_after(2))
     client = openai.OpenAI(base_url=env.gw.url + "/v1", api_key=env.key, max_retries=0, timeout=60)
-    stream = client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "one two three"}],
-                                            stream=True, max_tokens=16)  # fmt: skip
+    stream = client.chat.completions.create(
+        model="gpt",
+        messages=[{"role": "user", "content": "one two three"}],
+        stream=True,
+        max_tokens=16,
+    )
     chunks = iter(stream)
     text = [next(chunks).choices[0].delta.content or ""]  # the stream has begun
     # Both deadlines pass while it is held: a probe whose headers start now is cut by its own.
@@ -230,9 +242,15 @@ def test_a_streamed_answer_and_an_upload_longer_than_the_deadlines_still_work(en
     # deadline would cut it; the rate rule does not.
     data = jsonl(lines_for(300))
     boundary = uuid.uuid4().hex
-    body = (f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+    body = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
             f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n'
-            "Content-Type: application/jsonl\r\n\r\n").encode() + data + f"\r\n--{boundary}--\r\n".encode()  # fmt: skip
+            "Content-Type: application/jsonl\r\n\r\n"
+        ).encode()
+        + data
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
     piece = max(1, len(body) // 12)
     c = _connect(env.gw)
     try:
@@ -250,8 +268,11 @@ def test_a_streamed_answer_and_an_upload_longer_than_the_deadlines_still_work(en
 def test_an_idle_keep_alive_connection_is_closed(tiny_llama: Path, tmp_path: Path) -> None:
     """`keepalive_timeout_s`: a connection that sends nothing after its answer is closed,
     silently: it owes no request, so no 408."""
-    gw = gateway_proc(tmp_path, {MODEL: tiny_model(tiny_llama, both=["http://127.0.0.1:9"])},
-                      server={"keepalive_timeout_s": 2.0, "header_timeout_s": HEADER_S})  # fmt: skip
+    gw = gateway_proc(
+        tmp_path,
+        {MODEL: tiny_model(tiny_llama, both=["http://127.0.0.1:9"])},
+        server={"keepalive_timeout_s": 2.0, "header_timeout_s": HEADER_S},
+    )
     with running(gw):
         c = _connect(gw)
         try:

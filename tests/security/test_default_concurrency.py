@@ -40,20 +40,24 @@ def _hold(fake: FakeServers, url: str, key: str) -> None:
 
     def send() -> None:
         with contextlib.suppress(openai.APIError):  # the gateway stops under it at the end
-            _client(url, key).chat.completions.create(model="gpt", max_tokens=4,
-                                                      messages=[{"role": "user", "content": "hold"}])  # fmt: skip
+            _client(url, key).chat.completions.create(
+                model="gpt", max_tokens=4, messages=[{"role": "user", "content": "hold"}]
+            )
 
     threading.Thread(target=send, daemon=True).start()
     wait_for(lambda: len(gpt.requests) > seen, 30, "the provider to hold a request")
 
 
-def test_a_team_without_limits_gets_the_default_concurrency(fake: FakeServers, tmp_path: Path, tiny_llama: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_team_without_limits_gets_the_default_concurrency(
+    fake: FakeServers, tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
     gpt = fake.fakes["gpt"]
     # MODEL: a self-hosted model (the gateway tokenizes its prompts) whose node is never reached
-    models = {"gpt": external(gpt, {"in": 1.0, "out": 2.0}, 2),
-              MODEL: tiny_model(tiny_llama, both=["http://127.0.0.1:9"], max_model_len=1024)}  # fmt: skip
+    models = {
+        "gpt": external(gpt, {"in": 1.0, "out": 2.0}, 2),
+        MODEL: tiny_model(tiny_llama, both=["http://127.0.0.1:9"], max_model_len=1024),
+    }
     gw = gateway_proc(tmp_path, models, quotas={"default_max_concurrent": 1})
     with running(gw):
         plain, own = make_team(gw.url, "plain"), make_team(gw.url, "own", max_concurrent=3)
@@ -65,45 +69,64 @@ def test_a_team_without_limits_gets_the_default_concurrency(fake: FakeServers, t
             _hold(fake, gw.url, key)
 
         def ask(key: str) -> None:
-            client(key).chat.completions.create(model="gpt", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+            client(key).chat.completions.create(
+                model="gpt", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+            )
 
         hold(plain)
         with pytest.raises(openai.RateLimitError) as e:
             ask(plain)
-        assert e.value.body["code"] == "rate_limit_exceeded" and e.value.body["param"] == "concurrency", e.value.body
+        assert (
+            e.value.body["code"] == "rate_limit_exceeded" and e.value.body["param"] == "concurrency"
+        ), e.value.body
         assert "limit 1" in e.value.body["message"]
         # Refused before the tokenizer: a prompt far past the context gets the 429, not a 400.
         with pytest.raises(openai.RateLimitError) as e:
-            client(plain).chat.completions.create(model=MODEL, max_tokens=4,
-                                                  messages=[{"role": "user", "content": "word " * 200_000}])  # fmt: skip
+            client(plain).chat.completions.create(
+                model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "word " * 200_000}]
+            )
         assert e.value.body["param"] == "concurrency", e.value.body
         with pytest.raises(openai.BadRequestError) as e2:
-            client(own).chat.completions.create(model="gpt", max_tokens=4,
-                                                messages=[{"role": "user", "content": "hi"}] * 2049)  # fmt: skip
-        assert e2.value.body["param"] == "messages" and "2048" in e2.value.body["message"], e2.value.body
+            client(own).chat.completions.create(
+                model="gpt", max_tokens=4, messages=[{"role": "user", "content": "hi"}] * 2049
+            )
+        assert e2.value.body["param"] == "messages" and "2048" in e2.value.body["message"], (
+            e2.value.body
+        )
         # Per team, and a team's own limit wins over the default.
         hold(own)
         ask(own)
         fake.loop.call_soon_threadsafe(gpt.released.set)  # end the held requests: a quick stop
 
 
-def test_embeddings_pass_the_team_gate_and_the_tier_grant(fake: FakeServers, tmp_path: Path, tiny_llama: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_embeddings_pass_the_team_gate_and_the_tier_grant(
+    fake: FakeServers, tmp_path: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """`/v1/embeddings` takes its tier and its cheap refusals where chat does: a batch-only team
     asking for interactive gets the 403, and a team at its concurrency limit gets the 429 before
     its input is tokenized (an input far past the context: 429, not the tokenizer's 400). Before,
     embeddings resolved the tier from the header alone and tokenized first."""
     monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
     # an embedding model whose node is never reached: both refusals come before any node work
-    emb = {"kind": "embedding", "tokenizer": str(tiny_llama), "input_usd_per_mtok": 0.02,
-           "static": {"both": ["http://127.0.0.1:9"]}, "max_model_len": 1024}  # fmt: skip
-    gw = gateway_proc(tmp_path, {"gpt": external(fake.fakes["gpt"], {"in": 1.0, "out": 2.0}, 2), "emb": emb},
-                      quotas={"default_max_concurrent": 1}, teams={"lowly": {"interactive": False}})  # fmt: skip
+    emb = {
+        "kind": "embedding",
+        "tokenizer": str(tiny_llama),
+        "input_usd_per_mtok": 0.02,
+        "static": {"both": ["http://127.0.0.1:9"]},
+        "max_model_len": 1024,
+    }
+    gw = gateway_proc(
+        tmp_path,
+        {"gpt": external(fake.fakes["gpt"], {"in": 1.0, "out": 2.0}, 2), "emb": emb},
+        quotas={"default_max_concurrent": 1},
+        teams={"lowly": {"interactive": False}},
+    )
     with running(gw):
         plain, lowly = make_team(gw.url, "plain"), make_team(gw.url, "lowly")
         with pytest.raises(openai.PermissionDeniedError) as e:
-            _client(gw.url, lowly).embeddings.create(model="emb", input="hi",
-                                                     extra_headers={"x-duet-tier": "interactive"})  # fmt: skip
+            _client(gw.url, lowly).embeddings.create(
+                model="emb", input="hi", extra_headers={"x-duet-tier": "interactive"}
+            )
         assert e.value.body["code"] == "tier_not_allowed", e.value.body
         with pytest.raises(openai.BadRequestError) as e2:  # not held: the tokenizer's 400
             _client(gw.url, plain).embeddings.create(model="emb", input="word " * 5_000)
@@ -112,4 +135,6 @@ def test_embeddings_pass_the_team_gate_and_the_tier_grant(fake: FakeServers, tmp
         with pytest.raises(openai.RateLimitError) as e3:
             _client(gw.url, plain).embeddings.create(model="emb", input="word " * 5_000)
         assert e3.value.body["param"] == "concurrency", e3.value.body
-        fake.loop.call_soon_threadsafe(fake.fakes["gpt"].released.set)  # end the held request: a quick stop
+        fake.loop.call_soon_threadsafe(
+            fake.fakes["gpt"].released.set
+        )  # end the held request: a quick stop

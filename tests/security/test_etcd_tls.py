@@ -41,21 +41,64 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Certs]
     port, peer = free_port(), free_port()
     url = f"https://127.0.0.1:{port}"
     log = (tmp / "etcd.log").open("wb")
-    proc = subprocess.Popen([etcd_binary(), "--name", "duet", "--data-dir", str(tmp / "data"),
-                             "--listen-client-urls", url, "--advertise-client-urls", url,
-                             "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                             "--initial-cluster", f"duet=http://127.0.0.1:{peer}",
-                             "--cert-file", str(certs.server_cert), "--key-file", str(certs.server_key),
-                             "--trusted-ca-file", str(certs.ca), "--client-cert-auth", "--log-level", "warn"],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    ctl = [str(Path(etcd_binary()).with_name("etcdctl")), "--endpoints", url, "--cacert", str(certs.ca),
-           "--cert", str(certs.client_cert), "--key", str(certs.client_key)]  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            etcd_binary(),
+            "--name",
+            "duet",
+            "--data-dir",
+            str(tmp / "data"),
+            "--listen-client-urls",
+            url,
+            "--advertise-client-urls",
+            url,
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"duet=http://127.0.0.1:{peer}",
+            "--cert-file",
+            str(certs.server_cert),
+            "--key-file",
+            str(certs.server_key),
+            "--trusted-ca-file",
+            str(certs.ca),
+            "--client-cert-auth",
+            "--log-level",
+            "warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    ctl = [
+        str(Path(etcd_binary()).with_name("etcdctl")),
+        "--endpoints",
+        url,
+        "--cacert",
+        str(certs.ca),
+        "--cert",
+        str(certs.client_cert),
+        "--key",
+        str(certs.client_key),
+    ]
     try:
-        wait_for(lambda: subprocess.run([*ctl, "endpoint", "health"], capture_output=True, timeout=10).returncode == 0,
-                 timeout=30, what="etcd with TLS healthy")  # fmt: skip
-        for cmd in (["user", "add", "root", f"--new-user-password={PASSWORD}"], ["user", "grant-role", "root", "root"],
-                    ["auth", "enable"]):  # fmt: skip
+        wait_for(
+            lambda: (
+                subprocess.run(
+                    [*ctl, "endpoint", "health"], capture_output=True, timeout=10
+                ).returncode
+                == 0
+            ),
+            timeout=30,
+            what="etcd with TLS healthy",
+        )
+        for cmd in (
+            ["user", "add", "root", f"--new-user-password={PASSWORD}"],
+            ["user", "grant-role", "root", "root"],
+            ["auth", "enable"],
+        ):
             r = subprocess.run([*ctl, *cmd], capture_output=True, text=True, timeout=30)
             assert r.returncode == 0, r.stderr
         yield url, certs
@@ -82,16 +125,31 @@ async def _roundtrip(url: str, auth: EtcdAuth) -> bytes | None:
 
 def test_the_store_reads_and_writes_with_tls_client_cert_and_user(etcd: tuple[str, Certs]) -> None:
     url, c = etcd
-    full = EtcdAuth(ca=str(c.ca), cert=str(c.client_cert), key=str(c.client_key), user="root", password=PASSWORD)
+    full = EtcdAuth(
+        ca=str(c.ca), cert=str(c.client_cert), key=str(c.client_key), user="root", password=PASSWORD
+    )
     assert asyncio.run(_roundtrip(url, full)) == b"v"
 
 
-@pytest.mark.parametrize(("missing", "why"), [("ca", "handshake"), ("client certificate", "handshake"),
-                                              ("user", "permission denied"), ("wrong password", "authentication failed"),
-                                              ("plaintext", "failed to connect")])  # fmt: skip
+@pytest.mark.parametrize(
+    ("missing", "why"),
+    [
+        ("ca", "handshake"),
+        ("client certificate", "handshake"),
+        ("user", "permission denied"),
+        ("wrong password", "authentication failed"),
+        ("plaintext", "failed to connect"),
+    ],
+)
 def test_without_each_setting_etcd_refuses(etcd: tuple[str, Certs], missing: str, why: str) -> None:
     url, c = etcd
-    kw = {"ca": str(c.ca), "cert": str(c.client_cert), "key": str(c.client_key), "user": "root", "password": PASSWORD}
+    kw = {
+        "ca": str(c.ca),
+        "cert": str(c.client_cert),
+        "key": str(c.client_key),
+        "user": "root",
+        "password": PASSWORD,
+    }
     if missing == "ca":
         kw["ca"] = None
     elif missing == "client certificate":
@@ -108,12 +166,35 @@ def test_without_each_setting_etcd_refuses(etcd: tuple[str, Certs], missing: str
 
 def test_duet_drain_takes_the_etcd_settings_as_flags(etcd: tuple[str, Certs]) -> None:
     url, c = etcd
-    base = [sys.executable, "-m", "duet", "drain", "no-such-node", "--etcd", url, "--cluster", "tls-test"]
-    flags = ["--etcd-ca", str(c.ca), "--etcd-cert", str(c.client_cert), "--etcd-key", str(c.client_key),
-             "--etcd-user", "root"]  # fmt: skip
+    base = [
+        sys.executable,
+        "-m",
+        "duet",
+        "drain",
+        "no-such-node",
+        "--etcd",
+        url,
+        "--cluster",
+        "tls-test",
+    ]
+    flags = [
+        "--etcd-ca",
+        str(c.ca),
+        "--etcd-cert",
+        str(c.client_cert),
+        "--etcd-key",
+        str(c.client_key),
+        "--etcd-user",
+        "root",
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DUET_ETCD")}
-    ok = subprocess.run([*base, *flags], capture_output=True, text=True, timeout=60,
-                        env={**env, "DUET_ETCD_PASSWORD": PASSWORD})  # fmt: skip
+    ok = subprocess.run(
+        [*base, *flags],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "DUET_ETCD_PASSWORD": PASSWORD},
+    )
     assert "no node 'no-such-node' is registered" in ok.stderr, ok.stderr  # it read etcd
     refused = subprocess.run(base, capture_output=True, text=True, timeout=60, env=env)
     assert refused.returncode == 1 and "is registered" not in refused.stderr

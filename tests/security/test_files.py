@@ -30,8 +30,12 @@ async def test_stores_and_uploads_are_private(tiny_llama: Path, tmp_path: Path) 
     try:
         store = tmp_path / "state" / "gateway.db"
         data = tmp_path / "batch-data"
-        gw = gateway_proc(tmp_path, {MODEL: tiny_model(tiny_llama, both=["http://127.0.0.1:9"])}, store=store,
-                          batch={"data_dir": str(data)})  # fmt: skip
+        gw = gateway_proc(
+            tmp_path,
+            {MODEL: tiny_model(tiny_llama, both=["http://127.0.0.1:9"])},
+            store=store,
+            batch={"data_dir": str(data)},
+        )
     finally:
         os.umask(old)
     with running(gw):
@@ -49,7 +53,9 @@ async def test_stores_and_uploads_are_private(tiny_llama: Path, tmp_path: Path) 
         assert _mode(p) & 0o077 == 0, (p, oct(_mode(p)))
 
 
-def test_written_and_replaced_files_are_fsynced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_written_and_replaced_files_are_fsynced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A batch file (an output, a result file rewritten) is fsynced before it is renamed into
     place, and the directory after the rename, so neither its bytes nor its name are lost to a
     crash. A crash cannot be staged here: os.fsync is observed (and still called) instead."""
@@ -66,6 +72,8 @@ def test_written_and_replaced_files_are_fsynced(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(os, "fsync", observed)
     for _ in range(2):  # the second write replaces the first file
         store.write("file-abc123", [b'{"a": 1}\n'])
-        assert len(synced) == 2 and synced[0].endswith(".tmp") and synced[1] == str(store.directory), synced
+        assert (
+            len(synced) == 2 and synced[0].endswith(".tmp") and synced[1] == str(store.directory)
+        ), synced
         synced.clear()
     assert store.path("file-abc123").read_bytes() == b'{"a": 1}\n'

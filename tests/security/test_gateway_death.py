@@ -44,8 +44,9 @@ def kill_while_holding(fake: FakeServers, gw: Proc, content: str) -> tuple[str, 
 
         def in_flight() -> None:
             with contextlib.suppress(openai.APIError):  # its gateway is killed under it
-                client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": content}],
-                                               max_tokens=8)  # fmt: skip
+                client.chat.completions.create(
+                    model="gpt", messages=[{"role": "user", "content": content}], max_tokens=8
+                )
 
         t = threading.Thread(target=in_flight, daemon=True)
         t.start()
@@ -55,12 +56,15 @@ def kill_while_holding(fake: FakeServers, gw: Proc, content: str) -> tuple[str, 
     return key, t
 
 
-def test_a_killed_gateways_reservation_is_reclaimed_and_billed(fake: FakeServers, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_killed_gateways_reservation_is_reclaimed_and_billed(
+    fake: FakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
     models = {"gpt": external(fake.fakes["gpt"], {"in": 10.0, "out": 20.0}, 2)}
     quotas = {"heartbeat_s": HEARTBEAT_S}
-    key, t = kill_while_holding(fake, gateway_proc(tmp_path, models, quotas=quotas), "hold on " * 50)
+    key, t = kill_while_holding(
+        fake, gateway_proc(tmp_path, models, quotas=quotas), "hold on " * 50
+    )
     killed_at = time.monotonic()
     second = gateway_proc(tmp_path, models, quotas=quotas)
     with running(second):
@@ -68,19 +72,24 @@ def test_a_killed_gateways_reservation_is_reclaimed_and_billed(fake: FakeServers
 
         def sends() -> bool:
             try:
-                client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "again"}],
-                                               max_tokens=4)  # fmt: skip
+                client.chat.completions.create(
+                    model="gpt", messages=[{"role": "user", "content": "again"}], max_tokens=4
+                )
                 return True
             except openai.RateLimitError as e:
-                assert e.body["code"] == "rate_limit_exceeded" and e.body["param"] == "concurrency", e.body
+                assert (
+                    e.body["code"] == "rate_limit_exceeded" and e.body["param"] == "concurrency"
+                ), e.body
                 return False
 
         wait_for(sends, 60, "the team to send again after its gateway's death")
         back_after = time.monotonic() - killed_at
     t.join(10)
     with sqlite3.connect(tmp_path / "gateway.db") as conn:
-        rows = conn.execute("SELECT status, prompt_tokens, cost_usd FROM usage WHERE team_id = 'solo' "
-                            "ORDER BY created_at").fetchall()  # fmt: skip
+        rows = conn.execute(
+            "SELECT status, prompt_tokens, cost_usd FROM usage WHERE team_id = 'solo' "
+            "ORDER BY created_at"
+        ).fetchall()
     statuses = [r[0] for r in rows]
     assert statuses == ["expired", "ok"], rows
     assert rows[0][1] > 0 and rows[0][2] == pytest.approx(rows[0][1] * 10.0 / 1e6), rows[0]
@@ -88,8 +97,9 @@ def test_a_killed_gateways_reservation_is_reclaimed_and_billed(fake: FakeServers
     assert back_after < 60, back_after
 
 
-def test_a_killed_gateways_stream_bills_what_it_had_sent(fake: FakeServers, tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_killed_gateways_stream_bills_what_it_had_sent(
+    fake: FakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The killed request is a stream that has already delivered tokens to its client: the
     `expired` record bills them (as of the dead gateway's last heartbeat) besides the prompt."""
     monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
@@ -109,18 +119,27 @@ def test_a_killed_gateways_stream_bills_what_it_had_sent(fake: FakeServers, tmp_
         def in_flight() -> None:
             with contextlib.suppress(openai.APIError):  # its gateway is killed under it
                 for chunk in client.chat.completions.create(
-                        model="gpt", messages=[{"role": "user", "content": "one two three four five six seven eight"}],
-                        max_tokens=32, stream=True):  # fmt: skip
+                    model="gpt",
+                    messages=[
+                        {"role": "user", "content": "one two three four five six seven eight"}
+                    ],
+                    max_tokens=32,
+                    stream=True,
+                ):
                     if chunk.choices and chunk.choices[0].delta.content:
                         received.append(chunk.choices[0].delta.content)
 
         t = threading.Thread(target=in_flight, daemon=True)
         t.start()
-        wait_for(lambda: len(received) >= streamed, 30, f"the client to read {streamed} streamed tokens")
+        wait_for(
+            lambda: len(received) >= streamed, 30, f"the client to read {streamed} streamed tokens"
+        )
 
         def reported() -> int:  # the gateway's heartbeat told the store what the stream sent
             with contextlib.closing(sqlite3.connect(db)) as conn:
-                row = conn.execute("SELECT max(streamed_tokens) FROM reservations WHERE team_id = 'solo'").fetchone()
+                row = conn.execute(
+                    "SELECT max(streamed_tokens) FROM reservations WHERE team_id = 'solo'"
+                ).fetchone()
             return row[0] or 0
 
         wait_for(lambda: reported() >= streamed, 30, "a heartbeat to report the streamed tokens")
@@ -128,12 +147,15 @@ def test_a_killed_gateways_stream_bills_what_it_had_sent(fake: FakeServers, tmp_
         first.proc.wait(10)
     second = gateway_proc(tmp_path, models, quotas=quotas)
     with running(second):
-        key_client = openai.OpenAI(base_url=second.url + "/v1", api_key=key, max_retries=0, timeout=60)
+        key_client = openai.OpenAI(
+            base_url=second.url + "/v1", api_key=key, max_retries=0, timeout=60
+        )
 
         def sends() -> bool:
             try:
-                key_client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "again"}],
-                                                   max_tokens=4)  # fmt: skip
+                key_client.chat.completions.create(
+                    model="gpt", messages=[{"role": "user", "content": "again"}], max_tokens=4
+                )
                 return True
             except openai.RateLimitError:
                 return False
@@ -141,16 +163,19 @@ def test_a_killed_gateways_stream_bills_what_it_had_sent(fake: FakeServers, tmp_
         wait_for(sends, 60, "the team to send again after its gateway's death")
     t.join(10)
     with sqlite3.connect(db) as conn:
-        rows = conn.execute("SELECT status, prompt_tokens, completion_tokens, cost_usd FROM usage "
-                            "WHERE team_id = 'solo' ORDER BY created_at").fetchall()  # fmt: skip
+        rows = conn.execute(
+            "SELECT status, prompt_tokens, completion_tokens, cost_usd FROM usage "
+            "WHERE team_id = 'solo' ORDER BY created_at"
+        ).fetchall()
     assert [r[0] for r in rows] == ["expired", "ok"], rows
     _, prompt, completion, cost = rows[0]
     assert prompt > 0 and completion >= streamed, rows[0]
     assert cost == pytest.approx((prompt * 10.0 + completion * 20.0) / 1e6), rows[0]
 
 
-def test_a_restarted_gateway_frees_its_teams_slot_as_it_starts(fake: FakeServers, tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_restarted_gateway_frees_its_teams_slot_as_it_starts(
+    fake: FakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The issue's case exactly: SIGKILL a gateway with a `max_concurrent = 1` team's request in
     flight and restart it (`[server] instance`, which `duet up` sets to the process's name): the
     team sends again at once — the restarted gateway reclaims its previous life's reservation as
@@ -165,9 +190,16 @@ def test_a_restarted_gateway_frees_its_teams_slot_as_it_starts(fake: FakeServers
     second = gateway_proc(tmp_path, models, quotas=quotas, server=server, port=first.port)
     with running(second):
         client = openai.OpenAI(base_url=second.url + "/v1", api_key=key, max_retries=0, timeout=60)
-        r = client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": "again"}], max_tokens=4)
+        r = client.chat.completions.create(
+            model="gpt", messages=[{"role": "user", "content": "again"}], max_tokens=4
+        )
         assert r.choices[0].message.content
     t.join(10)
     with sqlite3.connect(tmp_path / "gateway.db") as conn:
-        statuses = [r[0] for r in conn.execute("SELECT status FROM usage WHERE team_id = 'solo' ORDER BY created_at")]
+        statuses = [
+            r[0]
+            for r in conn.execute(
+                "SELECT status FROM usage WHERE team_id = 'solo' ORDER BY created_at"
+            )
+        ]
     assert statuses == ["expired", "ok"], statuses

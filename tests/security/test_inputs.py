@@ -29,9 +29,13 @@ DEPTHS = (1_000, 100_000)
 
 
 @pytest.fixture(scope="module")
-def gateway(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, str]]:
+def gateway(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Proc, str]]:
     tmp = tmp_path_factory.mktemp("inputs")
-    gw = gateway_proc(tmp, {"tiny": tiny_model(tiny_llama, both=[f"http://127.0.0.1:{free_port()}"])})
+    gw = gateway_proc(
+        tmp, {"tiny": tiny_model(tiny_llama, both=[f"http://127.0.0.1:{free_port()}"])}
+    )
     with running(gw):
         yield gw, make_team(gw.url, "hostile")
 
@@ -64,11 +68,15 @@ def test_usage_dates_must_be_times(gateway: tuple[Proc, str], value: str) -> Non
 
 
 @pytest.mark.parametrize("price", [math.nan, math.inf, -1.0])
-def test_prices_must_be_finite_and_not_negative(tiny_llama: Path, tmp_path: Path, price: float) -> None:
+def test_prices_must_be_finite_and_not_negative(
+    tiny_llama: Path, tmp_path: Path, price: float
+) -> None:
     for field in ("input_usd_per_mtok", "output_usd_per_mtok", "cached_input_usd_per_mtok"):
         model = {**tiny_model(tiny_llama, both=["http://127.0.0.1:9"]), field: price}
         with pytest.raises(ConfigError, match=field):
-            parse_config({"store": {"url": f"sqlite://{tmp_path / 'g.db'}"}, "models": {"tiny": model}})
+            parse_config(
+                {"store": {"url": f"sqlite://{tmp_path / 'g.db'}"}, "models": {"tiny": model}}
+            )
 
 
 def test_client_words_cannot_forge_log_lines(gateway: tuple[Proc, str]) -> None:
@@ -79,7 +87,11 @@ def test_client_words_cannot_forge_log_lines(gateway: tuple[Proc, str]) -> None:
     body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}], f"x\n{forged}": 1}
     status, _, err = http(gw.url + "/v1/chat/completions", "POST", body, key=key)
     assert status == 400 and err["error"]["code"] == "unsupported_field"
-    status, _, err = http(gw.url + "/v1/chat/completions", "POST",
-                          {"model": f"m\r\n{forged}", "messages": [{"role": "user", "content": "x"}]}, key=key)
+    status, _, err = http(
+        gw.url + "/v1/chat/completions",
+        "POST",
+        {"model": f"m\r\n{forged}", "messages": [{"role": "user", "content": "x"}]},
+        key=key,
+    )
     assert status == 404
     assert not any(line.startswith(forged) for line in gw.log().splitlines()), gw.log()[-2000:]

@@ -34,7 +34,9 @@ def servers(
 ) -> Iterator[dict[str, Proc]]:
     with secured_plane(tmp_path_factory.mktemp("internal-deadlines"), SECRET, *DEADLINES) as plane:
         # a node of no etcd: only its listener is under test
-        node = duet_node("both", str(tiny_llama), plane.tmp, *TINY_NODE_ARGS, *plane.flag, *DEADLINES)
+        node = duet_node(
+            "both", str(tiny_llama), plane.tmp, *TINY_NODE_ARGS, *plane.flag, *DEADLINES
+        )
         with running(plane.coordinator, node):
             yield {"coordinator": plane.coordinator, "node": node}
 
@@ -57,8 +59,10 @@ def test_trickled_headers_are_answered_408(servers: dict[str, Proc], which: str)
 def test_a_stalled_body_is_answered_408(servers: dict[str, Proc], which: str) -> None:
     c = RawConn(servers[which].port)
     try:
-        c.send(f"POST {POSTS[which]} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SECRET}\r\n"
-               "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"model\": ".encode())  # fmt: skip
+        c.send(
+            f"POST {POSTS[which]} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {SECRET}\r\n"
+            'Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"model": '.encode()
+        )
         assert_timed_out(c, "the request body arrived slower than 4096 bytes/s", WITHIN_S)
     finally:
         c.close()
@@ -70,11 +74,27 @@ def test_unusable_deadlines_are_refused_at_start(tmp_path: Path) -> None:
     from gateway.config import ConfigError, parse_config
 
     models = {"m": {"kind": "external", "provider": "openai", "max_model_len": 1024}}
-    for key, value in (("body_timeout_s", -1.0), ("header_timeout_s", float("nan")),
-                       ("body_min_rate_bytes_s", 0)):  # fmt: skip
+    for key, value in (
+        ("body_timeout_s", -1.0),
+        ("header_timeout_s", float("nan")),
+        ("body_min_rate_bytes_s", 0),
+    ):
         with pytest.raises(ConfigError, match=f"\\[server\\] {key} must be"):
             parse_config({"models": models, "server": {key: value}})
-    run = subprocess.run([sys.executable, "-m", "duet", "coordinator", "--etcd", "http://127.0.0.1:9",
-                          "--body-timeout-s", "-1"], capture_output=True, text=True, timeout=60)  # fmt: skip
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "duet",
+            "coordinator",
+            "--etcd",
+            "http://127.0.0.1:9",
+            "--body-timeout-s",
+            "-1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 2, run.stderr
     assert "--body-timeout-s must be a finite number of seconds >= 0" in run.stderr, run.stderr

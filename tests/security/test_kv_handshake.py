@@ -48,11 +48,15 @@ A = ClusterSecret(A_VALUE, "test A")
 B = ClusterSecret(secrets.token_urlsafe(32), "test B")
 
 
-async def _read(owner_secret: ClusterSecret | None, reader_secret: ClusterSecret | None) -> tuple[bool, int]:
+async def _read(
+    owner_secret: ClusterSecret | None, reader_secret: ClusterSecret | None
+) -> tuple[bool, int]:
     """(whether the reader got block 3 right, handshakes the owner refused)."""
     owner_pool, reader_pool = HostPool(TEST_LAYOUT, 1), HostPool(TEST_LAYOUT, 2)
-    async with make_transport("tcp", engine_id="P", secret=owner_secret) as owner, \
-               make_transport("tcp", engine_id="D", secret=reader_secret) as reader:  # fmt: skip
+    async with (
+        make_transport("tcp", engine_id="P", secret=owner_secret) as owner,
+        make_transport("tcp", engine_id="D", secret=reader_secret) as reader,
+    ):
         await owner.register_pool(owner_pool.base, TEST_LAYOUT)
         await reader.register_pool(reader_pool.base, TEST_LAYOUT)
         try:
@@ -60,7 +64,9 @@ async def _read(owner_secret: ClusterSecret | None, reader_secret: ClusterSecret
             await reader.read(peer, [3], [5])
         except PeerError:
             return False, owner.refused_handshakes
-        return bool(np.array_equal(reader_pool.blocks[5], block_words(TEST_LAYOUT, 1, 3))), owner.refused_handshakes
+        return bool(
+            np.array_equal(reader_pool.blocks[5], block_words(TEST_LAYOUT, 1, 3))
+        ), owner.refused_handshakes
 
 
 async def test_readers_with_the_secret_read() -> None:
@@ -68,9 +74,12 @@ async def test_readers_with_the_secret_read() -> None:
     assert await _read(None, None) == (True, 0)  # a dev cluster without a secret still works
 
 
-@pytest.mark.parametrize(("owner", "reader"), [(A, B), (A, None), (None, A)], ids=["other", "none", "owner-none"])
-async def test_a_reader_with_another_secret_reads_nothing(owner: ClusterSecret | None,
-                                                          reader: ClusterSecret | None) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("owner", "reader"), [(A, B), (A, None), (None, A)], ids=["other", "none", "owner-none"]
+)
+async def test_a_reader_with_another_secret_reads_nothing(
+    owner: ClusterSecret | None, reader: ClusterSecret | None
+) -> None:
     ok, refused = await _read(owner, reader)
     assert not ok
     assert refused == 1  # the owner saw it and closed the connection
@@ -84,7 +93,7 @@ async def test_a_raw_read_request_without_the_handshake_gets_no_block() -> None:
         md = owner.metadata()
         got = await asyncio.to_thread(_raw_read, md.host, md.port)
         # the owner's challenge, then nothing: no Reply, no block byte
-        msg = wire.decode(got[wire.FRAME_HEADER.size:])
+        msg = wire.decode(got[wire.FRAME_HEADER.size :])
         assert isinstance(msg, wire.Challenge)
         assert len(got) == wire.FRAME_HEADER.size + len(wire.encode(msg))
         assert owner.refused_handshakes == 1
@@ -114,8 +123,10 @@ async def test_refused_handshakes_cannot_flood_the_log(caplog: pytest.LogCapture
 
 
 async def _node_metadata(node: Proc, secret: str) -> TransportMetadata:
-    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {secret}"}) as s, \
-               s.get(node.url + "/kv/metadata") as r:  # fmt: skip
+    async with (
+        aiohttp.ClientSession(headers={"Authorization": f"Bearer {secret}"}) as s,
+        s.get(node.url + "/kv/metadata") as r,
+    ):
         assert r.status == 200, await r.text()
         return decode_metadata(await r.read())
 
@@ -123,7 +134,9 @@ async def _node_metadata(node: Proc, secret: str) -> TransportMetadata:
 async def _reads(md: TransportMetadata, secret: ClusterSecret | None) -> bool:
     """Whether a tcp reader with `secret` reads block 0 of the node's pool."""
     pool = HostPool(md.layout, 3)
-    async with make_transport("tcp", engine_id=f"D-{secrets.token_hex(4)}", secret=secret, timeout=10) as reader:
+    async with make_transport(
+        "tcp", engine_id=f"D-{secrets.token_hex(4)}", secret=secret, timeout=10
+    ) as reader:
         await reader.register_pool(pool.base, md.layout)
         try:
             peer = await reader.add_peer(md)
@@ -133,8 +146,9 @@ async def _reads(md: TransportMetadata, secret: ClusterSecret | None) -> bool:
         return True
 
 
-async def test_a_node_whose_nixl_falls_back_to_tcp_requires_the_secret(tiny_llama: Path, tmp_path: Path,
-                                                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+async def test_a_node_whose_nixl_falls_back_to_tcp_requires_the_secret(
+    tiny_llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A node on the default `--transport nixl` whose NIXL cannot load serves its pool over tcp
     (outside CI=true). That fallback was built without the node's secret: an empty key, so a
     reader with no secret at all read the pool of a node that had one."""
@@ -144,8 +158,15 @@ async def test_a_node_whose_nixl_falls_back_to_tcp_requires_the_secret(tiny_llam
     write_secret_file(secret_file, A_VALUE)
     shim = _no_nixl(tmp_path)
     path = os.pathsep.join(p for p in (shim, os.environ.get("PYTHONPATH")) if p)
-    node = duet_node("prefill", str(tiny_llama), tmp_path, *TINY_NODE_ARGS, "--cluster-secret-file",
-                     str(secret_file), env={"PYTHONPATH": path})  # fmt: skip
+    node = duet_node(
+        "prefill",
+        str(tiny_llama),
+        tmp_path,
+        *TINY_NODE_ARGS,
+        "--cluster-secret-file",
+        str(secret_file),
+        env={"PYTHONPATH": path},
+    )
     with running(node):
         assert "falling back to the tcp backend" in node.log()
         md = await _node_metadata(node, A_VALUE)
@@ -167,8 +188,13 @@ async def _owner_metadata(owner: PeerProcess) -> TransportMetadata:
 
 def _ucx_reader(secret: ClusterSecret | None) -> Transport:
     given = {"secret": secret} if secret is not None else {}
-    return make_transport("ucx", engine_id=f"D-{secrets.token_hex(4)}", timeout=30,
-                          metrics=KVTransferMetrics(CollectorRegistry()), **given)  # fmt: skip
+    return make_transport(
+        "ucx",
+        engine_id=f"D-{secrets.token_hex(4)}",
+        timeout=30,
+        metrics=KVTransferMetrics(CollectorRegistry()),
+        **given,
+    )
 
 
 async def _ucx_reads(md: TransportMetadata, secret: ClusterSecret | None) -> bool:
@@ -196,7 +222,9 @@ async def test_ucx_readers_prove_the_secret() -> None:
         assert not await _ucx_reads(md, None)
         assert not await _ucx_reads(md, B)
         assert await _ucx_reads(md, A)  # the owner still serves after refusing
-        wait_for(lambda: "refused a ucx KV reader" in owner.stderr(), what="the owner's refusal logged")
+        wait_for(
+            lambda: "refused a ucx KV reader" in owner.stderr(), what="the owner's refusal logged"
+        )
     finally:
         owner.stop()
 
@@ -220,7 +248,9 @@ async def test_a_raw_ucx_read_request_without_the_handshake_gets_no_block() -> N
                 first = wire.decode(bytes(await asyncio.wait_for(ep.am_recv(), 10)))
                 assert isinstance(first, wire.Challenge), first
                 try:  # the refusal, or the endpoint's end; never a reply that blocks follow
-                    second: wire.Message | None = wire.decode(bytes(await asyncio.wait_for(ep.am_recv(), 30)))
+                    second: wire.Message | None = wire.decode(
+                        bytes(await asyncio.wait_for(ep.am_recv(), 30))
+                    )
                 except Exception:
                     second = None
                 assert second is None or (isinstance(second, wire.Reply) and second.error), second
@@ -229,7 +259,9 @@ async def test_a_raw_ucx_read_request_without_the_handshake_gets_no_block() -> N
             finally:
                 ep.abort()
                 await asyncio.gather(received, return_exceptions=True)
-        wait_for(lambda: "refused a ucx KV reader" in owner.stderr(), what="the owner's refusal logged")
+        wait_for(
+            lambda: "refused a ucx KV reader" in owner.stderr(), what="the owner's refusal logged"
+        )
     finally:
         owner.stop()
 
@@ -240,8 +272,16 @@ async def test_a_ucx_nodes_pool_needs_the_secret(tiny_llama: Path, tmp_path: Pat
     _ucx_usable()
     secret_file = tmp_path / "cluster.secret"
     write_secret_file(secret_file, A_VALUE)
-    node = duet_node("prefill", str(tiny_llama), tmp_path, *TINY_NODE_ARGS, "--transport", "ucx",
-                     "--cluster-secret-file", str(secret_file))  # fmt: skip
+    node = duet_node(
+        "prefill",
+        str(tiny_llama),
+        tmp_path,
+        *TINY_NODE_ARGS,
+        "--transport",
+        "ucx",
+        "--cluster-secret-file",
+        str(secret_file),
+    )
     with running(node):
         md = await _node_metadata(node, A_VALUE)
         assert md.backend == "ucx"

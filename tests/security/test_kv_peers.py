@@ -51,8 +51,18 @@ from tests.procs import Proc, duet_node, free_port, running
 from tests.security.hostile_prefill import ENGINE_ID
 from tests.wait import wait_for
 
-NODE_ARGS = ("--dtype", "float32", "--kv-blocks", "64", "--max-model-len", "256", "--transport", "tcp",
-             "--transfer-timeout", "2")  # fmt: skip
+NODE_ARGS = (
+    "--dtype",
+    "float32",
+    "--kv-blocks",
+    "64",
+    "--max-model-len",
+    "256",
+    "--transport",
+    "tcp",
+    "--transfer-timeout",
+    "2",
+)
 HOSTILE = "127.0.0.2"
 ELSEWHERE = "127.0.0.3"
 #: 40 prompt tokens: 3 blocks of 16
@@ -87,11 +97,25 @@ def hostile_prefill(decode: Proc, transport: socket.socket, tmp: Path) -> Iterat
     port = free_port()
     t_host, t_port = transport.getsockname()[:2]
     with (tmp / f"hostile-{port}.log").open("wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "tests.security.hostile_prefill", HOSTILE, str(port),
-                                 decode.url, t_host, str(t_port)], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tests.security.hostile_prefill",
+                HOSTILE,
+                str(port),
+                decode.url,
+                t_host,
+                str(t_port),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
-            wait_for(lambda: _up(f"http://{HOSTILE}:{port}/health") or proc.poll() is not None,
-                     what="the hostile prefill")  # fmt: skip
+            wait_for(
+                lambda: _up(f"http://{HOSTILE}:{port}/health") or proc.poll() is not None,
+                what="the hostile prefill",
+            )
             assert proc.poll() is None, (tmp / f"hostile-{port}.log").read_text()
             yield port
         finally:
@@ -108,7 +132,9 @@ def _up(url: str) -> bool:
 
 
 def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             return r.status, json.loads(r.read())
@@ -117,26 +143,39 @@ def post(url: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 
 
 def decode_leg(decode: Proc, prefill_port: int) -> tuple[int, dict[str, Any]]:
-    kv = {"do_remote_prefill": True, "remote_engine_id": ENGINE_ID, "remote_block_ids": [0, 1, 2],
-          "remote_request_id": "victim-prefix", "remote_host": HOSTILE, "remote_port": prefill_port,
-          "remote_num_tokens": len(PROMPT)}  # fmt: skip
-    return post(decode.url + "/v1/completions",
-                {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "kv_transfer_params": kv})
+    kv = {
+        "do_remote_prefill": True,
+        "remote_engine_id": ENGINE_ID,
+        "remote_block_ids": [0, 1, 2],
+        "remote_request_id": "victim-prefix",
+        "remote_host": HOSTILE,
+        "remote_port": prefill_port,
+        "remote_num_tokens": len(PROMPT),
+    }
+    return post(
+        decode.url + "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 2, "temperature": 0, "kv_transfer_params": kv},
+    )
 
 
-def assert_refused_before_any_byte(decode: Proc, status: int, body: dict[str, Any], transport: socket.socket,
-                                   why: str) -> None:  # fmt: skip
+def assert_refused_before_any_byte(
+    decode: Proc, status: int, body: dict[str, Any], transport: socket.socket, why: str
+) -> None:
     assert status == 403, body
     assert body["error"]["code"] == "peer_not_allowed" and why in body["error"]["message"], body
     assert connections(transport) == 0
     assert metric(decode.url, "duet:kv_transfer_bytes_total") == 0
     # Nothing entered the prefix cache: the same prompt, computed here, finds nothing cached.
-    status, plain = post(decode.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "temperature": 0})
+    status, plain = post(
+        decode.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+    )
     assert status == 200 and plain["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, plain
 
 
 @pytest.fixture(scope="module")
-def standalone(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, Path]]:
+def standalone(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Proc, Path]]:
     tmp = tmp_path_factory.mktemp("kv-peers")
     with running(duet_node("decode", str(tiny_llama), tmp, *NODE_ARGS)) as (d,):
         yield d, tmp
@@ -146,25 +185,56 @@ def test_a_transport_address_off_the_named_host_is_refused(standalone: tuple[Pro
     decode, tmp = standalone
     with listener(ELSEWHERE) as transport, hostile_prefill(decode, transport, tmp) as port:
         status, body = decode_leg(decode, port)
-        assert_refused_before_any_byte(decode, status, body, transport, "is not the host it was named by")
+        assert_refused_before_any_byte(
+            decode, status, body, transport, "is not the host it was named by"
+        )
 
 
-def test_a_transport_address_outside_the_allowed_networks_is_refused(tiny_llama: Path, tmp_path: Path) -> None:
+def test_a_transport_address_outside_the_allowed_networks_is_refused(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
     # The operator allows only 127.0.0.2/32: the named host is allowed, its transport (127.0.0.3) not.
-    d = duet_node("decode", str(tiny_llama), tmp_path, *NODE_ARGS, "--allowed-peers", f"{HOSTILE}/32")
-    with running(d), listener(ELSEWHERE) as transport, hostile_prefill(d, transport, tmp_path) as port:
+    d = duet_node(
+        "decode", str(tiny_llama), tmp_path, *NODE_ARGS, "--allowed-peers", f"{HOSTILE}/32"
+    )
+    with (
+        running(d),
+        listener(ELSEWHERE) as transport,
+        hostile_prefill(d, transport, tmp_path) as port,
+    ):
         status, body = decode_leg(d, port)
-        assert_refused_before_any_byte(d, status, body, transport, "outside this node's allowed peer networks")
+        assert_refused_before_any_byte(
+            d, status, body, transport, "outside this node's allowed peer networks"
+        )
 
 
-def test_with_a_cluster_only_registered_prefill_nodes_are_pulled_from(tiny_llama: Path, tmp_path: Path) -> None:
+def test_with_a_cluster_only_registered_prefill_nodes_are_pulled_from(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
     # The transport is on the named host itself: only the cluster's membership can tell.
     with EtcdServer(tmp_path / "etcd") as etcd:
-        d = duet_node("decode", str(tiny_llama), tmp_path, *NODE_ARGS, "--etcd", etcd.url, "--node-id", "decode-0")
-        with running(d), listener(HOSTILE) as transport, hostile_prefill(d, transport, tmp_path) as port:
+        d = duet_node(
+            "decode",
+            str(tiny_llama),
+            tmp_path,
+            *NODE_ARGS,
+            "--etcd",
+            etcd.url,
+            "--node-id",
+            "decode-0",
+        )
+        with (
+            running(d),
+            listener(HOSTILE) as transport,
+            hostile_prefill(d, transport, tmp_path) as port,
+        ):
             # (a 503 until the node has listed the registrations once)
-            status, body = wait_for(lambda: (r := decode_leg(d, port))[0] != 503 and r, what="a listed cluster")
-            assert_refused_before_any_byte(d, status, body, transport, "not a registered prefill node")
+            status, body = wait_for(
+                lambda: (r := decode_leg(d, port))[0] != 503 and r, what="a listed cluster"
+            )
+            assert_refused_before_any_byte(
+                d, status, body, transport, "not a registered prefill node"
+            )
 
 
 async def test_a_nixl_agent_must_be_the_engine_the_leg_named() -> None:
@@ -182,8 +252,9 @@ async def test_a_nixl_agent_must_be_the_engine_the_leg_named() -> None:
     try:
         async with aiohttp.ClientSession() as http, http.get(owner.url("/kv/metadata")) as r:
             md = decode_metadata(await r.read())
-        async with make_transport("nixl", engine_id="D-nixl", timeout=10,
-                                  metrics=KVTransferMetrics(CollectorRegistry())) as reader:
+        async with make_transport(
+            "nixl", engine_id="D-nixl", timeout=10, metrics=KVTransferMetrics(CollectorRegistry())
+        ) as reader:
             await reader.register_pool(pool.base, TEST_LAYOUT)
             with pytest.raises(PeerError, match="published a NIXL agent named 'P-real'"):
                 await reader.add_peer(msgspec.structs.replace(md, engine_id="P-claimed"))

@@ -96,7 +96,9 @@ def attack(client: openai.OpenAI, db: Path, team: str, **create: Any) -> float:
         outcomes = list(pool.map(send, range(100)))
     assert "ok" in outcomes and "refused" in outcomes, outcomes
     with sqlite3.connect(db) as conn:
-        (spent,) = conn.execute("SELECT COALESCE(SUM(cost_usd), 0) FROM usage WHERE team_id = ?", (team,)).fetchone()
+        (spent,) = conn.execute(
+            "SELECT COALESCE(SUM(cost_usd), 0) FROM usage WHERE team_id = ?", (team,)
+        ).fetchone()
     return spent
 
 
@@ -112,8 +114,16 @@ def test_cjk_and_emoji_cannot_overspend_a_budget(gateway: tuple[str, Path]) -> N
 
 
 #: a tool whose description is the attack's text: providers bill tool definitions as prompt
-TOOLS = [{"type": "function", "function": {"name": "lookup", "description": PROMPT,
-                                           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup",
+            "description": PROMPT,
+            "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+        },
+    }
+]
 
 
 def billed_rest(body: dict[str, Any]) -> int:
@@ -132,7 +142,9 @@ def test_tool_definitions_cannot_overspend_a_budget(gateway: tuple[str, Path]) -
     key = make_team(url, "cjk-tools", daily_budget_usd=BUDGET)
     client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=120)
     messages = [{"role": "user", "content": "hi"}]
-    cost = (billed_rest({"tools": TOOLS, "tool_choice": "auto"}) * PRICES["in"] + 7 * PRICES["out"]) / 1e6
+    cost = (
+        billed_rest({"tools": TOOLS, "tool_choice": "auto"}) * PRICES["in"] + 7 * PRICES["out"]
+    ) / 1e6
     assert 100 * cost > 4 * BUDGET  # the attack would overspend 4x over
 
     spent = attack(client, db, "cjk-tools", messages=messages, tools=TOOLS)
@@ -149,13 +161,19 @@ def test_a_client_that_leaves_pays_for_its_sent_prompt(gateway: tuple[str, Path]
     fake_loop.call_soon_threadsafe(gpt.faults.append, Fault.hang())
     client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=2)
     with pytest.raises(openai.APITimeoutError):
-        client.chat.completions.create(model="gpt", messages=[{"role": "user", "content": PROMPT}],
-                                       max_tokens=MAX_TOKENS, stream=True)  # fmt: skip
+        client.chat.completions.create(
+            model="gpt",
+            messages=[{"role": "user", "content": PROMPT}],
+            max_tokens=MAX_TOKENS,
+            stream=True,
+        )
 
     def record() -> tuple[Any, ...] | None:
         with sqlite3.connect(db) as conn:
-            return conn.execute("SELECT status, prompt_tokens, completion_tokens, cost_usd FROM usage "
-                                "WHERE team_id = 'leaver'").fetchone()  # fmt: skip
+            return conn.execute(
+                "SELECT status, prompt_tokens, completion_tokens, cost_usd FROM usage "
+                "WHERE team_id = 'leaver'"
+            ).fetchone()
 
     wait_for(lambda: record() is not None, 30, "the usage record of the request whose client left")
     status, prompt, completion, cost = record()  # type: ignore[misc]
@@ -163,8 +181,11 @@ def test_a_client_that_leaves_pays_for_its_sent_prompt(gateway: tuple[str, Path]
     assert prompt > 0 and cost == pytest.approx(prompt * PRICES["in"] / 1e6), (prompt, cost)
 
 
-def test_two_gateways_on_postgres_hold_one_budget(postgres_db: str, tmp_path: Path,  # noqa: F811
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_two_gateways_on_postgres_hold_one_budget(
+    postgres_db: str,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The same attack through two gateway processes sharing one PostgreSQL store (the issue's
     "on Postgres with two gateways"): 100 concurrent requests, alternating gateways, on a $1
     day. Each gateway books in the shared store under the team's row lock, so together they
@@ -178,13 +199,18 @@ def test_two_gateways_on_postgres_hold_one_budget(postgres_db: str, tmp_path: Pa
         gateways = [gateway_proc(tmp_path, models, store=postgres_db) for _ in range(2)]
         with running(*gateways):
             key = make_team(gateways[0].url, "cjk2", daily_budget_usd=BUDGET)
-            clients = [openai.OpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0, timeout=120)
-                       for g in gateways]  # fmt: skip
+            clients = [
+                openai.OpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0, timeout=120)
+                for g in gateways
+            ]
 
             def send(i: int) -> str:
                 try:
-                    clients[i % 2].chat.completions.create(model="gpt", messages=[{"role": "user", "content": PROMPT}],
-                                                           max_tokens=MAX_TOKENS)  # fmt: skip
+                    clients[i % 2].chat.completions.create(
+                        model="gpt",
+                        messages=[{"role": "user", "content": PROMPT}],
+                        max_tokens=MAX_TOKENS,
+                    )
                     return f"ok{i % 2}"
                 except openai.RateLimitError as e:
                     assert e.body["code"] == "budget_exceeded", e.body
@@ -201,7 +227,9 @@ def test_two_gateways_on_postgres_hold_one_budget(postgres_db: str, tmp_path: Pa
     answered = outcomes.count("ok0") + outcomes.count("ok1")
     assert outcomes.count("ok0") and outcomes.count("ok1") and "refused" in outcomes, outcomes
     (total,) = usage["data"]
-    assert total["cost_usd"] <= BUDGET + one_request_cost(), f"spent ${total['cost_usd']:.4f} on a ${BUDGET} budget"
+    assert total["cost_usd"] <= BUDGET + one_request_cost(), (
+        f"spent ${total['cost_usd']:.4f} on a ${BUDGET} budget"
+    )
     assert total["requests"] == answered == len(records["data"]), (total, answered)
     assert all(r["status"] == "ok" and r["cost_usd"] > 0 for r in records["data"])
     assert len({r["request_id"] for r in records["data"]}) == answered

@@ -28,13 +28,19 @@ async def test_each_node_call_sends_the_secret(aiohttp_server) -> None:
 
     async def completions(request: web.Request) -> web.Response:
         seen.append("completions")
-        body = NodeCompletion(id="x", model="m", choices=[CompletionChoice(text="hi", finish_reason="stop")],
-                              kv_transfer_params=KVTransferParams(do_remote_prefill=True))  # fmt: skip
+        body = NodeCompletion(
+            id="x",
+            model="m",
+            choices=[CompletionChoice(text="hi", finish_reason="stop")],
+            kv_transfer_params=KVTransferParams(do_remote_prefill=True),
+        )
         return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
     async def embeddings(request: web.Request) -> web.Response:
         seen.append("embeddings")
-        body = NodeEmbeddingResponse(model="m", dim=1, vectors=[b"\x00\x00\x80\x3f"], prompt_tokens=2)
+        body = NodeEmbeddingResponse(
+            model="m", dim=1, vectors=[b"\x00\x00\x80\x3f"], prompt_tokens=2
+        )
         return web.Response(body=msgspec.json.encode(body), content_type="application/json")
 
     async def abort(request: web.Request) -> web.Response:

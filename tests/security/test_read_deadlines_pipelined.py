@@ -50,8 +50,12 @@ def port() -> Iterator[int]:
     app.router.add_post("/upload", _upload)
     app.router.add_get("/ok", _ok)
     loop = asyncio.new_event_loop()
-    runner = DeadlineAppRunner(app, deadlines=ReadDeadlines(header_timeout_s=HEADER_S),
-                               keepalive_timeout=600.0, read_bufsize=READ_BUFSIZE)  # fmt: skip
+    runner = DeadlineAppRunner(
+        app,
+        deadlines=ReadDeadlines(header_timeout_s=HEADER_S),
+        keepalive_timeout=600.0,
+        read_bufsize=READ_BUFSIZE,
+    )
     p = free_port()
     loop.run_until_complete(runner.setup())
     loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", p).start())
@@ -71,8 +75,10 @@ def _upload_request() -> bytes:
 
 
 GET = b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n"
-CASES = {"a large unread body": (_upload_request(), [str(BIG).encode()]),
-         f"{MANY} pipelined requests": (GET * MANY, [b"ok"] * MANY)}  # fmt: skip
+CASES = {
+    "a large unread body": (_upload_request(), [str(BIG).encode()]),
+    f"{MANY} pipelined requests": (GET * MANY, [b"ok"] * MANY),
+}
 
 
 def _answers(c: RawConn, want: list[bytes]) -> None:

@@ -39,11 +39,15 @@ def _booking(db: Path, team: str) -> tuple[float, float] | None:
     return None if not rows else (float(rows[0][0]), float(rows[0][1]))  # type: ignore[arg-type]
 
 
-def test_a_request_outliving_the_reservation_ttl_still_counts(fake: FakeServers, tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_request_outliving_the_reservation_ttl_still_counts(
+    fake: FakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
-    gw = gateway_proc(tmp_path, {"gpt": external(fake.fakes["gpt"], {"in": 10.0, "out": 20.0}, 2)},
-                      quotas={"reservation_ttl_s": TTL_S, "heartbeat_s": HEARTBEAT_S})  # fmt: skip
+    gw = gateway_proc(
+        tmp_path,
+        {"gpt": external(fake.fakes["gpt"], {"in": 10.0, "out": 20.0}, 2)},
+        quotas={"reservation_ttl_s": TTL_S, "heartbeat_s": HEARTBEAT_S},
+    )
     db = tmp_path / "gateway.db"
     gpt = fake.fakes["gpt"]
     with running(gw):
@@ -54,8 +58,12 @@ def test_a_request_outliving_the_reservation_ttl_still_counts(fake: FakeServers,
         text: list[str] = []
 
         def long_stream() -> None:
-            stream = client.chat.completions.create(model="gpt", stream=True, max_tokens=16,
-                                                    messages=[{"role": "user", "content": "one two three"}])  # fmt: skip
+            stream = client.chat.completions.create(
+                model="gpt",
+                stream=True,
+                max_tokens=16,
+                messages=[{"role": "user", "content": "one two three"}],
+            )
             text.extend(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
 
         t = threading.Thread(target=long_stream, daemon=True)
@@ -64,12 +72,16 @@ def test_a_request_outliving_the_reservation_ttl_still_counts(fake: FakeServers,
             first = wait_for(lambda: _booking(db, "long"), 30, "the request's reservation")
             # The heartbeat carries the booking well past its first TTL while the stream is held.
             # (Without renewal it lapses at created_at + TTL and the sweeper deletes it.)
-            wait_for(lambda: (b := _booking(db, "long")) is not None and b[1] > first[0] + 3 * TTL_S, 30,
-                     "the reservation to be renewed past three TTLs")  # fmt: skip
+            wait_for(
+                lambda: (b := _booking(db, "long")) is not None and b[1] > first[0] + 3 * TTL_S,
+                30,
+                "the reservation to be renewed past three TTLs",
+            )
             # It still counts: the team's one slot is taken, and nothing was billed as expired.
             with pytest.raises(openai.RateLimitError) as e:
-                client.chat.completions.create(model="gpt", max_tokens=4,
-                                               messages=[{"role": "user", "content": "again"}])  # fmt: skip
+                client.chat.completions.create(
+                    model="gpt", max_tokens=4, messages=[{"role": "user", "content": "again"}]
+                )
             assert e.value.body["param"] == "concurrency", e.value.body
             assert _query(db, "SELECT status FROM usage WHERE team_id = 'long'") == []
         finally:

@@ -47,17 +47,32 @@ def _https_health(url: str, ca: Path) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tls_node(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, str, Certs, Path]]:
+def tls_node(
+    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Proc, str, Certs, Path]]:
     tmp = tmp_path_factory.mktemp("tls-plane")
     certs = make_certs(tmp / "certs")
     secret = tmp / "cluster.secret"
     write_secret_file(secret, SECRET)
-    node = duet_node("both", str(tiny_llama), tmp, *TINY_NODE_ARGS, "--cluster-secret-file", str(secret),
-                     "--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key))  # fmt: skip
+    node = duet_node(
+        "both",
+        str(tiny_llama),
+        tmp,
+        *TINY_NODE_ARGS,
+        "--cluster-secret-file",
+        str(secret),
+        "--tls-cert",
+        str(certs.server_cert),
+        "--tls-key",
+        str(certs.server_key),
+    )
     url = f"https://127.0.0.1:{node.port}"
     try:
-        wait_for(lambda: _https_health(url, certs.ca) or node.proc.poll() is not None, timeout=120,
-                 what="the https node healthy")  # fmt: skip
+        wait_for(
+            lambda: _https_health(url, certs.ca) or node.proc.poll() is not None,
+            timeout=120,
+            what="the https node healthy",
+        )
         assert node.proc.poll() is None, node.log()[-3000:]
         assert f"ready on {url}" in node.log()
         yield node, url, certs, secret
@@ -72,29 +87,47 @@ async def _leg(url: str, model: str, security: PlaneSecurity) -> int:
         return r.status
 
 
-def test_a_leg_over_https_works_for_a_client_that_trusts_the_ca(tiny_llama: Path,
-                                                                tls_node: tuple[Proc, str, Certs, Path]) -> None:  # fmt: skip
+def test_a_leg_over_https_works_for_a_client_that_trusts_the_ca(
+    tiny_llama: Path, tls_node: tuple[Proc, str, Certs, Path]
+) -> None:
     _, url, certs, _ = tls_node
     secret = ClusterSecret(SECRET, "test")
-    assert asyncio.run(_leg(url, tiny_llama.name, PlaneSecurity(secret=secret, tls_ca=str(certs.ca)))) == 200
-    assert asyncio.run(_leg(url, tiny_llama.name, PlaneSecurity(tls_ca=str(certs.ca)))) == 401  # TLS is not auth
+    assert (
+        asyncio.run(_leg(url, tiny_llama.name, PlaneSecurity(secret=secret, tls_ca=str(certs.ca))))
+        == 200
+    )
+    assert (
+        asyncio.run(_leg(url, tiny_llama.name, PlaneSecurity(tls_ca=str(certs.ca)))) == 401
+    )  # TLS is not auth
     with pytest.raises(aiohttp.ClientConnectorCertificateError):
-        asyncio.run(_leg(url, tiny_llama.name, PlaneSecurity(secret=secret)))  # the system's CAs do not know it
+        asyncio.run(
+            _leg(url, tiny_llama.name, PlaneSecurity(secret=secret))
+        )  # the system's CAs do not know it
     with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
         urllib.request.urlopen(url.replace("https://", "http://") + "/health", timeout=5).read()
 
 
-def test_the_gateway_reaches_an_https_node_with_the_cluster_ca(tiny_llama: Path, tmp_path: Path,
-                                                               tls_node: tuple[Proc, str, Certs, Path]) -> None:  # fmt: skip
+def test_the_gateway_reaches_an_https_node_with_the_cluster_ca(
+    tiny_llama: Path, tmp_path: Path, tls_node: tuple[Proc, str, Certs, Path]
+) -> None:
     _, url, certs, secret = tls_node
-    model = {"kind": "cluster", "tokenizer": str(tiny_llama), "served_name": tiny_llama.name,
-             "static": {"both": [url]}}  # fmt: skip
-    g = gateway_proc(tmp_path, {"tiny": model}, args=("--cluster-secret-file", str(secret), "--tls-ca", str(certs.ca)))
+    model = {
+        "kind": "cluster",
+        "tokenizer": str(tiny_llama),
+        "served_name": tiny_llama.name,
+        "static": {"both": [url]},
+    }
+    g = gateway_proc(
+        tmp_path,
+        {"tiny": model},
+        args=("--cluster-secret-file", str(secret), "--tls-ca", str(certs.ca)),
+    )
     with running(g):
         key = make_team(g.url, "tls-team")
         client = openai.OpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
-        r = client.completions.create(model="tiny", prompt="TLS carries the cluster secret", max_tokens=3,
-                                      temperature=0)  # fmt: skip
+        r = client.completions.create(
+            model="tiny", prompt="TLS carries the cluster secret", max_tokens=3, temperature=0
+        )
         assert r.usage is not None and r.usage.completion_tokens > 0
 
 
@@ -128,7 +161,14 @@ def test_a_whole_cluster_runs_over_https(tiny_llama: Path, tmp_path: Path) -> No
     from tests.procs import secured_plane
 
     certs = make_certs(tmp_path / "certs")
-    tls = ("--tls-cert", str(certs.server_cert), "--tls-key", str(certs.server_key), "--tls-ca", str(certs.ca))
+    tls = (
+        "--tls-cert",
+        str(certs.server_cert),
+        "--tls-key",
+        str(certs.server_key),
+        "--tls-ca",
+        str(certs.ca),
+    )
     node_args = (*TINY_NODE_ARGS, "--transport", "tcp", *tls)
     security = PlaneSecurity(secret=ClusterSecret(SECRET, "test"), tls_ca=str(certs.ca))
 
@@ -139,15 +179,24 @@ def test_a_whole_cluster_runs_over_https(tiny_llama: Path, tmp_path: Path) -> No
     with secured_plane(tmp_path, SECRET, "--local-prefill-tokens", "8", *tls) as sp:
         coord = sp.coordinator
         p = sp.node("prefill", tiny_llama, *node_args, node_id="prefill-0")
-        d = sp.node("decode", tiny_llama, *node_args, "--failure-policy", "fail", node_id="decode-0")
+        d = sp.node(
+            "decode", tiny_llama, *node_args, "--failure-policy", "fail", node_id="decode-0"
+        )
         urls = {proc: f"https://127.0.0.1:{proc.port}" for proc in (coord, p, d)}
         model = {"kind": "cluster", "tokenizer": str(tiny_llama), "served_name": tiny_llama.name}
-        g = gateway_proc(sp.tmp, {"tiny": model}, routing={"coordinator": [urls[coord]]},
-                         args=(*sp.flag, "--tls-ca", str(certs.ca)))  # fmt: skip
+        g = gateway_proc(
+            sp.tmp,
+            {"tiny": model},
+            routing={"coordinator": [urls[coord]]},
+            args=(*sp.flag, "--tls-ca", str(certs.ca)),
+        )
         try:
             for proc, url in urls.items():
-                wait_for(lambda u=url, q=proc: _https_health(u, certs.ca) or q.proc.poll() is not None, timeout=180,
-                         what=f"{url} healthy over https")  # fmt: skip
+                wait_for(
+                    lambda u=url, q=proc: _https_health(u, certs.ca) or q.proc.poll() is not None,
+                    timeout=180,
+                    what=f"{url} healthy over https",
+                )
                 assert proc.proc.poll() is None, proc.log()[-3000:]
             g.wait_healthy(180)
 
@@ -160,14 +209,26 @@ def test_a_whole_cluster_runs_over_https(tiny_llama: Path, tmp_path: Path) -> No
 
             wait_for(ready, timeout=90, what="both nodes ready, seen by the https coordinator")
             status, text = asyncio.run(get(urls[coord] + "/cluster"))
-            assert {n["url"] for n in json.loads(text)["nodes"]} == {urls[p], urls[d]}  # https registrations
+            assert {n["url"] for n in json.loads(text)["nodes"]} == {
+                urls[p],
+                urls[d],
+            }  # https registrations
             key = make_team(g.url, "tls-cluster")
             client = openai.OpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
-            r = client.completions.create(model="tiny", prompt="every hop over TLS " * 4, max_tokens=4, temperature=0)
+            r = client.completions.create(
+                model="tiny", prompt="every hop over TLS " * 4, max_tokens=4, temperature=0
+            )
             assert r.usage is not None and r.usage.completion_tokens > 0
             status, text = asyncio.run(get(urls[d] + "/metrics"))
-            moved = sum(float(v) for v in re.findall(r"^duet:kv_transfer_bytes_total(?:\{[^}]*\})? (\S+)$", text, re.M))
-            assert status == 200 and moved > 0  # the decode node pulled P's KV (its failure policy: fail)
+            moved = sum(
+                float(v)
+                for v in re.findall(
+                    r"^duet:kv_transfer_bytes_total(?:\{[^}]*\})? (\S+)$", text, re.M
+                )
+            )
+            assert (
+                status == 200 and moved > 0
+            )  # the decode node pulled P's KV (its failure policy: fail)
             for url in urls.values():
                 with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
                     plain_http("GET", url.replace("https://", "http://") + "/health")

@@ -32,11 +32,14 @@ FIRST_FAILURE_WITHIN_S = 120.0
 def _usage(db: Path) -> list[tuple[object, ...]]:
     # WAL: a reader is never blocked by the write lock
     with contextlib.closing(sqlite3.connect(db)) as conn:
-        return conn.execute("SELECT status, completion_tokens FROM usage WHERE team_id = 'billed'").fetchall()  # fmt: skip
+        return conn.execute(
+            "SELECT status, completion_tokens FROM usage WHERE team_id = 'billed'"
+        ).fetchall()
 
 
-def test_a_usage_record_the_store_refused_is_written_once_it_is_back(fake: FakeServers, tmp_path: Path,
-                                                                     monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_a_usage_record_the_store_refused_is_written_once_it_is_back(
+    fake: FakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("FAKE_PROVIDER_KEY", API_KEY)
     gw = gateway_proc(tmp_path, {"gpt": external(fake.fakes["gpt"], {"in": 10.0, "out": 20.0}, 2)})
     db = tmp_path / "gateway.db"
@@ -51,8 +54,12 @@ def test_a_usage_record_the_store_refused_is_written_once_it_is_back(fake: FakeS
 
         def answer() -> None:
             try:
-                stream = client.chat.completions.create(model="gpt", stream=True, max_tokens=16,
-                                                        messages=[{"role": "user", "content": "one two three"}])  # fmt: skip
+                stream = client.chat.completions.create(
+                    model="gpt",
+                    stream=True,
+                    max_tokens=16,
+                    messages=[{"role": "user", "content": "one two three"}],
+                )
                 text.extend(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
             except openai.APIError as e:  # what the old gateway's failed write became
                 text.append(f"<{type(e).__name__}: {e}>")

@@ -14,17 +14,34 @@ from engine.core import EngineCore
 from protocol.profile import Provenance
 from sim import corun
 
-KW = {"dtype": "float32", "threads": 1, "quantization": None, "kv_memory": "8MiB", "max_model_len": 512}
+KW = {
+    "dtype": "float32",
+    "threads": 1,
+    "quantization": None,
+    "kv_memory": "8MiB",
+    "max_model_len": 512,
+}
 
 
 @pytest.fixture
 def core(tiny_llama: Path) -> EngineCore:
-    return EngineCore(EngineConfig(model=str(tiny_llama), device="cpu", dtype="float32", threads=1, kv_memory="8MiB",
-                                   max_model_len=512, max_num_batched_tokens=128, enable_prefix_caching=False))  # fmt: skip
+    return EngineCore(
+        EngineConfig(
+            model=str(tiny_llama),
+            device="cpu",
+            dtype="float32",
+            threads=1,
+            kv_memory="8MiB",
+            max_model_len=512,
+            max_num_batched_tokens=128,
+            enable_prefix_caching=False,
+        )
+    )
 
 
-def test_measure_times_both_shapes_beside_a_real_neighbour(core: EngineCore, tiny_llama: Path,
-                                                           monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_measure_times_both_shapes_beside_a_real_neighbour(
+    core: EngineCore, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     started: list[subprocess.Popen] = []
     real = subprocess.Popen
 

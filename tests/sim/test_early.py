@@ -31,7 +31,9 @@ def test_a_run_stopped_early_fails_as_the_full_run_does() -> None:
     for rate, expect in ((2.0, True), (60.0, False)):
         w = Synthetic(rate=rate, duration_s=15, input_len="200", output_len="16", seed=2)
         full, _ = simulate(toy_profile(), layout, synthetic(w), slo=slo, warmup_s=3)
-        early, c = simulate(toy_profile(), layout, synthetic(w), slo=slo, warmup_s=3, stop_early=True)
+        early, c = simulate(
+            toy_profile(), layout, synthetic(w), slo=slo, warmup_s=3, stop_early=True
+        )
         assert full.meets_slo is early.meets_slo is expect
         if expect:
             assert c.stopped is None and early.latency_ms == full.latency_ms

@@ -55,7 +55,10 @@ def test_a_short_step_publishes_at_the_next_poll() -> None:
     # the grid starts at 0: the step ends at 0.02, the next poll is at 0.1
     assert _flushes([("step", 0.0, 0.02)]) == [pytest.approx(0.1)]
     # after a poll that waited for a step (0.5), the grid is re-anchored there: 0.6, not 0.5 + ...
-    assert _flushes([("step", 0.0, 0.5), ("step", 0.5, 0.02)]) == [pytest.approx(0.5), pytest.approx(0.6)]
+    assert _flushes([("step", 0.0, 0.5), ("step", 0.5, 0.02)]) == [
+        pytest.approx(0.5),
+        pytest.approx(0.6),
+    ]
 
 
 def test_a_poll_that_falls_in_a_step_waits_for_its_end() -> None:
@@ -70,7 +73,10 @@ def test_events_made_while_idle_go_at_the_next_poll_on_the_grid() -> None:
 def test_a_step_without_a_timer_still_reanchors_the_grid() -> None:
     # the poller polled at 0.1 during the step (no timer: nothing was waiting then) and answered
     # at its end, 0.25: the grid is now 0.35, 0.45 ... (the old one would have said 0.4)
-    assert _flushes([("step", 0.0, 0.25), ("idle", 0.31, 0.0)]) == [pytest.approx(0.25), pytest.approx(0.35)]
+    assert _flushes([("step", 0.0, 0.25), ("idle", 0.31, 0.0)]) == [
+        pytest.approx(0.25),
+        pytest.approx(0.35),
+    ]
 
 
 def test_a_simulated_nodes_blocks_reach_the_index_at_the_poll_not_at_the_step() -> None:
@@ -86,11 +92,21 @@ def test_a_simulated_nodes_blocks_reach_the_index_at_the_poll_not_at_the_step() 
         def on_events(node_id: str, events: list) -> None:
             seen.append((loop.time(), len(events)))
 
-        node = SimNode("n0", "both", prof.step, num_blocks=64, block_size=16, max_num_seqs=8,
-                       max_num_batched_tokens=512, on_events=on_events)  # fmt: skip
+        node = SimNode(
+            "n0",
+            "both",
+            prof.step,
+            num_blocks=64,
+            block_size=16,
+            max_num_seqs=8,
+            max_num_batched_tokens=512,
+            on_events=on_events,
+        )
         run = loop.create_task(node.run())
-        done = node.add(Request("r0", list(range(2, 42)), SamplingParams(max_tokens=30, ignore_eos=True)),
-                        lambda req, now: step_ends.append(now))  # fmt: skip
+        done = node.add(
+            Request("r0", list(range(2, 42)), SamplingParams(max_tokens=30, ignore_eos=True)),
+            lambda req, now: step_ends.append(now),
+        )
         await done
         await asyncio.sleep(0.5)
         run.cancel()

@@ -36,7 +36,10 @@ def _ends(host: SharedHost, steps: list[tuple[float, float, bool]]) -> list[floa
 
 def test_a_step_alone_lasts_its_work() -> None:
     assert _ends(SharedHost(TWO), [(0.0, 1.5, True)]) == [pytest.approx(1.5)]
-    assert _ends(SharedHost(TWO), [(0.0, 1.0, True), (2.0, 1.0, False)]) == [pytest.approx(1.0), pytest.approx(3.0)]
+    assert _ends(SharedHost(TWO), [(0.0, 1.0, True), (2.0, 1.0, False)]) == [
+        pytest.approx(1.0),
+        pytest.approx(3.0),
+    ]
 
 
 def test_fully_overlapping_steps_run_at_one_over_their_factor() -> None:
@@ -50,11 +53,17 @@ def test_fully_overlapping_steps_run_at_one_over_their_factor() -> None:
 def test_a_partial_overlap_is_stretched_for_the_overlap_only() -> None:
     # A alone 0–0.5 (0.5 done), shared until A's last 0.5 is done at rate ½ (t = 1.5),
     # B did 0.5 of its 1.0 by then and finishes alone at 2.0
-    assert _ends(SharedHost(TWO), [(0.0, 1.0, True), (0.5, 1.0, True)]) == [pytest.approx(1.5), pytest.approx(2.0)]
+    assert _ends(SharedHost(TWO), [(0.0, 1.0, True), (0.5, 1.0, True)]) == [
+        pytest.approx(1.5),
+        pytest.approx(2.0),
+    ]
 
 
 def test_factors_of_one_change_nothing() -> None:
-    assert _ends(SharedHost(CoRun()), [(0.0, 1.0, True), (0.5, 1.0, False)]) == [pytest.approx(1.0), pytest.approx(1.5)]
+    assert _ends(SharedHost(CoRun()), [(0.0, 1.0, True), (0.5, 1.0, False)]) == [
+        pytest.approx(1.0),
+        pytest.approx(1.5),
+    ]
 
 
 def test_a_cancelled_step_frees_the_machine() -> None:
@@ -75,15 +84,21 @@ def test_a_cancelled_step_frees_the_machine() -> None:
 
 def test_a_one_host_cluster_pays_the_corun_factor_where_steps_overlap() -> None:
     prof = msgspec.structs.replace(toy_profile(), corun=TWO)
-    items = [WorkItem(t=0.0, prompt=list(range(3, 403)), max_tokens=20),
-             WorkItem(t=0.0, prompt=list(range(500, 900)), max_tokens=20)]  # fmt: skip
+    items = [
+        WorkItem(t=0.0, prompt=list(range(3, 403)), max_tokens=20),
+        WorkItem(t=0.0, prompt=list(range(500, 900)), max_tokens=20),
+    ]
     two = (NodeGroup("both", 2),)
     apart, _ = simulate(prof, Layout(two), items)
     together, _ = simulate(prof, Layout(two, one_host=True), items)
     plain, _ = simulate(toy_profile(), Layout(two, one_host=True), items)
     # one request per node, started together: every decode step overlaps the other node's (×3)
-    assert together.latency_ms["p50_tpot"] == pytest.approx(3 * apart.latency_ms["p50_tpot"], rel=0.02)
-    assert together.latency_ms["p50_ttft"] > 1.9 * apart.latency_ms["p50_ttft"] - 2 * 2.0  # the prefills (×2)
+    assert together.latency_ms["p50_tpot"] == pytest.approx(
+        3 * apart.latency_ms["p50_tpot"], rel=0.02
+    )
+    assert (
+        together.latency_ms["p50_ttft"] > 1.9 * apart.latency_ms["p50_ttft"] - 2 * 2.0
+    )  # the prefills (×2)
     assert plain.latency_ms == apart.latency_ms  # no co-run measured: one host changes nothing
     alone, _ = simulate(prof, Layout((NodeGroup("both", 1),), one_host=True), items[:1])
     spread, _ = simulate(prof, Layout((NodeGroup("both", 1),)), items[:1])

@@ -40,7 +40,11 @@ def test_a_bad_sigma_is_refused(sigma: float) -> None:
 
 
 def _run(**kw) -> list[float]:
-    items = wl.synthetic(wl.Synthetic(rate=2.0, duration_s=1e9, input_len="200", output_len="16", seed=1, num_requests=12))
+    items = wl.synthetic(
+        wl.Synthetic(
+            rate=2.0, duration_s=1e9, input_len="200", output_len="16", seed=1, num_requests=12
+        )
+    )
     _, col = simulate(pf.load(PROFILE), parse_layout("2C", one_host=True), items, **kw)
     return [r.last_token for r in col.results]
 
@@ -53,11 +57,36 @@ def test_a_simulation_with_noise_is_reproducible_and_differs_from_none() -> None
     assert noisy != plain and _run(step_jitter=0.1, seed=6) != noisy
 
 
-def test_validate_prints_how_far_the_noise_moves_each_figure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    write_serve_result(tmp_path / "2C-r0.5", 12, gap_s=0.4, input_len=300, output_len=16, ttft_s=0.3, e2el_s=0.6,
-                       p50_tpot_ms=20.0, output_throughput=30.0)  # fmt: skip
-    assert validate.main(["--out", str(tmp_path), "--simulate-only", "--cases", "2C-r0.5", "--jitter-runs", "3",
-                          "--jitter", "0.2"]) == 0  # fmt: skip
+def test_validate_prints_how_far_the_noise_moves_each_figure(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_serve_result(
+        tmp_path / "2C-r0.5",
+        12,
+        gap_s=0.4,
+        input_len=300,
+        output_len=16,
+        ttft_s=0.3,
+        e2el_s=0.6,
+        p50_tpot_ms=20.0,
+        output_throughput=30.0,
+    )
+    assert (
+        validate.main(
+            [
+                "--out",
+                str(tmp_path),
+                "--simulate-only",
+                "--cases",
+                "2C-r0.5",
+                "--jitter-runs",
+                "3",
+                "--jitter",
+                "0.2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "sigma 20%, 3 seeded replays" in out
     row = next(x for x in out.splitlines() if x.startswith("| 2C-r0.5 |"))

@@ -22,7 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_parse_layout() -> None:
     assert parse_layout("2C").label() == "2C"
     lay = parse_layout("1P+2D", max_num_seqs=8)
-    assert [(g.role, g.count) for g in lay.groups] == [("prefill", 1), ("decode", 2)] and lay.max_num_seqs == 8
+    assert [(g.role, g.count) for g in lay.groups] == [
+        ("prefill", 1),
+        ("decode", 2),
+    ] and lay.max_num_seqs == 8
     for bad in ("", "3X", "2P", "1P+1Q"):
         with pytest.raises(ValueError):
             parse_layout(bad)
@@ -38,8 +41,16 @@ def test_target_scenario_and_its_assumptions() -> None:
 
 
 def _small_scenario(**kw: object) -> pl.Scenario:
-    base = dict(name="t", users_peak=400, think_time_s=30, e2e_guess_s=2, input_len="256", output_len="32",
-                ttft_p90_ms=400.0, e2e_p90_ms=3000.0)  # fmt: skip
+    base = dict(
+        name="t",
+        users_peak=400,
+        think_time_s=30,
+        e2e_guess_s=2,
+        input_len="256",
+        output_len="32",
+        ttft_p90_ms=400.0,
+        e2e_p90_ms=3000.0,
+    )
     return pl.Scenario(**{**base, **kw})
 
 
@@ -67,14 +78,35 @@ def test_capacity_brackets_the_slo() -> None:
 
 def _run(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "duet", "plan", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "duet", "plan", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def test_cli_one_layout(tmp_path: Path) -> None:
     pf.save(toy_profile(), tmp_path / "toy.json")
-    r = _run("--layout", "1P+1D", "--profile", str(tmp_path / "toy.json"), "--rate", "2", "--duration", "20",
-             "--input-len", "300", "--output-len", "16", "--slo", "ttft_p90=500", "--json")  # fmt: skip
+    r = _run(
+        "--layout",
+        "1P+1D",
+        "--profile",
+        str(tmp_path / "toy.json"),
+        "--rate",
+        "2",
+        "--duration",
+        "20",
+        "--input-len",
+        "300",
+        "--output-len",
+        "16",
+        "--slo",
+        "ttft_p90=500",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["layout"] == "1P+1D" and out["completed"] == out["requests"] > 20
@@ -85,10 +117,27 @@ def test_cli_one_layout(tmp_path: Path) -> None:
 
 def test_cli_plan_writes_answer_and_plots(tmp_path: Path) -> None:
     pf.save(toy_profile(), tmp_path / "toy.json")
-    (tmp_path / "s.toml").write_text('name = "small"\nusers_peak = 300\nthink_time_s = 30.0\ne2e_guess_s = 2.0\n'
-                                     'input_len = "256"\noutput_len = "32"\nttft_p90_ms = 400.0\ne2e_p90_ms = 3000.0\n')  # fmt: skip
-    r = _run("--scenario", str(tmp_path / "s.toml"), "--profile", str(tmp_path / "toy.json"), "--node-price", "1.5",
-             "--quick", "--measure-s", "8", "--warmup-s", "3", "--jobs", "1", "--out", str(tmp_path / "plan"))  # fmt: skip
+    (tmp_path / "s.toml").write_text(
+        'name = "small"\nusers_peak = 300\nthink_time_s = 30.0\ne2e_guess_s = 2.0\n'
+        'input_len = "256"\noutput_len = "32"\nttft_p90_ms = 400.0\ne2e_p90_ms = 3000.0\n'
+    )
+    r = _run(
+        "--scenario",
+        str(tmp_path / "s.toml"),
+        "--profile",
+        str(tmp_path / "toy.json"),
+        "--node-price",
+        "1.5",
+        "--quick",
+        "--measure-s",
+        "8",
+        "--warmup-s",
+        "3",
+        "--jobs",
+        "1",
+        "--out",
+        str(tmp_path / "plan"),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "cheapest fleet" in r.stdout and "Pareto front" in r.stdout and "answer" in r.stdout
     plan = json.loads((tmp_path / "plan" / "plan.json").read_text())

@@ -61,13 +61,23 @@ def _chunked(recorded: bool) -> list[pf.StepSample]:
 def test_attention_to_earlier_chunks_is_its_own_coefficient(recorded: bool) -> None:
     # older samples have no n·start: one chunk per step, so the fit reads it as attention − prefill²
     m = pf.fit(_chunked(recorded))
-    assert m.attention_s == pytest.approx(1e-9, rel=1e-3) and m.cached_attention_s == pytest.approx(2e-9, rel=1e-3)
+    assert m.attention_s == pytest.approx(1e-9, rel=1e-3) and m.cached_attention_s == pytest.approx(
+        2e-9, rel=1e-3
+    )
     assert m.fit_max_ape is not None and m.fit_max_ape < 1e-6
     late = pf.StepFeatures(512, 0, 2048, 512 * 2048, 512 * 1536)
-    assert m.seconds(late) == pytest.approx(0.01 + 2e-5 * 512 + 1e-6 * 2048 + 1e-9 * 512 * 2048 + 2e-9 * 512 * 1536)
+    assert m.seconds(late) == pytest.approx(
+        0.01 + 2e-5 * 512 + 1e-6 * 2048 + 1e-9 * 512 * 2048 + 2e-9 * 512 * 1536
+    )
     # a profile written before the feature existed predicts as it did
-    old = pf.StepModel(intercept_s=0.01, prefill_s=0, decode_s=0, context_s=0, attention_s=1e-9,
-                       provenance=pf.Provenance.MEASURED)  # fmt: skip
+    old = pf.StepModel(
+        intercept_s=0.01,
+        prefill_s=0,
+        decode_s=0,
+        context_s=0,
+        attention_s=1e-9,
+        provenance=pf.Provenance.MEASURED,
+    )
     assert old.seconds(late) == pytest.approx(0.01 + 1e-9 * 512 * 2048)
 
 
@@ -93,7 +103,9 @@ def test_at_contention_scales_cpu_kinds_only() -> None:
     assert q.contention == 3.0
     assert q.step.intercept_s == pytest.approx(p.step.intercept_s * 1.5)
     assert q.overheads.request_s == pytest.approx(p.overheads.request_s * 1.5)
-    assert toy_profile().at_contention(3.0) == toy_profile()  # a GPU-like kind: no contention recorded
+    assert (
+        toy_profile().at_contention(3.0) == toy_profile()
+    )  # a GPU-like kind: no contention recorded
 
 
 def test_contention_meter_reads_about_one_when_idle_or_more() -> None:
@@ -114,8 +126,12 @@ def test_the_schema_lives_in_protocol_and_needs_only_msgspec() -> None:
     import protocol.profile as pp
 
     tree = ast.parse(Path(pp.__file__).read_text())
-    mods = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-    mods |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+    mods = {
+        a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+    }
+    mods |= {
+        n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module
+    }
     assert mods <= {"__future__", "enum", "pathlib", "msgspec"}, mods
     assert pf.Profile is pp.Profile and pf.load is pp.load  # sim's callers keep working
     shipped = sorted((Path(__file__).resolve().parents[2] / "data/profiles").glob("*.json"))
@@ -128,7 +144,9 @@ def test_cpu_overheads_do_not_scale_with_contention() -> None:
     import msgspec
 
     p = msgspec.structs.replace(toy_profile(), contention=2.0)
-    p = msgspec.structs.replace(p, overheads=msgspec.structs.replace(p.overheads, node_token_cpu_s=1e-3))
+    p = msgspec.structs.replace(
+        p, overheads=msgspec.structs.replace(p.overheads, node_token_cpu_s=1e-3)
+    )
     q = p.at_contention(4.0)
     assert q.overheads.node_token_cpu_s == 1e-3  # CPU is the machine's cost, not its state
     assert q.cpu_to_wall(1e-3) == pytest.approx(4e-3) and p.cpu_to_wall(1e-3) == pytest.approx(2e-3)

@@ -39,26 +39,45 @@ def test_simulation_calls_the_real_code(monkeypatch: pytest.MonkeyPatch) -> None
         real = getattr(cls, name)
         key = f"{cls.__name__}.{name}"
         if name == "_acquire":
+
             async def wrapper(self, *a, **k):  # type: ignore[no-untyped-def]
                 calls[key] += 1
                 return await real(self, *a, **k)
         else:
+
             def wrapper(self, *a, **k):  # type: ignore[no-untyped-def]
                 calls[key] += 1
                 return real(self, *a, **k)
+
         return wrapper
 
     for cls, name in REAL:
         monkeypatch.setattr(cls, name, counting(cls, name))
-    w = Synthetic(rate=5, duration_s=10, input_len="400", output_len="8", prefix_groups=2, prefix_len=64)
-    s, _ = simulate(toy_profile(), Layout((NodeGroup("prefill", 1), NodeGroup("decode", 1))), synthetic(w))
+    w = Synthetic(
+        rate=5, duration_s=10, input_len="400", output_len="8", prefix_groups=2, prefix_len=64
+    )
+    s, _ = simulate(
+        toy_profile(), Layout((NodeGroup("prefill", 1), NodeGroup("decode", 1))), synthetic(w)
+    )
     assert s.completed == s.requests > 20
     assert s.paths == {"disaggregated": s.completed}
     assert all(n > 0 for n in calls.values()), calls
 
 
-FORBIDDEN = {"Scheduler", "BlockPool", "KVCacheManager", "Router", "PrefixIndex", "Admission", "schedule",
-             "allocate_slots", "find_cached_prefix", "_admit_waiting", "_acquire", "route_request"}  # fmt: skip
+FORBIDDEN = {
+    "Scheduler",
+    "BlockPool",
+    "KVCacheManager",
+    "Router",
+    "PrefixIndex",
+    "Admission",
+    "schedule",
+    "allocate_slots",
+    "find_cached_prefix",
+    "_admit_waiting",
+    "_acquire",
+    "route_request",
+}
 
 
 def test_sim_defines_no_copy_of_them() -> None:
@@ -66,7 +85,10 @@ def test_sim_defines_no_copy_of_them() -> None:
     found = []
     for path in root.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.name in FORBIDDEN:
+            if (
+                isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                and node.name in FORBIDDEN
+            ):
                 found.append(f"{path.name}:{node.lineno} {node.name}")
     assert not found, f"sim/ defines its own {found}: it must import the real one"
 

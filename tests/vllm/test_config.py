@@ -24,30 +24,67 @@ def vllm_importable(monkeypatch: pytest.MonkeyPatch) -> None:
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name in ("vllm", "nixl") else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name in ("vllm", "nixl") else real(name, *a),
+    )
 
 
 def test_node_flags_map_onto_vllm(vllm_importable: None) -> None:
-    args = parse("--engine", "vllm", "--model", "m", "--port", "9000", "--failure-policy", "fail",
-                 "--lease-seconds", "12.5", "--kv-blocks", "64", "--device", "cpu",
-                 "--vllm-arg", "enforce_eager=true", "--vllm-arg", "max-num-seqs=4",
-                 "--vllm-arg", 'compilation_config={"mode": 0}', "--vllm-arg", "tokenizer_mode=auto")  # fmt: skip
+    args = parse(
+        "--engine",
+        "vllm",
+        "--model",
+        "m",
+        "--port",
+        "9000",
+        "--failure-policy",
+        "fail",
+        "--lease-seconds",
+        "12.5",
+        "--kv-blocks",
+        "64",
+        "--device",
+        "cpu",
+        "--vllm-arg",
+        "enforce_eager=true",
+        "--vllm-arg",
+        "max-num-seqs=4",
+        "--vllm-arg",
+        'compilation_config={"mode": 0}',
+        "--vllm-arg",
+        "tokenizer_mode=auto",
+    )
     cfg = node_config(args, "decode")
     e = cfg.engine
     assert isinstance(e, VllmEngineConfig) and cfg.engine_kind == "vllm"
     assert e.nixl_port == 9001 and e.nixl_host == "127.0.0.1"
     kw = e.engine_kwargs("/models/m")
     kt = kw["kv_transfer_config"]
-    assert kt["kv_connector"] == "NixlConnector" and kt["kv_role"] == "kv_both" and kt["kv_buffer_device"] == "cpu"
+    assert (
+        kt["kv_connector"] == "NixlConnector"
+        and kt["kv_role"] == "kv_both"
+        and kt["kv_buffer_device"] == "cpu"
+    )
     assert kt["kv_load_failure_policy"] == "fail"
-    assert kt["kv_connector_extra_config"]["kv_lease_duration"] == 13  # whole seconds, never shorter
-    assert kw["enforce_eager"] is True and kw["max_num_seqs"] == 4 and kw["compilation_config"] == {"mode": 0}
+    assert (
+        kt["kv_connector_extra_config"]["kv_lease_duration"] == 13
+    )  # whole seconds, never shorter
+    assert (
+        kw["enforce_eager"] is True
+        and kw["max_num_seqs"] == 4
+        and kw["compilation_config"] == {"mode": 0}
+    )
     assert kw["tokenizer_mode"] == "auto" and kw["num_gpu_blocks_override"] == 64
     assert "kv_events_config" not in kw
     assert kw["block_size"] == 32  # vLLM's CPU attention needs multiples of 32; duet hashes 16
     assert e.vllm_block_size() == 32 and e.block_size == 16
     env = e.environment()
-    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "9001" and env["VLLM_NIXL_ABORT_REQUEST_TIMEOUT"] == "13"
+    assert (
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "9001"
+        and env["VLLM_NIXL_ABORT_REQUEST_TIMEOUT"] == "13"
+    )
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["HF_HUB_OFFLINE"] == "1"
 
 
@@ -55,8 +92,13 @@ def test_structured_outputs_use_llguidance_and_compact_json() -> None:
     """Issue #24: vLLM's guidance backend (the gateway's and the native engine's grammar engine)
     with compact JSON by default; a --vllm-arg replaces it."""
     e = VllmEngineConfig(model="m", device="cpu")
-    assert e.engine_kwargs("/m")["structured_outputs_config"] == {"backend": "guidance", "disable_any_whitespace": True}
-    e = VllmEngineConfig(model="m", device="cpu", extra_args={"structured_outputs_config": {"backend": "xgrammar"}})
+    assert e.engine_kwargs("/m")["structured_outputs_config"] == {
+        "backend": "guidance",
+        "disable_any_whitespace": True,
+    }
+    e = VllmEngineConfig(
+        model="m", device="cpu", extra_args={"structured_outputs_config": {"backend": "xgrammar"}}
+    )
     assert e.engine_kwargs("/m")["structured_outputs_config"] == {"backend": "xgrammar"}
 
 
@@ -68,7 +110,9 @@ def test_kv_events_need_an_endpoint_and_go_to_zmq() -> None:
     assert e.engine_kwargs("/m")["kv_events_config"]["endpoint"] == "ipc:///tmp/x"
 
 
-@pytest.mark.parametrize("bad", ["novalue", "=3", "model=other", "kv_transfer_config={}", "not a name=1"])
+@pytest.mark.parametrize(
+    "bad", ["novalue", "=3", "model=other", "kv_transfer_config={}", "not a name=1"]
+)
 def test_bad_vllm_args_are_usage_errors(bad: str) -> None:
     with pytest.raises(ValueError, match="--vllm-arg"):
         parse_vllm_args([bad])
@@ -77,7 +121,10 @@ def test_bad_vllm_args_are_usage_errors(bad: str) -> None:
 def test_missing_vllm_is_a_usage_error() -> None:
     import importlib.util
 
-    if importlib.util.find_spec("vllm") is not None and importlib.util.find_spec("nixl") is not None:
+    if (
+        importlib.util.find_spec("vllm") is not None
+        and importlib.util.find_spec("nixl") is not None
+    ):
         pytest.skip("vLLM is installed here")
     with pytest.raises(ValueError, match="scripts/setup --vllm"):
         node_config(parse("--engine", "vllm"), "both")
@@ -112,6 +159,7 @@ def test_nixl_progress_thread_is_off_on_cpus_by_default(vllm_importable: None) -
     """vLLM's NIXL agents start NIXL's progress thread, which spins a core per node: off on CPU
     decode nodes unless asked for, polling on CPU prefill and colocated nodes, vLLM's default on
     GPUs, and the operator's word wins either way."""
+
     def env(*flags: str, device: str = "cpu", role: str = "decode") -> dict[str, str]:
         args = parse("--engine", "vllm", "--model", "m", "--device", device, *flags)
         return node_config(args, role).engine.environment()
@@ -122,8 +170,14 @@ def test_nixl_progress_thread_is_off_on_cpus_by_default(vllm_importable: None) -
     assert env(device="cuda")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "1"
     assert env(device="cuda", role="prefill")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "1"
     assert env("--vllm-nixl-progress-thread", "on")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "1"
-    assert env("--vllm-nixl-progress-thread", "poll", device="cuda")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "poll:1000"
-    assert env("--vllm-nixl-progress-thread", "off", device="cuda")["DUET_VLLM_NIXL_PROGRESS_THREAD"] == "0"
+    assert (
+        env("--vllm-nixl-progress-thread", "poll", device="cuda")["DUET_VLLM_NIXL_PROGRESS_THREAD"]
+        == "poll:1000"
+    )
+    assert (
+        env("--vllm-nixl-progress-thread", "off", device="cuda")["DUET_VLLM_NIXL_PROGRESS_THREAD"]
+        == "0"
+    )
     with pytest.raises(ValueError, match="only with --engine vllm"):
         node_config(parse("--vllm-nixl-progress-thread", "off"), "both")
 
@@ -138,7 +192,10 @@ def test_the_vllm_plugin_turns_nixls_progress_thread_off(monkeypatch: pytest.Mon
     from node.engines import vllm_plugin
 
     api = pytest.importorskip("nixl._api")
-    assert any(ep.value == "node.engines.vllm_plugin:register" for ep in entry_points(group="vllm.general_plugins"))
+    assert any(
+        ep.value == "node.engines.vllm_plugin:register"
+        for ep in entry_points(group="vllm.general_plugins")
+    )
     monkeypatch.setattr(api, "nixl_agent_config", api.nixl_agent_config)  # restored after the test
     original = api.nixl_agent_config
     monkeypatch.delenv(vllm_plugin.ENV, raising=False)

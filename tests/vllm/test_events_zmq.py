@@ -29,8 +29,15 @@ async def test_bridge_reads_vllms_publisher(need_vllm: None, tmp_path: Path) -> 
     got: list = []
 
     def stored(hashes: list[bytes], parent: bytes | None, toks: list[int]) -> VStored:
-        return VStored(block_hashes=hashes, parent_block_hash=parent, token_ids=toks, block_size=32,
-                       lora_id=None, medium="CPU", lora_name=None)  # fmt: skip
+        return VStored(
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=toks,
+            block_size=32,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+        )
 
     async def reader() -> None:
         async for events in bridge:
@@ -46,12 +53,22 @@ async def test_bridge_reads_vllms_publisher(need_vllm: None, tmp_path: Path) -> 
             await asyncio.sleep(0.05)
         got.clear()
         pub.publish(KVEventBatch(ts=1.0, events=[stored([b"a" * 32], None, tokens[:32])]))
-        pub.publish(KVEventBatch(ts=2.0, events=[stored([b"b" * 32], b"a" * 32, tokens[32:]),
-                                                 VRemoved(block_hashes=[b"b" * 32], medium="CPU")]))  # fmt: skip
+        pub.publish(
+            KVEventBatch(
+                ts=2.0,
+                events=[
+                    stored([b"b" * 32], b"a" * 32, tokens[32:]),
+                    VRemoved(block_hashes=[b"b" * 32], medium="CPU"),
+                ],
+            )
+        )
         await until(lambda: len(got) >= 3, 30, "three events through the bridge")
-        assert got[0] == BlockStored(block_hashes=want[:2], parent_block_hash=None, token_ids=tokens[:32], block_size=16)
-        assert got[1] == BlockStored(block_hashes=want[2:], parent_block_hash=want[1], token_ids=tokens[32:],
-                                     block_size=16)  # fmt: skip
+        assert got[0] == BlockStored(
+            block_hashes=want[:2], parent_block_hash=None, token_ids=tokens[:32], block_size=16
+        )
+        assert got[1] == BlockStored(
+            block_hashes=want[2:], parent_block_hash=want[1], token_ids=tokens[32:], block_size=16
+        )
         assert got[2] == BlockRemoved(block_hashes=want[2:])
         assert sorted(bridge.translator.cached_hashes()) == sorted(want[:2])
         # A gap in vLLM's sequence numbers: everything is announced cleared.

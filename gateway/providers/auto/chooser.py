@@ -49,8 +49,14 @@ class AutoChoice(msgspec.Struct, frozen=True, kw_only=True):
     skipped: tuple[tuple[str, str], ...] = ()
 
 
-def _why_not(m: ModelEntry, tier: Tier, policy: AutoPolicy, prompt_tokens: int, max_tokens: int | None,
-             available: Callable[[str], bool]) -> str | None:  # fmt: skip
+def _why_not(
+    m: ModelEntry,
+    tier: Tier,
+    policy: AutoPolicy,
+    prompt_tokens: int,
+    max_tokens: int | None,
+    available: Callable[[str], bool],
+) -> str | None:
     if m.name in policy.forbid or (policy.allow is not None and m.name not in policy.allow):
         return "forbidden_by_team"
     if tier not in m.tiers:
@@ -64,9 +70,17 @@ def _why_not(m: ModelEntry, tier: Tier, policy: AutoPolicy, prompt_tokens: int, 
     return None
 
 
-def choose(prediction: Prediction, catalog: Mapping[str, ModelEntry], *, tier: Tier, policy: AutoPolicy,
-           prompt_tokens: int, max_tokens: int | None, available: Callable[[str], bool] = lambda _: True,
-           rank_for: Mapping[str, int] = RANK_FOR) -> AutoChoice:  # fmt: skip
+def choose(
+    prediction: Prediction,
+    catalog: Mapping[str, ModelEntry],
+    *,
+    tier: Tier,
+    policy: AutoPolicy,
+    prompt_tokens: int,
+    max_tokens: int | None,
+    available: Callable[[str], bool] = lambda _: True,
+    rank_for: Mapping[str, int] = RANK_FOR,
+) -> AutoChoice:
     need = rank_for[prediction.label]
     usable: list[ModelEntry] = []
     skipped: list[tuple[str, str]] = []
@@ -78,8 +92,14 @@ def choose(prediction: Prediction, catalog: Mapping[str, ModelEntry], *, tier: T
             skipped.append((m.name, why))
 
     def done(model: str | None, reason: Any) -> AutoChoice:
-        return AutoChoice(model=model, label=prediction.label, required_rank=need, reason=reason,
-                          probs=prediction.probs, skipped=tuple(skipped))  # fmt: skip
+        return AutoChoice(
+            model=model,
+            label=prediction.label,
+            required_rank=need,
+            reason=reason,
+            probs=prediction.probs,
+            skipped=tuple(skipped),
+        )
 
     pinned = policy.pin.get(prediction.label)
     if pinned is not None and any(m.name == pinned for m in usable):
@@ -87,10 +107,15 @@ def choose(prediction: Prediction, catalog: Mapping[str, ModelEntry], *, tier: T
     completion = max_tokens or DEFAULT_COMPLETION_TOKENS
     capable = [m for m in usable if m.capability_rank >= need]
     if capable:
-        best = min(capable, key=lambda m: (m.expected_cost(prompt_tokens, completion), m.capability_rank, m.name))
+        best = min(
+            capable,
+            key=lambda m: (m.expected_cost(prompt_tokens, completion), m.capability_rank, m.name),
+        )
         return done(best.name, "cheapest_capable")
     if usable:
-        best = max(usable, key=lambda m: (m.capability_rank, -m.expected_cost(prompt_tokens, completion)))
+        best = max(
+            usable, key=lambda m: (m.capability_rank, -m.expected_cost(prompt_tokens, completion))
+        )
         return done(best.name, "best_available")
     return done(None, "none")
 
@@ -98,13 +123,30 @@ def choose(prediction: Prediction, catalog: Mapping[str, ModelEntry], *, tier: T
 class AutoRouter:
     """What the gateway holds: the classifier (loaded once) and the chooser."""
 
-    def __init__(self, classifier: Classifier | None = None, rank_for: Mapping[str, int] = RANK_FOR) -> None:
+    def __init__(
+        self, classifier: Classifier | None = None, rank_for: Mapping[str, int] = RANK_FOR
+    ) -> None:
         self.classifier = classifier or Classifier.load()
         self.rank_for = dict(rank_for)
 
-    def route(self, messages: Sequence[Mapping[str, Any]], catalog: Mapping[str, ModelEntry], *, tier: Tier,
-              policy: AutoPolicy, prompt_tokens: int, max_tokens: int | None,
-              available: Callable[[str], bool] = lambda _: True) -> AutoChoice:  # fmt: skip
-        return choose(self.classifier.predict(messages), catalog, tier=tier, policy=policy,
-                      prompt_tokens=prompt_tokens, max_tokens=max_tokens, available=available,
-                      rank_for=self.rank_for)  # fmt: skip
+    def route(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        catalog: Mapping[str, ModelEntry],
+        *,
+        tier: Tier,
+        policy: AutoPolicy,
+        prompt_tokens: int,
+        max_tokens: int | None,
+        available: Callable[[str], bool] = lambda _: True,
+    ) -> AutoChoice:
+        return choose(
+            self.classifier.predict(messages),
+            catalog,
+            tier=tier,
+            policy=policy,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            available=available,
+            rank_for=self.rank_for,
+        )

@@ -41,7 +41,9 @@ class Prediction(msgspec.Struct, frozen=True, kw_only=True):
 class Classifier:
     def __init__(self, weights: Weights) -> None:
         if tuple(weights.features) != FEATURE_NAMES:
-            raise ValueError("weights.json was fit with other features; run python -m gateway.providers.auto.fit")
+            raise ValueError(
+                "weights.json was fit with other features; run python -m gateway.providers.auto.fit"
+            )
         self.weights = weights
 
     @classmethod
@@ -51,7 +53,10 @@ class Classifier:
     def predict_features(self, x: Sequence[float]) -> Prediction:
         w = self.weights
         z = [(v - m) / s for v, m, s in zip(x, w.mean, w.scale, strict=True)]
-        logits = [b + sum(c * v for c, v in zip(row, z, strict=True)) for row, b in zip(w.coef, w.intercept, strict=True)]
+        logits = [
+            b + sum(c * v for c, v in zip(row, z, strict=True))
+            for row, b in zip(w.coef, w.intercept, strict=True)
+        ]
         top = max(logits)
         exps = [math.exp(v - top) for v in logits]
         total = sum(exps)

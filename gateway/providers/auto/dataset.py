@@ -19,8 +19,11 @@ def load(data_dir: Path = DATA_DIR) -> list[dict[str, Any]]:
             if not line.strip():
                 continue
             r = json.loads(line)
-            if r.get("label") not in ("simple", "medium", "hard") or r.get("split") not in ("train", "test") \
-                    or not isinstance(r.get("messages"), list):  # fmt: skip
+            if (
+                r.get("label") not in ("simple", "medium", "hard")
+                or r.get("split") not in ("train", "test")
+                or not isinstance(r.get("messages"), list)
+            ):
                 raise ValueError(f"{f}:{n}: needs label, split and messages")
             rows.append(r)
     if not rows:

@@ -70,24 +70,44 @@ def fit(data_dir: Path = DATA_DIR, out: Path = WEIGHTS, folds: int = 5) -> Weigh
     mean, scale = _standardise(x)
     w, b = _fit((x - mean) / scale, y, best)
     r6 = lambda a: tuple(round(float(v), 6) for v in a)  # noqa: E731
-    weights = Weights(features=FEATURE_NAMES, labels=LABELS, mean=r6(mean), scale=r6(scale),
-                      coef=tuple(r6(row) for row in w), intercept=r6(b),
-                      fit={"l2": best, "cv_accuracy": round(cv[best], 4),
-                           "train_accuracy": round(_accuracy((x - mean) / scale, y, w, b), 4),
-                           "n_train": len(train), "steps": STEPS, "data_sha256": digest(data_dir)})  # fmt: skip
+    weights = Weights(
+        features=FEATURE_NAMES,
+        labels=LABELS,
+        mean=r6(mean),
+        scale=r6(scale),
+        coef=tuple(r6(row) for row in w),
+        intercept=r6(b),
+        fit={
+            "l2": best,
+            "cv_accuracy": round(cv[best], 4),
+            "train_accuracy": round(_accuracy((x - mean) / scale, y, w, b), 4),
+            "n_train": len(train),
+            "steps": STEPS,
+            "data_sha256": digest(data_dir),
+        },
+    )
     dump_weights(weights, out)
     return weights
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m gateway.providers.auto.fit", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    ap.add_argument("--data", type=Path, default=DATA_DIR, help="directory of *.jsonl (default: %(default)s)")
-    ap.add_argument("--out", type=Path, default=WEIGHTS, help="weights file to write (default: %(default)s)")
+    ap = argparse.ArgumentParser(
+        prog="python -m gateway.providers.auto.fit",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--data", type=Path, default=DATA_DIR, help="directory of *.jsonl (default: %(default)s)"
+    )
+    ap.add_argument(
+        "--out", type=Path, default=WEIGHTS, help="weights file to write (default: %(default)s)"
+    )
     a = ap.parse_args(argv)
     w = fit(a.data, a.out)
-    print(f"wrote {a.out}: l2={w.fit['l2']} cv_accuracy={w.fit['cv_accuracy']} "
-          f"train_accuracy={w.fit['train_accuracy']} n_train={w.fit['n_train']}")  # fmt: skip
+    print(
+        f"wrote {a.out}: l2={w.fit['l2']} cv_accuracy={w.fit['cv_accuracy']} "
+        f"train_accuracy={w.fit['train_accuracy']} n_train={w.fit['n_train']}"
+    )
 
 
 if __name__ == "__main__":
