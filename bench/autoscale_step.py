@@ -30,7 +30,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from bench.scrape import scrape_secret
-from protocol.cluster_secret import is_loopback
+from runtime.cluster_secret import is_loopback
 
 
 def cluster_headers(coordinator: str) -> dict[str, str]:

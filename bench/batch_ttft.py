@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 
 from bench.procs import Proc, duet_node, free_port, running
-from protocol.models import DEFAULT_MODEL, resolve_model
+from runtime.models import DEFAULT_MODEL, resolve_model
 
 _TERMINAL = ("completed", "failed", "expired", "cancelled")
 

@@ -45,7 +45,7 @@ from bench.chaos_kill import KINDS, Killer
 from bench.chaos_load import PROMPTS, BatchResult, Record, one_request, references, run_batch
 from bench.chaos_report import plot, render, summarise
 from bench.chaos_usage import check, fetch_records
-from protocol.ports import free_port
+from runtime.ports import free_port
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:

@@ -147,7 +147,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _model_max_len(model: str) -> int:
     from engine.convert import ensure_converted
     from engine.model_config import ModelConfig
-    from protocol.models import resolve_model
+    from runtime.models import resolve_model
 
     return ModelConfig.from_dir(ensure_converted(resolve_model(model))).max_position_embeddings
 

@@ -40,8 +40,8 @@ from typing import Any
 import aiohttp
 
 from bench.procs import Proc, free_port, running
-from protocol.models import DEFAULT_MODEL, resolve_model
-from protocol.tokenizer import Tokenizer
+from runtime.models import DEFAULT_MODEL, resolve_model
+from text.tokenizer import Tokenizer
 
 PROMPT = "Measure the gateway, not the model: "
 #: the issue's target for the gateway's overhead (p99, ms)

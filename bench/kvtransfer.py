@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from kvtransfer import BACKENDS, unavailable_reason
     from kvtransfer.ucx_env import ucx_environment
-    from protocol.strict import FallbackRefused, strict_mode
+    from runtime.strict import FallbackRefused, strict_mode
 
     torch.set_num_threads(a.memcpy_threads)
     wanted = list(BACKENDS) if a.backends == "available" else a.backends.split(",")

@@ -44,9 +44,9 @@ from bench.pd_client import Result, completion, disaggregated
 from bench.pd_mix import MIXES
 from bench.procs import duet_node, running
 from bench.stats import spread
-from protocol.cluster_secret import read_secret_file, write_secret_file
-from protocol.models import DEFAULT_MODEL, resolve_model
-from protocol.tokenizer import Tokenizer
+from runtime.cluster_secret import read_secret_file, write_secret_file
+from runtime.models import DEFAULT_MODEL, resolve_model
+from text.tokenizer import Tokenizer
 
 
 def _args(argv: list[str] | None) -> argparse.Namespace:

@@ -39,9 +39,9 @@ import aiohttp
 from bench.pd_client import Result, completion
 from bench.procs import Proc, duet_node, running
 from bench.stats import percentile, spread
-from protocol.cluster_secret import read_secret_file, write_secret_file
-from protocol.models import DEFAULT_MODEL, resolve_model
-from protocol.tokenizer import Tokenizer
+from runtime.cluster_secret import read_secret_file, write_secret_file
+from runtime.models import DEFAULT_MODEL, resolve_model
+from text.tokenizer import Tokenizer
 
 MIXES = ("long-prompt",)
 

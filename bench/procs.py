@@ -16,7 +16,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-from protocol.ports import free_port
+from runtime.ports import free_port
 
 
 class Proc:

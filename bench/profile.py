@@ -322,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from engine.config import EngineConfig
     from engine.core import EngineCore
-    from protocol.models import DEFAULT_MODEL
+    from runtime.models import DEFAULT_MODEL
 
     quant = None if a.quantization == "none" else a.quantization
     # --corun-only times the chunk the profile at --out was measured with
@@ -467,7 +467,7 @@ def refit(path: Path, threads: int) -> pf.Profile:
 def _with_overheads(
     prof: pf.Profile, model: str | None, mode: str, requests: int, log
 ) -> pf.Profile:  # type: ignore[no-untyped-def]
-    from protocol.models import DEFAULT_MODEL, resolve_model
+    from runtime.models import DEFAULT_MODEL, resolve_model
     from sim import overheads
 
     if model is None or not Path(model).is_dir():

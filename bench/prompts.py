@@ -2,7 +2,7 @@
 
 Two forms (`--prompt-format`): `tokens` sends the ids themselves (a list of ints in `prompt`,
 which duet nodes and vLLM accept on /v1/completions: the length is exact); `text` decodes the
-ids with the model's tokenizer (protocol.tokenizer) and sends the string, for any server and
+ids with the model's tokenizer (text.tokenizer) and sends the string, for any server and
 for chat (the length is then re-measured by encoding the text, as tokenizers do not round-trip
 random ids exactly; a chat template adds its own tokens on top).
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 
-from protocol.tokenizer import Tokenizer
+from text.tokenizer import Tokenizer
 
 
 class PromptBuilder:

@@ -7,7 +7,7 @@ never fails the run; histogram buckets and process/python collector series are d
 keep results small.
 
 A `--protect-metrics` endpoint answers only a caller with the cluster secret: scrapes carry it
-when one is configured, found as every internal client finds it (protocol/cluster_secret.py:
+when one is configured, found as every internal client finds it (runtime/cluster_secret.py:
 $DUET_CLUSTER_SECRET_FILE, else $DUET_CLUSTER_SECRET) and sent to the URLs given; else the
 running `duet up`'s file ($DUET_HOME/up/cluster.secret, as `duet status` finds it), sent only
 to loopback URLs (that cluster's), never to another host the run scrapes.
@@ -25,14 +25,14 @@ from urllib.parse import urlsplit
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from protocol.cluster_secret import (
+from runtime.cluster_secret import (
     ClusterSecret,
     SecretError,
     is_loopback,
     load_secret,
     read_secret_file,
 )
-from protocol.models import duet_home
+from runtime.models import duet_home
 
 _SKIP_PREFIXES = ("python_", "process_")
 _SKIP_SUFFIXES = ("_bucket", "_created")
@@ -41,7 +41,7 @@ _SKIP_SUFFIXES = ("_bucket", "_created")
 def scrape_secret(env: dict[str, str] | None = None) -> tuple[ClusterSecret | None, bool]:
     """The cluster secret scrapes carry and whether it is the local `duet up`'s (then only
     loopback URLs get it); (None, False) when there is none. Raises
-    protocol.cluster_secret.SecretError for a configured one that cannot be used."""
+    runtime.cluster_secret.SecretError for a configured one that cannot be used."""
     secret = load_secret(env=env)
     if secret is not None:
         return secret, False

@@ -32,8 +32,8 @@ from bench.serve_config import ServeConfig
 from bench.sweep import sweep_result
 from bench.trace import load_trace, replay
 from bench.workloads import BenchRequest, load_sharegpt, sharegpt, synthetic
-from protocol.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model
-from protocol.tokenizer import Tokenizer
+from runtime.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model
+from text.tokenizer import Tokenizer
 
 Workload = Callable[[int], Iterator[BenchRequest]]
 

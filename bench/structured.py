@@ -84,8 +84,8 @@ def _pct(xs: list[float], q: float) -> float:
 
 def compile_times(eng: Any) -> dict[str, Any]:
     from engine.guided import GuidedDecoding
-    from protocol.guide_check import canonical_schema
     from protocol.structured import Guide, GuideKind
+    from text.guide_check import canonical_schema
 
     corpus = json.loads(CORPUS.read_text())
     gd = GuidedDecoding(
@@ -197,8 +197,8 @@ def run(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
 
     from engine.config import EngineConfig
     from engine.core import EngineCore
-    from protocol.guide_check import canonical_schema
     from protocol.structured import Guide, GuideKind
+    from text.guide_check import canonical_schema
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -2,7 +2,7 @@
 
 Starts a token-echo node and a `duet gateway` with tracing off under cProfile, sends
 `--requests` sequential streamed completions, stops the gateway (which writes its profile) and
-reports how many calls per request went into `protocol/tracing.py` and what share of the
+reports how many calls per request went into `runtime/tracing.py` and what share of the
 gateway's profiled time they took. cProfile inflates small functions, so the share is an upper
 bound. `python -m bench.gateway --traced --otlp` measures the other side: tracing on, with and
 without an OTLP exporter.
@@ -24,9 +24,9 @@ import aiohttp
 
 from bench.gateway import PROMPT, _admin, _stream, _write_config
 from bench.procs import Proc, free_port, running
-from protocol.models import DEFAULT_MODEL, resolve_model
+from runtime.models import DEFAULT_MODEL, resolve_model
 
-TRACING_FILE = "protocol/tracing.py"
+TRACING_FILE = "runtime/tracing.py"
 
 
 def run(requests: int, tokenizer: str) -> dict[str, Any]:

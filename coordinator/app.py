@@ -11,7 +11,7 @@
   `node_unreachable`.
 - `GET /health`, `GET /metrics`.
 
-Errors are OpenAI-shaped (the shared error middleware, protocol/http_errors.py; a 503 says when
+Errors are OpenAI-shaped (the shared error middleware, runtime/http_errors.py; a 503 says when
 to retry through APIError.retry_after_s); one bad request never affects another, and an
 unexpected exception is a logged 500, never a dead replica.
 """
@@ -32,10 +32,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from coordinator.drain import NodeNotFound, drain_node, undrain_node
 from coordinator.service import Coordinator, CoordinatorConfig
 from coordinator.store import Store, StoreError
-from protocol.http_errors import error_middleware
 from protocol.openai import APIError
 from protocol.route import RouteRequest
-from protocol.tracing import GEN_AI_REQUEST_MODEL, Tracing, from_env, setup
+from runtime.http_errors import error_middleware
+from runtime.tracing import GEN_AI_REQUEST_MODEL, Tracing, from_env, setup
 
 log = logging.getLogger("duet.coordinator")
 COORDINATOR = web.AppKey("coordinator", Coordinator)
@@ -243,7 +243,7 @@ def make_app(
 
 
 def _app(coordinator: Coordinator) -> web.Application:
-    # The cluster secret first: a request without it reaches nothing (protocol/cluster_secret.py).
+    # The cluster secret first: a request without it reaches nothing (runtime/cluster_secret.py).
     auth = coordinator.config.security.middlewares()
     app = web.Application(middlewares=[*auth, error_middleware(log)], client_max_size=16 * 2**20)
     app[COORDINATOR] = coordinator

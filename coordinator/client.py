@@ -89,7 +89,7 @@ class RouteClient:
         fixed = None if callable(urls) else [u.rstrip("/") for u in urls]
         self._urls: Callable[[], Sequence[str]] = urls if fixed is None else (lambda: fixed)  # type: ignore[assignment]
         self.session = session
-        #: the cluster secret's header (protocol/plane.py): on every request, the session's or not
+        #: the cluster secret's header (runtime/plane.py): on every request, the session's or not
         self._auth = dict(auth or {})
         self.timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=min(timeout, 1.0))
         #: the replica that answered last goes first next time

@@ -23,7 +23,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from protocol.ports import free_port
+from runtime.ports import free_port
 
 
 def etcd_binary() -> str:

@@ -19,7 +19,7 @@ from aiohttp import web
 
 from coordinator.app import make_app
 from coordinator.service import Coordinator, CoordinatorConfig
-from protocol.read_deadlines import DeadlineAppRunner
+from runtime.read_deadlines import DeadlineAppRunner
 
 log = logging.getLogger("duet.coordinator")
 #: seconds shutdown may take before the process exits regardless
@@ -29,7 +29,7 @@ SHUTDOWN_GRACE_S = 15.0
 async def serve(
     cfg: CoordinatorConfig, background: Sequence[Callable[[Coordinator], Awaitable[None]]] = ()
 ) -> int:
-    from protocol.cluster_secret import SecretError
+    from runtime.cluster_secret import SecretError
 
     try:
         cfg.security.check_start([cfg.host], "this coordinator")
@@ -37,8 +37,8 @@ async def serve(
         print(f"duet coordinator: {e}", file=sys.stderr)
         return 2
     app = make_app(cfg, background=background)
-    # HTTP parser errors answered in the same error body as /route's own (protocol.http_errors);
-    # deadlines for reading each request's headers and body (protocol.read_deadlines).
+    # HTTP parser errors answered in the same error body as /route's own (runtime.http_errors);
+    # deadlines for reading each request's headers and body (runtime.read_deadlines).
     runner = DeadlineAppRunner(
         app, deadlines=cfg.deadlines, handler_cancellation=True, access_log=None
     )

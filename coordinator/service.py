@@ -38,10 +38,10 @@ from protocol.cluster import (
     PendingReport,
 )
 from protocol.openai import APIError
-from protocol.plane import PlaneSecurity
 from protocol.planner import PlannerReport
-from protocol.read_deadlines import ReadDeadlines
 from protocol.route import RouteRequest
+from runtime.plane import PlaneSecurity
+from runtime.read_deadlines import ReadDeadlines
 
 log = logging.getLogger("duet.coordinator")
 
@@ -60,7 +60,7 @@ class CoordinatorConfig:
     #: lease TTL of this replica's membership and leadership (seconds)
     ttl: int = NODE_TTL_S
     policy: PolicyConfig = field(default_factory=PolicyConfig)
-    #: cluster secret, TLS and /metrics policy of the internal plane (protocol/plane.py)
+    #: cluster secret, TLS and /metrics policy of the internal plane (runtime/plane.py)
     security: PlaneSecurity = field(default_factory=PlaneSecurity)
     #: deadlines for reading a request's headers and body (slow clients)
     deadlines: ReadDeadlines = field(default_factory=ReadDeadlines)

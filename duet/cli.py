@@ -22,7 +22,7 @@ from duet import (
     cmd_status,
     cmd_up,
 )
-from protocol.models import ModelNotFoundError
+from runtime.models import ModelNotFoundError
 
 DESCRIPTION = """\
 duet: disaggregated prefill/decode LLM serving.
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(
         args, "trace", False
-    ):  # protocol/tracing.py reads it; `duet up`'s children inherit it
+    ):  # runtime/tracing.py reads it; `duet up`'s children inherit it
         os.environ["DUET_TRACING"] = "1"
     try:
         return int(args.func(args) or 0)

@@ -166,9 +166,7 @@ def _run_drain(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
 
 
-async def _undo(
-    args: argparse.Namespace, security
-) -> int:  # security: protocol.plane.PlaneSecurity
+async def _undo(args: argparse.Namespace, security) -> int:  # security: runtime.plane.PlaneSecurity
     import aiohttp
     import msgspec
 

@@ -142,7 +142,7 @@ def _store_url(args: argparse.Namespace) -> str:
 def _config(args: argparse.Namespace):  # -> GatewayConfig
     from duet.cli import UsageError
     from gateway.config import ConfigError, RoutingConfig, load_config
-    from protocol.models import resolve_model
+    from runtime.models import resolve_model
 
     try:
         cfg = load_config(args.config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from protocol.models import DEFAULT_MODEL, REGISTRY, directory_size, is_model_dir, models_dir
+from runtime.models import DEFAULT_MODEL, REGISTRY, directory_size, is_model_dir, models_dir
 
 #: engine/quant.py's SCHEMES, repeated so `duet --help` does not import torch
 SCHEMES = ("int8", "int4", "int4-g64")

@@ -7,9 +7,9 @@ import argparse
 from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
 from duet.security_args import add_server_arguments, plane_security, read_deadlines
 from node.config import DEFAULT_ALLOWED_PEERS
-from protocol.guide_compile import THREADS as GUIDE_THREADS
-from protocol.guide_compile import TIMEOUT_S as GUIDE_TIMEOUT_S
-from protocol.models import DEFAULT_MODEL
+from runtime.models import DEFAULT_MODEL
+from text.guide_compile import THREADS as GUIDE_THREADS
+from text.guide_compile import TIMEOUT_S as GUIDE_TIMEOUT_S
 
 ROLE_HELP = {
     "prefill": ("prefill node: computes prompts' KV and holds it for decode nodes", 8100),

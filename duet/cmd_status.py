@@ -28,7 +28,7 @@ from duet.security_args import add_client_arguments, plane_security
 
 if TYPE_CHECKING:
     from coordinator.cluster_view import ClusterSnapshot
-    from protocol.plane import PlaneSecurity
+    from runtime.plane import PlaneSecurity
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -42,8 +42,8 @@ import urllib.request
 from dataclasses import replace
 from typing import Any
 
-from protocol.models import DEFAULT_MODEL, REGISTRY, ModelNotFoundError, resolve_model
-from protocol.ports import free_port
+from runtime.models import DEFAULT_MODEL, REGISTRY, ModelNotFoundError, resolve_model
+from runtime.ports import free_port
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -618,7 +618,7 @@ def _run(args: argparse.Namespace) -> int:
     from duet.supervisor import Child, ChildState, Supervisor
     from duet.up_home import UpHome, admin_key, cluster_secret, dev_key
     from gateway.keys import hash_secret
-    from protocol.cluster_secret import read_secret_file
+    from runtime.cluster_secret import read_secret_file
 
     cfg = build_config(args)
     _check_gateways(args.gateways)
@@ -642,7 +642,7 @@ def _run(args: argparse.Namespace) -> int:
     autoscale, max_nodes = _autoscale_bounds(args, cfg, log)
     key, created = dev_key(home)
     admin = admin_key(home)
-    # The cluster secret (protocol/cluster_secret.py): every child gets the file's path, and
+    # The cluster secret (runtime/cluster_secret.py): every child gets the file's path, and
     # this process sends it on its own /cluster polls.
     secret_file = cluster_secret(home)
     secret_args = ["--cluster-secret-file", str(secret_file)]

@@ -1,7 +1,7 @@
 """The internal-plane flags every server process shares (node, coordinator, gateway) and the
 client flags of the operator commands (`duet status`): one definition, so they never drift.
 
-Reads them into protocol.plane.PlaneSecurity; an unusable secret or certificate is a usage
+Reads them into runtime.plane.PlaneSecurity; an unusable secret or certificate is a usage
 error (exit 2) before anything starts, never a silent start without it.
 """
 
@@ -66,7 +66,7 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_deadline_arguments(p: argparse.ArgumentParser) -> None:
-    """A node's and a coordinator's read deadlines (protocol/read_deadlines.py); the gateway's
+    """A node's and a coordinator's read deadlines (runtime/read_deadlines.py); the gateway's
     are `[server]` settings of its config file."""
     g = p.add_argument_group(
         "slow clients",
@@ -92,7 +92,7 @@ def add_deadline_arguments(p: argparse.ArgumentParser) -> None:
 def read_deadlines(args: argparse.Namespace):
     """The flags as a ReadDeadlines; raises UsageError for a value out of range."""
     from duet.cli import UsageError
-    from protocol.read_deadlines import ReadDeadlines
+    from runtime.read_deadlines import ReadDeadlines
 
     d = ReadDeadlines(header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s)
     problem = d.problem()
@@ -129,8 +129,8 @@ def add_gateway_security_arguments(p: argparse.ArgumentParser) -> None:
 def plane_security(args: argparse.Namespace):
     """The flags as a PlaneSecurity; raises UsageError for an unusable secret or TLS file."""
     from duet.cli import UsageError
-    from protocol.cluster_secret import SecretError, load_secret
-    from protocol.plane import PlaneSecurity
+    from runtime.cluster_secret import SecretError, load_secret
+    from runtime.plane import PlaneSecurity
 
     try:
         sec = PlaneSecurity(

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from planner.local import ControlError, ControlReady, NodeStarted, NodeStopped, ScaleOut
-from protocol.cluster_secret import ClusterSecret
+from runtime.cluster_secret import ClusterSecret
 
 T = TypeVar("T")
 

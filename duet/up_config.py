@@ -56,8 +56,8 @@ from pathlib import Path
 from typing import Any
 
 from duet.supervisor import RestartPolicy
-from protocol.models import DEFAULT_MODEL
-from protocol.tables import from_table
+from runtime.models import DEFAULT_MODEL
+from runtime.tables import from_table
 
 #: "embed": a node of `--task embed` (its node role is `both`), served as a kind = "embedding"
 #: model by the gateway

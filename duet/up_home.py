@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from protocol.models import duet_home
+from runtime.models import duet_home
 
 DEV_TEAM = "dev"
 
@@ -138,7 +138,7 @@ def cluster_secret(home: UpHome) -> Path:
     replaced: every child of this `duet up` gets the new one, and nothing else shares it."""
     import secrets
 
-    from protocol.cluster_secret import SecretError, read_secret_file, write_secret_file
+    from runtime.cluster_secret import SecretError, read_secret_file, write_secret_file
 
     path = home.cluster_secret_file
     if path.exists():

@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 
 from protocol.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
-from protocol.models import DEFAULT_MODEL
+from runtime.models import DEFAULT_MODEL
 
 
 def parse_size(text: str | int) -> int:

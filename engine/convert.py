@@ -18,7 +18,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from protocol.models import ModelRef, is_model_dir
+from runtime.models import ModelRef, is_model_dir
 
 Progress = Callable[[str], None]
 

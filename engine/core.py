@@ -41,8 +41,8 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.spec_decode import Speculator, build_speculator, spec_max_batch
 from protocol.logprobs import TokenLogprob
-from protocol.models import resolve_model
-from protocol.tokenizer import Tokenizer
+from runtime.models import resolve_model
+from text.tokenizer import Tokenizer
 
 log = logging.getLogger("duet.engine")
 

@@ -2,9 +2,9 @@
 request, the token mask on the logits every step (issue #24, DESIGN §8).
 
 The grammar engine is llguidance (chosen by measurement: docs/structured-outputs.md). A guide
-(protocol/structured.py) becomes a grammar through protocol/guide_check.py::guide_grammar — the
+(protocol/structured.py) becomes a grammar through text/guide_check.py::guide_grammar — the
 same mapping the gateway's tokenizer-free check uses, bounded numbers' fractions cut included
-(protocol/json_bounds.py) — and is compiled here against the model's tokenizer into a prototype
+(text/json_bounds.py) — and is compiled here against the model's tokenizer into a prototype
 `LLMatcher`, cached by (kind, sha256 of the spec) in a bounded LRU (the cut is a function of the
 spec, so the key stays right, and a decode node resumes the very grammar its prefill node used).
 `compile_async` runs that compilation in a small thread pool, so the engine thread only copies a
@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from protocol.guide_check import GrammarEngineMissing, guide_grammar
-from protocol.strict import fallback
 from protocol.structured import Guide
+from runtime.strict import fallback
+from text.guide_check import GrammarEngineMissing, guide_grammar
 
 log = logging.getLogger("duet.engine.guided")
 

@@ -21,7 +21,7 @@ same kernel transformers calls, so fp32 greedy output stays token-identical to i
 
 Invariant: `Linear(x)` equals `F.linear(x, weight, bias)` up to bf16 rounding; when prepacking
 fails or fails its self-check the layer stays on F.linear with one warning — except in strict
-mode (CI=true, protocol/strict.py), where that is an error. A dtype or device prepacking does not
+mode (CI=true, runtime/strict.py), where that is an error. A dtype or device prepacking does not
 apply to (fp32, CUDA) is a choice, not a fallback; so is an x86 CPU that oneDNN's bf16 reorder
 does not support (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only Zen 3 has neither),
 where bf16 layers run F.linear, said once at info level.
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from engine.cpu import cpu_flags
 from engine.kernels import kernels_lib
-from protocol.strict import fallback
+from runtime.strict import fallback
 
 log = logging.getLogger("duet.engine.linear")
 

@@ -13,10 +13,10 @@ streamed them, and only the text past what the client already has is emitted.
 
 from __future__ import annotations
 
-from protocol.detokenizer import IncrementalDetokenizer
 from protocol.outputs import RequestOutput
 from protocol.resume import Resume
-from protocol.tokenizer import Tokenizer
+from text.detokenizer import IncrementalDetokenizer
+from text.tokenizer import Tokenizer
 
 __all__ = ["RequestOutput", "TextState"]
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine.convert import Progress, convert_gguf
-from protocol.models import REGISTRY, RegistryModel, is_model_dir, models_dir
+from runtime.models import REGISTRY, RegistryModel, is_model_dir, models_dir
 
 
 class PullError(RuntimeError):

@@ -81,7 +81,7 @@ def activation_ranges(
     from engine.model import LlamaModel
     from engine.rope import Rope
     from engine.weights import load_weights
-    from protocol.tokenizer import Tokenizer
+    from text.tokenizer import Tokenizer
 
     dev = torch.device("cpu")
     ids = Tokenizer(model_dir).encode(text if text is not None else CALIBRATION.read_text())

@@ -39,7 +39,7 @@ from engine.scheduler import ScheduledChunk
 from engine.spec_draft import Draft, DraftModel, check_same_tokenizer
 from engine.spec_ngram import SpecState, propose
 from engine.spec_verify import verify_greedy, verify_sampled
-from protocol.models import resolve_model
+from runtime.models import resolve_model
 
 log = logging.getLogger("duet.engine.spec")
 

@@ -46,13 +46,13 @@ from gateway.store.base import StoreError
 from gateway.tiers import Admission, Shed
 from gateway.usage_writer import UsageWriter
 from protocol.cluster import NodeTask
-from protocol.cluster_secret import metrics_middleware
-from protocol.guide_compile import GuideChecker
-from protocol.http_errors import error_middleware
-from protocol.models import resolve_model
 from protocol.openai import APIError
-from protocol.tokenizer import Tokenizer
-from protocol.tracing import DEFAULT_RING, from_env, setup
+from runtime.cluster_secret import metrics_middleware
+from runtime.http_errors import error_middleware
+from runtime.models import resolve_model
+from runtime.tracing import DEFAULT_RING, from_env, setup
+from text.guide_compile import GuideChecker
+from text.tokenizer import Tokenizer
 
 log = logging.getLogger("duet.gateway")
 STATE = web.AppKey("state", GatewayState)
@@ -226,7 +226,7 @@ def make_app(config: GatewayConfig) -> web.Application:
     )
     state = app[STATE]
     state.tracing = setup("duet-gateway", from_env(DEFAULT_RING, config.tracing))
-    # public endpoints: a client's traceparent is a link, never the parent (protocol/tracing.py)
+    # public endpoints: a client's traceparent is a link, never the parent (runtime/tracing.py)
     state.tracing.install(app, after=_request_id, trust_parent=False)
     state.provider_metrics = register_provider_metrics(
         metrics.registry,

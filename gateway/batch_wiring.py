@@ -55,8 +55,8 @@ from gateway.state import GatewayState
 from gateway.store.base import ApiKey
 from gateway.team_gate import TeamLimited
 from gateway.tiers import Shed
-from protocol.models import duet_home
 from protocol.openai import APIError
+from runtime.models import duet_home
 
 log = logging.getLogger("duet.gateway.batch")
 RUNNER = web.AppKey("batch_runner", BatchRunner)

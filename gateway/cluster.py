@@ -51,7 +51,7 @@ from protocol.node_api import NodeCompletionChunk, NodeCompletionRequest
 from protocol.openai import APIError, CompletionChoice
 from protocol.resume import Resume
 from protocol.route import RouteRequest, RouteResponse
-from protocol.tracing import GEN_AI_INPUT_TOKENS, GEN_AI_OUTPUT_TOKENS, SERVER_ADDRESS, Tracing
+from runtime.tracing import GEN_AI_INPUT_TOKENS, GEN_AI_OUTPUT_TOKENS, SERVER_ADDRESS, Tracing
 
 log = logging.getLogger("duet.gateway.cluster")
 

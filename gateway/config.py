@@ -92,11 +92,11 @@ from typing import Any, Literal
 
 from gateway.features import parse_features
 from gateway.tools.formats import TOOL_PARSERS
-from protocol.models import duet_home
-from protocol.plane import PlaneSecurity
-from protocol.read_deadlines import ReadDeadlines
-from protocol.tables import from_table
-from protocol.tracing import TracingConfig
+from runtime.models import duet_home
+from runtime.plane import PlaneSecurity
+from runtime.read_deadlines import ReadDeadlines
+from runtime.tables import from_table
+from runtime.tracing import TracingConfig
 
 #: "cluster": generation on duet's nodes; "external": a provider's model; "embedding": served by
 #: duet nodes started with `--task embed`, on `/v1/embeddings` only (gateway/embeddings.py)
@@ -187,7 +187,7 @@ class ServerConfig:
     #: a request body must arrive within this long plus 1 s per `body_min_rate_bytes_s` bytes
     #: received, or the connection is closed with a 408 (a trickled body; 0: off)
     body_timeout_s: float = 30.0
-    #: the average rate a body must keep past `body_timeout_s` (protocol/read_deadlines.py)
+    #: the average rate a body must keep past `body_timeout_s` (runtime/read_deadlines.py)
     body_min_rate_bytes_s: int = 4096
     #: open connections from one client address at most; more are closed at once (0: no cap).
     #: Behind a load balancer or proxy every client shares its address: raise this there.
@@ -203,7 +203,7 @@ class ServerConfig:
     key_cache_ttl_s: float = 5.0
     #: a structured-output constraint (response_format, guided_*, structured_outputs, a forced
     #: tool choice's schema) whose grammar compiles longer than this is a 400 "too complex"
-    #: (protocol/guide_compile.py); compiles run off the event loop on at most
+    #: (text/guide_compile.py); compiles run off the event loop on at most
     #: `guide_compile_threads` threads at once
     guide_compile_timeout_s: float = 5.0
     guide_compile_threads: int = 2
@@ -356,7 +356,7 @@ class BatchSettings:
 class GatewayConfig:
     models: dict[str, ModelConfig]
     store_url: str = ""
-    #: OpenTelemetry ([tracing]: enabled, endpoint, ring_size, sample_ratio; protocol/tracing.py)
+    #: OpenTelemetry ([tracing]: enabled, endpoint, ring_size, sample_ratio; runtime/tracing.py)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     server: ServerConfig = ServerConfig()
     routing: RoutingConfig = RoutingConfig()
@@ -365,7 +365,7 @@ class GatewayConfig:
     auto: AutoConfig | None = None
     teams: dict[str, TeamPolicy] = field(default_factory=dict)
     batch: BatchSettings = BatchSettings()
-    #: cluster secret, TLS and /metrics policy (flags of `duet gateway`; protocol/plane.py)
+    #: cluster secret, TLS and /metrics policy (flags of `duet gateway`; runtime/plane.py)
     security: PlaneSecurity = field(default_factory=PlaneSecurity)
 
     def team_policy(self, team_id: str) -> TeamPolicy:

@@ -1,5 +1,5 @@
 """The gateway's listener limits against slow and greedy clients: a cap on open connections
-per client address, on top of every duet server's read deadlines (protocol/read_deadlines.py:
+per client address, on top of every duet server's read deadlines (runtime/read_deadlines.py:
 a request's headers within `[server] header_timeout_s` of its first byte, its body at
 `body_min_rate_bytes_s` after `body_timeout_s`). Idle keep-alive connections close after
 `[server] keepalive_timeout_s` (aiohttp's own timer).
@@ -16,8 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
-from protocol.log_throttle import ThrottledWarning
-from protocol.read_deadlines import (
+from runtime.log_throttle import ThrottledWarning
+from runtime.read_deadlines import (
     DeadlineAppRunner,
     DeadlineHandler,
     DeadlineServer,
@@ -81,7 +81,7 @@ class _LimitedServer(DeadlineServer):
 
 
 class LimitedAppRunner(DeadlineAppRunner):
-    """protocol.read_deadlines.DeadlineAppRunner (read deadlines, OpenAI-shaped parser errors)
+    """runtime.read_deadlines.DeadlineAppRunner (read deadlines, OpenAI-shaped parser errors)
     with the per-address cap above."""
 
     __slots__ = ("_gate",)

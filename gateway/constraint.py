@@ -11,7 +11,7 @@ per-request choice of grammar engine) is taken and changes nothing: duet has one
 
 vLLM's extras become the same `Guide` that `response_format` does, checked by the same grammar
 engine call before any node work — serve.run awaits it off the event loop, bounded in time
-(protocol/guide_compile.py), since a pathological schema compiles for seconds — so an invalid
+(text/guide_compile.py), since a pathological schema compiles for seconds — so an invalid
 regex, an empty or oversized list of choices or a bad schema is a 400 whose `param` names the
 field (`guided_choice`, `structured_outputs.regex`, …): `Constraint.param`. They are also kept in vLLM's newest form
 (`structured_outputs`, one field set), which is what an OpenAI-compatible provider serving them
@@ -37,13 +37,13 @@ from typing import Any
 
 import msgspec
 
-from protocol.guide_check import (
+from protocol.openai import APIError
+from protocol.structured import Guide, GuideKind, ResponseFormat, StructuredOutputs
+from text.guide_check import (
     canonical_schema,
     choice_guide,
     guide_from_response_format,
 )
-from protocol.openai import APIError
-from protocol.structured import Guide, GuideKind, ResponseFormat, StructuredOutputs
 
 #: vLLM's request fields that constrain the answer (each becomes a guide)
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "structured_outputs")

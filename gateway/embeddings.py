@@ -56,7 +56,7 @@ from protocol.embeddings import (
 )
 from protocol.openai import APIError
 from protocol.route import RouteRequest
-from protocol.tracing import (
+from runtime.tracing import (
     GEN_AI_DIMENSIONS,
     GEN_AI_ENCODING_FORMATS,
     GEN_AI_INPUT_TOKENS,

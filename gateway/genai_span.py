@@ -1,5 +1,5 @@
 """The gateway's GenAI client span: one per call to the model that answers (OTel's GenAI
-semantic conventions, protocol/tracing.py).
+semantic conventions, runtime/tracing.py).
 
 `client_span` is what chat, completions (gateway/serve.py, one per model tried: a fallback
 gives two) and embeddings (gateway/embeddings.py) open around their call: named
@@ -17,7 +17,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 from protocol.openai import APIError
-from protocol.tracing import (
+from runtime.tracing import (
     ERROR_TYPE,
     GEN_AI_OPERATION,
     GEN_AI_PROVIDER,

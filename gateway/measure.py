@@ -20,9 +20,9 @@ from gateway.requests import Request
 from gateway.state import ServedModel
 from gateway.tools.plan import ToolPlan, plan_for
 from gateway.tools.prompt import render
-from protocol.guide_compile import GuideChecker
 from protocol.openai import APIError
-from protocol.tokenizer import ChatTemplateError, Tokenizer
+from text.guide_compile import GuideChecker
+from text.tokenizer import ChatTemplateError, Tokenizer
 
 #: prompts longer than this (characters) are tokenized off the event loop
 _BIG_PROMPT = 16_384

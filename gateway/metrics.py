@@ -81,7 +81,7 @@ class GatewayMetrics:
         self.usage_batches = Counter(
             "duet:usage_write_batches", "Usage-record transactions", registry=r
         )
-        # grammar compiles of structured-output constraints (protocol/guide_compile.py): one per
+        # grammar compiles of structured-output constraints (text/guide_compile.py): one per
         # distinct guide (a resent one is answered from the cache), by verdict
         self.guide_compiles = Counter(
             "duet:guide_compiles",

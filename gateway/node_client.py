@@ -85,7 +85,7 @@ class NodeClient:
         auth: dict[str, str] | None = None,
     ) -> None:
         self.session = session
-        #: the cluster secret's header (protocol/plane.py), on every request to a node and only
+        #: the cluster secret's header (runtime/plane.py), on every request to a node and only
         #: there: the session is shared with the providers, which must never see it
         self._auth = auth or {}
         self._connect_timeout_s = connect_timeout_s

@@ -48,7 +48,7 @@ from gateway.tiers import team_tier
 from gateway.tools.plan import ToolMode, ToolPlan
 from gateway.tools.reply import with_tool_calls
 from protocol.openai import APIError
-from protocol.tracing import (
+from runtime.tracing import (
     GEN_AI_CHOICE_COUNT,
     GEN_AI_FINISH_REASONS,
     GEN_AI_INPUT_TOKENS,
@@ -116,7 +116,7 @@ async def run(
     (gateway/batch_wiring.py; no sink, so no streaming) both call."""
     req = parse_chat(raw) if endpoint == Endpoint.CHAT else parse_completion(raw)
     # the grammar engine's check of its constraint: off the event loop, bounded in time (a
-    # pathological schema must not stall every other request; protocol/guide_compile.py)
+    # pathological schema must not stall every other request; text/guide_compile.py)
     await state.guides.check(req.guide, req.guide_param or "response_format")
     if req.stream and sink is None:
         raise APIError(400, "stream is not supported here", param="stream")

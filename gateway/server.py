@@ -73,10 +73,10 @@ async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
     srv = cfg.server
     # handler_cancellation: a client that disconnects cancels its handler, which aborts the
     # request on every node it touched.
-    # AppRunner from protocol.http_errors: what aiohttp's HTTP parser refuses (a header over
+    # AppRunner from runtime.http_errors: what aiohttp's HTTP parser refuses (a header over
     # max_header_bytes, a malformed request line) is answered in OpenAI's error body too.
     # LimitedAppRunner: connections per client address; deadlines for each request's headers
-    # and body (protocol/read_deadlines.py).
+    # and body (runtime/read_deadlines.py).
     runner = LimitedAppRunner(
         app,
         handler_cancellation=True,

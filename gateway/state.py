@@ -16,9 +16,9 @@ from gateway.metrics import GatewayMetrics
 from gateway.store.base import Store
 from gateway.tiers import Admission
 from gateway.usage_writer import UsageWriter
-from protocol.guide_compile import GuideChecker
-from protocol.tokenizer import Tokenizer
-from protocol.tracing import Tracing
+from runtime.tracing import Tracing
+from text.guide_compile import GuideChecker
+from text.tokenizer import Tokenizer
 
 
 def _admin_guard() -> AdminGuard:

@@ -2,7 +2,7 @@
 
 `make_transport("nixl" | "ucx" | "tcp", engine_id=..., **options)`. "nixl" (the default)
 falls back to "tcp" when NIXL cannot be imported or its UCX agent cannot start, logging
-exactly one line that says so; in strict mode (`CI=true`, protocol/strict.py) that fallback
+exactly one line that says so; in strict mode (`CI=true`, runtime/strict.py) that fallback
 raises `FallbackRefused` instead, so CI never passes on tcp while reporting nixl. An explicit
 "ucx" without ucxx raises `BackendUnavailable` (asking for it is a choice).
 Options a backend does not take are rejected, so a typo in a config does not pass silently.
@@ -16,7 +16,7 @@ from typing import Any
 
 from kvtransfer.base import Transport
 from kvtransfer.errors import BackendUnavailable
-from protocol.strict import fallback
+from runtime.strict import fallback
 
 log = logging.getLogger(__name__)
 

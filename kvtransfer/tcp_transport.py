@@ -12,7 +12,7 @@ fails, times out or is cancelled mid-request is closed, never reused: after that
 can land in the reader's blocks.
 
 Every connection starts with a mutual challenge-response over the cluster secret
-(protocol/cluster_secret.py), before any request is read: the owner sends `Challenge(nonce_o)`,
+(runtime/cluster_secret.py), before any request is read: the owner sends `Challenge(nonce_o)`,
 the reader answers `Hello(nonce_r, HMAC(secret, "reader", nonce_o, nonce_r))`, the owner checks
 it (constant time) and answers `Welcome(HMAC(secret, "owner", nonce_r, nonce_o))`, which the
 reader checks. The secret never crosses the wire; a reader without it gets no block and no
@@ -40,9 +40,9 @@ from kvtransfer.memory import PoolMemory
 from kvtransfer.metadata import Notification, TransportMetadata
 from kvtransfer.metrics import KVTransferMetrics
 from kvtransfer.regions import ReadPlan, side_runs
-from protocol.cluster_secret import ClusterSecret, hmac_parts
 from protocol.kv_layout import KVLayout
-from protocol.log_throttle import ThrottledWarning
+from runtime.cluster_secret import ClusterSecret, hmac_parts
+from runtime.log_throttle import ThrottledWarning
 
 log = logging.getLogger(__name__)
 

@@ -47,8 +47,8 @@ from kvtransfer.metrics import KVTransferMetrics
 from kvtransfer.regions import ReadPlan
 from kvtransfer.tcp_transport import NONCE_BYTES
 from kvtransfer.ucx_env import UCXX_DEFAULT_OPTIONS
-from protocol.cluster_secret import ClusterSecret, hmac_parts
-from protocol.log_throttle import ThrottledWarning
+from runtime.cluster_secret import ClusterSecret, hmac_parts
+from runtime.log_throttle import ThrottledWarning
 
 log = logging.getLogger(__name__)
 

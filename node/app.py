@@ -1,7 +1,7 @@
 """The node's aiohttp application (DESIGN §4 internal API), built by `make_app`.
 
 Middleware gives every request its X-Request-Id (in the log context and the answer); the shared
-error middleware (protocol/http_errors.py) turns APIError into OpenAI's error body with the
+error middleware (runtime/http_errors.py) turns APIError into OpenAI's error body with the
 right status and keeps an unexpected exception from taking the node down (500, logged), and the
 node's `_translate` adds its own: 503 when the engine's queue is full (with Retry-After) or the
 engine is dead, 413 for a body larger than any prompt within the context can need. A draining
@@ -23,9 +23,9 @@ from node.engine_api import EngineDead, EngineOverloaded
 from node.request_log import REQUEST_ID
 from node.responder import engine_dead
 from node.state import NodeState
-from protocol.http_errors import error_middleware
 from protocol.node_api import AbortRequest, NodeHealth
 from protocol.openai import APIError
+from runtime.http_errors import error_middleware
 
 log = logging.getLogger("duet.node")
 STATE = web.AppKey("state", NodeState)
@@ -84,7 +84,7 @@ async def _draining(request: web.Request, handler: Handler) -> web.StreamRespons
 
 
 def _translate(request: web.Request, e: BaseException) -> APIError | None:
-    """The node's own failures for the shared error middleware (protocol/http_errors.py)."""
+    """The node's own failures for the shared error middleware (runtime/http_errors.py)."""
     state = request.app[STATE]
     if isinstance(e, EngineOverloaded):
         state.metrics.rejected("queue_full")
@@ -201,7 +201,7 @@ def make_app(state: NodeState) -> web.Application:
     """The node app; `state` holds an engine that is built but not started, and the roles
     registered for this node."""
     errors = error_middleware(log, _translate, _rid)
-    # The cluster secret first: a request without it reaches nothing (protocol/cluster_secret.py).
+    # The cluster secret first: a request without it reaches nothing (runtime/cluster_secret.py).
     auth = state.config.security.middlewares()
     limit = max_body_bytes(state.engine.max_model_len)
     if state.config.task == "embed":

@@ -26,7 +26,7 @@ from protocol.kv_params import KVTransferParams
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.node_api import NodeCompletion, NodeCompletionRequest
 from protocol.openai import APIError, CompletionLogprobs, SamplingFields, Usage
-from protocol.tokenizer import ChatTemplateError, Tokenizer
+from text.tokenizer import ChatTemplateError, Tokenizer
 
 
 class ContentPart(msgspec.Struct, kw_only=True):

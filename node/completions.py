@@ -6,7 +6,7 @@ carries (node.legs: `do_remote_decode` → prefill leg, `do_remote_prefill` → 
 
 Nothing here trusts the body: every field is type-checked (msgspec: no bool for an int, no
 unknown kv_transfer_params shapes), range-checked (SamplingParams, the context length), and
-string prompts are tokenized and guides grammar-checked (state.guides: protocol/guide_compile.py)
+string prompts are tokenized and guides grammar-checked (state.guides: text/guide_compile.py)
 off the event loop.
 """
 

@@ -7,10 +7,10 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocol.guide_compile import THREADS as GUIDE_THREADS
-from protocol.guide_compile import TIMEOUT_S as GUIDE_TIMEOUT_S
-from protocol.plane import PlaneSecurity
-from protocol.read_deadlines import ReadDeadlines
+from runtime.plane import PlaneSecurity
+from runtime.read_deadlines import ReadDeadlines
+from text.guide_compile import THREADS as GUIDE_THREADS
+from text.guide_compile import TIMEOUT_S as GUIDE_TIMEOUT_S
 
 ROLES = ("prefill", "decode", "both")
 FAILURE_POLICIES = ("recompute", "fail")
@@ -72,7 +72,7 @@ class NodeConfig:
     #: routing pool label: shared, interactive or batch
     pool: str = "shared"
     exit_when_drained: bool = False
-    #: cluster secret, TLS and /metrics policy of the internal plane (protocol/plane.py)
+    #: cluster secret, TLS and /metrics policy of the internal plane (runtime/plane.py)
     security: PlaneSecurity = field(default_factory=PlaneSecurity)
     #: deadlines for reading a request's headers and body (slow clients)
     deadlines: ReadDeadlines = field(default_factory=ReadDeadlines)
@@ -80,7 +80,7 @@ class NodeConfig:
     task: str = "generate"
     #: embed nodes: how a prompt's final hidden states become one vector ("last" or "mean")
     pooling: str = "last"
-    #: a guide's grammar check (protocol/guide_compile.py) runs off the event loop on this many
+    #: a guide's grammar check (text/guide_compile.py) runs off the event loop on this many
     #: threads, and one compiling longer than this is a 400 guide_too_complex — the gateway's
     #: `[server] guide_compile_threads` / `guide_compile_timeout_s`, with its defaults
     guide_compile_threads: int = GUIDE_THREADS

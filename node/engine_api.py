@@ -35,7 +35,7 @@ from protocol.kv_layout import KVLayout
 from protocol.kv_params import KVTransferParams
 from protocol.outputs import RequestOutput
 from protocol.sampling import Priority, SamplingParams
-from protocol.tokenizer import Tokenizer
+from text.tokenizer import Tokenizer
 
 __all__ = [
     "Delta",

@@ -13,7 +13,7 @@ has live spans of its own.
 
 from __future__ import annotations
 
-from protocol.tracing import GEN_AI_INPUT_TOKENS, Tracing, mono_to_unix_ns
+from runtime.tracing import GEN_AI_INPUT_TOKENS, Tracing, mono_to_unix_ns
 
 
 def record_leg(

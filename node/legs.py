@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from kvtransfer import Transport
     from node.config import NodeConfig
     from node.metrics import NodeMetrics
-    from protocol.tracing import Tracing
+    from runtime.tracing import Tracing
 
 T = TypeVar("T")
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from protocol.logprobs import TokenLogprob
 from protocol.openai import CompletionLogprobs, PromptLogprob
-from protocol.tokenizer import Tokenizer
+from text.tokenizer import Tokenizer
 
 
 def _tok(tokenizer: Tokenizer, token_id: int) -> str:

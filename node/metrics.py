@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from node.latency_window import RecentLatency
-from protocol.guide_compile import Verdict
+from text.guide_compile import Verdict
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -164,7 +164,7 @@ class NodeMetrics:
             [*names, "reason"],
             registry=self.registry,
         )
-        # the grammar checks of request guides (protocol/guide_compile.py), as the gateway counts
+        # the grammar checks of request guides (text/guide_compile.py), as the gateway counts
         # them: one compile per distinct guide (a resent one is answered from the cache)
         self._guide_compiles = Counter(
             "duet:guide_compiles",

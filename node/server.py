@@ -26,8 +26,8 @@ from node.engines import make_engine
 from node.legs import Roles
 from node.metrics import NodeMetrics
 from node.state import NodeState
-from protocol.guide_compile import GuideChecker
-from protocol.read_deadlines import DeadlineAppRunner
+from runtime.read_deadlines import DeadlineAppRunner
+from text.guide_compile import GuideChecker
 
 log = logging.getLogger("duet.node")
 
@@ -71,7 +71,7 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
     roles = Roles()
     for reg in register:
         reg(roles)
-    from protocol.tracing import NODE_RING, from_env, setup
+    from runtime.tracing import NODE_RING, from_env, setup
 
     guides = GuideChecker(
         cfg.guide_compile_timeout_s,
@@ -102,8 +102,8 @@ LISTEN_BACKLOG = 4096
 async def serve(state: NodeState) -> int:
     cfg = state.config
     app = make_app(state)
-    # HTTP parser errors answered in OpenAI's error body too (protocol.http_errors); deadlines for
-    # reading each request's headers and body (protocol.read_deadlines).
+    # HTTP parser errors answered in OpenAI's error body too (runtime.http_errors); deadlines for
+    # reading each request's headers and body (runtime.read_deadlines).
     runner = DeadlineAppRunner(
         app, deadlines=cfg.deadlines, handler_cancellation=True, access_log=None
     )
@@ -151,7 +151,7 @@ async def _quiet(state: NodeState) -> None:
 
 
 def run_node(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] = ()) -> int:
-    from protocol.cluster_secret import SecretError
+    from runtime.cluster_secret import SecretError
 
     try:
         cfg.security.check_start([cfg.host], f"this {cfg.role} node")  # before the engine loads

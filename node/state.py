@@ -19,8 +19,8 @@ from node.config import NodeConfig
 from node.engine_api import NodeEngine
 from node.legs import Membership, Roles, RoleStates
 from node.metrics import NodeMetrics
-from protocol.guide_compile import GuideChecker
-from protocol.tracing import Tracing
+from runtime.tracing import Tracing
+from text.guide_compile import GuideChecker
 
 if TYPE_CHECKING:
     from kvtransfer import Transport

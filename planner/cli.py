@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from planner.config import PlannerMode, StepCost, load_config
-from protocol.plane import PlaneSecurity
+from runtime.plane import PlaneSecurity
 
 log = logging.getLogger("duet.planner")
 

@@ -67,7 +67,7 @@ class Drainer:
         deadline_s: float = 120.0,
     ) -> None:
         self.session = session
-        #: the cluster secret's header (protocol/cluster_secret.py): a node's /drain requires it
+        #: the cluster secret's header (runtime/cluster_secret.py): a node's /drain requires it
         self.headers = dict(auth or {})
         self.poll_s = poll_s
         self.deadline_s = deadline_s

@@ -21,7 +21,7 @@ from protocol.kv_params import KVTransferParams
 from protocol.openai import CompletionChoice, CompletionRequest, ErrorDetail, Usage
 from protocol.resume import Resume
 from protocol.structured import Guide
-from protocol.tracing import SpanRecord
+from runtime.tracing import SpanRecord
 
 
 class NodeCompletionRequest(CompletionRequest, kw_only=True, omit_defaults=True):

@@ -6,7 +6,7 @@ is vLLM's `structured_outputs` extra (which replaced its `guided_regex` / `guide
 a token mask every step (the gateway derives it from `response_format`, vLLM's extras —
 gateway/constraint.py — or `tool_choice` = `required` / a named function).
 A leg carries at most one guide; its `spec` is canonical text (a schema's compact JSON, keys in
-the client's order since property order is generation order — protocol/guide_check.py; a regex;
+the client's order since property order is generation order — text/guide_check.py; a regex;
 or a JSON list of choices), so the same constraint hashes to the same compiled grammar on every
 node.
 
@@ -69,7 +69,7 @@ class GuideKind(enum.StrEnum):
     """What a guide's `spec` holds."""
 
     JSON_OBJECT = "json_object"  # any JSON object (spec is empty)
-    JSON_SCHEMA = "json_schema"  # spec: the schema's compact JSON (protocol/guide_check.py)
+    JSON_SCHEMA = "json_schema"  # spec: the schema's compact JSON (text/guide_check.py)
     REGEX = "regex"  # spec: the regular expression
     CHOICE = "choice"  # spec: a JSON list of the allowed strings
 

@@ -44,9 +44,9 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from protocol.cluster_secret import read_secret_file
-from protocol.ports import free_port
 from protocol.profile import Overheads, Profile, Provenance, StepFeatures
+from runtime.cluster_secret import read_secret_file
+from runtime.ports import free_port
 from sim import procstat
 from sim.contention import ContentionMeter
 

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocol.ports import free_port
+from runtime.ports import free_port
 from sim import per_request, procstat
 from sim import profile as pf
 from sim import workload as wl
@@ -557,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown case(s) {sorted(unknown)}; known: {[c.name for c in CASES]}")
     out = Path(a.out)
     if a.model is None:
-        from protocol.models import DEFAULT_MODEL, resolve_model
+        from runtime.models import DEFAULT_MODEL, resolve_model
 
         a.model = str(resolve_model(DEFAULT_MODEL).directory)
     chosen = [c for c in CASES if c.name in want]

@@ -43,7 +43,7 @@ def tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
 def smollm2() -> Path:
     """The default model's directory; pulled (and converted) once if missing."""
     from engine.pull import pull
-    from protocol.models import DEFAULT_MODEL
+    from runtime.models import DEFAULT_MODEL
 
     return pull(DEFAULT_MODEL, progress=lambda _: None)
 

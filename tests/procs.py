@@ -19,7 +19,7 @@ from pathlib import Path
 
 from bench.procs import Proc, duet_node, free_port, running
 from coordinator.etcd_server import EtcdServer
-from protocol.cluster_secret import write_secret_file
+from runtime.cluster_secret import write_secret_file
 
 __all__ = [
     "TINY_NODE_ARGS",

@@ -1,7 +1,7 @@
 """Raw HTTP over a socket, for what no HTTP client sends — an over-long header or request line,
 a garbage request line, a request trickled in — and the checks that a duet server refuses each
-in OpenAI's error body and closes the connection (protocol/http_errors.py: a 400;
-protocol/read_deadlines.py: a 408). Shared by the gateway, node and coordinator tests."""
+in OpenAI's error body and closes the connection (runtime/http_errors.py: a 400;
+runtime/read_deadlines.py: a 408). Shared by the gateway, node and coordinator tests."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.strict import strict_mode
+from runtime.strict import strict_mode
 from tests.procs import Proc, free_port, running
 
 NODE = ("--dtype", "float32", "--kv-blocks", "64", "--max-model-len", "256")
@@ -152,7 +152,7 @@ def test_linear_prepacking_failure_is_an_error_in_strict_mode(
     import torch.nn.functional as F
 
     from engine import linear
-    from protocol.strict import FallbackRefused
+    from runtime.strict import FallbackRefused
 
     w = torch.randn(64, 64).to(torch.bfloat16)
     monkeypatch.setenv(

@@ -7,7 +7,7 @@ AST — every import statement, also the ones inside functions:
   (node.engine_api);
 - no public function on the request path takes or returns `dict[str, Any]`: wire messages are
   msgspec Structs (protocol/), in-process records are dataclasses;
-- bench/ imports only protocol/ and bench/ (it talks HTTP), except the component benchmarks
+- bench/ imports only protocol/, runtime/, text/ and bench/ (it talks HTTP), except the component benchmarks
   listed here, each importing the one package it measures.
 
 (tests/nodes/test_layering.py keeps the node's own rules: engine/ only in the native adapter.)

@@ -5,7 +5,7 @@ features, written atomically), in about a second. Linked against the OpenMP runt
 already loaded, so kernels and torch share one thread pool (two pools spinning on two cores
 is catastrophic). When no compiler is available or a source fails to compile, the engine
 falls back to torch ops with one warning, except in strict mode (`CI=true`,
-protocol/strict.py) where that raises `FallbackRefused` with the compiler's error, so CI never
+runtime/strict.py) where that raises `FallbackRefused` with the compiler's error, so CI never
 passes on the torch path. DUET_DISABLE_KERNELS=1 is a deliberate choice and allowed in
 strict mode too; it is logged as such.
 
@@ -39,8 +39,8 @@ import tempfile
 from pathlib import Path
 
 from engine.cpu import cpu_flags
-from protocol.models import duet_home
-from protocol.strict import fallback
+from runtime.models import duet_home
+from runtime.strict import fallback
 
 log = logging.getLogger("duet.engine.kernels")
 

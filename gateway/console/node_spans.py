@@ -26,7 +26,7 @@ import msgspec
 
 from gateway.state import GatewayState
 from protocol.node_api import NodeSpans
-from protocol.tracing import SERVER_ADDRESS, SpanRecord
+from runtime.tracing import SERVER_ADDRESS, SpanRecord
 
 #: the gateway's spans of a call to a node (gateway/cluster.py), whose nodes are asked
 LEG_SPANS = ("gateway.prefill_leg", "gateway.decode_leg")

@@ -27,7 +27,7 @@ from gateway.console.api import ApiFailed, call
 from gateway.console.render import csrf_field, esc, fragment, notice, page, table
 from gateway.console.session import Session
 from gateway.state import GatewayState
-from protocol.models import duet_home
+from runtime.models import duet_home
 
 DAY = 86400
 #: group_by values the CSV export offers (those of `duet usage report`)

@@ -29,8 +29,8 @@ from gateway.tools.events import (
 )
 from gateway.tools.formats import ToolFormat, tool_format
 from gateway.tools.spec import Tools
-from protocol.guide_check import canonical_schema
 from protocol.structured import Guide, GuideKind
+from text.guide_check import canonical_schema
 
 
 class ToolMode(enum.StrEnum):

@@ -22,8 +22,8 @@ import msgspec
 from gateway.tools.events import decode_json
 from gateway.tools.formats import ToolFormat, template_has_tools
 from gateway.tools.plan import ToolMode, ToolPlan
-from protocol.tokenizer import Tokenizer
 from protocol.tools import ToolCall
+from text.tokenizer import Tokenizer
 
 
 def render(tok: Tokenizer, messages: Sequence[dict[str, Any]], plan: ToolPlan) -> str:

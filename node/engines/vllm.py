@@ -39,15 +39,15 @@ from node.engine_api import Delta, EngineDead, KVEventDrain, KVHandoff, RequestR
 from node.engines.vllm_config import VllmEngineConfig
 from node.engines.vllm_events import VllmEventBridge
 from node.engines.vllm_stats import VllmStats, logger_factory
-from protocol.json_bounds import bounded_spec
 from protocol.kv_events import KVEvent
 from protocol.kv_layout import KVLayout
 from protocol.kv_params import KVTransferParams
 from protocol.logprobs import TokenLogprob
-from protocol.models import resolve_model
 from protocol.sampling import Priority, SamplingParams
 from protocol.structured import Guide, GuideKind
-from protocol.tokenizer import Tokenizer
+from runtime.models import resolve_model
+from text.json_bounds import bounded_spec
+from text.tokenizer import Tokenizer
 
 log = logging.getLogger("duet.node")
 #: seconds between two looks at vLLM's health
@@ -119,7 +119,7 @@ def vllm_guide(guide: Guide | None) -> dict[str, Any]:
             fields: dict[str, Any] = {"json_object": True}
         case (
             GuideKind.JSON_SCHEMA
-        ):  # bounded numbers cut as on the native engine (protocol/json_bounds.py)
+        ):  # bounded numbers cut as on the native engine (text/json_bounds.py)
             fields = {"json": bounded_spec(guide.spec)}
         case GuideKind.REGEX:
             fields = {"regex": guide.spec}

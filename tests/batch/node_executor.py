@@ -1,7 +1,7 @@
 """A real `Executor` for the batch tests: sends each request to a real duet node process.
 
 A chat body becomes a completion of the chat-templated prompt (token ids from
-protocol.tokenizer.Tokenizer.encode_chat), and the node's answer is shaped back into a
+text.tokenizer.Tokenizer.encode_chat), and the node's answer is shaped back into a
 chat.completion; a completion body goes to the node as it is. This is what the gateway's
 executor does without quotas and routing; it is here so the batch tier is tested against a
 real engine, not a canned answer.
@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from protocol.tokenizer import Tokenizer
+from text.tokenizer import Tokenizer
 
 _SAMPLING = (
     "max_tokens",

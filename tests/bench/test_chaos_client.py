@@ -18,7 +18,7 @@ from aiohttp import web
 
 from bench.chaos_load import BatchResult, Outcome, Record, one_request
 from bench.chaos_usage import check
-from protocol.ports import free_port
+from runtime.ports import free_port
 
 ANSWER = {
     "id": "c",

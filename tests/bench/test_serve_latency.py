@@ -455,7 +455,7 @@ def test_ctrl_c_stops_sending_and_reports_what_finished(
 def test_sharegpt_prompts_and_reply_lengths(
     latency_server: Any, tiny_llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from protocol.tokenizer import Tokenizer
+    from text.tokenizer import Tokenizer
 
     tok = Tokenizer(tiny_llama)
     convs = [

@@ -41,7 +41,7 @@ from node.engine_api import KVEventDrain
 from node.kv_events import KV_EVENTS, KVEventLog, add_kv_event_routes
 from node.metrics import NodeMetrics
 from protocol.cluster import NodeInfo, node_key
-from protocol.ports import free_port
+from runtime.ports import free_port
 from tests.wait import until
 
 BLOCKS = 256

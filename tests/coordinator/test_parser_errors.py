@@ -1,7 +1,7 @@
 """What aiohttp's HTTP parser refuses before any handler runs — an over-long header or request
 line, a garbage request line — gets a 400 in the same OpenAI-shaped error body as the
 coordinator's own errors, from a real coordinator process, which then answers the next
-request as usual (protocol/http_errors.py)."""
+request as usual (runtime/http_errors.py)."""
 
 from __future__ import annotations
 

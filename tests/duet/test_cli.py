@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.models import DEFAULT_MODEL
+from runtime.models import DEFAULT_MODEL
 
 SUBCOMMANDS = [
     "models",

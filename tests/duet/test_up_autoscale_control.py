@@ -31,7 +31,7 @@ import pytest
 from duet.supervisor import Child, Supervisor
 from duet.up_autoscale import Autoscale, serve_control
 from duet.up_config import UpConfig, layout_from_flags
-from protocol.cluster_secret import ClusterSecret
+from runtime.cluster_secret import ClusterSecret
 
 SECRET = ClusterSecret(secrets.token_urlsafe(32), "test")
 #: the endpoint's wait for the supervision thread (10 s in `duet up`)

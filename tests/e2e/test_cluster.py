@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 
 from coordinator.etcd_server import EtcdServer
-from protocol.tokenizer import Tokenizer
 from tests.gateway.helpers import gateway_proc, make_team, metric
 from tests.pd_cluster import LOCAL_PREFILL_TOKENS, MODEL, PDCluster, cluster_model
 from tests.procs import TINY_NODE_ARGS, Proc, duet_node, free_port, running
+from text.tokenizer import Tokenizer
 
 
 @dataclass(kw_only=True)

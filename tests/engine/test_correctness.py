@@ -90,7 +90,7 @@ def test_errors_are_clear(tiny_llama: Path) -> None:
         SamplingParams(max_tokens=0)
     with pytest.raises(ValueError, match="cannot hold one sequence"):
         LLM(str(tiny_llama), num_kv_blocks=8)
-    from protocol.models import ModelNotFoundError
+    from runtime.models import ModelNotFoundError
 
     with pytest.raises(ModelNotFoundError, match="unknown model"):
         LLM("no-such-model")

@@ -23,9 +23,9 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.core import RequestError
 from engine.guided import GuidedDecoding
-from protocol.guide_check import canonical_schema
 from protocol.resume import Resume
 from protocol.structured import Guide, GuideKind
+from text.guide_check import canonical_schema
 
 pytestmark = pytest.mark.smollm2
 

@@ -1,4 +1,4 @@
-"""Bounded numbers have a bounded length on the grammar level (protocol/json_bounds.py, issue #24):
+"""Bounded numbers have a bounded length on the grammar level (text/json_bounds.py, issue #24):
 the matcher a node compiles (engine/guided.py, the tiny model's byte-level tokenizer, no SmolLM2
 needed) takes at most 10 fraction digits in a number with bounds, where llguidance alone takes
 them for ever, and still takes every value the schema requires: its bounds, integers, 10-digit
@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from engine.guided import GuidedDecoding
-from protocol.guide_check import canonical_schema
-from protocol.json_bounds import FRACTION_DIGITS
 from protocol.structured import Guide, GuideKind
+from text.guide_check import canonical_schema
+from text.json_bounds import FRACTION_DIGITS
 
 CORPUS = json.loads(
     (Path(__file__).resolve().parents[2] / "bench/data/json_schemas.json").read_text()

@@ -1,5 +1,5 @@
 """Guided decoding on the tiny model, no SmolLM2 needed: a missing grammar engine is never a silent
-unconstrained fallback (protocol/strict.py: under CI=true the engine refuses to start; elsewhere
+unconstrained fallback (runtime/strict.py: under CI=true the engine refuses to start; elsewhere
 guided requests are refused); only guided rows are masked; speculation is off for guided and
 penalised requests."""
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from engine.guided import GuidedDecoding, GuideError
-from protocol.strict import FallbackRefused
 from protocol.structured import Guide, GuideKind
+from runtime.strict import FallbackRefused
 
 
 @pytest.fixture

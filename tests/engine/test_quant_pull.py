@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.quant_store import cache_path, load_quantized
-from protocol.models import DEFAULT_MODEL
+from runtime.models import DEFAULT_MODEL
 
 
 def _duet(*args: str, home: Path) -> subprocess.CompletedProcess[str]:

@@ -14,7 +14,7 @@ from engine.outputs import TextState
 from engine.sampler import Sampler
 from protocol.resume import Resume
 from protocol.sampling import SamplingParams
-from protocol.tokenizer import Tokenizer
+from text.tokenizer import Tokenizer
 
 TEXT = " héllo wörld, 日本語のテキスト 🙂🙂 and STOP-ish words: a stop string STOP here, more text after"
 

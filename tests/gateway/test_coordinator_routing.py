@@ -18,9 +18,9 @@ import pytest
 from aiohttp import web
 
 from protocol.route import RouteRequest, RouteResponse, RouteTarget
-from protocol.tokenizer import Tokenizer
 from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, metric, tiny_model
 from tests.procs import Proc, free_port, running
+from text.tokenizer import Tokenizer
 
 
 class RouteServer:

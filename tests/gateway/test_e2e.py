@@ -18,9 +18,9 @@ import pytest
 from bench.pd_client import completion
 from gateway.store.base import UsageRecord
 from gateway.store.sqlite import SqliteStore
-from protocol.tokenizer import Tokenizer
 from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, metric, tiny_model
 from tests.procs import Proc, running
+from text.tokenizer import Tokenizer
 
 GREEDY = {"max_tokens": 12, "temperature": 0}
 PROMPTS = ["hello world", "The quick brown fox jumps over the lazy dog " * 4, "a"]

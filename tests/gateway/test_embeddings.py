@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from coordinator.etcd_server import EtcdServer
-from protocol.tokenizer import Tokenizer
 from tests.engine.oracle import hf_model
 from tests.gateway.helpers import gateway_proc, make_team, metric
 from tests.procs import Proc, duet_node, free_port, running
 from tests.wait import wait_for
+from text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.smollm2
 

@@ -17,11 +17,11 @@ import openai
 import pytest
 
 from bench.pd_client import completion
-from protocol.tokenizer import Tokenizer
 from tests.gateway.faults import KillRelay, Mode
 from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, metric, tiny_model
 from tests.procs import Proc, duet_node, running
 from tests.wait import until
+from text.tokenizer import Tokenizer
 
 COMMON = ("--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024")
 PROMPT = "a prompt long enough to fill a few KV blocks: " + "lorem ipsum " * 12

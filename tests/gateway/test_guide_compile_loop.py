@@ -1,7 +1,7 @@
 """A pathological constraint cannot stall the gateway (issue #24): the grammar check of
 response_format / structured_outputs / a forced tool choice runs off the event loop on a bounded
 pool, a compile past `[server] guide_compile_timeout_s` is a 400 naming the field, and a resent
-guide is answered from the cache (protocol/guide_compile.py).
+guide is answered from the cache (text/guide_compile.py).
 
 A real gateway process on the tiny model's tokenizer; no node is needed — every request here is
 answered before any node work. The slow guide is the slowest shape the size bounds admit: 11

@@ -13,9 +13,9 @@ import aiohttp
 import openai
 import pytest
 
-from protocol.tokenizer import Tokenizer
 from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, tiny_model
 from tests.procs import Proc, running
+from text.tokenizer import Tokenizer
 
 PROMPT = "The quick brown fox jumps over the lazy dog"
 MESSAGES = [{"role": "user", "content": "Name three colours."}]

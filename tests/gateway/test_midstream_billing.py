@@ -24,12 +24,12 @@ import aiohttp
 import openai
 import pytest
 
-from protocol.tokenizer import Tokenizer
 from tests.gateway.faults import KillRelay
 from tests.gateway.helpers import MODEL, gateway_proc, make_team, tiny_model
 from tests.gateway.test_failures import _node, _records
 from tests.procs import Proc, running
 from tests.wait import until
+from text.tokenizer import Tokenizer
 
 PROMPT = "a prompt long enough to fill a few KV blocks: " + "lorem ipsum " * 12
 MAX = 60

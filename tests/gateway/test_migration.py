@@ -29,13 +29,13 @@ import openai
 import pytest
 
 from bench.pd_client import completion
-from protocol.guide_check import canonical_schema
-from protocol.tokenizer import Tokenizer
 from tests.gateway.faults import KillRelay
 from tests.gateway.helpers import MODEL, gateway_proc, make_team, metric, tiny_model
 from tests.gateway.test_failures import _node, _records, nothing_held
 from tests.procs import Proc, running
 from tests.wait import until
+from text.guide_check import canonical_schema
+from text.tokenizer import Tokenizer
 
 PROMPT = "a prompt long enough to fill a few KV blocks: " + "lorem ipsum " * 12
 MAX = 60

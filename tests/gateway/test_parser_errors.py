@@ -1,6 +1,6 @@
 """What aiohttp's HTTP parser refuses before any handler runs — an over-long header or request
 line, a garbage request line — gets a 400 in OpenAI's error body from a real gateway process,
-which then serves the next request as usual (protocol/http_errors.py)."""
+which then serves the next request as usual (runtime/http_errors.py)."""
 
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from protocol.tokenizer import Tokenizer
 from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, tiny_model
 from tests.procs import Proc, duet_node, running
+from text.tokenizer import Tokenizer
 
 PROMPT = "quota test prompt"
 MAX_TOKENS = 20

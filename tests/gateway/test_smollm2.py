@@ -10,9 +10,9 @@ import openai
 import pytest
 
 from bench.pd_client import completion
-from protocol.tokenizer import Tokenizer
 from tests.gateway.helpers import gateway_proc, make_team, tiny_model
 from tests.procs import duet_node, running
+from text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.smollm2
 # float32: this prompt's first token is a near-tie in bf16 ("The" vs "L", 0.08 apart in fp32 logits;

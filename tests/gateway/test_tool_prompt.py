@@ -15,7 +15,7 @@ from gateway.requests import parse_chat
 from gateway.tools.formats import template_has_tools
 from gateway.tools.plan import plan_for
 from gateway.tools.prompt import render
-from protocol.tokenizer import Tokenizer
+from text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.smollm2
 

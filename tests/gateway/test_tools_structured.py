@@ -23,10 +23,10 @@ from gateway.tools.formats import FORMATS
 from gateway.tools.plan import plan_for
 from gateway.tools.prompt import render
 from gateway.tools.spec import check_tools
-from protocol.tokenizer import Tokenizer
 from protocol.tools import ToolDef
 from tests.gateway.helpers import gateway_proc, http, make_team, metric, tiny_model
 from tests.procs import Proc, duet_node, running
+from text.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.smollm2
 NODE_ARGS = ("--kv-blocks", "512", "--max-model-len", "2048")
@@ -416,7 +416,7 @@ async def test_the_schema_corpus_on_both_layouts(gw: tuple[Proc, str, tuple[Proc
         if r.choices[0].finish_reason == "length"
     ]
     # Every answer of the corpus has a bounded length: strings have maxLength or a pattern,
-    # arrays maxItems, and a number with bounds at most 10 fraction digits (protocol/json_bounds.py;
+    # arrays maxItems, and a number with bounds at most 10 fraction digits (text/json_bounds.py;
     # before, "price" in [0, 100] allowed 99.9999… for ever, and greedy bf16 output, which depends
     # on the batch it ran in, now and then ran its digits into max_tokens). So no cut, ever.
     assert not cut, cut

@@ -25,7 +25,7 @@ from aiohttp import web
 
 from kvtransfer import METADATA_CONTENT_TYPE, make_transport
 from kvtransfer.base import Transport
-from protocol.cluster_secret import ClusterSecret
+from runtime.cluster_secret import ClusterSecret
 from tests.kvtransfer.pools import TEST_LAYOUT, HostPool
 
 TRANSPORT = web.AppKey("transport", Transport)

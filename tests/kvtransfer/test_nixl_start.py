@@ -16,7 +16,7 @@ import torch
 
 import kvtransfer.nixl_transport as nt
 from kvtransfer import BackendUnavailable, unavailable_reason
-from protocol.strict import strict_mode
+from runtime.strict import strict_mode
 from tests.kvtransfer.pools import TEST_LAYOUT, HostPool
 
 

@@ -30,7 +30,7 @@ from kvtransfer import (
     make_transport,
     unavailable_reason,
 )
-from protocol.strict import strict_mode
+from runtime.strict import strict_mode
 from tests.kvtransfer.pools import TEST_LAYOUT, HostPool, assert_blocks, assert_untouched
 from tests.kvtransfer.procs import PeerProcess
 

@@ -25,7 +25,7 @@ from kvtransfer import (
 )
 from kvtransfer.memory import describe_pool
 from kvtransfer.regions import Run, Span, block_descriptors, plan_read, side_runs
-from protocol.strict import FallbackRefused, strict_mode
+from runtime.strict import FallbackRefused, strict_mode
 from tests.kvtransfer.pools import TEST_LAYOUT, HostPool, assert_blocks, assert_untouched
 
 SMALL = msgspec.structs.replace(TEST_LAYOUT, num_blocks=16)

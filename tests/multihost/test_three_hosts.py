@@ -19,7 +19,7 @@ from the manifest) inside host B, as the kubelet would: it must drain the node t
 own endpoint (no fallback), and the coordinator on host A must see the node draining.
 
 Skips (with the reason) only where the kernel refuses namespaces or the test is not root; never
-under CI=true (protocol/strict.py), where that would hide the multi-machine path. Every
+under CI=true (runtime/strict.py), where that would hide the multi-machine path. Every
 process and namespace is removed at the end, pass or fail (`running` and `lan` guarantee it).
 """
 
@@ -42,12 +42,12 @@ import yaml
 
 from coordinator.etcd_server import EtcdServer
 from kvtransfer.metadata import decode_metadata
-from protocol.strict import strict_mode
-from protocol.tokenizer import Tokenizer
+from runtime.strict import strict_mode
 from tests.gateway.helpers import ADMIN_KEY, make_team, metric, write_config
 from tests.multihost import netns
 from tests.procs import TINY_NODE_ARGS, Proc, running
 from tests.wait import wait_for
+from text.tokenizer import Tokenizer
 
 MODEL = "tiny"
 ETCD_PORT, COORD_PORT, GATEWAY_PORT, PREFILL_PORT, DECODE_PORT = 2379, 8400, 8000, 8100, 8200

@@ -1,5 +1,5 @@
 """A node checks a request's guide off its event loop (issue #24): the grammar check of a leg's
-`guide` runs on the node's GuideChecker (protocol/guide_compile.py), sized by
+`guide` runs on the node's GuideChecker (text/guide_compile.py), sized by
 `--guide-compile-threads` / `--guide-compile-timeout-s`, so a guide that compiles for a second
 does not stall the node's other requests and streams; one past the time limit is a 400
 `guide_too_complex` naming `guide`, and its verdict is remembered.
@@ -21,11 +21,11 @@ from typing import Any
 import pytest
 
 from node.config import NodeConfig
-from protocol.guide_check import canonical_schema
 from tests.gateway.helpers import http, metric
 from tests.gateway.test_guide_compile_loop import slow_schema
 from tests.procs import TINY_NODE_ARGS, Proc, duet_node, running
 from tests.wait import wait_for
+from text.guide_check import canonical_schema
 
 RUNNING = "duet:guide_compiles_running"
 COMPILES = "duet:guide_compiles_total"

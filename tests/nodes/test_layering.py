@@ -55,7 +55,7 @@ def test_roles_do_not_import_engine_or_each_other() -> None:
 
 
 #: what a role may import of ours: its own package, and of the others these modules or packages
-ROLE_MAY_IMPORT = ("node.legs", "node.engine_api", "protocol", "kvtransfer")
+ROLE_MAY_IMPORT = ("node.legs", "node.engine_api", "protocol", "runtime", "text", "kvtransfer")
 OURS = {
     "node",
     "engine",
@@ -64,6 +64,8 @@ OURS = {
     "gateway",
     "coordinator",
     "protocol",
+    "runtime",
+    "text",
     "kvtransfer",
     "bench",
     "duet",

@@ -16,9 +16,9 @@ import pytest
 
 from engine import LLM, SamplingParams
 from protocol.logprobs import TokenLogprob
-from protocol.tokenizer import Tokenizer
 from tests.nodes.conftest import COMMON
 from tests.procs import Proc, duet_node, running
+from text.tokenizer import Tokenizer
 
 PROMPT = [5, 17, 99, 3, 250, 41, 7, 8, 130]
 MESSAGES = [{"role": "user", "content": "Name three colours."}]

@@ -1,7 +1,7 @@
 """What aiohttp's HTTP parser refuses before any handler runs — an over-long header or request
 line, a garbage request line — gets a 400 in OpenAI's error body from a real node process
 (the node API is OpenAI-shaped too), which then completes the next request as usual
-(protocol/http_errors.py)."""
+(runtime/http_errors.py)."""
 
 from __future__ import annotations
 

@@ -26,9 +26,9 @@ import pytest
 
 from bench.pd_client import completion, disaggregated, prefill_leg
 from protocol.structured import Guide, GuideKind
-from protocol.tokenizer import Tokenizer
 from tests.gateway.helpers import metric
 from tests.wait import until
+from text.tokenizer import Tokenizer
 
 PROMPT = "the answer to the question, in a structured form: " + "lorem ipsum " * 6
 

@@ -25,10 +25,10 @@ import pytest
 
 from bench.pd_client import completion, disaggregated, prefill_leg
 from bench.procs import duet_node, running
-from protocol.guide_check import canonical_schema
 from protocol.structured import Guide, GuideKind
 from tests.nodes.transfer_checks import PullCheck
-from tests.protocol.test_guide_check import CORPUS
+from tests.text.test_guide_check import CORPUS
+from text.guide_check import canonical_schema
 
 pytestmark = pytest.mark.smollm2
 COMMON = ("--dtype", "float32", "--kv-memory", "256MiB", "--max-model-len", "1024")
@@ -54,7 +54,7 @@ def pd(smollm2: Path, tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def tok(smollm2: Path):
-    from protocol.tokenizer import Tokenizer
+    from text.tokenizer import Tokenizer
 
     return Tokenizer(smollm2)
 

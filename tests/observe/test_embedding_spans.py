@@ -25,9 +25,9 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import STATE
-from protocol.tokenizer import Tokenizer
 from tests.observe.test_recovery_spans import app_for, one, team_key, trace_of
 from tests.procs import TINY_NODE_ARGS, duet_node, free_port, running
+from text.tokenizer import Tokenizer
 
 TEXTS = ["The cat sat on the mat.", "a second, rather longer input to embed"]
 

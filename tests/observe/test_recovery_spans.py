@@ -31,7 +31,7 @@ from gateway.config import parse_config
 from gateway.keys import new_key
 from gateway.state import GatewayState
 from gateway.store.base import Team
-from protocol.tracing import SpanRecord
+from runtime.tracing import SpanRecord
 from tests.gateway.faults import KillRelay
 from tests.gateway.helpers import tiny_model
 from tests.gateway.test_failures import _node

@@ -9,7 +9,7 @@ counts and the KV bytes moved in their attributes (GenAI semantic-convention nam
 
 from __future__ import annotations
 
-from protocol.tracing import DEFAULT_RING, Tracing, TracingConfig, env_enabled, from_env, setup
+from runtime.tracing import DEFAULT_RING, Tracing, TracingConfig, env_enabled, from_env, setup
 from tests.gateway.helpers import metric
 from tests.observe.conftest import MODEL, Traced
 from tests.observe.otlp import Span
@@ -226,7 +226,7 @@ def test_the_ring_lists_an_attributes_values_in_one_pass() -> None:
     per row)."""
     from opentelemetry.sdk.trace import TracerProvider
 
-    from protocol.tracing import SpanRing
+    from runtime.tracing import SpanRing
 
     ring = SpanRing(8, "test")
     provider = TracerProvider()

@@ -62,7 +62,7 @@ def test_a_planner_without_a_profile_warns_that_it_predicts_with_cpu_step_costs(
     import logging
 
     from planner.cli import add_args, from_args
-    from protocol.plane import PlaneSecurity
+    from runtime.plane import PlaneSecurity
 
     p = argparse.ArgumentParser()
     add_args(p)

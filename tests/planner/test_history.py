@@ -19,10 +19,10 @@ from coordinator.service import Coordinator, CoordinatorConfig
 from planner.config import PlannerConfig
 from planner.loop import PlannerLoop
 from planner.virtual import VirtualActuator
-from protocol.cluster_secret import ClusterSecret
-from protocol.plane import PlaneSecurity
 from protocol.planner import PlannerReport
-from protocol.ports import free_port
+from runtime.cluster_secret import ClusterSecret
+from runtime.plane import PlaneSecurity
+from runtime.ports import free_port
 from tests.planner.test_loop import Clock, coordinator_with, frame, info, refresh
 
 SECRET = "planner-history-secret-0123456789abcdef"

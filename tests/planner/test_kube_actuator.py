@@ -21,7 +21,7 @@ from planner.actuator import Outcome, Victim
 from planner.drain import Drainer
 from planner.kube import DELETION_COST, KubernetesActuator
 from planner.pools import PoolKey
-from protocol.ports import free_port
+from runtime.ports import free_port
 from tests.planner.fake_kube import FakeKube, FakePod
 
 D = PoolKey("decode", "smollm2-135m", "shared")

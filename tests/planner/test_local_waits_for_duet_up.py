@@ -42,8 +42,8 @@ from planner.config import PlannerConfig
 from planner.drain import Drainer
 from planner.local import LocalActuator
 from planner.loop import PlannerLoop
-from protocol.cluster_secret import ClusterSecret
 from protocol.drain import DrainStatus
+from runtime.cluster_secret import ClusterSecret
 from tests.planner.test_loop import Clock, coordinator_with, frame, info, refresh
 
 SECRET = ClusterSecret(secrets.token_urlsafe(32), "test")

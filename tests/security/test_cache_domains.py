@@ -29,10 +29,10 @@ import pytest
 
 from coordinator.etcd_server import EtcdServer
 from protocol.block_hash import block_hashes, domain_root
-from protocol.tokenizer import Tokenizer
 from tests.gateway.helpers import gateway_proc, make_team
 from tests.procs import Proc, duet_node, free_port, running
 from tests.wait import wait_for
+from text.tokenizer import Tokenizer
 
 MODEL = "tiny"
 NODE_ARGS = ("--dtype", "float32", "--kv-blocks", "256", "--max-model-len", "1024")

@@ -28,7 +28,7 @@ import pytest
 from aiohttp import web
 
 from duet.up_home import UpHome, cluster_secret
-from protocol.cluster_secret import (
+from runtime.cluster_secret import (
     ENV_SECRET,
     ENV_SECRET_FILE,
     ClusterSecret,
@@ -37,8 +37,8 @@ from protocol.cluster_secret import (
     load_secret,
     write_secret_file,
 )
-from protocol.log_throttle import ThrottledWarning
-from protocol.plane import PlaneSecurity
+from runtime.log_throttle import ThrottledWarning
+from runtime.plane import PlaneSecurity
 
 GOOD = secrets.token_urlsafe(32)
 
@@ -160,7 +160,7 @@ async def test_refusals_cannot_flood_the_log(
     """A stranger who reaches an internal port can send refused requests at will; each used to
     log its own warning (a disk filled, the lines that matter buried). Now one line per 10 s at
     most, the next saying how many were held back. Real HTTP to the middleware every internal
-    app runs (protocol/cluster_secret.py::auth_middleware)."""
+    app runs (runtime/cluster_secret.py::auth_middleware)."""
 
     async def metadata(_: web.Request) -> web.Response:
         return web.json_response({})

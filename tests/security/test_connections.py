@@ -3,7 +3,7 @@ at most `[server] max_connections_per_address` open connections (more are closed
 request whose headers are not complete within `header_timeout_s` of its start (slowloris) —
 a new connection's first request or a keep-alive connection's next one — and a request body
 that arrives slower than `body_min_rate_bytes_s` after `body_timeout_s` are answered 408 and
-closed (protocol/read_deadlines.py); an idle keep-alive connection closes after
+closed (runtime/read_deadlines.py); an idle keep-alive connection closes after
 `keepalive_timeout_s`. Before, any number of idle or trickling sockets stayed open for
 aiohttp's keep-alive timer, each a descriptor of the gateway, and a trickled body held its
 connection and handler for ever. What a client that behaves does — a streamed answer longer

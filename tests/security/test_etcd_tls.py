@@ -27,7 +27,7 @@ from coordinator.etcd_auth import EtcdAuth
 from coordinator.etcd_server import etcd_binary
 from coordinator.etcd_store import EtcdStore
 from coordinator.store import StoreError
-from protocol.ports import free_port
+from runtime.ports import free_port
 from tests.security.certs import Certs, make_certs
 from tests.wait import wait_for
 

@@ -5,7 +5,7 @@ The attack: the internal APIs trusted the network. Anyone who reached a node cou
 completions on it for free (no team, no quota, no usage record), read its KV metadata and
 events, release or abort other requests' work; anyone who reached a coordinator could read the
 cluster and drain its nodes. Now every internal endpoint needs `Authorization: Bearer <secret>`
-(protocol/cluster_secret.py), `/health` is the only exception and `/metrics` is open unless
+(runtime/cluster_secret.py), `/health` is the only exception and `/metrics` is open unless
 `--protect-metrics`. Every internal client sends the secret: the gateway to the coordinator and
 the nodes, the coordinator to the nodes (`/kv/events`), the decode node to the prefill node
 (`/kv/metadata`, `/kv/release`, and the tcp transport's handshake), `duet status`.

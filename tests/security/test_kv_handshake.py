@@ -35,8 +35,8 @@ from kvtransfer import (
     wire,
 )
 from kvtransfer.ucx_transport import import_ucxx
-from protocol.cluster_secret import ClusterSecret, write_secret_file
-from protocol.strict import strict_mode
+from runtime.cluster_secret import ClusterSecret, write_secret_file
+from runtime.strict import strict_mode
 from tests.kvtransfer.pools import TEST_LAYOUT, HostPool, block_words
 from tests.kvtransfer.procs import PeerProcess
 from tests.procs import TINY_NODE_ARGS, Proc, duet_node, running

@@ -43,7 +43,7 @@ from kvtransfer import (
     make_transport,
     unavailable_reason,
 )
-from protocol.strict import strict_mode
+from runtime.strict import strict_mode
 from tests.gateway.helpers import metric
 from tests.kvtransfer.pools import TEST_LAYOUT, HostPool, assert_blocks
 from tests.kvtransfer.procs import PeerProcess

@@ -3,7 +3,7 @@
 The embeddings call was added after the secret and first went out without it: every
 `/v1/embeddings` of a `duet up` cluster (which always has a secret) was a 401. This checks each
 of NodeClient's calls against a real aiohttp server guarded by the nodes' own middleware
-(protocol.cluster_secret.auth_middleware), so a call added later without the header fails here.
+(runtime.cluster_secret.auth_middleware), so a call added later without the header fails here.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import msgspec
 from aiohttp import web
 
 from gateway.node_client import NodeClient
-from protocol.cluster_secret import ClusterSecret, auth_middleware
 from protocol.embeddings import NodeEmbeddingRequest, NodeEmbeddingResponse
 from protocol.kv_params import KVTransferParams
 from protocol.node_api import NodeCompletion, NodeCompletionRequest
 from protocol.openai import CompletionChoice
+from runtime.cluster_secret import ClusterSecret, auth_middleware
 
 
 async def test_each_node_call_sends_the_secret(aiohttp_server) -> None:

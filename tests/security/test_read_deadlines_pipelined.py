@@ -1,5 +1,5 @@
 """The header deadline of a request whose first bytes came in the same read as the end of the
-one before (protocol/read_deadlines.py), also where aiohttp's parser stopped short of that read
+one before (runtime/read_deadlines.py), also where aiohttp's parser stopped short of that read
 for flow control: a body over the reader's high-water mark (twice `read_bufsize`) that its
 handler has not read yet, or more pipelined requests than aiohttp queues (32). There the read's last byte is
 held until the parser has parsed what it kept — so these tests also show that holding it
@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import pytest
 from aiohttp import web
 
-from protocol.read_deadlines import DeadlineAppRunner, ReadDeadlines
+from runtime.read_deadlines import DeadlineAppRunner, ReadDeadlines
 from tests.procs import free_port
 from tests.raw_http import RawConn, assert_timed_out
 

@@ -27,8 +27,8 @@ import aiohttp
 import openai
 import pytest
 
-from protocol.cluster_secret import ClusterSecret, write_secret_file
-from protocol.plane import PlaneSecurity
+from runtime.cluster_secret import ClusterSecret, write_secret_file
+from runtime.plane import PlaneSecurity
 from tests.gateway.helpers import gateway_proc, make_team
 from tests.procs import TINY_NODE_ARGS, Proc, duet_node, running
 from tests.security.certs import Certs, make_certs

@@ -52,7 +52,7 @@ def metric(node: Proc, name: str) -> float:
 
 
 def tokenize(smollm2: Path, text: str) -> list[int]:
-    from protocol.tokenizer import Tokenizer
+    from text.tokenizer import Tokenizer
 
     return Tokenizer(smollm2).encode(text)
 
@@ -362,7 +362,7 @@ GUIDED_SCHEMAS = (
 
 
 def chat_ids(smollm2: Path, text: str) -> list[int]:
-    from protocol.tokenizer import Tokenizer
+    from text.tokenizer import Tokenizer
 
     return Tokenizer(smollm2).encode_chat([{"role": "user", "content": text}])
 
@@ -375,8 +375,8 @@ async def test_guides_are_vllms_structured_outputs(
     the choices; all in one concurrent batch on D (colocated)."""
     import jsonschema
 
-    from protocol.guide_check import canonical_schema
     from protocol.structured import Guide, GuideKind
+    from text.guide_check import canonical_schema
 
     _, d = vllm_pd
     corpus = json.loads(

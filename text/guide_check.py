@@ -4,7 +4,7 @@ The gateway calls `guide_from_response_format` (or `choice_guide`, for vLLM's ch
 gateway/constraint.py) and checks the guide before any node work, so an invalid or unsupported
 schema, regex or list of choices is a 400 naming what is wrong and the field it came from. It
 runs `grammar_error_uncached` off its event loop, bounded in threads and time, with its own
-cache (protocol/guide_compile.py: a pathological schema compiles for seconds), and so does a
+cache (text/guide_compile.py: a pathological schema compiles for seconds), and so does a
 node for every leg's guide; `check_guide` is the synchronous form, cached in `_grammar_error`,
 for code with no event loop to keep serving. The check compiles the guide's grammar with
 llguidance — the same engine, through the same `guide_grammar`, that the nodes' engine masks
@@ -12,7 +12,7 @@ logits with (engine/guided.py) — only without a tokenizer, so a guide the gate
 every node accepts (protocol/structured.py's invariant). llguidance imports no torch (xgrammar
 does), which is what lets the gateway run it.
 
-A schema is compiled as `protocol/json_bounds.py::bound_numbers` rewrites it: a number with
+A schema is compiled as `text/json_bounds.py::bound_numbers` rewrites it: a number with
 bounds gets at most 10 digits after its point, so no answer runs on inside one (a pure function
 of the spec, so the caches keyed by the spec stay right).
 
@@ -34,9 +34,9 @@ import json
 import logging
 from typing import Any
 
-from protocol.json_bounds import bound_numbers
 from protocol.openai import APIError
 from protocol.structured import Guide, GuideKind, ResponseFormat
+from text.json_bounds import bound_numbers
 
 log = logging.getLogger("duet.guide")
 
@@ -148,7 +148,7 @@ def guide_grammar(guide: Guide) -> str:
             if not isinstance(schema, dict | bool):
                 raise ValueError("a JSON schema must be an object or a boolean")
             _check_widths(schema)
-            # bounded numbers get a bounded fraction (protocol/json_bounds.py): here, so the
+            # bounded numbers get a bounded fraction (text/json_bounds.py): here, so the
             # gateway's check and every node compile the same grammar from the same spec
             return m.grammar_from_json_schema(bound_numbers(schema), defaults=JSON_DEFAULTS)
         case GuideKind.REGEX:
@@ -195,7 +195,7 @@ def _grammar_error(kind: GuideKind, spec: str) -> str | None:
 
 
 def grammar_error_uncached(guide: Guide) -> str | None:
-    """`grammar_error` without the cache: the compile itself (protocol/guide_compile.py runs
+    """`grammar_error` without the cache: the compile itself (text/guide_compile.py runs
     it on its threads and keeps its own cache of verdicts)."""
     try:
         grammar = guide_grammar(guide)

@@ -10,7 +10,7 @@ Why a bearer token and not a per-request HMAC header: it is what DESIGN §8 and 
 `--api-key` use, every client (curl, `duet status`, a Prometheus scrape) can send it, and it
 needs no clock agreement between machines nor a hash of streamed or retried bodies. Its one
 weakness, the token crossing the network in clear, is what `--tls-cert/--tls-key`
-(protocol/plane.py) remove; an HMAC header would only trade it for replay windows.
+(runtime/plane.py) remove; an HMAC header would only trade it for replay windows.
 
 Where it comes from (`load_secret`): `--cluster-secret-file PATH`, else
 `$DUET_CLUSTER_SECRET_FILE`, else `$DUET_CLUSTER_SECRET`. Invariants: a file readable or
@@ -38,8 +38,8 @@ from pathlib import Path
 import msgspec
 from aiohttp import web
 
-from protocol.log_throttle import ThrottledWarning
 from protocol.openai import APIError
+from runtime.log_throttle import ThrottledWarning
 
 log = logging.getLogger("duet.security")
 

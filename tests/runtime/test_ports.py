@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 
-from protocol.ports import _ephemeral_range, free_port
+from runtime.ports import _ephemeral_range, free_port
 
 
 def test_free_ports_are_outside_the_ephemeral_range_and_bindable() -> None:
@@ -41,7 +41,7 @@ def test_a_port_another_process_was_handed_is_not_handed_again() -> None:
     # another process is handed a port and has not bound it yet (it has exited: the port is free)
     other = int(
         subprocess.run(
-            [sys.executable, "-c", "from protocol.ports import free_port; print(free_port())"],
+            [sys.executable, "-c", "from runtime.ports import free_port; print(free_port())"],
             capture_output=True,
             text=True,
             check=True,

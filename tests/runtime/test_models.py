@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from protocol.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model
+from runtime.models import DEFAULT_MODEL, ModelNotFoundError, resolve_model
 
 
 def test_unknown_name_says_what_is_known(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

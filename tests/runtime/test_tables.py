@@ -1,4 +1,4 @@
-"""protocol/tables.py: a TOML table into a settings dataclass, with errors that name the table."""
+"""runtime/tables.py: a TOML table into a settings dataclass, with errors that name the table."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from protocol.tables import from_table
+from runtime.tables import from_table
 
 
 class BadConfig(Exception):

@@ -1,4 +1,4 @@
-"""protocol/json_bounds.py: which numbers of a JSON schema get a bounded fraction, and that the
+"""text/json_bounds.py: which numbers of a JSON schema get a bounded fraction, and that the
 cut never leaves a schema with nothing to answer (the grammar engine still accepts it)."""
 
 import copy
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from protocol.guide_check import canonical_schema, check_guide, guide_grammar
-from protocol.json_bounds import STEP, bound_numbers, bounded_spec
 from protocol.structured import Guide, GuideKind
+from text.guide_check import canonical_schema, check_guide, guide_grammar
+from text.json_bounds import STEP, bound_numbers, bounded_spec
 
 CORPUS = json.loads(
     (Path(__file__).resolve().parents[2] / "bench/data/json_schemas.json").read_text()

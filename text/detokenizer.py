@@ -12,7 +12,7 @@ ends (flush), and no delta ever contains a broken character made up by the decod
 
 from __future__ import annotations
 
-from protocol.tokenizer import Tokenizer
+from text.tokenizer import Tokenizer
 
 _WINDOW = 6  # tokens of left context kept when decoding a delta
 

@@ -1,4 +1,4 @@
-"""protocol/guide_check.py: response_format → Guide, and the tokenizer-free grammar check."""
+"""text/guide_check.py: response_format → Guide, and the tokenizer-free grammar check."""
 
 import json
 import subprocess
@@ -8,9 +8,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from protocol.guide_check import canonical_schema, check_guide, guide_from_response_format
 from protocol.openai import APIError
 from protocol.structured import Guide, GuideKind, ResponseFormat
+from text.guide_check import canonical_schema, check_guide, guide_from_response_format
 
 CORPUS = Path(__file__).resolve().parents[2] / "bench" / "data" / "json_schemas.json"
 
@@ -112,7 +112,7 @@ def test_valid_regex_and_choice_pass() -> None:
 def test_check_loads_no_torch() -> None:
     """The gateway runs the check: it must not pull torch in (xgrammar would)."""
     code = (
-        "import sys\nfrom protocol.guide_check import check_guide\nfrom protocol.structured import Guide, GuideKind\n"
+        "import sys\nfrom text.guide_check import check_guide\nfrom protocol.structured import Guide, GuideKind\n"
         'check_guide(Guide(kind=GuideKind.JSON_SCHEMA, spec=\'{"type":"object"}\'))\n'
         "sys.exit(1 if 'torch' in sys.modules else 0)\n"
     )

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from protocol.detokenizer import IncrementalDetokenizer
-from protocol.tokenizer import ChatTemplateError, Tokenizer
+from text.detokenizer import IncrementalDetokenizer
+from text.tokenizer import ChatTemplateError, Tokenizer
 
 MESSAGES = [
     [{"role": "user", "content": "What is the capital of France?"}],

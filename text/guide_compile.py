@@ -1,7 +1,7 @@
 """The grammar check of a request's guide, off the event loop, bounded in threads and in time
 (issue #24).
 
-`check_guide` (protocol/guide_check.py) compiles a guide's grammar with llguidance; a
+`check_guide` (text/guide_check.py) compiles a guide's grammar with llguidance; a
 pathological one takes seconds (a 97k-character JSON schema of 9,800 optional properties took
 13 s on the 2-core dev machine; the figures are in docs/structured-outputs.md). Run on the event
 loop, that stalled every other request and stream of every team. `GuideChecker.check` instead:
@@ -20,7 +20,7 @@ loop, that stalled every other request and stream of every team. `GuideChecker.c
 llguidance cannot be interrupted: a compile past its time limit keeps its thread until it ends,
 and its slot in the bound is given back only then — so `threads` bounds the CPU that slow
 compiles take, however many clients send them; more waiting than `max_waiting` is a 503 at
-once. protocol/guide_check.py's size bounds keep the slowest admitted compile to about a second.
+once. text/guide_check.py's size bounds keep the slowest admitted compile to about a second.
 
 Invariant: `check` returns only for a guide the grammar engine accepted (or None); otherwise it
 raises APIError — 400 for an invalid or too complex guide, 503 when the pool is busy.
@@ -38,9 +38,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from protocol.guide_check import WHAT, GrammarEngineMissing, grammar_error_uncached
 from protocol.openai import APIError
 from protocol.structured import Guide
+from text.guide_check import WHAT, GrammarEngineMissing, grammar_error_uncached
 
 log = logging.getLogger("duet.guide")
 

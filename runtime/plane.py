@@ -2,7 +2,7 @@
 
 A node, a coordinator and a gateway each hold one `PlaneSecurity` (from the flags of
 duet/security_args.py). The server side: `middlewares()` (the cluster-secret check,
-protocol/cluster_secret.py), `server_ssl()` (an https listener when `--tls-cert/--tls-key` are
+runtime/cluster_secret.py), `server_ssl()` (an https listener when `--tls-cert/--tls-key` are
 set). The client side: `headers` on every internal request and `client_ssl()`, which trusts
 `--tls-ca` (plus the system's CAs) for https peers. `scheme` is what a process writes into a
 URL it builds from a bare host and port (a peer named in `kv_transfer_params`, its own
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from protocol.cluster_secret import (
+from runtime.cluster_secret import (
     ClusterSecret,
     SecretError,
     auth_middleware,
@@ -113,7 +113,7 @@ class PlaneSecurity:
     ) -> aiohttp.ClientSession:
         """A session for the internal plane only: every request carries the secret. (Never for a
         session that also reaches third parties: the gateway adds `headers` per request.)
-        `trace_configs`: protocol/tracing.py's, so the session's requests carry `traceparent`."""
+        `trace_configs`: runtime/tracing.py's, so the session's requests carry `traceparent`."""
         return aiohttp.ClientSession(
             headers=self.headers,
             trace_configs=trace_configs,

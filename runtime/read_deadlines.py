@@ -54,8 +54,8 @@ from aiohttp import web
 from aiohttp.streams import StreamReader
 from aiohttp.web_protocol import _ErrInfo
 
-from protocol.http_errors import AppRunner, OpenAIErrorHandler, _Server
 from protocol.openai import APIError
+from runtime.http_errors import AppRunner, OpenAIErrorHandler, _Server
 
 log = logging.getLogger("duet.http")
 
@@ -278,7 +278,7 @@ class DeadlineServer(_Server):
 
 
 class DeadlineAppRunner(AppRunner):
-    """protocol.http_errors.AppRunner (OpenAI-shaped parser errors) with `ReadDeadlines`."""
+    """runtime.http_errors.AppRunner (OpenAI-shaped parser errors) with `ReadDeadlines`."""
 
     __slots__ = ("_deadlines",)
     #: the server class it builds (a subclass adds its own connection rules)
