@@ -48,15 +48,18 @@ class RouteWeights:
 
 @dataclass(frozen=True)
 class PolicyConfig:
+    #: the cost terms a decode candidate's score adds up
     weights: RouteWeights = RouteWeights()
-    #: prefill on D when its uncached prompt tokens are fewer than this
+    #: prefill on the decode node when fewer prompt tokens than this are uncached there
     local_prefill_tokens: int = 256
-    #: a prefill node with this many prompt tokens queued (incl. pending) is saturated
+    #: a prefill node with this many prompt tokens queued (pending routes included) is saturated
     prefill_saturation_tokens: int = 8192
-    #: a node whose last load report is older than this is not routable (seconds)
+    #: a node whose last load report is older than this many seconds gets no new routes
     stale_load_s: float = 2.0
-    #: pending decisions stop counting at the first load report this long after them
+    #: a routing decision stops counting as pending load at the node's first load report this
+    #: many seconds after it (the report then includes it)
     pending_settle_s: float = 0.3
+    #: a pending decision no load report has settled stops counting after this many seconds
     pending_max_age_s: float = 5.0
 
 

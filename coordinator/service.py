@@ -48,17 +48,26 @@ log = logging.getLogger("duet.coordinator")
 
 @dataclass
 class CoordinatorConfig:
-    etcd: str = "http://127.0.0.1:2379"
+    """What an operator sets for one coordinator replica; `duet coordinator`'s flags are
+    generated from these fields (duet/config_flags.py), their help from the `#:` comments."""
+
+    #: etcd client URL
+    etcd: str = field(default="http://127.0.0.1:2379", metadata={"metavar": "URL"})
+    #: cluster name (etcd key prefix /duet/NAME/)
     cluster: str = DEFAULT_CLUSTER
+    #: address to listen on
     host: str = "127.0.0.1"
+    #: port of the routing API
     port: int = 8400
     #: stable name of this replica (default: coordinator-HOSTNAME-PORT)
     replica_id: str | None = None
-    #: URL gateways use to reach this replica (default: http://host:port)
-    advertise_url: str | None = None
+    #: URL gateways use to reach this replica (default: http://HOST:PORT)
+    advertise_url: str | None = field(default=None, metadata={"metavar": "URL"})
+    #: memory bound of the prefix index, in block hashes (the least recently matched go first)
     index_max_blocks: int = 1_000_000
-    #: lease TTL of this replica's membership and leadership (seconds)
-    ttl: int = NODE_TTL_S
+    #: lease TTL of this replica's membership and leadership, in seconds
+    ttl_s: int = field(default=NODE_TTL_S, metadata={"hidden": True})
+    #: how /route picks a prefill/decode pair
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     #: cluster secret, TLS and /metrics policy of the internal plane (runtime/plane.py)
     security: PlaneSecurity = field(default_factory=PlaneSecurity)
@@ -68,8 +77,8 @@ class CoordinatorConfig:
     def __post_init__(self) -> None:
         if self.index_max_blocks < 1:
             raise ValueError("--index-max-blocks must be ≥ 1")
-        if self.ttl < 2:
-            raise ValueError("--ttl must be ≥ 2 seconds")
+        if self.ttl_s < 2:
+            raise ValueError("--ttl-s must be ≥ 2 seconds")
         if self.policy.local_prefill_tokens < 0:
             raise ValueError("--local-prefill-tokens must be ≥ 0")
 
@@ -94,7 +103,7 @@ class Coordinator:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self.etcd_connected = False
         self.metrics = CoordinatorMetrics(self._metric_snapshot)
-        self.election = Election(store, config.cluster, self.replica_id, config.url, config.ttl)
+        self.election = Election(store, config.cluster, self.replica_id, config.url, config.ttl_s)
         self.registry = Registry(
             store,
             config.cluster,

@@ -18,7 +18,7 @@ async def _start(node: Node) -> None:
         RemoteKV(
             node.transport,
             node.session,
-            node.config.transfer_timeout,
+            node.config.transfer_timeout_s,
             policy,
             node.config.security.scheme,
         )

@@ -13,7 +13,7 @@ Order (each step can fail with a defined answer, never a hang):
    transport address in P's metadata outside the allowed networks or off the named host →
    403, before the transport connects);
 3. reserve local blocks in the engine (WAITING_FOR_REMOTE_KV; a local prefix hit skips
-   blocks), within `reserve_timeout` (else the request is aborted: 503 + Retry-After);
+   blocks), within `reserve_timeout_s` (else the request is aborted: 503 + Retry-After);
 4. READ P's blocks with the transport, under a timeout;
 5. release on P, checking the ids belong to the request: 200 → the bytes are good; 400 → the
    client's params were wrong (the request is aborted and the client gets a 400); anything
@@ -239,7 +239,7 @@ async def _answer(
         case PullOutcome.RESERVE_TIMEOUT:  # the puller aborted the engine request already
             leg.node.metrics.rejected("reserve_timeout")
             raise _Unavailable(
-                f"this node could not reserve KV blocks within {cfg.reserve_timeout:g} s; "
+                f"this node could not reserve KV blocks within {cfg.reserve_timeout_s:g} s; "
                 "retry later or on another node"
             )
         case PullOutcome.NOT_THEIRS:  # the client's kv_transfer_params were wrong: its error

@@ -149,7 +149,7 @@ class Puller:
         node, reserved = self.leg.node, self.stream.reserved
         assert reserved is not None
         try:
-            return await asyncio.wait_for(asyncio.shield(reserved), node.config.reserve_timeout)
+            return await asyncio.wait_for(asyncio.shield(reserved), node.config.reserve_timeout_s)
         except TimeoutError:
             # Abort before the kv_ready of `_end`: a reservation that lands in between is then
             # freed by it, instead of waiting for a kv_ready that already ran.
@@ -167,7 +167,7 @@ class Puller:
         try:
             if k < len(local):
                 await node.transport.read(
-                    peer, src.block_ids[k:], local[k:], timeout=node.config.transfer_timeout
+                    peer, src.block_ids[k:], local[k:], timeout=node.config.transfer_timeout_s
                 )
         except Exception as e:
             self.settled = getattr(e, "settled", None)

@@ -8,13 +8,14 @@ import sys
 import time
 
 from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
+from duet.config_flags import add_config_flags, add_deprecated_aliases, config_kwargs
 from duet.security_args import (
     add_client_arguments,
     add_server_arguments,
     plane_security,
     read_deadlines,
 )
-from protocol.cluster import DEFAULT_CLUSTER, NODE_TTL_S
+from protocol.cluster import DEFAULT_CLUSTER
 
 COORDINATOR_HELP = """\
 Run one coordinator replica: watches the nodes registered in etcd, follows every node's KV
@@ -40,55 +41,55 @@ class _Formatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaults
     pass
 
 
+#: old spellings of the coordinator's flags: they still work, with one warning per process. The
+#: autoscaler's settings became planner.toml keys; their flags set the key (`--planner-set`).
+DEPRECATED = {
+    "--ttl": "--ttl-s",
+    "--actuator": "--planner-set actuator=",
+    "--decision-file": "--planner-set decision_file=",
+    "--k8s-namespace": "--planner-set k8s_namespace=",
+    "--k8s-deployment": "--planner-set k8s_deployments.",
+    "--local-control": "--planner-set local_control=",
+    "--node-budget": "--planner-set node_budget=",
+    "--planner-profile": "--planner-set profile=",
+    "--drain-deadline-s": "--planner-set drain_deadline_s=",
+}
+
+#: CoordinatorConfig fields that are no flag, and why
+COORDINATOR_SKIP = {
+    "policy": "the routing group (PolicyConfig, RouteWeights)",
+    "security": "the cluster security group, shared with every process (duet/security_args.py)",
+    "deadlines": "the slow clients group (ReadDeadlines)",
+}
+
+
 def add_parsers(sub: argparse._SubParsersAction) -> None:
+    from coordinator.policy import PolicyConfig, RouteWeights
+    from coordinator.service import CoordinatorConfig
+    from planner.cli import add_args as add_planner_args
+
     p = sub.add_parser(
         "coordinator",
         help="run a coordinator replica (node registry, prefix index, /route)",
         description=COORDINATOR_HELP,
-        formatter_class=_Formatter,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--etcd", default="http://127.0.0.1:2379", metavar="URL", help="etcd client URL")
-    p.add_argument(
-        "--cluster", default=DEFAULT_CLUSTER, help="cluster name (etcd key prefix /duet/NAME/)"
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    add_config_flags(p, CoordinatorConfig, "coordinator", skip=COORDINATOR_SKIP)
+    add_etcd_arguments(p.add_argument_group("etcd client"))
+    add_config_flags(
+        p, PolicyConfig, "routing", skip={"weights": "the route weights group (RouteWeights)"}
     )
-    add_etcd_arguments(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=int, default=8400)
-    p.add_argument("--advertise-url", default=None, help="URL gateways use to reach this replica")
-    p.add_argument(
-        "--replica-id", default=None, help="replica name (default: coordinator-HOSTNAME-PORT)"
+    add_config_flags(
+        p,
+        RouteWeights,
+        "route weights",
+        "A decode candidate's cost is the sum of these terms; the cheapest pair is routed to.",
+        prefix="weight-",
     )
-    r = p.add_argument_group("routing")
-    r.add_argument(
-        "--index-max-blocks",
-        type=int,
-        default=1_000_000,
-        help="memory bound of the prefix index (block hashes; least recently matched go first)",
-    )
-    r.add_argument(
-        "--local-prefill-tokens",
-        type=int,
-        default=256,
-        help="prefill on the decode node when fewer prompt tokens than this are uncached there",
-    )
-    r.add_argument(
-        "--prefill-saturation-tokens",
-        type=int,
-        default=8192,
-        help="a prefill node with this many prompt tokens queued is saturated",
-    )
-    r.add_argument(
-        "--stale-load-s",
-        type=float,
-        default=2.0,
-        help="a node whose last load report is older than this gets no new routes",
-    )
-    p.add_argument("--ttl", type=int, default=NODE_TTL_S, help=argparse.SUPPRESS)
-    p.add_argument("--log-level", default="INFO")
     add_server_arguments(p)
-    from planner.cli import add_args as add_planner_args
-
     add_planner_args(p)
+    add_deprecated_aliases(p, DEPRECATED)
     p.set_defaults(func=_run_coordinator)
 
     d = sub.add_parser(
@@ -108,14 +109,19 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     d.add_argument("--wait", action="store_true", help="wait until the node has left the cluster")
     d.add_argument(
-        "--timeout", type=float, default=600.0, help="with --wait: give up after this many seconds"
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="with --wait: give up after this many seconds",
     )
     add_client_arguments(d)
+    add_deprecated_aliases(d, {"--timeout": "--timeout-s"})
     d.set_defaults(func=_run_drain)
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
-    from coordinator.policy import PolicyConfig
+    from coordinator.policy import PolicyConfig, RouteWeights
     from coordinator.server import run_coordinator
     from coordinator.service import CoordinatorConfig
     from coordinator.store import parse_etcd_url
@@ -124,23 +130,14 @@ def _run_coordinator(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_level, name="coordinator")
     try:
-        parse_etcd_url(args.etcd)
+        given = config_kwargs(CoordinatorConfig, args)
+        if "etcd" in given:
+            parse_etcd_url(given["etcd"])
         apply_etcd_args(args)
-        policy = PolicyConfig(
-            local_prefill_tokens=args.local_prefill_tokens,
-            prefill_saturation_tokens=args.prefill_saturation_tokens,
-            stale_load_s=args.stale_load_s,
-        )
+        weights = RouteWeights(**config_kwargs(RouteWeights, args, prefix="weight-"))
         cfg = CoordinatorConfig(
-            etcd=args.etcd,
-            cluster=args.cluster,
-            host=args.host,
-            port=args.port,
-            replica_id=args.replica_id,
-            advertise_url=args.advertise_url,
-            index_max_blocks=args.index_max_blocks,
-            ttl=args.ttl,
-            policy=policy,
+            **given,
+            policy=PolicyConfig(**config_kwargs(PolicyConfig, args), weights=weights),
             security=plane_security(args),
             deadlines=read_deadlines(args),
         )
@@ -229,11 +226,11 @@ async def _drain(args: argparse.Namespace) -> int:
         print(f"{info.node_id}: draining ({info.role} at {info.url})", flush=True)
         if not args.wait:
             return 0
-        deadline = time.monotonic() + args.timeout
+        deadline = time.monotonic() + args.timeout_s
         while await find_node(store, args.cluster, args.node_id) is not None:
             if time.monotonic() > deadline:
                 print(
-                    f"duet drain: {args.node_id} still registered after {args.timeout:.0f}s",
+                    f"duet drain: {args.node_id} still registered after {args.timeout_s:.0f}s",
                     file=sys.stderr,
                 )
                 return 1

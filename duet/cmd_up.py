@@ -12,10 +12,10 @@ Self-healing: a process that dies (etcd, a coordinator replica, a node, the gate
 restarted alone, with the same ports and arguments, after an exponential backoff (1 s, 2 s,
 4 s ... up to 30 s); nodes register again, coordinators rejoin the election, etcd keeps its
 data directory. A process that stops answering its health URL for 60 s (hung) is killed and
-restarted the same way. After --max-restarts failures in a row (a life healthy for 60 s clears the
-count) the process crash-loops: it stays down, is reported, and the rest keep serving. Each
+restarted the same way. After --restart-max-restarts failures in a row (a life healthy for 60 s
+clears the count) the process crash-loops: it stays down, is reported, and the rest keep serving. Each
 death is logged with its cause; `duet status` shows restarts, last exit and backoff per
-process. Tune it with --max-restarts/--restart-backoff or a [restart] table in cluster.toml.
+process. Tune it with the --restart-* flags or a [restart] table in cluster.toml.
 A first start that fails is a crash like any other (the rest start and serve meanwhile); only a
 stage none of whose processes can ever start (etcd, say) stops `duet up`, naming it with its
 log's last lines.
@@ -42,11 +42,25 @@ import urllib.request
 from dataclasses import replace
 from typing import Any
 
-from runtime.models import DEFAULT_MODEL, REGISTRY, ModelNotFoundError, resolve_model
+from runtime.models import REGISTRY, ModelNotFoundError, resolve_model
 from runtime.ports import free_port
+
+#: old spellings of `duet up`'s flags: they still work, with one warning per process
+DEPRECATED = {
+    "--startup-timeout": "--startup-timeout-s",
+    "--max-restarts": "--restart-max-restarts",
+    "--restart-backoff": "--restart-backoff-s",
+}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """The layout, autoscaling and process flags by hand; the cluster's settings generated from
+    duet/up_config.py's UpConfig and its sections (duet/config_flags.py), each over cluster.toml's
+    value where given."""
+    from duet.config_flags import add_config_flags, add_deprecated_aliases
+    from duet.supervisor import RestartPolicy
+    from duet.up_config import CoordinatorSection, GatewaySection, UpConfig
+
     p = sub.add_parser(
         "up",
         help="start a whole duet cluster on this machine (API on :8000; see --help)",
@@ -57,36 +71,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--config",
         default=None,
         metavar="cluster.toml",
-        help="layout file (see duet/up_config.py); flags below set its defaults",
+        help="layout file (see duet/up_config.py); the flags below win over its values",
     )
-    p.add_argument(
-        "--model",
-        default=None,
-        help=f"registry name, .gguf file or HF directory (default {DEFAULT_MODEL})",
-    )
-    p.add_argument("--host", default=None, help="gateway address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="gateway port (default 8000)")
     p.add_argument(
         "--gateways",
         type=int,
         default=1,
         metavar="N",
         help="gateway processes sharing --port (SO_REUSEPORT: the kernel spreads connections; one "
-        "that dies is restarted while the others serve) and one store (default 1)",
+        "that dies is restarted while the others serve) and one store (default: 1)",
     )
+    p.add_argument("--quiet", action="store_true", help="no merged log tail on the terminal")
     p.add_argument(
-        "--routing",
-        choices=["coordinator", "static"],
-        default=None,
-        help="how the gateway picks nodes: coordinator (default; prefix- and load-aware) or "
-        "static (least-loaded, blind to prefixes: a baseline for benchmarks)",
+        "--startup-timeout-s",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="seconds every stage may take to be healthy (default: 600)",
     )
     lay = p.add_argument_group("layout (without --config)")
     lay.add_argument(
-        "--prefill", type=int, default=None, metavar="N", help="prefill nodes (default 1)"
+        "--prefill", type=int, default=None, metavar="N", help="prefill nodes (default: 1)"
     )
     lay.add_argument(
-        "--decode", type=int, default=None, metavar="M", help="decode nodes (default 1)"
+        "--decode", type=int, default=None, metavar="M", help="decode nodes (default: 1)"
     )
     lay.add_argument(
         "--colocated",
@@ -106,38 +114,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "on POST /v1/embeddings as MODEL's name (NAME-embed when the generation nodes serve "
         "the same model); see docs/embeddings.md",
     )
-    n = p.add_argument_group("every node")
-    n.add_argument(
-        "--threads", type=int, default=None, help="torch threads per node (default: its CPU share)"
-    )
-    n.add_argument("--kv-memory", default="1GiB", help="KV pool per node (default 1GiB)")
-    n.add_argument(
-        "--kv-blocks",
-        type=int,
-        default=None,
-        help="KV pool per node in blocks (overrides --kv-memory)",
-    )
-    n.add_argument("--dtype", default="auto", help="auto (default), bfloat16 or float32")
-    n.add_argument(
-        "--transport",
-        default="nixl",
-        choices=["nixl", "ucx", "tcp"],
-        help="KV transport (default nixl)",
-    )
-    n.add_argument(
-        "--node-arg",
-        action="append",
-        default=[],
-        metavar="FLAG",
-        help="extra `duet node` flag, repeatable (e.g. --node-arg=--max-num-seqs=64)",
-    )
-    p.add_argument("--cluster", default=None, help="cluster name in etcd (default 'default')")
-    p.add_argument("--quiet", action="store_true", help="no merged log tail on the terminal")
-    p.add_argument(
-        "--startup-timeout",
-        type=float,
-        default=600.0,
-        help="seconds every stage may take to be healthy (default 600)",
+    skip = {
+        "gateway": "the gateway group (GatewaySection)",
+        "coordinator": "the coordinator group (CoordinatorSection)",
+        "nodes": "the layout: --prefill/--decode/--colocated/--embed, or cluster.toml's [[nodes]]",
+        "restart": "the restarts group (RestartPolicy)",
+    }
+    add_config_flags(p, UpConfig, "cluster (a [[nodes]] group's own value wins)", skip=skip)
+    add_config_flags(p, GatewaySection, "gateway")
+    add_config_flags(p, CoordinatorSection, "coordinator", prefix="coordinator-")
+    add_config_flags(
+        p, RestartPolicy, "restarts (what a process that dies gets)", prefix="restart-"
     )
     a = p.add_argument_group("autoscaling (the planner in the coordinator starts and drains nodes)")
     a.add_argument(
@@ -159,21 +146,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="planner.toml",
         help="with --autoscale: SLOs, pacing and bounds (planner/config.py) instead of the defaults",
     )
-    r = p.add_argument_group("restarts (a [restart] table in cluster.toml sets all of them)")
-    r.add_argument(
-        "--max-restarts",
-        type=int,
-        default=None,
-        metavar="N",
-        help="failures in a row after which a process stays down (default 5; 0: never restart)",
-    )
-    r.add_argument(
-        "--restart-backoff",
-        type=float,
-        default=None,
-        metavar="S",
-        help="first delay before a restart, doubled per failure in a row up to 30 s (default 1)",
-    )
+    add_deprecated_aliases(p, DEPRECATED)
     p.set_defaults(func=_run)
 
 
@@ -192,8 +165,12 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def build_config(args: argparse.Namespace):  # -> UpConfig
+    """cluster.toml's layout (or the layout flags'), with every setting flag given over it."""
     from duet.cli import UsageError
+    from duet.config_flags import config_kwargs
+    from duet.supervisor import RestartPolicy
     from duet.up_config import (
+        CoordinatorSection,
         GatewaySection,
         NodeGroup,
         UpConfig,
@@ -210,49 +187,24 @@ def build_config(args: argparse.Namespace):  # -> UpConfig
                 "behind the gateway (see --prefill/--decode/--colocated)",
                 file=sys.stderr,
             )
-        base = UpConfig(
-            kv_memory=args.kv_memory,
-            kv_blocks=args.kv_blocks,
-            dtype=args.dtype,
-            transport=args.transport,
-            node_args=tuple(args.node_arg),
-            threads=args.threads,
-        )
         if args.config:
             if args.prefill is not None or args.decode is not None or args.colocated is not None:
                 raise UpConfigError(
                     "give the layout in cluster.toml or with --prefill/--decode/--colocated, not both"
                 )
-            cfg = load_cluster_toml(args.config, base)
+            cfg = load_cluster_toml(args.config, UpConfig())
         else:
-            cfg = replace(base, nodes=layout_from_flags(args.prefill, args.decode, args.colocated))
+            nodes = layout_from_flags(args.prefill, args.decode, args.colocated)
+            cfg = replace(UpConfig(), nodes=nodes)
         if args.embed:
             cfg = replace(cfg, nodes=(*cfg.nodes, NodeGroup(role="embed", model=args.embed)))
-        restart = cfg.restart
-        if args.max_restarts is not None:
-            restart = replace(restart, max_restarts=args.max_restarts)
-        if args.restart_backoff is not None:
-            restart = replace(restart, backoff_s=args.restart_backoff)
-        gw = cfg.gateway
+        section = config_kwargs(CoordinatorSection, args, "coordinator-")
         cfg = replace(
             cfg,
-            restart=restart,
-            model=args.model or cfg.model,
-            cluster=args.cluster or cfg.cluster,
-            gateway=GatewaySection(
-                **{
-                    **gw.__dict__,
-                    **{
-                        k: v
-                        for k, v in (
-                            ("host", args.host),
-                            ("port", args.port),
-                            ("routing", args.routing),
-                        )
-                        if v is not None
-                    },
-                }
-            ),
+            **config_kwargs(UpConfig, args),
+            gateway=replace(cfg.gateway, **config_kwargs(GatewaySection, args)),
+            coordinator=replace(cfg.coordinator, **section),
+            restart=replace(cfg.restart, **config_kwargs(RestartPolicy, args, "restart-")),
         )
         return validate(cfg)
     except UpConfigError as e:
@@ -672,14 +624,14 @@ def _run(args: argparse.Namespace) -> int:
         planner_args = [
             "--planner",
             "load",
-            "--actuator",
-            "local",
-            "--node-budget",
-            str(max_nodes),
-            "--local-control",
-            f"http://127.0.0.1:{control.server_address[1]}",
             "--planner-config",
             args.planner_config or str(planner_file),
+            "--planner-set",
+            "actuator=local",
+            "--planner-set",
+            f"node_budget={max_nodes}",
+            "--planner-set",
+            f"local_control=http://127.0.0.1:{control.server_address[1]}",
         ]
         log(
             f"autoscaling: 1 to {max_nodes - len({g.role for g in cfg.nodes}) + 1} nodes per role, "
@@ -764,7 +716,7 @@ def _run(args: argparse.Namespace) -> int:
         """The cluster can route once a coordinator reports every node that is up ready (one
         whose first start failed is being restarted meanwhile; it registers when it is up)."""
         waited, seen, node_ids = 0.0, set(), set()
-        while waited < args.startup_timeout:
+        while waited < args.startup_timeout_s:
             node_ids = {c.name for c in nodes if c.state == ChildState.RUNNING}
             try:
                 info = _get_json(coord_urls[0] + "/cluster", headers=auth)
@@ -778,7 +730,7 @@ def _run(args: argparse.Namespace) -> int:
             waited += 0.2
         else:
             sup.say(
-                f"the coordinator does not see {sorted(node_ids - seen)} ready after {args.startup_timeout:.0f}s"
+                f"the coordinator does not see {sorted(node_ids - seen)} ready after {args.startup_timeout_s:.0f}s"
             )
             return False
         state["ready"] = True
@@ -799,7 +751,7 @@ def _run(args: argparse.Namespace) -> int:
     log(f"DUET_HOME={home.root}: {cfg.describe()} node(s), serving {', '.join(served.values())}")
     sup = Supervisor(
         stages,
-        startup_timeout=args.startup_timeout,
+        startup_timeout=args.startup_timeout_s,
         tail=not args.quiet,
         on_ready=ready,
         on_change=changed,

@@ -66,35 +66,27 @@ def add_server_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def add_deadline_arguments(p: argparse.ArgumentParser) -> None:
-    """A node's and a coordinator's read deadlines (runtime/read_deadlines.py); the gateway's
-    are `[server]` settings of its config file."""
-    g = p.add_argument_group(
+    """A node's and a coordinator's read deadlines, generated from ReadDeadlines
+    (runtime/read_deadlines.py); the gateway's are `[server]` settings of its config file."""
+    from duet.config_flags import add_config_flags
+    from runtime.read_deadlines import ReadDeadlines
+
+    add_config_flags(
+        p,
+        ReadDeadlines,
         "slow clients",
-        "Deadlines for reading a request (slowloris): a connection past "
-        "one is answered 408 and closed.",
-    )
-    g.add_argument(
-        "--header-timeout-s",
-        type=float,
-        default=30.0,
-        metavar="S",
-        help="a request's headers must be complete this long after its first byte (0: off)",
-    )
-    g.add_argument(
-        "--body-timeout-s",
-        type=float,
-        default=30.0,
-        metavar="S",
-        help="a request's body gets this long, plus 1 s per 4096 bytes received (0: off)",
+        "Deadlines for reading a request (slowloris): a connection past one is answered 408 and "
+        "closed.",
     )
 
 
 def read_deadlines(args: argparse.Namespace):
     """The flags as a ReadDeadlines; raises UsageError for a value out of range."""
     from duet.cli import UsageError
+    from duet.config_flags import config_kwargs
     from runtime.read_deadlines import ReadDeadlines
 
-    d = ReadDeadlines(header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s)
+    d = ReadDeadlines(**config_kwargs(ReadDeadlines, args))
     problem = d.problem()
     if problem is not None:
         raise UsageError(f"--{problem.replace('_', '-')}")

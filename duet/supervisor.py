@@ -73,7 +73,9 @@ class ChildState(enum.StrEnum):
 class RestartPolicy:
     #: failures in a row after which a child stays down (0: never restart)
     max_restarts: int = 5
+    #: first delay before a restart, doubled per failure in a row
     backoff_s: float = 1.0
+    #: the longest delay before a restart
     backoff_max_s: float = 30.0
     #: a life healthy this long clears the count of failures in a row
     stable_s: float = 60.0

@@ -53,9 +53,10 @@ import os
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from duet.supervisor import RestartPolicy
+from node.config import Transport
 from runtime.models import DEFAULT_MODEL
 from runtime.tables import from_table
 
@@ -87,36 +88,50 @@ class NodeGroup:
 
 @dataclass(frozen=True)
 class GatewaySection:
+    #: gateway address
     host: str = "127.0.0.1"
+    #: gateway port (the OpenAI API)
     port: int = 8000
-    #: "coordinator" (prefix- and load-aware, the default) or "static" (the gateway's own
-    #: least-loaded choice among the node URLs: no prefix awareness, no conditional prefill)
-    routing: str = "coordinator"
+    #: how the gateway picks nodes: coordinator (prefix- and load-aware) or static (the
+    #: gateway's own least-loaded choice among the node URLs, blind to prefixes and with no
+    #: conditional prefill: a baseline for benchmarks)
+    routing: Literal["coordinator", "static"] = "coordinator"
+    #: price the gateway bills per million prompt tokens, USD
     input_usd_per_mtok: float = 0.0
+    #: price the gateway bills per million generated tokens, USD
     output_usd_per_mtok: float = 0.0
 
 
 @dataclass(frozen=True)
 class CoordinatorSection:
+    #: coordinator replicas (all route; one, elected in etcd, leads)
     replicas: int = 1
-    args: tuple[str, ...] = ()
+    #: one more `duet coordinator` flag, repeatable (e.g. --coordinator-arg=--stale-load-s=3)
+    args: tuple[str, ...] = field(default=(), metadata={"flag": "arg", "metavar": "FLAG"})
 
 
 @dataclass(frozen=True)
 class UpConfig:
+    #: default model of every node group: registry name, .gguf file or HF directory
     model: str = DEFAULT_MODEL
+    #: cluster name in etcd (key prefix /duet/NAME/)
     cluster: str = "default"
     gateway: GatewaySection = GatewaySection()
     coordinator: CoordinatorSection = CoordinatorSection()
     nodes: tuple[NodeGroup, ...] = (NodeGroup(role="prefill"), NodeGroup(role="decode"))
     restart: RestartPolicy = field(default_factory=RestartPolicy)
-    #: defaults for every node group (flags of `duet up`)
+    #: KV pool per node, e.g. 512MiB (a group's kv_memory or kv_blocks wins)
     kv_memory: str = "1GiB"
+    #: KV pool per node in blocks (overrides --kv-memory)
     kv_blocks: int | None = None
+    #: every node's dtype: auto, bfloat16 or float32
     dtype: str = "auto"
-    transport: str = "nixl"
+    #: KV transport between the nodes
+    transport: Transport = "nixl"
+    #: torch threads per node (default: the node's CPU share)
     threads: int | None = None
-    node_args: tuple[str, ...] = field(default=())
+    #: one more `duet node` flag for every node, repeatable (e.g. --node-arg=--max-num-seqs=64)
+    node_args: tuple[str, ...] = field(default=(), metadata={"flag": "node-arg", "metavar": "FLAG"})
 
     def models(self) -> list[str]:
         return sorted({g.model or self.model for g in self.nodes})

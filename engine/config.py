@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Literal
 
 from protocol.block_hash import DEFAULT_BLOCK_SIZE, DEFAULT_HASH_SEED
 from runtime.models import DEFAULT_MODEL
@@ -20,58 +21,82 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * mult)
 
 
+#: quantization of the linear layers (engine/quant.py)
+Quantization = Literal["int8", "int4", "int4-g64", "int8-w8a8", "int4-w4a8"]
+#: speculative decoding methods (engine/spec_decode.py)
+Speculative = Literal["ngram", "draft-int4", "draft-int4-w4a8", "draft-int8", "draft"]
+
+
 @dataclass
 class EngineConfig:
+    """Everything that sizes and shapes one engine; `duet node`'s engine flags are generated from
+    these fields (duet/config_flags.py), their help from the `#:` comments."""
+
+    #: registry name, .gguf file or HF directory
     model: str = DEFAULT_MODEL
-    #: "auto": bf16 on CUDA, and on CPUs with native bf16 GEMM (avx512_bf16/AMX), else fp32
+    #: auto, bfloat16 or float32; auto: bf16 on CUDA and on CPUs with native bf16 GEMM
+    #: (avx512_bf16/AMX), else fp32
     dtype: str = "auto"
-    #: "auto": cuda when available, else cpu
+    #: auto, cpu or cuda[:N]; auto: cuda when available, else cpu
     device: str = "auto"
+    #: tokens per KV block
     block_size: int = DEFAULT_BLOCK_SIZE
-    #: KV pool size as a block count; if None, derived from kv_memory
-    num_kv_blocks: int | None = None
+    #: KV pool size in blocks (overrides --kv-memory)
+    num_kv_blocks: int | None = field(default=None, metadata={"flag": "kv-blocks"})
+    #: KV pool size in bytes, e.g. 512MiB
     kv_memory: str | int = "1GiB"
-    #: None: the model's max_position_embeddings
+    #: context limit (default: the model's max_position_embeddings)
     max_model_len: int | None = None
+    #: sequences running at once
     max_num_seqs: int = 128
     #: tokens computed per step (the chunked-prefill budget)
     max_num_batched_tokens: int = 512
+    #: a prompt longer than the step's budget is prefilled in chunks across steps (off: whole)
     enable_chunked_prefill: bool = True
+    #: reuse the KV of prompts' common prefixes across requests
     enable_prefix_caching: bool = True
+    #: seed of the prefix cache's block hashes: every process of a cluster must use the same one
+    #: (protocol/block_hash.py)
     hash_seed: int = DEFAULT_HASH_SEED
+    #: seed of the sampler's random numbers
     seed: int = 0
-    #: torch intra-op threads on CPU; None leaves torch's default
+    #: torch intra-op threads on CPU (default: torch's)
     threads: int | None = None
-    #: backpressure: requests queued (not yet admitted) before new ones are refused as overload
+    #: backpressure: queued requests beyond which new ones get 503 + Retry-After
     max_waiting_requests: int = 256
-    #: backpressure: prompt tokens queued before new requests are refused as overload
+    #: backpressure: queued prompt tokens beyond which new requests get 503 + Retry-After
     max_waiting_tokens: int = 262144
-    #: quantization of the linear layers: None (the model dtype); weight-only "int8" (per-channel
-    #: scales), "int4" (groups of 32) or "int4-g64" (activations and the KV cache keep `dtype`); or
-    #: W8A8 "int8-w8a8" / "int4-w4a8" (activations quantized per token to int8, int8 GEMMs)
-    quantization: str | None = None
-    #: speculative decoding: None (off), "ngram" (prompt lookup: drafts copied from the prompt and
-    #: the output so far) or a draft model: "draft-int4" (self-speculation: the target's weights at
-    #: int4), "draft-int4-w4a8", "draft-int8", "draft" (engine/spec_decode.py); greedy output
-    #: unchanged, sampled output distributed as without it
-    speculative: str | None = None
-    #: draft-model speculation ("draft" methods): a separate draft model of the target's tokenizer
-    #: (None: self-speculation, the target's own weights at the method's quantization)
-    speculative_model: str | None = None
-    #: the draft model's own KV pool in blocks (None: room for spec_max_batch full-length sequences,
-    #: at most the target's pool)
+    #: quantization of the linear layers (native engine): int8, int4 and int4-g64 are weight-only
+    #: (int8 per-channel scales, int4 groups of 32 or 64; activations and the KV cache keep
+    #: --dtype); int8-w8a8 and int4-w4a8 also quantize activations per token to int8 for int8
+    #: GEMMs (faster prefill and batches). Quantize once ahead with `duet models pull
+    #: --quantize`
+    quantization: Quantization | None = None
+    #: speculative decoding (native engine): ngram drafts tokens by prompt lookup (pays on
+    #: summaries, edits, RAG answers); draft-int4 (-int4-w4a8, -int8) drafts with the model's own
+    #: weights at int4 (a second, cheaper copy) and verifies with the full model; draft uses
+    #: --speculative-model as it is. Greedy output is unchanged, sampled output keeps its
+    #: distribution; off by itself above --spec-max-batch requests running or waiting
+    speculative: Speculative | None = None
+    #: a separate draft model (name or directory) for the draft methods; it must share the
+    #: model's tokenizer (default: the model itself, self-speculation)
+    speculative_model: str | None = field(default=None, metadata={"metavar": "MODEL"})
+    #: the draft model's own KV pool in blocks (default: room for --spec-max-batch full-length
+    #: sequences, at most the target's pool)
     spec_draft_kv_blocks: int | None = None
-    #: most draft tokens per request and step (each request adapts its own k below this); None:
-    #: the method's default (engine/spec_decode.py NUM_SPECULATIVE_TOKENS: 5 for ngram, 8 for the
-    #: draft-model methods, whose self-draft is accepted 94-100 % of the time here)
-    num_speculative_tokens: int | None = None
-    #: no drafts while more requests than this run or wait (larger batches are compute-bound);
-    #: None: the method's default (engine/spec_decode.py SPEC_MAX_BATCH: 4 for ngram, 1 for the
-    #: draft-model methods, whose drafting and verifying cost more than they give at 2 or more here)
+    #: most draft tokens a request proposes per step; each request adapts its own k below this
+    #: to its acceptance. Default: 5 for ngram, 8 for the draft methods (their int4 self-draft is
+    #: accepted 94-100 % of the time: docs/benchmarks.md)
+    num_speculative_tokens: int | None = field(default=None, metadata={"metavar": "K"})
+    #: draft only while at most N requests run or wait (0: never). Default: 4 for ngram, 1 for
+    #: the draft methods: on a CPU a batch already shares each weight read, and there a draft
+    #: model's drafting and verifying cost more than they give from 2 requests on
+    #: (docs/benchmarks.md)
     spec_max_batch: int | None = None
-    #: colocated nodes: size each step's prefill chunk so the predicted step (an online fit of
-    #: step times, engine/step_model.py) stays within this inter-token latency; None: the fixed
-    #: max_num_batched_tokens budget alone
+    #: native engine, colocated nodes: size each step's prefill chunk from an online model of
+    #: step time (prefill tokens, decode batch, context: engine/step_model.py) so decode steps
+    #: stay within MS; --max-num-batched-tokens stays the cap, and every step still takes at
+    #: least 32 prompt tokens, so long prompts progress (default: off, the fixed budget alone)
     itl_target_ms: float | None = None
     #: keep BlockStored/BlockRemoved events for the coordinator
     record_kv_events: bool = False

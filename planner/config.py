@@ -1,7 +1,8 @@
 """The planner's configuration: mode, pacing, SLOs per tier, bounds per pool and the node budget.
 
 Read from a TOML file (`duet coordinator --planner-config planner.toml`, the `[planner]` table or
-the whole file) with CLI flags over it; every field has a default an operator can start from.
+the whole file), with `--planner-set KEY=VALUE` over it; every field has a default an operator
+can start from.
 
     mode = "load"            # or "throughput"
     interval_s = 5
@@ -9,6 +10,8 @@ the whole file) with CLI flags over it; every field has a default an operator ca
     reverse_cooldown_s = 180 # before a step the other way (no flapping)
     cold_start_s = 60        # a new node's figures are ignored this long
     node_budget = 8          # all pools, all models together (GPUs: nodes × gpus per node)
+    actuator = "kubernetes"  # or "virtual" (writes decision_file), "local" (duet up's nodes)
+    drain_deadline_s = 120   # scale-in: a node's time to finish its work before it is stopped
     [slo.interactive]
     ttft_s = 1.0
     itl_s = 0.1
@@ -22,7 +25,11 @@ from __future__ import annotations
 
 import enum
 import tomllib
+import typing
+from collections.abc import Iterable
 from pathlib import Path
+from types import UnionType
+from typing import Literal, Union
 
 import msgspec
 
@@ -35,6 +42,9 @@ class PlannerMode(enum.StrEnum):
     LOAD = "load"
     #: predictive: from the request rate, ISL/OSL and prefix hits, sized on the simulator
     THROUGHPUT = "throughput"
+
+
+Actuator = Literal["virtual", "kubernetes", "local"]
 
 
 class TierSLO(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -100,6 +110,23 @@ class PlannerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: throughput mode: the rate forecast's smoothing window, and the headroom it sizes for
     forecast_window_s: float = 60.0
     headroom: float = 1.2
+    #: what carries a decision out: virtual writes it to `decision_file` for an external scaler;
+    #: kubernetes resizes the P/D Deployments; local asks `duet up` (`local_control`) to start
+    #: or stop nodes
+    actuator: Actuator = "virtual"
+    #: virtual actuator: where the decision is written
+    decision_file: str = "planner-decision.json"
+    #: kubernetes actuator: the namespace of the P/D Deployments (None: $POD_NAMESPACE, else
+    #: "default")
+    k8s_namespace: str | None = None
+    #: kubernetes actuator: the Deployment of a pool (role, role/tier or role/model/tier); a pool
+    #: not named here is duet-ROLE[-TIER]
+    k8s_deployments: dict[str, str] = {}
+    #: local actuator: `duet up`'s control URL (`duet up --autoscale` sets it)
+    local_control: str | None = None
+    #: scale-in: how long a node may take to finish its work before it is stopped anyway (its
+    #: streams then migrate)
+    drain_deadline_s: float = 120.0
 
     def __post_init__(self) -> None:
         if self.interval_s <= 0 or self.window_s <= 0:
@@ -131,8 +158,11 @@ class PlannerConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         return self.slo.get(key.tier) or self.slo.get("shared") or _default_slos()["shared"]
 
 
-def load_config(path: str | Path | None, **overrides: object) -> PlannerConfig:
-    """The file's `[planner]` table (or the whole file), then `overrides` that are not None."""
+def load_config(
+    path: str | Path | None, sets: Iterable[str] = (), **overrides: object
+) -> PlannerConfig:
+    """The file's `[planner]` table (or the whole file), then `sets` (`--planner-set KEY=VALUE`,
+    see `apply_sets`), then `overrides` that are not None."""
     raw: dict[str, object] = {}
     if path is not None:
         try:
@@ -141,7 +171,8 @@ def load_config(path: str | Path | None, **overrides: object) -> PlannerConfig:
             raise ValueError(f"no planner config file {path}") from None
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{path}: {e}") from None
-        raw = data.get("planner", data)  # type: ignore[assignment]
+        raw = data.get("planner", data)  # type: ignore[assignment]  # a TOML table is a dict
+    apply_sets(raw, sets)
     raw.update({k: v for k, v in overrides.items() if v is not None})
     try:
         cfg = msgspec.convert(raw, PlannerConfig)
@@ -156,3 +187,39 @@ def load_config(path: str | Path | None, **overrides: object) -> PlannerConfig:
             context_s=st.context_s,
         )
     return cfg
+
+
+def apply_sets(raw: dict[str, object], items: Iterable[str]) -> None:
+    """Each `KEY=VALUE` over `raw`'s keys. VALUE is read as a TOML value (`8`, `0.5`, `[1, 3]`,
+    `{ttft_s = 1.0, itl_s = 0.1}`) except for a text setting, which takes it as it is; one dot
+    reaches into a table, the rest of the key verbatim (`bounds.decode/batch=[0, 2]`,
+    `k8s_deployments.decode=duet-decode-gpu`). Raises ValueError naming the item."""
+    hints = typing.get_type_hints(PlannerConfig)
+    for item in items:
+        key, sep, value = item.partition("=")
+        top, dot, sub = key.strip().partition(".")
+        if not sep or not top or (dot and not sub):
+            raise ValueError(f"--planner-set {item!r}: expected KEY=VALUE, e.g. node_budget=8")
+        if top not in hints:
+            raise ValueError(
+                f"--planner-set {item!r}: planner.toml has no key {top!r} "
+                f"(known: {', '.join(sorted(hints))})"
+            )
+        hint = hints[top]
+        if dot:
+            table = raw.setdefault(top, {})
+            if not isinstance(table, dict) or typing.get_origin(hint) is not dict:
+                raise ValueError(f"--planner-set {item!r}: {top} is not a table")
+            table[sub] = _value(value, typing.get_args(hint)[1])
+        else:
+            raw[top] = _value(value, hint)
+
+
+def _value(text: str, hint: object) -> object:
+    members = typing.get_args(hint) if typing.get_origin(hint) in (Union, UnionType) else (hint,)
+    if str in members:
+        return text
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text  # a bare word (an enum's value): the conversion judges it

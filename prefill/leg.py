@@ -1,7 +1,7 @@
 """The prefill leg and the prefill node's KV endpoints.
 
 Prefill leg: compute the prompt (reusing the prefix cache) with max_tokens=1 and have the
-engine hold its blocks for `lease_seconds` — the hold and its lease are one engine-side state,
+engine hold its blocks for `lease_s` — the hold and its lease are one engine-side state,
 created atomically when the request finishes, so a client that disconnects at any moment
 cannot leak blocks: the engine frees them at the deadline, on `/kv/release`, or on `/abort`.
 Answer with vLLM-named `kv_transfer_params` telling a decode node where to pull them from —
@@ -39,7 +39,7 @@ async def prefill_leg(leg: LegContext) -> web.StreamResponse:
     params.max_tokens = (
         1  # P computes the prompt and samples the first token (D uses a guided leg's)
     )
-    lease = node.config.lease_seconds
+    lease = node.config.lease_s
     result = await leg.collect(await leg.start(params, KVHandoff(hold_seconds=lease)))
     blocks = await node.engine.held_blocks(leg.engine_request_id)
     if not blocks:

@@ -64,9 +64,12 @@ log = logging.getLogger("duet.http")
 class ReadDeadlines:
     """The rules above (0 turns a deadline off)."""
 
+    #: a request's headers must be complete this long after its first byte (0: off)
     header_timeout_s: float = 30.0
+    #: a request's body gets this long, plus 1 s per --body-min-rate-bytes-s bytes received
+    #: (0: off)
     body_timeout_s: float = 30.0
-    #: a body slower than this on average, after `body_timeout_s`, is cut
+    #: a body slower than this on average, after its first --body-timeout-s, is cut
     body_min_rate_bytes_s: int = 4096
 
     def problem(self) -> str | None:

@@ -432,7 +432,7 @@ class VllmNodeEngine:
         (vLLM frees them earlier once pulled, but does not say so), so a drain waits for them."""
         now = time.monotonic()
         self._held = [t for t in self._held if t > now]
-        self._held.append(now + self.config.lease_seconds)
+        self._held.append(now + self.config.lease_s)
 
     def _num_held(self) -> int:
         now = time.monotonic()

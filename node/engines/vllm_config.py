@@ -9,7 +9,7 @@ Mapping of duet's node options onto vLLM (issue #14):
   memory on GPUs); its handshake listens on `nixl_port` (default: the HTTP port + 1), advertised
   as `nixl_host`.
 - `--failure-policy` → `kv_transfer_config.kv_load_failure_policy` (same names).
-- `--lease-seconds` → the connector's `kv_lease_duration` (and `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`,
+- `--lease-s` → the connector's `kv_lease_duration` (and `VLLM_NIXL_ABORT_REQUEST_TIMEOUT`,
   the name older vLLM releases read), so P frees unpulled blocks when the lease ends.
 - `--vllm-nixl-progress-thread` → NIXL's progress thread in vLLM's agents, through duet's vLLM
   plugin (node/engines/vllm_plugin.py). vLLM's default thread spins a core per node. By default
@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 GIB = 1 << 30
 #: vLLM's CPU attention backend takes blocks of a multiple of this many tokens
@@ -67,7 +67,7 @@ def parse_vllm_args(items: list[str] | tuple[str, ...]) -> dict[str, Any]:
         if key in RESERVED_ARGS:
             raise ValueError(
                 f"--vllm-arg {key}: duet sets this itself (use --model, --failure-policy, "
-                "--lease-seconds, --etcd)"
+                "--lease-s, --etcd)"
             )
         try:
             value: Any = json.loads(raw)
@@ -109,6 +109,27 @@ def kv_memory_bytes(spec: str | int) -> int:
 NIXL_POLL_US = 1000
 
 
+@dataclass(frozen=True)
+class VllmOptions:
+    """What a node of `--engine vllm` sets beyond the node's and the engine's settings (its flags
+    are generated from these fields, duet/config_flags.py)."""
+
+    #: --engine vllm: one more vLLM engine argument (an AsyncEngineArgs field; VALUE is JSON when
+    #: it parses, else a string), e.g. enforce_eager=true or compilation_config='{"mode": 0}'.
+    #: Repeat as needed
+    vllm_args: tuple[str, ...] = field(
+        default=(), metadata={"flag": "vllm-arg", "metavar": "KEY=VALUE"}
+    )
+    #: --engine vllm: port of vLLM's NIXL handshake listener (default: --port + 1)
+    nixl_port: int | None = None
+    #: --engine vllm: NIXL's progress thread in vLLM's KV connector. on: vLLM's default, which
+    #: spins a whole core per node; poll: the thread sleeps in poll() between UCX events (wakes at
+    #: least every 1 ms); off: none. auto: off on CPU decode nodes (they only read, and their
+    #: steps progress the reads), poll on CPU prefill and colocated nodes (their held blocks are
+    #: read while their engine may idle), on on GPUs
+    vllm_nixl_progress_thread: Literal["auto", "on", "poll", "off"] = "auto"
+
+
 @dataclass
 class VllmEngineConfig:
     model: str
@@ -124,7 +145,7 @@ class VllmEngineConfig:
     #: CPU threads for vLLM's CPU backend (VLLM_CPU_OMP_THREADS_BIND=nobind + torch threads)
     threads: int | None = None
     #: prefill side: seconds an unpulled prefill's blocks are kept (kv_lease_duration)
-    lease_seconds: float = 30.0
+    lease_s: float = 30.0
     #: decode side: kv_load_failure_policy
     failure_policy: str = "recompute"
     #: NIXL handshake (side channel) address this node advertises and its port
@@ -180,7 +201,7 @@ class VllmEngineConfig:
 
     def environment(self) -> dict[str, str]:
         """Environment variables vLLM (and its engine-core process) reads at start-up."""
-        lease = str(max(1, math.ceil(self.lease_seconds)))
+        lease = str(max(1, math.ceil(self.lease_s)))
         env = {
             "VLLM_NIXL_SIDE_CHANNEL_HOST": self.nixl_host,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.nixl_port),
@@ -223,9 +244,7 @@ class VllmEngineConfig:
                 "kv_role": KV_ROLE,
                 "kv_buffer_device": "cpu" if self.on_cpu() else "cuda",
                 "kv_load_failure_policy": self.failure_policy,
-                "kv_connector_extra_config": {
-                    "kv_lease_duration": max(1, math.ceil(self.lease_seconds))
-                },
+                "kv_connector_extra_config": {"kv_lease_duration": max(1, math.ceil(self.lease_s))},
             },
             "structured_outputs_config": dict(STRUCTURED_OUTPUTS),
         }

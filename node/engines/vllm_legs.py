@@ -6,7 +6,7 @@ The gateway drives these legs exactly as it drives native ones (DESIGN §1, issu
   `kv_transfer_params={"do_remote_decode": true}` into the engine; the answer carries the
   engine's params (`do_remote_prefill`, `remote_engine_id`, `remote_block_ids`,
   `remote_request_id`, `remote_host`, `remote_port`, ...), unchanged. The engine holds the blocks
-  under its own lease (`--lease-seconds`); `/abort` drops the request.
+  under its own lease (`--lease-s`); `/abort` drops the request.
 - decode leg (`do_remote_prefill`): the client's params, checked field by field
   (`VllmRemoteParams`: only vLLM's fields, well typed), and the address checked against
   `--allowed-peers` before the engine may contact it (a name must resolve inside the allowed

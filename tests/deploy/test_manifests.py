@@ -284,17 +284,23 @@ _POD_ENV = {
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_every_command_line_parses(rendered: dict[str, list[dict[str, Any]]], overlay: str) -> None:
+def test_every_command_line_parses(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Each container's arguments, and the preStop fallback's `duet drain`, through `duet`'s own
-    argument parser: a misspelt flag fails here, not in a crash-looping pod."""
+    argument parser: a misspelt flag fails here, not in a crash-looping pod, and so does a
+    deprecated one (deploy/ uses the current names)."""
+    from duet import config_flags
     from duet.cli import build_parser
 
     def parse(argv: list[str], what: str) -> None:
         argv = [re.sub(r"\$\((\w+)\)", lambda m: _POD_ENV[m.group(1)], a) for a in argv]
+        config_flags._warned.clear()
         try:
             build_parser().parse_args(argv)
         except SystemExit as e:
             pytest.fail(f"{what}: duet {shlex.join(argv)} does not parse (exit {e.code})")
+        assert "deprecated" not in capsys.readouterr().err, f"{what}: {shlex.join(argv)}"
 
     for d in _find(rendered[overlay], "Deployment"):
         c = _container(d)
@@ -308,7 +314,7 @@ def test_every_command_line_parses(rendered: dict[str, list[dict[str, Any]]], ov
 
 def test_the_planner_component_resizes_the_pools(rendered: dict[str, list[dict[str, Any]]]) -> None:
     coord = _one(rendered["gpu+planner"], "Deployment", "duet-coordinator")
-    assert {"--planner=load", "--actuator=kubernetes"} <= set(_container(coord)["args"])
+    assert any(a.startswith("--planner-config=") for a in _container(coord)["args"])
     assert (
         _env(coord)["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
     )
@@ -348,6 +354,7 @@ def test_the_planner_component_mounts_a_config_that_loads(
     f.write_text(cm["data"][path.rsplit("/", 1)[1]])
     cfg = load_config(f)
     assert cfg.mode == PlannerMode.LOAD and cfg.node_budget and cfg.bounds["decode"][0] >= 1
+    assert cfg.actuator == "kubernetes"
 
 
 def test_the_kubernetes_actuator_scales_these_deployments(

@@ -73,6 +73,63 @@ def test_a_planner_without_a_profile_warns_that_it_predicts_with_cpu_step_costs(
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="duet.planner"):
         from_args(
-            p.parse_args(["--planner", "load", "--planner-profile", str(profile)]), PlaneSecurity()
+            p.parse_args(["--planner", "load", "--planner-set", f"profile={profile}"]),
+            PlaneSecurity(),
         )
     assert not any("no node profile" in r.getMessage() for r in caplog.records), caplog.text
+
+
+def test_planner_set_overrides_the_file_key_by_key(tmp_path: Path) -> None:
+    """`--planner-set KEY=VALUE`: TOML values, text taken as it is (a numeric-looking name stays
+    text), one dot into a table; `--planner MODE` over both."""
+    f = tmp_path / "planner.toml"
+    f.write_text('node_budget = 4\nactuator = "virtual"\n[bounds]\nprefill = [1, 2]\n')
+    sets = [
+        "node_budget=9",
+        "actuator=kubernetes",
+        "decision_file=123",
+        "k8s_deployments.decode/batch=42",
+        "bounds.decode=[0, 3]",
+        "slo.batch={ttft_s = 20, itl_s = 2}",
+        "drain_deadline_s=7.5",
+    ]
+    cfg = load_config(f, sets, mode="throughput")
+    assert (cfg.node_budget, cfg.actuator, cfg.decision_file) == (9, "kubernetes", "123")
+    assert cfg.k8s_deployments == {"decode/batch": "42"} and cfg.drain_deadline_s == 7.5
+    assert cfg.bounds == {"prefill": (1, 2), "decode": (0, 3)}
+    assert cfg.slo_of(PoolKey("decode", "m", "batch")).ttft_s == 20
+    assert cfg.mode == PlannerMode.THROUGHPUT
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ("node_budget", "expected KEY=VALUE"),
+        ("budget=3", "planner.toml has no key 'budget'"),
+        ("node_budget.x=3", "node_budget is not a table"),
+        ("node_budget=lots", "planner config"),
+        ("actuator=ssh", "planner config"),
+    ],
+)
+def test_a_bad_planner_set_is_a_clear_error(item: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        load_config(None, [item])
+
+
+def test_the_planner_runs_when_configured_or_asked(tmp_path: Path) -> None:
+    import argparse
+
+    from planner.cli import add_args, from_args
+    from runtime.plane import PlaneSecurity
+
+    p = argparse.ArgumentParser()
+    add_args(p)
+    f = tmp_path / "planner.toml"
+    f.write_text('mode = "load"\n')
+    on = PlaneSecurity()
+    assert from_args(p.parse_args([]), on) is None
+    assert from_args(p.parse_args(["--planner-config", str(f)]), on) is not None
+    assert from_args(p.parse_args(["--planner-set", "node_budget=2"]), on) is not None
+    assert from_args(p.parse_args(["--planner-config", str(f), "--planner", "off"]), on) is None
+    with pytest.raises(ValueError, match="local_control"):
+        from_args(p.parse_args(["--planner-set", "actuator=local"]), on)
