@@ -21,7 +21,7 @@ gateway's usage records can be matched to it whatever became of each attempt
 (bench/chaos_usage.py), and the X-Request-Id of the attempt that was answered.
 
 A full answer whose text or finish reason differs from the reference is flagged
-(`differs_from_reference`). With `strict_text` it is UNDEFINED (the check the issue asks for
+(`differs_from_reference`). With `strict_text` it is UNDEFINED (the check that matters
 once streams migrate: repeated or missing text); without, it stays FULL and is only counted,
 because greedy decoding on the native engine is not batch-invariant in bf16 (a different batch
 composition can flip a near-tie), so a difference alone does not prove that chaos broke it.

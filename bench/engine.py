@@ -3,7 +3,7 @@ ratio to transformers on an online workload, measured in one run on this machine
 
 The one bench module that runs the engine in-process (the others talk HTTP): it measures the
 engine itself. Progress goes to stderr; stdout gets a table, or one JSON object with --json.
-Figures (issue 3): prefill tokens/s for one prompt; single-stream decode tokens/s;
+Figures: prefill tokens/s for one prompt; single-stream decode tokens/s;
 steady-state decode tokens/s with 8/32/64 running sequences (prefill excluded); end-to-end
 output tokens/s at concurrency 1/8/32/64; an online workload (Poisson arrivals, seeded
 long-tailed lengths) on the engine, on the same engine admitting static batches (the

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# (name, threshold, how to read the value from a result); issue 3's "done when" figures.
+# (name, threshold, how to read the value from a result): the figures the engine must reach.
 TARGETS = (
     (
         "prefill >= 60% of the GEMM peak (engine's linear path, engine dtype)",
@@ -128,7 +128,7 @@ def table(r: dict[str, Any]) -> str:
         )
         parts.append(f"engine / transformers: {o['ratio']:.2f}x")
     if r.get("targets"):
-        parts.append("\ntargets (issue 3)")
+        parts.append("\ntargets")
         parts += [
             f"  [{'met' if t['met'] else 'MISSED'}] {t['target']}: {t['value']:g}"
             for t in r["targets"]

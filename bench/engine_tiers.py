@@ -1,5 +1,6 @@
-"""`python -m bench.engine_tiers`: the engine's quantization tiers on issue 25's three workloads,
-side by side, measured in one run on this machine.
+"""`python -m bench.engine_tiers`: the engine's quantization tiers on three workloads
+(W1 prefill, W2 single-stream decode, W3 batch), side by side, measured in one run on this
+machine.
 
 - W1: prefill of one 512-token prompt (prompt tokens/s, median of repeats after a warm-up); the
   schemes' prefills are interleaved, one of each in turn, so the machine's drift moves them alike;
@@ -14,8 +15,8 @@ side by side, measured in one run on this machine.
 
 Each scheme gets its own in-process EngineCore (same activation dtype, KV pool, prompts from
 the same seed), all loaded at the start (W1 and W2 run them in turn, round after round; W3 one scheme after another). Reported beside the figures: each scheme's ratio to bf16 ("none") in the same
-run, the issue's targets, the process CPU time of each workload, and the machine's load (other
-work on the machine skews wall-clock figures; ratios within one run are what to compare).
+run, the targets (RATIO_TARGETS, ABS_TARGETS), the process CPU time of each workload, and the
+machine's load (other work on the machine skews wall-clock figures; ratios within one run are what to compare).
 Progress on stderr; a table, or one JSON object with --json, on stdout.
 """
 
@@ -34,7 +35,7 @@ from bench.flops import ModelShape, machine_info, read_bandwidth_gbps
 from bench.workload import random_prompt
 
 SCHEMES = ("none", "int8", "int4", "int8-w8a8", "int4-w4a8")
-#: issue 25's targets: (workload, scheme) -> minimum ratio to bf16 in the same run, or tokens/s
+#: the tiers' targets: (workload, scheme) -> minimum ratio to bf16 in the same run, or tokens/s
 RATIO_TARGETS = {("W1", "int8-w8a8"): 1.5, ("W3", "int8-w8a8"): 1.3}
 ABS_TARGETS = {("W2", "int8"): 150.0, ("W2", "int4"): 180.0, ("W1", "int8-w8a8"): 2400.0}
 

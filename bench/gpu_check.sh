@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU check of the vLLM engine (issue #14). Never part of CI: it needs an NVIDIA GPU and
+# GPU check of the vLLM engine (`--engine vllm`). Never part of CI: it needs an NVIDIA GPU and
 # installs vLLM's CUDA build (several GB).
 #
 #   bench/gpu_check.sh [MODEL]        (default: smollm2-135m-instruct, pulled with `duet models pull`)

@@ -1,4 +1,4 @@
-"""`python -m bench.quality`: what weight-only quantization costs in quality (issue 15).
+"""`python -m bench.quality`: what weight-only quantization costs in quality.
 
 For the model in bf16 and each quantization scheme (same activation dtype, same engine):
 - perplexity on an English corpus that is already on every machine running duet: the module
@@ -8,10 +8,11 @@ For the model in bf16 and each quantization scheme (same activation dtype, same 
   non-overlapping windows of `--window` tokens (every token after a window's first is predicted);
 - greedy agreement with bf16 over `--prompts` prompts (windows of the same corpus): first tokens
   equal, tokens before the first divergence, and sequences identical in full.
-- perplexity on a second corpus the model has never seen (issue 25): an English passage written
-  for this project (bench/data/passage_en.txt: plain narrative prose, no code), scored the same
-  way; a scheme meets its target only when it does on both corpora.
-Targets (issue 15, 25): int8 and int8-w8a8 perplexity within 1% of bf16, int4 within 6%.
+- perplexity on a second corpus the model has never seen (so a scheme tuned on the first is
+  judged on text it was not tuned on): an English passage written for this project
+  (bench/data/passage_en.txt: plain narrative prose, no code), scored the same way; a scheme
+  meets its target only when it does on both corpora.
+Targets: int8 and int8-w8a8 perplexity within 1% of bf16, int4 within 6%.
 
 The logits come straight from the engine's forward pass over its paged KV pool (the code
 serving uses), one window per pass; generation goes through the offline LLM API. Progress on

@@ -1,5 +1,5 @@
 """`python -m bench.quant_engine`: single-stream and 32-way decode of the native engine with
-bf16, int8 and int4 weights side by side (issue 15), measured in one run on this machine.
+bf16, int8 and int4 weights side by side, measured in one run on this machine.
 
 Each scheme gets its own in-process EngineCore with the same activation dtype, KV pool and
 prompts; decode figures come from bench.engine_runs.steady_decode (median step time, prefill
@@ -26,7 +26,7 @@ from bench.flops import ModelShape, machine_info
 from bench.linear_rows import time_linears
 
 SCHEMES = ("none", "int8", "int4")
-TARGETS = {"int4": 110.0, "int8": 85.0}  # single-stream tokens/s (issue 15, on a quiet machine)
+TARGETS = {"int4": 110.0, "int8": 85.0}  # single-stream tokens/s, on a quiet machine
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -1,9 +1,9 @@
-"""`python -m bench.spec_engine`: speculative decoding (issue 25) measured in one run: the same
+"""`python -m bench.spec_engine`: speculative decoding measured in one run: the same
 engine settings with `speculative` off and with `--method` (ngram, or a draft model such as
 draft-int4: the target's own weights at int4 draft, the target verifies).
 
 Workloads (`--workload`; default: edit for ngram, chat for the draft-model methods):
-- chat: single-stream decode of `--tokens` (128: the issue's W2) answering an open question
+- chat: single-stream decode of `--tokens` (128: bench.engine_tiers' W2) answering an open question
   (a draft model pays on any text, not only copies);
 - edit: edit a given text — the chat prompt asks the model to correct the spelling of a
 passage (bench/data/passage_en.txt, a few words misspelt) and reproduce it, so the answer copies

@@ -1,4 +1,4 @@
-"""`python -m bench.structured`: the cost of constrained decoding (issue #24), measured in one run.
+"""`python -m bench.structured`: the cost of constrained decoding, measured in one run.
 
 - Grammar compile time over the schema corpus (bench/data/json_schemas.json), each schema
   compiled fresh against the model's tokenizer (engine/guided.py, llguidance): p50/p99 of the

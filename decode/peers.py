@@ -15,8 +15,8 @@ host and port) is the peer's word, not the operator's: `transport_address` accep
 it lies in the allowed networks *and* is the very host the leg named, and returns the checked IP
 address to connect to (so a name cannot resolve elsewhere between the check and the connect).
 Otherwise a "prefill" inside the allowed networks could point the decode node's transport at any
-address, and the bytes read there would enter its prefix cache (issue #22, finding 1). NIXL's
-agent metadata is opaque (UCX worker addresses): for it, cluster membership is the check
+address, and the bytes read there would enter its prefix cache, poisoning it for every team.
+NIXL's agent metadata is opaque (UCX worker addresses): for it, cluster membership is the check
 (decode.leg, `Node.members`).
 """
 

@@ -1,5 +1,5 @@
 """Constrained decoding in the engine: guides compiled off the engine thread, a matcher per
-request, the token mask on the logits every step (issue #24, DESIGN §8).
+request, the token mask on the logits every step (DESIGN §8).
 
 The grammar engine is llguidance (chosen by measurement: docs/structured-outputs.md). A guide
 (protocol/structured.py) becomes a grammar through text/guide_check.py::guide_grammar — the

@@ -1,7 +1,7 @@
 """LogitsHead: the lm_head, producing fp32 logits whatever the engine dtype.
 
 A bf16 lm_head that rounds its output to bf16 keeps 8 bits of mantissa: logits a few hundredths
-apart tie, and the tie goes to the lower token id (issue 25: "What is the capital of France?"
+apart tie, and the tie goes to the lower token id (SmolLM2 bf16: "What is the capital of France?"
 answered "L'Étoile…" because "The" and "L" both came out as -1.8766; in fp32 they are -1.883
 and -1.965). vLLM's sampler works on fp32 logits; so does ours: every product of two bf16 values
 is exact in fp32 and the sums accumulate in fp32, so the logits carry no bf16 rounding at all.

@@ -1,4 +1,4 @@
-"""Penalties and biases on a step's logits, before the guide's mask and sampling (issue #24).
+"""Penalties and biases on a step's logits, before the guide's mask and sampling.
 
 Definitions (each is exact against a few lines of plain torch in tests/engine/test_penalties.py):
 - `logit_bias` (OpenAI): logit[t] += bias[t];

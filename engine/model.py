@@ -13,7 +13,7 @@ SiLU·up and every token's attention are kernels and GEMMs use oneDNN-prepacked 
 (engine/qlinear.py); fp32 keeps torch norms and SDPA prefill (exact transformers parity).
 In bf16 the residual stream h is kept in fp32 (`res_norm_f32`: each layer's bf16 output is
 added to it in fp32, each norm reads it in fp32 and rounds its output once to bf16 for the
-GEMMs), and the final norm's output stays fp32 for the head: issue 25, a bf16 residual stream
+GEMMs), and the final norm's output stays fp32 for the head: a bf16 residual stream
 moved "What is the capital of France?" onto "L'Étoile…" (logits of "L" and "The" within 0.06;
 fp32 and transformers' bf16 both say "The capital… Paris"). The logits are fp32 in every dtype
 (engine/logits_head.py).

@@ -16,7 +16,7 @@ bytes, read as 16 little-endian uint16 lanes; lane i holds weights i, 16+i, 32+i
 super-block in nibbles 0..3. A 16-lane vector load then yields four 16-weight chunks with one
 shift each. Requires in_features % 64 == 0.
 
-Activation-quantized schemes (W8A8: int8 arithmetic in the GEMMs, issue 25): `int8-w8a8` uses
+Activation-quantized schemes (W8A8: int8 arithmetic in the GEMMs): `int8-w8a8` uses
 the `int8` weights, `int4-w4a8` the `int4` weights (their dequantized values requantized per
 channel to int8 for the GEMM, so the int4 rounding is what the model computes with); every
 linear's activations are quantized per token, dynamically, to int8 (`w8a8_reference`), and the
@@ -55,7 +55,7 @@ ACT_INT8 = frozenset({"int8-w8a8", "int4-w4a8"})
 #: (engine/quant_smooth.py) and a per-token scale spends most of int8's range on them: on
 #: SmolLM2-135M, int8-w8a8's perplexity vs bf16 (bench.quality, stdlib / passage) is +1.15 % /
 #: +1.92 % with per-token scales for down, +0.52 % / +0.74 % with groups of 128, +0.87 % / +0.81 %
-#: with 256 (Intel Xeon with AMX, 2026-12-02). 128 keeps a margin under issue 25's +1 % bar; its
+#: with 256 (Intel Xeon with AMX, 2026-12-02). 128 keeps a margin under the +1 % target; its
 #: price is down's GEMM (a quarter of the linear FLOPs): each group's int32 sums are dequantized
 #: on their own; with AMX that overlaps the next group's tdpbssd, ~1.25x down's ungrouped time at
 #: 512 rows, ~1.4x at 32 (one row, VNNI: ~1.25x).

@@ -1,4 +1,4 @@
-"""SmoothQuant-style smoothing for the W8A8 schemes (issue 25), applied to the full-precision
+"""SmoothQuant-style smoothing for the W8A8 schemes, applied to the full-precision
 weights before they are quantized.
 
 Per-token int8 activations lose most of their precision to a few input channels whose values are

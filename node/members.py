@@ -5,8 +5,8 @@ then watch, list again after a break) and keeps, for each registered prefill-cap
 (role prefill or both, active or draining: a draining node still holds KV), its engine id →
 the host and port of its registered URL. The decode role pulls KV only from such a node, at
 that address (decode.leg): naming an address in `kv_transfer_params` is not enough to become a
-"prefill" of this cluster (issue #22, finding 1). Writing a registration needs the cluster's
-etcd, which is the operator's to protect.
+"prefill" of this cluster, whose bytes would enter the prefix cache. Writing a registration
+needs the cluster's etcd, which is the operator's to protect.
 
 Invariants: until the registrations were listed once, `listed` is False and nothing is a
 member (the decode role then refuses with a retryable 503); while etcd is unreachable the last

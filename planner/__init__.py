@@ -1,4 +1,4 @@
-"""The autoscaler (issue #27): sizes each pool of prefill and decode nodes and acts through one
+"""The autoscaler: sizes each pool of prefill and decode nodes and acts through one
 `Actuator` (local processes, Kubernetes Deployments, or a written decision for KEDA).
 
 It runs only in the leading coordinator (planner/loop.py checks the election every tick). The

@@ -1,5 +1,5 @@
 """Throughput mode's sizer: how many prefill and decode nodes (or colocated ones) a forecast rate
-needs, found on the #26 simulator (sim/: the real scheduler, block pool, router and admission
+needs, found on the simulator (sim/: the real scheduler, block pool, router and admission
 on the node kind's measured step model) — the same machinery as `duet plan`.
 
 Search: from the pools' minima, simulate the forecast (rate × headroom, its ISL/OSL and prefix

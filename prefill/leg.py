@@ -6,7 +6,7 @@ created atomically when the request finishes, so a client that disconnects at an
 cannot leak blocks: the engine frees them at the deadline, on `/kv/release`, or on `/abort`.
 Answer with vLLM-named `kv_transfer_params` telling a decode node where to pull them from —
 and, for a guided request, the token P sampled under the guide's mask (`first_token_id`), which
-D emits as the output's first token and continues the grammar from (issue #24). On a migrated
+D emits as the output's first token and continues the grammar from. On a migrated
 guided leg the request carries `resume`, so P's matcher, penalties and seeded draws start after
 the tokens already streamed, as D's do.
 `/kv/release` frees them (checking the block ids belong to the request) and says 404 when
@@ -75,7 +75,7 @@ async def prefill_leg(leg: LegContext) -> web.StreamResponse:
 
 
 def _first_token(params: SamplingParams, result: NodeCompletion) -> int | None:
-    """The token this leg sampled, for D to continue from — a guided leg's only (issue #24: the
+    """The token this leg sampled, for D to continue from — a guided leg's only (the
     grammar's state must be the one P's token leads to). An unguided request's first token is
     sampled again on D from the last prompt position, as before."""
     if params.guide is None:

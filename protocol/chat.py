@@ -48,7 +48,7 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     ignore_eos: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    # issue #24: penalties and biases (OpenAI's and vLLM's), structured outputs, tools
+    # penalties and biases (OpenAI's and vLLM's), structured outputs, tools
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None

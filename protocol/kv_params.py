@@ -4,8 +4,8 @@ The names are vLLM's on purpose (DESIGN.md §1): the same gateway can drive vLLM
 The prefill leg sends `{"do_remote_decode": true}`; P answers with the remote_* fields and
 `do_remote_prefill: true`, which the gateway passes unchanged to D.
 
-One field is duet's own: `first_token_id`, the token P sampled, on a guided leg only (issue
-#24: P samples the first token under the guide's mask and D continues from it). An unguided
+One field is duet's own: `first_token_id`, the token P sampled, on a guided leg only (P
+samples the first token under the guide's mask and D continues from it). An unguided
 request's first token is D's to sample again from the recomputed last prompt position (the same
 token for greedy), so its handoff stays vLLM's.
 """

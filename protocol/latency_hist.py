@@ -1,5 +1,5 @@
 """A latency distribution on the wire: counts over fixed log-spaced buckets, so the planner can
-merge its nodes' windows and take a pool's quantile (issue #27; a mean of per-node P90s is not
+merge its nodes' windows and take a pool's quantile (a mean of per-node P90s is not
 one: a slow node with a tenth of the samples can own the pool's whole tail).
 
 Buckets (scheme 1): bucket `i` holds the samples `x` with `GROWTH**(i-1) < x ≤ GROWTH**i`

@@ -138,7 +138,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     kv_transfer_params: dict[str, Any] | None = None
     user: str | None = None
     # Penalties and biases (OpenAI's: frequency/presence -2..2, logit_bias token id -> -100..100,
-    # at most 300 entries; vLLM's: repetition_penalty > 0, min_p in [0, 1]); issue #24
+    # at most 300 entries; vLLM's: repetition_penalty > 0, min_p in [0, 1])
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None

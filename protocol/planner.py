@@ -1,5 +1,5 @@
-"""`GET /planner` on a coordinator replica: the autoscaler's recent decisions (planner/loop.py,
-issue #27) as the console's Cluster page and operators read them (issue #28).
+"""`GET /planner` on a coordinator replica: the autoscaler's recent decisions (planner/loop.py)
+as the console's Cluster page and operators read them.
 
 Served behind the internal plane's cluster secret like `/cluster`; 404 `planner_off` on a
 replica started without `--planner`. Only the leader decides, so a follower's report holds the

@@ -1,4 +1,4 @@
-"""Structured-output contracts shared by the gateway and the nodes (issue #24).
+"""Structured-output contracts shared by the gateway and the nodes.
 
 `ResponseFormat` is OpenAI's `response_format` body field as clients send it; `StructuredOutputs`
 is vLLM's `structured_outputs` extra (which replaced its `guided_regex` / `guided_choice` /

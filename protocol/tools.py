@@ -1,4 +1,4 @@
-"""OpenAI's tool-calling shapes, as the public API speaks them (issue #24).
+"""OpenAI's tool-calling shapes, as the public API speaks them.
 
 Requests: `tools` (function definitions), `tool_choice` (none | auto | required | a named
 function), and, in the conversation, an assistant turn's `tool_calls` and the `role: "tool"`

@@ -154,7 +154,7 @@ def make_profile(g: Gpu, tp: int = 2, price_note: str = "") -> pf.Profile:
             what="saturated output throughput, check",
             value=f"{published:,.0f} tok/s/GPU at TP2, 1000/1000",
             url=TRT_URL,
-            note="TensorRT-LLM perf overview, Llama-3.3-70B FP8, as quoted in duet issue #26; not re-read here",
+            note="TensorRT-LLM perf overview, Llama-3.3-70B FP8, quoted second-hand, not re-read here",
         ),
     ]
     notes = [

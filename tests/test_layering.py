@@ -1,4 +1,4 @@
-"""The request path's layering rules (issue #21, docs/architecture.md), checked on the source by
+"""The request path's layering rules (docs/architecture.md), checked on the source by
 AST — every import statement, also the ones inside functions:
 
 - the gateway imports no node, engine, role or transport module (nor torch): it speaks to nodes

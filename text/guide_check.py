@@ -1,4 +1,4 @@
-"""From `response_format` to a `Guide`, and the tokenizer-free check of a guide (issue #24).
+"""From `response_format` to a `Guide`, and the tokenizer-free check of a guide.
 
 The gateway calls `guide_from_response_format` (or `choice_guide`, for vLLM's choice fields:
 gateway/constraint.py) and checks the guide before any node work, so an invalid or unsupported

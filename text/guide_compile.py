@@ -1,5 +1,4 @@
-"""The grammar check of a request's guide, off the event loop, bounded in threads and in time
-(issue #24).
+"""The grammar check of a request's guide, off the event loop, bounded in threads and in time.
 
 `check_guide` (text/guide_check.py) compiles a guide's grammar with llguidance; a
 pathological one takes seconds (a 97k-character JSON schema of 9,800 optional properties took

@@ -1,4 +1,4 @@
-"""Bounded numbers in JSON-schema guides: a rewrite of the schema before it is compiled (issue #24).
+"""Bounded numbers in JSON-schema guides: a rewrite of the schema before it is compiled.
 
 llguidance compiles a number with a `minimum` and a `maximum` to a regex whose integer part is
 bounded by the bounds' digits but whose fraction is not: `{"type": "number", "minimum": 0,

@@ -1,5 +1,5 @@
 """`python -m bench.probes.prefill_profile --schemes none,int8,int8-w8a8`: where a 512-token prefill
-(issue 25's W1) spends its time, per scheme, under cProfile.
+(bench.engine_tiers' W1) spends its time, per scheme, under cProfile.
 
 The schemes' engines are built as bench.engine_tiers builds them and their prefills interleave,
 one of each in turn, so the machine's drift moves them alike. The kernels are ctypes calls, so

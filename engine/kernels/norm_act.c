@@ -84,7 +84,7 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int32_t rows, int32_t
     }
 }
 
-/* The fp32 residual stream of bf16 engines (issue 25): h stays fp32 across the layers, so the
+/* The fp32 residual stream of bf16 engines: h stays fp32 across the layers, so the
  * hidden state's rounding no longer follows the bf16 grid (a near-tie of two logits flipped with
  * it: "What is the capital of France?" answered "L'Étoile…"). h += delta (bf16, skipped when
  * delta is NULL), then out = (h * inv_rms) * w, rounded once to bf16, or stored in fp32 with out_f32

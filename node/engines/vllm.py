@@ -1,4 +1,4 @@
-"""VllmNodeEngine: vLLM's `AsyncLLM` behind the node seam (node.engine_api), issue #14.
+"""VllmNodeEngine: vLLM's `AsyncLLM` behind the node seam (node.engine_api), `--engine vllm`.
 
 The only node module that imports vLLM. vLLM runs in this process as `AsyncLLM` (its engine
 core and worker are child processes it manages). The adapter:

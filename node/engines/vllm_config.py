@@ -4,7 +4,7 @@ into vLLM's engine arguments and environment.
 Pure data: importing this module never imports vLLM, so `duet node --help`, config errors and
 unit tests work on machines without it.
 
-Mapping of duet's node options onto vLLM (issue #14):
+Mapping of duet's node options onto vLLM:
 - P/D: vLLM's own NixlConnector with `kv_role=kv_both` (CPU buffers on CPU machines, device
   memory on GPUs); its handshake listens on `nixl_port` (default: the HTTP port + 1), advertised
   as `nixl_host`.
@@ -23,7 +23,7 @@ Mapping of duet's node options onto vLLM (issue #14):
   is the smallest multiple of it vLLM accepts (32 on CPUs), see `vllm_block_size`.
 - `--kv-memory` → `VLLM_CPU_KVCACHE_SPACE` (whole GiB, at least 1) on CPU,
   `kv_cache_memory_bytes` on GPUs.
-- structured outputs (issue #24): `structured_outputs_config` defaults to vLLM's `guidance` backend
+- structured outputs: `structured_outputs_config` defaults to vLLM's `guidance` backend
   (llguidance, the grammar engine the gateway checks guides with and the native engine masks
   with, so a guide the gateway accepts means the same language on either engine) with
   `disable_any_whitespace` (compact JSON, like the native engine: a small model cannot pad its

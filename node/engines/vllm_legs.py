@@ -1,7 +1,7 @@
 """The prefill and decode legs of a node whose engine moves KV itself (`handles_kv_transfer`:
 vLLM and its NixlConnector), registered by the composition root instead of prefill/ and decode/.
 
-The gateway drives these legs exactly as it drives native ones (DESIGN §1, issue #14):
+The gateway drives these legs exactly as it drives native ones (DESIGN §1):
 - prefill leg (`do_remote_decode`): the prompt with max_tokens=1 and
   `kv_transfer_params={"do_remote_decode": true}` into the engine; the answer carries the
   engine's params (`do_remote_prefill`, `remote_engine_id`, `remote_block_ids`,
@@ -11,8 +11,8 @@ The gateway drives these legs exactly as it drives native ones (DESIGN §1, issu
   (`VllmRemoteParams`: only vLLM's fields, well typed), and the address checked against
   `--allowed-peers` before the engine may contact it (a name must resolve inside the allowed
   networks; the engine is handed the address, not the name), and with a cluster the host of a
-  registered prefill-capable node (issue #22: an unregistered "prefill" poisons no cache); then the engine pulls, decodes and
-  streams. A failed pull is the engine's `kv_load_failure_policy` (`--failure-policy`):
+  registered prefill-capable node (an unregistered "prefill" poisons no cache); then the engine
+  pulls, decodes and streams. A failed pull is the engine's `kv_load_failure_policy` (`--failure-policy`):
   recompute locally, or fail the request (an error answer / SSE error event).
 
 Nothing here is vLLM-specific code: only the role API (node.legs) and the engine interface

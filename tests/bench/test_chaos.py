@@ -1,6 +1,6 @@
 """`duet bench chaos` end to end on the tiny model: it starts its own `duet up` (2 coordinator
 replicas, 1 prefill, 2 decode nodes), kills a process every few seconds under mixed load, and
-reports what the issue asks for — every request answered, each killed process back, no KV
+reports what self-healing must deliver — every request answered, each killed process back, no KV
 block held once the load is over, the batch's lines done exactly once, usage equal to the
 client's counts — with the plot written, and leaves no process behind."""
 

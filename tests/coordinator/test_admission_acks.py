@@ -1,5 +1,5 @@
 """Admission accounting against a node's own load frames: a route's reservation counts exactly
-until the node's frame shows the request (#27).
+until the node's frame shows the request.
 
 A real coordinator (its app on a free port, registered against the real etcd of
 tests/conftest.py) follows a fake decode node over the real protocol: the node serves the real

@@ -567,7 +567,7 @@ def test_the_dashboard_is_a_grafana_dashboard_of_exported_metrics(samples: set[s
         ]
     used = set().union(*(exported_metrics.used_in(e) for e in _dashboard_exprs(dash).values()))
     titles = " ".join(p["title"] for p in dash["panels"])
-    # The list: TTFT, ITL, queue, KV use, spend per team, planner decisions.
+    # What an operator watches: TTFT, ITL, queue, KV use, spend per team, planner decisions.
     for want in ("TTFT", "ITL", "queue", "KV cache use", "Spend per team", "Planner decisions"):
         assert want in titles, want
     assert {

@@ -1,5 +1,5 @@
 """`duet up --autoscale`'s control endpoint (duet/up_autoscale.py) when the supervision thread is
-slow to take a stop (#27): the answer is never "failed" while the stop can still happen.
+slow to take a stop: the answer is never "failed" while the stop can still happen.
 
 The real endpoint (HTTP, the cluster secret), the real Autoscale and a real Supervisor with two
 plain processes as its nodes; the test plays the supervision thread (`supervise_once`, the body

@@ -1,4 +1,4 @@
-"""The engine's prefix cache never matches across cache domains (DESIGN §8, issue #22): a
+"""The engine's prefix cache never matches across cache domains (DESIGN §8): a
 request's `cache_salt` roots its block-hash chain, so an identical prompt in another domain
 finds nothing cached, the same domain finds its blocks, and the stored events carry the same
 salted hashes the gateway routes with (protocol.block_hash)."""

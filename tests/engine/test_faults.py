@@ -1,4 +1,4 @@
-"""Engine faults stay with the request that caused them (issue #8): tiny temperatures, sampling
+"""Engine faults stay with the request that caused them: tiny temperatures, sampling
 and forward-pass errors, holds that expire on the engine thread, aborts of held requests, an
 idle engine that does not spin, the bounded waiting queue, and quarantined KV blocks."""
 

@@ -1,4 +1,4 @@
-"""Constrained decoding in the engine (engine/guided.py, issue #24), on SmolLM2.
+"""Constrained decoding in the engine (engine/guided.py), on SmolLM2.
 
 The whole schema corpus (bench/data/json_schemas.json) runs as one concurrent batch, mixed with
 unconstrained requests: every output is JSON valid against its schema (`jsonschema`), and the

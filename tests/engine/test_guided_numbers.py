@@ -1,4 +1,4 @@
-"""Bounded numbers have a bounded length on the grammar level (text/json_bounds.py, issue #24):
+"""Bounded numbers have a bounded length on the grammar level (text/json_bounds.py):
 the matcher a node compiles (engine/guided.py, the tiny model's byte-level tokenizer, no SmolLM2
 needed) takes at most 10 fraction digits in a number with bounds, where llguidance alone takes
 them for ever, and still takes every value the schema requires: its bounds, integers, 10-digit

@@ -1,4 +1,4 @@
-"""fp32 logits (issue 25): the lm_head kernel against an fp64 reference, its decode and batched
+"""fp32 logits: the lm_head kernel against an fp64 reference, its decode and batched
 paths bitwise equal, the portable build, the fp32 residual stream's norm kernel against torch,
 and on SmolLM2 the point of it all: bf16 greedy agrees with fp32 greedy at least as often as
 transformers' bf16 does, and "What is the capital of France?" answers Paris in bf16 at 1, 2 and

@@ -1,4 +1,4 @@
-"""Penalties, logit_bias and min_p (issue #24): each exact against a plain-torch reference on the
+"""Penalties, logit_bias and min_p: each exact against a plain-torch reference on the
 same logits, their validation, and their effect through the engine (tiny random Llama).
 
 The penalty values are binary fractions (0.75, 1.25, ...) so that both sides' float arithmetic is

@@ -1,4 +1,4 @@
-"""Speculative decoding (issue 25): n-gram drafting, exact verification, KV rollback.
+"""Speculative decoding: n-gram drafting, exact verification, KV rollback.
 
 Greedy output with `speculative="ngram"` is token-for-token the output without it (tiny models
 whose greedy output repeats, so drafts are proposed and accepted); sampled verification emits

@@ -1,4 +1,4 @@
-"""Draft-model speculative decoding (issue 25): self-speculation with the target's own weights at
+"""Draft-model speculative decoding: self-speculation with the target's own weights at
 int4, and a separate draft model of the same tokenizer.
 
 Greedy output is token for token the plain engine's (one-token steps, chunked prefill, a batch

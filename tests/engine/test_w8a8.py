@@ -1,4 +1,4 @@
-"""W8A8 (issue 25): the int8 GEMM kernels against `w8a8_reference`, bit for bit — integer sums are
+"""W8A8: the int8 GEMM kernels against `w8a8_reference`, bit for bit — integer sums are
 exact, so the AMX, VNNI and portable paths, the decode and batched calls, and torch all agree —
 activation groups (one scale per group of inputs: int8-w8a8's down) included — and the engine's greedy output under int8-w8a8 / int4-w4a8 equals the same model computed with
 the torch reference arithmetic (DUET_DISABLE_KERNELS), token for token."""

@@ -105,7 +105,7 @@ CASES = [
         "audio",
         "audio, modalities",
     ),
-    # issue #24: the fields are served now, and their values are checked
+    # the fields are served, and their values are checked
     (
         "tool_choice names no tool",
         "/v1/chat/completions",

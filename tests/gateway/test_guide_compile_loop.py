@@ -1,4 +1,4 @@
-"""A pathological constraint cannot stall the gateway (issue #24): the grammar check of
+"""A pathological constraint cannot stall the gateway: the grammar check of
 response_format / structured_outputs / a forced tool choice runs off the event loop on a bounded
 pool, a compile past `[server] guide_compile_timeout_s` is a 400 naming the field, and a resent
 guide is answered from the cache (text/guide_compile.py).

@@ -1,4 +1,4 @@
-"""The gateway's registry of in-flight ledgers (issue #23): a request is in
+"""The gateway's registry of in-flight ledgers: a request is in
 `GatewayState.in_flight` from its reservation to its settlement, whatever the answer's shape;
 the heartbeat's report (`ledger.streamed_report`) names a stream's reservation with the tokens
 its client was sent, only when the count grew since the last report, and never a whole

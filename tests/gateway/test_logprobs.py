@@ -1,4 +1,4 @@
-"""Logprobs through the gateway (issue #15): the official openai client asks for completions
+"""Logprobs through the gateway: the official openai client asks for completions
 `logprobs=2` and chat `logprobs=True, top_logprobs=2`, streamed and not, on a P/D model and a
 colocated one; the SDK parses the answers, and the values equal the node's own answer for the
 same prompt token ids (the node's equal the engine's: tests/nodes/test_logprobs.py)."""

@@ -1,5 +1,5 @@
 """An answer that breaks off mid-way bills exactly the completion tokens its client was sent
-(issue #22: money that cannot leak; a team never pays for what it did not get) — real node
+(money that cannot leak; a team never pays for what it did not get) — real node
 processes (tiny random Llama, fp32, so greedy output is exact), a real gateway, the official
 openai client.
 

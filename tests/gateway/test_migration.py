@@ -1,4 +1,4 @@
-"""Stream migration (issue #23): a decode node SIGKILLed after its first tokens went out, and the
+"""Stream migration: a decode node SIGKILLed after its first tokens went out, and the
 client's answer goes on from another node — real node processes (tiny random Llama, fp32, so
 greedy output is exact), a real gateway, the official openai client.
 
@@ -199,7 +199,7 @@ async def test_guided_pd_migration_continues_the_grammar_and_the_draws(
     tmp_path: Path, tiny_llama: Path, relays: list[KillRelay]
 ) -> None:
     """A guided (JSON schema), seeded sampled request under P/D, D killed mid-stream: the
-    migrated leg's prefill carries `resume` too, so the token P samples for D (issue #24) comes
+    migrated leg's prefill carries `resume` too, so the token P samples for D comes
     from the grammar state and the seeded draws after the streamed tokens — the text equals the
     uninterrupted run. (Without it P starts the grammar and the draws afresh, and D either
     refuses P's token or emits another one.)"""

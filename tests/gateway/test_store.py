@@ -470,7 +470,7 @@ async def test_an_expired_reservation_bills_its_prompt(url: str) -> None:
 
 
 async def test_a_dead_gateways_streams_bill_what_they_had_sent(url: str) -> None:
-    """Issue #23: each heartbeat reports the completion tokens its in-flight streams have sent;
+    """Each heartbeat reports the completion tokens its in-flight streams have sent;
     a reclaimed booking bills them (at its booked completion price) besides its prompt, and the
     team's token window keeps them. A late, lower report never lowers the count, and a gateway
     cannot report on another's bookings."""

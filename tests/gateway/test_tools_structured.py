@@ -1,4 +1,4 @@
-"""Tools, structured outputs and the sampling fields of issue #24 end to end: the official
+"""Tools, structured outputs and the penalty and sampling fields end to end: the official
 openai client (sync and streamed) → a real gateway → real SmolLM2 nodes, prefill → decode
 over the real transport ("smollm2") and one colocated node ("smollm2-colo"), one cluster for
 the module. Requests run concurrently; max_tokens stays small.

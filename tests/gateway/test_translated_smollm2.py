@@ -173,7 +173,7 @@ def test_forced_tool_choice_gives_a_schema_valid_call(clients: Clients) -> None:
     jsonschema.validate(json.loads(fc[0].arguments), SCHEMA)
 
 
-# -- vLLM's request extras (#24) --------------------------------------------------------------
+# -- vLLM's request extras --------------------------------------------------------------------
 
 CHOICES = ["yes", "no", "maybe"]
 PERSON = {

@@ -1,4 +1,4 @@
-"""A usage batch the store refuses is retried, never dropped (issue #22): the writer keeps the
+"""A usage batch the store refuses is retried, never dropped: the writer keeps the
 batch and retries it with a backoff until the store takes it, a request waits for its record
 (bounded), and a stop flushes what is still held. The store is the real SQLite store; only
 its first settles are made to fail, as a database that is briefly gone would."""

@@ -1,5 +1,5 @@
-"""Transport state stays bounded and a failed read tells whether it may still write (issue #8,
-defects 5 and 6): the notification queue drops its oldest messages past its bound, at most
+"""Transport state stays bounded and a failed read tells whether it may still write: the
+notification queue drops its oldest messages past its bound, at most
 MAX_PEERS peers stay connected (least recently used dropped), peer locks live only while a
 connection is set up, and a backend's late write surfaces as the TransferError's `settled`."""
 

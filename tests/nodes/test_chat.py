@@ -1,4 +1,4 @@
-"""Nodes speak chat too (issue #10): `POST /v1/chat/completions` and `GET /v1/models` on every
+"""Nodes speak chat too: `POST /v1/chat/completions` and `GET /v1/models` on every
 node, so routers written for vLLM workers drive duet nodes unchanged. A chat request in the
 two-leg vLLM style (prefill leg with `do_remote_decode`, decode leg with the params it answered)
 gives the same greedy text as a colocated node, and the official openai client parses it."""

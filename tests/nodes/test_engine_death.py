@@ -1,4 +1,4 @@
-"""A node whose engine dies is never half alive (issue #8, defects 1 and 8): an SSE stream in
+"""A node whose engine dies is never half alive: an SSE stream in
 flight ends with an error event (never a second response), a JSON request in flight and every
 new one get 503, /health says 503, and the node's shutdown is triggered with exit code 1 so a
 supervisor restarts it. In-process (the real app, engine and HTTP server): the fault — an error

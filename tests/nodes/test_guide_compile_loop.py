@@ -1,4 +1,4 @@
-"""A node checks a request's guide off its event loop (issue #24): the grammar check of a leg's
+"""A node checks a request's guide off its event loop: the grammar check of a leg's
 `guide` runs on the node's GuideChecker (text/guide_compile.py), sized by
 `--guide-compile-threads` / `--guide-compile-timeout-s`, so a guide that compiles for a second
 does not stall the node's other requests and streams; one past the time limit is a 400

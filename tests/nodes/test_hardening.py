@@ -1,4 +1,4 @@
-"""Hardening the node path (issue #8) with real node processes on the tiny model: hostile input
+"""Hardening the node path with real node processes on the tiny model: hostile input
 to every endpoint gets a 4xx and leaves the node serving with its KV back at idle; a tiny
 temperature does not kill a node; decode never trusts the client's address; a release that
 is not a 200 is a failed pull; a full node answers 503 + Retry-After; a 400 on the decode leg

@@ -1,4 +1,4 @@
-"""Logprobs on the node API (issue #15): a real node process on the tiny model answers
+"""Logprobs on the node API: a real node process on the tiny model answers
 completions `logprobs=N` (+ vLLM's `prompt_logprobs`) and chat `logprobs: true, top_logprobs: N`
 in OpenAI's shapes, streamed and not; the official openai client parses them, and the values
 equal the in-process engine's for the same tokens (the engine itself is checked against

@@ -1,4 +1,4 @@
-"""P's first token is the output's first on a guided P/D request (issue #24): real prefill,
+"""P's first token is the output's first on a guided P/D request: real prefill,
 decode and colocated node processes on the tiny random Llama (fp32, so greedy output is exact).
 
 - greedy guided output through P → D equals the colocated node's, token for token, for a

@@ -1,4 +1,4 @@
-"""Structured output and penalties through real P and D processes on SmolLM2 (issue #24).
+"""Structured output and penalties through real P and D processes on SmolLM2.
 
 The guide and the sampling fields ride on both legs (NodeCompletionRequest): P masks (and
 penalises) the one token it samples, which is the output's first (D emits it: the tiny-model

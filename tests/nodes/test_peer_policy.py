@@ -1,4 +1,4 @@
-"""PeerPolicy (issue #8, defect 7): which addresses a decode node may contact, per engine id."""
+"""PeerPolicy: which addresses a decode node may contact, per engine id."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ async def test_resolve() -> None:
 
 
 async def test_a_published_transport_address_must_be_allowed_and_on_the_named_host() -> None:
-    """Issue #22, finding 1: the transport address in a peer's metadata is the peer's word."""
+    """The transport address in a peer's metadata is the peer's word."""
     from decode.peers import PeerRefused
 
     p = policy("127.0.0.0/8")

@@ -1,4 +1,4 @@
-"""Speculative decoding on the decode node of a P/D pair (issue 25), real node processes on the
+"""Speculative decoding on the decode node of a P/D pair, real node processes on the
 tiny model: a decode node with `--speculative draft-int4` (the model's own weights at int4 draft,
 with its own KV; the prompt's KV comes from the prefill node over NIXL, the draft catches up on
 the prompt itself) answers token for token what plain decoding does, and its /metrics carry

@@ -1,4 +1,4 @@
-"""The console's autoscaler decisions under a real `duet up --autoscale` (issue #28): the planner
+"""The console's autoscaler decisions under a real `duet up --autoscale`: the planner
 in duet up's coordinator takes a load-driven step through the local actuator, and the Cluster
 page the gateway serves shows that step as the planner recorded it — same pool, direction,
 reason, replicas, drained node, outcome and inputs — while its node table follows the step.

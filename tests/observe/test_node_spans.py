@@ -1,4 +1,4 @@
-"""The console's trace view shows the P and D legs' spans, read from the nodes' own rings (#28).
+"""The console's trace view shows the P and D legs' spans, read from the nodes' own rings.
 
 Against conftest.py's traced cluster (etcd, coordinator, P, D and the gateway, tracing on, the
 internal plane behind a cluster secret): the trace page of one request holds P's

@@ -1,6 +1,6 @@
 """A migration and a fallback each leave their span in the gateway's own span ring (the one the
 console's request view reads, no collector), with the attributes an operator needs to see what
-happened (issue #28: "a migration or fallback when one happens").
+happened: a migration or a fallback when one happens.
 
 - Migration: a real decode node SIGKILLed after its first chunks (tests/gateway/faults.py), the
   stream continued on a second real node. The request's `text_completion tiny` span holds the

@@ -1,4 +1,4 @@
-"""One trace per request across the gateway, the coordinator and both nodes (issue #28).
+"""One trace per request across the gateway, the coordinator and both nodes.
 
 Every process of a real P/D cluster exports its spans over OTLP/HTTP to a receiver the test
 runs (tests/observe/otlp.py decodes the protobuf); one chat request must give one trace whose

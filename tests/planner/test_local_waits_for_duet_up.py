@@ -1,4 +1,4 @@
-"""The planner with the local actuator decides nothing while `duet up` is still starting (#28).
+"""The planner with the local actuator decides nothing while `duet up` is still starting.
 
 `duet up --autoscale` starts its coordinator (and the planner in it) before the nodes and the
 gateway; on a loaded machine the gateway's start can outlast the planner's window. The planner

@@ -1,4 +1,4 @@
-"""Load mode with the nodes' measured latency (issue #27): the planner takes max(predicted,
+"""Load mode with the nodes' measured latency: the planner takes max(predicted,
 measured) for TTFT (prefill, colocated) and ITL (decode, colocated) once the measured window has
 `min_latency_samples`, names the measured figure in the reason, logs it with the decision, and
 leaves a node's cold start and a window older than the pool's last step out.
@@ -314,7 +314,7 @@ SPLITS = [
         Direction.IN,
         Reason.HEADROOM,
     ),
-    # the issue's example: 900 at 50 ms and 100 at 2 s put the 900th (the P90) at 50 ms
+    # a pool whose P90 a mean of node P90s gets wrong: 900 at 50 ms and 100 at 2 s put the 900th (the P90) at 50 ms
     Split(
         "900 at 50 ms and 100 at 2 s: the 900th is 50 ms",
         [0.05] * 900,

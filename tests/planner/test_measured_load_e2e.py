@@ -1,4 +1,4 @@
-"""Measured latency in real load frames (issue #27): a node that served requests reports, in the
+"""Measured latency in real load frames: a node that served requests reports, in the
 load frames it streams to coordinators, its TTFT P90 (prefill and colocated nodes) and ITL P90
 (decode and colocated nodes) over its recent window with the sample counts; a real coordinator
 reads them (its `/cluster` load report shows what the planner's load mode gets: the same

@@ -1,4 +1,4 @@
-"""Undoing a drain on real nodes (#27): a drained node goes back into routing.
+"""Undoing a drain on real nodes: a drained node goes back into routing.
 
 Real etcd, a coordinator, a prefill and a decode node on the tiny model, all with a cluster
 secret. A drained node (by its own `POST /drain`, or by the coordinator's etcd rewrite) is

@@ -1,4 +1,4 @@
-"""The load frame's latency histograms on the wire (issue #27): a frame from a node before them
+"""The load frame's latency histograms on the wire: a frame from a node before them
 still decodes (no histogram: the planner weighs that node's own P90), a frame with them decodes
 in a reader from before them (msgspec skips the fields it does not know), so nodes and
 coordinators upgrade in either order; and the histogram's own checks and buckets."""

@@ -1,4 +1,4 @@
-"""The admin key cannot be guessed, and a provider's words never reach a tenant (issue #22).
+"""The admin key cannot be guessed, and a provider's words never reach a tenant.
 
 - A gateway refuses to start with an admin key shorter than 32 characters (a short one can be
   guessed offline or online); it used to start with any.

@@ -1,5 +1,4 @@
-"""A batch line is billed exactly once, however often a crash makes it run (issue #22, "batch
-lines run exactly once").
+"""A batch line is billed exactly once, however often a crash makes it run.
 
 The fault: the runner ran a line (its usage record committed in the gateway store), then its
 gateway died before the line's result reached the batch store. The claim lapsed, the line ran

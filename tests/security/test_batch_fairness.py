@@ -1,4 +1,4 @@
-"""Batch lines of different teams are claimed fairly (issue #22): one team's huge batch, queued
+"""Batch lines of different teams are claimed fairly: one team's huge batch, queued
 first, cannot starve another team's small batch queued after it. Claims go round-robin over
 teams (oldest batch, then line order, within a team); the old global FIFO gave every claim
 to the first team until its whole batch had run.

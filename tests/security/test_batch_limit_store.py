@@ -1,5 +1,5 @@
-"""The batch tier's per-team bounds are held by the store, in the write's own transaction
-(issue #22): creations and uploads racing each other — on one gateway or on several sharing the
+"""The batch tier's per-team bounds are held by the store, in the write's own transaction:
+creations and uploads racing each other — on one gateway or on several sharing the
 database — cannot pass `max_open_batches` or `max_team_bytes` together. Before, the bounds were
 read in one transaction and the write done in another, so every racer that read before the
 first write passed.

@@ -1,4 +1,4 @@
-"""Per-team limits of the batch tier, and the tier as the operator's grant (issue #22). Each
+"""Per-team limits of the batch tier, and the tier as the operator's grant. Each
 case was accepted before:
 
 - a request line over `[batch] max_line_bytes` (default 1 MiB; before, any line up to the
@@ -181,7 +181,7 @@ def test_the_interactive_tier_is_a_team_right(gw: Proc) -> None:
     assert status != 403, json.dumps(answer)
 
 
-# -- the bounds hold under concurrency (issue #22: they were checked without a lock) -----------
+# -- the bounds hold under concurrency (they were once checked without a lock) -------------
 async def test_racing_batch_creations_cannot_pass_the_open_bound(
     team: tuple[str, openai.AsyncOpenAI],
 ) -> None:

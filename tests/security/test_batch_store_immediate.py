@@ -1,5 +1,5 @@
-"""Why the SQLite batch store's writes begin with `BEGIN IMMEDIATE` (gateway/batch/store.py,
-issue #22): two gateways (or two workers) on one database file claim batch lines, each claim a
+"""Why the SQLite batch store's writes begin with `BEGIN IMMEDIATE` (gateway/batch/store.py):
+two gateways (or two workers) on one database file claim batch lines, each claim a
 read of the claimable lines and then a write of the claim, in one transaction. Under a plain
 (deferred) `BEGIN` the second claim can read while the first is between its read and its
 write; the first commits, and the second's write then finds its snapshot stale: SQLite refuses

@@ -1,4 +1,4 @@
-"""No team learns another team's prompts from the prefix cache (issue #22, finding 2).
+"""No team learns another team's prompts from the prefix cache.
 
 The attack: `usage.prompt_tokens_details.cached_tokens` counts the prompt tokens a node served
 from its prefix cache. With unsalted block hashes, team B sends guesses of team A's prompt and

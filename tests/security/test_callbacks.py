@@ -1,4 +1,4 @@
-"""A batch's callback URL cannot reach a private host or a service port (issue #22).
+"""A batch's callback URL cannot reach a private host or a service port.
 
 The guard refused private, loopback and link-local addresses, and IPv4-mapped IPv6 ones, but an
 IPv6 address that wraps an IPv4 one passed as "global": 6to4 (2002::/16) carries its IPv4 host

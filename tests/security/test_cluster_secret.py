@@ -1,4 +1,4 @@
-"""Where the cluster secret comes from, and what a process does without one (issue #22).
+"""Where the cluster secret comes from, and what a process does without one.
 
 A secret others can read is no secret, a short one can be guessed, and a process that quietly
 starts open on a network address because its secret was missing is the hole this closes:

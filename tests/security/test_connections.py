@@ -1,4 +1,4 @@
-"""The gateway's listener against slow and greedy clients (issue #22): a client address holds
+"""The gateway's listener against slow and greedy clients: a client address holds
 at most `[server] max_connections_per_address` open connections (more are closed at once); a
 request whose headers are not complete within `header_timeout_s` of its start (slowloris) —
 a new connection's first request or a keep-alive connection's next one — and a request body

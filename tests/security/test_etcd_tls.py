@@ -1,5 +1,4 @@
-"""duet's etcd client honours etcd's TLS and auth (issue #22: "say how etcd TLS and auth are
-configured, and honour them in the etcd client").
+"""duet's etcd client honours etcd's TLS and auth, configured as docs/security.md says.
 
 etcd holds the membership: whoever writes there can register a "prefill node". A production etcd
 runs with TLS, client-certificate auth and users; aetcd (the client library) speaks plaintext

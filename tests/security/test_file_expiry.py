@@ -1,4 +1,4 @@
-"""Batch files expire, with OpenAI's `expires_after` (issue #22): an expired file is gone for
+"""Batch files expire, with OpenAI's `expires_after`: an expired file is gone for
 the API (get, list, content) and no longer counts against its team's storage
 (`[batch] max_team_bytes`). Before, a file never expired and its upload's `expires_after`
 fields were ignored.

@@ -1,4 +1,4 @@
-"""The gateway's files are not readable by other users of the host (issue #22): its store, the
+"""The gateway's files are not readable by other users of the host: its store, the
 batch store and every uploaded batch file are created 0600 in 0700 directories, whatever the
 process umask (they were 0644 in 0755 directories under the usual umask), and an upload is
 fsynced before it is answered.

@@ -1,4 +1,4 @@
-"""A gateway's death does not lock a team out, nor give it a free request (issue #22, "Money").
+"""A gateway's death does not lock a team out, nor give it a free request.
 
 The attack (or the accident): a team with `max_concurrent = 1` has a request in flight when its
 gateway is SIGKILLed. The reservation stayed in the store, unsettled, for the 900 s TTL: the team
@@ -6,7 +6,7 @@ got 429 for a quarter of an hour, and the killed request (whose prompt a provide
 computing) was never billed. Now every gateway beats in the store; a restarted gateway reclaims
 the dead instance's reservations once it has been silent for 2.5 heartbeats, billing each
 booked prompt with an `expired` usage record — and, for a stream, the completion tokens it had
-sent as of the dead gateway's last heartbeat (issue #23: each heartbeat reports them).
+sent as of the dead gateway's last heartbeat (each heartbeat reports them).
 
 Real parts: two gateway processes in turn on one SQLite store, SIGKILL, the official openai
 client; the provider is the local fake (it holds the request until the test ends).
@@ -176,7 +176,7 @@ def test_a_killed_gateways_stream_bills_what_it_had_sent(
 def test_a_restarted_gateway_frees_its_teams_slot_as_it_starts(
     fake: FakeServers, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The issue's case exactly: SIGKILL a gateway with a `max_concurrent = 1` team's request in
+    """The case exactly: SIGKILL a gateway with a `max_concurrent = 1` team's request in
     flight and restart it (`[server] instance`, which `duet up` sets to the process's name): the
     team sends again at once — the restarted gateway reclaims its previous life's reservation as
     it starts, billed `expired` — however long the heartbeat. Here it is 30 s, so waiting for

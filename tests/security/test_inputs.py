@@ -1,5 +1,5 @@
 """Hostile input to the gateway's public API gets a defined refusal, and the gateway keeps
-serving (issue #22, "everything else the review lists").
+serving.
 
 - JSON nested 1,000 deep or more: msgspec's decoder raises RecursionError, which escaped every
   handler as a 500 with a traceback in the log; now a 400 `invalid_json`, on the completion

@@ -1,5 +1,5 @@
 """A node or coordinator reached without the cluster secret answers 401 and does nothing; with
-it, everything works as before (issue #22: the internal plane is authenticated).
+it, everything works as before (the internal plane is authenticated).
 
 The attack: the internal APIs trusted the network. Anyone who reached a node could run
 completions on it for free (no team, no quota, no usage record), read its KV metadata and

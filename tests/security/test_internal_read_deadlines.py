@@ -1,5 +1,5 @@
-"""A node's and a coordinator's listener have the gateway's read deadlines (issue #22,
-runtime/read_deadlines.py): a request whose headers are not complete within
+"""A node's and a coordinator's listener have the gateway's read deadlines
+(runtime/read_deadlines.py): a request whose headers are not complete within
 `--header-timeout-s`, or whose body stalls past `--body-timeout-s`, is answered 408 and its
 connection closed. Before, a node or coordinator held a trickled request's headers until
 aiohttp's idle timer (75 s), and a body that stopped halfway for ever, with its handler.

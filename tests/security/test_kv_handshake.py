@@ -1,4 +1,4 @@
-"""The tcp KV transport's handshake proves the cluster secret, both ways (issue #22: the internal
+"""The tcp KV transport's handshake proves the cluster secret, both ways (the internal
 plane is authenticated, the transport's handshake included).
 
 The attack: anyone who reaches a prefill node's KV port could read any block of its pool (a

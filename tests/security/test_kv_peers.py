@@ -1,4 +1,4 @@
-"""A decode node reads KV only from where its operator allows (issue #22, finding 1).
+"""A decode node reads KV only from where its operator allows.
 
 The attack: anyone who reaches a decode node's port names, in `kv_transfer_params`, a "prefill"
 inside the allowed networks: a server of their own (here on 127.0.0.2) that answers

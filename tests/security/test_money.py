@@ -1,4 +1,4 @@
-"""Budgets hold on external models (issue #22, "Money"): the reservation of a request to a
+"""Budgets hold on external models: the reservation of a request to a
 commercial API must bound what the provider can bill, whatever the script of the prompt.
 
 The attack: a team with a $1 daily budget sends 100 concurrent chat requests of CJK and emoji
@@ -186,8 +186,8 @@ def test_two_gateways_on_postgres_hold_one_budget(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The same attack through two gateway processes sharing one PostgreSQL store (the issue's
-    "on Postgres with two gateways"): 100 concurrent requests, alternating gateways, on a $1
+    """The same attack through two gateway processes sharing one PostgreSQL store (several
+    gateways, one quota): 100 concurrent requests, alternating gateways, on a $1
     day. Each gateway books in the shared store under the team's row lock, so together they
     spend at most the budget plus one request; every answered request has exactly one usage
     record, and a refused one none."""

@@ -1,4 +1,4 @@
-"""Every request the gateway's NodeClient sends to a node carries the cluster secret (#22).
+"""Every request the gateway's NodeClient sends to a node carries the cluster secret.
 
 The embeddings call was added after the secret and first went out without it: every
 `/v1/embeddings` of a `duet up` cluster (which always has a secret) was a 401. This checks each

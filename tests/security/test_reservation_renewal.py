@@ -1,4 +1,4 @@
-"""A request that outlives `[quotas] reservation_ttl_s` still counts (issue #22, "Money"): its
+"""A request that outlives `[quotas] reservation_ttl_s` still counts: its
 gateway's heartbeat renews the reservation while the request runs. Before, the booking lapsed
 at the TTL while the request was still streaming: the sweeper expired it (billing its prompt as
 'expired'), the team's concurrency slot came free under a running request, and its spend no

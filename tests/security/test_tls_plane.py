@@ -1,5 +1,4 @@
-"""The HTTP plane can run over TLS (issue #22: "optional TLS for the HTTP plane, with
-operator-provided cert and key").
+"""The HTTP plane can run over TLS, with the operator's certificate and key.
 
 A bearer token over plain HTTP crosses the network in clear; across machines the nodes,
 coordinators and gateways serve https (`--tls-cert/--tls-key`) and their clients trust the

@@ -1,5 +1,5 @@
-"""A usage record the store refuses is retried until written, never dropped (issue #22,
-"Money"): a request that finished while the database was unavailable is billed once it is
+"""A usage record the store refuses is retried until written, never dropped:
+a request that finished while the database was unavailable is billed once it is
 back. Before, the one failed write raised out of the request and its record was lost: the
 booking was later billed as 'expired' at its prompt, never for the answer the tenant got.
 

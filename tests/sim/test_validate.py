@@ -1,6 +1,6 @@
-"""The validation plan covers what issue #26 asks (≥ 6 runs: 1 colocated node, 1P1D, 2
-colocated, ≥ 2 rates each, one with shared prefixes, one with the long-prompt mix), and the
-table's MAPE is the mean of the per-case errors."""
+"""The validation plan covers what docs/capacity.md's validation needs (≥ 6 runs: 1 colocated
+node, 1P1D, 2 colocated, ≥ 2 rates each, one with shared prefixes, one with the long-prompt mix),
+and the table's MAPE is the mean of the per-case errors."""
 
 from __future__ import annotations
 

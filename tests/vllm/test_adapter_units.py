@@ -45,7 +45,7 @@ def test_sampling_params_map_onto_vllms(need_vllm: None) -> None:
 
 
 def test_penalties_and_guides_map_onto_vllms(need_vllm: None) -> None:
-    """Issue #24: the penalty fields under vLLM's names, and each guide kind as vLLM's
+    """The penalty fields under vLLM's names, and each guide kind as vLLM's
     StructuredOutputsParams with exactly one constraint set (vLLM refuses zero or several)."""
     import json
 

@@ -89,7 +89,7 @@ def test_node_flags_map_onto_vllm(vllm_importable: None) -> None:
 
 
 def test_structured_outputs_use_llguidance_and_compact_json() -> None:
-    """Issue #24: vLLM's guidance backend (the gateway's and the native engine's grammar engine)
+    """vLLM's guidance backend (the gateway's and the native engine's grammar engine)
     with compact JSON by default; a --vllm-arg replaces it."""
     e = VllmEngineConfig(model="m", device="cpu")
     assert e.engine_kwargs("/m")["structured_outputs_config"] == {

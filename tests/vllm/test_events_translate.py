@@ -175,7 +175,7 @@ def test_vllm_blocks_of_several_duet_blocks_are_split() -> None:
 
 def test_a_salted_prompt_chains_from_its_cache_domain() -> None:
     """vLLM publishes the request's cache_salt in the first block's extra keys; the bridge roots
-    the chain at that domain, as the gateway does (issue #22: the index never matches across
+    the chain at that domain, as the gateway does (the index never matches across
     domains, and still finds a team's own prefixes)."""
     from protocol.block_hash import domain_root
 

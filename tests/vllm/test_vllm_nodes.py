@@ -1,11 +1,11 @@
-"""Nodes running `--engine vllm` (issue #14), driven exactly as the gateway drives native ones:
+"""Nodes running `--engine vllm`, driven exactly as the gateway drives native ones:
 - the two legs (P: do_remote_decode → vLLM's kv_transfer_params → D: do_remote_prefill) give
   the same greedy tokens as one colocated vLLM node, and D really pulled (it computed only the
   prompt's tail);
 - P's etcd registration says engine_kind vllm with a layout hash no native node has, and its
   KV events (re-served as duet's /kv/snapshot) carry duet's block hashes;
 - bad kv_transfer_params are refused before vLLM may contact anything; the chat form works;
-- issue #24: guides are vLLM's structured outputs (a few corpus schemas give schema-valid JSON,
+- guides are vLLM's structured outputs (a few corpus schemas give schema-valid JSON,
   json_object an object, regex a match, choice a choice), logit_bias and frequency_penalty change
   vLLM's greedy output, and bad fields are 400s before vLLM sees them;
 - P killed before the pull: D follows the failure policy (recompute → the same tokens; fail →
@@ -163,7 +163,7 @@ async def test_bad_kv_transfer_params_are_refused(
             ({**good, "remote_block_ids": [-1]}, 400),
             ({k: v for k, v in good.items() if k != "remote_engine_id"}, 400),
             ({**good, "do_remote_decode": True}, 400),
-            # allowed network, but no registered prefill node there (issue #22)
+            # allowed network, but no registered prefill node there (a cache it could poison)
             ({**good, "remote_host": "127.0.0.2"}, 403),
         ):
             r = await completion(s, d.url, ids, GREEDY, kv_transfer_params=bad)
@@ -316,7 +316,7 @@ def metric_sum(url: str, name: str, labels: str = "") -> float:
 
 
 def test_cache_salt_isolates_vllms_prefix_cache(vllm_pd: tuple[Proc, Proc], smollm2: Path) -> None:
-    """Issue #22: the gateway's cache domain reaches vLLM as `cache_salt`: the same prompt in
+    """The gateway's cache domain reaches vLLM as `cache_salt`: the same prompt in
     another domain finds nothing cached, the same domain does, and the node's snapshot holds
     the domain's salted duet hashes (read off vLLM's events' extra keys)."""
     from protocol.block_hash import domain_root
@@ -370,8 +370,8 @@ def chat_ids(smollm2: Path, text: str) -> list[int]:
 async def test_guides_are_vllms_structured_outputs(
     vllm_pd: tuple[Proc, Proc], smollm2: Path
 ) -> None:
-    """Issue #24 on the vLLM engine: a json_schema guide gives JSON valid against its schema
-    (vLLM's guidance backend, compact JSON), json_object an object, regex a match, choice one of
+    """Structured outputs on the vLLM engine: a json_schema guide gives JSON valid against its
+    schema (vLLM's guidance backend, compact JSON), json_object an object, regex a match, choice one of
     the choices; all in one concurrent batch on D (colocated)."""
     import jsonschema
 
