@@ -75,18 +75,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
-    add_config_flags(p, CoordinatorConfig, "coordinator", skip=COORDINATOR_SKIP)
+    add_config_flags(p.add_argument_group("coordinator"), CoordinatorConfig, skip=COORDINATOR_SKIP)
     add_etcd_arguments(p.add_argument_group("etcd client"))
-    add_config_flags(
-        p, PolicyConfig, "routing", skip={"weights": "the route weights group (RouteWeights)"}
-    )
-    add_config_flags(
-        p,
-        RouteWeights,
+    weights = {"weights": "the route weights group (RouteWeights)"}
+    add_config_flags(p.add_argument_group("routing"), PolicyConfig, skip=weights)
+    route_weights = p.add_argument_group(
         "route weights",
         "A decode candidate's cost is the sum of these terms; the cheapest pair is routed to.",
-        prefix="weight-",
     )
+    add_config_flags(route_weights, RouteWeights, prefix="weight-")
     add_server_arguments(p)
     add_planner_args(p)
     add_deprecated_aliases(p, DEPRECATED)

@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
 from duet.config_flags import add_config_flags, add_deprecated_aliases, config_kwargs
 from duet.security_args import add_server_arguments, plane_security, read_deadlines
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+    from node.config import NodeConfig
+    from node.engines.vllm_config import VllmEngineConfig, VllmOptions
 
 ROLE_HELP = {
     "prefill": ("prefill node: computes prompts' KV and holds it for decode nodes", 8100),
@@ -70,15 +76,16 @@ def add_node_arguments(p: argparse.ArgumentParser, port: int, with_role: bool = 
 
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     role = {} if with_role else {"role": "the command is the role: duet prefill | duet decode"}
-    add_config_flags(p, NodeConfig, "node", skip={**NODE_SKIP, **role}, defaults={"port": port})
+    node = p.add_argument_group("node")
+    add_config_flags(node, NodeConfig, skip={**NODE_SKIP, **role}, defaults={"port": port})
     add_etcd_arguments(p.add_argument_group("etcd client (with --etcd)"))
-    add_config_flags(p, EngineConfig, "engine", skip=ENGINE_SKIP)
-    add_config_flags(p, VllmOptions, "vLLM engine (--engine vllm)")
+    add_config_flags(p.add_argument_group("engine"), EngineConfig, skip=ENGINE_SKIP)
+    add_config_flags(p.add_argument_group("vLLM engine (--engine vllm)"), VllmOptions)
     add_server_arguments(p)
     add_deprecated_aliases(p, DEPRECATED)
 
 
-def node_config(args: argparse.Namespace, role: str | None = None):  # -> NodeConfig
+def node_config(args: argparse.Namespace, role: str | None = None) -> NodeConfig:
     """The node's settings from its flags; `role` fixes the role (`duet prefill`). Raises
     ValueError for a combination that cannot run."""
     from coordinator.store import parse_etcd_url
@@ -118,7 +125,9 @@ def node_config(args: argparse.Namespace, role: str | None = None):  # -> NodeCo
     return replace(cfg, engine=engine)
 
 
-def vllm_engine_config(node, engine, opts, batched_given: bool):  # -> VllmEngineConfig
+def vllm_engine_config(
+    node: NodeConfig, engine: EngineConfig, opts: VllmOptions, batched_given: bool
+) -> VllmEngineConfig:
     """duet's node and engine settings in vLLM's terms (node.engines.vllm_config documents the
     mapping). `batched_given`: the operator set --max-num-batched-tokens (else vLLM sizes its
     own budget: duet's native default is not sized for it)."""

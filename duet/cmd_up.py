@@ -120,12 +120,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "nodes": "the layout: --prefill/--decode/--colocated/--embed, or cluster.toml's [[nodes]]",
         "restart": "the restarts group (RestartPolicy)",
     }
-    add_config_flags(p, UpConfig, "cluster (a [[nodes]] group's own value wins)", skip=skip)
-    add_config_flags(p, GatewaySection, "gateway")
-    add_config_flags(p, CoordinatorSection, "coordinator", prefix="coordinator-")
-    add_config_flags(
-        p, RestartPolicy, "restarts (what a process that dies gets)", prefix="restart-"
-    )
+    cluster = p.add_argument_group("cluster (a [[nodes]] group's own value wins)")
+    add_config_flags(cluster, UpConfig, skip=skip)
+    add_config_flags(p.add_argument_group("gateway"), GatewaySection)
+    coordinator = p.add_argument_group("coordinator")
+    add_config_flags(coordinator, CoordinatorSection, prefix="coordinator-")
+    restarts = p.add_argument_group("restarts (what a process that dies gets)")
+    add_config_flags(restarts, RestartPolicy, prefix="restart-")
     a = p.add_argument_group("autoscaling (the planner in the coordinator starts and drains nodes)")
     a.add_argument(
         "--autoscale",

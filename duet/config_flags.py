@@ -146,18 +146,16 @@ def _metavar(f: dataclasses.Field[Any], kind: FlagKind) -> str | None:
 
 
 def add_config_flags(
-    parser: argparse.ArgumentParser,
+    group: argparse._ArgumentGroup,
     cls: type,
-    title: str,
-    description: str | None = None,
     *,
     prefix: str = "",
     skip: Mapping[str, str] | None = None,
     defaults: Mapping[str, Any] | None = None,
-) -> argparse._ArgumentGroup:
-    """One argument group of `cls`'s fields (see the module docstring for the rules)."""
+) -> None:
+    """The flags of `cls`'s fields, in `group` (one argument group per class; see the module
+    docstring for the rules)."""
     skip, defaults = dict(skip or {}), dict(defaults or {})
-    group = parser.add_argument_group(title, description)
     docs, hints = field_docs(cls), _hints(cls)
     flags: dict[str, str] = {}
     for f in dataclasses.fields(cls):
@@ -183,13 +181,16 @@ def add_config_flags(
             kwargs.update(type=kind.type, choices=kind.choices, metavar=_metavar(f, kind))
         group.add_argument(flag, **kwargs)
         flags[f.name] = flag
-    generated(parser).append(Generated(cls, prefix, flags, skip, defaults))
-    return group
+    group.__dict__.setdefault(_REGISTRY, []).append(Generated(cls, prefix, flags, skip, defaults))
+
+
+#: where a group keeps what `add_config_flags` made in it
+_REGISTRY = "_duet_config_flags"
 
 
 def generated(parser: argparse.ArgumentParser) -> list[Generated]:
-    """Every class `add_config_flags` put on this parser, in order."""
-    return parser.__dict__.setdefault("_duet_config_flags", [])
+    """Every class `add_config_flags` put on this parser, in order (read by tests and docs)."""
+    return [g for group in parser._action_groups for g in group.__dict__.get(_REGISTRY, [])]
 
 
 def config_kwargs(cls: type, args: argparse.Namespace, prefix: str = "") -> dict[str, Any]:

@@ -71,13 +71,12 @@ def add_deadline_arguments(p: argparse.ArgumentParser) -> None:
     from duet.config_flags import add_config_flags
     from runtime.read_deadlines import ReadDeadlines
 
-    add_config_flags(
-        p,
-        ReadDeadlines,
+    group = p.add_argument_group(
         "slow clients",
         "Deadlines for reading a request (slowloris): a connection past one is answered 408 and "
         "closed.",
     )
+    add_config_flags(group, ReadDeadlines)
 
 
 def read_deadlines(args: argparse.Namespace):

@@ -223,7 +223,7 @@ class _Sample:
 
 def test_the_generator_reads_names_types_and_choices() -> None:
     p = argparse.ArgumentParser()
-    add_config_flags(p, _Sample, "sample")
+    add_config_flags(p.add_argument_group("sample"), _Sample)
     assert config_kwargs(_Sample, p.parse_args([])) == {}
     args = p.parse_args(
         ["--count", "4", "--mode", "b", "--maybe", "none", "--no-thing", "--loud"]
@@ -260,8 +260,9 @@ def test_a_field_without_help_or_flag_form_stops_the_parser() -> None:
 
     for cls in (Undocumented, Table):
         with pytest.raises(TypeError, match="skip it with a reason"):
-            add_config_flags(argparse.ArgumentParser(), cls, "x")
-    add_config_flags(argparse.ArgumentParser(), Table, "x", skip={"table": "a file's"})
+            add_config_flags(argparse.ArgumentParser().add_argument_group("x"), cls)
+    group = argparse.ArgumentParser().add_argument_group("x")
+    add_config_flags(group, Table, skip={"table": "a file's"})
 
 
 def test_a_value_alias_hands_its_text_on() -> None:
