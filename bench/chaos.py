@@ -1,8 +1,17 @@
 """`duet bench chaos`: the SRE's fault drill. Runs mixed load (interactive streams, non-streamed
 requests, one batch job) against a `duet up` cluster — one it starts (`--up-config`,
-`--up-arg`) or a running one (`--url` with its `--home`) — and SIGKILLs a random process of
-it every `--kill-every` seconds (etcd, coordinators, nodes; a gateway while two or more run, or
-with --kill-gateway).
+`--up-arg`) or a running one (`--url` with its `--home`) — and injects the `--faults` classes,
+each on its own schedule (`--CLASS-every` seconds, held `--CLASS-for` seconds):
+- kill: SIGKILL a random process (etcd, coordinators, nodes; a gateway while two or more run,
+  or with --kill-gateway), which `duet up` restarts;
+- stop: SIGSTOP a random process, SIGCONT it after --stop-for (sockets open, nothing answers);
+- partition, delay (--delay-ms ± --jitter-ms), loss (--loss-pct): between two processes of one
+  pair class — gateway <-> coordinator, gateway <-> node, prefill <-> decode (the KV path),
+  node <-> etcd, coordinator <-> etcd — with every process in a network namespace of its own
+  (chaos starts `duet up --netns`, and removes the namespaces at the end, even on failure);
+- etcd: one etcd member cut off, then a second (quorum lost), then both back ([etcd] members = 3);
+- disk: the gateways' store file system (a small tmpfs of the cluster's own) filled for --disk-for.
+Network, etcd and disk faults need root and a `duet up` this run starts.
 
 Prints a table (or `--json`) and writes DIR/chaos.json and DIR/chaos.png:
 - requests answered (tokens or a defined error) and undefined (a connection error, a hang,
@@ -13,10 +22,13 @@ Prints a table (or `--json`) and writes DIR/chaos.json and DIR/chaos.png:
 - usage: the gateway's records matched one by one to the client's requests (bench/chaos_usage.py):
   each full answer billed once with its tokens, no request billed twice;
 - the batch job's lines: each done exactly once;
-- chaos.png: availability and p99 TTFT over time, the kills marked.
+- per fault class: the faults injected, and the requests sent while one was on: answered, with
+  full tokens, defined errors by cause;
+- chaos.png: availability and p99 TTFT over time, each fault's interval shaded.
 
 Examples:
     duet bench chaos --up-config cluster.toml --duration 120 --kill-every 30
+    duet bench chaos --up-config cluster.toml --duration 600 --faults kill,stop,partition,delay,loss
     duet bench chaos --url http://127.0.0.1:8000 --home ~/.cache/duet --duration 600 --kill-every 30
 """
 
@@ -41,10 +53,13 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from bench.chaos_faults import CLASSES, NETWORK, DiskTrap, FaultSpec, Injector
 from bench.chaos_kill import KINDS, Killer
 from bench.chaos_load import PROMPTS, BatchResult, Record, one_request, references, run_batch
-from bench.chaos_report import plot, render, summarise
+from bench.chaos_report import render, render_faults, summarise
 from bench.chaos_usage import check, fetch_records
+from bench.plots import plot_chaos
+from runtime import netns
 from runtime.ports import free_port
 
 
@@ -84,6 +99,34 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     c = p.add_argument_group("chaos")
     c.add_argument("--duration", type=float, default=120.0, help="seconds of load (default 120)")
+    c.add_argument(
+        "--faults",
+        default="kill",
+        metavar="CLASSES",
+        help=f"fault classes, comma-separated, of kill,{','.join(CLASSES)} (default kill)",
+    )
+    for cls, every, hold in FAULT_DEFAULTS:
+        c.add_argument(
+            f"--{cls}-every",
+            type=float,
+            default=every,
+            metavar="S",
+            help=f"seconds between two {cls} faults (default {every:g})",
+        )
+        c.add_argument(
+            f"--{cls}-for",
+            type=float,
+            default=hold,
+            metavar="S",
+            help=f"seconds each {cls} fault lasts (default {hold:g})",
+        )
+    c.add_argument(
+        "--delay-ms", type=float, default=100.0, help="delay fault: one way, ms (default 100)"
+    )
+    c.add_argument("--jitter-ms", type=float, default=20.0, help="delay fault: ± ms (default 20)")
+    c.add_argument(
+        "--loss-pct", type=float, default=5.0, help="loss fault: packets dropped, %% (default 5)"
+    )
     c.add_argument(
         "--kill-every",
         type=float,
@@ -154,6 +197,27 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"--kill: unknown kinds {sorted(unknown)} (known: {', '.join(KINDS)})")
     a.kinds = kinds
     a.gateways_when_several = a.kill == DEFAULT_KILL  # an explicit --kill list is taken as given
+    a.classes = {f.strip() for f in a.faults.split(",") if f.strip()}
+    if bad := a.classes - {"kill", *CLASSES}:
+        p.error(f"--faults: unknown classes {sorted(bad)} (known: kill,{','.join(CLASSES)})")
+    if "kill" not in a.classes:
+        a.kill_every = 0.0
+    if a.classes & {*NETWORK, "disk"} and a.url is not None:
+        p.error("--faults with network, etcd or disk faults needs a duet up chaos starts itself")
+    a.specs = [
+        FaultSpec(
+            kind=cls,
+            every_s=getattr(a, f"{cls}_every"),
+            for_s=getattr(a, f"{cls}_for"),
+            delay_ms=a.delay_ms,
+            jitter_ms=a.jitter_ms,
+            loss_pct=a.loss_pct,
+        )
+        for cls in CLASSES
+        if cls in a.classes
+    ]
+    if any(f.every_s <= 0 or f.for_s <= 0 for f in a.specs):
+        p.error("every --CLASS-every and --CLASS-for must be > 0")
     if (a.url is None) == (a.up_config is None and not a.up_arg):
         p.error(
             "give --url (a running duet up) or --up-config/--up-arg (chaos starts one), not both or neither"
@@ -173,6 +237,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 #: every kind but the gateway, which joins while two or more run (Killer.gateways_when_several)
 DEFAULT_KILL = "etcd,coordinator,prefill,decode,both"
+#: (class, every_s, for_s) defaults: a fault held well under the client's 60 s timeout and the
+#: supervisor's liveness limit (a process stopped 60 s is killed and restarted)
+FAULT_DEFAULTS = (
+    ("stop", 45.0, 15.0),
+    ("partition", 40.0, 15.0),
+    ("delay", 50.0, 20.0),
+    ("loss", 50.0, 20.0),
+    ("etcd", 90.0, 30.0),
+    ("disk", 60.0, 20.0),
+)
 
 
 def _say(msg: str) -> None:
@@ -188,6 +262,13 @@ class StartedUp:
         self.out = out
         self.port = free_port()
         flags = ["--config", args.up_config] if args.up_config else []
+        #: the namespaces' prefix (network faults): short, since `{prefix}r` names an interface
+        self.prefix = f"dc{os.getpid() % 100000:05d}" if args.classes & NETWORK else None
+        if self.prefix is not None:
+            if why := netns.refused():
+                raise RuntimeError(f"--faults {','.join(sorted(args.classes & NETWORK))}: {why}")
+            flags += ["--netns", self.prefix]
+        self.disk = DiskTrap(self.home) if "disk" in args.classes else None
         self.log = out / "up.log"
         env = {**os.environ, "DUET_HOME": str(self.home)}
         self._log = self.log.open("wb")
@@ -231,10 +312,14 @@ class StartedUp:
                     os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self._log.close()
+        if self.prefix is not None and (left := netns.destroy(self.prefix)):
+            _say(f"removed what duet up left of its namespaces: {', '.join(left)}")
         logs = self.out / "logs"
         shutil.rmtree(logs, ignore_errors=True)
         with contextlib.suppress(OSError):
-            shutil.move(self.home / "logs", logs)
+            shutil.copytree(self.home / "logs", logs)
+        if self.disk is not None:
+            self.disk.close()
         shutil.rmtree(self.home, ignore_errors=True)
 
 
@@ -305,7 +390,9 @@ async def _client(
             await asyncio.sleep(0.05)  # an instant refusal (gateway down): do not spin
 
 
-async def run(a: argparse.Namespace, url: str, key: str, home: Path | None) -> dict[str, Any]:
+async def run(
+    a: argparse.Namespace, url: str, key: str, home: Path | None, disk: DiskTrap | None = None
+) -> dict[str, Any]:
     state_file = home / "up" / "state.json" if home else None
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=5)
     async with aiohttp.ClientSession(
@@ -350,7 +437,20 @@ async def run(a: argparse.Namespace, url: str, key: str, home: Path | None) -> d
             _client(session, a, url, key, model, "plain", i, refs, t0, records)
             for i in range(a.plain)
         ]
-        await asyncio.gather(*clients, killer.run(a.duration) if killer else asyncio.sleep(0))
+        injector = (
+            Injector(state_file, a.specs, a.seed, t0, _say, disk)
+            if state_file and a.specs
+            else None
+        )
+        try:
+            await asyncio.gather(
+                *clients,
+                killer.run(a.duration) if killer else asyncio.sleep(0),
+                injector.run(a.duration) if injector else asyncio.sleep(0),
+            )
+        finally:
+            if injector is not None:
+                await asyncio.to_thread(injector.settle)
         _say(f"load over: {len(records)} requests; settling (killed processes, held KV, the batch)")
         if killer:
             await killer.settle(a.settle)
@@ -375,6 +475,7 @@ async def run(a: argparse.Namespace, url: str, key: str, home: Path | None) -> d
         a.duration,
         max(5.0, a.duration / 24),
         check(records, batch_res, rows),
+        injector.events if injector else [],
     )
 
 
@@ -393,7 +494,9 @@ def main(argv: list[str] | None = None) -> int:
             up = StartedUp(a, out)
             _say(f"starting duet up (home {up.home}, log {up.log})")
             up.wait_ready(a.startup_timeout)
-            home, url = up.home, f"http://127.0.0.1:{up.port}"
+            home = up.home
+            # the gateway's address: loopback, or its namespace's (--netns)
+            url = json.loads((home / "up" / "state.json").read_text())["gateway"]
         else:
             home = Path(
                 a.home or os.environ.get("DUET_HOME") or Path.home() / ".cache" / "duet"
@@ -410,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
         if not key:
             _say("no API key: give --api-key")
             return 2
-        summary = asyncio.run(run(a, url, key, home))
+        summary = asyncio.run(run(a, url, key, home, up.disk if up else None))
     except RuntimeError as e:
         _say(f"error: {e}")
         return 1
@@ -422,11 +525,12 @@ def main(argv: list[str] | None = None) -> int:
             _say("stopping the duet up it started")
             up.stop()
     (out / "chaos.json").write_bytes(msgspec.json.format(msgspec.json.encode(summary), indent=2))
-    png = plot(summary, out / "chaos.png")
+    png = plot_chaos(summary, out / "chaos.png")
     if a.json:
         print(json.dumps(summary, indent=2))
     else:
         render(summary)
+        render_faults(summary)
         print(f"wrote {out / 'chaos.json'} and {png}")
     return 0
 

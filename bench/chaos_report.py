@@ -1,7 +1,8 @@
 """What `duet bench chaos` reports: availability (answered vs undefined, and with full tokens),
 recovery time per kill, KV blocks still held after the load, usage against the client's own
-counts, the batch job's exactly-once check — as a rich table, one JSON object, and a PNG of
-availability and p99 TTFT over time with the kills marked.
+counts, the batch job's exactly-once check, and per fault class the requests sent while one of
+its faults was on — as rich tables and one JSON object (the PNG of availability and TTFT over
+time with each fault's interval shaded is bench/plots.py's `plot_chaos`).
 
 Invariant: every figure is computed from the records and the cluster's own answers after the
 run; nothing is estimated.
@@ -10,12 +11,12 @@ run; nothing is estimated.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import msgspec
 import numpy as np
 
+from bench.chaos_faults import FaultEvent, timeline_rows
 from bench.chaos_kill import Kill
 from bench.chaos_load import BatchResult, Outcome, Record
 from bench.chaos_usage import UsageCheck
@@ -40,6 +41,58 @@ def timeline(records: list[Record], duration: float, bin_s: float) -> list[dict[
     return out
 
 
+#: a kill's interval when its process never came back: this long after the kill
+_KILL_UNTIL_S = 10.0
+
+
+def fault_intervals(
+    kills: list[Kill], events: list[FaultEvent], duration: float
+) -> list[dict[str, Any]]:
+    """Every fault as {kind, target, start_s, end_s}: a kill lasts until its process was back."""
+    out = [
+        {
+            "kind": "kill",
+            "target": k.name,
+            "start_s": round(k.at_s, 1),
+            "end_s": round(k.at_s + (k.back_s if k.back_s is not None else _KILL_UNTIL_S), 1),
+            "detail": "SIGKILL",
+            "pair": "",
+        }
+        for k in kills
+    ]
+    for row in timeline_rows(events):
+        out.append({**row, "end_s": duration if row["end_s"] is None else row["end_s"]})
+    return sorted(out, key=lambda r: r["start_s"])
+
+
+def by_fault_class(records: list[Record], faults: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per class: faults injected, and the requests (stream + plain) whose life overlapped one
+    of them — answered, full, defined errors and undefined by cause, p99 TTFT."""
+    out: dict[str, Any] = {}
+    rs = [r for r in records if r.kind != "batch"]
+    for kind in sorted({f["kind"] for f in faults}):
+        spans = [(f["start_s"], f["end_s"]) for f in faults if f["kind"] == kind]
+        hit = [r for r in rs if any(r.sent_s < hi and r.end_s > lo for lo, hi in spans)]
+        ttfts = [r.ttft_s for r in hit if r.ttft_s is not None and r.outcome == Outcome.FULL]
+        causes: dict[str, int] = {}
+        for r in hit:
+            if r.outcome != Outcome.FULL:
+                causes[f"{r.outcome}:{r.cause}"] = causes.get(f"{r.outcome}:{r.cause}", 0) + 1
+        n = len(hit)
+        out[kind] = {
+            "faults": len(spans),
+            "seconds": round(sum(hi - lo for lo, hi in spans), 1),
+            "requests": n,
+            "answered_pct": 100.0 * sum(r.outcome != Outcome.UNDEFINED for r in hit) / n
+            if n
+            else None,
+            "full_pct": 100.0 * sum(r.outcome == Outcome.FULL for r in hit) / n if n else None,
+            "causes": dict(sorted(causes.items(), key=lambda kv: -kv[1])),
+            "p99_ttft_s": float(np.percentile(ttfts, 99)) if ttfts else None,
+        }
+    return out
+
+
 def summarise(
     records: list[Record],
     kills: list[Kill],
@@ -49,6 +102,7 @@ def summarise(
     duration: float,
     bin_s: float,
     matched: UsageCheck | None = None,
+    events: list[FaultEvent] | None = None,
 ) -> dict[str, Any]:
     n = len(records)
     full = sum(r.outcome == Outcome.FULL for r in records)
@@ -63,8 +117,11 @@ def summarise(
         "requests": sum(r.answered for r in records) + batch.lines * (batch.status == "completed"),
         "completion_tokens": sum(r.tokens for r in records if r.answered) + batch.completion_tokens,
     }
+    faults = fault_intervals(kills, events or [], duration)
     return {
         "duration_s": duration,
+        "faults": faults,
+        "by_fault": by_fault_class(records, faults),
         "requests": n,
         "full": full,
         "defined_error": defined,
@@ -234,45 +291,32 @@ def render(s: dict[str, Any]) -> None:
     con.print(t)
 
 
-def plot(s: dict[str, Any], path: Path) -> Path:
-    import matplotlib
+def render_faults(s: dict[str, Any]) -> None:
+    """The chaos table per fault class."""
+    from rich.console import Console
+    from rich.table import Table
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    tl = s["timeline"]
-    x = [p["t"] for p in tl]
-    avail = [100.0 * p["full"] / p["requests"] if p["requests"] else np.nan for p in tl]
-    answered = [100.0 * p["answered"] / p["requests"] if p["requests"] else np.nan for p in tl]
-    p99 = [p["p99_ttft_s"] * 1e3 if p["p99_ttft_s"] is not None else np.nan for p in tl]
-    fig, (a1, a2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
-    a1.step(x, answered, where="post", label="answered (tokens or a defined error)")
-    a1.step(x, avail, where="post", label="full tokens")
-    a1.set_ylabel("% of requests sent")
-    a1.set_ylim(-5, 105)
-    a1.legend(loc="lower left")
-    a2.step(x, p99, where="post", color="tab:green")
-    a2.set_ylabel("p99 TTFT (ms)")
-    a2.set_xlabel("time since start (s)")
-    for k in s["kills"]:
-        for ax in (a1, a2):
-            ax.axvline(k["at_s"], color="tab:red", ls="--", lw=1)
-        a1.annotate(
-            k["name"],
-            (k["at_s"], 100),
-            rotation=90,
-            fontsize=7,
-            va="top",
-            ha="right",
-            color="tab:red",
+    if not s.get("by_fault"):
+        return
+    con = Console(width=None if sys.stdout.isatty() else 140)
+    t = Table(title="per fault class: requests sent while one of its faults was on")
+    for col in ("class", "faults", "s on", "requests", "answered", "full", "p99 TTFT", "not full"):
+        t.add_column(col)
+    for kind, c in s["by_fault"].items():
+        t.add_row(
+            kind,
+            str(c["faults"]),
+            f"{c['seconds']:.0f}",
+            str(c["requests"]),
+            _f(c["answered_pct"], ".1f", " %"),
+            _f(c["full_pct"], ".1f", " %"),
+            _f(c["p99_ttft_s"] and c["p99_ttft_s"] * 1e3, ".0f", " ms"),
+            _counts(c["causes"]) if c["causes"] else "-",
         )
-    for ax in (a1, a2):
-        ax.grid(alpha=0.3)
-    a1.set_title(
-        f"chaos: availability and p99 TTFT per {x[1] - x[0] if len(x) > 1 else s['duration_s']:.0f} s "
-        "(red: SIGKILL)"
-    )
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    con.print(t)
+    f = Table(title="fault timeline")
+    for col in ("start s", "end s", "class", "target", "detail"):
+        f.add_column(col)
+    for e in s["faults"]:
+        f.add_row(f"{e['start_s']:.0f}", _f(e["end_s"], ".0f"), e["kind"], e["target"], e["detail"])
+    con.print(f)

@@ -115,3 +115,61 @@ def plot_sweep(sweep: dict[str, Any], out: Path) -> list[Path]:
     fig.savefig(out / "latency_throughput.png", dpi=100)
     plt.close(fig)
     return [*paths, out / "latency_throughput.png"]
+
+
+#: one colour per fault class, shading its intervals in the chaos plot
+_FAULT_COLOURS = {
+    "kill": "tab:red",
+    "stop": "tab:purple",
+    "partition": "tab:orange",
+    "delay": "tab:olive",
+    "loss": "tab:cyan",
+    "etcd": "tab:brown",
+    "disk": "tab:pink",
+}
+
+
+def plot_chaos(s: dict[str, Any], path: Path) -> Path:
+    """`duet bench chaos`'s summary: availability (answered, full tokens) and p99 TTFT per time
+    bin, each fault's interval shaded in its class's colour (one legend entry per class)."""
+    plt = _plt()
+    tl = s["timeline"]
+    x = [p["t"] for p in tl]
+    avail = [100.0 * p["full"] / p["requests"] if p["requests"] else np.nan for p in tl]
+    answered = [100.0 * p["answered"] / p["requests"] if p["requests"] else np.nan for p in tl]
+    p99 = [p["p99_ttft_s"] * 1e3 if p["p99_ttft_s"] is not None else np.nan for p in tl]
+    fig, (a1, a2) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True)
+    a1.step(x, answered, where="post", label="answered (tokens or a defined error)", color="k")
+    a1.step(x, avail, where="post", label="full tokens", color="tab:blue")
+    a1.set_ylabel("% of requests sent")
+    a1.set_ylim(-5, 105)
+    a2.step(x, p99, where="post", color="tab:green")
+    a2.set_ylabel("p99 TTFT (ms)")
+    a2.set_xlabel("time since start (s)")
+    seen: set[str] = set()
+    faults = s.get("faults") or [
+        {"kind": "kill", "start_s": k["at_s"], "end_s": k["at_s"] + (k["back_s"] or 1.0)}
+        for k in s.get("kills", [])
+    ]
+    for f in faults:
+        colour = _FAULT_COLOURS.get(f["kind"], "tab:gray")
+        end = f["end_s"] if f["end_s"] is not None else s["duration_s"]
+        for ax in (a1, a2):
+            ax.axvspan(
+                f["start_s"],
+                max(end, f["start_s"] + 0.5),
+                color=colour,
+                alpha=0.18,
+                lw=0,
+                label=f["kind"] if ax is a1 and f["kind"] not in seen else None,
+            )
+        seen.add(f["kind"])
+    for ax in (a1, a2):
+        ax.grid(alpha=0.3)
+    a1.legend(loc="lower left", fontsize=8, ncol=4)
+    width = x[1] - x[0] if len(x) > 1 else s["duration_s"]
+    a1.set_title(f"chaos: availability and p99 TTFT per {width:.0f} s (shaded: faults)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

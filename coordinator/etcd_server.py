@@ -43,10 +43,11 @@ class EtcdServer:
         host: str = "127.0.0.1",
         port: int | None = None,
         log_path: str | Path | None = None,
+        peer_port: int | None = None,
     ) -> None:
         self.host = host
         self.port = port or free_port(host)
-        self.peer_port = free_port(host)
+        self.peer_port = peer_port or free_port(host)
         self._tmp = None if data_dir else tempfile.mkdtemp(prefix="duet-etcd-")
         self.data_dir = Path(data_dir or self._tmp)  # type: ignore[arg-type]
         self.log_path = Path(log_path) if log_path else self.data_dir / "etcd.log"
@@ -60,14 +61,25 @@ class EtcdServer:
     def health_url(self) -> str:
         return self.url + "/health"
 
-    def command(self) -> list[str]:
+    @property
+    def peer_url(self) -> str:
+        return f"http://{self.host}:{self.peer_port}"
+
+    def command(self, name: str = "duet", cluster: list[EtcdServer] | None = None) -> list[str]:
         """The etcd command line: the one place it is written (`duet up` runs it as a
-        supervised child, `start()` as a plain process)."""
-        client, peer = self.url, f"http://{self.host}:{self.peer_port}"
+        supervised child, `start()` as a plain process). `cluster`: every member of a
+        several-member etcd this one belongs to (named etcd-0, etcd-1, ...; `name` is this
+        one's); alone by default."""
+        client, peer = self.url, self.peer_url
+        initial = (
+            ",".join(f"etcd-{i}={m.peer_url}" for i, m in enumerate(cluster))
+            if cluster
+            else f"{name}={peer}"
+        )
         return [
             etcd_binary(),
             "--name",
-            "duet",
+            name,
             "--data-dir",
             str(self.data_dir / "member-data"),
             "--listen-client-urls",
@@ -79,7 +91,9 @@ class EtcdServer:
             "--initial-advertise-peer-urls",
             peer,
             "--initial-cluster",
-            f"duet={peer}",
+            initial,
+            "--initial-cluster-token",
+            "duet",
             "--log-level",
             "warn",
         ]

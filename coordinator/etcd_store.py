@@ -3,12 +3,19 @@
 aetcd reconnects its channel by itself when etcd comes back; what breaks is the watch stream
 and the calls in flight, which surface here as StoreError. Every RPC has a deadline
 (`timeout`), so a dead etcd never hangs a caller.
+
+Several members (a comma-separated URL) share one gRPC channel with one connection per member
+and round-robin balancing: calls spread over the members that answer, a member that is down or
+cut off fails only the calls that went to it (the callers retry, and the next call goes to
+another), and its connection is dropped by the keepalive within `keepalive_time +
+keepalive_timeout` when the network went silent rather than closed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,7 +23,17 @@ import aetcd
 
 from coordinator.etcd_auth import EtcdAuth
 from coordinator.etcd_tls import make_client
-from coordinator.store import KeyValue, StoreError, WatchEvent, parse_etcd_url
+from coordinator.store import KeyValue, StoreError, WatchEvent, parse_etcd_urls
+
+
+def _target(endpoints: list[tuple[str, int]]) -> tuple[str, int]:
+    """aetcd dials f"{host}:{port}": one member as itself; several as gRPC's `ipv4:` address
+    list (its last port given apart), which needs each member's address, not a name."""
+    if len(endpoints) == 1:
+        return endpoints[0]
+    addrs = [f"{socket.gethostbyname(h)}:{p}" for h, p in endpoints]
+    head, _, port = addrs[-1].rpartition(":")
+    return "ipv4:" + ",".join([*addrs[:-1], head]), int(port)
 
 
 def _kv(kv: Any) -> KeyValue:
@@ -28,7 +45,7 @@ def _kv(kv: Any) -> KeyValue:
 class EtcdStore:
     def __init__(self, url: str, timeout: float = 5.0, auth: EtcdAuth | None = None) -> None:
         """`auth`: TLS and user settings (default: this process's, coordinator/etcd_auth.py)."""
-        host, port = parse_etcd_url(url)
+        host, port = _target(parse_etcd_urls(url))
         self.url = url
         self.timeout = timeout
         # gRPC's default reconnect backoff grows to 2 minutes; a restarted etcd must be found
@@ -39,6 +56,7 @@ class EtcdStore:
             "grpc.max_reconnect_backoff_ms": 1000,
             "grpc.keepalive_time_ms": 5000,
             "grpc.keepalive_timeout_ms": 3000,
+            "grpc.lb_policy_name": "round_robin",
         }
         self._client = make_client(host, port, url.startswith("https://"), timeout, options, auth)
 

@@ -78,8 +78,22 @@ class Store(Protocol):
     async def close(self) -> None: ...
 
 
+def parse_etcd_urls(url: str) -> list[tuple[str, int]]:
+    """Every endpoint of `url`: one URL, or several separated by commas (the members of one etcd
+    cluster: 'http://10.0.0.2:2379,http://10.0.0.3:2379,http://10.0.0.4:2379')."""
+    parts = [u.strip() for u in url.split(",")]
+    if not all(parts):
+        raise ValueError(f"cannot read etcd URL {url!r}: an empty endpoint between commas")
+    return [_parse_one(u) for u in parts]
+
+
 def parse_etcd_url(url: str) -> tuple[str, int]:
-    """'http://10.0.0.2:2379' (https: TLS) or '10.0.0.2:2379' or '10.0.0.2' → (host, port)."""
+    """'http://10.0.0.2:2379' (https: TLS) or '10.0.0.2:2379' or '10.0.0.2' → (host, port); a
+    comma-separated list of members is checked whole and its first endpoint returned."""
+    return parse_etcd_urls(url)[0]
+
+
+def _parse_one(url: str) -> tuple[str, int]:
     parts = urlsplit(url if "://" in url else f"http://{url}")
     if parts.scheme not in ("http", "https", "") or not parts.hostname:
         raise ValueError(

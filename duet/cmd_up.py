@@ -31,6 +31,7 @@ requests while it is restarted (docs/operations.md, "Two gateways").
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import signal
@@ -59,7 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     value where given."""
     from duet.config_flags import add_config_flags, add_deprecated_aliases
     from duet.supervisor import RestartPolicy
-    from duet.up_config import CoordinatorSection, GatewaySection, UpConfig
+    from duet.up_config import CoordinatorSection, EtcdSection, GatewaySection, UpConfig
 
     p = sub.add_parser(
         "up",
@@ -74,12 +75,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="layout file (see duet/up_config.py); the flags below win over its values",
     )
     p.add_argument(
-        "--gateways",
-        type=int,
-        default=1,
-        metavar="N",
-        help="gateway processes sharing --port (SO_REUSEPORT: the kernel spreads connections; one "
-        "that dies is restarted while the others serve) and one store (default: 1)",
+        "--netns",
+        default=None,
+        metavar="PREFIX",
+        help="run every process in a network namespace of its own named PREFIX-<process> (the "
+        "gateways share one), joined by veth links: the layout `duet bench chaos --faults` "
+        "injects network faults in; needs root and Linux; removed when duet up stops",
     )
     p.add_argument("--quiet", action="store_true", help="no merged log tail on the terminal")
     p.add_argument(
@@ -117,6 +118,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     skip = {
         "gateway": "the gateway group (GatewaySection)",
         "coordinator": "the coordinator group (CoordinatorSection)",
+        "etcd": "the etcd group (EtcdSection)",
         "nodes": "the layout: --prefill/--decode/--colocated/--embed, or cluster.toml's [[nodes]]",
         "restart": "the restarts group (RestartPolicy)",
     }
@@ -125,6 +127,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_config_flags(p.add_argument_group("gateway"), GatewaySection)
     coordinator = p.add_argument_group("coordinator")
     add_config_flags(coordinator, CoordinatorSection, prefix="coordinator-")
+    add_config_flags(p.add_argument_group("etcd"), EtcdSection, prefix="etcd-")
     restarts = p.add_argument_group("restarts (what a process that dies gets)")
     add_config_flags(restarts, RestartPolicy, prefix="restart-")
     a = p.add_argument_group("autoscaling (the planner in the coordinator starts and drains nodes)")
@@ -172,6 +175,7 @@ def build_config(args: argparse.Namespace):  # -> UpConfig
     from duet.supervisor import RestartPolicy
     from duet.up_config import (
         CoordinatorSection,
+        EtcdSection,
         GatewaySection,
         NodeGroup,
         UpConfig,
@@ -205,6 +209,7 @@ def build_config(args: argparse.Namespace):  # -> UpConfig
             **config_kwargs(UpConfig, args),
             gateway=replace(cfg.gateway, **config_kwargs(GatewaySection, args)),
             coordinator=replace(cfg.coordinator, **section),
+            etcd=replace(cfg.etcd, **config_kwargs(EtcdSection, args, "etcd-")),
             restart=replace(cfg.restart, **config_kwargs(RestartPolicy, args, "restart-")),
         )
         return validate(cfg)
@@ -320,7 +325,7 @@ def embedding_name(cfg, served: dict[str, str], model: str) -> str:
 
 
 def _node_children(
-    cfg, home, etcd_url: str, log, autoscale: int = 0
+    cfg, home, etcd_url: str, log, autoscale: int = 0, host=lambda name: "127.0.0.1"
 ):  # -> list[(Child, (model, role))]
     from duet.up_config import cpu_list, plan_cpus
 
@@ -344,7 +349,9 @@ def _node_children(
         threads = g.threads or cfg_threads(cfg, cpus, len(flat), len(avail))
         children.append(
             (
-                node_child(cfg, home, etcd_url, g, f"{g.role}-{k}", threads, pinned),
+                node_child(
+                    cfg, home, etcd_url, g, f"{g.role}-{k}", threads, pinned, host(f"{g.role}-{k}")
+                ),
                 (g.model or cfg.model, g.role),
             )
         )
@@ -352,7 +359,14 @@ def _node_children(
 
 
 def node_child(
-    cfg, home, etcd_url: str, g, name: str, threads: int, pinned: str | None = None
+    cfg,
+    home,
+    etcd_url: str,
+    g,
+    name: str,
+    threads: int,
+    pinned: str | None = None,
+    host: str = "127.0.0.1",
 ):  # -> Child
     """The supervised `duet node` process of group `g` named `name` on a free port (also how
     `duet up --autoscale` adds one, duet/up_autoscale.py)."""
@@ -371,7 +385,7 @@ def node_child(
         "--model",
         g.model or cfg.model,
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         "--node-id",
@@ -399,7 +413,7 @@ def node_child(
         args += ["--cpus", pinned]
     # the cluster secret (duet/up_home.py::cluster_secret) exists before any child starts
     args += ["--cluster-secret-file", str(home.cluster_secret_file), *cfg.node_args, *g.args]
-    return Child(name, args, home.logs / f"{name}.log", f"http://127.0.0.1:{port}/health")
+    return Child(name, args, home.logs / f"{name}.log", f"http://{host}:{port}/health")
 
 
 def cfg_threads(cfg, cpus: list[int] | None, n_nodes: int, n_cpus: int) -> int:
@@ -512,6 +526,60 @@ def _gateway_children(
     return out
 
 
+def gateway_count(cfg) -> int:
+    """--gateways or [gateway] count, else two where the machine has the cores for them."""
+    from duet.up_config import default_gateways
+
+    if cfg.gateway.count is not None:
+        return cfg.gateway.count
+    return default_gateways(
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
+
+
+def process_names(cfg, n_gateways: int) -> list[str]:
+    """Every supervised process's name, before any is made (the namespaces need them)."""
+    etcd = ["etcd"] if cfg.etcd.members == 1 else [f"etcd-{i}" for i in range(cfg.etcd.members)]
+    r = cfg.coordinator.replicas
+    coords = ["coordinator"] if r == 1 else [f"coordinator-{i}" for i in range(r)]
+    counters: dict[str, int] = {}
+    nodes = []
+    for g in cfg.nodes:
+        for _ in range(g.count):
+            k = counters[g.role] = counters.get(g.role, -1) + 1
+            nodes.append(f"{g.role}-{k}")
+    gws = ["gateway"] if n_gateways == 1 else [f"gateway-{i}" for i in range(n_gateways)]
+    return [*etcd, *coords, *nodes, *gws]
+
+
+def etcd_children(cfg, home, host) -> tuple[list, str]:  # -> (list[Child], the clients' URL)
+    """The etcd member(s) as supervised children and the URL every client is given (several
+    members: all of them, comma-separated — coordinator/etcd_store.py balances over them)."""
+    from coordinator.etcd_server import EtcdServer
+    from duet.supervisor import Child
+
+    n = cfg.etcd.members
+    if n == 1:  # the same single-member etcd as the tests'
+        s = EtcdServer(home.etcd_data, host=host("etcd"), port=free_port(), peer_port=free_port())
+        return [Child("etcd", s.command(), home.logs / "etcd.log", s.health_url)], s.url
+    servers = [
+        EtcdServer(
+            home.etcd_data / f"cluster{n}-{i}",
+            host=host(f"etcd-{i}"),
+            port=free_port(),
+            peer_port=free_port(),
+        )
+        for i in range(n)
+    ]
+    children = [
+        Child(
+            f"etcd-{i}", s.command(f"etcd-{i}", servers), home.logs / f"etcd-{i}.log", s.health_url
+        )
+        for i, s in enumerate(servers)
+    ]
+    return children, ",".join(s.url for s in servers)
+
+
 def _check_gateways(n: int) -> None:
     from duet.cli import UsageError
 
@@ -574,7 +642,10 @@ def _run(args: argparse.Namespace) -> int:
     from runtime.cluster_secret import read_secret_file
 
     cfg = build_config(args)
-    _check_gateways(args.gateways)
+    n_gateways = gateway_count(cfg)
+    _check_gateways(n_gateways)
+    if args.netns and args.autoscale:
+        raise UsageError("--netns does not go with --autoscale (nodes it adds have no namespace)")
     home = UpHome.current()
     home.prepare()
     lock = home.lock()
@@ -584,7 +655,8 @@ def _run(args: argparse.Namespace) -> int:
             f"another duet up (pid {st.get('pid', '?')}) is running with DUET_HOME={home.root}: "
             "stop it first, or set DUET_HOME to another directory"
         )
-    _check_port_free(cfg.gateway.host, cfg.gateway.port)
+    if not args.netns:  # a namespace's address is its own: nothing else listens there
+        _check_port_free(cfg.gateway.host, cfg.gateway.port)
     served = {m: _ensure_model(m) for m in cfg.models()}
     if None in served.values():
         return 1
@@ -600,12 +672,16 @@ def _run(args: argparse.Namespace) -> int:
     secret_file = cluster_secret(home)
     secret_args = ["--cluster-secret-file", str(secret_file)]
     auth = read_secret_file(secret_file).headers
-    from coordinator.etcd_server import EtcdServer
+    from duet.up_netns import Netns
 
-    # The same single-member etcd as the tests', run as a supervised child.
-    etcd_server = EtcdServer(home.etcd_data)
-    etcd_url = etcd_server.url
-    etcd = Child("etcd", etcd_server.command(), home.logs / "etcd.log", etcd_server.health_url)
+    try:
+        net = Netns(args.netns, process_names(cfg, n_gateways))
+    except RuntimeError as e:
+        raise UsageError(str(e)) from None
+    atexit.register(net.close)  # however duet up ends (its finally closes it first)
+    if net.lan is not None:
+        cfg = replace(cfg, gateway=replace(cfg.gateway, host=net.host("gateway")))
+    etcds, etcd_url = etcd_children(cfg, home, net.host)
     coords, coord_urls = [], []
     auto, control, planner_args = None, None, []
     if autoscale:
@@ -639,11 +715,14 @@ def _run(args: argparse.Namespace) -> int:
             f"{max_nodes} at most (planner config {args.planner_config or planner_file})"
         )
     for i in range(cfg.coordinator.replicas):
-        port = free_port()
-        coord_urls.append(f"http://127.0.0.1:{port}")
+        port, name = (
+            free_port(),
+            f"coordinator-{i}" if cfg.coordinator.replicas > 1 else "coordinator",
+        )
+        coord_urls.append(f"http://{net.host(name)}:{port}")
         coords.append(
             Child(
-                f"coordinator-{i}" if cfg.coordinator.replicas > 1 else "coordinator",
+                name,
                 [
                     sys.executable,
                     "-m",
@@ -654,7 +733,7 @@ def _run(args: argparse.Namespace) -> int:
                     "--cluster",
                     cfg.cluster,
                     "--host",
-                    "127.0.0.1",
+                    net.host(name),
                     "--port",
                     str(port),
                     "--replica-id",
@@ -671,7 +750,7 @@ def _run(args: argparse.Namespace) -> int:
                 death_signal=signal.SIGKILL,
             )
         )
-    nodes = _node_children(cfg, home, etcd_url, log, max_nodes if autoscale else 0)
+    nodes = _node_children(cfg, home, etcd_url, log, max_nodes if autoscale else 0, net.host)
     node_urls = [(m, role, c.health_url.removesuffix("/health")) for c, (m, role) in nodes]  # type: ignore[union-attr]
     nodes = [c for c, _ in nodes]
     gw_host = "127.0.0.1" if cfg.gateway.host in ("0.0.0.0", "::", "") else cfg.gateway.host
@@ -680,7 +759,7 @@ def _run(args: argparse.Namespace) -> int:
         k: v for k, v in os.environ.items() if k != "DUET_ADMIN_KEY"
     }  # the admin key is the file's
     gateways = _gateway_children(
-        args.gateways,
+        n_gateways,
         cfg,
         home,
         hash_secret(admin),
@@ -692,7 +771,11 @@ def _run(args: argparse.Namespace) -> int:
         secret_args,
         env,
     )
-    stages = [[etcd], coords, nodes, gateways]
+    stages = [etcds, coords, nodes, gateways]
+    for c in [*etcds, *coords, *gateways]:
+        net.place(c)
+    for c in nodes:
+        net.place(c, ucx=cfg.transport in ("nixl", "ucx"))
 
     state: dict[str, Any] = {
         "pid": os.getpid(),
@@ -706,6 +789,7 @@ def _run(args: argparse.Namespace) -> int:
         "models": sorted(served.values()),
         "children": [],
         "gateways": [c.health_url.removesuffix("/health") for c in gateways],
+        "netns": net.state(),
     }  # type: ignore[union-attr]
 
     def changed(sup: Supervisor) -> None:
@@ -766,4 +850,5 @@ def _run(args: argparse.Namespace) -> int:
         if control is not None:
             control.shutdown()
         home.clear_state()
+        net.close()
         lock.close()

@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from runtime.netns import entered
+
 _COLOURS = (36, 33, 35, 32, 34, 31, 96, 93, 95, 92, 94)
 #: how often a running child's health is checked (in a worker thread: a hung child must not
 #: stall the supervision of the others)
@@ -111,6 +113,8 @@ class Child:
     #: what the child gets if the supervisor dies without stopping it (SIGKILL for a child
     #: whose clean shutdown needs another child that gets the same signal at the same time)
     death_signal: int = signal.SIGTERM
+    #: the network namespace it runs in (`duet up --netns`): its health URL is asked from there
+    netns: str | None = None
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     # -- supervision state (the supervisor's thread alone writes it) ---------------------------
     state: ChildState = ChildState.STARTING
@@ -151,6 +155,7 @@ class Child:
             "last_exit": self.last_exit,
             "last_cause": self.last_cause,
             "next_start": self.next_start_wall if self.state == ChildState.BACKOFF else None,
+            "netns": self.netns,
         }
 
 
@@ -378,7 +383,7 @@ class Supervisor:
         if c.health_url is None:
             return True
         try:
-            with urllib.request.urlopen(c.health_url, timeout=2) as r:
+            with entered(c.netns), urllib.request.urlopen(c.health_url, timeout=2) as r:
                 return r.status == 200
         except (
             urllib.error.URLError,
@@ -394,7 +399,7 @@ class Supervisor:
         """Liveness, not readiness: any HTTP answer (a draining node's 503 included) proves the
         process is not hung; only silence (refused, reset, timed out) does not."""
         try:
-            with urllib.request.urlopen(c.health_url, timeout=2):
+            with entered(c.netns), urllib.request.urlopen(c.health_url, timeout=2):
                 return True
         except urllib.error.HTTPError:
             return True

@@ -9,6 +9,7 @@ cluster.toml (every section optional; unknown keys are refused, so a typo never 
     [gateway]
     host = "127.0.0.1"
     port = 8000
+    count = 2                           # gateway processes on that port (default: 2 with >= 4 CPUs)
     routing = "coordinator"             # or "static": least-loaded, blind to prefixes (A/B baseline)
     input_usd_per_mtok = 0.0            # prices the gateway bills at, per model
     output_usd_per_mtok = 0.0
@@ -16,6 +17,9 @@ cluster.toml (every section optional; unknown keys are refused, so a typo never 
     [coordinator]
     replicas = 1
     args = ["--local-prefill-tokens", "128"]    # extra `duet coordinator` flags
+
+    [etcd]
+    members = 3                         # one etcd member (default), or a cluster of 3 or 5
 
     [restart]                           # what `duet up` does when a process dies
     max_restarts = 5                    # failures in a row before it stays down (0: never restart)
@@ -100,6 +104,27 @@ class GatewaySection:
     input_usd_per_mtok: float = 0.0
     #: price the gateway bills per million generated tokens, USD
     output_usd_per_mtok: float = 0.0
+    #: gateway processes sharing the port (SO_REUSEPORT: the kernel spreads connections; one
+    #: that dies is restarted while the others serve) and one store; unset: 2 on a machine with
+    #: 4 or more CPUs, else 1
+    count: int | None = field(default=None, metadata={"flag": "gateways", "metavar": "N"})
+
+
+#: CPUs from which `duet up` starts two gateways by default: a gateway's share beside the nodes
+TWO_GATEWAYS_FROM_CPUS = 4
+
+
+def default_gateways(n_cpus: int) -> int:
+    """Two gateways where the machine has the cores for a second one, so that a gateway's death
+    costs only its in-flight requests; one on a smaller machine."""
+    return 2 if n_cpus >= TWO_GATEWAYS_FROM_CPUS else 1
+
+
+@dataclass(frozen=True)
+class EtcdSection:
+    #: etcd members duet up runs: 1, or an odd number (3, 5) that keeps its quorum when one is
+    #: lost; clients are given every member
+    members: int = 1
 
 
 @dataclass(frozen=True)
@@ -118,6 +143,7 @@ class UpConfig:
     cluster: str = "default"
     gateway: GatewaySection = GatewaySection()
     coordinator: CoordinatorSection = CoordinatorSection()
+    etcd: EtcdSection = EtcdSection()
     nodes: tuple[NodeGroup, ...] = (NodeGroup(role="prefill"), NodeGroup(role="decode"))
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     #: KV pool per node, e.g. 512MiB (a group's kv_memory or kv_blocks wins)
@@ -184,7 +210,7 @@ def _table(cls: type, where: str, data: Any) -> Any:
 
 
 def parse_cluster_toml(data: dict[str, Any], base: UpConfig) -> UpConfig:
-    known = {"model", "cluster", "gateway", "coordinator", "nodes", "restart"}
+    known = {"model", "cluster", "gateway", "coordinator", "etcd", "nodes", "restart"}
     unknown = sorted(set(data) - known)
     if unknown:
         raise UpConfigError(
@@ -201,6 +227,8 @@ def parse_cluster_toml(data: dict[str, Any], base: UpConfig) -> UpConfig:
         cfg = replace(
             cfg, coordinator=_table(CoordinatorSection, "[coordinator]", data["coordinator"])
         )
+    if "etcd" in data:
+        cfg = replace(cfg, etcd=_table(EtcdSection, "[etcd]", data["etcd"]))
     if "restart" in data:
         cfg = replace(cfg, restart=_table(RestartPolicy, "[restart]", data["restart"]))
     if "nodes" in data:
@@ -260,6 +288,14 @@ def validate(cfg: UpConfig) -> UpConfig:
         )
     if cfg.coordinator.replicas < 1:
         raise UpConfigError("[coordinator] replicas must be >= 1")
+    m = cfg.etcd.members
+    if not isinstance(m, int) or isinstance(m, bool) or m < 1 or m % 2 == 0:
+        raise UpConfigError(
+            f"[etcd] members must be 1 or an odd number (3, 5: a quorum survives a loss), got {m!r}"
+        )
+    c = cfg.gateway.count
+    if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
+        raise UpConfigError(f"[gateway] count must be >= 1, got {c!r}")
     r = cfg.restart
     for name in (
         "max_restarts",

@@ -257,6 +257,45 @@ def test_cluster_toml_layout_and_cpu_plan() -> None:
     assert plan_cpus(3, [0, 1]) == [None, None, None]
 
 
+def test_cluster_toml_etcd_members_gateway_count_and_the_default_rule() -> None:
+    """The issue's layout (2 coordinators, 3 etcd members, 1 P, 2 D, 2 gateways) in cluster.toml;
+    every process's name known before any starts (the namespaces of --netns need them); two
+    gateways by default only where the machine has 4 CPUs or more."""
+    from duet.cmd_up import gateway_count, process_names
+    from duet.up_config import UpConfig, UpConfigError, default_gateways, parse_cluster_toml
+
+    cfg = parse_cluster_toml(
+        {
+            "gateway": {"count": 2},
+            "coordinator": {"replicas": 2},
+            "etcd": {"members": 3},
+            "nodes": [{"role": "prefill"}, {"role": "decode", "count": 2}],
+        },
+        UpConfig(),
+    )
+    assert cfg.etcd.members == 3 and gateway_count(cfg) == 2
+    assert process_names(cfg, 2) == [
+        *("etcd-0", "etcd-1", "etcd-2", "coordinator-0", "coordinator-1"),
+        *("prefill-0", "decode-0", "decode-1", "gateway-0", "gateway-1"),
+    ]
+    assert process_names(UpConfig(), 1) == [
+        "etcd",
+        "coordinator",
+        "prefill-0",
+        "decode-0",
+        "gateway",
+    ]
+    assert [default_gateways(n) for n in (1, 2, 3, 4, 16)] == [1, 1, 1, 2, 2]
+    for bad, msg in [
+        ({"etcd": {"members": 2}}, "odd number"),
+        ({"etcd": {"members": 0}}, "odd number"),
+        ({"gateway": {"count": 0}}, "count must be >= 1"),
+        ({"etcd": {"member": 3}}, "unknown keys: member"),
+    ]:
+        with pytest.raises(UpConfigError, match=msg):
+            parse_cluster_toml(bad, UpConfig())
+
+
 def test_gateway_toml_routes_through_the_coordinator_or_statically() -> None:
     import tomllib
     from dataclasses import replace
