@@ -7,6 +7,12 @@ leader is whoever created `/duet/<cluster>/coordinator/leader` (a create-if-abse
 transaction) with its lease; the others watch that key and campaign when it is deleted, so a
 dead leader is replaced within its lease TTL. All replicas serve `/route`; only the leader
 runs cluster-wide actions.
+
+No two leaders act at once: `is_leader` holds only while the lease surely lives on etcd's side
+(`LeaseHolder.valid_until`, less a margin for the two clocks' rates). A leader cut off from etcd
+— a partition, a SIGSTOP, an etcd that lost its quorum — stops leading when that time is up,
+before etcd can expire its key and let another replica win, even while its refresh is still
+waiting for an answer; if the refresh then succeeds, the key was never lost and it leads again.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import time
 
 from coordinator.lease import LeaseHolder, Watcher
 from coordinator.store import Store, StoreError
@@ -38,9 +45,16 @@ class Election(LeaseHolder):
         self.url = url
         self.key = leader_key(cluster)
         self.member_key = coordinators_prefix(cluster) + replica_id
-        self.is_leader = False
+        #: this replica holds the leader key (as of the last answer etcd gave)
+        self.won = False
         #: replica id of the current leader, as last seen (None: unknown / no leader)
         self.leader: str | None = None
+
+    @property
+    def is_leader(self) -> bool:
+        """Leading now: the key is ours and the lease surely still lives (module docstring)."""
+        margin = max(0.5, self.ttl / 10)
+        return self.won and time.monotonic() < self.valid_until - margin
 
     @property
     def state(self) -> ElectionState:
@@ -53,12 +67,12 @@ class Election(LeaseHolder):
         return [self._campaign()]
 
     def on_session_end(self) -> None:
-        self.is_leader = False
+        self.won = False
 
     def on_down(self, error: Exception) -> None:
         if self.state is not ElectionState.UNKNOWN and isinstance(error, StoreError):
             log.warning("etcd unreachable (%s): no longer following or leading", error)
-        self.is_leader, self.leader = False, None
+        self.won, self.leader = False, None
 
     async def _campaign(self) -> None:
         """Become leader, or follow until the leader key goes away; returns to campaign again."""
@@ -76,11 +90,11 @@ class Election(LeaseHolder):
                         self.key, self.replica_id.encode(), kv.mod_revision, self.lease
                     )
             if won:
-                self.is_leader, self.leader = True, self.replica_id
+                self.won, self.leader = True, self.replica_id
                 log.info("elected leader of the coordinators")
                 await asyncio.Event().wait()  # leader until the lease is lost
             assert kv is not None
-            self.is_leader, self.leader = False, kv.value.decode(errors="replace")
+            self.won, self.leader = False, kv.value.decode(errors="replace")
             async for ev in self.store.watch_prefix(self.key, kv.mod_revision + 1):
                 if ev.key != self.key:
                     continue
@@ -91,5 +105,5 @@ class Election(LeaseHolder):
 
     async def resign(self) -> None:
         """Give up leadership and membership now (clean shutdown): followers need not wait."""
-        self.is_leader = False
+        self.won = False
         await self.release()

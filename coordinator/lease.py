@@ -11,6 +11,13 @@ retried with a backoff of 0.2 s doubling to 2 s, and `on_down` is told; `on_up` 
 session holds its lease again. A bug (any other exception) is logged and retried after 1 s:
 it must not leave the holder silently out of the cluster.
 
+`valid_until` (monotonic) is how long the lease surely lives on etcd's side: the time the last
+grant or refresh that etcd answered was *sent*, plus the TTL etcd gave it. etcd counts from when
+it received the call, later than that, so past `valid_until` the holder can no longer prove it
+holds its keys — a partition or a SIGSTOP may have let the lease expire and another replica
+take them — even though no call has failed yet (a call to a silent etcd fails only after its
+deadline, which may be longer than the TTL).
+
 Invariant: at most one session runs at a time, and every task a session started is cancelled
 and awaited before the next one starts.
 """
@@ -44,6 +51,8 @@ class LeaseHolder:
         self.tick_s = tick_s if tick_s is not None else ttl / 3
         self.lease = 0
         self._backoff = _BACKOFF_MIN_S
+        #: monotonic time until which the lease surely exists (see the module docstring)
+        self.valid_until = 0.0
 
     # -- hooks -----------------------------------------------------------------------------
     async def attach(self) -> list[Watcher]:
@@ -75,16 +84,21 @@ class LeaseHolder:
             if await self.tick():
                 return
             if time.monotonic() >= next_refresh:
-                if await self.store.keepalive(self.lease) <= 0:
+                sent = time.monotonic()
+                left = await self.store.keepalive(self.lease)
+                if left <= 0:
                     log.warning(
                         "etcd lease of %s is gone (etcd restarted empty?); joining again", self.what
                     )
                     return
+                self.valid_until = sent + left
                 next_refresh = time.monotonic() + self.ttl / 3
             await asyncio.sleep(min(self.tick_s, max(0.0, next_refresh - time.monotonic())))
 
     async def _session(self) -> None:
+        sent = time.monotonic()
         self.lease = await self.store.grant(self.ttl)
+        self.valid_until = sent + self.ttl
         watchers = await self.attach()
         self._backoff = _BACKOFF_MIN_S
         self.on_up()
@@ -97,6 +111,7 @@ class LeaseHolder:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            self.valid_until = 0.0
             self.on_session_end()
         for t in done:
             t.result()  # re-raise a StoreError

@@ -63,7 +63,7 @@ def test_a_scale_out_shows_up_in_get_planner(tmp_path: Path) -> None:
         VirtualActuator(tmp_path / "decision.json"),
         clock=clock,
     )
-    c.election.is_leader = True
+    c.election.won, c.election.valid_until = True, float("inf")
 
     async def go() -> None:
         t0 = clock.t

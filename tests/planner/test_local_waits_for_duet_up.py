@@ -163,7 +163,7 @@ def test_the_planner_steps_only_once_duet_up_is_up_and_the_step_is_done(up: UpSt
                     c.views[node_id].info = msgspec.structs.replace(
                         c.views[node_id].info, url=f"{base}/{node_id}"
                     )
-                c.election.is_leader = True
+                c.election.won, c.election.valid_until = True, float("inf")
                 actuator = LocalActuator(
                     up.url, Drainer(session, auth=SECRET.headers, poll_s=0.05), session
                 )

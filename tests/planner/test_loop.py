@@ -93,7 +93,7 @@ def test_the_loop_acts_only_while_leading_and_writes_the_decision(tmp_path: Path
         for _ in range(4):  # a follower: nothing decided, nothing written
             assert await loop.tick() == []
             clock.t += 5
-        c.election.is_leader = True
+        c.election.won, c.election.valid_until = True, float("inf")
         acted, after = [], []
         for _ in range(6):
             refresh(c)
@@ -138,7 +138,7 @@ def test_throughput_mode_sizes_prefill_and_decode_from_the_routed_rate(tmp_path:
     )
     sizer = SimSizer(str(PROFILE), headroom=1.0, sim_requests=60)
     loop = PlannerLoop(c, cfg, VirtualActuator(tmp_path / "d.json"), sizer=sizer, clock=clock)
-    c.election.is_leader = True
+    c.election.won, c.election.valid_until = True, float("inf")
     # 3 requests/s of 256 prompt / 32 output tokens for the last minute, routed through this replica
     meter_now = time.monotonic()
     from planner.forecast import RateMeter
@@ -163,7 +163,7 @@ def test_the_loop_reads_the_measured_latency_of_the_load_frames(tmp_path: Path) 
         frame(100), ttft_p90_s=2.5, ttft_samples=40, latency_window_s=30.0
     )
     c = coordinator_with({"p0": (info("p0", "prefill", old), slow)})
-    c.election.is_leader = True
+    c.election.won, c.election.valid_until = True, float("inf")
     loop = PlannerLoop(
         c,
         PlannerConfig(interval_s=5, window_s=10, cold_start_s=60),
@@ -219,7 +219,7 @@ def test_the_loop_merges_the_nodes_latency_histograms(tmp_path: Path) -> None:
             "p1": (info("p1", "prefill", old), measured(2.0, 200)),
         }
     )
-    c.election.is_leader = True
+    c.election.won, c.election.valid_until = True, float("inf")
     loop = PlannerLoop(
         c,
         PlannerConfig(interval_s=5, window_s=10, cold_start_s=60),
