@@ -493,6 +493,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.url is None:
             up = StartedUp(a, out)
             _say(f"starting duet up (home {up.home}, log {up.log})")
+            if up.prefix is not None:
+                _say(f"its processes in network namespaces {up.prefix}-*")
             up.wait_ready(a.startup_timeout)
             home = up.home
             # the gateway's address: loopback, or its namespace's (--netns)

@@ -11,6 +11,13 @@ it is pulled or its lease ends; with `--exit-when-drained` it then deregisters a
 `SETTLE_S` — a route decided just before routers saw it has arrived by then — and nothing is in
 flight nor held.
 
+An owned drain (`?owner=NAME&lease_s=S`, what the planner's actuators send) lapses when its
+owner stops renewing it — a `GET` or `POST /drain?owner=NAME` renews it — for S seconds: the
+node then undoes it itself (registration's tick), so a scale-in whose owner died, was cut off
+or lost leadership half-way never leaves the node draining, serving nothing, forever. The first
+asker owns a drain; a planner re-asking takes it over; an operator's drain (no owner) is never
+owned, and an operator's `POST /drain` on an owned one makes it the operator's.
+
 Undo: a drain in progress or finished (the process not stopped) is called off — with --etcd,
 registration writes `status: active` first (node/registration.py::Registration.undrain), then
 `end_drain` clears it here: routers route to the node again, `GET /health?probe=ready` is 200
@@ -36,6 +43,8 @@ log = logging.getLogger("duet.node")
 
 #: the longest a `POST /drain?wait=` may hold its connection (a preStop hook's budget)
 MAX_WAIT_S = 3600.0
+#: an owned drain's life without a renewal, unless `lease_s` says otherwise
+DEFAULT_LEASE_S = 60.0
 #: how long after routers were told (etcd) a route decided before may still arrive: the
 #: gateway's route → leg hop is milliseconds; a second covers a loaded machine
 SETTLE_S = 1.0
@@ -70,9 +79,40 @@ def stopping(state) -> bool:
 
 def end_drain(state) -> None:
     """Call the drain off on the node (registration wrote `status: active` first, with --etcd)."""
+    state.drain_owner = ""
     state.drain_requested = False
     state.drain_published_at = None
     state.drain_epoch += 1
+
+
+def lapsed_owner(state) -> str | None:
+    """The owner of a drain it stopped renewing past its lease (the node undoes it), or None."""
+    if not state.drain_requested or not state.drain_owner or stopping(state):
+        return None
+    if time.monotonic() - state.drain_renewed_at <= state.drain_lease_s:
+        return None
+    return state.drain_owner
+
+
+def _claim(state, request: web.Request) -> None:
+    """Ownership of the drain by `?owner=` (see the module docstring); a renewal when it owns."""
+    owner = request.query.get("owner", "")
+    if len(owner) > 200:
+        raise APIError(400, "owner must be at most 200 characters", param="owner")
+    raw = request.query.get("lease_s", str(DEFAULT_LEASE_S))
+    try:
+        lease = float(raw)
+    except ValueError:
+        raise APIError(
+            400, f"lease_s must be a number, not {raw[:40]!r}", param="lease_s"
+        ) from None
+    if not 1 <= lease <= MAX_WAIT_S:
+        raise APIError(400, f"lease_s must be between 1 and {MAX_WAIT_S:g}", param="lease_s")
+    fresh = not (state.drain_requested or state.draining)
+    if request.method == "POST" and (fresh or state.drain_owner):
+        state.drain_owner, state.drain_lease_s = owner, lease  # "" : now the operator's
+    if owner and owner == state.drain_owner:
+        state.drain_renewed_at = time.monotonic()
 
 
 def _answer(status: msgspec.Struct) -> web.Response:
@@ -80,6 +120,7 @@ def _answer(status: msgspec.Struct) -> web.Response:
 
 
 async def handle_get_drain(state, request: web.Request) -> web.Response:
+    _claim(state, request)
     return _answer(drain_status(state))
 
 
@@ -93,6 +134,7 @@ async def handle_post_drain(state, request: web.Request) -> web.Response:
         ) from None
     if not 0 <= wait <= MAX_WAIT_S:
         raise APIError(400, f"wait must be between 0 and {MAX_WAIT_S:g} seconds", param="wait")
+    _claim(state, request)
     state.drain_requested = True
     epoch = state.drain_epoch
     deadline = time.monotonic() + wait

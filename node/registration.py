@@ -66,6 +66,10 @@ class DrainHooks:
     on_published: Callable[[], None] = lambda: None
     #: told when a drain is undone, once `status: active` is written in etcd
     on_undrain: Callable[[], None] = lambda: None
+    #: the owner of the drain (NodeInfo.drain_owner)
+    owner: Callable[[], str] = lambda: ""
+    #: the owner of a drain it stopped renewing (node/drain.py::lapsed_owner): undo it
+    lapsed: Callable[[], str | None] = lambda: None
 
 
 class Registration(LeaseHolder):
@@ -88,6 +92,8 @@ class Registration(LeaseHolder):
         self.drain_started = drain.on_drain
         self.drain_published = drain.on_published
         self.drain_undone = drain.on_undrain
+        self.drain_owner = drain.owner
+        self.drain_lapsed = drain.lapsed
         self.registered = False
         self.drain_requested = False
         #: drained with --exit-when-drained: the SIGTERM is sent, nothing may undrain it
@@ -125,7 +131,8 @@ class Registration(LeaseHolder):
 
     async def _write(self, status: NodeStatus) -> None:
         self._published = status
-        info = msgspec.structs.replace(self.info, status=status)
+        owner = self.drain_owner() if status == NodeStatus.DRAINING else ""
+        info = msgspec.structs.replace(self.info, status=status, drain_owner=owner)
         self._own_rev = max(
             self._own_rev, await self.store.put(self.key, self._encoder.encode(info), self.lease)
         )
@@ -232,6 +239,14 @@ class Registration(LeaseHolder):
     async def tick(self) -> bool:
         if self.drain_asked() and not self.drain_requested:
             self._on_drain("POST /drain")
+        if self.drain_requested and (owner := self.drain_lapsed()) is not None:
+            log.warning(
+                "the drain %s asked lapsed: it stopped renewing it (gone, cut off, or no longer "
+                "leading); undoing it: routed again",
+                owner,
+            )
+            with contextlib.suppress(StoreError):  # etcd unreachable: the next tick tries again
+                await self.undrain()
         if self.status != self._published:  # drain or shutdown: tell the routers now
             await self._publish()
         if self._drained():
@@ -279,7 +294,7 @@ def registration_ctx(state: Any) -> Callable[[web.Application], AsyncIterator[No
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         from coordinator.etcd_store import EtcdStore
-        from node.drain import end_drain
+        from node.drain import end_drain, lapsed_owner
 
         cfg = state.config
         store = EtcdStore(cfg.etcd)
@@ -303,6 +318,8 @@ def registration_ctx(state: Any) -> Callable[[web.Application], AsyncIterator[No
             on_drain=started,
             on_published=published,
             on_undrain=lambda: end_drain(state),
+            owner=lambda: state.drain_owner,
+            lapsed=lambda: lapsed_owner(state),
         )
         state.drain_via_etcd = True
         reg = Registration(

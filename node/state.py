@@ -47,6 +47,11 @@ class NodeState:
     #: one more each time a drain is undone (`DELETE /drain`): a `POST /drain?wait=` waiter
     #: that sees it change knows its drain was called off
     drain_epoch: int = 0
+    #: the owner of this drain (`POST /drain?owner=`; "" : an operator's, never lapses), how
+    #: long it lives without a renewal, and when it was last renewed (monotonic)
+    drain_owner: str = ""
+    drain_lease_s: float = 0.0
+    drain_renewed_at: float = 0.0
     #: with --etcd, registration's undo (node/registration.py::Registration.undrain): writes
     #: `status: active` and then ends the drain here; False when the node is exiting
     undrain_registered: Callable[[], Awaitable[bool]] | None = None

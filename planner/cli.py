@@ -86,7 +86,11 @@ def from_args(
         from planner.loop import PlannerLoop
 
         async with security.client_session() as session:
-            drainer = Drainer(session, deadline_s=cfg.drain_deadline_s)
+            drainer = Drainer(
+                session,
+                deadline_s=cfg.drain_deadline_s,
+                owner=f"planner/{coordinator.replica_id}",
+            )
             actuator: Any
             if cfg.actuator == "kubernetes":
                 from planner.kube import KubernetesActuator

@@ -65,16 +65,27 @@ class Drainer:
         auth: Mapping[str, str] | None = None,
         poll_s: float = 0.5,
         deadline_s: float = 120.0,
+        owner: str = "",
+        lease_s: float = 60.0,
     ) -> None:
+        """`owner`: the drains are this planner's (node/drain.py): each lapses, and its node
+        undoes it, once `lease_s` passes without this drainer's poll — the owner died, was cut
+        off, or stopped acting — so no scale-in leaves a node draining forever."""
         self.session = session
+        self.owner, self.lease_s = owner, lease_s
         #: the cluster secret's header (runtime/cluster_secret.py): a node's /drain requires it
         self.headers = dict(auth or {})
         self.poll_s = poll_s
         self.deadline_s = deadline_s
 
     async def _call(self, method: str, url: str) -> bytes:
+        params = {"owner": self.owner, "lease_s": f"{self.lease_s:g}"} if self.owner else None
         async with self.session.request(
-            method, url + "/drain", headers=self.headers, timeout=aiohttp.ClientTimeout(total=10)
+            method,
+            url + "/drain",
+            headers=self.headers,
+            params=params if method != "DELETE" else None,
+            timeout=aiohttp.ClientTimeout(total=10),
         ) as r:
             body = await r.read()
             if r.status != 200:

@@ -59,6 +59,10 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     #: routing pool label: "shared" (default), "interactive" or "batch"
     pool: str = "shared"
     status: NodeStatus = NodeStatus.ACTIVE
+    #: who owns the drain `status: draining` stands for: a planner's ("planner/<replica>"), which
+    #: lapses — the node undoes it — when its owner stops renewing it; "" for an operator's or
+    #: SIGTERM's, which never lapses
+    drain_owner: str = ""
     #: unix time the node process started
     started_at: float
     #: weight quantization of the served model (None: the model's own dtype)

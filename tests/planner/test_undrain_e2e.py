@@ -35,7 +35,7 @@ from aiohttp import web
 from coordinator.drain import find_node
 from coordinator.etcd_store import EtcdStore
 from planner.actuator import ActResult, Outcome, Victim
-from planner.drain import Drainer
+from planner.drain import DrainEnd, Drainer
 from planner.local import ControlError, LocalActuator, NodeStopped
 from planner.pools import PoolKey
 from protocol.cluster import NodeStatus
@@ -218,6 +218,43 @@ def test_the_coordinators_undo_reverses_its_own_etcd_drain(cluster: Cluster) -> 
         "D routed",
     )
     assert _ready(d) == 200
+
+
+def test_a_planner_drain_whose_owner_stops_renewing_it_lapses_and_the_node_serves_again(
+    cluster: Cluster,
+) -> None:
+    """A scale-in never leaves its victim in between: the planner's drain is owned and renewed
+    by its polls; when they stop — the leader SIGKILLed, partitioned, stopped or no longer
+    leading half-way through — the node undoes the drain itself once its lease runs out: active
+    in etcd, Ready, routed. While renewed it stays drained; an operator's drain never lapses.
+    On the code before (no owner), the owned drain stayed: the node served nothing until it
+    went away."""
+    c, d = cluster, cluster.decode
+    owner = "planner/coordinator-9"
+
+    async def drain_then_vanish() -> None:
+        async with aiohttp.ClientSession() as session:
+            drainer = Drainer(session, auth=AUTH, owner=owner, lease_s=3, deadline_s=4)
+            # renewed by the drainer's own polls until it is idle
+            assert await drainer.drain(d.url) in (DrainEnd.IDLE, DrainEnd.DEADLINE)
+
+    asyncio.run(drain_then_vanish())
+    assert _ready(d) == 503 and _status_in_coordinator(c, D_ID) == "draining"
+    # the owner is gone: nobody renews; past its 3 s lease the node undoes the drain
+    wait_for(lambda: _ready(d) == 200, 15, "the lapsed drain to be undone by the node")
+    wait_for(lambda: _status_in_coordinator(c, D_ID) == "active", 10, "etcd to say active")
+    wait_for(lambda: _routed(c, P_ID, D_ID), 10, "the coordinator to route to D again")
+
+    # an operator's drain (no owner) does not lapse
+    status, body = http("POST", d.url + "/drain", {}, headers=AUTH)
+    assert status == 200 and body["draining"], body
+    with pytest.raises(AssertionError, match="timed out"):
+        wait_for(lambda: _ready(d) == 200, 6, "an operator's drain to lapse (it must not)")
+    status, body = http("DELETE", d.url + "/drain", headers=AUTH)
+    assert status == 200 and body["outcome"] == "undrained", body
+    status, body = http("GET", d.url + "/drain?owner=x&lease_s=0", headers=AUTH)
+    assert status == 400 and body["error"]["param"] == "lease_s", body
+    wait_for(lambda: _routed(c, P_ID, D_ID), 10, "the coordinator to route to D again")
 
 
 def test_a_kubernetes_scale_in_that_fails_after_the_drain_leaves_the_node_serving(
