@@ -60,11 +60,11 @@ class EtcdStore:
         }
         self._client = make_client(host, port, url.startswith("https://"), timeout, options, auth)
 
-    async def _call(self, coro: Any) -> Any:
+    async def _call(self, coro: Any, timeout: float | None = None) -> Any:
         try:
             # aetcd's own timeout does not cover every RPC (a lease revoke on a dead etcd waited
             # forever and hung the coordinator's shutdown): bound each call here as well.
-            return await asyncio.wait_for(coro, self.timeout + 1.0)
+            return await asyncio.wait_for(coro, timeout or self.timeout + 1.0)
         except aetcd.ClientError as e:
             raise StoreError(f"etcd {self.url}: {type(e).__name__}: {e}") from e
         except (TimeoutError, OSError) as e:
@@ -139,8 +139,8 @@ class EtcdStore:
         lease = await self._call(self._client.lease(ttl))
         return lease.id
 
-    async def keepalive(self, lease: int) -> int:
-        reply = await self._call(self._client.refresh_lease(lease))
+    async def keepalive(self, lease: int, timeout: float | None = None) -> int:
+        reply = await self._call(self._client.refresh_lease(lease), timeout)
         return 0 if reply is None else int(reply.TTL)
 
     async def revoke(self, lease: int) -> None:

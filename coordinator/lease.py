@@ -6,7 +6,12 @@ A session: grant a lease of `ttl` seconds, `attach` (write the keys bound to it,
 watchers that run while it is held), then refresh the lease every TTL/3 while calling `tick`
 every `tick_s`. The session ends when the lease is gone (keepalive answers 0: etcd restarted
 empty, a long partition), when a watcher returns (its key was deleted), or when `tick` says so;
-the next session starts at once. While the store is unreachable (`StoreError`) sessions are
+the next session starts at once. A refresh has a deadline of its own
+(TTL/6, at least 0.5 s): one that fails is tried again on the same lease while the lease surely lives (`valid_until`):
+with several etcd members, a refresh sent to a frozen or cut-off one fails alone and the next
+goes to another. Before, one failed refresh (the store's 6 s deadline, past a 3 s TTL's life)
+ended the session and a new lease was granted, while the old one — and the keys on it, a node's
+registration — expired under an etcd that still had its quorum. While the store is unreachable (`StoreError`) sessions are
 retried with a backoff of 0.2 s doubling to 2 s, and `on_down` is told; `on_up` once a
 session holds its lease again. A bug (any other exception) is logged and retried after 1 s:
 it must not leave the holder silently out of the cluster.
@@ -85,7 +90,16 @@ class LeaseHolder:
                 return
             if time.monotonic() >= next_refresh:
                 sent = time.monotonic()
-                left = await self.store.keepalive(self.lease)
+                deadline = max(0.5, self.ttl / 6)
+                try:
+                    left = await self.store.keepalive(self.lease, timeout=deadline)
+                except StoreError as e:
+                    if time.monotonic() + deadline >= self.valid_until:
+                        raise  # the lease may be gone before another try answers: start over
+                    log.info("etcd lease of %s: refresh failed (%s); trying again", self.what, e)
+                    next_refresh = time.monotonic() + _BACKOFF_MIN_S
+                    await asyncio.sleep(_BACKOFF_MIN_S)
+                    continue
                 if left <= 0:
                     log.warning(
                         "etcd lease of %s is gone (etcd restarted empty?); joining again", self.what

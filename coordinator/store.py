@@ -69,8 +69,9 @@ class Store(Protocol):
         """A new lease of `ttl` seconds; returns its id."""
         ...
 
-    async def keepalive(self, lease: int) -> int:
-        """Refresh `lease`; returns its remaining TTL, 0 if it expired or never existed."""
+    async def keepalive(self, lease: int, timeout: float | None = None) -> int:
+        """Refresh `lease`; returns its remaining TTL, 0 if it expired or never existed.
+        `timeout`: this call's deadline (default: the store's)."""
         ...
 
     async def revoke(self, lease: int) -> None: ...
