@@ -473,7 +473,7 @@ async def run(
         held or {},
         usage,
         a.duration,
-        max(5.0, a.duration / 24),
+        max(5.0, a.duration / 60),
         check(records, batch_res, rows),
         injector.events if injector else [],
     )

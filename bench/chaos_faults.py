@@ -117,7 +117,7 @@ class DiskTrap:
         """Take every free byte of the store's file system; the bytes taken."""
         st = os.statvfs(self.home)
         free = st.f_bavail * st.f_frsize
-        with self.filler.open("wb") as f:
+        with self.filler.open("wb", buffering=0) as f:
             with contextlib.suppress(OSError):
                 os.posix_fallocate(f.fileno(), 0, free)
             with contextlib.suppress(OSError):  # what fallocate's rounding left
