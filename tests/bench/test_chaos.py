@@ -176,7 +176,8 @@ def test_chaos_faults_past_sigkill_in_namespaces(tiny_llama: Path, tmp_path: Pat
     s = json.loads(r.stdout)
     kinds = {f["kind"] for f in s["faults"]}
     assert kinds == {"stop", "partition", "delay", "loss", "etcd"}, s["faults"]
-    assert all(f["start_s"] < f["end_s"] <= 36.5 for f in s["faults"]), s["faults"]
+    # every fault ended (the last ones as the load ended: a delayer's exit takes a moment)
+    assert all(f["start_s"] < f["end_s"] <= 36 + 15 for f in s["faults"]), s["faults"]
     assert set(s["by_fault"]) == kinds and all(c["requests"] for c in s["by_fault"].values())
     assert s["requests"] > 0 and s["undefined"] == 0, s["causes"]
     assert s["kv_blocks_held_after"] and not any(s["kv_blocks_held_after"].values())
