@@ -137,7 +137,8 @@ def summarise(
             for k in sorted({r.kind for r in records})
         },
         "causes": dict(sorted(causes.items(), key=lambda kv: -kv[1])),
-        # every request that did not get its full answer (the first 50), with the tokens it got
+        # requests that did not get their full answer (the first 50, undefined ones first), with
+        # the tokens each got
         "failures": [
             {
                 "kind": r.kind,
@@ -148,7 +149,7 @@ def summarise(
                 "tokens": r.tokens,
                 "message": r.message,
             }
-            for r in records
+            for r in sorted(records, key=lambda r: r.outcome != Outcome.UNDEFINED)
             if r.outcome != Outcome.FULL
         ][:50],
         "differing_examples": [
