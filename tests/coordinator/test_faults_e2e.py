@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -95,6 +96,45 @@ def test_etcd_restart_nodes_reregister_and_routing_resumes(
         wait_for(
             lambda: get(coord.url + "/cluster")["is_leader"], 30, "the coordinator to lead again"
         )
+
+
+def test_a_frozen_node_gets_no_routes_while_etcd_still_lists_it(
+    tiny_llama: Path, tmp_path: Path, etcd: EtcdServer
+) -> None:
+    """A SIGSTOPped node keeps its sockets and its etcd key (for a lease TTL) but sends nothing:
+    the coordinator finds it by the silence of its event stream (no load frame for
+    --stale-load-s) and routes only to the other node, then to it again once it is continued."""
+    a = node("both", tiny_llama, tmp_path, etcd.url)
+    b = node("both", tiny_llama, tmp_path, etcd.url)
+    coord = coordinator(tmp_path, etcd.url, "--stale-load-s", "1")
+    with running(a, b, coord):
+        ida, idb = node_id_of(a), node_id_of(b)
+        wait_ready(coord.url, [ida, idb])
+        model = cluster_node(coord.url, ida)["model"]
+
+        def routed() -> set[str]:
+            out = set()
+            for _ in range(8):
+                status, body = http("POST", coord.url + "/route", short_route(model))
+                assert status == 200, body
+                out.add(body["decode"]["node_id"])
+            return out
+
+        os.kill(a.proc.pid, signal.SIGSTOP)
+        try:
+            frozen = time.monotonic()
+            wait_for(
+                lambda: not (cluster_node(coord.url, ida) or {}).get("ready"),
+                8,
+                "the coordinator to find the frozen node silent",
+            )
+            assert time.monotonic() - frozen < 8 and ida in registered_ids(etcd.url), (
+                "the node left etcd before routing avoided it: the silence was not what found it"
+            )
+            assert all(routed() == {idb} for _ in range(3))
+        finally:
+            os.kill(a.proc.pid, signal.SIGCONT)
+        wait_for(lambda: ida in routed(), 30, "the continued node to be routed again")
 
 
 BAD_ROUTES: list[tuple[bytes, dict[str, str], int, str]] = [
