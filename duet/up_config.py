@@ -295,7 +295,7 @@ def validate(cfg: UpConfig) -> UpConfig:
         )
     c = cfg.gateway.count
     if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
-        raise UpConfigError(f"[gateway] count must be >= 1, got {c!r}")
+        raise UpConfigError(f"--gateways must be at least 1, got {c!r} ([gateway] count)")
     r = cfg.restart
     for name in (
         "max_restarts",

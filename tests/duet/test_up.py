@@ -289,7 +289,7 @@ def test_cluster_toml_etcd_members_gateway_count_and_the_default_rule() -> None:
     for bad, msg in [
         ({"etcd": {"members": 2}}, "odd number"),
         ({"etcd": {"members": 0}}, "odd number"),
-        ({"gateway": {"count": 0}}, "count must be >= 1"),
+        ({"gateway": {"count": 0}}, r"--gateways must be at least 1, got 0 \(\[gateway\] count\)"),
         ({"etcd": {"member": 3}}, "unknown keys: member"),
     ]:
         with pytest.raises(UpConfigError, match=msg):
