@@ -66,11 +66,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a directory of kernel sources as the baseline instead of a revision (e.g. a variant "
         "being tried)",
     )
+    ap.add_argument(
+        "--base-march",
+        default="native",
+        help="gcc -march of the baseline build (default native): x86-64-v3 for the AVX2 paths, "
+        "x86-64-v2 for the portable C, skylake-avx512 ...; with --base HEAD and an unchanged tree, "
+        "this checkout's paths for two x86 levels against each other",
+    )
+    ap.add_argument(
+        "--march",
+        default="native",
+        help="gcc -march of this checkout's build (default native: the engine's own library)",
+    )
     ap.add_argument("--model", default="smollm2-135m-instruct", help="model name or directory")
     ap.add_argument(
         "--schemes",
         default="none,int8,int4,int8-w8a8,int4-w4a8",
         help="comma-separated quantization schemes ('none': bf16)",
+    )
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="the engine's activation dtype: the linears' inputs (default %(default)s)",
     )
     ap.add_argument("--rows", default="1,8,32,512", help="comma-separated activation row counts")
     ap.add_argument(
@@ -98,10 +116,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def base_library(rev: str, tmp: Path):
-    """The kernels of `rev`, compiled from `git archive` into tmp and loaded from a private copy
-    (so HEAD against an unchanged tree still loads two libraries; functions it lacks are left out).
-    Raises ValueError with the reason when the revision cannot be read or its kernels do not build."""
+def base_library(rev: str, tmp: Path, march: str = "native"):
+    """The kernels of `rev`, compiled for `march` from `git archive` into tmp and loaded from a
+    private copy (so HEAD against an unchanged tree still loads two libraries; functions it lacks
+    are left out). Raises ValueError with the reason when the revision cannot be read or its
+    kernels do not build."""
     from engine.kernels import build_library
 
     proc = subprocess.run(
@@ -115,17 +134,17 @@ def base_library(rev: str, tmp: Path):
         )
     with tarfile.open(fileobj=io.BytesIO(proc.stdout)) as tar:
         tar.extractall(tmp, filter="data")
-    return build_library(tmp / "engine" / "kernels", private_copy=True)
+    return build_library(tmp / "engine" / "kernels", private_copy=True, march=march)
 
 
-def _engine(model: str, scheme: str, threads: int | None):
+def _engine(model: str, scheme: str, threads: int | None, dtype: str = "bfloat16"):
     from engine.config import EngineConfig
     from engine.core import EngineCore
 
     return EngineCore(
         EngineConfig(
             model=model,
-            dtype="bfloat16",
+            dtype=dtype,
             device="cpu",
             threads=threads,
             max_num_seqs=8,
@@ -148,11 +167,11 @@ def _use(lins: list[Any], lib) -> None:
 
 
 def compare(
-    lins: list[Any], libs: tuple[Any, Any], rows: int, reps: int, seed: int
+    lins: list[Any], libs: tuple[Any, Any], rows: int, reps: int, seed: int, dtype: Any = None
 ) -> dict[str, Any]:
     """Median ms of one pass over `lins` at `rows` rows with each library, alternating, and whether
     their outputs are bitwise identical. The lm_head (a LogitsHead) gets fp32 rows, as the final
-    norm gives it; the linears bf16."""
+    norm gives it; the linears rows of `dtype`."""
     import torch
 
     from engine.logits_head import LogitsHead
@@ -163,7 +182,7 @@ def compare(
         if isinstance(lin, LogitsHead):
             width = lin.q.in_features if lin.q is not None else lin.weight.shape[1]
             return torch.randn(rows, width, generator=g)
-        return torch.randn(rows, _in_features(lin), generator=g).to(torch.bfloat16)
+        return torch.randn(rows, _in_features(lin), generator=g).to(dtype or torch.bfloat16)
 
     xs = [row(lin) for lin in lins]
 
@@ -188,7 +207,7 @@ def compare(
 
 
 def run(args: argparse.Namespace, progress) -> dict[str, Any]:
-    from engine.kernels import kernels_lib
+    from engine.kernels import build_library, kernels_lib
 
     this = kernels_lib()
     if this is None:
@@ -197,31 +216,34 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
         )
     import torch
 
+    if args.march != "native":
+        progress(f"building this checkout's kernels for -march={args.march}")
+        this = build_library(private_copy=True, march=args.march)
     result: dict[str, Any] = {
         "machine": machine_info(args.threads or torch.get_num_threads()),
         "base": args.base,
+        "base_march": args.base_march,
+        "march": args.march,
         "layers": "lm_head" if args.head else "linears",
         "schemes": {},
     }
     with tempfile.TemporaryDirectory(prefix="duet-kernel-ab-") as tmp:
         if args.base_dir is not None:
-            from engine.kernels import build_library
-
             progress(f"building the kernels in {args.base_dir}")
             if not args.base_dir.is_dir():
                 raise ValueError(f"--base-dir {args.base_dir}: not a directory")
-            base = build_library(args.base_dir, private_copy=True)
+            base = build_library(args.base_dir, private_copy=True, march=args.base_march)
             result["base"] = str(args.base_dir)
         else:
-            progress(f"building the kernels of {args.base}")
-            base = base_library(args.base, Path(tmp))
+            progress(f"building the kernels of {args.base} for -march={args.base_march}")
+            base = base_library(args.base, Path(tmp), args.base_march)
         for scheme in [s.strip() for s in args.schemes.split(",") if s.strip()]:
             progress(f"{scheme}: loading")
-            eng = _engine(args.model, scheme, args.threads)
+            eng = _engine(args.model, scheme, args.threads, args.dtype)
             lins = [eng.runner.model.lm_head] if args.head else _linears(eng)
             rows = []
             for r in args.row_list:
-                row = compare(lins, (base, this), r, args.reps, args.seed)
+                row = compare(lins, (base, this), r, args.reps, args.seed, eng.dtype)
                 progress(
                     f"{scheme}: {r} rows: base {row['base_ms']:.2f} ms, this {row['this_ms']:.2f} ms "
                     f"({row['ratio']:.3f}x), outputs {'identical' if row['identical'] else 'DIFFER'}"
@@ -243,7 +265,8 @@ def table(result: dict[str, Any]) -> str:
             )
     m = result["machine"]
     lines.append(
-        f"{result['layers']}; base {result['base']}; {m.get('cpu')}, load average at the end "
+        f"{result['layers']}; base {result['base']} (-march={result['base_march']}), this "
+        f"-march={result['march']}; {m.get('cpu')}, load average at the end "
         f"{m.get('load_avg_1m_at_end')}"
     )
     return "\n".join(lines)

@@ -9,6 +9,12 @@ runtime/strict.py) where that raises `FallbackRefused` with the compiler's error
 passes on the torch path. DUET_DISABLE_KERNELS=1 is a deliberate choice and allowed in
 strict mode too; it is logged as such.
 
+Each source has paths per x86 level, chosen at compile time by the `-march` the library is built
+for: the engine's own is `-march=native`; `build_library(march=...)` builds another level beside
+it (`x86-64-v3`: the AVX2 + FMA paths, `x86-64-v2`: the portable C, `skylake-avx512`, ...), so the
+tests compare the levels' outputs, and bench/kernel_ab.py their speed, on one CPU. `kernels_isa()`
+says which level a build carries.
+
 Kernels (see each .c file): `paged_attention` (attention of any step token against the paged
 pool), `prefill_attention` (the same for prefill tokens, in query blocks; on AMX CPUs its
 tile path `prefill_attention_amx`, which returns 1 where it does not apply) and `rope_store` (rotary embedding in place + K/V write to the pool), which take the
@@ -72,15 +78,23 @@ class _CompileError(Exception):
     """Why the kernels could not be built (shown to the operator, or raised in strict mode)."""
 
 
-def _compile(src: Path = _DIR) -> Path:
+def base_flags(march: str = "native") -> tuple[str, ...]:
+    """The compiler flags every source gets, for the x86 level `march` (gcc's -march: "native",
+    "x86-64-v3" for AVX2 + FMA, "x86-64-v2" for the portable C, "skylake-avx512", ...)."""
+    return tuple(f"-march={march}" if f == "-march=native" else f for f in _BASE_FLAGS)
+
+
+def _compile(src: Path = _DIR, march: str = "native") -> Path:
     """The shared library built from the kernel sources in `src` (this package's, or another
-    revision's for bench/kernel_ab.py), compiled once per sources, flags and CPU."""
+    revision's for bench/kernel_ab.py) for the x86 level `march`, compiled once per sources,
+    flags and CPU."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise _CompileError("no C compiler found (set CC, or install gcc)")
     if shutil.which(cc) is None:
         raise _CompileError(f"the C compiler {cc!r} (from CC) is not an executable")
-    h = hashlib.sha256(" ".join([cc, *_BASE_FLAGS, repr(_SOURCES), *sorted(cpu_flags())]).encode())
+    flags = base_flags(march)
+    h = hashlib.sha256(" ".join([cc, *flags, repr(_SOURCES), *sorted(cpu_flags())]).encode())
     for name in (*_HEADERS, *(src for src, _ in _SOURCES)):
         h.update((src / name).read_bytes())
     out_dir = duet_home() / "kernels"
@@ -93,12 +107,12 @@ def _compile(src: Path = _DIR) -> Path:
         # The sources compile in parallel (about a second in all).
         procs = [
             subprocess.Popen(
-                [cc, *_BASE_FLAGS, *flags, f"-I{src}", "-c", str(src / name), "-o", obj],
+                [cc, *flags, *extra, f"-I{src}", "-c", str(src / name), "-o", obj],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
             )
-            for (name, flags), obj in zip(_SOURCES, objs, strict=True)
+            for (name, extra), obj in zip(_SOURCES, objs, strict=True)
         ]
         errors = [
             _error(p) for p in procs
@@ -146,16 +160,20 @@ def kernels_lib() -> ctypes.CDLL | None:
     return _load(path)
 
 
-def build_library(src: Path, private_copy: bool = False) -> ctypes.CDLL:
-    """The kernels in `src` compiled and loaded beside this process's own (bench/kernel_ab.py).
+def build_library(
+    src: Path = _DIR, private_copy: bool = False, march: str = "native"
+) -> ctypes.CDLL:
+    """The kernels in `src` compiled for the x86 level `march` and loaded beside this process's
+    own (bench/kernel_ab.py; tests comparing the AVX2, AVX-512 and portable paths on one CPU).
     `private_copy`: load from a copy in a fresh temporary directory, so that sources equal to the
     loaded ones still give a second library rather than the same handle. Functions the sources
     lack are left out (a call to one raises AttributeError). Raises ValueError when they do not
-    build."""
+    build. A build for a level this CPU lacks loads, and dies of SIGILL when a kernel runs: the
+    caller checks first (tests/engine/isa.py)."""
     try:
-        path = _compile(src)
+        path = _compile(src, march)
     except _CompileError as e:
-        raise ValueError(f"the kernels in {src} do not build: {e}") from e
+        raise ValueError(f"the kernels in {src} do not build for -march={march}: {e}") from e
     if private_copy:
         copy = Path(tempfile.mkdtemp(prefix="duet-kernels-")) / path.name
         shutil.copyfile(path, copy)
@@ -189,6 +207,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "silu_mul_bf16": ([_P, _P, _I32, _I32], None),
     "res_norm_f32": ([_P, _P, _P, _P, _I32, _I32, _F32, _I32], None),
     "argmax_rows": ([_P, _I64, _I32, _I32, _I32, _P], None),
+    "kernels_isa": ([], _I32),
     "qlinear_int8": ([_P, _I64, _I32, _I32, _P, _P, _I64, _P, _P, _I64, _I32, _I32], _I32),
     "qlinear_int4": (
         [_P, _I64, _I32, _I32, _P, _P, _P, _I32, _I64, _P, _P, _I64, _I32, _I32],

@@ -44,6 +44,23 @@ static int64_t argmax_row(const void *x, int n, int bf16) {
     return 0;
 }
 
+/* The x86 level this library was built for (its kernels' paths follow it): 0 portable C, 1 AVX2 +
+ * FMA (Haswell, Zen 1-3), 2 AVX-512 F/BW/VL, 3 with AVX-512 BF16, 4 with AMX. A build's level,
+ * not the process's: AMX's tile permission is asked at run time (logits_bf16_isa, qgemm_bf16_isa). */
+int32_t kernels_isa(void) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    return 4;
+#elif defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    return 3;
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    return 2;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* out[r] = argmax of row r (rows of n, row_stride elements apart). */
 void argmax_rows(const void *x, int64_t row_stride, int32_t rows, int32_t n, int32_t bf16, int64_t *out) {
     const int64_t esz = bf16 ? 2 : 4;

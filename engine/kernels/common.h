@@ -13,7 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#if defined(__AVX512F__) || defined(__AMX_TILE__)
+#if defined(__AVX2__) || defined(__AVX512F__) || defined(__AMX_TILE__)
 #include <immintrin.h>
 #endif
 

@@ -8,6 +8,7 @@ equal in arithmetic from one that is not.
 from __future__ import annotations
 
 import json
+import platform
 import shutil
 from pathlib import Path
 
@@ -96,3 +97,13 @@ def test_head_times_the_lm_head_on_fp32_rows(capsys) -> None:
     for rows in result["schemes"].values():
         assert [r["rows"] for r in rows] == [1, 16]
         assert all(r["identical"] is True and r["base_ms"] > 0 for r in rows)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="x86 levels")
+def test_this_checkouts_portable_build_against_its_own(capsys) -> None:
+    """--base-march builds the baseline for another x86 level (here the portable C), so a CPU's
+    own paths are timed against it in one process; fp32 activations, as an AVX2 CPU runs them."""
+    rc, result, _ = _run(capsys, "--base-march", "x86-64-v2", "--dtype", "float32")
+    assert rc == 0
+    assert (result["base_march"], result["march"]) == ("x86-64-v2", "native")
+    assert all(r["base_ms"] > 0 and r["this_ms"] > 0 for r in result["schemes"]["int8"])

@@ -57,3 +57,33 @@ def skip_unless_runs_here(march: str) -> None:
             f"this CPU cannot run a -march={march} build (no {', '.join(sorted(missing))}); "
             "that it compiles is checked by test_kernel_isa.py"
         )
+
+
+#: the x86 levels the kernels have paths for, as gcc's -march: the portable C, AVX2 + FMA (Zen 1-3,
+#: Haswell+), AVX-512 without VNNI or BF16, with VNNI, with BF16 (Zen 4's set; gcc 12 has no
+#: znver4), with AMX
+PORTABLE, AVX2, AVX512, AVX512_VNNI, AVX512_BF16, AMX = (
+    "x86-64-v2",
+    "x86-64-v3",
+    "skylake-avx512",
+    "icelake-server",
+    "cooperlake",
+    "sapphirerapids",
+)
+
+
+@functools.cache
+def _built(march: str):
+    import torch  # noqa: F401 - torch's libgomp first, as engine.kernels.kernels_lib does
+
+    from engine.kernels import build_library
+
+    return build_library(private_copy=True, march=march)
+
+
+def library(march: str):
+    """This checkout's kernels built for `march` and loaded beside the engine's own (one build per
+    level and test process), so a test compares the AVX2, AVX-512 and portable paths on whatever
+    CPU runs it. Skips the test where this CPU cannot run that build."""
+    skip_unless_runs_here(march)
+    return _built(march)
