@@ -30,3 +30,18 @@ def cpu_model() -> str:
 
 def cpu_flags() -> frozenset[str]:
     return _cpuinfo()[1]
+
+
+def cpu_kind(flags: frozenset[str] | None = None) -> str:
+    """The x86 kind the kernels have paths for (bench reports it beside every figure): "AMX",
+    "AVX-512 BF16", "AVX-512", "AVX2" (+ FMA, no AVX-512: Haswell+, Zen 1-3), or "portable"."""
+    f = cpu_flags() if flags is None else flags
+    if {"amx_tile", "amx_bf16"} <= f:
+        return "AMX"
+    if "avx512_bf16" in f:
+        return "AVX-512 BF16"
+    if {"avx512f", "avx512bw", "avx512vl"} <= f:
+        return "AVX-512"
+    if {"avx2", "fma"} <= f:
+        return "AVX2"
+    return "portable"

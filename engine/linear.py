@@ -1,6 +1,7 @@
-"""Linear layers: bf16 on the project's own GEMM where the CPU has AVX-512 BF16 (AMX or not),
-oneDNN-prepacked weights for bf16 on other CPUs that oneDNN's bf16 reorder supports, plain
-F.linear otherwise.
+"""Linear layers: bf16 on the project's own GEMM where the CPU has AVX-512 BF16 (AMX or not) or
+AVX2 + FMA without AVX-512 (bf16 weights widened to fp32 in registers: half the bytes of fp32 to
+stream, fp32 arithmetic), oneDNN-prepacked weights for bf16 on other CPUs that oneDNN's bf16
+reorder supports, plain F.linear otherwise.
 
 On CPUs with AVX-512 BF16 and the native kernels, a bf16 weight is packed once into the panel
 layout of engine/kernels/linear_bf16.c and every call, whatever its row count, runs that one
@@ -24,7 +25,8 @@ fails or fails its self-check the layer stays on F.linear with one warning — e
 mode (CI=true, runtime/strict.py), where that is an error. A dtype or device prepacking does not
 apply to (fp32, CUDA) is a choice, not a fallback; so is an x86 CPU that oneDNN's bf16 reorder
 does not support (it needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: an AVX2-only Zen 3 has neither),
-where bf16 layers run F.linear, said once at info level.
+where bf16 layers run linear_bf16.c's AVX2 path, or F.linear without the kernels (said once at
+info level).
 """
 
 from __future__ import annotations
@@ -74,20 +76,27 @@ def can_prepack(weight: torch.Tensor) -> bool:
     )
 
 
+#: qgemm_bf16_isa()'s AVX2 path (engine/qlinear.py GEMM_AVX2): bf16 weights widened to fp32
+_AVX2_GEMM = 3
+
+
 def own_kernel_lib(weight: torch.Tensor):
     """The kernel library when this bf16 CPU weight takes linear_bf16.c (a CPU with AVX-512 BF16,
-    the kernels built with it, not switched off by DUET_BF16_LINEAR=onednn), else None."""
+    or with AVX2 + FMA and no AVX-512, the kernels built for it, not switched off by
+    DUET_BF16_LINEAR=onednn), else None."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
-    # the flag as well as the build's answer: the kernels are built with -march=native, so the two
-    # agree on a real CPU, and tests that stand in another CPU's flags see its choice
-    if (
-        os.environ.get("DUET_BF16_LINEAR", "").lower() == "onednn"
-        or "avx512_bf16" not in cpu_flags()
-    ):
+    if os.environ.get("DUET_BF16_LINEAR", "").lower() == "onednn":
         return None
     lib = kernels_lib()
-    return lib if lib is not None and lib.qgemm_bf16_isa() >= 1 else None
+    if lib is None:
+        return None
+    # the flags as well as the build's answer: the kernels are built with -march=native, so the two
+    # agree on a real CPU, and tests that stand in another CPU's flags see its choice
+    isa, flags = lib.qgemm_bf16_isa(), cpu_flags()
+    if isa in (1, 2):
+        return lib if "avx512_bf16" in flags else None
+    return lib if isa == _AVX2_GEMM and {"avx2", "fma"} <= flags else None
 
 
 class Linear:
@@ -148,6 +157,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
+            if x.dtype == torch.float32 and self.lib.qgemm_bf16_isa() == _AVX2_GEMM:
+                return self._own(x)  # AVX2 widens the weights to fp32 anyway: fp32 rows as they are
             if x.dtype != torch.bfloat16:
                 raise TypeError(f"a bf16 linear layer got {x.dtype} input")
             return self._own(x)
@@ -161,8 +172,23 @@ class Linear:
         if x2.stride(-1) != 1 or x2.stride(0) < self.in_features:
             x2 = x2.contiguous()
         m = x2.shape[0]
-        out = torch.empty((m, self.out_features), dtype=torch.bfloat16)
-        if m:
+        out = torch.empty((m, self.out_features), dtype=x2.dtype)
+        if m and x2.dtype == torch.float32:
+            b32 = None if self.bias is None else self.bias.float()  # held until the call returns
+            rc = self.lib.linear_bf16_xf32(
+                x2.data_ptr(),
+                x2.stride(0),
+                m,
+                self.in_features,
+                self.panels.data_ptr(),
+                self.out_features,
+                None if b32 is None else b32.data_ptr(),
+                out.data_ptr(),
+                self.out_features,
+            )
+            if rc != 0:
+                raise MemoryError(f"linear_bf16_xf32 failed ({rc}) for {m} rows")
+        elif m:
             rc = self.lib.linear_bf16(
                 x2.data_ptr(),
                 x2.stride(0),

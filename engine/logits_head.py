@@ -7,7 +7,7 @@ and -1.965). vLLM's sampler works on fp32 logits; so does ours: every product of
 is exact in fp32 and the sums accumulate in fp32, so the logits carry no bf16 rounding at all.
 
 Paths: a bf16 weight on the CPU with the native kernels → `logits_bf16` (AMX tiles where the CPU
-has them, else vdpbf16ps where it has avx512_bf16); a quantized weight → its QLinear kernel
+has them, else vdpbf16ps where it has avx512_bf16, or its two FMAs on AVX2); a quantized weight → its QLinear kernel
 storing the fp32 accumulator (a batch of BF16_GEMM_MIN_ROWS rows or more: its bf16 GEMM path over
 the input's two bf16 halves, below); an fp32
 engine → F.linear as before (the transformers-parity path). Elsewhere (CUDA, no kernels) the
@@ -67,6 +67,7 @@ class LogitsHead:
                 and q.w8 is None
                 and q.weight.scheme == "int8"
                 and 0 < q.bf16_min_rows <= x.shape[0]
+                and not q.gemm_fp32  # AVX2's GEMM takes fp32 rows as they are
             ):
                 # a batch: the bf16 GEMM path (AMX / AVX-512 BF16; int8 q is exact in bf16) over
                 # fp32 x's two bf16 halves, as below, instead of the fp32 tile path (32 rows of

@@ -7,7 +7,9 @@ cached fp32 tile (larger batches). bf16 batches of `BF16_GEMM_MIN_ROWS` rows or 
 (prefill, batched decode) take `qlinear_int8_bf16` / `qlinear_int4_bf16` instead where the CPU
 has AMX or AVX-512 BF16: weight panels dequantized to bf16 in cache and the bf16 GEMM of the
 bf16 model (engine/kernels/qgemm_bf16.h), so the cost is that GEMM plus one O(n k) dequant
-amortized over the rows; activations stay bf16 (weight-only arithmetic). Elsewhere (CUDA, no compiler, DUET_DISABLE_KERNELS) it
+amortized over the rows; activations stay bf16 (weight-only arithmetic). On AVX2 CPUs batches of
+that many rows, bf16 or fp32, take the fp32 panel GEMM the bf16 weights use there
+(engine/kernels/qgemm_f32.h: weights dequantized exactly, fp32 sums). Elsewhere (CUDA, no compiler, DUET_DISABLE_KERNELS) it
 dequantizes a tile of output rows at a time with torch and runs F.linear on it, so no full
 dequantized copy of the matrix ever exists.
 
@@ -48,9 +50,15 @@ _TILE_ROWS = 2048
 BF16_GEMM_MIN_ROWS = 16
 
 
+#: qgemm_bf16_isa()'s value for AVX2's GEMM path (engine/kernels/qgemm_f32.h): fp32 weight panels,
+#: bf16 or fp32 activations; qlinear_int8 / qlinear_int4 take it themselves from
+#: BF16_GEMM_MIN_ROWS rows whatever the activations' dtype
+GEMM_AVX2 = 3
+
+
 def bf16_gemm_isa() -> int:
-    """The bf16 GEMM path the kernels run on this CPU: 2 AMX, 1 AVX-512 BF16, 0 none (no kernels
-    or a CPU without bf16 dot products: bf16 batches keep the fp32 tile path)."""
+    """The GEMM path the kernels run on this CPU: 2 AMX, 1 AVX-512 BF16, 3 AVX2's fp32 panels, 0
+    none (no kernels, or a CPU with neither: batches keep the fp32 tile path)."""
     lib = kernels_lib()
     return 0 if lib is None else int(lib.qgemm_bf16_isa())
 
@@ -62,11 +70,14 @@ def bf16_gemm_reference(
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The bf16 GEMM path's arithmetic in torch: bf16 x times the weight as the panel holds it
-    (int8: q, exact; int4: dequantized and rounded to bf16), fp32 sums, the int8 scale and the
-    bias in fp32, one rounding. Equal to the kernels up to the order of the fp32 sums."""
+    (int8: q, exact; int4: dequantized and rounded to bf16, or exact in AVX2's fp32 panels), fp32
+    sums, the int8 scale and the bias in fp32, one rounding. Equal to the kernels up to the order
+    of the fp32 sums."""
     xf = x.to(torch.bfloat16).float()
     if qw.scheme == "int8":
         out = (xf @ qw.q.float().T) * qw.scales
+    elif bf16_gemm_isa() == GEMM_AVX2:
+        out = xf @ dequantize(qw).T
     else:
         out = xf @ dequantize(qw).to(torch.bfloat16).float().T
     if bias is not None:
@@ -115,10 +126,12 @@ class QLinear:
             )
         #: one-row calls of int4-w4a8 keep the int4 weight-only GEMV
         self.gemv_weight_only = act_int8 and weight.scheme != "int8"
+        #: the GEMM path the kernels have (bf16_gemm_isa; 0 without kernels)
+        self.gemm_isa = 0 if self.lib is None else int(self.lib.qgemm_bf16_isa())
         #: bf16 batches of at least this many rows take the bf16 GEMM path (0: never, no such path)
-        self.bf16_min_rows = (
-            BF16_GEMM_MIN_ROWS if self.lib is not None and self.lib.qgemm_bf16_isa() > 0 else 0
-        )
+        self.bf16_min_rows = BF16_GEMM_MIN_ROWS if self.gemm_isa > 0 else 0
+        #: fp32 batches of bf16_min_rows rows or more leave the GEMV's arithmetic too (AVX2)
+        self.gemm_fp32 = self.gemm_isa == GEMM_AVX2
         #: what a one-row call (single-stream decode) reads: the W8A8 packing, or the packed weight
         one_row = (
             [self._packed, self.w8.scales, self._wsum]

@@ -51,7 +51,7 @@ from runtime.strict import fallback
 log = logging.getLogger("duet.engine.kernels")
 
 _DIR = Path(__file__).parent
-_HEADERS = ("common.h", "step.h", "attention_parts.h", "qgemm.h", "qgemm_bf16.h")
+_HEADERS = ("common.h", "step.h", "attention_parts.h", "qgemm.h", "qgemm_bf16.h", "qgemm_f32.h")
 _BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-fno-math-errno", "-fno-trapping-math")
 # Attention may reassociate (its sums are reductions anyway); rope and the bf16 norms must round
 # exactly where torch / transformers do, so they get neither reassociation nor FMA contraction.
@@ -230,6 +230,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "linear_bf16_packed_words": ([_I64, _I32], _I64),
     "linear_bf16_pack": ([_P, _I64, _I32, _P], _I32),
     "linear_bf16": ([_P, _I64, _I32, _I32, _P, _I64, _P, _P, _I64, _I32, _I32], _I32),
+    "linear_bf16_xf32": ([_P, _I64, _I32, _I32, _P, _I64, _P, _P, _I64], _I32),
     "decode_layers": ([_P, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _F32], _I32),
 }
 

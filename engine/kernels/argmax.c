@@ -21,6 +21,17 @@ static int64_t argmax_row(const void *x, int n, int bf16) {
     }
     m = _mm512_reduce_max_ps(vm);
     has_nan = nan != 0;
+#elif defined(DUET_AVX2)
+    __m256 vm = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = load8(x, i, bf16);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        vm = _mm256_max_ps(vm, v);
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    has_nan = _mm256_movemask_ps(nan) != 0;
 #endif
     for (; i < n; i++) {
         const float v = load_elem(x, i, bf16);
@@ -37,6 +48,12 @@ static int64_t argmax_row(const void *x, int n, int bf16) {
     for (; j + 16 <= n; j += 16) {
         const __mmask16 k = _mm512_cmp_ps_mask(load16(x, j, bf16), target, _CMP_EQ_OQ);
         if (k) return j + __builtin_ctz(k);
+    }
+#elif defined(DUET_AVX2)
+    const __m256 target = _mm256_set1_ps(m);
+    for (; j + 8 <= n; j += 8) {
+        const int k = _mm256_movemask_ps(_mm256_cmp_ps(load8(x, j, bf16), target, _CMP_EQ_OQ));
+        if (k) return j + __builtin_ctz((unsigned)k);
     }
 #endif
     for (; j < n; j++)

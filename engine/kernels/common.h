@@ -212,4 +212,72 @@ INLINE __m512 transpose_reduce16(const __m512 *v) {
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+#if !defined(__AVX512F__)
+/* The AVX2 + FMA paths run where the build has AVX2 and no AVX-512 (Haswell+, Zen 1-3): an AVX-512
+ * build keeps its own paths, unchanged. Where an AVX2 path mirrors an AVX-512 one, a 16-lane
+ * vector is two 8-lane halves (lanes 0-7, 8-15) carrying the same operations in the same order,
+ * so the two give the same bits. */
+#define DUET_AVX2 1
+#endif
+
+/* 8 consecutive elements as fp32. */
+INLINE __m256 load8(const void *p, int64_t i, int bf16) {
+    if (bf16) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)p + i);
+}
+
+/* 8 fp32 rounded to bf16 (nearest even, NaN stays NaN): f32_to_bf16 on each lane. */
+INLINE __m128i cvt8_bf16(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_or_si256(u, _mm256_set1_epi32(0x400000)), nan);
+    r = _mm256_srli_epi32(r, 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+/* Round 8 fp32 to bf16 and store them (or store fp32 as is). */
+INLINE void store8(void *p, int64_t i, __m256 x, int bf16) {
+    if (bf16) _mm_storeu_si128((__m128i *)((uint16_t *)p + i), cvt8_bf16(x));
+    else _mm256_storeu_ps((float *)p + i, x);
+}
+
+/* The sum of 8 lanes (a fixed tree). */
+INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* transpose_reduce16 on 16-lane vectors held as halves (v[i] = lo[i] | hi[i]): out[i] = the sum of
+ * v[i]'s 16 lanes, by the AVX-512 function's own adds in its order (its unpacks act within
+ * 128-bit lanes, the same on a half; its cross-lane shuffles become vperm2f128), so the same bits. */
+INLINE void transpose_reduce16_avx2(const __m256 *lo, const __m256 *hi, float *out) {
+    __m256 tl[8], th[8], ul[4], uh[4], wl[2], wh[2];
+    for (int k = 0; k < 8; k++) {
+        tl[k] = _mm256_add_ps(_mm256_unpacklo_ps(lo[2 * k], lo[2 * k + 1]), _mm256_unpackhi_ps(lo[2 * k], lo[2 * k + 1]));
+        th[k] = _mm256_add_ps(_mm256_unpacklo_ps(hi[2 * k], hi[2 * k + 1]), _mm256_unpackhi_ps(hi[2 * k], hi[2 * k + 1]));
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m256d al = _mm256_castps_pd(tl[2 * k]), bl = _mm256_castps_pd(tl[2 * k + 1]);
+        const __m256d ah = _mm256_castps_pd(th[2 * k]), bh = _mm256_castps_pd(th[2 * k + 1]);
+        ul[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(al, bl)), _mm256_castpd_ps(_mm256_unpackhi_pd(al, bl)));
+        uh[k] = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(ah, bh)), _mm256_castpd_ps(_mm256_unpackhi_pd(ah, bh)));
+    }
+    /* w[k] = [a.L0 + a.L1, a.L2 + a.L3, b.L0 + b.L1, b.L2 + b.L3], a = u[2k], b = u[2k + 1] */
+    for (int k = 0; k < 2; k++) {
+        wl[k] = _mm256_add_ps(_mm256_permute2f128_ps(ul[2 * k], uh[2 * k], 0x20), _mm256_permute2f128_ps(ul[2 * k], uh[2 * k], 0x31));
+        wh[k] = _mm256_add_ps(_mm256_permute2f128_ps(ul[2 * k + 1], uh[2 * k + 1], 0x20),
+                              _mm256_permute2f128_ps(ul[2 * k + 1], uh[2 * k + 1], 0x31));
+    }
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_permute2f128_ps(wl[0], wh[0], 0x20), _mm256_permute2f128_ps(wl[0], wh[0], 0x31)));
+    _mm256_storeu_ps(out + 8, _mm256_add_ps(_mm256_permute2f128_ps(wl[1], wh[1], 0x20), _mm256_permute2f128_ps(wl[1], wh[1], 0x31)));
+}
+#endif
+
 #endif

@@ -25,6 +25,9 @@
  *   (a decode step) run 16 or 8 weight rows at once instead (block_rows_few: the same sums); more
  *   rows go 4 at a time with their count a constant (block_rows_4_m: 1.2-1.3x at 3-6 rows, 1.6x at
  *   12 — a speculative verification's k + 1 = 6 rows in hi/lo halves — 2.1-2.3x at 32-64).
+ * - AVX2 (3, CPUs without AVX-512): the AVX-512 blocks' chains as 8-lane halves (dot_pairs' two
+ *   FMAs, transpose_reduce16_avx2), one or two activation rows against 4 or 2 weight rows at a
+ *   time: the AVX-512 path's bits.
  * - portable C (0).
  * The paths differ from each other only in the order of their fp32 sums.
  */
@@ -136,6 +139,78 @@ INLINE void block_rows_4_m(const uint16_t *const xr[4], const int na, int64_t k,
 }
 #endif
 
+#if defined(DUET_AVX2)
+/* One half (8 pairs: inputs 16 h .. 16 h + 15 of a chunk) of a 32-input chunk of bf16 row p from
+ * input c, split into its odd (high bf16) and even inputs as fp32; past k zero. */
+INLINE void lb_half(const uint16_t *p, int64_t c, int64_t k, __m256 *odd, __m256 *even) {
+    __m256i v;
+    if (c + 16 <= k) {
+        v = _mm256_loadu_si256((const __m256i *)(p + c));
+    } else {
+        uint16_t t[16] = {0};
+        if (c < k) memcpy(t, p + c, sizeof(uint16_t) * (size_t)(k - c));
+        v = _mm256_loadu_si256((const __m256i *)t);
+    }
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+
+/* Activation rows xr[0 .. NA) against weight rows wr[0 .. NW) (constants: NA NW <= 4), every
+ * (activation, weight) pair the AVX-512 loops' 16 lane chains as halves: lane l takes pair l of
+ * each 32-input chunk, odd product then even (dot_pairs' order), chunk after chunk. lo/hi [NA][NW].
+ * prefetch: the same rows of the next block, a line each per chunk, to L2 (the AVX-512 reason). */
+static inline __attribute__((always_inline)) void lb_dots_avx2(const uint16_t *const *xr, const int NA,
+                                                                 const uint16_t *const *wr, const int NW, int64_t k,
+                                                                 __m256 (*lo)[4], __m256 (*hi)[4], int prefetch) {
+    __m256 al[2][4], ah[2][4];
+    for (int s = 0; s < NA; s++)
+        for (int j = 0; j < NW; j++) al[s][j] = ah[s][j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < k; c += 32)
+        for (int h = 0; h < 32; h += 16) {
+            __m256 xo[2], xe[2];
+            for (int s = 0; s < NA; s++) lb_half(xr[s], c + h, k, &xo[s], &xe[s]);
+            for (int j = 0; j < NW; j++) {
+                if (prefetch && h == 0) _mm_prefetch((const char *)(wr[j] + LB_NB * k + c), _MM_HINT_T1);
+                __m256 wo, we;
+                lb_half(wr[j], c + h, k, &wo, &we);
+                for (int s = 0; s < NA; s++) {
+                    if (h) ah[s][j] = _mm256_fmadd_ps(xe[s], we, _mm256_fmadd_ps(xo[s], wo, ah[s][j]));
+                    else al[s][j] = _mm256_fmadd_ps(xe[s], we, _mm256_fmadd_ps(xo[s], wo, al[s][j]));
+                }
+            }
+        }
+    for (int s = 0; s < NA; s++)
+        for (int j = 0; j < NW; j++) lo[s][j] = al[s][j], hi[s][j] = ah[s][j];
+}
+
+/* block_rows on AVX2: one activation row against 4 weight rows at a time, or two against 2 (the
+ * accumulators of AVX-512's groupings do not fit 16 registers; the chains, and so the bits, are the
+ * same), then transpose_reduce16's sums. */
+static void block_rows_avx2(const uint16_t *x, int64_t xs, int m, int64_t k, const uint16_t *w, int64_t n0, int nr,
+                            float *out, int64_t os) {
+    for (int m0 = 0; m0 < m; m0 += 2) {
+        const int na = m - m0 < 2 ? m - m0 : 2;
+        const uint16_t *xr[2] = {x + (int64_t)m0 * xs, x + (int64_t)(m0 + na - 1) * xs};
+        __m256 lo[2][16], hi[2][16];
+        const int nw = na == 1 ? 4 : 2;
+        for (int r0 = 0; r0 < LB_NB; r0 += nw) {
+            const uint16_t *wr[4];
+            for (int j = 0; j < nw; j++) wr[j] = w + (n0 + (r0 + j < nr ? r0 + j : nr - 1)) * k;
+            __m256 bl[2][4], bh[2][4];
+            if (na == 1) lb_dots_avx2(xr, 1, wr, 4, k, bl, bh, m0 == 0);
+            else lb_dots_avx2(xr, 2, wr, 2, k, bl, bh, m0 == 0);
+            for (int s = 0; s < na; s++)
+                for (int j = 0; j < nw; j++) lo[s][r0 + j] = bl[s][j], hi[s][r0 + j] = bh[s][j];
+        }
+        for (int s = 0; s < na; s++) {
+            float r[16];
+            transpose_reduce16_avx2(lo[s], hi[s], r);
+            for (int i = 0; i < nr; i++) out[(int64_t)(m0 + s) * os + n0 + i] = r[i];
+        }
+    }
+}
+#endif
+
 /* Rows [n0, n0 + nr) of W against activation rows [0, m): one block. */
 static void block_rows(const uint16_t *x, int64_t xs, int m, int64_t k, const uint16_t *w, int64_t n0, int nr,
                        float *out, int64_t os) {
@@ -156,6 +231,8 @@ static void block_rows(const uint16_t *x, int64_t xs, int m, int64_t k, const ui
         default: block_rows_4_m(xr, 4, k, w, n0, nr, o, os, mi == 0); break;
         }
     }
+#elif defined(DUET_AVX2)
+    block_rows_avx2(x, xs, m, k, w, n0, nr, out, os);
 #else
     for (int mi = 0; mi < m; mi++)
         for (int i = 0; i < nr; i++) {
@@ -254,13 +331,15 @@ static int lb_amx(const uint16_t *x, int64_t xs, int m, int64_t k, const uint16_
 }
 #endif
 
-/* Which path logits_bf16 runs here: 2 AMX, 1 the AVX-512 blocks, 0 portable C. */
+/* Which path logits_bf16 runs here: 2 AMX, 1 the AVX-512 blocks, 3 their AVX2 halves, 0 portable C. */
 int32_t logits_bf16_isa(void) {
 #if defined(LB_AMX)
     if (amx_permitted()) return 2;
 #endif
 #if defined(__AVX512F__)
     return 1;
+#elif defined(DUET_AVX2)
+    return 3;
 #else
     return 0;
 #endif
@@ -274,7 +353,7 @@ int32_t logits_bf16_path(const uint16_t *x, int64_t xs, int32_t m, int32_t k, co
                          float *out, int64_t os, int32_t isa) {
     const int have = logits_bf16_isa();
     if (isa == 0) isa = have;
-    if (isa > have || (have >= 1 && isa < 1)) return -3;
+    if (have == 3 ? isa != 3 : isa > have || (have >= 1 && isa < 1)) return -3;
 #if defined(LB_AMX)
     if (isa == 2) return lb_amx(x, xs, m, k, w, n, out, os);
 #endif

@@ -63,6 +63,115 @@ INLINE void qg_finish16(const __m512 *acc, int cnt, void *out, int64_t out_row, 
 }
 #endif
 
+#if defined(DUET_AVX2)
+/* qg_finish16 for 16-lane accumulators held as halves (common.h: transpose_reduce16_avx2, the
+ * same bits). */
+INLINE void qg_finish16_avx2(const __m256 *lo, const __m256 *hi, int cnt, void *out, int64_t out_row, int64_t n0,
+                             const float *scale, const void *bias, int bf16) {
+    float r[16];
+    transpose_reduce16_avx2(lo, hi, r);
+    for (int i = 0; i < cnt; i++) qg_store(out, out_row + n0 + i, r[i], n0 + i, scale, bias, bf16);
+}
+
+enum { QG_W_I8 = 0, QG_W_F32 = 1 }; /* weight rows given as int8 (converted in registers) or fp32 */
+
+/* Eight weights of a row from element i, as fp32 (exact). */
+INLINE __m256 qg_w8(const void *row, int64_t i, const int kind) {
+    if (kind == QG_W_I8)
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const int8_t *)row + i))));
+    return _mm256_loadu_ps((const float *)row + i);
+}
+
+/*
+ * lo/hi [s][j] += the GEMV's 16 lane chains of activation row s (X, rows kp apart) against weight
+ * row wr[j] over the chunks [c0, c1) (16 inputs each), for s < R, j < W (constants at each call,
+ * so the 2 R W accumulators are registers: R W <= 8 and W + 1 more fit AVX2's 16). Lane l of a
+ * chain takes input 16 c + l in chunk order, as the AVX-512 loops do. pf (or NULL): a line of
+ * the rows 16 ahead per chunk, W rows' worth (the GEMV's prefetch).
+ */
+static inline __attribute__((always_inline)) void qg_dots_avx2(const float *X, int64_t kp, int64_t c0, int64_t c1,
+                                                                 const void *const *wr, const int R, const int W,
+                                                                 const int kind, __m256 (*lo)[4], __m256 (*hi)[4],
+                                                                 const char *pf) {
+    __m256 al[3][4], ah[3][4];
+    for (int s = 0; s < R; s++)
+        for (int j = 0; j < W; j++) al[s][j] = lo[s][j], ah[s][j] = hi[s][j];
+    for (int64_t c = c0; c < c1; c += 16) {
+        if (pf) _mm_prefetch(pf + W * c, _MM_HINT_T0);
+        for (int h = 0; h < 16; h += 8) {
+            __m256 w[4];
+            for (int j = 0; j < W; j++) w[j] = qg_w8(wr[j], c + h, kind);
+            for (int s = 0; s < R; s++) {
+                __m256 xv = _mm256_loadu_ps(X + s * kp + c + h);
+                /* one load of x for its W FMAs: folded into each FMA as a memory operand (what gcc
+                 * chooses), loads outnumber FMAs and bound the loop */
+                if (W > 1) __asm__("" : "+x"(xv));
+                for (int j = 0; j < W; j++) {
+                    if (h) ah[s][j] = _mm256_fmadd_ps(xv, w[j], ah[s][j]);
+                    else al[s][j] = _mm256_fmadd_ps(xv, w[j], al[s][j]);
+                }
+            }
+        }
+    }
+    for (int s = 0; s < R; s++)
+        for (int j = 0; j < W; j++) lo[s][j] = al[s][j], hi[s][j] = ah[s][j];
+}
+
+/*
+ * Activation rows [0, m) of X (fp32, rows kp apart, zero padded) against one block of weight rows
+ * wr[0..16) (nr of them real, the rest repeating the last), every output the GEMV's chains then
+ * its transpose reduction, stored with scale and bias: the same bits for a row whatever m is, and
+ * the AVX-512 loops' bits. Weight rows are int8 (k bytes; the last partial chunk from a zeroed
+ * copy, as the AVX-512 loops' masked loads) or an fp32 tile (kp, zero padded). Rows go 3 at a time
+ * against 2 weight rows, a single row against 4 (more chains in flight for the GEMV). pf: prefetch
+ * the next block (the GEMV's; only with m == 1).
+ */
+static void qg_block_avx2(const float *X, int m, int64_t kp, int64_t k, const void *const *wr, int kind, int nr,
+                          int64_t n0, void *out, int64_t os, const float *scale, const void *bias, int bf16, int pf) {
+    const int64_t full = kind == QG_W_I8 ? k & ~(int64_t)15 : kp;
+    int8_t tails[16][16];
+    const void *tw[16];
+    if (full < kp)
+        for (int j = 0; j < 16; j++) {
+            memset(tails[j], 0, 16);
+            memcpy(tails[j], (const int8_t *)wr[j] + full, (size_t)(k - full));
+            tw[j] = tails[j];
+        }
+    for (int m0 = 0; m0 < m; m0 += 3) {
+        const int R = m - m0 < 3 ? m - m0 : 3;
+        __m256 lo[3][16], hi[3][16];
+        const float *Xs = X + (int64_t)m0 * kp;
+        for (int j0 = 0; j0 < 16;) {
+            const int W = R == 1 ? 4 : 2;
+            __m256 bl[3][4], bh[3][4];
+            for (int s = 0; s < 3; s++)
+                for (int j = 0; j < 4; j++) bl[s][j] = bh[s][j] = _mm256_setzero_ps();
+            const char *p = pf ? (const char *)wr[j0] + 16 * k : NULL;
+#define QG_DOTS(r, w, K)                                                                            \
+    do {                                                                                            \
+        qg_dots_avx2(Xs, kp, 0, full, wr + j0, r, w, K, bl, bh, p);                                 \
+        if (full < kp) qg_dots_avx2(Xs + full, kp, 0, 16, tw + j0, r, w, QG_W_I8, bl, bh, NULL);     \
+    } while (0)
+            if (kind == QG_W_I8) {
+                if (R == 1) QG_DOTS(1, 4, QG_W_I8);
+                else if (R == 2) QG_DOTS(2, 2, QG_W_I8);
+                else QG_DOTS(3, 2, QG_W_I8);
+            } else {
+                if (R == 1) QG_DOTS(1, 4, QG_W_F32);
+                else if (R == 2) QG_DOTS(2, 2, QG_W_F32);
+                else QG_DOTS(3, 2, QG_W_F32);
+            }
+#undef QG_DOTS
+            for (int s = 0; s < R; s++)
+                for (int j = 0; j < W; j++) lo[s][j0 + j] = bl[s][j], hi[s][j0 + j] = bh[s][j];
+            j0 += W;
+        }
+        for (int s = 0; s < R; s++)
+            qg_finish16_avx2(lo[s], hi[s], nr, out, (int64_t)(m0 + s) * os, n0, scale, bias, bf16);
+    }
+}
+#endif
+
 /*
  * The m > 1 path for one block of rows: tile = fp32 [nr <= 16 rows][kp], x fp32 [m][kp].
  * Rows of the tile beyond nr and activation rows beyond m are computed on duplicates and not
@@ -97,6 +206,10 @@ static void qg_tile_gemm(const float *X, int m, int64_t kp, const float *tile, i
                     qg_store(out, (int64_t)(mi + a) * os + n0 + ni + b, r[4 * a + b], n0 + ni + b, scale, bias, bf16);
         }
     }
+#elif defined(DUET_AVX2)
+    const void *wr[16];
+    for (int b = 0; b < 16; b++) wr[b] = tile + (int64_t)(b < nr ? b : nr - 1) * kp;
+    qg_block_avx2(X, m, kp, kp, wr, QG_W_F32, nr, n0, out, os, scale, bias, bf16, 0);
 #else
     for (int mi = 0; mi < m; mi++)
         for (int ni = 0; ni < nr; ni++) {

@@ -42,15 +42,28 @@
 
 INLINE int64_t qb_pad32(int64_t k) { return (k + 31) & ~(int64_t)31; }
 
-/* Which bf16 path this build and process can run: 2 AMX, 1 AVX-512 BF16, 0 none. */
+#include "qgemm_f32.h"
+
+/* Which GEMM path this build and process can run: 2 AMX, 1 AVX-512 BF16, 3 AVX2's fp32 panels
+ * (qgemm_f32.h: bf16 or fp32 activations), 0 none. */
 static int qb_isa(void) {
 #if defined(QB_AMX)
     return amx_permitted() ? 2 : 1;
 #elif defined(QB_BF16)
     return 1;
+#elif defined(DUET_AVX2)
+    return 3;
 #else
     return 0;
 #endif
+}
+
+/* The path an entry point asked for isa (0: the best here) runs, or -1 when this build or process
+ * lacks it (an AMX build can run the AVX-512 BF16 path too). */
+static int qb_isa_pick(int isa) {
+    const int have = qb_isa();
+    if (isa == 0 || isa == have) return have;
+    return have == 2 && isa == 1 ? 1 : -1;
 }
 
 #if defined(QB_BF16)

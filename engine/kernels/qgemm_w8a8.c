@@ -48,6 +48,11 @@
  * QB_PF_ROWS, measured the same way) */
 #define W8_PF_ROWS 64
 #define W8_AMX_MB 128 /* activation rows per AMX pass over the weights (a multiple of 32) */
+#if defined(DUET_AVX2)
+#define W8_SIGNED 1 /* the dots take signed activations (w8_dots_mr's AVX2 path) */
+#else
+#define W8_SIGNED 0
+#endif
 
 INLINE int64_t w8_pad64(int64_t k) { return (k + 63) & ~(int64_t)63; }
 
@@ -60,6 +65,13 @@ static float w8_quant_span(const void *x, int64_t k, int bf16, int off, uint8_t 
     __m512 vmax = _mm512_setzero_ps();
     for (; i + 16 <= k; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x, i, bf16)));
     amax = _mm512_reduce_max_ps(vmax);
+#elif defined(DUET_AVX2)
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 vmax = _mm256_setzero_ps();
+    for (; i + 8 <= k; i += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(load8(x, i, bf16), absmask));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
 #endif
     for (; i < k; i++) {
         const float a = fabsf(load_elem(x, i, bf16));
@@ -74,6 +86,15 @@ static float w8_quant_span(const void *x, int64_t k, int bf16, int off, uint8_t 
         __m512i q = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x, i, bf16), vinv)); /* round to nearest even */
         q = _mm512_add_epi32(_mm512_min_epi32(_mm512_max_epi32(q, lo), hi), voff);
         _mm_storeu_si128((__m128i *)(dst + i), _mm512_cvtepi32_epi8(q));
+    }
+#elif defined(DUET_AVX2)
+    const __m256 vinv = _mm256_set1_ps(inv);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    for (; i + 8 <= k; i += 8) {
+        __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x, i, bf16), vinv)); /* round to nearest even */
+        q = _mm256_min_epi32(_mm256_max_epi32(q, lo), hi);
+        const __m128i q16 = _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1));
+        _mm_storel_epi64((__m128i *)(dst + i), _mm_add_epi8(_mm_packs_epi16(q16, q16), _mm_set1_epi8((char)off)));
     }
 #endif
     for (; i < k; i++) {
@@ -108,6 +129,17 @@ INLINE void w8_epilogue(const int32_t *acc, int cnt, float sx, const float *scal
         store16(out_row, n0, v, bf16);
         return;
     }
+#elif defined(DUET_AVX2)
+    if (cnt == 16) {
+        for (int h = 0; h < 16; h += 8) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(acc + h));
+            if (wsum) a = _mm256_sub_epi32(a, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(wsum + n0 + h)), 7));
+            __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(sx)), _mm256_loadu_ps(scale + n0 + h));
+            if (bias) v = _mm256_add_ps(v, load8(bias, n0 + h, bf16));
+            store8(out_row, n0 + h, v, bf16);
+        }
+        return;
+    }
 #endif
     for (; i < cnt; i++) {
         float v = ((float)(acc[i] - (wsum ? 128 * wsum[n0 + i] : 0)) * sx) * scale[n0 + i];
@@ -127,6 +159,15 @@ INLINE void w8_group_add(const int32_t *acc, int cnt, float sx, const int32_t *w
         _mm512_storeu_ps(tot, _mm512_add_ps(_mm512_loadu_ps(tot), _mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(sx))));
         return;
     }
+#elif defined(DUET_AVX2)
+    if (cnt == 16) {
+        for (int h = 0; h < 16; h += 8) {
+            __m256i a = _mm256_loadu_si256((const __m256i *)(acc + h));
+            if (wsum_g) a = _mm256_sub_epi32(a, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(wsum_g + n0 + h)), 7));
+            _mm256_storeu_ps(tot + h, _mm256_add_ps(_mm256_loadu_ps(tot + h), _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(sx))));
+        }
+        return;
+    }
 #endif
     for (; i < cnt; i++) tot[i] += (float)(acc[i] - (wsum_g ? 128 * wsum_g[n0 + i] : 0)) * sx;
 }
@@ -140,6 +181,15 @@ INLINE void w8_group_store(const float *tot, int cnt, const float *scale, const 
         __m512 v = _mm512_mul_ps(_mm512_loadu_ps(tot), _mm512_loadu_ps(scale + n0));
         if (bias) v = _mm512_add_ps(v, load16(bias, n0, bf16));
         store16(out_row, n0, v, bf16);
+        return;
+    }
+#elif defined(DUET_AVX2)
+    if (cnt == 16) {
+        for (int h = 0; h < 16; h += 8) {
+            __m256 v = _mm256_mul_ps(_mm256_loadu_ps(tot + h), _mm256_loadu_ps(scale + n0 + h));
+            if (bias) v = _mm256_add_ps(v, load8(bias, n0 + h, bf16));
+            store8(out_row, n0 + h, v, bf16);
+        }
         return;
     }
 #endif
@@ -208,6 +258,32 @@ static inline __attribute__((always_inline)) void w8_dots_mr(const uint8_t *X, c
         }
     }
     for (int s = 0; s < mr; s++) _mm512_storeu_si512((void *)(acc + 16 * s), a[s]);
+#elif defined(DUET_AVX2)
+    /* signed activations (w8_signed): AVX2 has no vpdpbusd; vpmaddubsw multiplies unsigned by
+     * signed bytes and adds pairs into int16 with saturation, which |x| <= 127 and |w| <= 127 keep
+     * clear of (2 * 127 * 127 < 32767): |x| times w with x's sign (vpsignb), the pairs of pairs
+     * added by vpmaddwd against ones. Four activation rows at a time against both halves of the
+     * block (8 accumulators, the two weight vectors, the broadcast quad, its |x|, a product and
+     * the ones). Exact integer sums, so the same values as every other path. */
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int s0 = 0; s0 < mr; s0 += 4) {
+        __m256i a[4][2];
+        for (int s = 0; s < 4; s++) a[s][0] = a[s][1] = _mm256_setzero_si256();
+        for (int64_t r = 0; r < klen / 4; r++) {
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(wb + r * 64));
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(wb + r * 64 + 32));
+            for (int s = 0; s < 4 && s0 + s < mr; s++) {
+                const __m256i xb = _mm256_set1_epi32(*(const int32_t *)(X + (int64_t)(s0 + s) * kp + 4 * r));
+                const __m256i ax = _mm256_abs_epi8(xb);
+                a[s][0] = _mm256_add_epi32(a[s][0], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xb)), ones));
+                a[s][1] = _mm256_add_epi32(a[s][1], _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xb)), ones));
+            }
+        }
+        for (int s = 0; s < 4 && s0 + s < mr; s++) {
+            _mm256_storeu_si256((__m256i *)(acc + 16 * (s0 + s)), a[s][0]);
+            _mm256_storeu_si256((__m256i *)(acc + 16 * (s0 + s) + 8), a[s][1]);
+        }
+    }
 #else
     for (int s = 0; s < mr; s++)
         for (int n = 0; n < 16; n++) {
@@ -487,7 +563,10 @@ int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
 #if defined(W8_AMX)
     amx = m >= 16 && amx_permitted();
 #endif
-    const int off = amx ? 0 : 128; /* AMX: signed activations (tdpbssd); VNNI: unsigned (vpdpbusd) */
+    /* AMX: signed activations (tdpbssd); AVX2 too (w8_dots_mr's vpmaddubsw on |x| and w's sign
+     * flipped by x's); VNNI and portable: unsigned (vpdpbusd), 128 wsum taken back after */
+    const int off = amx || W8_SIGNED ? 0 : 128;
+    const int32_t *ws = off ? wsum : NULL; /* signed sums: nothing to take back */
     const int nt = (int64_t)m * n * esz > NT_OUTPUT_BYTES; /* w8_amx_store_rows */
     (void)nt; /* used by the AMX path only */
 #pragma omp parallel for schedule(static) if ((int64_t)m * k >= (1 << 16))
@@ -571,7 +650,7 @@ int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
                         if (groups == 1) {
                             w8_dots(X + (int64_t)mi * kp, mr, kp, kp, wb, acc);
                             for (int s = 0; s < mr; s++)
-                                w8_epilogue(acc + 16 * s, cnt, sx[mi + s], scale, wsum, bias, nb,
+                                w8_epilogue(acc + 16 * s, cnt, sx[mi + s], scale, ws, bias, nb,
                                             (char *)out + (int64_t)(mi + s) * os * esz, obf16);
                             continue;
                         }
@@ -589,7 +668,7 @@ int32_t qlinear_w8a8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
                                 const int64_t c0 = j * g, len = (c0 + g < kp ? g : kp - c0);
                                 w8_dots(X + (int64_t)mi * kp + c0, mr, kp, len, wb + c0 * 16, acc);
                                 for (int s = 0; s < mr; s++)
-                                    w8_group_add(acc + 16 * s, cnt, sx[(int64_t)(mi + s) * groups + j], wsum + j * n, nb,
+                                    w8_group_add(acc + 16 * s, cnt, sx[(int64_t)(mi + s) * groups + j], ws ? ws + j * n : NULL, nb,
                                                  tot + 16 * s);
                             }
                         }

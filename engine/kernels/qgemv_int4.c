@@ -36,6 +36,30 @@ INLINE float half_to_f32(uint16_t h) {
     return v.f;
 }
 
+#if defined(DUET_AVX2)
+/* ng fp16 scales of one row as fp32 (F16C, as AVX-512's vcvtph2ps converts them). */
+INLINE void row_f32(const uint16_t *src, int64_t ng, float *dst) {
+    int64_t g = 0;
+    for (; g + 8 <= ng; g += 8)
+        _mm256_storeu_ps(dst + g, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(src + g))));
+    for (; g < ng; g++) dst[g] = _cvtsh_ss(src[g]);
+}
+
+/* Eight weights of a super-block, nibble j of lanes v (8 uint16 lanes widened), dequantized as
+ * fma(q, d, m): the AVX-512 path's table entry q, the same rounding. */
+INLINE __m256 i4_w8(__m256i v, const int j, __m256 d, __m256 m) {
+    __m256i q = j ? _mm256_srli_epi32(v, 4 * j) : v;
+    if (j < 3) q = _mm256_and_si256(q, _mm256_set1_epi32(15));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);
+}
+
+/* A super-block's 16 lanes of a packed row, widened: lanes 0-7 and 8-15. */
+INLINE void i4_lanes(const uint8_t *sb, __m256i *lo, __m256i *hi) {
+    *lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)sb));
+    *hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sb + 16)));
+}
+#endif
+
 #if defined(__AVX512F__)
 /* ng fp16 scales of one row as fp32. */
 INLINE void row_f32(const uint16_t *src, int64_t ng, float *dst) {
@@ -55,7 +79,7 @@ INLINE void row_f32(const uint16_t *src, int64_t ng, float *dst) {
 }
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(DUET_AVX2)
 /* A block of QG_NB weight rows from n0 (nr of them real; the rest repeat row n0 + nr - 1, computed
  * and not stored): each row's packed bytes, and its d as fp32 in dm [QG_NB][2][ng]; its m as fp32
  * in dm's second half (mr != NULL), or (m16 != NULL) a pointer to its fp16 m, which the
@@ -126,16 +150,95 @@ static void dequant_int4(const void *ctx, int64_t n0, int nr, float *tile, int64
         for (int64_t i = k; i < kp; i++) dst[i] = 0.f;
     }
     free(d);
+#elif defined(DUET_AVX2)
+    const Int4W *w = (const Int4W *)ctx;
+    const int64_t k = w->k, ng = k / w->group;
+    const int g32 = w->group == 32;
+    float *d = (float *)malloc(sizeof(float) * 2 * ng), *m = d + ng;
+    for (int r = 0; r < nr; r++) {
+        const uint8_t *src = w->q + (n0 + r) * (k / 2);
+        float *dst = tile + (int64_t)r * kp;
+        row_f32(w->d + (n0 + r) * ng, ng, d);
+        row_f32(w->mins + (n0 + r) * ng, ng, m);
+        for (int64_t s = 0; s < k / 64; s++) {
+            __m256i lo, hi;
+            i4_lanes(src + 32 * s, &lo, &hi);
+            const int64_t g0 = g32 ? 2 * s : s, g1 = g32 ? 2 * s + 1 : s;
+            const __m256 d0 = _mm256_set1_ps(d[g0]), m0 = _mm256_set1_ps(m[g0]);
+            const __m256 d1 = _mm256_set1_ps(d[g1]), m1 = _mm256_set1_ps(m[g1]);
+            float *o = dst + 64 * s;
+            _mm256_storeu_ps(o, i4_w8(lo, 0, d0, m0));
+            _mm256_storeu_ps(o + 8, i4_w8(hi, 0, d0, m0));
+            _mm256_storeu_ps(o + 16, i4_w8(lo, 1, d0, m0));
+            _mm256_storeu_ps(o + 24, i4_w8(hi, 1, d0, m0));
+            _mm256_storeu_ps(o + 32, i4_w8(lo, 2, d1, m1));
+            _mm256_storeu_ps(o + 40, i4_w8(hi, 2, d1, m1));
+            _mm256_storeu_ps(o + 48, i4_w8(lo, 3, d1, m1));
+            _mm256_storeu_ps(o + 56, i4_w8(hi, 3, d1, m1));
+        }
+        for (int64_t i = k; i < kp; i++) dst[i] = 0.f;
+    }
+    free(d);
 #else
     dequant_int4_scalar(ctx, n0, nr, tile, kp);
 #endif
 }
+
+#if defined(DUET_AVX2)
+/* Rows n0 .. n0 + nr of W as qgemm_f32.h's fp32 panel (exact: fma(q, d, m), the GEMV's values),
+ * 8 rows x 8 weights at a time. */
+static void panel_int4(const void *ctx, int64_t n0, int nr, float *panel, int64_t kp) {
+    const Int4W *w = (const Int4W *)ctx;
+    const int64_t k = w->k, ng = k / w->group;
+    const int g32 = w->group == 32;
+    float dm[2][16][64]; /* d, m of 16 rows (ng <= 64), else on the heap */
+    float *dd = ng <= 64 ? &dm[0][0][0] : (float *)malloc(sizeof(float) * 2 * 16 * (size_t)ng);
+    if (!dd) return; /* unreachable in practice; the caller sees zeros */
+    const int64_t dst = ng <= 64 ? 64 : ng; /* row stride of dd's tables */
+    float *mm = dd + 16 * dst;
+    for (int i = 0; i < nr; i++) {
+        row_f32(w->d + (n0 + i) * ng, ng, dd + i * dst);
+        row_f32(w->mins + (n0 + i) * ng, ng, mm + i * dst);
+    }
+    for (int c0 = 0; c0 < 16; c0 += 8)
+        for (int64_t s = 0; s < k / 64; s++) {
+            const int64_t g0 = g32 ? 2 * s : s, g1 = g32 ? 2 * s + 1 : s;
+            for (int j = 0; j < 4; j++)
+                for (int h = 0; h < 2; h++) {
+                    __m256 r[8];
+                    for (int i = 0; i < 8; i++) {
+                        const int row = c0 + i;
+                        if (row >= nr) {
+                            r[i] = _mm256_setzero_ps();
+                            continue;
+                        }
+                        const uint8_t *sb = w->q + (n0 + row) * (k / 2) + 32 * s;
+                        const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sb + 16 * h)));
+                        const int64_t g = j < 2 ? g0 : g1;
+                        const __m256 d = _mm256_set1_ps(dd[row * dst + g]), m = _mm256_set1_ps(mm[row * dst + g]);
+                        switch (j) { /* the nibble a constant (i4_w8 folds its shift and mask) */
+                        case 0: r[i] = i4_w8(v, 0, d, m); break;
+                        case 1: r[i] = i4_w8(v, 1, d, m); break;
+                        case 2: r[i] = i4_w8(v, 2, d, m); break;
+                        default: r[i] = i4_w8(v, 3, d, m); break;
+                        }
+                    }
+                    qf_put8x8(r, panel, 64 * s + 16 * j + 8 * h, c0);
+                }
+        }
+    for (int64_t j0 = k; j0 < kp; j0++) memset(panel + 16 * j0, 0, 64); /* inputs past k */
+    if (dd != &dm[0][0][0]) free(dd);
+}
+#endif
 
 static void gemv_int4(const float *x, const Int4W *w, int64_t n, const void *bias, void *out, int bf16) {
     const int64_t k = w->k, ng = k / w->group, blocks = (n + QG_NB - 1) / QG_NB;
     const int g32 = w->group == 32;
 #pragma omp parallel if (n * k >= (1 << 15))
     {
+#if defined(DUET_AVX2)
+        float *dm = (float *)malloc(sizeof(float) * 2 * QG_NB * ng);
+#endif
 #if defined(__AVX512F__)
         float *dm = (float *)malloc(sizeof(float) * 2 * QG_NB * ng);
         const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -183,6 +286,40 @@ static void gemv_int4(const float *x, const Int4W *w, int64_t n, const void *bia
                 acc[r0] = a0, acc[r0 + 1] = a1, acc[r0 + 2] = a2, acc[r0 + 3] = a3;
             }
             qg_finish16(acc, nr, out, 0, n0, NULL, bias, bf16);
+#elif defined(DUET_AVX2)
+            const uint8_t *rows[QG_NB];
+            const float *dr[QG_NB], *mr[QG_NB];
+            block_rows_int4(w, n0, nr, dm, rows, dr, mr, NULL);
+            __m256 lo[QG_NB], hi[QG_NB];
+            /* the AVX-512 loop's chains as halves: 4 rows at a time, each super-block's four chunks
+             * in order into lane l of its row's accumulator, prefetching 8 rows ahead */
+            for (int r0 = 0; r0 < QG_NB; r0 += 4) {
+                __m256 al[4], ah[4];
+                for (int r = 0; r < 4; r++) al[r] = ah[r] = _mm256_setzero_ps();
+                const char *next = (const char *)rows[r0] + 4 * k;
+                for (int64_t s = 0; s < k / 64; s++) {
+                    _mm_prefetch(next + 128 * s, _MM_HINT_T0);
+                    _mm_prefetch(next + 128 * s + 64, _MM_HINT_T0);
+                    const float *xs = x + 64 * s;
+                    const int64_t g0 = g32 ? 2 * s : s, g1 = g32 ? 2 * s + 1 : s;
+                    for (int r = 0; r < 4; r++) {
+                        __m256i vl, vh;
+                        i4_lanes(rows[r0 + r] + 32 * s, &vl, &vh);
+                        const __m256 d0 = _mm256_set1_ps(dr[r0 + r][g0]), m0 = _mm256_set1_ps(mr[r0 + r][g0]);
+                        const __m256 d1 = _mm256_set1_ps(dr[r0 + r][g1]), m1 = _mm256_set1_ps(mr[r0 + r][g1]);
+                        al[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xs), i4_w8(vl, 0, d0, m0), al[r]);
+                        ah[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + 8), i4_w8(vh, 0, d0, m0), ah[r]);
+                        al[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + 16), i4_w8(vl, 1, d0, m0), al[r]);
+                        ah[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + 24), i4_w8(vh, 1, d0, m0), ah[r]);
+                        al[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + 32), i4_w8(vl, 2, d1, m1), al[r]);
+                        ah[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + 40), i4_w8(vh, 2, d1, m1), ah[r]);
+                        al[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + 48), i4_w8(vl, 3, d1, m1), al[r]);
+                        ah[r] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + 56), i4_w8(vh, 3, d1, m1), ah[r]);
+                    }
+                }
+                for (int r = 0; r < 4; r++) lo[r0 + r] = al[r], hi[r0 + r] = ah[r];
+            }
+            qg_finish16_avx2(lo, hi, nr, out, 0, n0, NULL, bias, bf16);
 #else
             float tile[64];
             for (int r = 0; r < nr; r++) {
@@ -201,7 +338,7 @@ static void gemv_int4(const float *x, const Int4W *w, int64_t n, const void *bia
             }
 #endif
         }
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(DUET_AVX2)
         free(dm);
 #endif
     }
@@ -435,6 +572,10 @@ int32_t qlinear_int4(const void *x, int64_t xs, int32_t m, int32_t k, const uint
 #if defined(I4_DP)
     if (bf16) return int4_dp((const uint16_t *)x, xs, m, &w, n, bias, out, os, !out_f32);
 #endif
+#if defined(DUET_AVX2)
+    /* qlinear_int8's reason */
+    if (m >= QF_MIN_ROWS) return qf_gemm(x, xs, bf16, m, k, n, &w, panel_int4, NULL, bias, out, os, bf16 && !out_f32);
+#endif
     float *X = qg_x_f32(x, xs, m, k, bf16);
     if (!X) return -1;
     bf16 = bf16 && !out_f32;
@@ -493,12 +634,14 @@ int32_t qlinear_int4_bf16(const uint16_t *x, int64_t xs, int32_t m, int32_t k, c
                           const uint16_t *mins, int32_t group, int64_t n, const uint16_t *bias, void *out, int64_t os,
                           int32_t out_f32, int32_t isa) {
     if (k % 64 || (group != 32 && group != 64)) return -2;
-    const int have = qb_isa();
-    if (isa == 0) isa = have;
-    if (isa < 1 || isa > have) return -3;
+    isa = qb_isa_pick(isa);
+    if (isa < 1) return -3;
 #if defined(QB_BF16)
     const Int4W w = {q, d, mins, k, group, n};
     return qb_gemm(x, xs, m, k, n, &w, dequant_int4_bf16, NULL, bias, out, os, out_f32, isa);
+#elif defined(DUET_AVX2)
+    const Int4W w = {q, d, mins, k, group, n};
+    return qf_gemm(x, xs, 1, m, k, n, &w, panel_int4, NULL, bias, out, os, !out_f32);
 #else
     (void)x, (void)xs, (void)m, (void)q, (void)d, (void)mins, (void)n, (void)bias, (void)out, (void)os, (void)out_f32;
     return -3;

@@ -88,6 +88,10 @@ static void gemv_int8(const float *x, int64_t k, const int8_t *q, int64_t n, con
             acc[r0] = a0, acc[r0 + 1] = a1, acc[r0 + 2] = a2, acc[r0 + 3] = a3;
         }
         qg_finish16(acc, nr, out, 0, n0, scale, bias, bf16);
+#elif defined(DUET_AVX2)
+        const void *rows[QG_NB];
+        for (int r = 0; r < QG_NB; r++) rows[r] = q + (n0 + (r < nr ? r : nr - 1)) * k;
+        qg_block_avx2(x, 1, qg_pad16(k), k, rows, QG_W_I8, nr, n0, out, 0, scale, bias, bf16, 1);
 #else
         for (int r = 0; r < nr; r++) {
             const int8_t *row = q + (n0 + r) * k;
@@ -166,10 +170,67 @@ static void gemv_int8_rows(const float *X, int m, int64_t k, const int8_t *q, in
 }
 #endif
 
+#if defined(DUET_AVX2)
+/* 2 .. QF_MIN_ROWS - 1 rows on AVX2 (a decode batch, a speculative verification): every block of 16
+ * weight rows against the activation rows, each weight chunk converted in registers and shared by
+ * 3 activation rows (qg_block_avx2): the GEMV's chains, so a row's output does not depend on m. */
+static void gemv_int8_rows_avx2(const float *X, int m, int64_t k, const int8_t *q, int64_t n, const float *scale,
+                                const void *bias, void *out, int64_t os, int bf16) {
+    const int64_t kp = qg_pad16(k), blocks = (n + QG_NB - 1) / QG_NB, esz = bf16 ? 2 : 4;
+#pragma omp parallel if (n * k * m >= (1 << 15))
+    for (int m0 = 0; m0 < m; m0 += QG_MB) {
+        const int mb = m - m0 < QG_MB ? m - m0 : QG_MB;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t n0 = b * QG_NB;
+            const int nr = (int)(n - n0 < QG_NB ? n - n0 : QG_NB);
+            const void *rows[QG_NB];
+            for (int r = 0; r < QG_NB; r++) rows[r] = q + (n0 + (r < nr ? r : nr - 1)) * k;
+            qg_block_avx2(X + (int64_t)m0 * kp, mb, kp, k, rows, QG_W_I8, nr, n0, (char *)out + esz * m0 * os, os,
+                          scale, bias, bf16, 0);
+        }
+    }
+}
+#endif
+
+#if defined(DUET_AVX2)
+/* Rows n0 .. n0 + nr of q as qgemm_f32.h's fp32 panel (exact), 8 rows x 8 inputs at a time. */
+static void panel_int8(const void *ctx, int64_t n0, int nr, float *panel, int64_t kp) {
+    const Int8W *w = (const Int8W *)ctx;
+    const int64_t k = w->k;
+    for (int c0 = 0; c0 < 16; c0 += 8)
+        for (int64_t j0 = 0; j0 < kp; j0 += 8) {
+            __m256 r[8];
+            for (int i = 0; i < 8; i++) {
+                const int row = c0 + i;
+                if (row >= nr || j0 >= k) {
+                    r[i] = _mm256_setzero_ps();
+                    continue;
+                }
+                const int8_t *src = w->q + (n0 + row) * k + j0;
+                int8_t tail[8] = {0};
+                if (j0 + 8 > k) memcpy(tail, src, (size_t)(k - j0)), src = tail; /* inputs past k: 0 */
+                if (j0 % 64 == 0 && n0 + 16 + row < w->n) /* the next block's row (dequant_int8_bf16's reason) */
+                    _mm_prefetch((const char *)(w->q + (n0 + 16 + row) * k + j0), _MM_HINT_T1);
+                r[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)src)));
+            }
+            qf_put8x8(r, panel, j0, c0);
+        }
+}
+#endif
+
 /* out [m][os] = x [m][xs] @ (q [n][k] * scale)^T + bias; x bf16 (bf16 != 0) or fp32; out and
- * bias in x's dtype, or fp32 with out_f32 (the logits). Returns 0, or -1 when out of memory. */
+ * bias in x's dtype, or fp32 with out_f32 (the logits). Returns 0, or -1 when out of memory.
+ * On AVX2, calls of QF_MIN_ROWS rows or more take the fp32 panel GEMM (qgemm_f32.h) whatever x's
+ * dtype, as AVX-512 BF16 CPUs' bf16 batches take theirs (engine/qlinear.py). */
 int32_t qlinear_int8(const void *x, int64_t xs, int32_t m, int32_t k, const int8_t *q, const float *scale,
                      int64_t n, const void *bias, void *out, int64_t os, int32_t bf16, int32_t out_f32) {
+#if defined(DUET_AVX2)
+    if (m >= QF_MIN_ROWS) {
+        const Int8W w = {q, k, n};
+        return qf_gemm(x, xs, bf16, m, k, n, &w, panel_int8, scale, bias, out, os, bf16 && !out_f32);
+    }
+#endif
     float *X = qg_x_f32(x, xs, m, k, bf16);
     if (!X) return -1;
     bf16 = bf16 && !out_f32;
@@ -178,6 +239,9 @@ int32_t qlinear_int8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
 #if defined(__AVX512F__)
     } else if (m <= QG_ROWS_MAX) {
         gemv_int8_rows(X, m, k, q, n, scale, bias, out, os, bf16);
+#elif defined(DUET_AVX2)
+    } else if (m < QF_MIN_ROWS) { /* every m left here (larger calls took qf_gemm above) */
+        gemv_int8_rows_avx2(X, m, k, q, n, scale, bias, out, os, bf16);
 #endif
     } else {
         const Int8W w = {q, k, n};
@@ -187,8 +251,9 @@ int32_t qlinear_int8(const void *x, int64_t xs, int32_t m, int32_t k, const int8
     return 0;
 }
 
-/* Which bf16 GEMM path qlinear_int8_bf16 / qlinear_int4_bf16 run here: 2 AMX, 1 AVX-512 BF16,
- * 0 none (the callers keep qlinear_int8 / qlinear_int4). */
+/* Which GEMM path qlinear_int8_bf16 / qlinear_int4_bf16 run here: 2 AMX, 1 AVX-512 BF16, 3 AVX2's
+ * fp32 panels (which qlinear_int8 / qlinear_int4 take themselves from QF_MIN_ROWS rows, fp32 x
+ * too), 0 none (the callers keep qlinear_int8 / qlinear_int4). */
 int32_t qgemm_bf16_isa(void) { return qb_isa(); }
 
 #if defined(QB_BF16)
@@ -223,16 +288,18 @@ static void dequant_int8_bf16(const void *ctx, int64_t n0, int nr, uint32_t *pan
 #endif
 
 /* qlinear_int8 for bf16 x (bf16 out, or fp32 with out_f32) on the bf16 GEMM path. isa: 0 the
- * best available, else 1 / 2 (tests). Returns 0, -1 when out of memory, -3 when the path is
+ * best available, else 1 / 2 / 3 (tests). Returns 0, -1 when out of memory, -3 when the path is
  * not available in this build or process. */
 int32_t qlinear_int8_bf16(const uint16_t *x, int64_t xs, int32_t m, int32_t k, const int8_t *q, const float *scale,
                           int64_t n, const uint16_t *bias, void *out, int64_t os, int32_t out_f32, int32_t isa) {
-    const int have = qb_isa();
-    if (isa == 0) isa = have;
-    if (isa < 1 || isa > have) return -3;
+    isa = qb_isa_pick(isa);
+    if (isa < 1) return -3;
 #if defined(QB_BF16)
     const Int8W w = {q, k, n};
     return qb_gemm(x, xs, m, k, n, &w, dequant_int8_bf16, scale, bias, out, os, out_f32, isa);
+#elif defined(DUET_AVX2)
+    const Int8W w = {q, k, n};
+    return qf_gemm(x, xs, 1, m, k, n, &w, panel_int8, scale, bias, out, os, !out_f32);
 #else
     (void)x, (void)xs, (void)m, (void)k, (void)q, (void)scale, (void)n, (void)bias, (void)out, (void)os, (void)out_f32;
     return -3;

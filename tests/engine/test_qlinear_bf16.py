@@ -20,8 +20,14 @@ import torch
 
 import engine.kernels
 from engine.kernels import kernels_lib
-from engine.qlinear import BF16_GEMM_MIN_ROWS, QLinear, bf16_gemm_isa, bf16_gemm_reference
-from engine.quant import quantize
+from engine.qlinear import (
+    BF16_GEMM_MIN_ROWS,
+    GEMM_AVX2,
+    QLinear,
+    bf16_gemm_isa,
+    bf16_gemm_reference,
+)
+from engine.quant import dequantize, quantize
 from tests.engine.isa import skip_unless_runs_here
 
 lib = kernels_lib()
@@ -51,6 +57,8 @@ def _within_ulp(got: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 def _paths() -> list[int]:
+    if isa == GEMM_AVX2:
+        return [isa]
     return [p for p in (1, 2) if p <= isa]
 
 
@@ -137,6 +145,12 @@ def test_fp32_activations_keep_the_fp32_path() -> None:
     qw = quantize(torch.randn(64, 128), "int8")
     lin = QLinear(qw)
     x = torch.randn(32, 128)
+    if lin.gemm_fp32:
+        # AVX2's GEMM path takes fp32 rows as they are (fp32 panels): fp32 accuracy, which a
+        # rounding of x to bf16 (~2^-9) would miss by far
+        want = (x.double() @ dequantize(qw).double().T).float()
+        torch.testing.assert_close(lin(x), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+        return
     torch.testing.assert_close(
         lin(x), torch.cat([lin(x[i : i + 1]) for i in range(32)]), rtol=0, atol=0
     )
@@ -144,7 +158,7 @@ def test_fp32_activations_keep_the_fp32_path() -> None:
 
 #: -march → the path that build runs on a CPU with every feature it was built for
 #: (the native build of the other tests is the AMX one on an AMX machine)
-BUILDS = {"x86-64-v2": 0, "skylake-avx512": 0, "cooperlake": 1}
+BUILDS = {"x86-64-v2": 0, "x86-64-v3": GEMM_AVX2, "skylake-avx512": 0, "cooperlake": 1}
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no gcc")

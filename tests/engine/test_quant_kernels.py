@@ -102,7 +102,8 @@ def test_kernel_matches_torch_reference(scheme: str, n: int, k: int, dtype: torc
             x = torch.randn(m, k, generator=g).to(dtype)
             got = lin(x)
             assert got.dtype == dtype and got.shape == (m, n)
-            if dtype == torch.bfloat16 and 0 < lin.bf16_min_rows <= m:
+            # AVX2's GEMM path (gemm_fp32) multiplies the exact weights: F.linear's reference
+            if dtype == torch.bfloat16 and 0 < lin.bf16_min_rows <= m and not lin.gemm_fp32:
                 _check(got, bf16_gemm_reference(x, qw, bias, torch.float32), dtype)
             else:
                 _check(
@@ -111,11 +112,14 @@ def test_kernel_matches_torch_reference(scheme: str, n: int, k: int, dtype: torc
         # decode path (m = 1) and batched paths agree bitwise: int4's vdpbf16ps path decodes the
         # weights in registers for up to 4 rows and through an L1 buffer for more; int8 shares
         # each converted chunk among 8 activation rows up to 64 (9: a second pass of one row)
-        # and takes the fp32 tile from 65 (the bf16 GEMM path, where it applies, is checked above)
-        for m in (2, 4, 5, 9, 64, 65):
-            if dtype == torch.bfloat16 and 0 < lin.bf16_min_rows <= m:
-                continue
+        # and takes the fp32 tile from 65 (the bf16 GEMM path, where it applies, is checked above;
+        # on AVX2 fp32 rows take it too). The GEMM path's rows agree bitwise among its own batches.
+        for m in (2, 4, 5, 9, 15, 64, 65):
             x = torch.randn(m, k, generator=g).to(dtype)
+            if 0 < lin.bf16_min_rows <= m and (dtype == torch.bfloat16 or lin.gemm_fp32):
+                lone = [lin(torch.cat([x[i : i + 1]] * lin.bf16_min_rows))[:1] for i in range(m)]
+                assert torch.equal(torch.cat(lone), lin(x)), m
+                continue
             assert torch.equal(torch.cat([lin(x[i : i + 1]) for i in range(m)]), lin(x)), m
 
 
