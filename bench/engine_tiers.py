@@ -13,6 +13,11 @@ machine.
 - W3: 32 prompts x 256 tokens -> 128 tokens each, submitted together (output tokens/s, prefill
   included).
 
+The CPU's kind (AVX2 / AVX-512 / AVX-512 BF16 / AMX: which kernel paths ran) is recorded beside
+the figures. `--peers transformers,vllm,llama.cpp` runs bench.peers after duet in the same run
+(each peer in its own process and environment; an absent one is said so) and gives, per
+workload, duet's best scheme over the best peer.
+
 Each scheme gets its own in-process EngineCore (same activation dtype, KV pool, prompts from
 the same seed), all loaded at the start (W1 and W2 run them in turn, round after round; W3 one scheme after another). Reported beside the figures: each scheme's ratio to bf16 ("none") in the same
 run, the targets (RATIO_TARGETS, ABS_TARGETS), the process CPU time of each workload, and the
@@ -71,6 +76,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--w3-batch", type=int, default=32)
     p.add_argument("--w3-input", type=int, default=256)
     p.add_argument("--w3-output", type=int, default=128)
+    p.add_argument(
+        "--peers",
+        default="",
+        help="peers to run in the same run after duet (bench.peers: transformers,vllm,llama.cpp); "
+        "the table then gives duet's best scheme over the best peer per workload (default: none)",
+    )
+    p.add_argument("--vllm-python", default=None, help="bench.peers' --vllm-python")
+    p.add_argument("--llama-python", default=None, help="bench.peers' --llama-python")
+    p.add_argument("--gguf", default=None, help="bench.peers' --gguf (llama.cpp's model)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -235,8 +249,16 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     work = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    from engine.cpu import cpu_kind
+    from engine.kernels import kernels_lib
+
+    lib = kernels_lib()
     result: dict[str, Any] = {
-        "machine": machine_info(torch.get_num_threads()),
+        "machine": {
+            **machine_info(torch.get_num_threads()),
+            "cpu_kind": cpu_kind(),
+            "kernels_isa": None if lib is None else int(lib.kernels_isa()),
+        },
         "config": {k: v for k, v in vars(args).items() if k != "json"},
         "schemes": {},
     }
@@ -311,6 +333,11 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
                     }
                 )
     result["targets"] = targets
+    if args.peers:
+        from bench import peers
+
+        result["peers"] = peers.for_tiers(args, progress)
+        peers.against(result)
     result["machine"]["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     return result
 
@@ -356,6 +383,15 @@ def table(result: dict[str, Any]) -> str:
         lines.append(
             f"target {t['workload']} {t['scheme']} {t['what']}: {'met' if t['met'] else 'MISSED'}"
         )
+    if "peers" in result:
+        from bench.peers import table as peers_table
+
+        lines.append(peers_table(result["peers"]))
+        for w, v in result.get("vs_peers", {}).items():
+            lines.append(
+                f"{w}: duet {v['duet']} {v['duet_tokens_per_s']:.1f} tok/s = {v['ratio']:.2f}x the "
+                f"best peer ({v['peer']} {v['peer_tokens_per_s']:.1f})"
+            )
     m = result["machine"]
     bw = (
         f", memory read {m['read_gbps']} GB/s (W2's roofline: that over MB/token)"
@@ -363,7 +399,8 @@ def table(result: dict[str, Any]) -> str:
         else ""
     )
     lines.append(
-        f"{m['cpu']}, {m['threads']} threads{bw}, load average at the end {m.get('load_avg_1m_at_end')}"
+        f"{m['cpu']} ({m.get('cpu_kind')}), {m['threads']} threads{bw}, load average at the start "
+        f"{m.get('load_avg_1m_at_start')}, at the end {m.get('load_avg_1m_at_end')}"
     )
     return "\n".join(lines)
 
