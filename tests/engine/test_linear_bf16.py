@@ -1,14 +1,17 @@
 """linear_bf16 (engine/kernels/linear_bf16.c) and engine/linear.py's Linear on it: bf16 linear
-layers on the project's own GEMM on CPUs with AVX-512 BF16 (AMX or not).
+layers on the project's own GEMM on CPUs with AVX-512 BF16 (AMX or not), or AVX2 + FMA (the
+weights widened to fp32 in registers).
 
 - The kernel computes x @ W^T + bias with fp32 sums and one rounding (against an fp32 reference,
   odd shapes included: n not a multiple of 32, k not of 32, k odd).
 - A row's output does not depend on the rows beside it: every row of a 300-row call equals the
-  row computed alone and in 5-row calls, bitwise, on each path the CPU has (AMX, AVX-512 BF16).
+  row computed alone and in 5-row calls, bitwise, on each path the CPU has (AMX, AVX-512 BF16,
+  AVX2).
 - Linear takes it wherever it is built (panels replace the weight; decode_bytes counts the panels),
-  keeps oneDNN with DUET_BF16_LINEAR=onednn, and refuses an fp32 input with a clear error.
-Skipped where the CPU has no AVX-512 BF16 (the kernel is not built there; test_linear_isa.py
-covers those CPUs' paths).
+  keeps oneDNN with DUET_BF16_LINEAR=onednn, and refuses an fp32 input with a clear error (AVX2,
+  whose arithmetic is fp32 anyway, takes it).
+Skipped where the CPU has neither (the kernel is not built there; test_linear_isa.py covers those
+CPUs' paths).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from engine.kernels import kernels_lib
 LIB = kernels_lib()
 ISA = 0 if LIB is None else int(LIB.qgemm_bf16_isa())
 pytestmark = pytest.mark.skipif(
-    ISA == 0, reason="no AVX-512 BF16 on this CPU: linear_bf16 is not built"
+    ISA == 0, reason="neither AVX-512 BF16 nor AVX2 on this CPU: linear_bf16 is not built"
 )
 SHAPES = [(37, 70), (64, 576), (33, 31), (160, 1536)]
 
@@ -60,7 +63,11 @@ def _call(
     return out
 
 
-@pytest.mark.parametrize("isa", [i for i in (1, 2) if i <= ISA])
+#: the paths this CPU runs: AMX and AVX-512 BF16, or AVX2's (3: the weights widened to fp32)
+PATHS = [ISA] if ISA == 3 else [i for i in (1, 2) if i <= ISA]
+
+
+@pytest.mark.parametrize("isa", PATHS)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_matches_fp32_and_rows_do_not_depend_on_their_batch(
     isa: int, shape: tuple[int, int]
@@ -92,9 +99,10 @@ def test_a_path_the_cpu_lacks_is_refused() -> None:
     w = torch.randn(32, 32).bfloat16()
     out = torch.empty(1, 32, dtype=torch.float32)
     x = torch.randn(1, 32).bfloat16()
+    lacks = 1 if ISA == 3 else 3  # AVX2 builds have no AVX-512 BF16 path, and the converse
     assert (
         LIB.linear_bf16(
-            x.data_ptr(), 32, 1, 32, _pack(w).data_ptr(), 32, None, out.data_ptr(), 32, 1, 3
+            x.data_ptr(), 32, 1, 32, _pack(w).data_ptr(), 32, None, out.data_ptr(), 32, 1, lacks
         )
         == -3
     )
@@ -113,8 +121,13 @@ def test_linear_takes_the_kernel_where_it_is_built(monkeypatch: pytest.MonkeyPat
         got.float(), F.linear(x.float(), w.float(), b.float()), rtol=2e-2, atol=2e-2
     )
     assert torch.equal(layer(x[:, 1:2]), got[:, 1:2])  # a strided slice of the batch, alone
-    with pytest.raises(TypeError, match="float32"):
-        layer(x.float())
+    if ISA == 3:  # AVX2 widens the weights to fp32: fp32 rows are taken as they are
+        assert torch.allclose(
+            layer(x.float()), F.linear(x.float(), w.float(), b.float()), atol=1e-4
+        )
+    else:
+        with pytest.raises(TypeError, match="float32"):
+            layer(x.float())
     monkeypatch.setenv("DUET_BF16_LINEAR", "onednn")
     assert linear.Linear(w, b).panels is None
 
