@@ -172,6 +172,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads per peer")
     p.add_argument("--reps", type=int, default=3, help="W1 repeats (best)")
     p.add_argument(
+        "--transformers-dtypes",
+        default="float32,bfloat16",
+        help="the dtypes transformers runs in, one process each (default %(default)s)",
+    )
+    p.add_argument(
         "--vllm-python",
         default=os.environ.get("DUET_VLLM_PYTHON", _VLLM_DEFAULT),
         help="interpreter of the virtual environment with vLLM's CPU build (env DUET_VLLM_PYTHON)",
@@ -245,7 +250,7 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
     result: dict[str, Any] = {}
     for peer in [p.strip() for p in args.peers.split(",") if p.strip()]:
         if peer == "transformers":
-            for dtype in ("float32", "bfloat16"):
+            for dtype in [d.strip() for d in args.transformers_dtypes.split(",") if d.strip()]:
                 progress(f"transformers {dtype}")
                 cfg = {**base, "dtype": dtype}
                 result[f"transformers {dtype}"] = _run(
