@@ -108,6 +108,14 @@ def test_a_path_the_cpu_lacks_is_refused() -> None:
     )
 
 
+#: Linear takes the kernel by default (on AVX2 only with DUET_BF16_LINEAR=own: engine/linear.py)
+layers_take_it = pytest.mark.skipif(
+    ISA == 3 and not linear.AVX2_BF16_LAYERS,
+    reason="AVX2: bf16 layers opt in (DUET_BF16_LINEAR=own)",
+)
+
+
+@layers_take_it
 def test_linear_takes_the_kernel_where_it_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
     g = torch.Generator().manual_seed(1)
     w, b = torch.randn(100, 64, generator=g).bfloat16(), torch.randn(100, generator=g).bfloat16()
@@ -132,6 +140,7 @@ def test_linear_takes_the_kernel_where_it_is_built(monkeypatch: pytest.MonkeyPat
     assert linear.Linear(w, b).panels is None
 
 
+@layers_take_it
 @pytest.mark.parametrize("shape", [(960, 576), (576, 1536)])
 def test_a_bf16_layers_rows_do_not_depend_on_their_batch(shape: tuple[int, int]) -> None:
     """What speculative decoding's greedy identity rests on, through Linear as the engine builds
