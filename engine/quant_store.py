@@ -83,15 +83,22 @@ def load_quantized(model_dir: Path, scheme: str) -> dict[str, QuantizedWeight] |
 
 def write_quantized(model_dir: Path, scheme: str) -> Path:
     """Quantize the model at `model_dir` with `scheme` and write the cache; returns its path."""
-    from engine.model_config import ModelConfig
+    from engine.model_config import LLAMA_FAMILY, ModelConfig
     from engine.weights import load_weights
 
     scheme = WEIGHT_FORMAT[check_scheme(scheme)]
+    cfg = ModelConfig.from_dir(Path(model_dir))
+    if cfg.model_type not in LLAMA_FAMILY:
+        # the other architectures (engine/models/) quantize their linears at load instead
+        raise ValueError(
+            f"a quantized cache is written for the Llama family only; {cfg.model_type} models "
+            "are quantized when they load (--quantization), with no cache"
+        )
     path = cache_path(model_dir, scheme)
     source = _source_signature(model_dir)
     w = load_weights(
         Path(model_dir),
-        ModelConfig.from_dir(Path(model_dir)),
+        cfg,
         torch.float32,
         torch.device("cpu"),
         quantization=scheme,

@@ -3,7 +3,11 @@
 cos/sin tables for every position are built once in fp32 (as transformers computes them) and
 cast to the model dtype; a step gathers the rows of its positions once and every layer reuses
 them (the `rope_store` CPU kernel reads the full tables directly, with the same rounding).
-Scaling: default, linear and llama3.
+Scaling: default, linear, llama3 and longrope (Phi-3). longrope scales cos/sin by its attention
+factor and uses its short factors for positions below `original_max_position_embeddings`, its
+long factors from there on (vLLM's rule: a position's rotation never changes once its K is in
+the pool). transformers switches a whole forward to the long factors once the sequence passes
+that length, cached K included, so the two agree exactly up to it.
 """
 
 from __future__ import annotations
@@ -14,9 +18,30 @@ from typing import Any
 import torch
 
 
-def inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+def _kind(scaling: dict[str, Any] | None) -> str:
+    return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+
+
+def longrope_attention_factor(scaling: dict[str, Any]) -> float:
+    """transformers' default: sqrt(1 + ln(factor) / ln(original context)) past a factor of 1."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(scaling["original_max_position_embeddings"]))
+
+
+def inv_freq(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None, long: bool = False
+) -> torch.Tensor:
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    kind = _kind(scaling)
+    if kind == "longrope":
+        assert scaling is not None
+        ext = scaling["long_factor" if long else "short_factor"]
+        return 1.0 / (torch.tensor(ext, dtype=torch.float32) * theta**shape)
+    freq = 1.0 / (theta**shape)
     if kind == "linear":
         freq = freq / float(scaling["factor"])  # type: ignore[index]
     elif kind == "llama3":
@@ -44,12 +69,21 @@ class Rope:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        f = inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.int64).float()
-        emb = torch.outer(t, f)
+        emb = torch.outer(t, inv_freq(head_dim, theta, scaling))
+        scale = 1.0
+        if _kind(scaling) == "longrope":
+            assert scaling is not None
+            scale = longrope_attention_factor(scaling)
+            short = scaling["original_max_position_embeddings"]
+            if max_positions > short:
+                emb[short:] = torch.outer(t[short:], inv_freq(head_dim, theta, scaling, long=True))
         emb = torch.cat([emb, emb], dim=-1)
-        self.cos = emb.cos().to(device=device, dtype=dtype)
-        self.sin = emb.sin().to(device=device, dtype=dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if scale != 1.0:
+            cos, sin = cos * scale, sin * scale
+        self.cos = cos.to(device=device, dtype=dtype)
+        self.sin = sin.to(device=device, dtype=dtype)
         self.half = head_dim // 2
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,13 +14,11 @@ from pathlib import Path
 import torch
 
 from engine.attention import build_metadata
-from engine.model import LlamaModel
+from engine.lora.slots import LoraSlots
 from engine.model_config import ModelConfig
-from engine.quant import ACT_GROUPS, ACT_INT8
+from engine.models import BuildSpec, build_model
 from engine.request import Request
-from engine.rope import Rope
 from engine.scheduler import ScheduledChunk
-from engine.weights import load_weights
 from protocol.kv_layout import KVLayout
 
 
@@ -65,22 +63,22 @@ class ModelRunner:
         max_model_len: int,
         pool_factory: PoolFactory = zeroed_pool,
         quantization: str | None = None,
+        max_loras: int = 0,
+        max_lora_rank: int = 16,
     ) -> None:
         self.cfg = cfg
         self.dtype = dtype
         self.device = device
         self.block_size = block_size
         self.quantization = quantization
-        weights = load_weights(model_dir, cfg, dtype, device, quantization)
-        rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_model_len, dtype, device)
-        self.model = LlamaModel(
-            cfg,
-            weights,
-            rope,
-            device,
-            act_int8=quantization in ACT_INT8,
-            act_groups=ACT_GROUPS.get(quantization or ""),
-        )
+        #: what `build_model` takes again on wake (engine/models/: the architecture's forward)
+        self.build_spec = BuildSpec(model_dir, cfg, dtype, device, max_model_len, quantization)
+        self.model = build_model(self.build_spec)
+        #: the resident LoRA adapters (engine/lora/slots.py); None: LoRA off
+        self.lora: LoraSlots | None = None
+        if max_loras:
+            self.lora = LoraSlots(cfg, max_loras, max_lora_rank, dtype, device)
+            self.lora.attach(self.model)
         self.kv_layout = KVLayout(
             num_layers=cfg.num_layers,
             num_kv_heads=cfg.num_kv_heads,
@@ -89,6 +87,7 @@ class ModelRunner:
             dtype=_DTYPE_NAMES[dtype],
             num_blocks=num_blocks,
             weights=quantization or "",
+            attention=cfg.kv_attention,
         )
         self.kv_cache = pool_factory(self.kv_layout, str(device))
         expected = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -142,12 +141,25 @@ class ModelRunner:
                 sample_rows.extend(range(row - 1 - len(c.draft), row))
                 samplers.append(c)
         dev = self.device
-        logits = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            self.kv_cache,
-            md,
-            torch.tensor(sample_rows + extra_rows, dtype=torch.long, device=dev),
-        )
+        if self.lora is not None:  # each token's adapter slot (-1: the base model)
+            slot = self.lora.slot_of
+            self.lora.begin_step(
+                [
+                    slot(c.req.params.lora_name) if c.req.params.lora_name else -1
+                    for c in ordered
+                    for _ in range(c.num_tokens)
+                ]
+            )
+        try:
+            logits = self.model.forward(
+                torch.tensor(ids, dtype=torch.long, device=dev),
+                self.kv_cache,
+                md,
+                torch.tensor(sample_rows + extra_rows, dtype=torch.long, device=dev),
+            )
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
         out: list[PromptRows] = []
         at = len(sample_rows)
         for c, first, n in prompt:

@@ -29,6 +29,10 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
     #: the weights' quantization the KV was computed with ("" = the model's own weights): KV of
     #: an int4 prefill in a bf16 decode would silently mix numerics, so it is part of the hash
     weights: str = ""
+    #: what reads the KV besides its shape, for architectures past the Llama family: the model
+    #: type and, where layers differ, each layer's attention ("gemma2;window=4096;layers=sfsf…":
+    #: s a sliding-window layer, f a full one). "" (the Llama family) stays out of the hash
+    attention: str = ""
 
     @property
     def itemsize(self) -> int:
@@ -68,6 +72,7 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             # Only a non-default layout enters the hash, so native hashes stay what they were.
             *((("layout", self.layout),) if self.layout != "block-major" else ()),
             *((("weights", self.weights),) if self.weights else ()),
+            *((("attention", self.attention),) if self.attention else ()),
         )
 
     @property
@@ -82,4 +87,6 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
         theirs.setdefault("layout", other.layout)
         mine.setdefault("weights", self.weights or "unquantized")
         theirs.setdefault("weights", other.weights or "unquantized")
+        mine.setdefault("attention", self.attention or "llama")
+        theirs.setdefault("attention", other.attention or "llama")
         return [f"{k}: {a} != {theirs[k]}" for k, a in mine.items() if a != theirs[k]]
