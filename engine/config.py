@@ -100,3 +100,8 @@ class EngineConfig:
     itl_target_ms: float | None = None
     #: keep BlockStored/BlockRemoved events for the coordinator
     record_kv_events: bool = False
+    #: LoRA adapters resident at once (0: LoRA off, the linears unwrapped); loading one more
+    #: unloads the least recently used adapter no queued or running request names
+    max_loras: int = 0
+    #: the highest LoRA rank an adapter slot holds (vLLM's max_lora_rank)
+    max_lora_rank: int = 16

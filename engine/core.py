@@ -32,6 +32,7 @@ from engine.embed import EmbedCapacityError, Embedder, Pooling, finish
 from engine.guided import GuidedDecoding, GuideError
 from engine.kv_manager import KVCacheManager
 from engine.logits_process import penalize
+from engine.lora import LoraAdapter, LoraError
 from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput, TextState
 from engine.request import Priority, Request
@@ -134,6 +135,8 @@ class EngineCore:
             self.max_model_len,
             pool_factory,
             config.quantization,
+            config.max_loras,
+            config.max_lora_rank,
         )
         self.pool = BlockPool(num_blocks, bs, record_events=config.record_kv_events)
         self.kv = KVCacheManager(self.pool, config.enable_prefix_caching, config.hash_seed)
@@ -207,6 +210,8 @@ class EngineCore:
             raise RequestError(
                 f"logit_bias names token id {bad}, outside the vocabulary [0, {self.model_config.vocab_size})"
             )
+        if params.lora_name is not None:
+            self._check_lora(params.lora_name)
         self._check_queue(len(ids))
         req = Request(
             request_id=request_id,
@@ -244,6 +249,8 @@ class EngineCore:
         except ValueError as e:
             self.guides.forget(request_id)
             raise RequestError(str(e)) from None
+        if params.lora_name is not None:  # queued or running: its adapter stays resident
+            self.runner.lora.acquire(params.lora_name)  # type: ignore[union-attr]
         text = (self.tokenizer, ids, params.stop, params.skip_special_tokens)
         # a migrated request continues the text the client already has (protocol/resume.py)
         self._text[request_id] = (
@@ -547,6 +554,8 @@ class EngineCore:
         self, req: Request, reason: str, stop_reason: str | int | None, out: RequestOutput
     ) -> None:
         self.scheduler.finish(req, reason, stop_reason)
+        if req.params.lora_name is not None and self.runner.lora is not None:
+            self.runner.lora.release(req.params.lora_name)
         self._text.pop(req.request_id, None)
         self.sampler.forget(req.request_id)
         self.guides.forget(req.request_id)
@@ -564,6 +573,43 @@ class EngineCore:
         out.arrival_time = req.arrival_time
         out.first_scheduled_time = req.first_scheduled_time
         out.first_token_time = req.first_token_time
+
+    # -- LoRA adapters ---------------------------------------------------------------------
+    def _check_lora(self, name: str) -> None:
+        lora = self.runner.lora
+        if lora is None:
+            raise RequestError(
+                f"LoRA adapter {name!r} asked of an engine with LoRA off (max_loras 0)"
+            )
+        if name not in lora.adapters:
+            raise RequestError(f"LoRA adapter {name!r} is not loaded on this engine")
+
+    def load_lora(self, adapter: LoraAdapter) -> list[str]:
+        """Make `adapter` (read off this thread: engine/lora/adapter.py) resident; returns the
+        adapters unloaded for it. LoraError / LoraSlotsFull when it cannot be."""
+        lora = self.runner.lora
+        if lora is None:
+            raise LoraError("LoRA is off on this engine (start it with max_loras > 0)")
+        stale = lora.digest_changed(adapter) and adapter.name not in lora.adapters
+        # a name that served other weights before: its cached KV is not this adapter's
+        if stale and not self.pool.reset_cache():
+            raise LoraError(
+                f"adapter {adapter.name!r} was served here with other weights and their KV "
+                "is still cached; load these under a new name, or when the node is idle"
+            )
+        return lora.install(adapter)
+
+    def unload_lora(self, name: str) -> bool:
+        """Unload an adapter (False: not loaded); LoraError while requests use it."""
+        lora = self.runner.lora
+        if lora is None:
+            return False
+        if lora.in_use[name]:
+            raise LoraError(f"adapter {name!r} is in use by {lora.in_use[name]} request(s)")
+        return lora.remove(name)
+
+    def lora_names(self) -> list[str]:
+        return [] if self.runner.lora is None else sorted(self.runner.lora.adapters)
 
     # -- control ---------------------------------------------------------------------------
     def abort(self, request_id: str) -> RequestOutput | None:

@@ -46,11 +46,13 @@ class KVCacheManager:
     def block_hashes(self, req: Request, upto_tokens: int) -> list[int]:
         """Hashes of the request's full blocks within its first `upto_tokens` tokens,
         extended incrementally (a request's tokens only ever grow). The chain starts at the
-        request's cache domain (`cache_salt`), so two domains never share a cached block."""
+        request's cache domain (`cache_salt`) and LoRA adapter, so two domains (or adapters)
+        never share a cached block."""
         hs = self._hashes.setdefault(req.request_id, [])
         bs = self.block_size
         n_full = min(upto_tokens, req.num_tokens) // bs
-        root = domain_root(req.params.cache_salt, self.hash_seed) if len(hs) < n_full else 0
+        p = req.params  # the chain's root: the cache domain and the LoRA adapter
+        root = domain_root(p.cache_salt, self.hash_seed, p.lora_name) if len(hs) < n_full else 0
         while len(hs) < n_full:
             i = len(hs)
             toks = [req.token_at(j) for j in range(i * bs, (i + 1) * bs)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.embed import Pooling
+from engine.lora import LoRARequest, read_adapter
 from engine.request import Priority
 from engine.sampling_params import SamplingParams
 from protocol.logprobs import TokenLogprob
@@ -46,8 +48,12 @@ class LLM:
         prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Priority = Priority.INTERACTIVE,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[CompletionOutput]:
-        """Run `prompts` (strings or token-id lists) to completion; outputs in input order."""
+        """Run `prompts` (strings or token-id lists) to completion; outputs in input order.
+        `lora_request` (vLLM's): the adapter of every prompt, or one per prompt (None: the base
+        model); an adapter is loaded from its path the first time its name is seen (the engine
+        needs max_loras > 0)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         plist = list(prompts)  # type: ignore[arg-type]
@@ -56,6 +62,8 @@ class LLM:
         ps = [params] * len(plist) if isinstance(params, SamplingParams) else list(params)
         if len(ps) != len(plist):
             raise ValueError(f"{len(ps)} SamplingParams for {len(plist)} prompts")
+        if lora_request is not None:
+            ps = self._with_adapters(ps, lora_request)
         # Distinct guides compile together on the compile pool (the core then finds them cached).
         guides = {p.guide for p in ps if p.guide is not None}
         concurrent.futures.wait(
@@ -86,6 +94,30 @@ class LLM:
                     r.num_cached_tokens = o.num_cached_tokens
                     pending.discard(o.request_id)
         return [results[rid] for rid in order]
+
+    def _with_adapters(
+        self,
+        ps: list[SamplingParams],
+        lora: LoRARequest | Sequence[LoRARequest | None],
+    ) -> list[SamplingParams]:
+        loras = [lora] * len(ps) if isinstance(lora, LoRARequest) else list(lora)
+        if len(loras) != len(ps):
+            raise ValueError(f"{len(loras)} LoRA requests for {len(ps)} prompts")
+        for r in {r for r in loras if r is not None}:
+            self.load_lora(r)
+        return [
+            p if r is None else dataclasses.replace(p, lora_name=r.lora_name)
+            for p, r in zip(ps, loras, strict=True)
+        ]
+
+    def load_lora(self, request: LoRARequest) -> list[str]:
+        """Load `request`'s adapter unless its name is loaded; returns the adapters unloaded
+        to make room (least recently used, idle)."""
+        core = self.engine
+        if request.lora_name in core.lora_names():
+            return []
+        cfg, rank = core.model_config, core.config.max_lora_rank
+        return core.load_lora(read_adapter(request.lora_name, request.lora_path, cfg, rank))
 
     def embed(
         self,

@@ -11,6 +11,12 @@ tokens hash differently in two domains and no prefix cache or index ever matches
 (a team cannot learn from `cached_tokens` what another team sent). The domain travels to the
 nodes as vLLM's `cache_salt`; no domain (None or "") is the unsalted root, for requests sent to a
 node by hand.
+
+LoRA adapters: KV computed with an adapter is not the base model's, so an adapter is part of the
+root too: `domain_root(domain, seed, adapter)` = xxh3_64(seed, root of the domain as little-endian
+u64 ‖ b"lora:" ‖ the adapter's name as UTF-8). The base model (adapter None or "") keeps the
+domain's root unchanged. Gateways, the coordinator's index and the nodes all hash an adapter's
+requests this way, so its blocks are cached and matched per adapter (and per domain).
 """
 
 from __future__ import annotations
@@ -29,11 +35,15 @@ DEFAULT_BLOCK_SIZE = 16
 _U64 = struct.Struct("<Q")
 
 
-def domain_root(domain: str | None, seed: int = DEFAULT_HASH_SEED) -> int:
-    """h_{-1} of a cache domain: `xxh3_64(seed, domain as UTF-8)`; ROOT_PARENT_HASH for none."""
-    if not domain:
-        return ROOT_PARENT_HASH
-    return xxhash.xxh3_64_intdigest(domain.encode(), seed=seed)
+def domain_root(
+    domain: str | None, seed: int = DEFAULT_HASH_SEED, adapter: str | None = None
+) -> int:
+    """h_{-1} of a cache domain: `xxh3_64(seed, domain as UTF-8)`, ROOT_PARENT_HASH for none;
+    with a LoRA `adapter`, that root mixed with the adapter's name (see the module docstring)."""
+    root = ROOT_PARENT_HASH if not domain else xxhash.xxh3_64_intdigest(domain.encode(), seed=seed)
+    if not adapter:
+        return root
+    return xxhash.xxh3_64_intdigest(_U64.pack(root) + b"lora:" + adapter.encode(), seed=seed)
 
 
 def hash_block(parent: int, tokens: Sequence[int], seed: int = DEFAULT_HASH_SEED) -> int:

@@ -80,6 +80,10 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     #: constrained decoding (protocol/structured.py): the engine masks every token with it
     guide: Guide | None = None
+    #: the LoRA adapter the request runs with (vLLM's lora_request, named; None: the base model).
+    #: Like cache_salt it rides here because these params reach the engine on both legs; it is
+    #: also part of the prefix-cache root (protocol.block_hash.domain_root)
+    lora_name: str | None = None
     #: P/D, a guided decode leg: the first output token, sampled under the guide by the prefill
     #: node (`KVTransferParams.first_token_id`). The engine checks the guide allows it, then
     #: emits it in place of its own first token (still making that draw, so a seeded generator
@@ -115,6 +119,8 @@ class SamplingParams:
                 )
         if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_CACHE_SALT:
             raise ValueError(f"cache_salt must be 1 to {MAX_CACHE_SALT} characters")
+        if self.lora_name is not None and not 0 < len(self.lora_name) <= MAX_CACHE_SALT:
+            raise ValueError(f"lora_name must be 1 to {MAX_CACHE_SALT} characters")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         self._check_penalties()
