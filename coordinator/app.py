@@ -75,7 +75,7 @@ async def _route(request: web.Request) -> web.Response:
             "duet.tier": req.tier,
         },
     ) as span:
-        decision = request.app[COORDINATOR].route(req)
+        decision = await request.app[COORDINATOR].route_placed(req)
         if span is not None:
             r = decision.response
             span.set_attributes(

@@ -23,6 +23,7 @@ side of admitting, which the node's own queue absorbs.)
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from itertools import count
 
@@ -40,6 +41,9 @@ class Pending:
     ticket: str | None = None
 
 
+#: seconds a replica counts an adapter it loaded onto a node as held before the node's load
+#: frames list it (they come every 0.2 s)
+ADAPTER_GRACE_S = 5.0
 #: keys of untagged reservations (ints never equal a ticket string)
 _untagged = count()
 
@@ -69,9 +73,20 @@ class NodeView:
 
     #: = info.node_id (a plain attribute: the router reads it often)
     node_id: str = ""
+    #: LoRA adapters this replica loaded onto the node (coordinator/lora.py) → monotonic time of
+    #: the load: counted as held until the node's load frames list them, for ADAPTER_GRACE_S
+    adapters_loaded: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.node_id = self.info.node_id
+
+    def holds_adapter(self, name: str) -> bool:
+        """Whether the node holds LoRA adapter `name` (its last load frame lists it, or this
+        replica loaded it since)."""
+        if self.load is not None and name in (self.load.lora_adapters or ()):
+            return True
+        at = self.adapters_loaded.get(name)
+        return at is not None and time.monotonic() - at < ADAPTER_GRACE_S
 
     def ready(self, now: float, stale_s: float) -> bool:
         """Routable: its stream is up and its load report is fresh."""
@@ -108,6 +123,10 @@ class NodeView:
 
     def on_load(self, frame: LoadFrame, now: float, settle_s: float) -> None:
         self.load, self.load_at = frame, now
+        if self.adapters_loaded and frame.lora_adapters is not None:
+            # listed: the frames are the truth from here on (it may be evicted later)
+            for name in frame.lora_adapters:
+                self.adapters_loaded.pop(name, None)
         if not self.pending:
             return
         acks = frame.taken is not None

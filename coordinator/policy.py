@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from coordinator.index import PrefixIndex
@@ -44,6 +44,11 @@ class RouteWeights:
     decode_seq: float = 32.0
     #: cost of a decode node's KV cache being full (scaled by its usage, 0..1)
     kv_usage: float = 256.0
+    #: cost of loading a request's LoRA adapter onto a node that does not hold it (the node
+    #: loads it between two steps; what it costs is the slot another adapter may lose)
+    lora_load: float = 512.0
+    #: cost of a sleeping node (its weights are rebuilt before the request runs)
+    wake: float = 4096.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,8 @@ class Decision:
     outcome: RouteOutcome
     #: what to add to pending: node id → (seqs, prefill tokens, blocks)
     pending: dict[str, tuple[int, int, int]]
+    #: the chosen nodes that must load the request's LoRA adapter first
+    lora_loads: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -101,6 +108,9 @@ class _Facts:
     pend: dict[str, PendingTotals]
     #: node id → prompt tokens it need not compute
     cached: dict[str, int]
+    #: node id → what it costs beyond its load to run this request there: loading the request's
+    #: LoRA adapter, waking from sleep
+    extra: dict[str, float]
 
 
 class _Plan(NamedTuple):
@@ -201,7 +211,8 @@ class Router:
         # Prefill costs do not depend on D: compute them once, cheapest first.
         p_ranked = sorted(
             (
-                self._prefill_cost(n, r.n_prompt - r.cached[n.node_id], r.pend[n.node_id]),
+                self._prefill_cost(n, r.n_prompt - r.cached[n.node_id], r.pend[n.node_id])
+                + r.extra[n.node_id],
                 n.node_id,
                 n,
             )
@@ -227,11 +238,15 @@ class Router:
         n_serving, bs, longest = 0, 1 << 30, 0
         fits = 0
         usable: list[NodeView] = []
+        base_only = 0  # nodes of the model without LoRA slots, for an adapter's request
         for n in nodes:
             info = n.info
             if (
                 info.model != model or info.task != task
             ):  # never one task's work on the other's node
+                continue
+            if req.lora_name and not info.max_loras:
+                base_only += 1
                 continue
             n_serving += 1
             bs = min(bs, info.block_size)
@@ -245,6 +260,13 @@ class Router:
                 and n.ready(now, stale)
             ):
                 usable.append(n)
+        if not n_serving and base_only:
+            raise APIError(
+                404,
+                f"no node serving {req.model!r} serves LoRA adapters (start nodes with --max-loras)",
+                param="model",
+                code="model_not_found",
+            )
         if not n_serving:
             what = "embeddings of model" if task == NodeTask.EMBED else "model"
             raise APIError(
@@ -329,6 +351,14 @@ class Router:
                 n.node_id: min(matches.get(n.node_id, 0) * n.info.block_size, n_prompt - 1)
                 for n in usable
             },
+            extra={n.node_id: self._extra(n, req.lora_name) for n in usable},
+        )
+
+    def _extra(self, n: NodeView, lora: str | None) -> float:
+        w, load = self.config.weights, n.load
+        assert load is not None
+        return (w.lora_load if lora and not n.holds_adapter(lora) else 0.0) + (
+            w.wake if load.sleeping else 0.0
         )
 
     def _admitted(self, r: _Facts, usable: list[NodeView], pools: list[str]) -> list[NodeView]:
@@ -369,7 +399,7 @@ class Router:
         D's KV layout. The reason text is built for the winner only: `why` holds its template's
         arguments."""
         cfg, pd, n_prompt = self.config, r.pend[d.node_id], r.n_prompt
-        d_cost = self._decode_cost(d, pd)
+        d_cost = self._decode_cost(d, pd) + r.extra[d.node_id]
         uncached_d = n_prompt - r.cached[d.node_id]
         local_cost = self._prefill_cost(d, uncached_d, pd)
         if uncached_d < cfg.local_prefill_tokens:
@@ -428,4 +458,6 @@ class Router:
             decode=RouteTarget(node_id=d.node_id, url=d.info.url, cached_tokens=cached[d.node_id]),
             reason=reason,
         )
-        return Decision(response=resp, outcome=outcome, pending=pending)
+        lora = r.req.lora_name
+        loads = [] if not lora else [n.node_id for n in (d, p) if n and not n.holds_adapter(lora)]
+        return Decision(response=resp, outcome=outcome, pending=pending, lora_loads=loads)

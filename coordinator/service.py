@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 
 from coordinator.election import Election
 from coordinator.index import PrefixIndex
+from coordinator.lora import AdapterLoadFailed, AdapterPlacer
 from coordinator.metrics import CoordinatorMetrics, count_nodes
 from coordinator.nodes import NodeView
 from coordinator.policy import Decision, PolicyConfig, Router
@@ -44,6 +46,8 @@ from runtime.plane import PlaneSecurity
 from runtime.read_deadlines import ReadDeadlines
 
 log = logging.getLogger("duet.coordinator")
+#: routes tried for a request whose LoRA adapter a chosen node could not load
+ROUTE_ATTEMPTS = 3
 
 
 @dataclass
@@ -115,6 +119,8 @@ class Coordinator:
         self.session: aiohttp.ClientSession | None = None
         #: told of every routing decision (the planner's rate meters); must not raise or block
         self.route_observers: list[Callable[[RouteRequest, Decision], None]] = []
+        #: loads requests' LoRA adapters on the nodes routes pick (coordinator/lora.py)
+        self.placer = AdapterPlacer(lambda: self.session)
         #: the planner's report for `GET /planner` (set by planner/loop.py; None: no planner here)
         self.planner_report: Callable[[], PlannerReport] | None = None
         self._background: list[asyncio.Task[None]] = []
@@ -218,6 +224,32 @@ class Coordinator:
             observe(req, decision)
         return decision
 
+    async def route_placed(self, req: RouteRequest) -> Decision:
+        """`route`, then the request's LoRA adapter loaded on the chosen nodes that lack it
+        (coordinator/lora.py); a node that cannot load it is excluded and the request routed
+        again, at most ROUTE_ATTEMPTS times."""
+        decision = self.route(req)
+        for _ in range(ROUTE_ATTEMPTS):
+            if not decision.lora_loads:
+                return decision
+            assert req.lora_name is not None
+            views = [self.views[n] for n in decision.lora_loads if n in self.views]
+            path = await self.placer.path_of(req.lora_name, req.lora_path, self.views.values())
+            try:
+                await self.placer.place(req.lora_name, path, views)
+                return decision
+            except AdapterLoadFailed as e:
+                log.warning("LoRA adapter %s not loaded: %s; routing again", req.lora_name, e)
+                req = msgspec.structs.replace(req, exclude=[*req.exclude, e.node_id])
+                decision = self.route(req)
+        raise APIError(
+            503,
+            f"LoRA adapter {req.lora_name!r} could not be loaded on {ROUTE_ATTEMPTS} nodes",
+            type_="service_unavailable",
+            code="no_capacity",
+            retry_after_s=1,
+        )
+
     # -- views -----------------------------------------------------------------------------
     def _metric_snapshot(self) -> dict[str, Any]:
         return {
@@ -275,6 +307,8 @@ class Coordinator:
                 itl_samples=load.itl_samples,
                 ttft_hist=load.ttft_hist,
                 itl_hist=load.itl_hist,
+                lora_adapters=load.lora_adapters,
+                sleeping=load.sleeping,
             ),
             pending=PendingReport(seqs=p.seqs, prefill_tokens=p.prefill_tokens, blocks=p.blocks),
             indexed_blocks=self.index.node_block_count(v.node_id),

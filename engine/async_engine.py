@@ -36,9 +36,11 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.embed import Pooling
 from engine.holds import Claim
+from engine.lora import LoraError, read_adapter
 from engine.outputs import RequestOutput
 from engine.request import Priority, Request
 from engine.sampling_params import SamplingParams
+from engine.sleep import SleepReport
 
 log = logging.getLogger("duet.engine")
 T = TypeVar("T")
@@ -447,6 +449,46 @@ class AsyncEngine:
             for j in group:
                 _answer(j, vecs[at : at + len(j.prompts)])
                 at += len(j.prompts)
+
+    # -- LoRA adapters and sleep mode (engine/residency.py) -------------------------------
+    async def load_lora(self, name: str, path: str) -> list[str]:
+        """Read the adapter at `path` off the engine thread (LoraError if refused), then make it
+        resident between two steps; returns the adapters unloaded for it (LoraSlotsFull when
+        every slot's adapter is in use)."""
+        core = self.core
+        if core.runner.lora is None:
+            raise LoraError("LoRA is off on this engine (start it with max_loras > 0)")
+        cfg, rank = core.model_config, self.config.max_lora_rank
+        adapter = await asyncio.to_thread(read_adapter, name, path, cfg, rank)
+        return await self._submit(lambda: self._published(core.load_lora(adapter)))
+
+    async def unload_lora(self, name: str) -> bool:
+        return await self._submit(lambda: self._published(self.core.unload_lora(name)))
+
+    def lora_paths(self) -> dict[str, str]:
+        """The resident adapters and the directories they were read from (a snapshot: they
+        change on the engine thread only)."""
+        lora = self.core.runner.lora
+        if lora is None:
+            return {}
+        return {
+            a.name: str(a.path) for a in sorted(list(lora.adapters.values()), key=lambda a: a.name)
+        }
+
+    async def sleep(self) -> SleepReport:
+        return await self._submit(lambda: self._published(self.core.sleep()))
+
+    async def wake_up(self) -> float:
+        return await self._submit(lambda: self._published(self.core.wake_up()))
+
+    def _published(self, result: T) -> T:
+        """On the engine thread: republish the stats after a change no step reports."""
+        self._publish()
+        return result
+
+    @property
+    def sleeping(self) -> bool:
+        return self.core.sleeping
 
     async def call(self, fn: Callable[[EngineCore], T]) -> T:
         """Run an arbitrary read or command against the core on the engine thread."""

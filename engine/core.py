@@ -32,10 +32,10 @@ from engine.embed import EmbedCapacityError, Embedder, Pooling, finish
 from engine.guided import GuidedDecoding, GuideError
 from engine.kv_manager import KVCacheManager
 from engine.logits_process import penalize
-from engine.lora import LoraAdapter, LoraError
 from engine.model_config import ModelConfig
 from engine.outputs import RequestOutput, TextState
 from engine.request import Priority, Request
+from engine.residency import Residency
 from engine.runner import ModelRunner, PoolFactory, zeroed_pool
 from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
@@ -95,7 +95,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return table[name]
 
 
-class EngineCore:
+class EngineCore(Residency):
     def __init__(self, config: EngineConfig, pool_factory: PoolFactory = zeroed_pool) -> None:
         self.config = config
         ref = resolve_model(config.model)
@@ -171,6 +171,10 @@ class EngineCore:
         self.embedder = Embedder(self.runner, self.pool, config.max_num_batched_tokens)
         self.counters = EngineCounters()
         self.progressed = False  # whether the last step changed anything
+        #: sleep mode (engine/sleep.py): the weights are dropped and the pool released
+        self.sleeping = False
+        self.last_wake_s: float | None = None
+        self.wakes = 0
         self._text: dict[str, TextState] = {}
         log.info(
             "engine ready: model=%s dtype=%s device=%s kv_blocks=%d (%.0f MiB, %d tokens)",
@@ -195,6 +199,8 @@ class EngineCore:
     ) -> Request:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(ids)
+        if self.sleeping:  # a request wakes a sleeping engine
+            self.wake_up()
         if remote_num_tokens and params.prompt_logprobs is not None:
             raise RequestError(
                 "prompt_logprobs cannot be computed for a prompt whose KV comes from a prefill node"
@@ -210,8 +216,8 @@ class EngineCore:
             raise RequestError(
                 f"logit_bias names token id {bad}, outside the vocabulary [0, {self.model_config.vocab_size})"
             )
-        if params.lora_name is not None:
-            self._check_lora(params.lora_name)
+        if params.lora_name is not None and (why := self.lora_refusal(params.lora_name)):
+            raise RequestError(why)
         self._check_queue(len(ids))
         req = Request(
             request_id=request_id,
@@ -318,6 +324,8 @@ class EngineCore:
                 raise RequestError(
                     f"input {i}: token id {bad} is outside the vocabulary [0, {vocab})"
                 )
+        if self.sleeping:
+            self.wake_up()
         try:
             pooled = self.embedder.embed(prompts, pooling)
         except EmbedCapacityError as e:
@@ -574,43 +582,6 @@ class EngineCore:
         out.first_scheduled_time = req.first_scheduled_time
         out.first_token_time = req.first_token_time
 
-    # -- LoRA adapters ---------------------------------------------------------------------
-    def _check_lora(self, name: str) -> None:
-        lora = self.runner.lora
-        if lora is None:
-            raise RequestError(
-                f"LoRA adapter {name!r} asked of an engine with LoRA off (max_loras 0)"
-            )
-        if name not in lora.adapters:
-            raise RequestError(f"LoRA adapter {name!r} is not loaded on this engine")
-
-    def load_lora(self, adapter: LoraAdapter) -> list[str]:
-        """Make `adapter` (read off this thread: engine/lora/adapter.py) resident; returns the
-        adapters unloaded for it. LoraError / LoraSlotsFull when it cannot be."""
-        lora = self.runner.lora
-        if lora is None:
-            raise LoraError("LoRA is off on this engine (start it with max_loras > 0)")
-        stale = lora.digest_changed(adapter) and adapter.name not in lora.adapters
-        # a name that served other weights before: its cached KV is not this adapter's
-        if stale and not self.pool.reset_cache():
-            raise LoraError(
-                f"adapter {adapter.name!r} was served here with other weights and their KV "
-                "is still cached; load these under a new name, or when the node is idle"
-            )
-        return lora.install(adapter)
-
-    def unload_lora(self, name: str) -> bool:
-        """Unload an adapter (False: not loaded); LoraError while requests use it."""
-        lora = self.runner.lora
-        if lora is None:
-            return False
-        if lora.in_use[name]:
-            raise LoraError(f"adapter {name!r} is in use by {lora.in_use[name]} request(s)")
-        return lora.remove(name)
-
-    def lora_names(self) -> list[str]:
-        return [] if self.runner.lora is None else sorted(self.runner.lora.adapters)
-
     # -- control ---------------------------------------------------------------------------
     def abort(self, request_id: str) -> RequestOutput | None:
         """Abort a queued or running request (its final delta), and free the blocks of a
@@ -682,5 +653,6 @@ class EngineCore:
             "generation_tokens": self.counters.generation_tokens,
             "num_preemptions": self.scheduler.num_preemptions,
             "steps": self.counters.steps,
+            **self.residency_stats(),
             **(self.speculator.counters.stats() if self.speculator is not None else {}),
         }

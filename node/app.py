@@ -20,8 +20,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from node.completions import handle_chat_completions, handle_completions, new_request_id
 from node.engine_api import EngineDead, EngineOverloaded
+from node.lora import add_lora_routes, lora_engine
 from node.request_log import REQUEST_ID
 from node.responder import engine_dead
+from node.sleep import add_sleep_routes, idle_sleep_ctx
 from node.state import NodeState
 from protocol.node_api import AbortRequest, NodeHealth
 from protocol.openai import APIError
@@ -123,7 +125,8 @@ async def _chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def _models(request: web.Request) -> web.Response:
-    """OpenAI's model list: the one model this node serves (routers discover it here)."""
+    """OpenAI's model list: the model this node serves, then its LoRA adapters (vLLM's shape:
+    `parent` is the base model) — routers discover them here."""
     s = request.app[STATE]
     model = {
         "id": s.engine.model_name,
@@ -134,7 +137,13 @@ async def _models(request: web.Request) -> web.Response:
         "role": s.config.role,
         "quantization": s.engine.kv_layout.weights or None,
     }
-    return web.json_response({"object": "list", "data": [model]})
+    lora = lora_engine(s.engine)
+    adapters = [
+        {"id": name, "object": "model", "created": int(s.started_at), "owned_by": "duet"}
+        | {"root": path, "parent": s.engine.model_name, "max_model_len": s.engine.max_model_len}
+        for name, path in (lora.lora_paths() if lora is not None else {}).items()
+    ]
+    return web.json_response({"object": "list", "data": [model, *adapters]})
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -233,6 +242,12 @@ def make_app(state: NodeState) -> web.Application:
     app.router.add_post("/drain", bind(handle_post_drain))
     app.router.add_delete("/drain", bind(handle_delete_drain))
     from node.spans import handle_spans
+
+    # LoRA adapters and sleep mode, vLLM's endpoints (node/lora.py, node/sleep.py)
+    add_lora_routes(app, bind)
+    add_sleep_routes(app, bind)
+    if state.config.sleep_after_idle_s is not None:
+        app.cleanup_ctx.append(idle_sleep_ctx(state))
 
     # the console's request view: this node's recent spans of one trace (node/spans.py)
     app.router.add_get("/spans", bind(handle_spans))

@@ -21,9 +21,11 @@ import msgspec
 from aiohttp import web
 
 from node.chat import as_completion, parse_chat, template
+from node.engine_api import NodeEngine
 from node.leg_context import Leg
 from node.leg_spans import record_leg
 from node.legs import PREFILL_TRIGGER, LegContext, Prepared, leg_trigger, prefill_request_id
+from node.lora import adapter_names
 from node.request_body import decode_request
 from node.request_log import REQUEST_ID
 from node.state import NodeState
@@ -41,9 +43,12 @@ def parse_body(raw: bytes) -> NodeCompletionRequest:
     return body
 
 
-def sampling_params(body: NodeCompletionRequest, max_tokens: int | None = None) -> SamplingParams:
-    """The engine's params. On a migrated leg (`resume`) max_tokens and min_tokens are the
-    original request's: the tokens already streamed count against them."""
+def sampling_params(
+    body: NodeCompletionRequest, max_tokens: int | None = None, lora_name: str | None = None
+) -> SamplingParams:
+    """The engine's params (`lora_name`: the adapter the body's model names). On a migrated leg
+    (`resume`) max_tokens and min_tokens are the original request's: the tokens already
+    streamed count against them."""
     done = body.resume.output_tokens if body.resume is not None else 0
     try:
         return SamplingParams(
@@ -70,6 +75,7 @@ def sampling_params(body: NodeCompletionRequest, max_tokens: int | None = None) 
                 int(t): b for t, b in (body.logit_bias or {}).items()
             },  # keys checked by validate()
             guide=body.guide,
+            lora_name=lora_name,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None
@@ -117,13 +123,7 @@ async def prepare_body(
     state: NodeState, body: NodeCompletionRequest, arrival: float, chat: bool = False
 ) -> Prepared:
     engine = state.engine
-    if body.model and body.model != engine.model_name:
-        raise APIError(
-            404,
-            f"model {body.model!r} is not served here (this node serves {engine.model_name!r})",
-            code="model_not_found",
-            param="model",
-        )
+    adapter = served_adapter(engine, body.model)
     check_transfer_params(body)
     prompt = body.single_prompt()
     if isinstance(prompt, str):
@@ -135,7 +135,7 @@ async def prepare_body(
     # the engine's words, before any engine work: off the event loop (a guide the size bounds
     # admit compiles for up to about a second, which would stall every stream of this node)
     await state.guides.check(body.guide, param="guide")
-    params = sampling_params(body)
+    params = sampling_params(body, lora_name=adapter)
     if len(ids) + params.max_tokens > engine.max_model_len:
         raise APIError(
             400,
@@ -154,6 +154,23 @@ async def prepare_body(
         priority=priority,
         arrival=arrival,
         chat=chat,
+    )
+
+
+def served_adapter(engine: NodeEngine, model: str | None) -> str | None:
+    """The LoRA adapter a request's `model` names (None: the base model); 404 for a model this
+    node does not serve."""
+    if not model or model == engine.model_name:
+        return None
+    adapters = adapter_names(engine)
+    if model in adapters:
+        return model
+    also = f" and the LoRA adapters {adapters}" if adapters else ""
+    raise APIError(
+        404,
+        f"model {model!r} is not served here (this node serves {engine.model_name!r}{also})",
+        code="model_not_found",
+        param="model",
     )
 
 

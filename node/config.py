@@ -115,6 +115,10 @@ class NodeConfig:
     #: gateway's [server] guide_compile_timeout_s; keep it at least the gateway's, or the node
     #: refuses guides the gateway admitted)
     guide_compile_timeout_s: float = GUIDE_TIMEOUT_S
+    #: sleep mode: release the engine's weights and KV pool after this many seconds without a
+    #: request in flight (the registration stays; the next request wakes it: node/sleep.py).
+    #: None: only `POST /sleep` puts the node to sleep
+    sleep_after_idle_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -135,6 +139,10 @@ class NodeConfig:
         if not 0 < self.guide_compile_timeout_s <= 600:
             raise ValueError(
                 f"guide compile timeout must be in (0, 600] seconds, got {self.guide_compile_timeout_s}"
+            )
+        if self.sleep_after_idle_s is not None and not self.sleep_after_idle_s > 0:
+            raise ValueError(
+                f"sleep_after_idle_s must be a positive number of seconds, got {self.sleep_after_idle_s}"
             )
         if not 1 <= self.guide_compile_threads <= 64:
             raise ValueError(

@@ -38,17 +38,22 @@ from protocol.sampling import Priority, SamplingParams
 from text.tokenizer import Tokenizer
 
 __all__ = [
+    "AdapterRefused",
+    "AdapterSlotsFull",
     "Delta",
     "EmbeddingEngine",
+    "EngineBusy",
     "EngineDead",
     "EngineOverloaded",
     "EngineStream",
     "KVEventDrain",
     "KVHandoff",
+    "LoraEngine",
     "NodeEngine",
     "Priority",
     "RequestRefused",
     "SamplingParams",
+    "SleepingEngine",
 ]
 
 
@@ -66,6 +71,18 @@ class EngineOverloaded(RuntimeError):
 
 class EngineDead(RuntimeError):
     """The engine failed as a whole; the node must be restarted (503 until then)."""
+
+
+class AdapterRefused(ValueError):
+    """A LoRA adapter the engine will not load as asked (unreadable, or not applicable: 400)."""
+
+
+class AdapterSlotsFull(RuntimeError):
+    """Every LoRA slot holds an adapter requests use: retry later or elsewhere (503)."""
+
+
+class EngineBusy(RuntimeError):
+    """A state change (sleep, unloading an adapter) asked while requests need the state (409)."""
 
 
 #: What one engine step produced for one request: the engine's own output record, reused as is
@@ -173,4 +190,47 @@ class EmbeddingEngine(Protocol):
         self, prompts: list[list[int]], pooling: str, dimensions: int | None = None
     ) -> list[bytes]:
         """One vector per prompt, in order: `dimensions` (None: all) little-endian float32."""
+        ...
+
+
+@runtime_checkable
+class LoraEngine(Protocol):
+    """An engine that serves LoRA adapters loaded at run time (the native one with max_loras >
+    0). A request runs with an adapter when its `model` is the adapter's name."""
+
+    #: slots for resident adapters (0: LoRA off)
+    max_loras: int
+
+    def lora_names(self) -> list[str]: ...
+
+    def lora_paths(self) -> dict[str, str]:
+        """name → the directory each resident adapter was loaded from."""
+        ...
+
+    async def load_lora(self, name: str, path: str) -> list[str]:
+        """Returns the adapters unloaded to make room; AdapterRefused / AdapterSlotsFull."""
+        ...
+
+    async def unload_lora(self, name: str) -> bool:
+        """False: not loaded; EngineBusy while requests use it."""
+        ...
+
+
+@runtime_checkable
+class SleepingEngine(Protocol):
+    """An engine with vLLM's sleep mode: weights and KV pool released while idle, rebuilt by
+    `wake_up` or by the next request."""
+
+    @property
+    def is_sleeping(self) -> bool: ...
+
+    @property
+    def last_wake_s(self) -> float | None: ...
+
+    async def sleep(self) -> None:
+        """EngineBusy while the engine holds requests."""
+        ...
+
+    async def wake_up(self) -> float:
+        """Seconds the wake took (0 when awake already)."""
         ...

@@ -158,10 +158,23 @@ class KVEventLog:
             kv_blocks_free=int(stats.get("kv_blocks_free", 0)),
             kv_blocks_total=int(stats.get("kv_blocks_total", 0)),
             **(self.latency() if self.latency is not None else {}),
+            **residency(self.engine),
         )
 
 
 KV_EVENTS = web.AppKey("kv_events", KVEventLog)
+
+
+def residency(engine: Any) -> dict[str, object]:
+    """A load frame's LoRA adapters and sleep state (node/lora.py, node/sleep.py)."""
+    from node.lora import lora_engine
+    from node.sleep import sleeping_engine
+
+    lora, sleeper = lora_engine(engine), sleeping_engine(engine)
+    return {
+        "lora_adapters": None if lora is None else lora.lora_names(),
+        "sleeping": None if sleeper is None else sleeper.is_sleeping,
+    }
 
 
 def measured_latency(metrics: NodeMetrics, role: str) -> Callable[[], dict[str, object]]:

@@ -59,7 +59,7 @@ class Leg:
                 kv.took(self.prep.request_id)
 
     async def respond(self, stream: EngineStream) -> web.StreamResponse:
-        prep, model = self.prep, self.node.engine.model_name
+        prep, model = self.prep, self.model
         if prep.body.stream:
             chunker = None
             if prep.chat:
@@ -71,7 +71,12 @@ class Leg:
         return self.answer(await self.collect(stream))
 
     async def collect(self, stream: EngineStream) -> NodeCompletion:
-        return await self._responder.collect(stream, self.node.engine.model_name)
+        return await self._responder.collect(stream, self.model)
+
+    @property
+    def model(self) -> str:
+        """The model the answer names: the LoRA adapter the request ran with, or the base."""
+        return self.prep.params.lora_name or self.node.engine.model_name
 
     def answer(self, result: NodeCompletion) -> web.Response:
         body = chat_response(result) if self.prep.chat else result

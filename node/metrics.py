@@ -58,6 +58,13 @@ _GAUGES = {
         "kv_blocks_quarantined",
         "KV blocks set aside until a failed transfer is known stopped",
     ),
+    "duet:engine_sleeping": ("sleeping", "1 while the engine sleeps (weights and KV released)"),
+    "duet:lora_adapters_loaded": ("lora_adapters_loaded", "LoRA adapters resident"),
+    "duet:lora_slots": ("lora_slots", "LoRA adapter slots (--max-loras)"),
+    "duet:engine_last_wake_seconds": (
+        "last_wake_seconds",
+        "Seconds the engine's last wake from sleep took (weights rebuilt)",
+    ),
 }
 _COUNTERS = {
     "duet:prefix_cache_queries": (
@@ -68,6 +75,7 @@ _COUNTERS = {
     "duet:prompt_tokens": ("prompt_tokens_computed", "Prompt tokens computed"),
     "duet:generation_tokens": ("generation_tokens", "Tokens generated"),
     "duet:num_preemptions": ("num_preemptions", "Requests preempted (recompute)"),
+    "duet:engine_wakes": ("wakes", "Times the engine woke from sleep"),
     "duet:num_requests_failed": (
         "num_requests_failed",
         "Requests the engine failed alone (finish_reason error)",
@@ -172,6 +180,15 @@ class NodeMetrics:
             [*names, "verdict"],
             registry=self.registry,
         )
+        self._lora_loads = Counter(
+            "duet:lora_loads", "LoRA adapters loaded at run time", names, registry=self.registry
+        ).labels(**self.labels)
+        self._lora_evictions = Counter(
+            "duet:lora_evictions",
+            "LoRA adapters unloaded to make room for another (least recently used)",
+            names,
+            registry=self.registry,
+        ).labels(**self.labels)
         self._guide_compiling = Gauge(
             "duet:guide_compiles_running",
             "Grammar compiles running on their threads",
@@ -186,6 +203,10 @@ class NodeMetrics:
     def inter_token(self, seconds: float) -> None:
         self.itl.observe(seconds)
         self.recent_itl.add(seconds)
+
+    def lora_loaded(self, evicted: list[str]) -> None:
+        self._lora_loads.inc()
+        self._lora_evictions.inc(len(evicted))
 
     def rejected(self, reason: str) -> None:
         """Count a refused request (queue_full, draining, engine_dead, body_too_large, ...)."""

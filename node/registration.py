@@ -285,6 +285,7 @@ def node_info(state: Any, pool: str) -> NodeInfo:
         started_at=state.started_at,
         quantization=eng.kv_layout.weights or None,
         task=NodeTask(cfg.task),
+        max_loras=int(getattr(eng, "max_loras", 0) or 0),
     )
 
 

@@ -69,6 +69,9 @@ class NodeInfo(msgspec.Struct, frozen=True, kw_only=True):
     quantization: str | None = None
     #: generation (P/D legs) or embeddings: routers filter on it
     task: NodeTask = NodeTask.GENERATE
+    #: LoRA adapter slots (0: the node serves no adapters); which adapters are resident travels
+    #: in its load frames (LoadFrame.lora_adapters)
+    max_loras: int = 0
 
 
 def kv_layouts_match(prefill_hash: str | None, decode_hash: str | None) -> bool:
@@ -123,6 +126,9 @@ class LoadReport(msgspec.Struct, frozen=True, kw_only=True):
     #: merged one, not a mean of these nodes' P90s
     ttft_hist: LatencyHistogram | None = None
     itl_hist: LatencyHistogram | None = None
+    #: the node's resident LoRA adapters and whether it sleeps (None: not reported)
+    lora_adapters: list[str] | None = None
+    sleeping: bool | None = None
 
 
 class PendingReport(msgspec.Struct, frozen=True, kw_only=True):

@@ -95,6 +95,12 @@ class LoadFrame(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     #: forward passes, 0..1 (node/busy_window.py); None: not known yet, or an engine that does
     #: not count it (vLLM), or an older node
     busy: float | None = None
+    #: the LoRA adapters resident on the node (None: it serves none, or an older node); the
+    #: coordinator routes an adapter's requests to nodes that hold it
+    lora_adapters: list[str] | None = None
+    #: the engine sleeps (weights and KV pool released: its next request waits for a wake);
+    #: None: an engine without sleep mode, or an older node
+    sleeping: bool | None = None
 
 
 Frame = EventBatch | LoadFrame

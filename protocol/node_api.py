@@ -94,3 +94,29 @@ class NodeSpans(msgspec.Struct, kw_only=True):
     spans: list[SpanRecord] = []
     #: the trace had more spans on this node than one answer carries (MAX_TRACE_SPANS)
     truncated: bool = False
+
+
+class LoadLoraAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`POST /v1/load_lora_adapter` (vLLM's body): load the PEFT adapter at `lora_path` (a
+    directory on the node) under `lora_name`, the model name requests then use. `load_inplace`
+    replaces an adapter already loaded under that name (refused while requests use it)."""
+
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+
+
+class UnloadLoraAdapterRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`POST /v1/unload_lora_adapter` (vLLM's body; `lora_int_id` is accepted and not used)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+class SleepState(msgspec.Struct, kw_only=True):
+    """`GET /is_sleeping` (vLLM's answer), and duet's figures of the last sleep and wake."""
+
+    is_sleeping: bool
+    #: seconds the last wake took to rebuild the weights (None: never woken)
+    last_wake_s: float | None = None
+    wakes: int = 0

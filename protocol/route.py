@@ -33,6 +33,12 @@ class RouteRequest(msgspec.Struct, frozen=True, kw_only=True):
     #: embed: one node of `--task embed` (the answer's `decode`, `prefill` null; `max_tokens` is
     #: ignored and `num_prompt_tokens` is the longest item); generate: the P/D pair
     task: NodeTask = NodeTask.GENERATE
+    #: the LoRA adapter the request runs with (`model` names its base model): routed to nodes
+    #: with LoRA slots, preferring those that hold it; a chosen node that does not is told to
+    #: load it first, from `lora_path` (a directory on the nodes) or from where a node that
+    #: holds it loaded it (its GET /v1/models `root`)
+    lora_name: str | None = None
+    lora_path: str | None = None
 
 
 class RouteTarget(msgspec.Struct, frozen=True, kw_only=True):

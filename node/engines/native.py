@@ -18,8 +18,13 @@ from engine.config import EngineConfig
 from engine.core import EngineCore, RequestError
 from engine.core import EngineOverloaded as CoreOverloaded
 from engine.embed import Pooling
+from engine.lora import LoraError, LoraSlotsFull
+from engine.sleep import EngineBusy as CoreBusy
 from node.engine_api import (
+    AdapterRefused,
+    AdapterSlotsFull,
     Delta,
+    EngineBusy,
     EngineDead,
     EngineOverloaded,
     KVEventDrain,
@@ -90,6 +95,7 @@ class NativeNodeEngine:
         self.max_model_len = core.max_model_len
         self.kv_layout = core.runner.kv_layout
         self.embedding_size = core.model_config.hidden_size
+        self.max_loras = config.max_loras
 
     @property
     def async_engine(self) -> AsyncEngine:
@@ -154,6 +160,48 @@ class NativeNodeEngine:
             raise RequestRefused(str(e)) from None
         except CoreOverloaded as e:
             raise EngineOverloaded(str(e), RETRY_AFTER_S) from None
+
+    # -- LoRA adapters and sleep mode (node.engine_api LoraEngine, SleepingEngine) ---------
+    def lora_names(self) -> list[str]:
+        return list(self._engine.lora_paths())
+
+    def lora_paths(self) -> dict[str, str]:
+        return self._engine.lora_paths()
+
+    async def load_lora(self, name: str, path: str) -> list[str]:
+        try:
+            return await self._call(self._engine.load_lora(name, path))
+        except LoraError as e:
+            raise AdapterRefused(str(e)) from None
+        except LoraSlotsFull as e:
+            raise AdapterSlotsFull(str(e)) from None
+
+    async def unload_lora(self, name: str) -> bool:
+        try:
+            return bool(await self._call(self._engine.unload_lora(name)))
+        except LoraError as e:
+            raise EngineBusy(str(e)) from None
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._engine.sleeping
+
+    @property
+    def last_wake_s(self) -> float | None:
+        return self._engine.core.last_wake_s
+
+    @property
+    def wakes(self) -> int:
+        return self._engine.core.wakes
+
+    async def sleep(self) -> None:
+        try:
+            await self._call(self._engine.sleep())
+        except CoreBusy as e:
+            raise EngineBusy(str(e)) from None
+
+    async def wake_up(self) -> float:
+        return float(await self._call(self._engine.wake_up()))
 
     async def abort(self, request_id: str) -> bool:
         return bool(await self._call(self._engine.abort(request_id)))

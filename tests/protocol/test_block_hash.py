@@ -51,3 +51,22 @@ def test_a_cache_domain_salts_the_whole_chain() -> None:
     a, b = (block_hashes(toks, 16, parent=domain_root(d)) for d in ("team:a", "team:b"))
     assert not set(a) & set(b) and not set(a) & set(block_hashes(toks, 16))
     assert a == block_hashes(toks, 16, parent=domain_root("team:a"))
+
+
+def test_a_lora_adapter_is_part_of_the_root() -> None:
+    """An adapter's KV is not the base model's: its chain starts from the domain's root mixed
+    with the adapter's name; no adapter leaves the domain's root as it was."""
+    import struct
+
+    from protocol.block_hash import domain_root
+
+    toks = list(range(48))
+    assert domain_root("team:a", adapter=None) == domain_root("team:a", adapter="")
+    mixed = struct.pack("<Q", domain_root("team:a")) + b"lora:sql"
+    assert domain_root("team:a", adapter="sql") == xxhash.xxh3_64_intdigest(
+        mixed, seed=DEFAULT_HASH_SEED
+    )
+    roots = {domain_root(d, adapter=a) for d in (None, "team:a") for a in (None, "sql", "chat")}
+    assert len(roots) == 6
+    sql, base = (block_hashes(toks, 16, parent=domain_root(None, adapter=a)) for a in ("sql", None))
+    assert not set(sql) & set(base)

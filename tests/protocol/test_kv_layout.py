@@ -42,3 +42,11 @@ def test_quantized_weights_never_pair_with_unquantized() -> None:
     assert plain.compat_hash == _layout(weights="").compat_hash  # unquantized hashes unchanged
     assert int4.compat_hash != plain.compat_hash != _layout(weights="int8").compat_hash
     assert plain.differences(int4) == ["weights: unquantized != int4"]
+
+
+def test_architectures_past_llama_enter_the_hash() -> None:
+    """Gemma's KV, read with its per-layer windows, must not pair with a same-shaped Llama's;
+    the Llama family's hash stays what it was (attention "")."""
+    gemma = _layout(attention="gemma2;window=4096;layers=sfsf")
+    assert gemma.compat_hash != _layout().compat_hash
+    assert _layout().differences(gemma) == ["attention: llama != gemma2;window=4096;layers=sfsf"]
