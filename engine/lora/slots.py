@@ -167,11 +167,9 @@ class LoraSlots:
         for i, layer in enumerate(model.layers):  # type: ignore[attr-defined]
             owners = _owners(layer)
             for name, stack in self.stacks[i].items():
-                if name not in owners:
-                    self.stacks[i][name] = stack  # no dense linear: an adapter there is refused
-                    continue
-                obj, attr = owners[name]
-                setattr(obj, attr, LoraLinear(getattr(obj, attr), stack, self.batch))
+                if name in owners:  # else no dense linear: `install` refuses adapters there
+                    obj, attr = owners[name]
+                    setattr(obj, attr, LoraLinear(getattr(obj, attr), stack, self.batch))
         # the one-C-call decode loop would skip the wrappers
         if getattr(model, "decode_plan", None) is not None:
             model.decode_plan = None  # type: ignore[attr-defined]

@@ -63,8 +63,8 @@ def test_torch_path_matches_transformers(arch: Path) -> None:
 
 def test_quantized_and_speculative(arch: Path) -> None:
     """int8 weights keep fp32's top token at most positions of a teacher-forced prompt (a
-    mixture of experts' routing flips on some); n-gram speculation leaves greedy output exactly
-    as it was, and drafts were accepted."""
+    mixture of experts' routing flips on some); n-gram and self-draft (int4) speculation leave
+    greedy output exactly as it was, and drafts were made."""
     prompt = _prompts(seed=2)[-1] + _prompts(seed=4)[-1]
     scored = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1)
     tops = [
@@ -78,11 +78,12 @@ def test_quantized_and_speculative(arch: Path) -> None:
     ]
     same = sum(a == b for a, b in zip(*tops, strict=True))
     assert same >= 0.8 * len(tops[0]), f"int8 kept the top token at {same} of {len(tops[0])}"
-    spec = LLM(str(arch), **ENGINE, speculative="ngram")
-    rep = [p[:8] * 4 for p in _prompts(seed=2)[2:]]  # repetitive prompts: the drafter finds matches
+    rep = [p[:8] * 4 for p in _prompts(seed=2)[2:]]  # repetitive prompts: n-gram finds matches
     plain = [o.token_ids for o in LLM(str(arch), **ENGINE).generate(rep, GREEDY)]
-    assert [o.token_ids for o in spec.generate(rep, GREEDY)] == plain
-    assert spec.engine.stats()["spec_decode_num_drafts"] > 0
+    for method in ("ngram", "draft-int4"):  # the draft: this architecture's own weights at int4
+        spec = LLM(str(arch), **ENGINE, speculative=method, spec_max_batch=4)
+        assert [o.token_ids for o in spec.generate(rep, GREEDY)] == plain, method
+        assert spec.engine.stats()["spec_decode_num_drafts"] > 0, method
 
 
 def test_bf16_agrees_with_fp32_on_first_tokens(arch: Path) -> None:
