@@ -113,6 +113,8 @@ def node_config(args: argparse.Namespace, role: str | None = None) -> NodeConfig
         raise ValueError(
             "--itl-target-ms takes a positive number of milliseconds, with --engine native"
         )
+    if cfg.engine_kind != "native" and (engine.max_loras or cfg.sleep_after_idle_s is not None):
+        raise ValueError("--max-loras and --sleep-after-idle-s apply only with --engine native")
     if cfg.engine_kind == "vllm":
         batched = "max_num_batched_tokens" in engine_given
         return replace(

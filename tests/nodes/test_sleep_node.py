@@ -87,3 +87,24 @@ async def test_a_node_with_a_request_in_flight_refuses_to_sleep(node: tuple[Proc
             async with s.post(n.url + "/sleep") as r:
                 assert r.status == 409 and "in flight" in (await r.json())["error"]["message"]
             await stream.read()
+
+
+def test_node_flags_map_onto_the_configs() -> None:
+    import argparse
+
+    from duet.cmd_nodes import add_node_arguments, node_config
+
+    def parse(*argv: str) -> argparse.Namespace:
+        p = argparse.ArgumentParser()
+        add_node_arguments(p, 8100)
+        return p.parse_args(list(argv))
+
+    cfg = node_config(
+        parse("--max-loras", "4", "--max-lora-rank", "32", "--sleep-after-idle-s", "60"), "both"
+    )
+    assert (cfg.engine.max_loras, cfg.engine.max_lora_rank, cfg.sleep_after_idle_s) == (4, 32, 60.0)
+    assert node_config(parse(), "both").sleep_after_idle_s is None
+    with pytest.raises(ValueError, match="only with --engine native"):
+        node_config(parse("--max-loras", "2", "--engine", "vllm"), "both")
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        node_config(parse("--sleep-after-idle-s", "0"), "both")
