@@ -67,6 +67,8 @@ COMPONENT_BENCHMARKS = {
     "bench/profile.py": {"engine", "sim"},
     "bench/engine_tiers.py": {"engine"},
     "bench/spec_engine.py": {"engine"},
+    "bench/lora_engine.py": {"engine"},
+    "bench/sleep_engine.py": {"engine"},
     "bench/structured.py": {"engine"},
     "bench/probes/linear_bf16_vs_onednn.py": {"engine"},
     "bench/probes/decode_linears.py": {"engine"},

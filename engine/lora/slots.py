@@ -1,17 +1,17 @@
 """The LoRA adapters resident in one engine, and how one step applies each token's own adapter.
 
 Slots: `max_loras` of them, each holding one adapter at rank up to `max_lora_rank` (a smaller
-rank is zero-padded). Every fused linear of every layer (qkv, o, gate_up, down) keeps all slots
-stacked: A [slots · parts · R, in] (slot-major) and, per part, B [slots · R, out_part] with the
-scale folded in; a slot that does not adapt a part holds zeros there.
+rank is zero-padded). Every part of every fused linear of every layer (q, k, v of qkv; o; gate,
+up of gate_up; down) keeps all slots stacked: A [slots · R, in] and B [slots · R, out_part] with
+the scale folded in; a slot that does not adapt a part holds zeros there.
 
 One step, every adapter at once (no loop over tokens or over adapters): the runner gives each
-token of the step its slot (-1: the base model), and each adapted linear adds
-    ((x · A[:k]ᵀ) ⊙ mask) · B[:k]
-to the base linear's output, where k is one past the highest slot the step uses and the mask
-keeps, for each token, the R columns of its own slot (zeros elsewhere, so the others' products
-drop out). A step with no adapted token skips it all. Cost per token: k · R columns per part on
-top of the base GEMM (k · R = 64 for 8 adapters of rank 8).
+token of the step its slot (-1: the base model), and each adapted part adds
+    ((x · A[:k·R]ᵀ) ⊙ mask) · B[:k·R]
+to the base linear's output columns, in place, where k is one past the highest slot the step
+uses and the mask keeps, for each token, the R columns of its own slot (zeros elsewhere, so the
+others' products drop out). A step with no adapted token skips it all. Cost per token: k · R
+columns per part on top of the base GEMM (k · R = 64 for 8 adapters of rank 8).
 
 Residency: `install` puts an adapter in a free slot, or in the least recently used slot whose
 adapter no queued or running request names (`acquire`/`release` count them); when every slot is
@@ -43,12 +43,14 @@ class LoraSlotsFull(RuntimeError):
 class LoraBatch:
     """This step's token → slot map, as the adapted linears read it (None: no adapted token)."""
 
-    mask: torch.Tensor | None = None  # [T, k] in the model dtype: 1 where token t uses slot s
+    #: [T, k · R] in the model dtype: 1 where column c belongs to token t's slot (c // R)
+    mask: torch.Tensor | None = None
     k: int = 0
 
 
 class _Stack:
-    """One fused linear's slots (see the module docstring)."""
+    """One fused linear's slots (see the module docstring): per part, A [slots · R, in] and
+    B · scale [slots · R, out_part], slot s in rows [s · R, (s + 1) · R)."""
 
     def __init__(
         self,
@@ -60,17 +62,15 @@ class _Stack:
         device: torch.device,
     ) -> None:
         self.parts, self.rank = parts, rank
-        self.a = torch.zeros(slots * len(parts) * rank, in_features, dtype=dtype, device=device)
-        self.b = [
-            torch.zeros(slots * rank, hi - lo, dtype=dtype, device=device) for _, lo, hi in parts
-        ]
+        n = slots * rank
+        self.a = [torch.zeros(n, in_features, dtype=dtype, device=device) for _ in parts]
+        self.b = [torch.zeros(n, hi - lo, dtype=dtype, device=device) for _, lo, hi in parts]
 
     def write(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Slot `slot` := the adapter's (A, B·scale) per part (zeros for the parts it lacks)."""
-        r, n = self.rank, len(self.parts)
+        rows = slice(slot * self.rank, (slot + 1) * self.rank)
         for j, (name, _, _) in enumerate(self.parts):
-            a_rows = self.a[(slot * n + j) * r : (slot * n + j + 1) * r]
-            b_rows = self.b[j][slot * r : (slot + 1) * r]
+            a_rows, b_rows = self.a[j][rows], self.b[j][rows]
             a_rows.zero_()
             b_rows.zero_()
             if name in pairs:
@@ -79,12 +79,12 @@ class _Stack:
                 b_rows[: b.shape[1]].copy_(b.t())
 
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> None:
-        k, r, n = batch.k, self.rank, len(self.parts)
-        t = x.shape[0]
-        xa = F.linear(x, self.a[: k * n * r]).view(t, k, n, r)
-        xa = xa * batch.mask[:, :, None, None]  # type: ignore[index]
+        """out[:, part] += ((x · A[:kR]ᵀ) ⊙ mask) · B[:kR] for each part: three ops a part, no
+        copies (the product of the step's slots only, masked in place, added in place)."""
+        n = batch.k * self.rank
         for j, (_, lo, hi) in enumerate(self.parts):
-            out[:, lo:hi] += torch.mm(xa[:, :, j].reshape(t, k * r), self.b[j][: k * r])
+            xa = F.linear(x, self.a[j][:n]).mul_(batch.mask)  # type: ignore[arg-type]
+            out[:, lo:hi].addmm_(xa, self.b[j][:n])
 
 
 class LoraLinear:
@@ -255,7 +255,7 @@ class LoraSlots:
             self.batch.mask, self.batch.k = None, 0
             return
         slots = torch.tensor(token_slots, device=self.device)
-        cols = torch.arange(k, device=self.device)
+        cols = torch.arange(k * self.max_rank, device=self.device) // self.max_rank
         self.batch.mask = (slots[:, None] == cols[None, :]).to(self.dtype)
         self.batch.k = k
 
