@@ -65,6 +65,10 @@ class EtcdStore:
             # aetcd's own timeout does not cover every RPC (a lease revoke on a dead etcd waited
             # forever and hung the coordinator's shutdown): bound each call here as well.
             return await asyncio.wait_for(coro, timeout or self.timeout + 1.0)
+        except aetcd.ConnectionFailedError as e:
+            # gRPC words this by balancing policy ("failed to connect to all addresses", or
+            # "connections to all backends failing" with several members): name it once.
+            raise StoreError(f"etcd {self.url}: cannot connect: {e}") from e
         except aetcd.ClientError as e:
             raise StoreError(f"etcd {self.url}: {type(e).__name__}: {e}") from e
         except (TimeoutError, OSError) as e:
