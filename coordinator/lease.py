@@ -7,21 +7,24 @@ watchers that run while it is held), then refresh the lease every TTL/3 while ca
 every `tick_s`. The session ends when the lease is gone (keepalive answers 0: etcd restarted
 empty, a long partition), when a watcher returns (its key was deleted), or when `tick` says so;
 the next session starts at once. A refresh has a deadline of its own
-(TTL/6, at least 0.5 s): one that fails is tried again on the same lease while the lease surely lives (`valid_until`):
-with several etcd members, a refresh sent to a frozen or cut-off one fails alone and the next
-goes to another. Before, one failed refresh (the store's 6 s deadline, past a 3 s TTL's life)
-ended the session and a new lease was granted, while the old one — and the keys on it, a node's
-registration — expired under an etcd that still had its quorum. While the store is unreachable (`StoreError`) sessions are
-retried with a backoff of 0.2 s doubling to 2 s, and `on_down` is told; `on_up` once a
-session holds its lease again. A bug (any other exception) is logged and retried after 1 s:
-it must not leave the holder silently out of the cluster.
+(TTL/6, at least 0.5 s); one that fails is tried again on the same lease for as long as the lease
+may still live on etcd's side (`expires_by`): with several etcd members, a refresh sent to a
+frozen or cut-off one fails alone and the next goes to another, and on a loaded machine a refresh
+may miss its deadline several times running. Only a lease that is surely gone (etcd answers 0, or
+`expires_by` has passed) ends the session: a new lease would drop the keys on the old one, a
+node's registration, under an etcd that kept its quorum. While the store is unreachable
+(`StoreError`) sessions are retried with a backoff of 0.2 s doubling to 2 s, and `on_down` is
+told; `on_up` once a session holds its lease again. A bug (any other exception) is logged and
+retried after 1 s: it must not leave the holder silently out of the cluster.
 
 `valid_until` (monotonic) is how long the lease surely lives on etcd's side: the time the last
 grant or refresh that etcd answered was *sent*, plus the TTL etcd gave it. etcd counts from when
 it received the call, later than that, so past `valid_until` the holder can no longer prove it
 holds its keys — a partition or a SIGSTOP may have let the lease expire and another replica
 take them — even though no call has failed yet (a call to a silent etcd fails only after its
-deadline, which may be longer than the TTL).
+deadline, which may be longer than the TTL). Whoever acts on holding the lease (the elected
+leader, election.py) checks `valid_until`; the session itself lasts until `expires_by`, the time
+the last answer came back plus the TTL it gave, past which etcd has surely expired the lease.
 
 Invariant: at most one session runs at a time, and every task a session started is cancelled
 and awaited before the next one starts.
@@ -58,6 +61,8 @@ class LeaseHolder:
         self._backoff = _BACKOFF_MIN_S
         #: monotonic time until which the lease surely exists (see the module docstring)
         self.valid_until = 0.0
+        #: monotonic time past which the lease is surely expired on etcd's side
+        self.expires_by = 0.0
 
     # -- hooks -----------------------------------------------------------------------------
     async def attach(self) -> list[Watcher]:
@@ -94,8 +99,8 @@ class LeaseHolder:
                 try:
                     left = await self.store.keepalive(self.lease, timeout=deadline)
                 except StoreError as e:
-                    if time.monotonic() + deadline >= self.valid_until:
-                        raise  # the lease may be gone before another try answers: start over
+                    if time.monotonic() + deadline >= self.expires_by:
+                        raise  # surely gone before another try could answer: start over
                     log.info("etcd lease of %s: refresh failed (%s); trying again", self.what, e)
                     next_refresh = time.monotonic() + _BACKOFF_MIN_S
                     await asyncio.sleep(_BACKOFF_MIN_S)
@@ -106,6 +111,7 @@ class LeaseHolder:
                     )
                     return
                 self.valid_until = sent + left
+                self.expires_by = time.monotonic() + left
                 next_refresh = time.monotonic() + self.ttl / 3
             await asyncio.sleep(min(self.tick_s, max(0.0, next_refresh - time.monotonic())))
 
@@ -113,6 +119,7 @@ class LeaseHolder:
         sent = time.monotonic()
         self.lease = await self.store.grant(self.ttl)
         self.valid_until = sent + self.ttl
+        self.expires_by = time.monotonic() + self.ttl
         watchers = await self.attach()
         self._backoff = _BACKOFF_MIN_S
         self.on_up()
@@ -125,7 +132,7 @@ class LeaseHolder:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            self.valid_until = 0.0
+            self.valid_until = self.expires_by = 0.0
             self.on_session_end()
         for t in done:
             t.result()  # re-raise a StoreError
