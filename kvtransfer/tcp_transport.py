@@ -20,6 +20,13 @@ notification through (the owner closes the connection), and a reader never takes
 owner that cannot prove it (a listener an attacker put at a published address). Without a
 secret on either side the key is empty: the same exchange, authenticating nothing (a dev
 cluster on loopback, see cluster_secret.require_secret_policy).
+
+Before a reader has proved the secret it can cost the owner very little: handshake frames are
+read with a small fixed maximum (a Hello is under 100 bytes, so a forged 64 MiB length prefix is
+refused before anything is allocated), the handshake has its own short deadline, and at most
+`MAX_PREAUTH_PER_HOST` connections per remote address and `MAX_PREAUTH_TOTAL` in all may be in
+it at once; the others are closed on accept. The reader applies the same maximum to the owner's
+Challenge and Welcome (a listener an attacker put at a published address).
 """
 
 from __future__ import annotations
@@ -49,6 +56,17 @@ log = logging.getLogger(__name__)
 #: Idle connections kept per peer; more concurrent reads open (and then close) extra ones.
 MAX_IDLE_CONNECTIONS = 4
 NONCE_BYTES = 32
+#: Largest handshake frame either side reads before the other proved the secret (a Hello is
+#: 2 x 32 bytes plus msgpack's few bytes of framing).
+HANDSHAKE_MAX_FRAME = 256
+#: Seconds a connection may take to finish the handshake: one round trip, so short; the
+#: transport's `timeout` is for reads of many MiB and would let idle sockets sit for long.
+HANDSHAKE_TIMEOUT = 3.0
+#: Connections still in the handshake, per remote address and in all; beyond these the owner
+#: closes a new connection at once. A decode node opens one connection per concurrent read
+#: beyond its idle ones, each in the handshake for one round trip.
+MAX_PREAUTH_PER_HOST = 32
+MAX_PREAUTH_TOTAL = 256
 _READER, _OWNER = b"duet-kv-tcp/reader", b"duet-kv-tcp/owner"
 
 
@@ -65,9 +83,10 @@ async def _recv_exactly(
 
 
 async def _recv_message(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, limit: int = wire.MAX_FRAME
 ) -> wire.Message | None:
-    """One framed control message; None on a clean EOF between messages."""
+    """One framed control message of at most `limit` bytes; None on a clean EOF between
+    messages. The length is checked before the body's buffer is allocated."""
     header = bytearray(wire.FRAME_HEADER.size)
     first = await loop.sock_recv_into(sock, header)
     if first == 0:
@@ -75,8 +94,8 @@ async def _recv_message(
     if first < len(header):
         await _recv_exactly(loop, sock, memoryview(header)[first:])
     (size,) = wire.FRAME_HEADER.unpack(header)
-    if size > wire.MAX_FRAME:
-        raise PeerError(f"control message of {size} bytes is larger than {wire.MAX_FRAME}")
+    if size > limit:
+        raise PeerError(f"control message of {size} bytes is larger than {limit}")
     body = bytearray(size)
     await _recv_exactly(loop, sock, memoryview(body))
     return wire.decode(body)
@@ -117,6 +136,8 @@ class TcpTransport(Transport):
         self._listener: socket.socket | None = None
         self._server_task: asyncio.Task[None] | None = None
         self._handlers: set[asyncio.Task[None]] = set()
+        #: connections in the handshake, per remote address (see MAX_PREAUTH_*)
+        self._preauth: dict[str, int] = {}
         self._view: memoryview | None = None
         self._served: KVLayout | None = None
 
@@ -147,10 +168,23 @@ class TcpTransport(Transport):
     async def _accept_loop(self, lsock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(lsock)
+            conn, addr = await loop.sock_accept(lsock)
+            host = str(addr[0])
+            if (
+                self._preauth.get(host, 0) >= MAX_PREAUTH_PER_HOST
+                or sum(self._preauth.values()) >= MAX_PREAUTH_TOTAL
+            ):
+                self.refused_handshakes += 1
+                self._refused_log.warning(
+                    "refused a KV connection from %s: too many connections in the handshake",
+                    host,
+                )
+                conn.close()
+                continue
+            self._preauth[host] = self._preauth.get(host, 0) + 1
             conn.setblocking(False)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            task = loop.create_task(self._serve(conn))
+            task = loop.create_task(self._serve(conn, host))
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
 
@@ -159,7 +193,7 @@ class TcpTransport(Transport):
         loop = asyncio.get_running_loop()
         nonce = os.urandom(NONCE_BYTES)
         await loop.sock_sendall(conn, wire.frame(wire.Challenge(nonce=nonce)))
-        hello = await asyncio.wait_for(_recv_message(loop, conn), self.timeout)
+        hello = await _recv_message(loop, conn, HANDSHAKE_MAX_FRAME)
         if (
             not isinstance(hello, wire.Hello)
             or len(hello.nonce) != NONCE_BYTES
@@ -173,12 +207,22 @@ class TcpTransport(Transport):
         )
         return True
 
-    async def _serve(self, conn: socket.socket) -> None:
+    async def _serve(self, conn: socket.socket, host: str) -> None:
         loop = asyncio.get_running_loop()
         layout, view = self._served, self._view
         assert layout is not None and view is not None
         try:
-            if not await self._owner_handshake(conn):
+            try:
+                proved = await asyncio.wait_for(
+                    self._owner_handshake(conn), min(self.timeout, HANDSHAKE_TIMEOUT)
+                )
+            except (OSError, PeerError, ValueError, TimeoutError):
+                proved = False  # silent, gone, oversized or not our wire format: refused
+            finally:
+                self._preauth[host] -= 1
+                if not self._preauth[host]:
+                    del self._preauth[host]
+            if not proved:
                 self.refused_handshakes += 1
                 self._refused_log.warning(
                     "refused a KV reader from %s: it did not prove the cluster secret",
@@ -228,7 +272,9 @@ class TcpTransport(Transport):
             raise
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            await asyncio.wait_for(self._reader_handshake(sock, md.engine_id), self.timeout)
+            await asyncio.wait_for(
+                self._reader_handshake(sock, md.engine_id), min(self.timeout, HANDSHAKE_TIMEOUT)
+            )
         except BaseException as e:
             sock.close()
             if isinstance(e, (OSError, TimeoutError, ValueError)):
@@ -240,7 +286,7 @@ class TcpTransport(Transport):
 
     async def _reader_handshake(self, sock: socket.socket, engine_id: str) -> None:
         loop = asyncio.get_running_loop()
-        challenge = await _recv_message(loop, sock)
+        challenge = await _recv_message(loop, sock, HANDSHAKE_MAX_FRAME)
         if not isinstance(challenge, wire.Challenge) or len(challenge.nonce) != NONCE_BYTES:
             raise PeerError(
                 f"peer {engine_id!r} did not open the tcp handshake "
@@ -249,7 +295,7 @@ class TcpTransport(Transport):
         nonce = os.urandom(NONCE_BYTES)
         mac = hmac_parts(self._key, _READER, challenge.nonce, nonce)
         await loop.sock_sendall(sock, wire.frame(wire.Hello(nonce=nonce, mac=mac)))
-        welcome = await _recv_message(loop, sock)
+        welcome = await _recv_message(loop, sock, HANDSHAKE_MAX_FRAME)
         if not isinstance(welcome, wire.Welcome) or not hmac.compare_digest(
             welcome.mac, hmac_parts(self._key, _OWNER, nonce, challenge.nonce)
         ):

@@ -23,7 +23,9 @@ the owner serves no read and takes no notification from a reader that did not pr
 secret, and a reader takes no bytes from an owner that could not prove it. UCX itself
 authenticates nobody, so this is the only check on who reads a pool; the bytes still cross
 the network in clear (docs/security.md, "KV transports across machines"). Without a secret
-the key is empty: the same exchange, authenticating nothing.
+the key is empty: the same exchange, authenticating nothing. As on tcp, the handshake has a
+short deadline and at most `MAX_PREAUTH_TOTAL` endpoints in it; ucxx allocates an active
+message at its sender's size before Python sees it, so only the port's reach bounds a Hello's.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from kvtransfer.memory import PoolMemory
 from kvtransfer.metadata import Notification, TransportMetadata
 from kvtransfer.metrics import KVTransferMetrics
 from kvtransfer.regions import ReadPlan
-from kvtransfer.tcp_transport import NONCE_BYTES
+from kvtransfer.tcp_transport import HANDSHAKE_TIMEOUT, MAX_PREAUTH_TOTAL, NONCE_BYTES
 from kvtransfer.ucx_env import UCXX_DEFAULT_OPTIONS
 from runtime.cluster_secret import ClusterSecret, hmac_parts
 from runtime.log_throttle import ThrottledWarning
@@ -114,6 +116,7 @@ class UcxTransport(Transport):
         self._listener: Any = None
         self._handlers: set[asyncio.Task[None]] = set()
         self._server_eps: set[Any] = set()
+        self._preauth = 0  # endpoints in the handshake now
         self._ids = itertools.count(1)
         self._inflight = asyncio.Semaphore(MAX_INFLIGHT_REQUESTS)
 
@@ -157,10 +160,15 @@ class UcxTransport(Transport):
             self._handlers.add(task)
         self._server_eps.add(ep)
         try:
-            if not await self._owner_handshake(ep):
+            self._preauth += 1
+            try:  # beyond the cap: refused unchallenged
+                proved = self._preauth <= MAX_PREAUTH_TOTAL and await self._owner_handshake(ep)
+            finally:
+                self._preauth -= 1
+            if not proved:
                 self.refused_handshakes += 1
                 self._refused_log.warning(
-                    "refused a ucx KV reader: it did not prove the cluster secret"
+                    "refused a ucx KV reader: it did not prove the cluster secret in time"
                 )
                 # Said before the endpoint goes: UCX may not tell the reader of an abort before
                 # its own timeout, and a reader with the wrong secret should know at once.
@@ -187,7 +195,8 @@ class UcxTransport(Transport):
         nonce = os.urandom(NONCE_BYTES)
         try:
             await ep.am_send(wire.encode(wire.Challenge(nonce=nonce)))
-            hello = wire.decode(bytes(await asyncio.wait_for(ep.am_recv(), self.timeout)))
+            limit = min(self.timeout, HANDSHAKE_TIMEOUT)
+            hello = wire.decode(bytes(await asyncio.wait_for(ep.am_recv(), limit)))
         except asyncio.CancelledError:
             raise
         except Exception:  # gone, silent past the timeout, or not our wire format
