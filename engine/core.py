@@ -33,7 +33,7 @@ from engine.guided import GuidedDecoding, GuideError
 from engine.kv_manager import KVCacheManager
 from engine.logits_process import penalize
 from engine.model_config import ModelConfig
-from engine.outputs import RequestOutput, TextState
+from engine.outputs import Fault, RequestOutput, TextState
 from engine.request import Priority, Request
 from engine.residency import Residency
 from engine.runner import ModelRunner, PoolFactory, zeroed_pool
@@ -431,7 +431,7 @@ class EngineCore(Residency):
         for i, (c, tok) in enumerate(zip(samplers, tokens, strict=True)):
             if i in errors:
                 log.warning("request %s failed: %s", c.req.request_id, errors[i])
-                outputs.append(self.fail(c.req, errors[i]))
+                outputs.append(self.fail(c.req, errors[i], Fault.REQUEST))
             else:
                 outputs.append(self._append_token(c.req, tok, now, lps.get(i)))
         return outputs
@@ -517,10 +517,11 @@ class EngineCore(Residency):
             zip(want, token_logprobs(logits[want], [tokens[i] for i in want], nums), strict=True)
         )
 
-    def fail(self, req: Request, message: str) -> RequestOutput:
+    def fail(self, req: Request, message: str, fault: Fault = Fault.ENGINE) -> RequestOutput:
         """Finish `req` with finish_reason "error" (its blocks are freed, never held)."""
         text = self._text.get(req.request_id)
-        out = RequestOutput(req.request_id, [], text.finish() if text else "", error=message)
+        finished = text.finish() if text else ""
+        out = RequestOutput(req.request_id, [], finished, error=message, fault=fault)
         self.counters.requests_failed += 1
         self._finish(req, "error", None, out)
         return out
@@ -535,7 +536,7 @@ class EngineCore(Residency):
         try:  # a guided request: its matcher takes the token; a complete grammar ends the request
             complete = self.guides.advance(req.request_id, tok)
         except GuideError as e:
-            return self.fail(req, str(e))
+            return self.fail(req, str(e), Fault.REQUEST)
         p = req.params
         reason: str | None = None
         stop_reason: str | int | None = None

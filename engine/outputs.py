@@ -13,12 +13,12 @@ streamed them, and only the text past what the client already has is emitted.
 
 from __future__ import annotations
 
-from protocol.outputs import RequestOutput
+from protocol.outputs import Fault, RequestOutput
 from protocol.resume import Resume
 from text.detokenizer import IncrementalDetokenizer
 from text.tokenizer import Tokenizer
 
-__all__ = ["RequestOutput", "TextState"]
+__all__ = ["Fault", "RequestOutput", "TextState"]
 
 
 class TextState:

@@ -16,7 +16,8 @@ Penalties, logit_bias and a guide's mask reach here already applied to the logit
 requests that ask for logprobs.
 
 Invariant: the returned list has one token per input row, in row order. A row that cannot be
-sampled (non-finite probabilities, a generator error) fails alone: `sample_rows` reports it in
+sampled (non-finite probabilities, a greedy row whose chosen logit is NaN or infinite, a
+generator error) fails alone: `sample_rows` reports it in
 its errors and every other row still gets its token.
 """
 
@@ -96,6 +97,7 @@ class Sampler:
             for r in masked:
                 logits[r, list(eos_ids[r])] = float("-inf")
         out = self._argmax(logits)
+        _check_greedy(logits, rows, out, errors)
         sampled = [r for r, (_, p, _) in enumerate(rows) if not p.greedy]
         if not sampled:
             return out, errors
@@ -150,6 +152,23 @@ class Sampler:
             idx.data_ptr(),
         )
         return idx.tolist()
+
+
+def _check_greedy(
+    logits: torch.Tensor,
+    rows: list[tuple[str, SamplingParams, bool]],
+    out: list[int],
+    errors: dict[int, str],
+) -> None:
+    """A greedy row whose chosen logit is NaN or infinite fails alone (its token is -1): an
+    argmax over NaN picks no meaningful token, and one row must not hand it on."""
+    greedy = [r for r, (_, p, _) in enumerate(rows) if p.greedy]
+    if not greedy:
+        return
+    picked = logits[greedy, [out[r] for r in greedy]]
+    for r, ok in zip(greedy, torch.isfinite(picked).tolist(), strict=True):
+        if not ok:
+            errors[r], out[r] = "sampling failed: the logits are not finite", -1
 
 
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

@@ -27,13 +27,23 @@ from node.state import NodeState
 from protocol.logprobs import TokenLogprob
 from protocol.node_api import NodeCompletion, NodeCompletionChunk
 from protocol.openai import APIError, CompletionChoice, CompletionLogprobs, Usage, usage
+from protocol.outputs import Fault
 from protocol.sse import SSE_HEADERS, end_stream, error_event, sse
 
 log = logging.getLogger("duet.node")
 
 
 def request_failed(out: Delta) -> APIError:
-    """The engine failed this one request (its other requests go on)."""
+    """The engine failed this one request (its other requests go on). A failure that is the
+    request's own (`Fault.REQUEST`: every node computes the same) is a 400, so no router
+    computes it again elsewhere; the node's own is a 500 another node may not repeat."""
+    if out.fault is Fault.REQUEST:
+        return APIError(
+            400,
+            f"this request cannot be computed: {out.error}",
+            type_="invalid_request_error",
+            code="request_invalid",
+        )
     return APIError(
         500,
         f"the engine failed this request: {out.error}",

@@ -15,6 +15,7 @@ from typing import Any, Literal, TypeVar
 import msgspec
 
 from protocol.logprobs import MAX_TOP_LOGPROBS
+from protocol.sampling import REPETITION_PENALTY_RANGE
 
 # OpenAI allows str | list[int] | list[str] | list[list[int]]; msgspec cannot express that
 # union, so the list form is checked in validate().
@@ -138,7 +139,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     kv_transfer_params: dict[str, Any] | None = None
     user: str | None = None
     # Penalties and biases (OpenAI's: frequency/presence -2..2, logit_bias token id -> -100..100,
-    # at most 300 entries; vLLM's: repetition_penalty > 0, min_p in [0, 1])
+    # at most 300 entries; vLLM's: repetition_penalty in [0.01, 100], min_p in [0, 1])
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -179,12 +180,13 @@ def check_penalty_fields(
     ):
         if v is not None and not (math.isfinite(v) and -PENALTY_RANGE <= v <= PENALTY_RANGE):
             raise APIError(400, f"{name} must be between -2 and 2, got {v}", param=name)
+    low, high = REPETITION_PENALTY_RANGE
     if repetition_penalty is not None and not (
-        math.isfinite(repetition_penalty) and repetition_penalty > 0
+        math.isfinite(repetition_penalty) and low <= repetition_penalty <= high
     ):
         raise APIError(
             400,
-            f"repetition_penalty must be a number > 0, got {repetition_penalty}",
+            f"repetition_penalty must be between {low:g} and {high:g}, got {repetition_penalty}",
             param="repetition_penalty",
         )
     if min_p is not None and not (math.isfinite(min_p) and 0 <= min_p <= 1):

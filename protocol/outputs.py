@@ -9,10 +9,22 @@ use it and neither may import the other. Plain dataclass, torch-free: it is buil
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from protocol.kv_params import KVTransferParams
 from protocol.logprobs import TokenLogprob
+
+
+class Fault(enum.Enum):
+    """Whose a request's failure in the engine is (finish_reason "error")."""
+
+    #: the node's (a forward pass that raised, its memory): another node may well compute it
+    ENGINE = "engine"
+    #: the request's own: what it asked for cannot be computed (its sampling row turned
+    #: non-finite, its guide refused a token), and every replica of the model computes the same,
+    #: so it is answered as the client's error and never tried again elsewhere
+    REQUEST = "request"
 
 
 @dataclass
@@ -26,6 +38,8 @@ class RequestOutput:
     finish_reason: str | None = None  # stop | length | abort | error
     #: why the engine failed this request (finish_reason "error"); other requests go on
     error: str | None = None
+    #: whose that failure is (with `error`)
+    fault: Fault = Fault.ENGINE
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0

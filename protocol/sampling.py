@@ -23,6 +23,10 @@ GREEDY_EPSILON = 1e-5
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 #: longest cache domain name a request may carry (a team id or a cache group)
 MAX_CACHE_SALT = 256
+#: vLLM's repetition_penalty only asks > 0, but dividing a logit by 1e-38 made it infinite and
+#: the row's softmax NaN, after the whole prompt was computed: bounded to what a model's fp32
+#: logits bear (100x either way; 1 is off)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 #: most token ids a request's logit_bias may name (OpenAI's limit)
 MAX_LOGIT_BIAS = 300
 
@@ -72,7 +76,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     #: vLLM's: every token of prompt + output has its logit divided by this when positive,
-    #: multiplied when negative; > 0, 1 = off
+    #: multiplied when negative; in REPETITION_PENALTY_RANGE (a tiny one made logits infinite
+    #: and the sample NaN), 1 = off
     repetition_penalty: float = 1.0
     #: vLLM's: after temperature, drop tokens less likely than min_p x the top token's probability
     min_p: float = 0.0
@@ -141,9 +146,10 @@ class SamplingParams:
             v = getattr(self, name)
             if not math.isfinite(v) or not -2.0 <= v <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {v}")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+        low, high = REPETITION_PENALTY_RANGE
+        if not math.isfinite(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
             raise ValueError(
-                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+                f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}"
             )
         if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")

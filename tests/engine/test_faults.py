@@ -18,6 +18,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.block_pool import BlockPool
 from engine.core import EngineOverloaded
 from engine.kv_manager import KVCacheManager
+from engine.outputs import Fault
 from engine.request import Request, Status
 from engine.sampler import Sampler
 from engine.scheduler import Scheduler, SchedulerConfig
@@ -86,6 +87,38 @@ def test_sampler_fails_only_the_bad_row() -> None:
     assert 0 <= tokens[0] < 50 and tokens[2] == int(logits[2].argmax())
 
 
+def test_a_greedy_row_with_nan_logits_fails_alone() -> None:
+    """argmax over NaN picked a token as if it meant something; now the row is the request's
+    error and the other rows keep theirs."""
+    logits = torch.randn(3, 50)
+    logits[0] = math.nan
+    logits[2, 7] = math.inf
+    tokens, errors = Sampler().sample_rows(
+        logits, [("a", GREEDY, True), ("b", GREEDY, True), ("c", GREEDY, True)]
+    )
+    assert set(errors) == {0, 2} and all("not finite" in e for e in errors.values())
+    assert tokens[0] == tokens[2] == -1 and tokens[1] == int(logits[1].argmax())
+
+
+async def test_a_sampling_failure_is_the_requests_fault(engine: AsyncEngine) -> None:
+    """A row the sampler cannot draw from is the request's own failure (every replica computes
+    the same), so the node answers it as the client's error; a forward pass that raises stays
+    the engine's (test_forward_error_fails_that_step_only)."""
+    core = engine.core
+    real = core.runner.execute
+
+    def nan_logits(chunks):
+        samplers, logits, prompt_rows = real(chunks)
+        core.runner.execute = real
+        return samplers, torch.full_like(logits, math.nan), prompt_rows
+
+    core.runner.execute = nan_logits
+    outs = await collect(engine, "nan-victim", [5, 6, 7, 8])
+    assert outs[-1].finish_reason == "error" and "not finite" in outs[-1].error
+    assert outs[-1].fault is Fault.REQUEST
+    assert engine.dead is None and await num_free(engine) == 128
+
+
 async def test_forward_error_fails_that_step_only(engine: AsyncEngine) -> None:
     core = engine.core
     real = core.runner.execute
@@ -100,7 +133,7 @@ async def test_forward_error_fails_that_step_only(engine: AsyncEngine) -> None:
     core.runner.execute = flaky
     outs = await collect(engine, "victim", [5] * 40)
     assert outs[-1].finished and outs[-1].finish_reason == "error"
-    assert "injected forward failure" in outs[-1].error
+    assert "injected forward failure" in outs[-1].error and outs[-1].fault is Fault.ENGINE
     assert engine.dead is None and await num_free(engine) == 128  # its blocks were freed
     assert len([t for o in await collect(engine, "next", [5, 6, 7]) for t in o.new_token_ids]) == 8
     assert engine.stats()["num_requests_failed"] == 1

@@ -108,6 +108,8 @@ def test_min_p_is_vllms_after_temperature() -> None:
         ("frequency_penalty", 2.5),
         ("presence_penalty", -2.01),
         ("repetition_penalty", 0.0),
+        ("repetition_penalty", 1e-38),  # made the logits infinite and the sample NaN
+        ("repetition_penalty", 101.0),
         ("min_p", 1.5),
         ("logit_bias", {"12": 101.0}),
         ("logit_bias", {"x": 1.0}),
@@ -128,6 +130,7 @@ def test_out_of_range_fields_are_400s_naming_the_field(field: str, value: object
         {"frequency_penalty": 3.0},
         {"presence_penalty": -3.0},
         {"repetition_penalty": -1.0},
+        {"repetition_penalty": 1e-38},
         {"min_p": -0.1},
         {"logit_bias": {1: 200.0}},
         {"logit_bias": {-1: 1.0}},
