@@ -344,7 +344,9 @@ class AsyncEngine:
 
         assert params.guide is not None
         try:
-            await asyncio.wrap_future(self.core.guides.compile_async(params.guide))
+            await asyncio.wrap_future(
+                self.core.guides.compile_async(params.guide, params.cache_salt)
+            )
         except GuideError as e:
             raise RequestError(str(e)) from None
 

@@ -247,6 +247,7 @@ class EngineCore(Residency):
                     params.guide,
                     ids[len(ids) - done :] if done else [],
                     params.first_token,
+                    params.cache_salt,
                 )
             except GuideError as e:
                 raise RequestError(str(e)) from None

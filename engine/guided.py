@@ -5,8 +5,11 @@ The grammar engine is llguidance (chosen by measurement: docs/structured-outputs
 (protocol/structured.py) becomes a grammar through text/guide_check.py::guide_grammar — the
 same mapping the gateway's tokenizer-free check uses, bounded numbers' fractions cut included
 (text/json_bounds.py) — and is compiled here against the model's tokenizer into a prototype
-`LLMatcher`, cached by (kind, sha256 of the spec) in a bounded LRU (the cut is a function of the
-spec, so the key stays right, and a decode node resumes the very grammar its prefill node used).
+`LLMatcher`, cached by (cache domain, kind, sha256 of the spec) in a bounded LRU (the cut is a
+function of the spec, so the key stays right, and a decode node resumes the very grammar its
+prefill node used). The domain is the request's `cache_salt`, as for the prefix cache: a hit
+answers in microseconds where a compile takes milliseconds to seconds, so a shared entry would
+tell one team whether another recently used an exact schema.
 `compile_async` runs that compilation in a small thread pool, so the engine thread only copies a
 prototype (`deep_copy`, microseconds) when the request is added.
 
@@ -70,8 +73,8 @@ def _import_llguidance() -> Any | None:
     return llguidance
 
 
-def _key(guide: Guide) -> tuple[str, str]:
-    return guide.kind.value, hashlib.sha256(guide.spec.encode()).hexdigest()
+def _key(guide: Guide, domain: str | None) -> tuple[str, str, str]:
+    return domain or "", guide.kind.value, hashlib.sha256(guide.spec.encode()).hexdigest()
 
 
 class GuidedDecoding:
@@ -111,14 +114,15 @@ class GuidedDecoding:
                 )
             return self._tokenizer
 
-    def compile(self, guide: Guide) -> Any:
-        """The guide's prototype matcher (cached); raises GuideError with the engine's words."""
+    def compile(self, guide: Guide, domain: str | None = None) -> Any:
+        """The guide's prototype matcher (cached for cache domain `domain`, a request's
+        `cache_salt`); raises GuideError with the engine's words."""
         if self._lib is None:
             raise GuideError(
                 "structured outputs are not available on this node: the grammar engine "
                 "llguidance cannot be imported"
             )
-        key = _key(guide)
+        key = _key(guide, domain)
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
@@ -141,7 +145,9 @@ class GuidedDecoding:
             self.compiled += 1
         return proto
 
-    def compile_async(self, guide: Guide) -> concurrent.futures.Future[Any]:
+    def compile_async(
+        self, guide: Guide, domain: str | None = None
+    ) -> concurrent.futures.Future[Any]:
         """`compile` on the compile pool (the async engine awaits it before adding)."""
         with self._lock:
             if self._pool is None:
@@ -149,7 +155,7 @@ class GuidedDecoding:
                     COMPILE_THREADS, thread_name_prefix="duet-grammar"
                 )
             pool = self._pool
-        return pool.submit(self.compile, guide)
+        return pool.submit(self.compile, guide, domain)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -157,14 +163,19 @@ class GuidedDecoding:
 
     # -- per request (engine thread) ---------------------------------------------------------
     def attach(
-        self, request_id: str, guide: Guide, sampled: list[int], first: int | None = None
+        self,
+        request_id: str,
+        guide: Guide,
+        sampled: list[int],
+        first: int | None = None,
+        domain: str | None = None,
     ) -> None:
         """Give `request_id` a matcher advanced over the tokens it has sampled so far (a decode
         node resuming a migrated leg); GuideError if those tokens leave the grammar, or if
         `first` (the prefill node's token, which this node emits next: engine/core.py) is not
         one the grammar allows after them. `first` is only checked here: the matcher takes it
         as it takes any emitted token (`advance`), so a grammar it completes ends the request."""
-        m = self.compile(guide).deep_copy()
+        m = self.compile(guide, domain).deep_copy()
         if not all(m.consume_token(t) for t in sampled):
             raise GuideError(
                 f"the tokens sampled so far do not satisfy the {guide.kind.value} guide: "

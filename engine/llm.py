@@ -65,9 +65,9 @@ class LLM:
         if lora_request is not None:
             ps = self._with_adapters(ps, lora_request)
         # Distinct guides compile together on the compile pool (the core then finds them cached).
-        guides = {p.guide for p in ps if p.guide is not None}
+        guides = {(p.guide, p.cache_salt) for p in ps if p.guide is not None}
         concurrent.futures.wait(
-            [self.engine.guides.compile_async(g) for g in guides]
+            [self.engine.guides.compile_async(g, salt) for g, salt in guides]
         )  # errors: at add_request
         results: dict[str, CompletionOutput] = {}
         order = []

@@ -134,7 +134,7 @@ async def prepare_body(
     check_resume(body, len(ids))
     # the engine's words, before any engine work: off the event loop (a guide the size bounds
     # admit compiles for up to about a second, which would stall every stream of this node)
-    await state.guides.check(body.guide, param="guide")
+    await state.guides.check(body.guide, param="guide", domain=body.cache_salt)
     params = sampling_params(body, lora_name=adapter)
     if len(ids) + params.max_tokens > engine.max_model_len:
         raise APIError(

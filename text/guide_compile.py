@@ -5,9 +5,12 @@ pathological one takes seconds (a 97k-character JSON schema of 9,800 optional pr
 13 s on the 2-core dev machine; the figures are in docs/structured-outputs.md). Run on the event
 loop, that stalled every other request and stream of every team. `GuideChecker.check` instead:
 
-- answers from a bounded LRU of verdicts keyed by (kind, sha256 of the spec), so a schema a
-  client resends with every request is compiled once; a compile already running for the same
-  key is awaited, not started again;
+- answers from a bounded LRU of verdicts keyed by (cache domain, kind, sha256 of the spec), so
+  a schema a client resends with every request is compiled once; a compile already running for
+  the same key is awaited, not started again. The domain (a team's, or its cache group's: the
+  prefix cache's) keeps one team from timing another's entries: a hit answers in microseconds
+  where a compile takes milliseconds to seconds, so a shared verdict would tell team B whether
+  some team recently sent an exact schema;
 - runs the compile in its own pool of `threads` threads (llguidance releases the GIL while it
   compiles), so a flood of bad schemas holds at most `threads` threads and never the loop or
   the default executor that tokenizing and the store use;
@@ -75,11 +78,12 @@ class _Busy(Exception):
     """No thread came free within the time limit, or too many compiles wait."""
 
 
-Key = tuple[str, str]
+Key = tuple[str, str, str]
 
 
-def key(guide: Guide) -> Key:
-    return guide.kind.value, hashlib.sha256(guide.spec.encode()).hexdigest()
+def key(guide: Guide, domain: str | None = None) -> Key:
+    """The cache key of `guide` checked for cache domain `domain` (None: the shared one)."""
+    return domain or "", guide.kind.value, hashlib.sha256(guide.spec.encode()).hexdigest()
 
 
 class GuideChecker:
@@ -111,12 +115,12 @@ class GuideChecker:
         self._on_compile = on_compile or (lambda v: None)
         self._on_running = running or (lambda n: None)
 
-    async def check(self, guide: Guide | None, param: str) -> None:
+    async def check(self, guide: Guide | None, param: str, domain: str | None = None) -> None:
         """Raise APIError naming `param` unless the grammar engine accepts `guide` (None: nothing
-        to check) within the time limit."""
+        to check) within the time limit. Verdicts are shared only within cache domain `domain`."""
         if guide is None:
             return
-        k = key(guide)
+        k = key(guide, domain)
         outcome = self._cache.get(k)
         if outcome is not None:
             self._cache.move_to_end(k)
