@@ -475,6 +475,116 @@ def test_only_duets_pods_reach_etcd(
     )  # every duet workload, nothing else
 
 
+def _allows(role: dict[str, Any], group: str, resource: str, verb: str, name: str) -> bool:
+    """Whether `role` lets its subject do `verb` on `resource` named `name` (RBAC's rule
+    matching: apiGroups, resources, verbs, and resourceNames when the rule lists them)."""
+    return any(
+        group in r.get("apiGroups", [])
+        and resource in r.get("resources", [])
+        and (verb in r.get("verbs", []) or "*" in r.get("verbs", []))
+        and (not r.get("resourceNames") or name in r["resourceNames"])
+        for r in role["rules"]
+    )
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu+planner"])
+def test_the_coordinator_role_resizes_only_the_node_deployments(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
+    """The coordinator's Role could scale and patch every Deployment and StatefulSet of the
+    namespace (etcd to 0, the gateway) and patch any pod; now only the P/D Deployments' scale,
+    and pod patches go through the admission policy below."""
+    from planner.kube import default_deployment
+    from planner.pools import PoolKey
+
+    role = _one(rendered[overlay], "Role", "duet-coordinator")
+    for role_name in ("prefill", "decode"):
+        name = default_deployment(PoolKey(role=role_name, model=DEFAULT_MODEL, tier="shared"))
+        _one(rendered[overlay], "Deployment", name)
+        assert _allows(role, "apps", "deployments/scale", "patch", name)
+        assert _allows(role, "apps", "deployments/scale", "get", name)
+    for resource, name in [
+        ("statefulsets/scale", "duet-etcd"),
+        ("statefulsets", "duet-etcd"),
+        ("deployments/scale", "duet-gateway"),
+        ("deployments/scale", "duet-coordinator"),
+        ("deployments", "duet-prefill"),
+    ]:
+        for verb in ("patch", "update"):
+            assert not _allows(role, "apps", resource, verb, name), (resource, name, verb)
+    assert not _allows(role, "", "pods", "delete", "duet-gateway-x")
+    assert not any("statefulsets" in res for r in role["rules"] for res in r["resources"])
+    old = {
+        "rules": [{"apiGroups": ["apps"], "resources": ["statefulsets/scale"], "verbs": ["patch"]}]
+    }
+    assert _allows(old, "apps", "statefulsets/scale", "patch", "duet-etcd")  # the check can fail
+
+
+def test_pod_patches_by_the_coordinator_are_held_to_the_deletion_cost(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    objs = rendered["gpu+planner"]
+    policy = _one(objs, "ValidatingAdmissionPolicy", "duet-coordinator-pod-patch")
+    binding = _one(objs, "ValidatingAdmissionPolicyBinding", "duet-coordinator-pod-patch")
+    assert binding["spec"] == {
+        "policyName": "duet-coordinator-pod-patch",
+        "validationActions": ["Deny"],
+    }
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    assert spec["matchConstraints"]["resourceRules"][0]["resources"] == ["pods"]
+    assert ":duet-coordinator'" in spec["matchConditions"][0]["expression"]
+    checks = " ".join(v["expression"] for v in spec["validations"])
+    for must in ("object.spec == oldObject.spec", "duet-prefill", "duet-decode"):
+        assert must in checks
+    assert "controller.kubernetes.io/pod-deletion-cost" in json.dumps(spec["variables"])
+    # the API token only where the planner uses it
+    coordinators = {o: _one(rendered[o], "Deployment", "duet-coordinator") for o in rendered}
+    for overlay, d in coordinators.items():
+        mounted = d["spec"]["template"]["spec"]["automountServiceAccountToken"]
+        assert mounted is (overlay == "gpu+planner"), overlay
+
+
+def _selected(policy: dict[str, Any], labels: dict[str, str]) -> bool:
+    sel = policy["spec"]["podSelector"]
+    if not sel.get("matchLabels", {}).items() <= labels.items():
+        return False
+    return all(
+        e["operator"] == "In" and labels.get(e["key"]) in e["values"]
+        for e in sel.get("matchExpressions", [])
+    )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_kv_plane_is_open_to_the_nodes_only(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
+    """NIXL/ucx (UCX, ephemeral ports, unauthenticated reads) and the tcp transport were open to
+    every pod of the cluster: the only NetworkPolicy was etcd's. Now a node's ports other than
+    its HTTP port admit the other prefill and decode nodes only."""
+    objs = rendered[overlay]
+    nodes = {
+        n: _one(objs, "Deployment", n)["spec"]["template"]["metadata"]["labels"]
+        for n in ("duet-prefill", "duet-decode")
+    }
+    kv = _one(objs, "NetworkPolicy", "duet-kv-plane")
+    assert all(_selected(kv, labels) for labels in nodes.values())
+    [rule] = kv["spec"]["ingress"]
+    assert "ports" not in rule  # every port: UCX's are ephemeral
+    [peer] = rule["from"]
+    assert set(peer) == {"podSelector"}
+    [expr] = peer["podSelector"]["matchExpressions"]
+    assert (expr["key"], set(expr["values"])) == ("app.kubernetes.io/name", set(nodes))
+    # every other policy on the nodes opens their HTTP port only
+    for policy in _find(objs, "NetworkPolicy"):
+        if policy is kv or not any(_selected(policy, lb) for lb in nodes.values()):
+            continue
+        for r in policy["spec"]["ingress"]:
+            assert r.get("ports") == [{"port": "http"}], policy["metadata"]["name"]
+    coordinator = _one(objs, "NetworkPolicy", "duet-coordinator")
+    assert [r["ports"] for r in coordinator["spec"]["ingress"]] == [[{"port": "http"}]]
+
+
 def test_external_etcd_component(rendered: dict[str, list[dict[str, Any]]]) -> None:
     objs = rendered["cpu+external-etcd"]
     assert not [o for o in objs if "etcd" in o["metadata"]["name"]]
