@@ -14,7 +14,8 @@ Order (each step can fail with a defined answer, never a hang):
    403, before the transport connects);
 3. reserve local blocks in the engine (WAITING_FOR_REMOTE_KV; a local prefix hit skips
    blocks), within `reserve_timeout_s` (else the request is aborted: 503 + Retry-After);
-4. READ P's blocks with the transport, under a timeout;
+4. READ P's blocks with the transport, under a timeout; the engine checks them against P's
+   content digests (`remote_block_digests`) before they count: a mismatch is a failed pull;
 5. release on P, checking the ids belong to the request: 200 → the bytes are good; 400 → the
    client's params were wrong (the request is aborted and the client gets a 400); anything
    else (404: the lease ran out, 5xx, unreachable) → the bytes may be stale → failed pull;
@@ -115,6 +116,7 @@ async def _source(rk: RemoteKV, p: KVTransferParams, members: Membership | None)
         p.remote_request_id,
         [b for b in p.remote_block_ids if isinstance(b, int)],
         tuple(addrs),
+        p.remote_block_digests,
     )
 
 
@@ -163,6 +165,15 @@ def _check_shape(src: Source, p: KVTransferParams, prep: Prepared, block_size: i
         raise APIError(
             400,
             "remote_block_ids must be block numbers (0 <= id < 2**31)",
+            param="kv_transfer_params",
+        )
+    digests = src.digests
+    if digests is not None and (
+        len(digests) != len(src.block_ids) or any(not 0 <= d < 2**64 for d in digests)
+    ):
+        raise APIError(
+            400,
+            "remote_block_digests must hold one unsigned 64-bit digest per remote block",
             param="kv_transfer_params",
         )
 

@@ -5,7 +5,8 @@ Invariants: the engine always learns the pull's end (`kv_ready`), whatever happe
 release that raises included), before it may free blocks the transfer writes into; P is asked to
 release exactly once (its answer tells whether the bytes read are good); a read that failed but
 may still write (the transport's `settled`) quarantines its blocks until the transport says it
-is over.
+is over; bytes read count only once the engine checked them against P's digests (a mismatch is
+a failed pull: the engine recomputes from the first bad block, and the policy answers).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 
 from decode.remote_kv import RemoteKV
 from kvtransfer import Peer
-from node.engine_api import EngineStream
+from node.engine_api import EngineStream, KVCheck
 from node.legs import LegContext
 
 log = logging.getLogger("duet.decode")
@@ -41,6 +42,8 @@ class PullOutcome(enum.Enum):
     PEER_UNREACHABLE = "peer_unreachable"
     #: the request was aborted before its blocks were reserved
     ABORTED = "aborted"
+    #: the bytes read did not match P's content digests (corrupt in transit or at P)
+    DIGEST_MISMATCH = "digest_mismatch"
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,9 @@ NOT_THEIRS = Pull(
     PullOutcome.NOT_THEIRS, "the prefill node says these blocks do not belong to the request"
 )
 ABORTED = Pull(PullOutcome.ABORTED, "the request was aborted before its blocks were reserved")
+DIGEST_MISMATCH = Pull(
+    PullOutcome.DIGEST_MISMATCH, "the blocks read do not match the prefill node's digests"
+)
 
 
 @dataclass(frozen=True)
@@ -69,6 +75,8 @@ class Source:
     block_ids: list[int]
     #: every address the named host resolves to (the peer's transport must be on one of them)
     addresses: tuple[str, ...] = ()
+    #: the content digest of each of `block_ids` (None: the sender gave none)
+    digests: list[int] | None = None
 
 
 def released(status: int) -> Pull:
@@ -96,54 +104,63 @@ class Puller:
         self.leg, self.rk, self.src, self.stream = leg, rk, src, stream
         self.released = False
         self.settled: Awaitable[Any] | None = None
+        self._ended = False
 
     async def run(self, peer: Peer | None, failure: Pull | None) -> Pull:
         """`failure`: the pull failed before it started (P unreachable); the blocks are still
         reserved and handed back through kv_ready, as after any failure."""
-        pull = ABORTED
-        tr, node = self.leg.node.tracing, self.leg.node
+        self._ended = False
         try:
-            with tr.span("decode.reserve") as span:
-                local = await self._reserve()
-                if span is not None:
-                    span.set_attribute(
-                        "duet.kv.outcome", local.outcome.value if isinstance(local, Pull) else "ok"
-                    )
-            if isinstance(local, Pull):
-                return local
-            t_reserved = time.monotonic()
-            self.leg.timing["queue_s"] = t_reserved - self.leg.prep.arrival
-            moved = max(0, len(local) - self.stream.num_cached_blocks) if failure is None else 0
-            with tr.span(
-                "decode.kv_pull",
-                {
-                    "duet.kv.transport": node.transport.backend if node.transport else "none",
-                    "duet.kv.source": self.src.engine_id,
-                },
-            ) as span:
-                pull = failure or await self._read(peer, local)
-                if span is not None:
-                    ok = pull.outcome is PullOutcome.OK
+            pull = await self._run(peer, failure)
+        finally:
+            if not self._ended:  # cancelled or raised before `_run` told the engine
+                await self._end(False)
+        return pull
+
+    async def _run(self, peer: Peer | None, failure: Pull | None) -> Pull:
+        tr, node = self.leg.node.tracing, self.leg.node
+        with tr.span("decode.reserve") as span:
+            local = await self._reserve()
+            if span is not None:
+                span.set_attribute(
+                    "duet.kv.outcome", local.outcome.value if isinstance(local, Pull) else "ok"
+                )
+        if isinstance(local, Pull):
+            return local
+        t_reserved = time.monotonic()
+        self.leg.timing["queue_s"] = t_reserved - self.leg.prep.arrival
+        moved = max(0, len(local) - self.stream.num_cached_blocks) if failure is None else 0
+        with tr.span(
+            "decode.kv_pull",
+            {
+                "duet.kv.transport": node.transport.backend if node.transport else "none",
+                "duet.kv.source": self.src.engine_id,
+            },
+        ) as span:
+            pull = failure or await self._read(peer, local)
+            checked = await self._end(pull.outcome is PullOutcome.OK, len(local))
+            if checked is KVCheck.MISMATCH:
+                pull = DIGEST_MISMATCH
+            if span is not None:
+                ok = pull.outcome is PullOutcome.OK
+                span.set_attributes(
+                    {
+                        "duet.kv.outcome": pull.outcome.value,
+                        "duet.kv.blocks": moved if ok else 0,
+                        "duet.kv.bytes": moved * node.engine.kv_layout.block_bytes if ok else 0,
+                        "duet.kv.cached_blocks": self.stream.num_cached_blocks,
+                    }
+                )
+                if not ok:  # the fallback D takes: prefill here (recompute) or an error (fail)
                     span.set_attributes(
                         {
-                            "duet.kv.outcome": pull.outcome.value,
-                            "duet.kv.blocks": moved if ok else 0,
-                            "duet.kv.bytes": moved * node.engine.kv_layout.block_bytes if ok else 0,
-                            "duet.kv.cached_blocks": self.stream.num_cached_blocks,
+                            "duet.kv.fallback": node.config.failure_policy,
+                            "duet.kv.detail": pull.detail,
                         }
                     )
-                    if not ok:  # the fallback D takes: prefill here (recompute) or an error (fail)
-                        span.set_attributes(
-                            {
-                                "duet.kv.fallback": node.config.failure_policy,
-                                "duet.kv.detail": pull.detail,
-                            }
-                        )
-            self.leg.timing["transfer_s"] = time.monotonic() - t_reserved
-            self._log(pull, len(local), t_reserved)
-            return pull
-        finally:
-            await self._end(pull.outcome is PullOutcome.OK)
+        self.leg.timing["transfer_s"] = time.monotonic() - t_reserved
+        self._log(pull, len(local), t_reserved)
+        return pull
 
     async def _reserve(self) -> list[int] | Pull:
         node, reserved = self.leg.node, self.stream.reserved
@@ -188,16 +205,31 @@ class Puller:
                 (time.monotonic() - t_reserved) * 1e3,
             )
 
-    async def _end(self, ok: bool) -> None:
+    def _digests(self, n_local: int) -> list[int | None] | None:
+        """P's digests aligned with the local blocks (None where the local prefix served)."""
+        got, k = self.src.digests, self.stream.num_cached_blocks
+        if got is None or len(got) != n_local:
+            return None
+        return [None] * k + list(got[k:])
+
+    async def _end(self, ok: bool, n_local: int = 0) -> KVCheck:
+        """Release on P if not yet asked, then tell the engine the pull ended (with P's digests
+        to check when it went well). Runs once."""
+        self._ended = True
         engine, erid = self.leg.node.engine, self.leg.engine_request_id
+        check = KVCheck.UNKNOWN
         try:
             if not self.released:
                 await release_quietly(self.rk, self.src)
         finally:
+            digests = self._digests(n_local) if ok else None
             with contextlib.suppress(Exception):
-                await engine.kv_ready(erid, ok, quarantine=self.settled is not None)
+                check = await engine.kv_ready(
+                    erid, ok, quarantine=self.settled is not None, digests=digests
+                )
             if self.settled is not None:
                 self.rk.unquarantine_later(engine, erid, self.settled)
+        return check
 
 
 async def release_quietly(rk: RemoteKV, src: Source) -> None:

@@ -41,6 +41,7 @@ from engine.outputs import RequestOutput
 from engine.request import Priority, Request
 from engine.sampling_params import SamplingParams
 from engine.sleep import SleepReport
+from protocol.kv_digest import KVCheck
 
 log = logging.getLogger("duet.engine")
 T = TypeVar("T")
@@ -383,8 +384,17 @@ class AsyncEngine:
         self._commands.put(lambda: self.core.release(request_id))
         return n
 
-    async def kv_ready(self, request_id: str, ok: bool, quarantine: bool = False) -> bool:
-        return await self._submit(lambda: self.core.kv_ready(request_id, ok, quarantine))
+    async def kv_ready(
+        self,
+        request_id: str,
+        ok: bool,
+        quarantine: bool = False,
+        digests: list[int | None] | None = None,
+        where: str = "transfer",
+    ) -> KVCheck:
+        return await self._submit(
+            lambda: self.core.kv_ready(request_id, ok, quarantine, digests, where)
+        )
 
     async def release_quarantine(self, request_id: str) -> int:
         return await self._submit(lambda: self.core.release_quarantine(request_id))

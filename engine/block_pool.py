@@ -6,16 +6,28 @@ first, and reuse takes from that end, so the blocks evicted first are the ones i
 Requests free their blocks tail first, so a prompt's later blocks are evicted before its
 earlier ones (a shared prefix outlives the suffixes hanging off it).
 
+Each block may carry the content digest of its KV (protocol/kv_digest.py), set by the KV
+manager when the block's KV is written and cleared when the block is handed out again; a block
+found corrupt is `uncache`d (its hash forgotten, so the next request recomputes it).
+
+Spill: with an `on_evict` hook, a cached block about to be reused is offered to it first (its id,
+hash and digest, while its bytes are still intact); a hook that kept a copy (engine/kv_tiers.py)
+records its own event, and only the blocks it did not keep are reported removed.
+
 Invariants: a block id is in `_free` iff its ref count is 0; `_cached[h] == b` implies
-`_hash[b] == h`; every change to the set of cached hashes is appended to `events`
-(vLLM's BlockStored/BlockRemoved) for the node to forward to the coordinator.
+`_hash[b] == h`; a digest belongs to the content of the block that holds it (reset on
+allocation); every change to the set of cached hashes is appended to `events` (vLLM's
+BlockStored/BlockRemoved, with their `medium`) for the node to forward to the coordinator.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+#: (block id, block hash, digest or None) → True when a lower tier kept a copy
+EvictHook = Callable[[int, int, "int | None"], bool]
 
 
 @dataclass(frozen=True)
@@ -24,11 +36,15 @@ class BlockStored:
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
+    #: where the blocks now are: None for this pool, else a spill tier ("host", "disk")
+    medium: str | None = None
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: list[int]
+    #: the tier the blocks left (None: this pool); either way the node holds them no more
+    medium: str | None = None
 
 
 @dataclass(frozen=True)
@@ -44,13 +60,21 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, block_size: int, record_events: bool = False) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        record_events: bool = False,
+        on_evict: EvictHook | None = None,
+    ) -> None:
         if num_blocks < 1:
             raise ValueError("a KV pool needs at least one block")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.on_evict = on_evict
         self._ref = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
+        self._digest: list[int | None] = [None] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         self._cached: dict[int, int] = {}
         self.record_events = record_events
@@ -80,6 +104,16 @@ class BlockPool:
     def lookup(self, block_hash: int) -> int | None:
         return self._cached.get(block_hash)
 
+    def block_hash(self, block_id: int) -> int | None:
+        return self._hash[block_id]
+
+    def digest(self, block_id: int) -> int | None:
+        """The content digest of the block's KV, if it was taken since the block was handed out."""
+        return self._digest[block_id]
+
+    def set_digest(self, block_id: int, digest: int) -> None:
+        self._digest[block_id] = digest
+
     def cached_hashes(self) -> list[int]:
         return list(self._cached)
 
@@ -97,7 +131,10 @@ class BlockPool:
                 self._hash[b] = None
                 if self._cached.get(h) == b:
                     del self._cached[h]
-                    removed.append(h)
+                    kept = self.on_evict is not None and self.on_evict(b, h, self._digest[b])
+                    if not kept:
+                        removed.append(h)
+            self._digest[b] = None
             self._ref[b] = 1
             out.append(b)
         if removed and self.record_events:
@@ -139,15 +176,35 @@ class BlockPool:
             )
             self.events.append(stored)
 
+    def uncache(self, block_id: int) -> bool:
+        """Forget a cached block's hash and digest (its KV was found corrupt): the next request
+        for that prefix recomputes it. False if the block was not cached."""
+        h = self._hash[block_id]
+        self._digest[block_id] = None
+        if h is None:
+            return False
+        self._hash[block_id] = None
+        if self._cached.get(h) == block_id:
+            del self._cached[h]
+            if self.record_events:
+                self.events.append(BlockRemoved(block_hashes=[h]))
+        return True
+
     def reset_cache(self) -> bool:
         """Forget every cached hash (only when nothing is in use, as vLLM does)."""
         if self.num_used:
             return False
         self._cached.clear()
         self._hash = [None] * self.num_blocks
+        self._digest = [None] * self.num_blocks
         if self.record_events:
             self.events.append(AllBlocksCleared())
         return True
+
+    def record(self, event: KVEvent) -> None:
+        """Append an event another part of the KV hierarchy made (a spill tier's move)."""
+        if self.record_events:
+            self.events.append(event)
 
     def drain_events(self) -> list[KVEvent]:
         out, self.events = self.events, []

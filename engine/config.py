@@ -105,3 +105,11 @@ class EngineConfig:
     max_loras: int = 0
     #: the highest LoRA rank an adapter slot holds (vLLM's max_lora_rank)
     max_lora_rank: int = 16
+    #: spill tier in host memory (bytes, or a size like "2GiB"): cached blocks the pool evicts
+    #: are copied here and loaded back on a hit; 0 turns the tier off
+    kv_host_bytes: str | int = 0
+    #: spill tier on disk (bytes, or a size): blocks the host tier evicts (or the pool's, with
+    #: no host tier) go to files under `kv_disk_dir`; 0 turns the tier off
+    kv_disk_bytes: str | int = 0
+    #: the disk tier's directory, this engine's alone (its *.kv files are removed at start)
+    kv_disk_dir: str | None = None

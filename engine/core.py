@@ -30,7 +30,9 @@ from engine.convert import ensure_converted
 from engine.cpu import cpu_flags
 from engine.embed import EmbedCapacityError, Embedder, Pooling, finish
 from engine.guided import GuidedDecoding, GuideError
+from engine.kv_digest import PoolBytes
 from engine.kv_manager import KVCacheManager
+from engine.kv_tiers import build_tiers
 from engine.logits_process import penalize
 from engine.model_config import ModelConfig
 from engine.outputs import Fault, RequestOutput, TextState
@@ -41,6 +43,7 @@ from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.spec_decode import Speculator, build_speculator, spec_max_batch
+from protocol.kv_digest import KVCheck
 from protocol.logprobs import TokenLogprob
 from runtime.models import resolve_model
 from text.tokenizer import Tokenizer
@@ -139,7 +142,15 @@ class EngineCore(Residency):
             config.max_lora_rank,
         )
         self.pool = BlockPool(num_blocks, bs, record_events=config.record_kv_events)
-        self.kv = KVCacheManager(self.pool, config.enable_prefix_caching, config.hash_seed)
+        self.pool_bytes = PoolBytes(self.runner.kv_cache)
+        self.tiers = build_tiers(config, self.pool_bytes, self.pool)
+        self.kv = KVCacheManager(
+            self.pool,
+            config.enable_prefix_caching,
+            config.hash_seed,
+            digester=self.pool_bytes,
+            tiers=self.tiers,
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_batched_tokens,
@@ -614,10 +625,19 @@ class EngineCore(Residency):
         self.scheduler.release(request_id)
         return n
 
-    def kv_ready(self, request_id: str, ok: bool, quarantine: bool = False) -> bool:
-        """Decode node: the transfer for a reserved request finished (ok) or failed; with
-        `quarantine` its target blocks are set aside until `release_quarantine`."""
-        return self.scheduler.kv_ready(request_id, ok, quarantine) is not None
+    def kv_ready(
+        self,
+        request_id: str,
+        ok: bool,
+        quarantine: bool = False,
+        digests: list[int | None] | None = None,
+        where: str = "transfer",
+    ) -> KVCheck:
+        """The transfer for a reserved request finished (ok) or failed; with `quarantine` its
+        target blocks are set aside until `release_quarantine`. With `digests` (the sender's,
+        aligned with the request's blocks; None for a block not transferred) the KV counts only
+        as far as it matches them (`where` names the source in the counters)."""
+        return self.scheduler.kv_ready(request_id, ok, quarantine, digests, where)[1]
 
     def release_quarantine(self, request_id: str) -> int:
         """Decode node: the failed transfer of `request_id` is over: free its blocks."""
@@ -630,6 +650,12 @@ class EngineCore(Residency):
         """Prefill node: the blocks held for `request_id`, or None if it holds none."""
         req = self.scheduler.held.get(request_id)
         return None if req is None else list(req.block_ids)
+
+    def held_kv(self, request_id: str) -> tuple[list[int], list[int] | None] | None:
+        """Prefill node: the blocks held for `request_id` and their content digests (taken when
+        the hold began), or None if it holds none."""
+        req = self.scheduler.held.get(request_id)
+        return None if req is None else (list(req.block_ids), req.held_digests)
 
     # -- observability ---------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -648,6 +674,11 @@ class EngineCore(Residency):
             "kv_cache_usage_perc": self.pool.usage,
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_free": self.pool.num_free,
+            **{f"kv_digest_checks_{k}": v for k, v in self.kv.checks.items()},
+            **{f"kv_digest_mismatches_{k}": v for k, v in self.kv.mismatches.items()},
+            **{f"kv_reused_tokens_{k}": v for k, v in self.kv.reused.items()},
+            "kv_reuse_queries": self.kv.reuse_queries,
+            **(self.tiers.stats() if self.tiers is not None else {}),
             "prefix_cache_queries": self.kv.prefix_queries,
             "prefix_cache_hits": self.kv.prefix_hits,
             "prompt_tokens_computed": self.counters.prompt_tokens_computed,

@@ -11,13 +11,40 @@ Invariants:
 - quarantine (decode node): blocks a failed transfer may still write into keep their
   reference under the request id, so the pool never hands them out, until the transport
   says the transfer is over (`release_quarantine`).
+
+Digests (with a `digester`, the pool's bytes: engine/kv_digest.py): a full block's content digest
+is taken when its KV is written (`cache_computed_blocks`) and kept with the block; a hit on a
+released block (no request references it) is checked before the request uses it, and KV that
+arrived from elsewhere is checked against the sender's digests (`verify`) before it counts as
+computed. A mismatch fails closed: the block is dropped from the cache and its tokens are
+recomputed; `checks` and `mismatches` count blocks by where the KV came from.
+
+Spill tiers (with `tiers`, engine/kv_tiers.py): a request's prefix may continue past its pool
+hit in the host or disk tier (`find_tiered`); admission loads those blocks into fresh pool blocks
+and checks them before the request computes, and a block the pool caches anew leaves its tier.
+`reused` counts the prompt tokens admission did not compute, by where their KV was (pool,
+host, disk; a peer's pulled prefix is counted by the scheduler).
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
 from engine.block_pool import BlockPool
 from engine.request import Request
 from protocol.block_hash import DEFAULT_HASH_SEED, domain_root, hash_block
+
+if TYPE_CHECKING:
+    from engine.kv_tiers import KVTiers, Medium
+
+log = logging.getLogger("duet.engine")
+
+
+class Digester(Protocol):
+    def digest(self, block_id: int, chain_hash: int, domain_root: int) -> int: ...
 
 
 def cdiv(a: int, b: int) -> int:
@@ -30,8 +57,12 @@ class KVCacheManager:
         pool: BlockPool,
         enable_prefix_caching: bool = True,
         hash_seed: int = DEFAULT_HASH_SEED,
+        digester: Digester | None = None,
+        tiers: KVTiers | None = None,
     ) -> None:
         self.pool = pool
+        self.digester = digester
+        self.tiers = tiers if tiers is not None and tiers.enabled else None
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_seed = hash_seed
@@ -41,6 +72,14 @@ class KVCacheManager:
         # Counters (DESIGN §4 prefix-cache metrics), in tokens.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        #: blocks whose digest was checked, and those that failed, by where their KV came from
+        #: ("pool": a released block hit; "transfer": from a prefill node; "peer", "host", "disk")
+        self.checks: Counter[str] = Counter()
+        self.mismatches: Counter[str] = Counter()
+        #: prompt tokens admission did not compute, by where their KV was (pool, host, disk,
+        #: peer), and the prompt tokens of the requests it admitted to compute here
+        self.reused: Counter[str] = Counter()
+        self.reuse_queries = 0
 
     # -- hashing ---------------------------------------------------------------------------
     def block_hashes(self, req: Request, upto_tokens: int) -> list[int]:
@@ -73,10 +112,26 @@ class KVCacheManager:
             hit.append(b)
         return hit
 
-    def can_allocate(self, req: Request, num_new_tokens: int, cached: list[int]) -> bool:
+    def find_tiered(self, req: Request, start: int) -> list[int]:
+        """Hashes of the blocks after the first `start` (the pool hit) that continue the
+        request's prefix in a spill tier (never its last token)."""
+        limit = req.num_tokens - 1
+        if self.tiers is None or limit < self.block_size or req.needs_prompt_logprobs:
+            return []
+        out: list[int] = []
+        for h in self.block_hashes(req, limit)[start:]:
+            if self.tiers.where(h) is None:
+                break
+            out.append(h)
+        return out
+
+    def can_allocate(
+        self, req: Request, num_new_tokens: int, cached: list[int], tiered: int = 0
+    ) -> bool:
+        """Room for `num_new_tokens` after the cached prefix and `tiered` blocks to load."""
         needed = (
             cdiv(
-                req.num_computed_tokens + len(cached) * self.block_size + num_new_tokens,
+                req.num_computed_tokens + (len(cached) + tiered) * self.block_size + num_new_tokens,
                 self.block_size,
             )
             - len(req.block_ids)
@@ -86,17 +141,108 @@ class KVCacheManager:
         reclaimed = sum(1 for b in cached if self.pool.ref_count(b) == 0)
         return needed <= self.pool.num_free - reclaimed
 
-    def admit(self, req: Request, cached: list[int], count_query: bool = True) -> None:
-        """Take references on the cached prefix and mark those tokens computed."""
+    def admit(
+        self,
+        req: Request,
+        cached: list[int],
+        count_query: bool = True,
+        tiered: Sequence[int] = (),
+    ) -> list[int]:
+        """Take references on the cached prefix (cut at the first released block whose digest
+        fails), load the `tiered` blocks after it (`find_tiered`; can_allocate promised room),
+        and mark those tokens computed. Returns the pool blocks of the prefix."""
         assert not req.block_ids and req.num_computed_tokens == 0
-        self.pool.touch(cached)
-        req.block_ids = list(cached)
-        req.num_computed_tokens = len(cached) * self.block_size
+        got = self._checked_hits(req, cached)
+        self.pool.touch(got)
+        req.block_ids = list(got)
+        # reuse is counted where the prompt is computed: not for KV a prefill node sends
+        local = count_query and req.remote_num_tokens == 0
+        if len(got) == len(cached) and tiered:
+            self._load(req, tiered, local)
+        req.num_computed_tokens = len(req.block_ids) * self.block_size
         req.num_cached_tokens = req.num_computed_tokens
-        self._num_cached[req.request_id] = len(cached)
+        self._num_cached[req.request_id] = len(req.block_ids)
         if count_query:
             self.prefix_queries += req.num_prompt_tokens
             self.prefix_hits += req.num_computed_tokens
+        if local:
+            self.reuse_queries += req.num_prompt_tokens
+            self.reused["pool"] += len(got) * self.block_size
+        return got
+
+    def count_pulled(self, req: Request, tokens: int) -> None:
+        """A request that pulled `tokens` of its prefix from a peer (after its pool hit, the
+        request's cached tokens) computes the rest here: count its reuse."""
+        self.reuse_queries += req.num_prompt_tokens
+        self.reused["pool"] += req.num_cached_tokens
+        self.reused["peer"] += max(0, tokens)
+
+    def _load(self, req: Request, hashes: Sequence[int], count: bool) -> None:
+        """Bring spilled blocks back into the pool after the request's pool prefix, each checked
+        against its digest; stop at the first that cannot be read or fails."""
+        assert self.tiers is not None
+        tiers, bs = self.tiers, self.block_size
+        for h in hashes:
+            tiers.pin(h)  # the allocations below may spill other blocks into the tiers
+        try:
+            hs = self.block_hashes(req, (len(req.block_ids) + len(hashes)) * bs)
+            root = domain_root(req.params.cache_salt, self.hash_seed)
+            for h in hashes:
+                i = len(req.block_ids)
+                assert hs[i] == h
+                (b,) = self.pool.allocate(1)
+                got = tiers.load(h, b)  # takes the entry out of its tier (pins and all)
+                if got is None or not self._loaded_ok(req, b, h, got, root):
+                    self.pool.free([b])
+                    break
+                req.block_ids.append(b)
+                toks = [req.token_at(j) for j in range(i * bs, (i + 1) * bs)]
+                self.pool.cache(b, h, hs[i - 1] if i else None, toks)
+                if count:
+                    self.reused[got[0].value] += bs
+        finally:
+            for h in hashes:
+                tiers.unpin(h)
+
+    def _loaded_ok(self, req: Request, b: int, h: int, got: tuple[Medium, int], root: int) -> bool:
+        """Whether loaded block `b` (hash `h`) matches the digest it was spilled with."""
+        medium, want = got
+        assert self.tiers is not None and self.digester is not None
+        self.checks[medium.value] += 1
+        if self.digester.digest(b, h, root) != want:
+            self._mismatch(medium.value, req, len(req.block_ids))
+            self.tiers.drop(h, medium)
+            return False
+        self.pool.set_digest(b, want)
+        return True
+
+    def _checked_hits(self, req: Request, cached: list[int]) -> list[int]:
+        """`cached` up to its first released block whose KV no longer matches its digest (that
+        block is uncached: recomputed by this request, and by no one after it). Blocks other
+        requests reference are in use as they are; a block without a digest is taken as is."""
+        if self.digester is None or not cached:
+            return cached
+        hs = self.block_hashes(req, len(cached) * self.block_size)
+        root = domain_root(req.params.cache_salt, self.hash_seed)
+        for i, b in enumerate(cached):
+            want = self.pool.digest(b)
+            if self.pool.ref_count(b) or want is None:
+                continue
+            self.checks["pool"] += 1
+            if self.digester.digest(b, hs[i], root) != want:
+                self._mismatch("pool", req, i)
+                self.pool.uncache(b)
+                return cached[:i]
+        return cached
+
+    def _mismatch(self, where: str, req: Request, index: int) -> None:
+        self.mismatches[where] += 1
+        log.warning(
+            "KV digest mismatch (%s): block %d of request %s; dropped, its tokens are recomputed",
+            where,
+            index,
+            req.request_id,
+        )
 
     def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
         """Ensure blocks for `num_computed_tokens + num_new_tokens` tokens; False if the pool
@@ -122,10 +268,67 @@ class KVCacheManager:
             return
         hs = self.block_hashes(req, n_full * self.block_size)
         bs = self.block_size
+        root = domain_root(req.params.cache_salt, self.hash_seed) if self.digester else 0
         for i in range(done, n_full):
+            b = req.block_ids[i]
+            if self.digester is not None and self.pool.digest(b) is None:
+                self.pool.set_digest(b, self.digester.digest(b, hs[i], root))
             toks = [req.token_at(j) for j in range(i * bs, (i + 1) * bs)]
-            self.pool.cache(req.block_ids[i], hs[i], hs[i - 1] if i else None, toks)
+            self.pool.cache(b, hs[i], hs[i - 1] if i else None, toks)
+            if self.tiers is not None and self.pool.lookup(hs[i]) == b:
+                self.tiers.discard(hs[i])  # computed anew: the spilled copy is stale news
         self._num_cached[req.request_id] = n_full
+
+    # -- digests of KV that moves ----------------------------------------------------------
+    def _chain(self, req: Request, i: int, upto: int) -> int:
+        """The chain hash block `i` of `req` is digested with, its KV covering `upto` tokens:
+        the block hash of a full block, the tail chain hash of the partial last one."""
+        bs = self.block_size
+        if (i + 1) * bs <= upto:
+            return self.block_hashes(req, upto)[i]
+        parent = (
+            self.block_hashes(req, upto)[i - 1]
+            if i
+            else domain_root(req.params.cache_salt, self.hash_seed)
+        )
+        return hash_block(parent, [req.token_at(j) for j in range(i * bs, upto)], self.hash_seed)
+
+    def transfer_digests(self, req: Request) -> list[int] | None:
+        """Digests of every block of `req` over its computed tokens (a held prefill's, for the
+        node that pulls them): a full block's as taken when written, the tail's now."""
+        if self.digester is None:
+            return None
+        upto, root = req.num_computed_tokens, domain_root(req.params.cache_salt, self.hash_seed)
+        out = []
+        for i, b in enumerate(req.block_ids):
+            full = (i + 1) * self.block_size <= upto
+            d = self.pool.digest(b) if full else None
+            if d is None:
+                d = self.digester.digest(b, self._chain(req, i, upto), root)
+                if full:
+                    self.pool.set_digest(b, d)
+            out.append(d)
+        return out
+
+    def verify(self, req: Request, digests: Sequence[int | None], upto: int, where: str) -> int:
+        """Check the blocks of `req` whose KV arrived (`digests[i]` not None) against the
+        sender's digests, their KV covering `upto` tokens. Returns how many leading blocks are
+        good: all of them, or up to the first mismatch. A verified full block keeps its digest."""
+        if self.digester is None:
+            return len(digests)
+        root = domain_root(req.params.cache_salt, self.hash_seed)
+        for i, want in enumerate(digests):
+            if want is None:
+                continue
+            b = req.block_ids[i]
+            self.checks[where] += 1
+            got = self.digester.digest(b, self._chain(req, i, upto), root)
+            if got != want:
+                self._mismatch(where, req, i)
+                return i
+            if (i + 1) * self.block_size <= upto:
+                self.pool.set_digest(b, got)
+        return len(digests)
 
     def trim(self, req: Request, num_tokens: int) -> int:
         """Speculative decoding's rollback: free the blocks past those `num_tokens` tokens need

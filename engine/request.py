@@ -47,8 +47,12 @@ class Request:
     hold_seconds: float | None = None
     #: monotonic time a held request's blocks are freed on their own (set when it finishes)
     hold_expiry: float | None = None
-    #: decode node: number of prompt tokens whose KV arrives from a remote prefill node
+    #: decode node: number of prompt tokens whose KV arrives from a remote prefill node (or, on
+    #: any node, a prefix pulled from a peer)
     remote_num_tokens: int = 0
+    #: prefill node: the content digests of the held blocks (protocol/kv_digest.py), for the
+    #: node that pulls them; None without digests
+    held_digests: list[int] | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

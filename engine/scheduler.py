@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.holds import HoldLedger
 from engine.kv_manager import KVCacheManager
 from engine.request import Request, Status
 from engine.step_model import OnlineStepModel, StepShape, shape_of
+from protocol.kv_digest import KVCheck
 
 
 @dataclass(frozen=True)
@@ -293,16 +294,19 @@ class Scheduler:
             if budget <= 0 or prefill_left <= 0:
                 break
             cached = self.kv.find_cached_prefix(req)
-            remaining = req.num_tokens - len(cached) * self.kv.block_size
+            tiered = self.kv.find_tiered(req, len(cached))
+            remaining = req.num_tokens - (len(cached) + len(tiered)) * self.kv.block_size
             n = min(remaining, budget, prefill_left)
             if not self.config.enable_chunked_prefill and n < remaining and budget < full_budget:
                 break
             if self.config.enable_chunked_prefill is False:
                 n = remaining
-            if not self.kv.can_allocate(req, n, cached):
+            if not self.kv.can_allocate(req, n, cached, len(tiered)):
                 break
             self.waiting.pop(0)
-            self.kv.admit(req, cached, count_query=req.num_preemptions == 0)
+            # spilled blocks come back (checked) before the request computes; a block that
+            # fails leaves fewer tokens computed, and this chunk starts there
+            self.kv.admit(req, cached, req.num_preemptions == 0, tiered)
             ok = self.kv.allocate_slots(req, n)
             assert ok, "can_allocate promised room"
             req.status = Status.RUNNING
@@ -319,22 +323,31 @@ class Scheduler:
         if not self.kv.can_allocate(req, total, cached):
             return False
         self.waiting.pop(0)
-        self.kv.admit(req, cached)
-        ok = self.kv.allocate_slots(req, total)
+        self.kv.admit(req, cached)  # may keep fewer (a released block that failed its digest)
+        ok = self.kv.allocate_slots(req, req.remote_num_tokens - req.num_computed_tokens)
         assert ok, "can_allocate promised room"
         req.status = Status.WAITING_FOR_REMOTE_KV
         self.remote[req.request_id] = req
         return True
 
-    def kv_ready(self, request_id: str, ok: bool, quarantine: bool = False) -> Request | None:
+    def kv_ready(
+        self,
+        request_id: str,
+        ok: bool,
+        quarantine: bool = False,
+        digests: Sequence[int | None] | None = None,
+        where: str = "transfer",
+    ) -> tuple[Request | None, KVCheck]:
         """The transfer for a reserved request ended. ok: the remote tokens are in its blocks
-        (the last one is recomputed locally for its logits); not ok: compute everything past
-        the local prefix hit. quarantine (with not ok): the transfer may still write into the
-        blocks it targeted, so they are set aside until `release_quarantine` and the request
-        recomputes into fresh blocks. Returns the request (None if unknown)."""
+        (a prompt's last token is recomputed locally for its logits) — once each block given a
+        digest in `digests` (aligned with the request's blocks; None: not transferred) matches
+        it, else up to the first that does not; not ok: compute everything past the local
+        prefix hit. quarantine (with not ok): the transfer may still write into the blocks it
+        targeted, so they are set aside until `release_quarantine` and the request recomputes
+        into fresh blocks. Returns the request (None if unknown) and how the KV checked out."""
         req = self.remote.pop(request_id, None)
         if req is None:
-            return None
+            return None, KVCheck.UNKNOWN
         if quarantine and not ok:
             self.kv.quarantine(req, req.num_cached_tokens // self.kv.block_size)
         if req.finish_reason is not None:  # aborted while its transfer ran: free it now
@@ -342,13 +355,25 @@ class Scheduler:
             self.requests.pop(req.request_id, None)
             self.kv.free(req)
             self.kv.forget(req)
-            return req
+            return req, KVCheck.FAILED if not ok else KVCheck.READY
+        check = KVCheck.READY if ok else KVCheck.FAILED
         if ok:
-            req.num_computed_tokens = max(req.num_computed_tokens, req.remote_num_tokens - 1)
+            # the whole prompt arrived: its last token is recomputed for its logits; a prefix
+            # (from a peer) counts whole
+            n = req.remote_num_tokens
+            cover = n - 1 if n >= req.num_prompt_tokens else n
+            if digests is not None:
+                good = self.kv.verify(req, digests, n, where)
+                if good < len(digests):
+                    check = KVCheck.MISMATCH
+                    cover = min(cover, good * self.kv.block_size)
+            req.num_computed_tokens = max(req.num_computed_tokens, cover)
             self.kv.cache_computed_blocks(req)
+        if where == "peer":  # a pulled prefix: this node computes the rest of the prompt
+            self.kv.count_pulled(req, req.num_computed_tokens - req.num_cached_tokens)
         req.status = Status.RUNNING
         self.running.append(req)
-        return req
+        return req, check
 
     # -- completion ------------------------------------------------------------------------
     def finish(self, req: Request, reason: str, stop_reason: str | int | None = None) -> None:
@@ -365,6 +390,7 @@ class Scheduler:
         req.status = Status.FINISHED
         self.requests.pop(req.request_id, None)
         if req.hold_blocks and reason not in ("abort", "error"):
+            req.held_digests = self.kv.transfer_digests(req)
             if req.hold_seconds is not None:
                 req.hold_expiry = time.monotonic() + req.hold_seconds
             self.held[req.request_id] = req

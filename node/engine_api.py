@@ -13,9 +13,11 @@ Contract:
   queue is full → 503 with Retry-After), `EngineDead` (→ 503).
 - P/D hooks: `add_request`'s `KVHandoff`, and the calls below. Prefill: `hold_seconds` keeps
   a finished request's blocks for that long, atomically with its finishing (the engine frees
-  them itself when the time is up); `release_held` frees
+  them itself when the time is up); `held_kv` names them with their content digests
+  (protocol/kv_digest.py); `release_held` frees
   them early (None: nothing held); `abort` also frees held blocks. Decode: `remote_num_tokens`
-  makes the engine reserve blocks first (`EngineStream.reserved`), then wait for `kv_ready`;
+  makes the engine reserve blocks first (`EngineStream.reserved`), then wait for `kv_ready`,
+  which checks the blocks against the sender's digests before the KV counts (`KVCheck`);
   `quarantine=True` sets the blocks a failed transfer may still write aside until
   `release_quarantine`.
 - An engine with `handles_kv_transfer` (vLLM) moves KV itself: the legs pass the client's
@@ -30,6 +32,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
+from protocol.kv_digest import KVCheck
 from protocol.kv_events import KVEvent
 from protocol.kv_layout import KVLayout
 from protocol.kv_params import KVTransferParams
@@ -46,6 +49,8 @@ __all__ = [
     "EngineDead",
     "EngineOverloaded",
     "EngineStream",
+    "HeldKV",
+    "KVCheck",
     "KVEventDrain",
     "KVHandoff",
     "LoraEngine",
@@ -102,6 +107,15 @@ class KVHandoff:
     kv_transfer_params: KVTransferParams | None = None
 
 
+@dataclass(frozen=True)
+class HeldKV:
+    """What a prefill node holds for one request: its blocks, in order, and their content
+    digests (None: an engine that takes none)."""
+
+    block_ids: list[int]
+    digests: list[int] | None = None
+
+
 @dataclass
 class KVEventDrain:
     """One consistent view between two engine steps (for the coordinator's event stream):
@@ -111,6 +125,8 @@ class KVEventDrain:
     events: list[KVEvent]
     queued_prefill_tokens: int
     block_hashes: list[int] | None = None
+    #: with a snapshot: the blocks in the spill tiers, by medium ("host", "disk")
+    tiered_hashes: dict[str, list[int]] | None = None
 
 
 class EngineStream(Protocol):
@@ -158,13 +174,24 @@ class NodeEngine(Protocol):
 
     async def abort(self, request_id: str) -> bool: ...
 
-    async def held_blocks(self, request_id: str) -> list[int] | None: ...
+    async def held_kv(self, request_id: str) -> HeldKV | None: ...
 
     async def release_held(
         self, request_id: str, block_ids: list[int] | None = None
     ) -> int | None: ...
 
-    async def kv_ready(self, request_id: str, ok: bool, quarantine: bool = False) -> bool: ...
+    async def kv_ready(
+        self,
+        request_id: str,
+        ok: bool,
+        quarantine: bool = False,
+        digests: list[int | None] | None = None,
+        where: str = "transfer",
+    ) -> KVCheck:
+        """The transfer into a reserved request's blocks ended; `digests` (aligned with its
+        blocks, None for one not transferred) are the sender's, checked before the KV counts;
+        `where` names the source in the engine's counters ("transfer" or "peer")."""
+        ...
 
     async def release_quarantine(self, request_id: str) -> int: ...
 

@@ -35,6 +35,7 @@ import msgspec
 from aiohttp import web
 
 from node.busy_window import BusyWindow
+from node.engine_api import KVEventDrain
 from node.metrics import NodeMetrics
 from protocol.kv_events import (
     CONTENT_TYPE,
@@ -82,7 +83,7 @@ class KVEventLog:
         self.busy = BusyWindow()
 
     # -- engine side -----------------------------------------------------------------------
-    async def _pull(self, snapshot: bool) -> list[int] | None:
+    async def _pull(self, snapshot: bool) -> KVEventDrain:
         async with self._lock:
             drained = await self.engine.drain_kv_events(snapshot)
             self.queued_prefill_tokens = drained.queued_prefill_tokens
@@ -91,16 +92,22 @@ class KVEventLog:
                 self._ring.append(EventBatch(seq=self.seq, ts=time.time(), events=drained.events))
                 self._new.set()
                 self._new = asyncio.Event()
-            return drained.block_hashes
+            return drained
 
     async def poll(self) -> None:
         await self._pull(snapshot=False)
 
     async def snapshot(self) -> KVSnapshot:
-        hashes = await self._pull(snapshot=True)
-        assert hashes is not None
+        drained = await self._pull(snapshot=True)
+        assert drained.block_hashes is not None
+        tiered = drained.tiered_hashes or {}
         return KVSnapshot(
-            engine_id=self.engine_id, block_size=self.block_size, seq=self.seq, block_hashes=hashes
+            engine_id=self.engine_id,
+            block_size=self.block_size,
+            seq=self.seq,
+            block_hashes=drained.block_hashes,
+            host_block_hashes=tiered.get("host", []),
+            disk_block_hashes=tiered.get("disk", []),
         )
 
     def took(self, request_id: str) -> None:

@@ -116,6 +116,18 @@ _COUNTERS = {
 }
 #: the engine stats key prefix of the accepted tokens per draft position (`...per_pos.<position>`)
 _PER_POS = "spec_decode_num_accepted_tokens_per_pos."
+#: counters the engine keeps per source of KV (`<prefix><source>`: pool, transfer, peer, host,
+#: disk), exported with a `source` label
+_BY_SOURCE = {
+    "duet:kv_digest_checks": (
+        "kv_digest_checks_",
+        "KV blocks whose content digest was checked before use, by where their KV came from",
+    ),
+    "duet:kv_digest_mismatches": (
+        "kv_digest_mismatches_",
+        "KV blocks that failed their digest (dropped and recomputed), by where their KV came from",
+    ),
+}
 
 
 class _EngineCollector(Collector):
@@ -144,6 +156,11 @@ class _EngineCollector(Collector):
         ):
             pos.add_metric([*values, key[len(_PER_POS) :]], float(s[key]))
         yield pos
+        for name, (prefix, doc) in _BY_SOURCE.items():
+            c = CounterMetricFamily(name, doc, labels=[*names, "source"])
+            for key in sorted(k for k in s if k.startswith(prefix)):
+                c.add_metric([*values, key[len(prefix) :]], float(s[key]))
+            yield c
 
 
 class NodeMetrics:

@@ -41,8 +41,8 @@ async def prefill_leg(leg: LegContext) -> web.StreamResponse:
     )
     lease = node.config.lease_s
     result = await leg.collect(await leg.start(params, KVHandoff(hold_seconds=lease)))
-    blocks = await node.engine.held_blocks(leg.engine_request_id)
-    if not blocks:
+    held = await node.engine.held_kv(leg.engine_request_id)
+    if held is None or not held.block_ids:
         raise APIError(
             500, "prefill finished without holding its KV blocks", type_="internal_error"
         )
@@ -51,7 +51,8 @@ async def prefill_leg(leg: LegContext) -> web.StreamResponse:
         first_token_id=_first_token(prep.params, result),
         do_remote_prefill=True,
         remote_engine_id=node.engine_id,
-        remote_block_ids=list(blocks),
+        remote_block_ids=list(held.block_ids),
+        remote_block_digests=held.digests,
         remote_request_id=prep.request_id,
         remote_host=cfg.public_host,
         remote_port=cfg.port,
@@ -62,14 +63,14 @@ async def prefill_leg(leg: LegContext) -> web.StreamResponse:
     log.info(
         "prefilled %d tokens into %d blocks, held for %.0fs",
         len(prep.prompt_ids),
-        len(blocks),
+        len(held.block_ids),
         lease,
     )
     # from now until D's release (or the lease's end: `untracked`), in this leg's trace
     node.tracing.defer(
         _hold_key(prep.request_id),
         "prefill.hold",
-        {"duet.kv.blocks": len(blocks), "duet.lease_s": lease},
+        {"duet.kv.blocks": len(held.block_ids), "duet.lease_s": lease},
     )
     return leg.answer(result)
 

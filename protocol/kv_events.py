@@ -8,6 +8,12 @@ of msgpack encoding one `Frame` (a tagged union; the tag is the struct name). Co
   `BlockRemoved`, `AllBlocksCleared`, same field names). `seq` counts batches per node engine
   from 1, +1 per batch with no gaps; a reader that sees `seq != last + 1` has missed changes
   and must resync from `GET /kv/snapshot`.
+- Tiers (vLLM's `medium` field): a node's block lives in exactly one of its KV pool (`medium`
+  None), its host spill tier ("host") or its disk tier ("disk"). `BlockStored` says where the
+  blocks are now — a stored event for a block the node already holds moves it there;
+  `BlockRemoved` means the node holds the blocks nowhere any more (its `medium` names the tier
+  they left). An older reader ignores the field and counts spilled blocks as cached (an
+  over-estimate: a hit there costs a load, not a recompute); an older node never sets it.
 - `LoadFrame`: the node's load, sent at least every `LOAD_INTERVAL_S`; `seq` is the last batch
   sent before it (a reader that holds an older seq is behind). `taken` acknowledges routes: the
   X-Request-Ids of the requests the node's engine took since this stream's previous load frame
@@ -44,15 +50,23 @@ LOAD_INTERVAL_S = 0.2
 MAX_FRAME_BYTES = 64 * 2**20
 
 
-class BlockStored(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+#: spill tiers, by `medium` (None: the KV pool itself)
+MEDIA = ("host", "disk")
+
+
+class BlockStored(msgspec.Struct, frozen=True, kw_only=True, tag=True, omit_defaults=True):
     block_hashes: list[int]
     parent_block_hash: int | None
     token_ids: list[int]
     block_size: int
+    #: where the blocks now are: None for the KV pool, else "host" or "disk"
+    medium: str | None = None
 
 
-class BlockRemoved(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+class BlockRemoved(msgspec.Struct, frozen=True, kw_only=True, tag=True, omit_defaults=True):
     block_hashes: list[int]
+    #: the tier the blocks left (None: the KV pool); the node holds them nowhere now
+    medium: str | None = None
 
 
 class AllBlocksCleared(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -111,7 +125,11 @@ class KVSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     block_size: int
     #: the last event batch this snapshot includes
     seq: int
+    #: the blocks in the KV pool
     block_hashes: list[int]
+    #: the blocks in the spill tiers (none on an older node, or without tiers)
+    host_block_hashes: list[int] = []
+    disk_block_hashes: list[int] = []
 
 
 class FrameDecoder:

@@ -4,10 +4,11 @@ The names are vLLM's on purpose (DESIGN.md §1): the same gateway can drive vLLM
 The prefill leg sends `{"do_remote_decode": true}`; P answers with the remote_* fields and
 `do_remote_prefill: true`, which the gateway passes unchanged to D.
 
-One field is duet's own: `first_token_id`, the token P sampled, on a guided leg only (P
-samples the first token under the guide's mask and D continues from it). An unguided
-request's first token is D's to sample again from the recomputed last prompt position (the same
-token for greedy), so its handoff stays vLLM's.
+Two fields are duet's own: `first_token_id`, the token P sampled, on a guided leg only (P
+samples the first token under the guide's mask and D continues from it; an unguided request's
+first token is D's to sample again from the recomputed last prompt position, the same token for
+greedy), and `remote_block_digests`, the content digest of each held block
+(protocol/kv_digest.py), which D checks over the bytes it read before it uses them.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class KVTransferParams(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     #: D checks it against its own matcher (400 when the grammar does not allow it) and emits it
     #: as the output's first token instead of its own draw.
     first_token_id: int | None = None
+    #: duet's own: the content digest of each block of `remote_block_ids`, in order, bound to
+    #: its chain hash and cache domain; D recomputes them over what it read and, on a
+    #: mismatch, recomputes from the first bad block. None: a prefill node that sends none
+    remote_block_digests: list[int] | None = None
     # vLLM NixlConnector's own fields: a vLLM prefill answers with them and its decode leg needs
     # them back unchanged, so the typed handoff carries them (native nodes ignore them).
     tp_size: int | None = None

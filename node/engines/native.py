@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore, RequestError
 from engine.core import EngineOverloaded as CoreOverloaded
 from engine.embed import Pooling
+from engine.kv_tiers import Medium
 from engine.lora import LoraError, LoraSlotsFull
 from engine.sleep import EngineBusy as CoreBusy
 from node.engine_api import (
@@ -27,6 +28,8 @@ from node.engine_api import (
     EngineBusy,
     EngineDead,
     EngineOverloaded,
+    HeldKV,
+    KVCheck,
     KVEventDrain,
     KVHandoff,
     RequestRefused,
@@ -206,8 +209,9 @@ class NativeNodeEngine:
     async def abort(self, request_id: str) -> bool:
         return bool(await self._call(self._engine.abort(request_id)))
 
-    async def held_blocks(self, request_id: str) -> list[int] | None:
-        return await self._call(self._engine.call(lambda core: core.held_blocks(request_id)))
+    async def held_kv(self, request_id: str) -> HeldKV | None:
+        held = await self._call(self._engine.call(lambda core: core.held_kv(request_id)))
+        return None if held is None else HeldKV(*held)
 
     async def release_held(self, request_id: str, block_ids: list[int] | None = None) -> int | None:
         try:
@@ -215,8 +219,15 @@ class NativeNodeEngine:
         except RequestError as e:
             raise RequestRefused(str(e)) from None
 
-    async def kv_ready(self, request_id: str, ok: bool, quarantine: bool = False) -> bool:
-        return bool(await self._call(self._engine.kv_ready(request_id, ok, quarantine)))
+    async def kv_ready(
+        self,
+        request_id: str,
+        ok: bool,
+        quarantine: bool = False,
+        digests: list[int | None] | None = None,
+        where: str = "transfer",
+    ) -> KVCheck:
+        return await self._call(self._engine.kv_ready(request_id, ok, quarantine, digests, where))
 
     async def release_quarantine(self, request_id: str) -> int:
         return int(await self._call(self._engine.release_quarantine(request_id)))
@@ -244,10 +255,14 @@ class NativeNodeEngine:
 def _drain(core: EngineCore, snapshot: bool) -> KVEventDrain:
     """On the engine thread, between two steps."""
     queued = core.scheduler.queued_prefill_tokens()
+    tiers = core.tiers
     return KVEventDrain(
         events=[_wire_event(e) for e in core.pool.drain_events()],
         queued_prefill_tokens=queued,
         block_hashes=core.pool.cached_hashes() if snapshot else None,
+        tiered_hashes={m.value: tiers.hashes(m) for m in Medium}
+        if snapshot and tiers is not None
+        else None,
     )
 
 
@@ -259,7 +274,8 @@ def _wire_event(ev: block_pool.KVEvent) -> wire.KVEvent:
             parent_block_hash=ev.parent_block_hash,
             token_ids=list(ev.token_ids),
             block_size=ev.block_size,
+            medium=ev.medium,
         )
     if isinstance(ev, block_pool.BlockRemoved):
-        return wire.BlockRemoved(block_hashes=list(ev.block_hashes))
+        return wire.BlockRemoved(block_hashes=list(ev.block_hashes), medium=ev.medium)
     return wire.AllBlocksCleared()

@@ -35,7 +35,15 @@ from typing import Any
 
 import msgspec
 
-from node.engine_api import Delta, EngineDead, KVEventDrain, KVHandoff, RequestRefused
+from node.engine_api import (
+    Delta,
+    EngineDead,
+    HeldKV,
+    KVCheck,
+    KVEventDrain,
+    KVHandoff,
+    RequestRefused,
+)
 from node.engines.vllm_config import VllmEngineConfig
 from node.engines.vllm_events import VllmEventBridge
 from node.engines.vllm_stats import VllmStats, logger_factory
@@ -445,14 +453,21 @@ class VllmNodeEngine:
         await self._llm.abort(request_id)
         return known
 
-    async def held_blocks(self, request_id: str) -> list[int] | None:
+    async def held_kv(self, request_id: str) -> HeldKV | None:
         return None  # vLLM's connector holds P's blocks under its own lease
 
     async def release_held(self, request_id: str, block_ids: list[int] | None = None) -> int | None:
         return None
 
-    async def kv_ready(self, request_id: str, ok: bool, quarantine: bool = False) -> bool:
-        return False
+    async def kv_ready(
+        self,
+        request_id: str,
+        ok: bool,
+        quarantine: bool = False,
+        digests: list[int | None] | None = None,
+        where: str = "transfer",
+    ) -> KVCheck:
+        return KVCheck.UNKNOWN
 
     async def release_quarantine(self, request_id: str) -> int:
         return 0

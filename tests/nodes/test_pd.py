@@ -58,6 +58,18 @@ async def test_pd_equals_offline_and_colocated(
     assert metric(p, "duet:num_requests_held") == 0
     assert metric(d, "duet:kv_transfer_seconds_count") >= len(ps)
     assert metric(d, "duet:prefix_cache_queries_total") > 0
+    # D checked every block it read against P's digests, and none failed
+    assert (
+        labelled(d, "duet:kv_digest_checks_total", "transfer") * check.layout.block_bytes == moved
+    )
+    assert labelled(d, "duet:kv_digest_mismatches_total", "transfer") == 0
+
+
+def labelled(node: Proc, name: str, source: str) -> float:
+    """A counter's value for one `source` label (0 when the node never counted that source)."""
+    text = urllib.request.urlopen(node.url + "/metrics", timeout=5).read().decode()
+    m = re.search(rf'^{re.escape(name)}\{{[^}}]*source="{source}"[^}}]*\}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
 
 
 async def test_32_concurrent_disaggregated(
@@ -139,6 +151,17 @@ async def test_bad_input_gets_4xx_and_nodes_keep_serving(pd_nodes: tuple[Proc, P
             json={"prompt": [7] * 40, **GREEDY, "kv_transfer_params": wrong_count},
         ) as r:
             assert r.status == 400 and "needs 3" in (await r.json())["error"]["message"]
+        # A digest list that does not name every block: refused, and P's hold released
+        third = (await prefill_leg(s, p.url, [8] * 40, GREEDY, "bad-input-3"))["kv_transfer_params"]
+        short_digests = {**third, "remote_block_digests": third["remote_block_digests"][:2]}
+        async with s.post(
+            d.url + "/v1/completions",
+            json={"prompt": [8] * 40, **GREEDY, "kv_transfer_params": short_digests},
+        ) as r:
+            msg = (await r.json())["error"]["message"]
+            assert r.status == 400 and "one unsigned 64-bit digest per remote block" in msg
+        async with s.post(p.url + "/kv/release", json={"request_id": "bad-input-3"}) as r:
+            assert r.status == 404
         # Block ids of another request: D refuses (P's release check says they are not its).
         other = await prefill_leg(s, p.url, [3] * 40, GREEDY, "bad-input-2")
         swapped = {**ktp, "remote_block_ids": other["kv_transfer_params"]["remote_block_ids"]}
