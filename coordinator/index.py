@@ -10,8 +10,14 @@ storing or matching a chain makes its hashes most recent, the chain's first bloc
 shared prefix outlives the tails hanging off it); past the bound the least recently used entry
 is dropped for every node (the index then under-estimates that node's cache, never over-).
 
-Invariants: `_masks[h]` is non-zero and bit `b` is set iff hash `h` is in `_held[b]`; a node
-removed with `remove_node` leaves no bit behind and its bit is reused only after that.
+Tiers: a node holds each block in one place, its KV pool or a spill tier ("host", "disk");
+the masks say a node holds a block somewhere, and `_spilled[b]` says which of node `b`'s blocks
+are in a tier, so `match` counts a prefix held anywhere and `tiers` tells how much of a node's
+match has to be loaded back first (the router prices that load against recomputing).
+
+Invariants: `_masks[h]` is non-zero and bit `b` is set iff hash `h` is in `_held[b]`;
+`_spilled[b]` ⊆ `_held[b]`; a node removed with `remove_node` leaves no bit behind and its bit
+is reused only after that.
 """
 
 from __future__ import annotations
@@ -29,6 +35,8 @@ class PrefixIndex:
         self._bit: dict[str, int] = {}
         self._node_of_bit: dict[int, str] = {}
         self._held: dict[int, set[int]] = {}
+        #: per node bit: its blocks held in a spill tier, hash → medium
+        self._spilled: dict[int, dict[int, str]] = {}
         self._free_bits: list[int] = []
         self.evictions = 0
 
@@ -54,15 +62,28 @@ class PrefixIndex:
             self._bit[node] = b
             self._node_of_bit[b] = node
             self._held[b] = set()
+            self._spilled[b] = {}
         return b
 
+    def node_tier_count(self, node: str, medium: str) -> int:
+        b = self._bit.get(node)
+        return 0 if b is None else sum(1 for m in self._spilled[b].values() if m == medium)
+
     # -- updates ---------------------------------------------------------------------------
-    def store(self, node: str, hashes: Iterable[int]) -> None:
+    def store(self, node: str, hashes: Iterable[int], medium: str | None = None) -> None:
+        """The node now holds `hashes` in its pool (`medium` None) or in that spill tier."""
         b = self._bit_of(node)
         m = 1 << b
+        hashes = list(hashes)
+        spilled = self._spilled[b]
+        for h in hashes:
+            if medium is None:
+                spilled.pop(h, None)
+            else:
+                spilled[h] = medium
         held, masks = self._held[b], self._masks
         # Reversed, so a chain's first blocks end up most recent and a tail is evicted first.
-        for h in reversed(list(hashes)):
+        for h in reversed(hashes):
             old = masks.get(h)
             if old is None:
                 masks[h] = m
@@ -79,16 +100,18 @@ class PrefixIndex:
         while mask:
             low = mask & -mask
             self._held[low.bit_length() - 1].discard(h)
+            self._spilled[low.bit_length() - 1].pop(h, None)
             mask ^= low
 
     def remove(self, node: str, hashes: Iterable[int]) -> None:
         b = self._bit.get(node)
         if b is None:
             return
-        clear, held, masks = ~(1 << b), self._held[b], self._masks
+        clear, held, masks, spilled = ~(1 << b), self._held[b], self._masks, self._spilled[b]
         for h in hashes:
             if h in held:
                 held.discard(h)
+                spilled.pop(h, None)
                 m = masks[h] & clear
                 if m:
                     masks[h] = m
@@ -101,9 +124,17 @@ class PrefixIndex:
         if b is not None:
             self.remove(node, list(self._held[b]))
 
-    def replace_node(self, node: str, hashes: Iterable[int]) -> None:
-        """The node's whole cache is exactly `hashes` (a snapshot)."""
+    def replace_node(
+        self,
+        node: str,
+        hashes: Iterable[int],
+        tiered: Iterable[tuple[str, Iterable[int]]] = (),
+    ) -> None:
+        """The node's whole cache is exactly `hashes` in its pool and each (medium, hashes) of
+        `tiered` in that tier (a snapshot)."""
         self.clear_node(node)
+        for medium, spilled in tiered:
+            self.store(node, spilled, medium)
         self.store(node, hashes)
 
     def remove_node(self, node: str) -> None:
@@ -112,7 +143,7 @@ class PrefixIndex:
         if b is None:
             return
         self.clear_node(node)
-        del self._bit[node], self._node_of_bit[b], self._held[b]
+        del self._bit[node], self._node_of_bit[b], self._held[b], self._spilled[b]
         self._free_bits.append(b)
 
     # -- queries ---------------------------------------------------------------------------
@@ -155,4 +186,17 @@ class PrefixIndex:
         touch = self._masks.move_to_end
         for h in reversed(hashes[: max(out.values(), default=0)]):
             touch(h)
+        return out
+
+    def tiers(self, node: str, hashes: Sequence[int], n: int) -> dict[str, int]:
+        """{medium: blocks} of the first `n` of `hashes` that `node` holds in a spill tier
+        (empty when all are in its pool)."""
+        b = self._bit.get(node)
+        spilled = self._spilled.get(b, {}) if b is not None else {}
+        out: dict[str, int] = {}
+        if spilled:
+            for h in hashes[:n]:
+                medium = spilled.get(h)
+                if medium is not None:
+                    out[medium] = out.get(medium, 0) + 1
         return out

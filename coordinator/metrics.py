@@ -72,6 +72,25 @@ class CoordinatorMetrics:
             buckets=_LAG_BUCKETS,
             registry=self.registry,
         )
+        self.reuse_prompt = Counter(
+            "duet:kv_reuse_prompt_tokens",
+            "Prompt tokens routed (generation requests)",
+            ["model"],
+            registry=self.registry,
+        )
+        self.reuse_existed = Counter(
+            "duet:kv_reuse_existed_tokens",
+            "Prompt tokens whose KV some node serving the model held when routed (any tier)",
+            ["model"],
+            registry=self.registry,
+        )
+        self.reuse_routed = Counter(
+            "duet:kv_reuse_routed_tokens",
+            "Prompt tokens whose KV the route captured on the node computing the prompt, by "
+            "where: its pool, its host or disk tier, or a peer it pulls from",
+            ["model", "tier"],
+            registry=self.registry,
+        )
         self.resyncs = Counter(
             "duet:kv_event_resyncs",
             "Index resyncs from a node snapshot, by reason",

@@ -18,6 +18,11 @@ pending) and its KV use.
   request never to an embed node.
 - Tiers: a request uses its tier's pool ("interactive" | "batch") when that pool has a usable
   node of the role, else the "shared" pool; D and P fall back independently.
+- KV reuse (coordinator/kv_reuse.py): a node's prefill work is its uncached tokens plus what
+  getting the cached ones costs — nothing from its pool, a load from its host or disk tier, or a
+  pull from the node holding the longest prefix (`kv_source` in the answer, for the node that
+  computes the prompt) when that is cheaper than computing. Each decision says how much reuse
+  existed on any node of the model and how much the route captured, by where (`RouteReuse`).
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
+from coordinator.eligible import usable_nodes, validate
 from coordinator.index import PrefixIndex
+from coordinator.kv_reuse import KVCosts, Reuse, RouteReuse, best_source, reuse_for
 from coordinator.nodes import NodeView, PendingTotals
-from protocol.cluster import NodeStatus, NodeTask, kv_layouts_match
+from protocol.cluster import NodeTask, kv_layouts_match
 from protocol.openai import APIError
-from protocol.route import RouteRequest, RouteResponse, RouteTarget
+from protocol.route import KVSource, RouteRequest, RouteResponse, RouteTarget
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,8 @@ class PolicyConfig:
     pending_settle_s: float = 0.3
     #: a pending decision no load report has settled stops counting after this many seconds
     pending_max_age_s: float = 5.0
+    #: what reused KV costs by where it is, and whether nodes pull from each other
+    kv: KVCosts = field(default_factory=KVCosts)
 
 
 class RouteOutcome(enum.StrEnum):
@@ -93,6 +102,7 @@ class Decision:
     pending: dict[str, tuple[int, int, int]]
     #: the chosen nodes that must load the request's LoRA adapter first
     lora_loads: list[str] = field(default_factory=list)
+    reuse: RouteReuse | None = None
 
 
 @dataclass(slots=True)
@@ -106,11 +116,15 @@ class _Facts:
     #: node id → prompt blocks its prefix cache holds (the index's match)
     matches: dict[str, int]
     pend: dict[str, PendingTotals]
-    #: node id → prompt tokens it need not compute
+    #: node id → prompt tokens it holds (any tier)
     cached: dict[str, int]
     #: node id → what it costs beyond its load to run this request there: loading the request's
     #: LoRA adapter, waking from sleep
     extra: dict[str, float]
+    #: node id → its cheapest way to the prefix (its own KV, or pulled from a source)
+    reuse: dict[str, Reuse]
+    #: the most prompt tokens any node serving the model holds
+    existed: int
 
 
 class _Plan(NamedTuple):
@@ -137,31 +151,6 @@ _WHY = {
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def validate(req: RouteRequest) -> None:
-    if not req.model:
-        raise APIError(400, "'model' must be a non-empty string", param="model")
-    if req.num_prompt_tokens < 1:
-        raise APIError(
-            400,
-            f"'num_prompt_tokens' must be ≥ 1, got {req.num_prompt_tokens}",
-            param="num_prompt_tokens",
-        )
-    if req.max_tokens < 1:
-        raise APIError(400, f"'max_tokens' must be ≥ 1, got {req.max_tokens}", param="max_tokens")
-    if len(req.block_hashes) > req.num_prompt_tokens:
-        raise APIError(
-            400,
-            f"{len(req.block_hashes)} block hashes for a prompt of {req.num_prompt_tokens} "
-            "tokens: a hash covers a full block of tokens",
-            param="block_hashes",
-        )
-    if req.block_hashes and (min(req.block_hashes) < 0 or max(req.block_hashes) >= 2**64):
-        bad = next(h for h in req.block_hashes if not 0 <= h < 2**64)
-        raise APIError(
-            400, f"block hash {bad} is not an unsigned 64-bit integer", param="block_hashes"
-        )
 
 
 def _pools(tier: str) -> list[str]:
@@ -201,23 +190,15 @@ class Router:
         self, req: RouteRequest, nodes: Iterable[NodeView], index: PrefixIndex, now: float
     ) -> Decision:
         validate(req)
-        usable = self._usable(req, nodes, now)
+        usable, serving = usable_nodes(req, nodes, now, self.config.stale_load_s)
         pools = _pools(req.tier)
         if req.task == NodeTask.EMBED:
             return self._embed(req, usable, pools, now)
-        r = self._facts(req, usable, index, now)
+        r = self._facts(req, usable, serving, index, now)
         ds = self._admitted(r, usable, pools)
         ps_all = _by_pool([n for n in usable if n.info.role in ("prefill", "both")], pools)
         # Prefill costs do not depend on D: compute them once, cheapest first.
-        p_ranked = sorted(
-            (
-                self._prefill_cost(n, r.n_prompt - r.cached[n.node_id], r.pend[n.node_id])
-                + r.extra[n.node_id],
-                n.node_id,
-                n,
-            )
-            for n in ps_all
-        )
+        p_ranked = sorted((self._work(r, n) + r.extra[n.node_id], n.node_id, n) for n in ps_all)
         p_cost_of = {node_id: cost for cost, node_id, _ in p_ranked}
         best: _Plan | None = None
         for d in ds:
@@ -227,88 +208,11 @@ class Router:
         assert best is not None
         return self._decision(r, best, len(ds))
 
-    def _usable(self, req: RouteRequest, nodes: Iterable[NodeView], now: float) -> list[NodeView]:
-        """One pass over the cluster: what serves the model, fits the request, and is usable;
-        the refusal that says why when nothing is."""
-        excluded = set(req.exclude) if req.exclude else ()
-        task = req.task
-        # an embedding item needs no room for a generated token
-        need_len = req.num_prompt_tokens + (req.max_tokens if task == NodeTask.GENERATE else 0)
-        stale, model = self.config.stale_load_s, req.model
-        n_serving, bs, longest = 0, 1 << 30, 0
-        fits = 0
-        usable: list[NodeView] = []
-        base_only = 0  # nodes of the model without LoRA slots, for an adapter's request
-        for n in nodes:
-            info = n.info
-            if (
-                info.model != model or info.task != task
-            ):  # never one task's work on the other's node
-                continue
-            if req.lora_name and not info.max_loras:
-                base_only += 1
-                continue
-            n_serving += 1
-            bs = min(bs, info.block_size)
-            longest = max(longest, info.max_model_len)
-            if need_len > info.max_model_len:
-                continue
-            fits += 1
-            if (
-                info.status == NodeStatus.ACTIVE
-                and n.node_id not in excluded
-                and n.ready(now, stale)
-            ):
-                usable.append(n)
-        if not n_serving and base_only:
-            raise APIError(
-                404,
-                f"no node serving {req.model!r} serves LoRA adapters (start nodes with --max-loras)",
-                param="model",
-                code="model_not_found",
-            )
-        if not n_serving:
-            what = "embeddings of model" if task == NodeTask.EMBED else "model"
-            raise APIError(
-                404,
-                f"no node serves {what} {req.model!r}",
-                type_="invalid_request_error",
-                param="model",
-                code="model_not_found",
-            )
-        if len(req.block_hashes) * bs > req.num_prompt_tokens:
-            raise APIError(
-                400,
-                f"{len(req.block_hashes)} block hashes of {bs} tokens do not fit in a prompt "
-                f"of {req.num_prompt_tokens} tokens (hash full blocks only)",
-                param="block_hashes",
-            )
-        if not fits and task == NodeTask.EMBED:
-            raise APIError(
-                400,
-                f"an input of {req.num_prompt_tokens} tokens exceeds the context of every embed node "
-                f"serving {req.model!r} ({longest})",
-                param="input",
-                code="context_length_exceeded",
-            )
-        if not fits:
-            raise APIError(
-                400,
-                f"prompt ({req.num_prompt_tokens} tokens) + max_tokens ({req.max_tokens}) "
-                f"exceeds the context of every node serving {req.model!r} ({longest})",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        if not usable:
-            raise APIError(
-                503,
-                f"no node serving {req.model!r} can take new work now "
-                f"({fits} registered, none active, reachable and not excluded)",
-                type_="service_unavailable",
-                code="no_capacity",
-                retry_after_s=1,
-            )
-        return usable
+    def _work(self, r: _Facts, n: NodeView) -> float:
+        """Prefill work on `n`: its uncached tokens, getting its reused KV, its queue."""
+        reuse = r.reuse[n.node_id]
+        uncached = r.n_prompt - reuse.tokens
+        return self._prefill_cost(n, uncached, r.pend[n.node_id]) + reuse.cost
 
     def _embed(
         self, req: RouteRequest, usable: list[NodeView], pools: list[str], now: float
@@ -336,22 +240,46 @@ class Router:
         )
 
     def _facts(
-        self, req: RouteRequest, usable: list[NodeView], index: PrefixIndex, now: float
+        self,
+        req: RouteRequest,
+        usable: list[NodeView],
+        serving: list[str],
+        index: PrefixIndex,
+        now: float,
     ) -> _Facts:
-        matches = index.match(req.block_hashes, [n.node_id for n in usable])
+        everywhere = index.match(req.block_hashes, serving)
+        ids = {n.node_id for n in usable}
+        matches = {k: v for k, v in everywhere.items() if k in ids}
         n_prompt = req.num_prompt_tokens
+        bs = min((n.info.block_size for n in usable), default=1)
+        source = best_source(usable, matches, index, req.block_hashes)
+        cfg = self.config
         return _Facts(
             req=req,
             n_prompt=n_prompt,
             need_len=n_prompt + req.max_tokens,
             matches=matches,
-            pend={n.node_id: n.pending_totals(now, self.config.pending_max_age_s) for n in usable},
+            pend={n.node_id: n.pending_totals(now, cfg.pending_max_age_s) for n in usable},
             # The last prompt token is always computed (DESIGN §3), so at most n_prompt - 1 cached.
             cached={
                 n.node_id: min(matches.get(n.node_id, 0) * n.info.block_size, n_prompt - 1)
                 for n in usable
             },
             extra={n.node_id: self._extra(n, req.lora_name) for n in usable},
+            reuse={
+                n.node_id: reuse_for(
+                    n,
+                    source,
+                    matches,
+                    index,
+                    req.block_hashes,
+                    n_prompt,
+                    cfg.kv,
+                    cfg.weights.prefill_token,
+                )
+                for n in usable
+            },
+            existed=min(max(everywhere.values(), default=0) * bs, n_prompt - 1),
         )
 
     def _extra(self, n: NodeView, lora: str | None) -> float:
@@ -400,8 +328,10 @@ class Router:
         arguments."""
         cfg, pd, n_prompt = self.config, r.pend[d.node_id], r.n_prompt
         d_cost = self._decode_cost(d, pd) + r.extra[d.node_id]
+        # the threshold reads what D holds itself: a prompt D cannot mostly serve from its own
+        # KV goes to a P (which may pull it), so D's pull is a cost, not a reason to stay local
         uncached_d = n_prompt - r.cached[d.node_id]
-        local_cost = self._prefill_cost(d, uncached_d, pd)
+        local_cost = self._work(r, d)
         if uncached_d < cfg.local_prefill_tokens:
             short = n_prompt < cfg.local_prefill_tokens
             outcome = RouteOutcome.LOCAL_SHORT if short else RouteOutcome.LOCAL_CACHED
@@ -427,7 +357,7 @@ class Router:
                 RouteOutcome.LOCAL_P_SATURATED,
                 (p_best.node_id, p_queued),
             )
-        why = (p_best.node_id, p_cost, n_prompt - r.cached[p_best.node_id])
+        why = (p_best.node_id, p_cost, n_prompt - r.reuse[p_best.node_id].tokens)
         return _Plan(d_cost + p_cost, d, p_best, RouteOutcome.DISAGGREGATED, why)
 
     def _decision(self, r: _Facts, best: _Plan, n_candidates: int) -> Decision:
@@ -435,12 +365,12 @@ class Router:
         d_blocks = _cdiv(r.need_len, d.info.block_size) - r.matches.get(d.node_id, 0)
         pending: dict[str, tuple[int, int, int]] = {}
         if p is None:
-            pending[d.node_id] = (1, n_prompt - cached[d.node_id], d_blocks)
+            pending[d.node_id] = (1, n_prompt - r.reuse[d.node_id].tokens, d_blocks)
         else:
             pending[d.node_id] = (1, 0, d_blocks)
             pending[p.node_id] = (
                 0,
-                n_prompt - cached[p.node_id],
+                n_prompt - r.reuse[p.node_id].tokens,
                 _cdiv(n_prompt, p.info.block_size),
             )
         load = d.load
@@ -451,13 +381,29 @@ class Router:
             f"waiting {load.num_requests_waiting}, kv {load.kv_cache_usage_perc:.2f}, "
             f"{cached[d.node_id]} cached) total cost {best.total:.0f} among {n_candidates} decode candidate(s)"
         )
+        computing = r.reuse[(p or d).node_id]
+        src = computing.source
+        if src is not None:
+            reason += f"; KV of {computing.pulled} tokens pulled from {src.node_id}"
         resp = RouteResponse(
             prefill=None
             if p is None
             else RouteTarget(node_id=p.node_id, url=p.info.url, cached_tokens=cached[p.node_id]),
             decode=RouteTarget(node_id=d.node_id, url=d.info.url, cached_tokens=cached[d.node_id]),
             reason=reason,
+            kv_source=None
+            if src is None
+            else KVSource(
+                node_id=src.node_id,
+                url=src.info.url,
+                num_blocks=computing.source_blocks,
+                from_block=computing.own_blocks,
+            ),
         )
         lora = r.req.lora_name
         loads = [] if not lora else [n.node_id for n in (d, p) if n and not n.holds_adapter(lora)]
-        return Decision(response=resp, outcome=outcome, pending=pending, lora_loads=loads)
+        captured = {**computing.own, "peer": computing.pulled}
+        reuse = RouteReuse(prompt_tokens=n_prompt, existed=r.existed, captured=captured)
+        return Decision(
+            response=resp, outcome=outcome, pending=pending, lora_loads=loads, reuse=reuse
+        )

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,7 @@ import msgspec
 
 from coordinator.election import Election
 from coordinator.index import PrefixIndex
+from coordinator.kv_reuse import RouteReuse
 from coordinator.lora import AdapterLoadFailed, AdapterPlacer
 from coordinator.metrics import CoordinatorMetrics, count_nodes
 from coordinator.nodes import NodeView
@@ -35,9 +37,11 @@ from protocol.cluster import (
     ClusterNode,
     ClusterReport,
     LoadReport,
+    ModelReuse,
     NodeInfo,
     NodeTask,
     PendingReport,
+    TierTokens,
 )
 from protocol.openai import APIError
 from protocol.planner import PlannerReport
@@ -48,6 +52,7 @@ from runtime.read_deadlines import ReadDeadlines
 log = logging.getLogger("duet.coordinator")
 #: routes tried for a request whose LoRA adapter a chosen node could not load
 ROUTE_ATTEMPTS = 3
+_TIERS = ("pool", "host", "disk", "peer")
 
 
 @dataclass
@@ -124,6 +129,8 @@ class Coordinator:
         #: the planner's report for `GET /planner` (set by planner/loop.py; None: no planner here)
         self.planner_report: Callable[[], PlannerReport] | None = None
         self._background: list[asyncio.Task[None]] = []
+        #: per model: prompt tokens routed, reuse that existed, reuse captured by tier
+        self.reuse: dict[str, Counter[str]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -220,6 +227,8 @@ class Coordinator:
         for node_id, (seqs, tokens, blocks) in decision.pending.items():
             self.views[node_id].add_pending(now, seqs, tokens, blocks, ticket)
         self.metrics.decisions.labels(decision.outcome).inc()
+        if decision.reuse is not None:
+            self._tally(req.model, decision.reuse)
         for observe in self.route_observers:
             observe(req, decision)
         return decision
@@ -250,6 +259,47 @@ class Coordinator:
             retry_after_s=1,
         )
 
+    def _tally(self, model: str, reuse: RouteReuse) -> None:
+        m = self.metrics
+        m.reuse_prompt.labels(model).inc(reuse.prompt_tokens)
+        m.reuse_existed.labels(model).inc(reuse.existed)
+        tally = self.reuse.setdefault(model, Counter())
+        tally["prompt_tokens"] += reuse.prompt_tokens
+        tally["existed"] += reuse.existed
+        for tier, n in reuse.captured.items():
+            if n:
+                m.reuse_routed.labels(model, tier).inc(n)
+                tally[tier] += n
+
+    def _model_reuse(self) -> list[ModelReuse]:
+        """Per model: the routes' reuse (this replica's) and the engines' (their load frames)."""
+        delivered: dict[str, Counter[str]] = {}
+        for v in self.views.values():
+            r = v.load.reuse if v.load is not None else None
+            if r is not None:
+                d = delivered.setdefault(v.info.model, Counter())
+                d.update(
+                    prompt_tokens=r.prompt_tokens,
+                    pool=r.pool,
+                    host=r.host,
+                    disk=r.disk,
+                    peer=r.peer,
+                )
+        out = []
+        for model in sorted(set(self.reuse) | set(delivered)):
+            t, d = self.reuse.get(model, Counter()), delivered.get(model, Counter())
+            out.append(
+                ModelReuse(
+                    model=model,
+                    prompt_tokens=t["prompt_tokens"],
+                    existed=t["existed"],
+                    routed=TierTokens(**{k: t[k] for k in _TIERS}),
+                    engine_prompt_tokens=d["prompt_tokens"],
+                    delivered=TierTokens(**{k: d[k] for k in _TIERS}),
+                )
+            )
+        return out
+
     # -- views -----------------------------------------------------------------------------
     def _metric_snapshot(self) -> dict[str, Any]:
         return {
@@ -276,6 +326,7 @@ class Coordinator:
                 self._node_report(v, now, cfg)
                 for v in sorted(self.views.values(), key=lambda v: v.node_id)
             ],
+            reuse=self._model_reuse(),
         )
 
     def _node_report(self, v: NodeView, now: float, cfg: PolicyConfig) -> ClusterNode:
@@ -312,6 +363,8 @@ class Coordinator:
             ),
             pending=PendingReport(seqs=p.seqs, prefill_tokens=p.prefill_tokens, blocks=p.blocks),
             indexed_blocks=self.index.node_block_count(v.node_id),
+            indexed_host_blocks=self.index.node_tier_count(v.node_id, "host"),
+            indexed_disk_blocks=self.index.node_tier_count(v.node_id, "disk"),
             event_seq=v.seq,
             resyncs=v.resyncs,
             event_lag_s=round(v.last_event_lag_s, 4),

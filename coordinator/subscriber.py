@@ -43,7 +43,7 @@ class Resync(Exception):
 def apply_batch(index: PrefixIndex, node_id: str, batch: EventBatch) -> None:
     for ev in batch.events:
         if isinstance(ev, BlockStored):
-            index.store(node_id, ev.block_hashes)
+            index.store(node_id, ev.block_hashes, ev.medium)
         elif isinstance(ev, BlockRemoved):
             index.remove(node_id, ev.block_hashes)
         elif isinstance(ev, AllBlocksCleared):
@@ -80,7 +80,11 @@ class Subscriber:
                     r.request_info, (), status=r.status, message=(await r.text())[:300]
                 )
             snap = self._snapshot_decoder.decode(await r.read())
-        self.index.replace_node(self.view.node_id, snap.block_hashes)
+        self.index.replace_node(
+            self.view.node_id,
+            snap.block_hashes,
+            [("host", snap.host_block_hashes), ("disk", snap.disk_block_hashes)],
+        )
         self.view.seq, self.view.engine_id = snap.seq, snap.engine_id
         return snap.seq
 

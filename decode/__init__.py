@@ -1,28 +1,10 @@
-"""The decode role: its leg of a request (pull P's KV, release it, decode and stream), with the
-peer policy and the metadata cache, registered with node/'s app by `register` (node.legs is its
-API; its state on a node is one RemoteKV)."""
+"""The decode role: its leg of a request (pull P's KV, release it, decode and stream),
+registered with node/'s app by `register` (node.legs is its API; it reads P's blocks through the
+node's `remote_kv`, the peer policy and metadata cache every node with a transport has)."""
 
 from __future__ import annotations
 
-from node.legs import DECODE_TRIGGER, Node, Roles
-
-
-async def _start(node: Node) -> None:
-    from decode.peers import PeerPolicy
-    from decode.remote_kv import RemoteKV
-
-    if node.transport is None or node.session is None:
-        return
-    policy = PeerPolicy(node.config.peer_networks())
-    node.role_state.put(
-        RemoteKV(
-            node.transport,
-            node.session,
-            node.config.transfer_timeout_s,
-            policy,
-            node.config.security.scheme,
-        )
-    )
+from node.legs import DECODE_TRIGGER, Roles
 
 
 def register(roles: Roles) -> None:
@@ -30,4 +12,3 @@ def register(roles: Roles) -> None:
 
     roles.add_role("decode")
     roles.add_leg(DECODE_TRIGGER, decode_leg)
-    roles.on_start.append(_start)

@@ -38,10 +38,9 @@ from dataclasses import replace
 from aiohttp import web
 
 from decode.pull import Pull, Puller, PullOutcome, Source, release_quietly
-from decode.remote_kv import PeerUnreachable, RemoteKV
 from kvtransfer import Peer
 from node.engine_api import EngineStream, KVHandoff, SamplingParams
-from node.legs import LegContext, Membership, Node, Prepared
+from node.legs import LegContext, Membership, Node, PeerUnreachable, Prepared, RemoteKV
 from protocol.kv_params import KVTransferParams
 from protocol.openai import APIError
 
@@ -50,7 +49,7 @@ _RETRY_AFTER_S = "1"
 
 
 def remote_kv(node: Node) -> RemoteKV:
-    rk = node.role_state.get(RemoteKV)
+    rk = node.remote_kv
     if rk is None:
         raise APIError(503, "this node has no KV transport; it cannot serve decode legs")
     return rk

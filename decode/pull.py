@@ -20,10 +20,9 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any
 
-from decode.remote_kv import RemoteKV
 from kvtransfer import Peer
 from node.engine_api import EngineStream, KVCheck
-from node.legs import LegContext
+from node.legs import LegContext, RemoteKV
 
 log = logging.getLogger("duet.decode")
 

@@ -64,6 +64,7 @@ COORDINATOR_SKIP = {
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
+    from coordinator.kv_reuse import KVCosts
     from coordinator.policy import PolicyConfig, RouteWeights
     from coordinator.service import CoordinatorConfig
     from planner.cli import add_args as add_planner_args
@@ -77,13 +78,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     add_config_flags(p.add_argument_group("coordinator"), CoordinatorConfig, skip=COORDINATOR_SKIP)
     add_etcd_arguments(p.add_argument_group("etcd client"))
-    weights = {"weights": "the route weights group (RouteWeights)"}
-    add_config_flags(p.add_argument_group("routing"), PolicyConfig, skip=weights)
+    groups = {
+        "weights": "the route weights group (RouteWeights)",
+        "kv": "the KV reuse group (KVCosts)",
+    }
+    add_config_flags(p.add_argument_group("routing"), PolicyConfig, skip=groups)
     route_weights = p.add_argument_group(
         "route weights",
         "A decode candidate's cost is the sum of these terms; the cheapest pair is routed to.",
     )
     add_config_flags(route_weights, RouteWeights, prefix="weight-")
+    kv = p.add_argument_group(
+        "KV reuse",
+        "What reusing a prompt's KV costs by where it is, in prefilled prompt tokens (the "
+        "route weights' unit), and whether the node computing a prompt may pull it from another "
+        "node (coordinator/kv_reuse.py; measure the costs with python -m bench.kv_tiers).",
+    )
+    add_config_flags(kv, KVCosts, prefix="kv-")
     add_server_arguments(p)
     add_planner_args(p)
     add_deprecated_aliases(p, DEPRECATED)
@@ -118,6 +129,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_coordinator(args: argparse.Namespace) -> int:
+    from coordinator.kv_reuse import KVCosts
     from coordinator.policy import PolicyConfig, RouteWeights
     from coordinator.server import run_coordinator
     from coordinator.service import CoordinatorConfig
@@ -132,9 +144,10 @@ def _run_coordinator(args: argparse.Namespace) -> int:
             parse_etcd_url(given["etcd"])
         apply_etcd_args(args)
         weights = RouteWeights(**config_kwargs(RouteWeights, args, prefix="weight-"))
+        kv = KVCosts(**config_kwargs(KVCosts, args, prefix="kv-"))
         cfg = CoordinatorConfig(
             **given,
-            policy=PolicyConfig(**config_kwargs(PolicyConfig, args), weights=weights),
+            policy=PolicyConfig(**config_kwargs(PolicyConfig, args), weights=weights, kv=kv),
             security=plane_security(args),
             deadlines=read_deadlines(args),
         )

@@ -100,6 +100,7 @@ def node_config(args: argparse.Namespace, role: str | None = None) -> NodeConfig
     cfg = NodeConfig(**given, security=plane_security(args), deadlines=read_deadlines(args))
     engine_given = config_kwargs(EngineConfig, args)
     engine = EngineConfig(**engine_given, record_kv_events=cfg.etcd is not None)
+    engine = _spill_dir(engine, cfg)
     vllm_given = config_kwargs(VllmOptions, args)
     if cfg.task == "embed" and cfg.engine_kind != "native":
         raise ValueError(
@@ -115,6 +116,8 @@ def node_config(args: argparse.Namespace, role: str | None = None) -> NodeConfig
         )
     if cfg.engine_kind != "native" and (engine.max_loras or cfg.sleep_after_idle_s is not None):
         raise ValueError("--max-loras and --sleep-after-idle-s apply only with --engine native")
+    if cfg.engine_kind == "vllm" and (engine.kv_host_bytes or engine.kv_disk_dir):
+        raise ValueError("--kv-host-bytes and --kv-disk-bytes apply only with --engine native")
     if cfg.engine_kind == "vllm":
         batched = "max_num_batched_tokens" in engine_given
         return replace(
@@ -125,6 +128,21 @@ def node_config(args: argparse.Namespace, role: str | None = None) -> NodeConfig
             "--vllm-arg, --nixl-port and --vllm-nixl-progress-thread apply only with --engine vllm"
         )
     return replace(cfg, engine=engine)
+
+
+def _spill_dir(engine: EngineConfig, node: NodeConfig) -> EngineConfig:
+    """A disk tier without a directory gets this node's own: $DUET_HOME/kv-spill/NODE_ID; no
+    tier (a budget of 0), no directory."""
+    from engine.config import parse_size
+    from runtime.models import duet_home
+
+    if not parse_size(engine.kv_host_bytes):
+        engine = replace(engine, kv_host_bytes=0)
+    if not parse_size(engine.kv_disk_bytes):
+        return replace(engine, kv_disk_bytes=0, kv_disk_dir=None)
+    if engine.kv_disk_dir is None:
+        engine = replace(engine, kv_disk_dir=str(duet_home() / "kv-spill" / node.resolved_node_id))
+    return engine
 
 
 def vllm_engine_config(

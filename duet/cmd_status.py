@@ -194,7 +194,7 @@ def render(info: dict[str, Any]) -> None:
         "KV use",
         "KV free",
         "queued prefill",
-        "cached blocks",
+        "cached blocks (pool/host/disk)",
         "url",
     )
     for n in cl["nodes"]:
@@ -211,10 +211,52 @@ def render(info: dict[str, Any]) -> None:
             _pct(ld.get("kv_cache_usage_perc")),
             f"{ld.get('kv_blocks_free', '-')}/{ld.get('kv_blocks_total', '-')}",
             str(ld.get("queued_prefill_tokens", "-")),
-            str(n["indexed_blocks"]),
+            _cached(n),
             n["url"],
         )
     con.print(t)
+    if cl.get("reuse"):
+        con.print(reuse_table(cl["reuse"]))
+
+
+def _cached(n: dict[str, Any]) -> str:
+    """The node's indexed blocks; with spill tiers, split pool/host/disk."""
+    host, disk = n.get("indexed_host_blocks", 0), n.get("indexed_disk_blocks", 0)
+    if not host and not disk:
+        return str(n["indexed_blocks"])
+    return f"{n['indexed_blocks'] - host - disk}/{host}/{disk}"
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{part} ({100 * part / whole:.0f}%)" if whole else str(part)
+
+
+def reuse_table(reuse: list[dict[str, Any]]) -> Any:
+    """KV reuse per model: what existed in the cluster, what the routes captured (by where), and
+    what the engines delivered (by where), each against its own prompt tokens."""
+    from rich.table import Table
+
+    t = Table(
+        "model",
+        "prompt tokens routed",
+        "reuse existed",
+        "route captured: pool / host / disk / peer",
+        "engine prompt tokens",
+        "engine delivered: pool / host / disk / peer",
+        title="KV reuse (tokens not computed, and where their KV was)",
+    )
+    for r in reuse:
+        routed, done = r["routed"], r["delivered"]
+        n, m = r["prompt_tokens"], r["engine_prompt_tokens"]
+        t.add_row(
+            r["model"],
+            str(n),
+            _share(r["existed"], n),
+            " / ".join(_share(routed[k], n) for k in ("pool", "host", "disk", "peer")),
+            str(m),
+            " / ".join(_share(done[k], m) for k in ("pool", "host", "disk", "peer")),
+        )
+    return t
 
 
 def _render_registered(con: Any, reg: dict[str, Any] | None, error: str | None) -> None:

@@ -396,6 +396,26 @@ class AsyncEngine:
             lambda: self.core.kv_ready(request_id, ok, quarantine, digests, where)
         )
 
+    async def share(
+        self, share_id: str, hashes: list[int], cache_salt: str | None, lease_s: float
+    ) -> tuple[list[int], list[int]]:
+        return await self._submit(lambda: self.core.share(share_id, hashes, cache_salt, lease_s))
+
+    async def release_share(self, share_id: str, block_ids: list[int] | None = None) -> int | None:
+        """Free a share's blocks (the peer is done), answered at once as `release_held` is.
+        None when nothing is shared under that id; RequestError when the ids are not its own."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine failed: {self.dead!r}")
+        outcome, n = self.core.scheduler.ledger.claim(share_id, block_ids, time.monotonic())
+        if outcome is Claim.NOT_HELD:
+            return None
+        if outcome is Claim.NOT_THEIRS:
+            from engine.core import RequestError
+
+            raise RequestError(f"block ids {block_ids} are not those of share {share_id!r}")
+        self._commands.put(lambda: self.core.release_share(share_id))
+        return n
+
     async def release_quarantine(self, request_id: str) -> int:
         return await self._submit(lambda: self.core.release_quarantine(request_id))
 

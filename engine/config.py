@@ -105,11 +105,13 @@ class EngineConfig:
     max_loras: int = 0
     #: the highest LoRA rank an adapter slot holds (vLLM's max_lora_rank)
     max_lora_rank: int = 16
-    #: spill tier in host memory (bytes, or a size like "2GiB"): cached blocks the pool evicts
-    #: are copied here and loaded back on a hit; 0 turns the tier off
-    kv_host_bytes: str | int = 0
-    #: spill tier on disk (bytes, or a size): blocks the host tier evicts (or the pool's, with
-    #: no host tier) go to files under `kv_disk_dir`; 0 turns the tier off
-    kv_disk_bytes: str | int = 0
-    #: the disk tier's directory, this engine's alone (its *.kv files are removed at start)
-    kv_disk_dir: str | None = None
+    #: native engine: a host-memory tier under the KV pool, in bytes (or a size like 4GiB):
+    #: cached blocks the pool evicts are copied there and loaded back, checked, when a prompt
+    #: reuses them (0: off)
+    kv_host_bytes: str | int = field(default=0, metadata={"metavar": "SIZE"})
+    #: native engine: a disk tier under the host tier, in bytes (or a size like 20GiB): blocks
+    #: the host tier evicts (the pool's, without one) go to files in --kv-disk-dir (0: off)
+    kv_disk_bytes: str | int = field(default=0, metadata={"metavar": "SIZE"})
+    #: the disk tier's directory, the node's alone: its *.kv files are removed at start (default:
+    #: $DUET_HOME/kv-spill/NODE_ID)
+    kv_disk_dir: str | None = field(default=None, metadata={"metavar": "DIR"})

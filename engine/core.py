@@ -43,6 +43,7 @@ from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.spec_decode import Speculator, build_speculator, spec_max_batch
+from protocol.block_hash import domain_root
 from protocol.kv_digest import KVCheck
 from protocol.logprobs import TokenLogprob
 from runtime.models import resolve_model
@@ -638,6 +639,21 @@ class EngineCore(Residency):
         aligned with the request's blocks; None for a block not transferred) the KV counts only
         as far as it matches them (`where` names the source in the counters)."""
         return self.scheduler.kv_ready(request_id, ok, quarantine, digests, where)[1]
+
+    def share(
+        self, share_id: str, hashes: list[int], cache_salt: str | None, lease_s: float
+    ) -> tuple[list[int], list[int]]:
+        """Any node: hold the leading blocks of `hashes` (the prefix of a prompt of domain
+        `cache_salt`) that this node has, for a peer's pull; with their digests."""
+        try:
+            return self.scheduler.share(
+                share_id, hashes, domain_root(cache_salt, self.config.hash_seed), lease_s
+            )
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+
+    def release_share(self, share_id: str) -> bool:
+        return self.scheduler.release_share(share_id)
 
     def release_quarantine(self, request_id: str) -> int:
         """Decode node: the failed transfer of `request_id` is over: free its blocks."""

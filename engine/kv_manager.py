@@ -33,12 +33,13 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from engine import kv_moves
 from engine.block_pool import BlockPool
 from engine.request import Request
 from protocol.block_hash import DEFAULT_HASH_SEED, domain_root, hash_block
 
 if TYPE_CHECKING:
-    from engine.kv_tiers import KVTiers, Medium
+    from engine.kv_tiers import KVTiers
 
 log = logging.getLogger("duet.engine")
 
@@ -152,13 +153,13 @@ class KVCacheManager:
         fails), load the `tiered` blocks after it (`find_tiered`; can_allocate promised room),
         and mark those tokens computed. Returns the pool blocks of the prefix."""
         assert not req.block_ids and req.num_computed_tokens == 0
-        got = self._checked_hits(req, cached)
+        got = kv_moves.checked_hits(self, req, cached)
         self.pool.touch(got)
         req.block_ids = list(got)
         # reuse is counted where the prompt is computed: not for KV a prefill node sends
         local = count_query and req.remote_num_tokens == 0
         if len(got) == len(cached) and tiered:
-            self._load(req, tiered, local)
+            kv_moves.load_tiered(self, req, tiered, local)
         req.num_computed_tokens = len(req.block_ids) * self.block_size
         req.num_cached_tokens = req.num_computed_tokens
         self._num_cached[req.request_id] = len(req.block_ids)
@@ -176,73 +177,6 @@ class KVCacheManager:
         self.reuse_queries += req.num_prompt_tokens
         self.reused["pool"] += req.num_cached_tokens
         self.reused["peer"] += max(0, tokens)
-
-    def _load(self, req: Request, hashes: Sequence[int], count: bool) -> None:
-        """Bring spilled blocks back into the pool after the request's pool prefix, each checked
-        against its digest; stop at the first that cannot be read or fails."""
-        assert self.tiers is not None
-        tiers, bs = self.tiers, self.block_size
-        for h in hashes:
-            tiers.pin(h)  # the allocations below may spill other blocks into the tiers
-        try:
-            hs = self.block_hashes(req, (len(req.block_ids) + len(hashes)) * bs)
-            root = domain_root(req.params.cache_salt, self.hash_seed)
-            for h in hashes:
-                i = len(req.block_ids)
-                assert hs[i] == h
-                (b,) = self.pool.allocate(1)
-                got = tiers.load(h, b)  # takes the entry out of its tier (pins and all)
-                if got is None or not self._loaded_ok(req, b, h, got, root):
-                    self.pool.free([b])
-                    break
-                req.block_ids.append(b)
-                toks = [req.token_at(j) for j in range(i * bs, (i + 1) * bs)]
-                self.pool.cache(b, h, hs[i - 1] if i else None, toks)
-                if count:
-                    self.reused[got[0].value] += bs
-        finally:
-            for h in hashes:
-                tiers.unpin(h)
-
-    def _loaded_ok(self, req: Request, b: int, h: int, got: tuple[Medium, int], root: int) -> bool:
-        """Whether loaded block `b` (hash `h`) matches the digest it was spilled with."""
-        medium, want = got
-        assert self.tiers is not None and self.digester is not None
-        self.checks[medium.value] += 1
-        if self.digester.digest(b, h, root) != want:
-            self._mismatch(medium.value, req, len(req.block_ids))
-            self.tiers.drop(h, medium)
-            return False
-        self.pool.set_digest(b, want)
-        return True
-
-    def _checked_hits(self, req: Request, cached: list[int]) -> list[int]:
-        """`cached` up to its first released block whose KV no longer matches its digest (that
-        block is uncached: recomputed by this request, and by no one after it). Blocks other
-        requests reference are in use as they are; a block without a digest is taken as is."""
-        if self.digester is None or not cached:
-            return cached
-        hs = self.block_hashes(req, len(cached) * self.block_size)
-        root = domain_root(req.params.cache_salt, self.hash_seed)
-        for i, b in enumerate(cached):
-            want = self.pool.digest(b)
-            if self.pool.ref_count(b) or want is None:
-                continue
-            self.checks["pool"] += 1
-            if self.digester.digest(b, hs[i], root) != want:
-                self._mismatch("pool", req, i)
-                self.pool.uncache(b)
-                return cached[:i]
-        return cached
-
-    def _mismatch(self, where: str, req: Request, index: int) -> None:
-        self.mismatches[where] += 1
-        log.warning(
-            "KV digest mismatch (%s): block %d of request %s; dropped, its tokens are recomputed",
-            where,
-            index,
-            req.request_id,
-        )
 
     def allocate_slots(self, req: Request, num_new_tokens: int) -> bool:
         """Ensure blocks for `num_computed_tokens + num_new_tokens` tokens; False if the pool
@@ -279,57 +213,6 @@ class KVCacheManager:
                 self.tiers.discard(hs[i])  # computed anew: the spilled copy is stale news
         self._num_cached[req.request_id] = n_full
 
-    # -- digests of KV that moves ----------------------------------------------------------
-    def _chain(self, req: Request, i: int, upto: int) -> int:
-        """The chain hash block `i` of `req` is digested with, its KV covering `upto` tokens:
-        the block hash of a full block, the tail chain hash of the partial last one."""
-        bs = self.block_size
-        if (i + 1) * bs <= upto:
-            return self.block_hashes(req, upto)[i]
-        parent = (
-            self.block_hashes(req, upto)[i - 1]
-            if i
-            else domain_root(req.params.cache_salt, self.hash_seed)
-        )
-        return hash_block(parent, [req.token_at(j) for j in range(i * bs, upto)], self.hash_seed)
-
-    def transfer_digests(self, req: Request) -> list[int] | None:
-        """Digests of every block of `req` over its computed tokens (a held prefill's, for the
-        node that pulls them): a full block's as taken when written, the tail's now."""
-        if self.digester is None:
-            return None
-        upto, root = req.num_computed_tokens, domain_root(req.params.cache_salt, self.hash_seed)
-        out = []
-        for i, b in enumerate(req.block_ids):
-            full = (i + 1) * self.block_size <= upto
-            d = self.pool.digest(b) if full else None
-            if d is None:
-                d = self.digester.digest(b, self._chain(req, i, upto), root)
-                if full:
-                    self.pool.set_digest(b, d)
-            out.append(d)
-        return out
-
-    def verify(self, req: Request, digests: Sequence[int | None], upto: int, where: str) -> int:
-        """Check the blocks of `req` whose KV arrived (`digests[i]` not None) against the
-        sender's digests, their KV covering `upto` tokens. Returns how many leading blocks are
-        good: all of them, or up to the first mismatch. A verified full block keeps its digest."""
-        if self.digester is None:
-            return len(digests)
-        root = domain_root(req.params.cache_salt, self.hash_seed)
-        for i, want in enumerate(digests):
-            if want is None:
-                continue
-            b = req.block_ids[i]
-            self.checks[where] += 1
-            got = self.digester.digest(b, self._chain(req, i, upto), root)
-            if got != want:
-                self._mismatch(where, req, i)
-                return i
-            if (i + 1) * self.block_size <= upto:
-                self.pool.set_digest(b, got)
-        return len(digests)
-
     def trim(self, req: Request, num_tokens: int) -> int:
         """Speculative decoding's rollback: free the blocks past those `num_tokens` tokens need
         (slots allocated for draft tokens that were rejected). Their KV was never registered in
@@ -340,6 +223,16 @@ class KVCacheManager:
             self.pool.free(extra[::-1])
             req.block_ids = req.block_ids[:keep]
         return len(extra)
+
+    # -- digests of KV that moves (engine/kv_moves.py) -------------------------------------
+    def transfer_digests(self, req: Request) -> list[int] | None:
+        return kv_moves.transfer_digests(self, req)
+
+    def verify(self, req: Request, digests: Sequence[int | None], upto: int, where: str) -> int:
+        return kv_moves.verify(self, req, digests, upto, where)
+
+    def share(self, hashes: Sequence[int], root: int) -> tuple[list[int], list[int]]:
+        return kv_moves.share(self, hashes, root)
 
     # -- release ---------------------------------------------------------------------------
     def free(self, req: Request) -> None:

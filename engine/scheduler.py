@@ -25,6 +25,10 @@ tokens of the step are capped at the most that keep the step's predicted time wi
 below `min_prefill_chunk`, so a long prompt always progresses. The engine reports each step's
 wall time through `observe_step`. Without a target the budget is the fixed token budget alone.
 
+Shares (any node): a peer pulling a prefix this node holds gets its leading blocks referenced
+under a share id for a lease (`share`), freed on `release_share` or when the lease runs out, as
+a held prefill's are; the hold ledger lets the event loop claim them at once.
+
 Invariants: a request is in exactly one of waiting / running / remote / held; the scheduler
 never changes a block while a transfer may be writing it (requests in WAITING_FOR_REMOTE_KV
 are never preempted and are freed only after `kv_ready`); a held request carries its own
@@ -101,6 +105,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self.held: dict[str, Request] = {}  # finished, blocks kept for a transfer
+        #: share id → blocks referenced for a peer's pull, and when they are freed on their own
+        self.shares: dict[str, _Share] = {}
         #: the holds as the event loop may claim them (engine/holds.py)
         self.ledger = HoldLedger()
         self.requests: dict[str, Request] = {}
@@ -347,6 +353,15 @@ class Scheduler:
         into fresh blocks. Returns the request (None if unknown) and how the KV checked out."""
         req = self.remote.pop(request_id, None)
         if req is None:
+            queued = self.requests.get(request_id)
+            if (
+                queued is not None
+                and queued in self.waiting
+                and queued.remote_num_tokens
+                and not ok
+            ):
+                queued.remote_num_tokens = 0  # the KV will not come: admit it to compute it all
+                return queued, KVCheck.FAILED
             return None, KVCheck.UNKNOWN
         if quarantine and not ok:
             self.kv.quarantine(req, req.num_cached_tokens // self.kv.block_size)
@@ -409,7 +424,7 @@ class Scheduler:
         return True
 
     def expire_holds(self, now: float) -> list[str]:
-        """Free every hold whose lease ran out; returns their request ids. A hold the event loop
+        """Free every hold and share whose lease ran out; returns their ids. One the event loop
         claimed just before its deadline is left to the release command already on its way."""
         due = [
             rid
@@ -423,12 +438,52 @@ class Scheduler:
                 gone.append(rid)
             else:
                 self.held[rid].hold_expiry = None  # claimed: no deadline to wake up for
+        for sid in [k for k, v in self.shares.items() if v.expiry is not None and v.expiry <= now]:
+            if self.ledger.expire(sid):
+                self.release_share(sid)
+                gone.append(sid)
+            else:
+                self.shares[sid].expiry = None
         return gone
 
     def next_hold_expiry(self) -> float | None:
         return min(
-            (r.hold_expiry for r in self.held.values() if r.hold_expiry is not None), default=None
+            (
+                *(r.hold_expiry for r in self.held.values() if r.hold_expiry is not None),
+                *(v.expiry for v in self.shares.values() if v.expiry is not None),
+            ),
+            default=None,
         )
+
+    # -- shares (a peer pulls a prefix) ----------------------------------------------------
+    def share(
+        self, share_id: str, hashes: Sequence[int], root: int, lease_s: float
+    ) -> tuple[list[int], list[int]]:
+        """Reference the leading blocks of `hashes` this node holds (pool or spill tiers) for a
+        peer's pull, for `lease_s` seconds; returns them with their digests (none: nothing)."""
+        if share_id in self.shares or share_id in self.held or share_id in self.requests:
+            raise ValueError(f"share id {share_id!r} is already in use")
+        blocks, digests = self.kv.share(hashes, root)
+        if blocks:
+            expiry = time.monotonic() + lease_s
+            self.shares[share_id] = _Share(blocks, expiry)
+            self.ledger.add(share_id, blocks, expiry)
+        return blocks, digests
+
+    def release_share(self, share_id: str) -> bool:
+        s = self.shares.pop(share_id, None)
+        if s is None:
+            return False
+        self.ledger.drop(share_id)
+        self.kv.pool.free(s.blocks[::-1])
+        return True
+
+
+@dataclass
+class _Share:
+    blocks: list[int]
+    #: monotonic time they are freed on their own (None: claimed by a release on its way)
+    expiry: float | None
 
 
 def _prompt_work(req: Request) -> bool:

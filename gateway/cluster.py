@@ -241,7 +241,14 @@ class ClusterBackend(Backend):
                 rid,
                 trip.index,
                 leg_request(
-                    request, job, stream=True, kv_transfer_params=kv, resume=trip.resume, **own_seed
+                    request,
+                    job,
+                    stream=True,
+                    kv_transfer_params=kv,
+                    resume=trip.resume,
+                    # the node computing the prompt pulls its prefix from the route's KV source
+                    kv_source=route.kv_source if route.prefill is None else None,
+                    **own_seed,
                 ),
             )
             tr = self.tracing
@@ -349,6 +356,7 @@ class ClusterBackend(Backend):
                         stream=False,
                         logprobs=None,
                         kv_transfer_params=_TO_DECODE,
+                        kv_source=route.kv_source,
                         **_p_leg(job, trip),
                     ),
                 )

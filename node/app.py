@@ -11,6 +11,7 @@ node answers 503 to new completions. Role routes and hooks come from `state.role
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -19,7 +20,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from node.completions import handle_chat_completions, handle_completions, new_request_id
-from node.engine_api import EngineDead, EngineOverloaded
+from node.engine_api import EngineDead, EngineOverloaded, RequestRefused
 from node.lora import add_lora_routes, lora_engine
 from node.request_log import REQUEST_ID
 from node.responder import engine_dead
@@ -201,6 +202,10 @@ async def _abort(request: web.Request) -> web.Response:
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         raise APIError(400, f"malformed abort request: {e}") from None
     aborted = await s.engine.abort(body.request_id)
+    from node.kv_share import share_id
+
+    with contextlib.suppress(RequestRefused):  # a share a peer holds for the request ends too
+        aborted = await s.engine.release_share(share_id(body.request_id)) is not None or aborted
     for hook in s.roles.on_abort:
         aborted = await hook(s, body.request_id) or aborted
     return web.json_response({"aborted": aborted})
@@ -234,6 +239,9 @@ def make_app(state: NodeState) -> web.Application:
     for method, path, fn in state.roles.routes:
         app.router.add_route(method, path, bind(fn))
     app.router.add_get("/kv/metadata", _kv_metadata)
+    from node.kv_share import add_share_routes  # /kv/share, /kv/share/release: KV for peers
+
+    add_share_routes(app, bind)
     app.router.add_post("/abort", _abort)
     from node.drain import handle_delete_drain, handle_get_drain, handle_post_drain
 
@@ -279,6 +287,16 @@ async def _lifecycle(app: web.Application) -> AsyncIterator[None]:
     if s.transport is not None:
         base, device = s.engine.kv_memory()
         await s.transport.register_pool(base, s.engine.kv_layout, device)
+        from node.peers import PeerPolicy
+        from node.remote_kv import RemoteKV
+
+        s.remote_kv = RemoteKV(
+            s.transport,
+            s.session,
+            s.config.transfer_timeout_s,
+            PeerPolicy(s.config.peer_networks()),
+            s.config.security.scheme,
+        )
     for hook in s.roles.on_start:
         await hook(s)
     s.idle.set()

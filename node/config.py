@@ -75,6 +75,10 @@ class NodeConfig:
     lease_s: float = 30.0
     #: decode: seconds one KV pull may take
     transfer_timeout_s: float = 10.0
+    #: any node: seconds it spends pulling a prompt's prefix from the node the coordinator names
+    #: as its KV source (share, read, digest check); past it, or on any failure, the node
+    #: computes the prefix itself
+    kv_pull_timeout_s: float = 2.0
     #: decode: on a failed pull, prefill locally (recompute) or fail the request
     failure_policy: FailurePolicy = "recompute"
     #: decode: seconds to wait for KV blocks for a pull before answering 503
@@ -135,6 +139,8 @@ class NodeConfig:
             raise ValueError(f"failure policy must be one of {FAILURE_POLICIES}")
         if self.lease_s <= 0 or self.transfer_timeout_s <= 0 or self.reserve_timeout_s <= 0:
             raise ValueError("lease, transfer and reserve timeouts must be positive")
+        if not 0 < self.kv_pull_timeout_s <= 60:
+            raise ValueError(f"kv pull timeout must be in (0, 60] s, got {self.kv_pull_timeout_s}")
         parse_networks(self.allowed_peers)
         if not 0 < self.guide_compile_timeout_s <= 600:
             raise ValueError(

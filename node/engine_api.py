@@ -195,6 +195,18 @@ class NodeEngine(Protocol):
 
     async def release_quarantine(self, request_id: str) -> int: ...
 
+    async def share_prefix(
+        self, share_id: str, block_hashes: list[int], cache_salt: str | None, lease_s: float
+    ) -> HeldKV:
+        """Hold the leading blocks of `block_hashes` this node has (pool or spill tiers) for a
+        peer's pull until `release_share` or `lease_s` seconds; none held: empty block ids.
+        An engine that cannot share answers none."""
+        ...
+
+    async def release_share(self, share_id: str, block_ids: list[int] | None = None) -> int | None:
+        """Free a share (None: nothing held; RequestRefused: the ids are not its own)."""
+        ...
+
     async def cached_block_hashes(self) -> list[int]: ...
 
     async def drain_kv_events(self, snapshot: bool = False) -> KVEventDrain:

@@ -41,6 +41,7 @@ from protocol.kv_events import (
     CONTENT_TYPE,
     LOAD_INTERVAL_S,
     EventBatch,
+    KVReuse,
     KVSnapshot,
     LoadFrame,
     encode_frame,
@@ -164,9 +165,20 @@ class KVEventLog:
             ),
             kv_blocks_free=int(stats.get("kv_blocks_free", 0)),
             kv_blocks_total=int(stats.get("kv_blocks_total", 0)),
+            reuse=_reuse(stats),
             **(self.latency() if self.latency is not None else {}),
             **residency(self.engine),
         )
+
+
+def _reuse(stats: dict[str, float]) -> KVReuse | None:
+    """The engine's reuse counters for a load frame (None when it keeps none)."""
+    if "kv_reuse_queries" not in stats:
+        return None
+    return KVReuse(
+        prompt_tokens=int(stats["kv_reuse_queries"]),
+        **{t: int(stats.get(f"kv_reused_tokens_{t}", 0)) for t in ("pool", "host", "disk", "peer")},
+    )
 
 
 KV_EVENTS = web.AppKey("kv_events", KVEventLog)

@@ -45,8 +45,19 @@ class Leg:
         return self._responder.timing
 
     async def start(self, params: SamplingParams, handoff: KVHandoff | None = None) -> EngineStream:
-        """Queue the request in the engine; a request the engine refuses is the client's 400
-        (EngineOverloaded and EngineDead propagate: the app answers 503)."""
+        """Queue the request in the engine — after pulling its prefix from the route's KV source
+        when it names one and the KV does not come from a prefill node (node/kv_pull.py); a
+        request the engine refuses is the client's 400 (EngineOverloaded and EngineDead
+        propagate: the app answers 503)."""
+        source, rk = self.prep.body.kv_source, self.node.remote_kv
+        if source is not None and rk is not None and not (handoff and handoff.remote_num_tokens):
+            from node.kv_pull import PrefixPull
+
+            return await PrefixPull(self, rk, source).start(params, handoff or KVHandoff())
+        return await self.add(params, handoff)
+
+    async def add(self, params: SamplingParams, handoff: KVHandoff | None = None) -> EngineStream:
+        """Queue the request in the engine as it is (`start` without a pull)."""
         try:
             return await self.node.engine.add_request(
                 self.engine_request_id, self.prep.prompt_ids, params, self.prep.priority, handoff

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from node.engine_api import EngineStream, KVHandoff, NodeEngine
+from node.remote_kv import PeerUnreachable as PeerUnreachable  # the roles' name for it
+from node.remote_kv import RemoteKV
 from protocol.kv_params import KVTransferParams
 from protocol.node_api import NodeCompletion, NodeCompletionRequest
 from protocol.openai import APIError
@@ -113,6 +115,11 @@ class Membership(Protocol):
         engine that moves KV itself (vLLM, whose engine ids are its own) may contact."""
         ...
 
+    def kv_peer(self, engine_id: str) -> tuple[str, int] | None:
+        """(host, port) of the URL of the registered node, of any role, running `engine_id`:
+        where a node may pull a shared prefix from."""
+        ...
+
 
 class Node(Protocol):
     """What a role sees of its node (node.state.NodeState is the one implementation)."""
@@ -123,6 +130,8 @@ class Node(Protocol):
     engine_id: str
     #: the KV transport; None on a node that moves no KV (or whose engine moves it itself)
     transport: Transport | None
+    #: reads peers' KV through the transport (None without one)
+    remote_kv: RemoteKV | None
     session: aiohttp.ClientSession | None
     role_state: RoleStates
     #: the cluster's registered nodes; None on a node without a cluster (no --etcd)

@@ -1,12 +1,13 @@
 """The cluster's members as a node sees them: a mirror of etcd's node registrations.
 
 With `--etcd` the node watches `/duet/<cluster>/nodes/` (coordinator.registry.Registry: list,
-then watch, list again after a break) and keeps, for each registered prefill-capable node
-(role prefill or both, active or draining: a draining node still holds KV), its engine id →
-the host and port of its registered URL. The decode role pulls KV only from such a node, at
-that address (decode.leg): naming an address in `kv_transfer_params` is not enough to become a
-"prefill" of this cluster, whose bytes would enter the prefix cache. Writing a registration
-needs the cluster's etcd, which is the operator's to protect.
+then watch, list again after a break) and keeps, for each registered generation node (active
+or draining: a draining node still holds KV), its engine id → the host and port of its
+registered URL. The decode role pulls a prompt's KV only from a prefill-capable one (role
+prefill or both; `kv_source`), at that address (decode.leg): naming an address in
+`kv_transfer_params` is not enough to become a "prefill" of this cluster. A node pulls a
+shared prefix from any of them (`kv_peer`; node/kv_pull.py). Writing a registration needs the
+cluster's etcd, which is the operator's to protect.
 
 Invariants: until the registrations were listed once, `listed` is False and nothing is a
 member (the decode role then refuses with a retryable 503); while etcd is unreachable the last
@@ -24,7 +25,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
-from protocol.cluster import NodeInfo
+from protocol.cluster import NodeInfo, NodeTask
 
 log = logging.getLogger("duet.node")
 #: roles whose nodes serve KV to decode nodes
@@ -36,9 +37,10 @@ class ClusterMembers:
 
     def __init__(self) -> None:
         self._listed = False
-        #: node id → (engine id, host, port) of each prefill-capable node
-        self._nodes: dict[str, tuple[str, str, int]] = {}
+        #: node id → (engine id, host, port, prefill-capable) of each generation node
+        self._nodes: dict[str, tuple[str, str, int, bool]] = {}
         self._by_engine: dict[str, tuple[str, int]] = {}
+        self._peers: dict[str, tuple[str, int]] = {}
 
     @property
     def listed(self) -> bool:
@@ -48,7 +50,10 @@ class ClusterMembers:
         return self._by_engine.get(engine_id)
 
     def kv_hosts(self) -> set[str]:
-        return {host for _, host, _ in self._nodes.values()}
+        return {host for _, host, _, source in self._nodes.values() if source}
+
+    def kv_peer(self, engine_id: str) -> tuple[str, int] | None:
+        return self._peers.get(engine_id)
 
     def sync(self, nodes: dict[str, NodeInfo]) -> None:
         self._nodes = {}
@@ -67,7 +72,7 @@ class ClusterMembers:
             self._index()
 
     def _add(self, info: NodeInfo) -> None:
-        if info.role not in _KV_SOURCES:
+        if info.task != NodeTask.GENERATE:
             return
         try:
             url = urlsplit(info.url)
@@ -81,10 +86,12 @@ class ClusterMembers:
                 info.url,
             )
             return
-        self._nodes[info.node_id] = (info.engine_id, host, port)
+        self._nodes[info.node_id] = (info.engine_id, host, port, info.role in _KV_SOURCES)
 
     def _index(self) -> None:
-        self._by_engine = {engine: (host, port) for engine, host, port in self._nodes.values()}
+        nodes = self._nodes.values()
+        self._by_engine = {e: (host, port) for e, host, port, source in nodes if source}
+        self._peers = {e: (host, port) for e, host, port, _ in nodes}
 
 
 def members_ctx(state: Any) -> Callable[[web.Application], AsyncIterator[None]]:

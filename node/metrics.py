@@ -65,6 +65,10 @@ _GAUGES = {
         "last_wake_seconds",
         "Seconds the engine's last wake from sleep took (weights rebuilt)",
     ),
+    "duet:kv_host_tier_blocks": ("kv_host_blocks", "KV blocks in the host spill tier"),
+    "duet:kv_host_tier_bytes": ("kv_host_bytes", "Bytes of KV in the host spill tier"),
+    "duet:kv_disk_tier_blocks": ("kv_disk_blocks", "KV blocks in the disk spill tier"),
+    "duet:kv_disk_tier_bytes": ("kv_disk_bytes", "Bytes of KV in the disk spill tier"),
 }
 _COUNTERS = {
     "duet:prefix_cache_queries": (
@@ -73,6 +77,11 @@ _COUNTERS = {
     ),
     "duet:prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens served from the prefix cache"),
     "duet:prompt_tokens": ("prompt_tokens_computed", "Prompt tokens computed"),
+    "duet:kv_reuse_prompt_tokens": (
+        "kv_reuse_queries",
+        "Prompt tokens of the requests whose prompt this node computed (duet:kv_reused_tokens' "
+        "denominator)",
+    ),
     "duet:generation_tokens": ("generation_tokens", "Tokens generated"),
     "duet:num_preemptions": ("num_preemptions", "Requests preempted (recompute)"),
     "duet:engine_wakes": ("wakes", "Times the engine woke from sleep"),
@@ -127,7 +136,14 @@ _BY_SOURCE = {
         "kv_digest_mismatches_",
         "KV blocks that failed their digest (dropped and recomputed), by where their KV came from",
     ),
+    "duet:kv_reused_tokens": (
+        "kv_reused_tokens_",
+        "Prompt tokens this node did not compute because their KV was reused, by where it was: "
+        "its pool, its host or disk tier, a peer",
+    ),
 }
+#: the spill tiers' block moves (`kv_tier_<move>_<medium>`: spilled, demoted, loaded, dropped)
+_MOVES = "kv_tier_"
 
 
 class _EngineCollector(Collector):
@@ -156,6 +172,16 @@ class _EngineCollector(Collector):
         ):
             pos.add_metric([*values, key[len(_PER_POS) :]], float(s[key]))
         yield pos
+        moves = CounterMetricFamily(
+            "duet:kv_tier_moves",
+            "KV blocks moved by the spill tiers, by move (spilled, demoted, loaded, dropped) "
+            "and the tier it concerns",
+            labels=[*names, "move", "medium"],
+        )
+        for key in sorted(k for k in s if k.startswith(_MOVES)):
+            move, _, medium = key[len(_MOVES) :].partition("_")
+            moves.add_metric([*values, move, medium], float(s[key]))
+        yield moves
         for name, (prefix, doc) in _BY_SOURCE.items():
             c = CounterMetricFamily(name, doc, labels=[*names, "source"])
             for key in sorted(k for k in s if k.startswith(prefix)):
@@ -187,6 +213,18 @@ class NodeMetrics:
             "duet:num_requests_rejected",
             "Requests refused before running, by reason",
             [*names, "reason"],
+            registry=self.registry,
+        )
+        self._peer_pulls = Counter(
+            "duet:kv_peer_pulls",
+            "Pulls of a prompt's prefix from a peer node (the route's kv_source), by outcome",
+            [*names, "outcome"],
+            registry=self.registry,
+        )
+        self._peer_blocks = Counter(
+            "duet:kv_peer_pulled_blocks",
+            "KV blocks pulled from peers and used",
+            names,
             registry=self.registry,
         )
         # the grammar checks of request guides (text/guide_compile.py), as the gateway counts
@@ -224,6 +262,13 @@ class NodeMetrics:
     def lora_loaded(self, evicted: list[str]) -> None:
         self._lora_loads.inc()
         self._lora_evictions.inc(len(evicted))
+
+    def peer_pull(self, outcome: str, blocks: int) -> None:
+        """Count a pull of a prefix from a peer (ok, mismatch, no_share, bad_share,
+        peer_refused, gap, timeout, read_failed, aborted) and the blocks it brought."""
+        self._peer_pulls.labels(**self.labels, outcome=outcome).inc()
+        if blocks:
+            self._peer_blocks.labels(**self.labels).inc(blocks)
 
     def rejected(self, reason: str) -> None:
         """Count a refused request (queue_full, draining, engine_dead, body_too_large, ...)."""

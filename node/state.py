@@ -24,6 +24,7 @@ from text.guide_compile import GuideChecker
 
 if TYPE_CHECKING:
     from kvtransfer import Transport
+    from node.remote_kv import RemoteKV
 
 
 @dataclass
@@ -36,6 +37,8 @@ class NodeState:
     roles: Roles = field(default_factory=Roles)
     #: None on a node that moves no KV (or whose engine moves it itself)
     transport: Transport | None = None
+    #: reads peers' KV (node/remote_kv.py): set at start on a node with a transport
+    remote_kv: RemoteKV | None = None
     session: aiohttp.ClientSession | None = None
     draining: bool = False
     #: a drain was asked through `POST /drain` (node/drain.py); registration publishes it

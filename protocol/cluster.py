@@ -159,6 +159,32 @@ class ClusterNode(msgspec.Struct, frozen=True, kw_only=True):
     resyncs: int
     event_lag_s: float
     task: NodeTask = NodeTask.GENERATE
+    #: of `indexed_blocks`, those in the node's host and disk spill tiers
+    indexed_host_blocks: int = 0
+    indexed_disk_blocks: int = 0
+
+
+class TierTokens(msgspec.Struct, frozen=True, kw_only=True):
+    """Prompt tokens whose KV was reused, by where it was."""
+
+    pool: int = 0
+    host: int = 0
+    disk: int = 0
+    peer: int = 0
+
+
+class ModelReuse(msgspec.Struct, frozen=True, kw_only=True):
+    """Why a model's hit rate is what it is: of the prompt tokens routed, the reuse that existed
+    somewhere in the cluster (per the replica's index, since it started), the reuse its routes
+    captured on the node computing each prompt, by where; and what the nodes' engines delivered,
+    by where, of the prompt tokens they computed (their counters since they started)."""
+
+    model: str
+    prompt_tokens: int
+    existed: int
+    routed: TierTokens
+    engine_prompt_tokens: int
+    delivered: TierTokens
 
 
 class ClusterReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -171,3 +197,5 @@ class ClusterReport(msgspec.Struct, frozen=True, kw_only=True):
     index_blocks: int
     index_max_blocks: int
     nodes: list[ClusterNode]
+    #: KV reuse per model (an older replica sends none)
+    reuse: list[ModelReuse] = []

@@ -83,6 +83,18 @@ class EventBatch(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     events: list[KVEvent]
 
 
+class KVReuse(msgspec.Struct, frozen=True, kw_only=True):
+    """A node's engine counters of reused KV since it started: the prompt tokens of the requests
+    whose prompt it computed, and the tokens of those it did not compute, by where their KV was
+    (its pool, its host or disk tier, a peer it pulled from)."""
+
+    prompt_tokens: int = 0
+    pool: int = 0
+    host: int = 0
+    disk: int = 0
+    peer: int = 0
+
+
 class LoadFrame(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     seq: int
     ts: float
@@ -115,6 +127,8 @@ class LoadFrame(msgspec.Struct, frozen=True, kw_only=True, tag=True):
     #: the engine sleeps (weights and KV pool released: its next request waits for a wake);
     #: None: an engine without sleep mode, or an older node
     sleeping: bool | None = None
+    #: the engine's reuse counters (None: an engine that keeps none, or an older node)
+    reuse: KVReuse | None = None
 
 
 Frame = EventBatch | LoadFrame

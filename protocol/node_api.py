@@ -20,6 +20,7 @@ import msgspec
 from protocol.kv_params import KVTransferParams
 from protocol.openai import CompletionChoice, CompletionRequest, ErrorDetail, Usage
 from protocol.resume import Resume
+from protocol.route import KVSource
 from protocol.structured import Guide
 from runtime.tracing import SpanRecord
 
@@ -34,6 +35,10 @@ class NodeCompletionRequest(CompletionRequest, kw_only=True, omit_defaults=True)
     #: it from the caller's team on both legs, and a node never matches a prefix across domains
     cache_salt: str | None = None
     resume: Resume | None = None
+    #: where this node pulls the prompt's prefix from before computing the rest (the route's
+    #: `kv_source`, on the leg of the node that computes the prompt); None: it computes what
+    #: its own cache lacks
+    kv_source: KVSource | None = None
     #: the constrained-decoding guide (protocol/structured.py): P samples the first token under
     #: it (sent to D as `kv_transfer_params.first_token_id`), D resumes it from the tokens so
     #: far, P's included; None: unconstrained
@@ -67,6 +72,34 @@ class NodeCompletionChunk(NodeCompletion, kw_only=True, omit_defaults=True):
 class KVReleaseRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Decode node → prefill node: the blocks of `request_id` were pulled (or are not wanted).
     `block_ids`, when given, must be exactly the blocks held for that request."""
+
+    request_id: str
+    block_ids: list[int] | None = None
+
+
+class KVShareRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A node → a peer holding a prompt's prefix (`POST /kv/share`): hold the leading blocks of
+    `block_hashes` you have, for `lease_s` seconds, so I can read them. The hashes are the
+    prompt's, salted by its cache domain (`cache_salt`): the peer can only match its blocks
+    of that domain, and loads spilled ones back (checked) before answering."""
+
+    request_id: str
+    block_hashes: list[int]
+    cache_salt: str | None = None
+    lease_s: float = 10.0
+
+
+class KVShareAnswer(msgspec.Struct, kw_only=True):
+    """The blocks held for a share (leading blocks of the request's hashes: maybe fewer, maybe
+    none), their content digests, and the engine whose pool holds them (for the transport)."""
+
+    engine_id: str
+    block_ids: list[int]
+    block_digests: list[int]
+
+
+class KVShareRelease(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The reader is done with a share (`POST /kv/share/release`); `block_ids` must be its."""
 
     request_id: str
     block_ids: list[int] | None = None

@@ -6,6 +6,10 @@ malformed request, 404 `model_not_found` when no node serves the model, 503 `no_
 
 `prefill: null` means "prefill locally on the decode node" (conditional disaggregation).
 `exclude` lets the gateway ask again after a node failed it, without that node.
+`kv_source`, when set, names another node holding more of the prompt's prefix than the node
+that computes the prompt (P, or D when `prefill` is null): the gateway passes it on that node's
+leg (`NodeCompletionRequest.kv_source`), and the node pulls those blocks from it before computing
+the rest — or computes them itself when the pull fails or is slow.
 """
 
 from __future__ import annotations
@@ -48,8 +52,20 @@ class RouteTarget(msgspec.Struct, frozen=True, kw_only=True):
     cached_tokens: int = 0
 
 
-class RouteResponse(msgspec.Struct, frozen=True, kw_only=True):
+class KVSource(msgspec.Struct, frozen=True, kw_only=True):
+    """A node to pull a prompt's KV from: it holds the prompt's first `num_blocks` blocks (per
+    the coordinator's index); the computing node holds the first `from_block` itself."""
+
+    node_id: str
+    url: str
+    num_blocks: int
+    from_block: int = 0
+
+
+class RouteResponse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     prefill: RouteTarget | None
     decode: RouteTarget
     #: why this choice: for logs and for operators debugging routing
     reason: str
+    #: where the computing node pulls the prompt's prefix from (None: it computes what it lacks)
+    kv_source: KVSource | None = None

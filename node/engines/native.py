@@ -232,6 +232,23 @@ class NativeNodeEngine:
     async def release_quarantine(self, request_id: str) -> int:
         return int(await self._call(self._engine.release_quarantine(request_id)))
 
+    async def share_prefix(
+        self, share_id: str, block_hashes: list[int], cache_salt: str | None, lease_s: float
+    ) -> HeldKV:
+        try:
+            blocks, digests = await self._call(
+                self._engine.share(share_id, block_hashes, cache_salt, lease_s)
+            )
+        except RequestError as e:
+            raise RequestRefused(str(e)) from None
+        return HeldKV(blocks, digests)
+
+    async def release_share(self, share_id: str, block_ids: list[int] | None = None) -> int | None:
+        try:
+            return await self._call(self._engine.release_share(share_id, block_ids))
+        except RequestError as e:
+            raise RequestRefused(str(e)) from None
+
     async def cached_block_hashes(self) -> list[int]:
         return await self._call(self._engine.call(lambda core: core.pool.cached_hashes()))
 

@@ -472,6 +472,14 @@ class VllmNodeEngine:
     async def release_quarantine(self, request_id: str) -> int:
         return 0
 
+    async def share_prefix(
+        self, share_id: str, block_hashes: list[int], cache_salt: str | None, lease_s: float
+    ) -> HeldKV:
+        return HeldKV([], [])  # vLLM's blocks move only through its own connector
+
+    async def release_share(self, share_id: str, block_ids: list[int] | None = None) -> int | None:
+        return None
+
     async def cached_block_hashes(self) -> list[int]:
         return self._bridge.translator.cached_hashes() if self._bridge is not None else []
 

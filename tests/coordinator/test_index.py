@@ -116,3 +116,31 @@ def test_memory_bound_evicts_least_recently_matched() -> None:
     assert index.match([10, 11, 12]) == {"a": 2}
     index.store("b", [22])  # next out: b's tail 21, not a's recently matched chain
     assert index.node_blocks("a") == {10, 11} and index.node_blocks("b") == {20, 22}
+
+
+def test_tiers_say_where_a_nodes_match_is() -> None:
+    idx = PrefixIndex()
+    idx.store("a", [1, 2, 3, 4])
+    idx.store("a", [3], "host")  # moved down: still held, now on the host tier
+    idx.store("a", [4], "disk")
+    idx.store("b", [1, 2])
+    assert idx.match([1, 2, 3, 4, 5]) == {"a": 4, "b": 2}
+    assert idx.tiers("a", [1, 2, 3, 4, 5], 4) == {"host": 1, "disk": 1}
+    assert idx.tiers("a", [1, 2, 3, 4, 5], 2) == {} and idx.tiers("b", [1, 2], 2) == {}
+    idx.store("a", [3])  # loaded back into the pool
+    assert idx.tiers("a", [1, 2, 3, 4], 4) == {"disk": 1}
+    idx.remove("a", [4])  # gone from the node, whichever tier it was in
+    assert idx.match([1, 2, 3, 4]) == {"a": 3, "b": 2} and idx.node_tier_count("a", "disk") == 0
+    idx.replace_node("a", [1], [("host", [2]), ("disk", [3])])
+    assert idx.match([1, 2, 3]) == {"a": 3, "b": 2}
+    assert idx.tiers("a", [1, 2, 3], 3) == {"host": 1, "disk": 1}
+    idx.remove_node("a")
+    assert idx.tiers("a", [1, 2, 3], 3) == {}
+
+
+def test_evicting_an_entry_forgets_its_tier() -> None:
+    idx = PrefixIndex(max_blocks=2)
+    idx.store("a", [1], "host")
+    idx.store("a", [2])
+    idx.store("a", [3])  # 1 is the least recently used: dropped for every node
+    assert idx.node_tier_count("a", "host") == 0 and idx.node_blocks("a") == {2, 3}

@@ -7,12 +7,15 @@ coordinator — driven by the official openai client.
   coordinator says so and the decode node pulled KV bytes);
 - a shared-prefix pair: the second request goes to the prefill node that holds the prefix,
   although the tie-break alone would pick another one, and that node's prefix-cache hits
-  prove the reuse.
+  prove the reuse;
+- a conversation's next turn: the prefill node pulls the previous turn's KV (prompt and
+  answer) from the decode node that generated it, and the answer equals a cold run's.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 import urllib.request
@@ -205,3 +208,52 @@ def test_shared_prefix_pair_goes_to_the_prefill_node_holding_it(cluster: Cluster
         assert disaggregated(c) == routed + 1
         assert metric(c.prefill.url, "duet:prefix_cache_hits_total") - hits >= n_prefix_blocks * 16
         assert metric(pa.url, "duet:prompt_tokens_total") == 0  # prefill-a computed nothing
+
+
+def test_the_next_turn_pulls_the_last_turns_kv_from_its_decode_node(cluster: Cluster) -> None:
+    from engine import LLM, SamplingParams
+    from tests.nodes.test_peer_pull import counter
+
+    c = cluster
+    turn1 = [(7 * i) % 340 + 20 for i in range(70)]
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    llm = LLM(str(c.model_dir), dtype="float32")
+    answer1 = llm.generate([turn1], greedy)[0].token_ids
+    client = c.client()
+    r1 = client.completions.create(
+        model=MODEL, prompt=turn1, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r1.usage.completion_tokens == 40
+    # decode-0 holds the first turn's prompt and answer (up to its last token), prefill-b only
+    # the prompt: it is 2 blocks behind, enough for a pull
+    held = (len(turn1) + 39) // 16
+    c.wait_for(
+        "decode-0's answer blocks indexed",
+        lambda cl: any(
+            n["node_id"] == "decode-0" and n["indexed_blocks"] >= held for n in cl["nodes"]
+        ),
+    )
+    turn2 = turn1 + answer1 + [(11 * i) % 340 + 20 for i in range(30)]
+    pulls = counter(c.prefill, "duet:kv_peer_pulls_total", outcome="ok")
+    r2 = client.completions.create(
+        model=MODEL, prompt=turn2, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
+    want = llm.generate([turn2], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert r2.choices[0].text == want[0].text
+    assert counter(c.prefill, "duet:kv_peer_pulls_total", outcome="ok") == pulls + 1
+    assert counter(c.prefill, "duet:kv_digest_checks_total", source="peer") >= 2
+    # hit attribution: the coordinator saw the reuse and routed it to a pull; P's engine says
+    # it delivered it (its next load frame); `duet status` shows both
+    c.wait_for(
+        "P's delivered reuse in its load frame",
+        lambda cl: any(r["delivered"]["peer"] >= 32 for r in cl.get("reuse", [])),
+    )
+    (reuse,) = c.cluster()["reuse"]
+    assert reuse["existed"] >= held * 16 and reuse["routed"]["peer"] >= 32
+    out = subprocess.run(
+        [sys.executable, "-m", "duet", "status", "--coordinator", c.coordinator.url],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "KV reuse" in out.stdout and "route captured" in out.stdout, out.stdout + out.stderr

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from decode.peers import PeerPolicy
 from node.config import DEFAULT_ALLOWED_PEERS, NodeConfig, parse_networks
+from node.peers import PeerPolicy
 
 
 def policy(spec: str = DEFAULT_ALLOWED_PEERS, **kw: int) -> PeerPolicy:
@@ -71,7 +71,7 @@ async def test_resolve() -> None:
 
 async def test_a_published_transport_address_must_be_allowed_and_on_the_named_host() -> None:
     """The transport address in a peer's metadata is the peer's word."""
-    from decode.peers import PeerRefused
+    from node.peers import PeerRefused
 
     p = policy("127.0.0.0/8")
     assert await p.transport_address("127.0.0.2", ("127.0.0.2",)) == "127.0.0.2"

@@ -1,13 +1,16 @@
-"""Pulling a prefill node's KV blocks into this node's pool.
+"""Reading a peer node's KV blocks into this node's pool: its metadata, its release and share
+endpoints (the transport moves the bytes).
 
-Peers are known by engine id: on first contact the prefill node's transport metadata is
-fetched from the node itself (`GET /kv/metadata`, DESIGN §4: the data path never needs etcd)
-and cached; concurrent first contacts share one fetch. A metadata answer for a different
-engine id means the caller named an engine that is not at that address, and a transport
-address (tcp, ucx) outside the allowed networks or not on the host the leg named is refused
-before the transport connects (PeerPolicy.transport_address): the transport then connects to
-the checked IP address, never to the peer's name for it. Every contact goes through the
-PeerPolicy first (decode.peers); the cache is bounded (least recently used dropped first). The role's state on a node (node.legs.RoleStates holds it).
+Peers are known by engine id: on first contact the peer's transport metadata is fetched from
+the node itself (`GET /kv/metadata`, DESIGN §4: the data path never needs etcd) and cached;
+concurrent first contacts share one fetch. A metadata answer for a different engine id means
+the caller named an engine that is not at that address, and a transport address (tcp, ucx)
+outside the allowed networks or not on the host the leg named is refused before the transport
+connects (PeerPolicy.transport_address): the transport then connects to the checked IP address,
+never to the peer's name for it. Every contact goes through the PeerPolicy first (node.peers);
+the cache is bounded (least recently used dropped first). One per node with a transport
+(`Node.remote_kv`): the decode role reads its prefill node's blocks through it, and every role
+the blocks a peer shares (node/kv_pull.py).
 """
 
 from __future__ import annotations
@@ -22,10 +25,10 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from decode.peers import PeerPolicy, PeerRefused
 from kvtransfer import Peer, Transport
 from node.engine_api import NodeEngine
-from protocol.node_api import KVReleaseRequest
+from node.peers import PeerPolicy, PeerRefused
+from protocol.node_api import KVReleaseRequest, KVShareAnswer, KVShareRelease, KVShareRequest
 from protocol.openai import APIError
 
 log = logging.getLogger("duet.decode")
@@ -35,7 +38,7 @@ _JSON = {"Content-Type": "application/json"}
 
 
 class PeerUnreachable(Exception):
-    """The prefill node could not be reached (dead, or the network): a transfer failure."""
+    """The peer could not be reached (dead, or the network): a transfer failure."""
 
 
 class RemoteKV:
@@ -132,6 +135,51 @@ class RemoteKV:
         except (aiohttp.ClientError, TimeoutError, OSError) as e:
             log.warning("could not release %s on %s:%d: %s", request_id, host, port, e)
             return 0
+
+    async def share(self, url: str, body: KVShareRequest, timeout: float) -> KVShareAnswer | None:
+        """Ask the node at `url` to hold a prefix for us; None when it cannot (unreachable, slow,
+        refused, or an answer that is not one)."""
+        try:
+            async with self.session.post(
+                url + "/kv/share",
+                data=msgspec.json.encode(body),
+                headers=_JSON,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as r:
+                if r.status != 200:
+                    log.warning("%s/kv/share answered %d", url, r.status)
+                    return None
+                return msgspec.json.decode(await r.content.read(1 << 22), type=KVShareAnswer)
+        except (aiohttp.ClientError, TimeoutError, OSError, msgspec.DecodeError) as e:
+            log.warning("cannot get a KV share from %s: %r", url, e)
+            return None
+
+    async def release_share(self, url: str, request_id: str, block_ids: list[int]) -> int:
+        """Tell the node at `url` we are done with its share; its HTTP status (0: unreachable)."""
+        body = msgspec.json.encode(KVShareRelease(request_id=request_id, block_ids=block_ids))
+        try:
+            async with self.session.post(
+                url + "/kv/share/release",
+                data=body,
+                headers=_JSON,
+                timeout=aiohttp.ClientTimeout(total=5),
+            ) as r:
+                return r.status
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return 0
+
+    def detach(self, work: Awaitable[Any]) -> None:
+        """Run `work` in the background, holding it until done (its failure only logged)."""
+
+        async def run() -> None:
+            try:
+                await work
+            except Exception as e:
+                log.warning("background KV call failed: %r", e)
+
+        task = asyncio.ensure_future(run())
+        self._quarantined.add(task)
+        task.add_done_callback(self._quarantined.discard)
 
     def unquarantine_later(self, engine: NodeEngine, erid: str, settled: Awaitable[Any]) -> None:
         """Free the blocks a failed transfer may still write into once the transport says it is over."""
