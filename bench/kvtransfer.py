@@ -283,6 +283,14 @@ class _Baselines:
 BASELINES = ("runs_copy", "index_copy", "contiguous_copy")
 
 
+def _digest_blocks(pool: Any, block_ids: list[int]) -> None:
+    """What a reader does with the blocks it read before using them: digest each one."""
+    from protocol.kv_digest import block_digest
+
+    for b in block_ids:
+        block_digest(memoryview(pool[b].numpy()).cast("B"), b, 0)
+
+
 async def _bench_backend(backend: str, a: argparse.Namespace, log: Any) -> dict[str, Any]:
     import torch
 
@@ -316,6 +324,7 @@ async def _bench_backend(backend: str, a: argparse.Namespace, log: Any) -> dict[
                 local_ids = list(range(pool_blocks // 2, pool_blocks // 2 + count))
             base = _Baselines(src, dst, remote_ids, local_ids, contiguous_at=pool_blocks - count)
             xfer: list[float] = []
+            digests: list[float] = []
             times: dict[str, list[float]] = {k: [] for k in BASELINES}
             for rep in range(a.warmup + a.reps):
                 t0 = time.perf_counter()
@@ -335,8 +344,11 @@ async def _bench_backend(backend: str, a: argparse.Namespace, log: Any) -> dict[
                         )
                     if rep >= a.warmup:
                         times[k].append(t3 - t2)
+                t4 = time.perf_counter()
+                _digest_blocks(local, local_ids)
                 if rep >= a.warmup:
                     xfer.append(t1 - t0)
+                    digests.append(time.perf_counter() - t4)
             nbytes = count * layout.block_bytes
             x = _ms(xfer)
             med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
@@ -360,12 +372,19 @@ async def _bench_backend(backend: str, a: argparse.Namespace, log: Any) -> dict[
                 "contiguous_copy_gbps": round(nbytes / contig_ms / 1e6, 3),
                 "ratio": round(c_ms / x["median"], 3),
                 "ratio_vs_contiguous_copy": round(contig_ms / x["median"], 3),
+                # the reader's check of what it read (protocol/kv_digest.py): time and share
+                "digest_ms": round(statistics.median(digests) * 1e3, 4),
+                "digest_gbps": round(nbytes / statistics.median(digests) / 1e9, 3),
+                "digest_share_of_transfer": round(
+                    statistics.median(digests) * 1e3 / x["median"], 4
+                ),
             }
             rows.append(row)
             log(
                 f"{backend:5s} {count:4d} blocks {row['pattern']:10s} {row['latency_ms']:9.3f} ms "
                 f"{row['gbps']:7.2f} GB/s  memcpy ({method}) {row['memcpy_gbps']:7.2f} GB/s  "
-                f"contiguous copy {row['contiguous_copy_gbps']:7.2f} GB/s  ratio {row['ratio']:.2f}"
+                f"contiguous copy {row['contiguous_copy_gbps']:7.2f} GB/s  ratio {row['ratio']:.2f}  "
+                f"digest {row['digest_gbps']:6.2f} GB/s ({row['digest_share_of_transfer']:.1%})"
             )
     finally:
         await transport.close()

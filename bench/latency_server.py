@@ -137,6 +137,8 @@ async def _handle(request: web.Request, chat: bool) -> web.StreamResponse:
             "max_tokens": max_tokens,
             "prompt_tokens": n_prompt,
             "ignore_eos": body.get("ignore_eos"),
+            "request_id": request.headers.get("X-Request-Id"),
+            "messages": len(body["messages"]) if chat else None,
         }
     )
     st.requests.inc()

@@ -211,4 +211,5 @@ def per_request(records: Sequence[RequestRecord]) -> dict[str, list[Any]]:
         "cached_tokens": [r.cached_tokens for r in records],
         "groups": [r.group for r in records],
         "prefix_tokens": [r.prefix_tokens for r in records],
+        "turns": [r.turn for r in records],
     }

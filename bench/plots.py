@@ -1,7 +1,8 @@
 """PNG plots of a run or a sweep (matplotlib, Agg: no display needed).
 
-Run: `ttft_cdf.png`, `itl_cdf.png` (empirical CDFs, ms) and `throughput.png` (output tokens/s
-and completions/s per second of the run). Sweep: the same for every run overlaid, plus
+Run: `ttft_cdf.png`, `itl_cdf.png` (empirical CDFs, ms), `throughput.png` (output tokens/s
+and completions/s per second of the run) and `ttft_over_time.png` (each request's TTFT at its
+send time, and a rolling median of 25). Sweep: the same for every run overlaid, plus
 `latency_throughput.png` (p50/p99 TTFT and TPOT against achieved request throughput, SLO
 lines when given). Returns the paths written.
 """
@@ -71,7 +72,35 @@ def _runs_cdfs(runs: list[tuple[str, dict[str, Any]]], out: Path) -> list[Path]:
     fig.savefig(out / "throughput.png", dpi=100)
     plt.close(fig)
     paths.append(out / "throughput.png")
+    paths.append(_ttft_over_time(runs, out))
     return paths
+
+
+def _ttft_over_time(runs: list[tuple[str, dict[str, Any]]], out: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (label, r) in enumerate(runs):
+        pts = sorted(
+            (t, v * 1e3) for t, v in zip(r["start_times"], r["ttfts"], strict=True) if v is not None
+        )
+        if not pts:
+            continue
+        x, y = np.array([p[0] for p in pts]), np.array([p[1] for p in pts])
+        color = f"C{i}"
+        ax.scatter(x, y, s=6, alpha=0.3, color=color)
+        k = min(25, len(y))
+        med = [float(np.median(y[max(0, j - k + 1) : j + 1])) for j in range(len(y))]
+        ax.plot(x, med, color=color, label=f"{label} (rolling median)".strip())
+    ax.set_xlabel("send time since start (s)")
+    ax.set_ylabel("TTFT (ms)")
+    ax.set_yscale("log")
+    ax.set_title("TTFT over the run")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "ttft_over_time.png", dpi=100)
+    plt.close(fig)
+    return out / "ttft_over_time.png"
 
 
 def plot_run(result: dict[str, Any], out: Path) -> list[Path]:

@@ -39,6 +39,10 @@ class RequestRecord(msgspec.Struct, kw_only=True):
     group: int | None = None
     #: tokens the prompt shares with its group's prefix, as sent (None: no group)
     prefix_tokens: int | None = None
+    #: multi-turn: the turn of its conversation (0 first; `group` is the conversation)
+    turn: int | None = None
+    #: the streamed answer's text, kept only while a multi-turn run needs it (None: not kept)
+    text: str | None = None
     sent_s: float = 0.0
     ok: bool = False
     cause: str | None = None

@@ -52,6 +52,7 @@ def build_result(
     )
     result["by_team"] = metrics_calc.breakdown(recs, "team", cfg.percentiles, **slo)
     result["by_tier"] = metrics_calc.breakdown(recs, "tier", cfg.percentiles, **slo)
+    result["by_turn"] = metrics_calc.breakdown(recs, "turn", cfg.percentiles, **slo)
     bucket = metrics_calc.bucket_for(outcome.duration_s)
     result["throughput_timeline_bucket_s"] = bucket
     result["throughput_timeline"] = metrics_calc.timeline(recs, bucket)
@@ -117,6 +118,15 @@ def print_run(r: dict[str, Any], console: Console) -> None:
     t.add_row(
         "send lag mean / max (ms)", f"{_f(r['mean_send_lag_ms'])} / {_f(r['max_send_lag_ms'])}"
     )
+    mt = r.get("multi_turn")
+    if mt:
+        t.add_row(
+            "multi-turn: conversations × turns, users",
+            f"{mt['conversations']} × {mt['turns']}, {mt['users']}",
+        )
+        t.add_row("multi-turn: working set (tokens)", f"{mt['working_set_tokens']:,}")
+        for turn, row in r.get("by_turn", {}).items():
+            t.add_row(f"  turn {turn}: TTFT median (ms)", _f(row.get("median_ttft_ms")))
     console.print(t)
     pcts = [f"p{p:g}" for p in cfg["percentiles"]]
     lt = Table(title="latency (ms)", title_justify="left")

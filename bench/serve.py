@@ -24,6 +24,7 @@ import msgspec
 
 from bench import plots, report
 from bench.loadgen import run_load, warm_up
+from bench.multiturn import run_multiturn
 from bench.progress import RunProgress
 from bench.prompts import PromptBuilder
 from bench.scrape import Scraper
@@ -47,12 +48,17 @@ def load_tokenizer(ref: str) -> Tokenizer:
     return Tokenizer(resolve_model(ref).directory)
 
 
+def make_builder(cfg: ServeConfig) -> PromptBuilder:
+    """The prompt builder, with the tokenizer the prompts need (loaded once)."""
+    tok = None
+    if cfg.tokenizer or cfg.prompt_format == "text" or cfg.chat:
+        tok = load_tokenizer(cfg.tokenizer or DEFAULT_MODEL)
+    return PromptBuilder(cfg.prompt_format, tok, cfg.vocab_size)
+
+
 def make_workload(cfg: ServeConfig) -> Workload:
     """Loads what the workload needs once (tokenizer, file); returns seed → requests."""
-    tok = None
-    if cfg.tokenizer or cfg.prompt_format == "text":
-        tok = load_tokenizer(cfg.tokenizer or DEFAULT_MODEL)
-    builder = PromptBuilder(cfg.prompt_format, tok, cfg.vocab_size)
+    builder = make_builder(cfg)
     out_len = cfg.output_len if cfg.output_len_set else None
     if cfg.dataset == "sharegpt":
         entries = load_sharegpt(Path(cfg.dataset_path or ""), builder, out_len)
@@ -96,6 +102,8 @@ async def run_once(
     stop: asyncio.Event,
     warmup: bool = True,
 ) -> dict[str, Any]:
+    if cfg.workload == "multi-turn":
+        return await _run_multiturn(session, cfg, quiet, stop)
     requests = workload(cfg.seed)
     if (
         cfg.num_requests is not None
@@ -108,6 +116,22 @@ async def run_once(
             outcome = await run_load(session, cfg, requests, progress.done, stop)
     outcome.warmup_sent, outcome.warmup_failed = sent, failed
     return report.build_result(cfg, outcome, scraper.result() if cfg.scrape_urls else None)
+
+
+async def _run_multiturn(
+    session: aiohttp.ClientSession, cfg: ServeConfig, quiet: bool, stop: asyncio.Event
+) -> dict[str, Any]:
+    """A multi-turn run (bench/multiturn.py): no warm-up (first turns are cold by design)."""
+    builder = make_builder(cfg)
+    mt = cfg.multi_turn
+    scraper = Scraper(session, cfg.scrape_urls, cfg.scrape_interval)
+    total = cfg.num_requests or mt.conversations * mt.turns
+    with RunProgress(cfg.label or "bench", total, cfg.duration_s, quiet) as progress:
+        async with scraper.around():
+            outcome, figures = await run_multiturn(session, cfg, builder, progress.done, stop)
+    result = report.build_result(cfg, outcome, scraper.result() if cfg.scrape_urls else None)
+    result["multi_turn"] = figures
+    return result
 
 
 def _sweep_configs(cfg: ServeConfig) -> list[ServeConfig]:

@@ -12,7 +12,7 @@ from bench.lengths import HELP as LEN_HELP
 from bench.lengths import parse_length
 from bench.mix import parse_team, parse_weights
 from bench.records import CAUSES
-from bench.serve_config import DATASETS, ENDPOINTS, ServeConfig, check
+from bench.serve_config import DATASETS, ENDPOINTS, MultiTurn, ServeConfig, check
 from bench.sweep import parse_sweep
 
 DESCRIPTION = """\
@@ -34,6 +34,9 @@ examples:
       --request-rate 8 --scrape-metrics http://gw:8000 --plot plots/
   duet bench serve --base-url http://127.0.0.1:8000 --sweep request-rate=1,2,4,8 \\
       --num-requests 100 --slo ttft=500 --plot sweep/
+  duet bench serve --base-url http://127.0.0.1:8000 --endpoint /v1/chat/completions \\
+      --workload multi-turn --conversations 96 --users 12 --turns 5 --input-len 96 \\
+      --output-len 64 --ignore-eos --think-time-s 1 --plot mt/
   duet bench compare before.json after.json
 """
 
@@ -67,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds per request, stream included (default 300)",
     )
     w = p.add_argument_group("workload")
+    w.add_argument(
+        "--workload",
+        choices=["open", "multi-turn"],
+        default="open",
+        help="open (default): independent requests from --dataset, sent at planned times; "
+        "multi-turn: conversations whose history grows turn by turn (see the multi-turn group)",
+    )
     w.add_argument(
         "--dataset",
         choices=DATASETS,
@@ -133,6 +143,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     w.add_argument("--temperature", type=float, default=None)
     w.add_argument("--extra-body", default=None, help="JSON object merged into every request body")
+    m = p.add_argument_group(
+        "multi-turn (--workload multi-turn)",
+        "Each team (--team; one without) has its own system prompt; a conversation sends --turns "
+        "requests, each the whole history so far (its system prompt, every user message of "
+        "--input-len tokens and the server's answer of up to --output-len) plus a new user "
+        "message, after a think time. --users conversations run at once (a closed loop), until "
+        "--conversations ran, --num-requests turns were sent or --duration passed. The result "
+        "reports the working set (every final history, and the system prompts, in tokens): size "
+        "it against the cluster's KV memory.",
+    )
+    m.add_argument("--conversations", type=int, default=64, help="conversations in the run (64)")
+    m.add_argument("--users", type=int, default=8, help="conversations in flight at once (8)")
+    m.add_argument("--turns", type=int, default=4, help="requests per conversation (4)")
+    m.add_argument(
+        "--system-prompt-len",
+        type=int,
+        default=256,
+        help="tokens of each team's system prompt, shared by its conversations (256)",
+    )
+    m.add_argument(
+        "--think-time-s",
+        type=float,
+        default=2.0,
+        help="mean seconds between an answer and the next turn (exponential; 0: none; 2)",
+    )
     lo = p.add_argument_group("load")
     lo.add_argument(
         "--request-rate",
@@ -217,7 +252,7 @@ def to_config(a: argparse.Namespace) -> ServeConfig:
             f"cannot read --percentiles {a.percentiles!r}: use e.g. 50,90,99"
         ) from None
     num = a.num_requests
-    if num is None and a.duration is None:
+    if num is None and a.duration is None and a.workload == "open":
         num = 100
     return check(
         ServeConfig(
@@ -225,6 +260,14 @@ def to_config(a: argparse.Namespace) -> ServeConfig:
             endpoint=a.endpoint,
             model=a.model,
             api_key=a.api_key or os.environ.get("OPENAI_API_KEY") or None,
+            workload=a.workload,
+            multi_turn=MultiTurn(
+                conversations=a.conversations,
+                users=a.users,
+                turns=a.turns,
+                system_prompt_len=a.system_prompt_len,
+                think_time_s=a.think_time_s,
+            ),
             dataset=a.dataset,
             dataset_path=a.dataset_path,
             tokenizer=a.tokenizer,

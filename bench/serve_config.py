@@ -26,6 +26,16 @@ class Team(msgspec.Struct, frozen=True, kw_only=True):
     weight: float = 1.0
 
 
+class MultiTurn(msgspec.Struct, frozen=True, kw_only=True):
+    """The multi-turn workload's shape (bench/multiturn.py)."""
+
+    conversations: int = 64
+    users: int = 8
+    turns: int = 4
+    system_prompt_len: int = 256
+    think_time_s: float = 2.0
+
+
 class Sweep(msgspec.Struct, frozen=True, kw_only=True):
     param: str
     values: tuple[float, ...]
@@ -37,6 +47,9 @@ class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: str | None = None
     api_key: str | None = None
     # workload
+    #: "open": requests from --dataset at planned times; "multi-turn": conversations
+    workload: Literal["open", "multi-turn"] = "open"
+    multi_turn: MultiTurn = MultiTurn()
     dataset: str = "synthetic"
     dataset_path: str | None = None
     tokenizer: str | None = None
@@ -110,7 +123,9 @@ def check(cfg: ServeConfig) -> ServeConfig:
         raise ValueError(
             "token-id prompts need --tokenizer MODEL (for its vocabulary) or --vocab-size N"
         )
-    if cfg.num_requests is None and cfg.duration_s is None:
+    if cfg.workload == "multi-turn":
+        _check_multi_turn(cfg)
+    elif cfg.num_requests is None and cfg.duration_s is None:
         raise ValueError("give --num-requests or --duration (a run must end by itself)")
     if cfg.num_requests is not None and cfg.num_requests < 1:
         raise ValueError("--num-requests must be at least 1")
@@ -125,6 +140,7 @@ def check(cfg: ServeConfig) -> ServeConfig:
     if (
         cfg.num_requests is None
         and not closed
+        and cfg.workload == "open"
         and cfg.dataset != "trace"
         and any(map(math.isinf, rates))
     ):
@@ -167,3 +183,24 @@ def check(cfg: ServeConfig) -> ServeConfig:
     if cfg.scrape_interval <= 0:
         raise ValueError("--scrape-interval must be positive")
     return cfg
+
+
+def _check_multi_turn(cfg: ServeConfig) -> None:
+    mt = cfg.multi_turn
+    if min(mt.conversations, mt.users, mt.turns) < 1 or mt.system_prompt_len < 0:
+        raise ValueError(
+            "--conversations, --users and --turns must be at least 1, --system-prompt-len >= 0"
+        )
+    if mt.think_time_s < 0:
+        raise ValueError("--think-time-s must be >= 0")
+    if cfg.dataset != "synthetic" or cfg.prefix_groups or cfg.sweep is not None:
+        raise ValueError(
+            "--workload multi-turn makes its own prompts: no --dataset, --prefix-groups or --sweep"
+        )
+    if not math.isinf(cfg.request_rate) or cfg.max_concurrency is not None:
+        raise ValueError(
+            "--workload multi-turn is a closed loop of --users conversations: "
+            "no --request-rate or --max-concurrency"
+        )
+    if cfg.prompt_format == "tokens" and not cfg.tokenizer:
+        raise ValueError("multi-turn token-id prompts re-encode answers: give --tokenizer MODEL")

@@ -121,6 +121,8 @@ def _take_chunk(chunk: dict[str, Any], rec: RequestRecord, now: float) -> None:
         else:
             text = choice.get("text") or ""
         token_ids = choice.get("token_ids")
+        if rec.text is not None:
+            rec.text += text
         if text or token_ids:
             if rec.ttft_s is None:
                 rec.ttft_s = now

@@ -38,21 +38,23 @@ class HostStore:
         self._slab = torch.empty((max(slots, 0), block_bytes), dtype=torch.uint8)
         if pinned and slots:
             self._slab = self._slab.pin_memory()
+        self._mv = memoryview(self._slab.numpy()).cast("B")
         self._free = list(range(slots - 1, -1, -1))
 
     @property
     def num_free(self) -> int:
         return len(self._free)
 
-    def put(self, src: torch.Tensor) -> int:
-        """Copy a block (a uint8 row of `block_bytes`) into a free slot; returns the slot."""
+    def put(self, src: memoryview) -> int:
+        """Copy a block's bytes into a free slot (a memcpy on this thread); returns the slot."""
         slot = self._free.pop()
-        self._slab[slot].copy_(src)
+        self.get(slot)[:] = src
         return slot
 
-    def get(self, slot: int) -> torch.Tensor:
+    def get(self, slot: int) -> memoryview:
         """The slot's bytes (a view: copy them out before the slot is freed)."""
-        return self._slab[slot]
+        bb = self.block_bytes
+        return self._mv[slot * bb : (slot + 1) * bb]
 
     def free(self, slot: int) -> None:
         self._free.append(slot)

@@ -28,8 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from engine.block_pool import BlockPool, BlockRemoved, BlockStored, KVEvent
 from engine.config import EngineConfig, parse_size
 from engine.kv_digest import PoolBytes
@@ -108,7 +106,7 @@ class KVTiers:
         if digest is None or not self.enabled or self.where(block_hash) is not None:
             return False
         if self.host is not None and self._room_on_host():
-            slot = self.host.put(self.pool.row(block_id))
+            slot = self.host.put(self.pool.view(block_id))
             self._host[block_hash] = _Entry(digest, slot)
             self.moves["spilled_host"] += 1
             self._stored(block_hash, Medium.HOST)
@@ -127,7 +125,7 @@ class KVTiers:
         if victim is None:
             return False
         e = self._host.pop(victim)
-        if self._to_disk(victim, e.digest, memoryview(self.host.get(e.slot).numpy())):
+        if self._to_disk(victim, e.digest, self.host.get(e.slot)):
             self.moves["demoted_disk"] += 1
         else:
             self._removed(victim, Medium.HOST)
@@ -171,7 +169,7 @@ class KVTiers:
         against it), or None when the block cannot be read back (then it is dropped)."""
         if (e := self._host.pop(block_hash, None)) is not None:
             assert self.host is not None
-            self.pool.row(block_id).copy_(self.host.get(e.slot))
+            self.pool.write(block_id, self.host.get(e.slot))
             self.host.free(e.slot)
             self.moves["loaded_host"] += 1
             return Medium.HOST, e.digest
@@ -194,9 +192,9 @@ class KVTiers:
         if self.pool.on_host:
             self.disk.read_into(block_hash, memoryview(self.pool.row(block_id).numpy()))
             return
-        staged = torch.empty(self.pool.block_bytes, dtype=torch.uint8)
-        self.disk.read_into(block_hash, memoryview(staged.numpy()))
-        self.pool.row(block_id).copy_(staged)
+        staged = bytearray(self.pool.block_bytes)
+        self.disk.read_into(block_hash, memoryview(staged))
+        self.pool.write(block_id, memoryview(staged))
 
     def drop(self, block_hash: int, medium: Medium) -> None:
         """Report a loaded block that failed its digest as gone from this node."""

@@ -62,6 +62,7 @@ COMPONENT_BENCHMARKS = {
     "bench/linear_rows.py": {"engine"},
     "bench/kernel_ab.py": {"engine"},
     "bench/kvtransfer.py": {"kvtransfer"},
+    "bench/kv_tiers.py": {"engine"},
     "bench/route.py": {"coordinator"},
     "bench/router.py": {"gateway"},
     "bench/profile.py": {"engine", "sim"},

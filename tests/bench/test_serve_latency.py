@@ -525,3 +525,53 @@ def test_sharegpt_prompts_and_reply_lengths(
         == 2
     )
     assert "no usable conversation" in capsys.readouterr().err
+
+
+def test_multi_turn_conversations_resend_their_growing_history(
+    latency_server: Any, tiny_llama: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    srv = latency_server("--ttft-ms", "5", "--itl-ms", "1", "--api-keys", "key-a,key-b")
+    r = bench_json(
+        capsys,
+        "--base-url",
+        srv.url,
+        "--endpoint",
+        "/v1/chat/completions",
+        "--tokenizer",
+        str(tiny_llama),
+        "--workload",
+        "multi-turn",
+        "--conversations",
+        "5",
+        "--users",
+        "2",
+        "--turns",
+        "3",
+        "--system-prompt-len",
+        "20",
+        "--input-len",
+        "8",
+        "--output-len",
+        "4",
+        "--think-time-s",
+        "0.01",
+        "--team",
+        "a=key-a",
+        "--team",
+        "b=key-b",
+    )
+    assert r["completed"] == 15 and set(r["by_turn"]) == {"0", "1", "2"}
+    assert r["multi_turn"]["conversations"] == 5 and r["multi_turn"]["working_set_tokens"] > 0
+    by_conv: dict[str, list[dict[str, Any]]] = {}
+    for e in stats(srv)["requests"]:
+        conv, turn = e["request_id"].rsplit("-", 2)[-2:]
+        by_conv.setdefault(conv, []).append({**e, "turn": int(turn)})
+    assert len(by_conv) == 5
+    for turns in by_conv.values():
+        turns.sort(key=lambda e: e["turn"])
+        # system + user; then each earlier user and assistant message, and the new user's
+        assert [e["messages"] for e in turns] == [2, 4, 6]
+        lens = [e["prompt_tokens"] for e in turns]
+        assert lens[0] < lens[1] < lens[2]
+        # one key per conversation: a team's conversation stays its team's
+        assert len({e["authorization"] for e in turns}) == 1
