@@ -645,15 +645,18 @@ class EngineCore(Residency):
     ) -> tuple[list[int], list[int]]:
         """Any node: hold the leading blocks of `hashes` (the prefix of a prompt of domain
         `cache_salt`) that this node has, for a peer's pull; with their digests."""
+        s = self.scheduler
+        if share_id in s.held or share_id in s.requests:
+            raise RequestError(f"share id {share_id!r} is a request's")
         try:
-            return self.scheduler.share(
+            return s.shares.share(
                 share_id, hashes, domain_root(cache_salt, self.config.hash_seed), lease_s
             )
         except ValueError as e:
             raise RequestError(str(e)) from None
 
     def release_share(self, share_id: str) -> bool:
-        return self.scheduler.release_share(share_id)
+        return self.scheduler.shares.release(share_id)
 
     def release_quarantine(self, request_id: str) -> int:
         """Decode node: the failed transfer of `request_id` is over: free its blocks."""

@@ -28,7 +28,6 @@ host, disk; a peer's pulled prefix is counted by the scheduler).
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -40,8 +39,6 @@ from protocol.block_hash import DEFAULT_HASH_SEED, domain_root, hash_block
 
 if TYPE_CHECKING:
     from engine.kv_tiers import KVTiers
-
-log = logging.getLogger("duet.engine")
 
 
 class Digester(Protocol):
@@ -227,9 +224,6 @@ class KVCacheManager:
     # -- digests of KV that moves (engine/kv_moves.py) -------------------------------------
     def transfer_digests(self, req: Request) -> list[int] | None:
         return kv_moves.transfer_digests(self, req)
-
-    def verify(self, req: Request, digests: Sequence[int | None], upto: int, where: str) -> int:
-        return kv_moves.verify(self, req, digests, upto, where)
 
     def share(self, hashes: Sequence[int], root: int) -> tuple[list[int], list[int]]:
         return kv_moves.share(self, hashes, root)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from engine.request import Request
 from protocol.block_hash import domain_root
-from protocol.kv_digest import tail_chain_hash
+from protocol.kv_digest import KVCheck, tail_chain_hash
 
 if TYPE_CHECKING:
     from engine.kv_manager import KVCacheManager
@@ -177,3 +177,23 @@ def verify(
         if (i + 1) * kv.block_size <= upto:
             kv.pool.set_digest(b, got)
     return len(digests)
+
+
+def arrived(
+    kv: KVCacheManager, req: Request, digests: Sequence[int | None] | None, where: str
+) -> KVCheck:
+    """A transfer into `req`'s reserved blocks went well: its tokens count as computed — a whole
+    prompt's but the last (recomputed for its logits), a pulled prefix's all — as far as the
+    blocks match the sender's `digests` (aligned with the request's blocks; None where nothing
+    was transferred), and its full blocks enter the prefix cache."""
+    n = req.remote_num_tokens
+    cover = n - 1 if n >= req.num_prompt_tokens else n
+    check = KVCheck.READY
+    if digests is not None:
+        good = verify(kv, req, digests, n, where)
+        if good < len(digests):
+            check = KVCheck.MISMATCH
+            cover = min(cover, good * kv.block_size)
+    req.num_computed_tokens = max(req.num_computed_tokens, cover)
+    kv.cache_computed_blocks(req)
+    return check

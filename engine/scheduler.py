@@ -25,9 +25,8 @@ tokens of the step are capped at the most that keep the step's predicted time wi
 below `min_prefill_chunk`, so a long prompt always progresses. The engine reports each step's
 wall time through `observe_step`. Without a target the budget is the fixed token budget alone.
 
-Shares (any node): a peer pulling a prefix this node holds gets its leading blocks referenced
-under a share id for a lease (`share`), freed on `release_share` or when the lease runs out, as
-a held prefill's are; the hold ledger lets the event loop claim them at once.
+Shares (any node, engine/shares.py): blocks referenced for a peer that pulls them, under the
+same hold ledger and expiry as held prefills.
 
 Invariants: a request is in exactly one of waiting / running / remote / held; the scheduler
 never changes a block while a transfer may be writing it (requests in WAITING_FOR_REMOTE_KV
@@ -43,9 +42,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from engine import kv_moves
 from engine.holds import HoldLedger
 from engine.kv_manager import KVCacheManager
 from engine.request import Request, Status
+from engine.shares import Shares
 from engine.step_model import OnlineStepModel, StepShape, shape_of
 from protocol.kv_digest import KVCheck
 
@@ -105,10 +106,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KV
         self.held: dict[str, Request] = {}  # finished, blocks kept for a transfer
-        #: share id → blocks referenced for a peer's pull, and when they are freed on their own
-        self.shares: dict[str, _Share] = {}
+
         #: the holds as the event loop may claim them (engine/holds.py)
         self.ledger = HoldLedger()
+        #: blocks referenced for peers' pulls (engine/shares.py), under the same ledger
+        self.shares = Shares(kv, self.ledger)
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         #: speculative decoding: draft tokens for a decoding request ([] for none)
@@ -344,13 +346,12 @@ class Scheduler:
         digests: Sequence[int | None] | None = None,
         where: str = "transfer",
     ) -> tuple[Request | None, KVCheck]:
-        """The transfer for a reserved request ended. ok: the remote tokens are in its blocks
-        (a prompt's last token is recomputed locally for its logits) — once each block given a
-        digest in `digests` (aligned with the request's blocks; None: not transferred) matches
-        it, else up to the first that does not; not ok: compute everything past the local
-        prefix hit. quarantine (with not ok): the transfer may still write into the blocks it
-        targeted, so they are set aside until `release_quarantine` and the request recomputes
-        into fresh blocks. Returns the request (None if unknown) and how the KV checked out."""
+        """The transfer for a reserved (or still queued) request ended. ok: the remote tokens
+        count, as far as they match `digests` (engine/kv_moves.py `arrived`); not ok: compute
+        everything past the local prefix hit. quarantine (with not ok): the transfer may still
+        write into the blocks it targeted, so they are set aside until `release_quarantine` and
+        the request recomputes into fresh blocks. Returns the request (None if unknown) and how
+        the KV checked out."""
         req = self.remote.pop(request_id, None)
         if req is None:
             queued = self.requests.get(request_id)
@@ -371,19 +372,7 @@ class Scheduler:
             self.kv.free(req)
             self.kv.forget(req)
             return req, KVCheck.FAILED if not ok else KVCheck.READY
-        check = KVCheck.READY if ok else KVCheck.FAILED
-        if ok:
-            # the whole prompt arrived: its last token is recomputed for its logits; a prefix
-            # (from a peer) counts whole
-            n = req.remote_num_tokens
-            cover = n - 1 if n >= req.num_prompt_tokens else n
-            if digests is not None:
-                good = self.kv.verify(req, digests, n, where)
-                if good < len(digests):
-                    check = KVCheck.MISMATCH
-                    cover = min(cover, good * self.kv.block_size)
-            req.num_computed_tokens = max(req.num_computed_tokens, cover)
-            self.kv.cache_computed_blocks(req)
+        check = kv_moves.arrived(self.kv, req, digests, where) if ok else KVCheck.FAILED
         if where == "peer":  # a pulled prefix: this node computes the rest of the prompt
             self.kv.count_pulled(req, req.num_computed_tokens - req.num_cached_tokens)
         req.status = Status.RUNNING
@@ -438,52 +427,12 @@ class Scheduler:
                 gone.append(rid)
             else:
                 self.held[rid].hold_expiry = None  # claimed: no deadline to wake up for
-        for sid in [k for k, v in self.shares.items() if v.expiry is not None and v.expiry <= now]:
-            if self.ledger.expire(sid):
-                self.release_share(sid)
-                gone.append(sid)
-            else:
-                self.shares[sid].expiry = None
-        return gone
+        return gone + self.shares.expire(now)
 
     def next_hold_expiry(self) -> float | None:
-        return min(
-            (
-                *(r.hold_expiry for r in self.held.values() if r.hold_expiry is not None),
-                *(v.expiry for v in self.shares.values() if v.expiry is not None),
-            ),
-            default=None,
-        )
-
-    # -- shares (a peer pulls a prefix) ----------------------------------------------------
-    def share(
-        self, share_id: str, hashes: Sequence[int], root: int, lease_s: float
-    ) -> tuple[list[int], list[int]]:
-        """Reference the leading blocks of `hashes` this node holds (pool or spill tiers) for a
-        peer's pull, for `lease_s` seconds; returns them with their digests (none: nothing)."""
-        if share_id in self.shares or share_id in self.held or share_id in self.requests:
-            raise ValueError(f"share id {share_id!r} is already in use")
-        blocks, digests = self.kv.share(hashes, root)
-        if blocks:
-            expiry = time.monotonic() + lease_s
-            self.shares[share_id] = _Share(blocks, expiry)
-            self.ledger.add(share_id, blocks, expiry)
-        return blocks, digests
-
-    def release_share(self, share_id: str) -> bool:
-        s = self.shares.pop(share_id, None)
-        if s is None:
-            return False
-        self.ledger.drop(share_id)
-        self.kv.pool.free(s.blocks[::-1])
-        return True
-
-
-@dataclass
-class _Share:
-    blocks: list[int]
-    #: monotonic time they are freed on their own (None: claimed by a release on its way)
-    expiry: float | None
+        times = [r.hold_expiry for r in self.held.values() if r.hold_expiry is not None]
+        share = self.shares.next_expiry()
+        return min([*times, share] if share is not None else times, default=None)
 
 
 def _prompt_work(req: Request) -> bool:

@@ -182,3 +182,33 @@ def test_a_corrupt_spilled_block_is_dropped_and_recomputed(tmp_path: Path) -> No
     assert kv.mismatches == {"disk": 1} and kv.checks == {"host": 2, "disk": 1}
     assert kv.tiers is not None and kv.tiers.where(last) is None
     assert bool((data.row(again.block_ids[2]) == a[8]).all())  # computed again, not loaded
+
+
+def test_a_share_holds_pool_and_spilled_blocks_until_released_or_expired(tmp_path: Path) -> None:
+    from engine.holds import Claim, HoldLedger
+    from engine.shares import Shares
+    from protocol.block_hash import domain_root
+
+    kv, data = _manager(tmp_path, blocks=4)
+    a = list(range(100, 113))
+    kv.free(_compute(kv, data, "a", a))
+    kv.free(_compute(kv, data, "b", list(range(200, 213))))  # a's blocks on host and disk
+    ledger = HoldLedger()
+    shares = Shares(kv, ledger)
+    hs = block_hashes(a, BS)
+    free = kv.pool.num_free
+    blocks, digests = shares.share("s1", hs + [12345], domain_root(None), lease_s=5.0)
+    # the three known blocks, loaded back (checked) and referenced; the unknown hash ends it
+    assert len(blocks) == 3 and [kv.pool.lookup(h) for h in hs] == blocks
+    assert digests == [kv.pool.digest(b) for b in blocks] and kv.checks == {"host": 2, "disk": 1}
+    assert all(kv.pool.ref_count(b) == 1 for b in blocks) and kv.pool.num_free < free
+    assert ledger.claim("s1", [9], 0.0) == (Claim.NOT_THEIRS, 0)
+    assert shares.next_expiry() is not None and not shares.expire(0.0)
+    assert shares.expire(shares.next_expiry() or 0.0) == ["s1"]  # the lease ran out
+    assert all(kv.pool.ref_count(b) == 0 for b in blocks) and "s1" not in shares
+    again, _ = shares.share("s2", hs, domain_root(None), lease_s=5.0)
+    assert again == blocks  # from the pool now
+    assert ledger.claim("s2", again, 0.0) == (Claim.OK, 3) and shares.release("s2")
+    # another domain's prompt hashes differently: nothing of this one matches
+    other = block_hashes(a, BS, parent=domain_root("team:x"))
+    assert shares.share("s3", other, domain_root("team:x"), 5.0) == ([], [])
