@@ -1,0 +1,63 @@
+"""Bytes corrupted between a block's digest and its reader, between real node processes: a
+prefill node's held block (what a decode node reads over the transport) and a block a peer
+shares. Every corrupt block is caught by the reader's digest check, its tokens recomputed, and
+the answer is the one a cold run gives."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import aiohttp
+
+from bench.pd_client import completion, disaggregated
+from engine import LLM, SamplingParams
+from tests.nodes.test_peer_pull import counter
+from tests.procs import TINY_NODE_ARGS, Proc, duet_node, free_port, running
+
+GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def corrupting(mode: str, role: str, model: Path, tmp: Path) -> Proc:
+    port = free_port()
+    args = [sys.executable, "-m", "tests.nodes.corrupting_node", mode, "node", "--role", role]
+    args += ["--model", str(model), "--port", str(port), "--threads", "1", *TINY_NODE_ARGS]
+    return Proc(args, port, tmp / f"corrupting-{mode}-{port}.log")
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 380) for _ in range(n)]
+
+
+def cold(model: Path, p: list[int]) -> list[int]:
+    return LLM(str(model), dtype="float32").generate([p], SamplingParams(**GREEDY))[0].token_ids
+
+
+async def test_corrupt_bytes_in_transit_and_in_a_share_are_caught(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    p = corrupting("held", "prefill", tiny_llama, tmp_path)
+    src = corrupting("share", "decode", tiny_llama, tmp_path)
+    d = duet_node("both", tiny_llama, tmp_path, *TINY_NODE_ARGS)
+    with running(p, src, d):
+        async with aiohttp.ClientSession() as s:
+            # P → D: P's second block is corrupt by the time D reads it
+            x = prompt(1, 70)
+            r = await disaggregated(s, p.url, d.url, x, GREEDY)
+            assert r.error is None and r.token_ids == cold(tiny_llama, x)
+            assert counter(d, "duet:kv_digest_mismatches_total", source="transfer") == 1
+            assert counter(d, "duet:kv_digest_checks_total", source="transfer") == 2  # 0 ok, 1 bad
+            # peer → node: the source's first shared block is corrupt when it is read
+            first = prompt(2, 100)
+            assert (await completion(s, src.url, first, GREEDY)).error is None
+            nxt = first + prompt(3, 40)
+            source = {"kv_source": {"node_id": "src", "url": src.url, "num_blocks": 6}}
+            computed = counter(d, "duet:prompt_tokens_total")
+            r = await completion(s, d.url, nxt, {**GREEDY, **source})
+            assert r.error is None and r.token_ids == cold(tiny_llama, nxt)
+            assert counter(d, "duet:kv_digest_mismatches_total", source="peer") == 1
+            assert counter(d, "duet:kv_peer_pulls_total", outcome="mismatch") == 1
+            # the first block failed: nothing pulled was used, the whole prompt was computed
+            assert counter(d, "duet:prompt_tokens_total") - computed == len(nxt)
