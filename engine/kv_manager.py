@@ -110,10 +110,10 @@ class KVCacheManager:
             hit.append(b)
         return hit
 
-    def find_tiered(self, req: Request, start: int) -> list[int]:
+    def find_tiered(self, req: Request, start: int, max_tokens: int | None = None) -> list[int]:
         """Hashes of the blocks after the first `start` (the pool hit) that continue the
-        request's prefix in a spill tier (never its last token)."""
-        limit = req.num_tokens - 1
+        request's prefix in a spill tier (never its last token, nor past `max_tokens`)."""
+        limit = req.num_tokens - 1 if max_tokens is None else min(max_tokens, req.num_tokens - 1)
         if self.tiers is None or limit < self.block_size or req.needs_prompt_logprobs:
             return []
         out: list[int] = []

@@ -326,12 +326,16 @@ class Scheduler:
 
     # -- remote KV (decode node) -----------------------------------------------------------
     def _reserve(self, req: Request) -> bool:
-        cached = self.kv.find_cached_prefix(req, max_tokens=req.remote_num_tokens - 1)
-        total = req.remote_num_tokens - len(cached) * self.kv.block_size
-        if not self.kv.can_allocate(req, total, cached):
+        """Blocks for a request's remote KV, after its local prefix (pool, then spill tiers)."""
+        upto = req.remote_num_tokens - 1
+        cached = self.kv.find_cached_prefix(req, max_tokens=upto)
+        tiered = self.kv.find_tiered(req, len(cached), max_tokens=upto)
+        total = req.remote_num_tokens - (len(cached) + len(tiered)) * self.kv.block_size
+        if not self.kv.can_allocate(req, total, cached, len(tiered)):
             return False
         self.waiting.pop(0)
-        self.kv.admit(req, cached)  # may keep fewer (a released block that failed its digest)
+        # may keep fewer (a block that failed its digest): the transfer fills the rest
+        self.kv.admit(req, cached, tiered=tiered)
         ok = self.kv.allocate_slots(req, req.remote_num_tokens - req.num_computed_tokens)
         assert ok, "can_allocate promised room"
         req.status = Status.WAITING_FOR_REMOTE_KV

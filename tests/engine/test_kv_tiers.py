@@ -212,3 +212,21 @@ def test_a_share_holds_pool_and_spilled_blocks_until_released_or_expired(tmp_pat
     # another domain's prompt hashes differently: nothing of this one matches
     other = block_hashes(a, BS, parent=domain_root("team:x"))
     assert shares.share("s3", other, domain_root("team:x"), 5.0) == ([], [])
+
+
+def test_a_reservation_for_remote_kv_loads_the_local_spilled_prefix_first(tmp_path: Path) -> None:
+    from engine.scheduler import Scheduler, SchedulerConfig
+
+    kv, data = _manager(tmp_path, blocks=8)
+    a = list(range(100, 113))
+    kv.free(_compute(kv, data, "a", a))
+    kv.free(_compute(kv, data, "b", list(range(200, 229))))  # 8 blocks: a's go to the tiers
+    assert kv.tiers is not None and len(kv.tiers) == 3
+    s = Scheduler(SchedulerConfig(), kv)
+    s.add(Request("d", a + [7, 8, 9], SamplingParams(max_tokens=1), remote_num_tokens=16))
+    out = s.schedule()
+    (req,) = out.reserved
+    # the remote KV covers the first 16 tokens; the local tiers hold them (loaded, checked),
+    # so the transfer has nothing left to fill before the local prefix ends
+    assert req.num_cached_tokens == 12 and len(req.block_ids) == 4
+    assert kv.checks["host"] + kv.checks["disk"] == 3
