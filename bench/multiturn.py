@@ -7,7 +7,8 @@ history so far — every earlier user message and the answer the server gave to 
 user message, after a think time drawn from an exponential of mean `--think-time-s`. `--users`
 conversations are in flight at once (a closed loop: a user starts its next conversation when
 one ends), until `--conversations` have run, `--num-requests` turns were sent or `--duration`
-passed. What a server can reuse is exactly what a chat client resends: the system prompt across
+passed. A turn refused for lack of capacity (503, 429) is sent again a second later, as a chat
+client would retry it; each refusal is recorded (and reported) as the failure it is. What a server can reuse is exactly what a chat client resends: the system prompt across
 a team, and a conversation's history across its turns; the working set (every conversation's
 final history, and the system prompts) is reported, to be sized against the cluster's KV
 memory.
@@ -38,6 +39,11 @@ from bench.prompts import PromptBuilder
 from bench.records import RequestRecord
 from bench.serve_config import ServeConfig
 from bench.workloads import BenchRequest
+
+#: a turn the server refused for lack of capacity is sent again after this long, this often
+RETRY_AFTER_S = 1.0
+MAX_RETRIES = 30
+_RETRIED = ("http_503", "http_429")
 
 
 @dataclass
@@ -125,6 +131,99 @@ def _body(cfg: ServeConfig, builder: PromptBuilder, c: Conversation, turn: int) 
     return b
 
 
+class _Runner:
+    """One multi-turn run: its clock, its records, and the conversations' histories."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        cfg: ServeConfig,
+        builder: PromptBuilder,
+        on_done: OnDone | None,
+        stop: asyncio.Event,
+    ) -> None:
+        self.session, self.cfg, self.builder, self.on_done, self.stop = (
+            session,
+            cfg,
+            builder,
+            on_done,
+            stop,
+        )
+        self.records: list[RequestRecord] = []
+        self.run_id, self.started_at, self.start = uuid.uuid4().hex[:8], time.time(), 0.0
+        #: conversation → tokens of its last answered turn (prompt and answer)
+        self.last: dict[int, int] = {}
+
+    def over(self) -> bool:
+        cfg = self.cfg
+        sent_all = cfg.num_requests is not None and len(self.records) >= cfg.num_requests
+        late = cfg.duration_s is not None and time.perf_counter() - self.start >= cfg.duration_s
+        return self.stop.is_set() or sent_all or late
+
+    async def send_turn(self, c: Conversation, turn: int) -> RequestRecord:
+        """One turn; refused for lack of capacity (503, 429) it is sent again after
+        RETRY_AFTER_S, as a client would, each refusal recorded as the failure it is."""
+        cfg = self.cfg
+        body = _body(cfg, self.builder, c, turn)
+        for attempt in range(MAX_RETRIES + 1):
+            rec = RequestRecord(
+                index=len(self.records),
+                prompt_len=0,
+                max_tokens=c.output_lens[turn],
+                scheduled_s=time.perf_counter() - self.start,
+                team=c.team,
+                tier=c.tier,
+                group=c.index,
+                turn=turn,
+            )
+            rec.text = ""
+            self.records.append(rec)
+            rid = f"bench-{self.run_id}-{c.index}-{turn}" + (f"-r{attempt}" if attempt else "")
+            headers = payload.headers(cfg, c.key, c.tier, rid)
+            await sse_client.send(
+                self.session, cfg.url, body, headers, rec, cfg.request_timeout, self.start
+            )
+            if self.on_done is not None:
+                self.on_done(rec)
+            if rec.ok or rec.cause not in _RETRIED or self.over():
+                return rec
+            rec.text = None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), RETRY_AFTER_S)
+        return rec
+
+    async def converse(self, c: Conversation) -> None:
+        for turn in range(self.cfg.multi_turn.turns):
+            if c.think_s[turn]:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), c.think_s[turn])
+            if self.over():
+                return
+            rec = await self.send_turn(c, turn)
+            if not rec.ok:
+                return  # a conversation whose turn failed ends: its history is not known
+            c.answers.append(rec.text or "")
+            rec.prompt_len = rec.usage_prompt_tokens or 0
+            self.last[c.index] = rec.prompt_len + rec.output_tokens
+            rec.text = None
+
+    async def run(self, convs: list[Conversation]) -> RunOutcome:
+        queue = list(reversed(convs))
+
+        async def user() -> None:
+            while queue and not self.over():
+                await self.converse(queue.pop())
+
+        self.start = time.perf_counter()
+        await asyncio.gather(*(user() for _ in range(self.cfg.multi_turn.users)))
+        return RunOutcome(
+            records=self.records,
+            duration_s=time.perf_counter() - self.start,
+            started_at=self.started_at,
+            interrupted=self.stop.is_set(),
+        )
+
+
 async def run_multiturn(
     session: aiohttp.ClientSession,
     cfg: ServeConfig,
@@ -133,71 +232,21 @@ async def run_multiturn(
     stop: asyncio.Event | None = None,
 ) -> tuple[RunOutcome, dict[str, Any]]:
     """Run the conversations; returns the outcome and the workload's own figures."""
-    stop = stop or asyncio.Event()
     convs = plan(cfg, builder)
-    queue = list(reversed(convs))
-    records: list[RequestRecord] = []
-    run_id, started_at, start = uuid.uuid4().hex[:8], time.time(), time.perf_counter()
-    last_prompt: dict[int, int] = {}
-
-    def over() -> bool:
-        sent_all = cfg.num_requests is not None and len(records) >= cfg.num_requests
-        late = cfg.duration_s is not None and time.perf_counter() - start >= cfg.duration_s
-        return stop.is_set() or sent_all or late
-
-    async def converse(c: Conversation) -> None:
-        for turn in range(cfg.multi_turn.turns):
-            if c.think_s[turn]:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), c.think_s[turn])
-            if over():
-                return
-            body = _body(cfg, builder, c, turn)
-            rec = RequestRecord(
-                index=len(records),
-                prompt_len=0,
-                max_tokens=c.output_lens[turn],
-                scheduled_s=time.perf_counter() - start,
-                team=c.team,
-                tier=c.tier,
-                group=c.index,
-                turn=turn,
-            )
-            rec.text = ""
-            records.append(rec)
-            headers = payload.headers(cfg, c.key, c.tier, f"bench-{run_id}-{c.index}-{turn}")
-            await sse_client.send(session, cfg.url, body, headers, rec, cfg.request_timeout, start)
-            if on_done is not None:
-                on_done(rec)
-            if not rec.ok:
-                return  # a conversation whose turn failed ends: its history is not known
-            c.answers.append(rec.text or "")
-            rec.prompt_len = rec.usage_prompt_tokens or 0
-            last_prompt[c.index] = rec.prompt_len + rec.output_tokens
-            rec.text = None
-
-    async def user() -> None:
-        while queue and not over():
-            await converse(queue.pop())
-
-    await asyncio.gather(*(user() for _ in range(cfg.multi_turn.users)))
-    outcome = RunOutcome(
-        records=records,
-        duration_s=time.perf_counter() - start,
-        started_at=started_at,
-        interrupted=stop.is_set(),
-    )
+    runner = _Runner(session, cfg, builder, on_done, stop or asyncio.Event())
+    outcome = await runner.run(convs)
+    mt, last = cfg.multi_turn, runner.last
     systems = {c.team: len(c.system) for c in convs}
     figures = {
-        "conversations": len(last_prompt),
-        "turns": cfg.multi_turn.turns,
-        "users": cfg.multi_turn.users,
-        "system_prompt_len": cfg.multi_turn.system_prompt_len,
-        "think_time_s": cfg.multi_turn.think_time_s,
+        "conversations": len(last),
+        "turns": mt.turns,
+        "users": mt.users,
+        "system_prompt_len": mt.system_prompt_len,
+        "think_time_s": mt.think_time_s,
         # every conversation's final history beyond its system prompt, and each system prompt
         # once: the KV a cache would hold to serve every turn from cache
-        "working_set_tokens": sum(last_prompt.values())
-        - sum(systems[convs[i].team] for i in last_prompt)
+        "working_set_tokens": sum(last.values())
+        - sum(systems[convs[i].team] for i in last)
         + sum(systems.values()),
     }
     return outcome, figures

@@ -530,7 +530,18 @@ def test_sharegpt_prompts_and_reply_lengths(
 def test_multi_turn_conversations_resend_their_growing_history(
     latency_server: Any, tiny_llama: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    srv = latency_server("--ttft-ms", "5", "--itl-ms", "1", "--api-keys", "key-a,key-b")
+    srv = latency_server(
+        "--ttft-ms",
+        "5",
+        "--itl-ms",
+        "1",
+        "--api-keys",
+        "key-a,key-b",
+        "--fail-every",
+        "7",
+        "--fail-status",
+        "503",
+    )
     r = bench_json(
         capsys,
         "--base-url",
@@ -560,11 +571,16 @@ def test_multi_turn_conversations_resend_their_growing_history(
         "--team",
         "b=key-b",
     )
+    # every 7th arrival was refused (503): sent again, so every turn completed, the refusals
+    # counted as the failures they were
     assert r["completed"] == 15 and set(r["by_turn"]) == {"0", "1", "2"}
+    assert r["failed"] == r["failures"]["http_503"] == r["num_requests"] - 15 >= 2
     assert r["multi_turn"]["conversations"] == 5 and r["multi_turn"]["working_set_tokens"] > 0
     by_conv: dict[str, list[dict[str, Any]]] = {}
     for e in stats(srv)["requests"]:
-        conv, turn = e["request_id"].rsplit("-", 2)[-2:]
+        if e["n"] % 7 == 0:
+            continue  # refused
+        conv, turn = e["request_id"].split("-r")[0].rsplit("-", 2)[-2:]
         by_conv.setdefault(conv, []).append({**e, "turn": int(turn)})
     assert len(by_conv) == 5
     for turns in by_conv.values():
