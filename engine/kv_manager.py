@@ -240,6 +240,14 @@ class KVCacheManager:
         self._hashes.pop(req.request_id, None)
         self._num_cached.pop(req.request_id, None)
 
+    def reset_cache(self) -> bool:
+        """Forget every cached block, the spill tiers' too (False while blocks are in use)."""
+        if not self.pool.reset_cache():
+            return False
+        if self.tiers is not None:
+            self.tiers.clear()
+        return True
+
     def reset_for_recompute(self, req: Request) -> None:
         """Preemption by recompute: blocks back to the pool, progress back to zero."""
         self.free(req)

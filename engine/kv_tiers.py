@@ -211,6 +211,18 @@ class KVTiers:
             assert self.disk is not None
             self.disk.delete(block_hash)
 
+    def clear(self) -> None:
+        """Forget every spilled block (the pool's prefix cache was reset: its AllBlocksCleared
+        event tells the coordinator). No entry may be pinned: a reset runs with no request."""
+        for e in self._host.values():
+            assert self.host is not None
+            self.host.free(e.slot)
+        for h in self._disk:
+            assert self.disk is not None
+            self.disk.delete(h)
+        self._host.clear()
+        self._disk.clear()
+
     def stats(self) -> dict[str, float]:
         bb = self.pool.block_bytes
         return {

@@ -50,7 +50,8 @@ class Residency:
         if self.scheduler.requests or self.scheduler.held:
             n = len(self.scheduler.requests) + len(self.scheduler.held)
             raise EngineBusy(f"the engine holds {n} request(s); it sleeps only when idle")
-        self.pool.reset_cache()  # the blocks' contents go: nothing may hit them after the wake
+        # the blocks' contents go, the spilled ones too: nothing may hit them after the wake
+        self.scheduler.kv.reset_cache()
         weights = sum(drop_model(r) for r in self._runners())
         released = sum(release_pages(r.kv_cache) for r in self._runners())
         self.sleeping = True
@@ -93,8 +94,9 @@ class Residency:
         if lora is None:
             raise LoraError("LoRA is off on this engine (start it with max_loras > 0)")
         stale = lora.digest_changed(adapter) and adapter.name not in lora.adapters
-        # a name that served other weights before: its cached KV is not this adapter's
-        if stale and not self.pool.reset_cache():
+        # a name that served other weights before: its cached KV (pool and tiers) is not this
+        # adapter's
+        if stale and not self.scheduler.kv.reset_cache():
             raise LoraError(
                 f"adapter {adapter.name!r} was served here with other weights and their KV "
                 "is still cached; load these under a new name, or when the node is idle"

@@ -230,3 +230,35 @@ def test_a_reservation_for_remote_kv_loads_the_local_spilled_prefix_first(tmp_pa
     # so the transfer has nothing left to fill before the local prefix ends
     assert req.num_cached_tokens == 12 and len(req.block_ids) == 4
     assert kv.checks["host"] + kv.checks["disk"] == 3
+
+
+def test_a_prefix_cache_reset_empties_the_tiers(tiny_llama: Path, tmp_path: Path) -> None:
+    """Sleep (and a LoRA name loaded with other weights) resets the prefix cache: the spilled
+    blocks go with the pool's, or a block of the old weights would be a hit after it."""
+    from engine import EngineConfig
+    from engine.core import EngineCore
+
+    cfg = EngineConfig(
+        model=str(tiny_llama),
+        dtype="float32",
+        num_kv_blocks=8,
+        max_model_len=128,
+        kv_host_bytes="1MiB",
+        kv_disk_bytes="4MiB",
+        kv_disk_dir=str(tmp_path),
+    )
+    core = EngineCore(cfg)
+    a, b = list(range(10, 70)), list(range(100, 200))
+    for rid, prompt in (("a", a), ("b", b)):  # b's blocks evict a's into the tiers
+        core.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+        while core.scheduler.requests:
+            core.step()
+    assert core.tiers is not None and len(core.tiers) >= 2
+    core.sleep()
+    assert len(core.tiers) == 0 and not list(tmp_path.glob("*.kv"))
+    assert core.tiers.host is not None and core.tiers.host.num_free == core.tiers.host.slots
+    core.add_request("a2", a, SamplingParams(max_tokens=1, ignore_eos=True))
+    outs = []
+    while core.scheduler.requests:
+        outs += core.step()[0]
+    assert outs[-1].num_cached_tokens == 0
