@@ -1,6 +1,6 @@
 """A `duet node` whose KV is corrupted after its digests were taken: what a reader must catch.
 
-    python -m tests.nodes.corrupting_node held|share  <duet node arguments...>
+    python -m tests.nodes.corrupting_node held,share  <duet node arguments...>
 
 held: a prefill leg's held blocks get one byte flipped in their second block right after the
 hold began (its digests are taken then): the decode node reads corrupt bytes, as a fault on the
@@ -45,8 +45,9 @@ def corrupt_shares() -> None:
 
 
 if __name__ == "__main__":
-    mode, argv = sys.argv[1], sys.argv[2:]
-    {"held": corrupt_held, "share": corrupt_shares}[mode]()
+    modes, argv = sys.argv[1].split(","), sys.argv[2:]
+    for mode in modes:  # one or both
+        {"held": corrupt_held, "share": corrupt_shares}[mode]()
     from duet.cli import main
 
     raise SystemExit(main(argv))

@@ -19,11 +19,12 @@ from tests.procs import TINY_NODE_ARGS, Proc, duet_node, free_port, running
 GREEDY = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
-def corrupting(mode: str, role: str, model: Path, tmp: Path) -> Proc:
+def corrupting(model: Path, tmp: Path) -> Proc:
+    """A colocated node that corrupts both what it holds for a decode node and what it shares."""
     port = free_port()
-    args = [sys.executable, "-m", "tests.nodes.corrupting_node", mode, "node", "--role", role]
-    args += ["--model", str(model), "--port", str(port), "--threads", "1", *TINY_NODE_ARGS]
-    return Proc(args, port, tmp / f"corrupting-{mode}-{port}.log")
+    args = [sys.executable, "-m", "tests.nodes.corrupting_node", "held,share", "node"]
+    args += ["--role", "both", "--model", str(model), "--port", str(port), "--threads", "1"]
+    return Proc([*args, *TINY_NODE_ARGS], port, tmp / f"corrupting-{port}.log")
 
 
 def prompt(seed: int, n: int) -> list[int]:
@@ -31,32 +32,33 @@ def prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(3, 380) for _ in range(n)]
 
 
-def cold(model: Path, p: list[int]) -> list[int]:
-    return LLM(str(model), dtype="float32").generate([p], SamplingParams(**GREEDY))[0].token_ids
+def cold(model: Path, *prompts: list[int]) -> list[list[int]]:
+    """Each prompt's tokens alone on one in-process engine (the answers a node must give)."""
+    llm = LLM(str(model), dtype="float32")
+    return [llm.generate([p], SamplingParams(**GREEDY))[0].token_ids for p in prompts]
 
 
 async def test_corrupt_bytes_in_transit_and_in_a_share_are_caught(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
-    p = corrupting("held", "prefill", tiny_llama, tmp_path)
-    src = corrupting("share", "decode", tiny_llama, tmp_path)
+    x, first = prompt(1, 70), prompt(2, 100)
+    nxt = first + prompt(3, 40)
+    want_x, want_nxt = cold(tiny_llama, x, nxt)
+    src = corrupting(tiny_llama, tmp_path)
     d = duet_node("both", tiny_llama, tmp_path, *TINY_NODE_ARGS)
-    with running(p, src, d):
+    with running(src, d):
         async with aiohttp.ClientSession() as s:
             # P → D: P's second block is corrupt by the time D reads it
-            x = prompt(1, 70)
-            r = await disaggregated(s, p.url, d.url, x, GREEDY)
-            assert r.error is None and r.token_ids == cold(tiny_llama, x)
+            r = await disaggregated(s, src.url, d.url, x, GREEDY)
+            assert r.error is None and r.token_ids == want_x
             assert counter(d, "duet:kv_digest_mismatches_total", source="transfer") == 1
             assert counter(d, "duet:kv_digest_checks_total", source="transfer") == 2  # 0 ok, 1 bad
             # peer → node: the source's first shared block is corrupt when it is read
-            first = prompt(2, 100)
             assert (await completion(s, src.url, first, GREEDY)).error is None
-            nxt = first + prompt(3, 40)
             source = {"kv_source": {"node_id": "src", "url": src.url, "num_blocks": 6}}
             computed = counter(d, "duet:prompt_tokens_total")
             r = await completion(s, d.url, nxt, {**GREEDY, **source})
-            assert r.error is None and r.token_ids == cold(tiny_llama, nxt)
+            assert r.error is None and r.token_ids == want_nxt
             assert counter(d, "duet:kv_digest_mismatches_total", source="peer") == 1
             assert counter(d, "duet:kv_peer_pulls_total", outcome="mismatch") == 1
             # the first block failed: nothing pulled was used, the whole prompt was computed
