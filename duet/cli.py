@@ -22,6 +22,7 @@ from duet import (
     cmd_status,
     cmd_up,
 )
+from duet.errors import UsageError
 from runtime.models import ModelNotFoundError
 
 DESCRIPTION = """\
@@ -41,10 +42,6 @@ Plan capacity and cost:             duet plan
 
 #: the commands that run a process `--trace` turns tracing on in (docs/console.md)
 TRACED = ("up", "gateway", "coordinator", "prefill", "decode", "node")
-
-
-class UsageError(Exception):
-    """An operator mistake worth a one-line message and exit code 2."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ import time
 
 from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
 from duet.config_flags import add_config_flags, add_deprecated_aliases, config_kwargs
+from duet.errors import UsageError
 from duet.security_args import (
     add_client_arguments,
     add_server_arguments,
@@ -134,7 +135,6 @@ def _run_coordinator(args: argparse.Namespace) -> int:
     from coordinator.server import run_coordinator
     from coordinator.service import CoordinatorConfig
     from coordinator.store import parse_etcd_url
-    from duet.cli import UsageError
     from node.request_log import setup_logging
 
     setup_logging(args.log_level, name="coordinator")
@@ -160,7 +160,6 @@ def _run_coordinator(args: argparse.Namespace) -> int:
 
 
 def _run_drain(args: argparse.Namespace) -> int:
-    from duet.cli import UsageError
 
     if args.undo and args.wait:
         raise UsageError("--wait is for a drain; --undo answers once the node is routed again")

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
+from duet.errors import UsageError
 from duet.security_args import add_gateway_security_arguments, plane_security
 from gateway.store.base import GROUP_BY  # msgspec only: cheap enough for the parser
 
@@ -126,7 +127,6 @@ def _store_args(p: argparse.ArgumentParser) -> None:
 
 
 def _store_url(args: argparse.Namespace) -> str:
-    from duet.cli import UsageError
     from gateway.config import ConfigError, default_store_url, load_config
 
     if args.store:
@@ -140,7 +140,6 @@ def _store_url(args: argparse.Namespace) -> str:
 
 
 def _config(args: argparse.Namespace):  # -> GatewayConfig
-    from duet.cli import UsageError
     from gateway.config import ConfigError, RoutingConfig, load_config
     from runtime.models import resolve_model
 
@@ -216,7 +215,6 @@ def _print(obj: Any) -> None:
 
 
 def _teams(args: argparse.Namespace) -> int:
-    from duet.cli import UsageError
     from gateway.admin import TeamCreate, validate_team
     from gateway.store.base import StoreError
     from protocol.openai import APIError
@@ -248,7 +246,6 @@ def _teams(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from duet.cli import UsageError
     from gateway.keys import new_key
     from gateway.store.base import StoreError, Team
 
@@ -276,7 +273,6 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _usage(args: argparse.Namespace) -> int:
-    from duet.cli import UsageError
     from gateway.admin import time_range
     from protocol.openai import APIError
 

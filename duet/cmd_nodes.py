@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
 from duet.config_flags import add_config_flags, add_deprecated_aliases, config_kwargs
+from duet.errors import UsageError
 from duet.security_args import add_server_arguments, plane_security, read_deadlines
 
 if TYPE_CHECKING:
@@ -214,7 +215,6 @@ def role_registrations(role: str, engine_kind: str = "native", task: str = "gene
 
 
 def _run(args: argparse.Namespace) -> int:
-    from duet.cli import UsageError
     from node.request_log import setup_logging
     from node.server import run_node
 

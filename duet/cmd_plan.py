@@ -23,6 +23,8 @@ from pathlib import Path
 
 import msgspec
 
+from duet.errors import UsageError
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SCENARIO = ROOT / "data/scenarios/target-10k-users.toml"
 DEFAULT_PROFILES = [
@@ -167,7 +169,6 @@ def parse_slo(spec: str | None):
 
 
 def run(args: argparse.Namespace) -> int:
-    from duet.cli import UsageError
 
     try:
         return _one(args) if args.layout else _plan(args)

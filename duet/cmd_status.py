@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
+from duet.errors import UsageError
 from duet.security_args import add_client_arguments, plane_security
 
 if TYPE_CHECKING:
@@ -284,7 +285,6 @@ def _render_registered(con: Any, reg: dict[str, Any] | None, error: str | None) 
 
 
 def _run(args: argparse.Namespace) -> int:
-    from duet.cli import UsageError
     from duet.up_home import UpHome
 
     state = None

@@ -43,6 +43,7 @@ import urllib.request
 from dataclasses import replace
 from typing import Any
 
+from duet.errors import UsageError
 from runtime.models import REGISTRY, ModelNotFoundError, resolve_model
 from runtime.ports import free_port
 
@@ -155,7 +156,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _check_port_free(host: str, port: int) -> None:
-    from duet.cli import UsageError
 
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -170,7 +170,6 @@ def _check_port_free(host: str, port: int) -> None:
 
 def build_config(args: argparse.Namespace):  # -> UpConfig
     """cluster.toml's layout (or the layout flags'), with every setting flag given over it."""
-    from duet.cli import UsageError
     from duet.config_flags import config_kwargs
     from duet.supervisor import RestartPolicy
     from duet.up_config import (
@@ -427,7 +426,6 @@ def cfg_threads(cfg, cpus: list[int] | None, n_nodes: int, n_cpus: int) -> int:
 
 def _autoscale_bounds(args: argparse.Namespace, cfg, log) -> tuple[bool, int]:
     """(--autoscale on, the most nodes at once); refuses what cannot work."""
-    from duet.cli import UsageError
 
     if not args.autoscale:
         if args.max_nodes is not None or args.planner_config:
@@ -581,7 +579,6 @@ def etcd_children(cfg, home, host) -> tuple[list, str]:  # -> (list[Child], the 
 
 
 def _check_gateways(n: int) -> None:
-    from duet.cli import UsageError
 
     if n < 1:
         raise UsageError(f"--gateways must be at least 1, got {n}")
@@ -635,7 +632,6 @@ def _banner(url: str, model: str, key: str, created: bool, home, layout: str) ->
 
 
 def _run(args: argparse.Namespace) -> int:
-    from duet.cli import UsageError
     from duet.supervisor import Child, ChildState, Supervisor
     from duet.up_home import UpHome, admin_key, cluster_secret, dev_key
     from gateway.keys import hash_secret

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 
+from duet.errors import UsageError
+
 SECURITY_HELP = """\
 The cluster secret authenticates every internal request (Authorization: Bearer) and the KV
 transport's handshake. Without one, a process bound to loopback only starts with a warning;
@@ -81,7 +83,6 @@ def add_deadline_arguments(p: argparse.ArgumentParser) -> None:
 
 def read_deadlines(args: argparse.Namespace):
     """The flags as a ReadDeadlines; raises UsageError for a value out of range."""
-    from duet.cli import UsageError
     from duet.config_flags import config_kwargs
     from runtime.read_deadlines import ReadDeadlines
 
@@ -119,7 +120,6 @@ def add_gateway_security_arguments(p: argparse.ArgumentParser) -> None:
 
 def plane_security(args: argparse.Namespace):
     """The flags as a PlaneSecurity; raises UsageError for an unusable secret or TLS file."""
-    from duet.cli import UsageError
     from runtime.cluster_secret import SecretError, load_secret
     from runtime.plane import PlaneSecurity
 

@@ -35,7 +35,6 @@ import msgspec
 from aiohttp import web
 
 from gateway import batch_wiring
-from gateway.auth import admin_or_team, require_admin
 from gateway.batch.models import Batch
 from gateway.batch.store import BatchStore, Conflict
 from gateway.batch.submit import batch_object
@@ -100,13 +99,13 @@ def validate_team(t: TeamCreate) -> Team:
 
 
 async def create_team(state: GatewayState, request: web.Request) -> web.Response:
-    require_admin(state, request)
+    state.auth.require_admin(request)
     team = validate_team(await _body(request, TeamCreate))
     return _json(await state.store.create_team(team), 201)
 
 
 async def list_teams(state: GatewayState, request: web.Request) -> web.Response:
-    require_admin(state, request)
+    state.auth.require_admin(request)
     if "id" in request.match_info:
         team = await state.store.get_team(request.match_info["id"])
         if team is None:
@@ -119,28 +118,28 @@ async def update_team(state: GatewayState, request: web.Request) -> web.Response
     """`PUT /admin/teams/{id}`: the team's limits and default tier, all of them (a limit left
     out is none). Its keys see the new limits at once on this gateway (the key cache forgets
     the team), within [server] key_cache_ttl_s on others."""
-    require_admin(state, request)
+    state.auth.require_admin(request)
     tid = request.match_info["id"]
     body: TeamLimits = await _body(request, TeamLimits)
     team = validate_team(TeamCreate(id=tid, **msgspec.structs.asdict(body)))
     updated = await state.store.update_team(team)
     if updated is None:
         raise APIError(404, f"no team {tid!r}", code="not_found")
-    state.keys.forget_team(tid)
+    state.auth.keys.forget_team(tid)
     return _json(updated)
 
 
 async def delete_team(state: GatewayState, request: web.Request) -> web.Response:
-    require_admin(state, request)
+    state.auth.require_admin(request)
     tid = request.match_info["id"]
     if not await state.store.delete_team(tid):
         raise APIError(404, f"no team {tid!r}", code="not_found")
-    state.keys.forget_team(tid)
+    state.auth.keys.forget_team(tid)
     return _json({"id": tid, "deleted": True})
 
 
 async def create_key(state: GatewayState, request: web.Request) -> web.Response:
-    require_admin(state, request)
+    state.auth.require_admin(request)
     body: KeyCreate = await _body(request, KeyCreate)
     key, secret, digest = new_key(body.team_id, body.name)
     await state.store.create_key(key, digest)
@@ -148,18 +147,18 @@ async def create_key(state: GatewayState, request: web.Request) -> web.Response:
 
 
 async def list_keys(state: GatewayState, request: web.Request) -> web.Response:
-    require_admin(state, request)
+    state.auth.require_admin(request)
     return _json(
         {"object": "list", "data": await state.store.list_keys(request.query.get("team_id"))}
     )
 
 
 async def revoke_key(state: GatewayState, request: web.Request) -> web.Response:
-    require_admin(state, request)
+    state.auth.require_admin(request)
     kid = request.match_info["id"]
     if not await state.store.revoke_key(kid):
         raise APIError(404, f"no live key {kid!r}", code="not_found")
-    state.keys.forget_key(kid)
+    state.auth.keys.forget_key(kid)
     return _json({"id": kid, "revoked": True})
 
 
@@ -239,7 +238,7 @@ def _limit(q: Any, most: int) -> int:
 async def usage(state: GatewayState, request: web.Request) -> web.Response:
     q = request.query
     team_id = q.get("team_id")
-    team = await admin_or_team(state, request)
+    team = await state.auth.admin_or_team(request)
     if team is not None:
         if team_id is not None and team_id != team.id:
             raise APIError(
@@ -330,7 +329,7 @@ def _batch_store(request: web.Request) -> tuple[BatchStore, Any]:
 async def list_batches(state: GatewayState, request: web.Request) -> web.Response:
     """Every team's batches: per team (the store reads batches by team), merged newest first.
     A deleted team's batches are not listed (its keys are gone and its batches with it)."""
-    require_admin(state, request)
+    state.auth.require_admin(request)
     store, _ = _batch_store(request)
     limit = _limit(request.query, 100)
     team_id = request.query.get("team_id")
@@ -347,7 +346,7 @@ async def list_batches(state: GatewayState, request: web.Request) -> web.Respons
 
 
 async def cancel_batch(state: GatewayState, request: web.Request) -> web.Response:
-    require_admin(state, request)
+    state.auth.require_admin(request)
     store, wake = _batch_store(request)
     bid = request.match_info["id"]
     row = await store.get_batch(None, bid)

@@ -66,7 +66,7 @@ from gateway.anthropic_wire import (
     Usage,
     sse,
 )
-from gateway.auth import authenticate, bearer
+from gateway.auth import bearer
 from gateway.chat_answer import (
     ChatAnswer,
     ChatEvent,
@@ -112,8 +112,8 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
                 type_="authentication_error",
                 code="missing_api_key",
             )
-        api_key, team = await authenticate(
-            state, request, key.strip() if key is not None else bearer(request)
+        api_key, team = await state.auth.authenticate(
+            request, key.strip() if key is not None else bearer(request)
         )
         try:
             raw = await request.read()

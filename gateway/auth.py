@@ -14,9 +14,10 @@ import time
 
 from aiohttp import web
 
+from gateway.config import GatewayConfig
+from gateway.key_cache import Found, KeyCache
 from gateway.keys import hash_secret, same_secret
-from gateway.state import GatewayState
-from gateway.store.base import ApiKey, Team
+from gateway.store.base import Team
 from protocol.openai import APIError
 
 
@@ -73,54 +74,60 @@ class AdminGuard:
             self._failures.popitem(last=False)
 
 
-def is_admin(state: GatewayState, token: str) -> bool:
-    admin = state.config.admin_key
-    if admin:
-        return same_secret(token, hash_secret(admin))
-    expected = state.config.server.admin_key_sha256
-    return bool(expected) and same_secret(token, expected.lower())
+class Auth:
+    """Who is calling, for every handler: API keys through the key cache, the admin key (the
+    config's: `$DUET_ADMIN_KEY`, else its sha256 in [server]), and the per-address guard on
+    failed admin attempts."""
 
+    def __init__(self, keys: KeyCache, config: GatewayConfig) -> None:
+        self.keys = keys
+        self.config = config
+        #: failed admin authentications per address
+        self.guard = AdminGuard()
 
-def require_admin(state: GatewayState, request: web.Request) -> None:
-    address = request.remote or ""
-    state.admin_guard.check(address)
-    if not is_admin(state, bearer(request)):
-        state.admin_guard.failed(address)
-        raise APIError(
-            401,
-            "this endpoint needs the admin key",
-            type_="authentication_error",
-            code="invalid_api_key",
-        )
+    def is_admin(self, token: str) -> bool:
+        admin = self.config.admin_key
+        if admin:
+            return same_secret(token, hash_secret(admin))
+        expected = self.config.server.admin_key_sha256
+        return bool(expected) and same_secret(token, (expected or "").lower())
 
+    def require_admin(self, request: web.Request) -> None:
+        address = request.remote or ""
+        self.guard.check(address)
+        if not self.is_admin(bearer(request)):
+            self.guard.failed(address)
+            raise APIError(
+                401,
+                "this endpoint needs the admin key",
+                type_="authentication_error",
+                code="invalid_api_key",
+            )
 
-async def admin_or_team(state: GatewayState, request: web.Request) -> Team | None:
-    """For endpoints the admin and team keys both read (`/v1/models`, `/v1/usage`): None for the
-    admin key, else the key's team. A token that is neither counts as a failed admin attempt
-    (the same per-address limit as the admin endpoints), so guessing the admin key here is
-    no cheaper than on /admin."""
-    address = request.remote or ""
-    state.admin_guard.check(address)
-    if is_admin(state, bearer(request)):
-        return None
-    try:
-        return (await authenticate(state, request))[1]
-    except APIError:
-        state.admin_guard.failed(address)
-        raise
+    async def admin_or_team(self, request: web.Request) -> Team | None:
+        """For endpoints the admin and team keys both read (`/v1/models`, `/v1/usage`): None for
+        the admin key, else the key's team. A token that is neither counts as a failed admin
+        attempt (the same per-address limit as the admin endpoints), so guessing the admin key
+        here is no cheaper than on /admin."""
+        address = request.remote or ""
+        self.guard.check(address)
+        if self.is_admin(bearer(request)):
+            return None
+        try:
+            return (await self.authenticate(request))[1]
+        except APIError:
+            self.guard.failed(address)
+            raise
 
-
-async def authenticate(
-    state: GatewayState, request: web.Request, token: str | None = None
-) -> tuple[ApiKey, Team]:
-    """The key's (key, team); `token`: the key as the caller sent it (default: the bearer token;
-    Anthropic's clients send `x-api-key`)."""
-    found = await state.keys.lookup(hash_secret(bearer(request) if token is None else token))
-    if found is None:
-        raise APIError(
-            401,
-            "invalid API key (unknown or revoked)",
-            type_="authentication_error",
-            code="invalid_api_key",
-        )
-    return found
+    async def authenticate(self, request: web.Request, token: str | None = None) -> Found:
+        """The key's (key, team); `token`: the key as the caller sent it (default: the bearer
+        token; Anthropic's clients send `x-api-key`)."""
+        found = await self.keys.lookup(hash_secret(bearer(request) if token is None else token))
+        if found is None:
+            raise APIError(
+                401,
+                "invalid API key (unknown or revoked)",
+                type_="authentication_error",
+                code="invalid_api_key",
+            )
+        return found

@@ -29,6 +29,7 @@ from gateway.requests import Endpoint, Request
 from protocol.openai import APIError, CompletionLogprobs
 from protocol.structured import Guide
 from protocol.tools import ToolCallDelta
+from text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from gateway.providers.fallback import Reason
@@ -132,6 +133,8 @@ class MidStreamError(APIError):
 
 
 class Backend(ABC):
+    """A model's generation seam (see the module docstring)."""
+
     #: requests wait in the gateway's tier queues (they guard the self-hosted pool only)
     uses_tier_queues: bool = False
 
@@ -152,3 +155,16 @@ class Backend(ABC):
         """Why `err` (raised before the first piece) moves the request along its model's
         fallback chain; None: it is the request's own failure, no fallback."""
         return None
+
+
+@dataclass
+class ServedModel:
+    """A model the gateway serves: its config, the backend that answers it, the tokenizer
+    the gateway counts its prompts with (None: an external model, its provider counts), and
+    its context length."""
+
+    config: ModelConfig
+    backend: Backend
+    tokenizer: Tokenizer | None
+    #: prompt + completion tokens the model takes
+    max_model_len: int

@@ -30,7 +30,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,6 @@ import msgspec
 from aiohttp import web
 
 from gateway import serve
-from gateway.auth import authenticate
 from gateway.batch import (
     BatchConfig,
     BatchRunner,
@@ -48,13 +47,13 @@ from gateway.batch import (
     make_batch_routes,
 )
 from gateway.batch.models import PRIORITIES
-from gateway.config import BatchSettings, GatewayConfig, TeamPolicy
+from gateway.config import BatchSettings, GatewayConfig, TeamPolicy, TierConfig
 from gateway.ledger import Caller, RateLimited
 from gateway.requests import Endpoint
 from gateway.state import GatewayState
 from gateway.store.base import ApiKey
 from gateway.team_gate import TeamLimited
-from gateway.tiers import Shed
+from gateway.tiers import Admission, Shed
 from protocol.openai import APIError
 from runtime.models import duet_home
 
@@ -177,31 +176,38 @@ def health(runner: BatchRunner) -> dict[str, Any]:
     }
 
 
-def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
-    """Mount the batch routes on `app` and run the runner with it (after the gateway's own
-    cleanup_ctx entry, which must already be appended)."""
-    state = app[state_key]
-    cfg = state.config
-    bc = batch_config(cfg)
-    store = open_batch_store(cfg, bc)
-    executor = GatewayExecutor(state, cfg.batch.discount)
-    tiers = cfg.tiers
+def batch_may_run(admission: Admission, tiers: TierConfig) -> Callable[[], bool]:
+    """Batch work starts only while no interactive request waits and a slot is free."""
 
     def may_run() -> bool:
-        a = state.admission
-        return a.depth("interactive") == 0 and a.running < tiers.max_inflight
+        return admission.depth("interactive") == 0 and admission.running < tiers.max_inflight
 
-    runner = BatchRunner(store, executor, bc, may_run=may_run)
-    app[RUNNER] = runner
+    return may_run
+
+
+def install(
+    app: web.Application, config: GatewayConfig, state_key: web.AppKey[GatewayState]
+) -> None:
+    """Mount the batch routes on `app` and run the runner with it (after the gateway's own
+    cleanup_ctx entry, which must already be appended: the runner needs its state)."""
+    bc = batch_config(config)
+    store = open_batch_store(config, bc)
 
     async def team_of(request: web.Request) -> str:
-        _key, team = await authenticate(state, request)
+        _key, team = await request.app[state_key].auth.authenticate(request)
         return team.id
 
-    make_batch_routes(app, store=store, authenticate=team_of, config=bc, wake=runner.wake)
+    def wake() -> None:
+        app[RUNNER].wake()
 
-    async def lifecycle(_: web.Application) -> AsyncIterator[None]:
-        if shared_store(cfg) and not cfg.batch.data_dir:
+    make_batch_routes(app, store=store, authenticate=team_of, config=bc, wake=wake)
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        state = app[state_key]
+        executor = GatewayExecutor(state, config.batch.discount)
+        may_run = batch_may_run(state.admission, config.tiers)
+        runner = app[RUNNER] = BatchRunner(store, executor, bc, may_run=may_run)
+        if shared_store(config) and not config.batch.data_dir:
             log.warning(
                 "batches are in the shared PostgreSQL store, but their file contents in this "
                 "host's %s: set [batch] data_dir to a directory every gateway mounts, or a "
@@ -214,7 +220,7 @@ def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
             getattr(store, "path", "?"),
             bc.worker_id,
             bc.concurrency,
-            cfg.batch.discount,
+            config.batch.discount,
         )
         try:
             yield

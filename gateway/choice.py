@@ -18,18 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from gateway.config import GatewayConfig, TeamPolicy, Tier
+from gateway.backend import ServedModel
+from gateway.config import GatewayConfig, ModelConfig, TeamPolicy, Tier
 from gateway.features import Feature, model_features
 from gateway.providers.auto import AutoChoice, AutoPolicy, AutoRouter
 from gateway.providers.catalog import ModelEntry
 from gateway.providers.fallback import FallbackChains, FallbackDecision, Reason, TeamFallbackPolicy
 from gateway.requests import Endpoint
 from protocol.openai import APIError
-
-if TYPE_CHECKING:
-    from gateway.state import ServedModel
 
 
 def _entry(s: ServedModel) -> ModelEntry:
@@ -78,6 +75,16 @@ class ModelChoice:
                 n for n, s in models.items() if s.config.kind != "embedding"
             )
             self.auto_catalog = {n: self.catalog[n] for n in names}
+
+    @property
+    def serves_auto(self) -> bool:
+        """Whether `model: "auto"` is served (the `[auto]` section)."""
+        return self.router is not None
+
+    def chain(self, origin: str) -> tuple[ModelConfig, ...]:
+        """`origin` and the models of its fallback chain, in order (the ones served)."""
+        names = (origin, *self.chains.chains.get(origin, ()))
+        return tuple(self.models[n].config for n in names if n in self.models)
 
     def available(
         self, name: str, endpoint: Endpoint, n: int, needs: frozenset[Feature] = frozenset()

@@ -31,19 +31,14 @@ from collections.abc import Callable
 import msgspec
 from aiohttp import web
 
-from gateway.auth import authenticate
-from gateway.backend import Accounting, Attempt, Backend, Reply
-from gateway.config import RoutingConfig, Tier
+from gateway.backend import Accounting, ServedModel
+from gateway.config import Tier
+from gateway.embedding_backend import EmbeddingBackend
 from gateway.genai_span import client_span
-from gateway.ledger import Caller, Ledger, UsageStatus
-from gateway.measure import Measured
-from gateway.node_client import NodeClient, NodeFailure
-from gateway.providers.fallback import Reason
-from gateway.requests import MAX_USER, Endpoint, Request, Sampling
-from gateway.routing import Router
-from gateway.state import GatewayState, ServedModel
+from gateway.ledger import Caller, Ledger, Order, UsageStatus
+from gateway.requests import MAX_USER, Endpoint
+from gateway.state import GatewayState
 from gateway.tiers import Shed, team_tier
-from protocol.cluster import NodeTask
 from protocol.embeddings import (
     MAX_EMBEDDING_INPUTS,
     EmbeddingData,
@@ -51,11 +46,10 @@ from protocol.embeddings import (
     EmbeddingResponse,
     EmbeddingUsage,
     EncodingFormat,
-    NodeEmbeddingRequest,
     NodeEmbeddingResponse,
 )
+from protocol.limits import max_context
 from protocol.openai import APIError
-from protocol.route import RouteRequest
 from runtime.tracing import (
     GEN_AI_DIMENSIONS,
     GEN_AI_ENCODING_FORMATS,
@@ -153,100 +147,13 @@ async def measure_items(served: ServedModel, items: list[str] | list[list[int]])
         if len(x) > limit:
             raise APIError(
                 400,
-                f"input[{i}] is {len(x)} tokens; this model's maximum context length is {limit} "
-                "tokens",
+                f"input[{i}] is {len(x)} tokens; {max_context(limit)}",
                 param="input",
                 code="context_length_exceeded",
             )
         if not x:
             raise APIError(400, f"input[{i}] has no tokens", param="input")
     return ids
-
-
-class EmbeddingBackend(Backend):
-    """An embedding model's nodes: route with `task: embed`, then one call to the chosen node.
-    `embedding_size` is the model's vector size when the gateway knows it (its config.json)."""
-
-    uses_tier_queues = True
-
-    def __init__(
-        self, nodes: NodeClient, router: Router, cfg: RoutingConfig, embedding_size: int | None
-    ) -> None:
-        self.nodes = nodes
-        self.router = router
-        self.cfg = cfg
-        self.embedding_size = embedding_size
-
-    def usable_for(self, endpoint: Endpoint, n: int) -> bool:
-        return endpoint == Endpoint.EMBEDDING
-
-    def open(self, request: Request, attempt: Attempt) -> Reply:
-        raise APIError(
-            400,
-            f"{attempt.model.name!r} is an embedding model: use POST /v1/embeddings",
-            param="model",
-            code="wrong_model_kind",
-        )
-
-    def fallback_reason(self, err: APIError, tier: Tier) -> Reason | None:
-        return None  # an embedding model has no fallback chain (gateway/config.py)
-
-    async def embed(
-        self,
-        request_id: str,
-        served: ServedModel,
-        ids: list[list[int]],
-        dimensions: int | None,
-        tier: Tier,
-        acc: Accounting,
-    ) -> NodeEmbeddingResponse:
-        exclude: list[str] = []
-        failures: list[str] = []
-        body = NodeEmbeddingRequest(inputs=ids, dimensions=dimensions)
-        for _ in range(max(1, self.cfg.max_attempts)):
-            route = await self.router.route(
-                RouteRequest(
-                    model=served.config.cluster_name,
-                    block_hashes=[],
-                    num_prompt_tokens=max(map(len, ids)),
-                    max_tokens=1,
-                    tier=tier,
-                    exclude=exclude,
-                    request_id=request_id,
-                    task=NodeTask.EMBED,
-                )
-            )
-            node = route.decode
-            acc.prompt_sent = True
-            try:
-                out = await self.nodes.embed(node.url, request_id, body)
-            except NodeFailure as e:
-                log.warning(
-                    "%s: embed node %s failed (%s); trying another",
-                    request_id,
-                    node.node_id,
-                    e.reason,
-                )
-                failures.append(f"{node.node_id}: {e.reason}")
-                exclude.append(node.node_id)
-                continue
-            acc.nodes.append(node.node_id)
-            if len(out.vectors) != len(ids) or any(len(v) != 4 * out.dim for v in out.vectors):
-                raise APIError(
-                    502,
-                    f"embed node {node.node_id} answered {len(out.vectors)} vectors for {len(ids)} "
-                    "inputs",
-                    type_="server_error",
-                    code="bad_upstream",
-                )
-            return out
-        raise APIError(
-            503,
-            f"every embed node tried failed: {'; '.join(failures)}",
-            type_="service_unavailable",
-            code="upstream_unavailable",
-            retry_after_s=1,
-        )
 
 
 def _floats(le: bytes) -> list[float]:
@@ -348,23 +255,21 @@ async def _measured(
         n_tokens = sum(map(len, ids))
         if span is not None:
             span.set_attribute(GEN_AI_INPUT_TOKENS, n_tokens)
-    req = Request(
-        endpoint=Endpoint.EMBEDDING,
-        model=body.model,
-        messages=None,
-        prompt=None,
-        max_tokens=0,
-        sampling=Sampling(),
-        n=1,
-        stream=False,
-        include_usage=False,
-        service_tier=None,
+    order = Order(
+        endpoint=Endpoint.EMBEDDING.value,
+        model_requested=body.model,
         user=body.user or None,
+        tier=tier,
+        model=served.config,
+        chain=(served.config,),
+        prompt_tokens=n_tokens,
+        counted_prompt_tokens=n_tokens,
+        completion_tokens=0,
     )
     with tr.span("gateway.quota.reserve", {"duet.team": caller.team.id}):
-        ledger = await Ledger.reserve(state, caller, req, tier, served, Measured([], n_tokens, 0))
+        ledger = await Ledger.reserve(state.books, caller, order)
     state.admission.teams.started(caller.team)
-    ledger.attempt(served, n_tokens)
+    ledger.attempt(served.config, n_tokens)
     acc = Accounting(prompt_tokens=n_tokens, model_used=name)
     # OTel's embeddings span: the dimensions asked for (else the model's, when known) and the format
     dims = body.dimensions or backend.embedding_size
@@ -427,7 +332,7 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
     """The HTTP handler: authenticate, run, answer in OpenAI's shape."""
     t0 = time.monotonic()
     with state.tracing.span("gateway.auth"):
-        key, team = await authenticate(state, request)
+        key, team = await state.auth.authenticate(request)
     raw = await request.read()
     body, headers = await run(
         state,

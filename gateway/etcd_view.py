@@ -110,8 +110,10 @@ class EtcdView:
             log.warning(
                 "no cluster view from etcd after %.0fs; starting without it", first_load_timeout_s
             )
-        yield
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        if self._owned:
-            await self.store.close()
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            if self._owned:
+                await self.store.close()

@@ -13,7 +13,7 @@ node or provider served costs nothing and keeps no tokens in the team's window �
 client left after the prompt went out (then the prompt is paid); the metrics and
 the log line of a request are written once, after its answer's last bytes.
 
-In flight (reserved, not settled) a ledger is in `GatewayState.in_flight`, by reservation id:
+In flight (reserved, not settled) a ledger is in its `Books.in_flight`, by reservation id:
 the heartbeat reads each streaming one's completion tokens sent there (`streamed_report`) and
 the store keeps them on the booking, so a booking whose gateway dies bills what its client was
 streamed (store/expiry.py). The request path pays one dict insert and one delete for it, never
@@ -26,15 +26,13 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from gateway.backend import Accounting
-from gateway.config import Tier
-from gateway.measure import Measured
+from gateway.config import ModelConfig, QuotaConfig, Tier
+from gateway.metrics import GatewayMetrics
 from gateway.pricing import cost_usd, worst_case_usd
-from gateway.requests import Request
-from gateway.state import GatewayState, ServedModel
 from gateway.store.base import (
     ApiKey,
     Booked,
@@ -42,10 +40,13 @@ from gateway.store.base import (
     Refusal,
     ReserveRequest,
     Settlement,
+    Store,
     Team,
     UsageRecord,
 )
+from gateway.usage_writer import UsageWriter
 from protocol.openai import APIError
+from runtime.tracing import Tracing
 
 log = logging.getLogger("duet.gateway")
 
@@ -113,79 +114,116 @@ class Caller:
     idempotent: bool = False
 
 
-def _worst_case(state: GatewayState, model: str, prompt: int, completion: int) -> float:
-    """The reservation's cost: the dearest model the request may end on (its fallback chain)."""
-    names = [model, *(state.choice.chains.chains.get(model, ()) if state.choice else ())]
-    return max(
-        worst_case_usd(state.models[n].config, prompt, completion)
-        for n in names
-        if n in state.models
-    )
+@dataclass
+class Books:
+    """What every ledger of this gateway books with: the store, the usage writer, the metrics
+    and spans a settlement feeds, the quota settings, this gateway's id in the store, and the
+    ledgers reserved and not yet settled (the heartbeat's `streamed_report` reads them)."""
+
+    store: Store
+    writer: UsageWriter
+    metrics: GatewayMetrics
+    tracing: Tracing
+    quotas: QuotaConfig
+    #: this process's identity in the store: its reservations and its heartbeat row
+    gateway_id: str
+    #: reservation id → the ledger of each request reserved and not yet settled
+    in_flight: dict[str, Ledger] = field(default_factory=dict)
+
+    def streamed_report(self) -> dict[str, int]:
+        """Reservation id → completion tokens its client was sent so far (`Accounting.sent`: not
+        those made but not written yet), for each in-flight ledger whose count grew since the
+        store was last told (`Store.heartbeat`'s `streamed`); the caller marks them told with
+        `streamed_reported` once the heartbeat committed."""
+        out = {}
+        for rid, ledger in self.in_flight.items():
+            acc = ledger.streamed
+            if acc is not None and (n := sum(acc.sent.values())) > ledger.reported:
+                out[rid] = n
+        return out
+
+    def streamed_reported(self, report: dict[str, int]) -> None:
+        for rid, n in report.items():
+            ledger = self.in_flight.get(rid)
+            if ledger is not None:
+                ledger.reported = max(ledger.reported, n)
+
+
+@dataclass(frozen=True)
+class Order:
+    """What a request books: its endpoint, the model it named and the one it tries first, the
+    models it may end on (its fallback chain: the worst case is the dearest), its tier, and its
+    size — the prompt tokens to reserve for, those counted on the first model, and the
+    completion tokens of all its samples."""
+
+    endpoint: str
+    model_requested: str
+    user: str | None
+    tier: Tier
+    model: ModelConfig
+    chain: tuple[ModelConfig, ...]
+    prompt_tokens: int
+    counted_prompt_tokens: int
+    completion_tokens: int
 
 
 class Ledger:
     def __init__(
         self,
-        state: GatewayState,
+        books: Books,
         caller: Caller,
         reservation_id: str,
         record: UsageRecord,
         rate: RateState,
+        model: ModelConfig,
     ) -> None:
-        self.state = state
+        self.books = books
         self.caller = caller
         self.reservation_id = reservation_id
         self.record = record
         #: the x-ratelimit-* headers of the reservation, for the answer
         self.headers = rate_headers(rate)
-        self._served = state.models.get(record.model_used)
+        #: the model the request tries now (its prices settle it)
+        self.model = model
         self.settled = False
         #: the accounting of the reply being streamed to the client (`streaming`); None: nothing
         #: streams (a whole answer reaches its client only at the end: a death bills its prompt)
         self.streamed: Accounting | None = None
-        #: the completion tokens the store was last told of (`streamed_report`)
+        #: the completion tokens the store was last told of (`Books.streamed_report`)
         self.reported = 0
 
     @classmethod
-    async def reserve(
-        cls,
-        state: GatewayState,
-        caller: Caller,
-        req: Request,
-        tier: Tier,
-        served: ServedModel,
-        size: Measured,
-    ) -> Ledger:
-        """Book the request's worst case (its prompt plus `n` full completions, at the dearest
+    async def reserve(cls, books: Books, caller: Caller, order: Order) -> Ledger:
+        """Book the request's worst case (its prompt plus its full completions, at the dearest
         model of its chain) or raise RateLimited."""
-        team, n_prompt, max_tokens = caller.team, size.n_prompt, size.max_tokens
+        team, model, n_prompt = caller.team, order.model, order.prompt_tokens
         # what the booking bills if this gateway dies before settling it: the prompt, and what was
         # streamed by the last heartbeat at this model's completion price
         booked = Booked(
-            model=served.config.name,
-            tier=tier,
-            endpoint=req.endpoint.value,
+            model=model.name,
+            tier=order.tier,
+            endpoint=order.endpoint,
             prompt_tokens=n_prompt,
-            prompt_cost_usd=cost_usd(served.config, n_prompt, 0) * caller.price_factor,
-            completion_usd_per_mtok=served.config.output_usd_per_mtok * caller.price_factor,
+            prompt_cost_usd=cost_usd(model, n_prompt, 0) * caller.price_factor,
+            completion_usd_per_mtok=model.output_usd_per_mtok * caller.price_factor,
             idempotent=caller.idempotent,
-            user=req.user,
+            user=order.user,
         )
+        worst = max(worst_case_usd(m, n_prompt, order.completion_tokens) for m in order.chain)
         reserve = ReserveRequest(
             team_id=team.id,
             key_id=caller.key.id,
             request_id=caller.request_id,
-            tokens=n_prompt + req.n * max_tokens,
-            cost_usd=_worst_case(state, served.config.name, n_prompt, req.n * max_tokens)
-            * caller.price_factor,
-            ttl_s=state.config.quotas.reservation_ttl_s,
-            gateway_id=state.gateway_id,
+            tokens=n_prompt + order.completion_tokens,
+            cost_usd=worst * caller.price_factor,
+            ttl_s=books.quotas.reservation_ttl_s,
+            gateway_id=books.gateway_id,
             booked=booked,
-            default_max_concurrent=state.config.quotas.default_max_concurrent,
+            default_max_concurrent=books.quotas.default_max_concurrent,
         )
-        res = await state.store.reserve(reserve)
+        res = await books.store.reserve(reserve)
         if isinstance(res, Refusal):
-            state.metrics.rejections.labels(team=team.id, kind=res.kind).inc()
+            books.metrics.rejections.labels(team=team.id, kind=res.kind).inc()
             log.info(
                 "%s: team %s refused (%s): %s", caller.request_id, team.id, res.kind, res.message
             )
@@ -194,29 +232,29 @@ class Ledger:
             request_id=caller.request_id,
             team_id=team.id,
             key_id=caller.key.id,
-            model_requested=req.model,
-            model_used=served.config.name,
-            tier=tier,
+            model_requested=order.model_requested,
+            model_used=model.name,
+            tier=order.tier,
             status=UsageStatus.ERROR.value,
-            prompt_tokens=len(size.ids),
-            endpoint=req.endpoint.value,
-            user=req.user,
+            prompt_tokens=order.counted_prompt_tokens,
+            endpoint=order.endpoint,
+            user=order.user,
         )
-        ledger = cls(state, caller, res.id, record, res.rate)
-        state.in_flight[res.id] = ledger  # until it settles (`_settlement`)
+        ledger = cls(books, caller, res.id, record, res.rate, model)
+        books.in_flight[res.id] = ledger  # until it settles (`_settlement`)
         return ledger
 
-    def attempt(self, served: ServedModel, prompt_tokens: int) -> None:
-        """The request now tries `served` (its first model, or a fallback)."""
-        self._served = served
-        self.record.model_used, self.record.prompt_tokens = served.config.name, prompt_tokens
+    def attempt(self, model: ModelConfig, prompt_tokens: int) -> None:
+        """The request now tries `model` (its first model, or a fallback)."""
+        self.model = model
+        self.record.model_used, self.record.prompt_tokens = model.name, prompt_tokens
 
     def streaming(self, acc: Accounting) -> None:
         """`acc`'s reply now streams to the client: the heartbeat reports its completion tokens."""
         self.streamed = acc
 
     def _settlement(self, status: UsageStatus, acc: Accounting | None) -> Settlement:
-        self.state.in_flight.pop(self.reservation_id, None)
+        self.books.in_flight.pop(self.reservation_id, None)
         r = self.record
         r.status = status.value
         served = acc is not None and acc.served
@@ -239,11 +277,10 @@ class Ledger:
             r.migrations, r.leg_tokens = acc.migrations, list(acc.leg_tokens)
             r.model_used = acc.model_used or r.model_used
         # A request no node served (refused by a node, shed, every try failed) costs nothing.
-        model = self._served.config if self._served is not None else None
         r.cost_usd = (
-            cost_usd(model, r.prompt_tokens, r.completion_tokens, r.cached_tokens)
+            cost_usd(self.model, r.prompt_tokens, r.completion_tokens, r.cached_tokens)
             * self.caller.price_factor
-            if (served or prompt_only) and model is not None
+            if served or prompt_only
             else 0.0
         )
         r.ttft_s = (
@@ -268,8 +305,8 @@ class Ledger:
         s = self._settlement(status, acc)
         # metrics and the log line once the answer's last bytes are out, not before them
         asyncio.get_running_loop().call_soon(self._observe)
-        with self.state.tracing.span("gateway.usage.commit", {"duet.status": status.value}):
-            await self.state.writer.commit(s)
+        with self.books.tracing.span("gateway.usage.commit", {"duet.status": status.value}):
+            await self.books.writer.commit(s)
 
     def submit(self, status: UsageStatus, acc: Accounting | None) -> None:
         """Settle without waiting (the caller cannot: its client left, its task is cancelled)."""
@@ -277,10 +314,10 @@ class Ledger:
             return
         s = self._settlement(status, acc)
         self._observe()
-        self.state.writer.submit(s)
+        self.books.writer.submit(s)
 
     def _observe(self) -> None:
-        r, m = self.record, self.state.metrics
+        r, m = self.record, self.books.metrics
         log.info(
             "%s team=%s model=%s used=%s tier=%s status=%s prompt=%d cached=%d completion=%d cost=$%.6f ttft=%s "
             "latency=%.3fs nodes=%s",
@@ -310,23 +347,3 @@ class Ledger:
         m.e2e.labels(model=r.model_requested).observe(r.latency_s)
         if r.ttft_s is not None:
             m.ttft.labels(model=r.model_requested).observe(r.ttft_s)
-
-
-def streamed_report(state: GatewayState) -> dict[str, int]:
-    """Reservation id → completion tokens its client was sent so far (`Accounting.sent`: not
-    those made but not written yet), for each in-flight ledger whose
-    count grew since the store was last told (`Store.heartbeat`'s `streamed`); the caller marks
-    them told with `streamed_reported` once the heartbeat committed."""
-    out = {}
-    for rid, ledger in state.in_flight.items():
-        acc = ledger.streamed
-        if acc is not None and (n := sum(acc.sent.values())) > ledger.reported:
-            out[rid] = n
-    return out
-
-
-def streamed_reported(state: GatewayState, report: dict[str, int]) -> None:
-    for rid, n in report.items():
-        ledger = state.in_flight.get(rid)
-        if ledger is not None:
-            ledger.reported = max(ledger.reported, n)

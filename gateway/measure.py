@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 import msgspec
 
+from gateway.backend import ServedModel
 from gateway.requests import Request
-from gateway.state import ServedModel
 from gateway.tools.plan import ToolPlan, plan_for
 from gateway.tools.prompt import render
+from protocol.limits import over_context
 from protocol.openai import APIError
 from text.guide_compile import GuideChecker
 from text.tokenizer import ChatTemplateError, Tokenizer
@@ -145,8 +146,7 @@ def context_check(served: ServedModel, n_prompt: int, max_tokens: int | None) ->
     if n_prompt + max(max_tokens, 1) > limit:
         raise APIError(
             400,
-            f"this model's maximum context length is {limit} tokens, but {n_prompt + max_tokens} "
-            f"were requested ({n_prompt} in the prompt, {max_tokens} for the completion)",
+            over_context(limit, n_prompt, max_tokens),
             param="messages" if max_tokens <= 0 else "max_tokens",
             code="context_length_exceeded",
         )

@@ -33,15 +33,13 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from gateway.backend import Accounting, Attempt, Backend, MidStreamError, Piece, Reply
-from gateway.config import ModelConfig, Tier, provider_table
+from gateway.config import ModelConfig, Tier
 from gateway.provider_slots import ProviderSlots
 from gateway.providers.base import Provider
 from gateway.providers.breaker import BreakerState
-from gateway.providers.config import ProviderConfig
 from gateway.providers.cost import TokenUsage, estimate_tokens
 from gateway.providers.errors import ProviderError
 from gateway.providers.fallback import Reason, error_trigger
@@ -334,18 +332,3 @@ def _split(total: int, per_sample: dict[int, int]) -> dict[int, int]:
     out = {k: total // len(keys) for k in keys}
     out[keys[0]] += total - sum(out.values())
     return out
-
-
-def make_backend(
-    model: ModelConfig, session: aiohttp.ClientSession, slots: ProviderSlots
-) -> ProviderBackend:
-    from gateway.providers import build_provider
-
-    cfg = ProviderConfig.from_dict(provider_table(model))
-    if cfg.api_key_env and not cfg.api_key():
-        log.warning(
-            "model %s: $%s is not set; its calls will fail (and fall back) until it is",
-            model.name,
-            cfg.api_key_env,
-        )
-    return ProviderBackend(model, build_provider(cfg, session), slots)

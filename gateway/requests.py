@@ -20,13 +20,11 @@ import msgspec
 from gateway.config import Tier
 from gateway.constraint import VLLM_FIELDS, constraint, refuse_min_tokens, vllm_fields
 from gateway.tools.spec import Tools, check_tools, tool_turn
+from protocol import limits
 from protocol.chat import ChatCompletionRequest
-from protocol.logprobs import MAX_TOP_LOGPROBS
-from protocol.openai import APIError, CompletionRequest
+from protocol.openai import APIError, CompletionRequest, refusals
 from protocol.structured import Guide, ResponseFormat, StructuredOutputs
 
-MAX_N = 8
-MAX_STOP = 4
 #: the `user` field is stored in every usage record; longer than this it is not a user id
 MAX_USER = 256
 MAX_MESSAGES = 2048  # OpenAI's bound on a chat request's messages
@@ -64,8 +62,6 @@ CHAT_FIELDS = COMMON | {
 }
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"}
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
-#: OpenAI's bound on logit_bias entries, and on each bias
-MAX_LOGIT_BIAS, MAX_BIAS = 300, 100.0
 _DECODE = msgspec.json.Decoder()
 
 
@@ -92,8 +88,8 @@ class Sampling:
     stop: tuple[str, ...] = ()
     #: the sampled token's logprob plus this many top tokens (completions form; None: none)
     logprobs: int | None = None
-    # issue #24: OpenAI's penalties (-2..2), vLLM's repetition_penalty (> 0) and min_p ([0, 1]),
-    # logit_bias (token id as a decimal string → -100..100)
+    # OpenAI's penalties, vLLM's repetition_penalty and min_p, logit_bias (token id as a
+    # decimal string → its bias); their ranges: protocol/limits.py
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -185,29 +181,24 @@ def _convert(data: dict[str, Any], cls: type) -> Any:
 
 
 def _sampling(body: Any, max_tokens: int | None, logprobs: int | None) -> tuple[Sampling, int]:
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    if body.temperature is not None and not 0 <= body.temperature <= 2:
-        raise APIError(
-            400, f"temperature must be between 0 and 2, got {body.temperature}", param="temperature"
-        )
-    if body.top_p is not None and not 0 < body.top_p <= 1:
-        raise APIError(400, f"top_p must be in (0, 1], got {body.top_p}", param="top_p")
     n = 1 if body.n is None else body.n
-    if not 1 <= n <= MAX_N:
-        raise APIError(400, f"n must be between 1 and {MAX_N}, got {n}", param="n")
-    if body.top_k is not None and body.top_k < -1:
-        raise APIError(400, "top_k must be -1 (off) or positive", param="top_k")
-    if body.min_tokens is not None and body.min_tokens < 0:
-        raise APIError(400, "min_tokens must be >= 0", param="min_tokens")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    if len(stop) > MAX_STOP or any(not s for s in stop):
-        raise APIError(400, f"stop takes up to {MAX_STOP} non-empty strings", param="stop")
-    if body.stream_options is not None and not body.stream:
-        raise APIError(
-            400, "stream_options is only allowed when stream is true", param="stream_options"
+    with refusals():  # the ranges and words every process refuses with (protocol/limits.py)
+        limits.check_max_tokens(max_tokens)
+        limits.check_temperature(body.temperature)
+        limits.check_top_p(body.top_p)
+        limits.check_n(n)
+        limits.check_top_k(body.top_k)
+        limits.check_min_tokens(body.min_tokens)
+        limits.check_stop(stop)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(
+                400, "stream_options is only allowed when stream is true", param="stream_options"
+            )
+        limits.check_penalties(
+            body.frequency_penalty, body.presence_penalty, body.repetition_penalty, body.min_p
         )
-    _check_penalties(body)
+        bias = limits.logit_bias(body.logit_bias)
     return Sampling(
         temperature=body.temperature,
         top_p=body.top_p,
@@ -221,52 +212,8 @@ def _sampling(body: Any, max_tokens: int | None, logprobs: int | None) -> tuple[
         presence_penalty=body.presence_penalty,
         repetition_penalty=body.repetition_penalty,
         min_p=body.min_p,
-        logit_bias=_logit_bias(body.logit_bias),
+        logit_bias=bias,
     ), n
-
-
-def _check_penalties(body: Any) -> None:
-    for name in ("frequency_penalty", "presence_penalty"):
-        v = getattr(body, name)
-        if v is not None and not -2 <= v <= 2:
-            raise APIError(400, f"{name} must be between -2 and 2, got {v}", param=name)
-    if body.repetition_penalty is not None and not body.repetition_penalty > 0:
-        raise APIError(
-            400,
-            f"repetition_penalty must be greater than 0, got {body.repetition_penalty}",
-            param="repetition_penalty",
-        )
-    if body.min_p is not None and not 0 <= body.min_p <= 1:
-        raise APIError(400, f"min_p must be between 0 and 1, got {body.min_p}", param="min_p")
-
-
-def _logit_bias(bias: dict[str, float] | None) -> dict[str, float] | None:
-    """logit_bias with its keys as canonical token ids; the vocabulary's bound is the model's
-    (gateway/measure.py checks it)."""
-    if not bias:
-        return None
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise APIError(
-            400,
-            f"logit_bias takes at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
-            param="logit_bias",
-        )
-    out: dict[str, float] = {}
-    for k, v in bias.items():
-        if not k.isdecimal() or not k.isascii():
-            raise APIError(
-                400,
-                f"logit_bias keys must be token ids (non-negative integers as strings), got {k!r}",
-                param="logit_bias",
-            )
-        if not -MAX_BIAS <= v <= MAX_BIAS:
-            raise APIError(
-                400,
-                f"logit_bias values must be between -100 and 100, got {v} for token {k}",
-                param="logit_bias",
-            )
-        out[str(int(k))] = float(v)
-    return out
 
 
 def parse_chat(raw: bytes) -> Request:
@@ -446,8 +393,8 @@ def _user(user: str | None) -> str | None:
 
 
 def _check_top(name: str, n: int) -> None:
-    if not 0 <= n <= MAX_TOP_LOGPROBS:
-        raise APIError(400, f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {n}", param=name)
+    with refusals():
+        limits.check_logprobs(name, n)
 
 
 def _is_token(x: object) -> bool:

@@ -31,7 +31,6 @@ import msgspec
 from aiohttp import web
 
 from gateway import chat_request as chat
-from gateway.auth import authenticate
 from gateway.chat_answer import (
     ChatAnswer,
     ChatEvent,
@@ -93,7 +92,7 @@ NAMES = Names(response_format="text.format")
 
 async def handle(state: GatewayState, request: web.Request, request_id: str) -> web.StreamResponse:
     t0 = time.monotonic()
-    key, team = await authenticate(state, request)
+    key, team = await state.auth.authenticate(request)
     body = parse(await request.read())
     rid = request_id.removeprefix("req-")
     call = Translated(request, ResponseStream(rid, body) if body.stream else None)

@@ -31,19 +31,18 @@ from dataclasses import dataclass, field
 import msgspec
 from aiohttp import web
 
-from gateway.auth import authenticate
-from gateway.backend import Accounting, Attempt, MidStreamError, Reply
+from gateway.backend import Accounting, Attempt, MidStreamError, Reply, ServedModel
 from gateway.choice import Need
 from gateway.config import AUTO, TeamPolicy, Tier
 from gateway.features import features, refuse_missing
 from gateway.genai_span import client_span
-from gateway.ledger import Caller, Ledger, UsageStatus
+from gateway.ledger import Caller, Ledger, Order, UsageStatus
 from gateway.measure import Measured, estimate_tokens, measure
 from gateway.providers.fallback import FallbackDecision, Reason
 from gateway.relay import EventSink, HttpEventStream, relay_stream, relay_whole
 from gateway.requests import Endpoint, Request, parse_chat, parse_completion
 from gateway.responses import Formatter
-from gateway.state import GatewayState, ServedModel
+from gateway.state import GatewayState
 from gateway.tiers import team_tier
 from gateway.tools.plan import ToolMode, ToolPlan
 from gateway.tools.reply import with_tool_calls
@@ -81,7 +80,7 @@ async def handle(
     """The HTTP handler of both endpoints: authenticate, run, render the Answer."""
     t0 = time.monotonic()
     with state.tracing.span("gateway.auth"):
-        key, team = await authenticate(state, request)
+        key, team = await state.auth.authenticate(request)
     raw = await request.read()
     sink = HttpEventStream(request)
     answer = await run(
@@ -170,8 +169,19 @@ async def _measured(
         if span is not None:
             span.set_attribute(GEN_AI_INPUT_TOKENS, size.n_prompt)
     tr.annotate({GEN_AI_MAX_TOKENS: size.max_tokens})
+    order = Order(
+        endpoint=req.endpoint.value,
+        model_requested=req.model,
+        user=req.user,
+        tier=tier,
+        model=served.config,
+        chain=state.choice.chain(served.config.name),
+        prompt_tokens=size.n_prompt,
+        counted_prompt_tokens=len(size.ids),
+        completion_tokens=req.n * size.max_tokens,
+    )
     with tr.span("gateway.quota.reserve", {"duet.team": caller.team.id}):
-        ledger = await Ledger.reserve(state, caller, req, tier, served, size)
+        ledger = await Ledger.reserve(state.books, caller, order)
     state.admission.teams.started(caller.team)
     headers.update({**ledger.headers, "X-Request-Id": caller.request_id, "x-duet-tier": tier})
     tries = _Tries(state, req, ledger, tier, policy)
@@ -218,7 +228,7 @@ async def _measured(
 
 
 def _is_auto(state: GatewayState, req: Request) -> bool:
-    return req.model == AUTO and state.choice is not None and state.choice.router is not None
+    return req.model == AUTO and state.choice.serves_auto
 
 
 def _named(state: GatewayState, req: Request, caller: Caller, policy: TeamPolicy) -> ServedModel:
@@ -246,7 +256,6 @@ def _auto(
     state: GatewayState, req: Request, tier: Tier, policy: TeamPolicy, headers: dict[str, str]
 ) -> ServedModel:
     """The model `auto` picks for this request (its label goes out in `x-duet-auto-label`)."""
-    assert state.choice is not None
     if req.messages is not None:
         messages = req.messages
     elif isinstance(req.prompt, str):
@@ -298,7 +307,6 @@ class _Tries:
         return self.reply.accounting if self.reply is not None else None
 
     def _next(self, origin: str, reason: Reason, n_prompt: int) -> FallbackDecision:
-        assert self.state.choice is not None
         need = Need(
             self.req.endpoint,
             self.req.n,
@@ -341,7 +349,7 @@ class _Tries:
         n_prompt: int,
     ) -> Answer:
         state, rid = self.state, self.ledger.record.request_id
-        self.ledger.attempt(served, len(size.ids))
+        self.ledger.attempt(served.config, len(size.ids))
         self.reply = None
         self.tools = size.tools
         # A batch line runs under one id however often it runs (its usage key: billed once); a
@@ -362,7 +370,6 @@ class _Tries:
         wait = None
         if (
             self.tier == "interactive"
-            and state.choice is not None
             and state.choice.has_chain(origin)
             and self._next(origin, Reason.SATURATED, n_prompt).to_model is not None
         ):
@@ -431,7 +438,6 @@ class _Tries:
             self.ledger.settled
             or isinstance(e, MidStreamError)
             or (acc is not None and acc.first_token_at is not None)
-            or state.choice is None
             or not state.choice.has_chain(origin)
         ):
             raise e
@@ -440,8 +446,7 @@ class _Tries:
             raise e
         self.tried.append(name)
         d = self._next(origin, reason, n_prompt)
-        if state.provider_metrics is not None:  # "from": the model that could not answer
-            state.provider_metrics.count_fallback(name, d.to_model, d.reason)
+        state.fallbacks.count_fallback(name, d.to_model, d.reason)  # from: the one that failed
         rid = self.ledger.record.request_id
         if d.to_model is None:
             log.warning(

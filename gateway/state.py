@@ -1,76 +1,195 @@
-"""What the gateway app shares between handlers (one object under one web.AppKey)."""
+"""What the gateway's handlers share, built complete by one factory: `open_state`.
+
+`GatewayState` is made once the event loop runs (the store opened, the HTTP session, the
+models with their tokenizers and backends, the cluster's etcd view) and holds no field that is
+filled in later: a handler never checks whether a part exists. Domain objects take the narrow
+parts they use (`Books` for a ledger, `Auth` for a handler's caller), never the state.
+
+`open_state` owns every lifetime it starts and ends them in the reverse order: the background
+tasks (the store heartbeat, the loop-lag heartbeat), the usage writer (flushed), this gateway's
+heartbeat row, the cluster backend's pending aborts, the node client, the etcd view, the HTTP
+session, the store, the grammar checker's threads, and tracing's export queue (flushed).
+"""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
 
 import aiohttp
 
-from gateway.backend import Backend
-from gateway.config import GatewayConfig, ModelConfig
+from gateway import heartbeat
+from gateway.auth import Auth
+from gateway.backend import ServedModel
+from gateway.choice import ModelChoice
+from gateway.config import GatewayConfig
+from gateway.etcd_view import EtcdView
 from gateway.key_cache import KeyCache
+from gateway.ledger import Books
+from gateway.loop_lag import LoopLag
 from gateway.metrics import GatewayMetrics
+from gateway.node_client import NodeClient
+from gateway.provider_backend import ProviderBackend
+from gateway.providers.metrics import ProviderMetrics, register_provider_metrics
+from gateway.routing import NodeLoad
+from gateway.served import Wiring, cluster_backend, coordinator_urls, served_models
 from gateway.store.base import Store
 from gateway.tiers import Admission
 from gateway.usage_writer import UsageWriter
+from protocol.cluster import NodeInfo
 from runtime.tracing import Tracing
 from text.guide_compile import GuideChecker
-from text.tokenizer import Tokenizer
+
+log = logging.getLogger("duet.gateway")
 
 
-def _admin_guard() -> AdminGuard:
-    from gateway.auth import AdminGuard  # auth imports this module
+class Topology:
+    """The cluster as the console shows it: the coordinator replicas (configured, then those
+    registered in etcd) and the nodes etcd lists (none without [routing] etcd)."""
 
-    return AdminGuard()
+    def __init__(self, urls: Callable[[], list[str]], etcd: EtcdView | None) -> None:
+        self.coordinator_urls = urls
+        #: etcd's view of the cluster (None: the gateway reads no etcd)
+        self.etcd = etcd
 
-
-if TYPE_CHECKING:
-    from gateway.auth import AdminGuard
-    from gateway.choice import ModelChoice
-    from gateway.etcd_view import EtcdView
-    from gateway.ledger import Ledger
-    from gateway.providers.metrics import ProviderMetrics
-
-
-@dataclass
-class ServedModel:
-    config: ModelConfig
-    backend: Backend
-    tokenizer: Tokenizer | None
-    #: prompt + completion tokens the model takes
-    max_model_len: int
+    @property
+    def nodes(self) -> Sequence[NodeInfo]:
+        return self.etcd.infos if self.etcd is not None else ()
 
 
-@dataclass
+@dataclass(frozen=True)
 class GatewayState:
     config: GatewayConfig
     store: Store
     metrics: GatewayMetrics
-    writer: UsageWriter
-    admission: Admission
-    #: API keys found recently (authentication without a store round trip)
-    keys: KeyCache
-    session: aiohttp.ClientSession | None = None
-    #: the grammar check of constraints, off the event loop (made by the app from [server])
-    guides: GuideChecker = field(default_factory=GuideChecker)
-    models: dict[str, ServedModel] = field(default_factory=dict)
-    #: auto, team policies and fallback chains (built once the models are loaded)
-    choice: ModelChoice | None = None
-    #: breaker-state gauge and duet:fallback_total, on `metrics.registry`
-    provider_metrics: ProviderMetrics | None = None
-    #: this process's identity in the store: its reservations and its heartbeat row
-    gateway_id: str = field(default_factory=lambda: f"gw-{uuid.uuid4().hex[:16]}")
-    #: failed admin authentications per address (gateway/auth.py)
-    admin_guard: AdminGuard = field(default_factory=lambda: _admin_guard())
     #: OpenTelemetry (off: every span site is a no-op); its ring feeds the console
-    tracing: Tracing = field(default_factory=Tracing.off)
-    #: the cluster as etcd shows it (None without [routing] etcd) and the coordinator replicas'
-    #: URLs (configured + registered): the console's cluster page
-    etcd_view: EtcdView | None = None
-    coordinator_urls: Callable[[], list[str]] = field(default_factory=lambda: list)
-    #: reservation id → the ledger of each request reserved and not yet settled: the heartbeat
-    #: reports their streamed tokens to the store (gateway/ledger.py)
-    in_flight: dict[str, Ledger] = field(default_factory=dict)
+    tracing: Tracing
+    #: API keys and the admin key (gateway/auth.py)
+    auth: Auth
+    #: what every request's ledger books with (gateway/ledger.py)
+    books: Books
+    admission: Admission
+    #: the grammar check of constraints, off the event loop
+    guides: GuideChecker
+    #: the one HTTP session: nodes, coordinators, providers, the console's fetches
+    session: aiohttp.ClientSession
+    #: the models served, by name (a test may add one after start-up)
+    models: dict[str, ServedModel]
+    #: auto, team policies and fallback chains
+    choice: ModelChoice
+    #: breaker-state gauge and duet:fallback_total, on `metrics.registry`
+    fallbacks: ProviderMetrics
+    topology: Topology
+
+
+def _guides(config: GatewayConfig, metrics: GatewayMetrics) -> GuideChecker:
+    return GuideChecker(
+        config.server.guide_compile_timeout_s,
+        config.server.guide_compile_threads,
+        on_compile=lambda v: metrics.guide_compiles.labels(verdict=v.value).inc(),
+        running=metrics.guide_compiling.set,
+    )
+
+
+def _session(config: GatewayConfig, tracing: Tracing) -> aiohttp.ClientSession:
+    """One session for nodes, coordinators and providers: it carries no cluster secret
+    (NodeClient and the route client add it per request); it trusts --tls-ca besides the
+    system's CAs."""
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(
+            limit=0,
+            limit_per_host=config.routing.max_connections_per_node,
+            ssl=config.security.client_ssl(),
+        ),
+        trace_configs=tracing.trace_configs(),
+    )
+
+
+def _tasks(stack: contextlib.AsyncExitStack, *coros: object) -> None:
+    """Run each coroutine as a task until the stack closes."""
+    tasks = [asyncio.ensure_future(c) for c in coros]  # type: ignore[arg-type]
+
+    async def stop() -> None:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    stack.push_async_callback(stop)
+
+
+@contextlib.asynccontextmanager
+async def open_state(
+    config: GatewayConfig, store: Store, metrics: GatewayMetrics, tracing: Tracing
+) -> AsyncIterator[GatewayState]:
+    """The gateway's state, complete, for as long as the context lasts (see the docstring)."""
+    rc = config.routing
+    async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(asyncio.to_thread, tracing.shutdown)  # flushes queued spans
+        guides = _guides(config, metrics)
+        stack.callback(guides.close)
+        await store.open()
+        stack.push_async_callback(store.close)
+        instance = config.server.instance
+        # this process's identity in the store; a named gateway's says which one it is, so its
+        # next life reclaims what this one leaves
+        life = uuid.uuid4().hex[:16]
+        gateway_id = f"{instance}/{life}" if instance else f"gw-{life}"
+        writer = UsageWriter(store, metrics, config.quotas.usage_batch)
+        books = Books(store, writer, metrics, tracing, config.quotas, gateway_id)
+        if instance:
+            await heartbeat.reclaim_previous_life(books, instance)
+        session = _session(config, tracing)
+        stack.push_async_callback(session.close)
+        view = EtcdView(rc.etcd, rc.cluster) if rc.etcd else None
+        if view is not None:
+            await stack.enter_async_context(contextlib.asynccontextmanager(view.lifecycle)())
+        lag = LoopLag()
+        nodes = NodeClient(
+            session,
+            rc.connect_timeout_s,
+            rc.prefill_timeout_s,
+            rc.read_timeout_s,
+            lag,
+            auth=config.security.headers,
+        )
+        stack.push_async_callback(nodes.close)
+        wiring = Wiring(config, session, nodes, view, metrics, tracing)
+        cluster = cluster_backend(wiring, NodeLoad())
+        stack.push_async_callback(cluster.drain)
+        models = served_models(wiring, cluster)
+        stack.push_async_callback(_leave, books)
+        await stack.enter_async_context(contextlib.asynccontextmanager(writer.lifecycle)())
+        _tasks(stack, heartbeat.run(books), lag.run())
+        log.info("gateway serving %s; store %s", ", ".join(sorted(models)), config.store_url)
+        yield GatewayState(
+            config=config,
+            store=store,
+            metrics=metrics,
+            tracing=tracing,
+            auth=Auth(KeyCache(store, config.server.key_cache_ttl_s), config),
+            books=books,
+            admission=Admission(config.tiers, metrics),
+            guides=guides,
+            session=session,
+            models=models,
+            choice=ModelChoice(config, models),
+            fallbacks=register_provider_metrics(
+                metrics.registry,
+                lambda: [
+                    m.backend.provider
+                    for m in models.values()
+                    if isinstance(m.backend, ProviderBackend)
+                ],
+            ),
+            topology=Topology(coordinator_urls(config, view), view),
+        )
+
+
+async def _leave(books: Books) -> None:
+    """A clean stop: nothing of ours is left to reclaim."""
+    with contextlib.suppress(Exception):
+        await books.store.leave(books.gateway_id)

@@ -130,7 +130,9 @@ class UsageWriter:
 
     async def lifecycle(self) -> AsyncIterator[None]:
         task = asyncio.ensure_future(self.run())
-        yield
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        await self.flush()
+        try:
+            yield
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await self.flush()

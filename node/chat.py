@@ -23,9 +23,9 @@ from node.engine_api import Delta
 from node.request_body import decode_request
 from protocol.chat import ChatChunkChoice, ChatDelta, ChatLogprobs, chat_logprobs
 from protocol.kv_params import KVTransferParams
-from protocol.logprobs import MAX_TOP_LOGPROBS
+from protocol.limits import check_logprobs
 from protocol.node_api import NodeCompletion, NodeCompletionRequest
-from protocol.openai import APIError, CompletionLogprobs, SamplingFields, Usage
+from protocol.openai import APIError, CompletionLogprobs, SamplingFields, Usage, refusals
 from text.tokenizer import ChatTemplateError, Tokenizer
 
 
@@ -83,12 +83,8 @@ def parse_chat(raw: bytes) -> NodeChatRequest:
     if body.top_logprobs is not None:
         if not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if not 0 <= body.top_logprobs <= MAX_TOP_LOGPROBS:
-            raise APIError(
-                400,
-                f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}, got {body.top_logprobs}",
-                param="top_logprobs",
-            )
+        with refusals():
+            check_logprobs("top_logprobs", body.top_logprobs)
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise APIError(
             400, "give max_tokens or max_completion_tokens, not both", param="max_tokens"

@@ -29,6 +29,7 @@ from node.lora import adapter_names
 from node.request_body import decode_request
 from node.request_log import REQUEST_ID
 from node.state import NodeState
+from protocol.limits import over_context
 from protocol.node_api import NodeCompletionRequest
 from protocol.openai import APIError
 from protocol.sampling import Priority, SamplingParams
@@ -139,9 +140,7 @@ async def prepare_body(
     if len(ids) + params.max_tokens > engine.max_model_len:
         raise APIError(
             400,
-            f"this model's maximum context length is {engine.max_model_len} tokens, "
-            f"but {len(ids) + params.max_tokens} were requested ({len(ids)} in the "
-            f"prompt, {params.max_tokens} for the completion)",
+            over_context(engine.max_model_len, len(ids), params.max_tokens),
             param="max_tokens",
             code="context_length_exceeded",
         )

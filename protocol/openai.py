@@ -8,14 +8,14 @@ ignore_eos, skip_special_tokens, priority and kv_transfer_params.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Literal, TypeVar
 
 import msgspec
 
-from protocol.logprobs import MAX_TOP_LOGPROBS
-from protocol.sampling import REPETITION_PENALTY_RANGE
+from protocol import limits
 
 # OpenAI allows str | list[int] | list[str] | list[list[int]]; msgspec cannot express that
 # union, so the list form is checked in validate().
@@ -138,8 +138,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     priority: Literal["interactive", "batch"] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     user: str | None = None
-    # Penalties and biases (OpenAI's: frequency/presence -2..2, logit_bias token id -> -100..100,
-    # at most 300 entries; vLLM's: repetition_penalty in [0.01, 100], min_p in [0, 1])
+    # Penalties and biases (OpenAI's and vLLM's; their ranges: protocol/limits.py)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -149,69 +148,26 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     def validate_sampling(self) -> None:
         """400s naming the field for penalties, logit_bias and min_p out of range (the chat
         form and the completion form share this; token ids are checked against the model's
-        vocabulary on the node)."""
-        check_penalty_fields(
-            self.frequency_penalty,
-            self.presence_penalty,
-            self.repetition_penalty,
-            self.min_p,
-            self.logit_bias,
-        )
-
-
-#: OpenAI's limits: frequency/presence penalties in [-2, 2], logit_bias values in [-100, 100]
-#: over at most 300 token ids
-PENALTY_RANGE = 2.0
-LOGIT_BIAS_RANGE = 100.0
-MAX_LOGIT_BIAS = 300
-
-
-def check_penalty_fields(
-    frequency_penalty: float | None,
-    presence_penalty: float | None,
-    repetition_penalty: float | None,
-    min_p: float | None,
-    logit_bias: dict[str, float] | None,
-) -> None:
-    """Raise APIError(400, param=the field) for a penalty, min_p or logit_bias out of range."""
-    for name, v in (
-        ("frequency_penalty", frequency_penalty),
-        ("presence_penalty", presence_penalty),
-    ):
-        if v is not None and not (math.isfinite(v) and -PENALTY_RANGE <= v <= PENALTY_RANGE):
-            raise APIError(400, f"{name} must be between -2 and 2, got {v}", param=name)
-    low, high = REPETITION_PENALTY_RANGE
-    if repetition_penalty is not None and not (
-        math.isfinite(repetition_penalty) and low <= repetition_penalty <= high
-    ):
-        raise APIError(
-            400,
-            f"repetition_penalty must be between {low:g} and {high:g}, got {repetition_penalty}",
-            param="repetition_penalty",
-        )
-    if min_p is not None and not (math.isfinite(min_p) and 0 <= min_p <= 1):
-        raise APIError(400, f"min_p must be in [0, 1], got {min_p}", param="min_p")
-    if logit_bias is None:
-        return
-    if len(logit_bias) > MAX_LOGIT_BIAS:
-        raise APIError(
-            400,
-            f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(logit_bias)}",
-            param="logit_bias",
-        )
-    for key, v in logit_bias.items():
-        if not (key.isascii() and key.isdigit()):
-            raise APIError(
-                400,
-                f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
-                param="logit_bias",
+        vocabulary on the node). The ranges and words are protocol/limits.py's."""
+        with refusals():
+            limits.check_penalties(
+                self.frequency_penalty, self.presence_penalty, self.repetition_penalty, self.min_p
             )
-        if not (math.isfinite(v) and -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE):
-            raise APIError(
-                400,
-                f"logit_bias values must be between -100 and 100, got {v} for token {key}",
-                param="logit_bias",
-            )
+            limits.logit_bias(self.logit_bias)
+
+
+def refused(e: limits.LimitError) -> APIError:
+    """A sampling limit's refusal as the client's 400, naming the field."""
+    return APIError(400, e.message, param=e.param)
+
+
+@contextlib.contextmanager
+def refusals() -> Iterator[None]:
+    """Inside it, a `LimitError` (protocol/limits.py) leaves as the client's 400."""
+    try:
+        yield
+    except limits.LimitError as e:
+        raise refused(e) from None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -230,20 +186,12 @@ class CompletionRequest(SamplingFields, kw_only=True):
             raise APIError(400, "only n=1 is supported", param="n")
         if self.echo:
             raise APIError(400, "echo is not supported", param="echo")
-        for name in ("logprobs", "prompt_logprobs"):
-            n = getattr(self, name)
-            if n is not None and not 0 <= n <= MAX_TOP_LOGPROBS:
-                raise APIError(
-                    400, f"{name} must be between 0 and {MAX_TOP_LOGPROBS}, got {n}", param=name
-                )
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise APIError(
-                400, f"max_tokens must be at least 1, got {self.max_tokens}", param="max_tokens"
-            )
-        if self.temperature is not None and not 0 <= self.temperature <= 2:
-            raise APIError(400, "temperature must be between 0 and 2", param="temperature")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise APIError(400, "top_p must be in (0, 1]", param="top_p")
+        with refusals():
+            limits.check_logprobs("logprobs", self.logprobs)
+            limits.check_logprobs("prompt_logprobs", self.prompt_logprobs)
+            limits.check_max_tokens(self.max_tokens)
+            limits.check_temperature(self.temperature)
+            limits.check_top_p(self.top_p)
         self.validate_sampling()
         p = self.prompt
         if isinstance(p, list) and p and not _is_token(p[0]):

@@ -13,6 +13,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from protocol import limits
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.resume import Resume
 from protocol.structured import Guide
@@ -23,12 +24,6 @@ GREEDY_EPSILON = 1e-5
 _SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 #: longest cache domain name a request may carry (a team id or a cache group)
 MAX_CACHE_SALT = 256
-#: vLLM's repetition_penalty only asks > 0, but dividing a logit by 1e-38 made it infinite and
-#: the row's softmax NaN, after the whole prompt was computed: bounded to what a model's fp32
-#: logits bear (100x either way; 1 is off)
-REPETITION_PENALTY_RANGE = (0.01, 100.0)
-#: most token ids a request's logit_bias may name (OpenAI's limit)
-MAX_LOGIT_BIAS = 300
 
 
 class Priority(enum.IntEnum):
@@ -76,8 +71,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     #: vLLM's: every token of prompt + output has its logit divided by this when positive,
-    #: multiplied when negative; in REPETITION_PENALTY_RANGE (a tiny one made logits infinite
-    #: and the sample NaN), 1 = off
+    #: multiplied when negative; in protocol/limits.py's REPETITION_PENALTY_RANGE (a tiny one
+    #: made logits infinite and the sample NaN), 1 = off
     repetition_penalty: float = 1.0
     #: vLLM's: after temperature, drop tokens less likely than min_p x the top token's probability
     min_p: float = 0.0
@@ -102,8 +97,7 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        limits.check_top_p(self.top_p)
         if not -1 <= self.top_k < 2**31:
             raise ValueError(
                 f"top_k must be -1, 0 or a positive count below 2**31, got {self.top_k}"
@@ -142,26 +136,14 @@ class SamplingParams:
                 )
 
     def _check_penalties(self) -> None:
-        for name in ("frequency_penalty", "presence_penalty"):
-            v = getattr(self, name)
-            if not math.isfinite(v) or not -2.0 <= v <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {v}")
-        low, high = REPETITION_PENALTY_RANGE
-        if not math.isfinite(self.repetition_penalty) or not low <= self.repetition_penalty <= high:
-            raise ValueError(
-                f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}"
-            )
-        if not math.isfinite(self.min_p) or not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if len(self.logit_bias) > MAX_LOGIT_BIAS:
-            raise ValueError(
-                f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}"
-            )
-        for t, v in self.logit_bias.items():
+        # the ranges and words every process refuses with (protocol/limits.py)
+        limits.check_penalties(
+            self.frequency_penalty, self.presence_penalty, self.repetition_penalty, self.min_p
+        )
+        limits.check_bias_values(self.logit_bias)
+        for t in self.logit_bias:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
                 raise ValueError(f"logit_bias keys must be token ids >= 0, got {t!r}")
-            if not math.isfinite(v) or not -100.0 <= v <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {v} for token {t}")
         if self.guide is not None and self.min_tokens > 0:
             # a finished grammar allows only EOS, which min_tokens forbids: no token would be left
             raise ValueError("min_tokens cannot be combined with a guide (structured output)")

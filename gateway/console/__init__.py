@@ -217,7 +217,7 @@ def _login(session_of: Lookup) -> Callable[[web.Request], Awaitable[web.Response
             )
         address = request.remote or ""
         try:
-            state.admin_guard.check(address)  # the admin API's limit on failed sign-ins per address
+            state.auth.guard.check(address)  # the admin API's limit on failed sign-ins per address
         except APIError as e:
             return _login_page(cookie, notice(e.message, "error"), 429)
         key = str(form.get("key") or "").strip()
@@ -228,7 +228,7 @@ def _login(session_of: Lookup) -> Callable[[web.Request], Awaitable[web.Response
             )
         except ApiFailed as e:
             if e.status == 401:
-                state.admin_guard.failed(address)
+                state.auth.guard.failed(address)
                 return _login_page(
                     cookie, notice("That key is not valid (unknown or revoked).", "error"), 401
                 )

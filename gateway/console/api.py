@@ -50,7 +50,6 @@ async def call(
     body: Any = None,
 ) -> Any:
     """The API's JSON answer, or ApiFailed with its status and message."""
-    assert state.session is not None
     base, tls = own_url(request)
     # over TLS, to this very socket by its address: its certificate names the gateway's host,
     # not the address, and the peer is this process (no verification to gain)

@@ -31,7 +31,6 @@ class PlannerOff(Exception):
 
 async def fetch(state: GatewayState, url: str) -> PlannerReport:
     """`url`'s report; PlannerOff, or OSError/ValueError family errors the caller shows."""
-    assert state.session is not None
     async with state.session.get(
         url + "/planner", timeout=_TIMEOUT, headers=state.config.security.headers
     ) as r:

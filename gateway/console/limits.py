@@ -38,7 +38,7 @@ class ConsoleLimit:
         if s.admin:
             return cap
         # the key cache: no store read per view; None: revoked (the page's API call says 401)
-        found = await state.keys.lookup(hash_secret(s.key))
+        found = await state.auth.keys.lookup(hash_secret(s.key))
         rpm = found[1].rpm if found is not None else None
         return min(x for x in (cap, rpm) if x) if (cap or rpm) else 0
 

@@ -41,7 +41,6 @@ CSV_PAGE = 2000
 
 # --- cluster ----------------------------------------------------------------------------------
 async def _replica(state: GatewayState, url: str) -> dict[str, Any] | str:
-    assert state.session is not None
     try:
         # the coordinator's internal API: the cluster secret, as the route client sends it
         async with state.session.get(
@@ -88,10 +87,9 @@ def _supervised() -> list[dict[str, Any]]:
 
 
 async def cluster_tables(state: GatewayState) -> str:
-    urls = state.coordinator_urls()
+    urls = state.topology.coordinator_urls()
     reports = await asyncio.gather(*(_replica(state, u) for u in urls))
-    view = state.etcd_view
-    infos = {i.node_id: i for i in (view.infos if view is not None else ())}
+    infos = {i.node_id: i for i in state.topology.nodes}
     first = next((r for r in reports if isinstance(r, dict)), None)
     sup = _supervised()
     # a node's restarts are its process's under `duet up` (whose process name is the node id);
@@ -193,15 +191,16 @@ async def cluster_tables(state: GatewayState) -> str:
         )
     )
     out.append(await autoscaler.section(state, urls, reports))
-    if view is not None:
-        state_text = f"read {_ago(view.read_at)} ago" + (
-            f"; last read failed: {view.error}" if view.error else ""
+    etcd = state.topology.etcd
+    if etcd is not None:
+        state_text = f"read {_ago(etcd.read_at)} ago" + (
+            f"; last read failed: {etcd.error}" if etcd.error else ""
         )
         out.append(
             table(
                 "etcd",
                 ["Endpoint", "State", "Registered nodes", "Replicas"],
-                [[view.endpoint, state_text, len(view.infos), len(view.coordinators)]],
+                [[etcd.endpoint, state_text, len(etcd.infos), len(etcd.coordinators)]],
             )
         )
     if sup:

@@ -29,14 +29,6 @@ def build_provider(
     return KINDS[config.kind](config, session, **kw)
 
 
-def make_backend(model: Any, session: aiohttp.ClientSession, slots: Any) -> Any:
-    """The gateway `Backend` of a `kind = "external"` model (gateway/provider_backend.py);
-    imported here lazily, as that module imports gateway.config, which imports this package."""
-    from gateway.provider_backend import make_backend as make
-
-    return make(model, session, slots)
-
-
 def build_providers(
     tables: list[dict[str, Any]], session: aiohttp.ClientSession
 ) -> dict[str, Provider]:
@@ -67,6 +59,5 @@ __all__ = [
     "build_provider",
     "build_providers",
     "cost_usd",
-    "make_backend",
     "register_provider_metrics",
 ]

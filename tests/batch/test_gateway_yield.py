@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from gateway.app import STATE, make_app
-from gateway.batch_wiring import RUNNER
+from gateway.batch_wiring import batch_may_run
 from gateway.config import parse_config
+from gateway.metrics import GatewayMetrics
+from gateway.tiers import Admission
 
 
 async def test_may_run_follows_the_interactive_queue(tmp_path: Path) -> None:
@@ -19,8 +20,8 @@ async def test_may_run_follows_the_interactive_queue(tmp_path: Path) -> None:
             "tiers": {"max_inflight": 1},
         }
     )
-    app = make_app(cfg)
-    may_run, admission = app[RUNNER].may_run, app[STATE].admission
+    admission = Admission(cfg.tiers, GatewayMetrics())  # the gateway's, as its state holds it
+    may_run = batch_may_run(admission, cfg.tiers)  # what the runner is given
     assert may_run()
     async with admission.slot("interactive"):
         assert not may_run()  # every slot is taken: a batch line would only queue
@@ -34,4 +35,3 @@ async def test_may_run_follows_the_interactive_queue(tmp_path: Path) -> None:
     await second.__aexit__(None, None, None)  # the waiter's request ends
     assert admission.depth("interactive") == 0 and admission.running == 0
     assert may_run()
-    app[RUNNER].store.close()

@@ -14,11 +14,10 @@ import openai
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import STATE, make_app
-from gateway.backend import Accounting, Attempt, Backend, Piece, Reply
+from gateway.backend import Accounting, Attempt, Backend, Piece, Reply, ServedModel
 from gateway.config import ModelConfig, parse_config
 from gateway.keys import new_key
 from gateway.requests import Request
-from gateway.state import ServedModel
 from gateway.store.base import Team
 
 

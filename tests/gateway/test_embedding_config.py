@@ -40,11 +40,11 @@ def test_refused(models: dict, extra: dict, what: str) -> None:
 
 
 def test_auto_never_holds_an_embedding_model() -> None:
+    from gateway.backend import ServedModel
     from gateway.choice import ModelChoice
     from gateway.config import RoutingConfig
-    from gateway.embeddings import EmbeddingBackend
+    from gateway.embedding_backend import EmbeddingBackend
     from gateway.requests import Endpoint
-    from gateway.state import ServedModel
 
     cfg = parse_config({"models": {"e": EMB, "g": GEN}, "auto": {}})
     emb = EmbeddingBackend(None, None, RoutingConfig(), 576)  # type: ignore[arg-type]  # never called here

@@ -1,6 +1,6 @@
 """The gateway's registry of in-flight ledgers: a request is in
-`GatewayState.in_flight` from its reservation to its settlement, whatever the answer's shape;
-the heartbeat's report (`ledger.streamed_report`) names a stream's reservation with the tokens
+`Books.in_flight` from its reservation to its settlement, whatever the answer's shape;
+the heartbeat's report (`Books.streamed_report`) names a stream's reservation with the tokens
 its client was sent, only when the count grew since the last report, and never a whole
 (non-streamed) answer, which reaches its client only at the end.
 
@@ -16,12 +16,10 @@ import openai
 from aiohttp.test_utils import TestClient, TestServer
 
 from gateway.app import STATE, make_app
-from gateway.backend import Accounting, Attempt, Backend, Piece, Reply
+from gateway.backend import Accounting, Attempt, Backend, Piece, Reply, ServedModel
 from gateway.config import ModelConfig, parse_config
 from gateway.keys import new_key
-from gateway.ledger import streamed_report, streamed_reported
 from gateway.requests import Request
-from gateway.state import ServedModel
 from gateway.store.base import Team
 from tests.wait import until
 
@@ -93,14 +91,14 @@ async def test_in_flight_ledgers_and_the_streamed_report(tiny_llama: Path, tmp_p
             state.models["ext"] = ServedModel(ext, backend, None, 1 << 20)
             task = asyncio.ensure_future(ask(oai))
             await until(backend.sent.is_set, 30, "the backend to send its words")
-            [rid] = state.in_flight  # reserved, not settled
+            [rid] = state.books.in_flight  # reserved, not settled
             if ask is _streamed:
-                report = streamed_report(state)
+                report = state.books.streamed_report()
                 assert report == {rid: len(WORDS)}  # sent, not made
-                streamed_reported(state, report)
-                assert streamed_report(state) == {}  # nothing new since
+                state.books.streamed_reported(report)
+                assert state.books.streamed_report() == {}  # nothing new since
             else:
-                assert streamed_report(state) == {}  # nothing reached the client yet
+                assert state.books.streamed_report() == {}  # nothing reached the client yet
             backend.release.set()
             assert await asyncio.wait_for(task, 30) == "".join(WORDS) + "!"
-            assert state.in_flight == {}  # settled: out of the registry
+            assert state.books.in_flight == {}  # settled: out of the registry

@@ -365,7 +365,11 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
         "cannot be combined with guided_choice",
     ),
     ({"min_p": 1.5}, "min_p", "min_p must be between 0 and 1"),
-    ({"repetition_penalty": 0}, "repetition_penalty", "repetition_penalty must be greater than 0"),
+    (
+        {"repetition_penalty": 0},
+        "repetition_penalty",
+        "repetition_penalty must be between 0.01 and 100",
+    ),
 ]
 #: two constraints, one of them the API's own: (its fields, the extra, param, the message)
 MESSAGES_TWO: list[tuple[dict[str, Any], dict[str, Any], str]] = [
