@@ -1,7 +1,7 @@
 """`python -m bench.router`: how well `model: "auto"` routes, on the held-out test split.
 
 Reads data/router_eval (the fixed train/test split), classifies every test prompt with the
-shipped weights (fit on the train split only by `python -m gateway.providers.auto.fit`), and
+shipped weights (fit on the train split only by `python -m gateway.backends.providers.auto.fit`), and
 reports accuracy, per-class precision/recall, the confusion matrix, how often a prompt went to
 a model weaker than its label asks for (under-routed: a quality risk) or stronger (over-routed:
 wasted money), the classifier's latency (per prompt, the median of 5 runs), and the cost of the test set routed by `auto` against
@@ -10,7 +10,7 @@ always using the strongest model and against a perfect router (the true labels).
 Costs need token counts the evaluation set does not have: prompt tokens are estimated from the
 text (~4 characters a token) and completion tokens are assumed per class
 (`--completion-tokens`). The default catalog's prices are examples; pass `--catalog` with your
-own (a JSON list of gateway.providers.catalog.ModelEntry objects). Progress goes to stderr;
+own (a JSON list of gateway.backends.providers.catalog.ModelEntry objects). Progress goes to stderr;
 stdout gets a table, or one JSON object with --json.
 
 This module imports the gateway's classifier (torch-free) on purpose: it measures that code.
@@ -28,12 +28,12 @@ from typing import Any
 
 import msgspec
 
-from gateway.providers.auto.chooser import RANK_FOR, AutoPolicy, choose
-from gateway.providers.auto.classifier import LABELS, WEIGHTS, Classifier
-from gateway.providers.auto.dataset import DATA_DIR, digest, load
-from gateway.providers.auto.features import features
-from gateway.providers.catalog import ModelEntry
-from gateway.providers.cost import estimate_tokens
+from gateway.backends.providers.auto.chooser import RANK_FOR, AutoPolicy, choose
+from gateway.backends.providers.auto.classifier import LABELS, WEIGHTS, Classifier
+from gateway.backends.providers.auto.dataset import DATA_DIR, digest, load
+from gateway.backends.providers.auto.features import features
+from gateway.backends.providers.catalog import ModelEntry
+from gateway.backends.providers.cost import estimate_tokens
 
 DEFAULT_CATALOG = [
     ModelEntry(

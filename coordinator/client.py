@@ -1,5 +1,5 @@
 """`RouteClient`: the one client of the coordinator's `POST /route`, used by the gateway (through
-gateway/routing.py::CoordinatorRouter) and by tools and tests.
+gateway/backends/routing.py::CoordinatorRouter) and by tools and tests.
 
 Every replica holds a warm index, so any of them may answer. The client starts with the replica
 that answered last and moves to the next one when a replica is not an answer (`verdict`):

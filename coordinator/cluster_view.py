@@ -2,7 +2,7 @@
 under `nodes_prefix` and the coordinator replicas under `coordinators_prefix` (protocol.cluster).
 
 The one reader of those two prefixes for everyone who needs a snapshot rather than a watch: the
-gateway's own view (gateway/etcd_view.py), `duet status`, and `replica_urls` (coordinator/client.py).
+gateway's own view (gateway/backends/etcd_view.py), `duet status`, and `replica_urls` (coordinator/client.py).
 The coordinator's registry (registry.py) watches the same node keys and decodes them with the
 same `decode_node`.
 

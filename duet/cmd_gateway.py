@@ -18,7 +18,7 @@ from typing import Any
 from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
 from duet.errors import UsageError
 from duet.security_args import add_gateway_security_arguments, plane_security
-from gateway.store.base import GROUP_BY  # msgspec only: cheap enough for the parser
+from gateway.accounts.store.base import GROUP_BY  # msgspec only: cheap enough for the parser
 
 GATEWAY_HELP = """\
 OpenAI-compatible gateway: API keys, teams, quotas, tiers, routing to prefill/decode nodes.
@@ -165,7 +165,7 @@ def _config(args: argparse.Namespace):  # -> GatewayConfig
         store_url=args.store or cfg.store_url,
         security=plane_security(args),
     )
-    from gateway.store import open_store
+    from gateway.accounts.store import open_store
 
     try:
         open_store(cfg.store_url)  # checks the URL's form (connects only when the gateway starts)
@@ -174,7 +174,7 @@ def _config(args: argparse.Namespace):  # -> GatewayConfig
     for m in cfg.models.values():
         if m.kind == "external":
             try:
-                import gateway.providers  # noqa: F401  (another issue adds it)
+                import gateway.backends.providers  # noqa: F401  (another issue adds it)
             except ImportError:
                 raise UsageError(
                     f"model {m.name!r} is external, but this gateway has no providers package"
@@ -198,7 +198,7 @@ def _gateway(args: argparse.Namespace) -> int:
 
 
 async def _with_store(url: str, fn: Any) -> Any:
-    from gateway.store import open_store
+    from gateway.accounts.store import open_store
 
     store = open_store(url)
     await store.open()
@@ -215,8 +215,8 @@ def _print(obj: Any) -> None:
 
 
 def _teams(args: argparse.Namespace) -> int:
-    from gateway.admin import TeamCreate, validate_team
-    from gateway.store.base import StoreError
+    from gateway.accounts.store.base import StoreError
+    from gateway.api.admin import TeamCreate, validate_team
     from protocol.openai import APIError
 
     async def run(store: Any) -> int:
@@ -246,8 +246,8 @@ def _teams(args: argparse.Namespace) -> int:
 
 
 def _keys(args: argparse.Namespace) -> int:
-    from gateway.keys import new_key
-    from gateway.store.base import StoreError, Team
+    from gateway.accounts.keys import new_key
+    from gateway.accounts.store.base import StoreError, Team
 
     async def run(store: Any) -> int:
         if args.action == "create":
@@ -273,7 +273,7 @@ def _keys(args: argparse.Namespace) -> int:
 
 
 def _usage(args: argparse.Namespace) -> int:
-    from gateway.admin import time_range
+    from gateway.api.admin import time_range
     from protocol.openai import APIError
 
     q = {k: v for k, v in (("date", args.date), ("start", args.start), ("end", args.end)) if v}
@@ -284,7 +284,7 @@ def _usage(args: argparse.Namespace) -> int:
 
     async def run(store: Any) -> list[dict[str, Any]]:
         if args.group_by == "record":
-            from gateway.admin import record_rows
+            from gateway.api.admin import record_rows
 
             return record_rows(await store.usage_records(args.team, start, end))
         return await store.usage(args.team, start, end, args.group_by)

@@ -470,7 +470,7 @@ def _gateway_children(
     while the supervisor restarts it) and on a loopback port of its own, which its health check
     uses (the shared port answers from any of them). They share one store: SQLite in WAL mode,
     whose reservations take the write lock first (`BEGIN IMMEDIATE`), so quotas stay exact
-    across processes (gateway/store/sqlite.py)."""
+    across processes (gateway/accounts/store/sqlite.py)."""
     from duet.supervisor import Child
 
     if n == 1:
@@ -634,7 +634,7 @@ def _banner(url: str, model: str, key: str, created: bool, home, layout: str) ->
 def _run(args: argparse.Namespace) -> int:
     from duet.supervisor import Child, ChildState, Supervisor
     from duet.up_home import UpHome, admin_key, cluster_secret, dev_key
-    from gateway.keys import hash_secret
+    from gateway.accounts.keys import hash_secret
     from runtime.cluster_secret import read_secret_file
 
     cfg = build_config(args)

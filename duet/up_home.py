@@ -123,7 +123,7 @@ def write_secret(path: Path, secret: str) -> None:
 
 def admin_key(home: UpHome) -> str:
     """The admin key, created on first start."""
-    from gateway.keys import new_secret
+    from gateway.accounts.keys import new_secret
 
     key = read_secret(home.admin_key_file)
     if key is None:
@@ -154,9 +154,9 @@ def cluster_secret(home: UpHome) -> Path:
 
 
 async def _ensure_dev_key(store_url: str, key_file: Path) -> tuple[str, bool]:
-    from gateway.keys import hash_secret, new_key
-    from gateway.store import open_store
-    from gateway.store.base import Team
+    from gateway.accounts.keys import hash_secret, new_key
+    from gateway.accounts.store import open_store
+    from gateway.accounts.store.base import Team
 
     store = open_store(store_url)
     await store.open()

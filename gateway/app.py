@@ -18,16 +18,19 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway import admin, anthropic_api, batch_wiring, embeddings, responses_api, serve
-from gateway.auth import MIN_ADMIN_KEY
-from gateway.config import AUTO, ConfigError, GatewayConfig
+from gateway.accounts.auth import MIN_ADMIN_KEY
+from gateway.accounts.store import open_store
+from gateway.accounts.store.base import Store, StoreError
+from gateway.api import admin, embeddings, openai
+from gateway.api.anthropic import api as anthropic_api
+from gateway.api.responses import api as responses_api
+from gateway.batch import wiring as batch_wiring
+from gateway.config import ConfigError, GatewayConfig
 from gateway.console import install as install_console
 from gateway.metrics import GatewayMetrics
-from gateway.requests import Endpoint
+from gateway.serving.requests import Endpoint
+from gateway.serving.tiers import Shed
 from gateway.state import GatewayState, open_state
-from gateway.store import open_store
-from gateway.store.base import Store, StoreError
-from gateway.tiers import Shed
 from protocol.openai import APIError
 from runtime.cluster_secret import metrics_middleware
 from runtime.http_errors import error_middleware
@@ -76,7 +79,7 @@ def _bind(fn: Callable[[GatewayState, web.Request], Awaitable[web.StreamResponse
 
 def _completions(endpoint: Endpoint) -> Handler:
     async def h(request: web.Request) -> web.StreamResponse:
-        return await serve.handle(request.app[STATE], request, endpoint, request[_RID])
+        return await openai.handle(request.app[STATE], request, endpoint, request[_RID])
 
     return h
 
@@ -91,37 +94,6 @@ async def _responses(request: web.Request) -> web.StreamResponse:
 
 async def _embeddings(request: web.Request) -> web.StreamResponse:
     return await embeddings.handle(request.app[STATE], request, request[_RID])
-
-
-async def _models(request: web.Request) -> web.Response:
-    s = request.app[STATE]
-    await s.auth.admin_or_team(request)
-    data = [
-        {
-            "id": name,
-            "object": "model",
-            "created": 0,
-            "owned_by": "external" if m.config.kind == "external" else "duet",
-            "max_model_len": m.max_model_len,
-            "capability_rank": m.config.capability_rank,
-            "tiers": list(m.config.tiers),
-            "fallback": list(m.config.fallback),
-        }
-        for name, m in sorted(s.models.items())
-    ]
-    if s.choice.serves_auto:
-        data.append(
-            {
-                "id": AUTO,
-                "object": "model",
-                "created": 0,
-                "owned_by": "duet",
-                "candidates": sorted(s.choice.auto_catalog),
-            }
-        )
-    return web.Response(
-        body=_ENC.encode({"object": "list", "data": data}), content_type="application/json"
-    )
 
 
 async def _health(request: web.Request) -> web.Response:
@@ -208,7 +180,7 @@ def make_app(config: GatewayConfig) -> web.Application:
     r.add_post("/v1/messages", _messages)
     r.add_post("/v1/responses", _responses)
     r.add_post("/v1/embeddings", _embeddings)
-    r.add_get("/v1/models", _models)
+    r.add_get("/v1/models", _bind(openai.models))
     r.add_get("/v1/usage", _bind(admin.usage))
     r.add_get("/health", _health)
     r.add_get("/metrics", _metrics(metrics))

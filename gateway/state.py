@@ -22,24 +22,24 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from gateway import heartbeat
-from gateway.auth import Auth
-from gateway.backend import ServedModel
-from gateway.choice import ModelChoice
+from gateway.accounts import heartbeat
+from gateway.accounts.auth import Auth
+from gateway.accounts.key_cache import KeyCache
+from gateway.accounts.ledger import Books
+from gateway.accounts.store.base import Store
+from gateway.accounts.usage_writer import UsageWriter
+from gateway.backends.base import ServedModel
+from gateway.backends.build import Wiring, cluster_backend, coordinator_urls, served_models
+from gateway.backends.etcd_view import EtcdView
+from gateway.backends.loop_lag import LoopLag
+from gateway.backends.node_client import NodeClient
+from gateway.backends.provider import ProviderBackend
+from gateway.backends.providers.metrics import ProviderMetrics, register_provider_metrics
+from gateway.backends.routing import NodeLoad
 from gateway.config import GatewayConfig
-from gateway.etcd_view import EtcdView
-from gateway.key_cache import KeyCache
-from gateway.ledger import Books
-from gateway.loop_lag import LoopLag
 from gateway.metrics import GatewayMetrics
-from gateway.node_client import NodeClient
-from gateway.provider_backend import ProviderBackend
-from gateway.providers.metrics import ProviderMetrics, register_provider_metrics
-from gateway.routing import NodeLoad
-from gateway.served import Wiring, cluster_backend, coordinator_urls, served_models
-from gateway.store.base import Store
-from gateway.tiers import Admission
-from gateway.usage_writer import UsageWriter
+from gateway.serving.choice import ModelChoice
+from gateway.serving.tiers import Admission
 from protocol.cluster import NodeInfo
 from runtime.tracing import Tracing
 from text.guide_compile import GuideChecker
@@ -68,9 +68,9 @@ class GatewayState:
     metrics: GatewayMetrics
     #: OpenTelemetry (off: every span site is a no-op); its ring feeds the console
     tracing: Tracing
-    #: API keys and the admin key (gateway/auth.py)
+    #: API keys and the admin key (gateway/accounts/auth.py)
     auth: Auth
-    #: what every request's ledger books with (gateway/ledger.py)
+    #: what every request's ledger books with (gateway/accounts/ledger.py)
     books: Books
     admission: Admission
     #: the grammar check of constraints, off the event loop

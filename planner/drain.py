@@ -9,7 +9,7 @@
    on its own (`--exit-when-drained`) and counts as drained;
 3. past `deadline_s` the caller stops it anyway: the node's SIGTERM grace period ends its
    remaining streams with an error event and the gateway migrates them to another decode node
-   (gateway/cluster.py::_migrate), so the client's stream goes on.
+   (gateway/backends/cluster/backend.py::_migrate), so the client's stream goes on.
 
 How it ended is a `DrainEnd`. CANCELLED: someone undid the drain meanwhile (`duet drain --undo`,
 the node's `DELETE /drain`): the node serves again and the caller must not stop it.

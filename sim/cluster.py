@@ -1,4 +1,4 @@
-"""A simulated cluster: the gateway's real tier admission (gateway/tiers.py), the real
+"""A simulated cluster: the gateway's real tier admission (gateway/serving/tiers.py), the real
 coordinator routing policy (coordinator/policy.py) over real NodeViews and the real prefix
 index, and SimNodes (real scheduler and block pool) — on virtual time.
 
@@ -29,7 +29,7 @@ from coordinator.policy import PolicyConfig, Router
 from engine.request import Request
 from gateway.config import TierConfig
 from gateway.metrics import GatewayMetrics
-from gateway.tiers import Admission, Shed
+from gateway.serving.tiers import Admission, Shed
 from protocol.block_hash import block_hashes
 from protocol.cluster import NodeInfo
 from protocol.kv_events import LOAD_INTERVAL_S

@@ -1,7 +1,7 @@
 """An asyncio event loop on virtual time: `loop.time()` is simulated seconds, and waiting for
 the next timer jumps the clock there instead of sleeping.
 
-This is how the simulator runs the gateway's *real* tier admission (gateway/tiers.py, which
+This is how the simulator runs the gateway's *real* tier admission (gateway/serving/tiers.py, which
 waits with asyncio futures and `asyncio.wait_for`) without a copy: every `asyncio.sleep`,
 `wait_for` timeout and `call_later` in the simulation is on this clock. The loop never does
 I/O: its selector reports no events, and a loop with no timer and nothing ready is a

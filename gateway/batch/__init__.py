@@ -1,8 +1,8 @@
 """The batch tier (issue #13): OpenAI's Files + Batches APIs, the seed's simple `/v1/batch`
 form, a durable runner, and signed callbacks. Self-contained: the gateway plugs it in.
 
-Wiring: gateway/batch_wiring.py does it in the gateway's `make_app(config)` (`[batch]` in
-gateway.toml): the executor runs each line through `gateway.serve.run` at tier=batch and the
+Wiring: gateway/batch/wiring.py does it in the gateway's `make_app(config)` (`[batch]` in
+gateway.toml): the executor runs each line through `gateway.serving.pipeline.run` at tier=batch and the
 batch discount; `authenticate` is the gateway's API keys; `may_run` is "no interactive request
 waits for an admission slot"; the runner lives in the app's cleanup_ctx. In short:
 
@@ -17,7 +17,7 @@ Contracts (see contracts.py):
   runs one request through the gateway's normal path (quotas, batch price, batch priority).
   An exception or 408/425/429/5xx is retried with backoff up to `max_attempts`, except a 429
   `insufficient_quota` (final). Raising `Defer(after_s, reason)` re-queues a request that
-  never ran without spending an attempt. The gateway's executor is gateway/batch_wiring.py.
+  never ran without spending an attempt. The gateway's executor is gateway/batch/wiring.py.
 - `Authenticate`: `(request) -> team_id` (may be async); raise APIError(401) for a bad key.
   Everything is looked up by (team, id): another team gets 404.
 - `MayRun`: `() -> bool`; False stops new batch work from starting (interactive load first).

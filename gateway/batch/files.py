@@ -16,9 +16,9 @@ from typing import Any
 
 import msgspec
 
+from gateway.accounts.store.private_files import durable_replace, open_private, private_dir
 from gateway.batch.config import BatchConfig
 from gateway.batch.models import BatchError, InputLine
-from gateway.private_files import durable_replace, open_private, private_dir
 
 MAX_CUSTOM_ID = 512
 MAX_REPORTED_ERRORS = 100  # a 50,000-line file of garbage should not make a 50,000-line error

@@ -19,6 +19,7 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.accounts.store.private_files import open_private
 from gateway.batch.config import BatchConfig
 from gateway.batch.contracts import Authenticate
 from gateway.batch.files import FileStore, InvalidFile, bounded_lines, new_file_id, parse_lines
@@ -35,7 +36,6 @@ from gateway.batch.submit import (
     submit_batch,
     team_of,
 )
-from gateway.private_files import open_private
 from protocol.openai import APIError
 
 UPLOAD_CHUNK = 1 << 20

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, Protocol, TypeVar
 
+from gateway.accounts.store.private_files import private_dir, private_file
 from gateway.batch import rows
 from gateway.batch.rows import (
     BATCH_COLS,
@@ -41,7 +42,6 @@ from gateway.batch.rows import (
     NewRequest,
     ResultRow,
 )
-from gateway.private_files import private_dir, private_file
 
 T = TypeVar("T")
 

@@ -4,11 +4,11 @@ Server-rendered HTML, one small script and one stylesheet from this package (sta
 as inline SVG (charts.py): nothing from a CDN, so it works on offline machines. Sign in with
 the admin key (every page, every team) or a team key (that team's usage, batches and requests
 only: the console asks the API with that key, and the API scopes it). Sessions, their cookie
-and CSRF: session.py. Pages: pages.py.
+and CSRF: session.py. Pages: pages/, one module per page.
 
 Protected like the API: no page without a session; every POST needs the session's CSRF token;
 a strict CSP and no-store on every page; keys never in a URL; a failed sign-in counts against
-the same per-address limit as a failed admin call (gateway/auth.py::AdminGuard); a session's
+the same per-address limit as a failed admin call (gateway/accounts/auth.py::AdminGuard); a session's
 requests are held to its key's requests per minute (limits.py).
 """
 
@@ -22,9 +22,9 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.console import pages
 from gateway.console.api import ApiFailed, call
 from gateway.console.limits import ConsoleLimit
+from gateway.console.pages import batches, cluster, requests, teams, usage
 from gateway.console.render import HEADERS, esc, notice, page
 from gateway.console.session import COOKIE, LOGIN_COOKIE, TTL_S, Session, Sessions, same, set_cookie
 from gateway.state import GatewayState
@@ -145,18 +145,18 @@ def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
     r.add_get("/console/login", _login_form(session_of))
     r.add_post("/console/login", _login(session_of))
     r.add_post("/console/logout", action(_logout(app), ""))
-    r.add_get("/console/cluster", view(pages.cluster, "cluster", admin=True))
-    r.add_get("/console/teams", view(pages.teams, "teams"))
-    r.add_post("/console/teams", action(pages.create_team, "teams", admin=True))
-    r.add_post("/console/teams/limits", action(pages.set_limits, "teams", admin=True))
-    r.add_post("/console/keys", action(pages.create_key, "teams", admin=True))
-    r.add_post("/console/keys/{id}/revoke", action(pages.revoke_key, "teams", admin=True))
-    r.add_get("/console/usage", view(pages.usage, "usage"))
-    r.add_get("/console/usage.csv", view(pages.usage_csv, "usage"))
-    r.add_get("/console/batches", view(pages.batches, "batches"))
-    r.add_post("/console/batches/{id}/cancel", action(pages.cancel_batch, "batches"))
-    r.add_get("/console/requests", view(pages.requests, "requests"))
-    r.add_get("/console/requests/{rid}", view(pages.trace, "requests"))
+    r.add_get("/console/cluster", view(cluster.cluster, "cluster", admin=True))
+    r.add_get("/console/teams", view(teams.teams, "teams"))
+    r.add_post("/console/teams", action(teams.create_team, "teams", admin=True))
+    r.add_post("/console/teams/limits", action(teams.set_limits, "teams", admin=True))
+    r.add_post("/console/keys", action(teams.create_key, "teams", admin=True))
+    r.add_post("/console/keys/{id}/revoke", action(teams.revoke_key, "teams", admin=True))
+    r.add_get("/console/usage", view(usage.usage, "usage"))
+    r.add_get("/console/usage.csv", view(usage.usage_csv, "usage"))
+    r.add_get("/console/batches", view(batches.batches, "batches"))
+    r.add_post("/console/batches/{id}/cancel", action(batches.cancel_batch, "batches"))
+    r.add_get("/console/requests", view(requests.requests, "requests"))
+    r.add_get("/console/requests/{rid}", view(requests.trace, "requests"))
     r.add_get("/console/static/{name}", _static)
 
 

@@ -21,8 +21,8 @@ import math
 import time
 from collections.abc import Callable
 
+from gateway.accounts.keys import hash_secret
 from gateway.console.session import Session
-from gateway.keys import hash_secret
 from gateway.state import GatewayState
 
 WINDOW_S = 60.0

@@ -8,6 +8,7 @@ Everything that came from outside (team ids, key names, node ids, span attribute
 from __future__ import annotations
 
 import html
+import time
 from collections.abc import Iterable, Sequence
 
 from aiohttp import web
@@ -98,3 +99,11 @@ def page(
 def fragment(body: str) -> web.Response:
     """A part of a page (the cluster tables' live refresh)."""
     return web.Response(text=body, content_type="text/html", headers=HEADERS)
+
+
+def ago(t: float | None) -> str:
+    """How long ago unix time `t` was, in words ("-" for never)."""
+    if not t:
+        return "-"
+    s = max(0, time.time() - t)
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"

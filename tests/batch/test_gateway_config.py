@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from gateway.batch_wiring import batch_config, data_dir
+from gateway.batch.wiring import batch_config, data_dir
 from gateway.config import ConfigError, parse_config
 
 MODELS = {"m": {"kind": "cluster", "tokenizer": "x", "static": {"both": ["http://127.0.0.1:1"]}}}

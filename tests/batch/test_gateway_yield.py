@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from gateway.batch_wiring import batch_may_run
+from gateway.batch.wiring import batch_may_run
 from gateway.config import parse_config
 from gateway.metrics import GatewayMetrics
-from gateway.tiers import Admission
+from gateway.serving.tiers import Admission
 
 
 async def test_may_run_follows_the_interactive_queue(tmp_path: Path) -> None:

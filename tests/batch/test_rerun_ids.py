@@ -7,7 +7,7 @@ legs now carry their own id (the line's id and a suffix), while the usage record
 id and the output line keep the line's.
 
 Real parts: a tiny-model node process; the gateway's app in process, its batch executor
-(gateway/batch_wiring.py::GatewayExecutor) called as the runner calls it."""
+(gateway/batch/wiring.py::GatewayExecutor) called as the runner calls it."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from pathlib import Path
 
 from aiohttp.test_utils import TestClient, TestServer
 
+from gateway.accounts.store.base import Team
 from gateway.app import STATE, make_app
-from gateway.batch_wiring import GatewayExecutor
+from gateway.batch.wiring import GatewayExecutor
 from gateway.config import parse_config
-from gateway.store.base import Team
 from tests.gateway.helpers import metric
 from tests.procs import TINY_NODE_ARGS, duet_node, running
 from tests.wait import until

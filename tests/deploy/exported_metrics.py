@@ -40,8 +40,8 @@ _TABLE_ENTRY = re.compile(r"""^\s*"(duet:[a-z0-9_:]+)":\s*\(""", re.M)
 
 def _registries() -> list[CollectorRegistry]:
     from coordinator.metrics import CoordinatorMetrics
+    from gateway.backends.providers.metrics import register_provider_metrics
     from gateway.metrics import GatewayMetrics
-    from gateway.providers.metrics import register_provider_metrics
     from kvtransfer.metrics import KVTransferMetrics
     from node.metrics import NodeMetrics
     from node.registration import DrainHooks, Registration

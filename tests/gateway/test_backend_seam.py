@@ -1,4 +1,4 @@
-"""The seam external providers plug into (gateway/backend.py): a model of kind "external" is
+"""The seam external providers plug into (gateway/backends/base.py): a model of kind "external" is
 served by any `Backend`, with no local tokenizer. The providers package is another issue; a
 minimal backend stands in for it here to pin the contract the API layer relies on: the Request
 and Attempt it gets, the Accounting its Reply returns, and the usage record and reservation that
@@ -13,12 +13,12 @@ from pathlib import Path
 import openai
 from aiohttp.test_utils import TestClient, TestServer
 
+from gateway.accounts.keys import new_key
+from gateway.accounts.store.base import Team
 from gateway.app import STATE, make_app
-from gateway.backend import Accounting, Attempt, Backend, Piece, Reply, ServedModel
+from gateway.backends.base import Accounting, Attempt, Backend, Piece, Reply, ServedModel
 from gateway.config import ModelConfig, parse_config
-from gateway.keys import new_key
-from gateway.requests import Request
-from gateway.store.base import Team
+from gateway.serving.requests import Request
 
 
 class ScriptedBackend(Backend):

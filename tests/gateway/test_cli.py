@@ -11,9 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gateway.keys import hash_secret
-from gateway.store.base import Reservation, ReserveRequest, Settlement, UsageRecord
-from gateway.store.sqlite import SqliteStore
+from gateway.accounts.keys import hash_secret
+from gateway.accounts.store.base import Reservation, ReserveRequest, Settlement, UsageRecord
+from gateway.accounts.store.sqlite import SqliteStore
 
 
 def duet(*args: str) -> subprocess.CompletedProcess[str]:
@@ -165,6 +165,6 @@ def test_gateway_config_errors_are_one_line(tmp_path: Path) -> None:
     r = duet("gateway", "--config", str(bad))
     import importlib.util
 
-    if importlib.util.find_spec("gateway.providers") is None:
+    if importlib.util.find_spec("gateway.backends.providers") is None:
         assert r.returncode == 2 and "external" in r.stderr
     assert "--coordinator" in duet("gateway", "--help").stdout

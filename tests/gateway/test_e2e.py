@@ -16,8 +16,8 @@ import openai
 import pytest
 
 from bench.pd_client import completion
-from gateway.store.base import UsageRecord
-from gateway.store.sqlite import SqliteStore
+from gateway.accounts.store.base import UsageRecord
+from gateway.accounts.store.sqlite import SqliteStore
 from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, metric, tiny_model
 from tests.procs import Proc, running
 from text.tokenizer import Tokenizer

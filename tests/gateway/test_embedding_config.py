@@ -40,11 +40,11 @@ def test_refused(models: dict, extra: dict, what: str) -> None:
 
 
 def test_auto_never_holds_an_embedding_model() -> None:
-    from gateway.backend import ServedModel
-    from gateway.choice import ModelChoice
+    from gateway.backends.base import ServedModel
+    from gateway.backends.embedding import EmbeddingBackend
     from gateway.config import RoutingConfig
-    from gateway.embedding_backend import EmbeddingBackend
-    from gateway.requests import Endpoint
+    from gateway.serving.choice import ModelChoice
+    from gateway.serving.requests import Endpoint
 
     cfg = parse_config({"models": {"e": EMB, "g": GEN}, "auto": {}})
     emb = EmbeddingBackend(None, None, RoutingConfig(), 576)  # type: ignore[arg-type]  # never called here

@@ -1,4 +1,4 @@
-"""What a request needs (gateway/features.py) and what a model serves: the features a parsed
+"""What a request needs (gateway/serving/features.py) and what a model serves: the features a parsed
 request uses, the config's `features` and `tool_parser` (checked by name), and the 400 a model
 named outright answers for a feature it lacks."""
 
@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from gateway.features import ALL, Feature, features, model_features, refuse_missing
-from gateway.requests import parse_chat, parse_completion
+from gateway.config_tables import ALL, Feature, model_features
+from gateway.serving.features import features, refuse_missing
+from gateway.serving.requests import parse_chat, parse_completion
 from protocol.openai import APIError
 
 TOOL = {

@@ -3,7 +3,7 @@ a real gateway process: `guided_json` / `guided_regex` / `guided_choice` / `stru
 fields, so an external model serves them only when its config lists the feature
 `vllm_structured_outputs` (an OpenAI-compatible vLLM server), which is then sent vLLM's
 `structured_outputs`; any other external model named outright is a 400 naming the field, and
-fallback chains and `model: "auto"` skip it (gateway/features.py). `/v1/messages` and
+fallback chains and `model: "auto"` skip it (gateway/serving/features.py). `/v1/messages` and
 `/v1/responses` take the same extras (the official `anthropic` client, and `responses.create`)
 and hand them to the chat path: the same provider gets the same `structured_outputs`, and the
 others refuse them the same way. An Anthropic model serves none of vLLM's structured outputs and
@@ -22,7 +22,7 @@ import anthropic
 import openai
 import pytest
 
-from gateway.features import ALL
+from gateway.config_tables import ALL
 from tests.gateway.helpers import gateway_proc, make_team
 from tests.gateway.test_providers_e2e import CLAUDE, GPT, FakeServers, external
 from tests.procs import Proc, running

@@ -15,12 +15,12 @@ from pathlib import Path
 import openai
 from aiohttp.test_utils import TestClient, TestServer
 
+from gateway.accounts.keys import new_key
+from gateway.accounts.store.base import Team
 from gateway.app import STATE, make_app
-from gateway.backend import Accounting, Attempt, Backend, Piece, Reply, ServedModel
+from gateway.backends.base import Accounting, Attempt, Backend, Piece, Reply, ServedModel
 from gateway.config import ModelConfig, parse_config
-from gateway.keys import new_key
-from gateway.requests import Request
-from gateway.store.base import Team
+from gateway.serving.requests import Request
 from tests.wait import until
 
 WORDS = ("one", " two", " three")

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from gateway.key_cache import KeyCache
-from gateway.keys import hash_secret, new_key
-from gateway.store import open_store
-from gateway.store.base import Store, Team
+from gateway.accounts.key_cache import KeyCache
+from gateway.accounts.keys import hash_secret, new_key
+from gateway.accounts.store import open_store
+from gateway.accounts.store.base import Store, Team
 
 
 class Clock:

@@ -16,8 +16,8 @@ import pytest
 import uvloop
 from aiohttp import web
 
-from gateway.loop_lag import INTERVAL_S, LoopLag
-from gateway.node_client import NodeClient, NodeFailure
+from gateway.backends.loop_lag import INTERVAL_S, LoopLag
+from gateway.backends.node_client import NodeClient, NodeFailure
 from protocol.node_api import NodeCompletionRequest
 
 _BODY = NodeCompletionRequest(prompt=[1])

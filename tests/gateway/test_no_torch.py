@@ -14,7 +14,7 @@ def test_gateway_imports_without_torch_or_engine() -> None:
         *(m.name for m in pkgutil.walk_packages(gateway.__path__, prefix="gateway.")),
         "duet.cmd_gateway",
     ]
-    assert "gateway.app" in names and "gateway.store.sqlite" in names
+    assert "gateway.app" in names and "gateway.accounts.store.sqlite" in names
     code = (
         "import importlib, sys\n"
         f"for n in {names!r}: importlib.import_module(n)\n"

@@ -14,8 +14,8 @@ from pathlib import Path
 import aiohttp
 from aiohttp.client_reqrep import ConnectionKey
 
-from gateway.node_client import NodeFailure, _local_exhaustion, _unreachable
-from gateway.tiers import Shed
+from gateway.backends.node_client import NodeFailure, _local_exhaustion, _unreachable
+from gateway.serving.tiers import Shed
 from tests.gateway.helpers import MODEL, gateway_proc, make_team
 from tests.procs import Proc, free_port, running
 

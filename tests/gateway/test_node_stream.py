@@ -16,7 +16,7 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.node_client import NodeClient, NodeFailure
+from gateway.backends.node_client import NodeClient, NodeFailure
 from protocol import sse
 from protocol.node_api import NodeCompletionRequest
 from protocol.sse import DataLines

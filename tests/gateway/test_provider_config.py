@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from gateway.backends.providers import ProviderConfig
 from gateway.config import ConfigError, TeamPolicy, parse_config, provider_table
-from gateway.providers import ProviderConfig
 
 README = Path(__file__).parents[2] / "README.md"
 EXT = {

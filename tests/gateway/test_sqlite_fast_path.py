@@ -1,4 +1,4 @@
-"""The SQLite store's fast path (gateway/store/sqlite_conn.py) on a real database file: the
+"""The SQLite store's fast path (gateway/accounts/store/sqlite_conn.py) on a real database file: the
 per-request transactions run on the event loop only when they cannot wait — a write lock held
 by another connection sends them to the worker thread while the loop keeps running — and the
 loop's connection never checkpoints, the worker does, so the WAL stays bounded."""
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.store import sqlite_conn
-from gateway.store.base import Reservation, ReserveRequest, Team
-from gateway.store.sqlite import SqliteStore
+from gateway.accounts.store import sqlite_conn
+from gateway.accounts.store.base import Reservation, ReserveRequest, Team
+from gateway.accounts.store.sqlite import SqliteStore
 
 
 def _req(i: int) -> ReserveRequest:
@@ -212,7 +212,7 @@ async def test_settle_now_writes_at_once_or_not_at_all(tmp_path: Path) -> None:
     """The usage writer's batch of one: written before `settle_now` returns when the write lock
     is free; with the lock held elsewhere nothing is written and the caller is told so (it then
     waits on the worker). A record is never written twice."""
-    from gateway.store.base import Settlement, UsageRecord
+    from gateway.accounts.store.base import Settlement, UsageRecord
 
     db_path = tmp_path / "g.db"
     s = await _store(db_path)

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from gateway.backends.etcd_view import pools_from
+from gateway.backends.routing import NodeLoad, StaticRouter
 from gateway.config import StaticNodes
-from gateway.etcd_view import pools_from
-from gateway.routing import NodeLoad, StaticRouter
 from protocol.cluster import NodeInfo, kv_layouts_match
 from protocol.openai import APIError
 from protocol.route import RouteRequest, RouteResponse

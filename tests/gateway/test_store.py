@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from gateway.keys import hash_secret, new_key
-from gateway.store import open_store
-from gateway.store.base import (
+from gateway.accounts.keys import hash_secret, new_key
+from gateway.accounts.store import open_store
+from gateway.accounts.store.base import (
     Booked,
     Refusal,
     Reservation,
@@ -24,7 +24,7 @@ from gateway.store.base import (
     Team,
     UsageRecord,
 )
-from gateway.store.rules import seconds_to_next_month
+from gateway.accounts.store.rules import seconds_to_next_month
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

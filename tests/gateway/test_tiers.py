@@ -11,7 +11,7 @@ import pytest
 
 from gateway.config import TierConfig
 from gateway.metrics import GatewayMetrics
-from gateway.tiers import Admission, Shed
+from gateway.serving.tiers import Admission, Shed
 from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, metric, tiny_model
 from tests.procs import duet_node, running
 from tests.wait import until

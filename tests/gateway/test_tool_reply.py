@@ -1,5 +1,5 @@
-"""A self-hosted reply with tool calls parsed (gateway/tools/reply.py) and rendered in OpenAI's
-shapes (gateway/responses.py): pieces of model text in, chat chunks and a whole body out —
+"""A self-hosted reply with tool calls parsed (gateway/serving/tool_reply.py) and rendered in OpenAI's
+shapes (gateway/serving/openai_format.py): pieces of model text in, chat chunks and a whole body out —
 the first delta of a call carries index, id, type and name with arguments "", later ones
 argument fragments; a choice that called and stopped finishes with `tool_calls`, with content
 null in the whole body; a cut call stays text (finish `length`)."""
@@ -12,10 +12,10 @@ from typing import Any
 
 import msgspec
 
-from gateway.backend import Accounting, Piece, Reply
-from gateway.responses import Formatter
+from gateway.backends.base import Accounting, Piece, Reply
+from gateway.serving.openai_format import Formatter
+from gateway.serving.tool_reply import with_tool_calls
 from gateway.tools.plan import ToolMode, ToolPlan, plan_for
-from gateway.tools.reply import with_tool_calls
 from gateway.tools.spec import check_tools
 from protocol.openai import Usage
 from protocol.tools import NamedFunction, NamedToolChoice, ToolDef

@@ -1,4 +1,4 @@
-"""`Store.usage`'s totals per group, computed by the database (gateway/store/usage_totals.py),
+"""`Store.usage`'s totals per group, computed by the database (gateway/accounts/store/usage_totals.py),
 on SQLite and PostgreSQL: requests, tokens, cost and the TTFT P50/P90 of every group — day,
 team, model, tier, user and none — equal a reference computed here from the same records, and
 both databases answer alike. The console's Usage page and `duet usage report` show these rows."""
@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from gateway.store import open_store
-from gateway.store.base import Settlement, Store, UsageRecord
+from gateway.accounts.store import open_store
+from gateway.accounts.store.base import Settlement, Store, UsageRecord
 
 DAY0 = 1_793_491_200.0  # 2026-11-01 00:00 UTC
 TEAMS, MODELS, TIERS, USERS = (

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway import usage_writer
+from gateway.accounts import usage_writer
+from gateway.accounts.store.base import Settlement, StoreError, Team, UsageRecord
+from gateway.accounts.store.sqlite import SqliteStore
+from gateway.accounts.usage_writer import UsageWriter
 from gateway.metrics import GatewayMetrics
-from gateway.store.base import Settlement, StoreError, Team, UsageRecord
-from gateway.store.sqlite import SqliteStore
-from gateway.usage_writer import UsageWriter
 from tests.wait import until
 
 

@@ -16,10 +16,10 @@ import openai
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from gateway.accounts.keys import new_key
+from gateway.accounts.store.base import Team
 from gateway.app import STATE
-from gateway.keys import new_key
 from gateway.state import GatewayState
-from gateway.store.base import Team
 from tests.gateway.test_providers_e2e import GPT, external
 from tests.observe.test_recovery_spans import app_for, trace_of
 from tests.providers.conftest import fake_openai  # noqa: F401  (the fixture: a fake OpenAI on loopback)

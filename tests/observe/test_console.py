@@ -32,7 +32,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from gateway.console.pages import ms_cell
+from gateway.console.pages.usage import ms_cell
 from tests.gateway.helpers import ADMIN_KEY, http, make_team
 from tests.observe.conftest import MODEL, Traced
 from tests.wait import wait_for

@@ -16,11 +16,11 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from gateway.accounts.keys import new_key
+from gateway.accounts.store.base import Team
 from gateway.app import STATE, make_app
 from gateway.config import parse_config
 from gateway.console import LIMIT
-from gateway.keys import new_key
-from gateway.store.base import Team
 from tests.gateway.helpers import ADMIN_KEY
 
 CONSOLE_RPM = 5

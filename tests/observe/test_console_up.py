@@ -30,7 +30,7 @@ from typing import Any
 
 import pytest
 
-from gateway.console.pages import _supervised
+from gateway.console.pages.cluster import _supervised
 from protocol.cluster import coordinators_prefix, nodes_prefix
 from tests.duet.test_up import start_up, wait_banner
 from tests.observe.test_console import browser, sign_in  # noqa: F401  (browser: a fixture)

@@ -31,11 +31,12 @@ import pytest
 from aiohttp import ClientSession, web
 from aiohttp.test_utils import TestClient, TestServer
 
+from gateway.accounts.store.base import Settlement, UsageRecord
 from gateway.app import STATE, make_app
 from gateway.config import parse_config
-from gateway.console import charts, pages
-from gateway.console.pages import ms_cell
-from gateway.store.base import Settlement, UsageRecord
+from gateway.console import charts
+from gateway.console.pages import usage as pages
+from gateway.console.pages.usage import ms_cell
 from tests.gateway.helpers import ADMIN_KEY
 from tests.gateway.test_usage_totals import DAY0, outliers, synthetic
 

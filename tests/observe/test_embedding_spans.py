@@ -13,7 +13,7 @@ process on a real socket (make_app, tracing on), driven by the official openai c
   excluded) and no usage (nothing was served).
 
 There is no provider-served embeddings path (an embedding model is `kind = "embedding"` on duet
-nodes only, gateway/embeddings.py), so the self-hosted one is the one to test.
+nodes only, gateway/api/embeddings.py), so the self-hosted one is the one to test.
 """
 
 from __future__ import annotations

@@ -26,11 +26,11 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
+from gateway.accounts.keys import new_key
+from gateway.accounts.store.base import Team
 from gateway.app import STATE, make_app
 from gateway.config import parse_config
-from gateway.keys import new_key
 from gateway.state import GatewayState
-from gateway.store.base import Team
 from runtime.tracing import SpanRecord
 from tests.gateway.faults import KillRelay
 from tests.gateway.helpers import tiny_model

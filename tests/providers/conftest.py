@@ -10,7 +10,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.providers import Provider, build_provider
+from gateway.backends.providers import Provider, build_provider
 from tests.procs import free_port
 from tests.providers.fakes import API_KEY, FakeProvider
 

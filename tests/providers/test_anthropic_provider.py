@@ -11,7 +11,7 @@ from typing import Any
 import openai.types.chat as oat
 import pytest
 
-from gateway.providers import Provider, ProviderError
+from gateway.backends.providers import Provider, ProviderError
 from tests.providers.conftest import Sleeps
 from tests.providers.fakes import FakeProvider, Fault
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from gateway.providers.auto import AutoPolicy, Classifier, Prediction, choose
-from gateway.providers.auto.classifier import LABELS, WEIGHTS
-from gateway.providers.auto.dataset import DATA_DIR, load
-from gateway.providers.auto.fit import fit
-from gateway.providers.catalog import ModelEntry
+from gateway.backends.providers.auto import AutoPolicy, Classifier, Prediction, choose
+from gateway.backends.providers.auto.classifier import LABELS, WEIGHTS
+from gateway.backends.providers.auto.dataset import DATA_DIR, load
+from gateway.backends.providers.auto.fit import fit
+from gateway.backends.providers.catalog import ModelEntry
 
 
 def test_eval_set_is_large_varied_and_split() -> None:
@@ -52,7 +52,7 @@ def test_weights_are_fit_on_train_only(tmp_path: Path) -> None:
 
 def test_classifier_is_torch_free_and_gives_probabilities() -> None:
     code = (
-        "import sys\nfrom gateway.providers.auto import AutoRouter\nr = AutoRouter()\n"
+        "import sys\nfrom gateway.backends.providers.auto import AutoRouter\nr = AutoRouter()\n"
         "p = r.classifier.predict([{'role': 'user', 'content': 'hello'}])\n"
         "print(sorted(p.probs))\nsys.exit(1 if any(m == 'torch' or m.startswith('torch.') for m in sys.modules) else 0)"
     )

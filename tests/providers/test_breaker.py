@@ -9,14 +9,14 @@ from collections.abc import Callable
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from gateway.providers import (
+from gateway.backends.providers import (
     BreakerState,
     CircuitBreaker,
     Provider,
     ProviderError,
     register_provider_metrics,
 )
-from gateway.providers.config import BreakerConfig
+from gateway.backends.providers.config import BreakerConfig
 from tests.providers.fakes import FakeProvider, Fault
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.providers import ConfigError, ProviderConfig, TokenUsage, cost_usd
+from gateway.backends.providers import ConfigError, ProviderConfig, TokenUsage, cost_usd
 
 BASE = {
     "name": "gpt-4o-mini",
@@ -70,7 +70,7 @@ def test_cost_uses_the_provider_prices() -> None:
 
 
 def test_build_providers_refuses_duplicate_names() -> None:
-    from gateway.providers import build_providers
+    from gateway.backends.providers import build_providers
 
     class NoSession:  # never used: building a provider makes no call
         pass

@@ -6,8 +6,13 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gateway.providers import ModelEntry, ProviderConfig, ProviderError, register_provider_metrics
-from gateway.providers.fallback import (
+from gateway.backends.providers import (
+    ModelEntry,
+    ProviderConfig,
+    ProviderError,
+    register_provider_metrics,
+)
+from gateway.backends.providers.fallback import (
     FallbackChains,
     PoolSignal,
     Reason,

@@ -9,7 +9,7 @@ from typing import Any
 import openai.types.chat as oat
 import pytest
 
-from gateway.providers import Provider, ProviderError
+from gateway.backends.providers import Provider, ProviderError
 from tests.providers.conftest import Sleeps
 from tests.providers.fakes import FakeProvider, Fault
 
@@ -214,7 +214,7 @@ def test_an_estimate_counts_cjk_as_a_provider_bills_it() -> None:
     """A provider that sends no usage is billed an estimate: about 4 ASCII characters a token,
     but one per CJK character (what byte-level tokenizers bill), never a quarter of that — the
     flat 4-characters estimate billed 600 CJK characters as 150 tokens."""
-    from gateway.providers.cost import estimate_tokens
+    from gateway.backends.providers.cost import estimate_tokens
 
     assert estimate_tokens("预算必须守住" * 100) >= 600
     assert estimate_tokens("the budget must hold " * 10) == pytest.approx(210 / 4, abs=1)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import random
 
-from gateway.providers.config import RetryConfig
-from gateway.providers.errors import ProviderError
-from gateway.providers.resilience import RetryPolicy, parse_retry_after
+from gateway.backends.providers.config import RetryConfig
+from gateway.backends.providers.errors import ProviderError
+from gateway.backends.providers.resilience import RetryPolicy, parse_retry_after
 
 
 def test_parse_retry_after_forms() -> None:

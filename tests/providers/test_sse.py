@@ -9,8 +9,8 @@ from collections.abc import Callable
 import pytest
 from aiohttp import web
 
-from gateway.providers import ProviderError
-from gateway.providers.sse import sse_events
+from gateway.backends.providers import ProviderError
+from gateway.backends.providers.sse import sse_events
 
 
 def raw_app(pieces: list[bytes]) -> web.Application:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.providers import ProviderError
-from gateway.providers.translate import AnthropicStreamTranslator, from_anthropic, to_anthropic
+from gateway.backends.providers import ProviderError
+from gateway.backends.providers.translate import to_anthropic
+from gateway.backends.providers.translate_answer import AnthropicStreamTranslator, from_anthropic
 
 
 def test_images_merging_and_tool_choice() -> None:

@@ -28,8 +28,8 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.store import open_store
-from gateway.store.base import (
+from gateway.accounts.store import open_store
+from gateway.accounts.store.base import (
     Booked,
     Reservation,
     ReserveRequest,

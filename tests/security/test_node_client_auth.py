@@ -14,7 +14,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from gateway.node_client import NodeClient
+from gateway.backends.node_client import NodeClient
 from protocol.embeddings import NodeEmbeddingRequest, NodeEmbeddingResponse
 from protocol.kv_params import KVTransferParams
 from protocol.node_api import NodeCompletion, NodeCompletionRequest

@@ -1,4 +1,4 @@
-"""A gateway-wide bound on calls to external providers (gateway/provider_slots.py):
+"""A gateway-wide bound on calls to external providers (gateway/backends/provider_slots.py):
 `[server] max_provider_calls` calls run at once, whatever team or external model they are for;
 one more is refused at once — 503 `overloaded` with Retry-After, OpenAI's error body, before
 its prompt is sent (the provider never sees it) — and the `duet:provider_calls_running` gauge

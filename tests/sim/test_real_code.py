@@ -15,7 +15,7 @@ import coordinator.policy
 import engine.block_pool
 import engine.kv_manager
 import engine.scheduler
-import gateway.tiers
+import gateway.serving.tiers
 from sim.cluster import Layout, NodeGroup
 from sim.run import simulate
 from sim.workload import Synthetic, synthetic
@@ -28,7 +28,7 @@ REAL = [
     (engine.kv_manager.KVCacheManager, "find_cached_prefix"),
     (coordinator.policy.Router, "route"),
     (coordinator.index.PrefixIndex, "store"),
-    (gateway.tiers.Admission, "_acquire"),
+    (gateway.serving.tiers.Admission, "_acquire"),
 ]
 
 
@@ -101,5 +101,5 @@ def test_sim_modules_bind_the_real_classes() -> None:
     assert sim.node.BlockPool is engine.block_pool.BlockPool
     assert sim.node.KVCacheManager is engine.kv_manager.KVCacheManager
     assert sim.cluster.Router is coordinator.policy.Router
-    assert sim.cluster.Admission is gateway.tiers.Admission
+    assert sim.cluster.Admission is gateway.serving.tiers.Admission
     assert sim.cluster.PrefixIndex is coordinator.index.PrefixIndex

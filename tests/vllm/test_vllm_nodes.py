@@ -491,7 +491,7 @@ async def test_tools_and_response_format_through_the_gateway(
     vllm_cluster: tuple[Proc, Proc, str, str],
 ) -> None:
     """The gateway renders tools and parses calls for any engine (gateway/tools/) and serves a
-    vLLM cluster every feature (gateway/features.py has no per-engine refusal): a named
+    vLLM cluster every feature (gateway/serving/features.py has no per-engine refusal): a named
     tool_choice gives one schema-valid call (the gateway's guide, enforced by vLLM on the legs),
     response_format json_schema valid JSON, and penalties are served, through the official client
     and the disaggregated vLLM P/D."""

@@ -1,0 +1,195 @@
+"""The SQLite store's two connections: a worker thread for anything that may wait, and a
+fast path on the event loop's own thread for the short transactions every request makes.
+
+Every request books a reservation before its first token and commits its usage record before
+its last chunk. On the worker thread each of those paid two thread switches (queue the call,
+wake the loop with the answer) — on a busy 2-core machine that was most of the gateway's
+overhead and nearly all of its tail. `fast()` runs them on the loop thread instead, but only
+when that cannot wait:
+
+- the loop's connection has `busy_timeout = 0`: when another connection (this process's
+  worker thread, the CLI, another gateway on the same file) holds the write lock,
+  `BEGIN IMMEDIATE` fails at once and the call goes to the worker thread, which waits for the
+  lock there (`busy_timeout` 30 s), never on the loop;
+- it never checkpoints (`wal_autocheckpoint = 0`): a checkpoint fsyncs. Every
+  `CHECKPOINT_EVERY` fast commits a checkpoint runs on the worker thread (one at a time;
+  `_checkpoint_cycle` says how), so the WAL file stays bounded. The bound does not depend on
+  how fast the worker thread is scheduled: once another `CHECKPOINT_EVERY` fast writes have
+  happened while a checkpoint still runs, the loop's writes go to the worker, queued behind
+  it, until it ends (on a starved 2-core machine the WAL had grown to 5.5 cycles' worth);
+- in WAL mode with `synchronous = NORMAL` a commit writes WAL frames to the page cache and
+  does not fsync: that is what the loop may do, and the durability is the worker's (survives a
+  killed process, as before).
+
+A callable given to `fast()` must be safe to run twice: a busy failure happens at
+`BEGIN IMMEDIATE`, before any effect, or rolls its transaction back (`_tx`), and the worker
+runs it again from the start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sqlite3
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TypeVar
+
+from gateway.accounts.store.private_files import private_dir, private_file
+
+log = logging.getLogger("duet.gateway.store")
+T = TypeVar("T")
+
+#: fast-path commits between two checkpoints on the worker thread (~12 MB of WAL at most)
+CHECKPOINT_EVERY = 500
+#: how long a checkpoint's RESTART waits for another connection's readers, writers held off
+RESTART_WAIT_MS = 50
+
+
+def connect(path: Path, busy_timeout_ms: int, set_wal: bool) -> sqlite3.Connection:
+    db = sqlite3.connect(
+        path, isolation_level=None, timeout=busy_timeout_ms / 1000, check_same_thread=False
+    )
+    if set_wal:  # persistent in the file: the worker sets it once, waiting for locks as it may
+        db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
+    return db
+
+
+def _busy(e: sqlite3.OperationalError) -> bool:
+    code = getattr(e, "sqlite_errorcode", None)
+    if code is not None:
+        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    return "locked" in str(e) or "busy" in str(e)
+
+
+class Connections:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duet-store")
+        self._worker: sqlite3.Connection | None = None
+        self._loop_db: sqlite3.Connection | None = None
+        self._loop_thread: int | None = None
+        self._since_checkpoint = 0
+        self._checkpoint: asyncio.Future[None] | None = None
+        #: a checkpoint's RESTART is running: the loop's writes wait behind it on the worker
+        self._restarting = False
+        #: calls the fast path handed to the worker because the write lock was taken
+        self.busy_fallbacks = 0
+        #: calls the fast path handed to the worker because a checkpoint fell behind the writes
+        self.checkpoint_waits = 0
+
+    async def open(self, init: Callable[[sqlite3.Connection], None]) -> None:
+        def setup() -> None:
+            private_file(private_dir(self.path.parent) / self.path.name)
+            db = connect(self.path, 30_000, set_wal=True)
+            init(db)
+            for suffix in (
+                "-wal",
+                "-shm",
+            ):  # SQLite gives them the database's mode; an old file's too
+                side = self.path.with_name(self.path.name + suffix)
+                if side.exists():
+                    private_file(side)
+            self._worker = db
+
+        await asyncio.get_running_loop().run_in_executor(self._pool, setup)
+        db = connect(self.path, 0, set_wal=False)
+        db.execute("PRAGMA wal_autocheckpoint=0")
+        self._loop_db, self._loop_thread = db, threading.get_ident()
+
+    async def close(self) -> None:
+        if self._checkpoint is not None:
+            await asyncio.gather(self._checkpoint, return_exceptions=True)
+        if self._loop_db is not None:
+            self._loop_db.close()
+            self._loop_db = None
+        if self._worker is not None:
+            await self.run(lambda db: db.close())
+            self._worker = None
+        self._pool.shutdown(wait=True)
+
+    async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """`fn` on the worker thread (it may wait for the write lock)."""
+
+        def call() -> T:
+            assert self._worker is not None, "store not open"
+            return fn(self._worker)
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    async def fast(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """`fn` on the loop thread when the write lock is free now, else on the worker."""
+        done, out = self.now(fn)
+        return out if done else await self.run(fn)  # type: ignore[return-value]
+
+    def now(self, fn: Callable[[sqlite3.Connection], T]) -> tuple[bool, T | None]:
+        """`(True, fn(db))` on the loop's connection if the write lock is free at this moment;
+        `(False, None)` when it is not, or off the loop thread (nothing was done: `fn`'s
+        transaction failed at `BEGIN` or was rolled back)."""
+        db = self._loop_db
+        if db is None or self._restarting or threading.get_ident() != self._loop_thread:
+            return False, None
+        if self._checkpoint is not None and self._since_checkpoint >= CHECKPOINT_EVERY:
+            # A checkpoint slower than the loop's writes: they wait for it on the worker (FIFO
+            # behind it) rather than grow the WAL without bound. A read would not grow it, but
+            # which calls write is known only afterwards: all wait, for one checkpoint's time.
+            self.checkpoint_waits += 1
+            return False, None
+        changes = db.total_changes
+        try:
+            out = fn(db)
+        except sqlite3.OperationalError as e:
+            if not _busy(e):
+                raise
+            if db.in_transaction:  # busy past BEGIN (at COMMIT): end it, or it holds the lock
+                db.execute("ROLLBACK")
+            self.busy_fallbacks += 1
+            return False, None
+        if db.total_changes != changes:  # a write (a key lookup adds nothing to the WAL)
+            self._since_checkpoint += 1
+        if self._since_checkpoint >= CHECKPOINT_EVERY and self._checkpoint is None:
+            self._since_checkpoint = 0
+            self._checkpoint = asyncio.ensure_future(self._checkpoint_cycle())
+            self._checkpoint.add_done_callback(self._checkpoint_done)
+        return True, out
+
+    async def _checkpoint_cycle(self) -> None:
+        """PASSIVE copies the WAL into the database while the loop goes on writing: the bulk of
+        the work, and no writer waits for it. It cannot catch up with a loop that keeps writing,
+        though, and SQLite reuses a WAL only after a checkpoint has caught up: with PASSIVE
+        alone the WAL grew without bound under steady traffic (150 MB after 6,000 writes). So a
+        RESTART follows, which copies the few frames written meanwhile and leaves the WAL to be
+        started again from its beginning. It needs the write lock: the loop's own writes go to
+        the worker meanwhile, queued behind it (a millisecond or two), so the loop cannot starve
+        it of the lock."""
+        await self.run(_passive)
+        self._restarting = True
+        try:
+            await self.run(_restart)
+        finally:
+            self._restarting = False
+
+    def _checkpoint_done(self, fut: asyncio.Future[None]) -> None:
+        self._checkpoint = None
+        if not fut.cancelled() and fut.exception() is not None:
+            log.warning("WAL checkpoint failed: %s", fut.exception())
+
+
+def _passive(db: sqlite3.Connection) -> None:
+    db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+
+
+def _restart(db: sqlite3.Connection) -> None:
+    """Waits at most RESTART_WAIT_MS for another connection's reader or writer (a usage report,
+    another process) — the loop's writes must not wait behind one — and otherwise leaves the
+    restart to the next checkpoint."""
+    (timeout_ms,) = db.execute("PRAGMA busy_timeout").fetchone()
+    db.execute(f"PRAGMA busy_timeout={RESTART_WAIT_MS}")
+    try:
+        db.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
+    finally:
+        db.execute(f"PRAGMA busy_timeout={timeout_ms}")

@@ -1,0 +1,1 @@
+"""The gateway's public HTTP APIs, one module (or package) per API."""

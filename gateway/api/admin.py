@@ -1,0 +1,362 @@
+"""Admin endpoints (teams and keys, admin key only) and `GET /v1/usage` (a team's own usage).
+
+- `POST /admin/teams {id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd,
+  default_tier}` → 201; `GET /admin/teams[/{id}]`; `PUT /admin/teams/{id} {limits…}` sets its
+  limits; `DELETE /admin/teams/{id}` (revokes its keys).
+- `POST /admin/keys {team_id, name}` → 201 with the secret, shown this once;
+  `GET /admin/keys[?team_id=]`; `DELETE /admin/keys/{id}` revokes.
+- `GET /v1/usage?date=YYYY-MM-DD` (or `start=&end=`, dates or unix seconds;
+  `group_by=model|day|team|tier|user|record`, user being the requests' OpenAI `user` field,
+  record every request's usage record; a grouped row carries its TTFT P50/P90, all computed by
+  the store; `team_id=`; with `group_by=record`, `outliers=true&limit=N` (1–1000, default 100):
+  only the failed requests and the slowest tenth — latency at or above the range's nearest-rank
+  P90, once it has 10 records — newest first, at most N, found by the store; without
+  outliers, `limit=N` (1–10000) gives one page of records in (created_at, request_id) order
+  and `next`, the `after=` of the following page, null on the last):
+  a team key reads its own team only (another team's id → 403); the admin key reads any
+  team, or all of them.
+- `GET /admin/batches[?team_id=&limit=]`: every team's batches (newest first, at most `limit`,
+  default and maximum 100), each as `{team_id, batch}` with `batch` the OpenAI Batch object;
+  `POST /admin/batches/{id}/cancel` cancels any team's batch (409 when it has ended). A team
+  key keeps `/v1/batches`, which shows its own team only. 404 `batch_tier_off` when the gateway
+  runs no batch tier.
+"""
+
+from __future__ import annotations
+
+import calendar
+import dataclasses
+import math
+import re
+import time
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from gateway.accounts.keys import new_key
+from gateway.accounts.store.base import GROUP_BY, Team, UsageRecord
+from gateway.batch import wiring as batch_wiring
+from gateway.batch.models import Batch
+from gateway.batch.store import BatchStore, Conflict
+from gateway.batch.submit import batch_object
+from gateway.state import GatewayState
+from protocol.openai import APIError
+
+_ENC = msgspec.json.Encoder()
+_TEAM_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+
+
+class TeamCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    id: str
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    daily_budget_usd: float | None = None
+    monthly_budget_usd: float | None = None
+    default_tier: str = "interactive"
+
+
+class TeamLimits(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    rpm: int | None = None
+    tpm: int | None = None
+    max_concurrent: int | None = None
+    daily_budget_usd: float | None = None
+    monthly_budget_usd: float | None = None
+    default_tier: str = "interactive"
+
+
+class KeyCreate(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    team_id: str
+    name: str = ""
+
+
+def _json(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=_ENC.encode(obj), content_type="application/json")
+
+
+async def _body(request: web.Request, cls: type) -> Any:
+    try:
+        return msgspec.json.decode(await request.read(), type=cls)
+    except (msgspec.DecodeError, RecursionError) as e:  # RecursionError: JSON nested too deep
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    except msgspec.ValidationError as e:
+        raise APIError(400, f"invalid request: {e}") from None
+
+
+def validate_team(t: TeamCreate) -> Team:
+    if not _TEAM_ID.match(t.id):
+        raise APIError(
+            400, "team id: 1-64 characters of letters, digits, '_', '.', '-'", param="id"
+        )
+    for f in ("rpm", "tpm", "max_concurrent", "daily_budget_usd", "monthly_budget_usd"):
+        v = getattr(t, f)
+        if v is not None and v < 0:
+            raise APIError(400, f"{f} must be >= 0", param=f)
+    if t.default_tier not in ("interactive", "batch"):
+        raise APIError(400, "default_tier must be 'interactive' or 'batch'", param="default_tier")
+    return Team(**{f: getattr(t, f) for f in t.__struct_fields__}, created_at=time.time())  # type: ignore[arg-type]
+
+
+async def create_team(state: GatewayState, request: web.Request) -> web.Response:
+    state.auth.require_admin(request)
+    team = validate_team(await _body(request, TeamCreate))
+    return _json(await state.store.create_team(team), 201)
+
+
+async def list_teams(state: GatewayState, request: web.Request) -> web.Response:
+    state.auth.require_admin(request)
+    if "id" in request.match_info:
+        team = await state.store.get_team(request.match_info["id"])
+        if team is None:
+            raise APIError(404, f"no team {request.match_info['id']!r}", code="not_found")
+        return _json(team)
+    return _json({"object": "list", "data": await state.store.list_teams()})
+
+
+async def update_team(state: GatewayState, request: web.Request) -> web.Response:
+    """`PUT /admin/teams/{id}`: the team's limits and default tier, all of them (a limit left
+    out is none). Its keys see the new limits at once on this gateway (the key cache forgets
+    the team), within [server] key_cache_ttl_s on others."""
+    state.auth.require_admin(request)
+    tid = request.match_info["id"]
+    body: TeamLimits = await _body(request, TeamLimits)
+    team = validate_team(TeamCreate(id=tid, **msgspec.structs.asdict(body)))
+    updated = await state.store.update_team(team)
+    if updated is None:
+        raise APIError(404, f"no team {tid!r}", code="not_found")
+    state.auth.keys.forget_team(tid)
+    return _json(updated)
+
+
+async def delete_team(state: GatewayState, request: web.Request) -> web.Response:
+    state.auth.require_admin(request)
+    tid = request.match_info["id"]
+    if not await state.store.delete_team(tid):
+        raise APIError(404, f"no team {tid!r}", code="not_found")
+    state.auth.keys.forget_team(tid)
+    return _json({"id": tid, "deleted": True})
+
+
+async def create_key(state: GatewayState, request: web.Request) -> web.Response:
+    state.auth.require_admin(request)
+    body: KeyCreate = await _body(request, KeyCreate)
+    key, secret, digest = new_key(body.team_id, body.name)
+    await state.store.create_key(key, digest)
+    return _json({**msgspec.structs.asdict(key), "key": secret}, 201)
+
+
+async def list_keys(state: GatewayState, request: web.Request) -> web.Response:
+    state.auth.require_admin(request)
+    return _json(
+        {"object": "list", "data": await state.store.list_keys(request.query.get("team_id"))}
+    )
+
+
+async def revoke_key(state: GatewayState, request: web.Request) -> web.Response:
+    state.auth.require_admin(request)
+    kid = request.match_info["id"]
+    if not await state.store.revoke_key(kid):
+        raise APIError(404, f"no live key {kid!r}", code="not_found")
+    state.auth.keys.forget_key(kid)
+    return _json({"id": kid, "revoked": True})
+
+
+def record_rows(records: list[UsageRecord]) -> list[dict[str, Any]]:
+    """Usage records as report rows (the nodes as one space-separated field): the API's
+    `group_by=record`, `duet usage report` and the console's CSV write these same rows."""
+    return [{**dataclasses.asdict(r), "nodes": " ".join(r.nodes)} for r in records]
+
+
+def parse_time(value: str, param: str) -> float:
+    try:
+        t = float(value)
+    except ValueError:
+        pass
+    else:  # nan, inf and times past year 9999 are no time a store can compare with
+        if math.isfinite(t) and abs(t) < 2.5e11:
+            return t
+        raise APIError(
+            400, f"{param} must be a date (YYYY-MM-DD) or unix seconds, got {value!r}", param=param
+        )
+    try:
+        return float(calendar.timegm(time.strptime(value, "%Y-%m-%d")))
+    except ValueError:
+        raise APIError(
+            400, f"{param} must be a date (YYYY-MM-DD) or unix seconds, got {value!r}", param=param
+        ) from None
+
+
+def time_range(q: Any) -> tuple[float, float]:
+    if "date" in q:
+        start = parse_time(q["date"], "date")
+        return start, start + 86400
+    if "start" in q:
+        start = parse_time(q["start"], "start")
+        end = parse_time(q["end"], "end") if "end" in q else time.time() + 1
+        if "end" in q and len(q["end"]) == 10 and "-" in q["end"]:
+            end += 86400  # a date as the end means the whole day
+        if end <= start:
+            raise APIError(400, "end must be after start", param="end")
+        return start, end
+    today = time.time() // 86400 * 86400
+    return today, today + 86400
+
+
+#: `GET /v1/usage?group_by=record&outliers=true&limit=N`: N at most
+OUTLIERS_MAX = 1000
+#: `GET /v1/usage?group_by=record&limit=N[&after=…]`: N at most
+RECORDS_PAGE_MAX = 10_000
+
+
+def _cursor(raw: str | None) -> tuple[float, str] | None:
+    """A page's `next` (`<created_at>/<request_id>` of its last record) as the store's `after`."""
+    if raw is None:
+        return None
+    t, sep, rid = raw.partition("/")
+    try:
+        at = float(t)
+    except ValueError:
+        at = math.nan
+    if not sep or not rid or not math.isfinite(at):
+        raise APIError(400, f"after must be a page's `next`, got {raw!r}", param="after")
+    return at, rid
+
+
+def _limit(q: Any, most: int) -> int:
+    """The query's `limit` (default 100), an integer in [1, most]."""
+    raw = q.get("limit", "100")
+    try:
+        limit = int(raw)
+    except ValueError:
+        raise APIError(400, f"limit must be an integer, got {raw!r}", param="limit") from None
+    if not 1 <= limit <= most:
+        raise APIError(400, f"limit must be between 1 and {most}", param="limit")
+    return limit
+
+
+async def usage(state: GatewayState, request: web.Request) -> web.Response:
+    q = request.query
+    team_id = q.get("team_id")
+    team = await state.auth.admin_or_team(request)
+    if team is not None:
+        if team_id is not None and team_id != team.id:
+            raise APIError(
+                403,
+                "this key may only read its own team's usage",
+                type_="permission_error",
+                code="forbidden",
+                param="team_id",
+            )
+        team_id = team.id
+    group_by = q.get("group_by")
+    if group_by is not None and group_by not in (*GROUP_BY, "record"):
+        raise APIError(
+            400,
+            f"group_by must be one of {', '.join(map(repr, (*GROUP_BY, 'record')))}",
+            param="group_by",
+        )
+    start, end = time_range(q)
+    if (
+        "outliers" in q
+    ):  # the failed and the slowest tenth, newest first (the console's Requests page)
+        if group_by != "record" or q["outliers"] not in ("true", "1"):
+            raise APIError(400, "outliers=true goes with group_by=record", param="outliers")
+        limit = _limit(q, OUTLIERS_MAX)
+        rows = record_rows(await state.store.usage_outliers(team_id, start, end, limit))
+    elif "after" in q and not (group_by == "record" and "limit" in q):
+        raise APIError(400, "after goes with group_by=record and limit", param="after")
+    elif (
+        group_by == "record" and "limit" in q
+    ):  # one page (the console's CSV export reads them in turn)
+        limit = _limit(q, RECORDS_PAGE_MAX)
+        page = await state.store.usage_records(
+            team_id, start, end, _cursor(q.get("after")), limit + 1
+        )
+        more = len(page) > limit
+        page = page[:limit]
+        return _json(
+            {
+                "object": "list",
+                "team_id": team_id,
+                "start": start,
+                "end": end,
+                "group_by": group_by,
+                "data": record_rows(page),
+                "next": f"{page[-1].created_at!r}/{page[-1].request_id}" if more else None,
+            }
+        )
+    elif group_by == "record":  # every request's record, as `duet usage report` lists them
+        rows = record_rows(await state.store.usage_records(team_id, start, end))
+    else:
+        rows = await state.store.usage(team_id, start, end, group_by)
+    return _json(
+        {
+            "object": "list",
+            "team_id": team_id,
+            "start": start,
+            "end": end,
+            "group_by": group_by,
+            "data": rows,
+        }
+    )
+
+
+# --- batches of every team ----------------------------------------------------------------------
+class TeamBatch(msgspec.Struct, frozen=True, kw_only=True):
+    """A batch as the admin lists it: OpenAI's Batch object has no owner, so it travels beside it."""
+
+    team_id: str
+    batch: Batch
+
+
+class TeamBatchList(msgspec.Struct, frozen=True, kw_only=True):
+    data: list[TeamBatch]
+    #: more batches than `limit` matched
+    has_more: bool
+    object: str = "list"
+
+
+def _batch_store(request: web.Request) -> tuple[BatchStore, Any]:
+    if batch_wiring.RUNNER not in request.app:
+        raise APIError(
+            404, "this gateway runs no batch tier ([batch] enabled = false)", code="batch_tier_off"
+        )
+    runner = request.app[batch_wiring.RUNNER]
+    return runner.store, runner.wake
+
+
+async def list_batches(state: GatewayState, request: web.Request) -> web.Response:
+    """Every team's batches: per team (the store reads batches by team), merged newest first.
+    A deleted team's batches are not listed (its keys are gone and its batches with it)."""
+    state.auth.require_admin(request)
+    store, _ = _batch_store(request)
+    limit = _limit(request.query, 100)
+    team_id = request.query.get("team_id")
+    teams = [team_id] if team_id else [t.id for t in await state.store.list_teams()]
+    rows = []
+    more = False
+    for tid in teams:
+        found, has_more = await store.list_batches(tid, None, limit)
+        rows.extend(found)
+        more = more or has_more
+    rows.sort(key=lambda r: (r.created_at, r.id), reverse=True)
+    data = [TeamBatch(team_id=r.team_id, batch=batch_object(r)) for r in rows[:limit]]
+    return _json(TeamBatchList(data=data, has_more=more or len(rows) > limit))
+
+
+async def cancel_batch(state: GatewayState, request: web.Request) -> web.Response:
+    state.auth.require_admin(request)
+    store, wake = _batch_store(request)
+    bid = request.match_info["id"]
+    row = await store.get_batch(None, bid)
+    if row is None:
+        raise APIError(404, f"No such Batch: {bid!r}", param="id", code="not_found")
+    try:
+        cancelled = await store.cancel_batch(row.team_id, bid, time.time())
+    except Conflict as e:
+        raise APIError(409, str(e), code="batch_not_cancellable") from None
+    if cancelled is None:  # removed between the two reads
+        raise APIError(404, f"No such Batch: {bid!r}", param="id", code="not_found")
+    wake()
+    return _json(TeamBatch(team_id=cancelled.team_id, batch=batch_object(cancelled)))

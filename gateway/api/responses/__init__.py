@@ -1,0 +1,1 @@
+"""OpenAI's Responses API, served by translation onto the chat path."""

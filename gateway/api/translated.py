@@ -1,0 +1,109 @@
+"""The running half the translated APIs share: one request of `/v1/messages` (anthropic_api.py)
+or `/v1/responses` (responses_api.py), once validated and admitted, run on the chat path and
+answered in the API's own shape.
+
+Each API authenticates, parses and translates its request itself (their keys, bodies and error
+words differ; the first checks of a body are shared: `json_object`, `unknown_fields`); then a
+`Translated` call runs the chat request through `serve.run` — streamed
+through a `TranslatingSink` with the API's renderer when the client asked for a stream — and
+answers: the stream's response (already written by the sink), or the whole chat answer read
+back (`chat_answer.read_completion`) and made into the API's JSON by its `whole` function.
+`opened` says whether the stream went out already: an error after that is the stream's own
+`error` event (relay.py), never a second answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from gateway.accounts.ledger import Caller
+from gateway.api import chat_body as chat
+from gateway.api.chat_answer import ChatAnswer, Renderer, TranslatingSink, read_completion
+from gateway.serving import pipeline as serve
+from gateway.serving.relay import HttpEventStream
+from gateway.serving.requests import Endpoint
+from gateway.state import GatewayState
+from protocol.openai import APIError
+
+_ENC = msgspec.json.Encoder()
+
+
+def json_object(raw: bytes, code: str | None = None) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 (with the API's error `code` for a malformed body)."""
+    try:
+        top = msgspec.json.decode(raw)
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise APIError(400, f"malformed JSON body: {e}", code=code) from None
+    if not isinstance(top, dict):
+        raise APIError(400, "the request body must be a JSON object", code=code)
+    return top
+
+
+def unknown_fields(
+    top: dict[str, Any], known: Collection[str], neutral: Callable[[object], bool]
+) -> list[str]:
+    """The top-level fields this gateway does not serve, sorted — but not one sent with a value
+    that asks for nothing (`neutral`: null, false, empty…), which clients add by default."""
+    return sorted(k for k, v in top.items() if k not in known and not neutral(v))
+
+
+def field_names(names: list[str]) -> str:
+    """Names for an error message (one that is not an identifier quoted)."""
+    return ", ".join(k if k.isidentifier() else repr(k) for k in names)
+
+
+#: the whole chat answer and the model that made it → the API's answer body
+Whole = Callable[[ChatAnswer, str], msgspec.Struct]
+
+
+class Translated:
+    """One translated request on the chat path (`renderer` None: the client wants no stream)."""
+
+    def __init__(
+        self, request: web.Request, renderer: Renderer | None, headers: dict[str, str] | None = None
+    ) -> None:
+        self.request = request
+        #: headers the API adds to its answer, streamed or whole
+        self.headers = headers or {}
+        self.sink = (
+            TranslatingSink(HttpEventStream(request), renderer, self.headers)
+            if renderer is not None
+            else None
+        )
+
+    @property
+    def opened(self) -> bool:
+        """The stream's headers went out: the answer has begun."""
+        return self.sink is not None and self.sink.opened
+
+    async def run(
+        self, state: GatewayState, caller: Caller, body: chat.ChatBody, model: str, whole: Whole
+    ) -> web.StreamResponse:
+        """Run `body` on the chat path; `model` names the answer when no `x-duet-model-used` does."""
+        answer = await serve.run(
+            state,
+            caller,
+            chat.encode(body),
+            Endpoint.CHAT,
+            tier_header=self.request.headers.get("x-duet-tier"),
+            sink=self.sink,
+        )
+        if answer.body is None:
+            sink = self.sink
+            assert (
+                sink is not None
+                and isinstance(sink.inner, HttpEventStream)
+                and sink.inner.response is not None
+            )
+            return sink.inner.response
+        out = whole(read_completion(answer.body), answer.headers.get("x-duet-model-used", model))
+        return web.Response(
+            status=answer.status,
+            body=_ENC.encode(out),
+            content_type="application/json",
+            headers={**answer.headers, **self.headers},
+        )

@@ -1,0 +1,1 @@
+"""Whoever generates tokens or embeddings behind the gateway's seams."""

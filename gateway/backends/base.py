@@ -1,0 +1,146 @@
+"""The seam between the public API and whoever generates tokens.
+
+A model's `kind` picks its `Backend`: "cluster" → `cluster.ClusterBackend` (duet's own P/D
+nodes); "external" → `provider_backend.ProviderBackend` (a commercial API, gateway/backends/providers/).
+The API layer (serve.py) asks a backend, for one `Attempt` of a `Request`, to `open` a
+`Reply`: the `Piece`s of the answer, and the reply's own `Accounting` — what was served, by
+whom, with how many tokens — which the ledger reads once the reply ended, however it ended (the
+stream broke, the client left). The backend returns its accounting; nothing is written into an
+argument of the caller's.
+
+What callers need to know of a backend is said by the interface, never by its class: which
+endpoints it serves (`usable_for`), whether it is available now (`available`: an open breaker
+is not), why an error is a fallback trigger (`fallback_reason`), and whether its requests wait
+in the tier queues (`uses_tier_queues`: the self-hosted pool's guard).
+
+Errors: before the first piece a backend raises `APIError` (the request fails as a whole);
+after it, `MidStreamError` (the client already has part of the answer).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gateway.accounts.usage import Accounting
+from gateway.config import ModelConfig, Tier
+from gateway.serving.requests import Endpoint, Request
+from protocol.openai import APIError, CompletionLogprobs
+from protocol.structured import Guide
+from protocol.tools import ToolCallDelta
+from text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from gateway.backends.providers.fallback import Reason
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try of a request on one model: the model, the ids, and the max_tokens that fit it."""
+
+    request_id: str
+    model: ModelConfig
+    #: the prompt's token ids on this model's tokenizer ([] for an external model)
+    prompt_ids: list[int]
+    max_tokens: int
+    tier: Tier
+    #: the caller's prefix-cache domain (GatewayConfig.cache_domain): the block hashes' salt and
+    #: the legs' `cache_salt`, so no team's cache answers another's prompt
+    cache_domain: str = ""
+    #: the constrained-decoding guide of both legs (response_format's, or a forced tool
+    #: choice's on this model's tool format); None: unconstrained
+    guide: Guide | None = None
+
+
+@dataclass
+class Piece:
+    """A delta of sample `index`."""
+
+    index: int
+    text: str
+    finish_reason: str | None = None
+    #: the tokens' logprobs when the request asked (completions shape; duet's nodes only)
+    logprobs: CompletionLogprobs | None = None
+    #: the next piece has already arrived: a relay may hold this one and send both in one write
+    more: bool = False
+    #: chat: tool-call deltas of this sample (gateway/serving/tool_reply.py), in OpenAI's stream shape
+    tool_calls: list[ToolCallDelta] | None = None
+    #: the completion tokens this piece delivers: its own, and those of earlier deltas that
+    #: showed nothing yet (a byte of an unfinished UTF-8 character, text a tool parser holds
+    #: back). A relay counts them sent when the piece's bytes are written (`Accounting.sent`).
+    tokens: int = 0
+
+
+class Reply:
+    """One attempt's answer: iterate it for the pieces; `accounting` is the reply's own record
+    of what was served. `aclose()` ends it now (not at GC): a backend aborts its work there."""
+
+    def __init__(
+        self, pieces: Callable[[Accounting], AsyncIterator[Piece]], prompt_tokens: int = 0
+    ) -> None:
+        self.accounting = Accounting(prompt_tokens=prompt_tokens)
+        self._it = pieces(self.accounting)
+
+    def __aiter__(self) -> AsyncIterator[Piece]:
+        return self._it
+
+    async def aclose(self) -> None:
+        await self._it.aclose()  # type: ignore[attr-defined]
+
+
+class MidStreamError(APIError):
+    """The backend failed after the first piece went out."""
+
+
+class Shed(APIError):
+    """Overloaded: no capacity for this request now (the tier queues, the provider-call bound,
+    this process out of descriptors); 503 with Retry-After, and no backend is blamed."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(
+            503,
+            message,
+            type_="service_unavailable",
+            code="overloaded",
+            retry_after_s=retry_after_s,
+        )
+
+
+class Backend(ABC):
+    """A model's generation seam (see the module docstring)."""
+
+    #: requests wait in the gateway's tier queues (they guard the self-hosted pool only)
+    uses_tier_queues: bool = False
+
+    @abstractmethod
+    def open(self, request: Request, attempt: Attempt) -> Reply:
+        """The reply to one attempt: pieces of every sample, interleaved; ends when all
+        samples finished."""
+
+    def usable_for(self, endpoint: Endpoint, n: int) -> bool:
+        """Whether this backend can take such a request at all."""
+        return True
+
+    def available(self) -> bool:
+        """Whether it takes requests now (an external API's breaker may be open)."""
+        return True
+
+    def fallback_reason(self, err: APIError, tier: Tier) -> Reason | None:
+        """Why `err` (raised before the first piece) moves the request along its model's
+        fallback chain; None: it is the request's own failure, no fallback."""
+        return None
+
+
+@dataclass
+class ServedModel:
+    """A model the gateway serves: its config, the backend that answers it, the tokenizer
+    the gateway counts its prompts with (None: an external model, its provider counts), and
+    its context length."""
+
+    config: ModelConfig
+    backend: Backend
+    tokenizer: Tokenizer | None
+    #: prompt + completion tokens the model takes
+    max_model_len: int

@@ -1,0 +1,1 @@
+"""duet's own prefill/decode nodes as a backend."""

@@ -1,0 +1,306 @@
+"""The gateway's client for the nodes' internal API: a prefill leg, a streamed decode (or
+local) leg, and `/abort`. Turns every way a node call can go wrong into one of two answers:
+
+- `NodeFailure`: the node is dead, slow, draining or broke (connection error, timeout, 5xx,
+  an SSE error event, a stream cut short) — the caller may retry elsewhere;
+- `APIError` with the node's own 4xx: the request itself is wrong, retrying cannot help.
+
+Every call carries the request's X-Request-Id and a timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+import aiohttp
+import msgspec
+
+from gateway.backends.base import Shed
+from gateway.backends.loop_lag import LoopLag
+from protocol.embeddings import NodeEmbeddingRequest, NodeEmbeddingResponse
+from protocol.node_api import (
+    AbortRequest,
+    NodeCompletion,
+    NodeCompletionChunk,
+    NodeCompletionRequest,
+)
+from protocol.openai import parse_error
+from protocol.sse import DataLines, read_to_end
+
+log = logging.getLogger("duet.gateway.nodes")
+_ENC = msgspec.json.Encoder()
+
+
+def _local_exhaustion(e: BaseException) -> bool:
+    err = getattr(e, "os_error", None) or (e if isinstance(e, OSError) else None)
+    return getattr(err, "errno", None) in (errno.EMFILE, errno.ENFILE)
+
+
+def _unreachable(url: str, e: BaseException, leg: str = "") -> Exception:
+    """What a failed call to a node raises: a NodeFailure (retry elsewhere) — unless this
+    process is out of file descriptors (EMFILE/ENFILE), its own overload, not the node's
+    failure: then the request is shed like any other overload (503 + Retry-After; the batch
+    tier defers it) and no node is blamed."""
+    if _local_exhaustion(e):
+        return Shed(
+            "the gateway has no file descriptor left for another connection to a node; retry shortly "
+            "(operators: raise `ulimit -n` or lower [tiers] max_inflight)",
+            1.0,
+        )
+    return NodeFailure(url, f"{leg}{type(e).__name__}: {e}")
+
+
+class NodeFailure(Exception):
+    def __init__(self, node: str, reason: str) -> None:
+        super().__init__(f"{node}: {reason}")
+        self.node = node
+        self.reason = reason
+
+
+_T = TypeVar("_T")
+_CHUNK = msgspec.json.Decoder(NodeCompletionChunk)
+_WHOLE = msgspec.json.Decoder(NodeCompletion)
+_EMBEDDED = msgspec.json.Decoder(NodeEmbeddingResponse)
+#: how long a node may take to end a body after its `[DONE]` before its connection is closed
+DRAIN_TIMEOUT_S = 5.0
+#: a connect timeout is this process's own when its loop stood still this share of it or more
+OWN_STALL_SHARE = 0.5
+_NETWORK_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError)
+
+
+class NodeClient:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        connect_timeout_s: float,
+        prefill_timeout_s: float,
+        read_timeout_s: float,
+        lag: LoopLag | None = None,
+        auth: dict[str, str] | None = None,
+    ) -> None:
+        self.session = session
+        #: the cluster secret's header (runtime/plane.py), on every request to a node and only
+        #: there: the session is shared with the providers, which must never see it
+        self._auth = auth or {}
+        self._connect_timeout_s = connect_timeout_s
+        self._lag = lag
+        #: connects retried because this process's own stalled loop timed them out
+        self.own_stall_retries = 0
+        self._stall_logged = 0.0
+        # sock_connect: the TCP connect itself; `connect` in aiohttp also counts the wait for a
+        # free connection of the per-node pool, which is bounded by the leg's own timeout
+        self._prefill_timeout = aiohttp.ClientTimeout(
+            total=prefill_timeout_s, sock_connect=connect_timeout_s
+        )
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=max(connect_timeout_s, read_timeout_s),
+            sock_connect=connect_timeout_s,
+            sock_read=read_timeout_s,
+        )
+        self._abort_timeout = aiohttp.ClientTimeout(total=max(2.0, connect_timeout_s))
+        self.drain_timeout_s = DRAIN_TIMEOUT_S
+        #: streams past [DONE] whose body's end is still being read (their connections go back
+        #: to the pool when it arrives)
+        self._draining: set[asyncio.Task[None]] = set()
+
+    @property
+    def draining(self) -> int:
+        return len(self._draining)
+
+    async def prefill(
+        self, url: str, request_id: str, body: NodeCompletionRequest
+    ) -> NodeCompletion:
+        """The prefill leg; its answer carries `kv_transfer_params` for the decode node."""
+        out = await self._whole(url, "/v1/completions", request_id, body, _WHOLE, "prefill leg")
+        if out.kv_transfer_params is None or not out.kv_transfer_params.do_remote_prefill:
+            raise NodeFailure(url, "prefill leg answered without kv_transfer_params")
+        return out
+
+    async def _whole(
+        self,
+        url: str,
+        path: str,
+        request_id: str,
+        body: msgspec.Struct,
+        decoder: msgspec.json.Decoder[_T],
+        what: str,
+    ) -> _T:
+        """One whole (unstreamed) answer under the prefill leg's timeout: a network error, a 5xx
+        or a 429 is the node's failure (NodeFailure), another non-200 the request's (APIError)."""
+        try:
+            async with await self._post(url, request_id, body, self._prefill_timeout, path) as r:
+                raw = await r.read()
+        except _NETWORK_ERRORS as e:
+            raise _unreachable(url, e, f"{what}: ") from None
+        if r.status >= 500 or r.status == 429:
+            raise NodeFailure(url, f"{what} answered {r.status}: {raw[:300]!r}")
+        if r.status != 200:
+            raise parse_error(r.status, raw)
+        try:
+            return decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise NodeFailure(url, f"{what}: unreadable answer: {e}") from None
+
+    async def stream(
+        self, url: str, request_id: str, body: NodeCompletionRequest
+    ) -> AsyncIterator[tuple[NodeCompletionChunk, bool]]:
+        """A streamed completion as `(chunk, more)`: `more` says the next chunk has already
+        arrived (same network read), so a relay may hold this one and send both at once.
+        Raises NodeFailure on any failure, APIError on a node's 4xx."""
+        try:
+            resp = await self._post(url, request_id, body, self._stream_timeout)
+        except _NETWORK_ERRORS as e:
+            raise _unreachable(url, e) from None
+        finished = False  # [DONE] read, the body's end not yet: the connection may be kept
+        try:
+            if resp.status != 200:
+                raw = await _read_quietly(resp)
+                if resp.status >= 500 or resp.status == 429:
+                    raise NodeFailure(url, f"answered {resp.status}: {raw[:300]!r}")
+                raise parse_error(resp.status, raw)
+            done = False
+            lines = DataLines()
+            try:
+                # Whatever has arrived, in one read (not a read per line): a burst of chunks
+                # costs one wake-up here and one send to the client.
+                async for data in resp.content.iter_any():
+                    try:
+                        events = lines.feed(data)
+                    except ValueError as e:
+                        raise NodeFailure(url, str(e)) from None
+                    for k, payload in enumerate(events):
+                        if payload == b"[DONE]":
+                            done = True
+                            break
+                        chunk = _CHUNK.decode(payload)
+                        if chunk.error is not None:
+                            raise NodeFailure(url, f"error event: {chunk.error.message}")
+                        yield chunk, k + 1 < len(events) and events[k + 1] != b"[DONE]"
+                    if done:
+                        break
+            except (*_NETWORK_ERRORS, msgspec.DecodeError, msgspec.ValidationError) as e:
+                raise NodeFailure(url, f"stream broke: {type(e).__name__}: {e}") from None
+            if not done:
+                raise NodeFailure(url, "stream ended before [DONE]")
+            finished = not resp.content.is_eof()
+        finally:
+            if finished:
+                self._drain(resp)
+            else:
+                resp.release()  # at the body's end: back to the pool; else (cut short) closed
+
+    async def _post(
+        self,
+        url: str,
+        request_id: str,
+        body: NodeCompletionRequest | NodeEmbeddingRequest,
+        timeout: aiohttp.ClientTimeout,
+        path: str = "/v1/completions",
+    ) -> aiohttp.ClientResponse:
+        """POST `path` (a leg's by default) with the cluster secret: every call to a node goes
+        through here. A connect that timed out while this process's own event loop
+        stood still for half the connect timeout or more is tried once more: the timeout was
+        ours (loop_lag.py says how a burst does that), not the node's."""
+        data = _ENC.encode(body)
+        for attempt in (0, 1):
+            t0 = time.monotonic()
+            try:
+                return await self.session.post(
+                    f"{url}{path}",
+                    data=data,
+                    headers=_headers(request_id, body, self._auth),
+                    timeout=timeout,
+                )
+            except aiohttp.ConnectionTimeoutError:
+                stalled = self._lag.stalled_since(t0) if self._lag is not None else 0.0
+                if attempt or stalled < OWN_STALL_SHARE * self._connect_timeout_s:
+                    raise
+                self.own_stall_retries += 1
+                if t0 - self._stall_logged > 10:
+                    self._stall_logged = t0
+                    log.warning(
+                        "the gateway's event loop stood still %.1f s, so connects to nodes timed out on "
+                        "its side (%s: retrying; %d so far); a burst larger than one process takes at once "
+                        "does this — more gateway processes, or a lower [tiers] max_inflight, avoid it",
+                        stalled,
+                        url,
+                        self.own_stall_retries,
+                    )
+        raise AssertionError("unreachable")
+
+    def _drain(self, resp: aiohttp.ClientResponse) -> None:
+        """Read the rest of a stream whose `[DONE]` has been relayed, off the request's path.
+
+        A chunked body ends with a zero-length chunk that may arrive in a later read than
+        `[DONE]`. Releasing the response before it would close the connection (aiohttp cannot
+        reuse one in the middle of a body), and the next request would pay a new TCP connection
+        on its way to the first token — 4 in 10 requests did against a node that sent the two
+        in separate writes."""
+
+        async def finish() -> None:
+            try:
+                ended = await read_to_end(resp, self.drain_timeout_s)
+            except asyncio.CancelledError:
+                resp.close()
+                raise
+            if ended:
+                resp.release()
+            else:  # no end in time, or the node went: the connection goes
+                log.debug("closing a connection whose body did not end after [DONE]")
+                resp.close()
+
+        task = asyncio.ensure_future(finish())
+        self._draining.add(task)
+        task.add_done_callback(self._draining.discard)
+
+    async def close(self) -> None:
+        """Stop reading the ends of finished streams (at shutdown, before the session closes)."""
+        for task in list(self._draining):
+            task.cancel()
+        await asyncio.gather(*self._draining, return_exceptions=True)
+
+    async def embed(
+        self, url: str, request_id: str, body: NodeEmbeddingRequest
+    ) -> NodeEmbeddingResponse:
+        """`POST /v1/embeddings` on an embed node (protocol/embeddings.py), under the prefill
+        leg's timeout (both are one prefill). NodeFailure / APIError as the legs."""
+        return await self._whole(url, "/v1/embeddings", request_id, body, _EMBEDDED, "embeddings")
+
+    async def abort(self, url: str, request_id: str) -> None:
+        """Best effort: the node frees whatever it holds for the request (quietly on failure)."""
+        with contextlib.suppress(*_NETWORK_ERRORS):
+            async with self.session.post(
+                f"{url}/abort",
+                data=_ENC.encode(AbortRequest(request_id=request_id)),
+                headers=_headers(request_id, None, self._auth),
+                timeout=self._abort_timeout,
+            ) as r:
+                await r.read()
+                log.info("aborted %s on %s: %s", request_id, url, r.status)
+
+
+def _headers(
+    request_id: str,
+    body: NodeCompletionRequest | NodeEmbeddingRequest | None = None,
+    auth: dict[str, str] | None = None,
+) -> dict[str, str]:
+    h = {"X-Request-Id": request_id, "Content-Type": "application/json", **(auth or {})}
+    if (
+        isinstance(body, NodeCompletionRequest) and body.resume is not None
+    ):  # a migrated leg says so to logs and proxies
+        h["X-Duet-Migration"] = str(body.resume.migration)
+    return h
+
+
+async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:
+    try:
+        return await resp.read()
+    except _NETWORK_ERRORS:
+        return b""

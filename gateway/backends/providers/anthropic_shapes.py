@@ -1,0 +1,89 @@
+"""What OpenAI chat and Anthropic Messages call by different names, in one place, both ways.
+
+Two translations use these tables: the Anthropic *provider* (translate.py: an OpenAI chat
+request out to Anthropic, its answer back) and the gateway's own `/v1/messages` endpoint
+(gateway/api/anthropic/api.py: an Anthropic request in, onto the OpenAI chat path, the answer
+back). Keeping the names here means the two directions cannot drift apart.
+
+Invariants: `FINISH_REASONS` inverts `STOP_REASONS` on every value an OpenAI answer can carry;
+`status_of` and `error_type_of` agree on the seven types Anthropic documents; usage: Anthropic's
+`input_tokens` excludes cache reads and writes, OpenAI's `prompt_tokens` includes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.backends.providers.cost import TokenUsage
+
+#: Anthropic stop_reason → OpenAI finish_reason
+STOP_REASONS = {
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "pause_turn": "stop",
+    "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+    "tool_use": "tool_calls",
+    "refusal": "content_filter",
+}
+
+#: OpenAI finish_reason → Anthropic stop_reason ("stop" is end_turn unless a stop sequence matched)
+FINISH_REASONS = {
+    "stop": "end_turn",
+    "length": "max_tokens",
+    "tool_calls": "tool_use",
+    "function_call": "tool_use",
+    "content_filter": "refusal",
+}
+
+#: OpenAI tool_choice strings → Anthropic tool_choice types (a named function is `tool`)
+TOOL_CHOICES = {"auto": "auto", "none": "none", "required": "any"}
+TOOL_CHOICES_BACK = {v: k for k, v in TOOL_CHOICES.items()}
+
+#: Anthropic's error types and their HTTP statuses (docs: "HTTP errors")
+ERROR_STATUS = {
+    "invalid_request_error": 400,
+    "authentication_error": 401,
+    "permission_error": 403,
+    "not_found_error": 404,
+    "request_too_large": 413,
+    "rate_limit_error": 429,
+    "api_error": 500,
+    "overloaded_error": 529,
+}
+_TYPE_OF_STATUS = {v: k for k, v in ERROR_STATUS.items()}
+
+
+def status_of(error_type: Any) -> int:
+    return ERROR_STATUS.get(str(error_type), 500)
+
+
+def error_type_of(status: int) -> str:
+    """The Anthropic error type a status is answered with (503: overloaded, as Anthropic's 529)."""
+    if status in _TYPE_OF_STATUS:
+        return _TYPE_OF_STATUS[status]
+    if status == 503:
+        return "overloaded_error"
+    return "invalid_request_error" if 400 <= status < 500 else "api_error"
+
+
+def anthropic_usage(u: Any) -> TokenUsage:
+    """An Anthropic usage object as TokenUsage (cache reads and writes count as prompt tokens)."""
+    u = u if isinstance(u, dict) else {}
+
+    def n(k: str) -> int:
+        v = u.get(k)
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else 0
+
+    read, write = n("cache_read_input_tokens"), n("cache_creation_input_tokens")
+    return TokenUsage(
+        prompt_tokens=n("input_tokens") + read + write,
+        completion_tokens=n("output_tokens"),
+        cached_tokens=read,
+    )
+
+
+def input_tokens(prompt_tokens: int, cached_tokens: int) -> tuple[int, int]:
+    """OpenAI's prompt and cached counts as Anthropic's (input_tokens, cache_read_input_tokens)."""
+    cached = min(max(cached_tokens, 0), prompt_tokens)
+    return prompt_tokens - cached, cached

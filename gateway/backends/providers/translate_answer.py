@@ -1,0 +1,223 @@
+"""Anthropic Messages → OpenAI chat completions, the answers' way back (the requests' way is
+translate.py).
+
+A Message → a chat.completion (`from_anthropic`); the SSE events `message_start`,
+`content_block_start/delta/stop`, `message_delta`, `message_stop`, `ping` and `error` → OpenAI
+chunks (`AnthropicStreamTranslator`); usage (cache reads and writes count as prompt tokens,
+reads as cached tokens); stop reasons (`STOP_REASONS`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+from gateway.backends.providers.anthropic_shapes import (
+    STOP_REASONS,
+    anthropic_usage,
+)
+from gateway.backends.providers.cost import TokenUsage
+from gateway.backends.providers.errors import ProviderError
+from gateway.backends.providers.translate import error_from
+
+
+def from_anthropic(msg: Any) -> tuple[dict[str, Any], TokenUsage]:
+    if (
+        not isinstance(msg, dict)
+        or msg.get("type") != "message"
+        or not isinstance(msg.get("content"), list)
+    ):
+        raise ProviderError(
+            502,
+            "the provider's answer is not an Anthropic message",
+            retryable=True,
+            kind="invalid_response",
+        )
+    text: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for b in msg["content"]:
+        if not isinstance(b, dict):
+            continue
+        if b.get("type") == "text":
+            text.append(str(b.get("text", "")))
+        elif b.get("type") == "tool_use":
+            calls.append(
+                {
+                    "id": b.get("id"),
+                    "type": "function",
+                    "function": {
+                        "name": b.get("name"),
+                        "arguments": json.dumps(b.get("input", {})),
+                    },
+                }
+            )
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": "".join(text) if text or not calls else None,
+        "refusal": None,
+    }
+    if calls:
+        message["tool_calls"] = calls
+    usage = anthropic_usage(msg.get("usage"))
+    completion = {
+        "id": f"chatcmpl-{msg.get('id', '')}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": msg.get("model", ""),
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": STOP_REASONS.get(msg.get("stop_reason") or "", "stop"),
+            }
+        ],
+        "usage": usage.openai(),
+    }
+    return completion, usage
+
+
+class AnthropicStreamTranslator:
+    """Anthropic Messages SSE events → OpenAI chat.completion.chunk dicts."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self._id = ""
+        self._model = ""
+        self._created = int(time.time())
+        self._prompt = TokenUsage(prompt_tokens=0, completion_tokens=0)
+        self._output = 0
+        self._started = False
+        self._finish: str | None = None
+        self._tool_index: dict[int, int] = {}  # content block index → OpenAI tool_calls index
+
+    @property
+    def usage(self) -> TokenUsage | None:
+        if not self._started:
+            return None
+        p = self._prompt
+        return TokenUsage(
+            prompt_tokens=p.prompt_tokens,
+            completion_tokens=self._output,
+            cached_tokens=p.cached_tokens,
+        )
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        return {
+            "id": self._id,
+            "object": "chat.completion.chunk",
+            "created": self._created,
+            "model": self._model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+
+    def feed(self, event: str | None, data: str) -> list[dict[str, Any]]:
+        try:
+            d = json.loads(data)
+        except ValueError:
+            raise ProviderError(
+                502,
+                f"unreadable {event or 'SSE'} event from the provider",
+                retryable=True,
+                kind="invalid_response",
+            ) from None
+        if not isinstance(d, dict):
+            raise ProviderError(
+                502, "an SSE event that is not an object", retryable=True, kind="invalid_response"
+            )
+        kind = d.get("type", event)
+        if kind == "error":
+            err = d.get("error") if isinstance(d.get("error"), dict) else {}
+            raise error_from(err.get("type"), str(err.get("message", "provider error")), None)
+        if kind == "message_start":
+            m = d.get("message") if isinstance(d.get("message"), dict) else {}
+            self._id = f"chatcmpl-{m.get('id', '')}"
+            self._model = str(m.get("model", ""))
+            u = anthropic_usage(m.get("usage"))
+            self._prompt = u
+            self._output = u.completion_tokens
+            self._started = True
+            return [self._chunk({"role": "assistant", "content": ""})]
+        if not self._started:
+            if kind == "ping":
+                return []
+            raise ProviderError(
+                502,
+                f"stream event {kind!r} before message_start",
+                retryable=True,
+                kind="invalid_response",
+            )
+        if kind == "content_block_start":
+            b = d.get("content_block") if isinstance(d.get("content_block"), dict) else {}
+            if b.get("type") == "tool_use":
+                ti = self._tool_index[d.get("index", 0)] = len(self._tool_index)
+                return [
+                    self._chunk(
+                        {
+                            "tool_calls": [
+                                {
+                                    "index": ti,
+                                    "id": b.get("id"),
+                                    "type": "function",
+                                    "function": {"name": b.get("name"), "arguments": ""},
+                                }
+                            ]
+                        }
+                    )
+                ]
+            if b.get("type") == "text" and b.get("text"):
+                return [self._chunk({"content": b["text"]})]
+            return []
+        if kind == "content_block_delta":
+            delta = d.get("delta") if isinstance(d.get("delta"), dict) else {}
+            if delta.get("type") == "text_delta":
+                return [self._chunk({"content": str(delta.get("text", ""))})]
+            if delta.get("type") == "input_json_delta":
+                ti = self._tool_index.get(d.get("index", 0), 0)
+                return [
+                    self._chunk(
+                        {
+                            "tool_calls": [
+                                {
+                                    "index": ti,
+                                    "function": {"arguments": str(delta.get("partial_json", ""))},
+                                }
+                            ]
+                        }
+                    )
+                ]
+            return []  # thinking / signature deltas have no OpenAI chunk
+        if kind == "message_delta":
+            delta = d.get("delta") if isinstance(d.get("delta"), dict) else {}
+            u = d.get("usage") if isinstance(d.get("usage"), dict) else {}
+            if isinstance(u.get("output_tokens"), int):
+                self._output = u["output_tokens"]  # cumulative, per Anthropic's docs
+            if isinstance(
+                u.get("input_tokens"), int
+            ):  # newer API versions repeat the final input counts
+                self._prompt = anthropic_usage({**u, "output_tokens": 0})
+            self._finish = STOP_REASONS.get(delta.get("stop_reason") or "", "stop")
+            return [self._chunk({}, self._finish)]
+        if kind == "message_stop":
+            self.done = True
+            return []
+        return []  # ping, content_block_stop, and event types added later
+
+    def finish(self) -> list[dict[str, Any]]:
+        if not self.done:
+            raise ProviderError(
+                502, "the stream ended before message_stop", retryable=True, kind="connect"
+            )
+        usage = self.usage
+        assert usage is not None  # done implies started
+        return [
+            {
+                "id": self._id,
+                "object": "chat.completion.chunk",
+                "created": self._created,
+                "model": self._model,
+                "choices": [],
+                "usage": usage.openai(),
+            }
+        ]

@@ -1,0 +1,1 @@
+"""The one request pipeline every endpoint runs through."""

@@ -1,0 +1,185 @@
+"""OpenAI response shapes for both endpoints: stream chunks and whole bodies.
+
+One `Formatter` per request knows the id, model, creation time and endpoint, so every chunk
+of a stream agrees on them (clients check).
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from gateway.backends.base import Piece
+from protocol.chat import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    ChatLogprobs,
+    ChatMessageOut,
+    chat_logprobs,
+)
+from protocol.openai import CompletionLogprobs, Usage, merge_logprobs
+from protocol.sse import sse
+from protocol.tools import FunctionCall, ToolCall, ToolCallDelta
+
+
+class CompletionChoice(msgspec.Struct, kw_only=True):
+    index: int
+    text: str
+    finish_reason: str | None = None
+    logprobs: CompletionLogprobs | None = None
+
+
+class CompletionResponse(msgspec.Struct, kw_only=True):
+    """OpenAI's text_completion (the node's struct omits defaults, `object` included)."""
+
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+def usage(prompt: int, completion: int, cached: int) -> Usage:
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details={"cached_tokens": cached},
+    )
+
+
+class Formatter:
+    def __init__(self, endpoint: str, request_id: str, model: str, tier: str) -> None:
+        self.endpoint = endpoint
+        self.id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + request_id.removeprefix("req-")
+        self.model = model
+        self.created = int(time.time())
+        self.tier = tier
+        self._started: set[int] = set()
+
+    def chunk(self, p: Piece) -> bytes:
+        if self.endpoint == "chat":
+            # a tool-call delta carries no content (OpenAI's shape)
+            content = p.text if p.text or not (p.tool_calls or p.finish_reason) else None
+            delta = ChatDelta(content=content, tool_calls=p.tool_calls)
+            if p.index not in self._started:  # OpenAI opens each choice with the role
+                self._started.add(p.index)
+                delta = ChatDelta(role="assistant", content=content, tool_calls=p.tool_calls)
+            return sse(
+                ChatCompletionChunk(
+                    id=self.id,
+                    created=self.created,
+                    model=self.model,
+                    service_tier=self.tier,
+                    choices=[
+                        ChatChunkChoice(
+                            index=p.index,
+                            delta=delta,
+                            finish_reason=p.finish_reason,
+                            logprobs=_chat(p.logprobs),
+                        )
+                    ],
+                )
+            )
+        return sse(
+            CompletionResponse(
+                id=self.id,
+                created=self.created,
+                model=self.model,
+                choices=[
+                    CompletionChoice(
+                        index=p.index,
+                        text=p.text,
+                        finish_reason=p.finish_reason,
+                        logprobs=p.logprobs,
+                    )
+                ],
+            )
+        )
+
+    def usage_chunk(self, u: Usage) -> bytes:
+        if self.endpoint == "chat":
+            return sse(
+                ChatCompletionChunk(
+                    id=self.id,
+                    created=self.created,
+                    model=self.model,
+                    choices=[],
+                    usage=u,
+                    service_tier=self.tier,
+                )
+            )
+        return sse(
+            CompletionResponse(
+                id=self.id, created=self.created, model=self.model, choices=[], usage=u
+            )
+        )
+
+    def body(
+        self,
+        texts: dict[int, list[str]],
+        finish: dict[int, str | None],
+        u: Usage,
+        logprobs: dict[int, list[CompletionLogprobs]] | None = None,
+        calls: dict[int, list[ToolCallDelta]] | None = None,
+    ) -> ChatCompletion | CompletionResponse:
+        idx = sorted(texts)
+        lps = {i: merge_logprobs(parts) for i, parts in (logprobs or {}).items()}
+        if self.endpoint == "chat":
+            return ChatCompletion(
+                id=self.id,
+                created=self.created,
+                model=self.model,
+                usage=u,
+                service_tier=self.tier,
+                choices=[
+                    ChatChoice(
+                        index=i,
+                        message=_message("".join(texts[i]), (calls or {}).get(i)),
+                        finish_reason=finish.get(i),
+                        logprobs=_chat(lps.get(i)),
+                    )
+                    for i in idx
+                ],
+            )
+        return CompletionResponse(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            usage=u,
+            choices=[
+                CompletionChoice(
+                    index=i,
+                    text="".join(texts[i]),
+                    finish_reason=finish.get(i),
+                    logprobs=lps.get(i),
+                )
+                for i in idx
+            ],
+        )
+
+
+def _chat(lp: CompletionLogprobs | None) -> ChatLogprobs | None:
+    return None if lp is None else chat_logprobs(lp)
+
+
+def _message(text: str, deltas: list[ToolCallDelta] | None) -> ChatMessageOut:
+    """A choice's message: its text, and the calls its deltas make up (content null when the
+    answer is only calls, as OpenAI sends it)."""
+    if not deltas:
+        return ChatMessageOut(content=text)
+    calls: list[ToolCall] = []
+    for d in deltas:
+        if d.index == len(calls):
+            calls.append(ToolCall(id=d.id or "", function=FunctionCall(name="", arguments="")))
+        f = calls[d.index].function
+        if d.function is not None:
+            f.name = d.function.name or f.name
+            f.arguments += d.function.arguments or ""
+    return ChatMessageOut(content=text if text.strip() else None, tool_calls=calls)

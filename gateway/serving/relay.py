@@ -1,0 +1,176 @@
+"""Relaying a backend's `Reply` to the client: as SSE into an `EventSink`, or as one JSON body.
+
+Invariants (both forms):
+- the usage record is committed (the ledger's `commit`) before the answer's finishing chunks
+  (those carrying a `finish_reason`), the usage chunk and `[DONE]` go out — or before the JSON
+  body is returned — so a response a client saw whole always has its record;
+- a reply that breaks after its first piece (`MidStreamError`) is committed as
+  `error_midstream`: a stream ends with an SSE error event and `[DONE]`, a whole answer is a 502;
+  it bills the completion tokens of the pieces written to the client (`Piece.tokens`, counted
+  in `Accounting.sent` as each write goes out), never tokens made but not delivered: those of
+  a piece still held back (a finishing chunk of n > 1, a delta that showed no text yet) or of
+  a whole answer (its client gets none of them). A reply that breaks before any piece went
+  out is a plain HTTP error, as one that fails before its first piece;
+- the reply is closed on every way out (`aclose` now, not at GC: the backend aborts its work on
+  the nodes there).
+
+Chunks whose successor has already arrived (`Piece.more`) are written together, and the SSE
+headers leave with the first chunk: the client wakes once for its first token.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+from aiohttp import web
+
+from gateway.accounts.ledger import Ledger, UsageStatus
+from gateway.backends.base import Accounting, MidStreamError, Piece, Reply
+from gateway.serving.openai_format import Formatter, usage
+from protocol.openai import APIError, CompletionLogprobs, Usage
+from protocol.sse import DONE, SSE_HEADERS, error_event
+from protocol.tools import ToolCallDelta
+
+log = logging.getLogger("duet.gateway")
+
+
+class EventSink(Protocol):
+    """Where a streamed answer goes: opened with its headers at the first chunk, then written,
+    then ended with the last bytes in the same send."""
+
+    @property
+    def opened(self) -> bool: ...
+
+    async def open(self, headers: dict[str, str]) -> None: ...
+
+    async def write(self, data: bytes) -> None: ...
+
+    async def end(self, data: bytes) -> None: ...
+
+
+class _EventStream(web.StreamResponse):
+    """An SSE response whose headers leave with its first chunk, in one send (aiohttp's
+    StreamResponse sends them at `prepare()`, a send of their own). It is prepared only when
+    the first chunk is in hand, so holding the headers delays nothing; the client wakes once
+    for its first token instead of twice. (`web.Response` sets the same class attribute.)"""
+
+    _send_headers_immediately = False
+
+
+class HttpEventStream:
+    """The `EventSink` of an HTTP request: an SSE response, prepared at `open`."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.response: web.StreamResponse | None = None
+
+    @property
+    def opened(self) -> bool:
+        return self.response is not None
+
+    async def open(self, headers: dict[str, str]) -> None:
+        self.response = _EventStream(headers={**SSE_HEADERS, **headers})
+        await self.response.prepare(self.request)
+
+    async def write(self, data: bytes) -> None:
+        assert self.response is not None
+        await self.response.write(data)
+
+    async def end(self, data: bytes) -> None:
+        assert self.response is not None
+        await self.response.write_eof(data)
+
+
+def _count_sent(acc: Accounting, pieces: list[Piece]) -> None:
+    """`pieces` were written to the client: their tokens are sent (and `pieces` is emptied)."""
+    for p in pieces:
+        acc.sent[p.index] = acc.sent.get(p.index, 0) + p.tokens
+    pieces.clear()
+
+
+def _usage(reply: Reply) -> Usage:
+    a = reply.accounting
+    return usage(a.prompt_tokens, a.total_completion_tokens, a.cached_tokens)
+
+
+async def relay_whole(ledger: Ledger, reply: Reply, fmt: Formatter, n: int) -> object:
+    """The whole answer's body (a struct), its usage record committed."""
+    texts: dict[int, list[str]] = {i: [] for i in range(n)}
+    finish: dict[int, str | None] = {}
+    logprobs: dict[int, list[CompletionLogprobs]] = {}
+    calls: dict[int, list[ToolCallDelta]] = {}
+    try:
+        async for p in reply:
+            texts[p.index].append(p.text)
+            if p.logprobs is not None:
+                logprobs.setdefault(p.index, []).append(p.logprobs)
+            if p.tool_calls:
+                calls.setdefault(p.index, []).extend(p.tool_calls)
+            if p.finish_reason:
+                finish[p.index] = reply.accounting.finish_reasons[p.index] = p.finish_reason
+    except MidStreamError as e:
+        reply.accounting.bill_sent()  # nothing was sent: a 502 carries none of the tokens
+        await ledger.commit(UsageStatus.ERROR_MIDSTREAM, reply.accounting)
+        raise APIError(
+            502, f"the answer broke off: {e.message}", type_="upstream_error", code=e.code
+        ) from None
+    finally:
+        await reply.aclose()
+    await ledger.commit(UsageStatus.OK, reply.accounting)
+    return fmt.body(texts, finish, _usage(reply), logprobs or None, calls or None)
+
+
+async def relay_stream(
+    ledger: Ledger,
+    reply: Reply,
+    fmt: Formatter,
+    sink: EventSink,
+    headers: dict[str, str],
+    include_usage: bool,
+) -> None:
+    """The answer as SSE into `sink` (opened with `headers` at the first piece; errors before
+    it are plain HTTP errors, raised)."""
+    acc = reply.accounting
+    ledger.streaming(acc)  # a dead gateway's booking bills what this sends
+    held: list[Piece] = []  # finishing chunks wait for the usage record's commit
+    pending: list[bytes] = []  # chunks whose successor has already arrived: one write for all
+    unsent: list[Piece] = []  # the pieces of `pending`, counted sent once written
+    try:
+        async for p in reply:
+            if not sink.opened:
+                await sink.open(headers)
+            if p.finish_reason:
+                acc.finish_reasons[p.index] = p.finish_reason
+                held.append(p)
+                continue
+            pending.append(fmt.chunk(p))
+            unsent.append(p)
+            if not p.more:
+                await sink.write(pending[0] if len(pending) == 1 else b"".join(pending))
+                pending.clear()
+                _count_sent(acc, unsent)
+    except MidStreamError as e:
+        await reply.aclose()
+        _count_sent(acc, unsent)  # they leave with the error event, in the same send
+        acc.bill_sent()
+        await ledger.commit(UsageStatus.ERROR_MIDSTREAM, acc)
+        log.warning("%s: mid-stream failure: %s", ledger.record.request_id, e.message)
+        if not sink.opened:  # no piece went out (the deltas read showed no text): a plain error
+            raise
+        await sink.end(b"".join([*pending, error_event(e), DONE]))
+        return
+    except BaseException:
+        await reply.aclose()
+        raise
+    await ledger.commit(UsageStatus.OK, reply.accounting)
+    if not sink.opened:
+        await sink.open(headers)
+    # The finishing chunks, the usage chunk, [DONE] and the body's end leave in one send (not
+    # five): a client that stops reading at [DONE] then finds the body ended and can keep its
+    # connection for the next request.
+    tail = [*pending, *(fmt.chunk(p) for p in held)]
+    if include_usage:
+        tail.append(fmt.usage_chunk(_usage(reply)))
+    tail.append(DONE)
+    await sink.end(b"".join(tail))

@@ -1,0 +1,400 @@
+"""Parsing and checking the public request bodies (`/v1/chat/completions`, `/v1/completions`).
+
+Nothing from the client is trusted: the raw JSON's keys are checked first, and a field the
+gateway does not support (images, audio, …) is a 400 that names it — unless it
+carries its neutral value (`null`, `false`, `0`, `[]`, `{}`), which changes nothing. Types
+come from msgspec; meaning (ranges, n ≤ 8, stop ≤ 4 strings, user ≤ 256 characters,
+penalties, logit_bias, tools: gateway/tools/spec.py; the one constraint of response_format,
+vLLM's guided_json / guided_regex / guided_choice / structured_outputs or a forced tool_choice:
+gateway/serving/constraint.py) is checked here with OpenAI's wording, before any node work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import msgspec
+
+from gateway.serving.constraint import VLLM_FIELDS, constraint, refuse_min_tokens, vllm_fields
+from gateway.tools.spec import Tools, check_tools, tool_turn
+from protocol import limits
+from protocol.chat import ChatCompletionRequest
+from protocol.openai import APIError, CompletionRequest, refusals
+from protocol.structured import Guide, ResponseFormat, StructuredOutputs
+
+#: the `user` field is stored in every usage record; longer than this it is not a user id
+MAX_USER = 256
+MAX_MESSAGES = 2048  # OpenAI's bound on a chat request's messages
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "user",
+    "service_tier",
+    "top_k",
+    "min_tokens",
+    "ignore_eos",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "min_p",
+    "logit_bias",
+    "response_format",
+    *VLLM_FIELDS,
+}
+CHAT_FIELDS = COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+}
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"}
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
+_DECODE = msgspec.json.Decoder()
+
+
+class Endpoint(StrEnum):
+    """The public endpoint a request came to (its answer's shape)."""
+
+    CHAT = "chat"
+    COMPLETION = "completion"
+    #: `/v1/embeddings` (gateway/api/embeddings.py): usage records and `usable_for` only
+    EMBEDDING = "embedding"
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """The sampling fields a client set (None: the model's default), checked; the nodes and the
+    providers each take what they know of them."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    top_k: int | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop: tuple[str, ...] = ()
+    #: the sampled token's logprob plus this many top tokens (completions form; None: none)
+    logprobs: int | None = None
+    # OpenAI's penalties, vLLM's repetition_penalty and min_p, logit_bias (token id as a
+    # decimal string → its bias); their ranges: protocol/limits.py
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the client asked, parsed and checked: the one record of it, never changed after."""
+
+    endpoint: Endpoint
+    model: str
+    #: chat: messages in OpenAI's form, content always a string (an assistant turn's
+    #: `tool_calls`, a tool turn's `tool_call_id` kept); completion: None
+    messages: list[dict[str, Any]] | None
+    #: completion: the prompt as given (text or token ids)
+    prompt: str | list[int] | None
+    #: as the client sent it (None: the model's default)
+    max_tokens: int | None
+    sampling: Sampling
+    n: int
+    stream: bool
+    include_usage: bool
+    service_tier: str | None
+    user: str | None
+    #: as the client sent it (None or type "text": unconstrained)
+    response_format: ResponseFormat | None = None
+    #: the constraint response_format or vLLM's guided_json / guided_regex / guided_choice /
+    #: structured_outputs ask for, checked by the grammar engine in serve.run (a forced
+    #: tool_choice's is built per model: gateway/tools/plan.py, checked in measure.py)
+    guide: Guide | None = None
+    #: vLLM's extras as `structured_outputs`, one field set (None: not used; gateway/serving/constraint.py)
+    structured_outputs: StructuredOutputs | None = None
+    #: the request field that constrains the answer (None: unconstrained); errors name it
+    constraint_field: str | None = None
+    #: the param a refused `guide` names ("structured_outputs.regex", …); the guide is checked
+    #: by the grammar engine off the event loop (serve.run → GuideChecker) before any node work
+    guide_param: str | None = None
+    #: chat: the checked tools and tool_choice
+    tools: Tools = field(default_factory=Tools)
+    #: the conversation holds tool calls or tool results
+    has_tool_turns: bool = False
+
+
+def _neutral(v: Any) -> bool:
+    return v is None or v is False or v == 0 or v == [] or v == {} or v == {"type": "text"}
+
+
+def _decode_json(raw: bytes) -> dict[str, Any]:
+    try:
+        data = _DECODE.decode(raw)
+    except (
+        msgspec.DecodeError,
+        RecursionError,
+    ) as e:  # RecursionError: JSON nested past the parser's depth
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def _refuse_unsupported(data: dict[str, Any], allowed: set[str]) -> None:
+    bad = sorted(k for k, v in data.items() if k not in allowed and not _neutral(v))
+    if bad:
+        # the names are the client's: any that is not a plain name is quoted (repr), so a name
+        # cannot forge a line in the log
+        names = ", ".join(k if k.isidentifier() else repr(k) for k in bad)
+        raise APIError(
+            400,
+            f"unsupported field{'s' if len(bad) > 1 else ''}: {names} "
+            "(duet serves text generation only)",
+            param=bad[0],
+            code="unsupported_field",
+        )
+
+
+def _convert(data: dict[str, Any], cls: type) -> Any:
+    try:
+        return msgspec.convert(data, cls)
+    except msgspec.ValidationError as e:
+        msg = str(e)
+        param = (
+            msg.rsplit("`$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
+            if "`$." in msg
+            else None
+        )
+        raise APIError(400, f"invalid request: {msg}", param=param) from None
+
+
+def _sampling(body: Any, max_tokens: int | None, logprobs: int | None) -> tuple[Sampling, int]:
+    n = 1 if body.n is None else body.n
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    with refusals():  # the ranges and words every process refuses with (protocol/limits.py)
+        limits.check_max_tokens(max_tokens)
+        limits.check_temperature(body.temperature)
+        limits.check_top_p(body.top_p)
+        limits.check_n(n)
+        limits.check_top_k(body.top_k)
+        limits.check_min_tokens(body.min_tokens)
+        limits.check_stop(stop)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(
+                400, "stream_options is only allowed when stream is true", param="stream_options"
+            )
+        limits.check_penalties(
+            body.frequency_penalty, body.presence_penalty, body.repetition_penalty, body.min_p
+        )
+        bias = limits.logit_bias(body.logit_bias)
+    return Sampling(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        seed=body.seed,
+        top_k=body.top_k,
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+        stop=tuple(stop),
+        logprobs=logprobs,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        repetition_penalty=body.repetition_penalty,
+        min_p=body.min_p,
+        logit_bias=bias,
+    ), n
+
+
+def parse_chat(raw: bytes) -> Request:
+    data = _decode_json(raw)
+    _refuse_unsupported(data, CHAT_FIELDS)
+    if "messages" not in data or "model" not in data:
+        missing = "model" if "model" not in data else "messages"
+        raise APIError(400, f"missing required field: {missing}", param=missing)
+    body: ChatCompletionRequest = _convert(data, ChatCompletionRequest)
+    if not body.messages:
+        raise APIError(400, "messages must not be empty", param="messages")
+    if len(body.messages) > MAX_MESSAGES:  # before any template or tokenizer work on them
+        raise APIError(
+            400,
+            f"messages holds at most {MAX_MESSAGES} messages, got {len(body.messages)}",
+            param="messages",
+        )
+    messages = []
+    for i, m in enumerate(body.messages):
+        if m.role not in CHAT_ROLES:
+            raise APIError(
+                400,
+                f"messages[{i}]: role {m.role!r} is not supported (use system, developer, user, "
+                "assistant or tool)",
+                param=f"messages[{i}].role",
+            )
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise APIError(
+                        400,
+                        f"messages[{i}]: content part of type {kind!r} is not supported "
+                        "(only text)",
+                        param=f"messages[{i}].content",
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        if m.tool_calls or m.role == "tool" or m.tool_call_id is not None:
+            messages.append(tool_turn(i, m, content))
+            continue
+        if content is None:
+            raise APIError(
+                400, f"messages[{i}]: content is required", param=f"messages[{i}].content"
+            )
+        role = "system" if m.role == "developer" else m.role
+        messages.append({"role": role, "content": content})
+    max_tokens = (
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    )
+    if body.top_logprobs is not None:
+        if not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        _check_top("top_logprobs", body.top_logprobs)
+    # the nodes speak the completions form: N top tokens besides the chosen one
+    sampling, n = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    c = constraint(
+        vllm_fields(data), body.response_format, forced_tool=tools.choice in ("required", "named")
+    )
+    refuse_min_tokens(c.field, sampling.min_tokens)
+    return Request(
+        endpoint=Endpoint.CHAT,
+        model=body.model,
+        messages=messages,
+        prompt=None,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        n=n,
+        stream=bool(body.stream),
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        service_tier=body.service_tier,
+        user=_user(body.user),
+        response_format=body.response_format,
+        guide=c.guide,
+        structured_outputs=c.structured_outputs,
+        constraint_field=c.field,
+        guide_param=c.param,
+        tools=tools,
+        has_tool_turns=any("tool_calls" in m or m["role"] == "tool" for m in messages),
+    )
+
+
+def parse_completion(raw: bytes) -> Request:
+    data = _decode_json(raw)
+    _refuse_unsupported(data, COMPLETION_FIELDS)
+    if "prompt" not in data or "model" not in data:
+        missing = "model" if "model" not in data else "prompt"
+        raise APIError(400, f"missing required field: {missing}", param=missing)
+    stream_options = data.get("stream_options")
+    body: CompletionRequest = _convert(data, CompletionRequest)
+    if not isinstance(body.model, str):
+        raise APIError(400, "model must be a string", param="model")
+    p = body.prompt
+    if isinstance(p, list) and p and not _is_token(p[0]):
+        if len(p) != 1:
+            raise APIError(400, "only one prompt per request is supported", param="prompt")
+        p = p[0]
+    if isinstance(p, list):
+        if not all(map(_is_token, p)):
+            raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
+    elif not isinstance(p, str):
+        raise APIError(400, "prompt must be a string or a list of token ids", param="prompt")
+    if not p:
+        raise APIError(400, "the prompt is empty", param="prompt")
+    # CompletionRequest defaults max_tokens to 16 (the node's default); the gateway's default
+    # is the model's, so read what the client really sent.
+    max_tokens = data.get("max_tokens")
+    if max_tokens is not None and not _is_token(max_tokens):
+        raise APIError(400, "max_tokens must be an integer", param="max_tokens")
+    if stream_options is None:
+        body.stream_options = None
+    if body.logprobs is not None:
+        _check_top("logprobs", body.logprobs)
+    sampling, n = _sampling(_Shim(body, n=data.get("n")), max_tokens, body.logprobs)
+    rf = (
+        _convert({"response_format": data["response_format"]}, _Format).response_format
+        if data.get("response_format") is not None
+        else None
+    )
+    c = constraint(vllm_fields(data), rf, forced_tool=False)
+    refuse_min_tokens(c.field, sampling.min_tokens)
+    return Request(
+        endpoint=Endpoint.COMPLETION,
+        model=body.model,
+        messages=None,
+        prompt=p,
+        max_tokens=max_tokens,
+        sampling=sampling,
+        n=n,
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        service_tier=body.service_tier,
+        user=_user(body.user),
+        response_format=rf,
+        guide=c.guide,
+        structured_outputs=c.structured_outputs,
+        constraint_field=c.field,
+        guide_param=c.param,
+    )
+
+
+class _Format(msgspec.Struct):
+    """response_format on the completions form (vLLM's extension; OpenAI's chat field)."""
+
+    response_format: ResponseFormat
+
+
+class _Shim:
+    """CompletionRequest with `n` as the client sent it (its struct defaults n to 1)."""
+
+    def __init__(self, body: CompletionRequest, n: Any) -> None:
+        self._body = body
+        self.n = n if n is not None else 1
+        if not _is_token(self.n):
+            raise APIError(400, "n must be an integer", param="n")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._body, name)
+
+
+def _user(user: str | None) -> str | None:
+    """The end user the caller names (msgspec already refused a non-string); "" names nobody."""
+    if user is not None and len(user) > MAX_USER:
+        raise APIError(
+            400,
+            f"user must be a string of at most {MAX_USER} characters, got {len(user)}",
+            param="user",
+        )
+    return user or None
+
+
+def _check_top(name: str, n: int) -> None:
+    with refusals():
+        limits.check_logprobs(name, n)
+
+
+def _is_token(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
