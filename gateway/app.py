@@ -166,14 +166,14 @@ def make_app(config: GatewayConfig) -> web.Application:
     )
     # what exists before the event loop runs: the routes, the middleware, the batch routes and
     # the console find them here; the rest of the state is made at start-up (`_lifecycle`)
-    store = open_store(config.store_url)
+    store = open_store(config.store_url, batch_wiring.data_dir(config))
     metrics = GatewayMetrics()
     tracing = setup("duet-gateway", from_env(DEFAULT_RING, config.tracing))
     # public endpoints: a client's traceparent is a link, never the parent (runtime/tracing.py)
     tracing.install(app, after=_request_id, trust_parent=False)
     app.cleanup_ctx.append(_lifecycle(config, store, metrics, tracing))
     if config.batch.enabled:  # after _lifecycle: the runner needs the gateway's state
-        batch_wiring.install(app, config, STATE)
+        batch_wiring.install(app, config, store, STATE)
     r = app.router
     r.add_post("/v1/chat/completions", _completions(Endpoint.CHAT))
     r.add_post("/v1/completions", _completions(Endpoint.COMPLETION))

@@ -238,31 +238,20 @@ class TeamPolicy:
     batch_priority: str = "normal"
 
 
-@dataclass(frozen=True)
-class BatchSettings:
-    """`[batch]`: the Files/Batches API and its runner (gateway/batch/wiring.py)."""
+@dataclass(frozen=True, kw_only=True)
+class BatchLimits:
+    """The batch tier's bounds and pace: the keys `[batch]` and the runner's `BatchConfig`
+    (gateway/batch/config.py) share, written once here (defaults follow OpenAI's Batch API)."""
 
-    enabled: bool = True
-    #: batch requests this gateway runs at once (each also takes an admission slot)
+    #: batch requests a runner has in flight at once (each also takes an admission slot)
     concurrency: int = 4
-    #: fraction off the model's prices for batch lines (0.5 = half price)
-    discount: float = 0.5
-    #: batch store + file contents; default: a `batch` directory next to the SQLite gateway
-    #: store, else $DUET_HOME/batch (several gateways must share one: see batch_wiring.py)
-    data_dir: str | None = None
-    #: HMAC secret for callbacks (or $DUET_BATCH_CALLBACK_SECRET); per-team overrides below
-    callback_secret: str | None = None
-    callback_secrets: dict[str, str] = field(default_factory=dict)
-    #: callbacks to loopback/private addresses (labs, tests); refused by default
-    allow_private_callbacks: bool = False
     #: a claim not renewed for this long is taken over by another (or a restarted) gateway
     lease_s: float = 60.0
+    #: how often an idle runner looks for work
     poll_s: float = 0.5
     #: runs of one line before its last answer is final
     max_attempts: int = 5
     retry_base_s: float = 1.0
-    #: unique among live gateways sharing a store, stable across restarts (default: host:port)
-    worker_id: str | None = None
     max_requests: int = 50_000
     max_file_bytes: int = 200 * 2**20
     #: one request line at most (OpenAI's per-request body bound is far below a file's)
@@ -271,6 +260,27 @@ class BatchSettings:
     max_open_batches: int = 100
     #: bytes of one team's stored files (inputs and results) not deleted
     max_team_bytes: int = 10 * 2**30
+    #: HMAC secret for callbacks (or $DUET_BATCH_CALLBACK_SECRET); per-team overrides below; no
+    #: secret: no callbacks
+    callback_secret: str | None = None
+    callback_secrets: dict[str, str] = field(default_factory=dict)
+    #: callbacks to loopback/private addresses (labs, tests); refused by default
+    allow_private_callbacks: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchSettings(BatchLimits):
+    """`[batch]`: the Files/Batches API and its runner (gateway/batch/wiring.py)."""
+
+    enabled: bool = True
+    #: fraction off the model's prices for batch lines (0.5 = half price)
+    discount: float = 0.5
+    #: the batch tables' SQLite file and the file contents; default: a `batch` directory next
+    #: to the SQLite gateway store, else $DUET_HOME/batch (several gateways must share one:
+    #: see gateway/batch/wiring.py)
+    data_dir: str | None = None
+    #: unique among live gateways sharing a store, stable across restarts (default: host:port)
+    worker_id: str | None = None
 
 
 @dataclass(frozen=True)

@@ -36,9 +36,9 @@ from aiohttp import web
 
 from gateway.accounts.keys import new_key
 from gateway.accounts.store.base import GROUP_BY, Team, UsageRecord
+from gateway.accounts.store.batch_tables import BatchTables, Conflict
 from gateway.batch import wiring as batch_wiring
 from gateway.batch.models import Batch
-from gateway.batch.store import BatchStore, Conflict
 from gateway.batch.submit import batch_object
 from gateway.state import GatewayState
 from protocol.openai import APIError
@@ -317,7 +317,7 @@ class TeamBatchList(msgspec.Struct, frozen=True, kw_only=True):
     object: str = "list"
 
 
-def _batch_store(request: web.Request) -> tuple[BatchStore, Any]:
+def _batch_store(request: web.Request) -> tuple[BatchTables, Any]:
     if batch_wiring.RUNNER not in request.app:
         raise APIError(
             404, "this gateway runs no batch tier ([batch] enabled = false)", code="batch_tier_off"

@@ -13,6 +13,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gateway.config_tables import BatchLimits
+
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
 
@@ -22,16 +24,11 @@ def default_worker_id() -> str:
 
 
 @dataclass(frozen=True, kw_only=True)
-class BatchConfig:
+class BatchConfig(BatchLimits):
+    """The runner's and the routes' settings: `[batch]`'s bounds (`BatchLimits`) and what the
+    gateway works out for them (where the files live, the models and priorities allowed)."""
+
     data_dir: Path  # input/output file contents live under data_dir/files
-    max_requests: int = 50_000
-    max_file_bytes: int = 200 * 1024 * 1024
-    #: one request line at most: a line is one request body, far below a file's bound
-    max_line_bytes: int = 1024 * 1024
-    #: batches of one team not yet ended, and bytes of its stored files (per-team limits, so
-    #: one team cannot fill the disk or the queue)
-    max_open_batches: int = 100
-    max_team_bytes: int = 10 * 1024**3
     #: the highest batch priority (models.PRIORITIES value) a team may ask for: per team, else
     #: the default (a team right, not the client's choice)
     max_priority: int = 1
@@ -41,16 +38,7 @@ class BatchConfig:
     models: frozenset[str] | None = None
     #: seconds each accepted `completion_window` value grants
     completion_windows: dict[str, float] = field(default_factory=lambda: {"24h": 86_400.0})
-    concurrency: int = 4  # requests in flight per runner process
-    lease_s: float = 60.0  # a claim not renewed for this long may be taken by another runner
-    poll_s: float = 0.5  # how often an idle runner looks for work
-    max_attempts: int = 5  # executions of one request before it is recorded as failed
-    retry_base_s: float = 1.0
     retry_max_s: float = 60.0
-    #: HMAC secrets for callbacks: per team, else the default; no secret means no callbacks
-    callback_secret: str | None = None
-    callback_secrets: dict[str, str] = field(default_factory=dict)
-    allow_private_callbacks: bool = False  # loopback/private/link-local receivers (tests, labs)
     callback_timeout_s: float = 10.0
     callback_max_attempts: int = 8
     callback_retry_base_s: float = 2.0

@@ -19,13 +19,14 @@ from typing import Any
 
 from aiohttp import web
 
+from gateway.accounts.store.batch_tables import BatchTables, Conflict, TeamLimit
 from gateway.accounts.store.private_files import open_private
 from gateway.batch.config import BatchConfig
 from gateway.batch.contracts import Authenticate
 from gateway.batch.files import FileStore, InvalidFile, bounded_lines, new_file_id, parse_lines
 from gateway.batch.models import CreateBatch, FileObject, ListPage
+from gateway.batch.rows import FileRow
 from gateway.batch.simple import add_simple_routes
-from gateway.batch.store import BatchStore, Conflict, FileRow, TeamLimit
 from gateway.batch.submit import (
     api_handler,
     batch_object,
@@ -101,7 +102,7 @@ def not_found(kind: str, id_: str) -> APIError:
 
 class _Routes:
     def __init__(
-        self, store: BatchStore, authenticate: Authenticate, config: BatchConfig, wake: Any
+        self, store: BatchTables, authenticate: Authenticate, config: BatchConfig, wake: Any
     ) -> None:
         self.store = store
         self.auth = authenticate
@@ -322,7 +323,7 @@ class _Routes:
 def make_batch_routes(
     app_or_router: web.Application | web.UrlDispatcher,
     *,
-    store: BatchStore,
+    store: BatchTables,
     authenticate: Authenticate,
     config: BatchConfig,
     wake: Any = None,

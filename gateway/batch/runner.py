@@ -35,6 +35,7 @@ from typing import Any
 
 import msgspec
 
+from gateway.accounts.store.batch_tables import BatchTables
 from gateway.batch.callback import CallbackSender
 from gateway.batch.config import BatchConfig
 from gateway.batch.contracts import RETRYABLE_STATUS, Defer, Executor, MayRun, is_final
@@ -46,8 +47,7 @@ from gateway.batch.models import (
     OutputResponse,
     RequestCounts,
 )
-from gateway.batch.rows import new_request_id
-from gateway.batch.store import BatchRow, BatchStore, Claimed, FileRow, ResultRow
+from gateway.batch.rows import BatchRow, Claimed, FileRow, ResultRow, new_request_id
 
 log = logging.getLogger("duet.gateway.batch")
 _ENC = msgspec.json.Encoder()
@@ -86,7 +86,7 @@ FILE_SWEEP_S = 60.0
 class BatchRunner:
     def __init__(
         self,
-        store: BatchStore,
+        store: BatchTables,
         executor: Executor,
         config: BatchConfig,
         *,

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from gateway.accounts.store.batch_tables import BatchTables, TeamLimit
 from gateway.batch.callback import CallbackURLError, check_callback_url
 from gateway.batch.config import BatchConfig
 from gateway.batch.contracts import Authenticate
@@ -37,8 +38,8 @@ from gateway.batch.models import (
     SimpleBatchStatus,
     SimpleRequest,
 )
+from gateway.batch.rows import BatchRow, FileRow
 from gateway.batch.runner import output_line
-from gateway.batch.store import BatchRow, BatchStore, FileRow, TeamLimit
 from gateway.batch.submit import (
     api_handler,
     batch_object,
@@ -89,7 +90,7 @@ def to_jsonl(requests: list[Any]) -> tuple[list[bytes], list[BatchError]]:
     return lines, errors
 
 
-async def estimate_completion(store: BatchStore, config: BatchConfig, n: int, now: float) -> float:
+async def estimate_completion(store: BatchTables, config: BatchConfig, n: int, now: float) -> float:
     """When a new batch of `n` requests should be done: the work queued ahead plus its own, at
     the recent per-request time, spread over the runner's concurrency (a guess, not a promise)."""
     mean = await store.mean_request_seconds(now - 3600) or config.default_request_s
@@ -100,7 +101,7 @@ async def estimate_completion(store: BatchStore, config: BatchConfig, n: int, no
 def add_simple_routes(
     router: web.UrlDispatcher,
     *,
-    store: BatchStore,
+    store: BatchTables,
     authenticate: Authenticate,
     config: BatchConfig,
     wake: Any,
@@ -209,7 +210,9 @@ def add_simple_routes(
     router.add_route("GET", "/v1/batch/{batch_id}", api_handler(status))
 
 
-async def simple_status(store: BatchStore, config: BatchConfig, row: BatchRow) -> SimpleBatchStatus:
+async def simple_status(
+    store: BatchTables, config: BatchConfig, row: BatchRow
+) -> SimpleBatchStatus:
     results = None
     est: float | None = None
     if row.status in TERMINAL:

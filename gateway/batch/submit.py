@@ -17,11 +17,12 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from gateway.accounts.store.batch_tables import BatchTables, TeamLimit
 from gateway.batch.config import BatchConfig
 from gateway.batch.contracts import Authenticate
 from gateway.batch.files import FileStore, InvalidFile, check_for_batch, parse_lines
 from gateway.batch.models import PRIORITIES, Batch, BatchError, BatchErrors, RequestCounts
-from gateway.batch.store import BatchRow, BatchStore, NewRequest, TeamLimit
+from gateway.batch.rows import BatchRow, NewRequest
 from protocol.openai import APIError
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -126,7 +127,7 @@ def limit_error(config: BatchConfig, team_id: str, e: TeamLimit, param: str = "f
     )
 
 
-async def check_open_batches(store: BatchStore, config: BatchConfig, team_id: str) -> None:
+async def check_open_batches(store: BatchTables, config: BatchConfig, team_id: str) -> None:
     """An early answer, before a file is read or stored; the bound itself is held by the store
     (`create_batch(max_open=)`), where requests racing this check are counted."""
     _, open_ = await store.team_holdings(team_id)
@@ -134,7 +135,7 @@ async def check_open_batches(store: BatchStore, config: BatchConfig, team_id: st
         raise too_many_open(config, team_id, open_)
 
 
-async def storage_left(store: BatchStore, config: BatchConfig, team_id: str) -> int:
+async def storage_left(store: BatchTables, config: BatchConfig, team_id: str) -> int:
     """Bytes the team may still store in one file (its file bound, or what its storage allows):
     an early bound for reading an upload; the store holds the limit (`insert_file(max_team_bytes=)`)."""
     held, _ = await store.team_holdings(team_id)
@@ -165,7 +166,7 @@ def _errors_json(errors: list[BatchError]) -> list[dict[str, Any]]:
 
 
 async def submit_batch(
-    store: BatchStore,
+    store: BatchTables,
     files: FileStore,
     config: BatchConfig,
     *,

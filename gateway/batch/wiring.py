@@ -17,15 +17,16 @@ the gateway's own serving path, the auth adapter, and the runner's lifecycle.
 - Lifecycle: the runner starts after the gateway's own context (models, session) and stops
   before it, handing its claims back at once.
 
-Several gateways: with a PostgreSQL gateway store the batch tier lives in the same database
-(`PostgresBatchStore`: claims with FOR UPDATE SKIP LOCKED), so any gateway serves, runs and
-finalizes any batch; file contents stay on disk under `[batch] data_dir`, which must then be a
+The batch tier's tables are the gateway's one store's (gateway/accounts/store/). Several
+gateways: with a PostgreSQL store the batch tables are in the same database (claims with
+FOR UPDATE SKIP LOCKED), so any gateway serves, runs and finalizes any batch; file contents stay on disk under `[batch] data_dir`, which must then be a
 directory every gateway mounts (a warning at start-up says so when it is left at its default).
 With SQLite, gateways on one host may share `data_dir` (SQLite locking).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -39,17 +40,15 @@ from aiohttp import web
 
 from gateway.accounts.ledger import Caller, RateLimited
 from gateway.accounts.store.base import ApiKey
+from gateway.accounts.store.batch_tables import BatchTables
 from gateway.accounts.team_gate import TeamLimited
-from gateway.batch import (
-    BatchConfig,
-    BatchRunner,
-    BatchStore,
-    Defer,
-    SqliteBatchStore,
-    make_batch_routes,
-)
+from gateway.batch.config import BatchConfig
+from gateway.batch.contracts import Defer
 from gateway.batch.models import PRIORITIES
+from gateway.batch.routes import make_batch_routes
+from gateway.batch.runner import BatchRunner
 from gateway.config import BatchSettings, GatewayConfig, TeamPolicy, TierConfig
+from gateway.config_tables import BatchLimits
 from gateway.serving import pipeline as serve
 from gateway.serving.requests import Endpoint
 from gateway.serving.tiers import Admission, Shed
@@ -61,6 +60,8 @@ log = logging.getLogger("duet.gateway.batch")
 RUNNER = web.AppKey("batch_runner", BatchRunner)
 _ENDPOINTS = {"/v1/chat/completions": Endpoint.CHAT, "/v1/completions": Endpoint.COMPLETION}
 _ENC = msgspec.json.Encoder()
+#: where an operator may keep the callbacks' HMAC secret instead of [batch] callback_secret
+CALLBACK_SECRET_ENV = "DUET_BATCH_CALLBACK_SECRET"
 
 
 def data_dir(cfg: GatewayConfig) -> Path:
@@ -76,39 +77,18 @@ def shared_store(cfg: GatewayConfig) -> bool:
     return cfg.store_url.startswith(("postgresql://", "postgres://"))
 
 
-def open_batch_store(cfg: GatewayConfig, bc: BatchConfig) -> BatchStore:
-    """The batch store follows the gateway store: the same PostgreSQL database when gateways
-    share one, else an SQLite file in the batch data directory."""
-    if shared_store(cfg):
-        from gateway.batch.pg_store import PostgresBatchStore
-
-        return PostgresBatchStore(cfg.store_url)
-    return SqliteBatchStore(bc.data_dir / "batch.sqlite3")
-
-
 def batch_config(cfg: GatewayConfig) -> BatchConfig:
     b: BatchSettings = cfg.batch
     # host:port is unique among live gateways and the same after a restart, so a restarted
     # gateway takes its own claims back at once instead of waiting for their leases.
     worker = b.worker_id or f"{socket.gethostname()}:{cfg.server.port}"
+    limits = {f.name: getattr(b, f.name) for f in dataclasses.fields(BatchLimits)}
     return BatchConfig(
+        **{**limits, "callback_secret": b.callback_secret or os.environ.get(CALLBACK_SECRET_ENV)},
         data_dir=data_dir(cfg),
         models=frozenset(cfg.models),
-        concurrency=b.concurrency,
-        lease_s=b.lease_s,
-        poll_s=b.poll_s,
-        max_attempts=b.max_attempts,
-        retry_base_s=b.retry_base_s,
-        max_requests=b.max_requests,
-        max_file_bytes=b.max_file_bytes,
-        callback_secret=b.callback_secret or os.environ.get("DUET_BATCH_CALLBACK_SECRET"),
-        callback_secrets=dict(b.callback_secrets),
-        max_line_bytes=b.max_line_bytes,
-        max_open_batches=b.max_open_batches,
-        max_team_bytes=b.max_team_bytes,
         max_priority=PRIORITIES[cfg.teams.get("*", TeamPolicy()).batch_priority],
         max_priorities={t: PRIORITIES[p.batch_priority] for t, p in cfg.teams.items() if t != "*"},
-        allow_private_callbacks=b.allow_private_callbacks,
         worker_id=worker,
     )
 
@@ -186,12 +166,15 @@ def batch_may_run(admission: Admission, tiers: TierConfig) -> Callable[[], bool]
 
 
 def install(
-    app: web.Application, config: GatewayConfig, state_key: web.AppKey[GatewayState]
+    app: web.Application,
+    config: GatewayConfig,
+    store: BatchTables,
+    state_key: web.AppKey[GatewayState],
 ) -> None:
-    """Mount the batch routes on `app` and run the runner with it (after the gateway's own
-    cleanup_ctx entry, which must already be appended: the runner needs its state)."""
+    """Mount the batch routes on `app` (their tables: the gateway's one `store`) and run the
+    runner with it (after the gateway's own cleanup_ctx entry, which must already be appended:
+    the runner needs its state, and the store opened)."""
     bc = batch_config(config)
-    store = open_batch_store(config, bc)
 
     async def team_of(request: web.Request) -> str:
         _key, team = await request.app[state_key].auth.authenticate(request)
@@ -217,7 +200,7 @@ def install(
         await runner.start()
         log.info(
             "batch tier: store %s, worker %s, concurrency %d, discount %g",
-            getattr(store, "path", "?"),
+            getattr(store, "batch_path", getattr(store, "path", "?")),
             bc.worker_id,
             bc.concurrency,
             config.batch.discount,
@@ -226,6 +209,5 @@ def install(
             yield
         finally:
             await runner.stop()
-            store.close()
 
     app.cleanup_ctx.append(lifecycle)

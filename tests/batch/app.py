@@ -10,7 +10,10 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from gateway.batch import BatchConfig, BatchRunner, SqliteBatchStore, make_batch_routes
+from gateway.accounts.store.sqlite_batch import SqliteBatchStore
+from gateway.batch.config import BatchConfig
+from gateway.batch.routes import make_batch_routes
+from gateway.batch.runner import BatchRunner
 from protocol.openai import APIError
 from tests.batch.node_executor import NodeExecutor
 

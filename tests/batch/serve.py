@@ -7,7 +7,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from gateway.batch import BatchConfig
+from gateway.batch.config import BatchConfig
 from tests.batch.app import make_app
 
 

@@ -14,9 +14,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.batch import BatchConfig, verify_signature
+from gateway.accounts.store.sqlite_batch import SqliteBatchStore
+from gateway.batch.callback import verify_signature
+from gateway.batch.config import BatchConfig
 from gateway.batch.runner import BatchRunner
-from gateway.batch.store import SqliteBatchStore
 from tests.batch.app import EXECUTOR, RUNNER, make_app
 from tests.batch.conftest import chat_lines, client, jsonl
 from tests.batch.node_executor import NodeExecutor

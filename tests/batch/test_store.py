@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
+from gateway.accounts.store.sqlite_batch import SqliteBatchStore
 from gateway.batch.models import RequestCounts
-from gateway.batch.store import BatchRow, NewRequest, SqliteBatchStore
+from gateway.batch.rows import BatchRow, NewRequest
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -21,7 +22,7 @@ def open_store(request: pytest.FixtureRequest) -> Callable[[Path], Any]:
     if request.param == "sqlite":
         return SqliteBatchStore
     dsn = request.getfixturevalue("postgres_db")
-    from gateway.batch.pg_store import PostgresBatchStore
+    from gateway.accounts.store.postgres_batch import PostgresBatchStore
 
     return lambda _path: PostgresBatchStore(dsn)
 

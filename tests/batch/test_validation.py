@@ -12,7 +12,6 @@ import openai
 import pytest
 from aiohttp import web
 
-from gateway.batch import BatchConfig
 from gateway.batch.callback import (
     CallbackSender,
     CallbackURLError,
@@ -22,6 +21,7 @@ from gateway.batch.callback import (
     sign,
     verify_signature,
 )
+from gateway.batch.config import BatchConfig
 from tests.batch.app import make_app
 from tests.batch.conftest import chat_lines, client, jsonl
 

@@ -23,7 +23,7 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.batch.store import NewRequest
+from gateway.batch.rows import NewRequest
 from tests.batch.conftest import jsonl, postgres, postgres_db  # noqa: F401  (a real PostgreSQL)
 from tests.batch.test_store import batch, open_store  # noqa: F401  (the store on both backends)
 from tests.gateway.helpers import gateway_proc, make_team

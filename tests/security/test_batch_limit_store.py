@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
+from gateway.accounts.store.batch_tables import TeamLimit
 from gateway.batch.config import BatchConfig
 from gateway.batch.files import FileStore
-from gateway.batch.store import FileRow, NewRequest, TeamLimit
+from gateway.batch.rows import FileRow, NewRequest
 from gateway.batch.submit import submit_batch
 from protocol.openai import APIError
 from tests.batch.conftest import postgres, postgres_db  # noqa: F401  (a real PostgreSQL)

@@ -1,11 +1,11 @@
-"""Why the SQLite batch store's writes begin with `BEGIN IMMEDIATE` (gateway/batch/store.py):
-two gateways (or two workers) on one database file claim batch lines, each claim a
-read of the claimable lines and then a write of the claim, in one transaction. Under a plain
-(deferred) `BEGIN` the second claim can read while the first is between its read and its
-write; the first commits, and the second's write then finds its snapshot stale: SQLite refuses
-it (`database is locked`, at once: a busy timeout cannot help a stale snapshot) and that
-runner's claim fails. `BEGIN IMMEDIATE` takes the write lock before the read: the second claim
-waits for the first, then reads what it left.
+"""Why the SQLite batch store's writes begin with `BEGIN IMMEDIATE`
+(gateway/accounts/store/sqlite_conn.py `Connections.write`): two gateways (or two workers) on
+one database file claim batch lines, each claim a read of the claimable lines and then a write
+of the claim, in one transaction. Under a plain (deferred) `BEGIN` the second claim can read
+while the first is between its read and its write; the first commits, and the second's write
+then finds its snapshot stale: SQLite refuses it (`database is locked`, at once: a busy timeout
+cannot help a stale snapshot) and that runner's claim fails. `BEGIN IMMEDIATE` takes the write
+lock before the read: the second claim waits for the first, then reads what it left.
 
 The test builds exactly that interleaving, whatever the order the threads run in: each store's
 connection is traced, and the claim that reaches its write first waits there until the other
@@ -26,7 +26,8 @@ import sqlite3
 import threading
 from pathlib import Path
 
-from gateway.batch.store import Claimed, NewRequest, SqliteBatchStore
+from gateway.accounts.store.sqlite_batch import SqliteBatchStore
+from gateway.batch.rows import Claimed, NewRequest
 from tests.batch.test_store import batch
 from tests.wait import wait_for
 
@@ -45,7 +46,8 @@ class Racer:
         self.other: Racer | None = None
         self.got: list[Claimed] | None = None
         self.error: BaseException | None = None
-        self.store._db.set_trace_callback(self._trace)
+        # the store's connection lives on its worker thread: trace it there
+        asyncio.run(self.store._batch.run(lambda db: db.set_trace_callback(self._trace)))
 
     def _trace(self, sql: str) -> None:
         # Called as each statement starts, on the thread running the transaction.

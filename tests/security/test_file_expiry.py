@@ -17,7 +17,8 @@ from typing import Any
 import openai
 import pytest
 
-from gateway.batch.store import FileRow, SqliteBatchStore
+from gateway.accounts.store.sqlite_batch import SqliteBatchStore
+from gateway.batch.rows import FileRow
 from tests.batch.conftest import postgres, postgres_db  # noqa: F401  (a real PostgreSQL)
 from tests.batch.gateway_procs import jsonl, lines_for
 from tests.batch.test_store import open_store  # noqa: F401  (the store on both backends)

@@ -1,7 +1,7 @@
-"""The gateway's one store (DESIGN §4): teams, API keys, quota reservations, spend, usage.
+"""The gateway's one store (DESIGN §4): teams, API keys, quota reservations, spend, usage, and
+the batch tier's tables (batch_tables.py).
 
-`Store` is the interface; `sqlite.SqliteStore` implements it now and a Postgres (asyncpg)
-store slots in behind the same methods. Quotas are decided *inside* the store, in one
+`Store` is the interface; `sqlite.SqliteStore` and `postgres.PostgresStore` implement it. Quotas are decided *inside* the store, in one
 transaction per reservation, so several gateways sharing a database share one limit.
 
 Reservation life: `reserve()` admits a request and books its worst case (prompt + max_tokens,
@@ -14,12 +14,14 @@ and month.
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
+
+from gateway.accounts.store.batch_tables import BatchTables
 
 WINDOW_S = 60.0
 #: what `Store.usage` groups by; its rows name the group `model`, `date`, `team_id`, `tier`, `user`
@@ -165,7 +167,12 @@ class Settlement:
         )
 
 
-class Store(ABC):
+class Store(BatchTables):
+    """The gateway's one store: teams, keys, quotas, spend and usage (below), and the batch
+    tier's files, batches and request rows (`BatchTables`), behind one interface, on one
+    database — SQLite or PostgreSQL, one pool or one worker thread per file, one locking
+    strategy for all of it."""
+
     @abstractmethod
     async def open(self) -> None: ...
 

@@ -67,8 +67,13 @@ def _busy(e: sqlite3.OperationalError) -> bool:
 
 
 class Connections:
-    def __init__(self, path: Path) -> None:
+    """One SQLite file's connections: the worker thread's (opened on its first call, on that
+    thread, with `init` run there first: the schema) and, once `open` ran, the loop's fast path.
+    A file only the worker uses (the batch tables) needs no `open`: its first call opens it."""
+
+    def __init__(self, path: Path, init: Callable[[sqlite3.Connection], None]) -> None:
         self.path = path
+        self._init = init
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duet-store")
         self._worker: sqlite3.Connection | None = None
         self._loop_db: sqlite3.Connection | None = None
@@ -82,11 +87,12 @@ class Connections:
         #: calls the fast path handed to the worker because a checkpoint fell behind the writes
         self.checkpoint_waits = 0
 
-    async def open(self, init: Callable[[sqlite3.Connection], None]) -> None:
-        def setup() -> None:
+    def _worker_db(self) -> sqlite3.Connection:
+        """The worker thread's connection (on the worker thread: it opens it the first time)."""
+        if self._worker is None:
             private_file(private_dir(self.path.parent) / self.path.name)
             db = connect(self.path, 30_000, set_wal=True)
-            init(db)
+            self._init(db)
             for suffix in (
                 "-wal",
                 "-shm",
@@ -95,8 +101,11 @@ class Connections:
                 if side.exists():
                     private_file(side)
             self._worker = db
+        return self._worker
 
-        await asyncio.get_running_loop().run_in_executor(self._pool, setup)
+    async def open(self) -> None:
+        """Open the worker's connection and the loop's fast path (on this loop's thread)."""
+        await self.run(lambda db: None)
         db = connect(self.path, 0, set_wal=False)
         db.execute("PRAGMA wal_autocheckpoint=0")
         self._loop_db, self._loop_thread = db, threading.get_ident()
@@ -107,19 +116,33 @@ class Connections:
         if self._loop_db is not None:
             self._loop_db.close()
             self._loop_db = None
-        if self._worker is not None:
-            await self.run(lambda db: db.close())
-            self._worker = None
+        await asyncio.get_running_loop().run_in_executor(self._pool, self._close_worker)
         self._pool.shutdown(wait=True)
+
+    def close_now(self) -> None:
+        """`close` from outside any event loop (a file only the worker used)."""
+        self._pool.submit(self._close_worker).result()
+        self._pool.shutdown(wait=True)
+
+    def _close_worker(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
 
     async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """`fn` on the worker thread (it may wait for the write lock)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, lambda: fn(self._worker_db())
+        )
 
-        def call() -> T:
-            assert self._worker is not None, "store not open"
-            return fn(self._worker)
+    async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """`fn` in one `BEGIN IMMEDIATE` transaction on the worker: the write lock is held from
+        its first read on, so no other connection writes between what it reads and writes."""
+        return await self.run(lambda db: _in_tx(db, "BEGIN IMMEDIATE", fn))
 
-        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """`fn` in one deferred transaction on the worker (in WAL mode a read never waits)."""
+        return await self.run(lambda db: _in_tx(db, "BEGIN", fn))
 
     async def fast(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """`fn` on the loop thread when the write lock is free now, else on the worker."""
@@ -193,3 +216,14 @@ def _restart(db: sqlite3.Connection) -> None:
         db.execute("PRAGMA wal_checkpoint(RESTART)").fetchall()
     finally:
         db.execute(f"PRAGMA busy_timeout={timeout_ms}")
+
+
+def _in_tx(db: sqlite3.Connection, begin: str, fn: Callable[[sqlite3.Connection], T]) -> T:
+    db.execute(begin)
+    try:
+        out = fn(db)
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    db.execute("COMMIT")
+    return out

@@ -1,243 +1,42 @@
-"""`BatchStore` on PostgreSQL (asyncpg): the batch tier of several gateways sharing one database
-(the one their gateway store uses; the tables are batch_files, batches and batch_requests).
-
-Same schema, states and invariants as `SqliteBatchStore` (store.py). Claims take their rows with
-`FOR UPDATE ... SKIP LOCKED` inside one transaction, so runners on different machines never
-claim the same request or finalize the same batch, and never wait for each other's locks.
-`finish_request`/`retry_request` check the claim in the same statement, so a runner whose lease
-was taken over cannot write a second result.
-
-The pool is opened on first use (routes are mounted before the event loop runs); `close()`
-is synchronous like the protocol's and terminates the pool's connections.
-"""
+"""The runner's half of the PostgreSQL batch tables (postgres_batch.py): claims and their
+leases, results, finalizing a batch and its callback, and the counts the runner and /health
+read; and the helpers both halves share."""
 
 from __future__ import annotations
 
-import asyncio
 import time
+from abc import abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
 import asyncpg
 
+from gateway.accounts.store.batch_tables import OPEN, BatchTables
 from gateway.batch import rows
 from gateway.batch.rows import (
     BATCH_COLS,
     CLAIM_COLS,
-    FILE_COLS,
-    REQUEST_INSERT_COLS,
     RESULT_COLS,
     BatchRow,
     Claimed,
     FileRow,
-    NewRequest,
     ResultRow,
 )
-from gateway.batch.store import OPEN, Conflict, TeamLimit
 
 #: a file not expired (OpenAI's `expires_after`), as of the query's `now` ($3)
 LIVE = "(expires_at IS NULL OR expires_at > $3)"
-
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS batch_files (
-    seq BIGSERIAL PRIMARY KEY, id TEXT NOT NULL UNIQUE, team_id TEXT NOT NULL, purpose TEXT NOT NULL,
-    filename TEXT NOT NULL, bytes BIGINT NOT NULL, created_at DOUBLE PRECISION NOT NULL,
-    deleted BOOLEAN NOT NULL DEFAULT FALSE, expires_at DOUBLE PRECISION);
-ALTER TABLE batch_files ADD COLUMN IF NOT EXISTS expires_at DOUBLE PRECISION;
-CREATE INDEX IF NOT EXISTS batch_files_team ON batch_files (team_id, seq);
-CREATE TABLE IF NOT EXISTS batches (
-    seq BIGSERIAL PRIMARY KEY, id TEXT NOT NULL UNIQUE, team_id TEXT NOT NULL, kind TEXT NOT NULL,
-    endpoint TEXT NOT NULL, input_file_id TEXT NOT NULL, completion_window TEXT NOT NULL,
-    status TEXT NOT NULL, priority INTEGER NOT NULL DEFAULT 1, metadata TEXT, errors TEXT,
-    total INTEGER NOT NULL DEFAULT 0, output_file_id TEXT, error_file_id TEXT,
-    created_at DOUBLE PRECISION NOT NULL, in_progress_at DOUBLE PRECISION,
-    expires_at DOUBLE PRECISION NOT NULL, finalizing_at DOUBLE PRECISION,
-    completed_at DOUBLE PRECISION, failed_at DOUBLE PRECISION, expired_at DOUBLE PRECISION,
-    cancelling_at DOUBLE PRECISION, cancelled_at DOUBLE PRECISION, claimed_by TEXT,
-    lease_until DOUBLE PRECISION, callback_url TEXT, callback_state TEXT,
-    callback_attempts INTEGER NOT NULL DEFAULT 0, callback_next_at DOUBLE PRECISION, callback_error TEXT);
-CREATE INDEX IF NOT EXISTS batches_team ON batches (team_id, seq);
-CREATE INDEX IF NOT EXISTS batches_status ON batches (status);
-CREATE TABLE IF NOT EXISTS batch_requests (
-    batch_id TEXT NOT NULL, custom_id TEXT NOT NULL, line INTEGER NOT NULL, body TEXT NOT NULL,
-    state TEXT NOT NULL DEFAULT 'pending', attempts INTEGER NOT NULL DEFAULT 0,
-    not_before DOUBLE PRECISION NOT NULL DEFAULT 0, claimed_by TEXT, lease_until DOUBLE PRECISION,
-    started_at DOUBLE PRECISION, finished_at DOUBLE PRECISION, status_code INTEGER, request_id TEXT,
-    response TEXT, error TEXT, PRIMARY KEY (batch_id, custom_id));
-CREATE INDEX IF NOT EXISTS batch_requests_state ON batch_requests (state, not_before);
-CREATE INDEX IF NOT EXISTS batch_requests_line ON batch_requests (batch_id, line);
-"""
-#: serializes schema creation between gateways starting at once (CREATE IF NOT EXISTS races)
-_SCHEMA_LOCK = 0x6475657462617463
 #: the first key of the per-team advisory lock of batch-tier writes (an int4: 'dubt')
 _TEAM_LOCK = 0x64756274
 
 
-def _marks(n: int) -> str:
-    return ",".join(f"${i}" for i in range(1, n + 1))
-
-
-class PostgresBatchStore:
-    def __init__(self, dsn: str, max_connections: int = 8) -> None:
-        self.dsn = dsn
-        self.path = dsn.split("@")[-1].split("?")[0]  # for logs: no credentials
-        self.max_connections = max_connections
-        self._pool: asyncpg.Pool | None = None
-        self._opening = asyncio.Lock()
-
+class PostgresBatchClaims(BatchTables):
+    @abstractmethod
     async def _p(self) -> asyncpg.Pool:
-        if self._pool is None:
-            async with self._opening:
-                if self._pool is None:
-                    pool = await asyncpg.create_pool(
-                        self.dsn, min_size=1, max_size=self.max_connections
-                    )
-                    async with pool.acquire() as con, con.transaction():
-                        await con.execute("SELECT pg_advisory_xact_lock($1)", _SCHEMA_LOCK)
-                        # DDL only when missing: CREATE INDEX IF NOT EXISTS still takes a SHARE
-                        # lock on its table, which deadlocks against another gateway's runner
-                        # already writing to it (seen with two gateways starting at once).
-                        if await con.fetchval("SELECT to_regclass('batch_requests_line')") is None:
-                            await con.execute(SCHEMA)
-                    self._pool = pool
-        return self._pool
+        """The pool, the batch tables created."""
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.terminate()
-            self._pool = None
-
-    # ---- files ----
-    async def insert_file(self, row: FileRow, max_team_bytes: int | None = None) -> None:
-        async with (await self._p()).acquire() as con, con.transaction():
-            if max_team_bytes is not None:
-                await _lock_team(con, row.team_id)  # held from this read to the commit
-                held = await _team_bytes(con, row.team_id)
-                if held + row.bytes > max_team_bytes:
-                    raise TeamLimit("bytes", held)
-            await _insert_file(con, row)
-
-    async def get_file(self, team_id: str, file_id: str) -> FileRow | None:
-        r = await (await self._p()).fetchrow(
-            f"SELECT {FILE_COLS} FROM batch_files WHERE id=$1 AND team_id=$2 "
-            f"AND NOT deleted AND {LIVE}",
-            file_id,
-            team_id,
-            time.time(),
-        )
-        return FileRow(*r) if r else None
-
-    async def list_files(
-        self, team_id: str, purpose: str | None, after: str | None, limit: int
-    ) -> tuple[list[FileRow], bool]:
-        async with (await self._p()).acquire() as con:
-            cursor = await _cursor(con, "batch_files", team_id, after)
-            found = await con.fetch(
-                f"SELECT {FILE_COLS} FROM batch_files WHERE team_id=$1 AND NOT deleted "
-                "AND seq<$2 AND ($3::text IS NULL OR purpose=$3) AND (expires_at IS NULL OR "
-                "expires_at > $5) ORDER BY seq DESC LIMIT $4",
-                team_id,
-                cursor,
-                purpose,
-                limit + 1,
-                time.time(),
-            )
-        return [FileRow(*r) for r in found[:limit]], len(found) > limit
-
-    async def delete_file(self, team_id: str, file_id: str) -> bool:
-        tag = await (await self._p()).execute(
-            "UPDATE batch_files SET deleted=TRUE WHERE id=$1 AND team_id=$2 AND NOT deleted",
-            file_id,
-            team_id,
-        )
-        return _count(tag) == 1
-
-    async def purge_expired_files(self, now: float, limit: int = 100) -> list[str]:
-        rows = await (await self._p()).fetch(
-            "UPDATE batch_files SET deleted=TRUE WHERE id IN (SELECT id FROM batch_files WHERE NOT deleted AND "
-            "expires_at IS NOT NULL AND expires_at<=$1 LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING id",
-            now,
-            limit,
-        )
-        return [r["id"] for r in rows]
-
-    # ---- batches ----
-    async def create_batch(
-        self, row: BatchRow, requests: Sequence[NewRequest], max_open: int | None = None
-    ) -> None:
-        async with (await self._p()).acquire() as con, con.transaction():
-            if max_open is not None and row.status in OPEN:
-                await _lock_team(con, row.team_id)  # held from this read to the commit
-                held = await _open_batches(con, row.team_id)
-                if held >= max_open:
-                    raise TeamLimit("open_batches", held)
-            await con.execute(rows.insert_batch_sql(_marks), *rows.batch_values(row, len(requests)))
-            await con.copy_records_to_table(
-                "batch_requests",
-                columns=list(REQUEST_INSERT_COLS),
-                records=rows.request_values(row.id, requests),
-            )
-            if rows.callback_starts_at_creation(row):
-                await con.execute(
-                    "UPDATE batches SET callback_state='pending', callback_next_at=$1 WHERE id=$2",
-                    row.created_at,
-                    row.id,
-                )
-
-    async def get_batch(self, team_id: str | None, batch_id: str) -> BatchRow | None:
-        async with (await self._p()).acquire() as con:
-            r = await con.fetchrow(
-                f"SELECT {BATCH_COLS} FROM batches WHERE id=$1 AND ($2::text IS NULL OR "
-                "team_id=$2)",
-                batch_id,
-                team_id,
-            )
-            return await _batch_row(con, r) if r else None
-
-    async def list_batches(
-        self, team_id: str, after: str | None, limit: int
-    ) -> tuple[list[BatchRow], bool]:
-        async with (await self._p()).acquire() as con:
-            cursor = await _cursor(con, "batches", team_id, after)
-            found = await con.fetch(
-                f"SELECT {BATCH_COLS} FROM batches WHERE team_id=$1 AND seq<$2 "
-                "ORDER BY seq DESC LIMIT $3",
-                team_id,
-                cursor,
-                limit + 1,
-            )
-            return [await _batch_row(con, r) for r in found[:limit]], len(found) > limit
-
-    async def cancel_batch(self, team_id: str, batch_id: str, now: float) -> BatchRow | None:
-        async with (await self._p()).acquire() as con, con.transaction():
-            status = await con.fetchval(
-                "SELECT status FROM batches WHERE id=$1 AND team_id=$2 FOR UPDATE",
-                batch_id,
-                team_id,
-            )
-            if status is None:
-                return None
-            if status in ("validating", "in_progress"):
-                await con.execute(
-                    "UPDATE batches SET status='cancelling', cancelling_at=$1 WHERE id=$2",
-                    now,
-                    batch_id,
-                )
-                # Not-yet-started work is dropped now; running requests finish and are kept.
-                await con.execute(
-                    "UPDATE batch_requests SET state='cancelled' WHERE batch_id=$1 AND "
-                    "state='pending'",
-                    batch_id,
-                )
-            elif status != "cancelling":
-                raise Conflict(f"a batch that is {status} cannot be cancelled")
-            r = await con.fetchrow(f"SELECT {BATCH_COLS} FROM batches WHERE id=$1", batch_id)
-            return await _batch_row(con, r)
-
-    # ---- runner ----
     async def release_claims(self, worker: str) -> int:
         async with (await self._p()).acquire() as con, con.transaction():
-            n = _count(
+            n = tag_count(
                 await con.execute(
                     "UPDATE batch_requests SET state='pending', claimed_by=NULL, "
                     "lease_until=NULL WHERE state='running' AND claimed_by=$1",
@@ -325,7 +124,7 @@ class PostgresBatchStore:
             custom_id,
             worker,
         )
-        return _count(tag) == 1
+        return tag_count(tag) == 1
 
     async def retry_request(
         self,
@@ -348,7 +147,7 @@ class PostgresBatchStore:
             custom_id,
             worker,
         )
-        return _count(tag) == 1
+        return tag_count(tag) == 1
 
     async def claim_finalizable(self, worker: str, lease_s: float, now: float) -> list[str]:
         async with (await self._p()).acquire() as con, con.transaction():
@@ -408,7 +207,7 @@ class PostgresBatchStore:
                 batch_id,
                 worker,
             )
-            if _count(tag) != 1:
+            if tag_count(tag) != 1:
                 return False
             # Requests that never ran now say why, so counts and files agree after the end.
             await con.execute(
@@ -418,7 +217,7 @@ class PostgresBatchStore:
                 batch_id,
             )
             for f in files:
-                await _insert_file(con, f)
+                await insert_file_row(con, f)
             return True
 
     async def claim_callbacks(self, worker: str, lease_s: float, now: float) -> list[BatchRow]:
@@ -437,7 +236,7 @@ class PostgresBatchStore:
                     now + lease_s,
                     r[0],
                 )
-            return [await _batch_row(con, r) for r in found]
+            return [await batch_row_of(con, r) for r in found]
 
     async def callback_result(
         self,
@@ -466,10 +265,6 @@ class PostgresBatchStore:
             since,
         )
 
-    async def team_holdings(self, team_id: str) -> tuple[int, int]:
-        async with (await self._p()).acquire() as con:
-            return await _team_bytes(con, team_id), await _open_batches(con, team_id)
-
     async def pending_requests(self) -> int:
         return int(
             await (await self._p()).fetchval(
@@ -479,18 +274,22 @@ class PostgresBatchStore:
         )
 
 
-def _count(tag: str) -> int:
+def marks(n: int) -> str:
+    return ",".join(f"${i}" for i in range(1, n + 1))
+
+
+def tag_count(tag: str) -> int:
     """Rows a statement touched, from its status tag ("UPDATE 3")."""
     return int(tag.rsplit(" ", 1)[-1])
 
 
-async def _lock_team(con: Any, team_id: str) -> None:
+async def lock_team(con: Any, team_id: str) -> None:
     """The team's batch-tier writes, one at a time until this transaction ends (store.TeamLimit):
     READ COMMITTED alone would let two transactions count, then both insert."""
     await con.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", _TEAM_LOCK, team_id)
 
 
-async def _team_bytes(con: Any, team_id: str) -> int:
+async def team_bytes(con: Any, team_id: str) -> int:
     return int(
         await con.fetchval(
             "SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=$1 AND NOT "
@@ -501,7 +300,7 @@ async def _team_bytes(con: Any, team_id: str) -> int:
     )
 
 
-async def _open_batches(con: Any, team_id: str) -> int:
+async def open_batches(con: Any, team_id: str) -> int:
     return int(
         await con.fetchval(
             "SELECT COUNT(*) FROM batches WHERE team_id=$1 AND status = ANY($2::text[])",
@@ -511,11 +310,11 @@ async def _open_batches(con: Any, team_id: str) -> int:
     )
 
 
-async def _insert_file(con: Any, f: FileRow) -> None:
-    await con.execute(rows.insert_file_sql(_marks), *rows.file_values(f))
+async def insert_file_row(con: Any, f: FileRow) -> None:
+    await con.execute(rows.insert_file_sql(marks), *rows.file_values(f))
 
 
-async def _cursor(con: Any, table: str, team_id: str, after: str | None) -> int:
+async def cursor_of(con: Any, table: str, team_id: str, after: str | None) -> int:
     """The seq to list below; an unknown `after` (or another team's) lists from the top."""
     if after is not None:
         seq = await con.fetchval(
@@ -526,7 +325,7 @@ async def _cursor(con: Any, table: str, team_id: str, after: str | None) -> int:
     return 2**62
 
 
-async def _batch_row(con: Any, r: Sequence[Any]) -> BatchRow:
+async def batch_row_of(con: Any, r: Sequence[Any]) -> BatchRow:
     counts = dict(
         await con.fetch(
             "SELECT state, COUNT(*) FROM batch_requests WHERE batch_id=$1 GROUP BY state", r[0]

@@ -1,0 +1,337 @@
+"""The runner's half of the SQLite batch tables (sqlite_batch.py): claims and their leases,
+results, finalizing a batch and its callback, and the counts the runner and /health read."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from gateway.accounts.store.batch_tables import OPEN, BatchTables
+from gateway.accounts.store.sqlite_conn import Connections
+from gateway.batch import rows
+from gateway.batch.rows import (
+    BATCH_COLS,
+    CLAIM_COLS,
+    RESULT_COLS,
+    BatchRow,
+    Claimed,
+    FileRow,
+    ResultRow,
+)
+
+#: a file not expired (OpenAI's `expires_after`), as of the query's `now` parameter
+LIVE = "(expires_at IS NULL OR expires_at > ?)"
+
+
+class SqliteBatchClaims(BatchTables):
+    _batch: Connections
+
+    async def release_claims(self, worker: str) -> int:
+        """Hand back everything `worker` holds: called when a runner (re)starts, since the
+        previous process with its id is gone."""
+
+        def q(db: sqlite3.Connection) -> int:
+            n = db.execute(
+                "UPDATE batch_requests SET state='pending', claimed_by=NULL, "
+                "lease_until=NULL WHERE state='running' AND claimed_by=?",
+                (worker,),
+            ).rowcount
+            db.execute(
+                "UPDATE batches SET claimed_by=NULL, lease_until=NULL WHERE claimed_by=?", (worker,)
+            )
+            return n
+
+        return await self._batch.read(q)
+
+    async def claim_requests(
+        self, worker: str, n: int, lease_s: float, now: float
+    ) -> list[Claimed]:
+        def q(db: sqlite3.Connection) -> list[Claimed]:
+            # Round-robin over teams (`turn`: a line's rank in its team's own queue after the
+            # lines the team already has running), so one team's 50,000-line batch cannot
+            # starve another team's batch queued after it, in one claim or over many. Equal turns
+            # go to the team whose last line started longest ago (`served`; never: first): with
+            # nothing running every team's next line has turn 1, and the oldest batch winning
+            # that tie served one team's whole batch to a runner claiming a line at a time.
+            found = db.execute(
+                f"SELECT {CLAIM_COLS} FROM (SELECT {CLAIM_COLS}, b.priority AS prio, b.seq AS bseq, "
+                "  COALESCE(k.busy, 0) + ROW_NUMBER() OVER ("
+                "    PARTITION BY b.team_id ORDER BY b.priority DESC, b.seq, r.line) AS turn, "
+                "  COALESCE(l.served, -1) AS served "
+                "  FROM batch_requests r JOIN batches b ON b.id = r.batch_id LEFT JOIN ("
+                "    SELECT b2.team_id, COUNT(*) AS busy FROM batch_requests r2 JOIN batches b2 ON b2.id = r2.batch_id "
+                "    WHERE r2.state='running' AND r2.lease_until>=? GROUP BY b2.team_id) k ON k.team_id = b.team_id "
+                "  LEFT JOIN ("
+                "    SELECT b3.team_id, MAX(r3.started_at) AS served FROM batch_requests r3 "
+                "    JOIN batches b3 ON b3.id = r3.batch_id WHERE b3.status='in_progress' GROUP BY b3.team_id"
+                "  ) l ON l.team_id = b.team_id "
+                "  WHERE b.status='in_progress' AND b.expires_at>? AND ("
+                "  (r.state='pending' AND r.not_before<=?) OR (r.state='running' AND r.lease_until<?))) r "
+                "JOIN batches b ON b.id = r.batch_id "
+                "ORDER BY r.prio DESC, r.turn, r.served, r.bseq, r.line LIMIT ?",
+                (now, now, now, now, n),
+            ).fetchall()
+            out = []
+            for r in found:
+                rid = (
+                    r[7] or rows.new_request_id()
+                )  # a rerun keeps its key (rows.Claimed.request_id)
+                db.execute(
+                    "UPDATE batch_requests SET state='running', claimed_by=?, lease_until=?, "
+                    "attempts=attempts+1, started_at=?, request_id=? WHERE batch_id=? AND custom_id=?",
+                    (worker, now + lease_s, now, rid, r[0], r[1]),
+                )
+                out.append(rows.claimed(r, attempts=r[4] + 1, request_id=rid))
+            return out
+
+        return await self._batch.write(q)
+
+    async def renew_leases(
+        self, worker: str, keys: Sequence[tuple[str, str]], until: float
+    ) -> None:
+        def q(db: sqlite3.Connection) -> None:
+            db.executemany(
+                "UPDATE batch_requests SET lease_until=? WHERE batch_id=? AND custom_id=? "
+                "AND state='running' AND claimed_by=?",
+                ((until, b, c, worker) for b, c in keys),
+            )
+
+        await self._batch.write(q)
+
+    async def finish_request(
+        self,
+        worker: str,
+        batch_id: str,
+        custom_id: str,
+        *,
+        ok: bool,
+        status_code: int | None,
+        request_id: str | None,
+        response: dict[str, Any] | None,
+        error: dict[str, Any] | None,
+        now: float,
+    ) -> bool:
+        def q(db: sqlite3.Connection) -> bool:
+            return (
+                db.execute(
+                    "UPDATE batch_requests SET state=?, status_code=?, request_id=?, response=?, "
+                    "error=?, finished_at=?, claimed_by=NULL, lease_until=NULL "
+                    "WHERE batch_id=? AND custom_id=? AND state='running' AND claimed_by=?",
+                    (
+                        "succeeded" if ok else "failed",
+                        status_code,
+                        request_id,
+                        rows.dumps(response),
+                        rows.dumps(error),
+                        now,
+                        batch_id,
+                        custom_id,
+                        worker,
+                    ),
+                ).rowcount
+                == 1
+            )
+
+        return await self._batch.write(q)
+
+    async def retry_request(
+        self,
+        worker: str,
+        batch_id: str,
+        custom_id: str,
+        not_before: float,
+        error: dict[str, Any],
+        *,
+        spent: bool = True,
+    ) -> bool:
+        def q(db: sqlite3.Connection) -> bool:
+            return (
+                db.execute(
+                    "UPDATE batch_requests SET state='pending', not_before=?, error=?, claimed_by=NULL, "
+                    "lease_until=NULL, request_id=NULL, attempts=attempts-? WHERE batch_id=? AND custom_id=? AND "
+                    "state='running' AND claimed_by=?",
+                    (not_before, rows.dumps(error), 0 if spent else 1, batch_id, custom_id, worker),
+                ).rowcount
+                == 1
+            )
+
+        return await self._batch.write(q)
+
+    async def claim_finalizable(self, worker: str, lease_s: float, now: float) -> list[str]:
+        """Batches with nothing left to run (all done, cancelled, or past their window) and no
+        live claim on them or their requests; claimed for `lease_s` by `worker`."""
+
+        def q(db: sqlite3.Connection) -> list[str]:
+            ids = [
+                r[0]
+                for r in db.execute(
+                    "SELECT b.id FROM batches b WHERE b.status IN ('in_progress','finalizing','cancelling') "
+                    "AND (b.lease_until IS NULL OR b.lease_until<?) "
+                    "AND NOT EXISTS (SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND "
+                    "  r.state='running' AND r.lease_until>=?) "
+                    "AND (b.status='cancelling' OR b.expires_at<=? OR NOT EXISTS ("
+                    "  SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND r.state IN ('pending','running')))",
+                    (now, now, now),
+                ).fetchall()
+            ]
+            for bid in ids:
+                db.execute(
+                    "UPDATE batches SET claimed_by=?, lease_until=?, finalizing_at=CASE WHEN "
+                    "status='in_progress' AND expires_at>? THEN ? ELSE finalizing_at END, "
+                    "status=CASE WHEN status='in_progress' AND expires_at>? THEN 'finalizing' "
+                    "ELSE status END WHERE id=?",
+                    (worker, now + lease_s, now, now, now, bid),
+                )
+            return ids
+
+        return await self._batch.write(q)
+
+    async def results(self, batch_id: str) -> list[ResultRow]:
+        def q(db: sqlite3.Connection) -> list[ResultRow]:
+            found = db.execute(
+                f"SELECT {RESULT_COLS} FROM batch_requests WHERE batch_id=? ORDER BY line",
+                (batch_id,),
+            ).fetchall()
+            return [rows.result_row(r) for r in found]
+
+        return await self._batch.write(q)
+
+    async def finish_batch(
+        self,
+        worker: str,
+        batch_id: str,
+        status: str,
+        files: Sequence[FileRow],
+        output_file_id: str | None,
+        error_file_id: str | None,
+        now: float,
+    ) -> bool:
+        rows.check_final(status)
+
+        def q(db: sqlite3.Connection) -> bool:
+            n = db.execute(
+                f"UPDATE batches SET status=?, {status}_at=?, output_file_id=?, error_file_id=?, "
+                "claimed_by=NULL, lease_until=NULL, callback_state=CASE WHEN callback_url IS NULL "
+                "THEN NULL ELSE 'pending' END, callback_next_at=? "
+                "WHERE id=? AND claimed_by=? AND status IN ('in_progress','finalizing','cancelling')",
+                (status, now, output_file_id, error_file_id, now, batch_id, worker),
+            ).rowcount
+            if n != 1:
+                return False
+            # Requests that never ran now say why, so counts and files agree after the end.
+            db.execute(
+                "UPDATE batch_requests SET state=?, claimed_by=NULL, lease_until=NULL "
+                "WHERE batch_id=? AND state IN ('pending','running','cancelled')",
+                (rows.leftover_state(status), batch_id),
+            )
+            for f in files:
+                insert_file_row(db, f)
+            return True
+
+        return await self._batch.write(q)
+
+    async def claim_callbacks(self, worker: str, lease_s: float, now: float) -> list[BatchRow]:
+        def q(db: sqlite3.Connection) -> list[BatchRow]:
+            found = db.execute(
+                f"SELECT {BATCH_COLS} FROM batches WHERE callback_state='pending' "
+                "AND callback_next_at<=? AND (lease_until IS NULL OR lease_until<?)",
+                (now, now),
+            ).fetchall()
+            for r in found:
+                db.execute(
+                    "UPDATE batches SET claimed_by=?, lease_until=?, "
+                    "callback_attempts=callback_attempts+1 WHERE id=?",
+                    (worker, now + lease_s, r[0]),
+                )
+            return [batch_row_of(db, r) for r in found]
+
+        return await self._batch.write(q)
+
+    async def callback_result(
+        self,
+        worker: str,
+        batch_id: str,
+        *,
+        delivered: bool,
+        next_at: float | None,
+        error: str | None,
+    ) -> None:
+        state = rows.callback_state(delivered, next_at)
+
+        def q(db: sqlite3.Connection) -> None:
+            db.execute(
+                "UPDATE batches SET callback_state=?, callback_next_at=?, callback_error=?, "
+                "claimed_by=NULL, lease_until=NULL WHERE id=? AND claimed_by=?",
+                (state, next_at, error, batch_id, worker),
+            )
+
+        await self._batch.write(q)
+
+    async def mean_request_seconds(self, since: float) -> float | None:
+        def q(db: sqlite3.Connection) -> float | None:
+            r = db.execute(
+                "SELECT AVG(finished_at - started_at) FROM batch_requests "
+                "WHERE state='succeeded' AND finished_at>=?",
+                (since,),
+            ).fetchone()
+            return r[0]
+
+        return await self._batch.write(q)
+
+    async def pending_requests(self) -> int:
+        def q(db: sqlite3.Connection) -> int:
+            return db.execute(
+                "SELECT COUNT(*) FROM batch_requests r JOIN batches b ON b.id=r.batch_id "
+                "WHERE b.status='in_progress' AND r.state IN ('pending','running')"
+            ).fetchone()[0]
+
+        return await self._batch.write(q)
+
+
+def marks(n: int) -> str:
+    return ",".join("?" * n)
+
+
+def team_bytes(db: sqlite3.Connection, team_id: str) -> int:
+    return int(
+        db.execute(
+            f"SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=? AND NOT deleted "
+            f"AND {LIVE}",
+            (team_id, time.time()),
+        ).fetchone()[0]
+    )
+
+
+def open_batches(db: sqlite3.Connection, team_id: str) -> int:
+    return int(
+        db.execute(
+            f"SELECT COUNT(*) FROM batches WHERE team_id=? AND status IN ({marks(len(OPEN))})",
+            (team_id, *OPEN),
+        ).fetchone()[0]
+    )
+
+
+def insert_file_row(db: sqlite3.Connection, f: FileRow) -> None:
+    db.execute(rows.insert_file_sql(marks), rows.file_values(f))
+
+
+def cursor_of(db: sqlite3.Connection, table: str, team_id: str, after: str | None) -> int:
+    """The seq to list below; an unknown `after` (or another team's) lists from the top."""
+    if after is not None:
+        r = db.execute(
+            f"SELECT seq FROM {table} WHERE id=? AND team_id=?", (after, team_id)
+        ).fetchone()
+        if r:
+            return int(r[0])
+    return 2**62
+
+
+def batch_row_of(db: sqlite3.Connection, r: Sequence[Any]) -> BatchRow:
+    counts = dict(
+        db.execute(
+            "SELECT state, COUNT(*) FROM batch_requests WHERE batch_id=? GROUP BY state", (r[0],)
+        ).fetchall()
+    )
+    return rows.batch_row(r, counts)

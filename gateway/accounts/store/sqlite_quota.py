@@ -1,0 +1,376 @@
+"""The SQLite store's tables of keys, teams, quotas and usage: their schema (with the columns
+later versions added), the row mappers, and the transactions every request makes — the
+reservation, its settlement and usage record, the expiry of lapsed bookings — as functions of
+a connection, run by sqlite.py's `SqliteStore` on the loop's fast path or the worker thread.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from gateway.accounts.store.base import (
+    ApiKey,
+    Refusal,
+    Reservation,
+    ReserveRequest,
+    Settlement,
+    StoreError,
+    Team,
+    UsageRecord,
+)
+from gateway.accounts.store.expiry import EXPIRED, booked_from, booked_json, expired_record
+from gateway.accounts.store.rules import Counters, day_period, decide, month_period, window_start
+
+#: usage batches up to this many records commit on the event loop's fast path
+FAST_BATCH = 8
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS teams (
+    id TEXT PRIMARY KEY, rpm INTEGER, tpm INTEGER, max_concurrent INTEGER,
+    daily_budget_usd REAL, monthly_budget_usd REAL, default_tier TEXT NOT NULL,
+    created_at REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY, team_id TEXT NOT NULL, name TEXT NOT NULL, prefix TEXT NOT NULL,
+    secret_hash TEXT NOT NULL UNIQUE, created_at REAL NOT NULL, revoked_at REAL);
+CREATE TABLE IF NOT EXISTS reservations (
+    id TEXT PRIMARY KEY, team_id TEXT NOT NULL, key_id TEXT NOT NULL, request_id TEXT NOT NULL,
+    created_at REAL NOT NULL, expires_at REAL NOT NULL, tokens INTEGER NOT NULL,
+    cost_usd REAL NOT NULL, gateway_id TEXT, booked TEXT, streamed_tokens INTEGER NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS gateways (id TEXT PRIMARY KEY, heartbeat_at REAL NOT NULL);
+CREATE INDEX IF NOT EXISTS reservations_expiry ON reservations (expires_at);
+CREATE TABLE IF NOT EXISTS team_state (
+    team_id TEXT PRIMARY KEY, active INTEGER NOT NULL, active_cost_usd REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS rate_buckets (
+    team_id TEXT NOT NULL, second INTEGER NOT NULL, requests INTEGER NOT NULL, tokens INTEGER NOT NULL,
+    PRIMARY KEY (team_id, second));
+CREATE TABLE IF NOT EXISTS spend (
+    team_id TEXT NOT NULL, period TEXT NOT NULL, cost_usd REAL NOT NULL,
+    PRIMARY KEY (team_id, period));
+CREATE TABLE IF NOT EXISTS usage (
+    request_id TEXT NOT NULL, team_id TEXT NOT NULL, key_id TEXT NOT NULL,
+    model_requested TEXT NOT NULL, model_used TEXT NOT NULL, tier TEXT NOT NULL,
+    status TEXT NOT NULL, endpoint TEXT NOT NULL, prompt_tokens INTEGER NOT NULL,
+    completion_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, cost_usd REAL NOT NULL,
+    ttft_s REAL, latency_s REAL NOT NULL, nodes TEXT NOT NULL, created_at REAL NOT NULL, user TEXT,
+    migrations INTEGER, leg_tokens TEXT);
+CREATE INDEX IF NOT EXISTS usage_team_time ON usage (team_id, created_at);
+CREATE TABLE IF NOT EXISTS usage_keys (
+    request_id TEXT PRIMARY KEY, team_id TEXT NOT NULL, cost_usd REAL NOT NULL, created_at REAL NOT NULL,
+    billed_at REAL NOT NULL);
+"""
+#: columns later versions added to existing tables: (table, column, type)
+ADDED_COLUMNS = [
+    ("usage", "user", "TEXT"),
+    ("reservations", "gateway_id", "TEXT"),
+    ("reservations", "booked", "TEXT"),
+    ("usage", "migrations", "INTEGER"),
+    ("usage", "leg_tokens", "TEXT"),
+    ("reservations", "streamed_tokens", "INTEGER NOT NULL DEFAULT 0"),
+]
+
+TEAM_COLS = (
+    "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, created_at"
+)
+KEY_COLS = "id, team_id, name, prefix, created_at, revoked_at"
+USAGE_COLS = (
+    "request_id",
+    "team_id",
+    "key_id",
+    "model_requested",
+    "model_used",
+    "tier",
+    "status",
+    "endpoint",
+    "prompt_tokens",
+    "completion_tokens",
+    "cached_tokens",
+    "cost_usd",
+    "ttft_s",
+    "latency_s",
+    "nodes",
+    "created_at",
+    "user",
+    "migrations",
+    "leg_tokens",
+)
+
+
+def team_of(row: tuple[Any, ...]) -> Team:
+    return Team(
+        id=row[0],
+        rpm=row[1],
+        tpm=row[2],
+        max_concurrent=row[3],
+        daily_budget_usd=row[4],
+        monthly_budget_usd=row[5],
+        default_tier=row[6],
+        created_at=row[7],
+    )
+
+
+def key_of(row: tuple[Any, ...]) -> ApiKey:
+    return ApiKey(
+        id=row[0], team_id=row[1], name=row[2], prefix=row[3], created_at=row[4], revoked_at=row[5]
+    )
+
+
+def record_of(row: tuple[Any, ...]) -> UsageRecord:
+    d = dict(zip(USAGE_COLS, row, strict=True))
+    d["nodes"] = json.loads(d["nodes"])
+    d["migrations"] = d["migrations"] or 0  # NULL: a record from before stream migration
+    d["leg_tokens"] = json.loads(d["leg_tokens"] or "[]")
+    return UsageRecord(**d)
+
+
+def init_tables(db: sqlite3.Connection) -> None:
+    db.executescript(SCHEMA)
+    _add_columns(db)
+    # Older files had a second index on reservations (team, expiry): every booking and every
+    # settlement paid for it, and the expiry index alone serves the per-team expiry check
+    # (expired rows are few). A no-op once it is gone.
+    db.execute("DROP INDEX IF EXISTS reservations_team_expiry")
+
+
+_INSERT_USAGE = (
+    f"INSERT INTO usage ({', '.join(USAGE_COLS)}) VALUES ({', '.join('?' * len(USAGE_COLS))})"
+)
+_NODES = USAGE_COLS.index("nodes")
+_LEG_TOKENS = USAGE_COLS.index("leg_tokens")
+
+
+def settler(batch: list[Settlement]) -> Callable[[sqlite3.Connection], None]:
+    """The transaction that settles `batch` and writes its usage records (safe to run twice:
+    it commits once or not at all)."""
+
+    def q(db: sqlite3.Connection) -> None:
+        now = time.time()
+        with Immediate(db):
+            for s in batch:
+                _settle_booking(db, s, now)
+                _write_usage(db, s.record, now, s.idempotent)
+
+    return q
+
+
+def _add_columns(db: sqlite3.Connection) -> None:
+    """Bring a file an older version created up to `SCHEMA` (which only creates missing tables).
+
+    Under the write lock, so two gateways opening one old file add each column once."""
+    with Immediate(db):
+        for table, column, type_ in ADDED_COLUMNS:
+            if column not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
+                db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {type_}")
+
+
+class Immediate:
+    """BEGIN IMMEDIATE … COMMIT, ROLLBACK on error (autocommit connection)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self.db.execute("ROLLBACK" if exc_type else "COMMIT")
+
+
+def team_fields(team: Team) -> dict[str, Any]:
+    return {f: getattr(team, f) for f in team.__struct_fields__}
+
+
+#: a team's row, every counter a reservation decides on, and the soonest expiry of any booking
+#: (args: window start, team, day period, month period)
+_COUNTERS = f"""
+SELECT {", ".join("t." + c.strip() for c in TEAM_COLS.split(","))},
+       s.active, s.active_cost_usd, b.n, b.tokens, b.oldest, d.cost_usd, m.cost_usd,
+       (SELECT min(expires_at) FROM reservations) AS soonest
+FROM teams t
+LEFT JOIN team_state s ON s.team_id = t.id
+LEFT JOIN (SELECT coalesce(sum(requests), 0) AS n, coalesce(sum(tokens), 0) AS tokens,
+                  min(second) AS oldest
+           FROM rate_buckets WHERE team_id = ?2 AND second >= ?1) b ON 1
+LEFT JOIN spend d ON d.team_id = t.id AND d.period = ?3
+LEFT JOIN spend m ON m.team_id = t.id AND m.period = ?4
+WHERE t.id = ?2"""
+
+
+def reserve_in(db: sqlite3.Connection, req: ReserveRequest) -> Reservation | Refusal:
+    now = req.now
+    with Immediate(db):
+        # Every counter in one query: this transaction is on each request's path to its first
+        # token. Lapsed bookings must not count; the query says (from the expiry index) whether
+        # there are any, so the common case costs no DELETE that finds nothing.
+        args = (window_start(now), req.team_id, day_period(now), month_period(now))
+        row = db.execute(_COUNTERS, args).fetchone()
+        if row is not None and row[-1] is not None and row[-1] <= now:
+            expire_where(
+                db, "expires_at<=?", (now,), now
+            )  # every lapsed booking, as the sweeper would
+            row = db.execute(_COUNTERS, args).fetchone()
+        if row is None:
+            raise StoreError(403, f"team {req.team_id!r} no longer exists")
+        team = team_of(row[:8])
+        active, active_cost, n_requests, n_tokens, oldest, spent_day, spent_month = row[8:15]
+        c = Counters(
+            active=active or 0,
+            active_cost=active_cost or 0.0,
+            window_requests=n_requests,
+            window_tokens=n_tokens,
+            window_oldest=float(oldest + 1) if oldest is not None else None,
+            spent_day=spent_day or 0.0,
+            spent_month=spent_month or 0.0,
+        )
+        verdict = decide(team, c, req)
+        if (
+            isinstance(verdict, Refusal) and verdict.kind == "tokens"
+        ):  # its Retry-After needs the buckets
+            buckets = db.execute(
+                "SELECT second, tokens FROM rate_buckets WHERE team_id=? AND second>=? "
+                "ORDER BY second",
+                (team.id, window_start(now)),
+            ).fetchall()
+            verdict = decide(team, c, req, [(float(b[0] + 1), b[1]) for b in buckets])
+        if isinstance(verdict, Refusal):
+            return verdict
+        rid = f"rsv-{uuid.uuid4().hex}"
+        db.execute(
+            "INSERT INTO reservations (id, team_id, key_id, request_id, created_at, expires_at, tokens, "
+            "cost_usd, gateway_id, booked) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            (
+                rid,
+                team.id,
+                req.key_id,
+                req.request_id,
+                now,
+                now + req.ttl_s,
+                req.tokens,
+                req.cost_usd,
+                req.gateway_id or None,
+                booked_json(req.booked),
+            ),
+        )
+        db.execute(
+            "INSERT INTO team_state (team_id, active, active_cost_usd) VALUES (?, 1, ?) ON CONFLICT (team_id) "
+            "DO UPDATE SET active = active + 1, active_cost_usd = active_cost_usd + excluded.active_cost_usd",
+            (team.id, req.cost_usd),
+        )
+        _bucket(db, team.id, int(now), 1, req.tokens)
+        return Reservation(rid, verdict)
+
+
+def _bucket(db: sqlite3.Connection, team_id: str, second: int, requests: int, tokens: int) -> None:
+    db.execute(
+        "INSERT INTO rate_buckets (team_id, second, requests, tokens) VALUES (?,?,?,?) ON CONFLICT "
+        "(team_id, second) DO UPDATE SET requests = requests + excluded.requests, tokens = tokens + excluded.tokens",
+        (team_id, second, requests, tokens),
+    )
+
+
+def _unbook(db: sqlite3.Connection, team_id: str, cost: float) -> None:
+    """Take a booking whose row the caller deleted out of the in-flight counters (its window
+    tokens are the caller's)."""
+    db.execute(
+        "UPDATE team_state SET active = active - 1, active_cost_usd = CASE WHEN active <= 1 THEN 0 "
+        "ELSE active_cost_usd - ? END WHERE team_id=?",
+        (cost, team_id),
+    )
+
+
+def expire_where(
+    db: sqlite3.Connection, where: str, args: tuple[Any, ...], now: float | None = None
+) -> int:
+    """Bookings whose gateway never settled them stop counting: in flight and in the window;
+    each bills its booked prompt and the tokens it had streamed as of its gateway's last
+    heartbeat (an `expired` usage record, the day's and month's spend)."""
+    now = time.time() if now is None else now
+    rows = db.execute(
+        f"DELETE FROM reservations WHERE {where} RETURNING team_id, key_id, request_id, created_at, "
+        "tokens, cost_usd, booked, streamed_tokens",
+        args,
+    ).fetchall()
+    for team_id, key_id, request_id, created, tokens, cost, booked, streamed in rows:
+        _unbook(db, team_id, cost)
+        b = booked_from(booked)
+        record = expired_record(team_id, key_id, request_id, b, now, streamed)
+        # the window keeps what was billed, as a settled request's does (prompt + completion)
+        _bucket(
+            db,
+            team_id,
+            int(created),
+            0,
+            (record.prompt_tokens + record.completion_tokens if record else 0) - tokens,
+        )
+        if record is not None and b is not None:
+            _write_usage(db, record, now, once=b.idempotent)
+    return len(rows)
+
+
+def _write_usage(db: sqlite3.Connection, r: UsageRecord, now: float, once: bool = False) -> None:
+    """`once`: r's request id is an idempotency key (base.Settlement.idempotent)."""
+    if once and not _take_key(db, r, now):
+        return
+    if r.cost_usd > 0:  # the day's and the month's spend, in one statement
+        db.execute(
+            "INSERT INTO spend (team_id, period, cost_usd) VALUES (?1,?2,?4), (?1,?3,?4) "
+            "ON CONFLICT (team_id, period) DO UPDATE SET cost_usd = cost_usd + excluded.cost_usd",
+            (r.team_id, day_period(now), month_period(now), r.cost_usd),
+        )
+    values = [getattr(r, c) for c in USAGE_COLS]
+    values[_NODES] = json.dumps(r.nodes)
+    values[_LEG_TOKENS] = json.dumps(r.leg_tokens)
+    db.execute(_INSERT_USAGE, values)
+
+
+def _take_key(db: sqlite3.Connection, r: UsageRecord, now: float) -> bool:
+    """`r`'s key is billed once (base.Settlement.idempotent): True to write `r` — its key is
+    new, or `r` replaces the key's earlier record (that record and its spend are taken back
+    here, under the write lock the caller's transaction holds)."""
+    old = db.execute(
+        "SELECT team_id, cost_usd, created_at, billed_at FROM usage_keys WHERE request_id=?",
+        (r.request_id,),
+    ).fetchone()
+    if old is not None and r.status == EXPIRED:  # a dead run's booking: the key is billed already
+        return False
+    if old is not None:
+        team_id, cost, created, billed = old
+        # (team_id, created_at) is the usage table's index: no scan for the old record
+        db.execute(
+            "DELETE FROM usage WHERE team_id=? AND created_at=? AND request_id=?",
+            (team_id, created, r.request_id),
+        )
+        if cost > 0:
+            db.execute(
+                "UPDATE spend SET cost_usd = cost_usd - ? WHERE team_id=? AND period IN (?, ?)",
+                (cost, team_id, day_period(billed), month_period(billed)),
+            )
+    db.execute(
+        "INSERT INTO usage_keys (request_id, team_id, cost_usd, created_at, billed_at) VALUES (?,?,?,?,?) "
+        "ON CONFLICT (request_id) DO UPDATE SET team_id=excluded.team_id, cost_usd=excluded.cost_usd, "
+        "created_at=excluded.created_at, billed_at=excluded.billed_at",
+        (r.request_id, r.team_id, r.cost_usd, r.created_at, now),
+    )
+    return True
+
+
+def _settle_booking(db: sqlite3.Connection, s: Settlement, now: float) -> None:
+    """The booking's worst case becomes the request's real tokens, in the second it was booked."""
+    row = None
+    if s.reservation_id is not None:
+        row = db.execute(
+            "DELETE FROM reservations WHERE id=? RETURNING team_id, created_at, tokens, cost_usd",
+            (s.reservation_id,),
+        ).fetchone()
+    if row is None:  # nothing booked, or it expired meanwhile: the real tokens count from now
+        if s.tokens:
+            _bucket(db, s.record.team_id, int(now), 0, s.tokens)
+        return
+    team_id, created, booked, cost = row
+    _unbook(db, team_id, cost)
+    _bucket(db, team_id, int(created), 0, s.tokens - booked)
