@@ -5,7 +5,7 @@ ours (APIError), aiohttp's (404/405/413) and unexpected ones (500, logged) — i
 error body with the right status, and never lets one request's failure reach another.
 `cleanup_ctx` owns everything with a lifetime: the gateway's state, built complete by
 `state.open_state` once the event loop runs (the store, the one ClientSession, the usage
-writer, the store heartbeat, the model backends), then the batch runner (batch_wiring.py).
+writer, the store heartbeat, the model backends), then the batch runner (batch/wiring.py).
 """
 
 from __future__ import annotations
@@ -100,9 +100,9 @@ async def _health(request: web.Request) -> web.Response:
     s = request.app[STATE]
     body = {
         "status": "ok",
-        "models": sorted(s.models),
-        "running": s.admission.running,
-        "waiting": {t: s.admission.depth(t) for t in ("interactive", "batch")},
+        "models": sorted(s.serving.models),
+        "running": s.serving.admission.running,
+        "waiting": {t: s.serving.admission.depth(t) for t in ("interactive", "batch")},
     }
     if batch_wiring.RUNNER in request.app:
         body["batch"] = batch_wiring.health(request.app[batch_wiring.RUNNER])

@@ -3,7 +3,8 @@
 `GatewayState` is made once the event loop runs (the store opened, the HTTP session, the
 models with their tokenizers and backends, the cluster's etcd view) and holds no field that is
 filled in later: a handler never checks whether a part exists. Domain objects take the narrow
-parts they use (`Books` for a ledger, `Auth` for a handler's caller), never the state.
+parts they use (`Serving` for the request pipeline, `Books` for a ledger, `Auth` for a
+handler's caller), never the state.
 
 `open_state` owns every lifetime it starts and ends them in the reverse order: the background
 tasks (the store heartbeat, the loop-lag heartbeat), the usage writer (flushed), this gateway's
@@ -28,17 +29,17 @@ from gateway.accounts.key_cache import KeyCache
 from gateway.accounts.ledger import Books
 from gateway.accounts.store.base import Store
 from gateway.accounts.usage_writer import UsageWriter
-from gateway.backends.base import ServedModel
 from gateway.backends.build import Wiring, cluster_backend, coordinator_urls, served_models
 from gateway.backends.etcd_view import EtcdView
 from gateway.backends.loop_lag import LoopLag
 from gateway.backends.node_client import NodeClient
 from gateway.backends.provider import ProviderBackend
-from gateway.backends.providers.metrics import ProviderMetrics, register_provider_metrics
+from gateway.backends.providers.metrics import register_provider_metrics
 from gateway.backends.routing import NodeLoad
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.serving.choice import ModelChoice
+from gateway.serving.context import Serving
 from gateway.serving.tiers import Admission
 from protocol.cluster import NodeInfo
 from runtime.tracing import Tracing
@@ -70,20 +71,11 @@ class GatewayState:
     tracing: Tracing
     #: API keys and the admin key (gateway/accounts/auth.py)
     auth: Auth
-    #: what every request's ledger books with (gateway/accounts/ledger.py)
-    books: Books
-    admission: Admission
-    #: the grammar check of constraints, off the event loop
-    guides: GuideChecker
     #: the one HTTP session: nodes, coordinators, providers, the console's fetches
     session: aiohttp.ClientSession
-    #: the models served, by name (a test may add one after start-up)
-    models: dict[str, ServedModel]
-    #: auto, team policies and fallback chains
-    choice: ModelChoice
-    #: breaker-state gauge and duet:fallback_total, on `metrics.registry`
-    fallbacks: ProviderMetrics
     topology: Topology
+    #: what the request pipeline serves with: models, choice, admission, books…
+    serving: Serving
 
 
 def _guides(config: GatewayConfig, metrics: GatewayMetrics) -> GuideChecker:
@@ -165,18 +157,14 @@ async def open_state(
         await stack.enter_async_context(contextlib.asynccontextmanager(writer.lifecycle)())
         _tasks(stack, heartbeat.run(books), lag.run())
         log.info("gateway serving %s; store %s", ", ".join(sorted(models)), config.store_url)
-        yield GatewayState(
+        serving = Serving(
             config=config,
-            store=store,
-            metrics=metrics,
-            tracing=tracing,
-            auth=Auth(KeyCache(store, config.server.key_cache_ttl_s), config),
-            books=books,
-            admission=Admission(config.tiers, metrics),
-            guides=guides,
-            session=session,
             models=models,
             choice=ModelChoice(config, models),
+            admission=Admission(config.tiers, metrics),
+            guides=guides,
+            tracing=tracing,
+            books=books,
             fallbacks=register_provider_metrics(
                 metrics.registry,
                 lambda: [
@@ -185,7 +173,16 @@ async def open_state(
                     if isinstance(m.backend, ProviderBackend)
                 ],
             ),
+        )
+        yield GatewayState(
+            config=config,
+            store=store,
+            metrics=metrics,
+            tracing=tracing,
+            auth=Auth(KeyCache(store, config.server.key_cache_ttl_s), config),
+            session=session,
             topology=Topology(coordinator_urls(config, view), view),
+            serving=serving,
         )
 
 

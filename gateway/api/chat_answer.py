@@ -1,18 +1,18 @@
 """The gateway's own OpenAI chat answer, read back: for APIs served by translation onto it.
 
-`/v1/messages` (anthropic_api.py) and `/v1/responses` (responses_api.py) do not run a request
+`/v1/messages` (api/anthropic/) and `/v1/responses` (api/responses/) do not run a request
 path of their own: they turn their request into an OpenAI chat request, run it through
-`serve.run` like any `/v1/chat/completions` call (auth, quotas, auto, fallback, billing, every
+the one pipeline (gateway/serving/pipeline.py) like any `/v1/chat/completions` call (auth, quotas, auto, fallback, billing, every
 model), and translate the answer back. This module is the reading half they share:
-- `read_completion`: a whole `chat.completion` (the Answer's body) → `ChatAnswer`;
+- `read_completion`: a whole chat answer (the Answer's body, a `ChatCompletion`) → `ChatAnswer`;
 - `ChatEvents`: the bytes of an OpenAI SSE stream → typed events (text, a tool call opened,
   its argument pieces, the finish, the usage, an error, the end);
 - `TranslatingSink`: an `EventSink` that reads the chat stream as it is written and writes what
   a `Renderer` makes of its events to the client's sink instead.
 
-It reads the wire form (JSON), not the gateway's internal structs, so whatever the chat path
-learns to say (tool calls from self-hosted models, new finish reasons) reaches both APIs as
-soon as it is on the wire. Invariant: a renderer sees every event once and in order; the chunk
+A stream is read in its wire form (the SSE bytes the chat path writes, as vLLM's own Anthropic
+API reads its chat stream), so whatever the chat path learns to say (tool calls from
+self-hosted models, new finish reasons) reaches both APIs as soon as it is on the wire. Invariant: a renderer sees every event once and in order; the chunk
 that finishes a choice, the usage chunk and `[DONE]` arrive in the sink's final `end` call.
 """
 
@@ -24,6 +24,7 @@ from typing import Protocol
 import msgspec
 
 from gateway.serving.relay import EventSink
+from protocol.chat import ChatCompletion, ChatMessageOut
 from protocol.openai import ErrorDetail
 from protocol.sse import DataLines
 
@@ -71,7 +72,6 @@ class _Body(msgspec.Struct, kw_only=True):
 
 
 _BODY = msgspec.json.Decoder(_Body)
-_ENC = msgspec.json.Encoder()
 
 
 class ToolCall(msgspec.Struct, kw_only=True):
@@ -107,24 +107,35 @@ class ChatAnswer(msgspec.Struct, kw_only=True):
 
 
 def read_completion(body: object) -> ChatAnswer:
-    """The Answer's body (a struct, or JSON bytes) read as a chat.completion."""
-    b = _BODY.decode(body if isinstance(body, bytes) else _ENC.encode(body))
-    c = b.choices[0] if b.choices else _Choice()
-    m = c.message or _Message()
+    """The Answer's body — the gateway's own `ChatCompletion` — read as choice 0's answer."""
+    assert isinstance(body, ChatCompletion)  # the chat path's whole answer (openai_format.py)
+    c = body.choices[0] if body.choices else None
+    m = c.message if c is not None else ChatMessageOut()
     calls = [
         ToolCall(
             id=t.id or f"call_{i}",
-            name=(t.function.name if t.function else None) or "",
-            arguments=(t.function.arguments if t.function else None) or "{}",
+            name=t.function.name or "",
+            arguments=t.function.arguments or "{}",
         )
         for i, t in enumerate(m.tool_calls or [])
     ]
+    u = body.usage
+    details = (u.prompt_tokens_details or {}) if u is not None else {}
+    usage = (
+        TokenCounts(
+            prompt_tokens=u.prompt_tokens,
+            completion_tokens=u.completion_tokens,
+            cached_tokens=details.get("cached_tokens", 0),
+        )
+        if u is not None
+        else TokenCounts()
+    )
     return ChatAnswer(
-        id=b.id,
+        id=body.id,
         text=m.content or "",
         tool_calls=calls,
-        finish_reason=c.finish_reason,
-        usage=_counts(b.usage),
+        finish_reason=c.finish_reason if c is not None else None,
+        usage=usage,
     )
 
 
@@ -220,7 +231,7 @@ class Renderer(Protocol):
 
 
 class TranslatingSink:
-    """An `EventSink` for `serve.run`: reads the chat stream, writes `renderer`'s translation."""
+    """An `EventSink` for the pipeline: reads the chat stream, writes `renderer`'s translation."""
 
     def __init__(
         self, inner: EventSink, renderer: Renderer, headers: dict[str, str] | None = None

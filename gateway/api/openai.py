@@ -1,7 +1,7 @@
 """OpenAI's `/v1/chat/completions`, `/v1/completions` and `/v1/models`: the HTTP handlers.
 
-A completion request is authenticated here and handed, as raw bytes, to the one pipeline
-(gateway/serving/pipeline.py), which parses and serves it; its `Answer` is rendered here: a
+A completion request is authenticated and parsed here (gateway/serving/chat.py,
+requests.py) and served by the one pipeline (gateway/serving/pipeline.py); its `Answer` is rendered here: a
 streamed answer went to the `HttpEventStream` already, a whole one is its JSON body.
 """
 
@@ -14,6 +14,7 @@ from aiohttp import web
 
 from gateway.accounts.ledger import Caller
 from gateway.config import AUTO
+from gateway.serving.generate import parse
 from gateway.serving.pipeline import run
 from gateway.serving.relay import HttpEventStream
 from gateway.serving.requests import Endpoint
@@ -29,13 +30,12 @@ async def handle(
     t0 = time.monotonic()
     with state.tracing.span("gateway.auth"):
         key, team = await state.auth.authenticate(request)
-    raw = await request.read()
+    call = parse(endpoint, await request.read())
     sink = HttpEventStream(request)
     answer = await run(
-        state,
+        state.serving,
         Caller(key, team, request_id, t0),
-        raw,
-        endpoint,
+        call,
         tier_header=request.headers.get("x-duet-tier"),
         sink=sink,
     )
@@ -64,16 +64,16 @@ async def models(s: GatewayState, request: web.Request) -> web.Response:
             "tiers": list(m.config.tiers),
             "fallback": list(m.config.fallback),
         }
-        for name, m in sorted(s.models.items())
+        for name, m in sorted(s.serving.models.items())
     ]
-    if s.choice.serves_auto:
+    if s.serving.choice.serves_auto:
         data.append(
             {
                 "id": AUTO,
                 "object": "model",
                 "created": 0,
                 "owned_by": "duet",
-                "candidates": sorted(s.choice.auto_catalog),
+                "candidates": sorted(s.serving.choice.auto_catalog),
             }
         )
     return web.Response(

@@ -1,13 +1,15 @@
-"""The running half the translated APIs share: one request of `/v1/messages` (anthropic_api.py)
-or `/v1/responses` (responses_api.py), once validated and admitted, run on the chat path and
+"""The running half the translated APIs share: one request of `/v1/messages` (api/anthropic/)
+or `/v1/responses` (api/responses/), once validated and admitted, run on the chat path and
 answered in the API's own shape.
 
 Each API authenticates, parses and translates its request itself (their keys, bodies and error
-words differ; the first checks of a body are shared: `json_object`, `unknown_fields`); then a
-`Translated` call runs the chat request through `serve.run` — streamed
-through a `TranslatingSink` with the API's renderer when the client asked for a stream — and
-answers: the stream's response (already written by the sink), or the whole chat answer read
-back (`chat_answer.read_completion`) and made into the API's JSON by its `whole` function.
+words differ; the first checks of a body are shared: `json_object`, `unknown_fields`) into a
+typed chat request (`TranslatedChat`, chat_body.py); then a `Translated` call checks it as any
+chat request (gateway/serving/chat.py `check_chat`) and runs it through the one pipeline —
+streamed through a `TranslatingSink` with the API's renderer when the client asked for a
+stream — and answers: the stream's response (already written by the sink), or the whole chat
+answer read (`chat_answer.read_completion`) and made into the API's JSON by its `whole`
+function.
 `opened` says whether the stream went out already: an error after that is the stream's own
 `error` event (relay.py), never a second answer.
 """
@@ -21,11 +23,12 @@ import msgspec
 from aiohttp import web
 
 from gateway.accounts.ledger import Caller
-from gateway.api import chat_body as chat
 from gateway.api.chat_answer import ChatAnswer, Renderer, TranslatingSink, read_completion
-from gateway.serving import pipeline as serve
+from gateway.api.chat_body import TranslatedChat
+from gateway.serving.chat import check_chat
+from gateway.serving.generate import Generate
+from gateway.serving.pipeline import run
 from gateway.serving.relay import HttpEventStream
-from gateway.serving.requests import Endpoint
 from gateway.state import GatewayState
 from protocol.openai import APIError
 
@@ -81,14 +84,14 @@ class Translated:
         return self.sink is not None and self.sink.opened
 
     async def run(
-        self, state: GatewayState, caller: Caller, body: chat.ChatBody, model: str, whole: Whole
+        self, state: GatewayState, caller: Caller, chat: TranslatedChat, model: str, whole: Whole
     ) -> web.StreamResponse:
-        """Run `body` on the chat path; `model` names the answer when no `x-duet-model-used` does."""
-        answer = await serve.run(
-            state,
+        """Run `chat` on the pipeline; `model` names the answer when no `x-duet-model-used`
+        does."""
+        answer = await run(
+            state.serving,
             caller,
-            chat.encode(body),
-            Endpoint.CHAT,
+            Generate(check_chat(chat.body, chat.vllm)),
             tier_header=self.request.headers.get("x-duet-tier"),
             sink=self.sink,
         )

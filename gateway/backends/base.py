@@ -1,8 +1,9 @@
-"""The seam between the public API and whoever generates tokens.
+"""The seams between the request pipeline and whoever generates tokens or embeddings.
 
-A model's `kind` picks its `Backend`: "cluster" → `cluster.ClusterBackend` (duet's own P/D
-nodes); "external" → `provider_backend.ProviderBackend` (a commercial API, gateway/backends/providers/).
-The API layer (serve.py) asks a backend, for one `Attempt` of a `Request`, to `open` a
+A model's `kind` picks its backend: "cluster" → `cluster.ClusterBackend` (duet's own P/D
+nodes); "external" → `provider.ProviderBackend` (a commercial API, backends/providers/);
+"embedding" → `embedding.ClusterEmbedder` (an `Embedder`: nodes started with `--task embed`).
+The pipeline (gateway/serving/) asks a `Backend`, for one `Attempt` of a `Request`, to `open` a
 `Reply`: the `Piece`s of the answer, and the reply's own `Accounting` — what was served, by
 whom, with how many tokens — which the ledger reads once the reply ended, however it ended (the
 stream broke, the client left). The backend returns its accounting; nothing is written into an
@@ -15,18 +16,24 @@ in the tier queues (`uses_tier_queues`: the self-hosted pool's guard).
 
 Errors: before the first piece a backend raises `APIError` (the request fails as a whole);
 after it, `MidStreamError` (the client already has part of the answer).
+
+An `Embedder` is the embeddings' seam of the same shape: `open(EmbeddingAttempt)` gives an
+`EmbeddingReply` whose `vectors()` are awaited and whose `accounting` is the reply's own.
+`ServedModel.generator()` / `.embedder()` give a model's seam of either kind, or the 400 that
+says the model is of the other kind: nobody switches on a backend's class but them.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from gateway.accounts.usage import Accounting
 from gateway.config import ModelConfig, Tier
 from gateway.serving.requests import Endpoint, Request
+from protocol.embeddings import NodeEmbeddingResponse
 from protocol.openai import APIError, CompletionLogprobs
 from protocol.structured import Guide
 from protocol.tools import ToolCallDelta
@@ -133,6 +140,55 @@ class Backend(ABC):
         return None
 
 
+@dataclass(frozen=True)
+class EmbeddingAttempt:
+    """One embeddings request on one model: its inputs' token ids and the vector size asked."""
+
+    request_id: str
+    model: ModelConfig
+    inputs: list[list[int]]
+    #: the vectors' size the client asked for (None: the model's)
+    dimensions: int | None
+    tier: Tier
+
+
+class EmbeddingReply:
+    """One embeddings attempt's answer: await `vectors()`; `accounting` is the reply's own
+    record of what was served (the prompt's tokens, the nodes that answered)."""
+
+    def __init__(
+        self,
+        vectors: Callable[[Accounting], Awaitable[NodeEmbeddingResponse]],
+        attempt: EmbeddingAttempt,
+    ) -> None:
+        self.accounting = Accounting(
+            prompt_tokens=sum(map(len, attempt.inputs)), model_used=attempt.model.name
+        )
+        self._vectors = vectors
+
+    async def vectors(self) -> NodeEmbeddingResponse:
+        return await self._vectors(self.accounting)
+
+
+class Embedder(ABC):
+    """An embedding model's seam: what it serves and how it answers."""
+
+    #: its requests wait in the tier queues (the self-hosted pool's guard)
+    uses_tier_queues: bool = True
+    #: the model's vector size when the gateway knows it (None: the node checks `dimensions`)
+    embedding_size: int | None = None
+
+    @abstractmethod
+    def open(self, attempt: EmbeddingAttempt) -> EmbeddingReply:
+        """The reply to one attempt (its vectors are computed when awaited)."""
+
+    def usable_for(self, endpoint: Endpoint, n: int) -> bool:
+        return endpoint == Endpoint.EMBEDDING
+
+    def available(self) -> bool:
+        return True
+
+
 @dataclass
 class ServedModel:
     """A model the gateway serves: its config, the backend that answers it, the tokenizer
@@ -140,7 +196,30 @@ class ServedModel:
     its context length."""
 
     config: ModelConfig
-    backend: Backend
+    backend: Backend | Embedder
     tokenizer: Tokenizer | None
     #: prompt + completion tokens the model takes
     max_model_len: int
+
+    def generator(self) -> Backend:
+        """The model's generation backend; a 400 for an embedding model."""
+        if isinstance(self.backend, Backend):
+            return self.backend
+        raise APIError(
+            400,
+            f"{self.config.name!r} is an embedding model: use POST /v1/embeddings",
+            param="model",
+            code="wrong_model_kind",
+        )
+
+    def embedder(self) -> Embedder:
+        """The model's embedder; a 400 for a text generation model."""
+        if isinstance(self.backend, Embedder):
+            return self.backend
+        raise APIError(
+            400,
+            f"{self.config.name!r} is a text generation model; /v1/embeddings needs a model "
+            'of kind "embedding"',
+            param="model",
+            code="wrong_model_kind",
+        )

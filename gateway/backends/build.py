@@ -3,7 +3,7 @@ with the backend that answers it.
 
 - `kind = "cluster"`: the one `ClusterBackend` (duet's P/D nodes), with the model's tokenizer
   and context length (its config's `max_model_len`, else its config.json's);
-- `kind = "embedding"`: an `EmbeddingBackend` routing to `--task embed` nodes;
+- `kind = "embedding"`: a `ClusterEmbedder` routing to `--task embed` nodes;
 - `kind = "external"`: a `ProviderBackend` around the model's provider (gateway/backends/providers/),
   every one sharing the gateway's bound on provider calls (`ProviderSlots`).
 
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import aiohttp
 
-from gateway.backends.base import Backend, ServedModel
+from gateway.backends.base import Backend, Embedder, ServedModel
 from gateway.backends.cluster.backend import ClusterBackend
-from gateway.backends.embedding import EmbeddingBackend
+from gateway.backends.embedding import ClusterEmbedder
 from gateway.backends.etcd_view import EtcdView
 from gateway.backends.node_client import NodeClient
 from gateway.backends.provider import ProviderBackend
@@ -79,10 +79,10 @@ def served_models(w: Wiring, cluster: ClusterBackend) -> dict[str, ServedModel]:
             continue
         assert m.tokenizer is not None  # the config refuses a self-hosted model without one
         directory = resolve_model(m.tokenizer).directory
-        backend: Backend = cluster
+        backend: Backend | Embedder = cluster
         if m.kind == "embedding":
             assert embed_router is not None
-            backend = EmbeddingBackend(w.nodes, embed_router, rc, _embedding_size(directory))
+            backend = ClusterEmbedder(w.nodes, embed_router, rc, _embedding_size(directory))
         models[name] = ServedModel(m, backend, Tokenizer(directory), _max_model_len(m, directory))
     return models
 

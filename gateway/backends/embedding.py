@@ -1,20 +1,23 @@
-"""`EmbeddingBackend`: an embedding model's nodes (`kind = "embedding"`, nodes started with
-`--task embed`): route with `task: embed` through the coordinator (etcd's view or the model's
-`static` list when no coordinator answers), then `POST /v1/embeddings` on the chosen node,
-retried on another node when one fails (up to `[routing] max_attempts`). A node URL comes only
-from the router.
+"""`ClusterEmbedder`: an embedding model's nodes (`kind = "embedding"`, nodes started with
+`--task embed`) behind the `Embedder` seam.
+
+Route with `task: embed` through the coordinator (etcd's view or the model's `static` list
+when no coordinator answers), then `POST /v1/embeddings` on the chosen node, retried on another
+node when one fails (up to `[routing] max_attempts`). A node URL comes only from the router.
+The reply's accounting says the prompt went out (a client that leaves then pays for it), which
+node answered, and when.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
-from gateway.backends.base import Accounting, Attempt, Backend, Reply, ServedModel
+from gateway.accounts.usage import Accounting
+from gateway.backends.base import Embedder, EmbeddingAttempt, EmbeddingReply
 from gateway.backends.node_client import NodeClient, NodeFailure
-from gateway.backends.providers.fallback import Reason
 from gateway.backends.routing import Router
-from gateway.config import RoutingConfig, Tier
-from gateway.serving.requests import Endpoint, Request
+from gateway.config import RoutingConfig
 from protocol.cluster import NodeTask
 from protocol.embeddings import NodeEmbeddingRequest, NodeEmbeddingResponse
 from protocol.openai import APIError
@@ -23,11 +26,9 @@ from protocol.route import RouteRequest
 log = logging.getLogger("duet.gateway.embeddings")
 
 
-class EmbeddingBackend(Backend):
-    """An embedding model's nodes: route with `task: embed`, then one call to the chosen node.
-    `embedding_size` is the model's vector size when the gateway knows it (its config.json)."""
-
-    uses_tier_queues = True
+class ClusterEmbedder(Embedder):
+    """Route with `task: embed`, then one call to the chosen node. `embedding_size` is the
+    model's vector size when the gateway knows it (its config.json)."""
 
     def __init__(
         self, nodes: NodeClient, router: Router, cfg: RoutingConfig, embedding_size: int | None
@@ -37,55 +38,34 @@ class EmbeddingBackend(Backend):
         self.cfg = cfg
         self.embedding_size = embedding_size
 
-    def usable_for(self, endpoint: Endpoint, n: int) -> bool:
-        return endpoint == Endpoint.EMBEDDING
+    def open(self, attempt: EmbeddingAttempt) -> EmbeddingReply:
+        return EmbeddingReply(lambda acc: self._embed(attempt, acc), attempt)
 
-    def open(self, request: Request, attempt: Attempt) -> Reply:
-        raise APIError(
-            400,
-            f"{attempt.model.name!r} is an embedding model: use POST /v1/embeddings",
-            param="model",
-            code="wrong_model_kind",
-        )
-
-    def fallback_reason(self, err: APIError, tier: Tier) -> Reason | None:
-        return None  # an embedding model has no fallback chain (gateway/config.py)
-
-    async def embed(
-        self,
-        request_id: str,
-        served: ServedModel,
-        ids: list[list[int]],
-        dimensions: int | None,
-        tier: Tier,
-        acc: Accounting,
-    ) -> NodeEmbeddingResponse:
+    async def _embed(self, attempt: EmbeddingAttempt, acc: Accounting) -> NodeEmbeddingResponse:
+        rid, ids = attempt.request_id, attempt.inputs
         exclude: list[str] = []
         failures: list[str] = []
-        body = NodeEmbeddingRequest(inputs=ids, dimensions=dimensions)
+        body = NodeEmbeddingRequest(inputs=ids, dimensions=attempt.dimensions)
         for _ in range(max(1, self.cfg.max_attempts)):
             route = await self.router.route(
                 RouteRequest(
-                    model=served.config.cluster_name,
+                    model=attempt.model.cluster_name,
                     block_hashes=[],
                     num_prompt_tokens=max(map(len, ids)),
                     max_tokens=1,
-                    tier=tier,
+                    tier=attempt.tier,
                     exclude=exclude,
-                    request_id=request_id,
+                    request_id=rid,
                     task=NodeTask.EMBED,
                 )
             )
             node = route.decode
             acc.prompt_sent = True
             try:
-                out = await self.nodes.embed(node.url, request_id, body)
+                out = await self.nodes.embed(node.url, rid, body)
             except NodeFailure as e:
                 log.warning(
-                    "%s: embed node %s failed (%s); trying another",
-                    request_id,
-                    node.node_id,
-                    e.reason,
+                    "%s: embed node %s failed (%s); trying another", rid, node.node_id, e.reason
                 )
                 failures.append(f"{node.node_id}: {e.reason}")
                 exclude.append(node.node_id)
@@ -99,6 +79,7 @@ class EmbeddingBackend(Backend):
                     type_="server_error",
                     code="bad_upstream",
                 )
+            acc.first_token_at = time.monotonic()
             return out
         raise APIError(
             503,

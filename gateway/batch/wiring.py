@@ -1,7 +1,7 @@
 """The batch tier inside the gateway (issue #13): the executor that runs each batch line through
 the gateway's own serving path, the auth adapter, and the runner's lifecycle.
 
-- Executor: a line runs through `serve.run` — the function the HTTP handlers call — as the
+- Executor: a line runs through the request pipeline (`pipeline.run`) — what the HTTP handlers call — as the
   batch's team, at tier `batch` (lowest admission priority, `priority=batch` on the nodes) and
   at `1 - [batch] discount` of the model's prices, so quotas, routing, retries across nodes and
   usage records are exactly the interactive ones. Its usage records carry key id `batch` (a
@@ -39,7 +39,7 @@ import msgspec
 from aiohttp import web
 
 from gateway.accounts.ledger import Caller, RateLimited
-from gateway.accounts.store.base import ApiKey
+from gateway.accounts.store.base import ApiKey, Store
 from gateway.accounts.store.batch_tables import BatchTables
 from gateway.accounts.team_gate import TeamLimited
 from gateway.batch.config import BatchConfig
@@ -49,7 +49,9 @@ from gateway.batch.routes import make_batch_routes
 from gateway.batch.runner import BatchRunner
 from gateway.config import BatchSettings, GatewayConfig, TeamPolicy, TierConfig
 from gateway.config_tables import BatchLimits
-from gateway.serving import pipeline as serve
+from gateway.serving.context import Serving
+from gateway.serving.generate import parse
+from gateway.serving.pipeline import run
 from gateway.serving.requests import Endpoint
 from gateway.serving.tiers import Admission, Shed
 from gateway.state import GatewayState
@@ -94,10 +96,12 @@ def batch_config(cfg: GatewayConfig) -> BatchConfig:
 
 
 class GatewayExecutor:
-    """The batch `Executor`: one line through `serve.run`, as its team, at the batch tier."""
+    """The batch `Executor`: one line through the request pipeline, as its team, at the batch
+    tier."""
 
-    def __init__(self, state: GatewayState, discount: float) -> None:
-        self.state = state
+    def __init__(self, serving: Serving, store: Store, discount: float) -> None:
+        self.serving = serving
+        self.store = store
         self.price_factor = 1.0 - discount
 
     async def __call__(
@@ -109,7 +113,7 @@ class GatewayExecutor:
         tier: str = "batch",
         request_id: str,
     ) -> tuple[int, dict[str, Any]]:
-        team = await self.state.store.get_team(team_id)
+        team = await self.store.get_team(team_id)
         if team is None:
             err = APIError(
                 403,
@@ -129,9 +133,8 @@ class GatewayExecutor:
             idempotent=True,
         )
         try:
-            answer = await serve.run(
-                self.state, caller, _ENC.encode(body), _ENDPOINTS[endpoint], tier_header=tier
-            )
+            call = parse(_ENDPOINTS[endpoint], _ENC.encode(body))
+            answer = await run(self.serving, caller, call, tier_header=tier)
         except RateLimited as e:
             if e.type == "insufficient_quota":
                 return e.status, msgspec.to_builtins(e.body())
@@ -187,8 +190,8 @@ def install(
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:
         state = app[state_key]
-        executor = GatewayExecutor(state, config.batch.discount)
-        may_run = batch_may_run(state.admission, config.tiers)
+        executor = GatewayExecutor(state.serving, state.store, config.batch.discount)
+        may_run = batch_may_run(state.serving.admission, config.tiers)
         runner = app[RUNNER] = BatchRunner(store, executor, bc, may_run=may_run)
         if shared_store(config) and not config.batch.data_dir:
             log.warning(

@@ -2,7 +2,7 @@
 
 `ModelChoice` is built once the models are loaded; it turns the gateway's models into the
 providers package's `ModelEntry` catalog (self-hosted models are free for batch, external ones
-`paid`) and answers three questions for the request path (serve.py):
+`paid`) and answers three questions for the request path (generate.py, attempts.py):
 - `auto(...)`: the model `auto` picks (the classifier's label → the cheapest capable model,
   with the team's pins and bans, the tier's rules, context and availability);
 - `trigger(err, served, tier)`: whether a failure before the first piece is a fallback
@@ -123,7 +123,7 @@ class ModelChoice:
     @staticmethod
     def trigger(err: APIError, served: ServedModel, tier: Tier) -> Reason | None:
         """Whether `err`, raised before the first piece, is a fallback trigger (the backend says)."""
-        return served.backend.fallback_reason(err, tier)
+        return served.generator().fallback_reason(err, tier)
 
     def has_chain(self, origin: str) -> bool:
         return bool(self.chains.chains.get(origin))

@@ -10,7 +10,7 @@ naming both. vLLM's older `guided_grammar` and `guided_whitespace_pattern` are r
 per-request choice of grammar engine) is taken and changes nothing: duet has one engine.
 
 vLLM's extras become the same `Guide` that `response_format` does, checked by the same grammar
-engine call before any node work — serve.run awaits it off the event loop, bounded in time
+engine call before any node work — the pipeline awaits it (generate.py `admit`) off the event loop, bounded in time
 (text/guide_compile.py), since a pathological schema compiles for seconds — so an invalid
 regex, an empty or oversized list of choices or a bad schema is a 400 whose `param` names the
 field (`guided_choice`, `structured_outputs.regex`, …): `Constraint.param`. They are also kept in vLLM's newest form
@@ -19,7 +19,7 @@ is sent (gateway/backends/provider.py); `features.py` counts them as the feature
 `vllm_structured_outputs`, which external models lack unless their config lists it.
 
 The same checks serve `/v1/messages` and `/v1/responses`, which take vLLM's extras too (their
-request structs inherit `VllmFields` through chat_request.VllmExtras): their translators call
+request structs inherit `VllmFields` through gateway/api/chat_body.py's VllmExtras): their translators call
 `constraint` with the API's own `Names` first (`output_config.format` / `text.format` rather than
 `response_format`), so a 400 names the field the client sent; the chat path then checks the
 translated request again, and finds it sound.
@@ -115,7 +115,7 @@ def constraint(
     """The request's constraint from vLLM's fields (`vllm_fields` of the raw body, or a request
     struct that inherits them), its parsed `response_format` and whether its tool_choice is
     forced; 400 for two constraints, or one malformed before any grammar work (the grammar
-    engine's check is serve.run's, async). `names`: how the API calls its own fields."""
+    engine's check is the pipeline's, async). `names`: how the API calls its own fields."""
     for name, why in _REFUSED_FIELDS.items():
         if getattr(vllm, name) is not None:
             raise APIError(400, f"{name} is not supported: {why}", param=name)
@@ -178,7 +178,7 @@ def vllm_fields(data: dict[str, Any]) -> VllmFields:
 
 
 def _response_format(rf: ResponseFormat | None) -> Guide | None:
-    """The guide response_format asks for (its grammar is checked by serve.run)."""
+    """The guide response_format asks for (its grammar is checked by the pipeline)."""
     assert rf is not None
     if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema is None):
         raise APIError(

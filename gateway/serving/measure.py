@@ -12,7 +12,7 @@ a model. Prompts over `_BIG_PROMPT` characters are tokenized off the loop.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -38,6 +38,8 @@ class Measured:
     max_tokens: int
     #: how the model takes the request's tools (self-hosted chat with tools or tool turns)
     tools: ToolPlan | None = None
+    #: embeddings: each input's token ids (`ids` stays empty: there is no one prompt)
+    inputs: list[list[int]] = field(default_factory=list)
 
 
 def tool_plan(served: ServedModel, req: Request) -> ToolPlan | None:

@@ -18,9 +18,8 @@ from typing import Any
 import msgspec
 
 from gateway.serving.constraint import VLLM_FIELDS, constraint, refuse_min_tokens, vllm_fields
-from gateway.tools.spec import Tools, check_tools, tool_turn
+from gateway.tools.spec import Tools
 from protocol import limits
-from protocol.chat import ChatCompletionRequest
 from protocol.openai import APIError, CompletionRequest, refusals
 from protocol.structured import Guide, ResponseFormat, StructuredOutputs
 
@@ -118,7 +117,7 @@ class Request:
     #: as the client sent it (None or type "text": unconstrained)
     response_format: ResponseFormat | None = None
     #: the constraint response_format or vLLM's guided_json / guided_regex / guided_choice /
-    #: structured_outputs ask for, checked by the grammar engine in serve.run (a forced
+    #: structured_outputs ask for, checked by the grammar engine in the pipeline (a forced
     #: tool_choice's is built per model: gateway/tools/plan.py, checked in measure.py)
     guide: Guide | None = None
     #: vLLM's extras as `structured_outputs`, one field set (None: not used; gateway/serving/constraint.py)
@@ -126,7 +125,7 @@ class Request:
     #: the request field that constrains the answer (None: unconstrained); errors name it
     constraint_field: str | None = None
     #: the param a refused `guide` names ("structured_outputs.regex", …); the guide is checked
-    #: by the grammar engine off the event loop (serve.run → GuideChecker) before any node work
+    #: by the grammar engine off the event loop (generate.py `admit` → GuideChecker) before any node work
     guide_param: str | None = None
     #: chat: the checked tools and tool_choice
     tools: Tools = field(default_factory=Tools)
@@ -138,7 +137,7 @@ def _neutral(v: Any) -> bool:
     return v is None or v is False or v == 0 or v == [] or v == {} or v == {"type": "text"}
 
 
-def _decode_json(raw: bytes) -> dict[str, Any]:
+def decode_json(raw: bytes) -> dict[str, Any]:
     try:
         data = _DECODE.decode(raw)
     except (
@@ -151,7 +150,7 @@ def _decode_json(raw: bytes) -> dict[str, Any]:
     return data
 
 
-def _refuse_unsupported(data: dict[str, Any], allowed: set[str]) -> None:
+def refuse_unsupported(data: dict[str, Any], allowed: set[str]) -> None:
     bad = sorted(k for k, v in data.items() if k not in allowed and not _neutral(v))
     if bad:
         # the names are the client's: any that is not a plain name is quoted (repr), so a name
@@ -166,7 +165,7 @@ def _refuse_unsupported(data: dict[str, Any], allowed: set[str]) -> None:
         )
 
 
-def _convert(data: dict[str, Any], cls: type) -> Any:
+def convert(data: dict[str, Any], cls: type) -> Any:
     try:
         return msgspec.convert(data, cls)
     except msgspec.ValidationError as e:
@@ -179,7 +178,7 @@ def _convert(data: dict[str, Any], cls: type) -> Any:
         raise APIError(400, f"invalid request: {msg}", param=param) from None
 
 
-def _sampling(body: Any, max_tokens: int | None, logprobs: int | None) -> tuple[Sampling, int]:
+def sampling_of(body: Any, max_tokens: int | None, logprobs: int | None) -> tuple[Sampling, int]:
     n = 1 if body.n is None else body.n
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     with refusals():  # the ranges and words every process refuses with (protocol/limits.py)
@@ -215,101 +214,14 @@ def _sampling(body: Any, max_tokens: int | None, logprobs: int | None) -> tuple[
     ), n
 
 
-def parse_chat(raw: bytes) -> Request:
-    data = _decode_json(raw)
-    _refuse_unsupported(data, CHAT_FIELDS)
-    if "messages" not in data or "model" not in data:
-        missing = "model" if "model" not in data else "messages"
-        raise APIError(400, f"missing required field: {missing}", param=missing)
-    body: ChatCompletionRequest = _convert(data, ChatCompletionRequest)
-    if not body.messages:
-        raise APIError(400, "messages must not be empty", param="messages")
-    if len(body.messages) > MAX_MESSAGES:  # before any template or tokenizer work on them
-        raise APIError(
-            400,
-            f"messages holds at most {MAX_MESSAGES} messages, got {len(body.messages)}",
-            param="messages",
-        )
-    messages = []
-    for i, m in enumerate(body.messages):
-        if m.role not in CHAT_ROLES:
-            raise APIError(
-                400,
-                f"messages[{i}]: role {m.role!r} is not supported (use system, developer, user, "
-                "assistant or tool)",
-                param=f"messages[{i}].role",
-            )
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if (
-                    not isinstance(part, dict)
-                    or part.get("type") != "text"
-                    or not isinstance(part.get("text"), str)
-                ):
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise APIError(
-                        400,
-                        f"messages[{i}]: content part of type {kind!r} is not supported "
-                        "(only text)",
-                        param=f"messages[{i}].content",
-                    )
-                texts.append(part["text"])
-            content = "".join(texts)
-        if m.tool_calls or m.role == "tool" or m.tool_call_id is not None:
-            messages.append(tool_turn(i, m, content))
-            continue
-        if content is None:
-            raise APIError(
-                400, f"messages[{i}]: content is required", param=f"messages[{i}].content"
-            )
-        role = "system" if m.role == "developer" else m.role
-        messages.append({"role": role, "content": content})
-    max_tokens = (
-        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    )
-    if body.top_logprobs is not None:
-        if not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        _check_top("top_logprobs", body.top_logprobs)
-    # the nodes speak the completions form: N top tokens besides the chosen one
-    sampling, n = _sampling(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-    tools = check_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
-    c = constraint(
-        vllm_fields(data), body.response_format, forced_tool=tools.choice in ("required", "named")
-    )
-    refuse_min_tokens(c.field, sampling.min_tokens)
-    return Request(
-        endpoint=Endpoint.CHAT,
-        model=body.model,
-        messages=messages,
-        prompt=None,
-        max_tokens=max_tokens,
-        sampling=sampling,
-        n=n,
-        stream=bool(body.stream),
-        include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        service_tier=body.service_tier,
-        user=_user(body.user),
-        response_format=body.response_format,
-        guide=c.guide,
-        structured_outputs=c.structured_outputs,
-        constraint_field=c.field,
-        guide_param=c.param,
-        tools=tools,
-        has_tool_turns=any("tool_calls" in m or m["role"] == "tool" for m in messages),
-    )
-
-
 def parse_completion(raw: bytes) -> Request:
-    data = _decode_json(raw)
-    _refuse_unsupported(data, COMPLETION_FIELDS)
+    data = decode_json(raw)
+    refuse_unsupported(data, COMPLETION_FIELDS)
     if "prompt" not in data or "model" not in data:
         missing = "model" if "model" not in data else "prompt"
         raise APIError(400, f"missing required field: {missing}", param=missing)
     stream_options = data.get("stream_options")
-    body: CompletionRequest = _convert(data, CompletionRequest)
+    body: CompletionRequest = convert(data, CompletionRequest)
     if not isinstance(body.model, str):
         raise APIError(400, "model must be a string", param="model")
     p = body.prompt
@@ -332,10 +244,10 @@ def parse_completion(raw: bytes) -> Request:
     if stream_options is None:
         body.stream_options = None
     if body.logprobs is not None:
-        _check_top("logprobs", body.logprobs)
-    sampling, n = _sampling(_Shim(body, n=data.get("n")), max_tokens, body.logprobs)
+        check_top("logprobs", body.logprobs)
+    sampling, n = sampling_of(_Shim(body, n=data.get("n")), max_tokens, body.logprobs)
     rf = (
-        _convert({"response_format": data["response_format"]}, _Format).response_format
+        convert({"response_format": data["response_format"]}, _Format).response_format
         if data.get("response_format") is not None
         else None
     )
@@ -352,7 +264,7 @@ def parse_completion(raw: bytes) -> Request:
         stream=body.stream,
         include_usage=bool(body.stream_options and body.stream_options.include_usage),
         service_tier=body.service_tier,
-        user=_user(body.user),
+        user=user_of(body.user),
         response_format=rf,
         guide=c.guide,
         structured_outputs=c.structured_outputs,
@@ -380,7 +292,7 @@ class _Shim:
         return getattr(self._body, name)
 
 
-def _user(user: str | None) -> str | None:
+def user_of(user: str | None) -> str | None:
     """The end user the caller names (msgspec already refused a non-string); "" names nobody."""
     if user is not None and len(user) > MAX_USER:
         raise APIError(
@@ -391,7 +303,7 @@ def _user(user: str | None) -> str | None:
     return user or None
 
 
-def _check_top(name: str, n: int) -> None:
+def check_top(name: str, n: int) -> None:
     with refusals():
         limits.check_logprobs(name, n)
 

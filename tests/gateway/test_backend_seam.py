@@ -54,7 +54,7 @@ async def test_external_model_through_the_api(tiny_llama: Path, tmp_path: Path) 
         ext = ModelConfig(
             name="ext", kind="external", input_usd_per_mtok=1.0, output_usd_per_mtok=3.0
         )
-        state.models["ext"] = ServedModel(ext, backend, None, 1 << 20)
+        state.serving.models["ext"] = ServedModel(ext, backend, None, 1 << 20)
         await state.store.create_team(Team(id="t", tpm=10_000))
         key, secret, digest = new_key("t")
         await state.store.create_key(key, digest)

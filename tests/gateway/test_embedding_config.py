@@ -41,13 +41,13 @@ def test_refused(models: dict, extra: dict, what: str) -> None:
 
 def test_auto_never_holds_an_embedding_model() -> None:
     from gateway.backends.base import ServedModel
-    from gateway.backends.embedding import EmbeddingBackend
+    from gateway.backends.embedding import ClusterEmbedder
     from gateway.config import RoutingConfig
     from gateway.serving.choice import ModelChoice
     from gateway.serving.requests import Endpoint
 
     cfg = parse_config({"models": {"e": EMB, "g": GEN}, "auto": {}})
-    emb = EmbeddingBackend(None, None, RoutingConfig(), 576)  # type: ignore[arg-type]  # never called here
+    emb = ClusterEmbedder(None, None, RoutingConfig(), 576)  # type: ignore[arg-type]  # never called here
     models = {
         "e": ServedModel(cfg.models["e"], emb, None, 8192),
         "g": ServedModel(cfg.models["g"], emb, None, 8192),

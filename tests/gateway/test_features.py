@@ -11,8 +11,9 @@ import pytest
 
 from gateway.config import ConfigError, parse_config
 from gateway.config_tables import ALL, Feature, model_features
+from gateway.serving.chat import parse_chat
 from gateway.serving.features import features, refuse_missing
-from gateway.serving.requests import parse_chat, parse_completion
+from gateway.serving.requests import parse_completion
 from protocol.openai import APIError
 
 TOOL = {

@@ -88,17 +88,17 @@ async def test_in_flight_ledgers_and_the_streamed_report(tiny_llama: Path, tmp_p
         )
         for ask in (_streamed, _whole):
             backend = HeldBackend()
-            state.models["ext"] = ServedModel(ext, backend, None, 1 << 20)
+            state.serving.models["ext"] = ServedModel(ext, backend, None, 1 << 20)
             task = asyncio.ensure_future(ask(oai))
             await until(backend.sent.is_set, 30, "the backend to send its words")
-            [rid] = state.books.in_flight  # reserved, not settled
+            [rid] = state.serving.books.in_flight  # reserved, not settled
             if ask is _streamed:
-                report = state.books.streamed_report()
+                report = state.serving.books.streamed_report()
                 assert report == {rid: len(WORDS)}  # sent, not made
-                state.books.streamed_reported(report)
-                assert state.books.streamed_report() == {}  # nothing new since
+                state.serving.books.streamed_reported(report)
+                assert state.serving.books.streamed_report() == {}  # nothing new since
             else:
-                assert state.books.streamed_report() == {}  # nothing reached the client yet
+                assert state.serving.books.streamed_report() == {}  # nothing reached the client yet
             backend.release.set()
             assert await asyncio.wait_for(task, 30) == "".join(WORDS) + "!"
-            assert state.books.in_flight == {}  # settled: out of the registry
+            assert state.serving.books.in_flight == {}  # settled: out of the registry

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.serving.requests import parse_chat
+from gateway.serving.chat import parse_chat
 from gateway.tools.formats import template_has_tools
 from gateway.tools.plan import plan_for
 from gateway.tools.prompt import render

@@ -1,6 +1,6 @@
 """`POST /v1/messages`: Anthropic's Messages API, served by translation onto the chat path.
 
-An Anthropic request becomes an OpenAI chat request (`to_chat`), runs through `serve.run` like
+An Anthropic request becomes an OpenAI chat request (`to_chat`), runs through the one pipeline like
 any `/v1/chat/completions` call — the same keys, teams, quotas, tiers, `auto`, fallback chains
 and usage records, on every model, self-hosted or external — and its answer is translated back:
 a whole `chat.completion` into a Message (`to_message`), a chat stream into Anthropic's event
@@ -33,7 +33,6 @@ Mapping (the shared names are in providers/anthropic_shapes.py):
 
 from __future__ import annotations
 
-import json
 import re
 import time
 
@@ -42,61 +41,23 @@ from aiohttp import web
 
 from gateway.accounts.auth import bearer
 from gateway.accounts.ledger import Caller
-from gateway.api import chat_body as chat
+from gateway.api.anthropic.convert import to_chat, to_message
+from gateway.api.anthropic.stream import MessageStream
 from gateway.api.anthropic.wire import (
     FIELDS,
-    BlockDelta,
-    BlockStart,
-    BlockStop,
     ErrorBody,
     ErrorObject,
-    ImageBlock,
-    InputJsonDelta,
-    Message,
-    MessageDelta,
     MessagesRequest,
-    MessageStart,
-    MessageStop,
-    StopInfo,
-    StreamEvent,
-    TextBlock,
-    TextDelta,
-    TextOut,
-    ToolResultBlock,
-    ToolUseBlock,
-    ToolUseOut,
-    Usage,
-    sse,
-)
-from gateway.api.chat_answer import (
-    ChatAnswer,
-    ChatEvent,
-    Done,
-    Failed,
-    Finish,
-    Text,
-    TokenCounts,
-    ToolArgs,
-    ToolStart,
-    UsageSeen,
 )
 from gateway.api.translated import Translated, field_names, json_object, unknown_fields
 from gateway.backends.providers.anthropic_shapes import (
-    FINISH_REASONS,
-    TOOL_CHOICES_BACK,
     error_type_of,
-    input_tokens,
 )
-from gateway.serving.constraint import Names, vllm_fields
+from gateway.serving.constraint import vllm_fields
 from gateway.state import GatewayState
 from protocol.openai import APIError
-from protocol.structured import JSONSchemaFormat, ResponseFormat
 
 _ENC = msgspec.json.Encoder()
-#: how this API calls the constraints of its own, in a 400 about two constraints
-NAMES = Names(
-    response_format="output_config.format", forced_tool="a forced tool_choice (any or a named tool)"
-)
 
 
 async def handle(state: GatewayState, request: web.Request, request_id: str) -> web.StreamResponse:
@@ -193,234 +154,3 @@ def parse(raw: bytes) -> MessagesRequest:
     if any(not s for s in body.stop_sequences or []):
         raise APIError(400, "stop_sequences: each must be a non-empty string")
     return body
-
-
-# -- Anthropic request → OpenAI chat request ------------------------------------------------
-
-
-def _image(b: ImageBlock) -> chat.ImagePart:
-    s = b.source
-    if s.type == "base64":
-        if not s.media_type or not s.data:
-            raise APIError(400, "image source: base64 images need media_type and data")
-        return chat.ImagePart(image_url=chat.ImageURL(url=f"data:{s.media_type};base64,{s.data}"))
-    if not s.url:
-        raise APIError(400, "image source: url images need a url")
-    return chat.ImagePart(image_url=chat.ImageURL(url=s.url))
-
-
-def _parts(blocks: list[TextBlock | ImageBlock]) -> str | list[chat.TextPart | chat.ImagePart]:
-    if all(isinstance(b, TextBlock) for b in blocks):
-        return "".join(b.text for b in blocks)  # type: ignore[union-attr]
-    return [chat.TextPart(text=b.text) if isinstance(b, TextBlock) else _image(b) for b in blocks]
-
-
-def _result_text(b: ToolResultBlock) -> str | list[chat.TextPart | chat.ImagePart]:
-    content = b.content if b.content is not None else ""
-    out = content if isinstance(content, str) else _parts(content)
-    if b.is_error and isinstance(out, str):
-        return f"Error: {out}"  # OpenAI's tool message has no error flag: the model reads it
-    return out
-
-
-def _turn(role: str, content: str | list, out: list[chat.Message]) -> None:  # type: ignore[type-arg]
-    if isinstance(content, str):
-        chat.append(out, chat.Message(role=role, content=content))  # type: ignore[arg-type]
-        return
-    parts: list[TextBlock | ImageBlock] = []
-    calls: list[chat.ToolCall] = []
-    results = 0
-    for b in content:
-        if isinstance(b, ToolResultBlock):
-            results += 1
-            if role != "user":
-                raise APIError(400, "tool_result blocks belong in a user turn")
-            out.append(
-                chat.Message(role="tool", tool_call_id=b.tool_use_id, content=_result_text(b))
-            )
-        elif isinstance(b, ToolUseBlock):
-            if role != "assistant":
-                raise APIError(400, "tool_use blocks belong in an assistant turn")
-            calls.append(
-                chat.ToolCall(
-                    id=b.id, function=chat.FunctionCall(name=b.name, arguments=json.dumps(b.input))
-                )
-            )
-        else:
-            parts.append(b)
-    if parts or not (calls or results):
-        chat.append(out, chat.Message(role=role, content=_parts(parts), tool_calls=calls or None))  # type: ignore[arg-type]
-    elif calls:
-        chat.append(out, chat.Message(role="assistant", tool_calls=calls))
-
-
-def to_chat(body: MessagesRequest) -> chat.ChatBody:
-    messages: list[chat.Message] = []
-    if body.system is not None:
-        system = (
-            body.system if isinstance(body.system, str) else "".join(b.text for b in body.system)
-        )
-        if system:
-            messages.append(chat.Message(role="system", content=system))
-    for m in body.messages:
-        _turn(m.role, m.content, messages)
-    out = chat.ChatBody(
-        model=body.model,
-        messages=messages,
-        max_tokens=body.max_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        top_k=body.top_k,
-        stop=body.stop_sequences or None,
-        user=body.metadata.user_id if body.metadata else None,
-    )
-    if body.stream:
-        out.stream, out.stream_options = True, chat.StreamOptions(include_usage=True)
-    if body.tools:
-        out.tools = [
-            chat.ToolDef(
-                type="function",
-                function=chat.FunctionDef(
-                    name=t.name, description=t.description, parameters=t.input_schema
-                ),
-            )
-            for t in body.tools
-        ]
-    fmt = body.output_config.format if body.output_config is not None else None
-    if fmt is not None:
-        out.response_format = ResponseFormat(
-            type="json_schema", json_schema=JSONSchemaFormat(name="output", schema=fmt.schema)
-        )
-    tc = body.tool_choice
-    if tc is not None:
-        kind = type(tc).__struct_config__.tag
-        if kind == "tool":
-            out.tool_choice = chat.NamedToolChoice(
-                type="function", function=chat.NamedFunction(name=tc.name)
-            )  # type: ignore[union-attr]
-        else:
-            out.tool_choice = TOOL_CHOICES_BACK[str(kind)]  # type: ignore[assignment]
-        if tc.disable_parallel_tool_use:
-            out.parallel_tool_calls = False
-    chat.copy_extras(body, out)
-    out.top_k = body.top_k  # Anthropic's own field
-    chat.check_constraint(out, NAMES)
-    return out
-
-
-# -- OpenAI answer → Anthropic message ------------------------------------------------------
-
-
-def _usage(u: TokenCounts) -> Usage:
-    fresh, cached = input_tokens(u.prompt_tokens, u.cached_tokens)
-    return Usage(
-        input_tokens=fresh, output_tokens=u.completion_tokens, cache_read_input_tokens=cached
-    )
-
-
-def _input(arguments: str) -> dict[str, object] | None:
-    try:
-        v = json.loads(arguments or "{}")
-    except ValueError:
-        return None
-    return v if isinstance(v, dict) else None
-
-
-def to_message(a: ChatAnswer, msg_id: str, model: str) -> Message:
-    content: list[TextOut | ToolUseOut] = []
-    text = a.text
-    for c in a.tool_calls:
-        args = _input(c.arguments)
-        if args is None:  # never half a call: what is not a JSON object stays the model's text
-            text += c.arguments
-        else:
-            content.append(ToolUseOut(id=c.id, name=c.name, input=args))
-    if text or not content:
-        content.insert(0, TextOut(text=text))
-    stop = FINISH_REASONS.get(a.finish_reason or "stop", "end_turn")
-    if stop == "tool_use" and not any(isinstance(b, ToolUseOut) for b in content):
-        stop = "end_turn"
-    return Message(id=msg_id, model=model, content=content, stop_reason=stop, usage=_usage(a.usage))
-
-
-class MessageStream:
-    """Chat stream events → Anthropic's event sequence (a `chat_answer.Renderer`)."""
-
-    def __init__(self, msg_id: str, model: str) -> None:
-        self.msg_id, self.model = msg_id, model
-        self._started = False
-        self._block: int | None = None  # the open block's index
-        self._text_open = False
-        self._blocks = 0
-        self._tool_block: dict[int, int] = {}  # tool call index → its block
-        self._stop = "end_turn"
-        self._usage = TokenCounts()
-        self._failed = False
-
-    def start(self, headers: dict[str, str]) -> None:
-        self.model = headers.get("x-duet-model-used", self.model)
-
-    def _close(self, out: list[StreamEvent]) -> None:
-        if self._block is not None:
-            out.append(BlockStop(index=self._block))
-            self._block, self._text_open = None, False
-
-    def _open(self, block: TextOut | ToolUseOut, out: list[StreamEvent]) -> int:
-        self._close(out)
-        self._block, self._blocks = self._blocks, self._blocks + 1
-        out.append(BlockStart(index=self._block, content_block=block))
-        return self._block
-
-    def render(self, events: list[ChatEvent]) -> bytes:
-        out: list[StreamEvent] = []
-        for ev in events:
-            if self._failed:
-                break
-            if not self._started and not isinstance(ev, Failed):
-                self._started = True
-                out.append(
-                    MessageStart(
-                        message=Message(
-                            id=self.msg_id,
-                            model=self.model,
-                            content=[],
-                            usage=Usage(input_tokens=0, output_tokens=0),
-                        )
-                    )
-                )
-            if isinstance(ev, Text):
-                if not self._text_open:
-                    self._open(TextOut(text=""), out)
-                    self._text_open = True
-                out.append(BlockDelta(index=self._block or 0, delta=TextDelta(text=ev.text)))
-            elif isinstance(ev, ToolStart):
-                self._tool_block[ev.index] = self._open(
-                    ToolUseOut(id=ev.id, name=ev.name, input={}), out
-                )
-            elif isinstance(ev, ToolArgs):
-                out.append(
-                    BlockDelta(
-                        index=self._tool_block.get(ev.index, self._block or 0),
-                        delta=InputJsonDelta(partial_json=ev.delta),
-                    )
-                )
-            elif isinstance(ev, Finish):
-                self._close(out)
-                self._stop = FINISH_REASONS.get(ev.reason, "end_turn")
-            elif isinstance(ev, UsageSeen):
-                self._usage = ev.usage
-            elif isinstance(ev, Failed):
-                self._failed = True
-                status = ev.error.code if isinstance(ev.error.code, int) else 500
-                out.append(
-                    ErrorBody(
-                        error=ErrorObject(type=error_type_of(status), message=ev.error.message)
-                    )
-                )
-            elif isinstance(ev, Done):
-                self._close(out)
-                out.append(
-                    MessageDelta(delta=StopInfo(stop_reason=self._stop), usage=_usage(self._usage))
-                )
-                out.append(MessageStop())
-        return b"".join(sse(e) for e in out)

@@ -1,0 +1,124 @@
+"""A chat stream's events as Anthropic's event sequence, for a streamed `/v1/messages`:
+message_start, content_block_start / _delta / _stop per block, message_delta with the stop
+reason and the usage, message_stop; an `error` event for a failure after the stream opened.
+"""
+
+from __future__ import annotations
+
+from gateway.api.anthropic.convert import usage_of
+from gateway.api.anthropic.wire import (
+    BlockDelta,
+    BlockStart,
+    BlockStop,
+    ErrorBody,
+    ErrorObject,
+    InputJsonDelta,
+    Message,
+    MessageDelta,
+    MessageStart,
+    MessageStop,
+    StopInfo,
+    StreamEvent,
+    TextDelta,
+    TextOut,
+    ToolUseOut,
+    Usage,
+    sse,
+)
+from gateway.api.chat_answer import (
+    ChatEvent,
+    Done,
+    Failed,
+    Finish,
+    Text,
+    TokenCounts,
+    ToolArgs,
+    ToolStart,
+    UsageSeen,
+)
+from gateway.backends.providers.anthropic_shapes import FINISH_REASONS, error_type_of
+
+
+class MessageStream:
+    """Chat stream events → Anthropic's event sequence (a `chat_answer.Renderer`)."""
+
+    def __init__(self, msg_id: str, model: str) -> None:
+        self.msg_id, self.model = msg_id, model
+        self._started = False
+        self._block: int | None = None  # the open block's index
+        self._text_open = False
+        self._blocks = 0
+        self._tool_block: dict[int, int] = {}  # tool call index → its block
+        self._stop = "end_turn"
+        self._usage = TokenCounts()
+        self._failed = False
+
+    def start(self, headers: dict[str, str]) -> None:
+        self.model = headers.get("x-duet-model-used", self.model)
+
+    def _close(self, out: list[StreamEvent]) -> None:
+        if self._block is not None:
+            out.append(BlockStop(index=self._block))
+            self._block, self._text_open = None, False
+
+    def _open(self, block: TextOut | ToolUseOut, out: list[StreamEvent]) -> int:
+        self._close(out)
+        self._block, self._blocks = self._blocks, self._blocks + 1
+        out.append(BlockStart(index=self._block, content_block=block))
+        return self._block
+
+    def render(self, events: list[ChatEvent]) -> bytes:
+        out: list[StreamEvent] = []
+        for ev in events:
+            if self._failed:
+                break
+            if not self._started and not isinstance(ev, Failed):
+                self._started = True
+                out.append(
+                    MessageStart(
+                        message=Message(
+                            id=self.msg_id,
+                            model=self.model,
+                            content=[],
+                            usage=Usage(input_tokens=0, output_tokens=0),
+                        )
+                    )
+                )
+            if isinstance(ev, Text):
+                if not self._text_open:
+                    self._open(TextOut(text=""), out)
+                    self._text_open = True
+                out.append(BlockDelta(index=self._block or 0, delta=TextDelta(text=ev.text)))
+            elif isinstance(ev, ToolStart):
+                self._tool_block[ev.index] = self._open(
+                    ToolUseOut(id=ev.id, name=ev.name, input={}), out
+                )
+            elif isinstance(ev, ToolArgs):
+                out.append(
+                    BlockDelta(
+                        index=self._tool_block.get(ev.index, self._block or 0),
+                        delta=InputJsonDelta(partial_json=ev.delta),
+                    )
+                )
+            elif isinstance(ev, Finish):
+                self._close(out)
+                self._stop = FINISH_REASONS.get(ev.reason, "end_turn")
+            elif isinstance(ev, UsageSeen):
+                self._usage = ev.usage
+            elif isinstance(ev, Failed):
+                self._failed = True
+                status = ev.error.code if isinstance(ev.error.code, int) else 500
+                out.append(
+                    ErrorBody(
+                        error=ErrorObject(type=error_type_of(status), message=ev.error.message)
+                    )
+                )
+            elif isinstance(ev, Done):
+                self._close(out)
+                out.append(
+                    MessageDelta(
+                        delta=StopInfo(stop_reason=self._stop), usage=usage_of(self._usage)
+                    )
+                )
+                out.append(MessageStop())
+        return b"".join(sse(e) for e in out)

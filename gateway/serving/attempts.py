@@ -1,0 +1,211 @@
+"""A chat or completions request's tries along its model's fallback chain (the `Attempts` of
+generate.py's call).
+
+Each try is one `Attempt` (backends/base.py) on one model: it takes a tier admission slot when
+its backend uses the tier queues (an interactive request with a usable fallback waits at most
+`[tiers] interactive_fallback_wait_s`), opens the backend's `Reply`, parses a self-hosted
+model's tool calls out of it (tool_reply.py), and relays it (relay.py): streamed into the
+sink, or as one body. A fallback trigger before the first piece (pool saturated, no healthy
+node, open breaker, provider 5xx/429) moves the request to the next model of the chain,
+counted and logged; the answer names the model that answered (`x-duet-model-used`), and the
+usage record holds it and its cost at that model's prices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import time
+
+from gateway.accounts.ledger import Ledger
+from gateway.accounts.usage import Accounting
+from gateway.backends.base import Attempt, MidStreamError, Reply, ServedModel
+from gateway.backends.providers.fallback import FallbackDecision, Reason
+from gateway.serving.choice import Need
+from gateway.serving.context import Serving
+from gateway.serving.features import features
+from gateway.serving.measure import Measured, measure
+from gateway.serving.openai_format import Formatter
+from gateway.serving.pipeline import Admitted, Answer
+from gateway.serving.relay import EventSink, relay_stream, relay_whole
+from gateway.serving.requests import Endpoint, Request
+from gateway.serving.spans import client_span
+from gateway.serving.tool_reply import with_tool_calls
+from gateway.tools.plan import ToolMode, ToolPlan
+from protocol.openai import APIError
+from runtime.tracing import (
+    GEN_AI_CHOICE_COUNT,
+    GEN_AI_FINISH_REASONS,
+    GEN_AI_INPUT_TOKENS,
+    GEN_AI_OUTPUT_TOKENS,
+    GEN_AI_RESPONSE_ID,
+    GEN_AI_RESPONSE_MODEL,
+    Attrs,
+)
+
+log = logging.getLogger("duet.gateway")
+
+
+class Tries:
+    """The attempts of one request along its model's fallback chain; `accounting` is the
+    current attempt's (what the ledger settles from when the request ends abnormally)."""
+
+    def __init__(self, serving: Serving, req: Request, ledger: Ledger, a: Admitted) -> None:
+        self.serving, self.req, self.ledger = serving, req, ledger
+        self.tier, self.policy, self.headers = a.tier, a.policy, a.headers
+        self.reply: Reply | None = None
+        self.tried: list[str] = []
+        #: the current attempt's tool handling (its model's format; None: no tools)
+        self.tools: ToolPlan | None = None
+        #: the current attempt's answer id (chatcmpl-…/cmpl-…), once it relays
+        self.response_id = ""
+
+    @property
+    def accounting(self) -> Accounting | None:
+        return self.reply.accounting if self.reply is not None else None
+
+    def settled(self) -> Attrs:
+        acc = self.accounting
+        if acc is None or not acc.finish_reasons:
+            return {}
+        reasons = [acc.finish_reasons[i] for i in sorted(acc.finish_reasons)]
+        return {GEN_AI_FINISH_REASONS: reasons, GEN_AI_RESPONSE_ID: self.response_id}
+
+    def _next(self, origin: str, reason: Reason, n_prompt: int) -> FallbackDecision:
+        req = self.req
+        need = Need(
+            req.endpoint, req.n, self.tier, self.policy, n_prompt, req.max_tokens, features(req)
+        )
+        return self.serving.choice.next(origin, reason, need, self.tried)
+
+    async def run(self, served: ServedModel, size: Measured, sink: EventSink | None) -> Answer:
+        """Serve on `served`; a fallback trigger before the first piece moves the request to the
+        next model of the chain (counted, logged), until one answers or the chain is dry."""
+        origin, n_prompt = served.config.name, size.n_prompt
+        while True:
+            try:
+                if self.tried:  # a fallback target counts and checks the prompt its own way
+                    size = await measure(served, self.req, self.serving.guides)
+                return await self._attempt(served, size, sink, origin, n_prompt)
+            except APIError as e:
+                served = self._fallback(e, served, origin, n_prompt)
+
+    async def _attempt(
+        self, served: ServedModel, size: Measured, sink: EventSink | None, origin: str, n: int
+    ) -> Answer:
+        serving, rid = self.serving, self.ledger.record.request_id
+        self.ledger.attempt(served.config, len(size.ids))
+        self.reply = None
+        self.tools = size.tools
+        # A batch line runs under one id however often it runs (its usage key: billed once); a
+        # rerun may reach a node still holding the dead run's request of that id, and a node
+        # refuses an id in use, so each run's legs get their own. The answer keeps `rid`.
+        leg_rid = f"{rid}.{secrets.token_hex(3)}" if self.ledger.caller.idempotent else rid
+        attempt = Attempt(
+            request_id=leg_rid,
+            model=served.config,
+            prompt_ids=size.ids,
+            max_tokens=size.max_tokens,
+            tier=self.tier,
+            cache_domain=serving.config.cache_domain(self.ledger.caller.team.id),
+            guide=self.req.guide or (size.tools.guide if size.tools else None),
+        )
+        headers = {**self.headers, "x-duet-model-used": served.config.name}
+        if not served.generator().uses_tier_queues:  # they guard the self-hosted pool only
+            return await self._respond(served, attempt, headers, sink)
+        wait = None
+        if (
+            self.tier == "interactive"
+            and serving.choice.has_chain(origin)
+            and self._next(origin, Reason.SATURATED, n).to_model is not None
+        ):
+            wait = serving.config.tiers.interactive_fallback_wait_s
+        async with serving.admission.slot(self.tier, wait):
+            return await self._respond(served, attempt, headers, sink)
+
+    async def _respond(
+        self, served: ServedModel, attempt: Attempt, headers: dict[str, str], sink: EventSink | None
+    ) -> Answer:
+        self.reply = reply = served.generator().open(self.req, attempt)
+        if self.tools is not None and self.tools.mode != ToolMode.NONE:
+            reply = with_tool_calls(reply, self.tools)
+        req = self.req
+        fmt = Formatter(req.endpoint, self.ledger.record.request_id, served.config.name, self.tier)
+        self.response_id = fmt.id  # the answer's id as the client gets it (gen_ai.response.id)
+        traced = self.serving.tracing.enabled  # off: no generator per request (bench's CPU)
+        with self._inference(served, self.reply.accounting) if traced else contextlib.nullcontext():
+            if req.stream:
+                assert sink is not None  # the pipeline's admit refused a stream without one
+                await relay_stream(self.ledger, reply, fmt, sink, headers, req.include_usage)
+                return Answer(200, None, headers)
+            body = await relay_whole(self.ledger, reply, fmt, req.n)
+        return Answer(
+            200, body, {**headers, "x-duet-cost-usd": f"{self.ledger.record.cost_usd:.8f}"}
+        )
+
+    def _inference(
+        self, served: ServedModel, acc: Accounting
+    ) -> contextlib.AbstractContextManager[None]:
+        """The GenAI inference span of this attempt (spans.py: `chat {model}`, the model that
+        answers and what it served; a fallback's first model ends with the trigger's code as its
+        `error.type`)."""
+        name = served.config.name
+
+        def usage() -> Attrs | None:
+            if not acc.served:  # what a node or provider served (nobody reached: nothing)
+                return None
+            return {
+                GEN_AI_RESPONSE_MODEL: acc.model_used or name,
+                GEN_AI_INPUT_TOKENS: acc.prompt_tokens,
+                GEN_AI_OUTPUT_TOKENS: acc.total_completion_tokens,
+            }
+
+        return client_span(
+            self.serving.tracing,
+            "chat" if self.req.endpoint == Endpoint.CHAT else "text_completion",
+            name,
+            served.config.provider or "duet",
+            {GEN_AI_CHOICE_COUNT: self.req.n} if self.req.n != 1 else None,
+            usage,
+        )
+
+    def _fallback(
+        self, e: APIError, served: ServedModel, origin: str, n_prompt: int
+    ) -> ServedModel:
+        """The next model to try after `e`, or `e` raised again (no fallback)."""
+        serving, name, acc = self.serving, served.config.name, self.accounting
+        if (
+            self.ledger.settled
+            or isinstance(e, MidStreamError)
+            or (acc is not None and acc.first_token_at is not None)
+            or not serving.choice.has_chain(origin)
+        ):
+            raise e
+        reason = serving.choice.trigger(e, served, self.tier)
+        if reason is None:
+            raise e
+        self.tried.append(name)
+        d = self._next(origin, reason, n_prompt)
+        serving.fallbacks.count_fallback(name, d.to_model, d.reason)  # from: the one that failed
+        rid = self.ledger.record.request_id
+        if d.to_model is None:
+            skipped = f" (skipped {dict(d.skipped)})" if d.skipped else ""
+            log.warning(
+                "%s: %s failed (%s: %s); no fallback left%s", rid, name, reason, e.message, skipped
+            )
+            raise e
+        log.info("%s: %s → %s (%s: %s)", rid, name, d.to_model, reason, e.message)
+        now = time.time_ns()
+        serving.tracing.record(
+            "gateway.fallback",
+            now,
+            now,
+            {
+                "duet.fallback.from": name,
+                "duet.fallback.to": d.to_model,
+                "duet.fallback.reason": str(reason),
+                "duet.error": e.message,
+            },
+        )
+        return serving.models[d.to_model]
