@@ -41,7 +41,7 @@ from gateway.accounts.store.base import (
     Team,
     UsageRecord,
 )
-from gateway.accounts.usage import Accounting
+from gateway.accounts.usage import Accounting, SentLog
 from gateway.accounts.usage_writer import UsageWriter
 from gateway.config import ModelConfig, QuotaConfig, Tier
 from gateway.metrics import GatewayMetrics
@@ -131,14 +131,14 @@ class Books:
     in_flight: dict[str, Ledger] = field(default_factory=dict)
 
     def streamed_report(self) -> dict[str, int]:
-        """Reservation id → completion tokens its client was sent so far (`Accounting.sent`: not
-        those made but not written yet), for each in-flight ledger whose count grew since the
+        """Reservation id → completion tokens its client was sent so far (the relay's `SentLog`:
+        not those made but not written yet), for each in-flight ledger whose count grew since the
         store was last told (`Store.heartbeat`'s `streamed`); the caller marks them told with
         `streamed_reported` once the heartbeat committed."""
         out = {}
         for rid, ledger in self.in_flight.items():
-            acc = ledger.streamed
-            if acc is not None and (n := sum(acc.sent.values())) > ledger.reported:
+            sent = ledger.streamed
+            if sent is not None and (n := sent.total) > ledger.reported:
                 out[rid] = n
         return out
 
@@ -186,9 +186,9 @@ class Ledger:
         #: the model the request tries now (its prices settle it)
         self.model = model
         self.settled = False
-        #: the accounting of the reply being streamed to the client (`streaming`); None: nothing
-        #: streams (a whole answer reaches its client only at the end: a death bills its prompt)
-        self.streamed: Accounting | None = None
+        #: what the relay streaming the answer has sent (`streaming`); None: nothing streams (a
+        #: whole answer reaches its client only at the end: a death bills its prompt)
+        self.streamed: SentLog | None = None
         #: the completion tokens the store was last told of (`Books.streamed_report`)
         self.reported = 0
 
@@ -249,11 +249,13 @@ class Ledger:
         self.model = model
         self.record.model_used, self.record.prompt_tokens = model.name, prompt_tokens
 
-    def streaming(self, acc: Accounting) -> None:
-        """`acc`'s reply now streams to the client: the heartbeat reports its completion tokens."""
-        self.streamed = acc
+    def streaming(self, sent: SentLog) -> None:
+        """A relay now streams the answer: the heartbeat reports the tokens it has sent."""
+        self.streamed = sent
 
-    def _settlement(self, status: UsageStatus, acc: Accounting | None) -> Settlement:
+    def _settlement(
+        self, status: UsageStatus, acc: Accounting | None, sent: SentLog | None
+    ) -> Settlement:
         self.books.in_flight.pop(self.reservation_id, None)
         r = self.record
         r.status = status.value
@@ -269,9 +271,11 @@ class Ledger:
         if acc is not None:
             r.prompt_tokens = acc.prompt_tokens or r.prompt_tokens
             # Every completion token read from the node or provider: a client that left chose to
-            # stop and pays what was made for it, sent or not; an answer that broke off by the
-            # cluster's fault has already cut this down to what was sent (Accounting.bill_sent).
-            r.completion_tokens = acc.total_completion_tokens
+            # stop and pays what was made for it, sent or not. An answer that broke off by the
+            # backend's fault bills what its client was sent, not what was made but never
+            # delivered (a piece still held back, or a whole answer that became a 502).
+            broke_off = status is UsageStatus.ERROR_MIDSTREAM and sent is not None
+            r.completion_tokens = sent.total if broke_off else acc.total_completion_tokens
             r.cached_tokens = acc.cached_tokens
             r.nodes = list(acc.nodes)
             r.migrations, r.leg_tokens = acc.migrations, list(acc.leg_tokens)
@@ -298,11 +302,14 @@ class Ledger:
             idempotent=self.caller.idempotent,
         )
 
-    async def commit(self, status: UsageStatus, acc: Accounting | None) -> None:
-        """Settle and wait until the record is in the store (before the answer's last bytes)."""
+    async def commit(
+        self, status: UsageStatus, acc: Accounting | None, sent: SentLog | None = None
+    ) -> None:
+        """Settle and wait until the record is in the store (before the answer's last bytes);
+        `sent`: what the relay wrote, billed when the answer broke off."""
         if self.settled:
             return
-        s = self._settlement(status, acc)
+        s = self._settlement(status, acc, sent)
         # metrics and the log line once the answer's last bytes are out, not before them
         asyncio.get_running_loop().call_soon(self._observe)
         with self.books.tracing.span("gateway.usage.commit", {"duet.status": status.value}):
@@ -312,7 +319,7 @@ class Ledger:
         """Settle without waiting (the caller cannot: its client left, its task is cancelled)."""
         if self.settled:
             return
-        s = self._settlement(status, acc)
+        s = self._settlement(status, acc, None)
         self._observe()
         self.books.writer.submit(s)
 

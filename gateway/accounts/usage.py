@@ -1,5 +1,12 @@
-"""What a reply served, as the ledger bills it: one `Accounting` per reply, filled by its backend
-as the pieces go out and read by the ledger once the reply ended, however it ended.
+"""What a request's answer cost, as the ledger bills it, in two records with one writer each:
+
+- `Accounting`: what one reply served (tokens made, cached tokens, the nodes or provider that
+  served it), filled by its backend as the pieces go out;
+- `SentLog`: what the relay wrote to the client (per sample, the completion tokens of the
+  pieces written, and each sample's finish reason as relayed), owned by the relay.
+
+The ledger reads both once the reply ended, however it ended: an answer that broke off by the
+backend's fault bills what its client was sent, any other what was made.
 """
 
 from __future__ import annotations
@@ -25,22 +32,27 @@ class Accounting:
     migrations: int = 0
     #: completion tokens of each decode leg of sample 0, in order (one entry unless migrated)
     leg_tokens: list[int] = field(default_factory=list)
-    #: each sample's finish reason as relayed to the client (the trace's gen_ai.response.finish_reasons)
-    finish_reasons: dict[int, str] = field(default_factory=dict)
-    #: per sample: the completion tokens of the pieces written to the client (`Piece.tokens`),
-    #: counted by the relay; what an answer that broke off bills (`bill_sent`)
-    sent: dict[int, int] = field(default_factory=dict)
 
     @property
     def total_completion_tokens(self) -> int:
         return sum(self.completion_tokens.values())
 
-    def bill_sent(self) -> None:
-        """The answer broke off: it bills the completion tokens its client was sent, not those
-        made but never delivered (a piece still held back, or a whole answer that became a 502)."""
-        self.completion_tokens = dict(self.sent)
-
     @property
     def served(self) -> bool:
         """Whether anyone served the request (a request no node or provider served is free)."""
         return bool(self.nodes) or self.first_token_at is not None
+
+
+@dataclass
+class SentLog:
+    """What a relay wrote to its client."""
+
+    #: per sample: the completion tokens of the pieces written (`Piece.tokens`), counted as each
+    #: write goes out; what an answer that broke off bills
+    sent: dict[int, int] = field(default_factory=dict)
+    #: each sample's finish reason as relayed (the trace's gen_ai.response.finish_reasons)
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def total(self) -> int:
+        return sum(self.sent.values())

@@ -76,7 +76,7 @@ class Piece:
     tool_calls: list[ToolCallDelta] | None = None
     #: the completion tokens this piece delivers: its own, and those of earlier deltas that
     #: showed nothing yet (a byte of an unfinished UTF-8 character, text a tool parser holds
-    #: back). A relay counts them sent when the piece's bytes are written (`Accounting.sent`).
+    #: back). A relay counts them sent when the piece's bytes are written (its `SentLog`).
     tokens: int = 0
 
 
@@ -99,6 +99,18 @@ class Reply:
 
 class MidStreamError(APIError):
     """The backend failed after the first piece went out."""
+
+
+def midstream(e: BaseException) -> MidStreamError:
+    """A failure after the first piece, as the seam's `MidStreamError`."""
+    if isinstance(e, APIError):
+        return MidStreamError(e.status, e.message, e.type, e.param, e.code)
+    return MidStreamError(
+        502,
+        f"the decode node failed mid-stream: {e}",
+        type_="upstream_error",
+        code="upstream_failed_midstream",
+    )
 
 
 class Shed(APIError):

@@ -7,7 +7,7 @@ parallel_tool_calls and response_format, as the client sent them; vLLM's guided_
 guided_regex / guided_choice / structured_outputs as vLLM's `structured_outputs`, for a model
 whose features list them: gateway/serving/features.py); the provider passes them on (OpenAI-compatible) or translates
 them (Anthropic: tools and tool results both ways; response_format, structured_outputs and
-logit_bias are refused with a 400 naming them). A streaming job is relayed
+logit_bias are refused with a 400 naming them). A streaming attempt is relayed
 chunk by chunk, a whole one is one call; the provider's tool calls come back as the pieces'
 `tool_calls` deltas, in OpenAI's stream shape.
 

@@ -28,7 +28,7 @@ from gateway.serving.features import features
 from gateway.serving.measure import Measured, measure
 from gateway.serving.openai_format import Formatter
 from gateway.serving.pipeline import Admitted, Answer
-from gateway.serving.relay import EventSink, relay_stream, relay_whole
+from gateway.serving.relay import EventSink, Relay
 from gateway.serving.requests import Endpoint, Request
 from gateway.serving.spans import client_span
 from gateway.serving.tool_reply import with_tool_calls
@@ -55,6 +55,8 @@ class Tries:
         self.serving, self.req, self.ledger = serving, req, ledger
         self.tier, self.policy, self.headers = a.tier, a.policy, a.headers
         self.reply: Reply | None = None
+        #: the current attempt's relay (what it sent to the client)
+        self.relay: Relay | None = None
         self.tried: list[str] = []
         #: the current attempt's tool handling (its model's format; None: no tools)
         self.tools: ToolPlan | None = None
@@ -66,10 +68,10 @@ class Tries:
         return self.reply.accounting if self.reply is not None else None
 
     def settled(self) -> Attrs:
-        acc = self.accounting
-        if acc is None or not acc.finish_reasons:
+        sent = self.relay.sent if self.relay is not None else None
+        if sent is None or not sent.finish_reasons:
             return {}
-        reasons = [acc.finish_reasons[i] for i in sorted(acc.finish_reasons)]
+        reasons = [sent.finish_reasons[i] for i in sorted(sent.finish_reasons)]
         return {GEN_AI_FINISH_REASONS: reasons, GEN_AI_RESPONSE_ID: self.response_id}
 
     def _next(self, origin: str, reason: Reason, n_prompt: int) -> FallbackDecision:
@@ -96,7 +98,7 @@ class Tries:
     ) -> Answer:
         serving, rid = self.serving, self.ledger.record.request_id
         self.ledger.attempt(served.config, len(size.ids))
-        self.reply = None
+        self.reply = self.relay = None
         self.tools = size.tools
         # A batch line runs under one id however often it runs (its usage key: billed once); a
         # rerun may reach a node still holding the dead run's request of that id, and a node
@@ -133,13 +135,14 @@ class Tries:
         req = self.req
         fmt = Formatter(req.endpoint, self.ledger.record.request_id, served.config.name, self.tier)
         self.response_id = fmt.id  # the answer's id as the client gets it (gen_ai.response.id)
+        self.relay = relay = Relay(self.ledger, reply, fmt)
         traced = self.serving.tracing.enabled  # off: no generator per request (bench's CPU)
         with self._inference(served, self.reply.accounting) if traced else contextlib.nullcontext():
             if req.stream:
                 assert sink is not None  # the pipeline's admit refused a stream without one
-                await relay_stream(self.ledger, reply, fmt, sink, headers, req.include_usage)
+                await relay.stream(sink, headers, req.include_usage)
                 return Answer(200, None, headers)
-            body = await relay_whole(self.ledger, reply, fmt, req.n)
+            body = await relay.whole(req.n)
         return Answer(
             200, body, {**headers, "x-duet-cost-usd": f"{self.ledger.record.cost_usd:.8f}"}
         )

@@ -7,7 +7,7 @@ Invariants (both forms):
 - a reply that breaks after its first piece (`MidStreamError`) is committed as
   `error_midstream`: a stream ends with an SSE error event and `[DONE]`, a whole answer is a 502;
   it bills the completion tokens of the pieces written to the client (`Piece.tokens`, counted
-  in `Accounting.sent` as each write goes out), never tokens made but not delivered: those of
+  in the relay's own `SentLog` as each write goes out), never tokens made but not delivered: those of
   a piece still held back (a finishing chunk of n > 1, a delta that showed no text yet) or of
   a whole answer (its client gets none of them). A reply that breaks before any piece went
   out is a plain HTTP error, as one that fails before its first piece;
@@ -26,7 +26,8 @@ from typing import Protocol
 from aiohttp import web
 
 from gateway.accounts.ledger import Ledger, UsageStatus
-from gateway.backends.base import Accounting, MidStreamError, Piece, Reply
+from gateway.accounts.usage import SentLog
+from gateway.backends.base import MidStreamError, Piece, Reply
 from gateway.serving.openai_format import Formatter, usage
 from protocol.openai import APIError, CompletionLogprobs, Usage
 from protocol.sse import DONE, SSE_HEADERS, error_event
@@ -82,95 +83,94 @@ class HttpEventStream:
         await self.response.write_eof(data)
 
 
-def _count_sent(acc: Accounting, pieces: list[Piece]) -> None:
-    """`pieces` were written to the client: their tokens are sent (and `pieces` is emptied)."""
-    for p in pieces:
-        acc.sent[p.index] = acc.sent.get(p.index, 0) + p.tokens
-    pieces.clear()
+class Relay:
+    """One reply relayed to its client: `whole` or `stream`. It owns what it sent (`sent`, a
+    `SentLog`), which the ledger reads beside the reply's own accounting."""
 
+    def __init__(self, ledger: Ledger, reply: Reply, fmt: Formatter) -> None:
+        self.ledger, self.reply, self.fmt = ledger, reply, fmt
+        self.sent = SentLog()
 
-def _usage(reply: Reply) -> Usage:
-    a = reply.accounting
-    return usage(a.prompt_tokens, a.total_completion_tokens, a.cached_tokens)
+    def _written(self, pieces: list[Piece]) -> None:
+        """`pieces` were written to the client: their tokens are sent (and `pieces` emptied)."""
+        sent = self.sent.sent
+        for p in pieces:
+            sent[p.index] = sent.get(p.index, 0) + p.tokens
+        pieces.clear()
 
+    def _usage(self) -> Usage:
+        a = self.reply.accounting
+        return usage(a.prompt_tokens, a.total_completion_tokens, a.cached_tokens)
 
-async def relay_whole(ledger: Ledger, reply: Reply, fmt: Formatter, n: int) -> object:
-    """The whole answer's body (a struct), its usage record committed."""
-    texts: dict[int, list[str]] = {i: [] for i in range(n)}
-    finish: dict[int, str | None] = {}
-    logprobs: dict[int, list[CompletionLogprobs]] = {}
-    calls: dict[int, list[ToolCallDelta]] = {}
-    try:
-        async for p in reply:
-            texts[p.index].append(p.text)
-            if p.logprobs is not None:
-                logprobs.setdefault(p.index, []).append(p.logprobs)
-            if p.tool_calls:
-                calls.setdefault(p.index, []).extend(p.tool_calls)
-            if p.finish_reason:
-                finish[p.index] = reply.accounting.finish_reasons[p.index] = p.finish_reason
-    except MidStreamError as e:
-        reply.accounting.bill_sent()  # nothing was sent: a 502 carries none of the tokens
-        await ledger.commit(UsageStatus.ERROR_MIDSTREAM, reply.accounting)
-        raise APIError(
-            502, f"the answer broke off: {e.message}", type_="upstream_error", code=e.code
-        ) from None
-    finally:
-        await reply.aclose()
-    await ledger.commit(UsageStatus.OK, reply.accounting)
-    return fmt.body(texts, finish, _usage(reply), logprobs or None, calls or None)
+    async def whole(self, n: int) -> object:
+        """The whole answer's body (a struct), its usage record committed."""
+        reply, ledger = self.reply, self.ledger
+        texts: dict[int, list[str]] = {i: [] for i in range(n)}
+        finish: dict[int, str | None] = {}
+        logprobs: dict[int, list[CompletionLogprobs]] = {}
+        calls: dict[int, list[ToolCallDelta]] = {}
+        try:
+            async for p in reply:
+                texts[p.index].append(p.text)
+                if p.logprobs is not None:
+                    logprobs.setdefault(p.index, []).append(p.logprobs)
+                if p.tool_calls:
+                    calls.setdefault(p.index, []).extend(p.tool_calls)
+                if p.finish_reason:
+                    finish[p.index] = self.sent.finish_reasons[p.index] = p.finish_reason
+        except MidStreamError as e:
+            # nothing was sent: a 502 carries none of the tokens
+            await ledger.commit(UsageStatus.ERROR_MIDSTREAM, reply.accounting, self.sent)
+            raise APIError(
+                502, f"the answer broke off: {e.message}", type_="upstream_error", code=e.code
+            ) from None
+        finally:
+            await reply.aclose()
+        await ledger.commit(UsageStatus.OK, reply.accounting)
+        return self.fmt.body(texts, finish, self._usage(), logprobs or None, calls or None)
 
-
-async def relay_stream(
-    ledger: Ledger,
-    reply: Reply,
-    fmt: Formatter,
-    sink: EventSink,
-    headers: dict[str, str],
-    include_usage: bool,
-) -> None:
-    """The answer as SSE into `sink` (opened with `headers` at the first piece; errors before
-    it are plain HTTP errors, raised)."""
-    acc = reply.accounting
-    ledger.streaming(acc)  # a dead gateway's booking bills what this sends
-    held: list[Piece] = []  # finishing chunks wait for the usage record's commit
-    pending: list[bytes] = []  # chunks whose successor has already arrived: one write for all
-    unsent: list[Piece] = []  # the pieces of `pending`, counted sent once written
-    try:
-        async for p in reply:
-            if not sink.opened:
-                await sink.open(headers)
-            if p.finish_reason:
-                acc.finish_reasons[p.index] = p.finish_reason
-                held.append(p)
-                continue
-            pending.append(fmt.chunk(p))
-            unsent.append(p)
-            if not p.more:
-                await sink.write(pending[0] if len(pending) == 1 else b"".join(pending))
-                pending.clear()
-                _count_sent(acc, unsent)
-    except MidStreamError as e:
-        await reply.aclose()
-        _count_sent(acc, unsent)  # they leave with the error event, in the same send
-        acc.bill_sent()
-        await ledger.commit(UsageStatus.ERROR_MIDSTREAM, acc)
-        log.warning("%s: mid-stream failure: %s", ledger.record.request_id, e.message)
-        if not sink.opened:  # no piece went out (the deltas read showed no text): a plain error
+    async def stream(self, sink: EventSink, headers: dict[str, str], include_usage: bool) -> None:
+        """The answer as SSE into `sink` (opened with `headers` at the first piece; errors
+        before it are plain HTTP errors, raised)."""
+        reply, ledger, fmt = self.reply, self.ledger, self.fmt
+        ledger.streaming(self.sent)  # a dead gateway's booking bills what this sends
+        held: list[Piece] = []  # finishing chunks wait for the usage record's commit
+        pending: list[bytes] = []  # chunks whose successor has already arrived: one write
+        unsent: list[Piece] = []  # the pieces of `pending`, counted sent once written
+        try:
+            async for p in reply:
+                if not sink.opened:
+                    await sink.open(headers)
+                if p.finish_reason:
+                    self.sent.finish_reasons[p.index] = p.finish_reason
+                    held.append(p)
+                    continue
+                pending.append(fmt.chunk(p))
+                unsent.append(p)
+                if not p.more:
+                    await sink.write(pending[0] if len(pending) == 1 else b"".join(pending))
+                    pending.clear()
+                    self._written(unsent)
+        except MidStreamError as e:
+            await reply.aclose()
+            self._written(unsent)  # they leave with the error event, in the same send
+            await ledger.commit(UsageStatus.ERROR_MIDSTREAM, reply.accounting, self.sent)
+            log.warning("%s: mid-stream failure: %s", ledger.record.request_id, e.message)
+            if not sink.opened:  # no piece went out (the deltas showed no text): a plain error
+                raise
+            await sink.end(b"".join([*pending, error_event(e), DONE]))
+            return
+        except BaseException:
+            await reply.aclose()
             raise
-        await sink.end(b"".join([*pending, error_event(e), DONE]))
-        return
-    except BaseException:
-        await reply.aclose()
-        raise
-    await ledger.commit(UsageStatus.OK, reply.accounting)
-    if not sink.opened:
-        await sink.open(headers)
-    # The finishing chunks, the usage chunk, [DONE] and the body's end leave in one send (not
-    # five): a client that stops reading at [DONE] then finds the body ended and can keep its
-    # connection for the next request.
-    tail = [*pending, *(fmt.chunk(p) for p in held)]
-    if include_usage:
-        tail.append(fmt.usage_chunk(_usage(reply)))
-    tail.append(DONE)
-    await sink.end(b"".join(tail))
+        await ledger.commit(UsageStatus.OK, reply.accounting)
+        if not sink.opened:
+            await sink.open(headers)
+        # The finishing chunks, the usage chunk, [DONE] and the body's end leave in one send
+        # (not five): a client that stops reading at [DONE] then finds the body ended and can
+        # keep its connection for the next request.
+        tail = [*pending, *(fmt.chunk(p) for p in held)]
+        if include_usage:
+            tail.append(fmt.usage_chunk(self._usage()))
+        tail.append(DONE)
+        await sink.end(b"".join(tail))
