@@ -1,9 +1,10 @@
 """The gateway's own OpenAI chat answer, read back: for APIs served by translation onto it.
 
-`/v1/messages` (api/anthropic/) and `/v1/responses` (api/responses/) do not run a request
-path of their own: they turn their request into an OpenAI chat request, run it through
-the one pipeline (gateway/serving/pipeline.py) like any `/v1/chat/completions` call (auth, quotas, auto, fallback, billing, every
-model), and translate the answer back. This module is the reading half they share:
+`/v1/messages` (api/anthropic/) and `/v1/responses` (api/responses/) do not run a request path
+of their own: they turn their request into an OpenAI chat request, run it through the one
+pipeline (gateway/serving/pipeline.py) like any `/v1/chat/completions` call (auth, quotas, auto,
+fallback, billing, every model), and translate the answer back. This module is the reading half
+they share:
 - `read_completion`: a whole chat answer (the Answer's body, a `ChatCompletion`) → `ChatAnswer`;
 - `ChatEvents`: the bytes of an OpenAI SSE stream → typed events (text, a tool call opened,
   its argument pieces, the finish, the usage, an error, the end);
@@ -11,9 +12,10 @@ model), and translate the answer back. This module is the reading half they shar
   a `Renderer` makes of its events to the client's sink instead.
 
 A stream is read in its wire form (the SSE bytes the chat path writes, as vLLM's own Anthropic
-API reads its chat stream), so whatever the chat path learns to say (tool calls from
-self-hosted models, new finish reasons) reaches both APIs as soon as it is on the wire. Invariant: a renderer sees every event once and in order; the chunk
-that finishes a choice, the usage chunk and `[DONE]` arrive in the sink's final `end` call.
+API reads its chat stream), so whatever the chat path learns to say (tool calls from self-hosted
+models, new finish reasons) reaches both APIs as soon as it is on the wire. Invariant: a
+renderer sees every event once and in order; the chunk that finishes a choice, the usage chunk
+and `[DONE]` arrive in the sink's final `end` call.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """OpenAI's `/v1/chat/completions`, `/v1/completions` and `/v1/models`: the HTTP handlers.
 
-A completion request is authenticated and parsed here (gateway/serving/chat.py,
-requests.py) and served by the one pipeline (gateway/serving/pipeline.py); its `Answer` is rendered here: a
+A completion request is authenticated and parsed here (gateway/serving/chat.py, requests.py) and
+served by the one pipeline (gateway/serving/pipeline.py); its `Answer` is rendered here: a
 streamed answer went to the `HttpEventStream` already, a whole one is its JSON body.
 """
 

@@ -3,7 +3,7 @@ or `/v1/responses` (api/responses/), once validated and admitted, run on the cha
 answered in the API's own shape.
 
 Each API authenticates, parses and translates its request itself (their keys, bodies and error
-words differ; the first checks of a body are shared: `json_object`, `unknown_fields`) into a
+words differ; the first checks of a body are shared: gateway/serving/raw_body.py) into a
 typed chat request (`TranslatedChat`, chat_body.py); then a `Translated` call checks it as any
 chat request (gateway/serving/chat.py `check_chat`) and runs it through the one pipeline —
 streamed through a `TranslatingSink` with the API's renderer when the client asked for a
@@ -16,8 +16,7 @@ function.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
-from typing import Any
+from collections.abc import Callable
 
 import msgspec
 from aiohttp import web
@@ -30,28 +29,8 @@ from gateway.serving.generate import Generate
 from gateway.serving.pipeline import run
 from gateway.serving.relay import HttpEventStream
 from gateway.state import GatewayState
-from protocol.openai import APIError
 
 _ENC = msgspec.json.Encoder()
-
-
-def json_object(raw: bytes, code: str | None = None) -> dict[str, Any]:
-    """The body as a JSON object, or a 400 (with the API's error `code` for a malformed body)."""
-    try:
-        top = msgspec.json.decode(raw)
-    except (msgspec.DecodeError, RecursionError) as e:
-        raise APIError(400, f"malformed JSON body: {e}", code=code) from None
-    if not isinstance(top, dict):
-        raise APIError(400, "the request body must be a JSON object", code=code)
-    return top
-
-
-def unknown_fields(
-    top: dict[str, Any], known: Collection[str], neutral: Callable[[object], bool]
-) -> list[str]:
-    """The top-level fields this gateway does not serve, sorted — but not one sent with a value
-    that asks for nothing (`neutral`: null, false, empty…), which clients add by default."""
-    return sorted(k for k, v in top.items() if k not in known and not neutral(v))
 
 
 def field_names(names: list[str]) -> str:

@@ -72,7 +72,8 @@ class Piece:
     logprobs: CompletionLogprobs | None = None
     #: the next piece has already arrived: a relay may hold this one and send both in one write
     more: bool = False
-    #: chat: tool-call deltas of this sample (gateway/serving/tool_reply.py), in OpenAI's stream shape
+    #: chat: tool-call deltas of this sample (gateway/serving/tool_reply.py), in OpenAI's
+    #: stream shape
     tool_calls: list[ToolCallDelta] | None = None
     #: the completion tokens this piece delivers: its own, and those of earlier deltas that
     #: showed nothing yet (a byte of an unfinished UTF-8 character, text a tool parser holds

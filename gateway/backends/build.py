@@ -4,7 +4,8 @@ with the backend that answers it.
 - `kind = "cluster"`: the one `ClusterBackend` (duet's P/D nodes), with the model's tokenizer
   and context length (its config's `max_model_len`, else its config.json's);
 - `kind = "embedding"`: a `ClusterEmbedder` routing to `--task embed` nodes;
-- `kind = "external"`: a `ProviderBackend` around the model's provider (gateway/backends/providers/),
+- `kind = "external"`: a `ProviderBackend` around the model's provider
+  (gateway/backends/providers/),
   every one sharing the gateway's bound on provider calls (`ProviderSlots`).
 
 Routing: the coordinator replicas (configured, plus those registered in etcd) first; the

@@ -1,6 +1,7 @@
 """The batch tier's rows and their mapping to and from table columns, written once for both
-stores (SQLite in store.py, PostgreSQL in pg_store.py): which columns a select reads, the order
-an insert writes them in, JSON text for the dict columns, and a result row back into a record.
+stores (gateway/accounts/store/sqlite_batch*.py and postgres_batch*.py): which columns a select
+reads, the order an insert writes them in, JSON text for the dict columns, and a result row back
+into a record.
 
 Only the SQL differs between the stores (placeholders `?` vs `$n`, locking); the stores pass
 `marks` for their placeholder style and otherwise share everything here.

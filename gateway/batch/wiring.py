@@ -1,4 +1,4 @@
-"""The batch tier inside the gateway (issue #13): the executor that runs each batch line through
+"""The batch tier inside the gateway: the executor that runs each batch line through
 the gateway's own serving path, the auth adapter, and the runner's lifecycle.
 
 - Executor: a line runs through the request pipeline (`pipeline.run`) — what the HTTP handlers call — as the

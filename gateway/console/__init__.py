@@ -1,4 +1,4 @@
-"""The operator console at `/console`, served by the gateway (issue #28).
+"""The operator console at `/console`, served by the gateway.
 
 Server-rendered HTML, one small script and one stylesheet from this package (static/), charts
 as inline SVG (charts.py): nothing from a CDN, so it works on offline machines. Sign in with

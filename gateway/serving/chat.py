@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from gateway.serving.constraint import VllmFields, constraint, refuse_min_tokens, vllm_fields
+from gateway.serving.constraint import VllmFields, constraint, refuse_min_tokens
+from gateway.serving.raw_body import convert, decode_json, refuse_unsupported, vllm_fields
 from gateway.serving.requests import (
     CHAT_FIELDS,
     CHAT_ROLES,
@@ -18,9 +19,6 @@ from gateway.serving.requests import (
     Endpoint,
     Request,
     check_top,
-    convert,
-    decode_json,
-    refuse_unsupported,
     sampling_of,
     user_of,
 )

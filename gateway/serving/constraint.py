@@ -112,7 +112,7 @@ class Constraint:
 def constraint(
     vllm: VllmFields, rf: ResponseFormat | None, forced_tool: bool, names: Names = OPENAI
 ) -> Constraint:
-    """The request's constraint from vLLM's fields (`vllm_fields` of the raw body, or a request
+    """The request's constraint from vLLM's fields (raw_body.py's `vllm_fields` of the raw body, or a request
     struct that inherits them), its parsed `response_format` and whether its tool_choice is
     forced; 400 for two constraints, or one malformed before any grammar work (the grammar
     engine's check is the pipeline's, async). `names`: how the API calls its own fields."""
@@ -163,18 +163,6 @@ def refuse_min_tokens(field: str | None, min_tokens: int | None, names: Names = 
             "only the end of the answer)",
             param="min_tokens",
         )
-
-
-def vllm_fields(data: dict[str, Any]) -> VllmFields:
-    """vLLM's fields of a raw request body, typed (400 naming the field whose type is wrong)."""
-    sent = {k: data[k] for k in VLLM_FIELDS if data.get(k) is not None}
-    if not sent:
-        return VllmFields()
-    try:
-        return msgspec.convert(sent, VllmFields)
-    except msgspec.ValidationError as e:
-        where = str(e).rsplit("`$.", 1)[1].rstrip("`") if "`$." in str(e) else next(iter(sent))
-        raise APIError(400, f"invalid request: {e}", param=where.split("[")[0]) from None
 
 
 def _response_format(rf: ResponseFormat | None) -> Guide | None:

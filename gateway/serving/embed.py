@@ -92,7 +92,8 @@ class Embed:
             kind = sorted(n for n, m in serving.models.items() if m.config.kind == "embedding")
             raise APIError(
                 404,
-                f"the model {name!r} does not exist (embedding models: {', '.join(kind) or 'none'})",
+                f"the model {name!r} does not exist "
+                f"(embedding models: {', '.join(kind) or 'none'})",
                 param="model",
                 code="model_not_found",
             )
@@ -109,7 +110,8 @@ class Embed:
     async def measure(self, serving: Serving, served: ServedModel) -> Measured:
         """Each input's token ids on the model; 400 for one longer than its context."""
         items = self.request.items
-        big = isinstance(items[0], str) and sum(map(len, items)) > _BIG_INPUT  # type: ignore[arg-type]
+        # a list of strings or of id lists: the length of either counts
+        big = isinstance(items[0], str) and sum(map(len, items)) > _BIG_INPUT
         ids = (
             await asyncio.to_thread(_token_ids, served, items) if big else _token_ids(served, items)
         )
@@ -159,7 +161,8 @@ class EmbedAttempts:
             tier=self.a.tier,
         )
         self.reply = reply = embedder.open(attempt)
-        # OTel's embeddings span: the dimensions asked for (else the model's, when known), the format
+        # OTel's embeddings span: the dimensions asked for (else the model's, when known) and
+        # the format
         dims = req.dimensions or embedder.embedding_size
         asked = {
             GEN_AI_ENCODING_FORMATS: [req.encoding_format.value],

@@ -5,12 +5,12 @@ Invariants (both forms):
   (those carrying a `finish_reason`), the usage chunk and `[DONE]` go out — or before the JSON
   body is returned — so a response a client saw whole always has its record;
 - a reply that breaks after its first piece (`MidStreamError`) is committed as
-  `error_midstream`: a stream ends with an SSE error event and `[DONE]`, a whole answer is a 502;
-  it bills the completion tokens of the pieces written to the client (`Piece.tokens`, counted
-  in the relay's own `SentLog` as each write goes out), never tokens made but not delivered: those of
-  a piece still held back (a finishing chunk of n > 1, a delta that showed no text yet) or of
-  a whole answer (its client gets none of them). A reply that breaks before any piece went
-  out is a plain HTTP error, as one that fails before its first piece;
+  `error_midstream`: a stream ends with an SSE error event and `[DONE]`, a whole answer is a
+  502; it bills the completion tokens of the pieces written to the client (`Piece.tokens`,
+  counted in the relay's own `SentLog` as each write goes out), never tokens made but not
+  delivered: those of a piece still held back (a finishing chunk of n > 1, a delta that showed
+  no text yet) or of a whole answer (its client gets none of them). A reply that breaks before
+  any piece went out is a plain HTTP error, as one that fails before its first piece;
 - the reply is closed on every way out (`aclose` now, not at GC: the backend aborts its work on
   the nodes there).
 

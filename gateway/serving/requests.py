@@ -17,7 +17,8 @@ from typing import Any
 
 import msgspec
 
-from gateway.serving.constraint import VLLM_FIELDS, constraint, refuse_min_tokens, vllm_fields
+from gateway.serving import raw_body
+from gateway.serving.constraint import VLLM_FIELDS, constraint, refuse_min_tokens
 from gateway.tools.spec import Tools
 from protocol import limits
 from protocol.openai import APIError, CompletionRequest, refusals
@@ -60,7 +61,6 @@ CHAT_FIELDS = COMMON | {
 }
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"}
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
-_DECODE = msgspec.json.Decoder()
 
 
 class Endpoint(StrEnum):
@@ -133,51 +133,6 @@ class Request:
     has_tool_turns: bool = False
 
 
-def _neutral(v: Any) -> bool:
-    return v is None or v is False or v == 0 or v == [] or v == {} or v == {"type": "text"}
-
-
-def decode_json(raw: bytes) -> dict[str, Any]:
-    try:
-        data = _DECODE.decode(raw)
-    except (
-        msgspec.DecodeError,
-        RecursionError,
-    ) as e:  # RecursionError: JSON nested past the parser's depth
-        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    return data
-
-
-def refuse_unsupported(data: dict[str, Any], allowed: set[str]) -> None:
-    bad = sorted(k for k, v in data.items() if k not in allowed and not _neutral(v))
-    if bad:
-        # the names are the client's: any that is not a plain name is quoted (repr), so a name
-        # cannot forge a line in the log
-        names = ", ".join(k if k.isidentifier() else repr(k) for k in bad)
-        raise APIError(
-            400,
-            f"unsupported field{'s' if len(bad) > 1 else ''}: {names} "
-            "(duet serves text generation only)",
-            param=bad[0],
-            code="unsupported_field",
-        )
-
-
-def convert(data: dict[str, Any], cls: type) -> Any:
-    try:
-        return msgspec.convert(data, cls)
-    except msgspec.ValidationError as e:
-        msg = str(e)
-        param = (
-            msg.rsplit("`$.", 1)[1].rstrip("`").split("[")[0].split(".")[0]
-            if "`$." in msg
-            else None
-        )
-        raise APIError(400, f"invalid request: {msg}", param=param) from None
-
-
 def sampling_of(body: Any, max_tokens: int | None, logprobs: int | None) -> tuple[Sampling, int]:
     n = 1 if body.n is None else body.n
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -215,13 +170,13 @@ def sampling_of(body: Any, max_tokens: int | None, logprobs: int | None) -> tupl
 
 
 def parse_completion(raw: bytes) -> Request:
-    data = decode_json(raw)
-    refuse_unsupported(data, COMPLETION_FIELDS)
+    data = raw_body.decode_json(raw)
+    raw_body.refuse_unsupported(data, COMPLETION_FIELDS)
     if "prompt" not in data or "model" not in data:
         missing = "model" if "model" not in data else "prompt"
         raise APIError(400, f"missing required field: {missing}", param=missing)
     stream_options = data.get("stream_options")
-    body: CompletionRequest = convert(data, CompletionRequest)
+    body: CompletionRequest = raw_body.convert(data, CompletionRequest)
     if not isinstance(body.model, str):
         raise APIError(400, "model must be a string", param="model")
     p = body.prompt
@@ -247,11 +202,11 @@ def parse_completion(raw: bytes) -> Request:
         check_top("logprobs", body.logprobs)
     sampling, n = sampling_of(_Shim(body, n=data.get("n")), max_tokens, body.logprobs)
     rf = (
-        convert({"response_format": data["response_format"]}, _Format).response_format
+        raw_body.convert({"response_format": data["response_format"]}, _Format).response_format
         if data.get("response_format") is not None
         else None
     )
-    c = constraint(vllm_fields(data), rf, forced_tool=False)
+    c = constraint(raw_body.vllm_fields(data), rf, forced_tool=False)
     refuse_min_tokens(c.field, sampling.min_tokens)
     return Request(
         endpoint=Endpoint.COMPLETION,

@@ -1,4 +1,4 @@
-"""Tool calling for self-hosted models (issue #24): the gateway renders the tools into the
+"""Tool calling for self-hosted models: the gateway renders the tools into the
 prompt (the model's own chat template when it has tools, else duet's generic tool prompt,
 docs/tools.md), enforces `tool_choice` = required / a named function with a guide, and parses
 the model's text back into OpenAI's `tool_calls`, whole or streamed.

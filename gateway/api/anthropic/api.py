@@ -49,11 +49,11 @@ from gateway.api.anthropic.wire import (
     ErrorObject,
     MessagesRequest,
 )
-from gateway.api.translated import Translated, field_names, json_object, unknown_fields
+from gateway.api.translated import Translated, field_names
 from gateway.backends.providers.anthropic_shapes import (
     error_type_of,
 )
-from gateway.serving.constraint import vllm_fields
+from gateway.serving.raw_body import decode_json, unknown_fields, vllm_fields
 from gateway.state import GatewayState
 from protocol.openai import APIError
 
@@ -128,7 +128,7 @@ def _neutral(v: object) -> bool:
 
 def parse(raw: bytes) -> MessagesRequest:
     """The body, typed and checked (400s name what is wrong, in Anthropic's words where it has them)."""
-    top = json_object(raw)
+    top = decode_json(raw, code=None)
     extra = unknown_fields(top, FIELDS, _neutral)
     if extra:
         raise APIError(

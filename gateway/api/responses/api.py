@@ -1,21 +1,22 @@
-"""`POST /v1/responses`: OpenAI's Responses API, stateless, served by translation onto the chat path.
+"""`POST /v1/responses`: OpenAI's Responses API, stateless, served by translation onto the chat
+path.
 
 As for `/v1/messages` (api/anthropic/), the request becomes an OpenAI chat request and runs
-through the one pipeline — keys, quotas, tiers, `auto`, fallback, billing and every model — and the
-answer is translated back: a whole `chat.completion` into a `response` object, a chat stream
+through the one pipeline — keys, quotas, tiers, `auto`, fallback, billing and every model — and
+the answer is translated back: a whole `chat.completion` into a `response` object, a chat stream
 into the Responses events (response.created, response.in_progress, response.output_item.added,
 response.content_part.added, response.output_text.delta / .done,
 response.function_call_arguments.delta / .done, response.output_item.done, and
 response.completed — or response.incomplete when max_output_tokens cut the answer).
 
 Mapping: `instructions` → a system message first; `input` items → chat messages (a
-`function_call` item joins the assistant turn before it as a tool call, a
-`function_call_output` item is a `tool` message); function tools → chat tools; `tool_choice`
-as is; `max_output_tokens` → max_tokens; `text.format` → response_format; vLLM's extras
-(`guided_choice`, `guided_regex`, `guided_json`, `structured_outputs`, `guided_decoding_backend`,
-`top_k`, `min_p`, `repetition_penalty`, `min_tokens`, `ignore_eos`; sent through `extra_body`)
-→ the same chat fields, checked as chat checks them (gateway/serving/constraint.py): one constraint per
-request, so a structured-output extra with `text.format` json_object / json_schema or a forced
+`function_call` item joins the assistant turn before it as a tool call, a `function_call_output`
+item is a `tool` message); function tools → chat tools; `tool_choice` as is; `max_output_tokens`
+→ max_tokens; `text.format` → response_format; vLLM's extras (`guided_choice`, `guided_regex`,
+`guided_json`, `structured_outputs`, `guided_decoding_backend`, `top_k`, `min_p`,
+`repetition_penalty`, `min_tokens`, `ignore_eos`; sent through `extra_body`) → the same chat
+fields, checked as chat checks them (gateway/serving/constraint.py): one constraint per request,
+so a structured-output extra with `text.format` json_object / json_schema or a forced
 `tool_choice` is a 400 naming both. Errors are OpenAI's error body (the shared middleware), a
 stream's failure an `error` event.
 
@@ -37,8 +38,8 @@ from gateway.api.responses.wire import (
     FIELDS,
     ResponsesRequest,
 )
-from gateway.api.translated import Translated, field_names, json_object, unknown_fields
-from gateway.serving.constraint import vllm_fields
+from gateway.api.translated import Translated, field_names
+from gateway.serving.raw_body import decode_json, unknown_fields, vllm_fields
 from gateway.state import GatewayState
 from protocol.openai import APIError
 
@@ -65,7 +66,7 @@ def _neutral(v: object) -> bool:
 
 
 def parse(raw: bytes) -> ResponsesRequest:
-    top = json_object(raw, code="invalid_json")
+    top = decode_json(raw)
     if top.get("previous_response_id") is not None:
         raise APIError(
             400,
