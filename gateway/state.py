@@ -29,11 +29,13 @@ from gateway.accounts.key_cache import KeyCache
 from gateway.accounts.ledger import Books
 from gateway.accounts.store.base import Store
 from gateway.accounts.usage_writer import UsageWriter
+from gateway.backends.base import ServedModel
 from gateway.backends.build import Wiring, cluster_backend, coordinator_urls, served_models
 from gateway.backends.etcd_view import EtcdView
 from gateway.backends.loop_lag import LoopLag
 from gateway.backends.node_client import NodeClient
 from gateway.backends.provider import ProviderBackend
+from gateway.backends.providers.base import Provider
 from gateway.backends.providers.metrics import register_provider_metrics
 from gateway.backends.routing import NodeLoad
 from gateway.config import GatewayConfig
@@ -118,7 +120,6 @@ async def open_state(
     config: GatewayConfig, store: Store, metrics: GatewayMetrics, tracing: Tracing
 ) -> AsyncIterator[GatewayState]:
     """The gateway's state, complete, for as long as the context lasts (see the docstring)."""
-    rc = config.routing
     async with contextlib.AsyncExitStack() as stack:
         stack.push_async_callback(asyncio.to_thread, tracing.shutdown)  # flushes queued spans
         guides = _guides(config, metrics)
@@ -136,20 +137,8 @@ async def open_state(
             await heartbeat.reclaim_previous_life(books, instance)
         session = _session(config, tracing)
         stack.push_async_callback(session.close)
-        view = EtcdView(rc.etcd, rc.cluster) if rc.etcd else None
-        if view is not None:
-            await stack.enter_async_context(contextlib.asynccontextmanager(view.lifecycle)())
         lag = LoopLag()
-        nodes = NodeClient(
-            session,
-            rc.connect_timeout_s,
-            rc.prefill_timeout_s,
-            rc.read_timeout_s,
-            lag,
-            auth=config.security.headers,
-        )
-        stack.push_async_callback(nodes.close)
-        wiring = Wiring(config, session, nodes, view, metrics, tracing)
+        wiring = await _wiring(stack, config, session, lag, metrics, tracing)
         cluster = cluster_backend(wiring, NodeLoad())
         stack.push_async_callback(cluster.drain)
         models = served_models(wiring, cluster)
@@ -157,23 +146,7 @@ async def open_state(
         await stack.enter_async_context(contextlib.asynccontextmanager(writer.lifecycle)())
         _tasks(stack, heartbeat.run(books), lag.run())
         log.info("gateway serving %s; store %s", ", ".join(sorted(models)), config.store_url)
-        serving = Serving(
-            config=config,
-            models=models,
-            choice=ModelChoice(config, models),
-            admission=Admission(config.tiers, metrics),
-            guides=guides,
-            tracing=tracing,
-            books=books,
-            fallbacks=register_provider_metrics(
-                metrics.registry,
-                lambda: [
-                    m.backend.provider
-                    for m in models.values()
-                    if isinstance(m.backend, ProviderBackend)
-                ],
-            ),
-        )
+        serving = _serving(config, models, guides, books, metrics)
         yield GatewayState(
             config=config,
             store=store,
@@ -181,9 +154,59 @@ async def open_state(
             tracing=tracing,
             auth=Auth(KeyCache(store, config.server.key_cache_ttl_s), config),
             session=session,
-            topology=Topology(coordinator_urls(config, view), view),
+            topology=Topology(coordinator_urls(config, wiring.view), wiring.view),
             serving=serving,
         )
+
+
+async def _wiring(
+    stack: contextlib.AsyncExitStack,
+    config: GatewayConfig,
+    session: aiohttp.ClientSession,
+    lag: LoopLag,
+    metrics: GatewayMetrics,
+    tracing: Tracing,
+) -> Wiring:
+    """What the backends are built on: the node client and etcd's view (when configured), both
+    ended with the stack."""
+    rc = config.routing
+    view = EtcdView(rc.etcd, rc.cluster) if rc.etcd else None
+    if view is not None:
+        await stack.enter_async_context(contextlib.asynccontextmanager(view.lifecycle)())
+    nodes = NodeClient(
+        session,
+        rc.connect_timeout_s,
+        rc.prefill_timeout_s,
+        rc.read_timeout_s,
+        lag,
+        auth=config.security.headers,
+    )
+    stack.push_async_callback(nodes.close)
+    return Wiring(config, session, nodes, view, metrics, tracing)
+
+
+def _serving(
+    config: GatewayConfig,
+    models: dict[str, ServedModel],
+    guides: GuideChecker,
+    books: Books,
+    metrics: GatewayMetrics,
+) -> Serving:
+    def providers() -> list[Provider]:
+        return [
+            m.backend.provider for m in models.values() if isinstance(m.backend, ProviderBackend)
+        ]
+
+    return Serving(
+        config=config,
+        models=models,
+        choice=ModelChoice(config, models),
+        admission=Admission(config.tiers, metrics),
+        guides=guides,
+        tracing=books.tracing,
+        books=books,
+        fallbacks=register_provider_metrics(metrics.registry, providers),
+    )
 
 
 async def _leave(books: Books) -> None:
