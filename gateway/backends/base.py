@@ -214,10 +214,14 @@ class ServedModel:
     #: prompt + completion tokens the model takes
     max_model_len: int
 
+    def __post_init__(self) -> None:
+        # which seam it is, once: an ABC's isinstance costs a lookup on every request otherwise
+        self._generates = isinstance(self.backend, Backend)
+
     def generator(self) -> Backend:
         """The model's generation backend; a 400 for an embedding model."""
-        if isinstance(self.backend, Backend):
-            return self.backend
+        if self._generates:
+            return self.backend  # type: ignore[return-value]  # _generates says it is one
         raise APIError(
             400,
             f"{self.config.name!r} is an embedding model: use POST /v1/embeddings",
@@ -227,8 +231,8 @@ class ServedModel:
 
     def embedder(self) -> Embedder:
         """The model's embedder; a 400 for a text generation model."""
-        if isinstance(self.backend, Embedder):
-            return self.backend
+        if not self._generates:
+            return self.backend  # type: ignore[return-value]  # a model's seam is one of two
         raise APIError(
             400,
             f"{self.config.name!r} is a text generation model; /v1/embeddings needs a model "

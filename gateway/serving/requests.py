@@ -21,7 +21,7 @@ from gateway.serving import raw_body
 from gateway.serving.constraint import VLLM_FIELDS, constraint, refuse_min_tokens
 from gateway.tools.spec import Tools
 from protocol import limits
-from protocol.openai import APIError, CompletionRequest, refusals
+from protocol.openai import APIError, CompletionRequest, refusals, refused
 from protocol.structured import Guide, ResponseFormat, StructuredOutputs
 
 #: the `user` field is stored in every usage record; longer than this it is not a user id
@@ -136,7 +136,7 @@ class Request:
 def sampling_of(body: Any, max_tokens: int | None, logprobs: int | None) -> tuple[Sampling, int]:
     n = 1 if body.n is None else body.n
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-    with refusals():  # the ranges and words every process refuses with (protocol/limits.py)
+    try:  # the ranges and words every process refuses with (protocol/limits.py)
         limits.check_max_tokens(max_tokens)
         limits.check_temperature(body.temperature)
         limits.check_top_p(body.top_p)
@@ -152,6 +152,8 @@ def sampling_of(body: Any, max_tokens: int | None, logprobs: int | None) -> tupl
             body.frequency_penalty, body.presence_penalty, body.repetition_penalty, body.min_p
         )
         bias = limits.logit_bias(body.logit_bias)
+    except limits.LimitError as e:
+        raise refused(e) from None
     return Sampling(
         temperature=body.temperature,
         top_p=body.top_p,
