@@ -41,6 +41,7 @@ from aiohttp import web
 from gateway.accounts.ledger import Caller, RateLimited
 from gateway.accounts.store.base import ApiKey, Store
 from gateway.accounts.store.batch_tables import BatchTables
+from gateway.accounts.store.private_files import private_dir
 from gateway.accounts.team_gate import TeamLimited
 from gateway.batch.config import BatchConfig
 from gateway.batch.contracts import Defer
@@ -186,6 +187,9 @@ def install(
     def wake() -> None:
         app[RUNNER].wake()
 
+    # the batch data directory (the batch tables' file, the files' contents) is private from
+    # the start, before any file is written into it
+    private_dir(bc.data_dir)
     make_batch_routes(app, store=store, authenticate=team_of, config=bc, wake=wake)
 
     async def lifecycle(app: web.Application) -> AsyncIterator[None]:

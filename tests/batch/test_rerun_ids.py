@@ -45,7 +45,7 @@ async def test_a_rerun_under_the_same_id_while_the_first_run_is_on_the_node(
         async with TestClient(TestServer(app)):
             state = app[STATE]
             await state.store.create_team(Team(id="t"))
-            run = GatewayExecutor(state, discount=0.5)
+            run = GatewayExecutor(state.serving, state.store, discount=0.5)
             long = {"model": "tiny", "prompt": "a long one", "max_tokens": 600, "ignore_eos": True}
             first = asyncio.ensure_future(
                 run("t", "/v1/completions", long, request_id="req-line-7")

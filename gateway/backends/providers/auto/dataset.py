@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-DATA_DIR = Path(__file__).resolve().parents[3] / "data" / "router_eval"
+DATA_DIR = Path(__file__).resolve().parents[4] / "data" / "router_eval"
 
 
 def load(data_dir: Path = DATA_DIR) -> list[dict[str, Any]]:
