@@ -4,7 +4,7 @@
 is vLLM's `structured_outputs` extra (which replaced its `guided_regex` / `guided_choice` /
 `guided_json`). `Guide` is what a node's leg carries: the one constraint the engine enforces with
 a token mask every step (the gateway derives it from `response_format`, vLLM's extras —
-gateway/constraint.py — or `tool_choice` = `required` / a named function).
+gateway/serving/constraint.py — or `tool_choice` = `required` / a named function).
 A leg carries at most one guide; its `spec` is canonical text (a schema's compact JSON, keys in
 the client's order since property order is generation order — text/guide_check.py; a regex;
 or a JSON list of choices), so the same constraint hashes to the same compiled grammar on every
@@ -51,7 +51,7 @@ class StructuredOutputs(
     is always compact, and there is one grammar engine, no fallback.
 
     The gateway also sends this form, normalized (one field set, `json` an object), to an
-    OpenAI-compatible provider whose model serves it (gateway/features.py)."""
+    OpenAI-compatible provider whose model serves it (gateway/serving/features.py)."""
 
     json: dict[str, Any] | bool | str | None = None
     regex: str | None = None

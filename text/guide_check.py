@@ -1,7 +1,7 @@
 """From `response_format` to a `Guide`, and the tokenizer-free check of a guide.
 
 The gateway calls `guide_from_response_format` (or `choice_guide`, for vLLM's choice fields:
-gateway/constraint.py) and checks the guide before any node work, so an invalid or unsupported
+gateway/serving/constraint.py) and checks the guide before any node work, so an invalid or unsupported
 schema, regex or list of choices is a 400 naming what is wrong and the field it came from. It
 runs `grammar_error_uncached` off its event loop, bounded in threads and time, with its own
 cache (text/guide_compile.py: a pathological schema compiles for seconds), and so does a
