@@ -23,6 +23,7 @@ from gateway.accounts.store import open_store
 from gateway.accounts.store.base import Store, StoreError
 from gateway.api import admin, embeddings, openai
 from gateway.api.anthropic import api as anthropic_api
+from gateway.api.anthropic import count as anthropic_count
 from gateway.api.responses import api as responses_api
 from gateway.batch import wiring as batch_wiring
 from gateway.config import ConfigError, GatewayConfig
@@ -86,6 +87,10 @@ def _completions(endpoint: Endpoint) -> Handler:
 
 async def _messages(request: web.Request) -> web.StreamResponse:
     return await anthropic_api.handle(request.app[STATE], request, request[_RID])
+
+
+async def _count_tokens(request: web.Request) -> web.StreamResponse:
+    return await anthropic_count.handle(request.app[STATE], request, request[_RID])
 
 
 async def _responses(request: web.Request) -> web.StreamResponse:
@@ -178,6 +183,7 @@ def make_app(config: GatewayConfig) -> web.Application:
     r.add_post("/v1/chat/completions", _completions(Endpoint.CHAT))
     r.add_post("/v1/completions", _completions(Endpoint.COMPLETION))
     r.add_post("/v1/messages", _messages)
+    r.add_post("/v1/messages/count_tokens", _count_tokens)
     r.add_post("/v1/responses", _responses)
     r.add_post("/v1/embeddings", _embeddings)
     r.add_get("/v1/models", _bind(openai.models))

@@ -291,3 +291,35 @@ def test_a_stream_cut_mid_answer_ends_with_an_error_event(env: Env) -> None:
         got.extend(ev.type for ev in s)
     assert got[0] == "message_start" and "message_stop" not in got
     assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "api_error"
+
+
+def test_count_tokens_is_the_usage_of_the_same_request(env: Env) -> None:
+    """`messages.count_tokens` on the self-hosted model counts what `messages.create` bills:
+    the system prompt and the tools rendered by the model's chat template, included."""
+    c = env.client()
+    kw: dict[str, Any] = {
+        "model": "tiny",
+        "system": "Answer as a weather station would.",
+        "tools": [WEATHER],
+        "messages": [{"role": "user", "content": "count me: how warm is Oslo in May?"}],
+    }
+    counted = c.messages.count_tokens(**kw).input_tokens
+    msg = c.messages.create(max_tokens=4, **kw)
+    assert counted == msg.usage.input_tokens + (msg.usage.cache_read_input_tokens or 0)
+    bare = c.messages.count_tokens(model="tiny", messages=kw["messages"]).input_tokens
+    assert 0 < bare < counted  # the system prompt and the tool definitions count
+
+
+def test_count_tokens_refusals_are_typed(env: Env) -> None:
+    ask: list[Any] = [{"role": "user", "content": "hi"}]
+    with pytest.raises(anthropic.AuthenticationError):
+        env.client("sk-duet-nope").messages.count_tokens(model="tiny", messages=ask)
+    with pytest.raises(anthropic.NotFoundError) as nf:
+        env.client().messages.count_tokens(model="nope", messages=ask)
+    assert "nope" in nf.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        env.client().messages.count_tokens(model="tiny", messages=[])
+    assert "messages" in bad.value.body["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as ext:  # no local tokenizer
+        env.client().messages.count_tokens(model="gpt", messages=ask)
+    assert "external provider" in ext.value.body["error"]["message"]

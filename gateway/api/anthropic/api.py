@@ -40,6 +40,7 @@ import msgspec
 from aiohttp import web
 
 from gateway.accounts.auth import bearer
+from gateway.accounts.key_cache import Found
 from gateway.accounts.ledger import Caller
 from gateway.api.anthropic.convert import to_chat, to_message
 from gateway.api.anthropic.stream import MessageStream
@@ -65,24 +66,8 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
     t0 = time.monotonic()
     call: Translated | None = None
     try:
-        key = request.headers.get("x-api-key")
-        if key is None and "Authorization" not in request.headers:
-            raise APIError(
-                401,
-                "missing API key: send `x-api-key: <key>` or `Authorization: Bearer <key>`",
-                type_="authentication_error",
-                code="missing_api_key",
-            )
-        api_key, team = await state.auth.authenticate(
-            request, key.strip() if key is not None else bearer(request)
-        )
-        try:
-            raw = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            limit = state.config.server.max_body_bytes
-            raise APIError(
-                413, f"the request body is larger than this gateway accepts ({limit} bytes)"
-            ) from None
+        api_key, team = await authenticate(state, request)
+        raw = await read_body(state, request)
         body = parse(raw)
         msg_id = "msg_" + request_id.removeprefix("req-")
         call = Translated(
@@ -101,6 +86,31 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
         if call is not None and call.opened:
             raise  # the stream's own error event went out already (relay.py)
         return error_response(e, request_id)
+
+
+async def authenticate(state: GatewayState, request: web.Request) -> Found:
+    """The caller's key (`x-api-key`, Anthropic's clients, or `Authorization: Bearer`) and team."""
+    key = request.headers.get("x-api-key")
+    if key is None and "Authorization" not in request.headers:
+        raise APIError(
+            401,
+            "missing API key: send `x-api-key: <key>` or `Authorization: Bearer <key>`",
+            type_="authentication_error",
+            code="missing_api_key",
+        )
+    return await state.auth.authenticate(
+        request, key.strip() if key is not None else bearer(request)
+    )
+
+
+async def read_body(state: GatewayState, request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        limit = state.config.server.max_body_bytes
+        raise APIError(
+            413, f"the request body is larger than this gateway accepts ({limit} bytes)"
+        ) from None
 
 
 def error_response(e: APIError, request_id: str) -> web.Response:
@@ -126,9 +136,12 @@ def _neutral(v: object) -> bool:
     return v is None or v is False or v == [] or v == {} or v == {"type": "disabled"}
 
 
-def parse(raw: bytes) -> MessagesRequest:
-    """The body, typed and checked (400s name what is wrong, in Anthropic's words where it has them)."""
+def parse(raw: bytes, counting: bool = False) -> MessagesRequest:
+    """The body, typed and checked (400s name what is wrong, in Anthropic's words where it has
+    them). `counting`: a count_tokens body, which has no `max_tokens` (one stands in for it)."""
     top = decode_json(raw, code=None)
+    if counting:
+        top.setdefault("max_tokens", 1)
     extra = unknown_fields(top, FIELDS, _neutral)
     if extra:
         raise APIError(

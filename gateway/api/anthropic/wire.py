@@ -235,3 +235,9 @@ StreamEvent = (
 def sse(event: StreamEvent) -> bytes:
     """One event as Anthropic sends it: `event: <type>` and `data: <json>`."""
     return named_sse(event)
+
+
+class TokenCount(msgspec.Struct, frozen=True, kw_only=True):
+    """`POST /v1/messages/count_tokens`'s answer."""
+
+    input_tokens: int

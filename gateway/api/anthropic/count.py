@@ -1,0 +1,64 @@
+"""`POST /v1/messages/count_tokens`: how many input tokens a Messages request is on its model.
+
+The body is a `/v1/messages` body without `max_tokens` (model, messages, system, tools,
+tool_choice, output_config; `thinking` as `/v1/messages` takes it: refused unless disabled). It
+is translated and checked exactly as `/v1/messages` translates and checks it (api.py `parse`,
+convert.py `to_chat`, the chat path's `check_chat`), the model is chosen as the pipeline
+chooses it (a name, or what `auto` picks; a forbidden model is a 403, an unknown one a 404),
+and the prompt is rendered by the same function the pipeline tokenizes with
+(gateway/serving/measure.py: the model's tokenizer and chat template, the tools as the model
+takes them). So the count equals the `usage.input_tokens` (plus `cache_read_input_tokens`) that
+`/v1/messages` reports for the same body.
+
+A count needs a valid key and passes the team gate's cheap refusals (its concurrency and
+requests-per-minute limits as this gateway counts them), and is counted among the team's
+requests in flight while it tokenizes; it reserves nothing and writes no usage record (it
+generates nothing, so nothing is billed), so it does not take a slot of the team's RPM window.
+An external model has no local tokenizer: its count is a 400 saying so.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from aiohttp import web
+
+from gateway.api.anthropic.api import authenticate, error_response, parse, read_body
+from gateway.api.anthropic.convert import to_chat
+from gateway.api.anthropic.wire import TokenCount
+from gateway.serving.chat import check_chat
+from gateway.serving.generate import Generate
+from gateway.serving.measure import prompt_ids, tool_plan
+from gateway.serving.tiers import team_tier
+from gateway.state import GatewayState
+from protocol.openai import APIError
+
+_ENC = msgspec.json.Encoder()
+
+
+async def handle(state: GatewayState, request: web.Request, request_id: str) -> web.Response:
+    try:
+        _, team = await authenticate(state, request)
+        body = parse(await read_body(state, request), counting=True)
+        chat = to_chat(body)
+        call = Generate(check_chat(chat.body, chat.vllm))
+        serving = state.serving
+        policy = serving.config.team_policy(team.id)
+        tier = team_tier(request.headers.get("x-duet-tier"), call.service_tier, team, policy)
+        served, _ = call.choose(serving, team.id, policy, tier)
+        if served.tokenizer is None:
+            raise APIError(
+                400,
+                f"model {served.config.name!r} is served by an external provider: this gateway "
+                "counts tokens only for the models it serves itself (with their tokenizer)",
+                param="model",
+            )
+        serving.admission.check_team(team, serving.config.quotas.default_max_concurrent)
+        with serving.admission.teams.running(team.id):
+            ids = await prompt_ids(served, call.request, tool_plan(served, call.request))
+    except APIError as e:
+        return error_response(e, request_id)
+    return web.Response(
+        body=_ENC.encode(TokenCount(input_tokens=len(ids))),
+        content_type="application/json",
+        headers={"X-Request-Id": request_id, "request-id": request_id},
+    )
