@@ -2,7 +2,7 @@
 
 The middleware gives every request the gateway's own X-Request-Id, turns every error —
 ours (APIError), aiohttp's (404/405/413) and unexpected ones (500, logged) — into OpenAI's
-error body with the right status, and never lets one request's failure reach another.
+error body (Anthropic's under `/v1/messages`) with the right status, and never lets one request's failure reach another.
 `cleanup_ctx` owns everything with a lifetime: the gateway's state, built complete by
 `state.open_state` once the event loop runs (the store, the one ClientSession, the usage
 writer, the store heartbeat, the model backends), then the batch runner (batch/wiring.py).
@@ -69,6 +69,17 @@ def _translator(limit: int) -> Callable[[web.Request, BaseException], APIError |
 
 
 _RID = web.RequestKey("request_id", str)
+#: the paths that answer every error in Anthropic's shape (the router's 404 and 405 included)
+_ANTHROPIC = "/v1/messages"
+
+
+def _render(request: web.Request, err: APIError, request_id: str | None) -> web.Response | None:
+    """Anthropic's error body for a path under `/v1/messages`, so its clients parse every error
+    there (an unknown sub-path, a wrong method, a crash) as their typed errors."""
+    path = request.path
+    if path != _ANTHROPIC and not path.startswith(_ANTHROPIC + "/"):
+        return None
+    return anthropic_api.error_response(err, request_id or "")
 
 
 def _bind(fn: Callable[[GatewayState, web.Request], Awaitable[web.StreamResponse]]) -> Handler:
@@ -148,7 +159,9 @@ def _metrics_reader(config: GatewayConfig) -> Callable[[web.Request], bool]:
 
 
 def make_app(config: GatewayConfig) -> web.Application:
-    errors = error_middleware(log, _translator(config.server.max_body_bytes), lambda r: r.get(_RID))
+    errors = error_middleware(
+        log, _translator(config.server.max_body_bytes), lambda r: r.get(_RID), _render
+    )
     admin_key = config.admin_key
     if admin_key is not None and len(admin_key) < MIN_ADMIN_KEY:
         raise ConfigError(

@@ -6,7 +6,8 @@ an `APIError` a handler raises, aiohttp's own refusals (404/405/413) and unexpec
 (500, logged with the traceback) become OpenAI's error body with the right status and headers
 (`APIError.response_headers()`: Retry-After, x-ratelimit-*), plus the request's id. A process
 adds what only it knows through `translate` (the node: an overloaded or dead engine; the
-gateway: a store conflict) — never a middleware of its own. A client that left is not an
+gateway: a store conflict) — never a middleware of its own; a path that speaks another API's
+error shape is answered by the process's `render` hook (the gateway's Anthropic paths). A client that left is not an
 error: its ConnectionResetError and cancellation pass through. A request that
 aiohttp's parser refuses — a request line or header over the limit, too many headers, a
 malformed request line, bad chunked encoding — never reaches a handler or a middleware:
@@ -51,6 +52,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Translate = Callable[[web.Request, BaseException], "APIError | None"]
 #: the request id an error answer names (None: it names none)
 RequestId = Callable[[web.Request], "str | None"]
+#: the answer to an error in a shape other than OpenAI's (None: OpenAI's, `error_response`)
+Render = Callable[[web.Request, APIError, "str | None"], "web.Response | None"]
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
 
 
@@ -70,9 +73,13 @@ def error_response(err: APIError, request_id: str | None = None) -> web.Response
 
 
 def error_middleware(
-    logger: logging.Logger, translate: Translate | None = None, request_id: RequestId | None = None
+    logger: logging.Logger,
+    translate: Translate | None = None,
+    request_id: RequestId | None = None,
+    render: Render | None = None,
 ) -> Callable[..., Awaitable[web.StreamResponse]]:
-    """The error middleware of one app (see the module's docstring)."""
+    """The error middleware of one app (see the module's docstring). `render` answers the
+    errors of the paths that speak another API's error shape (the gateway's `/v1/messages`)."""
 
     def _known(request: web.Request, e: BaseException) -> APIError | None:
         return translate(request, e) if translate is not None else None
@@ -108,7 +115,9 @@ def error_middleware(
             err.status,
             _one_line(err.message),
         )
-        return error_response(err, request_id(request) if request_id is not None else None)
+        rid = request_id(request) if request_id is not None else None
+        shaped = render(request, err, rid) if render is not None else None
+        return shaped if shaped is not None else error_response(err, rid)
 
     return errors
 

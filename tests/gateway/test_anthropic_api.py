@@ -323,3 +323,24 @@ def test_count_tokens_refusals_are_typed(env: Env) -> None:
     with pytest.raises(anthropic.BadRequestError) as ext:  # no local tokenizer
         env.client().messages.count_tokens(model="gpt", messages=ask)
     assert "external provider" in ext.value.body["error"]["message"]
+
+
+def test_every_path_under_messages_answers_in_anthropic_shape(env: Env) -> None:
+    """Errors the router and the middleware answer before any handler runs (an unknown path, a
+    wrong method) parse as the anthropic client's typed errors, with Anthropic's body."""
+    with pytest.raises(anthropic.NotFoundError) as nf:
+        env.client().messages.batches.retrieve("msgbatch_nope")
+    assert nf.value.body["type"] == "error"
+    assert nf.value.body["error"]["type"] == "not_found_error"
+    assert "/v1/messages/batches/msgbatch_nope" in nf.value.message
+    status, headers, got = http(env.gw.url + "/v1/messages", "GET", key=env.key)
+    assert status == 405 and got["type"] == "error", got
+    assert got["error"]["type"] == "invalid_request_error"
+    assert headers.get("request-id", "").startswith("req-")
+    with pytest.raises(anthropic.NotFoundError) as model:
+        env.client().messages.create(
+            model="nope", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert "nope" in model.value.body["error"]["message"]
+    status, _, other = http(env.gw.url + "/v1/nothing-here", "GET", key=env.key)
+    assert status == 404 and "type" not in other and other["error"]["code"] == "not_found"
