@@ -344,3 +344,21 @@ def test_every_path_under_messages_answers_in_anthropic_shape(env: Env) -> None:
     assert "nope" in model.value.body["error"]["message"]
     status, _, other = http(env.gw.url + "/v1/nothing-here", "GET", key=env.key)
     assert status == 404 and "type" not in other and other["error"]["code"] == "not_found"
+
+
+@pytest.mark.parametrize(
+    "args, value", [('"Paris"', "Paris"), ("[1, 2]", [1, 2]), ("Paris", "Paris")]
+)
+def test_arguments_that_are_no_object_are_still_a_tool_use(env: Env, args: str, value: Any) -> None:
+    """A call whose arguments are other JSON, or no JSON, is a tool_use block with the
+    arguments wrapped as {"value": …}, whole and streamed alike (the fake calls with the text
+    after `raw:` as the arguments)."""
+    kw = _tool_turns("gpt")
+    kw["messages"] = [{"role": "user", "content": f"raw:{args}"}]
+    c = env.client()
+    msg = c.messages.create(**kw)
+    assert [b.type for b in msg.content] == ["text", "tool_use"] and msg.stop_reason == "tool_use"
+    assert msg.content[1].input == {"value": value}
+    with c.messages.stream(**kw) as stream:
+        final = stream.get_final_message()
+    assert final.content[1].type == "tool_use" and final.content[1].input == {"value": value}

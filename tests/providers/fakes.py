@@ -274,9 +274,11 @@ class FakeProvider:
         self, request: web.Request, body: dict[str, Any], fault: Fault | None, tool: str
     ) -> web.StreamResponse:
         """Answers, as the Anthropic fake does, with "Let me check." and a call of `tool`, its
-        arguments echoing the last user text (7 completion tokens)."""
+        arguments echoing the last user text (7 completion tokens); a text `raw:<args>` makes
+        `<args>` the arguments as they are (a model's arguments that are no JSON object)."""
         rid, created, model = f"chatcmpl-{uuid.uuid4().hex[:12]}", int(time.time()), body["model"]
-        args = json.dumps({"query": _last_user_text(body["messages"])})
+        said = _last_user_text(body["messages"])
+        args = said[4:] if said.startswith("raw:") else json.dumps({"query": said})
         call_id = f"call_{uuid.uuid4().hex[:12]}"
         billed = self.prompt_tokens(body["messages"]) + self.request_tokens(body)
         usage = {

@@ -166,23 +166,25 @@ def usage_of(u: TokenCounts) -> Usage:
     )
 
 
-def _input(arguments: str) -> dict[str, object] | None:
+def tool_input(arguments: str) -> dict[str, object]:
+    """A tool call's arguments as a `tool_use` block's `input`, which Anthropic types as an
+    object: a JSON object as it is, none as `{}`, and anything else — other JSON (a string, a
+    number, a list) or text that is no JSON — wrapped as `{"value": …}` (the JSON value, else the
+    text), so a called tool always reaches the client as a `tool_use` block."""
+    if not arguments.strip():
+        return {}
     try:
-        v = json.loads(arguments or "{}")
+        v = json.loads(arguments)
     except ValueError:
-        return None
-    return v if isinstance(v, dict) else None
+        return {"value": arguments}
+    return v if isinstance(v, dict) else {"value": v}
 
 
 def to_message(a: ChatAnswer, msg_id: str, model: str) -> Message:
-    content: list[TextOut | ToolUseOut] = []
+    content: list[TextOut | ToolUseOut] = [
+        ToolUseOut(id=c.id, name=c.name, input=tool_input(c.arguments)) for c in a.tool_calls
+    ]
     text = a.text
-    for c in a.tool_calls:
-        args = _input(c.arguments)
-        if args is None:  # never half a call: what is not a JSON object stays the model's text
-            text += c.arguments
-        else:
-            content.append(ToolUseOut(id=c.id, name=c.name, input=args))
     if text or not content:
         content.insert(0, TextOut(text=text))
     stop = FINISH_REASONS.get(a.finish_reason or "stop", "end_turn")

@@ -1,11 +1,17 @@
 """A chat stream's events as Anthropic's event sequence, for a streamed `/v1/messages`:
 message_start, content_block_start / _delta / _stop per block, message_delta with the stop
 reason and the usage, message_stop; an `error` event for a failure after the stream opened.
+
+A tool call's arguments that begin as a JSON object stream as they come (`input_json_delta`);
+others (convert.py `tool_input` wraps them as `{"value": …}`) are held and sent as one delta
+when their block closes, so the streamed `input` is the whole answer's.
 """
 
 from __future__ import annotations
 
-from gateway.api.anthropic.convert import usage_of
+import json
+
+from gateway.api.anthropic.convert import tool_input, usage_of
 from gateway.api.anthropic.wire import (
     BlockDelta,
     BlockStart,
@@ -49,6 +55,8 @@ class MessageStream:
         self._text_open = False
         self._blocks = 0
         self._tool_block: dict[int, int] = {}  # tool call index → its block
+        self._held: dict[int, str] = {}  # a tool block → its arguments, not yet known an object
+        self._passing: set[int] = set()  # the tool blocks whose arguments are an object's text
         self._stop = "end_turn"
         self._usage = TokenCounts()
         self._failed = False
@@ -57,6 +65,14 @@ class MessageStream:
         self.model = headers.get("x-duet-model-used", self.model)
 
     def _close(self, out: list[StreamEvent]) -> None:
+        if self._block is not None and self._block in self._held:
+            wrapped = tool_input(self._held.pop(self._block))
+            if wrapped:
+                out.append(
+                    BlockDelta(
+                        index=self._block, delta=InputJsonDelta(partial_json=json.dumps(wrapped))
+                    )
+                )
         if self._block is not None:
             out.append(BlockStop(index=self._block))
             self._block, self._text_open = None, False
@@ -66,6 +82,17 @@ class MessageStream:
         self._block, self._blocks = self._blocks, self._blocks + 1
         out.append(BlockStart(index=self._block, content_block=block))
         return self._block
+
+    def _args(self, block: int, delta: str, out: list[StreamEvent]) -> None:
+        """A piece of a tool block's arguments: streamed once they show an object's `{`."""
+        if block not in self._passing:
+            held = self._held.pop(block, "") + delta
+            if not held.lstrip().startswith("{"):
+                self._held[block] = held  # whitespace so far, or no object: `_close` sends it
+                return
+            self._passing.add(block)
+            delta = held
+        out.append(BlockDelta(index=block, delta=InputJsonDelta(partial_json=delta)))
 
     def render(self, events: list[ChatEvent]) -> bytes:
         out: list[StreamEvent] = []
@@ -94,12 +121,7 @@ class MessageStream:
                     ToolUseOut(id=ev.id, name=ev.name, input={}), out
                 )
             elif isinstance(ev, ToolArgs):
-                out.append(
-                    BlockDelta(
-                        index=self._tool_block.get(ev.index, self._block or 0),
-                        delta=InputJsonDelta(partial_json=ev.delta),
-                    )
-                )
+                self._args(self._tool_block.get(ev.index, self._block or 0), ev.delta, out)
             elif isinstance(ev, Finish):
                 self._close(out)
                 self._stop = FINISH_REASONS.get(ev.reason, "end_turn")
