@@ -22,6 +22,8 @@ Mapping (the shared names are in providers/anthropic_shapes.py):
   `metadata.user_id` → `user`;
 - usage: `input_tokens` is the prompt minus its cache reads (`cache_read_input_tokens`).
   A stream's `message_start` says 0 input tokens; `message_delta` carries the final counts.
+- a tool call's arguments → a `tool_use` block's `input`, wrapped as `{"value": …}` when they
+  are no JSON object (convert.py `tool_input`), so a called tool is never text;
 - `stop_reason`: OpenAI's `stop` is `end_turn` (the chat path does not say whether a stop
   sequence or the end of the turn stopped it, so `stop_sequence` is not reported);
 - vLLM's extras (`guided_choice`, `guided_regex`, `guided_json`, `structured_outputs`,
