@@ -3,7 +3,9 @@ local) leg, and `/abort`. Turns every way a node call can go wrong into one of t
 
 - `NodeFailure`: the node is dead, slow, draining or broke (connection error, timeout, 5xx,
   an SSE error event, a stream cut short) — the caller may retry elsewhere;
-- `APIError` with the node's own 4xx: the request itself is wrong, retrying cannot help.
+- `APIError` with the node's own 4xx, or an SSE error event that says the request itself
+  cannot be computed (`invalid_request_error` / `request_invalid`: every replica computes the
+  same): the request is wrong, retrying or migrating cannot help.
 
 Every call carries the request's X-Request-Id and a timeout.
 """
@@ -30,11 +32,13 @@ from protocol.node_api import (
     NodeCompletionChunk,
     NodeCompletionRequest,
 )
-from protocol.openai import parse_error
+from protocol.openai import APIError, ErrorDetail, parse_error
 from protocol.sse import DataLines, read_to_end
 
 log = logging.getLogger("duet.gateway.nodes")
 _ENC = msgspec.json.Encoder()
+#: (type, code) of a node's error that is the request's own (node/responder.py request_failed)
+REQUEST_FAULT = ("invalid_request_error", "request_invalid")
 
 
 def _local_exhaustion(e: BaseException) -> bool:
@@ -54,6 +58,15 @@ def _unreachable(url: str, e: BaseException, leg: str = "") -> Exception:
             1.0,
         )
     return NodeFailure(url, f"{leg}{type(e).__name__}: {e}")
+
+
+def _event_error(url: str, err: ErrorDetail) -> Exception:
+    """What a stream's error event raises: the request's own failure as the client's 400 with
+    the node's words (no other node is tried, no stream migrated: each would compute the same
+    and fail the same), anything else as the node's failure."""
+    if err.type == REQUEST_FAULT[0] and err.code == REQUEST_FAULT[1]:
+        return APIError(400, err.message, type_=err.type, param=err.param, code=err.code)
+    return NodeFailure(url, f"error event: {err.message}")
 
 
 class NodeFailure(Exception):
@@ -181,7 +194,7 @@ class NodeClient:
                             break
                         chunk = _CHUNK.decode(payload)
                         if chunk.error is not None:
-                            raise NodeFailure(url, f"error event: {chunk.error.message}")
+                            raise _event_error(url, chunk.error)
                         yield chunk, k + 1 < len(events) and events[k + 1] != b"[DONE]"
                     if done:
                         break

@@ -6,8 +6,9 @@ Invariants (both forms):
   body is returned — so a response a client saw whole always has its record;
 - a reply that breaks after its first piece (`MidStreamError`) is committed as
   `error_midstream`: a stream ends with an SSE error event and `[DONE]`, a whole answer is a
-  502; it bills the completion tokens of the pieces written to the client (`Piece.tokens`,
-  counted in the relay's own `SentLog` as each write goes out), never tokens made but not
+  502 (or the 4xx of a failure that is the request's own: a batch line is not run again); it
+  bills the completion tokens of the pieces written to the client (`Piece.tokens`, counted in
+  the relay's own `SentLog` as each write goes out), never tokens made but not
   delivered: those of a piece still held back (a finishing chunk of n > 1, a delta that showed
   no text yet) or of a whole answer (its client gets none of them). A reply that breaks before
   any piece went out is a plain HTTP error, as one that fails before its first piece;
@@ -83,6 +84,16 @@ class HttpEventStream:
         await self.response.write_eof(data)
 
 
+def broke_off(e: MidStreamError) -> APIError:
+    """A whole answer's error for a reply that broke off after its first piece: a 502 (the
+    backend's failure: a batch line runs again later), unless the failure is the request's own
+    (a 4xx: the node could not compute what it asked for, nor could any other), which stays
+    the client's error with the node's words, so no one runs it again."""
+    if e.status < 500:
+        return APIError(e.status, e.message, e.type, e.param, e.code)
+    return APIError(502, f"the answer broke off: {e.message}", type_="upstream_error", code=e.code)
+
+
 class Relay:
     """One reply relayed to its client: `whole` or `stream`. It owns what it sent (`sent`, a
     `SentLog`), which the ledger reads beside the reply's own accounting."""
@@ -121,9 +132,7 @@ class Relay:
         except MidStreamError as e:
             # nothing was sent: a 502 carries none of the tokens
             await ledger.commit(UsageStatus.ERROR_MIDSTREAM, reply.accounting, self.sent)
-            raise APIError(
-                502, f"the answer broke off: {e.message}", type_="upstream_error", code=e.code
-            ) from None
+            raise broke_off(e) from None
         finally:
             await reply.aclose()
         await ledger.commit(UsageStatus.OK, reply.accounting)

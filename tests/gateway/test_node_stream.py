@@ -2,7 +2,9 @@
 into the same payloads (hypothesis) and says what arrived together; NodeClient.stream against
 a real aiohttp server relays every chunk in order with `more` set only when its successor was
 in the same read, refuses a stream cut before `[DONE]` and an endless line, and surfaces an SSE
-error event as a NodeFailure."""
+error event as a NodeFailure — unless the node says the request itself cannot be computed (its
+own fault: every node would fail it the same), which is the client's 400 with the node's
+words, never a failure to retry elsewhere or migrate."""
 
 from __future__ import annotations
 
@@ -16,9 +18,15 @@ from aiohttp import web
 from hypothesis import given
 from hypothesis import strategies as st
 
+from gateway.backends.base import midstream
 from gateway.backends.node_client import NodeClient, NodeFailure
+from gateway.batch.contracts import RETRYABLE_STATUS
+from gateway.serving.relay import broke_off
+from node.responder import request_failed
 from protocol import sse
 from protocol.node_api import NodeCompletionRequest
+from protocol.openai import APIError
+from protocol.outputs import Fault, RequestOutput
 from protocol.sse import DataLines
 from tests.wait import until
 
@@ -109,6 +117,44 @@ async def test_an_error_event_fails(aiohttp_server) -> None:  # type: ignore[no-
     err = b'data: {"error": {"message": "engine died"}}\n\n'
     with pytest.raises(NodeFailure, match="engine died"):
         await _read(aiohttp_server, _server([_event(0), err, b"data: [DONE]\n\n"]))
+
+
+def _failed(fault: Fault) -> bytes:
+    """The error event a node sends when the engine failed the request (node/responder.py)."""
+    out = RequestOutput("r1", [], "", True, "error", error="the row is not finite", fault=fault)
+    return sse.error_event(request_failed(out)) + sse.DONE
+
+
+async def test_the_requests_own_failure_is_the_clients_400(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
+    """Mid-stream (after a token went out) or before any: an APIError 400 with the node's
+    message, type and code — not a NodeFailure, which the cluster backend retries on another
+    node or migrates (each computing the prompt again and failing the same). A whole answer
+    (a batch line's) that broke off so is that 400 too, which the batch tier does not retry."""
+    for writes in ([_event(0), _failed(Fault.REQUEST)], [_failed(Fault.REQUEST)]):
+        got: list[int] = []
+        with pytest.raises(APIError) as e:
+            await _read(aiohttp_server, _server(writes), got.append)
+        assert not isinstance(e.value, NodeFailure)
+        assert (e.value.status, e.value.type, e.value.code) == (
+            400,
+            "invalid_request_error",
+            "request_invalid",
+        )
+        assert "the row is not finite" in e.value.message
+        assert len(got) == len(writes) - 1  # the tokens before it were relayed
+        whole = broke_off(midstream(e.value))
+        assert (whole.status, whole.code, whole.message) == (
+            400,
+            "request_invalid",
+            e.value.message,
+        )
+        assert whole.status not in RETRYABLE_STATUS
+
+
+async def test_the_engines_own_failure_is_still_the_nodes(aiohttp_server) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(NodeFailure, match="the row is not finite") as e:
+        await _read(aiohttp_server, _server([_event(0), _failed(Fault.ENGINE)]))
+    assert broke_off(midstream(e.value)).status == 502  # a batch line runs again later
 
 
 async def test_the_client_refuses_an_endless_line(
