@@ -88,7 +88,8 @@ class Tries:
         while True:
             try:
                 if self.tried:  # a fallback target counts and checks the prompt its own way
-                    size = await measure(served, self.req, self.serving.guides)
+                    domain = self.serving.config.cache_domain(self.ledger.caller.team.id)
+                    size = await measure(served, self.req, self.serving.guides, domain)
                 return await self._attempt(served, size, sink, origin, n_prompt)
             except APIError as e:
                 served = self._fallback(e, served, origin, n_prompt)

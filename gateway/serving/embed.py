@@ -80,7 +80,7 @@ class Embed:
     def attributes(self) -> Attrs:
         return {GEN_AI_OPERATION: EMBEDDINGS, GEN_AI_PROVIDER: "duet"}
 
-    async def admit(self, serving: Serving, streamable: bool) -> None:
+    async def admit(self, serving: Serving, team_id: str, streamable: bool) -> None:
         return None  # an embeddings request has no stream and no constraint
 
     def choose(
@@ -107,7 +107,7 @@ class Embed:
             )
         return served, {}
 
-    async def measure(self, serving: Serving, served: ServedModel) -> Measured:
+    async def measure(self, serving: Serving, served: ServedModel, team_id: str) -> Measured:
         """Each input's token ids on the model; 400 for one longer than its context."""
         items = self.request.items
         # a list of strings or of id lists: the length of either counts

@@ -58,11 +58,14 @@ class Generate:
         op = "chat" if self.endpoint == Endpoint.CHAT else "text_completion"
         return {GEN_AI_OPERATION: op, GEN_AI_PROVIDER: "duet", "duet.stream": self.request.stream}
 
-    async def admit(self, serving: Serving, streamable: bool) -> None:
+    async def admit(self, serving: Serving, team_id: str, streamable: bool) -> None:
         req = self.request
         # the grammar engine's check of its constraint: off the event loop, bounded in time (a
-        # pathological schema must not stall every other request; text/guide_compile.py)
-        await serving.guides.check(req.guide, req.guide_param or "response_format")
+        # pathological schema must not stall every other request; text/guide_compile.py). Its
+        # verdict is cached per team: a shared cache's instant answer would tell a team which
+        # schemas another team sent.
+        domain = serving.config.cache_domain(team_id)
+        await serving.guides.check(req.guide, req.guide_param or "response_format", domain)
         if req.stream and not streamable:
             raise APIError(400, "stream is not supported here", param="stream")
 
@@ -78,8 +81,10 @@ class Generate:
         refuse_missing(self.request, served.config)
         return served, headers
 
-    async def measure(self, serving: Serving, served: ServedModel) -> Measured:
-        return await measure(served, self.request, serving.guides)
+    async def measure(self, serving: Serving, served: ServedModel, team_id: str) -> Measured:
+        return await measure(
+            served, self.request, serving.guides, serving.config.cache_domain(team_id)
+        )
 
     def chain(self, serving: Serving, served: ServedModel) -> tuple[ModelConfig, ...]:
         return serving.choice.chain(served.config.name)

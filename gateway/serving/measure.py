@@ -155,10 +155,12 @@ def context_check(served: ServedModel, n_prompt: int, max_tokens: int | None) ->
     return max_tokens
 
 
-async def measure(served: ServedModel, req: Request, guides: GuideChecker) -> Measured:
+async def measure(served: ServedModel, req: Request, guides: GuideChecker, domain: str) -> Measured:
+    """`req` on `served`: its prompt ids and max_tokens; a forced tool choice's schema checked,
+    its verdict cached in the team's cache `domain`."""
     plan = tool_plan(served, req)
     if plan is not None:  # a forced tool choice's schema: checked off the loop, as every guide
-        await guides.check(plan.guide, "tools")
+        await guides.check(plan.guide, "tools", domain)
     ids = await prompt_ids(served, req, plan)
     if served.tokenizer is not None:
         return Measured(ids, len(ids), context_check(served, len(ids), req.max_tokens), plan)

@@ -90,15 +90,16 @@ class Call(Protocol):
     def attributes(self) -> Attrs:
         """The request span's attributes of this call (its GenAI operation, its stream)."""
 
-    async def admit(self, serving: Serving, streamable: bool) -> None:
-        """The call's own checks before any other work (`streamable`: a sink waits)."""
+    async def admit(self, serving: Serving, team_id: str, streamable: bool) -> None:
+        """The call's own checks before any other work (`streamable`: a sink waits); what they
+        cache is the team's own (its cache domain)."""
 
     def choose(
         self, serving: Serving, team_id: str, policy: TeamPolicy, tier: Tier
     ) -> tuple[ServedModel, dict[str, str]]:
         """The model that serves the call, and the headers the choice adds."""
 
-    async def measure(self, serving: Serving, served: ServedModel) -> Measured:
+    async def measure(self, serving: Serving, served: ServedModel, team_id: str) -> Measured:
         """The call's size on `served`: its token ids, the tokens to reserve for."""
 
     def chain(self, serving: Serving, served: ServedModel) -> tuple[ModelConfig, ...]:
@@ -118,7 +119,7 @@ async def run(
 ) -> Answer:
     """One call of an authenticated caller: what the HTTP handlers and the batch executor
     (gateway/batch/wiring.py; no sink, so no streaming) both call."""
-    await call.admit(serving, sink is not None)
+    await call.admit(serving, caller.team.id, sink is not None)
     policy = serving.config.team_policy(caller.team.id)
     tier = team_tier(tier_header, call.service_tier, caller.team, policy)
     served, headers = call.choose(serving, caller.team.id, policy, tier)
@@ -141,7 +142,7 @@ async def _measured(serving: Serving, call: Call, a: Admitted, sink: EventSink |
         }
     )
     with Stage(tr, "gateway.tokenize", {GEN_AI_REQUEST_MODEL: a.served.config.name}) as span:
-        size = await call.measure(serving, a.served)
+        size = await call.measure(serving, a.served, caller.team.id)
         span.set(GEN_AI_INPUT_TOKENS, size.n_prompt)
     if size.max_tokens:  # (an embedding has none)
         tr.annotate({GEN_AI_MAX_TOKENS: size.max_tokens})

@@ -140,3 +140,24 @@ def test_a_resent_guide_is_compiled_once(gw: Gw) -> None:
     n = metric(g.url, COMPILES)
     assert_too_complex(chat(key, g, response_format=as_format(slow)), "response_format")
     assert metric(g.url, RUNNING) == 0 and metric(g.url, COMPILES) == n
+
+
+def test_a_guides_verdict_is_not_shared_between_teams(gw: Gw) -> None:
+    """A cached verdict answers at once, a compile takes milliseconds to seconds: a verdict
+    cache shared by all teams would tell a team whether another sent a schema. Each team's
+    check compiles its guide itself, once (response_format, and a forced tool's schema)."""
+    g, key = gw
+    other = make_team(g.url, f"guides-{uuid.uuid4().hex[:6]}")
+    schema = {"type": "object", "properties": {uuid.uuid4().hex: {"type": "integer"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {**schema}}}
+    tool["function"]["parameters"]["title"] = uuid.uuid4().hex  # a guide of its own
+    forced = {"type": "function", "function": {"name": "f"}}
+    for ask in ({"response_format": as_format(schema)}, {"tools": [tool], "tool_choice": forced}):
+        idle(g)
+        before = metric(g.url, COMPILES)
+        for team in (key, key, other, other):
+            status, _, body = chat(team, g, **ask)
+            assert status != 400, body  # accepted (no node answers it: 5xx)
+        # one compile per team: the first team's verdict did not answer the second's check
+        wait_for(lambda b=before: metric(g.url, COMPILES) >= b + 2, 30, "both teams' compiles")
+        assert metric(g.url, COMPILES) == before + 2, ask
