@@ -30,6 +30,9 @@ PENALTY_RANGE = 2.0
 #: token ids one logit_bias may name, and the bound of each bias
 MAX_LOGIT_BIAS = 300
 LOGIT_BIAS_RANGE = 100.0
+#: digits of a logit_bias key: every vocabulary's ids fit, and a longer key is refused before
+#: `int()` spends time on it (or raises past Python's digit limit, a 500 and a traceback)
+MAX_TOKEN_ID_DIGITS = 10
 #: vLLM's repetition_penalty only asks > 0, but dividing a logit by 1e-38 made it infinite and
 #: the row's softmax NaN, after the whole prompt was computed: bounded to what a model's fp32
 #: logits bear (100x either way; 1 is off)
@@ -40,6 +43,7 @@ __all__ = [
     "MAX_LOGIT_BIAS",
     "MAX_N",
     "MAX_STOP",
+    "MAX_TOKEN_ID_DIGITS",
     "MAX_TOP_LOGPROBS",
     "PENALTY_RANGE",
     "REPETITION_PENALTY_RANGE",
@@ -167,6 +171,12 @@ def logit_bias(bias: Mapping[str, float] | None) -> dict[str, float] | None:
             raise LimitError(
                 "logit_bias",
                 f"logit_bias keys must be token ids (non-negative integers as strings), got {k!r}",
+            )
+        if len(k) > MAX_TOKEN_ID_DIGITS:
+            raise LimitError(
+                "logit_bias",
+                f"logit_bias keys are token ids of at most {MAX_TOKEN_ID_DIGITS} digits, "
+                f"got one of {len(k)}",
             )
         _bias_value(k, v)
         out[str(int(k))] = float(v)

@@ -17,6 +17,8 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from protocol.openai import APIError
+
 
 @dataclass(frozen=True)
 class Text:
@@ -64,7 +66,7 @@ def call_events(obj: Any, names: Collection[str], args_key: str) -> list[Event] 
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
@@ -72,8 +74,25 @@ def call_events(obj: Any, names: Collection[str], args_key: str) -> list[Event] 
 
 
 def decode_json(text: str) -> Any:
-    """`text` as one JSON value, or None (also for trailing garbage)."""
+    """`text` as one JSON value, or None (also for trailing garbage, and for JSON nested past
+    the parser's depth: what a model wrote so is no call)."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+
+
+def past_arguments(text: str) -> Any:
+    """A past tool call's `arguments` as the client sent them: their JSON value, or None when
+    they are not JSON (the prompt shows the string). Nested past the parser's depth they are
+    the client's 400, not a RecursionError's 500 and traceback."""
     try:
         return json.loads(text)
     except ValueError:
         return None
+    except RecursionError:
+        raise APIError(
+            400,
+            "an assistant message's tool_calls arguments are nested too deep",
+            param="messages",
+        ) from None

@@ -17,7 +17,7 @@ import json
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from gateway.tools.events import Event, Text, call_events, decode_json
+from gateway.tools.events import Event, Text, call_events, decode_json, past_arguments
 from protocol.tools import ToolCall
 
 NAME = "llama3_json"
@@ -97,7 +97,7 @@ def call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
 
 
 def _args(c: ToolCall) -> str:
-    parsed = decode_json(c.function.arguments)
+    parsed = past_arguments(c.function.arguments)
     return (
         json.dumps(parsed, ensure_ascii=False)
         if parsed is not None

@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from gateway.tools.events import decode_json
+from gateway.tools.events import past_arguments
 from gateway.tools.formats import ToolFormat, template_has_tools
 from gateway.tools.plan import ToolMode, ToolPlan
 from protocol.tools import ToolCall
@@ -52,7 +52,7 @@ def _hf_turn(m: dict[str, Any]) -> dict[str, Any]:
 
 
 def _args(text: str) -> Any:
-    parsed = decode_json(text)
+    parsed = past_arguments(text)
     return parsed if parsed is not None else text
 
 

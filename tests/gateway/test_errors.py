@@ -210,6 +210,49 @@ CASES = [
         "vocabulary",
     ),
     (
+        "logit_bias key of 11 digits",
+        "/v1/chat/completions",
+        chat(logit_bias={"1" * 11: 1}),
+        400,
+        None,
+        "logit_bias",
+        "at most 10 digits",
+    ),
+    (
+        "logit_bias key past int()'s digits",
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "logit_bias": {"1" * 5000: 1}},
+        400,
+        None,
+        "logit_bias",
+        "at most 10 digits",
+    ),
+    (
+        "tool_calls arguments nested past the parser",
+        "/v1/chat/completions",
+        chat(
+            messages=[
+                {"role": "user", "content": "hi"},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {
+                            "id": "c1",
+                            "type": "function",
+                            "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "c1", "content": "ok"},
+            ]
+        ),
+        400,
+        None,
+        "messages",
+        "nested too deep",
+    ),
+    (
         "json_schema without schema",
         "/v1/chat/completions",
         chat(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
