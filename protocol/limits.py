@@ -23,8 +23,11 @@ from protocol.logprobs import MAX_TOP_LOGPROBS
 TEMPERATURE_MAX = 2.0
 #: samples one request may ask for
 MAX_N = 8
-#: stop strings one request may give
+#: stop strings one request may give, and the characters of each: the engine holds back the
+#: longest stop's length of text and searches it for every stop at every token, so 4 stops of
+#: 100k characters cost a node's step 400k comparisons per request (common servers cap at 1,024)
 MAX_STOP = 4
+MAX_STOP_CHARS = 1024
 #: frequency and presence penalties lie in [-PENALTY_RANGE, PENALTY_RANGE]
 PENALTY_RANGE = 2.0
 #: token ids one logit_bias may name, and the bound of each bias
@@ -43,6 +46,7 @@ __all__ = [
     "MAX_LOGIT_BIAS",
     "MAX_N",
     "MAX_STOP",
+    "MAX_STOP_CHARS",
     "MAX_TOKEN_ID_DIGITS",
     "MAX_TOP_LOGPROBS",
     "PENALTY_RANGE",
@@ -111,6 +115,12 @@ def check_min_tokens(v: int | None) -> None:
 def check_stop(stop: Sequence[str]) -> None:
     if len(stop) > MAX_STOP or any(not s for s in stop):
         raise LimitError("stop", f"stop takes up to {MAX_STOP} non-empty strings")
+    longest = max(map(len, stop), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise LimitError(
+            "stop",
+            f"each stop string may be at most {MAX_STOP_CHARS} characters, got one of {longest}",
+        )
 
 
 def check_logprobs(name: str, n: int | None) -> None:

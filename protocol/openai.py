@@ -146,7 +146,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
 
     def validate_sampling(self) -> None:
-        """400s naming the field for penalties, logit_bias and min_p out of range (the chat
+        """400s naming the field for penalties, logit_bias, min_p and stop out of range (the chat
         form and the completion form share this; token ids are checked against the model's
         vocabulary on the node). The ranges and words are protocol/limits.py's."""
         with refusals():
@@ -154,6 +154,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
                 self.frequency_penalty, self.presence_penalty, self.repetition_penalty, self.min_p
             )
             limits.logit_bias(self.logit_bias)
+            limits.check_stop([self.stop] if isinstance(self.stop, str) else self.stop or [])
 
 
 def refused(e: limits.LimitError) -> APIError:

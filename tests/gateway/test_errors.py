@@ -210,6 +210,15 @@ CASES = [
         "vocabulary",
     ),
     (
+        "stop string too long",
+        "/v1/chat/completions",
+        chat(stop=["x" * 1025]),
+        400,
+        None,
+        "stop",
+        "at most 1024 characters",
+    ),
+    (
         "logit_bias key of 11 digits",
         "/v1/chat/completions",
         chat(logit_bias={"1" * 11: 1}),

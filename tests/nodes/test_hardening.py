@@ -88,6 +88,13 @@ HOSTILE: list[tuple[str, str, Any, int]] = [
     ("both", "/v1/completions", cmpl(logprobs=21), 400),
     ("both", "/v1/completions", cmpl(stop=[""]), 400),
     ("both", "/v1/completions", cmpl(stop=5), 400),
+    ("both", "/v1/completions", cmpl(stop=["x" * 1025]), 400),  # the engine's step scans it
+    (
+        "both",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "stop": "x" * 1025, "max_tokens": 2},
+        400,
+    ),
     ("both", "/v1/completions", cmpl(stop_token_ids=["a"]), 400),
     ("both", "/v1/completions", cmpl(priority="urgent"), 400),
     ("both", "/v1/completions", cmpl(stream="yes"), 400),
