@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
@@ -68,16 +69,25 @@ class UsageCheck(msgspec.Struct, kw_only=True):
 
 
 def fetch_records(url: str, key: str, start: float) -> list[dict[str, Any]] | str:
-    """The team's usage records since `start` (unix seconds), or why they cannot be read."""
-    req = urllib.request.Request(
-        f"{url}/v1/usage?group_by=record&start={start:.3f}",
-        headers={"Authorization": f"Bearer {key}"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return json.loads(r.read())["data"]
-    except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
-        return f"usage records not readable: {e}"
+    """The team's usage records since `start` (unix seconds), or why they cannot be read: page
+    after page, as the gateway hands them out."""
+    rows: list[dict[str, Any]] = []
+    after: str | None = ""
+    while after is not None:
+        query = urllib.parse.urlencode(
+            {"group_by": "record", "start": f"{start:.3f}", **({"after": after} if after else {})}
+        )
+        req = urllib.request.Request(
+            f"{url}/v1/usage?{query}", headers={"Authorization": f"Bearer {key}"}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                page = json.loads(r.read())
+            rows += page["data"]
+            after = page["next"]
+        except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
+            return f"usage records not readable: {e}"
+    return rows
 
 
 def _billed(row: dict[str, Any]) -> bool:

@@ -333,8 +333,9 @@ class SqliteStore(SqliteBatchTables, Store):
         sql = f"SELECT {', '.join(USAGE_COLS)} FROM usage WHERE {where} ORDER BY created_at, request_id"
         if limit is not None:
             sql, args = sql + " LIMIT ?", (*args, limit)
-        rows = await self._run(lambda db: db.execute(sql, args).fetchall())
-        return [record_of(r) for r in rows]
+        # converted in the worker: decoding a page's JSON columns on the event loop stalls every
+        # stream of every team for as long
+        return await self._run(lambda db: [record_of(r) for r in db.execute(sql, args)])
 
     async def usage_outliers(
         self, team_id: str | None, start: float, end: float, limit: int
@@ -342,5 +343,6 @@ class SqliteStore(SqliteBatchTables, Store):
         where = "created_at >= ? AND created_at < ?" + (" AND team_id = ?" if team_id else "")
         args: tuple[Any, ...] = (start, end, team_id) if team_id else (start, end)
         sql = outliers_sql(", ".join(f"usage.{c}" for c in USAGE_COLS), where, "min", "?")
-        rows = await self._run(lambda db: db.execute(sql, (*args, *args, limit)).fetchall())
-        return [record_of(r) for r in rows]
+        return await self._run(
+            lambda db: [record_of(r) for r in db.execute(sql, (*args, *args, limit))]
+        )
