@@ -101,10 +101,20 @@ def add_gateway_security_arguments(p: argparse.ArgumentParser) -> None:
         "(its own API is guarded by API keys).",
     )
     add_secret_argument(g)
+    # /metrics carries team-labelled series (spend, tokens, refusals) on the public listener:
+    # protected unless the operator opens it on purpose
     g.add_argument(
         "--protect-metrics",
         action="store_true",
-        help="GET /metrics needs the cluster secret or the admin key (default: open)",
+        default=True,
+        help="GET /metrics needs the cluster secret or the admin key (the default)",
+    )
+    g.add_argument(
+        "--open-metrics",
+        dest="protect_metrics",
+        action="store_false",
+        help="GET /metrics answers anyone: every team's name, spend, tokens and refusals become "
+        "public (only for a listener no client can reach)",
     )
     g.add_argument(
         "--tls-cert", default=None, metavar="PEM", help="serve https with this certificate (chain)"

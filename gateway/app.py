@@ -168,15 +168,16 @@ def make_app(config: GatewayConfig) -> web.Application:
             f"$DUET_ADMIN_KEY is {len(admin_key)} characters; an admin key needs at least {MIN_ADMIN_KEY} "
             "(generate one: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
         )
-    # --protect-metrics: /metrics needs the cluster secret or the admin key (the rest of the
-    # gateway's API has its own keys).
+    # /metrics needs the cluster secret or the admin key unless --open-metrics (the rest of the
+    # gateway's API has its own keys); its series name teams, so no credential means no reader
     if (
         config.security.protect_metrics
         and config.security.secret is None
         and not (admin_key or config.server.admin_key_sha256)
     ):
-        raise ConfigError(
-            "--protect-metrics needs a cluster secret or an admin key: nothing could read /metrics"
+        log.warning(
+            "/metrics is protected and this gateway has neither a cluster secret nor an admin "
+            "key: nothing can read it (set one, or --open-metrics on a private listener)"
         )
     guard = [metrics_middleware(_metrics_reader(config))] if config.security.protect_metrics else []
     app = web.Application(

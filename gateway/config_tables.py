@@ -297,7 +297,8 @@ class GatewayConfig:
     teams: dict[str, TeamPolicy] = field(default_factory=dict)
     batch: BatchSettings = BatchSettings()
     #: cluster secret, TLS and /metrics policy (flags of `duet gateway`; runtime/plane.py)
-    security: PlaneSecurity = field(default_factory=PlaneSecurity)
+    #: /metrics protected by default: its series carry team labels (`--open-metrics` opens it)
+    security: PlaneSecurity = field(default_factory=lambda: PlaneSecurity(protect_metrics=True))
 
     def team_policy(self, team_id: str) -> TeamPolicy:
         return self.teams.get(team_id) or self.teams.get("*") or TeamPolicy()

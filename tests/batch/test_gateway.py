@@ -30,7 +30,7 @@ from tests.batch.gateway_procs import (
     usage_records,
     wait_done,
 )
-from tests.gateway.helpers import http, make_team
+from tests.gateway.helpers import http, make_team, scrape
 from tests.procs import Proc, duet_node, running
 
 
@@ -160,7 +160,7 @@ async def test_quota_window_defers_lines_and_spent_budget_fails_them(
         b = await wait_done(gw.url, broke, broke_id)
         assert b.status == "completed" and b.request_counts.failed == 5 and b.output_file_id is None
         errors = await file_lines(gw.url, broke, b.error_file_id)
-        metrics = urllib.request.urlopen(gw.url + "/metrics", timeout=5).read().decode()
+        metrics = scrape(gw.url)
     # the quota did refuse the narrow team's lines (so the deferral above was exercised) ...
     refused = re.search(
         r'^duet:ratelimit_rejections_total\{kind="concurrency",team="narrow"\} (\S+)$',

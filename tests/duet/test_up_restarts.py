@@ -103,7 +103,9 @@ class Up:
 
     def metric(self, url: str, name: str) -> float:
         """Sum of a Prometheus metric over its labels."""
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        admin = (self.home / "up" / "admin.key").read_text().strip()  # a gateway's needs it
+        req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {admin}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
             lines = r.read().decode().splitlines()
         return sum(
             float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith((name + "{", name + " "))

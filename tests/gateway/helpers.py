@@ -127,11 +127,18 @@ def make_team(url: str, team: str, **limits: Any) -> str:
     return body["key"]
 
 
+def scrape(url: str) -> str:
+    """A node's or gateway's /metrics, read with the admin key (a gateway's needs it by default;
+    a node's open /metrics ignores it)."""
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    return urllib.request.urlopen(req, timeout=5).read().decode()
+
+
 def metric(url: str, name: str) -> float:
     """Sum of a metric's samples (all label sets) on a node or gateway."""
     import re
 
-    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    text = scrape(url)
     return sum(
         float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
     )

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +17,7 @@ import pytest
 from bench.pd_client import completion
 from gateway.accounts.store.base import UsageRecord
 from gateway.accounts.store.sqlite import SqliteStore
-from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, metric, tiny_model
+from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, metric, scrape, tiny_model
 from tests.procs import Proc, running
 from text.tokenizer import Tokenizer
 
@@ -241,7 +240,7 @@ def test_models_health_metrics_usage(gw: tuple[Proc, str]) -> None:
         "end-user-1"
     ]
     assert [r.endpoint for r in recs if r.user == "end-user-2"] == ["chat"]
-    text = urllib.request.urlopen(g.url + "/metrics", timeout=5).read().decode()
+    text = scrape(g.url)
     assert re.search(r'^duet:spend_usd_total\{model="tiny",team="e2e"\} [0-9.e-]+$', text, re.M)
     assert re.search(
         r'^duet:gateway_requests_total\{model="tiny",status="ok",team="e2e",tier="interactive"\}',

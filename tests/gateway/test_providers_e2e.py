@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import threading
-import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ import pytest
 from aiohttp import web
 
 from tests.gateway.conftest import COMMON
-from tests.gateway.helpers import gateway_proc, http, make_team, tiny_model
+from tests.gateway.helpers import gateway_proc, http, make_team, scrape, tiny_model
 from tests.procs import Proc, duet_node, free_port, running
 from tests.providers.fakes import API_KEY, FakeProvider, Fault
 from tests.wait import wait_for
@@ -155,7 +154,7 @@ def env(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 def samples(url: str, name: str) -> list[tuple[dict[str, str], float]]:
-    text = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+    text = scrape(url)
     out = []
     for labels, value in re.findall(rf"^{re.escape(name)}\{{([^}}]*)\}} (\S+)$", text, re.M):
         out.append((dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value)))

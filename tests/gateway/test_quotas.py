@@ -13,7 +13,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, tiny_model
+from tests.gateway.helpers import ADMIN_KEY, MODEL, gateway_proc, http, make_team, tiny_model
 from tests.procs import Proc, duet_node, running
 from text.tokenizer import Tokenizer
 
@@ -99,7 +99,9 @@ def _seconds(reset: str) -> float:
 
 
 async def _get(url: str) -> str:
-    async with aiohttp.ClientSession() as s, s.get(url) as r:
+    """A gateway's /metrics, read with the admin key (it needs it by default)."""
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    async with aiohttp.ClientSession() as s, s.get(url, headers=admin) as r:
         return await r.text()
 
 
