@@ -12,7 +12,9 @@ import asyncio
 import csv
 import dataclasses
 import json
+import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from coordinator.etcd_auth import add_etcd_arguments, apply_etcd_args
@@ -50,9 +52,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     g.add_argument("--etcd", default=None, help="etcd endpoint to find coordinators and nodes from")
     add_etcd_arguments(g)
-    g.add_argument(
-        "--store", default=None, help="sqlite:///PATH or postgresql://... (overrides [store] url)"
-    )
+    _store_source_args(g, "overrides [store] url")
     g.add_argument("--log-level", default="INFO")
     add_gateway_security_arguments(g)
     g.set_defaults(func=_gateway)
@@ -116,21 +116,49 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     ur.set_defaults(func=_usage)
 
 
-def _store_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="gateway.toml (its [store] url)")
+def _store_source_args(p: Any, default: str) -> None:
+    """--store and --store-url-file; $DUET_STORE_URL after them (see `_store_override`)."""
     p.add_argument(
         "--store",
         default=None,
-        help="sqlite:///PATH or postgresql://... (default: the config's, "
-        "else sqlite under $DUET_HOME)",
+        help=f"sqlite:///PATH or postgresql://... ({default}). A DSN with a password belongs in "
+        "--store-url-file or $DUET_STORE_URL: a command line is visible to every local user",
     )
+    p.add_argument(
+        "--store-url-file",
+        default=None,
+        metavar="PATH",
+        help="read the store URL from this file (one line; e.g. a mounted Secret). Order: "
+        "--store, --store-url-file, $DUET_STORE_URL, then the config's",
+    )
+
+
+def _store_override(args: argparse.Namespace) -> str | None:
+    """The store URL given outside the config file: --store, --store-url-file, then
+    $DUET_STORE_URL (the last two keep a DSN's password out of /proc/*/cmdline)."""
+    if args.store:
+        return str(args.store)
+    if args.store_url_file:
+        try:
+            url = Path(args.store_url_file).read_text().strip()
+        except OSError as e:
+            raise UsageError(f"--store-url-file: {e}") from None
+        if not url:
+            raise UsageError(f"--store-url-file {args.store_url_file} is empty")
+        return url
+    return os.environ.get("DUET_STORE_URL", "").strip() or None
+
+
+def _store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, help="gateway.toml (its [store] url)")
+    _store_source_args(p, "default: the config's, else sqlite under $DUET_HOME")
 
 
 def _store_url(args: argparse.Namespace) -> str:
     from gateway.config import ConfigError, default_store_url, load_config
 
-    if args.store:
-        return str(args.store)
+    if (url := _store_override(args)) is not None:
+        return url
     if args.config:
         try:
             return load_config(args.config).store_url
@@ -162,7 +190,7 @@ def _config(args: argparse.Namespace):  # -> GatewayConfig
         cfg,
         server=server,
         routing=routing,
-        store_url=args.store or cfg.store_url,
+        store_url=_store_override(args) or cfg.store_url,
         security=plane_security(args),
     )
     from gateway.accounts.store import open_store

@@ -20,6 +20,7 @@ import sys
 import uvloop
 from aiohttp import web
 
+from gateway.accounts.store.dsn import redact, scrub
 from gateway.app import make_app
 from gateway.config import ConfigError, GatewayConfig
 from gateway.conn_limits import LimitedAppRunner
@@ -92,7 +93,8 @@ async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
         await runner.setup()  # opens the store, loads tokenizers
     except Exception as e:  # an unreachable database, a broken tokenizer: one line, not a traceback
         print(
-            f"duet gateway: cannot start (store {cfg.store_url}): {type(e).__name__}: {e}",
+            f"duet gateway: cannot start (store {redact(cfg.store_url)}): {type(e).__name__}: "
+            f"{scrub(str(e), cfg.store_url)}",
             file=sys.stderr,
         )
         await runner.cleanup()
@@ -112,7 +114,7 @@ async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
         loop.add_signal_handler(sig, stop.set)
     print(
         f"duet gateway ready on {'https' if cfg.security.tls_cert else 'http'}://{srv.host}:{srv.port} models={','.join(sorted(cfg.models))} "
-        f"store={cfg.store_url}",
+        f"store={redact(cfg.store_url)}",
         flush=True,
     )
     await stop.wait()

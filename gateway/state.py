@@ -28,6 +28,7 @@ from gateway.accounts.auth import Auth
 from gateway.accounts.key_cache import KeyCache
 from gateway.accounts.ledger import Books
 from gateway.accounts.store.base import Store
+from gateway.accounts.store.dsn import redact
 from gateway.accounts.usage_writer import UsageWriter
 from gateway.backends.base import ServedModel
 from gateway.backends.build import Wiring, cluster_backend, coordinator_urls, served_models
@@ -145,7 +146,9 @@ async def open_state(
         stack.push_async_callback(_leave, books)
         await stack.enter_async_context(contextlib.asynccontextmanager(writer.lifecycle)())
         _tasks(stack, heartbeat.run(books), lag.run())
-        log.info("gateway serving %s; store %s", ", ".join(sorted(models)), config.store_url)
+        log.info(
+            "gateway serving %s; store %s", ", ".join(sorted(models)), redact(config.store_url)
+        )
         serving = _serving(config, models, guides, books, metrics)
         yield GatewayState(
             config=config,

@@ -245,6 +245,17 @@ def test_references_resolve(rendered: dict[str, list[dict[str, Any]]], overlay: 
         assert {"key": "cluster-secret", "path": Path(src).name} in secret["items"]
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_store_dsn_is_on_no_command_line(
+    rendered: dict[str, list[dict[str, Any]]], overlay: str
+) -> None:
+    """The store's DSN holds its password: the gateway gets it as $DUET_STORE_URL from the
+    Secret, never in its arguments (readable in /proc by every process on the node)."""
+    gw = _one(rendered[overlay], "Deployment", "duet-gateway")
+    assert not [a for a in _container(gw)["args"] if "STORE_URL" in a or a.startswith("--store")]
+    assert _env(gw)["DUET_STORE_URL"]["valueFrom"]["secretKeyRef"]["key"] == "store-url"
+
+
 def test_the_cluster_secret_file_is_one_duet_accepts(
     rendered: dict[str, list[dict[str, Any]]], tmp_path: Path
 ) -> None:

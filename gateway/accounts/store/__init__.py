@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from gateway.accounts.store.base import Store
+from gateway.accounts.store.dsn import redact
 
 
 def open_store(url: str, batch_dir: Path | None = None) -> Store:
@@ -26,4 +27,6 @@ def open_store(url: str, batch_dir: Path | None = None) -> Store:
         from gateway.accounts.store.postgres import PostgresStore
 
         return PostgresStore(url)
-    raise ValueError(f"unsupported store URL {url!r}: use sqlite:///PATH or postgresql://...")
+    raise ValueError(
+        f"unsupported store URL {redact(url)!r}: use sqlite:///PATH or postgresql://..."
+    )
