@@ -137,7 +137,8 @@ def collect(
             "children": [{**c, "alive": _alive(c.get("pid"))} for c in state.get("children", [])],
         }
         try:
-            out["gateway"] = _get(state["gateway"] + "/health")
+            # with the secret: the gateway's details (queues, batch worker), not just its status
+            out["gateway"] = _get(state["gateway"] + "/health", auth)
         except (urllib.error.URLError, OSError, ValueError, KeyError) as e:
             out["gateway"] = {"status": f"unreachable: {getattr(e, 'reason', e)}"}
         # `duet up --gateways N`: the shared port answers from any of them; each its own port

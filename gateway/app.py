@@ -112,17 +112,24 @@ async def _embeddings(request: web.Request) -> web.StreamResponse:
     return await embeddings.handle(request.app[STATE], request, request[_RID])
 
 
-async def _health(request: web.Request) -> web.Response:
-    s = request.app[STATE]
-    body = {
-        "status": "ok",
-        "models": sorted(s.serving.models),
-        "running": s.serving.admission.running,
-        "waiting": {t: s.serving.admission.depth(t) for t in ("interactive", "batch")},
-    }
-    if batch_wiring.RUNNER in request.app:
-        body["batch"] = batch_wiring.health(request.app[batch_wiring.RUNNER])
-    return web.json_response(body)
+def _health(reader: Callable[[web.Request], bool]) -> Handler:
+    """GET /health: a status for anyone (probes, load balancers); the models, the admission
+    queues' depths and the batch worker (named by its host) only for `reader`'s callers (the
+    admin key, the cluster secret): they are the gateway's internals, not a client's business."""
+
+    async def h(request: web.Request) -> web.Response:
+        body: dict[str, object] = {"status": "ok"}
+        if "Authorization" not in request.headers or not reader(request):
+            return web.json_response(body)
+        s = request.app[STATE]
+        body["models"] = sorted(s.serving.models)
+        body["running"] = s.serving.admission.running
+        body["waiting"] = {t: s.serving.admission.depth(t) for t in ("interactive", "batch")}
+        if batch_wiring.RUNNER in request.app:
+            body["batch"] = batch_wiring.health(request.app[batch_wiring.RUNNER])
+        return web.json_response(body)
+
+    return h
 
 
 def _metrics(metrics: GatewayMetrics) -> Handler:
@@ -135,7 +142,8 @@ def _metrics(metrics: GatewayMetrics) -> Handler:
 
 
 def _metrics_reader(config: GatewayConfig) -> Callable[[web.Request], bool]:
-    """Who may read a protected /metrics: the cluster secret's holders and the admin."""
+    """Who may read a protected /metrics and /health's details: the cluster secret's holders
+    and the admin."""
     secret = config.security.secret
 
     def check(request: web.Request) -> bool:
@@ -202,7 +210,7 @@ def make_app(config: GatewayConfig) -> web.Application:
     r.add_post("/v1/embeddings", _embeddings)
     r.add_get("/v1/models", _bind(openai.models))
     r.add_get("/v1/usage", _bind(admin.usage))
-    r.add_get("/health", _health)
+    r.add_get("/health", _health(_metrics_reader(config)))
     r.add_get("/metrics", _metrics(metrics))
     r.add_post("/admin/teams", _bind(admin.create_team))
     r.add_get("/admin/teams", _bind(admin.list_teams))

@@ -110,7 +110,8 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     #: the average rate a body must keep past `body_timeout_s` (runtime/read_deadlines.py)
     body_min_rate_bytes_s: int = 4096
-    #: open connections from one client address at most; more are closed at once (0: no cap).
+    #: open connections from one client address (IPv6: one /64) at most; more are closed at
+    #: once (0: no cap).
     #: Behind a load balancer or proxy every client shares its address: raise this there.
     max_connections_per_address: int = 1024
     #: calls to external providers (all external models, all teams) running at once on this

@@ -4,6 +4,9 @@ a request's headers within `[server] header_timeout_s` of its first byte, its bo
 `body_min_rate_bytes_s` after `body_timeout_s`). Idle keep-alive connections close after
 `[server] keepalive_timeout_s` (aiohttp's own timer).
 
+An IPv6 client counts by its /64: one host is routinely given a whole /64, so a cap per full
+address would be a cap per 2^64 addresses it may pick from.
+
 Invariant: a connection refused for its address is closed before a byte of it is parsed, and
 every counted connection is uncounted when it is lost, however it ends.
 """
@@ -11,6 +14,7 @@ every counted connection is uncounted when it is lost, however it ends.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 from typing import Any
 
@@ -25,6 +29,20 @@ from runtime.read_deadlines import (
 )
 
 log = logging.getLogger("duet.gateway")
+
+
+def client_of(address: str) -> str:
+    """The key a connection from `address` counts under: the address itself for IPv4 (an
+    IPv4-mapped IPv6 address as its IPv4), the /64 for IPv6."""
+    try:
+        ip = ipaddress.ip_address(address.partition("%")[0])  # a link-local zone: not the host
+    except ValueError:
+        return address  # not an IP (a unix socket's peer): counted as it is
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip.ipv4_mapped is not None:
+            return str(ip.ipv4_mapped)
+        return str(ipaddress.IPv6Network((ip, 64), strict=False))
+    return str(ip)
 
 
 class _Gate:
@@ -45,7 +63,7 @@ class _LimitedHandler(DeadlineHandler):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         peer = transport.get_extra_info("peername")
-        address = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        address = client_of(str(peer[0])) if isinstance(peer, tuple) and peer else "?"
         gate = self._gate
         if gate.per_address and gate.open.get(address, 0) >= gate.per_address:
             gate.refused.warning(

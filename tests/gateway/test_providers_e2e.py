@@ -396,7 +396,7 @@ def test_saturated_pool_falls_back(env: Env) -> None:
         with ThreadPoolExecutor(1) as pool:
             held = pool.submit(chat, env.client(), "tiny", "hold the slot", max_tokens=4)
             wait_for(
-                lambda: http(env.gw.url + "/health", key=None)[2]["running"] == 1,
+                lambda: http(env.gw.url + "/health")[2]["running"] == 1,
                 what="the slot taken",
             )
             h, r = chat(env.client(), "tiny", "need an answer now")

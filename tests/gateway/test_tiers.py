@@ -145,7 +145,7 @@ async def test_saturated_gateway_sheds_batch_first(tiny_llama: Path, tmp_path: P
                 )
             )
             await until(
-                lambda: http(g.url + "/health", key=None)[2]["waiting"]["interactive"] == 1,
+                lambda: http(g.url + "/health")[2]["waiting"]["interactive"] == 1,
                 timeout=60,
             )
             async with s.post(
