@@ -160,8 +160,10 @@ def test_two_gateways_one_port_survive_a_killed_gateway(tiny_llama: Path, tmp_pa
             gws["gateway-1"]["url"],
         ]
 
+        admin = (home / "up" / "admin.key").read_text().strip()  # a gateway's /metrics needs it
+
         def served(name: str) -> float:
-            return metric(gws[name]["url"], "duet:gateway_requests_total")
+            return metric(gws[name]["url"], "duet:gateway_requests_total", admin)
 
         with Load(up.url, key, tiny_llama.name) as load:
             # the kernel spreads the connections: both gateways answer on the public port

@@ -127,18 +127,19 @@ def make_team(url: str, team: str, **limits: Any) -> str:
     return body["key"]
 
 
-def scrape(url: str) -> str:
+def scrape(url: str, admin_key: str = ADMIN_KEY) -> str:
     """A node's or gateway's /metrics, read with the admin key (a gateway's needs it by default;
     a node's open /metrics ignores it)."""
-    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {admin_key}"})
     return urllib.request.urlopen(req, timeout=5).read().decode()
 
 
-def metric(url: str, name: str) -> float:
-    """Sum of a metric's samples (all label sets) on a node or gateway."""
+def metric(url: str, name: str, admin_key: str = ADMIN_KEY) -> float:
+    """Sum of a metric's samples (all label sets) on a node or gateway (`admin_key`: the
+    gateway's, when it is not the tests' own, as under `duet up`)."""
     import re
 
-    text = scrape(url)
+    text = scrape(url, admin_key)
     return sum(
         float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
     )
