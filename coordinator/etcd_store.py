@@ -63,8 +63,11 @@ class EtcdStore:
     async def _call(self, coro: Any, timeout: float | None = None) -> Any:
         try:
             # aetcd's own timeout does not cover every RPC (a lease revoke on a dead etcd waited
-            # forever and hung the coordinator's shutdown): bound each call here as well.
-            return await asyncio.wait_for(coro, timeout or self.timeout + 1.0)
+            # forever and hung the coordinator's shutdown): bound each call here as well. Not
+            # with `wait_for`: on Python 3.11 it loses a cancel that lands in the turn the call
+            # completes, and a lease loop cancelled there never stops.
+            async with asyncio.timeout(timeout or self.timeout + 1.0):
+                return await coro
         except aetcd.ConnectionFailedError as e:
             # gRPC words this by balancing policy ("failed to connect to all addresses", or
             # "connections to all backends failing" with several members): name it once.
@@ -137,7 +140,8 @@ class EtcdStore:
         finally:
             # A broken watcher cannot be cancelled; it is gone anyway.
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(watch.cancel(), 2.0)
+                async with asyncio.timeout(2.0):
+                    await watch.cancel()
 
     async def grant(self, ttl: int) -> int:
         lease = await self._call(self._client.lease(ttl))
@@ -153,4 +157,5 @@ class EtcdStore:
     async def close(self) -> None:
         # Closing a channel to a dead etcd may fail; nothing is left to free then.
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self._client.close(), 5.0)
+            async with asyncio.timeout(5.0):
+                await self._client.close()

@@ -61,7 +61,9 @@ def test_a_frozen_member_costs_no_lease_and_no_key(members: list[Proc]) -> None:
         task = asyncio.create_task(holder.run())
         events: list[str] = []
         try:
+            start_by = time.monotonic() + 30
             while await healthy.get(KEY) is None:
+                assert time.monotonic() < start_by, "the holder never wrote its key"
                 await asyncio.sleep(0.1)
             rev = (await healthy.get(KEY)).mod_revision  # type: ignore[union-attr]
 
