@@ -60,7 +60,7 @@ def build(a: argparse.Namespace) -> tuple[Any, list[list[int]]]:
     """A Coordinator holding the synthetic cluster, and the prompts' block hash lists."""
     from coordinator.etcd_store import EtcdStore
     from coordinator.nodes import NodeView
-    from coordinator.policy import PolicyConfig
+    from coordinator.route_config import PolicyConfig
     from coordinator.service import Coordinator, CoordinatorConfig
     from protocol.cluster import NodeInfo
     from protocol.kv_events import LoadFrame

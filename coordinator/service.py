@@ -27,8 +27,9 @@ from coordinator.kv_reuse import RouteReuse
 from coordinator.lora import AdapterLoadFailed, AdapterPlacer
 from coordinator.metrics import CoordinatorMetrics, count_nodes
 from coordinator.nodes import NodeView
-from coordinator.policy import Decision, PolicyConfig, Router
+from coordinator.policy import Router
 from coordinator.registry import Registry
+from coordinator.route_config import Decision, PolicyConfig
 from coordinator.store import Store
 from coordinator.subscriber import Subscriber
 from protocol.cluster import (

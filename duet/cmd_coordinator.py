@@ -66,7 +66,7 @@ COORDINATOR_SKIP = {
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
     from coordinator.kv_reuse import KVCosts
-    from coordinator.policy import PolicyConfig, RouteWeights
+    from coordinator.route_config import PolicyConfig, RouteWeights
     from coordinator.service import CoordinatorConfig
     from planner.cli import add_args as add_planner_args
 
@@ -131,7 +131,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def _run_coordinator(args: argparse.Namespace) -> int:
     from coordinator.kv_reuse import KVCosts
-    from coordinator.policy import PolicyConfig, RouteWeights
+    from coordinator.route_config import PolicyConfig, RouteWeights
     from coordinator.server import run_coordinator
     from coordinator.service import CoordinatorConfig
     from coordinator.store import parse_etcd_url

@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 from coordinator.index import PrefixIndex
 from coordinator.nodes import NodeView
-from coordinator.policy import PolicyConfig, Router
+from coordinator.policy import Router
+from coordinator.route_config import PolicyConfig
 from engine.request import Request
 from gateway.config import TierConfig
 from gateway.metrics import GatewayMetrics

@@ -35,7 +35,7 @@ from aiohttp import web
 from coordinator.app import make_app
 from coordinator.etcd_server import EtcdServer
 from coordinator.etcd_store import EtcdStore
-from coordinator.policy import PolicyConfig
+from coordinator.route_config import PolicyConfig
 from coordinator.service import CoordinatorConfig
 from node.engine_api import KVEventDrain
 from node.kv_events import KV_EVENTS, KVEventLog, add_kv_event_routes

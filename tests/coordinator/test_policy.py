@@ -7,7 +7,8 @@ import pytest
 
 from coordinator.index import PrefixIndex
 from coordinator.nodes import NodeView
-from coordinator.policy import PolicyConfig, Router
+from coordinator.policy import Router
+from coordinator.route_config import PolicyConfig
 from protocol.cluster import NodeInfo
 from protocol.kv_events import LoadFrame
 from protocol.openai import APIError

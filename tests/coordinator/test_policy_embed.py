@@ -9,7 +9,8 @@ import pytest
 
 from coordinator.index import PrefixIndex
 from coordinator.nodes import NodeView
-from coordinator.policy import PolicyConfig, Router
+from coordinator.policy import Router
+from coordinator.route_config import PolicyConfig
 from protocol.cluster import NodeInfo, NodeTask
 from protocol.openai import APIError
 from protocol.route import RouteRequest

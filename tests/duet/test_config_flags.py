@@ -89,7 +89,7 @@ def test_command_defaults_are_the_only_departures_from_the_dataclass() -> None:
 
 
 def test_no_flags_is_the_dataclass_defaults() -> None:
-    from coordinator.policy import PolicyConfig
+    from coordinator.route_config import PolicyConfig
     from engine.config import EngineConfig
     from node.config import NodeConfig
     from runtime.read_deadlines import ReadDeadlines
