@@ -22,7 +22,8 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -202,12 +203,16 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+#: a coroutine run beside a serving replica, given it (the planner)
+Background = Callable[[Coordinator], Coroutine[Any, Any, None]]
+
+
 def make_app(
     config: CoordinatorConfig,
     store: Store | None = None,
     *,
     coordinator: Coordinator | None = None,
-    background: Sequence[Callable[[Coordinator], Awaitable[None]]] = (),
+    background: Sequence[Background] = (),
 ) -> web.Application:
     """The coordinator app; `store` defaults to an EtcdStore on `config.etcd`.
 

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Literal
 
 import aetcd
 
@@ -130,7 +130,7 @@ class EtcdStore:
                     raise StoreError(f"etcd {self.url}: watch broke: {e}") from e
                 except Exception as e:  # the watcher delivers raw gRPC errors too
                     raise StoreError(f"etcd {self.url}: watch broke: {e!r}") from e
-                kind = "put" if ev.kind == "PUT" else "delete"
+                kind: Literal["put", "delete"] = "put" if ev.kind == "PUT" else "delete"
                 yield WatchEvent(
                     kind=kind,
                     key=ev.kv.key.decode(),

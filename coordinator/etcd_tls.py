@@ -21,6 +21,8 @@ from coordinator.etcd_auth import EtcdAuth
 class TlsClient(aetcd.Client):
     """aetcd's client over a TLS channel (aetcd.Client.connect, with a secure channel)."""
 
+    _is_connecting: bool  # aetcd's own, set in its __init__
+
     def __init__(self, *args: Any, credentials: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._credentials = credentials

@@ -157,9 +157,9 @@ class PrefixIndex:
         else:
             active = 0
             for n in nodes:
-                b = self._bit.get(n)
-                if b is not None:
-                    active |= 1 << b
+                bit = self._bit.get(n)
+                if bit is not None:
+                    active |= 1 << bit
         out: dict[str, int] = {}
         get = self._masks.get
         node_of_bit = self._node_of_bit

@@ -18,6 +18,7 @@ the same node share one load.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -87,9 +88,12 @@ class AdapterPlacer:
             if task is None or task.done():
                 task = asyncio.create_task(self._load(v, name, path))
                 self._loads[key] = task
-                task.add_done_callback(lambda _t, k=key: self._loads.pop(k, None))
+                task.add_done_callback(functools.partial(self._forget, key))
             tasks.append(task)
         await asyncio.gather(*[asyncio.shield(t) for t in tasks])
+
+    def _forget(self, key: tuple[str, str], _task: asyncio.Task[None]) -> None:
+        self._loads.pop(key, None)
 
     async def _load(self, v: NodeView, name: str, path: str) -> None:
         body = msgspec.json.encode(LoadLoraAdapterRequest(lora_name=name, lora_path=path))

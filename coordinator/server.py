@@ -13,12 +13,12 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 from aiohttp import web
 
-from coordinator.app import make_app
-from coordinator.service import Coordinator, CoordinatorConfig
+from coordinator.app import Background, make_app
+from coordinator.service import CoordinatorConfig
 from runtime.read_deadlines import DeadlineAppRunner
 
 log = logging.getLogger("duet.coordinator")
@@ -26,9 +26,7 @@ log = logging.getLogger("duet.coordinator")
 SHUTDOWN_GRACE_S = 15.0
 
 
-async def serve(
-    cfg: CoordinatorConfig, background: Sequence[Callable[[Coordinator], Awaitable[None]]] = ()
-) -> int:
+async def serve(cfg: CoordinatorConfig, background: Sequence[Background] = ()) -> int:
     from runtime.cluster_secret import SecretError
 
     try:
@@ -81,7 +79,5 @@ def _force_exit() -> None:
     os._exit(0)
 
 
-def run_coordinator(
-    cfg: CoordinatorConfig, background: Sequence[Callable[[Coordinator], Awaitable[None]]] = ()
-) -> int:
+def run_coordinator(cfg: CoordinatorConfig, background: Sequence[Background] = ()) -> int:
     return asyncio.run(serve(cfg, background))

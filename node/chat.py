@@ -47,7 +47,8 @@ class NodeChatRequest(SamplingFields, kw_only=True):
     """The chat body a node accepts: the sampling fields a completion takes (SamplingFields)
     plus the chat form's own; `kv_transfer_params` typed as on the completion leg."""
 
-    kv_transfer_params: KVTransferParams | None = None
+    # narrowed on purpose, as on NodeCompletionRequest (protocol/node_api.py)
+    kv_transfer_params: KVTransferParams | None = None  # type: ignore[assignment]
     messages: list[NodeChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None

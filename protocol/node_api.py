@@ -30,7 +30,8 @@ class NodeCompletionRequest(CompletionRequest, kw_only=True, omit_defaults=True)
     also tokenizes text sent by hand), `priority`, the P/D handoff, typed, the cache domain, and — on
     a migrated request's leg — where the output continues (`resume`, protocol/resume.py)."""
 
-    kv_transfer_params: KVTransferParams | None = None
+    # narrowed on purpose: the public body keeps vLLM's open dict, a node's leg decodes it typed
+    kv_transfer_params: KVTransferParams | None = None  # type: ignore[assignment]
     #: the prefix-cache domain (vLLM's name; protocol.block_hash.domain_root): the gateway sets
     #: it from the caller's team on both legs, and a node never matches a prefix across domains
     cache_salt: str | None = None

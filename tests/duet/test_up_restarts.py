@@ -44,6 +44,7 @@ import pytest
 
 from coordinator.etcd_store import EtcdStore
 from tests.duet.test_up import alive, group_alive, start_up, wait_banner
+from tests.gateway import helpers
 from tests.procs import Proc, free_port
 from tests.wait import wait_for
 
@@ -102,14 +103,8 @@ class Up:
             assert r.usage.completion_tokens == 4, r
 
     def metric(self, url: str, name: str) -> float:
-        """Sum of a Prometheus metric over its labels."""
-        admin = (self.home / "up" / "admin.key").read_text().strip()  # a gateway's needs it
-        req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {admin}"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            lines = r.read().decode().splitlines()
-        return sum(
-            float(x.rsplit(" ", 1)[1]) for x in lines if x.startswith((name + "{", name + " "))
-        )
+        """Sum of a Prometheus metric over its labels (a gateway's needs duet up's admin key)."""
+        return helpers.metric(url, name, (self.home / "up" / "admin.key").read_text().strip())
 
     @property
     def auth(self) -> dict[str, str]:

@@ -131,7 +131,7 @@ def scrape(url: str, admin_key: str = ADMIN_KEY) -> str:
     """A node's or gateway's /metrics, read with the admin key (a gateway's needs it by default;
     a node's open /metrics ignores it)."""
     req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {admin_key}"})
-    return urllib.request.urlopen(req, timeout=5).read().decode()
+    return urllib.request.urlopen(req, timeout=10).read().decode()
 
 
 def metric(url: str, name: str, admin_key: str = ADMIN_KEY) -> float:
