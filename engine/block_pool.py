@@ -14,6 +14,10 @@ Spill: with an `on_evict` hook, a cached block about to be reused is offered to 
 hash and digest, while its bytes are still intact); a hook that kept a copy (engine/kv_tiers.py)
 records its own event, and only the blocks it did not keep are reported removed.
 
+Retention: with a `retained` predicate (engine/retention.py), a free cached block whose hash a
+client asked to keep is passed over while a free block that is not retained remains; when only
+retained ones are left, the least recently freed goes (to the spill hook, like any other).
+
 Invariants: a block id is in `_free` iff its ref count is 0; `_cached[h] == b` implies
 `_hash[b] == h`; a digest belongs to the content of the block that holds it (reset on
 allocation); every change to the set of cached hashes is appended to `events` (vLLM's
@@ -28,6 +32,8 @@ from dataclasses import dataclass
 
 #: (block id, block hash, digest or None) → True when a lower tier kept a copy
 EvictHook = Callable[[int, int, "int | None"], bool]
+#: block hash → whether a client asked to keep it now
+Retained = Callable[[int], bool]
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.on_evict = on_evict
+        self.retained: Retained | None = None
         self._ref = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
         self._digest: list[int | None] = [None] * num_blocks
@@ -125,7 +132,7 @@ class BlockPool:
         out = []
         removed = []
         for _ in range(n):
-            b, _ = self._free.popitem(last=False)
+            b = self._take()
             h = self._hash[b]
             if h is not None:
                 self._hash[b] = None
@@ -140,6 +147,20 @@ class BlockPool:
         if removed and self.record_events:
             self.events.append(BlockRemoved(block_hashes=removed))
         return out
+
+    def _take(self) -> int:
+        """The least recently freed block, passing over retained cached ones (moved to the
+        recent end) while a block that is not retained is free."""
+        keep = self.retained
+        if keep is not None:
+            for _ in range(len(self._free)):
+                b = next(iter(self._free))
+                h = self._hash[b]
+                if h is None or not keep(h):
+                    del self._free[b]
+                    return b
+                self._free.move_to_end(b)
+        return self._free.popitem(last=False)[0]
 
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add a reference to each block (a prefix-cache hit on a block that may be free)."""

@@ -38,6 +38,7 @@ from engine.model_config import ModelConfig
 from engine.outputs import Fault, RequestOutput, TextState
 from engine.request import Priority, Request
 from engine.residency import Residency
+from engine.retention import Retention
 from engine.runner import ModelRunner, PoolFactory, zeroed_pool
 from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
@@ -145,6 +146,11 @@ class EngineCore(Residency):
         self.pool = BlockPool(num_blocks, bs, record_events=config.record_kv_events)
         self.pool_bytes = PoolBytes(self.runner.kv_cache)
         self.tiers = build_tiers(config, self.pool_bytes, self.pool)
+        # prefixes clients asked to keep (`cache_control`): evicted last, spilled, not dropped
+        self.retention = Retention(bs, config.hash_seed)
+        self.pool.retained = self.retention
+        if self.tiers is not None:
+            self.tiers.retained = self.retention
         self.kv = KVCacheManager(
             self.pool,
             config.enable_prefix_caching,
@@ -268,6 +274,7 @@ class EngineCore(Residency):
         except ValueError as e:
             self.guides.forget(request_id)
             raise RequestError(str(e)) from None
+        self.retention.retain_prompt(ids, params)
         if params.lora_name is not None:  # queued or running: its adapter stays resident
             self.runner.lora.acquire(params.lora_name)  # type: ignore[union-attr]
         text = (self.tokenizer, ids, params.stop, params.skip_special_tokens)
@@ -370,6 +377,7 @@ class EngineCore(Residency):
 
     def _step(self) -> tuple[list[RequestOutput], list[Request]]:
         expired = self.scheduler.expire_holds(time.monotonic())
+        self.retention.tick()
         if expired:
             log.info("lease expired: freed the held blocks of %s", ", ".join(expired))
         sched = self.scheduler.schedule()
@@ -693,6 +701,7 @@ class EngineCore(Residency):
             "kv_cache_usage_perc": self.pool.usage,
             "kv_blocks_total": self.pool.num_blocks,
             "kv_blocks_free": self.pool.num_free,
+            "kv_blocks_retained": len(self.retention),
             **{f"kv_digest_checks_{k}": v for k, v in self.kv.checks.items()},
             **{f"kv_digest_mismatches_{k}": v for k, v in self.kv.mismatches.items()},
             **{f"kv_reused_tokens_{k}": v for k, v in self.kv.reused.items()},

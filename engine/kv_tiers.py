@@ -11,7 +11,10 @@ the KV manager checks each against its digest before it counts.
 Tiers are exclusive: a hash lives in at most one of pool, host, disk. `load` takes the entry out
 (the pool holds the block again); `discard` forgets one the pool computed anew. Pins (`pin` /
 `unpin`) keep entries a request is about to load from being moved or dropped meanwhile (the
-allocations for that load can spill other blocks).
+allocations for that load can spill other blocks). Retained blocks (a client's `cache_control`,
+engine/retention.py, through the `retained` predicate) are never chosen to make room while
+another entry can go: a retained host entry only moves down to disk, and a disk tier full of
+retained entries keeps no new block rather than drop one of them.
 
 Events: every change of where a block is goes to `emit` (the pool's event list): a spill or a
 demotion is a `BlockStored` with its new `medium`, a drop a `BlockRemoved` with the medium it
@@ -28,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.block_pool import BlockPool, BlockRemoved, BlockStored, KVEvent
+from engine.block_pool import BlockPool, BlockRemoved, BlockStored, KVEvent, Retained
 from engine.config import EngineConfig, parse_size
 from engine.kv_digest import PoolBytes
 from engine.kv_stores import DiskStore, HostStore, StoreError
@@ -70,6 +73,8 @@ class KVTiers:
         self._disk: OrderedDict[int, _Entry] = OrderedDict()
         #: blocks moved, by kind: spilled / demoted / dropped / loaded, "<kind>_<medium>"
         self.moves: Counter[str] = Counter()
+        #: block hash → a client asked to keep it now (None: nothing is retained)
+        self.retained: Retained | None = None
 
     @property
     def enabled(self) -> bool:
@@ -121,23 +126,43 @@ class KVTiers:
         assert self.host is not None
         if self.host.num_free:
             return True
-        victim = next((h for h, e in self._host.items() if not e.pins), None)
+        victim = self._victim(self._host, retained_too=self.disk is not None)
         if victim is None:
             return False
         e = self._host.pop(victim)
         if self._to_disk(victim, e.digest, self.host.get(e.slot)):
             self.moves["demoted_disk"] += 1
+        elif self._keeps(victim):  # retained: stays on the host rather than be dropped
+            self._host[victim] = e
+            self._host.move_to_end(victim, last=False)
+            return False
         else:
             self._removed(victim, Medium.HOST)
         self.host.free(e.slot)
         return True
+
+    def _keeps(self, block_hash: int) -> bool:
+        return self.retained is not None and self.retained(block_hash)
+
+    def _victim(self, tier: OrderedDict[int, _Entry], retained_too: bool = False) -> int | None:
+        """The least recently used entry that may make room: unpinned, and not retained while
+        another can go (`retained_too`: one retained may go when none else can)."""
+        fallback = None
+        for h, e in tier.items():
+            if e.pins:
+                continue
+            if not self._keeps(h):
+                return h
+            if fallback is None:
+                fallback = h
+        return fallback if retained_too else None
 
     def _to_disk(self, block_hash: int, digest: int, data: memoryview) -> bool:
         """Write a block to the disk tier (dropping its LRU unpinned entry when full)."""
         if self.disk is None:
             return False
         if len(self._disk) >= self.disk_blocks:
-            victim = next((h for h, e in self._disk.items() if not e.pins), None)
+            victim = self._victim(self._disk)
             if victim is None:
                 return False
             del self._disk[victim]

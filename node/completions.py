@@ -77,6 +77,7 @@ def sampling_params(
             },  # keys checked by validate()
             guide=body.guide,
             lora_name=lora_name,
+            retain=body.retain,
         )
     except ValueError as e:
         raise APIError(400, str(e)) from None

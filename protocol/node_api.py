@@ -20,6 +20,7 @@ import msgspec
 from protocol.kv_params import KVTransferParams
 from protocol.openai import CompletionChoice, CompletionRequest, ErrorDetail, Usage
 from protocol.resume import Resume
+from protocol.retention import KVRetain
 from protocol.route import KVSource
 from protocol.structured import Guide
 from runtime.tracing import SpanRecord
@@ -44,6 +45,9 @@ class NodeCompletionRequest(CompletionRequest, kw_only=True, omit_defaults=True)
     #: it (sent to D as `kv_transfer_params.first_token_id`), D resumes it from the tokens so
     #: far, P's included; None: unconstrained
     guide: Guide | None = None
+    #: keep the prompt prefix's KV blocks a while (a client's `cache_control`,
+    #: protocol/retention.py), on every leg that holds the prompt's KV; None: cache as usual
+    retain: KVRetain | None = None
 
 
 class NodeCompletion(msgspec.Struct, kw_only=True, omit_defaults=True):

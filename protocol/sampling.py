@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from protocol import limits
 from protocol.logprobs import MAX_TOP_LOGPROBS
 from protocol.resume import Resume
+from protocol.retention import KVRetain
 from protocol.structured import Guide
 
 #: Temperatures below this sample as greedy (as vLLM does): dividing logits by a tiny positive
@@ -89,6 +90,9 @@ class SamplingParams:
     #: emits it in place of its own first token (still making that draw, so a seeded generator
     #: stays where P's was). None: the engine samples its first token itself
     first_token: int | None = None
+    #: keep the KV blocks of the prompt's first `retain.tokens` tokens for `retain.ttl_s`
+    #: (protocol/retention.py); like cache_salt, not a sampling knob
+    retain: KVRetain | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -122,6 +126,8 @@ class SamplingParams:
             raise ValueError(f"lora_name must be 1 to {MAX_CACHE_SALT} characters")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.retain is not None:
+            self.retain.check()
         self._check_penalties()
         if self.first_token is not None:
             if (
