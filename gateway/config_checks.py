@@ -62,7 +62,12 @@ def model(name: str, data: Any) -> ModelConfig:
             f"[models.{name}] provider settings ({', '.join(['provider', *options])}) are for "
             'kind = "external" models'
         )
-    for k in ("input_usd_per_mtok", "output_usd_per_mtok", "cached_input_usd_per_mtok"):
+    for k in (
+        "input_usd_per_mtok",
+        "output_usd_per_mtok",
+        "cached_input_usd_per_mtok",
+        "cache_write_usd_per_mtok",
+    ):
         v = getattr(m, k)
         # NaN passes every comparison (a budget check against a NaN cost admits everything)
         if v is not None and (not isinstance(v, int | float) or not math.isfinite(v) or v < 0):

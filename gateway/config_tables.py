@@ -70,6 +70,9 @@ class ModelConfig:
     output_usd_per_mtok: float = 0.0
     #: price of prompt tokens served from a prefix cache (default: the input price)
     cached_input_usd_per_mtok: float | None = None
+    #: price of prompt tokens written to a cache the client asked for (Anthropic's
+    #: `cache_control`; default: the input price)
+    cache_write_usd_per_mtok: float | None = None
     static: StaticNodes | None = None
     #: `model: "auto"` picks the cheapest model whose rank meets the prompt's needs (1..3)
     capability_rank: int = 1

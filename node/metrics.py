@@ -58,6 +58,10 @@ _GAUGES = {
         "kv_blocks_quarantined",
         "KV blocks set aside until a failed transfer is known stopped",
     ),
+    "duet:kv_blocks_retained": (
+        "kv_blocks_retained",
+        "KV block hashes a client asked to keep cached (cache_control), in any tier or pending",
+    ),
     "duet:engine_sleeping": ("sleeping", "1 while the engine sleeps (weights and KV released)"),
     "duet:lora_adapters_loaded": ("lora_adapters_loaded", "LoRA adapters resident"),
     "duet:lora_slots": ("lora_slots", "LoRA adapter slots (--max-loras)"),

@@ -280,9 +280,10 @@ class Ledger:
             r.nodes = list(acc.nodes)
             r.migrations, r.leg_tokens = acc.migrations, list(acc.leg_tokens)
             r.model_used = acc.model_used or r.model_used
+        written = acc.cache_write_tokens if acc is not None else 0
         # A request no node served (refused by a node, shed, every try failed) costs nothing.
         r.cost_usd = (
-            cost_usd(self.model, r.prompt_tokens, r.completion_tokens, r.cached_tokens)
+            cost_usd(self.model, r.prompt_tokens, r.completion_tokens, r.cached_tokens, written)
             * self.caller.price_factor
             if served or prompt_only
             else 0.0

@@ -22,6 +22,8 @@ class Accounting:
     #: per sample
     completion_tokens: dict[int, int] = field(default_factory=dict)
     cached_tokens: int = 0
+    #: the prompt prefix the client asked the nodes to keep (its `cache_control`), in tokens
+    retained_tokens: int = 0
     #: node ids (or provider names) that served a leg of the request, in order
     nodes: list[str] = field(default_factory=list)
     first_token_at: float | None = None
@@ -36,6 +38,12 @@ class Accounting:
     @property
     def total_completion_tokens(self) -> int:
         return sum(self.completion_tokens.values())
+
+    @property
+    def cache_write_tokens(self) -> int:
+        """Tokens of the kept prefix this request computed and wrote to the cache (those it did
+        not read from it): Anthropic's `cache_creation_input_tokens`, billed at the write price."""
+        return max(0, min(self.retained_tokens, self.prompt_tokens) - self.cached_tokens)
 
     @property
     def served(self) -> bool:

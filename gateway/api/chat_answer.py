@@ -56,6 +56,7 @@ class _Choice(msgspec.Struct, kw_only=True):
 
 class _Details(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
+    cache_write_tokens: int = 0
 
 
 class _Usage(msgspec.Struct, kw_only=True):
@@ -87,14 +88,19 @@ class TokenCounts(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    #: prompt tokens written to the cache the client asked for (its `cache_control`)
+    cache_write_tokens: int = 0
 
 
 def _counts(u: _Usage | None) -> TokenCounts:
     if u is None:
         return TokenCounts()
-    cached = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details is not None else 0
+    d = u.prompt_tokens_details or _Details()
     return TokenCounts(
-        prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=cached
+        prompt_tokens=u.prompt_tokens,
+        completion_tokens=u.completion_tokens,
+        cached_tokens=d.cached_tokens,
+        cache_write_tokens=d.cache_write_tokens,
     )
 
 
@@ -128,6 +134,7 @@ def read_completion(body: object) -> ChatAnswer:
             prompt_tokens=u.prompt_tokens,
             completion_tokens=u.completion_tokens,
             cached_tokens=details.get("cached_tokens", 0),
+            cache_write_tokens=details.get("cache_write_tokens", 0),
         )
         if u is not None
         else TokenCounts()

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.serving.constraint import Names, VllmFields, constraint, refuse_min_tokens
+from gateway.serving.requests import RetainMark
 from protocol.chat import ChatCompletionRequest, ChatMessage
 from protocol.tools import NamedToolChoice
 
@@ -53,6 +54,8 @@ class TranslatedChat:
 
     body: ChatCompletionRequest
     vllm: VllmFields
+    #: the prompt prefix the client asked to keep cached (Messages' `cache_control`)
+    retain: RetainMark | None = None
 
 
 def text_part(text: str) -> Part:

@@ -17,6 +17,7 @@ function.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import msgspec
 from aiohttp import web
@@ -70,7 +71,7 @@ class Translated:
         answer = await run(
             state.serving,
             caller,
-            Generate(check_chat(chat.body, chat.vllm)),
+            Generate(replace(check_chat(chat.body, chat.vllm), retain=chat.retain)),
             tier_header=self.request.headers.get("x-duet-tier"),
             sink=self.sink,
         )

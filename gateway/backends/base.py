@@ -35,6 +35,7 @@ from gateway.config import ModelConfig, Tier
 from gateway.serving.requests import Endpoint, Request
 from protocol.embeddings import NodeEmbeddingResponse
 from protocol.openai import APIError, CompletionLogprobs
+from protocol.retention import KVRetain
 from protocol.structured import Guide
 from protocol.tools import ToolCallDelta
 from text.tokenizer import Tokenizer
@@ -59,6 +60,8 @@ class Attempt:
     #: the constrained-decoding guide of both legs (response_format's, or a forced tool
     #: choice's on this model's tool format); None: unconstrained
     guide: Guide | None = None
+    #: keep the prompt prefix's KV this long on the nodes (the client's `cache_control`)
+    retain: KVRetain | None = None
 
 
 @dataclass

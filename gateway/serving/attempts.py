@@ -113,6 +113,7 @@ class Tries:
             tier=self.tier,
             cache_domain=serving.config.cache_domain(self.ledger.caller.team.id),
             guide=self.req.guide or (size.tools.guide if size.tools else None),
+            retain=size.retain,
         )
         headers = {**self.headers, "x-duet-model-used": served.config.name}
         if not served.generator().uses_tier_queues:  # they guard the self-hosted pool only
@@ -131,6 +132,7 @@ class Tries:
         self, served: ServedModel, attempt: Attempt, headers: dict[str, str], sink: EventSink | None
     ) -> Answer:
         self.reply = reply = served.generator().open(self.req, attempt)
+        reply.accounting.retained_tokens = attempt.retain.tokens if attempt.retain else 0
         if self.tools is not None and self.tools.mode != ToolMode.NONE:
             reply = with_tool_calls(reply, self.tools)
         req = self.req

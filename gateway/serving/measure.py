@@ -18,10 +18,12 @@ import msgspec
 
 from gateway.backends.base import ServedModel
 from gateway.serving.requests import Request
+from gateway.serving.retain import retain_for
 from gateway.tools.plan import ToolPlan, plan_for
 from gateway.tools.prompt import render
 from protocol.limits import over_context
 from protocol.openai import APIError
+from protocol.retention import KVRetain
 from text.guide_compile import GuideChecker
 from text.tokenizer import ChatTemplateError, Tokenizer
 
@@ -40,6 +42,8 @@ class Measured:
     tools: ToolPlan | None = None
     #: embeddings: each input's token ids (`ids` stays empty: there is no one prompt)
     inputs: list[list[int]] = field(default_factory=list)
+    #: the prompt prefix the nodes keep for the client (its `cache_control`); None: none
+    retain: KVRetain | None = None
 
 
 def tool_plan(served: ServedModel, req: Request) -> ToolPlan | None:
@@ -163,7 +167,9 @@ async def measure(served: ServedModel, req: Request, guides: GuideChecker, domai
         await guides.check(plan.guide, "tools", domain)
     ids = await prompt_ids(served, req, plan)
     if served.tokenizer is not None:
-        return Measured(ids, len(ids), context_check(served, len(ids), req.max_tokens), plan)
+        max_tokens = context_check(served, len(ids), req.max_tokens)
+        keep = retain_for(served, req, ids, plan)
+        return Measured(ids, len(ids), max_tokens, plan, retain=keep)
     # an external model: its provider counts; reserve on an upper bound of what it can bill
     limit = served.max_model_len  # required in the config for an external model: its context
     if req.max_tokens is not None and req.max_tokens >= limit:  # at least one prompt token besides

@@ -45,12 +45,18 @@ class CompletionResponse(msgspec.Struct, kw_only=True):
     system_fingerprint: str | None = None
 
 
-def usage(prompt: int, completion: int, cached: int) -> Usage:
+def usage(prompt: int, completion: int, cached: int, written: int = 0) -> Usage:
+    """OpenAI's usage; `written`: prompt tokens written to a cache the client asked for (its
+    `cache_control`), said as `prompt_tokens_details.cache_write_tokens` only when there are any
+    (OpenAI has no such field; the Messages API reports them as `cache_creation_input_tokens`)."""
+    details = {"cached_tokens": cached}
+    if written:
+        details["cache_write_tokens"] = written
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
-        prompt_tokens_details={"cached_tokens": cached},
+        prompt_tokens_details=details,
     )
 
 

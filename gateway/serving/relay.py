@@ -111,7 +111,9 @@ class Relay:
 
     def _usage(self) -> Usage:
         a = self.reply.accounting
-        return usage(a.prompt_tokens, a.total_completion_tokens, a.cached_tokens)
+        return usage(
+            a.prompt_tokens, a.total_completion_tokens, a.cached_tokens, a.cache_write_tokens
+        )
 
     async def whole(self, n: int) -> object:
         """The whole answer's body (a struct), its usage record committed."""

@@ -22,6 +22,7 @@ from gateway.serving.constraint import VLLM_FIELDS, constraint, refuse_min_token
 from gateway.tools.spec import Tools
 from protocol import limits
 from protocol.openai import APIError, CompletionRequest, refusals, refused
+from protocol.retention import RetainTTL
 from protocol.structured import Guide, ResponseFormat, StructuredOutputs
 
 #: the `user` field is stored in every usage record; longer than this it is not a user id
@@ -96,6 +97,15 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class RetainMark:
+    """The prompt prefix a client asked to keep cached (gateway/serving/retain.py): the first
+    `messages` chat messages (0: the tools alone), kept for `ttl`."""
+
+    messages: int
+    ttl: RetainTTL
+
+
+@dataclass(frozen=True)
 class Request:
     """What the client asked, parsed and checked: the one record of it, never changed after."""
 
@@ -131,6 +141,9 @@ class Request:
     tools: Tools = field(default_factory=Tools)
     #: the conversation holds tool calls or tool results
     has_tool_turns: bool = False
+    #: the prompt prefix the client asked to keep cached (Anthropic's `cache_control`;
+    #: gateway/serving/retain.py); None: cached as usual
+    retain: RetainMark | None = None
 
 
 def sampling_of(body: Any, max_tokens: int | None, logprobs: int | None) -> tuple[Sampling, int]:

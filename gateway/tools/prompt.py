@@ -26,12 +26,20 @@ from protocol.tools import ToolCall
 from text.tokenizer import Tokenizer
 
 
-def render(tok: Tokenizer, messages: Sequence[dict[str, Any]], plan: ToolPlan) -> str:
-    """The prompt text of `messages` with the plan's tools (generation prompt added)."""
+def render(
+    tok: Tokenizer,
+    messages: Sequence[dict[str, Any]],
+    plan: ToolPlan,
+    add_generation_prompt: bool = True,
+) -> str:
+    """The prompt text of `messages` with the plan's tools (the generation prompt added unless
+    `add_generation_prompt` is False: a prefix of a conversation)."""
     tools = [msgspec.to_builtins(t) for t in plan.tools.defs] if plan.mode != ToolMode.NONE else []
+    gen = add_generation_prompt
     if template_has_tools(tok.chat_template):
-        return tok.apply_chat_template([_hf_turn(m) for m in messages], tools=tools or None)
-    return tok.apply_chat_template(_generic(messages, tools, plan.fmt))
+        turns = [_hf_turn(m) for m in messages]
+        return tok.apply_chat_template(turns, add_generation_prompt=gen, tools=tools or None)
+    return tok.apply_chat_template(_generic(messages, tools, plan.fmt), add_generation_prompt=gen)
 
 
 def _hf_turn(m: dict[str, Any]) -> dict[str, Any]:

@@ -109,3 +109,31 @@ def test_a_prompt_is_retained_in_its_own_cache_domain_only() -> None:
     theirs = block_hashes(ids[:8], BS, SEED, domain_root("team-b", SEED))
     assert all(keep(h) for h in mine) and not any(keep(h) for h in theirs)
     assert keep.retain_prompt(ids, SamplingParams(cache_salt="team-b")) == 0
+
+
+def _cached_after_pressure(tiny_llama: Path, retain: KVRetain | None) -> tuple[int, int]:
+    """A 49-token prompt (retained or not), then two other prompts that fill the 8-block pool:
+    (the prompt's cached tokens when it comes back, the engine's retained-block count)."""
+    from engine import EngineConfig
+    from engine.core import EngineCore
+
+    core = EngineCore(
+        EngineConfig(model=str(tiny_llama), dtype="float32", num_kv_blocks=8, max_model_len=128)
+    )
+    a = list(range(10, 59))
+    runs = [
+        ("a", a, retain),
+        ("b", list(range(100, 170)), None),
+        ("c", list(range(200, 270)), None),
+    ]
+    outs = []
+    for rid, prompt, keep in [*runs, ("a2", a, None)]:
+        core.add_request(rid, prompt, SamplingParams(max_tokens=1, ignore_eos=True, retain=keep))
+        while core.scheduler.requests:
+            outs += core.step()[0]
+    return outs[-1].num_cached_tokens, int(core.stats()["kv_blocks_retained"])
+
+
+def test_an_engine_keeps_a_retained_prefix_that_traffic_would_evict(tiny_llama: Path) -> None:
+    assert _cached_after_pressure(tiny_llama, None) == (0, 0)
+    assert _cached_after_pressure(tiny_llama, KVRetain(tokens=49, ttl_s=300)) == (48, 3)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from gateway.api.anthropic.cache_marks import retain_mark
 from gateway.api.anthropic.wire import (
     ImageBlock,
     Message,
@@ -115,8 +116,10 @@ def to_chat(body: MessagesRequest) -> TranslatedChat:
         )
         if system:
             messages.append(ChatMessage(role="system", content=system))
+    system_end, turn_ends = len(messages), []
     for m in body.messages:
         _turn(m.role, m.content, messages)
+        turn_ends.append(len(messages))
     out = ChatCompletionRequest(
         model=body.model,
         messages=messages,
@@ -156,13 +159,19 @@ def to_chat(body: MessagesRequest) -> TranslatedChat:
     copy_extras(body, out)
     out.top_k = body.top_k  # Anthropic's own field
     check_constraint(out, body, NAMES)
-    return TranslatedChat(out, body)
+    return TranslatedChat(out, body, retain_mark(body, system_end, turn_ends))
 
 
 def usage_of(u: TokenCounts) -> Usage:
+    """Anthropic's split of the prompt: read from the cache, written to it (the marked prefix's
+    tokens not read), and the rest (`input_tokens`); the three add up to the prompt."""
     fresh, cached = input_tokens(u.prompt_tokens, u.cached_tokens)
+    written = min(max(u.cache_write_tokens, 0), fresh)
     return Usage(
-        input_tokens=fresh, output_tokens=u.completion_tokens, cache_read_input_tokens=cached
+        input_tokens=fresh - written,
+        output_tokens=u.completion_tokens,
+        cache_creation_input_tokens=written,
+        cache_read_input_tokens=cached,
     )
 
 

@@ -1,8 +1,10 @@
 """Anthropic Messages API bodies as the gateway's `/v1/messages` reads and writes them.
 
 Requests are typed down to the content blocks (tagged unions on `type`), so a malformed body is
-refused by the decoder with the path of what is wrong. Unknown fields inside blocks are ignored
-(clients add `cache_control`, `citations`); unknown top-level fields are checked by the handler.
+refused by the decoder with the path of what is wrong. `cache_control` on a tool, a system block
+or a content block marks the end of a prefix to keep cached (gateway/serving/retain.py). Other
+unknown fields inside blocks are ignored (clients add `citations`); unknown top-level fields are
+checked by the handler.
 The request takes vLLM's extras too (`VllmExtras`, sent through `extra_body`), as chat does.
 Answers and stream events mirror Anthropic's shapes field for field, so the official
 `anthropic` client parses them.
@@ -15,12 +17,24 @@ from typing import Any, Literal
 import msgspec
 
 from gateway.api.chat_body import VllmExtras
+from protocol.retention import RetainTTL
 from protocol.sse import named_sse
 
 # -- requests -------------------------------------------------------------------------------
 
 
-class TextBlock(msgspec.Struct, kw_only=True, tag="text", tag_field="type"):
+class CacheControl(msgspec.Struct, kw_only=True):
+    """`{"type": "ephemeral", "ttl": "5m" | "1h"}`: keep the prompt up to here cached."""
+
+    type: Literal["ephemeral"]
+    ttl: RetainTTL = RetainTTL.FIVE_MINUTES
+
+
+class Cacheable(msgspec.Struct, kw_only=True):
+    cache_control: CacheControl | None = None
+
+
+class TextBlock(Cacheable, kw_only=True, tag="text", tag_field="type"):
     text: str
 
 
@@ -31,18 +45,18 @@ class ImageSource(msgspec.Struct, kw_only=True):
     url: str | None = None
 
 
-class ImageBlock(msgspec.Struct, kw_only=True, tag="image", tag_field="type"):
+class ImageBlock(Cacheable, kw_only=True, tag="image", tag_field="type"):
     source: ImageSource
 
 
-class ToolUseBlock(msgspec.Struct, kw_only=True, tag="tool_use", tag_field="type"):
+class ToolUseBlock(Cacheable, kw_only=True, tag="tool_use", tag_field="type"):
     id: str
     name: str
     #: the tool's input: a JSON object shaped by the tool's own schema
     input: dict[str, Any]
 
 
-class ToolResultBlock(msgspec.Struct, kw_only=True, tag="tool_result", tag_field="type"):
+class ToolResultBlock(Cacheable, kw_only=True, tag="tool_result", tag_field="type"):
     tool_use_id: str
     content: str | list[TextBlock | ImageBlock] | None = None
     is_error: bool = False
@@ -56,7 +70,7 @@ class InputMessage(msgspec.Struct, kw_only=True):
     content: str | list[Block]
 
 
-class InputTool(msgspec.Struct, kw_only=True):
+class InputTool(Cacheable, kw_only=True):
     name: str
     #: the tool's JSON Schema, as the client wrote it
     input_schema: dict[str, Any]

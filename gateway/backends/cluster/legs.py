@@ -76,6 +76,7 @@ def leg_request(request: Request, attempt: Attempt, leg: LegFields) -> NodeCompl
         kv_transfer_params=leg.kv_transfer_params,
         resume=leg.resume,
         kv_source=leg.kv_source,
+        retain=attempt.retain,
     )
 
 
