@@ -131,3 +131,40 @@ def test_more_than_four_breakpoints_is_a_400(env: Env) -> None:
             system=[{"type": "text", "text": f"part {i}", "cache_control": mark} for i in range(5)],
             messages=[{"role": "user", "content": "hi"}],
         )
+
+
+TOOL = {
+    "name": "lookup_item",
+    "description": "Look an item up in the catalogue by its number and return its description.",
+    "input_schema": {
+        "type": "object",
+        "properties": {"number": {"type": "integer", "description": "the item's number"}},
+        "required": ["number"],
+    },
+    "cache_control": {"type": "ephemeral"},
+}
+
+
+@pytest.mark.parametrize("where", ["tools", "last_turn"])
+def test_a_mark_on_a_tool_or_a_turn_keeps_the_prefix_up_to_it(env: Env, where: str) -> None:
+    """A tool's mark keeps the prompt up to the tools; a turn's up to that turn, so the next
+    call of the conversation reads it."""
+    c = env.client("alpha")
+    lead = "" if where == "tools" else SYSTEM  # the tools' text is long already
+    turns: list[dict[str, Any]] = [
+        {"role": "user", "content": f"{lead} Which item is about {where}?"},
+        {"role": "assistant", "content": "Item 4."},
+        {"role": "user", "content": [{"type": "text", "text": "Why?"}]},
+    ]
+    kw: dict[str, Any] = {"tools": [TOOL]} if where == "tools" else {}
+    if where == "last_turn":
+        turns[2]["content"][0]["cache_control"] = {"type": "ephemeral"}
+    first = c.messages.create(model="tiny", max_tokens=4, messages=turns, **kw).usage
+    assert first.cache_creation_input_tokens >= 16 and first.cache_read_input_tokens == 0
+    more = [*turns, {"role": "assistant", "content": "It is."}, {"role": "user", "content": "Ok"}]
+    second = c.messages.create(model="tiny", max_tokens=4, messages=more, **kw).usage
+    assert second.cache_read_input_tokens >= first.cache_creation_input_tokens
+    if where == "last_turn":  # all the first prompt but its generation prompt was marked
+        assert first.input_tokens < 16 + 8
+    else:  # the tools only: the turns after them were not
+        assert first.input_tokens > 16

@@ -7,8 +7,8 @@ convert.py `to_chat`, the chat path's `check_chat`), the model is chosen as the 
 chooses it (a name, or what `auto` picks; a forbidden model is a 403, an unknown one a 404),
 and the prompt is rendered by the same function the pipeline tokenizes with
 (gateway/serving/measure.py: the model's tokenizer and chat template, the tools as the model
-takes them). So the count equals the `usage.input_tokens` (plus `cache_read_input_tokens`) that
-`/v1/messages` reports for the same body.
+takes them). So the count equals the `usage.input_tokens` (plus `cache_read_input_tokens` and
+`cache_creation_input_tokens`) that `/v1/messages` reports for the same body.
 
 A count needs a valid key and passes the team gate's cheap refusals (its concurrency and
 requests-per-minute limits as this gateway counts them), and is counted among the team's
