@@ -168,7 +168,11 @@ async def measure(served: ServedModel, req: Request, guides: GuideChecker, domai
     ids = await prompt_ids(served, req, plan)
     if served.tokenizer is not None:
         max_tokens = context_check(served, len(ids), req.max_tokens)
-        keep = retain_for(served, req, ids, plan)
+        keep = (  # the marked prefix is rendered and tokenized again: off the loop when big
+            await asyncio.to_thread(retain_for, served, req, ids, plan)
+            if req.retain is not None and len(ids) > _BIG_PROMPT // 4
+            else retain_for(served, req, ids, plan)
+        )
         return Measured(ids, len(ids), max_tokens, plan, retain=keep)
     # an external model: its provider counts; reserve on an upper bound of what it can bill
     limit = served.max_model_len  # required in the config for an external model: its context
