@@ -159,6 +159,11 @@ def check_routing(cfg: GatewayConfig) -> None:
         )
     if cfg.tiers.default_tier not in ("interactive", "batch"):
         raise ConfigError("[tiers] default_tier must be 'interactive' or 'batch'")
+    if not isinstance(cfg.tiers.fair_share, bool):
+        raise ConfigError("[tiers] fair_share must be true or false")
+    w = cfg.tiers.fair_output_weight
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1000:
+        raise ConfigError(f"[tiers] fair_output_weight must be a number in [0, 1000], got {w!r}")
 
 
 def check_models(cfg: GatewayConfig) -> None:
@@ -203,6 +208,10 @@ def check_models(cfg: GatewayConfig) -> None:
             raise ConfigError(f"[teams.{team}] interactive must be true or false")
         if p.batch_priority not in ("low", "normal", "high"):
             raise ConfigError(f"[teams.{team}] batch_priority must be 'low', 'normal' or 'high'")
+        if isinstance(p.weight, bool) or not isinstance(p.weight, (int, float)):
+            raise ConfigError(f"[teams.{team}] weight must be a number, got {p.weight!r}")
+        if not 0.001 <= p.weight <= 1000:
+            raise ConfigError(f"[teams.{team}] weight must be in [0.001, 1000], got {p.weight}")
 
 
 def teams(data: Any) -> dict[str, TeamPolicy]:

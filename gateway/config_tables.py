@@ -193,6 +193,13 @@ class TierConfig:
     #: a slot, then goes to the fallback model (trigger "saturated") instead of queueing on
     interactive_fallback_wait_s: float = 1.0
     default_tier: Tier = "interactive"
+    #: what one output token counts for against one prompt token in a team's attained service
+    #: (the fair order of a saturated tier's queue; a decode step costs more than a prompt
+    #: token's share of prefill)
+    fair_output_weight: float = 2.0
+    #: false: a saturated tier serves its waiters first come first served, whatever their team
+    #: (the order before fair shares; kept for comparing the two)
+    fair_share: bool = True
 
 
 @dataclass(frozen=True)
@@ -240,6 +247,9 @@ class TeamPolicy:
     interactive: bool = True
     #: the highest `priority` its batches may ask for ("low" | "normal" | "high"); above it: 403
     batch_priority: str = "normal"
+    #: the team's share of a saturated tier against the other waiting teams' (tokens served in
+    #: proportion to it; gateway/serving/fair_queue.py)
+    weight: float = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -48,6 +48,22 @@ class GatewayMetrics:
         self.queue_depth = Gauge(
             "duet:gateway_queue_depth", "Requests waiting for admission", ["tier"], registry=r
         )
+        # tier admission's refusals by team (also in `shed`, which has no team label)
+        self.admission_refusals = Counter(
+            "duet:gateway_admission_refusals",
+            "Requests refused by tier admission (503), by team and reason",
+            ["team", "tier", "reason"],
+            registry=r,
+        )
+        # each admitted request's wait for its slot (0 when a slot was free), by team: a team
+        # flooding its tier waits behind its own requests, and the others' waits show it
+        self.queue_wait = Histogram(
+            "duet:gateway_queue_wait_seconds",
+            "Wait for a tier admission slot",
+            ["team", "tier"],
+            buckets=(0.0, *_LATENCY_BUCKETS),
+            registry=r,
+        )
         self.inflight = Gauge(
             "duet:gateway_requests_running", "Requests admitted and running", registry=r
         )

@@ -121,13 +121,16 @@ class Shed(APIError):
     """Overloaded: no capacity for this request now (the tier queues, the provider-call bound,
     this process out of descriptors); 503 with Retry-After, and no backend is blamed."""
 
-    def __init__(self, message: str, retry_after_s: float) -> None:
+    def __init__(
+        self, message: str, retry_after_s: float, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(
             503,
             message,
             type_="service_unavailable",
             code="overloaded",
             retry_after_s=retry_after_s,
+            headers=headers,
         )
 
 

@@ -24,6 +24,7 @@ from gateway.backends.base import Attempt, MidStreamError, Reply, ServedModel
 from gateway.backends.providers.fallback import FallbackDecision, Reason
 from gateway.serving.choice import Need
 from gateway.serving.context import Serving
+from gateway.serving.fair_queue import Claim
 from gateway.serving.features import features
 from gateway.serving.measure import Measured, measure
 from gateway.serving.openai_format import Formatter
@@ -125,8 +126,16 @@ class Tries:
             and self._next(origin, Reason.SATURATED, n).to_model is not None
         ):
             wait = serving.config.tiers.interactive_fallback_wait_s
-        async with serving.admission.slot(self.tier, wait):
-            return await self._respond(served, attempt, headers, sink)
+        claim = Claim(
+            team=self.ledger.caller.team.id, weight=self.policy.weight, tokens=len(size.ids)
+        )
+        async with serving.admission.slot(self.tier, claim, wait) as turn:
+            headers["x-duet-queue-ms"] = turn.queue_ms
+            try:
+                return await self._respond(served, attempt, headers, sink)
+            finally:  # what it served counts against its team's share, however it ended
+                acc = self.accounting
+                turn.output(acc.total_completion_tokens if acc is not None else 0)
 
     async def _respond(
         self, served: ServedModel, attempt: Attempt, headers: dict[str, str], sink: EventSink | None

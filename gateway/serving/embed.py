@@ -22,6 +22,7 @@ from gateway.accounts.usage import Accounting
 from gateway.backends.base import EmbeddingAttempt, EmbeddingReply, ServedModel
 from gateway.config import ModelConfig, TeamPolicy, Tier
 from gateway.serving.context import Serving
+from gateway.serving.fair_queue import Claim
 from gateway.serving.generate import forbidden
 from gateway.serving.measure import Measured
 from gateway.serving.pipeline import Admitted, Answer
@@ -169,14 +170,20 @@ class EmbedAttempts:
             **({GEN_AI_DIMENSIONS: dims} if dims else {}),
         }
         with client_span(self.serving.tracing, EMBEDDINGS, name, "duet", asked, self._usage(name)):
-            async with self.serving.admission.slot(self.a.tier):
+            claim = Claim(
+                team=self.a.caller.team.id, weight=self.a.policy.weight, tokens=size.n_prompt
+            )
+            async with self.serving.admission.slot(self.a.tier, claim) as turn:
                 vectors = await reply.vectors()
         await self.ledger.commit(UsageStatus.OK, reply.accounting)
         body = render(vectors, req.encoding_format, name, size.n_prompt)
         cost = f"{self.ledger.record.cost_usd:.8f}"
-        return Answer(
-            200, body, {**self.a.headers, "x-duet-model-used": name, "x-duet-cost-usd": cost}
-        )
+        headers = {
+            "x-duet-model-used": name,
+            "x-duet-cost-usd": cost,
+            "x-duet-queue-ms": turn.queue_ms,
+        }
+        return Answer(200, body, {**self.a.headers, **headers})
 
     def _usage(self, name: str) -> Callable[[], Attrs | None]:
         acc = self.accounting

@@ -1,25 +1,30 @@
 """Tier admission: how many requests this gateway runs at once, and who waits for a slot.
 
 Interactive and batch traffic wait in separate bounded queues, each with a maximum wait. A
-freed slot goes to the oldest interactive waiter first, batch only when no interactive
-request waits. When the gateway is saturated batch is shed first: a batch arrival that
-would wait behind interactive traffic, or finds its queue full, is refused at once (503 +
-Retry-After); interactive requests are refused only when their own queue is full or their
-wait runs out.
+freed slot goes to an interactive waiter first, batch only when no interactive request waits;
+inside a tier it goes to the team with the least attained service (fair_queue.py), first come
+first served within a team. When the gateway is saturated batch is shed first: a batch
+arrival that would wait behind interactive traffic, or finds its queue full, is refused at
+once (503 + Retry-After); interactive requests are refused only when their own queue is full
+or their wait runs out. Every wait and refusal is counted per team and tier
+(`duet:gateway_queue_wait_seconds`, `duet:gateway_admission_refusals{team,tier,reason}`), a
+refusal names its reason (`x-duet-shed-reason`) and an answer its wait (`x-duet-queue-ms`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections import deque
+import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from gateway.accounts.store.base import Team
 from gateway.accounts.team_gate import TeamGate, TeamLimited
 from gateway.backends.base import Shed
 from gateway.config import TeamPolicy, Tier, TierConfig
 from gateway.metrics import GatewayMetrics
+from gateway.serving.fair_queue import Claim, FairQueue, Waiter
 from protocol.openai import APIError
 
 TIER_ALIASES = {
@@ -76,6 +81,27 @@ def team_tier(header: str | None, service_tier: str | None, team: Team, policy: 
     return granted_tier(resolve_tier(header, service_tier, default), policy, team.id)
 
 
+@dataclass
+class Turn:
+    """An admitted request's slot: how long it waited, and what it served (`output`), which
+    its team's service counter is charged with when the slot is released."""
+
+    claim: Claim
+    queued_s: float = 0.0
+    output_tokens: int = 0
+
+    @property
+    def queue_ms(self) -> str:
+        """`x-duet-queue-ms`: the wait for the slot, whole milliseconds."""
+        return str(round(self.queued_s * 1000))
+
+    def output(self, tokens: int) -> None:
+        self.output_tokens = tokens
+
+
+_Slot = asyncio.Future[None]
+
+
 class Admission:
     def __init__(self, cfg: TierConfig, metrics: GatewayMetrics) -> None:
         self.cfg = cfg
@@ -83,9 +109,9 @@ class Admission:
         self.running = 0
         #: per-team limits on this gateway's own counts, checked before tokenizing
         self.teams = TeamGate()
-        self._waiting: dict[str, deque[asyncio.Future[None]]] = {
-            "interactive": deque(),
-            "batch": deque(),
+        self.queues: dict[str, FairQueue[_Slot]] = {
+            t: FairQueue(cfg.fair_output_weight, by_team=cfg.fair_share)
+            for t in ("interactive", "batch")
         }
         self._limits = {"interactive": cfg.interactive_queue, "batch": cfg.batch_queue}
         self._waits = {"interactive": cfg.interactive_max_wait_s, "batch": cfg.batch_max_wait_s}
@@ -100,71 +126,93 @@ class Admission:
             raise
 
     def depth(self, tier: str) -> int:
-        return len(self._waiting[tier])
+        return len(self.queues[tier])
 
     def _gauge(self, tier: str) -> None:
-        self.metrics.queue_depth.labels(tier=tier).set(len(self._waiting[tier]))
+        self.metrics.queue_depth.labels(tier=tier).set(len(self.queues[tier]))
 
     @contextlib.asynccontextmanager
-    async def slot(self, tier: str, max_wait_s: float | None = None) -> AsyncIterator[None]:
-        """`max_wait_s`: a shorter wait than the tier's (a request with a fallback model)."""
-        await self._acquire(tier, max_wait_s)
+    async def slot(
+        self, tier: str, claim: Claim | None = None, max_wait_s: float | None = None
+    ) -> AsyncIterator[Turn]:
+        """A slot in `tier` for `claim`'s team (None: an unnamed one, for tests and tools);
+        `max_wait_s`: a shorter wait than the tier's (a request with a fallback model). The
+        caller reports its output tokens on the yielded `Turn`."""
+        turn = Turn(claim or Claim(team=""))
+        start = time.monotonic()
+        await self._acquire(tier, turn.claim, max_wait_s)
+        turn.queued_s = time.monotonic() - start
+        self.metrics.queue_wait.labels(team=turn.claim.team, tier=tier).observe(turn.queued_s)
         self.metrics.inflight.inc()
         try:
-            yield
+            yield turn
         finally:
             self.metrics.inflight.dec()
+            self.queues[tier].charge(turn.claim, turn.output_tokens, prompt=False)
             self._release()
 
-    async def _acquire(self, tier: str, max_wait_s: float | None = None) -> None:
-        if self.running < self.cfg.max_inflight and not any(self._waiting.values()):
+    def _shed(self, tier: str, claim: Claim, reason: str, message: str) -> Shed:
+        self.metrics.shed.labels(tier=tier, reason=reason).inc()
+        self.metrics.admission_refusals.labels(team=claim.team, tier=tier, reason=reason).inc()
+        return Shed(message, self._waits[tier], headers={"x-duet-shed-reason": reason})
+
+    async def _acquire(self, tier: str, claim: Claim, max_wait_s: float | None = None) -> None:
+        q = self.queues[tier]
+        if self.running < self.cfg.max_inflight and not any(self.queues.values()):
             self.running += 1
+            q.charge(claim)
             return
-        q = self._waiting[tier]
-        if tier == "batch" and self._waiting["interactive"]:
-            self.metrics.shed.labels(tier=tier, reason="saturated").inc()
-            raise Shed(
+        if tier == "batch" and self.queues["interactive"]:
+            raise self._shed(
+                tier,
+                claim,
+                "saturated",
                 "the cluster is saturated with interactive traffic; batch requests are shed "
                 "first — retry later",
-                self._waits[tier],
             )
         if len(q) >= self._limits[tier]:
-            self.metrics.shed.labels(tier=tier, reason="queue_full").inc()
-            raise Shed(
+            raise self._shed(
+                tier,
+                claim,
+                "queue_full",
                 f"the {tier} admission queue is full ({self._limits[tier]} waiting); retry later",
-                self._waits[tier],
             )
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        q.append(fut)
+        fut: _Slot = asyncio.get_running_loop().create_future()
+        waiter = q.push(claim, fut)
         self._gauge(tier)
         wait = self._waits[tier] if max_wait_s is None else min(max_wait_s, self._waits[tier])
         try:
             await asyncio.wait_for(asyncio.shield(fut), wait)
         except BaseException as e:
-            if fut.done() and not fut.cancelled():  # the slot came as we gave up: pass it on
-                self._release()
-            else:
-                fut.cancel()
-                with contextlib.suppress(ValueError):
-                    q.remove(fut)
-            self._gauge(tier)
+            self._give_up(tier, waiter)
             if not isinstance(e, TimeoutError):
                 raise
-            self.metrics.shed.labels(tier=tier, reason="timeout").inc()
-            raise Shed(
+            raise self._shed(
+                tier,
+                claim,
+                "timeout",
                 f"no capacity freed within {wait:g}s for this {tier} request; retry later",
-                self._waits[tier],
             ) from None
+        self._gauge(tier)
+
+    def _give_up(self, tier: str, waiter: Waiter[_Slot]) -> None:
+        q, fut = self.queues[tier], waiter.item
+        if fut.done() and not fut.cancelled():  # the slot came as we gave up: pass it on
+            q.refund(waiter.claim)
+            self._release()
+        else:
+            fut.cancel()
+            q.remove(waiter)
         self._gauge(tier)
 
     def _release(self) -> None:
         for tier in ("interactive", "batch"):
-            q = self._waiting[tier]
-            while q:
-                fut = q.popleft()
-                if not fut.done():
-                    fut.set_result(None)  # the slot passes on: running stays the same
+            q = self.queues[tier]
+            while (w := q.pop()) is not None:
+                if not w.item.done():
+                    w.item.set_result(None)  # the slot passes on: running stays the same
                     self._gauge(tier)
                     return
+                q.refund(w.claim)
             self._gauge(tier)
         self.running -= 1

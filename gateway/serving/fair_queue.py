@@ -1,0 +1,123 @@
+"""One tier's admission queue, served by least attained service per team.
+
+A saturated tier hands each freed slot to the waiting team that has received the least
+service, not to the oldest waiter: a team's burst waits behind its own requests, not in front
+of everyone's. Service is counted in tokens, in the manner of the Virtual Token Counter (Sheng
+et al., "Fairness in Serving Large Language Models", OSDI 2024): each team has a counter that
+grows by the prompt tokens of every request it gets a slot for and by its output tokens times
+`output_weight` (an output token costs more than a prompt token) when the request ends, both
+divided by the team's weight, so a team of weight 2 gets twice the tokens of a team of weight 1
+while both wait.
+
+Invariants:
+- `pop` gives the head of the backlogged team with the lowest counter; ties go to the team
+  whose head waited longest. Within a team, first come first served.
+- A team that starts waiting is lifted to the lowest counter among the teams already waiting
+  (to the counter of the last team served when none waits): idle time is not banked, so a team
+  quiet for an hour cannot then hold the tier for an hour.
+- A request admitted without waiting is charged too (`charge`): the counters measure all the
+  service the tier gave, and the queue orders only those that wait.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Claim:
+    """Who asks for a slot: the team (authenticated, never a client header), its share weight
+    (`[teams.<id>] weight`) and the prompt tokens its request holds."""
+
+    team: str
+    weight: float = 1.0
+    tokens: int = 0
+
+
+@dataclass(eq=False)
+class Waiter(Generic[T]):
+    claim: Claim
+    item: T
+    seq: int = field(default=0)
+
+
+class FairQueue(Generic[T]):
+    """Waiters of one tier by team; see the module docstring for the order."""
+
+    def __init__(self, output_weight: float = 2.0, by_team: bool = True) -> None:
+        """`by_team` False: one queue for all, first come first served (fair shares off)."""
+        self.output_weight = output_weight
+        self._by_team = by_team
+        #: each team's attained service, in weighted tokens (`served`)
+        self._counters: dict[str, float] = {}
+        self._waiting: dict[str, deque[Waiter[T]]] = {}
+        self._seq = itertools.count()
+        self._last = 0.0
+        self._n = 0
+
+    def __len__(self) -> int:
+        return self._n
+
+    def counter(self, team: str) -> float:
+        return self._counters.get(team if self._by_team else "", 0.0)
+
+    def waiting(self, team: str) -> int:
+        return len(self._waiting.get(team if self._by_team else "", ()))
+
+    def _key(self, claim: Claim) -> str:
+        return claim.team if self._by_team else ""
+
+    def push(self, claim: Claim, item: T) -> Waiter[T]:
+        team = self._key(claim)
+        q = self._waiting.get(team)
+        if q is None:  # newly backlogged: lifted, idle time is not banked
+            floor = min((self._counters[t] for t in self._waiting), default=self._last)
+            self._counters[team] = max(self._counters.get(team, 0.0), floor)
+            q = self._waiting[team] = deque()
+        w = Waiter(claim, item, next(self._seq))
+        q.append(w)
+        self._n += 1
+        return w
+
+    def pop(self) -> Waiter[T] | None:
+        """The next waiter to serve (charged its prompt), or None when nobody waits."""
+        if not self._waiting:
+            return None
+        team = min(self._waiting, key=lambda t: (self._counters[t], self._waiting[t][0].seq))
+        q = self._waiting[team]
+        w = q.popleft()
+        if not q:
+            del self._waiting[team]
+        self._n -= 1
+        self.charge(w.claim)
+        self._last = self._counters[team]
+        return w
+
+    def remove(self, w: Waiter[T]) -> bool:
+        """Take back a waiter that gave up (timed out, cancelled); False if it was not waiting."""
+        team = self._key(w.claim)
+        q = self._waiting.get(team)
+        if q is None or w not in q:
+            return False
+        q.remove(w)
+        if not q:
+            del self._waiting[team]
+        self._n -= 1
+        return True
+
+    def charge(self, claim: Claim, output_tokens: int = 0, prompt: bool = True) -> None:
+        """Count service given to `claim`'s team: its prompt (on admission) and `output_tokens`
+        (when the request ends)."""
+        tokens = (claim.tokens if prompt else 0) + self.output_weight * output_tokens
+        team = self._key(claim)
+        self._counters[team] = self._counters.get(team, 0.0) + tokens / claim.weight
+
+    def refund(self, claim: Claim) -> None:
+        """Take back the prompt charge of a slot that came as its waiter gave up (never served)."""
+        team = self._key(claim)
+        self._counters[team] = self._counters.get(team, 0.0) - claim.tokens / claim.weight
