@@ -11,12 +11,15 @@ while both wait.
 
 Invariants:
 - `pop` gives the head of the backlogged team with the lowest counter; ties go to the team
-  whose head waited longest. Within a team, first come first served.
+  with fewer requests running (a team just lifted to another's counter is level with it in
+  past service, not in present), then to the one whose head waited longest. Within a team,
+  first come first served.
 - A team that starts waiting is lifted to the lowest counter among the teams already waiting
   (to the counter of the last team served when none waits): idle time is not banked, so a team
   quiet for an hour cannot then hold the tier for an hour.
-- A request admitted without waiting is charged too (`charge`): the counters measure all the
-  service the tier gave, and the queue orders only those that wait.
+- A request admitted without waiting is charged too (`admitted`), and every admitted request's
+  output when it ends (`done`): the counters measure all the service the tier gave, and the
+  queue orders only those that wait.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ class FairQueue(Generic[T]):
         self._counters: dict[str, float] = {}
         self._waiting: dict[str, deque[Waiter[T]]] = {}
         self._seq = itertools.count()
+        #: each team's requests holding a slot (a tie's breaker)
+        self._running: dict[str, int] = {}
         self._last = 0.0
         self._n = 0
 
@@ -88,13 +93,16 @@ class FairQueue(Generic[T]):
         """The next waiter to serve (charged its prompt), or None when nobody waits."""
         if not self._waiting:
             return None
-        team = min(self._waiting, key=lambda t: (self._counters[t], self._waiting[t][0].seq))
+        team = min(
+            self._waiting,
+            key=lambda t: (self._counters[t], self._running.get(t, 0), self._waiting[t][0].seq),
+        )
         q = self._waiting[team]
         w = q.popleft()
         if not q:
             del self._waiting[team]
         self._n -= 1
-        self.charge(w.claim)
+        self.admitted(w.claim)
         self._last = self._counters[team]
         return w
 
@@ -110,14 +118,23 @@ class FairQueue(Generic[T]):
         self._n -= 1
         return True
 
-    def charge(self, claim: Claim, output_tokens: int = 0, prompt: bool = True) -> None:
-        """Count service given to `claim`'s team: its prompt (on admission) and `output_tokens`
-        (when the request ends)."""
-        tokens = (claim.tokens if prompt else 0) + self.output_weight * output_tokens
-        team = self._key(claim)
-        self._counters[team] = self._counters.get(team, 0.0) + tokens / claim.weight
+    def admitted(self, claim: Claim) -> None:
+        """`claim` got a slot (from `pop`, or at once): its team is charged its prompt."""
+        self._charge(claim, claim.tokens, 1)
+
+    def done(self, claim: Claim, output_tokens: int) -> None:
+        """`claim`'s request ended, having served `output_tokens`: charged at their weight."""
+        self._charge(claim, self.output_weight * output_tokens, -1)
 
     def refund(self, claim: Claim) -> None:
-        """Take back the prompt charge of a slot that came as its waiter gave up (never served)."""
+        """Take back `admitted` for a slot that came as its waiter gave up (never served)."""
+        self._charge(claim, -claim.tokens, -1)
+
+    def _charge(self, claim: Claim, tokens: float, running: int) -> None:
         team = self._key(claim)
-        self._counters[team] = self._counters.get(team, 0.0) - claim.tokens / claim.weight
+        self._counters[team] = self._counters.get(team, 0.0) + tokens / claim.weight
+        n = self._running.get(team, 0) + running
+        if n > 0:
+            self._running[team] = n
+        else:
+            self._running.pop(team, None)

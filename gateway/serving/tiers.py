@@ -148,7 +148,7 @@ class Admission:
             yield turn
         finally:
             self.metrics.inflight.dec()
-            self.queues[tier].charge(turn.claim, turn.output_tokens, prompt=False)
+            self.queues[tier].done(turn.claim, turn.output_tokens)
             self._release()
 
     def _shed(self, tier: str, claim: Claim, reason: str, message: str) -> Shed:
@@ -160,7 +160,7 @@ class Admission:
         q = self.queues[tier]
         if self.running < self.cfg.max_inflight and not any(self.queues.values()):
             self.running += 1
-            q.charge(claim)
+            q.admitted(claim)
             return
         if tier == "batch" and self.queues["interactive"]:
             raise self._shed(

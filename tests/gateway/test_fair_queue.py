@@ -48,11 +48,12 @@ def test_service_is_counted_in_tokens() -> None:
 def test_output_tokens_count_at_their_weight() -> None:
     q: FairQueue[str] = FairQueue(output_weight=2.0)
     a = Claim(team="a", tokens=10)
-    q.charge(a)
-    q.charge(a, output_tokens=5, prompt=False)
+    q.admitted(a)
+    q.done(a, output_tokens=5)
     assert q.counter("a") == 10 + 2 * 5
     heavy = Claim(team="h", weight=4.0, tokens=40)
-    q.charge(heavy, output_tokens=8)
+    q.admitted(heavy)
+    q.done(heavy, output_tokens=8)
     assert q.counter("h") == (40 + 16) / 4
 
 
@@ -71,7 +72,8 @@ def test_idle_time_is_not_banked() -> None:
     q: FairQueue[str] = FairQueue()
     busy = Claim(team="busy", tokens=10)
     for _ in range(100):  # served without waiting (admitted at once), all charged
-        q.charge(busy)
+        q.admitted(busy)
+        q.done(busy, 0)
     for i in range(4):
         q.push(busy, f"busy{i}")
     q.push(Claim(team="quiet", tokens=10), "quiet0")
@@ -109,3 +111,16 @@ def test_fair_shares_off_is_first_come_first_served() -> None:
         q.push(Claim(team="a", tokens=10), f"a{i}")
     q.push(Claim(team="b", tokens=1), "b0")
     assert _drain(q) == ["a0", "a1", "a2", "b0"]
+
+
+def test_a_tie_goes_to_the_team_with_fewer_running() -> None:
+    """A team lifted to the waiting team's counter is level in past service only: the team
+    already holding slots loses the tie, so the newcomer gets the next slot."""
+    q: FairQueue[str] = FairQueue()
+    a = Claim(team="a", tokens=10)
+    for _ in range(3):
+        q.admitted(a)  # three of a's requests hold slots
+    q.push(a, "a0")
+    q.push(Claim(team="b", tokens=10), "b0")
+    assert q.counter("a") == q.counter("b") == 30
+    assert _drain(q) == ["b0", "a0"]
