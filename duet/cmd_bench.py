@@ -12,6 +12,7 @@ BENCHES = {
     "serve": "load-test an OpenAI-compatible URL: TTFT/TPOT/ITL, goodput, sweeps (bench.serve)",
     "compare": "side-by-side table of two `bench serve` JSON results (bench.compare)",
     "chaos": "mixed load on a duet up while SIGKILLing its processes: availability, recovery (bench.chaos)",
+    "fairness": "a team flooding a tier beside a steady one: fair shares vs first come first served (bench.fairness)",
     "profile": "measure a node kind's step time, KV bytes and transport; write its profile JSON (bench.profile)",
 }
 
@@ -19,7 +20,7 @@ BENCHES = {
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
-        help="benchmarks: engine, kvtransfer, pd, serve, compare, chaos, profile",
+        help="benchmarks: engine, kvtransfer, pd, serve, compare, chaos, fairness, profile",
         description="Run a benchmark; arguments after the name go to it "
         "(e.g. `duet bench serve --base-url URL`). See `duet bench NAME --help`.",
     )
