@@ -131,6 +131,7 @@ class Tries:
         )
         async with serving.admission.slot(self.tier, claim, wait) as turn:
             headers["x-duet-queue-ms"] = turn.queue_ms
+            self.ledger.record.queue_s = round(turn.queued_s, 6)
             try:
                 return await self._respond(served, attempt, headers, sink)
             finally:  # what it served counts against its team's share, however it ended

@@ -175,6 +175,7 @@ class EmbedAttempts:
             )
             async with self.serving.admission.slot(self.a.tier, claim) as turn:
                 vectors = await reply.vectors()
+            self.ledger.record.queue_s = round(turn.queued_s, 6)
         await self.ledger.commit(UsageStatus.OK, reply.accounting)
         body = render(vectors, req.encoding_format, name, size.n_prompt)
         cost = f"{self.ledger.record.cost_usd:.8f}"

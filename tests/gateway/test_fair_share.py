@@ -142,6 +142,11 @@ async def test_a_flood_does_not_delay_another_team_beyond_its_turn(
             assert not any(t.done() for t in queued)  # b went ahead of a's whole backlog
             done = await asyncio.wait_for(asyncio.gather(*queued), 300)
             assert [st for st, _ in done] == [200] * 3
+        # each served request's usage record holds its wait for the slot
+        status, _, body = http(g.url + "/v1/usage?group_by=record&team_id=b")
+        assert status == 200, body
+        [row] = body["data"]
+        assert row["status"] == "ok" and row["queue_s"] is not None and row["queue_s"] >= 0
         text = scrape(g.url)
         assert 'duet:gateway_queue_wait_seconds_count{team="b",tier="interactive"} 1.0' in text
         assert 'duet:gateway_queue_wait_seconds_count{team="a",tier="interactive"} 4.0' in text

@@ -140,6 +140,8 @@ class UsageRecord:
     migrations: int = 0
     #: completion tokens of each decode leg, in order (`nodes` lists every leg's nodes)
     leg_tokens: list[int] = field(default_factory=list)
+    #: its wait for a tier admission slot (None: it took none — refused, or an external model)
+    queue_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,7 @@ ADDED_COLUMNS = [
     ("usage", "migrations", "INTEGER"),
     ("usage", "leg_tokens", "TEXT"),
     ("reservations", "streamed_tokens", "BIGINT NOT NULL DEFAULT 0"),
+    ("usage", "queue_s", "DOUBLE PRECISION"),
 ]
 
 TEAM_COLS = (
@@ -96,6 +97,7 @@ USAGE_COLS = (
     "user",
     "migrations",
     "leg_tokens",
+    "queue_s",
 )
 #: list columns stored as JSON text
 JSON_COLS = ("nodes", "leg_tokens")

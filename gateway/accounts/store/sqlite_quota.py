@@ -71,6 +71,7 @@ ADDED_COLUMNS = [
     ("usage", "migrations", "INTEGER"),
     ("usage", "leg_tokens", "TEXT"),
     ("reservations", "streamed_tokens", "INTEGER NOT NULL DEFAULT 0"),
+    ("usage", "queue_s", "REAL"),
 ]
 
 TEAM_COLS = (
@@ -97,6 +98,7 @@ USAGE_COLS = (
     "user",
     "migrations",
     "leg_tokens",
+    "queue_s",
 )
 
 
