@@ -17,6 +17,8 @@ Invariants:
 - A team that starts waiting is lifted to the lowest counter among the teams already waiting
   (to the counter of the last team served when none waits): idle time is not banked, so a team
   quiet for an hour cannot then hold the tier for an hour.
+- A full queue sheds the team that fills it most (`make_room`), never a team that waits for
+  fewer: a flood cannot lock the others out of the queue either.
 - A request admitted without waiting is charged too (`admitted`), and every admitted request's
   output when it ends (`done`): the counters measure all the service the tier gave, and the
   queue orders only those that wait.
@@ -104,6 +106,22 @@ class FairQueue(Generic[T]):
         self._n -= 1
         self.admitted(w.claim)
         self._last = self._counters[team]
+        return w
+
+    def make_room(self, claim: Claim) -> Waiter[T] | None:
+        """The queue is full and `claim` asks to wait: the newest waiter of the team with the
+        most waiting (ties: the most served), taken out to be refused instead — unless that
+        team waits no more than one request beyond `claim`'s own (then `claim` is refused: None)."""
+        if not self._waiting:
+            return None
+        team = max(self._waiting, key=lambda t: (len(self._waiting[t]), self._counters[t]))
+        if team == self._key(claim) or len(self._waiting[team]) <= self.waiting(claim.team) + 1:
+            return None
+        q = self._waiting[team]
+        w = q.pop()
+        if not q:
+            del self._waiting[team]
+        self._n -= 1
         return w
 
     def remove(self, w: Waiter[T]) -> bool:

@@ -6,7 +6,8 @@ inside a tier it goes to the team with the least attained service (fair_queue.py
 first served within a team. When the gateway is saturated batch is shed first: a batch
 arrival that would wait behind interactive traffic, or finds its queue full, is refused at
 once (503 + Retry-After); interactive requests are refused only when their own queue is full
-or their wait runs out. Every wait and refusal is counted per team and tier
+or their wait runs out. A full queue refuses the team that fills it most: its newest waiter
+makes room for another team's request. Every wait and refusal is counted per team and tier
 (`duet:gateway_queue_wait_seconds`, `duet:gateway_admission_refusals{team,tier,reason}`), a
 refusal names its reason (`x-duet-shed-reason`) and an answer its wait (`x-duet-queue-ms`).
 """
@@ -171,12 +172,13 @@ class Admission:
                 "first — retry later",
             )
         if len(q) >= self._limits[tier]:
-            raise self._shed(
-                tier,
-                claim,
-                "queue_full",
-                f"the {tier} admission queue is full ({self._limits[tier]} waiting); retry later",
-            )
+            full = f"the {tier} admission queue is full ({self._limits[tier]} waiting); retry later"
+            # A full queue refuses the team that fills it most: its newest waiter makes room
+            # for another team's request, so a flood cannot lock the others out.
+            evicted = q.make_room(claim)
+            if evicted is None:
+                raise self._shed(tier, claim, "queue_full", full)
+            evicted.item.set_exception(self._shed(tier, evicted.claim, "queue_full", full))
         fut: _Slot = asyncio.get_running_loop().create_future()
         waiter = q.push(claim, fut)
         self._gauge(tier)
@@ -184,6 +186,10 @@ class Admission:
         try:
             await asyncio.wait_for(asyncio.shield(fut), wait)
         except BaseException as e:
+            refused = fut.exception() if fut.done() and not fut.cancelled() else None
+            if refused is not None:  # made room for another team (make_room): already out
+                self._gauge(tier)
+                raise refused from None
             self._give_up(tier, waiter)
             if not isinstance(e, TimeoutError):
                 raise

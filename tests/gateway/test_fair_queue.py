@@ -124,3 +124,19 @@ def test_a_tie_goes_to_the_team_with_fewer_running() -> None:
     q.push(Claim(team="b", tokens=10), "b0")
     assert q.counter("a") == q.counter("b") == 30
     assert _drain(q) == ["b0", "a0"]
+
+
+def test_a_full_queue_makes_room_from_the_team_that_fills_it() -> None:
+    q: FairQueue[str] = FairQueue()
+    a = Claim(team="a", tokens=10)
+    for i in range(4):
+        q.push(a, f"a{i}")
+    evicted = q.make_room(Claim(team="b", tokens=10))
+    assert evicted is not None and evicted.item == "a3"  # a's newest
+    assert len(q) == 3 and q.waiting("a") == 3
+    assert q.make_room(a) is None  # a itself is refused, it fills the queue
+    q.push(Claim(team="b", tokens=10), "b0")
+    q.push(Claim(team="b", tokens=10), "b1")
+    # b waits 2, a 3: one beyond b's own is not enough to refuse a for b
+    assert q.make_room(Claim(team="b", tokens=10)) is None
+    assert q.make_room(Claim(team="c", tokens=10)).item == "a2"  # type: ignore[union-attr]

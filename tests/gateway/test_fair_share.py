@@ -73,6 +73,36 @@ async def test_a_flooding_team_waits_behind_its_own_requests() -> None:
     assert sample(refused, {"team": "b", "tier": "interactive", "reason": "queue_full"}) is None
 
 
+async def test_a_full_queue_refuses_the_flooding_team_not_the_newcomer() -> None:
+    """Team a fills the queue; team b's request takes the place of a's newest waiter, which is
+    refused (503 queue_full, counted for a), and is served at its turn."""
+    a = Admission(TierConfig(max_inflight=1, interactive_queue=3), GatewayMetrics())
+    order: list[str] = []
+    hold, go = asyncio.Event(), asyncio.Event()
+    tasks = [asyncio.ensure_future(_hold(a, A, order, "hold", hold, 100))]
+    await until(lambda: order == ["hold"])
+    for i in range(3):
+        tasks.append(asyncio.ensure_future(_hold(a, A, order, f"a{i}", go, 0)))
+        await until(lambda i=i: a.depth("interactive") == i + 1)
+    b = asyncio.ensure_future(_hold(a, B, order, "b0", go, 0))
+    await until(lambda: tasks[-1].done())  # a2 made room
+    with pytest.raises(Shed) as e:
+        await tasks.pop()
+    assert e.value.headers["x-duet-shed-reason"] == "queue_full"
+    assert a.depth("interactive") == 3
+    with pytest.raises(Shed):  # a itself, arriving at the full queue, is refused
+        async with a.slot("interactive", A):
+            pass
+    go.set()
+    hold.set()
+    await asyncio.gather(*tasks, b)
+    assert order == ["hold", "b0", "a0", "a1"] and a.running == 0
+    refused = a.metrics.registry.get_sample_value
+    labels = {"team": "a", "tier": "interactive", "reason": "queue_full"}
+    assert refused("duet:gateway_admission_refusals_total", labels) == 2
+    assert refused("duet:gateway_admission_refusals_total", {**labels, "team": "b"}) is None
+
+
 async def test_fair_shares_off_serves_first_come_first_served() -> None:
     assert await _flood_then_b(admission(fair_share=False)) == [
         "hold",
