@@ -42,6 +42,7 @@ def test_readme_example_loads() -> None:
     assert ProviderConfig.from_dict(provider_table(gpt)).breaker.failure_threshold == 5
     assert cfg.auto is not None and cfg.auto.models == ("smollm2", "gpt-4o-mini", "claude-sonnet")
     assert cfg.team_policy("research").forbid == ("gpt-4o-mini",)
+    assert cfg.team_policy("research").weight == 2.0
     assert cfg.team_policy("someone-else") == TeamPolicy(allow_paid_for_batch=False)
     assert cfg.tiers.interactive_fallback_wait_s == 1.0
 
