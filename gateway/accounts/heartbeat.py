@@ -1,5 +1,10 @@
 """This gateway's life in the store: its heartbeat, and the reclaim of dead gateways' bookings.
 
+Invariants: a gateway never reclaims its own bookings, and a heartbeat that itself came late
+(longer than a gateway takes to look dead) reclaims nothing that round: the stall it waited
+out may have held the other gateways' heartbeats too. The store writes a heartbeat's time when
+it lands, so a beat that waited is not stale.
+
 Every `[quotas] heartbeat_s`: the heartbeat row (which renews this gateway's own reservations,
 so a request outliving the TTL still counts, and reports the tokens each stream has sent,
 which a booking bills if this gateway dies: `Books.streamed_report`), the reclaim of dead
@@ -24,18 +29,34 @@ async def beat(books: Books) -> None:
     """One heartbeat: renew, report, reclaim, expire."""
     q, store = books.quotas, books.store
     report = books.streamed_report()
-    await store.heartbeat(books.gateway_id, q.reservation_ttl_s, streamed=report)
+    dead_after_s = DEAD_AFTER_HEARTBEATS * q.heartbeat_s
+    gap = await store.heartbeat(books.gateway_id, q.reservation_ttl_s, streamed=report)
     books.streamed_reported(report)
-    n = await store.reclaim(DEAD_AFTER_HEARTBEATS * q.heartbeat_s)
+    if gap is not None and gap > dead_after_s:
+        # This gateway could not beat for as long as it takes a gateway for dead: the store (a
+        # held lock, a full pool) or this process stalled, and another gateway's heartbeat may
+        # be waiting just as this one was. It is judged by the next beat, not on this evidence.
+        log.warning(
+            "this gateway's heartbeat came %.1f s after the last one; reclaiming no other "
+            "gateway until the next",
+            gap,
+        )
+    else:
+        await _reclaim(books, dead_after_s)
+    n = await store.expire_reservations()
+    if n:
+        log.warning("expired %d stale quota reservations", n)
+
+
+async def _reclaim(books: Books, dead_after_s: float) -> None:
+    # never its own bookings: a gateway that reclaims is alive, however late its heartbeat
+    n = await books.store.reclaim(dead_after_s, gateway_id=books.gateway_id)
     if n:
         log.warning(
             "reclaimed %d reservations of a gateway that stopped (billed at their prompt and "
             "what they had streamed)",
             n,
         )
-    n = await store.expire_reservations()
-    if n:
-        log.warning("expired %d stale quota reservations", n)
 
 
 async def run(books: Books) -> None:

@@ -7,7 +7,9 @@ transaction per reservation, so several gateways sharing a database share one li
 Reservation life: `reserve()` admits a request and books its worst case (prompt + max_tokens,
 and their cost); `settle()` replaces the booking with the real figures and writes the usage
 record in the same transaction; a booking never settled (its gateway died) stops counting
-after `expires_at`. Windows: RPM/TPM over the last 60 s of reservations, budgets per UTC day
+after `expires_at`, or once its gateway's heartbeat is `reclaim`'s `dead_after_s` old, and is
+billed `expired`. A request is billed once whatever happened: a booking that expired and still
+settles replaces its `expired` record by the real one. Windows: RPM/TPM over the last 60 s of reservations, budgets per UTC day
 and month.
 """
 
@@ -238,17 +240,24 @@ class Store(BatchTables):
         ttl_s: float,
         now: float | None = None,
         streamed: Mapping[str, int] | None = None,
-    ) -> None:
-        """Gateway `gateway_id` is alive: its heartbeat row is now, and every booking it holds
-        expires `ttl_s` from now at the earliest (a request outliving the TTL still counts).
-        `streamed`: reservation id → completion tokens its stream has sent so far, kept on the
-        booking (never lowered) and billed if the booking expires; bookings not named keep
-        their count."""
+    ) -> float | None:
+        """Gateway `gateway_id` is alive: its heartbeat row is now — the time the row is
+        written, not the time of the call (a call that waited for the store must not land
+        stale) — and every booking it holds expires `ttl_s` from then at the earliest (a
+        request outliving the TTL still counts). `streamed`: reservation id → completion tokens
+        its stream has sent so far, kept on the booking (never lowered) and billed if the
+        booking expires; bookings not named keep their count. Returns the seconds since this
+        gateway's previous heartbeat (None: its first): how long the store could not hear it."""
 
     @abstractmethod
-    async def reclaim(self, dead_after_s: float, now: float | None = None) -> int:
+    async def reclaim(
+        self, dead_after_s: float, now: float | None = None, gateway_id: str | None = None
+    ) -> int:
         """Expire (and bill) every booking of gateways whose heartbeat is older than
-        `dead_after_s` — a killed gateway's, its own previous life's included — and forget them."""
+        `dead_after_s` — a killed gateway's, its own previous life's included — and forget them;
+        never those of `gateway_id`, the caller's own (a gateway that reclaims is alive, however
+        late its own heartbeat was). Each `expired` record is keyed by its request id: if the
+        request settles after all, its real record replaces the expired one."""
 
     @abstractmethod
     async def reclaim_previous(

@@ -52,6 +52,13 @@ from gateway.accounts.store.postgres_quota import (
 from gateway.accounts.store.usage_totals import outliers_sql, totals_row, totals_sql
 
 
+async def _clock(con: asyncpg.Connection, now: float | None) -> float:
+    """`now`, or the database's clock as of this statement (not the transaction's start)."""
+    if now is not None:
+        return now
+    return float(await con.fetchval("SELECT extract(epoch FROM clock_timestamp())::float8"))
+
+
 class PostgresStore(PostgresBatchTables, Store):
     """The one store on PostgreSQL: the accounts' tables and the batch tier's, on one pool."""
 
@@ -60,6 +67,9 @@ class PostgresStore(PostgresBatchTables, Store):
         self.path = dsn.split("@")[-1].split("?")[0]  # for logs: no credentials
         self.max_connections = max_connections
         self._pool: asyncpg.Pool | None = None
+        #: the heartbeat's own connection (and its reclaim and expiry): a heartbeat that waited
+        #: for a slot of a busy pool makes this gateway look dead to every other gateway
+        self._beats: asyncpg.Pool | None = None
         #: the batch tables are created at their first use (a gateway without a batch tier
         #: never makes them)
         self._batch_ready = False
@@ -72,6 +82,11 @@ class PostgresStore(PostgresBatchTables, Store):
                     await create_batch_tables(self.pool)
                     self._batch_ready = True
         return self.pool
+
+    @property
+    def _beat_pool(self) -> asyncpg.Pool:
+        assert self._beats is not None, "store not open"
+        return self._beats
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -92,8 +107,12 @@ class PostgresStore(PostgresBatchTables, Store):
             if await con.fetchval("SELECT to_regclass('usage_keys')") is None:
                 await con.execute(USAGE_KEYS)
             await add_columns(con)
+        self._beats = await asyncpg.create_pool(self.dsn, min_size=1, max_size=1)
 
     async def close(self) -> None:
+        if self._beats is not None:
+            await self._beats.close()
+            self._beats = None
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
@@ -221,13 +240,16 @@ class PostgresStore(PostgresBatchTables, Store):
             batch, key=lambda s: (s.record.team_id, s.record.request_id)
         )  # one lock order for every gateway
         async with self.pool.acquire() as con, con.transaction():
-            for s in batch:
-                await settle_booking(con, s, now)
-            await write_usage(con, [(s.record, s.idempotent) for s in batch], now)
+            # a booking gone before its settlement was billed `expired` under its request id:
+            # the real record replaces that one (take_key), never joins it
+            keyed = [
+                (s.record, not await settle_booking(con, s, now) or s.idempotent) for s in batch
+            ]
+            await write_usage(con, keyed, now)
 
     async def expire_reservations(self, now: float | None = None) -> int:
-        t = time.time() if now is None else now
-        async with self.pool.acquire() as con, con.transaction():
+        async with self._beat_pool.acquire() as con, con.transaction():
+            t = await _clock(con, now)
             n = await expire_where(con, t, "expires_at<=$1", t)
             await con.execute("DELETE FROM rate_buckets WHERE second < $1", int(t - 2 * WINDOW_S))
         return n
@@ -238,10 +260,16 @@ class PostgresStore(PostgresBatchTables, Store):
         ttl_s: float,
         now: float | None = None,
         streamed: Mapping[str, int] | None = None,
-    ) -> None:
-        t = time.time() if now is None else now
+    ) -> float | None:
         ids, counts = list((streamed or {}).keys()), list((streamed or {}).values())
-        async with self.pool.acquire() as con, con.transaction():
+        async with self._beat_pool.acquire() as con, con.transaction():
+            prev = await con.fetchval(
+                "SELECT heartbeat_at FROM gateways WHERE id = $1 FOR UPDATE", gateway_id
+            )
+            # the database's clock, read once the row is this transaction's: every gateway's
+            # heartbeat and every reclaim compare one clock, and a call that waited for a lock
+            # or a connection is not stale as it lands
+            t = await _clock(con, now)
             await con.execute(
                 "INSERT INTO gateways (id, heartbeat_at) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE "
                 "SET heartbeat_at = excluded.heartbeat_at",
@@ -253,9 +281,7 @@ class PostgresStore(PostgresBatchTables, Store):
                 t + ttl_s,
                 gateway_id,
             )
-            if (
-                ids
-            ):  # one statement for all of them; GREATEST: a late report never lowers an earlier one
+            if ids:  # one statement for all; GREATEST: a late report never lowers an earlier one
                 await con.execute(
                     "UPDATE reservations AS r SET streamed_tokens = GREATEST(r.streamed_tokens, s.n) "
                     "FROM unnest($1::text[], $2::bigint[]) AS s(id, n) "
@@ -264,14 +290,19 @@ class PostgresStore(PostgresBatchTables, Store):
                     counts,
                     gateway_id,
                 )
+        return None if prev is None else t - prev
 
-    async def reclaim(self, dead_after_s: float, now: float | None = None) -> int:
-        t = time.time() if now is None else now
-        async with self.pool.acquire() as con, con.transaction():
+    async def reclaim(
+        self, dead_after_s: float, now: float | None = None, gateway_id: str | None = None
+    ) -> int:
+        async with self._beat_pool.acquire() as con, con.transaction():
+            t = await _clock(con, now)
             dead = [
                 r["id"]
                 for r in await con.fetch(
-                    "DELETE FROM gateways WHERE heartbeat_at < $1 RETURNING id", t - dead_after_s
+                    "DELETE FROM gateways WHERE heartbeat_at < $1 AND id != $2 RETURNING id",
+                    t - dead_after_s,
+                    gateway_id or "",
                 )
             ]
             n = 0

@@ -170,8 +170,10 @@ async def expire_where(con: Any, now: float, where: str, *args: Any) -> int:
         # the window keeps what was billed, as a settled request's does (prompt + completion)
         billed = record.prompt_tokens + record.completion_tokens if record else 0
         await bucket(con, r["team_id"], int(r["created_at"]), 0, billed - r["tokens"])
-        if record is not None and b is not None:
-            await write_usage(con, [(record, b.idempotent)], now)
+        if record is not None:
+            # keyed by its request id, always: if the request still settles (its gateway was
+            # alive after all), its real record replaces this one (`take_key`)
+            await write_usage(con, [(record, True)], now)
     return len(rows)
 
 
@@ -255,7 +257,9 @@ async def insert_usage(con: Any, records: list[UsageRecord], now: float) -> None
     )
 
 
-async def settle_booking(con: Any, s: Settlement, now: float) -> None:
+async def settle_booking(con: Any, s: Settlement, now: float) -> bool:
+    """The booking's worst case becomes the request's real tokens, in the second it was booked;
+    False: it booked something that is gone (expired, billed as such under its request id)."""
     row = None
     if s.reservation_id is not None:
         row = await con.fetchrow(
@@ -265,9 +269,10 @@ async def settle_booking(con: Any, s: Settlement, now: float) -> None:
     if row is None:  # nothing booked, or it expired meanwhile: the real tokens count from now
         if s.tokens:
             await bucket(con, s.record.team_id, int(now), 0, s.tokens)
-        return
+        return s.reservation_id is None
     await unbook(con, s.reservation_id, row["team_id"], row["cost_usd"])  # type: ignore[arg-type]
     await bucket(con, row["team_id"], int(row["created_at"]), 0, s.tokens - row["tokens"])
+    return True
 
 
 async def add_columns(con: Any) -> None:

@@ -217,15 +217,15 @@ class SqliteStore(SqliteBatchTables, Store):
         return len(batch) <= FAST_BATCH and self._conns.now(settler(batch))[0]
 
     async def expire_reservations(self, now: float | None = None) -> int:
-        t = time.time() if now is None else now
-
         def q(db: sqlite3.Connection) -> int:
             with Immediate(db):
+                t = time.time() if now is None else now
                 n = expire_where(db, "expires_at<=?", (t,), t)
                 db.execute("DELETE FROM rate_buckets WHERE second < ?", (int(t - 2 * WINDOW_S),))
             return n
 
-        return await self._run(q)
+        # the heartbeat's housekeeping: on its lane, so the next beat never waits behind the queue
+        return await self._conns.beat(q)
 
     async def heartbeat(
         self,
@@ -233,12 +233,18 @@ class SqliteStore(SqliteBatchTables, Store):
         ttl_s: float,
         now: float | None = None,
         streamed: Mapping[str, int] | None = None,
-    ) -> None:
-        t = time.time() if now is None else now
+    ) -> float | None:
         counts = [(n, rid, gateway_id) for rid, n in (streamed or {}).items()]
 
-        def q(db: sqlite3.Connection) -> None:
+        def q(db: sqlite3.Connection) -> float | None:
             with Immediate(db):
+                # the time the row says is the time it is written (the write lock held), not the
+                # time the call was made: a call that waited for the lock or behind a slow one
+                # must not write a heartbeat already stale (a reclaim would take it for dead)
+                t = time.time() if now is None else now
+                prev = db.execute(
+                    "SELECT heartbeat_at FROM gateways WHERE id = ?", (gateway_id,)
+                ).fetchone()
                 db.execute(
                     "INSERT INTO gateways (id, heartbeat_at) VALUES (?, ?) ON CONFLICT (id) DO UPDATE "
                     "SET heartbeat_at = excluded.heartbeat_at",
@@ -254,24 +260,26 @@ class SqliteStore(SqliteBatchTables, Store):
                     "WHERE id = ? AND gateway_id = ?",
                     counts,
                 )
+            return None if prev is None else t - prev[0]
 
-        await self._run(q)
+        return await self._conns.beat(q)
 
-    async def reclaim(self, dead_after_s: float, now: float | None = None) -> int:
-        t = time.time() if now is None else now
-
+    async def reclaim(
+        self, dead_after_s: float, now: float | None = None, gateway_id: str | None = None
+    ) -> int:
         def q(db: sqlite3.Connection) -> int:
             with Immediate(db):
+                t = time.time() if now is None else now  # when it runs, as the heartbeat's
                 dead = [
                     r[0]
                     for r in db.execute(
-                        "DELETE FROM gateways WHERE heartbeat_at < ? RETURNING id",
-                        (t - dead_after_s,),
+                        "DELETE FROM gateways WHERE heartbeat_at < ? AND id != ? RETURNING id",
+                        (t - dead_after_s, gateway_id or ""),
                     ).fetchall()
                 ]
                 return sum(expire_where(db, "gateway_id = ?", (g,), t) for g in dead)
 
-        return await self._run(q)
+        return await self._conns.beat(q)
 
     async def reclaim_previous(
         self, instance: str, gateway_id: str, now: float | None = None

@@ -21,6 +21,12 @@ when that cannot wait:
   does not fsync: that is what the loop may do, and the durability is the worker's (survives a
   killed process, as before).
 
+The gateway's heartbeat (and its reclaim of dead gateways) has a lane of its own, a second
+thread with its own connection (`beat`): behind a slow call on the worker (a big usage report,
+a checkpoint) it would wait, and a heartbeat that cannot land makes this gateway look dead to
+every other gateway on the file. The lane still waits for the write lock like any writer, but
+never behind this process's queue.
+
 A callable given to `fast()` must be safe to run twice: a busy failure happens at
 `BEGIN IMMEDIATE`, before any effect, or rolls its transaction back (`_tx`), and the worker
 runs it again from the start.
@@ -76,6 +82,9 @@ class Connections:
         self._init = init
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duet-store")
         self._worker: sqlite3.Connection | None = None
+        #: the heartbeat's lane: its own thread and connection (`beat`)
+        self._beat_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duet-store-beat")
+        self._beat: sqlite3.Connection | None = None
         self._loop_db: sqlite3.Connection | None = None
         self._loop_thread: int | None = None
         self._since_checkpoint = 0
@@ -103,9 +112,17 @@ class Connections:
             self._worker = db
         return self._worker
 
+    def _beat_db(self) -> sqlite3.Connection:
+        """The heartbeat lane's connection (on its thread; the worker made the schema)."""
+        if self._beat is None:
+            self._beat = connect(self.path, 30_000, set_wal=False)
+        return self._beat
+
     async def open(self) -> None:
-        """Open the worker's connection and the loop's fast path (on this loop's thread)."""
+        """Open the worker's connection, the heartbeat lane's and the loop's fast path (on this
+        loop's thread)."""
         await self.run(lambda db: None)
+        await self.beat(lambda db: None)
         db = connect(self.path, 0, set_wal=False)
         db.execute("PRAGMA wal_autocheckpoint=0")
         self._loop_db, self._loop_thread = db, threading.get_ident()
@@ -116,23 +133,39 @@ class Connections:
         if self._loop_db is not None:
             self._loop_db.close()
             self._loop_db = None
-        await asyncio.get_running_loop().run_in_executor(self._pool, self._close_worker)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._pool, self._close_worker)
+        await loop.run_in_executor(self._beat_pool, self._close_beat)
         self._pool.shutdown(wait=True)
+        self._beat_pool.shutdown(wait=True)
 
     def close_now(self) -> None:
         """`close` from outside any event loop (a file only the worker used)."""
         self._pool.submit(self._close_worker).result()
         self._pool.shutdown(wait=True)
+        self._beat_pool.shutdown(wait=True)
 
     def _close_worker(self) -> None:
         if self._worker is not None:
             self._worker.close()
             self._worker = None
 
+    def _close_beat(self) -> None:
+        if self._beat is not None:
+            self._beat.close()
+            self._beat = None
+
     async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """`fn` on the worker thread (it may wait for the write lock)."""
         return await asyncio.get_running_loop().run_in_executor(
             self._pool, lambda: fn(self._worker_db())
+        )
+
+    async def beat(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """`fn` on the heartbeat's own thread and connection (it may wait for the write lock,
+        never behind the worker's queue)."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._beat_pool, lambda: fn(self._beat_db())
         )
 
     async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:

@@ -147,14 +147,16 @@ _LEG_TOKENS = USAGE_COLS.index("leg_tokens")
 
 def settler(batch: list[Settlement]) -> Callable[[sqlite3.Connection], None]:
     """The transaction that settles `batch` and writes its usage records (safe to run twice:
-    it commits once or not at all)."""
+    it commits once or not at all). A booking that expired before its settlement (its gateway
+    looked dead, or it outlived its TTL unrenewed) was billed `expired`, under its request id as
+    a key: its real record replaces that one, it is never billed beside it."""
 
     def q(db: sqlite3.Connection) -> None:
         now = time.time()
         with Immediate(db):
             for s in batch:
-                _settle_booking(db, s, now)
-                _write_usage(db, s.record, now, s.idempotent)
+                gone = not _settle_booking(db, s, now)
+                _write_usage(db, s.record, now, s.idempotent or gone)
 
     return q
 
@@ -309,8 +311,10 @@ def expire_where(
             0,
             (record.prompt_tokens + record.completion_tokens if record else 0) - tokens,
         )
-        if record is not None and b is not None:
-            _write_usage(db, record, now, once=b.idempotent)
+        if record is not None:
+            # keyed by its request id, always: if the request still settles (its gateway was
+            # alive after all), its real record replaces this one (`_take_key`)
+            _write_usage(db, record, now, once=True)
     return len(rows)
 
 
@@ -361,8 +365,9 @@ def _take_key(db: sqlite3.Connection, r: UsageRecord, now: float) -> bool:
     return True
 
 
-def _settle_booking(db: sqlite3.Connection, s: Settlement, now: float) -> None:
-    """The booking's worst case becomes the request's real tokens, in the second it was booked."""
+def _settle_booking(db: sqlite3.Connection, s: Settlement, now: float) -> bool:
+    """The booking's worst case becomes the request's real tokens, in the second it was booked;
+    False: it booked something that is gone (expired, billed as such under its request id)."""
     row = None
     if s.reservation_id is not None:
         row = db.execute(
@@ -372,7 +377,8 @@ def _settle_booking(db: sqlite3.Connection, s: Settlement, now: float) -> None:
     if row is None:  # nothing booked, or it expired meanwhile: the real tokens count from now
         if s.tokens:
             _bucket(db, s.record.team_id, int(now), 0, s.tokens)
-        return
+        return s.reservation_id is None
     team_id, created, booked, cost = row
     _unbook(db, team_id, cost)
     _bucket(db, team_id, int(created), 0, s.tokens - booked)
+    return True
