@@ -45,6 +45,8 @@ from gateway.accounts.store.base import (
     Team,
     UsageRecord,
 )
+from gateway.accounts.store.postgres import PostgresStore
+from gateway.accounts.store.sqlite import SqliteStore
 from gateway.accounts.usage_writer import UsageWriter
 from gateway.config import QuotaConfig
 from gateway.metrics import GatewayMetrics
@@ -223,5 +225,29 @@ async def test_a_reclaimed_booking_that_settles_replaces_its_expired_record(url:
         await store.settle([_settlement(res, "t", "req-late")])
         records = await store.usage_records("t", t0 - 1, time.time() + 1)
         assert _billed(records) == [("req-late", "ok", PROMPT, COMPLETION)]
+    finally:
+        await store.close()
+
+
+async def test_a_heartbeat_never_waits_behind_the_stores_queue(url: str) -> None:
+    """The store's own queue is busy for `STALL_S` — SQLite's one worker thread running a slow
+    call, every connection of PostgreSQL's pool in a slow query — and the heartbeat still lands
+    at once, on its own connection: a slow report in this gateway must not make it look dead to
+    the others sharing the store."""
+    store = open_store(url) if url.startswith("sqlite") else PostgresStore(url, max_connections=2)
+    await store.open()
+    try:
+        await store.heartbeat("gw-busy", 900)
+        if isinstance(store, SqliteStore):
+            busy = [store._conns.run(lambda db: time.sleep(STALL_S))]  # a slow call on the worker
+        else:
+            busy = [store.pool.fetchval(f"SELECT pg_sleep({STALL_S})") for _ in range(2)]
+        stalls = asyncio.gather(*busy)
+        await asyncio.sleep(0.2)  # the slow calls hold the queue (they run for STALL_S)
+        t0 = time.monotonic()
+        gap = await asyncio.wait_for(store.heartbeat("gw-busy", 900), STALL_S / 2)
+        assert gap is not None and time.monotonic() - t0 < STALL_S / 2
+        assert await asyncio.wait_for(store.reclaim(60.0, gateway_id="gw-busy"), STALL_S / 2) == 0
+        await stalls
     finally:
         await store.close()
