@@ -251,3 +251,25 @@ async def test_a_heartbeat_never_waits_behind_the_stores_queue(url: str) -> None
         await stalls
     finally:
         await store.close()
+
+
+async def test_a_settlement_retried_after_it_committed_bills_once(url: str) -> None:
+    """The usage writer retries a batch whose commit it did not hear back from (a connection
+    lost as PostgreSQL committed): the booking is gone because this very settlement took it, and
+    the retry writes nothing more."""
+    store = open_store(url)
+    await store.open()
+    try:
+        await store.create_team(Team(id="t"))
+        t0 = time.time()
+        res = await _reserve(store, "t", "req-once", "gw")
+        assert isinstance(res, Reservation)
+        s = _settlement(res, "t", "req-once")
+        await store.settle([s])
+        await store.settle([s])  # the retry: the same settlement, its record's time included
+        records = await store.usage_records("t", t0 - 1, time.time() + 1)
+        assert _billed(records) == [("req-once", "ok", PROMPT, COMPLETION)]
+        [total] = await store.usage("t", t0 - 1, time.time() + 1, None)
+        assert total["cost_usd"] == pytest.approx((PROMPT * IN_USD + COMPLETION * OUT_USD) / 1e6)
+    finally:
+        await store.close()

@@ -13,6 +13,8 @@ of streaming) are not known to the store and go unbilled: the record is a floor.
 
 from __future__ import annotations
 
+from enum import Enum
+
 import msgspec
 
 from gateway.accounts.store.base import Booked, UsageRecord
@@ -20,6 +22,19 @@ from gateway.accounts.store.base import Booked, UsageRecord
 _ENC = msgspec.json.Encoder()
 #: the usage status of a booking billed at its expiry
 EXPIRED = "expired"
+
+
+class Booking(Enum):
+    """What a settlement found of its booking."""
+
+    #: booked and settled now, or nothing was booked: its record is written as it is
+    SETTLED = "settled"
+    #: booked, and gone: expired (billed `expired` under its request id), so its real record
+    #: replaces that one through the key
+    GONE = "gone"
+    #: gone because this very settlement committed already (a retry after a commit whose answer
+    #: was lost): its record is there, exactly; nothing more is written
+    RECORDED = "recorded"
 
 
 def booked_json(b: Booked | None) -> str | None:

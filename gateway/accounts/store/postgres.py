@@ -30,6 +30,7 @@ from gateway.accounts.store.base import (
     Team,
     UsageRecord,
 )
+from gateway.accounts.store.expiry import Booking
 from gateway.accounts.store.postgres_batch import PostgresBatchTables, create_batch_tables
 from gateway.accounts.store.postgres_quota import (
     DAY_SQL,
@@ -242,9 +243,11 @@ class PostgresStore(PostgresBatchTables, Store):
         async with self.pool.acquire() as con, con.transaction():
             # a booking gone before its settlement was billed `expired` under its request id:
             # the real record replaces that one (take_key), never joins it
-            keyed = [
-                (s.record, not await settle_booking(con, s, now) or s.idempotent) for s in batch
-            ]
+            keyed = []
+            for s in batch:
+                b = await settle_booking(con, s, now)
+                if b is not Booking.RECORDED:
+                    keyed.append((s.record, s.idempotent or b is Booking.GONE))
             await write_usage(con, keyed, now)
 
     async def expire_reservations(self, now: float | None = None) -> int:

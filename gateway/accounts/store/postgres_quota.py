@@ -20,7 +20,13 @@ from gateway.accounts.store.base import (
     Team,
     UsageRecord,
 )
-from gateway.accounts.store.expiry import EXPIRED, booked_from, booked_json, expired_record
+from gateway.accounts.store.expiry import (
+    EXPIRED,
+    Booking,
+    booked_from,
+    booked_json,
+    expired_record,
+)
 from gateway.accounts.store.rules import Counters, day_period, decide, month_period, window_start
 
 SCHEMA = """
@@ -257,22 +263,29 @@ async def insert_usage(con: Any, records: list[UsageRecord], now: float) -> None
     )
 
 
-async def settle_booking(con: Any, s: Settlement, now: float) -> bool:
-    """The booking's worst case becomes the request's real tokens, in the second it was booked;
-    False: it booked something that is gone (expired, billed as such under its request id)."""
-    row = None
+async def settle_booking(con: Any, s: Settlement, now: float) -> Booking:
+    """The booking's worst case becomes the request's real tokens, in the second it was booked."""
+    row, r = None, s.record
     if s.reservation_id is not None:
         row = await con.fetchrow(
             "SELECT team_id, created_at, tokens, cost_usd FROM reservations WHERE id=$1 FOR UPDATE",
             s.reservation_id,
         )
+        # the record's own (team, time, id): on the usage index, and a retry carries the same
+        if row is None and await con.fetchval(
+            "SELECT 1 FROM usage WHERE team_id=$1 AND created_at=$2 AND request_id=$3",
+            r.team_id,
+            r.created_at,
+            r.request_id,
+        ):
+            return Booking.RECORDED
     if row is None:  # nothing booked, or it expired meanwhile: the real tokens count from now
         if s.tokens:
-            await bucket(con, s.record.team_id, int(now), 0, s.tokens)
-        return s.reservation_id is None
+            await bucket(con, r.team_id, int(now), 0, s.tokens)
+        return Booking.SETTLED if s.reservation_id is None else Booking.GONE
     await unbook(con, s.reservation_id, row["team_id"], row["cost_usd"])  # type: ignore[arg-type]
     await bucket(con, row["team_id"], int(row["created_at"]), 0, s.tokens - row["tokens"])
-    return True
+    return Booking.SETTLED
 
 
 async def add_columns(con: Any) -> None:

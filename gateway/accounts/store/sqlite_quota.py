@@ -23,7 +23,13 @@ from gateway.accounts.store.base import (
     Team,
     UsageRecord,
 )
-from gateway.accounts.store.expiry import EXPIRED, booked_from, booked_json, expired_record
+from gateway.accounts.store.expiry import (
+    EXPIRED,
+    Booking,
+    booked_from,
+    booked_json,
+    expired_record,
+)
 from gateway.accounts.store.rules import Counters, day_period, decide, month_period, window_start
 
 #: usage batches up to this many records commit on the event loop's fast path
@@ -155,8 +161,9 @@ def settler(batch: list[Settlement]) -> Callable[[sqlite3.Connection], None]:
         now = time.time()
         with Immediate(db):
             for s in batch:
-                gone = not _settle_booking(db, s, now)
-                _write_usage(db, s.record, now, s.idempotent or gone)
+                b = _settle_booking(db, s, now)
+                if b is not Booking.RECORDED:
+                    _write_usage(db, s.record, now, s.idempotent or b is Booking.GONE)
 
     return q
 
@@ -365,20 +372,31 @@ def _take_key(db: sqlite3.Connection, r: UsageRecord, now: float) -> bool:
     return True
 
 
-def _settle_booking(db: sqlite3.Connection, s: Settlement, now: float) -> bool:
-    """The booking's worst case becomes the request's real tokens, in the second it was booked;
-    False: it booked something that is gone (expired, billed as such under its request id)."""
+def _settle_booking(db: sqlite3.Connection, s: Settlement, now: float) -> Booking:
+    """The booking's worst case becomes the request's real tokens, in the second it was booked."""
     row = None
     if s.reservation_id is not None:
         row = db.execute(
             "DELETE FROM reservations WHERE id=? RETURNING team_id, created_at, tokens, cost_usd",
             (s.reservation_id,),
         ).fetchone()
+    r = s.record
+    # gone: was it this very settlement? (the record's own team, time and id: on the usage
+    # index, and a retry carries the same)
+    if (
+        row is None
+        and s.reservation_id is not None
+        and db.execute(
+            "SELECT 1 FROM usage WHERE team_id=? AND created_at=? AND request_id=?",
+            (r.team_id, r.created_at, r.request_id),
+        ).fetchone()
+    ):
+        return Booking.RECORDED
     if row is None:  # nothing booked, or it expired meanwhile: the real tokens count from now
         if s.tokens:
-            _bucket(db, s.record.team_id, int(now), 0, s.tokens)
-        return s.reservation_id is None
+            _bucket(db, r.team_id, int(now), 0, s.tokens)
+        return Booking.SETTLED if s.reservation_id is None else Booking.GONE
     team_id, created, booked, cost = row
     _unbook(db, team_id, cost)
     _bucket(db, team_id, int(created), 0, s.tokens - booked)
-    return True
+    return Booking.SETTLED
