@@ -31,13 +31,12 @@ from gateway.accounts.store.base import (
     UsageRecord,
 )
 from gateway.accounts.store.sqlite_batch import SqliteBatchTables, init_batch_tables
-from gateway.accounts.store.sqlite_conn import Connections
+from gateway.accounts.store.sqlite_conn import Connections, Immediate
 from gateway.accounts.store.sqlite_quota import (
     FAST_BATCH,
     KEY_COLS,
     TEAM_COLS,
     USAGE_COLS,
-    Immediate,
     expire_where,
     init_tables,
     key_of,

@@ -29,7 +29,7 @@ never behind this process's queue.
 
 A callable given to `fast()` must be safe to run twice: a busy failure happens at
 `BEGIN IMMEDIATE`, before any effect, or rolls its transaction back (`_tx`), and the worker
-runs it again from the start.
+runs it again from the start. `Immediate` is the write transaction every such callable opens.
 """
 
 from __future__ import annotations
@@ -260,3 +260,17 @@ def _in_tx(db: sqlite3.Connection, begin: str, fn: Callable[[sqlite3.Connection]
         raise
     db.execute("COMMIT")
     return out
+
+
+class Immediate:
+    """BEGIN IMMEDIATE … COMMIT, ROLLBACK on error (autocommit connection)."""
+
+    def __init__(self, db: sqlite3.Connection) -> None:
+        self.db = db
+
+    def __enter__(self) -> sqlite3.Connection:
+        self.db.execute("BEGIN IMMEDIATE")
+        return self.db
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        self.db.execute("ROLLBACK" if exc_type else "COMMIT")

@@ -31,6 +31,7 @@ from gateway.accounts.store.expiry import (
     expired_record,
 )
 from gateway.accounts.store.rules import Counters, day_period, decide, month_period, window_start
+from gateway.accounts.store.sqlite_conn import Immediate
 
 #: usage batches up to this many records commit on the event loop's fast path
 FAST_BATCH = 8
@@ -176,20 +177,6 @@ def _add_columns(db: sqlite3.Connection) -> None:
         for table, column, type_ in ADDED_COLUMNS:
             if column not in {row[1] for row in db.execute(f"PRAGMA table_info({table})")}:
                 db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {type_}")
-
-
-class Immediate:
-    """BEGIN IMMEDIATE … COMMIT, ROLLBACK on error (autocommit connection)."""
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-
-    def __enter__(self) -> sqlite3.Connection:
-        self.db.execute("BEGIN IMMEDIATE")
-        return self.db
-
-    def __exit__(self, exc_type: object, *_: object) -> None:
-        self.db.execute("ROLLBACK" if exc_type else "COMMIT")
 
 
 def team_fields(team: Team) -> dict[str, Any]:
