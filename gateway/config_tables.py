@@ -272,8 +272,13 @@ class BatchLimits:
     max_line_bytes: int = 2**20
     #: batches of one team not yet ended (validating, in_progress, finalizing, cancelling)
     max_open_batches: int = 100
-    #: bytes of one team's stored files (inputs and results) not deleted
+    #: bytes of one team's stored files (inputs and results) not deleted, and of the request
+    #: bodies its batches hold until they end
     max_team_bytes: int = 10 * 2**30
+    #: uploads and batch creations in progress at once (each reads a whole file), in all and
+    #: per team; one more is refused with 429
+    max_uploads: int = 8
+    max_team_uploads: int = 2
     #: HMAC secret for callbacks (or $DUET_BATCH_CALLBACK_SECRET); per-team overrides below; no
     #: secret: no callbacks
     callback_secret: str | None = None

@@ -23,7 +23,7 @@ from gateway.accounts.store.batch_tables import BatchTables, Conflict, TeamLimit
 from gateway.accounts.store.private_files import open_private
 from gateway.batch.config import BatchConfig
 from gateway.batch.contracts import Authenticate
-from gateway.batch.files import FileStore, InvalidFile, bounded_lines, new_file_id, parse_lines
+from gateway.batch.files import FileStore, InvalidFile, bounded_lines, new_file_id, validate_file
 from gateway.batch.models import CreateBatch, FileObject, ListPage
 from gateway.batch.rows import FileRow
 from gateway.batch.simple import add_simple_routes
@@ -37,6 +37,7 @@ from gateway.batch.submit import (
     submit_batch,
     team_of,
 )
+from gateway.batch.uploads import UploadSlots
 from protocol.openai import APIError
 
 UPLOAD_CHUNK = 1 << 20
@@ -109,6 +110,7 @@ class _Routes:
         self.config = config
         self.files = FileStore(config.files_dir)
         self.wake = wake
+        self.slots = UploadSlots(config)
 
     # ---- files ----
     async def upload(self, request: web.Request) -> web.Response:
@@ -117,6 +119,10 @@ class _Routes:
             raise APIError(
                 400, "upload a file as multipart/form-data with fields 'file' and 'purpose'"
             )
+        with self.slots.hold(team):  # before the body is read
+            return await self._upload(request, team)
+
+    async def _upload(self, request: web.Request, team: str) -> web.Response:
         reader = await request.multipart()
         purpose: str | None = None
         expiry: dict[str, str] = {}
@@ -146,7 +152,7 @@ class _Routes:
                 raise APIError(400, "the upload has no 'file' field", param="file")
             try:
                 await asyncio.to_thread(
-                    lambda: parse_lines(
+                    lambda: validate_file(
                         bounded_lines(temp, self.config.max_line_bytes), self.config
                     )
                 )
@@ -270,17 +276,18 @@ class _Routes:
             raise APIError(
                 400, f"file {f.id!r} has purpose {f.purpose!r}, not 'batch'", param="input_file_id"
             )
-        row = await submit_batch(
-            self.store,
-            self.files,
-            self.config,
-            team_id=team,
-            kind="openai",
-            endpoint=body.endpoint,
-            input_file_id=f.id,
-            window=body.completion_window,
-            metadata=body.metadata,
-        )
+        with self.slots.hold(team):  # it reads the whole file, twice
+            row = await submit_batch(
+                self.store,
+                self.files,
+                self.config,
+                team_id=team,
+                kind="openai",
+                endpoint=body.endpoint,
+                input_file_id=f.id,
+                window=body.completion_window,
+                metadata=body.metadata,
+            )
         self.wake()
         return json_response(batch_object(row))
 
@@ -344,4 +351,6 @@ def make_batch_routes(
         ("POST", "/v1/batches/{batch_id}/cancel", r.cancel_batch),
     ):
         router.add_route(method, path, api_handler(fn))
-    add_simple_routes(router, store=store, authenticate=authenticate, config=config, wake=r.wake)
+    add_simple_routes(
+        router, store=store, authenticate=authenticate, config=config, wake=r.wake, slots=r.slots
+    )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +72,8 @@ class BatchRow:
 class NewRequest:
     line: int
     custom_id: str
-    body: dict[str, Any]
+    #: the request's body, or its JSON text as the input file holds it (never decoded on the way)
+    body: dict[str, Any] | str
 
 
 @dataclass(frozen=True)
@@ -169,11 +170,23 @@ def file_values(f: FileRow) -> tuple[Any, ...]:
     return (f.id, f.team_id, f.purpose, f.filename, f.bytes, f.created_at, f.expires_at)
 
 
-def request_values(
-    batch_id: str, requests: Sequence[NewRequest]
-) -> list[tuple[str, str, int, str]]:
-    """A new batch's request rows in REQUEST_INSERT_COLS order."""
-    return [(batch_id, r.custom_id, r.line, json.dumps(r.body)) for r in requests]
+class RequestValues:
+    """A new batch's request rows in REQUEST_INSERT_COLS order, made as the store inserts them
+    (the requests may be read from the input file meanwhile: none is held), counted on the way:
+    `count` rows, `body_bytes` bytes of bodies."""
+
+    def __init__(self, batch_id: str, requests: Iterable[NewRequest]) -> None:
+        self.batch_id = batch_id
+        self._requests = requests
+        self.count = 0
+        self.body_bytes = 0
+
+    def __iter__(self) -> Iterator[tuple[str, str, int, str]]:
+        for r in self._requests:
+            body = r.body if isinstance(r.body, str) else json.dumps(r.body)
+            self.count += 1
+            self.body_bytes += len(body.encode())
+            yield (self.batch_id, r.custom_id, r.line, body)
 
 
 def callback_starts_at_creation(row: BatchRow) -> bool:

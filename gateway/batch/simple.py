@@ -23,11 +23,12 @@ from gateway.batch.callback import CallbackURLError, check_callback_url
 from gateway.batch.config import BatchConfig
 from gateway.batch.contracts import Authenticate
 from gateway.batch.files import (
+    MAX_REPORTED_ERRORS,
     FileStore,
     InvalidFile,
-    check_for_batch,
+    Scan,
     new_file_id,
-    parse_lines_collect,
+    unfit,
 )
 from gateway.batch.models import (
     PRIORITIES,
@@ -53,6 +54,7 @@ from gateway.batch.submit import (
     team_of,
     window_seconds,
 )
+from gateway.batch.uploads import UploadSlots
 from protocol.openai import APIError
 
 _ENC = msgspec.json.Encoder()
@@ -105,11 +107,16 @@ def add_simple_routes(
     authenticate: Authenticate,
     config: BatchConfig,
     wake: Any,
+    slots: UploadSlots,
 ) -> None:
     files = FileStore(config.files_dir)
 
     async def create(request: web.Request) -> web.Response:
         team = await team_of(request, authenticate)
+        with slots.hold(team):  # before the body is read
+            return await create_for(request, team)
+
+    async def create_for(request: web.Request, team: str) -> web.Response:
         body: SimpleBatchCreate = decode(await request.read(), SimpleBatchCreate)
         if not body.requests:
             raise APIError(400, "requests is empty", param="requests")
@@ -130,10 +137,11 @@ def add_simple_routes(
                     400, str(e), param="callback_url", code="invalid_callback_url"
                 ) from None
         lines, errors = to_jsonl(body.requests)
-        parsed, more = parse_lines_collect(lines, config)
-        errors += more
-        if parsed:
-            errors += check_for_batch(parsed, parsed[0][1].url, config)
+        scan = Scan(config)
+        parsed = list(scan.lines(lines))
+        errors += scan.errors
+        unfit_lines = (unfit(x, parsed[0].url, config) for x in parsed)
+        errors += [e for e in unfit_lines if e is not None][:MAX_REPORTED_ERRORS]
         if errors:
             errors.sort(key=lambda e: e.line or 0)
             raise APIError(400, str(InvalidFile(errors)), param="requests", code="invalid_batch")
@@ -178,7 +186,7 @@ def add_simple_routes(
                 config,
                 team_id=team,
                 kind="simple",
-                endpoint=parsed[0][1].url,
+                endpoint=parsed[0].url,
                 input_file_id=fid,
                 window=body.completion_window,
                 metadata=body.metadata,

@@ -11,8 +11,8 @@ import asyncio
 import inspect
 import time
 import uuid
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, BinaryIO
 
 import msgspec
 from aiohttp import web
@@ -20,7 +20,7 @@ from aiohttp import web
 from gateway.accounts.store.batch_tables import BatchTables, TeamLimit
 from gateway.batch.config import BatchConfig
 from gateway.batch.contracts import Authenticate
-from gateway.batch.files import FileStore, InvalidFile, check_for_batch, parse_lines
+from gateway.batch.files import FileStore, InvalidFile, Scan, read_lines
 from gateway.batch.models import PRIORITIES, Batch, BatchError, BatchErrors, RequestCounts
 from gateway.batch.rows import BatchRow, NewRequest
 from protocol.openai import APIError
@@ -191,53 +191,75 @@ async def submit_batch(
     check_priority(config, team_id, priority)
     await check_open_batches(store, config, team_id)
 
-    def parse() -> tuple[list[Any], list[BatchError]]:
+    with files.open(input_file_id) as f:  # one handle for both reads: a delete cannot cut it
+        count, errors = await asyncio.to_thread(_scan, f, endpoint, config)
+        if errors and refuse_invalid:
+            raise APIError(400, str(InvalidFile(errors)), param="requests", code="invalid_batch")
+        row = _new_row(
+            errors,
+            count,
+            seconds,
+            team_id=team_id,
+            kind=kind,
+            endpoint=endpoint,
+            input_file_id=input_file_id,
+            completion_window=window,
+            priority=priority,
+            metadata=metadata,
+            callback_url=callback_url,
+        )
+        # The requests are read from the file again as the store inserts them, one at a time.
+        f.seek(0)
+        reqs = [] if errors else _requests(f, endpoint, config)
         try:
-            lines = parse_lines(files.lines(input_file_id, config.max_line_bytes), config)
-        except InvalidFile as e:  # limits may have changed since the upload
-            return [], e.errors
-        return lines, check_for_batch(lines, endpoint, config)
+            await store.create_batch(
+                row, reqs, max_open=config.max_open_batches, max_team_bytes=config.max_team_bytes
+            )
+        except TeamLimit as e:  # batches created since the early check took the last places
+            raise limit_error(config, team_id, e, param="input_file_id") from None
+    return row
 
-    lines, errors = await asyncio.to_thread(parse)
-    if errors and refuse_invalid:
-        raise APIError(400, str(InvalidFile(errors)), param="requests", code="invalid_batch")
+
+def _scan(f: BinaryIO, endpoint: str, config: BatchConfig) -> tuple[int, list[BatchError]]:
+    """The file's valid lines for a batch at `endpoint`, and what makes it unfit (its lines were
+    checked at upload, but the limits may have changed since)."""
+    scan = Scan(config, endpoint)
+    for _ in scan.lines(read_lines(f, config.max_line_bytes)):
+        pass
+    return scan.count, scan.errors
+
+
+def _requests(f: BinaryIO, endpoint: str, config: BatchConfig) -> Iterator[NewRequest]:
+    for line in Scan(config, endpoint).lines(read_lines(f, config.max_line_bytes)):
+        yield NewRequest(line=line.number, custom_id=line.custom_id, body=line.body)
+
+
+def _new_row(errors: list[BatchError], count: int, window_s: float, **given: Any) -> BatchRow:
+    """A new batch's row: `given` names what the caller chose (team, kind, endpoint, input
+    file, window, priority, metadata, callback); `errors` make it a failed batch."""
     now = time.time()
-    row = BatchRow(
+    total = 0 if errors else count
+    return BatchRow(
         id=f"batch_{uuid.uuid4().hex}",
-        team_id=team_id,
-        kind=kind,
-        endpoint=endpoint,
-        input_file_id=input_file_id,
-        completion_window=window,
         status="failed" if errors else "in_progress",
-        priority=priority,
-        metadata=metadata,
         errors=_errors_json(errors) if errors else None,
-        total=0 if errors else len(lines),
+        total=total,
         output_file_id=None,
         error_file_id=None,
         created_at=now,
         in_progress_at=None if errors else now,
-        expires_at=now + seconds,
+        expires_at=now + window_s,
         finalizing_at=None,
         completed_at=None,
         failed_at=now if errors else None,
         expired_at=None,
         cancelling_at=None,
         cancelled_at=None,
-        callback_url=callback_url,
         callback_state=None,
         callback_attempts=0,
-        counts=RequestCounts(total=0 if errors else len(lines)),
+        counts=RequestCounts(total=total),
+        **given,
     )
-    reqs = (
-        [] if errors else [NewRequest(line=n, custom_id=x.custom_id, body=x.body) for n, x in lines]
-    )
-    try:
-        await store.create_batch(row, reqs, max_open=config.max_open_batches)
-    except TeamLimit as e:  # batches created since the early check took the last places
-        raise limit_error(config, team_id, e) from None
-    return row
 
 
 def _ts(x: float | None) -> int | None:

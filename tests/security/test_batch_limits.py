@@ -41,6 +41,9 @@ def gw(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[P
         "concurrency": 0,
         "max_open_batches": 2,
         "max_team_bytes": TEAM_BYTES,
+        # the racing tests below send 8 to 10 at once: each must meet the bound it tests
+        "max_uploads": 16,
+        "max_team_uploads": 16,
     }
     g = gateway_proc(
         tmp, {MODEL: tiny_model(tiny_llama, both=["http://127.0.0.1:9"])}, batch=batch, teams=TEAMS

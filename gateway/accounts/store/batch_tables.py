@@ -21,7 +21,7 @@ Invariants:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 from gateway.batch.rows import BatchRow, Claimed, FileRow, NewRequest, ResultRow
@@ -73,10 +73,17 @@ class BatchTables(ABC):
 
     @abstractmethod
     async def create_batch(
-        self, row: BatchRow, requests: Sequence[NewRequest], max_open: int | None = None
+        self,
+        row: BatchRow,
+        requests: Iterable[NewRequest],
+        max_open: int | None = None,
+        max_team_bytes: int | None = None,
     ) -> None:
-        """Write a batch and its requests; with `max_open`, raise TeamLimit (nothing written)
-        if an open batch would make the team's open batches more than `max_open`."""
+        """Write a batch and its requests (consumed once, as they are inserted: they may be
+        read from the input file meanwhile); with `max_open`, raise TeamLimit (nothing written)
+        if an open batch would make the team's open batches more than `max_open`; with
+        `max_team_bytes`, if the requests' bodies would take the team's storage past it (the
+        bodies count until the batch ends, when `finish_batch` deletes them)."""
 
     @abstractmethod
     async def get_batch(self, team_id: str | None, batch_id: str) -> BatchRow | None: ...
@@ -157,5 +164,6 @@ class BatchTables(ABC):
     async def pending_requests(self) -> int: ...
     @abstractmethod
     async def team_holdings(self, team_id: str) -> tuple[int, int]:
-        """(bytes of the team's stored files, its batches not yet ended): its per-team limits."""
+        """(bytes of the team's stored files and of the request bodies its batches hold, its
+        batches not yet ended): its per-team limits."""
         ...

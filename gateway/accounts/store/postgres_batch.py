@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 import asyncpg
 
@@ -61,7 +61,8 @@ CREATE TABLE IF NOT EXISTS batches (
     completed_at DOUBLE PRECISION, failed_at DOUBLE PRECISION, expired_at DOUBLE PRECISION,
     cancelling_at DOUBLE PRECISION, cancelled_at DOUBLE PRECISION, claimed_by TEXT,
     lease_until DOUBLE PRECISION, callback_url TEXT, callback_state TEXT,
-    callback_attempts INTEGER NOT NULL DEFAULT 0, callback_next_at DOUBLE PRECISION, callback_error TEXT);
+    callback_attempts INTEGER NOT NULL DEFAULT 0, callback_next_at DOUBLE PRECISION, callback_error TEXT,
+    body_bytes BIGINT NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS batches_team ON batches (team_id, seq);
 CREATE INDEX IF NOT EXISTS batches_status ON batches (status);
 CREATE TABLE IF NOT EXISTS batch_requests (
@@ -73,6 +74,10 @@ CREATE TABLE IF NOT EXISTS batch_requests (
 CREATE INDEX IF NOT EXISTS batch_requests_state ON batch_requests (state, not_before);
 CREATE INDEX IF NOT EXISTS batch_requests_line ON batch_requests (batch_id, line);
 """
+_HAS_BODY_BYTES = (
+    "SELECT EXISTS (SELECT 1 FROM information_schema.columns WHERE table_name='batches' "
+    "AND column_name='body_bytes' AND table_schema=current_schema())"
+)
 #: serializes schema creation between gateways starting at once (CREATE IF NOT EXISTS races)
 _SCHEMA_LOCK = 0x6475657462617463
 
@@ -86,6 +91,8 @@ async def create_batch_tables(pool: asyncpg.Pool) -> None:
         # with two gateways starting at once).
         if await con.fetchval("SELECT to_regclass('batch_requests_line')") is None:
             await con.execute(SCHEMA)
+        if not await con.fetchval(_HAS_BODY_BYTES):  # tables of an earlier version
+            await con.execute("ALTER TABLE batches ADD COLUMN body_bytes BIGINT NOT NULL DEFAULT 0")
 
 
 class PostgresBatchTables(PostgresBatchClaims):
@@ -145,19 +152,30 @@ class PostgresBatchTables(PostgresBatchClaims):
         return [r["id"] for r in rows]
 
     async def create_batch(
-        self, row: BatchRow, requests: Sequence[NewRequest], max_open: int | None = None
+        self,
+        row: BatchRow,
+        requests: Iterable[NewRequest],
+        max_open: int | None = None,
+        max_team_bytes: int | None = None,
     ) -> None:
         async with (await self._p()).acquire() as con, con.transaction():
-            if max_open is not None and row.status in OPEN:
+            if (max_open is not None and row.status in OPEN) or max_team_bytes is not None:
                 await lock_team(con, row.team_id)  # held from this read to the commit
+            if max_open is not None and row.status in OPEN:
                 held = await open_batches(con, row.team_id)
                 if held >= max_open:
                     raise TeamLimit("open_batches", held)
-            await con.execute(rows.insert_batch_sql(marks), *rows.batch_values(row, len(requests)))
+            values = rows.RequestValues(row.id, requests)
             await con.copy_records_to_table(
-                "batch_requests",
-                columns=list(REQUEST_INSERT_COLS),
-                records=rows.request_values(row.id, requests),
+                "batch_requests", columns=list(REQUEST_INSERT_COLS), records=values
+            )
+            if max_team_bytes is not None and values.body_bytes:
+                held = await team_bytes(con, row.team_id)
+                if held + values.body_bytes > max_team_bytes:
+                    raise TeamLimit("bytes", held)
+            await con.execute(rows.insert_batch_sql(marks), *rows.batch_values(row, values.count))
+            await con.execute(
+                "UPDATE batches SET body_bytes=$1 WHERE id=$2", values.body_bytes, row.id
             )
             if rows.callback_starts_at_creation(row):
                 await con.execute(

@@ -216,6 +216,9 @@ class PostgresBatchClaims(BatchTables):
                 rows.leftover_state(status),
                 batch_id,
             )
+            # The bodies were copies of the input file, kept to run them: gone with the batch.
+            await con.execute("UPDATE batch_requests SET body='' WHERE batch_id=$1", batch_id)
+            await con.execute("UPDATE batches SET body_bytes=0 WHERE id=$1", batch_id)
             for f in files:
                 await insert_file_row(con, f)
             return True
@@ -290,14 +293,18 @@ async def lock_team(con: Any, team_id: str) -> None:
 
 
 async def team_bytes(con: Any, team_id: str) -> int:
-    return int(
-        await con.fetchval(
-            "SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=$1 AND NOT "
-            "deleted AND (expires_at IS NULL OR expires_at > $2)",
-            team_id,
-            time.time(),
-        )
+    """The team's live files, and the request bodies its batches hold until they end."""
+    files = await con.fetchval(
+        "SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=$1 AND NOT "
+        "deleted AND (expires_at IS NULL OR expires_at > $2)",
+        team_id,
+        time.time(),
     )
+    bodies = await con.fetchval(
+        "SELECT COALESCE(SUM(body_bytes), 0) FROM batches WHERE team_id=$1 AND body_bytes>0",
+        team_id,
+    )
+    return int(files) + int(bodies)
 
 
 async def open_batches(con: Any, team_id: str) -> int:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable
 from pathlib import Path
 
 from gateway.accounts.store.batch_tables import OPEN, Conflict, TeamLimit
@@ -76,7 +76,8 @@ CREATE TABLE IF NOT EXISTS batches (
     callback_state TEXT,
     callback_attempts INTEGER NOT NULL DEFAULT 0,
     callback_next_at REAL,
-    callback_error TEXT
+    callback_error TEXT,
+    body_bytes INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS batches_team ON batches (team_id, seq);
 CREATE INDEX IF NOT EXISTS batches_status ON batches (status);
@@ -104,10 +105,13 @@ CREATE INDEX IF NOT EXISTS batch_requests_line ON batch_requests (batch_id, line
 
 
 def init_batch_tables(db: sqlite3.Connection) -> None:
-    """Create the tables (and bring an older file up to date: `expires_at` came later)."""
+    """Create the tables (and bring an older file up to date: `expires_at` and `body_bytes`
+    came later)."""
     db.executescript(SCHEMA)
     if "expires_at" not in {r[1] for r in db.execute("PRAGMA table_info(batch_files)")}:
         db.execute("ALTER TABLE batch_files ADD COLUMN expires_at REAL")
+    if "body_bytes" not in {r[1] for r in db.execute("PRAGMA table_info(batches)")}:
+        db.execute("ALTER TABLE batches ADD COLUMN body_bytes INTEGER NOT NULL DEFAULT 0")
 
 
 class SqliteBatchTables(SqliteBatchClaims):
@@ -181,18 +185,28 @@ class SqliteBatchTables(SqliteBatchClaims):
         )  # the write lock from the read on: two gateways never purge one file twice
 
     async def create_batch(
-        self, row: BatchRow, requests: Sequence[NewRequest], max_open: int | None = None
+        self,
+        row: BatchRow,
+        requests: Iterable[NewRequest],
+        max_open: int | None = None,
+        max_team_bytes: int | None = None,
     ) -> None:
         def q(db: sqlite3.Connection) -> None:
             if max_open is not None and row.status in OPEN:  # under the write lock, like the insert
                 held = open_batches(db, row.team_id)
                 if held >= max_open:
                     raise TeamLimit("open_batches", held)
-            db.execute(rows.insert_batch_sql(marks), rows.batch_values(row, len(requests)))
+            values = rows.RequestValues(row.id, requests)
             db.executemany(
                 f"INSERT INTO batch_requests ({', '.join(REQUEST_INSERT_COLS)}) VALUES (?,?,?,?)",
-                rows.request_values(row.id, requests),
+                values,
             )
+            if max_team_bytes is not None and values.body_bytes:
+                held = team_bytes(db, row.team_id)
+                if held + values.body_bytes > max_team_bytes:
+                    raise TeamLimit("bytes", held)
+            db.execute(rows.insert_batch_sql(marks), rows.batch_values(row, values.count))
+            db.execute("UPDATE batches SET body_bytes=? WHERE id=?", (values.body_bytes, row.id))
             if rows.callback_starts_at_creation(row):
                 db.execute(
                     "UPDATE batches SET callback_state='pending', callback_next_at=? WHERE id=?",

@@ -226,6 +226,9 @@ class SqliteBatchClaims(BatchTables):
                 "WHERE batch_id=? AND state IN ('pending','running','cancelled')",
                 (rows.leftover_state(status), batch_id),
             )
+            # The bodies were copies of the input file, kept to run them: gone with the batch.
+            db.execute("UPDATE batch_requests SET body='' WHERE batch_id=?", (batch_id,))
+            db.execute("UPDATE batches SET body_bytes=0 WHERE id=?", (batch_id,))
             for f in files:
                 insert_file_row(db, f)
             return True
@@ -295,13 +298,17 @@ def marks(n: int) -> str:
 
 
 def team_bytes(db: sqlite3.Connection, team_id: str) -> int:
-    return int(
-        db.execute(
-            f"SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=? AND NOT deleted "
-            f"AND {LIVE}",
-            (team_id, time.time()),
-        ).fetchone()[0]
-    )
+    """The team's live files, and the request bodies its batches hold until they end."""
+    files = db.execute(
+        f"SELECT COALESCE(SUM(bytes), 0) FROM batch_files WHERE team_id=? AND NOT deleted "
+        f"AND {LIVE}",
+        (team_id, time.time()),
+    ).fetchone()[0]
+    bodies = db.execute(
+        "SELECT COALESCE(SUM(body_bytes), 0) FROM batches WHERE team_id=? AND body_bytes>0",
+        (team_id,),
+    ).fetchone()[0]
+    return int(files) + int(bodies)
 
 
 def open_batches(db: sqlite3.Connection, team_id: str) -> int:
