@@ -165,7 +165,7 @@ class SqliteBatchTables(SqliteBatchClaims):
                 == 1
             )
 
-        return await self._batch.read(q)
+        return await self._batch.write(q)
 
     async def purge_expired_files(self, now: float, limit: int = 100) -> list[str]:
         def q(db: sqlite3.Connection) -> list[str]:
@@ -262,7 +262,7 @@ class SqliteBatchTables(SqliteBatchClaims):
             row = db.execute(f"SELECT {BATCH_COLS} FROM batches WHERE id=?", (batch_id,)).fetchone()
             return batch_row_of(db, row)
 
-        return await self._batch.read(q)
+        return await self._batch.write(q)
 
     async def team_holdings(self, team_id: str) -> tuple[int, int]:
         return await self._batch.read(

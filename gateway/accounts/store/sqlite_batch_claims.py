@@ -43,7 +43,7 @@ class SqliteBatchClaims(BatchTables):
             )
             return n
 
-        return await self._batch.read(q)
+        return await self._batch.write(q)
 
     async def claim_requests(
         self, worker: str, n: int, lease_s: float, now: float
