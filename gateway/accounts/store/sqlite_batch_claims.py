@@ -1,5 +1,9 @@
 """The runner's half of the SQLite batch tables (sqlite_batch.py): claims and their leases,
-results, finalizing a batch and its callback, and the counts the runner and /health read."""
+results, finalizing a batch and its callback, and the counts the runner and /health read.
+
+Every write takes the write lock before it reads (`Connections.write`); the reads (a batch's
+results, the counts behind `estimated_completion`) take none: in WAL mode they read a snapshot
+while other gateways claim and finish."""
 
 from __future__ import annotations
 
@@ -196,7 +200,7 @@ class SqliteBatchClaims(BatchTables):
             ).fetchall()
             return [rows.result_row(r) for r in found]
 
-        return await self._batch.write(q)
+        return await self._batch.read(q)
 
     async def finish_batch(
         self,
@@ -281,7 +285,7 @@ class SqliteBatchClaims(BatchTables):
             ).fetchone()
             return r[0]
 
-        return await self._batch.write(q)
+        return await self._batch.read(q)
 
     async def pending_requests(self) -> int:
         def q(db: sqlite3.Connection) -> int:
@@ -290,7 +294,7 @@ class SqliteBatchClaims(BatchTables):
                 "WHERE b.status='in_progress' AND r.state IN ('pending','running')"
             ).fetchone()[0]
 
-        return await self._batch.write(q)
+        return await self._batch.read(q)
 
 
 def marks(n: int) -> str:
