@@ -11,6 +11,11 @@
 - `FailoverRouter` tries a primary router and, when no coordinator replica answers at all,
   a fallback one — logged and counted (`duet:route_fallback_total`).
 
+A model the gateway serves is configured, so "no node serves it" (no registration left: every
+node dead, drained or expired) is a capacity outage, not an unknown model: the client gets 503
+`no_capacity` with a Retry-After (`outage`), never 404 `model_not_found`, whichever router
+found it. A model the gateway does not serve is refused before routing (serving/generate.py).
+
 Invariant: a router only ever returns node URLs it learned from its operator (config,
 coordinator or etcd), never from a client.
 """
@@ -31,6 +36,9 @@ from protocol.openai import APIError
 from protocol.route import RouteRequest, RouteResponse, RouteTarget
 
 log = logging.getLogger("duet.gateway.routing")
+#: Retry-After of a capacity outage found by the gateway: about one refresh of etcd's view, in
+#: which a restarted node or a new one registers
+OUTAGE_RETRY_AFTER_S = 2.0
 
 
 class NoRouterAnswer(Exception):
@@ -58,7 +66,7 @@ class NodeLoad:
 class Router(ABC):
     @abstractmethod
     async def route(self, req: RouteRequest) -> RouteResponse:
-        """A placement, or APIError (404 unknown model, 503 no capacity), or NoRouterAnswer."""
+        """A placement, or APIError (503 no capacity), or NoRouterAnswer."""
 
 
 class StaticRouter(Router):
@@ -74,20 +82,13 @@ class StaticRouter(Router):
     async def route(self, req: RouteRequest) -> RouteResponse:
         nodes = self._pools(req.model)
         if nodes is None:
-            raise APIError(
-                404, f"no nodes serve model {req.model!r}", code="model_not_found", param="model"
-            )
+            raise outage(f"no node serves model {req.model!r} now")
         exclude = set(req.exclude)
         d = self._least(nodes.decode, exclude)
         if d is None:  # no decode node left: a colocated node does both legs
             both = self._least(nodes.both, exclude)
             if both is None:
-                raise APIError(
-                    503,
-                    f"no healthy node is left for model {req.model!r}",
-                    type_="service_unavailable",
-                    code="no_capacity",
-                )
+                raise outage(f"no healthy node is left for model {req.model!r}")
             return RouteResponse(
                 prefill=None, decode=RouteTarget(node_id=both, url=both), reason="static: colocated"
             )
@@ -153,17 +154,31 @@ class FailoverRouter(Router):
             return await self.fallback.route(req)
 
 
+def outage(message: str, retry_after_s: float | None = None) -> APIError:
+    """503 `no_capacity`: no node can serve a model the gateway serves, for now."""
+    return APIError(
+        503,
+        message,
+        type_="service_unavailable",
+        code="no_capacity",
+        retry_after_s=retry_after_s if retry_after_s is not None else OUTAGE_RETRY_AFTER_S,
+    )
+
+
 def _api_error(e: RouteError) -> APIError:
-    """The cluster's final answer for the client: its 404/503 as they are; any other 4xx means
-    the gateway asked wrongly (its bug, or its cluster secret), not the client."""
-    if e.status not in (404, 503):
+    """The cluster's final answer for the client: its 503 as it is, its 404 (no node registered
+    for the model) a capacity outage (module docstring); any other 4xx means the gateway asked
+    wrongly (its bug, or its cluster secret), not the client."""
+    if e.status == 404:
+        return outage(e.message, e.retry_after_s)
+    if e.status != 503:
         return APIError(
             500, f"the coordinator refused the route request: {e.message}", type_="internal_error"
         )
     return APIError(
-        e.status,
+        503,
         e.message,
-        type_="service_unavailable" if e.status == 503 else "invalid_request_error",
-        code=e.code or ("no_capacity" if e.status == 503 else "model_not_found"),
+        type_="service_unavailable",
+        code=e.code or "no_capacity",
         retry_after_s=e.retry_after_s,
     )

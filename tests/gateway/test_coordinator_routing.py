@@ -1,5 +1,5 @@
 """Routing through coordinator replicas (`--coordinator URL,URL`): failover between replicas,
-`exclude` after a failed node, the cluster's 404/503 passed on, and — when no replica answers —
+`exclude` after a failed node, the cluster's 503 passed on (its 404 as 503 no_capacity), and — when no replica answers —
 the gateway's own least-loaded view, logged and counted.
 
 (The test's own /route server runs on the test's event loop: the clients here are async.)
@@ -157,8 +157,11 @@ async def test_cluster_answers_are_passed_on(
             )
         ]
         for _ in range(2):  # a request no node served kept no tokens in the window: not a 429
-            with pytest.raises(openai.NotFoundError):
+            with pytest.raises(openai.APIStatusError) as e:
                 await client.completions.create(model=MODEL, prompt=prompt, max_tokens=20)
+            # no node registered for a model the gateway serves: a capacity outage, not a 404
+            assert e.value.status_code == 503 and e.value.body["code"] == "no_capacity"
+            assert "Retry-After" in e.value.response.headers
         rows = http(g.url + "/v1/usage", key=key)[2]["data"][0]
         assert rows["requests"] == 3 and rows["cost_usd"] == 0
 

@@ -32,7 +32,7 @@ from protocol.openai import APIError
 from runtime.tracing import Tracing
 
 #: errors that mean "no node can serve this model now" (router and ClusterBackend codes)
-_NO_NODES = {(503, "no_capacity"), (503, "upstream_unavailable"), (404, "model_not_found")}
+_NO_NODES = {(503, "no_capacity"), (503, "upstream_unavailable")}
 
 
 class ClusterBackend(Backend):
