@@ -165,8 +165,14 @@ class RoutingConfig:
     connect_timeout_s: float = 3.0
     #: the whole prefill leg
     prefill_timeout_s: float = 120.0
-    #: longest silence on a decode stream (first token included)
+    #: longest silence on a decode stream before its first token (a queue, a long prompt)
     read_timeout_s: float = 120.0
+    #: longest silence on a decode stream once its tokens flow: past it the node is taken for
+    #: frozen (a grey failure: sockets open, nothing streams) and the stream migrates
+    stall_timeout_s: float = 10.0
+    #: a node this gateway could not reach (connect or acknowledgement past connect_timeout_s, a
+    #: stalled stream) is left out of its routing this long, even while etcd still lists it
+    unreachable_exclude_s: float = 10.0
     #: route + prefill + decode tries before the request fails
     max_attempts: int = 3
     #: times a stream whose decode node died after its first token moves to another node

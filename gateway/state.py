@@ -184,6 +184,7 @@ async def _wiring(
         lag,
         auth=config.security.headers,
     )
+    nodes.stall_timeout_s = rc.stall_timeout_s
     stack.push_async_callback(nodes.close)
     return Wiring(config, session, nodes, view, metrics, tracing)
 

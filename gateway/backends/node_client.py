@@ -7,7 +7,18 @@ local) leg, and `/abort`. Turns every way a node call can go wrong into one of t
   cannot be computed (`invalid_request_error` / `request_invalid`: every replica computes the
   same): the request is wrong, retrying or migrating cannot help.
 
-Every call carries the request's X-Request-Id and a timeout.
+Every call carries the request's X-Request-Id and its deadlines, each its own:
+- connect: the TCP connect to a node (`connect_timeout_s`), and — on every connection once
+  used — the time the node's kernel has to acknowledge what was sent (TCP_USER_TIMEOUT, with
+  keepalive probes while the connection waits): a partitioned node's pooled connection fails
+  within it instead of hanging until the read deadline or the partition's end;
+- read: the silence allowed before a stream's first chunk (`read_timeout_s`: a queue, a long
+  prompt);
+- stall: the silence allowed between chunks once they flow (`stall_timeout_s`): a node frozen
+  mid-stream (SIGSTOP: its kernel still acknowledges, nothing streams) fails the stream so the
+  caller migrates it.
+A failure that says the node could not be reached or went silent is `NodeFailure.unreachable`:
+the caller leaves the node out of its routing for a while (cluster/unreachable.py).
 """
 
 from __future__ import annotations
@@ -16,6 +27,8 @@ import asyncio
 import contextlib
 import errno
 import logging
+import math
+import socket
 import time
 from collections.abc import AsyncIterator
 from typing import TypeVar
@@ -57,7 +70,7 @@ def _unreachable(url: str, e: BaseException, leg: str = "") -> Exception:
             "(operators: raise `ulimit -n` or lower [tiers] max_inflight)",
             1.0,
         )
-    return NodeFailure(url, f"{leg}{type(e).__name__}: {e}")
+    return NodeFailure(url, f"{leg}{type(e).__name__}: {e}", unreachable=True)
 
 
 def _event_error(url: str, err: ErrorDetail) -> Exception:
@@ -70,10 +83,13 @@ def _event_error(url: str, err: ErrorDetail) -> Exception:
 
 
 class NodeFailure(Exception):
-    def __init__(self, node: str, reason: str) -> None:
+    def __init__(self, node: str, reason: str, unreachable: bool = False) -> None:
         super().__init__(f"{node}: {reason}")
         self.node = node
         self.reason = reason
+        #: no answer at all (connect or acknowledgement timed out, refused, a stalled stream):
+        #: the node, not only this request, is in trouble as seen from here
+        self.unreachable = unreachable
 
 
 _T = TypeVar("_T")
@@ -84,6 +100,8 @@ _EMBEDDED = msgspec.json.Decoder(NodeEmbeddingResponse)
 DRAIN_TIMEOUT_S = 5.0
 #: a connect timeout is this process's own when its loop stood still this share of it or more
 OWN_STALL_SHARE = 0.5
+#: the silence allowed between a stream's chunks (RoutingConfig.stall_timeout_s sets it)
+STALL_TIMEOUT_S = 10.0
 _NETWORK_ERRORS = (aiohttp.ClientError, TimeoutError, ConnectionError)
 
 
@@ -119,6 +137,7 @@ class NodeClient:
         )
         self._abort_timeout = aiohttp.ClientTimeout(total=max(2.0, connect_timeout_s))
         self.drain_timeout_s = DRAIN_TIMEOUT_S
+        self.stall_timeout_s = STALL_TIMEOUT_S
         #: streams past [DONE] whose body's end is still being read (their connections go back
         #: to the pool when it arrives)
         self._draining: set[asyncio.Task[None]] = set()
@@ -180,10 +199,11 @@ class NodeClient:
                 raise parse_error(resp.status, raw)
             done = False
             lines = DataLines()
+            flowing = False  # a chunk went out: from now on silence is bounded by the stall bound
             try:
                 # Whatever has arrived, in one read (not a read per line): a burst of chunks
                 # costs one wake-up here and one send to the client.
-                async for data in resp.content.iter_any():
+                while data := await self._read_some(url, resp, flowing):
                     try:
                         events = lines.feed(data)
                     except ValueError as e:
@@ -195,11 +215,15 @@ class NodeClient:
                         chunk = _CHUNK.decode(payload)
                         if chunk.error is not None:
                             raise _event_error(url, chunk.error)
+                        flowing = True
                         yield chunk, k + 1 < len(events) and events[k + 1] != b"[DONE]"
                     if done:
                         break
             except (*_NETWORK_ERRORS, msgspec.DecodeError, msgspec.ValidationError) as e:
-                raise NodeFailure(url, f"stream broke: {type(e).__name__}: {e}") from None
+                silent = _acknowledgement_timeout(e)
+                raise NodeFailure(
+                    url, f"stream broke: {type(e).__name__}: {e}", unreachable=silent
+                ) from None
             if not done:
                 raise NodeFailure(url, "stream ended before [DONE]")
             finished = not resp.content.is_eof()
@@ -208,6 +232,22 @@ class NodeClient:
                 self._drain(resp)
             else:
                 resp.release()  # at the body's end: back to the pool; else (cut short) closed
+
+    async def _read_some(self, url: str, resp: aiohttp.ClientResponse, flowing: bool) -> bytes:
+        """What has arrived of a stream (b"" at its end); once chunks flow, a silence past the
+        stall bound is the node's failure (frozen: its kernel acknowledges, nothing streams)."""
+        if not flowing:
+            return await resp.content.readany()  # bounded by the read deadline (sock_read)
+        try:
+            async with asyncio.timeout(self.stall_timeout_s):
+                return await resp.content.readany()
+        except TimeoutError:
+            raise NodeFailure(
+                url,
+                f"stalled: nothing streamed for {self.stall_timeout_s:g} s "
+                "([routing] stall_timeout_s)",
+                unreachable=True,
+            ) from None
 
     async def _post(
         self,
@@ -225,12 +265,14 @@ class NodeClient:
         for attempt in (0, 1):
             t0 = time.monotonic()
             try:
-                return await self.session.post(
+                resp = await self.session.post(
                     f"{url}{path}",
                     data=data,
                     headers=_headers(request_id, body, self._auth),
                     timeout=timeout,
                 )
+                _bound_silence(resp, self._connect_timeout_s)
+                return resp
             except aiohttp.ConnectionTimeoutError:
                 stalled = self._lag.stalled_since(t0) if self._lag is not None else 0.0
                 if attempt or stalled < OWN_STALL_SHARE * self._connect_timeout_s:
@@ -310,6 +352,36 @@ def _headers(
     ):  # a migrated leg says so to logs and proxies
         h["X-Duet-Migration"] = str(body.resume.migration)
     return h
+
+
+def _bound_silence(resp: aiohttp.ClientResponse, bound_s: float) -> None:
+    """The connection under `resp` fails when the node's kernel leaves what was sent
+    unacknowledged for `bound_s`, probed while idle (Linux: TCP_USER_TIMEOUT with keepalive):
+    a node cut off mid-stream, or before the next request that reuses the connection from the
+    pool, is found within the bound rather than at the read deadline. A frozen process's kernel
+    still acknowledges: that is the stall bound's. Set on every response (a few syscalls), so a
+    connection carries it from its first answer on."""
+    if not hasattr(socket, "TCP_USER_TIMEOUT") or resp.connection is None:
+        return
+    transport = resp.connection.transport
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return
+    idle = max(1, math.ceil(bound_s / 3))
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, math.ceil(bound_s * 1000))
+
+
+def _acknowledgement_timeout(e: BaseException) -> bool:
+    """The kernel gave up on the connection: the peer stopped acknowledging (ETIMEDOUT)."""
+    err = getattr(e, "os_error", None) or (e if isinstance(e, OSError) else None)
+    if getattr(err, "errno", None) == errno.ETIMEDOUT:
+        return True
+    cause = e.__cause__ or e.__context__
+    return cause is not None and cause is not e and _acknowledgement_timeout(cause)
 
 
 async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:

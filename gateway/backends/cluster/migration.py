@@ -1,12 +1,12 @@
-"""Stream migration: a decode node died after tokens went out. The prompt plus the tokens
-streamed go to another node — routed like any request, the dead node excluded: prefix cache
-and P/D as usual — under the request id `<id>.m<N>`, with `Resume` (protocol/resume.py)
-telling it where the output stands, so it continues the text where the client's stops (a
-guided request's prefill leg carries it too: P's token is the output's next); the client's
-stream goes on. With n > 1 each sample not finished migrates on its own (its own streamed
-ids, seed and limits: fanout.py). Bounded by `[routing] max_migrations` and
-`migration_deadline_s`; past them, or when no node can continue, `MidStreamError` (the API
-layer sends an SSE error event; a whole answer becomes a 502).
+"""Stream migration: a decode node died (or froze: no chunk within `[routing] stall_timeout_s`,
+node_client.py) after tokens went out. The prompt plus the tokens streamed go to another node —
+routed like any request, the dead node excluded: prefix cache and P/D as usual — under the
+request id `<id>.m<N>`, with `Resume` (protocol/resume.py) telling it where the output stands,
+so it continues the text where the client's stops (a guided request's prefill leg carries it
+too: P's token is the output's next); the client's stream goes on. With n > 1 each sample not
+finished migrates on its own (its own streamed ids, seed and limits: fanout.py). Bounded by
+`[routing] max_migrations` and `migration_deadline_s`; past them, or when no node can continue,
+`MidStreamError` (the API layer sends an SSE error event; a whole answer becomes a 502).
 """
 
 from __future__ import annotations
@@ -66,6 +66,8 @@ async def migrate(r: ClusterRequest, s: SampleStream, failure: NodeFailure) -> D
     )
     r.nodes.on_retry("migration")
     r.nodes.abort_later({s.leg})  # a node that only stalled must not go on decoding for nobody
+    if failure.unreachable:  # frozen or cut off: later requests go elsewhere for a while too
+        r.nodes.unreachable.mark(s.node_id, failure.reason)
     s.migrations = n
     r.acc.migrations += 1  # every sample's migrations
     s.exclude.append(s.node_id)

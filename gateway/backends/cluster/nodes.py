@@ -1,13 +1,15 @@
-"""What every request of the cluster backend reaches its nodes with: the node client, the
-router, the nodes' in-flight counts, the routing settings, tracing, the retry counter, and the
-aborts still in flight (`POST /abort` to what a request touched, in a task the client's
-cancellation cannot stop; `drain` waits for them at shutdown)."""
+"""What every request of the cluster backend reaches its nodes with: the node client, the router,
+the nodes' in-flight counts, the routing settings, tracing, the retry counter, the nodes this
+gateway could not reach lately (unreachable.py), and the aborts still in flight (`POST /abort`
+to what a request touched, in a task the client's cancellation cannot stop; `drain` waits for
+them at shutdown)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Iterable
 
+from gateway.backends.cluster.unreachable import Unreachable
 from gateway.backends.node_client import NodeClient
 from gateway.backends.routing import NodeLoad, Router
 from gateway.config import RoutingConfig
@@ -34,6 +36,7 @@ class Nodes:
         #: counts a retry by kind ("route", "migration")
         self.on_retry = on_retry
         self.tracing = tracing
+        self.unreachable = Unreachable(cfg.unreachable_exclude_s)
         self._cleanup: set[asyncio.Task[None]] = set()  # strong refs to abort tasks
 
     async def abort(self, items: Iterable[Touch]) -> None:

@@ -6,8 +6,9 @@ decode stream up to its first token (`open_leg`, retried on other nodes up to
 
 Failure answers, all under the same X-Request-Id: P fails before the transfer → route again
 without P (another P, or prefill locally on D); D fails before its first token → abort what the
-try touched (P's held blocks included) and route again without D. What follows a failure after
-the first token is migration.py's; several samples are fanout.py's.
+try touched (P's held blocks included) and route again without D. A node that could not be
+reached at all is also left out of this gateway's later routes for a while (unreachable.py).
+What follows a failure after the first token is migration.py's; several samples are fanout.py's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from gateway.serving.requests import Request
 from protocol.block_hash import block_hashes, domain_root
 from protocol.kv_params import KVTransferParams
 from protocol.openai import APIError
-from protocol.route import RouteRequest, RouteResponse
+from protocol.route import RouteResponse
 from runtime.tracing import GEN_AI_INPUT_TOKENS, SERVER_ADDRESS
 
 log = logging.getLogger("duet.gateway.cluster")
@@ -58,7 +59,7 @@ class ClusterRequest:
         for n in range(self.nodes.cfg.max_attempts):
             if n:
                 self.nodes.on_retry("route")
-            route = await self._route(route_request(attempt, hashes, s.exclude), n)
+            route = await self._route(attempt, hashes, s.exclude, n)
             tried: list[Touch] = []
             try:
                 kv = await self._prefill(route, tried, s, attempt)
@@ -80,11 +81,21 @@ class ClusterRequest:
             code="upstream_unavailable",
         )
 
-    async def _route(self, req: RouteRequest, n: int) -> RouteResponse:
-        """The router's placement, in a span that says where and why."""
+    async def _route(
+        self, attempt: Attempt, hashes: list[int], exclude: list[str], n: int
+    ) -> RouteResponse:
+        """The router's placement, in a span that says where and why, without the nodes this
+        gateway could not reach lately — unless that leaves no node: then with them."""
+        away = [i for i in self.nodes.unreachable.node_ids() if i not in exclude]
+        req = route_request(attempt, hashes, exclude + away)
         attrs = {"duet.attempt": n, "duet.exclude": list(req.exclude)}
         with self.nodes.tracing.span("gateway.route", attrs) as span:
-            route = await self.nodes.router.route(req)
+            try:
+                route = await self.nodes.router.route(req)
+            except APIError as e:
+                if not away or e.status != 503:
+                    raise
+                route = await self.nodes.router.route(route_request(attempt, hashes, exclude))
             if span is not None:
                 span.set_attributes(_placement(route))
             return route
@@ -120,6 +131,8 @@ class ClusterRequest:
                 "%s: prefill on %s failed (%s); routing again without it", rid, p.node_id, e.reason
             )
             s.exclude.append(p.node_id)
+            if e.unreachable:
+                nodes.unreachable.mark(p.node_id, e.reason)
             raise
         finally:
             nodes.load.release(p.url)
@@ -161,6 +174,8 @@ class ClusterRequest:
                 e.reason,
             )
             s.exclude.append(d.node_id)
+            if e.unreachable:
+                self.nodes.unreachable.mark(d.node_id, e.reason)
             raise
         except BaseException as e:
             tr.end(span, error=type(e).__name__)
