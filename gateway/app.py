@@ -2,7 +2,9 @@
 
 The middleware gives every request the gateway's own X-Request-Id, turns every error —
 ours (APIError), aiohttp's (404/405/413) and unexpected ones (500, logged) — into OpenAI's
-error body (Anthropic's under `/v1/messages`) with the right status, and never lets one request's failure reach another.
+error body (Anthropic's under `/v1/messages`) with the right status — a full store as 503
+`store_unavailable` (serving/store_faults.py) — and never lets one request's failure reach
+another.
 `cleanup_ctx` owns everything with a lifetime: the gateway's state, built complete by
 `state.open_state` once the event loop runs (the store, the one ClientSession, the usage
 writer, the store heartbeat, the model backends), then the batch runner (batch/wiring.py).
@@ -30,6 +32,7 @@ from gateway.config import ConfigError, GatewayConfig
 from gateway.console import install as install_console
 from gateway.metrics import GatewayMetrics
 from gateway.serving.requests import Endpoint
+from gateway.serving.store_faults import store_unavailable
 from gateway.serving.tiers import Shed
 from gateway.state import GatewayState, open_state
 from protocol.openai import APIError
@@ -57,6 +60,8 @@ def _translator(limit: int) -> Callable[[web.Request, BaseException], APIError |
     def translate(request: web.Request, e: BaseException) -> APIError | None:
         if isinstance(e, StoreError):
             return APIError(e.status, str(e), code="conflict" if e.status == 409 else "not_found")
+        if (full := store_unavailable(e)) is not None:
+            return full
         if isinstance(e, web.HTTPRequestEntityTooLarge):
             return APIError(
                 413,
