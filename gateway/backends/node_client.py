@@ -27,8 +27,6 @@ import asyncio
 import contextlib
 import errno
 import logging
-import math
-import socket
 import time
 from collections.abc import AsyncIterator
 from typing import TypeVar
@@ -38,6 +36,7 @@ import msgspec
 
 from gateway.backends.base import Shed
 from gateway.backends.loop_lag import LoopLag
+from gateway.backends.node_silence import acknowledgement_timeout, bound_silence
 from protocol.embeddings import NodeEmbeddingRequest, NodeEmbeddingResponse
 from protocol.node_api import (
     AbortRequest,
@@ -70,7 +69,12 @@ def _unreachable(url: str, e: BaseException, leg: str = "") -> Exception:
             "(operators: raise `ulimit -n` or lower [tiers] max_inflight)",
             1.0,
         )
-    return NodeFailure(url, f"{leg}{type(e).__name__}: {e}", unreachable=True)
+    # no connect, no acknowledgement, no answer in time: the node is silent from here (a reset
+    # or a disconnect of a pooled connection is not: the node may well be serving)
+    silent = isinstance(e, TimeoutError | aiohttp.ClientConnectorError)
+    return NodeFailure(
+        url, f"{leg}{type(e).__name__}: {e}", unreachable=silent or acknowledgement_timeout(e)
+    )
 
 
 def _event_error(url: str, err: ErrorDetail) -> Exception:
@@ -220,7 +224,7 @@ class NodeClient:
                     if done:
                         break
             except (*_NETWORK_ERRORS, msgspec.DecodeError, msgspec.ValidationError) as e:
-                silent = _acknowledgement_timeout(e)
+                silent = acknowledgement_timeout(e)
                 raise NodeFailure(
                     url, f"stream broke: {type(e).__name__}: {e}", unreachable=silent
                 ) from None
@@ -271,7 +275,7 @@ class NodeClient:
                     headers=_headers(request_id, body, self._auth),
                     timeout=timeout,
                 )
-                _bound_silence(resp, self._connect_timeout_s)
+                bound_silence(resp, self._connect_timeout_s)
                 return resp
             except aiohttp.ConnectionTimeoutError:
                 stalled = self._lag.stalled_since(t0) if self._lag is not None else 0.0
@@ -352,36 +356,6 @@ def _headers(
     ):  # a migrated leg says so to logs and proxies
         h["X-Duet-Migration"] = str(body.resume.migration)
     return h
-
-
-def _bound_silence(resp: aiohttp.ClientResponse, bound_s: float) -> None:
-    """The connection under `resp` fails when the node's kernel leaves what was sent
-    unacknowledged for `bound_s`, probed while idle (Linux: TCP_USER_TIMEOUT with keepalive):
-    a node cut off mid-stream, or before the next request that reuses the connection from the
-    pool, is found within the bound rather than at the read deadline. A frozen process's kernel
-    still acknowledges: that is the stall bound's. Set on every response (a few syscalls), so a
-    connection carries it from its first answer on."""
-    if not hasattr(socket, "TCP_USER_TIMEOUT") or resp.connection is None:
-        return
-    transport = resp.connection.transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
-    idle = max(1, math.ceil(bound_s / 3))
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, idle)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, math.ceil(bound_s * 1000))
-
-
-def _acknowledgement_timeout(e: BaseException) -> bool:
-    """The kernel gave up on the connection: the peer stopped acknowledging (ETIMEDOUT)."""
-    err = getattr(e, "os_error", None) or (e if isinstance(e, OSError) else None)
-    if getattr(err, "errno", None) == errno.ETIMEDOUT:
-        return True
-    cause = e.__cause__ or e.__context__
-    return cause is not None and cause is not e and _acknowledgement_timeout(cause)
 
 
 async def _read_quietly(resp: aiohttp.ClientResponse) -> bytes:
