@@ -149,12 +149,14 @@ def check_routing(cfg: GatewayConfig) -> None:
         or cfg.routing.max_connections_per_node < 1
     ):
         raise ConfigError("[routing] max_connections_per_node must be an integer >= 1")
-    for name in ("connect_timeout_s", "read_timeout_s", "stall_timeout_s"):
+    for name in ("connect_timeout_s", "read_timeout_s", "stall_timeout_s", "unreachable_exclude_s"):
         value = getattr(cfg.routing, name)
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-            raise ConfigError(f"[routing] {name} must be a number of seconds > 0, got {value!r}")
-    if not cfg.routing.unreachable_exclude_s >= 0:
-        raise ConfigError("[routing] unreachable_exclude_s must be >= 0 (0: never left out)")
+        least = 0 if name == "unreachable_exclude_s" else 1e-9  # 0 there: never left out
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < least:
+            raise ConfigError(
+                f"[routing] {name} must be a number of seconds "
+                f"{'>= 0' if least == 0 else '> 0'}, got {value!r}"
+            )
     if (
         not isinstance(cfg.routing.max_migrations, int)
         or cfg.routing.max_migrations < 0

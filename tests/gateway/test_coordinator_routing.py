@@ -1,6 +1,6 @@
 """Routing through coordinator replicas (`--coordinator URL,URL`): failover between replicas,
-`exclude` after a failed node, the cluster's 503 passed on (its 404 as 503 no_capacity), and — when no replica answers —
-the gateway's own least-loaded view, logged and counted.
+`exclude` after a failed node, the cluster's 503 passed on (its 404 as 503 no_capacity), and —
+when no replica answers — the gateway's own least-loaded view, logged and counted.
 
 (The test's own /route server runs on the test's event loop: the clients here are async.)
 The coordinator is another issue's process; until it merges, a minimal `/route` server speaking

@@ -24,6 +24,7 @@ from pathlib import Path
 import openai
 import pytest
 
+from gateway.config import ConfigError, parse_config
 from runtime import netns
 from runtime.strict import strict_mode
 from tests.gateway.helpers import MODEL, gateway_proc, make_team, metric, tiny_model
@@ -153,3 +154,20 @@ async def test_partitioned_decode_node_is_left_out(
             assert metric(g.url, "duet:gateway_retries_total") == retries + 1
         finally:
             fault.undo()
+
+
+@pytest.mark.parametrize(
+    "routing",
+    [
+        {"stall_timeout_s": 0},
+        {"connect_timeout_s": -1.0},
+        {"read_timeout_s": "120"},
+        {"unreachable_exclude_s": -1},
+    ],
+    ids=["stall-0", "connect-negative", "read-string", "exclude-negative"],
+)
+def test_deadlines_are_checked(routing: dict[str, object]) -> None:
+    model = {"kind": "cluster", "tokenizer": "smollm2-135m-instruct"}
+    with pytest.raises(ConfigError, match=f"\\[routing\\] {next(iter(routing))} must be"):
+        parse_config({"models": {"m": model}, "routing": routing})
+    parse_config({"models": {"m": model}, "routing": {"unreachable_exclude_s": 0}})  # off: fine
