@@ -42,7 +42,7 @@ from kvtransfer.errors import (
     TransferError,
     TransferTimeout,
 )
-from kvtransfer.memory import PoolMemory, advise_hugepages, describe_pool
+from kvtransfer.memory import PoolMemory, PoolTensor, advise_hugepages, describe_pool
 from kvtransfer.metadata import (
     Notification,
     TransportMetadata,
@@ -143,7 +143,9 @@ class Transport(abc.ABC):
     def layout(self) -> KVLayout:
         return self.pool.layout
 
-    async def register_pool(self, pool: Any, layout: KVLayout, device: str | None = None) -> None:
+    async def register_pool(
+        self, pool: int | PoolTensor, layout: KVLayout, device: str | None = None
+    ) -> None:
         """Register this node's KV pool, once: a base address (int) or a contiguous tensor.
 
         `device` is "cpu" or "cuda:N" (taken from the tensor when one is given).
@@ -320,7 +322,7 @@ class Transport(abc.ABC):
         try:
             await self._guarded(p, self._read(p, plan), limit, f"reading {plan.num_blocks} blocks")
         except TransferError as e:
-            e.settled = self._late_writes.pop(plan.local_ids, None)  # type: ignore[attr-defined]
+            e.settled = self._late_writes.pop(plan.local_ids, None)
             raise
         finally:
             self._late_writes.pop(plan.local_ids, None)

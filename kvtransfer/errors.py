@@ -9,9 +9,16 @@ destination blocks is undefined.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
+from typing import Any
+
 
 class TransferError(Exception):
     """A KV transfer (or its setup) failed; the destination blocks hold no usable data."""
+
+    #: a failed read whose backend may still write the local blocks: completes when it no
+    #: longer can (the blocks stay set aside until then); None when nothing is left in flight
+    settled: Awaitable[Any] | None = None
 
 
 class TransferTimeout(TransferError, TimeoutError):

@@ -18,7 +18,7 @@ import ctypes
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from kvtransfer.errors import BackendUnavailable, TransferError
 from protocol.kv_layout import KVLayout
@@ -87,11 +87,32 @@ class PoolMemory:
         return self.host_view()[offset : offset + length]
 
 
-def describe_pool(pool: Any, layout: KVLayout, device: str | None = None) -> PoolMemory:
+@runtime_checkable
+class PoolTensor(Protocol):
+    """What a pool given as a tensor must offer (a torch.Tensor does; kvtransfer never imports
+    torch, so the tensor is described by what is read from it)."""
+
+    @property
+    def device(self) -> Any: ...  # a torch.device: `.type` ("cpu", "cuda") and `.index`
+
+    def data_ptr(self) -> int: ...
+
+    def is_contiguous(self) -> bool: ...
+
+    def numel(self) -> int: ...
+
+    def element_size(self) -> int: ...
+
+
+def describe_pool(
+    pool: int | PoolTensor, layout: KVLayout, device: str | None = None
+) -> PoolMemory:
     """Normalise `pool` (base address or contiguous tensor) into a `PoolMemory`."""
-    if isinstance(pool, bool) or not isinstance(pool, int):
-        if not hasattr(pool, "data_ptr"):
-            raise TransferError(f"pool must be a base address (int) or a tensor, not {type(pool)}")
+    owner: PoolTensor | None = None
+    if isinstance(pool, int) and not isinstance(pool, bool):
+        base, nbytes = pool, layout.pool_bytes
+        device = device or "cpu"
+    elif isinstance(pool, PoolTensor):
         if not pool.is_contiguous():
             raise TransferError("pool tensor must be contiguous (one block = one byte range)")
         tdev = "cpu" if pool.device.type == "cpu" else f"cuda:{pool.device.index or 0}"
@@ -104,8 +125,7 @@ def describe_pool(pool: Any, layout: KVLayout, device: str | None = None) -> Poo
             pool,
         )
     else:
-        base, nbytes, owner = pool, layout.pool_bytes, None
-        device = device or "cpu"
+        raise TransferError(f"pool must be a base address (int) or a tensor, not {type(pool)}")
     kind, index = parse_device(device)
     norm = "cpu" if kind == "cpu" else f"cuda:{index}"
     if base <= 0:

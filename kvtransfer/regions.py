@@ -22,18 +22,19 @@ from protocol.kv_layout import KVLayout
 
 
 class Run(NamedTuple):
-    """`count` consecutive blocks from `remote_start` on the peer to `local_start` here."""
+    """`num_blocks` consecutive blocks from `remote_start` on the peer to `local_start` here.
+    (Not `count`: that field would hide the tuple's own `count` method.)"""
 
     remote_start: int
     local_start: int
-    count: int
+    num_blocks: int
 
 
 class Span(NamedTuple):
-    """`count` consecutive blocks from `start`, on one side."""
+    """`num_blocks` consecutive blocks from `start`, on one side."""
 
     start: int
-    count: int
+    num_blocks: int
 
 
 class ReadPlan(NamedTuple):

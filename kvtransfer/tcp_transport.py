@@ -333,7 +333,9 @@ class TcpTransport(Transport):
             else:
                 sock.close()  # state unknown (error, timeout, cancel): never reuse
 
-    async def _request(self, sock: socket.socket, msg: wire.Message) -> wire.Reply:
+    async def _request(
+        self, sock: socket.socket, msg: wire.ReadRequest | wire.NotifyRequest
+    ) -> wire.Reply:
         loop = asyncio.get_running_loop()
         await loop.sock_sendall(sock, wire.frame(msg))
         reply = await _recv_message(loop, sock)

@@ -355,13 +355,13 @@ class UcxTransport(Transport):
             asyncio.ensure_future(
                 self._bounded(
                     peer.endpoint.recv,
-                    self.pool.region(run.local_start * bb, run.count * bb),
+                    self.pool.region(run.local_start * bb, run.num_blocks * bb),
                     _tag(req_id, i),
                 )
             )
             for i, run in enumerate(plan.runs)
         ]
-        flat = [x for run in plan.runs for x in (run.remote_start, run.count)]
+        flat = [x for run in plan.runs for x in (run.remote_start, run.num_blocks)]
         try:
             reply = await self._exchange(peer, wire.ReadRequest(req_id=req_id, blocks=flat))
             if reply.error:

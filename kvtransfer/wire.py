@@ -68,7 +68,7 @@ def encode(msg: Message) -> bytes:
     return _ENCODER.encode(msg)
 
 
-def decode(data: bytes | memoryview) -> Message:
+def decode(data: bytes | bytearray | memoryview) -> Message:
     return _DECODER.decode(data)
 
 

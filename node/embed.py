@@ -20,7 +20,6 @@ from node.engine_api import EmbeddingEngine, RequestRefused
 from node.legs import Node, Roles
 from node.request_body import decode_request
 from node.request_log import REQUEST_ID
-from node.state import NodeState
 from protocol.embeddings import (
     MAX_EMBEDDING_INPUTS,
     NodeEmbeddingRequest,
@@ -48,7 +47,7 @@ async def _check_engine(node: Node) -> None:
         )
 
 
-async def handle_embeddings(node: NodeState, request: web.Request) -> web.StreamResponse:
+async def handle_embeddings(node: Node, request: web.Request) -> web.StreamResponse:
     t0 = time.monotonic()
     body = decode_request(_DEC, await request.read())
     if not body.inputs or len(body.inputs) > MAX_EMBEDDING_INPUTS:

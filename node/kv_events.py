@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import msgspec
 from aiohttp import web
@@ -46,6 +46,7 @@ from protocol.kv_events import (
     LoadFrame,
     encode_frame,
 )
+from protocol.latency_hist import LatencyHistogram
 from protocol.openai import APIError
 
 log = logging.getLogger("duet.node")
@@ -56,6 +57,26 @@ RING_SIZE = 4096
 TAKEN_RING = 1024
 
 
+class LatencyFields(TypedDict, total=False):
+    """A load frame's measured-latency fields (LoadFrame's names): TTFT ones on a node that
+    makes first tokens, ITL ones on a node that decodes."""
+
+    latency_window_s: float
+    ttft_p90_s: float
+    ttft_samples: int
+    ttft_hist: LatencyHistogram
+    itl_p90_s: float
+    itl_samples: int
+    itl_hist: LatencyHistogram
+
+
+class ResidencyFields(TypedDict):
+    """A load frame's LoRA adapters and sleep state (None: an engine without them)."""
+
+    lora_adapters: list[str] | None
+    sleeping: bool | None
+
+
 class KVEventLog:
     def __init__(
         self,
@@ -64,7 +85,7 @@ class KVEventLog:
         block_size: int,
         recording: bool,
         ring_size: int = RING_SIZE,
-        latency: Callable[[], dict[str, object]] | None = None,
+        latency: Callable[[], LatencyFields] | None = None,
     ) -> None:
         self.engine = engine
         #: the measured-latency fields of a load frame (LoadFrame's ttft_* / itl_* names)
@@ -166,7 +187,7 @@ class KVEventLog:
             kv_blocks_free=int(stats.get("kv_blocks_free", 0)),
             kv_blocks_total=int(stats.get("kv_blocks_total", 0)),
             reuse=_reuse(stats),
-            **(self.latency() if self.latency is not None else {}),
+            **(self.latency() if self.latency is not None else LatencyFields()),
             **residency(self.engine),
         )
 
@@ -184,31 +205,31 @@ def _reuse(stats: dict[str, float]) -> KVReuse | None:
 KV_EVENTS = web.AppKey("kv_events", KVEventLog)
 
 
-def residency(engine: Any) -> dict[str, object]:
+def residency(engine: Any) -> ResidencyFields:
     """A load frame's LoRA adapters and sleep state (node/lora.py, node/sleep.py)."""
     from node.lora import lora_engine
     from node.sleep import sleeping_engine
 
     lora, sleeper = lora_engine(engine), sleeping_engine(engine)
-    return {
-        "lora_adapters": None if lora is None else lora.lora_names(),
-        "sleeping": None if sleeper is None else sleeper.is_sleeping,
-    }
+    return ResidencyFields(
+        lora_adapters=None if lora is None else lora.lora_names(),
+        sleeping=None if sleeper is None else sleeper.is_sleeping,
+    )
 
 
-def measured_latency(metrics: NodeMetrics, role: str) -> Callable[[], dict[str, object]]:
+def measured_latency(metrics: NodeMetrics, role: str) -> Callable[[], LatencyFields]:
     """The load frame's measured figures for a node of `role`: TTFT where it makes first tokens
     for clients (prefill, both), ITL where it decodes (decode, both) — each a P90, its sample
     count and the window's histogram (the planner merges the histograms over a pool)."""
 
-    def figures() -> dict[str, object]:
-        out: dict[str, object] = {"latency_window_s": metrics.recent_ttft.window_s}
+    def figures() -> LatencyFields:
+        out = LatencyFields(latency_window_s=metrics.recent_ttft.window_s)
         if role in ("prefill", "both"):
             w = metrics.recent_ttft.window()
-            out.update(ttft_p90_s=w.p90_s, ttft_samples=w.samples, ttft_hist=w.hist)
+            out.update(LatencyFields(ttft_p90_s=w.p90_s, ttft_samples=w.samples, ttft_hist=w.hist))
         if role in ("decode", "both"):
             w = metrics.recent_itl.window()
-            out.update(itl_p90_s=w.p90_s, itl_samples=w.samples, itl_hist=w.hist)
+            out.update(LatencyFields(itl_p90_s=w.p90_s, itl_samples=w.samples, itl_hist=w.hist))
         return out
 
     return figures

@@ -138,19 +138,32 @@ class Node(Protocol):
     members: Membership | None
     tracing: Tracing
 
+    def enter(self, engine_request_id: str) -> None:
+        """Count work in flight from here to `leave` (a draining node waits for it): for a
+        role's own route; a leg is counted by the node."""
+        ...
+
+    def leave(self, engine_request_id: str) -> None: ...
+
 
 class LegContext(Protocol):
     """One leg of one request, as its role handles it (node.leg_context.Leg implements it). The
     node counts the leg in flight from dispatch to answer; `abort` drops the engine request."""
 
-    node: Node
     request: web.Request
     prep: Prepared
     #: "prefill:<id>" on a prefill leg, the request id otherwise
     engine_request_id: str
-    #: seconds since arrival, reported in the answer's `timing` (a decode leg adds queue_s and
-    #: transfer_s; the rest is filled in when the answer finishes)
-    timing: dict[str, float]
+
+    # read-only, so that an implementation may hold a richer node and compute the timing
+    @property
+    def node(self) -> Node: ...
+
+    @property
+    def timing(self) -> dict[str, float]:
+        """Seconds since arrival, reported in the answer's `timing` (a decode leg adds queue_s
+        and transfer_s; the rest is filled in when the answer finishes)."""
+        ...
 
     async def start(self, params: SamplingParams, handoff: KVHandoff | None = None) -> EngineStream:
         """Queue the request in the engine, with its part in a P/D handoff (a request the engine

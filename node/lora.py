@@ -19,6 +19,9 @@ so the coordinator routes an adapter's requests to nodes that hold it.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
 import msgspec
 from aiohttp import web
 
@@ -54,7 +57,14 @@ def _engine(state: NodeState) -> LoraEngine:
     return lora
 
 
-def _decode(raw: bytes, kind: type) -> object:
+S = TypeVar("S")
+#: a route's handler as written here, and as aiohttp takes it (node/app.py's `bind` turns one
+#: into the other)
+StateHandler = Callable[[NodeState, web.Request], Awaitable[web.StreamResponse]]
+Route = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _decode(raw: bytes, kind: type[S]) -> S:
     try:
         return msgspec.json.decode(raw, type=kind)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -62,7 +72,7 @@ def _decode(raw: bytes, kind: type) -> object:
 
 
 async def handle_load(state: NodeState, request: web.Request) -> web.Response:
-    body: LoadLoraAdapterRequest = _decode(await request.read(), LoadLoraAdapterRequest)  # type: ignore[assignment]
+    body = _decode(await request.read(), LoadLoraAdapterRequest)
     lora = _engine(state)
     name = body.lora_name
     if not name or not body.lora_path:
@@ -95,7 +105,7 @@ async def handle_load(state: NodeState, request: web.Request) -> web.Response:
 
 
 async def handle_unload(state: NodeState, request: web.Request) -> web.Response:
-    body: UnloadLoraAdapterRequest = _decode(await request.read(), UnloadLoraAdapterRequest)  # type: ignore[assignment]
+    body = _decode(await request.read(), UnloadLoraAdapterRequest)
     lora = _engine(state)
     try:
         found = await lora.unload_lora(body.lora_name)
@@ -108,6 +118,6 @@ async def handle_unload(state: NodeState, request: web.Request) -> web.Response:
     return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
-def add_lora_routes(app: web.Application, bind: object) -> None:
-    app.router.add_post("/v1/load_lora_adapter", bind(handle_load))  # type: ignore[operator]
-    app.router.add_post("/v1/unload_lora_adapter", bind(handle_unload))  # type: ignore[operator]
+def add_lora_routes(app: web.Application, bind: Callable[[StateHandler], Route]) -> None:
+    app.router.add_post("/v1/load_lora_adapter", bind(handle_load))
+    app.router.add_post("/v1/unload_lora_adapter", bind(handle_unload))

@@ -213,7 +213,7 @@ class CompletionRequest(SamplingFields, kw_only=True):
     def single_prompt(self) -> str | list[int]:
         p = self.prompt
         if isinstance(p, list) and p and not _is_token(p[0]):
-            return p[0]  # type: ignore[no-any-return]
+            return p[0]
         return p
 
     def stop_list(self) -> list[str]:

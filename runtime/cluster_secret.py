@@ -37,6 +37,7 @@ from pathlib import Path
 
 import msgspec
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from protocol.openai import APIError
 from runtime.log_throttle import ThrottledWarning
@@ -217,7 +218,7 @@ def auth_middleware(
     *,
     protect_metrics: bool = False,
     extra_check: Callable[[web.Request], bool] | None = None,
-) -> Handler:
+) -> Middleware:
     """The middleware of an internal app: 401 before any handler runs (nothing read, nothing
     done) unless the request carries `secret`, or its path is open. `extra_check` may accept a
     request another way (the gateway's admin key on /metrics)."""
@@ -240,10 +241,10 @@ def auth_middleware(
         )
         return _unauthorized(request)
 
-    return cluster_auth  # type: ignore[return-value]
+    return cluster_auth
 
 
-def metrics_middleware(check: Callable[[web.Request], bool]) -> Handler:
+def metrics_middleware(check: Callable[[web.Request], bool]) -> Middleware:
     """For a public app (the gateway) whose only internal path is /metrics (`--protect-metrics`):
     401 on /metrics unless `check` accepts the request."""
 
@@ -253,4 +254,4 @@ def metrics_middleware(check: Callable[[web.Request], bool]) -> Handler:
             return _unauthorized(request)
         return await handler(request)
 
-    return metrics_auth  # type: ignore[return-value]
+    return metrics_auth

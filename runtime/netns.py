@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import itertools
 import os
 import random
@@ -202,7 +203,8 @@ class NetFault:
     """What one fault added; `undo()` removes it (idempotent)."""
 
     what: str
-    _undo: list[Callable[[], None]] = field(default_factory=list)
+    #: the undo steps, newest last; what a step returns (a CompletedProcess) is ignored
+    _undo: list[Callable[[], object]] = field(default_factory=list)
 
     def undo(self) -> None:
         while self._undo:
@@ -266,7 +268,7 @@ def delay(a: Member, b: Member, delay_ms: float, jitter_ms: float = 0.0) -> NetF
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
             )
-            f._undo.append(lambda p=proc: _stop(p))
+            f._undo.append(functools.partial(_stop, proc))
             assert proc.stdout is not None
             if proc.stdout.readline().strip() != b"bound":
                 raise RuntimeError(f"the delayer in {x.ns} did not bind queue {q}")

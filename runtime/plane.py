@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import aiohttp
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from runtime.cluster_secret import (
     ClusterSecret,
@@ -75,7 +76,9 @@ class PlaneSecurity:
             )
         require_secret_policy(self.secret, hosts, self.insecure, what)
 
-    def middlewares(self, extra_check: Callable[[web.Request], bool] | None = None) -> list:
+    def middlewares(
+        self, extra_check: Callable[[web.Request], bool] | None = None
+    ) -> list[Middleware]:
         """The server's auth middleware (outermost), or none without a secret."""
         if self.secret is None:
             return []
@@ -109,7 +112,7 @@ class PlaneSecurity:
         return ctx
 
     def client_session(
-        self, trace_configs: list[aiohttp.TraceConfig] | None = None, **connector: object
+        self, trace_configs: list[aiohttp.TraceConfig] | None = None
     ) -> aiohttp.ClientSession:
         """A session for the internal plane only: every request carries the secret. (Never for a
         session that also reaches third parties: the gateway adds `headers` per request.)
@@ -117,5 +120,5 @@ class PlaneSecurity:
         return aiohttp.ClientSession(
             headers=self.headers,
             trace_configs=trace_configs,
-            connector=aiohttp.TCPConnector(ssl=self.client_ssl(), **connector),
-        )  # type: ignore[arg-type]
+            connector=aiohttp.TCPConnector(ssl=self.client_ssl()),
+        )

@@ -10,7 +10,7 @@ raised, so each command reports config mistakes its way.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -27,7 +27,9 @@ def from_table(
     array element."""
     if not isinstance(data, dict):
         raise error(f"{where} must be a table")
-    names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+    if not is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
+    names = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
         raise error(

@@ -149,9 +149,11 @@ def _attr_value(v: object) -> str | int | float | bool | list[str]:
     """An attribute as SpanRecord types it: OTel keeps a sequence as a tuple of str, int, float
     or bool; the record's list is of str (what the console shows, and what the wire between a
     node and the console's decoder validates)."""
+    if isinstance(v, (str, int, float, bool)):
+        return v
     if isinstance(v, (tuple, list)):
         return [str(i) for i in v]
-    return v  # type: ignore[return-value]
+    return str(v)  # the SDK keeps no other kind (its type says more); a record carries a str
 
 
 class SpanRing:
@@ -348,9 +350,10 @@ class Tracing:
     def defer(self, key: str, name: str, attributes: Attrs | None = None) -> None:
         """Start a span another request ends (`finish`): P's hold, from its answer to D's
         release. Bounded: the oldest is ended as it stands past MAX_DEFERRED."""
-        if self._tracer is None:
+        span = self.start(name, attributes)
+        if span is None:  # tracing is off
             return
-        self._deferred[key] = (self.start(name, attributes), time.monotonic())  # type: ignore[assignment]
+        self._deferred[key] = (span, time.monotonic())
         while len(self._deferred) > MAX_DEFERRED:
             _, (span, _) = self._deferred.popitem(last=False)
             self.end(span, {"duet.outcome": "untracked"})
@@ -381,7 +384,7 @@ class Tracing:
         propagator = self._propagator
 
         async def inject(_: Any, __: Any, params: aiohttp.TraceRequestStartParams) -> None:
-            propagator.inject(params.headers)  # type: ignore[arg-type]
+            propagator.inject(params.headers)
 
         tc = aiohttp.TraceConfig()
         tc.on_request_start.append(inject)
@@ -497,7 +500,7 @@ def setup(service: str, cfg: TracingConfig) -> Tracing:
     ring = None
     if cfg.ring_size:
         ring = SpanRing(cfg.ring_size, service)
-        provider.add_span_processor(ring)  # type: ignore[arg-type]
+        provider.add_span_processor(ring)  # type: ignore[arg-type]  # a SpanProcessor by duck type
     endpoint = cfg.endpoint
     env = os.environ
     if (

@@ -73,7 +73,7 @@ def import_error_hint(e: BaseException) -> str:
 
 def kv_params_to_vllm(p: KVTransferParams) -> dict[str, Any]:
     """duet's typed handoff → the dict vLLM's connector reads (set fields only, vLLM's names)."""
-    return msgspec.to_builtins(p)  # type: ignore[no-any-return]
+    return msgspec.to_builtins(p)
 
 
 def kv_params_from_vllm(d: dict[str, Any] | None) -> KVTransferParams | None:
@@ -143,23 +143,25 @@ def vllm_guide(guide: Guide | None) -> dict[str, Any]:
         return {"guided_decoding": GuidedDecodingParams(**fields)}
 
 
+def _record(tok: int, d: Any, n: int) -> TokenLogprob:
+    """vLLM's {token id: Logprob} dict of one position (the chosen token plus the top n, vLLM's
+    raw-logprobs default) → duet's record."""
+    top = sorted(((t, float(lp.logprob)) for t, lp in d.items()), key=lambda x: -x[1])[:n]
+    return TokenLogprob(token_id=tok, logprob=float(d[tok].logprob), top=top)
+
+
 def _records(token_ids: list[int], dicts: Any, n: int) -> list[TokenLogprob | None]:
-    """vLLM's per-position {token id: Logprob} dicts (the chosen token plus the top n, vLLM's
-    raw-logprobs default) → duet's records; a None position (the first prompt token) stays None."""
-    out: list[TokenLogprob | None] = []
-    for tok, d in zip(token_ids, dicts, strict=True):
-        if d is None:
-            out.append(None)
-            continue
-        top = sorted(((t, float(lp.logprob)) for t, lp in d.items()), key=lambda x: -x[1])[:n]
-        out.append(TokenLogprob(token_id=tok, logprob=float(d[tok].logprob), top=top))
-    return out
+    """`_record` per position; a None position (the first prompt token) stays None."""
+    return [
+        None if d is None else _record(tok, d, n) for tok, d in zip(token_ids, dicts, strict=True)
+    ]
 
 
 class VllmStream:
     """One request's vLLM output collector seen through the interface."""
 
-    reserved = None  # vLLM reserves remote-KV blocks itself
+    #: always None: vLLM reserves remote-KV blocks itself
+    reserved: asyncio.Future[list[int]] | None = None
 
     def __init__(
         self,
@@ -235,7 +237,10 @@ class VllmStream:
                 and c is not None
                 and c.logprobs is not None
             ):
-                delta.logprobs = _records(new_ids, c.logprobs, p.logprobs)  # type: ignore[assignment]
+                # every generated position has its dict (only the first prompt token has none)
+                delta.logprobs = [
+                    _record(t, d, p.logprobs) for t, d in zip(new_ids, c.logprobs, strict=True)
+                ]
             if (
                 p is not None
                 and p.prompt_logprobs is not None
@@ -259,7 +264,7 @@ class VllmStream:
 
 def _hf_config(model_dir: str) -> dict[str, Any]:
     with open(os.path.join(model_dir, "config.json")) as f:
-        return json.load(f)  # type: ignore[no-any-return]
+        return json.load(f)
 
 
 class VllmNodeEngine:

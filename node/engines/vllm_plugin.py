@@ -51,7 +51,7 @@ def _no_progress_thread(api: Any) -> None:
     if getattr(base, "_duet_no_progress_thread", False):
         return
 
-    class NoProgressThreadConfig(base):  # type: ignore[misc, valid-type]
+    class NoProgressThreadConfig(base):  # type: ignore[misc, valid-type]  # a run-time base
         """nixl_agent_config whose progress thread is off unless the caller names it."""
 
         _duet_no_progress_thread = True
