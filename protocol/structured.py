@@ -45,9 +45,10 @@ class StructuredOutputs(
 ):
     """vLLM's `structured_outputs` body field (vLLM >= 0.10.2), with vLLM's field names: exactly
     one of `json` (a JSON schema, inline or as its JSON text), `regex`, `choice` or
-    `json_object: true`. `grammar`, `structural_tag`, `whitespace_pattern` and
-    `disable_additional_properties` are vLLM's too; duet refuses them by name (400) rather than
-    ignore them. `disable_any_whitespace` and `disable_fallback` change nothing here: duet's JSON
+    `json_object: true`. `grammar`, `structural_tag` and `whitespace_pattern` are vLLM's too;
+    duet refuses them by name (400) rather than ignore them. `disable_additional_properties`
+    (with `json`): true or unset closes the schema's objects that omit `additionalProperties`
+    (duet's default), false compiles the schema as written. `disable_any_whitespace` and `disable_fallback` change nothing here: duet's JSON
     is always compact, and there is one grammar engine, no fallback.
 
     The gateway also sends this form, normalized (one field set, `json` an object), to an

@@ -37,6 +37,7 @@ from typing import Any
 from protocol.openai import APIError
 from protocol.structured import Guide, GuideKind, ResponseFormat
 from text.json_bounds import bound_numbers
+from text.json_closed import close_objects
 
 log = logging.getLogger("duet.guide")
 
@@ -92,7 +93,17 @@ def guide_from_response_format(rf: ResponseFormat | None) -> Guide | None:
         )
     if js.schema is None:
         raise APIError(400, "response_format.json_schema needs a schema", param=_PARAM)
-    return Guide(kind=GuideKind.JSON_SCHEMA, spec=canonical_schema(js.schema))
+    return json_schema_guide(js.schema)
+
+
+def json_schema_guide(schema: Any, closed: bool = True) -> Guide:
+    """A JSON-schema guide in canonical form; `closed`: an object that lists its properties and
+    omits `additionalProperties` allows no other key (text/json_closed.py: duet's default, as
+    xgrammar's strict mode and OpenAI's strict structured outputs read such a schema)."""
+    return Guide(
+        kind=GuideKind.JSON_SCHEMA,
+        spec=canonical_schema(close_objects(schema) if closed else schema),
+    )
 
 
 def check_choices(choices: object) -> list[str]:

@@ -4,7 +4,9 @@ These request fields constrain the answer with a guide (protocol/structured.py):
 `response_format` (json_object / json_schema), vLLM's extras `guided_json`, `guided_regex`,
 `guided_choice` and `structured_outputs` (`json`, `regex`, `choice` or `json_object`), and a
 forced `tool_choice` (`required` or a named function, whose guide gateway/tools/plan.py builds
-per model). Each constrains the whole answer, so a request may use at most one: two are a 400
+per model). A JSON schema's objects that list their properties and omit `additionalProperties`
+are closed (text/json_closed.py), unless `structured_outputs.disable_additional_properties` is
+sent as false. Each constrains the whole answer, so a request may use at most one: two are a 400
 naming both. vLLM's older `guided_grammar` and `guided_whitespace_pattern` are refused by name
 (a 400 saying what to send instead), never ignored; `guided_decoding_backend` (vLLM's
 per-request choice of grammar engine) is taken and changes nothing: duet has one engine.
@@ -40,9 +42,9 @@ import msgspec
 from protocol.openai import APIError
 from protocol.structured import Guide, GuideKind, ResponseFormat, StructuredOutputs
 from text.guide_check import (
-    canonical_schema,
     choice_guide,
     guide_from_response_format,
+    json_schema_guide,
 )
 
 #: vLLM's request fields that constrain the answer (each becomes a guide)
@@ -60,7 +62,7 @@ VLLM_FIELDS = (*_GUIDED, *_REFUSED_FIELDS, "guided_decoding_backend")
 #: structured_outputs fields that choose the constraint: exactly one must be set
 _KINDS = ("json", "regex", "choice", "json_object")
 #: vLLM's structured_outputs fields duet does not serve (refused when set, never ignored)
-_REFUSED = ("grammar", "structural_tag", "whitespace_pattern", "disable_additional_properties")
+_REFUSED = ("grammar", "structural_tag", "whitespace_pattern")
 _FORCED_TOOL = "tool_choice"
 
 
@@ -206,7 +208,10 @@ def _normalized(vllm: VllmFields, field: str) -> tuple[StructuredOutputs, str]:
         )
     kind, param = kinds[0], f"structured_outputs.{kinds[0]}"
     if kind == "json":
-        return StructuredOutputs(json=_schema(so.json, param)), param
+        closing = so.disable_additional_properties
+        return StructuredOutputs(
+            json=_schema(so.json, param), disable_additional_properties=closing
+        ), param
     if kind == "json_object":
         return StructuredOutputs(json_object=True), param
     return StructuredOutputs(**{kind: getattr(so, kind)}), param
@@ -235,4 +240,5 @@ def _guide(so: StructuredOutputs, param: str) -> Guide:
             raise APIError(400, f"invalid {param}: {e}", param=param) from None
     if so.json_object:
         return Guide(kind=GuideKind.JSON_OBJECT)
-    return Guide(kind=GuideKind.JSON_SCHEMA, spec=canonical_schema(so.json))
+    # objects that omit additionalProperties are closed unless vLLM's switch is sent as false
+    return json_schema_guide(so.json, closed=so.disable_additional_properties is not False)

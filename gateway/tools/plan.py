@@ -29,8 +29,8 @@ from gateway.tools.events import (
 )
 from gateway.tools.formats import ToolFormat, tool_format
 from gateway.tools.spec import Tools
-from protocol.structured import Guide, GuideKind
-from text.guide_check import canonical_schema
+from protocol.structured import Guide
+from text.guide_check import json_schema_guide
 
 
 class ToolMode(enum.StrEnum):
@@ -58,8 +58,10 @@ class ToolPlan:
 
 
 def schema_guide(schema: dict[str, Any]) -> Guide:
-    """A JSON-schema guide in the contract's canonical form (keys sorted, compact)."""
-    return Guide(kind=GuideKind.JSON_SCHEMA, spec=canonical_schema(schema))
+    """A JSON-schema guide in the contract's canonical form (compact, keys in the client's
+    order), its objects closed where the schema leaves them open (text/json_closed.py): a tool's
+    parameters that omit `additionalProperties` name every argument the call takes."""
+    return json_schema_guide(schema)
 
 
 def plan_for(tools: Tools, configured: str | None, template: str | None) -> ToolPlan:

@@ -468,3 +468,50 @@ def test_responses_refuses_an_extra_beside_its_own_constraint(
         )
     assert o.value.param == param and words in o.value.message, o.value.body
     assert _no_node_work(clients) == before
+
+
+# -- LangChain's chat models: a @tool's schema leaves additionalProperties out ------------------
+
+
+def test_langchain_bind_tools_gives_a_valid_call_on_both_apis(clients: Clients) -> None:
+    """LangChain's `@tool` writes `{"properties": ..., "required": ..., "type": "object"}` with
+    no `additionalProperties`; the gateway closes such objects (text/json_closed.py), so a forced
+    call through ChatOpenAI (/v1/chat/completions) and ChatAnthropic (/v1/messages) names the
+    tool's arguments and nothing else, as JSON that parses."""
+    from langchain_anthropic import ChatAnthropic
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    @tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        return "sunny"
+
+    schema = get_weather.tool_call_schema.model_json_schema()
+    assert "additionalProperties" not in schema  # what the test is about
+    closed = {**schema, "additionalProperties": False}
+    oai, claude = clients.oai, clients.claude
+    models = [
+        ChatOpenAI(
+            model="smollm2",
+            base_url=str(oai.base_url),
+            api_key=oai.api_key,
+            temperature=0,
+            max_tokens=48,
+            max_retries=0,
+        ),
+        ChatAnthropic(
+            model="smollm2",
+            base_url=str(claude.base_url),
+            api_key=claude.api_key,
+            temperature=0,
+            max_tokens=48,
+            max_retries=0,
+        ),
+    ]
+    for chat in models:
+        bound = chat.bind_tools([get_weather], tool_choice="get_weather")
+        reply = bound.invoke("What is the weather in Paris?")
+        assert [c["name"] for c in reply.tool_calls] == ["get_weather"], (chat, reply)
+        assert not reply.invalid_tool_calls, reply
+        jsonschema.validate(reply.tool_calls[0]["args"], closed)

@@ -44,7 +44,10 @@ def test_schema_spec_is_compact_and_keeps_property_order() -> None:
         )
     )
     assert g is not None and g.kind is GuideKind.JSON_SCHEMA
-    assert g.spec == '{"type":"object","properties":{"y":{"type":"integer"},"x":{"type":"string"}}}'
+    assert g.spec == (
+        '{"type":"object","properties":{"y":{"type":"integer"},"x":{"type":"string"}},'
+        '"additionalProperties":false}'  # closed: text/json_closed.py
+    )
 
 
 def test_json_schema_without_schema_is_a_400() -> None:
