@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.accounts.auth import MIN_ADMIN_KEY
 from gateway.accounts.store import open_store
 from gateway.accounts.store.base import Store, StoreError
-from gateway.api import admin, embeddings, openai
+from gateway.api import admin, embeddings, openai, tokens
 from gateway.api.anthropic import api as anthropic_api
 from gateway.api.anthropic import count as anthropic_count
 from gateway.api.responses import api as responses_api
@@ -103,6 +103,17 @@ def _completions(endpoint: Endpoint) -> Handler:
 
 async def _messages(request: web.Request) -> web.StreamResponse:
     return await anthropic_api.handle(request.app[STATE], request, request[_RID])
+
+
+async def _generate(request: web.Request) -> web.StreamResponse:
+    return await tokens.generate(request.app[STATE], request, request[_RID])
+
+
+def _render_prompt(endpoint: Endpoint) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await tokens.render(request.app[STATE], request, endpoint, request[_RID])
+
+    return handler
 
 
 async def _count_tokens(request: web.Request) -> web.StreamResponse:
@@ -211,6 +222,9 @@ def make_app(config: GatewayConfig) -> web.Application:
     r.add_post("/v1/completions", _completions(Endpoint.COMPLETION))
     r.add_post("/v1/messages", _messages)
     r.add_post("/v1/messages/count_tokens", _count_tokens)
+    r.add_post("/inference/v1/generate", _generate)
+    r.add_post("/v1/chat/completions/render", _render_prompt(Endpoint.CHAT))
+    r.add_post("/v1/completions/render", _render_prompt(Endpoint.COMPLETION))
     r.add_post("/v1/responses", _responses)
     r.add_post("/v1/embeddings", _embeddings)
     r.add_get("/v1/models", _bind(openai.models))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from gateway.accounts.usage import Accounting
@@ -82,6 +82,9 @@ class Piece:
     #: showed nothing yet (a byte of an unfinished UTF-8 character, text a tool parser holds
     #: back). A relay counts them sent when the piece's bytes are written (its `SentLog`).
     tokens: int = 0
+    #: the ids of those tokens, where the backend knows them (duet's nodes; [] otherwise): the
+    #: token-in/token-out endpoint answers with them
+    token_ids: list[int] = field(default_factory=list)
 
 
 class Reply:

@@ -146,7 +146,13 @@ class Tries:
         if self.tools is not None and self.tools.mode != ToolMode.NONE:
             reply = with_tool_calls(reply, self.tools)
         req = self.req
-        fmt = Formatter(req.endpoint, self.ledger.record.request_id, served.config.name, self.tier)
+        fmt = Formatter(
+            req.endpoint,
+            self.ledger.record.request_id,
+            served.config.name,
+            self.tier,
+            token_ids=req.return_token_ids,
+        )
         self.response_id = fmt.id  # the answer's id as the client gets it (gen_ai.response.id)
         self.relay = relay = Relay(self.ledger, reply, fmt)
         traced = self.serving.tracing.enabled  # off: no generator per request (bench's CPU)

@@ -33,6 +33,12 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     logprobs: CompletionLogprobs | None = None
 
 
+class TokenIdsChoice(CompletionChoice, kw_only=True):
+    """A completion choice with the ids of its tokens (vLLM's `return_token_ids`)."""
+
+    token_ids: list[int]
+
+
 class CompletionResponse(msgspec.Struct, kw_only=True):
     """OpenAI's text_completion (the node's struct omits defaults, `object` included)."""
 
@@ -61,8 +67,12 @@ def usage(prompt: int, completion: int, cached: int, written: int = 0) -> Usage:
 
 
 class Formatter:
-    def __init__(self, endpoint: str, request_id: str, model: str, tier: str) -> None:
+    def __init__(
+        self, endpoint: str, request_id: str, model: str, tier: str, token_ids: bool = False
+    ) -> None:
         self.endpoint = endpoint
+        #: whole completions carry their tokens' ids (vLLM's `return_token_ids`)
+        self.token_ids = token_ids
         self.id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + request_id.removeprefix("req-")
         self.model = model
         self.created = int(time.time())
@@ -99,7 +109,15 @@ class Formatter:
                 created=self.created,
                 model=self.model,
                 choices=[
-                    CompletionChoice(
+                    TokenIdsChoice(
+                        index=p.index,
+                        text=p.text,
+                        finish_reason=p.finish_reason,
+                        logprobs=p.logprobs,
+                        token_ids=p.token_ids,
+                    )
+                    if self.token_ids
+                    else CompletionChoice(
                         index=p.index,
                         text=p.text,
                         finish_reason=p.finish_reason,
@@ -134,6 +152,7 @@ class Formatter:
         u: Usage,
         logprobs: dict[int, list[CompletionLogprobs]] | None = None,
         calls: dict[int, list[ToolCallDelta]] | None = None,
+        ids: dict[int, list[int]] | None = None,
     ) -> ChatCompletion | CompletionResponse:
         idx = sorted(texts)
         lps = {i: merge_logprobs(parts) for i, parts in (logprobs or {}).items()}
@@ -160,7 +179,15 @@ class Formatter:
             model=self.model,
             usage=u,
             choices=[
-                CompletionChoice(
+                TokenIdsChoice(
+                    index=i,
+                    text="".join(texts[i]),
+                    finish_reason=finish.get(i),
+                    logprobs=lps.get(i),
+                    token_ids=(ids or {}).get(i, []),
+                )
+                if self.token_ids
+                else CompletionChoice(
                     index=i,
                     text="".join(texts[i]),
                     finish_reason=finish.get(i),

@@ -122,9 +122,11 @@ class Relay:
         finish: dict[int, str | None] = {}
         logprobs: dict[int, list[CompletionLogprobs]] = {}
         calls: dict[int, list[ToolCallDelta]] = {}
+        ids: dict[int, list[int]] = {i: [] for i in range(n)}
         try:
             async for p in reply:
                 texts[p.index].append(p.text)
+                ids[p.index].extend(p.token_ids)
                 if p.logprobs is not None:
                     logprobs.setdefault(p.index, []).append(p.logprobs)
                 if p.tool_calls:
@@ -138,7 +140,7 @@ class Relay:
         finally:
             await reply.aclose()
         await ledger.commit(UsageStatus.OK, reply.accounting)
-        return self.fmt.body(texts, finish, self._usage(), logprobs or None, calls or None)
+        return self.fmt.body(texts, finish, self._usage(), logprobs or None, calls or None, ids)
 
     async def stream(self, sink: EventSink, headers: dict[str, str], include_usage: bool) -> None:
         """The answer as SSE into `sink` (opened with `headers` at the first piece; errors

@@ -60,7 +60,7 @@ CHAT_FIELDS = COMMON | {
     "tool_choice",
     "parallel_tool_calls",
 }
-COMPLETION_FIELDS = COMMON | {"prompt", "logprobs"}
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "return_token_ids"}
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 
 
@@ -144,6 +144,9 @@ class Request:
     #: the prompt prefix the client asked to keep cached (Anthropic's `cache_control`;
     #: gateway/serving/retain.py); None: cached as usual
     retain: RetainMark | None = None
+    #: completions: a whole answer's choices carry their tokens' ids (vLLM's `return_token_ids`;
+    #: the token-in/token-out endpoint's answer is made of them)
+    return_token_ids: bool = False
 
 
 def sampling_of(body: Any, max_tokens: int | None, logprobs: int | None) -> tuple[Sampling, int]:
@@ -240,6 +243,7 @@ def parse_completion(raw: bytes) -> Request:
         structured_outputs=c.structured_outputs,
         constraint_field=c.field,
         guide_param=c.param,
+        return_token_ids=_flag(data, "return_token_ids"),
     )
 
 
@@ -260,6 +264,14 @@ class _Shim:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._body, name)
+
+
+def _flag(data: dict[str, Any], name: str) -> bool:
+    """A boolean field of the raw body (absent or null: false)."""
+    v = data.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise APIError(400, f"{name} must be a boolean", param=name)
+    return bool(v)
 
 
 def user_of(user: str | None) -> str | None:

@@ -147,3 +147,114 @@ def test_bad_logprobs_get_400(
         g.url + "/v1/completions", "POST", {"model": MODEL, "prompt": "x", "max_tokens": 2}, key=key
     )
     assert status == 200, answer
+
+
+# -- token-in/token-out: vLLM's /inference/v1/generate and the render endpoints ---------------
+
+
+@pytest.mark.parametrize("model", [MODEL, "tiny-colocated"])
+def test_generate_equals_completions_with_the_same_ids(
+    gw: tuple[Proc, str], tiny_llama: Path, model: str
+) -> None:
+    """generate's token ids and logprobs are the ones /v1/completions makes for the same prompt
+    ids (greedy, fp32), on P/D and colocated, billed as any request."""
+    g, key = gw
+    tok = Tokenizer(tiny_llama)
+    ids = tok.encode(PROMPT)
+    client = openai.OpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
+    ref = client.completions.create(model=model, prompt=ids, logprobs=2, **GREEDY)
+    lp = ref.choices[0].logprobs
+    assert lp is not None and ref.usage is not None
+    sampling = {"max_tokens": GREEDY["max_tokens"], "temperature": 0, "logprobs": 2, "top_k": -1}
+    body = {"model": model, "token_ids": ids, "sampling_params": sampling}
+    status, headers, out = http(g.url + "/inference/v1/generate", "POST", body, key=key)
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert len(choice["token_ids"]) == ref.usage.completion_tokens
+    assert tok.decode(choice["token_ids"]) == ref.choices[0].text
+    assert choice["finish_reason"] == ref.choices[0].finish_reason
+    content = choice["logprobs"]["content"]
+    assert [e["token"] for e in content] == lp.tokens
+    assert _close([e["logprob"] for e in content], lp.token_logprobs or [])
+    assert [[t["token"] for t in e["top_logprobs"]] for e in content] == [
+        list(t or {}) for t in lp.top_logprobs or []
+    ]
+    assert out["usage"]["prompt_tokens"] == len(ids) == ref.usage.prompt_tokens
+    assert float(headers["x-duet-cost-usd"]) > 0  # billed
+    # vLLM's return_token_ids on /v1/completions gives the same ids
+    again = client.completions.create(
+        model=model, prompt=ids, extra_body={"return_token_ids": True}, **GREEDY
+    )
+    assert again.choices[0].model_extra["token_ids"] == choice["token_ids"]  # type: ignore[index]
+
+
+def test_render_then_generate_equals_chat(gw: tuple[Proc, str], tiny_llama: Path) -> None:
+    """Render a chat body into the ids the model is sent, generate from them: the chat
+    endpoint's greedy answer, token for token."""
+    g, key = gw
+    tok = Tokenizer(tiny_llama)
+    chat = {"model": MODEL, "messages": MESSAGES, **GREEDY}
+    status, _, rendered = http(g.url + "/v1/chat/completions/render", "POST", chat, key=key)
+    assert status == 200, rendered
+    assert rendered["token_ids"] == tok.encode_chat(MESSAGES)
+    assert rendered["sampling_params"] == GREEDY and rendered["model"] == MODEL
+    status, _, out = http(g.url + "/inference/v1/generate", "POST", rendered, key=key)
+    assert status == 200, out
+    client = openai.OpenAI(base_url=g.url + "/v1", api_key=key, max_retries=0)
+    answer = client.chat.completions.create(**chat)  # type: ignore[arg-type]
+    assert tok.decode(out["choices"][0]["token_ids"]) == answer.choices[0].message.content
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3}
+    status, _, listed = http(g.url + "/v1/completions/render", "POST", body, key=key)
+    assert status == 200 and listed == [
+        {"token_ids": tok.encode(PROMPT), "sampling_params": {"max_tokens": 3}, "model": MODEL}
+    ], listed
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"token_ids": [1, 2], "sampling_params": {}}, "model"),
+        ({"model": MODEL, "sampling_params": {}}, "token_ids"),
+        ({"model": MODEL, "token_ids": [], "sampling_params": {}}, "token_ids"),
+        ({"model": MODEL, "token_ids": [1], "sampling_params": {"temperature": -1}}, None),
+        ({"model": MODEL, "token_ids": [1], "sampling_params": {"logprobs": 21}}, None),
+        ({"model": MODEL, "token_ids": [1], "sampling_params": {"beam": 2}}, None),
+        ({"model": MODEL, "token_ids": [1], "sampling_params": {}, "stream": True}, "stream"),
+        ({"model": MODEL, "token_ids": [1], "sampling_params": {}, "priority": 3}, "priority"),
+    ],
+)
+def test_bad_generate_bodies_get_400(
+    gw: tuple[Proc, str], body: dict[str, Any], param: str | None
+) -> None:
+    g, key = gw
+    status, _, answer = http(g.url + "/inference/v1/generate", "POST", body, key=key)
+    assert status == 400, answer
+    want = param or f"sampling_params.{next(iter(body['sampling_params']))}"
+    assert answer["error"]["param"] == want, answer
+    status, _, answer = http(g.url + "/inference/v1/generate", "POST", body, key=None)
+    assert status == 401, answer
+
+
+async def test_a_nodes_generate_equals_its_completions(
+    pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path
+) -> None:
+    """The node's own /inference/v1/generate (what the gateway's is to the cluster) answers the
+    tokens and logprobs its /v1/completions makes for the same ids; a bad field is a 400 naming
+    it as the generate body does."""
+    node = pd_nodes[2]
+    ids = Tokenizer(tiny_llama).encode(PROMPT)
+    ref = await node_logprobs(node, ids, 2)
+    sampling = {"max_tokens": GREEDY["max_tokens"], "temperature": 0, "logprobs": 2}
+    async with aiohttp.ClientSession() as s:
+        body = {"token_ids": ids, "sampling_params": sampling}
+        async with s.post(node.url + "/inference/v1/generate", json=body) as r:
+            assert r.status == 200, await r.text()
+            out = await r.json()
+        bad = {"token_ids": ids, "sampling_params": {"top_p": 7}}
+        async with s.post(node.url + "/inference/v1/generate", json=bad) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "sampling_params.top_p"
+    choice = out["choices"][0]
+    assert len(choice["token_ids"]) == out["usage"]["completion_tokens"] == len(ref["tokens"])
+    content = choice["logprobs"]["content"]
+    assert [e["token"] for e in content] == ref["tokens"]
+    assert _close([e["logprob"] for e in content], ref["token_logprobs"])

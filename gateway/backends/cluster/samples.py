@@ -54,6 +54,8 @@ class SampleStream:
     span: Any = None
     #: tokens streamed whose deltas showed nothing yet (no text): the next piece delivers them
     unsent: int = 0
+    #: their ids
+    unsent_ids: list[int] = field(default_factory=list)
 
     def decode_fields(
         self, request: Request, attempt: Attempt, kv: KVTransferParams | None
@@ -97,11 +99,12 @@ class SampleStream:
             acc.completion_tokens[i] = acc.completion_tokens.get(i, 0) + n
             self.add(c)
             unsent, self.unsent = self.unsent + n, 0
+            ids, self.unsent_ids = [*self.unsent_ids, *(c.token_ids or ())], []
             if c.text or c.finish_reason or c.logprobs:
-                piece = Piece(i, c.text, c.finish_reason, c.logprobs, tokens=unsent)
+                piece = Piece(i, c.text, c.finish_reason, c.logprobs, tokens=unsent, token_ids=ids)
                 out.append(piece)
             else:  # nothing to show yet: its tokens go with the next piece
-                self.unsent = unsent
+                self.unsent, self.unsent_ids = unsent, ids
         if chunk.usage is not None:
             acc.completion_tokens[i] = self.base + chunk.usage.completion_tokens
             if i == 0:

@@ -1,0 +1,171 @@
+"""vLLM's token-in/token-out endpoints on the gateway: `POST /inference/v1/generate`,
+`POST /v1/chat/completions/render` and `POST /v1/completions/render` (protocol/generate.py).
+
+generate is a completions request whose prompt is token ids: it is translated into one (the
+sampling fields as the completions form names them) and checked, admitted, tiered, reserved,
+run and billed by the one pipeline exactly as `/v1/completions` with the same ids would be,
+with vLLM's `return_token_ids` on, so the answer's token ids and logprobs are the very tokens
+the nodes made (the same ones `/v1/completions` answers with, as text). A bad field is a 400
+naming it where the client wrote it (`sampling_params.max_tokens`, `token_ids`).
+
+render answers what generate needs for a chat or completions body: the prompt's token ids as
+the pipeline itself tokenizes it on the chosen model (its tokenizer, chat template and tools:
+gateway/serving/measure.py, the same function `/v1/messages/count_tokens` counts with), and the
+body's sampling fields in generate's shape. Like counting, it needs a key, passes the team
+gate's cheap refusals and counts in flight while it tokenizes, reserves and bills nothing (it
+generates nothing). An external model has no local tokenizer: a 400.
+
+Streaming generate (vLLM's SSE of token-id deltas) is not served: `stream: true` is a 400.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+from aiohttp import web
+
+from gateway.accounts.ledger import Caller
+from gateway.serving.generate import Generate, parse
+from gateway.serving.measure import prompt_ids, tool_plan
+from gateway.serving.openai_format import CompletionResponse, TokenIdsChoice
+from gateway.serving.pipeline import run
+from gateway.serving.requests import Endpoint, Request, parse_completion
+from gateway.serving.tiers import team_tier
+from gateway.state import GatewayState
+from protocol.chat import chat_logprobs
+from protocol.generate import (
+    GenerateChoice,
+    GenerateRequest,
+    GenerateResponse,
+    GenerateSamplingParams,
+    Rendered,
+    parse_generate,
+    sampling_kwargs,
+)
+from protocol.openai import APIError
+
+_ENC = msgspec.json.Encoder()
+
+
+class _AsCompletion(GenerateSamplingParams, kw_only=True, omit_defaults=True):
+    """A generate request as the completions body it is (checked by the completions parser)."""
+
+    model: str
+    prompt: list[int]
+    #: required, so omit_defaults never drops it
+    return_token_ids: bool
+
+
+async def generate(state: GatewayState, request: web.Request, request_id: str) -> web.Response:
+    """`POST /inference/v1/generate`: token ids in, token ids and logprobs out, billed."""
+    t0 = time.monotonic()
+    key, team = await state.auth.authenticate(request)
+    body = _generate_body(await request.read())
+    answer = await run(
+        state.serving,
+        Caller(key, team, request_id, t0),
+        Generate(_as_completion(body)),
+        tier_header=request.headers.get("x-duet-tier"),
+    )
+    done = answer.body
+    assert isinstance(done, CompletionResponse) and done.usage is not None
+    out = GenerateResponse(
+        request_id=body.request_id or request_id,
+        usage=done.usage,
+        choices=[
+            GenerateChoice(
+                index=c.index,
+                token_ids=c.token_ids if isinstance(c, TokenIdsChoice) else [],
+                finish_reason=c.finish_reason,
+                logprobs=None if c.logprobs is None else chat_logprobs(c.logprobs),
+            )
+            for c in done.choices
+        ],
+    )
+    return web.Response(
+        status=answer.status,
+        body=_ENC.encode(out),
+        content_type="application/json",
+        headers=answer.headers,
+    )
+
+
+async def render(
+    state: GatewayState, request: web.Request, endpoint: Endpoint, request_id: str
+) -> web.Response:
+    """`POST /v1/{chat/}completions/render`: the body's prompt as the token ids the chosen model
+    is sent, and its sampling fields, as a generate request (completions: a list of one)."""
+    _, team = await state.auth.authenticate(request)
+    call = parse(endpoint, await request.read())
+    serving = state.serving
+    policy = serving.config.team_policy(team.id)
+    tier = team_tier(request.headers.get("x-duet-tier"), call.service_tier, team, policy)
+    served, _ = call.choose(serving, team.id, policy, tier)
+    if served.tokenizer is None:
+        raise APIError(
+            400,
+            f"model {served.config.name!r} is served by an external provider: this gateway "
+            "renders prompts only for the models it serves itself (with their tokenizer)",
+            param="model",
+        )
+    serving.admission.check_team(team, serving.config.quotas.default_max_concurrent)
+    with serving.admission.teams.running(team.id):
+        ids = await prompt_ids(served, call.request, tool_plan(served, call.request))
+    out = Rendered(
+        token_ids=ids, sampling_params=_sampling_of(call.request), model=served.config.name
+    )
+    return web.Response(
+        body=_ENC.encode(out if endpoint == Endpoint.CHAT else [out]),
+        content_type="application/json",
+        headers={"X-Request-Id": request_id},
+    )
+
+
+def _generate_body(raw: bytes) -> GenerateRequest:
+    body = parse_generate(raw)
+    if body.model is None:  # the gateway serves several models
+        raise APIError(400, "missing required field: model", param="model")
+    return body
+
+
+def _as_completion(body: GenerateRequest) -> Request:
+    """The completions request `body` is, checked by the completions parser; a refusal names
+    the field as the generate body calls it."""
+    assert body.model is not None
+    as_completion = _AsCompletion(
+        model=body.model,
+        prompt=body.token_ids,
+        return_token_ids=True,
+        **sampling_kwargs(body.sampling_params),
+    )
+    try:
+        return parse_completion(_ENC.encode(as_completion))
+    except APIError as e:
+        if e.param == "prompt":
+            e.param = "token_ids"
+            e.message = e.message.replace("the prompt", "token_ids").replace("prompt", "token_ids")
+        elif e.param in GenerateSamplingParams.__struct_fields__:
+            e.param = f"sampling_params.{e.param}"
+        raise
+
+
+def _sampling_of(req: Request) -> GenerateSamplingParams:
+    """The request's sampling fields in generate's shape (unset stays unset)."""
+    s = req.sampling
+    return GenerateSamplingParams(
+        max_tokens=req.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        seed=s.seed,
+        min_tokens=s.min_tokens or None,  # 0 and false are the defaults: unset
+        ignore_eos=s.ignore_eos or None,
+        frequency_penalty=s.frequency_penalty,
+        presence_penalty=s.presence_penalty,
+        repetition_penalty=s.repetition_penalty,
+        stop=list(s.stop) or None,
+        n=req.n if req.n != 1 else None,
+        logprobs=s.logprobs,
+    )

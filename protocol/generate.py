@@ -1,0 +1,153 @@
+"""vLLM's token-in/token-out wire: `POST /inference/v1/generate` and the render endpoints'
+answers (`/v1/chat/completions/render`, `/v1/completions/render`), in vLLM's field names.
+
+A router or an RL trainer renders a prompt once (render: the model's chat template and
+tokenizer → token ids), then sends token ids and gets token ids and their logprobs back, with no
+text in between to re-tokenize. `GenerateRequest` is what it sends; a render answer is a
+`GenerateRequest` ready to send (vLLM's shape: its `token_ids` and `sampling_params`).
+
+Only what duet serves is taken: an unknown field, or one of vLLM's that duet does not serve set
+to anything but its neutral value, is a 400 naming it (gateway/api/tokens.py), never ignored.
+"""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+from protocol.chat import ChatLogprobs
+from protocol.openai import APIError, Usage
+
+#: text-only sampling switches: the answer is token ids, so they change nothing
+TEXT_ONLY = ("skip_special_tokens", "spaces_between_special_tokens", "detokenize")
+
+
+class GenerateSamplingParams(
+    msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True
+):
+    """vLLM's `sampling_params` of a generate request (unset: the model's default)."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    #: -1 (vLLM's "off") or positive
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: list[str] | None = None
+    n: int | None = None
+    #: the sampled token's logprob plus this many top tokens (0..20)
+    logprobs: int | None = None
+    #: text-only switches: the answer is token ids, so they change nothing
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    detokenize: bool | None = None
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """`POST /inference/v1/generate`'s body (vLLM's `GenerateRequest`)."""
+
+    token_ids: list[int]
+    sampling_params: GenerateSamplingParams
+    #: the gateway serves several models: required there; a node serves one (None: it)
+    model: str | None = None
+    request_id: str | None = None
+    stream: bool | None = False
+    #: vLLM's fields duet does not serve: taken only at their neutral value (the gateway salts
+    #: the prefix cache per team itself, schedules by tier, and moves KV between its own nodes)
+    cache_salt: str | None = None
+    priority: int = 0
+    features: str | None = None
+    kv_transfer_params: dict[str, str] | None = None
+
+
+class GenerateChoice(msgspec.Struct, kw_only=True):
+    """One sample: its token ids, their logprobs when asked (chat's logprobs shape, as vLLM)."""
+
+    index: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    logprobs: ChatLogprobs | None = None
+
+
+class GenerateResponse(msgspec.Struct, kw_only=True):
+    """`/inference/v1/generate`'s answer (vLLM's `GenerateResponse`, with OpenAI's usage)."""
+
+    request_id: str
+    choices: list[GenerateChoice]
+    usage: Usage
+    prompt_logprobs: None = None
+    kv_transfer_params: None = None
+
+
+class Rendered(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A render endpoint's answer for one prompt: the generate request that serves it."""
+
+    token_ids: list[int]
+    sampling_params: GenerateSamplingParams
+    model: str
+    stream: bool = False
+
+
+def parse_generate(raw: bytes) -> GenerateRequest:
+    """A generate body, type-checked (a 400 naming the field as the body nests it:
+    `sampling_params.top_k`), with vLLM's fields duet does not serve refused unless neutral,
+    and `stream` refused (duet answers whole)."""
+    try:
+        body = msgspec.json.decode(raw, type=GenerateRequest)
+    except msgspec.ValidationError as e:
+        raise APIError(400, f"invalid request: {e}", param=_param_of(str(e))) from None
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
+    if body.stream:
+        raise APIError(
+            400,
+            "stream is not supported on /inference/v1/generate (send stream: false)",
+            param="stream",
+        )
+    for name, neutral in (("cache_salt", None), ("priority", 0), ("features", None)):
+        if getattr(body, name) != neutral:
+            raise APIError(
+                400,
+                f"{name} is not supported here (duet salts each team's prefix cache, "
+                "schedules by tier and moves KV between its own nodes itself)",
+                param=name,
+                code="unsupported_field",
+            )
+    if body.kv_transfer_params:
+        raise APIError(
+            400,
+            "kv_transfer_params is not supported here (duet moves KV between its nodes itself)",
+            param="kv_transfer_params",
+            code="unsupported_field",
+        )
+    return body
+
+
+def sampling_kwargs(sp: GenerateSamplingParams) -> dict[str, int | float | bool | list[str]]:
+    """The sampling fields a client set, by the names OpenAI's completions form gives them
+    (the same names), vLLM's top_k -1 ("off") as unset; the text-only switches left out."""
+    out = {
+        f: v
+        for f in GenerateSamplingParams.__struct_fields__
+        if f not in TEXT_ONLY and (v := getattr(sp, f)) is not None
+    }
+    if out.get("top_k") == -1:
+        del out["top_k"]
+    return out
+
+
+def _param_of(msg: str) -> str | None:
+    """The field a msgspec validation message names, dotted from the body's root
+    (`sampling_params.top_k`), or None."""
+    at = msg.rsplit("`$.", 1)[1].rstrip("`").split("[")[0] if "`$." in msg else ""
+    named = re.search(r"(?:missing required|unknown) field `([^`]+)`", msg)
+    if named is None:
+        return at or None
+    return f"{at}.{named[1]}" if at else named[1]
