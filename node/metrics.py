@@ -194,8 +194,16 @@ class _EngineCollector(Collector):
 
 
 class NodeMetrics:
-    def __init__(self, stats: Callable[[], dict[str, float]], model: str, role: str) -> None:
+    def __init__(
+        self,
+        stats: Callable[[], dict[str, float]],
+        model: str,
+        role: str,
+        model_server: Collector | None = None,
+    ) -> None:
         self.registry = CollectorRegistry()
+        if model_server is not None:  # the endpoint pickers' vLLM names (model_server_metrics.py)
+            self.registry.register(model_server)
         self.labels = {"model_name": model, "role": role}
         names = list(self.labels)
 

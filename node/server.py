@@ -24,7 +24,9 @@ from node.app import make_app
 from node.config import NodeConfig, parse_cpus
 from node.engines import make_engine
 from node.legs import Roles
+from node.lora import adapter_names
 from node.metrics import NodeMetrics
+from node.model_server_metrics import ModelServerCollector
 from node.state import NodeState
 from runtime.read_deadlines import DeadlineAppRunner
 from text.guide_compile import GuideChecker
@@ -44,7 +46,11 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
     engine_id = f"{node_id}-{uuid.uuid4().hex[:8]}"
     from kvtransfer import KVTransferMetrics, make_transport
 
-    metrics = NodeMetrics(engine.stats, engine.model_name, cfg.role)
+    pool = (engine.kv_layout.block_size, engine.kv_layout.num_blocks)
+    served = ModelServerCollector(
+        engine.stats, engine.model_name, pool, lambda: adapter_names(engine)
+    )
+    metrics = NodeMetrics(engine.stats, engine.model_name, cfg.role, served)
     # The tcp backend (and nixl's fallback to it) listens beside the HTTP port and requires the
     # cluster secret in its handshake.
     listen = (

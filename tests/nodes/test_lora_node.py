@@ -8,6 +8,7 @@ prefix index matches the node's blocks under the adapter's hash root."""
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import uuid
 from collections.abc import Iterator
@@ -76,6 +77,11 @@ async def test_load_unload_endpoints_and_adapter_requests(
         anon.post(both.url + "/v1/load_lora_adapter", json={}) as r,
     ):
         assert r.status == 401, "the endpoints are behind the cluster secret"
+    async with (
+        aiohttp.ClientSession() as anon,
+        anon.post(both.url + "/inference/v1/generate", json={}) as r,
+    ):
+        assert r.status == 401, "so is vLLM's token-in/token-out endpoint"
     async with _session() as s:
         assert await _load(s, both, "a0", adapters[0]) == (
             200,
@@ -88,6 +94,13 @@ async def test_load_unload_endpoints_and_adapter_requests(
         async with s.get(both.url + "/v1/models") as r:
             models = (await r.json())["data"]
         assert models[1]["id"] == "a0" and models[1]["root"] == str(adapters[0])
+        # the endpoint pickers' LoRA metric names it resident (node/model_server_metrics.py)
+        async with s.get(both.url + "/metrics") as r:
+            text = await r.text()
+        info = re.search(r"^vllm:lora_requests_info\{([^}]*)\} ", text, re.M)
+        assert info, text
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', info[1]))
+        assert labels["max_lora"] == "2" and labels["running_lora_adapters"] == "a0", labels
         base_name = models[0]["id"]
         prompt = _prompt(1)
         got = await completion(s, both.url, prompt, {**GREEDY, "model": "a0"})

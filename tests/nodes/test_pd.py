@@ -14,7 +14,7 @@ import pytest
 
 from bench.pd_client import completion, disaggregated, prefill_leg
 from engine import LLM, SamplingParams
-from tests.nodes.transfer_checks import PullCheck
+from tests.nodes.transfer_checks import PullCheck, layout_of
 from tests.procs import Proc, duet_node, running
 from tests.wait import until
 
@@ -233,6 +233,9 @@ async def test_abort_mid_stream_frees_decode_blocks(pd_nodes: tuple[Proc, Proc, 
             if chunks == 3:
                 break
         assert metric(d, "duet:num_requests_running") == 1
+        # the endpoint pickers' name for it (node/model_server_metrics.py) says the same
+        assert metric(d, "vllm:num_requests_running") == 1
+        assert metric(d, "vllm:kv_cache_usage_perc") == metric(d, "duet:kv_cache_usage_perc") > idle
         r.close()  # the client goes away mid-stream
     await until(lambda: metric(d, "duet:num_requests_running") == 0, 20, "abort")
     await until(lambda: metric(d, "duet:kv_cache_usage_perc") == idle, 20, "blocks freed")
@@ -294,3 +297,31 @@ async def test_sigterm_drains_and_exits_zero(tiny_llama: Path, tmp_path: Path) -
             result = await task
         assert result.error is None and len(result.token_ids) == 900  # the in-flight one finished
         assert node.proc.wait(30) == 0
+
+
+def test_a_scrape_holds_the_model_server_protocols_metrics(
+    pd_nodes: tuple[Proc, Proc, Proc],
+) -> None:
+    """Every metric the inference gateway's model-server protocol names is on every node's
+    /metrics, under vLLM's name and labels, with its duet:* twin's value."""
+    for node in pd_nodes:
+        text = urllib.request.urlopen(node.url + "/metrics", timeout=5).read().decode()
+        for name, twin in (
+            ("vllm:num_requests_waiting", "duet:num_requests_waiting"),
+            ("vllm:num_requests_running", "duet:num_requests_running"),
+            ("vllm:kv_cache_usage_perc", "duet:kv_cache_usage_perc"),
+            ("vllm:gpu_cache_usage_perc", "duet:kv_cache_usage_perc"),
+        ):
+            assert metric(node, name) == metric(node, twin), name
+            assert re.search(rf'^{re.escape(name)}\{{model_name="[^"]+"\}} ', text, re.M), name
+        layout = layout_of(node)
+        info = re.search(r"^vllm:cache_config_info\{([^}]*)\} 1\.0$", text, re.M)
+        assert info, text
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', info[1]))
+        assert labels["block_size"] == str(layout.block_size)
+        assert labels["num_gpu_blocks"] == str(layout.num_blocks) == "256"  # --kv-blocks 256
+        lora = re.search(r"^vllm:lora_requests_info\{([^}]*)\} (\S+)$", text, re.M)
+        assert lora, text
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', lora[1]))
+        assert labels["max_lora"] == "0" and labels["running_lora_adapters"] == ""
+        assert labels["waiting_lora_adapters"] == "" and float(lora[2]) > 1.7e9  # a Unix time
