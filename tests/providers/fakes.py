@@ -373,7 +373,8 @@ class FakeProvider:
         ):
             return await self._anthropic_tool(request, body, fault, msg_id, model, prompt, tool)
         words = self.reply(_as_openai(body)).split()
-        stop = "end_turn"
+        # a prompt with "refuse:" in it is refused as Anthropic's classifier does
+        stop = "refusal" if "refuse:" in words else "end_turn"
         if len(words) > body["max_tokens"]:
             words, stop = words[: body["max_tokens"]], "max_tokens"
         parts = [w if i == 0 else " " + w for i, w in enumerate(words)]

@@ -19,7 +19,9 @@ Mapping (the shared names are in providers/anthropic_shapes.py):
 - `output_config.format` (a JSON schema) → `response_format` json_schema;
 - `tool_choice` auto|any|tool|none → auto|required|a named function|none;
   `disable_parallel_tool_use` → `parallel_tool_calls: false`; `stop_sequences` → `stop`;
-  `metadata.user_id` → `user`;
+  `metadata.user_id` → `user` (the usage record's end user);
+- the `anthropic-version` and `anthropic-beta` headers, `thinking` and image blocks: taken where
+  served, else a 400 saying why (surface.py);
 - usage: `input_tokens` is the prompt minus its cache reads (`cache_read_input_tokens`).
   A stream's `message_start` says 0 input tokens; `message_delta` carries the final counts.
 - a tool call's arguments → a `tool_use` block's `input`, wrapped as `{"value": …}` when they
@@ -46,6 +48,7 @@ from gateway.accounts.key_cache import Found
 from gateway.accounts.ledger import Caller
 from gateway.api.anthropic.convert import to_chat, to_message
 from gateway.api.anthropic.stream import MessageStream
+from gateway.api.anthropic.surface import check_headers, refuse_images, refuse_thinking
 from gateway.api.anthropic.wire import (
     FIELDS,
     ErrorBody,
@@ -100,9 +103,11 @@ async def authenticate(state: GatewayState, request: web.Request) -> Found:
             type_="authentication_error",
             code="missing_api_key",
         )
-    return await state.auth.authenticate(
+    found = await state.auth.authenticate(
         request, key.strip() if key is not None else bearer(request)
     )
+    check_headers(request.headers)  # anthropic-version, anthropic-beta (surface.py)
+    return found
 
 
 async def read_body(state: GatewayState, request: web.Request) -> bytes:
@@ -144,6 +149,7 @@ def parse(raw: bytes, counting: bool = False) -> MessagesRequest:
     top = decode_json(raw, code=None)
     if counting:
         top.setdefault("max_tokens", 1)
+    refuse_thinking(top.get("thinking"), top.get("model"))
     extra = unknown_fields(top, FIELDS, _neutral)
     if extra:
         raise APIError(
@@ -168,4 +174,5 @@ def parse(raw: bytes, counting: bool = False) -> MessagesRequest:
         raise APIError(400, f"top_k: must be a positive integer, got {body.top_k}")
     if any(not s for s in body.stop_sequences or []):
         raise APIError(400, "stop_sequences: each must be a non-empty string")
+    refuse_images(body)
     return body

@@ -1,0 +1,116 @@
+"""Anthropic's request surface beyond the basics on `/v1/messages` (gateway/api/anthropic/
+surface.py), through a real `duet gateway` process and the official `anthropic` client: the
+version and beta headers, `thinking`, image blocks, `metadata.user_id` in the usage record.
+External models on fake providers only (every refusal comes before any model work)."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import pytest
+
+from tests.gateway.helpers import http
+from tests.gateway.test_anthropic_api import Env, cluster
+from tests.gateway.test_providers_e2e import record
+
+ASK: dict[str, Any] = {
+    "model": "gpt",
+    "max_tokens": 8,
+    "messages": [{"role": "user", "content": "hello there"}],
+}
+PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 16).decode()
+
+
+@pytest.fixture(scope="module")
+def env(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
+    yield from cluster(tiny_llama, tmp_path_factory, node=False)
+
+
+def _refused(env: Env, says: list[str], **kw: Any) -> None:
+    with pytest.raises(anthropic.BadRequestError) as e:
+        env.client().messages.create(**{**ASK, **kw})
+    assert e.value.status_code == 400 and e.value.body["error"]["type"] == "invalid_request_error"
+    for s in says:
+        assert s in e.value.message, e.value.message
+
+
+def test_version_and_beta_headers(env: Env) -> None:
+    c = env.client()
+    # the SDK sends anthropic-version 2023-06-01 itself; a served beta is taken
+    ok = c.messages.create(**ASK, extra_headers={"anthropic-beta": "token-counting-2024-11-01"})
+    assert ok.content[0].text == "echo: hello there"
+    _refused(
+        env,
+        ["anthropic-beta", "'files-api-2025-04-14'"],
+        extra_headers={"anthropic-beta": "prompt-caching-2024-07-31, files-api-2025-04-14"},
+    )
+    _refused(env, ["anthropic-version", "'latest'"], extra_headers={"anthropic-version": "latest"})
+
+
+def test_thinking_is_refused_naming_the_model_unless_disabled(env: Env) -> None:
+    _refused(
+        env,
+        ["thinking", "'gpt'", "disabled"],
+        thinking={"type": "enabled", "budget_tokens": 1024},
+    )
+    ok = env.client().messages.create(**ASK, thinking={"type": "disabled"})
+    assert ok.content[0].text == "echo: hello there"
+
+
+def test_image_blocks_are_refused_where_they_are(env: Env) -> None:
+    image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": PNG}}
+    content = [{"type": "text", "text": "what is this?"}, image]
+    _refused(
+        env,
+        ["messages.0.content.1", "image blocks are not supported", "'gpt' takes text only"],
+        messages=[{"role": "user", "content": content}],
+    )
+    turns = [
+        {"role": "user", "content": "look"},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "t1", "name": "see", "input": {}}],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [image]}],
+        },
+    ]
+    _refused(env, ["messages.2.content.0.content.0"], messages=turns)
+    # count_tokens parses the same body: the same refusal
+    status, _, got = http(
+        env.gw.url + "/v1/messages/count_tokens",
+        "POST",
+        body={"model": "gpt", "messages": [{"role": "user", "content": content}]},
+        key=None,
+        headers={"x-api-key": env.key},
+    )
+    assert status == 400 and "messages.0.content.1" in got["error"]["message"], got
+
+
+def test_metadata_user_id_is_the_usage_records_user(env: Env) -> None:
+    raw = env.client().messages.with_raw_response.create(**ASK, metadata={"user_id": "user-42"})
+    assert raw.parse().content[0].text == "echo: hello there"
+    rec = record(env, raw.headers["x-request-id"])  # type: ignore[arg-type]
+    assert rec["user"] == "user-42" and rec["status"] == "ok", rec
+
+
+def test_a_providers_refusal_is_a_refusal_stop_reason(env: Env) -> None:
+    """An Anthropic provider's `refusal` crosses the chat path as `content_filter` and comes
+    back to a /v1/messages client as `stop_reason: refusal`, whole and streamed."""
+    kw = {**ASK, "model": "claude", "messages": [{"role": "user", "content": "refuse: this"}]}
+    c = env.client()
+    assert c.messages.create(**kw).stop_reason == "refusal"
+    with c.messages.stream(**kw) as stream:
+        assert stream.get_final_message().stop_reason == "refusal"
+    status, _, chat = http(
+        env.gw.url + "/v1/chat/completions",
+        "POST",
+        body={**kw, "messages": kw["messages"]},
+        key=env.key,
+    )
+    assert status == 200 and chat["choices"][0]["finish_reason"] == "content_filter", chat
