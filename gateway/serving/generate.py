@@ -79,6 +79,14 @@ class Generate:
             served = self._named(serving, team_id, policy)
         served.generator()  # an embedding model answers no chat: 400
         refuse_missing(self.request, served.config)
+        if self.request.return_token_ids and served.tokenizer is None:
+            raise APIError(
+                400,
+                f"model {served.config.name!r} is served by an external provider, whose answers "
+                "carry no token ids (return_token_ids and /inference/v1/generate serve the "
+                "models this gateway runs itself)",
+                param="model",
+            )
         return served, headers
 
     async def measure(self, serving: Serving, served: ServedModel, team_id: str) -> Measured:

@@ -450,3 +450,17 @@ def test_max_tokens_past_an_external_models_context_is_a_400(env: Env) -> None:
     assert len(env.fakes["gpt"].requests) == sent  # nothing went to the provider
     _, r = chat(env.client(key), "gpt", "hello", max_tokens=8000)  # within the context: served
     assert r.choices[0].message.content == "echo: hello"
+
+
+def test_token_ids_are_refused_on_an_external_model(env: Env) -> None:
+    """A provider's answer carries no token ids: /inference/v1/generate and return_token_ids
+    name the model in a 400 before any call to the provider."""
+    before = len(env.fakes["gpt"].requests)
+    body = {"model": "gpt", "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 2}}
+    status, _, got = http(env.gw.url + "/inference/v1/generate", "POST", body, key=env.key)
+    assert status == 400 and got["error"]["param"] == "model", got
+    assert "external provider" in got["error"]["message"]
+    body = {"model": "gpt", "prompt": "hi", "max_tokens": 2, "return_token_ids": True}
+    status, _, got = http(env.gw.url + "/v1/completions", "POST", body, key=env.key)
+    assert status == 400 and got["error"]["param"] == "model", got
+    assert len(env.fakes["gpt"].requests) == before
