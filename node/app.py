@@ -235,9 +235,12 @@ def make_app(state: NodeState) -> web.Application:
 
     app.router.add_post("/v1/completions", _completions)
     app.router.add_post("/v1/chat/completions", _chat_completions)
-    from node.generate import handle_generate  # vLLM's token-in/token-out endpoint
+    # vLLM's token-in/token-out endpoints
+    from node.generate import handle_generate, handle_render_chat, handle_render_completion
 
     app.router.add_post("/inference/v1/generate", bind(handle_generate))
+    app.router.add_post("/v1/chat/completions/render", bind(handle_render_chat))
+    app.router.add_post("/v1/completions/render", bind(handle_render_completion))
     app.router.add_get("/v1/models", _models)
     for method, path, fn in state.roles.routes:
         app.router.add_route(method, path, bind(fn))

@@ -1,6 +1,8 @@
-"""`POST /inference/v1/generate` on a node (vLLM's token-in/token-out endpoint,
-protocol/generate.py): token ids in, token ids and their logprobs out, behind the cluster
-secret like every node endpoint.
+"""vLLM's token-in/token-out endpoints on a node (protocol/generate.py), behind the cluster
+secret like every node endpoint: `POST /inference/v1/generate` (token ids in, token ids and
+their logprobs out) and the render endpoints `POST /v1/chat/completions/render` and
+`POST /v1/completions/render` (a body's prompt as the token ids this node's tokenizer and chat
+template make of it, and its sampling fields: a generate body; completions: a list of one).
 
 The body becomes the `NodeCompletionRequest` it is (the prompt the token ids, the sampling
 fields by their completions names, whole) and runs as a local leg of `/v1/completions` — the
@@ -11,12 +13,14 @@ generate body calls it (`token_ids`, `sampling_params.temperature`).
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import msgspec
 from aiohttp import web
 
-from node.completions import dispatch, prepare_body
+from node.chat import as_completion, parse_chat, template
+from node.completions import dispatch, parse_body, prepare_body, served_adapter
 from node.request_log import REQUEST_ID
 from node.state import NodeState
 from protocol.chat import chat_logprobs
@@ -24,11 +28,12 @@ from protocol.generate import (
     GenerateChoice,
     GenerateResponse,
     GenerateSamplingParams,
+    Rendered,
     parse_generate,
     sampling_kwargs,
 )
 from protocol.node_api import NodeCompletion, NodeCompletionRequest
-from protocol.openai import APIError
+from protocol.openai import APIError, CompletionRequest
 
 _ENC = msgspec.json.Encoder()
 _DEC = msgspec.json.Decoder(NodeCompletion)
@@ -71,4 +76,52 @@ async def handle_generate(state: NodeState, request: web.Request) -> web.StreamR
             for c in done.choices
         ],
     )
+    return web.Response(body=_ENC.encode(out), content_type="application/json")
+
+
+async def handle_render_chat(state: NodeState, request: web.Request) -> web.Response:
+    """`POST /v1/chat/completions/render`: the chat body's prompt ids as this node templates
+    them (what its `/v1/chat/completions` would compute)."""
+    chat = parse_chat(await request.read())
+    served_adapter(state.engine, chat.model)  # 404 for a model this node does not serve
+    ids = await asyncio.to_thread(template, state.engine.tokenizer, chat)
+    body = as_completion(chat, ids)
+    body.validate()
+    return _rendered(_render(state, body, ids))
+
+
+async def handle_render_completion(state: NodeState, request: web.Request) -> web.Response:
+    """`POST /v1/completions/render`: the completions body's prompt as token ids."""
+    body = parse_body(await request.read())
+    served_adapter(state.engine, body.model)
+    prompt = body.single_prompt()
+    ids = (
+        await asyncio.to_thread(state.engine.tokenizer.encode, prompt)
+        if isinstance(prompt, str)
+        else list(prompt)
+    )
+    return _rendered([_render(state, body, ids)])
+
+
+def _render(state: NodeState, body: CompletionRequest, ids: list[int]) -> Rendered:
+    stop = [body.stop] if isinstance(body.stop, str) else body.stop
+    sp = GenerateSamplingParams(
+        max_tokens=body.max_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        min_tokens=body.min_tokens or None,  # 0 and false are the defaults: unset
+        ignore_eos=body.ignore_eos or None,
+        frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty,
+        repetition_penalty=body.repetition_penalty,
+        stop=stop or None,
+        logprobs=body.logprobs,
+    )
+    return Rendered(token_ids=ids, sampling_params=sp, model=body.model or state.engine.model_name)
+
+
+def _rendered(out: Rendered | list[Rendered]) -> web.Response:
     return web.Response(body=_ENC.encode(out), content_type="application/json")

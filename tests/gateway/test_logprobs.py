@@ -258,3 +258,39 @@ async def test_a_nodes_generate_equals_its_completions(
     content = choice["logprobs"]["content"]
     assert [e["token"] for e in content] == ref["tokens"]
     assert _close([e["logprob"] for e in content], ref["token_logprobs"])
+
+
+async def test_a_nodes_render_equals_the_gateways(
+    gw: tuple[Proc, str], pd_nodes: tuple[Proc, Proc, Proc], tiny_llama: Path
+) -> None:
+    """A node renders a chat body into the ids the gateway renders for its model, and a
+    completions body into its prompt's ids, with the body's sampling fields."""
+    g, key = gw
+    node = pd_nodes[2]
+    chat = {"messages": MESSAGES, **GREEDY}
+    _, _, want = http(
+        g.url + "/v1/chat/completions/render", "POST", {**chat, "model": MODEL}, key=key
+    )
+    async with aiohttp.ClientSession() as s:
+        async with s.post(node.url + "/v1/chat/completions/render", json=chat) as r:
+            assert r.status == 200, await r.text()
+            got = await r.json()
+        body = {"prompt": PROMPT, "max_tokens": 3}
+        async with s.post(node.url + "/v1/completions/render", json=body) as r:
+            assert r.status == 200, await r.text()
+            listed = await r.json()
+        async with s.post(node.url + "/v1/completions/render", json={"prompt": ""}) as r:
+            assert r.status == 400 and (await r.json())["error"]["param"] == "prompt"
+    assert got["token_ids"] == want["token_ids"] == Tokenizer(tiny_llama).encode_chat(MESSAGES)
+    assert got["sampling_params"] == GREEDY
+    assert (
+        listed
+        == [
+            {
+                "token_ids": Tokenizer(tiny_llama).encode(PROMPT),
+                "sampling_params": {"max_tokens": 3},
+                "model": listed[0]["model"],
+            }
+        ]
+        and listed[0]["model"]
+    )
