@@ -7,7 +7,7 @@ with a 400 that says what and why, never ignored.
   are the ones every dated version shares. A value that is no such date is a 400; an absent
   header is taken (curl users).
 - `anthropic-beta` (comma-separated): a beta whose feature this gateway serves without asking
-  (`BETAS`: token counting, prompt caching's markers, streamed tool arguments, the larger
+  (`BETAS`: token counting, prompt caching's markers and their 1h ttl, streamed tool arguments, the larger
   output and token-efficient tools, which change no shape) is taken; any other is a 400 naming
   it, so a client never believes a feature is on that is not.
 - `thinking`: no model duet serves has a reasoning mode on `/v1/messages`, so anything but
@@ -33,6 +33,7 @@ BETAS = frozenset(
     {
         "token-counting-2024-11-01",
         "prompt-caching-2024-07-31",
+        "extended-cache-ttl-2025-04-11",
         "fine-grained-tool-streaming-2025-05-14",
         "output-128k-2025-02-19",
         "token-efficient-tools-2025-02-19",
