@@ -7,9 +7,9 @@ with a 400 that says what and why, never ignored.
   are the ones every dated version shares. A value that is no such date is a 400; an absent
   header is taken (curl users).
 - `anthropic-beta` (comma-separated): a beta whose feature this gateway serves without asking
-  (`BETAS`: token counting, prompt caching's markers and their 1h ttl, streamed tool arguments, the larger
-  output and token-efficient tools, which change no shape) is taken; any other is a 400 naming
-  it, so a client never believes a feature is on that is not.
+  (`BETAS`: token counting, prompt caching's markers and their 1h ttl, streamed tool
+  arguments, the larger output and token-efficient tools, which change no shape) is taken; any
+  other is a 400 naming it, so a client never believes a feature is on that is not.
 - `thinking`: no model duet serves has a reasoning mode on `/v1/messages`, so anything but
   `{"type": "disabled"}` is a 400 naming the model (an absent or disabled `thinking` is taken).
 - image blocks (in a message or a `tool_result`): no model duet serves takes image input, so an
