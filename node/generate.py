@@ -42,10 +42,8 @@ _DEC = msgspec.json.Decoder(NodeCompletion)
 async def handle_generate(state: NodeState, request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     body = parse_generate(await request.read())
-    leg = NodeCompletionRequest(
-        prompt=body.token_ids,
-        model=body.model,
-        stream=False,
+    leg = msgspec.structs.replace(
+        NodeCompletionRequest(prompt=body.token_ids, model=body.model, stream=False),
         **sampling_kwargs(body.sampling_params),
     )
     try:
