@@ -44,6 +44,19 @@ from engine.rope import Rope
 from engine.weights import ModelWeights
 
 
+def prefill_on_kernels(dtype: torch.dtype) -> bool:
+    """Whether prefill attention runs on the kernels (else SDPA, transformers' own arithmetic).
+    The blocked prefill kernels are AVX-512 BF16 ones (bf16; AMX tiles where the CPU has them:
+    prefill_attention_amx.c) and AVX2 ones (fp32 and bf16, on CPUs without AVX-512). Elsewhere
+    prefill_attention runs the per-token loop, slower than SDPA (1024-token bf16 prefill on an AVX2
+    Zen 3 before its AVX2 path: 28.3 vs 26.1 s). The AVX2 kernel against SDPA, SmolLM2's shape, a
+    512-token prompt, one thread of a Zen 3: fp32 14.4 vs 31.8 ms a layer, bf16 9.8 vs 38.8."""
+    flags = cpu_flags()
+    if dtype == torch.bfloat16 and "avx512_bf16" in flags:
+        return True
+    return {"avx2", "fma"} <= flags and "avx512f" not in flags
+
+
 @dataclass
 class Layer:
     input_norm: torch.Tensor
@@ -75,13 +88,9 @@ class LlamaModel:
             and cfg.num_heads // cfg.num_kv_heads <= 64
         )
         self.kernels = kernels_lib() if usable else None
-        # fp32 stays on SDPA prefill and torch norms: the exact-parity reference path.
+        # fp32 stays on torch norms: the exact-parity reference path.
         self.fused = self.kernels is not None and dtype == torch.bfloat16
-        # The blocked prefill kernel is an AVX-512 BF16 one (AMX tiles where the CPU has them:
-        # prefill_attention_amx.c); without it prefill_attention runs the
-        # per-token scalar loop, slower than SDPA (1024-token bf16 prefill on an AVX2 Zen 3: 28.3
-        # vs 26.1 s) and no closer to fp32 — SDPA's arithmetic is transformers' own.
-        self.kernel_prefill = self.fused and "avx512_bf16" in cpu_flags()
+        self.kernel_prefill = self.kernels is not None and prefill_on_kernels(dtype)
         #: bf16 engines keep the residual stream in fp32 (see the module docstring)
         self.res32 = dtype == torch.bfloat16
         self.dtype = dtype

@@ -126,6 +126,7 @@ COMPONENT_BENCHMARKS = {
     "bench/quant_engine.py": {"engine"},
     "bench/linear_rows.py": {"engine"},
     "bench/kernel_ab.py": {"engine"},
+    "bench/attention_ab.py": {"engine"},
     "bench/kvtransfer.py": {"kvtransfer"},
     "bench/kv_tiers.py": {"engine"},
     "bench/route.py": {"coordinator"},

@@ -53,7 +53,15 @@ from runtime.strict import fallback
 log = logging.getLogger("duet.engine.kernels")
 
 _DIR = Path(__file__).parent
-_HEADERS = ("common.h", "step.h", "attention_parts.h", "qgemm.h", "qgemm_bf16.h", "qgemm_f32.h")
+_HEADERS = (
+    "common.h",
+    "vec8.h",
+    "step.h",
+    "attention_parts.h",
+    "qgemm.h",
+    "qgemm_bf16.h",
+    "qgemm_f32.h",
+)
 _BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-fno-math-errno", "-fno-trapping-math")
 # Attention may reassociate (its sums are reductions anyway); rope and the bf16 norms must round
 # exactly where torch / transformers do, so they get neither reassociation nor FMA contraction.
@@ -73,6 +81,7 @@ _SOURCES = (
     ("qgemm_w8a8.c", ("-ffp-contract=off",)),
     ("decode_layers.c", ("-ffp-contract=off",)),
     ("linear_bf16.c", ("-ffp-contract=off",)),
+    ("linear_f32.c", ("-ffp-contract=off",)),
 )
 
 
@@ -96,9 +105,12 @@ def _compile(src: Path = _DIR, march: str = "native") -> Path:
     if shutil.which(cc) is None:
         raise _CompileError(f"the C compiler {cc!r} (from CC) is not an executable")
     flags = base_flags(march)
-    h = hashlib.sha256(" ".join([cc, *flags, repr(_SOURCES), *sorted(cpu_flags())]).encode())
-    for name in (*_HEADERS, *(src for src, _ in _SOURCES)):
-        h.update((src / name).read_bytes())
+    # an older revision's sources (bench/kernel_ab.py) may lack a file added since: built without it
+    sources = [(n, f) for n, f in _SOURCES if src == _DIR or (src / n).is_file()]
+    h = hashlib.sha256(" ".join([cc, *flags, repr(sources), *sorted(cpu_flags())]).encode())
+    for name in (*_HEADERS, *(n for n, _ in sources)):
+        if src == _DIR or (src / name).is_file():
+            h.update((src / name).read_bytes())
     out_dir = kernel_cache_dir()
     target = out_dir / f"duet_kernels-{h.hexdigest()[:16]}.so"
     if target.is_file():
@@ -111,7 +123,7 @@ def _compile(src: Path = _DIR, march: str = "native") -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if target.is_file():
             return target
-        _build(cc, flags, src, target)
+        _build(cc, flags, src, sources, target)
     return target
 
 
@@ -121,10 +133,17 @@ def kernel_cache_dir() -> Path:
     return Path(env) if env else duet_home() / "kernels"
 
 
-def _build(cc: str, flags: tuple[str, ...], src: Path, target: Path) -> None:
-    """Compile the sources in `src` and move the library to `target` (atomic rename)."""
+def _build(
+    cc: str,
+    flags: tuple[str, ...],
+    src: Path,
+    sources: list[tuple[str, tuple[str, ...]]],
+    target: Path,
+) -> None:
+    """Compile `sources` (name, extra flags) in `src` and move the library to `target` (atomic
+    rename)."""
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        objs = [str(Path(tmp) / (name + ".o")) for name, _ in _SOURCES]
+        objs = [str(Path(tmp) / (name + ".o")) for name, _ in sources]
         # The sources compile in parallel (about a second in all).
         procs = [
             subprocess.Popen(
@@ -133,7 +152,7 @@ def _build(cc: str, flags: tuple[str, ...], src: Path, target: Path) -> None:
                 stderr=subprocess.PIPE,
                 text=True,
             )
-            for (name, extra), obj in zip(_SOURCES, objs, strict=True)
+            for (name, extra), obj in zip(sources, objs, strict=True)
         ]
         errors = [
             _error(p) for p in procs
@@ -226,6 +245,8 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "add_rms_norm_bf16": ([_P, _P, _P, _P, _I32, _I32, _F32], None),
     "silu_mul_bf16": ([_P, _P, _I32, _I32], None),
     "res_norm_f32": ([_P, _P, _P, _P, _I32, _I32, _F32, _I32], None),
+    "add_rms_norm_f32": ([_P, _P, _P, _P, _I32, _I32, _F32], None),
+    "silu_mul_f32": ([_P, _P, _I32, _I32], None),
     "argmax_rows": ([_P, _I64, _I32, _I32, _I32, _P], None),
     "kernels_isa": ([], _I32),
     "qlinear_int8": ([_P, _I64, _I32, _I32, _P, _P, _I64, _P, _P, _I64, _I32, _I32], _I32),
@@ -251,6 +272,7 @@ _SIGNATURES: dict[str, tuple[list, object]] = {
     "linear_bf16_pack": ([_P, _I64, _I32, _P], _I32),
     "linear_bf16": ([_P, _I64, _I32, _I32, _P, _I64, _P, _P, _I64, _I32, _I32], _I32),
     "linear_bf16_xf32": ([_P, _I64, _I32, _I32, _P, _I64, _P, _P, _I64], _I32),
+    "linear_f32": ([_P, _I64, _I32, _I32, _P, _I64, _P, _P, _I64], _I32),
     "decode_layers": ([_P, _P, _I32, _P, _P, _I32, _I32, _I32, _I32, _F32], _I32),
 }
 

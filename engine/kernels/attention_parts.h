@@ -8,6 +8,7 @@
 
 #include "common.h"
 #include "step.h"
+#include "vec8.h"
 
 #define TILE 16
 
@@ -54,6 +55,91 @@ INLINE float softmax_unnormalized(float *s, int n) {
         sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
     }
     return 1.0f / _mm512_reduce_add_ps(sum);
+}
+#endif
+
+#if defined(DUET_AVX2)
+/* In place: s[0..n) = exp(s - max); returns 1 / sum (AVX2: softmax_unnormalized's arithmetic in
+ * 8 lanes). */
+INLINE float softmax8(float *s, int n) {
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + j));
+    float mx = vec8_hmax(m);
+    for (int i = j; i < n; i++) mx = fmaxf(mx, s[i]);
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 sum = _mm256_setzero_ps();
+    for (j = 0; j + 8 <= n; j += 8) {
+        const __m256 e = vec8_exp(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
+        _mm256_storeu_ps(s + j, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    if (j < n) {
+        const __m256i k = vec8_mask(n - j);
+        const __m256 e = _mm256_and_ps(vec8_exp(_mm256_sub_ps(_mm256_maskload_ps(s + j, k), vmx)), _mm256_castsi256_ps(k));
+        _mm256_maskstore_ps(s + j, k, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return 1.0f / hsum8(sum);
+}
+
+/* out[g] dims [d0, d0 + 8 nv) = inv[g] * sum_j pr[g][j pstep] V_j for ng <= 3 rows of weights (fp32,
+ * zero past a row's own keys), V_j at rp[j] + voff (bytes), nv 2 or 4 vectors: 3 x 4 accumulators
+ * in registers. bf16 V is widened in pairs (vec8_load_pairs) and put back in order at the store.
+ * ng, nv and bf16 are constants here (pv_pass8 dispatches): tested at run time inside the loop,
+ * they kept the accumulators on the stack. */
+INLINE void pv_pass8_k(const char *const *rp, int64_t voff, int n, const float *const *pr, int64_t pstep,
+                       const float *inv, const int ng, int d0, const int nv, void *const *orow, const int bf16) {
+    __m256 acc[3][4];
+    for (int g = 0; g < 3; g++)
+        for (int c = 0; c < 4; c++) acc[g][c] = _mm256_setzero_ps();
+    for (int j = 0; j < n; j++) {
+        __m256 w[3];
+        for (int g = 0; g < ng; g++) w[g] = _mm256_broadcast_ss(pr[g] + j * pstep);
+        const char *v = rp[j] + voff;
+        if (bf16) {
+            for (int c = 0; c < nv; c += 2) {
+                __m256 a, b;
+                vec8_load_pairs((const uint16_t *)v + d0 + 8 * c, &a, &b);
+                for (int g = 0; g < ng; g++) {
+                    acc[g][c] = _mm256_fmadd_ps(w[g], a, acc[g][c]);
+                    acc[g][c + 1] = _mm256_fmadd_ps(w[g], b, acc[g][c + 1]);
+                }
+            }
+        } else { /* one vector live at a time: 12 accumulators, 3 weights and it fill the 16 registers */
+            for (int c = 0; c < nv; c++) {
+                const __m256 a = _mm256_loadu_ps((const float *)v + d0 + 8 * c);
+                for (int g = 0; g < ng; g++) acc[g][c] = _mm256_fmadd_ps(w[g], a, acc[g][c]);
+            }
+        }
+    }
+    for (int g = 0; g < ng; g++) {
+        const __m256 sc = _mm256_set1_ps(inv[g]);
+        for (int c = 0; c < nv; c += 2) {
+            __m256 lo = acc[g][c], hi = acc[g][c + 1];
+            if (bf16) vec8_interleave(lo, hi, &lo, &hi);
+            store8(orow[g], d0 + 8 * c, _mm256_mul_ps(lo, sc), bf16);
+            store8(orow[g], d0 + 8 * c + 8, _mm256_mul_ps(hi, sc), bf16);
+        }
+    }
+}
+
+static void pv_pass8(const char *const *rp, int64_t voff, int n, const float *const *pr, int64_t pstep,
+                     const float *inv, int ng, int d0, int nv, void *const *orow, int bf16) {
+#define PV8(NG, NV, B) pv_pass8_k(rp, voff, n, pr, pstep, inv, NG, d0, NV, orow, B)
+#define PV8_NG(NV, B)                                                                                               \
+    switch (ng) {                                                                                                   \
+    case 1: PV8(1, NV, B); break;                                                                                   \
+    case 2: PV8(2, NV, B); break;                                                                                   \
+    default: PV8(3, NV, B); break;                                                                                  \
+    }
+    if (bf16) { /* two vectors of a pair live: 16 dims a pass keep 3 rows' accumulators in registers */
+        for (int c = 0; c < nv; c += 2, d0 += 16) PV8_NG(2, 1)
+    } else {
+        if (nv == 4) { PV8_NG(4, 0) } else { PV8_NG(2, 0) }
+    }
+#undef PV8_NG
+#undef PV8
 }
 #endif
 

@@ -7,6 +7,7 @@
  * SiLU is rounded to bf16 before the product with `up`.
  */
 #include "common.h"
+#include "vec8.h"
 
 #if defined(__AVX512F__)
 INLINE float row_inv_rms(const uint16_t *x, int n, float eps) {
@@ -27,6 +28,28 @@ INLINE void norm_row(const uint16_t *x, const uint16_t *w, uint16_t *out, int n,
     int i = 0;
     for (; i + 16 <= n; i += 16)
         store16(out, i, _mm512_mul_ps(load16(w, i, 1), round_bf16(_mm512_mul_ps(load16(x, i, 1), vi))), 1);
+    for (; i < n; i++)
+        out[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * inv)));
+}
+#elif defined(DUET_AVX2)
+INLINE float row_inv_rms(const uint16_t *x, int n, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = load8(x, i, 1);
+        acc = _mm256_fmadd_ps(v, v, acc);
+    }
+    float ss = hsum8(acc);
+    for (; i < n; i++) { const float v = bf16_to_f32(x[i]); ss += v * v; }
+    return 1.0f / sqrtf(ss / (float)n + eps);
+}
+
+INLINE void norm_row(const uint16_t *x, const uint16_t *w, uint16_t *out, int n, float eps) {
+    const float inv = row_inv_rms(x, n, eps);
+    const __m256 vi = _mm256_set1_ps(inv);
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        store8(out, i, _mm256_mul_ps(load8(w, i, 1), vec8_round_bf16(_mm256_mul_ps(load8(x, i, 1), vi))), 1);
     for (; i < n; i++)
         out[i] = f32_to_bf16(bf16_to_f32(w[i]) * bf16_to_f32(f32_to_bf16(bf16_to_f32(x[i]) * inv)));
 }
@@ -56,6 +79,8 @@ void add_rms_norm_bf16(uint16_t *h, const uint16_t *delta, const uint16_t *w, ui
         int i = 0;
 #if defined(__AVX512F__)
         for (; i + 16 <= n; i += 16) store16(x, i, _mm512_add_ps(load16(x, i, 1), load16(d, i, 1)), 1);
+#elif defined(DUET_AVX2)
+        for (; i + 8 <= n; i += 8) store8(x, i, _mm256_add_ps(load8(x, i, 1), load8(d, i, 1)), 1);
 #endif
         for (; i < n; i++) x[i] = f32_to_bf16(bf16_to_f32(x[i]) + bf16_to_f32(d[i]));
         norm_row(x, w, out + (int64_t)r * n, n, eps);
@@ -75,6 +100,13 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int32_t rows, int32_t
             const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), x));
             const __m512 s = round_bf16(_mm512_div_ps(x, _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
             store16(o, i, _mm512_mul_ps(s, load16(u, i, 1)), 1);
+        }
+#elif defined(DUET_AVX2)
+        for (; i + 8 <= n; i += 8) {
+            const __m256 x = load8(g, i, 1);
+            const __m256 e = vec8_exp(_mm256_sub_ps(_mm256_setzero_ps(), x));
+            const __m256 s = vec8_round_bf16(_mm256_div_ps(x, _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+            store8(o, i, _mm256_mul_ps(s, load8(u, i, 1)), 1);
         }
 #endif
         for (; i < n; i++) {
@@ -109,6 +141,17 @@ void res_norm_f32(float *h, const uint16_t *delta, const uint16_t *w, void *out,
             acc = _mm512_fmadd_ps(v, v, acc);
         }
         ss = _mm512_reduce_add_ps(acc);
+#elif defined(DUET_AVX2)
+        __m256 acc = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) {
+            __m256 v = _mm256_loadu_ps(x + i);
+            if (d) {
+                v = _mm256_add_ps(v, load8(d, i, 1));
+                _mm256_storeu_ps(x + i, v);
+            }
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        ss = hsum8(acc);
 #endif
         for (; i < n; i++) {
             if (d) x[i] += bf16_to_f32(d[i]);
@@ -121,7 +164,72 @@ void res_norm_f32(float *h, const uint16_t *delta, const uint16_t *w, void *out,
         const __m512 vi = _mm512_set1_ps(inv);
         for (; i + 16 <= n; i += 16)
             store16(o, i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), vi), load16(w, i, 1)), !out_f32);
+#elif defined(DUET_AVX2)
+        const __m256 vi = _mm256_set1_ps(inv);
+        for (; i + 8 <= n; i += 8)
+            store8(o, i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vi), load8(w, i, 1)), !out_f32);
 #endif
         for (; i < n; i++) store_elem(o, i, (x[i] * inv) * bf16_to_f32(w[i]), !out_f32);
+    }
+}
+
+/* The fp32 engine's norms: h += delta (skipped when delta is NULL), then out = (h * inv_rms) * w,
+ * all fp32, as transformers' fp32 RMSNorm (weight * (x * rsqrt(mean(x^2) + eps))) up to the order
+ * of the sum of squares. Each row is one thread's sequential work (8 lanes, then the tail), so a
+ * row's result does not depend on the rows beside it or the thread count; AVX2 and AVX-512 builds
+ * run the same 8-lane code (bitwise alike), the portable C sums in order. */
+void add_rms_norm_f32(float *h, const float *delta, const float *w, float *out, int32_t rows, int32_t n, float eps) {
+#pragma omp parallel for schedule(static) if ((int64_t)rows * n >= (1 << 17))
+    for (int r = 0; r < rows; r++) {
+        float *x = h + (int64_t)r * n;
+        const float *d = delta ? delta + (int64_t)r * n : NULL;
+        float *o = out + (int64_t)r * n;
+        int i = 0;
+        float ss = 0.f;
+#if defined(DUET_VEC8)
+        __m256 acc = _mm256_setzero_ps();
+        for (; i + 8 <= n; i += 8) {
+            __m256 v = _mm256_loadu_ps(x + i);
+            if (d) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(d + i));
+                _mm256_storeu_ps(x + i, v);
+            }
+            acc = _mm256_fmadd_ps(v, v, acc);
+        }
+        ss = hsum8(acc);
+#endif
+        for (; i < n; i++) {
+            if (d) x[i] += d[i];
+            ss += x[i] * x[i];
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        i = 0;
+#if defined(DUET_VEC8)
+        const __m256 vi = _mm256_set1_ps(inv);
+        for (; i + 8 <= n; i += 8)
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), vi), _mm256_loadu_ps(w + i)));
+#endif
+        for (; i < n; i++) o[i] = (x[i] * inv) * w[i];
+    }
+}
+
+/* out[r] = SiLU(gate[r]) * up[r] in fp32, with gate_up[r] = [gate (n) | up (n)]; SiLU(x) =
+ * x / (1 + exp(-x)) as torch computes it (exp within ~2 ulp of torch's: vec8_exp in the vector
+ * lanes of AVX2 and AVX-512 builds alike, expf in the tail and the portable C). */
+void silu_mul_f32(const float *gate_up, float *out, int32_t rows, int32_t n) {
+#pragma omp parallel for schedule(static) if ((int64_t)rows * n >= (1 << 17))
+    for (int r = 0; r < rows; r++) {
+        const float *g = gate_up + (int64_t)r * 2 * n, *u = g + n;
+        float *o = out + (int64_t)r * n;
+        int i = 0;
+#if defined(DUET_VEC8)
+        for (; i + 8 <= n; i += 8) {
+            const __m256 x = _mm256_loadu_ps(g + i);
+            const __m256 e = vec8_exp(_mm256_sub_ps(_mm256_setzero_ps(), x));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(e, _mm256_set1_ps(1.0f))),
+                                                  _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < n; i++) o[i] = (g[i] / (1.0f + expf(-g[i]))) * u[i];
     }
 }

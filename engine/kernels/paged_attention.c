@@ -14,6 +14,7 @@
  * past a token's context; results equal softmax(q.K^T * scale).V up to fp32 rounding.
  * Threads: OpenMP, resolved against the libgomp torch already loaded (one thread pool).
  */
+#include <omp.h>
 #include <stdlib.h>
 
 #include "attention_parts.h"
@@ -74,7 +75,111 @@ INLINE void pv_pass(const Step *s, int layer, int row, int kh, int start, int n,
 }
 #endif
 
-/* Portable path (no AVX-512, or head_dim not a multiple of 16). */
+#if defined(DUET_AVX2)
+#define KT 4 /* keys per AVX2 score tile */
+#define PF_KEYS 16 /* keys ahead whose K and V rows the AVX2 path prefetches */
+
+/* dst[g][0..KT) = scale * q_g . k_i for the KT keys kp[i] and ng <= 3 query heads, q_g (fp32) at
+ * qf + g * D; bf16 keys are widened in pairs (vec8_load_pairs), so a bf16 q is stored split the
+ * same way (even elements of each 16, then the odd ones). 12 accumulators: each key load serves
+ * three heads, each q load four keys. */
+INLINE void qk_tile4_k(const float *qf, const char *const *kp, int D, const int ng, float scale, float *const *dst,
+                       const int bf16) {
+    __m256 acc[3][KT];
+    for (int g = 0; g < 3; g++)
+        for (int i = 0; i < KT; i++) acc[g][i] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        /* bf16: d = 16 c + 8 h is half h (even elements, then odd) of the pairs of [16 c, 16 c + 16) */
+        const int half = d & 8;
+        __m256 qv[3];
+        for (int g = 0; g < ng; g++) qv[g] = _mm256_loadu_ps(qf + g * D + d);
+        for (int i = 0; i < KT; i++) {
+            __m256 k;
+            if (bf16) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)((const uint16_t *)kp[i] + d - half));
+                k = _mm256_castsi256_ps(half ? _mm256_and_si256(raw, _mm256_set1_epi32((int)0xffff0000u))
+                                             : _mm256_slli_epi32(raw, 16));
+            } else {
+                k = _mm256_loadu_ps((const float *)kp[i] + d);
+            }
+            for (int g = 0; g < ng; g++) acc[g][i] = _mm256_fmadd_ps(qv[g], k, acc[g][i]);
+        }
+    }
+    const __m128 vs = _mm_set1_ps(scale);
+    for (int g = 0; g < ng; g++) {
+        const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(acc[g][0], acc[g][1]), _mm256_hadd_ps(acc[g][2], acc[g][3]));
+        const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+        _mm_storeu_ps(dst[g], _mm_mul_ps(sum, vs));
+    }
+}
+
+/* qk_tile4_k with ng and bf16 constants (tested in the loop, they spilled the accumulators). */
+INLINE void qk_tile4(const float *qf, const char *const *kp, int D, int ng, float scale, float *const *dst, const int bf16) {
+    if (ng == 3) qk_tile4_k(qf, kp, D, 3, scale, dst, bf16);
+    else if (ng == 2) qk_tile4_k(qf, kp, D, 2, scale, dst, bf16);
+    else qk_tile4_k(qf, kp, D, 1, scale, dst, bf16);
+}
+
+/* attend's AVX2 path (head_dim % 16 == 0): rows' addresses, scores KT keys x 3 heads at a time
+ * (the tile PF_KEYS ahead prefetched), the softmax, then the V sum 3 heads x 32 dims a pass. */
+INLINE void attend8(const Step *s, int layer, int row, int start, int n, const void *q, void *out, float *sc,
+                    float *qf, const char **rp, int bf16, int kh0, int kh1) {
+    const int D = s->head_dim, KVH = s->num_kv_heads, G = s->num_heads / s->num_kv_heads;
+    const int64_t pstride = (int64_t)s->max_ctx + TILE, esz = bf16 ? 2 : 4;
+    const int64_t row_bytes = esz * KVH * D, v_bytes = esz * s->block_size * KVH * D;
+    RowIter it;
+    rows_init(&it, s, layer, row, 0, 0, start);
+    for (int i = 0; i < n; i++) rp[i] = (const char *)rows_next(&it);
+    for (int i = n; i < n + KT; i++) rp[i] = rp[0]; /* padding keys, their scores never read */
+    if (bf16) {
+        for (int64_t e = (int64_t)kh0 * G * D; e < (int64_t)kh1 * G * D; e += 16) {
+            __m256 a, b;
+            vec8_load_pairs((const uint16_t *)q + e, &a, &b);
+            _mm256_storeu_ps(qf + e, a);
+            _mm256_storeu_ps(qf + e + 8, b);
+        }
+    } else {
+        qf = (float *)q;
+    }
+    /* the lines of the row slices of kv heads [kh0, kh1) */
+    const int64_t line0 = esz * kh0 * D / 64, line1 = (esz * kh1 * D + 63) / 64;
+    (void)row_bytes;
+    for (int j = 0; j < n; j += KT) {
+        for (int r = j + PF_KEYS; r < j + PF_KEYS + KT && r < n; r++)
+            for (int64_t c = line0; c < line1; c++) {
+                _mm_prefetch(rp[r] + 64 * c, _MM_HINT_T0);
+                _mm_prefetch(rp[r] + v_bytes + 64 * c, _MM_HINT_T0);
+            }
+        for (int kh = kh0; kh < kh1; kh++) {
+            const char *kp[KT];
+            for (int i = 0; i < KT; i++) kp[i] = rp[j + i] + esz * kh * D;
+            for (int g0 = 0; g0 < G; g0 += 3) {
+                const int ng = G - g0 < 3 ? G - g0 : 3, h0 = kh * G + g0;
+                float *dst[3];
+                for (int g = 0; g < ng; g++) dst[g] = sc + (h0 + g) * pstride + j;
+                qk_tile4(qf + (int64_t)h0 * D, kp, D, ng, s->scale, dst, bf16);
+            }
+        }
+    }
+    float inv[64];
+    for (int kh = kh0; kh < kh1; kh++) {
+        for (int g = 0; g < G; g++) inv[g] = softmax8(sc + (kh * G + g) * pstride, n);
+        const int64_t voff = v_bytes + esz * kh * D;
+        for (int g0 = 0; g0 < G; g0 += 3) {
+            const int ng = G - g0 < 3 ? G - g0 : 3, h0 = kh * G + g0;
+            const float *pr[3];
+            void *orow[3];
+            for (int g = 0; g < ng; g++) {
+                pr[g] = sc + (h0 + g) * pstride;
+                orow[g] = (char *)out + esz * (h0 + g) * D;
+            }
+            for (int d0 = 0; d0 < D; d0 += 32) pv_pass8(rp, voff, n, pr, 1, inv + g0, ng, d0, D - d0 < 32 ? 2 : 4, orow, bf16);
+        }
+    }
+}
+#endif
+
+/* Portable path (no AVX-512 or AVX2, or head_dim not a multiple of 16). */
 INLINE void attend_scalar(const Step *s, int layer, int row, int kh, int start, int n, const void *q, float *sc,
                           int64_t pstride, void *out, int bf16) {
     const int D = s->head_dim, G = s->num_heads / s->num_kv_heads;
@@ -110,7 +215,7 @@ INLINE void attend_scalar(const Step *s, int layer, int row, int kh, int start, 
 /* Every head of token t: its K/V rows are read whole (all kv heads of a key are one contiguous
  * row, a block's rows one contiguous run), and the next tile of K and V is prefetched, so the
  * scattered blocks of a paged pool stream at close to memory bandwidth. */
-INLINE void attend(const Step *s, int layer, int t, const void *q, void *out, float *sc, uint16_t *pb,
+INLINE void attend(const Step *s, int layer, int t, const void *q, void *out, float *sc, uint16_t *pb, float *qf,
                    const char **rp, int bf16) {
     const int ctx = s->ctx_lens[t];
     const int start = (s->window > 0 && ctx > s->window) ? ctx - s->window : 0;
@@ -183,7 +288,13 @@ INLINE void attend(const Step *s, int layer, int t, const void *q, void *out, fl
         }
         return;
     }
+#elif defined(DUET_AVX2)
+    if ((D & 15) == 0) {
+        attend8(s, layer, row, start, n, q, out, sc, qf, rp, bf16, 0, KVH);
+        return;
+    }
 #endif
+    (void)qf;
     for (int kh = 0; kh < KVH; kh++)
         attend_scalar(s, layer, row, kh, start, n, q, sc, pstride, out, bf16);
 }
@@ -196,23 +307,62 @@ static void run(const Step *s, int layer, int first, int count, const void *q, i
         float *sc = (float *)malloc(sizeof(float) * (size_t)s->num_heads * ((size_t)s->max_ctx + TILE));
         const char **rp = (const char **)malloc(sizeof(char *) * ((size_t)s->max_ctx + TILE));
         uint16_t *pb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)s->num_heads * ((size_t)s->max_ctx + TILE));
+        float *qf = (float *)malloc(sizeof(float) * (size_t)s->num_heads * (size_t)s->head_dim);
         /* Last tokens first: in a prefill they have the longest contexts (better balance). */
 #pragma omp for schedule(dynamic, 1)
         for (int i = count - 1; i >= 0; i--) {
             const int t = first + i;
-            attend(s, layer, t, (const char *)q + esz * t * q_stride, (char *)out + esz * i * out_stride, sc, pb, rp, bf16);
+            attend(s, layer, t, (const char *)q + esz * t * q_stride, (char *)out + esz * i * out_stride, sc, pb, qf, rp, bf16);
         }
+        free(qf);
         free(pb);
         free(rp);
         free(sc);
     }
 }
 
+#if defined(DUET_AVX2)
+/* The AVX2 path's work items: (token, kv head) when the step has fewer tokens than threads (a
+ * single-stream decode's heads spread over the cores; each head's result is the same whatever
+ * the grouping), else whole tokens. */
+static void run8(const Step *s, int layer, int first, int count, const void *q, int64_t q_stride, void *out,
+                 int64_t out_stride, int bf16) {
+    const int64_t esz = bf16 ? 2 : 4;
+    const int KVH = s->num_kv_heads, split = count < omp_get_max_threads() ? KVH : 1;
+    const int64_t items = (int64_t)count * split;
+#pragma omp parallel
+    {
+        float *sc = (float *)malloc(sizeof(float) * (size_t)s->num_heads * ((size_t)s->max_ctx + TILE));
+        const char **rp = (const char **)malloc(sizeof(char *) * ((size_t)s->max_ctx + TILE));
+        float *qf = (float *)malloc(sizeof(float) * (size_t)s->num_heads * (size_t)s->head_dim);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = items - 1; i >= 0; i--) {
+            const int t = first + (int)(i / split), part = (int)(i % split);
+            const int ctx = s->ctx_lens[t];
+            const int start = (s->window > 0 && ctx > s->window) ? ctx - s->window : 0;
+            attend8(s, layer, s->token_row[t], start, ctx - start, (const char *)q + esz * t * q_stride,
+                    (char *)out + esz * (t - first) * out_stride, sc, qf, rp, bf16, part * KVH / split,
+                    (part + 1) * KVH / split);
+        }
+        free(qf);
+        free(rp);
+        free(sc);
+    }
+}
+#endif
+
 /* Attention for tokens [first, first + count) of the step; q row of token t at q + t * q_stride,
  * output row at out + (t - first) * out_stride (elements). */
 void paged_attention(const Step *s, int32_t layer, int32_t first, int32_t count, const void *q, int64_t q_stride,
                      void *out, int64_t out_stride) {
     if (s->num_heads / s->num_kv_heads > 64) abort(); /* inv[] bound; the Python side checks it */
+#if defined(DUET_AVX2)
+    if ((s->head_dim & 15) == 0) {
+        if (s->bf16) run8(s, layer, first, count, q, q_stride, out, out_stride, 1);
+        else run8(s, layer, first, count, q, q_stride, out, out_stride, 0);
+        return;
+    }
+#endif
     if (s->bf16) run(s, layer, first, count, q, q_stride, out, out_stride, 1);
     else run(s, layer, first, count, q, q_stride, out, out_stride, 0);
 }

@@ -95,6 +95,211 @@ static void attend_block(const Step *s, int layer, int t0, int nq, int kh, const
 }
 #endif
 
+#if defined(DUET_AVX2)
+/* The AVX2 path (fp32 or bf16, head_dim % 16 == 0 and <= 256, no sliding window, G <= 16): a
+ * query block is up to PR rows (consecutive tokens of one sequence x the G heads of one kv head),
+ * kept transposed (qt[d][PR], two vectors of rows per head dim), so each score tile is a key's
+ * element broadcast times the rows: PK keys x 2 row vectors of accumulators, no per-key
+ * reduction and no transpose of the keys (the AVX-512 path transposes K tiles instead; AVX2 has
+ * half the registers). Scores are kept key-major (st[j][PR]): the softmax of every row runs down
+ * the columns in vectors, masked at each row's own context; the V sum takes the same weights as
+ * vectors of rows times each key's elements broadcast (pv_cols8), so no pass spills its
+ * accumulators (the decode path's 3 rows x 32 dims did, here). */
+#define PR 16
+#define PK 4
+
+/* st[i][0..PR) = scale * q_r . k_i for the PK keys kp[i]; RV (1 or 2, a constant) row vectors. */
+INLINE void qk_rows8(const float *qt, const char *const *kp, int D, float scale, float *st, const int bf16,
+                     const int RV) {
+    __m256 acc[PK][2];
+    for (int i = 0; i < PK; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    if (bf16) { /* one broadcast of a key's bf16 pair (d, d + 1) gives both as fp32 (shift, mask) */
+        const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+        for (int d = 0; d < D; d += 2) {
+            const __m256 a0 = _mm256_load_ps(qt + d * PR), b0 = _mm256_load_ps(qt + (d + 1) * PR);
+            const __m256 a1 = RV > 1 ? _mm256_load_ps(qt + d * PR + 8) : a0;
+            const __m256 b1 = RV > 1 ? _mm256_load_ps(qt + (d + 1) * PR + 8) : b0;
+            for (int i = 0; i < PK; i++) {
+                int32_t pair;
+                __builtin_memcpy(&pair, (const uint16_t *)kp[i] + d, sizeof pair);
+                const __m256i w = _mm256_set1_epi32(pair);
+                const __m256 ke = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+                const __m256 ko = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+                acc[i][0] = _mm256_fmadd_ps(b0, ko, _mm256_fmadd_ps(a0, ke, acc[i][0]));
+                if (RV > 1) acc[i][1] = _mm256_fmadd_ps(b1, ko, _mm256_fmadd_ps(a1, ke, acc[i][1]));
+            }
+        }
+    } else { /* the PK keys' element d broadcast first, then each row vector loaded once */
+        for (int d = 0; d < D; d++) {
+            __m256 k[PK];
+            for (int i = 0; i < PK; i++) k[i] = _mm256_broadcast_ss((const float *)kp[i] + d);
+            for (int v = 0; v < RV; v++) {
+                const __m256 a = _mm256_load_ps(qt + d * PR + 8 * v);
+                for (int i = 0; i < PK; i++) acc[i][v] = _mm256_fmadd_ps(a, k[i], acc[i][v]);
+            }
+        }
+    }
+    const __m256 vs = _mm256_set1_ps(scale);
+    for (int i = 0; i < PK; i++)
+        for (int v = 0; v < RV; v++) _mm256_store_ps(st + i * PR + 8 * v, _mm256_mul_ps(acc[i][v], vs));
+}
+
+/* Column-wise softmax of st[0..n)[PR]: row r's keys past ctx[r] weigh exactly 0; inv[r] = 1 / its sum. */
+INLINE void softmax_cols8(float *st, int n, const int32_t *ctx, float *inv, int RV) {
+    for (int v = 0; v < RV; v++) {
+        const __m256i cv = _mm256_loadu_si256((const __m256i *)(ctx + 8 * v));
+        __m256 m = _mm256_set1_ps(-INFINITY);
+        for (int j = 0; j < n; j++) {
+            const __m256 ok = _mm256_castsi256_ps(_mm256_cmpgt_epi32(cv, _mm256_set1_epi32(j)));
+            m = _mm256_max_ps(m, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_load_ps(st + j * PR + 8 * v), ok));
+        }
+        __m256 sum = _mm256_setzero_ps();
+        for (int j = 0; j < n; j++) {
+            const __m256 ok = _mm256_castsi256_ps(_mm256_cmpgt_epi32(cv, _mm256_set1_epi32(j)));
+            const __m256 e = _mm256_and_ps(vec8_exp(_mm256_sub_ps(_mm256_load_ps(st + j * PR + 8 * v), m)), ok);
+            _mm256_store_ps(st + j * PR + 8 * v, e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        _mm256_storeu_ps(inv + 8 * v, _mm256_div_ps(_mm256_set1_ps(1.0f), sum));
+    }
+}
+
+/* ot[d][r] = inv[r] * sum_j st[j][r] V_j[d] for dims [d0, d0 + ND) and every row (RV vectors): the
+ * key-major weights times a key's elements broadcast, ND dims x 2 row vectors of accumulators (a
+ * bf16 pair broadcast gives two dims). ND, RV and bf16 constants. */
+INLINE void pv_cols8_k(const char *const *rp, int64_t voff, int n, const float *st, const float *inv, int d0,
+                       float *ot, const int ND, const int RV, const int bf16) {
+    __m256 acc[6][2];
+    for (int e = 0; e < 6; e++) acc[e][0] = acc[e][1] = _mm256_setzero_ps();
+    const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+    for (int j = 0; j < n; j++) {
+        __m256 p[2];
+        for (int v = 0; v < RV; v++) p[v] = _mm256_load_ps(st + j * PR + 8 * v);
+        const char *vr = rp[j] + voff;
+        for (int e = 0; e < ND; e += 2) {
+            __m256 b0, b1;
+            if (bf16) {
+                int32_t pair;
+                __builtin_memcpy(&pair, (const uint16_t *)vr + d0 + e, sizeof pair);
+                const __m256i w = _mm256_set1_epi32(pair);
+                b0 = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+                b1 = _mm256_castsi256_ps(_mm256_and_si256(w, hi));
+            } else {
+                b0 = _mm256_broadcast_ss((const float *)vr + d0 + e);
+                b1 = _mm256_broadcast_ss((const float *)vr + d0 + e + 1);
+            }
+            for (int v = 0; v < RV; v++) {
+                acc[e][v] = _mm256_fmadd_ps(b0, p[v], acc[e][v]);
+                acc[e + 1][v] = _mm256_fmadd_ps(b1, p[v], acc[e + 1][v]);
+            }
+        }
+    }
+    for (int v = 0; v < RV; v++) {
+        const __m256 sc = _mm256_loadu_ps(inv + 8 * v);
+        for (int e = 0; e < ND; e++) _mm256_store_ps(ot + (d0 + e) * PR + 8 * v, _mm256_mul_ps(acc[e][v], sc));
+    }
+}
+
+static void pv_cols8(const char *const *rp, int64_t voff, int n, const float *st, const float *inv, int D, float *ot,
+                     int RV, int bf16) {
+#define PVC(ND, R, B) pv_cols8_k(rp, voff, n, st, inv, d0, ot, ND, R, B)
+#define PVC_ND(R, B)                                                                                                \
+    for (int d0 = 0; d0 < D; d0 += 6) {                                                                             \
+        if (D - d0 >= 6) PVC(6, R, B);                                                                              \
+        else if (D - d0 == 4) PVC(4, R, B);                                                                         \
+        else PVC(2, R, B);                                                                                          \
+    }
+    if (bf16) {
+        if (RV > 1) { PVC_ND(2, 1) } else { PVC_ND(1, 1) }
+    } else {
+        if (RV > 1) { PVC_ND(2, 0) } else { PVC_ND(1, 0) }
+    }
+#undef PVC_ND
+#undef PVC
+}
+
+typedef struct {
+    float *qt; /* [256][PR], 32-byte aligned */
+    float *st; /* [max_ctx + PK][PR], 32-byte aligned */
+    const char **rp;
+} Scratch8;
+
+/* Tokens [t0, t0 + nq) (consecutive positions of one sequence) x kv head kh; nq * G <= PR. */
+static void attend_block8(const Step *s, int layer, int t0, int nq, int kh, const void *q, int64_t q_stride,
+                          void *out, int64_t out_stride, int first, const Scratch8 *w) {
+    const int D = s->head_dim, G = s->num_heads / s->num_kv_heads, R = nq * G, bf16 = s->bf16;
+    const int64_t esz = bf16 ? 2 : 4, v_bytes = esz * s->block_size * s->num_kv_heads * D;
+    const int n = s->ctx_lens[t0 + nq - 1]; /* the last token sees the most keys */
+    RowIter it;
+    rows_init(&it, s, layer, s->token_row[t0], 0, 0, 0);
+    for (int j = 0; j < n; j++) w->rp[j] = (const char *)rows_next(&it);
+    for (int j = n; j < n + PK; j++) w->rp[j] = w->rp[0]; /* padding keys, masked out */
+    int32_t ctx[PR];
+    void *orow[PR];
+    for (int r = 0; r < PR; r++) {
+        ctx[r] = r < R ? s->ctx_lens[t0 + r / G] : 0;
+        for (int d = 0; d < D; d++) w->qt[d * PR + r] = 0.f;
+    }
+    for (int r = 0; r < R; r++) {
+        const int t = t0 + r / G, h = kh * G + r % G;
+        const int64_t qo = (int64_t)t * q_stride + (int64_t)h * D;
+        for (int d = 0; d < D; d++) w->qt[d * PR + r] = load_elem(q, qo + d, bf16);
+        orow[r] = (char *)out + esz * ((int64_t)(t - first) * out_stride + (int64_t)h * D);
+    }
+    const int RV = R > 8 ? 2 : 1;
+    for (int j0 = 0; j0 < n; j0 += PK) {
+        const char *kp[PK];
+        for (int i = 0; i < PK; i++) kp[i] = w->rp[j0 + i] + esz * kh * D;
+        float *st = w->st + (int64_t)j0 * PR;
+        if (bf16) {
+            if (RV > 1) qk_rows8(w->qt, kp, D, s->scale, st, 1, 2);
+            else qk_rows8(w->qt, kp, D, s->scale, st, 1, 1);
+        } else {
+            if (RV > 1) qk_rows8(w->qt, kp, D, s->scale, st, 0, 2);
+            else qk_rows8(w->qt, kp, D, s->scale, st, 0, 1);
+        }
+    }
+    float inv[PR];
+    softmax_cols8(w->st, n, ctx, inv, RV);
+    const int64_t voff = v_bytes + esz * kh * D;
+    pv_cols8(w->rp, voff, n, w->st, inv, D, w->qt, RV, bf16); /* out^T into qt, no longer needed */
+    for (int r = 0; r < R; r++)
+        for (int d = 0; d < D; d++) store_elem(orow[r], d, w->qt[d * PR + r], bf16);
+}
+
+/* Query blocks of up to PR / G consecutive tokens of one sequence, x kv heads, over the threads. */
+static void prefill8(const Step *s, int32_t layer, int32_t first, int32_t count, const void *q, int64_t q_stride,
+                     void *out, int64_t out_stride) {
+    const int G = s->num_heads / s->num_kv_heads, qb = PR / G, KVH = s->num_kv_heads;
+    int *starts = (int *)malloc(sizeof(int) * (size_t)(count + 1));
+    int nb = 0;
+    for (int t = first; t < first + count; t++) {
+        const int b0 = nb ? starts[nb - 1] : -1;
+        if (nb == 0 || t - b0 >= qb || s->token_row[t] != s->token_row[b0] || s->positions[t] != s->positions[t - 1] + 1)
+            starts[nb++] = t;
+    }
+    starts[nb] = first + count;
+    const int64_t items = (int64_t)nb * KVH;
+#pragma omp parallel
+    {
+        Scratch8 w;
+        w.qt = (float *)aligned_alloc(32, sizeof(float) * 256 * PR);
+        w.st = (float *)aligned_alloc(32, sizeof(float) * PR * ((size_t)s->max_ctx + PK));
+        w.rp = (const char **)malloc(sizeof(char *) * ((size_t)s->max_ctx + PK));
+        /* Last blocks first: they see the most keys (better balance). */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t i = items - 1; i >= 0; i--) {
+            const int b = (int)(i / KVH), kh = (int)(i % KVH);
+            attend_block8(s, layer, starts[b], starts[b + 1] - starts[b], kh, q, q_stride, out, out_stride, first, &w);
+        }
+        free(w.rp);
+        free(w.st);
+        free(w.qt);
+    }
+    free(starts);
+}
+#endif
+
 /* Attention for prefill tokens [first, first + count) (same addressing as paged_attention). */
 void prefill_attention(const Step *s, int32_t layer, int32_t first, int32_t count, const void *q, int64_t q_stride,
                        void *out, int64_t out_stride) {
@@ -132,6 +337,11 @@ void prefill_attention(const Step *s, int32_t layer, int32_t first, int32_t coun
             free(w.sc);
         }
         free(starts);
+        return;
+    }
+#elif defined(DUET_AVX2)
+    if (s->head_dim % 16 == 0 && s->head_dim <= 256 && s->window == 0 && G <= PR) {
+        prefill8(s, layer, first, count, q, q_stride, out, out_stride);
         return;
     }
 #endif

@@ -9,6 +9,25 @@
  */
 #include "common.h"
 #include "step.h"
+#include "vec8.h"
+
+#if defined(DUET_VEC8)
+/* rotate_head's arithmetic 8 pairs at a time (half % 8 == 0): the same products, roundings and
+ * sums lane for lane, so bitwise the scalar loop's result. */
+INLINE void rotate_head8(void *x, int64_t o, const void *cs, const void *sn, int64_t to, int half, int bf16) {
+    const int64_t esz = bf16 ? 2 : 4;
+    char *h = (char *)x + esz * o;
+    const char *c = (const char *)cs + esz * to, *sv = (const char *)sn + esz * to;
+    for (int j = 0; j < half; j += 8) {
+        const __m256 x1 = load8(h, j, bf16), x2 = load8(h, j + half, bf16);
+        __m256 a1 = _mm256_mul_ps(x1, load8(c, j, bf16)), b1 = _mm256_mul_ps(x2, load8(sv, j, bf16));
+        __m256 a2 = _mm256_mul_ps(x2, load8(c, j + half, bf16)), b2 = _mm256_mul_ps(x1, load8(sv, j + half, bf16));
+        if (bf16) a1 = vec8_round_bf16(a1), b1 = vec8_round_bf16(b1), a2 = vec8_round_bf16(a2), b2 = vec8_round_bf16(b2);
+        store8(h, j, _mm256_sub_ps(a1, b1), bf16);
+        store8(h, j + half, _mm256_add_ps(a2, b2), bf16);
+    }
+}
+#endif
 
 INLINE void rotate_head(void *x, int64_t o, const void *cs, const void *sn, int64_t to, int half, int bf16) {
     if (bf16) {
@@ -42,7 +61,15 @@ static void run(const Step *s, int layer, void *qkv, int64_t qkv_stride, int bf1
 #pragma omp parallel for schedule(static) if (T >= 64)
     for (int t = 0; t < T; t++) {
         const int64_t row = (int64_t)t * qkv_stride, to = s->positions[t] * D;
-        for (int h = 0; h < H + KVH; h++) rotate_head(qkv, row + (int64_t)h * D, s->cos, s->sin, to, D / 2, bf16);
+        for (int h = 0; h < H + KVH; h++) {
+#if defined(DUET_VEC8)
+            if ((D & 15) == 0) {
+                rotate_head8(qkv, row + (int64_t)h * D, s->cos, s->sin, to, D / 2, bf16);
+                continue;
+            }
+#endif
+            rotate_head(qkv, row + (int64_t)h * D, s->cos, s->sin, to, D / 2, bf16);
+        }
         char *dst = (char *)s->cache
             + esz * (s->slot_block[t] * s->block_stride + layer * s->layer_stride + s->slot_offset[t] * tok);
         const char *src = (const char *)qkv + esz * (row + (int64_t)H * D);
