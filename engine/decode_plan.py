@@ -1,7 +1,8 @@
-"""DecodePlan: a bf16 model's layers as `decode_layers` (engine/kernels/decode_layers.c) runs them,
-so a pure-decode step crosses from Python to C once instead of ~9 times a layer. Its linears are
-quantized (QLinear on the kernels) or bf16 on linear_bf16.c (engine/linear.py's Linear with
-panels, on CPUs with AVX-512 BF16).
+"""DecodePlan: a model's layers as `decode_layers` (engine/kernels/decode_layers.c) runs them, so a
+decode step crosses from Python to C once instead of ~9 times a layer. Every dtype and scheme: a
+bf16 engine (bf16 activations and KV, fp32 residual stream) or an fp32 one; its linears quantized
+(QLinear on the kernels: int8, int4, W8A8, int4-w4a8), bf16 weights on linear_bf16.c (Linear with
+panels) or fp32 weights on linear_f32.c (Linear with `lib32`).
 
 Built once per model (ctypes mirrors of `DecLinear` / `DecLayer`); `run` is what
 `LlamaModel.hidden_states` calls for a step it applies to (`applies`). The C loop calls the same
@@ -19,7 +20,7 @@ from enum import IntEnum
 
 import torch
 
-from engine.linear import Linear
+from engine.linear import F32_KERNEL_MAX_ROWS, Linear
 from engine.qlinear import BF16_GEMM_MIN_ROWS, QLinear
 
 
@@ -33,6 +34,8 @@ class DecKind(IntEnum):
     W4A8 = 4
     #: a bf16 weight in linear_bf16.c's panels
     BF16 = 5
+    #: an fp32 weight on linear_f32.c
+    F32 = 6
 
 
 class DecLinear(ctypes.Structure):
@@ -66,10 +69,10 @@ class DecLayer(ctypes.Structure):
 def _linear(f: QLinear | Linear) -> DecLinear:
     if isinstance(f, Linear):
         return DecLinear(
-            kind=DecKind.BF16,
+            kind=DecKind.BF16 if f.panels is not None else DecKind.F32,
             k=f.in_features,
             n=f.out_features,
-            q=f.panels.data_ptr(),
+            q=(f.panels if f.panels is not None else f.weight).data_ptr(),
             bias=0 if f.bias is None else f.bias.data_ptr(),
         )
     w = f.weight
@@ -119,35 +122,39 @@ class DecodePlan:
         inter: int,
         eps: float,
     ) -> DecodePlan | None:
-        """A plan when every layer qualifies (bf16; every linear a QLinear on the kernels or a
-        Linear on linear_bf16.c, its bias bf16; no q/k norms), else None (the Python loop runs)."""
-        if lib is None or dtype != torch.bfloat16 or not layers:
+        """A plan when every layer qualifies (a bf16 or fp32 engine; every linear a QLinear on the
+        kernels, a bf16 Linear on linear_bf16.c or an fp32 one on linear_f32.c, its bias in the
+        engine dtype; no q/k norms), else None (the Python loop runs)."""
+        if lib is None or dtype not in (torch.bfloat16, torch.float32) or not layers:
             return None
         for L in layers:
             if L.q_norm is not None or L.k_norm is not None:
                 return None
             for f in (L.qkv, L.o, L.gate_up, L.down):
                 if isinstance(f, Linear):
-                    if f.panels is None:
+                    if (f.panels if dtype == torch.bfloat16 else f.lib32) is None:
                         return None
                 elif not isinstance(f, QLinear) or f.lib is None:
                     return None
-                if f.bias is not None and f.bias.dtype != torch.bfloat16:
+                if f.bias is not None and f.bias.dtype != dtype:
                     return None
-            if L.input_norm.dtype != torch.bfloat16 or L.post_norm.dtype != torch.bfloat16:
+            if L.input_norm.dtype != dtype or L.post_norm.dtype != dtype:
                 return None
         return cls(lib, layers, hidden, inter, eps)
 
     @staticmethod
     def applies(num_tokens: int, num_decode: int, kernel_prefill: bool) -> bool:
-        """Few enough tokens that each linear takes the kernel QLinear picks below
-        BF16_GEMM_MIN_ROWS (larger steps keep the Python loop), all of them decode tokens or the
-        prefill ones on the attention kernel the Python loop would call (`kernel_prefill`)."""
-        return 0 < num_tokens < BF16_GEMM_MIN_ROWS and (num_tokens == num_decode or kernel_prefill)
+        """Few enough tokens that each linear takes the kernel QLinear / Linear picks below
+        BF16_GEMM_MIN_ROWS and F32_KERNEL_MAX_ROWS (larger steps keep the Python loop), all of
+        them decode tokens or the prefill ones on the attention kernel the Python loop would call
+        (`kernel_prefill`)."""
+        rows = min(BF16_GEMM_MIN_ROWS, F32_KERNEL_MAX_ROWS)
+        return 0 < num_tokens < rows and (num_tokens == num_decode or kernel_prefill)
 
     def run(self, step_ptr: int, h: torch.Tensor, x: torch.Tensor, num_decode: int) -> None:
-        """All layers: h (fp32 [m, hidden], in place) from x (bf16 [m, hidden], the first
-        layer's normed input; used as scratch); the step's first `num_decode` tokens decode."""
+        """All layers: h (fp32 [m, hidden], in place) from x ([m, hidden] in the engine dtype, the
+        first layer's normed input; used as scratch); the step's first `num_decode` tokens
+        decode."""
         rc = self.lib.decode_layers(
             step_ptr,
             self.layers,

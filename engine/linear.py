@@ -105,6 +105,19 @@ def own_kernel_lib(weight: torch.Tensor):
     return lib if ok else None
 
 
+#: fp32 layers take linear_f32.c below this many rows (decode steps: one pass over the weights,
+#: bound by memory bandwidth, where the decode plan must compute what this layer does); larger
+#: batches keep F.linear's GEMM
+F32_KERNEL_MAX_ROWS = 16
+
+
+def f32_kernel_lib(weight: torch.Tensor):
+    """The kernel library when this fp32 CPU weight takes linear_f32.c at few rows, else None."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    return kernels_lib()
+
+
 class Linear:
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True
@@ -116,6 +129,14 @@ class Linear:
         self.panels: torch.Tensor | None = None
         self.lib = None
         self.out_features, self.in_features = weight.shape[0], weight.shape[-1]
+        #: the kernels, for an fp32 weight's few-row calls (linear_f32.c); None: F.linear always
+        self.lib32 = None
+        if (
+            prepack
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+            and (lib32 := f32_kernel_lib(weight)) is not None
+        ):
+            self.weight, self.lib32 = weight.contiguous(), lib32
         lib = own_kernel_lib(weight) if prepack else None
         if lib is not None and (
             bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous())
@@ -162,6 +183,13 @@ class Linear:
         return packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.lib32 is not None
+            and x.dtype == torch.float32
+            and x.dim() == 2
+            and 0 < x.shape[0] < F32_KERNEL_MAX_ROWS
+        ):
+            return self._own32(x)
         if self.panels is not None:
             if x.dtype == torch.float32 and self.lib.qgemm_bf16_isa() == _AVX2_GEMM:
                 return self._own(x)  # AVX2 widens the weights to fp32 anyway: fp32 rows as they are
@@ -171,6 +199,24 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def _own32(self, x: torch.Tensor) -> torch.Tensor:
+        if x.stride(-1) != 1 or x.stride(0) < self.in_features:
+            x = x.contiguous()
+        m = x.shape[0]
+        out = torch.empty((m, self.out_features), dtype=torch.float32)
+        self.lib32.linear_f32(
+            x.data_ptr(),
+            x.stride(0),
+            m,
+            self.in_features,
+            self.weight.data_ptr(),
+            self.out_features,
+            None if self.bias is None else self.bias.data_ptr(),
+            out.data_ptr(),
+            self.out_features,
+        )
+        return out
 
     def _own(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -8,20 +8,22 @@ SDPA attention), which is what makes greedy output token-identical in fp32.
 On the CPU, with the native kernels (engine/kernels/), each layer is: qkv GEMM → `rope_store`
 (rotary in place + K/V into the pool) → `paged_attention` → o GEMM → residual add + norm →
 gate/up GEMM → SiLU·up → down GEMM → residual add + the next layer's norm. In bf16 the norms,
-SiLU·up and every token's attention are kernels and GEMMs use oneDNN-prepacked weights
-(engine/linear.py), or weight-only int8/int4 kernels when the weights are quantized
-(engine/qlinear.py); fp32 keeps torch norms and SDPA prefill (exact transformers parity).
+SiLU·up and every token's attention are kernels and GEMMs use the project's bf16 GEMM or
+oneDNN-prepacked weights (engine/linear.py), or weight-only int8/int4 kernels when the weights are
+quantized (engine/qlinear.py). fp32 engines run their norms and SiLU·up on fp32 kernels
+(transformers' arithmetic up to the order of a sum) and prefill attention on SDPA except where the
+AVX2 prefill kernel runs (`prefill_on_kernels`).
 In bf16 the residual stream h is kept in fp32 (`res_norm_f32`: each layer's bf16 output is
 added to it in fp32, each norm reads it in fp32 and rounds its output once to bf16 for the
 GEMMs), and the final norm's output stays fp32 for the head: a bf16 residual stream
 moved "What is the capital of France?" onto "L'Étoile…" (logits of "L" and "The" within 0.06;
 fp32 and transformers' bf16 both say "The capital… Paris"). The logits are fp32 in every dtype
 (engine/logits_head.py).
-Without kernels, the same steps run as torch ops. A pure-decode step of a quantized bf16 model
-(every linear a QLinear) runs the layer loop in one C call instead (engine/decode_plan.py,
-kernels/decode_layers.c: the same kernels in the same order, bitwise the same result), since a
-single-stream step of a small model is memory-bound and ~9 Python calls a layer are a fixed cost
-the GEMVs do not hide.
+Without kernels, the same steps run as torch ops. A decode step (every linear on the kernels:
+quantized, bf16 on linear_bf16.c, fp32 on linear_f32.c at few rows) runs the layer loop in one C
+call instead (engine/decode_plan.py, kernels/decode_layers.c: the same kernels in the same order,
+bitwise the same result), since a single-stream step of a small model is memory-bound and ~9
+Python calls a layer are a fixed cost the GEMVs do not hide.
 """
 
 from __future__ import annotations
@@ -88,8 +90,9 @@ class LlamaModel:
             and cfg.num_heads // cfg.num_kv_heads <= 64
         )
         self.kernels = kernels_lib() if usable else None
-        # fp32 stays on torch norms: the exact-parity reference path.
+        #: bf16 norms and SiLU·up on the kernels; `fused32`: the fp32 ones (fp32 engines)
         self.fused = self.kernels is not None and dtype == torch.bfloat16
+        self.fused32 = self.kernels is not None and dtype == torch.float32
         self.kernel_prefill = self.kernels is not None and prefill_on_kernels(dtype)
         #: bf16 engines keep the residual stream in fp32 (see the module docstring)
         self.res32 = dtype == torch.bfloat16
@@ -148,6 +151,8 @@ class LlamaModel:
         residual stream (it feeds the fp32 logits head)."""
         if x.dtype == torch.float32 and self.res32:
             return self._res_norm(x, None, weight, final)
+        if self.fused32:
+            return self._norm32(x, None, weight)
         if self.fused:
             out = torch.empty_like(x)
             self.kernels.rms_norm_bf16(
@@ -160,6 +165,8 @@ class LlamaModel:
         """h += delta (the residual stream, in place); returns RMSNorm(h) * weight."""
         if self.res32:
             return self._res_norm(h, delta, weight, False)
+        if self.fused32:
+            return self._norm32(h, delta, weight)
         if self.fused:
             out = torch.empty_like(h)
             self.kernels.add_rms_norm_bf16(
@@ -174,6 +181,22 @@ class LlamaModel:
             return out
         h += delta
         return F.rms_norm(h, self.hidden, weight, self.eps)
+
+    def _norm32(
+        self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
+    ) -> torch.Tensor:
+        """fp32 engines: h (+= delta, in place), normed, on the kernel (add_rms_norm_f32)."""
+        out = torch.empty_like(h)
+        self.kernels.add_rms_norm_f32(
+            h.data_ptr(),
+            0 if delta is None else delta.data_ptr(),
+            weight.data_ptr(),
+            out.data_ptr(),
+            h.shape[0],
+            h.shape[1],
+            self.eps,
+        )
+        return out
 
     def _res_norm(
         self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, final: bool
@@ -209,11 +232,10 @@ class LlamaModel:
             heads.copy_(normed * w)
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.fused:
+        if self.fused or self.fused32:
             out = torch.empty((gate_up.shape[0], self.inter), dtype=gate_up.dtype)
-            self.kernels.silu_mul_bf16(
-                gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], self.inter
-            )
+            fn = self.kernels.silu_mul_bf16 if self.fused else self.kernels.silu_mul_f32
+            fn(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], self.inter)
             return out
         return F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter :]
 
@@ -266,7 +288,7 @@ class LlamaModel:
         if self.res32:
             h = h.float()
         x = self._norm(h, layers[0].input_norm)
-        plan = self.decode_plan if step is not None and self.res32 else None
+        plan = self.decode_plan if step is not None else None
         if plan is not None and plan.applies(h.shape[0], md.num_decode, self.kernel_prefill):
             plan.run(ptr, h, x, md.num_decode)  # the loop below, in C: bitwise the same h
             layers = []
