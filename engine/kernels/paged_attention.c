@@ -11,7 +11,9 @@
  * fp32 registers (4 heads x 64 dims per pass) and is normalized once at the end.
  *
  * Invariants: the step's new K/V are already in the pool (rope_store ran); scores never read
- * past a token's context; results equal softmax(q.K^T * scale).V up to fp32 rounding.
+ * past a token's context; results equal softmax(q.K^T * scale).V up to fp32 rounding, and in
+ * bf16 up to the rounding of the weights to bf16 (the AVX-512 BF16 and AVX2 paths, as torch's
+ * bf16 SDPA rounds them).
  * Threads: OpenMP, resolved against the libgomp torch already loaded (one thread pool).
  */
 #include <omp.h>
@@ -163,7 +165,7 @@ INLINE void attend8(const Step *s, int layer, int row, int start, int n, const v
     }
     float inv[64];
     for (int kh = kh0; kh < kh1; kh++) {
-        for (int g = 0; g < G; g++) inv[g] = softmax8(sc + (kh * G + g) * pstride, n);
+        for (int g = 0; g < G; g++) inv[g] = softmax8(sc + (kh * G + g) * pstride, n, bf16);
         const int64_t voff = v_bytes + esz * kh * D;
         for (int g0 = 0; g0 < G; g0 += 3) {
             const int ng = G - g0 < 3 ? G - g0 : 3, h0 = kh * G + g0;

@@ -144,8 +144,9 @@ INLINE void qk_rows8(const float *qt, const char *const *kp, int D, float scale,
         for (int v = 0; v < RV; v++) _mm256_store_ps(st + i * PR + 8 * v, _mm256_mul_ps(acc[i][v], vs));
 }
 
-/* Column-wise softmax of st[0..n)[PR]: row r's keys past ctx[r] weigh exactly 0; inv[r] = 1 / its sum. */
-INLINE void softmax_cols8(float *st, int n, const int32_t *ctx, float *inv, int RV) {
+/* Column-wise softmax of st[0..n)[PR]: row r's keys past ctx[r] weigh exactly 0; inv[r] = 1 / its sum.
+ * `round` (bf16): the weights rounded to bf16, the sum of the unrounded ones (softmax8's rounding). */
+INLINE void softmax_cols8(float *st, int n, const int32_t *ctx, float *inv, int RV, const int round) {
     for (int v = 0; v < RV; v++) {
         const __m256i cv = _mm256_loadu_si256((const __m256i *)(ctx + 8 * v));
         __m256 m = _mm256_set1_ps(-INFINITY);
@@ -157,7 +158,7 @@ INLINE void softmax_cols8(float *st, int n, const int32_t *ctx, float *inv, int 
         for (int j = 0; j < n; j++) {
             const __m256 ok = _mm256_castsi256_ps(_mm256_cmpgt_epi32(cv, _mm256_set1_epi32(j)));
             const __m256 e = _mm256_and_ps(vec8_exp(_mm256_sub_ps(_mm256_load_ps(st + j * PR + 8 * v), m)), ok);
-            _mm256_store_ps(st + j * PR + 8 * v, e);
+            _mm256_store_ps(st + j * PR + 8 * v, round ? vec8_round_bf16_finite(e) : e);
             sum = _mm256_add_ps(sum, e);
         }
         _mm256_storeu_ps(inv + 8 * v, _mm256_div_ps(_mm256_set1_ps(1.0f), sum));
@@ -260,7 +261,7 @@ static void attend_block8(const Step *s, int layer, int t0, int nq, int kh, cons
         }
     }
     float inv[PR];
-    softmax_cols8(w->st, n, ctx, inv, RV);
+    softmax_cols8(w->st, n, ctx, inv, RV, bf16);
     const int64_t voff = v_bytes + esz * kh * D;
     pv_cols8(w->rp, voff, n, w->st, inv, D, w->qt, RV, bf16); /* out^T into qt, no longer needed */
     for (int r = 0; r < R; r++)

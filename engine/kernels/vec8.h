@@ -45,6 +45,16 @@ INLINE __m256 vec8_round_bf16(__m256 x) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(cvt8_bf16(x)), 16));
 }
 
+/* vec8_round_bf16 for finite x (the softmax weights: exps in [0, 1], never NaN since vec8_exp
+ * clamps its argument): the same round to nearest even in four integer ops, without the NaN
+ * blend and the pack and widen back. */
+INLINE __m256 vec8_round_bf16_finite(__m256 x) {
+    const __m256i u = _mm256_castps_si256(x);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)));
+    return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
+}
+
 INLINE float vec8_hmax(__m256 v) {
     __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_max_ps(s, _mm_movehl_ps(s, s));

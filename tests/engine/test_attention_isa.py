@@ -6,10 +6,13 @@ What each must hold (and why not more):
 - rope_store: bitwise across levels (the same products and roundings, lane for lane);
 - fp32 norms, SiLU·up and linear_f32: AVX2 and AVX-512 bitwise (both run the same 8 lanes), the
   portable C within fp32 rounding of its in-order sums;
-- attention (decode tokens and prefill blocks): within fp32 rounding of each other (fp32), or one
-  bf16 rounding of the output (bf16): the paths sum the same products in different orders (the
-  AVX-512 BF16 path, which rounds the probabilities to bf16 for its dot products, within
-  test_kernels' bound against torch);
+- attention (decode tokens and prefill blocks): within fp32 rounding of each other (fp32): the
+  paths sum the same products in different orders. In bf16 the AVX2 path rounds the
+  probabilities to bf16 for the V sum (as torch's SDPA does) and the portable and AVX-512F paths
+  keep them fp32: one bf16 rounding of the output apart, plus the weights' rounding (each weight
+  within 2^-9 of itself, so the weighted mean of V moves by at most 2^-9 max|V|); the AVX-512
+  BF16 path (dpbf16 sums, normalized by the rounded weights' sum) within test_kernels' bound
+  against torch;
 - the bf16 norms and SiLU·up: within one bf16 ulp (the sum of squares in a different order moves
   the scale by an fp32 ulp, which can move a rounding), the fp32 residual stream bitwise.
 """
@@ -61,14 +64,14 @@ def _attend(lib, dtype: torch.dtype, shape: str) -> tuple[torch.Tensor, torch.Te
     return qkv, cache, out
 
 
-def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, other: str) -> None:
+def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, other: str, vmax: float) -> None:
     if dtype == torch.float32:
         torch.testing.assert_close(a, b, atol=2e-6, rtol=1e-5)
-    elif other == isa.AVX512_BF16:  # its probabilities are rounded to bf16 (test_kernels' bound)
+    elif other == isa.AVX512_BF16:  # dpbf16 sums over rounded weights (test_kernels' bound)
         torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
-    else:  # fp32 probabilities on both sides: one bf16 rounding of the output apart at most (the
-        # absolute floor: an output near 0 is a cancellation of terms ~1, their fp32 rounding)
-        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-6)
+    else:  # AVX2's bf16 weights against fp32 ones: one bf16 rounding of the output apart, plus
+        # the weights' rounding, 2^-9 max|V| at most (vmax: max|V| of the pool)
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=2**-9 * vmax)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
@@ -83,7 +86,7 @@ def test_avx2_attention_and_rope_against_another_level(
     q1, c1, o1 = _attend(theirs, dtype, shape)
     assert torch.equal(q2, q1), "rotary embedding differs between levels"
     assert torch.equal(c2, c1), "K/V stored differently"
-    _close(o2.float(), o1.float(), dtype, other)
+    _close(o2.float(), o1.float(), dtype, other, c2[:, :, 1].abs().max().item())
 
 
 @pytest.mark.parametrize("rows,n", [(1, 576), (5, 576), (300, 64), (3, 40)])
