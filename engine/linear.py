@@ -79,9 +79,10 @@ def can_prepack(weight: torch.Tensor) -> bool:
 #: qgemm_bf16_isa()'s AVX2 path (engine/qlinear.py GEMM_AVX2): bf16 weights widened to fp32
 _AVX2_GEMM = 3
 #: whether bf16 layers take that path by default. Not yet: with it, SmolLM2's bf16 greedy output
-#: agreed with fp32 on 93 tokens against transformers bf16's 110 (test_logits_fp32, Zen 3), and
-#: why is not settled (the kernel's own arithmetic is exact products with fp32 sums; with it the
-#: AVX2 bf16 step also runs the one-call decode plan). DUET_BF16_LINEAR=own opts in
+#: agreed with fp32 on 93 tokens against transformers bf16's 110 (test_logits_fp32, Zen 3) while
+#: the attention kept fp32 softmax weights; since the AVX2 attention rounds them to bf16 as
+#: torch's SDPA does, 118. The default waits for W1-W3 figures against fp32 (with it the AVX2
+#: bf16 step also runs the one-call decode plan). DUET_BF16_LINEAR=own opts in
 AVX2_BF16_LAYERS = os.environ.get("DUET_BF16_LINEAR", "").lower() == "own"
 
 
