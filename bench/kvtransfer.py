@@ -258,8 +258,8 @@ class _Baselines:
     def runs_copy(self) -> None:
         """One copy_ per run of blocks consecutive on both sides (what NIXL merges too)."""
         for r in self.runs:
-            self.dst[r.local_start : r.local_start + r.count].copy_(
-                self.src[r.remote_start : r.remote_start + r.count]
+            self.dst[r.local_start : r.local_start + r.num_blocks].copy_(
+                self.src[r.remote_start : r.remote_start + r.num_blocks]
             )
 
     def index_copy(self) -> None:

@@ -89,14 +89,13 @@ class LlamaModel:
             and cfg.head_dim % 2 == 0
             and cfg.num_heads // cfg.num_kv_heads <= 64
         )
+        #: None: every step on torch ops (what the flags below derive from, so a test may set
+        #: it to None on a built model and get the torch path whole)
         self.kernels = kernels_lib() if usable else None
-        #: bf16 norms and SiLU·up on the kernels; `fused32`: the fp32 ones (fp32 engines)
-        self.fused = self.kernels is not None and dtype == torch.bfloat16
-        self.fused32 = self.kernels is not None and dtype == torch.float32
-        self.kernel_prefill = self.kernels is not None and prefill_on_kernels(dtype)
         #: bf16 engines keep the residual stream in fp32 (see the module docstring)
         self.res32 = dtype == torch.bfloat16
         self.dtype = dtype
+        self._prefill_isa = prefill_on_kernels(dtype)
         a8 = act_int8  # W8A8 linears (engine/qlinear.py); the lm_head stays weight-only
         grp = (
             act_groups or {}
@@ -127,6 +126,21 @@ class LlamaModel:
         self.decode_plan = DecodePlan.build(
             self.kernels, self.layers, dtype, cfg.hidden_size, self.inter, self.eps
         )
+
+    @property
+    def fused(self) -> bool:
+        """bf16 norms and SiLU·up run on the kernels."""
+        return self.kernels is not None and self.dtype == torch.bfloat16
+
+    @property
+    def fused32(self) -> bool:
+        """fp32 norms and SiLU·up run on the kernels (fp32 engines)."""
+        return self.kernels is not None and self.dtype == torch.float32
+
+    @property
+    def kernel_prefill(self) -> bool:
+        """Prefill attention runs on the kernels (`prefill_on_kernels`)."""
+        return self.kernels is not None and self._prefill_isa
 
     def decode_weight_bytes(self) -> int:
         """Bytes of weights one single-stream decode step reads: every layer's linears and norms,
