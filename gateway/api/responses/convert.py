@@ -6,6 +6,8 @@ into the typed chat request the pipeline serves (`to_chat`), a whole chat answer
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from typing import Literal
 
 from gateway.api.chat_answer import ChatAnswer, TokenCounts
 from gateway.api.chat_body import (
@@ -40,18 +42,20 @@ from protocol.chat import ChatCompletionRequest, ChatMessage
 from protocol.openai import APIError, StreamOptions
 from protocol.structured import JSONSchemaFormat, ResponseFormat
 from protocol.tools import FunctionCall, FunctionDef, NamedToolChoice, ToolCall, ToolDef
+from protocol.tools import NamedFunction as ToolName
 
 #: how this API calls the constraints of its own, in a 400 about two constraints
 NAMES = Names(response_format="text.format")
 
 
 def _content(
-    parts: str | list[InputText | OutputText | InputImage],
+    parts: str | Sequence[InputText | OutputText | InputImage],
 ) -> str | list[Part]:
     if isinstance(parts, str):
         return parts
-    if all(not isinstance(p, InputImage) for p in parts):
-        return "".join(p.text for p in parts)  # type: ignore[union-attr]
+    texts = [p for p in parts if not isinstance(p, InputImage)]
+    if len(texts) == len(parts):
+        return "".join(p.text for p in texts)
     out: list[Part] = []
     for p in parts:
         if isinstance(p, InputImage):
@@ -85,8 +89,8 @@ def to_chat(body: ResponsesRequest) -> TranslatedChat:
             )
             append(messages, ChatMessage(role="assistant", tool_calls=[call]))
         elif isinstance(it, FunctionCallOutputItem):
-            out = it.output if isinstance(it.output, str) else _content(it.output)  # type: ignore[arg-type]
-            messages.append(ChatMessage(role="tool", tool_call_id=it.call_id, content=out))
+            content = _content(it.output)
+            messages.append(ChatMessage(role="tool", tool_call_id=it.call_id, content=content))
     out = ChatCompletionRequest(
         model=body.model,
         messages=messages,
@@ -111,7 +115,7 @@ def to_chat(body: ResponsesRequest) -> TranslatedChat:
         ]
     tc = body.tool_choice
     if isinstance(tc, NamedFunction):
-        out.tool_choice = NamedToolChoice(type="function", function=NamedFunction(name=tc.name))
+        out.tool_choice = NamedToolChoice(type="function", function=ToolName(name=tc.name))
     elif tc is not None:
         out.tool_choice = tc
     f = body.text.format if body.text is not None else None
@@ -176,7 +180,9 @@ def finish(r: Response, finish: str | None, usage: TokenCounts) -> None:
 
 def to_response(a: ChatAnswer, rid: str, body: ResponsesRequest, model: str) -> Response:
     r = shell(rid, body, model, int(time.time()))
-    done = "incomplete" if a.finish_reason == "length" else "completed"
+    done: Literal["completed", "incomplete"] = (
+        "incomplete" if a.finish_reason == "length" else "completed"
+    )
     if a.text:
         r.output.append(
             OutputMessage(id=f"msg_{rid}", status=done, content=[OutputTextPart(text=a.text)])

@@ -9,6 +9,7 @@ event for a failure after the stream opened.
 from __future__ import annotations
 
 import time
+from typing import Literal, TypeVar
 
 import msgspec
 
@@ -48,6 +49,7 @@ from gateway.api.responses.wire import (
 )
 
 _ENC = msgspec.json.Encoder()
+_T = TypeVar("_T")
 
 
 class ResponseStream:
@@ -76,7 +78,9 @@ class ResponseStream:
         item, self._open, i = self._open, None, self._open_at
         if item is None:
             return
-        status = "incomplete" if self._finish == "length" else "completed"
+        status: Literal["completed", "incomplete"] = (
+            "incomplete" if self._finish == "length" else "completed"
+        )
         if isinstance(item, OutputMessage):
             part = item.content[0]
             out.append(
@@ -164,18 +168,18 @@ class ResponseStream:
                 )
                 self._tool_item[ev.index] = self._add(fc, out)
             elif isinstance(ev, ToolArgs):
-                i = self._tool_item.get(ev.index)
-                item = self.response.output[i] if i is not None else None
-                if isinstance(item, OutputFunctionCall):
+                at = self._tool_item.get(ev.index)
+                item = self.response.output[at] if at is not None else None
+                if at is not None and isinstance(item, OutputFunctionCall):
                     item.arguments += ev.delta
                     out.append(
                         ArgsDelta(
                             sequence_number=self._n(),
                             item_id=item.id,
-                            output_index=i,
+                            output_index=at,
                             delta=ev.delta,
                         )
-                    )  # type: ignore[arg-type]
+                    )
             elif isinstance(ev, Finish):
                 self._finish = ev.reason
                 self._close(out)
@@ -195,6 +199,6 @@ class ResponseStream:
         return b"".join(sse(e) for e in out)
 
 
-def _copy(x: object) -> object:
+def _copy(x: _T) -> _T:
     """A snapshot of `x` as it is now (the stream keeps changing the item and the response)."""
     return msgspec.json.decode(_ENC.encode(x), type=type(x))
