@@ -7,6 +7,8 @@ floats in USD; accounting rounds only when it displays.
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import msgspec
 
 
@@ -43,7 +45,7 @@ class TokenUsage(msgspec.Struct, frozen=True, kw_only=True):
         return cls(prompt_tokens=p, completion_tokens=c, cached_tokens=cached)
 
 
-def _count(x: object) -> bool:
+def _count(x: object) -> TypeGuard[int]:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 

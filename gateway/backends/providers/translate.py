@@ -113,10 +113,10 @@ def to_anthropic(body: Mapping[str, Any], model: str, default_max_tokens: int) -
         out["temperature"] = min(float(body["temperature"]), 1.0)
     if body.get("top_p") is not None:
         out["top_p"] = body["top_p"]
-    if (k := body.get("top_k")) is not None:
-        if not (_is_int(k) and k >= 1):
+    if (top_k := body.get("top_k")) is not None:
+        if not (_is_int(top_k) and top_k >= 1):
             raise _bad("top_k must be a positive integer")
-        out["top_k"] = k
+        out["top_k"] = top_k
     stop = body.get("stop")
     if stop is not None:
         stops = [stop] if isinstance(stop, str) else stop
@@ -250,6 +250,7 @@ def _tool(t: Any, i: int) -> dict[str, Any]:
 
 
 def _tool_choice(tc: Any, parallel: Any) -> dict[str, Any] | None:
+    out: dict[str, Any] | None
     if tc is None:
         out = None
     elif isinstance(tc, str) and tc in TOOL_CHOICES:

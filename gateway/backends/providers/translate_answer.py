@@ -22,6 +22,12 @@ from gateway.backends.providers.errors import ProviderError
 from gateway.backends.providers.translate import error_from
 
 
+def _obj(x: object) -> dict[str, Any]:
+    """`x` if it is a JSON object, else an empty one (a provider's field of the wrong kind reads
+    as absent)."""
+    return x if isinstance(x, dict) else {}
+
+
 def from_anthropic(msg: Any) -> tuple[dict[str, Any], TokenUsage]:
     if (
         not isinstance(msg, dict)
@@ -128,10 +134,10 @@ class AnthropicStreamTranslator:
             )
         kind = d.get("type", event)
         if kind == "error":
-            err = d.get("error") if isinstance(d.get("error"), dict) else {}
+            err = _obj(d.get("error"))
             raise error_from(err.get("type"), str(err.get("message", "provider error")), None)
         if kind == "message_start":
-            m = d.get("message") if isinstance(d.get("message"), dict) else {}
+            m = _obj(d.get("message"))
             self._id = f"chatcmpl-{m.get('id', '')}"
             self._model = str(m.get("model", ""))
             u = anthropic_usage(m.get("usage"))
@@ -149,7 +155,7 @@ class AnthropicStreamTranslator:
                 kind="invalid_response",
             )
         if kind == "content_block_start":
-            b = d.get("content_block") if isinstance(d.get("content_block"), dict) else {}
+            b = _obj(d.get("content_block"))
             if b.get("type") == "tool_use":
                 ti = self._tool_index[d.get("index", 0)] = len(self._tool_index)
                 return [
@@ -170,7 +176,7 @@ class AnthropicStreamTranslator:
                 return [self._chunk({"content": b["text"]})]
             return []
         if kind == "content_block_delta":
-            delta = d.get("delta") if isinstance(d.get("delta"), dict) else {}
+            delta = _obj(d.get("delta"))
             if delta.get("type") == "text_delta":
                 return [self._chunk({"content": str(delta.get("text", ""))})]
             if delta.get("type") == "input_json_delta":
@@ -189,14 +195,14 @@ class AnthropicStreamTranslator:
                 ]
             return []  # thinking / signature deltas have no OpenAI chunk
         if kind == "message_delta":
-            delta = d.get("delta") if isinstance(d.get("delta"), dict) else {}
-            u = d.get("usage") if isinstance(d.get("usage"), dict) else {}
-            if isinstance(u.get("output_tokens"), int):
-                self._output = u["output_tokens"]  # cumulative, per Anthropic's docs
+            delta = _obj(d.get("delta"))
+            counts = _obj(d.get("usage"))
+            if isinstance(counts.get("output_tokens"), int):
+                self._output = counts["output_tokens"]  # cumulative, per Anthropic's docs
             if isinstance(
-                u.get("input_tokens"), int
+                counts.get("input_tokens"), int
             ):  # newer API versions repeat the final input counts
-                self._prompt = anthropic_usage({**u, "output_tokens": 0})
+                self._prompt = anthropic_usage({**counts, "output_tokens": 0})
             self._finish = STOP_REASONS.get(delta.get("stop_reason") or "", "stop")
             return [self._chunk({}, self._finish)]
         if kind == "message_stop":
