@@ -15,9 +15,10 @@ import contextlib
 import os
 import re
 import time
+from pathlib import Path
 from typing import Any
 
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 
 from gateway.accounts.store.batch_tables import BatchTables, Conflict, TeamLimit
 from gateway.accounts.store.private_files import open_private
@@ -131,17 +132,19 @@ class _Routes:
         size = 0
         try:
             while (part := await reader.next()) is not None:
+                if not isinstance(part, BodyPartReader):  # a multipart/* part: a form in a form
+                    raise APIError(400, "a form field cannot itself be multipart")
                 if part.name == "purpose":
-                    purpose = (await part.read(decode=True)).decode(errors="replace")[:64]  # type: ignore[union-attr]
+                    purpose = (await part.read(decode=True)).decode(errors="replace")[:64]
                 elif part.name in ("expires_after[anchor]", "expires_after[seconds]"):
                     expiry[part.name[14:-1]] = (await part.read(decode=True)).decode(
                         errors="replace"
-                    )[:64]  # type: ignore[union-attr]
+                    )[:64]
                 elif part.name == "file":
                     if temp is not None:
                         raise APIError(400, "upload one file per request", param="file")
                     # Echoed in headers and listings: keep it printable and short.
-                    filename = re.sub(r"[^\w.\- ]", "_", part.filename or filename)[:255]  # type: ignore[union-attr]
+                    filename = re.sub(r"[^\w.\- ]", "_", part.filename or filename)[:255]
                     temp, size = await self._save_part(
                         part, await storage_left(self.store, self.config, team)
                     )
@@ -150,10 +153,11 @@ class _Routes:
             ttl = expires_after(expiry.get("anchor"), expiry.get("seconds"))
             if temp is None:
                 raise APIError(400, "the upload has no 'file' field", param="file")
+            saved = temp
             try:
                 await asyncio.to_thread(
                     lambda: validate_file(
-                        bounded_lines(temp, self.config.max_line_bytes), self.config
+                        bounded_lines(saved, self.config.max_line_bytes), self.config
                     )
                 )
             except InvalidFile as e:
@@ -184,7 +188,7 @@ class _Routes:
             raise limit_error(self.config, team, e) from None
         return json_response(file_object(row))
 
-    async def _save_part(self, part: Any, cap: int) -> tuple[Any, int]:
+    async def _save_part(self, part: BodyPartReader, cap: int) -> tuple[Path, int]:
         """`cap`: the file bound, or less when the team's storage (`max_team_bytes`) is nearly full."""
         temp = self.files.temp_path()
         size = 0

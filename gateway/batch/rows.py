@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.batch.models import RequestCounts
+from gateway.batch.models import BatchStatus, RequestCounts
 
 FINISHED = ("succeeded", "failed")
 #: the statuses `finish_batch` may write
@@ -46,7 +46,7 @@ class BatchRow:
     endpoint: str
     input_file_id: str
     completion_window: str
-    status: str
+    status: BatchStatus
     priority: int
     metadata: dict[str, str] | None
     errors: list[dict[str, Any]] | None

@@ -267,19 +267,6 @@ def _ts(x: float | None) -> int | None:
 
 
 def batch_object(row: BatchRow) -> Batch:
-    times = {
-        k: _ts(getattr(row, k))
-        for k in (
-            "in_progress_at",
-            "expires_at",
-            "finalizing_at",
-            "completed_at",
-            "failed_at",
-            "expired_at",
-            "cancelling_at",
-            "cancelled_at",
-        )
-    }
     errors = None
     if row.errors:
         errors = BatchErrors(data=[msgspec.convert(e, BatchError) for e in row.errors])
@@ -289,11 +276,18 @@ def batch_object(row: BatchRow) -> Batch:
         errors=errors,
         input_file_id=row.input_file_id,
         completion_window=row.completion_window,
-        status=row.status,  # type: ignore[arg-type]
+        status=row.status,
         output_file_id=row.output_file_id,
         error_file_id=row.error_file_id,
         created_at=int(row.created_at),
         request_counts=row.counts,
         metadata=row.metadata,
-        **times,
+        in_progress_at=_ts(row.in_progress_at),
+        expires_at=_ts(row.expires_at),
+        finalizing_at=_ts(row.finalizing_at),
+        completed_at=_ts(row.completed_at),
+        failed_at=_ts(row.failed_at),
+        expired_at=_ts(row.expired_at),
+        cancelling_at=_ts(row.cancelling_at),
+        cancelled_at=_ts(row.cancelled_at),
     )

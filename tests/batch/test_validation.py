@@ -94,6 +94,12 @@ async def test_file_limits(tmp_path: Path, serve) -> None:
             assert r.status == 400 and "one file" in (await r.json())["error"]["message"]
         async with s.post(url + "/v1/files", json={"purpose": "batch"}) as r:
             assert r.status == 400 and "multipart" in (await r.json())["error"]["message"]
+        nested = aiohttp.MultipartWriter("form-data")
+        inner = aiohttp.MultipartWriter("mixed")
+        inner.append(jsonl(chat_lines(1, "m")))
+        nested.append(inner)
+        async with s.post(url + "/v1/files", data=nested) as r:
+            assert r.status == 400 and "multipart" in (await r.json())["error"]["message"]
     assert sorted(p.name for p in (tmp_path / "files").iterdir()) == [
         f"{f.id}.jsonl"
     ]  # no temp left
