@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import aiohttp
@@ -104,9 +104,9 @@ def _session(config: GatewayConfig, tracing: Tracing) -> aiohttp.ClientSession:
     )
 
 
-def _tasks(stack: contextlib.AsyncExitStack, *coros: object) -> None:
+def _tasks(stack: contextlib.AsyncExitStack, *coros: Awaitable[None]) -> None:
     """Run each coroutine as a task until the stack closes."""
-    tasks = [asyncio.ensure_future(c) for c in coros]  # type: ignore[arg-type]
+    tasks = [asyncio.ensure_future(c) for c in coros]
 
     async def stop() -> None:
         for t in tasks:

@@ -12,6 +12,7 @@ embeddings span `embeddings {model}` around the call to the nodes.
 from __future__ import annotations
 
 import time
+from typing import TypeGuard
 
 import msgspec
 from aiohttp import web
@@ -26,6 +27,15 @@ from protocol.openai import APIError
 
 _DEC = msgspec.json.Decoder(EmbeddingRequest)
 _ENC = msgspec.json.Encoder()
+
+
+def _token_ids(inp: list[str | int | list[int]]) -> TypeGuard[list[int]]:
+    return all(isinstance(x, int) and not isinstance(x, bool) for x in inp)
+
+
+def _unmixed(inp: list[str | int | list[int]]) -> TypeGuard[list[str] | list[list[int]]]:
+    """All strings, or all token-id lists."""
+    return all(isinstance(x, str) for x in inp) or all(isinstance(x, list) for x in inp)
 
 
 def parse_embedding(raw: bytes) -> Embeddings:
@@ -46,10 +56,10 @@ def parse_embedding(raw: bytes) -> Embeddings:
     items: list[str] | list[list[int]]
     if isinstance(inp, str):
         items = [inp]
-    elif inp and all(isinstance(x, int) and not isinstance(x, bool) for x in inp):
-        items = [list(inp)]  # type: ignore[arg-type]
-    elif all(isinstance(x, str) for x in inp) or all(isinstance(x, list) for x in inp):
-        items = list(inp)  # type: ignore[arg-type]
+    elif inp and _token_ids(inp):
+        items = [list(inp)]
+    elif _unmixed(inp):
+        items = inp.copy()
     else:
         raise APIError(
             400,

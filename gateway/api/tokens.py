@@ -133,10 +133,9 @@ def _as_completion(body: GenerateRequest) -> Request:
     """The completions request `body` is, checked by the completions parser; a refusal names
     the field as the generate body calls it."""
     assert body.model is not None
-    as_completion = _AsCompletion(
-        model=body.model,
-        prompt=body.token_ids,
-        return_token_ids=True,
+    # the sampling fields through replace: typed, where a dict splat into the constructor is not
+    as_completion = msgspec.structs.replace(
+        _AsCompletion(model=body.model, prompt=body.token_ids, return_token_ids=True),
         **sampling_kwargs(body.sampling_params),
     )
     try:

@@ -71,7 +71,7 @@ class Embed:
 
     endpoint = Endpoint.EMBEDDING
     n = 1
-    service_tier = None
+    service_tier: str | None = None  # OpenAI's embeddings API has none
 
     def __init__(self, request: Embeddings) -> None:
         self.request = request
@@ -165,7 +165,7 @@ class EmbedAttempts:
         # OTel's embeddings span: the dimensions asked for (else the model's, when known) and
         # the format
         dims = req.dimensions or embedder.embedding_size
-        asked = {
+        asked: Attrs = {
             GEN_AI_ENCODING_FORMATS: [req.encoding_format.value],
             **({GEN_AI_DIMENSIONS: dims} if dims else {}),
         }
@@ -205,16 +205,16 @@ def _token_ids(served: ServedModel, items: list[str] | list[list[int]]) -> list[
     tok = served.tokenizer
     assert tok is not None  # an embedding model is self-hosted: the config requires a tokenizer
     if isinstance(items[0], str):
-        return [tok.encode(t) for t in items]  # type: ignore[arg-type]
+        return [tok.encode(t) for t in items]
     for i, ids in enumerate(items):
-        bad = [t for t in ids if not 0 <= t < tok.vocab_size]  # type: ignore[union-attr]
+        bad = [t for t in ids if not 0 <= t < tok.vocab_size]
         if bad:
             raise APIError(
                 400,
                 f"input[{i}]: token ids out of the vocabulary (size {tok.vocab_size}): {bad[:5]}",
                 param="input",
             )
-    return items  # type: ignore[return-value]
+    return items
 
 
 def _floats(le: bytes) -> list[float]:

@@ -54,7 +54,7 @@ class Stage:
         return self
 
     def __exit__(self, *exc: object) -> bool | None:
-        return self._cm.__exit__(*exc)  # type: ignore[no-any-return]
+        return self._cm.__exit__(*exc)
 
     def set(self, key: str, value: str | int | float) -> None:
         if self._span is not None:
