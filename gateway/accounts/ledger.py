@@ -274,8 +274,10 @@ class Ledger:
             # stop and pays what was made for it, sent or not. An answer that broke off by the
             # backend's fault bills what its client was sent, not what was made but never
             # delivered (a piece still held back, or a whole answer that became a 502).
-            broke_off = status is UsageStatus.ERROR_MIDSTREAM and sent is not None
-            r.completion_tokens = sent.total if broke_off else acc.total_completion_tokens
+            if status is UsageStatus.ERROR_MIDSTREAM and sent is not None:  # it broke off
+                r.completion_tokens = sent.total
+            else:
+                r.completion_tokens = acc.total_completion_tokens
             r.cached_tokens = acc.cached_tokens
             r.nodes = list(acc.nodes)
             r.migrations, r.leg_tokens = acc.migrations, list(acc.leg_tokens)

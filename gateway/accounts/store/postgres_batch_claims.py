@@ -262,7 +262,7 @@ class PostgresBatchClaims(BatchTables):
         )
 
     async def mean_request_seconds(self, since: float) -> float | None:
-        return await (await self._p()).fetchval(  # type: ignore[no-any-return]
+        return await (await self._p()).fetchval(
             "SELECT AVG(finished_at - started_at) FROM batch_requests WHERE state='succeeded' AND "
             "finished_at>=$1",
             since,

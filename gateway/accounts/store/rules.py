@@ -10,9 +10,17 @@ from __future__ import annotations
 
 import calendar
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.accounts.store.base import WINDOW_S, RateState, Refusal, ReserveRequest, Team
+from gateway.accounts.store.base import (
+    WINDOW_S,
+    LimitKind,
+    RateState,
+    Refusal,
+    ReserveRequest,
+    Team,
+)
 
 
 def day_period(t: float) -> str:
@@ -108,17 +116,18 @@ def decide(
                 f"{max(0, team.tpm - c.window_tokens)} left, this request needs up to {req.tokens}"
             )
         return Refusal("tokens", msg, wait, rate(wait))
-    for kind, budget, spent, reset_at in (
+    budgets: tuple[tuple[LimitKind, float | None, float, Callable[[float], float]], ...] = (
         ("daily_budget", team.daily_budget_usd, c.spent_day, seconds_to_next_day),
         ("monthly_budget", team.monthly_budget_usd, c.spent_month, seconds_to_next_month),
-    ):
+    )
+    for kind, budget, spent, reset_at in budgets:
         if budget is None:
             continue
         committed = spent + c.active_cost
         if committed + req.cost_usd > budget:
             return Refusal(
                 kind,
-                f"team {team.id!r} would exceed its {kind.replace('_', ' ')} of ${budget:g} "  # type: ignore[arg-type]
+                f"team {team.id!r} would exceed its {kind.replace('_', ' ')} of ${budget:g} "
                 f"(${committed:.6f} spent or reserved, this request may cost up to "
                 f"${req.cost_usd:.6f})",
                 reset_at(now),
