@@ -26,7 +26,7 @@ says the model is of the other kind: nobody switches on a backend's class but th
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -92,7 +92,7 @@ class Reply:
     of what was served. `aclose()` ends it now (not at GC): a backend aborts its work there."""
 
     def __init__(
-        self, pieces: Callable[[Accounting], AsyncIterator[Piece]], prompt_tokens: int = 0
+        self, pieces: Callable[[Accounting], AsyncGenerator[Piece, None]], prompt_tokens: int = 0
     ) -> None:
         self.accounting = Accounting(prompt_tokens=prompt_tokens)
         self._it = pieces(self.accounting)
@@ -101,7 +101,7 @@ class Reply:
         return self._it
 
     async def aclose(self) -> None:
-        await self._it.aclose()  # type: ignore[attr-defined]
+        await self._it.aclose()
 
 
 class MidStreamError(APIError):

@@ -164,7 +164,7 @@ class NodeClient:
         url: str,
         path: str,
         request_id: str,
-        body: msgspec.Struct,
+        body: NodeCompletionRequest | NodeEmbeddingRequest,
         decoder: msgspec.json.Decoder[_T],
         what: str,
     ) -> _T:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import msgspec
@@ -179,7 +179,7 @@ class ProviderBackend(Backend):
 
     async def _stream(
         self, request: Request, attempt: Attempt, out: Accounting
-    ) -> AsyncIterator[Piece]:
+    ) -> AsyncGenerator[Piece, None]:
         body = self._body(request, attempt)
         # taken before the prompt is sent, held to the call's end (aclosing: a client that
         # leaves ends the provider's stream, and gives the slot back, now, not at GC)
@@ -190,7 +190,7 @@ class ProviderBackend(Backend):
 
     async def _call(
         self, request: Request, body: dict[str, Any], out: Accounting
-    ) -> AsyncIterator[Piece]:
+    ) -> AsyncGenerator[Piece, None]:
         out.model_used = self.model.name
         # the provider counts; this estimate stands only if a stream breaks before its usage
         # chunk (a provider that answered nothing charges nothing: `nodes` stays empty)
@@ -282,7 +282,7 @@ class ProviderBackend(Backend):
                 code="upstream_failed_midstream",
             ) from None
         finally:
-            await it.aclose()  # type: ignore[attr-defined]
+            await it.aclose()
 
     def _answered(self, out: Accounting, usage: TokenUsage) -> None:
         out.prompt_tokens = usage.prompt_tokens

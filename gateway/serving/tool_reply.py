@@ -12,7 +12,7 @@ before that piece does not bill them.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from gateway.backends.base import Accounting, Piece, Reply
 from gateway.tools.events import CallArgs, CallStart, Event, Text, ToolParser, new_call_id
@@ -21,7 +21,7 @@ from protocol.tools import FunctionCallDelta, ToolCallDelta
 
 
 def with_tool_calls(reply: Reply, plan: ToolPlan) -> Reply:
-    async def pieces(_: Accounting) -> AsyncIterator[Piece]:
+    async def pieces(_: Accounting) -> AsyncGenerator[Piece, None]:
         choices: dict[int, _Choice] = {}
         try:
             async for p in reply:

@@ -16,7 +16,7 @@ reported; each piece carries the completion tokens whose output it delivers (sam
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from gateway.backends.base import Attempt, Backend, Piece, Reply, Shed
 from gateway.backends.cluster.fanout import fan_out
@@ -71,7 +71,7 @@ class ClusterBackend(Backend):
         """Wait for pending aborts (at shutdown)."""
         await self.nodes.drain()
 
-    async def _pieces(self, r: ClusterRequest) -> AsyncIterator[Piece]:
+    async def _pieces(self, r: ClusterRequest) -> AsyncGenerator[Piece, None]:
         complete = False
         try:
             async for piece in _run(r):

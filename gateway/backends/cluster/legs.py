@@ -13,7 +13,7 @@ leg must pass on to a node (a KV source, an adapter) is added here, in one place
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,7 +136,7 @@ class NodeStream:
             self._close_count()
             raise
 
-    async def chunks(self, head: Chunk | None) -> AsyncIterator[Chunk]:
+    async def chunks(self, head: Chunk | None) -> AsyncGenerator[Chunk, None]:
         """`head` (what start() read), then the rest of the stream; the node's load is
         released and the stream closed however this ends."""
         try:
@@ -182,5 +182,5 @@ class DecodeLeg:
     def request_id(self) -> str:
         return self.stream.request_id
 
-    def chunks(self) -> AsyncIterator[Chunk]:
+    def chunks(self) -> AsyncGenerator[Chunk, None]:
         return self.stream.chunks(self.head)

@@ -22,6 +22,7 @@ from gateway.backends.cluster.samples import SampleStream
 from gateway.backends.node_client import NodeFailure
 from protocol.openai import APIError
 from protocol.resume import Resume
+from runtime.tracing import Attrs
 
 log = logging.getLogger("duet.gateway.cluster")
 
@@ -76,7 +77,7 @@ async def migrate(r: ClusterRequest, s: SampleStream, failure: NodeFailure) -> D
     leg_attempt = replace(
         attempt, request_id=f"{attempt.request_id}.m{n}", prompt_ids=attempt.prompt_ids + s.ids
     )
-    attrs = {
+    attrs: Attrs = {
         "duet.migration": n,
         "duet.failed_node_id": s.node_id,
         "duet.reason": failure.reason,

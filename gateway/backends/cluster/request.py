@@ -29,7 +29,7 @@ from protocol.block_hash import block_hashes, domain_root
 from protocol.kv_params import KVTransferParams
 from protocol.openai import APIError
 from protocol.route import RouteResponse
-from runtime.tracing import GEN_AI_INPUT_TOKENS, SERVER_ADDRESS
+from runtime.tracing import GEN_AI_INPUT_TOKENS, SERVER_ADDRESS, Attrs
 
 log = logging.getLogger("duet.gateway.cluster")
 
@@ -88,7 +88,7 @@ class ClusterRequest:
         gateway could not reach lately — unless that leaves no node: then with them."""
         away = [i for i in self.nodes.unreachable.node_ids() if i not in exclude]
         req = route_request(attempt, hashes, exclude + away)
-        attrs = {"duet.attempt": n, "duet.exclude": list(req.exclude)}
+        attrs: Attrs = {"duet.attempt": n, "duet.exclude": list(req.exclude)}
         with self.nodes.tracing.span("gateway.route", attrs) as span:
             try:
                 route = await self.nodes.router.route(req)
@@ -112,7 +112,7 @@ class ClusterRequest:
         tried.append((p.url, rid))
         self.touched.add((p.url, rid))
         nodes.load.acquire(p.url)
-        attrs = {
+        attrs: Attrs = {
             "duet.node_id": p.node_id,
             SERVER_ADDRESS: p.url,
             "duet.cached_tokens": p.cached_tokens,
@@ -154,7 +154,7 @@ class ClusterRequest:
         fields = replace(s.decode_fields(self.request, attempt, kv), kv_source=source)
         body = leg_request(self.request, attempt, fields)
         stream = NodeStream(self.nodes.client, self.nodes.load, d.url, rid, s.index, body)
-        attrs = {
+        attrs: Attrs = {
             "duet.node_id": d.node_id,
             SERVER_ADDRESS: d.url,
             "duet.cached_tokens": d.cached_tokens,

@@ -12,7 +12,7 @@ Invariants: `FINISH_REASONS` inverts `STOP_REASONS` on every value an OpenAI ans
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from gateway.backends.providers.cost import TokenUsage
 
@@ -37,7 +37,11 @@ FINISH_REASONS = {
 }
 
 #: OpenAI tool_choice strings → Anthropic tool_choice types (a named function is `tool`)
-TOOL_CHOICES = {"auto": "auto", "none": "none", "required": "any"}
+TOOL_CHOICES: dict[Literal["auto", "none", "required"], str] = {
+    "auto": "auto",
+    "none": "none",
+    "required": "any",
+}
 TOOL_CHOICES_BACK = {v: k for k, v in TOOL_CHOICES.items()}
 
 #: Anthropic's error types and their HTTP statuses (docs: "HTTP errors")

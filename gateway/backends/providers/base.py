@@ -34,7 +34,7 @@ import asyncio
 import contextlib
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any, ClassVar, Protocol
 
 import aiohttp
@@ -181,7 +181,7 @@ class Provider(abc.ABC):
             ) from None
         return self._completion(data, body)
 
-    async def chat_stream(self, body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def chat_stream(self, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any], None]:
         payload = self._payload(body, stream=True)
         attempt = 0
         last: ProviderError | None = None
