@@ -30,7 +30,7 @@ import dataclasses
 import math
 import re
 import time
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 from aiohttp import web
@@ -85,6 +85,13 @@ async def _body(request: web.Request, cls: type) -> Any:
         raise APIError(400, f"invalid request: {e}") from None
 
 
+#: the tiers a team may default to, by name (the lookup types the name as Team's Literal)
+_TIERS: dict[str, Literal["interactive", "batch"]] = {
+    "interactive": "interactive",
+    "batch": "batch",
+}
+
+
 def validate_team(t: TeamCreate) -> Team:
     if not _TEAM_ID.match(t.id):
         raise APIError(
@@ -94,9 +101,19 @@ def validate_team(t: TeamCreate) -> Team:
         v = getattr(t, f)
         if v is not None and v < 0:
             raise APIError(400, f"{f} must be >= 0", param=f)
-    if t.default_tier not in ("interactive", "batch"):
+    tier = _TIERS.get(t.default_tier)
+    if tier is None:
         raise APIError(400, "default_tier must be 'interactive' or 'batch'", param="default_tier")
-    return Team(**{f: getattr(t, f) for f in t.__struct_fields__}, created_at=time.time())  # type: ignore[arg-type]
+    return Team(
+        id=t.id,
+        rpm=t.rpm,
+        tpm=t.tpm,
+        max_concurrent=t.max_concurrent,
+        daily_budget_usd=t.daily_budget_usd,
+        monthly_budget_usd=t.monthly_budget_usd,
+        default_tier=tier,
+        created_at=time.time(),
+    )
 
 
 async def create_team(state: GatewayState, request: web.Request) -> web.Response:

@@ -9,6 +9,8 @@ import json
 
 from gateway.api.anthropic.cache_marks import retain_mark
 from gateway.api.anthropic.wire import (
+    Block,
+    ChoiceTool,
     ImageBlock,
     Message,
     MessagesRequest,
@@ -65,8 +67,9 @@ def _image(b: ImageBlock) -> Part:
 
 
 def _parts(blocks: list[TextBlock | ImageBlock]) -> str | list[Part]:
-    if all(isinstance(b, TextBlock) for b in blocks):
-        return "".join(b.text for b in blocks)  # type: ignore[union-attr]
+    texts = [b for b in blocks if isinstance(b, TextBlock)]
+    if len(texts) == len(blocks):
+        return "".join(b.text for b in texts)
     return [text_part(b.text) if isinstance(b, TextBlock) else _image(b) for b in blocks]
 
 
@@ -78,9 +81,9 @@ def _result_text(b: ToolResultBlock) -> str | list[Part]:
     return out
 
 
-def _turn(role: str, content: str | list, out: list[ChatMessage]) -> None:  # type: ignore[type-arg]
+def _turn(role: str, content: str | list[Block], out: list[ChatMessage]) -> None:
     if isinstance(content, str):
-        append(out, ChatMessage(role=role, content=content))  # type: ignore[arg-type]
+        append(out, ChatMessage(role=role, content=content))
         return
     parts: list[TextBlock | ImageBlock] = []
     calls: list[ToolCall] = []
@@ -102,7 +105,7 @@ def _turn(role: str, content: str | list, out: list[ChatMessage]) -> None:  # ty
         else:
             parts.append(b)
     if parts or not (calls or results):
-        append(out, ChatMessage(role=role, content=_parts(parts), tool_calls=calls or None))  # type: ignore[arg-type]
+        append(out, ChatMessage(role=role, content=_parts(parts), tool_calls=calls or None))
     elif calls:
         append(out, ChatMessage(role="assistant", tool_calls=calls))
 
@@ -149,11 +152,10 @@ def to_chat(body: MessagesRequest) -> TranslatedChat:
         )
     tc = body.tool_choice
     if tc is not None:
-        kind = type(tc).__struct_config__.tag
-        if kind == "tool":
-            out.tool_choice = NamedToolChoice(type="function", function=NamedFunction(name=tc.name))  # type: ignore[union-attr]
+        if isinstance(tc, ChoiceTool):
+            out.tool_choice = NamedToolChoice(type="function", function=NamedFunction(name=tc.name))
         else:
-            out.tool_choice = TOOL_CHOICES_BACK[str(kind)]  # type: ignore[assignment]
+            out.tool_choice = TOOL_CHOICES_BACK[str(type(tc).__struct_config__.tag)]
         if tc.disable_parallel_tool_use:
             out.parallel_tool_calls = False
     copy_extras(body, out)
