@@ -87,8 +87,8 @@ def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
 
     def view(
         fn: View, active: str, admin: bool = False
-    ) -> Callable[[web.Request], Awaitable[web.Response]]:
-        async def h(request: web.Request) -> web.Response:
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def h(request: web.Request) -> web.StreamResponse:
             state, sessions, s = session_of(request)
             if s is None:
                 return _redirect("/console/login")
@@ -107,8 +107,8 @@ def install(app: web.Application, state_key: web.AppKey[GatewayState]) -> None:
 
     def action(
         fn: Action, active: str, admin: bool = False
-    ) -> Callable[[web.Request], Awaitable[web.Response]]:
-        async def h(request: web.Request) -> web.Response:
+    ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def h(request: web.Request) -> web.StreamResponse:
             state, sessions, s = session_of(request)
             if s is None:
                 return page("Sign in", "", notice("Sign in first.", "error"), None, 401)

@@ -46,7 +46,7 @@ def csrf_field(session: Session) -> str:
 def table(
     caption: str,
     head: Sequence[str],
-    rows: Iterable[Sequence[str]],
+    rows: Iterable[Sequence[object]],
     *,
     raw: bool = False,
     body_id: str | None = None,
