@@ -28,7 +28,10 @@ from gateway.metrics import GatewayMetrics
 from gateway.serving.fair_queue import Claim, FairQueue, Waiter
 from protocol.openai import APIError
 
-TIER_ALIASES = {
+#: the x-duet-tier header's values (the lookup types the name as a Tier)
+_TIERS: dict[str, Tier] = {"interactive": "interactive", "batch": "batch"}
+#: OpenAI's service_tier values and duet's names, as duet's tiers
+TIER_ALIASES: dict[str, Tier] = {
     "interactive": "interactive",
     "batch": "batch",
     "priority": "interactive",
@@ -40,13 +43,14 @@ def resolve_tier(header: str | None, service_tier: str | None, default: Tier) ->
     """The tier a request runs at: the `x-duet-tier` header, else OpenAI's `service_tier`
     (duet's names or OpenAI's), else the team's default."""
     if header is not None:
-        if header not in ("interactive", "batch"):
+        tier = _TIERS.get(header)
+        if tier is None:
             raise APIError(
                 400,
                 f"x-duet-tier must be 'interactive' or 'batch', got {header!r}",
                 param="x-duet-tier",
             )
-        return header  # type: ignore[return-value]
+        return tier
     if service_tier is None or service_tier in ("auto", "default"):
         return default
     if service_tier not in TIER_ALIASES:
@@ -56,7 +60,7 @@ def resolve_tier(header: str | None, service_tier: str | None, default: Tier) ->
             f"got {service_tier!r}",
             param="service_tier",
         )
-    return TIER_ALIASES[service_tier]  # type: ignore[return-value]
+    return TIER_ALIASES[service_tier]
 
 
 def granted_tier(asked: Tier, policy: TeamPolicy, team_id: str) -> Tier:

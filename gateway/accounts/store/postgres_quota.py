@@ -279,11 +279,12 @@ async def settle_booking(con: Any, s: Settlement, now: float) -> Booking:
             r.request_id,
         ):
             return Booking.RECORDED
-    if row is None:  # nothing booked, or it expired meanwhile: the real tokens count from now
+    if row is None or s.reservation_id is None:  # nothing booked, or it expired meanwhile:
+        # the real tokens count from now (no reservation id, no row: the two tests agree)
         if s.tokens:
             await bucket(con, r.team_id, int(now), 0, s.tokens)
         return Booking.SETTLED if s.reservation_id is None else Booking.GONE
-    await unbook(con, s.reservation_id, row["team_id"], row["cost_usd"])  # type: ignore[arg-type]
+    await unbook(con, s.reservation_id, row["team_id"], row["cost_usd"])
     await bucket(con, row["team_id"], int(row["created_at"]), 0, s.tokens - row["tokens"])
     return Booking.SETTLED
 

@@ -180,7 +180,7 @@ class Connections:
     async def fast(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """`fn` on the loop thread when the write lock is free now, else on the worker."""
         done, out = self.now(fn)
-        return out if done else await self.run(fn)  # type: ignore[return-value]
+        return out if done else await self.run(fn)  # type: ignore[return-value]  # done: out is a T
 
     def now(self, fn: Callable[[sqlite3.Connection], T]) -> tuple[bool, T | None]:
         """`(True, fn(db))` on the loop's connection if the write lock is free at this moment;
