@@ -58,6 +58,11 @@ def _local_exhaustion(e: BaseException) -> bool:
     return getattr(err, "errno", None) in (errno.EMFILE, errno.ENFILE)
 
 
+def _refused(e: BaseException) -> bool:
+    err = getattr(e, "os_error", None) or (e if isinstance(e, OSError) else None)
+    return getattr(err, "errno", None) == errno.ECONNREFUSED
+
+
 def _unreachable(url: str, e: BaseException, leg: str = "") -> Exception:
     """What a failed call to a node raises: a NodeFailure (retry elsewhere) — unless this
     process is out of file descriptors (EMFILE/ENFILE), its own overload, not the node's
@@ -70,8 +75,12 @@ def _unreachable(url: str, e: BaseException, leg: str = "") -> Exception:
             1.0,
         )
     # no connect, no acknowledgement, no answer in time: the node is silent from here (a reset
-    # or a disconnect of a pooled connection is not: the node may well be serving)
-    silent = isinstance(e, TimeoutError | aiohttp.ClientConnectorError)
+    # or a disconnect of a pooled connection is not: the node may well be serving; nor is a
+    # refused connect: the host answered, the process is gone — the next try costs nothing,
+    # and a node restarted on its port must not stay left out)
+    silent = isinstance(e, TimeoutError) or (
+        isinstance(e, aiohttp.ClientConnectorError) and not _refused(e)
+    )
     return NodeFailure(
         url, f"{leg}{type(e).__name__}: {e}", unreachable=silent or acknowledgement_timeout(e)
     )

@@ -79,3 +79,21 @@ def test_out_of_descriptors_is_the_gateways_overload_not_the_nodes_failure() -> 
         and shed.retry_after_s > 0
     )
     assert isinstance(_unreachable("http://n", refused), NodeFailure)
+
+
+async def test_a_refused_connect_does_not_leave_the_node_out() -> None:
+    """A refused connect (the process is gone, its host answers) is a node failure, but not
+    the silence that leaves a node out of this gateway's routing for a while: a node restarted
+    on its port must be used again as soon as it is registered (the duet up restart test saw
+    its requests prefilled elsewhere for the exclusion's 10 s)."""
+    url = f"http://127.0.0.1:{free_port()}"
+    async with aiohttp.ClientSession() as s:
+        try:
+            await s.get(url + "/health")
+        except aiohttp.ClientConnectorError as e:
+            refused: BaseException = e
+        else:
+            raise AssertionError("something listens on a free port")
+    failure = _unreachable(url, refused)
+    assert isinstance(failure, NodeFailure) and not failure.unreachable
+    assert _unreachable(url, TimeoutError()).unreachable  # a silent node still is
