@@ -27,11 +27,9 @@ from aiohttp import web
 
 from gateway.accounts.ledger import Caller
 from gateway.serving.generate import Generate, parse
-from gateway.serving.measure import prompt_ids, tool_plan
 from gateway.serving.openai_format import CompletionResponse, TokenIdsChoice
 from gateway.serving.pipeline import run
 from gateway.serving.requests import Endpoint, Request, parse_completion
-from gateway.serving.tiers import team_tier
 from gateway.state import GatewayState
 from protocol.chat import chat_logprobs
 from protocol.generate import (
@@ -98,20 +96,8 @@ async def render(
     is sent, and its sampling fields, as a generate request (completions: a list of one)."""
     _, team = await state.auth.authenticate(request)
     call = parse(endpoint, await request.read())
-    serving = state.serving
-    policy = serving.config.team_policy(team.id)
-    tier = team_tier(request.headers.get("x-duet-tier"), call.service_tier, team, policy)
-    served, _ = call.choose(serving, team.id, policy, tier)
-    if served.tokenizer is None:
-        raise APIError(
-            400,
-            f"model {served.config.name!r} is served by an external provider: this gateway "
-            "renders prompts only for the models it serves itself (with their tokenizer)",
-            param="model",
-        )
-    serving.admission.check_team(team, serving.config.quotas.default_max_concurrent)
-    with serving.admission.teams.running(team.id):
-        ids = await prompt_ids(served, call.request, tool_plan(served, call.request))
+    tier_header = request.headers.get("x-duet-tier")
+    served, ids = await call.own_prompt_ids(state.serving, team, tier_header, "renders prompts")
     out = Rendered(
         token_ids=ids, sampling_params=_sampling_of(call.request), model=served.config.name
     )

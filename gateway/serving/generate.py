@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 from gateway.accounts.ledger import Ledger
+from gateway.accounts.store.base import Team
 from gateway.backends.base import ServedModel
 from gateway.config import AUTO, ModelConfig, TeamPolicy, Tier
 from gateway.serving.attempts import Tries
@@ -17,9 +18,10 @@ from gateway.serving.chat import parse_chat
 from gateway.serving.choice import Need
 from gateway.serving.context import Serving
 from gateway.serving.features import features, refuse_missing
-from gateway.serving.measure import Measured, estimate_tokens, measure
+from gateway.serving.measure import Measured, estimate_tokens, measure, prompt_ids, tool_plan
 from gateway.serving.pipeline import Admitted
 from gateway.serving.requests import Endpoint, Request, parse_completion
+from gateway.serving.tiers import team_tier
 from protocol.openai import APIError
 from runtime.tracing import GEN_AI_OPERATION, GEN_AI_PROVIDER, Attrs
 
@@ -88,6 +90,27 @@ class Generate:
                 param="model",
             )
         return served, headers
+
+    async def own_prompt_ids(
+        self, serving: Serving, team: Team, tier_header: str | None, answers: str
+    ) -> tuple[ServedModel, list[int]]:
+        """The chosen model and the prompt's token ids, for the endpoints that answer from its
+        tokenizer alone (render, count_tokens; `answers` says what they do, for the refusal):
+        only a model this gateway runs itself, under the team's concurrency gate."""
+        policy = serving.config.team_policy(team.id)
+        tier = team_tier(tier_header, self.service_tier, team, policy)
+        served, _ = self.choose(serving, team.id, policy, tier)
+        if served.tokenizer is None:
+            raise APIError(
+                400,
+                f"model {served.config.name!r} is served by an external provider: this gateway "
+                f"{answers} only for the models it serves itself (with their tokenizer)",
+                param="model",
+            )
+        serving.admission.check_team(team, serving.config.quotas.default_max_concurrent)
+        with serving.admission.teams.running(team.id):
+            ids = await prompt_ids(served, self.request, tool_plan(served, self.request))
+        return served, ids
 
     async def measure(self, serving: Serving, served: ServedModel, team_id: str) -> Measured:
         return await measure(

@@ -27,8 +27,6 @@ from gateway.api.anthropic.convert import to_chat
 from gateway.api.anthropic.wire import TokenCount
 from gateway.serving.chat import check_chat
 from gateway.serving.generate import Generate
-from gateway.serving.measure import prompt_ids, tool_plan
-from gateway.serving.tiers import team_tier
 from gateway.state import GatewayState
 from protocol.openai import APIError
 
@@ -41,20 +39,8 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
         body = parse(await read_body(state, request), counting=True)
         chat = to_chat(body)
         call = Generate(check_chat(chat.body, chat.vllm))
-        serving = state.serving
-        policy = serving.config.team_policy(team.id)
-        tier = team_tier(request.headers.get("x-duet-tier"), call.service_tier, team, policy)
-        served, _ = call.choose(serving, team.id, policy, tier)
-        if served.tokenizer is None:
-            raise APIError(
-                400,
-                f"model {served.config.name!r} is served by an external provider: this gateway "
-                "counts tokens only for the models it serves itself (with their tokenizer)",
-                param="model",
-            )
-        serving.admission.check_team(team, serving.config.quotas.default_max_concurrent)
-        with serving.admission.teams.running(team.id):
-            ids = await prompt_ids(served, call.request, tool_plan(served, call.request))
+        tier_header = request.headers.get("x-duet-tier")
+        _, ids = await call.own_prompt_ids(state.serving, team, tier_header, "counts tokens")
     except APIError as e:
         return error_response(e, request_id)
     return web.Response(
