@@ -36,7 +36,7 @@ import msgspec
 
 from gateway.backends.base import Shed
 from gateway.backends.loop_lag import LoopLag
-from gateway.backends.node_silence import acknowledgement_timeout, bound_silence
+from gateway.backends.node_silence import acknowledgement_timeout, bound_silence, os_errno
 from protocol.embeddings import NodeEmbeddingRequest, NodeEmbeddingResponse
 from protocol.node_api import (
     AbortRequest,
@@ -54,13 +54,11 @@ REQUEST_FAULT = ("invalid_request_error", "request_invalid")
 
 
 def _local_exhaustion(e: BaseException) -> bool:
-    err = getattr(e, "os_error", None) or (e if isinstance(e, OSError) else None)
-    return getattr(err, "errno", None) in (errno.EMFILE, errno.ENFILE)
+    return os_errno(e) in (errno.EMFILE, errno.ENFILE)
 
 
 def _refused(e: BaseException) -> bool:
-    err = getattr(e, "os_error", None) or (e if isinstance(e, OSError) else None)
-    return getattr(err, "errno", None) == errno.ECONNREFUSED
+    return os_errno(e) == errno.ECONNREFUSED
 
 
 def _unreachable(url: str, e: BaseException, leg: str = "") -> Exception:

@@ -37,10 +37,16 @@ def bound_silence(resp: aiohttp.ClientResponse, bound_s: float) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, math.ceil(bound_s * 1000))
 
 
+def os_errno(e: BaseException) -> int | None:
+    """The errno behind a failed call: an OSError's own, or the one aiohttp's connector error
+    wraps (`os_error`); None when there is none."""
+    err = getattr(e, "os_error", None) or (e if isinstance(e, OSError) else None)
+    return getattr(err, "errno", None)
+
+
 def acknowledgement_timeout(e: BaseException) -> bool:
     """The kernel gave up on the connection: the peer stopped acknowledging (ETIMEDOUT)."""
-    err = getattr(e, "os_error", None) or (e if isinstance(e, OSError) else None)
-    if getattr(err, "errno", None) == errno.ETIMEDOUT:
+    if os_errno(e) == errno.ETIMEDOUT:
         return True
     cause = e.__cause__ or e.__context__
     return cause is not None and cause is not e and acknowledgement_timeout(cause)
