@@ -34,6 +34,10 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     features = ["tools", "structured_outputs", "penalties", "logit_bias"]   # what it serves (default: all;
                                       # "vllm_structured_outputs" too, which external models lack by default)
 
+    [models."smollm2:sql"]            # a LoRA adapter of smollm2 as a model (config_adapters.py)
+    adapter_path = "/srv/loras/sql"   # its PEFT directory on the nodes; prices: its own or the base's
+    teams = ["analytics"]             # only these teams may use and see it (any model; default: all)
+
     [models.embed]                    # POST /v1/embeddings on `duet node --task embed` nodes
     kind = "embedding"                # (docs/embeddings.md); chat/completions on it get a 400
     tokenizer = "smollm2-135m-instruct"
@@ -86,6 +90,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from gateway.config_adapters import check_adapters, with_adapters
 from gateway.config_checks import (
     build,
     check_models,
@@ -171,7 +176,7 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
     if set(store) - {"url"}:
         raise ConfigError("[store] takes only `url`")
     cfg = GatewayConfig(
-        models={n: model(n, m) for n, m in models.items()},
+        models={n: model(n, m) for n, m in with_adapters(models).items()},
         store_url=store.get("url") or default_store_url(),
         server=build(ServerConfig, "server", data.get("server", {})),
         routing=build(RoutingConfig, "routing", data.get("routing", {})),
@@ -186,6 +191,7 @@ def parse_config(data: dict[str, Any]) -> GatewayConfig:
     check_routing(cfg)
     check_quotas(cfg)
     check_models(cfg)
+    check_adapters(cfg)
     return cfg
 
 

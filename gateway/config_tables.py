@@ -89,6 +89,13 @@ class ModelConfig:
     tool_parser: str | None = None
     #: the optional API features it serves (gateway/serving/features.py; default: all of them)
     features: tuple[str, ...] | None = None
+    #: a LoRA adapter served as a model (gateway/config_adapters.py): the base model's table,
+    #: the adapter's name on the nodes, and its directory there (the coordinator loads it)
+    base: str | None = None
+    adapter: str | None = None
+    adapter_path: str | None = None
+    #: the only teams that may use and see this model (None: every team); others get a 404
+    teams: tuple[str, ...] | None = None
 
     @property
     def cluster_name(self) -> str:

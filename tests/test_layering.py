@@ -37,7 +37,13 @@ ROOT = Path(__file__).resolve().parents[1]
 GATEWAY_LAYERS: list[tuple[str, ...]] = [
     ("gateway.tools",),  # tool-call formats and parsers: nothing of the gateway's
     ("gateway.backends.providers",),  # the commercial API clients, self-contained
-    ("gateway.config", "gateway.config_tables", "gateway.config_checks", "gateway.metrics"),
+    (
+        "gateway.config",
+        "gateway.config_tables",
+        "gateway.config_checks",
+        "gateway.config_adapters",
+        "gateway.metrics",
+    ),
     # the checked request and the batch rows: the data every layer above reads
     (
         "gateway.serving.requests",
@@ -111,6 +117,8 @@ DICT_ANY_EXEMPT = {
     "gateway/console/": "the console renders the gateway API's own JSON answers",
     "gateway/api/admin.py": "the /v1/usage record rows it answers are JSON",
     "gateway/config.py": "gateway.toml as read: a TOML table",
+    "gateway/config_adapters.py": "an adapter's [models.*] table completed from its base's, as "
+    "read, before it is checked like any model's",
     "gateway/config_checks.py": "a [models.X] table as read, and a provider's table",
     "node/engines/vllm.py": "vLLM's own API takes and gives dicts",
     "node/engines/vllm_config.py": "vLLM's engine arguments are a dict",

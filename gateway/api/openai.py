@@ -14,6 +14,7 @@ from aiohttp import web
 
 from gateway.accounts.ledger import Caller
 from gateway.config import AUTO
+from gateway.config_adapters import adapter_card, may_use
 from gateway.serving.generate import parse
 from gateway.serving.pipeline import run
 from gateway.serving.relay import HttpEventStream
@@ -51,8 +52,10 @@ async def handle(
 
 
 async def models(s: GatewayState, request: web.Request) -> web.Response:
-    """`GET /v1/models`: every model served, and `auto` when it is (admin or team key)."""
-    await s.auth.admin_or_team(request)
+    """`GET /v1/models`: every model served that the caller may use (a team key sees no model
+    kept from its team), and `auto` when it is served (admin or team key). A LoRA adapter's
+    card names its base model as `parent` and the adapter as `root`, as vLLM's does."""
+    team = await s.auth.admin_or_team(request)
     data = [
         {
             "id": name,
@@ -63,8 +66,10 @@ async def models(s: GatewayState, request: web.Request) -> web.Response:
             "capability_rank": m.config.capability_rank,
             "tiers": list(m.config.tiers),
             "fallback": list(m.config.fallback),
+            **adapter_card(m.config),
         }
         for name, m in sorted(s.serving.models.items())
+        if may_use(m.config, team.id if team is not None else None)
     ]
     if s.serving.choice.serves_auto:
         data.append(

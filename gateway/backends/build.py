@@ -72,6 +72,8 @@ def served_models(w: Wiring, cluster: ClusterBackend) -> dict[str, ServedModel]:
         else None
     )
     models: dict[str, ServedModel] = {}
+    #: one tokenizer per directory: a base model's LoRA adapters count prompts with its own
+    tokenizers: dict[Path, Tokenizer] = {}
     for name, m in cfg.models.items():
         if m.kind == "external":
             models[name] = ServedModel(
@@ -84,7 +86,8 @@ def served_models(w: Wiring, cluster: ClusterBackend) -> dict[str, ServedModel]:
         if m.kind == "embedding":
             assert embed_router is not None
             backend = ClusterEmbedder(w.nodes, embed_router, rc, _embedding_size(directory))
-        models[name] = ServedModel(m, backend, Tokenizer(directory), _max_model_len(m, directory))
+        tok = tokenizers.get(directory) or tokenizers.setdefault(directory, Tokenizer(directory))
+        models[name] = ServedModel(m, backend, tok, _max_model_len(m, directory))
     return models
 
 

@@ -75,9 +75,14 @@ class ModelChoice:
         self.auto_catalog: dict[str, ModelEntry] = {}
         if config.auto is not None:
             self.router = AutoRouter(rank_for=config.auto.rank_for)
-            # embedding models answer no chat: never an auto candidate
+            # embedding models answer no chat, an adapter answers its own task, a model kept
+            # to some teams must reach no other: none is a candidate unless [auto] names it
             names = config.auto.models or tuple(
-                n for n, s in models.items() if s.config.kind != "embedding"
+                n
+                for n, s in models.items()
+                if s.config.kind != "embedding"
+                and s.config.adapter is None
+                and s.config.teams is None
             )
             self.auto_catalog = {n: self.catalog[n] for n in names}
 

@@ -21,6 +21,7 @@ from gateway.accounts.ledger import Ledger, UsageStatus
 from gateway.accounts.usage import Accounting
 from gateway.backends.base import EmbeddingAttempt, EmbeddingReply, ServedModel
 from gateway.config import ModelConfig, TeamPolicy, Tier
+from gateway.config_adapters import may_use
 from gateway.serving.context import Serving
 from gateway.serving.fair_queue import Claim
 from gateway.serving.generate import forbidden
@@ -89,8 +90,12 @@ class Embed:
     ) -> tuple[ServedModel, dict[str, str]]:
         name = self.model
         served = serving.models.get(name)
-        if served is None:
-            kind = sorted(n for n, m in serving.models.items() if m.config.kind == "embedding")
+        if served is None or not may_use(served.config, team_id):  # a kept model: as if absent
+            kind = sorted(
+                n
+                for n, m in serving.models.items()
+                if m.config.kind == "embedding" and may_use(m.config, team_id)
+            )
             raise APIError(
                 404,
                 f"the model {name!r} does not exist "

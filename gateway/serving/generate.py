@@ -13,6 +13,7 @@ from gateway.accounts.ledger import Ledger
 from gateway.accounts.store.base import Team
 from gateway.backends.base import ServedModel
 from gateway.config import AUTO, ModelConfig, TeamPolicy, Tier
+from gateway.config_adapters import may_use
 from gateway.serving.attempts import Tries
 from gateway.serving.chat import parse_chat
 from gateway.serving.choice import Need
@@ -125,8 +126,9 @@ class Generate:
 
     def _named(self, serving: Serving, team_id: str, policy: TeamPolicy) -> ServedModel:
         found = serving.models.get(self.model)
-        if found is None:
-            names = sorted(serving.models) + ([AUTO] if serving.config.auto is not None else [])
+        if found is None or not may_use(found.config, team_id):  # a kept model: as if absent
+            names = sorted(n for n, m in serving.models.items() if may_use(m.config, team_id))
+            names += [AUTO] if serving.config.auto is not None else []
             raise APIError(
                 404,
                 f"the model {self.model!r} does not exist (served: {', '.join(names)})",

@@ -54,6 +54,8 @@ def leg_request(request: Request, attempt: Attempt, leg: LegFields) -> NodeCompl
     """The node request of one leg."""
     s = request.sampling
     return NodeCompletionRequest(
+        # a LoRA adapter's legs name it, as vLLM's requests do; the base model's name none
+        model=attempt.model.adapter,
         prompt=attempt.prompt_ids,
         max_tokens=leg.max_tokens,
         priority=attempt.tier,
@@ -82,15 +84,19 @@ def leg_request(request: Request, attempt: Attempt, leg: LegFields) -> NodeCompl
 
 def route_request(attempt: Attempt, hashes: list[int], exclude: list[str]) -> RouteRequest:
     """What the coordinator is asked for one leg: the model, the prompt's block hashes (the
-    caller's domain is their root), its size, the tier, the nodes excluded."""
+    caller's domain is their root), its size, the tier, the nodes excluded, and the LoRA
+    adapter it runs with (the coordinator routes it to nodes holding it, or loads it there)."""
+    m = attempt.model
     return RouteRequest(
-        model=attempt.model.cluster_name,
+        model=m.cluster_name,
         block_hashes=hashes,
         num_prompt_tokens=len(attempt.prompt_ids),
         max_tokens=attempt.max_tokens,
         tier=attempt.tier,
         exclude=list(exclude),
         request_id=attempt.request_id,
+        lora_name=m.adapter,
+        lora_path=m.adapter_path,
     )
 
 

@@ -52,9 +52,9 @@ class ClusterRequest:
         first token: retried on other nodes up to max_attempts. A migrated leg's `attempt` is
         its own (its id, the prompt plus the streamed ids) and its decode request carries
         `s.resume`."""
-        hashes = block_hashes(
-            attempt.prompt_ids, attempt.model.block_size, parent=domain_root(attempt.cache_domain)
-        )
+        # rooted at the caller's domain and the adapter, as the nodes' blocks are
+        root = domain_root(attempt.cache_domain, adapter=attempt.model.adapter)
+        hashes = block_hashes(attempt.prompt_ids, attempt.model.block_size, parent=root)
         failures: list[str] = []
         for n in range(self.nodes.cfg.max_attempts):
             if n:
