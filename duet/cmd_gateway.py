@@ -108,8 +108,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         "--group-by",
         choices=[*GROUP_BY, "record"],
         default="record",
-        help="totals per model/day/team/tier/user (the requests' OpenAI `user` field), each with "
-        "its TTFT P50/P90, or every usage record",
+        help="totals per model/day/team/tier/user (the requests' OpenAI `user` field)/adapter "
+        "(the LoRA adapter), each with its TTFT P50/P90, or every usage record",
     )
     ur.add_argument("--format", choices=["csv", "json"], default="csv")
     _store_args(ur)

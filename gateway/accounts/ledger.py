@@ -208,6 +208,7 @@ class Ledger:
             completion_usd_per_mtok=model.output_usd_per_mtok * caller.price_factor,
             idempotent=caller.idempotent,
             user=order.user,
+            adapter=model.adapter,
         )
         worst = max(worst_case_usd(m, n_prompt, order.completion_tokens) for m in order.chain)
         reserve = ReserveRequest(
@@ -239,6 +240,7 @@ class Ledger:
             prompt_tokens=order.counted_prompt_tokens,
             endpoint=order.endpoint,
             user=order.user,
+            adapter=model.adapter,
         )
         ledger = cls(books, caller, res.id, record, res.rate, model)
         books.in_flight[res.id] = ledger  # until it settles (`_settlement`)
@@ -248,6 +250,7 @@ class Ledger:
         """The request now tries `model` (its first model, or a fallback)."""
         self.model = model
         self.record.model_used, self.record.prompt_tokens = model.name, prompt_tokens
+        self.record.adapter = model.adapter
 
     def streaming(self, sent: SentLog) -> None:
         """A relay now streams the answer: the heartbeat reports the tokens it has sent."""

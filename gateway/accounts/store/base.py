@@ -26,8 +26,9 @@ import msgspec
 from gateway.accounts.store.batch_tables import BatchTables
 
 WINDOW_S = 60.0
-#: what `Store.usage` groups by; its rows name the group `model`, `date`, `team_id`, `tier`, `user`
-GROUP_BY = ("model", "day", "team", "tier", "user")
+#: what `Store.usage` groups by; its rows name the group `model`, `date`, `team_id`, `tier`,
+#: `user`, `adapter`
+GROUP_BY = ("model", "day", "team", "tier", "user", "adapter")
 LimitKind = Literal["requests", "tokens", "concurrency", "daily_budget", "monthly_budget"]
 
 
@@ -72,6 +73,8 @@ class Booked:
     #: the request's OpenAI `user` field, kept on the `expired` record like on any other (spend
     #: per end user; a client matches its records by it)
     user: str | None = None
+    #: the LoRA adapter the request ran with (None: a base model)
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,8 @@ class UsageRecord:
     leg_tokens: list[int] = field(default_factory=list)
     #: its wait for a tier admission slot (None: it took none — refused, or an external model)
     queue_s: float | None = None
+    #: the LoRA adapter the model it ended on runs with (None: a base model; config_adapters.py)
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)

@@ -72,4 +72,5 @@ def expired_record(
         endpoint=b.endpoint,
         created_at=now,
         user=b.user,
+        adapter=b.adapter,
     )

@@ -50,7 +50,7 @@ from gateway.accounts.store.postgres_quota import (
     usage_record_of,
     write_usage,
 )
-from gateway.accounts.store.usage_totals import outliers_sql, totals_row, totals_sql
+from gateway.accounts.store.usage_totals import group_keys, outliers_sql, totals_row, totals_sql
 
 
 async def _clock(con: asyncpg.Connection, now: float | None) -> float:
@@ -341,14 +341,7 @@ class PostgresStore(PostgresBatchTables, Store):
     async def usage(
         self, team_id: str | None, start: float, end: float, group_by: str | None
     ) -> list[dict[str, Any]]:
-        keys = {
-            None: [],
-            "model": [("model_requested", "model")],
-            "day": [(DAY_SQL, "date")],
-            "team": [("team_id", "team_id")],
-            "tier": [("tier", "tier")],
-            "user": [('"user"', "user")],
-        }[group_by]
+        keys = group_keys(group_by, DAY_SQL, '"user"')
         args: list[Any] = [start, end]
         where = "created_at >= $1 AND created_at < $2"
         if team_id:

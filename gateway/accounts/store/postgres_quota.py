@@ -77,6 +77,7 @@ ADDED_COLUMNS = [
     ("usage", "leg_tokens", "TEXT"),
     ("reservations", "streamed_tokens", "BIGINT NOT NULL DEFAULT 0"),
     ("usage", "queue_s", "DOUBLE PRECISION"),
+    ("usage", "adapter", "TEXT"),
 ]
 
 TEAM_COLS = (
@@ -104,6 +105,7 @@ USAGE_COLS = (
     "migrations",
     "leg_tokens",
     "queue_s",
+    "adapter",
 )
 #: list columns stored as JSON text
 JSON_COLS = ("nodes", "leg_tokens")

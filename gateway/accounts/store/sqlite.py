@@ -46,7 +46,7 @@ from gateway.accounts.store.sqlite_quota import (
     team_fields,
     team_of,
 )
-from gateway.accounts.store.usage_totals import outliers_sql, totals_row, totals_sql
+from gateway.accounts.store.usage_totals import group_keys, outliers_sql, totals_row, totals_sql
 
 T = TypeVar("T")
 
@@ -310,14 +310,7 @@ class SqliteStore(SqliteBatchTables, Store):
     async def usage(
         self, team_id: str | None, start: float, end: float, group_by: str | None
     ) -> list[dict[str, Any]]:
-        keys = {
-            None: [],
-            "model": [("model_requested", "model")],
-            "day": [("date(created_at, 'unixepoch')", "date")],
-            "team": [("team_id", "team_id")],
-            "tier": [("tier", "tier")],
-            "user": [("user", "user")],
-        }[group_by]
+        keys = group_keys(group_by, "date(created_at, 'unixepoch')", "user")
         where = "created_at >= ? AND created_at < ?" + (" AND team_id = ?" if team_id else "")
         args: tuple[Any, ...] = (start, end, team_id) if team_id else (start, end)
         sql = totals_sql(keys, where, "min", "")  # SQLite orders NULL first

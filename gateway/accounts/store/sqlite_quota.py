@@ -79,6 +79,7 @@ ADDED_COLUMNS = [
     ("usage", "leg_tokens", "TEXT"),
     ("reservations", "streamed_tokens", "INTEGER NOT NULL DEFAULT 0"),
     ("usage", "queue_s", "REAL"),
+    ("usage", "adapter", "TEXT"),
 ]
 
 TEAM_COLS = (
@@ -106,6 +107,7 @@ USAGE_COLS = (
     "migrations",
     "leg_tokens",
     "queue_s",
+    "adapter",
 )
 
 

@@ -23,6 +23,20 @@ from typing import Any
 PERCENTILES = (("ttft_p50_s", 5), ("ttft_p90_s", 9))
 
 
+def group_keys(group_by: str | None, day: str, user: str) -> list[tuple[str, str]]:
+    """The (SQL expression, row name) of a `GROUP_BY` value (None: no group): `day` and `user`
+    are the database's own (a date from epoch seconds; `user`, quoted where it is reserved)."""
+    return {
+        None: [],
+        "model": [("model_requested", "model")],
+        "day": [(day, "date")],
+        "team": [("team_id", "team_id")],
+        "tier": [("tier", "tier")],
+        "user": [(user, "user")],
+        "adapter": [("adapter", "adapter")],
+    }[group_by]
+
+
 def totals_sql(keys: list[tuple[str, str]], where: str, least: str, nulls_first: str) -> str:
     """The statement for groups `keys` ((SQL expression, row name), in order), records matching
     `where`. `least`: the database's two-argument minimum (SQLite `min`, PostgreSQL `LEAST`);
