@@ -4,6 +4,7 @@ admin calls (teams, keys) over HTTP with the admin key."""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import urllib.error
 import urllib.request
@@ -36,7 +37,10 @@ def write_config(path: Path, models: dict[str, dict[str, Any]], **sections: dict
         lines.append(f"[{name}]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in body.items()]
     for name, body in models.items():
-        lines.append(f"[models.{name}]")
+        # a name TOML's bare keys cannot spell (`base:adapter`) is quoted
+        lines.append(
+            f"[models.{name if re.fullmatch(r'[A-Za-z0-9_-]+', name) else json.dumps(name)}]"
+        )
         lines += [f"{k} = {_toml_value(v)}" for k, v in body.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -137,8 +141,6 @@ def scrape(url: str, admin_key: str = ADMIN_KEY) -> str:
 def metric(url: str, name: str, admin_key: str = ADMIN_KEY) -> float:
     """Sum of a metric's samples (all label sets) on a node or gateway (`admin_key`: the
     gateway's, when it is not the tests' own, as under `duet up`)."""
-    import re
-
     text = scrape(url, admin_key)
     return sum(
         float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.M)
