@@ -41,10 +41,10 @@ NOT_INHERITED = ("fallback", "teams", "served_name")
 BASE_ONLY = ("kind", "tokenizer", "served_name", "static", "block_size", "max_model_len")
 
 
-def _base_of(name: str, table: dict[str, Any], tables: dict[str, Any]) -> tuple[str, str] | None:
-    """(base, adapter) of an adapter's table; None for any other model. A name `X:Y` is an
-    adapter when `X` names another table (the longest such X): a model named with a colon
-    that names no base stays an ordinary model."""
+def _base_of(name: str, table: dict[str, Any], tables: dict[str, Any]) -> tuple[str, Any] | None:
+    """(base, the adapter's name as written: checked by the caller) of an adapter's table; None
+    for any other model. A name `X:Y` is an adapter when `X` names another table (the longest
+    such X): a model named with a colon that names no base stays an ordinary model."""
     if "base" in table:
         base = table["base"]
         if not isinstance(base, str) or base not in tables:
