@@ -109,7 +109,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
         choices=[*GROUP_BY, "record"],
         default="record",
         help="totals per model/day/team/tier/user (the requests' OpenAI `user` field)/adapter "
-        "(the LoRA adapter), each with its TTFT P50/P90, or every usage record",
+        "(the LoRA adapter)/version (per model), each with its TTFT P50/P90, or every usage record",
     )
     ur.add_argument("--format", choices=["csv", "json"], default="csv")
     _store_args(ur)

@@ -38,6 +38,12 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     adapter_path = "/srv/loras/sql"   # its PEFT directory on the nodes; prices: its own or the base's
     teams = ["analytics"]             # only these teams may use and see it (any model; default: all)
 
+    [models.llama]                    # one name over a weighted set of versions, each on its
+    kind = "cluster"                  # own nodes (config_versions.py; docs/models.md)
+    tokenizer = "/models/llama-v1"
+    versions.v1 = { served_name = "llama-v1", weight = 95 }   # the name v1's nodes register
+    versions.v2 = { served_name = "llama-v2", weight = 5 }    # a canary: 1 request in 20
+
     [models.embed]                    # POST /v1/embeddings on `duet node --task embed` nodes
     kind = "embedding"                # (docs/embeddings.md); chat/completions on it get a 400
     tokenizer = "smollm2-135m-instruct"

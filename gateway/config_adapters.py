@@ -36,7 +36,7 @@ from gateway.config_tables import ConfigError, GatewayConfig, ModelConfig
 from protocol.sampling import MAX_CACHE_SALT
 
 #: keys of a base model's table an adapter's table does not take over
-NOT_INHERITED = ("fallback", "teams", "served_name")
+NOT_INHERITED = ("fallback", "teams", "served_name", "versions")
 #: keys that belong to the base's weights: an adapter's table may not set them
 BASE_ONLY = ("kind", "tokenizer", "served_name", "static", "block_size", "max_model_len")
 
@@ -75,6 +75,8 @@ def with_adapters(tables: dict[str, Any]) -> dict[str, Any]:
             raise ConfigError(f"[models.{name}] base {base!r} must be a cluster model")
         if "base" in parent or _base_of(base, parent, tables) is not None:
             raise ConfigError(f"[models.{name}] base {base!r} is an adapter itself")
+        if "versions" in parent:  # an adapter is trained on one version's weights
+            raise ConfigError(f"[models.{name}] base {base!r} has versions")
         if not isinstance(adapter, str) or not 0 < len(adapter) <= MAX_CACHE_SALT:
             raise ConfigError(
                 f"[models.{name}] adapter must be the adapter's name on the nodes "

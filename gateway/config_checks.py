@@ -22,6 +22,7 @@ from gateway.config_tables import (
     TeamPolicy,
     parse_features,
 )
+from gateway.config_versions import VersionError, parse_versions
 from gateway.tools.formats import TOOL_PARSERS
 from runtime.tables import from_table
 
@@ -39,6 +40,7 @@ def model(name: str, data: Any) -> ModelConfig:
         )
     data = dict(data)
     static = data.pop("static", None)
+    versions = data.pop("versions", None)
     options = {k: data.pop(k) for k in PROVIDER_KEYS if k in data}
     if "provider_options" in data:
         raise ConfigError(f"[models.{name}] has unknown keys: provider_options")
@@ -47,6 +49,15 @@ def model(name: str, data: Any) -> ModelConfig:
         m = ModelConfig(
             **{**m.__dict__, "static": build(StaticNodes, f"models.{name}.static", static)}
         )
+    if versions is not None:
+        if m.kind != "cluster" or m.static is not None or m.adapter is not None:
+            raise ConfigError(
+                f"[models.{name}] versions are for a cluster model without static node lists"
+            )
+        try:
+            m = replace(m, versions=parse_versions(name, versions))
+        except VersionError as e:
+            raise ConfigError(str(e)) from None
     if m.kind not in ("cluster", "external", "embedding"):
         raise ConfigError(
             f"[models.{name}] kind must be 'cluster', 'external' or 'embedding', got {m.kind!r}"

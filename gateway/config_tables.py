@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from gateway.config_versions import ModelVersion
 from runtime.plane import PlaneSecurity
 from runtime.read_deadlines import ReadDeadlines
 from runtime.tracing import TracingConfig
@@ -96,6 +97,8 @@ class ModelConfig:
     adapter_path: str | None = None
     #: the only teams that may use and see this model (None: every team); others get a 404
     teams: tuple[str, ...] | None = None
+    #: its weighted set of versions (gateway/config_versions.py; (): one, `cluster_name`)
+    versions: tuple[ModelVersion, ...] = ()
 
     @property
     def cluster_name(self) -> str:

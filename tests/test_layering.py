@@ -42,6 +42,7 @@ GATEWAY_LAYERS: list[tuple[str, ...]] = [
         "gateway.config_tables",
         "gateway.config_checks",
         "gateway.config_adapters",
+        "gateway.config_versions",
         "gateway.metrics",
     ),
     # the checked request and the batch rows: the data every layer above reads

@@ -285,6 +285,7 @@ class Ledger:
             r.nodes = list(acc.nodes)
             r.migrations, r.leg_tokens = acc.migrations, list(acc.leg_tokens)
             r.model_used = acc.model_used or r.model_used
+            r.version = acc.version
         written = acc.cache_write_tokens if acc is not None else 0
         # A request no node served (refused by a node, shed, every try failed) costs nothing.
         r.cost_usd = (

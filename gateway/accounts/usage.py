@@ -34,6 +34,8 @@ class Accounting:
     migrations: int = 0
     #: completion tokens of each decode leg of sample 0, in order (one entry unless migrated)
     leg_tokens: list[int] = field(default_factory=list)
+    #: the version of the model that served it (None: the model has no versions)
+    version: str | None = None
 
     @property
     def total_completion_tokens(self) -> int:

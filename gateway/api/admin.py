@@ -6,7 +6,7 @@
 - `POST /admin/keys {team_id, name}` → 201 with the secret, shown this once;
   `GET /admin/keys[?team_id=]`; `DELETE /admin/keys/{id}` revokes.
 - `GET /v1/usage?date=YYYY-MM-DD` (or `start=&end=`, dates or unix seconds;
-  `group_by=model|day|team|tier|user|adapter|record`, user being the requests' `user` field,
+  `group_by=model|day|team|tier|user|adapter|version|record`, user the requests' `user` field,
   record every request's usage record; a grouped row carries its TTFT P50/P90, all computed by
   the store; `team_id=`; with `group_by=record`, `outliers=true&limit=N` (1–1000, default 100):
   only the failed requests and the slowest tenth — latency at or above the range's nearest-rank

@@ -1,10 +1,12 @@
 """LoRA adapters served as models, end to end with real processes: an etcd, a coordinator and
-a node with LoRA slots (tiny random model, tiny random PEFT adapters), all behind the cluster
-secret, and a gateway routing through the coordinator; the official openai client.
+a prefill and a decode node with LoRA slots (tiny random model, tiny random PEFT adapters), all
+behind the cluster secret, and a gateway routing through the coordinator; the official openai
+client.
 
 - `tiny:a0` (a `base:adapter` name, prices of its own) and `sql-bot` (a configured name over
   adapter a1, kept to team alice) answer with exactly transformers + PEFT's tokens for their
-  adapter; the coordinator loads each adapter on the node from its configured path;
+  adapter, prefilled on P and decoded on D, both running it; the coordinator loads each adapter
+  on both nodes from its configured path;
 - /v1/models lists them with `parent`/`root` as vLLM does, and team bob sees no `sql-bot`: its
   request gets the 404 of a model that does not exist, word for word;
 - the usage records carry the adapter and its price (the adapter's own, or its base's), and
@@ -57,7 +59,7 @@ class Served:
         return body.choices[0].model_extra["token_ids"], r.headers["x-request-id"]  # type: ignore[index]
 
 
-def _ready(coordinator: Proc, node_id: str) -> None:
+def _ready(coordinator: Proc, ids: set[str]) -> None:
     req = urllib.request.Request(
         coordinator.url + "/cluster", headers={"Authorization": f"Bearer {SECRET}"}
     )
@@ -65,9 +67,9 @@ def _ready(coordinator: Proc, node_id: str) -> None:
     def ready() -> bool:
         with urllib.request.urlopen(req, timeout=5) as r:
             nodes = json.loads(r.read())["nodes"]
-        return any(n["node_id"] == node_id and n["ready"] for n in nodes)
+        return ids <= {n["node_id"] for n in nodes if n["ready"]}
 
-    wait_for(ready, timeout=60, what=f"node {node_id} ready")
+    wait_for(ready, timeout=60, what=f"nodes {sorted(ids)} ready")
 
 
 @pytest.fixture(scope="module")
@@ -98,13 +100,17 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "teams": ["alice"],
         },
     }
-    with secured_plane(tmp, SECRET) as plane:
-        node = plane.node("both", tiny_llama, *TINY_NODE_ARGS, *LORA, node_id="both-0")
+    # every prompt here is longer than 8 tokens: prefilled on P, decoded on D
+    with secured_plane(tmp, SECRET, "--local-prefill-tokens", "8") as plane:
+        nodes = [
+            plane.node(role, tiny_llama, *TINY_NODE_ARGS, *LORA, node_id=f"{role}-0")
+            for role in ("prefill", "decode")
+        ]
         g = gateway_proc(
             tmp, models, args=plane.flag, routing={"coordinator": [plane.coordinator.url]}
         )
-        with running(plane.coordinator, node, g):
-            _ready(plane.coordinator, "both-0")
+        with running(plane.coordinator, *nodes, g):
+            _ready(plane.coordinator, {"prefill-0", "decode-0"})
             keys = {t: make_team(g.url, t) for t in ("alice", "bob")}
             yield Served(g, keys, adapters, tiny_llama)
 
@@ -179,6 +185,7 @@ def test_usage_records_the_adapter_and_its_price(served: Served) -> None:
         r = recs[rid]
         assert (r["model_used"], r["adapter"], r["status"]) == (model, adapter, "ok")
         assert (r["prompt_tokens"], r["completion_tokens"]) == (len(prompt), 8)
+        assert r["nodes"] == "prefill-0 decode-0", "both legs ran it (with the adapter)"
         # (a cached prompt token costs the input price: no model here sets a cached price)
         assert r["cost_usd"] == pytest.approx((len(prompt) * p_in + 8 * p_out) / 1e6)
     status, _, body = http(url + "&group_by=adapter", key=key)

@@ -261,12 +261,13 @@ async def test_old_sqlite_file_gains_the_user_column(tmp_path: Path) -> None:
     await asyncio.gather(a.open(), b.open())
     await b.close()
     with sqlite3.connect(path) as db:
-        assert [r[1] for r in db.execute("PRAGMA table_info(usage)")][-5:] == [
+        assert [r[1] for r in db.execute("PRAGMA table_info(usage)")][-6:] == [
             "user",
             "migrations",
             "leg_tokens",
             "queue_s",
             "adapter",
+            "version",
         ]
     [old] = await a.usage_records(None, 0, 1e12)
     assert (old.request_id, old.user, old.nodes, old.prompt_tokens) == ("old-1", None, ["n1"], 3)

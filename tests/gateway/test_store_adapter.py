@@ -1,6 +1,7 @@
-"""The LoRA adapter on usage records, in both stores (SQLite and PostgreSQL): written and read
-back, grouped by (`group_by=adapter`), carried by an expired booking's record, and a database
-an older version created gains the column at open with its records' adapter null."""
+"""The LoRA adapter and the model version on usage records, in both stores (SQLite and
+PostgreSQL): written and read back, grouped by (`group_by=adapter`, `group_by=version`), the
+adapter carried by an expired booking's record, and a database an older version created gains
+the columns at open with its records' adapter and version null."""
 
 from __future__ import annotations
 
@@ -34,7 +35,9 @@ async def _store(url: str) -> Store:
     return s
 
 
-async def _bill(s: Store, request_id: str, adapter: str | None, cost: float) -> None:
+async def _bill(
+    s: Store, request_id: str, adapter: str | None, cost: float, version: str | None = None
+) -> None:
     req = ReserveRequest(
         team_id="t", key_id="k", request_id=request_id, tokens=10, cost_usd=0.0, ttl_s=600
     )
@@ -53,6 +56,7 @@ async def _bill(s: Store, request_id: str, adapter: str | None, cost: float) -> 
         completion_tokens=3,
         cost_usd=cost,
         adapter=adapter,
+        version=version,
     )
     await s.settle([Settlement(res.id, record)])
 
@@ -124,16 +128,35 @@ async def test_an_older_database_gains_the_adapter_column(url: str) -> None:
 
         with sqlite3.connect(url.removeprefix("sqlite://")) as db:
             db.execute("ALTER TABLE usage DROP COLUMN adapter")
+            db.execute("ALTER TABLE usage DROP COLUMN version")
     else:
         import asyncpg
 
         con = await asyncpg.connect(url)
         await con.execute("ALTER TABLE usage DROP COLUMN adapter")
+        await con.execute("ALTER TABLE usage DROP COLUMN version")
         await con.close()
     s = await _store(url)
-    await _bill(s, "new", "sql", 0.25)
-    assert [(r.request_id, r.adapter) for r in await s.usage_records("t", 0, 1e12)] == [
-        ("old", None),
-        ("new", "sql"),
+    await _bill(s, "new", "sql", 0.25, "v2")
+    assert [(r.request_id, r.adapter, r.version) for r in await s.usage_records("t", 0, 1e12)] == [
+        ("old", None, None),
+        ("new", "sql", "v2"),
+    ]
+    await s.close()
+
+
+async def test_the_version_round_trips_and_groups_per_model(url: str) -> None:
+    s = await _store(url)
+    await s.create_team(Team(id="t"))
+    await _bill(s, "r1", None, 0.5, "v1")
+    await _bill(s, "r2", None, 0.25, "v2")
+    await _bill(s, "r3", None, 0.125, "v1")
+    await _bill(s, "r4", "sql", 1.0)
+    assert [r.version for r in await s.usage_records("t", 0, 1e12)] == ["v1", "v2", "v1", None]
+    rows = await s.usage("t", 0, 1e12, "version")
+    assert [(r["model"], r["version"], r["requests"], r["cost_usd"]) for r in rows] == [
+        ("base", "v1", 2, 0.625),
+        ("base", "v2", 1, 0.25),
+        ("base:sql", None, 1, 1.0),
     ]
     await s.close()

@@ -27,8 +27,8 @@ from gateway.accounts.store.batch_tables import BatchTables
 
 WINDOW_S = 60.0
 #: what `Store.usage` groups by; its rows name the group `model`, `date`, `team_id`, `tier`,
-#: `user`, `adapter`
-GROUP_BY = ("model", "day", "team", "tier", "user", "adapter")
+#: `user`, `adapter`, `version`
+GROUP_BY = ("model", "day", "team", "tier", "user", "adapter", "version")
 LimitKind = Literal["requests", "tokens", "concurrency", "daily_budget", "monthly_budget"]
 
 
@@ -149,6 +149,9 @@ class UsageRecord:
     queue_s: float | None = None
     #: the LoRA adapter the model it ended on runs with (None: a base model; config_adapters.py)
     adapter: str | None = None
+    #: the version of the model that served it (None: the model has no versions, or no node
+    #: was reached; gateway/config_versions.py)
+    version: str | None = None
 
 
 @dataclass(frozen=True)

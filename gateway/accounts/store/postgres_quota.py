@@ -78,6 +78,7 @@ ADDED_COLUMNS = [
     ("reservations", "streamed_tokens", "BIGINT NOT NULL DEFAULT 0"),
     ("usage", "queue_s", "DOUBLE PRECISION"),
     ("usage", "adapter", "TEXT"),
+    ("usage", "version", "TEXT"),
 ]
 
 TEAM_COLS = (
@@ -106,6 +107,7 @@ USAGE_COLS = (
     "leg_tokens",
     "queue_s",
     "adapter",
+    "version",
 )
 #: list columns stored as JSON text
 JSON_COLS = ("nodes", "leg_tokens")

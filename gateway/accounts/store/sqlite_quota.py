@@ -80,6 +80,7 @@ ADDED_COLUMNS = [
     ("reservations", "streamed_tokens", "INTEGER NOT NULL DEFAULT 0"),
     ("usage", "queue_s", "REAL"),
     ("usage", "adapter", "TEXT"),
+    ("usage", "version", "TEXT"),
 ]
 
 TEAM_COLS = (
@@ -108,6 +109,7 @@ USAGE_COLS = (
     "leg_tokens",
     "queue_s",
     "adapter",
+    "version",
 )
 
 

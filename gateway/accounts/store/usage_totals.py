@@ -34,6 +34,7 @@ def group_keys(group_by: str | None, day: str, user: str) -> list[tuple[str, str
         "tier": [("tier", "tier")],
         "user": [(user, "user")],
         "adapter": [("adapter", "adapter")],
+        "version": [("model_used", "model"), ("version", "version")],
     }[group_by]
 
 

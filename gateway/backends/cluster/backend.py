@@ -18,11 +18,13 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
+from gateway.accounts.usage import Accounting
 from gateway.backends.base import Attempt, Backend, Piece, Reply, Shed
 from gateway.backends.cluster.fanout import fan_out
 from gateway.backends.cluster.migration import migrate
 from gateway.backends.cluster.nodes import Nodes
 from gateway.backends.cluster.request import ClusterRequest
+from gateway.backends.cluster.versions import Versions
 from gateway.backends.node_client import NodeClient
 from gateway.backends.providers.fallback import Reason
 from gateway.backends.routing import NodeLoad, Router
@@ -48,6 +50,8 @@ class ClusterBackend(Backend):
         tracing: Tracing | None = None,
     ) -> None:
         self.nodes = Nodes(nodes, router, load, cfg, on_retry, tracing or Tracing.off())
+        #: a versioned model's split (versions.py): each attempt is pinned to one version
+        self.versions = Versions()
 
     @property
     def load(self) -> NodeLoad:
@@ -62,10 +66,13 @@ class ClusterBackend(Backend):
         return Reason.NO_HEALTHY_NODES if (err.status, err.code) in _NO_NODES else None
 
     def open(self, request: Request, attempt: Attempt) -> Reply:
-        return Reply(
-            lambda acc: self._pieces(ClusterRequest(self.nodes, request, attempt, acc)),
-            prompt_tokens=len(attempt.prompt_ids),
-        )
+        pinned, version = self.versions.pin(attempt)
+
+        def pieces(acc: Accounting) -> AsyncGenerator[Piece, None]:
+            acc.version = version
+            return self._pieces(ClusterRequest(self.nodes, request, pinned, acc))
+
+        return Reply(pieces, prompt_tokens=len(attempt.prompt_ids))
 
     async def drain(self) -> None:
         """Wait for pending aborts (at shutdown)."""

@@ -19,7 +19,7 @@ from gateway.state import GatewayState
 
 DAY = 86400
 #: group_by values the CSV export offers (those of `duet usage report`)
-CSV_GROUPS = ("record", "day", "model", "team", "tier", "user", "adapter")
+CSV_GROUPS = ("record", "day", "model", "team", "tier", "user", "adapter", "version")
 #: records the CSV export reads from the API at a time (what it holds at most)
 CSV_PAGE = 2000
 
