@@ -50,9 +50,10 @@ def model(name: str, data: Any) -> ModelConfig:
             **{**m.__dict__, "static": build(StaticNodes, f"models.{name}.static", static)}
         )
     if versions is not None:
-        if m.kind != "cluster" or m.static is not None or m.adapter is not None:
-            raise ConfigError(
-                f"[models.{name}] versions are for a cluster model without static node lists"
+        if m.kind != "cluster" or m.static is not None or m.served_name is not None:
+            raise ConfigError(  # each version names its own served name
+                f"[models.{name}] versions are for a cluster model without static node lists "
+                "or served_name"
             )
         try:
             m = replace(m, versions=parse_versions(name, versions))

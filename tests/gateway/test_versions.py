@@ -75,6 +75,7 @@ def test_an_attempt_is_pinned_to_its_versions_served_name() -> None:
         ({"v1": {"served_name": "a"}, "v2": {"served_name": "a"}}, {}, "one served_name"),
         ({"v1": {"served_name": "a", "colour": 1}}, {}, "unknown keys: colour"),
         ({"v1": {"served_name": "a"}}, {"static": {"both": ["http://n:1"]}}, "without static"),
+        ({"v1": {"served_name": "a"}}, {"served_name": "b"}, "or served_name"),
     ],
 )
 def test_refused_at_load(versions: Any, extra: dict[str, Any], says: str) -> None:
