@@ -109,6 +109,7 @@ def check_adapters(cfg: GatewayConfig) -> None:
             not m.teams or not all(isinstance(t, str) and t for t in m.teams)
         ):
             raise ConfigError(f"[models.{m.name}] teams must list at least one team id")
+    _check_paths(cfg)
     kept = {n for n, m in cfg.models.items() if m.teams is not None}
     ways = [(f"models.{m.name}", "fallback", m.fallback) for m in cfg.models.values()]
     if cfg.auto is not None:
@@ -120,6 +121,23 @@ def check_adapters(cfg: GatewayConfig) -> None:
             raise ConfigError(
                 f"[{section}] {key} names {', '.join(bad)}, kept to some teams (`teams`): "
                 "another team would reach it this way"
+            )
+
+
+def _check_paths(cfg: GatewayConfig) -> None:
+    """An adapter's name names one set of weights on the nodes (they refuse other weights under
+    a loaded name, and the base model's name as an adapter's)."""
+    paths: dict[tuple[str, str], str] = {}
+    for m in cfg.models.values():
+        if m.adapter is None:
+            continue
+        if m.adapter == m.cluster_name:
+            raise ConfigError(f"[models.{m.name}] adapter {m.adapter!r} is the base model's name")
+        key = (m.cluster_name, m.adapter)
+        if m.adapter_path is not None and paths.setdefault(key, m.adapter_path) != m.adapter_path:
+            raise ConfigError(
+                f"[models.{m.name}] adapter {m.adapter!r} is configured with two adapter_paths "
+                f"({paths[key]!r} and {m.adapter_path!r}): one name is one set of weights"
             )
 
 

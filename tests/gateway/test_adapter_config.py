@@ -52,6 +52,11 @@ def test_a_configured_name_with_base_and_adapter_kept_to_teams() -> None:
     assert may_use(cfg.models["tiny"], "bob")
 
 
+def test_two_names_of_one_adapter_one_of_them_with_its_path() -> None:
+    cfg = _cfg({"tiny:a": {"adapter_path": "/p1"}, "a-bot": {"base": "tiny", "adapter": "a"}})
+    assert (cfg.models["tiny:a"].adapter, cfg.models["a-bot"].adapter) == ("a", "a")
+
+
 def test_a_colon_name_that_names_no_base_stays_a_model() -> None:
     cfg = _cfg({"llama3:8b": {"kind": "cluster", "tokenizer": "/models/l3"}})
     assert cfg.models["llama3:8b"].adapter is None
@@ -73,6 +78,15 @@ def test_a_colon_name_that_names_no_base_stays_a_model() -> None:
         ({"tiny:" + "a" * 300: {}}, {}, "1 to 256 characters"),
         ({"solo": {**BIG, "adapter_path": "/x"}}, {}, "are for adapters"),
         ({"tiny:a": {"teams": []}}, {}, "at least one team"),
+        ({"tiny:tiny-llama": {}}, {}, "is the base model's name"),
+        (
+            {
+                "tiny:a": {"adapter_path": "/p1"},
+                "a-bot": {"base": "tiny", "adapter": "a", "adapter_path": "/p2"},
+            },
+            {},
+            "two adapter_paths",
+        ),
         ({"tiny:a": {"teams": ["alice"]}, "big": {**BIG, "fallback": ["tiny:a"]}}, {}, "fallback"),
         ({"tiny:a": {"teams": ["alice"]}}, {"auto": {"models": ["tiny:a"]}}, "[auto] models"),
         (
