@@ -169,7 +169,8 @@ def _metrics_reader(config: GatewayConfig) -> Callable[[web.Request], bool]:
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return False
-        auth, address = request.app[STATE].auth, request.remote or ""
+        auth = request.app[STATE].auth
+        address = auth.client(request)
         try:  # the admin endpoints' per-address limit on failed attempts holds here too
             auth.guard.check(address)
         except APIError:

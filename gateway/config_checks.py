@@ -4,6 +4,7 @@ silently)."""
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import re
 from dataclasses import replace
@@ -277,6 +278,13 @@ def check_server(server: ServerConfig) -> None:
         raise ConfigError(
             f"[server] key_cache_ttl_s must be a number of seconds in [0, 3600], got {server.key_cache_ttl_s!r}"
         )
+    for proxy in server.trusted_proxies:
+        try:
+            ipaddress.ip_network(proxy, strict=False)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"[server] trusted_proxies: not an address or network: {proxy!r}"
+            ) from None
     problem = server.read_deadlines().problem()
     if problem is not None:
         raise ConfigError(f"[server] {problem}")

@@ -14,12 +14,12 @@ every counted connection is uncounted when it is lost, however it ends.
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import logging
 from typing import Any
 
 from aiohttp import web
 
+from gateway.accounts.client_address import client_of
 from runtime.log_throttle import ThrottledWarning
 from runtime.read_deadlines import (
     DeadlineAppRunner,
@@ -29,20 +29,6 @@ from runtime.read_deadlines import (
 )
 
 log = logging.getLogger("duet.gateway")
-
-
-def client_of(address: str) -> str:
-    """The key a connection from `address` counts under: the address itself for IPv4 (an
-    IPv4-mapped IPv6 address as its IPv4), the /64 for IPv6."""
-    try:
-        ip = ipaddress.ip_address(address.partition("%")[0])  # a link-local zone: not the host
-    except ValueError:
-        return address  # not an IP (a unix socket's peer): counted as it is
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return str(ip.ipv4_mapped)
-        return str(ipaddress.IPv6Network((ip, 64), strict=False))
-    return str(ip)
 
 
 class _Gate:

@@ -5,8 +5,10 @@ thread hop for SQLite, a network round trip for PostgreSQL) on every request's t
 token. The cache keeps `(key, team)` for keys that were found, for `[server] key_cache_ttl_s`.
 
 Invariants:
-- only keys that exist are cached: an unknown key asks the store every time, so a key created
-  by another gateway or the CLI works at once;
+- an unknown key's hash is remembered as unknown for the same TTL (at most `max_entries` of
+  them): a client repeating a bad or revoked key asks the store once per TTL, not once per
+  request. A key created anywhere still works at once: its secret is new random bytes, so no
+  lookup of its hash can have come before its creation;
 - a key revoked or a team deleted through *this* gateway stops working at once (`forget_key`,
   `forget_team`), and a lookup that was in flight during the revocation does not put the old
   answer back (the generation check);
@@ -20,10 +22,12 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import TypeVar
 
 from gateway.accounts.store.base import ApiKey, Store, Team
 
 Found = tuple[ApiKey, Team]
+V = TypeVar("V")
 
 
 class KeyCache:
@@ -39,26 +43,48 @@ class KeyCache:
         self.max_entries = max_entries
         self._clock = clock
         self._entries: OrderedDict[str, tuple[float, Found]] = OrderedDict()
+        #: hashes the store did not know, with when that answer expires
+        self._unknown: OrderedDict[str, float] = OrderedDict()
         #: bumped by every forget: a lookup started before one must not cache its answer
         self._generation = 0
+
+    def cached(self, secret_hash: str) -> Found | None:
+        """The key's (key, team) if this cache holds it found and fresh; None otherwise (not
+        known to be unknown: ask `lookup`)."""
+        hit = self._entries.get(secret_hash)
+        if hit is None:
+            return None
+        if hit[0] <= self._clock():
+            del self._entries[secret_hash]
+            return None
+        self._entries.move_to_end(secret_hash)
+        return hit[1]
 
     async def lookup(self, secret_hash: str) -> Found | None:
         if self.ttl_s <= 0:
             return await self.store.key_by_hash(secret_hash)
-        now = self._clock()
-        hit = self._entries.get(secret_hash)
+        hit = self.cached(secret_hash)
         if hit is not None:
-            if hit[0] > now:
-                self._entries.move_to_end(secret_hash)
-                return hit[1]
-            del self._entries[secret_hash]
+            return hit
+        now = self._clock()
+        unknown_until = self._unknown.get(secret_hash)
+        if unknown_until is not None:
+            if unknown_until > now:
+                return None
+            del self._unknown[secret_hash]
         generation = self._generation
         found = await self.store.key_by_hash(secret_hash)
-        if found is not None and generation == self._generation:
-            self._entries[secret_hash] = (now + self.ttl_s, found)
-            if len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
+        if found is None:
+            self._remember(self._unknown, secret_hash, now + self.ttl_s)
+        elif generation == self._generation:
+            self._remember(self._entries, secret_hash, (now + self.ttl_s, found))
         return found
+
+    def _remember(self, entries: OrderedDict[str, V], secret_hash: str, value: V) -> None:
+        entries[secret_hash] = value
+        entries.move_to_end(secret_hash)
+        if len(entries) > self.max_entries:
+            entries.popitem(last=False)
 
     def forget_key(self, key_id: str) -> None:
         self._forget(lambda f: f[0].id == key_id)

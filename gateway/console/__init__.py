@@ -215,9 +215,8 @@ def _login(session_of: Lookup) -> Callable[[web.Request], Awaitable[web.Response
                 ),
                 403,
             )
-        address = request.remote or ""
-        try:
-            state.auth.guard.check(address)  # the admin API's limit on failed sign-ins per address
+        try:  # the admin API's limit on failed sign-ins per address
+            state.auth.guard.check(state.auth.client(request))
         except APIError as e:
             return _login_page(cookie, notice(e.message, "error"), 429)
         key = str(form.get("key") or "").strip()
@@ -227,11 +226,12 @@ def _login(session_of: Lookup) -> Callable[[web.Request], Awaitable[web.Response
                 state, request, probe, "GET", "/v1/usage", query={"date": "1970-01-01"}
             )
         except ApiFailed as e:
-            if e.status == 401:
-                state.auth.guard.failed(address)
+            if e.status == 401:  # the API counted it against this browser's address
                 return _login_page(
                     cookie, notice("That key is not valid (unknown or revoked).", "error"), 401
                 )
+            if e.status == 429:
+                return _login_page(cookie, notice(e.message, "error"), 429)
             return _login_page(cookie, notice(f"Cannot sign in now: {e.message}", "error"), 503)
         s = sessions.new(key, who.get("team_id"))
         resp = _redirect(_home(s))

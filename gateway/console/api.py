@@ -60,7 +60,12 @@ async def call(
         timeout=_TIMEOUT,
         ssl=not tls,
         data=None if body is None else json.dumps(body),
-        headers={"Authorization": f"Bearer {session.key}", "Content-Type": "application/json"},
+        headers={
+            "Authorization": f"Bearer {session.key}",
+            "Content-Type": "application/json",
+            # failed authentications count against the browser, not this gateway's own address
+            **state.auth.clients.console_headers(request),
+        },
     ) as r:
         raw = await r.read()
     try:

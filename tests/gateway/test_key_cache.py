@@ -1,6 +1,6 @@
 """The API-key cache against a real SQLite store: found keys are served from memory for the
 TTL, revocations through this gateway take effect at once (even racing a lookup), revocations
-elsewhere within the TTL, unknown keys are never cached, and the cache is bounded."""
+elsewhere within the TTL, an unknown key asks the store once per TTL, and the cache is bounded."""
 
 from __future__ import annotations
 
@@ -98,10 +98,39 @@ async def test_a_lookup_racing_a_revocation_does_not_cache_the_old_answer(store:
     assert await cache.lookup(h) is None
 
 
-async def test_unknown_keys_are_not_cached(store: Store) -> None:
+class Counting:
+    """The real store, counting its key lookups."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.asked = 0
+
+    async def key_by_hash(self, h: str) -> object:
+        self.asked += 1
+        return await self.store.key_by_hash(h)
+
+
+async def test_an_unknown_key_asks_the_store_once_per_ttl(store: Store) -> None:
+    """A client repeating a bad key made one store query per request (the store's one worker
+    thread, or a pool of 10 on PostgreSQL, shared with every reservation and heartbeat)."""
+    counting, clock = Counting(store), Clock()
+    cache = KeyCache(counting, ttl_s=5.0, max_entries=3, clock=clock)  # type: ignore[arg-type]
+    bogus = hash_secret("sk-duet-not-a-key")
+    for _ in range(100):
+        assert await cache.lookup(bogus) is None
+    assert counting.asked == 1
+    clock.t += 5.1
+    assert await cache.lookup(bogus) is None
+    assert counting.asked == 2, "past the TTL the store is asked again"
+    for i in range(10):  # bounded: other unknown keys push the oldest out
+        await cache.lookup(hash_secret(f"sk-duet-other-{i}"))
+    assert await cache.lookup(bogus) is None and counting.asked == 13
+
+
+async def test_a_new_key_works_at_once_beside_remembered_unknown_keys(store: Store) -> None:
     cache = KeyCache(store, ttl_s=60.0, clock=Clock())
+    assert await cache.lookup(hash_secret("sk-duet-not-a-key")) is None
     key, secret, digest = new_key("t", "later")
-    assert await cache.lookup(hash_secret(secret)) is None
     await store.create_key(key, digest)  # created by the CLI or another gateway
     assert (await cache.lookup(hash_secret(secret)))[0].id == key.id
 
