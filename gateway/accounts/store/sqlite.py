@@ -314,7 +314,7 @@ class SqliteStore(SqliteBatchTables, Store):
         where = "created_at >= ? AND created_at < ?" + (" AND team_id = ?" if team_id else "")
         args: tuple[Any, ...] = (start, end, team_id) if team_id else (start, end)
         sql = totals_sql(keys, where, "min", "")  # SQLite orders NULL first
-        rows = await self._run(lambda db: db.execute(sql, args).fetchall())
+        rows = await self._conns.report(lambda db: db.execute(sql, args).fetchall())
         return [totals_row([name for _, name in keys], r) for r in rows]
 
     async def usage_records(
@@ -335,7 +335,7 @@ class SqliteStore(SqliteBatchTables, Store):
             sql, args = sql + " LIMIT ?", (*args, limit)
         # converted in the worker: decoding a page's JSON columns on the event loop stalls every
         # stream of every team for as long
-        return await self._run(lambda db: [record_of(r) for r in db.execute(sql, args)])
+        return await self._conns.report(lambda db: [record_of(r) for r in db.execute(sql, args)])
 
     async def usage_outliers(
         self, team_id: str | None, start: float, end: float, limit: int
@@ -343,6 +343,6 @@ class SqliteStore(SqliteBatchTables, Store):
         where = "created_at >= ? AND created_at < ?" + (" AND team_id = ?" if team_id else "")
         args: tuple[Any, ...] = (start, end, team_id) if team_id else (start, end)
         sql = outliers_sql(", ".join(f"usage.{c}" for c in USAGE_COLS), where, "min", "?")
-        return await self._run(
+        return await self._conns.report(
             lambda db: [record_of(r) for r in db.execute(sql, (*args, *args, limit))]
         )

@@ -27,6 +27,13 @@ a checkpoint) it would wait, and a heartbeat that cannot land makes this gateway
 every other gateway on the file. The lane still waits for the write lock like any writer, but
 never behind this process's queue.
 
+Usage reports (`/v1/usage` and its admin pages) have a lane of their own too, a third thread
+with a read-only connection (`report`): on the worker, a report over many rows held up every
+write queued behind it — settlements, team changes, the reservations the fast path hands
+over, and the checkpoint, after which all reservations queue. In WAL mode a reader neither
+waits for writers nor holds them up (only a checkpoint's RESTART waits, `RESTART_WAIT_MS` at
+most, for a reader).
+
 A callable given to `fast()` must be safe to run twice: a busy failure happens at
 `BEGIN IMMEDIATE`, before any effect, or rolls its transaction back (`_tx`), and the worker
 runs it again from the start. `Immediate` is the write transaction every such callable opens.
@@ -54,9 +61,15 @@ CHECKPOINT_EVERY = 500
 RESTART_WAIT_MS = 50
 
 
-def connect(path: Path, busy_timeout_ms: int, set_wal: bool) -> sqlite3.Connection:
+def connect(
+    path: Path, busy_timeout_ms: int, set_wal: bool, read_only: bool = False
+) -> sqlite3.Connection:
     db = sqlite3.connect(
-        path, isolation_level=None, timeout=busy_timeout_ms / 1000, check_same_thread=False
+        path.resolve().as_uri() + "?mode=ro" if read_only else path,
+        isolation_level=None,
+        timeout=busy_timeout_ms / 1000,
+        check_same_thread=False,
+        uri=read_only,
     )
     if set_wal:  # persistent in the file: the worker sets it once, waiting for locks as it may
         db.execute("PRAGMA journal_mode=WAL")
@@ -85,6 +98,9 @@ class Connections:
         #: the heartbeat's lane: its own thread and connection (`beat`)
         self._beat_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duet-store-beat")
         self._beat: sqlite3.Connection | None = None
+        #: usage reports' lane: its own thread and read-only connection (`report`)
+        self._report_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duet-store-rep")
+        self._report: sqlite3.Connection | None = None
         self._loop_db: sqlite3.Connection | None = None
         self._loop_thread: int | None = None
         self._since_checkpoint = 0
@@ -118,6 +134,12 @@ class Connections:
             self._beat = connect(self.path, 30_000, set_wal=False)
         return self._beat
 
+    def _report_db(self) -> sqlite3.Connection:
+        """The reports lane's connection (on its thread; read-only: a report cannot write)."""
+        if self._report is None:
+            self._report = connect(self.path, 30_000, set_wal=False, read_only=True)
+        return self._report
+
     async def open(self) -> None:
         """Open the worker's connection, the heartbeat lane's and the loop's fast path (on this
         loop's thread)."""
@@ -136,14 +158,18 @@ class Connections:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._pool, self._close_worker)
         await loop.run_in_executor(self._beat_pool, self._close_beat)
+        await loop.run_in_executor(self._report_pool, self._close_report)
         self._pool.shutdown(wait=True)
         self._beat_pool.shutdown(wait=True)
+        self._report_pool.shutdown(wait=True)
 
     def close_now(self) -> None:
         """`close` from outside any event loop (a file only the worker used)."""
         self._pool.submit(self._close_worker).result()
+        self._report_pool.submit(self._close_report).result()
         self._pool.shutdown(wait=True)
         self._beat_pool.shutdown(wait=True)
+        self._report_pool.shutdown(wait=True)
 
     def _close_worker(self) -> None:
         if self._worker is not None:
@@ -154,6 +180,11 @@ class Connections:
         if self._beat is not None:
             self._beat.close()
             self._beat = None
+
+    def _close_report(self) -> None:
+        if self._report is not None:
+            self._report.close()
+            self._report = None
 
     async def run(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """`fn` on the worker thread (it may wait for the write lock)."""
@@ -166,6 +197,13 @@ class Connections:
         never behind the worker's queue)."""
         return await asyncio.get_running_loop().run_in_executor(
             self._beat_pool, lambda: fn(self._beat_db())
+        )
+
+    async def report(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """`fn` in one read transaction on the reports lane (its own thread and read-only
+        connection): a long usage report never queues ahead of the worker's writes."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._report_pool, lambda: _in_tx(self._report_db(), "BEGIN", fn)
         )
 
     async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
