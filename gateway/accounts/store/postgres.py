@@ -20,14 +20,11 @@ import asyncpg
 
 from gateway.accounts.store.base import (
     WINDOW_S,
-    ApiKey,
     Refusal,
     Reservation,
     ReserveRequest,
     Settlement,
     Store,
-    StoreError,
-    Team,
     UsageRecord,
 )
 from gateway.accounts.store.expiry import Booking
@@ -35,21 +32,19 @@ from gateway.accounts.store.postgres_batch import PostgresBatchTables, create_ba
 from gateway.accounts.store.postgres_quota import (
     DAY_SQL,
     GATEWAYS,
-    KEY_COLS,
     SCHEMA,
-    TEAM_COLS,
     USAGE_COLS,
     USAGE_KEYS,
     USAGE_SQL,
     add_columns,
     expire_where,
-    key_of,
     reserve_in,
     settle_booking,
-    team_of,
     usage_record_of,
     write_usage,
 )
+from gateway.accounts.store.postgres_teams import PostgresTeams
+from gateway.accounts.store.team_ids import POSTGRES as TOMBSTONES
 from gateway.accounts.store.usage_totals import group_keys, outliers_sql, totals_row, totals_sql
 
 
@@ -60,7 +55,7 @@ async def _clock(con: asyncpg.Connection, now: float | None) -> float:
     return float(await con.fetchval("SELECT extract(epoch FROM clock_timestamp())::float8"))
 
 
-class PostgresStore(PostgresBatchTables, Store):
+class PostgresStore(PostgresTeams, PostgresBatchTables, Store):
     """The one store on PostgreSQL: the accounts' tables and the batch tier's, on one pool."""
 
     def __init__(self, dsn: str, max_connections: int = 16) -> None:
@@ -107,6 +102,8 @@ class PostgresStore(PostgresBatchTables, Store):
                 await con.execute(GATEWAYS)
             if await con.fetchval("SELECT to_regclass('usage_keys')") is None:
                 await con.execute(USAGE_KEYS)
+            if await con.fetchval("SELECT to_regclass('team_tombstones')") is None:
+                await con.execute(TOMBSTONES)
             await add_columns(con)
         self._beats = await asyncpg.create_pool(self.dsn, min_size=1, max_size=1)
 
@@ -117,119 +114,6 @@ class PostgresStore(PostgresBatchTables, Store):
         if self._pool is not None:
             await self._pool.close()
             self._pool = None
-
-    async def create_team(self, team: Team) -> Team:
-        t = (
-            Team(**{f: getattr(team, f) for f in team.__struct_fields__})
-            if team.created_at
-            else Team(
-                **{
-                    **{f: getattr(team, f) for f in team.__struct_fields__},
-                    "created_at": time.time(),
-                }
-            )
-        )
-        try:
-            await self.pool.execute(
-                f"INSERT INTO teams ({TEAM_COLS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8)",
-                t.id,
-                t.rpm,
-                t.tpm,
-                t.max_concurrent,
-                t.daily_budget_usd,
-                t.monthly_budget_usd,
-                t.default_tier,
-                t.created_at,
-            )
-        except asyncpg.UniqueViolationError:
-            raise StoreError(409, f"team {t.id!r} already exists") from None
-        return t
-
-    async def update_team(self, team: Team) -> Team | None:
-        r = await self.pool.fetchrow(
-            f"UPDATE teams SET rpm=$2, tpm=$3, max_concurrent=$4, daily_budget_usd=$5, monthly_budget_usd=$6, "
-            f"default_tier=$7 WHERE id=$1 RETURNING {TEAM_COLS}",
-            team.id,
-            team.rpm,
-            team.tpm,
-            team.max_concurrent,
-            team.daily_budget_usd,
-            team.monthly_budget_usd,
-            team.default_tier,
-        )
-        return team_of(r) if r else None
-
-    async def get_team(self, team_id: str) -> Team | None:
-        r = await self.pool.fetchrow(f"SELECT {TEAM_COLS} FROM teams WHERE id=$1", team_id)
-        return team_of(r) if r else None
-
-    async def list_teams(self) -> list[Team]:
-        return [
-            team_of(r) for r in await self.pool.fetch(f"SELECT {TEAM_COLS} FROM teams ORDER BY id")
-        ]
-
-    async def delete_team(self, team_id: str) -> bool:
-        async with self.pool.acquire() as con, con.transaction():
-            n = await con.execute("DELETE FROM teams WHERE id=$1", team_id)
-            for table in ("team_state", "rate_buckets", "reservations"):
-                await con.execute(f"DELETE FROM {table} WHERE team_id=$1", team_id)
-            await con.execute(
-                "UPDATE api_keys SET revoked_at=$1 WHERE team_id=$2 AND revoked_at IS NULL",
-                time.time(),
-                team_id,
-            )
-        return n != "DELETE 0"
-
-    async def create_key(self, key: ApiKey, secret_hash: str) -> ApiKey:
-        async with self.pool.acquire() as con, con.transaction():
-            if await con.fetchval("SELECT 1 FROM teams WHERE id=$1", key.team_id) is None:
-                raise StoreError(404, f"no team {key.team_id!r}")
-            await con.execute(
-                f"INSERT INTO api_keys ({KEY_COLS}, secret_hash) VALUES ($1,$2,$3,$4,$5,$6,$7)",
-                key.id,
-                key.team_id,
-                key.name,
-                key.prefix,
-                key.created_at,
-                None,
-                secret_hash,
-            )
-        return key
-
-    async def key_by_hash(self, secret_hash: str) -> tuple[ApiKey, Team] | None:
-        r = await self.pool.fetchrow(
-            "SELECT k.id AS kid, k.team_id, k.name, k.prefix, k.created_at AS kcreated, k.revoked_at, t.* "
-            "FROM api_keys k JOIN teams t ON t.id = k.team_id WHERE k.secret_hash=$1 AND k.revoked_at IS NULL",
-            secret_hash,
-        )
-        if r is None:
-            return None
-        key = ApiKey(
-            id=r["kid"],
-            team_id=r["team_id"],
-            name=r["name"],
-            prefix=r["prefix"],
-            created_at=r["kcreated"],
-            revoked_at=r["revoked_at"],
-        )
-        return key, team_of(r)
-
-    async def list_keys(self, team_id: str | None = None) -> list[ApiKey]:
-        if team_id:
-            rows = await self.pool.fetch(
-                f"SELECT {KEY_COLS} FROM api_keys WHERE team_id=$1 ORDER BY created_at", team_id
-            )
-        else:
-            rows = await self.pool.fetch(f"SELECT {KEY_COLS} FROM api_keys ORDER BY created_at")
-        return [key_of(r) for r in rows]
-
-    async def revoke_key(self, key_id: str) -> bool:
-        n = await self.pool.execute(
-            "UPDATE api_keys SET revoked_at=$1 WHERE id=$2 AND revoked_at IS NULL",
-            time.time(),
-            key_id,
-        )
-        return n != "UPDATE 0"
 
     async def reserve(self, req: ReserveRequest) -> Reservation | Refusal:
         async with self.pool.acquire() as con, con.transaction():

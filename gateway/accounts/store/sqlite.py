@@ -46,9 +46,16 @@ from gateway.accounts.store.sqlite_quota import (
     team_fields,
     team_of,
 )
+from gateway.accounts.store.team_ids import SQLITE as TOMBSTONES
+from gateway.accounts.store.team_ids import reused
 from gateway.accounts.store.usage_totals import group_keys, outliers_sql, totals_row, totals_sql
 
 T = TypeVar("T")
+
+
+def _init(db: sqlite3.Connection) -> None:
+    init_tables(db)
+    db.execute(TOMBSTONES)
 
 
 class SqliteStore(SqliteBatchTables, Store):
@@ -58,7 +65,7 @@ class SqliteStore(SqliteBatchTables, Store):
 
     def __init__(self, path: str | Path, batch_path: str | Path | None = None) -> None:
         self.path = Path(path)
-        self._conns = Connections(self.path, init_tables)
+        self._conns = Connections(self.path, _init)
         self.batch_path = (
             Path(batch_path) if batch_path else self.path.parent / "batch" / "batch.sqlite3"
         )
@@ -81,19 +88,22 @@ class SqliteStore(SqliteBatchTables, Store):
 
         def q(db: sqlite3.Connection) -> Team:
             try:
-                db.execute(
-                    f"INSERT INTO teams ({TEAM_COLS}) VALUES (?,?,?,?,?,?,?,?)",
-                    (
-                        t.id,
-                        t.rpm,
-                        t.tpm,
-                        t.max_concurrent,
-                        t.daily_budget_usd,
-                        t.monthly_budget_usd,
-                        t.default_tier,
-                        t.created_at,
-                    ),
-                )
+                with Immediate(db):
+                    if db.execute("SELECT 1 FROM team_tombstones WHERE id=?", (t.id,)).fetchone():
+                        raise reused(t.id)
+                    db.execute(
+                        f"INSERT INTO teams ({TEAM_COLS}) VALUES (?,?,?,?,?,?,?,?)",
+                        (
+                            t.id,
+                            t.rpm,
+                            t.tpm,
+                            t.max_concurrent,
+                            t.daily_budget_usd,
+                            t.monthly_budget_usd,
+                            t.default_tier,
+                            t.created_at,
+                        ),
+                    )
             except sqlite3.IntegrityError:
                 raise StoreError(409, f"team {t.id!r} already exists") from None
             return t
@@ -143,6 +153,11 @@ class SqliteStore(SqliteBatchTables, Store):
         def q(db: sqlite3.Connection) -> bool:
             with Immediate(db):
                 n = db.execute("DELETE FROM teams WHERE id=?", (team_id,)).rowcount
+                if n:  # its id is never given out again (team_ids.py)
+                    db.execute(
+                        "INSERT OR IGNORE INTO team_tombstones (id, deleted_at) VALUES (?, ?)",
+                        (team_id, time.time()),
+                    )
                 for table in ("team_state", "rate_buckets", "reservations"):
                     db.execute(f"DELETE FROM {table} WHERE team_id=?", (team_id,))
                 db.execute(
