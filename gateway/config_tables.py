@@ -141,6 +141,10 @@ class ServerConfig:
     #: the client it names, not against the proxy that every client shares; an X-Forwarded-For
     #: from any other peer is ignored
     trusted_proxies: tuple[str, ...] = ()
+    #: the console's cookies are always `Secure` (sent over HTTPS only). Without it they are
+    #: when the request came over HTTPS: this socket's TLS, or a trusted proxy's
+    #: `X-Forwarded-Proto: https`
+    secure_cookies: bool = False
     #: a structured-output constraint (response_format, guided_*, structured_outputs, a forced
     #: tool choice's schema) whose grammar compiles longer than this is a 400 "too complex"
     #: (text/guide_compile.py); compiles run off the event loop on at most

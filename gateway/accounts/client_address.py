@@ -8,6 +8,8 @@
   with a secret made at start-up and known only to this process (`console_headers`). Without
   it, a bad sign-in from anywhere counted against 127.0.0.1 and locked out every console
   session and every loopback admin call.
+- `https`: whether the browser came over HTTPS (a TLS-terminating trusted proxy says so in
+  X-Forwarded-Proto), so the console's cookies are Secure behind one.
 - An IPv6 client counts by its /64 (`client_of`, also the connection cap's key):
   one host is routinely given a whole /64.
 """
@@ -67,6 +69,16 @@ class ClientAddress:
                     if entry and not self._is_trusted(entry):
                         return client_of(entry)
         return client_of(peer)
+
+    def https(self, request: web.Request) -> bool:
+        """Whether the client reached this gateway over HTTPS: on this socket, or through a
+        trusted proxy that says so (X-Forwarded-Proto; the last proxy's word counts)."""
+        if request.secure:
+            return True
+        if not self._is_trusted(request.remote or ""):
+            return False
+        proto = ",".join(request.headers.getall("X-Forwarded-Proto", []))
+        return proto.rsplit(",", 1)[-1].strip().lower() == "https"
 
     def _is_trusted(self, address: str) -> bool:
         try:

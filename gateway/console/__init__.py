@@ -175,6 +175,11 @@ def _index(session_of: Lookup) -> Callable[[web.Request], Awaitable[web.Response
     return h
 
 
+def _secure(state: GatewayState, request: web.Request) -> bool:
+    """Whether the browser reached us over HTTPS (cookies then travel only over HTTPS)."""
+    return state.config.server.secure_cookies or state.auth.clients.https(request)
+
+
 def _login_page(token: str, message: str = "", status: int = 200) -> web.Response:
     body = (
         message + '<form method="post" action="/console/login" class="card login">'
@@ -194,7 +199,7 @@ def _login_form(session_of: Lookup) -> Callable[[web.Request], Awaitable[web.Res
         token = request.cookies.get(LOGIN_COOKIE) or secrets.token_urlsafe(32)
         msg = notice("Your session ended: sign in again.") if request.query.get("expired") else ""
         resp = _login_page(token, msg)
-        set_cookie(resp, request, LOGIN_COOKIE, token, 3600)
+        set_cookie(resp, LOGIN_COOKIE, token, 3600, _secure(session_of(request)[0], request))
         return resp
 
     return h
@@ -235,7 +240,7 @@ def _login(session_of: Lookup) -> Callable[[web.Request], Awaitable[web.Response
             return _login_page(cookie, notice(f"Cannot sign in now: {e.message}", "error"), 503)
         s = sessions.new(key, who.get("team_id"))
         resp = _redirect(_home(s))
-        set_cookie(resp, request, COOKIE, s.sid, TTL_S)
+        set_cookie(resp, COOKIE, s.sid, TTL_S, _secure(state, request))
         resp.del_cookie(LOGIN_COOKIE, path="/console")
         return resp
 

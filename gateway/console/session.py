@@ -7,13 +7,18 @@ CSRF token, required on every POST (a form field or the X-CSRF-Token header) and
 constant time; the sign-in form, before any session exists, uses a double-submit token (a
 cookie and a form field that must match).
 
-Invariants: bounded (the oldest session goes past MAX_SESSIONS), expiring (TTL_S), and a
-session that fails the API's authentication (its key revoked) is dropped by the caller.
+Invariants: bounded (the oldest session goes past MAX_SESSIONS), at most MAX_PER_KEY sessions
+per key (signing in once more ends that key's oldest session: one key signing in in a loop
+cannot push other keys' sessions out), expiring (TTL_S), and a session that fails the API's
+authentication (its key revoked) is dropped by the caller. Cookies are Secure when the request
+came over HTTPS: on this socket, through a trusted proxy that says so in X-Forwarded-Proto, or
+always with `[server] secure_cookies`.
 Sessions are per gateway process: behind a load balancer, pin the console to one gateway.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import secrets
 import time
@@ -27,6 +32,8 @@ COOKIE = "duet_console"
 LOGIN_COOKIE = "duet_console_login"
 TTL_S = 8 * 3600.0
 MAX_SESSIONS = 10_000
+#: sessions one key holds at once at most (a person's browsers and tabs, with room to spare)
+MAX_PER_KEY = 16
 
 
 @dataclass
@@ -49,6 +56,8 @@ class Session:
 class Sessions:
     def __init__(self) -> None:
         self._by_id: OrderedDict[str, Session] = OrderedDict()
+        #: each key's sessions, oldest first (by the key's hash: no second copy of a secret)
+        self._by_key: dict[str, OrderedDict[str, None]] = {}
 
     def new(self, key: str, team_id: str | None) -> Session:
         s = Session(
@@ -59,8 +68,12 @@ class Sessions:
             expires=time.time() + TTL_S,
         )
         self._by_id[s.sid] = s
+        mine = self._by_key.setdefault(_digest(key), OrderedDict())
+        mine[s.sid] = None
+        while len(mine) > MAX_PER_KEY:
+            self.drop(next(iter(mine)))
         while len(self._by_id) > MAX_SESSIONS:
-            self._by_id.popitem(last=False)
+            self.drop(next(iter(self._by_id)))
         return s
 
     def get(self, request: web.Request) -> Session | None:
@@ -72,7 +85,23 @@ class Sessions:
         return s
 
     def drop(self, sid: str) -> None:
-        self._by_id.pop(sid, None)
+        s = self._by_id.pop(sid, None)
+        if s is None:
+            return
+        digest = _digest(s.key)
+        mine = self._by_key.get(digest)
+        if mine is not None:
+            mine.pop(sid, None)
+            if not mine:
+                del self._by_key[digest]
+
+    def of_key(self, key: str) -> int:
+        """How many sessions `key` holds."""
+        return len(self._by_key.get(_digest(key), ()))
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
 
 
 def same(a: str | None, b: str) -> bool:
@@ -80,7 +109,7 @@ def same(a: str | None, b: str) -> bool:
 
 
 def set_cookie(
-    resp: web.StreamResponse, request: web.Request, name: str, value: str, max_age: float
+    resp: web.StreamResponse, name: str, value: str, max_age: float, secure: bool
 ) -> None:
     resp.set_cookie(
         name,
@@ -89,5 +118,5 @@ def set_cookie(
         path="/console",
         httponly=True,
         samesite="Strict",
-        secure=request.secure,
+        secure=secure,
     )
