@@ -2,9 +2,15 @@
 
 A callback URL comes from a client, so it is never trusted: only http(s), no credentials in it,
 and every address its host resolves to must be public unless the operator allows private ones
-(`allow_private_callbacks`). The check runs when the batch is submitted (a clear 400) and again
-at send time inside the connector's resolver, so the address connected to is the one checked
-(no DNS-rebinding gap) and redirects are not followed.
+(`allow_private_callbacks`). When the batch is submitted only what needs no DNS is checked (a
+clear 400: the scheme, credentials, the port, an address literal, `localhost`): a name is
+resolved later, off the request path, before each delivery (within `DNS_TIMEOUT_S`, on threads
+of its own, so a slow nameserver holds neither the request nor the gateway's other lookups),
+and again inside the connector's resolver, so the address connected to is the one checked (no
+DNS-rebinding gap). Redirects are not followed.
+
+A delivery reads at most `MAX_ANSWER_BYTES` of the receiver's answer (only its status
+matters), and at most `MAX_CONCURRENT` deliveries run at once per gateway.
 
 Signature: header `X-Duet-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256(secret, "<t>.<body>")>`
 (Stripe's scheme, so receivers know it); `verify_signature` is the receiver's side.
@@ -18,6 +24,7 @@ import hmac
 import ipaddress
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -26,6 +33,14 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
 
 SIGNATURE_HEADER = "X-Duet-Signature"
+#: bytes of a receiver's answer read at most (the status decides; the rest is dropped unread)
+MAX_ANSWER_BYTES = 4096
+#: deliveries running at once at most; the others wait for a turn
+MAX_CONCURRENT = 16
+#: a callback host's name must resolve within this long, or the delivery fails
+DNS_TIMEOUT_S = 5.0
+#: the callbacks' own resolver threads: a slow nameserver a tenant names ties up these only
+_DNS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="duet-callback-dns")
 EVENT_HEADER = "X-Duet-Event-Id"
 
 
@@ -102,11 +117,16 @@ async def resolve_checked(host: str, port: int, allow_private: bool) -> list[str
     """Every address of `host`; raises CallbackURLError if any one is not allowed (a name that
     resolves to a public and a private address could be steered to the private one)."""
     loop = asyncio.get_running_loop()
+    lookup = loop.run_in_executor(_DNS, _getaddrinfo, host, port)
     try:
-        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = await asyncio.wait_for(lookup, DNS_TIMEOUT_S)
     except socket.gaierror as e:
         raise CallbackURLError(
             f"callback_url host {host!r} does not resolve: {e.strerror}"
+        ) from None
+    except TimeoutError:
+        raise CallbackURLError(
+            f"callback_url host {host!r} did not resolve within {DNS_TIMEOUT_S:g} s"
         ) from None
     addrs = sorted({str(info[4][0]) for info in infos})
     bad = [a for a in addrs if not address_allowed(a, allow_private)]
@@ -118,9 +138,35 @@ async def resolve_checked(host: str, port: int, allow_private: bool) -> list[str
     return addrs
 
 
-async def check_callback_url(url: str, allow_private: bool) -> None:
+def _getaddrinfo(host: str, port: int) -> list[Any]:
+    return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+
+
+def check_callback_url_now(url: str, allow_private: bool) -> None:
+    """What can be checked without DNS (the request path's check): the syntax, the port, and
+    the host when it is an address literal or `localhost` (RFC 6761: always loopback)."""
     host, port = check_url_syntax(url)
     check_port(port, allow_private)
+    if allow_private:
+        return
+    name = host.lower().rstrip(".")
+    if name == "localhost" or name.endswith(".localhost"):
+        raise CallbackURLError(f"callback_url host {host!r} is a loopback name, not allowed")
+    try:
+        ipaddress.ip_address(host.split("%", 1)[0])
+    except ValueError:
+        return  # a name: resolved and checked before each delivery
+    if not address_allowed(host, allow_private):
+        raise CallbackURLError(
+            f"callback_url host {host!r} is a loopback, private or reserved address, "
+            "which is not allowed"
+        )
+
+
+async def check_callback_url(url: str, allow_private: bool) -> None:
+    """The whole check, DNS included (before each delivery)."""
+    check_callback_url_now(url, allow_private)
+    host, port = check_url_syntax(url)
     await resolve_checked(host, port, allow_private)
 
 
@@ -179,12 +225,17 @@ class CallbackSender:
         self._allow_private = allow_private
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self._turns = asyncio.Semaphore(MAX_CONCURRENT)
 
     async def send(self, url: str, secret: str, body: bytes, event_id: str) -> tuple[bool, str]:
         """(delivered, detail). Delivered means a 2xx answer."""
+        async with self._turns:
+            return await self._send(url, secret, body, event_id)
+
+    async def _send(self, url: str, secret: str, body: bytes, event_id: str) -> tuple[bool, str]:
         try:
             # IP literals never reach the resolver below, so check them (and names) here too.
-            await resolve_checked(*check_url_syntax(url), self._allow_private)
+            await check_callback_url(url, self._allow_private)
         except CallbackURLError as e:
             return False, str(e)
         if self._session is None:
@@ -202,7 +253,8 @@ class CallbackSender:
             async with self._session.post(
                 url, data=body, headers=headers, allow_redirects=False
             ) as r:
-                await r.read()
+                await r.content.read(MAX_ANSWER_BYTES)
+                r.close()  # the rest unread: the connection goes, not back to the pool
                 return 200 <= r.status < 300, f"HTTP {r.status}"
         except (TimeoutError, aiohttp.ClientError, OSError) as e:
             return False, f"{type(e).__name__}: {e}"

@@ -19,7 +19,7 @@ import msgspec
 from aiohttp import web
 
 from gateway.accounts.store.batch_tables import BatchTables, TeamLimit
-from gateway.batch.callback import CallbackURLError, check_callback_url
+from gateway.batch.callback import CallbackURLError, check_callback_url_now
 from gateway.batch.config import BatchConfig
 from gateway.batch.contracts import Authenticate
 from gateway.batch.files import (
@@ -131,7 +131,7 @@ def add_simple_routes(
                     400, "callbacks are not configured on this gateway", param="callback_url"
                 )
             try:
-                await check_callback_url(body.callback_url, config.allow_private_callbacks)
+                check_callback_url_now(body.callback_url, config.allow_private_callbacks)
             except CallbackURLError as e:
                 raise APIError(
                     400, str(e), param="callback_url", code="invalid_callback_url"
