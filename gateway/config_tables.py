@@ -136,14 +136,10 @@ class ServerConfig:
     #: through another gateway or the CLI stops working within this time (through this
     #: gateway: at once); 0 asks the store on every request
     key_cache_ttl_s: float = 5.0
-    #: peers (addresses or networks, e.g. "10.0.0.0/8") whose X-Forwarded-For names the client:
-    #: a load balancer or ingress in front of the gateway. Failed authentications count against
-    #: the client it names, not against the proxy that every client shares; an X-Forwarded-For
-    #: from any other peer is ignored
+    #: load balancers (addresses or networks) whose X-Forwarded-For names the client that
+    #: failed authentications count against (docs/security.md); any other peer's is ignored
     trusted_proxies: tuple[str, ...] = ()
-    #: the console's cookies are always `Secure` (sent over HTTPS only). Without it they are
-    #: when the request came over HTTPS: this socket's TLS, or a trusted proxy's
-    #: `X-Forwarded-Proto: https`
+    #: console cookies always `Secure` (else: over HTTPS, or a trusted proxy's X-Forwarded-Proto)
     secure_cookies: bool = False
     #: a structured-output constraint (response_format, guided_*, structured_outputs, a forced
     #: tool choice's schema) whose grammar compiles longer than this is a 400 "too complex"
