@@ -128,8 +128,9 @@ async def run_load(
             break
         delay = start + planned - time.perf_counter()
         if delay > 0:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), delay)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await stop.wait()
         if over():
             break
         if sem is not None:

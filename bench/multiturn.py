@@ -189,14 +189,16 @@ class _Runner:
                 return rec
             rec.text = None
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), RETRY_AFTER_S)
+                async with asyncio.timeout(RETRY_AFTER_S):
+                    await self.stop.wait()
         return rec
 
     async def converse(self, c: Conversation) -> None:
         for turn in range(self.cfg.multi_turn.turns):
             if c.think_s[turn]:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stop.wait(), c.think_s[turn])
+                    async with asyncio.timeout(c.think_s[turn]):
+                        await self.stop.wait()
             if self.over():
                 return
             rec = await self.send_turn(c, turn)

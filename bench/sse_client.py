@@ -39,7 +39,8 @@ async def send(
     rec.sent_s = start - run_start
     end: float | None = None
     try:
-        end = await asyncio.wait_for(_exchange(session, url, payload, headers, rec, start), timeout)
+        async with asyncio.timeout(timeout):
+            end = await _exchange(session, url, payload, headers, rec, start)
     except TimeoutError:
         rec.fail("timeout", f"no complete answer within {timeout:g} s")
     except aiohttp.ClientConnectorError as e:

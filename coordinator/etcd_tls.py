@@ -32,7 +32,8 @@ class TlsClient(aetcd.Client):
         if self._connected.is_set():
             return
         if self._is_connecting:
-            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            async with asyncio.timeout(self._connect_wait_timeout):
+                await self._connected.wait()
             return
         try:
             self._is_connecting = True

@@ -165,7 +165,8 @@ class Puller:
         node, reserved = self.leg.node, self.stream.reserved
         assert reserved is not None
         try:
-            return await asyncio.wait_for(asyncio.shield(reserved), node.config.reserve_timeout_s)
+            async with asyncio.timeout(node.config.reserve_timeout_s):
+                return await asyncio.shield(reserved)
         except TimeoutError:
             # Abort before the kv_ready of `_end`: a reservation that lands in between is then
             # freed by it, instead of waiting for a kv_ready that already ran.

@@ -230,7 +230,8 @@ class Transport(abc.ABC):
                 await self._drop(cached)
             limit = self.timeout if timeout is None else timeout
             try:
-                peer = await asyncio.wait_for(self._connect(md), limit)
+                async with asyncio.timeout(limit):
+                    peer = await self._connect(md)
             except TransferError:
                 raise
             except TimeoutError:
@@ -347,7 +348,8 @@ class Transport(abc.ABC):
 
     async def _guarded(self, peer: Peer, work: Any, limit: float, what: str) -> None:
         try:
-            await asyncio.wait_for(work, limit)
+            async with asyncio.timeout(limit):
+                await work
         except asyncio.CancelledError:
             raise
         except TransferError as e:
@@ -384,7 +386,8 @@ class Transport(abc.ABC):
         if timeout is None:
             return await self._notifications.get()
         try:
-            return await asyncio.wait_for(self._notifications.get(), timeout)
+            async with asyncio.timeout(timeout):
+                return await self._notifications.get()
         except TimeoutError:  # a distinct class before Python 3.11
             raise TimeoutError(f"no notification within {timeout:g} s") from None
 

@@ -341,9 +341,8 @@ class NixlTransport(Transport):
                 # hosts posting returns at once. Only a thread stuck past the cap is abandoned
                 # (its handle is then released when it returns).
                 with contextlib.suppress(BaseException):
-                    await asyncio.wait_for(
-                        asyncio.shield(asyncio.wrap_future(future)), _SETTLE_CAP_S
-                    )
+                    async with asyncio.timeout(_SETTLE_CAP_S):
+                        await asyncio.shield(asyncio.wrap_future(future))
                 if not future.done():
                     log.warning(
                         "a timed-out NIXL read is still copying after %.0f s", _SETTLE_CAP_S

@@ -213,9 +213,8 @@ class TcpTransport(Transport):
         assert layout is not None and view is not None
         try:
             try:
-                proved = await asyncio.wait_for(
-                    self._owner_handshake(conn), min(self.timeout, HANDSHAKE_TIMEOUT)
-                )
+                async with asyncio.timeout(min(self.timeout, HANDSHAKE_TIMEOUT)):
+                    proved = await self._owner_handshake(conn)
             except (OSError, PeerError, ValueError, TimeoutError):
                 proved = False  # silent, gone, oversized or not our wire format: refused
             finally:
@@ -272,9 +271,8 @@ class TcpTransport(Transport):
             raise
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            await asyncio.wait_for(
-                self._reader_handshake(sock, md.engine_id), min(self.timeout, HANDSHAKE_TIMEOUT)
-            )
+            async with asyncio.timeout(min(self.timeout, HANDSHAKE_TIMEOUT)):
+                await self._reader_handshake(sock, md.engine_id)
         except BaseException as e:
             sock.close()
             if isinstance(e, (OSError, TimeoutError, ValueError)):

@@ -176,7 +176,8 @@ class UcxTransport(Transport):
                     refusal = wire.Reply(
                         req_id=0, error="the reader did not prove the cluster secret"
                     )
-                    await asyncio.wait_for(ep.am_send(wire.encode(refusal)), self.timeout)
+                    async with asyncio.timeout(self.timeout):
+                        await ep.am_send(wire.encode(refusal))
                 return
             await self._serve(ep)
         except asyncio.CancelledError:
@@ -196,7 +197,8 @@ class UcxTransport(Transport):
         try:
             await ep.am_send(wire.encode(wire.Challenge(nonce=nonce)))
             limit = min(self.timeout, HANDSHAKE_TIMEOUT)
-            hello = wire.decode(bytes(await asyncio.wait_for(ep.am_recv(), limit)))
+            async with asyncio.timeout(limit):
+                hello = wire.decode(bytes(await ep.am_recv()))
         except asyncio.CancelledError:
             raise
         except Exception:  # gone, silent past the timeout, or not our wire format
@@ -265,7 +267,8 @@ class UcxTransport(Transport):
                 f"cannot reach peer {metadata.engine_id!r} at {metadata.host}:{metadata.port}: {e}"
             ) from e
         try:
-            await asyncio.wait_for(self._reader_handshake(ep, metadata.engine_id), self.timeout)
+            async with asyncio.timeout(self.timeout):
+                await self._reader_handshake(ep, metadata.engine_id)
         except BaseException as e:
             with contextlib.suppress(Exception):
                 ep.abort()

@@ -161,8 +161,9 @@ class KVEventLog:
         self._new.set()
 
     async def wait_new(self, timeout: float) -> None:
-        with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
-            await asyncio.wait_for(self._new.wait(), max(timeout, 0.0))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(timeout, 0.0)):
+                await self._new.wait()
 
     def load(self, stats: dict[str, float], seq: int, taken: list[str]) -> LoadFrame:
         # the engine thread's time in steps and in the node's own work between steps that left

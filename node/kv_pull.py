@@ -119,7 +119,8 @@ class PrefixPull:
         url = urlsplit(self.source.url)
         host, port = url.hostname or "", url.port or 0
         try:
-            addrs = await asyncio.wait_for(rk.policy.resolve(host), self._left())
+            async with asyncio.timeout(self._left()):
+                addrs = await rk.policy.resolve(host)
             reason = rk.policy.allowed(addrs[0], port, share.engine_id) if addrs else "no address"
             members = node.members
             if reason is None and members is not None:
@@ -128,9 +129,8 @@ class PrefixPull:
                     reason = f"engine {share.engine_id!r} is not registered at {host}:{port}"
             if reason is not None:
                 raise ValueError(reason)
-            return await asyncio.wait_for(
-                rk.peer(share.engine_id, addrs[0], port, tuple(addrs)), self._left()
-            )
+            async with asyncio.timeout(self._left()):
+                return await rk.peer(share.engine_id, addrs[0], port, tuple(addrs))
         except Exception as e:  # refused, unreachable or late: compute instead
             log.warning("not pulling KV from %s: %s", self.source.url, e)
             node.metrics.peer_pull("peer_refused", 0)
@@ -143,7 +143,8 @@ class PrefixPull:
         ok, digests = False, None
         try:
             assert stream.reserved is not None
-            local = await asyncio.wait_for(asyncio.shield(stream.reserved), self._left())
+            async with asyncio.timeout(self._left()):
+                local = await asyncio.shield(stream.reserved)
             k = stream.num_cached_blocks
             if k < first:  # this node lost blocks the share does not cover: no whole prefix
                 outcome = "gap"

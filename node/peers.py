@@ -102,9 +102,8 @@ class PeerPolicy:
             return []
         loop = asyncio.get_running_loop()
         try:
-            infos = await asyncio.wait_for(
-                loop.getaddrinfo(host, None, type=socket.SOCK_STREAM), _RESOLVE_TIMEOUT_S
-            )
+            async with asyncio.timeout(_RESOLVE_TIMEOUT_S):
+                infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
         except (OSError, TimeoutError, UnicodeError):
             return []
         return sorted({str(info[4][0]) for info in infos})

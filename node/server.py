@@ -135,7 +135,8 @@ async def serve(state: NodeState) -> int:
             cfg.grace_period_s,
         )
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(_quiet(state), cfg.grace_period_s)
+            async with asyncio.timeout(cfg.grace_period_s):
+                await _quiet(state)
         for erid in list(state.active):
             log.info("grace period over: aborting %s", erid)
             await state.engine.abort(erid)

@@ -152,7 +152,8 @@ class GuideChecker:
             raise _Busy(f"{self._waiting} compiles wait for a thread")
         self._waiting += 1
         try:
-            await asyncio.wait_for(slots.acquire(), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                await slots.acquire()
         except TimeoutError:
             raise _Busy(f"no compile thread came free within {self.timeout_s:g} s") from None
         finally:
@@ -163,7 +164,8 @@ class GuideChecker:
         self._set_running(+1)
         fut.add_done_callback(lambda f: self._ended(slots, f, t0, guide))
         try:
-            outcome = await asyncio.wait_for(asyncio.shield(fut), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):
+                outcome = await asyncio.shield(fut)
         except TimeoutError:
             outcome = Outcome(Verdict.TOO_COMPLEX)
             log.warning(

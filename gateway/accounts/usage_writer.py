@@ -69,7 +69,8 @@ class UsageWriter:
     async def _wait(self, fut: asyncio.Future[None]) -> None:
         """Wait for a queued record at most COMMIT_WAIT_S (the writer keeps it until written)."""
         try:
-            await asyncio.wait_for(asyncio.shield(fut), COMMIT_WAIT_S)
+            async with asyncio.timeout(COMMIT_WAIT_S):
+                await asyncio.shield(fut)
         except TimeoutError:
             log.error(
                 "the store has not taken a usage record for %.0f s; answering anyway (it stays queued "

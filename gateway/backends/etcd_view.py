@@ -105,7 +105,8 @@ class EtcdView:
     async def lifecycle(self, first_load_timeout_s: float = 5.0) -> AsyncIterator[None]:
         task = asyncio.ensure_future(self.run())
         try:
-            await asyncio.wait_for(self.loaded.wait(), first_load_timeout_s)
+            async with asyncio.timeout(first_load_timeout_s):
+                await self.loaded.wait()
         except TimeoutError:
             log.warning(
                 "no cluster view from etcd after %.0fs; starting without it", first_load_timeout_s

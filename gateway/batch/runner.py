@@ -161,8 +161,11 @@ class BatchRunner:
             except Exception:  # a store hiccup must not stop the tier; the next tick retries
                 log.exception("batch runner tick failed")
             self._wake.clear()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self.config.poll_s)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns when the wake and a
+            # cancel land in one turn, losing the cancel, and stop() then waits for ever
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.config.poll_s):
+                    await self._wake.wait()
 
     async def tick(self) -> None:
         now = self.clock()

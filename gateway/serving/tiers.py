@@ -188,7 +188,8 @@ class Admission:
         self._gauge(tier)
         wait = self._waits[tier] if max_wait_s is None else min(max_wait_s, self._waits[tier])
         try:
-            await asyncio.wait_for(asyncio.shield(fut), wait)
+            async with asyncio.timeout(wait):
+                await asyncio.shield(fut)
         except BaseException as e:
             refused = fut.exception() if fut.done() and not fut.cancelled() else None
             if refused is not None:  # made room for another team (make_room): already out

@@ -101,10 +101,9 @@ async def _resolve(host: str) -> list[str]:
         if not host or len(host) > 253:
             raise APIError(400, "remote_host is empty or too long", param=_PARAM) from None
     try:
-        infos = await asyncio.wait_for(
-            asyncio.get_running_loop().getaddrinfo(host, None, type=socket.SOCK_STREAM),
-            _RESOLVE_TIMEOUT_S,
-        )
+        async with asyncio.timeout(_RESOLVE_TIMEOUT_S):
+            loop = asyncio.get_running_loop()
+            infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (OSError, TimeoutError, UnicodeError):
         raise APIError(400, f"remote_host {host!r} does not resolve", param=_PARAM) from None
     return sorted({str(i[4][0]) for i in infos})
