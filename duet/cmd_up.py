@@ -494,6 +494,7 @@ def _gateway_children(
                 home.logs / "gateway.log",
                 gw_url + "/health",
                 env=env,
+                liveness_timeout_s=cfg.restart.gateway_liveness_timeout_s,
             )
         ]
     out = []
@@ -519,6 +520,7 @@ def _gateway_children(
                 home.logs / f"gateway-{i}.log",
                 f"http://127.0.0.1:{port}/health",
                 env=env,
+                liveness_timeout_s=cfg.restart.gateway_liveness_timeout_s,
             )
         )
     return out

@@ -6,11 +6,14 @@ SIGINT/SIGTERM everything stops in reverse stage order.
 
 Restart policy (`RestartPolicy`): a child that exits — or, restarted, is not healthy within
 `startup_timeout_s`, or, running, has not answered its health URL at all (any status: a
-draining node's 503 is an answer) for `liveness_timeout_s` — a hung or SIGSTOPped process; it
-is then killed — has failed once; a life healthy for `stable_s` clears
-its count of failures in a row. After `max_restarts` failures in a row the child crash-loops:
-it stays down and is reported (`ChildState.FAILED`) while the rest keep serving. The delay
-before restart k of a run of failures is `backoff_s * 2**(k-1)`, capped at `backoff_max_s`.
+draining node's 503 is an answer) for `liveness_timeout_s`: a hung or SIGSTOPped process, then
+killed — has failed once. A gateway's liveness deadline is `gateway_liveness_timeout_s`,
+shorter: gateways share the public port (SO_REUSEPORT) and the kernel keeps giving a frozen one
+its share of new connections until its listener is gone, which only its death does from outside.
+A life healthy for `stable_s` clears its count of failures in a row. After `max_restarts`
+failures in a row the child crash-loops: it stays down and is reported (`ChildState.FAILED`)
+while the rest keep serving. The delay before restart k of a run of failures is
+`backoff_s * 2**(k-1)`, capped at `backoff_max_s`.
 Every exit is said on stderr with its cause (exit code or signal, or the start-up timeout).
 A child's failure during the first start-up is a crash like any other (a port taken for a while,
 a secret mounted late): it is restarted with the same backoff and counted toward the same limit,
@@ -86,6 +89,9 @@ class RestartPolicy:
     #: a running child whose health URL has not answered at all (any status) for this long is
     #: killed: it is hung (0: never)
     liveness_timeout_s: float = 60.0
+    #: the same for a gateway, shorter: gateways share the public port (SO_REUSEPORT) and the
+    #: kernel keeps giving a frozen one its share of new connections until it is gone (0: never)
+    gateway_liveness_timeout_s: float = 10.0
 
     def delay(self, failures: int) -> float:
         return min(self.backoff_max_s, self.backoff_s * 2 ** max(0, failures - 1))
@@ -115,6 +121,8 @@ class Child:
     death_signal: int = signal.SIGTERM
     #: the network namespace it runs in (`duet up --netns`): its health URL is asked from there
     netns: str | None = None
+    #: its own liveness deadline (None: the policy's `liveness_timeout_s`; 0: never)
+    liveness_timeout_s: float | None = None
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     # -- supervision state (the supervisor's thread alone writes it) ---------------------------
     state: ChildState = ChildState.STARTING
@@ -517,9 +525,7 @@ class Supervisor:
             elif self._hung(c, now):
                 self._kill_group(c)
                 self._failed(
-                    c,
-                    f"not answering its health check for {self.restart.liveness_timeout_s:.0f} s",
-                    now,
+                    c, f"not answering its health check for {self._liveness(c):.0f} s", now
                 )
             elif (
                 c.failures
@@ -538,10 +544,18 @@ class Supervisor:
         restart gets the policy's."""
         return self.startup_timeout if c.restarts == 0 else self.restart.startup_timeout_s
 
+    def _liveness(self, c: Child) -> float:
+        return (
+            self.restart.liveness_timeout_s
+            if c.liveness_timeout_s is None
+            else c.liveness_timeout_s
+        )
+
     def _hung(self, c: Child, now: float) -> bool:
         """Probe a running child's health now and then (off the supervision thread); True once
-        it has not answered for `liveness_timeout_s`."""
-        if not self.restart.liveness_timeout_s or c.health_url is None or self._probes is None:
+        it has not answered for its liveness deadline."""
+        limit = self._liveness(c)
+        if not limit or c.health_url is None or self._probes is None:
             return False
         if c.probe is not None and c.probe.done():
             if c.probe.exception() is None and c.probe.result():
@@ -549,7 +563,7 @@ class Supervisor:
             c.probe = None
         if c.probe is None and now - c.probe_at >= _LIVENESS_EVERY_S:
             c.probe_at, c.probe = now, self._probes.submit(self._answers, c)
-        return now - c.last_alive > self.restart.liveness_timeout_s
+        return now - c.last_alive > limit
 
     def _failed(self, c: Child, cause: str, now: float) -> None:
         """`c` died (or was killed for not starting): reap its group, then back off or give up."""

@@ -28,6 +28,7 @@ cluster.toml (every section optional; unknown keys are refused, so a typo never 
     stable_s = 60.0                     # a life healthy this long clears the count
     startup_timeout_s = 180.0           # a restarted process not healthy by then is killed
     liveness_timeout_s = 60.0           # a running one not answering /health this long is killed (0: never)
+    gateway_liveness_timeout_s = 10.0   # the same for a gateway: a frozen one still gets connections
 
     [[nodes]]
     role = "prefill"                    # prefill | decode | both
@@ -304,6 +305,7 @@ def validate(cfg: UpConfig) -> UpConfig:
         "stable_s",
         "startup_timeout_s",
         "liveness_timeout_s",
+        "gateway_liveness_timeout_s",
     ):
         v = getattr(r, name)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:

@@ -241,3 +241,63 @@ def test_gateways_must_be_at_least_one(tmp_path: Path) -> None:
         env={**os.environ, "DUET_HOME": str(tmp_path)},
     )
     assert r.returncode == 2 and "--gateways must be at least 1, got 0" in r.stderr, r.stderr
+
+
+def _child(home: Path, name: str) -> dict[str, Any]:
+    state = json.loads((home / "up" / "state.json").read_text())
+    return next(c for c in state["children"] if c["name"] == name)
+
+
+def test_a_frozen_gateway_is_taken_out_of_the_port(tiny_llama: Path, tmp_path: Path) -> None:
+    """A SIGSTOPped gateway keeps its listener in the port's SO_REUSEPORT group, so the kernel
+    keeps giving it new connections that nobody answers; the supervisor kills it once its own
+    health port has been silent for `[restart] gateway_liveness_timeout_s` (10 s), and from then
+    on every new connection through the public port is answered. Old code: the nodes' 60 s
+    liveness deadline, so a third of new connections hung for a minute."""
+    home = tmp_path / "home"
+    up = start_up(
+        home,
+        tiny_llama,
+        free_port(),
+        tmp_path / "up.log",
+        "--colocated",
+        "--gateways",
+        "2",
+        "--restart-backoff",
+        "0.2",
+    )
+    frozen = 0
+    try:
+        key = wait_banner(up)
+        frozen = _child(home, "gateway-0")["pid"]
+        os.kill(frozen, signal.SIGSTOP)
+        # detection: the deadline, a probe's 2 s timeout and cadence, under a loaded machine
+        wait_for(lambda: exited(frozen), 40, "the frozen gateway to be killed")
+        assert "gateway-0 not answering its health check for 10 s" in up.log(), up.log()[-3000:]
+        http = httpx.Client(limits=httpx.Limits(max_keepalive_connections=0), timeout=30)
+        client = openai.OpenAI(
+            base_url=up.url + "/v1", api_key=key, max_retries=0, http_client=http
+        )
+        for k in range(12):  # each a new connection: the kernel picks a gateway for each
+            r = client.chat.completions.create(
+                model=tiny_llama.name,
+                max_tokens=4,
+                temperature=0,
+                messages=[{"role": "user", "content": f"after the freeze {k}"}],
+            )
+            assert r.usage is not None and r.usage.completion_tokens == 4
+        http.close()
+        # restarted in its place, it serves its share again
+        wait_for(
+            lambda: (
+                _child(home, "gateway-0")["state"] == "running"
+                and _child(home, "gateway-0")["pid"] != frozen
+            ),
+            60,
+            "gateway-0 to be restarted",
+        )
+        stop_and_check_nothing_left(up, home, signal.SIGINT)
+    finally:
+        if frozen and not exited(frozen):
+            os.kill(frozen, signal.SIGCONT)
+        up.kill()
