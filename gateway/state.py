@@ -35,6 +35,7 @@ from gateway.backends.build import Wiring, cluster_backend, coordinator_urls, se
 from gateway.backends.etcd_view import EtcdView
 from gateway.backends.loop_lag import LoopLag
 from gateway.backends.node_client import NodeClient
+from gateway.backends.node_silence import SocketFactory, silent_socket_factory
 from gateway.backends.provider import ProviderBackend
 from gateway.backends.providers.base import Provider
 from gateway.backends.providers.metrics import register_provider_metrics
@@ -90,15 +91,18 @@ def _guides(config: GatewayConfig, metrics: GatewayMetrics) -> GuideChecker:
     )
 
 
-def _session(config: GatewayConfig, tracing: Tracing) -> aiohttp.ClientSession:
-    """One session for nodes, coordinators and providers: it carries no cluster secret
-    (NodeClient and the route client add it per request); it trusts --tls-ca besides the
-    system's CAs."""
+def _session(
+    config: GatewayConfig, tracing: Tracing, sockets: SocketFactory | None = None
+) -> aiohttp.ClientSession:
+    """A session for coordinators and providers, or with `sockets` for nodes: it carries no
+    cluster secret (NodeClient and the route client add it per request); it trusts --tls-ca
+    besides the system's CAs."""
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(
             limit=0,
             limit_per_host=config.routing.max_connections_per_node,
             ssl=config.security.client_ssl(),
+            socket_factory=sockets,
         ),
         trace_configs=tracing.trace_configs(),
     )
@@ -176,8 +180,12 @@ async def _wiring(
     view = EtcdView(rc.etcd, rc.cluster) if rc.etcd else None
     if view is not None:
         await stack.enter_async_context(contextlib.asynccontextmanager(view.lifecycle)())
+    # the nodes' own pool: its sockets bound the node's silence from their connect on, which a
+    # provider across the internet must not get
+    node_session = _session(config, tracing, silent_socket_factory(rc.connect_timeout_s))
+    stack.push_async_callback(node_session.close)
     nodes = NodeClient(
-        session,
+        node_session,
         rc.connect_timeout_s,
         rc.prefill_timeout_s,
         rc.read_timeout_s,

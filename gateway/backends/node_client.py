@@ -8,10 +8,11 @@ local) leg, and `/abort`. Turns every way a node call can go wrong into one of t
   same): the request is wrong, retrying or migrating cannot help.
 
 Every call carries the request's X-Request-Id and its deadlines, each its own:
-- connect: the TCP connect to a node (`connect_timeout_s`), and — on every connection once
-  used — the time the node's kernel has to acknowledge what was sent (TCP_USER_TIMEOUT, with
-  keepalive probes while the connection waits): a partitioned node's pooled connection fails
-  within it instead of hanging until the read deadline or the partition's end;
+- connect: the TCP connect to a node (`connect_timeout_s`), and — on every connection, from
+  its connect on — the time the node's kernel has to acknowledge what was sent (TCP_USER_TIMEOUT,
+  with keepalive probes while the connection waits; the session's sockets are made so,
+  node_silence.py): a partitioned node's connection, new or pooled, fails within it instead of
+  hanging until the read deadline or the partition's end;
 - read: the silence allowed before a stream's first chunk (`read_timeout_s`: a queue, a long
   prompt);
 - stall: the silence allowed between chunks once they flow (`stall_timeout_s`): a node frozen
@@ -36,7 +37,7 @@ import msgspec
 
 from gateway.backends.base import Shed
 from gateway.backends.loop_lag import LoopLag
-from gateway.backends.node_silence import acknowledgement_timeout, bound_silence, os_errno
+from gateway.backends.node_silence import acknowledgement_timeout, os_errno
 from protocol.embeddings import NodeEmbeddingRequest, NodeEmbeddingResponse
 from protocol.node_api import (
     AbortRequest,
@@ -282,7 +283,6 @@ class NodeClient:
                     headers=_headers(request_id, body, self._auth),
                     timeout=timeout,
                 )
-                bound_silence(resp, self._connect_timeout_s)
                 return resp
             except aiohttp.ConnectionTimeoutError:
                 stalled = self._lag.stalled_since(t0) if self._lag is not None else 0.0

@@ -12,29 +12,37 @@ import contextlib
 import errno
 import math
 import socket
+from collections.abc import Callable
+from typing import Any
 
-import aiohttp
+#: what aiohttp's TCPConnector(socket_factory=) is given: getaddrinfo's (family, type, proto,
+#: canonname, sockaddr)
+AddrInfo = tuple[Any, Any, int, str, tuple[Any, ...]]
+SocketFactory = Callable[[AddrInfo], socket.socket]
 
 
-def bound_silence(resp: aiohttp.ClientResponse, bound_s: float) -> None:
-    """The connection under `resp` fails when the node's kernel leaves what was sent
-    unacknowledged for `bound_s`, probed while idle (Linux: TCP_USER_TIMEOUT with keepalive):
-    a node cut off mid-stream, or before the next request that reuses the connection from the
-    pool, is found within the bound rather than at the read deadline. A frozen process's kernel
-    still acknowledges: that is the stall bound's. Set on every response (a few syscalls), so a
-    connection carries it from its first answer on."""
-    if not hasattr(socket, "TCP_USER_TIMEOUT") or resp.connection is None:
-        return
-    transport = resp.connection.transport
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
-        return
+def silent_socket_factory(bound_s: float) -> SocketFactory:
+    """The socket factory of the node connections' pool: each socket fails when the node's
+    kernel leaves what was sent unacknowledged for `bound_s`, probed while idle (Linux:
+    TCP_USER_TIMEOUT with keepalive). Set as the socket is made, before its connect: a node cut
+    off while a brand-new connection waits for its first answer is found within the bound, as is
+    one cut off mid-stream or before a pooled connection's next request — rather than at the
+    read deadline. A frozen process's kernel still acknowledges: that is the stall bound's."""
     idle = max(1, math.ceil(bound_s / 3))
-    with contextlib.suppress(OSError):
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, idle)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, math.ceil(bound_s * 1000))
+    user_timeout_ms = math.ceil(bound_s * 1000)
+
+    def make(addr_info: AddrInfo) -> socket.socket:
+        family, type_, proto, _, _ = addr_info
+        sock = socket.socket(family=family, type=type_, proto=proto)
+        if family in (socket.AF_INET, socket.AF_INET6) and hasattr(socket, "TCP_USER_TIMEOUT"):
+            with contextlib.suppress(OSError):  # a socket without the bound still works
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, idle)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, user_timeout_ms)
+        return sock
+
+    return make
 
 
 def os_errno(e: BaseException) -> int | None:

@@ -7,7 +7,10 @@
   `duet bench chaos` makes it): a request on the gateway's pooled connection to it fails within
   the connect deadline (the kernel's acknowledgement bound) and runs on the other node, and the
   next request goes to the other node at once (the partitioned one left out of this gateway's
-  routing while etcd or a config still lists it).
+  routing while etcd or a config still lists it);
+- a decode node that stops acknowledging right after a brand-new connection's handshake: the
+  connection carries the acknowledgement bound from its connect, so the first request on it fails
+  within the connect deadline too, not at the read deadline.
 
 Real node processes (tiny random Llama, fp32), a real gateway, the official openai client. The
 namespace test skips where namespaces cannot be made, but fails under CI=true.
@@ -108,9 +111,17 @@ def _cut_off(lan: netns.Lan, m: netns.Member) -> netns.NetFault:
     return f
 
 
-async def test_partitioned_decode_node_is_left_out(
-    lan: netns.Lan, tmp_path: Path, tiny_llama: Path
-) -> None:
+def _acks_dropped(lan: netns.Lan, m: netns.Member) -> netns.NetFault:
+    """Every packet member `m` sends the root namespace dropped but its handshakes' SYN-ACKs: a
+    new connection opens, then nothing sent on it is acknowledged — a partition that lands
+    between a brand-new connection's connect and its first answer."""
+    f = netns.NetFault(f"acknowledgements dropped {m.name} -> root")
+    drop_all_but_syn = ["-p", "tcp", "--tcp-flags", "SYN", "NONE", "-j", "DROP"]
+    netns._rule(f, m.ns, ["OUTPUT", "-d", lan.root_ip, *drop_all_but_syn])
+    return f
+
+
+def _d1_in_namespace(lan: netns.Lan, tmp_path: Path, tiny_llama: Path) -> Proc:
     m = lan.members["d1"]
     port = free_port()
     node = ["-m", "duet", "node", "--role", "decode", "--model", str(tiny_llama), "--port"]
@@ -128,6 +139,14 @@ async def test_partitioned_decode_node_is_left_out(
     ]
     d1 = Proc(m.exec(args), port, tmp_path / "d1.log")  # in its namespace, on its own address
     d1.url = f"http://{m.ip}:{port}"
+    return d1
+
+
+async def test_partitioned_decode_node_is_left_out(
+    lan: netns.Lan, tmp_path: Path, tiny_llama: Path
+) -> None:
+    m = lan.members["d1"]
+    d1 = _d1_in_namespace(lan, tmp_path, tiny_llama)
     d2 = _node("decode", tiny_llama, tmp_path)
     g = gateway_proc(
         tmp_path,
@@ -154,6 +173,38 @@ async def test_partitioned_decode_node_is_left_out(
             assert metric(g.url, "duet:gateway_retries_total") == retries + 1
         finally:
             fault.undo()
+
+
+async def test_new_connection_to_a_silent_node_fails_within_the_connect_deadline(
+    lan: netns.Lan, tmp_path: Path, tiny_llama: Path
+) -> None:
+    """The gateway's first request to d1 opens a connection, and from then on d1's kernel
+    acknowledges nothing (the partition lands before its first answer): the connection carries
+    the acknowledgement bound from its connect, so the leg fails in ~1 s and d2 answers. Old code:
+    the bound went on at a connection's first answer, and the request waited for the read
+    deadline (120 s), past the client's timeout."""
+    d1 = _d1_in_namespace(lan, tmp_path, tiny_llama)
+    d2 = _node("decode", tiny_llama, tmp_path)
+    g = gateway_proc(
+        tmp_path,
+        {MODEL: tiny_model(tiny_llama, decode=[d1.url, d2.url])},
+        routing={"connect_timeout_s": 1.0},
+    )
+    with running(d1, d2, g):
+        key = make_team(g.url, "n")
+        retries = metric(g.url, "duet:gateway_retries_total")
+        fault = _acks_dropped(lan, lan.members["d1"])
+        try:
+            # on d1 first (listed first, nothing in flight), on a connection the gateway opens now
+            r = await client(g, key).completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0
+            )
+        finally:
+            fault.undo()
+        assert r.usage is not None and r.usage.completion_tokens == 4
+        assert metric(g.url, "duet:gateway_retries_total") == retries + 1
+        assert "unreachable from this gateway" in g.log()
+        assert metric(d2.url, "duet:generation_tokens_total") >= 4
 
 
 @pytest.mark.parametrize(
