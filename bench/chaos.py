@@ -10,7 +10,8 @@ each on its own schedule (`--CLASS-every` seconds, held `--CLASS-for` seconds):
   node <-> etcd, coordinator <-> etcd — with every process in a network namespace of its own
   (chaos starts `duet up --netns`, and removes the namespaces at the end, even on failure);
 - etcd: one etcd member cut off, then a second (quorum lost), then both back ([etcd] members = 3);
-- disk: the gateways' store file system (a small tmpfs of the cluster's own) filled for --disk-for.
+- disk: the gateways' store file system (a small tmpfs of the cluster's own) filled for --disk-for;
+- slowfs: the gateways' SQLite store slow to commit (--slowfs-commit-s each) for --slowfs-for.
 Network, etcd and disk faults need root and a `duet up` this run starts.
 
 Prints a table (or `--json`) and writes DIR/chaos.json and DIR/chaos.png:
@@ -128,6 +129,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--loss-pct", type=float, default=5.0, help="loss fault: packets dropped, %% (default 5)"
     )
     c.add_argument(
+        "--slowfs-commit-s",
+        type=float,
+        default=2.0,
+        help="slowfs fault: how long each commit holds the store's write lock, s (default 2)",
+    )
+    c.add_argument(
         "--kill-every",
         type=float,
         default=30.0,
@@ -212,12 +219,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             delay_ms=a.delay_ms,
             jitter_ms=a.jitter_ms,
             loss_pct=a.loss_pct,
+            commit_s=a.slowfs_commit_s,
         )
         for cls in CLASSES
         if cls in a.classes
     ]
     if any(f.every_s <= 0 or f.for_s <= 0 for f in a.specs):
         p.error("every --CLASS-every and --CLASS-for must be > 0")
+    if a.slowfs_commit_s <= 0:
+        p.error("--slowfs-commit-s must be > 0")
     if (a.url is None) == (a.up_config is None and not a.up_arg):
         p.error(
             "give --url (a running duet up) or --up-config/--up-arg (chaos starts one), not both or neither"
@@ -238,7 +248,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 #: every kind but the gateway, which joins while two or more run (Killer.gateways_when_several)
 DEFAULT_KILL = "etcd,coordinator,prefill,decode,both"
 #: (class, every_s, for_s) defaults: a fault held well under the client's 60 s timeout and the
-#: supervisor's liveness limit (a process stopped 60 s is killed and restarted)
+#: supervisor's liveness limit (a process stopped 60 s is killed and restarted; a gateway 10 s)
 FAULT_DEFAULTS = (
     ("stop", 45.0, 15.0),
     ("partition", 40.0, 15.0),
@@ -246,6 +256,7 @@ FAULT_DEFAULTS = (
     ("loss", 50.0, 20.0),
     ("etcd", 90.0, 30.0),
     ("disk", 60.0, 20.0),
+    ("slowfs", 60.0, 20.0),
 )
 
 

@@ -9,7 +9,9 @@
 - `etcd`: one member cut off, then a second (the quorum lost), then both back — half of `for_s`
   each — on a cluster of 3 or more members;
 - `disk`: the gateways' store file system (a small one of the cluster's own, DiskTrap) filled
-  to the last byte for `for_s`, then freed.
+  to the last byte for `for_s`, then freed;
+- `slowfs`: the gateways' store slow to commit for `for_s`, each commit `commit_s`
+  (bench/chaos_slowfs.py).
 
 Invariant: every fault started is undone — when its time is up, or by `settle()` at the end of
 the run whatever happened (a process still stopped is continued, every rule and delayer removed,
@@ -33,10 +35,11 @@ from typing import Any
 import msgspec
 
 from bench.chaos_kill import kind_of, read_children
+from bench.chaos_slowfs import SlowStore
 from runtime import netns
 
 #: fault classes past SIGKILL (kill is bench/chaos_kill.py's)
-CLASSES = ("stop", "partition", "delay", "loss", "etcd", "disk")
+CLASSES = ("stop", "partition", "delay", "loss", "etcd", "disk", "slowfs")
 #: the classes that need `duet up --netns`
 NETWORK = {"partition", "delay", "loss", "etcd"}
 PAIR_CLASSES = (
@@ -70,6 +73,7 @@ class FaultSpec:
     delay_ms: float = 100.0
     jitter_ms: float = 20.0
     loss_pct: float = 5.0
+    commit_s: float = 2.0
 
 
 def _is_node(name: str) -> bool:
@@ -185,6 +189,8 @@ class Injector:
             await self._etcd(hold)
         elif spec.kind == "disk":
             await self._disk(hold)
+        elif spec.kind == "slowfs":
+            await self._slowfs(spec, hold)
         else:
             await self._network(spec, hold)
 
@@ -311,6 +317,23 @@ class Injector:
             self.disk.free,
         )
         await self._hold(ev, hold)
+
+    async def _slowfs(self, spec: FaultSpec, hold: float) -> None:
+        # duet up's home: HOME/up/state.json, its store HOME/gateway.db (duet/up_home.py)
+        slow = SlowStore(self.state_file.parent.parent / "gateway.db", spec.commit_s)
+        slow.start()
+        ev = FaultEvent(
+            kind="slowfs",
+            target="gateway store",
+            start_s=self._now(),
+            detail=f"each commit {spec.commit_s:g} s",
+        )
+
+        def end() -> None:
+            slow.stop()
+            ev.detail += f", {slow.commits} slow commits"
+
+        await self._hold(self._begin(ev, end), hold)
 
     def settle(self) -> None:
         """End every fault still on (a cancelled run, an error): nothing stays injected."""

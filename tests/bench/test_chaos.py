@@ -187,3 +187,43 @@ def test_chaos_faults_past_sigkill_in_namespaces(tiny_llama: Path, tmp_path: Pat
     prefix = re.search(r"network namespaces (dc\d+)-", r.stderr)
     assert prefix is not None, r.stderr[-2000:]
     assert netns.namespaces(prefix[1]) == [], "namespaces left behind"
+
+
+def test_chaos_slowfs_bills_once_and_locks_nobody_out(tiny_llama: Path, tmp_path: Path) -> None:
+    """The gateway's store slow to commit (each write waits up to 2 s for the write lock, as
+    behind a 2 s fsync) twice during the load: every request is answered, none billed twice,
+    usage matches the client's requests, the batch's lines are done once, and requests after the
+    fault are served (no team locked out by the slow writes)."""
+    (tmp_path / "cluster.toml").write_text('[[nodes]]\nrole = "both"\n')
+    out = tmp_path / "out"
+    r = subprocess.run(
+        [
+            *(sys.executable, "-m", "duet", "bench", "chaos"),
+            *("--up-config", str(tmp_path / "cluster.toml"), f"--up-arg=--model={tiny_llama}"),
+            *("--up-arg=--kv-blocks=256", "--up-arg=--dtype=float32", "--up-arg=--threads=1"),
+            *("--faults", "slowfs", "--duration", "40", "--slowfs-every", "20"),
+            *("--slowfs-for", "6", "--slowfs-commit-s", "2"),
+            *("--streams", "2", "--plain", "1", "--batch-lines", "4", "--max-tokens", "8"),
+            *("--settle", "60", "--out", str(out), "--json"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-4000:]
+    s = json.loads(r.stdout)
+    faults = s["faults"]
+    assert faults and {f["kind"] for f in faults} == {"slowfs"}, faults
+    assert int(re.search(r"(\d+) slow commits", faults[0]["detail"])[1]) >= 2, faults
+    assert s["by_fault"]["slowfs"]["requests"] > 0, s["by_fault"]
+
+    def clear(b: dict[str, float]) -> bool:  # a 5 s bin of send time clear of every fault
+        return all(b["t"] + 5 <= f["start_s"] or b["t"] >= f["end_s"] + 2 for f in faults)
+
+    quiet = [b for b in s["timeline"] if clear(b)]
+    assert any(b["t"] >= faults[0]["end_s"] for b in quiet), (faults, s["timeline"])
+    assert all(b["requests"] == b["full"] for b in quiet), s["timeline"]
+    assert s["requests"] > 0 and s["undefined"] == 0, s["causes"]
+    assert s["usage"]["requests_match"], s["usage"]
+    assert not s["usage"]["matched"]["billed_twice"], s["usage"]["matched"]
+    assert s["batch"]["exactly_once"], s["batch"]
