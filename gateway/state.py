@@ -8,8 +8,9 @@ handler's caller), never the state.
 
 `open_state` owns every lifetime it starts and ends them in the reverse order: the background
 tasks (the store heartbeat, the loop-lag heartbeat), the usage writer (flushed), this gateway's
-heartbeat row, the cluster backend's pending aborts, the node client, the etcd view, the HTTP
-session, the store, the grammar checker's threads, and tracing's export queue (flushed).
+heartbeat row, the cluster backend's pending aborts, the node client, the nodes' HTTP session,
+the etcd view, the HTTP session (coordinators, providers), the store, the grammar checker's
+threads, and tracing's export queue (flushed).
 """
 
 from __future__ import annotations
