@@ -119,7 +119,8 @@ async def resolve_checked(host: str, port: int, allow_private: bool) -> list[str
     loop = asyncio.get_running_loop()
     lookup = loop.run_in_executor(_DNS, _getaddrinfo, host, port)
     try:
-        infos = await asyncio.wait_for(lookup, DNS_TIMEOUT_S)
+        async with asyncio.timeout(DNS_TIMEOUT_S):
+            infos = await lookup
     except socket.gaierror as e:
         raise CallbackURLError(
             f"callback_url host {host!r} does not resolve: {e.strerror}"
