@@ -181,6 +181,7 @@ def vllm_engine_config(
         max_num_batched_tokens=engine.max_num_batched_tokens if batched_given else None,
         enable_prefix_caching=engine.enable_prefix_caching,
         kv_memory=engine.kv_memory,
+        kv_cache_dtype=engine.kv_cache_dtype,
         threads=engine.threads,
         lease_s=node.lease_s,
         failure_policy=node.failure_policy,

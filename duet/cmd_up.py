@@ -397,6 +397,8 @@ def node_child(
         g.pool,
         "--dtype",
         cfg.dtype,
+        "--kv-cache-dtype",
+        cfg.kv_cache_dtype,
         "--transport",
         cfg.transport,
         "--threads",

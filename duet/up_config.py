@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from duet.supervisor import RestartPolicy
+from engine.config import KVCacheDtype
 from node.config import Transport
 from runtime.models import DEFAULT_MODEL
 from runtime.tables import from_table
@@ -153,6 +154,10 @@ class UpConfig:
     kv_blocks: int | None = None
     #: every node's dtype: auto, bfloat16 or float32
     dtype: str = "auto"
+    #: every node's KV cache dtype (`duet node --kv-cache-dtype`): auto (the model's dtype) or
+    #: int8 (~2x the tokens of bf16 in --kv-memory); one value for the cluster, since prefill
+    #: and decode nodes must agree
+    kv_cache_dtype: KVCacheDtype = "auto"
     #: KV transport between the nodes
     transport: Transport = "nixl"
     #: torch threads per node (default: the node's CPU share)

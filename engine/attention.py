@@ -12,6 +12,11 @@ transformers. Without kernels (CUDA, no compiler, DUET_DISABLE_KERNELS=1) everyt
 decodes gather their blocks into a padded batch with a length mask, a chunk after a cached
 prefix gathers its sequence's blocks with an offset causal mask.
 
+An int8 pool (engine/kv_quant.py) is read on the torch paths only: the gathered rows are
+dequantized to the activations' dtype before SDPA. A prefill chunk with no cached prefix attends
+to its own unquantized K/V, so only keys read back from the pool carry
+the quantization error.
+
 Invariant: the new tokens' K/V are written into their slots before attention reads the pool,
 so a chunk attends to itself and to every earlier token of its sequence.
 """
@@ -24,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from engine import kv_quant
 
 
 @dataclass
@@ -133,16 +140,17 @@ def build_metadata(
     )
 
 
-def _gather(cache: torch.Tensor, kv: int, blocks: torch.Tensor) -> torch.Tensor:
-    """K (kv=0) or V (kv=1) rows of `blocks` of one layer, as [..., tokens, kvh, dim]."""
-    return cache[:, kv][blocks].flatten(-4, -3)
+def _gather(cache: torch.Tensor, kv: int, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K (kv=0) or V (kv=1) rows of `blocks` of one layer, as [..., tokens, kvh, dim] in `dtype`
+    (dequantized from an int8 pool)."""
+    return kv_quant.read(cache[:, kv][blocks].flatten(-4, -3), dtype)
 
 
 def _decode_torch(q: torch.Tensor, cache: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
     b, heads, dim = md.num_decode, q.shape[1], q.shape[2]
     blocks = md.block_tables[:b]
-    kc = _gather(cache, 0, blocks).transpose(1, 2)
-    vc = _gather(cache, 1, blocks).transpose(1, 2)
+    kc = _gather(cache, 0, blocks, q.dtype).transpose(1, 2)
+    vc = _gather(cache, 1, blocks, q.dtype).transpose(1, 2)
     o = F.scaled_dot_product_attention(
         q[:b].unsqueeze(2), kc, vc, attn_mask=md.decode_mask, enable_gqa=True
     )
@@ -165,8 +173,8 @@ def _prefill_torch(
     else:
         ctx = p.start_pos + p.q_len
         blocks = md.block_tables[p.row, : cdiv(ctx, md.block_size)]
-        ks = _gather(cache, 0, blocks)[:ctx].transpose(0, 1)
-        vs = _gather(cache, 1, blocks)[:ctx].transpose(0, 1)
+        ks = _gather(cache, 0, blocks, q.dtype)[:ctx].transpose(0, 1)
+        vs = _gather(cache, 1, blocks, q.dtype)[:ctx].transpose(0, 1)
     mask = md.chunk_mask(p)
     o = F.scaled_dot_product_attention(
         qs, ks, vs, attn_mask=mask, is_causal=mask is None, enable_gqa=True
@@ -187,7 +195,7 @@ def paged_attention(
     """Attention output [T, H * D]. `lib`/`step_ptr`: the CPU kernels and this step's `Step`
     (None/0: torch only); `kernel_prefill`: prefill chunks use the kernel too."""
     t = qkv.shape[0]
-    kvh, dim = kv_cache.shape[4], kv_cache.shape[5]
+    kvh, dim = kv_cache.shape[4], kv_quant.head_dim(kv_cache)
     out = torch.empty((t, heads * dim), dtype=qkv.dtype, device=qkv.device)
     n_kernel = 0
     if lib is not None:

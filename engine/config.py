@@ -23,6 +23,8 @@ def parse_size(text: str | int) -> int:
 
 #: quantization of the linear layers (engine/quant.py)
 Quantization = Literal["int8", "int4", "int4-g64", "int8-w8a8", "int4-w4a8"]
+#: how the KV pool stores K and V (engine/kv_quant.py); fp8 is vLLM's (--engine vllm)
+KVCacheDtype = Literal["auto", "int8", "fp8"]
 #: speculative decoding methods (engine/spec_decode.py)
 Speculative = Literal["ngram", "draft-int4", "draft-int4-w4a8", "draft-int8", "draft"]
 
@@ -45,6 +47,12 @@ class EngineConfig:
     num_kv_blocks: int | None = field(default=None, metadata={"flag": "kv-blocks"})
     #: KV pool size in bytes, e.g. 512MiB
     kv_memory: str | int = "1GiB"
+    #: how the KV pool stores K and V: auto keeps the model's dtype (--dtype); int8 stores 8-bit
+    #: values with a per-token, per-KV-head fp32 scale, so --kv-memory holds ~2x the tokens of
+    #: bf16 (~4x of fp32) at a small accuracy cost (docs/benchmarks.md "8-bit KV"). Prefill and
+    #: decode nodes must agree (the KV layout hash refuses a mismatch). int8 attention runs on
+    #: torch ops, not the CPU kernels. fp8 is for --engine vllm only (vLLM's kv_cache_dtype)
+    kv_cache_dtype: KVCacheDtype = "auto"
     #: context limit (default: the model's max_position_embeddings)
     max_model_len: int | None = None
     #: sequences running at once

@@ -32,6 +32,7 @@ from engine.embed import EmbedCapacityError, Embedder, Pooling, finish
 from engine.guided import GuidedDecoding, GuideError
 from engine.kv_digest import PoolBytes
 from engine.kv_manager import KVCacheManager
+from engine.kv_quant import kv_layout_dtype
 from engine.kv_tiers import build_tiers
 from engine.logits_process import penalize
 from engine.model_config import ModelConfig
@@ -39,13 +40,14 @@ from engine.outputs import Fault, RequestOutput, TextState
 from engine.request import Priority, Request
 from engine.residency import Residency
 from engine.retention import Retention
-from engine.runner import ModelRunner, PoolFactory, zeroed_pool
+from engine.runner import DTYPE_NAMES, ModelRunner, PoolFactory, zeroed_pool
 from engine.sampler import Sampler, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from engine.spec_decode import Speculator, build_speculator, spec_max_batch
 from protocol.block_hash import domain_root
 from protocol.kv_digest import KVCheck
+from protocol.kv_layout import KVLayout
 from protocol.logprobs import TokenLogprob
 from runtime.models import resolve_model
 from text.tokenizer import Tokenizer
@@ -121,8 +123,16 @@ class EngineCore(Residency):
         if config.max_waiting_requests < 1 or config.max_waiting_tokens < 1:
             raise ValueError("max_waiting_requests and max_waiting_tokens must be at least 1")
         bs = config.block_size
-        itemsize = torch.tensor([], dtype=self.dtype).element_size()
-        block_bytes = mc.num_layers * 2 * bs * mc.num_kv_heads * mc.head_dim * itemsize
+        kv_dtype = kv_layout_dtype(config.kv_cache_dtype, DTYPE_NAMES[self.dtype])
+        # the pool's bytes per block, scales included (an int8 pool's rows end with theirs)
+        block_bytes = KVLayout(
+            num_layers=mc.num_layers,
+            num_kv_heads=mc.num_kv_heads,
+            head_dim=mc.head_dim,
+            block_size=bs,
+            dtype=kv_dtype,
+            num_blocks=1,
+        ).block_bytes
         num_blocks = config.num_kv_blocks or parse_size(config.kv_memory) // block_bytes
         if num_blocks * bs < self.max_model_len:
             raise ValueError(
@@ -142,6 +152,7 @@ class EngineCore(Residency):
             config.quantization,
             config.max_loras,
             config.max_lora_rank,
+            kv_dtype,
         )
         self.pool = BlockPool(num_blocks, bs, record_events=config.record_kv_events)
         self.pool_bytes = PoolBytes(self.runner.kv_cache)
@@ -195,8 +206,10 @@ class EngineCore(Residency):
         self.wakes = 0
         self._text: dict[str, TextState] = {}
         log.info(
-            "engine ready: model=%s dtype=%s device=%s kv_blocks=%d (%.0f MiB, %d tokens)",
+            "engine ready: model=%s dtype=%s kv_dtype=%s device=%s kv_blocks=%d (%.0f MiB, "
+            "%d tokens)",
             self.model_name,
+            DTYPE_NAMES[self.dtype],
             self.runner.kv_layout.dtype,
             self.device,
             num_blocks,

@@ -92,6 +92,9 @@ class LlamaModel:
         #: None: every step on torch ops (what the flags below derive from, so a test may set
         #: it to None on a built model and get the torch path whole)
         self.kernels = kernels_lib() if usable else None
+        #: False: K/V are stored and attention read by torch ops though other kernels run (an
+        #: int8 pool, which the attention kernels do not read: engine/kv_quant.py)
+        self.kv_kernels = True
         #: bf16 engines keep the residual stream in fp32 (see the module docstring)
         self.res32 = dtype == torch.bfloat16
         self.dtype = dtype
@@ -275,7 +278,7 @@ class LlamaModel:
         """The final hidden states (after the final norm) of `rows` of the step (None: every
         token): what the logits head reads, and what embeddings pool (engine/embed.py); fp32 in
         fp32 and bf16 engines."""
-        lib = self.kernels
+        lib = self.kernels if self.kv_kernels else None  # rope/store and attention
         ptr = 0
         step = None
         cos = sin = None

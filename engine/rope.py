@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from engine import kv_quant
+
 
 def _kind(scaling: dict[str, Any] | None) -> str:
     return (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
@@ -108,11 +110,13 @@ class Rope:
         sin: torch.Tensor,
     ) -> None:
         """Torch twin of the `rope_store` kernel: rotate q and k of the fused qkv activations
-        [T, (H + 2 KVH) * D] in place and write k, v into their pool slots."""
+        [T, (H + 2 KVH) * D] in place and write k, v into their pool slots (quantized into an
+        int8 pool: engine/kv_quant.py)."""
         t = qkv.shape[0]
-        kvh, dim = kv_cache.shape[4], kv_cache.shape[5]
+        kvh, dim = kv_cache.shape[4], kv_quant.head_dim(kv_cache)
         width = (heads + kvh) * dim
         qk = self.apply(qkv[:, :width].view(t, heads + kvh, dim), cos, sin)
         qkv[:, :width] = qk.view(t, width)
         v = qkv[:, width:].view(t, kvh, dim)
-        kv_cache[:, layer][slot_block, :, slot_offset] = torch.stack((qk[:, heads:], v), dim=1)
+        kv = torch.stack((qk[:, heads:], v), dim=1)
+        kv_quant.store(kv_cache[:, layer], (slot_block, slice(None), slot_offset), kv)

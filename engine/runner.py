@@ -1,7 +1,7 @@
 """ModelRunner: owns the weights and the KV pool, turns scheduled chunks into one forward pass.
 
 The pool is one tensor, block-major `[num_blocks, layers, 2, block_size, kv_heads, head_dim]`
-(DESIGN §3), so a block is a contiguous byte range the transport can move as one region;
+(DESIGN §3; head_dim + 4 scale bytes per row in an int8 pool: engine/kv_quant.py), so a block is a contiguous byte range the transport can move as one region;
 `kv_layout` describes it for kvtransfer.
 """
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.attention import build_metadata
+from engine.kv_quant import kv_int8_on_torch
 from engine.lora.slots import LoraSlots
 from engine.model_config import ModelConfig
 from engine.models import BuildSpec, build_model
@@ -32,7 +33,7 @@ class PromptRows:
     logits: torch.Tensor  # [n, V]
 
 
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 #: Allocates the (zeroed) KV pool for a layout on a device. The node passes kvtransfer's, which
 #: backs a host pool with huge pages from the first touch (cheaper than advising later).
@@ -40,15 +41,7 @@ PoolFactory = Callable[[KVLayout, str], torch.Tensor]
 
 
 def zeroed_pool(layout: KVLayout, device: str) -> torch.Tensor:
-    shape = (
-        layout.num_blocks,
-        layout.num_layers,
-        2,
-        layout.block_size,
-        layout.num_kv_heads,
-        layout.head_dim,
-    )
-    return torch.zeros(shape, dtype=getattr(torch, layout.dtype), device=device)
+    return torch.zeros(layout.pool_shape, dtype=getattr(torch, layout.dtype), device=device)
 
 
 class ModelRunner:
@@ -65,6 +58,7 @@ class ModelRunner:
         quantization: str | None = None,
         max_loras: int = 0,
         max_lora_rank: int = 16,
+        kv_dtype: str | None = None,
     ) -> None:
         self.cfg = cfg
         self.dtype = dtype
@@ -84,18 +78,21 @@ class ModelRunner:
             num_kv_heads=cfg.num_kv_heads,
             head_dim=cfg.head_dim,
             block_size=block_size,
-            dtype=_DTYPE_NAMES[dtype],
+            dtype=kv_dtype or DTYPE_NAMES[dtype],  # "int8": engine/kv_quant.py
             num_blocks=num_blocks,
             weights=quantization or "",
             attention=cfg.kv_attention,
         )
         self.kv_cache = pool_factory(self.kv_layout, str(device))
-        expected = (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
-        if tuple(self.kv_cache.shape) != expected or self.kv_cache.dtype != dtype:
+        expected = self.kv_layout.pool_shape
+        want = getattr(torch, self.kv_layout.dtype)
+        if tuple(self.kv_cache.shape) != expected or self.kv_cache.dtype != want:
             raise ValueError(
                 f"KV pool factory returned {tuple(self.kv_cache.shape)} "
-                f"{self.kv_cache.dtype}, expected {expected} {dtype}"
+                f"{self.kv_cache.dtype}, expected {expected} {want}"
             )
+        if self.kv_layout.dtype == "int8":
+            kv_int8_on_torch(self.model)
 
     def execute(
         self, chunks: list[ScheduledChunk]

@@ -99,6 +99,10 @@ def rebuild_model(runner: object) -> None:
     from engine.models import build_model
 
     runner.model = build_model(runner.build_spec)  # type: ignore[attr-defined]
+    if runner.kv_layout.dtype == "int8":  # type: ignore[attr-defined]
+        from engine.kv_quant import kv_int8_on_torch
+
+        kv_int8_on_torch(runner.model)  # type: ignore[attr-defined]
     lora = getattr(runner, "lora", None)
     if lora is not None:
         lora.attach(runner.model)  # type: ignore[attr-defined]

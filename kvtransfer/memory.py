@@ -172,7 +172,8 @@ def advise_hugepages(base: int, nbytes: int, *, collapse: bool = True) -> int:
 
 
 def allocate_pool(layout: KVLayout, device: str = "cpu", dtype: Any = None) -> Any:
-    """A zeroed, contiguous torch pool `[num_blocks, num_layers, 2, block_size, heads, dim]`.
+    """A zeroed, contiguous torch pool `layout.pool_shape`
+    (`[num_blocks, num_layers, 2, block_size, heads, dim]`, dim + 4 scale bytes in int8).
 
     On the host it is huge-page backed from the first touch, which no later advice can do
     as cheaply. `dtype` defaults to the layout's dtype.
@@ -180,14 +181,7 @@ def allocate_pool(layout: KVLayout, device: str = "cpu", dtype: Any = None) -> A
     import torch  # the engine's dependency; the transport itself works from addresses
 
     dt = dtype or getattr(torch, layout.dtype)
-    shape = (
-        layout.num_blocks,
-        layout.num_layers,
-        2,
-        layout.block_size,
-        layout.num_kv_heads,
-        layout.head_dim,
-    )
+    shape = layout.pool_shape  # an 8-bit pool's rows end with their scales
     if parse_device(device)[0] == "cuda":
         return torch.zeros(shape, dtype=dt, device=device)
     pool = torch.empty(shape, dtype=dt)  # untouched: the advice below applies to every page

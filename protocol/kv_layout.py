@@ -5,6 +5,11 @@ block `b` is the one contiguous byte range `[b * block_bytes, (b + 1) * block_by
 pool: one memory region, one NIXL descriptor. Two nodes may exchange blocks only when every
 field but `num_blocks` matches; `compat_hash` summarises those fields and `differences` names
 the ones that differ, so a refusal can say why before any byte moves.
+
+An 8-bit pool (`dtype="int8"`) keeps each token's K (or V) of one KV head as `head_dim` int8
+values followed by their fp32 scale (absmax / 127, little-endian): a row is `head_dim + 4`
+bytes, and the scales travel, spill and are digested with the block's bytes. `dtype` is in the
+hash, so an int8 pool never exchanges blocks with a bf16 one.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import hashlib
 
 import msgspec
 
-DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_SIZES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+#: bytes of the per-row scale that follows each row of a quantized pool, by KV dtype
+SCALE_BYTES = {"int8": 4}
 
 
 class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,14 +49,32 @@ class KVLayout(msgspec.Struct, frozen=True, kw_only=True):
             raise ValueError(f"unsupported KV dtype {self.dtype!r}") from None
 
     @property
+    def row_width(self) -> int:
+        """Elements of the pool's last dimension: `head_dim`, plus the scale's bytes in an 8-bit
+        pool (whose elements are bytes)."""
+        return self.head_dim + SCALE_BYTES.get(self.dtype, 0)
+
+    @property
     def block_bytes(self) -> int:
         return (
             self.num_layers
             * 2
             * self.block_size
             * self.num_kv_heads
-            * self.head_dim
+            * self.row_width
             * self.itemsize
+        )
+
+    @property
+    def pool_shape(self) -> tuple[int, int, int, int, int, int]:
+        """The pool tensor's shape: `[num_blocks, layers, 2, block_size, kv_heads, row_width]`."""
+        return (
+            self.num_blocks,
+            self.num_layers,
+            2,
+            self.block_size,
+            self.num_kv_heads,
+            self.row_width,
         )
 
     @property

@@ -135,6 +135,8 @@ class DecoderModel:
             and spec.num_heads // spec.num_kv_heads <= 64
         )
         self.kernels = kernels_lib() if usable else None
+        #: False: K/V stored and attention read by torch ops (an int8 pool: engine/kv_quant.py)
+        self.kv_kernels = True
         self.kernel_prefill = (
             self.kernels is not None and dtype == torch.bfloat16 and "avx512_bf16" in cpu_flags()
         )
@@ -180,7 +182,7 @@ class DecoderModel:
             kmd = md if kind == FULL else replace(md, sliding_window=self.spec.window)
             rope = self.ropes.get(kind, self.ropes[FULL])
             step = cos = sin = None
-            if self.kernels is None:
+            if self.kernels is None or not self.kv_kernels:
                 cos, sin = rope.tables(kmd.positions)
             else:
                 step = KernelStep(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from engine import kv_quant
 from engine.attention import AttentionMetadata, cdiv
 
 
@@ -44,21 +45,21 @@ def softcap_attention(
     cap: float,
 ) -> torch.Tensor:
     t = qkv.shape[0]
-    dim = kv_cache.shape[5]
+    dim = kv_quant.head_dim(kv_cache)
     q = qkv[:, : heads * dim].view(t, heads, dim)
     cache = kv_cache[:, layer]  # [blocks, 2, block_size, KVH, D]
     out = torch.empty((t, heads * dim), dtype=qkv.dtype, device=qkv.device)
     b = md.num_decode
     if b:
         blocks = md.block_tables[:b]
-        k = cache[:, 0][blocks].flatten(1, 2)
-        v = cache[:, 1][blocks].flatten(1, 2)
+        k = kv_quant.read(cache[:, 0][blocks].flatten(1, 2), q.dtype)
+        v = kv_quant.read(cache[:, 1][blocks].flatten(1, 2), q.dtype)
         out[:b] = _attend(q[:b, None], k, v, md.decode_mask[:, 0], scale, cap)[:, 0]
     for p in md.prefills:
         ctx = p.start_pos + p.q_len
         blocks = md.block_tables[p.row, : cdiv(ctx, md.block_size)]
-        k = cache[:, 0][blocks].flatten(0, 1)[:ctx]
-        v = cache[:, 1][blocks].flatten(0, 1)[:ctx]
+        k = kv_quant.read(cache[:, 0][blocks].flatten(0, 1)[:ctx], q.dtype)
+        v = kv_quant.read(cache[:, 1][blocks].flatten(0, 1)[:ctx], q.dtype)
         mask = md.chunk_mask(p)
         if mask is None:  # plain causal
             mask = torch.ones(p.q_len, ctx, dtype=torch.bool, device=qkv.device).tril(p.start_pos)

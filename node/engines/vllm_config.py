@@ -109,6 +109,19 @@ def kv_memory_bytes(spec: str | int) -> int:
 NIXL_POLL_US = 1000
 
 
+def vllm_kv_cache_dtype(name: str) -> str:
+    """duet's --kv-cache-dtype as vLLM's `kv_cache_dtype`: auto and fp8 pass through; int8 is
+    the native engine's format, which vLLM does not have (its 8-bit KV is fp8)."""
+    if name in ("auto", "fp8"):
+        return name
+    if name == "int8":
+        raise ValueError(
+            "--kv-cache-dtype int8 is the native engine's 8-bit KV; vLLM has no int8 KV cache: "
+            "use --kv-cache-dtype fp8 with --engine vllm"
+        )
+    raise ValueError(f"unknown --kv-cache-dtype {name!r} for --engine vllm (auto or fp8)")
+
+
 @dataclass(frozen=True)
 class VllmOptions:
     """What a node of `--engine vllm` sets beyond the node's and the engine's settings (its flags
@@ -142,6 +155,8 @@ class VllmEngineConfig:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     kv_memory: str | int = "1GiB"
+    #: duet's --kv-cache-dtype; vLLM gets its own name for it (`vllm_kv_cache_dtype`)
+    kv_cache_dtype: str = "auto"
     #: CPU threads for vLLM's CPU backend (VLLM_CPU_OMP_THREADS_BIND=nobind + torch threads)
     threads: int | None = None
     #: prefill side: seconds an unpulled prefill's blocks are kept (kv_lease_duration)
@@ -174,6 +189,7 @@ class VllmEngineConfig:
         if not 0 < self.nixl_port < 65536:
             raise ValueError(f"NIXL side-channel port {self.nixl_port} is not a TCP port")
         kv_memory_bytes(self.kv_memory)
+        vllm_kv_cache_dtype(self.kv_cache_dtype)
 
     def on_cpu(self) -> bool:
         if self.device.startswith("cuda"):
@@ -248,6 +264,8 @@ class VllmEngineConfig:
             },
             "structured_outputs_config": dict(STRUCTURED_OUTPUTS),
         }
+        if self.kv_cache_dtype != "auto":
+            kw["kv_cache_dtype"] = vllm_kv_cache_dtype(self.kv_cache_dtype)
         if self.max_model_len:
             kw["max_model_len"] = self.max_model_len
         if self.max_num_batched_tokens:

@@ -237,3 +237,15 @@ def test_the_vllm_plugin_makes_a_polling_progress_thread(monkeypatch: pytest.Mon
     agent = api.nixl_agent("duet-poll-test", api.nixl_agent_config(backends=["UCX"]))
     assert seen == [(True, 1000)]
     assert "UCX" in agent.backends
+
+
+def test_kv_cache_dtype_maps_to_vllms_own(vllm_importable: None) -> None:
+    """fp8 passes through as vLLM's kv_cache_dtype; int8 (the native engine's) is refused with
+    what to use instead; auto leaves vLLM's default alone."""
+    base = ("--engine", "vllm", "--model", "m", "--device", "cpu")
+    kw = node_config(parse(*base, "--kv-cache-dtype", "fp8"), "decode").engine.engine_kwargs("/m")
+    assert kw["kv_cache_dtype"] == "fp8"
+    kw = node_config(parse(*base), "decode").engine.engine_kwargs("/m")
+    assert "kv_cache_dtype" not in kw
+    with pytest.raises(ValueError, match="vLLM has no int8 KV cache: use --kv-cache-dtype fp8"):
+        node_config(parse(*base, "--kv-cache-dtype", "int8"), "decode")
