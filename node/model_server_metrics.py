@@ -12,7 +12,7 @@ same engine snapshot as its `duet:*` twin, so the two never disagree:
 | TotalQueuedRequests | gauge | `vllm:num_requests_waiting` | `duet:num_requests_waiting` |
 | TotalRunningRequests | gauge | `vllm:num_requests_running` | `duet:num_requests_running` |
 | KVCacheUtilization | gauge | `vllm:kv_cache_usage_perc` (and the older name `vllm:gpu_cache_usage_perc`) | `duet:kv_cache_usage_perc`, a fraction 0-1 as vLLM's |
-| cache config | info gauge (1) | `vllm:cache_config_info{block_size, num_gpu_blocks}` | the KV pool's block size (tokens) and blocks |
+| cache config | info gauge (1) | `vllm:cache_config_info{block_size, num_gpu_blocks, cache_dtype}` | the KV pool's block size (tokens), blocks and KV dtype |
 | LoRA adapters | gauge | `vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}` | the scrape's Unix time (the EPP keeps the newest series) |
 
 `running_lora_adapters` lists the adapters resident on the node (comma-separated, the
@@ -46,14 +46,14 @@ _GAUGES = {
 
 class ModelServerCollector(Collector):
     """The protocol's metrics of one node at scrape time. `stats`: the engine's snapshot;
-    `block_size`, `num_blocks`: its KV pool (the snapshot's `kv_blocks_total` wins when it has
-    it); `adapters`: the LoRA adapters resident now."""
+    `block_size`, `num_blocks`, `cache_dtype`: its KV pool (the snapshot's `kv_blocks_total` wins
+    when it has it; `cache_dtype` is the pool's, e.g. int8); `adapters`: the LoRA adapters resident now."""
 
     def __init__(
         self,
         stats: Callable[[], dict[str, float]],
         model: str,
-        pool: tuple[int, int],
+        pool: tuple[int, int, str],
         adapters: Callable[[], list[str]],
     ) -> None:
         self._stats, self._model, self._pool, self._adapters = stats, model, pool, adapters
@@ -64,14 +64,14 @@ class ModelServerCollector(Collector):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric([self._model], float(s.get(key, 0)))
             yield g
-        block_size, num_blocks = self._pool
+        block_size, num_blocks, cache_dtype = self._pool
         info = GaugeMetricFamily(
             "vllm:cache_config_info",
             "The KV cache's configuration (labels; value 1)",
-            labels=["model_name", "block_size", "num_gpu_blocks"],
+            labels=["model_name", "block_size", "num_gpu_blocks", "cache_dtype"],
         )
         blocks = int(s.get("kv_blocks_total", num_blocks))
-        info.add_metric([self._model, str(block_size), str(blocks)], 1.0)
+        info.add_metric([self._model, str(block_size), str(blocks), cache_dtype], 1.0)
         yield info
         lora = GaugeMetricFamily(
             "vllm:lora_requests_info",

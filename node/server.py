@@ -46,7 +46,7 @@ def build_state(cfg: NodeConfig, register: Sequence[Callable[[Roles], object]] =
     engine_id = f"{node_id}-{uuid.uuid4().hex[:8]}"
     from kvtransfer import KVTransferMetrics, make_transport
 
-    pool = (engine.kv_layout.block_size, engine.kv_layout.num_blocks)
+    pool = (engine.kv_layout.block_size, engine.kv_layout.num_blocks, engine.kv_layout.dtype)
     served = ModelServerCollector(
         engine.stats, engine.model_name, pool, lambda: adapter_names(engine)
     )
