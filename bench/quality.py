@@ -1,4 +1,5 @@
-"""`python -m bench.quality`: what weight-only quantization costs in quality.
+"""`python -m bench.quality`: what weight-only quantization and the 8-bit KV cache cost in
+quality.
 
 For the model in bf16 and each quantization scheme (same activation dtype, same engine):
 - perplexity on an English corpus that is already on every machine running duet: the module
@@ -13,6 +14,12 @@ For the model in bf16 and each quantization scheme (same activation dtype, same 
   (bench/data/passage_en.txt: plain narrative prose, no code), scored the same way; a scheme
   meets its target only when it does on both corpora.
 Targets: int8 and int8-w8a8 perplexity within 1% of bf16, int4 within 6%.
+
+The scheme `kv-int8` keeps the weights and stores the KV pool in int8 (`--kv-cache-dtype int8`,
+engine/kv_quant.py); its target is +0.5%. A window scored in one pass attends to its own
+unquantized K/V, so score it in chunks (`--chunk 16`): every chunk after a window's first then
+reads its keys and values back from the pool, as decoding does. Greedy agreement also reports
+`positions_equal`, the share of positions whose tokens are equal, diverged or not.
 
 The logits come straight from the engine's forward pass over its paged KV pool (the code
 serving uses), one window per pass; generation goes through the offline LLM API. Progress on
@@ -68,7 +75,10 @@ TARGETS = {
     "int4-g64": 0.06,
     "int8-w8a8": 0.01,
     "int4-w4a8": 0.06,
+    "kv-int8": 0.005,
 }  # max increase
+#: schemes of the KV pool, not the weights: name → --kv-cache-dtype
+KV_SCHEMES = {"kv-int8": "int8"}
 PASSAGE = Path(__file__).parent / "data" / "passage_en.txt"
 
 
@@ -104,6 +114,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="comma-separated schemes to compare (default: %(default)s)",
     )
     p.add_argument(
+        "--chunk",
+        type=int,
+        default=0,
+        help="tokens per forward pass within a scoring window; later chunks read the KV pool "
+        "(default: the whole window in one pass)",
+    )
+    p.add_argument(
         "--tokens", type=int, default=4096, help="corpus tokens scored (default: %(default)s)"
     )
     p.add_argument(
@@ -132,7 +149,8 @@ def _llm(args: argparse.Namespace, scheme: str | None):
         args.model,
         dtype=args.dtype,
         device="cpu",
-        quantization=scheme,
+        quantization=None if scheme in KV_SCHEMES else scheme,
+        kv_cache_dtype=KV_SCHEMES.get(scheme or "", "auto"),
         threads=args.threads,
         max_model_len=max(args.window, args.prompt_len + args.max_tokens) + 16,
         num_kv_blocks=max(
@@ -143,8 +161,9 @@ def _llm(args: argparse.Namespace, scheme: str | None):
     )
 
 
-def perplexity(llm, ids: list[int], window: int) -> dict[str, Any]:
-    """exp(mean NLL) of every token after the first of each non-overlapping window."""
+def perplexity(llm, ids: list[int], window: int, chunk: int = 0) -> dict[str, Any]:
+    """exp(mean NLL) of every token after the first of each non-overlapping window, each window
+    computed in passes of `chunk` tokens (0: one pass)."""
     import torch
 
     from engine.attention import build_metadata
@@ -153,23 +172,25 @@ def perplexity(llm, ids: list[int], window: int) -> dict[str, Any]:
     blocks = list(range((window + runner.block_size - 1) // runner.block_size))
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
-        chunk = ids[start : start + window]
-        if len(chunk) < 2:
+        win = ids[start : start + window]
+        if len(win) < 2:
             break
-        md = build_metadata(
-            runner.block_size,
-            [],
-            [(blocks, 0, len(chunk))],
-            runner.cfg.sliding_window,
-            runner.device,
-        )
-        logits = runner.model.forward(
-            torch.tensor(chunk), runner.kv_cache, md, torch.arange(len(chunk))
-        )
-        logp = torch.log_softmax(logits[:-1].float(), dim=-1)
-        target = torch.tensor(chunk[1:])
+        parts = []
+        step = chunk or len(win)
+        for at in range(0, len(win), step):
+            n = min(step, len(win) - at)
+            md = build_metadata(
+                runner.block_size, [], [(blocks, at, n)], runner.cfg.sliding_window, runner.device
+            )
+            parts.append(
+                runner.model.forward(
+                    torch.tensor(win[at : at + n]), runner.kv_cache, md, torch.arange(n)
+                )
+            )
+        logp = torch.log_softmax(torch.cat(parts)[:-1].float(), dim=-1)
+        target = torch.tensor(win[1:])
         nll -= logp.gather(1, target[:, None]).sum().item()
-        count += len(chunk) - 1
+        count += len(win) - 1
     return {"perplexity": math.exp(nll / count), "scored_tokens": count}
 
 
@@ -188,8 +209,10 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict[str, float]:
         for r, g in zip(ref, got, strict=True)
     ]
     n = len(ref)
+    same = sum(a == b for r, g in zip(ref, got, strict=True) for a, b in zip(r, g, strict=True))
     return {
         "first_token": sum(r[0] == g[0] for r, g in zip(ref, got, strict=True)) / n,
+        "positions_equal": same / sum(len(r) for r in ref),
         "tokens_before_divergence": sum(prefix) / sum(len(r) for r in ref),
         "identical_sequences": sum(p == len(r) for p, r in zip(prefix, ref, strict=True)) / n,
     }
@@ -207,6 +230,7 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
             "model": args.model,
             "dtype": args.dtype,
             "window": args.window,
+            "chunk": args.chunk,
             "prompts": args.prompts,
             "prompt_len": args.prompt_len,
             "max_tokens": args.max_tokens,
@@ -245,8 +269,8 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
             result["passage"]["tokens"] = len(passage_ids)
         t0 = time.perf_counter()
         progress(f"{name}: perplexity over {len(ids)} tokens")
-        row: dict[str, Any] = perplexity(llm, ids, args.window)
-        row["passage"] = perplexity(llm, passage_ids, args.window)
+        row: dict[str, Any] = perplexity(llm, ids, args.window, args.chunk)
+        row["passage"] = perplexity(llm, passage_ids, args.window, args.chunk)
         progress(f"{name}: perplexity {row['perplexity']:.4f}; greedy over {len(prompts)} prompts")
         tokens = greedy(llm, prompts, args.max_tokens)
         if ref_tokens is None:

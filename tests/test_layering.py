@@ -138,6 +138,7 @@ COMPONENT_BENCHMARKS = {
     "bench/attention_ab.py": {"engine"},
     "bench/kvtransfer.py": {"kvtransfer"},
     "bench/kv_tiers.py": {"engine"},
+    "bench/kv_int8.py": {"engine"},
     "bench/route.py": {"coordinator"},
     "bench/router.py": {"gateway"},
     "bench/profile.py": {"engine", "sim"},
