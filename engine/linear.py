@@ -77,13 +77,24 @@ def can_prepack(weight: torch.Tensor) -> bool:
 
 
 #: qgemm_bf16_isa()'s AVX2 path (engine/qlinear.py GEMM_AVX2): bf16 weights widened to fp32
-_AVX2_GEMM = 3
-#: whether bf16 layers take that path by default. Not yet: with it, SmolLM2's bf16 greedy output
-#: agreed with fp32 on 93 tokens against transformers bf16's 110 (test_logits_fp32, Zen 3) while
-#: the attention kept fp32 softmax weights; since the AVX2 attention rounds them to bf16 as
-#: torch's SDPA does, 118. The default waits for W1-W3 figures against fp32 (with it the AVX2
-#: bf16 step also runs the one-call decode plan). DUET_BF16_LINEAR=own opts in
-AVX2_BF16_LAYERS = os.environ.get("DUET_BF16_LINEAR", "").lower() == "own"
+AVX2_GEMM = 3
+
+
+def bf16_linear_choice() -> str:
+    """DUET_BF16_LINEAR, read when a layer is built: "own" (the project's GEMM wherever it has a
+    path), "onednn" (oneDNN, or F.linear where the CPU has no oneDNN bf16 reorder: the A/B
+    switch), or "" (the default: the own GEMM on AVX-512 BF16 and on AVX2 + FMA)."""
+    return os.environ.get("DUET_BF16_LINEAR", "").strip().lower()
+
+
+def avx2_bf16_layers() -> bool:
+    """Whether bf16 layers take the AVX2 path on an AVX2 + FMA CPU without AVX-512: yes unless
+    DUET_BF16_LINEAR=onednn (then F.linear: oneDNN has no bf16 reorder there). Against F.linear
+    on the same bf16 weights, Zen 3, one thread: SmolLM2 single-stream decode 1.53x (the whole
+    engine, bench.decode_ab), a layer's four linears 4.7x at 16 rows, 6.0x at 32, 8.3x at 512
+    (F.linear has no bf16 arithmetic to use there); docs/benchmarks.md. SmolLM2's bf16 greedy
+    output agrees with fp32 on 118 positions, transformers bf16 on 110 (test_logits_fp32)."""
+    return bf16_linear_choice() != "onednn"
 
 
 def own_kernel_lib(weight: torch.Tensor):
@@ -92,7 +103,7 @@ def own_kernel_lib(weight: torch.Tensor):
     DUET_BF16_LINEAR=onednn), else None."""
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or weight.dim() != 2:
         return None
-    if os.environ.get("DUET_BF16_LINEAR", "").lower() == "onednn":
+    if bf16_linear_choice() == "onednn":
         return None
     lib = kernels_lib()
     if lib is None:
@@ -102,7 +113,7 @@ def own_kernel_lib(weight: torch.Tensor):
     isa, flags = lib.qgemm_bf16_isa(), cpu_flags()
     if isa in (1, 2):
         return lib if "avx512_bf16" in flags else None
-    ok = isa == _AVX2_GEMM and AVX2_BF16_LAYERS and {"avx2", "fma"} <= flags
+    ok = isa == AVX2_GEMM and avx2_bf16_layers() and {"avx2", "fma"} <= flags
     return lib if ok else None
 
 
@@ -192,7 +203,7 @@ class Linear:
         ):
             return self._own32(x)
         if self.panels is not None:
-            if x.dtype == torch.float32 and self.lib.qgemm_bf16_isa() == _AVX2_GEMM:
+            if x.dtype == torch.float32 and self.lib.qgemm_bf16_isa() == AVX2_GEMM:
                 return self._own(x)  # AVX2 widens the weights to fp32 anyway: fp32 rows as they are
             if x.dtype != torch.bfloat16:
                 raise TypeError(f"a bf16 linear layer got {x.dtype} input")

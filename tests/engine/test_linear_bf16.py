@@ -108,10 +108,10 @@ def test_a_path_the_cpu_lacks_is_refused() -> None:
     )
 
 
-#: Linear takes the kernel by default (on AVX2 only with DUET_BF16_LINEAR=own: engine/linear.py)
+#: Linear takes the kernel by default (AVX2 too) unless DUET_BF16_LINEAR=onednn (engine/linear.py)
 layers_take_it = pytest.mark.skipif(
-    ISA == 3 and not linear.AVX2_BF16_LAYERS,
-    reason="AVX2: bf16 layers opt in (DUET_BF16_LINEAR=own)",
+    ISA == 3 and not linear.avx2_bf16_layers(),
+    reason="DUET_BF16_LINEAR=onednn in this environment: bf16 layers stay off the own GEMM",
 )
 
 

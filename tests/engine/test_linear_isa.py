@@ -42,7 +42,7 @@ def test_an_avx2_cpu_runs_bf16_layers_on_f_linear_even_in_strict_mode(cpu) -> No
     from engine.kernels import kernels_lib
 
     lib = kernels_lib()
-    if lib is not None and lib.qgemm_bf16_isa() == 3 and linear.AVX2_BF16_LAYERS:
+    if lib is not None and lib.qgemm_bf16_isa() == 3 and linear.avx2_bf16_layers():
         # kernels built for AVX2: linear_bf16.c's AVX2 path (bf16 weights widened to fp32), one
         # rounding of the fp32 sum to bf16
         assert layer.panels is not None
