@@ -36,8 +36,9 @@ class EngineConfig:
 
     #: registry name, .gguf file or HF directory
     model: str = DEFAULT_MODEL
-    #: auto, bfloat16 or float32; auto: bf16 on CUDA and on CPUs with native bf16 GEMM
-    #: (avx512_bf16/AMX), else fp32
+    #: auto, bfloat16 or float32; auto: bf16 on CUDA, on CPUs with bf16 arithmetic (AVX-512
+    #: BF16/AMX), and on AVX2 + FMA CPUs for bf16 checkpoints (the kernels stream the weights in
+    #: bf16 and widen them in registers: faster than fp32), else fp32; the node logs its choice
     dtype: str = "auto"
     #: auto, cpu or cuda[:N]; auto: cuda when available, else cpu
     device: str = "auto"

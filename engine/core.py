@@ -27,7 +27,7 @@ import torch
 from engine.block_pool import BlockPool
 from engine.config import EngineConfig, parse_size
 from engine.convert import ensure_converted
-from engine.cpu import cpu_flags
+from engine.dtype_choice import choose_dtype
 from engine.embed import EmbedCapacityError, Embedder, Pooling, finish
 from engine.guided import GuidedDecoding, GuideError
 from engine.kv_digest import PoolBytes
@@ -73,33 +73,10 @@ class EngineCounters:
     requests_rejected_queue_full: int = 0
 
 
-def cpu_has_fast_bf16() -> bool:
-    """bf16 GEMM beats fp32 on CPUs with avx512_bf16 or AMX (measured: ~2.6x on Zen 4)."""
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        if device.type == "cuda" or cpu_has_fast_bf16():
-            return torch.bfloat16
-        return torch.float32
-    table = {
-        "float32": torch.float32,
-        "fp32": torch.float32,
-        "bfloat16": torch.bfloat16,
-        "bf16": torch.bfloat16,
-        "float16": torch.float16,
-        "fp16": torch.float16,
-    }
-    if name not in table:
-        raise ValueError(f"unknown dtype {name!r}; use auto, float32, bfloat16 or float16")
-    return table[name]
 
 
 class EngineCore(Residency):
@@ -111,7 +88,9 @@ class EngineCore(Residency):
         self.model_config = mc = ModelConfig.from_dir(self.model_dir)
         self.tokenizer = Tokenizer(self.model_dir)
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        choice = choose_dtype(config.dtype, self.device, mc.torch_dtype)
+        self.dtype = choice.dtype
+        log.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), choice.reason)
         if config.threads and self.device.type == "cpu":
             torch.set_num_threads(config.threads)
         self.max_model_len = config.max_model_len or mc.max_position_embeddings
