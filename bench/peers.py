@@ -1,6 +1,7 @@
 """`python -m bench.peers`: the engines duet is compared with, on bench.engine_tiers' workloads,
 each in its own process on this machine: transformers (fp32, and bf16 where it is faster), vLLM's
-CPU build and llama.cpp (through llama-cpp-python, on the model's Q4_1 GGUF).
+CPU build and llama.cpp (through llama-cpp-python, on the model's GGUF: its Q4_1 source, or
+`--gguf` another precision, named in the row by the file's name, e.g. `*.q8_0.gguf`).
 
 - W1: one 512-token prompt prefilled (prompt tokens/s; the best of `--reps`);
 - W2: single-stream greedy decode of 128 tokens after a 256-token prompt (decode tokens/s: the
@@ -205,6 +206,13 @@ def _gguf(model_dir: Path, given: str | None) -> str | None:
     return None
 
 
+def gguf_kind(path: str | None) -> str:
+    """The GGUF's precision as its file name says it (`SmolLM2-135M-Instruct.Q4_1.gguf`: Q4_1),
+    else "GGUF"."""
+    stem = Path(path or "").stem
+    return stem.rsplit(".", 1)[1] if "." in stem else "GGUF"
+
+
 def _run(python: str, script: str, cfg: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """One peer's runner in its interpreter: its figures, or {"absent": reason}."""
     if not Path(python).is_file():
@@ -262,8 +270,9 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
             result["vLLM-CPU fp32"] = _run(args.vllm_python, _VLLM, cfg, args.timeout_s)
         elif peer == "llama.cpp":
             gguf = _gguf(model_dir, args.gguf)
-            progress("llama.cpp Q4_1")
-            result["llama.cpp Q4_1"] = (
+            name = f"llama.cpp {gguf_kind(gguf)}"
+            progress(name)
+            result[name] = (
                 {"absent": "no GGUF (--gguf)"}
                 if gguf is None
                 else _run(args.llama_python, _LLAMA, {**base, "gguf": gguf}, args.timeout_s)

@@ -16,7 +16,7 @@ def test_transformers_runs_and_an_absent_peer_says_why(tiny_llama: Path, capsys)
     argv += ["--workloads", "W1,W2", "--threads", "1", "--reps", "1", "--json"]
     argv += ["--transformers-dtypes", "float32"]  # one process: each imports torch (seconds)
     argv += ["--vllm-python", "/nonexistent/python", "--llama-python", "/nonexistent/python"]
-    rc = peers.main([*argv, "--gguf", "/nonexistent/model.gguf"])
+    rc = peers.main([*argv, "--gguf", "/nonexistent/model.Q4_1.gguf"])
     assert rc == 0
     result = json.loads(capsys.readouterr().out)
     r = result["transformers float32"]
