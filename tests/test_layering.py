@@ -136,6 +136,7 @@ COMPONENT_BENCHMARKS = {
     "bench/linear_rows.py": {"engine"},
     "bench/kernel_ab.py": {"engine"},
     "bench/attention_ab.py": {"engine"},
+    "bench/decode_ab.py": {"engine"},
     "bench/kvtransfer.py": {"kvtransfer"},
     "bench/kv_tiers.py": {"engine"},
     "bench/kv_int8.py": {"engine"},
