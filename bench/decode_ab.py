@@ -231,6 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def say(msg: str) -> None:
         print(f"[decode_ab] {msg}", file=sys.stderr, flush=True)
 
+    machine = machine_info(args.threads)  # its load figure is the load at the start
     tokens = args.prompt_len + args.rounds * args.steps + 16
     engines: dict[str, Any] = {}
     for cfg in args.config_list:
@@ -249,7 +250,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"prefill {args.prefill_len}", summarize(prefill(engines, args, say), args.prefill_len)
         )
     return {
-        "machine": machine_info(args.threads),
+        "machine": machine,
         "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
         "clock": args.clock,
         "model": args.model,
