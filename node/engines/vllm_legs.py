@@ -17,7 +17,7 @@ The gateway drives these legs exactly as it drives native ones (DESIGN §1):
 
 Nothing here is vLLM-specific code: only the role API (node.legs) and the engine interface
 (`handles_kv_transfer`, the typed `kv_transfer_params` of `add_request` and of the finishing
-`Delta`; node.engines.vllm turns them into vLLM's dict and back).
+`Delta`; node.engines.vllm_sampling turns them into vLLM's dict and back).
 """
 
 from __future__ import annotations

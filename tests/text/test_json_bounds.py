@@ -154,7 +154,7 @@ def test_the_grammar_is_the_cut_one_and_the_same_on_every_call() -> None:
 
 
 def test_bounded_spec_is_the_spec_unless_cut() -> None:
-    """vLLM nodes take the schema as text (node/engines/vllm.py)."""
+    """vLLM nodes take the schema as text (node/engines/vllm_sampling.py)."""
     spec = canonical_schema(CORPUS["person"])
     assert bounded_spec(spec) is spec
     cut = json.loads(bounded_spec(canonical_schema(CORPUS["bounded_number"])))

@@ -11,7 +11,7 @@ from protocol.sampling import SamplingParams
 def test_sampling_params_map_onto_vllms(need_vllm: None) -> None:
     from vllm.sampling_params import RequestOutputKind
 
-    from node.engines.vllm import vllm_sampling
+    from node.engines.vllm_sampling import vllm_sampling
 
     p = SamplingParams(
         max_tokens=7,
@@ -49,7 +49,7 @@ def test_penalties_and_guides_map_onto_vllms(need_vllm: None) -> None:
     StructuredOutputsParams with exactly one constraint set (vLLM refuses zero or several)."""
     import json
 
-    from node.engines.vllm import vllm_sampling
+    from node.engines.vllm_sampling import vllm_sampling
     from protocol.structured import Guide, GuideKind
 
     p = SamplingParams(
