@@ -2,7 +2,7 @@
 
 Starts a token-echo node and a `duet gateway` with tracing off under cProfile, sends
 `--requests` sequential streamed completions, stops the gateway (which writes its profile) and
-reports how many calls per request went into `runtime/tracing.py` and what share of the
+reports how many calls per request went into `runtime/tracing/` and what share of the
 gateway's profiled time they took. cProfile inflates small functions, so the share is an upper
 bound. `python -m bench.gateway --traced --otlp` measures the other side: tracing on, with and
 without an OTLP exporter.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import pstats
 import secrets
 import sys
@@ -26,7 +27,8 @@ from bench.gateway import PROMPT, _admin, _stream, _write_config
 from bench.procs import Proc, free_port, running
 from runtime.models import DEFAULT_MODEL, resolve_model
 
-TRACING_FILE = "runtime/tracing.py"
+#: the tracing package's files, as a profile names them
+TRACING_DIR = f"{os.sep}runtime{os.sep}tracing{os.sep}"
 
 
 def run(requests: int, tokenizer: str) -> dict[str, Any]:
@@ -86,7 +88,7 @@ def run(requests: int, tokenizer: str) -> dict[str, Any]:
         calls: dict[str, int] = {}
         seconds = 0.0
         for (path, _, name), (_, ncalls, tottime, _, _) in stats.stats.items():  # type: ignore[attr-defined]
-            if path.endswith(TRACING_FILE):
+            if TRACING_DIR in path:
                 calls[name] = calls.get(name, 0) + ncalls
                 seconds += tottime
         total = stats.total_tt  # type: ignore[attr-defined]
@@ -120,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(
             f"tracing off, {out['requests']} requests: {out['tracing_calls_per_request']} calls per request into "
-            f"{TRACING_FILE}, {out['tracing_us_per_request']} µs per request, {out['tracing_share']:.3%} of the "
+            f"runtime/tracing/, {out['tracing_us_per_request']} µs per request, {out['tracing_share']:.3%} of the "
             f"gateway's profiled time (cProfile: an upper bound)"
         )
     return 0

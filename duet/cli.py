@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if getattr(
         args, "trace", False
-    ):  # runtime/tracing.py reads it; `duet up`'s children inherit it
+    ):  # runtime/tracing/config.py reads it; `duet up`'s children inherit it
         os.environ["DUET_TRACING"] = "1"
     try:
         return int(args.func(args) or 0)

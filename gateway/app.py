@@ -213,7 +213,7 @@ def make_app(config: GatewayConfig) -> web.Application:
     store = open_store(config.store_url, batch_wiring.data_dir(config))
     metrics = GatewayMetrics()
     tracing = setup("duet-gateway", from_env(DEFAULT_RING, config.tracing))
-    # public endpoints: a client's traceparent is a link, never the parent (runtime/tracing.py)
+    # public endpoints: a client's traceparent is a link, never the parent (runtime/tracing/)
     tracing.install(app, after=_request_id, trust_parent=False)
     app.cleanup_ctx.append(_lifecycle(config, store, metrics, tracing))
     if config.batch.enabled:  # after _lifecycle: the runner needs the gateway's state

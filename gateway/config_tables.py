@@ -327,7 +327,7 @@ class BatchSettings(BatchLimits):
 class GatewayConfig:
     models: dict[str, ModelConfig]
     store_url: str = ""
-    #: OpenTelemetry ([tracing]: enabled, endpoint, ring_size, sample_ratio; runtime/tracing.py)
+    #: OpenTelemetry ([tracing]: enabled, endpoint, ring_size, sample_ratio; runtime/tracing/)
     tracing: TracingConfig = field(default_factory=TracingConfig)
     server: ServerConfig = ServerConfig()
     routing: RoutingConfig = RoutingConfig()

@@ -1,7 +1,7 @@
 """`GET /spans?trace_id=<32 hex>`: this node's recent spans of one trace, for the console's
 request view (gateway/console/node_spans.py merges them under the gateway's leg spans).
 
-When tracing is on a node keeps its last NODE_RING finished spans in memory (runtime/tracing.py's
+When tracing is on a node keeps its last NODE_RING finished spans in memory (runtime/tracing's
 `SpanRing`, beside any OTLP export), so one request's P and D spans are seen without a collector.
 
 Invariants: an internal endpoint like the legs — the cluster secret's middleware refuses it

@@ -116,7 +116,7 @@ class PlaneSecurity:
     ) -> aiohttp.ClientSession:
         """A session for the internal plane only: every request carries the secret. (Never for a
         session that also reaches third parties: the gateway adds `headers` per request.)
-        `trace_configs`: runtime/tracing.py's, so the session's requests carry `traceparent`."""
+        `trace_configs`: runtime.tracing's, so the session's requests carry `traceparent`."""
         return aiohttp.ClientSession(
             headers=self.headers,
             trace_configs=trace_configs,

@@ -1,5 +1,5 @@
 """The request pipeline's spans, one helper per stage, so the pipeline reads as its steps and
-not as its tracing (OTel's GenAI semantic conventions, runtime/tracing.py). Every helper is a
+not as its tracing (OTel's GenAI semantic conventions, runtime/tracing/names.py). Every helper is a
 no-op when tracing is off.
 
 - `Stage`: a span around one step of the pipeline (tokenize, reserve), with `set` for what the
