@@ -134,7 +134,7 @@ def _case(name: str, dtype, args: argparse.Namespace) -> tuple[Callable[[Any], A
         p = _Pool(dtype, ctxs, 0)
         nd = p.md.num_decode
 
-        def call(lib):
+        def call(lib: Any) -> Any:
             lib.paged_attention(
                 p.step.ptr,
                 0,
@@ -154,7 +154,7 @@ def _case(name: str, dtype, args: argparse.Namespace) -> tuple[Callable[[Any], A
         # the K/V of the prompt are in the pool already (rope_store ran)
         p.step.struct.num_tokens = t
 
-        def call(lib):
+        def call(lib: Any) -> Any:
             lib.prefill_attention(
                 p.step.ptr,
                 0,
@@ -172,7 +172,7 @@ def _case(name: str, dtype, args: argparse.Namespace) -> tuple[Callable[[Any], A
         p = _Pool(dtype, [], args.prefill_len)
         src = p.qkv.clone()
 
-        def call(lib):
+        def call(lib: Any) -> Any:
             p.qkv.copy_(src)
             lib.rope_store(p.step.ptr, 0, p.qkv.data_ptr(), p.qkv.stride(0))
             return p.qkv.clone()
@@ -188,7 +188,7 @@ def _case(name: str, dtype, args: argparse.Namespace) -> tuple[Callable[[Any], A
     act = torch.empty(rows, INTER, dtype=dtype)
     bf16 = dtype == torch.bfloat16
 
-    def call(lib):
+    def norms(lib: Any) -> Any:
         h = h0.clone()
         if bf16:
             lib.res_norm_f32(
@@ -202,7 +202,7 @@ def _case(name: str, dtype, args: argparse.Namespace) -> tuple[Callable[[Any], A
             lib.silu_mul_f32(gu.data_ptr(), act.data_ptr(), rows, INTER)
         return torch.cat([h.flatten(), x.float().flatten(), act.float().flatten()])
 
-    return call, 0
+    return norms, 0
 
 
 def compare(

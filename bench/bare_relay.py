@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import resource
+from collections.abc import AsyncIterator
 
 import aiohttp
 import uvloop
@@ -42,7 +43,7 @@ def make_app(node: str) -> web.Application:
     app = web.Application()
     app[NODE] = node.rstrip("/")
 
-    async def session(app: web.Application):  # type: ignore[no-untyped-def]
+    async def session(app: web.Application) -> AsyncIterator[None]:
         app[SESSION] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
         yield
         await app[SESSION].close()

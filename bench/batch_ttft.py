@@ -146,7 +146,7 @@ class _Gateway:
             data = await r.json()
             if r.status != 200:
                 raise RuntimeError(f"{method} {path}: {r.status} {data}")
-            return data  # type: ignore[no-any-return]
+            return data
 
 
 async def _interactive(g: _Gateway, a: argparse.Namespace, name: str, seed: int) -> list[float]:
@@ -272,7 +272,7 @@ def _admin(url: str, admin: str, path: str, body: dict[str, Any]) -> dict[str, A
         headers={"Authorization": f"Bearer {admin}", "Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())  # type: ignore[no-any-return]
+        return json.loads(r.read())
 
 
 def _own_cluster(a: argparse.Namespace) -> dict[str, Any]:

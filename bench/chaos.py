@@ -521,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"no running duet up in {home}: nothing to kill (give --home, or --kill-every 0)"
                     )
                     return 2
-                home = None  # type: ignore[assignment]
+                home = None
         key = a.api_key or (home and (home / "up" / "dev.key").read_text().strip())
         if not key:
             _say("no API key: give --api-key")

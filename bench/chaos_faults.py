@@ -106,7 +106,8 @@ class DiskTrap:
     only the store (gateway.db and its WAL) runs out of space when `fill()` takes the rest."""
 
     def __init__(self, home: Path, size_mib: int = 32) -> None:
-        self.home, self.mounts = home, []
+        self.home = home
+        self.mounts: list[Path] = []
         self._mount(home, f"size={size_mib}m")
         for sub in ("logs", "up", "etcd"):
             (home / sub).mkdir(exist_ok=True)

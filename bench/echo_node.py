@@ -123,6 +123,12 @@ async def ok(_: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "aborted": False})
 
 
+async def metrics(r: web.Request) -> web.Response:
+    """The streams open now and the most open at once (Prometheus' text format)."""
+    now, most = r.app[OPEN]
+    return web.Response(text=f"echo_streams_open {now}\necho_streams_open_max {most}\n")
+
+
 def make_app(delay: float, first: float = 0.0) -> web.Application:
     app = web.Application()
     app[DELAY] = delay
@@ -131,12 +137,7 @@ def make_app(delay: float, first: float = 0.0) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/abort", ok)
     app.router.add_get("/health", ok)
-    app.router.add_get(
-        "/metrics",
-        lambda r: web.Response(
-            text=f"echo_streams_open {r.app[OPEN][0]}\necho_streams_open_max {r.app[OPEN][1]}\n"
-        ),
-    )
+    app.router.add_get("/metrics", metrics)
     return app
 
 

@@ -12,11 +12,28 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from bench.flops import ModelShape
 from bench.stats import spread
 from bench.workload import WorkItem, random_prompt, summarize
+
+if TYPE_CHECKING:
+    from engine.config import Quantization
+
+
+def quantization(scheme: str) -> Quantization | None:
+    """A bench's scheme name as EngineConfig takes it: "none" is no quantization, any other
+    name must be one of engine.config's Quantization."""
+    from engine.config import Quantization
+
+    if scheme == "none":
+        return None
+    for q in get_args(Quantization):
+        if q == scheme:
+            return q  # get_args gives the Literal's names (typed Any)
+    raise ValueError(f"unknown quantization scheme {scheme!r}")
+
 
 Progress = Callable[[str], None]
 
@@ -218,7 +235,7 @@ def _static_groups(items: list[WorkItem], batch: int, t0: float):
         if pending[0][1].arrival_s > now:
             time.sleep(pending[0][1].arrival_s - now)
             continue
-        group = []
+        group: list[tuple[int, WorkItem]] = []
         while pending and pending[0][1].arrival_s <= now and len(group) < batch:
             group.append(pending.popleft())
         yield group

@@ -107,7 +107,7 @@ def _engine(args: argparse.Namespace, scheme: str):
             enable_prefix_caching=False,
             num_kv_blocks=blocks,
             max_model_len=1024,
-            quantization=None if scheme == "none" else scheme,
+            quantization=engine_runs.quantization(scheme),
         )
     )
 
@@ -268,7 +268,7 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
         progress(f"{scheme}: loading")
         engines[scheme] = _engine(args, scheme)
     w1 = _w1_interleaved(engines, args, progress) if "W1" in work else {}
-    w2 = {}
+    w2: dict[str, Any] = {}
     if "W2" in work:
         w2, read_gbps = _w2_interleaved(engines, args, progress)
         result["machine"]["read_gbps"] = round(read_gbps, 2)

@@ -166,7 +166,7 @@ async def _overhead(
     traced: dict[str, tuple[str, str]] | None = None,
 ) -> dict[str, Any]:
     """`traced`: path name -> (url, key) of the gateways with tracing on, more paths."""
-    paths = {
+    paths: dict[str, tuple[str, dict[str, Any], dict[str, str]]] = {
         "node": (node, {"prompt": ids}, {}),
         "gateway": (gw, {"model": "echo", "prompt": PROMPT}, {"Authorization": f"Bearer {key}"}),
         "bare_relay": (relay, {"prompt": ids}, {}),
@@ -338,7 +338,7 @@ static = {{ both = [{json.dumps(slow)}] }}
 def _postgres(tmp: Path) -> Iterator[str]:
     """A PostgreSQL server for the run (pgserver ships one); its URL."""
     try:
-        import pgserver  # type: ignore[import-untyped]
+        import pgserver
     except ImportError:
         raise SystemExit("--store postgres needs pgserver (pip install -e .[test])") from None
     srv = pgserver.get_server(tmp / "pg", cleanup_mode="stop")
@@ -358,7 +358,7 @@ def _admin(url: str, admin: str, path: str, body: dict[str, Any]) -> dict[str, A
         headers={"Authorization": f"Bearer {admin}", "Content-Type": "application/json"},
     )
     with urllib.request.urlopen(req, timeout=30) as r:
-        return json.loads(r.read())  # type: ignore[no-any-return]
+        return json.loads(r.read())
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

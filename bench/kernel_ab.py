@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import engine_runs
 from bench.flops import machine_info
 from bench.linear_rows import _FLUSH_BYTES, _in_features, _linears
 
@@ -152,7 +153,7 @@ def _engine(model: str, scheme: str, threads: int | None, dtype: str = "bfloat16
             enable_prefix_caching=False,
             num_kv_blocks=80,
             max_model_len=1024,
-            quantization=None if scheme == "none" else scheme,
+            quantization=engine_runs.quantization(scheme),
         )
     )
 
@@ -180,7 +181,11 @@ def compare(
 
     def row(lin) -> Any:
         if isinstance(lin, LogitsHead):
-            width = lin.q.in_features if lin.q is not None else lin.weight.shape[1]
+            if lin.q is not None:
+                width = lin.q.in_features
+            else:
+                assert lin.weight is not None  # a head keeps its weight or its quantized copy
+                width = lin.weight.shape[1]
             return torch.randn(rows, width, generator=g)
         return torch.randn(rows, _in_features(lin), generator=g).to(dtype or torch.bfloat16)
 

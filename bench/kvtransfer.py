@@ -38,7 +38,7 @@ from bench.stats import spread
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
-SMOLLM2_KV = {
+SMOLLM2_KV: dict[str, Any] = {
     "num_layers": 30,
     "num_kv_heads": 3,
     "head_dim": 64,

@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -169,7 +169,7 @@ def bucket_for(duration_s: float) -> float:
 def timeline(records: Sequence[RequestRecord], bucket_s: float = 1.0) -> list[dict[str, float]]:
     """Output tokens and completions per `bucket_s` of the run (from chunk arrival times; a
     request's usage count, when it differs, is spread over its chunks)."""
-    tokens: Counter[int] = Counter()
+    tokens: defaultdict[int, float] = defaultdict(float)  # a usage count spread: fractions
     done: Counter[int] = Counter()
     for r in records:
         if not r.ok or not r.chunk_s:

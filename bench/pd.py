@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     both_cpus = ",".join(sorted(set(p_cpus.split(",")) | set(d_cpus.split(",")), key=int))
     params = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
     ctx = str(max(lengths) + args.max_tokens + 64)
-    common = (
+    common: tuple[str, ...] = (
         "--dtype",
         args.dtype,
         "--max-model-len",

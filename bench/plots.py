@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 
-def _plt():  # type: ignore[no-untyped-def]
+def _plt() -> Any:  # matplotlib.pyplot, imported only when a plot is drawn
     import matplotlib
 
     matplotlib.use("Agg")

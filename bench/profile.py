@@ -36,11 +36,21 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from sim import profile as pf
+
+if TYPE_CHECKING:
+    from engine.config import Quantization
+    from engine.core import EngineCore
+    from engine.scheduler import ScheduledChunk
+
+#: a progress line to stderr
+Log = Callable[[str], None]
 
 DESCRIPTION = __doc__.split("\n\n", 1)[1]
 
@@ -133,18 +143,18 @@ def _ints(s: str) -> list[int]:
 class _Recorder:
     """Wraps the runner's `execute` of one EngineCore instance to see each step's chunks."""
 
-    def __init__(self, core) -> None:  # type: ignore[no-untyped-def]
-        self.chunks: list = []
+    def __init__(self, core: EngineCore) -> None:
+        self.chunks: list[Any] = []
         real = core.runner.execute
 
-        def execute(chunks):  # type: ignore[no-untyped-def]
+        def execute(chunks: list[ScheduledChunk]) -> Any:
             self.chunks = list(chunks)
             return real(chunks)
 
-        core.runner.execute = execute
+        core.runner.execute = execute  # type: ignore[method-assign]  # wrapped to see each step
 
 
-def _step(core, rec: _Recorder, samples: list[pf.StepSample]) -> None:  # type: ignore[no-untyped-def]
+def _step(core: EngineCore, rec: _Recorder, samples: list[pf.StepSample]) -> None:
     from sim.node import features
 
     rec.chunks = []
@@ -166,7 +176,7 @@ def _step(core, rec: _Recorder, samples: list[pf.StepSample]) -> None:  # type: 
         )
 
 
-def _measure(core, a: argparse.Namespace, log) -> list[pf.StepSample]:  # type: ignore[no-untyped-def]
+def _measure(core: EngineCore, a: argparse.Namespace, log: Log) -> list[pf.StepSample]:
     from sim.driver import Driver
 
     rec = _Recorder(core)
@@ -232,7 +242,9 @@ def _measure(core, a: argparse.Namespace, log) -> list[pf.StepSample]:  # type: 
     return samples
 
 
-def _corun(core, a: argparse.Namespace, quant: str | None, log) -> pf.CoRun:  # type: ignore[no-untyped-def]
+def _corun(
+    core: EngineCore, a: argparse.Namespace, quant: Quantization | None, log: Log
+) -> pf.CoRun:
     from sim import corun as cr
 
     return cr.measure(
@@ -247,7 +259,7 @@ def _corun(core, a: argparse.Namespace, quant: str | None, log) -> pf.CoRun:  # 
     )
 
 
-def _transport(backend: str, log) -> pf.Transport:  # type: ignore[no-untyped-def]
+def _transport(backend: str, log: Log) -> pf.Transport:
     if backend == "none":
         return pf.Transport(
             backend="none",
@@ -465,8 +477,8 @@ def refit(path: Path, threads: int) -> pf.Profile:
 
 
 def _with_overheads(
-    prof: pf.Profile, model: str | None, mode: str, requests: int, log
-) -> pf.Profile:  # type: ignore[no-untyped-def]
+    prof: pf.Profile, model: str | None, mode: str, requests: int, log: Log
+) -> pf.Profile:
     from runtime.models import DEFAULT_MODEL, resolve_model
     from sim import overheads
 

@@ -8,7 +8,14 @@ import time
 from types import TracebackType
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from bench.records import RequestRecord
 
@@ -23,7 +30,7 @@ class RunProgress:
         self.quiet = quiet
         self.ok = self.failed = 0
         self._rich: Progress | None = None
-        self._task = None
+        self._task: TaskID | None = None
         self._start = time.perf_counter()
         self._next_step = 1
         self._printed = -1

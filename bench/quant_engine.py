@@ -103,7 +103,7 @@ def _engine(args: argparse.Namespace, scheme: str, batch: int):
             enable_prefix_caching=False,
             num_kv_blocks=max(blocks, max_len // 16 + 1),
             max_model_len=max_len,
-            quantization=None if scheme == "none" else scheme,
+            quantization=engine_runs.quantization(scheme),
         )
     )
 
@@ -178,7 +178,7 @@ def profile_step(
                 for k in kinds:
                     setattr(layer, k, _Timed(orig[k], k, totals, clock))
             model.lm_head = _Timed(saved[1], "lm_head", totals, clock)
-            model.forward = _Timed(saved[2], "forward", totals, clock)  # type: ignore[method-assign]
+            model.forward = _Timed(saved[2], "forward", totals, clock)
             t0 = clock()
             for _ in range(steps):
                 eng.step()

@@ -62,7 +62,7 @@ def build(a: argparse.Namespace) -> tuple[Any, list[list[int]]]:
     from coordinator.nodes import NodeView
     from coordinator.route_config import PolicyConfig
     from coordinator.service import Coordinator, CoordinatorConfig
-    from protocol.cluster import NodeInfo
+    from protocol.cluster import NodeInfo, Role
     from protocol.kv_events import LoadFrame
 
     rng = random.Random(a.seed)
@@ -77,7 +77,7 @@ def build(a: argparse.Namespace) -> tuple[Any, list[list[int]]]:
     capacity = 10**7  # pending decisions must not fill the synthetic pools during the run
     ids = []
     for i in range(a.nodes):
-        role = "prefill" if i % 2 == 0 else "decode"
+        role: Role = "prefill" if i % 2 == 0 else "decode"
         info = NodeInfo(
             node_id=f"{role}-{i:03d}",
             role=role,
@@ -145,7 +145,9 @@ def in_process(c: Any, prompts: list[list[int]], n: int, prompt_blocks: int) -> 
     ]
     for r in reqs[:50]:  # warm-up
         c.route(r)
-    lat, cpu, outcomes = [], [], {}
+    lat: list[float] = []
+    cpu: list[float] = []
+    outcomes: dict[str, int] = {}
     perf, thread = time.perf_counter, time.thread_time
     t0 = perf()
     for i in range(n):

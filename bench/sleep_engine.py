@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"round {i + 1}: {rounds[-1]}", file=sys.stderr)
     med = {k: round(statistics.median(r[k] for r in rounds), 3) for k in rounds[0]}
-    report = {
+    summary = {
         "model": args.model,
         "dtype": core.runner.kv_layout.dtype,
         "quantization": args.quantization,
@@ -88,10 +88,10 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_info(torch.get_num_threads()),
     }
     if args.json:
-        print(json.dumps(report, indent=2))
+        print(json.dumps(summary, indent=2))
     else:
         print(
-            f"{args.model} ({report['dtype']}): sleep {med['sleep_s']:.2f} s releases "
+            f"{args.model} ({summary['dtype']}): sleep {med['sleep_s']:.2f} s releases "
             f"{med['weights_mib']:.0f} MiB of weights and {med['kv_released_mib']:.0f} MiB of KV "
             f"pool; wake {med['wake_s']:.2f} s (first request after it {med['woken_request_s']:.2f} "
             f"s against {med['awake_request_s']:.2f} s awake; a cold load took {load_s:.1f} s)"

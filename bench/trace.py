@@ -41,12 +41,12 @@ def load_trace(path: Path) -> list[TraceEntry]:
         if not line.strip():
             continue
         try:
-            e = _DEC.decode(line)
+            entry = _DEC.decode(line)
         except (msgspec.DecodeError, json.JSONDecodeError) as err:
             raise ValueError(f"{path}:{no}: not a trace entry ({err})") from None
-        if e.input_length < 1 or e.output_length < 1 or e.timestamp < 0:
+        if entry.input_length < 1 or entry.output_length < 1 or entry.timestamp < 0:
             raise ValueError(f"{path}:{no}: lengths must be positive and the timestamp >= 0")
-        entries.append(e)
+        entries.append(entry)
     if not entries:
         raise ValueError(f"{path}: the trace is empty")
     return sorted(entries, key=lambda e: e.timestamp)

@@ -83,9 +83,9 @@ def load_sharegpt(
         texts = [
             t.get("value", t.get("content")) if isinstance(t, dict) else None for t in turns[:2]
         ]
-        if not all(isinstance(t, str) for t in texts):
-            continue
         prompt, reply = texts
+        if not (isinstance(prompt, str) and isinstance(reply, str)):
+            continue
         n_in = builder.count(prompt)
         n_out = None if output_len else builder.count(reply)
         if n_in < 4 or n_in > max_prompt_len or (n_out is not None and n_out < 4):

@@ -208,6 +208,8 @@ def _config(args: argparse.Namespace):  # -> GatewayConfig
                     f"model {m.name!r} is external, but this gateway has no providers package"
                 ) from None
         if m.kind == "cluster":
+            # the config's checks refuse a cluster model without a tokenizer
+            assert m.tokenizer is not None
             resolve_model(m.tokenizer)  # an unknown model is a one-line error before we listen
             if m.static is None and not routing.coordinator and not routing.etcd:
                 raise UsageError(

@@ -20,10 +20,16 @@ import re
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from duet.errors import UsageError
+
+if TYPE_CHECKING:
+    from protocol.profile import Profile
+    from sim.plan import Capacity, Fleet, Scenario, SearchConfig
+    from sim.prices import PriceTable
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SCENARIO = ROOT / "data/scenarios/target-10k-users.toml"
@@ -130,9 +136,10 @@ def parse_layout(
     max_num_batched_tokens: int | None = None,
     one_host: bool = False,
 ):
+    from protocol.cluster import Role
     from sim.cluster import Layout, NodeGroup
 
-    roles = {"C": "both", "P": "prefill", "D": "decode"}
+    roles: dict[str, Role] = {"C": "both", "P": "prefill", "D": "decode"}
     parts = re.findall(r"(\d+)\s*([CPDcpd])", spec)
     if not parts or re.sub(r"[\d\sCPDcpd+,]", "", spec):
         raise ValueError(f"cannot read --layout {spec!r}: use e.g. 1C, 2C, 1P+1D, 2P+3D")
@@ -260,7 +267,9 @@ def _pct(d: dict[str, float]) -> str:
 
 
 # -- the search --------------------------------------------------------------------------------
-def _gpu_price(prof, table, override: float | None):  # type: ignore[no-untyped-def]
+def _gpu_price(
+    prof: Profile, table: PriceTable, override: float | None
+) -> list[tuple[str, float, str]]:
     """[(label, $/GPU-hour or $/node-hour for CPU kinds, source)] for this node kind."""
     if override is not None:
         return [("--node-price", override / max(prof.kind.gpus, 1), "given on the command line")]
@@ -357,11 +366,11 @@ def _plan(a: argparse.Namespace) -> int:
         ):
             t.add_column(col, justify="right")
         for c in caps:
-            s = c.at_capacity
-            if s is None:
+            at = c.at_capacity
+            if at is None:
                 t.add_row(c.variant.label(), "none", "-", "-", "-", "-", "-", "-", "-")
                 continue
-            lat = s.latency_ms
+            lat = at.latency_ms
             t.add_row(
                 c.variant.label(),
                 f"{c.rate:.2f}",
@@ -370,8 +379,8 @@ def _plan(a: argparse.Namespace) -> int:
                 _f(lat["p99_itl"]),
                 _f(lat["p90_e2e"]),
                 _f(lat["p50_tpot"]),
-                _pct(s.utilisation),
-                f"{s.kv_usage['max']:.0%}",
+                _pct(at.utilisation),
+                f"{at.kv_usage['max']:.0%}",
             )
         console.print(t)
         report["profiles"][prof.kind.name] = {
@@ -467,7 +476,7 @@ def _plan(a: argparse.Namespace) -> int:
         f"≥{sc.required_saving:.0%} saving needs utilisation ≥",
     ):
         t.add_column(col, justify="right")
-    comparisons = []
+    comparisons: list[dict[str, Any]] = []
     for _label, f, source in cheapest:
         for cp in table.commercial:
             api = cp.cost(i_tok, o_tok) / (i_tok + o_tok) * 1e6
@@ -545,7 +554,7 @@ def _plan(a: argparse.Namespace) -> int:
     return 0
 
 
-def _fleet_dict(f) -> dict:  # type: ignore[no-untyped-def]
+def _fleet_dict(f: Fleet) -> dict[str, Any]:
     return {
         "profile": f.profile,
         "layout": f.variant,
@@ -562,7 +571,14 @@ def _fleet_dict(f) -> dict:  # type: ignore[no-untyped-def]
     }
 
 
-def _timeline_plot(f, profiles, caps, sc, cfg, out_dir: Path) -> list[Path]:  # type: ignore[no-untyped-def]
+def _timeline_plot(
+    f: Fleet,
+    profiles: list[Profile],
+    caps: dict[str, Capacity],
+    sc: Scenario,
+    cfg: SearchConfig,
+    out_dir: Path,
+) -> list[Path]:
     """Queue depth and KV use of the cheapest fleet's cell at its capacity."""
     from sim import plots
     from sim.run import simulate

@@ -341,7 +341,8 @@ def _node_children(
         cfg = replace(cfg, threads=cfg.threads or flat_threads)
     if plan and plan[0] is None and not autoscale:
         log(f"{len(flat)} nodes on {len(avail)} CPUs: not pinning (fewer CPUs than nodes)")
-    children, counters = [], {}
+    children = []
+    counters: dict[str, int] = {}
     for (g, _), cpus in zip(flat, plan, strict=True):
         k = counters[g.role] = counters.get(g.role, -1) + 1
         pinned = g.cpus or (cpu_list(cpus) if cpus else None)
@@ -657,8 +658,9 @@ def _run(args: argparse.Namespace) -> int:
         )
     if not args.netns:  # a namespace's address is its own: nothing else listens there
         _check_port_free(cfg.gateway.host, cfg.gateway.port)
-    served = {m: _ensure_model(m) for m in cfg.models()}
-    if None in served.values():
+    pulled = {m: _ensure_model(m) for m in cfg.models()}
+    served = {m: name for m, name in pulled.items() if name is not None}
+    if len(served) < len(pulled):  # a pull failed (said on stderr)
         return 1
 
     def log(msg: str) -> None:
@@ -751,7 +753,7 @@ def _run(args: argparse.Namespace) -> int:
             )
         )
     nodes = _node_children(cfg, home, etcd_url, log, max_nodes if autoscale else 0, net.host)
-    node_urls = [(m, role, c.health_url.removesuffix("/health")) for c, (m, role) in nodes]  # type: ignore[union-attr]
+    node_urls = [(m, role, c.health_url.removesuffix("/health")) for c, (m, role) in nodes]
     nodes = [c for c, _ in nodes]
     gw_host = "127.0.0.1" if cfg.gateway.host in ("0.0.0.0", "::", "") else cfg.gateway.host
     gw_url = f"http://{gw_host}:{cfg.gateway.port}"
@@ -790,7 +792,7 @@ def _run(args: argparse.Namespace) -> int:
         "children": [],
         "gateways": [c.health_url.removesuffix("/health") for c in gateways],
         "netns": net.state(),
-    }  # type: ignore[union-attr]
+    }
 
     def changed(sup: Supervisor) -> None:
         """Every child started so far, with its supervision state, for `duet status`."""

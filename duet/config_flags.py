@@ -75,7 +75,8 @@ def field_docs(cls: type) -> dict[str, str]:
     docs: dict[str, str] = {}
     for stmt in klass.body:
         if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
-            above, i = [], stmt.lineno - 2
+            above: list[str] = []
+            i = stmt.lineno - 2
             while i >= 0 and lines[i].strip().startswith("#:"):
                 above.insert(0, lines[i].strip()[2:].strip())
                 i -= 1
@@ -216,17 +217,19 @@ class _DeprecatedAlias(argparse.Action):
     space (`--planner-set actuator=`) hands that flag the old flag's value after the text."""
 
     def __init__(self, option_strings: list[str], dest: str, *, target: argparse.Action, new: str):
+        # argparse may also name a type by a string it registered; duet's flags give callables
+        convert = None if isinstance(target.type, str) else target.type
         super().__init__(
             option_strings,
             dest,
             nargs=target.nargs,
-            type=target.type if " " not in new else None,
+            type=convert if " " not in new else None,
             choices=target.choices if " " not in new else None,
             default=argparse.SUPPRESS,
             metavar=target.metavar,
             help=argparse.SUPPRESS,
         )
-        self.target, self.new = target, new
+        self.target, self.new, self.convert = target, new, convert
 
     def __call__(
         self,
@@ -241,7 +244,7 @@ class _DeprecatedAlias(argparse.Action):
             print(f"duet: {option_string} is deprecated, use {self.new}", file=sys.stderr)
         if head:
             values = head + values
-            values = self.target.type(values) if self.target.type else values
+            values = self.convert(values) if self.convert else values
         self.target(parser, namespace, values, flag)
 
 

@@ -406,6 +406,8 @@ class Supervisor:
     def _answers(c: Child) -> bool:
         """Liveness, not readiness: any HTTP answer (a draining node's 503 included) proves the
         process is not hung; only silence (refused, reset, timed out) does not."""
+        if c.health_url is None:  # nothing to ask (only children with a health URL are probed)
+            return False
         try:
             with entered(c.netns), urllib.request.urlopen(c.health_url, timeout=2):
                 return True

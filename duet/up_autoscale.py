@@ -94,7 +94,7 @@ class Autoscale:
         it (Future's state changes under its lock), so a call cannot run after a 503."""
         fut = self.sup.call(fn)
         try:
-            return fut.result(self.call_timeout)  # type: ignore[no-any-return]
+            return fut.result(self.call_timeout)
         except FutureTimeout:
             if fut.cancel():
                 raise SupervisorBusy(what) from None
@@ -102,7 +102,7 @@ class Autoscale:
         self.sup.say(
             f"{what}: the supervisor took it after more than {self.call_timeout:g} s; waiting for it"
         )
-        return fut.result()  # type: ignore[no-any-return]
+        return fut.result()
 
     def start(self, req: ScaleOut) -> tuple[int, msgspec.Struct]:
         from duet.cmd_up import node_child

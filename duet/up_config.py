@@ -328,7 +328,8 @@ def plan_cpus(n_nodes: int, cpus: list[int]) -> list[list[int] | None]:
     if n_nodes == 0 or len(cpus) < n_nodes:
         return [None] * n_nodes
     share, extra = divmod(len(cpus), n_nodes)
-    out, i = [], 0
+    out: list[list[int] | None] = []
+    i = 0
     for k in range(n_nodes):
         n = share + (1 if k < extra else 0)
         out.append(cpus[i : i + n])

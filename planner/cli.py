@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from planner.config import PlannerMode, StepCost, load_config
@@ -52,7 +52,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def from_args(
     args: argparse.Namespace, security: PlaneSecurity
-) -> Callable[[Any], Awaitable[None]] | None:
+) -> Callable[[Any], Coroutine[Any, Any, None]] | None:
     """The planner as a coordinator background task, or None when it is off. Raises
     ValueError on a bad configuration (the CLI turns it into a usage error). `security`: the
     coordinator's own plane settings — the drains go out with its cluster secret and trust its

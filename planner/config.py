@@ -171,7 +171,7 @@ def load_config(
             raise ValueError(f"no planner config file {path}") from None
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"{path}: {e}") from None
-        raw = data.get("planner", data)  # type: ignore[assignment]  # a TOML table is a dict
+        raw = data.get("planner", data)
     apply_sets(raw, sets)
     raw.update({k: v for k, v in overrides.items() if v is not None})
     try:

@@ -109,7 +109,7 @@ class _Window:
 
     def mean(self, p: PoolLoad) -> PoolLoad:
         n = len(self.samples)
-        busy = [s[5] for s in self.samples]
+        busy = [s[5] for s in self.samples if s[5] is not None]
         return PoolLoad(
             p.key,
             replicas=p.replicas,
@@ -119,9 +119,9 @@ class _Window:
             kv_usage=sum(s[3] for s in self.samples) / n,
             queued_prefill_tokens=sum(s[4] for s in self.samples) / n,
             candidates=p.candidates,
-            busy=None if None in busy else sum(busy) / n,
+            busy=sum(busy) / n if len(busy) == n else None,
             busy_window_s=p.busy_window_s,
-        )  # type: ignore[arg-type]
+        )
 
     def span(self) -> float:
         return self.samples[-1][0] - self.samples[0][0] if self.samples else 0.0

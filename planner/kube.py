@@ -124,7 +124,9 @@ class KubernetesActuator:
         scale = await asyncio.to_thread(
             self.apps.read_namespaced_deployment_scale, name, self.namespace
         )
-        return int(scale.spec.replicas or 0), str((scale.status and scale.status.selector) or "")
+        return int((scale.spec and scale.spec.replicas) or 0), str(
+            (scale.status and scale.status.selector) or ""
+        )
 
     async def _pods(self, selector: str) -> list[PodState]:
         """The Deployment's pods not already being deleted (none when the selector is unknown)."""
@@ -133,7 +135,9 @@ class KubernetesActuator:
         pods = await asyncio.to_thread(
             self.core.list_namespaced_pod, self.namespace, label_selector=selector
         )
-        return [PodState.of(p) for p in pods.items if not p.metadata.deletion_timestamp]
+        return [
+            PodState.of(p) for p in pods.items if not (p.metadata and p.metadata.deletion_timestamp)
+        ]
 
     async def _not_ready(self, pod: str) -> bool:
         """Wait until `pod` reads not Ready (its readiness probe saw the drain); False on timeout."""
@@ -157,7 +161,7 @@ class KubernetesActuator:
             dry_run="All" if dry_run else None,
             _content_type=MERGE_PATCH,
         )
-        return int(scale.spec.replicas or 0)
+        return int((scale.spec and scale.spec.replicas) or 0)
 
     async def _mark_victim(self, pod: str, mark: bool = True) -> None:
         """Put the victim first in the ReplicaSet's ranking (`mark`), or take that off (a merge

@@ -20,6 +20,7 @@ from functools import lru_cache
 from planner.config import PlannerConfig, TierSLO
 from planner.forecast import Forecast
 from planner.pools import PoolKey
+from protocol.cluster import Role
 
 log = logging.getLogger("duet.planner")
 
@@ -36,7 +37,7 @@ class SimSizer:
     def __init__(self, profile_path: str, headroom: float = 1.2, sim_requests: int = 200) -> None:
         from protocol.profile import load
 
-        self.profile = load(profile_path)  # type: ignore[arg-type]
+        self.profile = load(profile_path)
         self.headroom = headroom
         self.sim_requests = sim_requests
         self.simulations = 0
@@ -58,7 +59,7 @@ class SimSizer:
 
     def _probe(
         self,
-        counts: dict[str, int],
+        counts: dict[Role, int],
         rate: float,
         isl: float,
         osl: float,
@@ -111,7 +112,7 @@ class SimSizer:
     ) -> tuple[tuple[str, int], ...]:
         rate, isl, osl, hit = key
         b = dict(bounds)
-        roles = ("both",) if colocated else ("prefill", "decode")
+        roles: tuple[Role, ...] = ("both",) if colocated else ("prefill", "decode")
         counts = {r: max(1, b.get(r, (1, 1))[0]) for r in roles}
         if rate <= 0:
             return tuple(counts.items())
@@ -128,7 +129,7 @@ class SimSizer:
                     "; ".join(why),
                 )
                 break
-            best: tuple[bool, float, list[str], dict[str, int]] | None = None
+            best: tuple[bool, float, list[str], dict[Role, int]] | None = None
             for r in growable:
                 trial = {**counts, r: counts[r] + 1}
                 t_ok, worst, t_why = self._probe(trial, rate, isl, osl, hit, slo, tier)

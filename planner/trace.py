@@ -70,7 +70,7 @@ def load_trace(path: Path) -> Trace:
         ticks,
         rates,
         float(head.get("latency_window_s", 30)),
-    )  # type: ignore[arg-type]
+    )
 
 
 @dataclass

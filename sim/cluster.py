@@ -32,7 +32,7 @@ from gateway.config import TierConfig
 from gateway.metrics import GatewayMetrics
 from gateway.serving.tiers import Admission, Shed
 from protocol.block_hash import block_hashes
-from protocol.cluster import NodeInfo
+from protocol.cluster import NodeInfo, Role
 from protocol.kv_events import LOAD_INTERVAL_S
 from protocol.openai import APIError
 from protocol.route import RouteRequest
@@ -50,7 +50,7 @@ MODEL = "sim-model"
 
 @dataclass(frozen=True)
 class NodeGroup:
-    role: str  # "both" | "prefill" | "decode"
+    role: Role
     count: int
     pool: str = "shared"
 

@@ -27,9 +27,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from protocol.profile import CoRun, CoRunShape, Provenance
 from sim.driver import Driver
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig, Quantization
+    from engine.core import EngineCore
 
 READY = "corun-neighbour-ready"
 
@@ -38,11 +43,11 @@ def _config(
     model: str,
     dtype: str,
     threads: int,
-    quantization: str | None,
+    quantization: Quantization | None,
     kv_memory: str,
     max_model_len: int,
     max_num_batched_tokens: int,
-):  # -> EngineConfig
+) -> EngineConfig:
     from engine.config import EngineConfig
 
     return EngineConfig(
@@ -61,18 +66,18 @@ def _config(
 
 
 def measure(
-    core,
+    core: EngineCore,
     *,
     model: str,
     dtype: str,
     threads: int,
-    quantization: str | None,
+    quantization: Quantization | None,
     kv_memory: str,
     max_model_len: int,
     log: Callable[[str], None],
     reps: int = 9,
     timeout_s: float = 300.0,
-) -> CoRun:  # type: ignore[no-untyped-def]
+) -> CoRun:
     chunk = core.config.max_num_batched_tokens
     d = Driver(core, seed=1)
     for _ in range(2):  # warm: the first steps of each shape allocate

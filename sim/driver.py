@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import random
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.core import EngineCore
 
 #: the decode shape of the co-run measurement: sequences and their context
 DECODE_SEQS, DECODE_CTX = 8, 256
@@ -17,7 +21,7 @@ DECODE_SEQS, DECODE_CTX = 8, 256
 class Driver:
     """Adds random-token requests to a core and times its steps by CPU clock."""
 
-    def __init__(self, core, seed: int) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, core: EngineCore, seed: int) -> None:
         self.core = core
         self.rng = random.Random(seed)
         self.n = 0

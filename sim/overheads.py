@@ -145,7 +145,7 @@ def run_shape(
     with ContentionMeter() as meter:
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     d, wall = procstat.snapshot(parts) - s0, time.perf_counter() - t0
-    k1 = node_counters(parts, headers) if k0 else {}
+    k1 = node_counters(parts, headers) if headers is not None and k0 else {}
     steps = (
         int(k1.get("duet:engine_decode_steps", 0) - k0.get("duet:engine_decode_steps", 0))
         if k1
@@ -253,7 +253,7 @@ def derive(
         f"{gw_tok * 1e3:.2f} ms; "
         + (
             ""
-            if modelled is None
+            if modelled is None or b.decode_step_s is None  # both are known or neither
             else f"a pure decode step in the node {b.decode_step_s * 1e3:.2f} ms against the model's "
             f"{modelled * 1e3:.2f} ms (→ decode_step_factor {factor:.3f}; step thread CPU "
             f"{step_tok * 1e3:.2f} ms a token); "

@@ -15,19 +15,28 @@ from sim.plan import Fleet
 from sim.prices import CommercialPrice
 
 
+def _ttft(fleets: list[Fleet]) -> list[tuple[float, float]]:
+    """(USD an hour, p90 TTFT) of each fleet whose run measured a TTFT (one that answered
+    nothing has none to plot)."""
+    return [
+        (f.usd_per_hour, t) for f in fleets if (t := f.summary.latency_ms["p90_ttft"]) is not None
+    ]
+
+
 def pareto(points: list[Fleet], front: list[Fleet], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(8, 5))
     for name in sorted({f.profile for f in points}):
-        mine = [f for f in points if f.profile == name and f.summary.meets_slo]
+        mine = _ttft([f for f in points if f.profile == name and f.summary.meets_slo])
         ax.scatter(
-            [f.usd_per_hour for f in mine],
-            [f.summary.latency_ms["p90_ttft"] for f in mine],
+            [usd for usd, _ in mine],
+            [ttft for _, ttft in mine],
             label=name,
             alpha=0.6,
         )
+    on_front = _ttft(front)
     ax.plot(
-        [f.usd_per_hour for f in front],
-        [f.summary.latency_ms["p90_ttft"] for f in front],
+        [usd for usd, _ in on_front],
+        [ttft for _, ttft in on_front],
         "k--",
         label="Pareto front",
     )

@@ -136,11 +136,16 @@ def summarize(
     start = min((r.arrival for r in measured), default=0.0)
     end = max((r.last_token or r.arrival for r in measured), default=start)
     window = max(end - start, 1e-9)
-    ttft = [r.first_token - r.arrival for r in ok]  # type: ignore[operator]
-    tpot = [
-        (r.last_token - r.first_token) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1
-    ]  # type: ignore[operator]
-    e2e = [r.last_token - r.arrival for r in ok]  # type: ignore[operator]
+    # (arrival, first token, last token, output tokens) of each answered request: the two token
+    # times are set together (sim/cluster.py), so every request in ok has both
+    times = [
+        (r.arrival, r.first_token, r.last_token, r.output_tokens)
+        for r in ok
+        if r.first_token is not None and r.last_token is not None
+    ]
+    ttft = [first - arrival for arrival, first, _, _ in times]
+    tpot = [(last - first) / (n - 1) for _, first, last, n in times if n > 1]
+    e2e = [last - arrival for arrival, _, last, _ in times]
     lat: dict[str, float | None] = {}
     _pcts("ttft", ttft, lat)
     _pcts("tpot", tpot, lat)
@@ -153,14 +158,12 @@ def summarize(
     if slo is not None:
         good = sum(
             slo.per_request(
-                (r.first_token - r.arrival) * 1e3,  # type: ignore[operator]
-                (r.last_token - r.first_token) / (r.output_tokens - 1) * 1e3
-                if r.output_tokens > 1
-                else None,  # type: ignore[operator]
-                (r.last_token - r.arrival) * 1e3,
+                (first - arrival) * 1e3,
+                (last - first) / (n - 1) * 1e3 if n > 1 else None,
+                (last - arrival) * 1e3,
             )
-            for r in ok
-        )  # type: ignore[operator]
+            for arrival, first, last, n in times
+        )
         for key, bound in (
             ("p90_ttft", slo.ttft_p90_ms),
             ("p99_ttft", slo.ttft_p99_ms),
@@ -184,8 +187,11 @@ def summarize(
     for role, st in c.nodes.values():
         util.setdefault(role, []).append(st.busy_s / sim_end)
     samples = [s for s in c.samples if s[0] >= start]
-    gw = np.array([s[1] for s in samples] or [0.0])
-    nq = np.array([s[2] for s in samples] or [0.0])
+    # counts as the samples hold them (ints), or one 0.0 when none was taken in the window
+    waiting: list[float] = [s[1] for s in samples]
+    queued: list[float] = [s[2] for s in samples]
+    gw = np.array(waiting or [0.0])
+    nq = np.array(queued or [0.0])
     kv = np.array([s[4] for s in samples] or [0.0])
     node_hours = len(c.nodes) * window / 3600
     cost_h = None if node_price_per_hour is None else node_price_per_hour * len(c.nodes)

@@ -26,6 +26,7 @@ import numpy as np
 from bench.arrivals import send_offsets
 from bench.lengths import LengthDist, parse_length
 from bench.trace import load_trace
+from protocol.route import Tier
 
 VOCAB = 32000
 
@@ -35,7 +36,7 @@ class WorkItem:
     t: float
     prompt: list[int]
     max_tokens: int
-    tier: str = "interactive"
+    tier: Tier = "interactive"
     team: str = "default"
 
 

@@ -15,6 +15,7 @@ import copy
 import ctypes
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -51,7 +52,7 @@ def _other_lib(path: str) -> ctypes.CDLL:
     return lib
 
 
-def _on(fn: object, lib: ctypes.CDLL) -> object:
+def _on(fn: Any, lib: ctypes.CDLL) -> Any:
     """A copy of `fn` (a QLinear, or a LogitsHead over one) calling `lib`'s kernels."""
     fn = copy.copy(fn)
     if getattr(fn, "q", None) is not None:  # LogitsHead

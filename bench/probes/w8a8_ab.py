@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import time
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ def main() -> None:
                 lib: ctypes.CDLL,
                 key: str,
                 x: torch.Tensor = x,
-                f: object = f,
+                f: Any = f,
                 m: int = m,
                 outs: dict[str, torch.Tensor] = outs,
             ) -> None:
