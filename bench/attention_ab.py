@@ -60,8 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--clock",
         choices=["cpu", "wall"],
         default="cpu",
-        help="cpu: this process's CPU time (all threads; on a loaded machine it leaves out the time "
-        "the process waited for a core, which wall time does not); wall: elapsed time",
+        help="cpu: this process's CPU time (all threads; on a loaded machine it leaves out the "
+        "time the process waited for a core, which wall time does not); wall: elapsed time",
     )
     ap.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = ap.parse_args(argv)
@@ -284,8 +284,8 @@ def table(result: dict[str, Any]) -> str:
         )
     m = result["machine"]
     lines.append(
-        f"base {result['base']}; {result['clock']} time; {m.get('cpu')}, {m.get('threads')} threads, "
-        f"load average at the end {m.get('load_avg_1m_at_end')}"
+        f"base {result['base']}; {result['clock']} time; {m.get('cpu')}, {m.get('threads')} "
+        f"threads, load average at the end {m.get('load_avg_1m_at_end')}"
     )
     return "\n".join(lines)
 

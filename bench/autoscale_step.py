@@ -7,10 +7,12 @@ nodes' queues, every request's TTFT with a rolling P90 against `--slo-ttft-ms`; 
 the step to the first node added, when the pool shrank back, direction changes of the node count,
 and failed requests per phase (a scale-in must fail none).
 
-    python -m bench.autoscale_step --base-url http://127.0.0.1:8000 --coordinator http://127.0.0.1:PORT \
+    python -m bench.autoscale_step --base-url http://127.0.0.1:8000 --coordinator
+    http://127.0.0.1:PORT \
         --api-key KEY --rate 0.5 --factor 4 --phases 60,180,240 --plot docs/bench/autoscale-step.png
 
-Talks HTTP only (bench/ rules); the coordinator URL is in `duet status --json` (or $DUET_HOME/up/state.json).
+Talks HTTP only (bench/ rules); the coordinator URL is in `duet status --json` (or
+$DUET_HOME/up/state.json).
 """
 
 from __future__ import annotations
@@ -127,7 +129,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     phases = [float(x) for x in args.phases.split(",")]
     rates = [args.rate, args.rate * args.factor, args.rate]
     headers = cluster_headers(args.coordinator)
-    try:  # one read first: a refused or unreachable coordinator is the caller's to fix, not an empty plot
+    # one read first: a refused or unreachable coordinator is the caller's to fix, not an empty plot
+    try:
         _read_cluster(args.coordinator, headers)
     except urllib.error.HTTPError as e:
         hint = (

@@ -199,7 +199,8 @@ def run(args: argparse.Namespace, progress: engine_runs.Progress) -> dict[str, A
         "statistic": "median (prefill: over repeated prompts; decode: over steps), p10/p90 beside",
     }
     progress(
-        f"GEMM peaks ({args.peak_size}^3, {threads} threads): the engine's linear path in {dtype}, torch.mm"
+        f"GEMM peaks ({args.peak_size}^3, {threads} threads): the engine's linear path in {dtype}, "
+        "torch.mm"
     )
     peak, path = linear_peak_gflops(eng.dtype, args.peak_size)
     peaks = {
@@ -235,7 +236,8 @@ def run(args: argparse.Namespace, progress: engine_runs.Progress) -> dict[str, A
         r = frac(engine_runs.steady_decode(eng, shape, b, args.context, args.decode_steps, rng))
         result["decode_steady"].append(r)
         progress(
-            f"steady-state decode, {b} sequences at context {args.context}: {r['tokens_per_s']:.0f} tokens/s"
+            f"steady-state decode, {b} sequences at context {args.context}: "
+            f"{r['tokens_per_s']:.0f} tokens/s"
         )
     result["end_to_end"] = []
     for c in args.concurrency:
@@ -259,7 +261,8 @@ def run(args: argparse.Namespace, progress: engine_runs.Progress) -> dict[str, A
     worst = max(len(w.prompt) + w.output_len for w in items)
     eng = _engine(args, args.online_batch, args.online_batch * (worst + 16))
     progress(
-        f"online workload on the engine: {len(items)} requests at {args.online_rate}/s, max {args.online_batch} running"
+        f"online workload on the engine: {len(items)} requests at {args.online_rate}/s, max "
+        f"{args.online_batch} running"
     )
     online["engine"] = engine_runs.online_engine(eng, items, progress)
     progress(f"online, engine: {online['engine']['output_tokens_per_s']:.0f} output tokens/s")
@@ -282,9 +285,10 @@ def run(args: argparse.Namespace, progress: engine_runs.Progress) -> dict[str, A
         online["ratio"] = tps["engine"] / tf
         online["ratio_engine_static_over_transformers"] = tps["engine_static"] / tf
         progress(
-            f"online, transformers: {tf:.0f} output tokens/s (engine / transformers {online['ratio']:.2f}x "
-            f"= continuous batching {online['ratio_continuous_batching']:.2f}x "
-            f"x engine static / transformers {online['ratio_engine_static_over_transformers']:.2f}x)"
+            f"online, transformers: {tf:.0f} output tokens/s (engine / transformers "
+            f"{online['ratio']:.2f}x = continuous batching "
+            f"{online['ratio_continuous_batching']:.2f}x x engine static / transformers "
+            f"{online['ratio_engine_static_over_transformers']:.2f}x)"
         )
     result["online"] = online
     result["targets"] = engine_report.targets(result)

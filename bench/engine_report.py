@@ -45,10 +45,12 @@ def table(r: dict[str, Any]) -> str:
     m, c, pk = r["machine"], r["config"], r["gemm_peak_gflops"]
     mm = pk["torch_mm"]
     parts = [
-        f"engine benchmark: {c['model']} {c['dtype']} on {m['cpu']} ({m['threads']} threads, "
-        f"torch {m['torch']}, load {m['load_avg_1m_at_start']} at start, {m.get('load_avg_1m_at_end')} at end)",
+        f"engine benchmark: {c['model']} {c['dtype']} on {m['cpu']} ({m['threads']} threads, torch "
+        f"{m['torch']}, load {m['load_avg_1m_at_start']} at start, {m.get('load_avg_1m_at_end')} "
+        "at end)",
         f"GEMM peak ({pk['matmul_size']}^3, {pk['dtype']}, engine's {pk['engine_linear_path']}): "
-        f"{pk['engine_linear']:.0f} GFLOP/s; torch.mm bf16 {mm['bfloat16']:.0f}, fp32 {mm['float32']:.0f} GFLOP/s",
+        f"{pk['engine_linear']:.0f} GFLOP/s; torch.mm bf16 {mm['bfloat16']:.0f}, fp32 "
+        f"{mm['float32']:.0f} GFLOP/s",
     ]
     p = r["prefill"]
     perf = [
@@ -66,7 +68,8 @@ def table(r: dict[str, Any]) -> str:
             [
                 f"decode x{d['batch']}",
                 ctx,
-                f"{d['tokens_per_s']:.0f} ({d['tokens_per_s_p10']:.0f}-{d['tokens_per_s_p90']:.0f})",
+                f"{d['tokens_per_s']:.0f} "
+                f"({d['tokens_per_s_p10']:.0f}-{d['tokens_per_s_p90']:.0f})",
                 f"{d['gflops']:.0f}",
                 f"{d['frac_peak']:.0%}",
             ]
@@ -74,7 +77,8 @@ def table(r: dict[str, Any]) -> str:
     header = ["figure", "shape", "tokens/s (p10-p90)", "GFLOP/s", "of peak"]
     parts.append(
         _rows(
-            "\nthroughput: medians (prefill over prompts, decode over steps), p10-p90 in parentheses",
+            "\nthroughput: medians (prefill over prompts, decode over steps), p10-p90 in "
+            "parentheses",
             header,
             perf,
         )

@@ -267,7 +267,8 @@ def online_engine_static(
             eng.add_request(f"static-{i}", w.prompt, _greedy(w.output_len))
         _drain(eng, on_token)
     progress(
-        f"engine with static batches served {len(items)} requests in {max(done) - items[0].arrival_s:.1f}s"
+        f"engine with static batches served {len(items)} requests in "
+        f"{max(done) - items[0].arrival_s:.1f}s"
     )
     return _online_result(items, first, done)
 
@@ -330,6 +331,7 @@ def online_transformers(
             )
         end = time.perf_counter() - t0
         progress(
-            f"transformers: batch of {len(group)} (prompt width {width}, {new} steps) done at {end:.1f}s"
+            f"transformers: batch of {len(group)} (prompt width {width}, {new} steps) done at "
+            f"{end:.1f}s"
         )
     return _online_result(items, first, done)

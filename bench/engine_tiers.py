@@ -19,10 +19,11 @@ the figures. `--peers transformers,vllm,llama.cpp` runs bench.peers after duet i
 workload, duet's best scheme over the best peer.
 
 Each scheme gets its own in-process EngineCore (same activation dtype, KV pool, prompts from
-the same seed), all loaded at the start (W1 and W2 run them in turn, round after round; W3 one scheme after another). Reported beside the figures: each scheme's ratio to bf16 ("none") in the same
+the same seed), all loaded at the start (W1 and W2 run them in turn, round after round; W3 one
+scheme after another). Reported beside the figures: each scheme's ratio to bf16 ("none") in the same
 run, the targets (RATIO_TARGETS, ABS_TARGETS), the process CPU time of each workload, and the
-machine's load (other work on the machine skews wall-clock figures; ratios within one run are what to compare).
-Progress on stderr; a table, or one JSON object with --json, on stdout.
+machine's load (other work on the machine skews wall-clock figures; ratios within one run are what
+to compare). Progress on stderr; a table, or one JSON object with --json, on stdout.
 """
 
 from __future__ import annotations
@@ -237,8 +238,8 @@ def _w2_interleaved(
         _per_cpu_s(r, args.w2_tokens * args.w2_reps)
         roofline(r, eng, read_gbps)
         progress(
-            f"{s}: W2 single stream {r['tokens_per_s']:.1f} tokens/s ({r['of_roofline']:.0%} of the "
-            f"{r['roofline_tokens_per_s']:.0f} memory bandwidth allows; interleaved)"
+            f"{s}: W2 single stream {r['tokens_per_s']:.1f} tokens/s ({r['of_roofline']:.0%} of "
+            f"the {r['roofline_tokens_per_s']:.0f} memory bandwidth allows; interleaved)"
         )
     return out, read_gbps
 
@@ -354,6 +355,7 @@ def table(result: dict[str, Any]) -> str:
     ]
     rows = []
     for s, r in result["schemes"].items():
+        bw = r.get("W2", {})  # the bandwidth figures, when W2 ran
         rows.append(
             [
                 s,
@@ -366,7 +368,7 @@ def table(result: dict[str, Any]) -> str:
                 ],
                 *(
                     [
-                        f"{(r['W2']['weight_bytes_per_token'] + r['W2']['kv_bytes_per_token']) / 1e6:.0f}",
+                        f"{(bw['weight_bytes_per_token'] + bw['kv_bytes_per_token']) / 1e6:.0f}",
                         f"{r['W2']['of_roofline']:.0%}",
                     ]
                     if "W2" in r

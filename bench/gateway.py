@@ -99,14 +99,14 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--traced",
         action="store_true",
-        help="also a second gateway with OpenTelemetry tracing on (spans kept in its console ring, no "
-        "export), its requests interleaved with the others: tracing's cost, per request",
+        help="also a second gateway with OpenTelemetry tracing on (spans kept in its console ring, "
+        "no export), its requests interleaved with the others: tracing's cost, per request",
     )
     p.add_argument(
         "--otlp",
         action="store_true",
-        help="also a gateway with tracing on that exports every span over OTLP/HTTP (the SDK's batch "
-        "exporter) to a local receiver (bench.otlp_sink, a process of its own): the cost of "
+        help="also a gateway with tracing on that exports every span over OTLP/HTTP (the SDK's "
+        "batch exporter) to a local receiver (bench.otlp_sink, a process of its own): the cost of "
         "tracing as a deployment with Jaeger or Tempo pays it. Implies --traced",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -425,7 +425,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         procs = [node, slow, relay, gw]
         # the same gateway with tracing on, each in a store of its own: spans kept in the console's
-        # ring only ("gateway_traced"), and ring plus an OTLP exporter to a local receiver ("gateway_otlp")
+        # ring only ("gateway_traced"), and ring plus an OTLP exporter to a local receiver
+        # ("gateway_otlp")
         variants: dict[str, Proc] = {}
         sink = None
         if args.otlp:
@@ -528,10 +529,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("ttft", "latency"):
         x = o[name]
         print(
-            f"  {name:8s} node p50 {x['node']['p50_ms']} ms p99 {x['node']['p99_ms']} ms | gateway p50 "
-            f"{x['gateway']['p50_ms']} ms p99 {x['gateway']['p99_ms']} ms | overhead p50 {x['overhead_p50_ms']} ms "
-            f"p99 {x['overhead_p99_ms']} ms (target < {TARGET_P99_MS} ms: "
-            f"{'met' if o['meets_target'][name] else 'NOT met'}) | a bare relay's overhead p50 "
+            f"  {name:8s} node p50 {x['node']['p50_ms']} ms p99 {x['node']['p99_ms']} ms | gateway "
+            f"p50 {x['gateway']['p50_ms']} ms p99 {x['gateway']['p99_ms']} ms | overhead p50 "
+            f"{x['overhead_p50_ms']} ms p99 {x['overhead_p99_ms']} ms (target < {TARGET_P99_MS} "
+            f"ms: {'met' if o['meets_target'][name] else 'NOT met'}) | a bare relay's overhead p50 "
             f"{x['bare_relay_overhead_p50_ms']} ms p99 {x['bare_relay_overhead_p99_ms']} ms"
         )
         slow = ", ".join(f"{p} {v:.2%}" for p, v in x["slow_share"].items())
@@ -545,7 +546,8 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if name in cpu:
             print(
-                f"  {what}: CPU per request {cpu[name]} ms ({cpu[name] / cpu['gateway']:.2f}x the untraced "
+                f"  {what}: CPU per request {cpu[name]} ms ({cpu[name] / cpu['gateway']:.2f}x the "
+                "untraced "
                 f"gateway's), latency overhead p50 {t[f'{name}_overhead_p50_ms']} ms p99 "
                 f"{t[f'{name}_overhead_p99_ms']} ms"
             )
@@ -556,9 +558,9 @@ def main(argv: list[str] | None = None) -> int:
             f"({x['spans'] / o['requests']:.1f} spans per request)"
         )
     print(
-        f"{c['streams']} concurrent streams: {c['completed']} completed, errors {c['errors']}, wall {c['wall_s']} s, "
-        f"TTFT p50 {c['ttft']['p50_ms']} ms p99 {c['ttft']['p99_ms']} ms, {c['tokens_per_s']} tokens/s, gateway RSS "
-        f"{c['gateway_memory']}"
+        f"{c['streams']} concurrent streams: {c['completed']} completed, errors {c['errors']}, "
+        f"wall {c['wall_s']} s, TTFT p50 {c['ttft']['p50_ms']} ms p99 {c['ttft']['p99_ms']} ms, "
+        f"{c['tokens_per_s']} tokens/s, gateway RSS {c['gateway_memory']}"
     )
     return 0
 

@@ -250,8 +250,9 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
             for r in args.row_list:
                 row = compare(lins, (base, this), r, args.reps, args.seed, eng.dtype)
                 progress(
-                    f"{scheme}: {r} rows: base {row['base_ms']:.2f} ms, this {row['this_ms']:.2f} ms "
-                    f"({row['ratio']:.3f}x), outputs {'identical' if row['identical'] else 'DIFFER'}"
+                    f"{scheme}: {r} rows: base {row['base_ms']:.2f} ms, this {row['this_ms']:.2f} "
+                    f"ms ({row['ratio']:.3f}x), outputs "
+                    f"{'identical' if row['identical'] else 'DIFFER'}"
                 )
                 rows.append(row)
             _use(lins, this)
@@ -265,8 +266,8 @@ def table(result: dict[str, Any]) -> str:
     for scheme, rows in result["schemes"].items():
         for r in rows:
             lines.append(
-                f"{scheme:>10} {r['rows']:>5} {r['base_ms']:>9.2f} {r['this_ms']:>9.2f} {r['ratio']:>8.3f}x  "
-                f"{'identical' if r['identical'] else 'differ'}"
+                f"{scheme:>10} {r['rows']:>5} {r['base_ms']:>9.2f} {r['this_ms']:>9.2f} "
+                f"{r['ratio']:>8.3f}x  {'identical' if r['identical'] else 'differ'}"
             )
     m = result["machine"]
     lines.append(

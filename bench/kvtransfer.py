@@ -383,8 +383,9 @@ async def _bench_backend(backend: str, a: argparse.Namespace, log: Any) -> dict[
             log(
                 f"{backend:5s} {count:4d} blocks {row['pattern']:10s} {row['latency_ms']:9.3f} ms "
                 f"{row['gbps']:7.2f} GB/s  memcpy ({method}) {row['memcpy_gbps']:7.2f} GB/s  "
-                f"contiguous copy {row['contiguous_copy_gbps']:7.2f} GB/s  ratio {row['ratio']:.2f}  "
-                f"digest {row['digest_gbps']:6.2f} GB/s ({row['digest_share_of_transfer']:.1%})"
+                f"contiguous copy {row['contiguous_copy_gbps']:7.2f} GB/s  ratio "
+                f"{row['ratio']:.2f}  digest {row['digest_gbps']:6.2f} GB/s "
+                f"({row['digest_share_of_transfer']:.1%})"
             )
     finally:
         await transport.close()
@@ -431,7 +432,8 @@ def _sweep(a: argparse.Namespace, log: Any) -> list[dict[str, Any]]:
 
 def _table(report: dict[str, Any]) -> str:
     head = (
-        f"{'backend':8s}{'blocks':>7s} {'pattern':11s}{'MB':>8s}{'latency ms':>12s}{'p10-p90':>16s}{'GB/s':>8s}"
+        f"{'backend':8s}{'blocks':>7s} "
+        f"{'pattern':11s}{'MB':>8s}{'latency ms':>12s}{'p10-p90':>16s}{'GB/s':>8s}"
         f"{'memcpy GB/s':>13s} {'(method)':12s}{'contig GB/s':>12s}{'ratio':>7s}"
     )
     lines = [head, "-" * len(head)]
@@ -439,7 +441,8 @@ def _table(report: dict[str, Any]) -> str:
         band = f"{r['latency_p10_ms']:.3f}-{r['latency_p90_ms']:.3f}"
         lines.append(
             f"{r['backend']:8s}{r['blocks']:7d} {r['pattern']:11s}{r['bytes'] / 1e6:8.2f}"
-            f"{r['latency_ms']:12.3f}{band:>16s}{r['gbps']:8.2f}{r['memcpy_gbps']:13.2f} {r['memcpy_method']:12s}"
+            f"{r['latency_ms']:12.3f}{band:>16s}{r['gbps']:8.2f}{r['memcpy_gbps']:13.2f} "
+            f"{r['memcpy_method']:12s}"
             f"{r['contiguous_copy_gbps']:12.2f}{r['ratio']:7.2f}"
         )
     lines.append("ratio = memcpy time / transfer time (1.0: as fast as the best in-process copy)")
@@ -455,8 +458,8 @@ def _table(report: dict[str, Any]) -> str:
     t = report["target"]
     if t["nixl_min_ratio_64_plus"] is not None:
         lines.append(
-            f"target nixl >= 50% of memcpy at >= 64 blocks: min ratio {t['nixl_min_ratio_64_plus']:.2f} "
-            f"-> {'met' if t['met'] else 'NOT met'}"
+            "target nixl >= 50% of memcpy at >= 64 blocks: min ratio "
+            f"{t['nixl_min_ratio_64_plus']:.2f} -> {'met' if t['met'] else 'NOT met'}"
         )
     for s in report.get("ucx_sweep", []):
         cells = "  ".join(
@@ -490,9 +493,9 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": a.warmup,
         "statistic": "median (p10/p90 beside latency)",
         "memcpy_threads": a.memcpy_threads,
-        "memcpy": "fastest of runs_copy (one copy_ per run of blocks consecutive on both sides) and "
-        "index_copy (index_select gather + index_copy_ scatter), same block pattern and threads; "
-        "contiguous_copy: one copy_ of the same total bytes",
+        "memcpy": "fastest of runs_copy (one copy_ per run of blocks consecutive on both sides) "
+        "and index_copy (index_select gather + index_copy_ scatter), same block pattern and "
+        "threads; contiguous_copy: one copy_ of the same total bytes",
         "hugepages": not a.no_hugepages,
         "nixl_options": a.nixl_option,
         "cpus": os.cpu_count(),

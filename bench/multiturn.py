@@ -8,10 +8,10 @@ user message, after a think time drawn from an exponential of mean `--think-time
 conversations are in flight at once (a closed loop: a user starts its next conversation when
 one ends), until `--conversations` have run, `--num-requests` turns were sent or `--duration`
 passed. A turn refused for lack of capacity (503, 429) is sent again a second later, as a chat
-client would retry it; each refusal is recorded (and reported) as the failure it is. What a server can reuse is exactly what a chat client resends: the system prompt across
-a team, and a conversation's history across its turns; the working set (every conversation's
-final history, and the system prompts) is reported, to be sized against the cluster's KV
-memory.
+client would retry it; each refusal is recorded (and reported) as the failure it is. What a server
+can reuse is exactly what a chat client resends: the system prompt across a team, and a
+conversation's history across its turns; the working set (every conversation's final history, and
+the system prompts) is reported, to be sized against the cluster's KV memory.
 
 Forms: the chat endpoint sends `messages` (system, then user and assistant turns), which the
 server templates; /v1/completions sends the history as one text (`--prompt-format text`) or as

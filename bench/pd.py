@@ -358,8 +358,8 @@ def _table(rep: dict[str, Any]) -> None:
             f"{ratio['median']:.2f} ({ratio['p10']:.2f}-{ratio['p90']:.2f})"
         )
     print(
-        "other = per request, TTFT less its parts (HTTP hops, the client's two legs, SSE); xfer includes "
-        "D's reservation queue"
+        "other = per request, TTFT less its parts (HTTP hops, the client's two legs, SSE); xfer "
+        "includes D's reservation queue"
     )
 
 

@@ -319,12 +319,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def _table(rep: dict[str, Any]) -> None:
     print(
-        f"model {rep['model']}  cpus {rep['cpus']} ({rep['threads']} threads)  {rep['streams']} decode streams, {rep['long_count']} × "
-        f"{rep['long_len']}-token prompts per round, {rep['rounds']} round(s)"
+        f"model {rep['model']}  cpus {rep['cpus']} ({rep['threads']} threads)  {rep['streams']} "
+        f"decode streams, {rep['long_count']} × {rep['long_len']}-token prompts per round, "
+        f"{rep['rounds']} round(s)"
     )
     print(
-        f"{'mode':>18} | {'ITL p50':>7} {'p90':>7} {'p99':>7} {'max':>7} | {'long TTFT':>9} {'p90':>7} | "
-        f"{'node CPU s':>10} {'wall s':>7} {'of cores':>8} {'CPU ms/tok':>10} | load 1m"
+        f"{'mode':>18} | {'ITL p50':>7} {'p90':>7} {'p99':>7} {'max':>7} | {'long TTFT':>9} "
+        f"{'p90':>7} | {'node CPU s':>10} {'wall s':>7} {'of cores':>8} {'CPU ms/tok':>10} | load "
+        "1m"
     )
     for name, key in (
         ("fixed budget", "fixed"),
@@ -334,14 +336,15 @@ def _table(rep: dict[str, Any]) -> None:
         i, t = r["itl_ms"], r["long_ttft_ms"]
         loads = ", ".join(f"{a:.1f}→{b:.1f}" for a, b in r["load_avg_1m"])
         print(
-            f"{name:>18} | {i['p50']:7.1f} {i['p90']:7.1f} {i['p99']:7.1f} {i['max']:7.1f} | {t['median']:9.1f} "
-            f"{t['p90']:7.1f} | {r['node_cpu_s']:10.1f} {r['wall_s']:7.1f} {r['node_cpu_of_its_cores']:8.2f} "
-            f"{r['node_cpu_ms_per_decode_token']:10.1f} | {loads}"
+            f"{name:>18} | {i['p50']:7.1f} {i['p90']:7.1f} {i['p99']:7.1f} {i['max']:7.1f} | "
+            f"{t['median']:9.1f} {t['p90']:7.1f} | {r['node_cpu_s']:10.1f} {r['wall_s']:7.1f} "
+            f"{r['node_cpu_of_its_cores']:8.2f} {r['node_cpu_ms_per_decode_token']:10.1f} | {loads}"
         )
     q = rep["ratios_target_over_fixed"]
     print(
-        f"target / fixed: ITL p99 {q['itl_p99']:.2f}, ITL p50 {q['itl_p50']:.2f}, long TTFT {q['long_ttft_median']:.2f}, "
-        f"node CPU per decode token {q['node_cpu_ms_per_decode_token']:.2f}  (ms; ITL over the long prompts' window)"
+        f"target / fixed: ITL p99 {q['itl_p99']:.2f}, ITL p50 {q['itl_p50']:.2f}, long TTFT "
+        f"{q['long_ttft_median']:.2f}, node CPU per decode token "
+        f"{q['node_cpu_ms_per_decode_token']:.2f}  (ms; ITL over the long prompts' window)"
     )
 
 

@@ -72,8 +72,8 @@ vocab = model.config.vocab_size
 def gen(ids, n, batch=False):
     with torch.inference_mode():
         x = torch.tensor(ids if batch else [ids])
-        return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                              do_sample=False, pad_token_id=0)
+        return model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False, pad_token_id=0)
 if "W1" in cfg["workloads"]:
     p = prompt(cfg["prefill"], vocab)
     with torch.inference_mode():
@@ -128,7 +128,8 @@ _LLAMA = (
     + r"""
 from llama_cpp import Llama
 t = cfg["threads"]
-llm = Llama(model_path=cfg["gguf"], n_ctx=1024, n_batch=512, n_threads=t, n_threads_batch=t, verbose=False)
+llm = Llama(model_path=cfg["gguf"], n_ctx=1024, n_batch=512, n_threads=t, n_threads_batch=t,
+            verbose=False)
 vocab = llm.n_vocab()
 def gen(p, n):
     llm.reset()

@@ -114,14 +114,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--corun",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="time a prefill and a decode step beside a second, busy engine process of the same kind "
-        "(the slowdown of nodes sharing one machine: sim/corun.py; default on)",
+        help="time a prefill and a decode step beside a second, busy engine process of the same "
+        "kind (the slowdown of nodes sharing one machine: sim/corun.py; default on)",
     )
     p.add_argument(
         "--corun-only",
         action="store_true",
-        help="measure only the co-run factors (the node kind of --model/--dtype/--threads/--quantization) "
-        "and update the profile at --out",
+        help="measure only the co-run factors (the node kind of "
+        "--model/--dtype/--threads/--quantization) and update the profile at --out",
     )
     p.add_argument("--name", default=None, help="node kind name (default: model-dtype-quant-tN)")
     p.add_argument("--out", required=True, help="profile JSON to write")
@@ -362,21 +362,23 @@ def main(argv: list[str] | None = None) -> int:
     if existing is not None:
         if dtype != existing.kind.dtype or quant != existing.kind.quantization:
             raise SystemExit(
-                f"--corun-only: {a.out} profiles {existing.kind.dtype}/{existing.kind.quantization}, "
-                f"not {a.dtype}/{quant}"
+                f"--corun-only: {a.out} profiles "
+                f"{existing.kind.dtype}/{existing.kind.quantization}, not {a.dtype}/{quant}"
             )
         existing.corun = _corun(core, a, quant, log)
         pf.save(existing, Path(a.out))
         print(json.dumps({"corun": msgspec.to_builtins(existing.corun)}))
         return 0
     log(
-        f"engine ready: {core.model_name} {dtype} quant={quant} threads={a.threads}, KV {kv_per_token} B/token"
+        f"engine ready: {core.model_name} {dtype} quant={quant} threads={a.threads}, KV "
+        f"{kv_per_token} B/token"
     )
     samples = _measure(core, a, log)
     model, raw, ratio = fit_samples(samples, a.threads)
     log(
-        f"fitted on {len(samples)} steps: MAPE {model.fit_mape:.1%} (held out {model.holdout_mape or 0:.1%}), "
-        f"max {model.fit_max_ape:.1%}; on raw wall times: MAPE {raw.fit_mape:.1%}; contention {ratio:.2f}"
+        f"fitted on {len(samples)} steps: MAPE {model.fit_mape:.1%} (held out "
+        f"{model.holdout_mape or 0:.1%}), max {model.fit_max_ape:.1%}; on raw wall times: MAPE "
+        f"{raw.fit_mape:.1%}; contention {ratio:.2f}"
     )
     transport = _transport(a.transport, log)
     corun = _corun(core, a, quant, log) if a.corun and not a.quick else pf.CoRun()
@@ -394,8 +396,8 @@ def main(argv: list[str] | None = None) -> int:
             kv_capacity_tokens=core.pool.num_blocks * layout.block_size,
             max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens,
-            # the serving limit is a deployment choice (duet up: the model's own), not --max-model-len,
-            # which only bounds the prompts this profile times
+            # the serving limit is a deployment choice (duet up: the model's own), not
+            # --max-model-len, which only bounds the prompts this profile times
             max_model_len=core.model_config.max_position_embeddings,
         ),
         step=model,
@@ -409,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         ),
         samples=samples,
         notes=[
-            f"step samples: wall clock and CPU time around EngineCore.step on {os.cpu_count()} CPUs; load average "
+            f"step samples: wall clock and CPU time around EngineCore.step on {os.cpu_count()} "
+            "CPUs; load average "
             f"{load0:.2f} before, {os.getloadavg()[0]:.2f} after",
             *fit_notes(raw, ratio),
             "measured: step samples, the fit, KV bytes/token, the transport"
@@ -460,7 +463,8 @@ def fit_samples(
 
 def fit_notes(raw: pf.StepModel, ratio: float) -> list[str]:
     return [
-        f"step model: fitted to CPU time / threads × the median contention {ratio:.2f} (wall × threads / CPU; "
+        f"step model: fitted to CPU time / threads × the median contention {ratio:.2f} (wall × "
+        "threads / CPU; "
         "1.0 = the step had its CPUs to itself); the same fit on raw wall times has MAPE "
         f"{raw.fit_mape:.1%} (held out {raw.holdout_mape or 0:.1%}) — the machine's noise"
     ]

@@ -279,7 +279,8 @@ def table(result: dict[str, Any]) -> str:
     lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
     m = result["machine"]
     lines.append(
-        f"{m['cpu']}, {m['threads']} threads, load average {m.get('load_avg_1m_at_start')} at the start"
+        f"{m['cpu']}, {m['threads']} threads, load average {m.get('load_avg_1m_at_start')} at the "
+        "start"
     )
     for s, r in result["schemes"].items():
         if "linears" in r:

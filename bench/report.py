@@ -212,7 +212,8 @@ def print_sweep(s: dict[str, Any], console: Console) -> None:
     knee = s["knee"]
     if knee["value"] is not None:
         console.print(
-            f"knee: {param} = {_f(knee['value'], 3)} (highest whose p99 TTFT ≤ {knee['slo_ttft_ms']:g} ms)"
+            f"knee: {param} = {_f(knee['value'], 3)} (highest whose p99 TTFT ≤ "
+            f"{knee['slo_ttft_ms']:g} ms)"
         )
     else:
         console.print(f"knee: none ({knee['reason']})")

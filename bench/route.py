@@ -291,7 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         if k in result:
             r = result[k]
             print(
-                f"{k:12} {r['decisions_per_s']:>12,.0f} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f} {r['max_ms']:>9.3f}"
+                f"{k:12} {r['decisions_per_s']:>12,.0f} {r['p50_ms']:>9.3f} {r['p99_ms']:>9.3f} "
+                f"{r['max_ms']:>9.3f}"
             )
     print(
         f"in-process outcomes: {result['in_process']['outcomes']}  (target p99 < 1 ms: "

@@ -1,11 +1,12 @@
 """`python -m bench.router`: how well `model: "auto"` routes, on the held-out test split.
 
 Reads data/router_eval (the fixed train/test split), classifies every test prompt with the
-shipped weights (fit on the train split only by `python -m gateway.backends.providers.auto.fit`), and
-reports accuracy, per-class precision/recall, the confusion matrix, how often a prompt went to
+shipped weights (fit on the train split only by `python -m gateway.backends.providers.auto.fit`),
+and reports accuracy, per-class precision/recall, the confusion matrix, how often a prompt went to
 a model weaker than its label asks for (under-routed: a quality risk) or stronger (over-routed:
-wasted money), the classifier's latency (per prompt, the median of 5 runs), and the cost of the test set routed by `auto` against
-always using the strongest model and against a perfect router (the true labels).
+wasted money), the classifier's latency (per prompt, the median of 5 runs), and the cost of the test
+set routed by `auto` against always using the strongest model and against a perfect router (the true
+labels).
 
 Costs need token counts the evaluation set does not have: prompt tokens are estimated from the
 text (~4 characters a token) and completion tokens are assumed per class
@@ -221,7 +222,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
 
 def _table(r: dict[str, Any]) -> str:
     lines = [
-        f"auto router on the {r['split']} split: {r['prompts']} prompts, accuracy {r['accuracy']:.1%}"
+        f"auto router on the {r['split']} split: {r['prompts']} prompts, accuracy "
+        f"{r['accuracy']:.1%}"
         + ("" if r["weights"]["fresh"] else "  (weights fit on other data: re-run the fit)")
     ]
     lines.append("confusion (rows: true label, columns: predicted)")
@@ -234,12 +236,14 @@ def _table(r: dict[str, Any]) -> str:
             + f"{rec if rec is not None else '-':>9}"
         )
     lines.append(
-        f"under-routed {r['under_routed']:.1%}   over-routed {r['over_routed']:.1%}   routed to {r['routed_to']}"
+        f"under-routed {r['under_routed']:.1%}   over-routed {r['over_routed']:.1%}   routed to "
+        f"{r['routed_to']}"
     )
     c = r["cost_usd"]
     lines.append(
-        f"cost of the split: auto ${c['auto']:.4f}   always {r['strongest_model']} ${c['strongest']:.4f}"
-        f"   perfect router ${c['oracle']:.4f}   (auto/strongest {r['cost_ratio_auto_vs_strongest']})"
+        f"cost of the split: auto ${c['auto']:.4f}   always {r['strongest_model']} "
+        f"${c['strongest']:.4f}   perfect router ${c['oracle']:.4f}   (auto/strongest "
+        f"{r['cost_ratio_auto_vs_strongest']})"
     )
     lat = r["classifier_latency_us"]
     lines.append(

@@ -112,7 +112,8 @@ class Scraper:
         interval: float,
         secret: ClusterSecret | None = None,
     ) -> None:
-        """`secret`: the one to send to every URL (default: `scrape_secret()`'s, when there are URLs)."""
+        """`secret`: the one to send to every URL (default: `scrape_secret()`'s, when there are
+        URLs)."""
         self._session = session
         self._urls = [metrics_url(u) for u in urls]
         self._interval = interval

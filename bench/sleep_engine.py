@@ -93,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{args.model} ({summary['dtype']}): sleep {med['sleep_s']:.2f} s releases "
             f"{med['weights_mib']:.0f} MiB of weights and {med['kv_released_mib']:.0f} MiB of KV "
-            f"pool; wake {med['wake_s']:.2f} s (first request after it {med['woken_request_s']:.2f} "
-            f"s against {med['awake_request_s']:.2f} s awake; a cold load took {load_s:.1f} s)"
+            f"pool; wake {med['wake_s']:.2f} s (first request after it "
+            f"{med['woken_request_s']:.2f} s against {med['awake_request_s']:.2f} s awake; a cold "
+            f"load took {load_s:.1f} s)"
         )
     return 0
 

@@ -105,7 +105,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--k",
         type=int,
         default=None,
-        help="num_speculative_tokens (default: the engine's for the method: 5 ngram, 8 a draft model)",
+        help="num_speculative_tokens (default: the engine's for the method: 5 ngram, 8 a draft "
+        "model)",
     )
     p.add_argument("--batch", type=int, default=32, help="requests of the batch figure (0: skip)")
     p.add_argument(
@@ -216,8 +217,8 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
             r = _run(engines[name], single, args.tokens)
             runs[name].append(r)
             progress(
-                f"speculation {name}: single stream {r['decode_tokens_per_s']:.1f} decode tokens/s, "
-                f"{r['decode_cpu_ms_per_token']:.1f} CPU ms/token"
+                f"speculation {name}: single stream {r['decode_tokens_per_s']:.1f} decode "
+                f"tokens/s, {r['decode_cpu_ms_per_token']:.1f} CPU ms/token"
             )
     for name in names:
         rs = sorted(runs[name], key=lambda r: r["decode_cpu_ms_per_token"])
@@ -239,8 +240,8 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
             b.pop("token_ids")
             result[name]["batch"] = b
             progress(
-                f"speculation {name}: batch of {args.batch}: {b['output_tokens_per_s']:.1f} output tokens/s, "
-                f"{b['output_tokens'] / b['cpu_s']:.1f} per CPU-second"
+                f"speculation {name}: batch of {args.batch}: {b['output_tokens_per_s']:.1f} output "
+                f"tokens/s, {b['output_tokens'] / b['cpu_s']:.1f} per CPU-second"
             )
     del engines
     off, on = result["off"], result[args.method]
@@ -277,19 +278,22 @@ def main(argv: list[str] | None = None) -> int:
         s = result[args.method]["single"].get("spec", {})
         off, on = result["off"]["single"], result[args.method]["single"]
         print(
-            f"{args.method}, {args.workload} workload, {args.tokens} tokens: decode tokens per CPU-second "
-            f"{off['decode_tokens_per_cpu_s']:.1f} off, {on['decode_tokens_per_cpu_s']:.1f} on (medians of "
+            f"{args.method}, {args.workload} workload, {args.tokens} tokens: decode tokens per "
+            f"CPU-second {off['decode_tokens_per_cpu_s']:.1f} off, "
+            f"{on['decode_tokens_per_cpu_s']:.1f} on (medians of "
             f"{off['repeats_decode_tokens_per_cpu_s']} and {on['repeats_decode_tokens_per_cpu_s']})"
         )
         print(
-            f"single stream: x{result['single_speedup']:.2f} decode tokens/s (CPU x{result['single_speedup_cpu']:.2f}), "
-            f"greedy identical: {result['greedy_identical']}, acceptance rate "
+            f"single stream: x{result['single_speedup']:.2f} decode tokens/s (CPU "
+            f"x{result['single_speedup_cpu']:.2f}), greedy identical: "
+            f"{result['greedy_identical']}, acceptance rate "
             f"{s.get('spec_decode_acceptance_rate', 0):.2f}, mean acceptance length "
             f"{s.get('spec_decode_mean_acceptance_length', 0):.2f}"
         )
         if "batch_ratio" in result:
             print(
-                f"batch of {args.batch}: x{result['batch_ratio']:.3f} output tokens/s (CPU x{result['batch_ratio_cpu']:.3f})"
+                f"batch of {args.batch}: x{result['batch_ratio']:.3f} output tokens/s (CPU "
+                f"x{result['batch_ratio_cpu']:.3f})"
             )
     return 0 if result["greedy_identical"] else 1
 

@@ -224,7 +224,8 @@ def run(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
     progress("compiling the corpus")
     result["compile"] = compile_times(eng)
     progress(
-        f"compile p50 {result['compile']['compile_ms_p50']} ms, p99 {result['compile']['compile_ms_p99']} ms"
+        f"compile p50 {result['compile']['compile_ms_p50']} ms, p99 "
+        f"{result['compile']['compile_ms_p99']} ms"
     )
     guide = Guide(kind=GuideKind.JSON_SCHEMA, spec=canonical_schema(LONG_SCHEMA))
     timer = _Timed(eng.guides)
@@ -292,15 +293,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         c = result["compile"]
         print(
-            f"{result['grammar_engine']}: compile p50 {c['compile_ms_p50']} ms, p99 {c['compile_ms_p99']} ms "
-            f"(with the first mask: p50 {c['compile_and_first_mask_ms_p50']} ms, p99 "
-            f"{c['compile_and_first_mask_ms_p99']} ms) over {c['schemas']} schemas"
+            f"{result['grammar_engine']}: compile p50 {c['compile_ms_p50']} ms, p99 "
+            f"{c['compile_ms_p99']} ms (with the first mask: p50 "
+            f"{c['compile_and_first_mask_ms_p50']} ms, p99 {c['compile_and_first_mask_ms_p99']} "
+            f"ms) over {c['schemas']} schemas"
         )
         for k, v in result.items():
             if k.startswith("batch_"):
                 print(
-                    f"{k}: plain {v['plain']['decode_tokens_per_s']} tok/s, guided {v['guided']['decode_tokens_per_s']} "
-                    f"tok/s (x{v['guided_over_plain_tokens_per_s']}); mask {v['mask_share_of_step_median']:.1%} of a step"
+                    f"{k}: plain {v['plain']['decode_tokens_per_s']} tok/s, guided "
+                    f"{v['guided']['decode_tokens_per_s']} tok/s "
+                    f"(x{v['guided_over_plain_tokens_per_s']}); mask "
+                    f"{v['mask_share_of_step_median']:.1%} of a step"
                 )
     return 0
 

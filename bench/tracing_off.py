@@ -121,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out))
     else:
         print(
-            f"tracing off, {out['requests']} requests: {out['tracing_calls_per_request']} calls per request into "
-            f"runtime/tracing/, {out['tracing_us_per_request']} µs per request, {out['tracing_share']:.3%} of the "
-            f"gateway's profiled time (cProfile: an upper bound)"
+            f"tracing off, {out['requests']} requests: {out['tracing_calls_per_request']} calls "
+            f"per request into runtime/tracing/, {out['tracing_us_per_request']} µs per request, "
+            f"{out['tracing_share']:.3%} of the gateway's profiled time (cProfile: an upper bound)"
         )
     return 0
 

@@ -29,7 +29,8 @@ class BenchRequest(msgspec.Struct, frozen=True, kw_only=True):
     arrival_s: float | None = None
     #: shared-prefix group (synthetic with --prefix-groups)
     group: int | None = None
-    #: tokens this prompt shares with its group's prefix, as the server tokenizes it (None: no group)
+    #: tokens this prompt shares with its group's prefix, as the server tokenizes it (None: no
+    #: group)
     prefix_tokens: int | None = None
 
 

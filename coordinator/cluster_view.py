@@ -2,9 +2,9 @@
 under `nodes_prefix` and the coordinator replicas under `coordinators_prefix` (protocol.cluster).
 
 The one reader of those two prefixes for everyone who needs a snapshot rather than a watch: the
-gateway's own view (gateway/backends/etcd_view.py), `duet status`, and `replica_urls` (coordinator/client.py).
-The coordinator's registry (registry.py) watches the same node keys and decodes them with the
-same `decode_node`.
+gateway's own view (gateway/backends/etcd_view.py), `duet status`, and `replica_urls`
+(coordinator/client.py). The coordinator's registry (registry.py) watches the same node keys and
+decodes them with the same `decode_node`.
 
 Invariants: a record that does not decode is skipped with a warning, never fatal (one bad
 writer must not hide the cluster); both lists are sorted, so two reads of the same store state

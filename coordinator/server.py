@@ -53,8 +53,8 @@ async def serve(cfg: CoordinatorConfig, background: Sequence[Background] = ()) -
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     print(
-        f"duet coordinator ready on {cfg.security.own_scheme}://{cfg.host}:{cfg.port} replica_id={cfg.resolved_replica_id} "
-        f"cluster={cfg.cluster} etcd={cfg.etcd}",
+        f"duet coordinator ready on {cfg.security.own_scheme}://{cfg.host}:{cfg.port} "
+        f"replica_id={cfg.resolved_replica_id} cluster={cfg.cluster} etcd={cfg.etcd}",
         flush=True,
     )
     await stop.wait()

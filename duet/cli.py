@@ -61,7 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
         sub.choices[name].add_argument(
             "--trace",
             action="store_true",
-            help="OpenTelemetry tracing on (as DUET_TRACING=1): spans go to $OTEL_EXPORTER_OTLP_ENDPOINT when set"
+            help="OpenTelemetry tracing on (as DUET_TRACING=1): spans go to "
+            "$OTEL_EXPORTER_OTLP_ENDPOINT when set"
             + (", in every process it starts" if name == "up" else ""),
         )
     return parser

@@ -11,9 +11,12 @@ BENCHES = {
     "pd": "TTFT breakdown, disaggregated vs colocated (bench.pd)",
     "serve": "load-test an OpenAI-compatible URL: TTFT/TPOT/ITL, goodput, sweeps (bench.serve)",
     "compare": "side-by-side table of two `bench serve` JSON results (bench.compare)",
-    "chaos": "mixed load on a duet up while SIGKILLing its processes: availability, recovery (bench.chaos)",
-    "fairness": "a team flooding a tier beside a steady one: fair shares vs first come first served (bench.fairness)",
-    "profile": "measure a node kind's step time, KV bytes and transport; write its profile JSON (bench.profile)",
+    "chaos": "mixed load on a duet up while SIGKILLing its processes: availability, recovery "
+    "(bench.chaos)",
+    "fairness": "a team flooding a tier beside a steady one: fair shares vs first come first "
+    "served (bench.fairness)",
+    "profile": "measure a node kind's step time, KV bytes and transport; write its profile JSON "
+    "(bench.profile)",
 }
 
 

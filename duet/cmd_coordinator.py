@@ -187,7 +187,8 @@ async def _undo(args: argparse.Namespace, security) -> int:  # security: runtime
             status, body, info = await undrain_node(store, args.cluster, args.node_id, session)
     except NodeNotFound:
         print(
-            f"duet drain --undo: no node {args.node_id!r} is registered in cluster {args.cluster!r}",
+            f"duet drain --undo: no node {args.node_id!r} is registered in cluster "
+            f"{args.cluster!r}",
             file=sys.stderr,
         )
         return 1

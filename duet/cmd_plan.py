@@ -118,7 +118,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         help="CPU node kinds: the contention the nodes ran at during the run (sim/procstat.py's "
-        "stretch of their step threads, as sim.validate records it); the profile is scaled from its own",
+        "stretch of their step threads, as sim.validate records it); the profile is scaled from "
+        "its own",
     )
     one.add_argument(
         "--one-host",
@@ -238,22 +239,25 @@ def _one(a: argparse.Namespace) -> int:
         return 0
     lat = s.latency_ms
     print(
-        f"{layout.label()} on {prof.kind.name}: {s.completed}/{s.requests} requests, simulated {c.end:,.1f} s "
-        f"in {wall:,.1f} s"
+        f"{layout.label()} on {prof.kind.name}: {s.completed}/{s.requests} requests, simulated "
+        f"{c.end:,.1f} s in {wall:,.1f} s"
     )
     for k in ("ttft", "tpot", "itl", "e2e"):
         print(
-            f"  {k.upper():5} ms  p50 {_f(lat.get(f'p50_{k}'))}  p90 {_f(lat.get(f'p90_{k}'))}  p99 {_f(lat.get(f'p99_{k}'))}"
+            f"  {k.upper():5} ms  p50 {_f(lat.get(f'p50_{k}'))}  p90 {_f(lat.get(f'p90_{k}'))}  "
+            f"p99 {_f(lat.get(f'p99_{k}'))}"
         )
     print(
-        f"  output throughput {s.output_throughput:,.1f} tok/s, utilisation {_pct(s.utilisation)}, paths {s.paths}, "
-        f"KV use mean {s.kv_usage['mean']:.0%} max {s.kv_usage['max']:.0%}, node queue max {s.queue['nodes_max']:.0f}"
+        f"  output throughput {s.output_throughput:,.1f} tok/s, utilisation {_pct(s.utilisation)}, "
+        f"paths {s.paths}, KV use mean {s.kv_usage['mean']:.0%} max {s.kv_usage['max']:.0%}, node "
+        f"queue max {s.queue['nodes_max']:.0f}"
     )
     if s.failures:
         print(f"  failed: {s.failures}")
     if s.meets_slo is not None:
         print(
-            f"  SLO: {'met' if s.meets_slo else 'missed: ' + '; '.join(s.violations)}; goodput {s.goodput:.2f} req/s"
+            f"  SLO: {'met' if s.meets_slo else 'missed: ' + '; '.join(s.violations)}; goodput "
+            f"{s.goodput:.2f} req/s"
         )
     return 0
 
@@ -284,7 +288,8 @@ def _gpu_price(
     ]
     if not out:
         raise ValueError(
-            f"no GPU price for {prof.kind.name} ({prof.kind.device}) in the price table: give --node-price"
+            f"no GPU price for {prof.kind.name} ({prof.kind.device}) in the price table: give "
+            "--node-price"
         )
     return out
 
@@ -316,12 +321,14 @@ def _plan(a: argparse.Namespace) -> int:
     for line in sc.assumptions():
         console.print(f"  - {line}")
     console.print(
-        "  - the fleet is built of identical cells; the router spreads load evenly, so a cell at 1/n of the "
-        "peak behaves as the fleet (each cell simulated with the real scheduler, block pool, router, admission)"
+        "  - the fleet is built of identical cells; the router spreads load evenly, so a cell at "
+        "1/n of the peak behaves as the fleet (each cell simulated with the real scheduler, block "
+        "pool, router, admission)"
     )
     console.print(
-        "  - simulated: step time from each profile's model, KV transfer = latency + bytes/bandwidth; not "
-        "simulated: failures, retries, HTTP beyond the profile's fixed overheads"
+        "  - simulated: step time from each profile's model, KV transfer = latency + "
+        "bytes/bandwidth; not simulated: failures, retries, HTTP beyond the profile's fixed "
+        "overheads"
     )
     all_fleets: list[pl.Fleet] = []
     report: dict = {
@@ -345,10 +352,10 @@ def _plan(a: argparse.Namespace) -> int:
         t0 = time.perf_counter()
 
         def progress(c: pl.Capacity, t0: float = t0) -> None:
+            relaxed = sum(1 for r in c.relaxed if all(r[2] is not p.summary for p in c.probes))
             console.print(
-                f"  [{time.perf_counter() - t0:5.0f} s] {c.variant.label():28} {c.rate:7.2f} req/s per cell "
-                f"({len(c.probes) + sum(1 for r in c.relaxed if all(r[2] is not p.summary for p in c.probes))} "
-                "simulations)"
+                f"  [{time.perf_counter() - t0:5.0f} s] {c.variant.label():28} {c.rate:7.2f} req/s "
+                f"per cell ({len(c.probes) + relaxed} simulations)"
             )
 
         caps = pl.search(prof, sc, cfg, quick=a.quick, jobs=a.jobs, progress=progress)
@@ -453,17 +460,20 @@ def _plan(a: argparse.Namespace) -> int:
     console.print(t)
     front = pl.pareto(all_fleets)
     console.print(
-        "\n[bold]Pareto front: fleet cost vs TTFT P90[/] (fleets of each variant at its minimum size "
+        "\n[bold]Pareto front: fleet cost vs TTFT P90[/] (fleets of each variant at its minimum "
+        "size "
         "and at the passing probes' lower cell rates)"
     )
     for f in front:
         console.print(
-            f"  ${f.usd_per_hour:8,.0f}/h  TTFT p90 {_f(f.summary.latency_ms['p90_ttft']):>8} ms  {f.profile}: "
+            f"  ${f.usd_per_hour:8,.0f}/h  TTFT p90 {_f(f.summary.latency_ms['p90_ttft']):>8} ms  "
+            f"{f.profile}: "
             f"{f.cells} × [{f.variant}] ({f.nodes} nodes)"
         )
     console.print(
-        f"\n[bold]against commercial APIs[/] (price table {table.as_of}; required saving {sc.required_saving:.0%}; "
-        f"a request costs the API its {i_tok:,.0f} input + {o_tok:,.0f} output tokens at list price)"
+        f"\n[bold]against commercial APIs[/] (price table {table.as_of}; required saving "
+        f"{sc.required_saving:.0%}; a request costs the API its {i_tok:,.0f} input + {o_tok:,.0f} "
+        "output tokens at list price)"
     )
     t = Table()
     for col in (
@@ -511,12 +521,14 @@ def _plan(a: argparse.Namespace) -> int:
         console.print(f"  price {label}: {source}")
     for cp in table.commercial:
         console.print(
-            f"  price {cp.model}: ${cp.input_per_m}/1M in, ${cp.output_per_m}/1M out — {cp.url} ({cp.as_of})"
+            f"  price {cp.model}: ${cp.input_per_m}/1M in, ${cp.output_per_m}/1M out — {cp.url} "
+            f"({cp.as_of})"
         )
     holds = [c for c in comparisons if c["saving_day"] >= sc.required_saving]
     console.print(
-        f"\n[bold]answer[/]: the {sc.required_saving:.0%} saving holds at a {sc.day_utilisation:.0%} day "
-        f"utilisation in {len(holds)} of {len(comparisons)} (fleet, API) pairs: "
+        f"\n[bold]answer[/]: the {sc.required_saving:.0%} saving holds at a "
+        f"{sc.day_utilisation:.0%} day utilisation in {len(holds)} of {len(comparisons)} (fleet, "
+        "API) pairs: "
         + (", ".join(sorted({f"{c['model']} ({c['self_hosted']})" for c in holds})) or "none")
     )
     # -- files -----------------------------------------------------------------------------

@@ -124,7 +124,8 @@ def collect(
             break
         except urllib.error.HTTPError as e:
             hint = (
-                ": it needs the cluster secret (--cluster-secret-file, or $DUET_CLUSTER_SECRET_FILE)"
+                ": it needs the cluster secret (--cluster-secret-file, or "
+                "$DUET_CLUSTER_SECRET_FILE)"
                 if e.code == 401
                 else ""
             )
@@ -164,8 +165,9 @@ def render(info: dict[str, Any]) -> None:
     up = info.get("up")
     if up:
         con.print(
-            f"[bold]duet up[/] pid {up['pid']} ({'ready' if up.get('ready') else 'starting'}) "
-            f"home {up['home']} (logs in logs/)  gateway {up['gateway']}: {info.get('gateway', {}).get('status')}"
+            f"[bold]duet up[/] pid {up['pid']} ({'ready' if up.get('ready') else 'starting'}) home "
+            f"{up['home']} (logs in logs/)  gateway {up['gateway']}: "
+            f"{info.get('gateway', {}).get('status')}"
         )
         from duet.up_status import process_table
 
@@ -182,8 +184,9 @@ def render(info: dict[str, Any]) -> None:
         return
     con.print(
         f"[bold]cluster[/] {cl['cluster']}  leader {cl['leader']}  (asked {cl['replica_id']} at "
-        f"{info['coordinator']}; etcd {'connected' if cl['etcd_connected'] else '[red]disconnected[/]'})  "
-        f"prefix index {cl['index_blocks']} blocks"
+        f"{info['coordinator']}; etcd "
+        f"{'connected' if cl['etcd_connected'] else '[red]disconnected[/]'})  prefix index "
+        f"{cl['index_blocks']} blocks"
     )
     t = Table(
         "node",

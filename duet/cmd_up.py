@@ -13,8 +13,8 @@ restarted alone, with the same ports and arguments, after an exponential backoff
 4 s ... up to 30 s); nodes register again, coordinators rejoin the election, etcd keeps its
 data directory. A process that stops answering its health URL for 60 s (hung) is killed and
 restarted the same way. After --restart-max-restarts failures in a row (a life healthy for 60 s
-clears the count) the process crash-loops: it stays down, is reported, and the rest keep serving. Each
-death is logged with its cause; `duet status` shows restarts, last exit and backoff per
+clears the count) the process crash-loops: it stays down, is reported, and the rest keep serving.
+Each death is logged with its cause; `duet status` shows restarts, last exit and backoff per
 process. Tune it with the --restart-* flags or a [restart] table in cluster.toml.
 A first start that fails is a crash like any other (the rest start and serve meanwhile); only a
 stage none of whose processes can ever start (etcd, say) stops `duet up`, naming it with its
@@ -112,8 +112,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--embed",
         default=None,
         metavar="MODEL",
-        help="also start an embedding node (`duet node --task embed`, pooling last) for MODEL, served "
-        "on POST /v1/embeddings as MODEL's name (NAME-embed when the generation nodes serve "
+        help="also start an embedding node (`duet node --task embed`, pooling last) for MODEL, "
+        "served on POST /v1/embeddings as MODEL's name (NAME-embed when the generation nodes serve "
         "the same model); see docs/embeddings.md",
     )
     skip = {
@@ -135,8 +135,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a.add_argument(
         "--autoscale",
         action="store_true",
-        help="size the P and D pools to the load: min 1 / max per role within --max-nodes; a node is "
-        "drained (prefills, streams, held KV) before it is stopped",
+        help="size the P and D pools to the load: min 1 / max per role within --max-nodes; a node "
+        "is drained (prefills, streams, held KV) before it is stopped",
     )
     a.add_argument(
         "--max-nodes",
@@ -149,7 +149,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--planner-config",
         default=None,
         metavar="planner.toml",
-        help="with --autoscale: SLOs, pacing and bounds (planner/config.py) instead of the defaults",
+        help="with --autoscale: SLOs, pacing and bounds (planner/config.py) instead of the "
+        "defaults",
     )
     add_deprecated_aliases(p, DEPRECATED)
     p.set_defaults(func=_run)
@@ -187,14 +188,15 @@ def build_config(args: argparse.Namespace):  # -> UpConfig
     try:
         if args.pd:
             print(
-                "duet up: --pd is no longer needed: the default layout is 1 prefill + 1 decode node "
-                "behind the gateway (see --prefill/--decode/--colocated)",
+                "duet up: --pd is no longer needed: the default layout is 1 prefill + 1 decode "
+                "node behind the gateway (see --prefill/--decode/--colocated)",
                 file=sys.stderr,
             )
         if args.config:
             if args.prefill is not None or args.decode is not None or args.colocated is not None:
                 raise UpConfigError(
-                    "give the layout in cluster.toml or with --prefill/--decode/--colocated, not both"
+                    "give the layout in cluster.toml or with --prefill/--decode/--colocated, not "
+                    "both"
                 )
             cfg = load_cluster_toml(args.config, UpConfig())
         else:
@@ -312,7 +314,8 @@ def gateway_toml(
         ]
         if static:
             lines.append(
-                f"static = {{ both = {_toml([u for m, role, u in nodes if m == model and role == 'embed'])} }}"
+                f"static = {{ both = "
+                f"{_toml([u for m, role, u in nodes if m == model and role == 'embed'])} }}"
             )
     return "\n".join(lines) + "\n"
 
@@ -334,7 +337,8 @@ def _node_children(
         if hasattr(os, "sched_getaffinity")
         else list(range(os.cpu_count() or 1))
     )
-    # autoscaled nodes come and go: none is pinned, each gets an even share of the machine at its maximum
+    # autoscaled nodes come and go: none is pinned, each gets an even share of the machine at its
+    # maximum
     plan = [None] * len(flat) if autoscale else plan_cpus(len(flat), avail)
     if autoscale:
         flat_threads = max(1, len(avail) // autoscale)
@@ -449,7 +453,8 @@ def _autoscale_bounds(args: argparse.Namespace, cfg, log) -> tuple[bool, int]:
         )
     if max_nodes > n_cpus:
         log(
-            f"--max-nodes {max_nodes} is more than this machine's {n_cpus} CPUs: nodes will share CPUs"
+            f"--max-nodes {max_nodes} is more than this machine's {n_cpus} CPUs: nodes will share "
+            "CPUs"
         )
     return True, max_nodes
 
@@ -588,7 +593,8 @@ def _check_gateways(n: int) -> None:
     if n < 1:
         raise UsageError(f"--gateways must be at least 1, got {n}")
     if n > 1 and (not sys.platform.startswith("linux") or not hasattr(socket, "SO_REUSEPORT")):
-        # elsewhere SO_REUSEPORT does not spread connections (BSD/macOS: the last listener gets them)
+        # elsewhere SO_REUSEPORT does not spread connections (BSD/macOS: the last listener gets
+        # them)
         raise UsageError(
             "--gateways N > 1 needs Linux (SO_REUSEPORT spreads connections over the gateways); "
             "run one gateway per host behind a load balancer instead (docs/operations.md)"
@@ -604,7 +610,8 @@ def _get_json(url: str, timeout: float = 2.0, headers: dict[str, str] | None = N
 
 def _banner(url: str, model: str, key: str, created: bool, home, layout: str) -> str:
     curl = (
-        f"curl {url}/chat/completions \\\n  -H 'Authorization: Bearer {key}' -H 'Content-Type: application/json' \\\n"
+        f"curl {url}/chat/completions \\\n  -H 'Authorization: Bearer {key}' -H 'Content-Type: "
+        "application/json' \\\n"
         f'  -d \'{{"model": "{model}", "messages": [{{"role": "user", "content": "Say hello"}}], '
         f'"max_tokens": 32}}\''
     )
@@ -621,7 +628,8 @@ def _banner(url: str, model: str, key: str, created: bool, home, layout: str) ->
             f"duet is up: {layout}",
             f"  API      {url}",
             f"  model    {model}",
-            f"  API key  {key}   (team 'dev'; {'created now, ' if created else ''}kept in {home.dev_key_file})",
+            f"  API key  {key}   (team 'dev'; {'created now, ' if created else ''}kept in "
+            f"{home.dev_key_file})",
             f"  admin    key in {home.admin_key_file} (for /admin/teams, /admin/keys)",
             f"  logs     {home.logs}/",
             "  status   duet status     stop: Ctrl-C",
@@ -817,7 +825,8 @@ def _run(args: argparse.Namespace) -> int:
             waited += 0.2
         else:
             sup.say(
-                f"the coordinator does not see {sorted(node_ids - seen)} ready after {args.startup_timeout_s:.0f}s"
+                f"the coordinator does not see {sorted(node_ids - seen)} ready after "
+                f"{args.startup_timeout_s:.0f}s"
             )
             return False
         state["ready"] = True
@@ -830,8 +839,9 @@ def _run(args: argparse.Namespace) -> int:
                 f"{c.name} is not up ({c.state}; last: {c.last_cause}); the others serve meanwhile"
             )
         sup.say(
-            f"all up{' but ' + ', '.join(c.name for c in down) if down else ''}; Ctrl-C stops everything; "
-            f"a process that dies is restarted (at most {cfg.restart.max_restarts} failures in a row)"
+            f"all up{' but ' + ', '.join(c.name for c in down) if down else ''}; Ctrl-C stops "
+            f"everything; a process that dies is restarted (at most {cfg.restart.max_restarts} "
+            "failures in a row)"
         )
         return True
 

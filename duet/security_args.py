@@ -124,7 +124,8 @@ def add_gateway_security_arguments(p: argparse.ArgumentParser) -> None:
         "--tls-ca",
         default=None,
         metavar="PEM",
-        help="CA that signs the nodes' and coordinators' certificates (trusted with the system's CAs)",
+        help="CA that signs the nodes' and coordinators' certificates (trusted with the system's "
+        "CAs)",
     )
 
 

@@ -100,7 +100,8 @@ class Autoscale:
                 raise SupervisorBusy(what) from None
         # taken late, but taken: it is carried out, so the answer must say so, not "busy"
         self.sup.say(
-            f"{what}: the supervisor took it after more than {self.call_timeout:g} s; waiting for it"
+            f"{what}: the supervisor took it after more than {self.call_timeout:g} s; waiting for "
+            "it"
         )
         return fut.result()
 

@@ -10,7 +10,7 @@ cluster.toml (every section optional; unknown keys are refused, so a typo never 
     host = "127.0.0.1"
     port = 8000
     count = 2                           # gateway processes on that port (default: 2 with >= 4 CPUs)
-    routing = "coordinator"             # or "static": least-loaded, blind to prefixes (A/B baseline)
+    routing = "coordinator"             # or "static": least-loaded, prefix-blind (A/B baseline)
     input_usd_per_mtok = 0.0            # prices the gateway bills at, per model
     output_usd_per_mtok = 0.0
 
@@ -27,8 +27,8 @@ cluster.toml (every section optional; unknown keys are refused, so a typo never 
     backoff_max_s = 30.0                # ... up to this
     stable_s = 60.0                     # a life healthy this long clears the count
     startup_timeout_s = 180.0           # a restarted process not healthy by then is killed
-    liveness_timeout_s = 60.0           # a running one not answering /health this long is killed (0: never)
-    gateway_liveness_timeout_s = 10.0   # the same for a gateway: a frozen one still gets connections
+    liveness_timeout_s = 60.0           # one not answering /health this long is killed (0: never)
+    gateway_liveness_timeout_s = 10.0   # sooner for a gateway: a frozen one gets connections
 
     [[nodes]]
     role = "prefill"                    # prefill | decode | both

@@ -71,9 +71,9 @@ def from_args(
         # load mode predicts TTFT/ITL from these: right for a small CPU node, wrong by orders of
         # magnitude for a GPU one — the operator must hear it, not find out from a bad step
         log.warning(
-            "planner: no node profile and no [planner.step]: TTFT/ITL are predicted with the default "
-            "step cost (SmolLM2-135M on one CPU thread); set profile = PROFILE.json in planner.toml "
-            "(duet bench profile, or data/profiles/) for any other node kind"
+            "planner: no node profile and no [planner.step]: TTFT/ITL are predicted with the "
+            "default step cost (SmolLM2-135M on one CPU thread); set profile = PROFILE.json in "
+            "planner.toml (duet bench profile, or data/profiles/) for any other node kind"
         )
     if cfg.actuator == "local" and not cfg.local_control:
         raise ValueError(

@@ -61,8 +61,9 @@ def _default_slos() -> dict[str, TierSLO]:
 
 
 class StepCost(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Seconds of one engine step (protocol/profile.py's StepModel terms); the load mode's predictor.
-    The defaults are SmolLM2-135M bf16 on one CPU thread in CPU terms (docs/capacity.md)."""
+    """Seconds of one engine step (protocol/profile.py's StepModel terms); the load mode's
+    predictor. The defaults are SmolLM2-135M bf16 on one CPU thread in CPU terms
+    (docs/capacity.md)."""
 
     intercept_s: float = 0.05
     prefill_s: float = 0.00035  # per prompt token

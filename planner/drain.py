@@ -107,7 +107,8 @@ class Drainer:
         while not status.idle:
             if time.monotonic() - t0 > self.deadline_s:
                 log.warning(
-                    "%s not drained after %.0f s (%d in flight, %d holds): stopping it; its streams migrate",
+                    "%s not drained after %.0f s (%d in flight, %d holds): stopping it; its "
+                    "streams migrate",
                     status.node_id,
                     self.deadline_s,
                     status.inflight,
@@ -122,7 +123,8 @@ class Drainer:
                 return DrainEnd.EXITED
             if not status.draining:
                 log.warning(
-                    "%s: its drain was undone while the planner waited: it serves again, not stopped",
+                    "%s: its drain was undone while the planner waited: it serves again, not "
+                    "stopped",
                     status.node_id,
                 )
                 return DrainEnd.CANCELLED
@@ -131,7 +133,8 @@ class Drainer:
 
     async def undrain(self, url: str) -> UndrainStatus:
         """Undo `url`'s drain (`DELETE /drain`): it is routed again. Raises DrainError when the
-        node refuses (409: it is stopping) or fails, aiohttp.ClientError when it cannot be reached."""
+        node refuses (409: it is stopping) or fails, aiohttp.ClientError when it cannot be
+        reached."""
         status = _decode_undrain.decode(await self._call("DELETE", url))
         log.info("%s: drain undone (%s)", status.node_id, status.outcome)
         return status

@@ -22,9 +22,9 @@ after the drain (the victim still reads Ready past `ready_wait_s` while another 
 Ready, the patch refused) undoes it before it reports: the victim's `DELETE /drain` (it is
 routed again, its readiness passes) and its deletion cost taken off — a drained pod left in
 the Deployment would serve nothing until it went away. A drain undone by someone else while it
-ran (`duet drain --undo`) is `Outcome.REFUSED`: the victim serves again and nothing is patched. Node ids are pod names
-(deploy/ sets `--node-id $(POD_NAME)`); nodes in Kubernetes run without `--exit-when-drained`
-(a Deployment would restart a container that exits).
+ran (`duet drain --undo`) is `Outcome.REFUSED`: the victim serves again and nothing is patched. Node
+ids are pod names (deploy/ sets `--node-id $(POD_NAME)`); nodes in Kubernetes run without
+`--exit-when-drained` (a Deployment would restart a container that exits).
 
 The client is synchronous (urllib3): its calls run in a worker thread.
 """
@@ -140,7 +140,8 @@ class KubernetesActuator:
         ]
 
     async def _not_ready(self, pod: str) -> bool:
-        """Wait until `pod` reads not Ready (its readiness probe saw the drain); False on timeout."""
+        """Wait until `pod` reads not Ready (its readiness probe saw the drain); False on
+        timeout."""
         deadline = time.monotonic() + self.ready_wait_s
         while True:
             state = PodState.of(
@@ -228,7 +229,8 @@ class KubernetesActuator:
             if pending:  # the ReplicaSet removes that one whatever the victim's deletion cost
                 got = await self._patch(name, to)
                 log.info(
-                    "kubernetes: %s/%s scaled to %d replicas by a pending pod (%s); nothing drained",
+                    "kubernetes: %s/%s scaled to %d replicas by a pending pod (%s); "
+                    "nothing drained",
                     self.namespace,
                     name,
                     got,
@@ -267,8 +269,9 @@ class KubernetesActuator:
             if unready and not await self._not_ready(victim.node_id):
                 undone = await self._undo(victim, marked)
                 detail = (
-                    f"{victim.node_id} still reads Ready {self.ready_wait_s:g}s after its drain, and the "
-                    f"ReplicaSet would remove not-ready {unready[0]} before it: not scaled in; {undone}"
+                    f"{victim.node_id} still reads Ready {self.ready_wait_s:g}s after its drain, "
+                    f"and the ReplicaSet would remove not-ready {unready[0]} before it: not scaled "
+                    f"in; {undone}"
                 )
                 log.warning("kubernetes actuator: %s", detail)
                 return ActResult(Outcome.FAILED, detail, drained=drained)

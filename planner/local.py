@@ -157,7 +157,8 @@ class LocalActuator:
             if status != 404:  # 404: no longer under supervision — nothing left to undo
                 r = ActResult(
                     r.outcome,
-                    f"{r.detail}; {await self.drainer.undo_after_failure(victim.url, victim.node_id)}",
+                    f"{r.detail}; "
+                    f"{await self.drainer.undo_after_failure(victim.url, victim.node_id)}",
                 )
             return ActResult(r.outcome, r.detail, drained=drained)
         stopped = msgspec.json.decode(raw, type=NodeStopped)

@@ -162,7 +162,8 @@ class PlannerLoop:
     def _add_pending(self, pools: dict[PoolKey, PoolLoad]) -> None:
         """A started node is invisible until it registers (seconds to minutes: loading weights):
         count it as a cold replica meanwhile, so the pool neither steps again nor overdraws the
-        budget. Given up after `pending_timeout_s` (the actuator said done; the platform did not)."""
+        budget. Given up after `pending_timeout_s` (the actuator said done; the platform did
+        not)."""
         now = time.monotonic()
         for key, (reach, until) in list(self.pending.items()):
             p = pools.get(key)
@@ -170,7 +171,8 @@ class PlannerLoop:
             if seen >= reach or now > until:
                 if seen < reach:
                     log.warning(
-                        "%s: the node started for it has not registered after %.0f s; no longer waiting",
+                        "%s: the node started for it has not registered after %.0f s; no longer "
+                        "waiting",
                         key,
                         self.cfg.pending_timeout_s,
                     )
@@ -213,7 +215,8 @@ class PlannerLoop:
 
     async def run(self) -> None:
         log.info(
-            "planner on (%s mode, %s actuator, every %.0f s, cooldown %.0f s, cold start %.0f s, budget %s)",
+            "planner on (%s mode, %s actuator, every %.0f s, cooldown %.0f s, cold start %.0f s, "
+            "budget %s)",
             self.cfg.mode,
             self.actuator.name,
             self.cfg.interval_s,

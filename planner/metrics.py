@@ -8,8 +8,9 @@
 - `duet:planner_predicted_ttft_seconds` / `..._itl_seconds{role,model,pool}`: load mode's
   prediction at the current size (the input of the last decision);
 - `duet:planner_measured_ttft_seconds` / `..._itl_seconds{role,model,pool}`: the pool's measured
-  P90 from its nodes' load frames (their histograms merged, planner/pools.py), while it has the samples to count (the series is removed when
-  it has not: a stale figure must not read as a current one).
+  P90 from its nodes' load frames (their histograms merged, planner/pools.py), while it has the
+  samples to count (the series is removed when it has not: a stale figure must not read as a current
+  one).
 """
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ on the node kind's measured step model) — the same machinery as `duet plan`.
 Search: from the pools' minima, simulate the forecast (rate × headroom, its ISL/OSL and prefix
 share) on the layout; while it misses the tier's SLO, simulate one more node of each role that
 may still grow and keep the better of the two (meets the SLO, else the smaller worst ratio of
-TTFT P90 / ITL P99 / failed share to their bounds), within the pools' maxima. Colocated pools grow alone. The answer is cached per
-rounded forecast (rates to 2 significant figures), so a steady load costs no simulation.
+TTFT P90 / ITL P99 / failed share to their bounds), within the pools' maxima. Colocated pools grow
+alone. The answer is cached per rounded forecast (rates to 2 significant figures), so a steady load
+costs no simulation.
 
 Runs in a worker thread (planner/loop.py): a probe is tens of milliseconds to a second of CPU.
 """
@@ -122,7 +123,8 @@ class SimSizer:
             growable = [r for r in roles if counts[r] < b.get(r, (1, 1))[1]]
             if not growable:
                 log.info(
-                    "throughput sizing: %s at %.2f req/s misses the SLO even at the pools' maxima %s (%s)",
+                    "throughput sizing: %s at %.2f req/s misses the SLO even at the pools' maxima "
+                    "%s (%s)",
                     tier,
                     rate,
                     counts,

@@ -9,8 +9,8 @@ A trace (JSON lines) records the load a pool was offered, tick by tick, as total
 `kv` is the pool's KV use in node-capacities (0.2 = a fifth of one node's pool); the figures
 are split evenly over the warm replicas the planner has at that moment, so the replay is closed
 loop: a scale-out spreads the same load thinner. A node the planner adds reports the header's
-`cold` figures (e.g. a huge queue) for its first `cold_s` seconds; a node it removes leaves at once (the
-drain itself is tested on real nodes, tests/planner/test_drain_e2e.py).
+`cold` figures (e.g. a huge queue) for its first `cold_s` seconds; a node it removes leaves at once
+(the drain itself is tested on real nodes, tests/planner/test_drain_e2e.py).
 
 Measured latency, as the nodes' load frames carry it: a pool's `ttft_p90_s` / `itl_p90_s` with
 `ttft_samples` / `itl_samples` — every warm node reports that P90 and its share of the samples,

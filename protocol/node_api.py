@@ -28,8 +28,8 @@ from runtime.tracing import SpanRecord
 
 class NodeCompletionRequest(CompletionRequest, kw_only=True, omit_defaults=True):
     """A leg's request: the sampling fields, the prompt (token ids from the gateway; a node
-    also tokenizes text sent by hand), `priority`, the P/D handoff, typed, the cache domain, and — on
-    a migrated request's leg — where the output continues (`resume`, protocol/resume.py)."""
+    also tokenizes text sent by hand), `priority`, the P/D handoff, typed, the cache domain, and —
+    on a migrated request's leg — where the output continues (`resume`, protocol/resume.py)."""
 
     # narrowed on purpose: the public body keeps vLLM's open dict, a node's leg decodes it typed
     kv_transfer_params: KVTransferParams | None = None  # type: ignore[assignment]

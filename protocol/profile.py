@@ -141,7 +141,8 @@ class Overheads(msgspec.Struct, frozen=True, kw_only=True):
     stream_s: float = 0.0
     #: CPU the node's event loop spends per token it streams (detokenize, SSE frame, write): it
     #: shares the node's process (GIL) and core with the engine thread, so it lengthens the step
-    #: that produced the token (the simulator adds `node_token_cpu_s × contention` per streamed token)
+    #: that produced the token (the simulator adds `node_token_cpu_s × contention` per streamed
+    #: token)
     node_token_cpu_s: float = 0.0
     #: CPU per request of the node's event loop (HTTP, tokenize, leg bookkeeping) beyond its tokens
     node_request_cpu_s: float = 0.0

@@ -62,7 +62,8 @@ async def end_stream(resp: web.StreamResponse, last: bytes = b"") -> None:
 class DataLines:
     """The payloads of `data:` lines, fed one network read at a time. Everything that arrived in
     one read comes back in one list, which is how a relay knows a chunk's successor is already
-    here. (Providers' full SSE — `event:` fields, comments — is gateway/backends/providers/sse.py.)"""
+    here. (Providers' full SSE — `event:` fields, comments — is
+    gateway/backends/providers/sse.py.)"""
 
     def __init__(self, max_line: int | None = None) -> None:
         self.max_line = MAX_LINE if max_line is None else max_line

@@ -48,8 +48,9 @@ class StructuredOutputs(
     `json_object: true`. `grammar`, `structural_tag` and `whitespace_pattern` are vLLM's too;
     duet refuses them by name (400) rather than ignore them. `disable_additional_properties`
     (with `json`): true or unset closes the schema's objects that omit `additionalProperties`
-    (duet's default), false compiles the schema as written. `disable_any_whitespace` and `disable_fallback` change nothing here: duet's JSON
-    is always compact, and there is one grammar engine, no fallback.
+    (duet's default), false compiles the schema as written. `disable_any_whitespace` and
+    `disable_fallback` change nothing here: duet's JSON is always compact, and there is one grammar
+    engine, no fallback.
 
     The gateway also sends this form, normalized (one field set, `json` an object), to an
     OpenAI-compatible provider whose model serves it (gateway/serving/features.py)."""

@@ -1,4 +1,5 @@
-"""The cluster secret: what proves a caller belongs to the cluster on the internal plane (DESIGN §8).
+"""The cluster secret: what proves a caller belongs to the cluster on the internal plane (DESIGN
+§8).
 
 Nodes, coordinators and gateways share one secret. Every internal HTTP endpoint (a node's legs,
 `/kv/*`, `/abort`, `/spans`; a coordinator's `/route`, `/cluster`, drain) requires
@@ -68,8 +69,8 @@ class ClusterSecret:
         value = value.strip()
         if len(value.encode()) < MIN_SECRET_BYTES:
             raise SecretError(
-                f"the cluster secret from {source} is {len(value.encode())} bytes; it needs at least "
-                f"{MIN_SECRET_BYTES} (generate one: python -c 'import secrets; "
+                f"the cluster secret from {source} is {len(value.encode())} bytes; it needs at "
+                f"least {MIN_SECRET_BYTES} (generate one: python -c 'import secrets; "
                 "print(secrets.token_urlsafe(32))')"
             )
         if not value.isascii() or not value.isprintable() or any(c.isspace() for c in value):
@@ -160,7 +161,8 @@ def write_secret_file(path: Path, value: str) -> None:
 
 
 def is_loopback(host: str) -> bool:
-    """Whether listening on `host` reaches this machine only (an empty or wildcard host does not)."""
+    """Whether listening on `host` reaches this machine only (an empty or wildcard host does
+    not)."""
     if host == "localhost":
         return True
     try:

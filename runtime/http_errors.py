@@ -7,8 +7,8 @@ an `APIError` a handler raises, aiohttp's own refusals (404/405/413) and unexpec
 (`APIError.response_headers()`: Retry-After, x-ratelimit-*), plus the request's id. A process
 adds what only it knows through `translate` (the node: an overloaded or dead engine; the
 gateway: a store conflict) — never a middleware of its own; a path that speaks another API's
-error shape is answered by the process's `render` hook (the gateway's Anthropic paths). A client that left is not an
-error: its ConnectionResetError and cancellation pass through. A request that
+error shape is answered by the process's `render` hook (the gateway's Anthropic paths). A client
+that left is not an error: its ConnectionResetError and cancellation pass through. A request that
 aiohttp's parser refuses — a request line or header over the limit, too many headers, a
 malformed request line, bad chunked encoding — never reaches a handler or a middleware:
 aiohttp answers it from `RequestHandler.handle_error` with a plain-text 400 and closes the

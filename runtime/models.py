@@ -105,7 +105,8 @@ def resolve_model(ref: str | os.PathLike[str]) -> ModelRef:
     if path.is_dir():
         if not is_model_dir(path):
             raise ModelNotFoundError(
-                f"{path} is not a Hugging Face model directory (needs config.json and *.safetensors)"
+                f"{path} is not a Hugging Face model directory (needs config.json and "
+                "*.safetensors)"
             )
         return ModelRef(name=path.name, directory=path)
     # A name that was pulled under models_dir() but is not in the registry (e.g. converted).

@@ -101,7 +101,8 @@ class PlaneSecurity:
         return ctx
 
     def client_ssl(self) -> ssl.SSLContext | bool:
-        """The client's TLS trust: the system's CAs, plus `tls_ca` when set (True: aiohttp's default)."""
+        """The client's TLS trust: the system's CAs, plus `tls_ca` when set (True: aiohttp's
+        default)."""
         if not self.tls_ca:
             return True
         ctx = ssl.create_default_context()

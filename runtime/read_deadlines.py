@@ -93,8 +93,8 @@ def _timeout_answer(message: str) -> bytes:
     """A whole HTTP/1.1 408 answer in OpenAI's error body, closing the connection."""
     body = msgspec.json.encode(APIError(408, message, code="request_timeout").body())
     head = (
-        f"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n"
+        "HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nContent-Length: "
+        f"{len(body)}\r\nConnection: close\r\n\r\n"
     )
     return head.encode() + body
 

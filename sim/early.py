@@ -45,5 +45,8 @@ class EarlyStop:
             if w == what and latency_s > bound:
                 counts[i] += 1
                 if counts[i] >= need:
-                    self.reason = f"stopped early: {counts[i]} requests over the {what} bound {bound * 1e3:g} ms"
+                    self.reason = (
+                        f"stopped early: {counts[i]} requests over the {what} bound "
+                        f"{bound * 1e3:g} ms"
+                    )
         return self.reason is not None

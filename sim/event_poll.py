@@ -61,7 +61,8 @@ class EventPoll:
             self.events_made(now)
 
     def events_made(self, now: float) -> None:
-        """Events were made outside a step (a release, an abort), or a step's wait for the next poll."""
+        """Events were made outside a step (a release, an abort), or a step's wait for the next
+        poll."""
         if self._timer is None and self._step_start is None and self._pending():
             loop = asyncio.get_running_loop()
             self._timer = loop.call_at(self._next_poll(now), self._poll)

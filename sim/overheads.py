@@ -26,9 +26,9 @@ accounts (sim/procstat.py), less each part's idle rate measured first. So:
 - with `pd=True` a 1P+1D cluster serves shape A with a prompt long enough to be disaggregated;
   its residual, less the colocated residual and the modelled KV transfer, is the P→D hop.
 
-The wall figures are stored at the profile's contention (× profile contention / the shape's), like the step model, so `Profile.at_contention` moves them together; the CPU figures are kept as
-they are. Every process started is stopped at the end, even on failure (sim/validate.py's
-start/stop).
+The wall figures are stored at the profile's contention (× profile contention / the shape's), like
+the step model, so `Profile.at_contention` moves them together; the CPU figures are kept as they
+are. Every process started is stopped at the end, even on failure (sim/validate.py's start/stop).
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ def run_shape(
     m = json.loads(r.stdout)
     if m["completed"] < shape.requests:
         raise RuntimeError(
-            f"{shape.requests - m['completed']} of {shape.requests} requests failed: {m['failures']}"
+            f"{shape.requests - m['completed']} of {shape.requests} requests failed: "
+            f"{m['failures']}"
         )
     # the warm-up requests ran between the two readings too: divide by all of them
     n = shape.requests + warmup
@@ -247,19 +248,20 @@ def derive(
         provenance=Provenance.MEASURED,
     )
     notes = [
-        f"overheads measured in a running cluster (sim/overheads.py), requests one at a time, idle CPU rates "
-        f"subtracted: CPU per request gateway {gw_req * 1e3:.2f} ms, coordinator {co_req * 1e3:.2f} ms, node loop "
-        f"{node_req * 1e3:.2f} ms; per streamed token node loop {loop_tok * 1e3:.2f} ms, gateway "
-        f"{gw_tok * 1e3:.2f} ms; "
+        "overheads measured in a running cluster (sim/overheads.py), requests one at a time, idle "
+        f"CPU rates subtracted: CPU per request gateway {gw_req * 1e3:.2f} ms, coordinator "
+        f"{co_req * 1e3:.2f} ms, node loop {node_req * 1e3:.2f} ms; per streamed token node loop "
+        f"{loop_tok * 1e3:.2f} ms, gateway {gw_tok * 1e3:.2f} ms; "
         + (
             ""
             if modelled is None or b.decode_step_s is None  # both are known or neither
-            else f"a pure decode step in the node {b.decode_step_s * 1e3:.2f} ms against the model's "
-            f"{modelled * 1e3:.2f} ms (→ decode_step_factor {factor:.3f}; step thread CPU "
+            else f"a pure decode step in the node {b.decode_step_s * 1e3:.2f} ms against the "
+            f"model's {modelled * 1e3:.2f} ms (→ decode_step_factor {factor:.3f}; step thread CPU "
             f"{step_tok * 1e3:.2f} ms a token); "
         )
         + f"between two steps {blocked * 1e3:.1f} ms a token at contention "
-        f"{b.contention:.2f} (→ node_token_cpu_s); TTFT outside the step {residual * 1e3:.1f} ms at contention {c:.2f}"
+        f"{b.contention:.2f} (→ node_token_cpu_s); TTFT outside the step {residual * 1e3:.1f} ms "
+        f"at contention {c:.2f}"
         + (
             ""
             if pd is None
@@ -317,7 +319,8 @@ def measure(
     pd: bool = True,
     pd_prompt: int = 384,
 ) -> Measured:
-    """Run the shapes on real clusters (colocated, then 1P+1D when `pd`) and derive the overheads."""
+    """Run the shapes on real clusters (colocated, then 1P+1D when `pd`) and derive the
+    overheads."""
     from sim.validate import _stop
 
     def serve(port: int, key: str) -> list[str]:
@@ -344,14 +347,16 @@ def measure(
             log(f"overheads: parts {sorted(parts)}; idle CPU {_fmt(idle)} per s")
             a = run_shape(parts, idle, serve(port, key), Shape(prompt, 1, requests), 1)
             log(
-                f"overheads: 1 token: TTFT {a.ttft_ms:.1f} ms, contention {a.contention:.2f} (meter {a.meter:.2f}), "
+                f"overheads: 1 token: TTFT {a.ttft_ms:.1f} ms, contention {a.contention:.2f} "
+                f"(meter {a.meter:.2f}), "
                 f"CPU {_fmt(a.cpu)}"
             )
             b = run_shape(
                 parts, idle, serve(port, key), Shape(prompt, 1 + tokens, requests), 2, headers
             )
             log(
-                f"overheads: {1 + tokens} tokens: TPOT {b.tpot_ms or 0:.1f} ms, contention {b.contention:.2f} "
+                f"overheads: {1 + tokens} tokens: TPOT {b.tpot_ms or 0:.1f} ms, contention "
+                f"{b.contention:.2f} "
                 f"(meter {b.meter:.2f}), CPU {_fmt(b.cpu)}"
             )
         finally:
@@ -369,7 +374,8 @@ def measure(
                     parts, idle_rates(parts), serve(port, key), Shape(pd_prompt, 1, requests), 3
                 )
                 log(
-                    f"overheads: 1P+1D, {pd_prompt}-token prompt: TTFT {p.ttft_ms:.1f} ms, contention "
+                    f"overheads: 1P+1D, {pd_prompt}-token prompt: TTFT {p.ttft_ms:.1f} ms, "
+                    "contention "
                     f"{p.contention:.2f}, CPU {_fmt(p.cpu)}"
                 )
             finally:

@@ -4,7 +4,8 @@ and the real system's show up (a percentile says *that* they differ, a request s
 Two defects were found this way: the real coordinator routing a long prompt to a node already
 prefilling one (its load frames did not count a request just taken; e8309d2), and the replay
 giving prompts other prefix groups than the run drew (49d4c6f). `python -m sim.validate
---per-request` prints the table for each case; every run writes it to `<out>/<case>/per_request.tsv`.
+--per-request` prints the table for each case; every run writes it to
+`<out>/<case>/per_request.tsv`.
 
 The pairing: a replay (sim/workload.py::from_result_file) keeps the run's requests in order of
 their scheduled send time, one work item each, so the i-th measured request by scheduled time and

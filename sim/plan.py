@@ -84,14 +84,16 @@ class Scenario(msgspec.Struct, frozen=True, kw_only=True):
         i, o = self.mean_tokens()
         return [
             f"peak: {self.users_peak:,} concurrent users ({self.teams} teams, one team's own peak "
-            f"{self.team_peak_users:,}); each sends a request every think {self.think_time_s:g} s + answer "
-            f"{self.e2e_guess_s:g} s → {self.peak_rate:,.1f} requests/s at the peak",
-            f"requests: input {self.input_len} + a {self.system_prompt_tokens}-token system prompt per team "
-            f"(mean {i:,.0f} tokens), output {self.output_len} (mean {o:,.0f} tokens), all interactive tier",
-            f"day: {self.peak_hours_per_day:g} h at the peak, {self.offpeak_load_fraction:.0%} of the peak load "
-            f"otherwise → a static fleet sized for the peak runs at {self.day_utilisation:.0%} of its capacity on average",
-            f"SLOs: TTFT P90 ≤ {self.ttft_p90_ms} ms, E2E P90 ≤ {self.e2e_p90_ms} ms, ITL P99 ≤ {self.itl_p99_ms} ms, "
-            "≤ 1 % of requests refused",
+            f"{self.team_peak_users:,}); each sends a request every think {self.think_time_s:g} s "
+            f"+ answer {self.e2e_guess_s:g} s → {self.peak_rate:,.1f} requests/s at the peak",
+            f"requests: input {self.input_len} + a {self.system_prompt_tokens}-token system prompt "
+            f"per team (mean {i:,.0f} tokens), output {self.output_len} (mean {o:,.0f} tokens), "
+            "all interactive tier",
+            f"day: {self.peak_hours_per_day:g} h at the peak, {self.offpeak_load_fraction:.0%} of "
+            "the peak load otherwise → a static fleet sized for the peak runs at "
+            f"{self.day_utilisation:.0%} of its capacity on average",
+            f"SLOs: TTFT P90 ≤ {self.ttft_p90_ms} ms, E2E P90 ≤ {self.e2e_p90_ms} ms, ITL P99 ≤ "
+            f"{self.itl_p99_ms} ms, ≤ 1 % of requests refused",
         ]
 
 

@@ -59,8 +59,8 @@ LLAMA3_70B_FP8 = Model("llama-3-70b-instruct-fp8", 70.6e9, 80, 64, 8, 128, 1.0, 
 H100 = Gpu("H100 SXM 80GB", 80e9, 3.35e12, 1979e12, H100_URL)
 H200 = Gpu("H200 SXM 141GB", 141e9, 4.8e12, 1979e12, H200_URL)
 
-#: published batch-1 points used for the fit (NIM 1.8.0, Llama-3.3-70B-Instruct, fp8, TP2, 2× H100 80G,
-#: 5000 input / 500 output tokens)
+#: published batch-1 points used for the fit (NIM 1.8.0, Llama-3.3-70B-Instruct, fp8, TP2, 2× H100
+#: 80G, 5000 input / 500 output tokens)
 FIT_ITL_S, FIT_TTFT_S, FIT_PROMPT, FIT_CHUNK = 0.01858, 0.40677, 5000, 2048
 
 
@@ -154,23 +154,27 @@ def make_profile(g: Gpu, tp: int = 2, price_note: str = "") -> pf.Profile:
             what="saturated output throughput, check",
             value=f"{published:,.0f} tok/s/GPU at TP2, 1000/1000",
             url=TRT_URL,
-            note="TensorRT-LLM perf overview, Llama-3.3-70B FP8, quoted second-hand, not re-read here",
+            note="TensorRT-LLM perf overview, Llama-3.3-70B FP8, quoted second-hand, not re-read "
+            "here",
         ),
     ]
     notes = [
         f"fitted efficiencies (on H100): η_mem {eta_m:.3f}, η_flop {eta_f:.3f}",
-        f"KV capacity: {cap:,} tokens (90% of {tp}× {g.hbm_bytes / 1e9:.0f} GB, minus FP8 weights and 4 GB/GPU "
-        "activations; FP8 KV cache) — modelled",
-        f"check: saturated 1000/1000 throughput at batch {batch}: {sat:,.0f} tok/s/GPU predicted vs {published:,.0f} "
-        f"published (TensorRT-LLM) — {sat / published - 1:+.0%}: the fit points come from NIM, whose kernels the "
-        "TRT-LLM table outruns at large batch; the model is conservative at saturation",
-        "measured here: nothing (no GPU on this machine); fitted: η_mem, η_flop (H100); modelled: the roofline form, "
+        f"KV capacity: {cap:,} tokens (90% of {tp}× {g.hbm_bytes / 1e9:.0f} GB, minus FP8 weights "
+        "and 4 GB/GPU activations; FP8 KV cache) — modelled",
+        f"check: saturated 1000/1000 throughput at batch {batch}: {sat:,.0f} tok/s/GPU predicted "
+        f"vs {published:,.0f} published (TensorRT-LLM) — {sat / published - 1:+.0%}: the fit "
+        "points come from NIM, whose kernels the TRT-LLM table outruns at large batch; the model "
+        "is conservative at saturation",
+        "measured here: nothing (no GPU on this machine); fitted: η_mem, η_flop (H100); modelled: "
+        "the roofline form, "
         + (
             "the H200 coefficients (H100 efficiencies, H200 bandwidth)"
             if g is not H100
             else "KV capacity"
         ),
-        "transport: NVLink/RDMA between nodes modelled at 25 GB/s (one 200 Gb/s NIC) + 1 ms; not measured",
+        "transport: NVLink/RDMA between nodes modelled at 25 GB/s (one 200 Gb/s NIC) + 1 ms; not "
+        "measured",
     ]
     kind = pf.NodeKind(
         name=f"llama-3-70b-fp8-{g.name.split()[0].lower()}-tp{tp}",

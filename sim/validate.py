@@ -1,17 +1,17 @@
 """`python -m sim.validate`: the simulator against real runs on this machine.
 
 For each layout: start a real cluster with `duet up` (its own DUET_HOME and port), load it with
-`duet bench serve --result-file` once per case of that layout, stop it; then simulate the same layout from the recorded
-schedule (`duet plan --layout … --from-result`) with a profile measured *beforehand* by `duet
-bench profile`, scaled to the CPU contention a meter (sim/contention.py) measured on the
-machine during the run — the machine, not the system under test — and compare TTFT P50/P90, TPOT P50 and output throughput. Prints the table of
-predicted vs measured with the absolute percentage error of each figure and the MAPE per
-metric, and writes it as JSON (--out). Each case's commands are printed, so any row can be
-reproduced by hand. A case marked outside the bar (`Case.bar`: one whose measured figures the
-real system does not repeat run to run) is measured, simulated and shown under the MAPE row with
-its reason, and left out of the MAPE. `--jitter-runs N` re-simulates each case N times with
-seeded noise on every step (sim/jitter.py) and prints how far each figure moves: the figures
-the machine's noise decides.
+`duet bench serve --result-file` once per case of that layout, stop it; then simulate the same
+layout from the recorded schedule (`duet plan --layout … --from-result`) with a profile measured
+*beforehand* by `duet bench profile`, scaled to the CPU contention a meter (sim/contention.py)
+measured on the machine during the run — the machine, not the system under test — and compare TTFT
+P50/P90, TPOT P50 and output throughput. Prints the table of predicted vs measured with the absolute
+percentage error of each figure and the MAPE per metric, and writes it as JSON (--out). Each case's
+commands are printed, so any row can be reproduced by hand. A case marked outside the bar
+(`Case.bar`: one whose measured figures the real system does not repeat run to run) is measured,
+simulated and shown under the MAPE row with its reason, and left out of the MAPE.
+`--jitter-runs N` re-simulates each case N times with seeded noise on every step (sim/jitter.py)
+and prints how far each figure moves: the figures the machine's noise decides.
 
 Every process a case starts is stopped at its end (SIGINT to `duet up`, which stops its
 children; SIGKILL to the group if it does not exit in time), even when the case fails.
@@ -438,7 +438,10 @@ def table(results: list[dict]) -> str:
                 f"{_n(row['measured'])} / {_n(row['predicted'])} / "
                 f"{'-' if row['ape'] is None else format(row['ape'], '.0%')}"
             )
-        label = f"{r['case']} (load {r['load_avg_before']:.1f}, contention {r.get('contention_run', float('nan')):.2f})"
+        label = (
+            f"{r['case']} (load {r['load_avg_before']:.1f}, contention "
+            f"{r.get('contention_run', float('nan')):.2f})"
+        )
         if r.get("bar", True):
             lines.append(f"| {label} | " + " | ".join(cells) + " |")
         else:
@@ -463,8 +466,8 @@ def jitter_table(results: list[dict]) -> str:
         return ""
     first = j[0]["jitter"]
     lines = [
-        f"Predicted figures under step noise (sigma {first['sigma']:.0%}, {first['runs']} seeded replays): "
-        "largest deviation from the noiseless prediction",
+        f"Predicted figures under step noise (sigma {first['sigma']:.0%}, {first['runs']} seeded "
+        "replays): largest deviation from the noiseless prediction",
         f"| case | {' | '.join(m[0] for m in METRICS)} |",
         "|---|" + "---|" * len(METRICS),
     ]
@@ -511,8 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         "--contention",
         choices=["threads", "meter"],
         default="threads",
-        help="scale the profile to the nodes' step threads' stretch during the run (threads, default: "
-        "sim/procstat.py) or to the sleeping meter's reading (meter: the first validation's)",
+        help="scale the profile to the nodes' step threads' stretch during the run (threads, "
+        "default: sim/procstat.py) or to the sleeping meter's reading (meter: the first "
+        "validation's)",
     )
     p.add_argument(
         "--profile", default=None, help="simulate with this profile instead of each case's own"
@@ -540,8 +544,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--per-request",
         action="store_true",
-        help="also print each case's requests, measured beside simulated (TTFT, TPOT, the simulated "
-        "route; always written to OUT/CASE/per_request.tsv): where a percentile differs, why",
+        help="also print each case's requests, measured beside simulated (TTFT, TPOT, the "
+        "simulated route; always written to OUT/CASE/per_request.tsv): where a percentile differs, "
+        "why",
     )
     a = p.parse_args(argv)
     # SIGTERM (also what a background job gets instead of Ctrl-C) unwinds like Ctrl-C, so each

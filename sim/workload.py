@@ -133,7 +133,8 @@ def from_result_file(path: Path, seed: int = 0) -> Iterator[WorkItem]:
             prefixes
         ):  # none at all: not a --prefix-groups run
             raise ValueError(
-                f"{path}: request {i}'s prefix group {group} is not one of the {len(prefixes)} groups"
+                f"{path}: request {i}'s prefix group {group} is not one of the {len(prefixes)} "
+                "groups"
             )
         g = group if group is not None else i % len(prefixes) if prefixes else None
         k = min(k, n_in - 1) if g is not None else 0  # at least one token of its own

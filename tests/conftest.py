@@ -59,7 +59,8 @@ def smollm2() -> Path:
 
 @pytest.fixture
 def etcd(tmp_path: Path) -> Iterator[EtcdServer]:
-    """A real single-member etcd: coordinator.etcd_server.EtcdServer, the command line `duet up` runs."""
+    """A real single-member etcd: coordinator.etcd_server.EtcdServer, the command line `duet up`
+    runs."""
     from coordinator.etcd_server import EtcdServer
 
     with EtcdServer(tmp_path / "etcd") as server:

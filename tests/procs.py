@@ -70,7 +70,8 @@ class SecuredPlane:
         return {"Authorization": f"Bearer {self.secret}"}
 
     def node(self, role: str, model: str | Path, *args: str, node_id: str | None = None) -> Proc:
-        """A `duet node` registered in this plane's etcd (as `node_id`, when given), with the secret."""
+        """A `duet node` registered in this plane's etcd (as `node_id`, when given), with the
+        secret."""
         named = ("--node-id", node_id) if node_id else ()
         return duet_node(role, str(model), self.tmp, *args, "--etcd", self.etcd, *named, *self.flag)
 

@@ -1,9 +1,9 @@
 """From `response_format` to a `Guide`, and the tokenizer-free check of a guide.
 
 The gateway calls `guide_from_response_format` (or `choice_guide`, for vLLM's choice fields:
-gateway/serving/constraint.py) and checks the guide before any node work, so an invalid or unsupported
-schema, regex or list of choices is a 400 naming what is wrong and the field it came from. It
-runs `grammar_error_uncached` off its event loop, bounded in threads and time, with its own
+gateway/serving/constraint.py) and checks the guide before any node work, so an invalid or
+unsupported schema, regex or list of choices is a 400 naming what is wrong and the field it came
+from. It runs `grammar_error_uncached` off its event loop, bounded in threads and time, with its own
 cache (text/guide_compile.py: a pathological schema compiles for seconds), and so does a
 node for every leg's guide; `check_guide` is the synchronous form, cached in `_grammar_error`,
 for code with no event loop to keep serving. The check compiles the guide's grammar with

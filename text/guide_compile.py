@@ -169,8 +169,8 @@ class GuideChecker:
         except TimeoutError:
             outcome = Outcome(Verdict.TOO_COMPLEX)
             log.warning(
-                "a %s guide (%d characters) is still compiling after %g s: refused as too complex (its "
-                "thread stays busy until llguidance returns)",
+                "a %s guide (%d characters) is still compiling after %g s: refused as too complex "
+                "(its thread stays busy until llguidance returns)",
                 guide.kind.value,
                 len(guide.spec),
                 self.timeout_s,
@@ -231,8 +231,8 @@ def _raise_for(outcome: Outcome, guide: Guide, param: str, timeout_s: float) -> 
         case Verdict.TOO_COMPLEX:
             raise APIError(
                 400,
-                f"the {WHAT[guide.kind]} in {param} is too complex to compile within {timeout_s:g} s "
-                "(simplify it: fewer optional properties, alternatives or counted repetitions)",
+                f"the {WHAT[guide.kind]} in {param} is too complex to compile within {timeout_s:g} "
+                "s (simplify it: fewer optional properties, alternatives or counted repetitions)",
                 param=param,
                 code="guide_too_complex",
             )

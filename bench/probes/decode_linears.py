@@ -90,7 +90,8 @@ def main() -> None:
         kinds["lm_head"] = [(*_head(torch.randn(*LM_HEAD, generator=g) * 0.05, scheme), LM_HEAD[1])]
         xs = {k: torch.randn(1, k, generator=g).bfloat16() for k in {576, 1536}}
         # one step in a decode step's order (layer by layer, then the lm_head): the ~95-270 MB it
-        # reads do not fit in L3, as in a real step; each call timed, the best of `rounds` steps kept
+        # reads do not fit in L3, as in a real step; each call timed, the best of `rounds` steps
+        # kept
         order = [(name, *kinds[name][i]) for i in range(LAYERS) for name in SHAPES] + [
             ("lm_head", *kinds["lm_head"][0])
         ]
@@ -114,7 +115,8 @@ def main() -> None:
             for name, layers in kinds.items():
                 t, nbytes = spent[name], sum(b for _, b, _ in layers)
                 print(
-                    f"{label:9s} {name:8s} {t * 1e3:7.3f} ms/step  {nbytes / 1e6:7.2f} MB  {nbytes / t / 1e9:6.2f} GB/s",
+                    f"{label:9s} {name:8s} {t * 1e3:7.3f} ms/step  {nbytes / 1e6:7.2f} MB  "
+                    f"{nbytes / t / 1e9:6.2f} GB/s",
                     flush=True,
                 )
             total_t, total_b = (
@@ -123,7 +125,8 @@ def main() -> None:
             )
             print(
                 f"{label:9s} {'all':8s} {total_t * 1e3:7.3f} ms/step  {total_b / 1e6:7.2f} MB  "
-                f"{total_b / total_t / 1e9:6.2f} GB/s  -> at most {1 / total_t:6.1f} tokens/s from the linears alone",
+                f"{total_b / total_t / 1e9:6.2f} GB/s  -> at most {1 / total_t:6.1f} tokens/s from "
+                "the linears alone",
                 flush=True,
             )
 

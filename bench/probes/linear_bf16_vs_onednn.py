@@ -97,8 +97,8 @@ def main() -> None:
             ref = torch.ops.mkldnn._linear_pointwise(x, packed[0], None, "none", [], "")
             diff = (own(x, panels[0], n, k).float() - ref.float()).abs().max().item()
             print(
-                f"{name:8s} m={m:4d} onednn {onednn * 1e6:9.1f} us  linear_bf16 {mine * 1e6:9.1f} us  "
-                f"onednn/own {onednn / mine:5.2f}  max diff {diff:.3g}",
+                f"{name:8s} m={m:4d} onednn {onednn * 1e6:9.1f} us  linear_bf16 {mine * 1e6:9.1f} "
+                f"us  onednn/own {onednn / mine:5.2f}  max diff {diff:.3g}",
                 flush=True,
             )
 

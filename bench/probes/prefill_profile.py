@@ -44,7 +44,8 @@ def main() -> None:
             profiles[s].disable()
     for s in schemes:
         print(
-            f"==== {s}: {seconds[s] / args.reps * 1000:.1f} ms a prefill (totals below are over {args.reps})"
+            f"==== {s}: {seconds[s] / args.reps * 1000:.1f} ms a prefill (totals below are over "
+            f"{args.reps})"
         )
         buf = io.StringIO()
         pstats.Stats(profiles[s], stream=buf).sort_stats("tottime").print_stats(args.top)

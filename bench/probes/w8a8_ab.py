@@ -78,8 +78,9 @@ def main() -> None:
                         run(lib, key)
                     best[key] = min(best[key], (time.perf_counter() - t) / reps)
             print(
-                f"{name:8s} m={m:4d} old {best['old'] * 1e6:8.1f} us  new {best['new'] * 1e6:8.1f} us  "
-                f"old/new {best['old'] / best['new']:.3f}  equal {torch.equal(outs['old'], outs['new'])}",
+                f"{name:8s} m={m:4d} old {best['old'] * 1e6:8.1f} us  new {best['new'] * 1e6:8.1f} "
+                f"us  old/new {best['old'] / best['new']:.3f}  equal "
+                f"{torch.equal(outs['old'], outs['new'])}",
                 flush=True,
             )
 

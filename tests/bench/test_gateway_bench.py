@@ -132,5 +132,6 @@ def test_gateway_bench_otlp_pays_for_its_export(tiny_llama: Path) -> None:
         assert (
             o["latency"][f"{name}_overhead_p50_ms"] is not None and o["latency"][name]["p50_ms"] > 0
         )
-    # every request's server span and its children arrived: several spans per request, in real exports
+    # every request's server span and its children arrived: several spans per request, in real
+    # exports
     assert o["otlp"]["spans"] >= 3 * n and o["otlp"]["exports"] >= 1 and o["otlp"]["bytes"] > 0

@@ -1,6 +1,6 @@
 """`duet bench profile` on a tiny random Llama: the profile JSON loads with the simulator's
-schema, holds samples of every kind of step (prefill alone, prefix-cache hits, decode batches, mixed), a fit with
-its errors, the KV geometry of the model, and drives a simulation."""
+schema, holds samples of every kind of step (prefill alone, prefix-cache hits, decode batches,
+mixed), a fit with its errors, the KV geometry of the model, and drives a simulation."""
 
 from __future__ import annotations
 
@@ -58,7 +58,8 @@ def test_profile_of_a_tiny_model(
         for x in s
         if x.prefill_tokens
     )
-    # a prefix-cache hit: 16 new tokens atop a computed 8-block (128-token) prefix, alone in its step
+    # a prefix-cache hit: 16 new tokens atop a computed 8-block (128-token) prefix, alone in its
+    # step
     assert any(
         x.prefill_tokens == 16 and x.cached_attention == 16 * 128 and not x.decode_seqs for x in s
     )

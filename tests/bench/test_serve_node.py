@@ -68,7 +68,8 @@ def test_bench_serve_against_a_duet_node(
         # 8 requests over 2 shared 32-token prefixes (2 blocks each), 4 at a time: the later
         # ones find their prefix cached
         assert summary["prefix_cache_hits"] > 0 and r["total_cached_tokens"] > 0
-        # each request's group is in the result (a replay, sim/workload.py, shares prefixes as the run did)
+        # each request's group is in the result (a replay, sim/workload.py, shares prefixes as the
+        # run did)
         assert len(r["groups"]) == 8 and set(r["groups"]) <= {0, 1}
         assert r["prefix_tokens"] == [32] * 8  # token-id prompts: the prefix exactly
         assert (

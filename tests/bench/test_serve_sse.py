@@ -52,7 +52,8 @@ async def test_good_stream_timing_and_usage(aiohttp_server: Server) -> None:
     assert len(r.chunk_s) == 3 and r.chunk_tokens == [1, 1, 1]  # no token_ids: a chunk counts 1
     assert r.ttft_s is not None and r.ttft_s >= 0.060 and r.ttft_s == r.chunk_s[0]
     # chunk k leaves the server at arrival + 60 ms + k x 25 ms (absolute deadlines), so it
-    # reaches the client no earlier; individual gaps are not bounded (a late chunk shortens the next)
+    # reaches the client no earlier; individual gaps are not bounded (a late chunk shortens the
+    # next)
     assert (
         all(t >= 0.060 + 0.025 * k for k, t in enumerate(r.chunk_s)) and r.e2el_s >= r.chunk_s[-1]
     )

@@ -36,7 +36,8 @@ def test_bench_structured_json(tiny_llama: Path, capsys: pytest.CaptureFixture[s
     assert r["grammar_engine"].startswith("llguidance ")
     for b in (1, 2):
         run = r[f"batch_{b}"]
-        # every request decodes its 4 tokens (ignore_eos), the first from prefill: 3 decode steps each
+        # every request decodes its 4 tokens (ignore_eos), the first from prefill: 3 decode steps
+        # each
         assert run["plain"]["decode_tokens"] == run["guided"]["decode_tokens"] == 3 * b
         # no guided row in the plain run; in the guided one every decoded token was masked (what
         # was timed, not how long it took: a loaded machine can stall either run's calls)

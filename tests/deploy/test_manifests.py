@@ -619,7 +619,8 @@ def samples() -> set[str]:
         if n not in set(families) | names
     }
     assert not missing, (
-        f"metrics declared in the code but not collected by tests/deploy/exported_metrics.py: {missing}"
+        "metrics declared in the code but not collected by tests/deploy/exported_metrics.py: "
+        f"{missing}"
     )
     return names
 
@@ -653,7 +654,10 @@ def test_the_checker_flags_a_metric_no_one_exports_and_what_is_not_promql(
         "duet:time_to_first_token_seconds_bucket" in samples
         and "duet:planner_decisions_total" in samples
     )
-    grafana = 'rate(duet:time_to_first_token_seconds_bucket{namespace=~"$namespace"}[$__rate_interval]) + duet:ttft_p99'
+    grafana = (
+        'rate(duet:time_to_first_token_seconds_bucket{namespace=~"$namespace"}[$__rate_interval])'
+        " + duet:ttft_p99"
+    )
     assert _unknown({"x": grafana}, samples) == {"x": {"duet:ttft_p99"}}
     with pytest.raises(ValueError):
         exported_metrics.used_in("sum(rate(duet:spend_usd_total[5m])")

@@ -41,8 +41,8 @@ RUNNER = textwrap.dedent("""
         out.with_suffix(".tmp").write_text(json.dumps([c.status() for c in sup.children]))
         out.with_suffix(".tmp").replace(out)
 
-    policy = RestartPolicy(max_restarts=2, backoff_s=0.5, backoff_max_s=5.0, stable_s=60.0, startup_timeout_s=2.0,
-                         liveness_timeout_s=3.0)
+    policy = RestartPolicy(max_restarts=2, backoff_s=0.5, backoff_max_s=5.0, stable_s=60.0,
+                         startup_timeout_s=2.0, liveness_timeout_s=3.0)
     sys.exit(Supervisor([[web, flaky]], tail=False, on_change=changed, restart=policy).run())
 """)
 
@@ -91,7 +91,8 @@ def test_backoff_startup_timeout_and_crash_loop_on_plain_processes(tmp_path: Pat
         assert not alive(gone["pid"]) and not group_alive(
             gone["pid"]
         )  # the hung life was killed, group and all
-        # A running child that hangs (SIGSTOP) is killed once it has not answered for 3 s, and restarted.
+        # A running child that hangs (SIGSTOP) is killed once it has not answered for 3 s, and
+        # restarted.
         os.kill(web_pid, signal.SIGSTOP)
         back = wait_for(
             lambda: (c := child("web")).get("state") == "running" and c["restarts"] == 1 and c,
@@ -134,8 +135,8 @@ FIRST_START = textwrap.dedent("""
     if mode == "late":  # stage 0 starts; in stage 1, `late` fails every start until a file appears
         base = Child("base", [*server, base_port], tmp / "base.log", f"http://127.0.0.1:{base_port}/")
     else:  # stage 0 can never start: the stages after it are never started
-        base = Child("base", ["bash", "-c", f"echo cannot listen on port {base_port}; exit 4"], tmp / "base.log",
-                     f"http://127.0.0.1:{base_port}/")
+        base = Child("base", ["bash", "-c", f"echo cannot listen on port {base_port}; exit 4"],
+                     tmp / "base.log", f"http://127.0.0.1:{base_port}/")
     web = Child("web", [*server, web_port], tmp / "web.log", f"http://127.0.0.1:{web_port}/")
     late = Child("late", ["bash", "-c", f"[ -e {tmp}/ready ] || {{ echo no secret yet; exit 3; }}; "
                           f"exec {' '.join(server)} {late_port}"], tmp / "late.log", f"http://127.0.0.1:{late_port}/")
@@ -145,8 +146,8 @@ FIRST_START = textwrap.dedent("""
         out.with_suffix(".tmp").write_text(json.dumps([c.status() for c in sup.children]))
         out.with_suffix(".tmp").replace(out)
 
-    policy = RestartPolicy(max_restarts=2 if mode == "never" else 1000, backoff_s=0.2, backoff_max_s=0.5,
-                           startup_timeout_s=30.0)
+    policy = RestartPolicy(max_restarts=2 if mode == "never" else 1000, backoff_s=0.2,
+                           backoff_max_s=0.5, startup_timeout_s=30.0)
     sys.exit(Supervisor([[base], [web, late]], tail=False, on_change=changed, restart=policy).run())
 """)
 
@@ -205,7 +206,8 @@ def test_a_stage_that_can_never_start_stops_everything_naming_it_and_its_log(
 ) -> None:
     sup, (base_port, _, _) = _first_start(tmp_path, "never")
     try:
-        # base fails 3 times (2 restarts, 0.2 s then 0.4 s apart), then the start-up ends with an error
+        # base fails 3 times (2 restarts, 0.2 s then 0.4 s apart), then the start-up ends with an
+        # error
         assert sup.wait(60) == 1
         err = sup.stderr.read()
         assert "base could not start (over the limit of failures in a row)" in err, err

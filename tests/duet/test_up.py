@@ -359,7 +359,8 @@ def test_up_config_layout_and_a_killed_up_leaves_no_orphans(
         key = wait_banner(up)
         assert "duet is up: 1 colocated" in up.log()
         client = openai.OpenAI(base_url=up.url + "/v1", api_key=key, max_retries=0)
-        # The node is in the batch pool: batch requests reach it, interactive ones find no node there.
+        # The node is in the batch pool: batch requests reach it, interactive ones find no node
+        # there.
         r = client.completions.create(
             model=tiny_llama.name, prompt="x", max_tokens=2, extra_headers={"x-duet-tier": "batch"}
         )

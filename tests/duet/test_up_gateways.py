@@ -35,7 +35,8 @@ CLIENTS = 3
 class Load:
     """Clients sending chat requests until stopped; a connection error is retried up to twice (the
     openai SDK's default `max_retries`): under a loaded machine one CI run saw a retry's connection
-    reset too, once in three runs, not root-caused (the round-8 session-4 note says what was seen)."""
+    reset too, once in three runs, not root-caused (the round-8 session-4 note says what was
+    seen)."""
 
     def __init__(self, url: str, key: str, model: str) -> None:
         self.url, self.key, self.model = url, key, model

@@ -142,8 +142,8 @@ def test_greedy_output_through_the_cluster_equals_the_node_own(
 ) -> None:
     c, tok = cluster, Tokenizer(cluster.model_dir)
     text = (
-        f"{endpoint} {'streamed' if stream else 'plain'}: the quick brown fox jumps over the lazy dog "
-        * 3
+        f"{endpoint} {'streamed' if stream else 'plain'}: the quick brown fox jumps over the lazy "
+        "dog " * 3
     )
     before, pulled = disaggregated(c), metric(c.decode.url, "duet:kv_transfer_bytes_total")
     client = c.client()

@@ -58,7 +58,8 @@ class Host:
     ip: str
 
     def exec(self, args: Sequence[str]) -> list[str]:
-        """`args` run inside this host's namespace (`ip netns exec` execs: the pid is the program's)."""
+        """`args` run inside this host's namespace (`ip netns exec` execs: the pid is the
+        program's)."""
         return ["ip", "netns", "exec", self.ns, *args]
 
     def rx_bytes(self, dev: str = HOST_DEV) -> int:

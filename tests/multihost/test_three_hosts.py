@@ -3,9 +3,10 @@
 Host A runs etcd, a coordinator and the gateway; host B a prefill node; host C a decode node;
 the three are joined by veth pairs on a bridge (tests/multihost/netns.py), each with its own
 address, and every process reaches the others only through those interfaces, by the addresses
-they registered in etcd, with the cluster secret on every internal call. UCX is told to use TCP over each host's veth (`UCX_TLS=tcp`,
-`UCX_NET_DEVICES=eth0`): within one machine it would otherwise pick cma (a process_vm_readv
-copy that needs no network at all), which would prove nothing about crossing hosts.
+they registered in etcd, with the cluster secret on every internal call. UCX is told to use TCP over
+each host's veth (`UCX_TLS=tcp`, `UCX_NET_DEVICES=eth0`): within one machine it would otherwise pick
+cma (a process_vm_readv copy that needs no network at all), which would prove nothing about crossing
+hosts.
 
 One completion through the gateway with the official openai client must:
 - be disaggregated (the coordinator counts it so) and equal the decode node's own colocated
@@ -97,7 +98,8 @@ class Cluster:
     secret_file: Path
 
     def get(self, url: str) -> Any:
-        """An internal endpoint, called the way cluster members call it (with the cluster secret)."""
+        """An internal endpoint, called the way cluster members call it (with the cluster
+        secret)."""
         req = urllib.request.Request(
             url, headers={"Authorization": "Bearer " + self.secret_file.read_text()}
         )

@@ -82,7 +82,8 @@ def test_roles_import_only_the_role_api_of_node() -> None:
                     continue
                 ok = any(m == allowed or m.startswith(allowed + ".") for allowed in ROLE_MAY_IMPORT)
                 assert ok, (
-                    f"{f.relative_to(ROOT)} imports {m}; a role imports only {ROLE_MAY_IMPORT} of ours"
+                    f"{f.relative_to(ROOT)} imports {m}; a role imports only {ROLE_MAY_IMPORT} of "
+                    "ours"
                 )
 
 
@@ -134,10 +135,9 @@ def test_no_public_function_on_the_request_path_takes_or_returns_a_raw_dict() ->
 
 def test_importing_node_loads_no_engine_or_role() -> None:
     code = (
-        "import sys, node.app, node.server, node.completions, node.responder, node.legs, node.leg_context, "
-        "node.engine_api, node.engines\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('engine', 'prefill', 'decode', 'torch'))\n"
-        "print(','.join(bad))"
+        "import sys, node.app, node.server, node.completions, node.responder, node.legs, "
+        "node.leg_context, node.engine_api, node.engines\nbad = sorted(m for m in sys.modules if "
+        "m.split('.')[0] in ('engine', 'prefill', 'decode', 'torch'))\nprint(','.join(bad))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120

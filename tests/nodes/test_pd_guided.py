@@ -3,12 +3,13 @@
 The guide and the sampling fields ride on both legs (NodeCompletionRequest): P masks (and
 penalises) the one token it samples, which is the output's first (D emits it: the tiny-model
 tests of that are tests/nodes/test_pd_first_token.py), D resumes the matcher from the tokens
-so far and masks the rest. Checked: every fifth schema of the corpus, concurrently P → D over NIXL, gives JSON
-valid against it (the whole corpus runs P/D and colocated through the gateway in
+so far and masks the rest. Checked: every fifth schema of the corpus, concurrently P → D over NIXL,
+gives JSON valid against it (the whole corpus runs P/D and colocated through the gateway in
 tests/gateway/test_tools_structured.py, and in one engine batch in tests/engine/test_guided.py:
-this file's share is the bare legs, at a fifth of the CI time); P's token is masked (an object schema's token opens the object where the
-unguided one does not) and biased (logit_bias -100 bans the unguided token); an invalid guide
-is a 400 with the engine's words at either node, before any engine work.
+this file's share is the bare legs, at a fifth of the CI time); P's token is masked (an object
+schema's token opens the object where the unguided one does not) and biased (logit_bias -100 bans
+the unguided token); an invalid guide is a 400 with the engine's words at either node, before any
+engine work.
 """
 
 from __future__ import annotations

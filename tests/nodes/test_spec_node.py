@@ -51,7 +51,8 @@ async def test_decode_node_speculates_greedy_identical_with_metrics(
         per_pos = {
             int(m[1]): float(m[2])
             for m in re.finditer(
-                r'^duet:spec_decode_num_accepted_tokens_per_pos_total\{[^}]*position="(\d+)"[^}]*\} (\S+)$',
+                r"^duet:spec_decode_num_accepted_tokens_per_pos_total"
+                r'\{[^}]*position="(\d+)"[^}]*\} (\S+)$',
                 text,
                 re.M,
             )

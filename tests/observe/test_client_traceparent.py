@@ -1,8 +1,9 @@
 """A client's `traceparent` cannot put its request into another request's trace: the console
-shows a trace to the team whose request made it, with the nodes' spans of it, so a team-B client naming team A's trace id must not add its spans there. The gateway's
-public endpoints start a trace of their own per request and keep the client's as a link; the
-internal plane (nodes, coordinator: callers with the cluster secret) still continues its
-caller's trace (tests/observe/test_tracing.py checks that hop by hop).
+shows a trace to the team whose request made it, with the nodes' spans of it, so a team-B client
+naming team A's trace id must not add its spans there. The gateway's public endpoints start a trace
+of their own per request and keep the client's as a link; the internal plane (nodes, coordinator:
+callers with the cluster secret) still continues its caller's trace (tests/observe/test_tracing.py
+checks that hop by hop).
 
 The gateway runs in this process on a real socket (make_app) in front of an OpenAI-wire fake
 provider (a commercial API cannot exist here); the test reads its span ring as the console does.

@@ -4,10 +4,11 @@ by Selenium) against the traced cluster of conftest.py (etcd, coordinator, P, D,
 In order, as an operator would: sign in with the admin key and see the nodes (live refresh);
 create a team and a key, use the key with the openai client, revoke it and see it refused;
 see that team's usage in the charts and tables, and the CSV equal to `duet usage report`;
-open a request's trace (the gateway's prefill and decode leg spans, and the P and D nodes' own); see the autoscaler's
-decision on the Cluster page; the admin reads and cancels every team's batches. A team key's session sees
-its own team only (and the API refuses it the rest), and a POST without the CSRF token is
-refused. Screenshots go to $DUET_CONSOLE_SCREENSHOTS when set (docs/console.md's images).
+open a request's trace (the gateway's prefill and decode leg spans, and the P and D nodes' own);
+see the autoscaler's decision on the Cluster page; the admin reads and cancels every team's
+batches. A team key's session sees its own team only (and the API refuses it the rest), and a
+POST without the CSRF token is refused. Screenshots go to $DUET_CONSOLE_SCREENSHOTS when set
+(docs/console.md's images).
 
 Under CI=true a missing browser is a failure, never a skip.
 """
@@ -51,7 +52,10 @@ def _browser_missing() -> str | None:
     except ImportError:
         return "selenium is not installed"
     if not (os.path.exists(CHROMIUM) and os.path.exists(DRIVER)):
-        return "chromium / chromium-driver are not installed (apt-get install chromium chromium-driver)"
+        return (
+            "chromium / chromium-driver are not installed "
+            "(apt-get install chromium chromium-driver)"
+        )
     return None
 
 
@@ -88,19 +92,25 @@ def browser() -> Iterator[object]:
 #: browser computed both: 4.5:1, or 3:1 for large text (18.66 px bold, 24 px)
 _CONTRAST_JS = """
 const lum = c => { const [r, g, b] = c.match(/[\\d.]+/g).slice(0, 3).map(Number).map(v => v / 255)
-  .map(v => v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4); return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
-const opaque = c => { const m = c.match(/[\\d.]+/g); return m && (m.length < 4 || Number(m[3]) > 0); };
+  .map(v => v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4);
+  return 0.2126 * r + 0.7152 * g + 0.0722 * b; };
+const opaque = c => { const m = c.match(/[\\d.]+/g);
+  return m && (m.length < 4 || Number(m[3]) > 0); };
 const bad = [];
 for (const el of document.querySelectorAll("body *")) {
   if (![...el.childNodes].some(n => n.nodeType === 3 && n.textContent.trim())) continue;
   const st = getComputedStyle(el), r = el.getBoundingClientRect();
   if (st.visibility === "hidden" || r.width <= 1 || r.height <= 1) continue;  // not shown
   let bg = null;
-  for (let a = el; a; a = a.parentElement) { const c = getComputedStyle(a).backgroundColor; if (opaque(c)) { bg = c; break; } }
+  for (let a = el; a; a = a.parentElement) {
+    const c = getComputedStyle(a).backgroundColor; if (opaque(c)) { bg = c; break; }
+  }
   const [l1, l2] = [lum(st.color), lum(bg || "rgb(255, 255, 255)")].sort((x, y) => y - x);
-  const ratio = (l1 + 0.05) / (l2 + 0.05), size = parseFloat(st.fontSize), bold = Number(st.fontWeight) >= 700;
+  const ratio = (l1 + 0.05) / (l2 + 0.05), size = parseFloat(st.fontSize);
+  const bold = Number(st.fontWeight) >= 700;
   const need = (size >= 24 || (bold && size >= 18.66)) ? 3 : 4.5;
-  if (ratio < need) bad.push(`${el.tagName} "${el.textContent.trim().slice(0, 40)}" ${st.color} on ${bg}: ${ratio.toFixed(2)}`);
+  if (ratio < need) bad.push(`${el.tagName} "${el.textContent.trim().slice(0, 40)}" ` +
+    `${st.color} on ${bg}: ${ratio.toFixed(2)}`);
 }
 return bad;
 """
@@ -190,7 +200,8 @@ def test_sign_in_and_see_the_nodes_live(traced: Traced, browser: object) -> None
         return {
             r.split()[0]: r
             for r in d.execute_script(  # type: ignore[attr-defined]
-                "return [...document.querySelectorAll('#live table:first-of-type tbody tr')].map(r => r.innerText)"
+                "return [...document.querySelectorAll('#live table:first-of-type tbody tr')]"
+                ".map(r => r.innerText)"
             )
         }
 
@@ -398,11 +409,13 @@ def test_usage_charts_and_csv_equal_the_cli_report(traced: Traced, browser: obje
     assert desc == f"{day}: {tokens}", desc  # the chart draws the API's numbers
     assert css(
         d,
-        "svg[aria-label='Time to first token (ms)'] polyline, svg[aria-label='Time to first token (ms)'] circle",
+        "svg[aria-label='Time to first token (ms)'] polyline, "
+        "svg[aria-label='Time to first token (ms)'] circle",
     )
     assert not low_contrast(d), low_contrast(d)  # WCAG AA, as the browser renders it
     shot(d, "usage")
-    # the tier table's row is the report's tier row (TTFT percentiles included), as the page formats it
+    # the tier table's row is the report's tier row (TTFT percentiles included), as the page
+    # formats it
     [tier] = csv.DictReader(io.StringIO(_cli_report(traced, day, "tier", USAGE_TEAM)))
     cells = [c.text for c in tables["Per tier"].find_elements("css selector", "tbody td")]
     assert cells == [

@@ -5,8 +5,9 @@ restarted by the supervisor, and the page — left open, never reloaded — show
 go from 0 to 1 and the node ready again (the live refresh, not a new page load). A node's row
 has its process's restarts too. The etcd table, before and after the restart, says what etcd
 itself reports (its JSON API, read directly): the endpoint, a recent read without an error
-while etcd is healthy, and the counts of node registrations and coordinator replicas. A state file left by a `duet up` that was SIGKILLed (it could
-not remove it) lists no process, as `duet status` ignores it: they are gone, not "running".
+while etcd is healthy, and the counts of node registrations and coordinator replicas. A state file
+left by a `duet up` that was SIGKILLed (it could not remove it) lists no process, as `duet status`
+ignores it: they are gone, not "running".
 
 One `duet up` on the tiny model (the up-tests' flags: --threads 1, 256 KV blocks), a short
 restart backoff so the restart comes at once. Under CI=true a missing browser is a failure

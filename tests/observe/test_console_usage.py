@@ -302,7 +302,8 @@ async def test_requests_page_reads_only_the_outliers(tiny_llama: Path, tmp_path:
             r = await client.get(f"/v1/usage?start={int(now) - 86400}&{query}", headers=admin)
             assert r.status == 400 and (await r.json())["error"]["param"] == param, query
         r = await client.get(
-            f"/v1/usage?start={int(now) - 86400}&group_by=record&outliers=true&limit=1000&team_id=b",
+            f"/v1/usage?start={int(now) - 86400}&group_by=record&outliers=true&limit=1000"
+            "&team_id=b",
             headers=admin,
         )
         assert [x["request_id"] for x in (await r.json())["data"]] == [

@@ -34,7 +34,8 @@ def _planner(budget: int, decode_min: int = 1) -> Planner:
 
 
 def _nodes(now: float, *, victim_left: bool) -> list[NodeSample]:
-    """2 P, one of them (p1) draining: the victim of a scale-in; and 1 D. All past their cold start."""
+    """2 P, one of them (p1) draining: the victim of a scale-in; and 1 D. All past their cold
+    start."""
     old = now - 600
     nodes = [NodeSample("p0", P, old), NodeSample("d0", D, old)]
     if not victim_left:

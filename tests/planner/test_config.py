@@ -14,7 +14,8 @@ def test_file_flags_and_bounds(tmp_path: Path) -> None:
     f = tmp_path / "planner.toml"
     f.write_text(
         '[planner]\nmode = "load"\ncooldown_s = 10\n[planner.bounds]\nprefill = [1, 2]\n'
-        '"decode/batch" = [0, 1]\n"decode/m/interactive" = [2, 5]\n[planner.slo.batch]\nttft_s = 20\nitl_s = 2\n'
+        '"decode/batch" = [0, 1]\n"decode/m/interactive" = [2, 5]\n[planner.slo.batch]\nttft_s = '
+        "20\nitl_s = 2\n"
     )
     cfg = load_config(f, mode="throughput", node_budget=7)
     assert (cfg.mode, cfg.cooldown_s, cfg.node_budget) == (PlannerMode.THROUGHPUT, 10, 7)

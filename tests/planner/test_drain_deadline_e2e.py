@@ -3,7 +3,8 @@ anyway (SIGTERM, as the local supervisor and Kubernetes do), the node's grace pe
 stream with an error event (node/responder.py) and the gateway migrates it to the other decode
 node — the client's answer is the uninterrupted one, token for token, with no error.
 
-Real node processes (tiny random Llama, fp32, greedy), a real gateway, the official openai client."""
+Real node processes (tiny random Llama, fp32, greedy), a real gateway, the official openai
+client."""
 
 from __future__ import annotations
 

@@ -80,7 +80,8 @@ def test_a_scale_out_shows_up_in_get_planner(tmp_path: Path) -> None:
             assert report.is_leader and report.actuator == "virtual" and report.mode == "load"
             assert report.last_tick is not None and report.last_tick >= t0
             prefill = [d for d in report.decisions if d.role == "prefill"]
-            # newest first: the out, then the cold-start holds while the new node is expected — one entry
+            # newest first: the out, then the cold-start holds while the new node is expected — one
+            # entry
             assert [(d.direction, d.reason, d.current, d.desired) for d in reversed(prefill)] == [
                 ("out", "ttft", 1, 2),
                 ("hold", "cold_start", 2, 2),
@@ -90,7 +91,8 @@ def test_a_scale_out_shows_up_in_get_planner(tmp_path: Path) -> None:
                 out.outcome == "done" and "decision.json" in out.detail and out.model == "smollm2"
             )
             assert out.tier == "shared" and t0 <= out.at <= clock.t
-            # the figures it decided on: the queue behind the prompt and the TTFT it predicted past the SLO
+            # the figures it decided on: the queue behind the prompt and the TTFT it predicted past
+            # the SLO
             assert out.inputs.load is not None and out.inputs.load.queued_prefill_tokens == 6000
             assert out.inputs.at_n is not None and out.inputs.slo is not None
             assert out.inputs.at_n.ttft_s > out.inputs.slo.ttft_s and out.inputs.bounds == (1, 4)
@@ -156,7 +158,8 @@ def test_the_ring_keeps_steps_and_one_entry_per_run_of_holds() -> None:
     ):
         log.tick(float(t), [d(direction, reason)])
     got = [(e.at, e.direction, e.reason) for e in log.newest()]
-    # three budget holds are one entry; a steady tick ends the run, so the next budget hold is a new one
+    # three budget holds are one entry; a steady tick ends the run, so the next budget hold is a new
+    # one
     assert got == [(5.0, "out", "kv_cache"), (4.0, "hold", "budget"), (0.0, "hold", "budget")], got
     assert log.newest()[1].inputs.budget is not None and log.newest()[1].inputs.blocked == "out"
     log.acted(pool, ActResult(Outcome.REFUSED, "403 from the API server"))

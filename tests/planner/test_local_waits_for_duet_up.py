@@ -185,8 +185,8 @@ def test_the_planner_steps_only_once_duet_up_is_up_and_the_step_is_done(up: UpSt
                 )
                 # the console's Cluster page says so (its autoscaler section renders the report)
                 assert (
-                    "It decides nothing until its actuator can act: GET /ready: duet up answered 503 starting: "
-                    "duet up is still starting."
+                    "It decides nothing until its actuator can act: GET /ready: duet up answered "
+                    "503 starting: duet up is still starting."
                 ) in render(report, "http://coordinator"), render(report, "")
                 assert drained == [] and not loop.busy
 
@@ -209,8 +209,8 @@ def test_the_planner_steps_only_once_duet_up_is_up_and_the_step_is_done(up: UpSt
                 assert drained == [steps[0].victim]
                 text = generate_latest(c.metrics.registry).decode()
                 assert (
-                    'duet:planner_actuations_total{actuator="local",direction="in",outcome="done"} 1.0'
-                    in text
+                    'duet:planner_actuations_total{actuator="local",direction="in",outcome="done"} '
+                    "1.0" in text
                 )
                 assert 'outcome="failed"' not in text
         finally:

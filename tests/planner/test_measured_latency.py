@@ -314,7 +314,8 @@ SPLITS = [
         Direction.IN,
         Reason.HEADROOM,
     ),
-    # a pool whose P90 a mean of node P90s gets wrong: 900 at 50 ms and 100 at 2 s put the 900th (the P90) at 50 ms
+    # a pool whose P90 a mean of node P90s gets wrong: 900 at 50 ms and 100 at 2 s put the 900th
+    # (the P90) at 50 ms
     Split(
         "900 at 50 ms and 100 at 2 s: the 900th is 50 ms",
         [0.05] * 900,

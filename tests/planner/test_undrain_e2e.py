@@ -430,7 +430,8 @@ def test_a_local_scale_in_whose_stop_fails_after_the_drain_leaves_the_node_servi
     async def go() -> ActResult:
         duet_up = DuetUpStandIn(answer, d.url)
         async with duet_up as control, aiohttp.ClientSession(headers=AUTH) as s:
-            # the session carries the secret, as `duet coordinator`'s plane session does (planner/cli.py)
+            # the session carries the secret, as `duet coordinator`'s plane session does
+            # (planner/cli.py)
             act = LocalActuator(control, Drainer(s, poll_s=0.1, deadline_s=30), s)
             r = await act.scale_in(PoolKey("decode", c.model, "shared"), Victim(D_ID, d.url), 0)
         assert duet_up.calls == (

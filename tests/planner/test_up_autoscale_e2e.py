@@ -4,8 +4,8 @@ while the official openai client keeps sending requests — none fails.
 
 To be deterministic on any machine the steps come from the pools' bounds, not from load: the
 layout starts 2 prefill + 1 decode, the planner config says prefill [1, 1] (one P too many →
-drained and stopped) and decode [2, 2] (one D too few → started, named after the layout's 3 nodes: decode-4). Load-driven steps are the
-trace tests' business (tests/planner/test_load_traces.py)."""
+drained and stopped) and decode [2, 2] (one D too few → started, named after the layout's 3 nodes:
+decode-4). Load-driven steps are the trace tests' business (tests/planner/test_load_traces.py)."""
 
 from __future__ import annotations
 

@@ -567,7 +567,8 @@ def _openai_events(
     deltas: list[tuple[dict[str, Any], str | None]],
     usage: dict[str, Any],
 ) -> list[bytes]:
-    """An OpenAI chat stream: a chunk per (delta, finish_reason), the usage chunk when asked, [DONE]."""
+    """An OpenAI chat stream: a chunk per (delta, finish_reason), the usage chunk when asked,
+    [DONE]."""
     head = {
         "id": rid,
         "object": "chat.completion.chunk",

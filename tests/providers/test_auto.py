@@ -52,9 +52,10 @@ def test_weights_are_fit_on_train_only(tmp_path: Path) -> None:
 
 def test_classifier_is_torch_free_and_gives_probabilities() -> None:
     code = (
-        "import sys\nfrom gateway.backends.providers.auto import AutoRouter\nr = AutoRouter()\n"
-        "p = r.classifier.predict([{'role': 'user', 'content': 'hello'}])\n"
-        "print(sorted(p.probs))\nsys.exit(1 if any(m == 'torch' or m.startswith('torch.') for m in sys.modules) else 0)"
+        "import sys\nfrom gateway.backends.providers.auto import AutoRouter\nr = AutoRouter()\np = "
+        "r.classifier.predict([{'role': 'user', 'content': "
+        "'hello'}])\nprint(sorted(p.probs))\nsys.exit(1 if any(m == 'torch' or "
+        "m.startswith('torch.') for m in sys.modules) else 0)"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=Path(__file__).parents[2]

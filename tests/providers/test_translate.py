@@ -130,12 +130,14 @@ def test_stream_without_message_start_or_stop_is_refused() -> None:
     with pytest.raises(ProviderError):
         t.feed(
             "content_block_delta",
-            '{"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "x"}}',
+            '{"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": '
+            '"x"}}',
         )
     t = AnthropicStreamTranslator()
     t.feed(
         "message_start",
-        '{"type": "message_start", "message": {"id": "m", "model": "c", "usage": {"input_tokens": 3}}}',
+        '{"type": "message_start", "message": {"id": "m", "model": "c", "usage": {"input_tokens": '
+        "3}}}",
     )
     with pytest.raises(ProviderError, match="message_stop"):
         t.finish()

@@ -49,7 +49,8 @@ def write_serve_result(
     p50_tpot_ms: float,
     output_throughput: float,
 ) -> None:
-    """`case`/serve.json: n equal requests `gap_s` apart, every one with the same measured figures."""
+    """`case`/serve.json: n equal requests `gap_s` apart, every one with the same measured
+    figures."""
     case.mkdir(parents=True, exist_ok=True)
     (case / "serve.json").write_text(
         json.dumps(

@@ -67,7 +67,8 @@ def test_derive_overheads_from_two_shapes() -> None:
         meter=1.5,
         wall_s=1.0,
     )
-    # shape B: 1 + 10 tokens, 30 ms of step CPU a token at stretch 2, TPOT 64 ms: 4 ms blocked a token
+    # shape B: 1 + 10 tokens, 30 ms of step CPU a token at stretch 2, TPOT 64 ms: 4 ms blocked a
+    # token
     b = ShapeRun(
         cpu={"gateway": 0.009, "coordinator": 0.001, "node:n/loop": 0.012, "node:n/step": 0.350},
         ttft_ms=130.0,

