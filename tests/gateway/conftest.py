@@ -1,5 +1,6 @@
-"""Gateway test fixtures: a real PostgreSQL server (pgserver) and fresh databases on it. The
-node processes are tests/conftest.py's `pd_nodes`; COMMON is their arguments."""
+"""Gateway test fixtures: a real PostgreSQL server (pgserver) and fresh databases on it, and a
+one-slot gateway in front of one node. The node processes of the P/D tests are
+tests/conftest.py's `pd_nodes`; COMMON is their arguments."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.gateway.helpers import MODEL, gateway_proc, tiny_model
 from tests.procs import TINY_NODE_ARGS as COMMON
+from tests.procs import Proc, duet_node, running
 
 __all__ = ["COMMON"]
 
@@ -55,3 +58,28 @@ def postgres_db(postgres: str) -> str:
 
     asyncio.run(create())
     return postgres.replace("/postgres?", f"/{name}?")
+
+
+@pytest.fixture
+def one_slot_gateway(tiny_llama: Path, tmp_path: Path) -> Iterator[Proc]:
+    """A real gateway with one slot (`max_inflight = 1`) in front of one real node (`both`),
+    running; an interactive request may wait up to 300 s for the slot. Fresh for each test: the
+    tests count its waits and refusals."""
+    node = duet_node(
+        "both",
+        tiny_llama,
+        tmp_path,
+        "--dtype",
+        "float32",
+        "--kv-blocks",
+        "256",
+        "--max-model-len",
+        "1024",
+    )
+    g = gateway_proc(
+        tmp_path,
+        {MODEL: tiny_model(tiny_llama, both=[node.url])},
+        tiers={"max_inflight": 1, "interactive_max_wait_s": 300},
+    )
+    with running(node, g):
+        yield g

@@ -6,7 +6,6 @@ no timing bounds."""
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -15,8 +14,8 @@ from gateway.config import ConfigError, TierConfig, parse_config
 from gateway.metrics import GatewayMetrics
 from gateway.serving.fair_queue import Claim
 from gateway.serving.tiers import Admission, Shed
-from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, scrape, tiny_model
-from tests.procs import duet_node, running
+from tests.gateway.helpers import MODEL, http, make_team, scrape
+from tests.procs import Proc
 from tests.wait import until
 
 A, B = Claim(team="a", tokens=10), Claim(team="b", tokens=10)
@@ -124,62 +123,46 @@ def test_team_weight_is_checked() -> None:
 
 
 async def test_a_flood_does_not_delay_another_team_beyond_its_turn(
-    tiny_llama: Path, tmp_path: Path
+    one_slot_gateway: Proc,
 ) -> None:
     """Through a real gateway (one slot) and a real node: team a holds the slot with a long
     stream and queues three long requests; team b's one request, sent last, is served next —
     it has finished before any of a's queued ones has."""
-    node = duet_node(
-        "both",
-        tiny_llama,
-        tmp_path,
-        "--dtype",
-        "float32",
-        "--kv-blocks",
-        "256",
-        "--max-model-len",
-        "1024",
-    )
-    g = gateway_proc(
-        tmp_path,
-        {MODEL: tiny_model(tiny_llama, both=[node.url])},
-        tiers={"max_inflight": 1, "interactive_max_wait_s": 300},
-    )
-    with running(node, g):
-        auth = {t: {"Authorization": f"Bearer {make_team(g.url, t)}"} for t in ("a", "b")}
-        long = {"model": MODEL, "prompt": "hold", "max_tokens": 400, "ignore_eos": True}
-        url = g.url + "/v1/completions"
-        async with aiohttp.ClientSession() as s:
-            holder = await s.post(url, json={**long, "stream": True}, headers=auth["a"])
-            assert holder.status == 200 and holder.headers["x-duet-queue-ms"] == "0"
+    g = one_slot_gateway
+    auth = {t: {"Authorization": f"Bearer {make_team(g.url, t)}"} for t in ("a", "b")}
+    long = {"model": MODEL, "prompt": "hold", "max_tokens": 400, "ignore_eos": True}
+    url = g.url + "/v1/completions"
+    async with aiohttp.ClientSession() as s:
+        holder = await s.post(url, json={**long, "stream": True}, headers=auth["a"])
+        assert holder.status == 200 and holder.headers["x-duet-queue-ms"] == "0"
 
-            async def ask(team: str, body: dict[str, object]) -> tuple[int, str]:
-                async with s.post(url, json=body, headers=auth[team]) as r:
-                    await r.read()
-                    return r.status, r.headers.get("x-duet-queue-ms", "")
+        async def ask(team: str, body: dict[str, object]) -> tuple[int, str]:
+            async with s.post(url, json=body, headers=auth[team]) as r:
+                await r.read()
+                return r.status, r.headers.get("x-duet-queue-ms", "")
 
-            queued = []
-            for i in range(3):
-                queued.append(asyncio.ensure_future(ask("a", {**long, "max_tokens": 200})))
-                await until(lambda i=i: _waiting(g.url) == i + 1, timeout=60)
-            b = asyncio.ensure_future(ask("b", {"model": MODEL, "prompt": "b", "max_tokens": 4}))
-            await until(lambda: _waiting(g.url) == 4, timeout=60)
-            async for _ in holder.content:
-                pass
-            holder.close()
-            status, waited = await asyncio.wait_for(b, 120)
-            assert status == 200 and int(waited) >= 0
-            assert not any(t.done() for t in queued)  # b went ahead of a's whole backlog
-            done = await asyncio.wait_for(asyncio.gather(*queued), 300)
-            assert [st for st, _ in done] == [200] * 3
-        # each served request's usage record holds its wait for the slot
-        status, _, body = http(g.url + "/v1/usage?group_by=record&team_id=b")
-        assert status == 200, body
-        [row] = body["data"]
-        assert row["status"] == "ok" and row["queue_s"] is not None and row["queue_s"] >= 0
-        text = scrape(g.url)
-        assert 'duet:gateway_queue_wait_seconds_count{team="b",tier="interactive"} 1.0' in text
-        assert 'duet:gateway_queue_wait_seconds_count{team="a",tier="interactive"} 4.0' in text
+        queued = []
+        for i in range(3):
+            queued.append(asyncio.ensure_future(ask("a", {**long, "max_tokens": 200})))
+            await until(lambda i=i: _waiting(g.url) == i + 1, timeout=60)
+        b = asyncio.ensure_future(ask("b", {"model": MODEL, "prompt": "b", "max_tokens": 4}))
+        await until(lambda: _waiting(g.url) == 4, timeout=60)
+        async for _ in holder.content:
+            pass
+        holder.close()
+        status, waited = await asyncio.wait_for(b, 120)
+        assert status == 200 and int(waited) >= 0
+        assert not any(t.done() for t in queued)  # b went ahead of a's whole backlog
+        done = await asyncio.wait_for(asyncio.gather(*queued), 300)
+        assert [st for st, _ in done] == [200] * 3
+    # each served request's usage record holds its wait for the slot
+    status, _, body = http(g.url + "/v1/usage?group_by=record&team_id=b")
+    assert status == 200, body
+    [row] = body["data"]
+    assert row["status"] == "ok" and row["queue_s"] is not None and row["queue_s"] >= 0
+    text = scrape(g.url)
+    assert 'duet:gateway_queue_wait_seconds_count{team="b",tier="interactive"} 1.0' in text
+    assert 'duet:gateway_queue_wait_seconds_count{team="a",tier="interactive"} 4.0' in text
 
 
 def _waiting(url: str) -> int:

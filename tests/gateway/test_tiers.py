@@ -4,7 +4,6 @@ when saturated, bounded queues and waits give 503s, and no slot leaks on cancell
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import aiohttp
 import pytest
@@ -12,8 +11,8 @@ import pytest
 from gateway.config import TierConfig
 from gateway.metrics import GatewayMetrics
 from gateway.serving.tiers import Admission, Shed
-from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, metric, tiny_model
-from tests.procs import duet_node, running
+from tests.gateway.helpers import MODEL, http, make_team, metric
+from tests.procs import Proc
 from tests.wait import until
 
 
@@ -105,65 +104,49 @@ async def test_cancelled_waiter_leaks_nothing() -> None:
         assert a.running == 1
 
 
-async def test_saturated_gateway_sheds_batch_first(tiny_llama: Path, tmp_path: Path) -> None:
+async def test_saturated_gateway_sheds_batch_first(one_slot_gateway: Proc) -> None:
     """Through a real gateway (one slot): while an interactive request waits, a batch request is
     refused at once with 503 + Retry-After; the waiting interactive one is served."""
-    both = duet_node(
-        "both",
-        tiny_llama,
-        tmp_path,
-        "--dtype",
-        "float32",
-        "--kv-blocks",
-        "256",
-        "--max-model-len",
-        "1024",
-    )
-    g = gateway_proc(
-        tmp_path,
-        {MODEL: tiny_model(tiny_llama, both=[both.url])},
-        tiers={"max_inflight": 1, "interactive_max_wait_s": 120},
-    )
-    with running(both, g):
-        key = make_team(g.url, "t")
-        auth = {"Authorization": f"Bearer {key}"}
-        long = {
-            "model": MODEL,
-            "prompt": "hold the slot",
-            "max_tokens": 600,
-            "ignore_eos": True,
-            "stream": True,
-        }
-        async with aiohttp.ClientSession() as s:
-            holder = await s.post(g.url + "/v1/completions", json=long, headers=auth)
-            assert holder.status == 200
-            waiting = asyncio.ensure_future(
-                s.post(
-                    g.url + "/v1/completions",
-                    headers=auth,
-                    json={"model": MODEL, "prompt": "next", "max_tokens": 2},
-                )
-            )
-            await until(
-                lambda: http(g.url + "/health")[2]["waiting"]["interactive"] == 1,
-                timeout=60,
-            )
-            async with s.post(
+    g = one_slot_gateway
+    key = make_team(g.url, "t")
+    auth = {"Authorization": f"Bearer {key}"}
+    long = {
+        "model": MODEL,
+        "prompt": "hold the slot",
+        "max_tokens": 600,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    async with aiohttp.ClientSession() as s:
+        holder = await s.post(g.url + "/v1/completions", json=long, headers=auth)
+        assert holder.status == 200
+        waiting = asyncio.ensure_future(
+            s.post(
                 g.url + "/v1/completions",
-                headers={**auth, "x-duet-tier": "batch"},
-                json={"model": MODEL, "prompt": "batch", "max_tokens": 2},
-            ) as r:
-                err = await r.json()
-                assert (
-                    r.status == 503
-                    and err["error"]["code"] == "overloaded"
-                    and int(r.headers["Retry-After"]) >= 1
-                )
-            assert metric(g.url, "duet:gateway_queue_depth") == 1
-            async for _ in holder.content:
-                pass
-            holder.close()
-            served = await waiting
-            assert served.status == 200
-            served.close()
-        assert metric(g.url, "duet:gateway_shed_total") == 1
+                headers=auth,
+                json={"model": MODEL, "prompt": "next", "max_tokens": 2},
+            )
+        )
+        await until(
+            lambda: http(g.url + "/health")[2]["waiting"]["interactive"] == 1,
+            timeout=60,
+        )
+        async with s.post(
+            g.url + "/v1/completions",
+            headers={**auth, "x-duet-tier": "batch"},
+            json={"model": MODEL, "prompt": "batch", "max_tokens": 2},
+        ) as r:
+            err = await r.json()
+            assert (
+                r.status == 503
+                and err["error"]["code"] == "overloaded"
+                and int(r.headers["Retry-After"]) >= 1
+            )
+        assert metric(g.url, "duet:gateway_queue_depth") == 1
+        async for _ in holder.content:
+            pass
+        holder.close()
+        served = await waiting
+        assert served.status == 200
+        served.close()
+    assert metric(g.url, "duet:gateway_shed_total") == 1
