@@ -13,7 +13,8 @@ The two engines alternate `--rounds` times (the machine's load drifts; a ratio o
 pair is the figure), and both are built before the first round, so each round sees the same
 process. On a shared, oversubscribed machine wall time follows the neighbours' load more than
 the engine: tokens per CPU-second of this process (`output_tok_cpu_s`, meaningful with
-`--threads 1`) is then the steadier figure of the work a token costs. Progress on stderr; a table, or one JSON object with --json, on stdout.
+`--threads 1`) is then the steadier figure of the work a token costs. Progress on stderr; a
+table, or one JSON object with --json, on stdout.
 """
 
 from __future__ import annotations
@@ -149,7 +150,8 @@ def measure(args: argparse.Namespace, progress: Any) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     lines = [
-        f"{'kv':>5}  {'blocks':>7}  {'seqs fit':>8}  {'peak run':>8}  {'out tok/s':>9}  {'dec tok/s':>9}"
+        f"{'kv':>5}  {'blocks':>7}  {'seqs fit':>8}  {'peak run':>8}  "
+        f"{'out tok/s':>9}  {'dec tok/s':>9}"
     ]
     for e in result["engines"].values():
         runs = e["runs"]
