@@ -3,6 +3,7 @@ secret like every node endpoint: `POST /inference/v1/generate` (token ids in, to
 their logprobs out) and the render endpoints `POST /v1/chat/completions/render` and
 `POST /v1/completions/render` (a body's prompt as the token ids this node's tokenizer and chat
 template make of it, and its sampling fields: a generate body; completions: a list of one).
+`stream: true` streams vLLM's generate chunks (node/generate_stream.py).
 
 The body becomes the `NodeCompletionRequest` it is (the prompt the token ids, the sampling
 fields by their completions names, whole) and runs as a local leg of `/v1/completions` — the
@@ -43,7 +44,12 @@ async def handle_generate(state: NodeState, request: web.Request) -> web.StreamR
     arrival = time.monotonic()
     body = parse_generate(await request.read())
     leg = msgspec.structs.replace(
-        NodeCompletionRequest(prompt=body.token_ids, model=body.model, stream=False),
+        NodeCompletionRequest(
+            prompt=body.token_ids,
+            model=body.model,
+            stream=bool(body.stream),
+            stream_options=body.stream_options,
+        ),
         **sampling_kwargs(body.sampling_params),
     )
     try:
@@ -55,8 +61,10 @@ async def handle_generate(state: NodeState, request: web.Request) -> web.StreamR
         elif e.param in GenerateSamplingParams.__struct_fields__:
             e.param = f"sampling_params.{e.param}"
         raise
+    # a stream goes out in generate's shape (node/generate_stream.py)
+    prep.generate_id = body.request_id or prep.request_id
     answer = await dispatch(state, request, prep)
-    if not isinstance(answer, web.Response) or answer.status != 200:
+    if body.stream or not isinstance(answer, web.Response) or answer.status != 200:
         return answer
     assert isinstance(answer.body, bytes)
     done = _DEC.decode(answer.body)

@@ -15,9 +15,10 @@ from aiohttp import web
 
 from node.chat import ChatChunker, chat_response
 from node.engine_api import EngineStream, KVHandoff, RequestRefused
+from node.generate_stream import GenerateChunker
 from node.kv_events import KV_EVENTS
 from node.legs import Prepared
-from node.responder import Responder
+from node.responder import Chunker, Responder
 from node.state import NodeState
 from protocol.node_api import NodeCompletion
 from protocol.openai import APIError
@@ -72,8 +73,11 @@ class Leg:
     async def respond(self, stream: EngineStream) -> web.StreamResponse:
         prep, model = self.prep, self.model
         if prep.body.stream:
-            chunker = None
-            if prep.chat:
+            chunker: Chunker | None = None
+            if prep.generate_id is not None:
+                opts = prep.body.stream_options
+                chunker = GenerateChunker(prep.generate_id, bool(opts and opts.include_usage))
+            elif prep.chat:
                 opts = prep.body.stream_options
                 chunker = ChatChunker(
                     prep.request_id, model, include_usage=opts is None or opts.include_usage

@@ -75,6 +75,9 @@ class Prepared:
     arrival: float
     #: answer in the chat shape (the request came to /v1/chat/completions)
     chat: bool = False
+    #: stream in vLLM's generate shape under this request id (the request came to
+    #: /inference/v1/generate)
+    generate_id: str | None = None
 
     @property
     def kv_params(self) -> KVTransferParams | None:

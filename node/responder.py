@@ -17,10 +17,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Sequence
+from typing import Protocol
 
+import msgspec
 from aiohttp import web
 
-from node.chat import ChatChunker
 from node.engine_api import Delta, EngineDead, EngineStream
 from node.logprobs import CompletionRenderer, PromptLogprobs, prompt_logprobs
 from node.state import NodeState
@@ -59,6 +61,18 @@ def engine_dead(e: BaseException) -> APIError:
         type_="service_unavailable",
         code="engine_dead",
     )
+
+
+class Chunker(Protocol):
+    """Renders a stream's deltas as the chunks of another shape (chat's, generate's)."""
+
+    def chunks(
+        self,
+        out: Delta,
+        usage: Usage | None,
+        timing: dict[str, float] | None,
+        logprobs: CompletionLogprobs | None = None,
+    ) -> Sequence[msgspec.Struct]: ...
 
 
 class Responder:
@@ -128,7 +142,7 @@ class Responder:
         request: web.Request,
         stream: EngineStream,
         model: str,
-        chunker: ChatChunker | None = None,
+        chunker: Chunker | None = None,
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={**SSE_HEADERS, "X-Request-Id": self.request_id})
         done = False
@@ -149,7 +163,7 @@ class Responder:
         resp: web.StreamResponse,
         stream: EngineStream,
         model: str,
-        chunker: ChatChunker | None,
+        chunker: Chunker | None,
     ) -> bool:
         async for out in stream:
             self._observe(out)

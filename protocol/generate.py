@@ -17,7 +17,7 @@ import re
 import msgspec
 
 from protocol.chat import ChatLogprobs
-from protocol.openai import APIError, Usage
+from protocol.openai import APIError, StreamOptions, Usage
 
 #: text-only sampling switches: the answer is token ids, so they change nothing
 TEXT_ONLY = ("skip_special_tokens", "spaces_between_special_tokens", "detokenize")
@@ -58,7 +58,10 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     #: the gateway serves several models: required there; a node serves one (None: it)
     model: str | None = None
     request_id: str | None = None
+    #: the answer as SSE: one `GenerateChunk` per step (its new token ids), then `[DONE]`
     stream: bool | None = False
+    #: `include_usage`: a last chunk with no choices carries the usage (vLLM: off by default)
+    stream_options: StreamOptions | None = None
     #: vLLM's fields duet does not serve: taken only at their neutral value (the gateway salts
     #: the prefix cache per team itself, schedules by tier, and moves KV between its own nodes)
     cache_salt: str | None = None
@@ -86,6 +89,16 @@ class GenerateResponse(msgspec.Struct, kw_only=True):
     kv_transfer_params: None = None
 
 
+class GenerateChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One event of a streamed generate answer (vLLM's `GenerateStreamResponse`): a choice's
+    new token ids (their logprobs when asked, its finish reason on its last), or, last, the
+    usage with no choices."""
+
+    request_id: str
+    choices: list[GenerateChoice]
+    usage: Usage | None = None
+
+
 class Rendered(msgspec.Struct, kw_only=True, omit_defaults=True):
     """A render endpoint's answer for one prompt: the generate request that serves it."""
 
@@ -97,19 +110,16 @@ class Rendered(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 def parse_generate(raw: bytes) -> GenerateRequest:
     """A generate body, type-checked (a 400 naming the field as the body nests it:
-    `sampling_params.top_k`), with vLLM's fields duet does not serve refused unless neutral,
-    and `stream` refused (duet answers whole)."""
+    `sampling_params.top_k`), with vLLM's fields duet does not serve refused unless neutral."""
     try:
         body = msgspec.json.decode(raw, type=GenerateRequest)
     except msgspec.ValidationError as e:
         raise APIError(400, f"invalid request: {e}", param=_param_of(str(e))) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"malformed JSON body: {e}", code="invalid_json") from None
-    if body.stream:
+    if body.stream_options is not None and not body.stream:
         raise APIError(
-            400,
-            "stream is not supported on /inference/v1/generate (send stream: false)",
-            param="stream",
+            400, "stream_options is only allowed when stream is true", param="stream_options"
         )
     for name, neutral in (("cache_salt", None), ("priority", 0), ("features", None)):
         if getattr(body, name) != neutral:

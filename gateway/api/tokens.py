@@ -15,7 +15,8 @@ body's sampling fields in generate's shape. Like counting, it needs a key, passe
 gate's cheap refusals and counts in flight while it tokenizes, reserves and bills nothing (it
 generates nothing). An external model has no local tokenizer: a 400.
 
-Streaming generate (vLLM's SSE of token-id deltas) is not served: `stream: true` is a 400.
+`stream: true` runs the streamed completions request instead and rewrites its chunks in flight
+into vLLM's generate stream (gateway/api/generate_stream.py): billed once, as that request.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ import msgspec
 from aiohttp import web
 
 from gateway.accounts.ledger import Caller
+from gateway.api.generate_stream import GenerateSink
 from gateway.serving.generate import Generate, parse
 from gateway.serving.openai_format import CompletionResponse, TokenIdsChoice
 from gateway.serving.pipeline import run
+from gateway.serving.relay import HttpEventStream
 from gateway.serving.requests import Endpoint, Request, parse_completion
 from gateway.state import GatewayState
 from protocol.chat import chat_logprobs
@@ -41,7 +44,7 @@ from protocol.generate import (
     parse_generate,
     sampling_kwargs,
 )
-from protocol.openai import APIError
+from protocol.openai import APIError, StreamOptions
 
 _ENC = msgspec.json.Encoder()
 
@@ -53,20 +56,30 @@ class _AsCompletion(GenerateSamplingParams, kw_only=True, omit_defaults=True):
     prompt: list[int]
     #: required, so omit_defaults never drops it
     return_token_ids: bool
+    stream: bool = False
+    stream_options: StreamOptions | None = None
 
 
-async def generate(state: GatewayState, request: web.Request, request_id: str) -> web.Response:
-    """`POST /inference/v1/generate`: token ids in, token ids and logprobs out, billed."""
+async def generate(
+    state: GatewayState, request: web.Request, request_id: str
+) -> web.StreamResponse:
+    """`POST /inference/v1/generate`: token ids in, token ids and logprobs out (whole or
+    streamed), billed."""
     t0 = time.monotonic()
     key, team = await state.auth.authenticate(request)
     body = _generate_body(await request.read())
+    http = HttpEventStream(request)
     answer = await run(
         state.serving,
         Caller(key, team, request_id, t0),
         Generate(_as_completion(body)),
         tier_header=request.headers.get("x-duet-tier"),
+        sink=GenerateSink(http, body.request_id or request_id),
     )
     done = answer.body
+    if done is None:  # streamed: the answer went to the sink
+        assert http.response is not None
+        return http.response
     assert isinstance(done, CompletionResponse) and done.usage is not None
     out = GenerateResponse(
         request_id=body.request_id or request_id,
@@ -121,7 +134,13 @@ def _as_completion(body: GenerateRequest) -> Request:
     assert body.model is not None
     # the sampling fields through replace: typed, where a dict splat into the constructor is not
     as_completion = msgspec.structs.replace(
-        _AsCompletion(model=body.model, prompt=body.token_ids, return_token_ids=True),
+        _AsCompletion(
+            model=body.model,
+            prompt=body.token_ids,
+            return_token_ids=True,
+            stream=bool(body.stream),
+            stream_options=body.stream_options,
+        ),
         **sampling_kwargs(body.sampling_params),
     )
     try:

@@ -5,6 +5,7 @@ same prompt token ids (the node's equal the engine's: tests/nodes/test_logprobs.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,8 @@ import aiohttp
 import openai
 import pytest
 
+from gateway.accounts.store.base import UsageRecord
+from gateway.accounts.store.sqlite import SqliteStore
 from tests.gateway.helpers import MODEL, gateway_proc, http, make_team, tiny_model
 from tests.procs import Proc, running
 from text.tokenizer import Tokenizer
@@ -188,6 +191,65 @@ def test_generate_equals_completions_with_the_same_ids(
     assert again.choices[0].model_extra["token_ids"] == choice["token_ids"]  # type: ignore[index]
 
 
+@pytest.mark.parametrize("model", [MODEL, "tiny-colocated"])
+async def test_streamed_generate_is_the_whole_answer_billed_once(
+    gw: tuple[Proc, str], tiny_llama: Path, model: str
+) -> None:
+    """`stream: true` streams vLLM's generate chunks (token ids, their logprobs, the finish
+    reason; the usage last when asked): together the whole answer's tokens, and one usage
+    record each, the same figures (read through the official openai client's SSE reader)."""
+    g, _ = gw
+    team = "lp-stream-" + model
+    key = make_team(g.url, team)
+    ids = Tokenizer(tiny_llama).encode(PROMPT)
+    sampling = {"max_tokens": GREEDY["max_tokens"], "temperature": 0, "logprobs": 2}
+    body = {"model": model, "token_ids": ids, "sampling_params": sampling, "request_id": "r-1"}
+    status, _, whole = http(g.url + "/inference/v1/generate", "POST", body, key=key)
+    assert status == 200, whole
+    client = openai.OpenAI(base_url=g.url, api_key=key, max_retries=0)
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    events: list[dict[str, Any]] = list(
+        client.post(
+            "/inference/v1/generate",
+            cast_to=object,
+            body=streamed,
+            stream=True,
+            stream_cls=openai.Stream[dict[str, Any]],
+        )
+    )
+    assert {e["request_id"] for e in events} == {"r-1"}
+    choices = [c for e in events for c in e["choices"]]
+    want = whole["choices"][0]
+    assert [t for c in choices for t in c["token_ids"]] == want["token_ids"]
+    assert len(choices) > 1 and all(c["token_ids"] for c in choices[:-1])  # one step a chunk
+    assert choices[-1]["finish_reason"] == want["finish_reason"]
+    got_lp = [e for c in choices if c["logprobs"] for e in c["logprobs"]["content"]]
+    assert [e["token"] for e in got_lp] == [e["token"] for e in want["logprobs"]["content"]]
+    assert _close(
+        [e["logprob"] for e in got_lp], [e["logprob"] for e in want["logprobs"]["content"]]
+    )
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == len(
+        want["token_ids"]
+    )
+    assert events[-1]["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
+    rows = [r for r in await _records(g.log_path.parent / "gateway.db", team) if r.status == "ok"]
+    assert len(rows) == 2, rows  # the whole answer and the streamed one: each billed once
+    assert rows[0].completion_tokens == rows[1].completion_tokens == len(want["token_ids"])
+    assert rows[0].prompt_tokens == rows[1].prompt_tokens == len(ids)
+    assert rows[0].cost_usd > 0 and rows[1].cost_usd > 0
+
+
+async def _records(db: Path, team: str) -> list[UsageRecord]:
+    """The gateway's usage records of `team`, read from its SQLite store (WAL: readable while it
+    runs)."""
+    store = SqliteStore(db)
+    await store.open()
+    try:
+        return await store.usage_records(team, 0, 1e12)
+    finally:
+        await store.close()
+
+
 def test_render_then_generate_equals_chat(gw: tuple[Proc, str], tiny_llama: Path) -> None:
     """Render a chat body into the ids the model is sent, generate from them: the chat
     endpoint's greedy answer, token for token."""
@@ -219,7 +281,10 @@ def test_render_then_generate_equals_chat(gw: tuple[Proc, str], tiny_llama: Path
         ({"model": MODEL, "token_ids": [1], "sampling_params": {"temperature": -1}}, None),
         ({"model": MODEL, "token_ids": [1], "sampling_params": {"logprobs": 21}}, None),
         ({"model": MODEL, "token_ids": [1], "sampling_params": {"beam": 2}}, None),
-        ({"model": MODEL, "token_ids": [1], "sampling_params": {}, "stream": True}, "stream"),
+        (
+            {"model": MODEL, "token_ids": [1], "sampling_params": {}, "stream_options": {}},
+            "stream_options",
+        ),
         ({"model": MODEL, "token_ids": [1], "sampling_params": {}, "priority": 3}, "priority"),
     ],
 )
@@ -258,6 +323,27 @@ async def test_a_nodes_generate_equals_its_completions(
     content = choice["logprobs"]["content"]
     assert [e["token"] for e in content] == ref["tokens"]
     assert _close([e["logprob"] for e in content], ref["token_logprobs"])
+    # streamed: the same ids in order, one chunk per step, the usage last when asked
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(
+            node.url + "/inference/v1/generate",
+            json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        ) as r,
+    ):
+        assert r.status == 200 and r.content_type == "text/event-stream"
+        lines = [ln.strip() async for ln in r.content if ln.startswith(b"data: ")]
+    assert lines[-1] == b"data: [DONE]"
+    events = [json.loads(ln[6:]) for ln in lines[:-1]]
+    chunks = [c for e in events for c in e["choices"]]
+    assert [t for c in chunks for t in c["token_ids"]] == choice["token_ids"]
+    assert chunks[-1]["finish_reason"] == choice["finish_reason"]
+    assert [e["token"] for c in chunks if c["logprobs"] for e in c["logprobs"]["content"]] == (
+        ref["tokens"]
+    )
+    usage = events[-1]["usage"]  # the prompt's blocks are cached by now: only the counts agree
+    assert events[-1]["choices"] == [] and usage["completion_tokens"] == len(choice["token_ids"])
+    assert usage["prompt_tokens"] == out["usage"]["prompt_tokens"]
 
 
 async def test_a_nodes_render_equals_the_gateways(
