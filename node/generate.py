@@ -34,7 +34,9 @@ from protocol.generate import (
     sampling_kwargs,
 )
 from protocol.node_api import NodeCompletion, NodeCompletionRequest
-from protocol.openai import APIError, CompletionRequest
+from protocol.openai import APIError
+from protocol.structured import Guide, StructuredOutputs
+from text.structured_form import as_structured_outputs, guide_of
 
 _ENC = msgspec.json.Encoder()
 _DEC = msgspec.json.Decoder(NodeCompletion)
@@ -43,14 +45,17 @@ _DEC = msgspec.json.Decoder(NodeCompletion)
 async def handle_generate(state: NodeState, request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     body = parse_generate(await request.read())
+    fields = sampling_kwargs(body.sampling_params)
+    so = fields.pop("structured_outputs", None)
     leg = msgspec.structs.replace(
         NodeCompletionRequest(
             prompt=body.token_ids,
             model=body.model,
             stream=bool(body.stream),
             stream_options=body.stream_options,
+            guide=_guide(so),
         ),
-        **sampling_kwargs(body.sampling_params),
+        **fields,
     )
     try:
         leg.validate()
@@ -60,6 +65,8 @@ async def handle_generate(state: NodeState, request: web.Request) -> web.StreamR
             e.param = "token_ids"
         elif e.param in GenerateSamplingParams.__struct_fields__:
             e.param = f"sampling_params.{e.param}"
+        elif e.param == "guide":
+            e.param = "sampling_params.structured_outputs"
         raise
     # a stream goes out in generate's shape (node/generate_stream.py)
     prep.generate_id = body.request_id or prep.request_id
@@ -83,6 +90,18 @@ async def handle_generate(state: NodeState, request: web.Request) -> web.StreamR
         ],
     )
     return web.Response(body=_ENC.encode(out), content_type="application/json")
+
+
+def _guide(so: object) -> Guide | None:
+    """The constraint of `sampling_params.structured_outputs` (a 400 naming it for a form not
+    served); the grammar engine's check is the completions path's."""
+    if so is None:
+        return None
+    assert isinstance(so, StructuredOutputs)
+    try:
+        return guide_of(so)
+    except ValueError as e:
+        raise APIError(400, str(e), param="sampling_params.structured_outputs") from None
 
 
 async def handle_render_chat(state: NodeState, request: web.Request) -> web.Response:
@@ -109,7 +128,7 @@ async def handle_render_completion(state: NodeState, request: web.Request) -> we
     return _rendered([_render(state, body, ids)])
 
 
-def _render(state: NodeState, body: CompletionRequest, ids: list[int]) -> Rendered:
+def _render(state: NodeState, body: NodeCompletionRequest, ids: list[int]) -> Rendered:
     stop = [body.stop] if isinstance(body.stop, str) else body.stop
     sp = GenerateSamplingParams(
         max_tokens=body.max_tokens,
@@ -125,6 +144,7 @@ def _render(state: NodeState, body: CompletionRequest, ids: list[int]) -> Render
         repetition_penalty=body.repetition_penalty,
         stop=stop or None,
         logprobs=body.logprobs,
+        structured_outputs=None if body.guide is None else as_structured_outputs(body.guide),
     )
     return Rendered(token_ids=ids, sampling_params=sp, model=body.model or state.engine.model_name)
 

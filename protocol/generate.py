@@ -18,6 +18,7 @@ import msgspec
 
 from protocol.chat import ChatLogprobs
 from protocol.openai import APIError, StreamOptions, Usage
+from protocol.structured import StructuredOutputs
 
 #: text-only sampling switches: the answer is token ids, so they change nothing
 TEXT_ONLY = ("skip_special_tokens", "spaces_between_special_tokens", "detokenize")
@@ -44,6 +45,8 @@ class GenerateSamplingParams(
     n: int | None = None
     #: the sampled token's logprob plus this many top tokens (0..20)
     logprobs: int | None = None
+    #: the constraint on the answer (vLLM's form; a render answer carries the body's)
+    structured_outputs: StructuredOutputs | None = None
     #: text-only switches: the answer is token ids, so they change nothing
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
@@ -140,7 +143,9 @@ def parse_generate(raw: bytes) -> GenerateRequest:
     return body
 
 
-def sampling_kwargs(sp: GenerateSamplingParams) -> dict[str, int | float | bool | list[str]]:
+def sampling_kwargs(
+    sp: GenerateSamplingParams,
+) -> dict[str, int | float | bool | list[str] | StructuredOutputs]:
     """The sampling fields a client set, by the names OpenAI's completions form gives them
     (the same names), vLLM's top_k -1 ("off") as unset; the text-only switches left out."""
     out = {

@@ -11,7 +11,9 @@ naming it where the client wrote it (`sampling_params.max_tokens`, `token_ids`).
 render answers what generate needs for a chat or completions body: the prompt's token ids as
 the pipeline itself tokenizes it on the chosen model (its tokenizer, chat template and tools:
 gateway/serving/measure.py, the same function `/v1/messages/count_tokens` counts with), and the
-body's sampling fields in generate's shape. Like counting, it needs a key, passes the team
+body's sampling fields in generate's shape, its constraint among them as vLLM's render writes
+it (`sampling_params.structured_outputs`: `response_format`'s, vLLM's extras', or a forced
+tool choice's on the model's tool format), so generate from a render is the body's request. Like counting, it needs a key, passes the team
 gate's cheap refusals and counts in flight while it tokenizes, reserves and bills nothing (it
 generates nothing). An external model has no local tokenizer: a 400.
 
@@ -29,6 +31,7 @@ from aiohttp import web
 from gateway.accounts.ledger import Caller
 from gateway.api.generate_stream import GenerateSink
 from gateway.serving.generate import Generate, parse
+from gateway.serving.measure import tool_plan
 from gateway.serving.openai_format import CompletionResponse, TokenIdsChoice
 from gateway.serving.pipeline import run
 from gateway.serving.relay import HttpEventStream
@@ -45,6 +48,8 @@ from protocol.generate import (
     sampling_kwargs,
 )
 from protocol.openai import APIError, StreamOptions
+from protocol.structured import StructuredOutputs
+from text.structured_form import as_structured_outputs
 
 _ENC = msgspec.json.Encoder()
 
@@ -111,9 +116,12 @@ async def render(
     call = parse(endpoint, await request.read())
     tier_header = request.headers.get("x-duet-tier")
     served, ids = await call.own_prompt_ids(state.serving, team, tier_header, "renders prompts")
-    out = Rendered(
-        token_ids=ids, sampling_params=_sampling_of(call.request), model=served.config.name
-    )
+    # the answer's constraint as the model is sent it: the body's, or its forced tool choice's
+    # in this model's tool format (the tools themselves are in the prompt's ids)
+    plan = tool_plan(served, call.request)
+    guide = call.request.guide or (plan.guide if plan is not None else None)
+    sampling = _sampling_of(call.request, None if guide is None else as_structured_outputs(guide))
+    out = Rendered(token_ids=ids, sampling_params=sampling, model=served.config.name)
     return web.Response(
         body=_ENC.encode(out if endpoint == Endpoint.CHAT else [out]),
         content_type="application/json",
@@ -149,13 +157,14 @@ def _as_completion(body: GenerateRequest) -> Request:
         if e.param == "prompt":
             e.param = "token_ids"
             e.message = e.message.replace("the prompt", "token_ids").replace("prompt", "token_ids")
-        elif e.param in GenerateSamplingParams.__struct_fields__:
+        elif e.param and e.param.split(".")[0] in GenerateSamplingParams.__struct_fields__:
             e.param = f"sampling_params.{e.param}"
         raise
 
 
-def _sampling_of(req: Request) -> GenerateSamplingParams:
-    """The request's sampling fields in generate's shape (unset stays unset)."""
+def _sampling_of(req: Request, so: StructuredOutputs | None) -> GenerateSamplingParams:
+    """The request's sampling fields in generate's shape (unset stays unset), and its
+    constraint `so`."""
     s = req.sampling
     return GenerateSamplingParams(
         max_tokens=req.max_tokens,
@@ -172,4 +181,5 @@ def _sampling_of(req: Request) -> GenerateSamplingParams:
         stop=list(s.stop) or None,
         n=req.n if req.n != 1 else None,
         logprobs=s.logprobs,
+        structured_outputs=so,
     )

@@ -151,7 +151,7 @@ class Tries:
             self.ledger.record.request_id,
             served.config.name,
             self.tier,
-            token_ids=req.return_token_ids,
+            attempt.prompt_ids if req.return_token_ids else None,
         )
         self.response_id = fmt.id  # the answer's id as the client gets it (gen_ai.response.id)
         self.relay = relay = Relay(self.ledger, reply, fmt)

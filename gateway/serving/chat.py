@@ -8,6 +8,7 @@ Messages, Responses) build — into the pipeline's `Request`: the messages, the 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from gateway.serving.constraint import VllmFields, constraint, refuse_min_tokens
@@ -19,6 +20,7 @@ from gateway.serving.requests import (
     Endpoint,
     Request,
     check_top,
+    flag,
     sampling_of,
     user_of,
 )
@@ -35,7 +37,9 @@ def parse_chat(raw: bytes) -> Request:
         missing = "model" if "model" not in data else "messages"
         raise APIError(400, f"missing required field: {missing}", param=missing)
     body: ChatCompletionRequest = convert(data, ChatCompletionRequest)
-    return _check(body, lambda: vllm_fields(data))
+    req = _check(body, lambda: vllm_fields(data))
+    # vLLM's return_token_ids: the answer carries the prompt's and each choice's token ids
+    return replace(req, return_token_ids=True) if flag(data, "return_token_ids") else req
 
 
 def check_chat(body: ChatCompletionRequest, vllm: VllmFields) -> Request:

@@ -34,9 +34,33 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
 
 
 class TokenIdsChoice(CompletionChoice, kw_only=True):
-    """A completion choice with the ids of its tokens (vLLM's `return_token_ids`)."""
+    """A completion choice with the ids of its tokens and, whole or in a stream's first chunk
+    of the choice, the prompt's (vLLM's `return_token_ids`)."""
 
     token_ids: list[int]
+    prompt_token_ids: list[int] | None = None
+
+
+class TokenIdsChatChoice(ChatChoice, kw_only=True):
+    """A chat choice with the ids of its tokens (vLLM's `return_token_ids`)."""
+
+    token_ids: list[int]
+
+
+class TokenIdsChunkChoice(ChatChunkChoice, kw_only=True):
+    token_ids: list[int]
+
+
+class ChatCompletionIds(ChatCompletion, kw_only=True):
+    """A chat answer with its prompt's token ids (vLLM's `return_token_ids`)."""
+
+    prompt_token_ids: list[int]
+
+
+class ChatChunkIds(ChatCompletionChunk, kw_only=True):
+    """A chat stream's first chunk with the prompt's token ids (vLLM's `return_token_ids`)."""
+
+    prompt_token_ids: list[int]
 
 
 class CompletionResponse(msgspec.Struct, kw_only=True):
@@ -68,11 +92,18 @@ def usage(prompt: int, completion: int, cached: int, written: int = 0) -> Usage:
 
 class Formatter:
     def __init__(
-        self, endpoint: str, request_id: str, model: str, tier: str, token_ids: bool = False
+        self,
+        endpoint: str,
+        request_id: str,
+        model: str,
+        tier: str,
+        prompt_ids: list[int] | None = None,
     ) -> None:
         self.endpoint = endpoint
-        #: whole completions carry their tokens' ids (vLLM's `return_token_ids`)
-        self.token_ids = token_ids
+        #: the answer carries its tokens' ids and these, the prompt's (vLLM's `return_token_ids`;
+        #: None: not asked)
+        self.prompt_ids = prompt_ids
+        self.token_ids = prompt_ids is not None
         self.id = ("chatcmpl-" if endpoint == "chat" else "cmpl-") + request_id.removeprefix("req-")
         self.model = model
         self.created = int(time.time())
@@ -84,25 +115,46 @@ class Formatter:
             # a tool-call delta carries no content (OpenAI's shape)
             content = p.text if p.text or not (p.tool_calls or p.finish_reason) else None
             delta = ChatDelta(content=content, tool_calls=p.tool_calls)
-            if p.index not in self._started:  # OpenAI opens each choice with the role
+            first = p.index not in self._started
+            if first:  # OpenAI opens each choice with the role
                 self._started.add(p.index)
                 delta = ChatDelta(role="assistant", content=content, tool_calls=p.tool_calls)
+            lp = _chat(p.logprobs)
+            choice = (
+                TokenIdsChunkChoice(
+                    index=p.index,
+                    delta=delta,
+                    finish_reason=p.finish_reason,
+                    logprobs=lp,
+                    token_ids=p.token_ids,
+                )
+                if self.token_ids
+                else ChatChunkChoice(
+                    index=p.index, delta=delta, finish_reason=p.finish_reason, logprobs=lp
+                )
+            )
+            if first and self.prompt_ids is not None and p.index == 0:
+                return sse(
+                    ChatChunkIds(
+                        id=self.id,
+                        created=self.created,
+                        model=self.model,
+                        service_tier=self.tier,
+                        choices=[choice],
+                        prompt_token_ids=self.prompt_ids,
+                    )
+                )
             return sse(
                 ChatCompletionChunk(
                     id=self.id,
                     created=self.created,
                     model=self.model,
                     service_tier=self.tier,
-                    choices=[
-                        ChatChunkChoice(
-                            index=p.index,
-                            delta=delta,
-                            finish_reason=p.finish_reason,
-                            logprobs=_chat(p.logprobs),
-                        )
-                    ],
+                    choices=[choice],
                 )
             )
+        first = p.index not in self._started
+        self._started.add(p.index)
         return sse(
             CompletionResponse(
                 id=self.id,
@@ -115,6 +167,7 @@ class Formatter:
                         finish_reason=p.finish_reason,
                         logprobs=p.logprobs,
                         token_ids=p.token_ids,
+                        prompt_token_ids=self.prompt_ids if first else None,
                     )
                     if self.token_ids
                     else CompletionChoice(
@@ -157,21 +210,37 @@ class Formatter:
         idx = sorted(texts)
         lps = {i: merge_logprobs(parts) for i, parts in (logprobs or {}).items()}
         if self.endpoint == "chat":
-            return ChatCompletion(
+            choices = [
+                ChatChoice(
+                    index=i,
+                    message=_message("".join(texts[i]), (calls or {}).get(i)),
+                    finish_reason=finish.get(i),
+                    logprobs=_chat(lps.get(i)),
+                )
+                for i in idx
+            ]
+            if self.prompt_ids is None:
+                return ChatCompletion(
+                    id=self.id,
+                    created=self.created,
+                    model=self.model,
+                    usage=u,
+                    service_tier=self.tier,
+                    choices=choices,
+                )
+            return ChatCompletionIds(
                 id=self.id,
                 created=self.created,
                 model=self.model,
                 usage=u,
                 service_tier=self.tier,
                 choices=[
-                    ChatChoice(
-                        index=i,
-                        message=_message("".join(texts[i]), (calls or {}).get(i)),
-                        finish_reason=finish.get(i),
-                        logprobs=_chat(lps.get(i)),
+                    TokenIdsChatChoice(
+                        **msgspec.structs.asdict(c), token_ids=(ids or {}).get(c.index, [])
                     )
-                    for i in idx
+                    for c in choices
                 ],
+                prompt_token_ids=self.prompt_ids,
             )
         return CompletionResponse(
             id=self.id,
@@ -185,6 +254,7 @@ class Formatter:
                     finish_reason=finish.get(i),
                     logprobs=lps.get(i),
                     token_ids=(ids or {}).get(i, []),
+                    prompt_token_ids=self.prompt_ids,
                 )
                 if self.token_ids
                 else CompletionChoice(

@@ -59,6 +59,7 @@ CHAT_FIELDS = COMMON | {
     "tools",
     "tool_choice",
     "parallel_tool_calls",
+    "return_token_ids",
 }
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "return_token_ids"}
 CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -144,7 +145,7 @@ class Request:
     #: the prompt prefix the client asked to keep cached (Anthropic's `cache_control`;
     #: gateway/serving/retain.py); None: cached as usual
     retain: RetainMark | None = None
-    #: completions: a whole answer's choices carry their tokens' ids (vLLM's `return_token_ids`;
+    #: the answer carries its choices' token ids and the prompt's (vLLM's `return_token_ids`;
     #: the token-in/token-out endpoint's answer is made of them)
     return_token_ids: bool = False
 
@@ -243,7 +244,7 @@ def parse_completion(raw: bytes) -> Request:
         structured_outputs=c.structured_outputs,
         constraint_field=c.field,
         guide_param=c.param,
-        return_token_ids=_flag(data, "return_token_ids"),
+        return_token_ids=flag(data, "return_token_ids"),
     )
 
 
@@ -266,7 +267,7 @@ class _Shim:
         return getattr(self._body, name)
 
 
-def _flag(data: dict[str, Any], name: str) -> bool:
+def flag(data: dict[str, Any], name: str) -> bool:
     """A boolean field of the raw body (absent or null: false)."""
     v = data.get(name)
     if v is not None and not isinstance(v, bool):
