@@ -366,9 +366,12 @@ class Feature(enum.StrEnum):
     #: frequency_penalty, presence_penalty, repetition_penalty, min_p
     PENALTIES = "penalties"
     LOGIT_BIAS = "logit_bias"
+    #: Anthropic's extended thinking (`thinking` on /v1/messages): an Anthropic provider's model
+    #: that lists it; no self-hosted or OpenAI-compatible model reasons on this gateway
+    THINKING = "thinking"
 
 
-ALL = frozenset(Feature)
+ALL = frozenset(Feature) - {Feature.THINKING}
 
 
 #: what an Anthropic model serves by default: tools (translated both ways); it has no
@@ -385,7 +388,10 @@ def model_features(model: ModelConfig) -> frozenset[Feature]:
         if model.kind != "external":
             return ALL
         return ANTHROPIC if model.provider == "anthropic" else OPENAI_COMPATIBLE
-    return frozenset(Feature(f) for f in model.features)
+    listed = frozenset(Feature(f) for f in model.features)
+    if model.kind != "external" or model.provider != "anthropic":
+        return listed - {Feature.THINKING}  # only Anthropic's API takes `thinking`
+    return listed
 
 
 def parse_features(value: object, where: str) -> tuple[str, ...]:

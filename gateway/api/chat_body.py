@@ -23,6 +23,7 @@ from typing import Any
 from gateway.serving.constraint import Names, VllmFields, constraint, refuse_min_tokens
 from gateway.serving.requests import RetainMark
 from protocol.chat import ChatCompletionRequest, ChatMessage
+from protocol.thinking import Thinking
 from protocol.tools import NamedToolChoice
 
 #: a content part, in OpenAI's JSON shape (what `ChatMessage.content` holds)
@@ -56,6 +57,8 @@ class TranslatedChat:
     vllm: VllmFields
     #: the prompt prefix the client asked to keep cached (Messages' `cache_control`)
     retain: RetainMark | None = None
+    #: Messages' extended thinking (None: none asked), for a provider's model that reasons
+    thinking: Thinking | None = None
 
 
 def text_part(text: str) -> Part:

@@ -71,7 +71,11 @@ class Translated:
         answer = await run(
             state.serving,
             caller,
-            Generate(replace(check_chat(chat.body, chat.vllm), retain=chat.retain)),
+            Generate(
+                replace(
+                    check_chat(chat.body, chat.vllm), retain=chat.retain, thinking=chat.thinking
+                )
+            ),
             tier_header=self.request.headers.get("x-duet-tier"),
             sink=self.sink,
         )

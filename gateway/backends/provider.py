@@ -172,6 +172,8 @@ class ProviderBackend(Backend):
         if request.structured_outputs is not None:
             # vLLM's extras, normalized: one field set (gateway/serving/constraint.py)
             body["structured_outputs"] = msgspec.to_builtins(request.structured_outputs)
+        if request.thinking is not None:  # only an Anthropic model takes it (features.py)
+            body["thinking"] = msgspec.to_builtins(request.thinking)
         return body
 
     def open(self, request: Request, attempt: Attempt) -> Reply:

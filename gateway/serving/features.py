@@ -35,6 +35,8 @@ def features(request: Request) -> frozenset[Feature]:
         out.add(Feature.PENALTIES)
     if s.logit_bias:
         out.add(Feature.LOGIT_BIAS)
+    if request.thinking is not None:
+        out.add(Feature.THINKING)
     return frozenset(out)
 
 
@@ -70,4 +72,5 @@ _PARAM = {
     Feature.VLLM_STRUCTURED_OUTPUTS: "structured_outputs",
     Feature.PENALTIES: "frequency_penalty",
     Feature.LOGIT_BIAS: "logit_bias",
+    Feature.THINKING: "thinking",
 }

@@ -24,6 +24,7 @@ from protocol import limits
 from protocol.openai import APIError, CompletionRequest, refusals, refused
 from protocol.retention import RetainTTL
 from protocol.structured import Guide, ResponseFormat, StructuredOutputs
+from protocol.thinking import Thinking
 
 #: the `user` field is stored in every usage record; longer than this it is not a user id
 MAX_USER = 256
@@ -145,6 +146,9 @@ class Request:
     #: the prompt prefix the client asked to keep cached (Anthropic's `cache_control`;
     #: gateway/serving/retain.py); None: cached as usual
     retain: RetainMark | None = None
+    #: Anthropic's extended thinking, asked on /v1/messages (None: none): only a provider's
+    #: model that lists the `thinking` feature serves it (features.py)
+    thinking: Thinking | None = None
     #: the answer carries its choices' token ids and the prompt's (vLLM's `return_token_ids`;
     #: the token-in/token-out endpoint's answer is made of them)
     return_token_ids: bool = False

@@ -48,11 +48,15 @@ class Env:
 
 
 def cluster(
-    tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, node: bool = True
+    tiny_llama: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    node: bool = True,
+    thinking: bool = False,
 ) -> Iterator[Env]:
     """A gateway with external models on three fake providers (`gpt` falls back to `claude`,
     then `gpt2`; `auto` picks between `claude` and `gpt`, team `pinned` pins simple prompts to
-    `claude`) and, with `node`, the tiny Llama on a real node. Also test_responses_api.py's and
+    `claude`) and, with `node`, the tiny Llama on a real node; with `thinking`, `claude-thinks`
+    on the same fake, its features listing `thinking`. Also test_responses_api.py's and
     test_provider_tools.py's."""
     tmp = tmp_path_factory.mktemp("translated-api")
     servers = FakeServers({"gpt": "openai", "gpt2": "openai", "claude": "anthropic"})
@@ -68,6 +72,10 @@ def cluster(
             }
             if proc is not None:
                 models["tiny"] = tiny_model(tiny_llama, both=[proc.url])
+            if thinking:
+                models["claude-thinks"] = external(
+                    f["claude"], CLAUDE, 3, features=["tools", "thinking"]
+                )
             gw = gateway_proc(
                 tmp,
                 models,

@@ -27,7 +27,7 @@ PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 16).decode()
 
 @pytest.fixture(scope="module")
 def env(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    yield from cluster(tiny_llama, tmp_path_factory, node=False)
+    yield from cluster(tiny_llama, tmp_path_factory, thinking=True)
 
 
 def _refused(env: Env, says: list[str], **kw: Any) -> None:
@@ -51,14 +51,49 @@ def test_version_and_beta_headers(env: Env) -> None:
     _refused(env, ["anthropic-version", "'latest'"], extra_headers={"anthropic-version": "latest"})
 
 
-def test_thinking_is_refused_naming_the_model_unless_disabled(env: Env) -> None:
+@pytest.mark.parametrize("model", ["gpt", "claude", "tiny"])
+def test_thinking_is_refused_naming_the_model_unless_disabled(env: Env, model: str) -> None:
+    """An OpenAI-compatible model, an Anthropic one whose features do not list thinking, and a
+    self-hosted one: a 400 naming the model; disabled is taken."""
     _refused(
         env,
-        ["thinking", "'gpt'", "disabled"],
+        ["thinking", repr(model), "disabled"],
+        model=model,
+        max_tokens=2048,
         thinking={"type": "enabled", "budget_tokens": 1024},
     )
-    ok = env.client().messages.create(**ASK, thinking={"type": "disabled"})
-    assert ok.content[0].text == "echo: hello there"
+    ok = env.client().messages.create(**{**ASK, "model": model}, thinking={"type": "disabled"})
+    assert ok.content[0].text
+
+
+def test_thinking_passes_to_an_anthropic_model_that_reasons(env: Env) -> None:
+    """`claude-thinks` lists the thinking feature: the provider gets the field unchanged, whole
+    and streamed, and the answer's text comes back (its thinking blocks are not relayed)."""
+    kw = {**ASK, "model": "claude-thinks", "max_tokens": 2048}
+    thinking = {"type": "enabled", "budget_tokens": 1024}
+    c = env.client()
+    fake = env.fakes["claude"]
+    answer = c.messages.create(**kw, thinking=thinking)  # type: ignore[arg-type]
+    assert fake.requests[-1]["thinking"] == thinking
+    assert [b.type for b in answer.content] == ["text"] and answer.stop_reason == "end_turn"
+    assert answer.content[0].text == "echo: hello there"  # type: ignore[union-attr]
+    with c.messages.stream(**kw, thinking=thinking) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_message()
+    assert fake.requests[-1]["thinking"] == thinking
+    assert final.content[0].text == "echo: hello there"  # type: ignore[union-attr]
+    _refused(env, ["budget_tokens"], model="claude-thinks", thinking={"type": "enabled"})
+
+
+def test_a_providers_pause_turn_is_a_pause_turn_stop_reason(env: Env) -> None:
+    """An Anthropic provider's `pause_turn` comes back as `pause_turn` (not `end_turn`), whole
+    and streamed, and as the chat path's finish_reason."""
+    kw = {**ASK, "model": "claude", "messages": [{"role": "user", "content": "pause: here"}]}
+    c = env.client()
+    assert c.messages.create(**kw).stop_reason == "pause_turn"
+    with c.messages.stream(**kw) as stream:
+        assert stream.get_final_message().stop_reason == "pause_turn"
+    status, _, chat = http(env.gw.url + "/v1/chat/completions", "POST", body=kw, key=env.key)
+    assert status == 200 and chat["choices"][0]["finish_reason"] == "pause_turn", chat
 
 
 def test_image_blocks_are_refused_where_they_are(env: Env) -> None:

@@ -373,11 +373,20 @@ class FakeProvider:
         ):
             return await self._anthropic_tool(request, body, fault, msg_id, model, prompt, tool)
         words = self.reply(_as_openai(body)).split()
-        # a prompt with "refuse:" in it is refused as Anthropic's classifier does
-        stop = "refusal" if "refuse:" in words else "end_turn"
+        # a prompt with "refuse:" in it is refused as Anthropic's classifier does; one with
+        # "pause:" pauses the turn as a long server-tool turn does
+        stop = (
+            "refusal" if "refuse:" in words else "pause_turn" if "pause:" in words else "end_turn"
+        )
         if len(words) > body["max_tokens"]:
             words, stop = words[: body["max_tokens"]], "max_tokens"
         parts = [w if i == 0 else " " + w for i, w in enumerate(words)]
+        # extended thinking: a thinking block (with its signature) before the text, as the API
+        thought = (
+            [{"type": "thinking", "thinking": "let me see", "signature": "sig-fake"}]
+            if (body.get("thinking") or {}).get("type") in ("enabled", "adaptive")
+            else []
+        )
         if not body.get("stream"):
             return web.json_response(
                 {
@@ -385,7 +394,7 @@ class FakeProvider:
                     "type": "message",
                     "role": "assistant",
                     "model": model,
-                    "content": [{"type": "text", "text": "".join(parts)}],
+                    "content": [*thought, {"type": "text", "text": "".join(parts)}],
                     "stop_reason": stop,
                     "stop_sequence": None,
                     "usage": {
@@ -413,11 +422,12 @@ class FakeProvider:
                     },
                 },
             ),
+            *(_thinking_events(thought[0]) if thought else []),
             _sse(
                 "content_block_start",
                 {
                     "type": "content_block_start",
-                    "index": 0,
+                    "index": len(thought),
                     "content_block": {"type": "text", "text": ""},
                 },
             ),
@@ -428,14 +438,14 @@ class FakeProvider:
                 "content_block_delta",
                 {
                     "type": "content_block_delta",
-                    "index": 0,
+                    "index": len(thought),
                     "delta": {"type": "text_delta", "text": p},
                 },
             )
             for p in parts
         ]
         events += [
-            _sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
+            _sse("content_block_stop", {"type": "content_block_stop", "index": len(thought)}),
             _sse(
                 "message_delta",
                 {
@@ -620,6 +630,29 @@ def _as_openai(body: dict[str, Any]) -> dict[str, Any]:
     return {**body, "messages": msgs}
 
 
+def _thinking_events(block: dict[str, Any]) -> list[bytes]:
+    """A thinking block streamed as the API streams it (index 0): its text, then its signature."""
+    deltas = [
+        {"type": "thinking_delta", "thinking": block["thinking"]},
+        {"type": "signature_delta", "signature": block["signature"]},
+    ]
+    return [
+        _sse(
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "thinking", "thinking": "", "signature": ""},
+            },
+        ),
+        *(
+            _sse("content_block_delta", {"type": "content_block_delta", "index": 0, "delta": d})
+            for d in deltas
+        ),
+        _sse("content_block_stop", {"type": "content_block_stop", "index": 0}),
+    ]
+
+
 def _anthropic_problem(body: dict[str, Any] | None) -> str | None:
     """The checks the real Messages API makes that a translation bug would trip."""
     if body is None:
@@ -650,6 +683,15 @@ def _anthropic_problem(body: dict[str, Any] | None) -> str | None:
             return f"messages.{i}.content: invalid content"
     if msgs[0].get("role") != "user":
         return "messages: first message must use the user role"
+    thinking = body.get("thinking")
+    if thinking is not None and thinking.get("type") == "enabled":
+        budget = thinking.get("budget_tokens")
+        if not isinstance(budget, int) or budget < 1024:
+            return "thinking.enabled.budget_tokens: Input should be greater than or equal to 1024"
+        if budget >= body["max_tokens"]:
+            return "`max_tokens` must be greater than `thinking.budget_tokens`"
+        if body.get("temperature", 1) != 1:
+            return "`temperature` may only be set to 1 when thinking is enabled"
     if "temperature" in body and not 0 <= body["temperature"] <= 1:
         return "temperature: must be between 0 and 1"
     for k in set(body) - {
@@ -665,6 +707,7 @@ def _anthropic_problem(body: dict[str, Any] | None) -> str | None:
         "metadata",
         "tools",
         "tool_choice",
+        "thinking",
     }:
         return f"{k}: Extra inputs are not permitted"
     return None

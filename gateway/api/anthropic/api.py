@@ -59,6 +59,7 @@ from gateway.api.translated import Translated, field_names
 from gateway.backends.providers.anthropic_shapes import (
     error_type_of,
 )
+from gateway.config_tables import ModelConfig
 from gateway.serving.raw_body import decode_json, unknown_fields, vllm_fields
 from gateway.state import GatewayState
 from protocol.openai import APIError
@@ -74,6 +75,7 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
         api_key, team = await authenticate(state, request)
         raw = await read_body(state, request)
         body = parse(raw)
+        refuse_thinking(body, _config(state, body.model))
         msg_id = "msg_" + request_id.removeprefix("req-")
         call = Translated(
             request,
@@ -91,6 +93,12 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
         if call is not None and call.opened:
             raise  # the stream's own error event went out already (relay.py)
         return error_response(e, request_id)
+
+
+def _config(state: GatewayState, name: str) -> ModelConfig | None:
+    """The config of the model `name` names, if this gateway serves one by that name."""
+    served = state.serving.models.get(name)
+    return served.config if served is not None else None
 
 
 async def authenticate(state: GatewayState, request: web.Request) -> Found:
@@ -149,7 +157,6 @@ def parse(raw: bytes, counting: bool = False) -> MessagesRequest:
     top = decode_json(raw, code=None)
     if counting:
         top.setdefault("max_tokens", 1)
-    refuse_thinking(top.get("thinking"), top.get("model"))
     extra = unknown_fields(top, FIELDS, _neutral)
     if extra:
         raise APIError(

@@ -161,7 +161,8 @@ def to_chat(body: MessagesRequest) -> TranslatedChat:
     copy_extras(body, out)
     out.top_k = body.top_k  # Anthropic's own field
     check_constraint(out, body, NAMES)
-    return TranslatedChat(out, body, retain_mark(body, system_end, turn_ends))
+    thinking = body.thinking if body.thinking is not None and body.thinking.on else None
+    return TranslatedChat(out, body, retain_mark(body, system_end, turn_ends), thinking)
 
 
 def usage_of(u: TokenCounts) -> Usage:

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from gateway.api.anthropic.api import authenticate, error_response, parse, read_body
 from gateway.api.anthropic.convert import to_chat
+from gateway.api.anthropic.surface import refuse_thinking
 from gateway.api.anthropic.wire import TokenCount
 from gateway.serving.chat import check_chat
 from gateway.serving.generate import Generate
@@ -37,6 +38,7 @@ async def handle(state: GatewayState, request: web.Request, request_id: str) -> 
     try:
         _, team = await authenticate(state, request)
         body = parse(await read_body(state, request), counting=True)
+        refuse_thinking(body, None)  # counted on the models with a tokenizer here: none reasons
         chat = to_chat(body)
         call = Generate(check_chat(chat.body, chat.vllm))
         tier_header = request.headers.get("x-duet-tier")

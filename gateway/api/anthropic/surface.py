@@ -10,7 +10,9 @@ with a 400 that says what and why, never ignored.
   (`BETAS`: token counting, prompt caching's markers and their 1h ttl, streamed tool
   arguments, the larger output and token-efficient tools, which change no shape) is taken; any
   other is a 400 naming it, so a client never believes a feature is on that is not.
-- `thinking`: no model duet serves has a reasoning mode on `/v1/messages`, so anything but
+- `thinking`: passed to an Anthropic provider's model whose `[models.X] features` list
+  `thinking` (the provider reasons; its thinking blocks are not relayed back, only its text,
+  tool calls and usage); for any other model — every self-hosted one — anything but
   `{"type": "disabled"}` is a 400 naming the model (an absent or disabled `thinking` is taken).
 - image blocks (in a message or a `tool_result`): no model duet serves takes image input, so an
   image is a 400 naming the model and where the block is (`messages.0.content.1`), in the API's
@@ -23,6 +25,7 @@ import re
 from collections.abc import Mapping
 
 from gateway.api.anthropic.wire import ImageBlock, MessagesRequest, ToolResultBlock
+from gateway.config_tables import Feature, ModelConfig, model_features
 from protocol.openai import APIError
 
 #: a dated `anthropic-version`, and the first one the API has
@@ -62,15 +65,21 @@ def check_headers(headers: Mapping[str, str]) -> None:
         )
 
 
-def refuse_thinking(thinking: object, model: object) -> None:
-    """400 for a `thinking` that asks for reasoning (the raw body's values: checked before the
-    body's types, so the refusal says why rather than that the field is unknown)."""
-    if thinking is None or thinking == {"type": "disabled"}:
+def refuse_thinking(body: MessagesRequest, model: ModelConfig | None) -> None:
+    """400 for a `thinking` that asks for reasoning of a model that has none here: any but an
+    Anthropic provider's model whose `features` list `thinking` (`model`: the named model's
+    config, None when it is not one this gateway serves by name)."""
+    if body.thinking is None or not body.thinking.on:
+        return
+    if model is not None and Feature.THINKING in model_features(model):
+        if body.thinking.type == "enabled" and body.thinking.budget_tokens is None:
+            raise APIError(400, "thinking.budget_tokens: Field required (with type enabled)")
         return
     raise APIError(
         400,
-        f"thinking: model {model!r} has no extended thinking on this gateway (no model duet "
-        'serves reasons on /v1/messages); leave thinking out or send {"type": "disabled"}',
+        f"thinking: model {body.model!r} has no extended thinking on this gateway (only an "
+        "Anthropic provider's model whose [models.X] features list thinking reasons here); "
+        'leave thinking out or send {"type": "disabled"}',
     )
 
 

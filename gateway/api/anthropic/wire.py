@@ -19,6 +19,7 @@ import msgspec
 from gateway.api.chat_body import VllmExtras
 from protocol.retention import RetainTTL
 from protocol.sse import named_sse
+from protocol.thinking import Thinking
 
 # -- requests -------------------------------------------------------------------------------
 
@@ -138,6 +139,9 @@ class MessagesRequest(VllmExtras, kw_only=True):
     output_config: OutputConfig | None = None
     #: Anthropic's own tier names (auto | standard_only): accepted, the gateway's tiers decide
     service_tier: str | None = None
+    #: extended thinking: passed to an Anthropic provider's model that lists the `thinking`
+    #: feature, refused (400) for any other (surface.py)
+    thinking: Thinking | None = None
 
 
 #: the top-level fields the handler accepts (others are refused by name unless neutral)

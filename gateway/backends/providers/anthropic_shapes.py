@@ -20,7 +20,9 @@ from gateway.backends.providers.cost import TokenUsage
 STOP_REASONS = {
     "end_turn": "stop",
     "stop_sequence": "stop",
-    "pause_turn": "stop",
+    # the server paused a long turn (its own tools): the client continues it; no OpenAI reason
+    # says so, and "stop" would tell a /v1/messages client the turn ended
+    "pause_turn": "pause_turn",
     "max_tokens": "length",
     "model_context_window_exceeded": "length",
     "tool_use": "tool_calls",
@@ -34,6 +36,7 @@ FINISH_REASONS = {
     "tool_calls": "tool_use",
     "function_call": "tool_use",
     "content_filter": "refusal",
+    "pause_turn": "pause_turn",
 }
 
 #: OpenAI tool_choice strings → Anthropic tool_choice types (a named function is `tool`)

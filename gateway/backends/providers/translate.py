@@ -132,6 +132,8 @@ def to_anthropic(body: Mapping[str, Any], model: str, default_max_tokens: int) -
     tc = _tool_choice(body.get("tool_choice"), body.get("parallel_tool_calls"))
     if tc is not None:
         out["tool_choice"] = tc
+    if isinstance(body.get("thinking"), dict):  # Messages' own field, carried through unchanged
+        out["thinking"] = body["thinking"]
     if body.get("stream"):
         out["stream"] = True
     return out
