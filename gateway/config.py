@@ -33,6 +33,8 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     tool_parser = "hermes"            # or "llama3_json" (default: from the chat template; docs/tools.md)
     features = ["tools", "structured_outputs", "penalties", "logit_bias"]   # what it serves (default: all;
                                       # "vllm_structured_outputs" too, which external models lack by default)
+    closed_objects = true             # JSON-schema objects that omit additionalProperties allow no other key
+                                      # (default; false: as written — docs/structured-outputs.md)
 
     [models."smollm2:sql"]            # a LoRA adapter of smollm2 as a model (config_adapters.py)
     adapter_path = "/srv/loras/sql"   # its PEFT directory on the nodes; prices: its own or the base's

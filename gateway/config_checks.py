@@ -94,6 +94,8 @@ def model(name: str, data: Any) -> ModelConfig:
             f"[models.{name}] tool_parser must be one of {', '.join(TOOL_PARSERS)}, "
             f"got {m.tool_parser!r}"
         )
+    if not isinstance(m.closed_objects, bool):
+        raise ConfigError(f"[models.{name}] closed_objects must be true or false")
     if m.features is not None:
         try:
             m = replace(m, features=parse_features(m.features, f"[models.{name}]"))

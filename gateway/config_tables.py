@@ -99,6 +99,11 @@ class ModelConfig:
     teams: tuple[str, ...] | None = None
     #: its weighted set of versions (gateway/config_versions.py; (): one, `cluster_name`)
     versions: tuple[ModelVersion, ...] = ()
+    #: a JSON schema's objects that list `properties` and omit `additionalProperties` allow no
+    #: other key in its guides (text/json_closed.py; docs/structured-outputs.md); false: the
+    #: schema as written (JSON Schema's open default). A request's own
+    #: `structured_outputs.disable_additional_properties` overrides it.
+    closed_objects: bool = True
 
     @property
     def cluster_name(self) -> str:

@@ -26,7 +26,9 @@ as written:
 
 A request opens an object by saying so in its schema (`"additionalProperties": true`, or a
 schema for the extra values); vLLM's `structured_outputs.disable_additional_properties: false`
-compiles a `structured_outputs.json` schema as written (gateway/serving/constraint.py).
+compiles a `structured_outputs.json` schema as written (gateway/serving/constraint.py). A model
+configured with `closed_objects = false` is sent its guides as written unless the request
+chooses itself (gateway/config_tables.py, `Request.guide_on`).
 
 Invariants: the rewrite is a pure function of the schema, applied where the gateway builds a
 guide's spec, so the gateway's check and every node compile the same grammar from the same

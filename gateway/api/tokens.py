@@ -119,7 +119,9 @@ async def render(
     # the answer's constraint as the model is sent it: the body's, or its forced tool choice's
     # in this model's tool format (the tools themselves are in the prompt's ids)
     plan = tool_plan(served, call.request)
-    guide = call.request.guide or (plan.guide if plan is not None else None)
+    guide = call.request.guide_on(served.config.closed_objects) or (
+        plan.guide if plan is not None else None
+    )
     sampling = _sampling_of(call.request, None if guide is None else as_structured_outputs(guide))
     out = Rendered(token_ids=ids, sampling_params=sampling, model=served.config.name)
     return web.Response(

@@ -113,7 +113,8 @@ class Tries:
             max_tokens=size.max_tokens,
             tier=self.tier,
             cache_domain=serving.config.cache_domain(self.ledger.caller.team.id),
-            guide=self.req.guide or (size.tools.guide if size.tools else None),
+            guide=self.req.guide_on(served.config.closed_objects)
+            or (size.tools.guide if size.tools else None),
             retain=size.retain,
         )
         headers = {**self.headers, "x-duet-model-used": served.config.name}

@@ -84,6 +84,7 @@ def _check(body: ChatCompletionRequest, vllm: Callable[[], VllmFields]) -> Reque
         user=user_of(body.user),
         response_format=body.response_format,
         guide=c.guide,
+        open_guide=c.open_guide,
         structured_outputs=c.structured_outputs,
         constraint_field=c.field,
         guide_param=c.param,

@@ -109,6 +109,10 @@ class Constraint:
     structured_outputs: StructuredOutputs | None = None
     #: what an error about `guide` names: the field, or the part of it that holds the guide
     param: str | None = None
+    #: `guide` with the schema's objects as written, for a model configured with
+    #: `closed_objects = false` — set only where the closing was the default (the request did
+    #: not choose: no `disable_additional_properties`) and changed the schema
+    open_guide: Guide | None = None
 
 
 def constraint(
@@ -144,9 +148,30 @@ def constraint(
     if field == _FORCED_TOOL:
         return Constraint(field=field)
     if field == "response_format":
-        return Constraint(guide=_response_format(rf), field=field, param=field)
+        guide = _response_format(rf)
+        assert rf is not None
+        schema = rf.json_schema.schema if rf.json_schema is not None else None
+        return Constraint(
+            guide=guide, field=field, param=field, open_guide=_open(guide, schema, None)
+        )
     so, param = _normalized(vllm, field)
-    return Constraint(guide=_guide(so, param), field=field, structured_outputs=so, param=param)
+    guide = _guide(so, param)
+    return Constraint(
+        guide=guide,
+        field=field,
+        structured_outputs=so,
+        param=param,
+        open_guide=_open(guide, so.json, so.disable_additional_properties),
+    )
+
+
+def _open(guide: Guide | None, schema: Any, chosen: bool | None) -> Guide | None:
+    """The guide of `schema` with its objects as written, if closing them was the default
+    (`chosen`: the request's own `disable_additional_properties`) and changed it."""
+    if guide is None or guide.kind != GuideKind.JSON_SCHEMA or schema is None or chosen is not None:
+        return None
+    opened = json_schema_guide(schema, closed=False)
+    return opened if opened.spec != guide.spec else None
 
 
 def described(source: str, names: Names = OPENAI) -> str:

@@ -54,7 +54,12 @@ def tool_plan(served: ServedModel, req: Request) -> ToolPlan | None:
         or (req.tools.choice == "none" and not req.has_tool_turns)
     ):
         return None
-    return plan_for(req.tools, served.config.tool_parser, served.tokenizer.chat_template)
+    return plan_for(
+        req.tools,
+        served.config.tool_parser,
+        served.tokenizer.chat_template,
+        served.config.closed_objects,
+    )
 
 
 def _chat_ids(tok: Tokenizer, req: Request, plan: ToolPlan | None) -> list[int]:

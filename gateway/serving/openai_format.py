@@ -111,74 +111,54 @@ class Formatter:
         self._started: set[int] = set()
 
     def chunk(self, p: Piece) -> bytes:
-        if self.endpoint == "chat":
-            # a tool-call delta carries no content (OpenAI's shape)
-            content = p.text if p.text or not (p.tool_calls or p.finish_reason) else None
-            delta = ChatDelta(content=content, tool_calls=p.tool_calls)
-            first = p.index not in self._started
-            if first:  # OpenAI opens each choice with the role
-                self._started.add(p.index)
-                delta = ChatDelta(role="assistant", content=content, tool_calls=p.tool_calls)
-            lp = _chat(p.logprobs)
-            choice = (
-                TokenIdsChunkChoice(
-                    index=p.index,
-                    delta=delta,
-                    finish_reason=p.finish_reason,
-                    logprobs=lp,
-                    token_ids=p.token_ids,
-                )
-                if self.token_ids
-                else ChatChunkChoice(
-                    index=p.index, delta=delta, finish_reason=p.finish_reason, logprobs=lp
-                )
-            )
-            if first and self.prompt_ids is not None and p.index == 0:
-                return sse(
-                    ChatChunkIds(
-                        id=self.id,
-                        created=self.created,
-                        model=self.model,
-                        service_tier=self.tier,
-                        choices=[choice],
-                        prompt_token_ids=self.prompt_ids,
-                    )
-                )
-            return sse(
-                ChatCompletionChunk(
-                    id=self.id,
-                    created=self.created,
-                    model=self.model,
-                    service_tier=self.tier,
-                    choices=[choice],
-                )
-            )
         first = p.index not in self._started
         self._started.add(p.index)
-        return sse(
-            CompletionResponse(
-                id=self.id,
-                created=self.created,
-                model=self.model,
-                choices=[
-                    TokenIdsChoice(
-                        index=p.index,
-                        text=p.text,
-                        finish_reason=p.finish_reason,
-                        logprobs=p.logprobs,
-                        token_ids=p.token_ids,
-                        prompt_token_ids=self.prompt_ids if first else None,
-                    )
-                    if self.token_ids
-                    else CompletionChoice(
-                        index=p.index,
-                        text=p.text,
-                        finish_reason=p.finish_reason,
-                        logprobs=p.logprobs,
-                    )
-                ],
-            )
+        if self.endpoint == "chat":
+            return self._chat_chunk(p, first)
+        choice = self._completion_choice(
+            p.index, p.text, p.finish_reason, p.logprobs, p.token_ids, first
         )
+        return sse(
+            CompletionResponse(id=self.id, created=self.created, model=self.model, choices=[choice])
+        )
+
+    def _chat_chunk(self, p: Piece, first: bool) -> bytes:
+        # a tool-call delta carries no content (OpenAI's shape); the first opens with the role
+        content = p.text if p.text or not (p.tool_calls or p.finish_reason) else None
+        delta = ChatDelta(
+            role="assistant" if first else None, content=content, tool_calls=p.tool_calls
+        )
+        choice = ChatChunkChoice(
+            index=p.index, delta=delta, finish_reason=p.finish_reason, logprobs=_chat(p.logprobs)
+        )
+        if self.token_ids:
+            choice = TokenIdsChunkChoice(**msgspec.structs.asdict(choice), token_ids=p.token_ids)
+        chunk = ChatCompletionChunk(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            service_tier=self.tier,
+            choices=[choice],
+        )
+        if first and p.index == 0 and self.prompt_ids is not None:
+            chunk = ChatChunkIds(**msgspec.structs.asdict(chunk), prompt_token_ids=self.prompt_ids)
+        return sse(chunk)
+
+    def _completion_choice(
+        self,
+        index: int,
+        text: str,
+        finish: str | None,
+        lp: CompletionLogprobs | None,
+        ids: list[int],
+        first: bool,
+    ) -> CompletionChoice:
+        """A completions choice; with token ids asked, its ids, and the prompt's on its first."""
+        c = CompletionChoice(index=index, text=text, finish_reason=finish, logprobs=lp)
+        if not self.token_ids:
+            return c
+        prompt = self.prompt_ids if first else None
+        return TokenIdsChoice(**msgspec.structs.asdict(c), token_ids=ids, prompt_token_ids=prompt)
 
     def usage_chunk(self, u: Usage) -> bytes:
         if self.endpoint == "chat":
@@ -210,62 +190,53 @@ class Formatter:
         idx = sorted(texts)
         lps = {i: merge_logprobs(parts) for i, parts in (logprobs or {}).items()}
         if self.endpoint == "chat":
-            choices = [
-                ChatChoice(
-                    index=i,
-                    message=_message("".join(texts[i]), (calls or {}).get(i)),
-                    finish_reason=finish.get(i),
-                    logprobs=_chat(lps.get(i)),
-                )
-                for i in idx
-            ]
-            if self.prompt_ids is None:
-                return ChatCompletion(
-                    id=self.id,
-                    created=self.created,
-                    model=self.model,
-                    usage=u,
-                    service_tier=self.tier,
-                    choices=choices,
-                )
-            return ChatCompletionIds(
-                id=self.id,
-                created=self.created,
-                model=self.model,
-                usage=u,
-                service_tier=self.tier,
-                choices=[
-                    TokenIdsChatChoice(
-                        **msgspec.structs.asdict(c), token_ids=(ids or {}).get(c.index, [])
-                    )
-                    for c in choices
-                ],
-                prompt_token_ids=self.prompt_ids,
-            )
+            return self._chat_body(texts, finish, u, lps, calls, ids or {})
         return CompletionResponse(
             id=self.id,
             created=self.created,
             model=self.model,
             usage=u,
             choices=[
-                TokenIdsChoice(
-                    index=i,
-                    text="".join(texts[i]),
-                    finish_reason=finish.get(i),
-                    logprobs=lps.get(i),
-                    token_ids=(ids or {}).get(i, []),
-                    prompt_token_ids=self.prompt_ids,
-                )
-                if self.token_ids
-                else CompletionChoice(
-                    index=i,
-                    text="".join(texts[i]),
-                    finish_reason=finish.get(i),
-                    logprobs=lps.get(i),
+                self._completion_choice(
+                    i, "".join(texts[i]), finish.get(i), lps.get(i), (ids or {}).get(i, []), True
                 )
                 for i in idx
             ],
         )
+
+    def _chat_body(
+        self,
+        texts: dict[int, list[str]],
+        finish: dict[int, str | None],
+        u: Usage,
+        lps: dict[int, CompletionLogprobs],
+        calls: dict[int, list[ToolCallDelta]] | None,
+        ids: dict[int, list[int]],
+    ) -> ChatCompletion:
+        choices = [
+            ChatChoice(
+                index=i,
+                message=_message("".join(texts[i]), (calls or {}).get(i)),
+                finish_reason=finish.get(i),
+                logprobs=_chat(lps.get(i)),
+            )
+            for i in sorted(texts)
+        ]
+        out = ChatCompletion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            usage=u,
+            service_tier=self.tier,
+            choices=choices,
+        )
+        if self.prompt_ids is None:
+            return out
+        out.choices = [
+            TokenIdsChatChoice(**msgspec.structs.asdict(c), token_ids=ids.get(c.index, []))
+            for c in choices
+        ]
+        return ChatCompletionIds(**msgspec.structs.asdict(out), prompt_token_ids=self.prompt_ids)
 
 
 def _chat(lp: CompletionLogprobs | None) -> ChatLogprobs | None:

@@ -11,6 +11,7 @@ gateway/serving/constraint.py) is checked here with OpenAI's wording, before any
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -146,12 +147,20 @@ class Request:
     #: the prompt prefix the client asked to keep cached (Anthropic's `cache_control`;
     #: gateway/serving/retain.py); None: cached as usual
     retain: RetainMark | None = None
+    #: `guide` with objects left as written, for a model with `closed_objects = false`
+    #: (constraint.py's `Constraint.open_guide`; None: the same as `guide`)
+    open_guide: Guide | None = None
     #: Anthropic's extended thinking, asked on /v1/messages (None: none): only a provider's
     #: model that lists the `thinking` feature serves it (features.py)
     thinking: Thinking | None = None
     #: the answer carries its choices' token ids and the prompt's (vLLM's `return_token_ids`;
     #: the token-in/token-out endpoint's answer is made of them)
     return_token_ids: bool = False
+
+    def guide_on(self, closed_objects: bool) -> Guide | None:
+        """The guide on a model whose `closed_objects` setting this is (gateway/config_tables.py):
+        its objects that omit `additionalProperties` closed (the default), or as written."""
+        return self.guide if closed_objects or self.open_guide is None else self.open_guide
 
 
 def sampling_of(body: Any, max_tokens: int | None, logprobs: int | None) -> tuple[Sampling, int]:
@@ -245,6 +254,7 @@ def parse_completion(raw: bytes) -> Request:
         user=user_of(body.user),
         response_format=rf,
         guide=c.guide,
+        open_guide=c.open_guide,
         structured_outputs=c.structured_outputs,
         constraint_field=c.field,
         guide_param=c.param,
@@ -271,7 +281,7 @@ class _Shim:
         return getattr(self._body, name)
 
 
-def flag(data: dict[str, Any], name: str) -> bool:
+def flag(data: Mapping[str, object], name: str) -> bool:
     """A boolean field of the raw body (absent or null: false)."""
     v = data.get(name)
     if v is not None and not isinstance(v, bool):

@@ -57,24 +57,28 @@ class ToolPlan:
         return self.fmt.parser(self.tools.names)
 
 
-def schema_guide(schema: dict[str, Any]) -> Guide:
+def schema_guide(schema: dict[str, Any], closed: bool = True) -> Guide:
     """A JSON-schema guide in the contract's canonical form (compact, keys in the client's
     order), its objects closed where the schema leaves them open (text/json_closed.py): a tool's
-    parameters that omit `additionalProperties` name every argument the call takes."""
-    return json_schema_guide(schema)
+    parameters that omit `additionalProperties` name every argument the call takes. `closed`
+    false (the model's `closed_objects = false`): as written."""
+    return json_schema_guide(schema, closed=closed)
 
 
-def plan_for(tools: Tools, configured: str | None, template: str | None) -> ToolPlan:
-    """The plan of a request's `tools` on a model (its configured tool_parser, its template)."""
+def plan_for(
+    tools: Tools, configured: str | None, template: str | None, closed: bool = True
+) -> ToolPlan:
+    """The plan of a request's `tools` on a model (its configured tool_parser, its template,
+    its `closed_objects`)."""
     fmt = tool_format(configured, template)
     mode = ToolMode(tools.choice)
     guide = None
     if mode == ToolMode.NAMED:
         assert tools.named is not None
-        guide = schema_guide(tools.parameters(tools.named))
+        guide = schema_guide(tools.parameters(tools.named), closed)
     elif mode == ToolMode.REQUIRED:
         calls = [fmt.call_schema(n, tools.parameters(n)) for n in tools.names]
-        guide = schema_guide(calls[0] if len(calls) == 1 else {"anyOf": calls})
+        guide = schema_guide(calls[0] if len(calls) == 1 else {"anyOf": calls}, closed)
     return ToolPlan(mode, fmt, tools, guide)
 
 

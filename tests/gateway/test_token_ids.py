@@ -8,6 +8,8 @@ the official openai client against a gateway and a real node (tiny model, fp32, 
 - A render of a body with a constraint (`response_format`, vLLM's `structured_outputs`) carries
   it in `sampling_params.structured_outputs` as vLLM's render does, and generate from that render
   answers what chat answers for the body: the same tokens, schema-valid JSON.
+- `[models.X] closed_objects = false`: that model's guides keep a schema's objects as written
+  (the render shows the guide the model is sent), unless the request chooses itself.
 """
 
 from __future__ import annotations
@@ -44,7 +46,11 @@ def env(
     """(gateway url, a team key, the node's url): one colocated node of the tiny model."""
     tmp = tmp_path_factory.mktemp("token-ids")
     node = duet_node("both", str(tiny_llama), tmp, *TINY_NODE_ARGS)
-    gw: Proc = gateway_proc(tmp, {MODEL: tiny_model(tiny_llama, both=[node.url])})
+    models = {
+        MODEL: tiny_model(tiny_llama, both=[node.url]),
+        "tiny-open": tiny_model(tiny_llama, both=[node.url], closed_objects=False),
+    }
+    gw: Proc = gateway_proc(tmp, models)
     with running(node, gw):
         yield gw.url, make_team(gw.url, "ids"), node.url
 
@@ -151,3 +157,43 @@ async def test_a_nodes_generate_obeys_structured_outputs(
             err = (await r.json())["error"]
             assert r.status == 400 and err["param"] == "sampling_params.structured_outputs", err
     assert Tokenizer(tiny_llama).decode(out["choices"][0]["token_ids"]) in choices
+
+
+TOOL = {
+    "type": "function",
+    "function": {"name": "pick", "parameters": SCHEMA},
+}
+
+
+@pytest.mark.parametrize(
+    "model, extra, closed",
+    [
+        (MODEL, {}, True),
+        ("tiny-open", {}, False),
+        ("tiny-open", {"disable_additional_properties": True}, True),
+    ],
+)
+def test_closed_objects_is_a_per_model_default(
+    env: tuple[str, str, str], model: str, extra: dict[str, Any], closed: bool
+) -> None:
+    """The guide a model is sent for a schema that omits additionalProperties: closed by
+    default, as written on a `closed_objects = false` model — for response_format, vLLM's
+    structured_outputs (whose own switch wins) and a forced tool's parameters — and the model
+    answers under it."""
+    url, key, _ = env
+    want = {**SCHEMA, "additionalProperties": False} if closed else SCHEMA
+    body = {"model": model, "messages": MESSAGES, "max_tokens": 24, "temperature": 0}
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
+    forms: list[dict[str, Any]] = [{"structured_outputs": {"json": SCHEMA, **extra}}]
+    if not extra:  # the request's own switch is structured_outputs'
+        forced = {"type": "function", "function": {"name": "pick"}}
+        forms += [{"response_format": fmt}, {"tools": [TOOL], "tool_choice": forced}]
+    for form in forms:
+        status, _, rendered = http(
+            url + "/v1/chat/completions/render", "POST", {**body, **form}, key=key
+        )
+        assert status == 200, rendered
+        assert rendered["sampling_params"]["structured_outputs"]["json"] == want, form
+    client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
+    answer = client.chat.completions.create(**body, response_format=fmt)  # type: ignore[arg-type]
+    jsonschema.validate(json.loads(answer.choices[0].message.content or ""), SCHEMA)
