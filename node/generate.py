@@ -70,6 +70,7 @@ async def handle_generate(state: NodeState, request: web.Request) -> web.StreamR
         raise
     # a stream goes out in generate's shape (node/generate_stream.py)
     prep.generate_id = body.request_id or prep.request_id
+    prep.generate_prompt_ids = bool(body.return_token_ids)
     answer = await dispatch(state, request, prep)
     if body.stream or not isinstance(answer, web.Response) or answer.status != 200:
         return answer
@@ -79,6 +80,7 @@ async def handle_generate(state: NodeState, request: web.Request) -> web.StreamR
     out = GenerateResponse(
         request_id=body.request_id or REQUEST_ID.get(),
         usage=done.usage,
+        prompt_token_ids=prep.prompt_ids if body.return_token_ids else None,
         choices=[
             GenerateChoice(
                 index=c.index,

@@ -16,9 +16,13 @@ from protocol.openai import CompletionLogprobs, Usage
 class GenerateChunker:
     """Renders a stream's deltas as generate chunks (a `node.responder.Chunker`)."""
 
-    def __init__(self, request_id: str, include_usage: bool) -> None:
+    def __init__(
+        self, request_id: str, include_usage: bool, prompt_ids: list[int] | None = None
+    ) -> None:
         self.request_id = request_id
         self.include_usage = include_usage
+        #: sent with the first event, then dropped (vLLM's `return_token_ids`; None: not asked)
+        self.prompt_ids = prompt_ids
 
     def chunks(
         self,
@@ -35,7 +39,12 @@ class GenerateChunker:
                 finish_reason=out.finish_reason,
                 logprobs=None if logprobs is None else chat_logprobs(logprobs),
             )
-            made.append(GenerateChunk(request_id=self.request_id, choices=[choice]))
+            made.append(
+                GenerateChunk(
+                    request_id=self.request_id, choices=[choice], prompt_token_ids=self.prompt_ids
+                )
+            )
+            self.prompt_ids = None
         if out.finished and self.include_usage and usage is not None:
             made.append(GenerateChunk(request_id=self.request_id, choices=[], usage=usage))
         return made

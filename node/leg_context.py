@@ -76,7 +76,11 @@ class Leg:
             chunker: Chunker | None = None
             if prep.generate_id is not None:
                 opts = prep.body.stream_options
-                chunker = GenerateChunker(prep.generate_id, bool(opts and opts.include_usage))
+                chunker = GenerateChunker(
+                    prep.generate_id,
+                    bool(opts and opts.include_usage),
+                    prep.prompt_ids if prep.generate_prompt_ids else None,
+                )
             elif prep.chat:
                 opts = prep.body.stream_options
                 chunker = ChatChunker(

@@ -78,6 +78,8 @@ class Prepared:
     #: stream in vLLM's generate shape under this request id (the request came to
     #: /inference/v1/generate)
     generate_id: str | None = None
+    #: and the prompt's ids go with its first event (vLLM's `return_token_ids`)
+    generate_prompt_ids: bool = False
 
     @property
     def kv_params(self) -> KVTransferParams | None:

@@ -65,6 +65,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_u
     stream: bool | None = False
     #: `include_usage`: a last chunk with no choices carries the usage (vLLM: off by default)
     stream_options: StreamOptions | None = None
+    #: the answer carries the prompt's ids as `prompt_token_ids` (streamed: the first event)
+    return_token_ids: bool | None = None
     #: vLLM's fields duet does not serve: taken only at their neutral value (the gateway salts
     #: the prefix cache per team itself, schedules by tier, and moves KV between its own nodes)
     cache_salt: str | None = None
@@ -89,6 +91,8 @@ class GenerateResponse(msgspec.Struct, kw_only=True):
     choices: list[GenerateChoice]
     usage: Usage
     prompt_logprobs: None = None
+    #: with `return_token_ids`: the prompt's ids
+    prompt_token_ids: list[int] | None = None
     kv_transfer_params: None = None
 
 
@@ -100,6 +104,8 @@ class GenerateChunk(msgspec.Struct, kw_only=True, omit_defaults=True):
     request_id: str
     choices: list[GenerateChoice]
     usage: Usage | None = None
+    #: with `return_token_ids`, on the first event only: the prompt's ids
+    prompt_token_ids: list[int] | None = None
 
 
 class Rendered(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -26,6 +26,8 @@ class _Choice(msgspec.Struct, kw_only=True):
     token_ids: list[int] = []
     finish_reason: str | None = None
     logprobs: CompletionLogprobs | None = None
+    #: on each choice's first chunk (the pipeline runs the request with return_token_ids)
+    prompt_token_ids: list[int] | None = None
 
 
 class _Chunk(msgspec.Struct, kw_only=True):
@@ -42,9 +44,11 @@ _CHUNK = msgspec.json.Decoder(_Chunk)
 class GenerateSink:
     """An `EventSink` for the pipeline: reads the completions stream, writes generate's."""
 
-    def __init__(self, inner: EventSink, request_id: str) -> None:
+    def __init__(self, inner: EventSink, request_id: str, prompt_ids: bool = False) -> None:
         self.inner = inner
         self.request_id = request_id
+        #: the client asked for the prompt's ids (vLLM's `return_token_ids`): on the first event
+        self.prompt_ids = prompt_ids
         self._lines = DataLines()
 
     @property
@@ -83,11 +87,13 @@ class GenerateSink:
                 if c.token_ids or c.finish_reason  # vLLM sends no chunk without either
             ]
             if choices or chunk.usage is not None:
-                out.append(
-                    sse(
-                        GenerateChunk(
-                            request_id=self.request_id, choices=choices, usage=chunk.usage
-                        )
-                    )
+                event = GenerateChunk(
+                    request_id=self.request_id, choices=choices, usage=chunk.usage
                 )
+                prompt = next(
+                    (c.prompt_token_ids for c in chunk.choices if c.prompt_token_ids), None
+                )
+                if self.prompt_ids and prompt is not None:
+                    event.prompt_token_ids, self.prompt_ids = prompt, False
+                out.append(sse(event))
         return b"".join(out)

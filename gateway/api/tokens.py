@@ -79,16 +79,20 @@ async def generate(
         Caller(key, team, request_id, t0),
         Generate(_as_completion(body)),
         tier_header=request.headers.get("x-duet-tier"),
-        sink=GenerateSink(http, body.request_id or request_id),
+        sink=GenerateSink(http, body.request_id or request_id, bool(body.return_token_ids)),
     )
     done = answer.body
     if done is None:  # streamed: the answer went to the sink
         assert http.response is not None
         return http.response
     assert isinstance(done, CompletionResponse) and done.usage is not None
+    first = done.choices[0] if done.choices else None
     out = GenerateResponse(
         request_id=body.request_id or request_id,
         usage=done.usage,
+        prompt_token_ids=first.prompt_token_ids
+        if body.return_token_ids and isinstance(first, TokenIdsChoice)
+        else None,
         choices=[
             GenerateChoice(
                 index=c.index,

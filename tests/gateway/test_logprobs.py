@@ -207,7 +207,17 @@ async def test_streamed_generate_is_the_whole_answer_billed_once(
     status, _, whole = http(g.url + "/inference/v1/generate", "POST", body, key=key)
     assert status == 200, whole
     client = openai.OpenAI(base_url=g.url, api_key=key, max_retries=0)
-    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    assert whole["prompt_token_ids"] is None  # not asked
+    asked = {**body, "return_token_ids": True}
+    assert (
+        http(g.url + "/inference/v1/generate", "POST", asked, key=key)[2]["prompt_token_ids"] == ids
+    )
+    streamed = {
+        **body,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+    }
     events: list[dict[str, Any]] = list(
         client.post(
             "/inference/v1/generate",
@@ -218,6 +228,9 @@ async def test_streamed_generate_is_the_whole_answer_billed_once(
         )
     )
     assert {e["request_id"] for e in events} == {"r-1"}
+    # vLLM's return_token_ids: the prompt's ids on the first event only
+    assert events[0]["prompt_token_ids"] == ids
+    assert all("prompt_token_ids" not in e for e in events[1:])
     choices = [c for e in events for c in e["choices"]]
     want = whole["choices"][0]
     assert [t for c in choices for t in c["token_ids"]] == want["token_ids"]
@@ -233,10 +246,11 @@ async def test_streamed_generate_is_the_whole_answer_billed_once(
     )
     assert events[-1]["usage"]["prompt_tokens"] == whole["usage"]["prompt_tokens"]
     rows = [r for r in await _records(g.log_path.parent / "gateway.db", team) if r.status == "ok"]
-    assert len(rows) == 2, rows  # the whole answer and the streamed one: each billed once
-    assert rows[0].completion_tokens == rows[1].completion_tokens == len(want["token_ids"])
-    assert rows[0].prompt_tokens == rows[1].prompt_tokens == len(ids)
-    assert rows[0].cost_usd > 0 and rows[1].cost_usd > 0
+    assert len(rows) == 3, rows  # two whole answers and the streamed one: each billed once
+    assert {(r.prompt_tokens, r.completion_tokens) for r in rows} == {
+        (len(ids), len(want["token_ids"]))
+    }
+    assert all(r.cost_usd > 0 for r in rows)
 
 
 async def _records(db: Path, team: str) -> list[UsageRecord]:
@@ -328,13 +342,20 @@ async def test_a_nodes_generate_equals_its_completions(
         aiohttp.ClientSession() as s,
         s.post(
             node.url + "/inference/v1/generate",
-            json={**body, "stream": True, "stream_options": {"include_usage": True}},
+            json={
+                **body,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+                "return_token_ids": True,
+            },
         ) as r,
     ):
         assert r.status == 200 and r.content_type == "text/event-stream"
         lines = [ln.strip() async for ln in r.content if ln.startswith(b"data: ")]
     assert lines[-1] == b"data: [DONE]"
     events = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert events[0]["prompt_token_ids"] == ids
+    assert all("prompt_token_ids" not in e for e in events[1:])
     chunks = [c for e in events for c in e["choices"]]
     assert [t for c in chunks for t in c["token_ids"]] == choice["token_ids"]
     assert chunks[-1]["finish_reason"] == choice["finish_reason"]
