@@ -99,10 +99,8 @@ class ModelConfig:
     teams: tuple[str, ...] | None = None
     #: its weighted set of versions (gateway/config_versions.py; (): one, `cluster_name`)
     versions: tuple[ModelVersion, ...] = ()
-    #: a JSON schema's objects that list `properties` and omit `additionalProperties` allow no
-    #: other key in its guides (text/json_closed.py; docs/structured-outputs.md); false: the
-    #: schema as written (JSON Schema's open default). A request's own
-    #: `structured_outputs.disable_additional_properties` overrides it.
+    #: guides close a schema's objects that omit `additionalProperties` (text/json_closed.py);
+    #: false: as written. A request's `disable_additional_properties` overrides it
     closed_objects: bool = True
 
     @property
@@ -371,16 +369,14 @@ class Feature(enum.StrEnum):
     #: frequency_penalty, presence_penalty, repetition_penalty, min_p
     PENALTIES = "penalties"
     LOGIT_BIAS = "logit_bias"
-    #: Anthropic's extended thinking (`thinking` on /v1/messages): an Anthropic provider's model
-    #: that lists it; no self-hosted or OpenAI-compatible model reasons on this gateway
+    #: Anthropic's `thinking` on /v1/messages: only an Anthropic provider's model that lists it
     THINKING = "thinking"
 
 
 ALL = frozenset(Feature) - {Feature.THINKING}
 
 
-#: what an Anthropic model serves by default: tools (translated both ways); it has no
-#: structured outputs, penalties or logit_bias (providers/translate.py)
+#: an Anthropic model's default: tools (translated both ways; providers/translate.py)
 ANTHROPIC = frozenset({Feature.TOOLS})
 #: what an OpenAI-compatible provider serves by default: OpenAI's fields, passed on unchanged
 OPENAI_COMPATIBLE = ALL - {Feature.VLLM_STRUCTURED_OUTPUTS}
@@ -389,14 +385,12 @@ OPENAI_COMPATIBLE = ALL - {Feature.VLLM_STRUCTURED_OUTPUTS}
 def model_features(model: ModelConfig) -> frozenset[Feature]:
     """The features `model` serves (its config's `features`, else all for a self-hosted model;
     an external one's default is `ANTHROPIC` or `OPENAI_COMPATIBLE`)."""
+    anthropic = model.kind == "external" and model.provider == "anthropic"
     if model.features is None:
-        if model.kind != "external":
-            return ALL
-        return ANTHROPIC if model.provider == "anthropic" else OPENAI_COMPATIBLE
+        external = ANTHROPIC if anthropic else OPENAI_COMPATIBLE
+        return ALL if model.kind != "external" else external
     listed = frozenset(Feature(f) for f in model.features)
-    if model.kind != "external" or model.provider != "anthropic":
-        return listed - {Feature.THINKING}  # only Anthropic's API takes `thinking`
-    return listed
+    return listed if anthropic else listed - {Feature.THINKING}  # only Anthropic's API thinks
 
 
 def parse_features(value: object, where: str) -> tuple[str, ...]:
