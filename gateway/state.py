@@ -89,6 +89,9 @@ def _guides(config: GatewayConfig, metrics: GatewayMetrics) -> GuideChecker:
         config.server.guide_compile_threads,
         on_compile=lambda v: metrics.guide_compiles.labels(verdict=v.value).inc(),
         running=metrics.guide_compiling.set,
+        # a team (a cache domain) compiles on half the threads at most: the rest stay free
+        # for the other teams' structured outputs
+        domain_threads=max(1, config.server.guide_compile_threads // 2),
     )
 
 

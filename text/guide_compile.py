@@ -14,6 +14,9 @@ loop, that stalled every other request and stream of every team. `GuideChecker.c
 - runs the compile in its own pool of `threads` threads (llguidance releases the GIL while it
   compiles), so a flood of bad schemas holds at most `threads` threads and never the loop or
   the default executor that tokenizing and the store use;
+- holds at most `domain_threads` compiles of one cache domain running or waiting at once (the
+  gateway gives a team half the threads): a team's burst of distinct schemas gets 503s of its
+  own instead of filling the pool that every other team's structured outputs need;
 - waits for a free thread at most `timeout_s` (then 503 `overloaded`, retryable: the pool is
   busy with others' compiles), and for the compile at most `timeout_s` from its start (then
   400 "too complex to compile within N s" naming the request field; the verdict is cached, so
@@ -99,10 +102,16 @@ class GuideChecker:
         max_waiting: int = MAX_WAITING,
         on_compile: Callable[[Verdict], None] | None = None,
         running: Callable[[int], None] | None = None,
+        domain_threads: int | None = None,
     ) -> None:
         if timeout_s <= 0 or threads < 1 or cache_size < 1 or max_waiting < 0:
             raise ValueError("timeout_s must be > 0, threads and cache_size >= 1, max_waiting >= 0")
+        if domain_threads is not None and not 1 <= domain_threads <= threads:
+            raise ValueError("domain_threads must be between 1 and threads")
         self.timeout_s, self.threads, self.max_waiting = timeout_s, threads, max_waiting
+        self.domain_threads = domain_threads or threads
+        #: compiles of each cache domain that hold a thread or wait for one
+        self._domain_load: dict[str, int] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(
             threads, thread_name_prefix="guide-compile"
         )
@@ -127,6 +136,7 @@ class GuideChecker:
         else:
             task = self._inflight.get(k)
             if task is None:
+                self._take_share(k[0], param)
                 task = asyncio.ensure_future(self._compile(k, guide))
                 self._inflight[k] = task
                 task.add_done_callback(lambda _t: self._inflight.pop(k, None))
@@ -144,25 +154,41 @@ class GuideChecker:
                 ) from None
         _raise_for(outcome, guide, param, self.timeout_s)
 
+    def _take_share(self, domain: str, param: str) -> None:
+        """Count a compile against its cache domain's share of the threads (a team's, or its
+        cache group's): a domain that already holds or waits for `domain_threads` compiles is
+        refused at once, so one team's schemas cannot take every thread from the others."""
+        held = self._domain_load.get(domain, 0)
+        if held >= self.domain_threads:
+            raise APIError(
+                503,
+                f"this team already has {held} {param} compiles running or waiting (its share of "
+                f"the grammar engine's {self.threads} threads); try again",
+                type_="service_unavailable",
+                param=param,
+                code="overloaded",
+                retry_after_s=1.0,
+            )
+        self._domain_load[domain] = held + 1
+
+    def _drop_share(self, domain: str) -> None:
+        n = self._domain_load[domain] - 1
+        if n:
+            self._domain_load[domain] = n
+        else:
+            del self._domain_load[domain]
+
     async def _compile(self, k: Key, guide: Guide) -> Outcome:
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.threads)
-        slots = self._slots
-        if self._waiting >= self.max_waiting and slots.locked():
-            raise _Busy(f"{self._waiting} compiles wait for a thread")
-        self._waiting += 1
         try:
-            async with asyncio.timeout(self.timeout_s):
-                await slots.acquire()
-        except TimeoutError:
-            raise _Busy(f"no compile thread came free within {self.timeout_s:g} s") from None
-        finally:
-            self._waiting -= 1
+            slots = await self._thread()
+        except BaseException:
+            self._drop_share(k[0])  # it never reached a thread: its share is free at once
+            raise
         loop = asyncio.get_running_loop()
         t0 = time.monotonic()
         fut = loop.run_in_executor(self._pool, _verdict, guide)
         self._set_running(+1)
-        fut.add_done_callback(lambda f: self._ended(slots, f, t0, guide))
+        fut.add_done_callback(lambda f: self._ended(slots, f, t0, guide, k[0]))
         try:
             async with asyncio.timeout(self.timeout_s):
                 outcome = await asyncio.shield(fut)
@@ -179,11 +205,35 @@ class GuideChecker:
             self._remember(k, outcome)
         return outcome
 
+    async def _thread(self) -> asyncio.Semaphore:
+        """Wait for a compile thread (bounded in waiters and in time); the slots it holds one of."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.threads)
+        slots = self._slots
+        if self._waiting >= self.max_waiting and slots.locked():
+            raise _Busy(f"{self._waiting} compiles wait for a thread")
+        self._waiting += 1
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                await slots.acquire()
+        except TimeoutError:
+            raise _Busy(f"no compile thread came free within {self.timeout_s:g} s") from None
+        finally:
+            self._waiting -= 1
+        return slots
+
     def _ended(
-        self, slots: asyncio.Semaphore, fut: asyncio.Future[Outcome], t0: float, guide: Guide
+        self,
+        slots: asyncio.Semaphore,
+        fut: asyncio.Future[Outcome],
+        t0: float,
+        guide: Guide,
+        domain: str,
     ) -> None:
-        """A compile's thread ended (in time or not): its slot is free again."""
+        """A compile's thread ended (in time or not): its slot, and its domain's share, are free
+        again."""
         slots.release()
+        self._drop_share(domain)
         self._set_running(-1)
         dt = time.monotonic() - t0
         verdict = Verdict.INVALID if fut.cancelled() or fut.exception() else fut.result().verdict

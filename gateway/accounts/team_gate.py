@@ -2,9 +2,12 @@
 limits, checked on this gateway's own counts before a prompt is tokenized, so a team at its
 limit cannot make the gateway spend CPU on prompts it will refuse anyway.
 
-Invariant: the counts here are this gateway's requests only, a lower bound of the team's
-counts in the store (which every gateway shares), so a refusal here is always one the store
-would make too; the store's reservation stays the authority for everything that passes.
+Invariant: the counts here are this gateway's requests only. The concurrency count is a lower
+bound of the team's count in the store (which every gateway shares); the requests-per-minute
+window counts every request this gateway started work on (`started`, right after `check`),
+including those refused later — by the tokenizer, the context check or the store — since each
+cost CPU: a team cannot loop free requests that fail after the gate. The store's reservation
+stays the authority for everything that passes.
 """
 
 from __future__ import annotations
@@ -76,7 +79,7 @@ class TeamGate:
                 )
 
     def started(self, team: Team) -> None:
-        """A request of the team was admitted by the store (it counts in the store's window)."""
+        """A request of the team passed `check`: it counts in the window from now on."""
         if team.rpm is None:
             self._starts.pop(team.id, None)
             return

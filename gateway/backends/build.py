@@ -87,6 +87,7 @@ def served_models(w: Wiring, cluster: ClusterBackend) -> dict[str, ServedModel]:
             assert embed_router is not None
             backend = ClusterEmbedder(w.nodes, embed_router, rc, _embedding_size(directory))
         tok = tokenizers.get(directory) or tokenizers.setdefault(directory, Tokenizer(directory))
+        _ = tok.max_token_chars  # its vocabulary read once here, not on a request's path
         models[name] = ServedModel(m, backend, tok, _max_model_len(m, directory))
     return models
 

@@ -6,7 +6,9 @@ counts, so the reservation holds on an upper bound that cannot be too low — th
 bytes, since a byte-level BPE token covers at least one byte (`token_upper_bound`; a budget
 held on "one token per 3 characters" was overspent 2.4× by CJK text, which providers bill at
 about one token per character). `estimate_tokens`, a realistic figure, only helps `auto` pick
-a model. Prompts over `_BIG_PROMPT` characters are tokenized off the loop.
+a model. Prompts over `_BIG_PROMPT` characters (tools and tool calls counted) are tokenized
+off the loop; one that cannot fit the context by its characters alone is refused before
+(`check_chars`).
 """
 
 from __future__ import annotations
@@ -80,14 +82,48 @@ def check_logit_bias(tok: Tokenizer, req: Request) -> None:
         )
 
 
+def render_size(req: Request) -> int:
+    """About the characters a chat's template renders: the messages' text and, beside it, the
+    tool definitions and a tool turn's calls (4 MiB of tool schemas beside a one-character
+    message is as big a prompt as 4 MiB of text)."""
+    assert req.messages is not None
+    return sum(len(m["content"]) for m in req.messages) + _beside_text_bytes(req)
+
+
+def check_chars(served: ServedModel, tok: Tokenizer, req: Request) -> None:
+    """400 `context_length_exceeded` for a prompt whose text alone is more characters than the
+    model's context can hold in tokens (`Tokenizer.max_token_chars` per token), before the
+    tokenizer spends CPU on it. Only text every template renders counts (the prompt, the
+    users' turns), so the refusal is certain: a prompt it passes may still be too long."""
+    if req.messages is not None:
+        chars, param = (
+            sum(len(m["content"]) for m in req.messages if m.get("role") == "user"),
+            "messages",
+        )
+    elif isinstance(req.prompt, str):
+        chars, param = len(req.prompt), "prompt"
+    else:
+        return
+    most = served.max_model_len * tok.max_token_chars
+    if chars > most:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {served.max_model_len} tokens, at most "
+            f"{most} characters of text; the prompt has {chars} characters",
+            param=param,
+            code="context_length_exceeded",
+        )
+
+
 async def prompt_ids(served: ServedModel, req: Request, plan: ToolPlan | None = None) -> list[int]:
     tok = served.tokenizer
     if tok is None:
         return []
     check_logit_bias(tok, req)
+    check_chars(served, tok, req)
     try:
         if req.messages is not None:
-            size = sum(len(m["content"]) for m in req.messages)
+            size = render_size(req)
             enc = lambda: _chat_ids(tok, req, plan)  # noqa: E731
         elif isinstance(req.prompt, str):
             text = req.prompt

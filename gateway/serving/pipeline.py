@@ -1,9 +1,9 @@
 """The one request pipeline: every public endpoint — chat, completions, embeddings, and the
 translated Anthropic Messages and Responses APIs — runs through `run`.
 
-parse (the API layer: a typed `Call`) → admit (the call's own checks: a constraint's grammar,
-a stream with nowhere to go) → tier (the team's grant) → choose (the model: named, or `auto`)
-→ the team gate's cheap refusal → measure (tokenize, fit the context) → reserve (the ledger:
+parse (the API layer: a typed `Call`) → tier (the team's grant) → the team gate's cheap
+refusal → admit (the call's own checks: a constraint's grammar, a stream with nowhere to go)
+→ choose (the model: named, or `auto`) → measure (tokenize, fit the context) → reserve (the ledger:
 quota and the worst case's cost) → attempt (the call's `Attempts`: the tier queue, the backend,
 the relay, a fallback model) → settle (the ledger, exactly once). An endpoint says what differs
 through its `Call` (generate.py for chat and completions, embed.py for embeddings); the rest is
@@ -15,6 +15,8 @@ is. A streamed answer went to the `EventSink` already (its `Answer.body` is None
 Invariants:
 - the ledger settles exactly once, whatever happens (an exception, the client leaving, a shed
   request): no reservation leaks;
+- no CPU-heavy step (a grammar compile, `auto`'s classifier, tokenizing) runs for a team the
+  team gate refuses, and every request the gate passes counts in its window;
 - the request id is the gateway's own (`req-…`), never the client's: it names engine requests
   on shared nodes.
 """
@@ -119,13 +121,15 @@ async def run(
 ) -> Answer:
     """One call of an authenticated caller: what the HTTP handlers and the batch executor
     (gateway/batch/wiring.py; no sink, so no streaming) both call."""
-    await call.admit(serving, caller.team.id, sink is not None)
     policy = serving.config.team_policy(caller.team.id)
     tier = team_tier(tier_header, call.service_tier, caller.team, policy)
-    served, headers = call.choose(serving, caller.team.id, policy, tier)
-    # Cheap refusals before the tokenizer spends CPU on the prompt (the store decides the rest).
+    # The team gate's cheap refusal before any CPU is spent on the request — a guide's compile,
+    # `auto`'s classifier, the tokenizer — so a team at its limit costs the gateway nothing
+    # more; what passes counts in the team's window from here on (the store decides the rest).
     serving.admission.check_team(caller.team, serving.config.quotas.default_max_concurrent)
     with serving.admission.teams.running(caller.team.id):
+        await call.admit(serving, caller.team.id, sink is not None)
+        served, headers = call.choose(serving, caller.team.id, policy, tier)
         return await _measured(serving, call, Admitted(caller, tier, policy, served, headers), sink)
 
 
@@ -147,7 +151,6 @@ async def _measured(serving: Serving, call: Call, a: Admitted, sink: EventSink |
     if size.max_tokens:  # (an embedding has none)
         tr.annotate({GEN_AI_MAX_TOKENS: size.max_tokens})
     ledger = await _reserve(serving, call, a, size)
-    serving.admission.teams.started(caller.team)
     a.headers.update({**ledger.headers, "X-Request-Id": caller.request_id, "x-duet-tier": a.tier})
     attempts = call.attempts(serving, ledger, a)
     try:

@@ -123,12 +123,15 @@ class Admission:
 
     def check_team(self, team: Team, default_max_concurrent: int) -> None:
         """The team gate's cheap refusal (before any tokenizing), counted as the store's are
-        (ledger.Ledger.reserve)."""
+        (ledger.Ledger.reserve). A request that passes counts in the gate's requests-per-minute
+        window at once, whatever becomes of it: one that fails later (a prompt past the
+        context, a bad logit_bias, a template error) cost the gateway its CPU all the same."""
         try:
             self.teams.check(team, default_max_concurrent)
         except TeamLimited as e:
             self.metrics.rejections.labels(team=team.id, kind=e.param or "").inc()
             raise
+        self.teams.started(team)
 
     def depth(self, tier: str) -> int:
         return len(self.queues[tier])

@@ -7,6 +7,10 @@ requests for proof or design, multi-step structure, constraints, or only small t
 lists hold a few stems in the languages the evaluation set covers (en, fr, de, es, pt, it, ru,
 zh, ja, ar, hi); they are cues, not a translation of the whole vocabulary.
 
+Bounded work: the cues read at most the last `SCAN_CHARS` characters of the last user message
+(and its first few hundred for how it opens), so any message costs about the same; a message
+that fits is read whole, as the weights were fit.
+
 Invariant: `FEATURE_NAMES` and the order of `features()` are what weights.json was fit with;
 changing either means re-running `python -m gateway.backends.providers.auto.fit`.
 """
@@ -165,6 +169,10 @@ _CONSTRAINT = _Cue(
     ("at most", "at least", "edge case", "o(", " time complexity"),
 )
 _TOKEN = re.compile(r"[\w+#-]+")
+#: characters of the last user message the cues read (its end: what it asks is usually last)
+SCAN_CHARS = 8192
+#: characters of its start that a greeting or a lookup's opening word is looked for in
+_HEAD_CHARS = 256
 _SENTENCE = re.compile(r"[.!?。！？]+(\s|$)")
 
 FEATURE_NAMES = (
@@ -212,21 +220,25 @@ def features(messages: Sequence[Mapping[str, Any]]) -> list[float]:
         for m in messages
         if isinstance(m, Mapping) and m.get("role") == "user"
     ]
-    last = users[-1] if users else ""
+    whole = users[-1] if users else ""
     total = sum(len(_text(m.get("content"))) for m in messages if isinstance(m, Mapping))
+    # The cues read the message's last SCAN_CHARS only: a 4 MiB message would otherwise cost
+    # seconds of the event loop; its length is still exact, its word count scaled up.
+    last = whole[-SCAN_CHARS:]
     words = len(last.split()) or (len(last) // 2)  # CJK text has no spaces: count ~2 chars a word
+    words = words * len(whole) // max(1, len(last))
     sentences = max(1, len(_SENTENCE.findall(last)))
     non_ascii = sum(1 for ch in last if ord(ch) > 127) / max(1, len(last))
 
     lower = last.lower()
     tokens = _TOKEN.findall(lower)
-    head = lower.lstrip()
+    head = whole[:_HEAD_CHARS].lower().lstrip()
 
     def cue(c: _Cue, cap: float = 6.0) -> float:
         return min(cap, float(c.count(tokens, lower)))
 
     return [
-        math.log1p(len(last)),
+        math.log1p(len(whole)),
         math.log1p(total),
         math.log1p(words),
         float(min(len(users), 8)),
