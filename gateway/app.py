@@ -31,6 +31,7 @@ from gateway.batch import wiring as batch_wiring
 from gateway.config import ConfigError, GatewayConfig
 from gateway.console import install as install_console
 from gateway.metrics import GatewayMetrics
+from gateway.serving.relay import WRITE_TIMEOUT
 from gateway.serving.requests import Endpoint
 from gateway.serving.store_faults import store_unavailable
 from gateway.serving.tiers import Shed
@@ -208,6 +209,7 @@ def make_app(config: GatewayConfig) -> web.Application:
     app = web.Application(
         middlewares=[*guard, _request_id, errors], client_max_size=config.server.max_body_bytes
     )
+    app[WRITE_TIMEOUT] = config.server.write_timeout_s
     # what exists before the event loop runs: the routes, the middleware, the batch routes and
     # the console find them here; the rest of the state is made at start-up (`_lifecycle`)
     store = open_store(config.store_url, batch_wiring.data_dir(config))

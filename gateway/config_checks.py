@@ -187,6 +187,11 @@ def check_routing(cfg: GatewayConfig) -> None:
     w = cfg.tiers.fair_output_weight
     if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0 <= w <= 1000:
         raise ConfigError(f"[tiers] fair_output_weight must be a number in [0, 1000], got {w!r}")
+    ra = cfg.tiers.stream_read_ahead_bytes
+    if not isinstance(ra, int) or isinstance(ra, bool) or not 0 <= ra <= 1 << 30:
+        raise ConfigError(
+            f"[tiers] stream_read_ahead_bytes must be an integer in [0, 2**30], got {ra!r}"
+        )
 
 
 def check_models(cfg: GatewayConfig) -> None:
@@ -290,6 +295,11 @@ def check_server(server: ServerConfig) -> None:
     problem = server.read_deadlines().problem()
     if problem is not None:
         raise ConfigError(f"[server] {problem}")
+    wt = server.write_timeout_s
+    if not isinstance(wt, int | float) or isinstance(wt, bool) or not 0 <= wt <= 86_400:
+        raise ConfigError(
+            f"[server] write_timeout_s must be a number of seconds in [0, 86400], got {wt!r}"
+        )
     gt, gn = server.guide_compile_timeout_s, server.guide_compile_threads
     if not isinstance(gt, int | float) or isinstance(gt, bool) or not 0 < gt <= 600:
         raise ConfigError(

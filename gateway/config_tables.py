@@ -126,6 +126,8 @@ class ServerConfig:
     body_timeout_s: float = 30.0
     #: the average rate a body must keep past `body_timeout_s` (runtime/read_deadlines.py)
     body_min_rate_bytes_s: int = 4096
+    #: a stream whose client takes nothing this long is closed as a disconnect (relay.py; 0: off)
+    write_timeout_s: float = 60.0
     #: open connections from one client address (IPv6: one /64) at most; more are closed at
     #: once (0: no cap).
     #: Behind a load balancer or proxy every client shares its address: raise this there.
@@ -224,6 +226,9 @@ class TierConfig:
     #: false: a saturated tier serves its waiters first come first served, whatever their team
     #: (the order before fair shares; kept for comparing the two)
     fair_share: bool = True
+    #: a stream is read from its node ahead of a slow client up to this many bytes, its slot
+    #: given back once the node is done (gateway/serving/read_ahead.py; 0: off)
+    stream_read_ahead_bytes: int = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -239,7 +244,7 @@ class QuotaConfig:
     usage_batch: int = 256
     #: requests in flight at once for a team whose own `max_concurrent` is unset (across
     #: gateways sharing the store); 0: no default bound
-    default_max_concurrent: int = 128
+    default_max_concurrent: int = 64
 
 
 @dataclass(frozen=True)

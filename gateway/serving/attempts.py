@@ -17,6 +17,7 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
 
 from gateway.accounts.ledger import Ledger
 from gateway.accounts.usage import Accounting
@@ -133,14 +134,24 @@ class Tries:
         async with serving.admission.slot(self.tier, claim, wait) as turn:
             headers["x-duet-queue-ms"] = turn.queue_ms
             self.ledger.record.queue_s = round(turn.queued_s, 6)
-            try:
-                return await self._respond(served, attempt, headers, sink)
-            finally:  # what it served counts against its team's share, however it ended
+
+            def done() -> None:  # what it served counts against its team's share
                 acc = self.accounting
                 turn.output(acc.total_completion_tokens if acc is not None else 0)
+                turn.release()
+
+            try:  # a stream gives the slot back once the node is done (relay.py, read ahead)
+                return await self._respond(served, attempt, headers, sink, done)
+            finally:  # however it ended
+                done()
 
     async def _respond(
-        self, served: ServedModel, attempt: Attempt, headers: dict[str, str], sink: EventSink | None
+        self,
+        served: ServedModel,
+        attempt: Attempt,
+        headers: dict[str, str],
+        sink: EventSink | None,
+        node_done: Callable[[], None] | None = None,
     ) -> Answer:
         self.reply = reply = served.generator().open(self.req, attempt)
         reply.accounting.retained_tokens = attempt.retain.tokens if attempt.retain else 0
@@ -155,7 +166,10 @@ class Tries:
             attempt.prompt_ids if req.return_token_ids else None,
         )
         self.response_id = fmt.id  # the answer's id as the client gets it (gen_ai.response.id)
-        self.relay = relay = Relay(self.ledger, reply, fmt)
+        ahead = self.serving.config.tiers.stream_read_ahead_bytes
+        self.relay = relay = Relay(
+            self.ledger, reply, fmt, node_done if req.stream else None, ahead
+        )
         traced = self.serving.tracing.enabled  # off: no generator per request (bench's CPU)
         with self._inference(served, self.reply.accounting) if traced else contextlib.nullcontext():
             if req.stream:

@@ -21,7 +21,9 @@ headers leave with the first chunk: the client wakes once for its first token.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 from aiohttp import web
@@ -30,6 +32,7 @@ from gateway.accounts.ledger import Ledger, UsageStatus
 from gateway.accounts.usage import SentLog
 from gateway.backends.base import MidStreamError, Piece, Reply
 from gateway.serving.openai_format import Formatter, usage
+from gateway.serving.read_ahead import ReadAhead
 from protocol.openai import APIError, CompletionLogprobs, Usage
 from protocol.sse import DONE, SSE_HEADERS, error_event
 from protocol.tools import ToolCallDelta
@@ -60,12 +63,24 @@ class _EventStream(web.StreamResponse):
     _send_headers_immediately = False
 
 
+#: the app's write deadline in seconds (`[server] write_timeout_s`; 0: none)
+WRITE_TIMEOUT = web.AppKey("write_timeout_s", float)
+#: the deadline of an app that sets none
+WRITE_TIMEOUT_S = 60.0
+
+
 class HttpEventStream:
-    """The `EventSink` of an HTTP request: an SSE response, prepared at `open`."""
+    """The `EventSink` of an HTTP request: an SSE response, prepared at `open`.
+
+    Every send has a write deadline: a client that takes nothing for `write_timeout_s` (its
+    receive window shut, the gateway's buffers full) has its connection closed, and the send
+    raises ConnectionResetError, as for a client that left (the pipeline bills it so). A slow
+    reader that keeps reading keeps its stream; one that stops cannot hold a request open."""
 
     def __init__(self, request: web.Request) -> None:
         self.request = request
         self.response: web.StreamResponse | None = None
+        self.write_timeout_s = request.config_dict.get(WRITE_TIMEOUT, WRITE_TIMEOUT_S)
 
     @property
     def opened(self) -> bool:
@@ -73,15 +88,34 @@ class HttpEventStream:
 
     async def open(self, headers: dict[str, str]) -> None:
         self.response = _EventStream(headers={**SSE_HEADERS, **headers})
-        await self.response.prepare(self.request)
+        await self._send(self.response.prepare(self.request))
 
     async def write(self, data: bytes) -> None:
         assert self.response is not None
-        await self.response.write(data)
+        await self._send(self.response.write(data))
 
     async def end(self, data: bytes) -> None:
         assert self.response is not None
-        await self.response.write_eof(data)
+        await self._send(self.response.write_eof(data))
+
+    async def _send(self, send: Awaitable[object]) -> None:
+        if not self.write_timeout_s:
+            await send
+            return
+        try:
+            async with asyncio.timeout(self.write_timeout_s):
+                await send
+        except TimeoutError:
+            if (transport := self.request.transport) is not None:
+                transport.abort()
+            log.info(
+                "%s: the client took nothing for %g s: its connection is closed",
+                self.request.remote,
+                self.write_timeout_s,
+            )
+            raise ConnectionResetError(
+                f"the client read nothing for {self.write_timeout_s:g} s"
+            ) from None
 
 
 def broke_off(e: MidStreamError) -> APIError:
@@ -98,8 +132,19 @@ class Relay:
     """One reply relayed to its client: `whole` or `stream`. It owns what it sent (`sent`, a
     `SentLog`), which the ledger reads beside the reply's own accounting."""
 
-    def __init__(self, ledger: Ledger, reply: Reply, fmt: Formatter) -> None:
+    def __init__(
+        self,
+        ledger: Ledger,
+        reply: Reply,
+        fmt: Formatter,
+        ended: Callable[[], None] | None = None,
+        read_ahead_bytes: int = 0,
+    ) -> None:
+        """`ended`: called as soon as a stream's reply has ended, its rest (at most
+        `read_ahead_bytes`, read ahead of the client) still being written to its client: what
+        holds the node's admission slot gives it back there."""
         self.ledger, self.reply, self.fmt = ledger, reply, fmt
+        self.ended, self.read_ahead_bytes = ended, read_ahead_bytes
         self.sent = SentLog()
 
     def _written(self, pieces: list[Piece]) -> None:
@@ -150,8 +195,11 @@ class Relay:
         held: list[Piece] = []  # finishing chunks wait for the usage record's commit
         pending: list[bytes] = []  # chunks whose successor has already arrived: one write
         unsent: list[Piece] = []  # the pieces of `pending`, counted sent once written
+        # read ahead of a slow client (bounded): the node's slot is free once the node is done
+        ahead = self.ended is not None and self.read_ahead_bytes > 0
+        pieces = ReadAhead(reply, self.ended, self.read_ahead_bytes) if ahead else None
         try:
-            async for p in reply:
+            async for p in pieces or reply:
                 if not sink.opened:
                     await sink.open(headers)
                 if p.finish_reason:
@@ -165,7 +213,7 @@ class Relay:
                     pending.clear()
                     self._written(unsent)
         except MidStreamError as e:
-            await reply.aclose()
+            await _close(reply, pieces)
             self._written(unsent)  # they leave with the error event, in the same send
             await ledger.commit(UsageStatus.ERROR_MIDSTREAM, reply.accounting, self.sent)
             log.warning("%s: mid-stream failure: %s", ledger.record.request_id, e.message)
@@ -174,7 +222,7 @@ class Relay:
             await sink.end(b"".join([*pending, error_event(e), DONE]))
             return
         except BaseException:
-            await reply.aclose()
+            await _close(reply, pieces)
             raise
         await ledger.commit(UsageStatus.OK, reply.accounting)
         if not sink.opened:
@@ -187,3 +235,10 @@ class Relay:
             tail.append(fmt.usage_chunk(self._usage()))
         tail.append(DONE)
         await sink.end(b"".join(tail))
+
+
+async def _close(reply: Reply, pieces: ReadAhead | None) -> None:
+    """Close `reply` now (its reading ahead ended first: a running generator cannot close)."""
+    if pieces is not None:
+        await pieces.stop()
+    await reply.aclose()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from gateway.accounts.store.base import Team
@@ -94,6 +94,8 @@ class Turn:
     claim: Claim
     queued_s: float = 0.0
     output_tokens: int = 0
+    #: gives the slot back (set by `Admission.slot`; once, whoever calls first)
+    _release: Callable[[], None] | None = None
 
     @property
     def queue_ms(self) -> str:
@@ -102,6 +104,12 @@ class Turn:
 
     def output(self, tokens: int) -> None:
         self.output_tokens = tokens
+
+    def release(self) -> None:
+        """Give the slot back now, before the `slot` block ends: the node finished, and what is
+        left to write to a slow client needs no node (its output tokens set first)."""
+        if self._release is not None:
+            self._release()
 
 
 _Slot = asyncio.Future[None]
@@ -145,19 +153,29 @@ class Admission:
     ) -> AsyncIterator[Turn]:
         """A slot in `tier` for `claim`'s team (None: an unnamed one, for tests and tools);
         `max_wait_s`: a shorter wait than the tier's (a request with a fallback model). The
-        caller reports its output tokens on the yielded `Turn`."""
+        caller reports its output tokens on the yielded `Turn`, and may give the slot back
+        before the block ends (`Turn.release`)."""
         turn = Turn(claim or Claim(team=""))
         start = time.monotonic()
         await self._acquire(tier, turn.claim, max_wait_s)
         turn.queued_s = time.monotonic() - start
         self.metrics.queue_wait.labels(team=turn.claim.team, tier=tier).observe(turn.queued_s)
         self.metrics.inflight.inc()
+        held = True
+
+        def release() -> None:
+            nonlocal held
+            if held:
+                held = False
+                self.metrics.inflight.dec()
+                self.queues[tier].done(turn.claim, turn.output_tokens)
+                self._release()
+
+        turn._release = release
         try:
             yield turn
         finally:
-            self.metrics.inflight.dec()
-            self.queues[tier].done(turn.claim, turn.output_tokens)
-            self._release()
+            release()
 
     def _shed(self, tier: str, claim: Claim, reason: str, message: str) -> Shed:
         self.metrics.shed.labels(tier=tier, reason=reason).inc()

@@ -1,5 +1,5 @@
 """A default per-team `max_concurrent`: a team created without a concurrency limit
-is held to `[quotas] default_max_concurrent` (128 unless configured), so one team that never
+is held to `[quotas] default_max_concurrent` (64 unless configured), so one team that never
 got limits cannot take every slot of the gateway; a team's own `max_concurrent` overrides
 the default. Before, such a team had no bound at all.
 
