@@ -110,6 +110,8 @@ DICT_ANY_EXEMPT = {
     "a request is untyped",
     "gateway/backends/providers/": "the commercial providers' JSON bodies, passed to and from "
     "their APIs as those APIs define them",
+    "gateway/backends/provider_usage.py": "a provider's stream chunks (its JSON, as above), "
+    "read on for their usage after the client left",
     "gateway/tools/": "JSON Schemas and a chat template's tool turns are JSON objects by nature",
     "gateway/accounts/store/": "the /v1/usage rows the database computes and the batch results "
     "it keeps are JSON answered as they are",

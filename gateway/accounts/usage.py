@@ -30,6 +30,8 @@ class Accounting:
     model_used: str = ""
     #: the prompt went to a node or a provider (it may be computing it: paid if the client leaves)
     prompt_sent: bool = False
+    #: the provider reported its own token counts (an external model's usage)
+    usage_reported: bool = False
     #: times the stream moved to another node after its decode node died (cluster only)
     migrations: int = 0
     #: completion tokens of each decode leg of sample 0, in order (one entry unless migrated)

@@ -62,6 +62,9 @@ class Attempt:
     guide: Guide | None = None
     #: keep the prompt prefix's KV this long on the nodes (the client's `cache_control`)
     retain: KVRetain | None = None
+    #: the prompt tokens the request's reservation holds (an external model's upper bound):
+    #: what a call whose provider never reported its usage bills
+    reserved_prompt_tokens: int = 0
 
 
 @dataclass

@@ -27,6 +27,7 @@ provider that failed costs nothing.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -37,9 +38,16 @@ import msgspec
 
 from gateway.backends.base import Accounting, Attempt, Backend, MidStreamError, Piece, Reply
 from gateway.backends.provider_slots import ProviderSlots
+from gateway.backends.provider_usage import (
+    answer_abandoned,
+    answered,
+    split,
+    stream_abandoned,
+    usage_chunk,
+)
 from gateway.backends.providers.base import Provider
 from gateway.backends.providers.breaker import BreakerState
-from gateway.backends.providers.cost import TokenUsage, estimate_tokens
+from gateway.backends.providers.cost import estimate_tokens
 from gateway.backends.providers.errors import ProviderError
 from gateway.backends.providers.fallback import Reason, error_trigger
 from gateway.config import ModelConfig, Tier
@@ -186,12 +194,12 @@ class ProviderBackend(Backend):
         # taken before the prompt is sent, held to the call's end (aclosing: a client that
         # leaves ends the provider's stream, and gives the slot back, now, not at GC)
         with self.slots.slot(self.model.name, attempt.tier):
-            async with contextlib.aclosing(self._call(request, body, out)) as pieces:
+            async with contextlib.aclosing(self._call(request, attempt, body, out)) as pieces:
                 async for piece in pieces:
                     yield piece
 
     async def _call(
-        self, request: Request, body: dict[str, Any], out: Accounting
+        self, request: Request, attempt: Attempt, body: dict[str, Any], out: Accounting
     ) -> AsyncGenerator[Piece, None]:
         out.model_used = self.model.name
         # the provider counts; this estimate stands only if a stream breaks before its usage
@@ -201,11 +209,15 @@ class ProviderBackend(Backend):
             shown.append(msgspec.json.encode(request.tools.defs).decode())
         out.prompt_tokens = estimate_tokens("\n".join(shown))
         if not request.stream:
-            try:
-                out.prompt_sent = True
-                result = await self.provider.chat(body)
+            out.prompt_sent = True
+            call = asyncio.ensure_future(self.provider.chat(body))
+            try:  # shielded: a client that leaves does not stop the provider's answer, it is paid
+                result = await asyncio.shield(call)
             except ProviderError as e:
                 raise ProviderFailure(self.model.name, e) from None
+            except asyncio.CancelledError:
+                await answer_abandoned(call, out, attempt, request.n, self.provider.name)
+                raise
             pieces = []
             for c in result.response.get("choices") or []:
                 i = c.get("index", 0) if isinstance(c, dict) else 0
@@ -222,25 +234,29 @@ class ProviderBackend(Backend):
                         tool_calls=calls,
                     )
                 )
-            self._answered(out, result.usage)
+            answered(out, result.usage, self.provider.name)
             out.first_token_at = time.monotonic()
             for p in pieces:
                 yield p
                 out.completion_tokens.setdefault(p.index, 0)
-            out.completion_tokens = _split(result.usage.completion_tokens, out.completion_tokens)
+            out.completion_tokens = split(result.usage.completion_tokens, out.completion_tokens)
             return
         sent = False
         out.prompt_sent = True
         it = self.provider.chat_stream(body)
         try:
-            async for chunk in it:
-                if chunk.get("usage") is not None and not chunk.get("choices"):
-                    usage = TokenUsage.from_openai(chunk["usage"])
-                    if usage is not None:
-                        self._answered(out, usage)
-                        out.completion_tokens = _split(
-                            usage.completion_tokens, out.completion_tokens
-                        )
+            while True:
+                # each read shielded: a client that leaves while the gateway waits for the
+                # provider leaves the stream readable, for its usage (`_stream_abandoned`)
+                step = asyncio.ensure_future(anext(it, None))
+                try:
+                    chunk = await asyncio.shield(step)
+                except asyncio.CancelledError:
+                    await stream_abandoned(it, step, out, attempt, request.n, self.provider.name)
+                    raise
+                if chunk is None:
+                    break
+                if usage_chunk(out, chunk, self.provider.name):
                     continue
                 for c in chunk.get("choices") or []:
                     delta = c.get("delta") or {}
@@ -258,13 +274,19 @@ class ProviderBackend(Backend):
                     if not sent:
                         sent = True
                         out.nodes.append(f"provider:{self.provider.name}")
-                    yield Piece(
-                        index=i,
-                        text=text,
-                        finish_reason=finish,
-                        tool_calls=calls,
-                        tokens=1 if text or calls else 0,
-                    )
+                    try:
+                        yield Piece(
+                            index=i,
+                            text=text,
+                            finish_reason=finish,
+                            tool_calls=calls,
+                            tokens=1 if text or calls else 0,
+                        )
+                    except GeneratorExit:  # the relay closed the reply: its client left
+                        await stream_abandoned(
+                            it, None, out, attempt, request.n, self.provider.name
+                        )
+                        raise
         except ProviderError as e:
             if not sent:  # nothing reached the client: a plain failure, free to fall back
                 if e.kind == "stream_interrupted":
@@ -285,12 +307,6 @@ class ProviderBackend(Backend):
             ) from None
         finally:
             await it.aclose()
-
-    def _answered(self, out: Accounting, usage: TokenUsage) -> None:
-        out.prompt_tokens = usage.prompt_tokens
-        out.cached_tokens = usage.cached_tokens
-        if not out.nodes:
-            out.nodes.append(f"provider:{self.provider.name}")
 
 
 def _unset_dropped(obj: msgspec.Struct) -> dict[str, Any]:
@@ -321,16 +337,3 @@ def _calls(raw: Any, whole: bool) -> list[ToolCallDelta] | None:
         raise ProviderError(
             502, f"the provider's tool calls are malformed: {e}", kind="invalid_response"
         ) from None
-
-
-def _split(total: int, per_sample: dict[int, int]) -> dict[int, int]:
-    """The provider's completion total over the samples (it reports one figure for all n)."""
-    if not per_sample:
-        return {0: total}
-    counted = sum(per_sample.values())
-    if counted == total:
-        return per_sample
-    keys = sorted(per_sample)
-    out = {k: total // len(keys) for k in keys}
-    out[keys[0]] += total - sum(out.values())
-    return out

@@ -117,6 +117,7 @@ class Tries:
             guide=self.req.guide_on(served.config.closed_objects)
             or (size.tools.guide if size.tools else None),
             retain=size.retain,
+            reserved_prompt_tokens=size.n_prompt,
         )
         headers = {**self.headers, "x-duet-model-used": served.config.name}
         if not served.generator().uses_tier_queues:  # they guard the self-hosted pool only

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterable, Callable
 
 from gateway.backends.base import Piece
 
@@ -40,7 +40,7 @@ class ReadAhead:
 
     def __init__(
         self,
-        reply: AsyncIterator[Piece],
+        reply: AsyncIterable[Piece],
         ended: Callable[[], None],
         max_bytes: int,
     ) -> None:

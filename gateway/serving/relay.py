@@ -196,8 +196,8 @@ class Relay:
         pending: list[bytes] = []  # chunks whose successor has already arrived: one write
         unsent: list[Piece] = []  # the pieces of `pending`, counted sent once written
         # read ahead of a slow client (bounded): the node's slot is free once the node is done
-        ahead = self.ended is not None and self.read_ahead_bytes > 0
-        pieces = ReadAhead(reply, self.ended, self.read_ahead_bytes) if ahead else None
+        ended = self.ended if self.read_ahead_bytes > 0 else None
+        pieces = ReadAhead(reply, ended, self.read_ahead_bytes) if ended is not None else None
         try:
             async for p in pieces or reply:
                 if not sink.opened:

@@ -53,6 +53,11 @@ class Fault:
         return cls("hang")
 
     @classmethod
+    def hold(cls) -> Fault:
+        """Answer as usual, once `released` is set (a slow provider that does answer)."""
+        return cls("hold")
+
+    @classmethod
     def stall_after(cls, n: int) -> Fault:
         return cls("stall", after=n)
 
@@ -144,6 +149,9 @@ class FakeProvider:
             assert request.transport is not None
             request.transport.close()
             raise asyncio.CancelledError  # aiohttp ends the handler without writing
+        if fault.kind == "hold":
+            await self.released.wait()
+            return None
         if fault.kind == "hang":
             await self.released.wait()
             return self._error(503, "released")
