@@ -10,6 +10,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
+from gateway.config_features import parse_features
 from gateway.config_tables import (
     AUTO,
     AUTO_LABELS,
@@ -21,7 +22,6 @@ from gateway.config_tables import (
     ServerConfig,
     StaticNodes,
     TeamPolicy,
-    parse_features,
 )
 from gateway.config_versions import VersionError, parse_versions
 from gateway.tools.formats import TOOL_PARSERS

@@ -40,6 +40,7 @@ GATEWAY_LAYERS: list[tuple[str, ...]] = [
     (
         "gateway.config",
         "gateway.config_tables",
+        "gateway.config_features",
         "gateway.config_checks",
         "gateway.config_adapters",
         "gateway.config_versions",

@@ -29,7 +29,7 @@ from gateway.backends.providers.fallback import (
     TeamFallbackPolicy,
 )
 from gateway.config import GatewayConfig, ModelConfig, TeamPolicy, Tier
-from gateway.config_tables import Feature, model_features
+from gateway.config_features import Feature, model_features
 from gateway.serving.requests import Endpoint
 from protocol.openai import APIError
 

@@ -16,7 +16,8 @@ config file and the error messages use.
 
 from __future__ import annotations
 
-from gateway.config_tables import Feature, ModelConfig, model_features
+from gateway.config_features import Feature, model_features
+from gateway.config_tables import ModelConfig
 from gateway.serving.requests import Request
 from protocol.openai import APIError
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from gateway.config import ConfigError, parse_config
-from gateway.config_tables import ALL, Feature, model_features
+from gateway.config_features import ALL, Feature, model_features
 from gateway.serving.chat import parse_chat
 from gateway.serving.features import features, refuse_missing
 from gateway.serving.requests import parse_completion

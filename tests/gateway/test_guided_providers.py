@@ -22,7 +22,7 @@ import anthropic
 import openai
 import pytest
 
-from gateway.config_tables import ALL
+from gateway.config_features import ALL
 from tests.gateway.helpers import gateway_proc, make_team
 from tests.gateway.test_providers_e2e import CLAUDE, GPT, FakeServers, external
 from tests.procs import Proc, running

@@ -25,7 +25,8 @@ import re
 from collections.abc import Mapping
 
 from gateway.api.anthropic.wire import ImageBlock, MessagesRequest, ToolResultBlock
-from gateway.config_tables import Feature, ModelConfig, model_features
+from gateway.config_features import Feature, model_features
+from gateway.config_tables import ModelConfig
 from protocol.openai import APIError
 
 #: a dated `anthropic-version`, and the first one the API has
