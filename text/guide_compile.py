@@ -14,9 +14,9 @@ loop, that stalled every other request and stream of every team. `GuideChecker.c
 - runs the compile in its own pool of `threads` threads (llguidance releases the GIL while it
   compiles), so a flood of bad schemas holds at most `threads` threads and never the loop or
   the default executor that tokenizing and the store use;
-- holds at most `domain_threads` compiles of one cache domain running or waiting at once (the
-  gateway gives a team half the threads): a team's burst of distinct schemas gets 503s of its
-  own instead of filling the pool that every other team's structured outputs need;
+- runs at most `domain_threads` compiles of one cache domain at once (the gateway gives a team
+  half the threads): a team's burst of distinct schemas waits for its own share, in the same
+  bounded wait, instead of filling the pool that every other team's structured outputs need;
 - waits for a free thread at most `timeout_s` (then 503 `overloaded`, retryable: the pool is
   busy with others' compiles), and for the compile at most `timeout_s` from its start (then
   400 "too complex to compile within N s" naming the request field; the verdict is cached, so
@@ -110,8 +110,10 @@ class GuideChecker:
             raise ValueError("domain_threads must be between 1 and threads")
         self.timeout_s, self.threads, self.max_waiting = timeout_s, threads, max_waiting
         self.domain_threads = domain_threads or threads
-        #: compiles of each cache domain that hold a thread or wait for one
+        #: compiles of each cache domain that hold a thread or wait for one, and the domain's
+        #: share of the threads (made with its first compile, dropped with its last)
         self._domain_load: dict[str, int] = {}
+        self._domain_slots: dict[str, asyncio.Semaphore] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(
             threads, thread_name_prefix="guide-compile"
         )
@@ -136,7 +138,7 @@ class GuideChecker:
         else:
             task = self._inflight.get(k)
             if task is None:
-                self._take_share(k[0], param)
+                self._take_share(k[0])
                 task = asyncio.ensure_future(self._compile(k, guide))
                 self._inflight[k] = task
                 task.add_done_callback(lambda _t: self._inflight.pop(k, None))
@@ -154,33 +156,23 @@ class GuideChecker:
                 ) from None
         _raise_for(outcome, guide, param, self.timeout_s)
 
-    def _take_share(self, domain: str, param: str) -> None:
-        """Count a compile against its cache domain's share of the threads (a team's, or its
-        cache group's): a domain that already holds or waits for `domain_threads` compiles is
-        refused at once, so one team's schemas cannot take every thread from the others."""
-        held = self._domain_load.get(domain, 0)
-        if held >= self.domain_threads:
-            raise APIError(
-                503,
-                f"this team already has {held} {param} compiles running or waiting (its share of "
-                f"the grammar engine's {self.threads} threads); try again",
-                type_="service_unavailable",
-                param=param,
-                code="overloaded",
-                retry_after_s=1.0,
-            )
-        self._domain_load[domain] = held + 1
+    def _take_share(self, domain: str) -> None:
+        """Count a compile against its cache domain (a team's, or its cache group's)."""
+        self._domain_load[domain] = self._domain_load.get(domain, 0) + 1
+        if domain not in self._domain_slots:
+            self._domain_slots[domain] = asyncio.Semaphore(self.domain_threads)
 
     def _drop_share(self, domain: str) -> None:
         n = self._domain_load[domain] - 1
         if n:
             self._domain_load[domain] = n
-        else:
+        else:  # none of its compiles holds or waits for the share: it goes with them
             del self._domain_load[domain]
+            del self._domain_slots[domain]
 
     async def _compile(self, k: Key, guide: Guide) -> Outcome:
         try:
-            slots = await self._thread()
+            slots = await self._thread(k[0])
         except BaseException:
             self._drop_share(k[0])  # it never reached a thread: its share is free at once
             raise
@@ -205,19 +197,27 @@ class GuideChecker:
             self._remember(k, outcome)
         return outcome
 
-    async def _thread(self) -> asyncio.Semaphore:
-        """Wait for a compile thread (bounded in waiters and in time); the slots it holds one of."""
+    async def _thread(self, domain: str) -> asyncio.Semaphore:
+        """Wait for the domain's share and then a compile thread (bounded in waiters and in
+        time); the slots it holds one of."""
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.threads)
-        slots = self._slots
-        if self._waiting >= self.max_waiting and slots.locked():
+        slots, mine = self._slots, self._domain_slots[domain]
+        if self._waiting >= self.max_waiting and (slots.locked() or mine.locked()):
             raise _Busy(f"{self._waiting} compiles wait for a thread")
         self._waiting += 1
+        shared = False
         try:
             async with asyncio.timeout(self.timeout_s):
+                await mine.acquire()
+                shared = True
                 await slots.acquire()
-        except TimeoutError:
-            raise _Busy(f"no compile thread came free within {self.timeout_s:g} s") from None
+        except BaseException as e:
+            if shared:
+                mine.release()
+            if isinstance(e, TimeoutError):
+                raise _Busy(f"no compile thread came free within {self.timeout_s:g} s") from None
+            raise
         finally:
             self._waiting -= 1
         return slots
@@ -233,6 +233,7 @@ class GuideChecker:
         """A compile's thread ended (in time or not): its slot, and its domain's share, are free
         again."""
         slots.release()
+        self._domain_slots[domain].release()
         self._drop_share(domain)
         self._set_running(-1)
         dt = time.monotonic() - t0

@@ -37,6 +37,7 @@ def test_agreement_counts() -> None:
     assert agreement(ref, got) == {
         "first_token": 1.0,
         "tokens_before_divergence": 6 / 8,
+        "positions_equal": 7 / 8,
         "identical_sequences": 0.5,
     }
 

@@ -79,7 +79,9 @@ def one_slot_gateway(tiny_llama: Path, tmp_path: Path) -> Iterator[Proc]:
     g = gateway_proc(
         tmp_path,
         {MODEL: tiny_model(tiny_llama, both=[node.url])},
-        tiers={"max_inflight": 1, "interactive_max_wait_s": 300},
+        # no reading ahead of the client: the tests hold the one slot with a stream they do not
+        # read, which a read-ahead would finish at the node and free
+        tiers={"max_inflight": 1, "interactive_max_wait_s": 300, "stream_read_ahead_bytes": 0},
     )
     with running(node, g):
         yield g

@@ -85,7 +85,9 @@ def gw(
             },
         )
         with running(g):
-            yield g, make_team(g.url, "tools"), (p, d, both)
+            # the schema corpus runs every schema at once on both layouts: more than a team's
+            # default concurrency
+            yield g, make_team(g.url, "tools", max_concurrent=256), (p, d, both)
 
 
 def clients(gw: tuple[Proc, str, tuple[Proc, ...]]) -> tuple[openai.OpenAI, openai.AsyncOpenAI]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,10 +29,11 @@ from gateway.backends.providers.auto.features import FEATURE_NAMES, SCAN_CHARS, 
 from gateway.config_tables import ModelConfig
 from gateway.serving.chat import parse_chat
 from gateway.serving.measure import prompt_ids, tool_plan
-from protocol.openai import APIError
 from protocol.structured import Guide, GuideKind
 from tests.gateway.helpers import MODEL, gateway_proc, make_team, tiny_model
 from tests.procs import Proc, running
+from tests.wait import until
+from text import guide_compile
 from text.guide_check import canonical_schema
 from text.guide_compile import GuideChecker
 from text.tokenizer import Tokenizer
@@ -160,24 +162,39 @@ async def test_tool_definitions_count_toward_tokenizing_off_the_loop(
     assert len(ids) > 10_000 and len(off_loop) == 1
 
 
-async def test_one_team_holds_only_its_share_of_the_compile_threads() -> None:
-    """Team A's distinct schemas take at most `domain_threads` of the compile pool: its next
-    one while its first compiles is a 503 `overloaded` of its own, and team B's compiles at
-    once on the thread left (before: team A filled both threads, team B waited, then 503)."""
+async def test_one_team_holds_only_its_share_of_the_compile_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Team A's distinct schemas take at most `domain_threads` of the compile pool: its second
+    waits for its first (not refused) while team B's compiles on the thread left (before: team A
+    filled both threads and team B waited for them, then 503)."""
 
     def schema(field: str) -> Guide:
         spec = canonical_schema({"type": "object", "properties": {field: {"type": "integer"}}})
         return Guide(kind=GuideKind.JSON_SCHEMA, spec=spec)
 
+    held = threading.Event()
+    compiling: list[str] = []
+    real = guide_compile._verdict
+
+    def gated(guide: Guide) -> guide_compile.Outcome:
+        compiling.append(guide.spec)
+        if '"a1"' in guide.spec:  # team A's first holds its thread until the test lets it go
+            held.wait(60)
+        return real(guide)
+
+    monkeypatch.setattr(guide_compile, "_verdict", gated)
     checker = GuideChecker(threads=2, domain_threads=1)
     try:
         first = asyncio.ensure_future(checker.check(schema("a1"), "response_format", "team-a"))
-        await asyncio.sleep(0)  # its compile has begun: it holds team A's share
-        with pytest.raises(APIError) as e:
-            await checker.check(schema("a2"), "response_format", "team-a")
-        assert (e.value.status, e.value.code) == (503, "overloaded")
-        await checker.check(schema("b1"), "response_format", "team-b")
-        await first
-        await checker.check(schema("a2"), "response_format", "team-a")  # its share is free again
+        await until(lambda: len(compiling) == 1, timeout=30)
+        second = asyncio.ensure_future(checker.check(schema("a2"), "response_format", "team-a"))
+        await until(lambda: checker._waiting == 1, timeout=30)  # waiting for team A's share
+        await asyncio.wait_for(checker.check(schema("b1"), "response_format", "team-b"), timeout=30)
+        assert not second.done() and len(compiling) == 2  # a1 and b1 only: a2 still waits
+        held.set()
+        await asyncio.wait_for(asyncio.gather(first, second), timeout=30)
+        assert len(compiling) == 3
     finally:
+        held.set()
         checker.close()

@@ -45,6 +45,7 @@ import asyncio
 import logging
 import sqlite3
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -72,10 +73,25 @@ def connect(
         uri=read_only,
     )
     if set_wal:  # persistent in the file: the worker sets it once, waiting for locks as it may
-        db.execute("PRAGMA journal_mode=WAL")
+        _set_wal(db, busy_timeout_ms)
     db.execute("PRAGMA synchronous=NORMAL")
     db.execute(f"PRAGMA busy_timeout={busy_timeout_ms}")
     return db
+
+
+def _set_wal(db: sqlite3.Connection, busy_timeout_ms: int) -> None:
+    """Switch the file to WAL, retrying while it is locked: SQLite answers "database is locked"
+    at once, not through the busy handler, when other connections to a new file (gateways
+    starting together, or this store's own report lane) hold a lock the switch needs."""
+    deadline = time.monotonic() + busy_timeout_ms / 1000
+    while True:
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as e:
+            if not _busy(e) or time.monotonic() > deadline:
+                raise
+        time.sleep(0.01)  # a worker thread's wait, as the busy handler's own
 
 
 def _busy(e: sqlite3.OperationalError) -> bool:
