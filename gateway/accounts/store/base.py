@@ -43,6 +43,20 @@ class Team(msgspec.Struct, kw_only=True, frozen=True):
     created_at: float = 0.0
 
 
+def team_values(t: Team) -> tuple[object, ...]:
+    """`t`'s columns in the order of both stores' `TEAM_COLS` (the teams table)."""
+    return (
+        t.id,
+        t.rpm,
+        t.tpm,
+        t.max_concurrent,
+        t.daily_budget_usd,
+        t.monthly_budget_usd,
+        t.default_tier,
+        t.created_at,
+    )
+
+
 class ApiKey(msgspec.Struct, kw_only=True, frozen=True):
     id: str
     team_id: str

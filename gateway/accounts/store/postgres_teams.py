@@ -11,7 +11,7 @@ import time
 
 import asyncpg
 
-from gateway.accounts.store.base import ApiKey, StoreError, Team
+from gateway.accounts.store.base import ApiKey, StoreError, Team, team_values
 from gateway.accounts.store.postgres_quota import KEY_COLS, TEAM_COLS, key_of, team_of
 from gateway.accounts.store.team_ids import reused
 
@@ -32,14 +32,7 @@ class PostgresTeams:
                     raise reused(t.id)
                 await con.execute(
                     f"INSERT INTO teams ({TEAM_COLS}) VALUES ($1,$2,$3,$4,$5,$6,$7,$8)",
-                    t.id,
-                    t.rpm,
-                    t.tpm,
-                    t.max_concurrent,
-                    t.daily_budget_usd,
-                    t.monthly_budget_usd,
-                    t.default_tier,
-                    t.created_at,
+                    *team_values(t),
                 )
         except asyncpg.UniqueViolationError:
             raise StoreError(409, f"team {t.id!r} already exists") from None

@@ -29,6 +29,7 @@ from gateway.accounts.store.base import (
     StoreError,
     Team,
     UsageRecord,
+    team_values,
 )
 from gateway.accounts.store.sqlite_batch import SqliteBatchTables, init_batch_tables
 from gateway.accounts.store.sqlite_conn import Connections, Immediate
@@ -93,16 +94,7 @@ class SqliteStore(SqliteBatchTables, Store):
                         raise reused(t.id)
                     db.execute(
                         f"INSERT INTO teams ({TEAM_COLS}) VALUES (?,?,?,?,?,?,?,?)",
-                        (
-                            t.id,
-                            t.rpm,
-                            t.tpm,
-                            t.max_concurrent,
-                            t.daily_budget_usd,
-                            t.monthly_budget_usd,
-                            t.default_tier,
-                            t.created_at,
-                        ),
+                        team_values(t),
                     )
             except sqlite3.IntegrityError:
                 raise StoreError(409, f"team {t.id!r} already exists") from None
