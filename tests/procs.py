@@ -11,7 +11,9 @@ block (its flags differ per suite); the coordinator is stopped at the end even w
 
 from __future__ import annotations
 
+import json
 import sys
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +22,7 @@ from pathlib import Path
 from bench.procs import Proc, duet_node, free_port, running
 from coordinator.etcd_server import EtcdServer
 from runtime.cluster_secret import write_secret_file
+from tests.wait import wait_for
 
 __all__ = [
     "TINY_NODE_ARGS",
@@ -68,6 +71,17 @@ class SecuredPlane:
     def auth(self) -> dict[str, str]:
         """The header an internal call carries."""
         return {"Authorization": f"Bearer {self.secret}"}
+
+    def wait_ready(self, ids: set[str], timeout: float = 60) -> None:
+        """Wait until the coordinator lists every node of `ids` as ready."""
+        req = urllib.request.Request(self.coordinator.url + "/cluster", headers=self.auth)
+
+        def ready() -> bool:
+            with urllib.request.urlopen(req, timeout=5) as r:
+                nodes = json.loads(r.read())["nodes"]
+            return ids <= {n["node_id"] for n in nodes if n["ready"]}
+
+        wait_for(ready, timeout=timeout, what=f"nodes {sorted(ids)} ready")
 
     def node(self, role: str, model: str | Path, *args: str, node_id: str | None = None) -> Proc:
         """A `duet node` registered in this plane's etcd (as `node_id`, when given), with the

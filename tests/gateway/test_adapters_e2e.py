@@ -15,10 +15,8 @@ client.
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,19 +57,6 @@ class Served:
         return body.choices[0].model_extra["token_ids"], r.headers["x-request-id"]  # type: ignore[index]
 
 
-def _ready(coordinator: Proc, ids: set[str]) -> None:
-    req = urllib.request.Request(
-        coordinator.url + "/cluster", headers={"Authorization": f"Bearer {SECRET}"}
-    )
-
-    def ready() -> bool:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            nodes = json.loads(r.read())["nodes"]
-        return ids <= {n["node_id"] for n in nodes if n["ready"]}
-
-    wait_for(ready, timeout=60, what=f"nodes {sorted(ids)} ready")
-
-
 @pytest.fixture(scope="module")
 def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     tmp = tmp_path_factory.mktemp("adapters-gw")
@@ -110,7 +95,7 @@ def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             tmp, models, args=plane.flag, routing={"coordinator": [plane.coordinator.url]}
         )
         with running(plane.coordinator, *nodes, g):
-            _ready(plane.coordinator, {"prefill-0", "decode-0"})
+            plane.wait_ready({"prefill-0", "decode-0"})
             keys = {t: make_team(g.url, t) for t in ("alice", "bob")}
             yield Served(g, keys, adapters, tiny_llama)
 

@@ -10,11 +10,9 @@ names its version; `/v1/usage?group_by=version` totals them per model.
 
 from __future__ import annotations
 
-import json
 import secrets
 import shutil
 import time
-import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,19 +31,6 @@ SECRET = secrets.token_urlsafe(24)
 class Versioned:
     gateway: Proc
     key: str
-
-
-def _ready(coordinator: Proc, ids: set[str]) -> None:
-    req = urllib.request.Request(
-        coordinator.url + "/cluster", headers={"Authorization": f"Bearer {SECRET}"}
-    )
-
-    def ready() -> bool:
-        with urllib.request.urlopen(req, timeout=5) as r:
-            nodes = json.loads(r.read())["nodes"]
-        return ids <= {n["node_id"] for n in nodes if n["ready"]}
-
-    wait_for(ready, timeout=60, what=f"nodes {sorted(ids)} ready")
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +60,7 @@ def versioned(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             routing={"coordinator": [plane.coordinator.url]},
         )
         with running(plane.coordinator, *nodes, g):
-            _ready(plane.coordinator, {"prefill-v1", "decode-v1", "both-v2"})
+            plane.wait_ready({"prefill-v1", "decode-v1", "both-v2"})
             yield Versioned(g, make_team(g.url, "alice"))
 
 
