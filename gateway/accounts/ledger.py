@@ -333,8 +333,8 @@ class Ledger:
     def _observe(self) -> None:
         r, m = self.record, self.books.metrics
         log.info(
-            "%s team=%s model=%s used=%s tier=%s status=%s prompt=%d cached=%d completion=%d cost=$%.6f ttft=%s "
-            "latency=%.3fs nodes=%s",
+            "%s team=%s model=%s used=%s tier=%s status=%s prompt=%d cached=%d completion=%d "
+            "cost=$%.6f ttft=%s latency=%.3fs nodes=%s",
             r.request_id,
             r.team_id,
             r.model_requested,

@@ -73,8 +73,8 @@ class UsageWriter:
                 await asyncio.shield(fut)
         except TimeoutError:
             log.error(
-                "the store has not taken a usage record for %.0f s; answering anyway (it stays queued "
-                "and is written once the store is back)",
+                "the store has not taken a usage record for %.0f s; answering anyway (it stays "
+                "queued and is written once the store is back)",
                 COMMIT_WAIT_S,
             )
 

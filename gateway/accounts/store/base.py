@@ -1,16 +1,17 @@
 """The gateway's one store (DESIGN §4): teams, API keys, quota reservations, spend, usage, and
 the batch tier's tables (batch_tables.py).
 
-`Store` is the interface; `sqlite.SqliteStore` and `postgres.PostgresStore` implement it. Quotas are decided *inside* the store, in one
-transaction per reservation, so several gateways sharing a database share one limit.
+`Store` is the interface; `sqlite.SqliteStore` and `postgres.PostgresStore` implement it. Quotas are
+decided *inside* the store, in one transaction per reservation, so several gateways sharing a
+database share one limit.
 
 Reservation life: `reserve()` admits a request and books its worst case (prompt + max_tokens,
 and their cost); `settle()` replaces the booking with the real figures and writes the usage
 record in the same transaction; a booking never settled (its gateway died) stops counting
 after `expires_at`, or once its gateway's heartbeat is `reclaim`'s `dead_after_s` old, and is
 billed `expired`. A request is billed once whatever happened: a booking that expired and still
-settles replaces its `expired` record by the real one. Windows: RPM/TPM over the last 60 s of reservations, budgets per UTC day
-and month.
+settles replaces its `expired` record by the real one. Windows: RPM/TPM over the last 60 s of
+reservations, budgets per UTC day and month.
 """
 
 from __future__ import annotations

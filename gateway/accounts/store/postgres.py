@@ -158,8 +158,8 @@ class PostgresStore(PostgresTeams, PostgresBatchTables, Store):
             # or a connection is not stale as it lands
             t = await _clock(con, now)
             await con.execute(
-                "INSERT INTO gateways (id, heartbeat_at) VALUES ($1, $2) ON CONFLICT (id) DO UPDATE "
-                "SET heartbeat_at = excluded.heartbeat_at",
+                "INSERT INTO gateways (id, heartbeat_at) VALUES ($1, $2) ON CONFLICT (id) DO "
+                "UPDATE SET heartbeat_at = excluded.heartbeat_at",
                 gateway_id,
                 t,
             )
@@ -170,9 +170,9 @@ class PostgresStore(PostgresTeams, PostgresBatchTables, Store):
             )
             if ids:  # one statement for all; GREATEST: a late report never lowers an earlier one
                 await con.execute(
-                    "UPDATE reservations AS r SET streamed_tokens = GREATEST(r.streamed_tokens, s.n) "
-                    "FROM unnest($1::text[], $2::bigint[]) AS s(id, n) "
-                    "WHERE r.id = s.id AND r.gateway_id = $3",
+                    "UPDATE reservations AS r SET streamed_tokens = GREATEST(r.streamed_tokens, "
+                    "s.n) FROM unnest($1::text[], $2::bigint[]) AS s(id, n) WHERE r.id = s.id "
+                    "AND r.gateway_id = $3",
                     ids,
                     counts,
                     gateway_id,

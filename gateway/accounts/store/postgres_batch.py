@@ -46,7 +46,8 @@ from gateway.batch.rows import (
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS batch_files (
-    seq BIGSERIAL PRIMARY KEY, id TEXT NOT NULL UNIQUE, team_id TEXT NOT NULL, purpose TEXT NOT NULL,
+    seq BIGSERIAL PRIMARY KEY, id TEXT NOT NULL UNIQUE, team_id TEXT NOT NULL,
+    purpose TEXT NOT NULL,
     filename TEXT NOT NULL, bytes BIGINT NOT NULL, created_at DOUBLE PRECISION NOT NULL,
     deleted BOOLEAN NOT NULL DEFAULT FALSE, expires_at DOUBLE PRECISION);
 ALTER TABLE batch_files ADD COLUMN IF NOT EXISTS expires_at DOUBLE PRECISION;
@@ -61,7 +62,8 @@ CREATE TABLE IF NOT EXISTS batches (
     completed_at DOUBLE PRECISION, failed_at DOUBLE PRECISION, expired_at DOUBLE PRECISION,
     cancelling_at DOUBLE PRECISION, cancelled_at DOUBLE PRECISION, claimed_by TEXT,
     lease_until DOUBLE PRECISION, callback_url TEXT, callback_state TEXT,
-    callback_attempts INTEGER NOT NULL DEFAULT 0, callback_next_at DOUBLE PRECISION, callback_error TEXT,
+    callback_attempts INTEGER NOT NULL DEFAULT 0, callback_next_at DOUBLE PRECISION,
+    callback_error TEXT,
     body_bytes BIGINT NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS batches_team ON batches (team_id, seq);
 CREATE INDEX IF NOT EXISTS batches_status ON batches (status);
@@ -144,8 +146,9 @@ class PostgresBatchTables(PostgresBatchClaims):
 
     async def purge_expired_files(self, now: float, limit: int = 100) -> list[str]:
         rows = await (await self._p()).fetch(
-            "UPDATE batch_files SET deleted=TRUE WHERE id IN (SELECT id FROM batch_files WHERE NOT deleted AND "
-            "expires_at IS NOT NULL AND expires_at<=$1 LIMIT $2 FOR UPDATE SKIP LOCKED) RETURNING id",
+            "UPDATE batch_files SET deleted=TRUE WHERE id IN (SELECT id FROM batch_files "
+            "WHERE NOT deleted AND expires_at IS NOT NULL AND expires_at<=$1 LIMIT $2 FOR "
+            "UPDATE SKIP LOCKED) RETURNING id",
             now,
             limit,
         )

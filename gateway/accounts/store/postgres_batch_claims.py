@@ -58,25 +58,35 @@ class PostgresBatchClaims(BatchTables):
             # SQLite store: a runner claiming one line at a time alternates teams);
             # FOR UPDATE cannot sit beside a window function, so the fair order picks candidates
             # and the lock skips those another gateway holds.
-            "WITH k AS (SELECT b.team_id, COUNT(*) AS busy FROM batch_requests r JOIN batches b ON b.id=r.batch_id "
+            "WITH k AS (SELECT b.team_id, COUNT(*) AS busy FROM batch_requests r JOIN batches b "
+            "ON b.id=r.batch_id "
             "  WHERE r.state='running' AND r.lease_until>=$1 GROUP BY b.team_id), "
-            "l AS (SELECT b.team_id, MAX(r.started_at) AS served FROM batch_requests r JOIN batches b ON b.id=r.batch_id "
+            "l AS (SELECT b.team_id, MAX(r.started_at) AS served FROM batch_requests r "
+            "JOIN batches b ON b.id=r.batch_id "
             "  WHERE b.status='in_progress' GROUP BY b.team_id), "
-            "q AS (SELECT r.batch_id, r.custom_id, b.priority, b.seq, r.line, COALESCE(k.busy, 0) + ROW_NUMBER() OVER ("
-            "  PARTITION BY b.team_id ORDER BY b.priority DESC, b.seq, r.line) AS turn, COALESCE(l.served, -1) AS served "
-            "  FROM batch_requests r JOIN batches b ON b.id=r.batch_id LEFT JOIN k ON k.team_id=b.team_id "
+            "q AS (SELECT r.batch_id, r.custom_id, b.priority, b.seq, r.line, COALESCE(k.busy, 0) "
+            "+ ROW_NUMBER() OVER ("
+            "  PARTITION BY b.team_id ORDER BY b.priority DESC, b.seq, r.line) AS turn, "
+            "COALESCE(l.served, -1) AS served "
+            "  FROM batch_requests r JOIN batches b ON b.id=r.batch_id LEFT JOIN k "
+            "ON k.team_id=b.team_id "
             "  LEFT JOIN l ON l.team_id=b.team_id "
-            "  WHERE b.status='in_progress' AND b.expires_at>$1 AND ((r.state='pending' AND r.not_before<=$1) "
+            "  WHERE b.status='in_progress' AND b.expires_at>$1 AND ((r.state='pending' "
+            "AND r.not_before<=$1) "
             "  OR (r.state='running' AND r.lease_until<$1))), "
-            "c AS (SELECT r.batch_id, r.custom_id FROM batch_requests r JOIN q ON q.batch_id=r.batch_id "
+            "c AS (SELECT r.batch_id, r.custom_id FROM batch_requests r JOIN q "
+            "ON q.batch_id=r.batch_id "
             "  AND q.custom_id=r.custom_id WHERE (r.state='pending' AND r.not_before<=$1) "
             "  OR (r.state='running' AND r.lease_until<$1) "
-            "  ORDER BY q.priority DESC, q.turn, q.served, q.seq, q.line LIMIT $2 FOR UPDATE OF r SKIP LOCKED) "
-            "UPDATE batch_requests r SET state='running', claimed_by=$3, lease_until=$4, attempts=r.attempts+1, "
+            "  ORDER BY q.priority DESC, q.turn, q.served, q.seq, q.line LIMIT $2 FOR "
+            "UPDATE OF r SKIP LOCKED) "
+            "UPDATE batch_requests r SET state='running', claimed_by=$3, lease_until=$4, "
+            "attempts=r.attempts+1, "
             # a rerun keeps its key (rows.Claimed.request_id)
-            "started_at=$1, request_id=COALESCE(r.request_id, 'batch-' || replace(gen_random_uuid()::text, '-', '')) "
-            "FROM c, batches b WHERE r.batch_id=c.batch_id AND r.custom_id=c.custom_id "
-            f"AND b.id=r.batch_id RETURNING {CLAIM_COLS}, b.priority, b.seq",
+            "started_at=$1, request_id=COALESCE(r.request_id, 'batch-' || "
+            "replace(gen_random_uuid()::text, '-', '')) FROM c, batches b "
+            "WHERE r.batch_id=c.batch_id AND r.custom_id=c.custom_id AND b.id=r.batch_id "
+            f"RETURNING {CLAIM_COLS}, b.priority, b.seq",
             now,
             n,
             worker,
@@ -111,9 +121,9 @@ class PostgresBatchClaims(BatchTables):
         now: float,
     ) -> bool:
         tag = await (await self._p()).execute(
-            "UPDATE batch_requests SET state=$1, status_code=$2, request_id=$3, response=$4, error=$5, "
-            "finished_at=$6, claimed_by=NULL, lease_until=NULL WHERE batch_id=$7 AND custom_id=$8 AND "
-            "state='running' AND claimed_by=$9",
+            "UPDATE batch_requests SET state=$1, status_code=$2, request_id=$3, response=$4, "
+            "error=$5, finished_at=$6, claimed_by=NULL, lease_until=NULL WHERE batch_id=$7 "
+            "AND custom_id=$8 AND state='running' AND claimed_by=$9",
             "succeeded" if ok else "failed",
             status_code,
             request_id,
@@ -138,8 +148,8 @@ class PostgresBatchClaims(BatchTables):
     ) -> bool:
         tag = await (await self._p()).execute(
             "UPDATE batch_requests SET state='pending', not_before=$1, error=$2, claimed_by=NULL, "
-            "lease_until=NULL, request_id=NULL, attempts=attempts-$3 WHERE batch_id=$4 AND custom_id=$5 AND state='running' "
-            "AND claimed_by=$6",
+            "lease_until=NULL, request_id=NULL, attempts=attempts-$3 WHERE batch_id=$4 "
+            "AND custom_id=$5 AND state='running' AND claimed_by=$6",
             not_before,
             rows.dumps(error),
             0 if spent else 1,
@@ -154,22 +164,23 @@ class PostgresBatchClaims(BatchTables):
             ids = [
                 r[0]
                 for r in await con.fetch(
-                    "SELECT b.id FROM batches b WHERE b.status IN ('in_progress','finalizing','cancelling') "
+                    "SELECT b.id FROM batches b WHERE b.status IN "
+                    "('in_progress','finalizing','cancelling') "
                     "AND (b.lease_until IS NULL OR b.lease_until<$1) "
                     "AND NOT EXISTS (SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND "
                     "  r.state='running' AND r.lease_until>=$1) "
                     "AND (b.status='cancelling' OR b.expires_at<=$1 OR NOT EXISTS ("
-                    "  SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND r.state IN ('pending','running'))) "
-                    "FOR UPDATE OF b SKIP LOCKED",
+                    "  SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id "
+                    "AND r.state IN ('pending','running'))) FOR UPDATE OF b SKIP LOCKED",
                     now,
                 )
             ]
             for bid in ids:
                 await con.execute(
-                    "UPDATE batches SET claimed_by=$1, lease_until=$2, finalizing_at=CASE WHEN "
-                    "status='in_progress' AND expires_at>$3 THEN $3 ELSE finalizing_at END, "
-                    "status=CASE WHEN status='in_progress' AND expires_at>$3 THEN 'finalizing' ELSE status END "
-                    "WHERE id=$4",
+                    "UPDATE batches SET claimed_by=$1, lease_until=$2, finalizing_at=CASE "
+                    "WHEN status='in_progress' AND expires_at>$3 THEN $3 "
+                    "ELSE finalizing_at END, status=CASE WHEN status='in_progress' "
+                    "AND expires_at>$3 THEN 'finalizing' ELSE status END WHERE id=$4",
                     worker,
                     now + lease_s,
                     now,
@@ -196,10 +207,11 @@ class PostgresBatchClaims(BatchTables):
         rows.check_final(status)
         async with (await self._p()).acquire() as con, con.transaction():
             tag = await con.execute(
-                f"UPDATE batches SET status=$1, {status}_at=$2, output_file_id=$3, error_file_id=$4, "
-                "claimed_by=NULL, lease_until=NULL, callback_state=CASE WHEN callback_url IS NULL THEN NULL "
-                "ELSE 'pending' END, callback_next_at=$2 WHERE id=$5 AND claimed_by=$6 AND "
-                "status IN ('in_progress','finalizing','cancelling')",
+                f"UPDATE batches SET status=$1, {status}_at=$2, output_file_id=$3, "
+                "error_file_id=$4, claimed_by=NULL, lease_until=NULL, callback_state=CASE "
+                "WHEN callback_url IS NULL THEN NULL ELSE 'pending' END, callback_next_at=$2 "
+                "WHERE id=$5 AND claimed_by=$6 AND status IN "
+                "('in_progress','finalizing','cancelling')",
                 status,
                 now,
                 output_file_id,
@@ -252,8 +264,8 @@ class PostgresBatchClaims(BatchTables):
     ) -> None:
         state = rows.callback_state(delivered, next_at)
         await (await self._p()).execute(
-            "UPDATE batches SET callback_state=$1, callback_next_at=$2, callback_error=$3, claimed_by=NULL, "
-            "lease_until=NULL WHERE id=$4 AND claimed_by=$5",
+            "UPDATE batches SET callback_state=$1, callback_next_at=$2, callback_error=$3, "
+            "claimed_by=NULL, lease_until=NULL WHERE id=$4 AND claimed_by=$5",
             state,
             next_at,
             error,

@@ -32,15 +32,19 @@ from gateway.accounts.store.rules import Counters, day_period, decide, month_per
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS teams (
     id TEXT PRIMARY KEY, rpm BIGINT, tpm BIGINT, max_concurrent BIGINT,
-    daily_budget_usd DOUBLE PRECISION, monthly_budget_usd DOUBLE PRECISION, default_tier TEXT NOT NULL,
+    daily_budget_usd DOUBLE PRECISION, monthly_budget_usd DOUBLE PRECISION,
+    default_tier TEXT NOT NULL,
     created_at DOUBLE PRECISION NOT NULL);
 CREATE TABLE IF NOT EXISTS api_keys (
     id TEXT PRIMARY KEY, team_id TEXT NOT NULL, name TEXT NOT NULL, prefix TEXT NOT NULL,
-    secret_hash TEXT NOT NULL UNIQUE, created_at DOUBLE PRECISION NOT NULL, revoked_at DOUBLE PRECISION);
+    secret_hash TEXT NOT NULL UNIQUE, created_at DOUBLE PRECISION NOT NULL,
+    revoked_at DOUBLE PRECISION);
 CREATE TABLE IF NOT EXISTS reservations (
     id TEXT PRIMARY KEY, team_id TEXT NOT NULL, key_id TEXT NOT NULL, request_id TEXT NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL, expires_at DOUBLE PRECISION NOT NULL, tokens BIGINT NOT NULL,
-    cost_usd DOUBLE PRECISION NOT NULL, gateway_id TEXT, booked TEXT, streamed_tokens BIGINT NOT NULL DEFAULT 0);
+    created_at DOUBLE PRECISION NOT NULL, expires_at DOUBLE PRECISION NOT NULL,
+    tokens BIGINT NOT NULL,
+    cost_usd DOUBLE PRECISION NOT NULL, gateway_id TEXT, booked TEXT,
+    streamed_tokens BIGINT NOT NULL DEFAULT 0);
 CREATE INDEX IF NOT EXISTS reservations_team_expiry ON reservations (team_id, expires_at);
 CREATE INDEX IF NOT EXISTS reservations_expiry ON reservations (expires_at);
 CREATE TABLE IF NOT EXISTS team_state (
@@ -55,13 +59,17 @@ CREATE TABLE IF NOT EXISTS usage (
     request_id TEXT NOT NULL, team_id TEXT NOT NULL, key_id TEXT NOT NULL,
     model_requested TEXT NOT NULL, model_used TEXT NOT NULL, tier TEXT NOT NULL,
     status TEXT NOT NULL, endpoint TEXT NOT NULL, prompt_tokens BIGINT NOT NULL,
-    completion_tokens BIGINT NOT NULL, cached_tokens BIGINT NOT NULL, cost_usd DOUBLE PRECISION NOT NULL,
+    completion_tokens BIGINT NOT NULL, cached_tokens BIGINT NOT NULL,
+    cost_usd DOUBLE PRECISION NOT NULL,
     ttft_s DOUBLE PRECISION, latency_s DOUBLE PRECISION NOT NULL, nodes TEXT NOT NULL,
     created_at DOUBLE PRECISION NOT NULL, "user" TEXT, migrations INTEGER, leg_tokens TEXT);
 CREATE INDEX IF NOT EXISTS usage_team_time ON usage (team_id, created_at);
 """
 #: tables later versions added (created when missing, like SCHEMA on an empty database)
-GATEWAYS = "CREATE TABLE IF NOT EXISTS gateways (id TEXT PRIMARY KEY, heartbeat_at DOUBLE PRECISION NOT NULL)"
+GATEWAYS = (
+    "CREATE TABLE IF NOT EXISTS gateways (id TEXT PRIMARY KEY, heartbeat_at DOUBLE PRECISION NOT "
+    "NULL)"
+)
 #: the idempotency keys of usage records (base.UsageRecord.idempotent)
 USAGE_KEYS = (
     "CREATE TABLE IF NOT EXISTS usage_keys (request_id TEXT PRIMARY KEY, team_id TEXT NOT NULL, "
@@ -142,9 +150,9 @@ def team_of(r: Any) -> Team:
 
 async def bucket(con: Any, team_id: str, second: int, requests: int, tokens: int) -> None:
     await con.execute(
-        "INSERT INTO rate_buckets (team_id, second, requests, tokens) VALUES ($1,$2,$3,$4) ON CONFLICT "
-        "(team_id, second) DO UPDATE SET requests = rate_buckets.requests + excluded.requests, "
-        "tokens = rate_buckets.tokens + excluded.tokens",
+        "INSERT INTO rate_buckets (team_id, second, requests, tokens) VALUES ($1,$2,$3,$4) "
+        "ON CONFLICT (team_id, second) DO UPDATE SET requests = rate_buckets.requests + "
+        "excluded.requests, tokens = rate_buckets.tokens + excluded.tokens",
         team_id,
         second,
         requests,
@@ -218,13 +226,15 @@ async def take_key(con: Any, r: UsageRecord, now: float) -> bool:
     )
     if old["cost_usd"] > 0:
         await con.execute(
-            "UPDATE spend SET cost_usd = cost_usd - $1 WHERE team_id=$2 AND period = ANY($3::text[])",
+            "UPDATE spend SET cost_usd = cost_usd - $1 WHERE team_id=$2 "
+            "AND period = ANY($3::text[])",
             old["cost_usd"],
             old["team_id"],
             [day_period(old["billed_at"]), month_period(old["billed_at"])],
         )
     await con.execute(
-        "UPDATE usage_keys SET team_id=$2, cost_usd=$3, created_at=$4, billed_at=$5 WHERE request_id=$1",
+        "UPDATE usage_keys SET team_id=$2, cost_usd=$3, created_at=$4, billed_at=$5 "
+        "WHERE request_id=$1",
         r.request_id,
         r.team_id,
         r.cost_usd,
@@ -259,7 +269,8 @@ async def insert_usage(con: Any, records: list[UsageRecord], now: float) -> None
                     r.cost_usd,
                 )
     await con.executemany(
-        f"INSERT INTO usage ({USAGE_SQL}) VALUES ({', '.join(f'${i + 1}' for i in range(len(USAGE_COLS)))})",
+        f"INSERT INTO usage ({USAGE_SQL}) VALUES "
+        f"({', '.join(f'${i + 1}' for i in range(len(USAGE_COLS)))})",
         [
             [json.dumps(getattr(r, c)) if c in JSON_COLS else getattr(r, c) for c in USAGE_COLS]
             for r in records

@@ -40,8 +40,8 @@ class PostgresTeams:
 
     async def update_team(self, team: Team) -> Team | None:
         r = await self.pool.fetchrow(
-            f"UPDATE teams SET rpm=$2, tpm=$3, max_concurrent=$4, daily_budget_usd=$5, monthly_budget_usd=$6, "
-            f"default_tier=$7 WHERE id=$1 RETURNING {TEAM_COLS}",
+            "UPDATE teams SET rpm=$2, tpm=$3, max_concurrent=$4, daily_budget_usd=$5, "
+            f"monthly_budget_usd=$6, default_tier=$7 WHERE id=$1 RETURNING {TEAM_COLS}",
             team.id,
             team.rpm,
             team.tpm,
@@ -98,8 +98,9 @@ class PostgresTeams:
 
     async def key_by_hash(self, secret_hash: str) -> tuple[ApiKey, Team] | None:
         r = await self.pool.fetchrow(
-            "SELECT k.id AS kid, k.team_id, k.name, k.prefix, k.created_at AS kcreated, k.revoked_at, t.* "
-            "FROM api_keys k JOIN teams t ON t.id = k.team_id WHERE k.secret_hash=$1 AND k.revoked_at IS NULL",
+            "SELECT k.id AS kid, k.team_id, k.name, k.prefix, k.created_at AS kcreated, "
+            "k.revoked_at, t.* FROM api_keys k JOIN teams t ON t.id = k.team_id "
+            "WHERE k.secret_hash=$1 AND k.revoked_at IS NULL",
             secret_hash,
         )
         if r is None:

@@ -107,8 +107,8 @@ def decide(
         wait = _tokens_free_in(window_rows or [], now, c.window_tokens + req.tokens - team.tpm)
         if req.tokens > team.tpm:
             msg = (
-                f"this request needs up to {req.tokens} tokens (prompt + max_tokens), more than team "
-                f"{team.id!r}'s limit of {team.tpm} tokens per minute"
+                f"this request needs up to {req.tokens} tokens (prompt + max_tokens), more than "
+                f"team {team.id!r}'s limit of {team.tpm} tokens per minute"
             )
         else:
             msg = (

@@ -252,12 +252,13 @@ class SqliteStore(SqliteBatchTables, Store):
                     "SELECT heartbeat_at FROM gateways WHERE id = ?", (gateway_id,)
                 ).fetchone()
                 db.execute(
-                    "INSERT INTO gateways (id, heartbeat_at) VALUES (?, ?) ON CONFLICT (id) DO UPDATE "
-                    "SET heartbeat_at = excluded.heartbeat_at",
+                    "INSERT INTO gateways (id, heartbeat_at) VALUES (?, ?) ON CONFLICT (id) DO "
+                    "UPDATE SET heartbeat_at = excluded.heartbeat_at",
                     (gateway_id, t),
                 )
                 db.execute(
-                    "UPDATE reservations SET expires_at = ? WHERE gateway_id = ? AND expires_at < ?",
+                    "UPDATE reservations SET expires_at = ? WHERE gateway_id = ? "
+                    "AND expires_at < ?",
                     (t + ttl_s, gateway_id, t + ttl_s),
                 )
                 # by primary key; max(): a late report never lowers what an earlier one said
@@ -337,7 +338,10 @@ class SqliteStore(SqliteBatchTables, Store):
         if after is not None:
             where += " AND (created_at > ? OR (created_at = ? AND request_id > ?))"
             args = (*args, after[0], after[0], after[1])
-        sql = f"SELECT {', '.join(USAGE_COLS)} FROM usage WHERE {where} ORDER BY created_at, request_id"
+        sql = (
+            f"SELECT {', '.join(USAGE_COLS)} FROM usage WHERE {where} "
+            "ORDER BY created_at, request_id"
+        )
         if limit is not None:
             sql, args = sql + " LIMIT ?", (*args, limit)
         # converted in the worker: decoding a page's JSON columns on the event loop stalls every

@@ -60,20 +60,24 @@ class SqliteBatchClaims(BatchTables):
             # nothing running every team's next line has turn 1, and the oldest batch winning
             # that tie served one team's whole batch to a runner claiming a line at a time.
             found = db.execute(
-                f"SELECT {CLAIM_COLS} FROM (SELECT {CLAIM_COLS}, b.priority AS prio, b.seq AS bseq, "
+                f"SELECT {CLAIM_COLS} FROM (SELECT {CLAIM_COLS}, b.priority AS prio, b.seq AS "
+                "bseq, "
                 "  COALESCE(k.busy, 0) + ROW_NUMBER() OVER ("
                 "    PARTITION BY b.team_id ORDER BY b.priority DESC, b.seq, r.line) AS turn, "
                 "  COALESCE(l.served, -1) AS served "
                 "  FROM batch_requests r JOIN batches b ON b.id = r.batch_id LEFT JOIN ("
-                "    SELECT b2.team_id, COUNT(*) AS busy FROM batch_requests r2 JOIN batches b2 ON b2.id = r2.batch_id "
-                "    WHERE r2.state='running' AND r2.lease_until>=? GROUP BY b2.team_id) k ON k.team_id = b.team_id "
+                "    SELECT b2.team_id, COUNT(*) AS busy FROM batch_requests r2 JOIN batches b2 "
+                "ON b2.id = r2.batch_id "
+                "    WHERE r2.state='running' AND r2.lease_until>=? GROUP BY b2.team_id) k "
+                "ON k.team_id = b.team_id "
                 "  LEFT JOIN ("
                 "    SELECT b3.team_id, MAX(r3.started_at) AS served FROM batch_requests r3 "
-                "    JOIN batches b3 ON b3.id = r3.batch_id WHERE b3.status='in_progress' GROUP BY b3.team_id"
+                "    JOIN batches b3 ON b3.id = r3.batch_id WHERE b3.status='in_progress' "
+                "GROUP BY b3.team_id"
                 "  ) l ON l.team_id = b.team_id "
                 "  WHERE b.status='in_progress' AND b.expires_at>? AND ("
-                "  (r.state='pending' AND r.not_before<=?) OR (r.state='running' AND r.lease_until<?))) r "
-                "JOIN batches b ON b.id = r.batch_id "
+                "  (r.state='pending' AND r.not_before<=?) OR (r.state='running' "
+                "AND r.lease_until<?))) r JOIN batches b ON b.id = r.batch_id "
                 "ORDER BY r.prio DESC, r.turn, r.served, r.bseq, r.line LIMIT ?",
                 (now, now, now, now, n),
             ).fetchall()
@@ -84,7 +88,8 @@ class SqliteBatchClaims(BatchTables):
                 )  # a rerun keeps its key (rows.Claimed.request_id)
                 db.execute(
                     "UPDATE batch_requests SET state='running', claimed_by=?, lease_until=?, "
-                    "attempts=attempts+1, started_at=?, request_id=? WHERE batch_id=? AND custom_id=?",
+                    "attempts=attempts+1, started_at=?, request_id=? WHERE batch_id=? "
+                    "AND custom_id=?",
                     (worker, now + lease_s, now, rid, r[0], r[1]),
                 )
                 out.append(rows.claimed(r, attempts=r[4] + 1, request_id=rid))
@@ -153,9 +158,9 @@ class SqliteBatchClaims(BatchTables):
         def q(db: sqlite3.Connection) -> bool:
             return (
                 db.execute(
-                    "UPDATE batch_requests SET state='pending', not_before=?, error=?, claimed_by=NULL, "
-                    "lease_until=NULL, request_id=NULL, attempts=attempts-? WHERE batch_id=? AND custom_id=? AND "
-                    "state='running' AND claimed_by=?",
+                    "UPDATE batch_requests SET state='pending', not_before=?, error=?, "
+                    "claimed_by=NULL, lease_until=NULL, request_id=NULL, attempts=attempts-? "
+                    "WHERE batch_id=? AND custom_id=? AND state='running' AND claimed_by=?",
                     (not_before, rows.dumps(error), 0 if spent else 1, batch_id, custom_id, worker),
                 ).rowcount
                 == 1
@@ -171,12 +176,14 @@ class SqliteBatchClaims(BatchTables):
             ids = [
                 r[0]
                 for r in db.execute(
-                    "SELECT b.id FROM batches b WHERE b.status IN ('in_progress','finalizing','cancelling') "
+                    "SELECT b.id FROM batches b WHERE b.status IN "
+                    "('in_progress','finalizing','cancelling') "
                     "AND (b.lease_until IS NULL OR b.lease_until<?) "
                     "AND NOT EXISTS (SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND "
                     "  r.state='running' AND r.lease_until>=?) "
                     "AND (b.status='cancelling' OR b.expires_at<=? OR NOT EXISTS ("
-                    "  SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id AND r.state IN ('pending','running')))",
+                    "  SELECT 1 FROM batch_requests r WHERE r.batch_id=b.id "
+                    "AND r.state IN ('pending','running')))",
                     (now, now, now),
                 ).fetchall()
             ]
@@ -218,8 +225,8 @@ class SqliteBatchClaims(BatchTables):
             n = db.execute(
                 f"UPDATE batches SET status=?, {status}_at=?, output_file_id=?, error_file_id=?, "
                 "claimed_by=NULL, lease_until=NULL, callback_state=CASE WHEN callback_url IS NULL "
-                "THEN NULL ELSE 'pending' END, callback_next_at=? "
-                "WHERE id=? AND claimed_by=? AND status IN ('in_progress','finalizing','cancelling')",
+                "THEN NULL ELSE 'pending' END, callback_next_at=? WHERE id=? AND claimed_by=? "
+                "AND status IN ('in_progress','finalizing','cancelling')",
                 (status, now, output_file_id, error_file_id, now, batch_id, worker),
             ).rowcount
             if n != 1:

@@ -47,13 +47,15 @@ CREATE TABLE IF NOT EXISTS api_keys (
 CREATE TABLE IF NOT EXISTS reservations (
     id TEXT PRIMARY KEY, team_id TEXT NOT NULL, key_id TEXT NOT NULL, request_id TEXT NOT NULL,
     created_at REAL NOT NULL, expires_at REAL NOT NULL, tokens INTEGER NOT NULL,
-    cost_usd REAL NOT NULL, gateway_id TEXT, booked TEXT, streamed_tokens INTEGER NOT NULL DEFAULT 0);
+    cost_usd REAL NOT NULL, gateway_id TEXT, booked TEXT,
+    streamed_tokens INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS gateways (id TEXT PRIMARY KEY, heartbeat_at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS reservations_expiry ON reservations (expires_at);
 CREATE TABLE IF NOT EXISTS team_state (
     team_id TEXT PRIMARY KEY, active INTEGER NOT NULL, active_cost_usd REAL NOT NULL);
 CREATE TABLE IF NOT EXISTS rate_buckets (
-    team_id TEXT NOT NULL, second INTEGER NOT NULL, requests INTEGER NOT NULL, tokens INTEGER NOT NULL,
+    team_id TEXT NOT NULL, second INTEGER NOT NULL, requests INTEGER NOT NULL,
+    tokens INTEGER NOT NULL,
     PRIMARY KEY (team_id, second));
 CREATE TABLE IF NOT EXISTS spend (
     team_id TEXT NOT NULL, period TEXT NOT NULL, cost_usd REAL NOT NULL,
@@ -67,7 +69,8 @@ CREATE TABLE IF NOT EXISTS usage (
     migrations INTEGER, leg_tokens TEXT);
 CREATE INDEX IF NOT EXISTS usage_team_time ON usage (team_id, created_at);
 CREATE TABLE IF NOT EXISTS usage_keys (
-    request_id TEXT PRIMARY KEY, team_id TEXT NOT NULL, cost_usd REAL NOT NULL, created_at REAL NOT NULL,
+    request_id TEXT PRIMARY KEY, team_id TEXT NOT NULL, cost_usd REAL NOT NULL,
+    created_at REAL NOT NULL,
     billed_at REAL NOT NULL);
 """
 #: columns later versions added to existing tables: (table, column, type)
@@ -243,8 +246,8 @@ def reserve_in(db: sqlite3.Connection, req: ReserveRequest) -> Reservation | Ref
             return verdict
         rid = f"rsv-{uuid.uuid4().hex}"
         db.execute(
-            "INSERT INTO reservations (id, team_id, key_id, request_id, created_at, expires_at, tokens, "
-            "cost_usd, gateway_id, booked) VALUES (?,?,?,?,?,?,?,?,?,?)",
+            "INSERT INTO reservations (id, team_id, key_id, request_id, created_at, expires_at, "
+            "tokens, cost_usd, gateway_id, booked) VALUES (?,?,?,?,?,?,?,?,?,?)",
             (
                 rid,
                 team.id,
@@ -259,8 +262,9 @@ def reserve_in(db: sqlite3.Connection, req: ReserveRequest) -> Reservation | Ref
             ),
         )
         db.execute(
-            "INSERT INTO team_state (team_id, active, active_cost_usd) VALUES (?, 1, ?) ON CONFLICT (team_id) "
-            "DO UPDATE SET active = active + 1, active_cost_usd = active_cost_usd + excluded.active_cost_usd",
+            "INSERT INTO team_state (team_id, active, active_cost_usd) VALUES (?, 1, ?) "
+            "ON CONFLICT (team_id) DO UPDATE SET active = active + 1, active_cost_usd = "
+            "active_cost_usd + excluded.active_cost_usd",
             (team.id, req.cost_usd),
         )
         _bucket(db, team.id, int(now), 1, req.tokens)
@@ -269,8 +273,9 @@ def reserve_in(db: sqlite3.Connection, req: ReserveRequest) -> Reservation | Ref
 
 def _bucket(db: sqlite3.Connection, team_id: str, second: int, requests: int, tokens: int) -> None:
     db.execute(
-        "INSERT INTO rate_buckets (team_id, second, requests, tokens) VALUES (?,?,?,?) ON CONFLICT "
-        "(team_id, second) DO UPDATE SET requests = requests + excluded.requests, tokens = tokens + excluded.tokens",
+        "INSERT INTO rate_buckets (team_id, second, requests, tokens) VALUES (?,?,?,?) "
+        "ON CONFLICT (team_id, second) DO UPDATE SET requests = requests + excluded.requests, "
+        "tokens = tokens + excluded.tokens",
         (team_id, second, requests, tokens),
     )
 
@@ -293,8 +298,8 @@ def expire_where(
     heartbeat (an `expired` usage record, the day's and month's spend)."""
     now = time.time() if now is None else now
     rows = db.execute(
-        f"DELETE FROM reservations WHERE {where} RETURNING team_id, key_id, request_id, created_at, "
-        "tokens, cost_usd, booked, streamed_tokens",
+        f"DELETE FROM reservations WHERE {where} RETURNING team_id, key_id, request_id, "
+        "created_at, tokens, cost_usd, booked, streamed_tokens",
         args,
     ).fetchall()
     for team_id, key_id, request_id, created, tokens, cost, booked, streamed in rows:
@@ -355,9 +360,9 @@ def _take_key(db: sqlite3.Connection, r: UsageRecord, now: float) -> bool:
                 (cost, team_id, day_period(billed), month_period(billed)),
             )
     db.execute(
-        "INSERT INTO usage_keys (request_id, team_id, cost_usd, created_at, billed_at) VALUES (?,?,?,?,?) "
-        "ON CONFLICT (request_id) DO UPDATE SET team_id=excluded.team_id, cost_usd=excluded.cost_usd, "
-        "created_at=excluded.created_at, billed_at=excluded.billed_at",
+        "INSERT INTO usage_keys (request_id, team_id, cost_usd, created_at, billed_at) "
+        "VALUES (?,?,?,?,?) ON CONFLICT (request_id) DO UPDATE SET team_id=excluded.team_id, "
+        "cost_usd=excluded.cost_usd, created_at=excluded.created_at, billed_at=excluded.billed_at",
         (r.request_id, r.team_id, r.cost_usd, r.created_at, now),
     )
     return True

@@ -50,11 +50,12 @@ def totals_sql(keys: list[tuple[str, str]], where: str, least: str, nulls_first:
     # row_number over the group's records that have a TTFT (the IS NULL partition keeps the
     # others apart), count over the group: the rank of each TTFT and how many there are
     window = (
-        f"row_number() OVER (PARTITION BY {part + ', ' if part else ''}ttft_s IS NULL ORDER BY ttft_s) AS rn, "
-        f"count(ttft_s) OVER ({'PARTITION BY ' + part if part else ''}) AS nt"
+        f"row_number() OVER (PARTITION BY {part + ', ' if part else ''}ttft_s IS NULL ORDER BY "
+        f"ttft_s) AS rn, count(ttft_s) OVER ({'PARTITION BY ' + part if part else ''}) AS nt"
     )
     pct = [
-        f"max(CASE WHEN ttft_s IS NOT NULL AND rn = {least}(nt, nt * {tenths} / 10 + 1) THEN ttft_s END) AS {name}"
+        f"max(CASE WHEN ttft_s IS NOT NULL AND rn = {least}(nt, nt * {tenths} / 10 + 1) THEN "
+        f"ttft_s END) AS {name}"
         for name, tenths in PERCENTILES
     ]
     outer = [
@@ -67,8 +68,9 @@ def totals_sql(keys: list[tuple[str, str]], where: str, least: str, nulls_first:
         *pct,
     ]
     sql = (
-        f"SELECT {', '.join(outer)} FROM (SELECT {', '.join([*inner, 'prompt_tokens', 'completion_tokens'])}, "
-        f"cached_tokens, cost_usd, ttft_s, {window} FROM usage WHERE {where}) AS u"
+        f"SELECT {', '.join(outer)} FROM (SELECT "
+        f"{', '.join([*inner, 'prompt_tokens', 'completion_tokens'])}, cached_tokens, cost_usd, "
+        f"ttft_s, {window} FROM usage WHERE {where}) AS u"
     )
     if groups:
         sql += (
@@ -104,10 +106,9 @@ def outliers_sql(columns: str, where: str, least: str, limit: str) -> str:
     twice: a positional-parameter database passes its arguments twice), `columns` of each,
     `limit` the placeholder of the row limit."""
     return (
-        f"WITH r AS (SELECT latency_s, row_number() OVER (ORDER BY latency_s) AS rn, count(*) OVER () AS n "
-        f"FROM usage WHERE {where}), "
-        f"cut AS (SELECT max(CASE WHEN n >= {OUTLIER_MIN_RECORDS} AND rn = {least}(n, n * 9 / 10 + 1) "
-        f"THEN latency_s END) AS p90 FROM r) "
-        f"SELECT {columns} FROM usage, cut WHERE {where} AND (status != 'ok' OR latency_s >= cut.p90) "
-        f"ORDER BY created_at DESC LIMIT {limit}"
+        "WITH r AS (SELECT latency_s, row_number() OVER (ORDER BY latency_s) AS rn, count(*) OVER "
+        f"() AS n FROM usage WHERE {where}), cut AS (SELECT max(CASE "
+        f"WHEN n >= {OUTLIER_MIN_RECORDS} AND rn = {least}(n, n * 9 / 10 + 1) "
+        f"THEN latency_s END) AS p90 FROM r) SELECT {columns} FROM usage, cut WHERE {where} "
+        f"AND (status != 'ok' OR latency_s >= cut.p90) ORDER BY created_at DESC LIMIT {limit}"
     )
