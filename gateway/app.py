@@ -191,8 +191,9 @@ def make_app(config: GatewayConfig) -> web.Application:
     admin_key = config.admin_key
     if admin_key is not None and len(admin_key) < MIN_ADMIN_KEY:
         raise ConfigError(
-            f"$DUET_ADMIN_KEY is {len(admin_key)} characters; an admin key needs at least {MIN_ADMIN_KEY} "
-            "(generate one: python -c 'import secrets; print(secrets.token_urlsafe(32))')"
+            f"$DUET_ADMIN_KEY is {len(admin_key)} characters; an admin key needs at least "
+            f"{MIN_ADMIN_KEY} (generate one: python -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))')"
         )
     # /metrics needs the cluster secret or the admin key unless --open-metrics (the rest of the
     # gateway's API has its own keys); its series name teams, so no credential means no reader

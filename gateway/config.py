@@ -30,15 +30,20 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     static = { prefill = ["http://p1:8100"], decode = ["http://d1:8200"] }
     capability_rank = 1               # for `model: "auto"` (higher = more capable)
     fallback = ["gpt-4o-mini"]        # tried in order when this model cannot answer
-    tool_parser = "hermes"            # or "llama3_json" (default: from the chat template; docs/tools.md)
-    features = ["tools", "structured_outputs", "penalties", "logit_bias"]   # what it serves (default: all;
-                                      # "vllm_structured_outputs" too, which external models lack by default)
-    closed_objects = true             # JSON-schema objects that omit additionalProperties allow no other key
-                                      # (default; false: as written — docs/structured-outputs.md)
+    tool_parser = "hermes"            # or "llama3_json" (default: from the chat template;
+                                      # docs/tools.md)
+    features = ["tools", "structured_outputs", "penalties", "logit_bias"]
+                                      # what it serves (default: all; "vllm_structured_outputs"
+                                      # too, which external models lack by default)
+    closed_objects = true             # JSON-schema objects that omit additionalProperties allow
+                                      # no other key (default; false: as written —
+                                      # docs/structured-outputs.md)
 
     [models."smollm2:sql"]            # a LoRA adapter of smollm2 as a model (config_adapters.py)
-    adapter_path = "/srv/loras/sql"   # its PEFT directory on the nodes; prices: its own or the base's
-    teams = ["analytics"]             # only these teams may use and see it (any model; default: all)
+    adapter_path = "/srv/loras/sql"   # its PEFT directory on the nodes; prices: its own or the
+                                      # base's
+    teams = ["analytics"]             # only these teams may use and see it (any model;
+                                      # default: all)
 
     [models.llama]                    # one name over a weighted set of versions, each on its
     kind = "cluster"                  # own nodes (config_versions.py; docs/models.md)
@@ -70,11 +75,14 @@ Unknown keys are refused (a typo in a price or a limit must not pass silently). 
     [teams.ml]                        # routing policy of team `ml` (its limits live in the store)
     auto_pin = { hard = "gpt-4o-mini" }   # label (simple|medium|hard) → model auto uses
     forbid = ["claude-sonnet"]        # never chosen for this team: by auto, by fallback, or by name
-    allow_paid_for_batch = true       # batch requests may fall back to / auto-route to external models
-    cache_group = "shared-prompts"    # share the prefix cache with the group's other teams, on purpose
-                                      # (default: the team's own domain; no team sees another's prefixes)
-    interactive = false               # batch tier only: x-duet-tier/service_tier asking for interactive
-                                      # get a 403, and the team's requests default to batch
+    allow_paid_for_batch = true       # batch requests may fall back to / auto-route to external
+                                      # models
+    cache_group = "shared-prompts"    # share the prefix cache with the group's other teams, on
+                                      # purpose (default: the team's own domain; no team sees
+                                      # another's prefixes)
+    interactive = false               # batch tier only: x-duet-tier/service_tier asking for
+                                      # interactive get a 403, and the team's requests default
+                                      # to batch
     batch_priority = "high"           # the highest batch priority it may ask for (default "normal")
     [teams."*"]                       # the policy of every team not listed
 

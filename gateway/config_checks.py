@@ -205,13 +205,15 @@ def check_models(cfg: GatewayConfig) -> None:
             raise ConfigError(f"[models.{m.name}] fallback names the model itself")
         if embedding & set(chain):
             raise ConfigError(
-                f"[models.{m.name}] fallback names an embedding model: {', '.join(sorted(embedding & set(chain)))}"
+                f"[models.{m.name}] fallback names an embedding model: "
+                f"{', '.join(sorted(embedding & set(chain)))}"
             )
     if cfg.auto is not None:
         _names("auto", "models", cfg.auto.models, cfg.models)
         if embedding & set(cfg.auto.models):
             raise ConfigError(
-                f"[auto] models names an embedding model: {', '.join(sorted(embedding & set(cfg.auto.models)))}"
+                "[auto] models names an embedding model: "
+                f"{', '.join(sorted(embedding & set(cfg.auto.models)))}"
             )
         if set(cfg.auto.rank_for) != set(AUTO_LABELS) or not all(
             isinstance(v, int) and v >= 1 for v in cfg.auto.rank_for.values()
@@ -283,7 +285,8 @@ def check_server(server: ServerConfig) -> None:
         or not 0 <= server.key_cache_ttl_s <= 3600
     ):
         raise ConfigError(
-            f"[server] key_cache_ttl_s must be a number of seconds in [0, 3600], got {server.key_cache_ttl_s!r}"
+            "[server] key_cache_ttl_s must be a number of seconds in [0, 3600], got "
+            f"{server.key_cache_ttl_s!r}"
         )
     for proxy in server.trusted_proxies:
         try:
@@ -344,7 +347,8 @@ def check_quotas(cfg: GatewayConfig) -> None:
         or q.default_max_concurrent < 0
     ):
         raise ConfigError(
-            f"[quotas] default_max_concurrent must be an integer >= 0, got {q.default_max_concurrent!r}"
+            "[quotas] default_max_concurrent must be an integer >= 0, got "
+            f"{q.default_max_concurrent!r}"
         )
     if q.reservation_ttl_s < 3 * q.heartbeat_s:
         raise ConfigError(

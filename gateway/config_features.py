@@ -19,7 +19,8 @@ class Feature(enum.StrEnum):
     TOOLS = "tools"
     #: `response_format` json_object / json_schema
     STRUCTURED_OUTPUTS = "structured_outputs"
-    #: vLLM's guided_json, guided_regex, guided_choice, structured_outputs (gateway/serving/constraint.py)
+    #: vLLM's guided_json, guided_regex, guided_choice, structured_outputs
+    #: (gateway/serving/constraint.py)
     VLLM_STRUCTURED_OUTPUTS = "vllm_structured_outputs"
     #: frequency_penalty, presence_penalty, repetition_penalty, min_p
     PENALTIES = "penalties"

@@ -24,7 +24,8 @@ ModelKind = Literal["cluster", "external", "embedding"]
 Tier = Literal["interactive", "batch"]
 AUTO = "auto"
 AUTO_LABELS = ("simple", "medium", "hard")
-#: keys of an external model's table that configure its provider (gateway/backends/providers/config.py)
+#: keys of an external model's table that configure its provider
+#: (gateway/backends/providers/config.py)
 PROVIDER_KEYS = (
     "base_url",
     "api_key_env",
@@ -131,7 +132,8 @@ class ServerConfig:
     #: Behind a load balancer or proxy every client shares its address: raise this there.
     max_connections_per_address: int = 1024
     #: calls to external providers (all external models, all teams) running at once on this
-    #: gateway at most; one more is a 503 with Retry-After (gateway/backends/provider_slots.py; 0: no bound)
+    #: gateway at most; one more is a 503 with Retry-After (gateway/backends/provider_slots.py; 0:
+    #: no bound)
     max_provider_calls: int = 256
     #: sha256 hex of the admin key (or set $DUET_ADMIN_KEY to the key itself)
     admin_key_sha256: str | None = None

@@ -53,7 +53,8 @@ class _LimitedHandler(DeadlineHandler):
         gate = self._gate
         if gate.per_address and gate.open.get(address, 0) >= gate.per_address:
             gate.refused.warning(
-                "refused a connection from %s: %d open already (server.max_connections_per_address)",
+                "refused a connection from %s: %d open already "
+                "(server.max_connections_per_address)",
                 address,
                 gate.open[address],
             )

@@ -67,7 +67,8 @@ class GatewayMetrics:
         self.inflight = Gauge(
             "duet:gateway_requests_running", "Requests admitted and running", registry=r
         )
-        # calls to external providers holding one of [server] max_provider_calls (gateway/backends/provider_slots.py)
+        # calls to external providers holding one of [server] max_provider_calls
+        # (gateway/backends/provider_slots.py)
         self.provider_calls = Gauge(
             "duet:provider_calls_running", "Calls to external providers running", registry=r
         )

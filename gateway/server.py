@@ -48,8 +48,8 @@ def _raise_fd_limit(max_inflight: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     if short:
         log.warning(
-            "this process may open %d files; [tiers] max_inflight = %d needs about %d (two sockets per "
-            "request): requests past the limit are shed with 503. Raise `ulimit -n` or lower "
+            "this process may open %d files; [tiers] max_inflight = %d needs about %d (two sockets "
+            "per request): requests past the limit are shed with 503. Raise `ulimit -n` or lower "
             "max_inflight.",
             hard,
             max_inflight,
@@ -63,8 +63,9 @@ async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
         # The gateway's own API has its keys; it is the nodes and coordinators that need the
         # secret, and this gateway cannot reach them once they require it.
         log.warning(
-            "no cluster secret (--cluster-secret-file, $DUET_CLUSTER_SECRET_FILE or $DUET_CLUSTER_SECRET): "
-            "nodes and coordinators that require one will answer this gateway 401"
+            "no cluster secret (--cluster-secret-file, $DUET_CLUSTER_SECRET_FILE or "
+            "$DUET_CLUSTER_SECRET): nodes and coordinators that require one will answer this "
+            "gateway 401"
         )
     try:
         app = make_app(cfg)
@@ -113,8 +114,9 @@ async def serve(cfg: GatewayConfig, grace_s: float = 30.0) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     print(
-        f"duet gateway ready on {'https' if cfg.security.tls_cert else 'http'}://{srv.host}:{srv.port} models={','.join(sorted(cfg.models))} "
-        f"store={redact(cfg.store_url)}",
+        "duet gateway ready on "
+        f"{'https' if cfg.security.tls_cert else 'http'}://{srv.host}:{srv.port} "
+        f"models={','.join(sorted(cfg.models))} store={redact(cfg.store_url)}",
         flush=True,
     )
     await stop.wait()

@@ -330,7 +330,8 @@ async def usage(state: GatewayState, request: web.Request) -> web.Response:
 
 # --- batches of every team ----------------------------------------------------------------------
 class TeamBatch(msgspec.Struct, frozen=True, kw_only=True):
-    """A batch as the admin lists it: OpenAI's Batch object has no owner, so it travels beside it."""
+    """A batch as the admin lists it: OpenAI's Batch object has no owner, so it travels beside
+    it."""
 
     team_id: str
     batch: Batch

@@ -13,9 +13,10 @@ the pipeline itself tokenizes it on the chosen model (its tokenizer, chat templa
 gateway/serving/measure.py, the same function `/v1/messages/count_tokens` counts with), and the
 body's sampling fields in generate's shape, its constraint among them as vLLM's render writes
 it (`sampling_params.structured_outputs`: `response_format`'s, vLLM's extras', or a forced
-tool choice's on the model's tool format), so generate from a render is the body's request. Like counting, it needs a key, passes the team
-gate's cheap refusals and counts in flight while it tokenizes, reserves and bills nothing (it
-generates nothing). An external model has no local tokenizer: a 400.
+tool choice's on the model's tool format), so generate from a render is the body's request. Like
+counting, it needs a key, passes the team gate's cheap refusals and counts in flight while it
+tokenizes, reserves and bills nothing (it generates nothing). An external model has no local
+tokenizer: a 400.
 
 `stream: true` runs the streamed completions request instead and rewrites its chunks in flight
 into vLLM's generate stream (gateway/api/generate_stream.py): billed once, as that request.

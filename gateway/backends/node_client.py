@@ -69,8 +69,8 @@ def _unreachable(url: str, e: BaseException, leg: str = "") -> Exception:
     tier defers it) and no node is blamed."""
     if _local_exhaustion(e):
         return Shed(
-            "the gateway has no file descriptor left for another connection to a node; retry shortly "
-            "(operators: raise `ulimit -n` or lower [tiers] max_inflight)",
+            "the gateway has no file descriptor left for another connection to a node; retry "
+            "shortly (operators: raise `ulimit -n` or lower [tiers] max_inflight)",
             1.0,
         )
     # no connect, no acknowledgement, no answer in time: the node is silent from here (a reset
@@ -292,9 +292,10 @@ class NodeClient:
                 if t0 - self._stall_logged > 10:
                     self._stall_logged = t0
                     log.warning(
-                        "the gateway's event loop stood still %.1f s, so connects to nodes timed out on "
-                        "its side (%s: retrying; %d so far); a burst larger than one process takes at once "
-                        "does this — more gateway processes, or a lower [tiers] max_inflight, avoid it",
+                        "the gateway's event loop stood still %.1f s, so connects to nodes timed "
+                        "out on its side (%s: retrying; %d so far); a burst larger than one "
+                        "process takes at once does this — more gateway processes, or a lower "
+                        "[tiers] max_inflight, avoid it",
                         stalled,
                         url,
                         self.own_stall_retries,

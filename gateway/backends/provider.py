@@ -1,15 +1,15 @@
 """`ProviderBackend`: an external model (a commercial API) behind the gateway's `Backend` seam.
 
-One per `kind = "external"` model, wrapping its `Provider` (gateway/backends/providers/). An `Attempt`
-of a `Request` becomes a chat request (the client's messages — tool calls and tool results
+One per `kind = "external"` model, wrapping its `Provider` (gateway/backends/providers/). An
+`Attempt` of a `Request` becomes a chat request (the client's messages — tool calls and tool results
 included —, max_tokens, the sampling fields, penalties and logit_bias, tools, tool_choice,
-parallel_tool_calls and response_format, as the client sent them; vLLM's guided_json /
-guided_regex / guided_choice / structured_outputs as vLLM's `structured_outputs`, for a model
-whose features list them: gateway/serving/features.py); the provider passes them on (OpenAI-compatible) or translates
+parallel_tool_calls and response_format, as the client sent them; vLLM's guided_json / guided_regex
+/ guided_choice / structured_outputs as vLLM's `structured_outputs`, for a model whose features list
+them: gateway/serving/features.py); the provider passes them on (OpenAI-compatible) or translates
 them (Anthropic: tools and tool results both ways; response_format, structured_outputs and
-logit_bias are refused with a 400 naming them). A streaming attempt is relayed
-chunk by chunk, a whole one is one call; the provider's tool calls come back as the pieces'
-`tool_calls` deltas, in OpenAI's stream shape.
+logit_bias are refused with a 400 naming them). A streaming attempt is relayed chunk by chunk, a
+whole one is one call; the provider's tool calls come back as the pieces' `tool_calls` deltas, in
+OpenAI's stream shape.
 
 Errors follow the seam's contract:
 - before the first piece reached the client: `ProviderFailure`, an `APIError` that keeps the
@@ -56,7 +56,8 @@ from protocol.openai import APIError
 from protocol.tools import ToolCallDelta
 
 log = logging.getLogger("duet.gateway.providers")
-#: the sampling fields the providers' chat APIs understand (node-only ones like ignore_eos are dropped)
+#: the sampling fields the providers' chat APIs understand (node-only ones like ignore_eos are
+#: dropped)
 _SAMPLING = (
     "temperature",
     "top_p",

@@ -37,8 +37,8 @@ class ProviderSlots:
         if self.limit and self.running >= self.limit:
             self._metrics.shed.labels(tier=tier, reason="provider_calls").inc()
             raise Shed(
-                f"model {model!r}: this gateway runs {self.limit} calls to external providers at once "
-                "(its [server] max_provider_calls); retry shortly",
+                f"model {model!r}: this gateway runs {self.limit} calls to external providers at "
+                "once (its [server] max_provider_calls); retry shortly",
                 RETRY_AFTER_S,
             )
         self.running += 1

@@ -5,8 +5,8 @@ A provider bills the operator its whole answer, whether the client stays or not.
 client leaves — a stream closed before the provider's usage chunk, a whole answer it stopped
 waiting for — the call is read on, `ABANDONED_READ_S` and n × max_tokens chunks at most, for the
 provider's usage (`stream_abandoned`, `answer_abandoned`); a provider that answers but does not
-report it in that time is billed the reservation's worst case (`worst_case`: the prompt's upper bound and
-every max_token), never a guess below what the operator pays.
+report it in that time is billed the reservation's worst case (`worst_case`: the prompt's upper
+bound and every max_token), never a guess below what the operator pays.
 
 Invariant: `Accounting.usage_reported` is set exactly when the figures are the provider's own.
 """

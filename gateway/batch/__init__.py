@@ -3,8 +3,8 @@ runner, and signed callbacks. It needs only its storage interface (`BatchTables`
 gateway's one store) and the contracts below: the gateway plugs it in.
 
 Wiring: gateway/batch/wiring.py does it in the gateway's `make_app(config)` (`[batch]` in
-gateway.toml): the executor runs each line through `gateway.serving.pipeline.run` at tier=batch and the
-batch discount; `authenticate` is the gateway's API keys; `may_run` is "no interactive request
+gateway.toml): the executor runs each line through `gateway.serving.pipeline.run` at tier=batch and
+the batch discount; `authenticate` is the gateway's API keys; `may_run` is "no interactive request
 waits for an admission slot"; the runner lives in the app's cleanup_ctx. In short:
 
     store = state.store                                     # the gateway's one store

@@ -189,7 +189,8 @@ class _Routes:
         return json_response(file_object(row))
 
     async def _save_part(self, part: BodyPartReader, cap: int) -> tuple[Path, int]:
-        """`cap`: the file bound, or less when the team's storage (`max_team_bytes`) is nearly full."""
+        """`cap`: the file bound, or less when the team's storage (`max_team_bytes`) is nearly
+        full."""
         temp = self.files.temp_path()
         size = 0
         try:

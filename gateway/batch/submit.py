@@ -137,7 +137,8 @@ async def check_open_batches(store: BatchTables, config: BatchConfig, team_id: s
 
 async def storage_left(store: BatchTables, config: BatchConfig, team_id: str) -> int:
     """Bytes the team may still store in one file (its file bound, or what its storage allows):
-    an early bound for reading an upload; the store holds the limit (`insert_file(max_team_bytes=)`)."""
+    an early bound for reading an upload; the store holds the limit
+    (`insert_file(max_team_bytes=)`)."""
     held, _ = await store.team_holdings(team_id)
     left = config.max_team_bytes - held
     if left <= 0:

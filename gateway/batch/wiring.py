@@ -1,11 +1,11 @@
 """The batch tier inside the gateway: the executor that runs each batch line through
 the gateway's own serving path, the auth adapter, and the runner's lifecycle.
 
-- Executor: a line runs through the request pipeline (`pipeline.run`) — what the HTTP handlers call — as the
-  batch's team, at tier `batch` (lowest admission priority, `priority=batch` on the nodes) and
-  at `1 - [batch] discount` of the model's prices, so quotas, routing, retries across nodes and
-  usage records are exactly the interactive ones. Its usage records carry key id `batch` (a
-  batch belongs to a team, not to the key that uploaded it).
+- Executor: a line runs through the request pipeline (`pipeline.run`) — what the HTTP handlers call
+  — as the batch's team, at tier `batch` (lowest admission priority, `priority=batch` on the nodes)
+  and at `1 - [batch] discount` of the model's prices, so quotas, routing, retries across nodes and
+  usage records are exactly the interactive ones. Its usage records carry key id `batch` (a batch
+  belongs to a team, not to the key that uploaded it).
 - Quotas: a full rate window (RPM/TPM/concurrency, 429 `rate_limit_exceeded`) or a request
   shed for interactive load (503 `overloaded`) is `Defer`red: re-queued after its Retry-After
   without spending an attempt. A spent daily/monthly budget (429 `insufficient_quota`) is the
@@ -19,9 +19,10 @@ the gateway's own serving path, the auth adapter, and the runner's lifecycle.
 
 The batch tier's tables are the gateway's one store's (gateway/accounts/store/). Several
 gateways: with a PostgreSQL store the batch tables are in the same database (claims with
-FOR UPDATE SKIP LOCKED), so any gateway serves, runs and finalizes any batch; file contents stay on disk under `[batch] data_dir`, which must then be a
-directory every gateway mounts (a warning at start-up says so when it is left at its default).
-With SQLite, gateways on one host may share `data_dir` (SQLite locking).
+FOR UPDATE SKIP LOCKED), so any gateway serves, runs and finalizes any batch; file contents stay on
+disk under `[batch] data_dir`, which must then be a directory every gateway mounts (a warning at
+start-up says so when it is left at its default). With SQLite, gateways on one host may share
+`data_dir` (SQLite locking).
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ and CSRF: session.py. Pages: pages/, one module per page.
 
 Protected like the API: no page without a session; every POST needs the session's CSRF token;
 a strict CSP and no-store on every page; keys never in a URL; a failed sign-in counts against
-the same per-address limit as a failed admin call (gateway/accounts/auth.py::AdminGuard); a session's
-requests are held to its key's requests per minute (limits.py).
+the same per-address limit as a failed admin call (gateway/accounts/auth.py::AdminGuard); a
+session's requests are held to its key's requests per minute (limits.py).
 """
 
 from __future__ import annotations

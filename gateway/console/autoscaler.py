@@ -68,7 +68,8 @@ def describe_inputs(i: DecisionInputs) -> str:
         m = i.measured
         # the pool's quantile of its nodes' histograms; older nodes' P90s are weighted in (say so)
         figs = [
-            f"{name} P90 {_s(p90)} ({n} samples{'' if merged in (0, n) else f', {n - merged} as node P90s'})"
+            f"{name} P90 {_s(p90)} ({n} "
+            f"samples{'' if merged in (0, n) else f', {n - merged} as node P90s'})"
             for name, p90, n, merged in (
                 ("TTFT", m.ttft_p90_s, m.ttft_samples, m.ttft_merged_samples),
                 ("ITL", m.itl_p90_s, m.itl_samples, m.itl_merged_samples),
@@ -76,7 +77,8 @@ def describe_inputs(i: DecisionInputs) -> str:
             if n
         ]
         parts.append(
-            f"measured {', '.join(figs)}, {'counted: ' + '/'.join(m.counted) if m.counted else 'not counted'}"
+            f"measured {', '.join(figs)}, "
+            f"{'counted: ' + '/'.join(m.counted) if m.counted else 'not counted'}"
         )
     if i.at_n_minus_1 is not None:
         less = i.at_n_minus_1
@@ -110,8 +112,8 @@ def render(report: PlannerReport, url: str) -> str:
     lead = "leads" if report.is_leader else "does not lead (only the leader decides)"
     intro = (
         f'<p class="autoscaler">Autoscaler: <strong>{esc(report.mode)}</strong> mode, '
-        f"<strong>{esc(report.actuator)}</strong> actuator, every {report.interval_s:g} s; last decided "
-        f"{esc(last)} on {esc(report.replica_id)} ({esc(url)}), which {esc(lead)}."
+        f"<strong>{esc(report.actuator)}</strong> actuator, every {report.interval_s:g} s; "
+        f"last decided {esc(last)} on {esc(report.replica_id)} ({esc(url)}), which {esc(lead)}."
         + (
             f" It decides nothing until its actuator can act: {esc(report.waiting)}."
             if report.waiting
@@ -176,7 +178,7 @@ async def section(state: GatewayState, urls: list[str], reports: list[dict[str, 
         )
     if off:
         return notice(
-            "Autoscaler: off (start the coordinator with --planner load or --planner throughput to size the "
-            "pools; docs/autoscaling.md)."
+            "Autoscaler: off (start the coordinator with --planner load or --planner throughput to "
+            "size the pools; docs/autoscaling.md)."
         )
     return ""

@@ -47,7 +47,8 @@ def _axes(top: float, labels: Sequence[str]) -> str:
         v = top * k / 4
         y = H - PAD_B - plot_h * k / 4
         out.append(
-            f'<text x="{PAD_L - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="11" fill="#222">{esc(_fmt(v))}</text>'
+            f'<text x="{PAD_L - 6}" y="{y + 4:.1f}" text-anchor="end" font-size="11" '
+            f'fill="#222">{esc(_fmt(v))}</text>'
         )
     n = max(1, len(labels))
     step = max(1, n // 8)
@@ -55,7 +56,8 @@ def _axes(top: float, labels: Sequence[str]) -> str:
         if i % step == 0:
             x = PAD_L + plot_w * (i + 0.5) / n
             out.append(
-                f'<text x="{x:.1f}" y="{H - PAD_B + 16}" text-anchor="middle" font-size="11" fill="#222">{esc(lab)}</text>'
+                f'<text x="{x:.1f}" y="{H - PAD_B + 16}" text-anchor="middle" font-size="11" '
+                f'fill="#222">{esc(lab)}</text>'
             )
     return "".join(out)
 
@@ -76,7 +78,8 @@ def bars(title: str, labels: Sequence[str], values: Sequence[float], unit: str =
         h = plot_h * v / top
         x = PAD_L + plot_w * (i + 0.5) / n - bw / 2
         rects.append(
-            f'<rect x="{x:.1f}" y="{H - PAD_B - h:.1f}" width="{bw:.1f}" height="{h:.1f}" fill="{COLOURS[0]}">'
+            f'<rect x="{x:.1f}" y="{H - PAD_B - h:.1f}" width="{bw:.1f}" height="{h:.1f}" '
+            f'fill="{COLOURS[0]}">'
             f"<title>{esc(lab)}: {esc(_fmt(v))}{esc(unit)}</title></rect>"
         )
     desc = "; ".join(f"{lab}: {_fmt(v)}{unit}" for lab, v in zip(labels, values, strict=True))
@@ -145,7 +148,8 @@ def timeline(title: str, spans: Sequence[tuple[str, int, float, float, bool]]) -
             f"<title>{esc(name)}: {e - s:.2f} ms (from {s:.2f} ms)</title></rect>"
         )
     out.append(
-        f'<text x="{TW - 10}" y="{height - 6}" text-anchor="end" font-size="11" fill="#222">{total:.1f} ms</text>'
+        f'<text x="{TW - 10}" y="{height - 6}" text-anchor="end" font-size="11" '
+        f'fill="#222">{total:.1f} ms</text>'
     )
     desc = "; ".join(f"{n}: {s:.1f}–{e:.1f} ms" for n, _, s, e, _ in spans)
     return _frame(title, desc, "".join(out), height, TW)

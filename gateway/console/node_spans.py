@@ -28,7 +28,8 @@ from gateway.state import GatewayState
 from protocol.node_api import NodeSpans
 from runtime.tracing import SERVER_ADDRESS, SpanRecord
 
-#: the gateway's spans of a call to a node (gateway/backends/cluster/backend.py), whose nodes are asked
+#: the gateway's spans of a call to a node (gateway/backends/cluster/backend.py), whose nodes are
+#: asked
 LEG_SPANS = ("gateway.prefill_leg", "gateway.decode_leg")
 #: how long the page waits for a node (a dead node's connect, a stuck one's answer)
 FETCH_TIMEOUT_S = 2.0

@@ -16,8 +16,8 @@ from aiohttp import web
 from gateway.console.session import Session
 
 CSP = (
-    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
-    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src "
+    "'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
 )
 HEADERS = {
     "Content-Security-Policy": CSP,
@@ -58,7 +58,10 @@ def table(
         body = f'<tr><td colspan="{len(head)}">none</td></tr>'
     ths = "".join(f'<th scope="col">{esc(h)}</th>' for h in head)
     bid = f' id="{esc(body_id)}"' if body_id else ""
-    return f"<table><caption>{esc(caption)}</caption><thead><tr>{ths}</tr></thead><tbody{bid}>{body}</tbody></table>"
+    return (
+        f"<table><caption>{esc(caption)}</caption><thead><tr>{ths}</tr></thead>"
+        f"<tbody{bid}>{body}</tbody></table>"
+    )
 
 
 def notice(text: str, kind: str = "info") -> str:
@@ -72,7 +75,8 @@ def page(
     nav, who = "", ""
     if session is not None:
         items = "".join(
-            f'<li><a href="/console/{k}"{" aria-current=page" if k == active else ""}>{esc(label)}</a></li>'
+            f'<li><a href="/console/{k}"{" aria-current=page" if k == active else ""}>'
+            f"{esc(label)}</a></li>"
             for k, label, admin_only in NAV
             if session.admin or not admin_only
         )
@@ -80,7 +84,8 @@ def page(
         who = "admin" if session.admin else f"team {session.team_id}"
         who = (
             f'<form class="signout" method="post" action="/console/logout">{csrf_field(session)}'
-            f'<span>Signed in as <strong>{esc(who)}</strong></span> <button type="submit">Sign out</button></form>'
+            f"<span>Signed in as <strong>{esc(who)}</strong></span> "
+            '<button type="submit">Sign out</button></form>'
         )
     meta = f'<meta name="csrf-token" content="{esc(session.csrf)}">' if session is not None else ""
     doc = (

@@ -11,7 +11,8 @@ providers package's `ModelEntry` catalog (self-hosted models are free for batch,
 
 A model is unavailable while its provider's breaker is open (half-open lets probes through),
 or when it cannot take the request at all (an external chat model asked for a completion, n > 1
-on Anthropic, a feature of the request it does not serve: gateway/serving/features.py). Models added after start-up (tests) have no chain and are not auto candidates.
+on Anthropic, a feature of the request it does not serve: gateway/serving/features.py). Models added
+after start-up (tests) have no chain and are not auto candidates.
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ class ModelChoice:
 
     @staticmethod
     def trigger(err: APIError, served: ServedModel, tier: Tier) -> Reason | None:
-        """Whether `err`, raised before the first piece, is a fallback trigger (the backend says)."""
+        """Whether `err`, raised before the first piece, is a fallback trigger (the backend
+        says)."""
         return served.generator().fallback_reason(err, tier)
 
     def has_chain(self, origin: str) -> bool:

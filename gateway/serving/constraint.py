@@ -12,19 +12,19 @@ naming both. vLLM's older `guided_grammar` and `guided_whitespace_pattern` are r
 per-request choice of grammar engine) is taken and changes nothing: duet has one engine.
 
 vLLM's extras become the same `Guide` that `response_format` does, checked by the same grammar
-engine call before any node work — the pipeline awaits it (generate.py `admit`) off the event loop, bounded in time
-(text/guide_compile.py), since a pathological schema compiles for seconds — so an invalid
-regex, an empty or oversized list of choices or a bad schema is a 400 whose `param` names the
-field (`guided_choice`, `structured_outputs.regex`, …): `Constraint.param`. They are also kept in vLLM's newest form
-(`structured_outputs`, one field set), which is what an OpenAI-compatible provider serving them
-is sent (gateway/backends/provider.py); `features.py` counts them as the feature
-`vllm_structured_outputs`, which external models lack unless their config lists it.
+engine call before any node work — the pipeline awaits it (generate.py `admit`) off the event loop,
+bounded in time (text/guide_compile.py), since a pathological schema compiles for seconds — so an
+invalid regex, an empty or oversized list of choices or a bad schema is a 400 whose `param` names
+the field (`guided_choice`, `structured_outputs.regex`, …): `Constraint.param`. They are also kept
+in vLLM's newest form (`structured_outputs`, one field set), which is what an OpenAI-compatible
+provider serving them is sent (gateway/backends/provider.py); `features.py` counts them as the
+feature `vllm_structured_outputs`, which external models lack unless their config lists it.
 
 The same checks serve `/v1/messages` and `/v1/responses`, which take vLLM's extras too (their
-request structs inherit `VllmFields` through gateway/api/chat_body.py's VllmExtras): their translators call
-`constraint` with the API's own `Names` first (`output_config.format` / `text.format` rather than
-`response_format`), so a 400 names the field the client sent; the chat path then checks the
-translated request again, and finds it sound.
+request structs inherit `VllmFields` through gateway/api/chat_body.py's VllmExtras): their
+translators call `constraint` with the API's own `Names` first (`output_config.format` /
+`text.format` rather than `response_format`), so a 400 names the field the client sent; the chat
+path then checks the translated request again, and finds it sound.
 
 Invariant: `Constraint.guide` is None or well-formed (its grammar not yet compiled: `param` is
 what a refusal names); `field` names the request field it came from (None exactly when there is
@@ -51,10 +51,11 @@ from text.guide_check import (
 _GUIDED = ("guided_json", "guided_regex", "guided_choice", "structured_outputs")
 #: vLLM's older request fields duet does not serve: refused by name (400), never ignored
 _REFUSED_FIELDS = {
-    "guided_grammar": "duet serves JSON schemas, regular expressions and choices, not grammars: send guided_json, "
-    "guided_regex or guided_choice (or structured_outputs with json, regex or choice); a grammar "
-    "that is regular can be sent as guided_regex",
-    "guided_whitespace_pattern": "duet's JSON output is always compact (no whitespace between tokens)",
+    "guided_grammar": "duet serves JSON schemas, regular expressions and choices, not grammars: "
+    "send guided_json, guided_regex or guided_choice (or structured_outputs with json, regex or "
+    "choice); a grammar that is regular can be sent as guided_regex",
+    "guided_whitespace_pattern": "duet's JSON output is always compact (no whitespace between "
+    "tokens)",
 }
 #: vLLM's structured-output request fields the gateway takes (on both endpoints): the guided
 #: ones, the refused ones (so that their 400 says why) and the inert guided_decoding_backend
@@ -118,9 +119,9 @@ class Constraint:
 def constraint(
     vllm: VllmFields, rf: ResponseFormat | None, forced_tool: bool, names: Names = OPENAI
 ) -> Constraint:
-    """The request's constraint from vLLM's fields (raw_body.py's `vllm_fields` of the raw body, or a request
-    struct that inherits them), its parsed `response_format` and whether its tool_choice is
-    forced; 400 for two constraints, or one malformed before any grammar work (the grammar
+    """The request's constraint from vLLM's fields (raw_body.py's `vllm_fields` of the raw body, or
+    a request struct that inherits them), its parsed `response_format` and whether its tool_choice
+    is forced; 400 for two constraints, or one malformed before any grammar work (the grammar
     engine's check is the pipeline's, async). `names`: how the API calls its own fields."""
     for name, why in _REFUSED_FIELDS.items():
         if getattr(vllm, name) is not None:
@@ -138,8 +139,8 @@ def constraint(
         second = names.response_format if sources[1] == "response_format" else sources[1]
         raise APIError(
             400,
-            f"{described(sources[0], names)} and {described(sources[1], names)} cannot be combined: "
-            "each constrains the whole answer (send one)",
+            f"{described(sources[0], names)} and {described(sources[1], names)} cannot be "
+            "combined: each constrains the whole answer (send one)",
             param=second,
         )
     if not sources:
@@ -186,8 +187,8 @@ def refuse_min_tokens(field: str | None, min_tokens: int | None, names: Names = 
     if field is not None and min_tokens:
         raise APIError(
             400,
-            f"min_tokens cannot be combined with {described(field, names)} (a finished constraint allows "
-            "only the end of the answer)",
+            f"min_tokens cannot be combined with {described(field, names)} (a finished constraint "
+            "allows only the end of the answer)",
             param="min_tokens",
         )
 

@@ -2,13 +2,14 @@
 
 `features(request)` names the optional API features a request uses (tools, structured outputs,
 vLLM's structured-output extras, penalties, logit_bias); `model_features(config)`
-(gateway/config_tables.py, beside the `features` key it reads) those a model serves — by default every one for a self-hosted model (duet's native engine constrains,
-penalizes and biases), every one but vLLM's extras for an OpenAI-compatible provider (it takes
-OpenAI's fields unchanged; `guided_json` / `guided_regex` / `guided_choice` / `structured_outputs` are no
-OpenAI fields, and OpenAI itself refuses them), or what its `[models.X] features = [...]` lists
-(a vLLM-engine model, a provider that cannot, an OpenAI-compatible vLLM server that can).
-Routing (fallback chains, `model: "auto"`) skips a model that lacks one of the request's
-features, and a model named outright answers 400 naming what it lacks (`refuse_missing`).
+(gateway/config_tables.py, beside the `features` key it reads) those a model serves — by default
+every one for a self-hosted model (duet's native engine constrains, penalizes and biases), every one
+but vLLM's extras for an OpenAI-compatible provider (it takes OpenAI's fields unchanged;
+`guided_json` / `guided_regex` / `guided_choice` / `structured_outputs` are no OpenAI fields, and
+OpenAI itself refuses them), or what its `[models.X] features = [...]` lists (a vLLM-engine model, a
+provider that cannot, an OpenAI-compatible vLLM server that can). Routing (fallback chains,
+`model: "auto"`) skips a model that lacks one of the request's features, and a model named outright
+answers 400 naming what it lacks (`refuse_missing`).
 
 Invariant: `features` only reads the checked `Request`; the enum's values are the names the
 config file and the error messages use.

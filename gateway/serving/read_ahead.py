@@ -4,9 +4,10 @@ when the node has finished, not when the client has read it all.
 A client that reads a byte now and then held its tier admission slot for as long as it took to
 read its answer: slots are few (`[tiers] max_inflight`), so a few such clients locked every
 other team out. `ReadAhead` reads the reply in a task of its own into a buffer bounded in bytes
-(`max_bytes`, `[tiers] stream_read_ahead_bytes`: past it the reading waits, as it did before, and the write deadline of the sink
-ends a client that makes no progress); when the reply ends, `ended` is called at once (the
-slot is given back) while the writer still drains the buffer at the client's pace.
+(`max_bytes`, `[tiers] stream_read_ahead_bytes`: past it the reading waits, as it did before, and
+the write deadline of the sink ends a client that makes no progress); when the reply ends, `ended`
+is called at once (the slot is given back) while the writer still drains the buffer at the client's
+pace.
 
 Invariants: pieces come out in the order the reply gave them; a reply's failure is raised to
 the writer after the pieces before it, as the reply raised it; `stop` ends the reading task

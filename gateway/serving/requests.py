@@ -133,12 +133,14 @@ class Request:
     #: structured_outputs ask for, checked by the grammar engine in the pipeline (a forced
     #: tool_choice's is built per model: gateway/tools/plan.py, checked in measure.py)
     guide: Guide | None = None
-    #: vLLM's extras as `structured_outputs`, one field set (None: not used; gateway/serving/constraint.py)
+    #: vLLM's extras as `structured_outputs`, one field set (None: not used;
+    #: gateway/serving/constraint.py)
     structured_outputs: StructuredOutputs | None = None
     #: the request field that constrains the answer (None: unconstrained); errors name it
     constraint_field: str | None = None
     #: the param a refused `guide` names ("structured_outputs.regex", …); the guide is checked
-    #: by the grammar engine off the event loop (generate.py `admit` → GuideChecker) before any node work
+    #: by the grammar engine off the event loop (generate.py `admit` → GuideChecker) before any node
+    #: work
     guide_param: str | None = None
     #: chat: the checked tools and tool_choice
     tools: Tools = field(default_factory=Tools)

@@ -69,10 +69,10 @@ def _parts(body: str) -> list[str]:
 def system_prompt(tool_json: Sequence[str]) -> str:
     """duet's generic tool prompt in this format (Meta's JSON tool-calling wording)."""
     return (
-        "Given the following functions, please respond with a JSON for a function call with its proper "
-        "arguments that best answers the given prompt.\n\n"
-        'Respond in the format {"name": function name, "parameters": dictionary of argument name and its '
-        "value}. Do not use variables. If no function fits, answer in plain text.\n\n"
+        "Given the following functions, please respond with a JSON for a function call with its "
+        "proper arguments that best answers the given prompt.\n\n"
+        'Respond in the format {"name": function name, "parameters": dictionary of argument name '
+        "and its value}. Do not use variables. If no function fits, answer in plain text.\n\n"
         + "\n\n".join(tool_json)
     )
 

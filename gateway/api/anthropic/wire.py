@@ -121,7 +121,8 @@ class Metadata(msgspec.Struct, kw_only=True):
 class MessagesRequest(VllmExtras, kw_only=True):
     """The body. temperature, top_p and top_k are the older API's (recent SDKs send them
     through `extra_body`); they still steer the self-hosted and OpenAI-compatible models.
-    vLLM's extras (guided_choice, structured_outputs, min_p, …) are inherited: gateway/api/chat_body.py."""
+    vLLM's extras (guided_choice, structured_outputs, min_p, …) are inherited:
+    gateway/api/chat_body.py."""
 
     model: str
     messages: list[InputMessage]

@@ -25,7 +25,8 @@ def _batch_row(s: Session, b: dict[str, Any], team: str | None) -> list[Any]:
         else ""
     )
     bar = (
-        f'<progress max="{max(total, 1)}" value="{done + failed}" aria-label="progress of {esc(b["id"])}">'
+        f'<progress max="{max(total, 1)}" value="{done + failed}" '
+        f'aria-label="progress of {esc(b["id"])}">'
         f"</progress> {done + failed}/{total} ({failed} failed)"
     )
     action = ""
@@ -62,9 +63,9 @@ async def batches(
         )
         rows = [_batch_row(s, x["batch"], x["team_id"]) for x in listed["data"]]
         form = (
-            f'<form method="get" action="/console/batches" class="range"><label>Team <input name="team" '
-            f'value="{esc(team)}" placeholder="all teams" autocomplete="off"></label>'
-            f'<button type="submit">Show</button></form>'
+            '<form method="get" action="/console/batches" class="range">'
+            f'<label>Team <input name="team" value="{esc(team)}" placeholder="all teams" '
+            'autocomplete="off"></label><button type="submit">Show</button></form>'
         )
         more = '<p class="muted">Showing the newest 100.</p>' if listed.get("has_more") else ""
         return page(

@@ -196,7 +196,8 @@ async def cluster_tables(state: GatewayState) -> str:
             )
         )
     out.append(
-        f'<p class="muted">Updated {time.strftime("%H:%M:%S", time.gmtime())} UTC; refreshes every 3 s.</p>'
+        f'<p class="muted">Updated {time.strftime("%H:%M:%S", time.gmtime())} UTC; '
+        "refreshes every 3 s.</p>"
     )
     return "".join(out)
 

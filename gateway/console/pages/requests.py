@@ -79,15 +79,15 @@ async def requests(state: GatewayState, request: web.Request, s: Session) -> web
             break
     head = (
         notice(
-            "Tracing is off on this gateway: start it with --trace (or [tracing] enabled) to open a "
-            "request's trace."
+            "Tracing is off on this gateway: start it with --trace (or [tracing] enabled) to open "
+            "a request's trace."
         )
         if ring is None
         else ""
     )
     intro = (
-        "<p>The last 24 hours' failed requests and the slowest tenth. A request id links to its trace "
-        "while the gateway still holds its spans.</p>"
+        "<p>The last 24 hours' failed requests and the slowest tenth. A request id links to its "
+        "trace while the gateway still holds its spans.</p>"
     )
     return page(
         "Requests",
@@ -157,8 +157,8 @@ async def trace(state: GatewayState, request: web.Request, s: Session) -> web.Re
         if f.outcome is node_spans.Fetched.UNAVAILABLE:
             notes.append(
                 notice(
-                    f"The spans of node {f.node_id} ({f.url}) are unavailable: {f.detail}. The timeline "
-                    "shows the rest.",
+                    f"The spans of node {f.node_id} ({f.url}) are unavailable: {f.detail}. The "
+                    "timeline shows the rest.",
                     "error",
                 )
             )
@@ -191,7 +191,8 @@ async def trace(state: GatewayState, request: web.Request, s: Session) -> web.Re
     ]
     asked = ", ".join(f.node_id for f in fetched)
     body = (
-        f"<p>Trace <code>{esc(root.trace_id)}</code> of request <code>{esc(rid)}</code>: this gateway's spans"
+        f"<p>Trace <code>{esc(root.trace_id)}</code> of request <code>{esc(rid)}</code>: this "
+        "gateway's spans"
         + (f", and those the nodes that served it hold ({esc(asked)})" if asked else "")
         + ". The coordinator's spans of the same trace go to your OTLP collector.</p>"
         + "".join(notes)

@@ -38,12 +38,14 @@ def _limit_fields(keep: bool = False) -> str:
 
 def _team_forms(s: Session, options: str) -> str:
     create = (
-        f'<form method="post" action="/console/teams" class="card"><h2>Create a team</h2>{csrf_field(s)}'
-        f'<label>Team id <input name="id" required pattern="[A-Za-z0-9][A-Za-z0-9_.\\-]{{0,63}}" '
-        f'autocomplete="off"></label>{_limit_fields()}<button type="submit">Create team</button></form>'
+        '<form method="post" action="/console/teams" class="card"><h2>Create a team</h2>'
+        f'{csrf_field(s)}<label>Team id <input name="id" required '
+        f'pattern="[A-Za-z0-9][A-Za-z0-9_.\\-]{{0,63}}" autocomplete="off"></label>'
+        f'{_limit_fields()}<button type="submit">Create team</button></form>'
     )
     limits = (
-        f'<form method="post" action="/console/teams/limits" class="card"><h2>Set a team\'s limits</h2>'
+        '<form method="post" action="/console/teams/limits" class="card">'
+        "<h2>Set a team's limits</h2>"
         f'{csrf_field(s)}<label>Team <select name="id" required>{options}</select></label>'
         f'<p class="muted">A field left empty keeps its limit; <code>none</code> removes it.</p>'
         f"{_limit_fields(keep=True)}"
@@ -83,8 +85,9 @@ async def teams(
             "revoked"
             if revoked
             else (
-                f'<form method="post" action="/console/keys/{esc(k["id"])}/revoke" class="inline">{csrf_field(s)}'
-                f'<button type="submit" aria-label="Revoke key {esc(k["id"])}">Revoke</button></form>'
+                f'<form method="post" action="/console/keys/{esc(k["id"])}/revoke" '
+                f'class="inline">{csrf_field(s)}<button type="submit" '
+                f'aria-label="Revoke key {esc(k["id"])}">Revoke</button></form>'
             )
         )
         k_rows.append(
@@ -98,10 +101,10 @@ async def teams(
         )
     options = "".join(f"<option>{esc(t['id'])}</option>" for t in team_list)
     key_form = (
-        f'<form method="post" action="/console/keys" class="card"><h2>Create a key</h2>{csrf_field(s)}'
-        f'<label>Team <select name="team_id" required>{options}</select></label>'
-        f'<label>Name <input name="name" autocomplete="off"></label>'
-        f'<button type="submit">Create key</button></form>'
+        '<form method="post" action="/console/keys" class="card"><h2>Create a key</h2>'
+        f'{csrf_field(s)}<label>Team <select name="team_id" required>{options}</select></label>'
+        '<label>Name <input name="name" autocomplete="off"></label>'
+        '<button type="submit">Create key</button></form>'
     )
     body = (
         shown

@@ -51,9 +51,9 @@ def _ms(seconds: float | None) -> float | None:
 
 async def usage(state: GatewayState, request: web.Request, s: Session) -> web.Response:
     """Every figure is a row of `GET /v1/usage` grouped by day, team, model or tier — totals
-    and TTFT percentiles the store computed (gateway/accounts/store/usage_totals.py), the rows `duet usage
-    report --group-by …` prints — so the page's work is bounded by the number of groups, never
-    by the records of the range."""
+    and TTFT percentiles the store computed (gateway/accounts/store/usage_totals.py), the rows
+    `duet usage report --group-by …` prints — so the page's work is bounded by the number of
+    groups, never by the records of the range."""
     start, end = _range(request)
 
     def get(g: str):
@@ -70,9 +70,10 @@ async def usage(state: GatewayState, request: web.Request, s: Session) -> web.Re
             f'placeholder="all teams" autocomplete="off"></label>'
         )
     form = (
-        f'<form method="get" action="/console/usage" class="range"><label>From <input type="date" name="start" '
-        f'value="{esc(start)}"></label><label>To <input type="date" name="end" value="{esc(end)}"></label>{team_sel}'
-        f'<button type="submit">Show</button></form>'
+        '<form method="get" action="/console/usage" class="range">'
+        f'<label>From <input type="date" name="start" value="{esc(start)}"></label>'
+        f'<label>To <input type="date" name="end" value="{esc(end)}"></label>{team_sel}'
+        '<button type="submit">Show</button></form>'
     )
     qs = "&".join(
         f"{k}={esc(v)}" for k, v in _query(s, request, start, end, "").items() if k != "group_by"

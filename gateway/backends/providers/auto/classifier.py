@@ -42,7 +42,8 @@ class Classifier:
     def __init__(self, weights: Weights) -> None:
         if tuple(weights.features) != FEATURE_NAMES:
             raise ValueError(
-                "weights.json was fit with other features; run python -m gateway.backends.providers.auto.fit"
+                "weights.json was fit with other features; run python -m "
+                "gateway.backends.providers.auto.fit"
             )
         self.weights = weights
 

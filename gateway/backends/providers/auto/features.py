@@ -1,11 +1,11 @@
 """Hand-designed features of a chat request for the `model: "auto"` complexity classifier.
 
-Pure Python (no numpy, no torch) and a few passes over the text (word-set lookups and substring counts, two small regexes), so a
-request costs tens of microseconds. Each feature is a number that a person can read and argue
-with: how long the request is, how deep the conversation, whether it carries code, maths,
-requests for proof or design, multi-step structure, constraints, or only small talk. Keyword
-lists hold a few stems in the languages the evaluation set covers (en, fr, de, es, pt, it, ru,
-zh, ja, ar, hi); they are cues, not a translation of the whole vocabulary.
+Pure Python (no numpy, no torch) and a few passes over the text (word-set lookups and substring
+counts, two small regexes), so a request costs tens of microseconds. Each feature is a number that a
+person can read and argue with: how long the request is, how deep the conversation, whether it
+carries code, maths, requests for proof or design, multi-step structure, constraints, or only small
+talk. Keyword lists hold a few stems in the languages the evaluation set covers (en, fr, de, es, pt,
+it, ru, zh, ja, ar, hi); they are cues, not a translation of the whole vocabulary.
 
 Bounded work: the cues read at most the last `SCAN_CHARS` characters of the last user message
 (and its first few hundred for how it opens), so any message costs about the same; a message
@@ -112,15 +112,16 @@ _PROOF = _Cue(
     ("show that", "докаж", "证明", "証明", "推导"),
 )
 _DESIGN = _Cue(
-    "design architect architecture scale scalable scalability distributed throughput latency consistency "
-    "consistent failover failure failures idempotency idempotent race deadlock deadlocks concurrency "
-    "concurrent multi-tenant tradeoffs tradeoff conçois entwirf diseña compromis lock-free thread-safe",
+    "design architect architecture scale scalable scalability distributed throughput latency "
+    "consistency consistent failover failure failures idempotency idempotent race deadlock "
+    "deadlocks concurrency concurrent multi-tenant tradeoffs tradeoff conçois entwirf diseña "
+    "compromis lock-free thread-safe",
     ("replicat", "migrat", "exactly once", "per second", "trade-off", "设计", "設計"),
 )
 _ANALYSE = _Cue(
     "analyse analyze analysis critically evaluate assess implication implications risk risks "
-    "recommend recommendation hypotheses hypothesis causal confounders robustness steelman steelmans "
-    "analysiere analise analizza",
+    "recommend recommendation hypotheses hypothesis causal confounders robustness steelman "
+    "steelmans analysiere analise analizza",
     ("strongest argument", "分析", "анализ"),
 )
 _EXPLAIN = _Cue(
@@ -140,8 +141,8 @@ _EXPLAIN = _Cue(
     ),
 )
 _TASK = _Cue(
-    "write draft create implement build plan suggest make rewrite convert list schreibe rédige escribe "
-    "scrivi",
+    "write draft create implement build plan suggest make rewrite convert list schreibe rédige "
+    "escribe scrivi",
     ("give me", "请写", "作成", "書いて"),
 )
 _MATH = _Cue(
