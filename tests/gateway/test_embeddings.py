@@ -180,8 +180,8 @@ def test_usage_record_and_billing(cluster: Cluster) -> None:
     assert float(raw.headers["x-duet-cost-usd"]) == pytest.approx(2 * n * PRICE / 1e6)
     with sqlite3.connect(cluster.db) as db:
         row = db.execute(
-            "SELECT endpoint, status, model_used, prompt_tokens, completion_tokens, cost_usd, user, nodes "
-            "FROM usage WHERE request_id = ?",
+            "SELECT endpoint, status, model_used, prompt_tokens, completion_tokens, cost_usd, "
+            "user, nodes FROM usage WHERE request_id = ?",
             (rid,),
         ).fetchone()
     assert row[:7] == (

@@ -2,8 +2,8 @@
 (`extra_body`, sync and streamed) → a real gateway → real SmolLM2 prefill and decode nodes over
 the real transport. `guided_choice` / `guided_regex` / `guided_json` and `structured_outputs`
 (`choice`, `regex`, `json`) become the same guide `response_format` does
-(gateway/serving/constraint.py), so the prefill node masks the first token and the decode node the rest;
-a bad one is a 400 naming its field before any node work, and so are vLLM's older
+(gateway/serving/constraint.py), so the prefill node masks the first token and the decode node the
+rest; a bad one is a 400 naming its field before any node work, and so are vLLM's older
 `guided_grammar` and `guided_whitespace_pattern`, whose 400 says what to send instead;
 `guided_decoding_backend` is taken and changes nothing. max_tokens stays small."""
 

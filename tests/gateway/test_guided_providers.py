@@ -1,14 +1,14 @@
 """vLLM's structured-output extras and external models, with the official openai client against
-a real gateway process: `guided_json` / `guided_regex` / `guided_choice` / `structured_outputs` are no OpenAI
-fields, so an external model serves them only when its config lists the feature
+a real gateway process: `guided_json` / `guided_regex` / `guided_choice` / `structured_outputs` are
+no OpenAI fields, so an external model serves them only when its config lists the feature
 `vllm_structured_outputs` (an OpenAI-compatible vLLM server), which is then sent vLLM's
 `structured_outputs`; any other external model named outright is a 400 naming the field, and
 fallback chains and `model: "auto"` skip it (gateway/serving/features.py). `/v1/messages` and
-`/v1/responses` take the same extras (the official `anthropic` client, and `responses.create`)
-and hand them to the chat path: the same provider gets the same `structured_outputs`, and the
-others refuse them the same way. An Anthropic model serves none of vLLM's structured outputs and
-no penalties (min_p, repetition_penalty: a 400 naming the field), while `top_k` is Anthropic's own
-and is sent on.
+`/v1/responses` take the same extras (the official `anthropic` client, and `responses.create`) and
+hand them to the chat path: the same provider gets the same `structured_outputs`, and the others
+refuse them the same way. An Anthropic model serves none of vLLM's structured outputs and no
+penalties (min_p, repetition_penalty: a 400 naming the field), while `top_k` is Anthropic's own and
+is sent on.
 
 Fakes only for the providers' APIs (tests/providers/fakes.py)."""
 

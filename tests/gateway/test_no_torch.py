@@ -20,7 +20,8 @@ def test_gateway_imports_without_torch_or_engine() -> None:
         f"for n in {names!r}: importlib.import_module(n)\n"
         "import gateway.app, gateway.server\n"
         "gateway.app.make_app  # the whole app graph is loaded\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'engine', 'node', 'transformers'))\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'engine', 'node', 'transformers'))\n"
         "print(bad)\n"
         "sys.exit(1 if bad else 0)\n"
     )

@@ -1,8 +1,9 @@
 """External models pass the tool, structured-output and sampling request fields through, with
 the official `openai` client on `/v1/chat/completions`: tools, tool_choice, tool turns,
-response_format, penalties and logit_bias reach an OpenAI-compatible provider unchanged; an Anthropic provider gets tools and
-tool results translated both ways and refuses what it cannot do with a 400 naming it; fallback
-chains and `model: "auto"` only pick a model that serves the request's features.
+response_format, penalties and logit_bias reach an OpenAI-compatible provider unchanged; an
+Anthropic provider gets tools and tool results translated both ways and refuses what it cannot do
+with a 400 naming it; fallback chains and `model: "auto"` only pick a model that serves the
+request's features.
 
 Fakes only for the commercial APIs (tests/providers/fakes.py); the gateway is a real process.
 """

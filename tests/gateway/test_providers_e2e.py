@@ -39,8 +39,9 @@ from tests.wait import wait_for
 GPT = {"in": 5.0, "out": 10.0}
 CLAUDE = {"in": 20.0, "out": 40.0}
 HARD = (
-    "Prove that there are infinitely many primes, and derive the density bound rigorously using induction; "
-    "then design a distributed, fault-tolerant sieve and analyze its consistency tradeoffs."
+    "Prove that there are infinitely many primes, and derive the density bound rigorously using "
+    "induction; then design a distributed, fault-tolerant sieve and analyze its consistency "
+    "tradeoffs."
 )
 
 

@@ -161,7 +161,8 @@ async def test_budget_counts_settled_spend_and_open_reservations(url: str) -> No
 
 
 async def test_two_connections_share_one_limit(url: str) -> None:
-    """Two stores on one database (as two gateway processes would be) never admit more than the limit."""
+    """Two stores on one database (as two gateway processes would be) never admit more than the
+    limit."""
     a, b = await _store(url), await _store(url)
     await a.create_team(Team(id="t", tpm=1000))
     results = await asyncio.gather(
@@ -245,8 +246,8 @@ CREATE TABLE usage (
     completion_tokens INTEGER NOT NULL, cached_tokens INTEGER NOT NULL, cost_usd REAL NOT NULL,
     ttft_s REAL, latency_s REAL NOT NULL, nodes TEXT NOT NULL, created_at REAL NOT NULL);
 CREATE INDEX usage_team_time ON usage (team_id, created_at);
-INSERT INTO usage VALUES ('old-1', 't', 'k', 'm', 'm', 'interactive', 'ok', 'chat', 3, 4, 0, 0.5, 0.1, 0.2,
-                          '["n1"]', 1000.0);
+INSERT INTO usage VALUES ('old-1', 't', 'k', 'm', 'm', 'interactive', 'ok', 'chat',
+                          3, 4, 0, 0.5, 0.1, 0.2, '["n1"]', 1000.0);
 """
 
 
@@ -296,10 +297,10 @@ async def test_old_postgres_database_gains_the_user_column(postgres_db: str) -> 
             await con.execute(f"ALTER TABLE usage DROP COLUMN {column}")
         await con.execute("ALTER TABLE reservations DROP COLUMN streamed_tokens")
         await con.execute(
-            "INSERT INTO usage (request_id, team_id, key_id, model_requested, model_used, tier, status, "
-            "endpoint, prompt_tokens, completion_tokens, cached_tokens, cost_usd, ttft_s, latency_s, "
-            "nodes, created_at) VALUES ('old-1', 't', 'k', 'm', 'm', 'interactive', 'ok', 'chat', 3, 4, "
-            "0, 0.5, 0.1, 0.2, '[\"n1\"]', 1000.0)"
+            "INSERT INTO usage (request_id, team_id, key_id, model_requested, model_used, tier, "
+            "status, endpoint, prompt_tokens, completion_tokens, cached_tokens, cost_usd, ttft_s, "
+            "latency_s, nodes, created_at) VALUES ('old-1', 't', 'k', 'm', 'm', 'interactive', "
+            "'ok', 'chat', 3, 4, 0, 0.5, 0.1, 0.2, '[\"n1\"]', 1000.0)"
         )
         s = await _store(postgres_db)
         [old] = await s.usage_records(None, 0, 1e12)
@@ -467,7 +468,8 @@ async def test_an_expired_reservation_bills_its_prompt(url: str) -> None:
     )
     assert await s.expire_reservations(now=t0 + 6) == 1
     records = await s.usage_records("t", t0 - 1, t0 + 100)
-    # the request's `user` stays on its record (spend per end user; bench/chaos_usage.py matches by it)
+    # the request's `user` stays on its record (spend per end user; bench/chaos_usage.py matches by
+    # it)
     assert [(r.status, r.prompt_tokens, r.cost_usd, r.user) for r in records] == [
         ("expired", 40, 0.1, "end-user-7")
     ]
@@ -581,7 +583,8 @@ CREATE TABLE reservations (
     id TEXT PRIMARY KEY, team_id TEXT NOT NULL, key_id TEXT NOT NULL, request_id TEXT NOT NULL,
     created_at REAL NOT NULL, expires_at REAL NOT NULL, tokens INTEGER NOT NULL,
     cost_usd REAL NOT NULL, gateway_id TEXT, booked TEXT);
-INSERT INTO reservations VALUES ('rsv-old', 't', 'k', 'req-old', {OLD_T0}, {OLD_T0 + 900}, 90, 0.5, 'gw-old',
+INSERT INTO reservations VALUES ('rsv-old', 't', 'k', 'req-old', {OLD_T0}, {OLD_T0 + 900}, 90,
+    0.5, 'gw-old',
     '{{"model":"m","tier":"interactive","endpoint":"chat","prompt_tokens":40,"prompt_cost_usd":0.1}}');
 CREATE TABLE gateways (id TEXT PRIMARY KEY, heartbeat_at REAL NOT NULL);
 INSERT INTO gateways VALUES ('gw-old', {OLD_T0});

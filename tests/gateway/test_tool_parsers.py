@@ -19,7 +19,8 @@ NAMES = ("get_weather", "search")
 # (model output, expected: list of ("text", str) | ("call", name, arguments as a dict))
 HERMES = [
     (
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>',
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+        '"celsius"}}\n</tool_call>',
         [("call", "get_weather", {"city": "Paris", "unit": "celsius"})],
     ),
     (
@@ -70,7 +71,8 @@ LLAMA = [
         [("call", "search", {"q": "duet"})],
     ),
     (
-        '{"name": "search", "parameters": {"q": "a"}}; {"name": "get_weather", "parameters": {"city": "b"}}',
+        '{"name": "search", "parameters": {"q": "a"}}; {"name": "get_weather", "parameters": '
+        '{"city": "b"}}',
         [("call", "search", {"q": "a"}), ("call", "get_weather", {"city": "b"})],
     ),
     (

@@ -23,26 +23,31 @@ pytestmark = pytest.mark.smollm2
 # blocks, tool results as <tool_response> inside a user turn.
 QWEN_STYLE = """{%- if tools %}
 {{- '<|im_start|>system\\n' }}
-{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
+{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}
+{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}
 {{- "\\n\\n# Tools\\n\\n<tools>" }}
 {%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}
 {{- "\\n</tools><|im_end|>\\n" }}
 {%- else %}
-{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}
 {%- endif %}
 {%- for message in messages %}
-{%- if message.role == "user" or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
+{%- if message.role == "user" or (message.role == "system" and not loop.first)
+    or (message.role == "assistant" and not message.tool_calls) %}
 {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
 {%- elif message.role == "assistant" %}
 {{- '<|im_start|>assistant' }}
 {%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
 {%- for tool_call in message.tool_calls %}
 {%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
-{{- '\\n<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}
+{{- '\\n<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}
+{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}
 {%- endfor %}
 {{- '<|im_end|>\\n' }}
 {%- elif message.role == "tool" %}
-{{- '<|im_start|>user\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response><|im_end|>\\n' }}
+{{- '<|im_start|>user\\n<tool_response>\\n' }}{{- message.content }}
+{{- '\\n</tool_response><|im_end|>\\n' }}
 {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"""
@@ -61,22 +66,27 @@ LLAMA_STYLE = """{{- bos_token }}
 {%- if tools is not none %}
 {%- set first_user = messages[0]['content'] | trim %}{%- set messages = messages[1:] %}
 {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' }}
-{{- 'To call a function, answer {"name": function name, "parameters": its arguments as an object}.\\n\\n' }}
+{{- 'To call a function, answer {"name": function name, ' }}
+{{- '"parameters": its arguments as an object}.\\n\\n' }}
 {%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\\n\\n' }}{%- endfor %}
 {{- first_user + '<|eot_id|>' }}
 {%- endif %}
 {%- for message in messages %}
 {%- if message.role == 'tool' or message.role == 'ipython' %}
-{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}{{- {'output': message.content} | tojson }}{{- '<|eot_id|>' }}
+{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' }}
+{{- {'output': message.content} | tojson }}{{- '<|eot_id|>' }}
 {%- elif 'tool_calls' in message %}
 {%- set call = message.tool_calls[0].function %}
-{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n<|python_tag|>{"name": "' + call.name + '", "parameters": ' }}
+{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n<|python_tag|>{"name": "' + call.name
+    + '", "parameters": ' }}
 {{- call.arguments | tojson }}{{- '}<|eom_id|>' }}
 {%- else %}
-{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' + message.content | trim + '<|eot_id|>' }}
+{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' }}
+{{- message.content | trim + '<|eot_id|>' }}
 {%- endif %}
 {%- endfor %}
-{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"""
+{%- if add_generation_prompt %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"""
 
 WEATHER = {
     "type": "function",
@@ -202,7 +212,8 @@ def test_smollm2_gets_the_generic_hermes_prompt(smollm2: Path) -> None:
     )
     assert "<tool_call>" in system  # how to call
     assert (
-        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+        '<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+        '"Paris"}}\n'
         "</tool_call><|im_end|>"
     ) in text
     assert "<|im_start|>user\n<tool_response>\n21 C, clear\n</tool_response><|im_end|>" in text

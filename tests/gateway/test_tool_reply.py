@@ -1,8 +1,8 @@
-"""A self-hosted reply with tool calls parsed (gateway/serving/tool_reply.py) and rendered in OpenAI's
-shapes (gateway/serving/openai_format.py): pieces of model text in, chat chunks and a whole body out —
-the first delta of a call carries index, id, type and name with arguments "", later ones
-argument fragments; a choice that called and stopped finishes with `tool_calls`, with content
-null in the whole body; a cut call stays text (finish `length`)."""
+"""A self-hosted reply with tool calls parsed (gateway/serving/tool_reply.py) and rendered in
+OpenAI's shapes (gateway/serving/openai_format.py): pieces of model text in, chat chunks and a whole
+body out — the first delta of a call carries index, id, type and name with arguments "", later ones
+argument fragments; a choice that called and stopped finishes with `tool_calls`, with content null
+in the whole body; a cut call stays text (finish `length`)."""
 
 from __future__ import annotations
 

@@ -251,8 +251,8 @@ async def test_a_conversation_with_a_tool_result_continues(
     plan = plan_for(check_tools([openai_tool(WEATHER)], "none", None), None, tok.chat_template)
     text = render(tok, [*ASK, _as_turn(messages[1]), messages[2]], plan)
     assert (
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
-        in text
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": '
+        '"celsius"}}\n</tool_call>' in text
     )
     assert '<tool_response>\n{"temperature": 21, "sky": "clear"}\n</tool_response>' in text
     assert r.usage.prompt_tokens == len(tok.encode(text, add_special_tokens=False))

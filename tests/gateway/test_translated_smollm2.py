@@ -262,7 +262,8 @@ def test_guided_regex_answer_fullmatches(clients: Clients) -> None:
 
 def test_sampling_extras_steer_as_on_chat(clients: Clients) -> None:
     """repetition_penalty changes SmolLM2's greedy answer; through either API it is chat's
-    answer with the same penalty. min_p 1 at temperature 1 keeps only the likeliest token: greedy."""
+    answer with the same penalty. min_p 1 at temperature 1 keeps only the likeliest token:
+    greedy."""
     ask = "Say 'yes' ten times."
     chat = lambda **extra: (  # noqa: E731
         clients.oai.chat.completions.create(

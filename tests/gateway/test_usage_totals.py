@@ -1,7 +1,8 @@
-"""`Store.usage`'s totals per group, computed by the database (gateway/accounts/store/usage_totals.py),
-on SQLite and PostgreSQL: requests, tokens, cost and the TTFT P50/P90 of every group — day,
-team, model, tier, user and none — equal a reference computed here from the same records, and
-both databases answer alike. The console's Usage page and `duet usage report` show these rows."""
+"""`Store.usage`'s totals per group, computed by the database
+(gateway/accounts/store/usage_totals.py), on SQLite and PostgreSQL: requests, tokens, cost and the
+TTFT P50/P90 of every group — day, team, model, tier, user and none — equal a reference computed
+here from the same records, and both databases answer alike. The console's Usage page and
+`duet usage report` show these rows."""
 
 from __future__ import annotations
 

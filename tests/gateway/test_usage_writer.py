@@ -20,7 +20,8 @@ from tests.wait import until
 
 
 class FlakyStore(SqliteStore):
-    """SQLite, refusing its first `failures` settles (and never settling on the loop's fast path)."""
+    """SQLite, refusing its first `failures` settles (and never settling on the loop's fast
+    path)."""
 
     def __init__(self, path: Path, failures: int) -> None:
         super().__init__(path)

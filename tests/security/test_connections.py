@@ -125,8 +125,8 @@ def _post_head(
     env: Env, length: int, path: str = "/v1/chat/completions", ctype: str = "application/json"
 ) -> bytes:
     return (
-        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {env.key}\r\nContent-Type: {ctype}\r\n"
-        f"Content-Length: {length}\r\n\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {env.key}\r\n"
+        f"Content-Type: {ctype}\r\nContent-Length: {length}\r\n\r\n"
     ).encode()
 
 

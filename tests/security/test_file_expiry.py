@@ -95,9 +95,9 @@ async def test_a_store_made_before_expiry_opens(tmp_path: Path) -> None:
     path = tmp_path / "old.sqlite3"
     with sqlite3.connect(path) as db:  # batch_files as it was, without expires_at
         db.execute(
-            "CREATE TABLE batch_files (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, "
-            "team_id TEXT NOT NULL, purpose TEXT NOT NULL, filename TEXT NOT NULL, bytes INTEGER NOT NULL, "
-            "created_at REAL NOT NULL, deleted INTEGER NOT NULL DEFAULT 0)"
+            "CREATE TABLE batch_files (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL "
+            "UNIQUE, team_id TEXT NOT NULL, purpose TEXT NOT NULL, filename TEXT NOT NULL, bytes "
+            "INTEGER NOT NULL, created_at REAL NOT NULL, deleted INTEGER NOT NULL DEFAULT 0)"
         )
         db.execute(
             "INSERT INTO batch_files (id, team_id, purpose, filename, bytes, created_at) "

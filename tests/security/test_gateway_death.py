@@ -93,7 +93,8 @@ def test_a_killed_gateways_reservation_is_reclaimed_and_billed(
     statuses = [r[0] for r in rows]
     assert statuses == ["expired", "ok"], rows
     assert rows[0][1] > 0 and rows[0][2] == pytest.approx(rows[0][1] * 10.0 / 1e6), rows[0]
-    # reclaimed within the second gateway's start plus 2.5 silent heartbeats (and a sweep), not 900 s
+    # reclaimed within the second gateway's start plus 2.5 silent heartbeats (and a sweep),
+    # not 900 s
     assert back_after < 60, back_after
 
 

@@ -104,7 +104,8 @@ def plane(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                     n["node_id"] for n in body["nodes"] if n["ready"]
                 }
 
-            # the coordinator's /kv/events streams to both nodes carry the secret, or no node is ready
+            # the coordinator's /kv/events streams to both nodes carry the secret, or no node is
+            # ready
             wait_for(ready, timeout=60, what="both nodes ready")
             yield Plane(coord, p, d, g, make_team(g.url, "team-a"), tiny_llama.name, sp.secret_file)
 
@@ -187,7 +188,10 @@ def test_with_the_secret_everything_works_as_before(plane: Plane) -> None:
     )
 
     async def one(i: int) -> openai.types.Completion:
-        prompt = f"Request {i}: the internal plane of the cluster is authenticated with one shared secret."
+        prompt = (
+            f"Request {i}: the internal plane of the cluster is authenticated with one shared "
+            "secret."
+        )
         return await client.completions.create(
             model=MODEL, prompt=prompt, max_tokens=3, temperature=0
         )

@@ -193,7 +193,8 @@ def test_a_transport_address_off_the_named_host_is_refused(standalone: tuple[Pro
 def test_a_transport_address_outside_the_allowed_networks_is_refused(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
-    # The operator allows only 127.0.0.2/32: the named host is allowed, its transport (127.0.0.3) not.
+    # The operator allows only 127.0.0.2/32: the named host is allowed, its transport (127.0.0.3)
+    # not.
     d = duet_node(
         "decode", str(tiny_llama), tmp_path, *NODE_ARGS, "--allowed-peers", f"{HOSTILE}/32"
     )

@@ -1,8 +1,8 @@
 """The header deadline of a request whose first bytes came in the same read as the end of the
 one before (runtime/read_deadlines.py), also where aiohttp's parser stopped short of that read
 for flow control: a body over the reader's high-water mark (twice `read_bufsize`) that its
-handler has not read yet, or more pipelined requests than aiohttp queues (32). There the read's last byte is
-held until the parser has parsed what it kept — so these tests also show that holding it
+handler has not read yet, or more pipelined requests than aiohttp queues (32). There the read's last
+byte is held until the parser has parsed what it kept — so these tests also show that holding it
 loses nothing: a complete request that follows is answered.
 
 tests/security/test_connections.py checks the plain case against a gateway process; here a
