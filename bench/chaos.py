@@ -92,7 +92,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="FLAG",
-        help="extra `duet up` flag when chaos starts it, repeatable (e.g. --up-arg=--model=/m/tiny)",
+        help="extra `duet up` flag when chaos starts it, repeatable (e.g. "
+        "--up-arg=--model=/m/tiny)",
     )
     t.add_argument("--api-key", default=None, help="bearer key (default: the home's dev key)")
     t.add_argument(
@@ -165,8 +166,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     w.add_argument(
         "--strict-text",
         action="store_true",
-        help="count a full answer whose greedy text differs from the reference as undefined (default: "
-        "only counted; bf16 greedy is not batch-invariant)",
+        help="count a full answer whose greedy text differs from the reference as undefined "
+        "(default: only counted; bf16 greedy is not batch-invariant)",
     )
     w.add_argument(
         "--request-timeout",
@@ -178,8 +179,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--settle",
         type=float,
         default=60.0,
-        help="seconds after the load for killed processes to come back, held KV to be freed and the "
-        "batch to end (default 60)",
+        help="seconds after the load for killed processes to come back, held KV to be freed and "
+        "the batch to end (default 60)",
     )
     o = p.add_argument_group("output")
     o.add_argument(
@@ -230,7 +231,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--slowfs-commit-s must be > 0")
     if (a.url is None) == (a.up_config is None and not a.up_arg):
         p.error(
-            "give --url (a running duet up) or --up-config/--up-arg (chaos starts one), not both or neither"
+            "give --url (a running duet up) or --up-config/--up-arg (chaos starts one), not both "
+            "or neither"
         )
     if (
         a.duration <= 0
@@ -428,7 +430,8 @@ async def run(
             else None
         )
         _say(
-            f"{a.duration:.0f} s of load: {a.streams} stream + {a.plain} plain clients, batch of {a.batch_lines}"
+            f"{a.duration:.0f} s of load: {a.streams} stream + {a.plain} plain clients, batch of "
+            f"{a.batch_lines}"
             + (
                 f"; SIGKILL every {a.kill_every:.0f} s among {sorted(a.kinds)}"
                 if killer and a.kill_every
@@ -518,7 +521,8 @@ def main(argv: list[str] | None = None) -> int:
             if not (home / "up" / "state.json").exists():
                 if a.kill_every:
                     _say(
-                        f"no running duet up in {home}: nothing to kill (give --home, or --kill-every 0)"
+                        f"no running duet up in {home}: nothing to kill (give --home, or "
+                        "--kill-every 0)"
                     )
                     return 2
                 home = None

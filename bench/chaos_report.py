@@ -229,7 +229,8 @@ def render(s: dict[str, Any]) -> None:
     )
     t.add_row(
         "TTFT p50 / p99 (streams, full answers)",
-        f"{_f(s['p50_ttft_s'] and s['p50_ttft_s'] * 1e3, '.0f')} / {_f(s['p99_ttft_s'] and s['p99_ttft_s'] * 1e3, '.0f')} ms",
+        f"{_f(s['p50_ttft_s'] and s['p50_ttft_s'] * 1e3, '.0f')} / "
+        f"{_f(s['p99_ttft_s'] and s['p99_ttft_s'] * 1e3, '.0f')} ms",
     )
     for k in s["kills"]:
         back = (

@@ -106,7 +106,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--dtype",
         default="bfloat16",
         choices=["bfloat16", "float32"],
-        help="activation dtype of every run, and the weights' dtype of the baseline (default: %(default)s)",
+        help="activation dtype of every run, and the weights' dtype of the baseline (default: "
+        "%(default)s)",
     )
     p.add_argument(
         "--schemes",
@@ -293,13 +294,14 @@ def run(args: argparse.Namespace, progress) -> dict[str, Any]:
 
 def table(result: dict[str, Any]) -> str:
     lines = [
-        f"{'scheme':>9}  {'perplexity':>10}  {'vs base':>8}  {'passage':>8}  {'vs base':>8}  {'first tok':>9}  "
-        f"{'agree':>6}  {'same seq':>8}  target"
+        f"{'scheme':>9}  {'perplexity':>10}  {'vs base':>8}  {'passage':>8}  {'vs base':>8}  "
+        f"{'first tok':>9}  {'agree':>6}  {'same seq':>8}  target"
     ]
     for name, r in result["schemes"].items():
         a = r.get("greedy_agreement")
         agree = (
-            f"{a['first_token']:>9.3f}  {a['tokens_before_divergence']:>6.3f}  {a['identical_sequences']:>8.3f}"
+            f"{a['first_token']:>9.3f}  {a['tokens_before_divergence']:>6.3f}  "
+            f"{a['identical_sequences']:>8.3f}"
             if a
             else f"{'-':>9}  {'-':>6}  {'-':>8}"
         )
@@ -312,11 +314,13 @@ def table(result: dict[str, Any]) -> str:
         pp = r["passage"]
         lines.append(
             f"{name:>9}  {r['perplexity']:>10.4f}  {100 * r['perplexity_vs_baseline']:>+7.2f}%  "
-            f"{pp['perplexity']:>8.3f}  {100 * pp['perplexity_vs_baseline']:>+7.2f}%  {agree}  {target}"
+            f"{pp['perplexity']:>8.3f}  {100 * pp['perplexity_vs_baseline']:>+7.2f}%  {agree}  "
+            f"{target}"
         )
     c = result["corpus"]
     lines.append(
-        f"corpus: {c['tokens']} tokens of {c['source']} (Python {c['python']}, sha256 {c['sha256'][:12]})"
+        f"corpus: {c['tokens']} tokens of {c['source']} (Python {c['python']}, sha256 "
+        f"{c['sha256'][:12]})"
     )
     return "\n".join(lines)
 

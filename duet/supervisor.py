@@ -503,7 +503,8 @@ class Supervisor:
             self._tick(c, time.monotonic())
 
     def _tick(self, c: Child, now: float) -> None:
-        """One look at one child: notice its death or its health, start it when its backoff is over."""
+        """One look at one child: notice its death or its health, start it when its backoff is
+        over."""
         assert c.proc is not None
         if c.retiring:
             self._retire_tick(c, now)
@@ -586,9 +587,8 @@ class Supervisor:
             c.state, c.next_start = ChildState.BACKOFF, now + delay
             c.next_start_wall = time.time() + delay
             self.say(
-                f"{c.name} {cause}; restarting it in {delay:.1f} s "
-                f"({c.failures} failure(s) in a row; left down after {self.restart.max_restarts + 1}); "
-                f"see {c.log_path}"
+                f"{c.name} {cause}; restarting it in {delay:.1f} s ({c.failures} failure(s) in a "
+                f"row; left down after {self.restart.max_restarts + 1}); see {c.log_path}"
             )
         self._last_words(c)
         self._changed()
