@@ -44,8 +44,14 @@ class Team(msgspec.Struct, kw_only=True, frozen=True):
     created_at: float = 0.0
 
 
+#: the teams table's columns, in `team_values`' order: both stores read and write teams by it
+TEAM_COLS = (
+    "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, created_at"
+)
+
+
 def team_values(t: Team) -> tuple[object, ...]:
-    """`t`'s columns in the order of both stores' `TEAM_COLS` (the teams table)."""
+    """`t`'s columns in `TEAM_COLS`' order (the teams table)."""
     return (
         t.id,
         t.rpm,

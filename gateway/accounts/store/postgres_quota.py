@@ -11,6 +11,7 @@ import uuid
 from typing import Any
 
 from gateway.accounts.store.base import (
+    TEAM_COLS,
     ApiKey,
     Refusal,
     Reservation,
@@ -89,9 +90,6 @@ ADDED_COLUMNS = [
     ("usage", "version", "TEXT"),
 ]
 
-TEAM_COLS = (
-    "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, created_at"
-)
 KEY_COLS = "id, team_id, name, prefix, created_at, revoked_at"
 USAGE_COLS = (
     "request_id",

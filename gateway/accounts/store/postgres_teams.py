@@ -11,8 +11,8 @@ import time
 
 import asyncpg
 
-from gateway.accounts.store.base import ApiKey, StoreError, Team, team_values
-from gateway.accounts.store.postgres_quota import KEY_COLS, TEAM_COLS, key_of, team_of
+from gateway.accounts.store.base import TEAM_COLS, ApiKey, StoreError, Team, team_values
+from gateway.accounts.store.postgres_quota import KEY_COLS, key_of, team_of
 from gateway.accounts.store.team_ids import reused
 
 

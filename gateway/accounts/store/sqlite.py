@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gateway.accounts.store.base import (
+    TEAM_COLS,
     WINDOW_S,
     ApiKey,
     Refusal,
@@ -36,7 +37,6 @@ from gateway.accounts.store.sqlite_conn import Connections, Immediate
 from gateway.accounts.store.sqlite_quota import (
     FAST_BATCH,
     KEY_COLS,
-    TEAM_COLS,
     USAGE_COLS,
     expire_where,
     init_tables,

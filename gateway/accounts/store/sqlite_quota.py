@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gateway.accounts.store.base import (
+    TEAM_COLS,
     ApiKey,
     Refusal,
     Reservation,
@@ -86,9 +87,6 @@ ADDED_COLUMNS = [
     ("usage", "version", "TEXT"),
 ]
 
-TEAM_COLS = (
-    "id, rpm, tpm, max_concurrent, daily_budget_usd, monthly_budget_usd, default_tier, created_at"
-)
 KEY_COLS = "id, team_id, name, prefix, created_at, revoked_at"
 USAGE_COLS = (
     "request_id",
