@@ -79,7 +79,7 @@ class PoolMemory:
         return memoryview(buf).cast("B")
 
     def region(self, offset: int, length: int) -> Any:
-        """A zero-copy view of `[offset, offset + length)`: memoryview on host, CUDA array on GPU."""
+        """Zero-copy view of `[offset, offset + length)`: memoryview on host, CUDA array on GPU."""
         if offset < 0 or offset + length > self.nbytes:
             raise TransferError(f"region [{offset}, {offset + length}) outside the pool")
         if self.is_cuda:

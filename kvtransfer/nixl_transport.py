@@ -16,10 +16,10 @@ handshakes) while the transport is busy, and backs off to `idle_poll_interval` w
 500 wakeups a second cost an idle node ~6 % of a core, and every idle node on a shared machine
 pays it. Busy means: for `BUSY_WINDOW_S` after any agent call, a served `/kv/metadata` (a peer
 is about to connect and its handshake needs our progress) or a notification, and until the end
-of every `expect_reads()` window (a prefill node holding blocks for a lease). All agent calls are serialised by one lock (the agent runs in NIXL's
-no-locking mode); small calls run inline on the loop, a large `transfer()` — which on one
-host performs the whole kernel copy (UCX `cma`) before returning, with the GIL released —
-runs on a dedicated thread so the loop keeps serving.
+of every `expect_reads()` window (a prefill node holding blocks for a lease). All agent calls are
+serialised by one lock (the agent runs in NIXL's no-locking mode); small calls run inline on the
+loop, a large `transfer()` — which on one host performs the whole kernel copy (UCX `cma`) before
+returning, with the GIL released — runs on a dedicated thread so the loop keeps serving.
 
 Between hosts, UCX needs no progress from the owner for RDMA READs; when only TCP links
 the hosts, UCX emulates READ with messages the owner must answer: enable

@@ -5,10 +5,11 @@ blocks; numbers in kvtransfer/README.md):
 
 - nixl: UCX's own transport choice is already the fastest on one host. For a READ it picks
   `cma` (process_vm_readv: one kernel copy, zero-copy on both sides). Without cma (UCX_TLS
-  with only posix/sysv/tcp) the READ went over TCP loopback, 6-10x slower. Restricting UCX_TLS to `cma,tcp,self` or `sm,tcp,self` measured
-  the same as the default within noise, and would disable RDMA between hosts. So duet sets
-  no UCX_TLS: UCX keeps cma (or cuda_ipc for GPU memory) within a host and RDMA (rc/dc/ud
-  over InfiniBand or RoCE) between hosts. What did matter, and is duet's default:
+  with only posix/sysv/tcp) the READ went over TCP loopback, 6-10x slower. Restricting UCX_TLS to
+  `cma,tcp,self` or `sm,tcp,self` measured the same as the default within noise, and would disable
+  RDMA between hosts. So duet sets no UCX_TLS: UCX keeps cma (or cuda_ipc for GPU memory) within a
+  host and RDMA (rc/dc/ud over InfiniBand or RoCE) between hosts. What did matter, and is duet's
+  default:
     * no NIXL progress thread: it busy-polls a core; with it on, 64-256 block reads lost
       45-70% of their bandwidth on 2 cores (the loop polls instead, see nixl_transport.py);
     * huge pages on the pools (kvtransfer/memory.py): cma pins pages per call; with 2 MiB

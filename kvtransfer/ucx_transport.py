@@ -274,8 +274,8 @@ class UcxTransport(Transport):
                 ep.abort()
             if isinstance(e, Exception) and not isinstance(e, PeerError):
                 raise PeerError(
-                    f"handshake with peer {metadata.engine_id!r} at {metadata.host}:{metadata.port} "
-                    f"failed: {e!r}"
+                    f"handshake with peer {metadata.engine_id!r} at "
+                    f"{metadata.host}:{metadata.port} failed: {e!r}"
                 ) from e
             raise
         peer = UcxPeer(metadata, ep)

@@ -8,7 +8,8 @@ busy fraction by n / (n − 1) (planner/decide.py); the queues alone let it scal
 prefill pool from 3 to 1 in the middle of a load step (a `duet up --autoscale` run, 05 Dec).
 
 The engine thread reports cumulative seconds in steps and in the node's work between steps
-that left work (engine/async_engine.py StepTiming); each load frame samples their sum, and the fraction is the increase over the last `window_s` (the measured latencies' window,
+that left work (engine/async_engine.py StepTiming); each load frame samples their sum, and the
+fraction is the increase over the last `window_s` (the measured latencies' window,
 node/latency_window.py) divided by the time it spans.
 
 Invariants: the fraction is in [0, 1] (a sample older than the window is kept as the base until

@@ -131,7 +131,8 @@ class NodeConfig:
             raise ValueError(f"pooling must be one of {POOLINGS}, got {self.pooling!r}")
         if self.task == "embed" and self.role != "both":
             raise ValueError(
-                "an embedding node has no prefill/decode role: start it with `duet node --task embed`"
+                "an embedding node has no prefill/decode role: "
+                "start it with `duet node --task embed`"
             )
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
@@ -144,11 +145,13 @@ class NodeConfig:
         parse_networks(self.allowed_peers)
         if not 0 < self.guide_compile_timeout_s <= 600:
             raise ValueError(
-                f"guide compile timeout must be in (0, 600] seconds, got {self.guide_compile_timeout_s}"
+                "guide compile timeout must be in (0, 600] seconds, "
+                f"got {self.guide_compile_timeout_s}"
             )
         if self.sleep_after_idle_s is not None and not self.sleep_after_idle_s > 0:
             raise ValueError(
-                f"sleep_after_idle_s must be a positive number of seconds, got {self.sleep_after_idle_s}"
+                "sleep_after_idle_s must be a positive number of seconds, "
+                f"got {self.sleep_after_idle_s}"
             )
         if not 1 <= self.guide_compile_threads <= 64:
             raise ValueError(

@@ -118,8 +118,8 @@ _COUNTERS = {
         "engine_decode_step_cpu_seconds",
         "CPU seconds of the engine thread inside those steps",
     ),
-    # speculative decoding, vLLM's spec_decode_* counters (0 while speculation is off): the acceptance
-    # rate is accepted / draft tokens, the mean acceptance length 1 + accepted / drafts
+    # speculative decoding, vLLM's spec_decode_* counters (0 while speculation is off): the
+    # acceptance rate is accepted / draft tokens, the mean acceptance length 1 + accepted / drafts
     "duet:spec_decode_num_drafts": ("spec_decode_num_drafts", "Speculative drafts verified"),
     "duet:spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed"),
     "duet:spec_decode_num_accepted_tokens": (

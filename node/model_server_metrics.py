@@ -11,9 +11,14 @@ same engine snapshot as its `duet:*` twin, so the two never disagree:
 |---|---|---|---|
 | TotalQueuedRequests | gauge | `vllm:num_requests_waiting` | `duet:num_requests_waiting` |
 | TotalRunningRequests | gauge | `vllm:num_requests_running` | `duet:num_requests_running` |
-| KVCacheUtilization | gauge | `vllm:kv_cache_usage_perc` (and the older name `vllm:gpu_cache_usage_perc`) | `duet:kv_cache_usage_perc`, a fraction 0-1 as vLLM's |
-| cache config | info gauge (1) | `vllm:cache_config_info{block_size, num_gpu_blocks, cache_dtype}` | the KV pool's block size (tokens), blocks and KV dtype |
-| LoRA adapters | gauge | `vllm:lora_requests_info{max_lora, running_lora_adapters, waiting_lora_adapters}` | the scrape's Unix time (the EPP keeps the newest series) |
+| KVCacheUtilization | gauge | `vllm:kv_cache_usage_perc` (a) | `duet:kv_cache_usage_perc` (b) |
+| cache config | info gauge (1) | `vllm:cache_config_info` (c) | the KV pool's (c) |
+| LoRA adapters | gauge | `vllm:lora_requests_info` (d) | the scrape's Unix time (e) |
+
+(a) and the older name `vllm:gpu_cache_usage_perc`; (b) a fraction 0-1, as vLLM's; (c) labels
+`block_size, num_gpu_blocks, cache_dtype`: the pool's block size (tokens), blocks and KV dtype;
+(d) labels `max_lora, running_lora_adapters, waiting_lora_adapters`; (e) the EPP keeps the newest
+series.
 
 `running_lora_adapters` lists the adapters resident on the node (comma-separated, the
 protocol's "loaded and ready to serve"); `max_lora` is `--max-loras` (0: no LoRA serving);
@@ -47,7 +52,8 @@ _GAUGES = {
 class ModelServerCollector(Collector):
     """The protocol's metrics of one node at scrape time. `stats`: the engine's snapshot;
     `block_size`, `num_blocks`, `cache_dtype`: its KV pool (the snapshot's `kv_blocks_total` wins
-    when it has it; `cache_dtype` is the pool's, e.g. int8); `adapters`: the LoRA adapters resident now."""
+    when it has it; `cache_dtype` is the pool's, e.g. int8); `adapters`: the LoRA adapters
+    resident now."""
 
     def __init__(
         self,

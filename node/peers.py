@@ -55,7 +55,8 @@ class PeerPolicy:
         return None
 
     def allowed(self, host: str, port: int, engine_id: str) -> str | None:
-        """None if `host` (an IP address) and `port` may be contacted for `engine_id`, else why not."""
+        """None if `host` (an IP address) and `port` may be contacted for `engine_id`, else
+        why not."""
         if not 0 < port < 65536:
             return f"remote_port {port} is not a TCP port"
         if (reason := self.network_reason(host)) is not None:

@@ -124,7 +124,8 @@ class RemoteKV:
     async def release(
         self, host: str, port: int, request_id: str, block_ids: list[int] | None
     ) -> int:
-        """Tell the prefill node it may free the blocks; returns its HTTP status (0: unreachable)."""
+        """Tell the prefill node it may free the blocks; returns its HTTP status
+        (0: unreachable)."""
         url = f"{self.scheme}://{_netloc(host, port)}/kv/release"
         try:
             body = msgspec.json.encode(KVReleaseRequest(request_id=request_id, block_ids=block_ids))
@@ -182,7 +183,8 @@ class RemoteKV:
         task.add_done_callback(self._quarantined.discard)
 
     def unquarantine_later(self, engine: NodeEngine, erid: str, settled: Awaitable[Any]) -> None:
-        """Free the blocks a failed transfer may still write into once the transport says it is over."""
+        """Free the blocks a failed transfer may still write into, once the transport says
+        it is over."""
 
         async def run() -> None:
             with contextlib.suppress(Exception):

@@ -177,7 +177,8 @@ class Responder:
                     error_event(
                         APIError(
                             503,
-                            "this node stopped before the answer ended (drain deadline or shutdown); continue elsewhere",
+                            "this node stopped before the answer ended "
+                            "(drain deadline or shutdown); continue elsewhere",
                             type_="service_unavailable",
                             code="node_stopping",
                         )

@@ -1,10 +1,10 @@
 """Running a node process: build the engine and transport, serve, and shut down gracefully.
 
 SIGTERM/SIGINT: stop taking new requests (503 with a clear body), give in-flight requests
-and KV held for decode nodes `grace_period_s` seconds to finish or be pulled, abort the rest, free held blocks, close the transport and
-exit 0. If the engine dies the node exits 1 at once (its streams already ended with an
-error), so a supervisor restarts it: never half alive. The "ready" line on stdout is printed
-only once the port accepts requests.
+and KV held for decode nodes `grace_period_s` seconds to finish or be pulled, abort the rest, free
+held blocks, close the transport and exit 0. If the engine dies the node exits 1 at once (its
+streams already ended with an error), so a supervisor restarts it: never half alive. The "ready"
+line on stdout is printed only once the port accepts requests.
 """
 
 from __future__ import annotations
@@ -122,7 +122,8 @@ async def serve(state: NodeState) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, state.shutdown.set)
     print(
-        f"duet {cfg.role if cfg.task == 'generate' else 'embed'} node ready on {cfg.security.own_scheme}://{cfg.host}:{cfg.port} node_id={state.node_id} "
+        f"duet {cfg.role if cfg.task == 'generate' else 'embed'} node ready on "
+        f"{cfg.security.own_scheme}://{cfg.host}:{cfg.port} node_id={state.node_id} "
         f"engine_id={state.engine_id} model={state.engine.model_name}",
         flush=True,
     )

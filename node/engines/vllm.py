@@ -1,7 +1,7 @@
 """VllmNodeEngine: vLLM's `AsyncLLM` behind the node seam (node.engine_api), `--engine vllm`.
 
-Only node/engines/vllm*.py import vLLM, each inside the code that needs it. vLLM runs in this process as `AsyncLLM` (its engine
-core and worker are child processes it manages). The adapter:
+Only node/engines/vllm*.py import vLLM, each inside the code that needs it. vLLM runs in this
+process as `AsyncLLM` (its engine core and worker are child processes it manages). The adapter:
 - builds AsyncLLM at construction (loading and compiling take minutes on a CPU, so the node's
   port opens only once the engine can answer); `start` watches it and reports its death;
 - turns duet's SamplingParams into vLLM's (node.engines.vllm_sampling: DELTA outputs,
@@ -221,7 +221,8 @@ class VllmNodeEngine:
         if self.dead is not None:
             raise self.dead if isinstance(self.dead, EngineDead) else EngineDead(str(self.dead))
         # vLLM indexes the logits with logit_bias's ids unchecked: an id outside the vocabulary
-        # would fail the engine core (every request), not this one. Refused as the native engine does.
+        # would fail the engine core (every request), not this one: refused, as the native
+        # engine does.
         bad = next((t for t in params.logit_bias if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise RequestRefused(
@@ -298,7 +299,8 @@ class VllmNodeEngine:
         # one consistent view.
         events, self._pending = self._pending, []
         hashes = await self.cached_block_hashes() if snapshot else None
-        # vLLM does not report queued prompt tokens per step; the waiting count is in the load frame.
+        # vLLM does not report queued prompt tokens per step; the load frame has the waiting
+        # count.
         return KVEventDrain(events=events, queued_prefill_tokens=0, block_hashes=hashes)
 
     def stats(self) -> dict[str, float]:

@@ -211,7 +211,8 @@ class VllmEngineConfig:
                 vbs += self.block_size
         if not isinstance(vbs, int) or vbs < 1 or vbs % self.block_size:
             raise ValueError(
-                f"--vllm-arg block_size={vbs!r} must be a multiple of --block-size {self.block_size}"
+                f"--vllm-arg block_size={vbs!r} must be a multiple of "
+                f"--block-size {self.block_size}"
             )
         return vbs
 

@@ -13,8 +13,9 @@ DESIGN §8), the salt read off the event's `extra_keys` (vLLM publishes the requ
 routes with.
 
 keeping a map vLLM hash → duet hashes for every cached block (a vLLM block may hold several
-duet blocks: vLLM's CPU attention needs blocks of 32 tokens, duet hashes 16), so `BlockRemoved` and the parents of
-later `BlockStored` events translate too, and the map's values are the node's snapshot.
+duet blocks: vLLM's CPU attention needs blocks of 32 tokens, duet hashes 16), so `BlockRemoved` and
+the parents of later `BlockStored` events translate too, and the map's values are the node's
+snapshot.
 
 Invariants:
 - only blocks whose whole chain is known are announced: a `BlockStored` whose parent the bridge

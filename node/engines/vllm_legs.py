@@ -12,8 +12,8 @@ The gateway drives these legs exactly as it drives native ones (DESIGN §1):
   `--allowed-peers` before the engine may contact it (a name must resolve inside the allowed
   networks; the engine is handed the address, not the name), and with a cluster the host of a
   registered prefill-capable node (an unregistered "prefill" poisons no cache); then the engine
-  pulls, decodes and streams. A failed pull is the engine's `kv_load_failure_policy` (`--failure-policy`):
-  recompute locally, or fail the request (an error answer / SSE error event).
+  pulls, decodes and streams. A failed pull is the engine's `kv_load_failure_policy`
+  (`--failure-policy`): recompute locally, or fail the request (an error answer / SSE error event).
 
 Nothing here is vLLM-specific code: only the role API (node.legs) and the engine interface
 (`handles_kv_transfer`, the typed `kv_transfer_params` of `add_request` and of the finishing

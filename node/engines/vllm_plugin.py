@@ -87,7 +87,8 @@ def _polling_progress_thread(api: Any, delay_us: int) -> None:
         return
     api.nixlBind = _PollingBindings(api.nixlBind, max(1, delay_us))
     log.info(
-        "NIXL agents in this vLLM process poll for progress every %d µs at most, not in a spin (%s)",
+        "NIXL agents in this vLLM process poll for progress every %d µs at most, "
+        "not in a spin (%s)",
         delay_us,
         ENV,
     )

@@ -25,7 +25,7 @@ def kv_params_to_vllm(p: KVTransferParams) -> dict[str, Any]:
 
 
 def kv_params_from_vllm(d: dict[str, Any] | None) -> KVTransferParams | None:
-    """vLLM connector's answer dict → duet's typed handoff (fields duet does not know are dropped)."""
+    """vLLM connector's answer dict → duet's typed handoff (fields unknown to duet are dropped)."""
     return None if d is None else msgspec.convert(d, KVTransferParams)
 
 

@@ -92,7 +92,10 @@ class VllmStream:
             reason = c.finish_reason if c is not None and out.finished else None
             error = None
             if reason == "error":
-                error = "vLLM failed the request (a KV load that failed under the fail policy, or an engine error)"
+                error = (
+                    "vLLM failed the request (a KV load that failed under the fail policy, "
+                    "or an engine error)"
+                )
             delta = Delta(
                 request_id=self.request_id,
                 new_token_ids=new_ids,

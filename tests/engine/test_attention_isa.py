@@ -1,6 +1,6 @@
-"""The attention, rope and norm kernels level against level: this checkout's kernels built for AVX2 +
-FMA (x86-64-v3, the path of CPUs without AVX-512), for the portable C (x86-64-v2) and, where this
-CPU runs it, for AVX-512 (skylake-avx512 / cooperlake), on the same inputs in one process.
+"""The attention, rope and norm kernels level against level: this checkout's kernels built for
+AVX2 + FMA (x86-64-v3, the path of CPUs without AVX-512), for the portable C (x86-64-v2) and, where
+this CPU runs it, for AVX-512 (skylake-avx512 / cooperlake), on the same inputs in one process.
 
 What each must hold (and why not more):
 - rope_store: bitwise across levels (the same products and roundings, lane for lane);

@@ -392,7 +392,8 @@ async def test_command_queued_when_the_engine_dies_fails_instead_of_hanging(
     tiny_llama: Path,
 ) -> None:
     """A command submitted while the fatal step runs is never executed; its caller must get
-    EngineDeadError, not wait forever (a request arriving at that moment hung the node's handler)."""
+    EngineDeadError, not wait forever (a request arriving at that moment hung the node's handler).
+    """
     import threading
 
     e = make_engine(tiny_llama)

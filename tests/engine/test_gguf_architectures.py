@@ -1,7 +1,7 @@
-"""GGUF files of architectures past the Llama family (Phi-3, Gemma 2, Gemma 3), written as llama.cpp's
-converter writes them (tests/fixtures/gguf_writer.py): engine/convert.py turns each into a model
-directory through transformers, and the engine runs it token-identically to transformers on the
-same directory."""
+"""GGUF files of architectures past the Llama family (Phi-3, Gemma 2, Gemma 3), written as
+llama.cpp's converter writes them (tests/fixtures/gguf_writer.py): engine/convert.py turns each into
+a model directory through transformers, and the engine runs it token-identically to transformers on
+the same directory."""
 
 from __future__ import annotations
 

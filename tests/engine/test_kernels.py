@@ -152,8 +152,8 @@ def test_argmax_rows_matches_torch_first_maximum(dtype: torch.dtype) -> None:
 def _long_prefill_step(
     dtype: torch.dtype, heads: int, kvh: int, dim: int, window: int | None, spike: bool = False
 ):
-    """Decodes beside three prefill chunks that cross many 32-key steps: a fresh 100-token prompt, 70
-    tokens after a 203-token cached prefix, and a single token after 40 (a 1-row work item).
+    """Decodes beside three prefill chunks that cross many 32-key steps: a fresh 100-token prompt,
+    70 tokens after a 203-token cached prefix, and a single token after 40 (a 1-row work item).
     `spike`: the keys of later blocks are 10x larger, so scores jump past a row's running max
     after its first steps (the accumulator must be rescaled)."""
     g = torch.Generator().manual_seed(7)

@@ -290,7 +290,8 @@ def test_bf16_greedy_agrees_with_fp32_at_least_as_often_as_transformers_bf16(smo
             theirs.append(out[0, len(p) :].tolist())
     ours_agree, theirs_agree = _agreement(ref, ours), _agreement(ref, theirs)
     print(
-        f"tokens before divergence from fp32 greedy: engine bf16 {ours_agree}, transformers bf16 {theirs_agree} "
+        f"tokens before divergence from fp32 greedy: engine bf16 {ours_agree}, "
+        f"transformers bf16 {theirs_agree} "
         f"of {n_new * len(prompts)}"
     )
     assert ours_agree >= theirs_agree

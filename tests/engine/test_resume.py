@@ -16,7 +16,10 @@ from protocol.resume import Resume
 from protocol.sampling import SamplingParams
 from text.tokenizer import Tokenizer
 
-TEXT = " héllo wörld, 日本語のテキスト 🙂🙂 and STOP-ish words: a stop string STOP here, more text after"
+TEXT = (
+    " héllo wörld, 日本語のテキスト 🙂🙂 and STOP-ish words: "
+    "a stop string STOP here, more text after"
+)
 
 
 def _run(state: TextState, ids: list[int]) -> tuple[list[str], str | None]:

@@ -1,7 +1,8 @@
 """W8A8: the int8 GEMM kernels against `w8a8_reference`, bit for bit — integer sums are
 exact, so the AMX, VNNI and portable paths, the decode and batched calls, and torch all agree —
-activation groups (one scale per group of inputs: int8-w8a8's down) included — and the engine's greedy output under int8-w8a8 / int4-w4a8 equals the same model computed with
-the torch reference arithmetic (DUET_DISABLE_KERNELS), token for token."""
+activation groups (one scale per group of inputs: int8-w8a8's down) included — and the engine's
+greedy output under int8-w8a8 / int4-w4a8 equals the same model computed with the torch reference
+arithmetic (DUET_DISABLE_KERNELS), token for token."""
 
 from __future__ import annotations
 
@@ -311,7 +312,8 @@ def test_smoothing_is_an_exact_reparametrization(tiny_llama: Path) -> None:
                 "post_attention_layernorm.weight",
             )
         )
-        # each q head reads its kv head's v rows; v's and up's columns carry their input norm's scale
+        # each q head reads its kv head's v rows; v's and up's columns carry their input
+        # norm's scale
         same(new[o] @ (new[v][kv_of] * new[n1]), raw[o] @ (raw[v][kv_of] * raw[n1]))
         assert not torch.equal(new[o], raw[o])  # something did move
         same(new[down] @ (new[up] * new[n2]), raw[down] @ (raw[up] * raw[n2]))
