@@ -328,7 +328,8 @@ class AsyncEngine:
                 # its next load frame (node/kv_events.py `took`), and the coordinator then stops
                 # counting its own reservation (coordinator/nodes.py). Counters as of the last step
                 # would miss the request for up to a step — 0.7-1.4 s for a long prompt's chunk on
-                # one CPU thread — and routing would send the next requests to a node that looked idle.
+                # one CPU thread — and routing would send the next requests to a node that
+                # looked idle.
                 self._publish()
                 return added
 
@@ -527,7 +528,8 @@ class AsyncEngine:
         return await self._submit(lambda: fn(self.core))
 
     def stats(self) -> dict[str, float]:
-        """The counters as of the last step or the last request added (cheap, lock-free snapshot)."""
+        """The counters as of the last step or the last request added (a cheap, lock-free
+        snapshot)."""
         return self._stats
 
 

@@ -224,7 +224,8 @@ class EngineCore(Residency):
         )
         if bad is not None:
             raise RequestError(
-                f"logit_bias names token id {bad}, outside the vocabulary [0, {self.model_config.vocab_size})"
+                f"logit_bias names token id {bad}, outside the vocabulary "
+                f"[0, {self.model_config.vocab_size})"
             )
         if params.lora_name is not None and (why := self.lora_refusal(params.lora_name)):
             raise RequestError(why)

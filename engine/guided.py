@@ -234,7 +234,8 @@ class GuidedDecoding:
             for j, (r, _) in enumerate(rows):
                 np.copyto(xn[r], -np.inf, where=banned[j])
         dead = {
-            r: f"no token satisfies the guide: {m.get_error().strip() or 'the grammar allows nothing here'}"
+            r: "no token satisfies the guide: "
+            f"{m.get_error().strip() or 'the grammar allows nothing here'}"
             for (r, _), m, b in zip(rows, matchers, banned.all(axis=1).tolist(), strict=True)
             if b
         }
@@ -242,7 +243,8 @@ class GuidedDecoding:
 
     def advance(self, request_id: str, token: int) -> bool:
         """Feed the request's accepted token to its matcher; True when the grammar is complete.
-        Raises GuideError if the token leaves the grammar (a masked row cannot, unless it failed)."""
+        Raises GuideError if the token leaves the grammar (a masked row cannot, unless the
+        mask failed)."""
         m = self._matchers.get(request_id)
         if m is None:
             return False

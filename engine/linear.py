@@ -11,8 +11,8 @@ verification or in a prefill, which oneDNN, choosing its kernel by the row count
 promise (bf16 speculation was not greedy-identical on Zen 4/5 with oneDNN). Measured against
 oneDNN's prepacked call on SmolLM2's shapes, 2 threads: AMX Xeon 1.3-2.4x at 1-32 rows, 0.8-1.2x
 at 512; Zen 4 (vdpbf16ps) 1.2-2.0x at one row, 0.9-2.7x at 2-8, 0.8-1.6x at 16-128, 0.7-1.2x at
-512 (a 512-token prefill's four linears together 0.98-1.01x). bench.engine_tiers measures the engine (W2
-is single-stream decode). `DUET_BF16_LINEAR=onednn` keeps oneDNN there (an A/B switch for
+512 (a 512-token prefill's four linears together 0.98-1.01x). bench.engine_tiers measures the engine
+(W2 is single-stream decode). `DUET_BF16_LINEAR=onednn` keeps oneDNN there (an A/B switch for
 benchmarks, not a fallback).
 
 A prepacked weight is reordered once into oneDNN's blocked layout, which skips the per-call
@@ -60,8 +60,8 @@ def cpu_can_prepack_bf16() -> bool:
     if any(need <= flags for need in _BF16_REORDER_ISA):
         return True
     log.info(
-        "bf16 linear layers use F.linear: oneDNN's bf16 weight prepacking needs AVX-512 BW/VL/DQ or "
-        "AVX-NE-CONVERT, which this CPU lacks"
+        "bf16 linear layers use F.linear: oneDNN's bf16 weight prepacking needs "
+        "AVX-512 BW/VL/DQ or AVX-NE-CONVERT, which this CPU lacks"
     )
     return False
 

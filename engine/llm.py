@@ -32,8 +32,9 @@ class CompletionOutput:
 
 
 class LLM:
-    """`LLM(model=..., **EngineConfig fields)`, e.g. `LLM("smollm2-135m-instruct", quantization="int4")`
-    for weight-only int4 linears (see engine/quant.py; `duet models pull --quantize` caches them)."""
+    """`LLM(model=..., **EngineConfig fields)`, e.g. `LLM("smollm2-135m-instruct",
+    quantization="int4")` for weight-only int4 linears (see engine/quant.py; `duet models pull
+    --quantize` caches them)."""
 
     def __init__(self, model: str = EngineConfig.model, **kwargs: Any) -> None:
         self.engine = EngineCore(EngineConfig(model=model, **kwargs))

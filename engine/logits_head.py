@@ -7,9 +7,9 @@ and -1.965). vLLM's sampler works on fp32 logits; so does ours: every product of
 is exact in fp32 and the sums accumulate in fp32, so the logits carry no bf16 rounding at all.
 
 Paths: a bf16 weight on the CPU with the native kernels → `logits_bf16` (AMX tiles where the CPU
-has them, else vdpbf16ps where it has avx512_bf16, or its two FMAs on AVX2); a quantized weight → its QLinear kernel
-storing the fp32 accumulator (a batch of BF16_GEMM_MIN_ROWS rows or more: its bf16 GEMM path over
-the input's two bf16 halves, below); an fp32
+has them, else vdpbf16ps where it has avx512_bf16, or its two FMAs on AVX2); a quantized weight →
+its QLinear kernel storing the fp32 accumulator (a batch of BF16_GEMM_MIN_ROWS rows or more: its
+bf16 GEMM path over the input's two bf16 halves, below); an fp32
 engine → F.linear as before (the transformers-parity path). Elsewhere (CUDA, no kernels) the
 weight is converted to fp32 a tile of rows at a time, so no fp32 copy of the matrix exists.
 

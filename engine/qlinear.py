@@ -9,24 +9,24 @@ has AMX or AVX-512 BF16: weight panels dequantized to bf16 in cache and the bf16
 bf16 model (engine/kernels/qgemm_bf16.h), so the cost is that GEMM plus one O(n k) dequant
 amortized over the rows; activations stay bf16 (weight-only arithmetic). On AVX2 CPUs batches of
 that many rows, bf16 or fp32, take the fp32 panel GEMM the bf16 weights use there
-(engine/kernels/qgemm_f32.h: weights dequantized exactly, fp32 sums). Elsewhere (CUDA, no compiler, DUET_DISABLE_KERNELS) it
-dequantizes a tile of output rows at a time with torch and runs F.linear on it, so no full
-dequantized copy of the matrix ever exists.
+(engine/kernels/qgemm_f32.h: weights dequantized exactly, fp32 sums). Elsewhere (CUDA, no compiler,
+DUET_DISABLE_KERNELS) it dequantizes a tile of output rows at a time with torch and runs F.linear on
+it, so no full dequantized copy of the matrix ever exists.
 
 With `act_int8` (the int8-w8a8 / int4-w4a8 schemes) the activations are quantized per token
 to int8 and the GEMM sums int8 products in int32 (`qlinear_w8a8`: AMX, VNNI or portable; torch:
 `w8a8_reference`, the same bits) over the weight's int8 form (`int8_for_gemm`), packed once into
 the kernels' blocked layout; a linear in the scheme's `ACT_GROUPS` has one activation scale per
-group of inputs instead of one per token. int4-w4a8 keeps its packed int4 for one-row calls (single-stream
-decode reads half the bytes, weight-only), and uses the int8 form for batches and prefill.
+group of inputs instead of one per token. int4-w4a8 keeps its packed int4 for one-row calls
+(single-stream decode reads half the bytes, weight-only) and the int8 form for batches and prefill.
 
 Invariant: the weight-only paths compute x @ dequantize(w)^T (+ bias) with fp32 accumulation on
 the CPU (the bf16 GEMM path: int8 q exact and the scale in fp32, int4 weights rounded to bf16;
 within bf16 tolerance of the others, `bf16_gemm_reference`), the W8A8 paths w8a8_reference; the
 result is rounded once to the activation dtype. Below BF16_GEMM_MIN_ROWS every path is bitwise
 equal to the one-row GEMV, so small decode batches and speculative verification (k + 1 rows)
-compute a sequence's tokens exactly as single-stream decode does. With CI=true a missing kernel library is an
-error, not a silent torch fallback (DESIGN §6), unless DUET_DISABLE_KERNELS asks for torch.
+compute a sequence's tokens exactly as single-stream decode does. With CI=true a missing kernel
+library is an error, never a silent torch fallback (DESIGN §6); DUET_DISABLE_KERNELS picks torch.
 """
 
 from __future__ import annotations
@@ -113,12 +113,14 @@ class QLinear:
             else (w.q.data_ptr(), w.scales.data_ptr(), w.mins.data_ptr(), w.group)
         )
         self.w8: QuantizedWeight | None = None
-        #: inputs per activation scale of the W8A8 GEMM (0: one scale per token; engine/quant.py::ACT_GROUPS)
+        #: inputs per activation scale of the W8A8 GEMM (0: one scale per token;
+        #: engine/quant.py::ACT_GROUPS)
         self.act_group = act_group if act_int8 else 0
         if act_int8:
             self.w8 = int8_for_gemm(weight)
             self._packed, self._wsum = pack_w8a8(self.w8.q.cpu(), self.act_group)
-            #: the W8A8 kernel's weight arguments (packed int8, scales, wsum), as qlinear_w8a8 and decode_layers take them
+            #: the W8A8 kernel's weight arguments (packed int8, scales, wsum), as qlinear_w8a8
+            #: and decode_layers take them
             self.w8_args = (
                 self._packed.data_ptr(),
                 self.w8.scales.data_ptr(),

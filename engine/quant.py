@@ -24,9 +24,9 @@ products accumulate in int32. `int8-w8a8`'s weights are quantized after SmoothQu
 smoothing (engine/quant_smooth.py: per-input-channel scales from a calibration pass, folded into
 the norms and the v / up rows), so they are not the weight-only matrices and do not use their
 cache; `int4-w4a8` keeps the int4 weights as they are (a 4-bit checkpoint's groups are recovered
-exactly; smoothed and requantized they cost more than smoothing saves: quant_smooth.SCHEMES). The lm_head keeps the weight-only int8 path (fp32 logits). The KV
-cache stays in the engine dtype. The W8A8 kernels read the weights in a blocked layout
-(`pack_w8a8`).
+exactly; smoothed and requantized they cost more than smoothing saves: quant_smooth.SCHEMES). The
+lm_head keeps the weight-only int8 path (fp32 logits). The KV cache stays in the engine dtype. The
+W8A8 kernels read the weights in a blocked layout (`pack_w8a8`).
 
 Invariant: `dequantize(quantize(w))` is exactly what the kernels multiply by (int4: one FMA,
 as the kernels build their lookup table; int8: q as fp32, the scale applied to the dot product).
@@ -194,7 +194,8 @@ def _round_q(g: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 def _candidate(g: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
-    """(d, m, q, squared error) of one choice of fp16 d and m, with w = fp32(d q + m) as dequantized."""
+    """(d, m, q, squared error) of one choice of fp16 d and m, with w = fp32(d q + m) as it
+    dequantizes."""
     if not torch.isfinite(d.float()).all() or not torch.isfinite(m.float()).all():
         d = torch.where(torch.isfinite(d), d, torch.zeros_like(d))
         m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))

@@ -126,7 +126,8 @@ def smooth_raw(
     alpha: float = ALPHA,
     parts: frozenset[str] = SMOOTHED,
 ) -> None:
-    """Smooth the raw checkpoint tensors of `parts` in place (fp32 from here on); see the module docstring."""
+    """Smooth the raw checkpoint tensors of `parts` in place (fp32 from here on); the module
+    docstring says how."""
     nh, nkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     group = nh // nkv
     names = {

@@ -1,8 +1,8 @@
 """ModelRunner: owns the weights and the KV pool, turns scheduled chunks into one forward pass.
 
 The pool is one tensor, block-major `[num_blocks, layers, 2, block_size, kv_heads, head_dim]`
-(DESIGN §3; head_dim + 4 scale bytes per row in an int8 pool: engine/kv_quant.py), so a block is a contiguous byte range the transport can move as one region;
-`kv_layout` describes it for kvtransfer.
+(DESIGN §3; head_dim + 4 scale bytes per row in an int8 pool: engine/kv_quant.py), so a block is a
+contiguous byte range the transport can move as one region; `kv_layout` describes it for kvtransfer.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 Greedy rows take the argmax (the same token transformers' greedy search picks: the first
 maximum), with the `argmax_rows` CPU kernel when available, on the logits as they come: fp32
 from the model in every dtype (engine/logits_head.py), so a bf16 engine no longer ties tokens
-whose logits differ below bf16's precision. Sampled rows are processed together in fp32 for temperature, min-p
-(vLLM's), top-k and top-p, then
+whose logits differ below bf16's precision. Sampled rows are processed together in fp32 for
+temperature, min-p (vLLM's), top-k and top-p, then
 each draws with its own `torch.Generator` when it has a seed, so its tokens do not depend on
 what else is batched. A migrated request (`params.resume`) first advances its generator by the
 draws its already-streamed tokens took on the node that sampled them: `torch.multinomial` of one
@@ -12,8 +12,8 @@ sample draws one exponential per vocabulary entry whatever the probabilities, so
 over the same vocabulary leave the generator where the first node's was.
 
 Penalties, logit_bias and a guide's mask reach here already applied to the logits
-(engine/logits_process.py, engine/guided.py). `token_logprobs` scores tokens under the raw distribution (see there); it is used only for
-requests that ask for logprobs.
+(engine/logits_process.py, engine/guided.py). `token_logprobs` scores tokens under the raw
+distribution (see there); it is used only for requests that ask for logprobs.
 
 Invariant: the returned list has one token per input row, in row order. A row that cannot be
 sampled (non-finite probabilities, a greedy row whose chosen logit is NaN or infinite, a

@@ -115,7 +115,8 @@ class Scheduler:
         self.num_preemptions = 0
         #: speculative decoding: draft tokens for a decoding request ([] for none)
         self.drafter: Callable[[Request, int], list[int]] | None = None
-        #: called once before a drafting step with its decoding requests (a draft model batches them)
+        #: called once before a drafting step with its decoding requests (a draft model
+        #: batches them)
         self.prepare_drafts: Callable[[list[Request]], None] | None = None
         self.spec_max_batch = 0
         #: with an ITL target: the step-time model, and the shape of the step scheduled last

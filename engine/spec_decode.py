@@ -139,7 +139,8 @@ class Speculator:
             raise ValueError("num_speculative_tokens must be at least 1")
         if (method in DRAFT_METHODS) != (model is not None):
             raise ValueError(
-                f"speculative method {method!r} {'needs' if model is None else 'takes no'} draft model"
+                f"speculative method {method!r} "
+                f"{'needs' if model is None else 'takes no'} draft model"
             )
         self.max_k = max_k
         self.max_model_len = max_model_len
@@ -282,7 +283,8 @@ def build_speculator(
         )
     elif config.speculative_model:
         raise ValueError(
-            f"speculative_model is for the draft-model methods ({', '.join(DRAFT_METHODS)}), not {method!r}"
+            "speculative_model is for the draft-model methods "
+            f"({', '.join(DRAFT_METHODS)}), not {method!r}"
         )
     return Speculator(
         method, num_speculative_tokens(config), max_model_len, sampler, model, target.vocab_size

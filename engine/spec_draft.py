@@ -18,8 +18,8 @@ seen yet: the last token, often one accepted draft or bonus token more; the whol
 first time, in chunks of at most `chunk_tokens` per step for all requests together — so a decode
 node that receives long prompts' KV does not stall a step on the draft's prefill; a chunk that
 does not reach the end drafts nothing this step), then k - 1 single-token steps batched over
-the requests still drafting. Greedy requests draft the argmax; sampled ones draw from the draft's own distribution q (same
-temperature/top-k/top-p), which verification needs (returned per request).
+the requests still drafting. Greedy requests draft the argmax; sampled ones draw from the draft's
+own distribution q (same temperature/top-k/top-p), which verification needs (returned per request).
 
 Invariant: a request's draft state never claims K/V for a token the request does not have at
 that position, and `len(tokens) <= num_tokens - 1` when a draft starts (the last token is fed
@@ -67,7 +67,8 @@ def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
     diff = next((t for t in sorted(a.keys() | b.keys()) if a.get(t) != b.get(t)), None)
     raise DraftTokenizerMismatch(
         f"the speculative model {draft_dir} has a different tokenizer from the target {target_dir} "
-        f"({len(b)} tokens against {len(a)}; token {diff!r} is id {b.get(diff)} there and {a.get(diff)} here): "
+        f"({len(b)} tokens against {len(a)}; token {diff!r} is id {b.get(diff)} there and "
+        f"{a.get(diff)} here): "
         "a draft model must share the target's tokenizer"
     )
 
@@ -130,7 +131,8 @@ class DraftModel:
 
     def _sync(self, req: Request, seq: DraftSeq) -> None:
         """Cut `seq.tokens` back to the longest prefix the request has, short of its last token.
-        Tokens only ever append to a request, so only what was drafted after `confirmed` can differ."""
+        Tokens only ever append to a request, so only what was drafted after `confirmed`
+        can differ."""
         limit = min(len(seq.tokens), req.num_tokens - 1)
         n = min(seq.confirmed, limit)
         while n < limit and seq.tokens[n] == req.token_at(n):

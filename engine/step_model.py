@@ -178,9 +178,10 @@ class OnlineStepModel:
 
 
 def nnls(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Weighted least squares (the simulator's offline fit, sim/profile.py, uses it too) with coefficients ≥ 0 (active set: drop the most negative one and
-    refit until none is; 5 features, at most 5 refits). Columns are scaled to unit size first:
-    the attention feature is ~10⁶ times the intercept's."""
+    """Weighted least squares (the simulator's offline fit, sim/profile.py, uses it too) with
+    coefficients ≥ 0 (active set: drop the most negative one and refit until none is; 5 features, at
+    most 5 refits). Columns are scaled to unit size first: the attention feature is ~10⁶ times the
+    intercept's."""
     xw, yw = x * w[:, None], y * w
     scale = np.abs(xw).max(axis=0)
     active = [j for j in range(x.shape[1]) if scale[j] > 0]

@@ -2,10 +2,10 @@
 
 Compiled once per machine into `$DUET_KERNEL_CACHE` (default `$DUET_HOME/kernels/`; keyed by
 compiler, sources, flags and CPU features, written atomically, built by one process at a time
-under a file lock while the others wait for its result), in about a second alone. Linked against the OpenMP runtime torch
-already loaded, so kernels and torch share one thread pool (two pools spinning on two cores
-is catastrophic). When no compiler is available or a source fails to compile, the engine
-falls back to torch ops with one warning, except in strict mode (`CI=true`,
+under a file lock while the others wait for its result), in about a second alone. Linked against the
+OpenMP runtime torch already loaded, so kernels and torch share one thread pool (two pools spinning
+on two cores is catastrophic). When no compiler is available or a source fails to compile, the
+engine falls back to torch ops with one warning, except in strict mode (`CI=true`,
 runtime/strict.py) where that raises `FallbackRefused` with the compiler's error, so CI never
 passes on the torch path. DUET_DISABLE_KERNELS=1 is a deliberate choice and allowed in
 strict mode too; it is logged as such.
@@ -18,10 +18,10 @@ says which level a build carries.
 
 Kernels (see each .c file): `paged_attention` (attention of any step token against the paged
 pool), `prefill_attention` (the same for prefill tokens, in query blocks; on AMX CPUs its
-tile path `prefill_attention_amx`, which returns 1 where it does not apply) and `rope_store` (rotary embedding in place + K/V write to the pool), which take the
-step's shared arguments as a `Step` struct (step.h, mirrored in engine/kernel_step.py); and
-bf16 `rms_norm` / `add_rms_norm` / `silu_mul` and the fp32 residual stream's `res_norm_f32`
-(norm_act.c), `argmax_rows` (greedy
+tile path `prefill_attention_amx`, which returns 1 where it does not apply) and `rope_store` (rotary
+embedding in place + K/V write to the pool), which take the step's shared arguments as a `Step`
+struct (step.h, mirrored in engine/kernel_step.py); and bf16 `rms_norm` / `add_rms_norm` /
+`silu_mul` and the fp32 residual stream's `res_norm_f32` (norm_act.c), `argmax_rows` (greedy
 sampling, argmax.c), the weight-only quantized linears `qlinear_int8` / `qlinear_int4`
 (qgemv_int8.c, qgemv_int4.c, shared parts in qgemm.h; `qlinear_int4_path` says whether bf16
 activations take int4's vdpbf16ps path) and their bf16-GEMM forms for large
@@ -186,7 +186,8 @@ def kernels_lib() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (torch fallback; FallbackRefused in strict mode)."""
     if os.environ.get("DUET_DISABLE_KERNELS"):
         log.info(
-            "DUET_DISABLE_KERNELS is set: CPU kernels disabled on purpose, the engine uses torch ops"
+            "DUET_DISABLE_KERNELS is set: CPU kernels disabled on purpose, "
+            "the engine uses torch ops"
         )
         return None
     import torch  # noqa: F401 - load torch's libgomp first so the kernels bind to it
