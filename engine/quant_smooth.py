@@ -70,6 +70,12 @@ class _Recorder:
         self.amax = m if self.amax is None else torch.maximum(self.amax, m)
         return self.inner(x, *a, **kw)
 
+    def recorded(self) -> torch.Tensor:
+        """The amax over what the layer was fed (it must have been fed)."""
+        if self.amax is None:
+            raise ValueError(f"the calibration text must be longer than {SKIP} tokens")
+        return self.amax
+
 
 @torch.inference_mode()
 def activation_ranges(
@@ -110,7 +116,7 @@ def activation_ranges(
             break
         md = build_metadata(bs, [], [(blocks, 0, len(chunk))], cfg.sliding_window, dev)
         model.hidden_states(torch.tensor(chunk), kv, md, torch.tensor([len(chunk) - 1]))
-    return [{p: r.amax for p, r in layer.items()} for layer in recs]
+    return [{p: r.recorded() for p, r in layer.items()} for layer in recs]
 
 
 def _scales(a: torch.Tensor, w: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -342,3 +342,13 @@ def test_int4_w4a8_keeps_the_int4_weights_unsmoothed(tiny_llama: Path) -> None:
     assert not torch.equal(
         smoothed.layers[0].input_norm, int8.layers[0].input_norm
     )  # int8-w8a8 is smoothed
+
+
+def test_calibration_shorter_than_the_skipped_rows_is_refused(tiny_llama: Path) -> None:
+    """A calibration text of at most SKIP tokens feeds no layer: a clear error, not ranges of
+    None that fail later inside the smoothing arithmetic."""
+    from engine.model_config import ModelConfig
+    from engine.quant_smooth import activation_ranges
+
+    with pytest.raises(ValueError, match="calibration text must be longer"):
+        activation_ranges(tiny_llama, ModelConfig.from_dir(tiny_llama), text="hi")
