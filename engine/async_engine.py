@@ -128,7 +128,8 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
         self.core = core or EngineCore(config)
         self.config = config
-        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        #: commands for the engine thread, run for their effect (a result is dropped); None: stop
+        self._commands: queue.SimpleQueue[Callable[[], object] | None] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         #: futures of submitted commands not yet answered (failed if the engine dies first)
         self._pending: set[asyncio.Future[Any]] = set()
@@ -166,7 +167,7 @@ class AsyncEngine:
         """Native id of the engine thread (for per-thread CPU accounting)."""
         return None if self._thread is None else self._thread.native_id
 
-    def _wait_command(self) -> Callable[[], None] | None:
+    def _wait_command(self) -> Callable[[], object] | None:
         """Sleep until a command arrives or the core's next deadline passes (then a no-op)."""
         deadline = self.core.next_deadline()
         timeout = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -68,11 +68,13 @@ class DecLayer(ctypes.Structure):
 
 def _linear(f: QLinear | Linear) -> DecLinear:
     if isinstance(f, Linear):
+        weight = f.panels if f.panels is not None else f.weight
+        assert weight is not None  # build() takes a Linear with panels, or with lib32 and weight
         return DecLinear(
             kind=DecKind.BF16 if f.panels is not None else DecKind.F32,
             k=f.in_features,
             n=f.out_features,
-            q=(f.panels if f.panels is not None else f.weight).data_ptr(),
+            q=weight.data_ptr(),
             bias=0 if f.bias is None else f.bias.data_ptr(),
         )
     w = f.weight

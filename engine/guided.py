@@ -94,7 +94,7 @@ class GuidedDecoding:
         self.vocab_size = vocab_size
         self._eos = sorted(eos_token_ids)
         self._cache_size = cache_size
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
         self._tokenizer: Any = None  # built on first use (~0.4 s): engines without guides never pay
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None

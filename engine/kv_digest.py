@@ -33,14 +33,14 @@ class PoolBytes:
     def view(self, block_id: int) -> memoryview:
         """The block's bytes (zero-copy on a host pool)."""
         row = self._raw[block_id]
-        return memoryview((row if self.on_host else row.cpu()).numpy()).cast("B")
+        return (row if self.on_host else row.cpu()).numpy().data.cast("B")
 
     def write(self, block_id: int, data: memoryview) -> None:
         """Overwrite the block with `data` (`block_bytes` long). On a host pool a plain memcpy on
         this thread: a tensor copy would wake torch's thread pool for every block, which costs
         milliseconds on a busy machine."""
         if self.on_host:
-            memoryview(self._raw[block_id].numpy()).cast("B")[:] = data
+            self._raw[block_id].numpy().data.cast("B")[:] = data
         else:
             self._raw[block_id].copy_(torch.frombuffer(data, dtype=torch.uint8))
 

@@ -106,8 +106,9 @@ def share(kv: KVCacheManager, hashes: Sequence[int], root: int) -> tuple[list[in
     spill tier (checked) — each referenced once more for a peer that pulls them, with their
     digests. The caller frees them when the peer is done."""
     tiers, blocks, digests = kv.tiers, [], []
-    for h in hashes if tiers is not None else ():
-        tiers.pin(h)
+    if tiers is not None:
+        for h in hashes:
+            tiers.pin(h)
     try:
         for i, h in enumerate(hashes):
             b = kv.pool.lookup(h)
@@ -123,8 +124,9 @@ def share(kv: KVCacheManager, hashes: Sequence[int], root: int) -> tuple[list[in
             blocks.append(b)
             digests.append(kv.pool.digest(b) or 0)
     finally:
-        for h in hashes if tiers is not None else ():
-            tiers.unpin(h)
+        if tiers is not None:
+            for h in hashes:
+                tiers.unpin(h)
     return blocks, digests
 
 

@@ -38,7 +38,7 @@ class HostStore:
         self._slab = torch.empty((max(slots, 0), block_bytes), dtype=torch.uint8)
         if pinned and slots:
             self._slab = self._slab.pin_memory()
-        self._mv = memoryview(self._slab.numpy()).cast("B")
+        self._mv = self._slab.numpy().data.cast("B")
         self._free = list(range(slots - 1, -1, -1))
 
     @property

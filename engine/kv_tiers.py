@@ -215,7 +215,7 @@ class KVTiers:
     def _read_disk(self, block_hash: int, block_id: int) -> None:
         assert self.disk is not None
         if self.pool.on_host:
-            self.disk.read_into(block_hash, memoryview(self.pool.row(block_id).numpy()))
+            self.disk.read_into(block_hash, self.pool.row(block_id).numpy().data)
             return
         staged = bytearray(self.pool.block_bytes)
         self.disk.read_into(block_hash, memoryview(staged))

@@ -203,6 +203,7 @@ class Linear:
         ):
             return self._own32(x)
         if self.panels is not None:
+            assert self.lib is not None  # the panels come with the library that packed them
             if x.dtype == torch.float32 and self.lib.qgemm_bf16_isa() == AVX2_GEMM:
                 return self._own(x)  # AVX2 widens the weights to fp32 anyway: fp32 rows as they are
             if x.dtype != torch.bfloat16:
@@ -210,6 +211,7 @@ class Linear:
             return self._own(x)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        assert self.weight is not None  # neither panels nor a packed copy replaced it
         return F.linear(x, self.weight, self.bias)
 
     def _own32(self, x: torch.Tensor) -> torch.Tensor:
@@ -217,6 +219,7 @@ class Linear:
             x = x.contiguous()
         m = x.shape[0]
         out = torch.empty((m, self.out_features), dtype=torch.float32)
+        assert self.lib32 is not None and self.weight is not None  # set together, fp32 only
         self.lib32.linear_f32(
             x.data_ptr(),
             x.stride(0),
@@ -237,6 +240,7 @@ class Linear:
             x2 = x2.contiguous()
         m = x2.shape[0]
         out = torch.empty((m, self.out_features), dtype=x2.dtype)
+        assert self.lib is not None and self.panels is not None  # _own runs on the panels
         if m and x2.dtype == torch.float32:
             b32 = None if self.bias is None else self.bias.float()  # held until the call returns
             rc = self.lib.linear_bf16_xf32(

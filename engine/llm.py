@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
@@ -29,6 +29,15 @@ class CompletionOutput:
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+def _prompt_list(
+    prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+) -> list[str | Sequence[int]]:
+    """One prompt (a string or token ids) alone, or a sequence of prompts, as a list of prompts."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [cast("str | Sequence[int]", prompts)]  # one prompt: its first item is an id
+    return list(cast("Sequence[str | Sequence[int]]", prompts))  # not a string nor ids
 
 
 class LLM:
@@ -55,9 +64,7 @@ class LLM:
         `lora_request` (vLLM's): the adapter of every prompt, or one per prompt (None: the base
         model); an adapter is loaded from its path the first time its name is seen (the engine
         needs max_loras > 0)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        plist = list(prompts)  # type: ignore[arg-type]
+        plist = _prompt_list(prompts)
         if params is None:
             params = SamplingParams()
         ps = [params] * len(plist) if isinstance(params, SamplingParams) else list(params)
@@ -128,8 +135,6 @@ class LLM:
     ) -> list[list[float]]:
         """L2-normalized embeddings of `prompts` (strings or token-id lists; engine/embed.py), in
         input order: `pooling` "last" (the last token's final hidden state) or "mean"."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
         tok = self.engine.tokenizer
-        ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in prompts]  # type: ignore[union-attr]
+        ids = [tok.encode(p) if isinstance(p, str) else list(p) for p in _prompt_list(prompts)]
         return self.engine.embed(ids, Pooling(pooling), dimensions).tolist()

@@ -49,7 +49,7 @@ def _joined(out: torch.Tensor, m: int) -> torch.Tensor:
 class LogitsHead:
     def __init__(self, weight: torch.Tensor | QuantizedWeight) -> None:
         self.q = QLinear(weight) if isinstance(weight, QuantizedWeight) else None
-        self.weight = None if self.q is not None else weight.contiguous()
+        self.weight = None if isinstance(weight, QuantizedWeight) else weight.contiguous()
         self.out_features = (
             weight.out_features if isinstance(weight, QuantizedWeight) else weight.shape[0]
         )
@@ -57,7 +57,7 @@ class LogitsHead:
         bf16 = self.weight is not None and self.weight.dtype == torch.bfloat16
         self.lib = kernels_lib() if (bf16 and dev.type == "cpu") else None
         #: what one row of logits reads of the weight
-        self.decode_bytes = self.q.decode_bytes if self.q is not None else self.weight.nbytes
+        self.decode_bytes = self.q.decode_bytes if self.q is not None else weight.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.q is not None:
@@ -76,6 +76,7 @@ class LogitsHead:
                 return _joined(q(_halves(x), torch.float32), x.shape[0])
             return q(x, torch.float32)
         w = self.weight
+        assert w is not None  # a head holds its QLinear or its weight
         if w.dtype == torch.float32:
             return F.linear(x.float(), w)
         if self.lib is not None and x.dtype in (torch.bfloat16, torch.float32):

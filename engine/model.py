@@ -171,6 +171,7 @@ class LlamaModel:
         if self.fused32:
             return self._norm32(x, None, weight)
         if self.fused:
+            assert self.kernels is not None  # fused: the kernels are loaded
             out = torch.empty_like(x)
             self.kernels.rms_norm_bf16(
                 x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], self.eps
@@ -185,6 +186,7 @@ class LlamaModel:
         if self.fused32:
             return self._norm32(h, delta, weight)
         if self.fused:
+            assert self.kernels is not None  # fused: the kernels are loaded
             out = torch.empty_like(h)
             self.kernels.add_rms_norm_bf16(
                 h.data_ptr(),
@@ -203,6 +205,7 @@ class LlamaModel:
         self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
     ) -> torch.Tensor:
         """fp32 engines: h (+= delta, in place), normed, on the kernel (add_rms_norm_f32)."""
+        assert self.kernels is not None  # fused32: the kernels are loaded
         out = torch.empty_like(h)
         self.kernels.add_rms_norm_f32(
             h.data_ptr(),
@@ -222,6 +225,7 @@ class LlamaModel:
         once to the engine dtype (fp32 when `final`)."""
         out = torch.empty(h.shape, dtype=torch.float32 if final else self.dtype)
         if self.fused:
+            assert self.kernels is not None  # fused: the kernels are loaded
             self.kernels.res_norm_f32(
                 h.data_ptr(),
                 0 if delta is None else delta.data_ptr(),
@@ -246,10 +250,12 @@ class LlamaModel:
         for part, w in ((qkv[:, :nq], layer.q_norm), (qkv[:, nq : nq + nk], layer.k_norm)):
             heads = part.view(t, -1, d)
             normed = F.rms_norm(heads.float(), (d,), None, self.eps).to(qkv.dtype)
+            assert w is not None  # Qwen3 has both norms (_qk_norm runs where q_norm is set)
             heads.copy_(normed * w)
 
     def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.fused or self.fused32:
+            assert self.kernels is not None  # fused, fused32: the kernels are loaded
             out = torch.empty((gate_up.shape[0], self.inter), dtype=gate_up.dtype)
             fn = self.kernels.silu_mul_bf16 if self.fused else self.kernels.silu_mul_f32
             fn(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], self.inter)
@@ -316,6 +322,7 @@ class LlamaModel:
             if lib is not None:
                 lib.rope_store(ptr, i, qkv.data_ptr(), qkv.stride(0))
             else:
+                assert cos is not None and sin is not None  # set where lib is None
                 self.rope.store_torch(qkv, nh, kv_cache, i, md.slot_block, md.slot_offset, cos, sin)
             attn = paged_attention(qkv, nh, kv_cache, i, md, lib, ptr, self.kernel_prefill)
             x = self._add_norm(h, layer.o(attn), layer.post_norm)

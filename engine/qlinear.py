@@ -110,7 +110,7 @@ class QLinear:
         self._args = (
             (w.q.data_ptr(), w.scales.data_ptr())
             if w.scheme == "int8"
-            else (w.q.data_ptr(), w.scales.data_ptr(), w.mins.data_ptr(), w.group)
+            else (w.q.data_ptr(), w.scales.data_ptr(), w.int4_mins.data_ptr(), w.group)
         )
         self.w8: QuantizedWeight | None = None
         #: inputs per activation scale of the W8A8 GEMM (0: one scale per token;
@@ -150,6 +150,7 @@ class QLinear:
         return self._torch(x, out_dtype or x.dtype)
 
     def _kernel(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        assert self.lib is not None  # __call__ comes here only with the kernels
         if x.stride(-1) != 1:
             x = x.contiguous()
         m, k = x.shape
@@ -223,6 +224,7 @@ class QLinear:
         isa: int = 0,
     ) -> int:
         """The bf16 GEMM path (isa 0: the best this CPU has; 1 / 2 force AVX-512 BF16 / AMX)."""
+        assert self.lib is not None  # only QLinears on the kernels have a bf16 GEMM path
         fn = (
             self.lib.qlinear_int8_bf16
             if self.weight.scheme == "int8"
@@ -252,10 +254,10 @@ class QLinear:
         xc = x.to(cdt)
         out = torch.empty((*x.shape[:-1], n), dtype=out_dtype, device=x.device)
         for r0 in range(0, n, _TILE_ROWS):
-            rows = slice(r0, min(n, r0 + _TILE_ROWS))
-            w = dequantize(self.weight, rows).to(cdt)
-            b = None if self.bias is None else self.bias[rows].to(cdt)
-            out[..., rows] = F.linear(xc, w, b).to(out_dtype)
+            tile = slice(r0, min(n, r0 + _TILE_ROWS))
+            w = dequantize(self.weight, tile).to(cdt)
+            b = None if self.bias is None else self.bias[tile].to(cdt)
+            out[..., tile] = F.linear(xc, w, b).to(out_dtype)
         return out
 
 

@@ -86,6 +86,13 @@ class QuantizedWeight:
             t.numel() * t.element_size() for t in (self.q, self.scales, self.mins) if t is not None
         )
 
+    @property
+    def int4_mins(self) -> torch.Tensor:
+        """An int4 weight's mins (an int8 weight has none)."""
+        if self.mins is None:
+            raise ValueError(f"an {self.scheme} weight has no mins")
+        return self.mins
+
     def to(self, device: torch.device) -> QuantizedWeight:
         mins = None if self.mins is None else self.mins.to(device).contiguous()
         return QuantizedWeight(
@@ -181,7 +188,7 @@ def _fit_int4(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
         d1 = torch.where(d1 > 0, d1, d0.float())
         cand = _candidate(g, d1.half(), m1.half())
         better = cand[3] < best[3]
-        best = tuple(torch.where(better, c, b) for c, b in zip(cand, best, strict=True))  # type: ignore[assignment]
+        best = tuple(torch.where(better, c, b) for c, b in zip(cand, best, strict=True))
     d, m, q, _ = best
     return d.squeeze(1), m.squeeze(1), q
 
@@ -233,7 +240,7 @@ def dequantize(qw: QuantizedWeight, rows: slice = slice(None)) -> torch.Tensor:
     q = q.reshape(n, -1, qw.group).double()
     # d * q + m rounded once, like the kernels' FMA: the float64 result is exact (q has 4 bits,
     # d and m 11-bit fp16 significands within fp16's exponent range), so one rounding remains
-    w = q * qw.scales[rows].double()[..., None] + qw.mins[rows].double()[..., None]
+    w = q * qw.scales[rows].double()[..., None] + qw.int4_mins[rows].double()[..., None]
     return w.float().reshape(n, qw.in_features)
 
 

@@ -121,7 +121,8 @@ class ModelRunner:
             self.device,
         )
         ordered = decodes + prefills
-        sample_rows, samplers, row = [], [], 0
+        sample_rows: list[int] = []
+        samplers, row = [], 0
         extra_rows: list[int] = []
         prompt: list[tuple[ScheduledChunk, int, int]] = []  # (chunk, first position, count)
         for c in ordered:

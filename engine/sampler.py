@@ -205,12 +205,12 @@ def token_logprobs(
     )
     k = min(max(num_top), lp.shape[-1])
     top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())
-    top_v, top_i = top_v.tolist(), top_i.tolist()
+    vals, ids = top_v.tolist(), top_i.tolist()
     return [
         TokenLogprob(
             token_id=t,
             logprob=chosen[r],
-            top=list(zip(top_i[r][: num_top[r]], top_v[r][: num_top[r]], strict=True)),
+            top=list(zip(ids[r][: num_top[r]], vals[r][: num_top[r]], strict=True)),
         )
         for r, t in enumerate(token_ids)
     ]

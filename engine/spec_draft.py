@@ -64,7 +64,8 @@ def check_same_tokenizer(target_dir: Path, draft_dir: Path) -> None:
     )
     if a == b:
         return
-    diff = next((t for t in sorted(a.keys() | b.keys()) if a.get(t) != b.get(t)), None)
+    # a != b: some token's ids differ
+    diff = next(t for t in sorted(a.keys() | b.keys()) if a.get(t) != b.get(t))
     raise DraftTokenizerMismatch(
         f"the speculative model {draft_dir} has a different tokenizer from the target {target_dir} "
         f"({len(b)} tokens against {len(a)}; token {diff!r} is id {b.get(diff)} there and "
@@ -183,7 +184,7 @@ class DraftModel:
         if not feeds:
             return {}
         # step 1: every request's pending tokens; its last row gives the first draft token
-        chains = {req.request_id: [] for req, _, _, k in feeds if k > 0}
+        chains: dict[str, list[int]] = {req.request_id: [] for req, _, _, k in feeds if k > 0}
         qs: dict[str, list[torch.Tensor]] = {rid: [] for rid in chains}
         rows = self._forward([(seq, pending) for _, seq, pending, _ in feeds])
         for _, seq, _, _ in feeds:

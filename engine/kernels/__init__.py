@@ -45,6 +45,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import cast
 
 from engine.cpu import cpu_flags
 from runtime.models import duet_home
@@ -66,7 +67,7 @@ _BASE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-fno-math-errno", "
 # Attention may reassociate (its sums are reductions anyway); rope and the bf16 norms must round
 # exactly where torch / transformers do, so they get neither reassociation nor FMA contraction.
 _REASSOC = ("-fassociative-math", "-fno-signed-zeros")
-_SOURCES = (
+_SOURCES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("paged_attention.c", _REASSOC),
     ("prefill_attention.c", _REASSOC),
     ("prefill_attention_amx.c", _REASSOC),
@@ -173,12 +174,13 @@ def _build(
         os.replace(so, target)
 
 
-def _error(proc: subprocess.Popen) -> str | None:
+def _error(proc: subprocess.Popen[str]) -> str | None:
     """The compiler's complaint (None: it succeeded)."""
     _, err = proc.communicate()
     if proc.returncode == 0:
         return None
-    return f"{proc.args[0]} exited with {proc.returncode}: {err.strip()[:500] or '(no output)'}"
+    cmd = cast("list[str]", proc.args)  # every compiler here is started with an argument list
+    return f"{cmd[0]} exited with {proc.returncode}: {err.strip()[:500] or '(no output)'}"
 
 
 @functools.cache

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -84,6 +85,15 @@ class GatedMLP:
         return self.gate_up.decode_bytes + self.down.decode_bytes
 
 
+class MLPBlock(Protocol):
+    """A layer's MLP, x [T, hidden] -> [T, hidden]: GatedMLP, or MoE (engine/models/moe.py)."""
+
+    @property
+    def decode_bytes(self) -> int: ...
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass
 class DecoderLayer:
     input_norm: torch.Tensor
@@ -91,8 +101,7 @@ class DecoderLayer:
     o: LinearLike
     #: sandwich: the attention output's norm; else the MLP input's (Llama's post-attention norm)
     post_attn_norm: torch.Tensor
-    #: GatedMLP or a MoE block (engine/models/moe.py): x [T, hidden] -> [T, hidden]
-    mlp: object
+    mlp: MLPBlock
     kind: str = FULL
     pre_ff_norm: torch.Tensor | None = None
     post_ff_norm: torch.Tensor | None = None
@@ -156,12 +165,13 @@ class DecoderModel:
         for a mixture of experts, which reads top_k of them per token)."""
         total = self.lm_head.decode_bytes + self.embed.shape[1] * self.embed.element_size()
         for L in self.layers:
-            total += L.qkv.decode_bytes + L.o.decode_bytes + L.mlp.decode_bytes  # type: ignore[attr-defined]
+            total += L.qkv.decode_bytes + L.o.decode_bytes + L.mlp.decode_bytes
         return total
 
     # -- pieces ----------------------------------------------------------------------------
-    def _rms(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-        """RMSNorm(x) · w computed in fp32 (as every family here does), rounded to out_dtype."""
+    def _rms(self, x: torch.Tensor, w: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+        """RMSNorm(x) · w computed in fp32 (as every family here does), rounded to out_dtype
+        (w None: F.rms_norm's, no scale)."""
         return F.rms_norm(x.float(), (x.shape[-1],), w, self.spec.eps).to(out_dtype)
 
     def _qk_norm(self, qkv: torch.Tensor, layer: DecoderLayer) -> None:
@@ -216,8 +226,10 @@ class DecoderModel:
         if layer.q_norm is not None:
             self._qk_norm(qkv, layer)
         if step is not None:
+            assert self.kernels is not None  # a kernel step is made only with the kernels
             self.kernels.rope_store(step.ptr, i, qkv.data_ptr(), qkv.stride(0))
         else:
+            assert kind.cos is not None and kind.sin is not None  # the torch path's tables
             kind.rope.store_torch(
                 qkv, nh, kv_cache, i, md.slot_block, md.slot_offset, kind.cos, kind.sin
             )
@@ -269,10 +281,10 @@ class DecoderModel:
             out = L.o(attn)
             if self.spec.sandwich:
                 h += self._rms(out, L.post_attn_norm, h.dtype)
-                mlp = L.mlp(self._rms(h, L.pre_ff_norm, dt))  # type: ignore[operator]
+                mlp = L.mlp(self._rms(h, L.pre_ff_norm, dt))
                 h += self._rms(mlp, L.post_ff_norm, h.dtype)
             else:
                 h += out.to(h.dtype)
-                h += L.mlp(self._rms(h, L.post_attn_norm, dt)).to(h.dtype)  # type: ignore[operator]
+                h += L.mlp(self._rms(h, L.post_attn_norm, dt)).to(h.dtype)
         del kinds  # the kernels are done with the steps' tensors
         return self._rms(h if rows is None else h[rows], self.norm, torch.float32)

@@ -35,6 +35,7 @@ from engine.models.decoder import (
     DecoderSpec,
     GatedMLP,
     LinearLike,
+    MLPBlock,
 )
 from engine.qlinear import make_linear
 from engine.quant import ACT_INT8
@@ -180,7 +181,7 @@ def build(spec: BuildSpec) -> DecoderModel:
             bias = ck.put(torch.cat([ck.take(p + f"self_attn.{x}_proj.bias") for x in "qkv"]))
         qkv = ck.matrix(p + "qkv", [p + f"self_attn.{x}_proj.weight" for x in "qkv"])
         if m.moe_layers[i]:
-            mlp: object = MoE(
+            mlp: MLPBlock = MoE(
                 ck.tensor(p + block + "gate.weight"),
                 _experts(ck, p + block, mixtral, m.num_experts, a8),
                 m.top_k,
