@@ -269,7 +269,8 @@ class EngineCore(Residency):
             raise RequestError(str(e)) from None
         self.retention.retain_prompt(ids, params)
         if params.lora_name is not None:  # queued or running: its adapter stays resident
-            self.runner.lora.acquire(params.lora_name)  # type: ignore[union-attr]
+            assert self.runner.lora is not None  # lora_refusal passed: the engine serves LoRA
+            self.runner.lora.acquire(params.lora_name)
         text = (self.tokenizer, ids, params.stop, params.skip_special_tokens)
         # a migrated request continues the text the client already has (protocol/resume.py)
         self._text[request_id] = (
@@ -479,7 +480,8 @@ class EngineCore(Residency):
             req = c.req
             rows = logits[starts[i] : starts[i] + 1 + len(c.draft)]
             try:
-                emitted = self.speculator.verify(c, rows)  # type: ignore[union-attr]
+                assert self.speculator is not None  # a chunk carries a draft only then
+                emitted = self.speculator.verify(c, rows)
                 n_top = req.params.logprobs
                 # from the raw rows, as one-token steps score them (the same rows, bit for bit)
                 lps = (

@@ -104,7 +104,8 @@ def write_quantized(model_dir: Path, scheme: str) -> Path:
         quantization=scheme,
         use_cache=False,
     )
-    mats: dict[str, QuantizedWeight] = {"lm_head": w.lm_head}  # type: ignore[dict-item]
+    assert isinstance(w.lm_head, QuantizedWeight)  # loaded with quantization=scheme
+    mats: dict[str, QuantizedWeight] = {"lm_head": w.lm_head}
     for i, lw in enumerate(w.layers):
         for part in ("qkv", "o", "gate_up", "down"):
             mats[f"model.layers.{i}.{part}"] = getattr(lw, part)

@@ -45,7 +45,8 @@ def inv_freq(
         return 1.0 / (torch.tensor(ext, dtype=torch.float32) * theta**shape)
     freq = 1.0 / (theta**shape)
     if kind == "linear":
-        freq = freq / float(scaling["factor"])  # type: ignore[index]
+        assert scaling is not None
+        freq = freq / float(scaling["factor"])
     elif kind == "llama3":
         assert scaling is not None
         factor = scaling["factor"]

@@ -224,7 +224,8 @@ class Scheduler:
                 i += 1
                 continue
             if drafting and n == 1 and req.output_token_ids and budget > 1:
-                draft = self.drafter(req, budget - 1)  # type: ignore[misc]
+                assert self.drafter is not None  # drafting: a drafter is set
+                draft = self.drafter(req, budget - 1)
                 if draft and self.kv.allocate_slots(req, 1 + len(draft)):
                     out.chunks.append(
                         ScheduledChunk(req, req.num_computed_tokens, 1 + len(draft), draft)

@@ -21,9 +21,14 @@ import gc
 import logging
 import mmap
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.runner import ModelRunner
 
 log = logging.getLogger("duet.engine")
 _MADV_DONTNEED = 4
@@ -85,30 +90,30 @@ def resident_bytes(t: torch.Tensor) -> int:
     return sum(b & 1 for b in vec) * _PAGE
 
 
-def drop_model(runner: object) -> int:
+def drop_model(runner: ModelRunner) -> int:
     """Drop a runner's model (its weights); returns their bytes (what a decode step reads: every
     linear, norm and the head)."""
-    n = runner.model.decode_weight_bytes()  # type: ignore[attr-defined]
-    runner.model = None  # type: ignore[attr-defined]
+    n = runner.model.decode_weight_bytes()
+    runner.model = None
     gc.collect()
     return n
 
 
-def rebuild_model(runner: object) -> None:
+def rebuild_model(runner: ModelRunner) -> None:
     """Build the runner's model again from its BuildSpec (and re-attach its LoRA slots)."""
     from engine.models import build_model
 
-    runner.model = build_model(runner.build_spec)  # type: ignore[attr-defined]
-    if runner.kv_layout.dtype == "int8":  # type: ignore[attr-defined]
+    runner.model = build_model(runner.build_spec)
+    if runner.kv_layout.dtype == "int8":
         from engine.kv_quant import kv_int8_on_torch
 
-        kv_int8_on_torch(runner.model)  # type: ignore[attr-defined]
+        kv_int8_on_torch(runner.model)
     lora = getattr(runner, "lora", None)
     if lora is not None:
-        lora.attach(runner.model)  # type: ignore[attr-defined]
+        lora.attach(runner.model)
 
 
-def timed(fn: object) -> float:
+def timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
-    fn()  # type: ignore[operator]
+    fn()
     return time.perf_counter() - t0

@@ -27,12 +27,23 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from engine.lora.adapter import LoraAdapter, LoraError
 from engine.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from engine.linear import Linear
+    from engine.qlinear import QLinear
+
+
+class AdaptedModel(Protocol):
+    """What `LoraSlots.attach` reads of a model of any family (engine/models): its layers."""
+
+    layers: list[Any]
 
 
 class LoraSlotsFull(RuntimeError):
@@ -81,9 +92,10 @@ class _Stack:
     def add_delta(self, x: torch.Tensor, out: torch.Tensor, batch: LoraBatch) -> None:
         """out[:, part] += ((x · A[:kR]ᵀ) ⊙ mask) · B[:kR] for each part: three ops a part, no
         copies (the product of the step's slots only, masked in place, added in place)."""
-        n = batch.k * self.rank
+        n, mask = batch.k * self.rank, batch.mask
+        assert mask is not None  # LoraLinear adds deltas only for a step with adapted tokens
         for j, (_, lo, hi) in enumerate(self.parts):
-            xa = F.linear(x, self.a[j][:n]).mul_(batch.mask)  # type: ignore[arg-type]
+            xa = F.linear(x, self.a[j][:n]).mul_(mask)
             out[:, lo:hi].addmm_(xa, self.b[j][:n])
 
 
@@ -91,14 +103,14 @@ class LoraLinear:
     """A base linear (Linear or QLinear) plus its slots' deltas for the step's tokens; reads
     like the base linear (in_features, decode_bytes, ...)."""
 
-    def __init__(self, base: object, stack: _Stack, batch: LoraBatch) -> None:
+    def __init__(self, base: Linear | QLinear, stack: _Stack, batch: LoraBatch) -> None:
         self.base, self.stack, self.batch = base, stack, batch
 
     def __getattr__(self, name: str) -> object:
         return getattr(self.base, name)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.base(x)  # type: ignore[operator]
+        out = self.base(x)
         if self.batch.mask is not None:
             self.stack.add_delta(x, out, self.batch)
         return out
@@ -161,10 +173,10 @@ class LoraSlots:
         ]
 
     # -- the model ---------------------------------------------------------------------------
-    def attach(self, model: object) -> None:
+    def attach(self, model: AdaptedModel) -> None:
         """Wrap the model's adapted linears (a freshly built model: at start, and after a wake).
         Layers with a mixture-of-experts MLP keep their stacks for gate_up/down unused."""
-        for i, layer in enumerate(model.layers):  # type: ignore[attr-defined]
+        for i, layer in enumerate(model.layers):
             owners = _owners(layer)
             for name, stack in self.stacks[i].items():
                 if name in owners:  # else no dense linear: `install` refuses adapters there
@@ -172,8 +184,8 @@ class LoraSlots:
                     setattr(obj, attr, LoraLinear(getattr(obj, attr), stack, self.batch))
         # the one-C-call decode loop would skip the wrappers
         if getattr(model, "decode_plan", None) is not None:
-            model.decode_plan = None  # type: ignore[attr-defined]
-        self._dense = [set(_owners(layer)) for layer in model.layers]  # type: ignore[attr-defined]
+            model.decode_plan = None  # type: ignore[attr-defined]  # LlamaModel's only
+        self._dense = [set(_owners(layer)) for layer in model.layers]
 
     # -- residency ---------------------------------------------------------------------------
     def digest_changed(self, adapter: LoraAdapter) -> bool:
